@@ -1,0 +1,65 @@
+"""qstats: pure, mergeable, vmappable quantization statistics for PyTorch."""
+
+from ._granularity import Granularity as Granularity
+from ._granularity import PerAxis as PerAxis
+from ._granularity import PerBlock as PerBlock
+from ._granularity import PerGroup as PerGroup
+from ._granularity import PerHead as PerHead
+from ._granularity import PerRow as PerRow
+from ._granularity import PerTensor as PerTensor
+from ._granularity import PerToken as PerToken
+from ._granularity import TensorGroup as TensorGroup
+from ._granularity import canonical_view as canonical_view
+from ._granularity import qparam_shape as qparam_shape
+from ._qparams import QParams as QParams
+from ._qparams import Range as Range
+from ._qparams import compute_qparams as compute_qparams
+from ._qparams import qparams_from_minmax as qparams_from_minmax
+from ._qparams import register_range_rule as register_range_rule
+from ._quant import code_dtype as code_dtype
+from ._quant import dequantize as dequantize
+from ._quant import fake_quantize as fake_quantize
+from ._quant import quantize as quantize
+from ._spec import QuantSpec as QuantSpec
+from .observers import MemorylessMinMaxState as MemorylessMinMaxState
+from .observers import MinMaxState as MinMaxState
+from .observers import MovingAverageMinMaxState as MovingAverageMinMaxState
+from .observers import Observer as Observer
+from .observers import memoryless_minmax as memoryless_minmax
+from .observers import minmax as minmax
+from .observers import moving_average_minmax as moving_average_minmax
+from .observers import register_state as register_state
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Granularity",
+    "MemorylessMinMaxState",
+    "MinMaxState",
+    "MovingAverageMinMaxState",
+    "Observer",
+    "PerAxis",
+    "PerBlock",
+    "PerGroup",
+    "PerHead",
+    "PerRow",
+    "PerTensor",
+    "PerToken",
+    "QParams",
+    "QuantSpec",
+    "Range",
+    "TensorGroup",
+    "canonical_view",
+    "code_dtype",
+    "compute_qparams",
+    "dequantize",
+    "fake_quantize",
+    "memoryless_minmax",
+    "minmax",
+    "moving_average_minmax",
+    "qparam_shape",
+    "qparams_from_minmax",
+    "quantize",
+    "register_range_rule",
+    "register_state",
+]

@@ -1,0 +1,113 @@
+"""QuantSpec.from_torch_ao: torch.ao.quantization observer arguments -> QuantSpec.
+
+Mirrors the validation and the range arithmetic of ``UniformQuantizationObserverBase``,
+``MinMaxObserver`` and ``PerChannelMinMaxObserver`` (torch/ao/quantization/observer.py and
+``calculate_qmin_qmax`` in utils.py), so that `compute_qparams` reproduces their
+``calculate_qparams`` bit for bit, quirks included:
+
+- float8 and quint4x2 observers compute with the fallback range (0, 15) and a zero point of 0;
+- symmetric uint8 uses zero point 128 unless a custom range is given (then the lower midpoint),
+  even with ``reduce_range``; symmetric uint16 always uses 2**15;
+- a custom range is halved by ``reduce_range``; only one of quant_min/quant_max is ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._granularity import PerAxis, PerTensor
+
+_ALLOWED_DTYPES = (
+    torch.qint8,
+    torch.quint8,
+    torch.quint4x2,
+    torch.qint32,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.float8_e5m2,
+    torch.float8_e4m3fn,
+    torch.uint16,
+)
+_PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
+_PER_CHANNEL = (torch.per_channel_affine, torch.per_channel_symmetric, torch.per_channel_affine_float_qparams)
+_SYMMETRIC = (torch.per_tensor_symmetric, torch.per_channel_symmetric)
+
+
+def _torch_ao_range(dtype, quant_min, quant_max, reduce_range):
+    custom = quant_min is not None and quant_max is not None
+    if custom:
+        if not quant_min <= 0 <= quant_max:
+            raise ValueError("from_torch_ao: user-specified quantization range must include 0")
+        if quant_min >= quant_max:
+            raise ValueError("from_torch_ao: quant_min must be strictly less than quant_max")
+        qrange_len = quant_max - quant_min + 1
+        if dtype in (torch.qint8, torch.int8) and not 0 < qrange_len <= 256:
+            raise ValueError("from_torch_ao: quantization range exceeds the maximum bit range (=256) of int8")
+        if dtype in (torch.qint32, torch.int32) and not 0 < qrange_len <= 2**32:
+            raise ValueError("from_torch_ao: quantization range exceeds the maximum bit range of int32")
+        if reduce_range:
+            quant_min, quant_max = quant_min // 2, quant_max // 2
+        return custom, quant_min, quant_max
+    if dtype in (torch.qint8, torch.int8):
+        lo, hi = (-64, 63) if reduce_range else (-128, 127)
+    elif dtype in (torch.quint8, torch.uint8):
+        lo, hi = (0, 127) if reduce_range else (0, 255)
+    elif dtype in (torch.qint32, torch.int32):
+        lo, hi = -(2**31), 2**31 - 1
+    elif dtype == torch.uint16:
+        lo, hi = 0, 2**16 - 1
+    elif dtype == torch.int16:
+        lo, hi = -(2**15), 2**15 - 1
+    else:
+        lo, hi = 0, 15
+    return custom, lo, hi
+
+
+def spec_from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis, overrides):
+    if dtype not in _ALLOWED_DTYPES:
+        raise ValueError(f"from_torch_ao: dtype {dtype} is not accepted by torch.ao observers ({_ALLOWED_DTYPES})")
+    if qscheme not in _PER_TENSOR + _PER_CHANNEL:
+        raise ValueError(f"from_torch_ao: qscheme {qscheme} is not accepted by torch.ao observers")
+    if reduce_range and dtype == torch.quint8 and qscheme in _SYMMETRIC:
+        raise ValueError("from_torch_ao: torch.ao cannot reduce range for symmetric quantization of quint8")
+    custom, lo, hi = _torch_ao_range(dtype, quant_min, quant_max, reduce_range)
+
+    if dtype in (torch.quint8, torch.uint8):
+        symmetric_zero_point = (lo + hi) // 2 if custom else 128
+    elif dtype == torch.uint16:
+        symmetric_zero_point = 2**15
+    else:
+        symmetric_zero_point = 0
+
+    # The integer target that holds [lo, hi]; float8/quint4x2 keep torch.ao's (0, 15) arithmetic.
+    if lo < 0:
+        bits = max(int(hi).bit_length(), int(-lo - 1).bit_length()) + 1
+        target = f"int{bits if bits <= 16 else 32}"
+    else:
+        bits = max(int(hi).bit_length(), 1)
+        target = f"uint{bits if bits <= 16 else 32}" if bits <= 16 else "int32"
+
+    if qscheme in _SYMMETRIC:
+        mapping, domain = "symmetric", "int"
+    elif qscheme == torch.per_channel_affine_float_qparams:
+        mapping, domain = "asymmetric", "float"
+    else:
+        mapping, domain = "asymmetric", "int"
+    granularity = PerTensor() if qscheme in _PER_TENSOR else PerAxis(ch_axis)
+    fields = dict(
+        dtype=target,
+        mapping=mapping,
+        granularity=granularity,
+        zero_point_domain=domain,
+        quant_min=lo,
+        quant_max=hi,
+        reduce_range=False,
+        eps=float(torch.tensor(eps, dtype=torch.float32)),
+        convention="torch_ao",
+        symmetric_zero_point=symmetric_zero_point,
+        on_uncalibrated="fallback",
+    )
+    fields.update(overrides)
+    return cls(**fields)

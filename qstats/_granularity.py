@@ -1,0 +1,217 @@
+"""Granularities and the one canonical view every observer reduces over.
+
+`canonical_view(x, granularity)` reshapes a tensor to ``(observations, *qparam_shape, group)``:
+statistics reduce over the first and the last dimension, and one set of quantization parameters
+is produced per index of ``qparam_shape``. `from_canonical_view` undoes it, so quantization uses
+the very same view (``scale[None, ..., None]`` broadcasts against it).
+
+======================  =================================  ==============================
+granularity             qparam_shape for x of shape S      view
+======================  =================================  ==============================
+PerTensor()             ()                                 (1, numel)
+PerAxis(a)              (S[a],)                            (prod(S[:a]), S[a], prod(S[a+1:]))
+PerToken(), PerRow()    S[:-1]                             (1, *S[:-1], S[-1])
+PerGroup(g)             (*S[:-1], S[-1] // g)              (1, *S[:-1], S[-1] // g, g)
+TensorGroup(g)          like PerGroup(g), plus one global scale over the whole tensor
+PerBlock((r, c))        (*S[:-2], S[-2] // r, S[-1] // c)  (1, ..., S[-2]//r, S[-1]//c, r*c)
+PerHead(axis)           like PerAxis(axis) (one set per attention head)
+======================  =================================  ==============================
+
+Observers never special-case a granularity: they reduce the view over dims ``(0, -1)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+__all__ = [
+    "Granularity",
+    "PerTensor",
+    "PerAxis",
+    "PerGroup",
+    "PerBlock",
+    "PerToken",
+    "PerRow",
+    "TensorGroup",
+    "PerHead",
+    "canonical_view",
+    "from_canonical_view",
+    "qparam_shape",
+]
+
+
+class Granularity:
+    """Base class of granularities: frozen, hashable configuration."""
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class PerTensor(Granularity):
+    """One set of quantization parameters for the whole tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PerAxis(Granularity):
+    """One set of parameters per index along ``axis`` (torch.ao per-channel, ``ch_axis``)."""
+
+    axis: int = 0
+
+    def validate(self) -> None:
+        if not isinstance(self.axis, int) or isinstance(self.axis, bool):
+            raise ValueError(f"PerAxis.axis must be an int, got {self.axis!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PerHead(PerAxis):
+    """One set of parameters per attention head; ``axis`` is the head dimension (default 1)."""
+
+    axis: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PerToken(Granularity):
+    """One set per row of the last dimension (per token of an activation; dynamic)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PerRow(Granularity):
+    """One set per row of the last dimension (torchao ``PerRow``); same view as PerToken."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PerGroup(Granularity):
+    """Groups of ``group_size`` consecutive elements along the last dimension."""
+
+    group_size: int = 128
+
+    def validate(self) -> None:
+        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1:
+            raise ValueError(f"{type(self).__name__}.group_size must be a positive int, got {self.group_size!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorGroup(PerGroup):
+    """Two-level scales: per-group local scales under one global scale (NVFP4: group 16)."""
+
+    group_size: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class PerBlock(Granularity):
+    """2-D blocks of ``block_shape = (rows, cols)`` over the last two dimensions."""
+
+    block_shape: tuple = (128, 128)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_shape", tuple(self.block_shape))
+
+    def validate(self) -> None:
+        ok = len(self.block_shape) == 2 and all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.block_shape
+        )
+        if not ok:
+            raise ValueError(f"PerBlock.block_shape must be two positive ints, got {self.block_shape!r}")
+
+
+def _normalize_axis(axis: int, ndim: int, shape) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"PerAxis(axis={axis}) is out of range for a tensor of shape {tuple(shape)}")
+    return axis % ndim
+
+
+def _check_divisible(size: int, part: int, what: str, shape) -> None:
+    if size % part != 0:
+        raise ValueError(
+            f"{what} {part} does not divide dimension {size} of a tensor of shape {tuple(shape)}; "
+            "pad the tensor or choose a divisor"
+        )
+
+
+def qparam_shape(shape, granularity: Granularity) -> tuple:
+    """The shape of the quantization parameters for a tensor of ``shape``."""
+    shape = tuple(shape)
+    if isinstance(granularity, PerTensor):
+        return ()
+    if isinstance(granularity, PerAxis):
+        if len(shape) == 0:
+            raise ValueError(f"{type(granularity).__name__} needs a tensor with at least one dimension, got shape ()")
+        return (shape[_normalize_axis(granularity.axis, len(shape), shape)],)
+    if isinstance(granularity, (PerToken, PerRow)):
+        if len(shape) == 0:
+            raise ValueError(f"{type(granularity).__name__} needs a tensor with at least one dimension, got shape ()")
+        return shape[:-1]
+    if isinstance(granularity, PerGroup):
+        if len(shape) == 0:
+            raise ValueError(f"{type(granularity).__name__} needs a tensor with at least one dimension, got shape ()")
+        _check_divisible(shape[-1], granularity.group_size, f"{type(granularity).__name__}.group_size", shape)
+        return shape[:-1] + (shape[-1] // granularity.group_size,)
+    if isinstance(granularity, PerBlock):
+        if len(shape) < 2:
+            raise ValueError(f"PerBlock needs a tensor with at least two dimensions, got shape {shape}")
+        rows, cols = granularity.block_shape
+        _check_divisible(shape[-2], rows, "PerBlock block rows", shape)
+        _check_divisible(shape[-1], cols, "PerBlock block cols", shape)
+        return shape[:-2] + (shape[-2] // rows, shape[-1] // cols)
+    raise TypeError(f"unknown granularity {granularity!r}")
+
+
+def canonical_view(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """Reshapes ``x`` to ``(observations, *qparam_shape, group)`` (a view where possible)."""
+    shape = tuple(x.shape)
+    if isinstance(granularity, PerTensor):
+        return x.reshape(1, math.prod(shape))
+    if isinstance(granularity, PerAxis):
+        axis = _normalize_axis(granularity.axis, x.ndim, shape)
+        return x.reshape(math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :]))
+    qshape = qparam_shape(shape, granularity)
+    if isinstance(granularity, (PerToken, PerRow)):
+        return x.reshape(1, *shape)
+    if isinstance(granularity, PerGroup):
+        return x.reshape(1, *qshape, granularity.group_size)
+    if isinstance(granularity, PerBlock):
+        rows, cols = granularity.block_shape
+        lead = shape[:-2]
+        blocks = x.reshape(*lead, qshape[-2], rows, qshape[-1], cols).transpose(-3, -2)
+        return blocks.reshape(1, *qshape, rows * cols)
+    raise TypeError(f"unknown granularity {granularity!r}")
+
+
+def from_canonical_view(view: torch.Tensor, granularity: Granularity, shape) -> torch.Tensor:
+    """Inverse of `canonical_view`: back to a tensor of ``shape``."""
+    shape = tuple(shape)
+    if isinstance(granularity, PerBlock):
+        rows, cols = granularity.block_shape
+        qshape = qparam_shape(shape, granularity)
+        blocks = view.reshape(*shape[:-2], qshape[-2], qshape[-1], rows, cols).transpose(-3, -2)
+        return blocks.reshape(shape)
+    return view.reshape(shape)
+
+
+def broadcast_to_view(param: torch.Tensor) -> torch.Tensor:
+    """Adds the observation and group dimensions to a ``qparam_shape`` tensor."""
+    return param.unsqueeze(0).unsqueeze(-1)
+
+
+def weight_view(x: torch.Tensor, weight, granularity: Granularity):
+    """Broadcasts a per-observation ``weight`` (its shape a prefix of ``x.shape``) into the
+    canonical view of ``x``; None stays None.
+
+    A zero weight excludes the values (padding, tokens not routed to an expert) without changing
+    any shape. Raises ValueError naming both shapes when ``weight`` does not fit ``x``.
+    """
+    if weight is None:
+        return None
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a tensor or None, got {type(weight).__name__}")
+    if weight.ndim > x.ndim or tuple(weight.shape) != tuple(x.shape[: weight.ndim]):
+        raise ValueError(
+            f"weight of shape {tuple(weight.shape)} does not match the leading dimensions of the "
+            f"observed tensor of shape {tuple(x.shape)}"
+        )
+    full = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)).expand(x.shape)
+    return canonical_view(full, granularity)

@@ -1,0 +1,198 @@
+"""compute_qparams: observer state + spec -> QParams, as a pure function.
+
+Each state type registers a *range rule* that turns the state into a ``(min_val, max_val)`` range
+(or directly into QParams), and one function, `qparams_from_minmax`, maps a range onto the spec's
+format. Range rules take keyword options (``method=``, ``percentile=``, ...), so
+``compute_qparams(state, spec, method="entropy")`` works for distribution observers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from ._spec import QuantSpec
+
+__all__ = [
+    "QParams",
+    "compute_qparams",
+    "qparams_from_minmax",
+    "register_range_rule",
+    "Range",
+]
+
+
+class QParams(NamedTuple):
+    """Quantization parameters; every field is a tensor (vmap- and checkpoint-friendly).
+
+    Attributes:
+      scale: float32 (rounded to ``spec.scale_dtype``), shape ``qparam_shape``.
+      zero_point: int32 for the int zero-point domain, float32 for the float domain, zeros for
+        ``"none"``; shape ``qparam_shape``.
+      global_scale: float32 scalar; 1 unless the spec uses two-level scales.
+      calibrated: bool, shape ``qparam_shape``: False where the state saw no finite data (those
+        entries hold the fallback scale 1 and zero point 0).
+    """
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    global_scale: torch.Tensor
+    calibrated: torch.Tensor
+
+
+class Range(NamedTuple):
+    """What a range rule returns: the range to map, and which entries saw data."""
+
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+    calibrated: torch.Tensor
+
+
+_RANGE_RULES: dict[type, Callable[..., Any]] = {}
+
+
+def register_range_rule(state_cls: type):
+    """Decorator: ``rule(state, spec, **options) -> Range | QParams`` for ``state_cls``."""
+
+    def decorate(rule):
+        _RANGE_RULES[state_cls] = rule
+        return rule
+
+    return decorate
+
+
+def _rule_for(state) -> Callable[..., Any]:
+    for cls in type(state).__mro__:
+        rule = _RANGE_RULES.get(cls)
+        if rule is not None:
+            return rule
+    raise TypeError(
+        f"compute_qparams: no range rule for {type(state).__name__}; register one with "
+        "qstats.register_range_rule"
+    )
+
+
+def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
+    """Quantization parameters of ``state`` for ``spec``. Pure; vmappable; no host sync under
+    vmap or compile.
+
+    Args:
+      state: an observer state (MinMaxState, HistogramState, ...).
+      spec: the QuantSpec to map the observed range onto.
+      **options: passed to the state's range rule (e.g. ``method="l2"`` for histograms).
+
+    Raises:
+      ValueError: in eager mode, when ``spec.on_uncalibrated == "raise"`` and some parameter saw no
+        data (names how many). Under vmap/compile the fallback is used and reported in
+        ``QParams.calibrated``.
+
+    >>> import torch, qstats
+    >>> spec = qstats.QuantSpec(dtype="int8")
+    >>> obs = qstats.minmax(spec)
+    >>> x = torch.tensor([-1.0, 2.0])
+    >>> qstats.compute_qparams(obs.update(obs.init(x), x), spec).scale
+    tensor(0.0157)
+    """
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"compute_qparams: spec must be a QuantSpec, got {type(spec).__name__}")
+    result = _rule_for(state)(state, spec, **options)
+    if isinstance(result, QParams):
+        return result
+    return qparams_from_minmax(result.min_val, result.max_val, spec, calibrated=result.calibrated)
+
+
+def _is_traced(t: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+def check_calibrated(calibrated: torch.Tensor, spec: QuantSpec, where: str = "compute_qparams") -> None:
+    """Raises ValueError (eager only) when ``spec.on_uncalibrated == 'raise'`` and some entries
+    of ``calibrated`` are False."""
+    if spec.on_uncalibrated != "raise" or _is_traced(calibrated):
+        return
+    missing = int((~calibrated).sum())
+    if missing:
+        total = calibrated.numel()
+        raise ValueError(
+            f"{where}: {missing} of {total} quantization parameter(s) saw no finite data (uncalibrated); "
+            "observe more data or use QuantSpec(on_uncalibrated='fallback') to get scale 1 and zero point 0 "
+            "with a coverage mask in QParams.calibrated"
+        )
+
+
+def _round_scale(scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    if spec.scale_dtype == "float32":
+        return scale
+    dtype = getattr(torch, spec.scale_dtype)
+    if spec.scale_dtype == "float8_e4m3fn":
+        finfo = torch.finfo(dtype)
+        return scale.clamp(finfo.min, finfo.max).to(dtype).float()
+    return scale.to(dtype).float()
+
+
+def _torch_ao(min_val, max_val, spec: QuantSpec):
+    qmin, qmax = spec.qrange
+    eps = torch.tensor(spec.eps, dtype=torch.float32, device=min_val.device)
+    min_val_neg = torch.min(min_val, torch.zeros_like(min_val))
+    max_val_pos = torch.max(max_val, torch.zeros_like(max_val))
+    if spec.mapping in ("symmetric", "narrow"):
+        max_val_pos = torch.max(-min_val_neg, max_val_pos)
+        scale = max_val_pos / (float(qmax - qmin) / 2)
+        scale = torch.max(scale, eps)
+        zero_point = torch.full_like(scale, spec.zero_point_of_symmetric, dtype=torch.int32)
+    elif spec.mapping == "symmetric_no_clipping_err":
+        scale_from_min = min_val_neg / float(qmin)
+        scale_from_max = max_val_pos / float(qmax)
+        scale = torch.where(scale_from_min > scale_from_max, scale_from_min, scale_from_max)
+        scale = torch.max(scale, eps)
+        zero_point = torch.full_like(scale, spec.zero_point_of_symmetric, dtype=torch.int32)
+    elif spec.zero_point_domain == "float":
+        scale = (max_val - min_val) / float(qmax - qmin)
+        scale = torch.where(scale > eps, scale, torch.ones_like(scale))
+        zero_point = -1 * min_val / scale
+    else:
+        scale = (max_val_pos - min_val_neg) / float(qmax - qmin)
+        scale = torch.max(scale, eps)
+        zero_point = qmin - torch.round(min_val_neg / scale).to(torch.int32)
+        zero_point = torch.clamp(zero_point, qmin, qmax)
+    if spec.zero_point_domain == "none":
+        zero_point = torch.zeros_like(scale, dtype=torch.int32)
+    return _round_scale(scale, spec), zero_point
+
+
+def _compressed_tensors(min_val, max_val, spec: QuantSpec):
+    from ._compat_compressed_tensors import compressed_tensors_qparams
+
+    return compressed_tensors_qparams(min_val, max_val, spec)
+
+
+def qparams_from_minmax(
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    spec: QuantSpec,
+    calibrated: torch.Tensor | None = None,
+) -> QParams:
+    """Maps an observed range onto ``spec``'s format. Pure, elementwise, vmappable.
+
+    Entries that saw no data (``calibrated`` False, or a non-finite range) get scale 1 and zero
+    point 0, and `check_calibrated` applies the spec's ``on_uncalibrated`` policy.
+    """
+    min_val = min_val.float()
+    max_val = max_val.float()
+    valid = torch.isfinite(min_val) & torch.isfinite(max_val) & (min_val <= max_val)
+    calibrated = valid if calibrated is None else (calibrated & valid)
+    check_calibrated(calibrated, spec)
+    zero = torch.zeros_like(min_val)
+    min_val = torch.where(calibrated, min_val, zero)
+    max_val = torch.where(calibrated, max_val, zero)
+    if spec.convention == "compressed_tensors":
+        scale, zero_point = _compressed_tensors(min_val, max_val, spec)
+    else:
+        scale, zero_point = _torch_ao(min_val, max_val, spec)
+    scale = torch.where(calibrated, scale, torch.ones_like(scale))
+    zero_point = torch.where(calibrated, zero_point, torch.zeros_like(zero_point))
+    global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
+    return QParams(scale, zero_point, global_scale, calibrated)

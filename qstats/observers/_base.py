@@ -1,0 +1,96 @@
+"""The Observer triple and the registry of state types.
+
+An observer is a NamedTuple of pure functions built by a factory that closes over its static
+configuration (the spec, bins, averaging constant, ...)::
+
+    obs = qstats.minmax(spec)
+    state = obs.init(x)             # identity element for tensors like x
+    state = obs.update(state, x)    # (state, tensor[, weight]) -> state
+    state = obs.merge(state, other) # associative, commutative, init is the identity
+
+States are NamedTuples whose fields are all tensors. Every state class is registered here by
+name, so that `qstats.load` can rebuild a checkpoint without pickling code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+__all__ = [
+    "Observer",
+    "register_state",
+    "state_types",
+    "check_state",
+    "check_same_shapes",
+]
+
+
+class Observer(NamedTuple):
+    """A stateless observer: three pure functions and a flag.
+
+    Attributes:
+      init: ``init(x) -> state``; reads only the shape, dtype and device of ``x``.
+      update: ``update(state, x, weight=None) -> state``; never mutates, never syncs the host.
+      merge: ``merge(a, b) -> state``; associative and commutative, ``init(x)`` is its identity.
+      exact: True when ``update(s, cat(a, b)) == merge(update(s, a), update(init, b))`` holds
+        (splitting data never changes the result); False for order-dependent observers.
+      spec: the QuantSpec the observer was built for (static configuration).
+      name: the factory's name, for reports and error messages.
+    """
+
+    init: Callable[..., Any]
+    update: Callable[..., Any]
+    merge: Callable[[Any, Any], Any]
+    exact: bool
+    spec: Any = None
+    name: str = "observer"
+
+
+_STATE_TYPES: dict[str, type] = {}
+
+
+def register_state(cls: type) -> type:
+    """Class decorator: registers a NamedTuple state type under its class name.
+
+    The registry lets `qstats.load` rebuild states from a checkpoint by name. Names must be unique.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
+        raise TypeError(f"register_state expects a NamedTuple class, got {cls!r}")
+    previous = _STATE_TYPES.get(cls.__name__)
+    if previous is not None and previous is not cls:
+        if (previous.__module__, previous.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"a state type named {cls.__name__!r} is already registered")
+    _STATE_TYPES[cls.__name__] = cls
+    return cls
+
+
+def state_types() -> dict[str, type]:
+    """A copy of the registry: state class name -> class."""
+    return dict(_STATE_TYPES)
+
+
+def check_state(state: Any, cls: type, where: str) -> None:
+    """Raises TypeError unless ``state`` is an instance of ``cls`` (names both types)."""
+    if not isinstance(state, cls):
+        raise TypeError(f"{where}: expected a {cls.__name__}, got {type(state).__name__}")
+
+
+def check_same_shapes(a: Any, b: Any, where: str) -> None:
+    """Raises ValueError naming both shapes when two states' fields differ in shape."""
+    for name, left, right in zip(a._fields, a, b):
+        if left.shape != right.shape:
+            raise ValueError(
+                f"{where}: field {name!r} has shape {tuple(left.shape)} in the first state and "
+                f"{tuple(right.shape)} in the second"
+            )
+        if left.dtype != right.dtype:
+            raise ValueError(
+                f"{where}: field {name!r} has dtype {left.dtype} in the first state and "
+                f"{right.dtype} in the second"
+            )
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)

@@ -1,0 +1,253 @@
+"""Min/max observers: running (exact), memoryless (latest batch) and moving-average.
+
+All three reduce the canonical view ``(observations, *qparam_shape, group)`` of the input with
+`finite_aminmax`, so every granularity, the per-observation ``weight`` mask and the non-finite
+policy behave the same way. States hold float32 extremes and int64 counts whatever the input
+dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .._granularity import canonical_view, qparam_shape, weight_view
+from .._qparams import Range, register_range_rule
+from .._reductions import finite_aminmax
+from .._spec import QuantSpec
+from ._base import Observer, check_same_shapes, check_state, register_state
+
+__all__ = [
+    "MinMaxState",
+    "MemorylessMinMaxState",
+    "MovingAverageMinMaxState",
+    "minmax",
+    "memoryless_minmax",
+    "moving_average_minmax",
+    "observe_extremes",
+]
+
+
+@register_state
+class MinMaxState(NamedTuple):
+    """Running extremes. ``count``: finite values seen per parameter; ``nonfinite``: NaN/Inf
+    values left out per parameter."""
+
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+    count: torch.Tensor
+    nonfinite: torch.Tensor
+
+
+@register_state
+class MemorylessMinMaxState(NamedTuple):
+    """Extremes of the latest batch only (same fields as MinMaxState)."""
+
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+    count: torch.Tensor
+    nonfinite: torch.Tensor
+
+
+@register_state
+class MovingAverageMinMaxState(NamedTuple):
+    """Exponential moving average of per-batch extremes. ``batches``: batches averaged per
+    parameter (the merge weight); ``count``/``nonfinite`` as in MinMaxState."""
+
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+    batches: torch.Tensor
+    count: torch.Tensor
+    nonfinite: torch.Tensor
+
+
+def _check_spec(spec) -> QuantSpec:
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"expected a QuantSpec, got {type(spec).__name__}")
+    return spec
+
+
+def _empty_extremes(x: torch.Tensor, spec: QuantSpec):
+    shape = qparam_shape(x.shape, spec.granularity)
+    device = x.device
+    min_val = torch.full(shape, torch.inf, dtype=torch.float32, device=device)
+    max_val = torch.full(shape, -torch.inf, dtype=torch.float32, device=device)
+    count = torch.zeros(shape, dtype=torch.int64, device=device)
+    return min_val, max_val, count
+
+
+def observe_extremes(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, where: str):
+    """Batch extremes of ``x`` for ``spec``: ``(min, max, count, nonfinite)`` over the canonical
+    view, with ``weight == 0`` excluding values. Checks the parameter shape against the state's."""
+    view = canonical_view(x, spec.granularity)
+    shape = tuple(view.shape[1:-1])
+    if shape != tuple(expected_shape):
+        raise ValueError(
+            f"{where}: a tensor of shape {tuple(x.shape)} gives quantization parameters of shape {shape}, "
+            f"but the state has shape {tuple(expected_shape)}"
+        )
+    mask = weight_view(x, weight, spec.granularity)
+    if mask is not None:
+        mask = mask != 0
+    return finite_aminmax(view, mask, spec.nonfinite)
+
+
+def minmax(spec: QuantSpec) -> Observer:
+    """Running min/max (torch.ao MinMaxObserver / PerChannelMinMaxObserver, llm-compressor
+    ``static_minmax``).
+
+    Laws: identity, associativity, commutativity and homomorphism all hold bit for bit (exact).
+    Inputs of any float dtype are reduced in their own dtype and stored as float32.
+
+    >>> import torch, qstats
+    >>> obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+    >>> w = torch.tensor([[1.0, -2.0], [3.0, 0.5]])
+    >>> obs.update(obs.init(w), w).max_val
+    tensor([1., 3.])
+    """
+    spec = _check_spec(spec)
+
+    def init_fn(x: torch.Tensor) -> MinMaxState:
+        min_val, max_val, count = _empty_extremes(x, spec)
+        return MinMaxState(min_val, max_val, count, count.clone())
+
+    def update_fn(state: MinMaxState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MinMaxState:
+        check_state(state, MinMaxState, "minmax.update")
+        if x.numel() == 0:
+            return state
+        lo, hi, count, nonfinite = observe_extremes(x, weight, spec, state.min_val.shape, "minmax.update")
+        return MinMaxState(
+            torch.minimum(state.min_val, lo),
+            torch.maximum(state.max_val, hi),
+            state.count + count,
+            state.nonfinite + nonfinite,
+        )
+
+    def merge_fn(a: MinMaxState, b: MinMaxState) -> MinMaxState:
+        check_state(a, MinMaxState, "minmax.merge")
+        check_state(b, MinMaxState, "minmax.merge")
+        check_same_shapes(a, b, "minmax.merge")
+        return MinMaxState(
+            torch.minimum(a.min_val, b.min_val),
+            torch.maximum(a.max_val, b.max_val),
+            a.count + b.count,
+            a.nonfinite + b.nonfinite,
+        )
+
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="minmax")
+
+
+def memoryless_minmax(spec: QuantSpec) -> Observer:
+    """Min/max of the latest batch only (llm-compressor ``memoryless_minmax``; dynamic
+    quantization).
+
+    ``update(state, x)`` forgets the state and keeps the extremes of ``x`` (an empty ``x`` keeps the
+    state). ``merge`` combines *shards of the same batch* (the halves of a batch split across
+    ranks): elementwise min/max. With that meaning every law holds exactly, homomorphism included:
+    ``update(s, cat(a, b)) == merge(update(s, a), update(init, b))``.
+    """
+    spec = _check_spec(spec)
+
+    def init_fn(x: torch.Tensor) -> MemorylessMinMaxState:
+        min_val, max_val, count = _empty_extremes(x, spec)
+        return MemorylessMinMaxState(min_val, max_val, count, count.clone())
+
+    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MemorylessMinMaxState:
+        check_state(state, MemorylessMinMaxState, "memoryless_minmax.update")
+        if x.numel() == 0:
+            return state
+        lo, hi, count, nonfinite = observe_extremes(
+            x, weight, spec, state.min_val.shape, "memoryless_minmax.update"
+        )
+        return MemorylessMinMaxState(lo, hi, count, nonfinite)
+
+    def merge_fn(a, b) -> MemorylessMinMaxState:
+        check_state(a, MemorylessMinMaxState, "memoryless_minmax.merge")
+        check_state(b, MemorylessMinMaxState, "memoryless_minmax.merge")
+        check_same_shapes(a, b, "memoryless_minmax.merge")
+        return MemorylessMinMaxState(
+            torch.minimum(a.min_val, b.min_val),
+            torch.maximum(a.max_val, b.max_val),
+            a.count + b.count,
+            a.nonfinite + b.nonfinite,
+        )
+
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="memoryless_minmax")
+
+
+def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> Observer:
+    """Moving average of per-batch extremes (torch.ao MovingAverageMinMaxObserver and
+    MovingAveragePerChannelMinMaxObserver).
+
+    The first batch that reaches a parameter initialises it; later ones move it by
+    ``min + c * (batch_min - min)`` (torch.ao's arithmetic, bit for bit). A parameter that a batch
+    does not reach (masked out) keeps its value.
+
+    ``merge`` is the batch-count-weighted mean of the two averages: commutative, with ``init`` as
+    identity, associative up to float rounding. The result depends on batch order, so
+    ``exact=False``.
+    """
+    spec = _check_spec(spec)
+    if not (isinstance(averaging_constant, (int, float)) and 0.0 < averaging_constant <= 1.0):
+        raise ValueError(f"averaging_constant must be in (0, 1], got {averaging_constant!r}")
+    constant = float(averaging_constant)
+
+    def init_fn(x: torch.Tensor) -> MovingAverageMinMaxState:
+        min_val, max_val, count = _empty_extremes(x, spec)
+        return MovingAverageMinMaxState(min_val, max_val, count, count.clone(), count.clone())
+
+    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MovingAverageMinMaxState:
+        check_state(state, MovingAverageMinMaxState, "moving_average_minmax.update")
+        if x.numel() == 0:
+            return state
+        lo, hi, count, nonfinite = observe_extremes(
+            x, weight, spec, state.min_val.shape, "moving_average_minmax.update"
+        )
+        seen = count > 0
+        first = state.batches == 0
+        moved_min = state.min_val + constant * (lo - state.min_val)
+        moved_max = state.max_val + constant * (hi - state.max_val)
+        min_val = torch.where(seen, torch.where(first, lo, moved_min), state.min_val)
+        max_val = torch.where(seen, torch.where(first, hi, moved_max), state.max_val)
+        return MovingAverageMinMaxState(
+            min_val,
+            max_val,
+            state.batches + seen.to(torch.int64),
+            state.count + count,
+            state.nonfinite + nonfinite,
+        )
+
+    def merge_fn(a, b) -> MovingAverageMinMaxState:
+        check_state(a, MovingAverageMinMaxState, "moving_average_minmax.merge")
+        check_state(b, MovingAverageMinMaxState, "moving_average_minmax.merge")
+        check_same_shapes(a, b, "moving_average_minmax.merge")
+        a_seen, b_seen = a.batches > 0, b.batches > 0
+        total = (a.batches + b.batches).clamp(min=1).to(torch.float32)
+        a_weight, b_weight = a.batches.to(torch.float32), b.batches.to(torch.float32)
+
+        def mean(u, v):
+            u0 = torch.where(a_seen, u, torch.zeros_like(u))
+            v0 = torch.where(b_seen, v, torch.zeros_like(v))
+            both = (u0 * a_weight + v0 * b_weight) / total
+            return torch.where(a_seen, torch.where(b_seen, both, u), v)
+
+        return MovingAverageMinMaxState(
+            mean(a.min_val, b.min_val),
+            mean(a.max_val, b.max_val),
+            a.batches + b.batches,
+            a.count + b.count,
+            a.nonfinite + b.nonfinite,
+        )
+
+    return Observer(init_fn, update_fn, merge_fn, exact=False, spec=spec, name="moving_average_minmax")
+
+
+def _extremes_rule(state, spec: QuantSpec, **options) -> Range:
+    if options:
+        raise TypeError(f"compute_qparams: {type(state).__name__} takes no options, got {sorted(options)}")
+    return Range(state.min_val, state.max_val, state.count > 0)
+
+
+for _cls in (MinMaxState, MemorylessMinMaxState, MovingAverageMinMaxState):
+    register_range_rule(_cls)(_extremes_rule)
