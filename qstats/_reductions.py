@@ -23,10 +23,15 @@ _POLICY_IGNORE = 0
 _POLICY_RAISE = 1
 
 
+def _reduce(view: torch.Tensor, op) -> torch.Tensor:
+    """``op`` (amin or amax) over dims (0, -1): the contiguous group dim first, then the
+    observations (faster than one multi-dim reduction; exact for min/max)."""
+    return op(op(view, dim=-1), dim=0)
+
+
 def _masked_path(view: torch.Tensor, include: torch.Tensor):
-    dims = (0, view.ndim - 1)
-    lo = torch.where(include, view, torch.inf).amin(dim=dims)
-    hi = torch.where(include, view, -torch.inf).amax(dim=dims)
+    lo = _reduce(torch.where(include, view, torch.inf), torch.amin)
+    hi = _reduce(torch.where(include, view, -torch.inf), torch.amax)
     return lo, hi
 
 
@@ -42,8 +47,8 @@ def _finite_aminmax_op(
         zeros = torch.zeros(out_shape, dtype=torch.int64, device=view.device)
         return inf, -inf, zeros, zeros.clone()
     if mask is None and view.device.type == "cpu":
-        lo = view.amin(dim=dims)
-        hi = view.amax(dim=dims)
+        lo = _reduce(view, torch.amin)
+        hi = _reduce(view, torch.amax)
         if bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all()):
             count = torch.full(out_shape, per_param, dtype=torch.int64, device=view.device)
             return lo.float(), hi.float(), count, torch.zeros_like(count)

@@ -1,0 +1,121 @@
+"""The canonical view against llm-compressor's flatten_for_calibration and torch.ao's per-channel
+reduction, and the view's inverse."""
+
+import pytest
+import torch
+
+import qstats
+from qstats._granularity import from_canonical_view
+
+llm_helpers = pytest.importorskip("llmcompressor.observers.helpers")
+QuantizationArgs = pytest.importorskip("compressed_tensors.quantization").QuantizationArgs
+
+
+def _reduce(view):
+    return view.amin(dim=(0, -1)), view.amax(dim=(0, -1))
+
+
+@pytest.mark.parametrize(
+    "args, granularity",
+    [
+        (dict(strategy="tensor"), qstats.PerTensor()),
+        (dict(strategy="channel"), qstats.PerAxis(0)),
+        (dict(strategy="group", group_size=4), qstats.PerGroup(4)),
+        (dict(strategy="tensor_group", group_size=16, type="float", num_bits=4), qstats.TensorGroup(16)),
+        (dict(strategy="block", block_structure=[2, 8]), qstats.PerBlock((2, 8))),
+    ],
+)
+def test_weight_view_reduces_like_llm_compressor(args, granularity):
+    weight = torch.randn(6, 32, generator=torch.Generator().manual_seed(0))
+    reference = llm_helpers.flatten_for_calibration(weight, "weight", QuantizationArgs(**args))
+    ref_min, ref_max = _reduce(reference)
+    ours_min, ours_max = _reduce(qstats.canonical_view(weight, granularity))
+    # llm-compressor keeps singleton dims (tensor: (1,), channel: (rows, 1)); same values.
+    assert torch.equal(ours_min.reshape(-1), ref_min.reshape(-1))
+    assert torch.equal(ours_max.reshape(-1), ref_max.reshape(-1))
+    assert ours_min.shape == qstats.qparam_shape(weight.shape, granularity)
+
+
+def test_activation_tensor_view_reduces_like_llm_compressor():
+    activation = torch.randn(2, 5, 16)
+    reference = llm_helpers.flatten_for_calibration(activation, "input", QuantizationArgs(strategy="tensor"))
+    assert torch.equal(_reduce(reference)[0].reshape(()), _reduce(qstats.canonical_view(activation, qstats.PerTensor()))[0])
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2, -1])
+def test_per_axis_matches_torch_ao_channel_reduction(axis):
+    x = torch.randn(3, 4, 5)
+    # torch.ao PerChannelMinMaxObserver: move the channel axis first, flatten the rest.
+    expected = torch.flatten(x.transpose(0, axis % 3), start_dim=1).amin(dim=1)
+    assert torch.equal(_reduce(qstats.canonical_view(x, qstats.PerAxis(axis)))[0], expected)
+
+
+@pytest.mark.parametrize(
+    "granularity",
+    [
+        qstats.PerTensor(),
+        qstats.PerAxis(1),
+        qstats.PerToken(),
+        qstats.PerRow(),
+        qstats.PerGroup(4),
+        qstats.PerBlock((2, 4)),
+        qstats.PerHead(),
+    ],
+)
+def test_view_round_trips(granularity):
+    x = torch.arange(2 * 4 * 8, dtype=torch.float32).reshape(2, 4, 8)
+    view = qstats.canonical_view(x, granularity)
+    assert view.shape[1:-1] == qstats.qparam_shape(x.shape, granularity)
+    assert torch.equal(from_canonical_view(view, granularity, x.shape), x)
+
+
+def test_block_view_groups_the_right_elements():
+    x = torch.arange(4 * 8, dtype=torch.float32).reshape(4, 8)
+    view = qstats.canonical_view(x, qstats.PerBlock((2, 4)))
+    assert torch.equal(view[0, 0, 1], x[0:2, 4:8].reshape(-1))
+    assert torch.equal(view[0, 1, 0], x[2:4, 0:4].reshape(-1))
+
+
+@pytest.mark.parametrize(
+    "granularity, shape, needle",
+    [
+        (qstats.PerGroup(5), (4, 8), "group_size 5 does not divide dimension 8"),
+        (qstats.PerBlock((3, 4)), (4, 8), "block rows 3 does not divide dimension 4"),
+        (qstats.PerAxis(3), (4, 8), "out of range"),
+    ],
+)
+def test_bad_granularity_for_shape_names_the_problem(granularity, shape, needle):
+    with pytest.raises(ValueError, match=needle):
+        qstats.qparam_shape(shape, granularity)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(dtype="int17"), "dtype"),
+        (dict(dtype="float5"), "dtype"),
+        (dict(mapping="sym"), "mapping"),
+        (dict(zero_point_domain="double"), "zero_point_domain"),
+        (dict(quant_min=-3), "quant_min"),
+        (dict(quant_min=1, quant_max=5), "quant_min"),
+        (dict(quant_min=0, quant_max=0), "quant_min"),
+        (dict(eps=0.0), "eps"),
+        (dict(granularity=qstats.PerGroup(0)), "group_size"),
+        (dict(granularity="tensor"), "granularity"),
+        (dict(dtype="uint8", mapping="narrow"), "mapping"),
+        (dict(nonfinite="nan"), "nonfinite"),
+        (dict(on_uncalibrated="zero"), "on_uncalibrated"),
+    ],
+)
+def test_bad_spec_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        qstats.QuantSpec(**kwargs)
+
+
+def test_spec_is_hashable_and_ranges_follow_bits():
+    spec = qstats.QuantSpec(dtype="int4", mapping="narrow", granularity=qstats.PerGroup(32))
+    assert hash(spec) == hash(qstats.QuantSpec(dtype="int4", mapping="narrow", granularity=qstats.PerGroup(32)))
+    assert spec.qrange == (-7, 7)
+    for bits in range(1, 17):
+        assert qstats.QuantSpec(dtype=f"uint{bits}").qrange == (0, 2**bits - 1)
+        assert qstats.QuantSpec(dtype=f"int{bits}").qrange == (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
