@@ -21,6 +21,11 @@ from ._quant import dequantize as dequantize
 from ._quant import fake_quantize as fake_quantize
 from ._quant import quantize as quantize
 from ._spec import QuantSpec as QuantSpec
+from .calibrate import calibrate as calibrate
+from .calibrate import compute_qparams_tree as compute_qparams_tree
+from .calibrate import fake_quantized as fake_quantized
+from .experts import UncalibratedWarning as UncalibratedWarning
+from .experts import stacked_observer as stacked_observer
 from .observers import MemorylessMinMaxState as MemorylessMinMaxState
 from .observers import MinMaxState as MinMaxState
 from .observers import MovingAverageMinMaxState as MovingAverageMinMaxState
@@ -29,6 +34,9 @@ from .observers import memoryless_minmax as memoryless_minmax
 from .observers import minmax as minmax
 from .observers import moving_average_minmax as moving_average_minmax
 from .observers import register_state as register_state
+from .recipe import Recipe as Recipe
+from .recipe import Rule as Rule
+from .recipe import Site as Site
 
 __version__ = "0.1.0"
 
@@ -47,13 +55,20 @@ __all__ = [
     "PerToken",
     "QParams",
     "QuantSpec",
+    "Recipe",
+    "Rule",
+    "Site",
     "Range",
     "TensorGroup",
+    "UncalibratedWarning",
+    "calibrate",
     "canonical_view",
     "code_dtype",
     "compute_qparams",
+    "compute_qparams_tree",
     "dequantize",
     "fake_quantize",
+    "fake_quantized",
     "memoryless_minmax",
     "minmax",
     "moving_average_minmax",
@@ -62,4 +77,5 @@ __all__ = [
     "quantize",
     "register_range_rule",
     "register_state",
+    "stacked_observer",
 ]

@@ -1,0 +1,331 @@
+"""Calibrating a torch model: run it over batches and collect observer states per module and site.
+
+`calibrate` resolves a `Recipe` on the model, observes every parameter site once, then runs the
+model over the calibration batches with forward hooks that thread activation states through pure
+updates: the hooks close over a dict that the loop owns and replace each entry with
+``observer.update(old_state, x, weight)``. The result is a plain nested dict
+``{module_path: {site: state}}`` of NamedTuples of tensors, ready for `qstats.save`, merges across
+ranks and `compute_qparams_tree`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import torch
+from torch.nn.utils import parametrize
+
+from ._qparams import QParams, check_calibrated, compute_qparams
+from ._quant import fake_quantize
+from .experts import routing_mask, warn_uncovered
+from .recipe import PROJECTION_NAMES, Recipe
+
+__all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "run_model"]
+
+
+def _first_tensor(value) -> Optional[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(value, Mapping):
+        for item in value.values():
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    if hasattr(value, "to_tuple"):  # transformers ModelOutput
+        return _first_tensor(value.to_tuple())
+    return None
+
+
+def _input_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    if args:
+        return _first_tensor(args[0])
+    for name in ("hidden_states", "input", "x", "inputs_embeds"):
+        if isinstance(kwargs.get(name), torch.Tensor):
+            return kwargs[name]
+    return _first_tensor(kwargs)
+
+
+def run_model(model: torch.nn.Module, batch) -> Any:
+    """``model(batch)``, ``model(*batch)`` for a tuple/list, ``model(**batch)`` for a mapping."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _copy_tree(states: Optional[Mapping]) -> dict:
+    if states is None:
+        return {}
+    if not isinstance(states, Mapping):
+        raise TypeError(f"states must be a dict {{path: {{site: state}}}} or None, got {type(states).__name__}")
+    copied = {}
+    for path, entry in states.items():
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"states[{path!r}] must be a dict {{site: state}}, got {type(entry).__name__}")
+        copied[path] = dict(entry)
+    return copied
+
+
+def _check_resumed(states: dict, sites: dict) -> None:
+    for path, entry in states.items():
+        for site in entry:
+            if site not in sites.get(path, {}):
+                raise ValueError(
+                    f"calibrate: the given states hold site {site!r} of module {path!r}, which this recipe "
+                    "does not observe in this model"
+                )
+
+
+def calibrate(
+    model: torch.nn.Module,
+    batches: Iterable,
+    recipe: Recipe,
+    states: Optional[Mapping] = None,
+    progress: bool = True,
+    observation_weight: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
+) -> dict:
+    """Observer states of ``model`` over ``batches``, per module path and site.
+
+    Args:
+      model: an ``nn.Module``, run as is (call ``model.eval()`` first), under ``torch.no_grad()``.
+      batches: an iterable of batches: a tensor (``model(batch)``), a tuple or list
+        (``model(*batch)``) or a mapping (``model(**batch)``).
+      recipe: a `Recipe` saying which observer and spec watch which module and site.
+      states: a states tree returned by an earlier call, to continue from (resume). Its sites are
+        not re-initialised and its parameter sites are not observed again, so calibrating ``A``
+        then ``B`` from the returned states equals calibrating ``A + B`` at once.
+      progress: show a tqdm progress bar (batches and batches per second).
+      observation_weight: optional ``callable(batch) -> tensor``, e.g. the attention mask; used as
+        the ``weight`` of activation updates whose tensor starts with the same dimensions (for
+        stacked experts, whose hidden states are flattened to tokens, its flattened form), so
+        padding is not observed.
+
+    Returns:
+      ``{module_path: {site: state}}``; parameter sites first, in ``named_modules`` order.
+      Stacked-expert sites hold states with a leading expert dimension. A warning
+      (`qstats.UncalibratedWarning`) names the experts that received no token.
+
+    >>> import torch, qstats
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    >>> recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight", "input"))])
+    >>> states = qstats.calibrate(model, [torch.randn(5, 4)], recipe, progress=False)
+    >>> sorted(states["2"])
+    ['input', 'weight']
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"calibrate expects an nn.Module, got {type(model).__name__}")
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"calibrate expects a qstats.Recipe, got {type(recipe).__name__}")
+    sites = recipe.sites(model)
+    states = _copy_tree(states)
+    _check_resumed(states, sites)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for path, entry in sites.items():
+            params = dict(modules[path].named_parameters(recurse=False))
+            for site, found in entry.items():
+                if site in params and site not in states.get(path, {}):
+                    value = params[site].detach()
+                    states.setdefault(path, {})[site] = found.observer.update(found.observer.init(value), value)
+
+    current_weight: list = [None]
+
+    def weight_for(x: torch.Tensor, flattened: bool) -> Optional[torch.Tensor]:
+        weight = current_weight[0]
+        if weight is None:
+            return None
+        if flattened:
+            if x.ndim >= 1 and weight.numel() == x.shape[0]:
+                return weight.reshape(-1).to(x.device)
+            return None
+        if weight.ndim <= x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
+            return weight.to(x.device)
+        return None
+
+    def observe(path: str, site: str, x, args=(), kwargs=None) -> None:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return
+        found = sites[path][site]
+        x = x.detach()
+        if found.num_experts:
+            tokens = x.reshape(-1, x.shape[-1])
+            mask = routing_mask(args, kwargs or {}, found.num_experts, tokens.shape[0])
+            if mask is None:
+                raise ValueError(
+                    f"calibrate: cannot find the routing (an integer tensor [tokens, k] of selected experts) "
+                    f"in the call of the experts module {path!r}"
+                )
+            extra = weight_for(tokens, flattened=True)
+            if extra is not None:
+                mask = mask * (extra != 0).to(mask.dtype)
+            x = tokens.expand(found.num_experts, *tokens.shape)
+            weight = mask
+        else:
+            weight = weight_for(x, flattened=False)
+        entry = states.setdefault(path, {})
+        previous = entry.get(site)
+        if previous is None:
+            previous = found.observer.init(x)
+        entry[site] = found.observer.update(previous, x, weight)
+
+    handles = []
+    for path, entry in sites.items():
+        module = modules[path]
+        if "input" in entry:
+
+            def input_hook(module, args, kwargs, path=path):
+                observe(path, "input", _input_tensor(args, kwargs), args, kwargs)
+
+            handles.append(module.register_forward_pre_hook(input_hook, with_kwargs=True))
+        if "output" in entry:
+
+            def output_hook(module, args, output, path=path):
+                observe(path, "output", _first_tensor(output))
+
+            handles.append(module.register_forward_hook(output_hook))
+        children = dict(module.named_children())
+        for site in ("q", "k", "v"):
+            if site not in entry:
+                continue
+            child = next(children[name] for name in PROJECTION_NAMES[site] if name in children)
+
+            def projection_hook(child, args, output, path=path, site=site):
+                observe(path, site, _first_tensor(output))
+
+            handles.append(child.register_forward_hook(projection_hook))
+
+    try:
+        from tqdm.auto import tqdm
+
+        total = len(batches) if hasattr(batches, "__len__") else None
+        bar = tqdm(batches, total=total, unit="batch", desc="qstats.calibrate", disable=not progress)
+        with torch.no_grad():
+            for batch in bar:
+                current_weight[0] = observation_weight(batch) if observation_weight is not None else None
+                run_model(model, batch)
+        bar.close()
+    finally:
+        current_weight[0] = None
+        for handle in handles:
+            handle.remove()
+    warn_uncovered(states, sites)
+    return states
+
+
+def compute_qparams_tree(states: Mapping, recipe: Recipe, model: torch.nn.Module, **options) -> dict:
+    """``{path: {site: QParams}}`` for a states tree, with each site's spec and ``qparams_kwargs``
+    (``options`` override them).
+
+    Stacked-expert sites are computed with one ``torch.vmap`` over the expert dimension; every
+    QParams field then has a leading expert dimension and ``calibrated`` is the coverage mask.
+    Entries that saw no data follow ``spec.on_uncalibrated``: ValueError naming the module and site
+    for ``"raise"``, scale 1 and zero point 0 with ``calibrated`` False for ``"fallback"``.
+    """
+    sites = recipe.sites(model)
+    out: dict = {}
+    for path, entry in states.items():
+        out[path] = {}
+        for site, state in entry.items():
+            found = sites.get(path, {}).get(site)
+            if found is None:
+                raise ValueError(f"compute_qparams_tree: the recipe observes no site {site!r} of module {path!r}")
+            kwargs = {**dict(found.rule.qparams_kwargs), **options}
+            where = f"compute_qparams_tree[{path!r}][{site!r}]"
+            if found.num_experts:
+                qparams = torch.vmap(lambda s: compute_qparams(s, found.spec, **kwargs))(state)
+                check_calibrated(qparams.calibrated, found.spec, where=where)
+            else:
+                try:
+                    qparams = compute_qparams(state, found.spec, **kwargs)
+                except ValueError as error:
+                    raise ValueError(f"{where}: {error}") from None
+            out[path][site] = qparams
+    return out
+
+
+class _FakeQuantParametrization(torch.nn.Module):
+    def __init__(self, qparams: QParams, spec, num_experts: int):
+        super().__init__()
+        self.qparams = qparams
+        self.spec = spec
+        self.num_experts = num_experts
+
+    def forward(self, value: torch.Tensor) -> torch.Tensor:
+        if self.num_experts:
+            return torch.vmap(lambda w, qp: fake_quantize(w, qp, self.spec))(value, self.qparams)
+        return fake_quantize(value, self.qparams, self.spec)
+
+
+@contextlib.contextmanager
+def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Recipe):
+    """Context manager: ``model`` computes with fake-quantized parameters and activations.
+
+    Parameter sites get a ``torch.nn.utils.parametrize`` parametrization calling
+    `qstats.fake_quantize` (straight-through gradient, usable for QAT); ``input``/``output``/
+    ``q``/``k``/``v`` sites get forward hooks that fake-quantize the tensor. Everything is removed
+    on exit, leaving the float parameters unchanged. Per-expert activation sites of stacked experts
+    are not applied (they would need the experts' own forward).
+    """
+    sites = recipe.sites(model)
+    modules = dict(model.named_modules())
+    handles = []
+    parametrized = []
+
+    def quantize_activation(x, qp, spec):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return fake_quantize(x, qp, spec)
+        return x
+
+    try:
+        for path, entry in qparams.items():
+            if path not in modules:
+                raise ValueError(f"fake_quantized: the model has no module {path!r}")
+            module = modules[path]
+            params = dict(module.named_parameters(recurse=False))
+            for site, qp in entry.items():
+                found = sites.get(path, {}).get(site)
+                if found is None:
+                    raise ValueError(f"fake_quantized: the recipe observes no site {site!r} of module {path!r}")
+                spec = found.spec
+                if site in params:
+                    parametrize.register_parametrization(
+                        module, site, _FakeQuantParametrization(qp, spec, found.num_experts), unsafe=True
+                    )
+                    parametrized.append((module, site))
+                elif found.num_experts:
+                    continue
+                elif site == "input":
+
+                    def pre_hook(module, args, qp=qp, spec=spec):
+                        if not args:
+                            return None
+                        return (quantize_activation(args[0], qp, spec),) + tuple(args[1:])
+
+                    handles.append(module.register_forward_pre_hook(pre_hook))
+                elif site == "output":
+
+                    def post_hook(module, args, output, qp=qp, spec=spec):
+                        return quantize_activation(output, qp, spec)
+
+                    handles.append(module.register_forward_hook(post_hook))
+                else:
+                    children = dict(module.named_children())
+                    child = next(children[name] for name in PROJECTION_NAMES[site] if name in children)
+
+                    def child_hook(child, args, output, qp=qp, spec=spec):
+                        return quantize_activation(output, qp, spec)
+
+                    handles.append(child.register_forward_hook(child_hook))
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, site in reversed(parametrized):
+            parametrize.remove_parametrizations(module, site, leave_parametrized=False)

@@ -1,0 +1,240 @@
+"""Recipes: which observer and spec watch which module and site of a model.
+
+A `Rule` maps module patterns and sites (``"weight"``, ``"input"``, ``"output"``, ``"q"``/``"k"``/
+``"v"``, any parameter name) to an observer factory and a `QuantSpec`, like an llm-compressor
+recipe. A `Recipe` is an ordered list of rules plus an ignore list; for each (module, site) the
+first matching rule wins. `Recipe.sites(model)` resolves it on a model into `Site` entries, whose
+observers are ready to use (vmapped over the expert dimension for stacked experts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Mapping, NamedTuple, Optional
+
+import torch
+
+from ._spec import QuantSpec
+from .observers import Observer, minmax
+
+__all__ = ["Rule", "Recipe", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES"]
+
+ACTIVATION_SITES = ("input", "output", "q", "k", "v")
+
+PROJECTION_NAMES = {
+    "q": ("q_proj", "query", "q"),
+    "k": ("k_proj", "key", "k"),
+    "v": ("v_proj", "value", "v"),
+}
+
+
+def _freeze(mapping: Optional[Mapping[str, Any]], what: str) -> tuple:
+    if mapping is None:
+        return ()
+    if isinstance(mapping, tuple):
+        mapping = dict(mapping)
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"Rule.{what} must be a mapping of keyword arguments, got {type(mapping).__name__}")
+    for key in mapping:
+        if not isinstance(key, str):
+            raise TypeError(f"Rule.{what} keys must be strings, got {key!r}")
+    return tuple(sorted(mapping.items()))
+
+
+def _targets(targets, what: str) -> tuple:
+    if isinstance(targets, str):
+        targets = (targets,)
+    targets = tuple(targets)
+    for target in targets:
+        if not isinstance(target, str) or not target:
+            raise TypeError(f"{what} must be non-empty strings, got {target!r}")
+        if target.startswith("re:"):
+            try:
+                re.compile(target[3:])
+            except re.error as error:
+                raise ValueError(f"{what}: invalid regular expression {target[3:]!r}: {error}") from None
+    return targets
+
+
+def _matches(targets: tuple, path: str, module: Optional[torch.nn.Module]) -> bool:
+    for target in targets:
+        if target.startswith("re:"):
+            if re.fullmatch(target[3:], path):
+                return True
+        elif target == path:
+            return True
+        elif module is not None and target == type(module).__name__:
+            return True
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One line of a recipe.
+
+    Args:
+      targets: a string or tuple of strings: ``"re:<regex>"`` (full match on the module path), a
+        module class name (``"Linear"``) or an exact module path.
+      sites: what to observe: ``"weight"`` or any parameter name (observed once), ``"input"``,
+        ``"output"``, ``"q"``/``"k"``/``"v"`` (outputs of an attention module's projections).
+      observer: an observer factory, ``observer(spec, **observer_kwargs) -> Observer``.
+      spec: the QuantSpec of one observed tensor (of one expert, for stacked experts).
+      observer_kwargs: extra keyword arguments of the factory.
+      qparams_kwargs: options for ``compute_qparams`` (e.g. ``method=`` for histogram states).
+
+    >>> import qstats
+    >>> rule = qstats.Rule(targets="Linear", sites=("weight",), spec=qstats.QuantSpec())
+    >>> rule.sites
+    ('weight',)
+    """
+
+    targets: Any
+    sites: tuple = ("weight", "input")
+    observer: Callable[..., Observer] = minmax
+    spec: QuantSpec = dataclasses.field(default_factory=QuantSpec)
+    observer_kwargs: Any = ()
+    qparams_kwargs: Any = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "targets", _targets(self.targets, "Rule.targets"))
+        sites = (self.sites,) if isinstance(self.sites, str) else tuple(self.sites)
+        if not sites or not all(isinstance(site, str) and site for site in sites):
+            raise ValueError(f"Rule.sites must be non-empty strings, got {self.sites!r}")
+        object.__setattr__(self, "sites", sites)
+        if not callable(self.observer):
+            raise TypeError(f"Rule.observer must be an observer factory, got {self.observer!r}")
+        if not isinstance(self.spec, QuantSpec):
+            raise TypeError(f"Rule.spec must be a QuantSpec, got {type(self.spec).__name__}")
+        object.__setattr__(self, "observer_kwargs", _freeze(self.observer_kwargs, "observer_kwargs"))
+        object.__setattr__(self, "qparams_kwargs", _freeze(self.qparams_kwargs, "qparams_kwargs"))
+
+    def make_observer(self) -> Observer:
+        """The observer of one tensor: ``observer(spec, **observer_kwargs)``."""
+        obs = self.observer(self.spec, **dict(self.observer_kwargs))
+        if not isinstance(obs, Observer):
+            raise TypeError(f"Rule.observer {self.observer!r} returned {type(obs).__name__}, not an Observer")
+        return obs
+
+
+class Site(NamedTuple):
+    """One observed (module, site) pair of a model, as a recipe resolves it.
+
+    Attributes:
+      rule: the Rule that matched.
+      observer: the Observer for this state; for stacked experts already vmapped over the
+        leading expert dimension (see `qstats.stacked_observer`).
+      spec: the spec of one tensor (one expert's tensor for stacked experts).
+      num_experts: the leading expert dimension of the state, 0 when not stacked.
+    """
+
+    rule: Rule
+    observer: Observer
+    spec: QuantSpec
+    num_experts: int
+
+
+def _child_projection(module: torch.nn.Module, site: str) -> Optional[torch.nn.Module]:
+    children = dict(module.named_children())
+    for name in PROJECTION_NAMES[site]:
+        if name in children:
+            return children[name]
+    return None
+
+
+class Recipe:
+    """An ordered list of rules and an ignore list.
+
+    For each module of a model (``model.named_modules()`` order) and each site, the first rule whose
+    targets match the module and whose ``sites`` contain the site wins. Modules matching ``ignore``
+    (same syntax as ``Rule.targets``) are skipped. A parameter site applies to modules that own that
+    parameter directly; ``q``/``k``/``v`` to modules with a matching child projection; ``input`` and
+    ``output`` to every matched module.
+
+    >>> import torch, qstats
+    >>> recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",))])
+    >>> list(recipe.sites(torch.nn.Sequential(torch.nn.Linear(2, 3))))
+    ['0']
+    """
+
+    def __init__(self, rules, ignore=()):
+        rules = [rules] if isinstance(rules, Rule) else list(rules)
+        for rule in rules:
+            if not isinstance(rule, Rule):
+                raise TypeError(f"Recipe rules must be qstats.Rule, got {type(rule).__name__}")
+        self.rules = tuple(rules)
+        self.ignore = _targets(ignore, "Recipe.ignore")
+
+    def __repr__(self) -> str:
+        return f"Recipe(rules={list(self.rules)!r}, ignore={list(self.ignore)!r})"
+
+    def rule_for(self, path: str, site: str, module: Optional[torch.nn.Module] = None) -> Optional[Rule]:
+        """The first rule covering ``site`` of the module at ``path`` (None when none, or ignored)."""
+        if _matches(self.ignore, path, module):
+            return None
+        for rule in self.rules:
+            if site in rule.sites and _matches(rule.targets, path, module):
+                return rule
+        return None
+
+    def sites(self, model: torch.nn.Module) -> dict:
+        """``{module_path: {site: Site}}`` for every observed site of ``model``."""
+        from .experts import expert_count, is_stacked_parameter, stacked_observer
+
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"Recipe.sites expects an nn.Module, got {type(model).__name__}")
+        resolved: dict = {}
+        for path, module in model.named_modules():
+            if _matches(self.ignore, path, module):
+                continue
+            params = dict(module.named_parameters(recurse=False))
+            num_experts = expert_count(module)
+            entry = {}
+            for rule in self.rules:
+                if not _matches(rule.targets, path, module):
+                    continue
+                for site in rule.sites:
+                    if site in entry:
+                        continue
+                    stacked = 0
+                    if site in params:
+                        if is_stacked_parameter(params[site], num_experts):
+                            stacked = num_experts
+                    elif site in ("q", "k", "v"):
+                        if _child_projection(module, site) is None:
+                            continue
+                    elif site == "input":
+                        stacked = num_experts
+                    elif site != "output":
+                        continue
+                    obs = rule.make_observer()
+                    if stacked:
+                        obs = stacked_observer(obs, stacked)
+                    entry[site] = Site(rule, obs, rule.spec, stacked)
+            if entry:
+                resolved[path] = entry
+        return resolved
+
+    def _for_states(self, states: Mapping, model: torch.nn.Module, field: str) -> dict:
+        if not isinstance(states, Mapping):
+            raise TypeError(f"expected a states tree {{path: {{site: state}}}}, got {type(states).__name__}")
+        sites = self.sites(model)
+        out = {}
+        for path, entry in states.items():
+            if not isinstance(entry, Mapping):
+                raise TypeError(f"states[{path!r}] must be a dict {{site: state}}, got {type(entry).__name__}")
+            out[path] = {}
+            for site in entry:
+                found = sites.get(path, {}).get(site)
+                if found is None:
+                    raise ValueError(f"the recipe observes no site {site!r} of module {path!r} in this model")
+                out[path][site] = getattr(found, field)
+        return out
+
+    def observers(self, states: Mapping, model: torch.nn.Module) -> dict:
+        """The Observer tree matching ``states`` (same keys): ``{path: {site: Observer}}``."""
+        return self._for_states(states, model, "observer")
+
+    def specs(self, states: Mapping, model: torch.nn.Module) -> dict:
+        """The QuantSpec tree matching ``states`` (same keys): ``{path: {site: QuantSpec}}``."""
+        return self._for_states(states, model, "spec")
