@@ -1,0 +1,203 @@
+"""One rank of the multi-process tests in tests/test_distributed.py (and the data they share).
+
+Run as ``python tests/_distributed_worker.py RANK WORLD PORT OUT_DIR``: joins a gloo group on
+127.0.0.1, builds this rank's local states for every scenario, merges them with
+`qstats.distributed.all_reduce`, counts the collectives, and saves the results' tensors to
+``OUT_DIR/rank{RANK}.pt``. The test process rebuilds the same data (the functions below) to compute
+the single-process references.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from typing import NamedTuple
+
+import optree
+import torch
+
+import qstats
+from qstats.observers import register_state
+
+EXPERTS = 4
+FEATURES = 8
+NUM_BATCHES = 9
+
+
+# A float-sum state nobody else declares: exercises exact=True and the declaration mechanism.
+@register_state
+class _SumTestState(NamedTuple):
+    total: torch.Tensor
+    count: torch.Tensor
+
+
+qstats.distributed.register_reduce_ops(_SumTestState, {"total": "sum", "count": "sum"})
+
+
+def sum_observer() -> qstats.Observer:
+    def init_fn(x):
+        return _SumTestState(torch.zeros(x.shape[-1], dtype=torch.float32), torch.zeros(x.shape[-1], dtype=torch.int64))
+
+    def update_fn(state, x, weight=None):
+        w = torch.ones(x.shape[0]) if weight is None else weight.float()
+        return _SumTestState(state.total + (x.float() * w[:, None]).sum(0), state.count + (w != 0).sum().to(torch.int64))
+
+    def merge_fn(a, b):
+        return _SumTestState(a.total + b.total, a.count + b.count)
+
+    return qstats.Observer(init_fn, update_fn, merge_fn, exact=True, name="sum_test")
+
+
+def global_batches():
+    """The whole data set: ``NUM_BATCHES`` batches of tokens with a routing to experts. Expert 3
+    gets tokens only in the last batches (so the first ranks never see it)."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for i in range(NUM_BATCHES):
+        n = 3 + (7 * i) % 11
+        x = torch.randn(n, FEATURES, generator=g) * (1 + i)
+        route = torch.randint(0, EXPERTS - 1, (n,), generator=g)
+        if i >= NUM_BATCHES - 2:
+            route[::2] = EXPERTS - 1
+        out.append((x, route))
+    return out
+
+
+def rank_batches(world: int, rank: int):
+    """Uneven contiguous chunks in rank order (rank 0 gets the most, the last rank the fewest)."""
+    sizes = {2: [6, 3], 4: [4, 3, 1, 1]}[world]
+    start = sum(sizes[:rank])
+    return global_batches()[start : start + sizes[rank]]
+
+
+def _histogram_factories():
+    factories = {}
+    if hasattr(qstats, "histogram"):
+        factories["histogram/tensor"] = lambda: qstats.histogram(qstats.QuantSpec())
+        factories["histogram/axis"] = lambda: qstats.histogram(qstats.QuantSpec(granularity=qstats.PerAxis(-1)))
+    return factories
+
+
+def expert_factories():
+    """Scenario name -> observer factory; each scenario is a tree {expert_i: [state per spec]}."""
+    factories = {
+        "minmax/tensor": lambda: qstats.minmax(qstats.QuantSpec()),
+        "minmax/axis": lambda: qstats.minmax(qstats.QuantSpec(granularity=qstats.PerAxis(-1))),
+        "moving_average": lambda: qstats.moving_average_minmax(qstats.QuantSpec(granularity=qstats.PerAxis(-1)), 0.1),
+        "sum": sum_observer,
+    }
+    factories.update(_histogram_factories())
+    return factories
+
+
+def calibrate_experts(obs, batches):
+    """{"expert{e}": state}: one state per expert, tokens not routed to it masked by weight 0."""
+    template = torch.zeros(1, FEATURES)
+    states = {f"expert{e}": obs.init(template) for e in range(EXPERTS)}
+    for x, route in batches:
+        for e in range(EXPERTS):
+            states[f"expert{e}"] = obs.update(states[f"expert{e}"], x, weight=(route == e).to(torch.float32))
+    return states
+
+
+def memoryless_shard(world: int, rank: int | None):
+    """The last batch split unevenly across ranks along tokens (rank 0 gets nothing)."""
+    x, route = global_batches()[-1]
+    if rank is None:
+        return x, route
+    cuts = {2: [0, 0, x.shape[0]], 4: [0, 0, 2, 3, x.shape[0]]}[world]
+    return x[cuts[rank] : cuts[rank + 1]], route[cuts[rank] : cuts[rank + 1]]
+
+
+def memoryless_experts(obs, x, route):
+    template = torch.zeros(1, FEATURES)
+    return {
+        f"expert{e}": obs.update(obs.init(template), x, weight=(route == e).to(torch.float32)) for e in range(EXPERTS)
+    }
+
+
+def leaves(tree):
+    return optree.tree_leaves(tree)
+
+
+class _Counter:
+    def __init__(self):
+        self.all_reduce = 0
+        self.all_gather = 0
+
+
+def _install_counter(dist):
+    counter = _Counter()
+    all_reduce, all_gather = dist.all_reduce, dist.all_gather
+
+    def counted_all_reduce(*args, **kwargs):
+        counter.all_reduce += 1
+        return all_reduce(*args, **kwargs)
+
+    def counted_all_gather(*args, **kwargs):
+        counter.all_gather += 1
+        return all_gather(*args, **kwargs)
+
+    dist.all_reduce, dist.all_gather = counted_all_reduce, counted_all_gather
+    return counter
+
+
+def _run(name, fn, counter, results):
+    before = (counter.all_reduce, counter.all_gather)
+    try:
+        out = fn()
+    except Exception as error:  # recorded, checked by the test
+        results[name] = {"error": f"{type(error).__name__}: {error}"}
+        return
+    results[name] = {
+        "leaves": [t.clone() for t in leaves(out)],
+        "all_reduce": counter.all_reduce - before[0],
+        "all_gather": counter.all_gather - before[1],
+    }
+
+
+def main(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    counter = _install_counter(dist)
+    reduce = qstats.distributed.all_reduce
+    results = {}
+    mine = rank_batches(world, rank)
+    factories = expert_factories()
+    for name, factory in factories.items():
+        obs = factory()
+        local = calibrate_experts(obs, mine)
+        results[f"local/{name}"] = {"leaves": leaves(local)}
+        _run(name, lambda: reduce(local, obs), counter, results)
+        _run(f"{name}/exact", lambda: reduce(local, obs, exact=True), counter, results)
+        _run(f"{name}/nocheck", lambda: reduce(local, obs, check=False), counter, results)
+
+    # One call over a mixed tree: an Observer tree of the same structure.
+    mixed_names = [n for n in ("minmax/axis", "moving_average", "sum", "histogram/tensor") if n in factories]
+    observers = {n: factories[n]() for n in mixed_names}
+    mixed = {n: [calibrate_experts(observers[n], mine)] for n in mixed_names}
+    _run("mixed", lambda: reduce(mixed, {n: [observers[n]] for n in mixed_names}), counter, results)
+
+    # Memoryless: shards of one batch (rank 0 has no tokens at all).
+    obs = qstats.memoryless_minmax(qstats.QuantSpec(granularity=qstats.PerAxis(-1)))
+    local = memoryless_experts(obs, *memoryless_shard(world, rank))
+    _run("memoryless", lambda: reduce(local, obs), counter, results)
+
+    # A rank passing a different tree: ValueError on every rank, no hang.
+    obs = qstats.minmax(qstats.QuantSpec(granularity=qstats.PerAxis(-1)))
+    width = FEATURES + (1 if rank == world - 1 else 0)
+    bad = {"w": obs.update(obs.init(torch.zeros(1, width)), torch.ones(2, width))}
+    _run("mismatch", lambda: reduce(bad, obs), counter, results)
+
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
