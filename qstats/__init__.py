@@ -38,6 +38,8 @@ from .recipe import Recipe as Recipe
 from .recipe import Rule as Rule
 from .recipe import Site as Site
 
+from . import distributed as distributed
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -67,6 +69,7 @@ __all__ = [
     "compute_qparams",
     "compute_qparams_tree",
     "dequantize",
+    "distributed",
     "fake_quantize",
     "fake_quantized",
     "memoryless_minmax",
