@@ -1,0 +1,273 @@
+"""Checkpoints of states: one safetensors file, versioned, rebuilt by type name.
+
+`save(path, tree)` writes a tree (dicts with string keys, lists, tuples, registered states,
+`QParams`, plain tensors) to ONE safetensors file. The tensors are stored as they are (bit-exact,
+any dtype safetensors supports); the file's metadata holds the format name and version, the nesting
+and the NamedTuple type names as JSON, and a CRC-32 of every tensor's bytes. `load(path)` rebuilds
+the tree, looking state types up by name in the registry (`qstats.register_state`), so no code is
+pickled and nothing is executed on load.
+
+Tensor names in the file are the tree paths joined with ``/`` (``layers/0/min_val``), so other
+safetensors tools can read the numbers.
+
+``torch.save`` works too. ``torch.load(..., weights_only=True)`` refuses NamedTuple classes it does
+not know, so either allow-list the state types::
+
+    with torch.serialization.safe_globals(qstats.io.safe_globals()):
+        states = torch.load(path, weights_only=True)
+
+or convert to plain containers first: `to_state_dict(tree)` gives a dict of strings and tensors
+that ``torch.load(weights_only=True)`` accepts with no allow-list, and `from_state_dict` rebuilds
+the tree.
+
+Errors: a corrupt or truncated file, a file that is not a qstats checkpoint, an unknown format
+version, a missing or extra tensor, a checksum mismatch, an unknown state type or a state whose
+fields changed all raise ValueError naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Any
+
+import torch
+
+from ._qparams import QParams
+from .observers._base import state_types
+
+__all__ = ["save", "load", "to_state_dict", "from_state_dict", "safe_globals", "FORMAT", "FORMAT_VERSION"]
+
+FORMAT = "qstats"
+FORMAT_VERSION = 1
+
+
+def _named_types() -> dict[str, type]:
+    types = state_types()
+    types.setdefault("QParams", QParams)
+    return types
+
+
+def safe_globals() -> list[type]:
+    """The NamedTuple classes a checkpoint may hold (every registered state type and QParams), for
+    ``torch.serialization.safe_globals`` / ``add_safe_globals`` with ``torch.load(weights_only=True)``."""
+    return list(_named_types().values())
+
+
+def _escape(component: str) -> str:
+    return component.replace("%", "%25").replace("/", "%2F")
+
+
+def _encode(tree: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> dict:
+    where = "/".join(path) or "<root>"
+    if isinstance(tree, torch.Tensor):
+        key = "/".join(_escape(p) for p in path) or "_"
+        if tree.layout != torch.strided:
+            raise TypeError(f"qstats.io: tensor at {where} has layout {tree.layout}; only dense tensors are saved")
+        tensors[key] = tree
+        return {"t": "tensor", "key": key}
+    if isinstance(tree, tuple) and hasattr(type(tree), "_fields"):
+        name = type(tree).__name__
+        known = _named_types().get(name)
+        if known is not type(tree):
+            raise TypeError(
+                f"qstats.io: {name} at {where} is not a registered state type; decorate it with "
+                "qstats.register_state"
+            )
+        fields = [[field, _encode(value, path + [field], tensors)] for field, value in zip(tree._fields, tree)]
+        return {"t": "namedtuple", "type": name, "fields": fields}
+    if isinstance(tree, dict):
+        items = []
+        for key, value in tree.items():
+            if not isinstance(key, str):
+                raise TypeError(f"qstats.io: dict keys must be strings, got {key!r} at {where}")
+            items.append([key, _encode(value, path + [key], tensors)])
+        return {"t": "dict", "items": items}
+    if isinstance(tree, (list, tuple)):
+        kind = "list" if isinstance(tree, list) else "tuple"
+        if type(tree) not in (list, tuple):
+            raise TypeError(f"qstats.io: unsupported container {type(tree).__name__} at {where}")
+        return {"t": kind, "items": [_encode(value, path + [str(i)], tensors) for i, value in enumerate(tree)]}
+    raise TypeError(
+        f"qstats.io: cannot save a {type(tree).__name__} at {where}; a checkpoint holds dicts, lists, tuples, "
+        "registered states, QParams and tensors"
+    )
+
+
+def _malformed(where: str, node: Any) -> ValueError:
+    return ValueError(f"qstats.io: malformed checkpoint structure at {where}: {str(node)[:200]}")
+
+
+def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set, where: str) -> Any:
+    if not isinstance(node, dict) or "t" not in node:
+        raise _malformed(where, node)
+    kind = node["t"]
+    try:
+        if kind == "tensor":
+            key = node["key"]
+            if key not in tensors:
+                raise ValueError(f"qstats.io: the checkpoint has no tensor {key!r} (needed at {where}); the file is incomplete")
+            used.add(key)
+            return tensors[key]
+        if kind == "namedtuple":
+            name = node["type"]
+            types = _named_types()
+            cls = types.get(name)
+            if cls is None:
+                raise ValueError(
+                    f"qstats.io: unknown state type {name!r} at {where}; import the module that defines it "
+                    f"(registered: {sorted(types)})"
+                )
+            names = [field for field, _ in node["fields"]]
+            if tuple(names) != tuple(cls._fields):
+                raise ValueError(
+                    f"qstats.io: state {name} at {where} was saved with fields {names}, but {name} now has "
+                    f"fields {list(cls._fields)}"
+                )
+            return cls(*[_decode(value, tensors, used, f"{where}.{field}") for field, value in node["fields"]])
+        if kind == "dict":
+            return {key: _decode(value, tensors, used, f"{where}[{key!r}]") for key, value in node["items"]}
+        if kind in ("list", "tuple"):
+            items = [_decode(value, tensors, used, f"{where}[{i}]") for i, value in enumerate(node["items"])]
+            return items if kind == "list" else tuple(items)
+    except (KeyError, TypeError, AttributeError):
+        raise _malformed(where, node) from None
+    raise _malformed(where, node)
+
+
+def _check_header(format_name: Any, version: Any, source: str) -> None:
+    if format_name != FORMAT:
+        raise ValueError(f"qstats.io: {source} is not a qstats checkpoint (format {format_name!r})")
+    if str(version) != str(FORMAT_VERSION):
+        raise ValueError(
+            f"qstats.io: {source} has format version {version!r}; this qstats reads version {FORMAT_VERSION}"
+        )
+
+
+def _rebuild(structure: Any, tensors: dict[str, torch.Tensor], source: str) -> Any:
+    if isinstance(structure, str):
+        try:
+            structure = json.loads(structure)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"qstats.io: {source} has unreadable structure metadata ({error})") from None
+    used: set = set()
+    tree = _decode(structure, tensors, used, "tree")
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(f"qstats.io: {source} holds tensors that its structure does not mention: {extra[:5]}")
+    return tree
+
+
+def to_state_dict(tree: Any) -> dict:
+    """A plain dict for ``torch.save`` / ``torch.load(weights_only=True)`` with no allow-list.
+
+    Returns ``{"format": "qstats", "format_version": 1, "structure": <JSON str>, "tensors":
+    {name: tensor}}``: strings, ints and tensors only. The tensors are the tree's own (not copied).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    structure = _encode(tree, [], tensors)
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "structure": json.dumps(structure),
+        "tensors": tensors,
+    }
+
+
+def from_state_dict(state_dict: dict) -> Any:
+    """Inverse of `to_state_dict` (ValueError for a dict that is not one, or is incomplete)."""
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"qstats.io.from_state_dict: expected a dict, got {type(state_dict).__name__}")
+    missing = [k for k in ("format", "format_version", "structure", "tensors") if k not in state_dict]
+    if missing:
+        raise ValueError(f"qstats.io.from_state_dict: not a qstats state dict (missing {missing})")
+    _check_header(state_dict["format"], state_dict["format_version"], "the state dict")
+    tensors = state_dict["tensors"]
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ValueError("qstats.io.from_state_dict: 'tensors' must be a dict of tensors")
+    return _rebuild(state_dict["structure"], tensors, "the state dict")
+
+
+def _checksum(tensor: torch.Tensor) -> str:
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{zlib.crc32(data):08x}"
+
+
+def save(path: str | os.PathLike, tree: Any) -> None:
+    """Writes ``tree`` to one safetensors file at ``path`` (tensors copied to the CPU).
+
+    Args:
+      path: file to write (overwritten).
+      tree: dicts with string keys, lists, tuples, registered states, QParams and tensors.
+
+    Raises:
+      TypeError: for anything else in the tree (names the path and the type).
+
+    >>> import torch, qstats, tempfile, os
+    >>> obs = qstats.minmax(qstats.QuantSpec())
+    >>> x = torch.tensor([-1.0, 2.0])
+    >>> path = os.path.join(tempfile.mkdtemp(), "stats.safetensors")
+    >>> qstats.save(path, {"layer0": obs.update(obs.init(x), x)})
+    >>> qstats.load(path)["layer0"].max_val
+    tensor(2.)
+    """
+    from safetensors.torch import save_file
+
+    state_dict = to_state_dict(tree)
+    # Own contiguous CPU copies: safetensors refuses tensors that share storage.
+    tensors = {key: t.detach().to("cpu").contiguous().clone() for key, t in state_dict["tensors"].items()}
+    metadata = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "structure": state_dict["structure"],
+        "checksums": json.dumps({key: _checksum(t) for key, t in tensors.items()}),
+    }
+    save_file(tensors, os.fspath(path), metadata=metadata)
+
+
+def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
+    """Reads a tree written by `save`; tensors are put on ``device``. Bit-exact.
+
+    Raises:
+      ValueError: the file is corrupt or truncated, is not a qstats checkpoint, has an unknown format
+        version, lacks a tensor, fails a checksum, or names an unknown state type (the message says
+        which).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    source = os.fspath(path)
+    try:
+        with safe_open(source, framework="pt", device="cpu") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    except SafetensorError as error:
+        raise ValueError(f"qstats.io: {source} is corrupt or truncated (not a readable safetensors file: {error})") from None
+    except (OSError, RuntimeError) as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        raise ValueError(f"qstats.io: {source} could not be read as a safetensors file: {error}") from None
+    if "format" not in metadata:
+        raise ValueError(f"qstats.io: {source} is a safetensors file without qstats metadata (not a qstats checkpoint)")
+    _check_header(metadata.get("format"), metadata.get("format_version"), source)
+    for field in ("structure", "checksums"):
+        if field not in metadata:
+            raise ValueError(f"qstats.io: {source} lacks its {field!r} metadata (corrupt checkpoint)")
+    try:
+        checksums = json.loads(metadata["checksums"])
+    except json.JSONDecodeError as error:
+        raise ValueError(f"qstats.io: {source} has unreadable checksum metadata ({error})") from None
+    if not isinstance(checksums, dict):
+        raise ValueError(f"qstats.io: {source} has malformed checksum metadata")
+    for key, tensor in tensors.items():
+        expected = checksums.get(key)
+        if expected is None:
+            raise ValueError(f"qstats.io: {source} has no checksum for tensor {key!r} (corrupt checkpoint)")
+        if _checksum(tensor) != expected:
+            raise ValueError(f"qstats.io: {source} is corrupt: tensor {key!r} fails its checksum")
+    tree = _rebuild(metadata["structure"], tensors, source)
+    if torch.device(device).type != "cpu":
+        import optree
+
+        tree = optree.tree_map(lambda t: t.to(device), tree)
+    return tree

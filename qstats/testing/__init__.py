@@ -1,0 +1,57 @@
+"""Law checks for observers, public so that users can test observers of their own.
+
+Every observer obeys the laws of DESIGN.md: identity, associativity and commutativity of ``merge``,
+homomorphism (exact observers), purity, stability, batching under ``vmap`` and compilation. Each
+law is a function of an Observer and a list of input batches that raises AssertionError naming the
+law, the observer and the first differing field:
+
+>>> import torch, qstats
+>>> from qstats import testing
+>>> obs = qstats.minmax(qstats.QuantSpec(granularity=qstats.PerAxis(0)))
+>>> xs = [torch.randn(4, 8) for _ in range(3)]
+>>> testing.check_homomorphism(obs, xs)
+>>> testing.check_all(obs, lambda g: torch.randn(4, 8, generator=g))  # hypothesis-driven
+
+Equality is bit-exact for min/max, integer and bool fields; float sums listed in a state class's
+``approx_fields`` attribute are compared to `DEFAULT_RTOL` of the field's largest magnitude.
+`check_all` and `qstats.testing.strategies` need the ``hypothesis`` package; the ``check_*``
+functions need only torch.
+"""
+
+from ._check_all import LAWS as LAWS
+from ._check_all import check_all as check_all
+from ._laws import DEFAULT_RTOL as DEFAULT_RTOL
+from ._laws import assert_states_equal as assert_states_equal
+from ._laws import check_associative as check_associative
+from ._laws import check_commutative as check_commutative
+from ._laws import check_compile as check_compile
+from ._laws import check_homomorphism as check_homomorphism
+from ._laws import check_identity as check_identity
+from ._laws import check_purity as check_purity
+from ._laws import check_stability as check_stability
+from ._laws import check_vmap as check_vmap
+
+__all__ = [
+    "DEFAULT_RTOL",
+    "LAWS",
+    "assert_states_equal",
+    "check_all",
+    "check_associative",
+    "check_commutative",
+    "check_compile",
+    "check_homomorphism",
+    "check_identity",
+    "check_purity",
+    "check_stability",
+    "check_vmap",
+    "strategies",
+]
+
+
+def __getattr__(name):
+    # `strategies` imports hypothesis (a test dependency); load it on first use only.
+    if name == "strategies":
+        import importlib
+
+        return importlib.import_module(".strategies", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

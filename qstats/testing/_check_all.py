@@ -1,0 +1,86 @@
+"""`check_all`: every law, with batches drawn by hypothesis."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from . import _laws
+
+__all__ = ["check_all", "LAWS"]
+
+LAWS = ("identity", "associative", "commutative", "homomorphism", "purity", "stability", "vmap")
+
+
+def check_all(
+    obs,
+    make_x: Callable[[torch.Generator], torch.Tensor],
+    exact: Optional[bool] = None,
+    *,
+    laws: Iterable[str] = LAWS,
+    max_examples: int = 10,
+    compile: bool = False,
+    accumulates: bool = True,
+    approx_fields=None,
+) -> None:
+    """Runs the laws on ``obs`` with hypothesis-drawn batches of ``make_x``.
+
+    Args:
+      obs: the Observer to check.
+      make_x: ``make_x(generator) -> tensor`` of a fixed shape; hypothesis draws the seed, the number
+        of batches (3 to 5), a power-of-two magnitude and the splits.
+      exact: whether the homomorphism law applies (default ``obs.exact``); ``exact=False``
+        observers are checked for identity, associativity (to tolerance), commutativity, purity,
+        stability and vmap.
+      laws: a subset of `LAWS` to run.
+      max_examples: hypothesis examples per call.
+      compile: also run `check_compile` once (slow: compiles ``update``).
+      accumulates: False for observers that keep only the latest batch (see `check_homomorphism`).
+      approx_fields: float-sum fields compared to tolerance (default: the state class's
+        ``approx_fields``).
+
+    Raises:
+      AssertionError: from the first law that fails, with hypothesis's minimal example.
+      ImportError: when hypothesis is not installed.
+    """
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from . import strategies
+
+    laws = tuple(laws)
+    unknown = sorted(set(laws) - set(LAWS))
+    if unknown:
+        raise ValueError(f"check_all: unknown laws {unknown}; known: {LAWS}")
+    exact = obs.exact if exact is None else exact
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(data=st.data())
+    def run(data):
+        xs = data.draw(strategies.batches(make_x), label="xs")
+        if "identity" in laws:
+            _laws.check_identity(obs, xs)
+        if "associative" in laws:
+            _laws.check_associative(obs, xs, exact=exact, approx_fields=approx_fields)
+        if "commutative" in laws:
+            _laws.check_commutative(obs, xs, approx_fields=approx_fields)
+        if "homomorphism" in laws and exact:
+            cuts = data.draw(strategies.splits(len(xs)), label="split")
+            _laws.check_homomorphism(obs, xs, [cuts], accumulates=accumulates, approx_fields=approx_fields)
+        if "purity" in laws:
+            _laws.check_purity(obs, xs)
+        if "stability" in laws:
+            _laws.check_stability(obs, xs)
+        if "vmap" in laws:
+            _laws.check_vmap(obs, xs, approx_fields=approx_fields)
+
+    run()
+    if compile:
+        generator = torch.Generator().manual_seed(0)
+        _laws.check_compile(obs, [make_x(generator) for _ in range(2)], approx_fields=approx_fields)

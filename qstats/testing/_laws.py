@@ -1,0 +1,407 @@
+"""Law checks for observers: plain functions over concrete batches.
+
+Each ``check_*`` takes an `Observer` and a list of input batches ``xs`` (tensors of one shape) and
+raises AssertionError naming the law, the observer and the first differing field when the law
+fails. They need only torch; `check_all` draws the batches with hypothesis.
+
+Equality. Integer, bool and ordinary float fields are compared bit for bit (min/max are exact
+under any regrouping). Float fields that hold *sums* cannot be: regrouping a float sum rounds
+differently. A state type lists those fields in a class attribute ``approx_fields`` (or a check
+is given ``approx_fields=``), and they are compared to `DEFAULT_RTOL` relative to the largest
+magnitude in the field: ``|a - b| <= rtol * max(|a|.max(), |b|.max())``, with NaN and infinite
+entries required to match exactly. Observers declared ``exact=False`` (moving averages) compare
+every float field to that tolerance in the associativity check.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable, Optional, Sequence
+
+import optree
+import torch
+
+from .. import tree as qtree
+from .._qparams import compute_qparams
+from .._quant import fake_quantize
+from .._spec import QuantSpec
+from ..observers._base import state_types
+
+__all__ = [
+    "DEFAULT_RTOL",
+    "assert_states_equal",
+    "check_identity",
+    "check_associative",
+    "check_commutative",
+    "check_homomorphism",
+    "check_purity",
+    "check_stability",
+    "check_vmap",
+    "check_compile",
+]
+
+DEFAULT_RTOL = 1e-5
+"""Relative tolerance for ``approx_fields`` (float sums), relative to the field's largest magnitude."""
+
+_ALL_FLOAT = "*"
+
+
+def _approx_set(state: Any, approx_fields: Optional[Iterable[str]]) -> frozenset:
+    if approx_fields is None:
+        approx_fields = getattr(type(state), "approx_fields", ())
+    if isinstance(approx_fields, str):
+        approx_fields = (approx_fields,)
+    return frozenset(approx_fields)
+
+
+def _field_name(path: str) -> str:
+    tail = path.rsplit(".", 1)
+    return tail[-1] if len(tail) == 2 else path
+
+
+def _leaf_difference(actual: torch.Tensor, expected: torch.Tensor, approx: bool, rtol: float) -> Optional[str]:
+    if actual.is_floating_point():
+        a_nan, e_nan = torch.isnan(actual), torch.isnan(expected)
+        if not torch.equal(a_nan, e_nan):
+            return "NaN entries differ"
+        a_inf, e_inf = torch.isinf(actual), torch.isinf(expected)
+        if not torch.equal(torch.where(a_inf, actual, 0), torch.where(e_inf, expected, 0)) or not torch.equal(a_inf, e_inf):
+            return "infinite entries differ"
+        finite = ~(a_nan | a_inf)
+        a = torch.where(finite, actual, 0).double()
+        e = torch.where(finite, expected, 0).double()
+        if approx:
+            if a.numel() == 0:
+                return None
+            bound = rtol * torch.maximum(a.abs().max(), e.abs().max()) + 1e-300
+            worst = (a - e).abs().max()
+            if worst > bound:
+                return f"differs by {float(worst):.3g} > tolerance {float(bound):.3g} (rtol {rtol})"
+            return None
+        if not torch.equal(a, e):
+            worst = (a - e).abs().max()
+            return f"not bit-exact (largest difference {float(worst):.3g})"
+        return None
+    if not torch.equal(actual, expected):
+        return "not equal"
+    return None
+
+
+def assert_states_equal(
+    actual: Any,
+    expected: Any,
+    *,
+    approx_fields: Optional[Iterable[str]] = None,
+    rtol: float = DEFAULT_RTOL,
+    message: str = "",
+) -> None:
+    """Asserts two trees of tensors (states, QParams, ...) are equal under the module's policy.
+
+    Args:
+      actual, expected: trees of identical structure, shapes and dtypes (checked strictly).
+      approx_fields: field names compared to ``rtol`` (float sums); None reads the state class's
+        ``approx_fields`` attribute; ``"*"`` makes every float field approximate.
+      rtol: tolerance for those fields, relative to the field's largest magnitude.
+      message: prefix of the AssertionError.
+
+    Raises:
+      AssertionError: naming the path of the first differing leaf and how it differs.
+    """
+    prefix = f"{message}: " if message else ""
+    try:
+        qtree.assert_same_structure(actual, expected, name="state")
+    except ValueError as error:
+        raise AssertionError(f"{prefix}{error}") from None
+    approx = _approx_set(expected, approx_fields)
+    expected_leaves = dict(qtree.leaves_with_paths(expected, "state"))
+    for path, leaf in qtree.leaves_with_paths(actual, "state"):
+        other = expected_leaves[path]
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        field_approx = _ALL_FLOAT in approx or _field_name(path) in approx
+        problem = _leaf_difference(leaf, other, field_approx, rtol)
+        if problem is not None:
+            raise AssertionError(f"{prefix}{path} {problem}\n  got:      {leaf}\n  expected: {other}")
+
+
+def _name(obs) -> str:
+    return getattr(obs, "name", "observer")
+
+
+def _fold(obs, state, xs: Sequence[torch.Tensor]):
+    for x in xs:
+        state = obs.update(state, x)
+    return state
+
+
+def _merge_all(obs, states):
+    return functools.reduce(obs.merge, states)
+
+
+def _need(xs: Sequence[torch.Tensor], count: int, law: str) -> list:
+    xs = list(xs)
+    if len(xs) < count:
+        raise ValueError(f"{law} needs at least {count} batches, got {len(xs)}")
+    return xs
+
+
+def _groups(xs: list, parts: int) -> list[list]:
+    """Splits ``xs`` into ``parts`` consecutive groups of near-equal size (some may be empty)."""
+    size, extra = divmod(len(xs), parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + size + (1 if i < extra else 0)
+        out.append(xs[start:stop])
+        start = stop
+    return out
+
+
+def check_identity(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) -> None:
+    """Law 1: ``merge(init, s) == s == merge(s, init)`` for states built from ``xs``, and
+    ``merge(init, init) == init``. Bit-exact, float sums included (adding zero is exact)."""
+    xs = _need(xs, 1, "check_identity")
+    init = obs.init(xs[0])
+    name = _name(obs)
+    assert_states_equal(obs.merge(init, init), init, approx_fields=(), message=f"{name}: identity merge(init, init)")
+    state = init
+    for x in xs:
+        state = obs.update(state, x)
+        assert_states_equal(obs.merge(init, state), state, approx_fields=(), message=f"{name}: identity merge(init, s)")
+        assert_states_equal(obs.merge(state, init), state, approx_fields=(), message=f"{name}: identity merge(s, init)")
+
+
+def check_associative(obs, xs: Sequence[torch.Tensor], *, exact: Optional[bool] = None, approx_fields=None) -> None:
+    """Law 2a: ``merge(merge(a, b), c) == merge(a, merge(b, c))`` for states ``a, b, c`` folded
+    over three consecutive groups of ``xs`` (a group may be empty: its state is ``init``).
+
+    Bit-exact except ``approx_fields``; for ``exact=False`` observers (default: ``obs.exact``)
+    every float field is compared to tolerance."""
+    xs = _need(xs, 1, "check_associative")
+    exact = obs.exact if exact is None else exact
+    init = obs.init(xs[0])
+    a, b, c = (_fold(obs, init, group) for group in _groups(xs, 3))
+    left = obs.merge(obs.merge(a, b), c)
+    right = obs.merge(a, obs.merge(b, c))
+    approx = _approx_set(init, approx_fields) | ({_ALL_FLOAT} if not exact else set())
+    assert_states_equal(left, right, approx_fields=approx, message=f"{_name(obs)}: associativity")
+
+
+def check_commutative(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) -> None:
+    """Law 2b: ``merge(a, b) == merge(b, a)`` for states folded over two halves of ``xs`` and
+    over single batches. Bit-exact except ``approx_fields``."""
+    xs = _need(xs, 2, "check_commutative")
+    init = obs.init(xs[0])
+    first, second = (_fold(obs, init, group) for group in _groups(xs, 2))
+    pairs = [(first, second), (obs.update(init, xs[0]), obs.update(init, xs[-1]))]
+    for a, b in pairs:
+        assert_states_equal(
+            obs.merge(a, b), obs.merge(b, a), approx_fields=approx_fields, message=f"{_name(obs)}: commutativity"
+        )
+
+
+def _concatenable(obs, a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.ndim == 0 or a.shape[1:] != b.shape[1:]:
+        return False
+    try:
+        qtree.assert_same_structure(obs.init(a), obs.init(torch.cat([a, b])))
+    except ValueError:
+        return False
+    return True
+
+
+def check_homomorphism(
+    obs,
+    xs: Sequence[torch.Tensor],
+    splits: Optional[Sequence[Sequence[int]]] = None,
+    *,
+    accumulates: bool = True,
+    approx_fields=None,
+) -> None:
+    """Law 3, for exact observers: splitting the data never changes the result.
+
+    - Sequential form (``accumulates=True``): ``fold(update, init, xs)`` equals the merge of the
+      folds over the groups of any split of ``xs``. ``splits`` is a list of cut-point lists
+      (indices into ``xs``); the default tries every two-way split and the all-singletons split.
+      Pass ``accumulates=False`` for observers that keep only the latest batch
+      (`memoryless_minmax`), for which only the concatenation form holds.
+    - Concatenation form, when two batches can be concatenated along dim 0 without changing the
+      parameter shape (per-tensor, ``PerAxis(-1)``, ...):
+      ``update(s, cat(a, b)) == merge(update(s, a), update(init, b))`` for ``s = init`` and for a
+      state that has seen data.
+
+    Bit-exact except ``approx_fields``.
+    """
+    xs = _need(xs, 2, "check_homomorphism")
+    name = _name(obs)
+    init = obs.init(xs[0])
+    if accumulates:
+        sequential = _fold(obs, init, xs)
+        if splits is None:
+            splits = [[i] for i in range(1, len(xs))] + [list(range(1, len(xs)))]
+        for cuts in splits:
+            bounds = [0, *sorted(set(int(c) for c in cuts if 0 < int(c) < len(xs))), len(xs)]
+            groups = [xs[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+            merged = _merge_all(obs, [_fold(obs, init, group) for group in groups])
+            assert_states_equal(
+                merged,
+                sequential,
+                approx_fields=approx_fields,
+                message=f"{name}: homomorphism (merge of per-group states for split {list(cuts)} vs sequential updates)",
+            )
+    a, b = (xs[1], xs[2]) if len(xs) >= 3 else (xs[0], xs[1])
+    if _concatenable(obs, a, b):
+        joined = torch.cat([a, b])
+        seen = obs.update(init, xs[0])
+        for label, state in (("init", init), ("a state that has seen data", seen)):
+            assert_states_equal(
+                obs.merge(obs.update(state, a), obs.update(init, b)),
+                obs.update(state, joined),
+                approx_fields=approx_fields,
+                message=f"{name}: homomorphism update(s, cat(a, b)) == merge(update(s, a), update(init, b)) with s = {label}",
+            )
+
+
+def _clone(tree):
+    return optree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _spec_of(obs) -> Optional[QuantSpec]:
+    spec = getattr(obs, "spec", None)
+    return spec if isinstance(spec, QuantSpec) else None
+
+
+def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tensor] = None) -> None:
+    """Law 4: ``init``, ``update``, ``merge`` and ``compute_qparams`` never modify their inputs,
+    and the same inputs give the same outputs (bit for bit)."""
+    xs = _need(xs, 2, "check_purity")
+    name = _name(obs)
+    spec = _spec_of(obs)
+    x0, x1 = xs[0], xs[1]
+    x0_copy, x1_copy = x0.clone(), x1.clone()
+    init = obs.init(x0)
+    assert_states_equal(x0, x0_copy, approx_fields=(), message=f"{name}: purity: init modified its input")
+    state = obs.update(init, x0)
+    state_copy = _clone(state)
+    weight_copy = None if weight is None else weight.clone()
+    first = obs.update(state, x1, weight) if weight is not None else obs.update(state, x1)
+    second = obs.update(state, x1, weight) if weight is not None else obs.update(state, x1)
+    assert_states_equal(x1, x1_copy, approx_fields=(), message=f"{name}: purity: update modified the input tensor")
+    assert_states_equal(state, state_copy, approx_fields=(), message=f"{name}: purity: update modified the state")
+    if weight is not None:
+        assert_states_equal(weight, weight_copy, approx_fields=(), message=f"{name}: purity: update modified the weight")
+    assert_states_equal(first, second, approx_fields=(), message=f"{name}: purity: update gave different results twice")
+    first_copy = _clone(first)
+    merged = obs.merge(state, first)
+    again = obs.merge(state, first)
+    assert_states_equal(state, state_copy, approx_fields=(), message=f"{name}: purity: merge modified its first argument")
+    assert_states_equal(first, first_copy, approx_fields=(), message=f"{name}: purity: merge modified its second argument")
+    assert_states_equal(merged, again, approx_fields=(), message=f"{name}: purity: merge gave different results twice")
+    if spec is not None:
+        qp = compute_qparams(merged, spec)
+        qp_again = compute_qparams(merged, spec)
+        assert_states_equal(qp, qp_again, approx_fields=(), message=f"{name}: purity: compute_qparams gave different results twice")
+        merged_copy = _clone(again)
+        assert_states_equal(merged, merged_copy, approx_fields=(), message=f"{name}: purity: compute_qparams modified the state")
+
+
+def _check_state_leaves(state, name: str) -> None:
+    cls = type(state)
+    registered = state_types().get(cls.__name__)
+    if registered is not cls:
+        raise AssertionError(
+            f"{name}: stability: state type {cls.__name__} is not registered; decorate it with qstats.register_state"
+        )
+    for path, leaf in qtree.leaves_with_paths(state, "state"):
+        if not isinstance(leaf, torch.Tensor):
+            raise AssertionError(f"{name}: stability: {path} is a {type(leaf).__name__}; states hold tensors only")
+        if leaf.is_floating_point() and leaf.dtype not in (torch.float32, torch.float64):
+            raise AssertionError(f"{name}: stability: {path} has dtype {leaf.dtype}; accumulate in float32 or wider")
+        if not leaf.is_floating_point() and leaf.dtype not in (torch.int64, torch.bool) and not leaf.is_complex():
+            raise AssertionError(f"{name}: stability: {path} has dtype {leaf.dtype}; counts are int64")
+
+
+def check_stability(obs, xs: Sequence[torch.Tensor]) -> None:
+    """Law 5: ``update`` and ``merge`` return exactly the structure, NamedTuple type, shapes and
+    dtypes that ``init`` returned, for float32 and for bfloat16/float16 inputs; the state type is
+    registered, its leaves are tensors, floats are float32 or wider, integers int64."""
+    xs = _need(xs, 1, "check_stability")
+    name = _name(obs)
+    init = obs.init(xs[0])
+    _check_state_leaves(init, name)
+
+    def same(state, what):
+        try:
+            qtree.assert_same_structure(init, state, name="state")
+        except ValueError as error:
+            raise AssertionError(f"{name}: stability: {what} changed the state: {error}") from None
+
+    state = init
+    for x in xs:
+        state = obs.update(state, x)
+        same(state, "update")
+        same(obs.merge(state, init), "merge(s, init)")
+        same(obs.merge(init, state), "merge(init, s)")
+    same(obs.update(state, xs[0][:0] if xs[0].ndim else xs[0].reshape(-1)[:0]), "update with an empty tensor")
+    if xs[0].dtype == torch.float32:
+        for dtype in (torch.bfloat16, torch.float16):
+            low = xs[0].to(dtype)
+            same(obs.init(low), f"init of a {dtype} tensor")
+            same(obs.update(state, low), f"update with a {dtype} tensor")
+
+
+def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_fields=None) -> None:
+    """Law 6: ``torch.func.vmap`` of ``update`` (with and without a per-row ``weight``), ``merge``,
+    ``compute_qparams`` and ``fake_quantize`` over states stacked with `qstats.tree.stack` equals the
+    per-slice loop. ``compute_qparams`` and ``fake_quantize`` are compared bit for bit; ``update``
+    and ``merge`` bit for bit except ``approx_fields``."""
+    xs = _need(xs, 2, "check_vmap")
+    name = _name(obs)
+    spec = _spec_of(obs)
+    vmap = torch.func.vmap
+    init = obs.init(xs[0])
+    states = [obs.update(init, x) for x in xs]
+    nexts = xs[1:] + xs[:1]
+    stacked_states = qtree.stack(states)
+    stacked_next = torch.stack(nexts)
+
+    batched = vmap(obs.update)(stacked_states, stacked_next)
+    looped = qtree.stack([obs.update(s, x) for s, x in zip(states, nexts)])
+    assert_states_equal(batched, looped, approx_fields=approx_fields, message=f"{name}: vmap(update) vs loop")
+
+    if weights and xs[0].ndim >= 1 and xs[0].shape[0] >= 2:
+        rows = xs[0].shape[0]
+        masks = [((torch.arange(rows) + i) % 2 == 0).to(torch.float32) for i in range(len(xs))]
+        batched_w = vmap(obs.update)(stacked_states, stacked_next, torch.stack(masks))
+        looped_w = qtree.stack([obs.update(s, x, w) for s, x, w in zip(states, nexts, masks)])
+        assert_states_equal(batched_w, looped_w, approx_fields=approx_fields, message=f"{name}: vmap(update, weight) vs loop")
+
+    merged = vmap(obs.merge)(stacked_states, batched)
+    looped_merge = qtree.stack([obs.merge(s, t) for s, t in zip(states, qtree.unstack(batched))])
+    assert_states_equal(merged, looped_merge, approx_fields=approx_fields, message=f"{name}: vmap(merge) vs loop")
+
+    if spec is None:
+        return
+    slices = qtree.unstack(merged)
+    batched_qp = vmap(lambda s: compute_qparams(s, spec))(merged)
+    looped_qp = qtree.stack([compute_qparams(s, spec) for s in slices])
+    assert_states_equal(batched_qp, looped_qp, approx_fields=(), message=f"{name}: vmap(compute_qparams) vs loop")
+    stacked_x = torch.stack(xs)
+    batched_fq = vmap(lambda x, qp: fake_quantize(x, qp, spec))(stacked_x, batched_qp)
+    looped_fq = torch.stack([fake_quantize(x, qp, spec) for x, qp in zip(xs, qtree.unstack(batched_qp))])
+    assert_states_equal(batched_fq, looped_fq, approx_fields=(), message=f"{name}: vmap(fake_quantize) vs loop")
+
+
+def check_compile(obs, xs: Sequence[torch.Tensor], *, backend: str = "inductor", approx_fields=None) -> None:
+    """Law 7: ``torch.compile(update, fullgraph=True)`` runs without graph breaks and equals eager
+    (bit for bit except ``approx_fields``; inductor may reorder float sums)."""
+    xs = _need(xs, 1, "check_compile")
+    name = _name(obs)
+    compiled = torch.compile(obs.update, fullgraph=True, backend=backend)
+    state = obs.init(xs[0])
+    for x in xs[:2]:
+        try:
+            got = compiled(state, x)
+        except Exception as error:  # graph breaks surface as torch._dynamo errors
+            raise AssertionError(f"{name}: torch.compile(update, fullgraph=True) failed: {type(error).__name__}: {error}") from error
+        state = obs.update(state, x)
+        assert_states_equal(got, state, approx_fields=approx_fields, message=f"{name}: compiled update vs eager")

@@ -1,0 +1,97 @@
+"""Hypothesis strategies for observer tests (needs the ``hypothesis`` package).
+
+Tensors are drawn from a seed and a power-of-two magnitude rather than element by element:
+shrinking stays cheap, scaling by ``2**k`` is exact in floating point, and magnitudes stay
+reasonable (``2**-8`` to ``2**8`` by default), as algebird keeps its generators.
+
+>>> from hypothesis import given
+>>> from qstats.testing import strategies
+>>> @given(strategies.tensors((4, 8)))
+... def test_something(x):
+...     assert x.shape == (4, 8)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from hypothesis import strategies as st
+
+__all__ = ["seeds", "magnitudes", "tensors", "batches", "splits"]
+
+_DISTRIBUTIONS = ("normal", "uniform", "laplace", "constant", "sparse")
+
+
+def seeds() -> st.SearchStrategy[int]:
+    """Seeds for ``torch.Generator().manual_seed``."""
+    return st.integers(min_value=0, max_value=2**31 - 1)
+
+
+def magnitudes(min_exponent: int = -8, max_exponent: int = 8) -> st.SearchStrategy[float]:
+    """Powers of two ``2**k`` for ``k`` in ``[min_exponent, max_exponent]`` (scaling is exact)."""
+    return st.integers(min_exponent, max_exponent).map(lambda k: float(2.0**k))
+
+
+def _sample(shape, distribution: str, generator: torch.Generator) -> torch.Tensor:
+    if distribution == "normal":
+        return torch.randn(shape, generator=generator)
+    if distribution == "uniform":
+        return torch.rand(shape, generator=generator) * 2 - 1
+    if distribution == "laplace":
+        u = torch.rand(shape, generator=generator).clamp(1e-6, 1 - 1e-6) - 0.5
+        return -torch.sign(u) * torch.log1p(-2 * u.abs())
+    if distribution == "constant":
+        return torch.full(shape, float(torch.randn((), generator=generator)))
+    if distribution == "sparse":
+        keep = torch.rand(shape, generator=generator) < 0.1
+        return torch.where(keep, torch.randn(shape, generator=generator), torch.zeros(shape))
+    raise ValueError(f"unknown distribution {distribution!r}; known: {_DISTRIBUTIONS}")
+
+
+@st.composite
+def tensors(
+    draw,
+    shape: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    distributions: Sequence[str] = ("normal", "uniform", "laplace"),
+    min_exponent: int = -8,
+    max_exponent: int = 8,
+) -> torch.Tensor:
+    """A tensor of ``shape``: a seeded draw from one of ``distributions`` ("normal", "uniform",
+    "laplace", "constant", "sparse") times a power-of-two magnitude, cast to ``dtype``."""
+    seed = draw(seeds())
+    distribution = draw(st.sampled_from(list(distributions)))
+    scale = draw(magnitudes(min_exponent, max_exponent))
+    generator = torch.Generator().manual_seed(seed)
+    return (_sample(tuple(shape), distribution, generator) * scale).to(dtype)
+
+
+@st.composite
+def batches(
+    draw,
+    make_x: Callable[[torch.Generator], torch.Tensor],
+    min_size: int = 3,
+    max_size: int = 5,
+    min_exponent: int = -8,
+    max_exponent: int = 8,
+) -> list:
+    """A list of ``min_size`` to ``max_size`` batches ``make_x(generator) * 2**k`` (one seeded
+    generator, one magnitude for the list; non-float batches are not scaled)."""
+    count = draw(st.integers(min_size, max_size))
+    seed = draw(seeds())
+    scale = draw(magnitudes(min_exponent, max_exponent))
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        x = make_x(generator)
+        out.append(x * scale if x.is_floating_point() else x)
+    return out
+
+
+def splits(count: int) -> st.SearchStrategy[list]:
+    """Sorted cut points into a list of ``count`` batches (``[]`` is no split; ``[1, 3]`` splits
+    into ``xs[:1], xs[1:3], xs[3:]``)."""
+    if count < 2:
+        return st.just([])
+    return st.lists(st.integers(1, count - 1), unique=True, max_size=count - 1).map(sorted)

@@ -1,0 +1,173 @@
+"""Trees of states: stack, unstack and strict structure checks.
+
+A *tree* is any nesting of dicts, lists, tuples and NamedTuples (states, QParams) whose leaves are
+tensors, as `optree` flattens it (NamedTuples are pytree nodes in optree's default namespace; this
+module registers nothing). Stacking a list of same-structure trees gives one tree whose leaves have
+a new leading dimension, ready for ``torch.func.vmap``::
+
+    states = [obs.init(w) for w in expert_weights]
+    batched = qstats.tree.stack(states)                   # leaves: (experts, *shape)
+    batched = torch.func.vmap(obs.update)(batched, torch.stack(expert_weights))
+    per_expert = qstats.tree.unstack(batched)             # back to a list of states
+
+`assert_same_structure` is the strict comparison used before combining trees: same node types
+(NamedTuple classes included), same dict keys, same leaf shapes and dtypes. Its error names the path
+of the first difference and both sides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import optree
+import torch
+
+__all__ = ["stack", "unstack", "assert_same_structure", "leaves_with_paths"]
+
+
+def _child_path(path: str, node: Any, entry: Any) -> str:
+    if isinstance(node, tuple) and hasattr(type(node), "_fields"):
+        return f"{path}.{node._fields[entry]}"
+    return f"{path}[{entry!r}]"
+
+
+def _is_leaf(tree: Any) -> bool:
+    return isinstance(tree, torch.Tensor) or optree.tree_is_leaf(tree)
+
+
+def _node_description(tree: Any) -> str:
+    kind = type(tree).__name__
+    if hasattr(type(tree), "_fields"):
+        return f"{kind} (a NamedTuple)"
+    if isinstance(tree, dict):
+        return f"{kind} with keys {sorted(map(repr, tree))}"
+    if isinstance(tree, (list, tuple)):
+        return f"{kind} of length {len(tree)}"
+    return kind
+
+
+def _leaf_description(leaf: Any) -> str:
+    if isinstance(leaf, torch.Tensor):
+        return f"tensor of shape {tuple(leaf.shape)} and dtype {leaf.dtype}"
+    return f"{type(leaf).__name__} {leaf!r}"
+
+
+def _compare(a: Any, b: Any, path: str, check_leaves: bool) -> None:
+    a_leaf, b_leaf = _is_leaf(a), _is_leaf(b)
+    if a_leaf or b_leaf:
+        if not (a_leaf and b_leaf):
+            raise ValueError(
+                f"tree mismatch at {path}: {_leaf_description(a) if a_leaf else _node_description(a)} "
+                f"vs {_leaf_description(b) if b_leaf else _node_description(b)}"
+            )
+        a_tensor, b_tensor = isinstance(a, torch.Tensor), isinstance(b, torch.Tensor)
+        if a_tensor != b_tensor or (not a_tensor and (type(a) is not type(b) or a != b)):
+            raise ValueError(f"tree mismatch at {path}: {_leaf_description(a)} vs {_leaf_description(b)}")
+        if check_leaves and a_tensor and (a.shape != b.shape or a.dtype != b.dtype):
+            raise ValueError(f"tree mismatch at {path}: {_leaf_description(a)} vs {_leaf_description(b)}")
+        return
+    if type(a) is not type(b):
+        raise ValueError(f"tree mismatch at {path}: {_node_description(a)} vs {_node_description(b)}")
+    a_children, a_meta, a_entries, _ = optree.tree_flatten_one_level(a)
+    b_children, b_meta, b_entries, _ = optree.tree_flatten_one_level(b)
+    if isinstance(a, dict):
+        if set(a_entries) != set(b_entries):
+            raise ValueError(f"tree mismatch at {path}: {_node_description(a)} vs {_node_description(b)}")
+        b_by_key = dict(zip(b_entries, b_children))
+        for entry, child in zip(a_entries, a_children):
+            _compare(child, b_by_key[entry], _child_path(path, a, entry), check_leaves)
+        return
+    if len(a_children) != len(b_children) or a_entries != b_entries or a_meta != b_meta:
+        raise ValueError(f"tree mismatch at {path}: {_node_description(a)} vs {_node_description(b)}")
+    for entry, a_child, b_child in zip(a_entries, a_children, b_children):
+        _compare(a_child, b_child, _child_path(path, a, entry), check_leaves)
+
+
+def assert_same_structure(a: Any, b: Any, *, check_leaves: bool = True, name: str = "tree") -> None:
+    """Raises ValueError unless ``a`` and ``b`` have the same structure.
+
+    Strict: node types must be identical (a MinMaxState is not a MemorylessMinMaxState even with the
+    same fields), dicts must have the same keys, sequences the same lengths, and (``check_leaves``)
+    tensor leaves the same shape and dtype. Non-tensor leaves must be equal. The message names the
+    path of the first difference (``tree['layer0'].min_val``) and both sides.
+
+    >>> import torch, qstats
+    >>> a = {"w": torch.zeros(3)}
+    >>> qstats.tree.assert_same_structure(a, {"w": torch.zeros(4)})
+    Traceback (most recent call last):
+    ...
+    ValueError: tree mismatch at tree['w']: tensor of shape (3,) and dtype torch.float32 vs tensor of shape (4,) and dtype torch.float32
+    """
+    _compare(a, b, name, check_leaves)
+
+
+def leaves_with_paths(tree: Any, name: str = "tree") -> list[tuple[str, Any]]:
+    """``[(path, leaf), ...]`` in flattening order, paths spelled as in `assert_same_structure`."""
+    out: list[tuple[str, Any]] = []
+
+    def walk(node: Any, path: str) -> None:
+        if _is_leaf(node):
+            out.append((path, node))
+            return
+        children, _, entries, _ = optree.tree_flatten_one_level(node)
+        for entry, child in zip(entries, children):
+            walk(child, _child_path(path, node, entry))
+
+    walk(tree, name)
+    return out
+
+
+def stack(trees: Sequence[Any]) -> Any:
+    """Stacks same-structure trees leaf by leaf along a new leading dimension.
+
+    Args:
+      trees: a non-empty sequence of trees with identical structure, shapes and dtypes
+        (`assert_same_structure`); leaves must be tensors.
+
+    Returns:
+      One tree of the same structure whose leaves have shape ``(len(trees), *leaf.shape)``.
+
+    Raises:
+      ValueError: for an empty sequence, or naming the path of the first mismatch.
+    """
+    trees = list(trees)
+    if not trees:
+        raise ValueError("tree.stack: needs at least one tree")
+    first = trees[0]
+    for index, other in enumerate(trees[1:], start=1):
+        _compare(first, other, f"trees[{index}]", True)
+    for path, leaf in leaves_with_paths(first, "trees[0]"):
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(f"tree.stack: leaf {path} is a {type(leaf).__name__}, not a tensor")
+    treespec = optree.tree_structure(first)
+    leaves_per_tree = [optree.tree_leaves(tree) for tree in trees]
+    stacked = [torch.stack(column) for column in zip(*leaves_per_tree)]
+    return optree.tree_unflatten(treespec, stacked)
+
+
+def unstack(tree: Any) -> list[Any]:
+    """Inverse of `stack`: splits every leaf along its leading dimension.
+
+    Raises:
+      ValueError: when a leaf is not a tensor, is 0-dimensional, or the leading sizes differ (names
+        the paths and sizes).
+    """
+    paths = leaves_with_paths(tree)
+    leaves, treespec = optree.tree_flatten(tree)
+    if not leaves:
+        raise ValueError("tree.unstack: the tree has no leaves")
+    size = None
+    size_path = None
+    for path, leaf in paths:
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(f"tree.unstack: leaf {path} is a {type(leaf).__name__}, not a tensor")
+        if leaf.ndim == 0:
+            raise ValueError(f"tree.unstack: leaf {path} is 0-dimensional; it has no leading dimension to split")
+        if size is None:
+            size, size_path = leaf.shape[0], path
+        elif leaf.shape[0] != size:
+            raise ValueError(
+                f"tree.unstack: leaf {path} has leading size {leaf.shape[0]} but {size_path} has {size}"
+            )
+    columns = [leaf.unbind(0) for leaf in leaves]
+    return [optree.tree_unflatten(treespec, [column[i] for column in columns]) for i in range(size)]
