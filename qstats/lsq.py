@@ -1,0 +1,175 @@
+"""Learnable quantization ranges: LSQ (learned scale) and LSQ+ (learned scale and offset).
+
+`lsq_fake_quantize(x, params, spec)` fake-quantizes ``x`` with a scale (and zero point) that are
+ordinary tensors, so they are trained by the same optimizer as the weights. Forward values and
+the gradients with respect to ``x``, the scale and the zero point equal torch.ao's
+``torch._fake_quantize_learnable_per_tensor_affine`` / ``_per_channel_affine`` (the kernels of
+``torch.ao.quantization._LearnableFakeQuantize``):
+
+- ``x``: 1 where ``round(x / scale) + zero_point`` falls inside ``[qmin, qmax]``, 0 outside;
+- scale: ``(fake_quantized - x) / scale`` inside, ``qmin - zero_point`` or ``qmax - zero_point``
+  outside (the LSQ gradient of Esser et al., 2020);
+- zero point: 0 inside, ``-scale`` outside;
+
+both range gradients multiplied by the gradient scale ``1 / sqrt(numel(x) * qmax)``
+(``grad_scale="torch_ao"``, torch.ao's ``use_grad_scaling=True``). Symmetric specs keep the zero
+point fixed (LSQ: its gradient is 0); asymmetric specs learn it (LSQ+, Bhalgat et al., 2020), in
+the integer domain (rounded in the forward, as torch.ao) or, with ``zero_point_domain="float"``,
+as a float offset.
+
+Everything is written with differentiable torch ops (no ``autograd.Function``), so it composes
+with ``torch.func.grad``, ``vmap`` and ``torch.compile``. Any granularity works, through the
+canonical view.
+
+One documented difference: for a per-tensor zero point, torch's backward kernel rounds the zero
+point as ``trunc(clamp(zero_point + 0.5))`` while its forward uses ``round(zero_point)``; the two
+differ for negative non-integer zero points and at exact halves. qstats uses the forward's zero
+point in the gradient too (the gradient of the function actually computed).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Union
+
+import torch
+
+from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
+from ._qparams import compute_qparams
+from ._spec import QuantSpec
+
+__all__ = ["LSQParams", "lsq_init", "lsq_fake_quantize", "lsq_grad_factor"]
+
+
+class LSQParams(NamedTuple):
+    """Learnable range of one tensor: float32 ``scale`` and ``zero_point`` of shape
+    ``qparam_shape`` (train them like weights)."""
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+
+
+def lsq_init(state, spec: QuantSpec, **options) -> LSQParams:
+    """Learnable range initialised from any observer state (through `compute_qparams`).
+
+    >>> import torch, qstats
+    >>> spec = qstats.QuantSpec(dtype="int4")
+    >>> obs = qstats.minmax(spec)
+    >>> x = torch.tensor([-1.0, 2.0])
+    >>> qstats.lsq_init(obs.update(obs.init(x), x), spec).scale
+    tensor(0.2667)
+    """
+    _check_spec(spec)
+    qparams = compute_qparams(state, spec, **options)
+    return LSQParams(qparams.scale.float().clone(), qparams.zero_point.float().clone())
+
+
+def _check_spec(spec) -> None:
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"expected a QuantSpec, got {type(spec).__name__}")
+    if spec.is_float:
+        raise ValueError(f"lsq: learnable ranges need an integer target, got spec.dtype={spec.dtype!r}")
+
+
+def lsq_grad_factor(x_numel: int, params_numel: int, spec: QuantSpec, grad_scale) -> float:
+    """The factor applied to the range gradients.
+
+    ``grad_scale``: ``"torch_ao"`` (``1 / sqrt(numel(x) * qmax)``, torch.ao's
+    ``use_grad_scaling=True``, also for per-channel ranges), ``"per_parameter"``
+    (``1 / sqrt(numel(x) / numel(scale) * qmax)``, the LSQ paper's per-channel reading), ``None``
+    (1, torch.ao's default ``use_grad_scaling=False``) or a positive float.
+    """
+    if grad_scale is None:
+        return 1.0
+    qmax = spec.qrange[1]
+    if grad_scale == "torch_ao":
+        return 1.0 / math.sqrt(x_numel * qmax)
+    if grad_scale == "per_parameter":
+        return 1.0 / math.sqrt(x_numel / max(params_numel, 1) * qmax)
+    if isinstance(grad_scale, (int, float)) and not isinstance(grad_scale, bool) and grad_scale > 0:
+        return float(grad_scale)
+    raise ValueError(
+        f"grad_scale must be 'torch_ao', 'per_parameter', None or a positive float, got {grad_scale!r}"
+    )
+
+
+def _zero_gradient(t: torch.Tensor) -> torch.Tensor:
+    """0 in value, with gradient 1 with respect to ``t``."""
+    return t - t.detach()
+
+
+def lsq_fake_quantize(
+    x: torch.Tensor,
+    params: LSQParams,
+    spec: QuantSpec,
+    grad_scale: Union[str, float, None] = "torch_ao",
+) -> torch.Tensor:
+    """Fake-quantizes ``x`` with a learnable range; gradients as torch.ao's learnable fake quant.
+
+    Args:
+      x: the tensor to fake-quantize (any float dtype; computed in float32, returned in its dtype).
+      params: `LSQParams` of shape ``qparam_shape(x.shape, spec.granularity)``. Scales below
+        ``spec.eps`` are raised to ``spec.eps`` in the forward (torch.ao clamps its parameter the
+        same way); the gradient still reaches the scale.
+      spec: an integer QuantSpec; its granularity gives the shape of the range, its mapping says
+        whether the zero point is learned (asymmetric) or fixed (symmetric).
+      grad_scale: see `lsq_grad_factor`.
+
+    Returns:
+      The fake-quantized tensor, shape and dtype of ``x``.
+
+    >>> import torch, qstats
+    >>> spec = qstats.QuantSpec(dtype="int4")
+    >>> params = qstats.LSQParams(torch.tensor(0.5, requires_grad=True), torch.tensor(0.0))
+    >>> qstats.lsq_fake_quantize(torch.tensor([0.3, 9.0]), params, spec)
+    tensor([0.5000, 3.5000], grad_fn=<ToCopyBackward0>)
+    """
+    _check_spec(spec)
+    if not isinstance(params, LSQParams):
+        raise TypeError(f"lsq_fake_quantize: params must be LSQParams, got {type(params).__name__}")
+    view = canonical_view(x, spec.granularity)
+    expected = tuple(view.shape[1:-1])
+    for name, value in zip(LSQParams._fields, params):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"lsq_fake_quantize: params.{name} must be a tensor, got {type(value).__name__}")
+        if tuple(value.shape) != expected:
+            raise ValueError(
+                f"lsq_fake_quantize: params.{name} has shape {tuple(value.shape)} but a tensor of shape "
+                f"{tuple(x.shape)} with {type(spec.granularity).__name__} needs {expected}"
+            )
+    qmin, qmax = spec.qrange
+    factor = lsq_grad_factor(x.numel(), params.scale.numel(), spec, grad_scale)
+
+    scale = broadcast_to_view(params.scale.float())
+    scale_value = scale.detach().clamp(min=spec.eps)
+    learn_zero_point = spec.mapping == "asymmetric" and spec.zero_point_domain != "none"
+    if learn_zero_point:
+        zero_point = broadcast_to_view(params.zero_point.float())
+        zero_point_value = zero_point.detach()
+        if spec.zero_point_domain == "int":
+            zero_point_value = torch.round(zero_point_value).clamp(qmin, qmax)
+    else:
+        zero_point = None
+        fixed = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
+        zero_point_value = torch.full_like(scale_value, float(fixed))
+
+    v = view.float()
+    v_value = v.detach()
+    inv_scale = 1.0 / scale_value
+    if spec.zero_point_domain == "float":
+        unclamped = torch.round(v_value * inv_scale + zero_point_value)
+    else:
+        unclamped = torch.round(v_value * inv_scale) + zero_point_value
+    codes = unclamped.clamp(qmin, qmax)
+    inside = (unclamped >= qmin) & (unclamped <= qmax)
+    out = (codes - zero_point_value) * scale_value
+
+    # Gradient coefficients (values, detached), torch.ao's kernel term by term.
+    scale_coefficient = torch.where(inside, (out - v_value) * inv_scale, codes - zero_point_value) * factor
+    passthrough = torch.where(inside, _zero_gradient(v), torch.zeros_like(v_value))
+    out = out + passthrough + _zero_gradient(scale) * scale_coefficient
+    if zero_point is not None:
+        zero_point_coefficient = torch.where(inside, torch.zeros_like(scale_value), -scale_value) * factor
+        out = out + _zero_gradient(zero_point) * zero_point_coefficient
+    out = from_canonical_view(out, spec.granularity, x.shape)
+    return out.to(x.dtype)

@@ -1,0 +1,424 @@
+"""Quantization-aware training as a pure function of (params, states, batch).
+
+Two levels:
+
+- `observe_fake_quantize(x, state, observer, phase)` -> ``(y, new_state)``: one tensor. Updates
+  the observer state (when ``phase.observe``), computes the quantization parameters from the new
+  state and fake-quantizes ``x`` (when ``phase.fake_quantize``), with a straight-through gradient.
+- `prepare(model, weight_observer=..., activation_observer=...)` -> `QATModel`: a whole
+  ``nn.Module``, rewritten with ``torch.fx`` so that the weight and the input activation of
+  every Linear/Conv layer go through `observe_fake_quantize`, and batch norm is a pure function
+  of its running statistics. ``qat.apply(params, state, x, phase=phase)`` returns
+  ``(output, new_state)``: no buffers are mutated, so it composes with
+  ``torch.func.functional_call``, ``torch.func.grad(..., has_aux=True)``, ``vmap`` and
+  ``torch.compile`` (no graph breaks), and the states of several data-parallel ranks can be merged
+  with the observers' ``merge``.
+
+Unlike torch.ao's ``FakeQuantize`` modules, the observer state is an explicit input and output,
+never a hidden buffer; the phase (observe, fake-quantize, freeze batch norm) is an explicit
+`QATPhase`, usually produced by a `QATSchedule`.
+
+Straight-through gradients: ``ste="clipped"`` (default, torch.ao's): 1 where the value falls
+inside the quantized range, 0 where it was clipped; ``ste="identity"``: 1 everywhere (no
+gradient clipping outside the range). Learned ranges (LSQ / LSQ+) replace the observer's
+parameters where ``ranges`` gives them (see `qstats.lsq`).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict, NamedTuple, Optional, Tuple
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from ._qparams import compute_qparams
+from ._quant import fake_quantize
+from ._spec import QuantSpec
+from .lsq import LSQParams, lsq_fake_quantize, lsq_init
+from .observers import Observer
+from .schedule import QATPhase
+
+__all__ = [
+    "BatchNormState",
+    "QATModel",
+    "QATState",
+    "fake_quantize_ste",
+    "observe_fake_quantize",
+    "prepare",
+]
+
+_STE_MODES = ("clipped", "identity")
+_DEFAULT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONV_FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+
+
+def _select(flag, if_true, if_false):
+    """``if_true if flag else if_false`` for a Python bool, elementwise ``torch.where`` for a bool
+    tensor (tensors, or NamedTuples of tensors with the same structure)."""
+    if isinstance(flag, bool):
+        return if_true if flag else if_false
+    if not isinstance(flag, torch.Tensor) or flag.dtype != torch.bool:
+        raise TypeError(f"QATPhase flags must be Python bools or bool tensors, got {flag!r}")
+    if isinstance(if_true, torch.Tensor):
+        return torch.where(flag, if_true, if_false)
+    return type(if_true)(*(torch.where(flag, a, b) for a, b in zip(if_true, if_false)))
+
+
+def _check_ste(ste: str) -> None:
+    if ste not in _STE_MODES:
+        raise ValueError(f"ste must be one of {_STE_MODES}, got {ste!r}")
+
+
+def fake_quantize_ste(x: torch.Tensor, qparams, spec: QuantSpec, ste: str = "clipped") -> torch.Tensor:
+    """`qstats.fake_quantize` with a choice of straight-through gradient.
+
+    ``ste="clipped"``: 1 inside the representable range, 0 where clipped (torch.ao's fake quant);
+    ``ste="identity"``: 1 everywhere.
+    """
+    _check_ste(ste)
+    if ste == "clipped":
+        return fake_quantize(x, qparams, spec)
+    value = fake_quantize(x.detach(), qparams, spec)
+    return value + (x - x.detach())
+
+
+def _fallback_spec(spec: QuantSpec) -> QuantSpec:
+    return spec if spec.on_uncalibrated == "fallback" else spec.replace(on_uncalibrated="fallback")
+
+
+def observe_fake_quantize(
+    x: torch.Tensor,
+    state,
+    observer: Observer,
+    phase: QATPhase = QATPhase(),
+    *,
+    ste: str = "clipped",
+    learned: Optional[LSQParams] = None,
+    grad_scale="torch_ao",
+    qparams_options: Optional[Dict[str, Any]] = None,
+) -> Tuple[torch.Tensor, Any]:
+    """One QAT fake-quant point: ``(fake_quantized_x, new_state)``. Pure.
+
+    Args:
+      x: the weight or activation.
+      state: the observer's state for this tensor (``observer.init(x)`` at first).
+      observer: a qstats Observer; its ``spec`` is the quantization target.
+      phase: `QATPhase`; ``observe`` updates the state with ``x`` (detached), ``fake_quantize``
+        fake-quantizes ``x`` with the parameters of the *updated* state (as torch.ao's
+        FakeQuantize: observe, then quantize). Python bools branch; bool tensors select with
+        ``torch.where`` (one compiled graph for every phase).
+      ste: ``"clipped"`` or ``"identity"`` straight-through gradient (see module docs).
+      learned: optional `LSQParams`: fake-quantize with this learned range instead (LSQ/LSQ+,
+        gradients as torch.ao's learnable fake quant).
+      grad_scale: gradient scale of the learned range (see `qstats.lsq_grad_factor`).
+      qparams_options: keyword options for `compute_qparams` (e.g. a histogram method).
+
+    Raises:
+      ValueError: in eager mode, when fake-quantizing from a state that saw no data and the spec
+        says ``on_uncalibrated="raise"``.
+
+    >>> import torch, qstats
+    >>> obs = qstats.minmax(qstats.QuantSpec(dtype="int8"))
+    >>> x = torch.tensor([-1.0, 0.5, 2.0])
+    >>> y, state = qstats.observe_fake_quantize(x, obs.init(x), obs)
+    >>> state.max_val
+    tensor(2.)
+    """
+    if not isinstance(observer, Observer):
+        raise TypeError(f"observe_fake_quantize: observer must be a qstats Observer, got {type(observer).__name__}")
+    if not isinstance(phase, QATPhase):
+        raise TypeError(f"observe_fake_quantize: phase must be a QATPhase, got {type(phase).__name__}")
+    _check_ste(ste)
+    spec = observer.spec
+    if phase.observe is False:
+        new_state = state
+    else:
+        new_state = _select(phase.observe, observer.update(state, x.detach()), state)
+    if phase.fake_quantize is False:
+        return x, new_state
+    if learned is not None:
+        y = lsq_fake_quantize(x, learned, spec, grad_scale)
+    else:
+        qp_spec = spec if isinstance(phase.fake_quantize, bool) else _fallback_spec(spec)
+        qparams = compute_qparams(new_state, qp_spec, **(qparams_options or {}))
+        y = fake_quantize_ste(x, qparams, spec, ste)
+    return _select(phase.fake_quantize, y, x), new_state
+
+
+# ------------------------------------------------------------------------------------------------
+# Whole models
+
+
+class BatchNormState(NamedTuple):
+    """Running statistics of one batch-norm layer (a QAT state like the observers')."""
+
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    num_batches_tracked: torch.Tensor
+
+
+class QATState(NamedTuple):
+    """Everything a QAT model carries between steps besides its parameters (a pytree).
+
+    Attributes:
+      weights: layer name -> observer state of that layer's weight.
+      activations: layer name -> observer state of that layer's input activation.
+      batchnorm: batch-norm layer name -> `BatchNormState`.
+    """
+
+    weights: Dict[str, Any]
+    activations: Dict[str, Any]
+    batchnorm: Dict[str, BatchNormState]
+
+
+def _learned(ranges, kind: str, key: str):
+    if ranges is None:
+        return None
+    return ranges.get(kind, {}).get(key)
+
+
+class _FakeQuantPoint(nn.Module):
+    """Graph node: observe and fake-quantize one tensor, reading and returning its state."""
+
+    def __init__(self, kind: str, key: str, observer: Observer, ste: str, grad_scale):
+        super().__init__()
+        self.kind, self.key, self.observer, self.ste, self.grad_scale = kind, key, observer, ste, grad_scale
+
+    def forward(self, x, state: QATState, phase: QATPhase, ranges):
+        states = getattr(state, self.kind)
+        current = states.get(self.key)
+        if current is None:  # QATModel.init: size the state on the example input
+            return x, self.observer.init(x)
+        learned = _learned(ranges, self.kind, self.key)
+        return observe_fake_quantize(
+            x, current, self.observer, phase, ste=self.ste, learned=learned, grad_scale=self.grad_scale
+        )
+
+
+class _BatchNormPoint(nn.Module):
+    """Graph node: batch norm as a pure function of its running statistics."""
+
+    def __init__(self, key: str, module: nn.modules.batchnorm._BatchNorm):
+        super().__init__()
+        self.key, self.eps, self.momentum = key, module.eps, module.momentum
+
+    def forward(self, x, weight, bias, running_mean, running_var, num_batches_tracked, state: QATState, phase):
+        current = state.batchnorm.get(self.key)
+        if current is None:
+            init = BatchNormState(running_mean.detach().clone(), running_var.detach().clone(), num_batches_tracked.clone())
+            return x, init
+        frozen = phase.freeze_batchnorm
+        if frozen is True:
+            return F.batch_norm(x, current.running_mean, current.running_var, weight, bias, False, 0.0, self.eps), current
+        y_train = F.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
+        dims = [0] + list(range(2, x.ndim))
+        batch_var, batch_mean = torch.var_mean(x.detach().float(), dim=dims, correction=1)
+        count = current.num_batches_tracked + 1
+        if self.momentum is None:
+            momentum = 1.0 / count.to(torch.float32)
+        else:
+            momentum = self.momentum
+        updated = BatchNormState(
+            current.running_mean + momentum * (batch_mean.to(current.running_mean.dtype) - current.running_mean),
+            current.running_var + momentum * (batch_var.to(current.running_var.dtype) - current.running_var),
+            count,
+        )
+        if frozen is False:
+            return y_train, updated
+        y_eval = F.batch_norm(x, current.running_mean, current.running_var, weight, bias, False, 0.0, self.eps)
+        return _select(frozen, y_eval, y_train), _select(frozen, current, updated)
+
+
+def _quantized_call(layer: nn.Module):
+    if isinstance(layer, nn.Linear):
+        return F.linear, ()
+    for cls, fn in _CONV_FUNCTIONS.items():
+        if isinstance(layer, cls):
+            if layer.padding_mode != "zeros":
+                raise ValueError(f"qstats.qat.prepare: padding_mode={layer.padding_mode!r} is not supported (only 'zeros')")
+            return fn, (layer.stride, layer.padding, layer.dilation, layer.groups)
+    raise TypeError(f"qstats.qat.prepare: cannot quantize a {type(layer).__name__}; supported: Linear, Conv1d/2d/3d")
+
+
+class QATModel:
+    """A model rewritten for pure QAT (built by `prepare`).
+
+    Attributes:
+      module: the ``torch.fx.GraphModule``; ``forward(*inputs, state, phase, ranges)`` returns
+        ``(output, new_state_dict)``. It shares the original model's parameters and names.
+      weight_observer, activation_observer: the observers (their specs are the targets).
+      layers: names of the quantized layers; ``batchnorm_layers``: names of batch-norm layers.
+    """
+
+    def __init__(self, module, weight_observer, activation_observer, layers, batchnorm_layers):
+        self.module = module
+        self.weight_observer = weight_observer
+        self.activation_observer = activation_observer
+        self.layers = tuple(layers)
+        self.batchnorm_layers = tuple(batchnorm_layers)
+
+    def params(self) -> Dict[str, torch.Tensor]:
+        """The model's parameters by name (the tensors themselves)."""
+        return dict(self.module.named_parameters())
+
+    @torch.no_grad()
+    def init(self, *example_inputs) -> QATState:
+        """Fresh states sized on ``example_inputs`` (one forward pass; nothing is observed).
+        Batch-norm states start from the model's running statistics."""
+        empty = QATState({}, {}, {})
+        _, states = self.module(*example_inputs, empty, QATPhase(False, False, False), None)
+        return QATState(**states)
+
+    def apply(self, params, state: QATState, *inputs, phase: QATPhase = QATPhase(), ranges=None):
+        """``(output, new_state)`` of one QAT forward pass. Pure: ``params``, ``state`` and the
+        model's buffers are not modified.
+
+        Args:
+          params: parameter name -> tensor (``qat.params()`` or trained copies); missing names
+            use the model's own.
+          state: the `QATState` from `init` or the previous step.
+          *inputs: the model's inputs.
+          phase: a `QATPhase` (from a `QATSchedule`).
+          ranges: optional learned ranges, ``{"weights": {layer: LSQParams}, "activations": {...}}``
+            (see `learnable_ranges`); they replace the observers' parameters where given.
+        """
+        if not isinstance(state, QATState):
+            raise TypeError(f"QATModel.apply: state must be a QATState, got {type(state).__name__}")
+        for kind, expected in (("weights", self._weight_keys), ("activations", self._activation_keys),
+                               ("batchnorm", self.batchnorm_layers)):
+            got = getattr(state, kind)
+            if set(got) != set(expected):
+                raise ValueError(
+                    f"QATModel.apply: state.{kind} has keys {sorted(got)}, the model needs {sorted(expected)}"
+                )
+        output, states = torch.func.functional_call(self.module, params, (*inputs, state, phase, ranges))
+        return output, QATState(**states)
+
+    @property
+    def _weight_keys(self):
+        return self.layers if self.weight_observer is not None else ()
+
+    @property
+    def _activation_keys(self):
+        return self.layers if self.activation_observer is not None else ()
+
+    def learnable_ranges(self, state: QATState, weights: bool = False, activations: bool = True):
+        """LSQ/LSQ+ ranges initialised from the observer states (detached float32 copies with
+        ``requires_grad=True``), in the ``ranges`` format of `apply`."""
+        ranges = {}
+        for kind, wanted, observer in (("weights", weights, self.weight_observer),
+                                       ("activations", activations, self.activation_observer)):
+            if not wanted or observer is None:
+                continue
+            ranges[kind] = {
+                key: LSQParams(*(t.detach().clone().requires_grad_(True) for t in lsq_init(value, observer.spec)))
+                for key, value in getattr(state, kind).items()
+            }
+        return ranges
+
+
+def prepare(
+    model: nn.Module,
+    weight_observer: Optional[Observer] = None,
+    activation_observer: Optional[Observer] = None,
+    *,
+    layers: Tuple[type, ...] = _DEFAULT_LAYERS,
+    ste: str = "clipped",
+    grad_scale="torch_ao",
+) -> QATModel:
+    """Rewrites ``model`` (with ``torch.fx.symbolic_trace``) for pure QAT.
+
+    The weight of every layer of a type in ``layers`` (Linear, Conv1d/2d/3d by default) goes
+    through ``weight_observer`` and its input through ``activation_observer`` (None: leave that
+    kind in float). Batch-norm layers become pure functions of a `BatchNormState`, frozen by
+    ``phase.freeze_batchnorm``. The model itself is not modified.
+
+    >>> import torch, qstats
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    >>> qat = qstats.qat.prepare(
+    ...     model,
+    ...     weight_observer=qstats.memoryless_minmax(qstats.QuantSpec("int8", granularity=qstats.PerAxis(0))),
+    ...     activation_observer=qstats.moving_average_minmax(qstats.QuantSpec("uint8", "asymmetric"), 0.01))
+    >>> x = torch.randn(5, 4)
+    >>> state = qat.init(x)
+    >>> out, state = qat.apply(qat.params(), state, x, phase=qstats.QATPhase())
+    >>> sorted(state.activations)
+    ['0', '2']
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"qstats.qat.prepare: model must be an nn.Module, got {type(model).__name__}")
+    for name, observer in (("weight_observer", weight_observer), ("activation_observer", activation_observer)):
+        if observer is not None and not isinstance(observer, Observer):
+            raise TypeError(f"qstats.qat.prepare: {name} must be a qstats Observer or None, got {type(observer).__name__}")
+    _check_ste(ste)
+    gm = torch.fx.symbolic_trace(model)
+    graph = gm.graph
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    if not placeholders:
+        raise ValueError("qstats.qat.prepare: the model's forward takes no inputs")
+    with graph.inserting_after(placeholders[-1]):
+        state_node = graph.placeholder("qat_state")
+    with graph.inserting_after(state_node):
+        phase_node = graph.placeholder("qat_phase")
+    with graph.inserting_after(phase_node):
+        ranges_node = graph.placeholder("qat_ranges")
+
+    new_states = {"weights": {}, "activations": {}, "batchnorm": {}}
+    quantized, batchnorms = [], []
+    for node in list(graph.nodes):
+        if node.op != "call_module":
+            continue
+        layer = gm.get_submodule(node.target)
+        key = str(node.target)
+        if isinstance(layer, layers):
+            function, extra = _quantized_call(layer)
+            if len(node.args) != 1 or node.kwargs:
+                raise ValueError(f"qstats.qat.prepare: layer {key!r} must be called with one input")
+            quantized.append(key)
+            index = len(quantized) - 1
+            with graph.inserting_before(node):
+                x = node.args[0]
+                if activation_observer is not None:
+                    point = f"qat_activation_{index}"
+                    gm.add_submodule(point, _FakeQuantPoint("activations", key, activation_observer, ste, grad_scale))
+                    result = graph.call_module(point, (x, state_node, phase_node, ranges_node))
+                    x = graph.call_function(operator.getitem, (result, 0))
+                    new_states["activations"][key] = graph.call_function(operator.getitem, (result, 1))
+                weight = graph.get_attr(f"{key}.weight")
+                if weight_observer is not None:
+                    point = f"qat_weight_{index}"
+                    gm.add_submodule(point, _FakeQuantPoint("weights", key, weight_observer, ste, grad_scale))
+                    result = graph.call_module(point, (weight, state_node, phase_node, ranges_node))
+                    weight = graph.call_function(operator.getitem, (result, 0))
+                    new_states["weights"][key] = graph.call_function(operator.getitem, (result, 1))
+                bias = graph.get_attr(f"{key}.bias") if layer.bias is not None else None
+                replacement = graph.call_function(function, (x, weight, bias, *extra))
+            node.replace_all_uses_with(replacement)
+            graph.erase_node(node)
+        elif isinstance(layer, nn.modules.batchnorm._BatchNorm):
+            if not layer.track_running_stats or layer.running_mean is None:
+                raise ValueError(f"qstats.qat.prepare: batch norm {key!r} must track running statistics")
+            batchnorms.append(key)
+            point = f"qat_batchnorm_{len(batchnorms) - 1}"
+            gm.add_submodule(point, _BatchNormPoint(key, layer))
+            with graph.inserting_before(node):
+                args = [node.args[0]]
+                for attribute in ("weight", "bias"):
+                    args.append(graph.get_attr(f"{key}.{attribute}") if getattr(layer, attribute) is not None else None)
+                for attribute in ("running_mean", "running_var", "num_batches_tracked"):
+                    args.append(graph.get_attr(f"{key}.{attribute}"))
+                result = graph.call_module(point, (*args, state_node, phase_node))
+                y = graph.call_function(operator.getitem, (result, 0))
+                new_states["batchnorm"][key] = graph.call_function(operator.getitem, (result, 1))
+            node.replace_all_uses_with(y)
+            graph.erase_node(node)
+    if not quantized:
+        raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}")
+    output = next(node for node in graph.nodes if node.op == "output")
+    output.args = ((output.args[0], new_states),)
+    graph.lint()
+    gm.recompile()
+    return QATModel(gm, weight_observer, activation_observer, quantized, batchnorms)
