@@ -3,6 +3,11 @@
 Each case: (name, factory, make_x). ``factory()`` returns an Observer; ``make_x(generator)`` returns
 an input tensor of a fixed shape (the contract suite draws several and splits them). Add one line
 per observer configuration; keep tensors small.
+
+A case may carry a fourth element, a dict of `qstats.testing.check_all` keywords:
+``{"accumulates": False}`` for observers that keep only the latest batch (their ``merge`` combines
+shards of one batch), ``{"approx_fields": ("sum",)}`` for float sums compared to tolerance (or set
+``approx_fields`` on the state class).
 """
 
 import torch
@@ -20,6 +25,11 @@ CASES = [
     ("minmax/axis-1", lambda: qstats.minmax(qstats.QuantSpec(granularity=qstats.PerAxis(-1))), _x((6, 8))),
     ("minmax/group4", lambda: qstats.minmax(qstats.QuantSpec(granularity=qstats.PerGroup(4))), _x((6, 8))),
     ("minmax/block", lambda: qstats.minmax(qstats.QuantSpec(granularity=qstats.PerBlock((2, 4)))), _x((6, 8))),
-    ("memoryless_minmax/axis0", lambda: qstats.memoryless_minmax(qstats.QuantSpec(granularity=qstats.PerAxis(0))), _x((6, 8))),
+    ("memoryless_minmax/axis0", lambda: qstats.memoryless_minmax(qstats.QuantSpec(granularity=qstats.PerAxis(0))), _x((6, 8)), {"accumulates": False}),
+    ("memoryless_minmax/tensor", lambda: qstats.memoryless_minmax(qstats.QuantSpec()), _x((6, 8)), {"accumulates": False}),
+    ("minmax/token-3d", lambda: qstats.minmax(qstats.QuantSpec(granularity=qstats.PerToken())), _x((2, 3, 8))),
+    ("minmax/uint8-asym-axis1-3d", lambda: qstats.minmax(qstats.QuantSpec(dtype="uint8", mapping="asymmetric", granularity=qstats.PerAxis(1))), _x((2, 4, 8))),
+    ("minmax/fp8-tensor", lambda: qstats.minmax(qstats.QuantSpec(dtype="fp8_e4m3fn")), _x((6, 8))),
     ("moving_average_minmax/tensor", lambda: qstats.moving_average_minmax(qstats.QuantSpec(), 0.1), _x((6, 8))),
+    ("moving_average_minmax/axis0", lambda: qstats.moving_average_minmax(qstats.QuantSpec(granularity=qstats.PerAxis(0)), 0.5), _x((6, 8))),
 ]
