@@ -12,7 +12,7 @@ import torch
 
 from ._granularity import PerAxis, PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
 
-_FLOAT_TARGETS = {8: "fp8_e4m3fn"}
+_FLOAT_TARGETS = {8: "fp8_e4m3fn", 4: "fp4_e2m1"}
 
 
 def _field(args, name, default=None):
@@ -30,6 +30,7 @@ _DTYPE_NAMES = {
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",
     torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.uint8: "e8m0",  # MX: uint8 biased exponents (see qstats/_formats.py)
 }
 
 
@@ -71,8 +72,22 @@ def spec_from_compressed_tensors(cls, args, overrides):
         scale_dtype=_DTYPE_NAMES[scale_dtype] if scale_dtype is not None else "float32",
         on_uncalibrated="fallback",
     )
+    fields.update(_low_bit_fields(fields, num_bits, qtype, group_size))
     fields.update(overrides)
     return cls(**fields)
+
+
+def _low_bit_fields(fields, num_bits, qtype, group_size):
+    """MX (``generate_mx_scales``: float 4/8 bits, group 32, uint8 scales) and NVFP4
+    (``generate_gparam``: ``448 * 6 / amax``) conventions of compressed-tensors."""
+    extra = {}
+    if fields["scale_dtype"] == "e8m0":
+        if not (qtype == "float" and num_bits in (4, 8) and group_size == 32):
+            raise ValueError("from_compressed_tensors: uint8 scales are MX scales: float 4/8 bits, group_size 32")
+        extra["scale_rounding"] = "round_then_floor"
+    if isinstance(fields["granularity"], TensorGroup):
+        extra["global_scale_formula"] = "range_over_amax"
+    return extra
 
 
 def _bit_range(spec, device):

@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from . import _compat_torchao, _formats
 from ._spec import QuantSpec
 
 __all__ = [
@@ -96,10 +97,13 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     """
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"compute_qparams: spec must be a QuantSpec, got {type(spec).__name__}")
+    global_scale = options.pop("global_scale", None)  # a fused group's (qstats.fused)
     result = _rule_for(state)(state, spec, **options)
     if isinstance(result, QParams):
         return result
-    return qparams_from_minmax(result.min_val, result.max_val, spec, calibrated=result.calibrated)
+    return qparams_from_minmax(
+        result.min_val, result.max_val, spec, calibrated=result.calibrated, global_scale=global_scale
+    )
 
 
 def _is_traced(t: torch.Tensor) -> bool:
@@ -174,8 +178,12 @@ def qparams_from_minmax(
     max_val: torch.Tensor,
     spec: QuantSpec,
     calibrated: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
 ) -> QParams:
     """Maps an observed range onto ``spec``'s format. Pure, elementwise, vmappable.
+
+    Two-level specs (`TensorGroup`) take their global scale from the absolute maximum over all
+    entries, or use ``global_scale`` when given (a fused group's, `qstats.fused`).
 
     Entries that saw no data (``calibrated`` False, or a non-finite range) get scale 1 and zero
     point 0, and `check_calibrated` applies the spec's ``on_uncalibrated`` policy.
@@ -188,11 +196,16 @@ def qparams_from_minmax(
     zero = torch.zeros_like(min_val)
     min_val = torch.where(calibrated, min_val, zero)
     max_val = torch.where(calibrated, max_val, zero)
-    if spec.convention == "compressed_tensors":
+    if _formats.handles_qparams(spec):
+        scale, zero_point, global_scale = _formats.qparams(min_val, max_val, spec, global_scale)
+    elif spec.convention == "compressed_tensors":
         scale, zero_point = _compressed_tensors(min_val, max_val, spec)
+    elif spec.convention == "torchao":
+        scale, zero_point = _compat_torchao.torchao_qparams(min_val, max_val, spec)
     else:
         scale, zero_point = _torch_ao(min_val, max_val, spec)
     scale = torch.where(calibrated, scale, torch.ones_like(scale))
     zero_point = torch.where(calibrated, zero_point, torch.zeros_like(zero_point))
-    global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
+    if not _formats.handles_qparams(spec):
+        global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
     return QParams(scale, zero_point, global_scale, calibrated)

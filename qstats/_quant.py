@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _compat_torchao, _formats
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
 from ._spec import QuantSpec
@@ -24,7 +25,7 @@ __all__ = ["quantize", "dequantize", "fake_quantize", "code_dtype"]
 def code_dtype(spec: QuantSpec) -> torch.dtype:
     """The torch dtype that holds ``spec``'s codes (smallest integer type, or the fp8 dtype)."""
     if spec.is_float:
-        return spec.float_format.torch_dtype
+        return spec.float_format.torch_dtype or torch.uint8  # uint8 bit codes for fp6/fp4
     qmin, qmax = spec.qrange
     for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32):
         info = torch.iinfo(dtype)
@@ -44,9 +45,13 @@ def _params(qparams: QParams, view: torch.Tensor):
     return scale, zero_point
 
 
-def _codes_float(view, scale, zero_point, spec: QuantSpec):
+def _codes_float(view, scale, zero_point, spec: QuantSpec, global_scale=None):
     """Unclamped and clamped codes as float32 (integer-valued for int targets)."""
     v = view.float()
+    if _formats.handles_codes(spec):  # fp6/fp4, e8m0 (MX) and two-level (NVFP4) scales
+        return _formats.codes(v, scale, global_scale, spec)
+    if _compat_torchao.handles_codes(spec):  # torchao's float zero-point domain
+        return _compat_torchao.tinygemm_codes(v, scale, zero_point, spec)
     if spec.is_float:
         fmax = spec.float_format.max
         scaled = v / scale
@@ -66,20 +71,24 @@ def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor
     """Codes of ``x``: integers in ``[qmin, qmax]`` (dtype `code_dtype(spec)`) or fp8 values."""
     view = canonical_view(x, spec.granularity)
     scale, zero_point = _params(qparams, view)
-    _, codes = _codes_float(view, scale, zero_point, spec)
+    _, codes = _codes_float(view, scale, zero_point, spec, qparams.global_scale)
     codes = from_canonical_view(codes, spec.granularity, x.shape)
-    return codes.to(code_dtype(spec))
+    return _formats.store_codes(codes, spec)
 
 
 def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=torch.float32) -> torch.Tensor:
     """Values of ``codes``: ``(codes - zero_point) * scale`` (``codes * scale`` for floats)."""
     view = canonical_view(codes, spec.granularity)
     scale, zero_point = _params(qparams, view)
-    out = _dequantize_view(view.float(), scale, zero_point, spec)
+    out = _dequantize_view(_formats.load_codes(view, spec), scale, zero_point, spec, qparams.global_scale)
     return from_canonical_view(out, spec.granularity, codes.shape).to(dtype)
 
 
-def _dequantize_view(codes, scale, zero_point, spec):
+def _dequantize_view(codes, scale, zero_point, spec, global_scale=None):
+    if _formats.handles_codes(spec):
+        return _formats.dequantize_values(codes, scale, global_scale, spec)
+    if _compat_torchao.handles_codes(spec):
+        return _compat_torchao.tinygemm_dequantize(codes, scale, zero_point, spec)
     if spec.is_float:
         return codes * scale
     return (codes - zero_point.float()) * scale
@@ -93,8 +102,8 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
     """
     view = canonical_view(x, spec.granularity)
     scale, zero_point = _params(qparams, view)
-    unclamped, codes = _codes_float(view.detach(), scale, zero_point, spec)
-    out = _dequantize_view(codes, scale, zero_point, spec)
+    unclamped, codes = _codes_float(view.detach(), scale, zero_point, spec, qparams.global_scale)
+    out = _dequantize_view(codes, scale, zero_point, spec, qparams.global_scale)
     if view.requires_grad:
         if spec.is_float:
             fmax = spec.float_format.max

@@ -32,7 +32,7 @@ ZERO_POINT_DOMAINS = ("int", "float", "none")
 CONVENTIONS = ("torch_ao", "compressed_tensors", "torchao")
 NONFINITE_POLICIES = ("ignore", "raise")
 UNCALIBRATED_POLICIES = ("raise", "fallback")
-SCALE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+SCALE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "e8m0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,12 @@ class FloatFormat:
 _FLOAT_FORMATS = {
     "fp8_e4m3fn": FloatFormat("fp8_e4m3fn", 4, 3, 448.0, 2.0**-6, torch.float8_e4m3fn),
     "fp8_e5m2": FloatFormat("fp8_e5m2", 5, 2, 57344.0, 2.0**-14, torch.float8_e5m2),
+    # low-bit formats (qstats/_formats.py rounds, encodes and decodes them)
+    "fp8_e4m3fnuz": FloatFormat("fp8_e4m3fnuz", 4, 3, 240.0, 2.0**-7, torch.float8_e4m3fnuz),
+    "fp8_e5m2fnuz": FloatFormat("fp8_e5m2fnuz", 5, 2, 57344.0, 2.0**-15, torch.float8_e5m2fnuz),
+    "fp6_e2m3": FloatFormat("fp6_e2m3", 2, 3, 7.5, 1.0, None),
+    "fp6_e3m2": FloatFormat("fp6_e3m2", 3, 2, 28.0, 0.25, None),
+    "fp4_e2m1": FloatFormat("fp4_e2m1", 2, 1, 6.0, 1.0, None),
 }
 
 
@@ -73,6 +79,9 @@ _TORCH_DTYPE_NAMES = {
     torch.qint32: "int32",
     torch.float8_e4m3fn: "fp8_e4m3fn",
     torch.float8_e5m2: "fp8_e5m2",
+    torch.float8_e4m3fnuz: "fp8_e4m3fnuz",
+    torch.float8_e5m2fnuz: "fp8_e5m2fnuz",
+    torch.float4_e2m1fn_x2: "fp4_e2m1",
 }
 
 _INT_RE = re.compile(r"^(u?)int(\d+)$")
@@ -110,6 +119,12 @@ class QuantSpec:
         data) or ``"fallback"`` (scale 1, zero point 0, reported in ``QParams.calibrated``).
       symmetric_zero_point: zero point of symmetric mappings onto unsigned ranges; default is the
         upper midpoint ``(qmin + qmax + 1) // 2`` (128 for uint8, as torch.ao).
+      scale_rounding: how ``scale_dtype="e8m0"`` (power-of-two, MX) scales are rounded:
+        ``"floor"`` (default, OCP MX), ``"ceil"``, ``"even"``, ``"rceil"`` (torchao's modes) or
+        ``"round_then_floor"`` (compressed-tensors); see ``qstats/_formats.py``.
+      global_scale_formula: two-level (`TensorGroup`, NVFP4) global scale: ``"amax_over_range"``
+        (default; torchao/ModelOpt ``amax / (448 * 6)``, effective scale ``scale * global``) or
+        ``"range_over_amax"`` (compressed-tensors ``448 * 6 / amax``, effective ``scale / global``).
 
     >>> spec = QuantSpec(dtype="int8", mapping="symmetric", granularity=PerAxis(0))
     >>> spec.qmin, spec.qmax
@@ -129,6 +144,8 @@ class QuantSpec:
     nonfinite: str = "ignore"
     on_uncalibrated: str = "raise"
     symmetric_zero_point: Optional[int] = None
+    scale_rounding: str = "floor"
+    global_scale_formula: str = "amax_over_range"
 
     def __post_init__(self) -> None:
         dtype = self.dtype
@@ -202,6 +219,9 @@ class QuantSpec:
                     )
         if self.mapping in ("symmetric_no_clipping_err", "narrow") and not self.is_float and not self.is_signed:
             raise ValueError(f"QuantSpec.mapping {self.mapping!r} needs a signed target, got {dtype!r}")
+        from . import _formats
+
+        _formats.validate(self)
         if isinstance(self.granularity, TensorGroup) and not self.is_float:
             pass  # two-level integer scales are allowed
 
@@ -309,6 +329,20 @@ class QuantSpec:
         from . import _compat_compressed_tensors
 
         return _compat_compressed_tensors.spec_from_compressed_tensors(cls, args, overrides)
+
+    @classmethod
+    def from_torchao(cls, target_dtype=None, **kwargs) -> "QuantSpec":
+        """The spec whose `compute_qparams` and `quantize` equal torchao's.
+
+        Affine integer targets take ``choose_qparams_affine``'s arguments (``mapping_type``,
+        ``granularity`` or ``block_size`` with ``shape``, ``zero_point_domain``, ``quant_min``,
+        ``quant_max``, ``eps``, ``scale_dtype``, ``input_dtype``); MX takes ``to_mx``'s
+        (``elem_dtype``, ``block_size``, ``scaling_mode``); NVFP4 takes ``nvfp4=True`` (and
+        ``per_tensor_scale=True``). See ``qstats/_compat_torchao.py``.
+        """
+        from . import _compat_torchao
+
+        return _compat_torchao.spec_from_torchao(cls, target_dtype, kwargs)
 
 
 # Granularities re-exported here for convenience in type checks.

@@ -1,0 +1,256 @@
+"""QuantSpec.from_torchao and torchao's quantization arithmetic.
+
+Three families of torchao arguments map onto a QuantSpec with ``convention="torchao"``:
+
+- affine integer quantization, ``torchao.quantization.quant_primitives.choose_qparams_affine``
+  and its variants: ``mapping_type`` (SYMMETRIC, SYMMETRIC_NO_CLIPPING_ERR, ASYMMETRIC),
+  ``zero_point_domain`` (INT: ``choose_qparams_affine`` / ``quantize_affine``; FLOAT:
+  ``_choose_qparams_affine_tinygemm`` / ``_quantize_affine_tinygemm``, the zero point is the float
+  value of the range's midpoint and zero need not be representable; NONE: no zero point),
+  targets ``torch.int1`` ... ``torch.int8`` and ``torch.uint1`` ... ``torch.uint8`` (and int16,
+  int32), ``eps`` (default ``finfo(input_dtype).smallest_normal``), ``scale_dtype`` (default the
+  input dtype), granularity given as a qstats or torchao granularity or as torchao's
+  ``block_size`` with the tensor ``shape``;
+- MX, ``torchao.prototype.mx_formats.mx_tensor.to_mx``: ``elem_dtype`` (float8_e4m3fn,
+  float8_e5m2, "fp6_e2m3", "fp6_e3m2", float4_e2m1fn_x2), ``block_size`` (32), ``scaling_mode``
+  (FLOOR, CEIL, EVEN, RCEIL), or a ``QuantizeTensorToMXKwargs``;
+- NVFP4, ``NVFP4Tensor.to_nvfp4``: ``nvfp4=True`` with ``per_tensor_scale=True`` (two levels,
+  global scale ``per_tensor_amax_to_scale(amax) = amax / (448 * 6)``) or ``False`` (block scales
+  only), or a ``QuantizeTensorToNVFP4Kwargs``.
+
+torchao is not imported: its enums are read by name, so qstats works without it.
+
+Known differences, kept on purpose: torchao computes min/max and scales in the input's dtype
+(bf16 inputs give bf16 arithmetic); qstats observes in float32 and rounds the scale to
+``scale_dtype`` once. An all-zero tensor gets NVFP4 global scale 1 where torchao divides 0 by 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
+
+_MAPPINGS = {
+    "SYMMETRIC": "symmetric",
+    "SYMMETRIC_NO_CLIPPING_ERR": "symmetric_no_clipping_err",
+    "ASYMMETRIC": "asymmetric",
+}
+_DOMAINS = {"INT": "int", "FLOAT": "float", "NONE": "none"}
+_SCALE_MODES = {"FLOOR": "floor", "CEIL": "ceil", "EVEN": "even", "RCEIL": "rceil"}
+_FLOAT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_MX_ELEMENTS = {
+    torch.float8_e4m3fn: "fp8_e4m3fn",
+    torch.float8_e5m2: "fp8_e5m2",
+    "fp6_e2m3": "fp6_e2m3",
+    "fp6_e3m2": "fp6_e3m2",
+    torch.float4_e2m1fn_x2: "fp4_e2m1",
+    "fp4_e2m1": "fp4_e2m1",
+    "fp8_e4m3fn": "fp8_e4m3fn",
+    "fp8_e5m2": "fp8_e5m2",
+}
+_NVFP4_BLOCK_SCALE_EPS = float(torch.finfo(torch.float8_e4m3fn).tiny)  # torchao E4M3_EPS
+
+
+def _enum_name(value, table, what):
+    name = getattr(value, "name", value)
+    if isinstance(name, str) and name.upper() in table:
+        return table[name.upper()]
+    raise ValueError(f"from_torchao: unknown {what} {value!r}; expected one of {sorted(table)}")
+
+
+def _int_target(dtype) -> str:
+    name = str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else str(dtype)
+    if name.startswith(("int", "uint")) and name.lstrip("uint").isdigit():
+        return name
+    raise ValueError(f"from_torchao: target_dtype {dtype!r} is not an integer target of choose_qparams_affine")
+
+
+def _granularity(kwargs) -> Granularity:
+    granularity = kwargs.pop("granularity", None)
+    block_size = kwargs.pop("block_size", None)
+    shape = kwargs.pop("shape", None)
+    if granularity is not None:
+        if isinstance(granularity, Granularity):
+            return granularity
+        kind = type(granularity).__name__
+        if kind == "PerTensor":
+            return PerTensor()
+        if kind == "PerAxis":
+            return PerAxis(int(granularity.axis))
+        if kind == "PerGroup":
+            return PerGroup(int(granularity.group_size))
+        if kind == "PerRow":
+            if getattr(granularity, "dim", -1) != -1:
+                raise ValueError("from_torchao: only PerRow(dim=-1) is supported")
+            return PerRow()
+        if kind == "PerToken":
+            return PerToken()
+        if kind == "PerBlock":
+            return PerBlock(tuple(int(b) for b in granularity.block_size[-2:]))
+        raise ValueError(f"from_torchao: unsupported granularity {granularity!r}")
+    if block_size is None:
+        return PerTensor()
+    if shape is None:
+        raise ValueError("from_torchao: block_size needs the tensor shape (shape=...) to choose a granularity")
+    block_size, shape = tuple(int(b) for b in block_size), tuple(int(s) for s in shape)
+    if len(block_size) != len(shape):
+        raise ValueError(f"from_torchao: block_size {block_size} and shape {shape} differ in length")
+    if block_size == shape:
+        return PerTensor()
+    if all(b == 1 for b in block_size[:-1]):
+        if block_size[-1] == shape[-1]:
+            return PerToken()
+        return PerGroup(block_size[-1])
+    if len(shape) >= 2 and all(b == 1 for b in block_size[:-2]):
+        return PerBlock(block_size[-2:])
+    full = [i for i, (b, s) in enumerate(zip(block_size, shape)) if b == 1 and s != 1]
+    if len(full) == 1 and all(b == s for i, (b, s) in enumerate(zip(block_size, shape)) if i != full[0]):
+        return PerAxis(full[0])
+    raise ValueError(f"from_torchao: block_size {block_size} for shape {shape} has no qstats granularity")
+
+
+def spec_from_torchao(cls, target_dtype, kwargs):
+    kwargs = dict(kwargs)
+    overrides = kwargs.pop("overrides", {})
+    kind = type(target_dtype).__name__
+    if kind == "QuantizeTensorToMXKwargs":
+        config = target_dtype
+        return _mx_spec(cls, config.elem_dtype, config.block_size, config.scaling_mode, kwargs, overrides)
+    if kind == "QuantizeTensorToNVFP4Kwargs":
+        config = target_dtype
+        if config.block_size != 16:
+            raise ValueError(f"from_torchao: NVFP4 needs block_size 16, got {config.block_size}")
+        per_tensor = kwargs.pop("per_tensor_scale", True)
+        return _nvfp4_spec(cls, per_tensor, kwargs, overrides)
+    if kwargs.pop("nvfp4", False):
+        per_tensor = kwargs.pop("per_tensor_scale", True)
+        block_size = kwargs.pop("block_size", 16)
+        if block_size != 16:
+            raise ValueError(f"from_torchao: NVFP4 needs block_size 16, got {block_size}")
+        return _nvfp4_spec(cls, per_tensor, kwargs, overrides)
+    if "scaling_mode" in kwargs or "elem_dtype" in kwargs:
+        elem = kwargs.pop("elem_dtype", target_dtype)
+        return _mx_spec(
+            cls, elem, kwargs.pop("block_size", 32), kwargs.pop("scaling_mode", "FLOOR"), kwargs, overrides
+        )
+    return _affine_spec(cls, target_dtype, kwargs, overrides)
+
+
+def _reject_unknown(kwargs):
+    if kwargs:
+        raise ValueError(f"from_torchao: unexpected arguments {sorted(kwargs)}")
+
+
+def _mx_spec(cls, elem_dtype, block_size, scaling_mode, kwargs, overrides):
+    if elem_dtype not in _MX_ELEMENTS:
+        raise ValueError(f"from_torchao: MX elem_dtype must be one of {list(_MX_ELEMENTS)}, got {elem_dtype!r}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"from_torchao: MX block_size must be a positive int, got {block_size!r}")
+    _reject_unknown(kwargs)
+    fields = dict(
+        dtype=_MX_ELEMENTS[elem_dtype],
+        granularity=PerGroup(block_size),
+        scale_dtype="e8m0",
+        scale_rounding=_enum_name(scaling_mode, _SCALE_MODES, "scaling_mode"),
+        zero_point_domain="none",
+        convention="torchao",
+        on_uncalibrated="fallback",
+    )
+    fields.update(overrides)
+    return cls(**fields)
+
+
+def _nvfp4_spec(cls, per_tensor_scale, kwargs, overrides):
+    _reject_unknown(kwargs)
+    fields = dict(
+        dtype="fp4_e2m1",
+        granularity=TensorGroup(16) if per_tensor_scale else PerGroup(16),
+        scale_dtype="float8_e4m3fn",
+        zero_point_domain="none",
+        convention="torchao",
+        global_scale_formula="amax_over_range",
+        eps=_NVFP4_BLOCK_SCALE_EPS,
+        on_uncalibrated="fallback",
+    )
+    fields.update(overrides)
+    return cls(**fields)
+
+
+def _affine_spec(cls, target_dtype, kwargs, overrides):
+    mapping_type = kwargs.pop("mapping_type", "SYMMETRIC")
+    domain = _enum_name(kwargs.pop("zero_point_domain", "INT"), _DOMAINS, "zero_point_domain")
+    mapping = _enum_name(mapping_type, _MAPPINGS, "mapping_type")
+    granularity = _granularity(kwargs)
+    input_dtype = kwargs.pop("input_dtype", torch.float32)
+    eps = kwargs.pop("eps", None)
+    scale_dtype = kwargs.pop("scale_dtype", None) or input_dtype
+    quant_min = kwargs.pop("quant_min", None)
+    quant_max = kwargs.pop("quant_max", None)
+    _reject_unknown(kwargs)
+    dtype = _int_target(target_dtype)
+    if domain == "float" and mapping != "asymmetric":
+        raise ValueError("from_torchao: ZeroPointDomain.FLOAT (tinygemm) needs MappingType.ASYMMETRIC")
+    if domain == "none" and mapping == "asymmetric":
+        raise ValueError("from_torchao: ZeroPointDomain.NONE needs a symmetric mapping")
+    if scale_dtype not in _FLOAT_NAMES:
+        raise ValueError(f"from_torchao: scale_dtype {scale_dtype} is not supported")
+    if eps is None:
+        eps = torch.finfo(input_dtype).smallest_normal
+    probe = cls(dtype=dtype)
+    lo, hi = probe.qrange
+    qmin = lo if quant_min is None else int(quant_min)
+    qmax = hi if quant_max is None else int(quant_max)
+    fields = dict(
+        dtype=dtype,
+        mapping=mapping,
+        granularity=granularity,
+        zero_point_domain=domain,
+        quant_min=qmin,
+        quant_max=qmax,
+        eps=float(torch.tensor(eps, dtype=torch.float32)),
+        scale_dtype=_FLOAT_NAMES[scale_dtype],
+        convention="torchao",
+        symmetric_zero_point=int((qmax + qmin + 1) / 2),
+        on_uncalibrated="fallback",
+    )
+    fields.update(overrides)
+    return cls(**fields)
+
+
+# --------------------------------------------------------------------------------------------
+# arithmetic
+def torchao_qparams(min_val, max_val, spec):
+    """``(scale, zero_point)`` as torchao's ``choose_qparams_affine`` (INT/NONE domains) or
+    ``_choose_qparams_affine_tinygemm`` (FLOAT domain), from an observed range."""
+    from ._qparams import _round_scale, _torch_ao
+
+    if spec.is_float or spec.zero_point_domain != "float":
+        return _torch_ao(min_val, max_val, spec)
+    qmin, qmax = spec.qrange
+    scale = (max_val - min_val) / float(qmax - qmin)
+    scale = torch.clamp(scale, min=spec.eps)
+    mid_point = (qmax + qmin + 1) / 2
+    zero_point = min_val + scale * mid_point
+    return _round_scale(scale, spec), zero_point
+
+
+def handles_codes(spec) -> bool:
+    """True for torchao's float zero-point domain (tinygemm arithmetic)."""
+    return spec.convention == "torchao" and spec.zero_point_domain == "float" and not spec.is_float
+
+
+def tinygemm_codes(view, scale, zero_point, spec):
+    """``_quantize_affine_tinygemm``: ``round((x - (zp - scale * mid)) / scale)``, clamped."""
+    qmin, qmax = spec.qrange
+    mid_point = (qmax + qmin + 1) / 2
+    min_val = zero_point - scale * mid_point
+    unclamped = torch.round((view - min_val) / scale)
+    return unclamped, unclamped.clamp(qmin, qmax)
+
+
+def tinygemm_dequantize(codes, scale, zero_point, spec):
+    """``_dequantize_affine_tinygemm``: ``(code - mid) * scale + zp``."""
+    qmin, qmax = spec.qrange
+    mid_point = (qmax + qmin + 1) / 2
+    return (codes - mid_point) * scale + zero_point

@@ -1,0 +1,409 @@
+"""Low-bit float element formats, power-of-two (e8m0) scales and two-level (NVFP4) scales.
+
+Element formats (``QuantSpec.dtype``):
+
+==============  =====  =====  ========  ==========  ===================================
+name            exp    man    max       min normal  storage of `quantize` codes
+==============  =====  =====  ========  ==========  ===================================
+fp8_e4m3fn      4      3      448       2**-6       torch.float8_e4m3fn
+fp8_e5m2        5      2      57344     2**-14      torch.float8_e5m2
+fp8_e4m3fnuz    4      3      240       2**-7       torch.float8_e4m3fnuz
+fp8_e5m2fnuz    5      2      57344     2**-15      torch.float8_e5m2fnuz
+fp6_e2m3        2      3      7.5       1           uint8 bit codes (sign bit 5)
+fp6_e3m2        3      2      28        0.25        uint8 bit codes (sign bit 5)
+fp4_e2m1        2      1      6         1           uint8 bit codes (sign bit 3, unpacked)
+==============  =====  =====  ========  ==========  ===================================
+
+Every cast saturates to ``[-max, max]`` and rounds to nearest, ties to even, subnormals
+included (`round_to_format`); the formats without a torch dtype are emulated exactly in float32
+and stored as the same unpacked bit codes as torchao (`encode` / `decode`).
+
+Scale formats (``QuantSpec.scale_dtype``): float32, bfloat16, float16, float8_e4m3fn (NVFP4 block
+scales) and ``"e8m0"``: a power of two ``2**(b - 127)``, ``b`` in ``[0, 254]``, chosen from the
+block's absolute maximum ``amax`` and the element maximum ``M`` by ``QuantSpec.scale_rounding``:
+
+- ``"floor"`` (default; OCP MX spec, torchao FLOOR): ``floor(log2 amax) - floor(log2 M)``;
+- ``"ceil"`` (torchao CEIL): ``ceil(log2 amax) - floor(log2 M)``;
+- ``"even"`` (torchao EVEN): ``amax`` rounded to the element's mantissa width, then floor;
+- ``"rceil"`` (torchao RCEIL, cuBLAS/NVIDIA): ``ceil(log2(amax / M))``;
+- ``"round_then_floor"`` (compressed-tensors ``generate_mx_scales``): ``amax`` rounded to one
+  mantissa bit whatever the element, then floor.
+
+An all-zero block gets ``b = 0`` (scale ``2**-127``), never a zero, NaN or Inf scale. Integer
+targets accept e8m0 scales too (power-of-two scales, symmetric mappings), with ``M = qmax``.
+
+Two-level scales (``TensorGroup(g)``, NVFP4 = fp4_e2m1 elements, ``TensorGroup(16)``,
+float8_e4m3fn block scales): one global scale from the whole tensor's ``amax_t`` (or a fused
+group's, see `qstats.fused`), and per-group scales rounded to the scale format.
+``QuantSpec.global_scale_formula`` selects the convention (``R = scale_max * element_max``,
+2688 for NVFP4):
+
+- ``"amax_over_range"`` (default; torchao ``per_tensor_amax_to_scale``, ModelOpt):
+  ``global = amax_t / R``; block ``scale = fp8(clamp((amax / M) / global, tiny, max))``;
+  codes ``x * ((1 / global) / scale)``; values ``code * (global * scale)``. An all-zero tensor
+  uses ``global = 1`` (torchao divides 0 by 0 there).
+- ``"range_over_amax"`` (compressed-tensors ``generate_gparam``): ``global = R / amax_t``
+  (Inf/NaN -> 1); block ``scale = fp8(global * (amax / M))``, zero -> the scale format's eps;
+  codes ``x / (scale / global)``; values ``code * (scale / global)``.
+
+Every function here is elementwise or reduces with fixed shapes, so it is vmappable and compiles
+without graph breaks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "round_to_format",
+    "encode",
+    "decode",
+    "e8m0_exponent",
+    "e8m0_scale",
+    "SCALE_ROUNDINGS",
+    "GLOBAL_SCALE_FORMULAS",
+    "preset",
+    "PRESETS",
+]
+
+SCALE_ROUNDINGS = ("floor", "ceil", "even", "rceil", "round_then_floor")
+GLOBAL_SCALE_FORMULAS = ("amax_over_range", "range_over_amax")
+
+_F32_MANTISSA = 23
+_F32_BIAS = 127
+_F32_MIN_NORMAL = 2.0**-126
+_E8M0_MIN = 2.0**-127
+
+
+# --------------------------------------------------------------------------------------------
+# element formats
+def _exponent_of(a: torch.Tensor) -> torch.Tensor:
+    """Unbiased float32 exponent field of ``a >= 0`` (int32; -127 for zero and subnormals)."""
+    bits = a.float().contiguous().view(torch.int32)
+    return torch.bitwise_and(torch.bitwise_right_shift(bits, _F32_MANTISSA), 0xFF) - _F32_BIAS
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """Exactly ``2.0 ** exponent`` as float32 for integer exponents in [-126, 127]."""
+    biased = (exponent.to(torch.int32) + _F32_BIAS).clamp(1, 254)
+    return torch.bitwise_left_shift(biased, _F32_MANTISSA).view(torch.float32)
+
+
+def _min_normal_exponent(fmt) -> int:
+    import math
+
+    return int(math.log2(fmt.min_normal))
+
+
+def round_to_format(x: torch.Tensor, fmt) -> torch.Tensor:
+    """``x`` (float32) saturated to ``[-fmt.max, fmt.max]`` and rounded to nearest even on the
+    format's grid, subnormals included. Returns float32 values on the grid (NaN stays NaN)."""
+    x = x.float()
+    if fmt.torch_dtype is not None:
+        return x.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).float()
+    magnitude = x.abs().clamp(max=fmt.max)
+    exponent = torch.clamp(_exponent_of(magnitude), min=_min_normal_exponent(fmt))
+    quantum = _pow2(exponent - fmt.mantissa_bits)
+    rounded = torch.round(magnitude / quantum) * quantum
+    return torch.copysign(rounded, x)
+
+
+def encode(x: torch.Tensor, fmt) -> torch.Tensor:
+    """Bit codes of ``x`` in ``fmt``: the torch fp8 dtype where one exists, else unpacked uint8
+    codes (sign bit ``1 + exp + man - 1``), as torchao's ``f32_to_f4_unpacked`` /
+    ``f32_to_f6_*_unpacked``. Rounds to nearest even and saturates."""
+    values = round_to_format(x, fmt)
+    if fmt.torch_dtype is not None:
+        return values.to(fmt.torch_dtype)
+    magnitude = values.abs()
+    min_exponent = _min_normal_exponent(fmt)
+    exponent = torch.clamp(_exponent_of(magnitude), min=min_exponent)
+    mantissa_steps = magnitude / _pow2(exponent - fmt.mantissa_bits)
+    code = (exponent - min_exponent) * (1 << fmt.mantissa_bits) + mantissa_steps.to(torch.int32)
+    sign = torch.signbit(values).to(torch.int32) << (fmt.exponent_bits + fmt.mantissa_bits)
+    return (code + sign).to(torch.uint8)
+
+
+def decode(codes: torch.Tensor, fmt) -> torch.Tensor:
+    """float32 values of codes made by `encode` (inverse of `encode` on the format's grid)."""
+    if fmt.torch_dtype is not None and codes.dtype == fmt.torch_dtype:
+        return codes.float()
+    codes = codes.to(torch.int32)
+    mbits, ebits = fmt.mantissa_bits, fmt.exponent_bits
+    sign = torch.bitwise_and(torch.bitwise_right_shift(codes, ebits + mbits), 1)
+    exponent_field = torch.bitwise_and(torch.bitwise_right_shift(codes, mbits), (1 << ebits) - 1)
+    mantissa = torch.bitwise_and(codes, (1 << mbits) - 1)
+    min_exponent = _min_normal_exponent(fmt)
+    normal = exponent_field > 0
+    significand = torch.where(normal, mantissa + (1 << mbits), mantissa).float()
+    exponent = torch.where(normal, exponent_field - 1, torch.zeros_like(exponent_field)) + min_exponent
+    value = significand * _pow2(exponent - mbits)
+    return torch.where(sign.bool(), -value, value)
+
+
+def is_emulated(spec) -> bool:
+    """True when ``spec``'s element format has no torch dtype (codes are uint8 bit codes)."""
+    return spec.is_float and spec.float_format.torch_dtype is None
+
+
+def store_codes(values: torch.Tensor, spec) -> torch.Tensor:
+    """Grid values (float32) -> the codes `quantize` returns for ``spec``."""
+    if is_emulated(spec):
+        return encode(values, spec.float_format)
+    from ._quant import code_dtype
+
+    return values.to(code_dtype(spec))
+
+
+def load_codes(codes: torch.Tensor, spec) -> torch.Tensor:
+    """Codes -> float32 grid values (decodes emulated formats)."""
+    if is_emulated(spec) and codes.dtype == torch.uint8:
+        return decode(codes, spec.float_format)
+    return codes.float()
+
+
+# --------------------------------------------------------------------------------------------
+# e8m0 scales
+def _floor_log2_int(value: float) -> int:
+    import math
+
+    return int(math.floor(math.log2(value)))
+
+
+def element_max(spec) -> float:
+    """Largest magnitude of ``spec``'s element format (``qmax`` for integer targets)."""
+    if spec.is_float:
+        return float(spec.float_format.max)
+    return float(spec.qrange[1])
+
+
+def e8m0_exponent(amax: torch.Tensor, spec) -> torch.Tensor:
+    """Biased e8m0 exponent ``b`` in ``[0, 254]`` (int32) for blocks of absolute maximum ``amax``
+    under ``spec.scale_rounding`` (see the module docs)."""
+    amax = amax.float()
+    rounding = spec.scale_rounding
+    target = element_max(spec)
+    if rounding == "rceil":
+        descale = amax / target
+        exponent = torch.clamp(torch.ceil(torch.log2(descale)), min=-_F32_BIAS, max=_F32_BIAS)
+        exponent = torch.where(torch.isnan(exponent), torch.zeros_like(exponent), exponent)
+        return exponent.to(torch.int32) + _F32_BIAS
+    target_pow2 = _floor_log2_int(target)
+    bits = amax.contiguous().view(torch.int32)
+    if rounding in ("even", "round_then_floor"):
+        mbits = spec.float_format.mantissa_bits if (rounding == "even" and spec.is_float) else 1
+        if rounding == "even" and not spec.is_float:
+            mbits = max(_floor_log2_int(target), 1)
+        bits = torch.bitwise_and(bits + (1 << (_F32_MANTISSA - mbits - 1)), 0x7F800000)
+    exponent_field = torch.bitwise_and(torch.bitwise_right_shift(bits, _F32_MANTISSA), 0xFF)
+    if rounding == "ceil":
+        exponent_field = exponent_field + (torch.bitwise_and(bits, 0x7FFFFF) > 0).to(torch.int32)
+    return torch.clamp(exponent_field - target_pow2, 0, 254).to(torch.int32)
+
+
+def e8m0_to_float(biased: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** (b - 127)`` as float32 (``b = 0`` gives the subnormal ``2**-127``)."""
+    biased = biased.to(torch.int32)
+    normal = torch.bitwise_left_shift(biased.clamp(1, 254), _F32_MANTISSA).view(torch.float32)
+    return torch.where(biased == 0, torch.full_like(normal, _E8M0_MIN), normal)
+
+
+def e8m0_scale(amax: torch.Tensor, spec) -> torch.Tensor:
+    """The e8m0 scale (float32 power of two) for blocks of absolute maximum ``amax``."""
+    return e8m0_to_float(e8m0_exponent(amax, spec))
+
+
+# --------------------------------------------------------------------------------------------
+# qparams
+def handles_qparams(spec) -> bool:
+    """True when `qparams` (not the int/fp8 range arithmetic) computes ``spec``'s scales."""
+    from ._granularity import TensorGroup
+
+    return spec.scale_dtype == "e8m0" or isinstance(spec.granularity, TensorGroup)
+
+
+def _scale_dtype_info(spec):
+    dtype = getattr(torch, spec.scale_dtype)
+    return dtype, torch.finfo(dtype)
+
+
+def _scale_range_max(spec) -> float:
+    if spec.scale_dtype == "float8_e4m3fn":
+        return float(torch.finfo(torch.float8_e4m3fn).max)
+    return 1.0
+
+
+def _round_to_scale_dtype(scale: torch.Tensor, spec) -> torch.Tensor:
+    if spec.scale_dtype == "float32":
+        return scale
+    dtype, finfo = _scale_dtype_info(spec)
+    return torch.clamp(scale, finfo.min, finfo.max).to(dtype).float()
+
+
+def global_scale_from_amax(amax_t: torch.Tensor, spec) -> torch.Tensor:
+    """The global (per-tensor) scale for a tensor of absolute maximum ``amax_t`` (float32)."""
+    amax_t = amax_t.float()
+    full_range = _scale_range_max(spec) * element_max(spec)
+    if spec.global_scale_formula == "range_over_amax":
+        clamped = torch.clamp(amax_t, min=torch.finfo(torch.float32).tiny)
+        scale = full_range / clamped
+        return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0)
+    scale = amax_t / full_range
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _two_level_local(amax: torch.Tensor, global_scale: torch.Tensor, spec) -> torch.Tensor:
+    half_range = float(spec.qrange[1] - spec.qrange[0]) / 2
+    if spec.global_scale_formula == "range_over_amax":
+        local = amax / half_range
+        local = global_scale * local
+        local = _round_to_scale_dtype(local, spec)
+        if spec.scale_dtype == "float32":
+            eps = torch.finfo(torch.float32).eps
+        else:
+            eps = _scale_dtype_info(spec)[1].eps
+        return torch.where(local == 0, torch.full_like(local, eps), local)
+    local = amax / element_max(spec)
+    local = local / global_scale
+    if spec.scale_dtype == "float32":
+        return torch.clamp(local, min=spec.eps)
+    dtype, finfo = _scale_dtype_info(spec)
+    return torch.clamp(local, min=finfo.tiny, max=finfo.max).to(dtype).float()
+
+
+def qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec, global_scale=None):
+    """``(scale, zero_point, global_scale)`` for e8m0 and two-level specs (see module docs).
+
+    ``global_scale``: a given global scale (a fused group's, `qstats.fused`); by default it is
+    computed from the absolute maximum over all of ``min_val``/``max_val`` (the whole tensor).
+    """
+    from ._granularity import TensorGroup
+
+    min_neg = torch.min(min_val, torch.zeros_like(min_val))
+    max_pos = torch.max(max_val, torch.zeros_like(max_val))
+    amax = torch.max(torch.abs(min_neg), torch.abs(max_pos))
+    zero_point = torch.zeros_like(amax, dtype=torch.int32)
+    if isinstance(spec.granularity, TensorGroup):
+        if global_scale is None:
+            global_scale = global_scale_from_amax(amax.amax() if amax.numel() else amax.new_zeros(()), spec)
+        global_scale = global_scale.float().reshape(())
+        if spec.scale_dtype == "e8m0":
+            raise ValueError("QuantSpec: TensorGroup with e8m0 scales is not supported; use PerGroup for MX")
+        scale = _two_level_local(amax, global_scale, spec)
+        return scale, zero_point, global_scale
+    scale = e8m0_scale(amax, spec)
+    return scale, zero_point, torch.ones((), dtype=torch.float32, device=amax.device)
+
+
+# --------------------------------------------------------------------------------------------
+# quantize / dequantize
+def handles_codes(spec) -> bool:
+    """True when `codes` computes ``spec``'s quantization (float targets with two-level or e8m0
+    scales, and emulated element formats)."""
+    if _compat_torchao_float_domain(spec):
+        return False
+    return spec.is_float and (handles_qparams(spec) or is_emulated(spec))
+
+
+def _compat_torchao_float_domain(spec) -> bool:
+    return spec.convention == "torchao" and spec.zero_point_domain == "float" and not spec.is_float
+
+
+def codes(view: torch.Tensor, scale: torch.Tensor, global_scale, spec):
+    """``(unclamped, grid_values)`` of float32 ``view`` under broadcast ``scale``: the scaled values
+    before saturation, and the saturated values rounded to the element grid."""
+    from ._granularity import TensorGroup
+
+    fmax = spec.float_format.max
+    if isinstance(spec.granularity, TensorGroup):
+        if spec.global_scale_formula == "range_over_amax":
+            scaled = view / (scale / global_scale)
+        else:
+            scaled = view * ((1.0 / global_scale) / scale)
+    elif spec.scale_dtype == "e8m0" and spec.convention == "torchao":
+        if spec.scale_rounding == "rceil":
+            reciprocal = torch.where(scale == _E8M0_MIN, torch.ones_like(scale), 1.0 / scale)
+            scaled = view * reciprocal
+        else:
+            scaled = view / torch.clamp(scale, min=_F32_MIN_NORMAL)
+    elif spec.convention == "torchao":  # NVFP4 without a global scale: x * (1 / scale)
+        scaled = view * (1.0 / scale)
+    else:
+        scaled = view / scale
+    return scaled, round_to_format(scaled.clamp(-fmax, fmax), spec.float_format)
+
+
+def dequantize_values(values: torch.Tensor, scale: torch.Tensor, global_scale, spec) -> torch.Tensor:
+    """Grid values times the effective scale (in the convention's order of operations)."""
+    from ._granularity import TensorGroup
+
+    if isinstance(spec.granularity, TensorGroup):
+        if spec.global_scale_formula == "range_over_amax":
+            return values * (scale / global_scale)
+        return values * (global_scale * scale)
+    return values * scale
+
+
+# --------------------------------------------------------------------------------------------
+# validation and presets
+def validate(spec) -> None:
+    """Checks the low-bit fields of a QuantSpec (ValueError naming the field)."""
+    if spec.scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(f"QuantSpec.scale_rounding must be one of {SCALE_ROUNDINGS}, got {spec.scale_rounding!r}")
+    if spec.global_scale_formula not in GLOBAL_SCALE_FORMULAS:
+        raise ValueError(
+            f"QuantSpec.global_scale_formula must be one of {GLOBAL_SCALE_FORMULAS}, got {spec.global_scale_formula!r}"
+        )
+    from ._granularity import TensorGroup
+
+    if spec.scale_dtype == "e8m0":
+        if spec.mapping == "asymmetric":
+            raise ValueError("QuantSpec.scale_dtype 'e8m0' (power-of-two scales) needs a symmetric mapping")
+        if isinstance(spec.granularity, TensorGroup):
+            raise ValueError("QuantSpec.scale_dtype 'e8m0' cannot be a TensorGroup block scale; use PerGroup")
+    if isinstance(spec.granularity, TensorGroup) and spec.mapping == "asymmetric":
+        raise ValueError("QuantSpec.granularity TensorGroup (two-level scales) needs a symmetric mapping")
+
+
+def preset(name: str, **overrides):
+    """A QuantSpec for a named deployment format.
+
+    ``"nvfp4"`` (fp4_e2m1, TensorGroup(16), float8_e4m3fn block scales, fp32 global scale),
+    ``"mxfp8"`` (fp8_e4m3fn), ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"``, ``"mxfp6_e3m2"``, ``"mxfp4"``
+    (PerGroup(32), e8m0 scales), ``"fp8_block"`` (DeepSeek weights: PerBlock((128, 128))),
+    ``"fp8_group"`` (DeepSeek activations: PerGroup(128), 1x128), ``"fp8_token"`` (per-token
+    dynamic). Keyword overrides replace fields (``scale_rounding="rceil"``, ...).
+
+    >>> preset("mxfp4").granularity
+    PerGroup(group_size=32)
+    """
+    from ._granularity import PerBlock, PerGroup, PerToken, TensorGroup
+    from ._spec import QuantSpec
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    fields = dict(PRESETS[name])
+    granularity = {
+        "tensor_group16": TensorGroup(16),
+        "group32": PerGroup(32),
+        "group128": PerGroup(128),
+        "block128": PerBlock((128, 128)),
+        "token": PerToken(),
+    }[fields.pop("granularity")]
+    fields["granularity"] = granularity
+    fields.update(overrides)
+    return QuantSpec(**fields)
+
+
+_MX = dict(granularity="group32", scale_dtype="e8m0", zero_point_domain="none")
+PRESETS = {
+    "nvfp4": dict(dtype="fp4_e2m1", granularity="tensor_group16", scale_dtype="float8_e4m3fn", zero_point_domain="none"),
+    "mxfp8": dict(dtype="fp8_e4m3fn", **_MX),
+    "mxfp8_e5m2": dict(dtype="fp8_e5m2", **_MX),
+    "mxfp6_e2m3": dict(dtype="fp6_e2m3", **_MX),
+    "mxfp6_e3m2": dict(dtype="fp6_e3m2", **_MX),
+    "mxfp4": dict(dtype="fp4_e2m1", **_MX),
+    "fp8_block": dict(dtype="fp8_e4m3fn", granularity="block128", zero_point_domain="none"),
+    "fp8_group": dict(dtype="fp8_e4m3fn", granularity="group128", zero_point_domain="none"),
+    "fp8_token": dict(dtype="fp8_e4m3fn", granularity="token", zero_point_domain="none"),
+}
