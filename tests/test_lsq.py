@@ -1,0 +1,221 @@
+"""LSQ / LSQ+ learnable ranges against torch.ao's learnable fake quant.
+
+References: ``torch._fake_quantize_learnable_per_tensor_affine`` / ``_per_channel_affine`` (the
+kernels) and ``torch.ao.quantization._learnable_fake_quantize._LearnableFakeQuantize`` (the module,
+with ``use_grad_scaling=True``). Forward values and the gradients with respect to x, scale and
+zero point must agree to 1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.ao.quantization import MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
+from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantize
+
+import qstats
+
+TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+def _grads_qstats(x, scale, zero_point, spec, dy, grad_scale="torch_ao"):
+    x = x.clone().requires_grad_(True)
+    scale = scale.clone().requires_grad_(True)
+    zero_point = zero_point.clone().requires_grad_(True)
+    y = qstats.lsq_fake_quantize(x, qstats.LSQParams(scale, zero_point), spec, grad_scale=grad_scale)
+    y.backward(dy)
+    zero_grad = zero_point.grad if zero_point.grad is not None else torch.zeros_like(zero_point)
+    return y.detach(), x.grad, scale.grad, zero_grad
+
+
+def _grads_torch(x, scale, zero_point, qmin, qmax, factor, dy, axis=None):
+    x = x.clone().requires_grad_(True)
+    scale = scale.clone().reshape(-1).requires_grad_(True)
+    zero_point = zero_point.clone().reshape(-1).requires_grad_(True)
+    if axis is None:
+        y = torch._fake_quantize_learnable_per_tensor_affine(x, scale, zero_point, qmin, qmax, factor)
+    else:
+        y = torch._fake_quantize_learnable_per_channel_affine(x, scale, zero_point, axis, qmin, qmax, factor)
+    y.backward(dy)
+    return y.detach(), x.grad, scale.grad, zero_point.grad
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from(["uint8", "uint4"]),
+    spread=st.floats(0.5, 8.0),
+    scale_value=st.floats(0.005, 0.2),
+    zero_fraction=st.floats(0.05, 0.95),
+    scaled=st.booleans(),
+)
+def test_per_tensor_lsq_plus_matches_torch(seed, dtype, spread, scale_value, zero_fraction, scaled):
+    g = torch.Generator().manual_seed(seed)
+    spec = qstats.QuantSpec(dtype=dtype, mapping="asymmetric")
+    qmin, qmax = spec.qrange
+    x = torch.randn(5, 7, generator=g) * spread
+    dy = torch.randn(5, 7, generator=g)
+    scale = torch.tensor(scale_value)
+    # Non-negative, non-half zero points: torch's backward rounds them like its forward there.
+    zero_point = torch.tensor(round(zero_fraction * qmax) + 0.3)
+    factor = 1.0 / (x.numel() * qmax) ** 0.5 if scaled else 1.0
+    ours = _grads_qstats(x, scale, zero_point, spec, dy, "torch_ao" if scaled else None)
+    ref = _grads_torch(x, scale, zero_point, qmin, qmax, factor, dy)
+    # With LSQ's gradient scale the range gradients are O(0.1) and agree to 1e-6. Unscaled, they
+    # are sums of 35 terms of O(1), added in another order (and each term's product associated
+    # differently) than torch's kernel: float32 rounding then allows a few 1e-6 relative.
+    tol = TOL if scaled else dict(rtol=1e-5, atol=1e-5)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.reshape(b.shape), b, **tol)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_per_tensor_lsq_symmetric_matches_torch(dtype):
+    g = torch.Generator().manual_seed(0)
+    spec = qstats.QuantSpec(dtype=dtype, mapping="symmetric")
+    qmin, qmax = spec.qrange
+    x = torch.randn(64, generator=g) * 2
+    dy = torch.randn(64, generator=g)
+    scale = torch.tensor(3.0 / qmax)  # clips the tails of x
+    zero_point = torch.tensor(0.0)
+    factor = 1.0 / (x.numel() * qmax) ** 0.5
+    y, dx, dscale, dzero = _grads_qstats(x, scale, zero_point, spec, dy)
+    ry, rdx, rdscale, _ = _grads_torch(x, scale, zero_point, qmin, qmax, factor, dy)
+    torch.testing.assert_close(y, ry, **TOL)
+    torch.testing.assert_close(dx, rdx, **TOL)
+    torch.testing.assert_close(dscale.reshape(1), rdscale, **TOL)
+    # LSQ: the zero point of a symmetric spec is fixed, so it gets no gradient.
+    assert float(dzero.abs().sum()) == 0.0
+    assert bool((dx == 0).any()) and bool((dx == dy).any())  # both sides of the range exercised
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("dtype,mapping", [("uint8", "asymmetric"), ("int8", "asymmetric"), ("int4", "symmetric")])
+def test_per_channel_matches_torch(axis, dtype, mapping):
+    g = torch.Generator().manual_seed(axis + 7)
+    spec = qstats.QuantSpec(dtype=dtype, mapping=mapping, granularity=qstats.PerAxis(axis))
+    qmin, qmax = spec.qrange
+    x = torch.randn(4, 6, 5, generator=g) * 3
+    dy = torch.randn(4, 6, 5, generator=g)
+    channels = x.shape[axis]
+    scale = torch.rand(channels, generator=g) * 0.05 + 0.01
+    if mapping == "asymmetric":
+        zero_point = torch.rand(channels, generator=g) * (qmax - qmin) * 0.8 + qmin + 0.1 * (qmax - qmin)
+    else:
+        zero_point = torch.zeros(channels)
+    factor = 1.0 / (x.numel() * qmax) ** 0.5
+    ours = _grads_qstats(x, scale, zero_point, spec, dy)
+    ref = _grads_torch(x, scale, zero_point, qmin, qmax, factor, dy, axis=axis % x.ndim)
+    for name, a, b in zip(("y", "dx", "dscale"), ours[:3], ref[:3]):
+        torch.testing.assert_close(a, b, **TOL, msg=name)
+    if mapping == "asymmetric":
+        torch.testing.assert_close(ours[3], ref[3], **TOL)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_matches_learnable_fake_quantize_module(per_channel):
+    """The whole torch.ao module: static estimate from its observer, then learning with grad scaling."""
+    torch.manual_seed(3)
+    w = torch.randn(6, 10) * 0.5
+    if per_channel:
+        module = _LearnableFakeQuantize(
+            MovingAveragePerChannelMinMaxObserver, quant_min=0, quant_max=255, channel_len=6,
+            use_grad_scaling=True, dtype=torch.quint8, qscheme=torch.per_channel_affine, ch_axis=0,
+        )
+        spec = qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_channel_affine, ch_axis=0)
+        observer = qstats.moving_average_minmax(spec, 0.01)
+    else:
+        module = _LearnableFakeQuantize(
+            MovingAverageMinMaxObserver, quant_min=0, quant_max=255, use_grad_scaling=True,
+            dtype=torch.quint8, qscheme=torch.per_tensor_affine,
+        )
+        spec = qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_affine)
+        observer = qstats.moving_average_minmax(spec, 0.01)
+    # Static estimate (observer on): both initialise the range from the same observed data.
+    module.enable_static_estimate()
+    module(w)
+    state = observer.update(observer.init(w), w)
+    params = qstats.lsq_init(state, spec)
+    torch.testing.assert_close(params.scale.reshape(-1), module.scale.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(params.zero_point.reshape(-1), module.zero_point.detach(), rtol=0, atol=0)
+    # Learning: gradients of the same loss.
+    module.enable_param_learning()
+    x = torch.randn(6, 10) * 0.7
+    dy = torch.randn(6, 10)
+    xr = x.clone().requires_grad_(True)
+    module(xr).backward(dy)
+    scale = params.scale.clone().requires_grad_(True)
+    zero_point = params.zero_point.clone().requires_grad_(True)
+    xq = x.clone().requires_grad_(True)
+    qstats.lsq_fake_quantize(xq, qstats.LSQParams(scale, zero_point), spec).backward(dy)
+    torch.testing.assert_close(xq.grad, xr.grad, **TOL)
+    torch.testing.assert_close(scale.grad.reshape(-1), module.scale.grad, **TOL)
+    torch.testing.assert_close(zero_point.grad.reshape(-1), module.zero_point.grad, **TOL)
+
+
+def test_lsq_init_from_any_observer_state():
+    spec = qstats.QuantSpec(dtype="int4", mapping="asymmetric", granularity=qstats.PerAxis(0))
+    x = torch.randn(3, 16)
+    for observer in (qstats.minmax(spec), qstats.moving_average_minmax(spec, 0.1), qstats.memoryless_minmax(spec)):
+        state = observer.update(observer.init(x), x)
+        params = qstats.lsq_init(state, spec)
+        qp = qstats.compute_qparams(state, spec)
+        assert params.scale.dtype == params.zero_point.dtype == torch.float32
+        torch.testing.assert_close(params.scale, qp.scale)
+        torch.testing.assert_close(params.zero_point, qp.zero_point.float())
+        # Initialised from the observer, LSQ's forward is the observer's fake quant.
+        torch.testing.assert_close(qstats.lsq_fake_quantize(x, params, spec), qstats.fake_quantize(x, qp, spec))
+
+
+def test_grad_scale_options():
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+    assert qstats.lsq_grad_factor(400, 4, spec, "torch_ao") == pytest.approx(1 / (400 * 127) ** 0.5)
+    assert qstats.lsq_grad_factor(400, 4, spec, "per_parameter") == pytest.approx(1 / (100 * 127) ** 0.5)
+    assert qstats.lsq_grad_factor(400, 4, spec, None) == 1.0
+    assert qstats.lsq_grad_factor(400, 4, spec, 0.25) == 0.25
+    with pytest.raises(ValueError, match="grad_scale"):
+        qstats.lsq_grad_factor(400, 4, spec, "sqrt")
+
+
+def test_composes_with_func_grad_vmap_and_compile():
+    spec = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
+    x = torch.randn(4, 32)
+    scales = torch.rand(4) * 0.02 + 0.01
+    zeros = torch.full((4,), 120.2)
+
+    def loss(scale, zero_point, row):
+        return (qstats.lsq_fake_quantize(row, qstats.LSQParams(scale, zero_point), spec) ** 2).sum()
+
+    batched = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)))(scales, zeros, x)
+    for i in range(4):
+        s = scales[i].clone().requires_grad_(True)
+        z = zeros[i].clone().requires_grad_(True)
+        loss(s, z, x[i]).backward()
+        torch.testing.assert_close(batched[0][i], s.grad)
+        torch.testing.assert_close(batched[1][i], z.grad)
+    compiled = torch.compile(torch.func.grad(loss, argnums=(0, 1)), fullgraph=True, backend="aot_eager")
+    got = compiled(scales[0], zeros[0], x[0])
+    torch.testing.assert_close(got[0], batched[0][0])
+    torch.testing.assert_close(got[1], batched[1][0])
+
+
+def test_tiny_scale_is_floored_not_zero():
+    spec = qstats.QuantSpec(dtype="int8")
+    scale = torch.tensor(0.0, requires_grad=True)
+    y = qstats.lsq_fake_quantize(torch.tensor([1e-9, -3.0]), qstats.LSQParams(scale, torch.tensor(0.0)), spec)
+    assert bool(torch.isfinite(y).all())
+    y.sum().backward()
+    assert bool(torch.isfinite(scale.grad))
+
+
+def test_bad_input():
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="params.scale has shape"):
+        qstats.lsq_fake_quantize(x, qstats.LSQParams(torch.ones(4), torch.zeros(4)), spec)
+    with pytest.raises(TypeError, match="LSQParams"):
+        qstats.lsq_fake_quantize(x, (torch.ones(3), torch.zeros(3)), spec)
+    with pytest.raises(ValueError, match="integer target"):
+        qstats.lsq_fake_quantize(x, qstats.LSQParams(torch.ones(3), torch.zeros(3)), qstats.QuantSpec(dtype="fp8_e4m3fn"))
