@@ -39,6 +39,10 @@ from .recipe import Rule as Rule
 from .recipe import Site as Site
 
 from . import distributed as distributed
+from . import testing as testing
+from . import tree as tree
+from .io import load as load
+from .io import save as save
 
 __version__ = "0.1.0"
 
@@ -72,6 +76,7 @@ __all__ = [
     "distributed",
     "fake_quantize",
     "fake_quantized",
+    "load",
     "memoryless_minmax",
     "minmax",
     "moving_average_minmax",
@@ -80,5 +85,8 @@ __all__ = [
     "quantize",
     "register_range_rule",
     "register_state",
+    "save",
     "stacked_observer",
+    "testing",
+    "tree",
 ]

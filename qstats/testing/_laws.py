@@ -349,6 +349,15 @@ def check_stability(obs, xs: Sequence[torch.Tensor]) -> None:
             same(obs.update(state, low), f"update with a {dtype} tensor")
 
 
+def _attempt(what: str, fn, *args):
+    try:
+        return fn(*args)
+    except AssertionError:
+        raise
+    except Exception as error:
+        raise AssertionError(f"{what} failed: {type(error).__name__}: {error}") from error
+
+
 def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_fields=None) -> None:
     """Law 6: ``torch.func.vmap`` of ``update`` (with and without a per-row ``weight``), ``merge``,
     ``compute_qparams`` and ``fake_quantize`` over states stacked with `qstats.tree.stack` equals the
@@ -364,29 +373,33 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
     stacked_states = qtree.stack(states)
     stacked_next = torch.stack(nexts)
 
-    batched = vmap(obs.update)(stacked_states, stacked_next)
+    batched = _attempt(f"{name}: vmap(update)", vmap(obs.update), stacked_states, stacked_next)
     looped = qtree.stack([obs.update(s, x) for s, x in zip(states, nexts)])
     assert_states_equal(batched, looped, approx_fields=approx_fields, message=f"{name}: vmap(update) vs loop")
 
     if weights and xs[0].ndim >= 1 and xs[0].shape[0] >= 2:
         rows = xs[0].shape[0]
         masks = [((torch.arange(rows) + i) % 2 == 0).to(torch.float32) for i in range(len(xs))]
-        batched_w = vmap(obs.update)(stacked_states, stacked_next, torch.stack(masks))
+        batched_w = _attempt(
+            f"{name}: vmap(update, weight)", vmap(obs.update), stacked_states, stacked_next, torch.stack(masks)
+        )
         looped_w = qtree.stack([obs.update(s, x, w) for s, x, w in zip(states, nexts, masks)])
         assert_states_equal(batched_w, looped_w, approx_fields=approx_fields, message=f"{name}: vmap(update, weight) vs loop")
 
-    merged = vmap(obs.merge)(stacked_states, batched)
+    merged = _attempt(f"{name}: vmap(merge)", vmap(obs.merge), stacked_states, batched)
     looped_merge = qtree.stack([obs.merge(s, t) for s, t in zip(states, qtree.unstack(batched))])
     assert_states_equal(merged, looped_merge, approx_fields=approx_fields, message=f"{name}: vmap(merge) vs loop")
 
     if spec is None:
         return
     slices = qtree.unstack(merged)
-    batched_qp = vmap(lambda s: compute_qparams(s, spec))(merged)
+    batched_qp = _attempt(f"{name}: vmap(compute_qparams)", vmap(lambda s: compute_qparams(s, spec)), merged)
     looped_qp = qtree.stack([compute_qparams(s, spec) for s in slices])
     assert_states_equal(batched_qp, looped_qp, approx_fields=(), message=f"{name}: vmap(compute_qparams) vs loop")
     stacked_x = torch.stack(xs)
-    batched_fq = vmap(lambda x, qp: fake_quantize(x, qp, spec))(stacked_x, batched_qp)
+    batched_fq = _attempt(
+        f"{name}: vmap(fake_quantize)", vmap(lambda x, qp: fake_quantize(x, qp, spec)), stacked_x, batched_qp
+    )
     looped_fq = torch.stack([fake_quantize(x, qp, spec) for x, qp in zip(xs, qtree.unstack(batched_qp))])
     assert_states_equal(batched_fq, looped_fq, approx_fields=(), message=f"{name}: vmap(fake_quantize) vs loop")
 
@@ -399,9 +412,7 @@ def check_compile(obs, xs: Sequence[torch.Tensor], *, backend: str = "inductor",
     compiled = torch.compile(obs.update, fullgraph=True, backend=backend)
     state = obs.init(xs[0])
     for x in xs[:2]:
-        try:
-            got = compiled(state, x)
-        except Exception as error:  # graph breaks surface as torch._dynamo errors
-            raise AssertionError(f"{name}: torch.compile(update, fullgraph=True) failed: {type(error).__name__}: {error}") from error
+        # graph breaks surface as torch._dynamo errors
+        got = _attempt(f"{name}: torch.compile(update, fullgraph=True)", compiled, state, x)
         state = obs.update(state, x)
         assert_states_equal(got, state, approx_fields=approx_fields, message=f"{name}: compiled update vs eager")

@@ -1,0 +1,228 @@
+"""qstats.save / qstats.load (one safetensors file) and torch.save compatibility."""
+
+import io as _stdio
+import json
+import pickle
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+from observer_cases import CASES
+
+import qstats
+from qstats import io as qio
+from qstats import tree
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor, so that NaN payloads and -0.0 count."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _assert_bit_exact(got, expected):
+    tree.assert_same_structure(got, expected)
+    for (path, a), (_, b) in zip(tree.leaves_with_paths(got), tree.leaves_with_paths(expected)):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(_bits(a), _bits(b)), path
+
+
+def _every_case_state():
+    """{case name: (state, qparams)} for every observer in observer_cases, after two updates."""
+    out = {}
+    for case in CASES:
+        name, factory, make_x = case[:3]
+        obs = factory()
+        g = torch.Generator().manual_seed(len(out))
+        state = obs.init(make_x(g))
+        for _ in range(2):
+            state = obs.update(state, make_x(g))
+        spec = obs.spec
+        qparams = qstats.compute_qparams(state, spec) if spec is not None else None
+        out[name] = (state, qparams)
+    return out
+
+
+def _odd_values():
+    return torch.tensor([-0.0, float("nan"), float("inf"), -float("inf"), 1e-45, 3.0e38, 1.0 / 3.0])
+
+
+@pytest.fixture
+def nested_tree():
+    states = _every_case_state()
+    return {
+        "model": {
+            name: {"state": state, "qparams": qparams} if qparams is not None else {"state": state}
+            for name, (state, qparams) in states.items()
+        },
+        "experts": [states["minmax/axis0"][0], (states["moving_average_minmax/tensor"][0], _odd_values())],
+        "odd/name%": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "low": (torch.randn(3).to(torch.bfloat16), torch.randn(3).to(torch.float8_e4m3fn), torch.tensor([True, False])),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+    }
+
+
+def test_round_trip_is_bit_exact_for_every_state_type(tmp_path, nested_tree):
+    path = tmp_path / "stats.safetensors"
+    qstats.save(path, nested_tree)
+    loaded = qstats.load(path)
+    _assert_bit_exact(loaded, nested_tree)
+    saved_types = {type(s).__name__ for s, _ in _every_case_state().values()}
+    assert saved_types <= set(qstats.observers.state_types())
+    for name, entry in loaded["model"].items():
+        assert type(entry["state"]) is type(nested_tree["model"][name]["state"])
+
+
+def test_file_is_plain_safetensors_with_versioned_metadata(tmp_path, nested_tree):
+    path = tmp_path / "stats.safetensors"
+    qstats.save(path, nested_tree)
+    raw = safetensors.torch.load_file(str(path))  # an independent reader
+    assert torch.equal(raw["model/minmax%2Faxis0/state/max_val"], nested_tree["model"]["minmax/axis0"]["state"].max_val)
+    assert torch.equal(raw["odd%2Fname%25"], nested_tree["odd/name%"])
+    with safetensors.safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+    assert metadata["format"] == "qstats"
+    assert metadata["format_version"] == str(qio.FORMAT_VERSION)
+    structure = json.loads(metadata["structure"])
+    assert structure["t"] == "dict"
+
+
+def test_bare_state_and_bare_tensor_round_trip(tmp_path):
+    obs = qstats.minmax(qstats.QuantSpec())
+    x = torch.randn(5)
+    state = obs.update(obs.init(x), x)
+    for value in (state, x, [state, state]):
+        path = tmp_path / "one.safetensors"
+        qstats.save(path, value)
+        _assert_bit_exact(qstats.load(path), value)
+
+
+def test_torch_load_weights_only_needs_the_allow_list_or_a_state_dict(nested_tree):
+    buffer = _stdio.BytesIO()
+    torch.save(nested_tree, buffer)
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError, match="MinMaxState|QParams|State"):
+        torch.load(buffer, weights_only=True)  # torch refuses unknown NamedTuple classes
+    buffer.seek(0)
+    with torch.serialization.safe_globals(qio.safe_globals()):
+        _assert_bit_exact(torch.load(buffer, weights_only=True), nested_tree)
+
+    buffer = _stdio.BytesIO()
+    torch.save(qio.to_state_dict(nested_tree), buffer)
+    buffer.seek(0)
+    plain = torch.load(buffer, weights_only=True)  # no allow-list: strings and tensors only
+    _assert_bit_exact(qio.from_state_dict(plain), nested_tree)
+
+
+def test_from_state_dict_rejects_foreign_and_future_dicts(nested_tree):
+    state_dict = qio.to_state_dict(nested_tree)
+    with pytest.raises(ValueError, match="format version 2"):
+        qio.from_state_dict({**state_dict, "format_version": 2})
+    with pytest.raises(ValueError, match="missing"):
+        qio.from_state_dict({"tensors": {}})
+    with pytest.raises(ValueError, match="no tensor"):
+        tensors = dict(state_dict["tensors"])
+        tensors.pop(next(iter(tensors)))
+        qio.from_state_dict({**state_dict, "tensors": tensors})
+
+
+def _saved(tmp_path, tree_):
+    path = tmp_path / "stats.safetensors"
+    qstats.save(path, tree_)
+    return path
+
+
+def _rewrite(path, edit_metadata=None, drop=None):
+    with safetensors.safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata())
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    if edit_metadata:
+        edit_metadata(metadata)
+    if drop:
+        tensors.pop(drop)
+    out = path.with_name("edited.safetensors")
+    safetensors.torch.save_file(tensors, str(out), metadata=metadata)
+    return out
+
+
+@pytest.mark.parametrize("keep", [0, 7, 60, -1, -9])
+def test_truncated_file_raises(tmp_path, nested_tree, keep):
+    path = _saved(tmp_path, nested_tree)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:keep] if keep >= 0 else data[:keep])
+    with pytest.raises(ValueError, match="corrupt|truncated"):
+        qstats.load(cut)
+
+
+def test_flipped_data_byte_fails_the_checksum(tmp_path, nested_tree):
+    path = _saved(tmp_path, nested_tree)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum"):
+        qstats.load(path)
+
+
+def test_garbage_and_foreign_files_raise(tmp_path):
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x00\x01not a checkpoint at all" * 10)
+    with pytest.raises(ValueError, match="corrupt"):
+        qstats.load(garbage)
+    foreign = tmp_path / "foreign.safetensors"
+    safetensors.torch.save_file({"w": torch.zeros(2)}, str(foreign))
+    with pytest.raises(ValueError, match="not a qstats checkpoint"):
+        qstats.load(foreign)
+    with pytest.raises(FileNotFoundError):
+        qstats.load(tmp_path / "missing.safetensors")
+
+
+def test_unknown_format_version_raises(tmp_path, nested_tree):
+    path = _saved(tmp_path, nested_tree)
+    edited = _rewrite(path, edit_metadata=lambda m: m.update(format_version="99"))
+    with pytest.raises(ValueError, match="format version '99'"):
+        qstats.load(edited)
+
+
+def test_missing_tensor_raises_naming_it(tmp_path, nested_tree):
+    path = _saved(tmp_path, nested_tree)
+    edited = _rewrite(path, drop="model/minmax%2Ftensor/state/count")
+    with pytest.raises(ValueError, match="model/minmax%2Ftensor/state/count"):
+        qstats.load(edited)
+
+
+def test_unknown_state_type_and_changed_fields_raise(tmp_path, nested_tree):
+    path = _saved(tmp_path, nested_tree)
+
+    def rename(metadata):
+        metadata["structure"] = metadata["structure"].replace('"MinMaxState"', '"NoSuchState"')
+
+    with pytest.raises(ValueError, match="unknown state type 'NoSuchState'"):
+        qstats.load(_rewrite(path, edit_metadata=rename))
+
+    def refield(metadata):
+        metadata["structure"] = metadata["structure"].replace('["nonfinite"', '["non_finite"')
+
+    with pytest.raises(ValueError, match="fields"):
+        qstats.load(_rewrite(path, edit_metadata=refield))
+
+    def break_json(metadata):
+        metadata["structure"] = metadata["structure"][:-3]
+
+    with pytest.raises(ValueError, match="structure"):
+        qstats.load(_rewrite(path, edit_metadata=break_json))
+
+
+def test_save_rejects_what_it_cannot_rebuild(tmp_path):
+    from typing import NamedTuple
+
+    class Unregistered(NamedTuple):
+        value: torch.Tensor
+
+    path = tmp_path / "x.safetensors"
+    with pytest.raises(TypeError, match="not a registered state type"):
+        qstats.save(path, {"a": Unregistered(torch.zeros(1))})
+    with pytest.raises(TypeError, match=r"float at a"):
+        qstats.save(path, {"a": 1.0})
+    with pytest.raises(TypeError, match="keys must be strings"):
+        qstats.save(path, {1: torch.zeros(1)})

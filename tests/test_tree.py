@@ -1,0 +1,118 @@
+"""qstats.tree: stack / unstack / assert_same_structure."""
+
+import pytest
+import torch
+
+import qstats
+from qstats import tree
+
+SPEC = qstats.QuantSpec(granularity=qstats.PerAxis(0))
+
+
+def _observers():
+    return {
+        "minmax": qstats.minmax(SPEC),
+        "moving": qstats.moving_average_minmax(SPEC, 0.25),
+    }
+
+
+def _states(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 6, generator=g)
+    return {name: obs.update(obs.init(x), x) for name, obs in _observers().items()}, x
+
+
+def test_stack_and_unstack_round_trip_nested_trees():
+    trees = []
+    for seed in range(3):
+        states, x = _states(seed)
+        trees.append({"layer": [states["minmax"], (states["moving"], x)], "scale": torch.tensor(float(seed))})
+    stacked = tree.stack(trees)
+    assert type(stacked["layer"][0]) is qstats.MinMaxState
+    assert type(stacked["layer"][1][0]) is qstats.MovingAverageMinMaxState
+    assert stacked["layer"][0].min_val.shape == (3, 4)
+    assert stacked["scale"].shape == (3,)
+    back = tree.unstack(stacked)
+    assert len(back) == 3
+    for original, restored in zip(trees, back):
+        tree.assert_same_structure(original, restored)
+        for (path, a), (_, b) in zip(tree.leaves_with_paths(original), tree.leaves_with_paths(restored)):
+            assert torch.equal(a, b), path
+
+
+def test_stack_aligns_dicts_by_key_not_insertion_order():
+    a, _ = _states(0)
+    b, _ = _states(1)
+    stacked = tree.stack([{"x": a["minmax"], "y": a["moving"]}, {"y": b["moving"], "x": b["minmax"]}])
+    assert list(stacked) == ["x", "y"]
+    assert torch.equal(stacked["x"].max_val[1], b["minmax"].max_val)
+    assert torch.equal(stacked["y"].max_val[1], b["moving"].max_val)
+
+
+def test_vmap_over_stacked_trees_equals_the_loop():
+    observers = _observers()
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(4, 6, generator=g) for _ in range(5)]
+    trees = [{name: obs.init(x) for name, obs in observers.items()} for x in xs]
+
+    def update_all(states, x, weight):
+        return {name: obs.update(states[name], x, weight) for name, obs in observers.items()}
+
+    weights = [(torch.rand(4, generator=g) > 0.3).float() for _ in xs]
+    batched = torch.func.vmap(update_all)(tree.stack(trees), torch.stack(xs), torch.stack(weights))
+    looped = [update_all(t, x, w) for t, x, w in zip(trees, xs, weights)]
+    for got, expected in zip(tree.unstack(batched), looped):
+        tree.assert_same_structure(got, expected)
+        for (path, a), (_, b) in zip(tree.leaves_with_paths(got), tree.leaves_with_paths(expected)):
+            assert torch.equal(a, b), path
+    # and the per-row min computed independently of qstats
+    for got, x, w in zip(tree.unstack(batched), xs, weights):
+        kept = x[w != 0]
+        expected_min = torch.where(w != 0, x.amin(dim=1), torch.inf)
+        assert torch.equal(got["minmax"].min_val, expected_min)
+        assert int(got["minmax"].count.sum()) == kept.numel()
+
+
+def test_assert_same_structure_names_the_path_and_both_shapes():
+    a, _ = _states(0)
+    bad = a["minmax"]._replace(count=a["minmax"].count[:3])
+    with pytest.raises(ValueError, match=r"tree\['layers'\]\[1\]\.count.*shape \(4,\).*shape \(3,\)"):
+        tree.assert_same_structure({"layers": [a["moving"], a["minmax"]]}, {"layers": [a["moving"], bad]})
+
+
+def test_assert_same_structure_is_strict_about_types_keys_lengths_and_dtypes():
+    a, _ = _states(0)
+    state = a["minmax"]
+    same_fields_other_type = qstats.MemorylessMinMaxState(*state)
+    with pytest.raises(ValueError, match="MinMaxState.*MemorylessMinMaxState"):
+        tree.assert_same_structure(state, same_fields_other_type)
+    with pytest.raises(ValueError, match="keys"):
+        tree.assert_same_structure({"a": state}, {"b": state})
+    with pytest.raises(ValueError, match="length"):
+        tree.assert_same_structure([state], [state, state])
+    with pytest.raises(ValueError, match="list.*tuple"):
+        tree.assert_same_structure([state], (state,))
+    with pytest.raises(ValueError, match=r"\.min_val.*float32.*float64"):
+        tree.assert_same_structure(state, state._replace(min_val=state.min_val.double()))
+    tree.assert_same_structure(state, state._replace(min_val=state.min_val.double()), check_leaves=False)
+    tree.assert_same_structure({"a": state, "b": [state]}, {"b": [state], "a": state})
+
+
+def test_stack_rejects_mismatches_and_empty_input():
+    a, _ = _states(0)
+    state = a["minmax"]
+    with pytest.raises(ValueError, match="at least one"):
+        tree.stack([])
+    with pytest.raises(ValueError, match=r"trees\[1\]\.max_val.*\(4,\).*\(2,\)"):
+        tree.stack([state, state._replace(max_val=state.max_val[:2])])
+    with pytest.raises(ValueError, match="not a tensor"):
+        tree.stack([{"a": 1}, {"a": 1}])
+
+
+def test_unstack_rejects_ragged_and_scalar_leaves():
+    with pytest.raises(ValueError, match=r"leading size 2.*has 3"):
+        tree.unstack({"a": torch.zeros(3), "b": torch.zeros(2)})
+    with pytest.raises(ValueError, match="0-dimensional"):
+        tree.unstack({"a": torch.zeros(())})
+    with pytest.raises(ValueError, match="no leaves"):
+        tree.unstack({})
