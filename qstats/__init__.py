@@ -39,6 +39,7 @@ from .recipe import Rule as Rule
 from .recipe import Site as Site
 
 from . import distributed as distributed
+from . import export as export
 from . import testing as testing
 from . import tree as tree
 from .io import load as load
@@ -74,6 +75,7 @@ __all__ = [
     "compute_qparams_tree",
     "dequantize",
     "distributed",
+    "export",
     "fake_quantize",
     "fake_quantized",
     "load",

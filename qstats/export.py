@@ -1,0 +1,328 @@
+"""Export calibrated quantization parameters as a compressed-tensors checkpoint.
+
+`compressed_tensors(model, qparams, path, specs)` writes ``path/model.safetensors`` and
+``path/config.json`` in the layout compressed-tensors (``ModelCompressor``, transformers'
+``CompressedTensorsHfQuantizer``) and vLLM load:
+
+==================  =================================  ======================================
+site                tensors written                    shapes (compressed-tensors strategy)
+==================  =================================  ======================================
+``"weight"``        ``<module>.weight`` (codes),       tensor ``(1,)``, channel ``(out, 1)``,
+                    ``weight_scale``,                  group ``(out, in // g)``,
+                    ``weight_zero_point`` (asym.)      block ``(out // r, in // c)``
+``"input"``         ``input_scale``,                   tensor ``(1,)``; per-token specs are
+                    ``input_zero_point`` (asym.)       written as dynamic (no tensor)
+``"output"``        ``output_scale``, ...              as ``"input"``
+==================  =================================  ======================================
+
+Quantized weights are stored as codes (``int8`` for 2-8 bit integers, ``float8_e4m3fn`` for
+fp8), the way compressed-tensors' ``naive-quantized`` / ``int-quantized`` / ``float-quantized``
+compressors store them; every other parameter and buffer of the model is written unchanged.
+Scales take the module weight's dtype (as compressed-tensors initialises them), zero points int8.
+Zero points of symmetric mappings are not written (compressed-tensors and vLLM do not load them).
+
+Integer specs whose range is unsigned (torch.ao ``quint8``) are shifted onto compressed-tensors'
+signed range: codes and zero points both move by ``-2**(bits-1)``, which leaves every dequantized
+value unchanged. Specs compressed-tensors cannot express raise ValueError naming the field (float
+zero points, ``symmetric_no_clipping_err``, two-level scales, stacked experts, q/k/v sites).
+
+The ``quantization_config`` written into ``config.json`` has one config group per distinct
+(weights, input, output) combination, targeting the exact module paths, and ``ignore`` lists the
+Linear modules left unquantized. ``QuantizationConfig.model_validate(config["quantization_config"])``
+accepts it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any, Mapping, Optional
+
+import torch
+
+from ._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
+from ._qparams import QParams
+from ._quant import quantize
+from ._spec import QuantSpec
+
+__all__ = ["compressed_tensors", "quantization_args"]
+
+_SITE_PREFIX = {"weight": "weight", "input": "input", "output": "output"}
+_CT_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fail(where: str, message: str):
+    raise ValueError(f"export.compressed_tensors: {where}: {message}")
+
+
+def quantization_args(spec: QuantSpec, site: str, where: str = "spec") -> dict:
+    """The compressed-tensors ``QuantizationArgs`` fields (a plain dict) equivalent to ``spec``
+    for a ``site`` (``"weight"``, ``"input"`` or ``"output"``).
+
+    Raises:
+      ValueError: naming the spec field compressed-tensors cannot express.
+    """
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"export.compressed_tensors: {where}: expected a QuantSpec, got {type(spec).__name__}")
+    if spec.is_float:
+        if spec.dtype != "fp8_e4m3fn":
+            _fail(where, f"dtype {spec.dtype!r}: compressed-tensors stores float8_e4m3fn elements only")
+        qtype = "float"
+    else:
+        qtype = "int"
+        if spec.bits > 8:
+            _fail(where, f"dtype {spec.dtype!r}: compressed-tensors integer checkpoints hold at most 8 bits")
+    if spec.mapping in ("symmetric", "narrow"):
+        symmetric = True
+    elif spec.mapping == "asymmetric":
+        symmetric = False
+    else:
+        _fail(where, f"mapping {spec.mapping!r} has no compressed-tensors equivalent")
+    if spec.zero_point_domain == "float":
+        _fail(where, "zero_point_domain 'float' has no compressed-tensors equivalent")
+    if spec.scale_dtype not in ("float32", "bfloat16", "float16"):
+        _fail(where, f"scale_dtype {spec.scale_dtype!r} is not supported by this export yet")
+    granularity = spec.granularity
+    fields: dict[str, Any] = {
+        "num_bits": spec.bits,
+        "type": qtype,
+        "symmetric": symmetric,
+        "group_size": None,
+        "strategy": None,
+        "block_structure": None,
+        "dynamic": False,
+        "actorder": None,
+        "observer": None,
+        "observer_kwargs": {},
+    }
+    if isinstance(granularity, TensorGroup):
+        _fail(where, "TensorGroup (two-level scales) export is not supported yet")
+    if site == "weight":
+        if isinstance(granularity, PerTensor):
+            fields["strategy"] = "tensor"
+        elif isinstance(granularity, PerRow) or (isinstance(granularity, PerAxis) and granularity.axis in (0, -2)):
+            fields["strategy"] = "channel"
+        elif isinstance(granularity, PerGroup):
+            fields.update(strategy="group", group_size=granularity.group_size)
+        elif isinstance(granularity, PerBlock):
+            fields.update(strategy="block", block_structure=list(granularity.block_shape))
+        else:
+            _fail(where, f"granularity {granularity!r} of a weight has no compressed-tensors strategy")
+    else:
+        if isinstance(granularity, PerTensor):
+            fields["strategy"] = "tensor"
+        elif isinstance(granularity, (PerToken, PerRow)):
+            fields.update(strategy="token", dynamic=True)
+        else:
+            _fail(where, f"granularity {granularity!r} of an activation has no compressed-tensors strategy")
+    return fields
+
+
+def _code_offset(spec: QuantSpec, where: str) -> int:
+    """Shift from our integer range onto compressed-tensors' signed one."""
+    if spec.is_float:
+        return 0
+    bits = spec.bits
+    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    offset = 0 if spec.is_signed else lo
+    qmin, qmax = spec.qrange
+    if qmin + offset < lo or qmax + offset > hi:
+        _fail(where, f"the integer range [{qmin}, {qmax}] does not fit compressed-tensors' [{lo}, {hi}]")
+    return offset
+
+
+def _qparam_shape(scale: torch.Tensor, strategy: str, where: str) -> tuple:
+    if strategy == "tensor":
+        if scale.numel() != 1:
+            _fail(where, f"per-tensor qparams must hold one scale, got shape {tuple(scale.shape)}")
+        return (1,)
+    if strategy == "channel":
+        if scale.dim() != 1:
+            _fail(where, f"per-channel qparams must be 1-D, got shape {tuple(scale.shape)}")
+        return (scale.shape[0], 1)
+    return tuple(scale.shape)
+
+
+def _scale_dtype(module: torch.nn.Module) -> torch.dtype:
+    weight = getattr(module, "weight", None)
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
+    return dtype if dtype in _CT_SCALE_DTYPES else torch.float16
+
+
+def _check_qparams(qp: Any, where: str) -> QParams:
+    if not isinstance(qp, QParams):
+        raise TypeError(f"export.compressed_tensors: {where}: expected QParams, got {type(qp).__name__}")
+    return qp
+
+
+def _resolve_specs(specs_or_recipe, qparams, model):
+    if hasattr(specs_or_recipe, "specs") and callable(specs_or_recipe.specs):
+        return specs_or_recipe.specs(qparams, model)
+    if not isinstance(specs_or_recipe, Mapping):
+        raise TypeError(
+            "export.compressed_tensors: specs must be a qstats.Recipe or a {path: {site: QuantSpec}} tree, "
+            f"got {type(specs_or_recipe).__name__}"
+        )
+    return specs_or_recipe
+
+
+def compressed_tensors(
+    model: torch.nn.Module,
+    qparams: Mapping[str, Mapping[str, QParams]],
+    path: str,
+    specs_or_recipe: Any,
+    *,
+    format: Optional[str] = None,
+) -> dict:
+    """Writes ``model`` with ``qparams`` as a compressed-tensors checkpoint in folder ``path``.
+
+    Args:
+      model: the calibrated model (its float weights are quantized with ``qparams``).
+      qparams: ``{module_path: {site: QParams}}``, e.g. from `qstats.compute_qparams_tree`.
+      path: output folder; gets ``model.safetensors`` and ``config.json`` (a transformers model's
+        ``config`` is included; an existing ``config.json`` there is extended).
+      specs_or_recipe: the `qstats.Recipe` used to calibrate, or a ``{path: {site: QuantSpec}}``
+        tree shaped like ``qparams``.
+      format: the compressed-tensors format; default ``"int-quantized"`` / ``"float-quantized"``
+        when weights and inputs are quantized, ``"naive-quantized"`` for weights only, per
+        config group (``"mixed-precision"`` at top level when groups differ).
+
+    Returns:
+      The ``quantization_config`` dict written into ``config.json``.
+
+    Raises:
+      ValueError: a site, spec or shape compressed-tensors cannot express (names it).
+      TypeError: wrong argument types.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"export.compressed_tensors: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(qparams, Mapping):
+        raise TypeError(f"export.compressed_tensors: qparams must be a {{path: {{site: QParams}}}} dict, got {type(qparams).__name__}")
+    specs = _resolve_specs(specs_or_recipe, qparams, model)
+    modules = dict(model.named_modules())
+    state_dict = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    tensors: dict[str, torch.Tensor] = {}
+    schemes: dict[str, dict] = {}
+    uncalibrated = []
+
+    for module_path, sites in qparams.items():
+        if module_path not in modules:
+            raise ValueError(f"export.compressed_tensors: qparams name module {module_path!r}, which the model lacks")
+        module = modules[module_path]
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            _fail(module_path, f"a {type(module).__name__}; compressed-tensors quantizes Linear and Embedding modules")
+        module_specs = specs.get(module_path, {}) if isinstance(specs, Mapping) else {}
+        scheme: dict[str, Any] = {}
+        for site, qp in sites.items():
+            where = f"{module_path}/{site}"
+            if site not in _SITE_PREFIX:
+                _fail(where, f"site {site!r} is not exportable (weight, input and output are)")
+            qp = _check_qparams(qp, where)
+            spec = module_specs.get(site) if isinstance(module_specs, Mapping) else None
+            if spec is None:
+                raise ValueError(f"export.compressed_tensors: no spec for {where}")
+            args = quantization_args(spec, site, where)
+            offset = _code_offset(spec, where)
+            prefix = module_path + "." if module_path else ""
+            name = _SITE_PREFIX[site]
+            if site == "weight":
+                weight = module.weight.detach()
+                if weight.dim() != 2:
+                    _fail(where, f"weights of shape {tuple(weight.shape)} (stacked experts) are not exportable yet")
+                if qp.scale.dim() > 0 and qp.scale.shape[0] != weight.shape[0] and args["strategy"] == "channel":
+                    _fail(where, f"{qp.scale.shape[0]} channel scales for a weight with {weight.shape[0]} rows")
+                codes = quantize(weight, qp, spec)
+                if spec.is_float:
+                    tensors[prefix + "weight"] = codes.to(torch.float8_e4m3fn)
+                else:
+                    tensors[prefix + "weight"] = (codes.to(torch.int16) + offset).to(torch.int8)
+            if args["dynamic"] is True:
+                scheme[site] = args
+                continue
+            if not bool(qp.calibrated.all()):
+                uncalibrated.append(where)
+            shape = _qparam_shape(qp.scale, args["strategy"], where)
+            tensors[f"{prefix}{name}_scale"] = qp.scale.reshape(shape).to(_scale_dtype(module)).clone()
+            if args["symmetric"] and not bool(((qp.zero_point.float() + offset) == 0).all()):
+                _fail(where, "a symmetric spec with a non-zero zero point (symmetric_zero_point) is not expressible")
+            if not args["symmetric"]:
+                tensors[f"{prefix}{name}_zero_point"] = (qp.zero_point.reshape(shape).to(torch.int16) + offset).to(torch.int8)
+            scheme[site] = args
+        if scheme:
+            schemes[module_path] = scheme
+
+    if uncalibrated:
+        warnings.warn(
+            f"export.compressed_tensors: {len(uncalibrated)} site(s) hold uncalibrated (fallback) qparams: "
+            + ", ".join(uncalibrated[:8]),
+            stacklevel=2,
+        )
+
+    # Config groups: one per distinct (weights, input, output) combination.
+    groups: dict[str, dict] = {}
+    for module_path, scheme in schemes.items():
+        weights, inputs, outputs = scheme.get("weight"), scheme.get("input"), scheme.get("output")
+        group_format = format or _default_format(weights, inputs)
+        key = json.dumps([weights, inputs, outputs, group_format], sort_keys=True)
+        group = groups.setdefault(
+            key,
+            {
+                "targets": [],
+                "weights": weights,
+                "input_activations": inputs,
+                "output_activations": outputs,
+                "format": group_format,
+            },
+        )
+        group["targets"].append(module_path)
+    formats = {g["format"] for g in groups.values()}
+    top_format = formats.pop() if len(formats) == 1 else "mixed-precision"
+    ignore = [
+        path
+        for path, module in modules.items()
+        if isinstance(module, torch.nn.Linear) and path not in schemes and path
+    ]
+    quantization_config = {
+        "quant_method": "compressed-tensors",
+        "format": top_format,
+        "quantization_status": "compressed",
+        "config_groups": {f"group_{i}": group for i, group in enumerate(groups.values())},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+    }
+
+    for name, tensor in state_dict.items():
+        if name not in tensors:
+            tensors[name] = tensor
+    _write(path, tensors, model, quantization_config)
+    return quantization_config
+
+
+def _default_format(weights, inputs) -> str:
+    if weights is None:
+        return "dense"
+    if inputs is None:
+        return "naive-quantized"
+    return "float-quantized" if weights["type"] == "float" else "int-quantized"
+
+
+def _write(path: str, tensors: dict, model: torch.nn.Module, quantization_config: dict) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    # safetensors refuses shared storage (tied weights): give every tensor its own.
+    owned = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in tensors.items()}
+    save_file(owned, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config_path = os.path.join(path, "config.json")
+    config: dict = {}
+    if os.path.exists(config_path):
+        with open(config_path) as file:
+            config = json.load(file)
+    model_config = getattr(model, "config", None)
+    if model_config is not None and hasattr(model_config, "to_dict"):
+        config.update(model_config.to_dict())
+    config["quantization_config"] = quantization_config
+    with open(config_path, "w") as file:
+        json.dump(config, file, indent=2, sort_keys=True, default=str)

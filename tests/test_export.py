@@ -1,0 +1,188 @@
+"""qstats.export.compressed_tensors, loaded back with compressed-tensors itself.
+
+A tiny model is calibrated with qstats and exported; compressed-tensors validates the
+``quantization_config``, initialises a fresh model from it (``apply_quantization_config``),
+compresses it to the checkpoint layout, loads our safetensors into it strictly (names, shapes and
+dtypes must all match) and decompresses it. The loaded scales, zero points and dequantized weights
+must equal ours bit for bit, and our scales must equal compressed-tensors' own
+``calculate_qparams`` on the observed ranges (an independent reference).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import qstats
+
+ct = pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors import ModelCompressor  # noqa: E402
+from compressed_tensors.quantization import (  # noqa: E402
+    QuantizationArgs,
+    QuantizationConfig,
+    apply_quantization_config,
+)
+from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(32, 64)
+        self.fc2 = torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.fc2(torch.relu(self.fc1(x))))
+
+
+def _bit_equal(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    if a.is_floating_point():
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+    return torch.equal(a, b)
+
+
+def _calibrated(weight_args, input_args):
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    rules = [qstats.Rule(targets="Linear", sites=("weight",), spec=qstats.QuantSpec.from_compressed_tensors(weight_args))]
+    if input_args is not None:
+        rules.append(
+            qstats.Rule(targets="Linear", sites=("input",), spec=qstats.QuantSpec.from_compressed_tensors(input_args))
+        )
+    recipe = qstats.Recipe(rules, ignore=["head"])
+    batches = [torch.randn(5, 32) * (i + 1) for i in range(3)]
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    return model, recipe, batches, qparams
+
+
+def _load_with_compressed_tensors(path):
+    with open(os.path.join(path, "config.json")) as file:
+        config = QuantizationConfig.model_validate(json.load(file)["quantization_config"])
+    torch.manual_seed(1)  # different float weights: everything must come from the checkpoint
+    fresh = Tiny().eval()
+    apply_quantization_config(fresh, config)
+    compressor = ModelCompressor(quantization_config=config)
+    compressor.compress_model(fresh)
+    fresh.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=True)
+    compressor.decompress_model(fresh)
+    return config, fresh
+
+
+CASES = {
+    "w8a8-int-channel-asym-input": (
+        QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"),
+        QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="tensor"),
+        "int-quantized",
+    ),
+    "w8a8-fp8-tensor": (
+        QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor"),
+        QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor"),
+        "float-quantized",
+    ),
+    "w4-int-group-asym": (
+        QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16),
+        None,
+        "naive-quantized",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_compressed_tensors_loads_our_values(tmp_path, case):
+    weight_args, input_args, expected_format = CASES[case]
+    model, recipe, batches, qparams = _calibrated(weight_args, input_args)
+    written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    assert written["format"] == expected_format
+    config, fresh = _load_with_compressed_tensors(str(tmp_path))
+    assert config.ignore == ["head"]
+    specs = recipe.specs(qparams, model)
+
+    inputs = {"fc1": torch.cat(batches)}
+    inputs["fc2"] = torch.relu(model.fc1(inputs["fc1"])).detach()
+    for name in ("fc1", "fc2"):
+        ours, loaded, original = qparams[name], getattr(fresh, name), getattr(model, name)
+        scheme = loaded.quantization_scheme
+        assert scheme.weights.strategy == weight_args.strategy and scheme.weights.num_bits == weight_args.num_bits
+        # weight: scale (and zero point) as compressed-tensors holds them
+        shape = loaded.weight_scale.shape
+        assert _bit_equal(loaded.weight_scale.data, ours["weight"].scale.reshape(shape))
+        if not weight_args.symmetric:
+            assert _bit_equal(loaded.weight_zero_point.data, ours["weight"].zero_point.reshape(shape).to(torch.int8))
+        # dequantized weight after compressed-tensors' decompression == our quantize/dequantize
+        spec_w = specs[name]["weight"]
+        ours_dq = qstats.dequantize(qstats.quantize(original.weight, ours["weight"], spec_w), ours["weight"], spec_w)
+        assert _bit_equal(loaded.weight.data, ours_dq)
+        # independent reference: compressed-tensors' calculate_qparams on the weight's range
+        w = original.weight.detach()
+        if weight_args.strategy == "channel":
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        elif weight_args.strategy == "group":
+            g = w.reshape(w.shape[0], -1, weight_args.group_size)
+            lo, hi = g.amin(-1), g.amax(-1)
+        else:
+            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+        ref_scale, ref_zp = calculate_qparams(lo, hi, weight_args)
+        assert _bit_equal(loaded.weight_scale.data, ref_scale)
+        if not weight_args.symmetric:
+            assert _bit_equal(loaded.weight_zero_point.data, ref_zp)
+        # input activations
+        if input_args is not None:
+            assert _bit_equal(loaded.input_scale.data, ours["input"].scale.reshape(1))
+            x = inputs[name]
+            ref_scale, ref_zp = calculate_qparams(x.amin().reshape(1), x.amax().reshape(1), input_args)
+            assert _bit_equal(loaded.input_scale.data, ref_scale)
+            if not input_args.symmetric:
+                assert _bit_equal(loaded.input_zero_point.data, ref_zp)
+        else:
+            assert not hasattr(loaded, "input_scale")
+    # unquantized parameters are carried over unchanged
+    assert _bit_equal(fresh.head.weight.data, model.head.weight.data)
+    assert _bit_equal(fresh.fc1.bias.data, model.fc1.bias.data)
+
+
+def test_unsigned_torch_ao_range_is_shifted_onto_signed(tmp_path):
+    """A quint8 asymmetric input (torch.ao convention) is written with codes and zero point moved
+    by -128; the dequantized values compressed-tensors computes are unchanged."""
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    spec_in = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
+    spec_w = qstats.QuantSpec(dtype="uint8", mapping="asymmetric", granularity=qstats.PerAxis(0))
+    recipe = qstats.Recipe(
+        [qstats.Rule(targets="Linear", sites=("weight",), spec=spec_w), qstats.Rule(targets="Linear", sites=("input",), spec=spec_in)],
+        ignore=["head"],
+    )
+    x = torch.randn(6, 32) + 1.0
+    states = qstats.calibrate(model, [x], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    _, fresh = _load_with_compressed_tensors(str(tmp_path))
+    ours = qparams["fc1"]
+    assert torch.equal(fresh.fc1.input_zero_point.data.to(torch.int32), ours["input"].zero_point.reshape(1) - 128)
+    ours_dq = qstats.dequantize(qstats.quantize(model.fc1.weight, ours["weight"], spec_w), ours["weight"], spec_w)
+    assert _bit_equal(fresh.fc1.weight.data, ours_dq)
+
+
+def test_unexportable_specs_raise(tmp_path):
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    for spec, match in [
+        (qstats.QuantSpec(dtype="uint8", mapping="asymmetric", zero_point_domain="float", granularity=qstats.PerAxis(0)), "zero_point_domain"),
+        (qstats.QuantSpec(dtype="int8", mapping="symmetric_no_clipping_err", granularity=qstats.PerAxis(0)), "mapping"),
+        (qstats.QuantSpec(dtype="int16", granularity=qstats.PerAxis(0)), "8 bits"),
+        (qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(1)), "granularity"),
+    ]:
+        recipe = qstats.Recipe([qstats.Rule(targets="Linear", sites=("weight",), spec=spec)], ignore=["head"])
+        states = qstats.calibrate(model, [torch.randn(2, 32)], recipe, progress=False)
+        qparams = qstats.compute_qparams_tree(states, recipe, model)
+        with pytest.raises(ValueError, match=match):
+            qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    with pytest.raises(ValueError, match="lacks"):
+        qstats.export.compressed_tensors(model, {"nope": {}}, str(tmp_path), {"nope": {}})
