@@ -1,0 +1,337 @@
+"""Pure QAT: qstats.observe_fake_quantize, qstats.qat.prepare and QATSchedule.
+
+References: torch.ao's ``FakeQuantize`` and ``FusedMovingAvgObsFakeQuantize`` modules (outputs,
+gradients, observer ranges, observer/fake-quant toggles), ``nn.BatchNorm2d`` in train and eval
+mode, and eager execution for ``torch.func.grad`` / ``vmap`` / ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.ao.quantization import (
+    FakeQuantize,
+    FusedMovingAvgObsFakeQuantize,
+    MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver,
+)
+
+import qstats
+from qstats import QATPhase, QATSchedule
+
+ACT_SPEC = qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_affine)
+W_SPEC = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric, ch_axis=0)
+
+
+def _act_fq(fused=False):
+    cls = FusedMovingAvgObsFakeQuantize if fused else FakeQuantize
+    return cls(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255, dtype=torch.quint8,
+               qscheme=torch.per_tensor_affine)
+
+
+def _weight_fq():
+    return FakeQuantize(observer=MovingAveragePerChannelMinMaxObserver, quant_min=-128, quant_max=127,
+                        dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# One tensor
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_observe_fake_quantize_matches_torch_ao_fake_quantize(fused):
+    g = torch.Generator().manual_seed(0)
+    reference = _act_fq(fused)
+    observer = qstats.moving_average_minmax(ACT_SPEC, 0.01)
+    state = observer.init(torch.zeros(3, 5))
+    # (observe, fake_quantize) per step; torch.ao toggles its module the same way.
+    phases = [(True, False), (True, True), (True, True), (False, True), (False, True)]
+    for step, (observe, fq) in enumerate(phases):
+        reference.enable_observer(observe)
+        reference.enable_fake_quant(fq)
+        x = torch.randn(3, 5, generator=g) * (1 + step)
+        dy = torch.randn(3, 5, generator=g)
+        xr = x.clone().requires_grad_(True)
+        yr = reference(xr)
+        yr.backward(dy)
+        xq = x.clone().requires_grad_(True)
+        y, state = qstats.observe_fake_quantize(xq, state, observer, QATPhase(observe, fq))
+        y.backward(dy)
+        torch.testing.assert_close(y, yr, rtol=0, atol=0)
+        torch.testing.assert_close(xq.grad, xr.grad, rtol=0, atol=0)
+        qp = qstats.compute_qparams(state, ACT_SPEC)
+        scale, zero_point = reference.calculate_qparams()
+        torch.testing.assert_close(qp.scale.reshape(-1), scale.reshape(-1), rtol=0, atol=0)
+        torch.testing.assert_close(qp.zero_point.reshape(-1), zero_point.reshape(-1).to(torch.int32), rtol=0, atol=0)
+    assert bool((xq.grad == 0).any())  # the last step clipped some values (range frozen, x grew)
+
+
+def test_straight_through_modes():
+    observer = qstats.minmax(qstats.QuantSpec(dtype="int4"))
+    ref_x = torch.linspace(-1, 1, 9)
+    state = observer.update(observer.init(ref_x), ref_x)
+    x = torch.tensor([-3.0, -0.5, 0.2, 0.9, 4.0], requires_grad=True)
+    y, _ = qstats.observe_fake_quantize(x, state, observer, QATPhase(False, True), ste="clipped")
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([0.0, 1.0, 1.0, 1.0, 0.0]))
+    x.grad = None
+    y2, _ = qstats.observe_fake_quantize(x, state, observer, QATPhase(False, True), ste="identity")
+    y2.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(5))
+    torch.testing.assert_close(y2, y)
+    with pytest.raises(ValueError, match="ste"):
+        qstats.observe_fake_quantize(x, state, observer, QATPhase(), ste="round")
+
+
+def test_tensor_flags_equal_python_flags():
+    g = torch.Generator().manual_seed(1)
+    observer = qstats.moving_average_minmax(qstats.QuantSpec("uint4", "asymmetric"), 0.1)
+    schedule = QATSchedule(observe_at=1, fake_quantize_at=2, freeze_ranges_at=4)
+    s_py = s_t = observer.init(torch.zeros(8))
+    for step in range(6):
+        x = torch.randn(8, generator=g)
+        y_py, s_py = qstats.observe_fake_quantize(x, s_py, observer, schedule(step))
+        y_t, s_t = qstats.observe_fake_quantize(x, s_t, observer, schedule(torch.tensor(step)))
+        torch.testing.assert_close(y_t, y_py, rtol=0, atol=0)
+        for a, b in zip(s_t, s_py):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_vmap_over_stacked_states():
+    spec = qstats.QuantSpec("int8")
+    observer = qstats.minmax(spec)
+    xs = torch.randn(3, 10)
+    states = qstats.MinMaxState(*(torch.stack(t) for t in zip(*[observer.init(xs[0])] * 3)))
+    phase = QATPhase(True, True)
+    ys, new = torch.func.vmap(lambda s, x: qstats.observe_fake_quantize(x, s, observer, phase))(states, xs)
+    for i in range(3):
+        y, s = qstats.observe_fake_quantize(xs[i], observer.init(xs[i]), observer, phase)
+        torch.testing.assert_close(ys[i], y)
+        torch.testing.assert_close(new.max_val[i], s.max_val)
+
+
+def test_uncalibrated_fake_quant_raises_in_eager():
+    observer = qstats.minmax(qstats.QuantSpec("int8"))
+    x = torch.randn(4)
+    with pytest.raises(ValueError, match="uncalibrated"):
+        qstats.observe_fake_quantize(x, observer.init(x), observer, QATPhase(observe=False, fake_quantize=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# Whole models
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class _TorchAoMLP(nn.Module):
+    """The same network with torch.ao FakeQuantize modules at the same points."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+        self.a1, self.a2 = _act_fq(), _act_fq()
+        self.w1, self.w2 = _weight_fq(), _weight_fq()
+
+    def forward(self, x):
+        h = F.linear(self.a1(x), self.w1(self.mlp.fc1.weight), self.mlp.fc1.bias)
+        return F.linear(self.a2(F.relu(h)), self.w2(self.mlp.fc2.weight), self.mlp.fc2.bias)
+
+
+def _prepare_mlp(model):
+    return qstats.qat.prepare(
+        model,
+        weight_observer=qstats.moving_average_minmax(W_SPEC, 0.01),
+        activation_observer=qstats.moving_average_minmax(ACT_SPEC, 0.01),
+    )
+
+
+def test_model_training_matches_torch_ao_fake_quant_modules():
+    torch.manual_seed(0)
+    model = _MLP()
+    reference = _TorchAoMLP(_MLP())
+    reference.mlp.load_state_dict(model.state_dict())
+    qat = _prepare_mlp(model)
+    g = torch.Generator().manual_seed(2)
+    x0 = torch.randn(5, 6, generator=g)
+    state = qat.init(x0)
+    params = {k: v.detach().clone() for k, v in qat.params().items()}
+    schedule = QATSchedule(observe_at=0, fake_quantize_at=1, freeze_ranges_at=3)
+
+    def loss_fn(params, state, x, y, phase):
+        out, new_state = qat.apply(params, state, x, phase=phase)
+        return F.cross_entropy(out, y), new_state
+
+    grad_fn = torch.func.grad(loss_fn, has_aux=True)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(5):
+        x = torch.randn(5, 6, generator=g) * 2
+        y = torch.randint(0, 3, (5,), generator=g)
+        phase = schedule(step)
+        for fq in (reference.a1, reference.a2, reference.w1, reference.w2):
+            fq.enable_observer(phase.observe)
+            fq.enable_fake_quant(phase.fake_quantize)
+        optimizer.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        grads, state = grad_fn(params, state, x, y, phase)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference.mlp.get_parameter(name).grad, rtol=1e-5, atol=1e-6, msg=name)
+        optimizer.step()
+        params = {k: v - 0.1 * grads[k] for k, v in params.items()}
+    for key, fq in (("fc1", reference.a1), ("fc2", reference.a2)):
+        qp = qstats.compute_qparams(state.activations[key], ACT_SPEC)
+        torch.testing.assert_close(qp.scale.reshape(-1), fq.scale.reshape(-1), rtol=1e-6, atol=0)
+
+
+def test_apply_is_pure():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 16, 2))
+    qat = _prepare_mlp(model)
+    x = torch.randn(3, 1, 6, 6)
+    state = qat.init(x)
+    state, params = qat.apply(qat.params(), state, x, phase=QATPhase(True, False))[1], qat.params()
+    before_state = [t.clone() for t in torch.utils._pytree.tree_leaves(state)]
+    before_model = {k: v.clone() for k, v in model.state_dict().items()}
+    qat.apply(params, state, x, phase=QATPhase(True, True))
+    for a, b in zip(torch.utils._pytree.tree_leaves(state), before_state):
+        assert torch.equal(a, b)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before_model[k]), k
+
+
+def test_batchnorm_train_and_frozen_match_nn_batchnorm():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4, momentum=0.2), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2))
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 1.5)
+        model[1].bias.uniform_(-0.5, 0.5)
+    qat = qstats.qat.prepare(model)  # batch norm only: no observers, float layers
+    reference = nn.BatchNorm2d(4, momentum=0.2)
+    reference.load_state_dict(model[1].state_dict())
+    x = torch.randn(5, 2, 4, 4)
+    state = qat.init(x)
+    conv = model[0](x)
+    for step in range(3):
+        xs = x * (step + 1)
+        conv = model[0](xs)
+        out, state = qat.apply(qat.params(), state, xs, phase=QATPhase(False, False, False))
+        reference.train()
+        expected = model[4](model[3](F.relu(reference(conv))))
+        torch.testing.assert_close(out, expected)
+        bn = state.batchnorm["1"]
+        torch.testing.assert_close(bn.running_mean, reference.running_mean)
+        torch.testing.assert_close(bn.running_var, reference.running_var)
+        assert int(bn.num_batches_tracked) == int(reference.num_batches_tracked)
+    frozen_out, frozen_state = qat.apply(qat.params(), state, x, phase=QATPhase(False, False, True))
+    reference.eval()
+    torch.testing.assert_close(frozen_out, model[4](model[3](F.relu(reference(model[0](x))))))
+    assert torch.equal(frozen_state.batchnorm["1"].running_mean, state.batchnorm["1"].running_mean)
+    # Tensor flag: same results through torch.where.
+    out_t, state_t = qat.apply(qat.params(), state, x, phase=QATPhase(False, False, torch.tensor(True)))
+    torch.testing.assert_close(out_t, frozen_out)
+
+
+def test_compiled_step_has_no_graph_breaks_and_matches_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 16, 3))
+    qat = _prepare_mlp(model)
+    x = torch.randn(6, 1, 6, 6)
+    y = torch.randint(0, 3, (6,))
+    state = qat.init(x)
+    state = qat.apply(qat.params(), state, x, phase=QATPhase(True, False))[1]
+    params = {k: v.detach() for k, v in qat.params().items()}
+
+    def loss_fn(params, state, x, y, phase):
+        out, new_state = qat.apply(params, state, x, phase=phase)
+        return F.cross_entropy(out, y), new_state
+
+    eager = torch.func.grad(loss_fn, has_aux=True)
+    compiled = torch.compile(eager, fullgraph=True, backend="aot_eager")  # fullgraph: a break raises
+    for phase in (QATPhase(True, True), QATSchedule(0, 0, 5, 8)(torch.tensor(6))):
+        grads_e, state_e = eager(params, state, x, y, phase)
+        grads_c, state_c = compiled(params, state, x, y, phase)
+        for k in grads_e:
+            torch.testing.assert_close(grads_c[k], grads_e[k], rtol=1e-5, atol=1e-6)
+        for a, b in zip(torch.utils._pytree.tree_leaves(state_c), torch.utils._pytree.tree_leaves(state_e)):
+            torch.testing.assert_close(a, b)
+
+
+def test_learned_ranges_replace_observer_ranges():
+    torch.manual_seed(0)
+    qat = _prepare_mlp(_MLP())
+    x = torch.randn(7, 6)
+    state = qat.init(x)
+    state = qat.apply(qat.params(), state, x, phase=QATPhase(True, True))[1]
+    ranges = qat.learnable_ranges(state)
+    assert set(ranges["activations"]) == {"fc1", "fc2"}
+    frozen = QATPhase(False, True)
+    out_obs, _ = qat.apply(qat.params(), state, x, phase=frozen)
+    out_lsq, _ = qat.apply(qat.params(), state, x, phase=frozen, ranges=ranges)
+    torch.testing.assert_close(out_lsq, out_obs)  # initialised from the states: same forward
+    out_lsq.sum().backward()
+    scale = ranges["activations"]["fc1"].scale
+    assert scale.grad is not None and bool(torch.isfinite(scale.grad))
+    # The input of fc1 is x itself: its range gradient is LSQ's on x.
+    s = scale.detach().clone().requires_grad_(True)
+    z = ranges["activations"]["fc1"].zero_point.detach().clone().requires_grad_(True)
+    fq = qstats.lsq_fake_quantize(x, qstats.LSQParams(s, z), ACT_SPEC)
+    w = qstats.fake_quantize(qat.params()["fc1.weight"], qstats.compute_qparams(state.weights["fc1"], W_SPEC), W_SPEC)
+    h = F.relu(F.linear(fq, w, qat.params()["fc1.bias"]))
+    hq = qstats.fake_quantize(h, qstats.compute_qparams(state.activations["fc2"], ACT_SPEC), ACT_SPEC)
+    w2 = qstats.fake_quantize(qat.params()["fc2.weight"], qstats.compute_qparams(state.weights["fc2"], W_SPEC), W_SPEC)
+    F.linear(hq, w2, qat.params()["fc2.bias"]).sum().backward()
+    torch.testing.assert_close(scale.grad, s.grad)
+
+
+def test_prepare_and_apply_errors():
+    with pytest.raises(TypeError, match="Observer"):
+        qstats.qat.prepare(_MLP(), weight_observer="minmax")
+    with pytest.raises(ValueError, match="no layer"):
+        qstats.qat.prepare(nn.Sequential(nn.ReLU()))
+    qat = _prepare_mlp(_MLP())
+    state = qat.init(torch.randn(2, 6))
+    broken = state._replace(activations={"fc1": state.activations["fc1"]})
+    with pytest.raises(ValueError, match="state.activations has keys"):
+        qat.apply(qat.params(), broken, torch.randn(2, 6))
+    with pytest.raises(TypeError, match="QATState"):
+        qat.apply(qat.params(), dict(state._asdict()), torch.randn(2, 6))
+
+
+# ------------------------------------------------------------------------------------------------
+# Schedule
+
+
+def test_schedule_phases_follow_milestones():
+    schedule = QATSchedule.from_milestones([2, 4, 7, 9])
+    for step in range(12):
+        phase = schedule(step)
+        assert phase.observe == (2 <= step < 7)
+        assert phase.fake_quantize == (step >= 4)
+        assert phase.freeze_batchnorm == (step >= 9)
+        tensor_phase = schedule(torch.tensor(step))
+        assert [bool(f) for f in tensor_phase] == list(phase)
+    assert [s for s in range(12) if schedule.sync_at(s)] == [6]
+    periodic = QATSchedule(observe_at=0, fake_quantize_at=0, freeze_ranges_at=10, sync_every=4)
+    assert [s for s in range(12) if periodic.sync_at(s)] == [3, 7, 9]
+
+
+def test_schedule_validation():
+    with pytest.raises(ValueError, match="fake_quantize_at"):
+        QATSchedule(observe_at=5, fake_quantize_at=2)
+    with pytest.raises(ValueError, match="freeze_ranges_at"):
+        QATSchedule(observe_at=0, fake_quantize_at=5, freeze_ranges_at=3)
+    with pytest.raises(ValueError, match="4 milestones"):
+        QATSchedule.from_milestones([1, 2, 3])
+    with pytest.raises(ValueError, match="sync_every"):
+        QATSchedule(sync_every=0)
+    with pytest.raises(TypeError, match="integer"):
+        QATSchedule()(torch.tensor(1.0))
