@@ -1,0 +1,95 @@
+"""Fused scale groups: one shared global scale for several states, as pure functions.
+
+Inference engines fuse some projections into one matmul (q/k/v, gate/up, all experts of a MoE
+layer) and need one global scale for the fused weight (NVFP4's per-tensor scale). llm-compressor
+links its observers with a mutable ``FusionHandler``; here the group is just a tuple of states
+(or one stacked state with a leading expert dimension), and the shared scale is a function of
+their merged statistics:
+
+    >>> import torch, qstats
+    >>> spec = qstats.QuantSpec(dtype="fp4_e2m1", granularity=qstats.TensorGroup(16),
+    ...                         scale_dtype="float8_e4m3fn")
+    >>> obs = qstats.minmax(spec)
+    >>> q, k = torch.randn(4, 32), 3 * torch.randn(4, 32)
+    >>> states = [obs.update(obs.init(w), w) for w in (q, k)]
+    >>> qp_q, qp_k = qstats.fused_qparams(states, spec)
+    >>> bool(qp_q.global_scale == qp_k.global_scale)
+    True
+
+The shared global scale is computed from the absolute maximum over every calibrated entry of every
+state, which is the global scale of the concatenated tensor: for compressed-tensors' formula
+``448 * 6 / amax`` it equals llm-compressor's minimum over the group's global scales. Entries that
+saw no data (an expert that received no tokens) do not contribute.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import _formats
+from ._qparams import QParams, _rule_for, compute_qparams
+from ._spec import QuantSpec
+
+__all__ = ["fused_amax", "fused_global_scale", "fused_qparams"]
+
+
+def _amax_of(state, spec: QuantSpec) -> torch.Tensor:
+    result = _rule_for(state)(state, spec)
+    if isinstance(result, QParams):
+        raise TypeError(f"fused: {type(state).__name__}'s range rule returns QParams, not a range")
+    min_val, max_val = result.min_val.float(), result.max_val.float()
+    calibrated = result.calibrated & torch.isfinite(min_val) & torch.isfinite(max_val)
+    zero = torch.zeros_like(min_val)
+    amax = torch.max(torch.where(calibrated, -min_val, zero), torch.where(calibrated, max_val, zero))
+    return torch.clamp(amax, min=0).amax() if amax.numel() else amax.new_zeros(())
+
+
+def _as_states(states) -> list:
+    if isinstance(states, tuple) and hasattr(states, "_fields"):
+        return [states]  # one (stacked) state
+    states = list(states)
+    if not states:
+        raise ValueError("fused: the group holds no states")
+    kinds = {type(s) for s in states}
+    if len(kinds) != 1:
+        raise TypeError(f"fused: the group mixes state types {sorted(k.__name__ for k in kinds)}")
+    return states
+
+
+def fused_amax(states, spec: QuantSpec) -> torch.Tensor:
+    """Absolute maximum (float32 scalar) over all calibrated entries of ``states``: a sequence of
+    states, or one state stacked along a leading dimension (all experts of a layer)."""
+    amaxes = [_amax_of(s, spec) for s in _as_states(states)]
+    return torch.stack(amaxes).amax()
+
+
+def fused_global_scale(states, spec: QuantSpec) -> torch.Tensor:
+    """The global scale (float32 scalar) shared by the group, in ``spec.global_scale_formula``'s
+    convention. Pure; vmappable over a stacked group of groups."""
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"fused_global_scale: spec must be a QuantSpec, got {type(spec).__name__}")
+    return _formats.global_scale_from_amax(fused_amax(states, spec), spec)
+
+
+def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
+    """QParams of every state of the group, all under the group's shared global scale.
+
+    Args:
+      states: a sequence of states (q/k/v projections, gate/up) or, with ``stacked=True``, one
+        state whose fields carry a leading dimension (experts).
+      spec: a two-level spec (`TensorGroup`); other specs get their usual qparams.
+      stacked: compute per-slice qparams with ``torch.func.vmap`` over the leading dimension.
+      **options: passed to `compute_qparams`.
+
+    Returns:
+      A tuple of QParams (one per state), or one QParams with a leading dimension when stacked.
+    """
+    global_scale = fused_global_scale(states, spec)
+    if stacked:
+        def one(state):
+            return compute_qparams(state, spec, global_scale=global_scale, **options)
+
+        return torch.func.vmap(one)(states)
+    return tuple(compute_qparams(s, spec, global_scale=global_scale, **options) for s in _as_states(states))
