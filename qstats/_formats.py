@@ -356,6 +356,11 @@ def validate(spec) -> None:
         )
     from ._granularity import TensorGroup
 
+    if spec.mapping == "symmetric_no_clipping_err" and not spec.is_float and spec.qrange[1] <= 0:
+        raise ValueError(
+            f"QuantSpec.mapping 'symmetric_no_clipping_err' needs quant_max > 0 (max / quant_max is its "
+            f"scale); {spec.dtype!r} has the range {spec.qrange}"
+        )
     if spec.scale_dtype == "e8m0":
         if spec.mapping == "asymmetric":
             raise ValueError("QuantSpec.scale_dtype 'e8m0' (power-of-two scales) needs a symmetric mapping")

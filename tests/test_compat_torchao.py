@@ -1,0 +1,174 @@
+"""QuantSpec.from_torchao: affine integer quantization bit for bit against torchao.
+
+Reference: ``torchao.quantization.quant_primitives``: ``choose_qparams_affine`` /
+``quantize_affine`` / ``dequantize_affine`` (ZeroPointDomain.INT), the same with the zero point
+dropped (NONE: ``_quantize_affine_no_zero_point``), and ``_choose_qparams_affine_tinygemm`` /
+``_quantize_affine_tinygemm`` / ``_dequantize_affine_tinygemm`` (FLOAT), for every MappingType and
+the targets int1..int8 and uint1..uint8.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import qstats
+
+warnings.filterwarnings("ignore")
+
+qp_lib = pytest.importorskip("torchao.quantization.quant_primitives")
+from torchao.quantization import granularity as tao_granularity  # noqa: E402
+
+MappingType, ZeroPointDomain = qp_lib.MappingType, qp_lib.ZeroPointDomain
+SIGNED = [getattr(torch, f"int{b}") for b in range(1, 9)]
+UNSIGNED = [getattr(torch, f"uint{b}") for b in range(1, 9)]
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4, 32, generator=g)
+    outlier = base.clone()
+    outlier[1, 3] = 500.0
+    positive = base.abs() + 0.5
+    return {
+        "random": base,
+        "positive": positive,
+        "negative": -positive,
+        "zeros": torch.zeros(4, 32),
+        "tiny": base * 1e-30,
+        "huge": base * 1e30,
+        "outlier": outlier,
+    }
+
+
+INPUTS = _inputs()
+GRANULARITIES = {
+    "tensor": ((4, 32), qstats.PerTensor()),
+    "row": ((1, 32), qstats.PerToken()),
+    "group8": ((1, 8), qstats.PerGroup(8)),
+}
+
+
+def _observe(spec, x):
+    obs = qstats.minmax(spec)
+    return qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+
+
+def _check(spec, x, block_size, target_dtype, mapping, domain):
+    kwargs = dict(scale_dtype=torch.float32)
+    if domain == "FLOAT":
+        scale, zero_point = qp_lib._choose_qparams_affine_tinygemm(x, mapping, block_size, target_dtype, **kwargs)
+    else:
+        scale, zero_point = qp_lib.choose_qparams_affine(x, mapping, block_size, target_dtype, **kwargs)
+    qp = _observe(spec, x)
+    assert torch.equal(qp.scale.reshape(scale.shape), scale)
+    # The sub-byte torch dtypes (int1..int7) have no copy kernel, so the reference is torchao's
+    # arithmetic before its final dtype cast (what quantize_affine itself calls).
+    qmin, qmax = spec.qrange
+    if domain == "INT":
+        assert torch.equal(qp.zero_point.reshape(zero_point.shape), zero_point)
+        quantize, dequantize = qp_lib._quantize_affine_no_dtype_cast, qp_lib._dequantize_affine_no_dtype_check
+    elif domain == "NONE":
+        zero_point = None
+        quantize = qp_lib._quantize_affine_no_zero_point_no_dtype_cast
+        dequantize = qp_lib._dequantize_affine_no_zero_point_no_dtype_check
+    else:
+        assert torch.equal(qp.zero_point.reshape(zero_point.shape), zero_point)
+        quantize = qp_lib._quantize_affine_tinygemm_no_dtype_cast
+        dequantize = qp_lib._dequantize_affine_tinygemm_no_dtype_check
+    codes = quantize(x, block_size, scale, zero_point, qmin, qmax)
+    values = dequantize(codes, block_size, scale, zero_point, qmin, qmax, torch.float32)
+    ours = qstats.quantize(x, qp, spec)
+    assert torch.equal(ours.to(torch.int32), codes.to(torch.int32))
+    assert torch.equal(qstats.dequantize(ours, qp, spec), values)
+    assert torch.equal(qstats.fake_quantize(x, qp, spec), values)
+
+
+@pytest.mark.parametrize("target_dtype", SIGNED + UNSIGNED, ids=str)
+@pytest.mark.parametrize(
+    "mapping",
+    (MappingType.SYMMETRIC, MappingType.ASYMMETRIC, MappingType.SYMMETRIC_NO_CLIPPING_ERR),
+    ids=lambda m: m.name,
+)
+def test_choose_qparams_affine_int_domain(target_dtype, mapping):
+    if mapping == MappingType.SYMMETRIC_NO_CLIPPING_ERR and target_dtype in UNSIGNED:
+        with pytest.raises(ValueError, match="signed"):
+            qstats.QuantSpec.from_torchao(target_dtype, mapping_type=mapping)
+        return
+    if mapping == MappingType.SYMMETRIC_NO_CLIPPING_ERR and target_dtype == torch.int1:
+        # torchao divides by quant_max = 0 and returns an infinite scale; qstats refuses the spec
+        scale, _ = qp_lib.choose_qparams_affine(INPUTS["random"], mapping, (4, 32), target_dtype)
+        assert torch.isinf(scale).all()
+        with pytest.raises(ValueError, match="quant_max > 0"):
+            qstats.QuantSpec.from_torchao(target_dtype, mapping_type=mapping)
+        return
+    for gname, (block_size, _) in GRANULARITIES.items():
+        spec = qstats.QuantSpec.from_torchao(target_dtype, mapping_type=mapping, block_size=block_size, shape=(4, 32))
+        for name, x in INPUTS.items():
+            _check(spec, x, block_size, target_dtype, mapping, "INT")
+
+
+@pytest.mark.parametrize("target_dtype", SIGNED + UNSIGNED, ids=str)
+def test_zero_point_domain_none_and_float(target_dtype):
+    for gname, (block_size, granularity) in GRANULARITIES.items():
+        spec = qstats.QuantSpec.from_torchao(
+            target_dtype, mapping_type=MappingType.SYMMETRIC, granularity=granularity,
+            zero_point_domain=ZeroPointDomain.NONE,
+        )
+        for x in INPUTS.values():
+            _check(spec, x, block_size, target_dtype, MappingType.SYMMETRIC, "NONE")
+        spec = qstats.QuantSpec.from_torchao(
+            target_dtype, mapping_type=MappingType.ASYMMETRIC, granularity=granularity,
+            zero_point_domain=ZeroPointDomain.FLOAT,
+        )
+        for name, x in INPUTS.items():
+            if name == "huge":
+                continue  # torchao's tinygemm range overflows float32 there (inf - inf)
+            _check(spec, x, block_size, target_dtype, MappingType.ASYMMETRIC, "FLOAT")
+
+
+def test_custom_range_eps_and_bf16_scale():
+    x = INPUTS["outlier"]
+    spec = qstats.QuantSpec.from_torchao(
+        torch.int8, mapping_type=MappingType.ASYMMETRIC, quant_min=-100, quant_max=90, eps=1e-3,
+        scale_dtype=torch.bfloat16, granularity=qstats.PerToken(),
+    )
+    scale, zero_point = qp_lib.choose_qparams_affine(
+        x, MappingType.ASYMMETRIC, (1, 32), torch.int8, quant_min=-100, quant_max=90, eps=1e-3,
+        scale_dtype=torch.bfloat16,
+    )
+    qp = _observe(spec, x)
+    assert torch.equal(qp.scale, scale.float())
+    assert torch.equal(qp.zero_point, zero_point)
+
+
+def test_torchao_granularity_objects_and_block_size_mapping():
+    cases = [
+        (dict(granularity=tao_granularity.PerTensor()), qstats.PerTensor()),
+        (dict(granularity=tao_granularity.PerAxis(0)), qstats.PerAxis(0)),
+        (dict(granularity=tao_granularity.PerGroup(32)), qstats.PerGroup(32)),
+        (dict(granularity=tao_granularity.PerRow()), qstats.PerRow()),
+        (dict(granularity=tao_granularity.PerToken()), qstats.PerToken()),
+        (dict(granularity=tao_granularity.PerBlock((128, 128))), qstats.PerBlock((128, 128))),
+        (dict(block_size=(256, 512), shape=(256, 512)), qstats.PerTensor()),
+        (dict(block_size=(1, 512), shape=(256, 512)), qstats.PerToken()),
+        (dict(block_size=(1, 64), shape=(256, 512)), qstats.PerGroup(64)),
+        (dict(block_size=(128, 128), shape=(256, 512)), qstats.PerBlock((128, 128))),
+    ]
+    for kwargs, expected in cases:
+        assert qstats.QuantSpec.from_torchao(torch.int8, **kwargs).granularity == expected
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="mapping_type"):
+        qstats.QuantSpec.from_torchao(torch.int8, mapping_type="AFFINE")
+    with pytest.raises(ValueError, match="FLOAT"):
+        qstats.QuantSpec.from_torchao(torch.int4, mapping_type=MappingType.SYMMETRIC, zero_point_domain=ZeroPointDomain.FLOAT)
+    with pytest.raises(ValueError, match="shape"):
+        qstats.QuantSpec.from_torchao(torch.int8, block_size=(1, 32))
+    with pytest.raises(ValueError, match="unexpected"):
+        qstats.QuantSpec.from_torchao(torch.int8, preserve_zero=False)
+    with pytest.raises(ValueError, match="NVFP4 needs block_size 16"):
+        qstats.QuantSpec.from_torchao(nvfp4=True, block_size=32)
+    with pytest.raises(ValueError, match="elem_dtype"):
+        qstats.QuantSpec.from_torchao(elem_dtype=torch.int8, scaling_mode="FLOOR")
