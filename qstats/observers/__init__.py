@@ -9,3 +9,5 @@ from .minmax import MovingAverageMinMaxState as MovingAverageMinMaxState
 from .minmax import memoryless_minmax as memoryless_minmax
 from .minmax import minmax as minmax
 from .minmax import moving_average_minmax as moving_average_minmax
+from .histogram import HistogramState as HistogramState
+from .histogram import histogram as histogram
