@@ -110,6 +110,8 @@ def reduce_ops(state: Any) -> Union[dict[str, str], str]:
 for _name in ("MinMaxState", "MemorylessMinMaxState"):
     register_reduce_ops(_name, {"min_val": "min", "max_val": "max", "count": "sum", "nonfinite": "sum"})
 register_reduce_ops("MovingAverageMinMaxState", _FOLD)
+# Histograms: integer bucket counts add, extremes min/max (bit-exact in any order).
+register_reduce_ops("HistogramState", {"counts": "sum", "min_val": "min", "max_val": "max", "nonfinite": "sum"})
 
 
 # --------------------------------------------------------------------------------------------

@@ -71,12 +71,24 @@ def rank_batches(world: int, rank: int):
     return global_batches()[start : start + sizes[rank]]
 
 
+def _histogram_factory():
+    factory = getattr(qstats, "histogram", None)
+    if factory is None:
+        try:
+            from qstats.observers.histogram import histogram as factory
+        except ImportError:
+            return None
+    return factory
+
+
 def _histogram_factories():
-    factories = {}
-    if hasattr(qstats, "histogram"):
-        factories["histogram/tensor"] = lambda: qstats.histogram(qstats.QuantSpec())
-        factories["histogram/axis"] = lambda: qstats.histogram(qstats.QuantSpec(granularity=qstats.PerAxis(-1)))
-    return factories
+    histogram = _histogram_factory()
+    if histogram is None:
+        return {}
+    return {
+        "histogram/tensor": lambda: histogram(qstats.QuantSpec()),
+        "histogram/axis": lambda: histogram(qstats.QuantSpec(granularity=qstats.PerAxis(-1)), bins=16, exponent_range=(-8, 8)),
+    }
 
 
 def expert_factories():
@@ -199,5 +211,17 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Entry point of a forked or spawned rank: writes ``rank{R}.err`` with the traceback on failure."""
+    try:
+        main(rank, world, port, out_dir)
+    except BaseException:
+        import traceback
+
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as file:
+            file.write(traceback.format_exc())
+        raise
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    run_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

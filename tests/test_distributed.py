@@ -13,6 +13,7 @@ Data is uneven across ranks, and some ranks route no token to some expert (maske
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -38,38 +39,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _warm_up():
+    """Computes every single-process reference once, so that forked ranks start warm (torch's
+    lazy imports done) instead of each paying them again."""
+    for name in worker.expert_factories():
+        _single(name)
+
+
+def _fork_ranks(world, port, out):
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=worker.run_rank, args=(rank, world, port, str(out))) for rank in range(world)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _spawn_ranks(world, port, out):
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    return [
+        subprocess.Popen([sys.executable, WORKER, str(rank), str(world), str(port), str(out)], env=env)
+        for rank in range(world)
+    ]
+
+
+def _wait(proc, timeout):
+    if isinstance(proc, subprocess.Popen):
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    return proc.exitcode
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{world: [results of rank 0, rank 1, ...]}; both world sizes run at the same time."""
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    procs = {}
+    """{world: [results of rank 0, rank 1, ...]}; both world sizes run at the same time, as forked
+    processes where the platform forks (warm: no second import of torch), else as new interpreters."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    fork = "fork" in multiprocessing.get_all_start_methods() and not os.environ.get("QSTATS_TEST_SPAWN")
+    if fork:
+        _warm_up()
+    launched = {}
     for world in WORLDS:
         out = tmp_path_factory.mktemp(f"world{world}")
-        port = _free_port()
-        procs[world] = (
-            out,
-            [
-                subprocess.Popen(
-                    [sys.executable, WORKER, str(rank), str(world), str(port), str(out)],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-                for rank in range(world)
-            ],
-        )
+        launched[world] = (out, (_fork_ranks if fork else _spawn_ranks)(world, _free_port(), out))
     results = {}
-    for world, (out, ps) in procs.items():
-        logs = []
-        for p in ps:
-            try:
-                logs.append(p.communicate(timeout=180)[0])
-            except subprocess.TimeoutExpired:
-                p.kill()
-                logs.append(p.communicate()[0])
-        if any(p.returncode != 0 for p in ps):
-            pytest.fail(f"world {world}: a rank failed:\n" + "\n---\n".join(logs[-3:]))
+    for world, (out, procs) in launched.items():
+        codes = [_wait(p, 180) for p in procs]
+        if any(code != 0 for code in codes):
+            errors = [(out / f"rank{r}.err").read_text() for r in range(world) if (out / f"rank{r}.err").exists()]
+            pytest.fail(f"world {world}: exit codes {codes}\n" + "\n---\n".join(errors))
         results[world] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
     return results
 
@@ -89,6 +113,18 @@ def assert_bit_equal(got, want, what):
         assert bit_equal(g, w), f"{what}: leaf {i} differs:\n{g}\n{w}"
 
 
+@functools.lru_cache(maxsize=None)
+def _single(name):
+    """Leaves of single-process calibration over all the data with scenario ``name``."""
+    return worker.leaves(worker.calibrate_experts(worker.expert_factories()[name](), worker.global_batches()))
+
+
+@functools.lru_cache(maxsize=None)
+def _merged(name, world):
+    """Leaves of ``reduce(obs.merge, [state_rank0, ...])`` in rank order for scenario ``name``."""
+    return worker.leaves(_rank_order_merge(worker.expert_factories()[name](), world))
+
+
 def _rank_order_merge(obs, world):
     locals_ = [worker.calibrate_experts(obs, worker.rank_batches(world, r)) for r in range(world)]
     return optree.tree_map(
@@ -104,8 +140,7 @@ EXACT = [n for n in worker.expert_factories() if n.startswith(("minmax", "histog
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", EXACT)
 def test_exact_observers_equal_single_process(runs, world, name):
-    obs = worker.expert_factories()[name]()
-    single = worker.leaves(worker.calibrate_experts(obs, worker.global_batches()))
+    single = _single(name)
     for rank, result in enumerate(runs[world]):
         for variant in ("", "/exact", "/nocheck"):
             got = result[name + variant]
@@ -151,17 +186,15 @@ def test_collective_counts(runs, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_folded_states_equal_rank_order_merge(runs, world):
-    obs = worker.expert_factories()["moving_average"]()
-    want = worker.leaves(_rank_order_merge(obs, world))
+    want = _merged("moving_average", world)
     for rank, result in enumerate(runs[world]):
         assert_bit_equal(result["moving_average"]["leaves"], want, f"moving_average rank {rank}")
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_float_sums_exact_and_not(runs, world):
-    obs = worker.sum_observer()
-    want = worker.leaves(_rank_order_merge(obs, world))
-    single = worker.leaves(worker.calibrate_experts(obs, worker.global_batches()))
+    want = _merged("sum", world)
+    single = _single("sum")
     for rank, result in enumerate(runs[world]):
         assert_bit_equal(result["sum/exact"]["leaves"], want, f"sum/exact rank {rank}")
         for got, w, s in zip(result["sum"]["leaves"], want, single):
@@ -175,17 +208,12 @@ def test_float_sums_exact_and_not(runs, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_mixed_tree_in_one_call(runs, world):
     factories = worker.expert_factories()
-    names = [n for n in ("minmax/axis", "moving_average", "sum", "histogram/tensor") if n in factories]
+    names = sorted(n for n in ("minmax/axis", "moving_average", "sum", "histogram/tensor") if n in factories)
     want = []
     buckets = set()
     for n in names:
         obs = factories[n]()
-        if n == "sum":
-            want.extend(worker.leaves(_rank_order_merge(obs, world)))
-        elif n == "moving_average":
-            want.extend(worker.leaves(_rank_order_merge(obs, world)))
-        else:
-            want.extend(worker.leaves(worker.calibrate_experts(obs, worker.global_batches())))
+        want.extend(_merged(n, world) if n in ("sum", "moving_average") else _single(n))
         state = obs.init(torch.zeros(1, worker.FEATURES))
         ops = distributed.reduce_ops(state)
         if ops != "fold":
