@@ -51,8 +51,6 @@ from .schedule import QATSchedule as QATSchedule
 from .recipe import Recipe as Recipe
 from .recipe import Rule as Rule
 from .recipe import Site as Site
-from .report import Report as Report
-from .report import report as report
 
 from . import distributed as distributed
 from . import export as export
@@ -85,7 +83,6 @@ __all__ = [
     "QParams",
     "QuantSpec",
     "Recipe",
-    "Report",
     "Rule",
     "Site",
     "Range",
@@ -120,7 +117,6 @@ __all__ = [
     "fused_qparams",
     "register_range_rule",
     "register_state",
-    "report",
     "save",
     "stacked_observer",
     "testing",
