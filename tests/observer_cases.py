@@ -30,6 +30,8 @@ CASES = [
     ("minmax/token-3d", lambda: qstats.minmax(qstats.QuantSpec(granularity=qstats.PerToken())), _x((2, 3, 8))),
     ("minmax/uint8-asym-axis1-3d", lambda: qstats.minmax(qstats.QuantSpec(dtype="uint8", mapping="asymmetric", granularity=qstats.PerAxis(1))), _x((2, 4, 8))),
     ("minmax/fp8-tensor", lambda: qstats.minmax(qstats.QuantSpec(dtype="fp8_e4m3fn")), _x((6, 8))),
+    ("minmax/nvfp4-tensor-group", lambda: qstats.minmax(qstats.preset("nvfp4")), _x((6, 32))),
+    ("minmax/mxfp4", lambda: qstats.minmax(qstats.preset("mxfp4")), _x((6, 64))),
     ("moving_average_minmax/tensor", lambda: qstats.moving_average_minmax(qstats.QuantSpec(), 0.1), _x((6, 8))),
     ("moving_average_minmax/axis0", lambda: qstats.moving_average_minmax(qstats.QuantSpec(granularity=qstats.PerAxis(0)), 0.5), _x((6, 8))),
 ]
