@@ -30,7 +30,8 @@ block's absolute maximum ``amax`` and the element maximum ``M`` by ``QuantSpec.s
   mantissa bit whatever the element, then floor.
 
 An all-zero block gets ``b = 0`` (scale ``2**-127``), never a zero, NaN or Inf scale. Integer
-targets accept e8m0 scales too (power-of-two scales, symmetric mappings), with ``M = qmax``.
+targets accept e8m0 scales too (power-of-two scales, symmetric mappings), with ``M = qmax``
+(``"even"`` then rounds ``amax`` to ``floor(log2 qmax)`` mantissa bits).
 
 Two-level scales (``TensorGroup(g)``, NVFP4 = fp4_e2m1 elements, ``TensorGroup(16)``,
 float8_e4m3fn block scales): one global scale from the whole tensor's ``amax_t`` (or a fused

@@ -209,3 +209,16 @@ def test_fake_quantize_gradient_is_straight_through_inside_range():
     qstats.fake_quantize(x, qp, spec).sum().backward()
     assert set(x.grad.unique().tolist()) <= {0.0, 1.0}
     assert x.grad.sum() > 0
+
+
+def test_nvfp4_qparams_and_fake_quantize_compile_without_graph_breaks():
+    spec = qstats.preset("nvfp4")
+    obs = qstats.minmax(spec)
+
+    def observe_and_fake_quantize(x):
+        qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+        return qstats.fake_quantize(x, qp, spec)
+
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(6))
+    compiled = torch.compile(observe_and_fake_quantize, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), observe_and_fake_quantize(x))

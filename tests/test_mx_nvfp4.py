@@ -218,3 +218,18 @@ def test_per_head_fp8_attention_state_against_per_head_amax():
     out = qstats.fake_quantize(k, qp, spec)
     scale = expected.view(1, 4, 1, 1)
     assert torch.equal(out, (k / scale).to(torch.float8_e4m3fn).float() * scale)
+
+
+@pytest.mark.parametrize("elem", MX_ELEMENTS, ids=str)
+def test_bf16_inputs_match_torchao(elem):
+    x = TENSORS["outlier"].bfloat16()
+    for mode in (ScaleCalculationMode.EVEN, ScaleCalculationMode.RCEIL):
+        spec = qstats.QuantSpec.from_torchao(elem_dtype=elem, block_size=32, scaling_mode=mode)
+        scale_e8m0, data_lp = torchao_mx.to_mx(x, elem, 32, mode)
+        reference = torchao_mx.to_dtype(data_lp, scale_e8m0, elem, 32, torch.bfloat16)
+        out = qstats.fake_quantize(x, _observe(spec, x), spec)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, reference)
+    spec = qstats.QuantSpec.from_torchao(nvfp4=True)
+    per_tensor_scale = per_tensor_amax_to_scale(torch.amax(torch.abs(x)))
+    reference = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_scale).dequantize(torch.bfloat16)
+    assert torch.equal(qstats.fake_quantize(x, _observe(spec, x), spec), reference)
