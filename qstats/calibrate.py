@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 from torch.nn.utils import parametrize
 
+from ._granularity import qparam_shape
 from ._qparams import QParams, check_calibrated, compute_qparams
 from ._quant import fake_quantize
 from .experts import routing_mask, warn_uncovered
@@ -81,6 +82,23 @@ def _check_resumed(states: dict, sites: dict) -> None:
                     f"calibrate: the given states hold site {site!r} of module {path!r}, which this recipe "
                     "does not observe in this model"
                 )
+
+
+def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
+    """On CPU, a 0/1 observation mask whose rows can be dropped without changing the quantization
+    parameter shape is applied by selecting the kept rows (the observer then takes its unmasked
+    fast path); the statistics are the same as with the mask as ``weight``. Elsewhere (accelerators,
+    where selecting rows would synchronise the host, or granularities indexed by rows) the mask is
+    passed on as the update's ``weight``."""
+    if weight is None or x.device.type != "cpu":
+        return x, weight
+    if weight.dtype != torch.bool and not bool(((weight == 0) | (weight == 1)).all()):
+        return x, weight
+    keep = weight != 0
+    selected = x[keep]
+    if qparam_shape(selected.shape, spec.granularity) != qparam_shape(x.shape, spec.granularity):
+        return x, weight
+    return selected, None
 
 
 def calibrate(
@@ -167,13 +185,16 @@ def calibrate(
                 mask = mask * (extra != 0).to(mask.dtype)
             x = tokens.expand(found.num_experts, *tokens.shape)
             weight = mask
+            previous = states.setdefault(path, {}).get(site)
         else:
             weight = weight_for(x, flattened=False)
-        entry = states.setdefault(path, {})
-        previous = entry.get(site)
+            previous = states.setdefault(path, {}).get(site)
+            if previous is None:
+                previous = found.observer.init(x)
+            x, weight = _drop_masked_rows(x, weight, found.spec)
         if previous is None:
             previous = found.observer.init(x)
-        entry[site] = found.observer.update(previous, x, weight)
+        states[path][site] = found.observer.update(previous, x, weight)
 
     handles = []
     for path, entry in sites.items():

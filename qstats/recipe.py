@@ -45,6 +45,8 @@ def _freeze(mapping: Optional[Mapping[str, Any]], what: str) -> tuple:
 def _targets(targets, what: str) -> tuple:
     if isinstance(targets, str):
         targets = (targets,)
+    if not isinstance(targets, (tuple, list)):
+        raise TypeError(f"{what} must be a string or a tuple of strings, got {type(targets).__name__}")
     targets = tuple(targets)
     for target in targets:
         if not isinstance(target, str) or not target:

@@ -1,0 +1,312 @@
+"""Per-layer calibration reports: range, scale, clipped fraction, SQNR estimate, coverage.
+
+`report(states, qparams, model, recipe, batches)` builds one row per (module, site). Range, scale
+and coverage come from the states and QParams alone. The clipped fraction and the SQNR estimate
+(``10 log10(sum x^2 / sum (x - fake_quantize(x))^2)``) are measured on the parameters when a
+model and recipe are given, and on the activations of ``batches`` (run once more through the
+model) when those are given too; otherwise they are missing (None, printed as ``-``).
+Output: text, CSV and JSON, with no dependency beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import math
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import torch
+
+from ._granularity import broadcast_to_view, canonical_view
+from ._quant import fake_quantize
+from .calibrate import _first_tensor, _input_tensor, run_model
+from .recipe import PROJECTION_NAMES, Recipe
+
+__all__ = ["LayerReport", "Report", "report", "tensor_error"]
+
+COLUMNS = (
+    "module",
+    "site",
+    "observer",
+    "experts",
+    "min",
+    "max",
+    "mean_scale",
+    "clipped_fraction",
+    "sqnr_db",
+    "coverage",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReport:
+    """One row of a report. Measured fields are None when they could not be measured."""
+
+    module: str
+    site: str
+    observer: str
+    experts: int
+    min: Optional[float]
+    max: Optional[float]
+    mean_scale: float
+    clipped_fraction: Optional[float]
+    sqnr_db: Optional[float]
+    coverage: float
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in COLUMNS}
+
+
+def _format(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf"
+        return f"{value:.4g}"
+    return str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """A list of `LayerReport` rows with text, CSV and JSON renderings."""
+
+    rows: tuple
+
+    def worst(self, count: int = 5) -> list:
+        """The ``count`` rows with the lowest SQNR estimate (rows without one are left out)."""
+        measured = [row for row in self.rows if row.sqnr_db is not None]
+        return sorted(measured, key=lambda row: row.sqnr_db)[:count]
+
+    def text(self, worst: int = 5) -> str:
+        """A fixed-width table, followed by the worst rows by SQNR."""
+        table = [COLUMNS] + [tuple(_format(row.as_dict()[name]) for name in COLUMNS) for row in self.rows]
+        widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in table]
+        lines.insert(1, "  ".join("-" * width for width in widths))
+        worst_rows = self.worst(worst)
+        if worst_rows:
+            lines.append("")
+            lines.append(f"worst {len(worst_rows)} by SQNR:")
+            for row in worst_rows:
+                lines.append(f"  {row.module} [{row.site}]: {row.sqnr_db:.2f} dB")
+        return "\n".join(lines)
+
+    def to_csv(self, path=None) -> str:
+        """CSV text (written to ``path`` when given); missing values are empty cells."""
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(COLUMNS)
+        for row in self.rows:
+            writer.writerow(["" if row.as_dict()[name] is None else row.as_dict()[name] for name in COLUMNS])
+        text = buffer.getvalue()
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(text)
+        return text
+
+    def to_json(self, path=None) -> str:
+        """JSON text, a list of row objects (written to ``path`` when given); missing values are null."""
+        text = json.dumps([row.as_dict() for row in self.rows], indent=1, allow_nan=True)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(text)
+        return text
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+class _Error:
+    """Running sums for the SQNR and clipped fraction of one site."""
+
+    def __init__(self):
+        self.signal = 0.0
+        self.noise = 0.0
+        self.clipped = 0
+        self.total = 0
+
+    def add(self, signal: float, noise: float, clipped: int, total: int) -> None:
+        self.signal += signal
+        self.noise += noise
+        self.clipped += clipped
+        self.total += total
+
+    def sqnr_db(self) -> Optional[float]:
+        if self.total == 0:
+            return None
+        if self.noise == 0.0:
+            return math.inf
+        if self.signal == 0.0:
+            return -math.inf
+        return 10.0 * math.log10(self.signal / self.noise)
+
+    def clipped_fraction(self) -> Optional[float]:
+        return None if self.total == 0 else self.clipped / self.total
+
+
+def tensor_error(x: torch.Tensor, qparams, spec) -> tuple:
+    """``(signal energy, noise energy, clipped count, element count)`` of fake-quantizing ``x``.
+
+    A value is clipped when its unclamped code falls outside the spec's range (for float formats:
+    its magnitude over the scale exceeds the format's maximum).
+    """
+    x = x.detach().float()
+    quantized = fake_quantize(x, qparams, spec).float()
+    view = canonical_view(x, spec.granularity)
+    scale = broadcast_to_view(qparams.scale.float())
+    if spec.is_float:
+        outside = (view / scale).abs() > spec.float_format.max
+    else:
+        qmin, qmax = spec.qrange
+        zero_point = broadcast_to_view(qparams.zero_point).float()
+        if spec.zero_point_domain == "float":
+            codes = torch.round(view / scale + zero_point)
+        else:
+            codes = torch.round(view / scale) + zero_point
+        outside = (codes < qmin) | (codes > qmax)
+    signal = float(x.pow(2).sum())
+    noise = float((x - quantized).pow(2).sum())
+    return signal, noise, int(outside.sum()), x.numel()
+
+
+def _extreme(state, name: str, reduce) -> Optional[float]:
+    value = getattr(state, name, None)
+    if not isinstance(value, torch.Tensor) or value.numel() == 0:
+        return None
+    finite = value[torch.isfinite(value)]
+    if finite.numel() == 0:
+        return None
+    return float(reduce(finite))
+
+
+def report(
+    states: Mapping,
+    qparams: Mapping,
+    model: Optional[torch.nn.Module] = None,
+    recipe: Optional[Recipe] = None,
+    batches: Optional[Iterable] = None,
+    observation_weight: Optional[Callable] = None,
+) -> Report:
+    """A per-layer report of a calibration.
+
+    Args:
+      states: the states tree from `qstats.calibrate`.
+      qparams: the matching QParams tree (`qstats.compute_qparams_tree`).
+      model, recipe: give both to measure clipped fraction and SQNR on the parameter sites.
+      batches: with model and recipe, also measure them on the activation sites, running these
+        batches through the float model once (non-expert activation sites only).
+      observation_weight: as in `qstats.calibrate`, to leave padding out of the measurement.
+
+    Returns:
+      a `Report`; ``min``/``max`` come from the states' ``min_val``/``max_val`` fields when they
+      exist, ``mean_scale`` and ``coverage`` (fraction of calibrated parameters) from the QParams.
+    """
+    if not isinstance(states, Mapping) or not isinstance(qparams, Mapping):
+        raise TypeError("report expects the states and qparams trees {path: {site: ...}}")
+    if (model is None) != (recipe is None):
+        raise ValueError("report: give both model and recipe (to measure errors), or neither")
+    errors: dict = {}
+    sites: dict = {}
+    if model is not None:
+        sites = recipe.sites(model)
+        modules = dict(model.named_modules())
+        for path, entry in qparams.items():
+            params = dict(modules[path].named_parameters(recurse=False)) if path in modules else {}
+            for site, qp in entry.items():
+                found = sites.get(path, {}).get(site)
+                if found is None or site not in params:
+                    continue
+                error = _Error()
+                value = params[site].detach()
+                if found.num_experts:
+                    for expert in range(found.num_experts):
+                        expert_qp = type(qp)(*(field[expert] for field in qp))
+                        error.add(*tensor_error(value[expert], expert_qp, found.spec))
+                else:
+                    error.add(*tensor_error(value, qp, found.spec))
+                errors[(path, site)] = error
+        if batches is not None:
+            _measure_activations(model, qparams, sites, modules, batches, observation_weight, errors)
+    rows = []
+    for path, entry in states.items():
+        for site, state in entry.items():
+            if path not in qparams or site not in qparams[path]:
+                raise ValueError(f"report: qparams has no entry for module {path!r} site {site!r}")
+            qp = qparams[path][site]
+            found = sites.get(path, {}).get(site)
+            error = errors.get((path, site))
+            rows.append(
+                LayerReport(
+                    module=path,
+                    site=site,
+                    observer=found.observer.name if found is not None else type(state).__name__,
+                    experts=found.num_experts if found is not None else 0,
+                    min=_extreme(state, "min_val", torch.min),
+                    max=_extreme(state, "max_val", torch.max),
+                    mean_scale=float(qp.scale.float().mean()),
+                    clipped_fraction=error.clipped_fraction() if error is not None else None,
+                    sqnr_db=error.sqnr_db() if error is not None else None,
+                    coverage=float(qp.calibrated.float().mean()),
+                )
+            )
+    return Report(tuple(rows))
+
+
+def _measure_activations(model, qparams, sites, modules, batches, observation_weight, errors) -> None:
+    current_weight: list = [None]
+
+    def measure(path, site, x):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return
+        found = sites[path][site]
+        weight = current_weight[0]
+        if weight is not None and weight.ndim <= x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
+            keep = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)) != 0
+            x = torch.where(keep, x.float(), torch.zeros((), dtype=torch.float32))
+            signal, noise, clipped, _ = tensor_error(x, qparams[path][site], found.spec)
+            # padding entries are zero: they add nothing to the signal, the noise or (zero is always
+            # representable) the clipped count; only the element count needs correcting.
+            kept = int(keep.expand(x.shape).sum())
+            errors.setdefault((path, site), _Error()).add(signal, noise, clipped, kept)
+            return
+        errors.setdefault((path, site), _Error()).add(*tensor_error(x, qparams[path][site], found.spec))
+
+    handles = []
+    for path, entry in qparams.items():
+        for site in entry:
+            found = sites.get(path, {}).get(site)
+            if found is None or found.num_experts or site not in ("input", "output", "q", "k", "v"):
+                continue
+            module = modules[path]
+            if site == "input":
+                handles.append(
+                    module.register_forward_pre_hook(
+                        lambda m, args, kwargs, path=path: measure(path, "input", _input_tensor(args, kwargs)),
+                        with_kwargs=True,
+                    )
+                )
+            elif site == "output":
+                handles.append(
+                    module.register_forward_hook(
+                        lambda m, args, output, path=path: measure(path, "output", _first_tensor(output))
+                    )
+                )
+            else:
+                children = dict(module.named_children())
+                child = next(children[name] for name in PROJECTION_NAMES[site] if name in children)
+                handles.append(
+                    child.register_forward_hook(
+                        lambda m, args, output, path=path, site=site: measure(path, site, _first_tensor(output))
+                    )
+                )
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                current_weight[0] = observation_weight(batch) if observation_weight is not None else None
+                run_model(model, batch)
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,299 @@
+"""qstats.calibrate on small models, against torch.ao observers fed by independent hooks."""
+
+import pytest
+import torch
+from torch.ao.quantization.observer import (
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    PerChannelMinMaxObserver,
+)
+
+import qstats
+
+WEIGHT_SPEC = qstats.QuantSpec.from_torch_ao(dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
+INPUT_SPEC = qstats.QuantSpec.from_torch_ao(dtype=torch.quint8, qscheme=torch.per_tensor_affine)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).eval()
+
+
+def _batches(count=3, rows=4, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows, 6, generator=generator) * (i + 1) for i in range(count)]
+
+
+def _recipe(activation_observer=qstats.minmax, **kwargs):
+    return qstats.Recipe(
+        [
+            qstats.Rule("Linear", sites=("weight",), observer=qstats.minmax, spec=WEIGHT_SPEC),
+            qstats.Rule(
+                "Linear", sites=("input", "output"), observer=activation_observer, spec=INPUT_SPEC, observer_kwargs=kwargs
+            ),
+        ]
+    )
+
+
+def _collect(model, batches, kind):
+    """Inputs or outputs of each Linear, gathered by plain hooks (independent of qstats)."""
+    seen = {}
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            if kind == "input":
+                handles.append(module.register_forward_pre_hook(lambda m, a, name=name: seen.setdefault(name, []).append(a[0])))
+            else:
+                handles.append(module.register_forward_hook(lambda m, a, o, name=name: seen.setdefault(name, []).append(o)))
+    with torch.no_grad():
+        for batch in batches:
+            model(batch)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("moving", [False, True])
+def test_qparams_match_torch_ao_observers(moving):
+    model = _model()
+    batches = _batches()
+    if moving:
+        recipe = _recipe(qstats.moving_average_minmax, averaging_constant=0.1)
+    else:
+        recipe = _recipe()
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    assert set(states) == {"0", "2"}
+    for kind in ("input", "output"):
+        seen = _collect(model, batches, kind)
+        for name, tensors in seen.items():
+            reference = (
+                MovingAverageMinMaxObserver(averaging_constant=0.1, dtype=torch.quint8)
+                if moving
+                else MinMaxObserver(dtype=torch.quint8)
+            )
+            for tensor in tensors:
+                reference(tensor)
+            scale, zero_point = reference.calculate_qparams()
+            torch.testing.assert_close(qparams[name][kind].scale, scale.reshape(()), rtol=0, atol=0)
+            assert torch.equal(qparams[name][kind].zero_point, zero_point.reshape(()).to(torch.int32))
+    for name in ("0", "2"):
+        reference = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+        reference(model[int(name)].weight.detach())
+        scale, zero_point = reference.calculate_qparams()
+        torch.testing.assert_close(qparams[name]["weight"].scale, scale, rtol=0, atol=0)
+        assert torch.equal(qparams[name]["weight"].zero_point, zero_point.to(torch.int32))
+
+
+@pytest.mark.parametrize("observer", [qstats.minmax, qstats.moving_average_minmax])
+def test_resume_equals_one_pass(observer):
+    model = _model()
+    batches = _batches(count=4)
+    recipe = _recipe(observer)
+    whole = qstats.calibrate(model, batches, recipe, progress=False)
+    first = qstats.calibrate(model, batches[:2], recipe, progress=False)
+    resumed = qstats.calibrate(model, batches[2:], recipe, states=first, progress=False)
+    assert whole.keys() == resumed.keys()
+    for path in whole:
+        assert whole[path].keys() == resumed[path].keys()
+        for site in whole[path]:
+            for left, right in zip(whole[path][site], resumed[path][site]):
+                assert torch.equal(left, right), (path, site)
+    # the given states are not modified
+    again = qstats.calibrate(model, batches[:2], recipe, progress=False)
+    for path in first:
+        for site in first[path]:
+            for left, right in zip(first[path][site], again[path][site]):
+                assert torch.equal(left, right)
+
+
+def test_weights_are_observed_once():
+    model = _model()
+    recipe = _recipe()
+    states = qstats.calibrate(model, _batches(count=1), recipe, progress=False)
+    with torch.no_grad():
+        model[0].weight.mul_(10.0)
+    resumed = qstats.calibrate(model, _batches(count=1, seed=2), recipe, states=states, progress=False)
+    assert torch.equal(resumed["0"]["weight"].max_val, states["0"]["weight"].max_val)
+    assert int(resumed["0"]["weight"].count.sum()) == model[0].weight.numel()
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+
+    def forward(self, x, attention_mask):
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("granularity", [qstats.PerTensor(), qstats.PerAxis(-1), qstats.PerToken()])
+def test_observation_weight_leaves_padding_out(granularity):
+    torch.manual_seed(0)
+    model = _Masked().eval()
+    x = torch.randn(3, 5, 4)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    x = torch.where(mask[..., None].bool(), x, torch.full_like(x, 100.0))  # padding would dominate
+    spec = qstats.QuantSpec(mapping="asymmetric", granularity=granularity, on_uncalibrated="fallback")
+    recipe = qstats.Recipe([qstats.Rule("proj", sites=("input",), spec=spec)])
+    states = qstats.calibrate(
+        model, [{"x": x, "attention_mask": mask}], recipe, progress=False, observation_weight=lambda b: b["attention_mask"]
+    )
+    state = states["proj"]["input"]
+    kept = x[mask.bool()]
+    if isinstance(granularity, qstats.PerTensor):
+        assert float(state.max_val) == float(kept.max()) and float(state.min_val) == float(kept.min())
+    elif isinstance(granularity, qstats.PerAxis):
+        assert torch.equal(state.max_val, kept.amax(0)) and torch.equal(state.min_val, kept.amin(0))
+    else:
+        expected_max = torch.where(mask.bool(), x.amax(-1), torch.tensor(-torch.inf))
+        assert torch.equal(state.max_val, expected_max)
+        assert torch.equal(state.count > 0, mask.bool())
+
+
+def test_q_k_v_sites_observe_projection_outputs():
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = torch.nn.Linear(4, 4)
+            self.k_proj = torch.nn.Linear(4, 2)
+            self.v_proj = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.q_proj(x).sum() + self.k_proj(x).sum() + self.v_proj(x).sum()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Attention()).eval()
+    batches = _batches(count=2, rows=3)
+    batches = [b[:, :4] for b in batches]
+    recipe = qstats.Recipe([qstats.Rule("re:.*", sites=("q", "k", "v"), spec=INPUT_SPEC)])
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    assert list(states) == ["0"] and sorted(states["0"]) == ["k", "q", "v"]
+    with torch.no_grad():
+        for site in ("q", "k", "v"):
+            outputs = torch.cat([getattr(model[0], f"{site}_proj")(b) for b in batches])
+            assert float(states["0"][site].max_val) == float(outputs.max())
+            assert float(states["0"][site].min_val) == float(outputs.min())
+
+
+def test_recipe_resolution_first_rule_wins_and_ignore():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    )
+    first = qstats.QuantSpec(dtype="int8")
+    second = qstats.QuantSpec(dtype="int4")
+    recipe = qstats.Recipe(
+        [
+            qstats.Rule(r"re:1\.\d+", sites=("weight",), spec=first),
+            qstats.Rule("Linear", sites=("weight", "input"), spec=second),
+        ],
+        ignore=["1.1"],
+    )
+    sites = recipe.sites(model)
+    assert list(sites) == ["0", "1.0"]
+    assert sites["0"]["weight"].spec == second
+    assert sites["1.0"]["weight"].spec == first
+    assert sites["1.0"]["input"].spec == second
+    assert recipe.rule_for("1.1", "weight") is None
+    states = qstats.calibrate(model, [torch.randn(3, 2)], recipe, progress=False)
+    observers = recipe.observers(states, model)
+    specs = recipe.specs(states, model)
+    assert observers["1.0"]["weight"].spec == first and specs["0"]["input"] == second
+
+
+def test_bad_input_is_named():
+    with pytest.raises(TypeError, match="targets"):
+        qstats.Rule(3)
+    with pytest.raises(TypeError, match="spec"):
+        qstats.Rule("Linear", spec="int8")
+    with pytest.raises(ValueError, match="sites"):
+        qstats.Rule("Linear", sites=())
+    with pytest.raises(ValueError, match="regular expression"):
+        qstats.Rule("re:(")
+    with pytest.raises(TypeError, match="qstats.Rule"):
+        qstats.Recipe(["Linear"])
+    model = _model()
+    recipe = _recipe()
+    with pytest.raises(TypeError, match="Recipe"):
+        qstats.calibrate(model, [], "Linear")
+    with pytest.raises(ValueError, match="'bias'"):
+        qstats.calibrate(model, [], recipe, states={"0": {"bias": None}}, progress=False)
+    states = qstats.calibrate(model, _batches(count=1), recipe, progress=False)
+    with pytest.raises(ValueError, match="no site 'weight' of module 'nothing'"):
+        recipe.observers({"nothing": {"weight": states["0"]["weight"]}}, model)
+
+
+def test_uncalibrated_site_raises_naming_it_or_falls_back():
+    model = _model()
+    nan_batches = [torch.full((2, 6), torch.nan)]
+    strict = INPUT_SPEC.replace(on_uncalibrated="raise")
+    recipe = qstats.Recipe(
+        [qstats.Rule("Linear", sites=("weight",), spec=WEIGHT_SPEC), qstats.Rule("Linear", sites=("input",), spec=strict)]
+    )
+    states = qstats.calibrate(model, nan_batches, recipe, progress=False)
+    with pytest.raises(ValueError, match=r"\['0'\]\['input'\]"):
+        qstats.compute_qparams_tree(states, recipe, model)
+    fallback = qstats.Recipe(
+        [
+            qstats.Rule("Linear", sites=("weight",), spec=WEIGHT_SPEC),
+            qstats.Rule("Linear", sites=("input",), spec=INPUT_SPEC.replace(on_uncalibrated="fallback")),
+        ]
+    )
+    qparams = qstats.compute_qparams_tree(states, fallback, model)
+    assert not bool(qparams["0"]["input"].calibrated)
+    assert float(qparams["0"]["input"].scale) == 1.0
+
+
+def test_fake_quantized_matches_torch_fake_quant_and_restores_model():
+    model = _model()
+    batches = _batches()
+    recipe = qstats.Recipe(
+        [qstats.Rule("Linear", sites=("weight",), spec=WEIGHT_SPEC), qstats.Rule("Linear", sites=("input",), spec=INPUT_SPEC)]
+    )
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    inputs = _collect(model, batches, "input")
+    x = batches[0]
+    expected = x
+    for index, name in ((0, "0"), (2, "2")):
+        observer = MinMaxObserver(dtype=torch.quint8)
+        for tensor in inputs[name]:
+            observer(tensor)
+        scale, zero_point = observer.calculate_qparams()
+        weight_observer = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+        weight = model[index].weight.detach()
+        weight_observer(weight)
+        w_scale, w_zero_point = weight_observer.calculate_qparams()
+        expected = torch.fake_quantize_per_tensor_affine(expected, float(scale), int(zero_point), 0, 255)
+        fq_weight = torch.fake_quantize_per_channel_affine(weight, w_scale, w_zero_point.int(), 0, -128, 127)
+        expected = torch.nn.functional.linear(expected, fq_weight, model[index].bias.detach())
+        if index == 0:
+            expected = torch.relu(expected)
+    original = model[0].weight.detach().clone()
+    with qstats.fake_quantized(model, qparams, recipe):
+        got = model(x)
+        got.sum().backward()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert type(model[0]) is torch.nn.Linear
+    assert isinstance(model[0].weight, torch.nn.Parameter) and torch.equal(model[0].weight, original)
+    assert model[0].weight.grad is not None and bool(model[0].weight.grad.abs().sum() > 0)
+    assert not model[0]._forward_pre_hooks
+
+
+def test_batches_as_tuples_and_progress(capfd):
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+
+        def forward(self, a, b):
+            return self.proj(a + b)
+
+    model = Two().eval()
+    recipe = qstats.Recipe([qstats.Rule("proj", sites=("input",), spec=INPUT_SPEC)])
+    a, b = torch.randn(3, 2), torch.randn(3, 2)
+    states = qstats.calibrate(model, [(a, b)], recipe, progress=False)
+    assert float(states["proj"]["input"].max_val) == float((a + b).max())
+    assert "qstats.calibrate" not in capfd.readouterr().err
+    qstats.calibrate(model, [(a, b)], recipe, progress=True)
+    assert "qstats.calibrate" in capfd.readouterr().err
