@@ -20,26 +20,43 @@ from ._quant import code_dtype as code_dtype
 from ._quant import dequantize as dequantize
 from ._quant import fake_quantize as fake_quantize
 from ._quant import quantize as quantize
+from ._formats import preset as preset
+from ._formats import round_to_format as round_to_format
+from .fused import fused_global_scale as fused_global_scale
+from .fused import fused_qparams as fused_qparams
 from ._spec import QuantSpec as QuantSpec
 from .calibrate import calibrate as calibrate
 from .calibrate import compute_qparams_tree as compute_qparams_tree
 from .calibrate import fake_quantized as fake_quantized
 from .experts import UncalibratedWarning as UncalibratedWarning
 from .experts import stacked_observer as stacked_observer
+from .lsq import LSQParams as LSQParams
+from .lsq import lsq_fake_quantize as lsq_fake_quantize
+from .lsq import lsq_grad_factor as lsq_grad_factor
+from .lsq import lsq_init as lsq_init
 from .observers import MemorylessMinMaxState as MemorylessMinMaxState
 from .observers import MinMaxState as MinMaxState
 from .observers import MovingAverageMinMaxState as MovingAverageMinMaxState
+from .observers import HistogramState as HistogramState
 from .observers import Observer as Observer
+from .observers import histogram as histogram
 from .observers import memoryless_minmax as memoryless_minmax
 from .observers import minmax as minmax
 from .observers import moving_average_minmax as moving_average_minmax
 from .observers import register_state as register_state
+from .qat import QATState as QATState
+from .qat import observe_fake_quantize as observe_fake_quantize
+from .schedule import QATPhase as QATPhase
+from .schedule import QATSchedule as QATSchedule
 from .recipe import Recipe as Recipe
 from .recipe import Rule as Rule
 from .recipe import Site as Site
+from .report import Report as Report
+from .report import report as report
 
 from . import distributed as distributed
 from . import export as export
+from . import qat as qat
 from . import testing as testing
 from . import tree as tree
 from .io import load as load
@@ -49,6 +66,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Granularity",
+    "HistogramState",
+    "LSQParams",
     "MemorylessMinMaxState",
     "MinMaxState",
     "MovingAverageMinMaxState",
@@ -60,9 +79,13 @@ __all__ = [
     "PerRow",
     "PerTensor",
     "PerToken",
+    "QATPhase",
+    "QATSchedule",
+    "QATState",
     "QParams",
     "QuantSpec",
     "Recipe",
+    "Report",
     "Rule",
     "Site",
     "Range",
@@ -77,16 +100,27 @@ __all__ = [
     "distributed",
     "export",
     "fake_quantize",
+    "histogram",
     "fake_quantized",
+    "lsq_fake_quantize",
+    "lsq_grad_factor",
+    "lsq_init",
     "load",
     "memoryless_minmax",
     "minmax",
     "moving_average_minmax",
+    "observe_fake_quantize",
+    "qat",
     "qparam_shape",
     "qparams_from_minmax",
+    "preset",
     "quantize",
+    "round_to_format",
+    "fused_global_scale",
+    "fused_qparams",
     "register_range_rule",
     "register_state",
+    "report",
     "save",
     "stacked_observer",
     "testing",
