@@ -30,8 +30,9 @@ block's absolute maximum ``amax`` and the element maximum ``M`` by ``QuantSpec.s
   mantissa bit whatever the element, then floor.
 
 An all-zero block gets ``b = 0`` (scale ``2**-127``), never a zero, NaN or Inf scale. Integer
-targets accept e8m0 scales too (power-of-two scales, symmetric mappings), with ``M = qmax``
-(``"even"`` then rounds ``amax`` to ``floor(log2 qmax)`` mantissa bits).
+targets accept e8m0 scales too (power-of-two scales, symmetric mappings), with ``M`` the largest
+code distance from the symmetric zero point (127 for int8 and uint8; ``"even"`` then rounds
+``amax`` to ``floor(log2 M)`` mantissa bits).
 
 Two-level scales (``TensorGroup(g)``, NVFP4 = fp4_e2m1 elements, ``TensorGroup(16)``,
 float8_e4m3fn block scales): one global scale from the whole tensor's ``amax_t`` (or a fused
@@ -172,10 +173,13 @@ def _floor_log2_int(value: float) -> int:
 
 
 def element_max(spec) -> float:
-    """Largest magnitude of ``spec``'s element format (``qmax`` for integer targets)."""
+    """Largest magnitude of ``spec``'s element format; for integer targets the largest code
+    distance from the symmetric zero point that fits on both sides (127 for int8 and uint8)."""
     if spec.is_float:
         return float(spec.float_format.max)
-    return float(spec.qrange[1])
+    lo, hi = spec.qrange
+    zero_point = spec.zero_point_of_symmetric
+    return float(min(hi - zero_point, zero_point - lo))
 
 
 def e8m0_exponent(amax: torch.Tensor, spec) -> torch.Tensor:
@@ -283,7 +287,8 @@ def qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec, global_scale=Non
     min_neg = torch.min(min_val, torch.zeros_like(min_val))
     max_pos = torch.max(max_val, torch.zeros_like(max_val))
     amax = torch.max(torch.abs(min_neg), torch.abs(max_pos))
-    zero_point = torch.zeros_like(amax, dtype=torch.int32)
+    symmetric_zero_point = 0 if (spec.is_float or spec.zero_point_domain == "none") else spec.zero_point_of_symmetric
+    zero_point = torch.full_like(amax, symmetric_zero_point, dtype=torch.int32)
     if isinstance(spec.granularity, TensorGroup):
         if global_scale is None:
             global_scale = global_scale_from_amax(amax.amax() if amax.numel() else amax.new_zeros(()), spec)

@@ -136,6 +136,16 @@ def test_power_of_two_int_scales_against_float64():
             assert torch.equal(codes.float(), torch.round(x / qp.scale.unsqueeze(1)))
 
 
+def test_power_of_two_scales_on_unsigned_targets_use_the_symmetric_zero_point():
+    x = torch.tensor([[-3.0, 1.0, 2.5, 0.0]])
+    spec = qstats.QuantSpec(dtype="uint8", scale_dtype="e8m0", scale_rounding="rceil")
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    assert qp.zero_point.item() == 128 and qp.scale.item() == 2.0 ** math.ceil(math.log2(3.0 / 127))
+    expected = torch.round(x / qp.scale) + 128  # rceil never clips
+    assert torch.equal(qstats.quantize(x, qp, spec).float(), expected)
+
+
 @pytest.mark.parametrize("name", ("nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp8"))
 @pytest.mark.parametrize("rounding", ("floor", "ceil", "even", "rceil", "round_then_floor"))
 @pytest.mark.parametrize("convention", ("torch_ao", "torchao", "compressed_tensors"))
