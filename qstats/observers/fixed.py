@@ -1,0 +1,264 @@
+"""Fixed and pass-through observers (torch.ao FixedQParamsObserver, PlaceholderObserver,
+NoopObserver, RecordingObserver).
+
+- `fixed_qparams(spec, scale, zero_point)`: constant quantization parameters whatever the data
+  (the state only counts values); `sigmoid_qparams()` and `tanh_qparams()` are torch.ao's presets
+  for outputs in ``[0, 1)`` (scale 1/256, zero point 0) and ``[-1, 1)`` (scale 2/256, zero point
+  128) on quint8.
+- `placeholder(spec)` / `noop(spec)`: no statistics (dynamic quantization, or no quantization);
+  `compute_qparams` refuses them with a TypeError, as torch.ao does.
+- `recording(spec, capacity)`: a bounded sample of the observed values for debugging. It keeps the
+  ``capacity`` values with the smallest hash keys (a bottom-k sketch: every value seen while fewer
+  than ``capacity`` were observed, afterwards a pseudo-random sample), so its memory is fixed and
+  its merge is exact, associative and commutative.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .._granularity import qparam_shape, weight_view, canonical_view
+from .._qparams import QParams, check_calibrated, register_range_rule
+from .._spec import QuantSpec
+from ._base import Observer, check_same_shapes, check_state, register_state
+
+__all__ = [
+    "FixedQParamsState",
+    "PlaceholderState",
+    "RecordingState",
+    "fixed_qparams",
+    "sigmoid_qparams",
+    "tanh_qparams",
+    "placeholder",
+    "noop",
+    "recording",
+    "recorded_values",
+]
+
+
+@register_state
+class FixedQParamsState(NamedTuple):
+    """``scale``/``zero_point``: the constant parameters (float32 / int32, ``qparam_shape``);
+    ``count``: values seen (int64 scalar)."""
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    count: torch.Tensor
+
+
+@register_state
+class PlaceholderState(NamedTuple):
+    """No statistics; ``count``: values seen (int64 scalar)."""
+
+    count: torch.Tensor
+
+
+@register_state
+class RecordingState(NamedTuple):
+    """Bounded sample: ``keys`` (int64, ascending; ``int64 max`` marks an empty slot), ``values``
+    (float32, same order), ``count``: values seen (int64 scalar)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    count: torch.Tensor
+
+
+def _check_spec(spec, where):
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"{where}: expected a QuantSpec, got {type(spec).__name__}")
+
+
+def _count(x, weight):
+    if weight is None:
+        return torch.tensor(x.numel(), dtype=torch.int64, device=x.device)
+    mask = weight_view(x, weight, _FLAT)
+    return (mask != 0).sum()
+
+
+def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
+    """Constant quantization parameters (torch.ao ``FixedQParamsObserver``).
+
+    ``scale`` and ``zero_point`` are numbers or tensors of the spec's parameter shape. The state
+    holds them and a count of the values seen; ``compute_qparams(state, spec)`` returns them.
+    Laws: all hold exactly (merge keeps the constants and adds counts).
+
+    >>> import torch, qstats
+    >>> obs = qstats.sigmoid_qparams()
+    >>> qstats.compute_qparams(obs.init(torch.zeros(3)), obs.spec).scale
+    tensor(0.0039)
+    """
+    _check_spec(spec, "fixed_qparams")
+    scale_t = torch.as_tensor(scale, dtype=torch.float32)
+    zero_t = torch.as_tensor(zero_point)
+    if not bool(torch.isfinite(scale_t).all()) or not bool((scale_t > 0).all()):
+        raise ValueError(f"fixed_qparams: scale must be positive and finite, got {scale!r}")
+    if spec.zero_point_domain == "float":
+        zero_t = zero_t.to(torch.float32)
+    else:
+        if zero_t.is_floating_point() and not bool((zero_t == zero_t.round()).all()):
+            raise ValueError(f"fixed_qparams: zero_point must be an integer for the int domain, got {zero_point!r}")
+        zero_t = zero_t.to(torch.int32)
+        qmin, qmax = spec.qrange
+        if not bool(((zero_t >= qmin) & (zero_t <= qmax)).all()):
+            raise ValueError(f"fixed_qparams: zero_point {zero_point!r} is outside the range [{qmin}, {qmax}]")
+
+    def init_fn(x: torch.Tensor) -> FixedQParamsState:
+        shape = qparam_shape(x.shape, spec.granularity)
+        try:
+            s = scale_t.to(x.device).expand(shape).clone()
+            z = zero_t.to(x.device).expand(shape).clone()
+        except RuntimeError:
+            raise ValueError(
+                f"fixed_qparams: scale of shape {tuple(scale_t.shape)} and zero_point of shape {tuple(zero_t.shape)} "
+                f"do not fit the quantization parameter shape {tuple(shape)}"
+            ) from None
+        return FixedQParamsState(s, z, torch.zeros((), dtype=torch.int64, device=x.device))
+
+    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> FixedQParamsState:
+        check_state(state, FixedQParamsState, "fixed_qparams.update")
+        return state._replace(count=state.count + _count(x, weight))
+
+    def merge_fn(a, b) -> FixedQParamsState:
+        check_state(a, FixedQParamsState, "fixed_qparams.merge")
+        check_state(b, FixedQParamsState, "fixed_qparams.merge")
+        check_same_shapes(a, b, "fixed_qparams.merge")
+        return a._replace(count=a.count + b.count)
+
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="fixed_qparams")
+
+
+def sigmoid_qparams(spec: Optional[QuantSpec] = None) -> Observer:
+    """torch.ao's preset for outputs in ``[0, 1)``: scale ``1/256``, zero point 0, quint8 ``[0, 255]``."""
+    spec = spec if spec is not None else QuantSpec(dtype="uint8", mapping="asymmetric")
+    return fixed_qparams(spec, 1.0 / 256.0, 0)._replace(name="sigmoid_qparams")
+
+
+def tanh_qparams(spec: Optional[QuantSpec] = None) -> Observer:
+    """torch.ao's preset for outputs in ``[-1, 1)``: scale ``2/256``, zero point 128, quint8 ``[0, 255]``."""
+    spec = spec if spec is not None else QuantSpec(dtype="uint8", mapping="asymmetric")
+    return fixed_qparams(spec, 2.0 / 256.0, 128)._replace(name="tanh_qparams")
+
+
+from .._granularity import PerTensor as _PerTensor  # noqa: E402
+
+_FLAT = _PerTensor()
+
+
+def _placeholder(spec: Optional[QuantSpec], name: str) -> Observer:
+    if spec is not None:
+        _check_spec(spec, name)
+
+    def init_fn(x: torch.Tensor) -> PlaceholderState:
+        return PlaceholderState(torch.zeros((), dtype=torch.int64, device=x.device))
+
+    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> PlaceholderState:
+        check_state(state, PlaceholderState, f"{name}.update")
+        return PlaceholderState(state.count + _count(x, weight))
+
+    def merge_fn(a, b) -> PlaceholderState:
+        check_state(a, PlaceholderState, f"{name}.merge")
+        check_state(b, PlaceholderState, f"{name}.merge")
+        return PlaceholderState(a.count + b.count)
+
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name=name)
+
+
+def placeholder(spec: Optional[QuantSpec] = None) -> Observer:
+    """torch.ao ``PlaceholderObserver``: carries the spec (e.g. for dynamic quantization) and
+    collects no statistics; `compute_qparams` raises TypeError."""
+    return _placeholder(spec, "placeholder")
+
+
+def noop(spec: Optional[QuantSpec] = None) -> Observer:
+    """torch.ao ``NoopObserver``: no statistics, no quantization parameters."""
+    return _placeholder(spec, "noop")
+
+
+_EMPTY_KEY = torch.iinfo(torch.int64).max
+
+
+def _hash_keys(bits: torch.Tensor) -> torch.Tensor:
+    """Injective int64 keys of 32-bit patterns: a 30-bit mix (multiply/xor-shift) above the
+    pattern itself, so that distinct values never tie."""
+    pattern = bits.to(torch.int64) & 0xFFFFFFFF
+    mixed = (pattern * 0x9E3779B1) & 0xFFFFFFFF
+    mixed = mixed ^ (mixed >> 15)
+    mixed = (mixed * 0x85EBCA77) & 0xFFFFFFFF
+    mixed = mixed ^ (mixed >> 13)
+    return ((mixed >> 2) << 32) | pattern
+
+
+def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observer:
+    """A bounded sample of observed values (torch.ao ``RecordingObserver``, without unbounded memory).
+
+    Keeps the ``capacity`` finite values whose hash keys are smallest: while fewer than
+    ``capacity`` values were seen it holds all of them; afterwards a fixed-size pseudo-random
+    sample (equal values share a key, so a value repeated many times is kept or dropped as a
+    whole). `recorded_values(state)` returns the kept values. Laws: all exact (bottom-k of a
+    multiset does not depend on how it was split).
+    """
+    if spec is not None:
+        _check_spec(spec, "recording")
+    if not (isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 1):
+        raise ValueError(f"recording: capacity must be a positive int, got {capacity!r}")
+
+    def init_fn(x: torch.Tensor) -> RecordingState:
+        keys = torch.full((capacity,), _EMPTY_KEY, dtype=torch.int64, device=x.device)
+        values = torch.zeros((capacity,), dtype=torch.float32, device=x.device)
+        return RecordingState(keys, values, torch.zeros((), dtype=torch.int64, device=x.device))
+
+    def keep_smallest(keys, values):
+        order = torch.argsort(keys, stable=True)[:capacity]
+        return torch.gather(keys, -1, order), torch.gather(values, -1, order)
+
+    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> RecordingState:
+        check_state(state, RecordingState, "recording.update")
+        if x.numel() == 0:
+            return state
+        flat = x.detach().reshape(-1).to(torch.float32)
+        # +0.0 and -0.0 compare equal; give them one key so equal values always tie
+        flat = torch.where(flat == 0, torch.zeros_like(flat), flat)
+        include = torch.isfinite(flat)
+        if weight is not None:
+            include = include & (weight_view(x, weight, _FLAT).reshape(-1) != 0)
+        keys = _hash_keys(flat.view(torch.int32))
+        keys = torch.where(include, keys, torch.full_like(keys, _EMPTY_KEY))
+        keys, values = keep_smallest(torch.cat([state.keys, keys]), torch.cat([state.values, flat]))
+        values = torch.where(keys == _EMPTY_KEY, torch.zeros_like(values), values)
+        return RecordingState(keys, values, state.count + include.sum())
+
+    def merge_fn(a, b) -> RecordingState:
+        check_state(a, RecordingState, "recording.merge")
+        check_state(b, RecordingState, "recording.merge")
+        check_same_shapes(a, b, "recording.merge")
+        keys, values = keep_smallest(torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values]))
+        return RecordingState(keys, values, a.count + b.count)
+
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="recording")
+
+
+def recorded_values(state: RecordingState) -> torch.Tensor:
+    """The kept values (eager only: the number kept is data-dependent)."""
+    check_state(state, RecordingState, "recorded_values")
+    return state.values[state.keys != _EMPTY_KEY]
+
+
+@register_range_rule(FixedQParamsState)
+def _fixed_rule(state: FixedQParamsState, spec: QuantSpec) -> QParams:
+    calibrated = torch.ones(state.scale.shape, dtype=torch.bool, device=state.scale.device)
+    check_calibrated(calibrated, spec)
+    global_scale = torch.ones((), dtype=torch.float32, device=state.scale.device)
+    return QParams(state.scale, state.zero_point, global_scale, calibrated)
+
+
+def _refuse(state, spec, **options):
+    raise TypeError(
+        f"compute_qparams: a {type(state).__name__} has no statistics to compute quantization parameters from "
+        "(placeholder/noop/recording observers, as torch.ao's, do not calculate qparams)"
+    )
+
+
+register_range_rule(PlaceholderState)(_refuse)
+register_range_rule(RecordingState)(_refuse)

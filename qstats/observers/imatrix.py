@@ -1,0 +1,144 @@
+"""Importance matrix (imatrix): per-input-channel E[x**2] of activations, and the
+importance-weighted MSE search for weights (llm-compressor's ``imatrix_mse``).
+
+`imatrix()` observes the *inputs* of a linear layer: the state holds the float64 sum of
+``x**2`` per input channel (the last dimension) and the int64 count of rows, so merges are sums
+(exact up to float rounding; counts exact). `importance(state)` is ``sum / count``.
+
+`imatrix_mse(spec, state)` is `qstats.mse` for the layer's *weight* with every element's error
+multiplied by the importance of its input channel, normalised by its mean, with
+llm-compressor's defaults (``maxshrink=0.95``, ``grid=20``, ``norm=3``, ``int(maxshrink * grid) + 1``
+candidates).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from .._granularity import canonical_view
+from .._spec import QuantSpec
+from ._base import Observer, check_same_shapes, check_state, register_state
+from .mse import mse
+
+__all__ = ["IMatrixState", "imatrix", "importance", "imatrix_mse"]
+
+
+@register_state
+class IMatrixState(NamedTuple):
+    """``square_total``: float64 sum of ``x**2`` per input channel; ``count``: int64 rows seen
+    (a scalar); ``nonfinite``: non-finite values left out per channel."""
+
+    square_total: torch.Tensor
+    count: torch.Tensor
+    nonfinite: torch.Tensor
+
+
+def imatrix() -> Observer:
+    """Per-input-channel importance ``E[x**2]`` of a layer's input activations.
+
+    ``update(state, x, weight=None)`` reduces every dimension but the last (``weight`` of shape
+    ``x.shape[:-1]``, or a prefix of it, masks rows out). NaN/Inf are left out and counted.
+
+    Laws: identity; associativity, commutativity and homomorphism exactly for ``count`` and up to
+    float rounding for ``square_total``.
+
+    >>> import torch, qstats
+    >>> obs = qstats.imatrix()
+    >>> x = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+    >>> qstats.importance(obs.update(obs.init(x), x))
+    tensor([5., 2.], dtype=torch.float64)
+    """
+
+    def init_fn(x: torch.Tensor) -> IMatrixState:
+        if x.ndim == 0:
+            raise ValueError("imatrix: activations need at least one dimension (the input channels), got shape ()")
+        channels = x.shape[-1]
+        zeros = torch.zeros(channels, dtype=torch.float64, device=x.device)
+        return IMatrixState(zeros, torch.zeros((), dtype=torch.int64, device=x.device),
+                            torch.zeros(channels, dtype=torch.int64, device=x.device))
+
+    def update_fn(state: IMatrixState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> IMatrixState:
+        check_state(state, IMatrixState, "imatrix.update")
+        if x.ndim == 0 or x.shape[-1] != state.square_total.shape[-1]:
+            raise ValueError(
+                f"imatrix.update: a tensor of shape {tuple(x.shape)} has {x.shape[-1] if x.ndim else 0} input "
+                f"channels, but the state has {state.square_total.shape[-1]}"
+            )
+        if x.numel() == 0:
+            return state
+        rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+        finite = torch.isfinite(rows)
+        if weight is not None:
+            if not isinstance(weight, torch.Tensor):
+                raise TypeError(f"imatrix.update: weight must be a tensor or None, got {type(weight).__name__}")
+            if weight.ndim >= x.ndim or tuple(weight.shape) != tuple(x.shape[: weight.ndim]):
+                raise ValueError(
+                    f"imatrix.update: weight of shape {tuple(weight.shape)} does not match the leading (row) "
+                    f"dimensions of the activations of shape {tuple(x.shape)}"
+                )
+            keep = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - 1 - weight.ndim))
+            keep = keep.expand(x.shape[:-1]).reshape(-1, 1) != 0
+            row_count = keep.sum()
+        else:
+            keep = torch.ones_like(rows[:, :1], dtype=torch.bool)
+            row_count = torch.tensor(rows.shape[0], dtype=torch.int64, device=rows.device)
+        included = finite & keep
+        squares = torch.where(included, rows * rows, torch.zeros_like(rows)).sum(0)
+        nonfinite = ((~finite) & keep).sum(0)
+        return IMatrixState(state.square_total + squares, state.count + row_count, state.nonfinite + nonfinite)
+
+    def merge_fn(a: IMatrixState, b: IMatrixState) -> IMatrixState:
+        check_state(a, IMatrixState, "imatrix.merge")
+        check_state(b, IMatrixState, "imatrix.merge")
+        check_same_shapes(a, b, "imatrix.merge")
+        return IMatrixState(a.square_total + b.square_total, a.count + b.count, a.nonfinite + b.nonfinite)
+
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=None, name="imatrix")
+
+
+def importance(state: IMatrixState) -> torch.Tensor:
+    """``E[x**2]`` per input channel (float64; zeros before any data)."""
+    check_state(state, IMatrixState, "importance")
+    return state.square_total / state.count.clamp(min=1).to(torch.float64)
+
+
+def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixState] = None, maxshrink: float = 0.95,
+                grid: float = 20, norm: float = 3.0, expand: float = 1.0, **options) -> Observer:
+    """Importance-weighted MSE search for a weight of ``weight_shape`` (``(out, in)``), as
+    llm-compressor's ``imatrix_mse``.
+
+    The importance of input channel ``j`` is ``E[x_j**2] / mean(E[x**2])`` from
+    ``imatrix_state``; every weight element's error ``|fq(w) - w| ** norm`` is multiplied by its
+    column's importance. Without importance data (None, or no rows seen) the search is uniform,
+    as llm-compressor's fallback. Candidates: ``1 - i / grid`` for ``i <= max(1, int(maxshrink * grid))``.
+    Other keyword arguments go to `qstats.mse` (``reference``, ``mode``, ...). Pass
+    ``patience=5`` to ``compute_qparams`` for llm-compressor's early stopping.
+    """
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"imatrix_mse: expected a QuantSpec, got {type(spec).__name__}")
+    weight_shape = tuple(int(d) for d in weight_shape)
+    if len(weight_shape) < 2:
+        raise ValueError(f"imatrix_mse: weight_shape must have at least two dimensions, got {weight_shape}")
+    weights = None
+    if imatrix_state is not None:
+        check_state(imatrix_state, IMatrixState, "imatrix_mse")
+        channels = imatrix_state.square_total.shape[-1]
+        if channels != weight_shape[-1]:
+            raise ValueError(
+                f"imatrix_mse: the importance has {channels} input channels but the weight of shape "
+                f"{weight_shape} has {weight_shape[-1]}"
+            )
+        imp = importance(imatrix_state).to(torch.float32)
+        imp = imp / (imp.mean() + torch.finfo(torch.float32).tiny)
+        # no rows seen: uniform weights, as llm-compressor's fallback
+        imp = torch.where(imatrix_state.count > 0, imp, torch.ones_like(imp))
+        full = imp.expand(weight_shape)
+        weights = canonical_view(full, spec.granularity)
+    steps = max(1, int(maxshrink * grid)) + 1
+    if not math.isfinite(norm) or norm <= 0:
+        raise ValueError(f"imatrix_mse: norm must be a finite positive number, got {norm!r}")
+    return mse(spec, maxshrink=maxshrink, grid=grid, norm=norm, expand=expand, importance=weights, steps=steps,
+               **options)._replace(name="imatrix_mse")

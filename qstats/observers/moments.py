@@ -1,0 +1,201 @@
+"""Moments observer: count, mean and variance (Chan's parallel merge), abs-mean, rms and an Lp norm.
+
+The state stores sums and counts only: ``count``, ``total`` (sum of x), ``m2`` (sum of squared
+deviations from the mean, merged with Chan et al.'s parallel formula), ``abs_total`` (sum of |x|),
+``square_total`` (sum of x**2) and ``power_total`` (sum of |x|**p). Accumulators are float64,
+counts int64. Merging is exact up to float rounding (associative and commutative to tolerance).
+
+Range rules, ``qstats.compute_qparams(state, spec, method=..., k=...)``:
+
+- ``"mean_std"`` (default, Brevitas' mean + k * sigma): ``[mean - k * std, mean + k * std]``
+  (``k=3``).
+- ``"rms"`` (qwix' ``rms,k``): ``[-k * rms, k * rms]``.
+- ``"abs_mean"``: ``[-k * E|x|, k * E|x|]``.
+- ``"lp"`` (AQT's Lp calibration): ``[-k * (E|x|**p)**(1/p), ...]`` with the observer's ``p``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .._granularity import canonical_view, qparam_shape, weight_view
+from .._qparams import Range, register_range_rule
+from .._spec import QuantSpec
+from ._base import Observer, check_same_shapes, check_state, register_state
+
+__all__ = ["MomentsState", "moments"]
+
+
+@register_state
+class MomentsState(NamedTuple):
+    """Sums of a moments observer, one entry per quantization parameter; ``power_total`` is the
+    sum of ``|x|**p`` for the observer's ``p`` (pass the same ``p`` to the ``"lp"`` rule)."""
+
+    count: torch.Tensor
+    total: torch.Tensor
+    m2: torch.Tensor
+    abs_total: torch.Tensor
+    square_total: torch.Tensor
+    power_total: torch.Tensor
+    nonfinite: torch.Tensor
+
+    def _denominator(self):
+        return self.count.clamp(min=1).to(torch.float64)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """Mean (0 where nothing was seen)."""
+        return self.total / self._denominator()
+
+    @property
+    def variance(self) -> torch.Tensor:
+        """Population variance."""
+        return (self.m2 / self._denominator()).clamp(min=0)
+
+    @property
+    def std(self) -> torch.Tensor:
+        return self.variance.sqrt()
+
+    @property
+    def abs_mean(self) -> torch.Tensor:
+        return self.abs_total / self._denominator()
+
+    @property
+    def rms(self) -> torch.Tensor:
+        return (self.square_total / self._denominator()).sqrt()
+
+
+def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
+    """Count, mean, variance, abs-mean, rms and the normalised Lp norm ``(E|x|**p)**(1/p)``.
+
+    Args:
+      spec: the QuantSpec (its granularity decides the groups).
+      p: order of the Lp norm accumulated in ``power_total`` (default 4).
+
+    Laws: identity exactly; associativity, commutativity and homomorphism up to float rounding
+    (``exact=True`` in the sense of sums: splitting the data changes nothing but rounding).
+    ``weight == 0`` leaves values out; NaN/Inf follow ``spec.nonfinite``.
+
+    >>> import torch, qstats
+    >>> spec = qstats.QuantSpec(dtype="int8")
+    >>> obs = qstats.moments(spec)
+    >>> x = torch.tensor([1.0, -1.0, 3.0, -3.0])
+    >>> s = obs.update(obs.init(x), x)
+    >>> float(s.mean), float(s.std)
+    (0.0, 2.23606797749979)
+    """
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"moments: expected a QuantSpec, got {type(spec).__name__}")
+    if not (isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0 and p == p and p != float("inf")):
+        raise ValueError(f"moments: p must be a positive finite number, got {p!r}")
+    power = float(p)
+
+    def init_fn(x: torch.Tensor) -> MomentsState:
+        shape = qparam_shape(x.shape, spec.granularity)
+        zeros = torch.zeros(shape, dtype=torch.float64, device=x.device)
+        count = torch.zeros(shape, dtype=torch.int64, device=x.device)
+        return MomentsState(count, zeros, zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), count.clone())
+
+    def batch_state(x, weight, expected):
+        view = canonical_view(x.detach(), spec.granularity)
+        shape = tuple(view.shape[1:-1])
+        if shape != tuple(expected):
+            raise ValueError(
+                f"moments.update: a tensor of shape {tuple(x.shape)} gives quantization parameters of shape "
+                f"{shape}, but the state has shape {tuple(expected)}"
+            )
+        v = view.to(torch.float64)
+        finite = torch.isfinite(v)
+        mask = weight_view(x, weight, spec.granularity)
+        included = finite if mask is None else (finite & (mask != 0))
+        excluded_nonfinite = (~finite) if mask is None else ((~finite) & (mask != 0))
+        nonfinite = excluded_nonfinite.sum(dim=(0, -1))
+        if spec.nonfinite == "raise" and not torch.compiler.is_compiling() and bool(nonfinite.any()):
+            raise ValueError(
+                f"moments.update: the observed tensor holds {int(nonfinite.sum())} non-finite values (NaN or Inf) "
+                "and the spec says nonfinite='raise'"
+            )
+        dims = (0, -1)
+        v = torch.where(included, v, torch.zeros_like(v))
+        weight_f = included.to(torch.float64)
+        count = included.sum(dim=dims)
+        total = v.sum(dim=dims)
+        mean = total / count.clamp(min=1).to(torch.float64)
+        centred = (v - mean.unsqueeze(0).unsqueeze(-1)) * weight_f
+        m2 = (centred * centred).sum(dim=dims)
+        magnitude = v.abs()
+        return MomentsState(
+            count,
+            total,
+            m2,
+            magnitude.sum(dim=dims),
+            (v * v).sum(dim=dims),
+            magnitude.pow(power).sum(dim=dims),
+            nonfinite,
+        )
+
+    def combine(a: MomentsState, b: MomentsState) -> MomentsState:
+        count = a.count + b.count
+        na = a.count.to(torch.float64)
+        nb = b.count.to(torch.float64)
+        n = count.clamp(min=1).to(torch.float64)
+        delta = b.total / nb.clamp(min=1) - a.total / na.clamp(min=1)
+        m2 = a.m2 + b.m2 + delta * delta * na * nb / n
+        return MomentsState(
+            count,
+            a.total + b.total,
+            m2,
+            a.abs_total + b.abs_total,
+            a.square_total + b.square_total,
+            a.power_total + b.power_total,
+            a.nonfinite + b.nonfinite,
+        )
+
+    def update_fn(state: MomentsState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MomentsState:
+        check_state(state, MomentsState, "moments.update")
+        if x.numel() == 0:
+            return state
+        return combine(state, batch_state(x, weight, state.count.shape))
+
+    def merge_fn(a: MomentsState, b: MomentsState) -> MomentsState:
+        check_state(a, MomentsState, "moments.merge")
+        check_state(b, MomentsState, "moments.merge")
+        check_same_shapes(a, b, "moments.merge")
+        return combine(a, b)
+
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="moments")
+
+
+_METHODS = ("mean_std", "rms", "abs_mean", "lp")
+
+
+@register_range_rule(MomentsState)
+def _moments_rule(state: MomentsState, spec: QuantSpec, method: str = "mean_std", k: Optional[float] = None,
+                  p: Optional[float] = None) -> Range:
+    if method not in _METHODS:
+        raise ValueError(f"compute_qparams: moments method must be one of {_METHODS}, got {method!r}")
+    if k is None:
+        k = 3.0 if method in ("mean_std", "rms") else 1.0
+    if not (isinstance(k, (int, float)) and k > 0):
+        raise ValueError(f"compute_qparams: k must be a positive number, got {k!r}")
+    calibrated = state.count > 0
+    n = state.count.clamp(min=1).to(torch.float64)
+    if method == "mean_std":
+        lo = state.mean - k * state.std
+        hi = state.mean + k * state.std
+    else:
+        if method == "rms":
+            amax = k * state.rms
+        elif method == "abs_mean":
+            amax = k * state.abs_mean
+        else:
+            if p is None:
+                raise TypeError("compute_qparams: method 'lp' needs p=, the order the moments observer was built with")
+            amax = k * (state.power_total / n).pow(1.0 / float(p))
+        lo, hi = -amax, amax
+    zero = torch.zeros_like(lo)
+    lo = torch.minimum(lo, zero).float()
+    hi = torch.maximum(hi, zero).float()
+    return Range(lo, hi, calibrated & (hi > lo))

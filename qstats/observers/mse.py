@@ -1,0 +1,313 @@
+"""MSE range search as a streaming, mergeable state (llm-compressor's MSE observers, ModelOpt's
+MseCalibrator).
+
+Candidates are shrink factors ``p_i = 1 - i / grid`` of a *reference range* ``[min, max]``
+(``i < int(maxshrink * grid)``, as llm-compressor's ``memoryless_mse``). For every batch and
+every candidate the state accumulates ``sum |fake_quantize(x) - x| ** norm`` per quantization
+parameter (optionally weighted by a per-element importance, see `qstats.imatrix_mse`), so that
+``compute_qparams`` takes the argmin over *all* data instead of averaging per-batch choices.
+
+The reference range is the first batch's range (times ``expand``) unless one is given up front
+with ``reference=``. States that share a reference merge exactly (losses add); that is always
+the case with ``reference=`` given (``Observer.exact`` is then True). Two states that saw
+different first batches merge by keeping the wider reference and adding the losses of equal
+shrink factors (associative and commutative, but not exact: ``exact=False``).
+
+``compute_qparams(state, spec, patience=k)`` reproduces llm-compressor's early stopping (stop
+after ``k`` consecutive candidates that improve no parameter) on the accumulated losses; the
+default ``patience=None`` searches every candidate. With early stopping disabled, one batch gives
+exactly llm-compressor's ``memoryless_mse`` choice.
+
+``mode="moving_average"`` reproduces llm-compressor's ``mse`` observer instead: a memoryless
+search per batch, then ``min = min * (1 - c) + batch_min * c`` (order-dependent, ``exact=False``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .._granularity import broadcast_to_view, canonical_view, qparam_shape, weight_view
+from .._qparams import Range, qparams_from_minmax, register_range_rule
+from .._quant import _codes_float, _dequantize_view
+from .._reductions import finite_aminmax
+from .._spec import QuantSpec
+from ._base import Observer, check_same_shapes, check_state, register_state
+
+__all__ = ["MSEState", "MovingAverageMSEState", "mse", "shrink_factors", "candidate_losses"]
+
+
+@register_state
+class MSEState(NamedTuple):
+    """Accumulated candidate losses. ``min_val``/``max_val``: the reference range (``+inf``/``-inf``
+    until set); ``loss``: float64 ``(*qparam_shape, C)``; ``factors``: the C shrink factors (the
+    columns of ``loss``); ``count``/``nonfinite``: values seen and left out."""
+
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+    loss: torch.Tensor
+    factors: torch.Tensor
+    count: torch.Tensor
+    nonfinite: torch.Tensor
+
+
+@register_state
+class MovingAverageMSEState(NamedTuple):
+    """llm-compressor ``mse``: moving average of per-batch MSE-optimal ranges."""
+
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+    batches: torch.Tensor
+    count: torch.Tensor
+    nonfinite: torch.Tensor
+
+
+def shrink_factors(maxshrink: float, grid: float, steps: Optional[int] = None) -> list:
+    """``[1 - i / grid for i in range(steps)]`` with ``steps = int(maxshrink * grid)`` by default."""
+    if steps is None:
+        steps = int(maxshrink * grid)
+    return [1.0 - i / grid for i in range(steps)]
+
+
+def _check_args(spec, maxshrink, grid, norm, steps):
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"mse: expected a QuantSpec, got {type(spec).__name__}")
+    if not (isinstance(maxshrink, (int, float)) and 0 <= maxshrink <= 1):
+        raise ValueError(f"mse: maxshrink must be in [0, 1], got {maxshrink!r}")
+    if not (isinstance(grid, (int, float)) and grid > 0):
+        raise ValueError(f"mse: grid must be positive, got {grid!r}")
+    if not (isinstance(norm, (int, float)) and 0 < norm < float("inf")):
+        raise ValueError(f"mse: norm must be a positive finite number, got {norm!r}")
+    count = int(maxshrink * grid) if steps is None else steps
+    if count < 1:
+        raise ValueError(f"mse: int(maxshrink * grid) must be at least 1 candidate, got {count} "
+                         f"(maxshrink={maxshrink}, grid={grid})")
+
+
+def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, norm: float):
+    """``sum |fq(x) - x| ** norm`` over dims (0, -1) of a canonical view for every candidate range
+    ``(p * lo, p * hi)``; returns float64 ``(*qparam_shape, C)``. ``mask`` (bool) and
+    ``importance`` (float) broadcast against the view."""
+    v = view.detach()
+    compute_dtype = v.dtype if v.dtype in (torch.float32, torch.float64) else torch.float32
+    v = v.to(compute_dtype)
+    zero = torch.zeros_like(v)
+    if mask is not None:
+        v = torch.where(mask, v, zero)  # masked values add |fq(0) - 0| = 0
+    calibrated = torch.ones(lo.shape, dtype=torch.bool, device=lo.device)
+    losses = []
+    for p in factors:
+        qp = qparams_from_minmax(lo * p, hi * p, spec, calibrated=calibrated)
+        scale = broadcast_to_view(qp.scale.float())
+        zero_point = broadcast_to_view(qp.zero_point)
+        _, codes = _codes_float(v, scale, zero_point, spec)
+        error = (_dequantize_view(codes, scale, zero_point, spec).to(compute_dtype) - v).abs().pow(norm)
+        if importance is not None:
+            error = error * importance
+        if mask is not None:
+            error = torch.where(mask, error, torch.zeros_like(error))
+        losses.append(error.sum(dim=(0, -1), dtype=torch.float64))
+    return torch.stack(losses, dim=-1)
+
+
+def _first_minimum(loss: torch.Tensor, patience: Optional[int]) -> torch.Tensor:
+    """Index of the chosen candidate per parameter: the first minimum, optionally restricted to
+    the candidates llm-compressor evaluates before its early stop (``patience``)."""
+    if patience is not None and patience > 0:
+        steps = loss.shape[-1]
+        flat = loss.reshape(-1, steps)  # (params, C)
+        running = torch.cummin(flat, dim=-1).values
+        previous = torch.cat([torch.full_like(running[:, :1], torch.finfo(torch.float64).max), running[:, :-1]], -1)
+        improved = (flat < previous).any(0)  # (C,)
+        positions = torch.arange(steps, device=loss.device)
+        last_improved = torch.cummax(torch.where(improved, positions, torch.full_like(positions, -1)), 0).values
+        stalled = (positions - last_improved) >= patience
+        stop = torch.where(stalled, positions, torch.full_like(positions, steps - 1)).amin()
+        loss = torch.where(positions <= stop, loss, torch.full_like(loss, torch.inf))
+    return torch.argmin(loss, dim=-1)
+
+
+def _reference_of(reference, shape, device):
+    if reference is None:
+        return None
+    lo, hi = (reference.min_val, reference.max_val) if hasattr(reference, "min_val") else reference
+    lo = torch.as_tensor(lo, dtype=torch.float32, device=device)
+    hi = torch.as_tensor(hi, dtype=torch.float32, device=device)
+    if lo.shape != tuple(shape) or hi.shape != tuple(shape):
+        raise ValueError(
+            f"mse: reference of shape {tuple(lo.shape)} does not match the quantization parameter shape {tuple(shape)}"
+        )
+    return lo, hi
+
+
+def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float = 2.4, expand: float = 1.0,
+        mode: str = "accumulate", averaging_constant: float = 0.01, patience: Optional[int] = 5,
+        reference=None, importance: Optional[torch.Tensor] = None, steps: Optional[int] = None) -> Observer:
+    """MSE grid search over shrink factors of the observed range, as a mergeable state.
+
+    Args:
+      spec: the QuantSpec (granularity, format and qparams arithmetic of the candidates).
+      maxshrink, grid: candidates ``1 - i / grid`` for ``i < int(maxshrink * grid)`` (or ``steps``).
+      norm: error exponent (2.4 as llm-compressor).
+      expand: factor on the reference range before shrinking (llm-compressor's ``expand``).
+      mode: ``"accumulate"`` (losses over all data) or ``"moving_average"`` (llm-compressor
+        ``mse``: per-batch search, then a moving average of the chosen ranges).
+      averaging_constant: the moving average's constant (``mode="moving_average"``).
+      patience: early stopping of the per-batch search in ``mode="moving_average"`` (llm-compressor's
+        default 5; None disables). In ``"accumulate"`` mode pass it to ``compute_qparams`` instead.
+      reference: ``(min_val, max_val)`` tensors (or a MinMaxState) fixing the candidates' base range
+        up front; then every merge is exact.
+      importance: float tensor broadcastable to the canonical view, multiplying each element's
+        error (see `qstats.imatrix_mse`).
+      steps: number of candidates (overrides ``int(maxshrink * grid)``).
+
+    Laws: identity, associativity and commutativity (losses to float tolerance); homomorphism
+    when states share the reference (``exact`` is True when ``reference`` is given).
+    """
+    _check_args(spec, maxshrink, grid, norm, steps)
+    if mode not in ("accumulate", "moving_average"):
+        raise ValueError(f"mse: mode must be 'accumulate' or 'moving_average', got {mode!r}")
+    if not (isinstance(expand, (int, float)) and expand >= 1.0):
+        raise ValueError(f"mse: expand must be at least 1.0, got {expand!r}")
+    if not (isinstance(averaging_constant, (int, float)) and 0 < averaging_constant <= 1):
+        raise ValueError(f"mse: averaging_constant must be in (0, 1], got {averaging_constant!r}")
+    factors = shrink_factors(maxshrink, grid, steps)
+    norm = float(norm)
+    expand = float(expand)
+
+    def observe(x, weight, expected, where):
+        view = canonical_view(x, spec.granularity)
+        shape = tuple(view.shape[1:-1])
+        if shape != tuple(expected):
+            raise ValueError(
+                f"{where}: a tensor of shape {tuple(x.shape)} gives quantization parameters of shape {shape}, "
+                f"but the state has shape {tuple(expected)}"
+            )
+        mask = weight_view(x, weight, spec.granularity)
+        finite = torch.isfinite(view)
+        mask = finite if mask is None else (finite & (mask != 0))
+        lo, hi, count, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
+        scaled = None if importance is None else importance
+        return view, mask, scaled, lo, hi, count, nonfinite
+
+    if mode == "moving_average":
+        return _moving_average(spec, factors, norm, expand, averaging_constant, patience, observe)
+
+    def init_fn(x: torch.Tensor) -> MSEState:
+        shape = qparam_shape(x.shape, spec.granularity)
+        device = x.device
+        fixed = _reference_of(reference, shape, device)
+        if fixed is None:
+            lo = torch.full(shape, torch.inf, dtype=torch.float32, device=device)
+            hi = torch.full(shape, -torch.inf, dtype=torch.float32, device=device)
+        else:
+            lo, hi = fixed[0] * expand, fixed[1] * expand
+        count = torch.zeros(shape, dtype=torch.int64, device=device)
+        loss = torch.zeros((*shape, len(factors)), dtype=torch.float64, device=device)
+        table = torch.tensor(factors, dtype=torch.float64, device=device)
+        return MSEState(lo, hi, loss, table, count, count.clone())
+
+    def update_fn(state: MSEState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MSEState:
+        check_state(state, MSEState, "mse.update")
+        if x.numel() == 0:
+            return state
+        view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
+        has_reference = state.min_val <= state.max_val
+        ref_lo = torch.where(has_reference, state.min_val, lo * expand)
+        ref_hi = torch.where(has_reference, state.max_val, hi * expand)
+        seen = count > 0
+        ref_lo = torch.where(has_reference | seen, ref_lo, state.min_val)
+        ref_hi = torch.where(has_reference | seen, ref_hi, state.max_val)
+        safe_lo = torch.where(ref_lo <= ref_hi, ref_lo, torch.zeros_like(ref_lo))
+        safe_hi = torch.where(ref_lo <= ref_hi, ref_hi, torch.zeros_like(ref_hi))
+        batch_loss = candidate_losses(view, mask, imp, safe_lo, safe_hi, factors, spec, norm)
+        return MSEState(ref_lo, ref_hi, state.loss + batch_loss, state.factors, state.count + count,
+                        state.nonfinite + nonfinite)
+
+    def merge_fn(a: MSEState, b: MSEState) -> MSEState:
+        check_state(a, MSEState, "mse.merge")
+        check_state(b, MSEState, "mse.merge")
+        check_same_shapes(a, b, "mse.merge")
+        a_set = a.min_val <= a.max_val
+        b_set = b.min_val <= b.max_val
+        a_span = torch.where(a_set, a.max_val - a.min_val, torch.full_like(a.max_val, -1.0))
+        b_span = torch.where(b_set, b.max_val - b.min_val, torch.full_like(b.max_val, -1.0))
+        take_b = (b_span > a_span) | ((b_span == a_span) & (b.min_val < a.min_val))
+        return MSEState(
+            torch.where(take_b, b.min_val, a.min_val),
+            torch.where(take_b, b.max_val, a.max_val),
+            a.loss + b.loss,
+            a.factors,
+            a.count + b.count,
+            a.nonfinite + b.nonfinite,
+        )
+
+    return Observer(init_fn, update_fn, merge_fn, exact=reference is not None, spec=spec, name="mse")
+
+
+def _moving_average(spec, factors, norm, expand, constant, patience, observe):
+    def init_fn(x: torch.Tensor) -> MovingAverageMSEState:
+        shape = qparam_shape(x.shape, spec.granularity)
+        count = torch.zeros(shape, dtype=torch.int64, device=x.device)
+        lo = torch.full(shape, torch.inf, dtype=torch.float32, device=x.device)
+        return MovingAverageMSEState(lo, -lo, count, count.clone(), count.clone())
+
+    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MovingAverageMSEState:
+        check_state(state, MovingAverageMSEState, "mse.update")
+        if x.numel() == 0:
+            return state
+        view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
+        seen = count > 0
+        base_lo = torch.where(seen, lo * expand, torch.zeros_like(lo))
+        base_hi = torch.where(seen, hi * expand, torch.zeros_like(hi))
+        loss = candidate_losses(view, mask, imp, base_lo, base_hi, factors, spec, norm)
+        best = _first_minimum(loss, patience)
+        table = torch.tensor(factors, dtype=torch.float32, device=loss.device)
+        p = table[best]
+        batch_lo, batch_hi = base_lo * p, base_hi * p
+        first = state.batches == 0
+        moved_lo = state.min_val * (1.0 - constant) + batch_lo * constant
+        moved_hi = state.max_val * (1.0 - constant) + batch_hi * constant
+        return MovingAverageMSEState(
+            torch.where(seen, torch.where(first, batch_lo, moved_lo), state.min_val),
+            torch.where(seen, torch.where(first, batch_hi, moved_hi), state.max_val),
+            state.batches + seen.to(torch.int64),
+            state.count + count,
+            state.nonfinite + nonfinite,
+        )
+
+    def merge_fn(a, b) -> MovingAverageMSEState:
+        check_state(a, MovingAverageMSEState, "mse.merge")
+        check_state(b, MovingAverageMSEState, "mse.merge")
+        check_same_shapes(a, b, "mse.merge")
+        a_seen, b_seen = a.batches > 0, b.batches > 0
+        total = (a.batches + b.batches).clamp(min=1).to(torch.float32)
+        wa, wb = a.batches.to(torch.float32), b.batches.to(torch.float32)
+
+        def mean(u, v):
+            u0 = torch.where(a_seen, u, torch.zeros_like(u))
+            v0 = torch.where(b_seen, v, torch.zeros_like(v))
+            return torch.where(a_seen, torch.where(b_seen, (u0 * wa + v0 * wb) / total, u), v)
+
+        return MovingAverageMSEState(mean(a.min_val, b.min_val), mean(a.max_val, b.max_val), a.batches + b.batches,
+                                     a.count + b.count, a.nonfinite + b.nonfinite)
+
+    return Observer(init_fn, update_fn, merge_fn, exact=False, spec=spec, name="mse")
+
+
+@register_range_rule(MSEState)
+def _mse_rule(state: MSEState, spec: QuantSpec, patience: Optional[int] = None) -> Range:
+    if patience is not None and not (isinstance(patience, int) and patience >= 0):
+        raise ValueError(f"compute_qparams: patience must be a non-negative int or None, got {patience!r}")
+    best = _first_minimum(state.loss, patience)
+    p = torch.gather(state.factors.expand(state.loss.shape), -1, best.unsqueeze(-1)).squeeze(-1).float()
+    calibrated = (state.count > 0) & (state.min_val <= state.max_val)
+    lo = torch.where(calibrated, state.min_val * p, state.min_val)
+    hi = torch.where(calibrated, state.max_val * p, state.max_val)
+    return Range(lo, hi, calibrated)
+
+
+@register_range_rule(MovingAverageMSEState)
+def _moving_average_mse_rule(state: MovingAverageMSEState, spec: QuantSpec) -> Range:
+    return Range(state.min_val, state.max_val, state.count > 0)

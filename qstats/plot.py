@@ -1,0 +1,112 @@
+"""Plots of observer states (matplotlib is an optional dependency: ``pip install matplotlib``).
+
+`histogram(state, qparams, spec, path=...)` draws the distribution held by a `HistogramState`
+(counts per linear bin, log scale) with the clipping range ``[(qmin - zp) * scale,
+(qmax - zp) * scale]`` of every set of quantization parameters given, one colour per method, and
+saves it as PNG when ``path`` is given.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Union
+
+import torch
+
+from ._qparams import QParams
+from ._spec import QuantSpec
+
+__all__ = ["histogram"]
+
+
+def _matplotlib():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError("qstats.plot needs matplotlib: pip install matplotlib") from error
+    return plt
+
+
+def _select(t: torch.Tensor, index):
+    if t.dim() == 0:
+        return t
+    if index is None:
+        raise ValueError(
+            f"qstats.plot.histogram: the state holds {t.numel()} histograms (shape {tuple(t.shape)}); "
+            "choose one with index=(...)"
+        )
+    return t[index]
+
+
+def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec: QuantSpec, path=None, *,
+              bins: int = 128, exponent_range=(-24, 24), index=None, title: Optional[str] = None,
+              plot_bins: int = 400):
+    """Draws a histogram state with the clipping range of each method.
+
+    Args:
+      state: a `qstats.HistogramState`.
+      qparams: one QParams, a mapping ``{label: QParams}`` (e.g. one per method), or None.
+      spec: the QuantSpec the qparams were computed for (its range gives the clipping points).
+      path: where to save a PNG (optional).
+      bins, exponent_range: the histogram observer's configuration.
+      index: which histogram to draw when the state holds several (per-channel): an int or tuple.
+      title: the figure title.
+      plot_bins: linear bins drawn between the observed extremes.
+
+    Returns:
+      the matplotlib Figure.
+    """
+    from .observers.histogram import HistogramState, _cumulative, _moments, _window
+
+    if not isinstance(state, HistogramState):
+        raise TypeError(f"qstats.plot.histogram: expected a HistogramState, got {type(state).__name__}")
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"qstats.plot.histogram: spec must be a QuantSpec, got {type(spec).__name__}")
+    if isinstance(qparams, QParams):
+        qparams = {"qparams": qparams}
+    qparams = dict(qparams or {})
+    plt = _matplotlib()
+
+    counts = state.counts
+    if counts.dim() > 2:
+        flat_index = index if index is None or isinstance(index, tuple) else (index,)
+        if flat_index is None:
+            raise ValueError(
+                f"qstats.plot.histogram: the state holds histograms of shape {tuple(counts.shape[:-2])}; "
+                "choose one with index=(...)"
+            )
+        state = HistogramState(*(field[flat_index] for field in state))
+    if int(state.counts.sum()) == 0:
+        raise ValueError("qstats.plot.histogram: the state saw no data")
+    lo, hi = float(state.min_val), float(state.max_val)
+    edges, window_counts = _window(state, bins, exponent_range[0], 24)
+    mom = _moments(edges, window_counts)
+    span = max(hi - lo, 1e-12)
+    grid = torch.linspace(lo - 0.02 * span, hi + 0.02 * span, plot_bins + 1, dtype=torch.float64)
+    cumulative, _, _ = _cumulative(mom, grid)
+    density = cumulative.diff().clamp(min=0)
+
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    centres = ((grid[:-1] + grid[1:]) / 2).numpy()
+    axes.fill_between(centres, density.numpy(), step="mid", color="0.6", alpha=0.8, label="values")
+    axes.set_yscale("log")
+    axes.set_xlabel("value")
+    axes.set_ylabel("count per bin")
+    qmin, qmax = spec.qrange
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, qp) in enumerate(qparams.items()):
+        scale = float(_select(qp.scale, index))
+        zero_point = float(_select(qp.zero_point, index)) if spec.zero_point_domain != "none" else 0.0
+        clip_lo, clip_hi = (qmin - zero_point) * scale, (qmax - zero_point) * scale
+        colour = colours[i % len(colours)]
+        axes.axvline(clip_lo, color=colour, linestyle="--", linewidth=1.2)
+        axes.axvline(clip_hi, color=colour, linestyle="--", linewidth=1.2,
+                     label=f"{label}: [{clip_lo:.3g}, {clip_hi:.3g}]")
+    axes.legend(loc="upper right", fontsize=8)
+    axes.set_title(title or f"{int(state.counts.sum())} values, {spec.dtype} {spec.mapping}")
+    figure.tight_layout()
+    if path is not None:
+        figure.savefig(path, format="png", dpi=100)
+    return figure
