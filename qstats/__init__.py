@@ -40,6 +40,25 @@ from .observers import MovingAverageMinMaxState as MovingAverageMinMaxState
 from .observers import HistogramState as HistogramState
 from .observers import Observer as Observer
 from .observers import histogram as histogram
+from .observers import MomentsState as MomentsState
+from .observers import MSEState as MSEState
+from .observers import MovingAverageMSEState as MovingAverageMSEState
+from .observers import IMatrixState as IMatrixState
+from .observers import FixedQParamsState as FixedQParamsState
+from .observers import PlaceholderState as PlaceholderState
+from .observers import RecordingState as RecordingState
+from .observers import moments as moments
+from .observers import mse as mse
+from .observers import imatrix as imatrix
+from .observers import imatrix_mse as imatrix_mse
+from .observers import importance as importance
+from .observers import fixed_qparams as fixed_qparams
+from .observers import noop as noop
+from .observers import placeholder as placeholder
+from .observers import recorded_values as recorded_values
+from .observers import recording as recording
+from .observers import sigmoid_qparams as sigmoid_qparams
+from .observers import tanh_qparams as tanh_qparams
 from .observers import memoryless_minmax as memoryless_minmax
 from .observers import minmax as minmax
 from .observers import moving_average_minmax as moving_average_minmax
@@ -57,6 +76,7 @@ from .report import report as report
 from . import distributed as distributed
 from . import export as export
 from . import qat as qat
+from . import plot as plot
 from . import testing as testing
 from . import tree as tree
 from .io import load as load
@@ -101,6 +121,25 @@ __all__ = [
     "export",
     "fake_quantize",
     "histogram",
+    "MomentsState",
+    "MSEState",
+    "MovingAverageMSEState",
+    "IMatrixState",
+    "FixedQParamsState",
+    "PlaceholderState",
+    "RecordingState",
+    "moments",
+    "mse",
+    "imatrix",
+    "imatrix_mse",
+    "importance",
+    "fixed_qparams",
+    "noop",
+    "placeholder",
+    "recorded_values",
+    "recording",
+    "sigmoid_qparams",
+    "tanh_qparams",
     "fake_quantized",
     "lsq_fake_quantize",
     "lsq_grad_factor",
@@ -123,6 +162,7 @@ __all__ = [
     "report",
     "save",
     "stacked_observer",
+    "plot",
     "testing",
     "tree",
 ]
