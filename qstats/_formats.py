@@ -112,8 +112,9 @@ def round_to_format(x: torch.Tensor, fmt) -> torch.Tensor:
 
 def encode(x: torch.Tensor, fmt) -> torch.Tensor:
     """Bit codes of ``x`` in ``fmt``: the torch fp8 dtype where one exists, else unpacked uint8
-    codes (sign bit ``1 + exp + man - 1``), as torchao's ``f32_to_f4_unpacked`` /
-    ``f32_to_f6_*_unpacked``. Rounds to nearest even and saturates."""
+    codes (sign bit at position ``exponent_bits + mantissa_bits``), as torchao's
+    ``f32_to_f4_unpacked`` / ``f32_to_f6_*_unpacked``. Rounds to nearest even and saturates;
+    fp6/fp4 have no NaN code (NaN inputs give an unspecified code)."""
     values = round_to_format(x, fmt)
     if fmt.torch_dtype is not None:
         return values.to(fmt.torch_dtype)
