@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 
 from ._granularity import broadcast_to_view, canonical_view
-from ._quant import fake_quantize
+from ._quant import _codes_float, fake_quantize
 from .calibrate import _first_tensor, _input_tensor, run_model
 from .recipe import PROJECTION_NAMES, Recipe
 
@@ -157,16 +157,13 @@ def tensor_error(x: torch.Tensor, qparams, spec) -> tuple:
     quantized = fake_quantize(x, qparams, spec).float()
     view = canonical_view(x, spec.granularity)
     scale = broadcast_to_view(qparams.scale.float())
+    zero_point = broadcast_to_view(qparams.zero_point)
+    unclamped, _ = _codes_float(view, scale, zero_point, spec, global_scale=qparams.global_scale)
     if spec.is_float:
-        outside = (view / scale).abs() > spec.float_format.max
+        outside = unclamped.abs() > spec.float_format.max
     else:
         qmin, qmax = spec.qrange
-        zero_point = broadcast_to_view(qparams.zero_point).float()
-        if spec.zero_point_domain == "float":
-            codes = torch.round(view / scale + zero_point)
-        else:
-            codes = torch.round(view / scale) + zero_point
-        outside = (codes < qmin) | (codes > qmax)
+        outside = (unclamped < qmin) | (unclamped > qmax)
     signal = float(x.pow(2).sum())
     noise = float((x - quantized).pow(2).sum())
     return signal, noise, int(outside.sum()), x.numel()

@@ -1,0 +1,203 @@
+"""Stacked experts: one vmapped call equals torch.ao observers run expert by expert; routing masks;
+experts with no token are reported and fall back. On transformers' Qwen3-MoE (random weights from a
+tiny config, no download) and on the plain-torch MoE of examples/moe_experts.py."""
+
+import importlib.util
+import os
+import warnings
+
+import pytest
+import torch
+from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
+
+import qstats
+
+WEIGHTS = qstats.QuantSpec.from_torch_ao(dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
+INPUTS = qstats.QuantSpec.from_torch_ao(dtype=torch.quint8, qscheme=torch.per_tensor_affine)
+
+
+def _torch_ao_per_channel(weight):
+    observer = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+    observer(weight)
+    return observer.calculate_qparams()
+
+
+def test_stacked_observer_equals_expert_loop():
+    generator = torch.Generator().manual_seed(0)
+    stack = torch.randn(5, 6, 4, generator=generator) * torch.arange(1, 6).reshape(5, 1, 1)
+    single = qstats.minmax(WEIGHTS)
+    stacked = qstats.stacked_observer(single, 5)
+    state = stacked.update(stacked.init(stack), stack)
+    qparams = torch.vmap(lambda s: qstats.compute_qparams(s, WEIGHTS))(state)
+    for expert in range(5):
+        scale, zero_point = _torch_ao_per_channel(stack[expert])
+        assert torch.equal(qparams.scale[expert], scale)
+        assert torch.equal(qparams.zero_point[expert], zero_point.to(torch.int32))
+    other = torch.randn(5, 6, 4, generator=generator)
+    merged = stacked.merge(state, stacked.update(stacked.init(other), other))
+    for expert in range(5):
+        expected = single.update(single.update(single.init(stack[expert]), stack[expert]), other[expert])
+        for left, right in zip(merged, expected):
+            assert torch.equal(left[expert], right)
+    with pytest.raises(ValueError, match=r"leading expert dimension 5"):
+        stacked.update(state, torch.randn(4, 6, 4))
+
+
+def test_routing_mask_from_top_k_index():
+    index = torch.tensor([[0, 2], [2, 3], [1, 0]])
+    mask = qstats.experts.routing_mask((torch.zeros(3, 4), index, torch.ones(3, 2)), {}, 4, 3)
+    expected = torch.zeros(4, 3)
+    for token, chosen in enumerate(index.tolist()):
+        for expert in chosen:
+            expected[expert, token] = 1.0
+    assert torch.equal(mask, expected)
+    assert qstats.experts.routing_mask((torch.zeros(3, 4),), {}, 4, 3) is None
+
+
+def _qwen3_moe(num_experts=8, top_k=2):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(config).eval()
+
+
+def _routed_inputs(model, batches):
+    """(hidden states, top_k_index) per experts call, captured by a plain hook."""
+    seen = {}
+    handles = [
+        module.register_forward_pre_hook(
+            lambda m, args, name=name: seen.setdefault(name, []).append((args[0].detach(), args[1].detach()))
+        )
+        for name, module in model.named_modules()
+        if type(module).__name__ == "Qwen3MoeExperts"
+    ]
+    with torch.no_grad():
+        for batch in batches:
+            model(batch)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+def _recipe(inputs=INPUTS):
+    return qstats.Recipe(
+        [
+            qstats.Rule("Qwen3MoeExperts", sites=("gate_up_proj", "down_proj"), spec=WEIGHTS),
+            qstats.Rule("Qwen3MoeExperts", sites=("input",), spec=inputs),
+        ]
+    )
+
+
+def test_qwen3_moe_experts_match_per_expert_torch_ao():
+    model = _qwen3_moe()
+    generator = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 64, (2, 6), generator=generator) for _ in range(2)]
+    recipe = _recipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qstats.UncalibratedWarning)
+        states = qstats.calibrate(model, batches, recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    routed = _routed_inputs(model, batches)
+    assert sorted(states) == sorted(routed) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for path, calls in routed.items():
+        experts = model.get_submodule(path)
+        for site in ("gate_up_proj", "down_proj"):
+            stack = getattr(experts, site).detach()
+            assert qparams[path][site].scale.shape == stack.shape[:2]
+            for expert in range(8):
+                scale, zero_point = _torch_ao_per_channel(stack[expert])
+                assert torch.equal(qparams[path][site].scale[expert], scale)
+        for expert in range(8):
+            observer = MinMaxObserver(dtype=torch.quint8)
+            tokens = 0
+            for hidden, index in calls:
+                rows = hidden[(index == expert).any(-1)]
+                tokens += rows.shape[0]
+                if rows.numel():
+                    observer(rows)
+            covered = bool(qparams[path]["input"].calibrated[expert])
+            assert covered == (tokens > 0)
+            assert int(states[path]["input"].count[expert]) == tokens * 16
+            if covered:
+                scale, zero_point = observer.calculate_qparams()
+                assert torch.equal(qparams[path]["input"].scale[expert], scale.reshape(()))
+                assert int(qparams[path]["input"].zero_point[expert]) == int(zero_point)
+
+
+def test_uncovered_experts_are_warned_and_fall_back():
+    model = _qwen3_moe(num_experts=8, top_k=1)
+    batches = [torch.tensor([[1, 2, 3]])]  # 3 tokens, top-1: at least 5 experts get nothing
+    routed = _routed_inputs(model, batches)
+    recipe = _recipe(INPUTS.replace(on_uncalibrated="fallback"))
+    with pytest.warns(qstats.UncalibratedWarning) as caught:
+        states = qstats.calibrate(model, batches, recipe, progress=False)
+    message = str(caught[0].message)
+    for path, calls in routed.items():
+        chosen = set(calls[0][1].flatten().tolist())
+        missing = [expert for expert in range(8) if expert not in chosen]
+        assert f"{path}.input: experts {missing}" in message
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    for path, calls in routed.items():
+        chosen = set(calls[0][1].flatten().tolist())
+        coverage = qparams[path]["input"].calibrated
+        assert coverage.tolist() == [expert in chosen for expert in range(8)]
+        scale = qparams[path]["input"].scale
+        assert bool(torch.isfinite(scale).all()) and bool((scale > 0).all())
+        assert bool((scale[~coverage] == 1).all())
+    strict = _recipe(INPUTS.replace(on_uncalibrated="raise"))
+    with pytest.raises(ValueError, match="model.layers.0.mlp.experts"):
+        qstats.compute_qparams_tree(states, strict, model)
+
+
+def test_fake_quantized_stacked_weights_match_per_expert_torch_fake_quant():
+    model = _qwen3_moe()
+    recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=("gate_up_proj",), spec=WEIGHTS)])
+    states = qstats.calibrate(model, [], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    experts = model.model.layers[0].mlp.experts
+    original = experts.gate_up_proj.detach().clone()
+    with qstats.fake_quantized(model, qparams, recipe):
+        quantized = experts.gate_up_proj.detach().clone()
+    for expert in range(8):
+        scale, zero_point = _torch_ao_per_channel(original[expert])
+        expected = torch.fake_quantize_per_channel_affine(original[expert], scale, zero_point.int(), 0, -128, 127)
+        assert torch.equal(quantized[expert], expected)
+    assert torch.equal(experts.gate_up_proj, original)
+
+
+def _load_example():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "moe_experts.py")
+    spec = importlib.util.spec_from_file_location("moe_experts_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plain_torch_moe_example():
+    example = _load_example()
+    model, states, qparams, caught = example.main(batches=2, tokens=16, verbose=False)
+    assert any("experts [14, 15]" in str(w.message) for w in caught)
+    for path in ("0.experts", "1.experts"):
+        experts = model.get_submodule(path)
+        for expert in range(16):
+            scale, _ = _torch_ao_per_channel(experts.down_proj[expert].detach())
+            # the example uses a plain symmetric int8 spec; torch.ao's per-channel symmetric qint8
+            # observer computes the same scale
+            assert torch.equal(qparams[path]["down_proj"].scale[expert], scale)
+        coverage = qparams[path]["input"].calibrated
+        assert not bool(coverage[14]) and not bool(coverage[15])
+        assert bool(torch.isfinite(qparams[path]["input"].scale).all())
