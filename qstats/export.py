@@ -13,6 +13,11 @@ site                tensors written                    shapes (compressed-tensor
 ``"input"``         ``input_scale``,                   tensor ``(1,)``; per-token specs are
                     ``input_zero_point`` (asym.)       written as dynamic (no tensor)
 ``"output"``        ``output_scale``, ...              as ``"input"``
+NVFP4 weight        ``weight_packed`` (uint8, two      ``weight_scale`` float8_e4m3fn
+(``TensorGroup``)   fp4 codes a byte, low nibble       ``(out, in // 16)``,
+                    first), ``weight_scale``,          ``weight_global_scale`` ``(1,)``
+                    ``weight_global_scale``
+NVFP4 input         ``input_global_scale``             ``(1,)``; group scales are dynamic
 ==================  =================================  ======================================
 
 Quantized weights are stored as codes (``int8`` for 2-8 bit integers, ``float8_e4m3fn`` for
@@ -24,7 +29,9 @@ Zero points of symmetric mappings are not written (compressed-tensors and vLLM d
 Integer specs whose range is unsigned (torch.ao ``quint8``) are shifted onto compressed-tensors'
 signed range: codes and zero points both move by ``-2**(bits-1)``, which leaves every dequantized
 value unchanged. Specs compressed-tensors cannot express raise ValueError naming the field (float
-zero points, ``symmetric_no_clipping_err``, two-level scales, stacked experts, q/k/v sites).
+zero points, ``symmetric_no_clipping_err``, MX (e8m0) scales, stacked experts, q/k/v sites). Two-level
+specs export as NVFP4 (``nvfp4-pack-quantized``) when they follow compressed-tensors' convention
+(``global_scale_formula="range_over_amax"``, as `QuantSpec.from_compressed_tensors` builds them).
 
 The ``quantization_config`` written into ``config.json`` has one config group per distinct
 (weights, input, output) combination, targeting the exact module paths, and ``ignore`` lists the
@@ -65,9 +72,21 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec") -> dict:
     """
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"export.compressed_tensors: {where}: expected a QuantSpec, got {type(spec).__name__}")
-    if spec.is_float:
+    two_level = isinstance(spec.granularity, TensorGroup)
+    if two_level:
+        # NVFP4: fp4 elements in groups, fp8 group scales under one float32 global scale.
+        if spec.dtype != "fp4_e2m1" or spec.scale_dtype != "float8_e4m3fn":
+            _fail(where, "TensorGroup exports as NVFP4 only: dtype 'fp4_e2m1' with scale_dtype 'float8_e4m3fn'")
+        if spec.global_scale_formula != "range_over_amax":
+            _fail(
+                where,
+                f"global_scale_formula {spec.global_scale_formula!r}: compressed-tensors' global scale is "
+                "range / amax; use spec.replace(global_scale_formula='range_over_amax')",
+            )
+        qtype = "float"
+    elif spec.is_float:
         if spec.dtype != "fp8_e4m3fn":
-            _fail(where, f"dtype {spec.dtype!r}: compressed-tensors stores float8_e4m3fn elements only")
+            _fail(where, f"dtype {spec.dtype!r}: this export writes float8_e4m3fn elements, or fp4_e2m1 as NVFP4")
         qtype = "float"
     else:
         qtype = "int"
@@ -81,7 +100,7 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec") -> dict:
         _fail(where, f"mapping {spec.mapping!r} has no compressed-tensors equivalent")
     if spec.zero_point_domain == "float":
         _fail(where, "zero_point_domain 'float' has no compressed-tensors equivalent")
-    if spec.scale_dtype not in ("float32", "bfloat16", "float16"):
+    if spec.scale_dtype not in ("float32", "bfloat16", "float16") and not two_level:
         _fail(where, f"scale_dtype {spec.scale_dtype!r} is not supported by this export yet")
     granularity = spec.granularity
     fields: dict[str, Any] = {
@@ -96,8 +115,11 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec") -> dict:
         "observer": None,
         "observer_kwargs": {},
     }
-    if isinstance(granularity, TensorGroup):
-        _fail(where, "TensorGroup (two-level scales) export is not supported yet")
+    if two_level:
+        fields.update(strategy="tensor_group", group_size=granularity.group_size, scale_dtype="torch.float8_e4m3fn")
+        if site != "weight":
+            fields["dynamic"] = "local"  # group scales at run time under the calibrated global scale
+        return fields
     if site == "weight":
         if isinstance(granularity, PerTensor):
             fields["strategy"] = "tensor"
@@ -203,6 +225,7 @@ def compressed_tensors(
     modules = dict(model.named_modules())
     state_dict = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     tensors: dict[str, torch.Tensor] = {}
+    dropped: set[str] = set()  # float weights replaced by packed codes
     schemes: dict[str, dict] = {}
     uncalibrated = []
 
@@ -233,7 +256,13 @@ def compressed_tensors(
                 if qp.scale.dim() > 0 and qp.scale.shape[0] != weight.shape[0] and args["strategy"] == "channel":
                     _fail(where, f"{qp.scale.shape[0]} channel scales for a weight with {weight.shape[0]} rows")
                 codes = quantize(weight, qp, spec)
-                if spec.is_float:
+                if args["strategy"] == "tensor_group":
+                    if weight.shape[1] % 2:
+                        _fail(where, f"NVFP4 packs two values per byte; {weight.shape[1]} columns is odd")
+                    codes = codes.to(torch.uint8)  # fp4 bit codes, sign in bit 3
+                    tensors[prefix + "weight_packed"] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+                    dropped.add(prefix + "weight")
+                elif spec.is_float:
                     tensors[prefix + "weight"] = codes.to(torch.float8_e4m3fn)
                 else:
                     tensors[prefix + "weight"] = (codes.to(torch.int16) + offset).to(torch.int8)
@@ -242,6 +271,14 @@ def compressed_tensors(
                 continue
             if not bool(qp.calibrated.all()):
                 uncalibrated.append(where)
+            if args["strategy"] == "tensor_group":
+                tensors[f"{prefix}{name}_global_scale"] = qp.global_scale.reshape(1).to(torch.float32).clone()
+                if args["dynamic"] == "local":
+                    scheme[site] = args
+                    continue
+                tensors[f"{prefix}{name}_scale"] = qp.scale.to(torch.float8_e4m3fn).clone()
+                scheme[site] = args
+                continue
             shape = _qparam_shape(qp.scale, args["strategy"], where)
             tensors[f"{prefix}{name}_scale"] = qp.scale.reshape(shape).to(_scale_dtype(module)).clone()
             if args["symmetric"] and not bool(((qp.zero_point.float() + offset) == 0).all()):
@@ -294,7 +331,7 @@ def compressed_tensors(
     }
 
     for name, tensor in state_dict.items():
-        if name not in tensors:
+        if name not in tensors and name not in dropped:
             tensors[name] = tensor
     _write(path, tensors, model, quantization_config)
     return quantization_config
@@ -303,6 +340,8 @@ def compressed_tensors(
 def _default_format(weights, inputs) -> str:
     if weights is None:
         return "dense"
+    if weights["strategy"] == "tensor_group":
+        return "nvfp4-pack-quantized"
     if inputs is None:
         return "naive-quantized"
     return "float-quantized" if weights["type"] == "float" else "int-quantized"

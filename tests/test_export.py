@@ -25,7 +25,8 @@ from compressed_tensors.quantization import (  # noqa: E402
     QuantizationConfig,
     apply_quantization_config,
 )
-from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+from compressed_tensors.quantization.quant_scheme import NVFP4  # noqa: E402
+from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 
@@ -146,6 +147,58 @@ def test_compressed_tensors_loads_our_values(tmp_path, case):
     # unquantized parameters are carried over unchanged
     assert _bit_equal(fresh.head.weight.data, model.head.weight.data)
     assert _bit_equal(fresh.fc1.bias.data, model.fc1.bias.data)
+
+
+def test_nvfp4_global_and_group_scales(tmp_path):
+    """NVFP4 (fp4 elements, fp8 group scales, a float32 global scale): our weight_global_scale and
+    input_global_scale equal compressed-tensors' generate_gparam on the observed ranges, the group
+    scales its calculate_qparams, and its decompressed weights our dequantized ones."""
+    model, recipe, batches, qparams = _calibrated(NVFP4["weights"], NVFP4["input_activations"])
+    written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    assert written["format"] == "nvfp4-pack-quantized"
+    _, fresh = _load_with_compressed_tensors(str(tmp_path))
+    specs = recipe.specs(qparams, model)
+    inputs = {"fc1": torch.cat(batches)}
+    inputs["fc2"] = torch.relu(model.fc1(inputs["fc1"])).detach()
+    for name in ("fc1", "fc2"):
+        ours, loaded, w = qparams[name], getattr(fresh, name), getattr(model, name).weight.detach()
+        ref_global = generate_gparam(w.amin(), w.amax()).reshape(1)
+        assert _bit_equal(loaded.weight_global_scale.data, ours["weight"].global_scale.reshape(1))
+        assert _bit_equal(loaded.weight_global_scale.data, ref_global)
+        x = inputs[name]
+        assert _bit_equal(loaded.input_global_scale.data, generate_gparam(x.amin(), x.amax()).reshape(1))
+        groups = w.reshape(w.shape[0], -1, 16)
+        ref_scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), NVFP4["weights"], global_scale=ref_global)
+        assert _bit_equal(ref_scale.float(), ours["weight"].scale)
+        # compressed-tensors decompresses to bfloat16 group scales and weights
+        assert _bit_equal(loaded.weight_scale.data, ours["weight"].scale.to(loaded.weight_scale.dtype))
+        spec_w = specs[name]["weight"]
+        ours_dq = qstats.dequantize(qstats.quantize(w, ours["weight"], spec_w), ours["weight"], spec_w)
+        assert _bit_equal(loaded.weight.data, ours_dq.to(loaded.weight.dtype))
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + ["nvfp4"])
+def test_compressed_tensors_writes_the_same_checkpoint(tmp_path, case):
+    """compressed-tensors' own compressor, given our scales, zero points and global scales on the
+    float model, produces exactly the tensors we wrote (codes, packing, dtypes, names)."""
+    weight_args, input_args = (NVFP4["weights"], NVFP4["input_activations"]) if case == "nvfp4" else CASES[case][:2]
+    model, recipe, _, qparams = _calibrated(weight_args, input_args)
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))
+    with open(os.path.join(str(tmp_path), "config.json")) as file:
+        config = QuantizationConfig.model_validate(json.load(file)["quantization_config"])
+    reference = Tiny().eval()
+    reference.load_state_dict(model.state_dict())
+    apply_quantization_config(reference, config)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith(("_scale", "_zero_point")) and name in ours:
+                param.copy_(ours[name].to(param.dtype).reshape(param.shape))
+    ModelCompressor(quantization_config=config).compress_model(reference)
+    theirs = reference.state_dict()
+    assert sorted(theirs) == sorted(ours)
+    for name in ours:
+        assert _bit_equal(ours[name], theirs[name]), name
 
 
 def test_unsigned_torch_ao_range_is_shifted_onto_signed(tmp_path):
