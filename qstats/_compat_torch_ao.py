@@ -9,6 +9,12 @@ Mirrors the validation and the range arithmetic of ``UniformQuantizationObserver
 - symmetric uint8 uses zero point 128 unless a custom range is given (then the lower midpoint),
   even with ``reduce_range``; symmetric uint16 always uses 2**15;
 - a custom range is halved by ``reduce_range``; only one of quant_min/quant_max is ignored.
+
+Three kinds of combination torch.ao constructs are refused with ValueError, because they give no
+usable parameters: an affine custom range outside int32 (torch.ao's ``calculate_qparams`` raises), a
+symmetric one whose zero point is outside int32 (``(0, 2**32)`` on uint8 gives 2**31), and a custom
+range that ``reduce_range`` halves to a single value (torch.ao returns an Inf or NaN scale). An
+``eps`` that is not positive is refused by QuantSpec (torch.ao can then return a zero scale).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ _ALLOWED_DTYPES = (
     torch.float8_e4m3fn,
     torch.uint16,
 )
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 _PER_CHANNEL = (torch.per_channel_affine, torch.per_channel_symmetric, torch.per_channel_affine_float_qparams)
 _SYMMETRIC = (torch.per_tensor_symmetric, torch.per_channel_symmetric)
@@ -49,6 +56,12 @@ def _torch_ao_range(dtype, quant_min, quant_max, reduce_range):
             raise ValueError("from_torch_ao: quantization range exceeds the maximum bit range of int32")
         if reduce_range:
             quant_min, quant_max = quant_min // 2, quant_max // 2
+            if quant_min == quant_max:
+                # torch.ao accepts it and returns an Inf or NaN scale.
+                raise ValueError(
+                    f"from_torch_ao: reduce_range halves the range to the single value {quant_min}; "
+                    "use a range of at least 2 values per half"
+                )
         return custom, quant_min, quant_max
     if dtype in (torch.qint8, torch.int8):
         lo, hi = (-64, 63) if reduce_range else (-128, 127)
@@ -80,6 +93,16 @@ def spec_from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, 
         symmetric_zero_point = 2**15
     else:
         symmetric_zero_point = 0
+
+    if qscheme in (torch.per_tensor_affine, torch.per_channel_affine) and not _INT32_MIN <= lo < hi <= _INT32_MAX:
+        # torch.ao constructs the observer, then its calculate_qparams fails clamping to the range.
+        raise ValueError(f"from_torch_ao: affine quantization range [{lo}, {hi}] exceeds the int32 range")
+    if qscheme in _SYMMETRIC and not _INT32_MIN <= symmetric_zero_point <= _INT32_MAX:
+        # torch.ao returns this zero point in an int64 tensor; no quantized tensor can hold it.
+        raise ValueError(
+            f"from_torch_ao: the symmetric zero point {symmetric_zero_point} of the range [{lo}, {hi}] "
+            "exceeds the int32 range"
+        )
 
     # The integer target that holds [lo, hi]; float8/quint4x2 keep torch.ao's (0, 15) arithmetic.
     if lo < 0:
