@@ -14,6 +14,11 @@ Three families of torchao arguments map onto a QuantSpec with ``convention="torc
 - MX, ``torchao.prototype.mx_formats.mx_tensor.to_mx``: ``elem_dtype`` (float8_e4m3fn,
   float8_e5m2, "fp6_e2m3", "fp6_e3m2", float4_e2m1fn_x2), ``block_size`` (32), ``scaling_mode``
   (FLOOR, CEIL, EVEN, RCEIL), or a ``QuantizeTensorToMXKwargs``;
+- float8 (``_choose_scale_float8`` / ``_quantize_affine_float8``): ``target_dtype``
+  float8_e4m3fn or float8_e5m2 with a granularity (PerTensor, PerRow, PerBlock, or
+  ``block_size`` with ``shape``) and ``scale_dtype`` float32 or float8_e8m0fnu (power-of-two
+  scales ``2 ** round(log2(amax / max))``); an all-zero block gets the smallest scale where
+  torchao divides by a zero scale;
 - NVFP4, ``NVFP4Tensor.to_nvfp4``: ``nvfp4=True`` with ``per_tensor_scale=True`` (two levels,
   global scale ``per_tensor_amax_to_scale(amax) = amax / (448 * 6)``) or ``False`` (block scales
   only), or a ``QuantizeTensorToNVFP4Kwargs``.
@@ -49,6 +54,7 @@ _MX_ELEMENTS = {
     "fp8_e4m3fn": "fp8_e4m3fn",
     "fp8_e5m2": "fp8_e5m2",
 }
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _NVFP4_BLOCK_SCALE_EPS = float(torch.finfo(torch.float8_e4m3fn).tiny)  # torchao E4M3_EPS
 
 
@@ -129,6 +135,8 @@ def spec_from_torchao(cls, target_dtype, kwargs):
         if block_size != 16:
             raise ValueError(f"from_torchao: NVFP4 needs block_size 16, got {block_size}")
         return _nvfp4_spec(cls, per_tensor, kwargs, overrides)
+    if target_dtype in _FLOAT8 and "scaling_mode" not in kwargs:
+        return _float8_spec(cls, target_dtype, kwargs, overrides)
     if "scaling_mode" in kwargs or "elem_dtype" in kwargs:
         elem = kwargs.pop("elem_dtype", target_dtype)
         return _mx_spec(
@@ -173,6 +181,28 @@ def _nvfp4_spec(cls, per_tensor_scale, kwargs, overrides):
         eps=_NVFP4_BLOCK_SCALE_EPS,
         on_uncalibrated="fallback",
     )
+    fields.update(overrides)
+    return cls(**fields)
+
+
+def _float8_spec(cls, float8_dtype, kwargs, overrides):
+    granularity = _granularity(kwargs)
+    scale_dtype = kwargs.pop("scale_dtype", torch.float32)
+    if kwargs.pop("hp_value_lb", None) is not None or kwargs.pop("hp_value_ub", None) is not None:
+        raise ValueError("from_torchao: float8 hp_value_lb/hp_value_ub are not supported")
+    _reject_unknown(kwargs)
+    if scale_dtype not in (torch.float32, torch.float8_e8m0fnu):
+        raise ValueError(f"from_torchao: float8 scale_dtype must be float32 or float8_e8m0fnu, got {scale_dtype}")
+    fields = dict(
+        dtype=_MX_ELEMENTS[float8_dtype],
+        granularity=granularity,
+        zero_point_domain="none",
+        convention="torchao",
+        eps=float(torch.finfo(torch.float32).tiny),
+        on_uncalibrated="fallback",
+    )
+    if scale_dtype == torch.float8_e8m0fnu:
+        fields.update(scale_dtype="e8m0", scale_rounding="round")
     fields.update(overrides)
     return cls(**fields)
 

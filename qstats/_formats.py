@@ -27,7 +27,8 @@ block's absolute maximum ``amax`` and the element maximum ``M`` by ``QuantSpec.s
 - ``"even"`` (torchao EVEN): ``amax`` rounded to the element's mantissa width, then floor;
 - ``"rceil"`` (torchao RCEIL, cuBLAS/NVIDIA): ``ceil(log2(amax / M))``;
 - ``"round_then_floor"`` (compressed-tensors ``generate_mx_scales``): ``amax`` rounded to one
-  mantissa bit whatever the element, then floor.
+  mantissa bit whatever the element, then floor;
+- ``"round"`` (torchao float8 with ``float8_e8m0fnu`` scales): ``round(log2(amax / M))``.
 
 An all-zero block gets ``b = 0`` (scale ``2**-127``), never a zero, NaN or Inf scale. Integer
 targets accept e8m0 scales too (power-of-two scales, symmetric mappings), with ``M`` the largest
@@ -68,7 +69,7 @@ __all__ = [
     "PRESETS",
 ]
 
-SCALE_ROUNDINGS = ("floor", "ceil", "even", "rceil", "round_then_floor")
+SCALE_ROUNDINGS = ("floor", "ceil", "even", "rceil", "round_then_floor", "round")
 GLOBAL_SCALE_FORMULAS = ("amax_over_range", "range_over_amax")
 
 _F32_MANTISSA = 23
@@ -189,9 +190,10 @@ def e8m0_exponent(amax: torch.Tensor, spec) -> torch.Tensor:
     amax = amax.float()
     rounding = spec.scale_rounding
     target = element_max(spec)
-    if rounding == "rceil":
+    if rounding in ("rceil", "round"):
         descale = amax / target
-        exponent = torch.clamp(torch.ceil(torch.log2(descale)), min=-_F32_BIAS, max=_F32_BIAS)
+        to_integer = torch.ceil if rounding == "rceil" else torch.round
+        exponent = torch.clamp(to_integer(torch.log2(descale)), min=-_F32_BIAS, max=_F32_BIAS)
         exponent = torch.where(torch.isnan(exponent), torch.zeros_like(exponent), exponent)
         return exponent.to(torch.int32) + _F32_BIAS
     target_pow2 = _floor_log2_int(target)
@@ -327,7 +329,7 @@ def codes(view: torch.Tensor, scale: torch.Tensor, global_scale, spec):
             scaled = view / (scale / global_scale)
         else:
             scaled = view * ((1.0 / global_scale) / scale)
-    elif spec.scale_dtype == "e8m0" and spec.convention == "torchao":
+    elif spec.scale_dtype == "e8m0" and spec.convention == "torchao" and spec.scale_rounding != "round":
         if spec.scale_rounding == "rceil":
             reciprocal = torch.where(scale == _E8M0_MIN, torch.ones_like(scale), 1.0 / scale)
             scaled = view * reciprocal

@@ -172,3 +172,42 @@ def test_bad_arguments_raise():
         qstats.QuantSpec.from_torchao(nvfp4=True, block_size=32)
     with pytest.raises(ValueError, match="elem_dtype"):
         qstats.QuantSpec.from_torchao(elem_dtype=torch.int8, scaling_mode="FLOOR")
+
+
+FLOAT8_GRANULARITIES = {
+    "tensor": ((4, 32), tao_granularity.PerTensor()),
+    "row": ((1, 32), tao_granularity.PerRow()),
+    "block": ((2, 16), tao_granularity.PerBlock((2, 16))),
+}
+
+
+@pytest.mark.parametrize("float8_dtype", (torch.float8_e4m3fn, torch.float8_e5m2), ids=str)
+@pytest.mark.parametrize("scale_dtype", (torch.float32, torch.float8_e8m0fnu), ids=str)
+def test_float8_matches_choose_scale_float8(float8_dtype, scale_dtype):
+    for gname, (block_size, granularity) in FLOAT8_GRANULARITIES.items():
+        spec = qstats.QuantSpec.from_torchao(float8_dtype, granularity=granularity, scale_dtype=scale_dtype)
+        for name, x in INPUTS.items():
+            if name == "zeros":
+                continue  # torchao's scale is 0 there (0 / 0 below); see the next test
+            scale = qp_lib._choose_scale_float8(x, list(block_size), float8_dtype, scale_dtype)
+            qp = _observe(spec, x)
+            assert torch.equal(qp.scale.reshape(scale.shape), scale), (gname, name)
+            codes = qp_lib._quantize_affine_float8(x, scale, float8_dtype)
+            ours = qstats.quantize(x, qp, spec)
+            assert ours.dtype == float8_dtype and torch.equal(ours.view(torch.uint8), codes.view(torch.uint8))
+            values = qp_lib._dequantize_affine_float8(codes, scale, torch.float32)
+            assert torch.equal(qstats.fake_quantize(x, qp, spec), values), (gname, name)
+
+
+def test_float8_all_zero_rows_get_a_positive_scale_where_torchao_divides_by_zero():
+    x = INPUTS["random"].clone()
+    x[2] = 0.0
+    spec = qstats.QuantSpec.from_torchao(torch.float8_e4m3fn, granularity=tao_granularity.PerRow())
+    scale = qp_lib._choose_scale_float8(x, [1, 32], torch.float8_e4m3fn)
+    assert scale[2] == 0 and torch.isnan(qp_lib._dequantize_affine_float8(
+        qp_lib._quantize_affine_float8(x, scale), scale))[2].all()
+    qp = _observe(spec, x)
+    assert (qp.scale > 0).all()
+    out = qstats.fake_quantize(x, qp, spec)
+    assert torch.equal(out[2], torch.zeros(32))
+    assert torch.equal(out[[0, 1, 3]], qp_lib._dequantize_affine_float8(qp_lib._quantize_affine_float8(x, scale), scale)[[0, 1, 3]])

@@ -147,7 +147,7 @@ def test_power_of_two_scales_on_unsigned_targets_use_the_symmetric_zero_point():
 
 
 @pytest.mark.parametrize("name", ("nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp8"))
-@pytest.mark.parametrize("rounding", ("floor", "ceil", "even", "rceil", "round_then_floor"))
+@pytest.mark.parametrize("rounding", ("floor", "ceil", "even", "rceil", "round_then_floor", "round"))
 @pytest.mark.parametrize("convention", ("torch_ao", "torchao", "compressed_tensors"))
 def test_all_zero_and_tiny_blocks_give_finite_nonzero_scales(name, rounding, convention):
     formula = "range_over_amax" if convention == "compressed_tensors" else "amax_over_range"
