@@ -121,7 +121,8 @@ class QuantSpec:
         upper midpoint ``(qmin + qmax + 1) // 2`` (128 for uint8, as torch.ao).
       scale_rounding: how ``scale_dtype="e8m0"`` (power-of-two, MX) scales are rounded:
         ``"floor"`` (default, OCP MX), ``"ceil"``, ``"even"``, ``"rceil"`` (torchao's modes) or
-        ``"round_then_floor"`` (compressed-tensors); see ``qstats/_formats.py``.
+        ``"round_then_floor"`` (compressed-tensors) or ``"round"`` (torchao float8 e8m0 scales);
+        see ``qstats/_formats.py``.
       global_scale_formula: two-level (`TensorGroup`, NVFP4) global scale: ``"amax_over_range"``
         (default; torchao/ModelOpt ``amax / (448 * 6)``, effective scale ``scale * global``) or
         ``"range_over_amax"`` (compressed-tensors ``448 * 6 / amax``, effective ``scale / global``).
