@@ -196,6 +196,11 @@ def qparams_from_minmax(
     zero = torch.zeros_like(min_val)
     min_val = torch.where(calibrated, min_val, zero)
     max_val = torch.where(calibrated, max_val, zero)
+    # Ranges near the float32 limit would overflow ``max - min`` to an infinite scale: clip them
+    # to half the float32 range (a no-op for every range below 1.7e38).
+    half_float32_max = torch.finfo(torch.float32).max / 2
+    min_val = min_val.clamp(min=-half_float32_max)
+    max_val = max_val.clamp(max=half_float32_max)
     if _formats.handles_qparams(spec):
         scale, zero_point, global_scale = _formats.qparams(min_val, max_val, spec, global_scale)
     elif spec.convention == "compressed_tensors":

@@ -26,6 +26,7 @@ from ._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerTensor, P
 __all__ = ["QuantSpec", "FloatFormat", "float_format"]
 
 _FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
+_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
 
 MAPPINGS = ("symmetric", "asymmetric", "symmetric_no_clipping_err", "narrow")
 ZERO_POINT_DOMAINS = ("int", "float", "none")
@@ -190,6 +191,11 @@ class QuantSpec:
             raise ValueError(f"QuantSpec.reduce_range must be a bool, got {self.reduce_range!r}")
         if not (isinstance(self.eps, (int, float)) and self.eps > 0 and self.eps == self.eps):
             raise ValueError(f"QuantSpec.eps must be a positive float, got {self.eps!r}")
+        if self.eps < _FLOAT32_TINY:
+            raise ValueError(
+                f"QuantSpec.eps must be at least {_FLOAT32_TINY:.4g} (the smallest normal float32, so that "
+                f"1 / scale stays finite), got {self.eps!r}"
+            )
         if (self.quant_min is None) != (self.quant_max is None):
             raise ValueError("QuantSpec.quant_min and QuantSpec.quant_max must be given together")
         if self.quant_min is not None:

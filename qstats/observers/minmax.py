@@ -143,8 +143,9 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
     quantization).
 
     ``update(state, x)`` forgets the state and keeps the extremes of ``x`` (an empty ``x`` keeps the
-    state). ``merge`` combines *shards of the same batch* (the halves of a batch split across
-    ranks): elementwise min/max. With that meaning every law holds exactly, homomorphism included:
+    state, and so does every parameter whose values ``weight`` masks out entirely). ``merge``
+    combines *shards of the same batch* (the halves of a batch split across ranks): elementwise
+    min/max. With that meaning every law holds exactly, homomorphism included:
     ``update(s, cat(a, b)) == merge(update(s, a), update(init, b))``.
     """
     spec = _check_spec(spec)
@@ -160,7 +161,15 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
         lo, hi, count, nonfinite = observe_extremes(
             x, weight, spec, state.min_val.shape, "memoryless_minmax.update"
         )
-        return MemorylessMinMaxState(lo, hi, count, nonfinite)
+        # A parameter the batch does not reach (every value masked out by ``weight``) keeps its
+        # state, as an empty tensor does.
+        reached = (count + nonfinite) > 0
+        return MemorylessMinMaxState(
+            torch.where(reached, lo, state.min_val),
+            torch.where(reached, hi, state.max_val),
+            torch.where(reached, count, state.count),
+            torch.where(reached, nonfinite, state.nonfinite),
+        )
 
     def merge_fn(a, b) -> MemorylessMinMaxState:
         check_state(a, MemorylessMinMaxState, "memoryless_minmax.merge")

@@ -1,0 +1,356 @@
+"""Bad input: empty tensors, NaN/Inf, wrong shapes, uncalibrated states, degenerate ranges,
+half-precision inputs and the weight mask, for every observer of tests/observer_cases.py (and the
+min/max family in detail, against independent computations and torch.ao)."""
+
+import dataclasses
+
+import pytest
+import torch
+from observer_cases import CASES
+
+import qstats
+from qstats import testing, tree
+
+IDS = [case[0] for case in CASES]
+
+
+def _case(case):
+    name, factory, make_x, *rest = case
+    return name, factory(), make_x, (rest[0] if rest else {})
+
+
+def _approx(case_options):
+    return case_options.get("approx_fields")
+
+
+def _data(make_x, seed=0, count=2):
+    g = torch.Generator().manual_seed(seed)
+    return [make_x(g) for _ in range(count)]
+
+
+def _calibrated_state(obs, make_x):
+    xs = _data(make_x)
+    state = obs.init(xs[0])
+    for x in xs:
+        state = obs.update(state, x)
+    return state, xs
+
+
+def _assert_good_qparams(qp, where):
+    assert torch.isfinite(qp.scale).all(), f"{where}: non-finite scale {qp.scale}"
+    assert (qp.scale > 0).all(), f"{where}: zero or negative scale {qp.scale}"
+    assert torch.isfinite(qp.zero_point.float()).all(), f"{where}: non-finite zero point"
+    assert torch.isfinite(qp.global_scale).all() and (qp.global_scale > 0).all(), f"{where}: bad global scale"
+
+
+def _with_spec(obs, **changes):
+    """The same observer family with a changed spec (min/max family only)."""
+    spec = dataclasses.replace(obs.spec, **changes)
+    factories = {
+        "minmax": qstats.minmax,
+        "memoryless_minmax": qstats.memoryless_minmax,
+        "moving_average_minmax": lambda s: qstats.moving_average_minmax(s, 0.5),
+    }
+    return factories[obs.name](spec), spec
+
+
+MINMAX_SPECS = [
+    qstats.QuantSpec(),
+    qstats.QuantSpec(granularity=qstats.PerAxis(0)),
+    qstats.QuantSpec(granularity=qstats.PerAxis(-1), mapping="asymmetric", dtype="uint8"),
+    qstats.QuantSpec(granularity=qstats.PerGroup(4)),
+    qstats.QuantSpec(granularity=qstats.PerToken()),
+]
+FAMILIES = [qstats.minmax, qstats.memoryless_minmax, lambda s: qstats.moving_average_minmax(s, 0.5)]
+
+
+# --- empty tensors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_empty_tensor_and_all_zero_weight_leave_the_state_unchanged(case):
+    name, obs, make_x, options = _case(case)
+    state, xs = _calibrated_state(obs, make_x)
+    empty = xs[0][:0] if xs[0].ndim else xs[0].reshape(-1)[:0]
+    testing.assert_states_equal(obs.update(state, empty), state, approx_fields=(), message=f"{name}: empty tensor")
+    testing.assert_states_equal(obs.update(obs.init(xs[0]), empty), obs.init(xs[0]), approx_fields=(), message=name)
+    if xs[0].ndim >= 1:
+        zero_weight = torch.zeros(xs[0].shape[:1])
+        testing.assert_states_equal(
+            obs.update(state, xs[1], zero_weight), state, approx_fields=(), message=f"{name}: all-zero weight"
+        )
+
+
+# --- NaN / Inf -------------------------------------------------------------------------------
+
+
+def _poison(x, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    flat = x.clone().reshape(-1)
+    where = torch.randperm(flat.numel(), generator=g)[:3]
+    flat[where[0]] = float("nan")
+    flat[where[1]] = float("inf")
+    flat[where[2]] = -float("inf")
+    return flat.reshape(x.shape)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_nonfinite_values_never_reach_a_scale(case):
+    name, obs, make_x, options = _case(case)
+    if obs.spec is None or obs.spec.nonfinite != "ignore":
+        pytest.skip("observer without the default nonfinite='ignore' policy")
+    state, xs = _calibrated_state(obs, make_x)
+    poisoned = obs.update(state, _poison(xs[0]))
+    for path, leaf in tree.leaves_with_paths(poisoned):
+        assert not torch.isnan(leaf).any() if leaf.is_floating_point() else True, f"{name}: NaN in {path}"
+    spec = dataclasses.replace(obs.spec, on_uncalibrated="fallback")
+    _assert_good_qparams(qstats.compute_qparams(poisoned, spec), name)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=["minmax", "memoryless", "moving_average"])
+@pytest.mark.parametrize("spec", MINMAX_SPECS, ids=lambda s: type(s.granularity).__name__ + s.mapping)
+def test_nonfinite_ignored_and_counted_like_the_finite_values_alone(family, spec):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 8, generator=g)
+    poisoned = _poison(x, seed=5)
+    obs = family(spec)
+    state = obs.update(obs.init(x), poisoned)
+    # independent computation: per-parameter extremes of the finite values only
+    view = qstats.canonical_view(poisoned, spec.granularity)
+    finite = torch.isfinite(view)
+    dims = (0, view.ndim - 1)
+    expected_min = torch.where(finite, view, torch.inf).amin(dim=dims)
+    expected_max = torch.where(finite, view, -torch.inf).amax(dim=dims)
+    assert torch.equal(state.min_val, expected_min)
+    assert torch.equal(state.max_val, expected_max)
+    assert torch.equal(state.count, finite.sum(dim=dims))
+    assert torch.equal(state.nonfinite, (~finite).sum(dim=dims))
+    assert int(state.nonfinite.sum()) == 3
+    qp = qstats.compute_qparams(state, dataclasses.replace(spec, on_uncalibrated="fallback"))
+    clean = qstats.qparams_from_minmax(expected_min, expected_max, dataclasses.replace(spec, on_uncalibrated="fallback"))
+    testing.assert_states_equal(qp, clean, approx_fields=())
+    _assert_good_qparams(qp, "poisoned")
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=["minmax", "memoryless", "moving_average"])
+def test_nonfinite_raise_policy_raises(family):
+    obs = family(qstats.QuantSpec(nonfinite="raise", granularity=qstats.PerAxis(0)))
+    x = torch.randn(4, 5)
+    state = obs.update(obs.init(x), x)  # finite data is fine
+    with pytest.raises(ValueError, match="non-finite"):
+        obs.update(state, _poison(x))
+    with pytest.raises(ValueError, match="non-finite"):
+        obs.update(state, x.masked_fill(x > 0, float("inf")))
+
+
+# --- wrong shapes ----------------------------------------------------------------------------
+
+
+def _other_shapes(x):
+    shapes = []
+    if x.ndim >= 1:
+        shapes.append(torch.cat([x, x], dim=-1))
+        shapes.append(torch.cat([x, x], dim=0))
+    if x.ndim >= 2:
+        shapes.append(torch.cat([x, x], dim=1))
+    return shapes
+
+
+def _first_mismatch(a, b):
+    for (path, left), (_, right) in zip(tree.leaves_with_paths(a), tree.leaves_with_paths(b)):
+        if left.shape != right.shape:
+            return tuple(left.shape), tuple(right.shape)
+    return None
+
+
+def _shape_pattern(*shapes):
+    return ".*".join(f"{shape}".replace("(", r"\(").replace(")", r"\)") for shape in shapes)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_wrong_shapes_raise_naming_both(case):
+    name, obs, make_x, options = _case(case)
+    state, xs = _calibrated_state(obs, make_x)
+    checked = 0
+    for other in _other_shapes(xs[0]):
+        other_state = obs.init(other)
+        mismatch = _first_mismatch(state, other_state)
+        if mismatch is None:
+            obs.update(state, other)  # same parameter shape: accepted
+            continue
+        checked += 1
+        mine, theirs = mismatch
+        with pytest.raises(ValueError) as error:
+            obs.update(state, other)
+        message = str(error.value)
+        assert str(tuple(other.shape)) in message, f"{name}: update error does not name the tensor shape: {message}"
+        with pytest.raises(ValueError) as error:
+            obs.merge(state, other_state)
+        message = str(error.value)
+        assert str(mine) in message and str(theirs) in message, f"{name}: merge error does not name both shapes: {message}"
+    granularity = getattr(obs.spec, "granularity", None)
+    if granularity is not None and not isinstance(granularity, qstats.PerTensor):
+        assert checked, f"{name}: no shape-changing input was tried"
+
+
+def test_wrong_weight_shape_raises_naming_both_shapes():
+    obs = qstats.minmax(qstats.QuantSpec())
+    x = torch.randn(4, 5)
+    with pytest.raises(ValueError, match=_shape_pattern((3,), (4, 5))):
+        obs.update(obs.init(x), x, torch.ones(3))
+
+
+# --- uncalibrated states ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=["minmax", "memoryless", "moving_average"])
+@pytest.mark.parametrize("dtype,mapping", [("int8", "symmetric"), ("uint8", "asymmetric")])
+def test_masked_out_channel_is_uncalibrated_and_others_match_torch_ao(family, dtype, mapping):
+    from torch.ao.quantization.observer import PerChannelMinMaxObserver
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 7, generator=g)
+    keep = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
+    spec = qstats.QuantSpec(dtype=dtype, mapping=mapping, granularity=qstats.PerAxis(0))
+    obs = family(spec)
+    state = obs.update(obs.init(x), x, keep)
+    with pytest.raises(ValueError, match="uncalibrated"):
+        qstats.compute_qparams(state, spec)
+    qp = qstats.compute_qparams(state, dataclasses.replace(spec, on_uncalibrated="fallback"))
+    assert torch.equal(qp.calibrated, keep.bool())
+    assert torch.equal(qp.scale[keep == 0], torch.ones(2))
+    assert torch.equal(qp.zero_point[keep == 0], torch.zeros(2, dtype=qp.zero_point.dtype))
+    reference = PerChannelMinMaxObserver(
+        ch_axis=0,
+        dtype=torch.qint8 if dtype == "int8" else torch.quint8,
+        qscheme=torch.per_channel_symmetric if mapping == "symmetric" else torch.per_channel_affine,
+    )
+    reference(x[keep != 0])
+    ref_scale, ref_zero_point = reference.calculate_qparams()
+    assert torch.equal(qp.scale[keep != 0], ref_scale)
+    assert torch.equal(qp.zero_point[keep != 0], ref_zero_point.to(qp.zero_point.dtype))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_init_state_raises_or_falls_back(case):
+    name, obs, make_x, options = _case(case)
+    if obs.spec is None:
+        pytest.skip("observer without a spec")
+    x = _data(make_x)[0]
+    init = obs.init(x)
+    with pytest.raises(ValueError, match="uncalibrated"):
+        qstats.compute_qparams(init, dataclasses.replace(obs.spec, on_uncalibrated="raise"))
+    qp = qstats.compute_qparams(init, dataclasses.replace(obs.spec, on_uncalibrated="fallback"))
+    assert not qp.calibrated.any(), name
+    assert torch.equal(qp.scale, torch.ones_like(qp.scale)), name
+    assert torch.equal(qp.zero_point, torch.zeros_like(qp.zero_point)), name
+
+
+# --- degenerate ranges -----------------------------------------------------------------------
+
+
+DEGENERATE = {
+    "zeros": lambda x: torch.zeros_like(x),
+    "constant": lambda x: torch.full_like(x, 3.25),
+    "negative_constant": lambda x: torch.full_like(x, -0.5),
+    "subnormal": lambda x: torch.full_like(x, 1e-40),
+    "huge": lambda x: torch.where(x > 0, 3.0e38, -3.0e38),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DEGENERATE))
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_degenerate_data_never_gives_a_bad_scale(case, kind):
+    name, obs, make_x, options = _case(case)
+    if obs.spec is None:
+        pytest.skip("observer without a spec")
+    x = DEGENERATE[kind](_data(make_x)[0])
+    state = obs.update(obs.init(x), x)
+    qp = qstats.compute_qparams(state, obs.spec)
+    _assert_good_qparams(qp, f"{name}/{kind}")
+    assert qp.calibrated.all(), f"{name}/{kind}"
+    assert torch.isfinite(qstats.fake_quantize(x, qp, obs.spec)).all(), f"{name}/{kind}: non-finite fake-quant"
+
+
+@pytest.mark.parametrize("kind", sorted(DEGENERATE))
+@pytest.mark.parametrize(
+    "spec_args",
+    [
+        dict(mapping=m, zero_point_domain=z, convention=c, eps=e)
+        for m in ("symmetric", "asymmetric", "symmetric_no_clipping_err", "narrow")
+        for z in ("int", "float", "none")
+        for c in ("torch_ao", "compressed_tensors")
+        for e in (float(torch.finfo(torch.float32).eps), float(torch.finfo(torch.float32).tiny))
+    ],
+    ids=lambda a: "-".join(str(v) for v in a.values()),
+)
+def test_degenerate_data_every_mapping_and_tiny_eps(spec_args, kind):
+    try:
+        spec = qstats.QuantSpec(**spec_args)
+    except ValueError:
+        pytest.skip("combination rejected by QuantSpec")
+    x = DEGENERATE[kind](torch.linspace(-1, 1, 8))
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    _assert_good_qparams(qp, f"{spec_args}/{kind}")
+    assert torch.isfinite(qstats.fake_quantize(x, qp, spec)).all()
+
+
+def test_eps_below_the_smallest_normal_float32_is_rejected():
+    with pytest.raises(ValueError, match="eps"):
+        qstats.QuantSpec(eps=1e-45)
+
+
+# --- half-precision inputs -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_half_precision_inputs_accumulate_in_float32(case, dtype):
+    name, obs, make_x, options = _case(case)
+    xs = [x.to(dtype) for x in _data(make_x, count=3)]
+    reference_init = obs.init(xs[0].float())
+    low, wide = obs.init(xs[0]), reference_init
+    for x in xs:
+        low = obs.update(low, x)
+        wide = obs.update(wide, x.float())  # the same values, upcast before observing
+    tree.assert_same_structure(low, reference_init)
+    for path, leaf in tree.leaves_with_paths(low):
+        assert leaf.dtype not in (torch.bfloat16, torch.float16), f"{name}: {path} is {leaf.dtype}"
+    testing.assert_states_equal(low, wide, approx_fields=_approx(options), message=f"{name}: {dtype} vs float32")
+
+
+# --- the weight mask -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_weight_mask_equals_slicing_the_rows_out(case):
+    name, obs, make_x, options = _case(case)
+    state, xs = _calibrated_state(obs, make_x)
+    x = xs[1]
+    if x.ndim < 2 or x.shape[0] < 3:
+        pytest.skip("needs at least three rows")
+    weight = torch.zeros(x.shape[0])
+    weight[::2] = 1.0
+    weight[1] = 0.5  # any non-zero weight keeps the row
+    kept = x[weight != 0]
+    try:
+        tree.assert_same_structure(obs.init(kept), state)
+    except ValueError:
+        # dim 0 carries parameters: a masked row leaves its parameters as they were
+        masked = obs.update(state, x, weight)
+        full = obs.update(state, x)
+        for (path, m), (_, s), (_, f) in zip(
+            tree.leaves_with_paths(masked), tree.leaves_with_paths(state), tree.leaves_with_paths(full)
+        ):
+            if m.ndim and m.shape[0] == x.shape[0]:
+                dropped = weight == 0
+                assert torch.equal(m[dropped], s[dropped]), f"{name}: {path} of a masked row changed"
+                assert torch.equal(m[~dropped], f[~dropped]), f"{name}: {path} of a kept row differs"
+        return
+    testing.assert_states_equal(
+        obs.update(state, x, weight),
+        obs.update(state, kept),
+        approx_fields=_approx(options),
+        message=f"{name}: weight mask vs slicing",
+    )
