@@ -41,7 +41,7 @@ def _select(t: torch.Tensor, index):
 
 
 def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec: QuantSpec, path=None, *,
-              bins: int = 128, exponent_range=(-24, 24), index=None, title: Optional[str] = None,
+              index=None, title: Optional[str] = None,
               plot_bins: int = 400):
     """Draws a histogram state with the clipping range of each method.
 
@@ -50,7 +50,6 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
       qparams: one QParams, a mapping ``{label: QParams}`` (e.g. one per method), or None.
       spec: the QuantSpec the qparams were computed for (its range gives the clipping points).
       path: where to save a PNG (optional).
-      bins, exponent_range: the histogram observer's configuration.
       index: which histogram to draw when the state holds several (per-channel): an int or tuple.
       title: the figure title.
       plot_bins: linear bins drawn between the observed extremes.
@@ -58,7 +57,7 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     Returns:
       the matplotlib Figure.
     """
-    from .observers.histogram import HistogramState, _cumulative, _moments, _window
+    from .observers.histogram import HistogramState, _config, _cumulative, _moments, _window
 
     if not isinstance(state, HistogramState):
         raise TypeError(f"qstats.plot.histogram: expected a HistogramState, got {type(state).__name__}")
@@ -69,19 +68,20 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     qparams = dict(qparams or {})
     plt = _matplotlib()
 
-    counts = state.counts
-    if counts.dim() > 2:
+    if state.min_val.dim() > 0:
         flat_index = index if index is None or isinstance(index, tuple) else (index,)
         if flat_index is None:
             raise ValueError(
-                f"qstats.plot.histogram: the state holds histograms of shape {tuple(counts.shape[:-2])}; "
+                f"qstats.plot.histogram: the state holds histograms of shape {tuple(state.min_val.shape)}; "
                 "choose one with index=(...)"
             )
         state = HistogramState(*(field[flat_index] for field in state))
-    if int(state.counts.sum()) == 0:
+    total = int(state.counts.sum() + state.underflow.sum() + state.overflow.sum())
+    if total == 0:
         raise ValueError("qstats.plot.histogram: the state saw no data")
     lo, hi = float(state.min_val), float(state.max_val)
-    edges, window_counts = _window(state, bins, exponent_range[0], 24)
+    bins, low, _ = _config(state)
+    edges, window_counts = _window(state, bins, low, 24)
     mom = _moments(edges, window_counts)
     span = max(hi - lo, 1e-12)
     grid = torch.linspace(lo - 0.02 * span, hi + 0.02 * span, plot_bins + 1, dtype=torch.float64)
@@ -105,7 +105,7 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
         axes.axvline(clip_hi, color=colour, linestyle="--", linewidth=1.2,
                      label=f"{label}: [{clip_lo:.3g}, {clip_hi:.3g}]")
     axes.legend(loc="upper right", fontsize=8)
-    axes.set_title(title or f"{int(state.counts.sum())} values, {spec.dtype} {spec.mapping}")
+    axes.set_title(title or f"{total} values, {spec.dtype} {spec.mapping}")
     figure.tight_layout()
     if path is not None:
         figure.savefig(path, format="png", dpi=100)

@@ -40,7 +40,8 @@ __all__ = [
 
 @register_state
 class FixedQParamsState(NamedTuple):
-    """``scale``/``zero_point``: the constant parameters (float32 / int32, ``qparam_shape``);
+    """``scale``/``zero_point``: the constant parameters (float32 / int64 or float32 for the float
+    zero-point domain, ``qparam_shape``);
     ``count``: values seen (int64 scalar)."""
 
     scale: torch.Tensor
@@ -99,7 +100,7 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     else:
         if zero_t.is_floating_point() and not bool((zero_t == zero_t.round()).all()):
             raise ValueError(f"fixed_qparams: zero_point must be an integer for the int domain, got {zero_point!r}")
-        zero_t = zero_t.to(torch.int32)
+        zero_t = zero_t.to(torch.int64)
         qmin, qmax = spec.qrange
         if not bool(((zero_t >= qmin) & (zero_t <= qmax)).all()):
             raise ValueError(f"fixed_qparams: zero_point {zero_point!r} is outside the range [{qmin}, {qmax}]")
@@ -250,7 +251,8 @@ def _fixed_rule(state: FixedQParamsState, spec: QuantSpec) -> QParams:
     calibrated = torch.ones(state.scale.shape, dtype=torch.bool, device=state.scale.device)
     check_calibrated(calibrated, spec)
     global_scale = torch.ones((), dtype=torch.float32, device=state.scale.device)
-    return QParams(state.scale, state.zero_point, global_scale, calibrated)
+    zero_point = state.zero_point if state.zero_point.is_floating_point() else state.zero_point.to(torch.int32)
+    return QParams(state.scale, zero_point, global_scale, calibrated)
 
 
 def _refuse(state, spec, **options):

@@ -7,14 +7,16 @@ exponent and the top ``log2(bins)`` mantissa bits. A bucket is therefore an inte
 bits; 0.78% for the default ``bins=128``), the same for every tensor, so no range is needed up
 front. Magnitudes below ``2**min_exponent`` (zeros included) fall into one *underflow* bucket per
 sign and magnitudes at or above ``2**max_exponent`` into one *overflow* bucket whose upper edge is
-the exact extreme. Counts are int64, so merging two histograms is adding integers: bit-identical
+the exact extreme. The resolved range is ``[2**-(octaves // 2), 2**(octaves - octaves // 2))``
+(``[2**-24, 2**24)`` with the default 48 octaves). Counts are int64, so merging two histograms is adding integers: bit-identical
 for every split of the data, every merge order, across ranks and under ``vmap``.
 
-State: ``counts`` of shape ``(*qparam_shape, 2, K)`` (sign 0: negative, sign 1: positive;
-``K = (max_exponent - min_exponent) * bins + 2`` magnitude buckets, underflow first, overflow
-last), the exact float32 ``min_val``/``max_val`` and the ``nonfinite`` count. Memory is
-``16 * K`` bytes per quantization parameter (98 KiB with the defaults; use fewer ``bins`` or a
-narrower ``exponent_range`` for fine granularities).
+State: ``counts`` of shape ``(*qparam_shape, 2, octaves, bins)`` (sign 0: negative, sign 1:
+positive), ``underflow`` and ``overflow`` of shape ``(*qparam_shape, 2)``, the exact float32
+``min_val``/``max_val`` and the ``nonfinite`` count; the shapes carry the configuration, so
+``compute_qparams`` needs nothing but the state. Memory is ``16 * octaves * bins`` bytes per
+quantization parameter (96 KiB with the defaults; use fewer ``bins`` or ``octaves`` for fine
+granularities: ``bins=8, octaves=32`` is 4 KiB).
 
 Range searches, ``qstats.compute_qparams(state, spec, method=...)``, all vectorised over
 candidates and parameters. They model the values inside a bucket as uniformly spread and see
@@ -62,10 +64,14 @@ _FULL_RESOLUTION_LIMIT = 1 << 22  # largest P * 2**(9 + m) bincount done at full
 
 @register_state
 class HistogramState(NamedTuple):
-    """Exponent/mantissa histogram. ``counts``: int64 ``(*qparam_shape, 2, K)``; ``min_val``,
-    ``max_val``: exact float32 extremes; ``nonfinite``: NaN/Inf values left out."""
+    """Exponent/mantissa histogram. ``counts``: int64 ``(*qparam_shape, 2, octaves, bins)``;
+    ``underflow``/``overflow``: int64 ``(*qparam_shape, 2)`` (magnitudes below / above the
+    resolved octaves, per sign); ``min_val``, ``max_val``: exact float32 extremes; ``nonfinite``:
+    NaN/Inf values left out."""
 
     counts: torch.Tensor
+    underflow: torch.Tensor
+    overflow: torch.Tensor
     min_val: torch.Tensor
     max_val: torch.Tensor
     nonfinite: torch.Tensor
@@ -146,6 +152,7 @@ torch.library.register_vmap("qstats::float_bucket_counts", _bucket_vmap_rule)
 
 
 def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):
+    # (the observer's octaves O resolve exponent_range (-(O // 2), O - O // 2))
     """Bucket counts of a canonical view ``(observations, *qparam_shape, group)``.
 
     Returns ``(counts, nonfinite)``: int64 ``(*qparam_shape, 2, K)`` and ``(*qparam_shape,)``.
@@ -161,25 +168,30 @@ def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):
 # The observer.
 
 
-def _check_config(spec, bins, exponent_range):
+def _check_config(spec, bins, octaves):
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"histogram: expected a QuantSpec, got {type(spec).__name__}")
     if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1 or bins & (bins - 1) or bins > 1 << 12:
         raise ValueError(f"histogram: bins (buckets per power of two) must be a power of two in [1, 4096], got {bins!r}")
-    try:
-        low, high = exponent_range
-    except (TypeError, ValueError):
-        raise ValueError(f"histogram: exponent_range must be a pair of ints, got {exponent_range!r}") from None
-    if not all(isinstance(e, int) and not isinstance(e, bool) for e in (low, high)):
-        raise ValueError(f"histogram: exponent_range must be a pair of ints, got {exponent_range!r}")
-    if not -126 <= low < high <= 128:
-        raise ValueError(
-            f"histogram: exponent_range must satisfy -126 <= low < high <= 128, got {exponent_range!r}"
-        )
-    return int(low), int(high)
+    if not isinstance(octaves, int) or isinstance(octaves, bool) or not 1 <= octaves <= 252:
+        raise ValueError(f"histogram: octaves must be an int in [1, 252], got {octaves!r}")
+    low = -(octaves // 2)
+    return low, low + octaves
 
 
-def histogram(spec: QuantSpec, bins: int = 128, exponent_range=(-24, 24)) -> Observer:
+def _config(state) -> tuple[int, int, int]:
+    """(bins, low exponent, high exponent) of a state, read from its shape."""
+    bins, octaves = state.counts.shape[-1], state.counts.shape[-2]
+    low = -(octaves // 2)
+    return bins, low, low + octaves
+
+
+def _flat(state) -> torch.Tensor:
+    """Counts as (*P, 2, K): underflow, the octaves' buckets, overflow."""
+    return torch.cat([state.underflow.unsqueeze(-1), state.counts.flatten(-2), state.overflow.unsqueeze(-1)], -1)
+
+
+def histogram(spec: QuantSpec, bins: int = 128, octaves: int = 48) -> Observer:
     """Running histogram with an exact merge (integer counts over float-exponent buckets).
 
     Args:
@@ -187,9 +199,9 @@ def histogram(spec: QuantSpec, bins: int = 128, exponent_range=(-24, 24)) -> Obs
         parameter, any granularity).
       bins: buckets per power of two (a power of two, at most 4096): relative bucket width
         ``<= 1 / bins``.
-      exponent_range: ``(low, high)``: magnitudes in ``[2**low, 2**high)`` are resolved; smaller
-        ones (and zeros) share an underflow bucket, larger ones an overflow bucket that ends at
-        the exact extreme.
+      octaves: powers of two resolved, centred on 1: magnitudes in
+        ``[2**-(octaves // 2), 2**(octaves - octaves // 2))``; smaller ones (and zeros) share an
+        underflow bucket, larger ones an overflow bucket that ends at the exact extreme.
 
     Laws: identity, associativity, commutativity and homomorphism hold bit for bit (exact), under
     ``vmap`` too. ``update`` is a few fused tensor ops (no host sync, fixed shapes) and compiles
@@ -201,19 +213,21 @@ def histogram(spec: QuantSpec, bins: int = 128, exponent_range=(-24, 24)) -> Obs
     >>> obs = qstats.histogram(spec)
     >>> x = torch.randn(1000)
     >>> state = obs.update(obs.init(x), x)
-    >>> int(state.counts.sum())
+    >>> int(state.counts.sum() + state.underflow.sum() + state.overflow.sum())
     1000
     >>> qp = qstats.compute_qparams(state, spec, method="l2")
     """
-    low, high = _check_config(spec, bins, exponent_range)
+    low, high = _check_config(spec, bins, octaves)
     mantissa_bits = bins.bit_length() - 1
-    num_buckets = (high - low) * bins + 2
 
     def init_fn(x: torch.Tensor) -> HistogramState:
         shape = qparam_shape(x.shape, spec.granularity)
         device = x.device
+        zeros = torch.zeros((*shape, 2), dtype=torch.int64, device=device)
         return HistogramState(
-            torch.zeros((*shape, 2, num_buckets), dtype=torch.int64, device=device),
+            torch.zeros((*shape, 2, octaves, bins), dtype=torch.int64, device=device),
+            zeros,
+            zeros.clone(),
             torch.full(shape, torch.inf, dtype=torch.float32, device=device),
             torch.full(shape, -torch.inf, dtype=torch.float32, device=device),
             torch.zeros(shape, dtype=torch.int64, device=device),
@@ -236,7 +250,9 @@ def histogram(spec: QuantSpec, bins: int = 128, exponent_range=(-24, 24)) -> Obs
         lo, hi, _, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
         counts, _ = _bucket_counts_op(view.detach(), mask, mantissa_bits, low, high)
         return HistogramState(
-            state.counts + counts,
+            state.counts + counts[..., 1:-1].unflatten(-1, (octaves, bins)),
+            state.underflow + counts[..., 0],
+            state.overflow + counts[..., -1],
             torch.minimum(state.min_val, lo),
             torch.maximum(state.max_val, hi),
             state.nonfinite + nonfinite,
@@ -248,6 +264,8 @@ def histogram(spec: QuantSpec, bins: int = 128, exponent_range=(-24, 24)) -> Obs
         check_same_shapes(a, b, "histogram.merge")
         return HistogramState(
             a.counts + b.counts,
+            a.underflow + b.underflow,
+            a.overflow + b.overflow,
             torch.minimum(a.min_val, b.min_val),
             torch.maximum(a.max_val, b.max_val),
             a.nonfinite + b.nonfinite,
@@ -270,15 +288,16 @@ def _magnitude_edges(num_buckets: int, bins: int, low: int, device) -> torch.Ten
     return torch.cat([zero, inner])  # edges[0]=0, edges[j]=lower edge of bucket j (j>=1)
 
 
-def histogram_edges(state: HistogramState, bins: int = 128, exponent_range=(-24, 24)):
+def histogram_edges(state: HistogramState):
     """Signed bucket edges and counts of a state, ascending by value.
 
     Returns ``(edges, counts)``: float64 ``(*qparam_shape, 2K + 1)`` and ``(*qparam_shape, 2K)``;
     the outermost edges are the exact extremes and inner edges are clamped to them.
     """
-    low, _ = exponent_range
-    num_buckets = state.counts.shape[-1]
-    lower = _magnitude_edges(num_buckets, bins, low, state.counts.device)
+    bins, low, _ = _config(state)
+    flat = _flat(state)
+    num_buckets = flat.shape[-1]
+    lower = _magnitude_edges(num_buckets, bins, low, flat.device)
     top = torch.full((1,), math.inf, dtype=torch.float64, device=lower.device)
     mag_edges = torch.cat([lower, top])  # K + 1
     neg_extent = (-state.min_val.double()).clamp(min=0).unsqueeze(-1)
@@ -286,7 +305,7 @@ def histogram_edges(state: HistogramState, bins: int = 128, exponent_range=(-24,
     neg_edges = torch.minimum(mag_edges, neg_extent)
     pos_edges = torch.minimum(mag_edges, pos_extent)
     edges = torch.cat([-neg_edges.flip(-1), pos_edges[..., 1:]], dim=-1)
-    counts = torch.cat([state.counts[..., 0, :].flip(-1), state.counts[..., 1, :]], dim=-1)
+    counts = torch.cat([flat[..., 0, :].flip(-1), flat[..., 1, :]], dim=-1)
     return edges, counts
 
 
@@ -297,7 +316,7 @@ def _window(state: HistogramState, bins: int, low: int, octaves: int):
     Returns (edges (*P, 2W + 2) float64 ascending, counts (*P, 2W + 1) float64) where W is the
     number of magnitude buckets in the window per sign.
     """
-    counts = state.counts
+    counts = _flat(state)
     num_buckets = counts.shape[-1]
     device = counts.device
     width = (octaves + 1) * bins  # magnitude buckets kept per sign
@@ -670,22 +689,11 @@ _METHODS = ("l2", "mse", "entropy", "percentile", "minmax")
 
 
 def _histogram_rule_factory():
-    def rule(state, spec: QuantSpec, method: str = "l2", bins: Optional[int] = None,
-             exponent_range=None, **options) -> Range:
+    def rule(state, spec: QuantSpec, method: str = "l2", **options) -> Range:
         if method not in _METHODS:
             raise ValueError(f"compute_qparams: histogram method must be one of {_METHODS}, got {method!r}")
-        num_buckets = state.counts.shape[-1]
-        if bins is None:
-            bins = 128
-        if exponent_range is None:
-            exponent_range = (-24, 24)
-        low, high = exponent_range
-        if (high - low) * bins + 2 != num_buckets:
-            raise ValueError(
-                f"compute_qparams: the state has {num_buckets} buckets per sign, which does not match "
-                f"bins={bins}, exponent_range={exponent_range}; pass the observer's bins and exponent_range"
-            )
-        calibrated = state.counts.sum((-2, -1)) > 0
+        bins, low, _ = _config(state)
+        calibrated = (state.counts.sum((-3, -2, -1)) + state.underflow.sum(-1) + state.overflow.sum(-1)) > 0
         if method == "minmax":
             if options:
                 raise TypeError(f"compute_qparams: method 'minmax' takes no options, got {sorted(options)}")

@@ -31,6 +31,8 @@ class IMatrixState(NamedTuple):
     """``square_total``: float64 sum of ``x**2`` per input channel; ``count``: int64 rows seen
     (a scalar); ``nonfinite``: non-finite values left out per channel."""
 
+    approx_fields = ("square_total",)  # float sums: laws compare them to tolerance
+
     square_total: torch.Tensor
     count: torch.Tensor
     nonfinite: torch.Tensor

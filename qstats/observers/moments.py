@@ -33,6 +33,8 @@ class MomentsState(NamedTuple):
     """Sums of a moments observer, one entry per quantization parameter; ``power_total`` is the
     sum of ``|x|**p`` for the observer's ``p`` (pass the same ``p`` to the ``"lp"`` rule)."""
 
+    approx_fields = ("total", "m2", "abs_total", "square_total", "power_total")  # float sums: laws compare them to tolerance
+
     count: torch.Tensor
     total: torch.Tensor
     m2: torch.Tensor

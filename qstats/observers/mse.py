@@ -44,6 +44,8 @@ class MSEState(NamedTuple):
     until set); ``loss``: float64 ``(*qparam_shape, C)``; ``factors``: the C shrink factors (the
     columns of ``loss``); ``count``/``nonfinite``: values seen and left out."""
 
+    approx_fields = ("loss",)  # float sums: laws compare them to tolerance
+
     min_val: torch.Tensor
     max_val: torch.Tensor
     loss: torch.Tensor
