@@ -44,6 +44,7 @@ from .observers._base import Observer
 __all__ = [
     "REDUCE_OPS",
     "all_reduce",
+    "extremes_and_sums",
     "reduce_ops",
     "register_reduce_ops",
 ]
@@ -52,18 +53,27 @@ REDUCE_OPS = ("min", "max", "sum")
 """Field reductions an elementwise state may declare."""
 
 _FOLD = "fold"
-_REGISTRY: dict[str, Union[dict[str, str], str]] = {}
+_REGISTRY: dict[str, Any] = {}
 
 
-def register_reduce_ops(state_cls: Union[type, str], ops: Union[Mapping[str, str], str]) -> None:
+def extremes_and_sums(fields) -> dict[str, str]:
+    """The ops of a state whose merge is ``min_val`` min, ``max_val`` max and every other field
+    summed (running extremes with counts, histograms); usable as ``ops`` of `register_reduce_ops`
+    so the declaration follows the state's fields."""
+    return {field: {"min_val": "min", "max_val": "max"}.get(field, "sum") for field in fields}
+
+
+def register_reduce_ops(state_cls: Union[type, str], ops: Any) -> None:
     """Declares how a state type's fields merge across ranks.
 
     Args:
       state_cls: the state NamedTuple class, or its class name (states are registered by name, so
         a declaration can live apart from the class).
       ops: a mapping from every field name to ``"min"``, ``"max"`` or ``"sum"`` when
-        ``obs.merge`` is exactly that field by field; or ``"fold"`` when it is not (weighted
-        means, variance merges, re-binning), which gathers the states and folds ``obs.merge``.
+        ``obs.merge`` is exactly that field by field; a callable ``fields -> mapping`` (e.g.
+        `extremes_and_sums`) resolved against each state's fields; or ``"fold"`` when the merge
+        is not elementwise (weighted means, variance merges, re-binning), which gathers the states
+        and folds ``obs.merge``.
 
     Raises:
       TypeError: ``state_cls`` is neither a NamedTuple class nor a name.
@@ -75,6 +85,9 @@ def register_reduce_ops(state_cls: Union[type, str], ops: Union[Mapping[str, str
         name, fields = state_cls.__name__, tuple(state_cls._fields)
     else:
         raise TypeError(f"register_reduce_ops: expected a NamedTuple state class or its name, got {state_cls!r}")
+    if callable(ops):
+        _REGISTRY[name] = ops
+        return
     if isinstance(ops, str):
         if ops != _FOLD:
             raise ValueError(f"register_reduce_ops({name}): ops must be a field mapping or 'fold', got {ops!r}")
@@ -97,6 +110,11 @@ def reduce_ops(state: Any) -> Union[dict[str, str], str]:
     for cls in type(state).__mro__:
         ops = _REGISTRY.get(cls.__name__)
         if ops is not None:
+            if callable(ops):
+                ops = dict(ops(tuple(state._fields)))
+                bad = {field: op for field, op in ops.items() if op not in REDUCE_OPS}
+                if bad:
+                    raise ValueError(f"all_reduce: unknown reduce ops {bad} for {type(state).__name__}")
             if ops != _FOLD and set(ops) != set(state._fields):
                 raise ValueError(
                     f"all_reduce: the reduce ops declared for {type(state).__name__} name fields {sorted(ops)}, "
@@ -110,8 +128,16 @@ def reduce_ops(state: Any) -> Union[dict[str, str], str]:
 for _name in ("MinMaxState", "MemorylessMinMaxState"):
     register_reduce_ops(_name, {"min_val": "min", "max_val": "max", "count": "sum", "nonfinite": "sum"})
 register_reduce_ops("MovingAverageMinMaxState", _FOLD)
-# Histograms: integer bucket counts add, extremes min/max (bit-exact in any order).
-register_reduce_ops("HistogramState", {"counts": "sum", "min_val": "min", "max_val": "max", "nonfinite": "sum"})
+# Histograms: integer bucket counts (and under/overflow counts) add, extremes min/max: bit-exact in
+# any order.
+register_reduce_ops("HistogramState", extremes_and_sums)
+# Importance matrix: a float64 sum of squares and integer counts (exact=True folds it in rank order).
+register_reduce_ops("IMatrixState", {"square_total": "sum", "count": "sum", "nonfinite": "sum"})
+register_reduce_ops("PlaceholderState", {"count": "sum"})
+# Not elementwise: Chan's variance merge, the MSE search's widest-range pick, moving averages,
+# bounded samples, constants kept from the first operand.
+for _name in ("MomentsState", "MSEState", "MovingAverageMSEState", "RecordingState", "FixedQParamsState"):
+    register_reduce_ops(_name, _FOLD)
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,6 +220,9 @@ def all_reduce(
       tree: a nested dict/list/tuple whose leaves are observer states (NamedTuples of tensors), the
         same structure, types, shapes and dtypes on every rank. A rank that saw no data for some
         state passes its ``obs.init`` state (or one updated with weight 0), the merge identity.
+        Pass activation sites only: weight states are identical on every rank (merging them
+        would add their counts ``world`` times), e.g.
+        ``{path: {"input": s["input"]} for path, s in states.items()}``.
       observers: a tree of `qstats.Observer` whose structure is a prefix of ``tree``'s (an
         Observer leaf applies to every state below it; a single Observer applies to all). Only
         folded states call ``obs.merge``.

@@ -81,13 +81,23 @@ def _histogram_factory():
     return factory
 
 
+def histogram_kwargs():
+    """Small histograms (16 buckets per octave over 16 octaves) whatever the factory calls it."""
+    import inspect
+
+    parameters = inspect.signature(_histogram_factory()).parameters
+    if "octaves" in parameters:
+        return {"bins": 16, "octaves": 16}
+    return {"bins": 16, "exponent_range": (-8, 8)}
+
+
 def _histogram_factories():
     histogram = _histogram_factory()
     if histogram is None:
         return {}
     return {
         "histogram/tensor": lambda: histogram(qstats.QuantSpec()),
-        "histogram/axis": lambda: histogram(qstats.QuantSpec(granularity=qstats.PerAxis(-1)), bins=16, exponent_range=(-8, 8)),
+        "histogram/axis": lambda: histogram(qstats.QuantSpec(granularity=qstats.PerAxis(-1)), **histogram_kwargs()),
     }
 
 
@@ -100,6 +110,10 @@ def expert_factories():
         "sum": sum_observer,
     }
     factories.update(_histogram_factories())
+    if hasattr(qstats, "moments"):  # folded (Chan's merge)
+        factories["moments"] = lambda: qstats.moments(qstats.QuantSpec(granularity=qstats.PerAxis(-1)))
+    if hasattr(qstats, "imatrix"):  # float64 sums
+        factories["imatrix"] = qstats.imatrix
     return factories
 
 
@@ -127,6 +141,39 @@ def memoryless_experts(obs, x, route):
     return {
         f"expert{e}": obs.update(obs.init(template), x, weight=(route == e).to(torch.float32)) for e in range(EXPERTS)
     }
+
+
+class TinyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(FEATURES, 12)
+        self.fc2 = torch.nn.Linear(12, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def model_and_recipe():
+    torch.manual_seed(3)
+    model = TinyModel().eval()
+    activation = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
+    rules = [qstats.Rule(targets="fc1", sites=("input",), observer=qstats.minmax, spec=activation)]
+    histogram = _histogram_factory()
+    if histogram is not None:
+        rules.append(
+            qstats.Rule(
+                targets="fc2", sites=("input",), observer=histogram, spec=activation,
+                observer_kwargs=histogram_kwargs(),
+            )
+        )
+    rules.append(qstats.Rule(targets="Linear", sites=("input",), observer=qstats.minmax, spec=activation))
+    return model, qstats.Recipe(rules)
+
+
+def calibrate_model(batches):
+    """`qstats.calibrate` over the batches' tokens: {path: {"input": state}}."""
+    model, recipe = model_and_recipe()
+    return qstats.calibrate(model, [x for x, _ in batches], recipe, progress=False)
 
 
 def leaves(tree):
@@ -194,6 +241,12 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
     observers = {n: factories[n]() for n in mixed_names}
     mixed = {n: [calibrate_experts(observers[n], mine)] for n in mixed_names}
     _run("mixed", lambda: reduce(mixed, {n: [observers[n]] for n in mixed_names}), counter, results)
+
+    # A model calibrated with qstats.calibrate on each rank's batches, merged with the recipe's
+    # observers (activation sites: weights are the same on every rank and need no merge).
+    model, recipe = model_and_recipe()
+    local = calibrate_model(mine)
+    _run("calibrate", lambda: reduce(local, recipe.observers(local, model)), counter, results)
 
     # Memoryless: shards of one batch (rank 0 has no tokens at all).
     obs = qstats.memoryless_minmax(qstats.QuantSpec(granularity=qstats.PerAxis(-1)))

@@ -45,7 +45,19 @@ def make_batches():
     return out
 
 
+def _histogram_kwargs():
+    """Small histograms (16 buckets per octave, 16 octaves), in the factory's own parameters, and
+    the options compute_qparams then needs."""
+    import inspect
+
+    if "octaves" in inspect.signature(qstats.histogram).parameters:
+        return {"bins": 16, "octaves": 16}, {}
+    config = {"bins": 16, "exponent_range": (-8, 8)}
+    return config, config
+
+
 def make_recipe() -> qstats.Recipe:
+    histogram_config, histogram_options = _histogram_kwargs()
     weight = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
     activation = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
     return qstats.Recipe(
@@ -63,8 +75,8 @@ def make_recipe() -> qstats.Recipe:
                 sites=("input",),
                 observer=qstats.histogram,
                 spec=activation,
-                observer_kwargs={"bins": 16, "exponent_range": (-8, 8)},
-                qparams_kwargs={"bins": 16, "exponent_range": (-8, 8)},
+                observer_kwargs=histogram_config,
+                qparams_kwargs=histogram_options,
             ),
             qstats.Rule(targets="Linear", sites=("weight",), observer=qstats.minmax, spec=weight),
         ]

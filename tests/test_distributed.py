@@ -182,27 +182,51 @@ def test_collective_counts(runs, world):
     # float sums: SUM float32 + SUM int64, or everything folded with exact=True
     assert (result["sum"]["all_reduce"], result["sum"]["all_gather"]) == (3, 0)
     assert (result["sum/exact"]["all_reduce"], result["sum/exact"]["all_gather"]) == (1, 1)
+    # a whole calibrated model (minmax and histogram sites): check + float32 MIN + int64 SUM
+    assert (result["calibrate"]["all_reduce"], result["calibrate"]["all_gather"]) == (3, 0)
+
+
+FOLDED = [n for n in ("moving_average", "moments") if n in worker.expert_factories()]
+FLOAT_SUMS = [n for n in ("sum", "imatrix") if n in worker.expert_factories()]
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_folded_states_equal_rank_order_merge(runs, world):
-    want = _merged("moving_average", world)
+@pytest.mark.parametrize("name", FOLDED)
+def test_folded_states_equal_rank_order_merge(runs, world, name):
+    want = _merged(name, world)
     for rank, result in enumerate(runs[world]):
-        assert_bit_equal(result["moving_average"]["leaves"], want, f"moving_average rank {rank}")
+        for variant in ("", "/exact", "/nocheck"):
+            assert_bit_equal(result[name + variant]["leaves"], want, f"{name}{variant} rank {rank}")
+        assert (result[name]["all_reduce"], result[name]["all_gather"]) == (1, 1)
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_float_sums_exact_and_not(runs, world):
-    want = _merged("sum", world)
-    single = _single("sum")
+@pytest.mark.parametrize("name", FLOAT_SUMS)
+def test_float_sums_exact_and_not(runs, world, name):
+    want = _merged(name, world)
+    single = _single(name)
     for rank, result in enumerate(runs[world]):
-        assert_bit_equal(result["sum/exact"]["leaves"], want, f"sum/exact rank {rank}")
-        for got, w, s in zip(result["sum"]["leaves"], want, single):
+        # exact=True: gathered and folded in rank order, bit for bit
+        assert_bit_equal(result[name + "/exact"]["leaves"], want, f"{name}/exact rank {rank}")
+        assert (result[name + "/exact"]["all_reduce"], result[name + "/exact"]["all_gather"]) == (1, 1)
+        # default: one SUM per dtype, equal up to rounding
+        for got, w, s in zip(result[name]["leaves"], want, single):
             torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-5)
             torch.testing.assert_close(got, s, rtol=1e-6, atol=1e-5)
+        assert (result[name]["all_reduce"], result[name]["all_gather"]) == (3, 0)
     # every rank receives the very same numbers
     for result in runs[world][1:]:
-        assert_bit_equal(result["sum"]["leaves"], runs[world][0]["sum"]["leaves"], "sum across ranks")
+        assert_bit_equal(result[name]["leaves"], runs[world][0][name]["leaves"], f"{name} across ranks")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_calibrated_model_equals_single_process(runs, world):
+    """Each rank runs qstats.calibrate on its batches; all_reduce with recipe.observers(...) gives
+    the activation states of one process calibrating every batch, bit for bit."""
+    want = worker.leaves(worker.calibrate_model(worker.global_batches()))
+    for rank, result in enumerate(runs[world]):
+        assert "error" not in result["calibrate"], result["calibrate"]
+        assert_bit_equal(result["calibrate"]["leaves"], want, f"calibrate rank {rank}")
 
 
 @pytest.mark.parametrize("world", WORLDS)
