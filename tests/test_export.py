@@ -239,3 +239,46 @@ def test_unexportable_specs_raise(tmp_path):
             qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
     with pytest.raises(ValueError, match="lacks"):
         qstats.export.compressed_tensors(model, {"nope": {}}, str(tmp_path), {"nope": {}})
+
+
+def test_transformers_loads_the_export_and_runs_it_like_fake_quantized(tmp_path):
+    """End to end: transformers' AutoModel.from_pretrained loads the exported tiny BERT through its
+    compressed-tensors quantizer (int8 weights kept compressed), and its quantized forward (weights
+    decompressed, inputs fake-quantized by compressed-tensors) equals qstats.fake_quantized on the
+    float model bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    weight_args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    input_args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="tensor")
+    recipe = qstats.Recipe(
+        [
+            qstats.Rule(targets="Linear", sites=("weight",), spec=qstats.QuantSpec.from_compressed_tensors(weight_args)),
+            qstats.Rule(targets="Linear", sites=("input",), spec=qstats.QuantSpec.from_compressed_tensors(input_args)),
+        ],
+        ignore=["re:.*pooler.*"],
+    )
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, 50, (2, 8), generator=g)} for _ in range(3)]
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    assert written["ignore"] == ["pooler.dense"]
+
+    loaded = transformers.AutoModel.from_pretrained(str(tmp_path)).eval()
+    query = loaded.encoder.layer[0].attention.self.query
+    assert query.weight.dtype == torch.int8  # kept compressed until the first forward
+    path = "encoder.layer.0.attention.self.query"
+    assert _bit_equal(query.weight_scale.data, qparams[path]["weight"].scale.reshape(-1, 1))
+    test_batch = {"input_ids": torch.randint(0, 50, (2, 8), generator=g)}
+    with torch.no_grad():
+        theirs = loaded(**test_batch).last_hidden_state
+        with qstats.fake_quantized(model, qparams, recipe):
+            ours = model(**test_batch).last_hidden_state
+        plain = model(**test_batch).last_hidden_state
+    assert _bit_equal(theirs, ours)
+    assert not torch.equal(ours, plain)  # quantization did change the output
