@@ -227,6 +227,8 @@ def _affine_spec(cls, target_dtype, kwargs, overrides):
         raise ValueError(f"from_torchao: scale_dtype {scale_dtype} is not supported")
     if eps is None:
         eps = torch.finfo(input_dtype).smallest_normal
+    if input_dtype not in _FLOAT_NAMES:
+        raise ValueError(f"from_torchao: input_dtype must be float32, bfloat16 or float16, got {input_dtype}")
     probe = cls(dtype=dtype)
     lo, hi = probe.qrange
     qmin = lo if quant_min is None else int(quant_min)
@@ -242,6 +244,7 @@ def _affine_spec(cls, target_dtype, kwargs, overrides):
         scale_dtype=_FLOAT_NAMES[scale_dtype],
         convention="torchao",
         symmetric_zero_point=int((qmax + qmin + 1) / 2),
+        compute_dtype=_FLOAT_NAMES[input_dtype],
         on_uncalibrated="fallback",
     )
     fields.update(overrides)
@@ -250,37 +253,95 @@ def _affine_spec(cls, target_dtype, kwargs, overrides):
 
 # --------------------------------------------------------------------------------------------
 # arithmetic
+def _dtypes(spec):
+    compute = getattr(torch, spec.compute_dtype)
+    scale_dtype = getattr(torch, spec.scale_dtype) if spec.scale_dtype in _DTYPE_BY_NAME else torch.float32
+    return compute, scale_dtype
+
+
+_DTYPE_BY_NAME = {name: dtype for dtype, name in _FLOAT_NAMES.items()}
+
+
 def torchao_qparams(min_val, max_val, spec):
     """``(scale, zero_point)`` as torchao's ``choose_qparams_affine`` (INT/NONE domains) or
-    ``_choose_qparams_affine_tinygemm`` (FLOAT domain), from an observed range."""
-    from ._qparams import _round_scale, _torch_ao
+    ``_choose_qparams_affine_tinygemm`` (FLOAT domain), from an observed range, operation by
+    operation in ``spec.compute_dtype`` (torchao computes in the input's dtype; the extremes of a
+    bf16 tensor are exact in any wider dtype, so the float32 state loses nothing)."""
+    from ._qparams import _torch_ao
 
-    if spec.is_float or spec.zero_point_domain != "float":
+    if spec.is_float:
         return _torch_ao(min_val, max_val, spec)
+    compute, scale_dtype = _dtypes(spec)
+    min_val, max_val = min_val.to(compute), max_val.to(compute)
     qmin, qmax = spec.qrange
-    scale = (max_val - min_val) / float(qmax - qmin)
-    scale = torch.clamp(scale, min=spec.eps)
-    mid_point = (qmax + qmin + 1) / 2
-    zero_point = min_val + scale * mid_point
-    return _round_scale(scale, spec), zero_point
+    if spec.zero_point_domain == "float":
+        scale = (max_val - min_val) / float(qmax - qmin)
+        scale = torch.clamp(scale, min=spec.eps)
+        mid_point = (qmax + qmin + 1) / 2
+        zero_point = min_val + scale * mid_point
+        return scale.to(scale_dtype).float(), zero_point.float()
+    min_val_neg = torch.min(min_val, torch.zeros_like(min_val))
+    max_val_pos = torch.max(max_val, torch.zeros_like(max_val))
+    if spec.mapping in ("symmetric", "narrow", "symmetric_no_clipping_err"):
+        if spec.mapping == "symmetric_no_clipping_err":
+            smin = min_val_neg / float(qmin)
+            smax = max_val_pos / float(qmax)
+            scale = torch.where(smin > smax, smin, smax)
+        else:
+            max_val_pos = torch.max(-min_val_neg, max_val_pos)
+            scale = max_val_pos / (float(qmax - qmin) / 2)
+        zero_point = torch.full_like(scale, spec.zero_point_of_symmetric)
+        scale = torch.clamp(scale, min=spec.eps)
+    else:
+        scale = (max_val_pos - min_val_neg) / float(qmax - qmin)
+        scale = torch.clamp(scale, min=spec.eps)
+        zero_point = qmin - torch.round(min_val_neg / scale)
+        zero_point = torch.clamp(zero_point, qmin, qmax)
+    zero_point = zero_point.to(torch.int32)
+    if spec.zero_point_domain == "none":
+        zero_point = torch.zeros_like(zero_point)
+    return scale.to(scale_dtype).float(), zero_point
 
 
 def handles_codes(spec) -> bool:
-    """True for torchao's float zero-point domain (tinygemm arithmetic)."""
-    return spec.convention == "torchao" and spec.zero_point_domain == "float" and not spec.is_float
+    """True where torchao's quantize arithmetic differs from the float32 integer path: the float
+    zero-point domain (tinygemm) and bf16/fp16 compute dtypes."""
+    return (
+        spec.convention == "torchao"
+        and not spec.is_float
+        and (spec.zero_point_domain == "float" or spec.compute_dtype != "float32")
+    )
 
 
-def tinygemm_codes(view, scale, zero_point, spec):
-    """``_quantize_affine_tinygemm``: ``round((x - (zp - scale * mid)) / scale)``, clamped."""
+def torchao_codes(view, scale, zero_point, spec):
+    """torchao's ``_quantize_affine*_no_dtype_cast`` in its dtypes: the input in
+    ``compute_dtype``, the scale in ``scale_dtype`` (float32 results, integer-valued)."""
+    compute, scale_dtype = _dtypes(spec)
+    view, scale = view.to(compute), scale.to(scale_dtype)
     qmin, qmax = spec.qrange
-    mid_point = (qmax + qmin + 1) / 2
-    min_val = zero_point - scale * mid_point
-    unclamped = torch.round((view - min_val) / scale)
-    return unclamped, unclamped.clamp(qmin, qmax)
+    if spec.zero_point_domain == "float":
+        mid_point = (qmax + qmin + 1) / 2
+        min_val = zero_point.to(compute) - scale * mid_point
+        unclamped = torch.round((view - min_val) / scale)
+    elif spec.zero_point_domain == "none":
+        unclamped = torch.round(view * (1.0 / scale))
+    else:
+        unclamped = torch.round(view * (1.0 / scale)) + zero_point
+    return unclamped.float(), unclamped.clamp(qmin, qmax).float()
 
 
-def tinygemm_dequantize(codes, scale, zero_point, spec):
-    """``_dequantize_affine_tinygemm``: ``(code - mid) * scale + zp``."""
+def torchao_dequantize(codes, scale, zero_point, spec):
+    """torchao's ``_dequantize_affine*_no_dtype_check`` with ``output_dtype = compute_dtype``
+    (what torchao's fake quantization uses)."""
+    compute, scale_dtype = _dtypes(spec)
+    scale = scale.to(scale_dtype)
     qmin, qmax = spec.qrange
-    mid_point = (qmax + qmin + 1) / 2
-    return (codes - mid_point) * scale + zero_point
+    if spec.zero_point_domain == "float":
+        mid_point = (qmax + qmin + 1) / 2
+        dequant = (codes.to(compute) - mid_point).to(compute)
+        dequant = (dequant * scale).to(compute)
+        return (dequant + zero_point.to(compute)).to(compute).float()
+    dequant = codes.to(compute)
+    if spec.zero_point_domain != "none":
+        dequant = dequant - zero_point.to(compute)
+    return (dequant * scale).to(compute).float()

@@ -71,6 +71,7 @@ __all__ = [
 
 SCALE_ROUNDINGS = ("floor", "ceil", "even", "rceil", "round_then_floor", "round")
 GLOBAL_SCALE_FORMULAS = ("amax_over_range", "range_over_amax")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 _F32_MANTISSA = 23
 _F32_BIAS = 127
@@ -315,7 +316,9 @@ def handles_codes(spec) -> bool:
 
 
 def _compat_torchao_float_domain(spec) -> bool:
-    return spec.convention == "torchao" and spec.zero_point_domain == "float" and not spec.is_float
+    from ._compat_torchao import handles_codes as torchao_handles_codes
+
+    return torchao_handles_codes(spec)
 
 
 def codes(view: torch.Tensor, scale: torch.Tensor, global_scale, spec):
@@ -365,6 +368,8 @@ def validate(spec) -> None:
         )
     from ._granularity import TensorGroup
 
+    if spec.compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"QuantSpec.compute_dtype must be one of {COMPUTE_DTYPES}, got {spec.compute_dtype!r}")
     if spec.mapping == "symmetric_no_clipping_err" and not spec.is_float and spec.qrange[1] <= 0:
         raise ValueError(
             f"QuantSpec.mapping 'symmetric_no_clipping_err' needs quant_max > 0 (max / quant_max is its "

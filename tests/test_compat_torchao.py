@@ -209,3 +209,40 @@ def test_float8_all_zero_rows_get_a_positive_scale_where_torchao_divides_by_zero
     out = qstats.fake_quantize(x, qp, spec)
     assert torch.equal(out[2], torch.zeros(32))
     assert torch.equal(out[[0, 1, 3]], qp_lib._dequantize_affine_float8(qp_lib._quantize_affine_float8(x, scale), scale)[[0, 1, 3]])
+
+
+@pytest.mark.parametrize("input_dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("target_dtype", (torch.int4, torch.uint4, torch.int8, torch.uint8), ids=str)
+def test_low_precision_inputs_compute_in_the_input_dtype(input_dtype, target_dtype):
+    cases = [
+        (MappingType.SYMMETRIC, ZeroPointDomain.INT),
+        (MappingType.ASYMMETRIC, ZeroPointDomain.INT),
+        (MappingType.SYMMETRIC_NO_CLIPPING_ERR, ZeroPointDomain.INT),
+        (MappingType.SYMMETRIC, ZeroPointDomain.NONE),
+        (MappingType.ASYMMETRIC, ZeroPointDomain.FLOAT),
+    ]
+    for mapping, domain in cases:
+        if mapping == MappingType.SYMMETRIC_NO_CLIPPING_ERR and target_dtype in UNSIGNED:
+            continue
+        for gname, (block_size, granularity) in GRANULARITIES.items():
+            spec = qstats.QuantSpec.from_torchao(
+                target_dtype, mapping_type=mapping, granularity=granularity, zero_point_domain=domain,
+                input_dtype=input_dtype,
+            )
+            for name, x32 in INPUTS.items():
+                if name in ("tiny", "huge") and input_dtype == torch.float16:
+                    continue  # outside float16's range
+                x = x32.to(input_dtype)
+                choose = qp_lib._choose_qparams_affine_tinygemm if domain == ZeroPointDomain.FLOAT else qp_lib.choose_qparams_affine
+                scale, zero_point = choose(x, mapping, block_size, target_dtype)
+                qp = _observe(spec, x)
+                assert torch.equal(qp.scale.reshape(scale.shape), scale.float()), (mapping, domain, gname, name)
+                zp = None if domain == ZeroPointDomain.NONE else zero_point
+                if zp is not None:
+                    assert torch.equal(qp.zero_point.reshape(zp.shape).to(zp.dtype), zp)
+                q, dq = qp_lib._do_fake_quantize_affine(
+                    x, block_size, scale, zp, target_dtype, spec.qrange[0], spec.qrange[1], zero_point_domain=domain
+                )
+                assert torch.equal(qstats.quantize(x, qp, spec).to(torch.int32), q.to(torch.int32))
+                out = qstats.fake_quantize(x, qp, spec)
+                assert out.dtype == input_dtype and torch.equal(out, dq), (mapping, domain, gname, name)
