@@ -127,6 +127,9 @@ class QuantSpec:
       global_scale_formula: two-level (`TensorGroup`, NVFP4) global scale: ``"amax_over_range"``
         (default; torchao/ModelOpt ``amax / (448 * 6)``, effective scale ``scale * global``) or
         ``"range_over_amax"`` (compressed-tensors ``448 * 6 / amax``, effective ``scale / global``).
+      compute_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: with
+        ``convention="torchao"``, integer qparams and codes are computed in this dtype, as torchao
+        computes in the input's dtype (``from_torchao(input_dtype=torch.bfloat16)``).
 
     >>> spec = QuantSpec(dtype="int8", mapping="symmetric", granularity=PerAxis(0))
     >>> spec.qmin, spec.qmax
@@ -148,6 +151,7 @@ class QuantSpec:
     symmetric_zero_point: Optional[int] = None
     scale_rounding: str = "floor"
     global_scale_formula: str = "amax_over_range"
+    compute_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         dtype = self.dtype
