@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 from ._granularity import qparam_shape
 from ._qparams import QParams, check_calibrated, compute_qparams
 from ._quant import fake_quantize
-from .experts import routing_mask, warn_uncovered
+from .experts import dispatch, routing_mask, warn_uncovered
 from .recipe import PROJECTION_NAMES, Recipe
 
 __all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "run_model"]
@@ -183,8 +183,10 @@ def calibrate(
             extra = weight_for(tokens, flattened=True)
             if extra is not None:
                 mask = mask * (extra != 0).to(mask.dtype)
-            x = tokens.expand(found.num_experts, *tokens.shape)
-            weight = mask
+            if tokens.device.type == "cpu":
+                x, weight = dispatch(tokens, mask)
+            else:  # no host read of the token counts: every expert sees every (masked) token
+                x, weight = tokens.expand(found.num_experts, *tokens.shape), mask
             previous = states.setdefault(path, {}).get(site)
         else:
             weight = weight_for(x, flattened=False)

@@ -25,6 +25,7 @@ __all__ = [
     "UncalibratedWarning",
     "expert_count",
     "is_stacked_parameter",
+    "dispatch",
     "routing_mask",
     "stacked_observer",
     "uncovered_experts",
@@ -142,6 +143,26 @@ def routing_mask(args: tuple, kwargs: dict, num_experts: int, tokens: int) -> Op
             one_hot = torch.nn.functional.one_hot(index, num_classes=num_experts + 1)[..., :num_experts]
             return one_hot.amax(dim=1).transpose(0, 1).to(torch.float32)
     return None
+
+
+def dispatch(tokens: torch.Tensor, mask: torch.Tensor, capacity: Optional[int] = None):
+    """Each expert's tokens gathered into a fixed-shape stack: ``(x [E, C, ...], weight [E, C])``.
+
+    Row ``c`` of expert ``e`` is the ``c``-th token routed to ``e`` (token order kept); rows past
+    an expert's token count are padding with weight 0. ``capacity`` ``C`` defaults to the largest
+    token count of any expert (read on the host; pass ``tokens.shape[0]`` to avoid that). The
+    statistics equal those of ``tokens`` shared by every expert with ``mask`` as the weight, on
+    ``E * C`` rows instead of ``E * tokens``.
+    """
+    if mask.ndim != 2 or mask.shape[1] != tokens.shape[0]:
+        raise ValueError(
+            f"dispatch: mask of shape {tuple(mask.shape)} does not match {tokens.shape[0]} tokens ([E, tokens])"
+        )
+    if capacity is None:
+        capacity = int((mask != 0).sum(dim=1).max()) if mask.numel() else 0
+    capacity = max(1, min(int(capacity), tokens.shape[0]))
+    order = torch.argsort((mask != 0).to(torch.int8), dim=1, descending=True, stable=True)[:, :capacity]
+    return tokens[order], torch.gather(mask, 1, order)
 
 
 def uncovered_experts(state) -> Optional[list]:
