@@ -1,0 +1,126 @@
+"""qstats.report: figures against torch's own fake-quant ops and plain tensor arithmetic."""
+
+import csv
+import io
+import json
+import math
+
+import pytest
+import torch
+from torch.ao.quantization.observer import MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver
+
+import qstats
+
+WEIGHT_SPEC = qstats.QuantSpec.from_torch_ao(dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
+INPUT_SPEC = qstats.QuantSpec.from_torch_ao(dtype=torch.quint8, qscheme=torch.per_tensor_affine)
+
+
+def _setup(averaging_constant=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4)).eval()
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randn(5, 8, generator=generator) * (1 + 2 * i) for i in range(3)]
+    if averaging_constant is None:
+        input_rule = qstats.Rule("Linear", sites=("input",), observer=qstats.minmax, spec=INPUT_SPEC)
+    else:
+        input_rule = qstats.Rule(
+            "Linear",
+            sites=("input",),
+            observer=qstats.moving_average_minmax,
+            spec=INPUT_SPEC,
+            observer_kwargs={"averaging_constant": averaging_constant},
+        )
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=WEIGHT_SPEC), input_rule])
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    return model, batches, recipe, states, qparams
+
+
+def _sqnr(x, quantized):
+    return 10 * math.log10(float(x.pow(2).sum()) / float((x - quantized).pow(2).sum()))
+
+
+def test_weight_rows_match_torch_fake_quant():
+    model, batches, recipe, states, qparams = _setup()
+    rep = qstats.report(states, qparams, model, recipe)
+    rows = {(row.module, row.site): row for row in rep.rows}
+    for index, name in ((0, "0"), (2, "2")):
+        weight = model[index].weight.detach()
+        observer = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+        observer(weight)
+        scale, zero_point = observer.calculate_qparams()
+        quantized = torch.fake_quantize_per_channel_affine(weight, scale, zero_point.int(), 0, -128, 127)
+        codes = torch.round(weight / scale[:, None])
+        row = rows[(name, "weight")]
+        assert row.sqnr_db == pytest.approx(_sqnr(weight, quantized), rel=1e-6)
+        assert row.clipped_fraction == pytest.approx(float(((codes < -128) | (codes > 127)).float().mean()))
+        assert row.min == float(weight.min()) and row.max == float(weight.max())
+        assert row.mean_scale == pytest.approx(float(scale.mean()), rel=1e-6)
+        assert row.coverage == 1.0
+        assert row.observer == "minmax"
+    # without batches, activation rows have no measured error
+    assert rows[("0", "input")].sqnr_db is None and rows[("0", "input")].clipped_fraction is None
+
+
+def test_activation_rows_measured_on_batches_match_torch():
+    model, batches, recipe, states, qparams = _setup(averaging_constant=0.5)
+    held_out = [torch.randn(7, 8, generator=torch.Generator().manual_seed(5)) * 4]
+    rep = qstats.report(states, qparams, model, recipe, held_out)
+    row = next(r for r in rep.rows if (r.module, r.site) == ("0", "input"))
+    observer = MovingAverageMinMaxObserver(averaging_constant=0.5, dtype=torch.quint8)
+    for batch in batches:
+        observer(batch)
+    scale, zero_point = observer.calculate_qparams()
+    x = held_out[0]
+    quantized = torch.fake_quantize_per_tensor_affine(x, float(scale), int(zero_point), 0, 255)
+    codes = torch.round(x * (1.0 / float(scale))) + int(zero_point)
+    clipped = float(((codes < 0) | (codes > 255)).float().mean())
+    assert clipped > 0  # the moving average range is narrower than these inputs
+    assert row.clipped_fraction == pytest.approx(clipped)
+    assert row.sqnr_db == pytest.approx(_sqnr(x, quantized), rel=1e-5)
+
+
+def test_text_csv_json_and_worst():
+    model, batches, recipe, states, qparams = _setup()
+    rep = qstats.report(states, qparams, model, recipe, batches[:1])
+    text = rep.text()
+    for row in rep.rows:
+        assert row.module in text
+    parsed = list(csv.DictReader(io.StringIO(rep.to_csv())))
+    assert len(parsed) == len(rep.rows) == 4
+    for line, row in zip(parsed, rep.rows):
+        assert line["module"] == row.module and line["site"] == row.site
+        assert float(line["sqnr_db"]) == pytest.approx(row.sqnr_db)
+    loaded = json.loads(rep.to_json())
+    assert [item["site"] for item in loaded] == [row.site for row in rep.rows]
+    worst = rep.worst(2)
+    measured = sorted(row.sqnr_db for row in rep.rows if row.sqnr_db is not None)
+    assert [row.sqnr_db for row in worst] == measured[:2]
+    assert f"{worst[0].module} [{worst[0].site}]" in text
+
+
+def test_report_without_model_and_bad_arguments():
+    model, batches, recipe, states, qparams = _setup()
+    rep = qstats.report(states, qparams)
+    assert all(row.sqnr_db is None for row in rep.rows)
+    assert "-" in rep.text()
+    assert json.loads(rep.to_json())[0]["sqnr_db"] is None
+    with pytest.raises(ValueError, match="both model and recipe"):
+        qstats.report(states, qparams, model)
+    with pytest.raises(ValueError, match="module '0' site 'input'"):
+        qstats.report(states, {"0": {"weight": qparams["0"]["weight"]}, "2": qparams["2"]})
+
+
+def test_uncovered_coverage_reported():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    spec = qstats.QuantSpec(granularity=qstats.PerToken(), on_uncalibrated="fallback")
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=spec)])
+    x = torch.randn(4, 4)
+    x[1] = torch.nan  # one token with no finite value
+    states = qstats.calibrate(model, [x], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    rep = qstats.report(states, qparams)
+    assert rep.rows[0].coverage == 0.75
+    reference = MinMaxObserver()
+    reference(x[torch.isfinite(x).all(1)])
+    assert rep.rows[0].max == float(reference.max_val)
