@@ -242,9 +242,10 @@ def all_reduce(
     folded. A tree of minmax states costs 1 + 2.
 
     Laws: for states whose declaration is all min/max/integer sums, the result equals
-    ``reduce(obs.merge, [s_rank0, ..., s_rankN])`` bit for bit; for exact observers it hence
-    equals one-process calibration over all ranks' data. Folded states equal that rank-order
-    merge bit for bit.
+    ``reduce(obs.merge, [s_rank0, ..., s_rankN])`` bit for bit (one caveat: when ranks hold
+    ``0.0`` and ``-0.0`` as the same extreme, the sign of that zero follows the backend; the
+    quantization parameters are the same); for exact observers it hence equals one-process
+    calibration over all ranks' data. Folded states equal that rank-order merge bit for bit.
     """
     paths, states, leaf_observers, treespec = _flatten(tree, observers)
     if not (dist.is_available() and dist.is_initialized()):
@@ -256,7 +257,7 @@ def all_reduce(
 
     if check:
         fingerprint = _fingerprint(treespec, states, plan)
-        probe = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=_probe_device(states, group))
+        probe = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=_probe_device(group))
         dist.all_reduce(probe, op=dist.ReduceOp.MIN, group=group)
         if int(probe[0]) != fingerprint or int(-probe[1]) != fingerprint:
             raise ValueError(
@@ -308,7 +309,7 @@ def all_reduce(
     return optree.tree_unflatten(treespec, new_states)
 
 
-def _probe_device(states, group) -> torch.device:
+def _probe_device(group) -> torch.device:
     backend = dist.get_backend(group)
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
