@@ -228,6 +228,7 @@ def compressed_tensors(
     dropped: set[str] = set()  # float weights replaced by packed codes
     schemes: dict[str, dict] = {}
     uncalibrated = []
+    rounded = []
 
     for module_path, sites in qparams.items():
         if module_path not in modules:
@@ -249,6 +250,13 @@ def compressed_tensors(
             offset = _code_offset(spec, where)
             prefix = module_path + "." if module_path else ""
             name = _SITE_PREFIX[site]
+            if args["strategy"] != "tensor_group" and args["dynamic"] is not True:
+                # Scales are stored in the module's dtype (as compressed-tensors does); codes are
+                # computed with the stored scales so the checkpoint is self-consistent.
+                stored = qp.scale.to(_scale_dtype(module))
+                if not torch.equal(stored.float(), qp.scale.float()):
+                    rounded.append(where)
+                    qp = qp._replace(scale=stored.float())
             if site == "weight":
                 weight = module.weight.detach()
                 if weight.dim() != 2:
@@ -289,6 +297,13 @@ def compressed_tensors(
         if scheme:
             schemes[module_path] = scheme
 
+    if rounded:
+        warnings.warn(
+            f"export.compressed_tensors: scales of {len(rounded)} site(s) were rounded to the model's dtype "
+            f"({', '.join(rounded[:4])}, ...); calibrate with a spec whose scale_dtype is that dtype to keep "
+            "qstats' and the checkpoint's quantization identical",
+            stacklevel=2,
+        )
     if uncalibrated:
         warnings.warn(
             f"export.compressed_tensors: {len(uncalibrated)} site(s) hold uncalibrated (fallback) qparams: "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -199,6 +200,35 @@ def test_compressed_tensors_writes_the_same_checkpoint(tmp_path, case):
     assert sorted(theirs) == sorted(ours)
     for name in ours:
         assert _bit_equal(ours[name], theirs[name]), name
+
+
+def test_bfloat16_model_stores_bfloat16_scales(tmp_path):
+    """A bfloat16 model: scales are stored in bfloat16 as compressed-tensors initialises them. With a
+    float32 scale spec the export warns and quantizes with the rounded scales; with
+    scale_dtype='bfloat16' nothing is rounded. Either way the written codes are qstats.quantize with
+    the stored scales, so the checkpoint is self-consistent."""
+    weight_args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    torch.manual_seed(0)
+    model = Tiny().eval().to(torch.bfloat16)
+    x = torch.randn(6, 32, dtype=torch.bfloat16)
+    for scale_dtype, warns in (("float32", True), ("bfloat16", False)):
+        spec = qstats.QuantSpec.from_compressed_tensors(weight_args, scale_dtype=scale_dtype)
+        recipe = qstats.Recipe([qstats.Rule(targets="Linear", sites=("weight",), spec=spec)], ignore=["head"])
+        states = qstats.calibrate(model, [x], recipe, progress=False)
+        qparams = qstats.compute_qparams_tree(states, recipe, model)
+        out = tmp_path / scale_dtype
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            qstats.export.compressed_tensors(model, qparams, str(out), recipe)
+        assert any("rounded" in str(w.message) for w in caught) == warns
+        written = load_file(os.path.join(str(out), "model.safetensors"))
+        scale = written["fc1.weight_scale"]
+        assert scale.dtype == torch.bfloat16
+        stored = qparams["fc1"]["weight"]._replace(scale=scale.float().reshape(-1))
+        codes = qstats.quantize(model.fc1.weight, stored, spec)
+        assert torch.equal(written["fc1.weight"], codes.to(torch.int8))
+        if not warns:
+            assert _bit_equal(scale.float().reshape(-1), qparams["fc1"]["weight"].scale)
 
 
 def test_unsigned_torch_ao_range_is_shifted_onto_signed(tmp_path):
