@@ -107,7 +107,9 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set, where: str) 
         if kind == "tensor":
             key = node["key"]
             if key not in tensors:
-                raise ValueError(f"qstats.io: the checkpoint has no tensor {key!r} (needed at {where}); the file is incomplete")
+                raise ValueError(
+                    f"qstats.io: the checkpoint has no tensor {key!r} (needed at {where}); the file is incomplete"
+                )
             used.add(key)
             return tensors[key]
         if kind == "namedtuple":
@@ -242,7 +244,9 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
             metadata = handle.metadata() or {}
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     except SafetensorError as error:
-        raise ValueError(f"qstats.io: {source} is corrupt or truncated (not a readable safetensors file: {error})") from None
+        raise ValueError(
+            f"qstats.io: {source} is corrupt or truncated (not a readable safetensors file: {error})"
+        ) from None
     except (OSError, RuntimeError) as error:
         if isinstance(error, FileNotFoundError):
             raise

@@ -127,7 +127,8 @@ def test_nonfinite_ignored_and_counted_like_the_finite_values_alone(family, spec
     assert torch.equal(state.nonfinite, (~finite).sum(dim=dims))
     assert int(state.nonfinite.sum()) == 3
     qp = qstats.compute_qparams(state, dataclasses.replace(spec, on_uncalibrated="fallback"))
-    clean = qstats.qparams_from_minmax(expected_min, expected_max, dataclasses.replace(spec, on_uncalibrated="fallback"))
+    fallback = dataclasses.replace(spec, on_uncalibrated="fallback")
+    clean = qstats.qparams_from_minmax(expected_min, expected_max, fallback)
     testing.assert_states_equal(qp, clean, approx_fields=())
     _assert_good_qparams(qp, "poisoned")
 
@@ -195,7 +196,8 @@ def test_wrong_shapes_raise_naming_both(case):
         with pytest.raises(ValueError) as error:
             obs.merge(state, other_state)
         message = str(error.value)
-        assert str(mine) in message and str(theirs) in message, f"{name}: merge error does not name both shapes: {message}"
+        named = str(mine) in message and str(theirs) in message
+        assert named, f"{name}: merge error does not name both shapes: {message}"
     granularity = getattr(obs.spec, "granularity", None)
     if granularity is not None and not isinstance(granularity, qstats.PerTensor):
         assert checked, f"{name}: no shape-changing input was tried"

@@ -65,7 +65,8 @@ def _leaf_difference(actual: torch.Tensor, expected: torch.Tensor, approx: bool,
         if not torch.equal(a_nan, e_nan):
             return "NaN entries differ"
         a_inf, e_inf = torch.isinf(actual), torch.isinf(expected)
-        if not torch.equal(torch.where(a_inf, actual, 0), torch.where(e_inf, expected, 0)) or not torch.equal(a_inf, e_inf):
+        same_inf = torch.equal(a_inf, e_inf)
+        if not same_inf or not torch.equal(torch.where(a_inf, actual, 0), torch.where(e_inf, expected, 0)):
             return "infinite entries differ"
         finite = ~(a_nan | a_inf)
         a = torch.where(finite, actual, 0).double()
@@ -246,7 +247,8 @@ def check_homomorphism(
                 merged,
                 sequential,
                 approx_fields=approx_fields,
-                message=f"{name}: homomorphism (merge of per-group states for split {list(cuts)} vs sequential updates)",
+                message=f"{name}: homomorphism (merge of per-group states for split {list(cuts)} "
+                "vs sequential updates)",
             )
     a, b = (xs[1], xs[2]) if len(xs) >= 3 else (xs[0], xs[1])
     if _concatenable(obs, a, b):
@@ -257,7 +259,8 @@ def check_homomorphism(
                 obs.merge(obs.update(state, a), obs.update(init, b)),
                 obs.update(state, joined),
                 approx_fields=approx_fields,
-                message=f"{name}: homomorphism update(s, cat(a, b)) == merge(update(s, a), update(init, b)) with s = {label}",
+                message=f"{name}: homomorphism update(s, cat(a, b)) == merge(update(s, a), update(init, b)) "
+                f"with s = {label}",
             )
 
 
@@ -276,32 +279,36 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
     xs = _need(xs, 2, "check_purity")
     name = _name(obs)
     spec = _spec_of(obs)
+
+    def same(actual, expected, what):
+        assert_states_equal(actual, expected, approx_fields=(), message=f"{name}: purity: {what}")
+
     x0, x1 = xs[0], xs[1]
     x0_copy, x1_copy = x0.clone(), x1.clone()
     init = obs.init(x0)
-    assert_states_equal(x0, x0_copy, approx_fields=(), message=f"{name}: purity: init modified its input")
+    same(x0, x0_copy, "init modified its input")
     state = obs.update(init, x0)
     state_copy = _clone(state)
     weight_copy = None if weight is None else weight.clone()
-    first = obs.update(state, x1, weight) if weight is not None else obs.update(state, x1)
-    second = obs.update(state, x1, weight) if weight is not None else obs.update(state, x1)
-    assert_states_equal(x1, x1_copy, approx_fields=(), message=f"{name}: purity: update modified the input tensor")
-    assert_states_equal(state, state_copy, approx_fields=(), message=f"{name}: purity: update modified the state")
+    extra = () if weight is None else (weight,)
+    first = obs.update(state, x1, *extra)
+    second = obs.update(state, x1, *extra)
+    same(x1, x1_copy, "update modified the input tensor")
+    same(state, state_copy, "update modified the state")
     if weight is not None:
-        assert_states_equal(weight, weight_copy, approx_fields=(), message=f"{name}: purity: update modified the weight")
-    assert_states_equal(first, second, approx_fields=(), message=f"{name}: purity: update gave different results twice")
+        same(weight, weight_copy, "update modified the weight")
+    same(first, second, "update gave different results twice")
     first_copy = _clone(first)
     merged = obs.merge(state, first)
     again = obs.merge(state, first)
-    assert_states_equal(state, state_copy, approx_fields=(), message=f"{name}: purity: merge modified its first argument")
-    assert_states_equal(first, first_copy, approx_fields=(), message=f"{name}: purity: merge modified its second argument")
-    assert_states_equal(merged, again, approx_fields=(), message=f"{name}: purity: merge gave different results twice")
+    same(state, state_copy, "merge modified its first argument")
+    same(first, first_copy, "merge modified its second argument")
+    same(merged, again, "merge gave different results twice")
     if spec is not None:
-        qp = compute_qparams(merged, spec)
-        qp_again = compute_qparams(merged, spec)
-        assert_states_equal(qp, qp_again, approx_fields=(), message=f"{name}: purity: compute_qparams gave different results twice")
-        merged_copy = _clone(again)
-        assert_states_equal(merged, merged_copy, approx_fields=(), message=f"{name}: purity: compute_qparams modified the state")
+        merged_copy = _clone(merged)
+        qparams = compute_qparams(merged, spec)
+        same(merged, merged_copy, "compute_qparams modified the state")
+        same(qparams, compute_qparams(merged, spec), "compute_qparams gave different results twice")
 
 
 def _check_state_leaves(state, name: str) -> None:
@@ -384,7 +391,9 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
             f"{name}: vmap(update, weight)", vmap(obs.update), stacked_states, stacked_next, torch.stack(masks)
         )
         looped_w = qtree.stack([obs.update(s, x, w) for s, x, w in zip(states, nexts, masks)])
-        assert_states_equal(batched_w, looped_w, approx_fields=approx_fields, message=f"{name}: vmap(update, weight) vs loop")
+        assert_states_equal(
+            batched_w, looped_w, approx_fields=approx_fields, message=f"{name}: vmap(update, weight) vs loop"
+        )
 
     merged = _attempt(f"{name}: vmap(merge)", vmap(obs.merge), stacked_states, batched)
     looped_merge = qtree.stack([obs.merge(s, t) for s, t in zip(states, qtree.unstack(batched))])
