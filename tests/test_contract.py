@@ -46,6 +46,15 @@ def test_case_list_is_well_formed():
         assert isinstance(make_x(torch.Generator().manual_seed(0)), torch.Tensor), name
 
 
+def test_every_registered_state_type_has_a_case():
+    registered = {name for name, cls in qstats.observers.state_types().items() if cls.__module__.startswith("qstats.")}
+    covered = set()
+    for case in CASES:
+        name, factory, make_x, options = _unpack(case)
+        covered.add(type(factory().init(make_x(torch.Generator().manual_seed(0)))).__name__)
+    assert not registered - covered, f"state types without a case in tests/observer_cases.py: {registered - covered}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Every check can fail: broken observers built from minmax, one bug each.
 
