@@ -305,6 +305,28 @@ class QATModel:
     def _activation_keys(self):
         return self.layers if self.activation_observer is not None else ()
 
+    def sync(self, state: QATState, group=None, *, weights: bool = False) -> QATState:
+        """Merges the activation observer states across the ranks of ``group`` (one
+        `qstats.distributed.all_reduce`); every rank returns the same states, so every rank
+        fake-quantizes with, and freezes, the same ranges. Call it on every rank at the steps
+        where ``schedule.sync_at(step)`` is True (after that step's update).
+
+        Weight states are left alone unless ``weights=True`` (under data parallelism the weights,
+        hence their states, are already equal on every rank). Batch-norm statistics are not
+        synchronised (use SyncBatchNorm semantics elsewhere if needed). Without an initialised
+        process group the state is returned unchanged.
+        """
+        from . import distributed
+
+        if not isinstance(state, QATState):
+            raise TypeError(f"QATModel.sync: state must be a QATState, got {type(state).__name__}")
+        activations, weight_states = state.activations, state.weights
+        if self.activation_observer is not None and activations:
+            activations = distributed.all_reduce(activations, self.activation_observer, group)
+        if weights and self.weight_observer is not None and weight_states:
+            weight_states = distributed.all_reduce(weight_states, self.weight_observer, group)
+        return QATState(weight_states, activations, state.batchnorm)
+
     def learnable_ranges(self, state: QATState, weights: bool = False, activations: bool = True):
         """LSQ/LSQ+ ranges initialised from the observer states (detached float32 copies with
         ``requires_grad=True``), in the ``ranges`` format of `apply`."""
