@@ -134,3 +134,51 @@ def spec_from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, 
     )
     fields.update(overrides)
     return cls(**fields)
+
+
+# --------------------------------------------------------------------------------------------
+# Fake quantization where float32 arithmetic does not reproduce torch's kernels.
+#
+# torch.fake_quantize_per_tensor_affine computes ``q = round(x * (1 / scale)) + zero_point`` in
+# float32, clamps it in double and returns ``float(q - zero_point) * scale`` (an int64 difference
+# converted to float32). torch.fake_quantize_per_channel_affine returns
+# ``(clamp(q) - zero_point) * scale`` evaluated in double and rounded once; with float zero points
+# (per_channel_affine_float_qparams) ``q = round(x * (1 / scale) + zero_point)`` with a fused
+# multiply-add. For integer zero points and ranges within 2**24 every one of these equals the plain
+# float32 formula of qstats/_quant.py; float zero points and wider ranges (int32) take the functions
+# below. Not reproduced: torch's per-channel kernels cast ``x / scale`` to int64 before clamping, so
+# values beyond 2**63 (infinities included) land on quant_min; qstats clamps them to the nearest
+# end, as torch's per-tensor kernel does.
+_FLOAT32_EXACT_INTEGERS = 2**24
+
+
+def handles_codes(spec) -> bool:
+    """True for torch.ao integer specs whose fake quantization needs the exact kernel arithmetic."""
+    if spec.convention != "torch_ao" or spec.is_float:
+        return False
+    qmin, qmax = spec.qrange
+    return spec.zero_point_domain == "float" or max(-qmin, qmax) > _FLOAT32_EXACT_INTEGERS
+
+
+def codes(v: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec):
+    """``(unclamped, codes)`` of float32 ``v`` as float64 (exact for every int32 code)."""
+    qmin, qmax = spec.qrange
+    if spec.zero_point_domain == "float":
+        # lrintf(zero_point + x * inv_scale): compilers contract it to one fused multiply-add
+        # (x86 AVX2/AVX512 and aarch64 builds of torch), i.e. the exact value rounded once to
+        # float32; float64 holds the exact product, and rounds the sum once more only where it
+        # needs more than 53 bits.
+        inv_scale = (1.0 / scale).double()
+        unclamped = torch.round((v.double() * inv_scale + zero_point.double()).float())
+    else:
+        unclamped = torch.round(v * (1.0 / scale)) + zero_point.float()
+    unclamped = unclamped.double()
+    return unclamped, unclamped.clamp(qmin, qmax)
+
+
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec) -> torch.Tensor:
+    """float32 values of (float64 or integer) ``codes``, rounded as torch's fake-quant kernels."""
+    difference = codes.double() - zero_point.double()
+    if isinstance(spec.granularity, PerTensor) and spec.zero_point_domain != "float":
+        return difference.float() * scale
+    return (difference * scale.double()).float()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _compat_torchao, _formats
+from . import _compat_compressed_tensors, _compat_torch_ao, _compat_torchao, _formats
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
 from ._spec import QuantSpec
@@ -52,6 +52,10 @@ def _codes_float(view, scale, zero_point, spec: QuantSpec, global_scale=None):
         return _formats.codes(v, scale, global_scale, spec)
     if _compat_torchao.handles_codes(spec):  # torchao's float zero-point domain, bf16/fp16 arithmetic
         return _compat_torchao.torchao_codes(v, scale, zero_point, spec)
+    if _compat_torch_ao.handles_codes(spec):  # torch.ao float zero points and int32 ranges
+        return _compat_torch_ao.codes(v, scale, zero_point, spec)
+    if _compat_compressed_tensors.handles_codes(spec):  # compressed-tensors' order and dtypes
+        return _compat_compressed_tensors.codes(view, scale, zero_point, spec)
     if spec.is_float:
         fmax = spec.float_format.max
         scaled = v / scale
@@ -80,7 +84,8 @@ def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=tor
     """Values of ``codes``: ``(codes - zero_point) * scale`` (``codes * scale`` for floats)."""
     view = canonical_view(codes, spec.granularity)
     scale, zero_point = _params(qparams, view)
-    out = _dequantize_view(_formats.load_codes(view, spec), scale, zero_point, spec, qparams.global_scale)
+    values = view if _compat_torch_ao.handles_codes(spec) else _formats.load_codes(view, spec)  # int32: exact
+    out = _dequantize_view(values, scale, zero_point, spec, qparams.global_scale)
     return from_canonical_view(out, spec.granularity, codes.shape).to(dtype)
 
 
@@ -89,6 +94,10 @@ def _dequantize_view(codes, scale, zero_point, spec, global_scale=None):
         return _formats.dequantize_values(codes, scale, global_scale, spec)
     if _compat_torchao.handles_codes(spec):
         return _compat_torchao.torchao_dequantize(codes, scale, zero_point, spec)
+    if _compat_torch_ao.handles_codes(spec):
+        return _compat_torch_ao.dequantize_values(codes, scale, zero_point, spec)
+    if _compat_compressed_tensors.handles_codes(spec):
+        return _compat_compressed_tensors.dequantize_values(codes, scale, zero_point, spec)
     if spec.is_float:
         return codes * scale
     return (codes - zero_point.float()) * scale

@@ -1,0 +1,245 @@
+"""quantize / dequantize / fake_quantize against torch's own quantization ops, bit for bit.
+
+For every torch.ao observer configuration (dtype x qscheme x reduce_range x some custom ranges),
+the torch.ao observer's parameters are used twice: by ``torch.fake_quantize_per_tensor_affine`` /
+``torch.fake_quantize_per_channel_affine`` (float zero points for
+``per_channel_affine_float_qparams``) and ``torch.quantize_per_tensor`` / ``quantize_per_channel``,
+and by qstats' ``fake_quantize`` / ``quantize`` / ``dequantize`` with ``QuantSpec.from_torch_ao``.
+Inputs cover the calibration data, values far outside the range, exact ``.5`` ties of the scaled
+value, and float32/bfloat16/float16. Gradients are compared with torch's fake-quant ops (1 inside,
+0 where clipped).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+from torch.ao.quantization import observer as ao
+
+import qstats
+
+PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
+PER_CHANNEL = (torch.per_channel_affine, torch.per_channel_symmetric, torch.per_channel_affine_float_qparams)
+DTYPES = (
+    torch.qint8,
+    torch.quint8,
+    torch.quint4x2,
+    torch.qint32,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.float8_e5m2,
+    torch.float8_e4m3fn,
+    torch.uint16,
+)
+RANGES = ((None, None), (0, 15), (-8, 7), (-3, 4), (0, 1000), (-(2**15), 2**15 - 1), (-(2**31), 2**31 - 1))
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CH_AXIS = 1
+
+
+@pytest.fixture(autouse=True)
+def _quiet_single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many tiny ops: intra-op threads only add contention
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _configurations(qschemes):
+    for dtype, qscheme, reduce_range, (quant_min, quant_max) in itertools.product(
+        DTYPES, qschemes, (False, True), RANGES
+    ):
+        kwargs = dict(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range, quant_min=quant_min, quant_max=quant_max)
+        try:
+            spec = qstats.QuantSpec.from_torch_ao(**kwargs, ch_axis=CH_AXIS)
+        except ValueError:
+            continue
+        if qscheme in PER_TENSOR:
+            reference = ao.MinMaxObserver(**kwargs)
+        else:
+            reference = ao.PerChannelMinMaxObserver(ch_axis=CH_AXIS, **kwargs)
+        yield kwargs, spec, reference
+
+
+def _calibrated(spec, reference, x):
+    """torch.ao's (scale, zero point) and qstats' QParams for ``x`` (checked equal)."""
+    reference(x)
+    scale, zero_point = reference.calculate_qparams()
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    assert torch.equal(qp.scale.reshape(-1), scale.reshape(-1))
+    assert torch.equal(qp.zero_point.reshape(-1).double(), zero_point.reshape(-1).double())
+    return scale, zero_point, qp
+
+
+def _test_input(x, scale, zero_point, spec, generator, per_channel):
+    """Calibration data, values far outside the range and exact .5 ties of ``x * (1 / scale)``."""
+    channels = x.shape[CH_AXIS]
+    shape = (1, channels, 1) if per_channel else (1, 1, 1)
+    s = scale.reshape(shape)
+    z = zero_point.reshape(shape).to(torch.float64)
+    inv = 1.0 / s  # float32, as torch's kernels
+    # ties: targets k + 0.5 of the scaled value (k + 0.5 - zero point for float zero points)
+    k = (torch.arange(-130, 130, dtype=torch.float64) + 0.5).reshape(-1, 1, 5)
+    target = k - z if spec.zero_point_domain == "float" else k
+    ties = (target / inv.double()).float().expand(-1, channels, 5)
+    # far outside the range; per-tensor up to float16 overflow (torch's per-channel kernels cast
+    # x / scale to int64 before clamping, so infinities land on quant_min there: see
+    # test_per_channel_infinities_clip_to_the_nearest_end)
+    top = 4 if per_channel else 6
+    far = torch.randn(x.shape, generator=generator) * torch.logspace(0, top, x.shape[-1]).reshape(1, 1, -1)
+    return torch.cat([x, x * 3, far, -far, ties], dim=0), ties
+
+
+def _torch_fake_quantize(x, scale, zero_point, reference, spec):
+    if isinstance(spec.granularity, qstats.PerAxis):
+        zp = zero_point if zero_point.dtype.is_floating_point else zero_point.to(torch.int32)
+        return torch.fake_quantize_per_channel_affine(x, scale, zp, CH_AXIS, reference.quant_min, reference.quant_max)
+    return torch.fake_quantize_per_tensor_affine(
+        x, float(scale), int(zero_point), reference.quant_min, reference.quant_max
+    )
+
+
+def _torch_quantize(x, scale, zero_point, spec):
+    """torch's integer codes, clamped to the spec's range (torch clamps to its dtype's range)."""
+    qmin, qmax = spec.qrange
+    if -128 <= qmin and qmax <= 127:
+        qdtype = torch.qint8
+    elif 0 <= qmin and qmax <= 255:
+        qdtype = torch.quint8
+    else:
+        qdtype = torch.qint32
+    if isinstance(spec.granularity, qstats.PerAxis):
+        zp = zero_point if zero_point.dtype.is_floating_point else zero_point.long()
+        q = torch.quantize_per_channel(x, scale.double(), zp, CH_AXIS, qdtype)
+    else:
+        q = torch.quantize_per_tensor(x, float(scale), int(zero_point), qdtype)
+    return q.int_repr().long().clamp(qmin, qmax)
+
+
+def _check(kwargs, spec, reference, x, generator, counts):
+    scale, zero_point, qp = _calibrated(spec, reference, x)
+    per_channel = isinstance(spec.granularity, qstats.PerAxis)
+    test_x, ties = _test_input(x, scale, zero_point, spec, generator, per_channel)
+    inv = 1.0 / (scale.reshape(1, -1, 1) if per_channel else scale)
+    scaled = ties * inv
+    if spec.zero_point_domain == "float":
+        scaled = scaled + zero_point.reshape(1, -1, 1)
+    counts["ties"] += int((scaled - scaled.floor() == 0.5).sum())
+    if spec.zero_point_domain == "int" and not bool(((reference.quant_min <= zero_point) & (zero_point <= reference.quant_max)).all()):
+        # symmetric uint8 with reduce_range: torch.ao's zero point 128 is outside (0, 127) and
+        # torch's fake-quant ops refuse it; nothing to compare
+        with pytest.raises(RuntimeError, match="zero_point"):
+            _torch_fake_quantize(test_x, scale, zero_point, reference, spec)
+        counts["refused_by_torch"] += 1
+        return
+    for dtype in INPUT_DTYPES:
+        xt = test_x.to(dtype)
+        context = f"{kwargs} input {dtype}"
+        theirs_in = xt.clone().requires_grad_(True)
+        theirs = _torch_fake_quantize(theirs_in, scale, zero_point, reference, spec)
+        theirs.backward(torch.ones_like(theirs))
+        ours_in = xt.clone().requires_grad_(True)
+        ours = qstats.fake_quantize(ours_in, qp, spec)
+        ours.backward(torch.ones_like(ours))
+        assert ours.dtype == theirs.dtype == dtype, context
+        mismatch = ours != theirs
+        assert not mismatch.any(), (
+            f"fake_quantize differs for {context} at {int(mismatch.sum())} values, e.g. x={xt[mismatch][:4].tolist()}: "
+            f"torch {theirs[mismatch][:4].tolist()} qstats {ours[mismatch][:4].tolist()}"
+        )
+        assert torch.equal(ours_in.grad, theirs_in.grad), f"fake_quantize gradient differs for {context}"
+        assert int(ours_in.grad.sum()) > 0, f"test input must have unclipped values: {context}"
+        counts["clipped"] += ours_in.numel() - int(ours_in.grad.sum())
+        codes = qstats.quantize(xt, qp, spec)
+        assert codes.dtype == qstats.code_dtype(spec)
+        assert torch.equal(qstats.dequantize(codes, qp, spec, dtype=dtype), ours), f"dequantize(quantize) for {context}"
+        counts["fake_quantize"] += ours.numel()
+    qmin, qmax = spec.qrange
+    # torch.quantize_per_channel with float zero points and qint32 dies with SIGILL on this torch
+    # build (AVX-512 CPU), so float zero points are compared on 8-bit ranges only
+    fits_8_bits = -128 <= qmin and qmax <= 255 and qmax - qmin <= 255
+    if qmax - qmin <= 2**16 and (spec.zero_point_domain == "int" or fits_8_bits):
+        _check_quantize(kwargs, spec, qp, test_x, scale, zero_point, reference, counts)
+
+
+def _check_quantize(kwargs, spec, qp, x, scale, zero_point, reference, counts):
+    """torch's quantize ops round ``x * inv_scale + zero_point`` in a different order than its
+    fake-quant ops (quantize_per_tensor on 8 bits: one fused multiply-add in fbgemm; the others:
+    float32 ``x * inv_scale + zero_point``; fake-quant: ``round(x * inv_scale) + zero_point``), so
+    near .5 ties torch's two disagree. qstats follows the fake-quant ops: its codes equal
+    torch.quantize_* wherever torch agrees with itself, and torch's fake-quant codes everywhere."""
+    ours = qstats.quantize(x, qp, spec).long()
+    theirs = _torch_quantize(x, scale, zero_point, spec)
+    per_channel = isinstance(spec.granularity, qstats.PerAxis)
+    shape = (1, -1, 1) if per_channel else ()
+    fake = _torch_fake_quantize(x, scale, zero_point, reference, spec)
+    # codes of torch's fake-quant output (exact: |q - zero point| < 2**16, float32 relative error 2**-24)
+    fake_codes = torch.round(fake.double() / scale.reshape(shape).double() + zero_point.reshape(shape).double()).long()
+    assert torch.equal(ours, fake_codes), f"quantize vs torch fake-quant codes for {kwargs}"
+    torch_disagrees = theirs != fake_codes
+    # ... and only where x * inv_scale + zero_point is within a few float32 roundings of a .5 tie
+    product = x.double() * (1.0 / scale.reshape(shape)).double()
+    exact = product + zero_point.reshape(shape).double()
+    distance = (exact - exact.floor() - 0.5).abs()
+    magnitude = product.abs() + zero_point.reshape(shape).double().abs() + 1.0
+    near_tie = distance <= 4 * torch.finfo(torch.float32).eps * magnitude
+    assert not (torch_disagrees & ~near_tie).any(), f"torch's quantize and fake-quant disagree off the ties for {kwargs}"
+    mismatch = (ours != theirs) & ~torch_disagrees
+    assert not mismatch.any(), (
+        f"quantize differs for {kwargs} at x={x[mismatch][:4].tolist()}: torch {theirs[mismatch][:4].tolist()} "
+        f"qstats {ours[mismatch][:4].tolist()}"
+    )
+    counts["quantize"] += x.numel()
+    counts["torch_self_disagreements"] += int(torch_disagrees.sum())
+
+
+@pytest.mark.parametrize("qscheme", PER_TENSOR + PER_CHANNEL, ids=str)
+def test_matches_torch_quantization_ops(qscheme):
+    generator = torch.Generator().manual_seed(1)
+    counts = {"fake_quantize": 0, "quantize": 0, "ties": 0, "torch_self_disagreements": 0, "refused_by_torch": 0, "clipped": 0}
+    for kwargs, spec, reference in _configurations((qscheme,)):
+        x = torch.randn(4, 6, 5, generator=generator) * 2.0 + 0.3
+        _check(kwargs, spec, reference, x, generator, counts)
+    assert counts["quantize"] > 5000 and counts["ties"] > 1000 and counts["clipped"] > 10000
+    print(f"{qscheme}: {counts}")
+
+
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
+def test_per_channel_infinities_clip_to_the_nearest_end(dtype):
+    """Values beyond int64 after scaling, infinities included: qstats clamps them to the nearest
+    end of the range, as torch.fake_quantize_per_tensor_affine does. (torch's per-channel kernel
+    casts x / scale to int64 before clamping, so there they land on quant_min.)"""
+    big = torch.tensor([float("inf"), -float("inf"), 1e30, -1e30, 1e20, -1e20, 3e4, -3e4, 0.5, -0.25]).to(dtype)
+    x = big.reshape(1, -1, 1).expand(2, -1, 3).contiguous()
+    scale, zero_point = 0.01, 3
+    for qdtype, qscheme in ((torch.qint8, torch.per_channel_affine), (torch.quint8, torch.per_channel_symmetric)):
+        spec = qstats.QuantSpec.from_torch_ao(qdtype, qscheme, ch_axis=CH_AXIS)
+        if qscheme == torch.per_channel_symmetric:
+            zero_point = 128
+        channels = x.shape[CH_AXIS]
+        qp = qstats.QParams(
+            torch.full((channels,), scale),
+            torch.full((channels,), zero_point, dtype=torch.int32),
+            torch.ones(()),
+            torch.ones(channels, dtype=torch.bool),
+        )
+        ours_in = x.clone().requires_grad_(True)
+        ours = qstats.fake_quantize(ours_in, qp, spec)
+        ours.sum().backward()
+        theirs_in = x.clone().requires_grad_(True)
+        qmin, qmax = spec.qrange
+        theirs = torch.fake_quantize_per_tensor_affine(theirs_in, scale, zero_point, qmin, qmax)
+        theirs.sum().backward()
+        assert torch.equal(ours, theirs)
+        assert torch.equal(ours_in.grad, theirs_in.grad)
+        assert torch.equal(qstats.quantize(x.float(), qp, spec).long(),
+                           torch.quantize_per_tensor(x.float(), scale, zero_point, qdtype).int_repr().long())
