@@ -46,9 +46,21 @@ DEFAULT_RTOL = 1e-5
 _ALL_FLOAT = "*"
 
 
+def _declared_approx_fields(tree: Any) -> set:
+    """Union of the ``approx_fields`` declared by the NamedTuple classes inside ``tree``."""
+    found: set = set()
+    if isinstance(tree, torch.Tensor) or optree.tree_is_leaf(tree):
+        return found
+    if hasattr(type(tree), "_fields"):
+        found.update(getattr(type(tree), "approx_fields", ()))
+    for child in optree.tree_flatten_one_level(tree)[0]:
+        found |= _declared_approx_fields(child)
+    return found
+
+
 def _approx_set(state: Any, approx_fields: Optional[Iterable[str]]) -> frozenset:
     if approx_fields is None:
-        approx_fields = getattr(type(state), "approx_fields", ())
+        approx_fields = _declared_approx_fields(state)
     if isinstance(approx_fields, str):
         approx_fields = (approx_fields,)
     return frozenset(approx_fields)
