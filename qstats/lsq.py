@@ -121,8 +121,8 @@ def lsq_fake_quantize(
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(dtype="int4")
     >>> params = qstats.LSQParams(torch.tensor(0.5, requires_grad=True), torch.tensor(0.0))
-    >>> qstats.lsq_fake_quantize(torch.tensor([0.3, 9.0]), params, spec)
-    tensor([0.5000, 3.5000], grad_fn=<ToCopyBackward0>)
+    >>> qstats.lsq_fake_quantize(torch.tensor([0.3, 9.0]), params, spec).detach()
+    tensor([0.5000, 3.5000])
     """
     _check_spec(spec)
     if not isinstance(params, LSQParams):
