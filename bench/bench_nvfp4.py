@@ -19,20 +19,24 @@ import torch
 import qstats
 
 
-def _best(fn, repeats):
-    fn()  # warm-up
-    times = []
+def _best_interleaved(fns, repeats):
+    """Best time of each function over ``repeats`` rounds that alternate between them, so that
+    load from other processes hits both alike."""
+    for fn in fns:
+        fn()  # warm-up
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
@@ -52,8 +56,7 @@ def main() -> None:
         return NVFP4Tensor.to_nvfp4(w, per_tensor_scale=scale).dequantize(torch.float32)
 
     same = torch.equal(run_qstats(), run_torchao())
-    t_qstats = _best(run_qstats, args.repeats)
-    t_torchao = _best(run_torchao, args.repeats)
+    t_qstats, t_torchao = _best_interleaved([run_qstats, run_torchao], args.repeats)
     print("| benchmark | qstats (ms) | torchao (ms) | ratio qstats/torchao | bit-identical |")
     print("| --- | --- | --- | --- | --- |")
     print(
