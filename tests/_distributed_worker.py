@@ -266,6 +266,8 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point of a forked or spawned rank: writes ``rank{R}.err`` with the traceback on failure."""
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # this process only: ranks talk over loopback
     try:
         main(rank, world, port, out_dir)
     except BaseException:

@@ -55,7 +55,7 @@ def _fork_ranks(world, port, out):
 
 
 def _spawn_ranks(world, port, out):
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     return [
         subprocess.Popen([sys.executable, WORKER, str(rank), str(world), str(port), str(out)], env=env)
         for rank in range(world)
@@ -80,7 +80,6 @@ def _wait(proc, timeout):
 def runs(tmp_path_factory):
     """{world: [results of rank 0, rank 1, ...]}; both world sizes run at the same time, as forked
     processes where the platform forks (warm: no second import of torch), else as new interpreters."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     fork = "fork" in multiprocessing.get_all_start_methods() and not os.environ.get("QSTATS_TEST_SPAWN")
     if fork:
         _warm_up()
