@@ -201,7 +201,9 @@ def compressed_tensors(
 
     Args:
       model: the calibrated model (its float weights are quantized with ``qparams``).
-      qparams: ``{module_path: {site: QParams}}``, e.g. from `qstats.compute_qparams_tree`.
+      qparams: ``{module_path: {site: QParams}}``, e.g. from `qstats.compute_qparams_tree`. A
+        dynamic activation site (per-token spec) needs no parameters: its value may be ``None``
+        (any QParams given for it are ignored).
       path: output folder; gets ``model.safetensors`` and ``config.json`` (a transformers model's
         ``config`` is included; an existing ``config.json`` there is extended).
       specs_or_recipe: the `qstats.Recipe` used to calibrate, or a ``{path: {site: QuantSpec}}``
@@ -242,11 +244,14 @@ def compressed_tensors(
             where = f"{module_path}/{site}"
             if site not in _SITE_PREFIX:
                 _fail(where, f"site {site!r} is not exportable (weight, input and output are)")
-            qp = _check_qparams(qp, where)
             spec = module_specs.get(site) if isinstance(module_specs, Mapping) else None
             if spec is None:
                 raise ValueError(f"export.compressed_tensors: no spec for {where}")
             args = quantization_args(spec, site, where)
+            if qp is None and args["dynamic"] is True and site != "weight":
+                scheme[site] = args  # dynamic activations: nothing calibrated, nothing written
+                continue
+            qp = _check_qparams(qp, where)
             offset = _code_offset(spec, where)
             prefix = module_path + "." if module_path else ""
             name = _SITE_PREFIX[site]

@@ -89,6 +89,11 @@ CASES = {
         QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor"),
         "float-quantized",
     ),
+    "fp8-dynamic": (
+        QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel"),
+        QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True),
+        "float-quantized",
+    ),
     "w4-int-group-asym": (
         QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16),
         None,
@@ -136,7 +141,9 @@ def test_compressed_tensors_loads_our_values(tmp_path, case):
         if not weight_args.symmetric:
             assert _bit_equal(loaded.weight_zero_point.data, ref_zp)
         # input activations
-        if input_args is not None:
+        if input_args is not None and input_args.dynamic:
+            assert scheme.input_activations.dynamic is True and not hasattr(loaded, "input_scale")
+        elif input_args is not None:
             assert _bit_equal(loaded.input_scale.data, ours["input"].scale.reshape(1))
             x = inputs[name]
             ref_scale, ref_zp = calculate_qparams(x.amin().reshape(1), x.amax().reshape(1), input_args)
@@ -312,3 +319,20 @@ def test_transformers_loads_the_export_and_runs_it_like_fake_quantized(tmp_path)
         plain = model(**test_batch).last_hidden_state
     assert _bit_equal(theirs, ours)
     assert not torch.equal(ours, plain)  # quantization did change the output
+
+
+def test_dynamic_sites_need_no_qparams(tmp_path):
+    weight_args, input_args, _ = CASES["fp8-dynamic"]
+    model, recipe, _, qparams = _calibrated(weight_args, input_args)
+    without = {path: {"weight": sites["weight"], "input": None} for path, sites in qparams.items()}
+    specs = recipe.specs(qparams, model)
+    qstats.export.compressed_tensors(model, without, str(tmp_path / "a"), specs)
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path / "b"), recipe)
+    a = load_file(os.path.join(str(tmp_path / "a"), "model.safetensors"))
+    b = load_file(os.path.join(str(tmp_path / "b"), "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(_bit_equal(a[k], b[k]) for k in a)
+    # a static site cannot go without parameters
+    static = qstats.QuantSpec.from_compressed_tensors(CASES["w8a8-int-channel-asym-input"][1])
+    bad_specs = {path: {"weight": s["weight"], "input": static} for path, s in specs.items()}
+    with pytest.raises(TypeError, match="expected QParams"):
+        qstats.export.compressed_tensors(model, without, str(tmp_path / "c"), bad_specs)
