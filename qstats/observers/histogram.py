@@ -402,8 +402,35 @@ def _cumulative(mom: _Moments, t: torch.Tensor):
     return m0, m1, m2
 
 
+def _lean_grid(lo, hi, spec: QuantSpec):
+    """torch.ao / compressed-tensors scale and zero point of candidate ranges in float64, for the
+    searches (the chosen range goes through the spec's exact arithmetic afterwards)."""
+    qmin, qmax = spec.qrange
+    lo = torch.minimum(lo, torch.zeros_like(lo))
+    hi = torch.maximum(hi, torch.zeros_like(hi))
+    tiny = torch.finfo(torch.float32).eps
+    if spec.mapping == "asymmetric":
+        scale = ((hi - lo) / float(qmax - qmin)).clamp(min=tiny)
+        if spec.zero_point_domain == "float":
+            zero_point = -lo / scale
+        else:
+            zero_point = (qmin - torch.round(lo / scale)).clamp(qmin, qmax)
+    else:
+        if spec.mapping == "symmetric_no_clipping_err":
+            scale = torch.maximum(lo / float(qmin), hi / float(qmax))
+        else:
+            scale = torch.maximum(-lo, hi) / (float(qmax - qmin) / 2)
+        scale = scale.clamp(min=tiny)
+        zero_point = torch.full_like(scale, float(spec.zero_point_of_symmetric))
+    if spec.zero_point_domain == "none":
+        zero_point = torch.zeros_like(scale)
+    return scale, zero_point, (qmin - zero_point) * scale, (qmax - zero_point) * scale
+
+
 def _grid(lo, hi, spec: QuantSpec):
     """Scale and clipping points of candidate ranges (lo, hi): the spec's own arithmetic."""
+    if not spec.is_float and spec.scale_dtype == "float32" and spec.convention in ("torch_ao", "compressed_tensors"):
+        return _lean_grid(lo, hi, spec)
     shape = lo.shape
     calibrated = torch.ones(shape, dtype=torch.bool, device=lo.device)
     qp = qparams_from_minmax(lo.float(), hi.float(), spec, calibrated=calibrated)
@@ -421,16 +448,17 @@ def _l2_error(mom: _Moments, lo, hi, spec: QuantSpec):
     shape = clip_lo.shape
     flat = lambda t: t.reshape(*mom.counts.shape[:-1], -1)  # noqa: E731
     total0, total1, total2 = mom.c0[..., -1:], mom.c1[..., -1:], mom.c2[..., -1:]
-    l0, l1, l2 = _cumulative(mom, flat(clip_lo))
-    h0, h1, h2 = _cumulative(mom, flat(clip_hi))
     cl, ch = flat(clip_lo), flat(clip_hi)
-    below = l2 - 2 * cl * l1 + cl * cl * l0
-    above = (total2 - h2) - 2 * ch * (total1 - h1) + ch * ch * (total0 - h0)
     half = flat(scale) / 2
     dead_lo = torch.maximum(-half, cl)
     dead_hi = torch.minimum(half, ch)
-    d0l, _, d2l = _cumulative(mom, dead_lo)
-    d0h, _, d2h = _cumulative(mom, dead_hi)
+    n = cl.shape[-1]
+    m0, m1, m2 = _cumulative(mom, torch.cat([cl, ch, dead_lo, dead_hi], -1))  # one search for all four
+    l0, h0, d0l, d0h = m0.split(n, -1)
+    l1, h1, _, _ = m1.split(n, -1)
+    l2, h2, d2l, d2h = m2.split(n, -1)
+    below = l2 - 2 * cl * l1 + cl * cl * l0
+    above = (total2 - h2) - 2 * ch * (total1 - h1) + ch * ch * (total0 - h0)
     dead = (d2h - d2l).clamp(min=0)
     rounded = ((h0 - l0) - (d0h - d0l)).clamp(min=0)
     error = below.clamp(min=0) + above.clamp(min=0) + dead + rounded * flat(scale) ** 2 / 12
@@ -445,6 +473,29 @@ def _search_octaves(spec: QuantSpec) -> int:
     return min(spec.bits, 16) + 8
 
 
+def _coarsen(edges, counts, factor: int):
+    """Merges ``factor`` neighbouring buckets of a `_window` layout (negative side, the folded
+    small bucket, positive side)."""
+    if factor <= 1:
+        return edges, counts
+    width = (counts.shape[-1] - 1) // 2
+    lead = counts.shape[:-1]
+    neg = counts[..., :width].reshape(*lead, width // factor, factor).sum(-1)
+    pos = counts[..., width + 1 :].reshape(*lead, width // factor, factor).sum(-1)
+    coarse_counts = torch.cat([neg, counts[..., width : width + 1], pos], -1)
+    coarse_edges = torch.cat([edges[..., : width + 1 : factor], edges[..., width + 1 :: factor]], -1)
+    return coarse_edges, coarse_counts
+
+
+def _exact_final(state, spec, bins, edges, counts, lo, hi):
+    """The candidate of smallest exact error (integrated on buckets of 1/16 octave or finer)."""
+    coarse_edges, coarse_counts = _coarsen(edges, counts, max(1, bins // 16))
+    error = _exact_error(coarse_edges, coarse_counts, lo, hi, spec)
+    error = torch.where(hi - lo > 0, error, torch.full_like(error, math.inf))
+    best = torch.argmin(error, -1, keepdim=True)
+    return torch.gather(lo, -1, best).squeeze(-1), torch.gather(hi, -1, best).squeeze(-1)
+
+
 def _l2_search(state, spec, bins, low):
     edges, counts = _window(state, bins, low, _search_octaves(spec))
     mom = _moments(edges, counts)
@@ -457,8 +508,12 @@ def _l2_search(state, spec, bins, low):
         error = _l2_error(mom, -cand, cand, spec)
         error = torch.where(cand > 0, error, torch.full_like(error, math.inf))
         best = torch.argmin(error, -1, keepdim=True)
-        c = torch.gather(cand, -1, best).squeeze(-1)
-        return -c, c
+        n = cand.shape[-1]
+        # the analytic model's best and its neighbours, and the full range: exact final choice
+        index = torch.cat([(best + torch.arange(-8, 9, device=best.device)).clamp(0, n - 1),
+                           torch.full_like(best, n - 1)], -1)
+        finalists = torch.gather(cand, -1, index)
+        return _exact_final(state, spec, bins, edges, counts, -finalists, finalists)
     lo_all = state.min_val.double().clamp(max=0).unsqueeze(-1) * factors
     hi_all = state.max_val.double().clamp(min=0).unsqueeze(-1) * factors
     # 2-D search, coarse to fine: every 32nd edge, then +-32 edges by 4, then +-4 edges by 1
@@ -481,9 +536,12 @@ def _l2_search(state, spec, bins, low):
         i_lo = torch.div(best, k, rounding_mode="floor")
         best_lo = torch.gather(idx_lo, -1, i_lo.unsqueeze(-1)).squeeze(-1)
         best_hi = torch.gather(idx_hi, -1, (best - i_lo * k).unsqueeze(-1)).squeeze(-1)
-    lo = torch.gather(lo_all, -1, best_lo.unsqueeze(-1)).squeeze(-1)
-    hi = torch.gather(hi_all, -1, best_hi.unsqueeze(-1)).squeeze(-1)
-    return lo, hi
+    # the last stage's 9 x 9 neighbourhood and the extremes: exact final choice
+    lo_f = torch.cat([lo_c.unsqueeze(-1).expand(*lo_c.shape, k).flatten(-2), lo_all[..., -1:], lo_all[..., -1:],
+                      lo_c[..., k // 2 : k // 2 + 1]], -1)
+    hi_f = torch.cat([hi_c.unsqueeze(-2).expand(*hi_c.shape[:-1], k, k).flatten(-2), hi_all[..., -1:],
+                      hi_c[..., k // 2 : k // 2 + 1], hi_all[..., -1:]], -1)
+    return _exact_final(state, spec, bins, edges, counts, lo_f, hi_f)
 
 
 # ---------------------------------------------------------------------------------------------
