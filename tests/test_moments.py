@@ -1,0 +1,93 @@
+"""qstats.moments against direct numpy computations on the concatenated data."""
+
+import numpy as np
+import pytest
+import torch
+
+import qstats
+
+
+def _batches(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(7 + 3 * i, 5, generator=g) * (1 + i) + i for i in range(4)]
+
+
+@pytest.mark.parametrize("granularity", [qstats.PerTensor(), qstats.PerAxis(-1)])
+def test_statistics_match_numpy_over_all_batches(granularity):
+    spec = qstats.QuantSpec(granularity=granularity)
+    obs = qstats.moments(spec, p=3.0)
+    xs = _batches()
+    state = obs.init(xs[0])
+    for x in xs:
+        state = obs.update(state, x)
+    data = torch.cat(xs).double().numpy()
+    axis = None if isinstance(granularity, qstats.PerTensor) else 0
+    np.testing.assert_allclose(state.mean.numpy(), data.mean(axis=axis), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(state.variance.numpy(), data.var(axis=axis), rtol=1e-10)
+    np.testing.assert_allclose(state.abs_mean.numpy(), np.abs(data).mean(axis=axis), rtol=1e-12)
+    np.testing.assert_allclose(state.rms.numpy(), np.sqrt((data**2).mean(axis=axis)), rtol=1e-12)
+    np.testing.assert_allclose((state.power_total / state.count).numpy(), (np.abs(data) ** 3).mean(axis=axis), rtol=1e-10)
+    assert np.all(state.count.numpy() == (data.size if axis is None else data.shape[0]))
+
+
+def test_chan_merge_equals_one_pass_and_is_stable_for_large_offsets():
+    spec = qstats.QuantSpec()
+    obs = qstats.moments(spec)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(1000, generator=g, dtype=torch.float64) + 1e6 for _ in range(3)]
+    states = [obs.update(obs.init(x), x) for x in xs]
+    merged = obs.merge(obs.merge(states[0], states[1]), states[2])
+    data = torch.cat(xs).numpy()
+    # a naive sum-of-squares formula loses every digit here; Chan's merge keeps them
+    np.testing.assert_allclose(float(merged.variance), data.var(), rtol=1e-9)
+    np.testing.assert_allclose(float(merged.mean), data.mean(), rtol=1e-15)
+
+
+def test_weight_mask_and_nonfinite():
+    spec = qstats.QuantSpec()
+    obs = qstats.moments(spec)
+    x = torch.tensor([[1.0, 2.0], [float("nan"), 4.0], [5.0, float("inf")]])
+    state = obs.update(obs.init(x), x, torch.tensor([1.0, 1.0, 0.0]))
+    assert int(state.count) == 3 and int(state.nonfinite) == 1
+    assert float(state.mean) == pytest.approx((1 + 2 + 4) / 3)
+    with pytest.raises(ValueError, match="non-finite"):
+        strict = qstats.moments(qstats.QuantSpec(nonfinite="raise"))
+        strict.update(strict.init(x), x)
+
+
+def test_range_rules_match_their_formulas():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(10000, generator=g, dtype=torch.float64) * 2 + 0.5
+    data = x.numpy()
+    spec = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
+    obs = qstats.moments(spec, p=4.0)
+    state = obs.update(obs.init(x), x)
+    mean, std = data.mean(), data.std()
+    cases = {
+        ("mean_std", 3.0): (mean - 3 * std, mean + 3 * std),
+        ("mean_std", 2.0): (mean - 2 * std, mean + 2 * std),
+        ("rms", 4.0): (-4 * np.sqrt((data**2).mean()), 4 * np.sqrt((data**2).mean())),
+        ("abs_mean", 5.0): (-5 * np.abs(data).mean(), 5 * np.abs(data).mean()),
+        ("lp", 2.5): (-2.5 * (np.abs(data) ** 4).mean() ** 0.25, 2.5 * (np.abs(data) ** 4).mean() ** 0.25),
+    }
+    for (method, k), (lo, hi) in cases.items():
+        options = {"p": 4.0} if method == "lp" else {}
+        got = qstats.compute_qparams(state, spec, method=method, k=k, **options)
+        expected = qstats.qparams_from_minmax(torch.tensor(min(lo, 0.0)), torch.tensor(max(hi, 0.0)), spec)
+        assert float(got.scale) == pytest.approx(float(expected.scale), rel=1e-6), method
+        assert int(got.zero_point) == int(expected.zero_point), method
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="p"):
+        qstats.moments(qstats.QuantSpec(), p=0)
+    spec = qstats.QuantSpec()
+    obs = qstats.moments(spec)
+    state = obs.update(obs.init(torch.ones(3)), torch.ones(3))
+    with pytest.raises(ValueError, match="method"):
+        qstats.compute_qparams(state, spec, method="sigma")
+    with pytest.raises(TypeError, match="p="):
+        qstats.compute_qparams(state, spec, method="lp")
+    per_axis = qstats.moments(qstats.QuantSpec(granularity=qstats.PerAxis(0)))
+    with pytest.raises(ValueError, match=r"\(4,\)"):
+        per_axis.update(per_axis.init(torch.ones(3, 2)), torch.ones(4, 2))

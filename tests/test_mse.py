@@ -1,0 +1,155 @@
+"""qstats.mse against llm-compressor's memoryless_mse and mse observers (the real library)."""
+
+import pytest
+import torch
+
+import qstats
+
+llmc_observers = pytest.importorskip("llmcompressor.observers")
+from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
+
+
+def _llmc(args, base_name, xs):
+    observer = llmc_observers.Observer.load_from_registry(args.observer, base_name=base_name, args=args)
+    for x in xs:
+        observer(x)
+    qp = observer.get_qparams()
+    return qp["scale"], qp["zero_point"]
+
+
+WEIGHT_ARGS = [
+    dict(num_bits=4, type="int", symmetric=True, strategy="channel"),
+    dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16),
+    dict(num_bits=8, type="int", symmetric=True, strategy="tensor"),
+    dict(num_bits=3, type="int", symmetric=False, strategy="channel"),
+]
+
+
+@pytest.mark.parametrize("fields", WEIGHT_ARGS, ids=lambda f: f"{f['strategy']}-int{f['num_bits']}-{'sym' if f['symmetric'] else 'asym'}")
+def test_one_batch_equals_memoryless_mse_without_early_stopping(fields):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 64, generator=g) * torch.rand(24, 1, generator=g) * 3
+    w[3, 5] = 9.0  # an outlier
+    args = QuantizationArgs(**fields, observer="memoryless_mse", observer_kwargs={"patience": 10**6})
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    scale, zero_point = _llmc(args, "weight", [w])
+    obs = qstats.mse(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec)
+    assert torch.equal(qp.scale, scale.reshape(qp.scale.shape))
+    assert torch.equal(qp.zero_point.to(zero_point.dtype), zero_point.reshape(qp.zero_point.shape))
+
+
+@pytest.mark.parametrize("fields", WEIGHT_ARGS[:2], ids=["channel", "group"])
+def test_patience_reproduces_llm_compressor_early_stopping(fields):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(16, 64, generator=g)
+    for patience in (1, 3, 5):
+        args = QuantizationArgs(**fields, observer="memoryless_mse", observer_kwargs={"patience": patience, "grid": 50, "maxshrink": 0.5})
+        spec = qstats.QuantSpec.from_compressed_tensors(args)
+        scale, _ = _llmc(args, "weight", [w])
+        obs = qstats.mse(spec, grid=50, maxshrink=0.5)
+        qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec, patience=patience)
+        assert torch.equal(qp.scale, scale.reshape(qp.scale.shape)), patience
+
+
+def test_streaming_with_a_reference_equals_one_search_over_all_data():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 32, generator=g) * 2
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="tensor", observer="memoryless_mse",
+                            observer_kwargs={"patience": 10**6})
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    scale, _ = _llmc(args, "weight", [x])
+    minmax = qstats.minmax(spec)
+    reference = minmax.update(minmax.init(x), x)  # pass 1: the range (e.g. synced across ranks)
+    obs = qstats.mse(spec, reference=reference)
+    assert obs.exact
+    shards = [obs.update(obs.init(x), part) for part in x.split([5, 20, 39])]
+    merged = obs.merge(obs.merge(shards[2], shards[0]), shards[1])
+    qp = qstats.compute_qparams(merged, spec)
+    assert torch.equal(qp.scale, scale.reshape(()))
+
+
+def test_accumulated_choice_differs_from_averaging_and_is_better_on_all_data():
+    # two batches of different scales: the argmin over all data beats llm-compressor's average
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(4096, generator=g), torch.randn(4096, generator=g) * 4]
+    xs[0][0] = 12.0
+    spec = qstats.QuantSpec(dtype="int4")
+    full = torch.cat(xs)
+    minmax = qstats.minmax(spec)
+    reference = minmax.update(minmax.init(full), full)
+    accumulate = qstats.mse(spec, reference=reference, maxshrink=0.8, grid=100)
+    state = accumulate.init(full)
+    for x in xs:
+        state = accumulate.update(state, x)
+    average = qstats.mse(spec, mode="moving_average", averaging_constant=0.5, maxshrink=0.8, grid=100, patience=None)
+    avg_state = average.init(full)
+    for x in xs:
+        avg_state = average.update(avg_state, x)
+
+    def error(qp):
+        return float(((qstats.fake_quantize(full, qp, spec) - full).abs() ** 2.4).sum())
+
+    assert error(qstats.compute_qparams(state, spec)) <= error(qstats.compute_qparams(avg_state, spec))
+
+
+def test_moving_average_mode_reproduces_llm_compressor_mse():
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(2, 16, 32, generator=g) * (1 + i) for i in range(3)]
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="tensor", observer="mse",
+                            observer_kwargs={"averaging_constant": 0.25})
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    scale, zero_point = _llmc(args, "input", xs)
+    obs = qstats.mse(spec, mode="moving_average", averaging_constant=0.25)
+    state = obs.init(xs[0])
+    for x in xs:
+        state = obs.update(state, x)
+    qp = qstats.compute_qparams(state, spec)
+    assert torch.allclose(qp.scale, scale.reshape(()), rtol=1e-6)
+    assert int(qp.zero_point) == int(zero_point.reshape(()))
+
+
+def test_sqnr_matches_llm_compressor_within_one_percent():
+    g = torch.Generator().manual_seed(5)
+    w = torch.distributions.StudentT(4.0).sample((32, 128))
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="channel", observer="memoryless_mse")
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    scale, _ = _llmc(args, "weight", [w])
+    obs = qstats.mse(spec)
+    ours = qstats.compute_qparams(obs.update(obs.init(w), w), spec, patience=5)
+    reference = qstats.QParams(scale.reshape(-1), torch.zeros(32, dtype=torch.int32), torch.ones(()), torch.ones(32, dtype=torch.bool))
+
+    def sqnr(qp):
+        error = qstats.fake_quantize(w, qp, spec) - w
+        return float(10 * torch.log10((w**2).sum() / (error**2).sum()))
+
+    del g
+    assert abs(sqnr(ours) - sqnr(reference)) <= 0.01 * abs(sqnr(reference))
+
+
+def test_masked_values_do_not_count():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(10, 8, generator=g)
+    keep = torch.tensor([1, 1, 0, 1, 0, 1, 1, 1, 0, 1])
+    spec = qstats.QuantSpec(dtype="int4")
+    obs = qstats.mse(spec)
+    masked = obs.update(obs.init(x), x, keep)
+    subset = obs.update(obs.init(x), x[keep != 0])
+    assert torch.equal(masked.min_val, subset.min_val) and torch.equal(masked.max_val, subset.max_val)
+    assert torch.allclose(masked.loss, subset.loss, rtol=1e-6)
+
+
+def test_bad_input():
+    spec = qstats.QuantSpec(dtype="int4")
+    with pytest.raises(ValueError, match="maxshrink"):
+        qstats.mse(spec, maxshrink=1.5)
+    with pytest.raises(ValueError, match="candidate"):
+        qstats.mse(spec, maxshrink=0.001, grid=10)
+    with pytest.raises(ValueError, match="mode"):
+        qstats.mse(spec, mode="ema")
+    with pytest.raises(ValueError, match="reference"):
+        qstats.mse(qstats.QuantSpec(granularity=qstats.PerAxis(0)), reference=(torch.zeros(3), torch.ones(3))).init(torch.ones(4, 2))
+    obs = qstats.mse(spec)
+    state = obs.update(obs.init(torch.ones(4)), torch.ones(4))
+    with pytest.raises(ValueError, match="patience"):
+        qstats.compute_qparams(state, spec, patience=-1)
