@@ -1,0 +1,93 @@
+"""Fixed, placeholder, noop and recording observers against torch.ao's."""
+
+import warnings
+
+import pytest
+import torch
+from torch.ao.quantization import observer as ao
+
+import qstats
+
+warnings.filterwarnings("ignore")
+
+
+@pytest.mark.parametrize(
+    "ours,theirs",
+    [(qstats.sigmoid_qparams, ao.default_fixed_qparams_range_0to1_observer),
+     (qstats.tanh_qparams, ao.default_fixed_qparams_range_neg1to1_observer)],
+    ids=["sigmoid", "tanh"],
+)
+def test_presets_match_torch_ao(ours, theirs):
+    reference = theirs()
+    x = torch.randn(4, 8)
+    reference(x)
+    scale, zero_point = reference.calculate_qparams()
+    obs = ours()
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), obs.spec)
+    assert float(qp.scale) == float(scale)
+    assert int(qp.zero_point) == int(zero_point)
+    assert (obs.spec.qmin, obs.spec.qmax) == (reference.quant_min, reference.quant_max)
+    # the fake-quantized values agree with torch's kernel
+    expected = torch.fake_quantize_per_tensor_affine(x, float(scale), int(zero_point), reference.quant_min, reference.quant_max)
+    assert torch.equal(qstats.fake_quantize(x, qp, obs.spec), expected)
+
+
+def test_fixed_qparams_per_channel_and_validation():
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+    obs = qstats.fixed_qparams(spec, torch.tensor([0.1, 0.2, 0.3]), 0)
+    x = torch.randn(3, 5)
+    state = obs.update(obs.init(x), x)
+    assert int(state.count) == 15
+    qp = qstats.compute_qparams(state, spec)
+    assert torch.equal(qp.scale, torch.tensor([0.1, 0.2, 0.3]))
+    with pytest.raises(ValueError, match="do not fit"):
+        obs.init(torch.randn(4, 5))
+    with pytest.raises(ValueError, match="scale"):
+        qstats.fixed_qparams(spec, 0.0)
+    with pytest.raises(ValueError, match="zero_point"):
+        qstats.fixed_qparams(spec, 0.1, 300)
+
+
+def test_placeholder_and_noop_refuse_qparams_like_torch_ao():
+    with pytest.raises(Exception):
+        ao.PlaceholderObserver(dtype=torch.float16).calculate_qparams()
+    with pytest.raises(Exception):
+        ao.NoopObserver().calculate_qparams()
+    spec = qstats.QuantSpec()
+    for obs in (qstats.placeholder(spec), qstats.noop(spec)):
+        x = torch.randn(3, 4)
+        state = obs.update(obs.init(x), x)
+        assert int(state.count) == 12
+        with pytest.raises(TypeError, match="no statistics"):
+            qstats.compute_qparams(state, spec)
+
+
+def test_recording_keeps_everything_below_capacity_like_torch_ao():
+    reference = ao.RecordingObserver()
+    obs = qstats.recording(capacity=64)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 4, generator=g) for _ in range(3)]
+    state = obs.init(xs[0])
+    for x in xs:
+        reference(x)
+        state = obs.update(state, x)
+    recorded = torch.cat([t.reshape(-1) for t in reference.get_tensor_value()])
+    assert torch.equal(torch.sort(qstats.recorded_values(state)).values, torch.sort(recorded).values)
+    assert int(state.count) == 36
+
+
+def test_recording_is_bounded_and_split_invariant():
+    obs = qstats.recording(capacity=50)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1000, generator=g)
+    whole = obs.update(obs.init(x), x)
+    assert whole.values.shape == (50,) and int(whole.count) == 1000
+    parts = [obs.update(obs.init(x), p) for p in x.split([100, 450, 450])]
+    merged = obs.merge(parts[2], obs.merge(parts[0], parts[1]))
+    for left, right in zip(whole, merged):
+        assert torch.equal(left, right)
+    # a sample of the data, not its first values
+    kept = qstats.recorded_values(whole)
+    assert set(kept.tolist()) <= set(x.tolist()) and not torch.equal(kept, x[:50])
+    with pytest.raises(ValueError, match="capacity"):
+        qstats.recording(capacity=0)

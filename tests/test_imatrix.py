@@ -1,0 +1,111 @@
+"""qstats.imatrix / imatrix_mse against llm-compressor's imatrix_mse observer (the real library)."""
+
+import pytest
+import torch
+
+import qstats
+
+llmc_observers = pytest.importorskip("llmcompressor.observers")
+from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
+
+
+def _activations(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # input channels of very different importance
+    scales = torch.logspace(-1, 1, 64)
+    return [torch.randn(3, 10 + i, 64, generator=g) * scales for i in range(3)]
+
+
+def test_importance_is_mean_square_per_input_channel():
+    xs = _activations()
+    obs = qstats.imatrix()
+    state = obs.init(xs[0])
+    for x in xs:
+        state = obs.update(state, x)
+    rows = torch.cat([x.reshape(-1, 64) for x in xs]).double()
+    assert int(state.count) == rows.shape[0]
+    assert torch.allclose(qstats.importance(state), (rows**2).mean(0), rtol=1e-12)
+    shards = [obs.update(obs.init(x), x) for x in xs]
+    merged = obs.merge(shards[1], obs.merge(shards[2], shards[0]))
+    assert torch.equal(merged.count, state.count)
+    assert torch.allclose(merged.square_total, state.square_total, rtol=1e-12)
+
+
+def test_row_mask_and_nonfinite():
+    obs = qstats.imatrix()
+    x = torch.tensor([[1.0, 2.0], [3.0, float("nan")], [100.0, 100.0]])
+    state = obs.update(obs.init(x), x, torch.tensor([1, 1, 0]))
+    assert int(state.count) == 2 and state.nonfinite.tolist() == [0, 1]
+    assert qstats.importance(state).tolist() == [5.0, 2.0]
+    with pytest.raises(ValueError, match="input channels"):
+        obs.update(state, torch.ones(3, 5))
+
+
+def _llmc(fields, layer, xs, **kwargs):
+    args = QuantizationArgs(**fields, observer="imatrix_mse", observer_kwargs=kwargs)
+    observer = llmc_observers.Observer.load_from_registry("imatrix_mse", base_name="weight", args=args)
+    observer.attach(layer)
+    with torch.no_grad():
+        for x in xs:
+            layer(x)
+    observer(layer.weight.data)
+    qp = observer.get_qparams()
+    observer.detach(layer)
+    return args, qp["scale"], qp["zero_point"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(num_bits=4, type="int", symmetric=True, strategy="channel"),
+     dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16)],
+    ids=["channel", "group"],
+)
+def test_imatrix_mse_equals_llm_compressor(fields):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 24, bias=False)
+    xs = _activations(1)
+    kwargs = {"patience": 10**6}
+    args, scale, zero_point = _llmc(fields, layer, xs, **kwargs)
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    imatrix = qstats.imatrix()
+    istate = imatrix.init(xs[0])
+    for x in xs:
+        istate = imatrix.update(istate, x)
+    w = layer.weight.data
+    obs = qstats.imatrix_mse(spec, w.shape, istate)
+    qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec)
+    assert torch.equal(qp.scale, scale.reshape(qp.scale.shape))
+    assert torch.equal(qp.zero_point.to(zero_point.dtype), zero_point.reshape(qp.zero_point.shape))
+    # early stopping as llm-compressor's default patience
+    _, scale5, _ = _llmc(fields, layer, xs, patience=5)
+    qp5 = qstats.compute_qparams(obs.update(obs.init(w), w), spec, patience=5)
+    assert torch.equal(qp5.scale, scale5.reshape(qp5.scale.shape))
+
+
+def test_importance_changes_the_choice_towards_important_columns():
+    torch.manual_seed(1)
+    w = torch.randn(8, 64)
+    spec = qstats.QuantSpec(dtype="int3", granularity=qstats.PerAxis(0))
+    xs = _activations(2)
+    istate = qstats.imatrix().update(qstats.imatrix().init(xs[0]), xs[0])
+    weighted = qstats.imatrix_mse(spec, w.shape, istate)
+    uniform = qstats.imatrix_mse(spec, w.shape, None)
+    qp_w = qstats.compute_qparams(weighted.update(weighted.init(w), w), spec)
+    qp_u = qstats.compute_qparams(uniform.update(uniform.init(w), w), spec)
+    imp = qstats.importance(istate).float()
+
+    def weighted_error(qp):
+        return float(((qstats.fake_quantize(w, qp, spec) - w).abs() ** 3 * imp).sum())
+
+    assert weighted_error(qp_w) <= weighted_error(qp_u)
+
+
+def test_bad_input():
+    spec = qstats.QuantSpec(dtype="int4", granularity=qstats.PerAxis(0))
+    state = qstats.imatrix().init(torch.ones(2, 8))
+    with pytest.raises(ValueError, match="input channels"):
+        qstats.imatrix_mse(spec, (4, 16), state)
+    with pytest.raises(ValueError, match="two dimensions"):
+        qstats.imatrix_mse(spec, (16,), None)
+    with pytest.raises(ValueError, match="shape"):
+        qstats.imatrix().init(torch.tensor(1.0))
