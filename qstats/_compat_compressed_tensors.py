@@ -3,7 +3,15 @@
 Reproduces ``compressed_tensors.quantization.utils.calculate_qparams`` operation by operation
 (range always contains zero; the integer range is ``[-2**(b-1), 2**(b-1) - 1]`` held as float32
 tensors; no eps floor before the zero point; zero scales become the scale dtype's eps at the end;
-zero points are rounded to the zero-point dtype last).
+zero points are rounded to the zero-point dtype last), in the dtype of the observed weight:
+``from_compressed_tensors(args, observed_dtype=torch.bfloat16)`` sets ``compute_dtype`` so that
+bfloat16 weights give compressed-tensors' bfloat16 scales and zero points. quantize/dequantize
+follow compressed-tensors' ``fake_quantize`` (divide, add the zero point, clamp, round).
+
+Not reproduced: an explicit ``scale_dtype=torch.float32`` on non-float32 weights (compressed-tensors
+then replaces zero scales by float32's eps rounded to the weight dtype; qstats uses the weight
+dtype's eps, as for ``scale_dtype=None``); the NaN zero point compressed-tensors gives an all-zero
+asymmetric float8 range (qstats: 0).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ _DTYPE_NAMES = {
     torch.float8_e4m3fn: "float8_e4m3fn",
     torch.uint8: "e8m0",  # MX: uint8 biased exponents (see qstats/_formats.py)
 }
+
+_COMPUTE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def spec_from_compressed_tensors(cls, args, overrides):
@@ -63,6 +73,17 @@ def spec_from_compressed_tensors(cls, args, overrides):
     else:
         raise ValueError(f"from_compressed_tensors: strategy {strategy!r} is not supported")
     scale_dtype = _field(args, "scale_dtype", None)
+    observed_dtype = overrides.pop("observed_dtype", None)
+    compute_dtype = "float32"
+    if observed_dtype is not None:
+        # llm-compressor observes the weight in its own dtype and compressed-tensors computes the
+        # qparams (and stores the scale) in it
+        if observed_dtype not in _COMPUTE_NAMES:
+            raise ValueError(
+                f"from_compressed_tensors: observed_dtype must be one of {sorted(map(str, _COMPUTE_NAMES))}, "
+                f"got {observed_dtype!r}"
+            )
+        compute_dtype = _COMPUTE_NAMES[observed_dtype]
     fields = dict(
         dtype=dtype,
         mapping="symmetric" if symmetric else "asymmetric",
@@ -71,6 +92,7 @@ def spec_from_compressed_tensors(cls, args, overrides):
         convention="compressed_tensors",
         scale_dtype=_DTYPE_NAMES[scale_dtype] if scale_dtype is not None else "float32",
         on_uncalibrated="fallback",
+        compute_dtype=compute_dtype,
     )
     fields.update(_low_bit_fields(fields, num_bits, qtype, group_size))
     fields.update(overrides)
@@ -104,25 +126,47 @@ def _zero_point_dtype(spec) -> torch.dtype:
     return torch.int8 if spec.bits <= 8 else (torch.int16 if spec.bits <= 16 else torch.int32)
 
 
+def _scale_eps(spec, compute) -> float:
+    """compressed-tensors' ``_get_dtype_eps`` of the scale dtype (the computation's when unset)."""
+    if spec.scale_dtype == "float8_e4m3fn":
+        return 0.125
+    if spec.scale_dtype != "float32":
+        return float(torch.finfo(getattr(torch, spec.scale_dtype)).eps)
+    return float(torch.finfo(compute).eps)
+
+
 def compressed_tensors_qparams(min_val, max_val, spec):
+    """``calculate_qparams`` on (float32) extremes, computed in ``spec.compute_dtype``: the dtype
+    of the observed weight, which llm-compressor's observers keep (bfloat16 weights give bfloat16
+    arithmetic and scales). Returns float32 scales holding the compute dtype's values and int32
+    (int targets) or float32 (float targets) zero points."""
+    compute = getattr(torch, spec.compute_dtype)
+    min_val = min_val.to(compute)
+    max_val = max_val.to(compute)
     min_vals = torch.min(min_val, torch.zeros_like(min_val))
     max_vals = torch.max(max_val, torch.zeros_like(max_val))
     bit_min, bit_max = _bit_range(spec, min_vals.device)
     bit_range = bit_max - bit_min
     if spec.mapping == "asymmetric":
-        scales = (max_vals - min_vals) / bit_range.to(max_vals.dtype)
-        zero_points = bit_min - (min_vals / scales)
-        zero_points = torch.clamp(zero_points, bit_min, bit_max)
+        scales = (max_vals - min_vals) / bit_range.to(compute)
+        # bit_min is exact in every compute dtype; casting it keeps 0-dim (per-tensor) operands in
+        # the compute dtype, as compressed-tensors' (1,)-shaped ones are
+        zero_points = bit_min.to(compute) - (min_vals / scales)
+        zero_points = torch.clamp(zero_points, bit_min.to(compute), bit_max.to(compute))
     else:
         max_val_pos = torch.max(torch.abs(min_vals), torch.abs(max_vals))
-        scales = max_val_pos / (bit_range.to(max_val_pos.dtype) / 2)
-        zero_points = torch.zeros(scales.shape, device=scales.device, dtype=min_vals.dtype)
+        scales = max_val_pos / (bit_range.to(compute) / 2)
+        zero_points = torch.zeros(scales.shape, device=scales.device, dtype=compute)
     if spec.scale_dtype != "float32":
         dtype = getattr(torch, spec.scale_dtype)
         finfo = torch.finfo(dtype)
-        scales = torch.clamp(scales, finfo.min, finfo.max).to(dtype)
-    eps = torch.finfo(scales.dtype).eps
-    scales = torch.where(scales == 0, torch.tensor(eps, dtype=scales.dtype, device=scales.device), scales)
+        scales = torch.clamp(scales, finfo.min, finfo.max).to(dtype).to(compute)
+    eps = torch.tensor(_scale_eps(spec, compute), dtype=compute, device=scales.device)
+    scales = torch.where(scales == 0, eps, scales)
+    # an all-zero asymmetric range gives 0 / 0: compressed-tensors' NaN zero point becomes 0 in
+    # an int8 (as torch converts NaN on x86 and ARM) but stays NaN in float8, where its
+    # fake_quantize then returns NaN; qstats uses 0 in both
+    zero_points = torch.where(torch.isnan(zero_points), torch.zeros_like(zero_points), zero_points)
     zp_dtype = _zero_point_dtype(spec)
     if zp_dtype.is_floating_point:
         finfo = torch.finfo(zp_dtype)
@@ -133,6 +177,32 @@ def compressed_tensors_qparams(min_val, max_val, spec):
     return scales.float(), zero_points
 
 
+# --------------------------------------------------------------------------------------------
+# quantize / dequantize in compressed-tensors' order and dtypes (``_quantize_dequantize``):
+# ``x / scale`` in the promoted dtype of ``x`` and the scale, ``+ zero_point`` (cast to ``x``'s
+# dtype), clamp, then round (int) or cast to float8; dequantization in the scale's dtype:
+# ``(q - zero_point) * scale``.
 def handles_codes(spec) -> bool:
-    """Placeholder until the compressed-tensors arithmetic below is complete."""
-    return False
+    """True for compressed-tensors specs (formats qstats/_formats.py does not take first)."""
+    return spec.convention == "compressed_tensors"
+
+
+def codes(view: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec):
+    """``(unclamped, codes)`` of ``view`` (any float dtype) as float32 tensors."""
+    compute = getattr(torch, spec.compute_dtype)
+    work = torch.promote_types(view.dtype, compute)
+    scaled = view.to(work) / scale.to(compute).to(work)
+    scaled = scaled + zero_point.to(view.dtype).to(work)
+    qmin, qmax = (float(bound) for bound in _bit_range(spec, view.device))
+    if spec.is_float:
+        quantized = scaled.clamp(qmin, qmax).to(spec.float_format.torch_dtype).to(work)
+        return scaled.float(), quantized.float()
+    unclamped = torch.round(scaled)
+    return unclamped.float(), unclamped.clamp(qmin, qmax).float()
+
+
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec) -> torch.Tensor:
+    """float32 values of ``codes``: ``(q - zero_point) * scale`` in the scale's (compute) dtype."""
+    compute = getattr(torch, spec.compute_dtype)
+    values = codes.to(compute) - zero_point.to(compute)
+    return (values * scale.to(compute)).float()

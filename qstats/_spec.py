@@ -129,7 +129,10 @@ class QuantSpec:
         ``"range_over_amax"`` (compressed-tensors ``448 * 6 / amax``, effective ``scale / global``).
       compute_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: with
         ``convention="torchao"``, integer qparams and codes are computed in this dtype, as torchao
-        computes in the input's dtype (``from_torchao(input_dtype=torch.bfloat16)``).
+        computes in the input's dtype (``from_torchao(input_dtype=torch.bfloat16)``); with
+        ``convention="compressed_tensors"`` qparams and codes are computed in it as
+        compressed-tensors does for weights of that dtype
+        (``from_compressed_tensors(args, observed_dtype=torch.bfloat16)``).
 
     >>> spec = QuantSpec(dtype="int8", mapping="symmetric", granularity=PerAxis(0))
     >>> spec.qmin, spec.qmax
@@ -336,6 +339,8 @@ class QuantSpec:
         """The spec whose `compute_qparams` equals compressed-tensors' ``calculate_qparams``.
 
         ``args`` is a ``compressed_tensors.quantization.QuantizationArgs`` (or a dict of its fields).
+        Pass ``observed_dtype=weight.dtype`` for bfloat16/float16 weights: compressed-tensors
+        computes their qparams (and stores their scales) in that dtype.
         """
         from . import _compat_compressed_tensors
 
