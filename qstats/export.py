@@ -20,9 +20,12 @@ NVFP4 weight        ``weight_packed`` (uint8, two      ``weight_scale`` float8_e
 NVFP4 input         ``input_global_scale``             ``(1,)``; group scales are dynamic
 ==================  =================================  ======================================
 
-Quantized weights are stored as codes (``int8`` for 2-8 bit integers, ``float8_e4m3fn`` for
-fp8), the way compressed-tensors' ``naive-quantized`` / ``int-quantized`` / ``float-quantized``
-compressors store them; every other parameter and buffer of the model is written unchanged.
+Quantized weights are stored as codes the way compressed-tensors' compressors store them:
+``int8`` (``int-quantized``, ``naive-quantized``) or dense little-endian bit-packing into int32
+``weight_packed`` with ``weight_shape`` (``pack-quantized``; asymmetric group/channel zero points
+packed along the output dimension) for integers, ``float8_e4m3fn`` for fp8, packed fp4 for NVFP4.
+The format defaults to the one compressed-tensors itself infers for the scheme. Every other
+parameter and buffer of the model is written unchanged.
 Scales take the module weight's dtype (as compressed-tensors initialises them), zero points int8.
 Zero points of symmetric mappings are not written (compressed-tensors and vLLM do not load them).
 
@@ -56,6 +59,7 @@ from ._spec import QuantSpec
 __all__ = ["compressed_tensors", "quantization_args"]
 
 _SITE_PREFIX = {"weight": "weight", "input": "input", "output": "output"}
+FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "nvfp4-pack-quantized")
 _CT_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -141,6 +145,22 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec") -> dict:
     return fields
 
 
+def _pack_int32(values: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Dense little-endian packing of signed ``num_bits`` integers (rows of ``values``) into int32
+    words, as compressed-tensors' ``pack_to_int32``: value ``e`` of a row, offset to unsigned by
+    ``2**(num_bits-1)``, occupies bits ``e*num_bits ... e*num_bits + num_bits - 1`` of the row's
+    bit stream; a row takes ``ceil(cols * num_bits / 32)`` words."""
+    rows, cols = values.shape
+    unsigned = values.to(torch.int64) + (1 << (num_bits - 1))
+    padded = -(-cols // 32) * 32
+    unsigned = torch.nn.functional.pad(unsigned, (0, padded - cols))
+    bits = (unsigned[..., None] >> torch.arange(num_bits, device=values.device)) & 1  # LSB first
+    stream = bits.reshape(rows, -1, 32)  # 32 bits per word
+    words = (stream << torch.arange(32, device=values.device)).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words[:, : -(-cols * num_bits // 32)]
+
+
 def _code_offset(spec: QuantSpec, where: str) -> int:
     """Shift from our integer range onto compressed-tensors' signed one."""
     if spec.is_float:
@@ -208,9 +228,12 @@ def compressed_tensors(
         ``config`` is included; an existing ``config.json`` there is extended).
       specs_or_recipe: the `qstats.Recipe` used to calibrate, or a ``{path: {site: QuantSpec}}``
         tree shaped like ``qparams``.
-      format: the compressed-tensors format; default ``"int-quantized"`` / ``"float-quantized"``
-        when weights and inputs are quantized, ``"naive-quantized"`` for weights only, per
-        config group (``"mixed-precision"`` at top level when groups differ).
+      format: the compressed-tensors format of every group: ``"pack-quantized"`` (integer
+        weights packed into int32), ``"int-quantized"``, ``"float-quantized"``,
+        ``"naive-quantized"`` (int8/fp8 codes) or ``"nvfp4-pack-quantized"``. Default: what
+        compressed-tensors itself infers per group (``int-quantized`` / ``float-quantized`` with
+        quantized inputs; ``pack-quantized`` / ``naive-quantized`` for integer / fp8 weights
+        only; NVFP4 packed), ``"mixed-precision"`` at top level when groups differ.
 
     Returns:
       The ``quantization_config`` dict written into ``config.json``.
@@ -223,6 +246,8 @@ def compressed_tensors(
         raise TypeError(f"export.compressed_tensors: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(qparams, Mapping):
         raise TypeError(f"export.compressed_tensors: qparams must be a {{path: {{site: QParams}}}} dict, got {type(qparams).__name__}")
+    if format is not None and format not in FORMATS:
+        raise ValueError(f"export.compressed_tensors: format must be one of {FORMATS}, got {format!r}")
     specs = _resolve_specs(specs_or_recipe, qparams, model)
     modules = dict(model.named_modules())
     state_dict = {name: tensor.detach() for name, tensor in model.state_dict().items()}
@@ -262,6 +287,10 @@ def compressed_tensors(
                 if not torch.equal(stored.float(), qp.scale.float()):
                     rounded.append(where)
                     qp = qp._replace(scale=stored.float())
+            if site == "weight" and format is not None:
+                nvfp4 = args["strategy"] == "tensor_group"
+                if nvfp4 != (format == "nvfp4-pack-quantized") or (format == "pack-quantized" and args["type"] != "int"):
+                    _fail(where, f"format {format!r} cannot hold {args['type']} weights of strategy {args['strategy']!r}")
             if site == "weight":
                 weight = module.weight.detach()
                 if weight.dim() != 2:
@@ -277,6 +306,11 @@ def compressed_tensors(
                     dropped.add(prefix + "weight")
                 elif spec.is_float:
                     tensors[prefix + "weight"] = codes.to(torch.float8_e4m3fn)
+                elif _module_format(format, args, sites, module_specs) == "pack-quantized":
+                    signed = (codes.to(torch.int16) + offset).to(torch.int8)
+                    tensors[prefix + "weight_packed"] = _pack_int32(signed, args["num_bits"])
+                    tensors[prefix + "weight_shape"] = torch.tensor(weight.shape)
+                    dropped.add(prefix + "weight")
                 else:
                     tensors[prefix + "weight"] = (codes.to(torch.int16) + offset).to(torch.int8)
             if args["dynamic"] is True:
@@ -297,7 +331,15 @@ def compressed_tensors(
             if args["symmetric"] and not bool(((qp.zero_point.float() + offset) == 0).all()):
                 _fail(where, "a symmetric spec with a non-zero zero point (symmetric_zero_point) is not expressible")
             if not args["symmetric"]:
-                tensors[f"{prefix}{name}_zero_point"] = (qp.zero_point.reshape(shape).to(torch.int16) + offset).to(torch.int8)
+                zero_point = (qp.zero_point.reshape(shape).to(torch.int16) + offset).to(torch.int8)
+                packed = (
+                    site == "weight"
+                    and args["strategy"] in ("group", "channel")
+                    and _module_format(format, args, sites, module_specs) == "pack-quantized"
+                )
+                if packed:  # packed along the output dimension, as compressed-tensors does
+                    zero_point = _pack_int32(zero_point.t(), args["num_bits"]).t().contiguous()
+                tensors[f"{prefix}{name}_zero_point"] = zero_point
             scheme[site] = args
         if scheme:
             schemes[module_path] = scheme
@@ -358,13 +400,29 @@ def compressed_tensors(
 
 
 def _default_format(weights, inputs) -> str:
+    """compressed-tensors' own inference (``infer_module_format``): NVFP4 packs; integer weights
+    are ``int-quantized`` with quantized inputs, else ``pack-quantized``; fp8 weights are
+    ``float-quantized`` with quantized inputs, else ``naive-quantized``."""
     if weights is None:
         return "dense"
     if weights["strategy"] == "tensor_group":
         return "nvfp4-pack-quantized"
-    if inputs is None:
-        return "naive-quantized"
-    return "float-quantized" if weights["type"] == "float" else "int-quantized"
+    if weights["type"] == "int":
+        if inputs is not None and not (inputs["type"] == "float"):
+            return "int-quantized"
+        return "pack-quantized"
+    return "float-quantized" if inputs is not None else "naive-quantized"
+
+
+def _module_format(format, weight_args, sites, module_specs) -> str:
+    """The format a module's weight is written in (needs its input spec, if any)."""
+    if format is not None:
+        return format
+    inputs = None
+    input_spec = module_specs.get("input") if isinstance(module_specs, Mapping) else None
+    if "input" in sites and input_spec is not None:
+        inputs = quantization_args(input_spec, "input")
+    return _default_format(weight_args, inputs)
 
 
 def _write(path: str, tensors: dict, model: torch.nn.Module, quantization_config: dict) -> None:

@@ -97,6 +97,16 @@ CASES = {
     "w4-int-group-asym": (
         QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16),
         None,
+        "pack-quantized",
+    ),
+    "w3-int-channel-asym": (  # 3-bit values straddle int32 words
+        QuantizationArgs(num_bits=3, type="int", symmetric=False, strategy="channel"),
+        None,
+        "pack-quantized",
+    ),
+    "w8-fp8-weights-only": (
+        QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel"),
+        None,
         "naive-quantized",
     ),
 }
@@ -187,8 +197,8 @@ def test_nvfp4_global_and_group_scales(tmp_path):
 
 @pytest.mark.parametrize("case", sorted(CASES) + ["nvfp4"])
 def test_compressed_tensors_writes_the_same_checkpoint(tmp_path, case):
-    """compressed-tensors' own compressor, given our scales, zero points and global scales on the
-    float model, produces exactly the tensors we wrote (codes, packing, dtypes, names)."""
+    """compressed-tensors' own compressor, given our QParams (scales, zero points, global scales)
+    on the float model, produces exactly the tensors we wrote (codes, packing, dtypes, names)."""
     weight_args, input_args = (NVFP4["weights"], NVFP4["input_activations"]) if case == "nvfp4" else CASES[case][:2]
     model, recipe, _, qparams = _calibrated(weight_args, input_args)
     qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
@@ -200,8 +210,11 @@ def test_compressed_tensors_writes_the_same_checkpoint(tmp_path, case):
     apply_quantization_config(reference, config)
     with torch.no_grad():
         for name, param in reference.named_parameters():
-            if name.endswith(("_scale", "_zero_point")) and name in ours:
-                param.copy_(ours[name].to(param.dtype).reshape(param.shape))
+            module_path, attribute = name.rsplit(".", 1)
+            site, _, field = attribute.partition("_")
+            if field in ("scale", "zero_point", "global_scale") and site in qparams.get(module_path, {}):
+                value = getattr(qparams[module_path][site], field)
+                param.copy_(value.to(param.dtype).reshape(param.shape))
     ModelCompressor(quantization_config=config).compress_model(reference)
     theirs = reference.state_dict()
     assert sorted(theirs) == sorted(ours)
@@ -226,7 +239,7 @@ def test_bfloat16_model_stores_bfloat16_scales(tmp_path):
         out = tmp_path / scale_dtype
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            qstats.export.compressed_tensors(model, qparams, str(out), recipe)
+            qstats.export.compressed_tensors(model, qparams, str(out), recipe, format="naive-quantized")
         assert any("rounded" in str(w.message) for w in caught) == warns
         written = load_file(os.path.join(str(out), "model.safetensors"))
         scale = written["fc1.weight_scale"]
@@ -274,6 +287,11 @@ def test_unexportable_specs_raise(tmp_path):
         qparams = qstats.compute_qparams_tree(states, recipe, model)
         with pytest.raises(ValueError, match=match):
             qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    model, recipe, _, qparams = _calibrated(*CASES["w8-fp8-weights-only"][:2])
+    with pytest.raises(ValueError, match="format must be one of"):
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe, format="bogus")
+    with pytest.raises(ValueError, match="cannot hold float weights"):
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe, format="pack-quantized")
     with pytest.raises(ValueError, match="lacks"):
         qstats.export.compressed_tensors(model, {"nope": {}}, str(tmp_path), {"nope": {}})
 
