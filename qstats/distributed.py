@@ -171,7 +171,9 @@ def _flatten(tree: Any, observers: Any):
         for path, obs in zip(paths, leaf_observers):
             if not isinstance(obs, Observer):
                 where = "/".join(map(str, path)) or "<root>"
-                raise TypeError(f"all_reduce: the observer for {where!r} is a {type(obs).__name__}, not a qstats.Observer")
+                raise TypeError(
+                    f"all_reduce: the observer for {where!r} is a {type(obs).__name__}, not a qstats.Observer"
+                )
     return paths, states, leaf_observers, treespec
 
 

@@ -245,7 +245,10 @@ def compressed_tensors(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"export.compressed_tensors: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(qparams, Mapping):
-        raise TypeError(f"export.compressed_tensors: qparams must be a {{path: {{site: QParams}}}} dict, got {type(qparams).__name__}")
+        raise TypeError(
+            "export.compressed_tensors: qparams must be a {path: {site: QParams}} dict, "
+            f"got {type(qparams).__name__}"
+        )
     if format is not None and format not in FORMATS:
         raise ValueError(f"export.compressed_tensors: format must be one of {FORMATS}, got {format!r}")
     specs = _resolve_specs(specs_or_recipe, qparams, model)
@@ -289,8 +292,11 @@ def compressed_tensors(
                     qp = qp._replace(scale=stored.float())
             if site == "weight" and format is not None:
                 nvfp4 = args["strategy"] == "tensor_group"
-                if nvfp4 != (format == "nvfp4-pack-quantized") or (format == "pack-quantized" and args["type"] != "int"):
-                    _fail(where, f"format {format!r} cannot hold {args['type']} weights of strategy {args['strategy']!r}")
+                packs_ints = format == "pack-quantized" and args["type"] != "int"
+                if nvfp4 != (format == "nvfp4-pack-quantized") or packs_ints:
+                    _fail(
+                        where, f"format {format!r} cannot hold {args['type']} weights of strategy {args['strategy']!r}"
+                    )
             if site == "weight":
                 weight = module.weight.detach()
                 if weight.dim() != 2:

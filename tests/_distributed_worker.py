@@ -41,7 +41,8 @@ def sum_observer() -> qstats.Observer:
 
     def update_fn(state, x, weight=None):
         w = torch.ones(x.shape[0]) if weight is None else weight.float()
-        return _SumTestState(state.total + (x.float() * w[:, None]).sum(0), state.count + (w != 0).sum().to(torch.int64))
+        total = state.total + (x.float() * w[:, None]).sum(0)
+        return _SumTestState(total, state.count + (w != 0).sum().to(torch.int64))
 
     def merge_fn(a, b):
         return _SumTestState(a.total + b.total, a.count + b.count)

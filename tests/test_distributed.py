@@ -266,7 +266,8 @@ def test_memoryless_shards_of_one_batch(runs, world):
 def test_mismatched_trees_raise_on_every_rank(runs, world):
     for result in runs[world]:
         assert "error" in result["mismatch"]
-        assert result["mismatch"]["error"].startswith("ValueError") and "different state trees" in result["mismatch"]["error"]
+        error = result["mismatch"]["error"]
+        assert error.startswith("ValueError") and "different state trees" in error
 
 
 # ---- single process: no collectives --------------------------------------------------------
@@ -290,7 +291,9 @@ def test_bad_trees_raise():
 
 def test_register_reduce_ops_validates():
     with pytest.raises(ValueError, match="unknown ops"):
-        distributed.register_reduce_ops(qstats.MinMaxState, {"min_val": "avg", "max_val": "max", "count": "sum", "nonfinite": "sum"})
+        distributed.register_reduce_ops(
+            qstats.MinMaxState, {"min_val": "avg", "max_val": "max", "count": "sum", "nonfinite": "sum"}
+        )
     with pytest.raises(ValueError, match="fields"):
         distributed.register_reduce_ops(qstats.MinMaxState, {"min_val": "min"})
     with pytest.raises(TypeError):

@@ -53,7 +53,8 @@ def _bit_equal(a, b):
 def _calibrated(weight_args, input_args):
     torch.manual_seed(0)
     model = Tiny().eval()
-    rules = [qstats.Rule(targets="Linear", sites=("weight",), spec=qstats.QuantSpec.from_compressed_tensors(weight_args))]
+    weight_spec = qstats.QuantSpec.from_compressed_tensors(weight_args)
+    rules = [qstats.Rule(targets="Linear", sites=("weight",), spec=weight_spec)]
     if input_args is not None:
         rules.append(
             qstats.Rule(targets="Linear", sites=("input",), spec=qstats.QuantSpec.from_compressed_tensors(input_args))
@@ -259,7 +260,10 @@ def test_unsigned_torch_ao_range_is_shifted_onto_signed(tmp_path):
     spec_in = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
     spec_w = qstats.QuantSpec(dtype="uint8", mapping="asymmetric", granularity=qstats.PerAxis(0))
     recipe = qstats.Recipe(
-        [qstats.Rule(targets="Linear", sites=("weight",), spec=spec_w), qstats.Rule(targets="Linear", sites=("input",), spec=spec_in)],
+        [
+            qstats.Rule(targets="Linear", sites=("weight",), spec=spec_w),
+            qstats.Rule(targets="Linear", sites=("input",), spec=spec_in),
+        ],
         ignore=["head"],
     )
     x = torch.randn(6, 32) + 1.0
@@ -277,7 +281,12 @@ def test_unexportable_specs_raise(tmp_path):
     torch.manual_seed(0)
     model = Tiny().eval()
     for spec, match in [
-        (qstats.QuantSpec(dtype="uint8", mapping="asymmetric", zero_point_domain="float", granularity=qstats.PerAxis(0)), "zero_point_domain"),
+        (
+            qstats.QuantSpec(
+                dtype="uint8", mapping="asymmetric", zero_point_domain="float", granularity=qstats.PerAxis(0)
+            ),
+            "zero_point_domain",
+        ),
         (qstats.QuantSpec(dtype="int8", mapping="symmetric_no_clipping_err", granularity=qstats.PerAxis(0)), "mapping"),
         (qstats.QuantSpec(dtype="int16", granularity=qstats.PerAxis(0)), "8 bits"),
         (qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(1)), "granularity"),
@@ -312,8 +321,12 @@ def test_transformers_loads_the_export_and_runs_it_like_fake_quantized(tmp_path)
     input_args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="tensor")
     recipe = qstats.Recipe(
         [
-            qstats.Rule(targets="Linear", sites=("weight",), spec=qstats.QuantSpec.from_compressed_tensors(weight_args)),
-            qstats.Rule(targets="Linear", sites=("input",), spec=qstats.QuantSpec.from_compressed_tensors(input_args)),
+            qstats.Rule(
+                targets="Linear", sites=("weight",), spec=qstats.QuantSpec.from_compressed_tensors(weight_args)
+            ),
+            qstats.Rule(
+                targets="Linear", sites=("input",), spec=qstats.QuantSpec.from_compressed_tensors(input_args)
+            ),
         ],
         ignore=["re:.*pooler.*"],
     )
