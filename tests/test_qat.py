@@ -335,3 +335,34 @@ def test_schedule_validation():
         QATSchedule(sync_every=0)
     with pytest.raises(TypeError, match="integer"):
         QATSchedule()(torch.tensor(1.0))
+
+
+def test_vmap_over_an_ensemble_of_models():
+    torch.manual_seed(0)
+    models = [_MLP() for _ in range(3)]
+    qats = [_prepare_mlp(m) for m in models]
+    x = torch.randn(5, 6)
+    states = [q.init(x) for q in qats]
+    states = [q.apply(q.params(), s, x, phase=QATPhase(True, False))[1] for q, s in zip(qats, states)]
+    params, _ = torch.func.stack_module_state(models)
+    stacked = torch.utils._pytree.tree_map(lambda *t: torch.stack(t), *states)
+    phase = QATPhase(True, True)
+    out, new = torch.func.vmap(lambda p, s: qats[0].apply(p, s, x, phase=phase))(params, stacked)
+    for i, (q, s) in enumerate(zip(qats, states)):
+        expected, expected_state = q.apply(q.params(), s, x, phase=phase)
+        torch.testing.assert_close(out[i], expected)
+        torch.testing.assert_close(new.activations["fc2"].max_val[i], expected_state.activations["fc2"].max_val)
+
+
+def test_apply_uses_the_given_parameters():
+    torch.manual_seed(0)
+    qat = _prepare_mlp(_MLP())
+    x = torch.randn(4, 6)
+    state = qat.apply(qat.params(), qat.init(x), x, phase=QATPhase(True, False))[1]
+    own, _ = qat.apply(qat.params(), state, x, phase=QATPhase(False, True))
+    copies, _ = qat.apply({k: v.clone() for k, v in qat.params().items()}, state, x, phase=QATPhase(False, True))
+    torch.testing.assert_close(own, copies, rtol=0, atol=0)
+    changed = dict(qat.params(), **{"fc2.bias": qat.params()["fc2.bias"] + 1.0})
+    shifted, _ = qat.apply(changed, state, x, phase=QATPhase(False, False))
+    plain, _ = qat.apply(qat.params(), state, x, phase=QATPhase(False, False))
+    torch.testing.assert_close(shifted, plain + 1.0)
