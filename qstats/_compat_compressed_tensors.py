@@ -6,7 +6,9 @@ tensors; no eps floor before the zero point; zero scales become the scale dtype'
 zero points are rounded to the zero-point dtype last), in the dtype of the observed weight:
 ``from_compressed_tensors(args, observed_dtype=torch.bfloat16)`` sets ``compute_dtype`` so that
 bfloat16 weights give compressed-tensors' bfloat16 scales and zero points. quantize/dequantize
-follow compressed-tensors' ``fake_quantize`` (divide, add the zero point, clamp, round).
+follow compressed-tensors' ``fake_quantize`` (divide, add the zero point, clamp, round). Under
+``torch.compile``, inductor keeps bfloat16/float16 intermediates in float32 unless
+``torch._inductor.config.emulate_precision_casts = True``; with it, compiled results are bit-equal.
 
 Not reproduced: an explicit ``scale_dtype=torch.float32`` on non-float32 weights (compressed-tensors
 then replaces zero scales by float32's eps rounded to the weight dtype; qstats uses the weight
@@ -193,7 +195,11 @@ def codes(view: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spe
     work = torch.promote_types(view.dtype, compute)
     scaled = view.to(work) / scale.to(compute).to(work)
     scaled = scaled + zero_point.to(view.dtype).to(work)
-    qmin, qmax = (float(bound) for bound in _bit_range(spec, view.device))
+    if spec.is_float:
+        qmax = spec.float_format.max
+        qmin = -qmax
+    else:
+        qmin, qmax = -(2.0 ** (spec.bits - 1)), 2.0 ** (spec.bits - 1) - 1
     if spec.is_float:
         quantized = scaled.clamp(qmin, qmax).to(spec.float_format.torch_dtype).to(work)
         return scaled.float(), quantized.float()
