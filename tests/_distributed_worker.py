@@ -177,6 +177,54 @@ def calibrate_model(batches):
     return qstats.calibrate(model, [x for x, _ in batches], recipe, progress=False)
 
 
+class StackedExperts(torch.nn.Module):
+    """Experts stored as one ``[E, out, in]`` parameter, called like transformers' fused experts:
+    ``forward(hidden_states, top_k_index, top_k_weights)``."""
+
+    def __init__(self, num_experts: int, hidden: int, out: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.proj = torch.nn.Parameter(torch.randn(num_experts, out, hidden) * 0.1)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = hidden_states.new_zeros(hidden_states.shape[0], self.proj.shape[1])
+        for expert in range(self.num_experts):
+            weight = (top_k_weights * (top_k_index == expert)).sum(-1, keepdim=True)
+            out = out + weight * torch.nn.functional.linear(hidden_states, self.proj[expert])
+        return out
+
+
+class MoE(torch.nn.Module):
+    """Routes each token to ``route`` (top-1), so the data decides which expert sees what."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = StackedExperts(EXPERTS, FEATURES, 6)
+
+    def forward(self, x, route):
+        return self.experts(x, route[:, None], torch.ones(x.shape[0], 1))
+
+
+def calibrate_moe(batches):
+    """Per-expert input states of stacked experts (leading expert dimension) from qstats.calibrate;
+    the routing mask is the update weight, so an expert no token reached keeps an empty state."""
+    import warnings
+
+    torch.manual_seed(5)
+    model = MoE().eval()
+    spec = qstats.QuantSpec(granularity=qstats.PerAxis(-1))
+    histogram = _histogram_factory()
+    if histogram is not None:
+        rule = qstats.Rule("StackedExperts", ("input",), histogram, spec, observer_kwargs=histogram_kwargs())
+    else:
+        rule = qstats.Rule("StackedExperts", ("input",), qstats.minmax, spec)
+    recipe = qstats.Recipe([rule])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # experts without tokens on this rank are expected
+        states = qstats.calibrate(model, batches, recipe, progress=False)
+    return model, recipe, states
+
+
 def leaves(tree):
     return optree.tree_leaves(tree)
 
@@ -248,6 +296,12 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
     model, recipe = model_and_recipe()
     local = calibrate_model(mine)
     _run("calibrate", lambda: reduce(local, recipe.observers(local, model)), counter, results)
+
+    # Stacked experts (one state with a leading expert dimension), rank 0 routes no token to the
+    # last expert.
+    model, recipe, local = calibrate_moe(mine)
+    results["local/moe"] = {"leaves": leaves(local)}
+    _run("moe", lambda: reduce(local, recipe.observers(local, model)), counter, results)
 
     # Memoryless: shards of one batch (rank 0 has no tokens at all).
     obs = qstats.memoryless_minmax(qstats.QuantSpec(granularity=qstats.PerAxis(-1)))

@@ -254,6 +254,21 @@ def test_mixed_tree_in_one_call(runs, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_stacked_experts_equal_single_process(runs, world):
+    """qstats.calibrate on a model with stacked experts ([E, out, in] parameter, routing mask as the
+    update weight); rank 0 routes no token to the last expert."""
+    _, _, single = worker.calibrate_moe(worker.global_batches())
+    want = worker.leaves(single)
+    local = dict(zip(single["experts"]["input"]._fields, runs[world][0]["local/moe"]["leaves"]))
+    assert torch.isinf(local["min_val"][worker.EXPERTS - 1]).all()  # the premise: no data there
+    assert not torch.isinf(want[list(single["experts"]["input"]._fields).index("min_val")][-1]).any()
+    for rank, result in enumerate(runs[world]):
+        assert "error" not in result["moe"], result["moe"]
+        assert_bit_equal(result["moe"]["leaves"], want, f"moe rank {rank}")
+        assert (result["moe"]["all_reduce"], result["moe"]["all_gather"]) == (3, 0)
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_memoryless_shards_of_one_batch(runs, world):
     obs = qstats.memoryless_minmax(qstats.QuantSpec(granularity=qstats.PerAxis(-1)))
     want = worker.leaves(worker.memoryless_experts(obs, *worker.memoryless_shard(world, None)))
