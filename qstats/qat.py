@@ -386,7 +386,14 @@ def prepare(
         if observer is not None and not isinstance(observer, Observer):
             raise TypeError(f"qstats.qat.prepare: {name} must be a qstats Observer or None, got {type(observer).__name__}")
     _check_ste(ste)
-    gm = torch.fx.symbolic_trace(model)
+    try:
+        gm = torch.fx.symbolic_trace(model)
+    except Exception as error:  # data-dependent control flow, unsupported Python in forward
+        raise TypeError(
+            f"qstats.qat.prepare: torch.fx cannot trace {type(model).__name__}.forward ({type(error).__name__}: "
+            f"{error}); make the traced part free of data-dependent control flow, or quantize it with "
+            "qstats.observe_fake_quantize directly"
+        ) from error
     graph = gm.graph
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     if not placeholders:

@@ -297,6 +297,17 @@ def test_prepare_and_apply_errors():
         qstats.qat.prepare(_MLP(), weight_observer="minmax")
     with pytest.raises(ValueError, match="no layer"):
         qstats.qat.prepare(nn.Sequential(nn.ReLU()))
+
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.fc(x) if x.sum() > 0 else x
+
+    with pytest.raises(TypeError, match="cannot trace DataDependent"):
+        qstats.qat.prepare(DataDependent())
     qat = _prepare_mlp(_MLP())
     state = qat.init(torch.randn(2, 6))
     broken = state._replace(activations={"fc1": state.activations["fc1"]})
