@@ -74,7 +74,9 @@ CH_AXES = (0, 1, -1)
 
 
 def _reference(kind, dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis=0, constant=0.01):
-    kwargs = dict(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range, quant_min=quant_min, quant_max=quant_max, eps=eps)
+    kwargs = dict(
+        dtype=dtype, qscheme=qscheme, reduce_range=reduce_range, quant_min=quant_min, quant_max=quant_max, eps=eps
+    )
     if kind == "minmax":
         return ao.MinMaxObserver(**kwargs)
     if kind == "moving_average":
@@ -236,8 +238,10 @@ def test_from_torch_ao_accepts_and_refuses_what_torch_ao_does():
         assert _refuses(lambda: _reference(wrong, *ref_args)) is not None
     assert checked == len(ALLOWED_DTYPES + REFUSED_DTYPES) * len(QSCHEMES) * 2 * len(RANGES) * len(ACCEPTANCE_EPS) * 2
     assert refused > 0 and deviations > 0
-    print(f"torch.ao acceptance: {checked} combinations, {refused} refused by both, {deviations} refused by qstats only "
-          f"({eps_deviations} of them for eps=0)")
+    print(
+        f"torch.ao acceptance: {checked} combinations, {refused} refused by both, "
+        f"{deviations} refused by qstats only ({eps_deviations} of them for eps=0)"
+    )
 
 
 def _accepted(dtypes=ALLOWED_DTYPES, qschemes=QSCHEMES, ranges=RANGES, eps_values=EPS, ch_axis=0):
@@ -324,6 +328,7 @@ def test_per_channel_axes(ch_axis):
                 _assert_bit_exact(reference, qp, f"{kind} {ref_args} ch_axis={ch_axis} input={name}")
                 count += 1
     assert count > 100
+    print(f"ch_axis={ch_axis}: {count} bit-exact comparisons")
 
 
 def test_single_element_and_one_dimensional_inputs():
@@ -337,6 +342,7 @@ def test_single_element_and_one_dimensional_inputs():
                 _assert_bit_exact(reference, qp, f"{kind} {ref_args} input={name}")
                 count += 1
     assert count > 100
+    print(f"single element / 1-D: {count} bit-exact comparisons")
 
 
 @pytest.mark.parametrize("dtype", ALLOWED_DTYPES, ids=str)

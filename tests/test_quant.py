@@ -134,7 +134,8 @@ def _check(kwargs, spec, reference, x, generator, counts):
     if spec.zero_point_domain == "float":
         scaled = scaled + zero_point.reshape(1, -1, 1)
     counts["ties"] += int((scaled - scaled.floor() == 0.5).sum())
-    if spec.zero_point_domain == "int" and not bool(((reference.quant_min <= zero_point) & (zero_point <= reference.quant_max)).all()):
+    in_range = (reference.quant_min <= zero_point) & (zero_point <= reference.quant_max)
+    if spec.zero_point_domain == "int" and not bool(in_range.all()):
         # symmetric uint8 with reduce_range: torch.ao's zero point 128 is outside (0, 127) and
         # torch's fake-quant ops refuse it; nothing to compare
         with pytest.raises(RuntimeError, match="zero_point"):
@@ -192,7 +193,8 @@ def _check_quantize(kwargs, spec, qp, x, scale, zero_point, reference, counts):
     distance = (exact - exact.floor() - 0.5).abs()
     magnitude = product.abs() + zero_point.reshape(shape).double().abs() + 1.0
     near_tie = distance <= 4 * torch.finfo(torch.float32).eps * magnitude
-    assert not (torch_disagrees & ~near_tie).any(), f"torch's quantize and fake-quant disagree off the ties for {kwargs}"
+    off_ties = torch_disagrees & ~near_tie
+    assert not off_ties.any(), f"torch's quantize and fake-quant disagree off the ties for {kwargs}"
     mismatch = (ours != theirs) & ~torch_disagrees
     assert not mismatch.any(), (
         f"quantize differs for {kwargs} at x={x[mismatch][:4].tolist()}: torch {theirs[mismatch][:4].tolist()} "
@@ -205,7 +207,8 @@ def _check_quantize(kwargs, spec, qp, x, scale, zero_point, reference, counts):
 @pytest.mark.parametrize("qscheme", PER_TENSOR + PER_CHANNEL, ids=str)
 def test_matches_torch_quantization_ops(qscheme):
     generator = torch.Generator().manual_seed(1)
-    counts = {"fake_quantize": 0, "quantize": 0, "ties": 0, "torch_self_disagreements": 0, "refused_by_torch": 0, "clipped": 0}
+    names = ("fake_quantize", "quantize", "ties", "torch_self_disagreements", "refused_by_torch", "clipped")
+    counts = dict.fromkeys(names, 0)
     for kwargs, spec, reference in _configurations((qscheme,)):
         x = torch.randn(4, 6, 5, generator=generator) * 2.0 + 0.3
         _check(kwargs, spec, reference, x, generator, counts)
@@ -241,5 +244,5 @@ def test_per_channel_infinities_clip_to_the_nearest_end(dtype):
         theirs.sum().backward()
         assert torch.equal(ours, theirs)
         assert torch.equal(ours_in.grad, theirs_in.grad)
-        assert torch.equal(qstats.quantize(x.float(), qp, spec).long(),
-                           torch.quantize_per_tensor(x.float(), scale, zero_point, qdtype).int_repr().long())
+        theirs_codes = torch.quantize_per_tensor(x.float(), scale, zero_point, qdtype).int_repr().long()
+        assert torch.equal(qstats.quantize(x.float(), qp, spec).long(), theirs_codes)
