@@ -87,30 +87,75 @@ def _check_args(spec, maxshrink, grid, norm, steps):
                          f"(maxshrink={maxshrink}, grid={grid})")
 
 
+_CHUNK = 1 << 18  # elements per chunk: temporaries stay small and are reused by the allocator
+
+
+def _chunk_bounds(size: int, step: int):
+    return [(start, min(size, start + step)) for start in range(0, size, step)]
+
+
 def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, norm: float):
     """``sum |fq(x) - x| ** norm`` over dims (0, -1) of a canonical view for every candidate range
-    ``(p * lo, p * hi)``; returns float64 ``(*qparam_shape, C)``. ``mask`` (bool) and
-    ``importance`` (float) broadcast against the view."""
+    ``(p * lo, p * hi)``; returns float64 ``(*qparam_shape, C)``. ``mask`` (bool, False leaves a
+    value out) and ``importance`` (float) broadcast against the view. Non-finite values count as
+    zeros (which quantize without error). The view is processed in chunks of about 2**18 values."""
     v = view.detach()
     compute_dtype = v.dtype if v.dtype in (torch.float32, torch.float64) else torch.float32
-    v = v.to(compute_dtype)
-    zero = torch.zeros_like(v)
+    v = torch.nan_to_num(v.to(compute_dtype), nan=0.0, posinf=0.0, neginf=0.0)
     if mask is not None:
-        v = torch.where(mask, v, zero)  # masked values add |fq(0) - 0| = 0
+        v = torch.where(mask, v, torch.zeros_like(v))
+    # zero quantizes to itself unless the zero point is a float: only then mask the error
+    error_mask = mask if (mask is not None and spec.zero_point_domain == "float") else None
+    zero_free = (not spec.is_float and spec.mapping != "asymmetric" and spec.zero_point_of_symmetric == 0
+                 and spec.zero_point_domain != "float")
+    qmin, qmax = spec.qrange
+    params = tuple(v.shape[1:-1])
+    observations, group = v.shape[0], v.shape[-1]
+    num_params = 1
+    for d in params:
+        num_params *= d
+    v = v.reshape(observations, num_params, group)
+    weights = None if importance is None else importance.expand(view.shape).reshape(observations, num_params, group)
+    keep = None if error_mask is None else error_mask.expand(view.shape).reshape(observations, num_params, group)
     calibrated = torch.ones(lo.shape, dtype=torch.bool, device=lo.device)
-    losses = []
+    scales, zero_points = [], []
     for p in factors:
         qp = qparams_from_minmax(lo * p, hi * p, spec, calibrated=calibrated)
-        scale = broadcast_to_view(qp.scale.float())
-        zero_point = broadcast_to_view(qp.zero_point)
-        _, codes = _codes_float(v, scale, zero_point, spec)
-        error = (_dequantize_view(codes, scale, zero_point, spec).to(compute_dtype) - v).abs().pow(norm)
-        if importance is not None:
-            error = error * importance
-        if mask is not None:
-            error = torch.where(mask, error, torch.zeros_like(error))
-        losses.append(error.sum(dim=(0, -1), dtype=torch.float64))
-    return torch.stack(losses, dim=-1)
+        scales.append(qp.scale.float().reshape(1, num_params, 1))
+        zero_points.append(qp.zero_point.reshape(1, num_params, 1))
+    per_chunk = max(1, _CHUNK // max(1, observations * group))
+    if num_params > 1:
+        chunks = [(slice(None), slice(a, b), slice(None)) for a, b in _chunk_bounds(num_params, per_chunk)]
+    else:
+        chunks = [(slice(None), slice(None), slice(a, b)) for a, b in _chunk_bounds(group, max(1, _CHUNK // observations))]
+    rows = []  # per chunk: (C, params in chunk)
+    for index in chunks:
+        part = v[index]
+        param_index = (slice(None), index[1], slice(None))
+        losses = []
+        for scale_all, zero_all in zip(scales, zero_points):
+            scale = scale_all[param_index]
+            if zero_free:
+                # the same arithmetic as _codes_float / _dequantize_view with a zero point of 0
+                scaled = part / scale if spec.convention == "compressed_tensors" else part * (1.0 / scale)
+                dequantized = torch.round(scaled).clamp(qmin, qmax) * scale
+            else:
+                zero_point = zero_all[param_index]
+                _, codes = _codes_float(part, scale, zero_point, spec)
+                dequantized = _dequantize_view(codes, scale, zero_point, spec)
+            difference = dequantized.to(compute_dtype) - part
+            error = difference * difference if norm == 2.0 else difference.abs().pow(norm)
+            if weights is not None:
+                error = error * weights[index]
+            if keep is not None:
+                error = torch.where(keep[index], error, torch.zeros_like(error))
+            losses.append(error.sum(dim=(0, -1)).to(torch.float64))
+        rows.append(torch.stack(losses, dim=0))
+    if num_params > 1:
+        total = torch.cat(rows, dim=-1)
+    else:
+        total = torch.stack(rows, dim=0).sum(0)
+    return total.transpose(0, 1).reshape(*params, len(factors))
 
 
 def _first_minimum(loss: torch.Tensor, patience: Optional[int]) -> torch.Tensor:
@@ -187,8 +232,8 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
                 f"but the state has shape {tuple(expected)}"
             )
         mask = weight_view(x, weight, spec.granularity)
-        finite = torch.isfinite(view)
-        mask = finite if mask is None else (finite & (mask != 0))
+        if mask is not None:
+            mask = (mask != 0).expand(view.shape)
         lo, hi, count, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
         scaled = None if importance is None else importance
         return view, mask, scaled, lo, hi, count, nonfinite
