@@ -15,6 +15,7 @@ Run:  python bench/bench_calibrate.py [--repeats 5] [--sentences 256]
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -56,9 +57,14 @@ def main(argv=None) -> float:
         function()  # warm-up
     for _ in range(args.repeats):
         for name, function in runs.items():
-            start = clock()
-            function()
-            best[name] = min(best[name], clock() - start)
+            gc.collect()
+            gc.disable()  # as timeit does
+            try:
+                start = clock()
+                function()
+                best[name] = min(best[name], clock() - start)
+            finally:
+                gc.enable()
 
     print(f"MiniLM, {len(batches)} batches of {args.batch_size} sentences, best of {args.repeats}, "
           f"{torch.get_num_threads()} thread(s), {'wall-clock' if args.wall else 'CPU'} time")
