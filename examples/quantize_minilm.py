@@ -130,7 +130,7 @@ ACTIVATION = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
 IGNORE = ["re:pooler.*"]
 
 
-def w8a8(weight_spec, activation_observer, **activation_kwargs) -> qstats.Recipe:
+def w8a8(weight_spec, activation_observer, qparams_kwargs=None, **activation_kwargs) -> qstats.Recipe:
     return qstats.Recipe(
         [
             qstats.Rule("Linear", sites=("weight",), observer=qstats.minmax, spec=weight_spec),
@@ -140,14 +140,15 @@ def w8a8(weight_spec, activation_observer, **activation_kwargs) -> qstats.Recipe
                 observer=activation_observer,
                 spec=ACTIVATION,
                 observer_kwargs=activation_kwargs,
+                qparams_kwargs=qparams_kwargs,
             ),
         ],
         ignore=IGNORE,
     )
 
 
-# name -> recipe. Add more observer choices here (histogram / percentile / MSE observers: build
-# the recipe with their factory and pass ``qparams_kwargs`` to the Rule for their method).
+# name -> recipe. Add more observer choices here: an observer factory for the inputs, its
+# keyword arguments, and ``qparams_kwargs`` for the range search of distribution observers.
 VARIANTS = {
     "minmax (per-tensor W)": w8a8(WEIGHT_PER_TENSOR, qstats.minmax),
     "moving_average_minmax c=0.1 (per-tensor W)": w8a8(
@@ -158,6 +159,10 @@ VARIANTS = {
         WEIGHT_PER_CHANNEL, qstats.moving_average_minmax, averaging_constant=0.1
     ),
 }
+if hasattr(qstats, "histogram"):  # histogram observer with an MSE range search for the inputs
+    VARIANTS["histogram, mse range (per-channel W)"] = w8a8(
+        WEIGHT_PER_CHANNEL, qstats.histogram, qparams_kwargs={"method": "mse"}
+    )
 
 
 def cosine_stats(reference: torch.Tensor, quantized: torch.Tensor) -> tuple[float, float]:
