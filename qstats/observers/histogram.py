@@ -5,11 +5,13 @@ exponent and the top ``log2(bins)`` mantissa bits. A bucket is therefore an inte
 ``[2**e * (1 + t / bins), 2**e * (1 + (t + 1) / bins))`` of ``|x|``: its width is at most
 ``1 / bins`` of its lower edge (relative resolution ``2**-m`` with ``m = log2(bins)`` mantissa
 bits; 0.78% for the default ``bins=128``), the same for every tensor, so no range is needed up
-front. Magnitudes below ``2**min_exponent`` (zeros included) fall into one *underflow* bucket per
-sign and magnitudes at or above ``2**max_exponent`` into one *overflow* bucket whose upper edge is
-the exact extreme. The resolved range is ``[2**-(octaves // 2), 2**(octaves - octaves // 2))``
-(``[2**-24, 2**24)`` with the default 48 octaves). Counts are int64, so merging two histograms is adding integers: bit-identical
-for every split of the data, every merge order, across ranks and under ``vmap``.
+front. The resolved magnitudes are ``[2**-(octaves // 2), 2**(octaves - octaves // 2))``
+(``[2**-24, 2**24)`` with the default 48 octaves); smaller magnitudes (zeros included) fall into
+one *underflow* bucket per sign, larger ones into one *overflow* bucket that ends at the exact
+extreme. Counts are int64, so merging two histograms is adding integers: bit-identical for every
+split of the data, every merge order, across ranks and under ``vmap``. The update is a shift and
+an add on the float's int32 view and one ``bincount`` over a flattened (parameter, bucket) index,
+inside a custom op (batching rule for ``vmap``, opaque to ``torch.compile``).
 
 State: ``counts`` of shape ``(*qparam_shape, 2, octaves, bins)`` (sign 0: negative, sign 1:
 positive), ``underflow`` and ``overflow`` of shape ``(*qparam_shape, 2)``, the exact float32
@@ -19,22 +21,22 @@ quantization parameter (96 KiB with the defaults; use fewer ``bins`` or ``octave
 granularities: ``bins=8, octaves=32`` is 4 KiB).
 
 Range searches, ``qstats.compute_qparams(state, spec, method=...)``, all vectorised over
-candidates and parameters. They model the values inside a bucket as uniformly spread and see
-the ``spec.bits + 8`` octaves below the largest magnitude at full resolution (smaller values are
-folded into one bucket):
+candidates and parameters (no Python loop over buckets). They model the values inside a bucket
+as uniformly spread and see the ``spec.bits + 8`` octaves below the largest magnitude at full
+resolution (smaller values are folded into one bucket around zero):
 
-- ``"l2"`` (default): the L2 norm minimisation of torch.ao's ``HistogramObserver``, searched
-  exhaustively over every bucket edge (2-D for asymmetric mappings) rather than by its greedy
-  outside-in walk. The error of a range is the clipping error (exact under the uniform model)
-  plus ``scale**2 / 12`` per rounded value (``x**2`` for values that round to zero), evaluated
-  from prefix sums in ``O(buckets + candidates)``.
-- ``"mse"``: the exact expected squared error of the spec's own grid, integrated bucket by
-  bucket, for ``candidates`` shrink factors ``2**(-k / 32)`` of the observed range (slower,
-  ``O(buckets x candidates)``; fp8 targets use the fp8 grid at bucket centres).
-- ``"entropy"``: the KL-divergence calibration of TensorRT / ModelOpt on a ``2048``-bin linear
-  histogram of ``|x|`` (symmetric ranges).
-- ``"percentile"``: ``percentile`` of ``|x|`` (symmetric mappings) or the lower and upper
-  percentiles (asymmetric), interpolated inside buckets.
+- ``"l2"`` (default): torch.ao ``HistogramObserver``'s objective, the L2 norm of the quantization
+  error, minimised over candidate ranges ``extreme * 2**(-k / bins)`` (2-D, coarse to fine, for
+  asymmetric mappings) instead of torch.ao's greedy outside-in walk. Candidates are ranked in
+  ``O(buckets + candidates)`` from prefix sums (clipping error exact, ``scale**2 / 12`` per rounded
+  value, ``x**2`` for values that round to zero); the finalists are then ranked by the exact
+  integral of the squared error of the spec's grid over the buckets.
+- ``"mse"``: that exact integral for 128 shrink factors ``2**(-k / 32)`` of the observed range
+  (``O(buckets x candidates)``; fp8 targets use the fp8 grid at bucket centres).
+- ``"entropy"``: the KL-divergence calibration of TensorRT / ModelOpt on a 2048-bin linear
+  histogram of ``|x|`` (a symmetric amax; asymmetric specs clip both ends at it).
+- ``"percentile"`` (``percentile=99.99``): that percentile of ``|x|`` (symmetric mappings) or the
+  lower and upper percentiles (asymmetric), interpolated inside buckets.
 - ``"minmax"``: the exact observed extremes.
 """
 
@@ -152,10 +154,12 @@ torch.library.register_vmap("qstats::float_bucket_counts", _bucket_vmap_rule)
 
 
 def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):
-    # (the observer's octaves O resolve exponent_range (-(O // 2), O - O // 2))
     """Bucket counts of a canonical view ``(observations, *qparam_shape, group)``.
 
-    Returns ``(counts, nonfinite)``: int64 ``(*qparam_shape, 2, K)`` and ``(*qparam_shape,)``.
+    Returns ``(counts, nonfinite)``: int64 ``(*qparam_shape, 2, K)`` and ``(*qparam_shape,)``,
+    with ``K = (high - low) * bins + 2`` magnitude buckets per sign (underflow first, overflow
+    last) for ``exponent_range = (low, high)``; the observer with ``octaves=O`` uses
+    ``(-(O // 2), O - O // 2)``.
     ``mask`` (bool, broadcastable) False leaves a value out.
     """
     m = int(bins).bit_length() - 1

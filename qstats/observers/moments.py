@@ -200,4 +200,4 @@ def _moments_rule(state: MomentsState, spec: QuantSpec, method: str = "mean_std"
     zero = torch.zeros_like(lo)
     lo = torch.minimum(lo, zero).float()
     hi = torch.maximum(hi, zero).float()
-    return Range(lo, hi, calibrated & (hi > lo))
+    return Range(lo, hi, calibrated)
