@@ -5,7 +5,7 @@ docstring sentences, as in examples/quantize_minilm.py): the plain loop ``model(
 ``torch.no_grad()``, and ``qstats.calibrate`` with a W8A8 recipe (every Linear's weight, observed
 once, and input, masked by the attention mask). The best of several repetitions of each is kept
 (the machine is shared, so the minimum is the least noisy estimate). By default torch runs one
-thread and the CPU time of the process is measured (``time.process_time``), which other programs
+thread and the CPU time of that thread is measured (``time.thread_time``), which other programs
 on a busy machine disturb much less than wall-clock time; ``--wall`` measures wall-clock time.
 Prints markdown rows.
 
@@ -37,7 +37,7 @@ def main(argv=None) -> float:
     parser.add_argument("--wall", action="store_true", help="measure wall-clock instead of CPU time")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    clock = time.perf_counter if args.wall else time.process_time
+    clock = time.perf_counter if args.wall else time.thread_time
 
     tokenizer, model = load_minilm()
     batches = make_batches(tokenizer, stdlib_sentences()[: args.sentences], args.batch_size)
@@ -57,7 +57,6 @@ def main(argv=None) -> float:
         function()  # warm-up
     for _ in range(args.repeats):
         for name, function in runs.items():
-            gc.collect()
             gc.disable()  # as timeit does
             try:
                 start = clock()
