@@ -40,18 +40,18 @@ class UncalibratedWarning(UserWarning):
 def expert_count(module: torch.nn.Module) -> int:
     """The number of stacked experts of ``module``, or 0.
 
-    A module holds stacked experts when it owns (directly) a parameter of 3 or more dimensions and
-    its ``num_experts`` attribute (or, without one, the common leading dimension of all its 3-D
-    parameters) gives the expert count.
+    A module holds stacked experts when it has an int ``num_experts`` attribute (as every fused
+    experts module of transformers does) and owns, directly, a parameter of 3 or more dimensions
+    whose leading dimension is that count. (Convolutions and other modules with 3-D or 4-D weights
+    but no ``num_experts`` are never taken for experts.)
     """
-    params = [p for p in module.parameters(recurse=False) if p.ndim >= 3]
-    if not params:
-        return 0
     declared = getattr(module, "num_experts", None)
-    if isinstance(declared, int) and not isinstance(declared, bool):
-        return declared if any(p.shape[0] == declared for p in params) else 0
-    leading = {p.shape[0] for p in params}
-    return leading.pop() if len(leading) == 1 else 0
+    if not isinstance(declared, int) or isinstance(declared, bool) or declared < 1:
+        return 0
+    for param in module.parameters(recurse=False):
+        if param.ndim >= 3 and param.shape[0] == declared:
+            return declared
+    return 0
 
 
 def is_stacked_parameter(param: torch.Tensor, num_experts: int) -> bool:

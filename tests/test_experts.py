@@ -201,3 +201,12 @@ def test_plain_torch_moe_example():
         coverage = qparams[path]["input"].calibrated
         assert not bool(coverage[14]) and not bool(coverage[15])
         assert bool(torch.isfinite(qparams[path]["input"].scale).all())
+
+
+def test_only_modules_declaring_num_experts_are_stacked():
+    conv = torch.nn.Conv2d(3, 4, 3)
+    assert qstats.experts.expert_count(conv) == 0
+    recipe = qstats.Recipe([qstats.Rule("Conv2d", sites=("weight",), spec=WEIGHTS)])
+    assert recipe.sites(torch.nn.Sequential(conv))["0"]["weight"].num_experts == 0
+    example = _load_example()
+    assert qstats.experts.expert_count(example.StackedExperts(5, 4, 2)) == 5
