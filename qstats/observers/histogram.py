@@ -42,6 +42,7 @@ resolution (smaller values are folded into one bucket around zero):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple, Optional
 
@@ -62,6 +63,43 @@ __all__ = [
 ]
 
 _FULL_RESOLUTION_LIMIT = 1 << 22  # largest P * 2**(9 + m) bincount done at full resolution
+_SEARCH_GRAIN = 200  # torch.searchsorted runs queries in parallel above this many
+
+
+def _floor(x: torch.Tensor) -> torch.Tensor:
+    """floor through trunc: torch.floor/round/ceil of float64 go parallel on tiny tensors on CPU,
+    which stalls when the other cores are busy."""
+    t = torch.trunc(x)
+    return t - (t > x).to(x.dtype)
+
+
+@contextlib.contextmanager
+def _serial_when_small(num_params: int):
+    """Runs a search single-threaded in eager mode when it has few parameters: its tensors are
+    small, and waking the intra-op thread pool for each of its few hundred small ops costs more
+    than the ops (milliseconds each when the other cores are busy). A no-op under compile."""
+    threads = torch.get_num_threads()
+    if num_params > 16 or threads == 1 or torch.compiler.is_compiling():
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _searchsorted(sorted_sequence: torch.Tensor, values: torch.Tensor, right: bool) -> torch.Tensor:
+    """torch.searchsorted over the last dimension, in single-threaded pieces when the search is
+    small (its parallel grain is tiny); one call when there are many parameters to search."""
+    params = max(1, values[..., :1].numel())
+    per_piece = _SEARCH_GRAIN // params
+    count = values.shape[-1]
+    if per_piece < 1 or count <= per_piece:
+        return torch.searchsorted(sorted_sequence, values, right=right)
+    pieces = [torch.searchsorted(sorted_sequence, values[..., i : i + per_piece].contiguous(), right=right)
+              for i in range(0, count, per_piece)]
+    return torch.cat(pieces, -1)
 
 
 @register_state
@@ -285,7 +323,7 @@ def histogram(spec: QuantSpec, bins: int = 128, octaves: int = 48) -> Observer:
 def _magnitude_edges(num_buckets: int, bins: int, low: int, device) -> torch.Tensor:
     """Lower edges of magnitude buckets 0..K-1 and the overflow's lower edge, float64 (K+1)."""
     j = torch.arange(num_buckets - 1, dtype=torch.float64, device=device)
-    octave = torch.floor(j / bins)
+    octave = _floor(j / bins)
     frac = j - octave * bins
     inner = torch.pow(2.0, octave + low) * (1.0 + frac / bins)
     zero = torch.zeros(1, dtype=torch.float64, device=device)
@@ -327,7 +365,7 @@ def _window(state: HistogramState, bins: int, low: int, octaves: int):
     absmax = torch.maximum(-state.min_val, state.max_val).double().clamp(min=0)
     # index of the largest magnitude's bucket (1..K-2 inside the resolved range)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    exponent = torch.floor(torch.log2(safe)).clamp(low, low + (num_buckets - 2) // bins - 1)
+    exponent = _floor(torch.log2(safe)).clamp(low, low + (num_buckets - 2) // bins - 1)
     top_octave_start = 1 + (exponent - low) * bins  # first bucket of the top octave
     first = (top_octave_start - octaves * bins).to(torch.int64)  # may be < 1
     pad = width
@@ -347,7 +385,7 @@ def _window(state: HistogramState, bins: int, low: int, octaves: int):
     # magnitude edges of the window
     j = index - pad  # bucket ids, possibly < 1 (then empty padding)
     jf = j.double()
-    octave = torch.floor((jf - 1) / bins)
+    octave = _floor((jf - 1) / bins)
     frac = (jf - 1) - octave * bins
     lower = torch.pow(2.0, octave + low) * (1.0 + frac / bins)
     lower = torch.where(j >= 1, lower, torch.zeros_like(lower))
@@ -391,7 +429,7 @@ def _cumulative(mom: _Moments, t: torch.Tensor):
     """Count, sum and sum of squares of the values ``<= t`` (t: (*P, C)), piecewise uniform."""
     nb = mom.counts.shape[-1]
     inner = mom.edges[..., 1:-1].contiguous()
-    i = torch.searchsorted(inner, t.contiguous(), right=True).clamp(0, nb - 1)
+    i = _searchsorted(inner, t.contiguous(), right=True).clamp(0, nb - 1)
     a = torch.gather(mom.edges, -1, i)
     b = torch.gather(mom.edges, -1, i + 1)
     n = torch.gather(mom.counts, -1, i)
@@ -418,7 +456,7 @@ def _lean_grid(lo, hi, spec: QuantSpec):
         if spec.zero_point_domain == "float":
             zero_point = -lo / scale
         else:
-            zero_point = (qmin - torch.round(lo / scale)).clamp(qmin, qmax)
+            zero_point = (qmin - _floor(lo / scale + 0.5)).clamp(qmin, qmax)  # ties: search only
     else:
         if spec.mapping == "symmetric_no_clipping_err":
             scale = torch.maximum(lo / float(qmin), hi / float(qmax))
@@ -492,9 +530,9 @@ def _coarsen(edges, counts, factor: int):
 
 
 def _exact_final(state, spec, bins, edges, counts, lo, hi):
-    """The candidate of smallest exact error (integrated on buckets of 1/16 octave or finer)."""
-    coarse_edges, coarse_counts = _coarsen(edges, counts, max(1, bins // 16))
-    error = _exact_error(coarse_edges, coarse_counts, lo, hi, spec)
+    """The candidate of smallest exact error (integrated on buckets of 1/8 octave or finer)."""
+    coarse_edges, coarse_counts = _coarsen(edges, counts, max(1, bins // 8))
+    error = _in_pieces(_exact_error, coarse_edges, coarse_counts, lo, hi, spec)
     error = torch.where(hi - lo > 0, error, torch.full_like(error, math.inf))
     best = torch.argmin(error, -1, keepdim=True)
     return torch.gather(lo, -1, best).squeeze(-1), torch.gather(hi, -1, best).squeeze(-1)
@@ -514,7 +552,7 @@ def _l2_search(state, spec, bins, low):
         best = torch.argmin(error, -1, keepdim=True)
         n = cand.shape[-1]
         # the analytic model's best and its neighbours, and the full range: exact final choice
-        index = torch.cat([(best + torch.arange(-8, 9, device=best.device)).clamp(0, n - 1),
+        index = torch.cat([(best + torch.arange(-4, 5, device=best.device)).clamp(0, n - 1),
                            torch.full_like(best, n - 1)], -1)
         finalists = torch.gather(cand, -1, index)
         return _exact_final(state, spec, bins, edges, counts, -finalists, finalists)
@@ -540,11 +578,16 @@ def _l2_search(state, spec, bins, low):
         i_lo = torch.div(best, k, rounding_mode="floor")
         best_lo = torch.gather(idx_lo, -1, i_lo.unsqueeze(-1)).squeeze(-1)
         best_hi = torch.gather(idx_hi, -1, (best - i_lo * k).unsqueeze(-1)).squeeze(-1)
-    # the last stage's 9 x 9 neighbourhood and the extremes: exact final choice
-    lo_f = torch.cat([lo_c.unsqueeze(-1).expand(*lo_c.shape, k).flatten(-2), lo_all[..., -1:], lo_all[..., -1:],
-                      lo_c[..., k // 2 : k // 2 + 1]], -1)
-    hi_f = torch.cat([hi_c.unsqueeze(-2).expand(*hi_c.shape[:-1], k, k).flatten(-2), hi_all[..., -1:],
-                      hi_c[..., k // 2 : k // 2 + 1], hi_all[..., -1:]], -1)
+    # the best's 5 x 5 neighbourhood and the extremes: exact final choice
+    near = torch.arange(-2, 3, device=device)
+    lo_n = torch.gather(lo_all, -1, (best_lo.unsqueeze(-1) + near).clamp(0, n - 1))
+    hi_n = torch.gather(hi_all, -1, (best_hi.unsqueeze(-1) + near).clamp(0, n - 1))
+    best_lo_value = torch.gather(lo_all, -1, best_lo.unsqueeze(-1))
+    best_hi_value = torch.gather(hi_all, -1, best_hi.unsqueeze(-1))
+    lo_f = torch.cat([lo_n.unsqueeze(-1).expand(*lo_n.shape, 5).flatten(-2), lo_all[..., -1:], lo_all[..., -1:],
+                      best_lo_value], -1)
+    hi_f = torch.cat([hi_n.unsqueeze(-2).expand(*hi_n.shape[:-1], 5, 5).flatten(-2), hi_all[..., -1:],
+                      best_hi_value, hi_all[..., -1:]], -1)
     return _exact_final(state, spec, bins, edges, counts, lo_f, hi_f)
 
 
@@ -554,9 +597,30 @@ def _l2_search(state, spec, bins, low):
 
 def _sawtooth_integral(u, scale):
     """Integral of (x - scale * round(x / scale))**2 from -scale/2 to u."""
-    k = torch.floor(u / scale + 0.5)
+    k = _floor(u / scale + 0.5)
     v = u - k * scale
-    return k * scale**3 / 12 + (v**3 + scale**3 / 8) / 3
+    cube = scale * scale * scale
+    return k * cube / 12 + (v * v * v + cube / 8) / 3
+
+
+_PIECE = 1 << 15  # elements per evaluation piece: below torch's parallel grain size
+
+
+def _in_pieces(function, edges, counts, lo, hi, spec):
+    """``function(edges, counts, lo, hi, spec)`` over slices of the candidates, so that every
+    intermediate stays below ``_PIECE`` elements (small ops run single-threaded: no waiting on
+    a busy second core, and less memory)."""
+    per_piece = max(1, _PIECE // max(1, counts.shape[-1] * max(1, lo[..., :1].numel())))
+    total = lo.shape[-1]
+    if total <= per_piece:
+        return function(edges, counts, lo, hi, spec)
+    parts = [function(edges, counts, lo[..., i : i + per_piece], hi[..., i : i + per_piece], spec)
+             for i in range(0, total, per_piece)]
+    return torch.cat(parts, -1)
+
+
+def _cube(x):
+    return x * x * x / 3
 
 
 def _exact_error(edges, counts, lo, hi, spec):
@@ -576,12 +640,12 @@ def _exact_error(edges, counts, lo, hi, spec):
     inside = _sawtooth_integral(ib + offset, s) - _sawtooth_integral(ia + offset, s)
     # clipped parts
     la, lb = torch.minimum(a, cl), torch.minimum(b, cl)
-    below = ((cl - la) ** 3 - (cl - lb) ** 3) / 3
+    below = _cube(cl - la) - _cube(cl - lb)
     ua, ub = torch.maximum(a, ch), torch.maximum(b, ch)
-    above = ((ub - ch) ** 3 - (ua - ch) ** 3) / 3
+    above = _cube(ub - ch) - _cube(ua - ch)
     per_value = (inside.clamp(min=0) + below + above) / safe
     qmin, qmax = spec.qrange
-    q = torch.clamp(torch.round((a + offset) / s), qmin, qmax) * s - offset  # zero-width: point mass
+    q = torch.clamp(_floor((a + offset) / s + 0.5), qmin, qmax) * s - offset  # zero-width: point mass
     point_error = (a - q) ** 2
     per_value = torch.where(width > 0, per_value, point_error)
     return (n * per_value).sum(-1)
@@ -609,7 +673,7 @@ def _mse_search(state, spec, bins, low, candidates=128, per_octave=32):
         absmax = torch.maximum(-lo, hi)
         lo, hi = -absmax, absmax
     error_fn = _float_grid_error if spec.is_float else _exact_error
-    error = error_fn(edges, counts, lo, hi, spec)
+    error = _in_pieces(error_fn, edges, counts, lo, hi, spec)
     error = torch.where(hi - lo > 0, error, torch.full_like(error, math.inf))
     best = torch.argmin(error, -1, keepdim=True)
     return torch.gather(lo, -1, best).squeeze(-1), torch.gather(hi, -1, best).squeeze(-1)
@@ -647,36 +711,39 @@ def entropy_amax(hist: torch.Tensor, bin_edges: torch.Tensor, num_bits: int = 8,
     c_nonzero = torch.cat([zero, nonzero.cumsum(-1)], -1)
     plogp = torch.where(hist > 0, hist * torch.log(torch.where(hist > 0, hist, torch.ones_like(hist))), zero)
     c_plogp = torch.cat([zero, plogp.cumsum(-1)], -1)
-    # chunk boundaries: bin j (< i) belongs to chunk floor(j * levels / i) as np.digitize on linspace
-    k = torch.arange(levels + 1, device=device, dtype=torch.float64)
-    # np.linspace(0, i, levels + 1): k * (i / levels), the last point exactly i
-    space = k.unsqueeze(0) * (cand.double() / levels).unsqueeze(-1)
-    # np.digitize: chunk c holds the bins j with space[c] <= j < space[c + 1]
-    starts = torch.ceil(space[:, :-1]).to(torch.int64)
-    starts = torch.cat([starts, cand.unsqueeze(-1)], -1)
     lead = hist.shape[:-1]
-    idx = starts.expand(*lead, *starts.shape)  # (*P, C, levels+1)
-    gather = lambda c: torch.gather(c.unsqueeze(-2).expand(*lead, cand.shape[0], c.shape[-1]), -1, idx)  # noqa: E731
-    chunk_sum = gather(c_count).diff(dim=-1)  # (*P, C, levels)
-    chunk_nonzero = gather(c_nonzero).diff(dim=-1)
-    q_level = torch.where(chunk_nonzero > 0, chunk_sum / chunk_nonzero.clamp(min=1), torch.zeros_like(chunk_sum))
-    # sum_j p_j log q_{d(j)} over bins of hist[:i] = sum_k S_k log(q_k)
-    s_log_q = torch.where(chunk_sum > 0, chunk_sum * torch.log(torch.where(q_level > 0, q_level, torch.ones_like(q_level))),
-                          torch.zeros_like(chunk_sum)).sum(-1)  # (*P, C)
-    ci = cand.expand(*lead, cand.shape[0])
-    last = torch.gather(hist, -1, (ci - 1))  # p_{i-1}
-    outliers = total - torch.gather(c_count, -1, ci)
-    p_last = last + outliers
-    sum_p_log_p = torch.gather(c_plogp, -1, ci - 1) + torch.where(p_last > 0, p_last * torch.log(p_last.clamp(min=1e-300)), torch.zeros_like(p_last))
-    q_last = q_level[..., -1]  # the last bin belongs to the last chunk
-    # the outliers in P's last bin are compared with Q's value there (0 if that bin is empty)
-    out_term = torch.where(outliers > 0, outliers * torch.log(q_last.clamp(min=1e-300)), torch.zeros_like(outliers))
-    out_term = torch.where((outliers > 0) & ((last <= 0) | (q_last <= 0)), torch.full_like(out_term, -math.inf), out_term)
-    sum_p_log_q = s_log_q + out_term
-    n_p = total
-    n_q = torch.gather(c_count, -1, ci)
-    kl = (sum_p_log_p - sum_p_log_q) / n_p - torch.log(n_p) + torch.log(n_q)
-    kl = torch.where(n_q > 0, kl, torch.full_like(kl, math.inf))
+    k = torch.arange(levels + 1, device=device, dtype=torch.float64)
+
+    def divergences(cand):
+        # chunk boundaries: np.linspace(0, i, levels + 1) is k * (i / levels), the last point i;
+        # np.digitize puts bin j in chunk c when space[c] <= j < space[c + 1]
+        space = k.unsqueeze(0) * (cand.double() / levels).unsqueeze(-1)
+        starts = torch.cat([(-_floor(-space[:, :-1])).to(torch.int64), cand.unsqueeze(-1)], -1)
+        idx = starts.expand(*lead, *starts.shape)  # (*P, C, levels+1)
+        gather = lambda c: torch.gather(c.unsqueeze(-2).expand(*lead, cand.shape[0], c.shape[-1]), -1, idx)  # noqa: E731
+        chunk_sum = gather(c_count).diff(dim=-1)  # (*P, C, levels)
+        chunk_nonzero = gather(c_nonzero).diff(dim=-1)
+        q_level = torch.where(chunk_nonzero > 0, chunk_sum / chunk_nonzero.clamp(min=1), torch.zeros_like(chunk_sum))
+        # sum_j p_j log q_{d(j)} over the bins of hist[:i] = sum_k S_k log(q_k)
+        log_q = torch.log(torch.where(q_level > 0, q_level, torch.ones_like(q_level)))
+        s_log_q = torch.where(chunk_sum > 0, chunk_sum * log_q, torch.zeros_like(chunk_sum)).sum(-1)  # (*P, C)
+        ci = cand.expand(*lead, cand.shape[0])
+        last = torch.gather(hist, -1, (ci - 1))  # p_{i-1}
+        outliers = total - torch.gather(c_count, -1, ci)
+        p_last = last + outliers
+        p_log_p_last = torch.where(p_last > 0, p_last * torch.log(p_last.clamp(min=1e-300)), torch.zeros_like(p_last))
+        sum_p_log_p = torch.gather(c_plogp, -1, ci - 1) + p_log_p_last
+        q_last = q_level[..., -1]  # the last bin belongs to the last chunk
+        # the outliers in P's last bin meet Q's value there (0 if that bin is empty: infinite KL)
+        out_term = torch.where(outliers > 0, outliers * torch.log(q_last.clamp(min=1e-300)), torch.zeros_like(outliers))
+        out_term = torch.where((outliers > 0) & ((last <= 0) | (q_last <= 0)), torch.full_like(out_term, -math.inf), out_term)
+        n_q = torch.gather(c_count, -1, ci)
+        kl = (sum_p_log_p - (s_log_q + out_term)) / total - torch.log(total) + torch.log(n_q)
+        return torch.where(n_q > 0, kl, torch.full_like(kl, math.inf))
+
+    # candidates in pieces that keep every intermediate below torch's parallel grain size
+    per_piece = max(1, (1 << 15) // max(1, (levels + 1) * max(1, total.numel())))
+    kl = torch.cat([divergences(cand[i : i + per_piece]) for i in range(0, cand.shape[0], per_piece)], -1)
     # last argmin
     flipped = kl.flip(-1)
     best = kl.shape[-1] - 1 - torch.argmin(flipped, -1)
@@ -721,7 +788,7 @@ def _quantile(mom, q):
     total = mom.c0[..., -1:]
     target = q * total
     nb = mom.counts.shape[-1]
-    i = (torch.searchsorted(mom.c0[..., 1:].contiguous(), target.contiguous(), right=False)).clamp(0, nb - 1)
+    i = _searchsorted(mom.c0[..., 1:].contiguous(), target.contiguous(), right=False).clamp(0, nb - 1)
     before = torch.gather(mom.c0, -1, i)
     n = torch.gather(mom.counts, -1, i)
     a = torch.gather(mom.edges, -1, i)
@@ -760,19 +827,18 @@ def _histogram_rule_factory():
             if options:
                 raise TypeError(f"compute_qparams: method 'minmax' takes no options, got {sorted(options)}")
             return Range(state.min_val, state.max_val, calibrated)
-        if method == "l2":
-            if options:
-                raise TypeError(f"compute_qparams: method 'l2' takes no options, got {sorted(options)}")
-            if spec.is_float:
-                lo, hi = _mse_search(state, spec, bins, low)
+        if method == "l2" and options:
+            raise TypeError(f"compute_qparams: method 'l2' takes no options, got {sorted(options)}")
+        with _serial_when_small(state.min_val.numel()):
+            if method == "l2":
+                search = _mse_search if spec.is_float else _l2_search
+                lo, hi = search(state, spec, bins, low)
+            elif method == "mse":
+                lo, hi = _mse_search(state, spec, bins, low, **options)
+            elif method == "entropy":
+                lo, hi = _entropy_search(state, spec, bins, low, **options)
             else:
-                lo, hi = _l2_search(state, spec, bins, low)
-        elif method == "mse":
-            lo, hi = _mse_search(state, spec, bins, low, **options)
-        elif method == "entropy":
-            lo, hi = _entropy_search(state, spec, bins, low, **options)
-        else:
-            lo, hi = _percentile_search(state, spec, bins, low, **options)
+                lo, hi = _percentile_search(state, spec, bins, low, **options)
         lo = torch.minimum(lo.float(), torch.zeros_like(state.min_val)).clamp(min=state.min_val)
         hi = torch.maximum(hi.float(), torch.zeros_like(state.max_val)).clamp(max=state.max_val)
         zero = torch.zeros_like(state.min_val)
