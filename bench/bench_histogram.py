@@ -5,7 +5,7 @@ measured in this run on the same data: four 4096x1024 float32 batches (Gaussian,
 with 3 degrees of freedom), torch.ao's default quint8 per-tensor affine observer (2048 bins) and
 the matching qstats spec (uint8 asymmetric, default 128 buckets per octave over 48 octaves).
 
-    python bench/bench_histogram.py [--repeats 20] [--no-compile]
+    python bench/bench_histogram.py [--repeats 20] [--no-compile] [--threads N]
     python bench/bench_histogram.py --sqnr    # the SQNR table: every method vs torch.ao
 """
 
@@ -106,7 +106,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled search (compiling takes minutes)")
     parser.add_argument("--sqnr", action="store_true", help="print the SQNR table (dB) instead of timings")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for both libraries (1 is robust on a busy machine)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.sqnr:
         sqnr_table()
         return

@@ -5,7 +5,7 @@ disabled on both (qstats accumulates every candidate's loss; llm-compressor's de
 5 is measured too). Prints markdown rows with the ratio llm-compressor time / qstats time, both
 measured in this run.
 
-    python bench/bench_mse.py [--rows 4096] [--cols 4096] [--repeats 3]
+    python bench/bench_mse.py [--rows 4096] [--cols 4096] [--repeats 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def main():
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads for both libraries")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     from compressed_tensors.quantization import QuantizationArgs
     from llmcompressor.observers import Observer
 
