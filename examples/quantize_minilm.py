@@ -212,8 +212,8 @@ def main(argv=None) -> list[dict]:
         )
         qparams = qstats.compute_qparams_tree(states, recipe, model)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
-        with qstats.fake_quantized(model, qparams, recipe):
-            quantized = embed(model, heldout_batches)
+        with qstats.fake_quantized(model, qparams, recipe), torch.nn.utils.parametrize.cached():
+            quantized = embed(model, heldout_batches)  # weights fake-quantized once, not per batch
         mean_cos, min_cos = cosine_stats(reference, quantized)
         calibrations[name] = (states, qparams)
         results.append(
