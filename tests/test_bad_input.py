@@ -275,10 +275,7 @@ DEGENERATE = {
 
 
 # Known issues in other modules, reported; strict, so a fix turns them into failures to remove.
-KNOWN_ISSUES = {
-    ("moments/tensor", "zeros"): "moments range rule marks an all-zero range uncalibrated ('saw no finite data')",
-    ("moments/axis0", "zeros"): "moments range rule marks an all-zero range uncalibrated ('saw no finite data')",
-}
+KNOWN_ISSUES: dict = {}
 
 
 @pytest.mark.parametrize("kind", sorted(DEGENERATE))
