@@ -7,6 +7,7 @@ Prints markdown table rows with ratios measured in this run:
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -36,7 +37,7 @@ def bench_per_tensor_update():
     return ours, ref
 
 
-def bench_stacked_experts():
+def bench_stacked_experts(compiled=False):
     experts = torch.randn(64, 512, 256)
     spec = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(0))
     obs = qstats.minmax(spec)
@@ -45,6 +46,8 @@ def bench_stacked_experts():
         return qstats.compute_qparams(obs.update(obs.init(w), w), spec)
 
     vmapped = torch.vmap(one_expert)
+    if compiled:
+        vmapped = torch.compile(vmapped, fullgraph=True)
 
     def torch_ao_loop():
         out = []
@@ -74,24 +77,33 @@ def bench_stacked_experts():
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="*", default=[1, 2], help="torch intra-op thread counts")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| benchmark | qstats | reference | ratio (qstats / reference) | target |")
-    print("|---|---|---|---|---|")
-    ours, ref = bench_per_tensor_update()
-    print(
-        f"| per-tensor minmax update, 4096x1024 fp32 | {ours * 1e3:.3f} ms | torch.aminmax {ref * 1e3:.3f} ms "
-        f"| {ours / ref:.2f}x | <= 1.3x |"
-    )
-    ours, loop, raw = bench_stacked_experts()
-    print(
-        f"| 64 experts [64,512,256] per-channel int8: vmap init+update+qparams | {ours * 1e3:.2f} ms "
-        f"| torch.ao PerChannelMinMaxObserver loop {loop * 1e3:.2f} ms | {loop / ours:.1f}x faster | >= 10x faster |"
-    )
-    print(
-        f"| same, against raw amin/amax over the stacked tensor | {ours * 1e3:.2f} ms | {raw * 1e3:.2f} ms "
-        f"| {ours / raw:.2f}x | <= 1.5x |"
-    )
+    print(f"torch {torch.__version__}")
+    print("| benchmark | threads | qstats | reference | ratio | target |")
+    print("|---|---|---|---|---|---|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        ours, ref = bench_per_tensor_update()
+        print(
+            f"| per-tensor minmax update, 4096x1024 fp32 | {threads} | {ours * 1e3:.3f} ms "
+            f"| torch.aminmax {ref * 1e3:.3f} ms | {ours / ref:.2f}x | <= 1.3x |"
+        )
+        for compiled in (False, True) if not args.no_compile else (False,):
+            ours, loop, raw = bench_stacked_experts(compiled)
+            how = "torch.compile(vmap(...))" if compiled else "vmap"
+            print(
+                f"| 64 experts [64,512,256] per-channel int8, {how} init+update+qparams | {threads} "
+                f"| {ours * 1e3:.2f} ms | torch.ao PerChannelMinMaxObserver loop {loop * 1e3:.2f} ms "
+                f"| {loop / ours:.1f}x faster | >= 10x faster |"
+            )
+            print(
+                f"| same, {how}, against raw amin/amax over the stacked tensor | {threads} | {ours * 1e3:.2f} ms "
+                f"| {raw * 1e3:.2f} ms | {ours / raw:.2f}x | <= 1.5x |"
+            )
 
 
 if __name__ == "__main__":
