@@ -24,6 +24,7 @@ __all__ = [
     "state_types",
     "check_state",
     "check_same_shapes",
+    "batch_weighted_mean",
 ]
 
 
@@ -92,5 +93,16 @@ def check_same_shapes(a: Any, b: Any, where: str) -> None:
             )
 
 
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
+def batch_weighted_mean(u: torch.Tensor, v: torch.Tensor, u_batches: torch.Tensor, v_batches: torch.Tensor):
+    """Merge of two moving averages: their mean weighted by how many batches each averaged.
+
+    Where one side averaged no batch the other side is returned as it is (so ``init`` is the
+    identity); commutative bit for bit, associative up to float rounding.
+    """
+    u_seen, v_seen = u_batches > 0, v_batches > 0
+    total = (u_batches + v_batches).clamp(min=1).to(torch.float32)
+    u_weight, v_weight = u_batches.to(torch.float32), v_batches.to(torch.float32)
+    u0 = torch.where(u_seen, u, torch.zeros_like(u))
+    v0 = torch.where(v_seen, v, torch.zeros_like(v))
+    both = (u0 * u_weight + v0 * v_weight) / total
+    return torch.where(u_seen, torch.where(v_seen, both, u), v)

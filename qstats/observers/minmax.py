@@ -16,7 +16,7 @@ from .._granularity import canonical_view, qparam_shape, weight_view
 from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
-from ._base import Observer, check_same_shapes, check_state, register_state
+from ._base import Observer, batch_weighted_mean, check_same_shapes, check_state, register_state
 
 __all__ = [
     "MinMaxState",
@@ -231,15 +231,8 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
         check_state(a, MovingAverageMinMaxState, "moving_average_minmax.merge")
         check_state(b, MovingAverageMinMaxState, "moving_average_minmax.merge")
         check_same_shapes(a, b, "moving_average_minmax.merge")
-        a_seen, b_seen = a.batches > 0, b.batches > 0
-        total = (a.batches + b.batches).clamp(min=1).to(torch.float32)
-        a_weight, b_weight = a.batches.to(torch.float32), b.batches.to(torch.float32)
-
         def mean(u, v):
-            u0 = torch.where(a_seen, u, torch.zeros_like(u))
-            v0 = torch.where(b_seen, v, torch.zeros_like(v))
-            both = (u0 * a_weight + v0 * b_weight) / total
-            return torch.where(a_seen, torch.where(b_seen, both, u), v)
+            return batch_weighted_mean(u, v, a.batches, b.batches)
 
         return MovingAverageMinMaxState(
             mean(a.min_val, b.min_val),

@@ -33,7 +33,7 @@ from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
-from ._base import Observer, check_same_shapes, check_state, register_state
+from ._base import Observer, batch_weighted_mean, check_same_shapes, check_state, register_state
 
 __all__ = ["MSEState", "MovingAverageMSEState", "mse", "shrink_factors", "candidate_losses"]
 
@@ -328,14 +328,8 @@ def _moving_average(spec, factors, norm, expand, constant, patience, observe):
         check_state(a, MovingAverageMSEState, "mse.merge")
         check_state(b, MovingAverageMSEState, "mse.merge")
         check_same_shapes(a, b, "mse.merge")
-        a_seen, b_seen = a.batches > 0, b.batches > 0
-        total = (a.batches + b.batches).clamp(min=1).to(torch.float32)
-        wa, wb = a.batches.to(torch.float32), b.batches.to(torch.float32)
-
         def mean(u, v):
-            u0 = torch.where(a_seen, u, torch.zeros_like(u))
-            v0 = torch.where(b_seen, v, torch.zeros_like(v))
-            return torch.where(a_seen, torch.where(b_seen, (u0 * wa + v0 * wb) / total, u), v)
+            return batch_weighted_mean(u, v, a.batches, b.batches)
 
         return MovingAverageMSEState(mean(a.min_val, b.min_val), mean(a.max_val, b.max_val), a.batches + b.batches,
                                      a.count + b.count, a.nonfinite + b.nonfinite)
