@@ -538,57 +538,173 @@ def _exact_final(state, spec, bins, edges, counts, lo, hi):
     return torch.gather(lo, -1, best).squeeze(-1), torch.gather(hi, -1, best).squeeze(-1)
 
 
+_EDGE_CACHE: dict = {}
+
+
+def _padded_lower_edges(bins: int, low: int, high: int, pad: int, device) -> torch.Tensor:
+    """Constant float64 ``(pad + K + 1,)``: ``pad`` zeros, then the lower edge of every flat
+    magnitude bucket (underflow first: 0), then ``inf`` (the overflow's upper end). Cached per
+    configuration and device in eager mode."""
+    key = (bins, low, high, pad, str(device))
+    cached = _EDGE_CACHE.get(key)
+    if cached is not None and not torch.compiler.is_compiling():
+        return cached
+    j = torch.arange((high - low) * bins + 1, dtype=torch.float64, device=device)
+    octave = torch.div(j, bins, rounding_mode="floor")
+    inner = torch.pow(2.0, octave + low) * (1.0 + (j - octave * bins) / bins)
+    zeros = torch.zeros(pad + 1, dtype=torch.float64, device=device)
+    edges = torch.cat([zeros, inner, torch.full((1,), math.inf, dtype=torch.float64, device=device)])
+    if not torch.compiler.is_compiling():
+        _EDGE_CACHE[key] = edges
+    return edges
+
+
+def _flat_bucket(t: torch.Tensor, bins: int, low: int, high: int) -> torch.Tensor:
+    """Flat magnitude bucket id (0: underflow, K - 1: overflow) of magnitudes ``t >= 0``, from
+    their float32 bits (a value that rounds up to a bucket edge lands in the bucket above)."""
+    m = bins.bit_length() - 1
+    code = t.float().contiguous().view(torch.int32) >> (23 - m)
+    return (code.to(torch.int64) - (((low + 127) << m) - 1)).clamp(0, (high - low) * bins + 1)
+
+
+class _Windows(NamedTuple):
+    edges: torch.Tensor  # (*P, 2, W + 1) magnitude edges, clamped to the sign's extreme
+    counts: torch.Tensor  # (*P, 2, W)
+    below: torch.Tensor  # (*P, 2) values below the window
+    first: torch.Tensor  # (*P, 2) flat id of the window's first bucket
+    cand: torch.Tensor  # (*P, 2, W + 1) candidate clipping magnitudes at the edges
+    tails: torch.Tensor  # (*P, 2, 3, W + 1) count, sum, sum of squares of the values above each edge
+
+
+def _sign_windows(state, spec, octaves: int) -> _Windows:
+    """Per sign (0: negative values, as magnitudes), the ``W = octaves * bins`` magnitude
+    buckets up to an anchor: the sign's extreme (asymmetric mappings) or the larger extreme
+    (symmetric), found from the anchor's float32 bits; candidates are the window's edges up to
+    the anchor. Fixed shapes, a few gathers: no search."""
+    bins, low, high = _config(state)
+    width = octaves * bins
+    device = state.counts.device
+    extent = torch.stack([-state.min_val, state.max_val], -1).clamp(min=0)  # float32 (*P, 2)
+    anchor = extent.amax(-1, keepdim=True).expand(extent.shape) if _is_symmetric(spec) else extent
+    top = _flat_bucket(anchor, bins, low, high)
+    index = top.unsqueeze(-1) + torch.arange(1, width + 2, device=device)  # padded edge index (*P, 2, W + 1)
+    lead = state.counts.shape[:-2]
+    flat = torch.cat([state.counts.new_zeros((*lead, width)), state.underflow.unsqueeze(-1), state.counts.flatten(-2),
+                      state.overflow.unsqueeze(-1)], -1)
+    counts = torch.gather(flat, -1, index[..., :-1]).double()
+    below = flat.sum(-1).double() - counts.sum(-1)
+    lower = _padded_lower_edges(bins, low, high, width, device)[index]
+    edges = torch.minimum(lower, extent.double().unsqueeze(-1))
+    cand = torch.minimum(lower, anchor.double().unsqueeze(-1)) if _is_symmetric(spec) else edges
+    a, b = edges[..., :-1], edges[..., 1:]
+    moments = torch.stack([counts, counts * (a + b) * 0.5, counts * (a * a + a * b + b * b) * (1.0 / 3)], -2)
+    prefix = torch.cumsum(moments, -1)
+    total = prefix[..., -1:]
+    tails = torch.cat([total, total - prefix], -1)
+    return _Windows(edges, counts, below, (top + 1 - width).to(torch.int32), cand, tails)
+
+
+def _model_error(packed, dead_moments, dead_offset, idx, shift: int, half_scale: float):
+    """Analytic expected squared error of candidate ranges given as edge indices ``idx``
+    ``(*P, 2, C)`` (per sign): the clipped values' exact squared distance to the clipping point,
+    ``x**2`` for the values that round to zero (``|x| < scale / 2``) and ``scale**2 / 12`` for the
+    others. The dead zone's end is located to the bucket from the float32 bits of ``scale / 2``."""
+    sel = torch.gather(packed, -1, idx.unsqueeze(-3).expand(*idx.shape[:-2], 3, *idx.shape[-2:]))
+    clip, s0, c = sel.unbind(-3)  # (*P, 2, C); clip includes the sign's total sum of squares
+    half = (c[..., :1, :] + c[..., 1:, :]) * half_scale  # (*P, 1, C)
+    dead = (half.float().view(torch.int32) >> shift) - dead_offset  # window edge index, per sign
+    dead = torch.minimum(dead.clamp(min=0), idx)
+    inner = torch.gather(dead_moments, -1, dead.unsqueeze(-3).expand(*dead.shape[:-2], 2, *dead.shape[-2:]))
+    # clipped + sum of x**2 below the dead zone's end + scale**2 / 12 for the values in between
+    error = clip - inner[..., 1, :, :] + (inner[..., 0, :, :] - s0) * (half * half * (4.0 / 12))
+    return error.sum(-2)
+
+
+def _sawtooth_error(edges, density, lo, hi, spec):
+    """Expected squared error of candidates ``(lo, hi)`` ``(*P, C)`` with the spec's own grid
+    (zero point rounding included), exact under the piecewise-uniform model: the antiderivative
+    of the squared error (a sawtooth inside the clipping points, cubic outside) at every edge,
+    differenced and weighted by each bucket's ``count / width`` (``density`` ``(*P, B)``)."""
+    scale, zero_point, clip_lo, clip_hi = _grid(lo, hi, spec)
+    u = edges.unsqueeze(-2)  # (*P, 1, B + 1)
+    inside = torch.clamp(u, clip_lo.unsqueeze(-1), clip_hi.unsqueeze(-1))  # (*P, C, B + 1)
+    w = torch.addcmul(zero_point.unsqueeze(-1), inside, (1 / scale).unsqueeze(-1))  # in grid steps
+    k = torch.round(w)
+    r = w - k
+    saw = torch.add(k, r * r * r, alpha=4.0) * (scale * scale * scale / 12).unsqueeze(-1)
+    d = u - inside
+    antiderivative = torch.addcmul(saw, d * d, d, value=1 / 3)
+    return ((antiderivative[..., 1:] - antiderivative[..., :-1]) * density.unsqueeze(-2)).sum(-1)
+
+
 def _l2_search(state, spec, bins, low):
-    edges, counts = _window(state, bins, low, _search_octaves(spec))
-    mom = _moments(edges, counts)
-    # candidates: the extremes times 2**(-k / bins), the buckets' resolution, down bits + 4 octaves
-    steps = torch.arange((min(spec.bits, 16) + 4) * bins + 1, dtype=torch.float64, device=edges.device)
-    factors = torch.pow(2.0, -steps / bins).flip(-1)  # ascending, ends at 1
+    """Coarse-to-fine search over bucket edges with an analytic model (a few batched steps, no
+    search in sorted arrays, no host synchronisation), the finalists ranked with the spec's own
+    grid."""
+    _, _, high = _config(state)
+    m = bins.bit_length() - 1
+    win = _sign_windows(state, spec, _search_octaves(spec))
+    width = win.edges.shape[-1] - 1
+    qmin, qmax = spec.qrange
+    if spec.mapping == "symmetric_no_clipping_err":
+        half_scale = 0.5 / (2 * min(-qmin, qmax))  # scale = amax / qmax (on 2 * amax = the span)
+    else:
+        half_scale = 0.5 / float(qmax - qmin)
+    s0, s1, s2 = win.tails.unbind(-2)
+    cand = win.cand
+    clip = s2 - cand * (2 * s1 - cand * s0) + s2[..., :1]  # beyond the candidate, plus all x**2 (see below)
+    packed = torch.stack([clip, s0, cand], -3)  # (*P, 3, 2, W + 1)
+    dead_moments = torch.stack([s0, s2], -3)  # (*P, 2, 2, W + 1)
+    dead_offset = (win.first + (((low + 127) << m) - 1)).unsqueeze(-1)  # bucket code of each window's start
+    shift = 23 - m
+    device = cand.device
+    lead = cand.shape[:-2]
     if _is_symmetric(spec):
-        absmax = torch.maximum(-state.min_val, state.max_val).double().clamp(min=0).unsqueeze(-1)
-        cand = absmax * factors
-        error = _l2_error(mom, -cand, cand, spec)
-        error = torch.where(cand > 0, error, torch.full_like(error, math.inf))
+        idx = torch.arange(width + 1, device=device).expand(*lead, 2, width + 1)
+        error = _model_error(packed, dead_moments, dead_offset, idx, shift, half_scale)
         best = torch.argmin(error, -1, keepdim=True)
-        n = cand.shape[-1]
-        # the analytic model's best and its neighbours, and the full range: exact final choice
-        index = torch.cat([(best + torch.arange(-4, 5, device=best.device)).clamp(0, n - 1),
-                           torch.full_like(best, n - 1)], -1)
-        finalists = torch.gather(cand, -1, index)
-        return _exact_final(state, spec, bins, edges, counts, -finalists, finalists)
-    lo_all = state.min_val.double().clamp(max=0).unsqueeze(-1) * factors
-    hi_all = state.max_val.double().clamp(min=0).unsqueeze(-1) * factors
-    # 2-D search, coarse to fine: every 32nd edge, then +-32 edges by 4, then +-4 edges by 1
-    n = lo_all.shape[-1]
-    best_lo = torch.full(lo_all.shape[:-1], n - 1, dtype=torch.int64, device=lo_all.device)
-    best_hi = best_lo.clone()
-    device = lo_all.device
-    stages = (-torch.arange(0, n, 32, device=device), torch.arange(-32, 33, 4, device=device), torch.arange(-4, 5, device=device))
-    for offsets in stages:
-        idx_lo = (best_lo.unsqueeze(-1) + offsets).clamp(0, n - 1)
-        idx_hi = (best_hi.unsqueeze(-1) + offsets).clamp(0, n - 1)
-        lo_c = torch.gather(lo_all, -1, idx_lo)
-        hi_c = torch.gather(hi_all, -1, idx_hi)
-        k = offsets.shape[0]
-        lo_g = lo_c.unsqueeze(-1).expand(*lo_c.shape, k)
-        hi_g = hi_c.unsqueeze(-2).expand(*lo_c.shape[:-1], k, k)
-        error = _l2_error(mom, lo_g, hi_g, spec)
-        error = torch.where(hi_g - lo_g > 0, error, torch.full_like(error, math.inf)).flatten(-2)
-        best = torch.argmin(error, -1)
-        i_lo = torch.div(best, k, rounding_mode="floor")
-        best_lo = torch.gather(idx_lo, -1, i_lo.unsqueeze(-1)).squeeze(-1)
-        best_hi = torch.gather(idx_hi, -1, (best - i_lo * k).unsqueeze(-1)).squeeze(-1)
-    # the best's 5 x 5 neighbourhood and the extremes: exact final choice
-    near = torch.arange(-2, 3, device=device)
-    lo_n = torch.gather(lo_all, -1, (best_lo.unsqueeze(-1) + near).clamp(0, n - 1))
-    hi_n = torch.gather(hi_all, -1, (best_hi.unsqueeze(-1) + near).clamp(0, n - 1))
-    best_lo_value = torch.gather(lo_all, -1, best_lo.unsqueeze(-1))
-    best_hi_value = torch.gather(hi_all, -1, best_hi.unsqueeze(-1))
-    lo_f = torch.cat([lo_n.unsqueeze(-1).expand(*lo_n.shape, 5).flatten(-2), lo_all[..., -1:], lo_all[..., -1:],
-                      best_lo_value], -1)
-    hi_f = torch.cat([hi_n.unsqueeze(-2).expand(*hi_n.shape[:-1], 5, 5).flatten(-2), hi_all[..., -1:],
-                      best_hi_value, hi_all[..., -1:]], -1)
-    return _exact_final(state, spec, bins, edges, counts, lo_f, hi_f)
+        index = torch.cat([(best + torch.arange(-2, 3, device=device)).clamp(0, width), torch.full_like(best, width)], -1)
+        amax = torch.gather(cand[..., 1, :], -1, index)
+        lo, hi = -amax, amax
+    else:
+        # 2-D: every (bins / 4)-th edge of the top (bits + 4) octaves, then finer around the best
+        step = max(1, bins // 4)
+        span = (_search_octaves(spec) - 4) * bins
+        offsets = torch.arange(width, width - span - 1, -step, device=device)
+        best = None
+        while True:
+            around = offsets.expand(*lead, 2, offsets.shape[0]) if best is None else (best.unsqueeze(-1) + offsets).clamp(0, width)
+            k = around.shape[-1]
+            pairs = torch.stack([around[..., 0, :].unsqueeze(-1).expand(*lead, k, k),
+                                 around[..., 1, :].unsqueeze(-2).expand(*lead, k, k)], -3).flatten(-2)
+            error = _model_error(packed, dead_moments, dead_offset, pairs, shift, half_scale)
+            pick = torch.argmin(error, -1, keepdim=True).unsqueeze(-2).expand(*lead, 2, 1)
+            best = torch.gather(pairs, -1, pick).squeeze(-1)  # (*P, 2)
+            if step == 1:
+                break
+            new_step = max(1, step // 8)  # 32 -> 4 -> 1 with 128 buckets per octave
+            offsets = torch.arange(-step, step + 1, new_step, device=device)
+            step = new_step
+        # finalists: the best's 3 x 3 neighbourhood, the full range, each side of the best with the other full
+        near = (best.unsqueeze(-1) + torch.arange(-1, 2, device=device)).clamp(0, width)
+        full = torch.full_like(best[..., :1], width)
+        pairs = torch.cat([torch.stack([near[..., 0, :].unsqueeze(-1).expand(*lead, 3, 3),
+                                        near[..., 1, :].unsqueeze(-2).expand(*lead, 3, 3)], -3).flatten(-2),
+                           torch.stack([full, full], -2), torch.stack([best[..., :1], full], -2),
+                           torch.stack([full, best[..., 1:]], -2)], -1)
+        values = torch.gather(cand, -1, pairs)
+        lo, hi = -values[..., 0, :], values[..., 1, :]
+    # exact ranking of the finalists on buckets of 1/8 octave or finer
+    factor = max(1, bins // 8)
+    edges = win.edges[..., ::factor]
+    counts = win.counts.unflatten(-1, (-1, factor)).sum(-1)
+    signed_edges = torch.cat([-edges[..., 0, :].flip(-1), edges[..., 1, :]], -1)
+    signed_counts = torch.cat([counts[..., 0, :].flip(-1), win.below.sum(-1, keepdim=True), counts[..., 1, :]], -1)
+    widths = signed_edges[..., 1:] - signed_edges[..., :-1]
+    density = signed_counts / widths.clamp(min=1e-300)
+    error = _sawtooth_error(signed_edges, density, lo, hi, spec)
+    pick = torch.argmin(error, -1, keepdim=True)
+    return torch.gather(lo, -1, pick).squeeze(-1), torch.gather(hi, -1, pick).squeeze(-1)
 
 
 # ---------------------------------------------------------------------------------------------
