@@ -33,7 +33,7 @@ import warnings
 import torch
 
 import qstats
-from qstats.experts import dispatch, routing_mask
+from qstats.experts import routing_mask
 
 warnings.filterwarnings("ignore")
 
@@ -131,7 +131,9 @@ def measure(num_experts, hidden, intermediate, top_k, num_batches, tokens, repea
         state = None
         for hidden_states, index in batches:
             mask = routing_mask((hidden_states, index), {}, num_experts, hidden_states.shape[0])
-            x, weight = dispatch(hidden_states, mask)  # what qstats.calibrate does on CPU
+            # what qstats.calibrate does for min/max observers: the tokens shared by every expert
+            # (reduced once), the routing mask as the weight
+            x, weight = hidden_states.expand(num_experts, *hidden_states.shape), mask
             state = input_observer.init(x) if state is None else state
             state = input_observer.update(state, x, weight)
         return {"input": input_qparams(state)}
@@ -206,6 +208,11 @@ def main(argv=None) -> dict:
             ratios[(width, key)] = ratio
             print(f"| {args.experts} experts, {hidden} x {intermediate} | {what} | {best[f'llmc_{key}'] * 1e3:.2f} | "
                   f"{best[f'qstats_{key}'] * 1e3:.2f} | {ratio:.1f}x |")
+        llmc = best["llmc_weights"] + best["llmc_inputs"]
+        ours = best["qstats_weights"] + best["qstats_inputs"]
+        ratios[(width, "layer")] = llmc / ours
+        print(f"| {args.experts} experts, {hidden} x {intermediate} | **whole layer** | {llmc * 1e3:.2f} | "
+              f"{ours * 1e3:.2f} | **{llmc / ours:.1f}x** |")
     return ratios
 
 

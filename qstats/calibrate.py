@@ -84,6 +84,10 @@ def _check_resumed(states: dict, sites: dict) -> None:
                 )
 
 
+# Stacked observers whose masked update reduces each shared row once for all experts.
+_ROW_REDUCING = frozenset(f"stacked({name})" for name in ("minmax", "memoryless_minmax", "moving_average_minmax"))
+
+
 def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
     """On CPU, a 0/1 observation mask whose rows can be dropped without changing the quantization
     parameter shape is applied by selecting the kept rows (the observer then takes its unmasked
@@ -183,9 +187,10 @@ def calibrate(
             extra = weight_for(tokens, flattened=True)
             if extra is not None:
                 mask = mask * (extra != 0).to(mask.dtype)
-            if tokens.device.type == "cpu":
+            if tokens.device.type == "cpu" and found.observer.name not in _ROW_REDUCING:
                 x, weight = dispatch(tokens, mask)
-            else:  # no host read of the token counts: every expert sees every (masked) token
+            else:  # every expert sees every (masked) token: no host read of the token counts, and
+                # min/max observers reduce each token once for all experts
                 x, weight = tokens.expand(found.num_experts, *tokens.shape), mask
             previous = states.setdefault(path, {}).get(site)
         else:

@@ -65,7 +65,8 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
 
     ``init``, ``update`` and ``merge`` are ``torch.vmap`` of the given ones over dimension 0, so the
     laws of ``observer`` hold per expert. ``update(state, x, weight=None)`` takes ``x`` of shape
-    ``[E, ...]`` (use ``x.expand(E, *x.shape)`` for activations shared by every expert) and an
+    ``[E, ...]`` (use ``x.expand(E, *x.shape)`` for activations shared by every expert: such an
+    expanded ``x`` is passed unbatched, so row reductions happen once for all experts) and an
     optional ``weight`` of shape ``[E, ...]`` (the routing mask).
 
     >>> import torch, qstats
@@ -89,6 +90,7 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
 
     batched_init = torch.vmap(observer.init)
     update_with_weight = torch.vmap(observer.update)
+    update_shared = torch.vmap(observer.update, in_dims=(0, None, 0))
     update_without_weight = torch.vmap(lambda state, x: observer.update(state, x))
     batched_merge = torch.vmap(observer.merge)
 
@@ -101,6 +103,8 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
         if weight is None:
             return update_without_weight(state, x)
         check(weight, "weight")
+        if x.stride(0) == 0:  # one tensor shared by every expert (x.expand(E, ...)): observe it once
+            return update_shared(state, x[0], weight)
         return update_with_weight(state, x, weight)
 
     def merge_fn(a, b):

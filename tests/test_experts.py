@@ -210,3 +210,30 @@ def test_only_modules_declaring_num_experts_are_stacked():
     assert recipe.sites(torch.nn.Sequential(conv))["0"]["weight"].num_experts == 0
     example = _load_example()
     assert qstats.experts.expert_count(example.StackedExperts(5, 4, 2)) == 5
+
+
+@pytest.mark.parametrize("factory", [qstats.minmax, qstats.memoryless_minmax, qstats.moving_average_minmax])
+@pytest.mark.parametrize("granularity", [qstats.PerTensor(), qstats.PerAxis(-1)])
+def test_shared_tokens_with_a_routing_mask_equal_the_dispatched_tokens(factory, granularity):
+    # x.expand(E, ...) is observed once for all experts (rows reduced once, then masked per
+    # expert); the result equals each expert observing only its own tokens.
+    from qstats.experts import dispatch
+
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randn(40, 12, generator=g)
+    tokens[5, 3] = float("nan")
+    mask = (torch.rand(6, 40, generator=g) > 0.6).float()
+    mask[4] = 0.0  # an expert without tokens
+    spec = qstats.QuantSpec(granularity=granularity, on_uncalibrated="fallback")
+    observer = qstats.stacked_observer(factory(spec), 6)
+    shared = tokens.expand(6, *tokens.shape)
+    state = observer.update(observer.init(shared), shared, mask)
+    inner = factory(spec)
+    for expert in range(6):
+        kept = tokens[mask[expert] != 0]  # the expert's own tokens, sliced out
+        reference = inner.update(inner.init(tokens), kept) if kept.numel() else inner.init(tokens)
+        for field, ours, theirs in zip(state._fields, state, reference):
+            assert torch.equal(ours[expert], theirs), (expert, field)
+    x, weight = dispatch(tokens, mask)  # the gathered stack gives the same states
+    for ours, gathered in zip(state, observer.update(observer.init(x), x, weight)):
+        assert torch.equal(ours, gathered)

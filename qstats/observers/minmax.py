@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import canonical_view, qparam_shape, weight_view
+from .._granularity import PerAxis, PerHead, PerTensor, canonical_view, qparam_shape, weight_view
 from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
@@ -77,15 +77,50 @@ def _empty_extremes(x: torch.Tensor, spec: QuantSpec):
     return min_val, max_val, count
 
 
+def _row_granularity(x: torch.Tensor, weight: torch.Tensor, granularity):
+    """The granularity of one observation row (``x[i]`` for an index ``i`` of ``weight``) when
+    ``x``'s quantization parameters do not depend on the rows (per-tensor, or per-axis along a
+    trailing axis); None otherwise."""
+    if isinstance(granularity, PerTensor):
+        return granularity
+    if type(granularity) in (PerAxis, PerHead) and x.ndim > 0:
+        axis = granularity.axis % x.ndim
+        if axis >= weight.ndim:
+            return PerAxis(axis - weight.ndim)
+    return None
+
+
 def observe_extremes(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, where: str):
     """Batch extremes of ``x`` for ``spec``: ``(min, max, count, nonfinite)`` over the canonical
-    view, with ``weight == 0`` excluding values. Checks the parameter shape against the state's."""
+    view, with ``weight == 0`` excluding values. Checks the parameter shape against the state's.
+
+    With a per-observation ``weight`` and parameters that do not depend on the observation rows,
+    each row is reduced once and the rows are then combined under the mask (exact for extremes
+    and counts). Under ``vmap`` over experts with one shared ``x`` and a routing mask per expert,
+    the rows are reduced once for all experts instead of once per expert.
+    """
     view = canonical_view(x, spec.granularity)
     shape = tuple(view.shape[1:-1])
     if shape != tuple(expected_shape):
         raise ValueError(
             f"{where}: a tensor of shape {tuple(x.shape)} gives quantization parameters of shape {shape}, "
             f"but the state has shape {tuple(expected_shape)}"
+        )
+    row_granularity = None
+    if weight is not None and spec.nonfinite == "ignore":
+        if isinstance(weight, torch.Tensor) and tuple(weight.shape) == tuple(x.shape[: weight.ndim]):
+            row_granularity = _row_granularity(x, weight, spec.granularity)
+    if row_granularity is not None and weight.ndim > 0 and weight.numel() > 0:
+        rows = x.reshape(-1, *x.shape[weight.ndim :])
+        per_row = torch.vmap(lambda row: finite_aminmax(canonical_view(row, row_granularity)))(rows)
+        keep = (weight != 0).reshape((-1,) + (1,) * len(shape))
+        row_min, row_max, row_count, row_nonfinite = per_row
+        zero = torch.zeros_like(row_count)
+        return (
+            torch.where(keep, row_min, torch.inf).amin(dim=0),
+            torch.where(keep, row_max, -torch.inf).amax(dim=0),
+            torch.where(keep, row_count, zero).sum(dim=0),
+            torch.where(keep, row_nonfinite, zero).sum(dim=0),
         )
     mask = weight_view(x, weight, spec.granularity)
     if mask is not None:
