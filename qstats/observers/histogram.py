@@ -604,20 +604,25 @@ def _sign_windows(state, spec, octaves: int) -> _Windows:
     return _Windows(edges, counts, below, (top + 1 - width).to(torch.int32), cand, tails)
 
 
-def _model_error(packed, dead_moments, dead_offset, idx, shift: int, half_scale: float):
-    """Analytic expected squared error of candidate ranges given as edge indices ``idx``
-    ``(*P, 2, C)`` (per sign): the clipped values' exact squared distance to the clipping point,
-    ``x**2`` for the values that round to zero (``|x| < scale / 2``) and ``scale**2 / 12`` for the
-    others. The dead zone's end is located to the bucket from the float32 bits of ``scale / 2``."""
-    sel = torch.gather(packed, -1, idx.unsqueeze(-3).expand(*idx.shape[:-2], 3, *idx.shape[-2:]))
-    clip, s0, c = sel.unbind(-3)  # (*P, 2, C); clip includes the sign's total sum of squares
-    half = (c[..., :1, :] + c[..., 1:, :]) * half_scale  # (*P, 1, C)
-    dead = (half.float().view(torch.int32) >> shift) - dead_offset  # window edge index, per sign
-    dead = torch.minimum(dead.clamp(min=0), idx)
-    inner = torch.gather(dead_moments, -1, dead.unsqueeze(-3).expand(*dead.shape[:-2], 2, *dead.shape[-2:]))
-    # clipped + sum of x**2 below the dead zone's end + scale**2 / 12 for the values in between
-    error = clip - inner[..., 1, :, :] + (inner[..., 0, :, :] - s0) * (half * half * (4.0 / 12))
-    return error.sum(-2)
+def _model_error(clip, rest, c, index, dead, offset, shift: int, half_scale: float):
+    """Analytic expected squared error of candidate ranges: per sign (``(negative, positive)``
+    tuples of broadcastable tensors) the clipped values' squared distance to the candidate
+    ``clip``, ``scale**2 / 12`` for each value of the window below it (``rest``: that count times
+    ``half_scale**2 / 3``) and, when ``dead`` is given, ``x**2`` instead for the values that round
+    to zero (``|x| < scale / 2``, located to the bucket from the float32 bits of ``scale / 2``,
+    at most the candidate's edge ``index``). ``dead``: ``(*P, 2, 2, W + 1)`` per sign the sum of
+    squares and a third of the count of the window's values below each edge; ``offset``:
+    ``(*P, 2, 1...)`` the bucket code of each window's first bucket."""
+    span = c[0] + c[1]
+    error = clip[0] + clip[1] + (rest[0] + rest[1]) * (span * span)
+    if dead is None:
+        return error
+    half = span * half_scale
+    code = (half.float().view(torch.int32) >> shift).unsqueeze(-error.dim() + len(dead.shape) - 4)
+    edge = torch.minimum((code - offset).clamp(min=0), torch.stack(torch.broadcast_tensors(*index), -error.dim() + len(dead.shape) - 4))
+    flat = edge.flatten(len(dead.shape) - 2).unsqueeze(-2).expand(*dead.shape[:-1], -1)
+    below = torch.gather(dead, -1, flat).sum(-3)  # (*P, 2, n): summed over the signs
+    return error + (below[..., 0, :].view(error.shape) - below[..., 1, :].view(error.shape) * (half * half))
 
 
 def _sawtooth_error(edges, density, lo, hi, spec):
@@ -652,18 +657,33 @@ def _l2_search(state, spec, bins, low):
         half_scale = 0.5 / float(qmax - qmin)
     s0, s1, s2 = win.tails.unbind(-2)
     cand = win.cand
-    clip = s2 - cand * (2 * s1 - cand * s0) + s2[..., :1]  # beyond the candidate, plus all x**2 (see below)
-    packed = torch.stack([clip, s0, cand], -3)  # (*P, 3, 2, W + 1)
-    dead_moments = torch.stack([s0, s2], -3)  # (*P, 2, 2, W + 1)
-    dead_offset = (win.first + (((low + 127) << m) - 1)).unsqueeze(-1)  # bucket code of each window's start
+    clip = (s2 - cand * (2 * s1 - cand * s0)).clamp(min=0)  # squared distance of the values beyond
+    rest = (s0[..., :1] - s0) * (half_scale * half_scale / 3)  # the window's values below, times h**2 / 3
+    dead = torch.stack([s2[..., :1] - s2, (s0[..., :1] - s0) * (1.0 / 3)], -2)  # below each edge: sum x**2, count / 3 (*P, 2, 2, W + 1)
+    packed = torch.stack([clip, rest, cand], -3)  # (*P, 3, 2, W + 1)
+    offset = (win.first + (((low + 127) << m) - 1))  # bucket code of each window's start (*P, 2)
     shift = 23 - m
     device = cand.device
     lead = cand.shape[:-2]
     if _is_symmetric(spec):
-        idx = torch.arange(width + 1, device=device).expand(*lead, 2, width + 1)
-        error = _model_error(packed, dead_moments, dead_offset, idx, shift, half_scale)
+        # the grid clips at (zero_point - qmin) * scale below and (qmax - zero_point) * scale above:
+        # per sign, the edge nearest that multiple of the candidate amax
+        zero_point = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
+        per_amax = 4 * half_scale  # scale / amax
+        index = []
+        for multiple in ((zero_point - qmin) * per_amax, (qmax - zero_point) * per_amax):
+            shift_edges = round(bins * math.log2(multiple)) if multiple > 0 else -width
+            index.append((torch.arange(width + 1, device=device) + shift_edges).clamp(0, width))
+        clip_at = (clip[..., 0, :].index_select(-1, index[0]), clip[..., 1, :].index_select(-1, index[1]))
+        rest_at = (rest[..., 0, :].index_select(-1, index[0]), rest[..., 1, :].index_select(-1, index[1]))
+        error = _model_error(clip_at, rest_at, (cand[..., 1, :], cand[..., 1, :]), tuple(index), dead,
+                             offset.unsqueeze(-1), shift, half_scale)
         best = torch.argmin(error, -1, keepdim=True)
-        index = torch.cat([(best + torch.arange(-2, 3, device=device)).clamp(0, width), torch.full_like(best, width)], -1)
+        # finalists: the best's neighbours (+-3/16 octave for grids of 4 bits or less, where the
+        # model is rough: most values sit within a few steps of zero) and the full range
+        reach, stride = (3 * (bins // 16 or 1), bins // 64 or 1) if spec.bits <= 4 else (2, 1)
+        near = torch.arange(-reach, reach + 1, stride, device=device)
+        index = torch.cat([(best + near).clamp(0, width), torch.full_like(best, width)], -1)
         amax = torch.gather(cand[..., 1, :], -1, index)
         lo, hi = -amax, amax
     else:
@@ -671,25 +691,32 @@ def _l2_search(state, spec, bins, low):
         step = max(1, bins // 4)
         span = (_search_octaves(spec) - 4) * bins
         offsets = torch.arange(width, width - span - 1, -step, device=device)
+        dead_offset = offset[..., None, None]
         best = None
         while True:
             around = offsets.expand(*lead, 2, offsets.shape[0]) if best is None else (best.unsqueeze(-1) + offsets).clamp(0, width)
             k = around.shape[-1]
-            pairs = torch.stack([around[..., 0, :].unsqueeze(-1).expand(*lead, k, k),
-                                 around[..., 1, :].unsqueeze(-2).expand(*lead, k, k)], -3).flatten(-2)
-            error = _model_error(packed, dead_moments, dead_offset, pairs, shift, half_scale)
-            pick = torch.argmin(error, -1, keepdim=True).unsqueeze(-2).expand(*lead, 2, 1)
-            best = torch.gather(pairs, -1, pick).squeeze(-1)  # (*P, 2)
+            sel = torch.gather(packed, -1, around.unsqueeze(-3).expand(*lead, 3, 2, k))
+            neg, pos = sel[..., 0, :].unsqueeze(-1), sel[..., 1, :].unsqueeze(-2)  # (*P, 3, k, 1), (*P, 3, 1, k)
+            error = _model_error((neg[..., 0, :, :], pos[..., 0, :, :]), (neg[..., 1, :, :], pos[..., 1, :, :]),
+                                 (neg[..., 2, :, :], pos[..., 2, :, :]),
+                                 (around[..., 0, :, None], around[..., 1, None, :]),
+                                 None if best is None else dead, dead_offset, shift, half_scale).flatten(-2)
+            flat_best = torch.argmin(error, -1, keepdim=True)
+            i_neg = torch.div(flat_best, k, rounding_mode="floor")
+            best = torch.gather(around, -1, torch.stack([i_neg, flat_best - i_neg * k], -2)).squeeze(-1)  # (*P, 2)
             if step == 1:
                 break
             new_step = max(1, step // 8)  # 32 -> 4 -> 1 with 128 buckets per octave
             offsets = torch.arange(-step, step + 1, new_step, device=device)
             step = new_step
-        # finalists: the best's 3 x 3 neighbourhood, the full range, each side of the best with the other full
-        near = (best.unsqueeze(-1) + torch.arange(-1, 2, device=device)).clamp(0, width)
+        # finalists: a 5 x 5 neighbourhood of the best (+-1/16 octave for grids of 4 bits or less), the
+        # full range, each side of the best with the other full
+        steps = torch.arange(-2, 3, device=device) * ((bins // 32 or 1) if spec.bits <= 4 else 1)
+        near = (best.unsqueeze(-1) + steps).clamp(0, width)
         full = torch.full_like(best[..., :1], width)
-        pairs = torch.cat([torch.stack([near[..., 0, :].unsqueeze(-1).expand(*lead, 3, 3),
-                                        near[..., 1, :].unsqueeze(-2).expand(*lead, 3, 3)], -3).flatten(-2),
+        pairs = torch.cat([torch.stack([near[..., 0, :].unsqueeze(-1).expand(*lead, 5, 5),
+                                        near[..., 1, :].unsqueeze(-2).expand(*lead, 5, 5)], -3).flatten(-2),
                            torch.stack([full, full], -2), torch.stack([best[..., :1], full], -2),
                            torch.stack([full, best[..., 1:]], -2)], -1)
         values = torch.gather(cand, -1, pairs)
