@@ -689,7 +689,7 @@ def _l2_search(state, spec, bins, low):
     else:
         # 2-D: every (bins / 4)-th edge of the top (bits + 4) octaves, then finer around the best
         step = max(1, bins // 4)
-        span = (_search_octaves(spec) - 4) * bins
+        span = (_search_octaves(spec) - 4) * bins  # the candidates' reach: bits + 4 octaves
         offsets = torch.arange(width, width - span - 1, -step, device=device)
         dead_offset = offset[..., None, None]
         best = None
@@ -705,14 +705,14 @@ def _l2_search(state, spec, bins, low):
             flat_best = torch.argmin(error, -1, keepdim=True)
             i_neg = torch.div(flat_best, k, rounding_mode="floor")
             best = torch.gather(around, -1, torch.stack([i_neg, flat_best - i_neg * k], -2)).squeeze(-1)  # (*P, 2)
-            if step == 1:
+            if step <= 2:
                 break
-            new_step = max(1, step // 8)  # 32 -> 4 -> 1 with 128 buckets per octave
+            new_step = max(1, step // 16)  # 32 -> 2 with 128 buckets per octave; the finalists cover +-2
             offsets = torch.arange(-step, step + 1, new_step, device=device)
             step = new_step
         # finalists: a 5 x 5 neighbourhood of the best (+-1/16 octave for grids of 4 bits or less), the
         # full range, each side of the best with the other full
-        steps = torch.arange(-2, 3, device=device) * ((bins // 32 or 1) if spec.bits <= 4 else 1)
+        steps = torch.arange(-2, 3, device=device) * ((bins // 32 or 1) if spec.bits <= 4 else (bins // 64 or 1))
         near = (best.unsqueeze(-1) + steps).clamp(0, width)
         full = torch.full_like(best[..., :1], width)
         pairs = torch.cat([torch.stack([near[..., 0, :].unsqueeze(-1).expand(*lead, 5, 5),
@@ -965,23 +965,25 @@ def _histogram_rule_factory():
         if method not in _METHODS:
             raise ValueError(f"compute_qparams: histogram method must be one of {_METHODS}, got {method!r}")
         bins, low, _ = _config(state)
-        calibrated = (state.counts.sum((-3, -2, -1)) + state.underflow.sum(-1) + state.overflow.sum(-1)) > 0
+        calibrated = state.min_val <= state.max_val  # some value counted (the extremes start at +-inf)
         if method == "minmax":
             if options:
                 raise TypeError(f"compute_qparams: method 'minmax' takes no options, got {sorted(options)}")
             return Range(state.min_val, state.max_val, calibrated)
         if method == "l2" and options:
             raise TypeError(f"compute_qparams: method 'l2' takes no options, got {sorted(options)}")
-        with _serial_when_small(state.min_val.numel()):
-            if method == "l2":
-                search = _mse_search if spec.is_float else _l2_search
-                lo, hi = search(state, spec, bins, low)
-            elif method == "mse":
-                lo, hi = _mse_search(state, spec, bins, low, **options)
-            elif method == "entropy":
-                lo, hi = _entropy_search(state, spec, bins, low, **options)
-            else:
-                lo, hi = _percentile_search(state, spec, bins, low, **options)
+        if method == "l2" and not spec.is_float:
+            lo, hi = _l2_search(state, spec, bins, low)  # a few dozen ops on small tensors: no thread juggling
+        else:
+            with _serial_when_small(state.min_val.numel()):
+                if method == "l2":
+                    lo, hi = _mse_search(state, spec, bins, low)
+                elif method == "mse":
+                    lo, hi = _mse_search(state, spec, bins, low, **options)
+                elif method == "entropy":
+                    lo, hi = _entropy_search(state, spec, bins, low, **options)
+                else:
+                    lo, hi = _percentile_search(state, spec, bins, low, **options)
         lo = torch.minimum(lo.float(), torch.zeros_like(state.min_val)).clamp(min=state.min_val)
         hi = torch.maximum(hi.float(), torch.zeros_like(state.max_val)).clamp(max=state.max_val)
         zero = torch.zeros_like(state.min_val)
