@@ -287,6 +287,54 @@ def test_exact_error_matches_monte_carlo_integration():
         assert abs(float(exact[k]) - total) <= 0.01 * total
 
 
+
+@pytest.mark.parametrize("dtype,mapping", [("uint4", "asymmetric"), ("int4", "symmetric"), ("int8", "narrow")])
+def test_l2_sawtooth_error_matches_monte_carlo_integration(dtype, mapping):
+    # the l2 search ranks its finalists by this integral (sawtooth inside, cubic outside the clip points)
+    g = torch.Generator().manual_seed(12)
+    edges = torch.tensor([-3.0, -1.3, -0.2, 0.0, 0.7, 0.71, 2.9], dtype=torch.float64)
+    counts = torch.tensor([5.0, 40.0, 100.0, 80.0, 10.0, 3.0], dtype=torch.float64)
+    spec = qstats.QuantSpec(dtype=dtype, mapping=mapping)
+    lo, hi = torch.tensor([[-2.0, -3.0, -0.5]], dtype=torch.float64), torch.tensor([[1.5, 2.9, 0.6]], dtype=torch.float64)
+    density = (counts / (edges[1:] - edges[:-1])).unsqueeze(0)
+    exact = H._sawtooth_error(edges.unsqueeze(0), density, lo, hi, spec)[0]
+    for k in range(3):
+        qp = qstats.qparams_from_minmax(lo[0, k].float(), hi[0, k].float(), spec)
+        total = 0.0
+        for i in range(6):
+            u = torch.rand(200000, generator=g, dtype=torch.float64)
+            samples = (edges[i] + u * (edges[i + 1] - edges[i])).float()
+            error = ((qstats.fake_quantize(samples, qp, spec).double() - samples.double()) ** 2).mean()
+            total += float(counts[i] * error)
+        assert abs(float(exact[k]) - total) <= 0.01 * total, (k, float(exact[k]), total)
+
+
+@pytest.mark.parametrize("mapping", ["asymmetric", "symmetric"])
+def test_l2_windows_match_an_independent_bucketing(mapping):
+    # the windows the l2 search runs on: the buckets below each sign's extreme (the larger one for
+    # symmetric mappings), located from float bits; compare with numpy.frexp bucketing
+    g = torch.Generator().manual_seed(13)
+    x = torch.cat([torch.randn(5000, generator=g) * 3.0, -torch.rand(500, generator=g) * 0.01])
+    bins, octaves, window = 16, 20, 6
+    spec = qstats.QuantSpec(dtype="int8" if mapping == "symmetric" else "uint8", mapping=mapping)
+    obs = qstats.histogram(spec, bins=bins, octaves=octaves)
+    state = obs.update(obs.init(x), x)
+    win = H._sign_windows(state, spec, window)
+    counts, _, _ = _counts_numpy(x, bins, octaves)
+    low = -(octaves // 2)
+    extremes = [float(-x.min()), float(x.max())]
+    for sign in (0, 1):
+        anchor = max(extremes) if mapping == "symmetric" else extremes[sign]
+        mantissa, exponent = np.frexp(anchor)
+        top = (int(exponent) - 1 - low) * bins + int(np.floor((2 * mantissa - 1) * bins))  # bucket of the anchor
+        flat = counts[sign].reshape(-1)
+        expected = np.array([flat[j] if j >= 0 else 0 for j in range(top - window * bins + 1, top + 1)])
+        assert np.array_equal(win.counts[sign].numpy(), expected.astype(np.float64))
+        lower = [2.0 ** (j // bins + low) * (1 + (j % bins) / bins) for j in range(top - window * bins + 1, top + 2)]
+        expected_edges = np.minimum(np.array(lower), extremes[sign])
+        assert np.allclose(win.edges[sign].numpy(), expected_edges, rtol=1e-12, atol=0)
+        assert float(win.below[sign]) == float((x.abs() < lower[0])[(x < 0) if sign == 0 else (x >= 0)].sum())
+
 # ---------------------------------------------------------------------------------------------
 # Entropy (KL) calibration: the TensorRT / ModelOpt algorithm, transcribed loop by loop
 

@@ -484,58 +484,12 @@ def _grid(lo, hi, spec: QuantSpec):
     return scale, zero_point, (qmin - zero_point) * scale, (qmax - zero_point) * scale
 
 
-def _l2_error(mom: _Moments, lo, hi, spec: QuantSpec):
-    """Expected squared error of candidates (lo, hi), each (*P, C...)."""
-    scale, _, clip_lo, clip_hi = _grid(lo, hi, spec)
-    shape = clip_lo.shape
-    flat = lambda t: t.reshape(*mom.counts.shape[:-1], -1)  # noqa: E731
-    total0, total1, total2 = mom.c0[..., -1:], mom.c1[..., -1:], mom.c2[..., -1:]
-    cl, ch = flat(clip_lo), flat(clip_hi)
-    half = flat(scale) / 2
-    dead_lo = torch.maximum(-half, cl)
-    dead_hi = torch.minimum(half, ch)
-    n = cl.shape[-1]
-    m0, m1, m2 = _cumulative(mom, torch.cat([cl, ch, dead_lo, dead_hi], -1))  # one search for all four
-    l0, h0, d0l, d0h = m0.split(n, -1)
-    l1, h1, _, _ = m1.split(n, -1)
-    l2, h2, d2l, d2h = m2.split(n, -1)
-    below = l2 - 2 * cl * l1 + cl * cl * l0
-    above = (total2 - h2) - 2 * ch * (total1 - h1) + ch * ch * (total0 - h0)
-    dead = (d2h - d2l).clamp(min=0)
-    rounded = ((h0 - l0) - (d0h - d0l)).clamp(min=0)
-    error = below.clamp(min=0) + above.clamp(min=0) + dead + rounded * flat(scale) ** 2 / 12
-    return error.reshape(shape)
-
-
 def _is_symmetric(spec: QuantSpec) -> bool:
     return spec.mapping != "asymmetric"
 
 
 def _search_octaves(spec: QuantSpec) -> int:
     return min(spec.bits, 16) + 8
-
-
-def _coarsen(edges, counts, factor: int):
-    """Merges ``factor`` neighbouring buckets of a `_window` layout (negative side, the folded
-    small bucket, positive side)."""
-    if factor <= 1:
-        return edges, counts
-    width = (counts.shape[-1] - 1) // 2
-    lead = counts.shape[:-1]
-    neg = counts[..., :width].reshape(*lead, width // factor, factor).sum(-1)
-    pos = counts[..., width + 1 :].reshape(*lead, width // factor, factor).sum(-1)
-    coarse_counts = torch.cat([neg, counts[..., width : width + 1], pos], -1)
-    coarse_edges = torch.cat([edges[..., : width + 1 : factor], edges[..., width + 1 :: factor]], -1)
-    return coarse_edges, coarse_counts
-
-
-def _exact_final(state, spec, bins, edges, counts, lo, hi):
-    """The candidate of smallest exact error (integrated on buckets of 1/8 octave or finer)."""
-    coarse_edges, coarse_counts = _coarsen(edges, counts, max(1, bins // 8))
-    error = _in_pieces(_exact_error, coarse_edges, coarse_counts, lo, hi, spec)
-    error = torch.where(hi - lo > 0, error, torch.full_like(error, math.inf))
-    best = torch.argmin(error, -1, keepdim=True)
-    return torch.gather(lo, -1, best).squeeze(-1), torch.gather(hi, -1, best).squeeze(-1)
 
 
 _EDGE_CACHE: dict = {}
@@ -984,11 +938,10 @@ def _histogram_rule_factory():
                     lo, hi = _entropy_search(state, spec, bins, low, **options)
                 else:
                     lo, hi = _percentile_search(state, spec, bins, low, **options)
-        lo = torch.minimum(lo.float(), torch.zeros_like(state.min_val)).clamp(min=state.min_val)
-        hi = torch.maximum(hi.float(), torch.zeros_like(state.max_val)).clamp(max=state.max_val)
+        # inside [min_val, max_val] and around zero; the extremes when nothing was counted
         zero = torch.zeros_like(state.min_val)
-        lo = torch.where(calibrated, torch.minimum(lo, zero), state.min_val)
-        hi = torch.where(calibrated, torch.maximum(hi, zero), state.max_val)
+        lo = torch.where(calibrated, torch.clamp(lo.float(), torch.minimum(state.min_val, zero), zero), state.min_val)
+        hi = torch.where(calibrated, torch.clamp(hi.float(), zero, torch.maximum(state.max_val, zero)), state.max_val)
         return Range(lo, hi, calibrated)
 
     return rule
