@@ -675,10 +675,12 @@ def _l2_search(state, spec, bins, low):
                            torch.stack([full, best[..., 1:]], -2)], -1)
         values = torch.gather(cand, -1, pairs)
         lo, hi = -values[..., 0, :], values[..., 1, :]
-    # exact ranking of the finalists on buckets of 1/8 octave or finer
+    # exact ranking of the finalists: every bucket of the top octave of each sign (where the clipping
+    # points of light tails sit), buckets of 1/8 octave below
     factor = max(1, bins // 8)
-    edges = win.edges[..., ::factor]
-    counts = win.counts.unflatten(-1, (-1, factor)).sum(-1)
+    split = width - bins
+    edges = torch.cat([win.edges[..., :split:factor], win.edges[..., split:]], -1)
+    counts = torch.cat([win.counts[..., :split].unflatten(-1, (-1, factor)).sum(-1), win.counts[..., split:]], -1)
     signed_edges = torch.cat([-edges[..., 0, :].flip(-1), edges[..., 1, :]], -1)
     signed_counts = torch.cat([counts[..., 0, :].flip(-1), win.below.sum(-1, keepdim=True), counts[..., 1, :]], -1)
     widths = signed_edges[..., 1:] - signed_edges[..., :-1]
