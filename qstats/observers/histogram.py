@@ -664,13 +664,13 @@ def _l2_search(state, spec, bins, low):
             new_step = max(1, step // 16)  # 32 -> 2 with 128 buckets per octave; the finalists cover +-2
             offsets = torch.arange(-step, step + 1, new_step, device=device)
             step = new_step
-        # finalists: a 5 x 5 neighbourhood of the best (+-1/16 octave for grids of 4 bits or less), the
+        # finalists: a 3 x 3 neighbourhood of the best (+-2 edges; 5 x 5 over +-1/16 octave for grids of 4 bits or less), the
         # full range, each side of the best with the other full
-        steps = torch.arange(-2, 3, device=device) * ((bins // 32 or 1) if spec.bits <= 4 else (bins // 64 or 1))
-        near = (best.unsqueeze(-1) + steps).clamp(0, width)
+        n, stride = (5, bins // 32 or 1) if spec.bits <= 4 else (3, bins // 64 or 1)
+        near = (best.unsqueeze(-1) + torch.arange(-(n // 2), n // 2 + 1, device=device) * stride).clamp(0, width)
         full = torch.full_like(best[..., :1], width)
-        pairs = torch.cat([torch.stack([near[..., 0, :].unsqueeze(-1).expand(*lead, 5, 5),
-                                        near[..., 1, :].unsqueeze(-2).expand(*lead, 5, 5)], -3).flatten(-2),
+        pairs = torch.cat([torch.stack([near[..., 0, :].unsqueeze(-1).expand(*lead, n, n),
+                                        near[..., 1, :].unsqueeze(-2).expand(*lead, n, n)], -3).flatten(-2),
                            torch.stack([full, full], -2), torch.stack([best[..., :1], full], -2),
                            torch.stack([full, best[..., 1:]], -2)], -1)
         values = torch.gather(cand, -1, pairs)
