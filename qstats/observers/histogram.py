@@ -26,11 +26,13 @@ as uniformly spread and see the ``spec.bits + 8`` octaves below the largest magn
 resolution (smaller values are folded into one bucket around zero):
 
 - ``"l2"`` (default): torch.ao ``HistogramObserver``'s objective, the L2 norm of the quantization
-  error, minimised over candidate ranges ``extreme * 2**(-k / bins)`` (2-D, coarse to fine, for
-  asymmetric mappings) instead of torch.ao's greedy outside-in walk. Candidates are ranked in
-  ``O(buckets + candidates)`` from prefix sums (clipping error exact, ``scale**2 / 12`` per rounded
-  value, ``x**2`` for values that round to zero); the finalists are then ranked by the exact
-  integral of the squared error of the spec's grid over the buckets.
+  error, minimised over candidate ranges on the bucket edges below each sign's extreme (the
+  larger one for symmetric mappings; ``bits + 4`` octaves deep, 2-D and coarse to fine for
+  asymmetric mappings) instead of torch.ao's greedy outside-in walk. The windows are located from the extremes' float bits and gathered with fixed shapes; the
+  candidates are ranked in a few batched steps from suffix sums (clipping error exact,
+  ``scale**2 / 12`` per rounded value, ``x**2`` for values that round to zero), no search in
+  sorted arrays; the finalists are then ranked by the exact integral of the squared error of the
+  spec's grid (zero point rounding included) over the buckets.
 - ``"mse"``: that exact integral for 128 shrink factors ``2**(-k / 32)`` of the observed range
   (``O(buckets x candidates)``; fp8 targets use the fp8 grid at bucket centres).
 - ``"entropy"``: the KL-divergence calibration of TensorRT / ModelOpt on a 2048-bin linear
@@ -572,8 +574,9 @@ def _model_error(clip, rest, c, index, dead, offset, shift: int, half_scale: flo
     if dead is None:
         return error
     half = span * half_scale
-    code = (half.float().view(torch.int32) >> shift).unsqueeze(-error.dim() + len(dead.shape) - 4)
-    edge = torch.minimum((code - offset).clamp(min=0), torch.stack(torch.broadcast_tensors(*index), -error.dim() + len(dead.shape) - 4))
+    code = (half.float().view(torch.int32) >> shift).unsqueeze(-error.dim() + len(dead.shape) - 4)  # (*P, 1, ...)
+    sign_dim = -error.dim() + len(dead.shape) - 4
+    edge = torch.minimum((code - offset).clamp(min=0), torch.stack(torch.broadcast_tensors(*index), sign_dim))
     flat = edge.flatten(len(dead.shape) - 2).unsqueeze(-2).expand(*dead.shape[:-1], -1)
     below = torch.gather(dead, -1, flat).sum(-3)  # (*P, 2, n): summed over the signs
     return error + (below[..., 0, :].view(error.shape) - below[..., 1, :].view(error.shape) * (half * half))
@@ -613,8 +616,8 @@ def _l2_search(state, spec, bins, low):
     cand = win.cand
     clip = (s2 - cand * (2 * s1 - cand * s0)).clamp(min=0)  # squared distance of the values beyond
     rest = (s0[..., :1] - s0) * (half_scale * half_scale / 3)  # the window's values below, times h**2 / 3
-    dead = torch.stack([s2[..., :1] - s2, (s0[..., :1] - s0) * (1.0 / 3)], -2)  # below each edge: sum x**2, count / 3 (*P, 2, 2, W + 1)
-    packed = torch.stack([clip, rest, cand], -3)  # (*P, 3, 2, W + 1)
+    # below each edge: sum of x**2 and a third of the count, (*P, 2, 2, W + 1)
+    dead = torch.stack([s2[..., :1] - s2, (s0[..., :1] - s0) * (1.0 / 3)], -2)
     offset = (win.first + (((low + 127) << m) - 1))  # bucket code of each window's start (*P, 2)
     shift = 23 - m
     device = cand.device
@@ -642,13 +645,17 @@ def _l2_search(state, spec, bins, low):
         lo, hi = -amax, amax
     else:
         # 2-D: every (bins / 4)-th edge of the top (bits + 4) octaves, then finer around the best
+        packed = torch.stack([clip, rest, cand], -3)  # (*P, 3, 2, W + 1)
         step = max(1, bins // 4)
         span = (_search_octaves(spec) - 4) * bins  # the candidates' reach: bits + 4 octaves
         offsets = torch.arange(width, width - span - 1, -step, device=device)
         dead_offset = offset[..., None, None]
         best = None
         while True:
-            around = offsets.expand(*lead, 2, offsets.shape[0]) if best is None else (best.unsqueeze(-1) + offsets).clamp(0, width)
+            if best is None:
+                around = offsets.expand(*lead, 2, offsets.shape[0])
+            else:
+                around = (best.unsqueeze(-1) + offsets).clamp(0, width)
             k = around.shape[-1]
             sel = torch.gather(packed, -1, around.unsqueeze(-3).expand(*lead, 3, 2, k))
             neg, pos = sel[..., 0, :].unsqueeze(-1), sel[..., 1, :].unsqueeze(-2)  # (*P, 3, k, 1), (*P, 3, 1, k)
@@ -664,8 +671,8 @@ def _l2_search(state, spec, bins, low):
             new_step = max(1, step // 16)  # 32 -> 2 with 128 buckets per octave; the finalists cover +-2
             offsets = torch.arange(-step, step + 1, new_step, device=device)
             step = new_step
-        # finalists: a 3 x 3 neighbourhood of the best (+-2 edges; 5 x 5 over +-1/16 octave for grids of 4 bits or less), the
-        # full range, each side of the best with the other full
+        # finalists: a 3 x 3 neighbourhood of the best (+-2 edges; 5 x 5 over +-1/16 octave for grids
+        # of 4 bits or less), the full range, each side of the best with the other full
         n, stride = (5, bins // 32 or 1) if spec.bits <= 4 else (3, bins // 64 or 1)
         near = (best.unsqueeze(-1) + torch.arange(-(n // 2), n // 2 + 1, device=device) * stride).clamp(0, width)
         full = torch.full_like(best[..., :1], width)
