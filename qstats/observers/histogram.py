@@ -138,9 +138,10 @@ def _bucket_counts_op(
     if num_params * (1 << (9 + m)) <= _FULL_RESOLUTION_LIMIT:
         # Every (sign, exponent, top mantissa) code, then fold the window edges.
         stride = 1 << (9 + m)
-        code = (bits >> (23 - m)) + (1 << (8 + m))
+        code = bits >> (23 - m)
+        code.add_(1 << (8 + m))  # in place on this op's own temporary: one pass and one buffer less
         if num_params > 1:
-            code = code + param_index * stride
+            code.add_(param_index * stride)
         if mask is not None:
             code = torch.where(mask, code, num_params * stride)
         raw = torch.bincount(code.reshape(-1), minlength=num_params * stride + 1)[: num_params * stride]
@@ -159,9 +160,10 @@ def _bucket_counts_op(
         nonfinite = raw[..., finite_end:].sum((-2, -1))
         return counts, nonfinite
     stride = 2 * num_buckets + 1
-    magnitude = (bits & 0x7FFFFFFF) >> (23 - m)
-    bucket = (magnitude - (((min_exponent + 127) << m) - 1)).clamp(0, num_buckets - 1)
-    code = bucket + (bits >= 0).to(torch.int32) * num_buckets
+    magnitude = bits & 0x7FFFFFFF
+    magnitude >>= 23 - m  # in place on this op's own temporaries from here on
+    code = (magnitude - (((min_exponent + 127) << m) - 1)).clamp_(0, num_buckets - 1)
+    code.add_((bits >= 0).to(torch.int32).mul_(num_buckets))
     code = torch.where(magnitude >= (255 << m), 2 * num_buckets, code)
     if num_params > 1:
         code = code + param_index * stride
