@@ -11,24 +11,14 @@ measured in this run.
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 
 import torch
 
 import qstats
+from _timing import best_time as _time
 
 warnings.filterwarnings("ignore")
-
-
-def _time(fn, repeats):
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main():

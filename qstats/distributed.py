@@ -33,7 +33,7 @@ tensor(3.)
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
 import optree
 import torch

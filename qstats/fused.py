@@ -24,7 +24,6 @@ saw no data (an expert that received no tokens) do not contribute.
 
 from __future__ import annotations
 
-from typing import Sequence
 
 import torch
 

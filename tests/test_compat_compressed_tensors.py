@@ -12,7 +12,6 @@ weight's dtype, qstats in float32), zero points equal, fake-quantized weights ``
 from __future__ import annotations
 
 import itertools
-import warnings
 
 import pytest
 import torch
@@ -79,16 +78,7 @@ def _weights(dtype):
     return {name: w.to(dtype) for name, w in weights.items()}
 
 
-@pytest.fixture(autouse=True)
-def _quiet_single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # many tiny ops: intra-op threads only add contention
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread_quiet")
 
 
 def _reference_qparams(args, weight):

@@ -13,7 +13,6 @@ unusable in torch.ao (an Inf, NaN or zero scale, a zero point no int32 holds, or
 from __future__ import annotations
 
 import itertools
-import warnings
 
 import pytest
 import torch
@@ -187,18 +186,8 @@ def _unusable(make):
     return False
 
 
-@pytest.fixture(autouse=True)
-def _quiet_single_thread():
-    # Thousands of tiny reductions: intra-op threads only add contention (torch.aminmax over a
-    # permuted 120-element tensor takes milliseconds with 2 busy threads, microseconds with 1).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        torch.set_num_threads(threads)
+# Thousands of tiny reductions: one torch thread (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("single_thread_quiet")
 
 
 ACCEPTANCE_EPS = (F32_EPS, 0.0)

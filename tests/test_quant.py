@@ -13,7 +13,6 @@ value, and float32/bfloat16/float16. Gradients are compared with torch's fake-qu
 from __future__ import annotations
 
 import itertools
-import warnings
 
 import pytest
 import torch
@@ -41,16 +40,8 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CH_AXIS = 1
 
 
-@pytest.fixture(autouse=True)
-def _quiet_single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # many tiny ops: intra-op threads only add contention
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        torch.set_num_threads(threads)
+# Thousands of tiny reductions: one torch thread (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("single_thread_quiet")
 
 
 def _configurations(qschemes):

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import qparam_shape, weight_view, canonical_view
+from .._granularity import qparam_shape, weight_view
 from .._qparams import QParams, check_calibrated, register_range_rule
 from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state

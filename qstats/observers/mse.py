@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import broadcast_to_view, canonical_view, qparam_shape, weight_view
+from .._granularity import canonical_view, qparam_shape, weight_view
 from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
