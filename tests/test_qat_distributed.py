@@ -85,6 +85,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, kind: str) -> None:
         record["final"] = state.activations
         record["params"] = params
         torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # both ranks are done with every collective before either tears down
     finally:
         dist.destroy_process_group()
 
