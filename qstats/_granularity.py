@@ -38,6 +38,7 @@ __all__ = [
     "TensorGroup",
     "PerHead",
     "canonical_view",
+    "checked_view",
     "from_canonical_view",
     "qparam_shape",
 ]
@@ -179,6 +180,19 @@ def canonical_view(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
         blocks = x.reshape(*lead, qshape[-2], rows, qshape[-1], cols).transpose(-3, -2)
         return blocks.reshape(1, *qshape, rows * cols)
     raise TypeError(f"unknown granularity {granularity!r}")
+
+
+def checked_view(x: torch.Tensor, granularity: Granularity, expected_shape, where: str) -> torch.Tensor:
+    """`canonical_view` of ``x`` for an update of a state whose parameters have shape
+    ``expected_shape``; ValueError naming both shapes when they differ."""
+    view = canonical_view(x, granularity)
+    shape = tuple(view.shape[1:-1])
+    if shape != tuple(expected_shape):
+        raise ValueError(
+            f"{where}: a tensor of shape {tuple(x.shape)} gives quantization parameters of shape {shape}, "
+            f"but the state has shape {tuple(expected_shape)}"
+        )
+    return view
 
 
 def from_canonical_view(view: torch.Tensor, granularity: Granularity, shape) -> torch.Tensor:

@@ -50,7 +50,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import canonical_view, qparam_shape, weight_view
+from .._granularity import checked_view, qparam_shape, weight_view
 from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
@@ -283,13 +283,7 @@ def histogram(spec: QuantSpec, bins: int = 128, octaves: int = 48) -> Observer:
         check_state(state, HistogramState, "histogram.update")
         if x.numel() == 0:
             return state
-        view = canonical_view(x, spec.granularity)
-        shape = tuple(view.shape[1:-1])
-        if shape != tuple(state.min_val.shape):
-            raise ValueError(
-                f"histogram.update: a tensor of shape {tuple(x.shape)} gives quantization parameters of shape "
-                f"{shape}, but the state has shape {tuple(state.min_val.shape)}"
-            )
+        view = checked_view(x, spec.granularity, state.min_val.shape, "histogram.update")
         mask = weight_view(x, weight, spec.granularity)
         if mask is not None:
             mask = (mask != 0).expand(view.shape)

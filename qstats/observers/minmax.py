@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import PerAxis, PerHead, PerTensor, canonical_view, qparam_shape, weight_view
+from .._granularity import PerAxis, PerHead, PerTensor, canonical_view, checked_view, qparam_shape, weight_view
 from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
@@ -99,13 +99,8 @@ def observe_extremes(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, w
     and counts). Under ``vmap`` over experts with one shared ``x`` and a routing mask per expert,
     the rows are reduced once for all experts instead of once per expert.
     """
-    view = canonical_view(x, spec.granularity)
+    view = checked_view(x, spec.granularity, expected_shape, where)
     shape = tuple(view.shape[1:-1])
-    if shape != tuple(expected_shape):
-        raise ValueError(
-            f"{where}: a tensor of shape {tuple(x.shape)} gives quantization parameters of shape {shape}, "
-            f"but the state has shape {tuple(expected_shape)}"
-        )
     row_granularity = None
     if weight is not None and spec.nonfinite == "ignore":
         if isinstance(weight, torch.Tensor) and tuple(weight.shape) == tuple(x.shape[: weight.ndim]):

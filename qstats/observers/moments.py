@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import canonical_view, qparam_shape, weight_view
+from .._granularity import checked_view, qparam_shape, weight_view
 from .._qparams import Range, register_range_rule
 from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state
@@ -101,13 +101,7 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
         return MomentsState(count, zeros, zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), count.clone())
 
     def batch_state(x, weight, expected):
-        view = canonical_view(x.detach(), spec.granularity)
-        shape = tuple(view.shape[1:-1])
-        if shape != tuple(expected):
-            raise ValueError(
-                f"moments.update: a tensor of shape {tuple(x.shape)} gives quantization parameters of shape "
-                f"{shape}, but the state has shape {tuple(expected)}"
-            )
+        view = checked_view(x.detach(), spec.granularity, expected, "moments.update")
         v = view.to(torch.float64)
         finite = torch.isfinite(v)
         mask = weight_view(x, weight, spec.granularity)

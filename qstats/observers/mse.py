@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import canonical_view, qparam_shape, weight_view
+from .._granularity import checked_view, qparam_shape, weight_view
 from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
@@ -224,13 +224,7 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     expand = float(expand)
 
     def observe(x, weight, expected, where):
-        view = canonical_view(x, spec.granularity)
-        shape = tuple(view.shape[1:-1])
-        if shape != tuple(expected):
-            raise ValueError(
-                f"{where}: a tensor of shape {tuple(x.shape)} gives quantization parameters of shape {shape}, "
-                f"but the state has shape {tuple(expected)}"
-            )
+        view = checked_view(x, spec.granularity, expected, where)
         mask = weight_view(x, weight, spec.granularity)
         if mask is not None:
             mask = (mask != 0).expand(view.shape)
