@@ -3,7 +3,11 @@
 `calibrate` resolves a `Recipe` on the model, observes every parameter site once, then runs the
 model over the calibration batches with forward hooks that thread activation states through pure
 updates: the hooks close over a dict that the loop owns and replace each entry with
-``observer.update(old_state, x, weight)``. The result is a plain nested dict
+``observer.update(old_state, x, weight)``. Per-expert sites of stacked experts (``"input"``,
+``"down_proj.input"``) are observed with one masked, vmapped update per experts call: every
+expert's rows in one tensor with a ``[E, rows]`` mask saying which rows are whose. The
+intermediate activation (``"down_proj.input"``) is captured, as the model computes it, by a
+`qstats.experts.ExpertInputCapture` active only during the experts' forward. The result is a plain nested dict
 ``{module_path: {site: state}}`` of NamedTuples of tensors, ready for `qstats.save`, merges across
 ranks and `compute_qparams_tree`.
 """
@@ -19,7 +23,7 @@ from torch.nn.utils import parametrize
 from ._granularity import qparam_shape
 from ._qparams import QParams, check_calibrated, compute_qparams
 from ._quant import fake_quantize
-from .experts import dispatch, routing_mask, warn_uncovered
+from .experts import ExpertInputCapture, dispatch, ids_mask, parameter_input_site, routing_mask, warn_uncovered
 from .recipe import PROJECTION_NAMES, Recipe
 
 __all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "run_model"]
@@ -127,12 +131,18 @@ def calibrate(
       observation_weight: optional ``callable(batch) -> tensor``, e.g. the attention mask; used as
         the ``weight`` of activation updates whose tensor starts with the same dimensions (for
         stacked experts, whose hidden states are flattened to tokens, its flattened form), so
-        padding is not observed.
+        padding is not observed. It is not applied to ``"<parameter>.input"`` sites, whose rows
+        are the experts' own (gathered, reordered) rows and no longer map to batch positions.
 
     Returns:
       ``{module_path: {site: state}}``; parameter sites first, in ``named_modules`` order.
       Stacked-expert sites hold states with a leading expert dimension. A warning
       (`qstats.UncalibratedWarning`) names the experts that received no token.
+
+    Raises:
+      ValueError: naming the module, when a ``"<parameter>.input"`` site is requested and the
+        experts' forward received tokens but made no recognised per-expert matmul with that
+        parameter (see `qstats.experts.ExpertInputCapture` for the recognised calls).
 
     >>> import torch, qstats
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
@@ -171,6 +181,20 @@ def calibrate(
             return weight.to(x.device)
         return None
 
+    def observe_routed(path: str, site: str, rows: torch.Tensor, mask: torch.Tensor) -> None:
+        """One masked update of a stacked site: ``rows [N, ...]`` shared by the experts, ``mask
+        [E, N]`` saying which rows each expert observes."""
+        found = sites[path][site]
+        if rows.device.type == "cpu" and found.observer.name not in _ROW_REDUCING:
+            x, weight = dispatch(rows, mask)
+        else:  # every expert sees every (masked) row: no host read of the row counts, and
+            # min/max observers reduce each row once for all experts
+            x, weight = rows.expand(found.num_experts, *rows.shape), mask
+        previous = states.setdefault(path, {}).get(site)
+        if previous is None:
+            previous = found.observer.init(x)
+        states[path][site] = found.observer.update(previous, x, weight)
+
     def observe(path: str, site: str, x, args=(), kwargs=None) -> None:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
@@ -187,20 +211,13 @@ def calibrate(
             extra = weight_for(tokens, flattened=True)
             if extra is not None:
                 mask = mask * (extra != 0).to(mask.dtype)
-            if tokens.device.type == "cpu" and found.observer.name not in _ROW_REDUCING:
-                x, weight = dispatch(tokens, mask)
-            else:  # every expert sees every (masked) token: no host read of the token counts, and
-                # min/max observers reduce each token once for all experts
-                x, weight = tokens.expand(found.num_experts, *tokens.shape), mask
-            previous = states.setdefault(path, {}).get(site)
-        else:
-            weight = weight_for(x, flattened=False)
-            previous = states.setdefault(path, {}).get(site)
-            if previous is None:
-                previous = found.observer.init(x)
-            x, weight = _drop_masked_rows(x, weight, found.spec)
+            observe_routed(path, site, tokens, mask)
+            return
+        weight = weight_for(x, flattened=False)
+        previous = states.setdefault(path, {}).get(site)
         if previous is None:
             previous = found.observer.init(x)
+        x, weight = _drop_masked_rows(x, weight, found.spec)
         states[path][site] = found.observer.update(previous, x, weight)
 
     handles = []
@@ -228,6 +245,45 @@ def calibrate(
                 observe(path, site, _first_tensor(output))
 
             handles.append(child.register_forward_hook(projection_hook))
+        inner = {
+            site: parameter_input_site(site)
+            for site, found in entry.items()
+            if found.num_experts and parameter_input_site(site) is not None
+        }
+        if inner:
+            active: list = []  # (capture, tokens) of the call in progress
+
+            def capture_pre_hook(module, args, kwargs, inner=inner, active=active):
+                capture = ExpertInputCapture({name: getattr(module, name) for name in inner.values()})
+                x = _input_tensor(args, kwargs)
+                tokens = x.numel() // x.shape[-1] if isinstance(x, torch.Tensor) and x.ndim and x.shape[-1] else 0
+                capture.__enter__()
+                active.append((capture, tokens))
+
+            def capture_hook(module, args, kwargs, output, path=path, inner=inner, active=active):
+                if not active:
+                    return
+                capture, tokens = active.pop()
+                capture.__exit__(None, None, None)
+                if output is None:  # the forward raised
+                    return
+                for site, name in inner.items():
+                    captured = capture.captured(name)
+                    if captured is None:
+                        if tokens:
+                            raise ValueError(
+                                f"calibrate: site {site!r} of the experts module {path!r} "
+                                f"({type(module).__name__}): no per-expert matmul with the stacked parameter "
+                                f"{name!r} was found in its forward (recognised: F.linear/matmul with a slice "
+                                f"{name}[e], bmm with a gathered {name}[ids], grouped_mm over {name})"
+                            )
+                        continue
+                    rows, ids = captured
+                    if rows.is_floating_point():
+                        observe_routed(path, site, rows, ids_mask(ids, sites[path][site].num_experts))
+
+            handles.append(module.register_forward_pre_hook(capture_pre_hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(capture_hook, with_kwargs=True, always_call=True))
 
     try:
         from tqdm.auto import tqdm

@@ -10,6 +10,16 @@ hidden states ``[tokens, hidden]`` are shared by every expert (an expanded view,
 expert ``e`` sees only the rows routed to it (`routing_mask`). An expert that received no token
 keeps an empty state: ``compute_qparams`` reports it in ``QParams.calibrated`` and applies the
 spec's ``on_uncalibrated`` policy, never a NaN, Inf or zero scale.
+
+The input of one stacked parameter's per-expert matmul (``"down_proj.input"``: the intermediate
+activation ``act(gate) * up`` of each expert) exists only inside the experts' forward.
+`ExpertInputCapture` is a ``TorchFunctionMode``, active only during that forward, that keeps the
+values the model itself computes: the input of every ``F.linear``/``matmul`` whose weight is a
+slice ``P[e]`` of the parameter (the expert is read from the slice's storage offset), of every
+``bmm`` with a gathered ``P[ids]`` (transformers' ``batched_mm``) and of every ``grouped_mm`` over
+``P`` (transformers' ``grouped_mm``; the expert of each row is read from ``offs``). Nothing is
+recomputed; the captured rows of all experts are returned as one tensor with their expert ids,
+for one masked update (`ids_mask`).
 """
 
 from __future__ import annotations
@@ -18,12 +28,17 @@ import warnings
 from typing import Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .observers import Observer
 
 __all__ = [
+    "ExpertInputCapture",
     "UncalibratedWarning",
     "expert_count",
+    "ids_mask",
+    "parameter_input_site",
     "is_stacked_parameter",
     "dispatch",
     "routing_mask",
@@ -204,3 +219,185 @@ def warn_uncovered(states: dict, sites: dict) -> dict:
             stacklevel=3,
         )
     return missing
+
+
+PARAMETER_INPUT_SUFFIX = ".input"
+
+
+def parameter_input_site(site: str) -> Optional[str]:
+    """The parameter named by a per-expert parameter-input site (``"down_proj.input"`` ->
+    ``"down_proj"``), or None for any other site."""
+    if isinstance(site, str) and site.endswith(PARAMETER_INPUT_SUFFIX) and len(site) > len(PARAMETER_INPUT_SUFFIX):
+        return site[: -len(PARAMETER_INPUT_SUFFIX)]
+    return None
+
+
+def ids_mask(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The ``[E, rows]`` float mask of rows tagged with expert ids ``[rows]``; ids outside
+    ``[0, E)`` (padding, sentinel rows) belong to no expert."""
+    index = ids.long()
+    inside = (index >= 0) & (index < num_experts)
+    index = torch.where(inside, index, torch.full_like(index, num_experts))
+    return torch.nn.functional.one_hot(index, num_classes=num_experts + 1)[:, :num_experts].transpose(0, 1).to(torch.float32)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (fake, functional)
+        return False
+
+
+def _layout(t: torch.Tensor) -> list:
+    return sorted(zip(t.shape, t.stride()))
+
+
+def _expert_of_slice(weight, stack: torch.Tensor) -> Optional[int]:
+    """``e`` when ``weight`` is the view ``stack[e]`` (possibly transposed), else None. Reads
+    only shapes, strides and storage offsets (no tensor data)."""
+    if not isinstance(weight, torch.Tensor) or weight.ndim != stack.ndim - 1 or not _same_storage(weight, stack):
+        return None
+    expert, rest = divmod(weight.storage_offset() - stack.storage_offset(), stack.stride(0))
+    if rest or not 0 <= expert < stack.shape[0] or _layout(weight) != sorted(zip(stack.shape[1:], stack.stride()[1:])):
+        return None
+    return expert
+
+
+def _is_whole_stack(weight, stack: torch.Tensor) -> bool:
+    """True when ``weight`` is ``stack`` itself or a permuted view of it (``P.transpose(-2, -1)``)."""
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.ndim == stack.ndim
+        and weight.shape[0] == stack.shape[0]
+        and _same_storage(weight, stack)
+        and weight.storage_offset() == stack.storage_offset()
+        and _layout(weight) == _layout(stack)
+    )
+
+
+_LINEAR = frozenset({torch.nn.functional.linear})
+_MATMUL = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm})
+_BMM = frozenset({torch.bmm, torch.Tensor.bmm})
+
+
+def _is_grouped_mm(func) -> bool:
+    if func is getattr(torch, "_grouped_mm", None) or func is getattr(torch.nn.functional, "grouped_mm", None):
+        return True
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return "grouped_mm" in func.name() if isinstance(func, torch._ops.OpOverload) else "grouped_mm" in str(func)
+    return False
+
+
+class ExpertInputCapture(TorchFunctionMode):
+    """Captures, during one forward of a stacked-experts module, the input rows of each expert's
+    matmul with the named stacked parameters, as the model computes them.
+
+    Use as a context manager around the experts' forward (``calibrate`` enters it in a forward
+    pre-hook and leaves it in a forward hook). Recognised calls, for a parameter ``P [E, ...]``:
+
+    - ``F.linear(x, P[e])``, ``x @ P[e]`` / ``x @ P[e].T``, ``torch.mm``, ``torch.matmul`` (the
+      eager loops of transformers' fused experts and of plain-torch MoEs): rows ``x``, expert
+      ``e`` read from the slice's storage offset;
+    - ``torch.bmm(P[ids], x[..., None])`` or ``torch.bmm(x[:, None], P[ids])`` after a gather
+      ``P[ids]`` seen by the mode (transformers' ``batched_mm``): the expert of each row is ``ids``;
+    - ``grouped_mm(x, P or P.transpose(-2, -1), offs=offs)`` (``torch._grouped_mm``,
+      ``F.grouped_mm`` and custom ops named ``*grouped_mm*``; transformers' ``grouped_mm``): row
+      ``r`` belongs to the first expert ``e`` with ``r < offs[e]``; rows past ``offs[-1]``
+      (sentinels) to none.
+
+    The rows are kept by reference (no copy; the model must not modify them in place afterwards)
+    and their expert ids are tensors (no host read).
+
+    >>> import torch, qstats
+    >>> stack = torch.randn(3, 4, 2)
+    >>> x = torch.randn(5, 2)
+    >>> with qstats.experts.ExpertInputCapture({"w": stack}) as capture:
+    ...     y = torch.nn.functional.linear(x, stack[2])
+    >>> rows, ids = capture.captured("w")
+    >>> rows.shape, ids.tolist()
+    (torch.Size([5, 2]), [2, 2, 2, 2, 2])
+    """
+
+    def __init__(self, parameters):
+        super().__init__()
+        self.parameters = dict(parameters)
+        self.rows: dict = {name: [] for name in self.parameters}
+        self.ids: dict = {name: [] for name in self.parameters}
+        self._gathered = WeakIdKeyDictionary()
+
+    def _add(self, name: str, rows: torch.Tensor, ids) -> None:
+        rows = rows.detach()
+        if not isinstance(ids, torch.Tensor):
+            ids = torch.full((rows.shape[0],), ids, dtype=torch.int64, device=rows.device)
+        self.rows[name].append(rows)
+        self.ids[name].append(ids.reshape(-1).to(device=rows.device, dtype=torch.int64))
+
+    def _sliced(self, weight):
+        """``(name, e)`` when ``weight`` is a slice ``P[e]`` of a watched parameter."""
+        for name, stack in self.parameters.items():
+            expert = _expert_of_slice(weight, stack)
+            if expert is not None:
+                return name, expert
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _LINEAR:
+            x = args[0] if args else kwargs.get("input")
+            found = self._sliced(args[1] if len(args) > 1 else kwargs.get("weight"))
+            if found is not None and isinstance(x, torch.Tensor):
+                self._add(found[0], x.reshape(-1, x.shape[-1]), found[1])
+        elif func in _MATMUL and len(args) >= 2:
+            a, b = args[0], args[1]
+            found = self._sliced(b)
+            if found is not None and isinstance(a, torch.Tensor) and a.ndim >= 1:
+                self._add(found[0], a.reshape(-1, a.shape[-1]), found[1])
+            else:
+                found = self._sliced(a)
+                if found is not None and isinstance(b, torch.Tensor) and b.ndim in (1, 2):
+                    rows = b.reshape(1, -1) if b.ndim == 1 else b.transpose(0, 1)
+                    self._add(found[0], rows, found[1])
+        elif func in _BMM and len(args) >= 2:
+            a, b = args[0], args[1]
+            a_gathered = isinstance(a, torch.Tensor) and a in self._gathered
+            b_gathered = isinstance(b, torch.Tensor) and b in self._gathered
+            if b_gathered and isinstance(a, torch.Tensor) and a.ndim == 3:  # x [S, m, in] @ P[ids]
+                name, ids = self._gathered[b]
+                self._add(name, a.reshape(-1, a.shape[-1]), ids.repeat_interleave(a.shape[1]))
+            elif a_gathered and isinstance(b, torch.Tensor) and b.ndim == 3:  # P[ids] @ x [S, in, m]
+                name, ids = self._gathered[a]
+                self._add(name, b.transpose(1, 2).reshape(-1, b.shape[1]), ids.repeat_interleave(b.shape[2]))
+        elif func is torch.Tensor.__getitem__ and len(args) == 2:
+            stack, index = args
+            for name, watched in self.parameters.items():
+                if (
+                    stack is watched
+                    and isinstance(index, torch.Tensor)
+                    and index.ndim == 1
+                    and not index.is_floating_point()
+                    and index.dtype != torch.bool
+                    and isinstance(out, torch.Tensor)
+                ):
+                    self._gathered[out] = (name, index)
+        elif _is_grouped_mm(func) and len(args) >= 2:
+            x, weight = args[0], args[1]
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            if isinstance(x, torch.Tensor) and x.ndim == 2 and isinstance(offs, torch.Tensor):
+                for name, stack in self.parameters.items():
+                    if _is_whole_stack(weight, stack):
+                        positions = torch.arange(x.shape[0], device=offs.device, dtype=torch.int64)
+                        ids = torch.searchsorted(offs.to(torch.int64).contiguous(), positions, right=True)
+                        self._add(name, x, ids)
+                        break
+        return out
+
+    def captured(self, name: str) -> Optional[tuple]:
+        """``(rows [N, in], ids [N])``: every captured input row of parameter ``name`` and its
+        expert, in call order; None when no call with that parameter was seen."""
+        if not self.rows[name]:
+            return None
+        rows = self.rows[name]
+        if len({r.dtype for r in rows}) > 1:
+            rows = [r.float() for r in rows]
+        return torch.cat(rows), torch.cat(self.ids[name])

@@ -1,7 +1,8 @@
 """Recipes: which observer and spec watch which module and site of a model.
 
 A `Rule` maps module patterns and sites (``"weight"``, ``"input"``, ``"output"``, ``"q"``/``"k"``/
-``"v"``, any parameter name) to an observer factory and a `QuantSpec`, like an llm-compressor
+``"v"``, any parameter name, and for stacked experts ``"<parameter>.input"`` such as
+``"down_proj.input"``) to an observer factory and a `QuantSpec`, like an llm-compressor
 recipe. A `Recipe` is an ordered list of rules plus an ignore list; for each (module, site) the
 first matching rule wins. `Recipe.sites(model)` resolves it on a model into `Site` entries, whose
 observers are ready to use (vmapped over the expert dimension for stacked experts).
@@ -79,7 +80,11 @@ class Rule:
       targets: a string or tuple of strings: ``"re:<regex>"`` (full match on the module path), a
         module class name (``"Linear"``) or an exact module path.
       sites: what to observe: ``"weight"`` or any parameter name (observed once), ``"input"``,
-        ``"output"``, ``"q"``/``"k"``/``"v"`` (outputs of an attention module's projections).
+        ``"output"``, ``"q"``/``"k"``/``"v"`` (outputs of an attention module's projections), and
+        on stacked-experts modules ``"<parameter>.input"``: the input of each expert's matmul with
+        that stacked parameter, per expert. ``"down_proj.input"`` is the intermediate activation
+        ``act(gate) * up`` of the tokens routed to each expert (the input of its down
+        projection); ``"gate_up_proj.input"`` equals the ``"input"`` site.
       observer: an observer factory, ``observer(spec, **observer_kwargs) -> Observer``.
       spec: the QuantSpec of one observed tensor (of one expert, for stacked experts).
       observer_kwargs: extra keyword arguments of the factory.
@@ -151,7 +156,8 @@ class Recipe:
     targets match the module and whose ``sites`` contain the site wins. Modules matching ``ignore``
     (same syntax as ``Rule.targets``) are skipped. A parameter site applies to modules that own that
     parameter directly; ``q``/``k``/``v`` to modules with a matching child projection; ``input`` and
-    ``output`` to every matched module.
+    ``output`` to every matched module; ``"<parameter>.input"`` (e.g. ``"down_proj.input"``) to
+    stacked-experts modules owning that stacked parameter (see `qstats.experts.ExpertInputCapture`).
 
     >>> import torch, qstats
     >>> recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",))])
@@ -181,7 +187,7 @@ class Recipe:
 
     def sites(self, model: torch.nn.Module) -> dict:
         """``{module_path: {site: Site}}`` for every observed site of ``model``."""
-        from .experts import expert_count, is_stacked_parameter, stacked_observer
+        from .experts import expert_count, is_stacked_parameter, parameter_input_site, stacked_observer
 
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Recipe.sites expects an nn.Module, got {type(model).__name__}")
@@ -206,6 +212,11 @@ class Recipe:
                         if _child_projection(module, site) is None:
                             continue
                     elif site == "input":
+                        stacked = num_experts
+                    elif parameter_input_site(site) in params:
+                        stack = params[parameter_input_site(site)]
+                        if stack.ndim < 3 or not is_stacked_parameter(stack, num_experts):
+                            continue
                         stacked = num_experts
                     elif site != "output":
                         continue
