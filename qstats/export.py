@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from typing import Any, Mapping, Optional
 
@@ -55,11 +56,21 @@ from ._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerTok
 from ._qparams import QParams
 from ._quant import quantize
 from ._spec import QuantSpec
+from .experts import expert_count
 
 __all__ = ["compressed_tensors", "quantization_args"]
 
 _SITE_PREFIX = {"weight": "weight", "input": "input", "output": "output"}
-FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "nvfp4-pack-quantized")
+_ATTENTION_SITES = ("q", "k", "v")
+FORMATS = (
+    "pack-quantized",
+    "int-quantized",
+    "float-quantized",
+    "naive-quantized",
+    "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
+    "mxfp8-quantized",
+)
 _CT_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -69,7 +80,9 @@ def _fail(where: str, message: str):
 
 def quantization_args(spec: QuantSpec, site: str, where: str = "spec") -> dict:
     """The compressed-tensors ``QuantizationArgs`` fields (a plain dict) equivalent to ``spec``
-    for a ``site`` (``"weight"``, ``"input"`` or ``"output"``).
+    for a ``site`` (``"weight"``, ``"input"``, ``"output"``, or ``"q"``/``"k"``/``"v"`` of an
+    attention module). Activations quantized per token (``PerToken``/``PerRow``) or per group
+    (``PerGroup``, MX) are dynamic: nothing is calibrated or written for them.
 
     Raises:
       ValueError: naming the spec field compressed-tensors cannot express.
@@ -77,7 +90,18 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec") -> dict:
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"export.compressed_tensors: {where}: expected a QuantSpec, got {type(spec).__name__}")
     two_level = isinstance(spec.granularity, TensorGroup)
-    if two_level:
+    mx = spec.scale_dtype == "e8m0"
+    if mx:
+        # MXFP4 / MXFP8: fp4 or fp8 elements in groups of 32 under power-of-two (e8m0) scales, stored
+        # as uint8 biased exponents (compressed_tensors/compressors/mx_utils.py)
+        if spec.dtype not in ("fp4_e2m1", "fp8_e4m3fn") or spec.granularity != PerGroup(32):
+            _fail(
+                where,
+                f"e8m0 (MX) scales export as MXFP4 / MXFP8 only: dtype 'fp4_e2m1' or 'fp8_e4m3fn' with "
+                f"PerGroup(32), got dtype {spec.dtype!r} and {spec.granularity!r}",
+            )
+        qtype = "float"
+    elif two_level:
         # NVFP4: fp4 elements in groups, fp8 group scales under one float32 global scale.
         if spec.dtype != "fp4_e2m1" or spec.scale_dtype != "float8_e4m3fn":
             _fail(where, "TensorGroup exports as NVFP4 only: dtype 'fp4_e2m1' with scale_dtype 'float8_e4m3fn'")
@@ -104,7 +128,7 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec") -> dict:
         _fail(where, f"mapping {spec.mapping!r} has no compressed-tensors equivalent")
     if spec.zero_point_domain == "float":
         _fail(where, "zero_point_domain 'float' has no compressed-tensors equivalent")
-    if spec.scale_dtype not in ("float32", "bfloat16", "float16") and not two_level:
+    if spec.scale_dtype not in ("float32", "bfloat16", "float16") and not (two_level or mx):
         _fail(where, f"scale_dtype {spec.scale_dtype!r} is not supported by this export yet")
     granularity = spec.granularity
     fields: dict[str, Any] = {
@@ -124,6 +148,20 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec") -> dict:
         if site != "weight":
             fields["dynamic"] = "local"  # group scales at run time under the calibrated global scale
         return fields
+    if mx:
+        fields.update(strategy="group", group_size=32, scale_dtype="torch.uint8", zp_dtype="torch.uint8")
+        if site != "weight":
+            fields["dynamic"] = True  # MX activations: group scales at run time (compressed-tensors' MXFP4/MXFP8)
+        return fields
+    if site in _ATTENTION_SITES:
+        if not isinstance(granularity, PerTensor):
+            _fail(
+                where,
+                f"granularity {granularity!r} of a {site!r} site: compressed-tensors' kv-cache and attention "
+                "scales are exported per tensor (PerTensor)",
+            )
+        fields["strategy"] = "tensor"
+        return fields
     if site == "weight":
         if isinstance(granularity, PerTensor):
             fields["strategy"] = "tensor"
@@ -140,6 +178,8 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec") -> dict:
             fields["strategy"] = "tensor"
         elif isinstance(granularity, (PerToken, PerRow)):
             fields.update(strategy="token", dynamic=True)
+        elif type(granularity) is PerGroup:
+            fields.update(strategy="group", group_size=granularity.group_size, dynamic=True)
         else:
             _fail(where, f"granularity {granularity!r} of an activation has no compressed-tensors strategy")
     return fields
@@ -186,8 +226,8 @@ def _qparam_shape(scale: torch.Tensor, strategy: str, where: str) -> tuple:
     return tuple(scale.shape)
 
 
-def _scale_dtype(module: torch.nn.Module) -> torch.dtype:
-    weight = getattr(module, "weight", None)
+def _scale_dtype(module: torch.nn.Module, weight: Optional[torch.Tensor] = None) -> torch.dtype:
+    weight = getattr(module, "weight", None) if weight is None else weight
     dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
     return dtype if dtype in _CT_SCALE_DTYPES else torch.float16
 
@@ -209,6 +249,102 @@ def _resolve_specs(specs_or_recipe, qparams, model):
     return specs_or_recipe
 
 
+class _Entry:
+    """One Linear of the checkpoint: a real module, or one projection of one stacked expert."""
+
+    __slots__ = ("path", "weight", "dtype", "sites", "experts")
+
+    def __init__(self, path, weight, dtype, sites, experts=None):
+        self.path = path  # checkpoint module path
+        self.weight = weight  # float weight [out, in], or None
+        self.dtype = dtype  # dtype compressed-tensors gives this module's scales
+        self.sites = sites  # {site: (QParams or None, QuantSpec, where)}
+        self.experts = experts  # (experts module path, projection) for unpacked experts
+
+
+def _slice_qparams(qp: Optional[QParams], index) -> Optional[QParams]:
+    if qp is None:
+        return None
+    return QParams(*(field[index] for field in qp))
+
+
+def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) -> QParams:
+    """The qparams of rows ``start:stop`` of a weight whose qparams are ``qp`` (one expert)."""
+    granularity = spec.granularity
+    if isinstance(granularity, PerTensor):
+        return qp
+    if isinstance(granularity, PerBlock):
+        rows = granularity.block_shape[0]
+        if start % rows or stop % rows:
+            _fail(where, f"rows {start}:{stop} of the fused weight do not fall on {granularity!r} block boundaries")
+        start, stop = start // rows, stop // rows
+    return QParams(*(field[start:stop] if field.dim() >= 1 else field for field in qp))
+
+
+def _expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: Mapping, num_experts: int) -> list:
+    """Per-expert Linear entries of a stacked experts module, named as llm-compressor unpacks them.
+
+    llm-compressor 0.14 replaces a fused experts module by ``LinearExperts2D``, a ModuleList of
+    ``ExpertMLPWithGate`` modules whose Linear children are ``gate_proj``, ``up_proj`` and
+    ``down_proj``; ``copy_from_experts_module`` takes ``gate_up_proj[e, :I]`` as ``gate_proj``,
+    ``gate_up_proj[e, I:]`` as ``up_proj`` and ``down_proj[e]`` as ``down_proj``
+    (llmcompressor/modeling/moe/linear_experts.py). So the checkpoint keys are
+    ``<path>.<e>.gate_proj.weight`` etc., which vLLM's fused-MoE loader and transformers'
+    conversion mapping (``DecompressExperts``, then a merge into the 3-D parameters) read.
+    """
+    params = dict(module.named_parameters(recurse=False))
+    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+    unknown = [site for site in sites if site not in ("gate_up_proj", "down_proj", "input")]
+    if unknown:
+        _fail(f"{path}/{unknown[0]}", "stacked experts export gate_up_proj, down_proj and input (routed hidden states)")
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+        _fail(path, "stacked experts export needs 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters")
+    _, fused_rows, hidden = gate_up.shape
+    intermediate = down.shape[2]
+    if getattr(module, "is_transposed", False) or fused_rows != 2 * intermediate or down.shape[1] != hidden:
+        _fail(
+            path,
+            f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not the layout "
+            "[E, 2I, H] / [E, H, I] (gate rows first); transposed or interleaved experts are not exportable yet",
+        )
+    dtype = _scale_dtype(module, gate_up)
+    for site, qp in sites.items():
+        if qp is not None:
+            qp = _check_qparams(qp, f"{path}/{site}")
+            if qp.scale.dim() < 1 or qp.scale.shape[0] != num_experts:
+                _fail(f"{path}/{site}", f"stacked qparams need a leading expert dimension {num_experts}, "
+                      f"got scale of shape {tuple(qp.scale.shape)}")
+    input_site = sites.get("input")
+    input_spec = specs.get("input")
+    input_dynamic = input_spec is not None and quantization_args(input_spec, "input", f"{path}/input")["dynamic"] is True
+    entries = []
+    for expert in range(num_experts):
+        prefix = f"{path}.{expert}"
+        inputs = {}
+        if "input" in sites:
+            inputs["input"] = (_slice_qparams(input_site, expert), input_spec, f"{path}/input[{expert}]")
+        projections = []
+        if "gate_up_proj" in sites:
+            qp = _slice_qparams(sites["gate_up_proj"], expert)
+            spec = specs.get("gate_up_proj")
+            weight = gate_up.detach()[expert]
+            for name, rows in (("gate_proj", (0, intermediate)), ("up_proj", (intermediate, fused_rows))):
+                where = f"{path}/gate_up_proj[{expert}] ({name})"
+                part = _row_slice(qp, spec, *rows, where) if spec is not None else qp
+                projections.append((name, weight[rows[0] : rows[1]], {"weight": (part, spec, where), **inputs}))
+        elif inputs:
+            _fail(f"{path}/input", "an input scale of stacked experts needs the gate_up_proj weights exported too")
+        if "down_proj" in sites:
+            where = f"{path}/down_proj[{expert}]"
+            down_sites = {"weight": (_slice_qparams(sites["down_proj"], expert), specs.get("down_proj"), where)}
+            if input_dynamic:  # run-time scales: the same dynamic activation quantization as gate/up
+                down_sites["input"] = (None, input_spec, f"{path}/input (down_proj)")
+            projections.append(("down_proj", down.detach()[expert], down_sites))
+        for name, weight, entry_sites in projections:
+            entries.append(_Entry(f"{prefix}.{name}", weight, dtype, entry_sites, experts=(path, name)))
+    return entries
+
+
 def compressed_tensors(
     model: torch.nn.Module,
     qparams: Mapping[str, Mapping[str, QParams]],
@@ -223,17 +359,19 @@ def compressed_tensors(
       model: the calibrated model (its float weights are quantized with ``qparams``).
       qparams: ``{module_path: {site: QParams}}``, e.g. from `qstats.compute_qparams_tree`. A
         dynamic activation site (per-token spec) needs no parameters: its value may be ``None``
-        (any QParams given for it are ignored).
+        (any QParams given for it are ignored). Stacked experts carry a leading expert dimension;
+        ``q``/``k``/``v`` sites of an attention module become its ``q_scale``/``k_scale``/``v_scale``.
       path: output folder; gets ``model.safetensors`` and ``config.json`` (a transformers model's
         ``config`` is included; an existing ``config.json`` there is extended).
       specs_or_recipe: the `qstats.Recipe` used to calibrate, or a ``{path: {site: QuantSpec}}``
         tree shaped like ``qparams``.
-      format: the compressed-tensors format of every group: ``"pack-quantized"`` (integer
+      format: the compressed-tensors format of every Linear group: ``"pack-quantized"`` (integer
         weights packed into int32), ``"int-quantized"``, ``"float-quantized"``,
-        ``"naive-quantized"`` (int8/fp8 codes) or ``"nvfp4-pack-quantized"``. Default: what
-        compressed-tensors itself infers per group (``int-quantized`` / ``float-quantized`` with
-        quantized inputs; ``pack-quantized`` / ``naive-quantized`` for integer / fp8 weights
-        only; NVFP4 packed), ``"mixed-precision"`` at top level when groups differ.
+        ``"naive-quantized"`` (int8/fp8 codes), ``"nvfp4-pack-quantized"``,
+        ``"mxfp4-pack-quantized"`` or ``"mxfp8-quantized"``. Default: what compressed-tensors
+        itself infers per group (``int-quantized`` / ``float-quantized`` with quantized inputs;
+        ``pack-quantized`` / ``naive-quantized`` for integer / fp8 weights only; NVFP4 and MX
+        by their scales), ``"mixed-precision"`` at top level when groups differ.
 
     Returns:
       The ``quantization_config`` dict written into ``config.json``.
@@ -255,114 +393,66 @@ def compressed_tensors(
     modules = dict(model.named_modules())
     state_dict = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     tensors: dict[str, torch.Tensor] = {}
-    dropped: set[str] = set()  # float weights replaced by packed codes
+    dropped: set[str] = set()  # float weights replaced by packed codes or unpacked experts
     schemes: dict[str, dict] = {}
-    uncalibrated = []
-    rounded = []
+    expert_projection: dict[str, tuple] = {}  # unpacked expert path -> (experts module path, projection)
+    attention: dict[str, dict] = {}  # attention module path -> {site: args}
+    log = {"uncalibrated": [], "rounded": []}
 
+    entries = []
     for module_path, sites in qparams.items():
         if module_path not in modules:
             raise ValueError(f"export.compressed_tensors: qparams name module {module_path!r}, which the model lacks")
         module = modules[module_path]
+        if not isinstance(sites, Mapping):
+            raise TypeError(f"export.compressed_tensors: qparams[{module_path!r}] must be a dict {{site: QParams}}")
+        module_specs = specs.get(module_path, {}) if isinstance(specs, Mapping) else {}
+        module_specs = module_specs if isinstance(module_specs, Mapping) else {}
+        num_experts = expert_count(module)
+        if num_experts:
+            entries.extend(_expert_entries(module_path, module, sites, module_specs, num_experts))
+            prefix = module_path + "." if module_path else ""
+            dropped.update(prefix + name for name, _ in module.named_parameters(recurse=False))
+            continue
+        kv_sites = {site: qp for site, qp in sites.items() if site in _ATTENTION_SITES}
+        if kv_sites:
+            attention[module_path] = _write_attention(module_path, module, kv_sites, module_specs, tensors, log)
+        linear_sites = {site: qp for site, qp in sites.items() if site not in _ATTENTION_SITES}
+        if not linear_sites:
+            continue
         if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             _fail(module_path, f"a {type(module).__name__}; compressed-tensors quantizes Linear and Embedding modules")
-        module_specs = specs.get(module_path, {}) if isinstance(specs, Mapping) else {}
-        scheme: dict[str, Any] = {}
-        for site, qp in sites.items():
+        entry_sites = {}
+        for site, qp in linear_sites.items():
             where = f"{module_path}/{site}"
             if site not in _SITE_PREFIX:
-                _fail(where, f"site {site!r} is not exportable (weight, input and output are)")
-            spec = module_specs.get(site) if isinstance(module_specs, Mapping) else None
-            if spec is None:
-                raise ValueError(f"export.compressed_tensors: no spec for {where}")
-            args = quantization_args(spec, site, where)
-            if qp is None and args["dynamic"] is True and site != "weight":
-                scheme[site] = args  # dynamic activations: nothing calibrated, nothing written
-                continue
-            qp = _check_qparams(qp, where)
-            offset = _code_offset(spec, where)
-            prefix = module_path + "." if module_path else ""
-            name = _SITE_PREFIX[site]
-            if args["strategy"] != "tensor_group" and args["dynamic"] is not True:
-                # Scales are stored in the module's dtype (as compressed-tensors does); codes are
-                # computed with the stored scales so the checkpoint is self-consistent.
-                stored = qp.scale.to(_scale_dtype(module))
-                if not torch.equal(stored.float(), qp.scale.float()):
-                    rounded.append(where)
-                    qp = qp._replace(scale=stored.float())
-            if site == "weight" and format is not None:
-                nvfp4 = args["strategy"] == "tensor_group"
-                packs_ints = format == "pack-quantized" and args["type"] != "int"
-                if nvfp4 != (format == "nvfp4-pack-quantized") or packs_ints:
-                    _fail(
-                        where, f"format {format!r} cannot hold {args['type']} weights of strategy {args['strategy']!r}"
-                    )
-            if site == "weight":
-                weight = module.weight.detach()
-                if weight.dim() != 2:
-                    _fail(where, f"weights of shape {tuple(weight.shape)} (stacked experts) are not exportable yet")
-                if qp.scale.dim() > 0 and qp.scale.shape[0] != weight.shape[0] and args["strategy"] == "channel":
-                    _fail(where, f"{qp.scale.shape[0]} channel scales for a weight with {weight.shape[0]} rows")
-                codes = quantize(weight, qp, spec)
-                if args["strategy"] == "tensor_group":
-                    if weight.shape[1] % 2:
-                        _fail(where, f"NVFP4 packs two values per byte; {weight.shape[1]} columns is odd")
-                    codes = codes.to(torch.uint8)  # fp4 bit codes, sign in bit 3
-                    tensors[prefix + "weight_packed"] = codes[:, 0::2] | (codes[:, 1::2] << 4)
-                    dropped.add(prefix + "weight")
-                elif spec.is_float:
-                    tensors[prefix + "weight"] = codes.to(torch.float8_e4m3fn)
-                elif _module_format(format, args, sites, module_specs) == "pack-quantized":
-                    signed = (codes.to(torch.int16) + offset).to(torch.int8)
-                    tensors[prefix + "weight_packed"] = _pack_int32(signed, args["num_bits"])
-                    tensors[prefix + "weight_shape"] = torch.tensor(weight.shape)
-                    dropped.add(prefix + "weight")
-                else:
-                    tensors[prefix + "weight"] = (codes.to(torch.int16) + offset).to(torch.int8)
-            if args["dynamic"] is True:
-                scheme[site] = args
-                continue
-            if not bool(qp.calibrated.all()):
-                uncalibrated.append(where)
-            if args["strategy"] == "tensor_group":
-                tensors[f"{prefix}{name}_global_scale"] = qp.global_scale.reshape(1).to(torch.float32).clone()
-                if args["dynamic"] == "local":
-                    scheme[site] = args
-                    continue
-                tensors[f"{prefix}{name}_scale"] = qp.scale.to(torch.float8_e4m3fn).clone()
-                scheme[site] = args
-                continue
-            shape = _qparam_shape(qp.scale, args["strategy"], where)
-            tensors[f"{prefix}{name}_scale"] = qp.scale.reshape(shape).to(_scale_dtype(module)).clone()
-            if args["symmetric"] and not bool(((qp.zero_point.float() + offset) == 0).all()):
-                _fail(where, "a symmetric spec with a non-zero zero point (symmetric_zero_point) is not expressible")
-            if not args["symmetric"]:
-                zero_point = (qp.zero_point.reshape(shape).to(torch.int16) + offset).to(torch.int8)
-                packed = (
-                    site == "weight"
-                    and args["strategy"] in ("group", "channel")
-                    and _module_format(format, args, sites, module_specs) == "pack-quantized"
-                )
-                if packed:  # packed along the output dimension, as compressed-tensors does
-                    zero_point = _pack_int32(zero_point.t(), args["num_bits"]).t().contiguous()
-                tensors[f"{prefix}{name}_zero_point"] = zero_point
-            scheme[site] = args
-        if scheme:
-            schemes[module_path] = scheme
+                _fail(where, f"site {site!r} is not exportable (weight, input, output and q/k/v are)")
+            entry_sites[site] = (qp, module_specs.get(site), where)
+        entries.append(_Entry(module_path, module.weight.detach(), _scale_dtype(module), entry_sites))
 
-    if rounded:
+    for entry in entries:
+        scheme = _write_linear(entry, format, tensors, dropped, log)
+        if scheme:
+            schemes[entry.path] = scheme
+            if entry.experts is not None:
+                expert_projection[entry.path] = entry.experts
+
+    if log["rounded"]:
+        rounded = log["rounded"]
         warnings.warn(
             f"export.compressed_tensors: scales of {len(rounded)} site(s) were rounded to the model's dtype "
             f"({', '.join(rounded[:4])}, ...); calibrate with a spec whose scale_dtype is that dtype to keep "
             "qstats' and the checkpoint's quantization identical",
             stacklevel=2,
         )
-    if uncalibrated:
+    if log["uncalibrated"]:
+        uncalibrated = log["uncalibrated"]
         warnings.warn(
             f"export.compressed_tensors: {len(uncalibrated)} site(s) hold uncalibrated (fallback) qparams: "
             + ", ".join(uncalibrated[:8]),
             stacklevel=2,
         )
+    _warn_mixed_experts(schemes, expert_projection)
 
     # Config groups: one per distinct (weights, input, output) combination.
     groups: dict[str, dict] = {}
@@ -380,9 +470,17 @@ def compressed_tensors(
                 "format": group_format,
             },
         )
-        group["targets"].append(module_path)
+        target = module_path
+        if module_path in expert_projection:
+            # every expert of a stacked module shares its scheme: one regex per projection of the
+            # module (transformers' get_experts_scheme picks the group whose re: target names experts)
+            experts_path, projection = expert_projection[module_path]
+            target = rf"re:^{re.escape(experts_path)}\.\d+\.{projection}$"
+        if target not in group["targets"]:
+            group["targets"].append(target)
     formats = {g["format"] for g in groups.values()}
-    top_format = formats.pop() if len(formats) == 1 else "mixed-precision"
+    top_format = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
+    kv_cache_scheme = _attention_config(attention, groups)
     ignore = [
         path
         for path, module in modules.items()
@@ -394,7 +492,7 @@ def compressed_tensors(
         "quantization_status": "compressed",
         "config_groups": {f"group_{i}": group for i, group in enumerate(groups.values())},
         "ignore": ignore,
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv_cache_scheme,
         "global_compression_ratio": None,
     }
 
@@ -405,6 +503,190 @@ def compressed_tensors(
     return quantization_config
 
 
+def _write_linear(entry: _Entry, format, tensors: dict, dropped: set, log: dict) -> dict:
+    """Writes the tensors of one Linear (real or unpacked expert); returns its scheme
+    ``{site: QuantizationArgs fields}``."""
+    scheme: dict[str, Any] = {}
+    prefix = entry.path + "." if entry.path else ""
+    input_entry = entry.sites.get("input")
+    input_args = None
+    if input_entry is not None and input_entry[1] is not None:
+        input_args = quantization_args(input_entry[1], "input", input_entry[2])
+    for site, (qp, spec, where) in entry.sites.items():
+        if spec is None:
+            raise ValueError(f"export.compressed_tensors: no spec for {where}")
+        args = quantization_args(spec, site, where)
+        if qp is None and args["dynamic"] is True and site != "weight":
+            scheme[site] = args  # dynamic activations: nothing calibrated, nothing written
+            continue
+        qp = _check_qparams(qp, where)
+        offset = _code_offset(spec, where)
+        name = _SITE_PREFIX[site]
+        mx = args.get("scale_dtype") == "torch.uint8"
+        if args["strategy"] != "tensor_group" and args["dynamic"] is not True and not mx:
+            # Scales are stored in the module's dtype (as compressed-tensors does); codes are
+            # computed with the stored scales so the checkpoint is self-consistent.
+            stored = qp.scale.to(entry.dtype)
+            if not torch.equal(stored.float(), qp.scale.float()):
+                log["rounded"].append(where)
+                qp = qp._replace(scale=stored.float())
+        module_format = (format or _default_format(args, input_args)) if site == "weight" else None
+        if site == "weight":
+            if module_format not in _allowed_formats(args):
+                _fail(where, f"format {format!r} cannot hold {args['type']} weights of strategy {args['strategy']!r}")
+            weight = entry.weight
+            if weight is None or weight.dim() != 2:
+                shape = None if weight is None else tuple(weight.shape)
+                _fail(where, f"weights of shape {shape} are not exportable (2-D Linear weights are)")
+            if qp.scale.dim() > 0 and qp.scale.shape[0] != weight.shape[0] and args["strategy"] == "channel":
+                _fail(where, f"{qp.scale.shape[0]} channel scales for a weight with {weight.shape[0]} rows")
+            codes = quantize(weight, qp, spec)
+            if spec.dtype == "fp4_e2m1":  # NVFP4 / MXFP4: two fp4 bit codes a byte, low nibble first
+                if weight.shape[1] % 2:
+                    _fail(where, f"fp4 packs two values per byte; {weight.shape[1]} columns is odd")
+                codes = codes.to(torch.uint8)  # fp4 bit codes, sign in bit 3
+                tensors[prefix + "weight_packed"] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+                dropped.add(prefix + "weight")
+            elif spec.is_float:
+                tensors[prefix + "weight"] = codes.to(torch.float8_e4m3fn)
+            elif module_format == "pack-quantized":
+                signed = (codes.to(torch.int16) + offset).to(torch.int8)
+                tensors[prefix + "weight_packed"] = _pack_int32(signed, args["num_bits"])
+                tensors[prefix + "weight_shape"] = torch.tensor(weight.shape)
+                dropped.add(prefix + "weight")
+            else:
+                tensors[prefix + "weight"] = (codes.to(torch.int16) + offset).to(torch.int8)
+        if args["dynamic"] is True:
+            scheme[site] = args
+            continue
+        if not bool(qp.calibrated.all()):
+            log["uncalibrated"].append(where)
+        if mx:  # uint8 biased exponents b of the power-of-two scales 2**(b - 127)
+            mantissa, exponent = torch.frexp(qp.scale.float())
+            tensors[f"{prefix}{name}_scale"] = (exponent - 1 + 127).to(torch.uint8)
+            scheme[site] = args
+            continue
+        if args["strategy"] == "tensor_group":
+            tensors[f"{prefix}{name}_global_scale"] = qp.global_scale.reshape(1).to(torch.float32).clone()
+            if args["dynamic"] == "local":
+                scheme[site] = args
+                continue
+            tensors[f"{prefix}{name}_scale"] = qp.scale.to(torch.float8_e4m3fn).clone()
+            scheme[site] = args
+            continue
+        shape = _qparam_shape(qp.scale, args["strategy"], where)
+        tensors[f"{prefix}{name}_scale"] = qp.scale.reshape(shape).to(entry.dtype).clone()
+        zero_point = _zero_point(qp, args, offset, shape, where)
+        if zero_point is not None:
+            packed = site == "weight" and args["strategy"] in ("group", "channel") and module_format == "pack-quantized"
+            if packed:  # packed along the output dimension, as compressed-tensors does
+                zero_point = _pack_int32(zero_point.t(), args["num_bits"]).t().contiguous()
+            tensors[f"{prefix}{name}_zero_point"] = zero_point
+        scheme[site] = args
+    return scheme
+
+
+def _zero_point(qp: QParams, args: dict, offset: int, shape: tuple, where: str) -> Optional[torch.Tensor]:
+    """The int8 zero point compressed-tensors stores (None for symmetric args)."""
+    if args["symmetric"]:
+        if not bool(((qp.zero_point.float() + offset) == 0).all()):
+            _fail(where, "a symmetric spec with a non-zero zero point (symmetric_zero_point) is not expressible")
+        return None
+    return (qp.zero_point.reshape(shape).to(torch.int16) + offset).to(torch.int8)
+
+
+def _write_attention(path: str, module, sites: Mapping, specs: Mapping, tensors: dict, log: dict) -> dict:
+    """``q_scale``/``k_scale``/``v_scale`` of an attention module, as compressed-tensors registers
+    them (``initialize_attn_qparams``: shape ``(1,)`` for the tensor strategy, in the attention
+    module's parameter dtype; zero points ``q_zero_point``... for asymmetric args)."""
+    params = list(module.parameters())
+    dtype = params[0].dtype if params else torch.float32
+    dtype = dtype if dtype in _CT_SCALE_DTYPES else torch.float16
+    prefix = path + "." if path else ""
+    written = {}
+    for site, qp in sites.items():
+        where = f"{path}/{site}"
+        spec = specs.get(site)
+        if spec is None:
+            raise ValueError(f"export.compressed_tensors: no spec for {where}")
+        args = quantization_args(spec, site, where)
+        qp = _check_qparams(qp, where)
+        offset = _code_offset(spec, where)
+        if not bool(qp.calibrated.all()):
+            log["uncalibrated"].append(where)
+        stored = qp.scale.to(dtype)
+        if not torch.equal(stored.float(), qp.scale.float()):
+            log["rounded"].append(where)
+        shape = _qparam_shape(qp.scale, "tensor", where)
+        tensors[f"{prefix}{site}_scale"] = stored.reshape(shape).clone()
+        zero_point = _zero_point(qp, args, offset, shape, where)
+        if zero_point is not None:
+            tensors[f"{prefix}{site}_zero_point"] = zero_point
+        written[site] = args
+    if ("k" in written) != ("v" in written):
+        _fail(path, "the kv cache quantizes keys and values together: export both 'k' and 'v' sites")
+    if "q" in written and "k" not in written:
+        _fail(path, "attention (query) quantization needs the 'k' and 'v' sites too (compressed-tensors' "
+              "attention scheme quantizes q, k and v alike)")
+    distinct = {json.dumps(args, sort_keys=True) for args in written.values()}
+    if len(distinct) > 1:
+        _fail(path, "compressed-tensors quantizes q, k and v of a model with one set of QuantizationArgs; "
+              f"the specs of {sorted(written)} differ")
+    return written
+
+
+def _attention_config(attention: dict, groups: dict) -> Optional[dict]:
+    """The ``kv_cache_scheme`` (k/v sites, one for the whole model) and, for q sites, a config group
+    targeting the attention modules (compressed-tensors' attention quantization, whose
+    ``input_activations`` quantize q, k and v)."""
+    if not attention:
+        return None
+    distinct = {json.dumps(next(iter(sites.values())), sort_keys=True) for sites in attention.values()}
+    if len(distinct) > 1:
+        _fail("kv_cache_scheme", "compressed-tensors holds one kv-cache scheme per model; the attention "
+              f"modules {sorted(attention)} have different q/k/v specs")
+    args = next(iter(next(iter(attention.values())).values()))
+    query = [path for path, sites in attention.items() if "q" in sites]
+    if query:
+        if len(query) != len(attention):
+            _fail("kv_cache_scheme", f"q sites on {query} but not on every attention module with k/v sites")
+        groups["attention"] = {
+            "targets": query,
+            "weights": None,
+            "input_activations": args,
+            "output_activations": None,
+            "format": None,
+        }
+    return dict(args)
+
+
+def _warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
+    """vLLM's fused-MoE loader needs gate_proj, up_proj and down_proj of an experts module under one
+    scheme; qstats.calibrate observes the experts' input (gate/up) but not down_proj's."""
+    by_module: dict = {}
+    for path, (experts_path, projection) in expert_projection.items():
+        by_module.setdefault(experts_path, {})[projection] = json.dumps(schemes[path], sort_keys=True)
+    mixed = [path for path, projections in by_module.items() if len(set(projections.values())) > 1]
+    if mixed:
+        warnings.warn(
+            f"export.compressed_tensors: gate_proj/up_proj and down_proj of {len(mixed)} experts module(s) "
+            f"({', '.join(mixed[:4])}) have different schemes (static input scales are written for "
+            "gate_proj/up_proj only: the down_proj input is not observed); compressed-tensors and transformers "
+            "load this, vLLM's fused-MoE loader requires one scheme per experts module",
+            stacklevel=3,
+        )
+
+
+def _allowed_formats(weight_args: dict) -> tuple:
+    if weight_args["strategy"] == "tensor_group":
+        return ("nvfp4-pack-quantized",)
+    if weight_args.get("scale_dtype") == "torch.uint8":
+        return ("mxfp4-pack-quantized",) if weight_args["num_bits"] == 4 else ("mxfp8-quantized",)
+    if weight_args["type"] == "int":
+        return ("pack-quantized", "int-quantized", "naive-quantized")
+    return ("float-quantized", "naive-quantized")
+
+
 def _default_format(weights, inputs) -> str:
     """compressed-tensors' own inference (``infer_module_format``): NVFP4 packs; integer weights
     are ``int-quantized`` with quantized inputs, else ``pack-quantized``; fp8 weights are
@@ -413,22 +695,13 @@ def _default_format(weights, inputs) -> str:
         return "dense"
     if weights["strategy"] == "tensor_group":
         return "nvfp4-pack-quantized"
+    if weights.get("scale_dtype") == "torch.uint8":  # MX: e8m0 scales as uint8 exponents
+        return "mxfp4-pack-quantized" if weights["num_bits"] == 4 else "mxfp8-quantized"
     if weights["type"] == "int":
         if inputs is not None and not (inputs["type"] == "float"):
             return "int-quantized"
         return "pack-quantized"
     return "float-quantized" if inputs is not None else "naive-quantized"
-
-
-def _module_format(format, weight_args, sites, module_specs) -> str:
-    """The format a module's weight is written in (needs its input spec, if any)."""
-    if format is not None:
-        return format
-    inputs = None
-    input_spec = module_specs.get("input") if isinstance(module_specs, Mapping) else None
-    if "input" in sites and input_spec is not None:
-        inputs = quantization_args(input_spec, "input")
-    return _default_format(weight_args, inputs)
 
 
 def _write(path: str, tensors: dict, model: torch.nn.Module, quantization_config: dict) -> None:
