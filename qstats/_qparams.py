@@ -190,18 +190,29 @@ def qparams_from_minmax(
     """
     min_val = min_val.float()
     max_val = max_val.float()
-    valid = torch.isfinite(min_val) & torch.isfinite(max_val) & (min_val <= max_val)
+    # min <= max with both finite, without isfinite (slow on CPU): half the span is finite and
+    # non-negative exactly then (halving keeps it from overflowing for finite extremes).
+    half_span = max_val * 0.5 - min_val * 0.5
+    valid = (half_span >= 0) & (half_span < torch.inf)
     calibrated = valid if calibrated is None else (calibrated & valid)
     check_calibrated(calibrated, spec)
-    zero = torch.zeros_like(min_val)
-    min_val = torch.where(calibrated, min_val, zero)
-    max_val = torch.where(calibrated, max_val, zero)
+    formats = _formats.handles_qparams(spec)
+    if formats:
+        # Two-level scales reduce over all entries: uncalibrated ones must not take part.
+        zero = torch.zeros_like(min_val)
+        min_val = torch.where(calibrated, min_val, zero)
+        max_val = torch.where(calibrated, max_val, zero)
+    else:
+        # Elementwise formulas: an uncalibrated entry only needs a finite range (its scale and
+        # zero point are replaced below), so skip the slower select.
+        min_val = torch.nan_to_num(min_val, nan=0.0, posinf=0.0, neginf=0.0)
+        max_val = torch.nan_to_num(max_val, nan=0.0, posinf=0.0, neginf=0.0)
     # Ranges near the float32 limit would overflow ``max - min`` to an infinite scale: clip them
     # to half the float32 range (a no-op for every range below 1.7e38).
     half_float32_max = torch.finfo(torch.float32).max / 2
     min_val = min_val.clamp(min=-half_float32_max)
     max_val = max_val.clamp(max=half_float32_max)
-    if _formats.handles_qparams(spec):
+    if formats:
         scale, zero_point, global_scale = _formats.qparams(min_val, max_val, spec, global_scale)
     elif spec.convention == "compressed_tensors":
         scale, zero_point = _compressed_tensors(min_val, max_val, spec)
@@ -209,8 +220,14 @@ def qparams_from_minmax(
         scale, zero_point = _compat_torchao.torchao_qparams(min_val, max_val, spec)
     else:
         scale, zero_point = _torch_ao(min_val, max_val, spec)
-    scale = torch.where(calibrated, scale, torch.ones_like(scale))
-    zero_point = torch.where(calibrated, zero_point, torch.zeros_like(zero_point))
-    if not _formats.handles_qparams(spec):
+    if formats:
+        scale = torch.where(calibrated, scale, torch.ones_like(scale))
+        zero_point = torch.where(calibrated, zero_point, torch.zeros_like(zero_point))
+    else:
+        # Scale 1 and zero point 0 where uncalibrated, by arithmetic on finite values (exact:
+        # x * 1 + 0 == x and x * 0 + 1 == 1).
+        keep = calibrated.to(scale.dtype)
+        scale = scale * keep + (1.0 - keep)
+        zero_point = zero_point * calibrated.to(zero_point.dtype) + 0
         global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
     return QParams(scale, zero_point, global_scale, calibrated)

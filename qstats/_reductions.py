@@ -13,6 +13,7 @@ masked path always runs, so no device-to-host synchronisation happens.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -49,10 +50,14 @@ def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], polic
     if mask is None and view.device.type == "cpu":
         lo = _reduce(view, torch.amin)
         hi = _reduce(view, torch.amax)
-        # hi - lo is finite exactly when both are (or the range overflows: then the slow path).
-        if bool(torch.isfinite(hi - lo).all()):
-            count = torch.full(out_shape, per_param, dtype=torch.int64, device=view.device)
-            return lo.float(), hi.float(), count, torch.zeros_like(count)
+        # hi - lo is finite exactly when both are (or the range overflows: then the slow path);
+        # its max is finite exactly when every entry is (amax propagates NaN), and a max and a
+        # scalar check cost less than an elementwise isfinite.
+        if math.isfinite((hi - lo).amax().item()):
+            # Uniform counts as broadcast scalars: no per-parameter buffers to fill.
+            count = torch.full((), per_param, dtype=torch.int64, device=view.device).expand(out_shape)
+            nonfinite = torch.zeros((), dtype=torch.int64, device=view.device).expand(out_shape)
+            return lo.float(), hi.float(), count, nonfinite
     dims = (0, view.ndim - 1)
     if mask is not None:
         mask = mask.expand(view.shape)
@@ -147,6 +152,32 @@ def _unwrapped_vmap(view, mask, policy):
     return tuple(functorch._add_batch_dim(out, 0, level) for out in outs)
 
 
+# Per-parameter counts up to this many values are summed exactly in float32 (every partial sum
+# of 0/1 values is an integer below 2**24), which vectorises better than an int64 sum.
+_EXACT_FLOAT32_COUNT = 2**24
+
+
+def _traceable_finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor]):
+    """The ``nonfinite="ignore"`` reduction in plain torch ops, for ``torch.compile``: the
+    compiler fuses the finiteness test, both extremes and the counts into one pass over the data
+    (the opaque custom op would take two passes and a host check)."""
+    out_shape = view.shape[1:-1]
+    if view.numel() == 0:
+        inf = view.new_full(out_shape, torch.inf, dtype=torch.float32)
+        zeros = torch.zeros(out_shape, dtype=torch.int64, device=view.device)
+        return inf, -inf, zeros, zeros.clone()
+    dims = (0, view.ndim - 1)
+    finite = view.abs() < torch.inf  # False for NaN and +-Inf
+    included = finite if mask is None else (finite & mask)
+    lo = torch.where(included, view, torch.inf).amin(dim=dims).float()
+    hi = torch.where(included, view, -torch.inf).amax(dim=dims).float()
+    exact_in_float = view.shape[0] * view.shape[-1] <= _EXACT_FLOAT32_COUNT
+    count_dtype = torch.float32 if exact_in_float else torch.int64
+    count = included.to(count_dtype).sum(dim=dims).to(torch.int64)
+    seen = view.shape[0] * view.shape[-1] if mask is None else mask.to(count_dtype).sum(dim=dims).to(torch.int64)
+    return lo, hi, count, seen - count
+
+
 def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonfinite: str = "ignore"):
     """Min, max, finite count and non-finite count over dims ``(0, -1)`` of a canonical view.
 
@@ -163,6 +194,8 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
     if mask is not None:
         mask = mask.to(torch.bool).expand(view.shape)
     view = view.detach()
+    if policy == _POLICY_IGNORE and torch.compiler.is_compiling():
+        return _traceable_finite_aminmax(view, mask)
     outs = _unwrapped_vmap(view, mask, policy)
     if outs is not None:
         return outs

@@ -1,0 +1,97 @@
+"""The reduction under torch.compile: a decomposition the compiler fuses into one pass must give
+exactly what the eager custom op gives (extremes of the finite, unmasked values and both counts)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qstats
+from qstats._reductions import _finite_aminmax_impl, _traceable_finite_aminmax, finite_aminmax
+
+
+def _assert_same(got, expected):
+    for name, a, b in zip(("min", "max", "count", "nonfinite"), got, expected):
+        assert a.dtype == b.dtype, name
+        assert a.shape == b.shape, name
+        assert torch.equal(a, b), (name, a, b)
+
+
+def _with_nonfinite(x, generator, fraction=0.1):
+    pick = torch.rand(x.shape, generator=generator)
+    x = torch.where(pick < fraction / 3, torch.nan, x)
+    x = torch.where((pick >= fraction / 3) & (pick < 2 * fraction / 3), torch.inf, x)
+    return torch.where((pick >= 2 * fraction / 3) & (pick < fraction), -torch.inf, x)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=3, max_size=4),
+    seed=st.integers(0, 2**16),
+    masked=st.booleans(),
+    nonfinite=st.sampled_from([0.0, 0.2, 1.0]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
+def test_decomposition_equals_custom_op(shape, seed, masked, nonfinite, dtype):
+    generator = torch.Generator().manual_seed(seed)
+    view = _with_nonfinite(torch.randn(shape, generator=generator), generator, nonfinite).to(dtype)
+    mask = (torch.rand(shape, generator=generator) < 0.6) if masked else None
+    _assert_same(_traceable_finite_aminmax(view, mask), _finite_aminmax_impl(view, mask, 0))
+
+
+def test_counts_beyond_float32_exact_range_sum_in_int64():
+    # 2**24 + 3 values per parameter: a float32 count would stop at 2**24.
+    view = torch.zeros(1, 1, 2**24 + 3)
+    view[0, 0, 5] = torch.nan
+    got = _traceable_finite_aminmax(view, None)
+    assert int(got[2]) == 2**24 + 2 and int(got[3]) == 1
+    _assert_same(got, _finite_aminmax_impl(view, None, 0))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_vmapped_experts_equal_eager(backend):
+    generator = torch.Generator().manual_seed(0)
+    experts = _with_nonfinite(torch.randn(4, 6, 8, generator=generator), generator, 0.1)
+    spec = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(0), on_uncalibrated="fallback")
+    obs = qstats.minmax(spec)
+
+    def one_expert(w):
+        state = obs.update(obs.init(w), w)
+        return state, qstats.compute_qparams(state, spec)
+
+    eager = torch.vmap(one_expert)(experts)
+    compiled = torch.compile(torch.vmap(one_expert), fullgraph=True, backend=backend)(experts)
+    for got, expected in zip(compiled, eager):
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "granularity", [qstats.PerTensor(), qstats.PerAxis(-1), qstats.PerGroup(4)], ids=["tensor", "axis", "group"]
+)
+def test_compiled_masked_update_equals_eager(granularity):
+    generator = torch.Generator().manual_seed(1)
+    x = _with_nonfinite(torch.randn(5, 3, 8, generator=generator), generator, 0.1)
+    weight = (torch.rand(5, 3, generator=generator) < 0.5).float()
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=granularity))
+    state = obs.init(x)
+    compiled = torch.compile(obs.update, fullgraph=True, backend="aot_eager")
+    for a, b in zip(compiled(state, x, weight), obs.update(state, x, weight)):
+        assert torch.equal(a, b)
+
+
+def test_compiled_raise_policy_still_raises():
+    spec = qstats.QuantSpec(dtype="int8", nonfinite="raise")
+    obs = qstats.minmax(spec)
+    x = torch.tensor([1.0, torch.nan])
+    compiled = torch.compile(obs.update, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(obs.init(x), torch.tensor([1.0, 2.0])).max_val, torch.tensor(2.0))
+    with pytest.raises(ValueError, match="non-finite"):
+        compiled(obs.init(x), x)
+
+
+def test_eager_and_compiled_public_function_agree_on_empty():
+    view = torch.empty(0, 3, 4)
+    expected = finite_aminmax(view)
+    got = torch.compile(finite_aminmax, fullgraph=True, backend="aot_eager")(view)
+    _assert_same(got, expected)
