@@ -62,6 +62,7 @@ __all__ = ["compressed_tensors", "quantization_args"]
 
 _SITE_PREFIX = {"weight": "weight", "input": "input", "output": "output"}
 _ATTENTION_SITES = ("q", "k", "v")
+_EXPERT_SITES = ("gate_up_proj", "down_proj", "input", "gate_up_proj.input", "down_proj.input")
 FORMATS = (
     "pack-quantized",
     "int-quantized",
@@ -294,9 +295,9 @@ def _expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: M
     """
     params = dict(module.named_parameters(recurse=False))
     gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
-    unknown = [site for site in sites if site not in ("gate_up_proj", "down_proj", "input")]
+    unknown = [site for site in sites if site not in _EXPERT_SITES]
     if unknown:
-        _fail(f"{path}/{unknown[0]}", "stacked experts export gate_up_proj, down_proj and input (routed hidden states)")
+        _fail(f"{path}/{unknown[0]}", f"stacked experts export the sites {_EXPERT_SITES}")
     if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
         _fail(path, "stacked experts export needs 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters")
     _, fused_rows, hidden = gate_up.shape
@@ -314,15 +315,16 @@ def _expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: M
             if qp.scale.dim() < 1 or qp.scale.shape[0] != num_experts:
                 _fail(f"{path}/{site}", f"stacked qparams need a leading expert dimension {num_experts}, "
                       f"got scale of shape {tuple(qp.scale.shape)}")
-    input_site = sites.get("input")
-    input_spec = specs.get("input")
-    input_dynamic = input_spec is not None and quantization_args(input_spec, "input", f"{path}/input")["dynamic"] is True
+    # the routed hidden states: "gate_up_proj.input" equals "input"
+    input_name = "gate_up_proj.input" if "gate_up_proj.input" in sites else "input"
+    input_spec = specs.get(input_name)
+    input_dynamic = input_spec is not None and quantization_args(input_spec, "input", path)["dynamic"] is True
     entries = []
     for expert in range(num_experts):
         prefix = f"{path}.{expert}"
         inputs = {}
-        if "input" in sites:
-            inputs["input"] = (_slice_qparams(input_site, expert), input_spec, f"{path}/input[{expert}]")
+        if input_name in sites:
+            inputs["input"] = (_slice_qparams(sites[input_name], expert), input_spec, f"{path}/{input_name}[{expert}]")
         projections = []
         if "gate_up_proj" in sites:
             qp = _slice_qparams(sites["gate_up_proj"], expert)
@@ -333,12 +335,17 @@ def _expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: M
                 part = _row_slice(qp, spec, *rows, where) if spec is not None else qp
                 projections.append((name, weight[rows[0] : rows[1]], {"weight": (part, spec, where), **inputs}))
         elif inputs:
-            _fail(f"{path}/input", "an input scale of stacked experts needs the gate_up_proj weights exported too")
+            _fail(f"{path}/{input_name}", "input scales of stacked experts need the gate_up_proj weights exported too")
+        if "down_proj.input" in sites and "down_proj" not in sites:
+            _fail(f"{path}/down_proj.input", "input scales of down_proj need the down_proj weights exported too")
         if "down_proj" in sites:
             where = f"{path}/down_proj[{expert}]"
             down_sites = {"weight": (_slice_qparams(sites["down_proj"], expert), specs.get("down_proj"), where)}
-            if input_dynamic:  # run-time scales: the same dynamic activation quantization as gate/up
-                down_sites["input"] = (None, input_spec, f"{path}/input (down_proj)")
+            if "down_proj.input" in sites:  # the intermediate activation act(gate) * up
+                qp = _slice_qparams(sites["down_proj.input"], expert)
+                down_sites["input"] = (qp, specs.get("down_proj.input"), f"{path}/down_proj.input[{expert}]")
+            elif input_dynamic:  # run-time scales: the same dynamic activation quantization as gate/up
+                down_sites["input"] = (None, input_spec, f"{path}/{input_name} (down_proj)")
             projections.append(("down_proj", down.detach()[expert], down_sites))
         for name, weight, entry_sites in projections:
             entries.append(_Entry(f"{prefix}.{name}", weight, dtype, entry_sites, experts=(path, name)))
@@ -662,7 +669,8 @@ def _attention_config(attention: dict, groups: dict) -> Optional[dict]:
 
 def _warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
     """vLLM's fused-MoE loader needs gate_proj, up_proj and down_proj of an experts module under one
-    scheme; qstats.calibrate observes the experts' input (gate/up) but not down_proj's."""
+    scheme (``CompressedTensorsMoEMethod.get_moe_method``: "All MoE projections need to have same
+    quantization scheme"); warn when they differ, e.g. a static input spec without ``down_proj.input``."""
     by_module: dict = {}
     for path, (experts_path, projection) in expert_projection.items():
         by_module.setdefault(experts_path, {})[projection] = json.dumps(schemes[path], sort_keys=True)
@@ -670,9 +678,9 @@ def _warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
     if mixed:
         warnings.warn(
             f"export.compressed_tensors: gate_proj/up_proj and down_proj of {len(mixed)} experts module(s) "
-            f"({', '.join(mixed[:4])}) have different schemes (static input scales are written for "
-            "gate_proj/up_proj only: the down_proj input is not observed); compressed-tensors and transformers "
-            "load this, vLLM's fused-MoE loader requires one scheme per experts module",
+            f"({', '.join(mixed[:4])}) have different schemes (e.g. static input scales for gate_proj/up_proj "
+            "but no 'down_proj.input' site); compressed-tensors and transformers load this, vLLM's fused-MoE "
+            "loader requires one scheme per experts module",
             stacklevel=3,
         )
 

@@ -1,0 +1,262 @@
+"""qstats.export.compressed_tensors of stacked experts, loaded back by llm-compressor's layout,
+compressed-tensors and transformers.
+
+A tiny transformers Qwen3-MoE (random weights, no download) keeps its experts stacked
+(``Qwen3MoeExperts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]). qstats calibrates them with
+one vmapped observer call; the export unpacks them into the per-expert Linear names llm-compressor
+writes. The references:
+
+- the names: llm-compressor's own ``linearize_moe`` turns a fresh copy of the model into per-expert
+  Linear modules; compressed-tensors initialises and compresses that model from our
+  ``quantization_config`` and must accept our safetensors strictly (every name, shape, dtype);
+- the values: for every expert and projection, ``qstats.quantize`` of the weight slice with the
+  slice of the stacked qparams (taken here independently), compressed-tensors' decompression, and
+  compressed-tensors' own compressor run on the linearized model holding our scales;
+- transformers' own ``Qwen3MoeForCausalLM`` loading the folder (per-expert tensors decompressed and
+  merged back into the 3-D parameters by its conversion mapping).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import qstats
+
+pytest.importorskip("compressed_tensors")
+transformers = pytest.importorskip("transformers")
+from compressed_tensors.compressors import ModelCompressor  # noqa: E402
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, apply_quantization_config  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+E, HIDDEN, INTER = 4, 32, 16
+
+
+def _config():
+    return transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        moe_intermediate_size=INTER,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=E,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+    )
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return transformers.Qwen3MoeForCausalLM(_config()).eval()
+
+
+def _bit_equal(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    if a.is_floating_point():
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+    return torch.equal(a, b)
+
+
+def _calibrate(model, weight_args, input_args=None, down_input=True):
+    weights = qstats.QuantSpec.from_compressed_tensors(weight_args)
+    rules = [qstats.Rule("Qwen3MoeExperts", sites=("gate_up_proj", "down_proj"), spec=weights)]
+    if input_args is not None:
+        inputs = qstats.QuantSpec.from_compressed_tensors(input_args)
+        sites = ("input", "down_proj.input") if down_input else ("input",)
+        rules.append(qstats.Rule("Qwen3MoeExperts", sites=sites, spec=inputs))
+    recipe = qstats.Recipe(rules)
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (2, 8), generator=generator) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qstats.UncalibratedWarning)
+        states = qstats.calibrate(model, batches, recipe, progress=False)
+    return recipe, qstats.compute_qparams_tree(states, recipe, model)
+
+
+def _linearized(seed):
+    """A fresh model (other float weights) whose experts llm-compressor unpacked into Linears."""
+    from llmcompressor.modeling.moe.linearize import linearize_moe
+
+    fresh = _model(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        linearize_moe(fresh)
+    return fresh
+
+
+def _expert_slices(experts, qparams_of, spec_of, expert):
+    """(name, float weight, QParams) of one expert's projections, sliced independently of the export."""
+    gate_up, down = experts.gate_up_proj.detach()[expert], experts.down_proj.detach()[expert]
+    qp = qparams_of["gate_up_proj"]
+    one = qstats.QParams(*(field[expert] for field in qp))
+    granularity = spec_of["gate_up_proj"].granularity
+
+    def rows(start, stop):
+        if isinstance(granularity, qstats.PerTensor):
+            return one
+        return qstats.QParams(*(field[start:stop] if field.dim() else field for field in one))
+
+    down_qp = qstats.QParams(*(field[expert] for field in qparams_of["down_proj"]))
+    return [
+        ("gate_proj", gate_up[:INTER], rows(0, INTER), spec_of["gate_up_proj"]),
+        ("up_proj", gate_up[INTER:], rows(INTER, 2 * INTER), spec_of["gate_up_proj"]),
+        ("down_proj", down, down_qp, spec_of["down_proj"]),
+    ]
+
+
+W8A8 = (
+    QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"),
+    QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor"),
+)
+W4_GROUP = (QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=16), None)
+FP8_STATIC = (
+    QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor"),
+    QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor"),
+)
+
+
+@pytest.mark.parametrize("case", ["w8a8-int", "w4-group", "fp8-static"])
+def test_stacked_experts_load_as_llm_compressor_linear_experts(tmp_path, case):
+    weight_args, input_args = {"w8a8-int": W8A8, "w4-group": W4_GROUP, "fp8-static": FP8_STATIC}[case]
+    model = _model()
+    recipe, qparams = _calibrate(model, weight_args, input_args)
+    path = "model.layers.0.mlp.experts"
+    assert qparams[path]["gate_up_proj"].scale.shape[0] == E  # stacked qparams
+    written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))
+    assert f"{path}.gate_up_proj" not in ours and f"{path}.down_proj" not in ours
+    # the attention projections and the head are unquantized Linears: ignored
+    assert "model.layers.0.self_attn.q_proj" in written["ignore"] and "lm_head" in written["ignore"]
+    for group in written["config_groups"].values():
+        assert all(target.startswith("re:") and "experts" in target for target in group["targets"])
+
+    with open(os.path.join(str(tmp_path), "config.json")) as file:
+        config = QuantizationConfig.model_validate(json.load(file)["quantization_config"])
+    fresh = _linearized(seed=5)
+    assert sorted(f"{path}.{e}.{p}" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")) == sorted(
+        name for name, m in fresh.named_modules() if name.startswith(path + ".") and isinstance(m, torch.nn.Linear)
+    )
+    apply_quantization_config(fresh, config)
+    compressor = ModelCompressor(quantization_config=config)
+    compressor.compress_model(fresh)
+    fresh.load_state_dict(ours, strict=True)  # every name, shape and dtype as compressed-tensors expects
+    compressor.decompress_model(fresh)
+
+    specs = recipe.specs(qparams, model)[path]
+    experts = model.get_submodule(path)
+    for expert in range(E):
+        for name, weight, qp, spec in _expert_slices(experts, qparams[path], specs, expert):
+            loaded = fresh.get_submodule(f"{path}.{expert}.{name}")
+            codes = qstats.quantize(weight, qp, spec)
+            ours_dq = qstats.dequantize(codes, qp, spec)
+            assert _bit_equal(loaded.weight.data, ours_dq), (expert, name)
+            assert _bit_equal(loaded.weight_scale.data.reshape(-1), qp.scale.reshape(-1)), (expert, name)
+            stored = ours[f"{path}.{expert}.{name}.weight" + ("_packed" if case == "w4-group" else "")]
+            if case == "fp8-static":
+                assert _bit_equal(stored, codes.to(torch.float8_e4m3fn))
+            elif case == "w8a8-int":
+                assert torch.equal(stored, codes.to(torch.int8))
+            if input_args is not None:
+                site = "down_proj.input" if name == "down_proj" else "input"
+                expected = qparams[path][site].scale[expert].reshape(1)
+                assert _bit_equal(loaded.input_scale.data, expected), (expert, name)
+            else:
+                assert not hasattr(loaded, "input_scale")
+
+
+def test_stacked_experts_match_compressed_tensors_own_compressor(tmp_path):
+    """compressed-tensors' compressor on llm-compressor's linearized model holding the float
+    weights and our per-expert scales writes exactly our tensors."""
+    model = _model()
+    recipe, qparams = _calibrate(model, *W4_GROUP)
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))
+    with open(os.path.join(str(tmp_path), "config.json")) as file:
+        config = QuantizationConfig.model_validate(json.load(file)["quantization_config"])
+    reference = _model(seed=0)  # same float weights as the calibrated model
+    from llmcompressor.modeling.moe.linearize import linearize_moe
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        linearize_moe(reference)
+    apply_quantization_config(reference, config)
+    path = "model.layers.0.mlp.experts"
+    specs = recipe.specs(qparams, model)[path]
+    with torch.no_grad():
+        for expert in range(E):
+            for name, _, qp, _ in _expert_slices(model.get_submodule(path), qparams[path], specs, expert):
+                param = reference.get_submodule(f"{path}.{expert}.{name}").weight_scale
+                param.copy_(qp.scale.reshape(param.shape).to(param.dtype))
+    ModelCompressor(quantization_config=config).compress_model(reference)
+    theirs = reference.state_dict()
+    assert sorted(theirs) == sorted(ours)
+    for name in ours:
+        assert _bit_equal(ours[name], theirs[name]), name
+
+
+def test_transformers_loads_stacked_experts_into_its_moe_class(tmp_path):
+    """transformers' Qwen3MoeForCausalLM reads the per-expert packed weights (DecompressExperts, then
+    its conversion mapping merges them into gate_up_proj / down_proj): every expert's slice equals
+    our dequantized slice, in the dtype compressed-tensors decompresses to."""
+    model = _model()
+    recipe, qparams = _calibrate(model, *W4_GROUP)
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    path = "model.layers.0.mlp.experts"
+    experts = loaded.get_submodule(path)
+    assert type(experts).__name__ == "Qwen3MoeExperts"
+    assert experts.gate_up_proj.shape == (E, 2 * INTER, HIDDEN)
+    specs = recipe.specs(qparams, model)[path]
+    for expert in range(E):
+        for name, weight, qp, spec in _expert_slices(model.get_submodule(path), qparams[path], specs, expert):
+            ours_dq = qstats.dequantize(qstats.quantize(weight, qp, spec), qp, spec)
+            theirs = {
+                "gate_proj": experts.gate_up_proj[expert, :INTER],
+                "up_proj": experts.gate_up_proj[expert, INTER:],
+                "down_proj": experts.down_proj[expert],
+            }[name].detach()
+            assert torch.equal(theirs, ours_dq.to(theirs.dtype)), (expert, name)
+            assert not torch.equal(theirs, weight.to(theirs.dtype))  # int4 did change the weights
+    # the rest of the model is carried over unchanged
+    assert torch.equal(loaded.model.layers[0].mlp.gate.weight, model.model.layers[0].mlp.gate.weight)
+
+
+def test_static_inputs_without_down_proj_input_warn(tmp_path):
+    """vLLM needs one scheme for gate/up/down of an experts module: without a 'down_proj.input'
+    site, down_proj gets weights only and the export says so."""
+    model = _model()
+    recipe, qparams = _calibrate(model, *W8A8, down_input=False)
+    with pytest.warns(UserWarning, match="vLLM's fused-MoE loader"):
+        written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    down = [g for g in written["config_groups"].values() if any("down_proj" in t for t in g["targets"])]
+    assert len(down) == 1 and down[0]["input_activations"] is None
+    QuantizationConfig.model_validate(written)
+
+
+def test_dynamic_expert_inputs_apply_to_down_proj(tmp_path):
+    """A dynamic (per-token) input spec needs no calibration: all three projections share it, so
+    the experts' scheme is one group, as for llm-compressor's FP8_DYNAMIC."""
+    model = _model()
+    weight_args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+    input_args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+    recipe, qparams = _calibrate(model, weight_args, input_args, down_input=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    (group,) = written["config_groups"].values()
+    assert group["input_activations"]["dynamic"] is True and len(group["targets"]) == 3
+    ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))
+    assert not any(name.endswith("input_scale") for name in ours)
