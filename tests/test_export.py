@@ -367,3 +367,119 @@ def test_dynamic_sites_need_no_qparams(tmp_path):
     bad_specs = {path: {"weight": s["weight"], "input": static} for path, s in specs.items()}
     with pytest.raises(TypeError, match="expected QParams"):
         qstats.export.compressed_tensors(model, without, str(tmp_path / "c"), bad_specs)
+
+
+# --------------------------------------------------------------------------------------------
+# kv cache and attention (q/k/v) scales
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _projection_outputs(model, batches):
+    """{attention path: {site: output of its q/k/v projection}} over the batches, by plain hooks."""
+    seen: dict = {}
+    handles = []
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            for site in ("q", "k", "v"):
+                handles.append(
+                    getattr(module, f"{site}_proj").register_forward_hook(
+                        lambda m, a, out, name=name, site=site: seen.setdefault(name, {}).setdefault(site, []).append(
+                            out.detach()
+                        )
+                    )
+                )
+    with torch.no_grad():
+        for batch in batches:
+            model(batch)
+    for handle in handles:
+        handle.remove()
+    return {name: {site: torch.cat([o.reshape(-1) for o in outs]) for site, outs in sites.items()} for name, sites in seen.items()}
+
+
+KV_FP8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor")
+
+
+@pytest.mark.parametrize("sites", [("k", "v"), ("q", "k", "v")])
+def test_kv_cache_and_attention_scales_load_with_compressed_tensors(tmp_path, sites):
+    """k_scale / v_scale (kv_cache_scheme) and q_scale (attention group) on the attention modules:
+    compressed-tensors registers exactly these parameters from our config and loads our file
+    strictly; the scales equal its calculate_qparams on the projection outputs (hooked separately)."""
+    model = _llama()
+    weight_args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+    recipe = qstats.Recipe(
+        [
+            qstats.Rule("Linear", sites=("weight",), spec=qstats.QuantSpec.from_compressed_tensors(weight_args)),
+            qstats.Rule("LlamaAttention", sites=sites, spec=qstats.QuantSpec.from_compressed_tensors(KV_FP8)),
+        ],
+        ignore=["lm_head"],
+    )
+    generator = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 64, (2, 8), generator=generator) for _ in range(2)]
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    config = QuantizationConfig.model_validate(written)
+    assert config.kv_cache_scheme == KV_FP8
+    attention_groups = [g for g in config.config_groups.values() if g.weights is None]
+    assert len(attention_groups) == ("q" in sites)
+    ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))
+
+    torch.manual_seed(3)
+    fresh = _llama()
+    apply_quantization_config(fresh, config)
+    compressor = ModelCompressor(quantization_config=config)
+    compressor.compress_model(fresh)
+    fresh.load_state_dict(ours, strict=True)
+    outputs = _projection_outputs(model, batches)
+    for layer in range(2):
+        path = f"model.layers.{layer}.self_attn"
+        attention = fresh.get_submodule(path)
+        registered = sorted(name for name, _ in attention.named_parameters(recurse=False))
+        assert registered == sorted(f"{site}_scale" for site in sites)
+        for site in sites:
+            x = outputs[path][site]
+            reference, _ = calculate_qparams(x.amin().reshape(1), x.amax().reshape(1), KV_FP8)
+            assert _bit_equal(getattr(attention, f"{site}_scale").data, reference)
+            assert _bit_equal(ours[f"{path}.{site}_scale"], qparams[path][site].scale.reshape(1))
+
+
+def test_unexportable_attention_sites_raise(tmp_path):
+    model = _llama()
+    per_tensor = qstats.QuantSpec.from_compressed_tensors(KV_FP8)
+    int8 = qstats.QuantSpec(dtype="int8", mapping="symmetric")
+    for rules, match in [
+        ([qstats.Rule("LlamaAttention", sites=("k",), spec=per_tensor)], "both 'k' and 'v'"),
+        ([qstats.Rule("LlamaAttention", sites=("q",), spec=per_tensor)], "'k' and 'v' sites too"),
+        (
+            [
+                qstats.Rule("LlamaAttention", sites=("q",), spec=int8),
+                qstats.Rule("LlamaAttention", sites=("k", "v"), spec=per_tensor),
+            ],
+            "specs of",
+        ),
+        (
+            [qstats.Rule("LlamaAttention", sites=("k", "v"), spec=per_tensor.replace(granularity=qstats.PerAxis(-1)))],
+            "PerTensor",
+        ),
+        (
+            [
+                qstats.Rule("model.layers.0.self_attn", sites=("k", "v"), spec=int8),
+                qstats.Rule("LlamaAttention", sites=("k", "v"), spec=per_tensor),
+            ],
+            "one kv-cache scheme",
+        ),
+    ]:
+        recipe = qstats.Recipe(rules)
+        states = qstats.calibrate(model, [torch.randint(0, 64, (1, 4))], recipe, progress=False)
+        qparams = qstats.compute_qparams_tree(states, recipe, model)
+        with pytest.raises(ValueError, match=match):
+            qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
