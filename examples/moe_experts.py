@@ -2,9 +2,11 @@
 
 The experts' weights live in two 3-D parameters (as transformers' fused MoE implementations keep
 them), so qstats observes all experts with one ``torch.vmap`` call per parameter. Each expert's
-input statistics use the router's assignment as the update weight; experts the router never picks
-are reported by a warning and by the coverage mask (``QParams.calibrated``) and get the declared
-fallback (scale 1), never a NaN or Inf scale.
+input statistics use the router's assignment as the update weight. The ``"down_proj.input"`` site
+observes each expert's intermediate activation ``silu(gate) * up`` (the input of its down
+projection) as the forward computes it for the tokens routed to that expert. Experts the router
+never picks are reported by a warning and by the coverage mask (``QParams.calibrated``) and get the
+declared fallback (scale 1), never a NaN or Inf scale.
 
 Run:  python examples/moe_experts.py
 """
@@ -31,10 +33,11 @@ class StackedExperts(torch.nn.Module):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
         for expert in range(self.num_experts):
-            routed = top_k_index == expert  # [tokens, k]
-            weight = (top_k_weights * routed).sum(-1, keepdim=True)  # 0 for tokens not routed here
-            gate, up = torch.nn.functional.linear(hidden_states, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            out = out + weight * torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, self.down_proj[expert])
+            token, slot = torch.where(top_k_index == expert)  # the tokens routed to this expert
+            gate, up = torch.nn.functional.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            intermediate = torch.nn.functional.silu(gate) * up  # observed by the "down_proj.input" site
+            expert_out = torch.nn.functional.linear(intermediate, self.down_proj[expert])
+            out = out.index_add(0, token, expert_out * top_k_weights[token, slot, None])
         return out
 
 
@@ -69,7 +72,7 @@ INPUTS = qstats.QuantSpec(dtype="int8", mapping="symmetric", on_uncalibrated="fa
 RECIPE = qstats.Recipe(
     [
         qstats.Rule("StackedExperts", sites=("gate_up_proj", "down_proj"), observer=qstats.minmax, spec=WEIGHTS),
-        qstats.Rule("StackedExperts", sites=("input",), observer=qstats.minmax, spec=INPUTS),
+        qstats.Rule("StackedExperts", sites=("input", "down_proj.input"), observer=qstats.minmax, spec=INPUTS),
     ]
 )
 
@@ -91,7 +94,12 @@ def main(batches: int = 4, tokens: int = 64, verbose: bool = True):
                   f"input coverage {int(coverage.sum())}/{coverage.numel()}, uncovered experts "
                   f"{torch.arange(coverage.numel())[~coverage].tolist()}, all scales finite and > 0: "
                   f"{all(bool(torch.isfinite(q.scale).all() and (q.scale > 0).all()) for q in entry.values())}")
-        weights_only = {path: {site: qp for site, qp in entry.items() if site != "input"} for path, entry in qparams.items()}
+            print(f"{' ' * len(path)}  down_proj.input (intermediate) scales per expert: "
+                  f"{[round(float(s), 5) for s in entry['down_proj.input'].scale]}")
+        weights_only = {
+            path: {site: qp for site, qp in entry.items() if site in ("gate_up_proj", "down_proj")}
+            for path, entry in qparams.items()
+        }
         x = data[0]
         with torch.no_grad():
             reference = model(x)

@@ -1,0 +1,295 @@
+"""The per-expert intermediate activation of stacked experts ("down_proj.input": act(gate) * up of
+the tokens routed to each expert), captured during the experts' forward, against the experts'
+forward run by hand, expert by expert, and against llm-compressor's per-expert static_minmax
+observers. On transformers' Qwen3-MoE (eager, grouped_mm and batched_mm experts) and on the
+plain-torch MoE of examples/moe_experts.py."""
+
+import importlib.util
+import os
+import warnings
+
+import pytest
+import torch
+
+import qstats
+
+transformers = pytest.importorskip("transformers")
+
+NUM_EXPERTS = 8
+MINMAX = qstats.QuantSpec(dtype="int8", mapping="asymmetric", on_uncalibrated="fallback")
+PER_CHANNEL = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(-1), on_uncalibrated="fallback")
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe():
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=1,
+        max_position_embeddings=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():  # larger expert weights than the 0.02 init: intermediates of order 1
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj.normal_(0.0, 0.5)
+            layer.mlp.experts.down_proj.normal_(0.0, 0.5)
+    return model
+
+
+def _batches():
+    # 2 x 4 + 1 x 3 tokens, top-1 routing over 8 experts: some experts get no token
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 64, (2, 4), generator=generator), torch.randint(0, 64, (1, 3), generator=generator)]
+
+
+def _routed_calls(model, batches, class_name):
+    """(hidden states, top_k_index) of every experts call, taken by a plain pre-hook."""
+    seen = {}
+    handles = [
+        module.register_forward_pre_hook(
+            lambda m, args, name=name: seen.setdefault(name, []).append((args[0].detach(), args[1].detach()))
+        )
+        for name, module in model.named_modules()
+        if type(module).__name__ == class_name
+    ]
+    with torch.no_grad():
+        for batch in batches:
+            model(batch)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+def _linear(rows, weight):
+    return torch.nn.functional.linear(rows, weight)
+
+
+def _matrix_vector(rows, weight):
+    # transformers' batched_mm multiplies each token by its own copy of the weight (bmm of
+    # matrix-vector products), whose last bits can differ from one matrix-matrix product
+    return torch.bmm(weight.expand(rows.shape[0], *weight.shape), rows[:, :, None])[..., 0]
+
+
+UP_PROJECTION = {"eager": _linear, "grouped_mm": _linear, "batched_mm": _matrix_vector}
+
+
+def _by_hand(experts, calls, act, up_projection=_linear):
+    """Each expert's intermediates, computed here expert by expert from its routed tokens."""
+    out = {expert: [] for expert in range(experts.num_experts)}
+    with torch.no_grad():
+        for hidden, index in calls:
+            for expert in range(experts.num_experts):
+                rows = hidden[(index == expert).any(dim=-1)]
+                gate, up = up_projection(rows, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+                out[expert].append(act(gate) * up)
+    return {expert: torch.cat(values) for expert, values in out.items()}
+
+
+def _calibrate(model, batches, recipe):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", qstats.UncalibratedWarning)
+        states = qstats.calibrate(model, batches, recipe, progress=False)
+    return states, caught
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_qwen3_moe_intermediate_equals_the_forward_by_hand(qwen3_moe, implementation):
+    model = qwen3_moe
+    model.set_experts_implementation(implementation)
+    batches = _batches()
+    recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=("down_proj.input",), spec=MINMAX)])
+    sites = recipe.sites(model)
+    assert sorted(sites) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    states, caught = _calibrate(model, batches, recipe)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    calls = _routed_calls(model, batches, "Qwen3MoeExperts")
+    for path, routed in calls.items():
+        experts = model.get_submodule(path)
+        intermediates = _by_hand(experts, routed, experts.act_fn, UP_PROJECTION[implementation])
+        state = states[path]["down_proj.input"]
+        assert state.max_val.shape == (NUM_EXPERTS,)
+        empty = [expert for expert, values in intermediates.items() if values.shape[0] == 0]
+        assert empty, "the batches must leave an expert without tokens"
+        assert f"{path}.down_proj.input: experts {empty}" in str(caught[0].message)
+        for expert, values in intermediates.items():
+            assert int(state.count[expert]) == values.numel()
+            assert bool(qparams[path]["down_proj.input"].calibrated[expert]) == (values.numel() > 0)
+            if values.numel():
+                assert torch.equal(state.min_val[expert], values.min()), (implementation, path, expert)
+                assert torch.equal(state.max_val[expert], values.max()), (implementation, path, expert)
+            else:
+                assert float(qparams[path]["down_proj.input"].scale[expert]) == 1.0
+        scale = qparams[path]["down_proj.input"].scale
+        assert bool(torch.isfinite(scale).all()) and bool((scale > 0).all())
+        assert bool(torch.isfinite(qparams[path]["down_proj.input"].zero_point.float()).all())
+    # per-channel states, a histogram in layer 0 and min/max in layer 1, against one unstacked
+    # observer per expert fed with that expert's intermediates
+    per_channel = qstats.Recipe(
+        [
+            qstats.Rule(r"re:.*layers\.0\..*", sites=("down_proj.input",), spec=PER_CHANNEL, observer=qstats.histogram),
+            qstats.Rule(r"re:.*layers\.1\..*", sites=("down_proj.input",), spec=PER_CHANNEL),
+        ]
+    )
+    states, _ = _calibrate(model, batches, per_channel)
+    for path, factory in (("model.layers.0.mlp.experts", qstats.histogram), ("model.layers.1.mlp.experts", qstats.minmax)):
+        experts = model.get_submodule(path)
+        intermediates = _by_hand(experts, calls[path], experts.act_fn, UP_PROJECTION[implementation])
+        single = factory(PER_CHANNEL)
+        for expert, values in intermediates.items():
+            reference = single.init(values)
+            if values.numel():
+                reference = single.update(reference, values)
+            for field, ours, theirs in zip(reference._fields, states[path]["down_proj.input"], reference):
+                assert torch.equal(ours[expert], theirs), (implementation, path, expert, field)
+
+
+def test_qwen3_moe_intermediate_scales_match_llmcompressor_static_minmax(qwen3_moe):
+    observers = pytest.importorskip("llmcompressor.observers")
+    from compressed_tensors.quantization import QuantizationArgs
+
+    model = qwen3_moe
+    model.set_experts_implementation("grouped_mm")  # transformers' default
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="tensor")
+    spec = qstats.QuantSpec.from_compressed_tensors(args).replace(on_uncalibrated="fallback")
+    recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=("down_proj.input",), spec=spec)])
+    batches = _batches()
+    states, _ = _calibrate(model, batches, recipe)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    calls = _routed_calls(model, batches, "Qwen3MoeExperts")
+    checked = 0
+    for path, routed in calls.items():
+        experts = model.get_submodule(path)
+        per_call = [_by_hand(experts, [call], experts.act_fn) for call in routed]
+        for expert in range(NUM_EXPERTS):
+            observer = observers.Observer.load_from_registry("static_minmax", base_name="input", args=args.model_copy(deep=True))
+            fed = False
+            for values in per_call:
+                if values[expert].numel():
+                    observer(values[expert])
+                    fed = True
+            assert bool(qparams[path]["down_proj.input"].calibrated[expert]) == fed
+            if fed:
+                reference = observer.get_qparams()
+                assert torch.equal(qparams[path]["down_proj.input"].scale[expert].reshape(1), reference["scale"].reshape(1))
+                assert int(qparams[path]["down_proj.input"].zero_point[expert]) == int(reference["zero_point"])
+                checked += 1
+    assert checked >= 4
+
+
+def test_gate_up_proj_input_equals_the_input_site(qwen3_moe):
+    # the same mechanism on the other stacked parameter sees exactly the routed hidden states
+    model = qwen3_moe
+    model.set_experts_implementation("grouped_mm")
+    recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=("input", "gate_up_proj.input"), spec=MINMAX)])
+    states, _ = _calibrate(model, _batches(), recipe)
+    for entry in states.values():
+        for ours, theirs in zip(entry["gate_up_proj.input"], entry["input"]):
+            assert torch.equal(ours, theirs)
+
+
+def _load_example():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "moe_experts.py")
+    spec = importlib.util.spec_from_file_location("moe_experts_example_intermediate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plain_torch_moe_example_intermediate():
+    example = _load_example()
+    model, states, qparams, caught = example.main(batches=2, tokens=16, verbose=False)
+    assert any("0.experts.down_proj.input: experts [14, 15]" in str(w.message) for w in caught)
+    generator = torch.Generator().manual_seed(1)  # the example's calibration data
+    data = [torch.randn(16, 32, generator=generator) for _ in range(2)]
+    calls = _routed_calls(model, data, "StackedExperts")
+    for path, routed in calls.items():
+        experts = model.get_submodule(path)
+        intermediates = _by_hand(experts, routed, torch.nn.functional.silu)
+        state = states[path]["down_proj.input"]
+        for expert, values in intermediates.items():
+            assert int(state.count[expert]) == values.numel()
+            if values.numel():
+                assert torch.equal(state.min_val[expert], values.min())
+                assert torch.equal(state.max_val[expert], values.max())
+        coverage = qparams[path]["down_proj.input"].calibrated
+        assert coverage.tolist() == [expert not in (14, 15) for expert in range(16)]
+        assert bool((qparams[path]["down_proj.input"].scale[14:] == 1).all())
+
+
+class _EinsumExperts(torch.nn.Module):
+    """Computes every expert on every token with one einsum over the whole stack: no per-expert
+    matmul the capture can recognise."""
+
+    def __init__(self, num_experts=4, hidden=6, intermediate=5):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(num_experts, 2 * intermediate, hidden))
+        self.down_proj = torch.nn.Parameter(torch.randn(num_experts, hidden, intermediate))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        gate, up = torch.einsum("th,eoh->eto", hidden_states, self.gate_up_proj).chunk(2, dim=-1)
+        out = torch.einsum("eti,ehi->eth", torch.nn.functional.silu(gate) * up, self.down_proj)
+        routed = torch.nn.functional.one_hot(top_k_index, self.num_experts).float()  # [t, k, e]
+        return torch.einsum("tke,tk,eth->th", routed, top_k_weights, out)
+
+
+def test_unrecognised_experts_forward_raises_naming_the_module():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"experts": _EinsumExperts()})
+    hidden = torch.randn(5, 6)
+    index = torch.tensor([[0], [1], [1], [2], [0]])
+    batch = (hidden, index, torch.ones(5, 1))
+    recipe = qstats.Recipe([qstats.Rule("_EinsumExperts", sites=("input", "down_proj.input"), spec=MINMAX)])
+
+    def run(batch):
+        return model["experts"](*batch)
+
+    wrapper = _Call(model["experts"])
+    with pytest.raises(ValueError, match=r"'down_proj.input' of the experts module 'experts' \(_EinsumExperts\)"):
+        qstats.calibrate(wrapper, [batch], recipe, progress=False)
+    # the capture left no mode behind: plain torch calls run as usual afterwards
+    assert torch.equal(run(batch), run(batch))
+    assert not torch.overrides._get_current_function_mode_stack()
+    # an input site alone works on the same module
+    states = qstats.calibrate(
+        wrapper, [batch], qstats.Recipe([qstats.Rule("_EinsumExperts", sites=("input",), spec=MINMAX)]), progress=False
+    )
+    assert torch.equal(states["experts"]["input"].max_val[1], hidden[1:3].max())
+
+
+class _Call(torch.nn.Module):
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return self.experts(hidden_states, top_k_index, top_k_weights)
+
+
+def test_capture_recognises_transposed_and_weight_first_matmuls():
+    from qstats.experts import ExpertInputCapture
+
+    stack = torch.randn(3, 4, 2)  # [E, out, in]
+    transposed = torch.randn(3, 2, 4)  # [E, in, out] layout
+    x = torch.randn(5, 2)
+    with ExpertInputCapture({"w": stack, "t": transposed}) as capture:
+        torch.nn.functional.linear(x, stack[2])
+        torch.matmul(x[:2], stack[0].T)
+        x[2:] @ transposed[1]
+        stack[1] @ x[:1].T  # weight first: the input rows are the columns
+        torch.nn.functional.linear(x, torch.randn(4, 2))  # not a slice of a watched stack
+    rows, ids = capture.captured("w")
+    assert torch.equal(rows, torch.cat([x, x[:2], x[:1]])) and ids.tolist() == [2] * 5 + [0] * 2 + [1]
+    rows, ids = capture.captured("t")
+    assert torch.equal(rows, x[2:]) and ids.tolist() == [1] * 3
