@@ -156,11 +156,7 @@ def routing_mask(args: tuple, kwargs: dict, num_experts: int, tokens: int) -> Op
             and value.ndim == 2
             and value.shape[0] == tokens
         ):
-            index = value.long()
-            inside = (index >= 0) & (index < num_experts)
-            index = torch.where(inside, index, torch.full_like(index, num_experts))
-            one_hot = torch.nn.functional.one_hot(index, num_classes=num_experts + 1)[..., :num_experts]
-            return one_hot.amax(dim=1).transpose(0, 1).to(torch.float32)
+            return _scatter_mask(value.transpose(0, 1), num_experts)
     return None
 
 
@@ -235,10 +231,18 @@ def parameter_input_site(site: str) -> Optional[str]:
 def ids_mask(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """The ``[E, rows]`` float mask of rows tagged with expert ids ``[rows]``; ids outside
     ``[0, E)`` (padding, sentinel rows) belong to no expert."""
-    index = ids.long()
-    inside = (index >= 0) & (index < num_experts)
-    index = torch.where(inside, index, torch.full_like(index, num_experts))
-    return torch.nn.functional.one_hot(index, num_classes=num_experts + 1)[:, :num_experts].transpose(0, 1).to(torch.float32)
+    return _scatter_mask(ids.reshape(1, -1), num_experts)
+
+
+def _scatter_mask(index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E, columns]`` float mask with a 1 at ``(index[j, c], c)`` for every ``j``; indices
+    outside ``[0, E)`` go to a spare row that is dropped. (A scatter into a fresh buffer: a
+    fraction of the cost of a one-hot encoding.)"""
+    index = index.long()
+    outside = (index < 0) | (index >= num_experts)
+    index = index.masked_fill(outside, num_experts)
+    mask = torch.zeros(num_experts + 1, index.shape[1], dtype=torch.float32, device=index.device)
+    return mask.scatter_(0, index, 1.0)[:num_experts]
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
