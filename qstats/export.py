@@ -44,6 +44,7 @@ accepts it.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -404,7 +405,7 @@ def compressed_tensors(
     schemes: dict[str, dict] = {}
     expert_projection: dict[str, tuple] = {}  # unpacked expert path -> (experts module path, projection)
     attention: dict[str, dict] = {}  # attention module path -> {site: args}
-    log = {"uncalibrated": [], "rounded": []}
+    log = {"uncalibrated": [], "rounded": [], "rotary": []}
 
     entries = []
     for module_path, sites in qparams.items():
@@ -457,6 +458,14 @@ def compressed_tensors(
         warnings.warn(
             f"export.compressed_tensors: {len(uncalibrated)} site(s) hold uncalibrated (fallback) qparams: "
             + ", ".join(uncalibrated[:8]),
+            stacklevel=2,
+        )
+    if log["rotary"]:
+        warnings.warn(
+            f"export.compressed_tensors: the q/k scales of {len(log['rotary'])} attention module(s) "
+            f"({', '.join(log['rotary'][:4])}) were observed on the projection outputs, before the rotary "
+            "embedding (and any q/k norm) the attention applies; compressed-tensors and vLLM quantize the "
+            "rotated queries and keys, whose range can be wider",
             stacklevel=2,
         )
     _warn_mixed_experts(schemes, expert_projection)
@@ -639,7 +648,18 @@ def _write_attention(path: str, module, sites: Mapping, specs: Mapping, tensors:
     if len(distinct) > 1:
         _fail(path, "compressed-tensors quantizes q, k and v of a model with one set of QuantizationArgs; "
               f"the specs of {sorted(written)} differ")
+    if ("q" in written or "k" in written) and _takes_rotary_embedding(module):
+        log["rotary"].append(path)
     return written
+
+
+def _takes_rotary_embedding(module: torch.nn.Module) -> bool:
+    """True when the attention module's forward takes transformers' ``position_embeddings``
+    (rotary cos/sin applied to q and k after their projections)."""
+    try:
+        return "position_embeddings" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _attention_config(attention: dict, groups: dict) -> Optional[dict]:

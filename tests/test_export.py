@@ -26,7 +26,7 @@ from compressed_tensors.quantization import (  # noqa: E402
     QuantizationConfig,
     apply_quantization_config,
 )
-from compressed_tensors.quantization.quant_scheme import NVFP4  # noqa: E402
+from compressed_tensors.quantization.quant_scheme import MXFP4, MXFP8, NVFP4  # noqa: E402
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -196,11 +196,17 @@ def test_nvfp4_global_and_group_scales(tmp_path):
         assert _bit_equal(loaded.weight.data, ours_dq.to(loaded.weight.dtype))
 
 
-@pytest.mark.parametrize("case", sorted(CASES) + ["nvfp4"])
+PRESETS = {"nvfp4": NVFP4, "mxfp4": MXFP4, "mxfp8": MXFP8}
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(PRESETS))
 def test_compressed_tensors_writes_the_same_checkpoint(tmp_path, case):
     """compressed-tensors' own compressor, given our QParams (scales, zero points, global scales)
     on the float model, produces exactly the tensors we wrote (codes, packing, dtypes, names)."""
-    weight_args, input_args = (NVFP4["weights"], NVFP4["input_activations"]) if case == "nvfp4" else CASES[case][:2]
+    if case in PRESETS:
+        weight_args, input_args = PRESETS[case]["weights"], PRESETS[case]["input_activations"]
+    else:
+        weight_args, input_args = CASES[case][:2]
     model, recipe, _, qparams = _calibrated(weight_args, input_args)
     qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
     ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))
@@ -221,6 +227,56 @@ def test_compressed_tensors_writes_the_same_checkpoint(tmp_path, case):
     assert sorted(theirs) == sorted(ours)
     for name in ours:
         assert _bit_equal(ours[name], theirs[name]), name
+
+
+@pytest.mark.parametrize("preset", ["mxfp4", "mxfp8"])
+@pytest.mark.parametrize("rounding", ["compressed_tensors", "floor"])
+def test_mx_weights_load_with_compressed_tensors(tmp_path, preset, rounding):
+    """MXFP4 / MXFP8 (fp4 / fp8 elements in groups of 32, e8m0 scales stored as uint8 exponents):
+    compressed-tensors' MX compressor decompresses our checkpoint to our dequantized weights. With
+    the spec from compressed-tensors' own preset, the stored exponents equal its calculate_qparams
+    (generate_mx_scales) on the group ranges, compressed with its compress_mx_scale; with qstats'
+    preset (OCP floor rounding) they are qstats' own, and still decompress exactly."""
+    from compressed_tensors.compressors.mx_utils import compress_mx_scale
+
+    args = PRESETS[preset]
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    if rounding == "compressed_tensors":
+        weight_spec = qstats.QuantSpec.from_compressed_tensors(args["weights"])
+    else:
+        weight_spec = qstats.preset(preset)
+    input_spec = qstats.QuantSpec.from_compressed_tensors(args["input_activations"])
+    recipe = qstats.Recipe(
+        [
+            qstats.Rule(targets="Linear", sites=("weight",), spec=weight_spec),
+            qstats.Rule(targets="Linear", sites=("input",), spec=input_spec),
+        ],
+        ignore=["head"],
+    )
+    states = qstats.calibrate(model, [torch.randn(4, 32)], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    assert written["format"] == {"mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized"}[preset]
+    group = written["config_groups"]["group_0"]
+    assert group["input_activations"]["dynamic"] is True
+    ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))
+    _, fresh = _load_with_compressed_tensors(str(tmp_path))
+    for name in ("fc1", "fc2"):
+        w = getattr(model, name).weight.detach()
+        qp = qparams[name]["weight"]
+        assert ours[f"{name}.weight_scale"].dtype == torch.uint8
+        # the exponents decode to our scales
+        assert torch.equal(2.0 ** (ours[f"{name}.weight_scale"].to(torch.float32) - 127), qp.scale)
+        if rounding == "compressed_tensors":
+            groups = w.reshape(w.shape[0], -1, 32)
+            ref_scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), args["weights"])
+            assert torch.equal(ours[f"{name}.weight_scale"], compress_mx_scale(ref_scale, torch.uint8))
+        ours_dq = qstats.dequantize(qstats.quantize(w, qp, weight_spec), qp, weight_spec)
+        loaded = getattr(fresh, name).weight.data
+        assert _bit_equal(loaded, ours_dq.to(loaded.dtype))
+        assert torch.equal(loaded.float(), ours_dq)  # exact in the decompressed dtype
+        assert not torch.equal(ours_dq, w)
 
 
 def test_bfloat16_model_stores_bfloat16_scales(tmp_path):
@@ -426,7 +482,8 @@ def test_kv_cache_and_attention_scales_load_with_compressed_tensors(tmp_path, si
     batches = [torch.randint(0, 64, (2, 8), generator=generator) for _ in range(2)]
     states = qstats.calibrate(model, batches, recipe, progress=False)
     qparams = qstats.compute_qparams_tree(states, recipe, model)
-    written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    with pytest.warns(UserWarning, match="before the rotary embedding"):
+        written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
     config = QuantizationConfig.model_validate(written)
     assert config.kv_cache_scheme == KV_FP8
     attention_groups = [g for g in config.config_groups.values() if g.weights is None]

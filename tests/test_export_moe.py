@@ -33,7 +33,7 @@ from compressed_tensors.compressors import ModelCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, apply_quantization_config  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-E, HIDDEN, INTER = 4, 32, 16
+E, HIDDEN, INTER = 4, 32, 32
 
 
 def _config():
@@ -126,9 +126,20 @@ FP8_STATIC = (
 )
 
 
-@pytest.mark.parametrize("case", ["w8a8-int", "w4-group", "fp8-static"])
+from compressed_tensors.quantization.quant_scheme import MXFP4, NVFP4  # noqa: E402
+
+CASES = {
+    "w8a8-int": W8A8,
+    "w4-group": W4_GROUP,
+    "fp8-static": FP8_STATIC,
+    "nvfp4": (NVFP4["weights"], NVFP4["input_activations"]),
+    "mxfp4": (MXFP4["weights"], None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_stacked_experts_load_as_llm_compressor_linear_experts(tmp_path, case):
-    weight_args, input_args = {"w8a8-int": W8A8, "w4-group": W4_GROUP, "fp8-static": FP8_STATIC}[case]
+    weight_args, input_args = CASES[case]
     model = _model()
     recipe, qparams = _calibrate(model, weight_args, input_args)
     path = "model.layers.0.mlp.experts"
@@ -160,19 +171,25 @@ def test_stacked_experts_load_as_llm_compressor_linear_experts(tmp_path, case):
             loaded = fresh.get_submodule(f"{path}.{expert}.{name}")
             codes = qstats.quantize(weight, qp, spec)
             ours_dq = qstats.dequantize(codes, qp, spec)
-            assert _bit_equal(loaded.weight.data, ours_dq), (expert, name)
-            assert _bit_equal(loaded.weight_scale.data.reshape(-1), qp.scale.reshape(-1)), (expert, name)
-            stored = ours[f"{path}.{expert}.{name}.weight" + ("_packed" if case == "w4-group" else "")]
+            # compressed-tensors decompresses NVFP4 / MX weights to bfloat16
+            assert _bit_equal(loaded.weight.data, ours_dq.to(loaded.weight.dtype)), (expert, name)
+            assert torch.equal(loaded.weight_scale.data.float().reshape(-1), qp.scale.reshape(-1)), (expert, name)
+            stored = ours[f"{path}.{expert}.{name}.weight"] if f"{path}.{expert}.{name}.weight" in ours else None
             if case == "fp8-static":
                 assert _bit_equal(stored, codes.to(torch.float8_e4m3fn))
             elif case == "w8a8-int":
                 assert torch.equal(stored, codes.to(torch.int8))
-            if input_args is not None:
-                site = "down_proj.input" if name == "down_proj" else "input"
+            if case == "nvfp4":
+                assert _bit_equal(loaded.weight_global_scale.data, qp.global_scale.reshape(1))
+            site = "down_proj.input" if name == "down_proj" else "input"
+            if input_args is None:
+                assert not hasattr(loaded, "input_scale") and not hasattr(loaded, "input_global_scale")
+            elif case == "nvfp4":  # dynamic group scales under a calibrated global scale
+                expected = qparams[path][site].global_scale[expert].reshape(1)
+                assert _bit_equal(loaded.input_global_scale.data, expected), (expert, name)
+            else:
                 expected = qparams[path][site].scale[expert].reshape(1)
                 assert _bit_equal(loaded.input_scale.data, expected), (expert, name)
-            else:
-                assert not hasattr(loaded, "input_scale")
 
 
 def test_stacked_experts_match_compressed_tensors_own_compressor(tmp_path):
