@@ -89,6 +89,31 @@ def test_full_resolution_and_clamped_paths_agree():
         assert torch.equal(counts[row], single[0])
 
 
+def test_concurrent_bincount_pieces_count_exactly(monkeypatch):
+    # with several torch threads the bincount runs in concurrent pieces: same counts as numpy's
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4000, 3, generator=g) * 10.0 ** torch.randint(-4, 4, (4000, 3), generator=g)
+    mask = torch.rand(4000, generator=g) < 0.7
+    monkeypatch.setattr(H, "_BINCOUNT_PIECE", 1000)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for granularity, bins in ((qstats.PerTensor(), 128), (qstats.PerAxis(1), 64)):  # full resolution, clamped
+            monkeypatch.setattr(H, "_FULL_RESOLUTION_LIMIT", 1 << 22 if bins == 128 else 1)
+            obs = qstats.histogram(qstats.QuantSpec(granularity=granularity), bins=bins, octaves=16)
+            state = obs.update(obs.init(x), x, weight=mask)
+            kept = x[mask]
+            columns = [kept.reshape(-1)] if bins == 128 else list(kept.unbind(1))
+            for i, column in enumerate(columns):
+                counts, under, over = _counts_numpy(column, bins, 16)
+                index = () if bins == 128 else (i,)
+                assert torch.equal(state.counts[index], torch.from_numpy(counts))
+                assert torch.equal(state.underflow[index], torch.from_numpy(under))
+                assert torch.equal(state.overflow[index], torch.from_numpy(over))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _random_tree_merge(obs, states, rng):
     states = list(states)
     while len(states) > 1:

@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Optional
 
 import torch
@@ -122,6 +124,27 @@ class HistogramState(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 # Bucketing: a custom op (one implementation for eager, vmap and compile).
 
+_BINCOUNT_PIECE = 1 << 20  # codes per concurrent bincount piece, at least
+_POOL: list = [None, None]  # (process id, thread pool) for the concurrent pieces
+
+
+def _bincount(codes: torch.Tensor, minlength: int) -> torch.Tensor:
+    """``torch.bincount`` of non-negative int32 codes, in concurrent pieces when torch runs
+    several threads: bincount's counting loop is serial, and it runs its own min/max pass. The
+    pieces run on a small thread pool (torch releases the GIL), one per torch thread; their
+    integer counts add up exactly, so the result does not depend on the split."""
+    pieces = min(torch.get_num_threads(), codes.numel() // _BINCOUNT_PIECE, 8)
+    if pieces < 2:
+        return torch.bincount(codes, minlength=minlength)
+    if _POOL[0] != os.getpid():  # a forked child does not inherit the pool's threads
+        _POOL[:] = [os.getpid(), ThreadPoolExecutor(max_workers=7, thread_name_prefix="qstats-bincount")]
+    parts = codes.tensor_split(pieces)
+    futures = [_POOL[1].submit(torch.bincount, part, None, minlength) for part in parts[1:]]
+    counts = torch.bincount(parts[0], minlength=minlength)
+    for future in futures:
+        counts += future.result()  # on this function's own result
+    return counts
+
 
 @torch.library.custom_op("qstats::float_bucket_counts", mutates_args=())
 def _bucket_counts_op(
@@ -144,7 +167,7 @@ def _bucket_counts_op(
             code.add_(param_index * stride)
         if mask is not None:
             code = torch.where(mask, code, num_params * stride)
-        raw = torch.bincount(code.reshape(-1), minlength=num_params * stride + 1)[: num_params * stride]
+        raw = _bincount(code.reshape(-1), num_params * stride + 1)[: num_params * stride]
         raw = raw.reshape(*params, 2, 1 << (8 + m))
         low = (min_exponent + 127) << m
         high = (max_exponent + 127) << m
@@ -169,10 +192,10 @@ def _bucket_counts_op(
         code = code + param_index * stride
     if mask is not None:
         code = torch.where(mask, code, num_params * stride)
-    raw = torch.bincount(code.reshape(-1), minlength=num_params * stride + 1)[: num_params * stride]
+    raw = _bincount(code.reshape(-1), num_params * stride + 1)[: num_params * stride]
     raw = raw.reshape(*params, stride)
     counts = raw[..., : 2 * num_buckets].reshape(*params, 2, num_buckets)
-    return counts, raw[..., 2 * num_buckets]
+    return counts, raw[..., 2 * num_buckets].clone()  # outputs of a custom op must not alias each other
 
 
 @_bucket_counts_op.register_fake
