@@ -346,6 +346,9 @@ def test_unexportable_specs_raise(tmp_path):
         (qstats.QuantSpec(dtype="int8", mapping="symmetric_no_clipping_err", granularity=qstats.PerAxis(0)), "mapping"),
         (qstats.QuantSpec(dtype="int16", granularity=qstats.PerAxis(0)), "8 bits"),
         (qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(1)), "granularity"),
+        (qstats.preset("mxfp4", granularity=qstats.PerGroup(16)), "MXFP4 / MXFP8"),
+        (qstats.preset("mxfp6_e2m3"), "MXFP4 / MXFP8"),
+        (qstats.QuantSpec(dtype="int8", scale_dtype="e8m0", granularity=qstats.PerGroup(32)), "MXFP4 / MXFP8"),
     ]:
         recipe = qstats.Recipe([qstats.Rule(targets="Linear", sites=("weight",), spec=spec)], ignore=["head"])
         states = qstats.calibrate(model, [torch.randn(2, 32)], recipe, progress=False)
@@ -458,7 +461,10 @@ def _projection_outputs(model, batches):
             model(batch)
     for handle in handles:
         handle.remove()
-    return {name: {site: torch.cat([o.reshape(-1) for o in outs]) for site, outs in sites.items()} for name, sites in seen.items()}
+    return {
+        name: {site: torch.cat([out.reshape(-1) for out in outs]) for site, outs in entry.items()}
+        for name, entry in seen.items()
+    }
 
 
 KV_FP8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor")

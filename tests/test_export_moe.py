@@ -30,7 +30,12 @@ import qstats
 pytest.importorskip("compressed_tensors")
 transformers = pytest.importorskip("transformers")
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
-from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, apply_quantization_config  # noqa: E402
+from compressed_tensors.quantization import (  # noqa: E402
+    QuantizationArgs,
+    QuantizationConfig,
+    apply_quantization_config,
+)
+from compressed_tensors.quantization.quant_scheme import MXFP4, NVFP4  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 E, HIDDEN, INTER = 4, 32, 32
@@ -125,8 +130,6 @@ FP8_STATIC = (
     QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor"),
 )
 
-
-from compressed_tensors.quantization.quant_scheme import MXFP4, NVFP4  # noqa: E402
 
 CASES = {
     "w8a8-int": W8A8,
@@ -277,3 +280,23 @@ def test_dynamic_expert_inputs_apply_to_down_proj(tmp_path):
     assert group["input_activations"]["dynamic"] is True and len(group["targets"]) == 3
     ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))
     assert not any(name.endswith("input_scale") for name in ours)
+
+
+class _TransposedExperts(torch.nn.Module):
+    """Experts stored [E, H, 2I] / [E, I, H] (GPT-OSS-like): not the layout the export unpacks."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts = E
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(E, HIDDEN, 2 * INTER))
+        self.down_proj = torch.nn.Parameter(torch.randn(E, INTER, HIDDEN))
+
+
+def test_other_expert_layouts_raise(tmp_path):
+    model = torch.nn.Sequential(_TransposedExperts())
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+    recipe = qstats.Recipe([qstats.Rule("_TransposedExperts", sites=("gate_up_proj", "down_proj"), spec=spec)])
+    states = qstats.calibrate(model, [], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    with pytest.raises(ValueError, match=r"not the layout \[E, 2I, H\]"):
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
