@@ -279,17 +279,27 @@ def _is_whole_stack(weight, stack: torch.Tensor) -> bool:
     )
 
 
-_LINEAR = frozenset({torch.nn.functional.linear})
-_MATMUL = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm})
-_BMM = frozenset({torch.bmm, torch.Tensor.bmm})
+_LINEAR, _MATMUL, _BMM, _GATHER, _GROUPED = range(5)
+_KINDS = {torch.nn.functional.linear: _LINEAR, torch.Tensor.__getitem__: _GATHER}
+_KINDS.update(dict.fromkeys((torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm), _MATMUL))
+_KINDS.update(dict.fromkeys((torch.bmm, torch.Tensor.bmm), _BMM))
+_KINDS.update(
+    dict.fromkeys(
+        (f for f in (getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None)) if f), _GROUPED
+    )
+)
+_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 
 
-def _is_grouped_mm(func) -> bool:
-    if func is getattr(torch, "_grouped_mm", None) or func is getattr(torch.nn.functional, "grouped_mm", None):
-        return True
-    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return "grouped_mm" in func.name() if isinstance(func, torch._ops.OpOverload) else "grouped_mm" in str(func)
-    return False
+def _kind(func) -> Optional[int]:
+    """Which recognised call ``func`` is (None for every other function: one dict look-up and
+    one isinstance, as the mode sees every torch call of the experts' forward)."""
+    kind = _KINDS.get(func)
+    if kind is None and isinstance(func, _OPS):  # custom grouped-mm ops (transformers' fallback)
+        name = func.name() if isinstance(func, torch._ops.OpOverload) else str(func)
+        if "grouped_mm" in name:
+            return _GROUPED
+    return kind
 
 
 class ExpertInputCapture(TorchFunctionMode):
@@ -330,11 +340,10 @@ class ExpertInputCapture(TorchFunctionMode):
         self._gathered = WeakIdKeyDictionary()
 
     def _add(self, name: str, rows: torch.Tensor, ids) -> None:
-        rows = rows.detach()
-        if not isinstance(ids, torch.Tensor):
-            ids = torch.full((rows.shape[0],), ids, dtype=torch.int64, device=rows.device)
-        self.rows[name].append(rows)
-        self.ids[name].append(ids.reshape(-1).to(device=rows.device, dtype=torch.int64))
+        """Keeps ``rows`` and their expert ids: an int (one expert; expanded in `captured`) or a
+        tensor with one id per row."""
+        self.rows[name].append(rows.detach())
+        self.ids[name].append(ids if isinstance(ids, int) else ids.reshape(-1))
 
     def _sliced(self, weight):
         """``(name, e)`` when ``weight`` is a slice ``P[e]`` of a watched parameter."""
@@ -345,63 +354,85 @@ class ExpertInputCapture(TorchFunctionMode):
         return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         out = func(*args, **kwargs)
-        if func in _LINEAR:
+        kind = _kind(func)
+        if kind is None:
+            return out
+        if kind == _LINEAR:
             x = args[0] if args else kwargs.get("input")
             found = self._sliced(args[1] if len(args) > 1 else kwargs.get("weight"))
             if found is not None and isinstance(x, torch.Tensor):
                 self._add(found[0], x.reshape(-1, x.shape[-1]), found[1])
-        elif func in _MATMUL and len(args) >= 2:
-            a, b = args[0], args[1]
-            found = self._sliced(b)
-            if found is not None and isinstance(a, torch.Tensor) and a.ndim >= 1:
-                self._add(found[0], a.reshape(-1, a.shape[-1]), found[1])
-            else:
-                found = self._sliced(a)
-                if found is not None and isinstance(b, torch.Tensor) and b.ndim in (1, 2):
-                    rows = b.reshape(1, -1) if b.ndim == 1 else b.transpose(0, 1)
-                    self._add(found[0], rows, found[1])
-        elif func in _BMM and len(args) >= 2:
-            a, b = args[0], args[1]
-            a_gathered = isinstance(a, torch.Tensor) and a in self._gathered
-            b_gathered = isinstance(b, torch.Tensor) and b in self._gathered
-            if b_gathered and isinstance(a, torch.Tensor) and a.ndim == 3:  # x [S, m, in] @ P[ids]
-                name, ids = self._gathered[b]
-                self._add(name, a.reshape(-1, a.shape[-1]), ids.repeat_interleave(a.shape[1]))
-            elif a_gathered and isinstance(b, torch.Tensor) and b.ndim == 3:  # P[ids] @ x [S, in, m]
-                name, ids = self._gathered[a]
-                self._add(name, b.transpose(1, 2).reshape(-1, b.shape[1]), ids.repeat_interleave(b.shape[2]))
-        elif func is torch.Tensor.__getitem__ and len(args) == 2:
-            stack, index = args
-            for name, watched in self.parameters.items():
-                if (
-                    stack is watched
-                    and isinstance(index, torch.Tensor)
-                    and index.ndim == 1
-                    and not index.is_floating_point()
-                    and index.dtype != torch.bool
-                    and isinstance(out, torch.Tensor)
-                ):
-                    self._gathered[out] = (name, index)
-        elif _is_grouped_mm(func) and len(args) >= 2:
-            x, weight = args[0], args[1]
-            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
-            if isinstance(x, torch.Tensor) and x.ndim == 2 and isinstance(offs, torch.Tensor):
-                for name, stack in self.parameters.items():
-                    if _is_whole_stack(weight, stack):
-                        positions = torch.arange(x.shape[0], device=offs.device, dtype=torch.int64)
-                        ids = torch.searchsorted(offs.to(torch.int64).contiguous(), positions, right=True)
-                        self._add(name, x, ids)
-                        break
+        elif kind == _MATMUL and len(args) >= 2:
+            self._matmul(args[0], args[1])
+        elif kind == _BMM and len(args) >= 2:
+            self._bmm(args[0], args[1])
+        elif kind == _GATHER and len(args) == 2:
+            self._gather(args[0], args[1], out)
+        elif kind == _GROUPED and len(args) >= 2:
+            self._grouped(args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None))
         return out
+
+    def _matmul(self, a, b) -> None:
+        found = self._sliced(b)
+        if found is not None and isinstance(a, torch.Tensor) and a.ndim >= 1:  # x @ P[e]
+            self._add(found[0], a.reshape(-1, a.shape[-1]), found[1])
+            return
+        found = self._sliced(a)
+        if found is not None and isinstance(b, torch.Tensor) and b.ndim in (1, 2):  # P[e] @ x.T
+            self._add(found[0], b.reshape(1, -1) if b.ndim == 1 else b.transpose(0, 1), found[1])
+
+    def _bmm(self, a, b) -> None:
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.ndim == 3 and b.ndim == 3):
+            return
+        if b in self._gathered:  # x [S, m, in] @ P[ids]
+            name, ids = self._gathered[b]
+            self._add(name, a.reshape(-1, a.shape[-1]), ids.repeat_interleave(a.shape[1]))
+        elif a in self._gathered:  # P[ids] @ x [S, in, m]
+            name, ids = self._gathered[a]
+            self._add(name, b.transpose(1, 2).reshape(-1, b.shape[1]), ids.repeat_interleave(b.shape[2]))
+
+    def _gather(self, stack, index, out) -> None:
+        if not (
+            isinstance(index, torch.Tensor)
+            and index.ndim == 1
+            and not index.is_floating_point()
+            and index.dtype != torch.bool
+            and isinstance(out, torch.Tensor)
+        ):
+            return
+        for name, watched in self.parameters.items():
+            if stack is watched:  # P[ids]: one expert's weights per row
+                self._gathered[out] = (name, index)
+
+    def _grouped(self, x, weight, offs) -> None:
+        if not (isinstance(x, torch.Tensor) and x.ndim == 2 and isinstance(offs, torch.Tensor)):
+            return
+        for name, stack in self.parameters.items():
+            if _is_whole_stack(weight, stack):  # row r belongs to the first e with r < offs[e]
+                positions = torch.arange(x.shape[0], device=offs.device, dtype=torch.int64)
+                self._add(name, x, torch.searchsorted(offs.to(torch.int64).contiguous(), positions, right=True))
+                return
 
     def captured(self, name: str) -> Optional[tuple]:
         """``(rows [N, in], ids [N])``: every captured input row of parameter ``name`` and its
         expert, in call order; None when no call with that parameter was seen."""
         if not self.rows[name]:
             return None
-        rows = self.rows[name]
+        rows, ids = self.rows[name], self.ids[name]
         if len({r.dtype for r in rows}) > 1:
             rows = [r.float() for r in rows]
-        return torch.cat(rows), torch.cat(self.ids[name])
+        device = rows[0].device
+        if all(isinstance(i, int) for i in ids):  # slices P[e]: one id tensor built from host ints
+            experts = torch.tensor(ids, dtype=torch.int64, device=device)
+            counts = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64, device=device)
+            return torch.cat(rows), torch.repeat_interleave(experts, counts, output_size=sum(r.shape[0] for r in rows))
+        ids = [
+            torch.full((r.shape[0],), i, dtype=torch.int64, device=device)
+            if isinstance(i, int)
+            else i.to(device=device, dtype=torch.int64)
+            for r, i in zip(rows, ids)
+        ]
+        return torch.cat(rows), torch.cat(ids)
