@@ -164,11 +164,13 @@ def compressed_tensors_qparams(min_val, max_val, spec):
         finfo = torch.finfo(dtype)
         scales = torch.clamp(scales, finfo.min, finfo.max).to(dtype).to(compute)
     eps = torch.tensor(_scale_eps(spec, compute), dtype=compute, device=scales.device)
-    scales = torch.where(scales == 0, eps, scales)
+    # where(scales == 0, eps, scales) by arithmetic (scales + 0 is exact; selects are slow on CPU)
+    scales = scales + (scales == 0).to(compute) * eps
     # an all-zero asymmetric range gives 0 / 0: compressed-tensors' NaN zero point becomes 0 in
     # an int8 (as torch converts NaN on x86 and ARM) but stays NaN in float8, where its
-    # fake_quantize then returns NaN; qstats uses 0 in both
-    zero_points = torch.where(torch.isnan(zero_points), torch.zeros_like(zero_points), zero_points)
+    # fake_quantize then returns NaN; qstats uses 0 in both (infinities map to the largest finite
+    # value, which the clamp below sends where it sends them)
+    zero_points = torch.nan_to_num(zero_points, nan=0.0)
     zp_dtype = _zero_point_dtype(spec)
     if zp_dtype.is_floating_point:
         finfo = torch.finfo(zp_dtype)
