@@ -198,6 +198,81 @@ def test_gate_up_proj_input_equals_the_input_site(qwen3_moe):
             assert torch.equal(ours, theirs)
 
 
+class _Layer(torch.nn.Module):
+    """A model around one experts module, called as ``(hidden_states, top_k_index, top_k_weights)``."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return self.experts(hidden_states, top_k_index, top_k_weights)
+
+
+def _fused_experts(name, implementation):
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+    from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
+
+    if name == "GptOssExperts":  # transposed [E, in, out] stacks with biases, its own gate
+        config = transformers.GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=NUM_EXPERTS)
+        cls = GptOssExperts
+    elif name == "MixtralExperts":
+        config = transformers.MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=NUM_EXPERTS)
+        cls = MixtralExperts
+    else:
+        config = transformers.OlmoeConfig(hidden_size=16, intermediate_size=8, num_experts=NUM_EXPERTS)
+        cls = OlmoeExperts
+    config._experts_implementation = implementation
+    torch.manual_seed(0)
+    experts = cls(config)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.normal_(0.0, 0.5)
+    return _Layer(experts).eval()
+
+
+def _fused_by_hand(experts, hidden, index, implementation):
+    """Each expert's intermediate from its routed tokens, with the arithmetic of the
+    implementation's up projection (matrix-vector products for batched_mm)."""
+    out = {}
+    with torch.no_grad():
+        for expert in range(NUM_EXPERTS):
+            rows = hidden[(index == expert).any(dim=-1)]
+            weight = experts.gate_up_proj[expert]
+            if type(experts).__name__ != "GptOssExperts":
+                gate, up = UP_PROJECTION[implementation](rows, weight).chunk(2, dim=-1)
+                out[expert] = experts.act_fn(gate) * up
+                continue
+            if implementation == "batched_mm":
+                projected = torch.bmm(rows[:, None, :], weight.expand(rows.shape[0], *weight.shape))[:, 0]
+            else:
+                projected = rows @ weight
+            out[expert] = experts._apply_gate(projected + experts.gate_up_proj_bias[expert])
+    return out
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", ["MixtralExperts", "OlmoeExperts", "GptOssExperts"])
+def test_other_fused_experts_intermediate_equals_the_forward_by_hand(name, implementation):
+    layer = _fused_experts(name, implementation)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 16, generator=generator)
+    index = torch.stack([torch.randperm(NUM_EXPERTS - 2, generator=generator)[:2] for _ in range(6)])  # 6, 7: no token
+    weights = torch.rand(6, 2, generator=generator)
+    recipe = qstats.Recipe([qstats.Rule(name, sites=("down_proj.input",), spec=MINMAX)])
+    states, caught = _calibrate(layer, [(hidden, index, weights)], recipe)
+    state = states["experts"]["down_proj.input"]
+    intermediates = _fused_by_hand(layer.experts, hidden, index, implementation)
+    empty = [expert for expert, values in intermediates.items() if values.numel() == 0]
+    assert empty[-2:] == [6, 7] and f"experts.down_proj.input: experts {empty}" in str(caught[0].message)
+    for expert, values in intermediates.items():
+        assert int(state.count[expert]) == values.numel()
+        if values.numel():
+            assert torch.equal(state.min_val[expert], values.min()), expert
+            assert torch.equal(state.max_val[expert], values.max()), expert
+
+
 def _load_example():
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "moe_experts.py")
     spec = importlib.util.spec_from_file_location("moe_experts_example_intermediate", path)
@@ -246,35 +321,26 @@ class _EinsumExperts(torch.nn.Module):
 
 def test_unrecognised_experts_forward_raises_naming_the_module():
     torch.manual_seed(0)
-    model = torch.nn.ModuleDict({"experts": _EinsumExperts()})
+    experts = _EinsumExperts()
+    layer = _Layer(experts)
     hidden = torch.randn(5, 6)
     index = torch.tensor([[0], [1], [1], [2], [0]])
     batch = (hidden, index, torch.ones(5, 1))
     recipe = qstats.Recipe([qstats.Rule("_EinsumExperts", sites=("input", "down_proj.input"), spec=MINMAX)])
-
-    def run(batch):
-        return model["experts"](*batch)
-
-    wrapper = _Call(model["experts"])
     with pytest.raises(ValueError, match=r"'down_proj.input' of the experts module 'experts' \(_EinsumExperts\)"):
-        qstats.calibrate(wrapper, [batch], recipe, progress=False)
-    # the capture left no mode behind: plain torch calls run as usual afterwards
-    assert torch.equal(run(batch), run(batch))
+        qstats.calibrate(layer, [batch], recipe, progress=False)
+    # neither the capture mode nor a hook is left behind
     assert not torch.overrides._get_current_function_mode_stack()
-    # an input site alone works on the same module
+    assert not experts._forward_hooks and not experts._forward_pre_hooks
+    # a forward that raises leaves no mode behind either
+    with pytest.raises(RuntimeError):  # one_hot: an index past the experts
+        qstats.calibrate(layer, [(hidden, index + 8, torch.ones(5, 1))], recipe, progress=False)
+    assert not torch.overrides._get_current_function_mode_stack()
+    # the input site alone works on the same module
     states = qstats.calibrate(
-        wrapper, [batch], qstats.Recipe([qstats.Rule("_EinsumExperts", sites=("input",), spec=MINMAX)]), progress=False
+        layer, [batch], qstats.Recipe([qstats.Rule("_EinsumExperts", sites=("input",), spec=MINMAX)]), progress=False
     )
     assert torch.equal(states["experts"]["input"].max_val[1], hidden[1:3].max())
-
-
-class _Call(torch.nn.Module):
-    def __init__(self, experts):
-        super().__init__()
-        self.experts = experts
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        return self.experts(hidden_states, top_k_index, top_k_weights)
 
 
 def test_capture_recognises_transposed_and_weight_first_matmuls():
