@@ -181,13 +181,18 @@ def dispatch(tokens: torch.Tensor, mask: torch.Tensor, capacity: Optional[int] =
 
 
 def uncovered_experts(state) -> Optional[list]:
-    """Indices of the experts whose stacked state saw no value (from its ``count`` field), or None
-    when the state has no ``count`` field."""
+    """Indices of the experts whose stacked state saw no value, from its ``count`` field or,
+    for states without one (histograms), from its extremes (``min_val > max_val`` everywhere:
+    no finite value seen); None when the state has neither."""
     count = getattr(state, "count", None)
-    if not isinstance(count, torch.Tensor) or count.ndim < 1:
-        return None
-    seen = count.reshape(count.shape[0], -1).sum(dim=1)
-    return [int(i) for i in torch.arange(count.shape[0])[seen == 0]]
+    if isinstance(count, torch.Tensor) and count.ndim >= 1:
+        seen = count.reshape(count.shape[0], -1).sum(dim=1) > 0
+    else:
+        min_val, max_val = getattr(state, "min_val", None), getattr(state, "max_val", None)
+        if not isinstance(min_val, torch.Tensor) or not isinstance(max_val, torch.Tensor) or min_val.ndim < 1:
+            return None
+        seen = (min_val <= max_val).reshape(min_val.shape[0], -1).any(dim=1)
+    return [int(i) for i in torch.arange(seen.shape[0])[~seen]]
 
 
 def warn_uncovered(states: dict, sites: dict) -> dict:

@@ -141,7 +141,14 @@ def test_qwen3_moe_intermediate_equals_the_forward_by_hand(qwen3_moe, implementa
             qstats.Rule(r"re:.*layers\.1\..*", sites=("down_proj.input",), spec=PER_CHANNEL),
         ]
     )
-    states, _ = _calibrate(model, batches, per_channel)
+    states, caught = _calibrate(model, batches, per_channel)
+    for path, routed in calls.items():  # histogram states (no count field) are reported too
+        empty = [expert for expert in range(NUM_EXPERTS) if not any(bool((index == expert).any()) for _, index in routed)]
+        assert f"{path}.down_proj.input: experts {empty}" in str(caught[0].message)
+        qparams = qstats.compute_qparams_tree(states, per_channel, model)[path]["down_proj.input"]
+        assert qparams.scale.shape == (NUM_EXPERTS, 8)
+        assert [expert for expert in range(NUM_EXPERTS) if not bool(qparams.calibrated[expert].any())] == empty
+        assert bool(torch.isfinite(qparams.scale).all()) and bool((qparams.scale > 0).all())
     for path, factory in (("model.layers.0.mlp.experts", qstats.histogram), ("model.layers.1.mlp.experts", qstats.minmax)):
         experts = model.get_submodule(path)
         intermediates = _by_hand(experts, calls[path], experts.act_fn, UP_PROJECTION[implementation])
