@@ -250,24 +250,28 @@ def _scatter_mask(index: torch.Tensor, num_experts: int) -> torch.Tensor:
     return mask.scatter_(0, index, 1.0)[:num_experts]
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    try:
-        return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensors without storage (fake, functional)
-        return False
+def _same_storage(view: torch.Tensor, stack: torch.Tensor) -> bool:
+    """True when ``view`` and ``stack`` are views of one tensor (the same root ``Tensor._base``,
+    which every view points to): no storage object is built, as this runs on every matmul of
+    the experts' forward."""
+    root = stack._base if stack._base is not None else stack
+    return (view._base if view._base is not None else view) is root
 
 
 def _layout(t: torch.Tensor) -> list:
     return sorted(zip(t.shape, t.stride()))
 
 
-def _expert_of_slice(weight, stack: torch.Tensor) -> Optional[int]:
+def _expert_of_slice(weight, stack: torch.Tensor, inner: Optional[list] = None) -> Optional[int]:
     """``e`` when ``weight`` is the view ``stack[e]`` (possibly transposed), else None. Reads
-    only shapes, strides and storage offsets (no tensor data)."""
-    if not isinstance(weight, torch.Tensor) or weight.ndim != stack.ndim - 1 or not _same_storage(weight, stack):
+    only shapes, strides and storage offsets (no tensor data). ``inner``: the sorted
+    (size, stride) pairs of one slice of ``stack``, when the caller has them at hand."""
+    if not isinstance(weight, torch.Tensor) or not _same_storage(weight, stack) or weight.ndim != stack.ndim - 1:
         return None
     expert, rest = divmod(weight.storage_offset() - stack.storage_offset(), stack.stride(0))
-    if rest or not 0 <= expert < stack.shape[0] or _layout(weight) != sorted(zip(stack.shape[1:], stack.stride()[1:])):
+    if inner is None:
+        inner = sorted(zip(stack.shape[1:], stack.stride()[1:]))
+    if rest or not 0 <= expert < stack.shape[0] or _layout(weight) != inner:
         return None
     return expert
 
@@ -343,6 +347,8 @@ class ExpertInputCapture(TorchFunctionMode):
         self.rows: dict = {name: [] for name in self.parameters}
         self.ids: dict = {name: [] for name in self.parameters}
         self._gathered = WeakIdKeyDictionary()
+        # per parameter, the layout of one slice (checked on every matmul: computed once)
+        self._inner = {name: sorted(zip(p.shape[1:], p.stride()[1:])) for name, p in self.parameters.items()}
 
     def _add(self, name: str, rows: torch.Tensor, ids) -> None:
         """Keeps ``rows`` and their expert ids: an int (one expert; expanded in `captured`) or a
@@ -353,7 +359,7 @@ class ExpertInputCapture(TorchFunctionMode):
     def _sliced(self, weight):
         """``(name, e)`` when ``weight`` is a slice ``P[e]`` of a watched parameter."""
         for name, stack in self.parameters.items():
-            expert = _expert_of_slice(weight, stack)
+            expert = _expert_of_slice(weight, stack, self._inner[name])
             if expert is not None:
                 return name, expert
         return None
@@ -400,17 +406,17 @@ class ExpertInputCapture(TorchFunctionMode):
             self._add(name, b.transpose(1, 2).reshape(-1, b.shape[1]), ids.repeat_interleave(b.shape[2]))
 
     def _gather(self, stack, index, out) -> None:
-        if not (
-            isinstance(index, torch.Tensor)
-            and index.ndim == 1
-            and not index.is_floating_point()
-            and index.dtype != torch.bool
-            and isinstance(out, torch.Tensor)
-        ):
-            return
         for name, watched in self.parameters.items():
             if stack is watched:  # P[ids]: one expert's weights per row
-                self._gathered[out] = (name, index)
+                if (
+                    isinstance(index, torch.Tensor)
+                    and index.ndim == 1
+                    and not index.is_floating_point()
+                    and index.dtype != torch.bool
+                    and isinstance(out, torch.Tensor)
+                ):
+                    self._gathered[out] = (name, index)
+                return
 
     def _grouped(self, x, weight, offs) -> None:
         if not (isinstance(x, torch.Tensor) and x.ndim == 2 and isinstance(offs, torch.Tensor)):
