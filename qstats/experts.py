@@ -290,13 +290,12 @@ def _is_whole_stack(weight, stack: torch.Tensor) -> bool:
 
 _LINEAR, _MATMUL, _BMM, _GATHER, _GROUPED = range(5)
 _KINDS = {torch.nn.functional.linear: _LINEAR, torch.Tensor.__getitem__: _GATHER}
-_KINDS.update(dict.fromkeys((torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm), _MATMUL))
+_KINDS.update(dict.fromkeys((torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__), _MATMUL))
+_KINDS.update(dict.fromkeys((torch.mm, torch.Tensor.mm), _MATMUL))
 _KINDS.update(dict.fromkeys((torch.bmm, torch.Tensor.bmm), _BMM))
-_KINDS.update(
-    dict.fromkeys(
-        (f for f in (getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None)) if f), _GROUPED
-    )
-)
+for _grouped_mm in (getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None)):
+    if _grouped_mm is not None:
+        _KINDS[_grouped_mm] = _GROUPED
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 
 
