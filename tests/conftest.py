@@ -1,5 +1,7 @@
 """Shared fixtures."""
 
+import importlib.util
+import os
 import warnings
 
 import pytest
@@ -19,3 +21,13 @@ def single_thread_quiet():
             yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def moe_example():
+    """``examples/moe_experts.py`` loaded as a module (its ``main`` calibrates the plain-torch MoE)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "moe_experts.py")
+    spec = importlib.util.spec_from_file_location("moe_experts_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,8 +2,6 @@
 experts with no token are reported and fall back. On transformers' Qwen3-MoE (random weights from a
 tiny config, no download) and on the plain-torch MoE of examples/moe_experts.py."""
 
-import importlib.util
-import os
 import warnings
 
 import pytest
@@ -179,16 +177,9 @@ def test_fake_quantized_stacked_weights_match_per_expert_torch_fake_quant():
     assert torch.equal(experts.gate_up_proj, original)
 
 
-def _load_example():
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "moe_experts.py")
-    spec = importlib.util.spec_from_file_location("moe_experts_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-def test_plain_torch_moe_example():
-    example = _load_example()
+def test_plain_torch_moe_example(moe_example):
+    example = moe_example
     model, states, qparams, caught = example.main(batches=2, tokens=16, verbose=False)
     assert any("experts [14, 15]" in str(w.message) for w in caught)
     for path in ("0.experts", "1.experts"):
@@ -203,13 +194,12 @@ def test_plain_torch_moe_example():
         assert bool(torch.isfinite(qparams[path]["input"].scale).all())
 
 
-def test_only_modules_declaring_num_experts_are_stacked():
+def test_only_modules_declaring_num_experts_are_stacked(moe_example):
     conv = torch.nn.Conv2d(3, 4, 3)
     assert qstats.experts.expert_count(conv) == 0
     recipe = qstats.Recipe([qstats.Rule("Conv2d", sites=("weight",), spec=WEIGHTS)])
     assert recipe.sites(torch.nn.Sequential(conv))["0"]["weight"].num_experts == 0
-    example = _load_example()
-    assert qstats.experts.expert_count(example.StackedExperts(5, 4, 2)) == 5
+    assert qstats.experts.expert_count(moe_example.StackedExperts(5, 4, 2)) == 5
 
 
 @pytest.mark.parametrize("factory", [qstats.minmax, qstats.memoryless_minmax, qstats.moving_average_minmax])

@@ -4,8 +4,6 @@ forward run by hand, expert by expert, and against llm-compressor's per-expert s
 observers. On transformers' Qwen3-MoE (eager, grouped_mm and batched_mm experts) and on the
 plain-torch MoE of examples/moe_experts.py."""
 
-import importlib.util
-import os
 import warnings
 
 import pytest
@@ -280,16 +278,9 @@ def test_other_fused_experts_intermediate_equals_the_forward_by_hand(name, imple
             assert torch.equal(state.max_val[expert], values.max()), expert
 
 
-def _load_example():
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "moe_experts.py")
-    spec = importlib.util.spec_from_file_location("moe_experts_example_intermediate", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-def test_plain_torch_moe_example_intermediate():
-    example = _load_example()
+def test_plain_torch_moe_example_intermediate(moe_example):
+    example = moe_example
     model, states, qparams, caught = example.main(batches=2, tokens=16, verbose=False)
     assert any("0.experts.down_proj.input: experts [14, 15]" in str(w.message) for w in caught)
     generator = torch.Generator().manual_seed(1)  # the example's calibration data
