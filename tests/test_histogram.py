@@ -348,6 +348,7 @@ def test_l2_windows_match_an_independent_bucketing(mapping):
     counts, _, _ = _counts_numpy(x, bins, octaves)
     low = -(octaves // 2)
     extremes = [float(-x.min()), float(x.max())]
+    assert float(win.total) == x.numel()
     for sign in (0, 1):
         anchor = max(extremes) if mapping == "symmetric" else extremes[sign]
         mantissa, exponent = np.frexp(anchor)
@@ -358,7 +359,16 @@ def test_l2_windows_match_an_independent_bucketing(mapping):
         lower = [2.0 ** (j // bins + low) * (1 + (j % bins) / bins) for j in range(top - window * bins + 1, top + 2)]
         expected_edges = np.minimum(np.array(lower), extremes[sign])
         assert np.allclose(win.edges[sign].numpy(), expected_edges, rtol=1e-12, atol=0)
-        assert float(win.below[sign]) == float((x.abs() < lower[0])[(x < 0) if sign == 0 else (x >= 0)].sum())
+        # count, twice the sum and sum of squares of the window's values beyond / below each edge
+        side = x[(x < 0) if sign == 0 else (x >= 0)].abs().double()
+        inside = side[side >= lower[0]]
+        for i in (0, window * bins // 2, window * bins):
+            above = inside >= lower[i]
+            assert float(win.tails[0, sign, i]) == float(above.sum())
+            assert float(win.below[0, sign, i]) == float((~above).sum())
+            # twice the sum under the uniform model: each value within its bucket's width (<= |x| / bins)
+            total = float(inside[above].sum())
+            assert abs(float(win.tails[1, sign, i]) - 2 * total) <= 2 * total / bins + 1e-9
 
 # ---------------------------------------------------------------------------------------------
 # Entropy (KL) calibration: the TensorRT / ModelOpt algorithm, transcribed loop by loop
@@ -468,6 +478,20 @@ def test_searches_are_vectorised_over_channels_and_vmappable():
             assert float(qp.scale[row]) == pytest.approx(float(expected.scale), rel=1e-5), method
         stacked = torch.func.vmap(lambda s: qstats.compute_qparams(s, single_spec, method=method))(state)
         assert torch.allclose(stacked.scale, qp.scale, rtol=1e-5), method
+
+
+def test_searches_return_ordinary_tensors():
+    # eager searches run under inference mode: their results must still serve autograd (QAT)
+    x = torch.randn(500, generator=torch.Generator().manual_seed(11), requires_grad=True)
+    spec = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
+    obs = qstats.histogram(spec)
+    state = obs.update(obs.init(x), x)
+    for method in ("l2", "mse", "entropy", "percentile", "minmax"):
+        qp = qstats.compute_qparams(state, spec, method=method)
+        assert not any(t.is_inference() for t in qp), method
+        qstats.fake_quantize(x, qp, spec).sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all(), method
+        x.grad = None
 
 
 def test_update_compiles_without_graph_breaks():

@@ -465,17 +465,21 @@ def _cumulative(mom: _Moments, t: torch.Tensor):
     return m0, m1, m2
 
 
-def _lean_grid(lo, hi, spec: QuantSpec):
+def _lean_grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False):
     """torch.ao / compressed-tensors scale and zero point of candidate ranges in float64, for the
-    searches (the chosen range goes through the spec's exact arithmetic afterwards)."""
+    searches (the chosen range goes through the spec's exact arithmetic afterwards).
+    ``straddles_zero``: the caller knows ``lo <= 0 <= hi``."""
     qmin, qmax = spec.qrange
-    lo = torch.minimum(lo, torch.zeros_like(lo))
-    hi = torch.maximum(hi, torch.zeros_like(hi))
+    if not straddles_zero:
+        lo = torch.minimum(lo, torch.zeros_like(lo))
+        hi = torch.maximum(hi, torch.zeros_like(hi))
     tiny = torch.finfo(torch.float32).eps
     if spec.mapping == "asymmetric":
         scale = ((hi - lo) / float(qmax - qmin)).clamp(min=tiny)
         if spec.zero_point_domain == "float":
             zero_point = -lo / scale
+        elif straddles_zero:  # a few candidates: torch.floor stays serial
+            zero_point = (qmin - torch.floor(lo / scale + 0.5)).clamp(qmin, qmax)  # ties: search only
         else:
             zero_point = (qmin - _floor(lo / scale + 0.5)).clamp(qmin, qmax)  # ties: search only
     else:
@@ -490,10 +494,10 @@ def _lean_grid(lo, hi, spec: QuantSpec):
     return scale, zero_point, (qmin - zero_point) * scale, (qmax - zero_point) * scale
 
 
-def _grid(lo, hi, spec: QuantSpec):
+def _grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False):
     """Scale and clipping points of candidate ranges (lo, hi): the spec's own arithmetic."""
     if not spec.is_float and spec.scale_dtype == "float32" and spec.convention in ("torch_ao", "compressed_tensors"):
-        return _lean_grid(lo, hi, spec)
+        return _lean_grid(lo, hi, spec, straddles_zero)
     shape = lo.shape
     calibrated = torch.ones(shape, dtype=torch.bool, device=lo.device)
     qp = qparams_from_minmax(lo.float(), hi.float(), spec, calibrated=calibrated)
@@ -513,205 +517,222 @@ def _search_octaves(spec: QuantSpec) -> int:
     return min(spec.bits, 16) + 8
 
 
-_EDGE_CACHE: dict = {}
+_CONSTANTS: dict = {}
+
+
+def _constant(key, device, make):
+    """The constant tensor ``make(device)``, cached per key and device in eager mode (built in
+    the graph under compile)."""
+    if torch.compiler.is_compiling():
+        return make(device)
+    full_key = (key, device)
+    cached = _CONSTANTS.get(full_key)
+    if cached is None:
+        with torch.inference_mode(False):  # usable inside and outside inference mode
+            cached = _CONSTANTS[full_key] = make(device)
+    return cached
 
 
 def _padded_lower_edges(bins: int, low: int, high: int, pad: int, device) -> torch.Tensor:
     """Constant float64 ``(pad + K + 1,)``: ``pad`` zeros, then the lower edge of every flat
-    magnitude bucket (underflow first: 0), then ``inf`` (the overflow's upper end). Cached per
-    configuration and device in eager mode."""
-    key = (bins, low, high, pad, str(device))
-    cached = _EDGE_CACHE.get(key)
-    if cached is not None and not torch.compiler.is_compiling():
-        return cached
-    j = torch.arange((high - low) * bins + 1, dtype=torch.float64, device=device)
-    octave = torch.div(j, bins, rounding_mode="floor")
-    inner = torch.pow(2.0, octave + low) * (1.0 + (j - octave * bins) / bins)
-    zeros = torch.zeros(pad + 1, dtype=torch.float64, device=device)
-    edges = torch.cat([zeros, inner, torch.full((1,), math.inf, dtype=torch.float64, device=device)])
-    if not torch.compiler.is_compiling():
-        _EDGE_CACHE[key] = edges
-    return edges
+    magnitude bucket (underflow first: 0), then ``inf`` (the overflow's upper end)."""
+
+    def make(device):
+        j = torch.arange((high - low) * bins + 1, dtype=torch.float64, device=device)
+        octave = torch.div(j, bins, rounding_mode="floor")
+        inner = torch.pow(2.0, octave + low) * (1.0 + (j - octave * bins) / bins)
+        zeros = torch.zeros(pad + 1, dtype=torch.float64, device=device)
+        return torch.cat([zeros, inner, torch.full((1,), math.inf, dtype=torch.float64, device=device)])
+
+    return _constant(("lower_edges", bins, low, high, pad), device, make)
 
 
-def _flat_bucket(t: torch.Tensor, bins: int, low: int, high: int) -> torch.Tensor:
-    """Flat magnitude bucket id (0: underflow, K - 1: overflow) of magnitudes ``t >= 0``, from
-    their float32 bits (a value that rounds up to a bucket edge lands in the bucket above)."""
-    m = bins.bit_length() - 1
-    code = t.float().contiguous().view(torch.int32) >> (23 - m)
-    return (code.to(torch.int64) - (((low + 127) << m) - 1)).clamp(0, (high - low) * bins + 1)
+def _arange(device, *args) -> torch.Tensor:
+    """Cached ``torch.arange(*args)`` (int64)."""
+    return _constant(("arange", *args), device, lambda d: torch.arange(*args, device=d))
 
 
 class _Windows(NamedTuple):
     edges: torch.Tensor  # (*P, 2, W + 1) magnitude edges, clamped to the sign's extreme
-    counts: torch.Tensor  # (*P, 2, W)
-    below: torch.Tensor  # (*P, 2) values below the window
-    first: torch.Tensor  # (*P, 2) flat id of the window's first bucket
-    cand: torch.Tensor  # (*P, 2, W + 1) candidate clipping magnitudes at the edges
-    tails: torch.Tensor  # (*P, 2, 3, W + 1) count, sum, sum of squares of the values above each edge
+    counts: torch.Tensor  # (*P, 2, W) float64
+    cand: torch.Tensor  # (*P, 2, W + 1) candidate clipping magnitudes at the edges; (*P, 1, W + 1) when symmetric
+    tails: torch.Tensor  # (*P, 3, 2, W + 1) count, twice the sum, sum of squares of the window's values above each edge
+    below: torch.Tensor  # (*P, 3, 2, W + 1) the same of the window's values below each edge
+    total: torch.Tensor  # (*P,) float64 count of every value counted
+    offset: torch.Tensor  # (*P, 2) or (*P, 1): float32 bit code (``>> 23 - m``) of each window's first bucket
 
 
 def _sign_windows(state, spec, octaves: int) -> _Windows:
     """Per sign (0: negative values, as magnitudes), the ``W = octaves * bins`` magnitude
     buckets up to an anchor: the sign's extreme (asymmetric mappings) or the larger extreme
-    (symmetric), found from the anchor's float32 bits; candidates are the window's edges up to
-    the anchor. Fixed shapes, a few gathers: no search."""
+    (symmetric, one anchor for both signs), found from the anchor's float32 bits; candidates
+    are the window's edges up to the anchor. Fixed shapes, a few gathers: no search."""
     bins, low, high = _config(state)
+    m = bins.bit_length() - 1
     width = octaves * bins
     device = state.counts.device
     extent = torch.stack([-state.min_val, state.max_val], -1).clamp(min=0)  # float32 (*P, 2)
-    anchor = extent.amax(-1, keepdim=True).expand(extent.shape) if _is_symmetric(spec) else extent
-    top = _flat_bucket(anchor, bins, low, high)
-    index = top.unsqueeze(-1) + torch.arange(1, width + 2, device=device)  # padded edge index (*P, 2, W + 1)
-    lead = state.counts.shape[:-2]
+    anchor = extent.amax(-1, keepdim=True) if _is_symmetric(spec) else extent
+    # flat bucket id of the anchor (0: underflow, K - 1: overflow); a value that rounds up to a
+    # bucket edge lands in the bucket above
+    top = ((anchor.view(torch.int32) >> (23 - m)) - (((low + 127) << m) - 1)).clamp(0, (high - low) * bins + 1)
+    index = top.unsqueeze(-1) + _arange(device, 1, width + 2)  # padded edge index, int64 (*P, 2 or 1, W + 1)
+    lead = state.counts.shape[:-2]  # (*P, 2)
     flat = torch.cat([state.counts.new_zeros((*lead, width)), state.underflow.unsqueeze(-1), state.counts.flatten(-2),
                       state.overflow.unsqueeze(-1)], -1)
-    counts = torch.gather(flat, -1, index[..., :-1]).double()
-    below = flat.sum(-1).double() - counts.sum(-1)
-    lower = _padded_lower_edges(bins, low, high, width, device)[index]
+    counts = torch.gather(flat, -1, index[..., :-1].expand(*lead, width)).double()
+    table = _padded_lower_edges(bins, low, high, width, device)
+    lower = torch.gather(table.expand(*index.shape[:-1], table.shape[0]), -1, index)
     edges = torch.minimum(lower, extent.double().unsqueeze(-1))
     cand = torch.minimum(lower, anchor.double().unsqueeze(-1)) if _is_symmetric(spec) else edges
     a, b = edges[..., :-1], edges[..., 1:]
-    moments = torch.stack([counts, counts * (a + b) * 0.5, counts * (a * a + a * b + b * b) * (1.0 / 3)], -2)
+    ab = a + b
+    # count, twice the sum and the sum of squares of values spread uniformly over each bucket
+    # (b * b + a * (a + b): exact products of short mantissas, like a * a + a * b + b * b)
+    moments = torch.stack([counts, counts * ab, counts * torch.addcmul(b * b, a, ab) * (1.0 / 3)], -3)
     prefix = torch.cumsum(moments, -1)
-    total = prefix[..., -1:]
-    tails = torch.cat([total, total - prefix], -1)
-    return _Windows(edges, counts, below, (top + 1 - width).to(torch.int32), cand, tails)
+    below = torch.nn.functional.pad(prefix, (1, 0))
+    tails = prefix[..., -1:] - below
+    offset = top + (((low + 127) << m) - width)
+    return _Windows(edges, counts, cand, tails, below, flat.sum((-2, -1)).double(), offset)
 
 
-def _model_error(clip, rest, c, index, dead, offset, shift: int, half_scale: float):
-    """Analytic expected squared error of candidate ranges: per sign (``(negative, positive)``
-    tuples of broadcastable tensors) the clipped values' squared distance to the candidate
-    ``clip``, ``scale**2 / 12`` for each value of the window below it (``rest``: that count times
-    ``half_scale**2 / 3``) and, when ``dead`` is given, ``x**2`` instead for the values that round
-    to zero (``|x| < scale / 2``, located to the bucket from the float32 bits of ``scale / 2``,
-    at most the candidate's edge ``index``). ``dead``: ``(*P, 2, 2, W + 1)`` per sign the sum of
-    squares and a third of the count of the window's values below each edge; ``offset``:
-    ``(*P, 2, 1...)`` the bucket code of each window's first bucket."""
-    span = c[0] + c[1]
-    error = clip[0] + clip[1] + (rest[0] + rest[1]) * (span * span)
-    if dead is None:
-        return error
-    half = span * half_scale
-    code = (half.float().view(torch.int32) >> shift).unsqueeze(-error.dim() + len(dead.shape) - 4)  # (*P, 1, ...)
-    sign_dim = -error.dim() + len(dead.shape) - 4
-    edge = torch.minimum((code - offset).clamp(min=0), torch.stack(torch.broadcast_tensors(*index), sign_dim))
-    flat = edge.flatten(len(dead.shape) - 2).unsqueeze(-2).expand(*dead.shape[:-1], -1)
-    below = torch.gather(dead, -1, flat).sum(-3)  # (*P, 2, n): summed over the signs
-    return error + (below[..., 0, :].view(error.shape) - below[..., 1, :].view(error.shape) * (half * half))
-
-
-def _sawtooth_error(edges, density, lo, hi, spec):
+def _sawtooth_error(edges, density, lo, hi, spec, straddles_zero: bool = False):
     """Expected squared error of candidates ``(lo, hi)`` ``(*P, C)`` with the spec's own grid
     (zero point rounding included), exact under the piecewise-uniform model: the antiderivative
     of the squared error (a sawtooth inside the clipping points, cubic outside) at every edge,
-    differenced and weighted by each bucket's ``count / width`` (``density`` ``(*P, B)``)."""
-    scale, zero_point, clip_lo, clip_hi = _grid(lo, hi, spec)
+    differenced and weighted by each bucket's ``count / width`` (``density`` ``(*P, B)``): one
+    product with the differenced densities. ``straddles_zero``: the caller knows ``lo <= 0 <= hi``.
+    Two-operand broadcasts only (CPU kernels with broadcast scalars per row are slow)."""
+    scale, zero_point, clip_lo, clip_hi = _grid(lo, hi, spec, straddles_zero)
     u = edges.unsqueeze(-2)  # (*P, 1, B + 1)
-    inside = torch.clamp(u, clip_lo.unsqueeze(-1), clip_hi.unsqueeze(-1))  # (*P, C, B + 1)
-    w = torch.addcmul(zero_point.unsqueeze(-1), inside, (1 / scale).unsqueeze(-1))  # in grid steps
+    inside = torch.minimum(torch.maximum(u, clip_lo.unsqueeze(-1)), clip_hi.unsqueeze(-1))  # (*P, C, B + 1)
+    w = inside * scale.reciprocal().unsqueeze(-1) + zero_point.unsqueeze(-1)  # in grid steps
     k = torch.round(w)
-    r = w - k
-    saw = torch.add(k, r * r * r, alpha=4.0) * (scale * scale * scale / 12).unsqueeze(-1)
-    d = u - inside
-    antiderivative = torch.addcmul(saw, d * d, d, value=1 / 3)
-    return ((antiderivative[..., 1:] - antiderivative[..., :-1]) * density.unsqueeze(-2)).sum(-1)
+    saw = torch.add(k, (w - k).pow(3), alpha=4.0) * (scale.pow(3) * (1 / 12)).unsqueeze(-1)
+    antiderivative = torch.add(saw, (u - inside).pow(3), alpha=1 / 3)
+    # sum_j density_j (A_{j+1} - A_j) = sum_i A_i (density_{i-1} - density_i), zero beyond the ends
+    padded = torch.nn.functional.pad(density, (1, 1))
+    weights = padded[..., :-1] - padded[..., 1:]  # (*P, B + 1)
+    return torch.matmul(antiderivative, weights.unsqueeze(-1)).squeeze(-1)
+
+
+def _dead_zone(error, span, limit, below, offset, shift: int, half_scale: float):
+    """``error`` of candidates ``(*P, n)`` of span ``span`` with ``x**2`` instead of ``scale**2 / 12``
+    for the values that round to zero (``|x| < scale / 2``, located to the bucket from the float32
+    bits of ``scale / 2``, at most the candidate's edge ``limit`` ``(*P, 2, n)``, per sign).
+    ``below``: the windows' ``(*P, 3, 2, W + 1)`` count, twice the sum and sum of squares below
+    each edge; ``offset`` ``(*P, 2 or 1, 1)``: the bucket code of each window's first bucket."""
+    half = span * half_scale
+    code = (half.float().view(torch.int32) >> shift).unsqueeze(-2)
+    edge = torch.minimum((code - offset).clamp(min=0), limit)  # (*P, 2, n)
+    lead = error.shape[:-1]
+    gathered = torch.gather(below, -1, edge.unsqueeze(-3).expand(*lead, 3, *edge.shape[-2:])).sum(-2)  # (*P, 3, n)
+    return error + torch.addcmul(gathered[..., 2, :], gathered[..., 0, :], half * half, value=-1 / 3)
 
 
 def _l2_search(state, spec, bins, low):
     """Coarse-to-fine search over bucket edges with an analytic model (a few batched steps, no
     search in sorted arrays, no host synchronisation), the finalists ranked with the spec's own
     grid."""
-    _, _, high = _config(state)
     m = bins.bit_length() - 1
     win = _sign_windows(state, spec, _search_octaves(spec))
     width = win.edges.shape[-1] - 1
+    device = win.edges.device
+    lead = win.edges.shape[:-2]
     qmin, qmax = spec.qrange
     if spec.mapping == "symmetric_no_clipping_err":
         half_scale = 0.5 / (2 * min(-qmin, qmax))  # scale = amax / qmax (on 2 * amax = the span)
     else:
         half_scale = 0.5 / float(qmax - qmin)
-    s0, s1, s2 = win.tails.unbind(-2)
+    s0, s1_twice, s2 = win.tails.unbind(-3)  # (*P, 2, W + 1)
     cand = win.cand
-    clip = (s2 - cand * (2 * s1 - cand * s0)).clamp(min=0)  # squared distance of the values beyond
-    rest = (s0[..., :1] - s0) * (half_scale * half_scale / 3)  # the window's values below, times h**2 / 3
-    # below each edge: sum of x**2 and a third of the count, (*P, 2, 2, W + 1)
-    dead = torch.stack([s2[..., :1] - s2, (s0[..., :1] - s0) * (1.0 / 3)], -2)
-    offset = (win.first + (((low + 127) << m) - 1))  # bucket code of each window's start (*P, 2)
+    # squared distance of the values beyond each candidate to it: s2 - 2 c s1 + c**2 s0
+    clip = torch.addcmul(s2, cand, torch.addcmul(s1_twice, cand, s0, value=-1), value=-1).clamp(min=0)
+    rest = win.below[..., 0, :, :] * (half_scale * half_scale / 3)  # the window's values below, times h**2 / 3
     shift = 23 - m
-    device = cand.device
-    lead = cand.shape[:-2]
     if _is_symmetric(spec):
         # the grid clips at (zero_point - qmin) * scale below and (qmax - zero_point) * scale above:
         # per sign, the edge nearest that multiple of the candidate amax
         zero_point = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
         per_amax = 4 * half_scale  # scale / amax
-        index = []
-        for multiple in ((zero_point - qmin) * per_amax, (qmax - zero_point) * per_amax):
-            shift_edges = round(bins * math.log2(multiple)) if multiple > 0 else -width
-            index.append((torch.arange(width + 1, device=device) + shift_edges).clamp(0, width))
-        clip_at = (clip[..., 0, :].index_select(-1, index[0]), clip[..., 1, :].index_select(-1, index[1]))
-        rest_at = (rest[..., 0, :].index_select(-1, index[0]), rest[..., 1, :].index_select(-1, index[1]))
-        error = _model_error(clip_at, rest_at, (cand[..., 1, :], cand[..., 1, :]), tuple(index), dead,
-                             offset.unsqueeze(-1), shift, half_scale)
+        shifts = tuple(round(bins * math.log2(multiple)) if multiple > 0 else -width
+                       for multiple in ((zero_point - qmin) * per_amax, (qmax - zero_point) * per_amax))
+        clip_index = _constant(("clip_index", width, shifts), device, lambda d: torch.stack(
+            [(torch.arange(width + 1, device=d) + s).clamp(0, width) for s in shifts]))  # (2, W + 1)
+        at = torch.gather(torch.stack([clip, rest], -3), -1, clip_index.expand(*lead, 2, 2, width + 1)).sum(-2)
+        amaxes = cand[..., 0, :]  # (*P, W + 1)
+        span = amaxes + amaxes
+        error = at[..., 0, :] + at[..., 1, :] * (span * span)
+        error = _dead_zone(error, span, clip_index, win.below, win.offset.unsqueeze(-1), shift, half_scale)
         best = torch.argmin(error, -1, keepdim=True)
         # finalists: the best's neighbours (+-3/16 octave for grids of 4 bits or less, where the
         # model is rough: most values sit within a few steps of zero) and the full range
         reach, stride = (3 * (bins // 16 or 1), bins // 64 or 1) if spec.bits <= 4 else (2, 1)
-        near = torch.arange(-reach, reach + 1, stride, device=device)
-        index = torch.cat([(best + near).clamp(0, width), torch.full_like(best, width)], -1)
-        amax = torch.gather(cand[..., 1, :], -1, index)
+        near = _constant(("near", reach, stride, width), device,
+                         lambda d: torch.cat([torch.arange(-reach, reach + 1, stride, device=d),
+                                              torch.full((1,), 2 * width + 1, device=d)]))
+        amax = torch.gather(amaxes, -1, (best + near).clamp(0, width))
         lo, hi = -amax, amax
     else:
         # 2-D: every (bins / 4)-th edge of the top (bits + 4) octaves, then finer around the best
         packed = torch.stack([clip, rest, cand], -3)  # (*P, 3, 2, W + 1)
         step = max(1, bins // 4)
-        span = (_search_octaves(spec) - 4) * bins  # the candidates' reach: bits + 4 octaves
-        offsets = torch.arange(width, width - span - 1, -step, device=device)
-        dead_offset = offset[..., None, None]
+        reach = (_search_octaves(spec) - 4) * bins  # the candidates' reach: bits + 4 octaves
+        span_args = (width, width - reach - 1, -step)
         best = None
         while True:
-            if best is None:
-                around = offsets.expand(*lead, 2, offsets.shape[0])
-            else:
-                around = (best.unsqueeze(-1) + offsets).clamp(0, width)
-            k = around.shape[-1]
-            sel = torch.gather(packed, -1, around.unsqueeze(-3).expand(*lead, 3, 2, k))
-            neg, pos = sel[..., 0, :].unsqueeze(-1), sel[..., 1, :].unsqueeze(-2)  # (*P, 3, k, 1), (*P, 3, 1, k)
-            error = _model_error((neg[..., 0, :, :], pos[..., 0, :, :]), (neg[..., 1, :, :], pos[..., 1, :, :]),
-                                 (neg[..., 2, :, :], pos[..., 2, :, :]),
-                                 (around[..., 0, :, None], around[..., 1, None, :]),
-                                 None if best is None else dead, dead_offset, shift, half_scale).flatten(-2)
-            flat_best = torch.argmin(error, -1, keepdim=True)
-            i_neg = torch.div(flat_best, k, rounding_mode="floor")
-            best = torch.gather(around, -1, torch.stack([i_neg, flat_best - i_neg * k], -2)).squeeze(-1)  # (*P, 2)
+            # pair p = i * k + j of the k offsets: the negative side's i-th, the positive side's j-th, (2, k * k)
+            pair_offsets = _constant(("pairs", span_args), device, lambda d: torch.stack(
+                [_arange(d, *span_args).repeat_interleave(_arange(d, *span_args).shape[0]),
+                 _arange(d, *span_args).repeat(_arange(d, *span_args).shape[0])]))
+            pairs = pair_offsets.shape[-1]
+            # the pairs' edges: absolute at first, then around the best, (*P, 2, k * k)
+            limit = pair_offsets if best is None else (best.unsqueeze(-1) + pair_offsets).clamp(0, width)
+            limit = limit.expand(*lead, 2, pairs)
+            sel = torch.gather(packed, -1, limit.unsqueeze(-3).expand(*lead, 3, 2, pairs))
+            # clipping errors, rest counts and spans of the pairs, (*P, k * k) each
+            clipped, rest_count, span = sel.sum(-2).unbind(-2)
+            error = clipped + rest_count * (span * span)
+            if best is not None:
+                error = _dead_zone(error, span, limit, win.below, win.offset.unsqueeze(-1), shift, half_scale)
+            flat_best = torch.argmin(error, -1, keepdim=True)  # (*P, 1)
+            best = torch.gather(limit, -1, flat_best.unsqueeze(-2).expand(*lead, 2, 1)).squeeze(-1)  # (*P, 2)
             if step <= 2:
                 break
             new_step = max(1, step // 16)  # 32 -> 2 with 128 buckets per octave; the finalists cover +-2
-            offsets = torch.arange(-step, step + 1, new_step, device=device)
+            span_args = (-step, step + 1, new_step)
             step = new_step
         # finalists: a 3 x 3 neighbourhood of the best (+-2 edges; 5 x 5 over +-1/16 octave for grids
         # of 4 bits or less), the full range, each side of the best with the other full
         n, stride = (5, bins // 32 or 1) if spec.bits <= 4 else (3, bins // 64 or 1)
-        near = (best.unsqueeze(-1) + torch.arange(-(n // 2), n // 2 + 1, device=device) * stride).clamp(0, width)
-        full = torch.full_like(best[..., :1], width)
-        pairs = torch.cat([torch.stack([near[..., 0, :].unsqueeze(-1).expand(*lead, n, n),
-                                        near[..., 1, :].unsqueeze(-2).expand(*lead, n, n)], -3).flatten(-2),
-                           torch.stack([full, full], -2), torch.stack([best[..., :1], full], -2),
-                           torch.stack([full, best[..., 1:]], -2)], -1)
-        values = torch.gather(cand, -1, pairs)
-        lo, hi = -values[..., 0, :], values[..., 1, :]
+        near = _constant(("near", n, stride, width), device, lambda d: torch.cat(
+            [torch.arange(-(n // 2), n // 2 + 1, device=d) * stride, torch.full((1,), 2 * width + 1, device=d)]))
+        # (neg, pos) positions in the n + 1 values per sign (the last: the full range)
+        grid_neg = [i for i in range(n) for _ in range(n)] + [n, n // 2, n]
+        grid_pos = [j for _ in range(n) for j in range(n)] + [n, n, n // 2]
+        which = _constant(("finalists", n), device, lambda d: torch.tensor([grid_neg, grid_pos], device=d))
+        values = torch.gather(cand, -1, (best.unsqueeze(-1) + near).clamp(0, width))  # (*P, 2, n + 1)
+        pairs = torch.gather(values, -1, which.expand(*lead, *which.shape))  # (*P, 2, n * n + 3)
+        lo, hi = -pairs[..., 0, :], pairs[..., 1, :]
     # exact ranking of the finalists: every bucket of the top octave of each sign (where the clipping
-    # points of light tails sit), buckets of 1/8 octave below
+    # points of light tails sit), buckets of 1/8 octave below; signed, ascending
     factor = max(1, bins // 8)
     split = width - bins
-    edges = torch.cat([win.edges[..., :split:factor], win.edges[..., split:]], -1)
-    counts = torch.cat([win.counts[..., :split].unflatten(-1, (-1, factor)).sum(-1), win.counts[..., split:]], -1)
-    signed_edges = torch.cat([-edges[..., 0, :].flip(-1), edges[..., 1, :]], -1)
-    signed_counts = torch.cat([counts[..., 0, :].flip(-1), win.below.sum(-1, keepdim=True), counts[..., 1, :]], -1)
-    widths = signed_edges[..., 1:] - signed_edges[..., :-1]
-    density = signed_counts / widths.clamp(min=1e-300)
-    error = _sawtooth_error(signed_edges, density, lo, hi, spec)
+
+    def signed_layout(d):
+        kept = torch.cat([torch.arange(0, split, factor, device=d), torch.arange(split, width + 1, device=d)])
+        order = torch.cat([kept.flip(0), kept + (width + 1)])
+        positive = torch.cat([torch.zeros_like(kept, dtype=torch.bool), torch.ones_like(kept, dtype=torch.bool)])
+        return order, positive, torch.where(positive, 1.0, -1.0).double()
+
+    order, positive, sign = _constant(("signed", width, factor), device, signed_layout)
+    signed_edges = win.edges.flatten(-2).index_select(-1, order) * sign
+    # values below each signed edge (integers): the negative ones beyond it, all but the positive ones beyond it
+    beyond = win.tails[..., 0, :, :].flatten(-2).index_select(-1, order)
+    cumulative = torch.where(positive, win.total.unsqueeze(-1) - beyond, beyond)
+    density = cumulative.diff(dim=-1) / signed_edges.diff(dim=-1).clamp(min=1e-300)
+    error = _sawtooth_error(signed_edges, density, lo, hi, spec, straddles_zero=True)
     pick = torch.argmin(error, -1, keepdim=True)
     return torch.gather(lo, -1, pick).squeeze(-1), torch.gather(hi, -1, pick).squeeze(-1)
 
@@ -942,18 +963,19 @@ def _percentile_search(state, spec, bins, low, percentile=99.99):
 _METHODS = ("l2", "mse", "entropy", "percentile", "minmax")
 
 
+def _eager_inference(state) -> bool:
+    """Whether a range rule may run its few hundred small ops under ``torch.inference_mode`` (no
+    autograd bookkeeping): plain eager tensors only, none requiring grad; not under compile or
+    a functorch transform (vmap, grad)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not any(t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t) for t in state)
+
+
 def _histogram_rule_factory():
-    def rule(state, spec: QuantSpec, method: str = "l2", **options) -> Range:
-        if method not in _METHODS:
-            raise ValueError(f"compute_qparams: histogram method must be one of {_METHODS}, got {method!r}")
+    def search(state, spec: QuantSpec, method: str, options) -> Range:
         bins, low, _ = _config(state)
         calibrated = state.min_val <= state.max_val  # some value counted (the extremes start at +-inf)
-        if method == "minmax":
-            if options:
-                raise TypeError(f"compute_qparams: method 'minmax' takes no options, got {sorted(options)}")
-            return Range(state.min_val, state.max_val, calibrated)
-        if method == "l2" and options:
-            raise TypeError(f"compute_qparams: method 'l2' takes no options, got {sorted(options)}")
         if method == "l2" and not spec.is_float:
             lo, hi = _l2_search(state, spec, bins, low)  # a few dozen ops on small tensors: no thread juggling
         else:
@@ -971,6 +993,21 @@ def _histogram_rule_factory():
         lo = torch.where(calibrated, torch.clamp(lo.float(), torch.minimum(state.min_val, zero), zero), state.min_val)
         hi = torch.where(calibrated, torch.clamp(hi.float(), zero, torch.maximum(state.max_val, zero)), state.max_val)
         return Range(lo, hi, calibrated)
+
+    def rule(state, spec: QuantSpec, method: str = "l2", **options) -> Range:
+        if method not in _METHODS:
+            raise ValueError(f"compute_qparams: histogram method must be one of {_METHODS}, got {method!r}")
+        if method == "minmax":
+            if options:
+                raise TypeError(f"compute_qparams: method 'minmax' takes no options, got {sorted(options)}")
+            return Range(state.min_val, state.max_val, state.min_val <= state.max_val)
+        if method == "l2" and options:
+            raise TypeError(f"compute_qparams: method 'l2' takes no options, got {sorted(options)}")
+        if not _eager_inference(state):
+            return search(state, spec, method, options)
+        with torch.inference_mode():
+            found = search(state, spec, method, options)
+        return Range(*(t.clone() for t in found))  # ordinary tensors again
 
     return rule
 
