@@ -53,6 +53,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._granularity import checked_view, qparam_shape, weight_view
+from .._formats import handles_qparams
 from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
@@ -146,10 +147,7 @@ def _bincount(codes: torch.Tensor, minlength: int) -> torch.Tensor:
     return counts
 
 
-@torch.library.custom_op("qstats::float_bucket_counts", mutates_args=())
-def _bucket_counts_op(
-    view: torch.Tensor, mask: Optional[torch.Tensor], mantissa_bits: int, min_exponent: int, max_exponent: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _bucket_counts_impl(view, mask, mantissa_bits: int, min_exponent: int, max_exponent: int):
     m = mantissa_bits
     params = view.shape[1:-1]
     num_params = math.prod(params)
@@ -198,6 +196,13 @@ def _bucket_counts_op(
     return counts, raw[..., 2 * num_buckets].clone()  # outputs of a custom op must not alias each other
 
 
+@torch.library.custom_op("qstats::float_bucket_counts", mutates_args=())
+def _bucket_counts_op(
+    view: torch.Tensor, mask: Optional[torch.Tensor], mantissa_bits: int, min_exponent: int, max_exponent: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _bucket_counts_impl(view, mask, mantissa_bits, min_exponent, max_exponent)
+
+
 @_bucket_counts_op.register_fake
 def _(view, mask, mantissa_bits, min_exponent, max_exponent):
     params = view.shape[1:-1]
@@ -216,6 +221,48 @@ def _bucket_vmap_rule(info, in_dims, view, mask, mantissa_bits, min_exponent, ma
 
 
 torch.library.register_vmap("qstats::float_bucket_counts", _bucket_vmap_rule)
+
+
+def _aminmax(x: torch.Tensor):
+    """Min and max over dims (0, -1): one pass over a single parameter's values (torch.aminmax
+    over all dims; its per-dim form is slow on CPU), else amin and amax group dim first."""
+    if x[0, ..., 0].numel() == 1:
+        lo, hi = torch.aminmax(x)
+        return lo.reshape(x.shape[1:-1]), hi.reshape(x.shape[1:-1])
+    return x.amin(-1).amin(0), x.amax(-1).amax(0)
+
+
+@torch.library.custom_op("qstats::float_bucket_counts_extremes", mutates_args=())
+def _bucket_extremes_op(
+    view: torch.Tensor, mantissa_bits: int, min_exponent: int, max_exponent: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bucket counts, non-finite counts and the exact float32 extremes of the finite values
+    of an unmasked canonical view: one min/max pass when every value is finite (known from the
+    counts), else a pass that leaves the non-finite values out (``finite_aminmax``'s results)."""
+    x = view.to(torch.float32).contiguous()
+    counts, nonfinite = _bucket_counts_impl(x, None, mantissa_bits, min_exponent, max_exponent)
+    if int(nonfinite.sum()):  # a check on this op's own result (the op is opaque to compile and vmap)
+        finite = torch.isfinite(x)
+        lo, _ = _aminmax(torch.where(finite, x, torch.inf))
+        _, hi = _aminmax(torch.where(finite, x, -torch.inf))
+    else:
+        lo, hi = _aminmax(x)
+    return counts, nonfinite, lo, hi
+
+
+@_bucket_extremes_op.register_fake
+def _(view, mantissa_bits, min_exponent, max_exponent):
+    counts, nonfinite = _bucket_counts_op(view, None, mantissa_bits, min_exponent, max_exponent)
+    lo = view.new_empty(view.shape[1:-1], dtype=torch.float32)
+    return counts, nonfinite, lo, torch.empty_like(lo)
+
+
+def _bucket_extremes_vmap_rule(info, in_dims, view, mantissa_bits, min_exponent, max_exponent):
+    outs = _bucket_extremes_op(view.movedim(in_dims[0], 1), mantissa_bits, min_exponent, max_exponent)
+    return outs, (0, 0, 0, 0)
+
+
+torch.library.register_vmap("qstats::float_bucket_counts_extremes", _bucket_extremes_vmap_rule)
 
 
 def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):
@@ -310,8 +357,12 @@ def histogram(spec: QuantSpec, bins: int = 128, octaves: int = 48) -> Observer:
         mask = weight_view(x, weight, spec.granularity)
         if mask is not None:
             mask = (mask != 0).expand(view.shape)
-        lo, hi, _, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
-        counts, _ = _bucket_counts_op(view.detach(), mask, mantissa_bits, low, high)
+        if mask is None and spec.nonfinite == "ignore" and not torch.compiler.is_compiling():
+            # one op: counts and extremes (the extremes in one pass when every value is finite)
+            counts, nonfinite, lo, hi = _bucket_extremes_op(view.detach(), mantissa_bits, low, high)
+        else:  # compiled: finite_aminmax fuses into the graph
+            lo, hi, _, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
+            counts, _ = _bucket_counts_op(view.detach(), mask, mantissa_bits, low, high)
         return HistogramState(
             state.counts + counts[..., 1:-1].unflatten(-1, (octaves, bins)),
             state.underflow + counts[..., 0],
@@ -627,7 +678,8 @@ def _dead_zone(error, span, limit, below, offset, shift: int, half_scale: float)
     code = (half.float().view(torch.int32) >> shift).unsqueeze(-2)
     edge = torch.minimum((code - offset).clamp(min=0), limit)  # (*P, 2, n)
     lead = error.shape[:-1]
-    gathered = torch.gather(below, -1, edge.unsqueeze(-3).expand(*lead, 3, *edge.shape[-2:])).sum(-2)  # (*P, 3, n)
+    gathered = torch.gather(below, -1, edge.unsqueeze(-3).expand(*lead, 3, *edge.shape[-2:]))
+    gathered = gathered[..., 0, :] + gathered[..., 1, :]  # (*P, 3, n): summed over the signs
     return error + torch.addcmul(gathered[..., 2, :], gathered[..., 0, :], half * half, value=-1 / 3)
 
 
@@ -692,12 +744,12 @@ def _l2_search(state, spec, bins, low):
             limit = limit.expand(*lead, 2, pairs)
             sel = torch.gather(packed, -1, limit.unsqueeze(-3).expand(*lead, 3, 2, pairs))
             # clipping errors, rest counts and spans of the pairs, (*P, k * k) each
-            clipped, rest_count, span = sel.sum(-2).unbind(-2)
+            clipped, rest_count, span = (sel[..., 0, :] + sel[..., 1, :]).unbind(-2)
             error = clipped + rest_count * (span * span)
             if best is not None:
                 error = _dead_zone(error, span, limit, win.below, win.offset.unsqueeze(-1), shift, half_scale)
             flat_best = torch.argmin(error, -1, keepdim=True)  # (*P, 1)
-            best = torch.gather(limit, -1, flat_best.unsqueeze(-2).expand(*lead, 2, 1)).squeeze(-1)  # (*P, 2)
+            best = torch.take_along_dim(limit, flat_best.unsqueeze(-2), -1).squeeze(-1)  # (*P, 2)
             if step <= 2:
                 break
             new_step = max(1, step // 16)  # 32 -> 2 with 128 buckets per octave; the finalists cover +-2
@@ -977,17 +1029,13 @@ def _histogram_rule_factory():
         bins, low, _ = _config(state)
         calibrated = state.min_val <= state.max_val  # some value counted (the extremes start at +-inf)
         if method == "l2" and not spec.is_float:
-            lo, hi = _l2_search(state, spec, bins, low)  # a few dozen ops on small tensors: no thread juggling
+            lo, hi = _l2_search(state, spec, bins, low)
+        elif method in ("l2", "mse"):  # l2 on floating-point grids: the exact integral
+            lo, hi = _mse_search(state, spec, bins, low, **options)
+        elif method == "entropy":
+            lo, hi = _entropy_search(state, spec, bins, low, **options)
         else:
-            with _serial_when_small(state.min_val.numel()):
-                if method == "l2":
-                    lo, hi = _mse_search(state, spec, bins, low)
-                elif method == "mse":
-                    lo, hi = _mse_search(state, spec, bins, low, **options)
-                elif method == "entropy":
-                    lo, hi = _entropy_search(state, spec, bins, low, **options)
-                else:
-                    lo, hi = _percentile_search(state, spec, bins, low, **options)
+            lo, hi = _percentile_search(state, spec, bins, low, **options)
         # inside [min_val, max_val] and around zero; the extremes when nothing was counted
         zero = torch.zeros_like(state.min_val)
         lo = torch.where(calibrated, torch.clamp(lo.float(), torch.minimum(state.min_val, zero), zero), state.min_val)
@@ -1003,11 +1051,14 @@ def _histogram_rule_factory():
             return Range(state.min_val, state.max_val, state.min_val <= state.max_val)
         if method == "l2" and options:
             raise TypeError(f"compute_qparams: method 'l2' takes no options, got {sorted(options)}")
-        if not _eager_inference(state):
-            return search(state, spec, method, options)
-        with torch.inference_mode():
-            found = search(state, spec, method, options)
-        return Range(*(t.clone() for t in found))  # ordinary tensors again
+        with _serial_when_small(state.min_val.numel()):
+            if not _eager_inference(state):
+                return search(state, spec, method, options)
+            with torch.inference_mode():
+                found = search(state, spec, method, options)
+                if not handles_qparams(spec):  # elementwise scales: no global scale to take
+                    found = qparams_from_minmax(found.min_val, found.max_val, spec, calibrated=found.calibrated)
+            return type(found)(*(t.clone() for t in found))  # ordinary tensors again
 
     return rule
 
