@@ -10,8 +10,10 @@ front. The resolved magnitudes are ``[2**-(octaves // 2), 2**(octaves - octaves 
 one *underflow* bucket per sign, larger ones into one *overflow* bucket that ends at the exact
 extreme. Counts are int64, so merging two histograms is adding integers: bit-identical for every
 split of the data, every merge order, across ranks and under ``vmap``. The update is a shift and
-an add on the float's int32 view and one ``bincount`` over a flattened (parameter, bucket) index,
-inside a custom op (batching rule for ``vmap``, opaque to ``torch.compile``).
+an add on the float's int32 view and one ``bincount`` over a flattened (parameter, bucket) index
+(in concurrent pieces, one per torch thread, when torch runs several), inside a custom op
+(batching rule for ``vmap``, opaque to ``torch.compile``); unmasked eager updates take the exact
+extremes in the same op, in one min/max pass when the counts show every value finite.
 
 State: ``counts`` of shape ``(*qparam_shape, 2, octaves, bins)`` (sign 0: negative, sign 1:
 positive), ``underflow`` and ``overflow`` of shape ``(*qparam_shape, 2)``, the exact float32
@@ -32,7 +34,9 @@ resolution (smaller values are folded into one bucket around zero):
   candidates are ranked in a few batched steps from suffix sums (clipping error exact,
   ``scale**2 / 12`` per rounded value, ``x**2`` for values that round to zero), no search in
   sorted arrays; the finalists are then ranked by the exact integral of the squared error of the
-  spec's grid (zero point rounding included) over the buckets.
+  spec's grid (zero point rounding included) over the buckets. About 200 small tensor ops; in
+  eager mode the searches run under ``torch.inference_mode`` (single-threaded when they have few
+  parameters) and return ordinary tensors.
 - ``"mse"``: that exact integral for 128 shrink factors ``2**(-k / 32)`` of the observed range
   (``O(buckets x candidates)``; fp8 targets use the fp8 grid at bucket centres).
 - ``"entropy"``: the KL-divergence calibration of TensorRT / ModelOpt on a 2048-bin linear
