@@ -6,8 +6,11 @@
   for bit. The fake-quantized codes are equal; the values agree to an ulp (ModelOpt divides the code
   by ``maxbound / amax``, qstats multiplies it by ``amax / maxbound``), so no spec reproduces
   ModelOpt's fake-quant output bit for bit. ``TensorQuantizer``'s default ``narrow_range=False`` keeps
-  the code -128 (int8) at the same step ``amax / 127``: no qstats spec has that grid in general; it
-  only shows when a clipping amax leaves values below ``-amax * 127.5 / 127``.
+  the code -128 (int8) at the same step ``amax / 127``: no qstats spec has that grid in general
+  (``symmetric_no_clipping_err`` has it for a symmetric range only); it shows only where a
+  clipping amax leaves values below ``-amax * 127.5 / 127``.
+- ``MseCalibrator`` (error on the data for multipliers of a max-calibrated amax) against
+  `qstats.mse` with the same reference range: as small an error per channel, exact merges.
 - ``HistogramCalibrator.compute_amax("entropy" | "percentile" | "mse")`` against
   ``qstats.compute_qparams(histogram_state, spec, method=...)`` with a narrow int spec (ModelOpt's
   ``fake_tensor_quant`` grid) and the defaults mirrored (2048 linear bins of ``|x|``, start bin 128,
@@ -15,7 +18,8 @@
   (ModelOpt: 2048 uniform bins over ``[0, amax]``; qstats: float-exponent buckets, 1/128 octave
   wide, re-binned onto the same 2048 linear bins under a uniform-in-bucket model), so the amaxes
   are compared within tolerances stated per method and the SQNR of the data quantized with each
-  amax (by ModelOpt's own fake quantizer) must be within 1% (or better for qstats).
+  amax (by ModelOpt's own fake quantizer) must be within 1% (3% for entropy, see SQNR_RTOL), or
+  better for qstats.
 - The KL search itself, run on ModelOpt's own histogram, gives ModelOpt's amax bit for bit.
 - ModelOpt's histogram depends on how the data is chunked; qstats' merged state does not.
 
@@ -47,7 +51,8 @@ with warnings.catch_warnings():
     pytest.importorskip("modelopt.torch.quantization")
     import modelopt.torch.quantization.calib.histogram as modelopt_histogram
     from modelopt.torch.export.quant_utils import get_scaling_factor
-    from modelopt.torch.quantization.calib import HistogramCalibrator, MaxCalibrator, MseCalibrator
+    from modelopt.torch.quantization import calib as modelopt_calib
+    from modelopt.torch.quantization.calib import HistogramCalibrator, MaxCalibrator
     from modelopt.torch.quantization.config import QuantizerAttributeConfig
     from modelopt.torch.quantization.nn import TensorQuantizer
     from modelopt.torch.quantization.tensor_quant import FakeTensorQuantFunction
@@ -253,7 +258,7 @@ def _mse_calibrator_comparison(axis, bits):
     max_calibrator = MaxCalibrator(num_bits=bits, axis=axis)
     for chunk in chunks:
         max_calibrator.collect(chunk)
-    calibrator = MseCalibrator(amax=max_calibrator.compute_amax(), axis=axis, quant_func=modelopt_quant)
+    calibrator = modelopt_calib.MseCalibrator(amax=max_calibrator.compute_amax(), axis=axis, quant_func=modelopt_quant)
     for chunk in chunks:
         calibrator.collect(chunk)
     theirs = calibrator.compute_amax()
@@ -276,6 +281,8 @@ def _mse_calibrator_comparison(axis, bits):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("axis", [None, 0])
 def test_mse_calibrator_against_qstats_mse(axis, bits):
+    if getattr(modelopt_calib, "MseCalibrator", None) is None:
+        pytest.skip("this ModelOpt has no MseCalibrator")
     # ModelOpt's MseCalibrator: the error on the data of 39 multipliers linspace(0.25, 4, 39) of an
     # amax given up front (its max calibration); qstats.mse with that range as reference and the
     # finer shrink factors 1 - i / 100 down to 0.25, squared error: at least as small per channel
@@ -302,8 +309,7 @@ def _calibrated(name, bits, unsigned=False):
 
 def _row(x, bits, unsigned, theirs, state, spec, method, **options):
     qp = qstats.compute_qparams(state, spec, method=method, **options)
-    # the amax qstats' qparams stand for: scale * maxbound (exact in float64; ModelOpt's exported
-    # scale of this amax, amax / maxbound, is qstats' scale again)
+    # the amax qstats' qparams stand for: scale * maxbound (exact in float64)
     ours = float(qp.scale.double() * _maxbound(bits, unsigned))
     return {
         "modelopt": theirs,
@@ -371,11 +377,9 @@ def _check(method, row, absmax, bits, unsigned=False):
     # what matters: the data quantized with each amax, by ModelOpt's quantizer
     reference = row["sqnr_modelopt"]
     assert row["sqnr_qstats"] >= reference - SQNR_RTOL[method] * abs(reference), (method, row)
-    # qstats' own qparams and fake_quantize give that same quantization (codes equal, values to an
-    # ulp), and ModelOpt's exported scale of that amax (amax / maxbound) is qstats' scale
+    # qstats' own qparams and fake_quantize quantize as ModelOpt's quantizer does with that amax
+    # (the spec's grid is ModelOpt's: codes equal, values to an ulp)
     assert row["sqnr_qstats_own"] == pytest.approx(row["sqnr_qstats"], abs=1e-3), (method, row)
-    exported = torch.tensor(ours, dtype=torch.float32) / _maxbound(bits, unsigned)
-    torch.testing.assert_close(exported, row["scale"], rtol=2.0**-23, atol=0)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -532,7 +536,7 @@ def _table():
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {bins} | bit-identical state and scales |")
     lines += ["", "| MseCalibrator vs qstats.mse (12 channels) | SQNR int8 ModelOpt / qstats (dB) | SQNR int4 ModelOpt / qstats (dB) |",
               "|---|---|---|"]
-    for axis in (None, 0):
+    for axis in (None, 0) if getattr(modelopt_calib, "MseCalibrator", None) else ():
         cells = [_mse_calibrator_comparison(axis, bits) for bits in (8, 4)]
         cells = [f"{c['sqnr_modelopt']:.2f} / {c['sqnr_qstats']:.2f}" for c in cells]
         lines.append(f"| {'per tensor' if axis is None else 'per channel'} | {cells[0]} | {cells[1]} |")
