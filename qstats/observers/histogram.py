@@ -578,13 +578,14 @@ _CONSTANTS: dict = {}
 def _constant(key, device, make):
     """The constant tensor ``make(device)``, cached per key and device in eager mode (built in
     the graph under compile)."""
-    if torch.compiler.is_compiling():
-        return make(device)
     full_key = (key, device)
     cached = _CONSTANTS.get(full_key)
-    if cached is None:
-        with torch.inference_mode(False):  # usable inside and outside inference mode
-            cached = _CONSTANTS[full_key] = make(device)
+    if cached is not None and not torch.compiler.is_compiling():
+        return cached
+    if torch.compiler.is_compiling():
+        return make(device)
+    with torch.inference_mode(False):  # usable inside and outside inference mode
+        cached = _CONSTANTS[full_key] = make(device)
     return cached
 
 
