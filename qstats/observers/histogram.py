@@ -1035,6 +1035,10 @@ def _histogram_rule_factory():
         calibrated = state.min_val <= state.max_val  # some value counted (the extremes start at +-inf)
         if method == "l2" and not spec.is_float:
             lo, hi = _l2_search(state, spec, bins, low)
+            if not _is_symmetric(spec):
+                # edges clamped to each sign's extreme: inside [min(min_val, 0), 0] and [0, max(max_val, 0)]
+                # already (zeros when nothing was counted)
+                return Range(lo.float(), hi.float(), calibrated)
         elif method in ("l2", "mse"):  # l2 on floating-point grids: the exact integral
             lo, hi = _mse_search(state, spec, bins, low, **options)
         elif method == "entropy":
