@@ -110,6 +110,18 @@ def test_concurrent_bincount_pieces_count_exactly(monkeypatch):
                 assert torch.equal(state.counts[index], torch.from_numpy(counts))
                 assert torch.equal(state.underflow[index], torch.from_numpy(under))
                 assert torch.equal(state.overflow[index], torch.from_numpy(over))
+        # unmasked: the extremes' pass runs beside the pieces; with and without non-finite values
+        for extra in (torch.tensor([]), torch.tensor([float("nan"), float("inf"), -float("inf")])):
+            values = torch.cat([x.reshape(-1), extra])
+            obs = qstats.histogram(qstats.QuantSpec(), bins=128, octaves=16)
+            state = obs.update(obs.init(values), values)
+            counts, under, over = _counts_numpy(values, 128, 16)
+            assert torch.equal(state.counts, torch.from_numpy(counts))
+            assert torch.equal(state.underflow, torch.from_numpy(under))
+            assert torch.equal(state.overflow, torch.from_numpy(over))
+            assert int(state.nonfinite) == extra.numel()
+            assert float(state.min_val) == float(x.min()) and float(state.max_val) == float(x.max())
+        assert torch.get_num_threads() == 3  # restored after the concurrent pieces
     finally:
         torch.set_num_threads(threads)
 

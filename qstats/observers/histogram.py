@@ -129,75 +129,119 @@ class HistogramState(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 # Bucketing: a custom op (one implementation for eager, vmap and compile).
 
-_BINCOUNT_PIECE = 1 << 20  # codes per concurrent bincount piece, at least
+_BINCOUNT_PIECE = 1 << 20  # values per concurrent counting piece, at least
 _POOL: list = [None, None]  # (process id, thread pool) for the concurrent pieces
 
 
-def _bincount(codes: torch.Tensor, minlength: int) -> torch.Tensor:
-    """``torch.bincount`` of non-negative int32 codes, in concurrent pieces when torch runs
-    several threads: bincount's counting loop is serial, and it runs its own min/max pass. The
-    pieces run on a small thread pool (torch releases the GIL), one per torch thread; their
-    integer counts add up exactly, so the result does not depend on the split."""
-    pieces = min(torch.get_num_threads(), codes.numel() // _BINCOUNT_PIECE, 8)
-    if pieces < 2:
-        return torch.bincount(codes, minlength=minlength)
+def _single_threaded(task):
+    torch.set_num_threads(1)  # this pool thread's own OpenMP team
+    return task()
+
+
+def _run_concurrently(tasks):
+    """Runs the callables ``tasks`` at once, the first on this thread and the others on a small
+    thread pool (torch releases the GIL), every one single-threaded (torch's thread count is 1
+    meanwhile, then restored): whole passes side by side instead of nested thread teams."""
+    if len(tasks) == 1:
+        return [tasks[0]()]
     if _POOL[0] != os.getpid():  # a forked child does not inherit the pool's threads
-        _POOL[:] = [os.getpid(), ThreadPoolExecutor(max_workers=7, thread_name_prefix="qstats-bincount")]
-    parts = codes.tensor_split(pieces)
-    futures = [_POOL[1].submit(torch.bincount, part, None, minlength) for part in parts[1:]]
-    counts = torch.bincount(parts[0], minlength=minlength)
-    for future in futures:
-        counts += future.result()  # on this function's own result
-    return counts
+        _POOL[:] = [os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix="qstats-histogram")]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        futures = [_POOL[1].submit(_single_threaded, task) for task in tasks[1:]]
+        first = tasks[0]()
+        return [first] + [future.result() for future in futures]
+    finally:
+        torch.set_num_threads(threads)
 
 
-def _bucket_counts_impl(view, mask, mantissa_bits: int, min_exponent: int, max_exponent: int):
+def _split_dim(view: torch.Tensor) -> int:
+    """The dimension the counting pieces split: the observations or the group, the longer."""
+    return 0 if view.shape[0] >= view.shape[-1] else view.dim() - 1
+
+
+def _pieces(view: torch.Tensor) -> int:
+    """Concurrent counting pieces for a view: one per torch thread (at most 8) when it holds
+    enough values; 1 when torch runs one thread."""
+    return max(1, min(torch.get_num_threads(), view.shape[_split_dim(view)], view.numel() // _BINCOUNT_PIECE, 8))
+
+
+def _bucket_tasks(view, mask, mantissa_bits: int, min_exponent: int, max_exponent: int, pieces: int,
+                  extremes: bool = False):
+    """``(tasks, finish)``: callables counting the codes of ``pieces`` slices of the float32 view
+    (bincount over int32 codes; its counting loop is serial), each also taking its slice's min
+    and max when ``extremes``; and ``finish(results)`` adding their integer counts (exact for
+    every split) into ``(counts, nonfinite)``, with the extremes' min and max when asked."""
     m = mantissa_bits
     params = view.shape[1:-1]
     num_params = math.prod(params)
     num_buckets = (max_exponent - min_exponent) * (1 << m) + 2
-    x = view.to(torch.float32).contiguous()
-    bits = x.view(torch.int32)
+    param_index = None
     if num_params > 1:
-        param_index = torch.arange(num_params, dtype=torch.int32, device=x.device).reshape(1, *params, 1)
-    if num_params * (1 << (9 + m)) <= _FULL_RESOLUTION_LIMIT:
-        # Every (sign, exponent, top mantissa) code, then fold the window edges.
-        stride = 1 << (9 + m)
-        code = bits >> (23 - m)
-        code.add_(1 << (8 + m))  # in place on this op's own temporary: one pass and one buffer less
-        if num_params > 1:
+        param_index = torch.arange(num_params, dtype=torch.int32, device=view.device).reshape(1, *params, 1)
+    full_resolution = num_params * (1 << (9 + m)) <= _FULL_RESOLUTION_LIMIT
+    stride = (1 << (9 + m)) if full_resolution else 2 * num_buckets + 1
+
+    def count(values, piece_mask):
+        piece = values.view(torch.int32)
+        if full_resolution:
+            # every (sign, exponent, top mantissa) code; the window edges are folded afterwards
+            code = piece >> (23 - m)
+            code.add_(1 << (8 + m))  # in place on this task's own temporary: one pass and one buffer less
+        else:
+            magnitude = piece & 0x7FFFFFFF
+            magnitude >>= 23 - m  # in place on this task's own temporaries from here on
+            code = (magnitude - (((min_exponent + 127) << m) - 1)).clamp_(0, num_buckets - 1)
+            code.add_((piece >= 0).to(torch.int32).mul_(num_buckets))
+            code = torch.where(magnitude >= (255 << m), 2 * num_buckets, code)
+        if param_index is not None:
             code.add_(param_index * stride)
-        if mask is not None:
-            code = torch.where(mask, code, num_params * stride)
-        raw = _bincount(code.reshape(-1), num_params * stride + 1)[: num_params * stride]
-        raw = raw.reshape(*params, 2, 1 << (8 + m))
-        low = (min_exponent + 127) << m
-        high = (max_exponent + 127) << m
-        finite_end = 255 << m
-        counts = torch.cat(
-            [
-                raw[..., :low].sum(-1, keepdim=True),
-                raw[..., low:high],
-                raw[..., high:finite_end].sum(-1, keepdim=True),
-            ],
-            dim=-1,
-        )
-        nonfinite = raw[..., finite_end:].sum((-2, -1))
-        return counts, nonfinite
-    stride = 2 * num_buckets + 1
-    magnitude = bits & 0x7FFFFFFF
-    magnitude >>= 23 - m  # in place on this op's own temporaries from here on
-    code = (magnitude - (((min_exponent + 127) << m) - 1)).clamp_(0, num_buckets - 1)
-    code.add_((bits >= 0).to(torch.int32).mul_(num_buckets))
-    code = torch.where(magnitude >= (255 << m), 2 * num_buckets, code)
-    if num_params > 1:
-        code = code + param_index * stride
-    if mask is not None:
-        code = torch.where(mask, code, num_params * stride)
-    raw = _bincount(code.reshape(-1), num_params * stride + 1)[: num_params * stride]
-    raw = raw.reshape(*params, stride)
-    counts = raw[..., : 2 * num_buckets].reshape(*params, 2, num_buckets)
-    return counts, raw[..., 2 * num_buckets].clone()  # outputs of a custom op must not alias each other
+        if piece_mask is not None:
+            code = torch.where(piece_mask, code, num_params * stride)
+        raw = torch.bincount(code.reshape(-1), minlength=num_params * stride + 1)
+        return (raw, *_aminmax(values)) if extremes else raw
+
+    dim = _split_dim(view)
+    parts = view.tensor_split(pieces, dim)
+    masks = mask.tensor_split(pieces, dim) if mask is not None else [None] * pieces
+    tasks = [lambda part=part, part_mask=part_mask: count(part, part_mask) for part, part_mask in zip(parts, masks)]
+
+    def finish(results):
+        raws = [result[0] for result in results] if extremes else results
+        raw = raws[0]
+        for other in raws[1:]:
+            raw = raw + other
+        raw = raw[: num_params * stride]
+        if extremes:
+            lo, hi = results[0][1], results[0][2]
+            for result in results[1:]:
+                lo, hi = torch.minimum(lo, result[1]), torch.maximum(hi, result[2])
+            return fold(raw), lo, hi
+        return fold(raw)
+
+    def fold(raw):
+        if full_resolution:
+            raw = raw.reshape(*params, 2, 1 << (8 + m))
+            low = (min_exponent + 127) << m
+            high = (max_exponent + 127) << m
+            finite_end = 255 << m
+            counts = torch.cat(
+                [raw[..., :low].sum(-1, keepdim=True), raw[..., low:high], raw[..., high:finite_end].sum(-1, keepdim=True)],
+                dim=-1,
+            )
+            return counts, raw[..., finite_end:].sum((-2, -1))
+        raw = raw.reshape(*params, stride)
+        counts = raw[..., : 2 * num_buckets].reshape(*params, 2, num_buckets)
+        return counts, raw[..., 2 * num_buckets].clone()  # outputs of a custom op must not alias each other
+
+    return tasks, finish
+
+
+def _bucket_counts_impl(view, mask, mantissa_bits: int, min_exponent: int, max_exponent: int):
+    x = view.to(torch.float32).contiguous()
+    tasks, finish = _bucket_tasks(x, mask, mantissa_bits, min_exponent, max_exponent, _pieces(x))
+    return finish(_run_concurrently(tasks))
 
 
 @torch.library.custom_op("qstats::float_bucket_counts", mutates_args=())
@@ -244,13 +288,12 @@ def _bucket_extremes_op(
     of an unmasked canonical view: one min/max pass when every value is finite (known from the
     counts), else a pass that leaves the non-finite values out (``finite_aminmax``'s results)."""
     x = view.to(torch.float32).contiguous()
-    counts, nonfinite = _bucket_counts_impl(x, None, mantissa_bits, min_exponent, max_exponent)
+    tasks, finish = _bucket_tasks(x, None, mantissa_bits, min_exponent, max_exponent, _pieces(x), extremes=True)
+    (counts, nonfinite), lo, hi = finish(_run_concurrently(tasks))
     if int(nonfinite.sum()):  # a check on this op's own result (the op is opaque to compile and vmap)
         finite = torch.isfinite(x)
         lo, _ = _aminmax(torch.where(finite, x, torch.inf))
         _, hi = _aminmax(torch.where(finite, x, -torch.inf))
-    else:
-        lo, hi = _aminmax(x)
     return counts, nonfinite, lo, hi
 
 
