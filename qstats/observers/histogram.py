@@ -139,21 +139,19 @@ def _single_threaded(task):
 
 
 def _run_concurrently(tasks):
-    """Runs the callables ``tasks`` at once, the first on this thread and the others on a small
-    thread pool (torch releases the GIL), every one single-threaded (torch's thread count is 1
-    meanwhile, then restored): whole passes side by side instead of nested thread teams."""
+    """Runs the callables ``tasks`` at once on a small thread pool (torch releases the GIL), each
+    single-threaded in its pool thread: whole passes side by side instead of nested thread
+    teams. This thread's torch settings are left as they were."""
     if len(tasks) == 1:
         return [tasks[0]()]
     if _POOL[0] != os.getpid():  # a forked child does not inherit the pool's threads
         _POOL[:] = [os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix="qstats-histogram")]
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        futures = [_POOL[1].submit(_single_threaded, task) for task in tasks[1:]]
-        first = tasks[0]()
-        return [first] + [future.result() for future in futures]
+        futures = [_POOL[1].submit(_single_threaded, task) for task in tasks]
+        return [future.result() for future in futures]
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # the process-wide default the pool threads set to 1
 
 
 def _split_dim(view: torch.Tensor) -> int:
