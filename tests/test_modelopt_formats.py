@@ -257,7 +257,7 @@ def test_nvfp4_bf16_division_order_finding():
     x = torch.tensor(DIVISION_ORDER_BLOCK + [8.1875] + [0.0] * 15, dtype=torch.bfloat16).reshape(1, 32)
     qp = _observe(NVFP4, x)
     packed, block_scales, global_scale = NVFP4QTensor.quantize(x.clone(), 16)
-    assert torch.equal(block_scales.float().reshape(-1)[0], qp.scale.reshape(-1)[0]) and block_scales.float()[0, 0] == 192
+    assert block_scales.float()[0, 0] == 192 == qp.scale[0, 0]
     theirs = _unpack_fp4(packed._quantized_data, x.shape)
     ours = qstats.quantize(x, qp, NVFP4)
     exact = 2.046875 / (192.0 * float(global_scale))
@@ -441,30 +441,39 @@ def _minilm_linear_weights():
     return [w for name, w in weights.items() if name.startswith("encoder.") and w.ndim == 2]
 
 
+def _differ(a, b):
+    return int((a.float() != b.float()).sum())
+
+
 def _count_mismatches(x):
     """Differing codes and block scales of one weight, ModelOpt's qtensors against qstats."""
     counts = {}
     qp = _observe(NVFP4, x)
     shape = (*x.shape[:-1], x.shape[-1] // 16)
     _, _, packed = _nvfp4_modelopt_with_scales(x, qp, shape)
-    counts["NVFP4 codes (same scales)"] = int((_unpack_fp4(packed._quantized_data, x.shape) != qstats.quantize(x, qp, NVFP4)).sum())
+    theirs = _unpack_fp4(packed._quantized_data, x.shape)
+    counts["NVFP4 codes (same scales)"] = _differ(theirs, qstats.quantize(x, qp, NVFP4))
     block_scales, _ = _nvfp4_modelopt_scales(x)
     counts["NVFP4 block scales"] = int((block_scales.float() != qp.scale).sum())
     spec = FP8 if x.dtype == torch.float32 else FP8_BF16
     packed, _ = FP8QTensor.quantize(x)
-    counts["FP8 codes"] = int((packed._quantized_data.float() != qstats.quantize(x, _observe(spec, x), spec).float()).sum())
+    counts["FP8 codes"] = _differ(packed._quantized_data, qstats.quantize(x, _observe(spec, x), spec))
     fake = fp8_eager(x, x.abs().amax())
-    counts["FP8 fake-quant values (TensorQuantizer)"] = int((fake != qstats.fake_quantize(x, _observe(spec, x), spec)).sum())
+    counts["FP8 fake-quant values (TensorQuantizer)"] = _differ(fake, qstats.fake_quantize(x, _observe(spec, x), spec))
     packed, _ = MXFP8QTensor.quantize(x)
-    counts["MXFP8 codes"] = int((packed._quantized_data.float() != qstats.quantize(x, _observe(MXFP8, x), MXFP8).float()).sum())
+    counts["MXFP8 codes"] = _differ(packed._quantized_data, qstats.quantize(x, _observe(MXFP8, x), MXFP8))
     packed, _ = MXFP4QTensor.quantize(x, 32)
-    counts["MXFP4 codes"] = int((_unpack_fp4(packed._quantized_data, x.shape) != qstats.quantize(x, _observe(MXFP4, x), MXFP4)).sum())
+    theirs = _unpack_fp4(packed._quantized_data, x.shape)
+    counts["MXFP4 codes"] = _differ(theirs, qstats.quantize(x, _observe(MXFP4, x), MXFP4))
     return counts
 
 
 def _mismatch_table():
     g = torch.Generator().manual_seed(0)
-    data = {"MiniLM-L6 encoder Linear weights (36)": _minilm_linear_weights(), "Gaussian 1024x1024": [torch.randn(1024, 1024, generator=g)]}
+    data = {
+        "MiniLM-L6 encoder Linear weights (36)": _minilm_linear_weights(),
+        "Gaussian 1024x1024": [torch.randn(1024, 1024, generator=g)],
+    }
     rows = ["| weights | dtype | elements | " + " | ".join(_count_mismatches(torch.ones(1, 32))) + " |"]
     rows.append("| --- " * (3 + len(_count_mismatches(torch.ones(1, 32)))) + "|")
     for name, weights in data.items():
