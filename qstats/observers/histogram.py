@@ -561,11 +561,11 @@ def _cumulative(mom: _Moments, t: torch.Tensor):
     return m0, m1, m2
 
 
-def _lean_grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False):
+def _lean_grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False, qrange=None):
     """torch.ao / compressed-tensors scale and zero point of candidate ranges in float64, for the
     searches (the chosen range goes through the spec's exact arithmetic afterwards).
-    ``straddles_zero``: the caller knows ``lo <= 0 <= hi``."""
-    qmin, qmax = spec.qrange
+    ``straddles_zero``: the caller knows ``lo <= 0 <= hi``; ``qrange``: ``spec.qrange`` if known."""
+    qmin, qmax = spec.qrange if qrange is None else qrange
     if not straddles_zero:
         lo = torch.minimum(lo, torch.zeros_like(lo))
         hi = torch.maximum(hi, torch.zeros_like(hi))
@@ -590,10 +590,10 @@ def _lean_grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False):
     return scale, zero_point, (qmin - zero_point) * scale, (qmax - zero_point) * scale
 
 
-def _grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False):
+def _grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False, qrange=None):
     """Scale and clipping points of candidate ranges (lo, hi): the spec's own arithmetic."""
     if not spec.is_float and spec.scale_dtype == "float32" and spec.convention in ("torch_ao", "compressed_tensors"):
-        return _lean_grid(lo, hi, spec, straddles_zero)
+        return _lean_grid(lo, hi, spec, straddles_zero, qrange)
     shape = lo.shape
     calibrated = torch.ones(shape, dtype=torch.bool, device=lo.device)
     qp = qparams_from_minmax(lo.float(), hi.float(), spec, calibrated=calibrated)
@@ -694,14 +694,14 @@ def _sign_windows(state, spec, octaves: int) -> _Windows:
     return _Windows(edges, counts, cand, tails, below, flat.sum((-2, -1)).double(), offset)
 
 
-def _sawtooth_error(edges, density, lo, hi, spec, straddles_zero: bool = False):
+def _sawtooth_error(edges, density, lo, hi, spec, straddles_zero: bool = False, qrange=None):
     """Expected squared error of candidates ``(lo, hi)`` ``(*P, C)`` with the spec's own grid
     (zero point rounding included), exact under the piecewise-uniform model: the antiderivative
     of the squared error (a sawtooth inside the clipping points, cubic outside) at every edge,
     differenced and weighted by each bucket's ``count / width`` (``density`` ``(*P, B)``): one
     product with the differenced densities. ``straddles_zero``: the caller knows ``lo <= 0 <= hi``.
     Two-operand broadcasts only (CPU kernels with broadcast scalars per row are slow)."""
-    scale, zero_point, clip_lo, clip_hi = _grid(lo, hi, spec, straddles_zero)
+    scale, zero_point, clip_lo, clip_hi = _grid(lo, hi, spec, straddles_zero, qrange)
     u = edges.unsqueeze(-2)  # (*P, 1, B + 1)
     inside = torch.minimum(torch.maximum(u, clip_lo.unsqueeze(-1)), clip_hi.unsqueeze(-1))  # (*P, C, B + 1)
     w = inside * scale.reciprocal().unsqueeze(-1) + zero_point.unsqueeze(-1)  # in grid steps
@@ -734,7 +734,9 @@ def _l2_search(state, spec, bins, low):
     search in sorted arrays, no host synchronisation), the finalists ranked with the spec's own
     grid."""
     m = bins.bit_length() - 1
-    win = _sign_windows(state, spec, _search_octaves(spec))
+    bits = spec.bits  # parsed from the dtype name on each access
+    octaves = min(bits, 16) + 8  # _search_octaves
+    win = _sign_windows(state, spec, octaves)
     width = win.edges.shape[-1] - 1
     device = win.edges.device
     lead = win.edges.shape[:-2]
@@ -766,7 +768,7 @@ def _l2_search(state, spec, bins, low):
         best = torch.argmin(error, -1, keepdim=True)
         # finalists: the best's neighbours (+-3/16 octave for grids of 4 bits or less, where the
         # model is rough: most values sit within a few steps of zero) and the full range
-        reach, stride = (3 * (bins // 16 or 1), bins // 64 or 1) if spec.bits <= 4 else (2, 1)
+        reach, stride = (3 * (bins // 16 or 1), bins // 64 or 1) if bits <= 4 else (2, 1)
         near = _constant(("near", reach, stride, width), device,
                          lambda d: torch.cat([torch.arange(-reach, reach + 1, stride, device=d),
                                               torch.full((1,), 2 * width + 1, device=d)]))
@@ -776,7 +778,7 @@ def _l2_search(state, spec, bins, low):
         # 2-D: every (bins / 4)-th edge of the top (bits + 4) octaves, then finer around the best
         packed = torch.stack([clip, rest, cand], -3)  # (*P, 3, 2, W + 1)
         step = max(1, bins // 4)
-        reach = (_search_octaves(spec) - 4) * bins  # the candidates' reach: bits + 4 octaves
+        reach = (octaves - 4) * bins  # the candidates' reach: bits + 4 octaves
         span_args = (width, width - reach - 1, -step)
         best = None
         while True:
@@ -803,13 +805,13 @@ def _l2_search(state, spec, bins, low):
             step = new_step
         # finalists: a 3 x 3 neighbourhood of the best (+-2 edges; 5 x 5 over +-1/16 octave for grids
         # of 4 bits or less), the full range, each side of the best with the other full
-        n, stride = (5, bins // 32 or 1) if spec.bits <= 4 else (3, bins // 64 or 1)
+        n, stride = (5, bins // 32 or 1) if bits <= 4 else (3, bins // 64 or 1)
         near = _constant(("near", n, stride, width), device, lambda d: torch.cat(
             [torch.arange(-(n // 2), n // 2 + 1, device=d) * stride, torch.full((1,), 2 * width + 1, device=d)]))
         # (neg, pos) positions in the n + 1 values per sign (the last: the full range)
-        grid_neg = [i for i in range(n) for _ in range(n)] + [n, n // 2, n]
-        grid_pos = [j for _ in range(n) for j in range(n)] + [n, n, n // 2]
-        which = _constant(("finalists", n), device, lambda d: torch.tensor([grid_neg, grid_pos], device=d))
+        which = _constant(("finalists", n), device, lambda d: torch.tensor(
+            [[i for i in range(n) for _ in range(n)] + [n, n // 2, n],
+             [j for _ in range(n) for j in range(n)] + [n, n, n // 2]], device=d))
         values = torch.gather(cand, -1, (best.unsqueeze(-1) + near).clamp(0, width))  # (*P, 2, n + 1)
         pairs = torch.gather(values, -1, which.expand(*lead, *which.shape))  # (*P, 2, n * n + 3)
         lo, hi = -pairs[..., 0, :], pairs[..., 1, :]
@@ -830,7 +832,7 @@ def _l2_search(state, spec, bins, low):
     beyond = win.tails[..., 0, :, :].flatten(-2).index_select(-1, order)
     cumulative = torch.where(positive, win.total.unsqueeze(-1) - beyond, beyond)
     density = cumulative.diff(dim=-1) / signed_edges.diff(dim=-1).clamp(min=1e-300)
-    error = _sawtooth_error(signed_edges, density, lo, hi, spec, straddles_zero=True)
+    error = _sawtooth_error(signed_edges, density, lo, hi, spec, straddles_zero=True, qrange=(qmin, qmax))
     pick = torch.argmin(error, -1, keepdim=True)
     return torch.gather(lo, -1, pick).squeeze(-1), torch.gather(hi, -1, pick).squeeze(-1)
 
@@ -1101,14 +1103,22 @@ def _histogram_rule_factory():
             return Range(state.min_val, state.max_val, state.min_val <= state.max_val)
         if method == "l2" and options:
             raise TypeError(f"compute_qparams: method 'l2' takes no options, got {sorted(options)}")
-        with _serial_when_small(state.min_val.numel()):
-            if not _eager_inference(state):
+        threads = torch.get_num_threads()
+        serial = threads > 1 and state.min_val.numel() <= 16  # see _serial_when_small
+        if not _eager_inference(state):
+            with _serial_when_small(state.min_val.numel()):
                 return search(state, spec, method, options)
+        if serial:
+            torch.set_num_threads(1)
+        try:
             with torch.inference_mode():
                 found = search(state, spec, method, options)
                 if not handles_qparams(spec):  # elementwise scales: no global scale to take
                     found = qparams_from_minmax(found.min_val, found.max_val, spec, calibrated=found.calibrated)
-            return type(found)(*(t.clone() for t in found))  # ordinary tensors again
+        finally:
+            if serial:
+                torch.set_num_threads(threads)
+        return type(found)(*(t.clone() for t in found))  # ordinary tensors again
 
     return rule
 
