@@ -10,10 +10,11 @@ front. The resolved magnitudes are ``[2**-(octaves // 2), 2**(octaves - octaves 
 one *underflow* bucket per sign, larger ones into one *overflow* bucket that ends at the exact
 extreme. Counts are int64, so merging two histograms is adding integers: bit-identical for every
 split of the data, every merge order, across ranks and under ``vmap``. The update is a shift and
-an add on the float's int32 view and one ``bincount`` over a flattened (parameter, bucket) index
-(in concurrent pieces, one per torch thread, when torch runs several), inside a custom op
-(batching rule for ``vmap``, opaque to ``torch.compile``); unmasked eager updates take the exact
-extremes in the same op, in one min/max pass when the counts show every value finite.
+an add on the float's int32 view and one ``bincount`` over a flattened (parameter, bucket) index,
+inside a custom op (batching rule for ``vmap``, opaque to ``torch.compile``); when torch runs
+several threads, one slice of the data per thread is counted single-threaded on a small thread
+pool, side by side. Unmasked eager updates take the exact extremes in the same op and the same
+slices, in one min/max pass when the counts show every value finite.
 
 State: ``counts`` of shape ``(*qparam_shape, 2, octaves, bins)`` (sign 0: negative, sign 1:
 positive), ``underflow`` and ``overflow`` of shape ``(*qparam_shape, 2)``, the exact float32
