@@ -388,7 +388,7 @@ def test_l2_windows_match_an_independent_bucketing(mapping):
 
 def _entropy_brute_force(hist, edges, num_bits=8, unsigned=False, start_bin=128, stride=1):
     bins = hist.astype(np.float64).copy()
-    bins[0] = bins[2]
+    bins[0] = bins[1]
     nbins = 1 << (num_bits - 1 + int(unsigned))
     divergences, arguments = [], []
     for i in range(start_bin, len(bins) + 1, stride):
@@ -510,3 +510,16 @@ def test_update_compiles_without_graph_breaks():
     obs = qstats.histogram(qstats.QuantSpec(granularity=qstats.PerAxis(0)), bins=8, octaves=12)
     g = torch.Generator().manual_seed(11)
     qstats.testing.check_compile(obs, [torch.randn(4, 8, generator=g) for _ in range(2)])
+
+
+def test_percentile_at_a_whole_count_stays_below_a_gap():
+    # 99.9 / 100 * 40000 is 39960.000000000004 in floating point: the 99.9th percentile of 39960 values
+    # in [0, 1) and 40 values at 100 is the top of the lower cluster, not the outliers' bucket
+    generator = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.rand(39960, generator=generator), torch.full((40,), 100.0)])
+    assert 99.9 / 100 * 40000 > 39960
+    spec = qstats.QuantSpec(dtype="int8", mapping="symmetric")
+    obs = qstats.histogram(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec, method="percentile", percentile=99.9)
+    amax = float(qp.scale) * 127.5
+    assert float(x[:39960].max()) * 0.99 <= amax <= 1.01

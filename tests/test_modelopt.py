@@ -27,8 +27,7 @@ Findings kept as tests: ModelOpt 0.47's histogram ``"mse"`` calls
 ``fake_tensor_quant(centers, amax, num_bits, unsigned)`` positionally while the function's third
 argument is now ``bias`` (so ``num_bits`` becomes the bias and ``unsigned`` the bit count) and returns
 the first candidate whatever the data; its intended result is obtained by calling the same code
-with that call fixed. qstats' entropy search replaces the first bin's count by the third's (the
-rule of TensorRT's pytorch-quantization); ModelOpt 0.47 uses the second's (strict xfail below).
+with that call fixed. Both replace the first bin's count of the entropy search by the second's.
 
 ``python tests/test_modelopt.py`` prints the comparison table (markdown).
 """
@@ -433,8 +432,6 @@ def test_entropy_search_is_modelopt_on_its_own_histogram(name, bits):
     assert float(ours) == result["rows"]["entropy"]["modelopt"]
 
 
-@pytest.mark.xfail(strict=True, reason="qstats' entropy_amax replaces bin 0 by bin 2 (pytorch-quantization's "
-                   "rule); ModelOpt 0.47 uses bin 1 (calib/histogram.py: bins[0] = bins[1])")
 def test_entropy_first_bin_rule_is_modelopts():
     # a histogram whose second and third bins differ a lot (a spike just above zero): the rule decides
     rng = np.random.default_rng(1)

@@ -938,15 +938,15 @@ def entropy_amax(hist: torch.Tensor, bin_edges: torch.Tensor, num_bits: int = 8,
     distribution ``P`` is ``hist[:i]`` with the outliers added to its last bin, and ``Q`` is
     ``hist[:i]`` quantized to ``2**(num_bits - 1 + unsigned)`` levels (each level spreads its mass
     evenly over its non-empty bins); the chosen amax is ``bin_edges[i]`` of the last minimum of
-    ``KL(P || Q)``. As ModelOpt, the first bin's count is replaced by the third's (zeros from
-    ReLU would dominate). Vectorised over candidates and leading dimensions.
+    ``KL(P || Q)``. As ModelOpt, the first bin's count is replaced by the second's (zeros from
+    ReLU would dominate; TensorRT's older pytorch-quantization took the third's). Vectorised over candidates and leading dimensions.
 
     Args:
       hist: counts, shape ``(*P, nbins)``.
       bin_edges: edges, shape ``(*P, nbins + 1)`` (or ``(nbins + 1,)``).
     """
     hist = hist.double()
-    hist = torch.cat([hist[..., 2:3], hist[..., 1:]], -1)
+    hist = torch.cat([hist[..., 1:2], hist[..., 1:]], -1)
     nbins_total = hist.shape[-1]
     levels = 1 << (num_bits - 1 + int(unsigned))
     device = hist.device
@@ -1034,6 +1034,10 @@ def _quantile(mom, q):
     """Value at cumulative fraction q (a tensor broadcastable to (*P, k)), uniform in buckets."""
     total = mom.c0[..., -1:]
     target = q * total
+    # q * total can land a rounding error past a whole count (0.999 * 40000 = 39960.000000000004)
+    # and skip to the next non-empty bucket: snap targets within a few ulps of a count onto it.
+    nearest = torch.round(target)
+    target = torch.where((target - nearest).abs() <= 8 * torch.finfo(target.dtype).eps * target, nearest, target)
     nb = mom.counts.shape[-1]
     i = _searchsorted(mom.c0[..., 1:].contiguous(), target.contiguous(), right=False).clamp(0, nb - 1)
     before = torch.gather(mom.c0, -1, i)
