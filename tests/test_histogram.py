@@ -89,41 +89,34 @@ def test_full_resolution_and_clamped_paths_agree():
         assert torch.equal(counts[row], single[0])
 
 
-def test_concurrent_bincount_pieces_count_exactly(monkeypatch):
-    # with several torch threads the bincount runs in concurrent pieces: same counts as numpy's
+def test_bucket_counts_and_extremes_equal_numpy(monkeypatch):
+    # full-resolution and clamped bucketing, masked and unmasked, against numpy's bucketing; the
+    # unmasked update's extremes come from the same op, with and without non-finite values
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4000, 3, generator=g) * 10.0 ** torch.randint(-4, 4, (4000, 3), generator=g)
     mask = torch.rand(4000, generator=g) < 0.7
-    monkeypatch.setattr(H, "_BINCOUNT_PIECE", 1000)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(3)
-    try:
-        for granularity, bins in ((qstats.PerTensor(), 128), (qstats.PerAxis(1), 64)):  # full resolution, clamped
-            monkeypatch.setattr(H, "_FULL_RESOLUTION_LIMIT", 1 << 22 if bins == 128 else 1)
-            obs = qstats.histogram(qstats.QuantSpec(granularity=granularity), bins=bins, octaves=16)
-            state = obs.update(obs.init(x), x, weight=mask)
-            kept = x[mask]
-            columns = [kept.reshape(-1)] if bins == 128 else list(kept.unbind(1))
-            for i, column in enumerate(columns):
-                counts, under, over = _counts_numpy(column, bins, 16)
-                index = () if bins == 128 else (i,)
-                assert torch.equal(state.counts[index], torch.from_numpy(counts))
-                assert torch.equal(state.underflow[index], torch.from_numpy(under))
-                assert torch.equal(state.overflow[index], torch.from_numpy(over))
-        # unmasked: the extremes' pass runs beside the pieces; with and without non-finite values
-        for extra in (torch.tensor([]), torch.tensor([float("nan"), float("inf"), -float("inf")])):
-            values = torch.cat([x.reshape(-1), extra])
-            obs = qstats.histogram(qstats.QuantSpec(), bins=128, octaves=16)
-            state = obs.update(obs.init(values), values)
-            counts, under, over = _counts_numpy(values, 128, 16)
-            assert torch.equal(state.counts, torch.from_numpy(counts))
-            assert torch.equal(state.underflow, torch.from_numpy(under))
-            assert torch.equal(state.overflow, torch.from_numpy(over))
-            assert int(state.nonfinite) == extra.numel()
-            assert float(state.min_val) == float(x.min()) and float(state.max_val) == float(x.max())
-        assert torch.get_num_threads() == 3  # restored after the concurrent pieces
-    finally:
-        torch.set_num_threads(threads)
+    for granularity, bins in ((qstats.PerTensor(), 128), (qstats.PerAxis(1), 64)):  # full resolution, clamped
+        monkeypatch.setattr(H, "_FULL_RESOLUTION_LIMIT", 1 << 22 if bins == 128 else 1)
+        obs = qstats.histogram(qstats.QuantSpec(granularity=granularity), bins=bins, octaves=16)
+        state = obs.update(obs.init(x), x, weight=mask)
+        kept = x[mask]
+        columns = [kept.reshape(-1)] if bins == 128 else list(kept.unbind(1))
+        for i, column in enumerate(columns):
+            counts, under, over = _counts_numpy(column, bins, 16)
+            index = () if bins == 128 else (i,)
+            assert torch.equal(state.counts[index], torch.from_numpy(counts))
+            assert torch.equal(state.underflow[index], torch.from_numpy(under))
+            assert torch.equal(state.overflow[index], torch.from_numpy(over))
+    for extra in (torch.tensor([]), torch.tensor([float("nan"), float("inf"), -float("inf")])):
+        values = torch.cat([x.reshape(-1), extra])
+        obs = qstats.histogram(qstats.QuantSpec(), bins=128, octaves=16)
+        state = obs.update(obs.init(values), values)
+        counts, under, over = _counts_numpy(values, 128, 16)
+        assert torch.equal(state.counts, torch.from_numpy(counts))
+        assert torch.equal(state.underflow, torch.from_numpy(under))
+        assert torch.equal(state.overflow, torch.from_numpy(over))
+        assert int(state.nonfinite) == extra.numel()
+        assert float(state.min_val) == float(x.min()) and float(state.max_val) == float(x.max())
 
 
 def _random_tree_merge(obs, states, rng):

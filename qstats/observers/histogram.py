@@ -11,10 +11,9 @@ one *underflow* bucket per sign, larger ones into one *overflow* bucket that end
 extreme. Counts are int64, so merging two histograms is adding integers: bit-identical for every
 split of the data, every merge order, across ranks and under ``vmap``. The update is a shift and
 an add on the float's int32 view and one ``bincount`` over a flattened (parameter, bucket) index,
-inside a custom op (batching rule for ``vmap``, opaque to ``torch.compile``); when torch runs
-several threads, one slice of the data per thread is counted single-threaded on a small thread
-pool, side by side. Unmasked eager updates take the exact extremes in the same op and the same
-slices, in one min/max pass when the counts show every value finite.
+inside a custom op (batching rule for ``vmap``, opaque to ``torch.compile``). Unmasked eager
+updates take the exact extremes in the same op, in one min/max pass when the counts show every
+value finite.
 
 State: ``counts`` of shape ``(*qparam_shape, 2, octaves, bins)`` (sign 0: negative, sign 1:
 positive), ``underflow`` and ``overflow`` of shape ``(*qparam_shape, 2)``, the exact float32
@@ -51,8 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Optional
 
 import torch
@@ -130,48 +127,9 @@ class HistogramState(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 # Bucketing: a custom op (one implementation for eager, vmap and compile).
 
-_BINCOUNT_PIECE = 1 << 20  # values per concurrent counting piece, at least
-_POOL: list = [None, None]  # (process id, thread pool) for the concurrent pieces
-
-
-def _single_threaded(task):
-    torch.set_num_threads(1)  # this pool thread's own OpenMP team
-    return task()
-
-
-def _run_concurrently(tasks):
-    """Runs the callables ``tasks`` at once on a small thread pool (torch releases the GIL), each
-    single-threaded in its pool thread: whole passes side by side instead of nested thread
-    teams. This thread's torch settings are left as they were."""
-    if len(tasks) == 1:
-        return [tasks[0]()]
-    if _POOL[0] != os.getpid():  # a forked child does not inherit the pool's threads
-        _POOL[:] = [os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix="qstats-histogram")]
-    threads = torch.get_num_threads()
-    try:
-        futures = [_POOL[1].submit(_single_threaded, task) for task in tasks]
-        return [future.result() for future in futures]
-    finally:
-        torch.set_num_threads(threads)  # the process-wide default the pool threads set to 1
-
-
-def _split_dim(view: torch.Tensor) -> int:
-    """The dimension the counting pieces split: the observations or the group, the longer."""
-    return 0 if view.shape[0] >= view.shape[-1] else view.dim() - 1
-
-
-def _pieces(view: torch.Tensor) -> int:
-    """Concurrent counting pieces for a view: one per torch thread (at most 8) when it holds
-    enough values; 1 when torch runs one thread."""
-    return max(1, min(torch.get_num_threads(), view.shape[_split_dim(view)], view.numel() // _BINCOUNT_PIECE, 8))
-
-
-def _bucket_tasks(view, mask, mantissa_bits: int, min_exponent: int, max_exponent: int, pieces: int,
-                  extremes: bool = False):
-    """``(tasks, finish)``: callables counting the codes of ``pieces`` slices of the float32 view
-    (bincount over int32 codes; its counting loop is serial), each also taking its slice's min
-    and max when ``extremes``; and ``finish(results)`` adding their integer counts (exact for
-    every split) into ``(counts, nonfinite)``, with the extremes' min and max when asked."""
+def _bucket_count(view, mask, mantissa_bits: int, min_exponent: int, max_exponent: int, extremes: bool = False):
+    """``(counts, nonfinite)`` of the float32 view's bucket codes (one bincount over int32
+    codes), and the view's min and max (one more pass) when ``extremes``."""
     m = mantissa_bits
     params = view.shape[1:-1]
     num_params = math.prod(params)
@@ -201,22 +159,10 @@ def _bucket_tasks(view, mask, mantissa_bits: int, min_exponent: int, max_exponen
         raw = torch.bincount(code.reshape(-1), minlength=num_params * stride + 1)
         return (raw, *_aminmax(values)) if extremes else raw
 
-    dim = _split_dim(view)
-    parts = view.tensor_split(pieces, dim)
-    masks = mask.tensor_split(pieces, dim) if mask is not None else [None] * pieces
-    tasks = [lambda part=part, part_mask=part_mask: count(part, part_mask) for part, part_mask in zip(parts, masks)]
-
-    def finish(results):
-        raws = [result[0] for result in results] if extremes else results
-        raw = raws[0]
-        for other in raws[1:]:
-            raw = raw + other
-        raw = raw[: num_params * stride]
+    def finish(result):
+        raw = (result[0] if extremes else result)[: num_params * stride]
         if extremes:
-            lo, hi = results[0][1], results[0][2]
-            for result in results[1:]:
-                lo, hi = torch.minimum(lo, result[1]), torch.maximum(hi, result[2])
-            return fold(raw), lo, hi
+            return fold(raw), result[1], result[2]
         return fold(raw)
 
     def fold(raw):
@@ -234,13 +180,12 @@ def _bucket_tasks(view, mask, mantissa_bits: int, min_exponent: int, max_exponen
         counts = raw[..., : 2 * num_buckets].reshape(*params, 2, num_buckets)
         return counts, raw[..., 2 * num_buckets].clone()  # outputs of a custom op must not alias each other
 
-    return tasks, finish
+    return finish(count(view, mask))
 
 
 def _bucket_counts_impl(view, mask, mantissa_bits: int, min_exponent: int, max_exponent: int):
     x = view.to(torch.float32).contiguous()
-    tasks, finish = _bucket_tasks(x, mask, mantissa_bits, min_exponent, max_exponent, _pieces(x))
-    return finish(_run_concurrently(tasks))
+    return _bucket_count(x, mask, mantissa_bits, min_exponent, max_exponent)
 
 
 @torch.library.custom_op("qstats::float_bucket_counts", mutates_args=())
@@ -287,8 +232,7 @@ def _bucket_extremes_op(
     of an unmasked canonical view: one min/max pass when every value is finite (known from the
     counts), else a pass that leaves the non-finite values out (``finite_aminmax``'s results)."""
     x = view.to(torch.float32).contiguous()
-    tasks, finish = _bucket_tasks(x, None, mantissa_bits, min_exponent, max_exponent, _pieces(x), extremes=True)
-    (counts, nonfinite), lo, hi = finish(_run_concurrently(tasks))
+    (counts, nonfinite), lo, hi = _bucket_count(x, None, mantissa_bits, min_exponent, max_exponent, extremes=True)
     if int(nonfinite.sum()):  # a check on this op's own result (the op is opaque to compile and vmap)
         finite = torch.isfinite(x)
         lo, _ = _aminmax(torch.where(finite, x, torch.inf))
