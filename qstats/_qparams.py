@@ -139,19 +139,20 @@ def _round_scale(scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 def _torch_ao(min_val, max_val, spec: QuantSpec):
     qmin, qmax = spec.qrange
-    eps = torch.tensor(spec.eps, dtype=torch.float32, device=min_val.device)
-    min_val_neg = torch.min(min_val, torch.zeros_like(min_val))
-    max_val_pos = torch.max(max_val, torch.zeros_like(max_val))
+    # torch.ao's max(scale, eps) against its float32 eps buffer: clamp_min casts eps to float32
+    eps = spec.eps
+    min_val_neg = min_val.clamp(max=0.0)
+    max_val_pos = max_val.clamp(min=0.0)
     if spec.mapping in ("symmetric", "narrow"):
         max_val_pos = torch.max(-min_val_neg, max_val_pos)
         scale = max_val_pos / (float(qmax - qmin) / 2)
-        scale = torch.max(scale, eps)
+        scale = scale.clamp_min(eps)
         zero_point = torch.full_like(scale, spec.zero_point_of_symmetric, dtype=torch.int32)
     elif spec.mapping == "symmetric_no_clipping_err":
         scale_from_min = min_val_neg / float(qmin)
         scale_from_max = max_val_pos / float(qmax)
         scale = torch.where(scale_from_min > scale_from_max, scale_from_min, scale_from_max)
-        scale = torch.max(scale, eps)
+        scale = scale.clamp_min(eps)
         zero_point = torch.full_like(scale, spec.zero_point_of_symmetric, dtype=torch.int32)
     elif spec.zero_point_domain == "float":
         scale = (max_val - min_val) / float(qmax - qmin)
@@ -159,7 +160,7 @@ def _torch_ao(min_val, max_val, spec: QuantSpec):
         zero_point = -1 * min_val / scale
     else:
         scale = (max_val_pos - min_val_neg) / float(qmax - qmin)
-        scale = torch.max(scale, eps)
+        scale = scale.clamp_min(eps)
         zero_point = qmin - torch.round(min_val_neg / scale).to(torch.int32)
         zero_point = torch.clamp(zero_point, qmin, qmax)
     if spec.zero_point_domain == "none":
@@ -193,7 +194,7 @@ def qparams_from_minmax(
     # min <= max with both finite, without isfinite (slow on CPU): half the span is finite and
     # non-negative exactly then (halving keeps it from overflowing for finite extremes).
     half_span = max_val * 0.5 - min_val * 0.5
-    valid = (half_span >= 0) & (half_span < torch.inf)
+    valid = torch.nan_to_num(half_span, nan=-1.0, posinf=-1.0) >= 0
     calibrated = valid if calibrated is None else (calibrated & valid)
     check_calibrated(calibrated, spec)
     formats = _formats.handles_qparams(spec)
@@ -227,7 +228,10 @@ def qparams_from_minmax(
         # Scale 1 and zero point 0 where uncalibrated, by arithmetic on finite values (exact:
         # x * 1 + 0 == x and x * 0 + 1 == 1).
         keep = calibrated.to(scale.dtype)
-        scale = scale * keep + (1.0 - keep)
-        zero_point = zero_point * calibrated.to(zero_point.dtype) + 0
+        scale = torch.addcmul(1.0 - keep, scale, keep)
+        if zero_point.is_floating_point():
+            zero_point = zero_point * keep + 0.0  # + 0.0: no -0.0 where uncalibrated
+        else:
+            zero_point = zero_point * calibrated
         global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
     return QParams(scale, zero_point, global_scale, calibrated)
