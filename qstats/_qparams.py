@@ -191,10 +191,10 @@ def qparams_from_minmax(
     """
     min_val = min_val.float()
     max_val = max_val.float()
-    # min <= max with both finite, without isfinite (slow on CPU): half the span is finite and
-    # non-negative exactly then (halving keeps it from overflowing for finite extremes).
+    # min <= max with both finite, without isfinite (slow on CPU): given min <= max, half the
+    # span is finite exactly when both are (halving keeps finite extremes from overflowing).
     half_span = max_val * 0.5 - min_val * 0.5
-    valid = torch.nan_to_num(half_span, nan=-1.0, posinf=-1.0) >= 0
+    valid = (min_val <= max_val) & (torch.nan_to_num(half_span, nan=-1.0, posinf=-1.0) >= 0)
     calibrated = valid if calibrated is None else (calibrated & valid)
     check_calibrated(calibrated, spec)
     formats = _formats.handles_qparams(spec)
@@ -225,13 +225,10 @@ def qparams_from_minmax(
         scale = torch.where(calibrated, scale, torch.ones_like(scale))
         zero_point = torch.where(calibrated, zero_point, torch.zeros_like(zero_point))
     else:
-        # Scale 1 and zero point 0 where uncalibrated, by arithmetic on finite values (exact:
-        # x * 1 + 0 == x and x * 0 + 1 == 1).
-        keep = calibrated.to(scale.dtype)
-        scale = torch.addcmul(1.0 - keep, scale, keep)
-        if zero_point.is_floating_point():
-            zero_point = zero_point * keep + 0.0  # + 0.0: no -0.0 where uncalibrated
-        else:
-            zero_point = zero_point * calibrated
+        # Scale 1 and zero point 0 where uncalibrated (masked_fill: exact whatever the formula gave
+        # there, and cheaper than a select on CPU).
+        uncalibrated = ~calibrated
+        scale = scale.masked_fill(uncalibrated, 1.0)
+        zero_point = zero_point.masked_fill(uncalibrated, 0)
         global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
     return QParams(scale, zero_point, global_scale, calibrated)

@@ -4,11 +4,13 @@
 ``(0, -1)`` and returns the min and max of the finite, unmasked values together with how many
 finite values and how many non-finite values each parameter saw.
 
-It is a ``torch.library`` custom op so that one implementation serves eager mode, ``vmap``
-(a batching rule reduces the stacked tensor in one call) and ``torch.compile`` (an opaque op,
-no graph break). Inside the op, on CPU, a finite input takes a fast path of two reductions (the
-finiteness check reads two small tensors, which costs nothing on the host); on accelerators the
-masked path always runs, so no device-to-host synchronisation happens.
+In eager mode and under ``vmap`` it is a ``torch.library`` custom op (a batching rule reduces the
+stacked tensor in one call). Inside the op, on CPU, a finite input takes a fast path of two
+reductions (``amin`` and ``amax``), checked with one scalar read of the range's maximum; other
+inputs, and every input on an accelerator, take the masked path, which needs no host
+synchronisation. Under ``torch.compile`` (``nonfinite="ignore"``) a decomposition in plain torch
+ops replaces the op, which the compiler fuses into one pass over the data; with
+``nonfinite="raise"`` the op stays, opaque to the compiler, so that it can raise.
 """
 
 from __future__ import annotations
@@ -54,10 +56,8 @@ def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], polic
         # its max is finite exactly when every entry is (amax propagates NaN), and a max and a
         # scalar check cost less than an elementwise isfinite.
         if math.isfinite((hi - lo).amax().item()):
-            # Uniform counts as broadcast scalars: no per-parameter buffers to fill.
-            count = torch.full((), per_param, dtype=torch.int64, device=view.device).expand(out_shape)
-            nonfinite = torch.zeros((), dtype=torch.int64, device=view.device).expand(out_shape)
-            return lo.float(), hi.float(), count, nonfinite
+            count = torch.full(out_shape, per_param, dtype=torch.int64, device=view.device)
+            return lo.float(), hi.float(), count, torch.zeros_like(count)
     dims = (0, view.ndim - 1)
     if mask is not None:
         mask = mask.expand(view.shape)

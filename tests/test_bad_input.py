@@ -395,3 +395,26 @@ def test_weight_mask_equals_slicing_the_rows_out(case):
         approx_fields=_approx(options),
         message=f"{name}: weight mask vs slicing",
     )
+
+
+@pytest.mark.parametrize(
+    "spec, min_val, max_val, calibrated",
+    [
+        # a finite range whose formula overflows in the compute dtype, marked uncalibrated (min > max)
+        (qstats.QuantSpec(dtype="uint8", mapping="asymmetric", zero_point_domain="float", convention="torchao",
+                          compute_dtype="float16"), [1e5, -1.0], [7e4, 1.0], None),
+        # an fp16 scale overflows on the uncalibrated entry's finite garbage range
+        (qstats.QuantSpec(dtype="int8", scale_dtype="float16"), [-1e7, -1.0], [1e7, 1.0], [False, True]),
+        # min above max by one subnormal: not a range
+        (qstats.QuantSpec(dtype="int8", mapping="asymmetric", on_uncalibrated="fallback"), [1.4e-45, -1.0], [0.0, 1.0], None),
+    ],
+    ids=["float16-compute", "float16-scale", "subnormal-inversion"],
+)
+def test_uncalibrated_entries_get_the_fallback_whatever_their_range(spec, min_val, max_val, calibrated):
+    spec = dataclasses.replace(spec, on_uncalibrated="fallback")
+    mask = None if calibrated is None else torch.tensor(calibrated)
+    qp = qstats.qparams_from_minmax(torch.tensor(min_val), torch.tensor(max_val), spec, calibrated=mask)
+    assert qp.calibrated.tolist() == [False, True]
+    assert float(qp.scale[0]) == 1.0 and float(qp.zero_point[0]) == 0.0
+    expected = qstats.qparams_from_minmax(torch.tensor([-1.0]), torch.tensor([1.0]), spec)
+    assert torch.equal(qp.scale[1:], expected.scale) and torch.equal(qp.zero_point[1:], expected.zero_point)

@@ -95,3 +95,32 @@ def test_eager_and_compiled_public_function_agree_on_empty():
     expected = finite_aminmax(view)
     got = torch.compile(finite_aminmax, fullgraph=True, backend="aot_eager")(view)
     _assert_same(got, expected)
+
+
+def test_custom_ops_pass_opcheck():
+    # fake kernels, strides, aliasing and the vmap rule of every qstats custom op
+    g = torch.Generator().manual_seed(0)
+    for view in (torch.randn(3, 4, 5, generator=g), torch.randn(1, 200, 3, generator=g)):
+        for mask in (None, torch.rand(view.shape, generator=g) < 0.5):
+            torch.library.opcheck(torch.ops.qstats.finite_aminmax.default, (view, mask, 0))
+    for params in (3, 4096):  # full-resolution and folded bucket layouts
+        view = torch.randn(2, params, 3, generator=g)
+        torch.library.opcheck(torch.ops.qstats.float_bucket_counts.default, (view, None, 7, -24, 24))
+        torch.library.opcheck(torch.ops.qstats.float_bucket_counts_extremes.default, (view, 7, -24, 24))
+
+
+@pytest.mark.parametrize("granularity", [qstats.PerTensor(), qstats.PerAxis(0)], ids=["tensor", "axis"])
+def test_compiled_raise_policy_per_granularity(granularity):
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=granularity, nonfinite="raise"))
+    x = torch.randn(4, 8)
+    compiled = torch.compile(obs.update, fullgraph=True)
+    for a, b in zip(compiled(obs.init(x), x), obs.update(obs.init(x), x)):
+        assert torch.equal(a, b)
+
+
+def test_compiled_histogram_update_with_many_parameters():
+    obs = qstats.histogram(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+    w = torch.randn(256, 16)
+    compiled = torch.compile(obs.update, fullgraph=True)
+    for a, b in zip(compiled(obs.init(w), w), obs.update(obs.init(w), w)):
+        assert torch.equal(a, b)

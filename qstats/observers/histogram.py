@@ -140,47 +140,39 @@ def _bucket_count(view, mask, mantissa_bits: int, min_exponent: int, max_exponen
     full_resolution = num_params * (1 << (9 + m)) <= _FULL_RESOLUTION_LIMIT
     stride = (1 << (9 + m)) if full_resolution else 2 * num_buckets + 1
 
-    def count(values, piece_mask):
-        piece = values.view(torch.int32)
-        if full_resolution:
-            # every (sign, exponent, top mantissa) code; the window edges are folded afterwards
-            code = piece >> (23 - m)
-            code.add_(1 << (8 + m))  # in place on this task's own temporary: one pass and one buffer less
-        else:
-            magnitude = piece & 0x7FFFFFFF
-            magnitude >>= 23 - m  # in place on this task's own temporaries from here on
-            code = (magnitude - (((min_exponent + 127) << m) - 1)).clamp_(0, num_buckets - 1)
-            code.add_((piece >= 0).to(torch.int32).mul_(num_buckets))
-            code = torch.where(magnitude >= (255 << m), 2 * num_buckets, code)
-        if param_index is not None:
-            code.add_(param_index * stride)
-        if piece_mask is not None:
-            code = torch.where(piece_mask, code, num_params * stride)
-        raw = torch.bincount(code.reshape(-1), minlength=num_params * stride + 1)
-        return (raw, *_aminmax(values)) if extremes else raw
-
-    def finish(result):
-        raw = (result[0] if extremes else result)[: num_params * stride]
-        if extremes:
-            return fold(raw), result[1], result[2]
-        return fold(raw)
-
-    def fold(raw):
-        if full_resolution:
-            raw = raw.reshape(*params, 2, 1 << (8 + m))
-            low = (min_exponent + 127) << m
-            high = (max_exponent + 127) << m
-            finite_end = 255 << m
-            counts = torch.cat(
-                [raw[..., :low].sum(-1, keepdim=True), raw[..., low:high], raw[..., high:finite_end].sum(-1, keepdim=True)],
-                dim=-1,
-            )
-            return counts, raw[..., finite_end:].sum((-2, -1))
+    bits = view.view(torch.int32)
+    if full_resolution:
+        # every (sign, exponent, top mantissa) code; the window edges are folded afterwards
+        code = bits >> (23 - m)
+        code.add_(1 << (8 + m))  # in place on its own temporary: one pass and one buffer less
+    else:
+        magnitude = bits & 0x7FFFFFFF
+        magnitude >>= 23 - m  # in place on its own temporaries from here on
+        code = (magnitude - (((min_exponent + 127) << m) - 1)).clamp_(0, num_buckets - 1)
+        code.add_((bits >= 0).to(torch.int32).mul_(num_buckets))
+        code = torch.where(magnitude >= (255 << m), 2 * num_buckets, code)
+    if param_index is not None:
+        code.add_(param_index * stride)
+    if mask is not None:
+        code = torch.where(mask, code, num_params * stride)
+    raw = torch.bincount(code.reshape(-1), minlength=num_params * stride + 1)[: num_params * stride]
+    if full_resolution:
+        raw = raw.reshape(*params, 2, 1 << (8 + m))
+        low = (min_exponent + 127) << m
+        high = (max_exponent + 127) << m
+        finite_end = 255 << m
+        counts = torch.cat(
+            [raw[..., :low].sum(-1, keepdim=True), raw[..., low:high], raw[..., high:finite_end].sum(-1, keepdim=True)],
+            dim=-1,
+        )
+        nonfinite = raw[..., finite_end:].sum((-2, -1))
+    else:
         raw = raw.reshape(*params, stride)
-        counts = raw[..., : 2 * num_buckets].reshape(*params, 2, num_buckets)
-        return counts, raw[..., 2 * num_buckets].clone()  # outputs of a custom op must not alias each other
-
-    return finish(count(view, mask))
+        counts = raw[..., : 2 * num_buckets].reshape(*params, 2, num_buckets).contiguous()  # as the fake kernel
+        nonfinite = raw[..., 2 * num_buckets].clone()  # outputs of a custom op must not alias each other
+    if extremes:
+        return (counts, nonfinite), *_aminmax(view)
+    return counts, nonfinite
 
 
 def _bucket_counts_impl(view, mask, mantissa_bits: int, min_exponent: int, max_exponent: int):
@@ -347,8 +339,9 @@ def histogram(spec: QuantSpec, bins: int = 128, octaves: int = 48) -> Observer:
         mask = weight_view(x, weight, spec.granularity)
         if mask is not None:
             mask = (mask != 0).expand(view.shape)
-        if mask is None and spec.nonfinite == "ignore" and not torch.compiler.is_compiling():
-            # one op: counts and extremes (the extremes in one pass when every value is finite)
+        if mask is None and spec.nonfinite == "ignore" and view.device.type == "cpu" and not torch.compiler.is_compiling():
+            # one op: counts and extremes (the extremes in one pass when every value is finite; it
+            # reads the non-finite count on the host, so CPU only)
             counts, nonfinite, lo, hi = _bucket_extremes_op(view.detach(), mantissa_bits, low, high)
         else:  # compiled: finite_aminmax fuses into the graph
             lo, hi, _, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
@@ -639,12 +632,14 @@ def _sign_windows(state, spec, octaves: int) -> _Windows:
     return _Windows(edges, counts, cand, tails, below, flat.sum((-2, -1)).double(), offset)
 
 
-def _sawtooth_error(edges, density, lo, hi, spec, straddles_zero: bool = False, qrange=None):
+def _sawtooth_error(edges, density, lo, hi, spec, straddles_zero: bool = False, qrange=None, points=None):
     """Expected squared error of candidates ``(lo, hi)`` ``(*P, C)`` with the spec's own grid
     (zero point rounding included), exact under the piecewise-uniform model: the antiderivative
     of the squared error (a sawtooth inside the clipping points, cubic outside) at every edge,
     differenced and weighted by each bucket's ``count / width`` (``density`` ``(*P, B)``): one
     product with the differenced densities. ``straddles_zero``: the caller knows ``lo <= 0 <= hi``.
+    ``points``: optional ``(positions, masses)`` ``(*P, n)`` of point masses (values exactly at a
+    position, as in a bucket of zero width), each adding ``mass * squared error at its position``.
     Two-operand broadcasts only (CPU kernels with broadcast scalars per row are slow)."""
     scale, zero_point, clip_lo, clip_hi = _grid(lo, hi, spec, straddles_zero, qrange)
     u = edges.unsqueeze(-2)  # (*P, 1, B + 1)
@@ -656,7 +651,16 @@ def _sawtooth_error(edges, density, lo, hi, spec, straddles_zero: bool = False, 
     # sum_j density_j (A_{j+1} - A_j) = sum_i A_i (density_{i-1} - density_i), zero beyond the ends
     padded = torch.nn.functional.pad(density, (1, 1))
     weights = padded[..., :-1] - padded[..., 1:]  # (*P, B + 1)
-    return torch.matmul(antiderivative, weights.unsqueeze(-1)).squeeze(-1)
+    error = torch.matmul(antiderivative, weights.unsqueeze(-1)).squeeze(-1)
+    if points is not None:
+        positions, masses = points
+        u = positions.unsqueeze(-2)  # (*P, 1, n)
+        inside = torch.minimum(torch.maximum(u, clip_lo.unsqueeze(-1)), clip_hi.unsqueeze(-1))  # (*P, C, n)
+        w = inside * scale.reciprocal().unsqueeze(-1) + zero_point.unsqueeze(-1)
+        rounding = (w - torch.round(w)) * scale.unsqueeze(-1)
+        squared = torch.addcmul((u - inside).pow(2), rounding, rounding)
+        error = error + torch.matmul(squared, masses.unsqueeze(-1)).squeeze(-1)
+    return error
 
 
 def _dead_zone(error, span, limit, below, offset, shift: int, half_scale: float):
@@ -776,8 +780,23 @@ def _l2_search(state, spec, bins, low):
     # values below each signed edge (integers): the negative ones beyond it, all but the positive ones beyond it
     beyond = win.tails[..., 0, :, :].flatten(-2).index_select(-1, order)
     cumulative = torch.where(positive, win.total.unsqueeze(-1) - beyond, beyond)
-    density = cumulative.diff(dim=-1) / signed_edges.diff(dim=-1).clamp(min=1e-300)
-    error = _sawtooth_error(signed_edges, density, lo, hi, spec, straddles_zero=True, qrange=(qmin, qmax))
+    # a bucket of zero width (an extreme exactly on a bucket edge, e.g. clipped data) holds its
+    # values at one point: a point mass there instead of a density (count / 0 would swamp the
+    # summation by parts); such buckets hold values only at the two ends (or at 0, exact on every
+    # grid), so the masses are gathered onto the first and the last edge
+    counts = cumulative.diff(dim=-1)
+    widths = signed_edges.diff(dim=-1)
+    flat = widths <= 0
+    points = None
+    # (a plain CPU tensor skips the point masses when there are none: a cheap host check)
+    if _traced(flat) or flat.device.type != "cpu" or bool(flat.any()):
+        ends = signed_edges[..., [0, -1]]
+        point = torch.where(flat, counts, 0.0)
+        points = (ends, torch.stack([(point * (signed_edges[..., :-1] == ends[..., :1])).sum(-1),
+                                     (point * (signed_edges[..., 1:] == ends[..., 1:])).sum(-1)], -1))
+    density = torch.where(flat, 0.0, counts / widths.clamp(min=1e-300))
+    error = _sawtooth_error(signed_edges, density, lo, hi, spec, straddles_zero=True, qrange=(qmin, qmax),
+                            points=points)
     pick = torch.argmin(error, -1, keepdim=True)
     return torch.gather(lo, -1, pick).squeeze(-1), torch.gather(hi, -1, pick).squeeze(-1)
 
@@ -1010,6 +1029,11 @@ def _percentile_search(state, spec, bins, low, percentile=99.99):
 
 
 _METHODS = ("l2", "mse", "entropy", "percentile", "minmax")
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """Under compile or a functorch transform, where reading a value on the host is not allowed."""
+    return torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def _eager_inference(state) -> bool:
