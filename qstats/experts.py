@@ -251,11 +251,18 @@ def _scatter_mask(index: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def _same_storage(view: torch.Tensor, stack: torch.Tensor) -> bool:
-    """True when ``view`` and ``stack`` are views of one tensor (the same root ``Tensor._base``,
-    which every view points to): no storage object is built, as this runs on every matmul of
-    the experts' forward."""
+    """True when ``view`` lies in ``stack``'s memory: the same root ``Tensor._base`` (which every
+    view points to), or, for views of ``stack.data`` / ``stack.detach()`` (new roots over the
+    same memory), a first element inside ``stack``'s extent. No storage object is built, as
+    this runs on every matmul of the experts' forward."""
     root = stack._base if stack._base is not None else stack
-    return (view._base if view._base is not None else view) is root
+    if (view._base if view._base is not None else view) is root:
+        return True
+    if view.dtype != stack.dtype or view.device != stack.device or stack.numel() == 0:
+        return False
+    start = stack.data_ptr()
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(stack.shape, stack.stride()))
+    return start <= view.data_ptr() < start + extent * stack.element_size()
 
 
 def _layout(t: torch.Tensor) -> list:

@@ -357,3 +357,17 @@ def test_capture_recognises_transposed_and_weight_first_matmuls():
     assert torch.equal(rows, torch.cat([x, x[:2], x[:1]])) and ids.tolist() == [2] * 5 + [0] * 2 + [1]
     rows, ids = capture.captured("t")
     assert torch.equal(rows, x[2:]) and ids.tolist() == [1] * 3
+
+
+def test_capture_recognises_slices_of_detached_weights():
+    # models that index ``P.data`` or ``P.detach()`` (new roots over the parameter's memory)
+    from qstats.experts import ExpertInputCapture
+
+    stack = torch.nn.Parameter(torch.randn(3, 4, 2))
+    x = torch.randn(5, 2)
+    with ExpertInputCapture({"w": stack}) as capture:
+        torch.nn.functional.linear(x, stack.data[2])
+        torch.nn.functional.linear(x[:2], stack.detach()[1])
+        torch.nn.functional.linear(x, stack.detach().clone()[0])  # a copy: not the parameter
+    rows, ids = capture.captured("w")
+    assert torch.equal(rows, torch.cat([x, x[:2]])) and ids.tolist() == [2] * 5 + [1] * 2
