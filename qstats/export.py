@@ -46,7 +46,10 @@ Linear names, the way llm-compressor's ``linearize_moe`` unpacks it (gate rows f
 ``gate_proj`` is ``gate_up_proj[e, :I]`` quantized with the rows ``:I`` of the expert's qparams
 (per-tensor scales are shared by gate and up). The ``"input"`` (or ``"gate_up_proj.input"``) site
 gives ``gate_proj``/``up_proj`` their ``input_scale``, ``"down_proj.input"`` gives ``down_proj``
-its own; a dynamic input spec applies to all three. The config targets each projection with
+its own; a dynamic input spec applies to all three. Experts that received no token (fallback
+qparams) export the input qparams of the covered expert with the largest scale, since vLLM's
+fused MoE applies the largest input scale of all experts to every expert. The config targets
+each projection with
 ``re:^<experts>\\.\\d+\\.gate_proj$`` (every expert of a module shares the scheme). vLLM's fused
 MoE needs one scheme for gate, up and down: a warning says when they differ. Transposed or
 interleaved expert layouts (GPT-OSS) raise ValueError.
@@ -302,6 +305,29 @@ def _slice_qparams(qp: Optional[QParams], index) -> Optional[QParams]:
     return QParams(*(field[index] for field in qp))
 
 
+def _fill_uncovered_experts(qp: Optional[QParams]) -> Optional[QParams]:
+    """Per-expert activation qparams where experts that received no token (uncalibrated, holding
+    the fallback scale 1) take those of the covered expert with the largest scale. vLLM's fused
+    MoE applies the largest input scale of all experts to every expert, so a fallback 1 would
+    override every calibrated scale; the largest covered one leaves that maximum unchanged.
+    ``calibrated`` keeps saying which experts saw no token."""
+    if qp is None or qp.scale.dim() < 1:
+        return qp
+    covered = qp.calibrated.reshape(qp.calibrated.shape[0], -1).all(-1)
+    if bool(covered.all()) or not bool(covered.any()):
+        return qp
+    per_expert = qp.scale.reshape(qp.scale.shape[0], -1).amax(-1)
+    donor = int(torch.where(covered, per_expert, -torch.inf).argmax())
+
+    def fill(field):
+        if field.dim() < 1 or field.shape[0] != covered.shape[0]:
+            return field
+        keep = covered.reshape(-1, *([1] * (field.dim() - 1)))
+        return torch.where(keep, field, field[donor : donor + 1])
+
+    return QParams(fill(qp.scale), fill(qp.zero_point), fill(qp.global_scale), qp.calibrated)
+
+
 def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) -> QParams:
     """The qparams of rows ``start:stop`` of a weight whose qparams are ``qp`` (one expert)."""
     granularity = spec.granularity
@@ -352,6 +378,8 @@ def _expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: M
     input_name = "gate_up_proj.input" if "gate_up_proj.input" in sites else "input"
     input_spec = specs.get(input_name)
     input_dynamic = input_spec is not None and quantization_args(input_spec, "input", path)["dynamic"] is True
+    sites = {site: _fill_uncovered_experts(qp) if site in ("input", "gate_up_proj.input", "down_proj.input") else qp
+             for site, qp in sites.items()}
     entries = []
     for expert in range(num_experts):
         prefix = f"{path}.{expert}"

@@ -303,3 +303,29 @@ def test_other_expert_layouts_raise(tmp_path):
     qparams = qstats.compute_qparams_tree(states, recipe, model)
     with pytest.raises(ValueError, match=r"not the layout \[E, 2I, H\]"):
         qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+
+
+def test_uncovered_experts_take_the_largest_covered_input_scale(tmp_path):
+    # vLLM's fused MoE applies the largest input scale of all experts to every expert: an expert
+    # without tokens must not export its fallback scale 1
+    model = _model()
+    weight_args, input_args = CASES["w8a8-int"]
+    recipe, qparams = _calibrate(model, weight_args, input_args)
+    path = "model.layers.0.mlp.experts"
+    for site in ("input", "down_proj.input"):
+        qp = qparams[path][site]
+        calibrated = qp.calibrated.clone()
+        calibrated[1] = False  # as if expert 1 received no token: the fallback qparams
+        qparams[path][site] = qstats.QParams(torch.where(calibrated, qp.scale, 1.0), torch.where(calibrated, qp.zero_point, 0),
+                                             qp.global_scale, calibrated)
+    with pytest.warns(UserWarning, match="uncalibrated"):
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))
+    for site, names in (("input", ("gate_proj", "up_proj")), ("down_proj.input", ("down_proj",))):
+        qp = qparams[path][site]
+        donor = int(torch.where(qp.calibrated, qp.scale, -torch.inf).argmax())
+        for expert in range(E):
+            source = donor if expert == 1 else expert
+            for name in names:
+                stored = ours[f"{path}.{expert}.{name}.input_scale"].float().reshape(())
+                assert float(stored) == float(qp.scale[source].to(stored.dtype)), (site, expert, name)
