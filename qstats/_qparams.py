@@ -131,7 +131,8 @@ def _round_scale(scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     if spec.scale_dtype == "float32":
         return scale
     dtype = getattr(torch, spec.scale_dtype)
-    if spec.scale_dtype == "float8_e4m3fn":
+    if spec.scale_dtype in ("float8_e4m3fn", "float16"):
+        # narrow exponent ranges: the largest finite scale instead of an overflow to Inf or NaN
         finfo = torch.finfo(dtype)
         return scale.clamp(finfo.min, finfo.max).to(dtype).float()
     return scale.to(dtype).float()

@@ -418,3 +418,11 @@ def test_uncalibrated_entries_get_the_fallback_whatever_their_range(spec, min_va
     assert float(qp.scale[0]) == 1.0 and float(qp.zero_point[0]) == 0.0
     expected = qstats.qparams_from_minmax(torch.tensor([-1.0]), torch.tensor([1.0]), spec)
     assert torch.equal(qp.scale[1:], expected.scale) and torch.equal(qp.zero_point[1:], expected.zero_point)
+
+
+def test_float16_scales_saturate_instead_of_overflowing():
+    # a range beyond what a float16 scale holds (65504 * 127.5): the largest float16 scale, not Inf
+    spec = qstats.QuantSpec(dtype="int8", scale_dtype="float16")
+    qp = qstats.qparams_from_minmax(torch.tensor([-1e8, -1.0]), torch.tensor([1e8, 1.0]), spec)
+    assert float(qp.scale[0]) == torch.finfo(torch.float16).max
+    assert float(qp.scale[1]) == float(torch.tensor(1.0 / 127.5).half())
