@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from _shared import qwen3_moe_config
 from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
 
 import qstats
@@ -54,21 +55,7 @@ def test_routing_mask_from_top_k_index():
 
 def _qwen3_moe(num_experts=8, top_k=2):
     transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        moe_intermediate_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        num_experts=num_experts,
-        num_experts_per_tok=top_k,
-        max_position_embeddings=32,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
+    config = qwen3_moe_config(num_experts=num_experts, num_experts_per_tok=top_k)
     torch.manual_seed(0)
     return transformers.Qwen3MoeForCausalLM(config).eval()
 

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from _shared import qwen3_moe_config
 
 import qstats
 
@@ -21,21 +22,7 @@ IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
 @pytest.fixture(scope="module")
 def qwen3_moe():
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        moe_intermediate_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        num_experts=NUM_EXPERTS,
-        num_experts_per_tok=1,
-        max_position_embeddings=32,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
+    config = qwen3_moe_config(num_experts=NUM_EXPERTS, num_experts_per_tok=1)
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config).eval()
     with torch.no_grad():  # larger expert weights than the 0.02 init: intermediates of order 1

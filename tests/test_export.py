@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+from _shared import bit_equal
 
 import qstats
 
@@ -40,14 +41,6 @@ class Tiny(torch.nn.Module):
 
     def forward(self, x):
         return self.head(self.fc2(torch.relu(self.fc1(x))))
-
-
-def _bit_equal(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-    if a.is_floating_point():
-        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
-    return torch.equal(a, b)
 
 
 def _calibrated(weight_args, input_args):
@@ -131,13 +124,13 @@ def test_compressed_tensors_loads_our_values(tmp_path, case):
         assert scheme.weights.strategy == weight_args.strategy and scheme.weights.num_bits == weight_args.num_bits
         # weight: scale (and zero point) as compressed-tensors holds them
         shape = loaded.weight_scale.shape
-        assert _bit_equal(loaded.weight_scale.data, ours["weight"].scale.reshape(shape))
+        assert bit_equal(loaded.weight_scale.data, ours["weight"].scale.reshape(shape))
         if not weight_args.symmetric:
-            assert _bit_equal(loaded.weight_zero_point.data, ours["weight"].zero_point.reshape(shape).to(torch.int8))
+            assert bit_equal(loaded.weight_zero_point.data, ours["weight"].zero_point.reshape(shape).to(torch.int8))
         # dequantized weight after compressed-tensors' decompression == our quantize/dequantize
         spec_w = specs[name]["weight"]
         ours_dq = qstats.dequantize(qstats.quantize(original.weight, ours["weight"], spec_w), ours["weight"], spec_w)
-        assert _bit_equal(loaded.weight.data, ours_dq)
+        assert bit_equal(loaded.weight.data, ours_dq)
         # independent reference: compressed-tensors' calculate_qparams on the weight's range
         w = original.weight.detach()
         if weight_args.strategy == "channel":
@@ -148,24 +141,24 @@ def test_compressed_tensors_loads_our_values(tmp_path, case):
         else:
             lo, hi = w.amin().reshape(1), w.amax().reshape(1)
         ref_scale, ref_zp = calculate_qparams(lo, hi, weight_args)
-        assert _bit_equal(loaded.weight_scale.data, ref_scale)
+        assert bit_equal(loaded.weight_scale.data, ref_scale)
         if not weight_args.symmetric:
-            assert _bit_equal(loaded.weight_zero_point.data, ref_zp)
+            assert bit_equal(loaded.weight_zero_point.data, ref_zp)
         # input activations
         if input_args is not None and input_args.dynamic:
             assert scheme.input_activations.dynamic is True and not hasattr(loaded, "input_scale")
         elif input_args is not None:
-            assert _bit_equal(loaded.input_scale.data, ours["input"].scale.reshape(1))
+            assert bit_equal(loaded.input_scale.data, ours["input"].scale.reshape(1))
             x = inputs[name]
             ref_scale, ref_zp = calculate_qparams(x.amin().reshape(1), x.amax().reshape(1), input_args)
-            assert _bit_equal(loaded.input_scale.data, ref_scale)
+            assert bit_equal(loaded.input_scale.data, ref_scale)
             if not input_args.symmetric:
-                assert _bit_equal(loaded.input_zero_point.data, ref_zp)
+                assert bit_equal(loaded.input_zero_point.data, ref_zp)
         else:
             assert not hasattr(loaded, "input_scale")
     # unquantized parameters are carried over unchanged
-    assert _bit_equal(fresh.head.weight.data, model.head.weight.data)
-    assert _bit_equal(fresh.fc1.bias.data, model.fc1.bias.data)
+    assert bit_equal(fresh.head.weight.data, model.head.weight.data)
+    assert bit_equal(fresh.fc1.bias.data, model.fc1.bias.data)
 
 
 def test_nvfp4_global_and_group_scales(tmp_path):
@@ -182,18 +175,18 @@ def test_nvfp4_global_and_group_scales(tmp_path):
     for name in ("fc1", "fc2"):
         ours, loaded, w = qparams[name], getattr(fresh, name), getattr(model, name).weight.detach()
         ref_global = generate_gparam(w.amin(), w.amax()).reshape(1)
-        assert _bit_equal(loaded.weight_global_scale.data, ours["weight"].global_scale.reshape(1))
-        assert _bit_equal(loaded.weight_global_scale.data, ref_global)
+        assert bit_equal(loaded.weight_global_scale.data, ours["weight"].global_scale.reshape(1))
+        assert bit_equal(loaded.weight_global_scale.data, ref_global)
         x = inputs[name]
-        assert _bit_equal(loaded.input_global_scale.data, generate_gparam(x.amin(), x.amax()).reshape(1))
+        assert bit_equal(loaded.input_global_scale.data, generate_gparam(x.amin(), x.amax()).reshape(1))
         groups = w.reshape(w.shape[0], -1, 16)
         ref_scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), NVFP4["weights"], global_scale=ref_global)
-        assert _bit_equal(ref_scale.float(), ours["weight"].scale)
+        assert bit_equal(ref_scale.float(), ours["weight"].scale)
         # compressed-tensors decompresses to bfloat16 group scales and weights
-        assert _bit_equal(loaded.weight_scale.data, ours["weight"].scale.to(loaded.weight_scale.dtype))
+        assert bit_equal(loaded.weight_scale.data, ours["weight"].scale.to(loaded.weight_scale.dtype))
         spec_w = specs[name]["weight"]
         ours_dq = qstats.dequantize(qstats.quantize(w, ours["weight"], spec_w), ours["weight"], spec_w)
-        assert _bit_equal(loaded.weight.data, ours_dq.to(loaded.weight.dtype))
+        assert bit_equal(loaded.weight.data, ours_dq.to(loaded.weight.dtype))
 
 
 PRESETS = {"nvfp4": NVFP4, "mxfp4": MXFP4, "mxfp8": MXFP8}
@@ -226,7 +219,7 @@ def test_compressed_tensors_writes_the_same_checkpoint(tmp_path, case):
     theirs = reference.state_dict()
     assert sorted(theirs) == sorted(ours)
     for name in ours:
-        assert _bit_equal(ours[name], theirs[name]), name
+        assert bit_equal(ours[name], theirs[name]), name
 
 
 @pytest.mark.parametrize("preset", ["mxfp4", "mxfp8"])
@@ -274,7 +267,7 @@ def test_mx_weights_load_with_compressed_tensors(tmp_path, preset, rounding):
             assert torch.equal(ours[f"{name}.weight_scale"], compress_mx_scale(ref_scale, torch.uint8))
         ours_dq = qstats.dequantize(qstats.quantize(w, qp, weight_spec), qp, weight_spec)
         loaded = getattr(fresh, name).weight.data
-        assert _bit_equal(loaded, ours_dq.to(loaded.dtype))
+        assert bit_equal(loaded, ours_dq.to(loaded.dtype))
         assert torch.equal(loaded.float(), ours_dq)  # exact in the decompressed dtype
         assert not torch.equal(ours_dq, w)
 
@@ -305,7 +298,7 @@ def test_bfloat16_model_stores_bfloat16_scales(tmp_path):
         codes = qstats.quantize(model.fc1.weight, stored, spec)
         assert torch.equal(written["fc1.weight"], codes.to(torch.int8))
         if not warns:
-            assert _bit_equal(scale.float().reshape(-1), qparams["fc1"]["weight"].scale)
+            assert bit_equal(scale.float().reshape(-1), qparams["fc1"]["weight"].scale)
 
 
 def test_unsigned_torch_ao_range_is_shifted_onto_signed(tmp_path):
@@ -330,7 +323,7 @@ def test_unsigned_torch_ao_range_is_shifted_onto_signed(tmp_path):
     ours = qparams["fc1"]
     assert torch.equal(fresh.fc1.input_zero_point.data.to(torch.int32), ours["input"].zero_point.reshape(1) - 128)
     ours_dq = qstats.dequantize(qstats.quantize(model.fc1.weight, ours["weight"], spec_w), ours["weight"], spec_w)
-    assert _bit_equal(fresh.fc1.weight.data, ours_dq)
+    assert bit_equal(fresh.fc1.weight.data, ours_dq)
 
 
 def test_unexportable_specs_raise(tmp_path):
@@ -400,14 +393,14 @@ def test_transformers_loads_the_export_and_runs_it_like_fake_quantized(tmp_path)
     query = loaded.encoder.layer[0].attention.self.query
     assert query.weight.dtype == torch.int8  # kept compressed until the first forward
     path = "encoder.layer.0.attention.self.query"
-    assert _bit_equal(query.weight_scale.data, qparams[path]["weight"].scale.reshape(-1, 1))
+    assert bit_equal(query.weight_scale.data, qparams[path]["weight"].scale.reshape(-1, 1))
     test_batch = {"input_ids": torch.randint(0, 50, (2, 8), generator=g)}
     with torch.no_grad():
         theirs = loaded(**test_batch).last_hidden_state
         with qstats.fake_quantized(model, qparams, recipe):
             ours = model(**test_batch).last_hidden_state
         plain = model(**test_batch).last_hidden_state
-    assert _bit_equal(theirs, ours)
+    assert bit_equal(theirs, ours)
     assert not torch.equal(ours, plain)  # quantization did change the output
 
 
@@ -420,7 +413,7 @@ def test_dynamic_sites_need_no_qparams(tmp_path):
     qstats.export.compressed_tensors(model, qparams, str(tmp_path / "b"), recipe)
     a = load_file(os.path.join(str(tmp_path / "a"), "model.safetensors"))
     b = load_file(os.path.join(str(tmp_path / "b"), "model.safetensors"))
-    assert sorted(a) == sorted(b) and all(_bit_equal(a[k], b[k]) for k in a)
+    assert sorted(a) == sorted(b) and all(bit_equal(a[k], b[k]) for k in a)
     # a static site cannot go without parameters
     static = qstats.QuantSpec.from_compressed_tensors(CASES["w8a8-int-channel-asym-input"][1])
     bad_specs = {path: {"weight": s["weight"], "input": static} for path, s in specs.items()}
@@ -511,8 +504,8 @@ def test_kv_cache_and_attention_scales_load_with_compressed_tensors(tmp_path, si
         for site in sites:
             x = outputs[path][site]
             reference, _ = calculate_qparams(x.amin().reshape(1), x.amax().reshape(1), KV_FP8)
-            assert _bit_equal(getattr(attention, f"{site}_scale").data, reference)
-            assert _bit_equal(ours[f"{path}.{site}_scale"], qparams[path][site].scale.reshape(1))
+            assert bit_equal(getattr(attention, f"{site}_scale").data, reference)
+            assert bit_equal(ours[f"{path}.{site}_scale"], qparams[path][site].scale.reshape(1))
 
 
 def test_unexportable_attention_sites_raise(tmp_path):

@@ -24,6 +24,7 @@ import warnings
 
 import pytest
 import torch
+from _shared import bit_equal, qwen3_moe_config
 
 import qstats
 
@@ -42,35 +43,13 @@ E, HIDDEN, INTER = 4, 32, 32
 
 
 def _config():
-    return transformers.Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        moe_intermediate_size=INTER,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_experts=E,
-        num_experts_per_tok=2,
-        max_position_embeddings=32,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        tie_word_embeddings=False,
-    )
+    return qwen3_moe_config(hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=INTER, num_hidden_layers=1,
+                            head_dim=16, num_experts=E, tie_word_embeddings=False)
 
 
 def _model(seed=0):
     torch.manual_seed(seed)
     return transformers.Qwen3MoeForCausalLM(_config()).eval()
-
-
-def _bit_equal(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-    if a.is_floating_point():
-        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
-    return torch.equal(a, b)
 
 
 def _calibrate(model, weight_args, input_args=None, down_input=True):
@@ -175,24 +154,24 @@ def test_stacked_experts_load_as_llm_compressor_linear_experts(tmp_path, case):
             codes = qstats.quantize(weight, qp, spec)
             ours_dq = qstats.dequantize(codes, qp, spec)
             # compressed-tensors decompresses NVFP4 / MX weights to bfloat16
-            assert _bit_equal(loaded.weight.data, ours_dq.to(loaded.weight.dtype)), (expert, name)
+            assert bit_equal(loaded.weight.data, ours_dq.to(loaded.weight.dtype)), (expert, name)
             assert torch.equal(loaded.weight_scale.data.float().reshape(-1), qp.scale.reshape(-1)), (expert, name)
             stored = ours[f"{path}.{expert}.{name}.weight"] if f"{path}.{expert}.{name}.weight" in ours else None
             if case == "fp8-static":
-                assert _bit_equal(stored, codes.to(torch.float8_e4m3fn))
+                assert bit_equal(stored, codes.to(torch.float8_e4m3fn))
             elif case == "w8a8-int":
                 assert torch.equal(stored, codes.to(torch.int8))
             if case == "nvfp4":
-                assert _bit_equal(loaded.weight_global_scale.data, qp.global_scale.reshape(1))
+                assert bit_equal(loaded.weight_global_scale.data, qp.global_scale.reshape(1))
             site = "down_proj.input" if name == "down_proj" else "input"
             if input_args is None:
                 assert not hasattr(loaded, "input_scale") and not hasattr(loaded, "input_global_scale")
             elif case == "nvfp4":  # dynamic group scales under a calibrated global scale
                 expected = qparams[path][site].global_scale[expert].reshape(1)
-                assert _bit_equal(loaded.input_global_scale.data, expected), (expert, name)
+                assert bit_equal(loaded.input_global_scale.data, expected), (expert, name)
             else:
                 expected = qparams[path][site].scale[expert].reshape(1)
-                assert _bit_equal(loaded.input_scale.data, expected), (expert, name)
+                assert bit_equal(loaded.input_scale.data, expected), (expert, name)
 
 
 def test_stacked_experts_match_compressed_tensors_own_compressor(tmp_path):
@@ -222,7 +201,7 @@ def test_stacked_experts_match_compressed_tensors_own_compressor(tmp_path):
     theirs = reference.state_dict()
     assert sorted(theirs) == sorted(ours)
     for name in ours:
-        assert _bit_equal(ours[name], theirs[name]), name
+        assert bit_equal(ours[name], theirs[name]), name
 
 
 @pytest.mark.parametrize("case", ["w4-group", "fp8-static", "mxfp4"])

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _data import distribution, minilm_inputs
+from _shared import distribution, minilm_inputs
 
 import qstats
 

@@ -43,7 +43,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from _data import distribution, minilm_inputs
+from _shared import distribution, minilm_inputs
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # ModelOpt warns about untested transformers versions at import

