@@ -42,13 +42,19 @@ def _masked_path(view: torch.Tensor, include: torch.Tensor):
     return lo, hi
 
 
+def _nothing_seen(view: torch.Tensor):
+    """The result for an empty view: +inf / -inf extremes and zero counts per parameter."""
+    out_shape = view.shape[1:-1]
+    inf = view.new_full(out_shape, torch.inf, dtype=torch.float32)
+    zeros = torch.zeros(out_shape, dtype=torch.int64, device=view.device)
+    return inf, -inf, zeros, zeros.clone()
+
+
 def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], policy: int):
     out_shape = view.shape[1:-1]
     per_param = view.shape[0] * view.shape[-1]
     if view.numel() == 0:
-        inf = view.new_full(out_shape, torch.inf, dtype=torch.float32)
-        zeros = torch.zeros(out_shape, dtype=torch.int64, device=view.device)
-        return inf, -inf, zeros, zeros.clone()
+        return _nothing_seen(view)
     if mask is None and view.device.type == "cpu":
         lo = _reduce(view, torch.amin)
         hi = _reduce(view, torch.amax)
@@ -161,11 +167,8 @@ def _traceable_finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor]):
     """The ``nonfinite="ignore"`` reduction in plain torch ops, for ``torch.compile``: the
     compiler fuses the finiteness test, both extremes and the counts into one pass over the data
     (the opaque custom op would take two passes and a host check)."""
-    out_shape = view.shape[1:-1]
     if view.numel() == 0:
-        inf = view.new_full(out_shape, torch.inf, dtype=torch.float32)
-        zeros = torch.zeros(out_shape, dtype=torch.int64, device=view.device)
-        return inf, -inf, zeros, zeros.clone()
+        return _nothing_seen(view)
     dims = (0, view.ndim - 1)
     finite = view.abs() < torch.inf  # False for NaN and +-Inf
     included = finite if mask is None else (finite & mask)

@@ -259,6 +259,19 @@ def test_l2_search_is_close_to_a_brute_force_search_on_the_data():
         assert _sqnr(x, qstats.fake_quantize(x, qp, spec)) >= best - 0.01 * best, method
 
 
+def _sampled_error(edges, counts, lo, hi, spec, generator):
+    """Monte Carlo estimate of the squared quantization error of ``counts`` values spread
+    uniformly over each bucket, with the qparams of the range ``(lo, hi)``."""
+    qp = qstats.qparams_from_minmax(lo.float(), hi.float(), spec)
+    total = 0.0
+    for i in range(counts.shape[0]):
+        u = torch.rand(200000, generator=generator, dtype=torch.float64)
+        samples = (edges[i] + u * (edges[i + 1] - edges[i])).float()
+        error = ((qstats.fake_quantize(samples, qp, spec).double() - samples.double()) ** 2).mean()
+        total += float(counts[i] * error)
+    return total
+
+
 def test_exact_error_matches_monte_carlo_integration():
     # the "mse" method integrates the squared error bucket by bucket: check against sampling
     g = torch.Generator().manual_seed(8)
@@ -268,13 +281,7 @@ def test_exact_error_matches_monte_carlo_integration():
     lo, hi = torch.tensor([[-2.0, -3.0]], dtype=torch.float64), torch.tensor([[1.5, 2.9]], dtype=torch.float64)
     exact = H._exact_error(edges.unsqueeze(0), counts.unsqueeze(0), lo, hi, spec)[0]
     for k in range(2):
-        qp = qstats.qparams_from_minmax(lo[0, k].float(), hi[0, k].float(), spec)
-        total = 0.0
-        for i in range(6):
-            u = torch.rand(200000, generator=g, dtype=torch.float64)
-            samples = (edges[i] + u * (edges[i + 1] - edges[i])).float()
-            error = ((qstats.fake_quantize(samples, qp, spec).double() - samples.double()) ** 2).mean()
-            total += float(counts[i] * error)
+        total = _sampled_error(edges, counts, lo[0, k], hi[0, k], spec, g)
         assert abs(float(exact[k]) - total) <= 0.01 * total
 
 
@@ -290,13 +297,7 @@ def test_l2_sawtooth_error_matches_monte_carlo_integration(dtype, mapping):
     density = (counts / (edges[1:] - edges[:-1])).unsqueeze(0)
     exact = H._sawtooth_error(edges.unsqueeze(0), density, lo, hi, spec)[0]
     for k in range(3):
-        qp = qstats.qparams_from_minmax(lo[0, k].float(), hi[0, k].float(), spec)
-        total = 0.0
-        for i in range(6):
-            u = torch.rand(200000, generator=g, dtype=torch.float64)
-            samples = (edges[i] + u * (edges[i + 1] - edges[i])).float()
-            error = ((qstats.fake_quantize(samples, qp, spec).double() - samples.double()) ** 2).mean()
-            total += float(counts[i] * error)
+        total = _sampled_error(edges, counts, lo[0, k], hi[0, k], spec, g)
         assert abs(float(exact[k]) - total) <= 0.01 * total, (k, float(exact[k]), total)
 
 

@@ -56,7 +56,7 @@ import torch
 
 from .._granularity import checked_view, qparam_shape, weight_view
 from .._formats import handles_qparams
-from .._qparams import Range, qparams_from_minmax, register_range_rule
+from .._qparams import Range, _is_traced, qparams_from_minmax, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state
@@ -789,7 +789,7 @@ def _l2_search(state, spec, bins, low):
     flat = widths <= 0
     points = None
     # (a plain CPU tensor skips the point masses when there are none: a cheap host check)
-    if _traced(flat) or flat.device.type != "cpu" or bool(flat.any()):
+    if _is_traced(flat) or flat.device.type != "cpu" or bool(flat.any()):
         ends = signed_edges[..., [0, -1]]
         point = torch.where(flat, counts, 0.0)
         points = (ends, torch.stack([(point * (signed_edges[..., :-1] == ends[..., :1])).sum(-1),
@@ -1029,11 +1029,6 @@ def _percentile_search(state, spec, bins, low, percentile=99.99):
 
 
 _METHODS = ("l2", "mse", "entropy", "percentile", "minmax")
-
-
-def _traced(t: torch.Tensor) -> bool:
-    """Under compile or a functorch transform, where reading a value on the host is not allowed."""
-    return torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def _eager_inference(state) -> bool:

@@ -8,12 +8,11 @@ dtype.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import PerAxis, PerHead, PerTensor, checked_view, qparam_shape, weight_view
+from .._granularity import PerAxis, PerHead, PerTensor, canonical_view, checked_view, qparam_shape, weight_view
 from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
@@ -91,15 +90,6 @@ def _row_granularity(x: torch.Tensor, weight: torch.Tensor, granularity):
     return None
 
 
-def _row_view_shape(row_shape: tuple, granularity) -> tuple:
-    """The canonical view shape of one row for the granularities `_row_granularity` returns
-    (both are plain reshapes of the row)."""
-    if isinstance(granularity, PerTensor):
-        return (1, math.prod(row_shape))
-    axis = granularity.axis
-    return (math.prod(row_shape[:axis]), row_shape[axis], math.prod(row_shape[axis + 1 :]))
-
-
 def observe_extremes(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, where: str):
     """Batch extremes of ``x`` for ``spec``: ``(min, max, count, nonfinite)`` over the canonical
     view, with ``weight == 0`` excluding values. Checks the parameter shape against the state's.
@@ -116,9 +106,10 @@ def observe_extremes(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, w
         if isinstance(weight, torch.Tensor) and tuple(weight.shape) == tuple(x.shape[: weight.ndim]):
             row_granularity = _row_granularity(x, weight, spec.granularity)
     if row_granularity is not None and weight.ndim > 0 and weight.numel() > 0:
-        row_shape = tuple(x.shape[weight.ndim :])
-        rows = x.reshape(-1, *_row_view_shape(row_shape, row_granularity))
-        # Every row's canonical view at once, rows along dim 1 (parameter dims): one reduction.
+        rows = x.reshape(-1, *x.shape[weight.ndim :])
+        # Every row's canonical view at once (for these granularities a plain reshape of the
+        # row), rows along dim 1 (parameter dims): one reduction.
+        rows = rows.reshape(rows.shape[0], *canonical_view(rows[0], row_granularity).shape)
         per_row = finite_aminmax(rows.movedim(0, 1))
         keep = (weight != 0).reshape((-1,) + (1,) * len(shape))
         row_min, row_max, row_count, row_nonfinite = per_row
