@@ -118,8 +118,11 @@ def measure(num_experts, hidden, intermediate, top_k, num_batches, tokens, repea
 
     weight_observer = qstats.stacked_observer(qstats.minmax(weight_spec), num_experts)
     input_observer = qstats.stacked_observer(qstats.minmax(input_spec), num_experts)
-    weight_qparams = torch.vmap(lambda state: qstats.compute_qparams(state, weight_spec))
-    input_qparams = torch.vmap(lambda state: qstats.compute_qparams(state, input_spec))
+    def weight_qparams(state):
+        return qstats.stacked_qparams(state, weight_spec)
+
+    def input_qparams(state):
+        return qstats.stacked_qparams(state, input_spec)
 
     def qstats_weights():
         return {

@@ -40,6 +40,7 @@ __all__ = [
     "canonical_view",
     "checked_view",
     "from_canonical_view",
+    "stacked_view",
     "qparam_shape",
 ]
 
@@ -193,6 +194,27 @@ def checked_view(x: torch.Tensor, granularity: Granularity, expected_shape, wher
             f"but the state has shape {tuple(expected_shape)}"
         )
     return view
+
+
+def stacked_view(x: torch.Tensor, granularity: Granularity):
+    """The canonical views of every slice ``x[e]`` of a stack at once, as one tensor of shape
+    ``(observations, E, *qparam_shape, group)``: reducing it over dims ``(0, -1)`` gives every
+    slice's parameters, ``[E, *qparam_shape]``, as ``torch.vmap`` over `canonical_view` would.
+
+    A view of ``x`` where possible (also for a stride-0 stack ``t.expand(E, ...)``). The caller
+    checks the slices' shape first (`checked_view` of ``x[0]``), so that errors name one slice.
+    """
+    num = x.shape[0]
+    item = tuple(x.shape[1:])
+    if isinstance(granularity, PerTensor):
+        return x.reshape(num, math.prod(item)).unsqueeze(0)
+    if isinstance(granularity, PerAxis):
+        axis = _normalize_axis(granularity.axis, len(item), item)
+        return x.reshape(num, math.prod(item[:axis]), item[axis], math.prod(item[axis + 1 :])).movedim(0, 1)
+    if isinstance(granularity, (PerToken, PerRow, PerGroup, PerBlock)):
+        # these views keep every leading dimension as a parameter dimension: the stack's is one more
+        return canonical_view(x, granularity)
+    raise TypeError(f"unknown granularity {granularity!r}")
 
 
 def from_canonical_view(view: torch.Tensor, granularity: Granularity, shape) -> torch.Tensor:

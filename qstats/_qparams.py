@@ -21,6 +21,7 @@ __all__ = [
     "qparams_from_minmax",
     "register_range_rule",
     "Range",
+    "stacked_compute_qparams",
 ]
 
 
@@ -53,11 +54,18 @@ class Range(NamedTuple):
 _RANGE_RULES: dict[type, Callable[..., Any]] = {}
 
 
-def register_range_rule(state_cls: type):
-    """Decorator: ``rule(state, spec, **options) -> Range | QParams`` for ``state_cls``."""
+def register_range_rule(state_cls: type, elementwise: bool = False):
+    """Decorator: ``rule(state, spec, **options) -> Range | QParams`` for ``state_cls``.
+
+    ``elementwise=True`` declares that the rule's Range is computed entry by entry from the state's
+    fields (as the min/max family's is), so that `stacked_compute_qparams` may apply it to a
+    stacked state directly instead of through ``torch.vmap``.
+    """
 
     def decorate(rule):
         _RANGE_RULES[state_cls] = rule
+        if elementwise:
+            rule._qstats_elementwise = True
         return rule
 
     return decorate
@@ -104,6 +112,30 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     return qparams_from_minmax(
         result.min_val, result.max_val, spec, calibrated=result.calibrated, global_scale=global_scale
     )
+
+
+def stacked_compute_qparams(state, spec: QuantSpec, **options) -> QParams:
+    """``torch.vmap(lambda s: compute_qparams(s, spec, **options))(state)`` for a state whose fields
+    have a leading stack dimension (stacked experts), bit for bit.
+
+    Where the state's range rule is elementwise and the spec's format maps each entry on its own
+    (no two-level scale reducing over a slice), the vmap is skipped: the same ops run on the
+    stacked tensors, without the batching overhead of each small op. As under vmap, entries that
+    saw no data get the fallback and are reported in ``QParams.calibrated``; the caller applies
+    ``spec.on_uncalibrated`` (`check_calibrated`).
+    """
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"compute_qparams: spec must be a QuantSpec, got {type(spec).__name__}")
+    rule = _rule_for(state)
+    if getattr(rule, "_qstats_elementwise", False) and not options and not _formats.handles_qparams(spec):
+        result = rule(state, spec)
+        if result.min_val.ndim >= 1:
+            qparams = qparams_from_minmax(
+                result.min_val, result.max_val, spec, calibrated=result.calibrated, check_uncalibrated=False
+            )
+            num = result.min_val.shape[0]
+            return qparams._replace(global_scale=qparams.global_scale.expand(num).clone())
+    return torch.vmap(lambda one: compute_qparams(one, spec, **options))(state)
 
 
 def _is_traced(t: torch.Tensor) -> bool:
@@ -181,6 +213,7 @@ def qparams_from_minmax(
     spec: QuantSpec,
     calibrated: torch.Tensor | None = None,
     global_scale: torch.Tensor | None = None,
+    check_uncalibrated: bool = True,
 ) -> QParams:
     """Maps an observed range onto ``spec``'s format. Pure, elementwise, vmappable.
 
@@ -188,7 +221,8 @@ def qparams_from_minmax(
     entries, or use ``global_scale`` when given (a fused group's, `qstats.fused`).
 
     Entries that saw no data (``calibrated`` False, or a non-finite range) get scale 1 and zero
-    point 0, and `check_calibrated` applies the spec's ``on_uncalibrated`` policy.
+    point 0, and `check_calibrated` applies the spec's ``on_uncalibrated`` policy (unless
+    ``check_uncalibrated`` is False: the caller applies it, as for stacked experts).
     """
     min_val = min_val.float()
     max_val = max_val.float()
@@ -197,7 +231,8 @@ def qparams_from_minmax(
     half_span = max_val * 0.5 - min_val * 0.5
     valid = (min_val <= max_val) & (torch.nan_to_num(half_span, nan=-1.0, posinf=-1.0) >= 0)
     calibrated = valid if calibrated is None else (calibrated & valid)
-    check_calibrated(calibrated, spec)
+    if check_uncalibrated:
+        check_calibrated(calibrated, spec)
     formats = _formats.handles_qparams(spec)
     if formats:
         # Two-level scales reduce over all entries: uncalibrated ones must not take part.

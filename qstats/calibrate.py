@@ -23,7 +23,15 @@ from torch.nn.utils import parametrize
 from ._granularity import qparam_shape
 from ._qparams import QParams, check_calibrated, compute_qparams
 from ._quant import fake_quantize
-from .experts import ExpertInputCapture, dispatch, ids_mask, parameter_input_site, routing_mask, warn_uncovered
+from .experts import (
+    ExpertInputCapture,
+    dispatch,
+    ids_mask,
+    parameter_input_site,
+    routing_mask,
+    stacked_qparams,
+    warn_uncovered,
+)
 from .recipe import PROJECTION_NAMES, Recipe
 
 __all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "run_model"]
@@ -307,7 +315,7 @@ def compute_qparams_tree(states: Mapping, recipe: Recipe, model: torch.nn.Module
     """``{path: {site: QParams}}`` for a states tree, with each site's spec and ``qparams_kwargs``
     (``options`` override them).
 
-    Stacked-expert sites are computed with one ``torch.vmap`` over the expert dimension; every
+    Stacked-expert sites are computed in one call over the expert dimension (`stacked_qparams`); every
     QParams field then has a leading expert dimension and ``calibrated`` is the coverage mask.
     Entries that saw no data follow ``spec.on_uncalibrated``: ValueError naming the module and site
     for ``"raise"``, scale 1 and zero point 0 with ``calibrated`` False for ``"fallback"``.
@@ -323,7 +331,7 @@ def compute_qparams_tree(states: Mapping, recipe: Recipe, model: torch.nn.Module
             kwargs = {**dict(found.rule.qparams_kwargs), **options}
             where = f"compute_qparams_tree[{path!r}][{site!r}]"
             if found.num_experts:
-                qparams = torch.vmap(lambda s: compute_qparams(s, found.spec, **kwargs))(state)
+                qparams = stacked_qparams(state, found.spec, **kwargs)
                 check_calibrated(qparams.calibrated, found.spec, where=where)
             else:
                 try:

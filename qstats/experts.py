@@ -32,6 +32,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .observers import Observer
+from ._qparams import stacked_compute_qparams
+from .observers._base import stacked_update_of
 
 __all__ = [
     "ExpertInputCapture",
@@ -43,6 +45,7 @@ __all__ = [
     "dispatch",
     "routing_mask",
     "stacked_observer",
+    "stacked_qparams",
     "uncovered_experts",
     "warn_uncovered",
 ]
@@ -84,6 +87,11 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
     expanded ``x`` is passed unbatched, so row reductions happen once for all experts) and an
     optional ``weight`` of shape ``[E, ...]`` (the routing mask).
 
+    Observers that compute over a stack themselves (the min/max family, see
+    ``qstats.observers._base.register_stacked_update``) skip ``vmap``: the same ops run on the
+    ``[E, ...]`` tensors, with the same results bit for bit and without the batching overhead of
+    each small op. Others are vmapped.
+
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
     >>> obs = qstats.stacked_observer(qstats.minmax(spec), 4)
@@ -102,6 +110,45 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
                 f"stacked_observer: {what} of shape {tuple(x.shape)} does not have the leading expert "
                 f"dimension {num_experts}"
             )
+
+    def check_state(state) -> None:
+        for name, field in zip(getattr(state, "_fields", ()), state):
+            if isinstance(field, torch.Tensor) and (field.ndim < 1 or field.shape[0] != num_experts):
+                raise ValueError(
+                    f"stacked_observer: state field {name!r} of shape {tuple(field.shape)} does not have the "
+                    f"leading expert dimension {num_experts}"
+                )
+
+    native_update = stacked_update_of(observer)
+    if native_update is not None:
+        # The observer computes over the stack itself (plain ops on [E, ...] tensors, equal to
+        # vmap bit for bit, without the batching overhead of each small op); its merge is
+        # elementwise, and init reads only the shape of one expert's tensor (the Observer contract).
+        def init_fn(x: torch.Tensor):
+            check(x, "x")
+            one = observer.init(x[0])
+            return type(one)(*(t.unsqueeze(0).expand(num_experts, *t.shape).clone() for t in one))
+
+        def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
+            check(x, "x")
+            check_state(state)
+            if weight is not None:
+                check(weight, "weight")
+            return native_update(state, x, weight)
+
+        def merge_fn(a, b):
+            check_state(a)
+            check_state(b)
+            return observer.merge(a, b)
+
+        return Observer(
+            init_fn,
+            update_fn,
+            merge_fn,
+            exact=observer.exact,
+            spec=observer.spec,
+            name=f"stacked({observer.name})",
+        )
 
     batched_init = torch.vmap(observer.init)
     update_with_weight = torch.vmap(observer.update)
@@ -133,6 +180,26 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
         spec=observer.spec,
         name=f"stacked({observer.name})",
     )
+
+
+def stacked_qparams(state, spec, **options):
+    """Quantization parameters of every expert of a stacked state (each field ``[E, ...]``):
+    equal, bit for bit, to ``torch.vmap(lambda s: qstats.compute_qparams(s, spec, **options))``,
+    whose semantics it keeps (every QParams field gets a leading expert dimension; experts that
+    saw no data get the fallback and ``calibrated`` False, whatever ``spec.on_uncalibrated``: apply
+    it to ``QParams.calibrated`` as `qstats.compute_qparams_tree` does).
+
+    For the min/max family with an elementwise format the same ops run on the stacked tensors
+    without ``vmap`` (no batching overhead per small op); other states are vmapped.
+
+    >>> import torch, qstats
+    >>> spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
+    >>> obs = qstats.stacked_observer(qstats.minmax(spec), 4)
+    >>> w = torch.randn(4, 6, 3)
+    >>> qstats.stacked_qparams(obs.update(obs.init(w), w), spec).scale.shape
+    torch.Size([4, 6])
+    """
+    return stacked_compute_qparams(state, spec, **options)
 
 
 _INDEX_NAMES = ("top_k_index", "router_indices", "selected_experts", "expert_indices", "topk_ids")

@@ -25,6 +25,8 @@ __all__ = [
     "check_state",
     "check_same_shapes",
     "batch_weighted_mean",
+    "register_stacked_update",
+    "stacked_update_of",
 ]
 
 
@@ -50,6 +52,22 @@ class Observer(NamedTuple):
 
 
 _STATE_TYPES: dict[str, type] = {}
+
+
+def register_stacked_update(update: Callable, stacked_update: Callable) -> None:
+    """Declares that ``stacked_update`` computes ``torch.vmap(update)`` over a leading stack
+    dimension without ``vmap``: ``stacked_update(state, x, weight=None)`` where every state field,
+    ``x`` and ``weight`` carry a leading expert dimension. Plain ops on the stacked tensors skip
+    the batching overhead of every small op. It also declares the observer's ``merge``
+    elementwise, so that it applies to stacked states as it is. `qstats.stacked_observer` then
+    uses both; tests check them against ``vmap`` bit for bit. (Kept as an attribute of the
+    ``update`` function, so it lives exactly as long as the observer.)"""
+    update._qstats_stacked_update = stacked_update
+
+
+def stacked_update_of(observer: "Observer"):
+    """The stacked update registered for ``observer.update``, or None."""
+    return getattr(observer.update, "_qstats_stacked_update", None)
 
 
 def register_state(cls: type) -> type:

@@ -12,11 +12,27 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import PerAxis, PerHead, PerTensor, canonical_view, checked_view, qparam_shape, weight_view
+from .._granularity import (
+    PerAxis,
+    PerHead,
+    PerTensor,
+    canonical_view,
+    checked_view,
+    qparam_shape,
+    stacked_view,
+    weight_view,
+)
 from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
-from ._base import Observer, batch_weighted_mean, check_same_shapes, check_state, register_state
+from ._base import (
+    Observer,
+    batch_weighted_mean,
+    check_same_shapes,
+    check_state,
+    register_stacked_update,
+    register_state,
+)
 
 __all__ = [
     "MinMaxState",
@@ -26,6 +42,7 @@ __all__ = [
     "memoryless_minmax",
     "moving_average_minmax",
     "observe_extremes",
+    "observe_extremes_stacked",
 ]
 
 
@@ -90,6 +107,33 @@ def _row_granularity(x: torch.Tensor, weight: torch.Tensor, granularity):
     return None
 
 
+def _combine_rows(per_row, keep: torch.Tensor):
+    """Extremes and counts over the rows that ``keep`` keeps, from per-row results: each of
+    ``per_row`` has shape ``[rows, *params]`` and ``keep`` (bool) ``[rows, ...]``, broadcastable to
+    it once trailing dimensions are added; dim 0 (the rows) is reduced."""
+    row_min, row_max, row_count, row_nonfinite = per_row
+    keep = keep.reshape(tuple(keep.shape) + (1,) * (row_min.ndim - keep.ndim))
+    # Excluded rows contribute +inf to the min, -inf to the max and 0 to the counts, by
+    # arithmetic rather than selects (cheaper on CPU; exact: row extremes are never NaN).
+    block = (1.0 - 2.0 * keep.to(torch.float32)) * torch.inf  # -inf kept, +inf excluded
+    keep = keep.to(torch.int64)
+    return (
+        torch.maximum(row_min, block).amin(dim=0),
+        torch.minimum(row_max, -block).amax(dim=0),
+        (row_count * keep).sum(dim=0),
+        (row_nonfinite * keep).sum(dim=0),
+    )
+
+
+def _row_extremes(x: torch.Tensor, weight_ndim: int, row_granularity):
+    """Per-row ``finite_aminmax`` of ``x``'s rows (its first ``weight_ndim`` dims flattened):
+    every row's canonical view at once (for these granularities a plain reshape of the row),
+    rows along dim 1 (parameter dims): one reduction."""
+    rows = x.reshape(-1, *x.shape[weight_ndim:])
+    rows = rows.reshape(rows.shape[0], *canonical_view(rows[0], row_granularity).shape)
+    return finite_aminmax(rows.movedim(0, 1))
+
+
 def observe_extremes(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, where: str):
     """Batch extremes of ``x`` for ``spec``: ``(min, max, count, nonfinite)`` over the canonical
     view, with ``weight == 0`` excluding values. Checks the parameter shape against the state's.
@@ -100,33 +144,54 @@ def observe_extremes(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, w
     the rows are reduced once for all experts instead of once per expert.
     """
     view = checked_view(x, spec.granularity, expected_shape, where)
-    shape = tuple(view.shape[1:-1])
     row_granularity = None
     if weight is not None and spec.nonfinite == "ignore":
         if isinstance(weight, torch.Tensor) and tuple(weight.shape) == tuple(x.shape[: weight.ndim]):
             row_granularity = _row_granularity(x, weight, spec.granularity)
     if row_granularity is not None and weight.ndim > 0 and weight.numel() > 0:
-        rows = x.reshape(-1, *x.shape[weight.ndim :])
-        # Every row's canonical view at once (for these granularities a plain reshape of the
-        # row), rows along dim 1 (parameter dims): one reduction.
-        rows = rows.reshape(rows.shape[0], *canonical_view(rows[0], row_granularity).shape)
-        per_row = finite_aminmax(rows.movedim(0, 1))
-        keep = (weight != 0).reshape((-1,) + (1,) * len(shape))
-        row_min, row_max, row_count, row_nonfinite = per_row
-        # Excluded rows contribute +inf to the min, -inf to the max and 0 to the counts, by
-        # arithmetic rather than selects (cheaper on CPU; exact: row extremes are never NaN).
-        block = (1.0 - 2.0 * keep.to(torch.float32)) * torch.inf  # -inf kept, +inf excluded
-        keep = keep.to(torch.int64)
-        return (
-            torch.maximum(row_min, block).amin(dim=0),
-            torch.minimum(row_max, -block).amax(dim=0),
-            (row_count * keep).sum(dim=0),
-            (row_nonfinite * keep).sum(dim=0),
-        )
+        per_row = _row_extremes(x, weight.ndim, row_granularity)
+        return _combine_rows(per_row, (weight != 0).reshape(-1))
     mask = weight_view(x, weight, spec.granularity)
     if mask is not None:
         mask = mask != 0
     return finite_aminmax(view, mask, spec.nonfinite)
+
+
+def observe_extremes_stacked(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, where: str):
+    """`observe_extremes` of every slice of a stack ``x`` (``[E, ...]``, each slice with its
+    ``weight[e]``) at once, without ``vmap``: results of shape ``[E, *qparam_shape]``, equal to
+    ``torch.vmap(observe_extremes)`` bit for bit. A stride-0 stack (``t.expand(E, ...)``: the
+    tokens every expert sees, under a routing mask) has its rows reduced once for all slices."""
+    num = x.shape[0]
+    checked_view(x[0], spec.granularity, expected_shape[1:], where)  # errors name one slice
+    shape = tuple(expected_shape[1:])
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a tensor or None, got {type(weight).__name__}")
+        if weight.ndim < 1 or weight.shape[0] != num:
+            raise ValueError(
+                f"{where}: weight of shape {tuple(weight.shape)} does not have the leading stack dimension {num}"
+            )
+        if weight.ndim > x.ndim or tuple(weight.shape) != tuple(x.shape[: weight.ndim]):
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape[1:])} does not match the leading dimensions of the "
+                f"observed tensor of shape {tuple(x.shape[1:])}"
+            )
+        if spec.nonfinite == "ignore" and weight.ndim > 1 and weight[0].numel() > 0:
+            row_granularity = _row_granularity(x[0], weight[0], spec.granularity)
+            if row_granularity is not None:
+                if x.stride(0) == 0:  # shared rows: reduce them once for every slice
+                    per_row = _row_extremes(x[0], weight.ndim - 1, row_granularity)
+                    per_row = tuple(t.unsqueeze(1) for t in per_row)  # [rows, 1, *shape]
+                else:
+                    per_row = _row_extremes(x, weight.ndim, row_granularity)
+                    per_row = tuple(t.reshape(num, -1, *shape).movedim(0, 1) for t in per_row)
+                return _combine_rows(per_row, (weight != 0).reshape(num, -1).t())
+        full = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)).expand(x.shape)
+        mask = stacked_view(full, spec.granularity) != 0
+    else:
+        mask = None
+    return finite_aminmax(stacked_view(x, spec.granularity), mask, spec.nonfinite)
 
 
 def minmax(spec: QuantSpec) -> Observer:
@@ -148,17 +213,23 @@ def minmax(spec: QuantSpec) -> Observer:
         min_val, max_val, count = _empty_extremes(x, spec)
         return MinMaxState(min_val, max_val, count, count.clone())
 
-    def update_fn(state: MinMaxState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MinMaxState:
-        check_state(state, MinMaxState, "minmax.update")
-        if x.numel() == 0:
-            return state
-        lo, hi, count, nonfinite = observe_extremes(x, weight, spec, state.min_val.shape, "minmax.update")
-        return MinMaxState(
-            torch.minimum(state.min_val, lo),
-            torch.maximum(state.max_val, hi),
-            state.count + count,
-            state.nonfinite + nonfinite,
-        )
+    def updater(observe):
+        def update_fn(state: MinMaxState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MinMaxState:
+            check_state(state, MinMaxState, "minmax.update")
+            if x.numel() == 0:
+                return state
+            lo, hi, count, nonfinite = observe(x, weight, spec, state.min_val.shape, "minmax.update")
+            return MinMaxState(
+                torch.minimum(state.min_val, lo),
+                torch.maximum(state.max_val, hi),
+                state.count + count,
+                state.nonfinite + nonfinite,
+            )
+
+        return update_fn
+
+    update_fn = updater(observe_extremes)
+    register_stacked_update(update_fn, updater(observe_extremes_stacked))
 
     def merge_fn(a: MinMaxState, b: MinMaxState) -> MinMaxState:
         check_state(a, MinMaxState, "minmax.merge")
@@ -190,22 +261,26 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
         min_val, max_val, count = _empty_extremes(x, spec)
         return MemorylessMinMaxState(min_val, max_val, count, count.clone())
 
-    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MemorylessMinMaxState:
-        check_state(state, MemorylessMinMaxState, "memoryless_minmax.update")
-        if x.numel() == 0:
-            return state
-        lo, hi, count, nonfinite = observe_extremes(
-            x, weight, spec, state.min_val.shape, "memoryless_minmax.update"
-        )
-        # A parameter the batch does not reach (every value masked out by ``weight``) keeps its
-        # state, as an empty tensor does.
-        reached = (count + nonfinite) > 0
-        return MemorylessMinMaxState(
-            torch.where(reached, lo, state.min_val),
-            torch.where(reached, hi, state.max_val),
-            torch.where(reached, count, state.count),
-            torch.where(reached, nonfinite, state.nonfinite),
-        )
+    def updater(observe):
+        def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MemorylessMinMaxState:
+            check_state(state, MemorylessMinMaxState, "memoryless_minmax.update")
+            if x.numel() == 0:
+                return state
+            lo, hi, count, nonfinite = observe(x, weight, spec, state.min_val.shape, "memoryless_minmax.update")
+            # A parameter the batch does not reach (every value masked out by ``weight``) keeps its
+            # state, as an empty tensor does.
+            reached = (count + nonfinite) > 0
+            return MemorylessMinMaxState(
+                torch.where(reached, lo, state.min_val),
+                torch.where(reached, hi, state.max_val),
+                torch.where(reached, count, state.count),
+                torch.where(reached, nonfinite, state.nonfinite),
+            )
+
+        return update_fn
+
+    update_fn = updater(observe_extremes)
+    register_stacked_update(update_fn, updater(observe_extremes_stacked))
 
     def merge_fn(a, b) -> MemorylessMinMaxState:
         check_state(a, MemorylessMinMaxState, "memoryless_minmax.merge")
@@ -242,26 +317,30 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
         min_val, max_val, count = _empty_extremes(x, spec)
         return MovingAverageMinMaxState(min_val, max_val, count, count.clone(), count.clone())
 
-    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MovingAverageMinMaxState:
-        check_state(state, MovingAverageMinMaxState, "moving_average_minmax.update")
-        if x.numel() == 0:
-            return state
-        lo, hi, count, nonfinite = observe_extremes(
-            x, weight, spec, state.min_val.shape, "moving_average_minmax.update"
-        )
-        seen = count > 0
-        first = state.batches == 0
-        moved_min = state.min_val + constant * (lo - state.min_val)
-        moved_max = state.max_val + constant * (hi - state.max_val)
-        min_val = torch.where(seen, torch.where(first, lo, moved_min), state.min_val)
-        max_val = torch.where(seen, torch.where(first, hi, moved_max), state.max_val)
-        return MovingAverageMinMaxState(
-            min_val,
-            max_val,
-            state.batches + seen.to(torch.int64),
-            state.count + count,
-            state.nonfinite + nonfinite,
-        )
+    def updater(observe):
+        def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MovingAverageMinMaxState:
+            check_state(state, MovingAverageMinMaxState, "moving_average_minmax.update")
+            if x.numel() == 0:
+                return state
+            lo, hi, count, nonfinite = observe(x, weight, spec, state.min_val.shape, "moving_average_minmax.update")
+            seen = count > 0
+            first = state.batches == 0
+            moved_min = state.min_val + constant * (lo - state.min_val)
+            moved_max = state.max_val + constant * (hi - state.max_val)
+            min_val = torch.where(seen, torch.where(first, lo, moved_min), state.min_val)
+            max_val = torch.where(seen, torch.where(first, hi, moved_max), state.max_val)
+            return MovingAverageMinMaxState(
+                min_val,
+                max_val,
+                state.batches + seen.to(torch.int64),
+                state.count + count,
+                state.nonfinite + nonfinite,
+            )
+
+        return update_fn
+
+    update_fn = updater(observe_extremes)
+    register_stacked_update(update_fn, updater(observe_extremes_stacked))
 
     def merge_fn(a, b) -> MovingAverageMinMaxState:
         check_state(a, MovingAverageMinMaxState, "moving_average_minmax.merge")
@@ -288,4 +367,4 @@ def _extremes_rule(state, spec: QuantSpec, **options) -> Range:
 
 
 for _cls in (MinMaxState, MemorylessMinMaxState, MovingAverageMinMaxState):
-    register_range_rule(_cls)(_extremes_rule)
+    register_range_rule(_cls, elementwise=True)(_extremes_rule)
