@@ -52,20 +52,24 @@ def make_observer(kind, spec):
     return qstats.moving_average_minmax(spec, averaging_constant=0.3)
 
 
-def assert_same(a: torch.Tensor, b: torch.Tensor, what="", signed_zeros=True):
-    """Same dtype, shape and values (torch.equal); with ``signed_zeros`` also the same bits."""
+def assert_same(a: torch.Tensor, b: torch.Tensor, what="", bits=True):
+    """Same dtype, shape and values (torch.equal, NaN where NaN); with ``bits`` also the same bits
+    (signed zeros: see the xfail tests at the end for the two known differences)."""
     assert a.dtype == b.dtype, (what, a.dtype, b.dtype)
     assert a.shape == b.shape, (what, a.shape, b.shape)
-    if not (a.is_floating_point() and bool(torch.isnan(a).any())):
+    if a.is_floating_point() and bool(torch.isnan(a).any()):
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), (what, a, b)
+        assert torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)), (what, a, b)
+    else:
         assert torch.equal(a, b), (what, a, b)
-    if signed_zeros or a.is_floating_point() and bool(torch.isnan(a).any()):
+    if bits:
         assert bit_equal(a, b), (what, a, b)
 
 
-def assert_same_state(a, b, what="", signed_zeros=True):
+def assert_same_state(a, b, what="", bits=True):
     assert type(a) is type(b), (what, type(a), type(b))
     for name, left, right in zip(a._fields, a, b):
-        assert_same(left, right, f"{what}.{name}", signed_zeros)
+        assert_same(left, right, f"{what}.{name}", bits)
 
 
 def expert_slice(state, e):
@@ -82,7 +86,7 @@ def run(fn, *args):
 
 # --------------------------------------------------------------------------------------------
 # data
-SHAPES = [(4, 8), (2, 6), (3, 4), (1, 8), (2, 2, 4), (6, 2), (4, 4)]
+SHAPES = [(4, 8), (2, 6), (3, 4), (1, 8), (2, 2, 4), (6, 2), (4, 4), (8,), (6,)]
 GRANULARITIES = [
     PerTensor(),
     PerAxis(0),
@@ -94,6 +98,9 @@ GRANULARITIES = [
     PerBlock((2, 2)),
     PerBlock((1, 4)),
     PerBlock((2, 1)),
+    qstats.PerRow(),
+    qstats.PerHead(1),
+    qstats.TensorGroup(2),
 ]
 MODES = ["normal", "const", "zeros", "negative", "huge", "signed_zero", "tiny"]
 
@@ -156,6 +163,8 @@ def batches(draw, num, shape, dtype, policy):
     shared = draw(st.booleans())
     layout = draw(st.sampled_from(["contiguous", "permuted"]))
     kind = draw(st.sampled_from(["none", "expert", "rows", "rows2", "elements"]))
+    if kind == "rows2" and len(shape) < 2:
+        kind = "rows"
     as_float = draw(st.booleans())
     dead = draw(st.sets(st.integers(0, num - 1), max_size=num))
     if draw(st.integers(0, 9)) == 9:  # an empty batch
@@ -179,7 +188,7 @@ def observer_cases(draw):
     shape = draw(st.sampled_from(SHAPES))
     granularity = draw(st.sampled_from([g for g in GRANULARITIES if valid(shape, g)]))
     num = draw(st.sampled_from([3, 1, 4]))
-    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
     policy = draw(st.sampled_from(["ignore", "ignore", "raise"]))
     spec = qstats.QuantSpec(granularity=granularity, nonfinite=policy, on_uncalibrated="fallback")
     data = [draw(batches(num, shape, dtype, policy)) for _ in range(4)]
@@ -209,16 +218,16 @@ def _sequence(stacked, data, template):
     return out
 
 
-def _check_sequences(native, reference):
+def _check_sequences(native, reference, bits=True):
     assert len(native) == len(reference), (native, reference)
     for left, right in zip(native, reference):
         assert left[0] == right[0]
         if len(left) == 2:
-            assert_same_state(left[1], right[1], left[0])
+            assert_same_state(left[1], right[1], left[0], bits)
             continue
         assert left[1] == right[1], (left[0], left[2], right[2])  # both raise, or neither
         if left[1] == "ok":
-            assert_same_state(left[2], right[2], left[0])
+            assert_same_state(left[2], right[2], left[0], bits)
 
 
 @SETTINGS
@@ -231,7 +240,10 @@ def test_native_stacked_update_equals_vmap(case):
     assert qstats.observers._base.stacked_update_of(obs) is not None
     assert qstats.observers._base.stacked_update_of(plain(obs)) is None
     template = torch.zeros(num, *shape, dtype=dtype)
-    _check_sequences(_sequence(native, data, template), _sequence(reference, data, template))
+    # bit for bit, except the signed zeros a per-expert scalar weight ``[E]`` may flip
+    # (test_signed_zeros_under_a_per_expert_scalar_weight_match_vmap)
+    bits = not any(w is not None and w.ndim == 1 for _, w in data)
+    _check_sequences(_sequence(native, data, template), _sequence(reference, data, template), bits)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -259,7 +271,9 @@ def test_native_stacked_update_equals_expert_loop(case):
     if status == "ok":
         for e, (expert_status, expected) in enumerate(experts):
             assert expert_status == "ok", (e, expected)
-            assert_same_state(expert_slice(state, e), expected, f"expert {e}", signed_zeros=False)
+            # values, not bits: torch.minimum's signed zeros depend on the tensor's size
+            # (test_signed_zeros_of_stacked_states_differ_from_the_expert_loop)
+            assert_same_state(expert_slice(state, e), expected, f"expert {e}", bits=False)
     else:
         # an included non-finite value under nonfinite="raise": that expert raises alone too
         assert spec.nonfinite == "raise" and "non-finite" in str(state)
@@ -664,14 +678,18 @@ def test_error_messages_name_the_shapes():
 
 # --------------------------------------------------------------------------------------------
 # torch.compile
-def test_compiled_stacked_update_and_qparams_equal_eager():
+@pytest.mark.parametrize(
+    "kind, granularity, dtype",
+    [("minmax", PerAxis(0), torch.float32), ("moving_average", PerGroup(4), torch.bfloat16)],
+)
+def test_compiled_stacked_update_and_qparams_equal_eager(kind, granularity, dtype):
     num, shape = 4, (8, 16)
-    spec = qstats.QuantSpec(dtype="uint8", mapping="asymmetric", granularity=PerAxis(0), on_uncalibrated="fallback")
-    obs = qstats.minmax(spec)
+    spec = qstats.QuantSpec(dtype="uint8", mapping="asymmetric", granularity=granularity, on_uncalibrated="fallback")
+    obs = make_observer(kind, spec)
     stacked = qstats.stacked_observer(obs, num)
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(num, *shape, generator=g)
-    tokens = torch.randn(shape, generator=g)
+    w = torch.randn(num, *shape, generator=g).to(dtype)
+    tokens = torch.randn(shape, generator=g).to(dtype)
     tokens[1, 2] = math.nan
     routed = (torch.rand(num, shape[0], generator=g) < 0.5).float()
     routed[0] = 0.0
@@ -681,13 +699,119 @@ def test_compiled_stacked_update_and_qparams_equal_eager():
         return state, qstats.stacked_qparams(state, spec)
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    reference = qstats.stacked_observer(plain(obs), num)
     for x, weight in ((w, None), (tokens.expand(num, *shape), routed)):
         state = stacked.init(x)
         eager_state, eager_qp = step(state, x, weight)
         compiled_state, compiled_qp = compiled(state, x, weight)
         assert_same_state(compiled_state, eager_state, "compiled")
         assert_same_qparams(compiled_qp, eager_qp, num, "compiled")
-        reference = qstats.stacked_observer(plain(obs), num)
         ref_state = reference.update(reference.init(x), x, weight)
         assert_same_state(compiled_state, ref_state, "compiled vs vmap")
         assert_same_qparams(compiled_qp, torch.vmap(lambda s: qstats.compute_qparams(s, spec))(ref_state), num)
+
+
+# --------------------------------------------------------------------------------------------
+# more explicit cases
+def test_scalar_experts_and_single_expert():
+    """Per-expert tensors of shape () (one value per expert) and E = 1, every weight form."""
+    for kind in ("minmax", "memoryless", "moving_average"):
+        obs = make_observer(kind, qstats.QuantSpec(on_uncalibrated="fallback"))
+        native, reference = qstats.stacked_observer(obs, 3), qstats.stacked_observer(plain(obs), 3)
+        x = torch.tensor([1.0, math.nan, -2.0])
+        for w in (None, torch.tensor([1.0, 0.0, 1.0]), torch.tensor([True, True, False])):
+            assert_same_state(native.update(native.init(x), x, w), reference.update(reference.init(x), x, w), kind)
+        for granularity in (PerTensor(), PerAxis(-1), PerToken(), PerBlock((2, 2))):
+            spec = qstats.QuantSpec(granularity=granularity, on_uncalibrated="fallback")
+            obs = make_observer(kind, spec)
+            native, reference = qstats.stacked_observer(obs, 1), qstats.stacked_observer(plain(obs), 1)
+            x = torch.randn(1, 4, 6)
+            x[0, 1, 1] = math.inf
+            for w in (None, torch.ones(1), torch.tensor([[1.0, 0.0, 1.0, 0.0]]), torch.ones(1, 4, 6)):
+                a = native.update(native.init(x), x, w)
+                b = reference.update(reference.init(x), x, w)
+                assert_same_state(a, b, f"{kind} {granularity}")
+                assert_same_state(expert_slice(a, 0), obs.update(obs.init(x[0]), x[0], None if w is None else w[0]))
+                assert_same_qparams(
+                    qstats.stacked_qparams(a, spec), torch.vmap(lambda s: qstats.compute_qparams(s, spec))(b), 1
+                )
+
+
+# --------------------------------------------------------------------------------------------
+# known differences (signed zeros only: values are equal, see the passing halves)
+def _per_expert_scalar_weight_case():
+    """Four experts of shape (2, 8): row 0 holds +0.0, row 1 holds -0.0; a per-expert scalar
+    weight ``[E]``; one set of parameters per column (PerAxis(1))."""
+    spec = qstats.QuantSpec(granularity=PerAxis(1), on_uncalibrated="fallback")
+    obs = qstats.minmax(spec)
+    x = torch.zeros(4, 2, 8)
+    x[:, 1] = -0.0
+    weight = torch.ones(4, dtype=torch.bool)
+    native = qstats.stacked_observer(obs, 4)
+    reference = qstats.stacked_observer(plain(obs), 4)
+    return obs, x, weight, native.update(native.init(x), x, weight), reference.update(reference.init(x), x, weight)
+
+
+def test_signed_zeros_under_a_per_expert_scalar_weight_match_vmap_in_value():
+    obs, x, weight, native, reference = _per_expert_scalar_weight_case()
+    assert_same_state(native, reference, bits=False)
+    for e in range(4):
+        assert_same_state(expert_slice(native, e), obs.update(obs.init(x[e]), x[e], weight[e]), bits=False)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="native stacked update: with a per-expert scalar weight of shape [E] and PerAxis on a "
+    "non-leading axis, observe_extremes_stacked builds the mask as stacked_view(full) != 0 (laid out "
+    "contiguously after the movedim), vmap builds it per expert before the batch dim moves (laid out "
+    "like x); torch.where(mask, view, inf) follows the mask's layout, so amin/amax meet +0.0/-0.0 in "
+    "another order: min_val/max_val are -0.0 where vmap and the expert loop give +0.0 (values equal)",
+)
+def test_signed_zeros_under_a_per_expert_scalar_weight_match_vmap():
+    obs, x, weight, native, reference = _per_expert_scalar_weight_case()
+    assert_same_state(native, reference, bits=True)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the signed zero reaches a float zero point: per_channel_affine_float_qparams gives "
+    "zero_point = -min / scale = +0.0 from the native state, -0.0 from the vmap state (equal values)",
+)
+def test_signed_zeros_under_a_per_expert_scalar_weight_reach_float_zero_points():
+    _, _, _, native, reference = _per_expert_scalar_weight_case()
+    spec = qstats.QuantSpec.from_torch_ao(
+        dtype=torch.quint8, qscheme=torch.per_channel_affine_float_qparams, ch_axis=1
+    )
+    a = qstats.stacked_qparams(native, spec)
+    b = torch.vmap(lambda s: qstats.compute_qparams(s, spec))(reference)
+    assert torch.equal(a.zero_point, b.zero_point)
+    assert bit_equal(a.zero_point, b.zero_point)
+
+
+def _zeros_then_negative_zeros():
+    """Four experts of shape (4, 2), PerAxis(0): a batch of +0.0, then a batch of -0.0."""
+    obs = qstats.minmax(qstats.QuantSpec(granularity=PerAxis(0), on_uncalibrated="fallback"))
+    z = torch.zeros(4, 4, 2)
+    stacked = [qstats.stacked_observer(o, 4) for o in (obs, plain(obs))]
+    states = [s.update(s.update(s.init(z), z), -z) for s in stacked]
+    loop = [obs.update(obs.update(obs.init(z[e]), z[e]), -z[e]) for e in range(4)]
+    return states, loop
+
+
+def test_signed_zeros_of_stacked_states_equal_the_expert_loop_in_value():
+    (native, reference), loop = _zeros_then_negative_zeros()
+    assert_same_state(native, reference)  # the two stacked paths agree bit for bit
+    for e in range(4):
+        assert_same_state(expert_slice(native, e), loop[e], bits=False)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch.minimum/maximum return the first operand for equal +0.0/-0.0 in their scalar loop "
+    "(small tensors: one expert's 4 parameters) and the second in their vectorised loop (the stack's "
+    "16): after +0.0 then -0.0 the stacked state (native and vmap alike) holds -0.0, the loop +0.0",
+)
+def test_signed_zeros_of_stacked_states_differ_from_the_expert_loop():
+    (native, _), loop = _zeros_then_negative_zeros()
+    for e in range(4):
+        assert_same_state(expert_slice(native, e), loop[e], bits=True)
