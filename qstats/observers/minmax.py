@@ -187,11 +187,15 @@ def observe_extremes_stacked(x: torch.Tensor, weight, spec: QuantSpec, expected_
                     per_row = _row_extremes(x, weight.ndim, row_granularity)
                     per_row = tuple(t.reshape(num, -1, *shape).movedim(0, 1) for t in per_row)
                 return _combine_rows(per_row, (weight != 0).reshape(num, -1).t())
-        full = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)).expand(x.shape)
-        mask = stacked_view(full, spec.granularity) != 0
-    else:
-        mask = None
-    return finite_aminmax(stacked_view(x, spec.granularity), mask, spec.nonfinite)
+        # Other masks (values, not rows; nonfinite="raise"): vmap of the one-slice reduction,
+        # whose masks are laid out as the expert-by-expert path lays them out (the order in which
+        # amin/amax meet +0.0 and -0.0 follows that layout).
+        if x.stride(0) == 0:
+            return torch.vmap(
+                lambda w: observe_extremes(x[0], w, spec, shape, where),
+            )(weight)
+        return torch.vmap(lambda t, w: observe_extremes(t, w, spec, shape, where))(x, weight)
+    return finite_aminmax(stacked_view(x, spec.granularity), None, spec.nonfinite)
 
 
 def minmax(spec: QuantSpec) -> Observer:
