@@ -1,6 +1,7 @@
 """Core benchmarks: minmax update against torch.aminmax, vmapped experts against torch.ao.
 
-Prints markdown table rows with ratios measured in this run:
+Prints markdown table rows with ratios measured in this run (round-robin: each round runs every
+candidate once, and each gets its best round):
 
     python bench/bench_core.py
 """
@@ -16,15 +17,21 @@ from torch.ao.quantization import PerChannelMinMaxObserver
 import qstats
 
 
-def best_of(fn, repeat=30, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def interleaved_best(functions: dict, rounds: int = 30, warmup: int = 3) -> dict:
+    """Best wall-clock time of each function, measured round-robin: every round runs each
+    function once, so that all of them meet the machine in the same states (a shared machine's
+    speed drifts between runs, and one block of runs per function would compare one state with
+    another)."""
+    for function in functions.values():
+        for _ in range(warmup):
+            function()
+    best = dict.fromkeys(functions, float("inf"))
+    for _ in range(rounds):
+        for name, function in functions.items():
+            start = time.perf_counter()
+            function()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def bench_per_tensor_update():
@@ -32,22 +39,31 @@ def bench_per_tensor_update():
     spec = qstats.QuantSpec(dtype="int8")
     obs = qstats.minmax(spec)
     state = obs.init(x)
-    ours = best_of(lambda: obs.update(state, x))
-    ref = best_of(lambda: torch.aminmax(x))
-    return ours, ref
+    best = interleaved_best({"ours": lambda: obs.update(state, x), "ref": lambda: torch.aminmax(x)})
+    return best["ours"], best["ref"]
 
 
-def bench_stacked_experts(compiled=False):
+def bench_stacked_experts(compile_too=True):
+    """Times (seconds) of init + update + compute_qparams over 64 stacked experts: ``torch.vmap``
+    of the one-expert functions, the stacked observer (`qstats.stacked_observer` +
+    `qstats.stacked_qparams`: the same results without vmap's per-op overhead) and, optionally,
+    ``torch.compile(vmap(...))``; the torch.ao loop and raw amin/amax, all measured round-robin."""
     experts = torch.randn(64, 512, 256)
     spec = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(0))
     obs = qstats.minmax(spec)
+    stacked = qstats.stacked_observer(obs, 64)
 
     def one_expert(w):
         return qstats.compute_qparams(obs.update(obs.init(w), w), spec)
 
     vmapped = torch.vmap(one_expert)
-    if compiled:
-        vmapped = torch.compile(vmapped, fullgraph=True)
+    functions = {
+        "vmap": lambda: vmapped(experts),
+        "stacked": lambda: qstats.stacked_qparams(stacked.update(stacked.init(experts), experts), spec),
+    }
+    if compile_too:
+        compiled = torch.compile(vmapped, fullgraph=True)
+        functions["torch.compile(vmap)"] = lambda: compiled(experts)
 
     def torch_ao_loop():
         out = []
@@ -57,23 +73,21 @@ def bench_stacked_experts(compiled=False):
             out.append(observer.calculate_qparams())
         return out
 
-    def raw():
-        return experts.amin(dim=-1), experts.amax(dim=-1)
+    functions["torch.ao loop"] = torch_ao_loop
+    functions["raw"] = lambda: (experts.amin(dim=-1), experts.amax(dim=-1))
 
-    # Same answer before timing: the vmapped scales equal torch.ao's per expert.
-    qp = vmapped(experts)
-    for i in (0, 31, 63):
-        observer = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
-        observer(experts[i])
-        spec_ao = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric)
-        state = qstats.minmax(spec_ao).update(qstats.minmax(spec_ao).init(experts[i]), experts[i])
-        assert torch.equal(qstats.compute_qparams(state, spec_ao).scale, observer.calculate_qparams()[0])
-    assert qp.scale.shape == (64, 512)
-
-    ours = best_of(lambda: vmapped(experts), repeat=10)
-    loop = best_of(torch_ao_loop, repeat=3, warmup=1)
-    reference = best_of(raw, repeat=10)
-    return ours, loop, reference
+    # Same answer before timing: every path's scales equal torch.ao's per expert.
+    spec_ao = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric)
+    for name in [n for n in functions if n not in ("torch.ao loop", "raw")]:
+        scale = functions[name]().scale
+        assert scale.shape == (64, 512), name
+        for i in (0, 31, 63):
+            observer = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+            observer(experts[i])
+            state = qstats.minmax(spec_ao).update(qstats.minmax(spec_ao).init(experts[i]), experts[i])
+            assert torch.equal(qstats.compute_qparams(state, spec_ao).scale, observer.calculate_qparams()[0])
+            assert torch.equal(scale[i], observer.calculate_qparams()[0]), name
+    return interleaved_best(functions, rounds=15)
 
 
 def main():
@@ -92,9 +106,10 @@ def main():
             f"| per-tensor minmax update, 4096x1024 fp32 | {threads} | {ours * 1e3:.3f} ms "
             f"| torch.aminmax {ref * 1e3:.3f} ms | {ours / ref:.2f}x | <= 1.3x |"
         )
-        for compiled in (False, True) if not args.no_compile else (False,):
-            ours, loop, raw = bench_stacked_experts(compiled)
-            how = "torch.compile(vmap(...))" if compiled else "vmap"
+        best = bench_stacked_experts(compile_too=not args.no_compile)
+        loop, raw = best["torch.ao loop"], best["raw"]
+        for how in [name for name in best if name not in ("torch.ao loop", "raw")]:
+            ours = best[how]
             print(
                 f"| 64 experts [64,512,256] per-channel int8, {how} init+update+qparams | {threads} "
                 f"| {ours * 1e3:.2f} ms | torch.ao PerChannelMinMaxObserver loop {loop * 1e3:.2f} ms "

@@ -1,7 +1,8 @@
 """Calibrating a plain-torch mixture-of-experts layer whose experts are stacked ``[E, out, in]``.
 
 The experts' weights live in two 3-D parameters (as transformers' fused MoE implementations keep
-them), so qstats observes all experts with one ``torch.vmap`` call per parameter. Each expert's
+them), so qstats observes all experts with one call per parameter (``qstats.stacked_observer``:
+``torch.vmap`` semantics, run directly on the stack for min/max observers). Each expert's
 input statistics use the router's assignment as the update weight. The ``"down_proj.input"`` site
 observes each expert's intermediate activation ``silu(gate) * up`` (the input of its down
 projection) as the forward computes it for the tokens routed to that expert. Experts the router

@@ -229,7 +229,12 @@ def qparams_from_minmax(
     # min <= max with both finite, without isfinite (slow on CPU): given min <= max, half the
     # span is finite exactly when both are (halving keeps finite extremes from overflowing).
     half_span = max_val * 0.5 - min_val * 0.5
-    valid = (min_val <= max_val) & (torch.nan_to_num(half_span, nan=-1.0, posinf=-1.0) >= 0)
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        # the same test in compares the compiler vectorises (it loops over nan_to_num's isnan)
+        valid = (min_val <= max_val) & (half_span >= 0) & (half_span < torch.inf)
+    else:
+        valid = (min_val <= max_val) & (torch.nan_to_num(half_span, nan=-1.0, posinf=-1.0) >= 0)
     calibrated = valid if calibrated is None else (calibrated & valid)
     if check_uncalibrated:
         check_calibrated(calibrated, spec)
@@ -242,8 +247,12 @@ def qparams_from_minmax(
     else:
         # Elementwise formulas: an uncalibrated entry only needs a finite range (its scale and
         # zero point are replaced below), so skip the slower select.
-        min_val = torch.nan_to_num(min_val, nan=0.0, posinf=0.0, neginf=0.0)
-        max_val = torch.nan_to_num(max_val, nan=0.0, posinf=0.0, neginf=0.0)
+        if compiling:  # a select the compiler vectorises
+            min_val = torch.where(calibrated, min_val, 0.0)
+            max_val = torch.where(calibrated, max_val, 0.0)
+        else:
+            min_val = torch.nan_to_num(min_val, nan=0.0, posinf=0.0, neginf=0.0)
+            max_val = torch.nan_to_num(max_val, nan=0.0, posinf=0.0, neginf=0.0)
     # Ranges near the float32 limit would overflow ``max - min`` to an infinite scale: clip them
     # to half the float32 range (a no-op for every range below 1.7e38).
     half_float32_max = torch.finfo(torch.float32).max / 2
