@@ -727,6 +727,34 @@ def test_compiled_stacked_update_and_qparams_equal_eager(kind, granularity, dtyp
         assert_same_qparams(compiled_qp, torch.vmap(lambda s: qstats.compute_qparams(s, spec))(ref_state), num)
 
 
+def _compile_specs():
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    return [
+        qstats.QuantSpec.from_torch_ao(dtype=torch.quint8, qscheme=torch.per_channel_affine, ch_axis=0),
+        qstats.QuantSpec.from_compressed_tensors(
+            ct.QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=4),
+            observed_dtype=torch.bfloat16,
+        ),
+        qstats.QuantSpec.from_torchao(
+            torch.uint4, mapping_type="ASYMMETRIC", granularity=PerGroup(4), zero_point_domain="FLOAT"
+        ),
+    ]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_compiled_stacked_qparams_equal_eager_and_vmap(index):
+    """stacked_qparams compiled (its compile-only selects) on states with uncalibrated experts
+    and entries, ranges near the float32 limits, constant, all-zero and signed-zero ranges."""
+    spec = _compile_specs()[index].replace(on_uncalibrated="raise")
+    num, shape = 3, _qparam_shapes(spec)[0]
+    compiled = torch.compile(lambda s: qstats.stacked_qparams(s, spec), fullgraph=True, backend="aot_eager")
+    for mode in RANGE_MODES:
+        state = stacked_state(num, shape, mode, 11, {2}, qstats.MinMaxState)
+        eager = qstats.stacked_qparams(state, spec)
+        assert_same_qparams(compiled(state), eager, num, mode)
+        assert_same_qparams(eager, torch.vmap(lambda s: qstats.compute_qparams(s, spec))(state), num, mode)
+
+
 # --------------------------------------------------------------------------------------------
 # more explicit cases
 def test_scalar_experts_and_single_expert():
