@@ -1,8 +1,10 @@
 """The native stacked path of the min/max family (`qstats.stacked_observer` with a registered
 stacked update, `qstats.stacked_qparams` without vmap) against two independent computations:
 the generic ``torch.vmap`` path (the same observer wrapped so that no stacked update is
-registered; ``torch.vmap(compute_qparams)``) and a plain Python loop over the experts. Every state
-and QParams field must agree bit for bit (dtype, shape, and bits: signed zeros included)."""
+registered; ``torch.vmap(compute_qparams)``) and a plain Python loop over the experts. Against
+vmap every state and QParams field must agree bit for bit (dtype, shape, bits: signed zeros
+included); against the loop, in value (torch.minimum's signed zeros depend on the tensor's size,
+see the strict xfail at the end)."""
 
 import math
 
@@ -156,7 +158,7 @@ def weights(kind, num, shape, seed, as_float, dead_experts):
 
 
 @st.composite
-def batches(draw, num, shape, dtype, policy):
+def batches(draw, num, shape, dtype):
     """One update's ``(x, weight)``: distinct or shared (stride-0) x, any weight kind."""
     seed = draw(st.integers(0, 2**16))
     mode = draw(st.sampled_from(MODES))
@@ -192,7 +194,7 @@ def observer_cases(draw):
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
     policy = draw(st.sampled_from(["ignore", "ignore", "raise"]))
     spec = qstats.QuantSpec(granularity=granularity, nonfinite=policy, on_uncalibrated="fallback")
-    data = [draw(batches(num, shape, dtype, policy)) for _ in range(4)]
+    data = [draw(batches(num, shape, dtype)) for _ in range(4)]
     return kind, spec, num, shape, dtype, data
 
 
@@ -278,9 +280,9 @@ def test_native_stacked_update_equals_expert_loop(case):
         assert any(expert_status == "raised" for expert_status, _ in experts)
 
 
-def _shared_case(granularity, shape, num, weight_shape, dtype=torch.float32, policy="ignore", seed=0):
+def _shared_case(shape, num, weight_shape, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x0 = (torch.randn(shape, generator=g) * 2).to(dtype)
+    x0 = torch.randn(shape, generator=g) * 2
     weight = (torch.rand((num, *weight_shape), generator=g) < 0.5).float()
     weight[0] = 0.0  # an expert that saw no token
     return x0, weight
@@ -297,7 +299,7 @@ def test_shared_tokens_equal_vmap_with_unbatched_x(kind, granularity):
     spec = qstats.QuantSpec(granularity=granularity, on_uncalibrated="fallback")
     obs = make_observer(kind, spec)
     native = qstats.stacked_observer(obs, num)
-    x0, weight = _shared_case(granularity, shape, num, shape[:1])
+    x0, weight = _shared_case(shape, num, shape[:1])
     x0[2, 3] = math.nan
     x0[4, 1] = -math.inf
     x = x0.expand(num, *shape)
@@ -385,7 +387,7 @@ def test_empty_and_all_zero_masks_keep_state():
                 (torch.empty(num, 0, 8), None),
                 (torch.empty(num, 0, 8), torch.ones(num, 0)),
                 (torch.randn(num, *shape), zero),
-                (torch.randn(num, *shape).expand(num, *shape).contiguous()[:1].expand(num, *shape), zero),
+                (torch.randn(1, *shape).expand(num, *shape), zero),  # shared tokens, routed nowhere
             ):
                 a2, b2 = native.update(a, xe, w), reference.update(b, xe, w)
                 assert_same_state(a2, b2, kind)
@@ -417,7 +419,10 @@ def _torch_ao_specs():
 
 
 def _compressed_tensors_specs():
-    ct = pytest.importorskip("compressed_tensors.quantization")
+    try:
+        import compressed_tensors.quantization as ct
+    except ImportError:  # the other conventions still run
+        return []
     args = []
     for bits in (4, 8):
         for symmetric in (True, False):
@@ -479,6 +484,10 @@ def _plain_specs():
         Q(dtype="int16", mapping="asymmetric", eps=1e-30),
         Q(dtype="uint8", mapping="symmetric", symmetric_zero_point=100),
         Q(dtype="int8", quant_min=-100, quant_max=27, mapping="asymmetric"),
+        Q(dtype="int8", mapping="asymmetric", convention="torchao", granularity=PerAxis(0)),
+        Q(dtype="uint4", mapping="asymmetric", zero_point_domain="float", convention="torchao", compute_dtype="bfloat16"),
+        Q(dtype="int4", mapping="asymmetric", convention="compressed_tensors", granularity=PerGroup(4)),
+        Q(dtype="fp8_e4m3fn", mapping="asymmetric", convention="compressed_tensors"),
         qstats.preset("nvfp4", granularity=qstats.TensorGroup(4)),
         qstats.preset("nvfp4", granularity=qstats.TensorGroup(4), global_scale_formula="range_over_amax"),
         qstats.preset("mxfp4", granularity=PerGroup(4)),
@@ -654,6 +663,8 @@ def test_error_messages_name_the_shapes():
         # weights that do not fit
         with pytest.raises(ValueError, match=r"\(3, 6\).*leading expert dimension 4"):
             stacked.update(state, x, torch.ones(3, 6))
+        with pytest.raises(ValueError, match=r"\(\).*leading expert dimension 4"):
+            stacked.update(state, x, torch.tensor(1.0))
         with pytest.raises(ValueError, match=r"\(7,\).*\(6, 3\)"):
             stacked.update(state, x, torch.ones(num, 7))
         with pytest.raises(ValueError, match=r"\(6, 3, 2\).*\(6, 3\)"):
@@ -728,7 +739,7 @@ def test_compiled_stacked_update_and_qparams_equal_eager(kind, granularity, dtyp
 
 
 def _compile_specs():
-    ct = pytest.importorskip("compressed_tensors.quantization")
+    ct = pytest.importorskip("compressed_tensors.quantization")  # only inside the test
     return [
         qstats.QuantSpec.from_torch_ao(dtype=torch.quint8, qscheme=torch.per_channel_affine, ch_axis=0),
         qstats.QuantSpec.from_compressed_tensors(
