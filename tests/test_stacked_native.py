@@ -20,7 +20,7 @@ from qstats import PerAxis, PerBlock, PerGroup, PerTensor, PerToken
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 SETTINGS = settings(
-    max_examples=300,
+    max_examples=500,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     derandomize=True,
@@ -243,10 +243,13 @@ def test_native_stacked_update_equals_vmap(case):
     assert qstats.observers._base.stacked_update_of(obs) is not None
     assert qstats.observers._base.stacked_update_of(plain(obs)) is None
     template = torch.zeros(num, *shape, dtype=dtype)
-    _check_sequences(_sequence(native, data, template), _sequence(reference, data, template))
+    # bit for bit, except the signed zeros vmap itself flips for an unweighted stride-0 stack of
+    # non-contiguous slices (test_shared_column_major_slices_signed_zeros_match_vmap)
+    bits = not any(w is None and x.stride(0) == 0 and not x[0].is_contiguous() for x, w in data)
+    _check_sequences(_sequence(native, data, template), _sequence(reference, data, template), bits)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(observer_cases())
 def test_native_stacked_update_equals_expert_loop(case):
     kind, spec, num, shape, dtype, data = case
@@ -825,6 +828,39 @@ def test_signed_zeros_under_a_per_expert_scalar_weight_reach_float_zero_points_a
     a = qstats.stacked_qparams(native, spec)
     b = torch.vmap(lambda s: qstats.compute_qparams(s, spec))(reference)
     assert_same_qparams(a, b, 4)
+
+
+def _shared_column_major_case():
+    """Four experts sharing one float64 (4, 2) slice laid out column-major (strides (1, 4); the
+    stack ``x.expand(4, 4, 2)`` has strides (0, 1, 4)), holding a NaN and +0.0/-0.0; no weight;
+    PerToken (one set per row)."""
+    base = torch.tensor([[math.nan, -0.0], [0.0, 0.0], [0.0, -0.0], [0.0, -0.0]], dtype=torch.float64)
+    base = base.t().contiguous().t()
+    x = base.expand(4, 4, 2)
+    obs = qstats.minmax(qstats.QuantSpec(granularity=PerToken(), on_uncalibrated="fallback"))
+    native = qstats.stacked_observer(obs, 4)
+    reference = qstats.stacked_observer(plain(obs), 4)
+    loop = obs.update(obs.init(base), base)
+    return native.update(native.init(x), x), reference.update(reference.init(x), x), loop
+
+
+def test_shared_column_major_slices_native_equals_loop_and_vmap_in_value():
+    native, reference, loop = _shared_column_major_case()
+    for e in range(4):
+        assert_same_state(expert_slice(native, e), loop)  # bit for bit
+    assert_same_state(native, reference, bits=False)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="signed zeros: for an unweighted stride-0 stack of column-major float64 slices holding a "
+    "non-finite value (finite_aminmax's masked path), the vmap path returns -0.0 as min_val/max_val "
+    "of rows 2 and 3 where the native path and the expert loop return +0.0 (equal values); the "
+    "native path is the one that agrees with the loop",
+)
+def test_shared_column_major_slices_signed_zeros_match_vmap():
+    native, reference, _ = _shared_column_major_case()
+    assert_same_state(native, reference, bits=True)
 
 
 def _zeros_then_negative_zeros():
