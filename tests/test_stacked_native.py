@@ -488,7 +488,10 @@ def _plain_specs():
         Q(dtype="uint8", mapping="symmetric", symmetric_zero_point=100),
         Q(dtype="int8", quant_min=-100, quant_max=27, mapping="asymmetric"),
         Q(dtype="int8", mapping="asymmetric", convention="torchao", granularity=PerAxis(0)),
-        Q(dtype="uint4", mapping="asymmetric", zero_point_domain="float", convention="torchao", compute_dtype="bfloat16"),
+        Q(
+            dtype="uint4", mapping="asymmetric", zero_point_domain="float", convention="torchao",
+            compute_dtype="bfloat16",
+        ),
         Q(dtype="int4", mapping="asymmetric", convention="compressed_tensors", granularity=PerGroup(4)),
         Q(dtype="fp8_e4m3fn", mapping="asymmetric", convention="compressed_tensors"),
         qstats.preset("nvfp4", granularity=qstats.TensorGroup(4)),
