@@ -1,7 +1,7 @@
 """Core benchmarks: minmax update against torch.aminmax, vmapped experts against torch.ao.
 
-Prints markdown table rows with ratios measured in this run (round-robin: each round runs every
-candidate once, and each gets its best round):
+Prints markdown table rows with ratios measured in this run (alternating blocks of runs; each
+candidate's best run counts):
 
     python bench/bench_core.py
 """
@@ -17,20 +17,21 @@ from torch.ao.quantization import PerChannelMinMaxObserver
 import qstats
 
 
-def interleaved_best(functions: dict, rounds: int = 30, warmup: int = 3) -> dict:
-    """Best wall-clock time of each function, measured round-robin: every round runs each
-    function once, so that all of them meet the machine in the same states (a shared machine's
-    speed drifts between runs, and one block of runs per function would compare one state with
-    another)."""
+def interleaved_best(functions: dict, rounds: int = 4, block: int = 8, warmup: int = 3) -> dict:
+    """Best wall-clock time of each function, measured in alternating blocks: every round runs
+    each function ``block`` times in a row (warm caches, as timeit), and the rounds alternate, so
+    that all functions meet the machine in the same states (a shared machine's speed drifts within
+    a process; one block per function would compare one state with another)."""
     for function in functions.values():
         for _ in range(warmup):
             function()
     best = dict.fromkeys(functions, float("inf"))
     for _ in range(rounds):
         for name, function in functions.items():
-            start = time.perf_counter()
-            function()
-            best[name] = min(best[name], time.perf_counter() - start)
+            for _ in range(block):
+                start = time.perf_counter()
+                function()
+                best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -47,7 +48,7 @@ def bench_stacked_experts(compile_too=True):
     """Times (seconds) of init + update + compute_qparams over 64 stacked experts: ``torch.vmap``
     of the one-expert functions, the stacked observer (`qstats.stacked_observer` +
     `qstats.stacked_qparams`: the same results without vmap's per-op overhead) and, optionally,
-    ``torch.compile(vmap(...))``; the torch.ao loop and raw amin/amax, all measured round-robin."""
+    ``torch.compile`` of both; the torch.ao loop and raw amin/amax, all measured round-robin."""
     experts = torch.randn(64, 512, 256)
     spec = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(0))
     obs = qstats.minmax(spec)
@@ -64,6 +65,10 @@ def bench_stacked_experts(compile_too=True):
     if compile_too:
         compiled = torch.compile(vmapped, fullgraph=True)
         functions["torch.compile(vmap)"] = lambda: compiled(experts)
+        compiled_stacked = torch.compile(
+            lambda w: qstats.stacked_qparams(stacked.update(stacked.init(w), w), spec), fullgraph=True
+        )
+        functions["torch.compile(stacked)"] = lambda: compiled_stacked(experts)
 
     def torch_ao_loop():
         out = []
@@ -87,7 +92,7 @@ def bench_stacked_experts(compile_too=True):
             state = qstats.minmax(spec_ao).update(qstats.minmax(spec_ao).init(experts[i]), experts[i])
             assert torch.equal(qstats.compute_qparams(state, spec_ao).scale, observer.calculate_qparams()[0])
             assert torch.equal(scale[i], observer.calculate_qparams()[0]), name
-    return interleaved_best(functions, rounds=15)
+    return interleaved_best(functions, rounds=4, block=4)
 
 
 def main():

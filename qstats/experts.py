@@ -105,6 +105,8 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
 
     def check(x: torch.Tensor, what: str) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"stacked_observer: {what} must be a tensor, got {type(x).__name__}")
         if x.ndim < 1 or x.shape[0] != num_experts:
             raise ValueError(
                 f"stacked_observer: {what} of shape {tuple(x.shape)} does not have the leading expert "

@@ -691,12 +691,6 @@ def test_error_messages_name_the_shapes():
         grouped.init(torch.randn(num, 6, 6))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stacked_observer's update checks weight.ndim (and x.ndim) before any type check: a list "
-    "or float weight raises AttributeError on both stacked paths, where the single observer raises "
-    "TypeError('weight must be a tensor or None, ...')",
-)
 @pytest.mark.parametrize("native", [True, False], ids=["native", "vmap"])
 def test_non_tensor_weight_raises_type_error(native):
     spec = qstats.QuantSpec(granularity=PerAxis(-1), on_uncalibrated="fallback")
@@ -707,6 +701,19 @@ def test_non_tensor_weight_raises_type_error(native):
     x = torch.randn(2, 3, 4)
     with pytest.raises(TypeError, match="weight must be a tensor"):
         stacked.update(stacked.init(x), x, [[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        stacked.update(stacked.init(x), [[0.0] * 4] * 3)
+
+
+def test_stacked_qparams_refuses_an_unstacked_state():
+    """A per-tensor state (0-dim fields) has no expert dimension: a ValueError naming the shapes,
+    not vmap's in_dims error."""
+    spec = qstats.QuantSpec()
+    obs = qstats.minmax(spec)
+    x = torch.randn(3, 4)
+    state = obs.update(obs.init(x), x)
+    with pytest.raises(ValueError, match=r"stacked state.*MinMaxState.*\(\)"):
+        qstats.stacked_qparams(state, spec)
 
 
 # --------------------------------------------------------------------------------------------
