@@ -9,9 +9,8 @@ stacked tensor in one call). Inside the op, on CPU, a finite input takes a fast 
 reductions (``amin`` and ``amax``), checked with one scalar read of the range's maximum; other
 inputs, and every input on an accelerator, take the masked path, which needs no host
 synchronisation. Under ``torch.compile`` (``nonfinite="ignore"``) a decomposition in plain torch
-ops replaces the op for masked reductions and on accelerators, which the compiler fuses into one
-pass over the data; an unmasked reduction on CPU keeps the op (ATen's two vectorised passes beat
-the compiler's fused kernel there), and so does ``nonfinite="raise"``, so that it can raise.
+ops replaces the op, which the compiler fuses into one pass over the data; with
+``nonfinite="raise"`` the op stays, opaque to the compiler, so that it can raise.
 """
 
 from __future__ import annotations
@@ -199,10 +198,6 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
         mask = mask.to(torch.bool).expand(view.shape)
     view = view.detach()
     if policy == _POLICY_IGNORE and torch.compiler.is_compiling():
-        if mask is None and view.device.type == "cpu":
-            # ATen's amin and amax (the op's fast path) beat the compiler's fused single pass on
-            # CPU, whose four reductions per value leave it compute-bound (bench/bench_core.py).
-            return _finite_aminmax_op(view, mask, policy)
         return _traceable_finite_aminmax(view, mask)
     outs = _unwrapped_vmap(view, mask, policy)
     if outs is not None:
