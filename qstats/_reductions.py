@@ -181,6 +181,41 @@ def _traceable_finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor]):
     return lo, hi, count, seen - count
 
 
+_COND = hasattr(torch, "cond") and hasattr(torch.compiler, "assume_constant_result")
+
+
+def _no_functorch_transform() -> bool:
+    """True outside every vmap/grad transform (torch.cond supports neither); read when tracing."""
+    return torch._C._functorch.maybe_current_level() is None
+
+
+if _COND:
+    _no_functorch_transform = torch.compiler.assume_constant_result(_no_functorch_transform)
+
+
+def _finite_first_aminmax(view: torch.Tensor):
+    """The unmasked reduction for ``torch.compile`` outside ``vmap``: plain extremes first (the
+    compiler's cheapest two-reduction pass), then, only when some extreme is not finite (a NaN or
+    an Inf somewhere), the full decomposition, chosen by ``torch.cond`` on one flag for the whole
+    tensor. Under ``vmap`` the flag would be per slice, and ``torch.cond`` would run both."""
+    if view.numel() == 0:
+        return _nothing_seen(view)
+    dims = (0, view.ndim - 1)
+    lo = view.amin(dim=dims)
+    hi = view.amax(dim=dims)
+    per_param = view.shape[0] * view.shape[-1]
+
+    def finite(view, lo, hi):
+        count = torch.full(lo.shape, per_param, dtype=torch.int64, device=lo.device)
+        return lo.float().clone(), hi.float().clone(), count, torch.zeros_like(count)
+
+    def not_finite(view, lo, hi):
+        return _traceable_finite_aminmax(view, None)
+
+    # hi - lo is finite exactly when both are (or the range overflows: then the other branch)
+    return torch.cond(torch.isfinite(hi - lo).all(), finite, not_finite, (view, lo, hi))
+
+
 def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonfinite: str = "ignore"):
     """Min, max, finite count and non-finite count over dims ``(0, -1)`` of a canonical view.
 
@@ -198,8 +233,18 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
         mask = mask.to(torch.bool).expand(view.shape)
     view = view.detach()
     if policy == _POLICY_IGNORE and torch.compiler.is_compiling():
+        if mask is None and _COND and _no_functorch_transform():
+            return _finite_first_aminmax(view)
         return _traceable_finite_aminmax(view, mask)
     outs = _unwrapped_vmap(view, mask, policy)
     if outs is not None:
         return outs
+    eager = not torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is None
+    if eager and _plain(view) and (mask is None or _plain(mask)):
+        return _finite_aminmax_impl(view, mask, policy)  # plain eager tensors: skip a dispatch
     return _finite_aminmax_op(view, mask, policy)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense tensor of the base class (no fake, functional or other subclass), not on meta."""
+    return type(t) is torch.Tensor and t.device.type != "meta" and t.layout == torch.strided

@@ -7,7 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qstats
-from qstats._reductions import _finite_aminmax_impl, _traceable_finite_aminmax, finite_aminmax
+from qstats._reductions import _COND, _finite_aminmax_impl, _finite_first_aminmax, _traceable_finite_aminmax, finite_aminmax
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_caches():
+    # every observer's update shares one code object; without a reset, the tests together would
+    # pass dynamo's recompile limit for it and a fullgraph compile would refuse to run
+    torch._dynamo.reset()
+    yield
 
 
 def _assert_same(got, expected):
@@ -37,6 +45,66 @@ def test_decomposition_equals_custom_op(shape, seed, masked, nonfinite, dtype):
     view = _with_nonfinite(torch.randn(shape, generator=generator), generator, nonfinite).to(dtype)
     mask = (torch.rand(shape, generator=generator) < 0.6) if masked else None
     _assert_same(_traceable_finite_aminmax(view, mask), _finite_aminmax_impl(view, mask, 0))
+
+
+needs_cond = pytest.mark.skipif(not _COND, reason="torch.cond is not in this torch")
+
+
+@needs_cond
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=3, max_size=4),
+    seed=st.integers(0, 2**16),
+    nonfinite=st.sampled_from([0.0, 0.05, 1.0]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+)
+def test_finite_first_reduction_equals_custom_op(shape, seed, nonfinite, dtype):
+    # the extremes-first path (torch.cond on "every extreme finite") picks either branch
+    generator = torch.Generator().manual_seed(seed)
+    view = _with_nonfinite(torch.randn(shape, generator=generator), generator, nonfinite).to(dtype)
+    _assert_same(_finite_first_aminmax(view), _finite_aminmax_impl(view, None, 0))
+
+
+@needs_cond
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_finite_first_reduction_with_a_range_that_overflows(dtype):
+    # both extremes finite, their difference not: the flag sends it down the full path, still exact
+    big = torch.finfo(dtype).max
+    view = torch.tensor([[[-big, 0.0, big], [1.0, 2.0, 3.0]]], dtype=dtype)
+    _assert_same(_finite_first_aminmax(view), _finite_aminmax_impl(view, None, 0))
+
+
+@needs_cond
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize(
+    "granularity", [qstats.PerTensor(), qstats.PerAxis(0), qstats.PerGroup(4)], ids=["tensor", "axis", "group"]
+)
+def test_compiled_unmasked_update_equals_eager_on_both_branches(backend, granularity):
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=granularity))
+    compiled = torch.compile(obs.update, fullgraph=True, backend=backend)
+    generator = torch.Generator().manual_seed(2)
+    clean = torch.randn(6, 8, generator=generator)
+    dirty = _with_nonfinite(clean, generator, 0.2)
+    state = obs.init(clean)
+    for x in (clean, dirty, clean):  # one compiled graph, both branches, in either order
+        for a, b in zip(compiled(state, x), obs.update(state, x)):
+            assert torch.equal(a, b)
+
+
+@needs_cond
+def test_compiled_update_traced_outside_vmap_still_serves_grad():
+    # the branch is picked when tracing; a later call under a transform retraces on the full path
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+
+    def max_val(w):
+        return obs.update(obs.init(w), w).max_val
+
+    compiled = torch.compile(max_val)
+    x = torch.randn(4, 6, 5)
+    assert torch.equal(compiled(x), max_val(x))
+    stacked = torch.randn(3, 4, 6, 5)
+    assert torch.equal(torch.vmap(compiled)(stacked), torch.vmap(max_val)(stacked))
+    torch.func.grad(lambda w: (compiled(w) * w[:, 0, 0]).sum())(x)  # no error under grad
 
 
 def test_counts_beyond_float32_exact_range_sum_in_int64():
