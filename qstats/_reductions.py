@@ -56,8 +56,13 @@ def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], polic
     if view.numel() == 0:
         return _nothing_seen(view)
     if mask is None and view.device.type == "cpu":
-        lo = _reduce(view, torch.amin)
-        hi = _reduce(view, torch.amax)
+        if math.prod(out_shape) == 1:
+            # one parameter: a full reduction, both extremes in one pass over memory (two passes
+            # cost twice as much once the tensor does not stay in cache)
+            lo, hi = (t.reshape(out_shape) for t in torch.aminmax(view.reshape(-1)))
+        else:  # per-row aminmax is far slower than the two vectorised row reductions
+            lo = _reduce(view, torch.amin)
+            hi = _reduce(view, torch.amax)
         # hi - lo is finite exactly when both are (or the range overflows: then the slow path);
         # its max is finite exactly when every entry is (amax propagates NaN), and a max and a
         # scalar check cost less than an elementwise isfinite.
