@@ -5,12 +5,15 @@
 finite values and how many non-finite values each parameter saw.
 
 In eager mode and under ``vmap`` it is a ``torch.library`` custom op (a batching rule reduces the
-stacked tensor in one call). Inside the op, on CPU, a finite input takes a fast path of two
-reductions (``amin`` and ``amax``), checked with one scalar read of the range's maximum; other
-inputs, and every input on an accelerator, take the masked path, which needs no host
-synchronisation. Under ``torch.compile`` (``nonfinite="ignore"``) a decomposition in plain torch
-ops replaces the op, which the compiler fuses into one pass over the data; with
-``nonfinite="raise"`` the op stays, opaque to the compiler, so that it can raise.
+stacked tensor in one call; plain eager tensors call its implementation directly). Inside, on
+CPU, a finite input takes a fast path (one ``aminmax`` pass for a single parameter, an ``amin``
+and an ``amax`` row reduction for many), checked with one scalar read of the range's maximum;
+other inputs, and every input on an accelerator, take the masked path, which needs no host
+synchronisation. Under ``torch.compile`` (``nonfinite="ignore"``) plain torch ops replace the op:
+outside any functorch transform, plain extremes and a ``torch.cond`` that runs the full
+decomposition only when an extreme is not finite; under ``vmap`` the decomposition, which the
+compiler fuses into one pass over the data. With ``nonfinite="raise"`` the op stays, opaque to
+the compiler, so that it can raise.
 """
 
 from __future__ import annotations
@@ -237,16 +240,16 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
     if mask is not None:
         mask = mask.to(torch.bool).expand(view.shape)
     view = view.detach()
-    if policy == _POLICY_IGNORE and torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if policy == _POLICY_IGNORE and compiling:
         if mask is None and _COND and _no_functorch_transform():
             return _finite_first_aminmax(view)
         return _traceable_finite_aminmax(view, mask)
+    if not compiling and _no_functorch_transform() and _plain(view) and (mask is None or _plain(mask)):
+        return _finite_aminmax_impl(view, mask, policy)  # plain eager tensors: skip a dispatch
     outs = _unwrapped_vmap(view, mask, policy)
     if outs is not None:
         return outs
-    eager = not torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is None
-    if eager and _plain(view) and (mask is None or _plain(mask)):
-        return _finite_aminmax_impl(view, mask, policy)  # plain eager tensors: skip a dispatch
     return _finite_aminmax_op(view, mask, policy)
 
 

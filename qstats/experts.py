@@ -142,37 +142,25 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
             check_state(a)
             check_state(b)
             return observer.merge(a, b)
+    else:
+        batched_init = torch.vmap(observer.init)
+        update_with_weight = torch.vmap(observer.update)
+        update_shared = torch.vmap(observer.update, in_dims=(0, None, 0))
+        update_without_weight = torch.vmap(lambda state, x: observer.update(state, x))
+        merge_fn = torch.vmap(observer.merge)
 
-        return Observer(
-            init_fn,
-            update_fn,
-            merge_fn,
-            exact=observer.exact,
-            spec=observer.spec,
-            name=f"stacked({observer.name})",
-        )
+        def init_fn(x: torch.Tensor):
+            check(x, "x")
+            return batched_init(x)
 
-    batched_init = torch.vmap(observer.init)
-    update_with_weight = torch.vmap(observer.update)
-    update_shared = torch.vmap(observer.update, in_dims=(0, None, 0))
-    update_without_weight = torch.vmap(lambda state, x: observer.update(state, x))
-    batched_merge = torch.vmap(observer.merge)
-
-    def init_fn(x: torch.Tensor):
-        check(x, "x")
-        return batched_init(x)
-
-    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
-        check(x, "x")
-        if weight is None:
-            return update_without_weight(state, x)
-        check(weight, "weight")
-        if x.stride(0) == 0:  # one tensor shared by every expert (x.expand(E, ...)): observe it once
-            return update_shared(state, x[0], weight)
-        return update_with_weight(state, x, weight)
-
-    def merge_fn(a, b):
-        return batched_merge(a, b)
+        def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
+            check(x, "x")
+            if weight is None:
+                return update_without_weight(state, x)
+            check(weight, "weight")
+            if x.stride(0) == 0:  # one tensor shared by every expert (x.expand(E, ...)): observe it once
+                return update_shared(state, x[0], weight)
+            return update_with_weight(state, x, weight)
 
     return Observer(
         init_fn,
