@@ -8,6 +8,7 @@ format. Range rules take keyword options (``method=``, ``percentile=``, ...), so
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -214,6 +215,46 @@ def _compressed_tensors(min_val, max_val, spec: QuantSpec):
     return compressed_tensors_qparams(min_val, max_val, spec)
 
 
+def _symmetric_torch_ao(spec: QuantSpec) -> bool:
+    """Specs that `_symmetric_qparams` computes: torch.ao's symmetric (and narrow) range mapping
+    onto an elementwise format."""
+    return (
+        spec.convention == "torch_ao"
+        and spec.mapping in ("symmetric", "narrow")
+        and not _formats.handles_qparams(spec)
+        and math.isfinite(spec.eps)
+    )
+
+
+def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_uncalibrated: bool) -> QParams:
+    """`qparams_from_minmax` for `_symmetric_torch_ao` specs in eager mode, bit for bit, in about
+    half the ops (each op on a [64, 512] state costs microseconds on CPU, and compares and selects
+    several times more than arithmetic).
+
+    The general path clamps the extremes to +-half the float32 range, takes
+    ``max(-min(lo, 0), max(hi, 0)) / half_range`` and floors it at ``eps``. Min and max commute
+    with that clamp, and every negative or zero candidate ends at ``eps`` (``eps > 0``), so
+    ``clamp(max(-lo, hi), max=half_float32_max) / half_range`` floored at ``eps`` is the same
+    number. Given ``lo <= hi``, ``max(-lo, hi)`` is finite exactly when both extremes are, which is
+    the general path's validity test in one compare fewer.
+    """
+    qmin, qmax = spec.qrange
+    peak = torch.maximum(-min_val, max_val)
+    valid = (min_val <= max_val) & (peak < torch.inf)
+    calibrated = valid if calibrated is None else (calibrated & valid)
+    if check_uncalibrated:
+        check_calibrated(calibrated, spec)
+    scale = peak.clamp(max=torch.finfo(torch.float32).max / 2).div(float(qmax - qmin) / 2).clamp_min(spec.eps)
+    scale = torch.where(calibrated, _round_scale(scale, spec), 1.0)
+    zero_point = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
+    if zero_point == 0:
+        zero_point = torch.zeros(scale.shape, dtype=torch.int32, device=scale.device)
+    else:
+        zero_point = torch.where(calibrated, zero_point, 0).to(torch.int32)
+    global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
+    return QParams(scale, zero_point, global_scale, calibrated)
+
+
 def qparams_from_minmax(
     min_val: torch.Tensor,
     max_val: torch.Tensor,
@@ -233,10 +274,12 @@ def qparams_from_minmax(
     """
     min_val = min_val.float()
     max_val = max_val.float()
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _symmetric_torch_ao(spec):
+        return _symmetric_qparams(min_val, max_val, spec, calibrated, check_uncalibrated)
     # min <= max with both finite, without isfinite (slow on CPU): given min <= max, half the
     # span is finite exactly when both are (halving keeps finite extremes from overflowing).
     half_span = max_val * 0.5 - min_val * 0.5
-    compiling = torch.compiler.is_compiling()
     if compiling:
         # the same test in compares the compiler vectorises (it loops over nan_to_num's isnan)
         valid = (min_val <= max_val) & (half_span >= 0) & (half_span < torch.inf)

@@ -1,0 +1,155 @@
+"""The eager path for torch.ao-convention symmetric specs (`qstats._qparams._symmetric_qparams`,
+fewer ops) against the general range mapping it short-cuts, bit for bit, on ranges no observer
+would produce as well as on real ones: NaN, +-Inf, min > max, +-0.0, subnormals, ranges past
+half the float32 range, zero counts; and against torch.ao's own ``_calculate_qparams`` on valid
+ranges."""
+
+import pytest
+import torch
+from _shared import bit_equal
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
+
+import qstats
+from qstats import _qparams
+
+SETTINGS = settings(
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+SPECIAL = [
+    0.0, -0.0, 1e-45, -1e-45, 1e-38, -1e-38, 1.0, -1.0, 3.0, -250.0, FLOAT32_MAX, -FLOAT32_MAX,
+    FLOAT32_MAX / 2, -FLOAT32_MAX / 2, 2e38, -2e38, float("inf"), float("-inf"), float("nan"),
+]
+
+
+def _specs():
+    specs = []
+    for dtype in ("int8", "uint8", "int4", "uint4", "int2", "int16", "uint16", "fp8_e4m3fn", "fp8_e5m2", "fp4_e2m1"):
+        for mapping in ("symmetric", "narrow"):
+            if mapping == "narrow" and dtype.startswith("u"):
+                continue
+            specs.append(qstats.QuantSpec(dtype=dtype, mapping=mapping))
+    specs += [
+        qstats.QuantSpec(dtype="int8", mapping="symmetric", reduce_range=True),
+        qstats.QuantSpec(dtype="uint8", mapping="symmetric", reduce_range=True),
+        qstats.QuantSpec(dtype="int8", mapping="symmetric", quant_min=-100, quant_max=100),
+        qstats.QuantSpec(dtype="int8", mapping="symmetric", eps=0.5),
+        qstats.QuantSpec(dtype="int8", mapping="symmetric", eps=2.0),
+        qstats.QuantSpec(dtype="int8", mapping="symmetric", eps=1e-30),
+        qstats.QuantSpec(dtype="int8", mapping="symmetric", scale_dtype="bfloat16"),
+        qstats.QuantSpec(dtype="int8", mapping="symmetric", scale_dtype="float16"),
+        qstats.QuantSpec(dtype="int8", mapping="symmetric", zero_point_domain="none"),
+        qstats.QuantSpec(dtype="uint8", mapping="symmetric", zero_point_domain="none"),
+        qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_symmetric),
+        qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric, reduce_range=True),
+    ]
+    return specs
+
+
+SPECS = _specs()
+
+
+def _general(min_val, max_val, spec, calibrated):
+    """The general path of qparams_from_minmax, with the symmetric short cut switched off."""
+    original = _qparams._symmetric_torch_ao
+    _qparams._symmetric_torch_ao = lambda spec: False
+    try:
+        return qstats.qparams_from_minmax(min_val, max_val, spec, calibrated=calibrated, check_uncalibrated=False)
+    finally:
+        _qparams._symmetric_torch_ao = original
+
+
+def test_every_spec_takes_the_short_cut():
+    assert all(_qparams._symmetric_torch_ao(spec) for spec in SPECS)
+    assert not _qparams._symmetric_torch_ao(qstats.QuantSpec(dtype="int8", mapping="asymmetric"))
+    assert not _qparams._symmetric_torch_ao(qstats.QuantSpec(dtype="int8", mapping="symmetric", convention="torchao"))
+
+
+values = st.one_of(st.sampled_from(SPECIAL), st.floats(width=32, allow_nan=True, allow_infinity=True))
+
+
+@SETTINGS
+@given(
+    spec_index=st.integers(0, len(SPECS) - 1),
+    pairs=st.lists(st.tuples(values, values, st.booleans()), min_size=1, max_size=24),
+    with_calibrated=st.booleans(),
+)
+def test_short_cut_equals_general_path(spec_index, pairs, with_calibrated):
+    spec = SPECS[spec_index]
+    min_val = torch.tensor([p[0] for p in pairs], dtype=torch.float32)
+    max_val = torch.tensor([p[1] for p in pairs], dtype=torch.float32)
+    calibrated = torch.tensor([p[2] for p in pairs]) if with_calibrated else None
+    fast = qstats.qparams_from_minmax(min_val, max_val, spec, calibrated=calibrated, check_uncalibrated=False)
+    slow = _general(min_val, max_val, spec, calibrated)
+    for name, a, b in zip(fast._fields, fast, slow):
+        assert bit_equal(a, b), (name, spec, min_val, max_val, a, b)
+    assert torch.isfinite(fast.scale).all() and (fast.scale > 0).all()
+
+
+@SETTINGS
+@given(
+    spec_index=st.integers(0, len(SPECS) - 1),
+    data=st.lists(st.floats(-1e6, 1e6, width=32), min_size=1, max_size=64),
+    shape=st.sampled_from([(), (4,), (3, 5)]),
+)
+def test_short_cut_through_compute_qparams_under_vmap(spec_index, data, shape):
+    """compute_qparams of observed states, eager and under vmap, against the general path."""
+    spec = SPECS[spec_index]
+    g = torch.Generator().manual_seed(len(data))
+    need = 8 * torch.Size(shape).numel()
+    x = torch.tensor(data).repeat(need // len(data) + 1)[:need]
+    x = x[torch.randperm(need, generator=g)].reshape(8, *shape)
+    spec = spec.replace(granularity=qstats.PerAxis(0) if shape else qstats.PerTensor())
+    obs = qstats.minmax(spec)
+    state = obs.update(obs.init(x[0]), x[0])
+    expected = _general(state.min_val, state.max_val, spec, state.count > 0)
+    got = qstats.compute_qparams(state, spec)
+    for name, a, b in zip(got._fields, got, expected):
+        assert bit_equal(a, b), name
+    stacked = torch.vmap(lambda w: obs.update(obs.init(w), w))(x)
+    under_vmap = torch.vmap(lambda s: qstats.compute_qparams(s, spec))(stacked)
+    for e in range(x.shape[0]):
+        one = type(stacked)(*(t[e] for t in stacked))
+        expected = _general(one.min_val, one.max_val, spec, one.count > 0)
+        for name, a, b in zip(expected._fields, under_vmap, expected):
+            assert bit_equal(a[e], b), (name, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.quint8])
+@pytest.mark.parametrize("reduce_range", [False, True])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_short_cut_equals_torch_ao(dtype, reduce_range, per_channel):
+    """Through from_torch_ao, the short cut gives torch.ao's calculate_qparams on data with a
+    constant, an all-zero, an all-negative, an all-positive and a very wide channel."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 32, generator=g)
+    w[1] = 0.5
+    w[2] = 0.0
+    w[3] = -w[3].abs()
+    w[4] = w[4].abs() + 1e-3
+    w[5] = w[5] * 1e30
+    qscheme = torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric
+    if reduce_range and dtype == torch.quint8:  # torch.ao refuses it, and so do we
+        with pytest.raises(ValueError, match="reduce range"):
+            qstats.QuantSpec.from_torch_ao(dtype, qscheme, reduce_range=reduce_range)
+        return
+    spec = qstats.QuantSpec.from_torch_ao(dtype, qscheme, reduce_range=reduce_range)
+    assert _qparams._symmetric_torch_ao(spec)
+    for rows in (slice(0, 6), slice(1, 2), slice(2, 3), slice(3, 4)):
+        data = w[rows]
+        if not per_channel:
+            ref = MinMaxObserver(dtype=dtype, qscheme=qscheme, reduce_range=reduce_range)
+        else:
+            ref = PerChannelMinMaxObserver(ch_axis=0, dtype=dtype, qscheme=qscheme, reduce_range=reduce_range)
+        ref(data)
+        scale, zero_point = ref.calculate_qparams()
+        obs = qstats.minmax(spec)
+        got = qstats.compute_qparams(obs.update(obs.init(data), data), spec)
+        assert torch.equal(got.scale.reshape(scale.shape), scale)
+        assert torch.equal(got.zero_point.to(zero_point.dtype).reshape(zero_point.shape), zero_point)
