@@ -53,7 +53,12 @@ def _nothing_seen(view: torch.Tensor):
     return inf, -inf, zeros, zeros.clone()
 
 
-def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], policy: int):
+def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], policy: int, uniform_views: bool = False):
+    """The reduction on dense tensors. ``uniform_views``: counts that are the same for every
+    parameter (a finite, unmasked input) come back as expanded 0-dim tensors (stride 0), which
+    later additions read as scalars (an int64 add of two [64, 512] tensors costs twice as much);
+    only for eager callers, never through the custom op, whose outputs the compiler assumes
+    dense."""
     out_shape = view.shape[1:-1]
     per_param = view.shape[0] * view.shape[-1]
     if view.numel() == 0:
@@ -70,6 +75,9 @@ def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], polic
         # its max is finite exactly when every entry is (amax propagates NaN), and a max and a
         # scalar check cost less than an elementwise isfinite.
         if math.isfinite((hi - lo).amax().item()):
+            if uniform_views:
+                count = torch.tensor(per_param, dtype=torch.int64, device=view.device)
+                return lo.float(), hi.float(), count.expand(out_shape), torch.zeros_like(count).expand(out_shape)
             count = torch.full(out_shape, per_param, dtype=torch.int64, device=view.device)
             return lo.float(), hi.float(), count, torch.zeros_like(count)
     dims = (0, view.ndim - 1)
@@ -162,7 +170,7 @@ def _unwrapped_vmap(view, mask, policy):
             return None
     if functorch.is_functorch_wrapped_tensor(inner):
         return None
-    outs = _finite_aminmax_impl(*_batched_arguments(inner, view_dim, mask, mask_dim), policy)
+    outs = _finite_aminmax_impl(*_batched_arguments(inner, view_dim, mask, mask_dim), policy, uniform_views=True)
     return tuple(functorch._add_batch_dim(out, 0, level) for out in outs)
 
 
@@ -245,8 +253,12 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
         if mask is None and _COND and _no_functorch_transform():
             return _finite_first_aminmax(view)
         return _traceable_finite_aminmax(view, mask)
-    if not compiling and _no_functorch_transform() and _plain(view) and (mask is None or _plain(mask)):
-        return _finite_aminmax_impl(view, mask, policy)  # plain eager tensors: skip a dispatch
+    if not compiling and _plain(view) and (mask is None or _plain(mask)):
+        # plain eager tensors, also inside a transform that does not wrap them (the stacked
+        # forms run under vmap on unwrapped tensors): skip a dispatch
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        if _no_functorch_transform() or not (wrapped(view) or (mask is not None and wrapped(mask))):
+            return _finite_aminmax_impl(view, mask, policy, uniform_views=True)
     outs = _unwrapped_vmap(view, mask, policy)
     if outs is not None:
         return outs
