@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import _compat_torchao, _formats, _vmap
+from . import _compat_torchao, _formats
 from ._spec import QuantSpec
 
 __all__ = [
@@ -107,15 +107,7 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"compute_qparams: spec must be a QuantSpec, got {type(spec).__name__}")
     global_scale = options.pop("global_scale", None)  # a fused group's (qstats.fused)
-    rule = _rule_for(state)
-    if global_scale is None and not options and _stacks_elementwise(rule, spec):
-        # under a plain vmap: the same ops on the stacked fields
-        qparams = _vmap.call_stacked(
-            lambda *fields: _stacked_elementwise(type(state)(*fields), spec, rule), list(state), range(len(state))
-        )
-        if qparams is not None:
-            return qparams
-    result = rule(state, spec, **options)
+    result = _rule_for(state)(state, spec, **options)
     if isinstance(result, QParams):
         return result
     return qparams_from_minmax(
@@ -143,22 +135,15 @@ def stacked_compute_qparams(state, spec: QuantSpec, **options) -> QParams:
             f"got {type(state).__name__} with field shapes {shapes}"
         )
     rule = _rule_for(state)
-    if not options and _stacks_elementwise(rule, spec):
-        return _stacked_elementwise(state, spec, rule)
+    if getattr(rule, "_qstats_elementwise", False) and not options and not _formats.handles_qparams(spec):
+        result = rule(state, spec)
+        if result.min_val.ndim >= 1:
+            qparams = qparams_from_minmax(
+                result.min_val, result.max_val, spec, calibrated=result.calibrated, check_uncalibrated=False
+            )
+            num = result.min_val.shape[0]
+            return qparams._replace(global_scale=qparams.global_scale.expand(num).clone())
     return torch.vmap(lambda one: compute_qparams(one, spec, **options))(state)
-
-
-def _stacks_elementwise(rule, spec: QuantSpec) -> bool:
-    """The rule's range is elementwise and the format maps each entry on its own."""
-    return getattr(rule, "_qstats_elementwise", False) and not _formats.handles_qparams(spec)
-
-
-def _stacked_elementwise(state, spec: QuantSpec, rule) -> QParams:
-    """`stacked_compute_qparams` of an elementwise rule and format: the ops on the stacked fields."""
-    result = rule(state, spec)
-    qparams = qparams_from_minmax(result.min_val, result.max_val, spec, calibrated=result.calibrated, check_uncalibrated=False)
-    num = result.min_val.shape[0]
-    return qparams._replace(global_scale=qparams.global_scale.expand(num).clone())
 
 
 def _is_traced(t: torch.Tensor) -> bool:

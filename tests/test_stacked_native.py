@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 import qstats
 from qstats import PerAxis, PerBlock, PerGroup, PerTensor, PerToken
-from qstats._vmap import generic_batching
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -40,29 +39,11 @@ def _one_thread():
 
 # --------------------------------------------------------------------------------------------
 # helpers
-def generic(fn):
-    """``fn`` with every op under vmap going through vmap's batching rules (no stacked routing,
-    `qstats._vmap.generic_batching`): the reference the stacked forms are compared with."""
-
-    def run(*args, **kwargs):
-        with generic_batching():
-            return fn(*args, **kwargs)
-
-    return run
-
-
 def plain(obs):
-    """The observer with no stacked update registered: `stacked_observer` vmaps it, and under
-    vmap it runs through the batching rules."""
+    """The observer with no stacked update registered: `stacked_observer` vmaps it."""
     return qstats.Observer(
-        generic(obs.init), generic(lambda s, x, w=None: obs.update(s, x, w)), generic(obs.merge), obs.exact, obs.spec,
-        obs.name,
+        lambda x: obs.init(x), lambda s, x, w=None: obs.update(s, x, w), obs.merge, obs.exact, obs.spec, obs.name
     )
-
-
-def vmapped_qparams(state, spec):
-    """``torch.vmap(compute_qparams)`` through the batching rules."""
-    return torch.vmap(generic(lambda s: qstats.compute_qparams(s, spec)))(state)
 
 
 def make_observer(kind, spec):
@@ -268,102 +249,6 @@ def test_native_stacked_update_equals_vmap(case):
     _check_sequences(_sequence(native, data, template), _sequence(reference, data, template), bits)
 
 
-def _vmapped_sequence(obs, data, template, spec):
-    """`_sequence` through ``torch.vmap`` of the one-expert functions (shared x passed unbatched
-    with its weight batched, as a user would), ending with compute_qparams under vmap."""
-    out = []
-
-    def update(state, x, w):
-        if w is not None and x.stride(0) == 0:
-            return torch.vmap(obs.update, in_dims=(0, None, 0))(state, x[0], w)
-        if w is None:
-            return torch.vmap(lambda s, xx: obs.update(s, xx))(state, x)
-        return torch.vmap(obs.update)(state, x, w)
-
-    state = torch.vmap(obs.init)(template)
-    out.append(("init", state))
-    for i, (x, w) in enumerate(data[:3]):
-        status, state = run(update, state, x, w)
-        out.append((f"update{i}", status, state))
-        if status != "ok":
-            return out
-    out.append(("merge", torch.vmap(obs.merge)(state, state)))
-    out.append(("qparams", torch.vmap(lambda s: qstats.compute_qparams(s, spec))(state)))
-    return out
-
-
-@SETTINGS
-@given(observer_cases())
-def test_vmap_of_an_observer_runs_its_stacked_form_bit_for_bit(case):
-    """``torch.vmap(obs.update)`` and ``torch.vmap(compute_qparams)`` unwrap to the stacked forms
-    (`qstats._vmap.call_stacked`); the result equals vmap's batching rules bit for bit."""
-    kind, spec, num, shape, dtype, data = case
-    obs = make_observer(kind, spec)
-    template = torch.zeros(num, *shape, dtype=dtype)
-    calls = []
-    original = qstats._vmap.call_stacked
-
-    def counting(fn, tensors, required):
-        try:
-            out = original(fn, tensors, required)
-        except ValueError:  # raised by the stacked form (nonfinite="raise"): routed
-            calls.append(True)
-            raise
-        calls.append(out is not None)
-        return out
-
-    qstats._vmap.call_stacked = counting
-    try:
-        routed = _vmapped_sequence(obs, data, template, spec)
-    finally:
-        qstats._vmap.call_stacked = original
-    with generic_batching():
-        reference = _vmapped_sequence(obs, data, template, spec)
-    assert any(calls), "nothing was routed"
-    bits = not any(w is None and x.stride(0) == 0 and not x[0].is_contiguous() for x, w in data)
-    for left, right in zip(routed, reference):
-        assert left[0] == right[0]
-        if left[0] == "qparams":
-            assert_same_qparams(left[1], right[1], num)
-            continue
-        _check_sequences([left], [right], bits)
-    assert len(routed) == len(reference)
-
-
-def test_routing_needs_one_plain_vmap_level():
-    """Nested vmap, grad and compile keep vmap's batching rules; a plain vmap routes."""
-    spec = qstats.QuantSpec(granularity=PerAxis(0))
-    obs = qstats.minmax(spec)
-    x = torch.randn(2, 3, 4, 5)
-    calls = []
-    original = qstats._vmap.call_stacked
-
-    def counting(fn, tensors, required):
-        out = original(fn, tensors, required)
-        calls.append(out is not None)
-        return out
-
-    def one(w):
-        return qstats.compute_qparams(obs.update(obs.init(w), w), spec).scale
-
-    qstats._vmap.call_stacked = counting
-    try:
-        plain_result = torch.vmap(one)(x[0])
-        assert calls and all(calls)
-        calls.clear()
-        nested = torch.vmap(torch.vmap(one))(x)
-        assert calls and not any(calls)  # the inner level's tensors wrap the outer level's
-        calls.clear()
-        grads = torch.vmap(torch.func.grad(lambda w: one(w).sum()))(x[0])
-        assert not any(calls)
-    finally:
-        qstats._vmap.call_stacked = original
-    assert torch.equal(nested[0], plain_result)
-    assert torch.equal(grads, torch.zeros_like(grads))
-    with generic_batching():
-        assert torch.equal(torch.vmap(one)(x[0]), plain_result)
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(observer_cases())
 def test_native_stacked_update_equals_expert_loop(case):
@@ -423,12 +308,12 @@ def test_shared_tokens_equal_vmap_with_unbatched_x(kind, granularity):
     x = x0.expand(num, *shape)
     assert x.stride(0) == 0
     state = native.init(x)
-    reference = torch.vmap(generic(obs.init))(x)
+    reference = torch.vmap(obs.init)(x)
     assert_same_state(state, reference, "init")
     for step in range(3):
         w = weight.roll(step, dims=1)
         state = native.update(state, x, w)
-        reference = torch.vmap(generic(obs.update), in_dims=(0, None, 0))(reference, x0, w)
+        reference = torch.vmap(obs.update, in_dims=(0, None, 0))(reference, x0, w)
         assert_same_state(state, reference, f"update {step}")
     loop = []
     for e in range(num):
@@ -475,7 +360,7 @@ def test_nonfinite_policy_both_paths(dtype, policy):
         xs = x0.expand(num, *shape)
         routed = torch.ones(num, shape[0])
         routed[0, 2] = 0.0
-        for stack_update in (native.update, lambda s, xx, w: torch.vmap(generic(obs.update), in_dims=(0, None, 0))(s, x0, w)):
+        for stack_update in (native.update, lambda s, xx, w: torch.vmap(obs.update, in_dims=(0, None, 0))(s, x0, w)):
             state = native.init(xs)
             if policy == "raise":
                 with pytest.raises(ValueError, match="non-finite"):
@@ -484,7 +369,7 @@ def test_nonfinite_policy_both_paths(dtype, policy):
                 stack_update(state, xs, routed)
         routed[:, 2] = 0.0  # no expert sees the row: no raise on either path
         a = native.update(native.init(xs), xs, routed)
-        b = torch.vmap(generic(obs.update), in_dims=(0, None, 0))(native.init(xs), x0, routed)
+        b = torch.vmap(obs.update, in_dims=(0, None, 0))(native.init(xs), x0, routed)
         assert_same_state(a, b, "shared, masked out")
 
 
@@ -708,7 +593,7 @@ def test_stacked_qparams_equals_vmap(spec_index, num, shape_index, mode, seed, u
     shape = _qparam_shapes(spec)[shape_index]
     state = stacked_state(num, shape, mode, seed, {e for e in uncalibrated if e < num}, cls)
     native = qstats.stacked_qparams(state, spec)  # never raises: vmap semantics
-    reference = vmapped_qparams(state, spec)
+    reference = torch.vmap(lambda s: qstats.compute_qparams(s, spec))(state)
     assert_same_qparams(native, reference, num, repr(spec))
 
 
@@ -721,7 +606,7 @@ def test_stacked_qparams_every_spec_equals_vmap_and_loop(spec):
     for mode in ("normal", "huge", "mixed", "zeros"):
         state = stacked_state(num, shape, mode, 7, {1}, qstats.MinMaxState)
         native = qstats.stacked_qparams(state, spec)
-        reference = vmapped_qparams(state, spec)
+        reference = torch.vmap(lambda s: qstats.compute_qparams(s, spec))(state)
         assert_same_qparams(native, reference, num, f"{mode} {spec!r}")
         assert not bool(native.calibrated[1].any())
         assert bool((native.scale[1] == 1).all()) and bool((native.zero_point[1] == 0).all())
@@ -757,7 +642,7 @@ def test_stacked_qparams_of_observed_states():
             b = reference.update(reference.init(x), x, weight)
             assert_same_state(a, b, kind)
             qa = qstats.stacked_qparams(a, spec)
-            qb = vmapped_qparams(b, spec)
+            qb = torch.vmap(lambda s: qstats.compute_qparams(s, spec))(b)
             assert_same_qparams(qa, qb, num, f"{kind} {spec!r}")
 
 
@@ -863,7 +748,7 @@ def test_compiled_stacked_update_and_qparams_equal_eager(kind, granularity, dtyp
         assert_same_qparams(compiled_qp, eager_qp, num, "compiled")
         ref_state = reference.update(reference.init(x), x, weight)
         assert_same_state(compiled_state, ref_state, "compiled vs vmap")
-        assert_same_qparams(compiled_qp, vmapped_qparams(ref_state, spec), num)
+        assert_same_qparams(compiled_qp, torch.vmap(lambda s: qstats.compute_qparams(s, spec))(ref_state), num)
 
 
 def _compile_specs():
@@ -891,7 +776,7 @@ def test_compiled_stacked_qparams_equal_eager_and_vmap(index):
         state = stacked_state(num, shape, mode, 11, {2}, qstats.MinMaxState)
         eager = qstats.stacked_qparams(state, spec)
         assert_same_qparams(compiled(state), eager, num, mode)
-        assert_same_qparams(eager, vmapped_qparams(state, spec), num, mode)
+        assert_same_qparams(eager, torch.vmap(lambda s: qstats.compute_qparams(s, spec))(state), num, mode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -916,7 +801,7 @@ def test_scalar_experts_and_single_expert():
                 assert_same_state(a, b, f"{kind} {granularity}")
                 assert_same_state(expert_slice(a, 0), obs.update(obs.init(x[0]), x[0], None if w is None else w[0]))
                 assert_same_qparams(
-                    qstats.stacked_qparams(a, spec), vmapped_qparams(b, spec), 1
+                    qstats.stacked_qparams(a, spec), torch.vmap(lambda s: qstats.compute_qparams(s, spec))(b), 1
                 )
 
 
@@ -951,7 +836,7 @@ def test_signed_zeros_under_a_per_expert_scalar_weight_reach_float_zero_points_a
         dtype=torch.quint8, qscheme=torch.per_channel_affine_float_qparams, ch_axis=1
     )
     a = qstats.stacked_qparams(native, spec)
-    b = vmapped_qparams(reference, spec)
+    b = torch.vmap(lambda s: qstats.compute_qparams(s, spec))(reference)
     assert_same_qparams(a, b, 4)
 
 

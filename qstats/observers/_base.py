@@ -14,12 +14,9 @@ name, so that `qstats.load` can rebuild a checkpoint without pickling code.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple
 
 import torch
-
-from .._vmap import run_stacked
 
 __all__ = [
     "Observer",
@@ -57,27 +54,15 @@ class Observer(NamedTuple):
 _STATE_TYPES: dict[str, type] = {}
 
 
-def register_stacked_update(update: Callable, stacked_update: Callable) -> Callable:
+def register_stacked_update(update: Callable, stacked_update: Callable) -> None:
     """Declares that ``stacked_update`` computes ``torch.vmap(update)`` over a leading stack
     dimension without ``vmap``: ``stacked_update(state, x, weight=None)`` where every state field,
     ``x`` and ``weight`` carry a leading expert dimension. Plain ops on the stacked tensors skip
     the batching overhead of every small op. It also declares the observer's ``merge``
     elementwise, so that it applies to stacked states as it is. `qstats.stacked_observer` then
-    uses both; tests check them against ``vmap`` bit for bit.
-
-    Returns the update to put in the Observer: ``update`` itself, except under a plain
-    ``torch.vmap`` (one level, dense tensors, not compiling) with ``x`` or ``weight`` batched,
-    where it runs ``stacked_update`` on the unwrapped tensors (`qstats._vmap.run_stacked`). The
-    stacked form is kept as an attribute of that function, so it lives exactly as long as the
-    observer."""
-
-    @functools.wraps(update)
-    def routed_update(state, x, weight=None):
-        out = run_stacked(stacked_update, state, x, weight)
-        return update(state, x, weight) if out is None else out
-
-    routed_update._qstats_stacked_update = stacked_update
-    return routed_update
+    uses both; tests check them against ``vmap`` bit for bit. (Kept as an attribute of the
+    ``update`` function, so it lives exactly as long as the observer.)"""
+    update._qstats_stacked_update = stacked_update
 
 
 def stacked_update_of(observer: "Observer"):

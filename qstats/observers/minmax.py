@@ -232,7 +232,8 @@ def minmax(spec: QuantSpec) -> Observer:
 
         return update_fn
 
-    update_fn = register_stacked_update(updater(observe_extremes), updater(observe_extremes_stacked))
+    update_fn = updater(observe_extremes)
+    register_stacked_update(update_fn, updater(observe_extremes_stacked))
 
     def merge_fn(a: MinMaxState, b: MinMaxState) -> MinMaxState:
         check_state(a, MinMaxState, "minmax.merge")
@@ -282,7 +283,8 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
 
         return update_fn
 
-    update_fn = register_stacked_update(updater(observe_extremes), updater(observe_extremes_stacked))
+    update_fn = updater(observe_extremes)
+    register_stacked_update(update_fn, updater(observe_extremes_stacked))
 
     def merge_fn(a, b) -> MemorylessMinMaxState:
         check_state(a, MemorylessMinMaxState, "memoryless_minmax.merge")
@@ -341,7 +343,8 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
 
         return update_fn
 
-    update_fn = register_stacked_update(updater(observe_extremes), updater(observe_extremes_stacked))
+    update_fn = updater(observe_extremes)
+    register_stacked_update(update_fn, updater(observe_extremes_stacked))
 
     def merge_fn(a, b) -> MovingAverageMinMaxState:
         check_state(a, MovingAverageMinMaxState, "moving_average_minmax.merge")
