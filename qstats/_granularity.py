@@ -187,13 +187,29 @@ def checked_view(x: torch.Tensor, granularity: Granularity, expected_shape, wher
     """`canonical_view` of ``x`` for an update of a state whose parameters have shape
     ``expected_shape``; ValueError naming both shapes when they differ."""
     view = canonical_view(x, granularity)
-    shape = tuple(view.shape[1:-1])
-    if shape != tuple(expected_shape):
+    _check_param_shape(tuple(x.shape), tuple(view.shape[1:-1]), expected_shape, where)
+    return view
+
+
+def check_shape(shape, granularity: Granularity, expected_shape, where: str) -> None:
+    """`checked_view`'s checks and errors for a tensor of ``shape``, from the shape alone (no
+    tensor op)."""
+    shape = tuple(shape)
+    if isinstance(granularity, PerTensor):
+        params = ()
+    elif isinstance(granularity, PerAxis):  # canonical_view's error first
+        params = (shape[_normalize_axis(granularity.axis, len(shape), shape)],)
+    else:
+        params = qparam_shape(shape, granularity)
+    _check_param_shape(shape, params, expected_shape, where)
+
+
+def _check_param_shape(shape: tuple, params: tuple, expected_shape, where: str) -> None:
+    if params != tuple(expected_shape):
         raise ValueError(
-            f"{where}: a tensor of shape {tuple(x.shape)} gives quantization parameters of shape {shape}, "
+            f"{where}: a tensor of shape {shape} gives quantization parameters of shape {params}, "
             f"but the state has shape {tuple(expected_shape)}"
         )
-    return view
 
 
 def stacked_view(x: torch.Tensor, granularity: Granularity):

@@ -141,8 +141,9 @@ def stacked_compute_qparams(state, spec: QuantSpec, **options) -> QParams:
             qparams = qparams_from_minmax(
                 result.min_val, result.max_val, spec, calibrated=result.calibrated, check_uncalibrated=False
             )
-            num = result.min_val.shape[0]
-            return qparams._replace(global_scale=qparams.global_scale.expand(num).clone())
+            # an elementwise format's global scale is 1 (qparams_from_minmax)
+            ones = torch.ones(result.min_val.shape[0], dtype=torch.float32, device=qparams.scale.device)
+            return qparams._replace(global_scale=ones)
     return torch.vmap(lambda one: compute_qparams(one, spec, **options))(state)
 
 
@@ -272,8 +273,8 @@ def qparams_from_minmax(
     point 0, and `check_calibrated` applies the spec's ``on_uncalibrated`` policy (unless
     ``check_uncalibrated`` is False: the caller applies it, as for stacked experts).
     """
-    min_val = min_val.float()
-    max_val = max_val.float()
+    min_val = min_val if min_val.dtype == torch.float32 else min_val.float()
+    max_val = max_val if max_val.dtype == torch.float32 else max_val.float()
     compiling = torch.compiler.is_compiling()
     if not compiling and _symmetric_torch_ao(spec):
         return _symmetric_qparams(min_val, max_val, spec, calibrated, check_uncalibrated)

@@ -29,6 +29,11 @@ _POLICY_IGNORE = 0
 _POLICY_RAISE = 1
 
 
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as float32, without a call when it already is (every op call counts on small states)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def _reduce(view: torch.Tensor, op) -> torch.Tensor:
     """``op`` (amin or amax) over dims (0, -1): the contiguous group dim first, then the
     observations (faster than one multi-dim reduction; exact for min/max)."""
@@ -68,7 +73,10 @@ def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], polic
             # one parameter: a full reduction, both extremes in one pass over memory (two passes
             # cost twice as much once the tensor does not stay in cache)
             lo, hi = (t.reshape(out_shape) for t in torch.aminmax(view.reshape(-1)))
-        else:  # per-row aminmax is far slower than the two vectorised row reductions
+        elif view.shape[0] == 1:  # per-row aminmax is far slower than two vectorised row reductions
+            rows = view[0]
+            lo, hi = rows.amin(dim=-1), rows.amax(dim=-1)
+        else:
             lo = _reduce(view, torch.amin)
             hi = _reduce(view, torch.amax)
         # hi - lo is finite exactly when both are (or the range overflows: then the slow path);
@@ -77,9 +85,9 @@ def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], polic
         if math.isfinite((hi - lo).amax().item()):
             if uniform_views:
                 count = torch.tensor(per_param, dtype=torch.int64, device=view.device)
-                return lo.float(), hi.float(), count.expand(out_shape), torch.zeros_like(count).expand(out_shape)
+                return _f32(lo), _f32(hi), count.expand(out_shape), torch.zeros_like(count).expand(out_shape)
             count = torch.full(out_shape, per_param, dtype=torch.int64, device=view.device)
-            return lo.float(), hi.float(), count, torch.zeros_like(count)
+            return _f32(lo), _f32(hi), count, torch.zeros_like(count)
     dims = (0, view.ndim - 1)
     if mask is not None:
         mask = mask.expand(view.shape)
@@ -89,7 +97,7 @@ def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], polic
             hi = _reduce(torch.where(mask, view, -torch.inf), torch.amax)
             count = torch.count_nonzero(mask, dim=dims)
             if not bool((~torch.isfinite(hi - lo) & (count > 0)).any()):
-                return lo.float(), hi.float(), count, torch.zeros_like(count)
+                return _f32(lo), _f32(hi), count, torch.zeros_like(count)
         included = mask & torch.isfinite(view)
         count = torch.count_nonzero(included, dim=dims)
         nonfinite = torch.count_nonzero(mask, dim=dims) - count
@@ -103,7 +111,7 @@ def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], polic
             "and the spec says nonfinite='raise'"
         )
     lo, hi = _masked_path(view, included)
-    return lo.float(), hi.float(), count, nonfinite
+    return _f32(lo), _f32(hi), count, nonfinite
 
 
 @torch.library.custom_op("qstats::finite_aminmax", mutates_args=())
@@ -246,19 +254,21 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
     """
     policy = _POLICY_RAISE if nonfinite == "raise" else _POLICY_IGNORE
     if mask is not None:
-        mask = mask.to(torch.bool).expand(view.shape)
-    view = view.detach()
+        mask = (mask if mask.dtype == torch.bool else mask.to(torch.bool)).expand(view.shape)
     compiling = torch.compiler.is_compiling()
+    if not compiling and _plain(view) and (mask is None or _plain(mask)):
+        # plain eager tensors, also inside a transform that does not wrap them (a tensor captured
+        # from outside a vmap, the row reductions of shared tokens): skip a dispatch
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        if _no_functorch_transform() or not (wrapped(view) or (mask is not None and wrapped(mask))):
+            if view.requires_grad:
+                view = view.detach()
+            return _finite_aminmax_impl(view, mask, policy, uniform_views=True)
+    view = view.detach()
     if policy == _POLICY_IGNORE and compiling:
         if mask is None and _COND and _no_functorch_transform():
             return _finite_first_aminmax(view)
         return _traceable_finite_aminmax(view, mask)
-    if not compiling and _plain(view) and (mask is None or _plain(mask)):
-        # plain eager tensors, also inside a transform that does not wrap them (the stacked
-        # forms run under vmap on unwrapped tensors): skip a dispatch
-        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-        if _no_functorch_transform() or not (wrapped(view) or (mask is not None and wrapped(mask))):
-            return _finite_aminmax_impl(view, mask, policy, uniform_views=True)
     outs = _unwrapped_vmap(view, mask, policy)
     if outs is not None:
         return outs

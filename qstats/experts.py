@@ -33,7 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .observers import Observer
 from ._qparams import stacked_compute_qparams
-from .observers._base import stacked_update_of
+from .observers._base import stacked_init_of, stacked_update_of
 
 __all__ = [
     "ExpertInputCapture",
@@ -126,10 +126,14 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
         # The observer computes over the stack itself (plain ops on [E, ...] tensors, equal to
         # vmap bit for bit, without the batching overhead of each small op); its merge is
         # elementwise, and init reads only the shape of one expert's tensor (the Observer contract).
+        stacked_init = stacked_init_of(observer)
+
         def init_fn(x: torch.Tensor):
             check(x, "x")
+            if stacked_init is not None:
+                return stacked_init(x)
             one = observer.init(x[0])
-            return type(one)(*(t.unsqueeze(0).expand(num_experts, *t.shape).clone() for t in one))
+            return type(one)(*(t.expand(num_experts, *t.shape).clone() for t in one))
 
         def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
             check(x, "x")

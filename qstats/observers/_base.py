@@ -25,7 +25,9 @@ __all__ = [
     "check_state",
     "check_same_shapes",
     "batch_weighted_mean",
+    "register_stacked_init",
     "register_stacked_update",
+    "stacked_init_of",
     "stacked_update_of",
 ]
 
@@ -63,6 +65,17 @@ def register_stacked_update(update: Callable, stacked_update: Callable) -> None:
     uses both; tests check them against ``vmap`` bit for bit. (Kept as an attribute of the
     ``update`` function, so it lives exactly as long as the observer.)"""
     update._qstats_stacked_update = stacked_update
+
+
+def register_stacked_init(init: Callable, stacked_init: Callable) -> None:
+    """Declares that ``stacked_init(stack)`` builds the ``[E, ...]`` state of a stack of E tensors
+    (``torch.vmap(init)``'s result) directly; `qstats.stacked_observer` uses it."""
+    init._qstats_stacked_init = stacked_init
+
+
+def stacked_init_of(observer: "Observer"):
+    """The stacked init registered for ``observer.init``, or None."""
+    return getattr(observer.init, "_qstats_stacked_init", None)
 
 
 def stacked_update_of(observer: "Observer"):
