@@ -8,6 +8,7 @@ format. Range rules take keyword options (``method=``, ``percentile=``, ...), so
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -137,6 +138,11 @@ def stacked_compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     rule = _rule_for(state)
     if getattr(rule, "_qstats_elementwise", False) and not options and not _formats.handles_qparams(spec):
         result = rule(state, spec)
+        plan = None if torch.compiler.is_compiling() else _symmetric_torch_ao(spec)
+        if result.min_val.ndim >= 1 and plan:
+            lo, hi = result.min_val, result.max_val
+            lo, hi = (t if t.dtype == torch.float32 else t.float() for t in (lo, hi))
+            return _symmetric_qparams(lo, hi, spec, result.calibrated, False, global_shape=lo.shape[:1], plan=plan)
         if result.min_val.ndim >= 1:
             qparams = qparams_from_minmax(
                 result.min_val, result.max_val, spec, calibrated=result.calibrated, check_uncalibrated=False
@@ -216,18 +222,43 @@ def _compressed_tensors(min_val, max_val, spec: QuantSpec):
     return compressed_tensors_qparams(min_val, max_val, spec)
 
 
-def _symmetric_torch_ao(spec: QuantSpec) -> bool:
-    """Specs that `_symmetric_qparams` computes: torch.ao's symmetric (and narrow) range mapping
-    onto an elementwise format."""
-    return (
+@functools.lru_cache(maxsize=1024)
+def _symmetric_torch_ao(spec: QuantSpec):
+    """For specs that `_symmetric_qparams` computes (torch.ao's symmetric and narrow range
+    mappings onto an elementwise format), its constants: ``(half_range, largest_scale, eps,
+    zero_point)``, worked out once per spec; None for other specs."""
+    if not (
         spec.convention == "torch_ao"
         and spec.mapping in ("symmetric", "narrow")
         and not _formats.handles_qparams(spec)
         and math.isfinite(spec.eps)
+    ):
+        return None
+    qmin, qmax = spec.qrange
+    half_range = float(qmax - qmin) / 2
+    zero_point = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
+    return half_range, _largest_scale(half_range), spec.eps, zero_point
+
+
+def _plain_eager(*tensors: torch.Tensor) -> bool:
+    """Dense tensors outside every transform and autograd: intermediates may be written in place."""
+    return (
+        torch._C._functorch.maybe_current_level() is None
+        and not torch.compiler.is_compiling()
+        and all(type(t) is torch.Tensor and not t.requires_grad for t in tensors)
     )
 
 
-def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_uncalibrated: bool) -> QParams:
+@functools.lru_cache(maxsize=None)
+def _largest_scale(half_range: float) -> float:
+    """``half_float32_max / half_range`` as the float32 division of `_symmetric_qparams` rounds it:
+    the scale of a range clipped to half the float32 range."""
+    return float(torch.tensor(torch.finfo(torch.float32).max / 2, dtype=torch.float32).div(half_range))
+
+
+def _symmetric_qparams(
+    min_val, max_val, spec: QuantSpec, calibrated, check_uncalibrated: bool, global_shape: tuple = (), plan=None
+) -> QParams:
     """`qparams_from_minmax` for `_symmetric_torch_ao` specs in eager mode, bit for bit, in about
     half the ops (each op on a [64, 512] state costs microseconds on CPU, and compares and selects
     several times more than arithmetic).
@@ -236,23 +267,38 @@ def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_unca
     ``max(-min(lo, 0), max(hi, 0)) / half_range`` and floors it at ``eps``. Min and max commute
     with that clamp, and every negative or zero candidate ends at ``eps`` (``eps > 0``), so
     ``clamp(max(-lo, hi), max=half_float32_max) / half_range`` floored at ``eps`` is the same
-    number. Given ``lo <= hi``, ``max(-lo, hi)`` is finite exactly when both extremes are, which is
-    the general path's validity test in one compare fewer.
+    number; and as correctly rounded division is monotone, so is ``max(-lo, hi) / half_range``
+    clamped to ``[eps, half_float32_max / half_range]`` (`_largest_scale`). Given ``lo <= hi``,
+    ``max(-lo, hi)`` is finite exactly when both extremes are, which is the general path's
+    validity test in one compare fewer. ``global_shape``: the shape of the (all-ones) global scale;
+    ``plan``: `_symmetric_torch_ao`'s constants for ``spec``.
     """
-    qmin, qmax = spec.qrange
-    peak = torch.maximum(-min_val, max_val)
-    valid = (min_val <= max_val) & (peak < torch.inf)
-    calibrated = valid if calibrated is None else (calibrated & valid)
-    if check_uncalibrated:
-        check_calibrated(calibrated, spec)
-    scale = peak.clamp(max=torch.finfo(torch.float32).max / 2).div(float(qmax - qmin) / 2).clamp_min(spec.eps)
+    half_range, largest_scale, eps, zero_point = plan or _symmetric_torch_ao(spec)
+    if _plain_eager(min_val, max_val):
+        # in place on the fresh intermediates: after a large reduction every new output lands on
+        # cold cache lines, and writing fewer of them is most of what these ops cost
+        peak = min_val.neg().clamp_min_(max_val)  # NaN handling differs from maximum: such entries are invalid
+        valid = min_val <= max_val
+        valid &= peak < torch.inf
+        if calibrated is not None:
+            valid &= calibrated
+        calibrated = valid
+        if check_uncalibrated:
+            check_calibrated(calibrated, spec)
+        scale = peak.div_(half_range).clamp_(min=eps, max=largest_scale)
+    else:
+        peak = torch.maximum(-min_val, max_val)
+        valid = (min_val <= max_val) & (peak < torch.inf)
+        calibrated = valid if calibrated is None else (calibrated & valid)
+        if check_uncalibrated:
+            check_calibrated(calibrated, spec)
+        scale = peak.div(half_range).clamp(min=eps, max=largest_scale)
     scale = torch.where(calibrated, _round_scale(scale, spec), 1.0)
-    zero_point = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
     if zero_point == 0:
         zero_point = torch.zeros(scale.shape, dtype=torch.int32, device=scale.device)
     else:
         zero_point = torch.where(calibrated, zero_point, 0).to(torch.int32)
-    global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
+    global_scale = torch.ones(global_shape, dtype=torch.float32, device=scale.device)
     return QParams(scale, zero_point, global_scale, calibrated)
 
 
@@ -276,8 +322,9 @@ def qparams_from_minmax(
     min_val = min_val if min_val.dtype == torch.float32 else min_val.float()
     max_val = max_val if max_val.dtype == torch.float32 else max_val.float()
     compiling = torch.compiler.is_compiling()
-    if not compiling and _symmetric_torch_ao(spec):
-        return _symmetric_qparams(min_val, max_val, spec, calibrated, check_uncalibrated)
+    plan = None if compiling else _symmetric_torch_ao(spec)
+    if plan:
+        return _symmetric_qparams(min_val, max_val, spec, calibrated, check_uncalibrated, plan=plan)
     # min <= max with both finite, without isfinite (slow on CPU): given min <= max, half the
     # span is finite exactly when both are (halving keeps finite extremes from overflowing).
     half_span = max_val * 0.5 - min_val * 0.5

@@ -58,12 +58,12 @@ def _nothing_seen(view: torch.Tensor):
     return inf, -inf, zeros, zeros.clone()
 
 
-def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], policy: int, uniform_views: bool = False):
-    """The reduction on dense tensors. ``uniform_views``: counts that are the same for every
-    parameter (a finite, unmasked input) come back as expanded 0-dim tensors (stride 0), which
-    later additions read as scalars (an int64 add of two [64, 512] tensors costs twice as much);
-    only for eager callers, never through the custom op, whose outputs the compiler assumes
-    dense."""
+def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], policy: int, uniform: str = "dense"):
+    """The reduction on dense tensors. ``uniform`` says how counts that are the same for every
+    parameter (a finite, unmasked input) come back: ``"dense"`` tensors; ``"views"``, expanded
+    0-dim tensors (stride 0), which later additions read as scalars (an int64 add of two
+    [64, 512] tensors costs twice as much); ``"ints"``, Python ints (no op at all). Only eager
+    callers take views or ints, never the custom op, whose outputs the compiler assumes dense."""
     out_shape = view.shape[1:-1]
     per_param = view.shape[0] * view.shape[-1]
     if view.numel() == 0:
@@ -83,7 +83,9 @@ def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], polic
         # its max is finite exactly when every entry is (amax propagates NaN), and a max and a
         # scalar check cost less than an elementwise isfinite.
         if math.isfinite((hi - lo).amax().item()):
-            if uniform_views:
+            if uniform == "ints":
+                return _f32(lo), _f32(hi), per_param, 0
+            if uniform == "views":
                 count = torch.tensor(per_param, dtype=torch.int64, device=view.device)
                 return _f32(lo), _f32(hi), count.expand(out_shape), torch.zeros_like(count).expand(out_shape)
             count = torch.full(out_shape, per_param, dtype=torch.int64, device=view.device)
@@ -178,7 +180,7 @@ def _unwrapped_vmap(view, mask, policy):
             return None
     if functorch.is_functorch_wrapped_tensor(inner):
         return None
-    outs = _finite_aminmax_impl(*_batched_arguments(inner, view_dim, mask, mask_dim), policy, uniform_views=True)
+    outs = _finite_aminmax_impl(*_batched_arguments(inner, view_dim, mask, mask_dim), policy, uniform="views")
     return tuple(functorch._add_batch_dim(out, 0, level) for out in outs)
 
 
@@ -240,7 +242,9 @@ def _finite_first_aminmax(view: torch.Tensor):
     return torch.cond(torch.isfinite(hi - lo).all(), finite, not_finite, (view, lo, hi))
 
 
-def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonfinite: str = "ignore"):
+def finite_aminmax(
+    view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonfinite: str = "ignore", int_counts: bool = False
+):
     """Min, max, finite count and non-finite count over dims ``(0, -1)`` of a canonical view.
 
     Args:
@@ -248,9 +252,14 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
       mask: optional bool tensor broadcastable to ``view``; False excludes a value.
       nonfinite: ``"ignore"`` or ``"raise"``.
 
+      int_counts: in eager mode, counts that are the same for every parameter (a finite input,
+        no mask) may come back as Python ints (``count`` values per parameter, ``0`` non-finite):
+        callers that only add them to a state save four op calls.
+
     Returns:
       ``(min_val, max_val, count, nonfinite_count)``; min/max are float32 (``+inf``/``-inf``
-      where a parameter saw no finite value), counts are int64.
+      where a parameter saw no finite value), counts are int64 tensors (or ints, see
+      ``int_counts``).
     """
     policy = _POLICY_RAISE if nonfinite == "raise" else _POLICY_IGNORE
     if mask is not None:
@@ -263,7 +272,7 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
         if _no_functorch_transform() or not (wrapped(view) or (mask is not None and wrapped(mask))):
             if view.requires_grad:
                 view = view.detach()
-            return _finite_aminmax_impl(view, mask, policy, uniform_views=True)
+            return _finite_aminmax_impl(view, mask, policy, uniform="ints" if int_counts else "views")
     view = view.detach()
     if policy == _POLICY_IGNORE and compiling:
         if mask is None and _COND and _no_functorch_transform():

@@ -85,7 +85,10 @@ def test_short_cut_equals_general_path(spec_index, pairs, with_calibrated):
     min_val = torch.tensor([p[0] for p in pairs], dtype=torch.float32)
     max_val = torch.tensor([p[1] for p in pairs], dtype=torch.float32)
     calibrated = torch.tensor([p[2] for p in pairs]) if with_calibrated else None
+    before = [t.clone() for t in (min_val, max_val) + (() if calibrated is None else (calibrated,))]
     fast = qstats.qparams_from_minmax(min_val, max_val, spec, calibrated=calibrated, check_uncalibrated=False)
+    after = (min_val, max_val) + (() if calibrated is None else (calibrated,))
+    assert all(bit_equal(a, b) for a, b in zip(before, after))  # intermediates only are written in place
     slow = _general(min_val, max_val, spec, calibrated)
     for name, a, b in zip(fast._fields, fast, slow):
         assert bit_equal(a, b), (name, spec, min_val, max_val, a, b)

@@ -154,6 +154,7 @@ def _row_extremes(x: torch.Tensor, weight_ndim: int, row_granularity):
 def observe_extremes(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, where: str):
     """Batch extremes of ``x`` for ``spec``: ``(min, max, count, nonfinite)`` over the canonical
     view, with ``weight == 0`` excluding values. Checks the parameter shape against the state's.
+    Counts the same for every parameter may be Python ints (`finite_aminmax`'s ``int_counts``).
 
     With a per-observation ``weight`` and parameters that do not depend on the observation rows,
     each row is reduced once and the rows are then combined under the mask (exact for extremes
@@ -171,7 +172,7 @@ def observe_extremes(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, w
     mask = weight_view(x, weight, spec.granularity)
     if mask is not None:
         mask = mask != 0
-    return finite_aminmax(view, mask, spec.nonfinite)
+    return finite_aminmax(view, mask, spec.nonfinite, int_counts=True)
 
 
 def observe_extremes_stacked(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, where: str):
@@ -212,7 +213,15 @@ def observe_extremes_stacked(x: torch.Tensor, weight, spec: QuantSpec, expected_
                 lambda w: observe_extremes(x[0], w, spec, shape, where),
             )(weight)
         return torch.vmap(lambda t, w: observe_extremes(t, w, spec, shape, where))(x, weight)
-    return finite_aminmax(stacked_view(x, spec.granularity), None, spec.nonfinite)
+    return finite_aminmax(stacked_view(x, spec.granularity), None, spec.nonfinite, int_counts=True)
+
+
+def _add_count(total: torch.Tensor, count):
+    """``total + count`` for a count tensor or a Python int (the same count for every parameter);
+    adding 0 keeps ``total`` (states are never written in place)."""
+    if isinstance(count, int):
+        return total if count == 0 else total + count
+    return total + count
 
 
 def minmax(spec: QuantSpec) -> Observer:
@@ -241,8 +250,8 @@ def minmax(spec: QuantSpec) -> Observer:
             return MinMaxState(
                 torch.minimum(state.min_val, lo),
                 torch.maximum(state.max_val, hi),
-                state.count + count,
-                state.nonfinite + nonfinite,
+                _add_count(state.count, count),
+                _add_count(state.nonfinite, nonfinite),
             )
 
         return update_fn
@@ -284,6 +293,10 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
             if x.numel() == 0:
                 return state
             lo, hi, count, nonfinite = observe(x, weight, spec, state.min_val.shape, "memoryless_minmax.update")
+            if isinstance(count, int):  # finite and unmasked: every parameter is reached
+                return MemorylessMinMaxState(
+                    lo, hi, torch.full_like(state.count, count), torch.full_like(state.nonfinite, nonfinite)
+                )
             # A parameter the batch does not reach (every value masked out by ``weight``) keeps its
             # state, as an empty tensor does.
             reached = (count + nonfinite) > 0
@@ -338,18 +351,24 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
             if x.numel() == 0:
                 return state
             lo, hi, count, nonfinite = observe(x, weight, spec, state.min_val.shape, "moving_average_minmax.update")
-            seen = count > 0
             first = state.batches == 0
             moved_min = state.min_val + constant * (lo - state.min_val)
             moved_max = state.max_val + constant * (hi - state.max_val)
-            min_val = torch.where(seen, torch.where(first, lo, moved_min), state.min_val)
-            max_val = torch.where(seen, torch.where(first, hi, moved_max), state.max_val)
+            min_val = torch.where(first, lo, moved_min)
+            max_val = torch.where(first, hi, moved_max)
+            if isinstance(count, int):  # finite and unmasked: every parameter saw values
+                seen = 1
+            else:
+                seen = count > 0
+                min_val = torch.where(seen, min_val, state.min_val)
+                max_val = torch.where(seen, max_val, state.max_val)
+                seen = seen.to(torch.int64)
             return MovingAverageMinMaxState(
                 min_val,
                 max_val,
-                state.batches + seen.to(torch.int64),
-                state.count + count,
-                state.nonfinite + nonfinite,
+                state.batches + seen,
+                _add_count(state.count, count),
+                _add_count(state.nonfinite, nonfinite),
             )
 
         return update_fn
