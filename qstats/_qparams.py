@@ -225,8 +225,8 @@ def _compressed_tensors(min_val, max_val, spec: QuantSpec):
 @functools.lru_cache(maxsize=1024)
 def _symmetric_torch_ao(spec: QuantSpec):
     """For specs that `_symmetric_qparams` computes (torch.ao's symmetric and narrow range
-    mappings onto an elementwise format), its constants: ``(half_range, largest_scale, eps,
-    zero_point)``, worked out once per spec; None for other specs."""
+    mappings onto an elementwise format), its constants: ``(half_range, eps, zero_point)``,
+    worked out once per spec; None for other specs."""
     if not (
         spec.convention == "torch_ao"
         and spec.mapping in ("symmetric", "narrow")
@@ -237,23 +237,7 @@ def _symmetric_torch_ao(spec: QuantSpec):
     qmin, qmax = spec.qrange
     half_range = float(qmax - qmin) / 2
     zero_point = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
-    return half_range, _largest_scale(half_range), spec.eps, zero_point
-
-
-def _plain_eager(*tensors: torch.Tensor) -> bool:
-    """Dense tensors outside every transform and autograd: intermediates may be written in place."""
-    return (
-        torch._C._functorch.maybe_current_level() is None
-        and not torch.compiler.is_compiling()
-        and all(type(t) is torch.Tensor and not t.requires_grad for t in tensors)
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _largest_scale(half_range: float) -> float:
-    """``half_float32_max / half_range`` as the float32 division of `_symmetric_qparams` rounds it:
-    the scale of a range clipped to half the float32 range."""
-    return float(torch.tensor(torch.finfo(torch.float32).max / 2, dtype=torch.float32).div(half_range))
+    return half_range, spec.eps, zero_point
 
 
 def _symmetric_qparams(
@@ -267,35 +251,21 @@ def _symmetric_qparams(
     ``max(-min(lo, 0), max(hi, 0)) / half_range`` and floors it at ``eps``. Min and max commute
     with that clamp, and every negative or zero candidate ends at ``eps`` (``eps > 0``), so
     ``clamp(max(-lo, hi), max=half_float32_max) / half_range`` floored at ``eps`` is the same
-    number; and as correctly rounded division is monotone, so is ``max(-lo, hi) / half_range``
-    clamped to ``[eps, half_float32_max / half_range]`` (`_largest_scale`). Given ``lo <= hi``,
-    ``max(-lo, hi)`` is finite exactly when both extremes are, which is the general path's
-    validity test in one compare fewer. ``global_shape``: the shape of the (all-ones) global scale;
-    ``plan``: `_symmetric_torch_ao`'s constants for ``spec``.
+    number, by the same division on every device. Given ``lo <= hi``, ``max(-lo, hi)`` is finite
+    exactly when both extremes are, which is the general path's validity test in one compare
+    fewer. ``global_shape``: the shape of the (all-ones) global scale; ``plan``:
+    `_symmetric_torch_ao`'s constants for ``spec``.
     """
-    half_range, largest_scale, eps, zero_point = plan or _symmetric_torch_ao(spec)
-    if _plain_eager(min_val, max_val):
-        # in place on the fresh intermediates: after a large reduction every new output lands on
-        # cold cache lines, and writing fewer of them is most of what these ops cost
-        peak = min_val.neg().clamp_min_(max_val)  # NaN handling differs from maximum: such entries are invalid
-        valid = min_val <= max_val
-        valid &= peak < torch.inf
-        if calibrated is not None:
-            valid &= calibrated
-        calibrated = valid
-        if check_uncalibrated:
-            check_calibrated(calibrated, spec)
-        scale = peak.div_(half_range).clamp_(min=eps, max=largest_scale)
-    else:
-        peak = torch.maximum(-min_val, max_val)
-        valid = (min_val <= max_val) & (peak < torch.inf)
-        calibrated = valid if calibrated is None else (calibrated & valid)
-        if check_uncalibrated:
-            check_calibrated(calibrated, spec)
-        scale = peak.div(half_range).clamp(min=eps, max=largest_scale)
+    half_range, eps, zero_point = plan or _symmetric_torch_ao(spec)
+    peak = torch.maximum(-min_val, max_val)
+    valid = (min_val <= max_val) & (peak < torch.inf)
+    calibrated = valid if calibrated is None else (calibrated & valid)
+    if check_uncalibrated:
+        check_calibrated(calibrated, spec)
+    scale = peak.clamp(max=torch.finfo(torch.float32).max / 2).div(half_range).clamp_min(eps)
     scale = torch.where(calibrated, _round_scale(scale, spec), 1.0)
     if zero_point == 0:
-        zero_point = torch.zeros(scale.shape, dtype=torch.int32, device=scale.device)
+        zero_point = torch.zeros_like(scale, dtype=torch.int32)  # batched as scale is, under vmap
     else:
         zero_point = torch.where(calibrated, zero_point, 0).to(torch.int32)
     global_scale = torch.ones(global_shape, dtype=torch.float32, device=scale.device)

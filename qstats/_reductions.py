@@ -269,10 +269,11 @@ def finite_aminmax(
         # plain eager tensors, also inside a transform that does not wrap them (a tensor captured
         # from outside a vmap, the row reductions of shared tokens): skip a dispatch
         wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-        if _no_functorch_transform() or not (wrapped(view) or (mask is not None and wrapped(mask))):
-            if view.requires_grad:
-                view = view.detach()
-            return _finite_aminmax_impl(view, mask, policy, uniform="ints" if int_counts else "views")
+        outside = _no_functorch_transform()
+        if outside or not (wrapped(view) or (mask is not None and wrapped(mask))):
+            # ints only outside transforms: under vmap a caller's result must come out batched
+            uniform = "ints" if int_counts and outside else "views"
+            return _finite_aminmax_impl(view.detach(), mask, policy, uniform=uniform)
     view = view.detach()
     if policy == _POLICY_IGNORE and compiling:
         if mask is None and _COND and _no_functorch_transform():

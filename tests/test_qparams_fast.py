@@ -42,6 +42,8 @@ def _specs():
         qstats.QuantSpec(dtype="int8", mapping="symmetric", eps=0.5),
         qstats.QuantSpec(dtype="int8", mapping="symmetric", eps=2.0),
         qstats.QuantSpec(dtype="int8", mapping="symmetric", eps=1e-30),
+        qstats.QuantSpec(dtype="int8", mapping="symmetric", eps=1e37),  # above the largest clipped scale
+        qstats.QuantSpec(dtype="int16", mapping="narrow", eps=1e34),
         qstats.QuantSpec(dtype="int8", mapping="symmetric", scale_dtype="bfloat16"),
         qstats.QuantSpec(dtype="int8", mapping="symmetric", scale_dtype="float16"),
         qstats.QuantSpec(dtype="int8", mapping="symmetric", zero_point_domain="none"),
@@ -156,3 +158,30 @@ def test_short_cut_equals_torch_ao(dtype, reduce_range, per_channel):
         got = qstats.compute_qparams(obs.update(obs.init(data), data), spec)
         assert torch.equal(got.scale.reshape(scale.shape), scale)
         assert torch.equal(got.zero_point.to(zero_point.dtype).reshape(zero_point.shape), zero_point)
+
+
+@pytest.mark.parametrize("shapes", [((), (2,), None), ((2,), (), None), ((), (), (2,)), ((3, 1), (1, 2), (3, 2))])
+def test_short_cut_broadcasts_as_the_general_path(shapes):
+    """min, max and calibrated of different (broadcastable) shapes."""
+    lo_shape, hi_shape, cal_shape = shapes
+    spec = qstats.QuantSpec(dtype="int8", mapping="symmetric")
+    g = torch.Generator().manual_seed(0)
+    lo = -torch.rand(lo_shape, generator=g)
+    hi = torch.rand(hi_shape, generator=g)
+    calibrated = None if cal_shape is None else torch.rand(cal_shape, generator=g) > 0.3
+    fast = qstats.qparams_from_minmax(lo, hi, spec, calibrated=calibrated, check_uncalibrated=False)
+    slow = _general(lo, hi, spec, calibrated)
+    for name, a, b in zip(fast._fields, fast, slow):
+        assert bit_equal(a, b), name
+
+
+def test_short_cut_under_vmap_gives_dense_batched_outputs():
+    """Under vmap every QParams field but the global scale comes out batched (no stride-0 zero
+    points that refuse in-place writes)."""
+    spec = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(0))
+    obs = qstats.minmax(spec)
+    x = torch.randn(4, 6, 5)
+    q = torch.vmap(lambda w: qstats.compute_qparams(obs.update(obs.init(w), w), spec))(x)
+    for name in ("scale", "zero_point", "calibrated"):
+        field = getattr(q, name)
+        assert field.shape == (4, 6) and 0 not in field.stride(), (name, field.stride())

@@ -217,10 +217,13 @@ def observe_extremes_stacked(x: torch.Tensor, weight, spec: QuantSpec, expected_
 
 
 def _add_count(total: torch.Tensor, count):
-    """``total + count`` for a count tensor or a Python int (the same count for every parameter);
-    adding 0 keeps ``total`` (states are never written in place)."""
+    """``total + count`` for a count tensor or a Python int (the same count for every parameter),
+    as an int64 tensor of ``total``'s shape that shares no memory with ``total``."""
     if isinstance(count, int):
-        return total if count == 0 else total + count
+        if total.dtype != torch.int64:
+            count = torch.full(total.shape, count, dtype=torch.int64, device=total.device)
+        elif count == 0:
+            return total.clone()
     return total + count
 
 
@@ -294,9 +297,9 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
                 return state
             lo, hi, count, nonfinite = observe(x, weight, spec, state.min_val.shape, "memoryless_minmax.update")
             if isinstance(count, int):  # finite and unmasked: every parameter is reached
-                return MemorylessMinMaxState(
-                    lo, hi, torch.full_like(state.count, count), torch.full_like(state.nonfinite, nonfinite)
-                )
+                count, nonfinite = (torch.full(lo.shape, n, dtype=torch.int64, device=lo.device) for n in (count, nonfinite))
+                if state.min_val.dtype == state.max_val.dtype == torch.float32:
+                    return MemorylessMinMaxState(lo, hi, count, nonfinite)
             # A parameter the batch does not reach (every value masked out by ``weight``) keeps its
             # state, as an empty tensor does.
             reached = (count + nonfinite) > 0
@@ -357,16 +360,16 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
             min_val = torch.where(first, lo, moved_min)
             max_val = torch.where(first, hi, moved_max)
             if isinstance(count, int):  # finite and unmasked: every parameter saw values
-                seen = 1
+                batches = _add_count(state.batches, 1)
             else:
                 seen = count > 0
                 min_val = torch.where(seen, min_val, state.min_val)
                 max_val = torch.where(seen, max_val, state.max_val)
-                seen = seen.to(torch.int64)
+                batches = state.batches + seen.to(torch.int64)
             return MovingAverageMinMaxState(
                 min_val,
                 max_val,
-                state.batches + seen,
+                batches,
                 _add_count(state.count, count),
                 _add_count(state.nonfinite, nonfinite),
             )
