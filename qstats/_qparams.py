@@ -138,7 +138,7 @@ def stacked_compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     rule = _rule_for(state)
     if getattr(rule, "_qstats_elementwise", False) and not options and not _formats.handles_qparams(spec):
         result = rule(state, spec)
-        plan = None if torch.compiler.is_compiling() else _symmetric_torch_ao(spec)
+        plan = _plan_for(spec, result.min_val)
         if result.min_val.ndim >= 1 and plan:
             lo, hi = result.min_val, result.max_val
             lo, hi = (t if t.dtype == torch.float32 else t.float() for t in (lo, hi))
@@ -222,54 +222,91 @@ def _compressed_tensors(min_val, max_val, spec: QuantSpec):
     return compressed_tensors_qparams(min_val, max_val, spec)
 
 
+class _SymmetricPlan(NamedTuple):
+    """What `_symmetric_qparams` needs of a spec, worked out once per spec."""
+
+    half_range: float  # the divisor of the peak
+    eps: float
+    floor_at_eps: bool  # torch.ao: max(scale, eps); compressed-tensors: eps where the scale is 0
+    zero_point: int
+    zero_point_dtype: torch.dtype
+    any_device: bool  # False: CPU only (the general path divides by a tensor there)
+
+
 @functools.lru_cache(maxsize=1024)
-def _symmetric_torch_ao(spec: QuantSpec):
-    """For specs that `_symmetric_qparams` computes (torch.ao's symmetric and narrow range
-    mappings onto an elementwise format), its constants: ``(half_range, eps, zero_point)``,
-    worked out once per spec; None for other specs."""
-    if not (
-        spec.convention == "torch_ao"
-        and spec.mapping in ("symmetric", "narrow")
-        and not _formats.handles_qparams(spec)
-        and math.isfinite(spec.eps)
-    ):
+def _symmetric_plan(spec: QuantSpec):
+    """The `_SymmetricPlan` of specs that `_symmetric_qparams` computes: torch.ao's symmetric and
+    narrow mappings, and compressed-tensors' symmetric one with float32 arithmetic and scales, onto
+    an elementwise format; None for other specs."""
+    if _formats.handles_qparams(spec):
         return None
-    qmin, qmax = spec.qrange
-    half_range = float(qmax - qmin) / 2
-    zero_point = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
-    return half_range, spec.eps, zero_point
+    if spec.convention == "torch_ao" and spec.mapping in ("symmetric", "narrow") and math.isfinite(spec.eps):
+        qmin, qmax = spec.qrange
+        zero_point = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
+        return _SymmetricPlan(float(qmax - qmin) / 2, spec.eps, True, zero_point, torch.int32, True)
+    if (
+        spec.convention == "compressed_tensors"
+        and spec.mapping == "symmetric"
+        and spec.compute_dtype == "float32"
+        and spec.scale_dtype == "float32"
+    ):
+        from ._compat_compressed_tensors import _bit_range, _scale_eps
+
+        low, high = _bit_range(spec, "cpu")
+        half_range = float((high - low).to(torch.float32) / 2)
+        zero_point_dtype = torch.float32 if spec.is_float else torch.int32
+        return _SymmetricPlan(half_range, _scale_eps(spec, torch.float32), False, 0, zero_point_dtype, False)
+    return None
 
 
 def _symmetric_qparams(
     min_val, max_val, spec: QuantSpec, calibrated, check_uncalibrated: bool, global_shape: tuple = (), plan=None
 ) -> QParams:
-    """`qparams_from_minmax` for `_symmetric_torch_ao` specs in eager mode, bit for bit, in about
-    half the ops (each op on a [64, 512] state costs microseconds on CPU, and compares and selects
-    several times more than arithmetic).
+    """`qparams_from_minmax` for the specs of `_symmetric_plan` in eager mode, bit for bit, in
+    a third to half the ops (each op on a [64, 512] state costs microseconds on CPU, and compares
+    and selects several times more than arithmetic).
 
-    The general path clamps the extremes to +-half the float32 range, takes
-    ``max(-min(lo, 0), max(hi, 0)) / half_range`` and floors it at ``eps``. Min and max commute
-    with that clamp, and every negative or zero candidate ends at ``eps`` (``eps > 0``), so
-    ``clamp(max(-lo, hi), max=half_float32_max) / half_range`` floored at ``eps`` is the same
-    number, by the same division on every device. Given ``lo <= hi``, ``max(-lo, hi)`` is finite
-    exactly when both extremes are, which is the general path's validity test in one compare
-    fewer. ``global_shape``: the shape of the (all-ones) global scale; ``plan``:
-    `_symmetric_torch_ao`'s constants for ``spec``.
+    The general path clamps the extremes to +-half the float32 range and maps
+    ``max(-min(lo, 0), max(hi, 0))`` (compressed-tensors: ``max(|min(lo, 0)|, |max(hi, 0)|)``,
+    the same number) divided by the half range. Min and max commute with that clamp, and every
+    candidate at or below zero ends at ``eps`` (torch.ao floors the scale at ``eps > 0``;
+    compressed-tensors replaces a zero scale by ``eps``, and a negative peak needs ``lo > hi``,
+    an invalid range), so ``clamp(max(-lo, hi), max=half_float32_max) / half_range``, then the
+    same floor, is the same number, by the same division (compressed-tensors divides by a 0-dim
+    tensor, the same IEEE division on CPU; the plan keeps other devices on the general path).
+    Given ``lo <= hi``, ``max(-lo, hi)`` is finite exactly when both extremes are, which is the
+    general path's validity test in one compare fewer. ``global_shape``: the shape of the
+    (all-ones) global scale; ``plan``: `_symmetric_plan`'s for ``spec``.
     """
-    half_range, eps, zero_point = plan or _symmetric_torch_ao(spec)
+    plan = plan or _symmetric_plan(spec)
     peak = torch.maximum(-min_val, max_val)
     valid = (min_val <= max_val) & (peak < torch.inf)
     calibrated = valid if calibrated is None else (calibrated & valid)
     if check_uncalibrated:
         check_calibrated(calibrated, spec)
-    scale = peak.clamp(max=torch.finfo(torch.float32).max / 2).div(half_range).clamp_min(eps)
-    scale = torch.where(calibrated, _round_scale(scale, spec), 1.0)
-    if zero_point == 0:
-        zero_point = torch.zeros_like(scale, dtype=torch.int32)  # batched as scale is, under vmap
+    scale = peak.clamp(max=torch.finfo(torch.float32).max / 2).div(plan.half_range)
+    if plan.floor_at_eps:
+        scale = scale.clamp_min(plan.eps)
     else:
-        zero_point = torch.where(calibrated, zero_point, 0).to(torch.int32)
+        scale = torch.where(scale == 0, plan.eps, scale)
+    scale = torch.where(calibrated, _round_scale(scale, spec), 1.0)
+    if plan.zero_point == 0:
+        zero_point = torch.zeros_like(scale, dtype=plan.zero_point_dtype)  # batched as scale is, under vmap
+    else:
+        zero_point = torch.where(calibrated, plan.zero_point, 0).to(plan.zero_point_dtype)
     global_scale = torch.ones(global_shape, dtype=torch.float32, device=scale.device)
     return QParams(scale, zero_point, global_scale, calibrated)
+
+
+def _plan_for(spec: QuantSpec, min_val: torch.Tensor):
+    """`_symmetric_plan`'s plan where it applies to these tensors (eager; CPU unless the plan
+    holds on every device), else None."""
+    if torch.compiler.is_compiling():
+        return None
+    plan = _symmetric_plan(spec)
+    if not plan or not (plan.any_device or min_val.device.type == "cpu"):
+        return None
+    return plan
 
 
 def qparams_from_minmax(
@@ -292,7 +329,7 @@ def qparams_from_minmax(
     min_val = min_val if min_val.dtype == torch.float32 else min_val.float()
     max_val = max_val if max_val.dtype == torch.float32 else max_val.float()
     compiling = torch.compiler.is_compiling()
-    plan = None if compiling else _symmetric_torch_ao(spec)
+    plan = None if compiling else _plan_for(spec, min_val)
     if plan:
         return _symmetric_qparams(min_val, max_val, spec, calibrated, check_uncalibrated, plan=plan)
     # min <= max with both finite, without isfinite (slow on CPU): given min <= max, half the

@@ -1,8 +1,9 @@
-"""The eager path for torch.ao-convention symmetric specs (`qstats._qparams._symmetric_qparams`,
-fewer ops) against the general range mapping it short-cuts, bit for bit, on ranges no observer
-would produce as well as on real ones: NaN, +-Inf, min > max, +-0.0, subnormals, ranges past
-half the float32 range, zero counts; and against torch.ao's own ``_calculate_qparams`` on valid
-ranges."""
+"""The eager path for symmetric specs of the torch.ao and compressed-tensors conventions
+(`qstats._qparams._symmetric_qparams`, fewer ops) against the general range mapping it
+short-cuts, bit for bit, on ranges no observer would produce as well as on real ones: NaN, +-Inf,
+min > max, +-0.0, subnormals, ranges past half the float32 range, zero counts; and against
+torch.ao's own observers on valid ranges (compressed-tensors' are in
+test_compat_compressed_tensors.py, which goes through the same path)."""
 
 import pytest
 import torch
@@ -49,6 +50,10 @@ def _specs():
         qstats.QuantSpec(dtype="int8", mapping="symmetric", zero_point_domain="none"),
         qstats.QuantSpec(dtype="uint8", mapping="symmetric", zero_point_domain="none"),
         qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_symmetric),
+        qstats.QuantSpec(dtype="int8", mapping="symmetric", convention="compressed_tensors"),
+        qstats.QuantSpec(dtype="int4", mapping="symmetric", convention="compressed_tensors"),
+        qstats.QuantSpec(dtype="int16", mapping="symmetric", convention="compressed_tensors"),
+        qstats.QuantSpec(dtype="fp8_e4m3fn", mapping="symmetric", convention="compressed_tensors"),
         qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric, reduce_range=True),
     ]
     return specs
@@ -59,18 +64,21 @@ SPECS = _specs()
 
 def _general(min_val, max_val, spec, calibrated):
     """The general path of qparams_from_minmax, with the symmetric short cut switched off."""
-    original = _qparams._symmetric_torch_ao
-    _qparams._symmetric_torch_ao = lambda spec: False
+    original = _qparams._symmetric_plan
+    _qparams._symmetric_plan = lambda spec: False
     try:
         return qstats.qparams_from_minmax(min_val, max_val, spec, calibrated=calibrated, check_uncalibrated=False)
     finally:
-        _qparams._symmetric_torch_ao = original
+        _qparams._symmetric_plan = original
 
 
 def test_every_spec_takes_the_short_cut():
-    assert all(_qparams._symmetric_torch_ao(spec) for spec in SPECS)
-    assert not _qparams._symmetric_torch_ao(qstats.QuantSpec(dtype="int8", mapping="asymmetric"))
-    assert not _qparams._symmetric_torch_ao(qstats.QuantSpec(dtype="int8", mapping="symmetric", convention="torchao"))
+    assert all(_qparams._symmetric_plan(spec) for spec in SPECS)
+    assert not _qparams._symmetric_plan(qstats.QuantSpec(dtype="int8", mapping="asymmetric"))
+    assert not _qparams._symmetric_plan(qstats.QuantSpec(dtype="int8", mapping="symmetric", convention="torchao"))
+    ct = dict(mapping="symmetric", convention="compressed_tensors")
+    assert not _qparams._symmetric_plan(qstats.QuantSpec(dtype="int8", scale_dtype="bfloat16", **ct))
+    assert not _qparams._symmetric_plan(qstats.QuantSpec(dtype="int8", compute_dtype="bfloat16", **ct))
 
 
 values = st.one_of(st.sampled_from(SPECIAL), st.floats(width=32, allow_nan=True, allow_infinity=True))
@@ -145,7 +153,7 @@ def test_short_cut_equals_torch_ao(dtype, reduce_range, per_channel):
             qstats.QuantSpec.from_torch_ao(dtype, qscheme, reduce_range=reduce_range)
         return
     spec = qstats.QuantSpec.from_torch_ao(dtype, qscheme, reduce_range=reduce_range)
-    assert _qparams._symmetric_torch_ao(spec)
+    assert _qparams._symmetric_plan(spec)
     for rows in (slice(0, 6), slice(1, 2), slice(2, 3), slice(3, 4)):
         data = w[rows]
         if not per_channel:
