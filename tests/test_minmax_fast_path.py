@@ -84,3 +84,25 @@ def test_no_tangent_reaches_the_state_under_forward_ad():
         dual = fwAD.make_dual(x, torch.ones_like(x))
         state = obs.update(obs.init(x), dual)
         assert all(fwAD.unpack_dual(t).tangent is None for t in state)
+
+
+@pytest.mark.parametrize("kind", OBSERVERS)
+@pytest.mark.parametrize("granularity", [qstats.PerTensor(), qstats.PerAxis(-1)], ids=repr)
+def test_row_masks_with_int_counts_give_the_tensor_count_states(kind, granularity):
+    """Per-row weights (tokens routed or not): finite rows (int counts, kept rows counted) and the
+    same rows with a NaN in an excluded row (tensor counts) give the same states."""
+    obs = OBSERVERS[kind](qstats.QuantSpec(granularity=granularity))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 8, generator=g)
+    weight = (torch.rand(12, generator=g) < 0.6).float()
+    weight[3] = 0.0
+    dirty = x.clone()
+    dirty[3, 2] = float("nan")
+    state = obs.init(x)
+    _assert_same(obs.update(state, x, weight), obs.update(state, dirty, weight))
+    stacked = qstats.stacked_observer(obs, 3)
+    routed = (torch.rand(3, 12, generator=g) < 0.5).float()
+    routed[:, 3] = 0.0
+    shared, shared_dirty = x.expand(3, 12, 8), dirty.expand(3, 12, 8)
+    s0 = stacked.init(shared)
+    _assert_same(stacked.update(s0, shared, routed), stacked.update(s0, shared_dirty, routed))

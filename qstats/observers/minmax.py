@@ -127,19 +127,20 @@ def _row_granularity(x: torch.Tensor, weight: torch.Tensor, granularity):
 def _combine_rows(per_row, keep: torch.Tensor):
     """Extremes and counts over the rows that ``keep`` keeps, from per-row results: each of
     ``per_row`` has shape ``[rows, *params]`` and ``keep`` (bool) ``[rows, ...]``, broadcastable to
-    it once trailing dimensions are added; dim 0 (the rows) is reduced."""
+    it once trailing dimensions are added; dim 0 (the rows) is reduced. Counts may be Python
+    ints (every row finite, every row and parameter with that count): the result's count is then
+    the kept rows times it, and its non-finite count 0."""
     row_min, row_max, row_count, row_nonfinite = per_row
     keep = keep.reshape(tuple(keep.shape) + (1,) * (row_min.ndim - keep.ndim))
     # Excluded rows contribute +inf to the min, -inf to the max and 0 to the counts, by
     # arithmetic rather than selects (cheaper on CPU; exact: row extremes are never NaN).
     block = (1.0 - 2.0 * keep.to(torch.float32)) * torch.inf  # -inf kept, +inf excluded
+    lo = torch.maximum(row_min, block).amin(dim=0)
+    hi = torch.minimum(row_max, -block).amax(dim=0)
+    if isinstance(row_count, int):  # every row finite, with the same count: count the kept rows
+        return lo, hi, (keep.sum(dim=0) * row_count).expand(lo.shape), 0
     keep = keep.to(torch.int64)
-    return (
-        torch.maximum(row_min, block).amin(dim=0),
-        torch.minimum(row_max, -block).amax(dim=0),
-        (row_count * keep).sum(dim=0),
-        (row_nonfinite * keep).sum(dim=0),
-    )
+    return lo, hi, (row_count * keep).sum(dim=0), (row_nonfinite * keep).sum(dim=0)
 
 
 def _row_extremes(x: torch.Tensor, weight_ndim: int, row_granularity):
@@ -148,7 +149,7 @@ def _row_extremes(x: torch.Tensor, weight_ndim: int, row_granularity):
     rows along dim 1 (parameter dims): one reduction."""
     rows = x.reshape(-1, *x.shape[weight_ndim:])
     rows = rows.reshape(rows.shape[0], *canonical_view(rows[0], row_granularity).shape)
-    return finite_aminmax(rows.movedim(0, 1))
+    return finite_aminmax(rows.movedim(0, 1), int_counts=True)
 
 
 def observe_extremes(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, where: str):
@@ -200,10 +201,14 @@ def observe_extremes_stacked(x: torch.Tensor, weight, spec: QuantSpec, expected_
             if row_granularity is not None:
                 if x.stride(0) == 0:  # shared rows: reduce them once for every slice
                     per_row = _row_extremes(x[0], weight.ndim - 1, row_granularity)
-                    per_row = tuple(t.unsqueeze(1) for t in per_row)  # [rows, 1, *shape]
+                    # [rows, 1, *shape] (counts may be ints, the same for every row)
+                    per_row = tuple(t.unsqueeze(1) if isinstance(t, torch.Tensor) else t for t in per_row)
                 else:
                     per_row = _row_extremes(x, weight.ndim, row_granularity)
-                    per_row = tuple(t.reshape(num, -1, *shape).movedim(0, 1) for t in per_row)
+                    per_row = tuple(
+                        t.reshape(num, -1, *shape).movedim(0, 1) if isinstance(t, torch.Tensor) else t
+                        for t in per_row
+                    )
                 return _combine_rows(per_row, (weight != 0).reshape(num, -1).t())
         # Other masks (values, not rows; nonfinite="raise"): vmap of the one-slice reduction,
         # whose masks are laid out as the expert-by-expert path lays them out (the order in which
