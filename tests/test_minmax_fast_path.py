@@ -50,16 +50,23 @@ def test_updated_states_share_no_memory_with_the_old_ones(kind):
 
 
 @pytest.mark.parametrize("kind", OBSERVERS)
-def test_states_with_other_count_dtypes_come_back_as_before(kind):
+@pytest.mark.parametrize("rows", [False, True], ids=["unmasked", "row-masked"])
+def test_states_with_other_count_dtypes_come_back_as_before(kind, rows):
     """A state built with int32 counts and float64 extremes (not what init gives) ends with the
-    dtypes the tensor-count path gives it."""
-    obs = OBSERVERS[kind](qstats.QuantSpec(granularity=qstats.PerAxis(0)))
+    dtypes the tensor-count path (a NaN in a masked-out row, or an all-ones value mask) gives it."""
+    obs = OBSERVERS[kind](qstats.QuantSpec(granularity=qstats.PerTensor() if rows else qstats.PerAxis(0)))
     x = torch.randn(6, 8)
     state = obs.init(x)
     odd = type(state)(*(t.double() if t.is_floating_point() else t.int() for t in state))
-    fast = obs.update(odd, x)
-    slow = obs.update(odd, x, torch.ones(6, 8))
+    if rows:
+        weight = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+        dirty = x.clone()
+        dirty[2, 0] = float("nan")
+        fast, slow = obs.update(odd, x, weight), obs.update(odd, dirty, weight)
+    else:
+        fast, slow = obs.update(odd, x), obs.update(odd, x, torch.ones(6, 8))
     _assert_same(fast, slow)
+    assert all(t.dtype == torch.int64 for t in fast if not t.is_floating_point())
 
 
 @pytest.mark.parametrize("kind", OBSERVERS)

@@ -301,10 +301,13 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
             if x.numel() == 0:
                 return state
             lo, hi, count, nonfinite = observe(x, weight, spec, state.min_val.shape, "memoryless_minmax.update")
-            if isinstance(count, int):  # finite and unmasked: every parameter is reached
-                count, nonfinite = (torch.full(lo.shape, n, dtype=torch.int64, device=lo.device) for n in (count, nonfinite))
-                if state.min_val.dtype == state.max_val.dtype == torch.float32:
-                    return MemorylessMinMaxState(lo, hi, count, nonfinite)
+            every = isinstance(count, int)  # finite and unmasked: every parameter is reached
+            count, nonfinite = (
+                torch.full(lo.shape, n, dtype=torch.int64, device=lo.device) if isinstance(n, int) else n
+                for n in (count, nonfinite)
+            )
+            if every and state.min_val.dtype == state.max_val.dtype == torch.float32:
+                return MemorylessMinMaxState(lo, hi, count, nonfinite)
             # A parameter the batch does not reach (every value masked out by ``weight``) keeps its
             # state, as an empty tensor does.
             reached = (count + nonfinite) > 0
