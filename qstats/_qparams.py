@@ -328,10 +328,10 @@ def qparams_from_minmax(
     """
     min_val = min_val if min_val.dtype == torch.float32 else min_val.float()
     max_val = max_val if max_val.dtype == torch.float32 else max_val.float()
-    compiling = torch.compiler.is_compiling()
-    plan = None if compiling else _plan_for(spec, min_val)
+    plan = _plan_for(spec, min_val)
     if plan:
         return _symmetric_qparams(min_val, max_val, spec, calibrated, check_uncalibrated, plan=plan)
+    compiling = torch.compiler.is_compiling()
     # min <= max with both finite, without isfinite (slow on CPU): given min <= max, half the
     # span is finite exactly when both are (halving keeps finite extremes from overflowing).
     half_span = max_val * 0.5 - min_val * 0.5

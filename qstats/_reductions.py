@@ -251,7 +251,6 @@ def finite_aminmax(
       view: a tensor of shape ``(observations, *qparam_shape, group)``.
       mask: optional bool tensor broadcastable to ``view``; False excludes a value.
       nonfinite: ``"ignore"`` or ``"raise"``.
-
       int_counts: in eager mode, counts that are the same for every parameter (a finite input,
         no mask) may come back as Python ints (``count`` values per parameter, ``0`` non-finite):
         callers that only add them to a state save four op calls.
