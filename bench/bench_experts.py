@@ -24,7 +24,11 @@ speed-up; wide experts are bound by it. The forward pass of the
 experts, common to both, is not timed. By default torch runs one thread and the CPU time of that thread is
 measured (less disturbed by other programs on a busy machine); ``--wall`` measures wall-clock.
 
-Run:  python bench/bench_experts.py [--repeats 5]
+Run:  python bench/bench_experts.py [--repeats 5] [--batches 128]
+
+The default 4 batches (1K tokens) make the one weight pass weigh most; ``--batches 128`` (32K
+tokens, still far fewer than a usual calibration set) weighs weights and routed inputs as a
+calibration run does.
 """
 
 from __future__ import annotations
