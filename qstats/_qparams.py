@@ -138,11 +138,6 @@ def stacked_compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     rule = _rule_for(state)
     if getattr(rule, "_qstats_elementwise", False) and not options and not _formats.handles_qparams(spec):
         result = rule(state, spec)
-        plan = _plan_for(spec, result.min_val)
-        if result.min_val.ndim >= 1 and plan:
-            lo, hi = result.min_val, result.max_val
-            lo, hi = (t if t.dtype == torch.float32 else t.float() for t in (lo, hi))
-            return _symmetric_qparams(lo, hi, spec, result.calibrated, False, global_shape=lo.shape[:1], plan=plan)
         if result.min_val.ndim >= 1:
             qparams = qparams_from_minmax(
                 result.min_val, result.max_val, spec, calibrated=result.calibrated, check_uncalibrated=False
@@ -259,9 +254,7 @@ def _symmetric_plan(spec: QuantSpec):
     return None
 
 
-def _symmetric_qparams(
-    min_val, max_val, spec: QuantSpec, calibrated, check_uncalibrated: bool, global_shape: tuple = (), plan=None
-) -> QParams:
+def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_uncalibrated: bool, plan=None) -> QParams:
     """`qparams_from_minmax` for the specs of `_symmetric_plan` in eager mode, bit for bit, in
     a third to half the ops (each op on a [64, 512] state costs microseconds on CPU, and compares
     and selects several times more than arithmetic).
@@ -275,8 +268,8 @@ def _symmetric_qparams(
     same floor, is the same number, by the same division (compressed-tensors divides by a 0-dim
     tensor, the same IEEE division on CPU; the plan keeps other devices on the general path).
     Given ``lo <= hi``, ``max(-lo, hi)`` is finite exactly when both extremes are, which is the
-    general path's validity test in one compare fewer. ``global_shape``: the shape of the
-    (all-ones) global scale; ``plan``: `_symmetric_plan`'s for ``spec``.
+    general path's validity test in one compare fewer. ``plan``: `_symmetric_plan`'s for
+    ``spec``.
     """
     plan = plan or _symmetric_plan(spec)
     peak = torch.maximum(-min_val, max_val)
@@ -294,7 +287,7 @@ def _symmetric_qparams(
         zero_point = torch.zeros_like(scale, dtype=plan.zero_point_dtype)  # batched as scale is, under vmap
     else:
         zero_point = torch.where(calibrated, plan.zero_point, 0).to(plan.zero_point_dtype)
-    global_scale = torch.ones(global_shape, dtype=torch.float32, device=scale.device)
+    global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
     return QParams(scale, zero_point, global_scale, calibrated)
 
 

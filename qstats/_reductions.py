@@ -73,10 +73,7 @@ def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], polic
             # one parameter: a full reduction, both extremes in one pass over memory (two passes
             # cost twice as much once the tensor does not stay in cache)
             lo, hi = (t.reshape(out_shape) for t in torch.aminmax(view.reshape(-1)))
-        elif view.shape[0] == 1:  # per-row aminmax is far slower than two vectorised row reductions
-            rows = view[0]
-            lo, hi = rows.amin(dim=-1), rows.amax(dim=-1)
-        else:
+        else:  # per-row aminmax is far slower than the two vectorised row reductions
             lo = _reduce(view, torch.amin)
             hi = _reduce(view, torch.amax)
         # hi - lo is finite exactly when both are (or the range overflows: then the slow path);
