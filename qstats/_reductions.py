@@ -9,10 +9,12 @@ stacked tensor in one call; plain eager tensors call its implementation directly
 CPU, a finite input takes a fast path (one ``aminmax`` pass for a single parameter, an ``amin``
 and an ``amax`` row reduction for many), checked with one scalar read of the range's maximum;
 other inputs, and every input on an accelerator, take the masked path, which needs no host
-synchronisation. Under ``torch.compile`` (``nonfinite="ignore"``) plain torch ops replace the op:
-outside any functorch transform, plain extremes and a ``torch.cond`` that runs the full
-decomposition only when an extreme is not finite; under ``vmap`` the decomposition, which the
-compiler fuses into one pass over the data. With ``nonfinite="raise"`` the op stays, opaque to
+synchronisation. Under ``torch.compile`` (``nonfinite="ignore"``), unmasked, plain extremes come
+first (the compiler fuses both into one pass over the data) and the full reduction runs only when
+an extreme is not finite: outside any functorch transform a ``torch.cond`` picks it; under
+``vmap`` on CPU, where ``torch.cond`` does not run, a small opaque op reads the flag on the host.
+Masked inputs, and unmasked ones under a transform on an accelerator, take the decomposition,
+which the compiler also fuses into one pass. With ``nonfinite="raise"`` the op stays, opaque to
 the compiler, so that it can raise.
 """
 
@@ -239,6 +241,65 @@ def _finite_first_aminmax(view: torch.Tensor):
     return torch.cond(torch.isfinite(hi - lo).all(), finite, not_finite, (view, lo, hi))
 
 
+
+@torch.library.custom_op("qstats::nonfinite_fallback", mutates_args=())
+def _nonfinite_fallback_op(
+    view: torch.Tensor, finite: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_finite_aminmax_impl`'s result where ``finite`` (a 0-dim bool: every extreme the caller
+    found is finite) is False; zeros of the same shapes and dtypes where it is True, and the
+    caller keeps its own extremes. One scalar read on the host: CPU only."""
+    if bool(finite):
+        out_shape = view.shape[1:-1]
+        lo = torch.zeros(out_shape, dtype=torch.float32, device=view.device)
+        count = torch.zeros(out_shape, dtype=torch.int64, device=view.device)
+        return lo, torch.zeros_like(lo), count, torch.zeros_like(count)
+    return _finite_aminmax_impl(view, None, _POLICY_IGNORE)
+
+
+@_nonfinite_fallback_op.register_fake
+def _(view, finite):
+    out_shape = view.shape[1:-1]
+    lo = view.new_empty(out_shape, dtype=torch.float32)
+    count = view.new_empty(out_shape, dtype=torch.int64)
+    return lo, torch.empty_like(lo), count, torch.empty_like(count)
+
+
+def _nonfinite_fallback_vmap_rule(info, in_dims, view, finite):
+    if in_dims[0] is None:  # only the flags are batched: every slice sees the same view
+        view = view.unsqueeze(1).expand(view.shape[0], info.batch_size, *view.shape[1:])
+    else:  # the batch dimension inside the parameter dims, as `_batched_arguments` puts it
+        view = view.movedim(in_dims[0], 1)
+    if in_dims[1] is not None:
+        finite = finite.all()  # one flag for every slice: the fallback serves them all
+    return _nonfinite_fallback_op(view, finite), (0, 0, 0, 0)
+
+
+torch.library.register_vmap("qstats::nonfinite_fallback", _nonfinite_fallback_vmap_rule)
+
+
+def _finite_first_aminmax_in_transform(view: torch.Tensor):
+    """`_finite_first_aminmax` for ``torch.compile`` on CPU under ``vmap`` (or another functorch
+    transform), where ``torch.cond`` does not run: plain extremes (which the compiler fuses into
+    one pass), then an opaque op that reads one flag on the host and runs the full reduction only
+    when some extreme is not finite; a select keeps the plain extremes otherwise (the flag is per
+    slice under ``vmap``; the op takes all of them at once)."""
+    if view.numel() == 0:
+        return _nothing_seen(view)
+    dims = (0, view.ndim - 1)
+    lo = view.amin(dim=dims)
+    hi = view.amax(dim=dims)
+    finite = torch.isfinite(hi - lo).all()  # also False when the range overflows: then the full path
+    full_lo, full_hi, full_count, full_nonfinite = _nonfinite_fallback_op(view, finite)
+    per_param = view.shape[0] * view.shape[-1]
+    return (
+        torch.where(finite, lo.float(), full_lo),
+        torch.where(finite, hi.float(), full_hi),
+        torch.where(finite, per_param, full_count),
+        torch.where(finite, 0, full_nonfinite),
+    )
+
+
 def finite_aminmax(
     view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonfinite: str = "ignore", int_counts: bool = False
 ):
@@ -274,6 +335,8 @@ def finite_aminmax(
     if policy == _POLICY_IGNORE and compiling:
         if mask is None and _COND and _no_functorch_transform():
             return _finite_first_aminmax(view)
+        if mask is None and view.device.type == "cpu":
+            return _finite_first_aminmax_in_transform(view)
         return _traceable_finite_aminmax(view, mask)
     outs = _unwrapped_vmap(view, mask, policy)
     if outs is not None:

@@ -7,7 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qstats
-from qstats._reductions import _COND, _finite_aminmax_impl, _finite_first_aminmax, _traceable_finite_aminmax, finite_aminmax
+from qstats._reductions import (
+    _COND,
+    _finite_aminmax_impl,
+    _finite_first_aminmax,
+    _finite_first_aminmax_in_transform,
+    _traceable_finite_aminmax,
+    finite_aminmax,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -134,6 +141,62 @@ def test_compiled_vmapped_experts_equal_eager(backend):
             assert torch.equal(a, b)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=3, max_size=4),
+    seed=st.integers(0, 2**16),
+    nonfinite=st.sampled_from([0.0, 0.05, 1.0]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+)
+def test_extremes_first_with_a_fallback_op_equals_custom_op(shape, seed, nonfinite, dtype):
+    # the form compiled under vmap: plain extremes, then the opaque fallback on a non-finite flag
+    generator = torch.Generator().manual_seed(seed)
+    view = _with_nonfinite(torch.randn(shape, generator=generator), generator, nonfinite).to(dtype)
+    _assert_same(_finite_first_aminmax_in_transform(view), _finite_aminmax_impl(view, None, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_extremes_first_with_a_fallback_op_when_the_range_overflows(dtype):
+    big = torch.finfo(dtype).max
+    view = torch.tensor([[[-big, 0.0, big], [1.0, 2.0, 3.0]]], dtype=dtype)
+    _assert_same(_finite_first_aminmax_in_transform(view), _finite_aminmax_impl(view, None, 0))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("dirty", [None, 0, 2], ids=["clean", "first-slice-dirty", "last-slice-dirty"])
+def test_compiled_vmap_takes_the_fallback_for_every_slice_when_one_is_not_finite(backend, dirty):
+    # one flag per slice under vmap; the fallback op sees them all and serves every slice
+    generator = torch.Generator().manual_seed(3)
+    experts = torch.randn(3, 5, 7, generator=generator)
+    if dirty is not None:
+        experts[dirty] = _with_nonfinite(experts[dirty], generator, 0.3)
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+
+    def one_expert(w):
+        return obs.update(obs.init(w), w)
+
+    compiled = torch.compile(torch.vmap(one_expert), fullgraph=True, backend=backend)
+    expected = [one_expert(w) for w in experts]
+    got = compiled(experts)
+    for field, values in zip(got._fields, got):
+        assert torch.equal(values, torch.stack([getattr(e, field) for e in expected])), field
+
+
+def test_fallback_op_under_eager_vmap_equals_the_loop():
+    generator = torch.Generator().manual_seed(4)
+    views = torch.randn(3, 2, 4, 5, generator=generator)
+    views[1] = _with_nonfinite(views[1], generator, 0.3)
+    got = torch.vmap(_finite_first_aminmax_in_transform)(views)
+    for i, view in enumerate(views):
+        _assert_same([t[i] for t in got], _finite_aminmax_impl(view, None, 0))
+    # a shared view with a flag per slice: any False flag runs the full reduction for all
+    from qstats._reductions import _nonfinite_fallback_op
+
+    shared = torch.vmap(lambda finite: _nonfinite_fallback_op(views[1], finite))(torch.tensor([True, False]))
+    for i in range(2):
+        _assert_same([t[i] for t in shared], _finite_aminmax_impl(views[1], None, 0))
+
+
 @pytest.mark.parametrize(
     "granularity", [qstats.PerTensor(), qstats.PerAxis(-1), qstats.PerGroup(4)], ids=["tensor", "axis", "group"]
 )
@@ -171,6 +234,8 @@ def test_custom_ops_pass_opcheck():
     for view in (torch.randn(3, 4, 5, generator=g), torch.randn(1, 200, 3, generator=g)):
         for mask in (None, torch.rand(view.shape, generator=g) < 0.5):
             torch.library.opcheck(torch.ops.qstats.finite_aminmax.default, (view, mask, 0))
+        for finite in (True, False):
+            torch.library.opcheck(torch.ops.qstats.nonfinite_fallback.default, (view, torch.tensor(finite)))
     for params in (3, 4096):  # full-resolution and folded bucket layouts
         view = torch.randn(2, params, 3, generator=g)
         torch.library.opcheck(torch.ops.qstats.float_bucket_counts.default, (view, None, 7, -24, 24))
