@@ -162,15 +162,24 @@ def test_extremes_first_with_a_fallback_op_when_the_range_overflows(dtype):
     _assert_same(_finite_first_aminmax_in_transform(view), _finite_aminmax_impl(view, None, 0))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize(
+    "backend, granularity",
+    [
+        ("aot_eager", qstats.PerAxis(0)),
+        ("inductor", qstats.PerAxis(0)),
+        ("aot_eager", qstats.PerTensor()),
+        ("aot_eager", qstats.PerGroup(4)),
+    ],
+    ids=["aot_eager-axis", "inductor-axis", "aot_eager-tensor", "aot_eager-group"],
+)
 @pytest.mark.parametrize("dirty", [None, 0, 2], ids=["clean", "first-slice-dirty", "last-slice-dirty"])
-def test_compiled_vmap_takes_the_fallback_for_every_slice_when_one_is_not_finite(backend, dirty):
+def test_compiled_vmap_takes_the_fallback_for_every_slice_when_one_is_not_finite(backend, granularity, dirty):
     # one flag per slice under vmap; the fallback op sees them all and serves every slice
     generator = torch.Generator().manual_seed(3)
-    experts = torch.randn(3, 5, 7, generator=generator)
+    experts = torch.randn(3, 5, 8, generator=generator)
     if dirty is not None:
         experts[dirty] = _with_nonfinite(experts[dirty], generator, 0.3)
-    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=granularity))
 
     def one_expert(w):
         return obs.update(obs.init(w), w)
