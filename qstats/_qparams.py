@@ -226,6 +226,9 @@ class _SymmetricPlan(NamedTuple):
     zero_point: int
     zero_point_dtype: torch.dtype
     any_device: bool  # False: CPU only (the general path divides by a tensor there)
+    # float32(half float32 max) / half_range in float32 arithmetic: the largest scale, and None
+    # where the float32 eps exceeds it (then the floor must come after the cap, in two ops)
+    scale_cap: float | None = None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -238,7 +241,8 @@ def _symmetric_plan(spec: QuantSpec):
     if spec.convention == "torch_ao" and spec.mapping in ("symmetric", "narrow") and math.isfinite(spec.eps):
         qmin, qmax = spec.qrange
         zero_point = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
-        return _SymmetricPlan(float(qmax - qmin) / 2, spec.eps, True, zero_point, torch.int32, True)
+        half_range = float(qmax - qmin) / 2
+        return _SymmetricPlan(half_range, spec.eps, True, zero_point, torch.int32, True, _scale_cap(half_range, spec.eps))
     if (
         spec.convention == "compressed_tensors"
         and spec.mapping == "symmetric"
@@ -252,6 +256,34 @@ def _symmetric_plan(spec: QuantSpec):
         zero_point_dtype = torch.float32 if spec.is_float else torch.int32
         return _SymmetricPlan(half_range, _scale_eps(spec, torch.float32), False, 0, zero_point_dtype, False)
     return None
+
+
+def _scale_cap(half_range: float, eps: float) -> float | None:
+    """``float32(half float32 max) / half_range`` as the float32 division computes it (the scale
+    of a peak clipped to half the float32 range), or None where ``eps`` in float32 exceeds it."""
+    cap = float(torch.tensor(torch.finfo(torch.float32).max / 2, dtype=torch.float32) / half_range)
+    return cap if float(torch.tensor(eps, dtype=torch.float32)) <= cap else None
+
+
+def _every_entry_valid(min_val: torch.Tensor, max_val: torch.Tensor, calibrated) -> bool:
+    """True when every entry is calibrated with finite ``min <= max``, found with three small
+    reductions and scalar reads (eager, CPU tensors outside transforms only). ``max - min``
+    lies in ``[0, inf)`` exactly when ``min <= max`` with both finite, unless the range overflows
+    (then False, and the caller takes the general test)."""
+    if calibrated is not None and not bool(calibrated.all()):
+        return False
+    low, high = torch.aminmax(max_val - min_val)
+    return bool(low >= 0) and math.isfinite(float(high))
+
+
+def _host_checkable(*tensors: torch.Tensor) -> bool:
+    """Plain CPU tensors in eager mode outside every transform: a scalar read costs nothing."""
+    if torch.compiler.is_compiling():
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return all(
+        type(t) is torch.Tensor and t.device.type == "cpu" and not wrapped(t) for t in tensors if t is not None
+    )
 
 
 def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_uncalibrated: bool, plan=None) -> QParams:
@@ -268,11 +300,30 @@ def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_unca
     same floor, is the same number, by the same division (compressed-tensors divides by a 0-dim
     tensor, the same IEEE division on CPU; the plan keeps other devices on the general path).
     Given ``lo <= hi``, ``max(-lo, hi)`` is finite exactly when both extremes are, which is the
-    general path's validity test in one compare fewer. ``plan``: `_symmetric_plan`'s for
+    general path's validity test in one compare fewer. On plain CPU tensors in eager mode, where
+    one host check finds every entry valid (`_every_entry_valid`: the ranges observers produce),
+    the mask, the fallback select and one clamp go too. ``plan``: `_symmetric_plan`'s for
     ``spec``.
     """
     plan = plan or _symmetric_plan(spec)
     peak = torch.maximum(-min_val, max_val)
+    if (
+        plan.scale_cap is not None
+        and min_val.shape == max_val.shape
+        and (calibrated is None or calibrated.shape == min_val.shape)
+        and _host_checkable(min_val, max_val, calibrated)
+        and _every_entry_valid(min_val, max_val, calibrated)
+    ):
+        # every entry valid (the common case on CPU): no validity mask, no fallback select, and
+        # the cap and the eps floor in one clamp: dividing is monotonic, so capping the quotient
+        # at the cap's quotient is capping the peak, and the floor (at most the cap) commutes
+        scale = _round_scale(peak.div(plan.half_range).clamp(plan.eps, plan.scale_cap), spec)
+        if plan.zero_point == 0:
+            zero_point = torch.zeros_like(scale, dtype=plan.zero_point_dtype)
+        else:
+            zero_point = torch.full_like(scale, plan.zero_point, dtype=plan.zero_point_dtype)
+        calibrated = torch.ones_like(scale, dtype=torch.bool)  # fresh, as the general test's mask is
+        return QParams(scale, zero_point, torch.ones((), dtype=torch.float32, device=scale.device), calibrated)
     valid = (min_val <= max_val) & (peak < torch.inf)
     calibrated = valid if calibrated is None else (calibrated & valid)
     if check_uncalibrated:

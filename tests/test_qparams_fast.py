@@ -105,6 +105,58 @@ def test_short_cut_equals_general_path(spec_index, pairs, with_calibrated):
     assert torch.isfinite(fast.scale).all() and (fast.scale > 0).all()
 
 
+finite = st.one_of(
+    st.sampled_from([v for v in SPECIAL if v == v and abs(v) != float("inf")]),
+    st.floats(width=32, allow_nan=False, allow_infinity=False),
+)
+
+
+@SETTINGS
+@given(
+    spec_index=st.integers(0, len(SPECS) - 1),
+    pairs=st.lists(st.tuples(finite, finite).map(sorted), min_size=1, max_size=24),
+    calibrated_kind=st.sampled_from(["none", "all", "some"]),
+)
+def test_every_entry_valid_short_cut_equals_general_path(spec_index, pairs, calibrated_kind):
+    # The ranges observers produce (finite, min <= max): on CPU one host check of the whole range
+    # replaces the validity mask and the fallback select, and one clamp the cap and the eps floor.
+    spec = SPECS[spec_index]
+    min_val = torch.tensor([p[0] for p in pairs], dtype=torch.float32)
+    max_val = torch.tensor([p[1] for p in pairs], dtype=torch.float32)
+    calibrated = {
+        "none": None,
+        "all": torch.ones(len(pairs), dtype=torch.bool),
+        "some": torch.arange(len(pairs)) % 2 == 1,
+    }[calibrated_kind]
+    checks = []
+    original = _qparams._every_entry_valid
+    _qparams._every_entry_valid = lambda *args: checks.append(original(*args)) or checks[-1]
+    try:
+        fast = qstats.qparams_from_minmax(min_val, max_val, spec, calibrated=calibrated, check_uncalibrated=False)
+    finally:
+        _qparams._every_entry_valid = original
+    slow = _general(min_val, max_val, spec, calibrated)
+    for name, a, b in zip(fast._fields, fast, slow):
+        assert bit_equal(a, b), (name, spec, min_val, max_val, a, b)
+    plan = _qparams._symmetric_plan(spec)
+    spread_finite = bool(torch.isfinite(max_val - min_val).all())
+    expected = plan.scale_cap is not None and spread_finite and calibrated_kind != "some"
+    # the short cut is taken exactly where it applies (eps above the cap, an overflowing spread
+    # or an uncalibrated entry send it to the general test)
+    assert (checks == [True]) == expected, (checks, spec, min_val, max_val)
+
+
+def test_every_entry_valid_short_cut_stays_off_under_vmap_and_on_other_inputs():
+    spec = qstats.QuantSpec(dtype="int8", mapping="symmetric")
+    lo, hi = torch.tensor([[-1.0, -2.0], [0.5, -3.0]]), torch.tensor([[2.0, 1.0], [4.0, 3.0]])
+    assert _qparams._host_checkable(lo, hi, None)
+    torch.vmap(lambda a, b: _qparams._symmetric_qparams(a, b, spec, None, False))(lo, hi)  # no host read
+    assert not _qparams._host_checkable(torch.empty(2, device="meta"))
+    assert not _qparams._every_entry_valid(lo, hi, torch.tensor([[True, False], [True, True]]))
+    assert not _qparams._every_entry_valid(torch.tensor([-3e38]), torch.tensor([3e38]), None)  # spread overflows
+    assert not _qparams._every_entry_valid(torch.tensor([1.0]), torch.tensor([float("nan")]), None)
+
+
 @SETTINGS
 @given(
     spec_index=st.integers(0, len(SPECS) - 1),
