@@ -273,7 +273,7 @@ def _every_entry_valid(min_val: torch.Tensor, max_val: torch.Tensor, calibrated)
     if calibrated is not None and not bool(calibrated.all()):
         return False
     low, high = torch.aminmax(max_val - min_val)
-    return bool(low >= 0) and math.isfinite(float(high))
+    return float(low) >= 0.0 and math.isfinite(float(high))
 
 
 def _host_checkable(*tensors: torch.Tensor) -> bool:
