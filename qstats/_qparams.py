@@ -242,7 +242,8 @@ def _symmetric_plan(spec: QuantSpec):
         qmin, qmax = spec.qrange
         zero_point = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
         half_range = float(qmax - qmin) / 2
-        return _SymmetricPlan(half_range, spec.eps, True, zero_point, torch.int32, True, _scale_cap(half_range, spec.eps))
+        cap = _scale_cap(half_range, spec.eps)
+        return _SymmetricPlan(half_range, spec.eps, True, zero_point, torch.int32, True, cap)
     if (
         spec.convention == "compressed_tensors"
         and spec.mapping == "symmetric"

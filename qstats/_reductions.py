@@ -241,7 +241,6 @@ def _finite_first_aminmax(view: torch.Tensor):
     return torch.cond(torch.isfinite(hi - lo).all(), finite, not_finite, (view, lo, hi))
 
 
-
 @torch.library.custom_op("qstats::nonfinite_fallback", mutates_args=())
 def _nonfinite_fallback_op(
     view: torch.Tensor, finite: torch.Tensor
