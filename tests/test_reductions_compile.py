@@ -57,7 +57,15 @@ def test_decomposition_equals_custom_op(shape, seed, masked, nonfinite, dtype):
 needs_cond = pytest.mark.skipif(not _COND, reason="torch.cond is not in this torch")
 
 
-@needs_cond
+# The extremes-first forms: torch.cond on "every extreme finite" outside vmap, the opaque
+# fallback op on that flag under vmap (compiled on CPU); each must pick either branch exactly.
+EXTREMES_FIRST = [
+    pytest.param(_finite_first_aminmax, marks=needs_cond, id="cond"),
+    pytest.param(_finite_first_aminmax_in_transform, id="fallback-op"),
+]
+
+
+@pytest.mark.parametrize("reduction", EXTREMES_FIRST)
 @settings(max_examples=40, deadline=None)
 @given(
     shape=st.lists(st.integers(0, 5), min_size=3, max_size=4),
@@ -65,20 +73,19 @@ needs_cond = pytest.mark.skipif(not _COND, reason="torch.cond is not in this tor
     nonfinite=st.sampled_from([0.0, 0.05, 1.0]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
 )
-def test_finite_first_reduction_equals_custom_op(shape, seed, nonfinite, dtype):
-    # the extremes-first path (torch.cond on "every extreme finite") picks either branch
+def test_extremes_first_reductions_equal_custom_op(reduction, shape, seed, nonfinite, dtype):
     generator = torch.Generator().manual_seed(seed)
     view = _with_nonfinite(torch.randn(shape, generator=generator), generator, nonfinite).to(dtype)
-    _assert_same(_finite_first_aminmax(view), _finite_aminmax_impl(view, None, 0))
+    _assert_same(reduction(view), _finite_aminmax_impl(view, None, 0))
 
 
-@needs_cond
+@pytest.mark.parametrize("reduction", EXTREMES_FIRST)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_finite_first_reduction_with_a_range_that_overflows(dtype):
+def test_extremes_first_reductions_with_a_range_that_overflows(reduction, dtype):
     # both extremes finite, their difference not: the flag sends it down the full path, still exact
     big = torch.finfo(dtype).max
     view = torch.tensor([[[-big, 0.0, big], [1.0, 2.0, 3.0]]], dtype=dtype)
-    _assert_same(_finite_first_aminmax(view), _finite_aminmax_impl(view, None, 0))
+    _assert_same(reduction(view), _finite_aminmax_impl(view, None, 0))
 
 
 @needs_cond
@@ -139,27 +146,6 @@ def test_compiled_vmapped_experts_equal_eager(backend):
     for got, expected in zip(compiled, eager):
         for a, b in zip(got, expected):
             assert torch.equal(a, b)
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    shape=st.lists(st.integers(0, 5), min_size=3, max_size=4),
-    seed=st.integers(0, 2**16),
-    nonfinite=st.sampled_from([0.0, 0.05, 1.0]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
-)
-def test_extremes_first_with_a_fallback_op_equals_custom_op(shape, seed, nonfinite, dtype):
-    # the form compiled under vmap: plain extremes, then the opaque fallback on a non-finite flag
-    generator = torch.Generator().manual_seed(seed)
-    view = _with_nonfinite(torch.randn(shape, generator=generator), generator, nonfinite).to(dtype)
-    _assert_same(_finite_first_aminmax_in_transform(view), _finite_aminmax_impl(view, None, 0))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_extremes_first_with_a_fallback_op_when_the_range_overflows(dtype):
-    big = torch.finfo(dtype).max
-    view = torch.tensor([[[-big, 0.0, big], [1.0, 2.0, 3.0]]], dtype=dtype)
-    _assert_same(_finite_first_aminmax_in_transform(view), _finite_aminmax_impl(view, None, 0))
 
 
 @pytest.mark.parametrize(
