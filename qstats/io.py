@@ -62,7 +62,11 @@ def _escape(component: str) -> str:
 def _encode(tree: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> dict:
     where = "/".join(path) or "<root>"
     if isinstance(tree, torch.Tensor):
-        key = "/".join(_escape(p) for p in path) or "_"
+        # escaped components hold "%" only as "%25" or "%2F": the two keys of an empty join (the
+        # root itself, or a single empty name) cannot collide with any other path
+        key = "/".join(_escape(p) for p in path) or ("%root" if not path else "%empty")
+        if key in tensors:  # unreachable by construction; never overwrite a saved tensor
+            raise ValueError(f"qstats.io: two tensors of the tree map to the key {key!r} (the second at {where})")
         if tree.layout != torch.strided:
             raise TypeError(f"qstats.io: tensor at {where} has layout {tree.layout}; only dense tensors are saved")
         tensors[key] = tree
@@ -133,7 +137,9 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set, where: str) 
         if kind in ("list", "tuple"):
             items = [_decode(value, tensors, used, f"{where}[{i}]") for i, value in enumerate(node["items"])]
             return items if kind == "list" else tuple(items)
-    except (KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError, ValueError) as error:
+        if isinstance(error, ValueError) and str(error).startswith("qstats.io:"):
+            raise  # a clear error from a nested node: keep it
         raise _malformed(where, node) from None
     raise _malformed(where, node)
 

@@ -226,3 +226,50 @@ def test_save_rejects_what_it_cannot_rebuild(tmp_path):
         qstats.save(path, {"a": 1.0})
     with pytest.raises(TypeError, match="keys must be strings"):
         qstats.save(path, {1: torch.zeros(1)})
+
+
+@pytest.mark.parametrize(
+    "tree_",
+    [
+        {"_": torch.ones(2), "": torch.zeros(2)},
+        {"": {"": torch.arange(3.0)}, "_": torch.full((2,), 7.0), "%empty": torch.ones(1), "%root": torch.zeros(1)},
+        [torch.ones(1), {"": torch.zeros(1)}],
+        torch.arange(4.0),
+    ],
+    ids=["underscore-and-empty", "nested-empty-and-lookalikes", "list", "bare-tensor"],
+)
+def test_keys_that_join_to_nothing_do_not_collide(tmp_path, tree_):
+    """An empty name (or the bare root) and a real key "_" once mapped to the same tensor key:
+    the second tensor overwrote the first."""
+    _assert_bit_exact(qstats.load(_saved(tmp_path, tree_)), tree_)
+    with safetensors.safe_open(str(tmp_path / "stats.safetensors"), framework="pt") as handle:
+        assert len(list(handle.keys())) == len(tree.leaves_with_paths(tree_))
+
+
+def test_a_bare_tensor_saved_under_the_earlier_root_key_still_loads(tmp_path):
+    """Files written before the root key became "%root" name their bare tensor "_"; loading reads
+    the key from the file's own structure."""
+    value = torch.arange(5.0)
+    path = _saved(tmp_path, value)
+    with safetensors.safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata())
+        (key,) = list(handle.keys())
+        tensor = handle.get_tensor(key)
+    assert key == "%root"
+    metadata["structure"] = metadata["structure"].replace('"%root"', '"_"')
+    metadata["checksums"] = metadata["checksums"].replace('"%root"', '"_"')
+    old = tmp_path / "old.safetensors"
+    safetensors.torch.save_file({"_": tensor}, str(old), metadata=metadata)
+    assert torch.equal(qstats.load(old), value)
+
+
+def test_malformed_item_lists_raise_naming_the_structure(tmp_path):
+    path = _saved(tmp_path, {"a": torch.ones(1), "b": [torch.zeros(1)]})
+
+    def drop_value(metadata):
+        structure = json.loads(metadata["structure"])
+        structure["items"][0] = [structure["items"][0][0]]  # a [key] pair without its value
+        metadata["structure"] = json.dumps(structure)
+
+    with pytest.raises(ValueError, match="malformed checkpoint structure"):
+        qstats.load(_rewrite(path, edit_metadata=drop_value))
