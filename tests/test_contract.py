@@ -5,10 +5,13 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from observer_cases import CASES
 
 import qstats
 from qstats import testing
+from qstats.testing import strategies
 from qstats.observers.minmax import MinMaxState
 
 MAX_EXAMPLES = 10
@@ -297,3 +300,13 @@ def test_assert_states_equal_tolerance_applies_only_to_approx_fields():
     inf = MinMaxState(torch.tensor([torch.inf]), torch.tensor([1.0]), torch.tensor([1]), torch.tensor([0]))
     with pytest.raises(AssertionError, match="infinite"):
         testing.assert_states_equal(inf._replace(min_val=torch.tensor([-torch.inf])), inf, approx_fields="*")
+
+
+@settings(max_examples=50, deadline=None, database=None)
+@given(data=st.data(), count=st.integers(1, 6))
+def test_homomorphism_draws_always_split_where_they_can(data, count):
+    """check_all's homomorphism law draws at least one cut (with none, the merged fold is the
+    sequential fold and the law holds for any observer)."""
+    cuts = data.draw(strategies.splits(count, min_cuts=1))
+    assert cuts == sorted(set(cuts)) and all(0 < c < count for c in cuts)
+    assert len(cuts) >= (1 if count >= 2 else 0)

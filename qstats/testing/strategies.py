@@ -89,9 +89,10 @@ def batches(
     return out
 
 
-def splits(count: int) -> st.SearchStrategy[list]:
+def splits(count: int, min_cuts: int = 0) -> st.SearchStrategy[list]:
     """Sorted cut points into a list of ``count`` batches (``[]`` is no split; ``[1, 3]`` splits
-    into ``xs[:1], xs[1:3], xs[3:]``)."""
+    into ``xs[:1], xs[1:3], xs[3:]``); at least ``min_cuts`` of them where ``count`` allows."""
     if count < 2:
         return st.just([])
-    return st.lists(st.integers(1, count - 1), unique=True, max_size=count - 1).map(sorted)
+    least = min(min_cuts, count - 1)
+    return st.lists(st.integers(1, count - 1), unique=True, min_size=least, max_size=count - 1).map(sorted)
