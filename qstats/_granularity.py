@@ -39,6 +39,7 @@ __all__ = [
     "PerHead",
     "canonical_view",
     "checked_view",
+    "check_observable",
     "from_canonical_view",
     "stacked_view",
     "qparam_shape",
@@ -110,6 +111,8 @@ class PerBlock(Granularity):
     block_shape: tuple = (128, 128)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.block_shape, (tuple, list)):
+            raise ValueError(f"PerBlock.block_shape must be two positive ints (rows, cols), got {self.block_shape!r}")
         object.__setattr__(self, "block_shape", tuple(self.block_shape))
 
     def validate(self) -> None:
@@ -186,9 +189,18 @@ def canonical_view(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
 def checked_view(x: torch.Tensor, granularity: Granularity, expected_shape, where: str) -> torch.Tensor:
     """`canonical_view` of ``x`` for an update of a state whose parameters have shape
     ``expected_shape``; ValueError naming both shapes when they differ."""
+    check_observable(x, where)
     view = canonical_view(x, granularity)
     _check_param_shape(tuple(x.shape), tuple(view.shape[1:-1]), expected_shape, where)
     return view
+
+
+def check_observable(x: torch.Tensor, where: str) -> None:
+    """TypeError for what an observer cannot reduce: a non-tensor, a bool or complex tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{where}: expected a tensor, got {type(x).__name__}")
+    if x.dtype == torch.bool or x.is_complex():
+        raise TypeError(f"{where}: cannot observe a tensor of dtype {x.dtype}; pass real floating-point or integer values")
 
 
 def check_shape(shape, granularity: Granularity, expected_shape, where: str) -> None:

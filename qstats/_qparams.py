@@ -174,9 +174,11 @@ def _round_scale(scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
         return scale
     dtype = getattr(torch, spec.scale_dtype)
     if spec.scale_dtype in ("float8_e4m3fn", "float16"):
-        # narrow exponent ranges: the largest finite scale instead of an overflow to Inf or NaN
+        # narrow exponent ranges: the largest finite scale instead of an overflow to Inf or NaN,
+        # and the smallest positive one (a subnormal) instead of an underflow to zero (the eps
+        # floor, applied in float32, lies below it for float8: 2**-9)
         finfo = torch.finfo(dtype)
-        return scale.clamp(finfo.min, finfo.max).to(dtype).float()
+        return scale.clamp(finfo.tiny * finfo.eps, finfo.max).to(dtype).float()
     return scale.to(dtype).float()
 
 

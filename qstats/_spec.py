@@ -27,6 +27,7 @@ __all__ = ["QuantSpec", "FloatFormat", "float_format"]
 
 _FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
 _FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 MAPPINGS = ("symmetric", "asymmetric", "symmetric_no_clipping_err", "narrow")
 ZERO_POINT_DOMAINS = ("int", "float", "none")
@@ -168,8 +169,10 @@ class QuantSpec:
         parsed = _parse_int_dtype(dtype)
         if parsed is not None:
             signed, bits = parsed
-            if not (1 <= bits <= 16 or bits == 32):
-                raise ValueError(f"QuantSpec.dtype: integer targets have 1 to 16 (or 32) bits, got {dtype!r}")
+            if not (1 <= bits <= 16 or (bits == 32 and signed)):
+                raise ValueError(
+                    f"QuantSpec.dtype: integer targets have 1 to 16 bits (or are int32), got {dtype!r}"
+                )
         elif dtype not in _FLOAT_FORMATS:
             raise ValueError(
                 f"QuantSpec.dtype: unknown target {dtype!r}; use 'int<bits>', 'uint<bits>' or one of "
@@ -196,8 +199,12 @@ class QuantSpec:
             raise ValueError(f"QuantSpec.scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if not isinstance(self.reduce_range, bool):
             raise ValueError(f"QuantSpec.reduce_range must be a bool, got {self.reduce_range!r}")
-        if not (isinstance(self.eps, (int, float)) and self.eps > 0 and self.eps == self.eps):
-            raise ValueError(f"QuantSpec.eps must be a positive float, got {self.eps!r}")
+        if not (
+            isinstance(self.eps, (int, float))
+            and not isinstance(self.eps, bool)
+            and 0 < self.eps <= _FLOAT32_MAX  # also rules out NaN and inf
+        ):
+            raise ValueError(f"QuantSpec.eps must be a positive, finite float32 value, got {self.eps!r}")
         if self.eps < _FLOAT32_TINY:
             raise ValueError(
                 f"QuantSpec.eps must be at least {_FLOAT32_TINY:.4g} (the smallest normal float32, so that "
@@ -233,6 +240,28 @@ class QuantSpec:
                     )
         if self.mapping in ("symmetric_no_clipping_err", "narrow") and not self.is_float and not self.is_signed:
             raise ValueError(f"QuantSpec.mapping {self.mapping!r} needs a signed target, got {dtype!r}")
+        if not self.is_float:
+            if self.reduce_range and self.quant_min is None and self.bits < 2:
+                raise ValueError(f"QuantSpec.reduce_range: {dtype!r} has one bit, nothing to halve")
+            qmin, qmax = self.qrange
+            if not qmin < qmax:
+                raise ValueError(
+                    f"QuantSpec: dtype {dtype!r}, mapping {self.mapping!r}, reduce_range {self.reduce_range}"
+                    f" and quant_min/quant_max ({self.quant_min}, {self.quant_max}) leave the range "
+                    f"[{qmin}, {qmax}], which holds fewer than two values"
+                )
+        if self.symmetric_zero_point is not None:
+            zero = self.symmetric_zero_point
+            if not isinstance(zero, int) or isinstance(zero, bool):
+                raise ValueError(f"QuantSpec.symmetric_zero_point must be an int, got {zero!r}")
+            if self.is_float:
+                raise ValueError(f"QuantSpec.symmetric_zero_point {zero}: float target {dtype!r} has no zero point")
+            lo, hi = self.qrange
+            # torch.ao's fixed zero points (128 for uint8, 2**15 for uint16) stay when reduce_range
+            # or a custom range leaves them outside the range: from_torch_ao reproduces that
+            torch_ao_fixed = self.convention == "torch_ao" and zero in (128, 2**15)
+            if not (lo <= zero <= hi or torch_ao_fixed):
+                raise ValueError(f"QuantSpec.symmetric_zero_point {zero} lies outside the range [{lo}, {hi}]")
         from . import _formats
 
         _formats.validate(self)

@@ -426,3 +426,191 @@ def test_float16_scales_saturate_instead_of_overflowing():
     qp = qstats.qparams_from_minmax(torch.tensor([-1e8, -1.0]), torch.tensor([1e8, 1.0]), spec)
     assert float(qp.scale[0]) == torch.finfo(torch.float16).max
     assert float(qp.scale[1]) == float(torch.tensor(1.0 / 127.5).half())
+
+
+# --- specs that would give an empty range, an infinite scale or a zero point off the range ---------
+
+
+@pytest.mark.parametrize("eps", [float("inf"), float("nan"), 1e39, True, -1.0, 0.0])
+def test_eps_must_be_a_positive_finite_float32(eps):
+    with pytest.raises(ValueError, match="eps"):
+        qstats.QuantSpec(eps=eps)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(dtype="int1", mapping="narrow"),  # [-0, 0]
+        dict(dtype="uint1", reduce_range=True),
+        dict(dtype="int1", reduce_range=True),
+        dict(dtype="int8", quant_min=0, quant_max=1, reduce_range=True),  # halves to [0, 0]
+        dict(dtype="int8", quant_min=-1, quant_max=1, reduce_range=True, mapping="narrow"),  # [-1, 0] -> [0, 0]
+    ],
+)
+def test_specs_whose_range_holds_fewer_than_two_values_are_rejected(fields):
+    with pytest.raises(ValueError, match="range|reduce_range"):
+        qstats.QuantSpec(**fields)
+
+
+def test_one_bit_targets_keep_their_two_values():
+    assert qstats.QuantSpec(dtype="int1", mapping="asymmetric").qrange == (-1, 0)
+    assert qstats.QuantSpec(dtype="uint1", mapping="asymmetric").qrange == (0, 1)
+
+
+def test_unsigned_32_bit_targets_are_rejected_at_construction():
+    with pytest.raises(ValueError, match="dtype"):
+        qstats.QuantSpec(dtype="uint32")
+    assert qstats.QuantSpec(dtype="int32").qrange == (-(2**31), 2**31 - 1)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(dtype="uint8", symmetric_zero_point=1000),
+        dict(dtype="uint8", symmetric_zero_point=-1),
+        dict(dtype="uint8", symmetric_zero_point="3"),
+        dict(dtype="uint8", symmetric_zero_point=3.0),
+        dict(dtype="uint8", symmetric_zero_point=True),
+        dict(dtype="uint4", symmetric_zero_point=128, convention="compressed_tensors"),
+        dict(dtype="fp8_e4m3fn", symmetric_zero_point=0),
+    ],
+)
+def test_symmetric_zero_point_must_be_an_int_in_the_range(fields):
+    with pytest.raises(ValueError, match="symmetric_zero_point"):
+        qstats.QuantSpec(**fields)
+
+
+def test_torch_ao_fixed_zero_points_stay_where_torch_ao_keeps_them():
+    """torch.ao keeps 128 (uint8) and 2**15 (uint16) for symmetric qschemes whatever the range:
+    from_torch_ao must build those specs, and their qparams equal torch.ao's."""
+    from torch.ao.quantization import MinMaxObserver
+
+    x = torch.randn(64) * 3
+    for dtype, kwargs in [
+        (torch.uint8, dict(reduce_range=True)),
+        (torch.uint16, dict(quant_min=0, quant_max=255)),
+    ]:
+        spec = qstats.QuantSpec.from_torch_ao(dtype, torch.per_tensor_symmetric, **kwargs)
+        observer = MinMaxObserver(dtype=dtype, qscheme=torch.per_tensor_symmetric, **kwargs)
+        observer(x)
+        scale, zero_point = observer.calculate_qparams()
+        obs = qstats.minmax(spec)
+        qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+        assert torch.equal(qp.scale.reshape(1), scale.reshape(1)), dtype
+        assert int(qp.zero_point) == int(zero_point) == spec.symmetric_zero_point, dtype
+
+
+def test_perblock_with_a_bare_int_raises_value_error():
+    with pytest.raises(ValueError, match="block_shape"):
+        qstats.PerBlock(4)
+
+
+# --- scales rounded to narrow dtypes: never zero -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields, smallest",
+    [
+        (dict(scale_dtype="float8_e4m3fn"), 2.0**-9),  # e4m3fn's smallest subnormal
+        (dict(dtype="fp8_e4m3fn", scale_dtype="float8_e4m3fn"), 2.0**-9),
+        (dict(scale_dtype="float16", eps=1e-30), 2.0**-24),  # float16's smallest subnormal
+    ],
+)
+def test_scales_that_underflow_the_scale_dtype_get_its_smallest_positive_value(fields, smallest):
+    spec = qstats.QuantSpec(**fields)
+    x = torch.tensor([1e-10, 0.0, -1e-12])
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    assert float(qp.scale) == smallest
+    assert torch.isfinite(qstats.fake_quantize(x, qp, spec)).all()
+    # a scale the dtype holds is rounded as before: round to nearest of the float32 scale
+    y = torch.tensor([-0.5, 1.0])
+    qp = qstats.compute_qparams(obs.update(obs.init(y), y), spec)
+    half_range = (spec.qmax - spec.qmin) / 2 if not spec.is_float else spec.qmax
+    expected = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(half_range, dtype=torch.float32)
+    assert float(qp.scale) == float(expected.to(getattr(torch, spec.scale_dtype)).float())
+
+
+# --- states whose fields disagree -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["minmax", "memoryless_minmax", "moving_average_minmax"])
+def test_state_fields_of_another_shape_or_kind_raise(kind):
+    obs = getattr(qstats, kind)(qstats.QuantSpec(granularity=qstats.PerAxis(0)))
+    x = torch.randn(4, 8)
+    state = obs.init(x)
+    bad_count = state._replace(count=torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"'count'.*\(3,\).*\(4,\)"):
+        obs.update(bad_count, x)
+    with pytest.raises(ValueError, match=r"'count'.*\(3,\).*\(4,\)"):
+        obs.merge(bad_count, state)
+    with pytest.raises(ValueError, match=r"'count'.*\(3,\).*\(4,\)"):
+        obs.merge(state, bad_count)
+    with pytest.raises(ValueError, match="'max_val'.*dtype"):
+        obs.update(state._replace(max_val=torch.zeros(4, dtype=torch.int64)), x)
+    with pytest.raises(ValueError, match="'count'.*dtype"):
+        obs.update(state._replace(count=torch.zeros(4)), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.complex64])
+def test_bool_and_complex_tensors_are_refused_naming_the_dtype(dtype):
+    obs = qstats.minmax(qstats.QuantSpec(granularity=qstats.PerAxis(0)))
+    x = torch.ones(4, 8, dtype=dtype)
+    with pytest.raises(TypeError, match=str(dtype)):
+        obs.update(obs.init(torch.ones(4, 8)), x)
+    stacked = qstats.stacked_observer(obs, 2)
+    with pytest.raises(TypeError, match=str(dtype)):
+        stacked.update(stacked.init(torch.ones(2, 4, 8)), torch.ones(2, 4, 8, dtype=dtype))
+
+
+# --- extremes near the float32 limit ------------------------------------------------------------
+
+
+def test_moving_average_never_overflows_between_finite_extremes():
+    """torch.ao's ``min + c * (batch_min - min)`` overflows when the two have opposite signs near
+    the float32 limit; the average itself is representable (float64 reference)."""
+    spec = qstats.QuantSpec(on_uncalibrated="fallback")
+    c = 0.5
+    obs = qstats.moving_average_minmax(spec, c)
+    a = torch.tensor([3.0e38, 3.2e38])
+    state = obs.update(obs.init(a), a)
+    moved = obs.update(state, -a)
+    want_min = (1 - c) * float(a.min()) + c * float(-a.max())
+    want_max = (1 - c) * float(a.max()) + c * float(-a.min())
+    torch.testing.assert_close(moved.min_val, torch.tensor(want_min), rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(moved.max_val, torch.tensor(want_max), rtol=1e-6, atol=0.0)
+    assert bool(qstats.compute_qparams(moved, spec).calibrated)
+    # the merge of two such states: the batch-weighted mean, in float64
+    other = obs.update(obs.update(obs.init(a), a * 0.9), a)
+    merged = obs.merge(state, other)
+    for field in ("min_val", "max_val"):
+        u, v = getattr(state, field).double(), getattr(other, field).double()
+        torch.testing.assert_close(getattr(merged, field).double(), (u * 1 + v * 2) / 3, rtol=1e-6, atol=0.0)
+        assert torch.isfinite(getattr(obs.merge(state, state), field))
+        assert torch.equal(getattr(obs.merge(state, state), field), getattr(state, field))
+    # and where nothing overflows, the update is still torch.ao's, bit for bit
+    from torch.ao.quantization import MovingAverageMinMaxObserver
+
+    observer = MovingAverageMinMaxObserver(averaging_constant=c)
+    xs = [torch.randn(16) * 1e3, torch.randn(16) * 1e-3 + 5, torch.randn(16)]
+    state = obs.init(xs[0])
+    for x in xs:
+        observer(x)
+        state = obs.update(state, x)
+    assert torch.equal(state.min_val, observer.min_val) and torch.equal(state.max_val, observer.max_val)
+
+
+def test_moments_range_past_float32_clamps_to_the_largest_float32():
+    """mean +- 3 std of values near the float32 limit lies beyond float32: the range is clamped
+    to float32, then (as every range) clipped to half the float32 range, where torch.ao's
+    MinMaxObserver gives the same scale."""
+    from torch.ao.quantization import MinMaxObserver
+
+    spec = qstats.QuantSpec(dtype="int8", mapping="symmetric")
+    big = torch.tensor([3.4e38, -3.4e38, 1.0])
+    obs = qstats.moments(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(big), big), spec)
+    half = torch.finfo(torch.float32).max / 2
+    observer = MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
+    observer(torch.tensor([-half, half]))
+    assert torch.equal(qp.scale.reshape(1), observer.calculate_qparams()[0].reshape(1))

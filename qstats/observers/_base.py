@@ -135,5 +135,6 @@ def batch_weighted_mean(u: torch.Tensor, v: torch.Tensor, u_batches: torch.Tenso
     u_weight, v_weight = u_batches.to(torch.float32), v_batches.to(torch.float32)
     u0 = torch.where(u_seen, u, torch.zeros_like(u))
     v0 = torch.where(v_seen, v, torch.zeros_like(v))
-    both = (u0 * u_weight + v0 * v_weight) / total
+    # each side times its share (at most 1): no overflow where the sum of products would overflow
+    both = u0 * (u_weight / total) + v0 * (v_weight / total)
     return torch.where(u_seen, torch.where(v_seen, both, u), v)

@@ -17,6 +17,7 @@ from .._granularity import (
     PerHead,
     PerTensor,
     canonical_view,
+    check_observable,
     check_shape,
     checked_view,
     qparam_shape,
@@ -85,6 +86,40 @@ def _check_spec(spec) -> QuantSpec:
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"expected a QuantSpec, got {type(spec).__name__}")
     return spec
+
+
+def _check_extremes_state(state, cls, where: str) -> None:
+    """`check_state`, then the fields: floating-point extremes and integer counts (init gives
+    float32 and int64), all of one shape (a count of another shape would broadcast through an
+    update and change the state's shape). One boolean test on the common path; the loop that
+    names the field only on failure."""
+    check_state(state, cls, where)
+    try:
+        lo, hi = state[0], state[1]
+        shape = lo.shape
+        if hi.shape == shape and lo.dtype.is_floating_point and hi.dtype.is_floating_point:
+            for count in state[2:]:
+                if count.shape != shape or count.dtype not in _COUNT_DTYPES:
+                    break
+            else:
+                return
+    except AttributeError:
+        pass
+    for name, value in zip(cls._fields, state):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}: field {name!r} of the {cls.__name__} is a {type(value).__name__}, not a tensor")
+        if value.shape != state.min_val.shape:
+            raise ValueError(
+                f"{where}: field {name!r} of the {cls.__name__} has shape {tuple(value.shape)}, "
+                f"but min_val has shape {tuple(state.min_val.shape)}"
+            )
+        extremes = name in ("min_val", "max_val")
+        if not (value.dtype.is_floating_point if extremes else value.dtype in _COUNT_DTYPES):
+            want = "a floating-point dtype" if extremes else "an integer dtype"
+            raise ValueError(f"{where}: field {name!r} of the {cls.__name__} has dtype {value.dtype}, expected {want}")
+
+
+_COUNT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
 
 
 def _initializer(cls, spec: QuantSpec):
@@ -184,6 +219,7 @@ def observe_extremes_stacked(x: torch.Tensor, weight, spec: QuantSpec, expected_
     ``weight[e]``) at once, without ``vmap``: results of shape ``[E, *qparam_shape]``, equal to
     ``torch.vmap(observe_extremes)`` bit for bit. A stride-0 stack (``t.expand(E, ...)``: the
     tokens every expert sees, under a routing mask) has its rows reduced once for all slices."""
+    check_observable(x, where)
     num = x.shape[0]
     check_shape(x.shape[1:], spec.granularity, expected_shape[1:], where)  # errors name one slice
     shape = tuple(expected_shape[1:])
@@ -254,7 +290,7 @@ def minmax(spec: QuantSpec) -> Observer:
 
     def updater(observe):
         def update_fn(state: MinMaxState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MinMaxState:
-            check_state(state, MinMaxState, "minmax.update")
+            _check_extremes_state(state, MinMaxState, "minmax.update")
             if x.numel() == 0:
                 return state
             lo, hi, count, nonfinite = observe(x, weight, spec, state.min_val.shape, "minmax.update")
@@ -271,8 +307,8 @@ def minmax(spec: QuantSpec) -> Observer:
     register_stacked_update(update_fn, updater(observe_extremes_stacked))
 
     def merge_fn(a: MinMaxState, b: MinMaxState) -> MinMaxState:
-        check_state(a, MinMaxState, "minmax.merge")
-        check_state(b, MinMaxState, "minmax.merge")
+        _check_extremes_state(a, MinMaxState, "minmax.merge")
+        _check_extremes_state(b, MinMaxState, "minmax.merge")
         check_same_shapes(a, b, "minmax.merge")
         return MinMaxState(
             torch.minimum(a.min_val, b.min_val),
@@ -300,7 +336,7 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
 
     def updater(observe):
         def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MemorylessMinMaxState:
-            check_state(state, MemorylessMinMaxState, "memoryless_minmax.update")
+            _check_extremes_state(state, MemorylessMinMaxState, "memoryless_minmax.update")
             if x.numel() == 0:
                 return state
             lo, hi, count, nonfinite = observe(x, weight, spec, state.min_val.shape, "memoryless_minmax.update")
@@ -327,8 +363,8 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
     register_stacked_update(update_fn, updater(observe_extremes_stacked))
 
     def merge_fn(a, b) -> MemorylessMinMaxState:
-        check_state(a, MemorylessMinMaxState, "memoryless_minmax.merge")
-        check_state(b, MemorylessMinMaxState, "memoryless_minmax.merge")
+        _check_extremes_state(a, MemorylessMinMaxState, "memoryless_minmax.merge")
+        _check_extremes_state(b, MemorylessMinMaxState, "memoryless_minmax.merge")
         check_same_shapes(a, b, "memoryless_minmax.merge")
         return MemorylessMinMaxState(
             torch.minimum(a.min_val, b.min_val),
@@ -338,6 +374,14 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
         )
 
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="memoryless_minmax")
+
+
+def _moved(average: torch.Tensor, batch: torch.Tensor, constant: float) -> torch.Tensor:
+    """``average + constant * (batch - average)``, torch.ao's arithmetic bit for bit, except
+    where ``batch - average`` overflows (finite extremes of opposite signs near the float32
+    limit): there ``(1 - constant) * average + constant * batch``, which stays finite."""
+    moved = average + constant * (batch - average)
+    return torch.where(moved.isfinite(), moved, (1.0 - constant) * average + constant * batch)
 
 
 def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> Observer:
@@ -361,13 +405,13 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
 
     def updater(observe):
         def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MovingAverageMinMaxState:
-            check_state(state, MovingAverageMinMaxState, "moving_average_minmax.update")
+            _check_extremes_state(state, MovingAverageMinMaxState, "moving_average_minmax.update")
             if x.numel() == 0:
                 return state
             lo, hi, count, nonfinite = observe(x, weight, spec, state.min_val.shape, "moving_average_minmax.update")
             first = state.batches == 0
-            moved_min = state.min_val + constant * (lo - state.min_val)
-            moved_max = state.max_val + constant * (hi - state.max_val)
+            moved_min = _moved(state.min_val, lo, constant)
+            moved_max = _moved(state.max_val, hi, constant)
             min_val = torch.where(first, lo, moved_min)
             max_val = torch.where(first, hi, moved_max)
             if isinstance(count, int):  # finite and unmasked: every parameter saw values
@@ -391,8 +435,8 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
     register_stacked_update(update_fn, updater(observe_extremes_stacked))
 
     def merge_fn(a, b) -> MovingAverageMinMaxState:
-        check_state(a, MovingAverageMinMaxState, "moving_average_minmax.merge")
-        check_state(b, MovingAverageMinMaxState, "moving_average_minmax.merge")
+        _check_extremes_state(a, MovingAverageMinMaxState, "moving_average_minmax.merge")
+        _check_extremes_state(b, MovingAverageMinMaxState, "moving_average_minmax.merge")
         check_same_shapes(a, b, "moving_average_minmax.merge")
         def mean(u, v):
             return batch_weighted_mean(u, v, a.batches, b.batches)

@@ -192,6 +192,9 @@ def _moments_rule(state: MomentsState, spec: QuantSpec, method: str = "mean_std"
             amax = k * (state.power_total / n).pow(1.0 / float(p))
         lo, hi = -amax, amax
     zero = torch.zeros_like(lo)
-    lo = torch.minimum(lo, zero).float()
-    hi = torch.maximum(hi, zero).float()
+    # k standard deviations may reach past float32 (float64 moments): the largest float32 there,
+    # not an infinite range that would read as uncalibrated
+    largest = torch.finfo(torch.float32).max
+    lo = torch.minimum(lo, zero).clamp(min=-largest).float()
+    hi = torch.maximum(hi, zero).clamp(max=largest).float()
     return Range(lo, hi, calibrated)
