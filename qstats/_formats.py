@@ -386,6 +386,12 @@ def validate(spec) -> None:
             raise ValueError("QuantSpec.scale_dtype 'e8m0' cannot be a TensorGroup block scale; use PerGroup")
     if isinstance(spec.granularity, TensorGroup) and spec.mapping == "asymmetric":
         raise ValueError("QuantSpec.granularity TensorGroup (two-level scales) needs a symmetric mapping")
+    if isinstance(spec.granularity, TensorGroup) and not spec.is_float:
+        # the codes of integer targets would ignore the global scale (all zeros under fp8 block scales)
+        raise ValueError(
+            f"QuantSpec.granularity TensorGroup (two-level scales) needs a float element format "
+            f"(fp4_e2m1, fp6, fp8), got {spec.dtype!r}; integer targets take PerGroup"
+        )
 
 
 def preset(name: str, **overrides):

@@ -200,7 +200,9 @@ def check_observable(x: torch.Tensor, where: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{where}: expected a tensor, got {type(x).__name__}")
     if x.dtype == torch.bool or x.is_complex():
-        raise TypeError(f"{where}: cannot observe a tensor of dtype {x.dtype}; pass real floating-point or integer values")
+        raise TypeError(
+            f"{where}: cannot observe a tensor of dtype {x.dtype}; pass real floating-point or integer values"
+        )
 
 
 def check_shape(shape, granularity: Granularity, expected_shape, where: str) -> None:

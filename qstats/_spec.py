@@ -265,8 +265,6 @@ class QuantSpec:
         from . import _formats
 
         _formats.validate(self)
-        if isinstance(self.granularity, TensorGroup) and not self.is_float:
-            pass  # two-level integer scales are allowed
 
     # ----------------------------------------------------------------------------------------
     @property

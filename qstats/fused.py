@@ -34,8 +34,8 @@ from ._spec import QuantSpec
 __all__ = ["fused_amax", "fused_global_scale", "fused_qparams"]
 
 
-def _amax_of(state, spec: QuantSpec) -> torch.Tensor:
-    result = _rule_for(state)(state, spec)
+def _amax_of(state, spec: QuantSpec, **options) -> torch.Tensor:
+    result = _rule_for(state)(state, spec, **options)
     if isinstance(result, QParams):
         raise TypeError(f"fused: {type(state).__name__}'s range rule returns QParams, not a range")
     min_val, max_val = result.min_val.float(), result.max_val.float()
@@ -57,19 +57,20 @@ def _as_states(states) -> list:
     return states
 
 
-def fused_amax(states, spec: QuantSpec) -> torch.Tensor:
+def fused_amax(states, spec: QuantSpec, **options) -> torch.Tensor:
     """Absolute maximum (float32 scalar) over all calibrated entries of ``states``: a sequence of
-    states, or one state stacked along a leading dimension (all experts of a layer)."""
-    amaxes = [_amax_of(s, spec) for s in _as_states(states)]
+    states, or one state stacked along a leading dimension (all experts of a layer). ``options``
+    go to the states' range rule (a histogram's ``method=``)."""
+    amaxes = [_amax_of(s, spec, **options) for s in _as_states(states)]
     return torch.stack(amaxes).amax()
 
 
-def fused_global_scale(states, spec: QuantSpec) -> torch.Tensor:
+def fused_global_scale(states, spec: QuantSpec, **options) -> torch.Tensor:
     """The global scale (float32 scalar) shared by the group, in ``spec.global_scale_formula``'s
     convention. Pure; vmappable over a stacked group of groups."""
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"fused_global_scale: spec must be a QuantSpec, got {type(spec).__name__}")
-    return _formats.global_scale_from_amax(fused_amax(states, spec), spec)
+    return _formats.global_scale_from_amax(fused_amax(states, spec, **options), spec)
 
 
 def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
@@ -85,7 +86,7 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
     Returns:
       A tuple of QParams (one per state), or one QParams with a leading dimension when stacked.
     """
-    global_scale = fused_global_scale(states, spec)
+    global_scale = fused_global_scale(states, spec, **options)  # the same range method as the scales
     if stacked:
         def one(state):
             return compute_qparams(state, spec, global_scale=global_scale, **options)

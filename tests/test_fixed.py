@@ -91,3 +91,13 @@ def test_recording_is_bounded_and_split_invariant():
     assert set(kept.tolist()) <= set(x.tolist()) and not torch.equal(kept, x[:50])
     with pytest.raises(ValueError, match="capacity"):
         qstats.recording(capacity=0)
+
+
+def test_update_with_a_tensor_of_another_parameter_shape_raises_naming_both():
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+    obs = qstats.fixed_qparams(spec, scale=torch.full((4,), 0.1))
+    state = obs.init(torch.randn(4, 9))
+    with pytest.raises(ValueError, match=r"\(7,\).*\(4,\)"):
+        obs.update(state, torch.randn(7, 9))
+    assert int(obs.update(state, torch.randn(4, 9)).count) == 36
+    assert torch.equal(obs.update(state, torch.empty(0, 9)).count, state.count)

@@ -503,3 +503,55 @@ def test_l2_with_extremes_on_bucket_edges(data, dtype, mapping):
     stacked = qstats.tree.stack([state, state])
     batched = torch.vmap(lambda s: qstats.compute_qparams(s, spec, method="l2"))(stacked)
     assert torch.equal(batched.scale[1], eager.scale) and torch.equal(batched.zero_point[1], eager.zero_point)
+
+
+# --- found in review: two-level (NVFP4) specs and compiled searches ----------------------------
+
+
+@pytest.mark.parametrize("method", ["l2", "mse", "entropy", "percentile", "minmax"])
+def test_nvfp4_histogram_every_method_gives_usable_qparams(method):
+    """The float-grid error of the l2/mse searches ignored the two-level scale (TypeError); now
+    every method gives finite positive scales, and the searches do no worse than the observed
+    range (fake-quant error of the minmax observer on the same data)."""
+    torch.manual_seed(0)
+    spec = qstats.preset("nvfp4")
+    x = torch.randn(4, 64)
+    obs = qstats.histogram(spec)
+    state = obs.update(obs.init(x), x)
+    qp = qstats.compute_qparams(state, spec, method=method)
+    assert torch.isfinite(qp.scale).all() and (qp.scale > 0).all()
+    assert torch.isfinite(qp.global_scale).all() and (qp.global_scale > 0).all()
+    error = ((qstats.fake_quantize(x, qp, spec) - x) ** 2).mean()
+    plain = qstats.minmax(spec)
+    plain_qp = qstats.compute_qparams(plain.update(plain.init(x), x), spec)
+    plain_error = ((qstats.fake_quantize(x, plain_qp, spec) - x) ** 2).mean()
+    if method in ("l2", "mse", "minmax"):
+        assert error <= plain_error * (1 + 1e-6), (method, float(error), float(plain_error))
+
+
+def test_fused_qparams_takes_the_global_scale_from_the_caller_method():
+    spec = qstats.preset("nvfp4")
+    xs = [torch.randn(4, 64), torch.randn(4, 64) * 3]
+    obs = qstats.histogram(spec)
+    states = [obs.update(obs.init(x), x) for x in xs]
+    fused = qstats.fused_qparams(states, spec, method="minmax")
+    # compressed-tensors' formula on the concatenated tensor: amax / (448 * 6) here (amax_over_range)
+    amax = torch.cat(xs).abs().max()
+    expected = amax / (448.0 * 6.0)
+    for qp in fused:
+        torch.testing.assert_close(qp.global_scale, expected, rtol=1e-6, atol=0.0)
+    assert all(torch.equal(a.global_scale, b.global_scale) for a, b in zip(fused, qstats.fused_qparams(states, spec)))
+
+
+@pytest.mark.parametrize("method", ["l2", "entropy", "percentile"])
+@pytest.mark.parametrize("granularity", [qstats.PerTensor(), qstats.PerAxis(0)], ids=["tensor", "axis0"])
+def test_histogram_compute_qparams_traces_without_graph_breaks(method, granularity):
+    """torch.get_num_threads() before the compile guard, and indexing with the 0-dim argmin of
+    the entropy search, stopped fullgraph tracing."""
+    spec = qstats.QuantSpec(dtype="int8", granularity=granularity)
+    obs = qstats.histogram(spec)
+    x = torch.randn(4, 64)
+    state = obs.update(obs.init(x), x)
+    compiled = torch.compile(lambda s: qstats.compute_qparams(s, spec, method=method), fullgraph=True, backend="eager")
+    got, want = compiled(state), qstats.compute_qparams(state, spec, method=method)
+    assert torch.equal(got.scale, want.scale) and torch.equal(got.zero_point, want.zero_point)

@@ -36,7 +36,8 @@ def test_row_mask_and_nonfinite():
     x = torch.tensor([[1.0, 2.0], [3.0, float("nan")], [100.0, 100.0]])
     state = obs.update(obs.init(x), x, torch.tensor([1, 1, 0]))
     assert int(state.count) == 2 and state.nonfinite.tolist() == [0, 1]
-    assert qstats.importance(state).tolist() == [5.0, 2.0]
+    # channel 1 kept one finite value (2.0): the NaN is left out of its sum and of its count
+    assert qstats.importance(state).tolist() == [5.0, 4.0]
     with pytest.raises(ValueError, match="input channels"):
         obs.update(state, torch.ones(3, 5))
 
@@ -109,3 +110,15 @@ def test_bad_input():
         qstats.imatrix_mse(spec, (16,), None)
     with pytest.raises(ValueError, match="shape"):
         qstats.imatrix().init(torch.tensor(1.0))
+
+
+def test_importance_is_the_mean_square_over_each_channel_finite_values():
+    x = torch.randn(7, 5, dtype=torch.float64)
+    x[2, 1] = float("nan")
+    x[4, 1] = float("inf")
+    x[0, 3] = float("-inf")
+    obs = qstats.imatrix()
+    state = obs.update(obs.init(x), x)
+    squares = torch.where(torch.isfinite(x), x * x, torch.nan)
+    torch.testing.assert_close(qstats.importance(state), torch.nanmean(squares, dim=0), rtol=1e-12, atol=0.0)
+    assert state.nonfinite.tolist() == [0, 2, 0, 1, 0]

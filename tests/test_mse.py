@@ -153,3 +153,18 @@ def test_bad_input():
     state = obs.update(obs.init(torch.ones(4)), torch.ones(4))
     with pytest.raises(ValueError, match="patience"):
         qstats.compute_qparams(state, spec, patience=-1)
+
+
+def test_float_zero_point_search_ignores_nonfinite_values():
+    """NaN/Inf are left out of the statistics: with a float zero point their stand-in zeros do
+    not quantize exactly, and their error used to move the choice."""
+    spec = qstats.QuantSpec(dtype="uint4", mapping="asymmetric", zero_point_domain="float")
+    obs = qstats.mse(spec)
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(1000, generator=g) * 3 + 0.37
+    dirty = torch.cat([x, torch.full((500,), float("nan")), torch.full((3,), float("inf"))])
+    clean_state, dirty_state = obs.update(obs.init(x), x), obs.update(obs.init(dirty), dirty)
+    # the same errors, summed in another order (float32 partial sums)
+    torch.testing.assert_close(dirty_state.loss, clean_state.loss, rtol=1e-6, atol=0.0)
+    a, b = qstats.compute_qparams(clean_state, spec), qstats.compute_qparams(dirty_state, spec)
+    assert torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)

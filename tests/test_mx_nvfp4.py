@@ -233,3 +233,12 @@ def test_bf16_inputs_match_torchao(elem):
     per_tensor_scale = per_tensor_amax_to_scale(torch.amax(torch.abs(x)))
     reference = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_scale).dequantize(torch.bfloat16)
     assert torch.equal(qstats.fake_quantize(x, _observe(spec, x), spec), reference)
+
+
+def test_two_level_scales_need_a_float_element_format():
+    """Integer codes ignored the global scale (every code 0 under fp8 block scales): refused."""
+    with pytest.raises(ValueError, match="TensorGroup.*float element format"):
+        qstats.QuantSpec(dtype="int8", granularity=qstats.TensorGroup(16), scale_dtype="float8_e4m3fn",
+                         zero_point_domain="none")
+    with pytest.raises(ValueError, match="TensorGroup"):
+        qstats.QuantSpec(dtype="int4", granularity=qstats.TensorGroup(16))

@@ -185,6 +185,11 @@ def batches(draw, num, shape, dtype):
     return x, weight
 
 
+def _dtype_for(granularity) -> str:
+    """Two-level scales (TensorGroup) need a float element format; int8 everywhere else."""
+    return "fp4_e2m1" if isinstance(granularity, qstats.TensorGroup) else "int8"
+
+
 @st.composite
 def observer_cases(draw):
     kind = draw(st.sampled_from(["minmax", "memoryless", "moving_average"]))
@@ -193,7 +198,9 @@ def observer_cases(draw):
     num = draw(st.sampled_from([3, 1, 4]))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
     policy = draw(st.sampled_from(["ignore", "ignore", "raise"]))
-    spec = qstats.QuantSpec(granularity=granularity, nonfinite=policy, on_uncalibrated="fallback")
+    spec = qstats.QuantSpec(
+        dtype=_dtype_for(granularity), granularity=granularity, nonfinite=policy, on_uncalibrated="fallback"
+    )
     data = [draw(batches(num, shape, dtype)) for _ in range(4)]
     return kind, spec, num, shape, dtype, data
 
@@ -299,7 +306,7 @@ def test_shared_tokens_equal_vmap_with_unbatched_x(kind, granularity):
     """The stride-0 stack of the tokens every expert sees, with a routing mask ``[E, tokens]``:
     native == ``torch.vmap(update, in_dims=(0, None, 0))`` == the loop."""
     num, shape = 5, (6, 8)
-    spec = qstats.QuantSpec(granularity=granularity, on_uncalibrated="fallback")
+    spec = qstats.QuantSpec(dtype=_dtype_for(granularity), granularity=granularity, on_uncalibrated="fallback")
     obs = make_observer(kind, spec)
     native = qstats.stacked_observer(obs, num)
     x0, weight = _shared_case(shape, num, shape[:1])
@@ -377,7 +384,7 @@ def test_empty_and_all_zero_masks_keep_state():
     num, shape = 4, (3, 8)
     for kind in ("minmax", "memoryless", "moving_average"):
         for granularity in (PerTensor(), PerAxis(0), PerGroup(4)):
-            spec = qstats.QuantSpec(granularity=granularity, on_uncalibrated="fallback")
+            spec = qstats.QuantSpec(dtype=_dtype_for(granularity), granularity=granularity, on_uncalibrated="fallback")
             obs = make_observer(kind, spec)
             native = qstats.stacked_observer(obs, num)
             reference = qstats.stacked_observer(plain(obs), num)
@@ -790,7 +797,7 @@ def test_scalar_experts_and_single_expert():
         for w in (None, torch.tensor([1.0, 0.0, 1.0]), torch.tensor([True, True, False])):
             assert_same_state(native.update(native.init(x), x, w), reference.update(reference.init(x), x, w), kind)
         for granularity in (PerTensor(), PerAxis(-1), PerToken(), PerBlock((2, 2))):
-            spec = qstats.QuantSpec(granularity=granularity, on_uncalibrated="fallback")
+            spec = qstats.QuantSpec(dtype=_dtype_for(granularity), granularity=granularity, on_uncalibrated="fallback")
             obs = make_observer(kind, spec)
             native, reference = qstats.stacked_observer(obs, 1), qstats.stacked_observer(plain(obs), 1)
             x = torch.randn(1, 4, 6)

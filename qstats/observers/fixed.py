@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import qparam_shape, weight_view
+from .._granularity import check_observable, check_shape, qparam_shape, weight_view
 from .._qparams import QParams, check_calibrated, register_range_rule
 from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state
@@ -119,6 +119,11 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
 
     def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> FixedQParamsState:
         check_state(state, FixedQParamsState, "fixed_qparams.update")
+        check_observable(x, "fixed_qparams.update")
+        if x.numel() == 0:
+            return state
+        # the constants do not depend on x, but a tensor they could not quantize is a mistake
+        check_shape(x.shape, spec.granularity, state.scale.shape, "fixed_qparams.update")
         return state._replace(count=state.count + _count(x, weight))
 
     def merge_fn(a, b) -> FixedQParamsState:

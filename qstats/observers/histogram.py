@@ -54,7 +54,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import checked_view, qparam_shape, weight_view
+from .._granularity import TensorGroup, checked_view, qparam_shape, weight_view
 from .._formats import handles_qparams
 from .._qparams import Range, _is_traced, qparams_from_minmax, register_range_rule
 from .._reductions import finite_aminmax
@@ -85,8 +85,11 @@ def _serial_when_small(num_params: int):
     """Runs a search single-threaded in eager mode when it has few parameters: its tensors are
     small, and waking the intra-op thread pool for each of its few hundred small ops costs more
     than the ops (milliseconds each when the other cores are busy). A no-op under compile."""
+    if num_params > 16 or torch.compiler.is_compiling():  # before get_num_threads: not traceable
+        yield
+        return
     threads = torch.get_num_threads()
-    if num_params > 16 or threads == 1 or torch.compiler.is_compiling():
+    if threads == 1:
         yield
         return
     torch.set_num_threads(1)
@@ -537,6 +540,11 @@ def _grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False, qrange=None):
     qp = qparams_from_minmax(lo.float(), hi.float(), spec, calibrated=calibrated)
     qmin, qmax = spec.qrange
     scale = qp.scale.double()
+    if isinstance(spec.granularity, TensorGroup):  # two-level (NVFP4): the element step itself
+        if spec.global_scale_formula == "range_over_amax":
+            scale = scale / qp.global_scale.double()
+        else:
+            scale = scale * qp.global_scale.double()
     zero_point = qp.zero_point.double()
     if spec.zero_point_domain == "none":
         zero_point = torch.zeros_like(scale)
@@ -868,7 +876,8 @@ def _float_grid_error(edges, counts, lo, hi, spec):
     scale, _, _, _ = _grid(lo, hi, spec)
     centres = ((edges[..., :-1] + edges[..., 1:]) / 2).unsqueeze(-2).float()
     s = scale.unsqueeze(-1).float()
-    _, codes = _codes_float(centres, s, torch.zeros_like(s), spec)
+    # ``s`` is the element step (`_grid`): a two-level spec's global scale is already in it
+    _, codes = _codes_float(centres, s, torch.zeros_like(s), spec, global_scale=torch.ones_like(s))
     err = (codes * s - centres).double() ** 2
     return (counts.unsqueeze(-2) * err).sum(-1)
 
@@ -957,9 +966,10 @@ def entropy_amax(hist: torch.Tensor, bin_edges: torch.Tensor, num_bits: int = 8,
     # last argmin
     flipped = kl.flip(-1)
     best = kl.shape[-1] - 1 - torch.argmin(flipped, -1)
-    chosen = cand[best]
+    # index_select rather than indexing with a 0-dim tensor: traceable without a host read
+    chosen = cand.index_select(0, best.reshape(-1)).reshape(best.shape)
     if bin_edges.dim() == 1:
-        return bin_edges[chosen]
+        return bin_edges.index_select(0, chosen.reshape(-1)).reshape(chosen.shape)
     return torch.gather(bin_edges, -1, chosen.unsqueeze(-1)).squeeze(-1)
 
 
@@ -1071,11 +1081,12 @@ def _histogram_rule_factory():
             return Range(state.min_val, state.max_val, state.min_val <= state.max_val)
         if method == "l2" and options:
             raise TypeError(f"compute_qparams: method 'l2' takes no options, got {sorted(options)}")
-        threads = torch.get_num_threads()
-        serial = threads > 1 and state.min_val.numel() <= 16  # see _serial_when_small
         if not _eager_inference(state):
             with _serial_when_small(state.min_val.numel()):
                 return search(state, spec, method, options)
+        # eager only: torch.get_num_threads() returns a non-tensor the compiler cannot trace
+        threads = torch.get_num_threads()
+        serial = threads > 1 and state.min_val.numel() <= 16  # see _serial_when_small
         if serial:
             torch.set_num_threads(1)
         try:

@@ -102,9 +102,11 @@ def imatrix() -> Observer:
 
 
 def importance(state: IMatrixState) -> torch.Tensor:
-    """``E[x**2]`` per input channel (float64; zeros before any data)."""
+    """``E[x**2]`` per input channel over its finite values (float64; zeros before any data).
+    A row's NaN/Inf is left out of its channel's sum and, through ``nonfinite``, of the
+    channel's count."""
     check_state(state, IMatrixState, "importance")
-    return state.square_total / state.count.clamp(min=1).to(torch.float64)
+    return state.square_total / (state.count - state.nonfinite).clamp(min=1).to(torch.float64)
 
 
 def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixState] = None, maxshrink: float = 0.95,

@@ -104,8 +104,12 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
     v = torch.nan_to_num(v.to(compute_dtype), nan=0.0, posinf=0.0, neginf=0.0)
     if mask is not None:
         v = torch.where(mask, v, torch.zeros_like(v))
-    # zero quantizes to itself unless the zero point is a float: only then mask the error
-    error_mask = mask if (mask is not None and spec.zero_point_domain == "float") else None
+    # zero quantizes to itself unless the zero point is a float: only then mask the error, of the
+    # masked-out values and of the non-finite ones (zeros above) alike
+    error_mask = None
+    if spec.zero_point_domain == "float":
+        finite = torch.isfinite(view.detach())
+        error_mask = finite if mask is None else (mask & finite)
     zero_free = (not spec.is_float and spec.mapping != "asymmetric" and spec.zero_point_of_symmetric == 0
                  and spec.zero_point_domain != "float")
     qmin, qmax = spec.qrange
