@@ -168,3 +168,18 @@ def test_float_zero_point_search_ignores_nonfinite_values():
     torch.testing.assert_close(dirty_state.loss, clean_state.loss, rtol=1e-6, atol=0.0)
     a, b = qstats.compute_qparams(clean_state, spec), qstats.compute_qparams(dirty_state, spec)
     assert torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)
+
+
+@pytest.mark.parametrize("magnitude", [1e10, 1e16, 1e20, 1e30])
+def test_search_does_not_depend_on_the_data_magnitude(magnitude):
+    """The choice is scale-invariant; |d| ** 2.4 overflowed float32 from about 1e16 on, every loss
+    became Inf and the search kept the first (min/max) candidate. Such chunks now form their
+    errors in float64."""
+    spec = qstats.QuantSpec(dtype="int4")
+    obs = qstats.mse(spec)
+    base = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    reference = qstats.compute_qparams(obs.update(obs.init(base), base), spec).scale
+    x = base * magnitude
+    state = obs.update(obs.init(x), x)
+    assert torch.isfinite(state.loss).all()
+    torch.testing.assert_close(qstats.compute_qparams(state, spec).scale / magnitude, reference, rtol=1e-6, atol=0.0)

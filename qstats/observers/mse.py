@@ -134,32 +134,50 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
         chunks = [(slice(None), slice(None), slice(a, b)) for a, b in _chunk_bounds(group, max(1, _CHUNK // observations))]
     rows = []  # per chunk: (C, params in chunk)
     for index in chunks:
-        part = v[index]
-        param_index = (slice(None), index[1], slice(None))
-        losses = []
-        for scale_all, zero_all in zip(scales, zero_points):
-            scale = scale_all[param_index]
-            if zero_free:
-                # the same arithmetic as _codes_float / _dequantize_view with a zero point of 0
-                scaled = part / scale if spec.convention == "compressed_tensors" else part * (1.0 / scale)
-                dequantized = torch.round(scaled).clamp(qmin, qmax) * scale
-            else:
-                zero_point = zero_all[param_index]
-                _, codes = _codes_float(part, scale, zero_point, spec)
-                dequantized = _dequantize_view(codes, scale, zero_point, spec)
-            difference = dequantized.to(compute_dtype) - part
-            error = difference * difference if norm == 2.0 else difference.abs().pow(norm)
-            if weights is not None:
-                error = error * weights[index]
-            if keep is not None:
-                error = torch.where(keep[index], error, torch.zeros_like(error))
-            losses.append(error.sum(dim=(0, -1)).to(torch.float64))
-        rows.append(torch.stack(losses, dim=0))
+        row = _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, compute_dtype, zero_free)
+        wide = compute_dtype != torch.float64 and v.device.type == "cpu" and not torch.compiler.is_compiling()
+        # (a plain tensor only: under vmap or grad the check would be data-dependent control flow)
+        wide = wide and not torch._C._functorch.is_functorch_wrapped_tensor(row)
+        if wide and not bool(row.isfinite().all()):
+            # |d| ** norm or its sum overflowed float32 (data near 1e16 and beyond): the errors in
+            # float64, which only such chunks pay for (the float32 bits stay everywhere else). A
+            # scalar read, so CPU only: accelerators keep no host synchronisation
+            row = _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, torch.float64, zero_free)
+        rows.append(row)
     if num_params > 1:
         total = torch.cat(rows, dim=-1)
     else:
         total = torch.stack(rows, dim=0).sum(0)
     return total.transpose(0, 1).reshape(*params, len(factors))
+
+
+def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, error_dtype, zero_free):
+    """``candidate_losses`` of one chunk of the view: ``(C, params in chunk)`` float64, the errors
+    formed in ``error_dtype``."""
+    qmin, qmax = spec.qrange
+    part = v[index]
+    param_index = (slice(None), index[1], slice(None))
+    losses = []
+    for scale_all, zero_all in zip(scales, zero_points):
+        scale = scale_all[param_index]
+        if zero_free:
+            # the same arithmetic as _codes_float / _dequantize_view with a zero point of 0
+            scaled = part / scale if spec.convention == "compressed_tensors" else part * (1.0 / scale)
+            dequantized = torch.round(scaled).clamp(qmin, qmax) * scale
+        else:
+            zero_point = zero_all[param_index]
+            _, codes = _codes_float(part, scale, zero_point, spec)
+            dequantized = _dequantize_view(codes, scale, zero_point, spec)
+        difference = dequantized.to(part.dtype) - part
+        if difference.dtype != error_dtype:
+            difference = difference.to(error_dtype)
+        error = difference * difference if norm == 2.0 else difference.abs().pow(norm)
+        if weights is not None:
+            error = error * weights[index]
+        if keep is not None:
+            error = torch.where(keep[index], error, torch.zeros_like(error))
+        losses.append(error.sum(dim=(0, -1)).to(torch.float64))
+    return torch.stack(losses, dim=0)
 
 
 def _first_minimum(loss: torch.Tensor, patience: Optional[int]) -> torch.Tensor:
