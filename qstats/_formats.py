@@ -349,15 +349,21 @@ def codes(view: torch.Tensor, scale: torch.Tensor, global_scale, spec):
     return scaled, round_to_format(scaled.clamp(-fmax, fmax), spec.float_format)
 
 
-def dequantize_values(values: torch.Tensor, scale: torch.Tensor, global_scale, spec) -> torch.Tensor:
-    """Grid values times the effective scale (in the convention's order of operations)."""
+def effective_scale(scale: torch.Tensor, global_scale, spec) -> torch.Tensor:
+    """The element step: a two-level (`TensorGroup`) block scale under its global scale, in the
+    convention's order of operations; ``scale`` itself for other granularities."""
     from ._granularity import TensorGroup
 
     if isinstance(spec.granularity, TensorGroup):
         if spec.global_scale_formula == "range_over_amax":
-            return values * (scale / global_scale)
-        return values * (global_scale * scale)
-    return values * scale
+            return scale / global_scale
+        return global_scale * scale
+    return scale
+
+
+def dequantize_values(values: torch.Tensor, scale: torch.Tensor, global_scale, spec) -> torch.Tensor:
+    """Grid values times the effective scale (in the convention's order of operations)."""
+    return values * effective_scale(scale, global_scale, spec)
 
 
 # --------------------------------------------------------------------------------------------

@@ -112,7 +112,9 @@ class PerBlock(Granularity):
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_shape, (tuple, list)):
-            raise ValueError(f"PerBlock.block_shape must be two positive ints (rows, cols), got {self.block_shape!r}")
+            raise ValueError(
+                f"PerBlock.block_shape must be two positive ints (rows, cols), got {self.block_shape!r}"
+            )
         object.__setattr__(self, "block_shape", tuple(self.block_shape))
 
     def validate(self) -> None:

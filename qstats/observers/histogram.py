@@ -54,8 +54,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import TensorGroup, checked_view, qparam_shape, weight_view
-from .._formats import handles_qparams
+from .._granularity import checked_view, qparam_shape, weight_view
+from .._formats import effective_scale, handles_qparams
 from .._qparams import Range, _is_traced, qparams_from_minmax, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
@@ -539,12 +539,8 @@ def _grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False, qrange=None):
     calibrated = torch.ones(shape, dtype=torch.bool, device=lo.device)
     qp = qparams_from_minmax(lo.float(), hi.float(), spec, calibrated=calibrated)
     qmin, qmax = spec.qrange
-    scale = qp.scale.double()
-    if isinstance(spec.granularity, TensorGroup):  # two-level (NVFP4): the element step itself
-        if spec.global_scale_formula == "range_over_amax":
-            scale = scale / qp.global_scale.double()
-        else:
-            scale = scale * qp.global_scale.double()
+    # the element step: a two-level (NVFP4) block scale under its global scale
+    scale = effective_scale(qp.scale.double(), qp.global_scale.double(), spec)
     zero_point = qp.zero_point.double()
     if spec.zero_point_domain == "none":
         zero_point = torch.zeros_like(scale)
