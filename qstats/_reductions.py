@@ -122,12 +122,15 @@ def _finite_aminmax_op(
     return _finite_aminmax_impl(view, mask, policy)
 
 
-@_finite_aminmax_op.register_fake
-def _(view, mask, policy):
+def _fake_results(view, *_):
+    """Fake (shape-only) results of both ops: float32 extremes and int64 counts per parameter."""
     out_shape = view.shape[1:-1]
     lo = view.new_empty(out_shape, dtype=torch.float32)
     count = view.new_empty(out_shape, dtype=torch.int64)
     return lo, torch.empty_like(lo), count, torch.empty_like(count)
+
+
+_finite_aminmax_op.register_fake(_fake_results)
 
 
 def _batched_arguments(view, view_dim, mask, mask_dim):
@@ -256,12 +259,7 @@ def _nonfinite_fallback_op(
     return _finite_aminmax_impl(view, None, _POLICY_IGNORE)
 
 
-@_nonfinite_fallback_op.register_fake
-def _(view, finite):
-    out_shape = view.shape[1:-1]
-    lo = view.new_empty(out_shape, dtype=torch.float32)
-    count = view.new_empty(out_shape, dtype=torch.int64)
-    return lo, torch.empty_like(lo), count, torch.empty_like(count)
+_nonfinite_fallback_op.register_fake(_fake_results)
 
 
 def _nonfinite_fallback_vmap_rule(info, in_dims, view, finite):
