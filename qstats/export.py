@@ -32,7 +32,9 @@ packed along the output dimension) for integers, ``float8_e4m3fn`` for fp8, pack
 and MXFP4 (``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``), fp8 with uint8 exponents for MXFP8
 (``mxfp8-quantized``). The format defaults to the one compressed-tensors itself infers for the
 scheme. Every other parameter and buffer of the model is written unchanged.
-Scales take the module weight's dtype (as compressed-tensors initialises them), zero points int8.
+Scales take the module weight's dtype (as compressed-tensors initialises them), zero points int8
+(float8_e4m3fn for asymmetric fp8, compressed-tensors' ``zp_dtype``). NaN, infinite, zero or
+negative scales (as stored, after that rounding) raise ValueError.
 Zero points of symmetric mappings are not written (compressed-tensors and vLLM do not load them).
 MX specs (``scale_dtype="e8m0"``, fp4_e2m1 or fp8_e4m3fn in ``PerGroup(32)``, e.g.
 ``qstats.preset("mxfp4")`` or ``QuantSpec.from_compressed_tensors`` of compressed-tensors' MXFP4 /
@@ -48,11 +50,12 @@ Linear names, the way llm-compressor's ``linearize_moe`` unpacks it (gate rows f
 gives ``gate_proj``/``up_proj`` their ``input_scale``, ``"down_proj.input"`` gives ``down_proj``
 its own; a dynamic input spec applies to all three. Experts that received no token (fallback
 qparams) export the input qparams of the covered expert with the largest scale, since vLLM's
-fused MoE applies the largest input scale of all experts to every expert. The config targets
-each projection with
+fused MoE applies the largest input scale of all experts to every expert (NVFP4 inputs: the
+smallest global scale, the minimum vLLM takes). A projection without qparams is written
+unquantized under the same per-expert names. The config targets each projection with
 ``re:^<experts>\\.\\d+\\.gate_proj$`` (every expert of a module shares the scheme). vLLM's fused
 MoE needs one scheme for gate, up and down: a warning says when they differ. Transposed or
-interleaved expert layouts (GPT-OSS) raise ValueError.
+interleaved expert layouts (GPT-OSS) and experts with other parameters (biases) raise ValueError.
 
 **KV cache and attention.** ``"k"``/``"v"`` sites of an attention module (outputs of its
 ``k_proj``/``v_proj``, see `qstats.Recipe`) become ``k_scale``/``v_scale`` and the config's
@@ -275,6 +278,21 @@ def _check_qparams(qp: Any, where: str) -> QParams:
     return qp
 
 
+def _check_scales(values: torch.Tensor, where: str, what: str = "scales") -> None:
+    """Refuses to write NaN, infinite, zero or negative scales (compressed-tensors and vLLM divide
+    by them): checked on the values as stored, after any rounding to the checkpoint's dtype."""
+    values = values.float()
+    bad = ~(torch.isfinite(values) & (values > 0))
+    if bool(bad.any()):
+        sample = values[bad].flatten()[:4].tolist()
+        _fail(
+            where,
+            f"{int(bad.sum())} of {values.numel()} {what} are NaN, infinite, zero or negative as stored "
+            f"(e.g. {sample}); a checkpoint needs finite positive scales (a spec eps below the smallest "
+            "positive value of the model's dtype underflows to 0)",
+        )
+
+
 def _resolve_specs(specs_or_recipe, qparams, model):
     if hasattr(specs_or_recipe, "specs") and callable(specs_or_recipe.specs):
         return specs_or_recipe.specs(qparams, model)
@@ -305,18 +323,26 @@ def _slice_qparams(qp: Optional[QParams], index) -> Optional[QParams]:
     return QParams(*(field[index] for field in qp))
 
 
-def _fill_uncovered_experts(qp: Optional[QParams]) -> Optional[QParams]:
+def _fill_uncovered_experts(qp: Optional[QParams], spec: Optional[QuantSpec] = None) -> Optional[QParams]:
     """Per-expert activation qparams where experts that received no token (uncalibrated, holding
     the fallback scale 1) take those of the covered expert with the largest scale. vLLM's fused
     MoE applies the largest input scale of all experts to every expert, so a fallback 1 would
     override every calibrated scale; the largest covered one leaves that maximum unchanged.
+    NVFP4 inputs (two-level): an expert is covered when any of its per-token entries is (its
+    global scale saw data), and the donor is the covered expert with the smallest global scale
+    ``range / amax`` (the largest range): vLLM takes the minimum input global scale over experts.
     ``calibrated`` keeps saying which experts saw no token."""
     if qp is None or qp.scale.dim() < 1:
         return qp
-    covered = qp.calibrated.reshape(qp.calibrated.shape[0], -1).all(-1)
+    two_level = spec is not None and isinstance(spec.granularity, TensorGroup)
+    per_entry = qp.calibrated.reshape(qp.calibrated.shape[0], -1)
+    covered = per_entry.any(-1) if two_level else per_entry.all(-1)
     if bool(covered.all()) or not bool(covered.any()):
         return qp
-    per_expert = qp.scale.reshape(qp.scale.shape[0], -1).amax(-1)
+    if two_level:
+        per_expert = -qp.global_scale.reshape(qp.global_scale.shape[0], -1).amax(-1).float()
+    else:
+        per_expert = qp.scale.reshape(qp.scale.shape[0], -1).amax(-1)
     donor = int(torch.where(covered, per_expert, -torch.inf).argmax())
 
     def fill(field):
@@ -341,8 +367,12 @@ def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) 
     return QParams(*(field[start:stop] if field.dim() >= 1 else field for field in qp))
 
 
-def _expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: Mapping, num_experts: int) -> list:
+def _expert_entries(
+    path: str, module: torch.nn.Module, sites: Mapping, specs: Mapping, num_experts: int, tensors: dict
+) -> list:
     """Per-expert Linear entries of a stacked experts module, named as llm-compressor unpacks them.
+    A projection without qparams (``gate_up_proj`` or ``down_proj`` not calibrated) is written
+    unquantized under the same per-expert names into ``tensors``.
 
     llm-compressor 0.14 replaces a fused experts module by ``LinearExperts2D``, a ModuleList of
     ``ExpertMLPWithGate`` modules whose Linear children are ``gate_proj``, ``up_proj`` and
@@ -359,6 +389,9 @@ def _expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: M
         _fail(f"{path}/{unknown[0]}", f"stacked experts export the sites {_EXPERT_SITES}")
     if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
         _fail(path, "stacked experts export needs 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters")
+    others = sorted(name for name in params if name not in ("gate_up_proj", "down_proj"))
+    if others:  # they would be dropped with the fused parameters: no per-expert Linear name holds them
+        _fail(path, f"stacked experts with other parameters ({', '.join(others)}) are not exportable yet")
     _, fused_rows, hidden = gate_up.shape
     intermediate = down.shape[2]
     if getattr(module, "is_transposed", False) or fused_rows != 2 * intermediate or down.shape[1] != hidden:
@@ -378,8 +411,11 @@ def _expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: M
     input_name = "gate_up_proj.input" if "gate_up_proj.input" in sites else "input"
     input_spec = specs.get(input_name)
     input_dynamic = input_spec is not None and quantization_args(input_spec, "input", path)["dynamic"] is True
-    sites = {site: _fill_uncovered_experts(qp) if site in ("input", "gate_up_proj.input", "down_proj.input") else qp
-             for site, qp in sites.items()}
+    sites = {
+        site: _fill_uncovered_experts(qp, specs.get(site)) if site in ("input", "gate_up_proj.input", "down_proj.input")
+        else qp
+        for site, qp in sites.items()
+    }
     entries = []
     for expert in range(num_experts):
         prefix = f"{path}.{expert}"
@@ -397,6 +433,9 @@ def _expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: M
                 projections.append((name, weight[rows[0] : rows[1]], {"weight": (part, spec, where), **inputs}))
         elif inputs:
             _fail(f"{path}/{input_name}", "input scales of stacked experts need the gate_up_proj weights exported too")
+        else:  # unquantized: the float weights, unpacked like the quantized ones
+            tensors[f"{prefix}.gate_proj.weight"] = gate_up.detach()[expert, :intermediate]
+            tensors[f"{prefix}.up_proj.weight"] = gate_up.detach()[expert, intermediate:]
         if "down_proj.input" in sites and "down_proj" not in sites:
             _fail(f"{path}/down_proj.input", "input scales of down_proj need the down_proj weights exported too")
         if "down_proj" in sites:
@@ -408,6 +447,8 @@ def _expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: M
             elif input_dynamic:  # run-time scales: the same dynamic activation quantization as gate/up
                 down_sites["input"] = (None, input_spec, f"{path}/{input_name} (down_proj)")
             projections.append(("down_proj", down.detach()[expert], down_sites))
+        else:
+            tensors[f"{prefix}.down_proj.weight"] = down.detach()[expert]
         for name, weight, entry_sites in projections:
             entries.append(_Entry(f"{prefix}.{name}", weight, dtype, entry_sites, experts=(path, name)))
     return entries
@@ -478,7 +519,7 @@ def compressed_tensors(
         module_specs = module_specs if isinstance(module_specs, Mapping) else {}
         num_experts = expert_count(module)
         if num_experts:
-            entries.extend(_expert_entries(module_path, module, sites, module_specs, num_experts))
+            entries.extend(_expert_entries(module_path, module, sites, module_specs, num_experts, tensors))
             prefix = module_path + "." if module_path else ""
             dropped.update(prefix + name for name, _ in module.named_parameters(recurse=False))
             continue
@@ -603,6 +644,7 @@ def _write_linear(entry: _Entry, format, tensors: dict, dropped: set, log: dict)
             # Scales are stored in the module's dtype (as compressed-tensors does); codes are
             # computed with the stored scales so the checkpoint is self-consistent.
             stored = qp.scale.to(entry.dtype)
+            _check_scales(stored, where, f"{name} scales in {entry.dtype}")
             if not torch.equal(stored.float(), qp.scale.float()):
                 log["rounded"].append(where)
                 qp = qp._replace(scale=stored.float())
@@ -616,6 +658,9 @@ def _write_linear(entry: _Entry, format, tensors: dict, dropped: set, log: dict)
                 _fail(where, f"weights of shape {shape} are not exportable (2-D Linear weights are)")
             if qp.scale.dim() > 0 and qp.scale.shape[0] != weight.shape[0] and args["strategy"] == "channel":
                 _fail(where, f"{qp.scale.shape[0]} channel scales for a weight with {weight.shape[0]} rows")
+            nonfinite = int((~torch.isfinite(weight)).sum())
+            if nonfinite:  # a NaN has no code, and an Inf would be saved as the grid's end
+                _fail(where, f"{nonfinite} of {weight.numel()} weights are NaN or infinite; a checkpoint needs finite weights")
             codes = quantize(weight, qp, spec)
             if spec.dtype == "fp4_e2m1":  # NVFP4 / MXFP4: two fp4 bit codes a byte, low nibble first
                 if weight.shape[1] % 2:
@@ -635,19 +680,29 @@ def _write_linear(entry: _Entry, format, tensors: dict, dropped: set, log: dict)
         if args["dynamic"] is True:
             scheme[site] = args
             continue
-        if not bool(qp.calibrated.all()):
+        # a locally dynamic (NVFP4) input writes only its global scale, calibrated by any token
+        calibrated = qp.calibrated.any() if args["dynamic"] == "local" else qp.calibrated.all()
+        if not bool(calibrated):
             log["uncalibrated"].append(where)
         if mx:  # uint8 biased exponents b of the power-of-two scales 2**(b - 127)
+            _check_scales(qp.scale, where)
             mantissa, exponent = torch.frexp(qp.scale.float())
-            tensors[f"{prefix}{name}_scale"] = (exponent - 1 + 127).to(torch.uint8)
+            biased = exponent - 1 + 127
+            if not bool(((mantissa == 0.5) & (biased >= 0) & (biased <= 254)).all()):
+                _fail(where, "e8m0 (MX) scales must be powers of two 2**k with -127 <= k <= 127")
+            tensors[f"{prefix}{name}_scale"] = biased.to(torch.uint8)
             scheme[site] = args
             continue
         if args["strategy"] == "tensor_group":
-            tensors[f"{prefix}{name}_global_scale"] = qp.global_scale.reshape(1).to(torch.float32).clone()
+            global_scale = qp.global_scale.reshape(1).to(torch.float32).clone()
+            _check_scales(global_scale, where, "global scales")
+            tensors[f"{prefix}{name}_global_scale"] = global_scale
             if args["dynamic"] == "local":
                 scheme[site] = args
                 continue
-            tensors[f"{prefix}{name}_scale"] = qp.scale.to(torch.float8_e4m3fn).clone()
+            group_scales = qp.scale.to(torch.float8_e4m3fn).clone()
+            _check_scales(group_scales, where, "float8_e4m3fn group scales")
+            tensors[f"{prefix}{name}_scale"] = group_scales
             scheme[site] = args
             continue
         shape = _qparam_shape(qp.scale, args["strategy"], where)
@@ -663,11 +718,20 @@ def _write_linear(entry: _Entry, format, tensors: dict, dropped: set, log: dict)
 
 
 def _zero_point(qp: QParams, args: dict, offset: int, shape: tuple, where: str) -> Optional[torch.Tensor]:
-    """The int8 zero point compressed-tensors stores (None for symmetric args)."""
+    """The zero point compressed-tensors stores: int8, float8_e4m3fn for float args (its
+    ``zp_dtype``), None for symmetric args."""
     if args["symmetric"]:
         if not bool(((qp.zero_point.float() + offset) == 0).all()):
             _fail(where, "a symmetric spec with a non-zero zero point (symmetric_zero_point) is not expressible")
         return None
+    if args["type"] == "float":
+        # compressed-tensors' zp_dtype of float args is float8_e4m3fn (QuantizationArgs), and its
+        # calculate_qparams rounds the zero point to it: store that, never an int8 truncation
+        zero_point = qp.zero_point.reshape(shape).float()
+        stored = zero_point.to(torch.float8_e4m3fn)
+        if not torch.equal(stored.float(), zero_point):
+            _fail(where, "zero points of float args are stored as float8_e4m3fn; these are not representable")
+        return stored
     return (qp.zero_point.reshape(shape).to(torch.int16) + offset).to(torch.int8)
 
 
@@ -691,6 +755,7 @@ def _write_attention(path: str, module, sites: Mapping, specs: Mapping, tensors:
         if not bool(qp.calibrated.all()):
             log["uncalibrated"].append(where)
         stored = qp.scale.to(dtype)
+        _check_scales(stored, where, f"{site} scales in {dtype}")
         if not torch.equal(stored.float(), qp.scale.float()):
             log["rounded"].append(where)
         shape = _qparam_shape(qp.scale, "tensor", where)
@@ -754,12 +819,16 @@ def _warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
     by_module: dict = {}
     for path, (experts_path, projection) in expert_projection.items():
         by_module.setdefault(experts_path, {})[projection] = json.dumps(schemes[path], sort_keys=True)
-    mixed = [path for path, projections in by_module.items() if len(set(projections.values())) > 1]
+    # a projection without qparams (written unquantized) has no scheme: mixed too
+    mixed = [
+        path for path, projections in by_module.items() if len(set(projections.values())) > 1 or len(projections) < 3
+    ]
     if mixed:
         warnings.warn(
             f"export.compressed_tensors: gate_proj/up_proj and down_proj of {len(mixed)} experts module(s) "
             f"({', '.join(mixed[:4])}) have different schemes (e.g. static input scales for gate_proj/up_proj "
-            "but no 'down_proj.input' site); compressed-tensors and transformers load this, vLLM's fused-MoE "
+            "but no 'down_proj.input' site, or down_proj left unquantized); compressed-tensors and "
+            "transformers load this, vLLM's fused-MoE "
             "loader requires one scheme per experts module",
             stacklevel=3,
         )

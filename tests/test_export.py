@@ -539,3 +539,81 @@ def test_unexportable_attention_sites_raise(tmp_path):
         qparams = qstats.compute_qparams_tree(states, recipe, model)
         with pytest.raises(ValueError, match=match):
             qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+
+
+def test_fp8_asymmetric_zero_points_are_stored_as_float8(tmp_path):
+    """Asymmetric fp8 args: compressed-tensors registers float8_e4m3fn zero points (its zp_dtype)
+    and its calculate_qparams gives non-integer ones; they were truncated to int8. The file's
+    dtypes equal those compressed-tensors registers, the zero points its calculate_qparams on the
+    weight's rows, and its decompression our dequantized weights."""
+    weight_args = QuantizationArgs(num_bits=8, type="float", symmetric=False, strategy="channel")
+    input_args = QuantizationArgs(num_bits=8, type="float", symmetric=False, strategy="tensor")
+    model, recipe, batches, qparams = _calibrated(weight_args, input_args)
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))
+    _, fresh = _load_with_compressed_tensors(str(tmp_path))
+    with open(os.path.join(str(tmp_path), "config.json")) as file:
+        config = QuantizationConfig.model_validate(json.load(file)["quantization_config"])
+    registered = Tiny().eval()
+    apply_quantization_config(registered, config)
+    ModelCompressor(quantization_config=config).compress_model(registered)
+    expected = registered.state_dict()
+    specs = recipe.specs(qparams, model)
+    for name in ("fc1", "fc2"):
+        for key in ("weight_zero_point", "input_zero_point", "weight_scale", "input_scale", "weight"):
+            assert ours[f"{name}.{key}"].dtype == expected[f"{name}.{key}"].dtype, (name, key)
+        w = getattr(model, name).weight.detach()
+        _, ref_zp = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), weight_args)
+        assert bit_equal(ours[f"{name}.weight_zero_point"], ref_zp)
+        qp, spec = qparams[name]["weight"], specs[name]["weight"]
+        ours_dq = qstats.dequantize(qstats.quantize(w, qp, spec), qp, spec)
+        assert bit_equal(getattr(fresh, name).weight.data, ours_dq)
+    assert not torch.equal(ours["fc1.weight_zero_point"].float(), ours["fc1.weight_zero_point"].float().round())
+
+
+def test_nonfinite_zero_and_non_power_of_two_scales_raise(tmp_path):
+    """Scales a checkpoint cannot hold raise a ValueError naming the site instead of being written:
+    a float32 scale under float16's smallest subnormal (a spec eps of 1e-10 on an all-zero row of
+    a float16 model) becomes 0 as stored; NaN and negative scales; MX scales that are not powers
+    of two (their uint8 exponent would silently round them)."""
+    torch.manual_seed(0)
+    model = Tiny().eval().half()
+    with torch.no_grad():
+        model.fc1.weight[3].zero_()
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0), eps=1e-10)
+    recipe = qstats.Recipe([qstats.Rule(targets="Linear", sites=("weight",), spec=spec)], ignore=["head"])
+    states = qstats.calibrate(model, [torch.randn(2, 32).half()], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    assert float(qparams["fc1"]["weight"].scale[3]) > 0 and float(qparams["fc1"]["weight"].scale[3].half()) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="fc1/weight: 1 of 64 weight scales"):
+            qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    model, recipe, _, qparams = _calibrated(*CASES["w8a8-int-channel-asym-input"][:2])
+    for site, value in (("weight", float("nan")), ("input", -1.0), ("input", float("inf"))):
+        bad = {path: dict(sites) for path, sites in qparams.items()}
+        qp = bad["fc2"][site]
+        bad["fc2"][site] = qp._replace(scale=torch.full_like(qp.scale, value))
+        with pytest.raises(ValueError, match=f"fc2/{site}: .*NaN, infinite, zero or negative"):
+            qstats.export.compressed_tensors(model, bad, str(tmp_path), recipe)
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    spec = qstats.preset("mxfp4")
+    recipe = qstats.Recipe([qstats.Rule(targets="Linear", sites=("weight",), spec=spec)], ignore=["head"])
+    states = qstats.calibrate(model, [torch.randn(2, 32)], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    qp = qparams["fc1"]["weight"]
+    qparams["fc1"]["weight"] = qp._replace(scale=qp.scale * 1.5)
+    with pytest.raises(ValueError, match="fc1/weight: e8m0"):
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_weights_raise(tmp_path, value):
+    """A NaN weight has no code (int casts of NaN are undefined) and an Inf would be written as the
+    grid's last code: the export refuses both, naming the site, instead of writing either."""
+    model, recipe, _, qparams = _calibrated(*CASES["w8a8-int-channel-asym-input"][:2])
+    with torch.no_grad():
+        model.fc2.weight[0, 1] = value
+    with pytest.raises(ValueError, match="fc2/weight: 1 of .* weights are NaN or infinite"):
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)

@@ -308,3 +308,79 @@ def test_uncovered_experts_take_the_largest_covered_input_scale(tmp_path):
             for name in names:
                 stored = ours[f"{path}.{expert}.{name}.input_scale"].float().reshape(())
                 assert float(stored) == float(qp.scale[source].to(stored.dtype)), (site, expert, name)
+
+
+def test_uncovered_experts_nvfp4_inputs_take_the_smallest_covered_global_scale(tmp_path):
+    # NVFP4 inputs: vLLM's fused MoE takes the minimum input global scale over experts (range /
+    # amax: the largest range), so an expert without tokens must not export its fallback 1. Its
+    # per-token entries are only partly calibrated (not every token is routed to every expert):
+    # an expert is covered when its global scale saw data.
+    model = _model()
+    recipe, qparams = _calibrate(model, NVFP4["weights"], NVFP4["input_activations"])
+    path = "model.layers.0.mlp.experts"
+    for site in ("input", "down_proj.input"):
+        qp = qparams[path][site]
+        calibrated = qp.calibrated.clone()
+        calibrated[1] = False  # as if expert 1 received no token: compute_qparams' fallback
+        global_scale = qp.global_scale.clone()
+        global_scale[1] = 1.0
+        qparams[path][site] = qstats.QParams(torch.where(calibrated, qp.scale, 1.0), qp.zero_point, global_scale,
+                                             calibrated)
+    with pytest.warns(UserWarning, match="uncalibrated"):
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))
+    for site, names in (("input", ("gate_proj", "up_proj")), ("down_proj.input", ("down_proj",))):
+        covered = [0, 2, 3]
+        smallest = min(float(qparams[path][site].global_scale[e]) for e in covered)
+        for expert in range(E):
+            expected = smallest if expert == 1 else float(qparams[path][site].global_scale[expert])
+            for name in names:
+                stored = ours[f"{path}.{expert}.{name}.input_global_scale"]
+                assert stored.dtype == torch.float32 and float(stored) == expected, (site, expert, name)
+
+
+def test_stacked_experts_without_down_proj_qparams_keep_its_weights(tmp_path):
+    """Only gate_up_proj calibrated: down_proj is written unquantized under llm-compressor's
+    per-expert names (it was silently dropped), and compressed-tensors loads the folder strictly
+    into llm-compressor's linearized model, whose down_proj Linears hold the original slices."""
+    model = _model()
+    weights = qstats.QuantSpec.from_compressed_tensors(W8A8[0])
+    recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=("gate_up_proj",), spec=weights)])
+    states = qstats.calibrate(model, [torch.randint(0, 64, (2, 8))], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    with pytest.warns(UserWarning, match="vLLM's fused-MoE loader"):  # down_proj unquantized
+        written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))
+    reference = _linearized(seed=0)  # llm-compressor's unpacking of the same float weights
+    config = QuantizationConfig.model_validate(written)
+    fresh = _linearized(seed=5)
+    apply_quantization_config(fresh, config)
+    ModelCompressor(quantization_config=config).compress_model(fresh)
+    fresh.load_state_dict(ours, strict=True)
+    path = "model.layers.0.mlp.experts"
+    for expert in range(E):
+        name = f"{path}.{expert}.down_proj.weight"
+        assert bit_equal(ours[name], reference.get_parameter(name).detach())
+        assert bit_equal(fresh.get_parameter(name).detach(), reference.get_parameter(name).detach())
+
+
+class _BiasedExperts(torch.nn.Module):
+    """Stacked experts in the [E, 2I, H] / [E, H, I] layout, with per-expert biases."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts = 2
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(2, 16, 8))
+        self.down_proj = torch.nn.Parameter(torch.randn(2, 8, 8))
+        self.down_proj_bias = torch.nn.Parameter(torch.randn(2, 8))
+
+
+def test_stacked_experts_with_biases_raise(tmp_path):
+    # the fused parameters are replaced by per-expert Linears: a bias would be dropped silently
+    model = torch.nn.Sequential(_BiasedExperts())
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+    recipe = qstats.Recipe([qstats.Rule("_BiasedExperts", sites=("gate_up_proj", "down_proj"), spec=spec)])
+    states = qstats.calibrate(model, [], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    with pytest.raises(ValueError, match="down_proj_bias"):
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
