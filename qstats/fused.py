@@ -86,10 +86,18 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
     Returns:
       A tuple of QParams (one per state), or one QParams with a leading dimension when stacked.
     """
+    if stacked:
+        if not (isinstance(states, tuple) and hasattr(states, "_fields")):
+            raise TypeError(
+                f"fused_qparams(stacked=True): states must be one state stacked along a leading dimension, "
+                f"got a {type(states).__name__} (pass stacked=False for a sequence of states)"
+            )
+    else:
+        states = _as_states(states)  # read an iterator once
     global_scale = fused_global_scale(states, spec, **options)  # the same range method as the scales
     if stacked:
         def one(state):
             return compute_qparams(state, spec, global_scale=global_scale, **options)
 
         return torch.func.vmap(one)(states)
-    return tuple(compute_qparams(s, spec, global_scale=global_scale, **options) for s in _as_states(states))
+    return tuple(compute_qparams(s, spec, global_scale=global_scale, **options) for s in states)

@@ -19,7 +19,11 @@ as a float offset.
 
 Everything is written with differentiable torch ops (no ``autograd.Function``), so it composes
 with ``torch.func.grad``, ``vmap`` and ``torch.compile``. Any granularity works, through the
-canonical view.
+canonical view. The arithmetic is torch.ao's (float32, ``x * (1 / scale)``) for every convention;
+specs whose zero point or code range means something else are refused with a ValueError:
+torchao's float zero-point domain (a zero point in the input's units) and compressed-tensors
+specs whose range is not the signed ``bits``-bit range its codes are clamped to (unsigned or
+narrow targets).
 
 One documented difference: for a per-tensor zero point, torch's backward kernel rounds the zero
 point as ``trunc(clamp(zero_point + 0.5))`` while its forward uses ``round(zero_point)``; the two
@@ -69,6 +73,30 @@ def _check_spec(spec) -> None:
         raise TypeError(f"expected a QuantSpec, got {type(spec).__name__}")
     if spec.is_float:
         raise ValueError(f"lsq: learnable ranges need an integer target, got spec.dtype={spec.dtype!r}")
+    # LSQ computes torch.ao's arithmetic, codes clamp(round(x * (1 / scale)) + zero_point, *spec.qrange)
+    # in float32 with the zero point in code units, whatever the convention (other conventions' order
+    # of operations and compute dtypes only change ties). Specs whose parameters mean something else
+    # are refused: `lsq_init` would hand LSQ a range it reads differently.
+    if spec.convention == "torchao" and spec.zero_point_domain == "float":
+        raise ValueError(
+            "lsq: spec.zero_point_domain='float' with spec.convention='torchao' puts the zero point in "
+            "the input's units (x = (q - mid_point) * scale + zero_point); learnable ranges need "
+            "convention='torch_ao' (a float zero point in code units) or zero_point_domain='int'"
+        )
+    if spec.convention == "compressed_tensors":
+        signed_range = (-(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1)
+        if tuple(spec.qrange) != signed_range:
+            raise ValueError(
+                f"lsq: compressed-tensors clamps {spec.bits}-bit codes to {signed_range} (its zero points "
+                f"are in that range), but spec.dtype={spec.dtype!r} with mapping={spec.mapping!r} has "
+                f"qrange {tuple(spec.qrange)}; use a signed dtype with mapping 'symmetric' or "
+                "'asymmetric', or convention='torch_ao'"
+            )
+        if spec.mapping == "asymmetric" and spec.zero_point_domain == "none":
+            raise ValueError(
+                "lsq: compressed-tensors keeps an asymmetric spec's zero point even with "
+                "spec.zero_point_domain='none'; use zero_point_domain='int'"
+            )
 
 
 def lsq_grad_factor(x_numel: int, params_numel: int, spec: QuantSpec, grad_scale) -> float:
@@ -79,18 +107,23 @@ def lsq_grad_factor(x_numel: int, params_numel: int, spec: QuantSpec, grad_scale
     (``1 / sqrt(numel(x) / numel(scale) * qmax)``, the LSQ paper's per-channel reading), ``None``
     (1, torch.ao's default ``use_grad_scaling=False``) or a positive float.
     """
-    if grad_scale is None:
-        return 1.0
-    qmax = spec.qrange[1]
-    if grad_scale == "torch_ao":
-        return 1.0 / math.sqrt(x_numel * qmax)
-    if grad_scale == "per_parameter":
-        return 1.0 / math.sqrt(x_numel / max(params_numel, 1) * qmax)
     if isinstance(grad_scale, (int, float)) and not isinstance(grad_scale, bool) and grad_scale > 0:
         return float(grad_scale)
-    raise ValueError(
-        f"grad_scale must be 'torch_ao', 'per_parameter', None or a positive float, got {grad_scale!r}"
-    )
+    if grad_scale is not None and grad_scale not in ("torch_ao", "per_parameter"):
+        raise ValueError(
+            f"grad_scale must be 'torch_ao', 'per_parameter', None or a positive float, got {grad_scale!r}"
+        )
+    if grad_scale is None or x_numel == 0:  # an empty tensor sends no gradient to its range
+        return 1.0
+    qmax = spec.qrange[1]
+    if qmax <= 0:
+        raise ValueError(
+            f"grad_scale={grad_scale!r} divides by sqrt(numel * qmax), but spec.dtype={spec.dtype!r} has "
+            f"qrange {tuple(spec.qrange)} (qmax {qmax}); pass grad_scale=None or a positive float"
+        )
+    if grad_scale == "torch_ao":
+        return 1.0 / math.sqrt(x_numel * qmax)
+    return 1.0 / math.sqrt(x_numel / max(params_numel, 1) * qmax)
 
 
 def _zero_gradient(t: torch.Tensor) -> torch.Tensor:

@@ -187,11 +187,14 @@ class _FakeQuantPoint(nn.Module):
         super().__init__()
         self.kind, self.key, self.observer, self.ste, self.grad_scale = kind, key, observer, ste, grad_scale
 
-    def forward(self, x, state: QATState, phase: QATPhase, ranges):
-        states = getattr(state, self.kind)
-        current = states.get(self.key)
+    def forward(self, x, state: QATState, phase: QATPhase, ranges, previous=None):
+        # previous: the state returned by this layer's earlier call in the same pass (a module
+        # called more than once), so that every call observes into one chained state.
+        current = getattr(state, self.kind).get(self.key)
         if current is None:  # QATModel.init: size the state on the example input
-            return x, self.observer.init(x)
+            return x, self.observer.init(x) if previous is None else previous
+        if previous is not None:
+            current = previous
         learned = _learned(ranges, self.kind, self.key)
         return observe_fake_quantize(
             x, current, self.observer, phase, ste=self.ste, learned=learned, grad_scale=self.grad_scale
@@ -205,11 +208,16 @@ class _BatchNormPoint(nn.Module):
         super().__init__()
         self.key, self.eps, self.momentum = key, module.eps, module.momentum
 
-    def forward(self, x, weight, bias, running_mean, running_var, num_batches_tracked, state: QATState, phase):
+    def forward(self, x, weight, bias, running_mean, running_var, num_batches_tracked, state: QATState, phase,
+                previous=None):
         current = state.batchnorm.get(self.key)
         if current is None:
+            if previous is not None:  # a later call of the same layer during QATModel.init
+                return x, previous
             init = BatchNormState(running_mean.detach().clone(), running_var.detach().clone(), num_batches_tracked.clone())
             return x, init
+        if previous is not None:  # a later call of the same layer: chain its running statistics
+            current = previous
         frozen = phase.freeze_batchnorm
         if frozen is True:
             return F.batch_norm(x, current.running_mean, current.running_var, weight, bias, False, 0.0, self.eps), current
@@ -300,12 +308,32 @@ class QATModel:
                 raise ValueError(
                     f"QATModel.apply: state.{kind} has keys {sorted(got)}, the model needs {sorted(expected)}"
                 )
+        self._check_ranges(ranges)
         args = (*inputs, state, phase, ranges)
         if self._own_parameters(params):  # the module's own tensors: a direct call is the same, and cheaper
             output, states = self.module(*args)
         else:
             output, states = torch.func.functional_call(self.module, params, args)
         return output, QATState(**states)
+
+    def _check_ranges(self, ranges) -> None:
+        """Learned ranges must name quantized points: a misspelt kind or layer would be ignored."""
+        if ranges is None:
+            return
+        if not isinstance(ranges, dict):
+            raise TypeError(f"QATModel.apply: ranges must be a dict or None, got {type(ranges).__name__}")
+        for kind, given in ranges.items():
+            if kind not in ("weights", "activations"):
+                raise ValueError(f"QATModel.apply: ranges has the key {kind!r}; expected 'weights' and/or 'activations'")
+            if not isinstance(given, dict):
+                raise TypeError(f"QATModel.apply: ranges[{kind!r}] must be a dict of LSQParams, got {type(given).__name__}")
+            expected = self._weight_keys if kind == "weights" else self._activation_keys
+            unknown = sorted(set(given) - set(expected))
+            if unknown:
+                raise ValueError(
+                    f"QATModel.apply: ranges[{kind!r}] names {unknown}, but the model fake-quantizes the {kind} of "
+                    f"{sorted(expected)}"
+                )
 
     @property
     def _weight_keys(self):
@@ -368,6 +396,11 @@ def prepare(
     kind in float). Batch-norm layers become pure functions of a `BatchNormState`, frozen by
     ``phase.freeze_batchnorm``. The model itself is not modified.
 
+    A layer called more than once per forward (shared or recurrent) has one state per kind: its
+    input observer sees every call's input in turn (torch.ao's one observer per module), its weight
+    is observed and fake-quantized once per pass, and batch norm updates its running statistics at
+    every call (as ``nn.BatchNorm`` in training).
+
     >>> import torch, qstats
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
     >>> qat = qstats.qat.prepare(
@@ -405,8 +438,10 @@ def prepare(
     with graph.inserting_after(phase_node):
         ranges_node = graph.placeholder("qat_ranges")
 
-    new_states = {"weights": {}, "activations": {}, "batchnorm": {}}
+    new_states = {"weights": {}, "activations": {}, "batchnorm": {}}  # layer -> its latest state node
     quantized, batchnorms = [], []
+    fake_quantized_weights = {}  # layer -> its fake-quantized weight (a module called twice reuses it)
+    layer_calls = batchnorm_calls = 0
     for node in list(graph.nodes):
         if node.op != "call_module":
             continue
@@ -416,23 +451,30 @@ def prepare(
             function, extra = _quantized_call(layer)
             if len(node.args) != 1 or node.kwargs:
                 raise ValueError(f"qstats.qat.prepare: layer {key!r} must be called with one input")
-            quantized.append(key)
-            index = len(quantized) - 1
+            if key not in quantized:
+                quantized.append(key)
+            index, layer_calls = layer_calls, layer_calls + 1
             with graph.inserting_before(node):
                 x = node.args[0]
                 if activation_observer is not None:
+                    # A layer called again observes into the state its earlier call returned.
+                    previous = new_states["activations"].get(key)
                     point = f"qat_activation_{index}"
                     gm.add_submodule(point, _FakeQuantPoint("activations", key, activation_observer, ste, grad_scale))
-                    result = graph.call_module(point, (x, state_node, phase_node, ranges_node))
+                    result = graph.call_module(point, (x, state_node, phase_node, ranges_node, previous))
                     x = graph.call_function(operator.getitem, (result, 0))
                     new_states["activations"][key] = graph.call_function(operator.getitem, (result, 1))
-                weight = graph.get_attr(f"{key}.weight")
-                if weight_observer is not None:
-                    point = f"qat_weight_{index}"
-                    gm.add_submodule(point, _FakeQuantPoint("weights", key, weight_observer, ste, grad_scale))
-                    result = graph.call_module(point, (weight, state_node, phase_node, ranges_node))
-                    weight = graph.call_function(operator.getitem, (result, 0))
-                    new_states["weights"][key] = graph.call_function(operator.getitem, (result, 1))
+                if key in fake_quantized_weights:  # the same weight: observed once per pass
+                    weight = fake_quantized_weights[key]
+                else:
+                    weight = graph.get_attr(f"{key}.weight")
+                    if weight_observer is not None:
+                        point = f"qat_weight_{index}"
+                        gm.add_submodule(point, _FakeQuantPoint("weights", key, weight_observer, ste, grad_scale))
+                        result = graph.call_module(point, (weight, state_node, phase_node, ranges_node))
+                        weight = graph.call_function(operator.getitem, (result, 0))
+                        new_states["weights"][key] = graph.call_function(operator.getitem, (result, 1))
+                    fake_quantized_weights[key] = weight
                 bias = graph.get_attr(f"{key}.bias") if layer.bias is not None else None
                 replacement = graph.call_function(function, (x, weight, bias, *extra))
             node.replace_all_uses_with(replacement)
@@ -440,8 +482,10 @@ def prepare(
         elif isinstance(layer, nn.modules.batchnorm._BatchNorm):
             if not layer.track_running_stats or layer.running_mean is None:
                 raise ValueError(f"qstats.qat.prepare: batch norm {key!r} must track running statistics")
-            batchnorms.append(key)
-            point = f"qat_batchnorm_{len(batchnorms) - 1}"
+            if key not in batchnorms:
+                batchnorms.append(key)
+            point = f"qat_batchnorm_{batchnorm_calls}"
+            batchnorm_calls += 1
             gm.add_submodule(point, _BatchNormPoint(key, layer))
             with graph.inserting_before(node):
                 args = [node.args[0]]
@@ -449,7 +493,8 @@ def prepare(
                     args.append(graph.get_attr(f"{key}.{attribute}") if getattr(layer, attribute) is not None else None)
                 for attribute in ("running_mean", "running_var", "num_batches_tracked"):
                     args.append(graph.get_attr(f"{key}.{attribute}"))
-                result = graph.call_module(point, (*args, state_node, phase_node))
+                previous = new_states["batchnorm"].get(key)  # a layer called again chains its statistics
+                result = graph.call_module(point, (*args, state_node, phase_node, previous))
                 y = graph.call_function(operator.getitem, (result, 0))
                 new_states["batchnorm"][key] = graph.call_function(operator.getitem, (result, 1))
             node.replace_all_uses_with(y)

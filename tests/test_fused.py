@@ -106,3 +106,25 @@ def test_bad_groups_raise():
     other = qstats.moving_average_minmax(spec, 0.1)
     with pytest.raises(TypeError, match="mixes state types"):
         qstats.fused_global_scale([obs.update(obs.init(x), x), other.update(other.init(x), x)], spec)
+
+
+def test_a_generator_of_states_is_read_once():
+    # fused_qparams read its group twice (global scale, then the per-state qparams): a generator
+    # was exhausted by the first pass and raised "the group holds no states".
+    spec = qstats.preset("nvfp4")
+    obs = qstats.minmax(spec)
+    weights = [torch.randn(4, 32), 3 * torch.randn(4, 32)]
+    fused = qstats.fused_qparams((obs.update(obs.init(w), w) for w in weights), spec)
+    both = torch.cat(weights)
+    concatenated = qstats.compute_qparams(obs.update(obs.init(both), both), spec)
+    assert len(fused) == 2
+    for qparams in fused:
+        assert torch.equal(qparams.global_scale, concatenated.global_scale)
+
+
+def test_stacked_needs_one_stacked_state():
+    spec = qstats.preset("nvfp4")
+    obs = qstats.minmax(spec)
+    x = torch.randn(4, 32)
+    with pytest.raises(TypeError, match="stacked=True"):
+        qstats.fused_qparams([obs.update(obs.init(x), x)] * 2, spec, stacked=True)

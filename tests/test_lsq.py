@@ -219,3 +219,57 @@ def test_bad_input():
         qstats.lsq_fake_quantize(x, (torch.ones(3), torch.zeros(3)), spec)
     with pytest.raises(ValueError, match="integer target"):
         qstats.lsq_fake_quantize(x, qstats.LSQParams(torch.ones(3), torch.zeros(3)), qstats.QuantSpec(dtype="fp8_e4m3fn"))
+
+
+def test_empty_tensor_is_returned_empty():
+    # An empty batch (a MoE expert that got no tokens) once raised ZeroDivisionError in the
+    # gradient scale 1 / sqrt(numel * qmax).
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(1))
+    scale = torch.full((4,), 0.1, requires_grad=True)
+    params = qstats.LSQParams(scale, torch.zeros(4))
+    for grad_scale in ("torch_ao", "per_parameter", None):
+        x = torch.empty(0, 4, requires_grad=True)
+        y = qstats.lsq_fake_quantize(x, params, spec, grad_scale=grad_scale)
+        assert y.shape == (0, 4)
+        y.sum().backward()
+        torch.testing.assert_close(scale.grad, torch.zeros(4))
+
+
+def test_grad_scale_of_a_range_without_positive_codes_raises_value_error():
+    spec = qstats.QuantSpec(dtype="int1")  # qrange (-1, 0): 1 / sqrt(numel * 0)
+    with pytest.raises(ValueError, match="qmax"):
+        qstats.lsq_grad_factor(10, 1, spec, "torch_ao")
+    assert qstats.lsq_grad_factor(10, 1, spec, None) == 1.0
+    assert qstats.lsq_grad_factor(10, 1, spec, 0.5) == 0.5
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(dtype="uint8", mapping="asymmetric", convention="compressed_tensors"),  # zero point -31 of (-128, 127)
+        dict(dtype="uint4", mapping="symmetric", convention="compressed_tensors"),
+        dict(dtype="int4", mapping="narrow", convention="compressed_tensors"),  # clamps to -8, not -7
+        dict(dtype="int8", mapping="asymmetric", zero_point_domain="none", convention="compressed_tensors"),
+        dict(dtype="uint8", mapping="asymmetric", zero_point_domain="float", convention="torchao"),  # input units
+    ],
+)
+def test_specs_whose_parameters_lsq_reads_differently_are_refused(kwargs):
+    # lsq_init used to hand these specs' qparams to LSQ's torch.ao arithmetic, which reads them
+    # differently: the first forward was far from the observer's fake quant (errors of several units).
+    spec = qstats.QuantSpec(**kwargs)
+    x = torch.randn(6, 32) * 3 + 1
+    observer = qstats.minmax(spec)
+    state = observer.update(observer.init(x), x)
+    with pytest.raises(ValueError, match="lsq:"):
+        qstats.lsq_init(state, spec)
+    with pytest.raises(ValueError, match="lsq:"):
+        qstats.lsq_fake_quantize(x, qstats.LSQParams(torch.tensor(0.1), torch.tensor(0.0)), spec)
+
+
+def test_signed_compressed_tensors_specs_are_read_as_torch_reads_them():
+    spec = qstats.QuantSpec(dtype="int8", mapping="asymmetric", convention="compressed_tensors")
+    x = torch.randn(6, 32) * 3 + 1
+    observer = qstats.minmax(spec)
+    params = qstats.lsq_init(observer.update(observer.init(x), x), spec)
+    expected = torch.fake_quantize_per_tensor_affine(x, params.scale, params.zero_point.int(), -128, 127)
+    torch.testing.assert_close(qstats.lsq_fake_quantize(x, params, spec), expected, **TOL)

@@ -16,6 +16,7 @@ from torch.ao.quantization import (
     FusedMovingAvgObsFakeQuantize,
     MovingAverageMinMaxObserver,
     MovingAveragePerChannelMinMaxObserver,
+    PerChannelMinMaxObserver,
 )
 
 import qstats
@@ -192,6 +193,100 @@ def test_model_training_matches_torch_ao_fake_quant_modules():
         torch.testing.assert_close(qp.scale.reshape(-1), fq.scale.reshape(-1), rtol=1e-6, atol=0)
 
 
+class _SharedLayerMLP(nn.Module):
+    """Calls the same Linear twice (a weight-tied / recurrent block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(F.relu(self.block(F.relu(self.block(x)))))
+
+
+def _minmax_weight_fq():
+    return FakeQuantize(observer=PerChannelMinMaxObserver, quant_min=-128, quant_max=127, dtype=torch.qint8,
+                        qscheme=torch.per_channel_symmetric, ch_axis=0)
+
+
+def test_layer_called_twice_observes_both_inputs_as_torch_ao():
+    # torch.ao: the shared layer's one activation FakeQuantize sees both calls' inputs. qstats used
+    # to read the step's input state at each call and keep only the last call's update, so the
+    # first input's range was lost (and the layer was listed twice).
+    torch.manual_seed(0)
+    model = _SharedLayerMLP()
+    block, head = model.block, model.head
+    act_block, act_head = _act_fq(), _act_fq()
+    weight_block, weight_head = _minmax_weight_fq(), _minmax_weight_fq()
+
+    def reference(params, x):
+        w_block = weight_block(params["block.weight"])
+        h = F.linear(act_block(x), w_block, params["block.bias"])
+        h = F.linear(act_block(F.relu(h)), w_block, params["block.bias"])
+        return F.linear(act_head(F.relu(h)), weight_head(params["head.weight"]), params["head.bias"])
+
+    qat = qstats.qat.prepare(model, weight_observer=qstats.minmax(W_SPEC),
+                             activation_observer=qstats.moving_average_minmax(ACT_SPEC, 0.01))
+    assert qat.layers == ("block", "head")
+    g = torch.Generator().manual_seed(3)
+    state = qat.init(torch.randn(4, 6, generator=g))
+    params = {k: v.detach().clone() for k, v in qat.params().items()}
+    schedule = QATSchedule(observe_at=0, fake_quantize_at=1, freeze_ranges_at=3)
+    for step in range(4):
+        x = torch.randn(4, 6, generator=g) * (step + 1)
+        phase = schedule(step)
+        for fq in (act_block, act_head, weight_block, weight_head):
+            fq.enable_observer(phase.observe)
+            fq.enable_fake_quant(phase.fake_quantize)
+        ref_params = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+        expected = reference(ref_params, x)
+        expected.pow(2).sum().backward()
+
+        def loss_fn(params, state):
+            out, new_state = qat.apply(params, state, x, phase=phase)
+            return out.pow(2).sum(), (out, new_state)
+
+        grads, (out, state) = torch.func.grad(loss_fn, has_aux=True)(params, state)
+        torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-6)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-5, msg=name)
+        for key, fq in (("block", act_block), ("head", act_head)):
+            activation = state.activations[key]
+            torch.testing.assert_close(activation.min_val, fq.activation_post_process.min_val, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(activation.max_val, fq.activation_post_process.max_val, rtol=1e-6, atol=1e-7)
+        params = {k: v - 0.05 * grads[k] for k, v in params.items()}
+
+
+class _SharedBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.norm(self.fc(self.norm(x)))
+
+
+def test_batchnorm_called_twice_updates_its_statistics_twice_as_nn_batchnorm():
+    torch.manual_seed(0)
+    model = _SharedBatchNorm()
+    qat = qstats.qat.prepare(model)
+    assert qat.batchnorm_layers == ("norm",)
+    reference = _SharedBatchNorm()
+    reference.load_state_dict(model.state_dict())
+    reference.train()
+    x = torch.randn(8, 4) * 3 + 1
+    state = qat.init(x)
+    for step in range(2):
+        out, state = qat.apply(qat.params(), state, x * (step + 1), phase=QATPhase(False, False, False))
+        torch.testing.assert_close(out, reference(x * (step + 1)))
+    norm = state.batchnorm["norm"]
+    torch.testing.assert_close(norm.running_mean, reference.norm.running_mean)
+    torch.testing.assert_close(norm.running_var, reference.norm.running_var)
+    assert int(norm.num_batches_tracked) == int(reference.norm.num_batches_tracked) == 4
+
+
 def test_apply_is_pure():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 16, 2))
@@ -290,6 +385,25 @@ def test_learned_ranges_replace_observer_ranges():
     w2 = qstats.fake_quantize(qat.params()["fc2.weight"], qstats.compute_qparams(state.weights["fc2"], W_SPEC), W_SPEC)
     F.linear(hq, w2, qat.params()["fc2.bias"]).sum().backward()
     torch.testing.assert_close(scale.grad, s.grad)
+
+
+def test_ranges_that_name_no_quantized_point_raise_value_error():
+    # A misspelt kind or layer, or weight ranges for a model without a weight observer, used to be
+    # ignored silently: training "learned" ranges that were never used.
+    torch.manual_seed(0)
+    model = _MLP()
+    qat = qstats.qat.prepare(model, activation_observer=qstats.moving_average_minmax(ACT_SPEC, 0.01))
+    x = torch.randn(7, 6)
+    state = qat.apply(qat.params(), qat.init(x), x, phase=QATPhase(True, False))[1]
+    ranges = qat.learnable_ranges(state)
+    fc1 = ranges["activations"]["fc1"]
+    for bad in ({"activation": {"fc1": fc1}}, {"activations": {"fc_1": fc1}}, {"weights": {"fc1": fc1}}):
+        with pytest.raises(ValueError, match="ranges"):
+            qat.apply(qat.params(), state, x, phase=QATPhase(False, True), ranges=bad)
+    # A subset of the points is fine: the others keep the observers' ranges.
+    out, _ = qat.apply(qat.params(), state, x, phase=QATPhase(False, True), ranges={"activations": {"fc1": fc1}})
+    expected, _ = qat.apply(qat.params(), state, x, phase=QATPhase(False, True))
+    torch.testing.assert_close(out, expected)
 
 
 def test_prepare_and_apply_errors():
