@@ -15,6 +15,7 @@ ranks and `compute_qparams_tree`.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
@@ -25,6 +26,7 @@ from ._qparams import QParams, check_calibrated, compute_qparams
 from ._quant import fake_quantize
 from .experts import (
     ExpertInputCapture,
+    UncalibratedWarning,
     dispatch,
     ids_mask,
     parameter_input_site,
@@ -33,6 +35,7 @@ from .experts import (
     warn_uncovered,
 )
 from .recipe import PROJECTION_NAMES, Recipe
+from .tree import assert_same_structure
 
 __all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "run_model"]
 
@@ -53,6 +56,47 @@ def _first_tensor(value) -> Optional[torch.Tensor]:
     if hasattr(value, "to_tuple"):  # transformers ModelOutput
         return _first_tensor(value.to_tuple())
     return None
+
+
+def _replace_first_tensor(value, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """``value`` with the tensor `_first_tensor` finds replaced by ``fn(tensor)`` (same containers);
+    ``(value, False)`` when there is none, else ``(new_value, True)``."""
+    if isinstance(value, torch.Tensor):
+        return fn(value), True
+    if hasattr(value, "to_tuple") and isinstance(value, Mapping):  # transformers ModelOutput
+        for key, item in value.items():
+            new, done = _replace_first_tensor(item, fn)
+            if done:
+                return type(value)(**{**dict(value.items()), key: new}), True
+        return value, False
+    if isinstance(value, (tuple, list)):
+        for index, item in enumerate(value):
+            new, done = _replace_first_tensor(item, fn)
+            if done:
+                items = list(value[:index]) + [new] + list(value[index + 1 :])
+                if isinstance(value, list):
+                    return items, True
+                return (type(value)(*items) if hasattr(value, "_fields") else tuple(items)), True
+        return value, False
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            new, done = _replace_first_tensor(item, fn)
+            if done:
+                return {**dict(value.items()), key: new}, True
+        return value, False
+    return value, False
+
+
+def _replace_input_tensor(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """``(args, kwargs)`` with the tensor `_input_tensor` finds replaced by ``fn(tensor)``."""
+    if args:
+        first, _ = _replace_first_tensor(args[0], fn)
+        return (first,) + tuple(args[1:]), kwargs
+    for name in ("hidden_states", "input", "x", "inputs_embeds"):
+        if isinstance(kwargs.get(name), torch.Tensor):
+            return args, {**kwargs, name: fn(kwargs[name])}
+    new, _ = _replace_first_tensor(dict(kwargs), fn)
+    return args, new
 
 
 def _input_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
@@ -86,6 +130,15 @@ def _copy_tree(states: Optional[Mapping]) -> dict:
     return copied
 
 
+def _update(found, path: str, site: str, previous, x: torch.Tensor, weight):
+    """``found.observer.update(previous, x, weight)``; a ValueError or TypeError (a resumed state of
+    another shape or observer) names the module and site."""
+    try:
+        return found.observer.update(previous, x, weight)
+    except (ValueError, TypeError) as error:
+        raise type(error)(f"calibrate: module {path!r} site {site!r}: {error}") from error
+
+
 def _check_resumed(states: dict, sites: dict) -> None:
     for path, entry in states.items():
         for site in entry:
@@ -110,9 +163,21 @@ def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
         return x, weight
     if weight.dtype != torch.bool and not bool(((weight == 0) | (weight == 1)).all()):
         return x, weight
+    # Selecting rows flattens the masked leading dimensions into one: only valid when the
+    # quantization parameters do not depend on those dimensions (they are reduced over), which
+    # holds when changing their sizes leaves the qparam shape unchanged (PerAxis(1) on [B, T, H]
+    # with T == H would otherwise pass a shape comparison and mix tokens with channels).
+    lead, rest = weight.ndim, tuple(x.shape[weight.ndim :])
+    try:
+        want = qparam_shape(x.shape, spec.granularity)
+        resized = tuple(size + 1 for size in x.shape[:lead]) + rest
+        if qparam_shape(resized, spec.granularity) != want:
+            return x, weight
+    except ValueError:
+        return x, weight
     keep = weight != 0
     selected = x[keep]
-    if qparam_shape(selected.shape, spec.granularity) != qparam_shape(x.shape, spec.granularity):
+    if qparam_shape(selected.shape, spec.granularity) != want:
         return x, weight
     return selected, None
 
@@ -171,9 +236,19 @@ def calibrate(
         for path, entry in sites.items():
             params = dict(modules[path].named_parameters(recurse=False))
             for site, found in entry.items():
-                if site in params and site not in states.get(path, {}):
-                    value = params[site].detach()
-                    states.setdefault(path, {})[site] = found.observer.update(found.observer.init(value), value)
+                if site not in params:
+                    continue
+                value = params[site].detach()
+                if site in states.get(path, {}):  # resumed: it must be a state of this parameter
+                    try:
+                        assert_same_structure(states[path][site], found.observer.init(value), name="state")
+                    except ValueError as error:
+                        raise ValueError(
+                            f"calibrate: the given states[{path!r}][{site!r}] is not a {found.observer.name} state "
+                            f"of that parameter (shape {tuple(value.shape)}): {error}"
+                        ) from None
+                    continue
+                states.setdefault(path, {})[site] = found.observer.update(found.observer.init(value), value)
 
     current_weight: list = [None]
 
@@ -201,7 +276,7 @@ def calibrate(
         previous = states.setdefault(path, {}).get(site)
         if previous is None:
             previous = found.observer.init(x)
-        states[path][site] = found.observer.update(previous, x, weight)
+        states[path][site] = _update(found, path, site, previous, x, weight)
 
     def observe(path: str, site: str, x, args=(), kwargs=None) -> None:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -226,7 +301,7 @@ def calibrate(
         if previous is None:
             previous = found.observer.init(x)
         x, weight = _drop_masked_rows(x, weight, found.spec)
-        states[path][site] = found.observer.update(previous, x, weight)
+        states[path][site] = _update(found, path, site, previous, x, weight)
 
     handles = []
     for path, entry in sites.items():
@@ -298,17 +373,51 @@ def calibrate(
 
         total = len(batches) if hasattr(batches, "__len__") else None
         bar = tqdm(batches, total=total, unit="batch", desc="qstats.calibrate", disable=not progress)
+        seen_batches = 0
         with torch.no_grad():
             for batch in bar:
-                current_weight[0] = observation_weight(batch) if observation_weight is not None else None
+                weight = observation_weight(batch) if observation_weight is not None else None
+                if weight is not None and not isinstance(weight, torch.Tensor):
+                    raise TypeError(
+                        "calibrate: observation_weight(batch) must return a tensor or None, "
+                        f"got {type(weight).__name__}"
+                    )
+                current_weight[0] = weight
                 run_model(model, batch)
+                seen_batches += 1
         bar.close()
     finally:
         current_weight[0] = None
         for handle in handles:
             handle.remove()
+    _warn_unobserved(states, sites, modules, seen_batches)
     warn_uncovered(states, sites)
     return states
+
+
+def _warn_unobserved(states: dict, sites: dict, modules: dict, seen_batches: int) -> None:
+    """Warns (`qstats.UncalibratedWarning`) naming the activation sites the recipe selects that hold
+    no state after calibration: `compute_qparams_tree` and `fake_quantized` would leave them out."""
+    missing = [
+        f"{path}.{site}"
+        for path, entry in sites.items()
+        for site in entry
+        if site not in states.get(path, {})
+        and site not in dict(modules[path].named_parameters(recurse=False))
+    ]
+    if not missing:
+        return
+    why = (
+        "batches was empty"
+        if seen_batches == 0
+        else "their modules were not called, or not with a floating-point tensor"
+    )
+    warnings.warn(
+        f"qstats.calibrate: {len(missing)} site(s) of the recipe saw no data ({why}) and have no state; "
+        f"compute_qparams_tree and fake_quantized leave them out: " + ", ".join(missing),
+        UncalibratedWarning,
+        stacklevel=3,
+    )
 
 
 def compute_qparams_tree(states: Mapping, recipe: Recipe, model: torch.nn.Module, **options) -> dict:
@@ -394,17 +503,18 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Recipe):
                 elif found.num_experts:
                     continue
                 elif site == "input":
+                    # the tensor calibrate observed (`_input_tensor`): the first positional
+                    # argument, or the hidden states passed by keyword
 
-                    def pre_hook(module, args, qp=qp, spec=spec):
-                        if not args:
-                            return None
-                        return (quantize_activation(args[0], qp, spec),) + tuple(args[1:])
+                    def pre_hook(module, args, kwargs, qp=qp, spec=spec):
+                        return _replace_input_tensor(args, kwargs, lambda x: quantize_activation(x, qp, spec))
 
-                    handles.append(module.register_forward_pre_hook(pre_hook))
+                    handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
                 elif site == "output":
+                    # the tensor calibrate observed (`_first_tensor`), also inside a tuple output
 
                     def post_hook(module, args, output, qp=qp, spec=spec):
-                        return quantize_activation(output, qp, spec)
+                        return _replace_first_tensor(output, lambda x: quantize_activation(x, qp, spec))[0]
 
                     handles.append(module.register_forward_hook(post_hook))
                 else:

@@ -57,6 +57,7 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     Returns:
       the matplotlib Figure.
     """
+    from ._formats import effective_scale
     from .observers.histogram import HistogramState, _config, _cumulative, _moments, _window
 
     if not isinstance(state, HistogramState):
@@ -97,7 +98,9 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     qmin, qmax = spec.qrange
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, qp) in enumerate(qparams.items()):
-        scale = float(_select(qp.scale, index))
+        # the element step: a two-level (TensorGroup, NVFP4) block scale under its global scale
+        block_scale, global_scale = _select(qp.scale, index).double(), _select(qp.global_scale, index).double()
+        scale = float(effective_scale(block_scale, global_scale, spec))
         zero_point = float(_select(qp.zero_point, index)) if spec.zero_point_domain != "none" else 0.0
         clip_lo, clip_hi = (qmin - zero_point) * scale, (qmax - zero_point) * scale
         colour = colours[i % len(colours)]

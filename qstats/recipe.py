@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
@@ -67,9 +68,17 @@ def _matches(targets: tuple, path: str, module: Optional[torch.nn.Module]) -> bo
                 return True
         elif target == path:
             return True
-        elif module is not None and target == type(module).__name__:
+        elif module is not None and _is_class_name(module, target):
             return True
     return False
+
+
+def _is_class_name(module: torch.nn.Module, target: str) -> bool:
+    """The module's class or one of its ``nn.Module`` base classes is named ``target`` (as
+    compressed-tensors matches: ``"Linear"`` also matches subclasses of ``nn.Linear``)."""
+    return any(
+        issubclass(cls, torch.nn.Module) and cls.__name__ == target for cls in type(module).__mro__
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +87,8 @@ class Rule:
 
     Args:
       targets: a string or tuple of strings: ``"re:<regex>"`` (full match on the module path), a
-        module class name (``"Linear"``) or an exact module path.
+        module class name (``"Linear"``; subclasses match too, as in compressed-tensors) or an exact
+        module path.
       sites: what to observe: ``"weight"`` or any parameter name (observed once), ``"input"``,
         ``"output"``, ``"q"``/``"k"``/``"v"`` (outputs of an attention module's projections), and
         on stacked-experts modules ``"<parameter>.input"``: the input of each expert's matmul with
@@ -192,17 +202,19 @@ class Recipe:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Recipe.sites expects an nn.Module, got {type(model).__name__}")
         resolved: dict = {}
+        found = [set() for _ in self.rules]  # per rule: the sites it resolved (or that an earlier rule took)
         for path, module in model.named_modules():
             if _matches(self.ignore, path, module):
                 continue
             params = dict(module.named_parameters(recurse=False))
             num_experts = expert_count(module)
             entry = {}
-            for rule in self.rules:
+            for index, rule in enumerate(self.rules):
                 if not _matches(rule.targets, path, module):
                     continue
                 for site in rule.sites:
                     if site in entry:
+                        found[index].add(site)
                         continue
                     stacked = 0
                     if site in params:
@@ -224,8 +236,18 @@ class Recipe:
                     if stacked:
                         obs = stacked_observer(obs, stacked)
                     entry[site] = Site(rule, obs, rule.spec, stacked)
+                    found[index].add(site)
             if entry:
                 resolved[path] = entry
+        for rule, sites in zip(self.rules, found):
+            unmatched = [site for site in rule.sites if site not in sites]
+            if unmatched:  # a misspelt target or site would otherwise select nothing, silently
+                warnings.warn(
+                    f"Recipe: the rule for targets {list(rule.targets)!r} selects no site {unmatched} in this "
+                    f"{type(model).__name__} (no module it matches has such a parameter, input or projection)",
+                    UserWarning,
+                    stacklevel=2,
+                )
         return resolved
 
     def _for_states(self, states: Mapping, model: torch.nn.Module, field: str) -> dict:

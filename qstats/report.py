@@ -147,11 +147,13 @@ class _Error:
         return None if self.total == 0 else self.clipped / self.total
 
 
-def tensor_error(x: torch.Tensor, qparams, spec) -> tuple:
+def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = None) -> tuple:
     """``(signal energy, noise energy, clipped count, element count)`` of fake-quantizing ``x``.
 
     A value is clipped when its unclamped code falls outside the spec's range (for float formats:
-    its magnitude over the scale exceeds the format's maximum).
+    its magnitude over the scale exceeds the format's maximum). ``mask`` (broadcastable to ``x``,
+    nonzero where kept) leaves entries such as padding out of all four numbers; they are still
+    quantized with the rest, so per-token or per-group parameters see the same tensor.
     """
     x = x.detach().float()
     quantized = fake_quantize(x, qparams, spec).float()
@@ -164,9 +166,16 @@ def tensor_error(x: torch.Tensor, qparams, spec) -> tuple:
     else:
         qmin, qmax = spec.qrange
         outside = (unclamped < qmin) | (unclamped > qmax)
-    signal = float(x.pow(2).sum())
-    noise = float((x - quantized).pow(2).sum())
-    return signal, noise, int(outside.sum()), x.numel()
+    if mask is None:
+        signal = float(x.pow(2).sum())
+        noise = float((x - quantized).pow(2).sum())
+        return signal, noise, int(outside.sum()), x.numel()
+    keep = (mask != 0).expand(x.shape)
+    zero = torch.zeros((), dtype=torch.float32)
+    signal = float(torch.where(keep, x.pow(2), zero).sum())
+    noise = float(torch.where(keep, (x - quantized).pow(2), zero).sum())
+    clipped = int((outside & canonical_view(keep, spec.granularity)).sum())
+    return signal, noise, clipped, int(keep.sum())
 
 
 def _extreme(state, name: str, reduce) -> Optional[float]:
@@ -261,13 +270,10 @@ def _measure_activations(model, qparams, sites, modules, batches, observation_we
         found = sites[path][site]
         weight = current_weight[0]
         if weight is not None and weight.ndim <= x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
-            keep = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)) != 0
-            x = torch.where(keep, x.float(), torch.zeros((), dtype=torch.float32))
-            signal, noise, clipped, _ = tensor_error(x, qparams[path][site], found.spec)
-            # padding entries are zero: they add nothing to the signal, the noise or (zero is always
-            # representable) the clipped count; only the element count needs correcting.
-            kept = int(keep.expand(x.shape).sum())
-            errors.setdefault((path, site), _Error()).add(signal, noise, clipped, kept)
+            # padding is left out of every measured number (zero is not representable with a float
+            # zero point, and its code may fall outside the range)
+            keep = weight.to(x.device).reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)) != 0
+            errors.setdefault((path, site), _Error()).add(*tensor_error(x, qparams[path][site], found.spec, keep))
             return
         errors.setdefault((path, site), _Error()).add(*tensor_error(x, qparams[path][site], found.spec))
 
