@@ -237,7 +237,8 @@ def all_reduce(
 
     Returns:
       A new tree of the same structure; inputs are never modified. Without an initialised process
-      group, or with one rank, ``tree`` is returned unchanged.
+      group, with one rank, or on a rank that is not a member of ``group`` (where torch's own
+      collectives do nothing), ``tree`` is returned unchanged.
 
     Collectives: ``check`` (1) + one ``all_reduce`` per ``(op, dtype, device)`` bucket of
     elementwise fields (float max folds into float min) + one ``all_gather`` when some state is
@@ -253,7 +254,7 @@ def all_reduce(
     if not (dist.is_available() and dist.is_initialized()):
         return tree
     world = dist.get_world_size(group)
-    if world == 1 or not states:
+    if world <= 1 or not states:  # one rank, or this rank is not in ``group`` (size -1): no-op, as torch's collectives
         return tree
     plan = _plan(states, exact)
 

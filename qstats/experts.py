@@ -101,7 +101,7 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
     """
     if not isinstance(observer, Observer):
         raise TypeError(f"stacked_observer expects an Observer, got {type(observer).__name__}")
-    if not isinstance(num_experts, int) or num_experts < 1:
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
 
     def check(x: torch.Tensor, what: str) -> None:
@@ -151,7 +151,7 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
         update_with_weight = torch.vmap(observer.update)
         update_shared = torch.vmap(observer.update, in_dims=(0, None, 0))
         update_without_weight = torch.vmap(lambda state, x: observer.update(state, x))
-        merge_fn = torch.vmap(observer.merge)
+        batched_merge = torch.vmap(observer.merge)
 
         def init_fn(x: torch.Tensor):
             check(x, "x")
@@ -159,12 +159,18 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
 
         def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
             check(x, "x")
+            check_state(state)
             if weight is None:
                 return update_without_weight(state, x)
             check(weight, "weight")
             if x.stride(0) == 0:  # one tensor shared by every expert (x.expand(E, ...)): observe it once
                 return update_shared(state, x[0], weight)
             return update_with_weight(state, x, weight)
+
+        def merge_fn(a, b):
+            check_state(a)
+            check_state(b)
+            return batched_merge(a, b)
 
     return Observer(
         init_fn,
@@ -226,9 +232,11 @@ def dispatch(tokens: torch.Tensor, mask: torch.Tensor, capacity: Optional[int] =
 
     Row ``c`` of expert ``e`` is the ``c``-th token routed to ``e`` (token order kept); rows past
     an expert's token count are padding with weight 0. ``capacity`` ``C`` defaults to the largest
-    token count of any expert (read on the host; pass ``tokens.shape[0]`` to avoid that). The
-    statistics equal those of ``tokens`` shared by every expert with ``mask`` as the weight, on
-    ``E * C`` rows instead of ``E * tokens``.
+    token count of any expert (read on the host; pass ``tokens.shape[0]`` to avoid that). With
+    ``C`` at least every expert's token count, the statistics equal those of ``tokens`` shared by
+    every expert with ``mask`` as the weight, on ``E * C`` rows instead of ``E * tokens``; a smaller
+    ``C`` keeps each expert's first ``C`` tokens and leaves the rest out, as a capacity-limited
+    router drops them.
     """
     if mask.ndim != 2 or mask.shape[1] != tokens.shape[0]:
         raise ValueError(

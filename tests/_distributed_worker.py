@@ -335,3 +335,40 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
 if __name__ == "__main__":
     run_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+
+
+def three_rank_batches(rank: int):
+    """World 3: rank 0 gets most batches, rank 1 one, rank 2 none at all."""
+    cuts = {0: (0, NUM_BATCHES - 1), 1: (NUM_BATCHES - 1, NUM_BATCHES), 2: (0, 0)}[rank]
+    return global_batches()[cuts[0] : cuts[1]]
+
+
+def run_three_ranks(rank: int, port: int, out_dir: str) -> None:
+    """World 3 with a rank that saw no data, and a subgroup of ranks 0 and 1 that rank 2 is not in:
+    saves ``{scenario: leaves}`` to ``OUT_DIR/three{RANK}.pt``."""
+    import torch.distributed as dist
+
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    results = {}
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3, timeout=timedelta(seconds=60)
+        )
+        pair = dist.new_group([0, 1])
+        for name in ("minmax/axis", "moving_average", "histogram/axis"):
+            factory = expert_factories().get(name)
+            if factory is None:
+                continue
+            obs = factory()
+            local = calibrate_experts(obs, three_rank_batches(rank))
+            results[name] = leaves(qstats.distributed.all_reduce(local, obs))
+            results[f"{name}/pair"] = leaves(qstats.distributed.all_reduce(local, obs, group=pair))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        import traceback
+
+        results = {"error": traceback.format_exc()}
+    torch.save(results, os.path.join(out_dir, f"three{rank}.pt"))

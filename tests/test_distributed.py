@@ -330,3 +330,36 @@ def test_declared_ops_agree_with_merge():
         want = obs.merge(a, b)
         got = type(a)(*(combine[ops[f]](u, v) for f, u, v in zip(a._fields, a, b)))
         assert_bit_equal(list(got), list(want), name)
+
+
+def test_three_ranks_one_without_data_and_a_subgroup(tmp_path):
+    # World 3, rank 2 calibrates nothing at all: exact observers equal one process over all the
+    # data, the moving average the rank-order merge. All three ranks also call all_reduce with
+    # the subgroup {0, 1}: its members get the merge of their two states; rank 2, not a member,
+    # used to raise "Invalid process group specified" (check=True) or IndexError (check=False),
+    # where torch's own collectives do nothing; it now gets its tree back.
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    port = _free_port()
+    procs = [context.Process(target=worker.run_three_ranks, args=(rank, port, str(tmp_path))) for rank in range(3)]
+    for p in procs:
+        p.start()
+    codes = [_wait(p, 180) for p in procs]
+    results = [torch.load(tmp_path / f"three{r}.pt", weights_only=False) for r in range(3)]
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors and codes == [0, 0, 0], (codes, errors)
+    factories = worker.expert_factories()
+    for name in ("minmax/axis", "moving_average", "histogram/axis"):
+        if name not in factories:
+            continue
+        obs = factories[name]()
+        local = [worker.calibrate_experts(obs, worker.three_rank_batches(r)) for r in range(3)]
+        merged = optree.tree_map(obs.merge, local[0], local[1], is_leaf=distributed._is_state)
+        if obs.exact:
+            want = worker.leaves(worker.calibrate_experts(obs, worker.global_batches()))
+        else:
+            want = worker.leaves(optree.tree_map(obs.merge, merged, local[2], is_leaf=distributed._is_state))
+        for rank in range(3):
+            assert_bit_equal(results[rank][name], want, f"{name} rank {rank}")
+        for rank in (0, 1):
+            assert_bit_equal(results[rank][f"{name}/pair"], worker.leaves(merged), f"{name}/pair rank {rank}")
+        assert_bit_equal(results[2][f"{name}/pair"], worker.leaves(local[2]), f"{name}/pair rank 2")

@@ -57,7 +57,7 @@ import torch
 from .._granularity import checked_view, qparam_shape, weight_view
 from .._formats import effective_scale, handles_qparams
 from .._qparams import Range, _is_traced, qparams_from_minmax, register_range_rule
-from .._reductions import finite_aminmax
+from .._reductions import _batched_arguments, finite_aminmax
 from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state
 
@@ -199,10 +199,9 @@ def _(view, mask, mantissa_bits, min_exponent, max_exponent):
 
 
 def _bucket_vmap_rule(info, in_dims, view, mask, mantissa_bits, min_exponent, max_exponent):
-    view = view.movedim(in_dims[0], 1)
-    if mask is not None:
-        mask = mask.unsqueeze(1) if in_dims[1] is None else mask.movedim(in_dims[1], 1)
-        mask = mask.expand(view.shape)
+    # the batch dim inside the parameter dims; an unbatched view (tokens shared by every expert,
+    # a batched routing mask) is expanded to every slice
+    view, mask = _batched_arguments(view, in_dims[0], mask, in_dims[1])
     outs = _bucket_counts_op(view, mask, mantissa_bits, min_exponent, max_exponent)
     return outs, (0, 0)
 
