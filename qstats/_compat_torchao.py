@@ -93,7 +93,16 @@ def _granularity(kwargs) -> Granularity:
         if kind == "PerToken":
             return PerToken()
         if kind == "PerBlock":
-            return PerBlock(tuple(int(b) for b in granularity.block_size[-2:]))
+            # torchao pads a short block_size with leading 1s (get_block_size); a leading entry
+            # above 1 spans several leading indices, which qstats' 2-D PerBlock cannot express
+            block = tuple(int(b) for b in granularity.block_size)
+            block = (1,) * (2 - len(block)) + block
+            if any(b != 1 for b in block[:-2]):
+                raise ValueError(
+                    f"from_torchao: PerBlock block_size {block} spans leading dimensions; qstats' PerBlock "
+                    "covers the last two dimensions only (leading entries must be 1)"
+                )
+            return PerBlock(block[-2:])
         raise ValueError(f"from_torchao: unsupported granularity {granularity!r}")
     if block_size is None:
         return PerTensor()
@@ -102,6 +111,8 @@ def _granularity(kwargs) -> Granularity:
     block_size, shape = tuple(int(b) for b in block_size), tuple(int(s) for s in shape)
     if len(block_size) != len(shape):
         raise ValueError(f"from_torchao: block_size {block_size} and shape {shape} differ in length")
+    if any(b < 1 or s % b for b, s in zip(block_size, shape)):
+        raise ValueError(f"from_torchao: block_size {block_size} does not divide shape {shape} (torchao requires it)")
     if block_size == shape:
         return PerTensor()
     if all(b == 1 for b in block_size[:-1]):
@@ -223,12 +234,12 @@ def _affine_spec(cls, target_dtype, kwargs, overrides):
         raise ValueError("from_torchao: ZeroPointDomain.FLOAT (tinygemm) needs MappingType.ASYMMETRIC")
     if domain == "none" and mapping == "asymmetric":
         raise ValueError("from_torchao: ZeroPointDomain.NONE needs a symmetric mapping")
+    if input_dtype not in _FLOAT_NAMES:
+        raise ValueError(f"from_torchao: input_dtype must be float32, bfloat16 or float16, got {input_dtype}")
     if scale_dtype not in _FLOAT_NAMES:
         raise ValueError(f"from_torchao: scale_dtype {scale_dtype} is not supported")
     if eps is None:
         eps = torch.finfo(input_dtype).smallest_normal
-    if input_dtype not in _FLOAT_NAMES:
-        raise ValueError(f"from_torchao: input_dtype must be float32, bfloat16 or float16, got {input_dtype}")
     probe = cls(dtype=dtype)
     lo, hi = probe.qrange
     qmin = lo if quant_min is None else int(quant_min)

@@ -250,6 +250,14 @@ class QuantSpec:
                     f" and quant_min/quant_max ({self.quant_min}, {self.quant_max}) leave the range "
                     f"[{qmin}, {qmax}], which holds fewer than two values"
                 )
+            float_zero = self.zero_point_domain == "float" and self.mapping == "asymmetric"
+            if float_zero and self.convention in ("torch_ao", "torchao") and qmin != 0:
+                raise ValueError(
+                    f"QuantSpec.zero_point_domain: the {self.convention} float zero point puts the observed "
+                    f"minimum at code 0, so the range [{qmin}, {qmax}] of {dtype!r} would clip the data above "
+                    f"min + {qmax} steps; use an unsigned target or quant_min=0 (torch.ao and torchao take float "
+                    "zero points with unsigned targets), or convention='compressed_tensors'"
+                )
         if self.symmetric_zero_point is not None:
             zero = self.symmetric_zero_point
             if not isinstance(zero, int) or isinstance(zero, bool):

@@ -183,6 +183,14 @@ def _unusable(make):
             return True
         if not zero_point.dtype.is_floating_point and not (-(2**31) <= zero_point.min() <= zero_point.max() < 2**31):
             return True
+        if zero_point.dtype.is_floating_point:
+            # parameters that do not cover the data they were calibrated on: torch.ao's own fake
+            # quantization moves a value of the observed range by more than half a step (a float
+            # zero point puts the minimum at code 0; a signed range leaves half its codes below)
+            fq = torch.fake_quantize_per_channel_affine(x, scale, zero_point, ref.ch_axis, ref.quant_min, ref.quant_max)
+            step = scale.reshape(-1, *([1] * (x.dim() - 1))).movedim(0, ref.ch_axis)
+            if ((fq - x).abs() > step * 0.5001).any():
+                return True
     return False
 
 
@@ -338,6 +346,12 @@ def test_single_element_and_one_dimensional_inputs():
 def test_uncalibrated_matches_torch_ao_default(dtype):
     """An observer that saw nothing: torch.ao returns scale 1, zero point 0; so does the spec."""
     for qscheme in QSCHEMES:
+        signed_range = _reference("per_channel", dtype, torch.per_channel_affine, False, None, None, F32_EPS).quant_min < 0
+        if qscheme == torch.per_channel_affine_float_qparams and signed_range:
+            # signed float-qparams ranges clip half the data (the acceptance test checks torch.ao's)
+            with pytest.raises(ValueError, match="zero_point_domain"):
+                qstats.QuantSpec.from_torch_ao(dtype, qscheme)
+            continue
         spec = qstats.QuantSpec.from_torch_ao(dtype, qscheme)
         for kind in _kinds(qscheme):
             ref = _reference(kind, dtype, qscheme, False, None, None, F32_EPS)

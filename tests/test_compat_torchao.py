@@ -117,10 +117,27 @@ def test_zero_point_domain_none_and_float(target_dtype):
         )
         for x in INPUTS.values():
             _check(spec, x, block_size, target_dtype, MappingType.SYMMETRIC, "NONE")
-        spec = qstats.QuantSpec.from_torchao(
+        make = lambda: qstats.QuantSpec.from_torchao(  # noqa: E731
             target_dtype, mapping_type=MappingType.ASYMMETRIC, granularity=granularity,
             zero_point_domain=ZeroPointDomain.FLOAT,
         )
+        if target_dtype in SIGNED:
+            # torchao's float zero point puts the minimum at code 0: a signed range clips the upper
+            # part of the data it was calibrated on, so qstats refuses the spec
+            x = torch.linspace(-3.0, 5.0, 128).reshape(4, 32)  # every block as wide as the others
+            qmin, qmax = qp_lib._DTYPE_TO_QVALUE_BOUNDS[target_dtype]
+            scale, zero_point = qp_lib._choose_qparams_affine_tinygemm(
+                x, MappingType.ASYMMETRIC, block_size, target_dtype, scale_dtype=torch.float32
+            )
+            codes = qp_lib._quantize_affine_tinygemm_no_dtype_cast(x, block_size, scale, zero_point, qmin, qmax)
+            values = qp_lib._dequantize_affine_tinygemm_no_dtype_check(
+                codes, block_size, scale, zero_point, qmin, qmax, torch.float32
+            )
+            assert float((values - x).abs().max()) > 0.5001 * float(scale.max())  # more than rounding
+            with pytest.raises(ValueError, match="zero_point_domain"):
+                make()
+            continue
+        spec = make()
         for name, x in INPUTS.items():
             _check(spec, x, block_size, target_dtype, MappingType.ASYMMETRIC, "FLOAT")
 
@@ -224,6 +241,8 @@ def test_low_precision_inputs_compute_in_the_input_dtype(input_dtype, target_dty
     for mapping, domain in cases:
         if mapping == MappingType.SYMMETRIC_NO_CLIPPING_ERR and target_dtype in UNSIGNED:
             continue
+        if domain == ZeroPointDomain.FLOAT and target_dtype not in UNSIGNED:
+            continue  # refused: test_zero_point_domain_none_and_float
         for gname, (block_size, granularity) in GRANULARITIES.items():
             spec = qstats.QuantSpec.from_torchao(
                 target_dtype, mapping_type=mapping, granularity=granularity, zero_point_domain=domain,
@@ -246,3 +265,43 @@ def test_low_precision_inputs_compute_in_the_input_dtype(input_dtype, target_dty
                 assert torch.equal(qstats.quantize(x, qp, spec).to(torch.int32), q.to(torch.int32))
                 out = qstats.fake_quantize(x, qp, spec)
                 assert out.dtype == input_dtype and torch.equal(out, dq), (mapping, domain, gname, name)
+
+
+def test_per_block_granularity_of_3d_tensors_matches_get_block_size():
+    # torchao pads a short PerBlock block_size with leading 1s (get_block_size); an explicit
+    # leading 1 is the same granularity, a leading entry above 1 has no qstats equivalent and
+    # used to be dropped silently (PerBlock((2, 2, 4)) became PerBlock((2, 4)), other scales).
+    from torchao.quantization.utils import get_block_size
+
+    x = torch.randn(4, 4, 8, generator=torch.Generator().manual_seed(1))
+    for block in ((2, 4), (1, 2, 4), (8,)):
+        granularity = tao_granularity.PerBlock(block)
+        block_size = get_block_size(x.shape, granularity)
+        spec = qstats.QuantSpec.from_torchao(torch.int8, mapping_type=MappingType.ASYMMETRIC, granularity=granularity)
+        scale, zero_point = qp_lib.choose_qparams_affine(
+            x, MappingType.ASYMMETRIC, block_size, torch.int8, scale_dtype=torch.float32
+        )
+        qp = _observe(spec, x)
+        assert qp.scale.numel() == scale.numel(), block
+        assert torch.equal(qp.scale.reshape(scale.shape), scale), block
+        assert torch.equal(qp.zero_point.reshape(zero_point.shape), zero_point), block
+    for target in (torch.int8, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match=r"block_size \(2, 2, 4\) spans leading dimensions"):
+            qstats.QuantSpec.from_torchao(target, granularity=tao_granularity.PerBlock((2, 2, 4)))
+
+
+def test_block_size_that_does_not_divide_the_shape_raises_at_construction():
+    # torchao refuses such a block_size (get_block_size / choose_qparams_affine); the spec used to
+    # be built (PerGroup(3), PerGroup(16)) and fail only when a tensor was observed.
+    with pytest.raises(ValueError, match=r"block_size \(1, 3\) does not divide shape \(4, 8\)"):
+        qstats.QuantSpec.from_torchao(torch.int8, block_size=(1, 3), shape=(4, 8))
+    with pytest.raises(ValueError, match=r"block_size \(1, 16\) does not divide shape \(4, 8\)"):
+        qstats.QuantSpec.from_torchao(torch.float8_e4m3fn, block_size=(1, 16), shape=(4, 8))
+    with pytest.raises(ValueError, match=r"does not divide"):
+        qstats.QuantSpec.from_torchao(torch.int8, block_size=(0, 8), shape=(4, 8))
+
+
+def test_bad_input_dtype_is_named():
+    # scale_dtype defaults to input_dtype: the error used to blame scale_dtype
+    with pytest.raises(ValueError, match="input_dtype"):
+        qstats.QuantSpec.from_torchao(torch.int8, input_dtype=torch.int32)
