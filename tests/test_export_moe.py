@@ -274,14 +274,20 @@ class _TransposedExperts(torch.nn.Module):
         self.down_proj = torch.nn.Parameter(torch.randn(E, INTER, HIDDEN))
 
 
-def test_other_expert_layouts_raise(tmp_path):
-    model = torch.nn.Sequential(_TransposedExperts())
+def _export_raises(experts: torch.nn.Module, match: str, tmp_path) -> None:
+    """Calibrates the weights of ``experts`` (int8 per channel) and expects the export to raise."""
+    model = torch.nn.Sequential(experts)
     spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
-    recipe = qstats.Recipe([qstats.Rule("_TransposedExperts", sites=("gate_up_proj", "down_proj"), spec=spec)])
+    rule = qstats.Rule(type(experts).__name__, sites=("gate_up_proj", "down_proj"), spec=spec)
+    recipe = qstats.Recipe([rule])
     states = qstats.calibrate(model, [], recipe, progress=False)
     qparams = qstats.compute_qparams_tree(states, recipe, model)
-    with pytest.raises(ValueError, match=r"not the layout \[E, 2I, H\]"):
+    with pytest.raises(ValueError, match=match):
         qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+
+
+def test_other_expert_layouts_raise(tmp_path):
+    _export_raises(_TransposedExperts(), r"not the layout \[E, 2I, H\]", tmp_path)
 
 
 def test_uncovered_experts_take_the_largest_covered_input_scale(tmp_path):
@@ -377,10 +383,4 @@ class _BiasedExperts(torch.nn.Module):
 
 def test_stacked_experts_with_biases_raise(tmp_path):
     # the fused parameters are replaced by per-expert Linears: a bias would be dropped silently
-    model = torch.nn.Sequential(_BiasedExperts())
-    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
-    recipe = qstats.Recipe([qstats.Rule("_BiasedExperts", sites=("gate_up_proj", "down_proj"), spec=spec)])
-    states = qstats.calibrate(model, [], recipe, progress=False)
-    qparams = qstats.compute_qparams_tree(states, recipe, model)
-    with pytest.raises(ValueError, match="down_proj_bias"):
-        qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    _export_raises(_BiasedExperts(), "down_proj_bias", tmp_path)
