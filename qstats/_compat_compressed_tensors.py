@@ -13,7 +13,21 @@ follow compressed-tensors' ``fake_quantize`` (divide, add the zero point, clamp,
 Not reproduced: an explicit ``scale_dtype=torch.float32`` on non-float32 weights (compressed-tensors
 then replaces zero scales by float32's eps rounded to the weight dtype; qstats uses the weight
 dtype's eps, as for ``scale_dtype=None``); the NaN zero point compressed-tensors gives an all-zero
-asymmetric float8 range (qstats: 0).
+asymmetric float8 range (qstats: 0; with ``zp_dtype=torch.int32`` compressed-tensors' NaN becomes
+-2**31). Dynamic activations, where ``compute_dynamic_scales_and_zp`` reduces with ``aminmax`` to
+0-dim extremes: for ``strategy="tensor"`` (and ``"token"`` on a 2-D input), type promotion makes
+compressed-tensors compute an asymmetric zero point ``bit_min - min / scale`` in float32 while the
+scale stays in the activation's dtype (qstats: both in ``compute_dtype``; bfloat16/float16 zero points
+can differ by one); ``"token"`` on a 2-D ``(tokens, hidden)`` input is one scale for the whole
+tensor there and on a 4-D input one per ``(dim0, dim1)``, where qstats' `PerToken` gives one per row
+(compressed-tensors' 3-D ``(batch, seq, hidden)`` case, which qstats matches). NVFP4
+(``tensor_group``) and float 4-bit scales on bfloat16/float16 weights are reproduced: like
+compressed-tensors, qstats divides ``448 * 6 / amax``, ``amax / 6`` and ``x / scale`` in the
+weight's dtype (``compute_dtype``). Refused with ValueError: what compressed-tensors refuses when
+calculating (asymmetric float 4-bit), ``tensor_group`` other than float 4-bit elements with
+float8_e4m3fn scales (``scale_dtype=None`` keeps float32 block scales under a global scale sized
+for float8 ones), a float, unsigned or too narrow ``zp_dtype`` for asymmetric targets, and scale
+dtypes other than float32, bfloat16, float16, float8_e4m3fn and uint8 (MX).
 """
 
 from __future__ import annotations
@@ -29,6 +43,17 @@ def _field(args, name, default=None):
     if isinstance(args, dict):
         return args.get(name, default)
     return getattr(args, name, default)
+
+
+def _dtype_field(args, name):
+    """A dtype field; in a dict of fields, also as compressed-tensors serialises it
+    (``"torch.float8_e4m3fn"``), which QuantizationArgs parses."""
+    value = _field(args, name, None)
+    if isinstance(value, str):
+        parsed = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(parsed, torch.dtype):
+            return parsed
+    return value
 
 
 def _enum_value(value):
@@ -48,10 +73,14 @@ _COMPUTE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.fl
 
 def spec_from_compressed_tensors(cls, args, overrides):
     num_bits = int(_field(args, "num_bits", 8))
-    qtype = str(_enum_value(_field(args, "type", "int")))
+    qtype = str(_enum_value(_field(args, "type", "int"))).lower()
     symmetric = bool(_field(args, "symmetric", True))
-    strategy = _enum_value(_field(args, "strategy", None)) or "tensor"
     group_size = _field(args, "group_size", None)
+    strategy = _enum_value(_field(args, "strategy", None))
+    if strategy is None:
+        # QuantizationArgs' own inference (a dict of fields has not been through it)
+        strategy = "tensor" if group_size is None else ("channel" if group_size == -1 else "group")
+    strategy = str(strategy).lower()
     if qtype == "int":
         dtype = f"int{num_bits}"
     elif qtype == "float":
@@ -74,7 +103,13 @@ def spec_from_compressed_tensors(cls, args, overrides):
         granularity = PerToken()
     else:
         raise ValueError(f"from_compressed_tensors: strategy {strategy!r} is not supported")
-    scale_dtype = _field(args, "scale_dtype", None)
+    scale_dtype = _dtype_field(args, "scale_dtype")
+    if scale_dtype is not None and scale_dtype not in _DTYPE_NAMES:
+        raise ValueError(
+            f"from_compressed_tensors: scale_dtype must be None or one of {sorted(map(str, _DTYPE_NAMES))}, "
+            f"got {scale_dtype!r}"
+        )
+    _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype)
     observed_dtype = overrides.pop("observed_dtype", None)
     compute_dtype = "float32"
     if observed_dtype is not None:
@@ -99,6 +134,46 @@ def spec_from_compressed_tensors(cls, args, overrides):
     fields.update(_low_bit_fields(fields, num_bits, qtype, group_size))
     fields.update(overrides)
     return cls(**fields)
+
+
+def _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype):
+    """ValueError for arguments compressed-tensors computes in a way qstats does not reproduce
+    (or refuses itself when calculating qparams)."""
+    if qtype == "float" and num_bits == 4 and not symmetric:
+        # calculate_qparams raises NotImplementedError for them
+        raise ValueError("from_compressed_tensors: symmetric=False is not supported for float 4-bit targets")
+    if strategy == "tensor_group" and not (
+        qtype == "float" and num_bits == 4 and scale_dtype == torch.float8_e4m3fn
+    ):
+        # generate_gparam scales by 448 * 6 (the FP8 and FP4 maxima) whatever the element and
+        # scale formats (also for unrounded float32 block scales, scale_dtype=None); qstats'
+        # two-level scales follow the spec's own formats (NVFP4 only)
+        raise ValueError(
+            "from_compressed_tensors: strategy 'tensor_group' is reproduced for NVFP4 only: "
+            f"type='float', num_bits=4, scale_dtype=torch.float8_e4m3fn (got type={qtype!r}, "
+            f"num_bits={num_bits}, scale_dtype={scale_dtype!r})"
+        )
+    zp_dtype = _dtype_field(args, "zp_dtype")
+    if zp_dtype is not None and not symmetric:
+        # calculate_qparams rounds the zero point to zp_dtype: a float one keeps it fractional, an
+        # unsigned or narrow one clips it; qstats rounds it to the target's signed range
+        if qtype == "float":
+            ok = zp_dtype == torch.float8_e4m3fn
+        else:
+            ok = (
+                isinstance(zp_dtype, torch.dtype)
+                and not zp_dtype.is_floating_point
+                and not zp_dtype.is_complex
+                and zp_dtype != torch.bool
+                and torch.iinfo(zp_dtype).min <= -(2 ** (num_bits - 1))
+                and torch.iinfo(zp_dtype).max >= 2 ** (num_bits - 1) - 1
+            )
+        if not ok:
+            raise ValueError(
+                f"from_compressed_tensors: zp_dtype {zp_dtype!r} is not supported for asymmetric "
+                f"{qtype}{num_bits} targets: use a signed integer dtype holding the target's range "
+                "(float8_e4m3fn for float targets)"
+            )
 
 
 def _low_bit_fields(fields, num_bits, qtype, group_size):

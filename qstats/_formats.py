@@ -258,8 +258,11 @@ def global_scale_from_amax(amax_t: torch.Tensor, spec) -> torch.Tensor:
     amax_t = amax_t.float()
     full_range = _scale_range_max(spec) * element_max(spec)
     if spec.global_scale_formula == "range_over_amax":
-        clamped = torch.clamp(amax_t, min=torch.finfo(torch.float32).tiny)
-        scale = full_range / clamped
+        # compressed-tensors divides in the observed dtype (``compute_dtype``; the extremes of a
+        # bf16/fp16 tensor convert to it exactly), then stores the global scale as float32
+        compute = getattr(torch, spec.compute_dtype)
+        clamped = torch.clamp(amax_t.to(compute), min=torch.finfo(compute).tiny)
+        scale = (full_range / clamped).float()
         return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0)
     scale = amax_t / full_range
     return torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -268,8 +271,8 @@ def global_scale_from_amax(amax_t: torch.Tensor, spec) -> torch.Tensor:
 def _two_level_local(amax: torch.Tensor, global_scale: torch.Tensor, spec) -> torch.Tensor:
     half_range = float(spec.qrange[1] - spec.qrange[0]) / 2
     if spec.global_scale_formula == "range_over_amax":
-        local = amax / half_range
-        local = global_scale * local
+        local = amax.to(getattr(torch, spec.compute_dtype)) / half_range  # in the observed dtype
+        local = global_scale * local  # float32
         local = _round_to_scale_dtype(local, spec)
         if spec.scale_dtype == "float32":
             eps = torch.finfo(torch.float32).eps
@@ -344,6 +347,9 @@ def codes(view: torch.Tensor, scale: torch.Tensor, global_scale, spec):
             scaled = view / torch.clamp(scale, min=_F32_MIN_NORMAL)
     elif spec.convention == "torchao":  # NVFP4 without a global scale: x * (1 / scale)
         scaled = view * (1.0 / scale)
+    elif spec.compute_dtype != "float32":  # compressed-tensors divides in the observed dtype
+        compute = getattr(torch, spec.compute_dtype)
+        scaled = (view.to(compute) / scale.to(compute)).float()
     else:
         scaled = view / scale
     return scaled, round_to_format(scaled.clamp(-fmax, fmax), spec.float_format)

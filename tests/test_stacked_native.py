@@ -441,7 +441,7 @@ def _compressed_tensors_specs():
             args.append(dict(num_bits=bits, type="int", symmetric=symmetric, strategy="group", group_size=4))
     args.append(dict(num_bits=8, type="float", symmetric=True, strategy="tensor"))
     args.append(dict(num_bits=8, type="float", symmetric=True, strategy="channel"))
-    args.append(dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=4))
+    args.append(dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=4, scale_dtype=torch.float8_e4m3fn))
     specs = [qstats.QuantSpec.from_compressed_tensors(ct.QuantizationArgs(**a)) for a in args]
     for observed in (torch.bfloat16, torch.float16):
         for a in (args[1], args[3], args[-2]):
