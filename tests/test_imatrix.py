@@ -122,3 +122,42 @@ def test_importance_is_the_mean_square_over_each_channel_finite_values():
     squares = torch.where(torch.isfinite(x), x * x, torch.nan)
     torch.testing.assert_close(qstats.importance(state), torch.nanmean(squares, dim=0), rtol=1e-12, atol=0.0)
     assert state.nonfinite.tolist() == [0, 2, 0, 1, 0]
+
+
+@pytest.mark.parametrize(
+    "activations",
+    [[torch.zeros(3, 10, 64)], [torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(3)) * 1e20]],
+    ids=["all-zero", "overflowing"],
+)
+def test_imatrix_mse_falls_back_to_uniform_as_llm_compressor(activations):
+    """An importance that is all zeros or not finite in float32: llm-compressor searches with
+    uniform weights (every candidate would have loss 0, or NaN weights, otherwise)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 24, bias=False)
+    fields = dict(num_bits=4, type="int", symmetric=True, strategy="channel")
+    args, scale, zero_point = _llmc(fields, layer, activations, patience=10**6)
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    imatrix = qstats.imatrix()
+    istate = imatrix.init(activations[0])
+    for x in activations:
+        istate = imatrix.update(istate, x)
+    assert int(istate.count) > 0
+    w = layer.weight.data
+    obs = qstats.imatrix_mse(spec, w.shape, istate)
+    qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec)
+    assert torch.equal(qp.scale, scale.reshape(qp.scale.shape))
+    assert torch.equal(qp.zero_point.to(zero_point.dtype), zero_point.reshape(qp.zero_point.shape))
+
+
+def test_imatrix_mse_names_both_shapes_for_a_tensor_of_another_shape():
+    spec = qstats.QuantSpec(dtype="int4", granularity=qstats.PerAxis(0))
+    x = torch.randn(5, 8)
+    istate = qstats.imatrix().update(qstats.imatrix().init(x), x)
+    obs = qstats.imatrix_mse(spec, (6, 8), istate)
+    state = obs.init(torch.randn(6, 8))
+    with pytest.raises(ValueError, match=r"\(6, 16\).*\(6, 8\)"):
+        obs.update(state, torch.randn(6, 16))
+    with pytest.raises(ValueError, match=r"\(6, 4\).*\(6, 8\)"):
+        obs.init(torch.randn(6, 4))
+    # an empty tensor leaves the state as it is
+    assert all(torch.equal(a, b) for a, b in zip(obs.update(state, torch.randn(0, 8)), state))

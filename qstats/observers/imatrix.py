@@ -8,7 +8,9 @@ importance-weighted MSE search for weights (llm-compressor's ``imatrix_mse``).
 `imatrix_mse(spec, state)` is `qstats.mse` for the layer's *weight* with every element's error
 multiplied by the importance of its input channel, normalised by its mean, with
 llm-compressor's defaults (``maxshrink=0.95``, ``grid=20``, ``norm=3``, ``int(maxshrink * grid) + 1``
-candidates).
+candidates). One deliberate difference: for a per-tensor spec llm-compressor warns that importance
+is not supported and searches with uniform weights; qstats applies the importance there too (pass
+no importance state, or `qstats.mse`, for llm-compressor's per-tensor choice).
 """
 
 from __future__ import annotations
@@ -116,8 +118,8 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
 
     The importance of input channel ``j`` is ``E[x_j**2] / mean(E[x**2])`` from
     ``imatrix_state``; every weight element's error ``|fq(w) - w| ** norm`` is multiplied by its
-    column's importance. Without importance data (None, or no rows seen) the search is uniform,
-    as llm-compressor's fallback. Candidates: ``1 - i / grid`` for ``i <= max(1, int(maxshrink * grid))``.
+    column's importance. Without usable importance data (None, no rows seen, all zeros, or not
+    finite in float32) the search is uniform, as llm-compressor's fallback. Candidates: ``1 - i / grid`` for ``i <= max(1, int(maxshrink * grid))``.
     Other keyword arguments go to `qstats.mse` (``reference``, ``mode``, ...). Pass
     ``patience=5`` to ``compute_qparams`` for llm-compressor's early stopping.
     """
@@ -136,13 +138,36 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
                 f"{weight_shape} has {weight_shape[-1]}"
             )
         imp = importance(imatrix_state).to(torch.float32)
+        # llm-compressor's fallbacks to uniform weights: no rows seen, an importance that is all
+        # zeros (every candidate's loss would be 0), or one that is not finite in float32
+        usable = (imatrix_state.count > 0) & torch.isfinite(imp).all() & (imp != 0).any()
         imp = imp / (imp.mean() + torch.finfo(torch.float32).tiny)
-        # no rows seen: uniform weights, as llm-compressor's fallback
-        imp = torch.where(imatrix_state.count > 0, imp, torch.ones_like(imp))
+        usable = usable & torch.isfinite(imp).all()
+        imp = torch.where(usable, imp, torch.ones_like(imp))
         full = imp.expand(weight_shape)
         weights = canonical_view(full, spec.granularity)
     steps = max(1, int(maxshrink * grid)) + 1
     if not math.isfinite(norm) or norm <= 0:
         raise ValueError(f"imatrix_mse: norm must be a finite positive number, got {norm!r}")
-    return mse(spec, maxshrink=maxshrink, grid=grid, norm=norm, expand=expand, importance=weights, steps=steps,
+    base = mse(spec, maxshrink=maxshrink, grid=grid, norm=norm, expand=expand, importance=weights, steps=steps,
                **options)._replace(name="imatrix_mse")
+    if weights is None:
+        return base
+
+    def check_weight_shape(x: torch.Tensor, where: str) -> None:
+        # the importance is laid out for the weight's shape; an empty tensor leaves the state as it is
+        if x.numel() != 0 and tuple(x.shape) != weight_shape:
+            raise ValueError(
+                f"{where}: a tensor of shape {tuple(x.shape)} does not match the weight shape {weight_shape} "
+                "the importance was given for"
+            )
+
+    def init_fn(x: torch.Tensor):
+        check_weight_shape(x, "imatrix_mse.init")
+        return base.init(x)
+
+    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
+        check_weight_shape(x, "imatrix_mse.update")
+        return base.update(state, x, weight)
+
+    return base._replace(init=init_fn, update=update_fn)

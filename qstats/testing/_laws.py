@@ -9,7 +9,9 @@ under any regrouping). Float fields that hold *sums* cannot be: regrouping a flo
 differently. A state type lists those fields in a class attribute ``approx_fields`` (or a check
 is given ``approx_fields=``), and they are compared to `DEFAULT_RTOL` relative to the largest
 magnitude in the field: ``|a - b| <= rtol * max(|a|.max(), |b|.max())``, with NaN and infinite
-entries required to match exactly. Observers declared ``exact=False`` (moving averages) compare
+entries required to match exactly. The laws also count the magnitudes of the states the compared
+ones were built from (each batch's, each group's): a sum that cancels to nearly zero is only as
+precise as its terms. Observers declared ``exact=False`` (moving averages) compare
 every float field to that tolerance in the associativity check.
 """
 
@@ -71,7 +73,14 @@ def _field_name(path: str) -> str:
     return tail[-1] if len(tail) == 2 else path
 
 
-def _leaf_difference(actual: torch.Tensor, expected: torch.Tensor, approx: bool, rtol: float) -> Optional[str]:
+def _finite_magnitude(leaf: torch.Tensor) -> torch.Tensor:
+    """Largest finite ``|leaf|`` (float64; 0 for an empty or all non-finite leaf)."""
+    values = leaf.detach().double().abs()
+    return torch.where(torch.isfinite(values), values, 0).amax() if values.numel() else values.new_zeros(())
+
+
+def _leaf_difference(actual: torch.Tensor, expected: torch.Tensor, approx: bool, rtol: float,
+                     magnitude: float = 0.0) -> Optional[str]:
     if actual.is_floating_point():
         a_nan, e_nan = torch.isnan(actual), torch.isnan(expected)
         if not torch.equal(a_nan, e_nan):
@@ -86,7 +95,7 @@ def _leaf_difference(actual: torch.Tensor, expected: torch.Tensor, approx: bool,
         if approx:
             if a.numel() == 0:
                 return None
-            bound = rtol * torch.maximum(a.abs().max(), e.abs().max()) + 1e-300
+            bound = rtol * max(float(a.abs().max()), float(e.abs().max()), magnitude) + 1e-300
             worst = (a - e).abs().max()
             if worst > bound:
                 return f"differs by {float(worst):.3g} > tolerance {float(bound):.3g} (rtol {rtol})"
@@ -107,6 +116,7 @@ def assert_states_equal(
     approx_fields: Optional[Iterable[str]] = None,
     rtol: float = DEFAULT_RTOL,
     message: str = "",
+    magnitudes: Sequence[Any] = (),
 ) -> None:
     """Asserts two trees of tensors (states, QParams, ...) are equal under the module's policy.
 
@@ -116,6 +126,9 @@ def assert_states_equal(
         ``approx_fields`` attribute; ``"*"`` makes every float field approximate.
       rtol: tolerance for those fields, relative to the field's largest magnitude.
       message: prefix of the AssertionError.
+      magnitudes: trees of the same structure (the states the compared ones were built from)
+        whose fields' largest finite magnitudes also scale the tolerance: a sum that cancels to
+        nearly zero is only as precise as its terms.
 
     Raises:
       AssertionError: naming the path of the first differing leaf and how it differs.
@@ -127,12 +140,19 @@ def assert_states_equal(
         raise AssertionError(f"{prefix}{error}") from None
     approx = _approx_set(expected, approx_fields)
     expected_leaves = dict(qtree.leaves_with_paths(expected, "state"))
+    magnitude_leaves = [dict(qtree.leaves_with_paths(tree, "state")) for tree in magnitudes]
     for path, leaf in qtree.leaves_with_paths(actual, "state"):
         other = expected_leaves[path]
         if not isinstance(leaf, torch.Tensor):
             continue
         field_approx = _ALL_FLOAT in approx or _field_name(path) in approx
-        problem = _leaf_difference(leaf, other, field_approx, rtol)
+        magnitude = 0.0
+        if field_approx and leaf.is_floating_point():
+            for leaves in magnitude_leaves:
+                term = leaves.get(path)
+                if isinstance(term, torch.Tensor) and term.is_floating_point():
+                    magnitude = max(magnitude, float(_finite_magnitude(term)))
+        problem = _leaf_difference(leaf, other, field_approx, rtol, magnitude)
         if problem is not None:
             raise AssertionError(f"{prefix}{path} {problem}\n  got:      {leaf}\n  expected: {other}")
 
@@ -196,7 +216,7 @@ def check_associative(obs, xs: Sequence[torch.Tensor], *, exact: Optional[bool] 
     left = obs.merge(obs.merge(a, b), c)
     right = obs.merge(a, obs.merge(b, c))
     approx = _approx_set(init, approx_fields) | ({_ALL_FLOAT} if not exact else set())
-    assert_states_equal(left, right, approx_fields=approx, message=f"{_name(obs)}: associativity")
+    assert_states_equal(left, right, approx_fields=approx, message=f"{_name(obs)}: associativity", magnitudes=(a, b, c))
 
 
 def check_commutative(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) -> None:
@@ -208,18 +228,33 @@ def check_commutative(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) ->
     pairs = [(first, second), (obs.update(init, xs[0]), obs.update(init, xs[-1]))]
     for a, b in pairs:
         assert_states_equal(
-            obs.merge(a, b), obs.merge(b, a), approx_fields=approx_fields, message=f"{_name(obs)}: commutativity"
+            obs.merge(a, b), obs.merge(b, a), approx_fields=approx_fields, message=f"{_name(obs)}: commutativity",
+            magnitudes=(a, b),
         )
 
 
-def _concatenable(obs, a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.ndim == 0 or a.shape[1:] != b.shape[1:]:
-        return False
-    try:
-        qtree.assert_same_structure(obs.init(a), obs.init(torch.cat([a, b])))
-    except ValueError:
-        return False
-    return True
+def _concat_dim(obs, a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
+    """The first dimension along which ``a`` and ``b`` concatenate without changing the state's
+    structure (dim 0 for per-tensor or ``PerAxis(-1)``, dim 1 for ``PerAxis(0)``, ...) and which
+    ``update`` accepts, or None."""
+    if a.ndim == 0 or a.ndim != b.ndim:
+        return None
+    structure = obs.init(a)
+    for dim in range(a.ndim):
+        if a.shape[:dim] + a.shape[dim + 1 :] != b.shape[:dim] + b.shape[dim + 1 :]:
+            continue
+        joined = torch.cat([a, b], dim)
+        try:
+            qtree.assert_same_structure(structure, obs.init(joined))
+        except ValueError:
+            continue
+        try:
+            # an observer bound to one input shape (a weight's) need not take the concatenation
+            obs.update(obs.init(joined), joined)
+        except Exception:
+            continue
+        return dim
+    return None
 
 
 def check_homomorphism(
@@ -237,16 +272,21 @@ def check_homomorphism(
       (indices into ``xs``); the default tries every two-way split and the all-singletons split.
       Pass ``accumulates=False`` for observers that keep only the latest batch
       (`memoryless_minmax`), for which only the concatenation form holds.
-    - Concatenation form, when two batches can be concatenated along dim 0 without changing the
-      parameter shape (per-tensor, ``PerAxis(-1)``, ...):
-      ``update(s, cat(a, b)) == merge(update(s, a), update(init, b))`` for ``s = init`` and for a
-      state that has seen data.
+    - Concatenation form, when two batches can be concatenated along some dimension without
+      changing the parameter shape (dim 0 for per-tensor or ``PerAxis(-1)``, dim 1 for
+      ``PerAxis(0)``, ...): ``update(s, cat(a, b)) == merge(update(s, a), update(init, b))`` for
+      ``s = init`` and for a state that has seen data.
+    - Masked form, when batches concatenate along dim 0 (its rows are observations): a 0/1 row
+      ``weight`` leaves rows out, ``update(s, a, mask) == update(s, a[mask != 0])``, for the same
+      two states.
 
     Bit-exact except ``approx_fields``.
     """
     xs = _need(xs, 2, "check_homomorphism")
     name = _name(obs)
     init = obs.init(xs[0])
+    # the states of single batches: the terms whose magnitudes scale the tolerance of float sums
+    terms = [obs.update(init, x) for x in xs]
     if accumulates:
         sequential = _fold(obs, init, xs)
         if splits is None:
@@ -254,26 +294,47 @@ def check_homomorphism(
         for cuts in splits:
             bounds = [0, *sorted(set(int(c) for c in cuts if 0 < int(c) < len(xs))), len(xs)]
             groups = [xs[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-            merged = _merge_all(obs, [_fold(obs, init, group) for group in groups])
+            folds = [_fold(obs, init, group) for group in groups]
+            merged = _merge_all(obs, folds)
             assert_states_equal(
                 merged,
                 sequential,
                 approx_fields=approx_fields,
+                magnitudes=terms + folds,
                 message=f"{name}: homomorphism (merge of per-group states for split {list(cuts)} "
                 "vs sequential updates)",
             )
     a, b = (xs[1], xs[2]) if len(xs) >= 3 else (xs[0], xs[1])
-    if _concatenable(obs, a, b):
-        joined = torch.cat([a, b])
-        seen = obs.update(init, xs[0])
-        for label, state in (("init", init), ("a state that has seen data", seen)):
-            assert_states_equal(
-                obs.merge(obs.update(state, a), obs.update(init, b)),
-                obs.update(state, joined),
-                approx_fields=approx_fields,
-                message=f"{name}: homomorphism update(s, cat(a, b)) == merge(update(s, a), update(init, b)) "
-                f"with s = {label}",
-            )
+    dim = _concat_dim(obs, a, b)
+    if dim is None:
+        return
+    joined = torch.cat([a, b], dim)
+    seen = obs.update(init, xs[0])
+    states = (("init", init), ("a state that has seen data", seen))
+    for label, state in states:
+        left, right = obs.update(state, a), obs.update(init, b)
+        assert_states_equal(
+            obs.merge(left, right),
+            obs.update(state, joined),
+            approx_fields=approx_fields,
+            magnitudes=(state, left, right),
+            message=f"{name}: homomorphism update(s, cat(a, b)) == merge(update(s, a), update(init, b)) "
+            f"along dim {dim} with s = {label}",
+        )
+    if dim != 0 or a.shape[0] < 2:
+        return
+    # rows 0, 2, 4, ... kept: at least one row kept and one left out
+    mask = (torch.arange(a.shape[0], device=a.device) % 2 == 0).to(torch.float32)
+    kept = a[mask != 0]
+    for label, state in states:
+        assert_states_equal(
+            obs.update(state, a, mask),
+            obs.update(state, kept),
+            approx_fields=approx_fields,
+            magnitudes=(state, obs.update(init, kept)),
+            message=f"{name}: homomorphism update(s, x, mask) == update(s, x[mask != 0]) (a 0/1 row weight "
+            f"leaves rows out) with s = {label}",
+        )
 
 
 def _clone(tree):
@@ -285,9 +346,20 @@ def _spec_of(obs) -> Optional[QuantSpec]:
     return spec if isinstance(spec, QuantSpec) else None
 
 
+def _row_mask(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """A 0/1 float32 weight over the rows (dim 0) of ``x`` keeping rows 0, 2, 4, ...; None when
+    ``x`` has fewer than two rows."""
+    if x.ndim == 0 or x.shape[0] < 2:
+        return None
+    return (torch.arange(x.shape[0], device=x.device) % 2 == 0).to(torch.float32)
+
+
 def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tensor] = None) -> None:
-    """Law 4: ``init``, ``update``, ``merge`` and ``compute_qparams`` never modify their inputs,
-    and the same inputs give the same outputs (bit for bit)."""
+    """Law 4: ``init``, ``update`` (with and without a ``weight``), ``merge`` and
+    ``compute_qparams`` never modify their inputs, and the same inputs give the same outputs
+    (bit for bit). ``merge`` is given two states built from different batches, in both orders, so
+    that writing the result into either argument shows. ``weight`` defaults to a 0/1 mask over
+    the rows of ``xs[1]`` when it has at least two."""
     xs = _need(xs, 2, "check_purity")
     name = _name(obs)
     spec = _spec_of(obs)
@@ -299,23 +371,35 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
     x0_copy, x1_copy = x0.clone(), x1.clone()
     init = obs.init(x0)
     same(x0, x0_copy, "init modified its input")
+    init_copy = _clone(init)
     state = obs.update(init, x0)
+    same(init, init_copy, "update modified the state")
     state_copy = _clone(state)
-    weight_copy = None if weight is None else weight.clone()
-    extra = () if weight is None else (weight,)
-    first = obs.update(state, x1, *extra)
-    second = obs.update(state, x1, *extra)
-    same(x1, x1_copy, "update modified the input tensor")
-    same(state, state_copy, "update modified the state")
-    if weight is not None:
-        same(weight, weight_copy, "update modified the weight")
-    same(first, second, "update gave different results twice")
-    first_copy = _clone(first)
-    merged = obs.merge(state, first)
-    again = obs.merge(state, first)
-    same(state, state_copy, "merge modified its first argument")
-    same(first, first_copy, "merge modified its second argument")
-    same(merged, again, "merge gave different results twice")
+    if weight is None:
+        weight = _row_mask(x1)
+    weights = [()] if weight is None else [(), (weight,)]
+    for extra in weights:
+        weight_copy = [w.clone() for w in extra]
+        first = obs.update(state, x1, *extra)
+        second = obs.update(state, x1, *extra)
+        with_weight = " (with a weight)" if extra else ""
+        same(x1, x1_copy, f"update{with_weight} modified the input tensor")
+        same(state, state_copy, f"update{with_weight} modified the state")
+        if extra:
+            same(extra[0], weight_copy[0], "update modified the weight")
+        same(first, second, f"update{with_weight} gave different results twice")
+    # two states of different batches: neither contains the other
+    other = obs.update(init, x1)
+    other_copy = _clone(other)
+    merged = None
+    for left, right, left_copy, right_copy in ((state, other, state_copy, other_copy),
+                                               (other, state, other_copy, state_copy)):
+        merged = obs.merge(left, right)
+        again = obs.merge(left, right)
+        same(left, left_copy, "merge modified its first argument")
+        same(right, right_copy, "merge modified its second argument")
+        same(merged, again, "merge gave different results twice")
+    same(init, init_copy, "update or merge modified the init state")
     if spec is not None:
         merged_copy = _clone(merged)
         qparams = compute_qparams(merged, spec)
@@ -341,7 +425,7 @@ def _check_state_leaves(state, name: str) -> None:
 
 def check_stability(obs, xs: Sequence[torch.Tensor]) -> None:
     """Law 5: ``update`` and ``merge`` return exactly the structure, NamedTuple type, shapes and
-    dtypes that ``init`` returned, for float32 and for bfloat16/float16 inputs; the state type is
+    dtypes that ``init`` returned, for float32 and for bfloat16/float16/float64 inputs; the state type is
     registered, its leaves are tensors, floats are float32 or wider, integers int64."""
     xs = _need(xs, 1, "check_stability")
     name = _name(obs)
@@ -362,10 +446,11 @@ def check_stability(obs, xs: Sequence[torch.Tensor]) -> None:
         same(obs.merge(init, state), "merge(init, s)")
     same(obs.update(state, xs[0][:0] if xs[0].ndim else xs[0].reshape(-1)[:0]), "update with an empty tensor")
     if xs[0].dtype == torch.float32:
-        for dtype in (torch.bfloat16, torch.float16):
-            low = xs[0].to(dtype)
-            same(obs.init(low), f"init of a {dtype} tensor")
-            same(obs.update(state, low), f"update with a {dtype} tensor")
+        # the state's dtypes do not follow the input's, narrower or wider
+        for dtype in (torch.bfloat16, torch.float16, torch.float64):
+            other = xs[0].to(dtype)
+            same(obs.init(other), f"init of a {dtype} tensor")
+            same(obs.update(state, other), f"update with a {dtype} tensor")
 
 
 def _attempt(what: str, fn, *args):
@@ -394,7 +479,8 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
 
     batched = _attempt(f"{name}: vmap(update)", vmap(obs.update), stacked_states, stacked_next)
     looped = qtree.stack([obs.update(s, x) for s, x in zip(states, nexts)])
-    assert_states_equal(batched, looped, approx_fields=approx_fields, message=f"{name}: vmap(update) vs loop")
+    assert_states_equal(batched, looped, approx_fields=approx_fields, message=f"{name}: vmap(update) vs loop",
+                        magnitudes=(stacked_states,))
 
     if weights and xs[0].ndim >= 1 and xs[0].shape[0] >= 2:
         rows = xs[0].shape[0]
@@ -404,12 +490,14 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
         )
         looped_w = qtree.stack([obs.update(s, x, w) for s, x, w in zip(states, nexts, masks)])
         assert_states_equal(
-            batched_w, looped_w, approx_fields=approx_fields, message=f"{name}: vmap(update, weight) vs loop"
+            batched_w, looped_w, approx_fields=approx_fields, message=f"{name}: vmap(update, weight) vs loop",
+            magnitudes=(stacked_states,),
         )
 
     merged = _attempt(f"{name}: vmap(merge)", vmap(obs.merge), stacked_states, batched)
     looped_merge = qtree.stack([obs.merge(s, t) for s, t in zip(states, qtree.unstack(batched))])
-    assert_states_equal(merged, looped_merge, approx_fields=approx_fields, message=f"{name}: vmap(merge) vs loop")
+    assert_states_equal(merged, looped_merge, approx_fields=approx_fields, message=f"{name}: vmap(merge) vs loop",
+                        magnitudes=(stacked_states, batched))
 
     if spec is None:
         return
@@ -435,5 +523,6 @@ def check_compile(obs, xs: Sequence[torch.Tensor], *, backend: str = "inductor",
     for x in xs[:2]:
         # graph breaks surface as torch._dynamo errors
         got = _attempt(f"{name}: torch.compile(update, fullgraph=True)", compiled, state, x)
-        state = obs.update(state, x)
-        assert_states_equal(got, state, approx_fields=approx_fields, message=f"{name}: compiled update vs eager")
+        previous, state = state, obs.update(state, x)
+        assert_states_equal(got, state, approx_fields=approx_fields, message=f"{name}: compiled update vs eager",
+                            magnitudes=(previous, obs.update(obs.init(x), x)))
