@@ -183,3 +183,62 @@ def test_search_does_not_depend_on_the_data_magnitude(magnitude):
     state = obs.update(obs.init(x), x)
     assert torch.isfinite(state.loss).all()
     torch.testing.assert_close(qstats.compute_qparams(state, spec).scale / magnitude, reference, rtol=1e-6, atol=0.0)
+
+
+LOW_PRECISION_ARGS = [
+    dict(num_bits=4, type="int", symmetric=True, strategy="channel"),
+    dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16),
+    dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fields", LOW_PRECISION_ARGS, ids=["channel-int4", "group-int4-asym", "channel-fp8"])
+def test_bf16_and_fp16_weights_give_memoryless_mse_choice_bit_for_bit(fields, dtype):
+    """llm-compressor scores candidates with compressed-tensors' fake quantization in the weight's
+    dtype and forms |q - w| ** norm in it; the search used to compute the codes and errors of
+    bf16/fp16 weights in float32 and chose another scale for some channels."""
+    args = QuantizationArgs(**fields, observer="memoryless_mse", observer_kwargs={"patience": 10**6})
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
+    obs = qstats.mse(spec)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        w = (torch.randn(16, 64, generator=g) * torch.rand(16, 1, generator=g) * 3).to(dtype)
+        scale, zero_point = _llmc(args, "weight", [w])
+        qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec)
+        assert torch.equal(qp.scale.float(), scale.float().reshape(qp.scale.shape)), seed
+        assert torch.equal(qp.zero_point.float(), zero_point.float().reshape(qp.zero_point.shape)), seed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_moving_average_mode_on_bf16_and_fp16_inputs_reproduces_llm_compressor_mse(dtype):
+    """llm-compressor keeps a bf16/fp16 input's ranges and their moving average in that dtype."""
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="tensor", observer="mse",
+                            observer_kwargs={"averaging_constant": 0.25})
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
+    obs = qstats.mse(spec, mode="moving_average", averaging_constant=0.25)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        xs = [(torch.randn(2, 16, 32, generator=g) * (1 + i)).to(dtype) for i in range(3)]
+        scale, zero_point = _llmc(args, "input", xs)
+        state = obs.init(xs[0])
+        for x in xs:
+            state = obs.update(state, x)
+        qp = qstats.compute_qparams(state, spec)
+        assert torch.equal(qp.scale.float(), scale.float().reshape(())), seed
+        assert int(qp.zero_point) == int(zero_point.reshape(())), seed
+
+
+def test_moving_average_update_compiles_without_graph_breaks():
+    """A per-tensor search picks a 0-dim index: ``table[best]`` read it on the host and
+    ``torch.compile(update, fullgraph=True)`` raised; the compiled update equals eager."""
+    spec = qstats.QuantSpec(dtype="int4")
+    obs = qstats.mse(spec, grid=10, mode="moving_average", averaging_constant=0.5)
+    compiled = torch.compile(obs.update, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(7)
+    eager = got = obs.init(torch.zeros(6, 8))
+    for _ in range(2):
+        x = torch.randn(6, 8, generator=g)
+        got, eager = compiled(got, x), obs.update(eager, x)
+        for name, a, b in zip(eager._fields, got, eager):
+            assert torch.equal(a, b), name

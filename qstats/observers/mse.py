@@ -101,6 +101,9 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
     zeros (which quantize without error). The view is processed in chunks of about 2**18 values."""
     v = view.detach()
     compute_dtype = v.dtype if v.dtype in (torch.float32, torch.float64) else torch.float32
+    # bf16/fp16 inputs: quantized from their own values (as `fake_quantize` does; compressed-tensors
+    # computes codes in that dtype) and dequantized to it (what `fake_quantize` returns)
+    native = None if v.dtype == compute_dtype else v.dtype
     v = torch.nan_to_num(v.to(compute_dtype), nan=0.0, posinf=0.0, neginf=0.0)
     if mask is not None:
         v = torch.where(mask, v, torch.zeros_like(v))
@@ -111,7 +114,7 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
         finite = torch.isfinite(view.detach())
         error_mask = finite if mask is None else (mask & finite)
     zero_free = (not spec.is_float and spec.mapping != "asymmetric" and spec.zero_point_of_symmetric == 0
-                 and spec.zero_point_domain != "float")
+                 and spec.zero_point_domain != "float" and native is None)
     qmin, qmax = spec.qrange
     params = tuple(v.shape[1:-1])
     observations, group = v.shape[0], v.shape[-1]
@@ -132,9 +135,14 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
         chunks = [(slice(None), slice(a, b), slice(None)) for a, b in _chunk_bounds(num_params, per_chunk)]
     else:
         chunks = [(slice(None), slice(None), slice(a, b)) for a, b in _chunk_bounds(group, max(1, _CHUNK // observations))]
+    # compressed-tensors specs on bf16/fp16 inputs, without an importance: the error of every value
+    # in the input's dtype and its sum rounded to it once, as llm-compressor's MSE observers form them
+    native_error = native is not None and importance is None and spec.convention == "compressed_tensors"
     rows = []  # per chunk: (C, params in chunk)
+    rounded = native_error  # every chunk's sum may be rounded to the native dtype at the end
     for index in chunks:
-        row = _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, compute_dtype, zero_free)
+        row = _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, compute_dtype, zero_free, native,
+                            native_error)
         wide = compute_dtype != torch.float64 and v.device.type == "cpu" and not torch.compiler.is_compiling()
         # (a plain tensor only: under vmap or grad the check would be data-dependent control flow)
         wide = wide and not torch._C._functorch.is_functorch_wrapped_tensor(row)
@@ -142,20 +150,30 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
             # |d| ** norm or its sum overflowed float32 (data near 1e16 and beyond): the errors in
             # float64, which only such chunks pay for (the float32 bits stay everywhere else). A
             # scalar read, so CPU only: accelerators keep no host synchronisation
-            row = _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, torch.float64, zero_free)
+            row = _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, torch.float64, zero_free, native)
+            rounded = False
         rows.append(row)
     if num_params > 1:
         total = torch.cat(rows, dim=-1)
     else:
         total = torch.stack(rows, dim=0).sum(0)
+    if rounded:  # the float32 sums rounded once to the input's dtype, where they fit it
+        narrow = total.to(torch.float32).to(native)
+        total = torch.where(narrow.isfinite(), narrow.to(torch.float64), total)
     return total.transpose(0, 1).reshape(*params, len(factors))
 
 
-def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, error_dtype, zero_free):
+def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, error_dtype, zero_free, native=None,
+                  native_error=False):
     """``candidate_losses`` of one chunk of the view: ``(C, params in chunk)`` float64, the errors
-    formed in ``error_dtype``."""
+    formed in ``error_dtype``. ``native`` (bf16/fp16 inputs, None otherwise): the codes are computed
+    from the values in that dtype and dequantized to it. ``native_error``: the error
+    ``|q - x| ** norm`` is also formed in that dtype (summed in float32; the caller rounds the sum to
+    it), as llm-compressor's MSE observers do, so that their choice holds bit for bit on bf16/fp16
+    weights."""
     qmin, qmax = spec.qrange
     part = v[index]
+    code_input = part if native is None else part.to(native)  # exact: the values came from native
     param_index = (slice(None), index[1], slice(None))
     losses = []
     for scale_all, zero_all in zip(scales, zero_points):
@@ -166,17 +184,26 @@ def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, erro
             dequantized = torch.round(scaled).clamp(qmin, qmax) * scale
         else:
             zero_point = zero_all[param_index]
-            _, codes = _codes_float(part, scale, zero_point, spec)
+            _, codes = _codes_float(code_input, scale, zero_point, spec)
             dequantized = _dequantize_view(codes, scale, zero_point, spec)
-        difference = dequantized.to(part.dtype) - part
-        if difference.dtype != error_dtype:
-            difference = difference.to(error_dtype)
-        error = difference * difference if norm == 2.0 else difference.abs().pow(norm)
+        if native_error:
+            difference = dequantized.to(native) - code_input
+            error = difference * difference if norm == 2.0 else difference.abs().pow(norm)
+        else:
+            if native is not None:
+                dequantized = dequantized.to(native)
+            difference = dequantized.to(part.dtype) - part
+            if difference.dtype != error_dtype:
+                difference = difference.to(error_dtype)
+            error = difference * difference if norm == 2.0 else difference.abs().pow(norm)
         if weights is not None:
             error = error * weights[index]
         if keep is not None:
             error = torch.where(keep[index], error, torch.zeros_like(error))
-        losses.append(error.sum(dim=(0, -1)).to(torch.float64))
+        if native_error:  # summed in float32; the caller rounds the sum to the input's dtype
+            losses.append(error.sum(dim=(0, -1), dtype=torch.float32).to(torch.float64))
+        else:
+            losses.append(error.sum(dim=(0, -1)).to(torch.float64))
     return torch.stack(losses, dim=0)
 
 
@@ -327,11 +354,22 @@ def _moving_average(spec, factors, norm, expand, constant, patience, observe):
         loss = candidate_losses(view, mask, imp, base_lo, base_hi, factors, spec, norm)
         best = _first_minimum(loss, patience)
         table = torch.tensor(factors, dtype=torch.float32, device=loss.device)
-        p = table[best]
-        batch_lo, batch_hi = base_lo * p, base_hi * p
+        # a gather, not table[best]: a 0-dim index would read its value on the host (a graph break)
+        p = torch.gather(table.expand(*best.shape, len(factors)), -1, best.unsqueeze(-1)).squeeze(-1)
         first = state.batches == 0
-        moved_lo = state.min_val * (1.0 - constant) + batch_lo * constant
-        moved_hi = state.max_val * (1.0 - constant) + batch_hi * constant
+        if spec.convention == "compressed_tensors" and x.dtype in (torch.bfloat16, torch.float16):
+            # llm-compressor keeps a bf16/fp16 input's ranges in its dtype: every product and the
+            # moving average's sum rounded to it
+            def native(t):
+                return t.to(x.dtype).to(torch.float32)
+
+            batch_lo, batch_hi = native(native(base_lo) * p), native(native(base_hi) * p)
+            moved_lo = native(native(state.min_val * (1.0 - constant)) + native(batch_lo * constant))
+            moved_hi = native(native(state.max_val * (1.0 - constant)) + native(batch_hi * constant))
+        else:
+            batch_lo, batch_hi = base_lo * p, base_hi * p
+            moved_lo = state.min_val * (1.0 - constant) + batch_lo * constant
+            moved_hi = state.max_val * (1.0 - constant) + batch_hi * constant
         return MovingAverageMSEState(
             torch.where(seen, torch.where(first, batch_lo, moved_lo), state.min_val),
             torch.where(seen, torch.where(first, batch_hi, moved_hi), state.max_val),
