@@ -101,9 +101,10 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
     zeros (which quantize without error). The view is processed in chunks of about 2**18 values."""
     v = view.detach()
     compute_dtype = v.dtype if v.dtype in (torch.float32, torch.float64) else torch.float32
-    # bf16/fp16 inputs: quantized from their own values (as `fake_quantize` does; compressed-tensors
-    # computes codes in that dtype) and dequantized to it (what `fake_quantize` returns)
-    native = None if v.dtype == compute_dtype else v.dtype
+    # bf16/fp16 inputs under a spec that computes in their dtype (compressed-tensors with
+    # observed_dtype): quantized from their own values and dequantized to it, as compressed-tensors'
+    # fake_quantize does. Other specs accumulate half-precision inputs in float32.
+    native = v.dtype if v.dtype != compute_dtype and _computes_natively(spec, v.dtype) else None
     v = torch.nan_to_num(v.to(compute_dtype), nan=0.0, posinf=0.0, neginf=0.0)
     if mask is not None:
         v = torch.where(mask, v, torch.zeros_like(v))
@@ -161,6 +162,17 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
         narrow = total.to(torch.float32).to(native)
         total = torch.where(narrow.isfinite(), narrow.to(torch.float64), total)
     return total.transpose(0, 1).reshape(*params, len(factors))
+
+
+def _computes_natively(spec: QuantSpec, dtype: torch.dtype) -> bool:
+    """True for bf16/fp16 inputs under a compressed-tensors spec computing in that dtype
+    (``from_compressed_tensors(args, observed_dtype=...)``), whose mse search llm-compressor runs in
+    the input's dtype."""
+    return (
+        spec.convention == "compressed_tensors"
+        and dtype in (torch.bfloat16, torch.float16)
+        and spec.compute_dtype == str(dtype).removeprefix("torch.")
+    )
 
 
 def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, error_dtype, zero_free, native=None,
@@ -357,7 +369,7 @@ def _moving_average(spec, factors, norm, expand, constant, patience, observe):
         # a gather, not table[best]: a 0-dim index would read its value on the host (a graph break)
         p = torch.gather(table.expand(*best.shape, len(factors)), -1, best.unsqueeze(-1)).squeeze(-1)
         first = state.batches == 0
-        if spec.convention == "compressed_tensors" and x.dtype in (torch.bfloat16, torch.float16):
+        if _computes_natively(spec, x.dtype):
             # llm-compressor keeps a bf16/fp16 input's ranges in its dtype: every product and the
             # moving average's sum rounded to it
             def native(t):
