@@ -47,7 +47,10 @@ __all__ = [
 
 
 class Granularity:
-    """Base class of granularities: frozen, hashable configuration."""
+    """Base class of granularities: frozen, hashable configuration, checked at construction."""
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
         pass
@@ -116,6 +119,7 @@ class PerBlock(Granularity):
                 f"PerBlock.block_shape must be two positive ints (rows, cols), got {self.block_shape!r}"
             )
         object.__setattr__(self, "block_shape", tuple(self.block_shape))
+        self.validate()
 
     def validate(self) -> None:
         ok = len(self.block_shape) == 2 and all(

@@ -100,7 +100,6 @@ def test_bad_granularity_for_shape_names_the_problem(granularity, shape, needle)
         (dict(quant_min=1, quant_max=5), "quant_min"),
         (dict(quant_min=0, quant_max=0), "quant_min"),
         (dict(eps=0.0), "eps"),
-        (dict(granularity=qstats.PerGroup(0)), "group_size"),
         (dict(granularity="tensor"), "granularity"),
         (dict(dtype="uint8", mapping="narrow"), "mapping"),
         (dict(nonfinite="nan"), "nonfinite"),
@@ -110,6 +109,24 @@ def test_bad_granularity_for_shape_names_the_problem(granularity, shape, needle)
 def test_bad_spec_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         qstats.QuantSpec(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: qstats.PerGroup(0), "group_size"),
+        (lambda: qstats.TensorGroup(-16), "group_size"),
+        (lambda: qstats.PerGroup(True), "group_size"),
+        (lambda: qstats.PerAxis("0"), "axis"),
+        (lambda: qstats.PerBlock((0, 4)), "block_shape"),
+        (lambda: qstats.PerBlock((2, 4, 8)), "block_shape"),
+    ],
+)
+def test_bad_granularity_raises_at_construction(make, field):
+    """Also when used without a QuantSpec (canonical_view, qparam_shape), where PerGroup(0) used to
+    divide by zero."""
+    with pytest.raises(ValueError, match=field):
+        make()
 
 
 def test_spec_is_hashable_and_ranges_follow_bits():
