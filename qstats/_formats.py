@@ -347,7 +347,8 @@ def codes(view: torch.Tensor, scale: torch.Tensor, global_scale, spec):
             scaled = view / torch.clamp(scale, min=_F32_MIN_NORMAL)
     elif spec.convention == "torchao":  # NVFP4 without a global scale: x * (1 / scale)
         scaled = view * (1.0 / scale)
-    elif spec.compute_dtype != "float32":  # compressed-tensors divides in the observed dtype
+    elif spec.convention == "compressed_tensors" and spec.compute_dtype != "float32":
+        # compressed-tensors divides in the observed dtype
         compute = getattr(torch, spec.compute_dtype)
         scaled = (view.to(compute) / scale.to(compute)).float()
     else:

@@ -136,7 +136,11 @@ def _update(found, path: str, site: str, previous, x: torch.Tensor, weight):
     try:
         return found.observer.update(previous, x, weight)
     except (ValueError, TypeError) as error:
-        raise type(error)(f"calibrate: module {path!r} site {site!r}: {error}") from error
+        try:
+            renamed = type(error)(f"calibrate: module {path!r} site {site!r}: {error}")
+        except Exception:  # a subclass built from other arguments: the original, unchanged
+            raise error from None
+        raise renamed from error
 
 
 def _check_resumed(states: dict, sites: dict) -> None:

@@ -190,3 +190,30 @@ def test_rules_that_select_nothing_warn_naming_the_site():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert set(fine.sites(model)) == {"0", "2"}
+
+
+def test_observer_error_with_a_custom_constructor_is_raised_unchanged():
+    # calibrate prefixes observer errors with the module and site by rebuilding them from a
+    # message; an error type built from other arguments surfaced as an unrelated TypeError
+    class ShapeMismatch(ValueError):
+        def __init__(self, expected, got):
+            super().__init__(f"expected {expected}, got {got}")
+            self.expected, self.got = expected, got
+
+    base = qstats.minmax(qstats.QuantSpec("int8"))
+
+    def update(state, x, weight=None):
+        raise ShapeMismatch((4,), tuple(x.shape))
+
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), observer=lambda spec, **kw: base._replace(update=update))])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    with pytest.raises(ShapeMismatch) as caught:
+        qstats.calibrate(model, [torch.randn(2, 4)], recipe, progress=False)
+    assert caught.value.got == (2, 4)
+
+    def plain(state, x, weight=None):
+        raise ValueError("bad state")
+
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), observer=lambda spec, **kw: base._replace(update=plain))])
+    with pytest.raises(ValueError, match=r"module '0' site 'input': bad state"):
+        qstats.calibrate(model, [torch.randn(2, 4)], recipe, progress=False)
