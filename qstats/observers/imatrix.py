@@ -139,8 +139,9 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
             )
         imp = importance(imatrix_state).to(torch.float32)
         # llm-compressor's fallbacks to uniform weights: no rows seen, an importance that is all
-        # zeros (every candidate's loss would be 0), or one that is not finite in float32
-        usable = (imatrix_state.count > 0) & torch.isfinite(imp).all() & (imp != 0).any()
+        # zeros (every candidate's loss would be 0), or one that is not finite in float32 (a
+        # non-finite entry, or a mean that overflows, leaves a non-finite normalised entry)
+        usable = (imatrix_state.count > 0) & (imp != 0).any()
         imp = imp / (imp.mean() + torch.finfo(torch.float32).tiny)
         usable = usable & torch.isfinite(imp).all()
         imp = torch.where(usable, imp, torch.ones_like(imp))
