@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from ._native import row_extremes
+
 __all__ = ["finite_aminmax"]
 
 _POLICY_IGNORE = 0
@@ -75,13 +77,21 @@ def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], polic
             # one parameter: a full reduction, both extremes in one pass over memory (two passes
             # cost twice as much once the tensor does not stay in cache)
             lo, hi = (t.reshape(out_shape) for t in torch.aminmax(view.reshape(-1)))
-        else:  # per-row aminmax is far slower than the two vectorised row reductions
-            lo = _reduce(view, torch.amin)
-            hi = _reduce(view, torch.amax)
+            finite = None
+        else:  # one native pass where it applies; ATen's per-row aminmax is far slower than two
+            native = row_extremes(view)
+            if native is not None:
+                lo, hi, finite = native
+            else:
+                lo = _reduce(view, torch.amin)
+                hi = _reduce(view, torch.amax)
+                finite = None
         # hi - lo is finite exactly when both are (or the range overflows: then the slow path);
         # its max is finite exactly when every entry is (amax propagates NaN), and a max and a
         # scalar check cost less than an elementwise isfinite.
-        if math.isfinite((hi - lo).amax().item()):
+        if finite is None:
+            finite = math.isfinite((hi - lo).amax().item())
+        if finite:
             if uniform == "ints":
                 return _f32(lo), _f32(hi), per_param, 0
             if uniform == "views":

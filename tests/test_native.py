@@ -1,0 +1,170 @@
+"""The one-pass native row extremes (`qstats._native.row_extremes`) against ATen's amin/amax, and
+the min/max observers on tensors large enough to take it against an independent computation
+(torch.ao's observers where the data is finite; masked ATen reductions where it is not)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.ao.quantization import PerChannelMinMaxObserver
+
+import qstats
+from qstats import _native, _reductions
+
+pytestmark = pytest.mark.skipif(not _native._kernel(), reason="no C++ compiler: the native kernel is not built")
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the calls that reach the kernel, so that the observer tests know they tested it."""
+    calls = []
+    original = _native.row_extremes
+
+    def counting(view):
+        out = original(view)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_reductions, "row_extremes", counting)
+    return calls
+
+
+LENGTHS = [16, 17, 31, 32, 33, 47, 48, 64, 100, 256, 1000]
+
+
+def _view(rows, length, generator):
+    # more than _MIN_NUMEL values, so that the kernel applies
+    rows = max(rows, -(-_native._MIN_NUMEL // length))
+    return (torch.randn(1, rows, length, generator=generator) * 5).contiguous()
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_extremes_equal_aten(length, threads):
+    g = torch.Generator().manual_seed(length)
+    view = _view(7, length, g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lo, hi, finite = _native.row_extremes(view)
+    finally:
+        torch.set_num_threads(before)
+    assert finite
+    assert torch.equal(lo, view[0].amin(-1)) and torch.equal(hi, view[0].amax(-1))
+
+
+@pytest.mark.parametrize("length", [16, 33, 256])
+@pytest.mark.parametrize("where", ["first", "body", "tail", "last"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_any_nonfinite_value_is_flagged(length, where, value):
+    g = torch.Generator().manual_seed(1)
+    view = _view(3, length, g)
+    row = view.shape[1] // 2
+    column = {"first": 0, "body": length // 2, "tail": length - 1, "last": length - 1}[where]
+    if where == "last":
+        row = view.shape[1] - 1
+    view[0, row, column] = value
+    lo, hi, finite = _native.row_extremes(view)
+    assert not finite
+    others = torch.ones(view.shape[1], dtype=torch.bool)
+    others[row] = False
+    # every other row is still exact
+    assert torch.equal(lo[others], view[0, others].amin(-1)) and torch.equal(hi[others], view[0, others].amax(-1))
+
+
+def test_an_overflowing_range_is_flagged():
+    view = torch.zeros(1, 4096, 32)
+    view[0, 5, 3], view[0, 5, 4] = -3e38, 3e38
+    assert _native.row_extremes(view)[2] is False
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(1, 4096, 64, dtype=torch.float64),  # another dtype
+        lambda: torch.randn(1, 64, 4096).transpose(1, 2),  # not contiguous
+        lambda: torch.randn(2, 4096, 64),  # more than one observation
+        lambda: torch.randn(1, 65536, 8),  # a group below 16
+        lambda: torch.randn(1, 64, 64),  # too small to pay for the call
+    ],
+    ids=["float64", "transposed", "observations", "short group", "small"],
+)
+def test_inapplicable_views_are_left_to_aten(make):
+    assert _native.row_extremes(make()) is None
+
+
+TORCH_AO = {
+    "per channel symmetric": (torch.qint8, torch.per_channel_symmetric),
+    "per channel affine": (torch.quint8, torch.per_channel_affine),
+}
+
+
+@pytest.mark.parametrize("name", TORCH_AO)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_per_channel_update_matches_torch_ao(name, threads, kernel_calls):
+    """A weight large enough for the kernel, observed twice: min/max and qparams bit-exact with
+    torch.ao's PerChannelMinMaxObserver."""
+    dtype, qscheme = TORCH_AO[name]
+    spec = qstats.QuantSpec.from_torch_ao(dtype, qscheme)
+    g = torch.Generator().manual_seed(3)
+    w1, w2 = torch.randn(2, 1024, 300, generator=g) * torch.rand(1024, 1, generator=g) * 4
+    reference = PerChannelMinMaxObserver(ch_axis=0, dtype=dtype, qscheme=qscheme)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        obs = qstats.minmax(spec)
+        state = obs.update(obs.update(obs.init(w1), w1), w2)
+    finally:
+        torch.set_num_threads(before)
+    assert kernel_calls == [True, True]
+    reference(w1)
+    reference(w2)
+    assert torch.equal(state.min_val, reference.min_val) and torch.equal(state.max_val, reference.max_val)
+    assert torch.equal(state.count, torch.full((1024,), 600, dtype=torch.int64))
+    scale, zero_point = reference.calculate_qparams()
+    qparams = qstats.compute_qparams(state, spec)
+    assert torch.equal(qparams.scale, scale) and torch.equal(qparams.zero_point.to(zero_point.dtype), zero_point)
+
+
+@pytest.mark.parametrize("granularity", [qstats.PerAxis(0), qstats.PerGroup(128), qstats.PerToken()], ids=repr)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_large_update_with_nonfinite_values_ignores_and_counts_them(granularity, value, kernel_calls):
+    """NaN/Inf in a large tensor (the kernel flags it, the full path runs): extremes of the finite
+    values and the counts, against masked ATen reductions."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(512, 1024, generator=g)
+    x[7, 100] = value
+    x[300, 1023] = -value
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=granularity))
+    state = obs.update(obs.init(x), x)
+    assert kernel_calls == [True]  # flagged, then the full path
+    group = 1024 if not isinstance(granularity, qstats.PerGroup) else 128
+    rows = x.reshape(-1, group)
+    finite = torch.isfinite(rows)
+    assert torch.equal(state.min_val.reshape(-1), torch.where(finite, rows, torch.inf).amin(-1))
+    assert torch.equal(state.max_val.reshape(-1), torch.where(finite, rows, -torch.inf).amax(-1))
+    assert torch.equal(state.count.reshape(-1), finite.sum(-1))
+    assert torch.equal(state.nonfinite.reshape(-1), (~finite).sum(-1))
+
+
+def test_stacked_experts_vmap_equals_torch_ao_per_expert(kernel_calls):
+    """64 experts under vmap (the kernel reduces the whole stack in one call) against torch.ao's
+    observer on each expert."""
+    g = torch.Generator().manual_seed(5)
+    experts = torch.randn(8, 256, 128, generator=g)
+    spec = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric)
+    obs = qstats.minmax(spec)
+    scales = torch.vmap(lambda w: qstats.compute_qparams(obs.update(obs.init(w), w), spec).scale)(experts)
+    assert kernel_calls == [True]  # one call for the whole stack
+    for i, w in enumerate(experts):
+        reference = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+        reference(w)
+        assert torch.equal(scales[i], reference.calculate_qparams()[0])
+
+
+def test_the_environment_switch_turns_the_kernel_off():
+    code = "from qstats import _native; import torch; print(_native.row_extremes(torch.randn(1, 4096, 64)))"
+    env = dict(os.environ, QSTATS_NATIVE="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "None"
