@@ -2,18 +2,22 @@
 
 ATen has no fast one-pass reduction giving both the min and the max of each row (``aminmax``
 with a ``dim`` is several times slower than ``amin``; ``amin`` then ``amax`` reads the tensor
-twice), so per-channel and per-group min/max updates of large float32 tensors on CPU take this
-kernel: one read of the data, both extremes, a flag for any NaN or any non-finite range. It is
-the plain eager path's only native code; everything else (vmap, compile, accelerators, masks,
-other dtypes, non-contiguous views, small tensors) keeps the ATen reductions, and so does every
-machine where the kernel cannot be built (no C++ compiler: checked once per process, silently).
+twice), so the eager min/max reduction (`qstats._reductions.finite_aminmax`, plain tensors and
+``vmap``, whose batching rule reduces the whole stack in one call) takes this kernel for large,
+unmasked, contiguous float32 CPU inputs with one observation and groups of 16 values or more
+(per-channel, per-group, per-token): one read of the data, both extremes, and a flag for any
+value that is not finite or any range that overflows (the caller then takes the full path).
+Everything else (masks, other dtypes, non-contiguous views, small tensors, ``torch.compile``,
+accelerators) keeps the ATen reductions, and so does every machine where the kernel cannot be
+built (no C++ compiler: tried once per process, silently).
 
 The kernel is portable C++ (GCC/Clang vector extensions, no intrinsics), compiled with the
 system's C++ compiler (``$CXX``, else ``c++``, ``g++``, ``clang++``) into a private temporary
-directory of this process, for this machine (``-march=native`` where the compiler takes it); it
-takes about a quarter of a second, once. Min and max are exact, so the results equal ATen's
-``amin``/``amax`` bit for bit (up to the sign of a zero extreme, which no qparam reads).
-``QSTATS_NATIVE=0`` in the environment turns it off.
+directory of this process, for this machine (``-march=native`` where the compiler takes it), in
+about a quarter of a second, once. It splits rows over ``torch.get_num_threads()`` threads of
+torch's own OpenMP runtime (one thread in a forked child, where that runtime's pool is gone).
+Min and max are exact, so the results equal ATen's ``amin``/``amax`` bit for bit (up to the
+sign of a zero extreme, which no qparam reads). ``QSTATS_NATIVE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -41,47 +45,70 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 
 static inline v16 vload(const float* p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 
+#if defined(__clang__)
+#define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUFFLE(v, ...) __builtin_shuffle(v, (i16){__VA_ARGS__})
+#endif
+
+// the min / max of a vector's 16 lanes, in four shuffle-and-compare steps
+static inline float lanes_min(v16 v) {
+  v16 t;
+  t = SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7); v = t < v ? t : v;
+  t = SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11); v = t < v ? t : v;
+  t = SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13); v = t < v ? t : v;
+  t = SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14); v = t < v ? t : v;
+  return v[0];
+}
+
+static inline float lanes_max(v16 v) {
+  v16 t;
+  t = SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7); v = t > v ? t : v;
+  t = SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11); v = t > v ? t : v;
+  t = SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13); v = t > v ? t : v;
+  t = SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14); v = t > v ? t : v;
+  return v[0];
+}
+
 // Rows [r0, r1) of x viewed as [rows, len] (contiguous, len >= 16): lo[r] / hi[r] are the row's
-// min / max. Returns 1 when a value is NaN or a row's range is not finite. (The first vector
-// initialises the accumulators; two pairs of them hide the compare-select latency.)
+// min / max. Returns 1 when a value is not finite or a row's range overflows. The first vector
+// initialises the accumulators; two pairs of them hide the compare-select latency; v - v is 0
+// for a finite v and NaN otherwise, so one sum of those tells whether every value was finite.
 static int extremes(const float* x, int64_t len, float* lo, float* hi, int64_t r0, int64_t r1) {
-  i16 nan = {0};
-  int bad = 0;
+  v16 probe = {0};
+  float tail_probe = 0.0f;
+  int overflow = 0;
   const int64_t body = len - len % 16;
   for (int64_t r = r0; r < r1; ++r) {
     const float* p = x + r * len;
     v16 mn0 = vload(p), mx0 = mn0, mn1 = mn0, mx1 = mn0;
-    nan |= mn0 != mn0;
+    v16 sum = mn0 - mn0;
     int64_t j = 16;
     for (; j + 32 <= body; j += 32) {
       v16 a = vload(p + j), b = vload(p + j + 16);
-      nan |= (a != a) | (b != b);
+      sum += (a - a) + (b - b);
       mn0 = a < mn0 ? a : mn0; mx0 = a > mx0 ? a : mx0;
       mn1 = b < mn1 ? b : mn1; mx1 = b > mx1 ? b : mx1;
     }
-    for (; j < body; j += 16) {
+    if (j < body) {
       v16 a = vload(p + j);
-      nan |= a != a;
+      sum += a - a;
       mn0 = a < mn0 ? a : mn0; mx0 = a > mx0 ? a : mx0;
     }
-    mn0 = mn1 < mn0 ? mn1 : mn0;
-    mx0 = mx1 > mx0 ? mx1 : mx0;
-    float m = mn0[0], M = mx0[0];
-    for (int k = 1; k < 16; ++k) {
-      m = mn0[k] < m ? mn0[k] : m;
-      M = mx0[k] > M ? mx0[k] : M;
-    }
-    for (; j < len; ++j) {
+    probe += sum;
+    float m = lanes_min(mn1 < mn0 ? mn1 : mn0), M = lanes_max(mx1 > mx0 ? mx1 : mx0);
+    for (j = body; j < len; ++j) {
       const float v = p[j];
-      bad |= v != v;
+      tail_probe += v - v;
       m = v < m ? v : m;
       M = v > M ? v : M;
     }
-    bad |= !(M - m <= FLT_MAX);  // an infinite extreme or an overflowing range
+    overflow |= !(M - m <= FLT_MAX);
     lo[r] = m;
     hi[r] = M;
   }
-  for (int k = 0; k < 16; ++k) bad |= nan[k] != 0;
+  int bad = overflow | (tail_probe != 0.0f);
+  for (int k = 0; k < 16; ++k) bad |= probe[k] != 0.0f;
   return bad;
 }
 
@@ -112,6 +139,17 @@ _NUMEL_PER_THREAD = 1 << 18
 
 _lock = threading.Lock()
 _library = None  # the loaded kernel, False where it cannot be built, None before the first try
+_forked = False  # a child forked from this process: one thread (GNU OpenMP's pool does not survive a fork)
+
+
+def _after_fork_in_child():
+    global _forked, _lock
+    _forked = True
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _compilers():
@@ -185,6 +223,6 @@ def row_extremes(view: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tenso
     length = view.shape[-1]
     lo = torch.empty(out_shape, dtype=torch.float32)
     hi = torch.empty(out_shape, dtype=torch.float32)
-    threads = max(1, min(torch.get_num_threads(), view.numel() // _NUMEL_PER_THREAD))
+    threads = 1 if _forked else max(1, min(torch.get_num_threads(), view.numel() // _NUMEL_PER_THREAD))
     bad = kernel(view.data_ptr(), view.numel() // length, length, lo.data_ptr(), hi.data_ptr(), threads)
     return lo, hi, not bad

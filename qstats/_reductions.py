@@ -6,8 +6,9 @@ finite values and how many non-finite values each parameter saw.
 
 In eager mode and under ``vmap`` it is a ``torch.library`` custom op (a batching rule reduces the
 stacked tensor in one call; plain eager tensors call its implementation directly). Inside, on
-CPU, a finite input takes a fast path (one ``aminmax`` pass for a single parameter, an ``amin``
-and an ``amax`` row reduction for many), checked with one scalar read of the range's maximum;
+CPU, a finite input takes a fast path (one ``aminmax`` pass for a single parameter; for many, one
+pass of `qstats._native.row_extremes` where it applies, else an ``amin`` and an ``amax`` row
+reduction), checked with one scalar read of the range's maximum (or the kernel's flag);
 other inputs, and every input on an accelerator, take the masked path, which needs no host
 synchronisation. Under ``torch.compile`` (``nonfinite="ignore"``), unmasked, plain extremes come
 first (the compiler fuses both into one pass over the data) and the full reduction runs only when

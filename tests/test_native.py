@@ -168,3 +168,33 @@ def test_the_environment_switch_turns_the_kernel_off():
     env = dict(os.environ, QSTATS_NATIVE="0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "None"
+
+
+def _extremes_in_child(view, queue):
+    lo, hi, finite = _native.row_extremes(view)
+    queue.put((finite, lo.tolist() == [min(row) for row in view[0].tolist()]))  # no torch threads here
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
+def test_a_forked_child_computes_without_the_parents_thread_pool():
+    """GNU OpenMP's thread pool does not survive a fork: a child that reuses it hangs. After the
+    parent used it, a forked child takes one thread and finishes."""
+    import multiprocessing
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        view = torch.rand(1, 4096, 256) * 2 - 1
+        assert _native.row_extremes(view)[2]  # the parent's pool is in use
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_extremes_in_child, args=(view, queue))
+        child.start()
+        child.join(60)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+        assert not alive, "the forked child hung"
+        assert queue.get(timeout=5) == (True, True)
+    finally:
+        torch.set_num_threads(before)
