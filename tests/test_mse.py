@@ -242,3 +242,13 @@ def test_moving_average_update_compiles_without_graph_breaks():
         got, eager = compiled(got, x), obs.update(eager, x)
         for name, a, b in zip(eager._fields, got, eager):
             assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("patience", [1, 5, None])
+def test_patience_given_to_an_accumulating_search_raises(patience):
+    """In mode="accumulate" the search runs in compute_qparams, which takes ``patience``; the
+    factory used to accept it and ignore it (another answer than the one asked for)."""
+    spec = qstats.QuantSpec(dtype="int4", mapping="symmetric")
+    with pytest.raises(ValueError, match=r"compute_qparams\(state, spec, patience="):
+        qstats.mse(spec, patience=patience)
+    qstats.mse(spec, mode="moving_average", patience=patience)  # where it applies

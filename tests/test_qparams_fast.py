@@ -245,3 +245,26 @@ def test_short_cut_under_vmap_gives_dense_batched_outputs():
     for name in ("scale", "zero_point", "calibrated"):
         field = getattr(q, name)
         assert field.shape == (4, 6) and 0 not in field.stride(), (name, field.stride())
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda s: s._replace(max_val=s.max_val.amax()), r"'max_val' .* shape \(\), but min_val has shape \(4,\)"),
+        (lambda s: s._replace(max_val=s.max_val[:3]), r"'max_val' .* shape \(3,\), but min_val has shape \(4,\)"),
+        (lambda s: s._replace(max_val=s.max_val.int()), r"'max_val' .* dtype torch.int32"),
+        (lambda s: s._replace(count=s.count.float()), r"'count'"),
+    ],
+    ids=["0-dim max", "short max", "int max", "float count"],
+)
+@pytest.mark.parametrize("kind", ["minmax", "memoryless_minmax", "moving_average_minmax"])
+def test_compute_qparams_refuses_a_state_whose_fields_disagree(corrupt, message, kind):
+    """compute_qparams checks a min/max state as update and merge do (a 0-dim max_val broadcast
+    to per-channel scales nobody observed; mismatched lengths gave a bare RuntimeError)."""
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+    obs = getattr(qstats, kind)(spec)
+    x = torch.randn(4, 8)
+    state = obs.update(obs.init(x), x)
+    qstats.compute_qparams(state, spec)
+    with pytest.raises(ValueError, match=message):
+        qstats.compute_qparams(corrupt(state), spec)

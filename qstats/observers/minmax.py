@@ -455,6 +455,9 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
 def _extremes_rule(state, spec: QuantSpec, **options) -> Range:
     if options:
         raise TypeError(f"compute_qparams: {type(state).__name__} takes no options, got {sorted(options)}")
+    # fields of one shape and kind: a 0-dim max_val beside per-channel min_vals broadcast to
+    # scales nobody observed, and an integer max_val gave integer arithmetic
+    _check_extremes_state(state, type(state), "compute_qparams")
     return Range(state.min_val, state.max_val, state.count > 0)
 
 

@@ -249,8 +249,19 @@ def _reference_of(reference, shape, device):
     return lo, hi
 
 
+class _DefaultPatience:
+    """``mse``'s default ``patience``: llm-compressor's 5 in ``mode="moving_average"``, nothing in
+    ``"accumulate"`` (where any value given to the factory raises)."""
+
+    def __repr__(self):
+        return "5 (moving_average mode)"
+
+
+_MOVING_AVERAGE_PATIENCE = _DefaultPatience()
+
+
 def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float = 2.4, expand: float = 1.0,
-        mode: str = "accumulate", averaging_constant: float = 0.01, patience: Optional[int] = 5,
+        mode: str = "accumulate", averaging_constant: float = 0.01, patience=_MOVING_AVERAGE_PATIENCE,
         reference=None, importance: Optional[torch.Tensor] = None, steps: Optional[int] = None) -> Observer:
     """MSE grid search over shrink factors of the observed range, as a mergeable state.
 
@@ -263,7 +274,8 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
         ``mse``: per-batch search, then a moving average of the chosen ranges).
       averaging_constant: the moving average's constant (``mode="moving_average"``).
       patience: early stopping of the per-batch search in ``mode="moving_average"`` (llm-compressor's
-        default 5; None disables). In ``"accumulate"`` mode pass it to ``compute_qparams`` instead.
+        default 5; None disables). In ``"accumulate"`` mode the search runs in ``compute_qparams``:
+        pass it there (``compute_qparams(state, spec, patience=k)``); given here, it raises.
       reference: ``(min_val, max_val)`` tensors (or a MinMaxState) fixing the candidates' base range
         up front; then every merge is exact.
       importance: float tensor broadcastable to the canonical view, multiplying each element's
@@ -280,6 +292,13 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
         raise ValueError(f"mse: expand must be at least 1.0, got {expand!r}")
     if not (isinstance(averaging_constant, (int, float)) and 0 < averaging_constant <= 1):
         raise ValueError(f"mse: averaging_constant must be in (0, 1], got {averaging_constant!r}")
+    if mode == "accumulate" and patience is not _MOVING_AVERAGE_PATIENCE:
+        raise ValueError(
+            "mse: patience applies to mode='moving_average'; in mode='accumulate' the search runs in "
+            f"compute_qparams: pass compute_qparams(state, spec, patience={patience!r}) instead"
+        )
+    if patience is _MOVING_AVERAGE_PATIENCE:
+        patience = 5
     factors = shrink_factors(maxshrink, grid, steps)
     norm = float(norm)
     expand = float(expand)
