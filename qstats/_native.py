@@ -4,7 +4,8 @@ ATen has no fast one-pass reduction giving both the min and the max of each row 
 with a ``dim`` is several times slower than ``amin``; ``amin`` then ``amax`` reads the tensor
 twice), so the eager min/max reduction (`qstats._reductions.finite_aminmax`, plain tensors and
 ``vmap``, whose batching rule reduces the whole stack in one call) takes this kernel for large,
-unmasked, contiguous float32 CPU inputs with one observation and groups of 16 values or more
+unmasked, contiguous float32, bfloat16 or float16 CPU inputs with one observation and groups of
+16 values or more
 (per-channel, per-group, per-token): one read of the data, both extremes, and a flag for any
 value that is not finite or any range that overflows (the caller then takes the full path).
 Everything else (masks, other dtypes, non-contiguous views, small tensors, ``torch.compile``,
@@ -43,7 +44,68 @@ _SOURCE = r"""
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
 
-static inline v16 vload(const float* p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+// Loads of 16 values as float32 lanes (exact widening for bfloat16 and float16), and of one.
+struct F32 {
+  typedef float T;
+  static inline v16 load(const T* p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+  static inline float one(const T* p) { return *p; }
+};
+struct BF16 {
+  typedef uint16_t T;
+  static inline v16 load(const T* p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    return (v16)(__builtin_convertvector(h, u32x16) << 16);
+  }
+  static inline float one(const T* p) {
+    uint32_t bits = (uint32_t)*p << 16;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+  }
+};
+struct F16 {
+  typedef uint16_t T;
+  // IEEE half to single by integer arithmetic (vectorises everywhere; exact for every value):
+  // move exponent and mantissa into place and rebias; Inf/NaN get the rest of the exponent;
+  // subnormals are renormalised by one float subtraction
+  static inline v16 load(const T* p) {
+    u16x16 h16;
+    memcpy(&h16, p, sizeof h16);
+    const u32x16 h = __builtin_convertvector(h16, u32x16);
+    u32x16 o = (h & 0x7fff) << 13;
+    const u32x16 e = o & (0x7c00u << 13);
+    o += (127 - 15) << 23;
+    o = e == (0x7c00u << 13) ? o + ((128 - 16) << 23) : o;
+    const v16 renormalised = (v16)(o + (1u << 23)) - (v16)((u32x16){} + (113u << 23));
+    o = e == 0 ? (u32x16)renormalised : o;
+    return (v16)(o | ((h & 0x8000) << 16));
+  }
+  static inline float one(const T* p) {
+    const uint32_t h = *p;
+    uint32_t o = (h & 0x7fff) << 13;
+    const uint32_t e = o & (0x7c00u << 13);
+    o += (127 - 15) << 23;
+    float v;
+    if (e == (0x7c00u << 13)) {
+      o += (128 - 16) << 23;
+    } else if (e == 0) {
+      o += 1u << 23;
+      const uint32_t magic_bits = 113u << 23;
+      float magic;
+      memcpy(&v, &o, sizeof v);
+      memcpy(&magic, &magic_bits, sizeof magic);
+      v -= magic;
+      memcpy(&o, &v, sizeof v);
+    }
+    o |= (h & 0x8000) << 16;
+    memcpy(&v, &o, sizeof v);
+    return v;
+  }
+};
 
 #if defined(__clang__)
 #define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
@@ -74,31 +136,32 @@ static inline float lanes_max(v16 v) {
 // min / max. Returns 1 when a value is not finite or a row's range overflows. The first vector
 // initialises the accumulators; two pairs of them hide the compare-select latency; v - v is 0
 // for a finite v and NaN otherwise, so one sum of those tells whether every value was finite.
-static int extremes(const float* x, int64_t len, float* lo, float* hi, int64_t r0, int64_t r1) {
+template <class L>
+static int extremes(const typename L::T* x, int64_t len, float* lo, float* hi, int64_t r0, int64_t r1) {
   v16 probe = {0};
   float tail_probe = 0.0f;
   int overflow = 0;
   const int64_t body = len - len % 16;
   for (int64_t r = r0; r < r1; ++r) {
-    const float* p = x + r * len;
-    v16 mn0 = vload(p), mx0 = mn0, mn1 = mn0, mx1 = mn0;
+    const typename L::T* p = x + r * len;
+    v16 mn0 = L::load(p), mx0 = mn0, mn1 = mn0, mx1 = mn0;
     v16 sum = mn0 - mn0;
     int64_t j = 16;
     for (; j + 32 <= body; j += 32) {
-      v16 a = vload(p + j), b = vload(p + j + 16);
+      v16 a = L::load(p + j), b = L::load(p + j + 16);
       sum += (a - a) + (b - b);
       mn0 = a < mn0 ? a : mn0; mx0 = a > mx0 ? a : mx0;
       mn1 = b < mn1 ? b : mn1; mx1 = b > mx1 ? b : mx1;
     }
     if (j < body) {
-      v16 a = vload(p + j);
+      v16 a = L::load(p + j);
       sum += a - a;
       mn0 = a < mn0 ? a : mn0; mx0 = a > mx0 ? a : mx0;
     }
     probe += sum;
     float m = lanes_min(mn1 < mn0 ? mn1 : mn0), M = lanes_max(mx1 > mx0 ? mx1 : mx0);
     for (j = body; j < len; ++j) {
-      const float v = p[j];
+      const float v = L::one(p + j);
       tail_probe += v - v;
       m = v < m ? v : m;
       M = v > M ? v : M;
@@ -112,8 +175,9 @@ static int extremes(const float* x, int64_t len, float* lo, float* hi, int64_t r
   return bad;
 }
 
-extern "C" int qstats_row_extremes(const float* x, int64_t rows, int64_t len,
-                                   float* lo, float* hi, int64_t threads) {
+template <class L>
+static int split(const void* data, int64_t rows, int64_t len, float* lo, float* hi, int64_t threads) {
+  const typename L::T* x = (const typename L::T*)data;
   int bad = 0;
 #ifdef _OPENMP
   if (threads > 1 && rows >= threads) {
@@ -123,18 +187,28 @@ extern "C" int qstats_row_extremes(const float* x, int64_t rows, int64_t len,
 #pragma omp parallel for num_threads(threads) reduction(|: bad) schedule(static, 1)
     for (int64_t t = 0; t < threads; ++t) {
       const int64_t r0 = t * step, r1 = r0 + step < rows ? r0 + step : rows;
-      if (r0 < r1) bad |= extremes(x, len, lo, hi, r0, r1);
+      if (r0 < r1) bad |= extremes<L>(x, len, lo, hi, r0, r1);
     }
     return bad;
   }
 #endif
-  return extremes(x, len, lo, hi, 0, rows);
+  return extremes<L>(x, len, lo, hi, 0, rows);
+}
+
+// kind: 0 float32, 1 bfloat16, 2 float16. Returns 1 when flagged, 0 when not, -1 for another.
+extern "C" int qstats_row_extremes(const void* x, int64_t kind, int64_t rows, int64_t len,
+                                   float* lo, float* hi, int64_t threads) {
+  if (kind == 0) return split<F32>(x, rows, len, lo, hi, threads);
+  if (kind == 1) return split<BF16>(x, rows, len, lo, hi, threads);
+  if (kind == 2) return split<F16>(x, rows, len, lo, hi, threads);
+  return -1;
 }
 """
 
 # Below this many values the two ATen reductions cost about as much as the call (and the data
 # stays in cache, where a second pass is cheap); below this many per thread, no extra thread.
 _MIN_NUMEL = 1 << 16
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NUMEL_PER_THREAD = 1 << 18
 
 _lock = threading.Lock()
@@ -184,7 +258,7 @@ def _build():
                     break
                 function = library.qstats_row_extremes
                 function.restype = ctypes.c_int
-                function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+                function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
                 return function
     return False
 
@@ -203,14 +277,15 @@ def row_extremes(view: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tenso
     pass, with ``True`` when every value is finite and so is every range (``max - min``).
 
     Returns None where the kernel does not apply (more than one observation, a group below 16
-    values, fewer than ``_MIN_NUMEL`` values, not a contiguous float32 CPU tensor) or where this
+    values, fewer than ``_MIN_NUMEL`` values, not a contiguous float32, bfloat16 or float16 CPU
+    tensor) or where this
     machine has no kernel: the caller then takes ATen's reductions.
     """
     if (
         view.ndim < 2
         or view.shape[0] != 1
         or view.shape[-1] < 16
-        or view.dtype != torch.float32
+        or view.dtype not in _KINDS
         or view.device.type != "cpu"
         or view.numel() < _MIN_NUMEL
         or not view.is_contiguous()
@@ -224,5 +299,7 @@ def row_extremes(view: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tenso
     lo = torch.empty(out_shape, dtype=torch.float32)
     hi = torch.empty(out_shape, dtype=torch.float32)
     threads = 1 if _forked else max(1, min(torch.get_num_threads(), view.numel() // _NUMEL_PER_THREAD))
-    bad = kernel(view.data_ptr(), view.numel() // length, length, lo.data_ptr(), hi.data_ptr(), threads)
+    bad = kernel(view.data_ptr(), _KINDS[view.dtype], view.numel() // length, length, lo.data_ptr(), hi.data_ptr(), threads)
+    if bad < 0:
+        raise AssertionError(f"qstats: the native kernel does not know dtype {view.dtype}")
     return lo, hi, not bad

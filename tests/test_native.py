@@ -33,33 +33,38 @@ def kernel_calls(monkeypatch):
 LENGTHS = [16, 17, 31, 32, 33, 47, 48, 64, 100, 256, 1000]
 
 
-def _view(rows, length, generator):
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _view(rows, length, generator, dtype=torch.float32):
     # more than _MIN_NUMEL values, so that the kernel applies
     rows = max(rows, -(-_native._MIN_NUMEL // length))
-    return (torch.randn(1, rows, length, generator=generator) * 5).contiguous()
+    return (torch.randn(1, rows, length, generator=generator) * 5).to(dtype).contiguous()
 
 
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_row_extremes_equal_aten(length, threads):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_extremes_equal_aten(length, threads, dtype):
     g = torch.Generator().manual_seed(length)
-    view = _view(7, length, g)
+    view = _view(7, length, g, dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         lo, hi, finite = _native.row_extremes(view)
     finally:
         torch.set_num_threads(before)
-    assert finite
-    assert torch.equal(lo, view[0].amin(-1)) and torch.equal(hi, view[0].amax(-1))
+    assert finite and lo.dtype == hi.dtype == torch.float32
+    assert torch.equal(lo, view[0].amin(-1).float()) and torch.equal(hi, view[0].amax(-1).float())
 
 
 @pytest.mark.parametrize("length", [16, 33, 256])
 @pytest.mark.parametrize("where", ["first", "body", "tail", "last"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
-def test_any_nonfinite_value_is_flagged(length, where, value):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_any_nonfinite_value_is_flagged(length, where, value, dtype):
     g = torch.Generator().manual_seed(1)
-    view = _view(3, length, g)
+    view = _view(3, length, g, dtype)
     row = view.shape[1] // 2
     column = {"first": 0, "body": length // 2, "tail": length - 1, "last": length - 1}[where]
     if where == "last":
@@ -70,7 +75,8 @@ def test_any_nonfinite_value_is_flagged(length, where, value):
     others = torch.ones(view.shape[1], dtype=torch.bool)
     others[row] = False
     # every other row is still exact
-    assert torch.equal(lo[others], view[0, others].amin(-1)) and torch.equal(hi[others], view[0, others].amax(-1))
+    assert torch.equal(lo[others], view[0, others].amin(-1).float())
+    assert torch.equal(hi[others], view[0, others].amax(-1).float())
 
 
 def test_an_overflowing_range_is_flagged():
@@ -83,12 +89,13 @@ def test_an_overflowing_range_is_flagged():
     "make",
     [
         lambda: torch.randn(1, 4096, 64, dtype=torch.float64),  # another dtype
+        lambda: torch.randn(1, 4096, 64).to(torch.float8_e4m3fn),  # another dtype
         lambda: torch.randn(1, 64, 4096).transpose(1, 2),  # not contiguous
         lambda: torch.randn(2, 4096, 64),  # more than one observation
         lambda: torch.randn(1, 65536, 8),  # a group below 16
         lambda: torch.randn(1, 64, 64),  # too small to pay for the call
     ],
-    ids=["float64", "transposed", "observations", "short group", "small"],
+    ids=["float64", "float8", "transposed", "observations", "short group", "small"],
 )
 def test_inapplicable_views_are_left_to_aten(make):
     assert _native.row_extremes(make()) is None
@@ -102,13 +109,15 @@ TORCH_AO = {
 
 @pytest.mark.parametrize("name", TORCH_AO)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_large_per_channel_update_matches_torch_ao(name, threads, kernel_calls):
+@pytest.mark.parametrize("input_dtype", DTYPES, ids=str)
+def test_large_per_channel_update_matches_torch_ao(name, threads, input_dtype, kernel_calls):
     """A weight large enough for the kernel, observed twice: min/max and qparams bit-exact with
-    torch.ao's PerChannelMinMaxObserver."""
+    torch.ao's PerChannelMinMaxObserver (given the float32 weight: bfloat16 and float16 widen
+    exactly)."""
     dtype, qscheme = TORCH_AO[name]
     spec = qstats.QuantSpec.from_torch_ao(dtype, qscheme)
     g = torch.Generator().manual_seed(3)
-    w1, w2 = torch.randn(2, 1024, 300, generator=g) * torch.rand(1024, 1, generator=g) * 4
+    w1, w2 = (torch.randn(2, 1024, 300, generator=g) * torch.rand(1024, 1, generator=g) * 4).to(input_dtype)
     reference = PerChannelMinMaxObserver(ch_axis=0, dtype=dtype, qscheme=qscheme)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -118,8 +127,8 @@ def test_large_per_channel_update_matches_torch_ao(name, threads, kernel_calls):
     finally:
         torch.set_num_threads(before)
     assert kernel_calls == [True, True]
-    reference(w1)
-    reference(w2)
+    reference(w1.float())
+    reference(w2.float())
     assert torch.equal(state.min_val, reference.min_val) and torch.equal(state.max_val, reference.max_val)
     assert torch.equal(state.count, torch.full((1024,), 600, dtype=torch.int64))
     scale, zero_point = reference.calculate_qparams()
@@ -198,3 +207,17 @@ def test_a_forked_child_computes_without_the_parents_thread_pool():
         assert queue.get(timeout=5) == (True, True)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("length", [16, 17], ids=["vector", "scalar tail"])
+def test_every_half_precision_value_widens_exactly(dtype, length):
+    """Rows of ``length`` copies of each finite 16-bit pattern (subnormals and signed zeros
+    included): the kernel's min is torch's float32 conversion of that value, bit for bit."""
+    values = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = values[torch.isfinite(values)]
+    view = values.repeat(2).repeat_interleave(length).reshape(1, -1, length).contiguous()
+    lo, hi, finite = _native.row_extremes(view)
+    assert finite
+    expected = view[0, :, 0].float().view(torch.int32)
+    assert torch.equal(lo.view(torch.int32), expected) and torch.equal(hi.view(torch.int32), expected)
