@@ -2,15 +2,16 @@
 
 ATen has no fast one-pass reduction giving both the min and the max of each row (``aminmax``
 with a ``dim`` is several times slower than ``amin``; ``amin`` then ``amax`` reads the tensor
-twice), so the eager min/max reduction (`qstats._reductions.finite_aminmax`, plain tensors and
-``vmap``, whose batching rule reduces the whole stack in one call) takes this kernel for large,
-unmasked, contiguous float32, bfloat16 or float16 CPU inputs with one observation and groups of
-16 values or more
+twice, and the compiler's fused reduction of both is slower than one sum), so the min/max
+reduction (`qstats._reductions.finite_aminmax`: plain tensors, ``vmap``, whose batching rule
+reduces the whole stack in one call, and ``torch.compile``, through the op
+``qstats::row_extremes``) takes this kernel for large, unmasked, contiguous float32, bfloat16 or
+float16 CPU inputs with one observation, some parameter dims and groups of 16 values or more
 (per-channel, per-group, per-token): one read of the data, both extremes, and a flag for any
 value that is not finite or any range that overflows (the caller then takes the full path).
-Everything else (masks, other dtypes, non-contiguous views, small tensors, ``torch.compile``,
-accelerators) keeps the ATen reductions, and so does every machine where the kernel cannot be
-built (no C++ compiler: tried once per process, silently).
+Everything else (masks, other dtypes, non-contiguous views, small tensors, accelerators) keeps
+the ATen reductions, and so does every machine where the kernel cannot be built (no C++
+compiler: tried once per process, silently).
 
 The kernel is portable C++ (GCC/Clang vector extensions, no intrinsics), compiled with the
 system's C++ compiler (``$CXX``, else ``c++``, ``g++``, ``clang++``) into a private temporary
@@ -272,34 +273,50 @@ def _kernel():
     return _library
 
 
+def applies(view: torch.Tensor, numel: Optional[int] = None) -> bool:
+    """Whether `row_extremes` takes ``view`` (its shape, dtype, device and layout; fake tensors
+    under ``torch.compile`` answer too) on a machine with the kernel. ``numel``: the size that
+    counts, where it is not the view's (under ``vmap``, every slice together)."""
+    return (
+        view.ndim >= 3  # some parameter dims: a single row would take one thread
+        and view.shape[0] == 1
+        and view.shape[-1] >= 16
+        and view.dtype in _KINDS
+        and view.device.type == "cpu"
+        and (view.numel() if numel is None else numel) >= _MIN_NUMEL
+        and view.is_contiguous()
+        and available()
+    )
+
+
+def available() -> bool:
+    """Whether this machine has the kernel (builds it on the first call)."""
+    return bool(_kernel())
+
+
+if hasattr(torch.compiler, "assume_constant_result"):
+    # a constant for torch.compile, which cannot trace the build or the ctypes handle
+    available = torch.compiler.assume_constant_result(available)
+
+
 def row_extremes(view: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, bool]]:
     """Min and max of a canonical view ``(1, *qparam_shape, group)`` over its last dim, in one
-    pass, with ``True`` when every value is finite and so is every range (``max - min``).
+    pass, as float32, with ``True`` when every value is finite and so is every range
+    (``max - min``).
 
-    Returns None where the kernel does not apply (more than one observation, a group below 16
-    values, fewer than ``_MIN_NUMEL`` values, not a contiguous float32, bfloat16 or float16 CPU
-    tensor) or where this
-    machine has no kernel: the caller then takes ATen's reductions.
+    Returns None where the kernel does not apply (`applies`: more than one observation, no
+    parameter dims, a group below 16 values, fewer than ``_MIN_NUMEL`` values, not a contiguous float32, bfloat16 or
+    float16 CPU tensor) or where this machine has no kernel: the caller then takes ATen's
+    reductions.
     """
-    if (
-        view.ndim < 2
-        or view.shape[0] != 1
-        or view.shape[-1] < 16
-        or view.dtype not in _KINDS
-        or view.device.type != "cpu"
-        or view.numel() < _MIN_NUMEL
-        or not view.is_contiguous()
-    ):
-        return None
-    kernel = _kernel()
-    if not kernel:
+    if not applies(view):
         return None
     out_shape = view.shape[1:-1]
     length = view.shape[-1]
     lo = torch.empty(out_shape, dtype=torch.float32)
     hi = torch.empty(out_shape, dtype=torch.float32)
     threads = 1 if _forked else max(1, min(torch.get_num_threads(), view.numel() // _NUMEL_PER_THREAD))
-    bad = kernel(view.data_ptr(), _KINDS[view.dtype], view.numel() // length, length, lo.data_ptr(), hi.data_ptr(), threads)
+    bad = _kernel()(view.data_ptr(), _KINDS[view.dtype], view.numel() // length, length, lo.data_ptr(), hi.data_ptr(), threads)
     if bad < 0:
         raise AssertionError(f"qstats: the native kernel does not know dtype {view.dtype}")
     return lo, hi, not bad

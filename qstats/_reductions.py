@@ -11,8 +11,9 @@ pass of `qstats._native.row_extremes` where it applies, else an ``amin`` and an 
 reduction), checked with one scalar read of the range's maximum (or the kernel's flag);
 other inputs, and every input on an accelerator, take the masked path, which needs no host
 synchronisation. Under ``torch.compile`` (``nonfinite="ignore"``), unmasked, plain extremes come
-first (the compiler fuses both into one pass over the data) and the full reduction runs only when
-an extreme is not finite: outside any functorch transform a ``torch.cond`` picks it; under
+first (the native kernel as the op ``qstats::row_extremes`` where it applies, else ``amin`` and
+``amax``, which the compiler fuses into one pass over the data) and the full reduction runs only
+when an extreme is not finite: outside any functorch transform a ``torch.cond`` picks it; under
 ``vmap`` on CPU, where ``torch.cond`` does not run, a small opaque op reads the flag on the host.
 Masked inputs, and unmasked ones under a transform on an accelerator, take the decomposition,
 which the compiler also fuses into one pass. With ``nonfinite="raise"`` the op stays, opaque to
@@ -26,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from . import _native
 from ._native import row_extremes
 
 __all__ = ["finite_aminmax"]
@@ -232,6 +234,51 @@ if _COND:
     _no_functorch_transform = torch.compiler.assume_constant_result(_no_functorch_transform)
 
 
+@torch.library.custom_op("qstats::row_extremes", mutates_args=())
+def _row_extremes_op(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`qstats._native.row_extremes` as an op the compiler calls (one pass for both extremes,
+    faster than the compiler's own fused reduction): float32 extremes and a 0-dim bool, True when
+    every value and every range is finite. Where the kernel does not take the tensor it gets at
+    run time, ATen's reductions give the same results."""
+    out = row_extremes(view)
+    if out is None:
+        lo, hi = _f32(_reduce(view, torch.amin)), _f32(_reduce(view, torch.amax))
+        return lo, hi, torch.isfinite(hi - lo).all()
+    lo, hi, finite = out
+    return lo, hi, torch.tensor(finite)
+
+
+@_row_extremes_op.register_fake
+def _(view):
+    lo = view.new_empty(view.shape[1:-1], dtype=torch.float32)
+    return lo, torch.empty_like(lo), view.new_empty((), dtype=torch.bool)
+
+
+def _row_extremes_vmap_rule(info, in_dims, view):
+    if in_dims[0] is None:
+        return _row_extremes_op(view), (None, None, None)
+    # the batch inside the parameter dims, as `_batched_arguments` puts it; one flag for all slices
+    return _row_extremes_op(view.movedim(in_dims[0], 1)), (0, 0, None)
+
+
+torch.library.register_vmap("qstats::row_extremes", _row_extremes_vmap_rule)
+
+
+def _plain_extremes(view: torch.Tensor):
+    """Both extremes of an unmasked view and one flag, True when every extreme and every range is
+    finite, for the compiled paths: the native op where it takes the view, else ``amin`` and
+    ``amax``, which the compiler fuses into one pass."""
+    # under vmap the view is one slice; the size that counts, every slice together, is not known
+    # when tracing: the op takes it at run time where it is large enough, else ATen's passes
+    if _native.applies(view, numel=None if _no_functorch_transform() else _native._MIN_NUMEL):
+        return _row_extremes_op(view)
+    dims = (0, view.ndim - 1)
+    lo = view.amin(dim=dims)
+    hi = view.amax(dim=dims)
+    # hi - lo is finite exactly when both are (or the range overflows: then the full path)
+    return lo, hi, torch.isfinite(hi - lo).all()
+
+
 def _finite_first_aminmax(view: torch.Tensor):
     """The unmasked reduction for ``torch.compile`` outside ``vmap``: plain extremes first (the
     compiler's cheapest two-reduction pass), then, only when some extreme is not finite (a NaN or
@@ -239,9 +286,7 @@ def _finite_first_aminmax(view: torch.Tensor):
     tensor. Under ``vmap`` the flag would be per slice, and ``torch.cond`` would run both."""
     if view.numel() == 0:
         return _nothing_seen(view)
-    dims = (0, view.ndim - 1)
-    lo = view.amin(dim=dims)
-    hi = view.amax(dim=dims)
+    lo, hi, all_finite = _plain_extremes(view)
     per_param = view.shape[0] * view.shape[-1]
 
     def finite(view, lo, hi):
@@ -251,8 +296,7 @@ def _finite_first_aminmax(view: torch.Tensor):
     def not_finite(view, lo, hi):
         return _traceable_finite_aminmax(view, None)
 
-    # hi - lo is finite exactly when both are (or the range overflows: then the other branch)
-    return torch.cond(torch.isfinite(hi - lo).all(), finite, not_finite, (view, lo, hi))
+    return torch.cond(all_finite, finite, not_finite, (view, lo, hi))
 
 
 @torch.library.custom_op("qstats::nonfinite_fallback", mutates_args=())
@@ -294,10 +338,7 @@ def _finite_first_aminmax_in_transform(view: torch.Tensor):
     slice under ``vmap``; the op takes all of them at once)."""
     if view.numel() == 0:
         return _nothing_seen(view)
-    dims = (0, view.ndim - 1)
-    lo = view.amin(dim=dims)
-    hi = view.amax(dim=dims)
-    finite = torch.isfinite(hi - lo).all()  # also False when the range overflows: then the full path
+    lo, hi, finite = _plain_extremes(view)  # finite: also False when a range overflows (full path)
     full_lo, full_hi, full_count, full_nonfinite = _nonfinite_fallback_op(view, finite)
     per_param = view.shape[0] * view.shape[-1]
     return (

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qstats
+from qstats import _native, _reductions
 from qstats._reductions import (
     _COND,
     _finite_aminmax_impl,
@@ -231,6 +232,9 @@ def test_custom_ops_pass_opcheck():
             torch.library.opcheck(torch.ops.qstats.finite_aminmax.default, (view, mask, 0))
         for finite in (True, False):
             torch.library.opcheck(torch.ops.qstats.nonfinite_fallback.default, (view, torch.tensor(finite)))
+    for view in (torch.randn(1, 1024, 96, generator=g), torch.randn(1, 30, 5, generator=g)):  # native, ATen
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.library.opcheck(torch.ops.qstats.row_extremes.default, (view.to(dtype),))
     for params in (3, 4096):  # full-resolution and folded bucket layouts
         view = torch.randn(2, params, 3, generator=g)
         torch.library.opcheck(torch.ops.qstats.float_bucket_counts.default, (view, None, 7, -24, 24))
@@ -252,3 +256,40 @@ def test_compiled_histogram_update_with_many_parameters():
     compiled = torch.compile(obs.update, fullgraph=True)
     for a, b in zip(compiled(obs.init(w), w), obs.update(obs.init(w), w)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not _native.available(), reason="no C++ compiler: the native kernel is not built")
+@pytest.mark.parametrize("form", ["vmap", "stacked"])
+@pytest.mark.parametrize("dirty", [None, 0, 3], ids=["clean", "first-expert-dirty", "last-expert-dirty"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_compiled_experts_large_enough_for_the_native_op_equal_eager(form, dirty, dtype):
+    """Stacks large enough that the compiled update calls the native op (one flag for every
+    expert; the full reduction when one is not finite): the same states as the eager loop."""
+    generator = torch.Generator().manual_seed(5)
+    experts = torch.randn(4, 128, 160, generator=generator)
+    if dirty is not None:
+        experts[dirty] = _with_nonfinite(experts[dirty], generator, 0.01)
+    experts = experts.to(dtype)
+    assert _native.applies(experts.reshape(1, 4 * 128, 160))
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(0)))
+    if form == "vmap":
+        function = torch.vmap(lambda w: obs.update(obs.init(w), w))
+    else:
+        stacked = qstats.stacked_observer(obs, 4)
+        function = lambda w: stacked.update(stacked.init(w), w)  # noqa: E731
+    calls = []
+    original = _reductions._row_extremes_op
+
+    def counting(view):
+        calls.append(view.shape)
+        return original(view)
+
+    _reductions._row_extremes_op = counting
+    try:
+        got = torch.compile(function, fullgraph=True)(experts)
+    finally:
+        _reductions._row_extremes_op = original
+    assert calls, "the compiled update did not take the native op"
+    expected = [obs.update(obs.init(w), w) for w in experts]
+    for field, values in zip(got._fields, got):
+        assert torch.equal(values, torch.stack([getattr(e, field) for e in expected])), field
