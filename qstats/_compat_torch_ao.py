@@ -148,7 +148,7 @@ def spec_from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, 
 # float32 formula of qstats/_quant.py; float zero points and wider ranges (int32) take the functions
 # below. Not reproduced: torch's per-channel kernels cast ``x / scale`` to int64 before clamping, so
 # values beyond 2**63 (infinities included) land on quant_min; qstats clamps them to the nearest
-# end, as torch's per-tensor kernel does.
+# end, as torch's per-tensor kernel does (from torch 2.9 on; before, it casts like the per-channel ones).
 _FLOAT32_EXACT_INTEGERS = 2**24
 
 

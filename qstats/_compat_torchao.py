@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from ._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
+from ._torch_features import torch_dtype
 
 _MAPPINGS = {
     "SYMMETRIC": "symmetric",
@@ -49,12 +50,14 @@ _MX_ELEMENTS = {
     torch.float8_e5m2: "fp8_e5m2",
     "fp6_e2m3": "fp6_e2m3",
     "fp6_e3m2": "fp6_e3m2",
-    torch.float4_e2m1fn_x2: "fp4_e2m1",
     "fp4_e2m1": "fp4_e2m1",
     "fp8_e4m3fn": "fp8_e4m3fn",
     "fp8_e5m2": "fp8_e5m2",
 }
+if torch_dtype("float4_e2m1fn_x2") is not None:  # torch >= 2.8; the name "fp4_e2m1" works on any torch
+    _MX_ELEMENTS[torch_dtype("float4_e2m1fn_x2")] = "fp4_e2m1"
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_E8M0 = torch_dtype("float8_e8m0fnu")  # torch >= 2.7
 _NVFP4_BLOCK_SCALE_EPS = float(torch.finfo(torch.float8_e4m3fn).tiny)  # torchao E4M3_EPS
 
 
@@ -202,7 +205,7 @@ def _float8_spec(cls, float8_dtype, kwargs, overrides):
     if kwargs.pop("hp_value_lb", None) is not None or kwargs.pop("hp_value_ub", None) is not None:
         raise ValueError("from_torchao: float8 hp_value_lb/hp_value_ub are not supported")
     _reject_unknown(kwargs)
-    if scale_dtype not in (torch.float32, torch.float8_e8m0fnu):
+    if scale_dtype is None or scale_dtype not in (torch.float32, _E8M0):
         raise ValueError(f"from_torchao: float8 scale_dtype must be float32 or float8_e8m0fnu, got {scale_dtype}")
     fields = dict(
         dtype=_MX_ELEMENTS[float8_dtype],
@@ -212,7 +215,7 @@ def _float8_spec(cls, float8_dtype, kwargs, overrides):
         eps=float(torch.finfo(torch.float32).tiny),
         on_uncalibrated="fallback",
     )
-    if scale_dtype == torch.float8_e8m0fnu:
+    if scale_dtype == _E8M0:
         fields.update(scale_dtype="e8m0", scale_rounding="round")
     fields.update(overrides)
     return cls(**fields)

@@ -57,6 +57,8 @@ from __future__ import annotations
 
 import torch
 
+from ._torch_features import bitcast
+
 __all__ = [
     "round_to_format",
     "encode",
@@ -83,14 +85,14 @@ _E8M0_MIN = 2.0**-127
 # element formats
 def _exponent_of(a: torch.Tensor) -> torch.Tensor:
     """Unbiased float32 exponent field of ``a >= 0`` (int32; -127 for zero and subnormals)."""
-    bits = a.float().contiguous().view(torch.int32)
+    bits = bitcast(a.float().contiguous(), torch.int32)
     return torch.bitwise_and(torch.bitwise_right_shift(bits, _F32_MANTISSA), 0xFF) - _F32_BIAS
 
 
 def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     """Exactly ``2.0 ** exponent`` as float32 for integer exponents in [-126, 127]."""
     biased = (exponent.to(torch.int32) + _F32_BIAS).clamp(1, 254)
-    return torch.bitwise_left_shift(biased, _F32_MANTISSA).view(torch.float32)
+    return bitcast(torch.bitwise_left_shift(biased, _F32_MANTISSA), torch.float32)
 
 
 def _min_normal_exponent(fmt) -> int:
@@ -108,10 +110,10 @@ def round_to_format(x: torch.Tensor, fmt) -> torch.Tensor:
     magnitude = x.abs().clamp(max=fmt.max)
     # The grid step of each value's binade, 2 ** (max(exponent, min normal exponent) - mantissa
     # bits), built directly in the float32 exponent field (three passes instead of seven).
-    exponent_bits = torch.bitwise_and(magnitude.view(torch.int32), 0x7F800000)
+    exponent_bits = torch.bitwise_and(bitcast(magnitude, torch.int32), 0x7F800000)
     min_normal_bits = (_min_normal_exponent(fmt) + _F32_BIAS) << _F32_MANTISSA
     quantum_bits = torch.clamp(exponent_bits, min=min_normal_bits) - (fmt.mantissa_bits << _F32_MANTISSA)
-    quantum = quantum_bits.view(torch.float32)
+    quantum = bitcast(quantum_bits, torch.float32)
     rounded = torch.round(magnitude / quantum) * quantum
     return torch.copysign(rounded, x)
 
@@ -202,7 +204,7 @@ def e8m0_exponent(amax: torch.Tensor, spec) -> torch.Tensor:
         exponent = torch.where(torch.isnan(exponent), torch.zeros_like(exponent), exponent)
         return exponent.to(torch.int32) + _F32_BIAS
     target_pow2 = _floor_log2_int(target)
-    bits = amax.contiguous().view(torch.int32)
+    bits = bitcast(amax.contiguous(), torch.int32)
     if rounding in ("even", "round_then_floor"):
         mbits = spec.float_format.mantissa_bits if (rounding == "even" and spec.is_float) else 1
         if rounding == "even" and not spec.is_float:
@@ -217,7 +219,7 @@ def e8m0_exponent(amax: torch.Tensor, spec) -> torch.Tensor:
 def e8m0_to_float(biased: torch.Tensor) -> torch.Tensor:
     """``2.0 ** (b - 127)`` as float32 (``b = 0`` gives the subnormal ``2**-127``)."""
     biased = biased.to(torch.int32)
-    normal = torch.bitwise_left_shift(biased.clamp(1, 254), _F32_MANTISSA).view(torch.float32)
+    normal = bitcast(torch.bitwise_left_shift(biased.clamp(1, 254), _F32_MANTISSA), torch.float32)
     return torch.where(biased == 0, torch.full_like(normal, _E8M0_MIN), normal)
 
 

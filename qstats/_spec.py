@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from ._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
+from ._torch_features import torch_dtype
 
 __all__ = ["QuantSpec", "FloatFormat", "float_format"]
 
@@ -83,8 +84,9 @@ _TORCH_DTYPE_NAMES = {
     torch.float8_e5m2: "fp8_e5m2",
     torch.float8_e4m3fnuz: "fp8_e4m3fnuz",
     torch.float8_e5m2fnuz: "fp8_e5m2fnuz",
-    torch.float4_e2m1fn_x2: "fp4_e2m1",
 }
+if torch_dtype("float4_e2m1fn_x2") is not None:  # torch >= 2.8; the name "fp4_e2m1" works on any torch
+    _TORCH_DTYPE_NAMES[torch_dtype("float4_e2m1fn_x2")] = "fp4_e2m1"
 
 _INT_RE = re.compile(r"^(u?)int(\d+)$")
 

@@ -38,6 +38,9 @@ DTYPES = (
 RANGES = ((None, None), (0, 15), (-8, 7), (-3, 4), (0, 1000), (-(2**15), 2**15 - 1), (-(2**31), 2**31 - 1))
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CH_AXIS = 1
+# torch.fake_quantize_per_tensor_affine clamps before casting to int64 from torch 2.9 on (before,
+# infinities land on quant_min there too, as in the per-channel kernel)
+PER_TENSOR_SATURATES = torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
 
 
 # Thousands of tiny reductions: one torch thread (tests/conftest.py).
@@ -144,6 +147,8 @@ def _check(kwargs, spec, reference, x, generator, counts):
         ours.backward(torch.ones_like(ours))
         assert ours.dtype == theirs.dtype == dtype, context
         mismatch = ours != theirs
+        if not (per_channel or PER_TENSOR_SATURATES):
+            mismatch &= torch.isfinite(xt)  # (see PER_TENSOR_SATURATES)
         assert not mismatch.any(), (
             f"fake_quantize differs for {context} at {int(mismatch.sum())} values, e.g. x={xt[mismatch][:4].tolist()}: "
             f"torch {theirs[mismatch][:4].tolist()} qstats {ours[mismatch][:4].tolist()}"
@@ -207,6 +212,7 @@ def test_matches_torch_quantization_ops(qscheme):
     print(f"{qscheme}: {counts}")
 
 
+@pytest.mark.skipif(not PER_TENSOR_SATURATES, reason="torch's per-tensor fake-quant kernel saturates from torch 2.9")
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
 def test_per_channel_infinities_clip_to_the_nearest_end(dtype):
     """Values beyond int64 after scaling, infinities included: qstats clamps them to the nearest

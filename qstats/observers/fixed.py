@@ -22,6 +22,7 @@ import torch
 from .._granularity import check_observable, check_shape, qparam_shape, weight_view
 from .._qparams import QParams, check_calibrated, register_range_rule
 from .._spec import QuantSpec
+from .._torch_features import bitcast
 from ._base import Observer, check_same_shapes, check_state, register_state
 
 __all__ = [
@@ -229,7 +230,7 @@ def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observe
         include = torch.isfinite(flat)
         if weight is not None:
             include = include & (weight_view(x, weight, _FLAT).reshape(-1) != 0)
-        keys = _hash_keys(flat.view(torch.int32))
+        keys = _hash_keys(bitcast(flat, torch.int32))
         keys = torch.where(include, keys, torch.full_like(keys, _EMPTY_KEY))
         keys, values = keep_smallest(torch.cat([state.keys, keys]), torch.cat([state.values, flat]))
         values = torch.where(keys == _EMPTY_KEY, torch.zeros_like(values), values)

@@ -59,6 +59,7 @@ from .._formats import effective_scale, handles_qparams
 from .._qparams import Range, _is_traced, qparams_from_minmax, register_range_rule
 from .._reductions import _batched_arguments, finite_aminmax
 from .._spec import QuantSpec
+from .._torch_features import bitcast
 from ._base import Observer, check_same_shapes, check_state, register_state
 
 __all__ = [
@@ -613,7 +614,7 @@ def _sign_windows(state, spec, octaves: int) -> _Windows:
     anchor = extent.amax(-1, keepdim=True) if _is_symmetric(spec) else extent
     # flat bucket id of the anchor (0: underflow, K - 1: overflow); a value that rounds up to a
     # bucket edge lands in the bucket above
-    top = ((anchor.view(torch.int32) >> (23 - m)) - (((low + 127) << m) - 1)).clamp(0, (high - low) * bins + 1)
+    top = ((bitcast(anchor, torch.int32) >> (23 - m)) - (((low + 127) << m) - 1)).clamp(0, (high - low) * bins + 1)
     index = top.unsqueeze(-1) + _arange(device, 1, width + 2)  # padded edge index, int64 (*P, 2 or 1, W + 1)
     lead = state.counts.shape[:-2]  # (*P, 2)
     flat = torch.cat([state.counts.new_zeros((*lead, width)), state.underflow.unsqueeze(-1), state.counts.flatten(-2),
@@ -673,7 +674,7 @@ def _dead_zone(error, span, limit, below, offset, shift: int, half_scale: float)
     ``below``: the windows' ``(*P, 3, 2, W + 1)`` count, twice the sum and sum of squares below
     each edge; ``offset`` ``(*P, 2 or 1, 1)``: the bucket code of each window's first bucket."""
     half = span * half_scale
-    code = (half.float().view(torch.int32) >> shift).unsqueeze(-2)
+    code = (bitcast(half.float(), torch.int32) >> shift).unsqueeze(-2)
     edge = torch.minimum((code - offset).clamp(min=0), limit)  # (*P, 2, n)
     lead = error.shape[:-1]
     gathered = torch.gather(below, -1, edge.unsqueeze(-3).expand(*lead, 3, *edge.shape[-2:]))

@@ -98,7 +98,7 @@ def _check_extremes_state(state, cls, where: str) -> None:
         lo, hi = state[0], state[1]
         shape = lo.shape
         if hi.shape == shape and lo.dtype.is_floating_point and hi.dtype.is_floating_point:
-            for count in state[2:]:
+            for count in tuple(state)[2:]:  # (dynamo of torch 2.6-2.8 cannot slice a NamedTuple)
                 if count.shape != shape or count.dtype not in _COUNT_DTYPES:
                     break
             else:
