@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["row_extremes"]
+__all__ = ["applies", "available", "row_extremes", "update_extremes"]
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -137,8 +137,22 @@ static inline float lanes_max(v16 v) {
 // min / max. Returns 1 when a value is not finite or a row's range overflows. The first vector
 // initialises the accumulators; two pairs of them hide the compare-select latency; v - v is 0
 // for a finite v and NaN otherwise, so one sum of those tells whether every value was finite.
+// With a state (s != nullptr: its min, max, count and non-finite count per row), lo / hi are
+// merged with the state's extremes as torch.minimum / torch.maximum merge them (the state's
+// value on a tie; a NaN in the state stays), count[r] = the state's + len and nonfinite[r] the
+// state's: the whole update of a min/max state in the same pass.
+struct State {
+  const float* lo;
+  const float* hi;
+  const int64_t* count;
+  const int64_t* nonfinite;
+  int64_t* count_out;
+  int64_t* nonfinite_out;
+};
+
 template <class L>
-static int extremes(const typename L::T* x, int64_t len, float* lo, float* hi, int64_t r0, int64_t r1) {
+static int extremes(const typename L::T* x, int64_t len, float* lo, float* hi, int64_t r0, int64_t r1,
+                    const State* s) {
   v16 probe = {0};
   float tail_probe = 0.0f;
   int overflow = 0;
@@ -167,7 +181,13 @@ static int extremes(const typename L::T* x, int64_t len, float* lo, float* hi, i
       m = v < m ? v : m;
       M = v > M ? v : M;
     }
-    overflow |= !(M - m <= FLT_MAX);
+    overflow |= !(M - m <= FLT_MAX);  // an infinite extreme or an overflowing range
+    if (s) {
+      m = m < s->lo[r] ? m : s->lo[r];
+      M = M > s->hi[r] ? M : s->hi[r];
+      s->count_out[r] = s->count[r] + len;
+      s->nonfinite_out[r] = s->nonfinite[r];
+    }
     lo[r] = m;
     hi[r] = M;
   }
@@ -177,7 +197,8 @@ static int extremes(const typename L::T* x, int64_t len, float* lo, float* hi, i
 }
 
 template <class L>
-static int split(const void* data, int64_t rows, int64_t len, float* lo, float* hi, int64_t threads) {
+static int split(const void* data, int64_t rows, int64_t len, float* lo, float* hi, int64_t threads,
+                 const State* s) {
   const typename L::T* x = (const typename L::T*)data;
   int bad = 0;
 #ifdef _OPENMP
@@ -188,21 +209,37 @@ static int split(const void* data, int64_t rows, int64_t len, float* lo, float* 
 #pragma omp parallel for num_threads(threads) reduction(|: bad) schedule(static, 1)
     for (int64_t t = 0; t < threads; ++t) {
       const int64_t r0 = t * step, r1 = r0 + step < rows ? r0 + step : rows;
-      if (r0 < r1) bad |= extremes<L>(x, len, lo, hi, r0, r1);
+      if (r0 < r1) bad |= extremes<L>(x, len, lo, hi, r0, r1, s);
     }
     return bad;
   }
 #endif
-  return extremes<L>(x, len, lo, hi, 0, rows);
+  return extremes<L>(x, len, lo, hi, 0, rows, s);
+}
+
+static int dispatch(const void* x, int64_t kind, int64_t rows, int64_t len, float* lo, float* hi,
+                    int64_t threads, const State* s) {
+  if (kind == 0) return split<F32>(x, rows, len, lo, hi, threads, s);
+  if (kind == 1) return split<BF16>(x, rows, len, lo, hi, threads, s);
+  if (kind == 2) return split<F16>(x, rows, len, lo, hi, threads, s);
+  return -1;
 }
 
 // kind: 0 float32, 1 bfloat16, 2 float16. Returns 1 when flagged, 0 when not, -1 for another.
 extern "C" int qstats_row_extremes(const void* x, int64_t kind, int64_t rows, int64_t len,
                                    float* lo, float* hi, int64_t threads) {
-  if (kind == 0) return split<F32>(x, rows, len, lo, hi, threads);
-  if (kind == 1) return split<BF16>(x, rows, len, lo, hi, threads);
-  if (kind == 2) return split<F16>(x, rows, len, lo, hi, threads);
-  return -1;
+  return dispatch(x, kind, rows, len, lo, hi, threads, nullptr);
+}
+
+// The same, merged into a min/max state (see State); the outputs are only meaningful when the
+// result is 0 (a flagged input leaves them partly written: the caller takes the full path).
+extern "C" int qstats_update_extremes(const void* x, int64_t kind, int64_t rows, int64_t len,
+                                      const float* state_lo, const float* state_hi,
+                                      const int64_t* state_count, const int64_t* state_nonfinite,
+                                      float* lo, float* hi, int64_t* count, int64_t* nonfinite,
+                                      int64_t threads) {
+  const State s = {state_lo, state_hi, state_count, state_nonfinite, count, nonfinite};
+  return dispatch(x, kind, rows, len, lo, hi, threads, &s);
 }
 """
 
@@ -257,10 +294,13 @@ def _build():
                     library = ctypes.CDLL(target)
                 except OSError:
                     break
-                function = library.qstats_row_extremes
-                function.restype = ctypes.c_int
-                function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-                return function
+                extremes = library.qstats_row_extremes
+                extremes.restype = ctypes.c_int
+                extremes.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 2, ctypes.c_int64]
+                update = library.qstats_update_extremes
+                update.restype = ctypes.c_int
+                update.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 8, ctypes.c_int64]
+                return extremes, update
     return False
 
 
@@ -315,8 +355,50 @@ def row_extremes(view: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tenso
     length = view.shape[-1]
     lo = torch.empty(out_shape, dtype=torch.float32)
     hi = torch.empty(out_shape, dtype=torch.float32)
-    threads = 1 if _forked else max(1, min(torch.get_num_threads(), view.numel() // _NUMEL_PER_THREAD))
-    bad = _kernel()(view.data_ptr(), _KINDS[view.dtype], view.numel() // length, length, lo.data_ptr(), hi.data_ptr(), threads)
+    bad = _kernel()[0](
+        view.data_ptr(), _KINDS[view.dtype], view.numel() // length, length, lo.data_ptr(), hi.data_ptr(), _threads(view)
+    )
     if bad < 0:
         raise AssertionError(f"qstats: the native kernel does not know dtype {view.dtype}")
     return lo, hi, not bad
+
+
+def _threads(view: torch.Tensor) -> int:
+    return 1 if _forked else max(1, min(torch.get_num_threads(), view.numel() // _NUMEL_PER_THREAD))
+
+
+def _standard_fields(fields, shape) -> bool:
+    """float32 extremes and int64 counts, contiguous, on the CPU, all of ``shape``."""
+    return all(
+        type(t) is torch.Tensor
+        and t.dtype == dtype
+        and t.device.type == "cpu"
+        and tuple(t.shape) == shape
+        and t.is_contiguous()
+        and not t.requires_grad
+        for t, dtype in zip(fields, (torch.float32, torch.float32, torch.int64, torch.int64))
+    )
+
+
+def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite):
+    """A min/max state's whole update by an unmasked ``view`` in one pass: the new
+    ``(min, max, count, nonfinite)``, fresh tensors, equal to merging `row_extremes` and the
+    view's counts into the given fields with torch.minimum, torch.maximum and additions.
+
+    Returns None where the kernel does not apply (as `row_extremes`, or fields other than
+    float32 extremes and int64 counts of the parameter shape, contiguous, on the CPU) or where
+    some value is not finite or some range overflows: the caller then takes the full path.
+    """
+    shape = tuple(view.shape[1:-1])
+    if not applies(view) or not _standard_fields((lo, hi, count, nonfinite), shape):
+        return None
+    length = view.shape[-1]
+    out = [torch.empty(shape, dtype=t.dtype) for t in (lo, hi, count, nonfinite)]
+    fields = (lo, hi, count, nonfinite)
+    bad = _kernel()[1](
+        view.data_ptr(), _KINDS[view.dtype], view.numel() // length, length,
+        *(t.data_ptr() for t in fields), *(t.data_ptr() for t in out), _threads(view),
+    )
+    if bad:
+        return None
+    return tuple(out)

@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch.ao.quantization import PerChannelMinMaxObserver
 
+from _shared import bit_equal
+
 import qstats
 from qstats import _native, _reductions
 
@@ -17,16 +19,24 @@ pytestmark = pytest.mark.skipif(not _native._kernel(), reason="no C++ compiler: 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts the calls that reach the kernel, so that the observer tests know they tested it."""
+    """Records the calls that reach the kernel, ``("row", taken)`` for the reduction and
+    ``("update", taken)`` for the fused min/max update (taken: not None), so that the observer
+    tests know which path they tested."""
     calls = []
-    original = _native.row_extremes
+    row, update = _native.row_extremes, _native.update_extremes
 
-    def counting(view):
-        out = original(view)
-        calls.append(out is not None)
+    def counting_row(view):
+        out = row(view)
+        calls.append(("row", out is not None))
         return out
 
-    monkeypatch.setattr(_reductions, "row_extremes", counting)
+    def counting_update(*args):
+        out = update(*args)
+        calls.append(("update", out is not None))
+        return out
+
+    monkeypatch.setattr(_reductions, "row_extremes", counting_row)
+    monkeypatch.setattr(_native, "update_extremes", counting_update)
     return calls
 
 
@@ -126,7 +136,7 @@ def test_large_per_channel_update_matches_torch_ao(name, threads, input_dtype, k
         state = obs.update(obs.update(obs.init(w1), w1), w2)
     finally:
         torch.set_num_threads(before)
-    assert kernel_calls == [True, True]
+    assert kernel_calls == [("update", True)] * 2
     reference(w1.float())
     reference(w2.float())
     assert torch.equal(state.min_val, reference.min_val) and torch.equal(state.max_val, reference.max_val)
@@ -147,7 +157,7 @@ def test_large_update_with_nonfinite_values_ignores_and_counts_them(granularity,
     x[300, 1023] = -value
     obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=granularity))
     state = obs.update(obs.init(x), x)
-    assert kernel_calls == [True]  # flagged, then the full path
+    assert kernel_calls == [("update", False), ("row", True)]  # flagged twice, then the full path
     group = 1024 if not isinstance(granularity, qstats.PerGroup) else 128
     rows = x.reshape(-1, group)
     finite = torch.isfinite(rows)
@@ -165,7 +175,7 @@ def test_stacked_experts_vmap_equals_torch_ao_per_expert(kernel_calls):
     spec = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric)
     obs = qstats.minmax(spec)
     scales = torch.vmap(lambda w: qstats.compute_qparams(obs.update(obs.init(w), w), spec).scale)(experts)
-    assert kernel_calls == [True]  # one call for the whole stack
+    assert kernel_calls == [("row", True)]  # one call for the whole stack
     for i, w in enumerate(experts):
         reference = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
         reference(w)
@@ -221,3 +231,61 @@ def test_every_half_precision_value_widens_exactly(dtype, length):
     assert finite
     expected = view[0, :, 0].float().view(torch.int32)
     assert torch.equal(lo.view(torch.int32), expected) and torch.equal(hi.view(torch.int32), expected)
+
+
+def _fields_bit_equal(a, b):
+    assert type(a) is type(b)
+    for name, left, right in zip(a._fields, a, b):
+        assert bit_equal(left, right), name
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["plain", "stacked"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("granularity", [qstats.PerAxis(0), qstats.PerGroup(32), qstats.PerToken()], ids=repr)
+def test_fused_update_equals_the_full_path(stacked, dtype, granularity, kernel_calls, monkeypatch):
+    """The fused update (reduction, merge and counts in one pass) against the path every other
+    input takes, bit for bit (signed zeros included), over three updates from init: data with
+    zeros, a batch inside the running range (ties with the state), one outside it."""
+    g = torch.Generator().manual_seed(6)
+    shape = (4, 256, 96) if stacked else (256, 384)
+    batches = [torch.randn(shape, generator=g).round() * 0.0, torch.randn(shape, generator=g) * 3, torch.randn(shape, generator=g)]
+    batches[0][..., ::2] = -0.0
+    batches = [b.to(dtype) for b in batches]
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=granularity))
+    if stacked:
+        obs = qstats.stacked_observer(obs, 4)
+
+    def run():
+        state = obs.init(batches[0])
+        for batch in batches:
+            state = obs.update(state, batch)
+        return state
+
+    fused = run()
+    assert kernel_calls == [("update", True)] * 3
+    monkeypatch.setattr(_native, "update_extremes", lambda *args: None)
+    _fields_bit_equal(fused, run())
+
+
+def test_fused_update_leaves_other_states_to_the_full_path(kernel_calls):
+    """A state with float64 extremes and int32 counts (not what init gives) is not the kernel's:
+    the full path, with the dtypes it gives such a state."""
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+    x = torch.randn(512, 256)
+    state = obs.init(x)
+    odd = type(state)(state.min_val.double(), state.max_val.double(), state.count.int(), state.nonfinite.int())
+    new = obs.update(odd, x)
+    assert kernel_calls == [("update", False), ("row", True)]
+    assert new.min_val.dtype == torch.float64 and torch.equal(new.min_val, x.double().amin(-1))
+    assert torch.equal(new.count, torch.full((512,), 256))
+
+
+def test_fused_update_shares_no_memory_and_raises_on_nonfinite_when_asked():
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0), nonfinite="raise"))
+    x = torch.randn(512, 256)
+    old = obs.init(x)
+    new = obs.update(old, x)
+    assert not {t.untyped_storage().data_ptr() for t in old} & {t.untyped_storage().data_ptr() for t in new}
+    x[3, 4] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        obs.update(new, x)

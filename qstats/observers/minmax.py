@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .. import _native
 from .._granularity import (
     PerAxis,
     PerHead,
@@ -260,6 +261,30 @@ def observe_extremes_stacked(x: torch.Tensor, weight, spec: QuantSpec, expected_
     return finite_aminmax(stacked_view(x, spec.granularity), None, spec.nonfinite, int_counts=True)
 
 
+def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str):
+    """The whole update of a min/max state by an unweighted batch in one native pass
+    (`qstats._native.update_extremes`: the reduction, the merge with the state and the counts),
+    for plain eager CPU tensors; None where it does not apply or the batch holds a value that is
+    not finite (the caller then takes the full path, which also applies ``nonfinite="raise"``)."""
+    if (
+        type(x) is not torch.Tensor
+        or x.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or torch._C._functorch.is_functorch_wrapped_tensor(x)
+        or not _native.available()
+    ):
+        return None
+    if observe is observe_extremes:
+        view = checked_view(x, spec.granularity, state.min_val.shape, where)
+    elif observe is observe_extremes_stacked:
+        check_observable(x, where)
+        check_shape(x.shape[1:], spec.granularity, tuple(state.min_val.shape[1:]), where)
+        view = stacked_view(x, spec.granularity)
+    else:
+        return None
+    return _native.update_extremes(view, *state)
+
+
 def _add_count(total: torch.Tensor, count):
     """``total + count`` for a count tensor or a Python int (the same count for every parameter),
     as an int64 tensor of ``total``'s shape that shares no memory with ``total``."""
@@ -293,6 +318,10 @@ def minmax(spec: QuantSpec) -> Observer:
             _check_extremes_state(state, MinMaxState, "minmax.update")
             if x.numel() == 0:
                 return state
+            if weight is None:
+                fused = _native_update(observe, state, x, spec, "minmax.update")
+                if fused is not None:
+                    return MinMaxState(*fused)
             lo, hi, count, nonfinite = observe(x, weight, spec, state.min_val.shape, "minmax.update")
             return MinMaxState(
                 torch.minimum(state.min_val, lo),
