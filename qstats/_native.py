@@ -14,17 +14,17 @@ the ATen reductions, and so does every machine where the kernel cannot be built 
 compiler: tried once per process, silently).
 
 The kernel is portable C++ (GCC/Clang vector extensions, no intrinsics), compiled with the
-system's C++ compiler (``$CXX``, else ``c++``, ``g++``, ``clang++``) into a private temporary
-directory of this process, for this machine (``-march=native`` where the compiler takes it), in
-about a quarter of a second, once. It splits rows over ``torch.get_num_threads()`` threads of
-torch's own OpenMP runtime (one thread in a forked child, where that runtime's pool is gone).
-Min and max are exact, so the results equal ATen's ``amin``/``amax`` bit for bit (up to the
-sign of a zero extreme, which no qparam reads). ``QSTATS_NATIVE=0`` turns it off.
+system's C++ compiler (``$CXX``, else ``c++``, ``g++``, ``clang++``) in a private temporary
+directory, removed once the library is loaded, for this machine (``-march=native`` where the
+compiler takes it), in about a quarter of a second, once per process. It splits rows over
+``torch.get_num_threads()`` threads of torch's own OpenMP runtime (one thread in a forked child,
+where that runtime's pool is gone). Min and max are exact, so the results equal ATen's
+``amin``/``amax`` bit for bit (up to the sign of a zero extreme, which no qparam reads; ATen's
+own choice between -0.0 and +0.0 depends on the memory layout). ``QSTATS_NATIVE=0`` turns it off.
 """
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import os
 import shutil
@@ -138,9 +138,10 @@ static inline float lanes_max(v16 v) {
 // initialises the accumulators; two pairs of them hide the compare-select latency; v - v is 0
 // for a finite v and NaN otherwise, so one sum of those tells whether every value was finite.
 // With a state (s != nullptr: its min, max, count and non-finite count per row), lo / hi are
-// merged with the state's extremes as torch.minimum / torch.maximum merge them (the state's
-// value on a tie; a NaN in the state stays), count[r] = the state's + len and nonfinite[r] the
-// state's: the whole update of a min/max state in the same pass.
+// merged with the state's extremes as torch.minimum / torch.maximum merge them in their vector
+// body (the batch's value on a tie, so for -0.0 and +0.0 too; a NaN in the state stays),
+// count[r] = the state's + len and nonfinite[r] the state's: the whole update of a min/max
+// state in the same pass.
 struct State {
   const float* lo;
   const float* hi;
@@ -183,8 +184,8 @@ static int extremes(const typename L::T* x, int64_t len, float* lo, float* hi, i
     }
     overflow |= !(M - m <= FLT_MAX);  // an infinite extreme or an overflowing range
     if (s) {
-      m = m < s->lo[r] ? m : s->lo[r];
-      M = M > s->hi[r] ? M : s->hi[r];
+      m = m <= s->lo[r] ? m : s->lo[r];
+      M = M >= s->hi[r] ? M : s->hi[r];
       s->count_out[r] = s->count[r] + len;
       s->nonfinite_out[r] = s->nonfinite[r];
     }
@@ -276,8 +277,20 @@ def _compilers():
 def _build():
     if os.environ.get("QSTATS_NATIVE", "1") == "0":
         return False
-    directory = tempfile.mkdtemp(prefix="qstats-native-")
-    atexit.register(shutil.rmtree, directory, True)
+    try:
+        directory = tempfile.mkdtemp(prefix="qstats-native-")
+    except OSError:  # no writable temporary directory: ATen's reductions
+        return False
+    try:
+        return _compile_and_load(directory)
+    except OSError:
+        return False
+    finally:
+        # the loaded library stays mapped; nothing is left behind, even if the process crashes
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _compile_and_load(directory):
     source = os.path.join(directory, "row_extremes.cpp")
     with open(source, "w") as f:
         f.write(_SOURCE)
@@ -325,8 +338,16 @@ def applies(view: torch.Tensor, numel: Optional[int] = None) -> bool:
         and view.device.type == "cpu"
         and (view.numel() if numel is None else numel) >= _MIN_NUMEL
         and view.is_contiguous()
+        and _plain_memory(view)
         and available()
     )
+
+
+def _plain_memory(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values are its memory as it is: no negative bit, no functionalization or
+    functorch wrapper (whose data pointer is not the values'). Fake tensors under
+    ``torch.compile`` pass (their real counterparts are checked again at run time)."""
+    return not (t.is_neg() or torch._is_functional_tensor(t) or torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def available() -> bool:
@@ -353,8 +374,8 @@ def row_extremes(view: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tenso
         return None
     out_shape = view.shape[1:-1]
     length = view.shape[-1]
-    lo = torch.empty(out_shape, dtype=torch.float32)
-    hi = torch.empty(out_shape, dtype=torch.float32)
+    lo = view.new_empty(out_shape, dtype=torch.float32)  # the view's device and kind, not the default ones
+    hi = view.new_empty(out_shape, dtype=torch.float32)
     bad = _kernel()[0](
         view.data_ptr(), _KINDS[view.dtype], view.numel() // length, length, lo.data_ptr(), hi.data_ptr(), _threads(view)
     )
@@ -368,7 +389,8 @@ def _threads(view: torch.Tensor) -> int:
 
 
 def _standard_fields(fields, shape) -> bool:
-    """float32 extremes and int64 counts, contiguous, on the CPU, all of ``shape``."""
+    """float32 extremes and int64 counts, contiguous, on the CPU, all of ``shape``, plain memory,
+    no autograd (a field's gradient or forward-AD tangent is the full path's to carry)."""
     return all(
         type(t) is torch.Tensor
         and t.dtype == dtype
@@ -376,6 +398,8 @@ def _standard_fields(fields, shape) -> bool:
         and tuple(t.shape) == shape
         and t.is_contiguous()
         and not t.requires_grad
+        and _plain_memory(t)
+        and torch.autograd.forward_ad.unpack_dual(t).tangent is None
         for t, dtype in zip(fields, (torch.float32, torch.float32, torch.int64, torch.int64))
     )
 
@@ -393,7 +417,7 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite):
     if not applies(view) or not _standard_fields((lo, hi, count, nonfinite), shape):
         return None
     length = view.shape[-1]
-    out = [torch.empty(shape, dtype=t.dtype) for t in (lo, hi, count, nonfinite)]
+    out = [view.new_empty(shape, dtype=t.dtype) for t in (lo, hi, count, nonfinite)]
     fields = (lo, hi, count, nonfinite)
     bad = _kernel()[1](
         view.data_ptr(), _KINDS[view.dtype], view.numel() // length, length,

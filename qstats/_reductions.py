@@ -245,7 +245,7 @@ def _row_extremes_op(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
         lo, hi = _f32(_reduce(view, torch.amin)), _f32(_reduce(view, torch.amax))
         return lo, hi, torch.isfinite(hi - lo).all()
     lo, hi, finite = out
-    return lo, hi, torch.tensor(finite)
+    return lo, hi, torch.tensor(finite, device=view.device)
 
 
 @_row_extremes_op.register_fake

@@ -289,3 +289,81 @@ def test_fused_update_shares_no_memory_and_raises_on_nonfinite_when_asked():
     x[3, 4] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
         obs.update(new, x)
+
+
+def _minmax_per_channel():
+    return qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+
+
+def test_another_default_device_does_not_reach_the_kernel_outputs():
+    """Outputs are allocated from the input (a default device of meta or cuda used to give the
+    kernel pointers it cannot write: a segmentation fault)."""
+    obs = _minmax_per_channel()
+    x = torch.randn(1024, 256)
+    state = obs.init(x)
+    before = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        new = obs.update(state, x)
+        lo, hi, finite = torch.ops.qstats.row_extremes(x.reshape(1, 1024, 256))
+    finally:
+        torch.set_default_device(before)
+    assert new.min_val.device.type == "cpu" and torch.equal(new.min_val, x.amin(-1))
+    assert finite.device.type == "cpu" and bool(finite) and torch.equal(hi, x.amax(-1))
+
+
+def test_functionalized_and_transformed_states_take_the_full_path():
+    """State fields under functionalize, vmap or forward AD are not plain memory: the full path
+    (which carries their wrappers and tangents), with the same values."""
+    import torch.autograd.forward_ad as fwAD
+
+    obs = _minmax_per_channel()
+    x = torch.randn(1024, 256)
+    state = obs.init(x)
+    low = torch.full((1024,), -100.0)
+    got = torch.func.functionalize(lambda m: obs.update(state._replace(min_val=m), x).min_val)(low)
+    assert torch.equal(got, low)
+    stacked = type(state)(*(torch.stack([f, f]) for f in state))
+    batched = torch.vmap(lambda s: obs.update(s, x))(stacked)
+    assert torch.equal(batched.max_val, torch.stack([x.amax(-1)] * 2))
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(low, torch.ones(1024))
+        tangent = fwAD.unpack_dual(obs.update(state._replace(min_val=dual), x).min_val).tangent
+    assert tangent is not None and torch.equal(tangent, torch.ones(1024))
+
+
+def test_a_negative_view_is_read_with_its_sign():
+    x = torch.randn(1024, 256)
+    negated = x._neg_view()
+    obs = _minmax_per_channel()
+    state = obs.update(obs.init(negated), negated)
+    assert torch.equal(state.max_val, (-x).amax(-1)) and torch.equal(state.min_val, (-x).amin(-1))
+
+
+def test_opposite_zeros_tie_as_torch_minimum_does():
+    """State extremes +0.0 and a batch whose extremes are -0.0 (and the other way round): the
+    batch's zero, as torch.minimum/maximum's vector body and so the full path here, bit for bit."""
+    obs = _minmax_per_channel()
+    zeros = torch.zeros(512, 64)
+    state = obs.update(obs.init(zeros), zeros)
+    negative = torch.full((512, 64), -0.0)
+    fused = obs.update(state, negative)
+    full = obs.update(state, negative, torch.ones(512, 64))  # weighted: the full path
+    assert bit_equal(fused.min_val, full.min_val) and bit_equal(fused.max_val, full.max_val)
+    assert bool(torch.signbit(fused.min_val).all())
+
+
+def test_a_parameter_takes_the_fused_update(kernel_calls):
+    weight = torch.nn.Parameter(torch.randn(1024, 256))
+    obs = _minmax_per_channel()
+    state = obs.update(obs.init(weight), weight)
+    assert kernel_calls == [("update", True)]
+    assert torch.equal(state.max_val, weight.detach().amax(-1))
+
+
+def test_no_temporary_directory_means_no_kernel(monkeypatch):
+    def unwritable(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(_native.tempfile, "mkdtemp", unwritable)
+    assert _native._build() is False

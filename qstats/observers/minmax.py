@@ -266,6 +266,8 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str)
     (`qstats._native.update_extremes`: the reduction, the merge with the state and the counts),
     for plain eager CPU tensors; None where it does not apply or the batch holds a value that is
     not finite (the caller then takes the full path, which also applies ``nonfinite="raise"``)."""
+    if type(x) is torch.nn.Parameter:
+        x = x.detach()  # a module's weight observed directly: its values, as the full path reads them
     if (
         type(x) is not torch.Tensor
         or x.device.type != "cpu"
