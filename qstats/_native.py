@@ -338,7 +338,8 @@ def applies(view: torch.Tensor, numel: Optional[int] = None) -> bool:
         and view.device.type == "cpu"
         and (view.numel() if numel is None else numel) >= _MIN_NUMEL
         and view.is_contiguous()
-        and _plain_memory(view)
+        # when tracing, the op's implementation asks again of the real tensor
+        and (torch.compiler.is_compiling() or _plain_memory(view))
         and available()
     )
 
