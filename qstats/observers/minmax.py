@@ -269,7 +269,11 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str)
     if type(x) is torch.nn.Parameter:
         x = x.detach()  # a module's weight observed directly: its values, as the full path reads them
     if (
-        type(x) is not torch.Tensor
+        # cheap refusals first: a per-tensor update (one aminmax pass) must not pay for the rest
+        (observe is observe_extremes and isinstance(spec.granularity, PerTensor))
+        or x.numel() < _native._MIN_NUMEL
+        or x.dtype not in _native._KINDS
+        or type(x) is not torch.Tensor
         or x.device.type != "cpu"
         or torch.compiler.is_compiling()
         or torch._C._functorch.is_functorch_wrapped_tensor(x)
