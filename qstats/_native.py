@@ -9,6 +9,8 @@ reduces the whole stack in one call, and ``torch.compile``, through the op
 float16 CPU inputs with one observation, some parameter dims and groups of 16 values or more
 (per-channel, per-group, per-token): one read of the data, both extremes, and a flag for any
 value that is not finite or any range that overflows (the caller then takes the full path).
+`update_extremes` is the same pass merged into a min/max state with its counts: the whole eager
+``minmax.update`` of an unweighted batch (plain or stacked) in one read of the data.
 Everything else (masks, other dtypes, non-contiguous views, small tensors, accelerators) keeps
 the ATen reductions, and so does every machine where the kernel cannot be built (no C++
 compiler: tried once per process, silently).
