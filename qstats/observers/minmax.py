@@ -215,14 +215,20 @@ def observe_extremes(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, w
     return finite_aminmax(view, mask, spec.nonfinite, int_counts=True)
 
 
+def _check_stack(x: torch.Tensor, spec: QuantSpec, expected_shape, where: str) -> None:
+    """A stack ``x`` (``[E, ...]``) that a state of ``expected_shape`` can observe (errors name
+    one slice's shapes)."""
+    check_observable(x, where)
+    check_shape(x.shape[1:], spec.granularity, tuple(expected_shape[1:]), where)
+
+
 def observe_extremes_stacked(x: torch.Tensor, weight, spec: QuantSpec, expected_shape, where: str):
     """`observe_extremes` of every slice of a stack ``x`` (``[E, ...]``, each slice with its
     ``weight[e]``) at once, without ``vmap``: results of shape ``[E, *qparam_shape]``, equal to
     ``torch.vmap(observe_extremes)`` bit for bit. A stride-0 stack (``t.expand(E, ...)``: the
     tokens every expert sees, under a routing mask) has its rows reduced once for all slices."""
-    check_observable(x, where)
+    _check_stack(x, spec, expected_shape, where)
     num = x.shape[0]
-    check_shape(x.shape[1:], spec.granularity, expected_shape[1:], where)  # errors name one slice
     shape = tuple(expected_shape[1:])
     if weight is not None:
         if not isinstance(weight, torch.Tensor):
@@ -283,8 +289,7 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str)
     if observe is observe_extremes:
         view = checked_view(x, spec.granularity, state.min_val.shape, where)
     elif observe is observe_extremes_stacked:
-        check_observable(x, where)
-        check_shape(x.shape[1:], spec.granularity, tuple(state.min_val.shape[1:]), where)
+        _check_stack(x, spec, state.min_val.shape, where)
         view = stacked_view(x, spec.granularity)
     else:
         return None
