@@ -369,9 +369,9 @@ def row_extremes(view: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tenso
     (``max - min``).
 
     Returns None where the kernel does not apply (`applies`: more than one observation, no
-    parameter dims, a group below 16 values, fewer than ``_MIN_NUMEL`` values, not a contiguous float32, bfloat16 or
-    float16 CPU tensor) or where this machine has no kernel: the caller then takes ATen's
-    reductions.
+    parameter dims, a group below 16 values, fewer than ``_MIN_NUMEL`` values, not a contiguous
+    float32, bfloat16 or float16 CPU tensor) or where this machine has no kernel: the caller then
+    takes ATen's reductions.
     """
     if not applies(view):
         return None
@@ -417,11 +417,11 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite):
     some value is not finite or some range overflows: the caller then takes the full path.
     """
     shape = tuple(view.shape[1:-1])
-    if not applies(view) or not _standard_fields((lo, hi, count, nonfinite), shape):
+    fields = (lo, hi, count, nonfinite)
+    if not applies(view) or not _standard_fields(fields, shape):
         return None
     length = view.shape[-1]
-    out = [view.new_empty(shape, dtype=t.dtype) for t in (lo, hi, count, nonfinite)]
-    fields = (lo, hi, count, nonfinite)
+    out = [view.new_empty(shape, dtype=t.dtype) for t in fields]
     bad = _kernel()[1](
         view.data_ptr(), _KINDS[view.dtype], view.numel() // length, length,
         *(t.data_ptr() for t in fields), *(t.data_ptr() for t in out), _threads(view),
