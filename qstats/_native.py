@@ -10,19 +10,25 @@ float16 CPU inputs with one observation, some parameter dims and groups of 16 va
 (per-channel, per-group, per-token): one read of the data, both extremes, and a flag for any
 value that is not finite or any range that overflows (the caller then takes the full path).
 `update_extremes` is the same pass merged into a min/max state with its counts: the whole eager
-``minmax.update`` of an unweighted batch (plain or stacked) in one read of the data.
+``minmax.update`` of an unweighted batch (per tensor, plain or stacked) in one read of the data.
+`symmetric_scales` maps observed ranges onto symmetric scales in one pass (the eager
+`compute_qparams` of torch.ao's symmetric specs where every entry is valid: after a large update
+has evicted every cache, each ATen op call costs tens of microseconds).
 Everything else (masks, other dtypes, non-contiguous views, small tensors, accelerators) keeps
-the ATen reductions, and so does every machine where the kernel cannot be built (no C++
-compiler: tried once per process, silently).
+the ATen ops, and so does every machine where the kernel cannot be built (no C++ compiler:
+tried once per process, silently).
 
-The kernel is portable C++ (GCC/Clang vector extensions, no intrinsics), compiled with the
-system's C++ compiler (``$CXX``, else ``c++``, ``g++``, ``clang++``) in a private temporary
-directory, removed once the library is loaded, for this machine (``-march=native`` where the
-compiler takes it), in about a quarter of a second, once per process. It splits rows over
-``torch.get_num_threads()`` threads of torch's own OpenMP runtime (one thread in a forked child,
-where that runtime's pool is gone). Min and max are exact, so the results equal ATen's
-``amin``/``amax`` bit for bit (up to the sign of a zero extreme, which no qparam reads; ATen's
-own choice between -0.0 and +0.0 depends on the memory layout). ``QSTATS_NATIVE=0`` turns it off.
+The kernel is portable C++ (GCC/Clang vector extensions of the target's native width: 16, 8 or 4
+float lanes; no intrinsics), compiled with the system's C++ compiler (``$CXX``, else ``c++``,
+``g++``, ``clang++``) in a private temporary directory, removed once the library is loaded, for
+this machine (``-march=native`` where the compiler takes it), in about a quarter of a second,
+once per process. It splits rows over ``torch.get_num_threads()`` threads of torch's own OpenMP
+runtime (one thread in a forked child, where that runtime's pool is gone), and each thread reads
+8 (4 where the target has 16 vector registers) far-apart rows side by side: more memory streams
+in flight than one, so the pass takes less time than one ATen ``sum`` over the same data. Min and
+max are exact, so the results equal ATen's ``amin``/``amax`` bit for bit (up to the sign of a
+zero extreme, which no qparam reads; ATen's own choice between -0.0 and +0.0 depends on the
+memory layout). ``QSTATS_NATIVE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -37,31 +43,48 @@ from typing import Optional
 
 import torch
 
-__all__ = ["applies", "available", "row_extremes", "update_extremes"]
+__all__ = ["applies", "available", "row_extremes", "symmetric_scales", "update_extremes"]
 
 _SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <float.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+// The widest vector this target computes on natively (a wider GCC vector would be split into
+// scalar code on some targets), and how many rows are read at once: one stream of memory per
+// row, from far-apart places, keeps more loads in flight than one stream can; a min and a max
+// accumulator per stream stay in registers (32 vector registers: 8 streams; 16: 4).
+#if defined(__AVX512F__)
+#define QS_BYTES 64
+#elif defined(__AVX__)
+#define QS_BYTES 32
+#else
+#define QS_BYTES 16
+#endif
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define QS_STREAMS 8
+#else
+#define QS_STREAMS 4
+#endif
 
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(QS_BYTES)));
+typedef uint32_t vu __attribute__((vector_size(QS_BYTES)));
+typedef uint16_t vh __attribute__((vector_size(QS_BYTES / 2)));
+enum { LANES = QS_BYTES / 4 };
 
-// Loads of 16 values as float32 lanes (exact widening for bfloat16 and float16), and of one.
+// Loads of LANES values as float32 lanes (exact widening for bfloat16 and float16), and of one.
 struct F32 {
   typedef float T;
-  static inline v16 load(const T* p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+  static inline vf load(const T* p) { vf v; memcpy(&v, p, sizeof v); return v; }
   static inline float one(const T* p) { return *p; }
 };
 struct BF16 {
   typedef uint16_t T;
-  static inline v16 load(const T* p) {
-    u16x16 h;
+  static inline vf load(const T* p) {
+    vh h;
     memcpy(&h, p, sizeof h);
-    return (v16)(__builtin_convertvector(h, u32x16) << 16);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
   }
   static inline float one(const T* p) {
     uint32_t bits = (uint32_t)*p << 16;
@@ -75,17 +98,17 @@ struct F16 {
   // IEEE half to single by integer arithmetic (vectorises everywhere; exact for every value):
   // move exponent and mantissa into place and rebias; Inf/NaN get the rest of the exponent;
   // subnormals are renormalised by one float subtraction
-  static inline v16 load(const T* p) {
-    u16x16 h16;
+  static inline vf load(const T* p) {
+    vh h16;
     memcpy(&h16, p, sizeof h16);
-    const u32x16 h = __builtin_convertvector(h16, u32x16);
-    u32x16 o = (h & 0x7fff) << 13;
-    const u32x16 e = o & (0x7c00u << 13);
+    const vu h = __builtin_convertvector(h16, vu);
+    vu o = (h & 0x7fff) << 13;
+    const vu e = o & (0x7c00u << 13);
     o += (127 - 15) << 23;
     o = e == (0x7c00u << 13) ? o + ((128 - 16) << 23) : o;
-    const v16 renormalised = (v16)(o + (1u << 23)) - (v16)((u32x16){} + (113u << 23));
-    o = e == 0 ? (u32x16)renormalised : o;
-    return (v16)(o | ((h & 0x8000) << 16));
+    const vf renormalised = (vf)(o + (1u << 23)) - (vf)((vu){} + (113u << 23));
+    o = e == 0 ? (vu)renormalised : o;
+    return (vf)(o | ((h & 0x8000) << 16));
   }
   static inline float one(const T* p) {
     const uint32_t h = *p;
@@ -110,40 +133,50 @@ struct F16 {
   }
 };
 
-#if defined(__clang__)
-#define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#else
-#define SHUFFLE(v, ...) __builtin_shuffle(v, (i16){__VA_ARGS__})
+// The min / max of a vector's lanes: halve until one lane is left (the lower half's lane on a tie)
+typedef float f4 __attribute__((vector_size(16)));
+static inline float lanes_min(f4 v) {
+  float m = v[0];
+  for (int k = 1; k < 4; ++k) m = v[k] < m ? v[k] : m;
+  return m;
+}
+static inline float lanes_max(f4 v) {
+  float m = v[0];
+  for (int k = 1; k < 4; ++k) m = v[k] > m ? v[k] : m;
+  return m;
+}
+#if QS_BYTES >= 32
+typedef float f8 __attribute__((vector_size(32)));
+static inline float lanes_min(f8 v) {
+  f4 a, b;
+  memcpy(&a, &v, sizeof a);
+  memcpy(&b, (const char*)&v + sizeof a, sizeof b);
+  return lanes_min(b < a ? b : a);
+}
+static inline float lanes_max(f8 v) {
+  f4 a, b;
+  memcpy(&a, &v, sizeof a);
+  memcpy(&b, (const char*)&v + sizeof a, sizeof b);
+  return lanes_max(b > a ? b : a);
+}
+#endif
+#if QS_BYTES >= 64
+typedef float f16 __attribute__((vector_size(64)));
+static inline float lanes_min(f16 v) {
+  f8 a, b;
+  memcpy(&a, &v, sizeof a);
+  memcpy(&b, (const char*)&v + sizeof a, sizeof b);
+  return lanes_min(b < a ? b : a);
+}
+static inline float lanes_max(f16 v) {
+  f8 a, b;
+  memcpy(&a, &v, sizeof a);
+  memcpy(&b, (const char*)&v + sizeof a, sizeof b);
+  return lanes_max(b > a ? b : a);
+}
 #endif
 
-// the min / max of a vector's 16 lanes, in four shuffle-and-compare steps
-static inline float lanes_min(v16 v) {
-  v16 t;
-  t = SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7); v = t < v ? t : v;
-  t = SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11); v = t < v ? t : v;
-  t = SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13); v = t < v ? t : v;
-  t = SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14); v = t < v ? t : v;
-  return v[0];
-}
-
-static inline float lanes_max(v16 v) {
-  v16 t;
-  t = SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7); v = t > v ? t : v;
-  t = SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11); v = t > v ? t : v;
-  t = SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13); v = t > v ? t : v;
-  t = SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14); v = t > v ? t : v;
-  return v[0];
-}
-
-// Rows [r0, r1) of x viewed as [rows, len] (contiguous, len >= 16): lo[r] / hi[r] are the row's
-// min / max. Returns 1 when a value is not finite or a row's range overflows. The first vector
-// initialises the accumulators; two pairs of them hide the compare-select latency; v - v is 0
-// for a finite v and NaN otherwise, so one sum of those tells whether every value was finite.
-// With a state (s != nullptr: its min, max, count and non-finite count per row), lo / hi are
-// merged with the state's extremes as torch.minimum / torch.maximum merge them in their vector
-// body (the batch's value on a tie, so for -0.0 and +0.0 too; a NaN in the state stays),
-// count[r] = the state's + len and nonfinite[r] the state's: the whole update of a min/max
-// state in the same pass.
+// A min/max state merged in the same pass (see extremes)
 struct State {
   const float* lo;
   const float* hi;
@@ -153,49 +186,74 @@ struct State {
   int64_t* nonfinite_out;
 };
 
-template <class L>
-static int extremes(const typename L::T* x, int64_t len, float* lo, float* hi, int64_t r0, int64_t r1,
-                    const State* s) {
-  v16 probe = {0};
+// The S rows first + k * stride + i (k < S, i < n) of x viewed as [rows, len] (contiguous,
+// len >= LANES), read side by side: lo[r] / hi[r] are the row's min / max. Returns 1 when a
+// value is not finite or a row's range overflows. The first vector initialises the
+// accumulators; v - v is 0 for a finite v and NaN otherwise, so one sum of those tells whether
+// every value was finite. With a state (s != nullptr: its min, max, count and non-finite count
+// per row), lo / hi are merged with the state's extremes as torch.minimum / torch.maximum merge
+// them in their vector body (the batch's value on a tie, so for -0.0 and +0.0 too; a NaN in the
+// state stays), count[r] = the state's + len and nonfinite[r] the state's: the whole update of
+// a min/max state in the same pass.
+template <class L, int S>
+static int extremes(const typename L::T* x, int64_t len, float* lo, float* hi, int64_t first, int64_t stride,
+                    int64_t n, const State* s) {
+  vf probe = {};
   float tail_probe = 0.0f;
   int overflow = 0;
-  const int64_t body = len - len % 16;
-  for (int64_t r = r0; r < r1; ++r) {
-    const typename L::T* p = x + r * len;
-    v16 mn0 = L::load(p), mx0 = mn0, mn1 = mn0, mx1 = mn0;
-    v16 sum = mn0 - mn0;
-    int64_t j = 16;
-    for (; j + 32 <= body; j += 32) {
-      v16 a = L::load(p + j), b = L::load(p + j + 16);
-      sum += (a - a) + (b - b);
-      mn0 = a < mn0 ? a : mn0; mx0 = a > mx0 ? a : mx0;
-      mn1 = b < mn1 ? b : mn1; mx1 = b > mx1 ? b : mx1;
+  const int64_t body = len - len % LANES;
+  for (int64_t i = 0; i < n; ++i) {
+    const typename L::T* p[S];
+    vf mn[S], mx[S];
+    vf sum = {};
+    for (int k = 0; k < S; ++k) {
+      p[k] = x + (first + k * stride + i) * len;
+      mn[k] = mx[k] = L::load(p[k]);
+      sum += mn[k] - mn[k];
     }
-    if (j < body) {
-      v16 a = L::load(p + j);
-      sum += a - a;
-      mn0 = a < mn0 ? a : mn0; mx0 = a > mx0 ? a : mx0;
+    for (int64_t j = LANES; j < body; j += LANES) {
+      for (int k = 0; k < S; ++k) {
+        const vf a = L::load(p[k] + j);
+        sum += a - a;
+        mn[k] = a < mn[k] ? a : mn[k];
+        mx[k] = a > mx[k] ? a : mx[k];
+      }
     }
     probe += sum;
-    float m = lanes_min(mn1 < mn0 ? mn1 : mn0), M = lanes_max(mx1 > mx0 ? mx1 : mx0);
-    for (j = body; j < len; ++j) {
-      const float v = L::one(p + j);
-      tail_probe += v - v;
-      m = v < m ? v : m;
-      M = v > M ? v : M;
+    for (int k = 0; k < S; ++k) {
+      float m = lanes_min(mn[k]), M = lanes_max(mx[k]);
+      for (int64_t j = body; j < len; ++j) {
+        const float v = L::one(p[k] + j);
+        tail_probe += v - v;
+        m = v < m ? v : m;
+        M = v > M ? v : M;
+      }
+      overflow |= !(M - m <= FLT_MAX);  // an infinite extreme or an overflowing range
+      const int64_t r = first + k * stride + i;
+      if (s) {
+        m = m <= s->lo[r] ? m : s->lo[r];
+        M = M >= s->hi[r] ? M : s->hi[r];
+        s->count_out[r] = s->count[r] + len;
+        s->nonfinite_out[r] = s->nonfinite[r];
+      }
+      lo[r] = m;
+      hi[r] = M;
     }
-    overflow |= !(M - m <= FLT_MAX);  // an infinite extreme or an overflowing range
-    if (s) {
-      m = m <= s->lo[r] ? m : s->lo[r];
-      M = M >= s->hi[r] ? M : s->hi[r];
-      s->count_out[r] = s->count[r] + len;
-      s->nonfinite_out[r] = s->nonfinite[r];
-    }
-    lo[r] = m;
-    hi[r] = M;
   }
   int bad = overflow | (tail_probe != 0.0f);
-  for (int k = 0; k < 16; ++k) bad |= probe[k] != 0.0f;
+  for (int k = 0; k < LANES; ++k) bad |= probe[k] != 0.0f;
+  return bad;
+}
+
+// Rows [r0, r1): QS_STREAMS far-apart streams over the bulk, one row at a time for the rest
+template <class L>
+static int range(const typename L::T* x, int64_t len, float* lo, float* hi, int64_t r0, int64_t r1,
+                 const State* s) {
+  const int64_t per_stream = (r1 - r0) / QS_STREAMS;
+  int bad = 0;
+  if (per_stream > 0) bad |= extremes<L, QS_STREAMS>(x, len, lo, hi, r0, per_stream, per_stream, s);
+  const int64_t rest = r0 + per_stream * QS_STREAMS;
+  if (rest < r1) bad |= extremes<L, 1>(x, len, lo, hi, rest, 0, r1 - rest, s);
   return bad;
 }
 
@@ -212,12 +270,12 @@ static int split(const void* data, int64_t rows, int64_t len, float* lo, float* 
 #pragma omp parallel for num_threads(threads) reduction(|: bad) schedule(static, 1)
     for (int64_t t = 0; t < threads; ++t) {
       const int64_t r0 = t * step, r1 = r0 + step < rows ? r0 + step : rows;
-      if (r0 < r1) bad |= extremes<L>(x, len, lo, hi, r0, r1, s);
+      if (r0 < r1) bad |= range<L>(x, len, lo, hi, r0, r1, s);
     }
     return bad;
   }
 #endif
-  return extremes<L>(x, len, lo, hi, 0, rows, s);
+  return range<L>(x, len, lo, hi, 0, rows, s);
 }
 
 static int dispatch(const void* x, int64_t kind, int64_t rows, int64_t len, float* lo, float* hi,
@@ -243,6 +301,103 @@ extern "C" int qstats_update_extremes(const void* x, int64_t kind, int64_t rows,
                                       int64_t threads) {
   const State s = {state_lo, state_hi, state_count, state_nonfinite, count, nonfinite};
   return dispatch(x, kind, rows, len, lo, hi, threads, &s);
+}
+
+// Both extremes of all n values of x (contiguous): rows of WHOLE_ROW values through the row
+// pass (its streams and threads) into a scratch buffer, then the rest, then the rows' extremes.
+// Returns 1 when a value is not finite, the range overflows or the scratch cannot be allocated.
+enum { WHOLE_ROW = 4096 };
+
+template <class L>
+static int whole(const void* data, int64_t n, int64_t threads, float* m_out, float* M_out) {
+  const typename L::T* x = (const typename L::T*)data;
+  const int64_t rows = n / WHOLE_ROW, rest = n - rows * WHOLE_ROW;
+  float m = 0.0f, M = 0.0f;
+  int bad = 0, seen = 0;
+  if (rows > 0) {
+    float* scratch = (float*)malloc(2 * rows * sizeof(float));
+    if (!scratch) return 1;
+    bad |= split<L>(x, rows, WHOLE_ROW, scratch, scratch + rows, threads, nullptr);
+    m = scratch[0];
+    M = scratch[rows];
+    for (int64_t r = 1; r < rows; ++r) {
+      m = scratch[r] < m ? scratch[r] : m;
+      M = scratch[rows + r] > M ? scratch[rows + r] : M;
+    }
+    free(scratch);
+    seen = 1;
+  }
+  if (rest >= LANES) {
+    float tm, tM;
+    bad |= extremes<L, 1>(x + rows * WHOLE_ROW, rest, &tm, &tM, 0, 0, 1, nullptr);
+    m = !seen || tm < m ? tm : m;
+    M = !seen || tM > M ? tM : M;
+  } else {
+    float probe = 0.0f;
+    for (int64_t j = rows * WHOLE_ROW; j < n; ++j, seen = 1) {
+      const float v = L::one(x + j);
+      probe += v - v;
+      m = !seen || v < m ? v : m;
+      M = !seen || v > M ? v : M;
+    }
+    bad |= probe != 0.0f;
+  }
+  bad |= !(M - m <= FLT_MAX);
+  *m_out = m;
+  *M_out = M;
+  return bad;
+}
+
+// The whole update of a per-tensor min/max state (0-dim fields) by n values: the extremes merged
+// as torch.minimum / torch.maximum merge one element (the state's value on a tie; a NaN in the
+// state stays), the count plus n, the non-finite count kept. Returns 1 when flagged (as whole),
+// -1 for an unknown kind.
+extern "C" int qstats_update_whole(const void* x, int64_t kind, int64_t n, const float* state_lo,
+                                   const float* state_hi, const int64_t* state_count,
+                                   const int64_t* state_nonfinite, float* lo, float* hi, int64_t* count,
+                                   int64_t* nonfinite, int64_t threads) {
+  float m, M;
+  int bad;
+  if (kind == 0) bad = whole<F32>(x, n, threads, &m, &M);
+  else if (kind == 1) bad = whole<BF16>(x, n, threads, &m, &M);
+  else if (kind == 2) bad = whole<F16>(x, n, threads, &m, &M);
+  else return -1;
+  if (bad) return 1;
+  *lo = m < *state_lo ? m : *state_lo;
+  *hi = M > *state_hi ? M : *state_hi;
+  *count = *state_count + n;
+  *nonfinite = *state_nonfinite;
+  return 0;
+}
+
+// The symmetric scales of n observed ranges in one pass, where every entry is valid
+// (calibrated, when given, with finite lo <= hi and a range that does not overflow):
+// scale = clamp(max(-lo, hi) / half_range, eps, cap) in float32 (eps > 0, so the sign of a zero
+// peak never shows), the zero point (int32 or float32) and calibrated (all true). Returns 1, with
+// the outputs partly written, as soon as an entry is not valid: the caller takes the full path.
+extern "C" int qstats_symmetric_scales(const float* lo, const float* hi, const uint8_t* calibrated, int64_t n,
+                                       float half_range, float eps, float cap, float* scale,
+                                       void* zero_point, int64_t zero_point_is_float, int64_t zero_point_value,
+                                       uint8_t* calibrated_out) {
+  int bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float span = hi[i] - lo[i];
+    bad |= !(span >= 0.0f && span <= FLT_MAX) | (calibrated && !calibrated[i]);
+    const float peak = -lo[i] > hi[i] ? -lo[i] : hi[i];
+    float s = peak / half_range;
+    s = s < eps ? eps : s;
+    scale[i] = s > cap ? cap : s;
+    calibrated_out[i] = 1;
+  }
+  if (bad) return 1;
+  if (zero_point_is_float) {
+    float* z = (float*)zero_point;
+    for (int64_t i = 0; i < n; ++i) z[i] = (float)zero_point_value;
+  } else {
+    int32_t* z = (int32_t*)zero_point;
+    for (int64_t i = 0; i < n; ++i) z[i] = (int32_t)zero_point_value;
+  }
+  return 0;
 }
 """
 
@@ -292,14 +447,18 @@ def _build():
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _compile_and_load(directory):
+# the compiler flags tried in turn: this machine's vector width and torch's OpenMP runtime first
+_FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())
+
+
+def _compile_and_load(directory, flag_sets=_FLAG_SETS):
     source = os.path.join(directory, "row_extremes.cpp")
     with open(source, "w") as f:
         f.write(_SOURCE)
     target = os.path.join(directory, "row_extremes.so")
     base = ["-O3", "-std=c++17", "-shared", "-fPIC", source, "-o", target]
     for compiler in _compilers():
-        for flags in (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], []):
+        for flags in flag_sets:
             try:
                 done = subprocess.run([compiler, *flags, *base], capture_output=True, timeout=120)
             except (OSError, subprocess.SubprocessError):
@@ -315,7 +474,16 @@ def _compile_and_load(directory):
                 update = library.qstats_update_extremes
                 update.restype = ctypes.c_int
                 update.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 8, ctypes.c_int64]
-                return extremes, update
+                scales = library.qstats_symmetric_scales
+                scales.restype = ctypes.c_int
+                scales.argtypes = [
+                    *[ctypes.c_void_p] * 3, ctypes.c_int64, *[ctypes.c_float] * 3, *[ctypes.c_void_p] * 2,
+                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                ]
+                whole = library.qstats_update_whole
+                whole.restype = ctypes.c_int
+                whole.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 8, ctypes.c_int64]
+                return extremes, update, scales, whole
     return False
 
 
@@ -410,7 +578,8 @@ def _standard_fields(fields, shape) -> bool:
 def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite):
     """A min/max state's whole update by an unmasked ``view`` in one pass: the new
     ``(min, max, count, nonfinite)``, fresh tensors, equal to merging `row_extremes` and the
-    view's counts into the given fields with torch.minimum, torch.maximum and additions.
+    view's counts into the given fields with torch.minimum, torch.maximum and additions (a
+    per-tensor view ``(1, N)`` with 0-dim fields: all N values, `_update_whole`).
 
     Returns None where the kernel does not apply (as `row_extremes`, or fields other than
     float32 extremes and int64 counts of the parameter shape, contiguous, on the CPU) or where
@@ -418,6 +587,8 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite):
     """
     shape = tuple(view.shape[1:-1])
     fields = (lo, hi, count, nonfinite)
+    if shape == () and view.ndim == 2:
+        return _update_whole(view, fields)
     if not applies(view) or not _standard_fields(fields, shape):
         return None
     length = view.shape[-1]
@@ -429,3 +600,69 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite):
     if bad:
         return None
     return tuple(out)
+
+
+def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float, cap: float, zero_point: int,
+                     zero_point_dtype: torch.dtype):
+    """``(scale, zero_point, calibrated)`` of a symmetric mapping over observed ranges, in one
+    pass: ``clamp(max(-min, max) / half_range, eps, cap)`` in float32 arithmetic (``half_range``,
+    ``eps`` and ``cap`` rounded to float32 first, as ATen rounds a scalar operand of a float32
+    tensor), ``zero_point`` everywhere and every entry calibrated; fresh tensors.
+
+    Returns None where the kernel does not apply (not float32 extremes of one shape, contiguous
+    plain CPU memory, a bool ``calibrated`` of that shape or None, ``eps`` > 0 in float32, a
+    zero point dtype other than int32 or float32, no kernel) or where some entry is not valid
+    (uncalibrated, ``min > max``, a non-finite extreme or an overflowing range): the caller then
+    takes the full path.
+    """
+    shape = tuple(min_val.shape)
+    fields = (min_val, max_val) if calibrated is None else (min_val, max_val, calibrated)
+    if not (
+        zero_point_dtype in (torch.int32, torch.float32)
+        and ctypes.c_float(eps).value > 0
+        and all(
+            type(t) is torch.Tensor
+            and t.dtype == dtype
+            and t.device.type == "cpu"
+            and tuple(t.shape) == shape
+            and t.is_contiguous()
+            and not t.requires_grad
+            and _plain_memory(t)
+            and torch.autograd.forward_ad.unpack_dual(t).tangent is None
+            for t, dtype in zip(fields, (torch.float32, torch.float32, torch.bool))
+        )
+        and available()
+    ):
+        return None
+    scale = min_val.new_empty(shape)
+    zero_points = min_val.new_empty(shape, dtype=zero_point_dtype)
+    calibrated_out = min_val.new_empty(shape, dtype=torch.bool)
+    bad = _kernel()[2](
+        min_val.data_ptr(), max_val.data_ptr(), None if calibrated is None else calibrated.data_ptr(),
+        min_val.numel(), half_range, eps, cap, scale.data_ptr(), zero_points.data_ptr(),
+        int(zero_point_dtype == torch.float32), zero_point, calibrated_out.data_ptr(),
+    )
+    return None if bad else (scale, zero_points, calibrated_out)
+
+
+def _update_whole(view: torch.Tensor, fields):
+    """`update_extremes` of a per-tensor state (0-dim fields) by a view ``(1, N)``: one pass over
+    all N values (rows of the row pass, split over the threads), merged as torch.minimum and
+    torch.maximum merge one element."""
+    if not (
+        view.shape[0] == 1
+        and view.dtype in _KINDS
+        and view.device.type == "cpu"
+        and view.numel() >= _MIN_NUMEL
+        and view.is_contiguous()
+        and _plain_memory(view)
+        and _standard_fields(fields, ())
+        and available()
+    ):
+        return None
+    out = [view.new_empty((), dtype=t.dtype) for t in fields]
+    bad = _kernel()[3](
+        view.data_ptr(), _KINDS[view.dtype], view.numel(), *(t.data_ptr() for t in fields),
+        *(t.data_ptr() for t in out), _threads(view),
+    )
+    return None if bad else tuple(out)

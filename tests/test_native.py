@@ -95,6 +95,66 @@ def test_an_overflowing_range_is_flagged():
     assert _native.row_extremes(view)[2] is False
 
 
+@pytest.mark.parametrize("rows", [4096 + 13, 8 * 17 + 5], ids=["many rows", "few rows"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_beside_the_streams_equal_aten(rows, threads):
+    """Row counts that the threads' streams do not divide: the rows left over after the streams
+    take the one-row path; every row is exact and a non-finite value in any of them is flagged."""
+    g = torch.Generator().manual_seed(rows)
+    view = _view(rows, 48, g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lo, hi, finite = _native.row_extremes(view)
+        assert finite
+        assert torch.equal(lo, view[0].amin(-1)) and torch.equal(hi, view[0].amax(-1))
+        for row in (0, rows // 2, rows - 1, rows - 2):
+            dirty = view.clone()
+            dirty[0, row, 40] = float("nan")
+            assert _native.row_extremes(dirty)[2] is False, row
+    finally:
+        torch.set_num_threads(before)
+
+
+def _x86_vector_widths():
+    """Flag sets that build the kernel for the narrower vector widths an x86 machine with
+    AVX-512 also runs (AVX2: 8 lanes and 4 streams; baseline SSE2: 4 lanes), where it has them."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    widths = [pytest.param(("-fopenmp",), id="baseline")]
+    if " avx2" in flags:
+        widths.append(pytest.param(("-march=native", "-mno-avx512f", "-fopenmp"), id="avx2"))
+    return widths
+
+
+@pytest.mark.parametrize("flags", _x86_vector_widths())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_narrower_vector_widths_equal_aten(flags, dtype, tmp_path):
+    """The kernel as built on a machine without this one's widest vectors (each width has its own
+    lanes, lane reduction and stream count): exact extremes, flags for non-finite values."""
+    built = _native._compile_and_load(str(tmp_path), flag_sets=(flags,))
+    if not built:
+        pytest.skip(f"the compiler does not take {flags}")
+    extremes = built[0]
+    g = torch.Generator().manual_seed(3)
+    for length in (16, 17, 33, 256, 1000):
+        view = _view(4096 // length + 9, length, g, dtype)
+        rows = view.shape[1]
+        for threads in (1, 2):
+            lo, hi = torch.empty(rows), torch.empty(rows)
+            bad = extremes(view.data_ptr(), _native._KINDS[dtype], rows, length, lo.data_ptr(), hi.data_ptr(), threads)
+            assert bad == 0
+            assert torch.equal(lo, view[0].amin(-1).float()) and torch.equal(hi, view[0].amax(-1).float())
+        for column in (0, length // 2, length - 1):
+            dirty = view.clone()
+            dirty[0, rows - 1, column] = float("nan")
+            lo, hi = torch.empty(rows), torch.empty(rows)
+            assert extremes(dirty.data_ptr(), _native._KINDS[dtype], rows, length, lo.data_ptr(), hi.data_ptr(), 1) == 1
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -241,7 +301,9 @@ def _fields_bit_equal(a, b):
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["plain", "stacked"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("granularity", [qstats.PerAxis(0), qstats.PerGroup(32), qstats.PerToken()], ids=repr)
+@pytest.mark.parametrize(
+    "granularity", [qstats.PerAxis(0), qstats.PerGroup(32), qstats.PerToken(), qstats.PerTensor()], ids=repr
+)
 def test_fused_update_equals_the_full_path(stacked, dtype, granularity, kernel_calls, monkeypatch):
     """The fused update (reduction, merge and counts in one pass) against the path every other
     input takes, bit for bit (signed zeros included), over three updates from init: data with
@@ -265,6 +327,48 @@ def test_fused_update_equals_the_full_path(stacked, dtype, granularity, kernel_c
     assert kernel_calls == [("update", True)] * 3
     monkeypatch.setattr(_native, "update_extremes", lambda *args: None)
     _fields_bit_equal(fused, run())
+
+
+@pytest.mark.parametrize("size", [1 << 16, 4096 * 20 + 5, 4096 * 20 + 100, 1 << 20], ids=["rows", "short rest", "vector rest", "large"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_per_tensor_update_equals_torch_ao(size, threads, dtype, kernel_calls, monkeypatch):
+    """A per-tensor update in one native pass (rows of the row pass, then the rest, then the
+    rows' extremes) against torch.ao's MinMaxObserver and the full path, bit for bit; a
+    non-finite value anywhere sends the batch down the full path, which counts it."""
+    from torch.ao.quantization import MinMaxObserver
+
+    g = torch.Generator().manual_seed(size)
+    batches = [(torch.randn(size, generator=g) * scale).to(dtype) for scale in (1.0, 3.0, 0.5)]
+    obs = qstats.minmax(qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_tensor_symmetric))
+    reference = MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        state = obs.init(batches[0])
+        for batch in batches:
+            state = obs.update(state, batch)
+            reference(batch.float())
+        assert kernel_calls == [("update", True)] * 3
+        assert torch.equal(state.min_val, reference.min_val) and torch.equal(state.max_val, reference.max_val)
+        assert int(state.count) == 3 * size and int(state.nonfinite) == 0
+        assert torch.equal(qstats.compute_qparams(state, obs.spec).scale.reshape(1), reference.calculate_qparams()[0])
+        for where in (0, size // 2, size - 1):
+            dirty = batches[1].clone()
+            dirty[where] = float("nan")
+            kernel_calls.clear()
+            new = obs.update(state, dirty)
+            assert kernel_calls[0] == ("update", False)
+            assert int(new.nonfinite) == 1 and int(new.count) == 4 * size - 1
+            assert torch.equal(new.max_val, state.max_val)
+        with monkeypatch.context() as m:
+            m.setattr(_native, "update_extremes", lambda *args: None)
+            full = obs.init(batches[0])
+            for batch in batches:
+                full = obs.update(full, batch)
+        _fields_bit_equal(state, full)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_fused_update_leaves_other_states_to_the_full_path(kernel_calls):

@@ -1,9 +1,12 @@
 """The eager path for symmetric specs of the torch.ao and compressed-tensors conventions
-(`qstats._qparams._symmetric_qparams`, fewer ops) against the general range mapping it
+(`qstats._qparams._symmetric_qparams`, fewer ops, and its native pass
+`qstats._native.symmetric_scales` where the kernel is built) against the general range mapping it
 short-cuts, bit for bit, on ranges no observer would produce as well as on real ones: NaN, +-Inf,
 min > max, +-0.0, subnormals, ranges past half the float32 range, zero counts; and against
 torch.ao's own observers on valid ranges (compressed-tensors' are in
 test_compat_compressed_tensors.py, which goes through the same path)."""
+
+import contextlib
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from hypothesis import strategies as st
 from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
 
 import qstats
-from qstats import _qparams
+from qstats import _native, _qparams
 
 SETTINGS = settings(
     max_examples=400,
@@ -72,6 +75,28 @@ def _general(min_val, max_val, spec, calibrated):
         _qparams._symmetric_plan = original
 
 
+@contextlib.contextmanager
+def _native_pass(on: bool):
+    """The native pass of the short cut as built (``on``) or switched off (the ATen short cut);
+    records whether it produced the result."""
+    taken = []
+    original = _native.symmetric_scales
+
+    def recording(*args):
+        out = original(*args) if on else None
+        taken.append(out is not None)
+        return out
+
+    _native.symmetric_scales = recording
+    try:
+        yield taken
+    finally:
+        _native.symmetric_scales = original
+
+
+NATIVE = pytest.mark.parametrize("native", [True, False], ids=["native", "aten"])
+
+
 def test_every_spec_takes_the_short_cut():
     assert all(_qparams._symmetric_plan(spec) for spec in SPECS)
     assert not _qparams._symmetric_plan(qstats.QuantSpec(dtype="int8", mapping="asymmetric"))
@@ -90,13 +115,15 @@ values = st.one_of(st.sampled_from(SPECIAL), st.floats(width=32, allow_nan=True,
     pairs=st.lists(st.tuples(values, values, st.booleans()), min_size=1, max_size=24),
     with_calibrated=st.booleans(),
 )
-def test_short_cut_equals_general_path(spec_index, pairs, with_calibrated):
+@NATIVE
+def test_short_cut_equals_general_path(native, spec_index, pairs, with_calibrated):
     spec = SPECS[spec_index]
     min_val = torch.tensor([p[0] for p in pairs], dtype=torch.float32)
     max_val = torch.tensor([p[1] for p in pairs], dtype=torch.float32)
     calibrated = torch.tensor([p[2] for p in pairs]) if with_calibrated else None
     before = [t.clone() for t in (min_val, max_val) + (() if calibrated is None else (calibrated,))]
-    fast = qstats.qparams_from_minmax(min_val, max_val, spec, calibrated=calibrated, check_uncalibrated=False)
+    with _native_pass(native):
+        fast = qstats.qparams_from_minmax(min_val, max_val, spec, calibrated=calibrated, check_uncalibrated=False)
     after = (min_val, max_val) + (() if calibrated is None else (calibrated,))
     assert all(bit_equal(a, b) for a, b in zip(before, after))  # intermediates only are written in place
     slow = _general(min_val, max_val, spec, calibrated)
@@ -117,9 +144,11 @@ finite = st.one_of(
     pairs=st.lists(st.tuples(finite, finite).map(sorted), min_size=1, max_size=24),
     calibrated_kind=st.sampled_from(["none", "all", "some"]),
 )
-def test_every_entry_valid_short_cut_equals_general_path(spec_index, pairs, calibrated_kind):
+@NATIVE
+def test_every_entry_valid_short_cut_equals_general_path(native, spec_index, pairs, calibrated_kind):
     # The ranges observers produce (finite, min <= max): on CPU one host check of the whole range
-    # replaces the validity mask and the fallback select, and one clamp the cap and the eps floor.
+    # replaces the validity mask and the fallback select, and one clamp the cap and the eps floor;
+    # with the kernel, one native pass does all of it where it applies.
     spec = SPECS[spec_index]
     min_val = torch.tensor([p[0] for p in pairs], dtype=torch.float32)
     max_val = torch.tensor([p[1] for p in pairs], dtype=torch.float32)
@@ -132,7 +161,8 @@ def test_every_entry_valid_short_cut_equals_general_path(spec_index, pairs, cali
     original = _qparams._every_entry_valid
     _qparams._every_entry_valid = lambda *args: checks.append(original(*args)) or checks[-1]
     try:
-        fast = qstats.qparams_from_minmax(min_val, max_val, spec, calibrated=calibrated, check_uncalibrated=False)
+        with _native_pass(native) as taken:
+            fast = qstats.qparams_from_minmax(min_val, max_val, spec, calibrated=calibrated, check_uncalibrated=False)
     finally:
         _qparams._every_entry_valid = original
     slow = _general(min_val, max_val, spec, calibrated)
@@ -141,9 +171,13 @@ def test_every_entry_valid_short_cut_equals_general_path(spec_index, pairs, cali
     plan = _qparams._symmetric_plan(spec)
     spread_finite = bool(torch.isfinite(max_val - min_val).all())
     expected = plan.scale_cap is not None and spread_finite and calibrated_kind != "some"
+    # the native pass applies to float32 scales (no rounding to another dtype) of every such
+    # spec, where the kernel is built
+    native_taken = native and expected and spec.scale_dtype == "float32" and _native.available()
+    assert (True in taken) == native_taken, (taken, spec, min_val, max_val)
     # the short cut is taken exactly where it applies (eps above the cap, an overflowing spread
     # or an uncalibrated entry send it to the general test)
-    assert (checks == [True]) == expected, (checks, spec, min_val, max_val)
+    assert (checks == [True]) == (expected and not native_taken), (checks, spec, min_val, max_val)
 
 
 def test_every_entry_valid_short_cut_stays_off_under_vmap_and_on_other_inputs():

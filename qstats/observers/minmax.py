@@ -269,15 +269,14 @@ def observe_extremes_stacked(x: torch.Tensor, weight, spec: QuantSpec, expected_
 
 def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str):
     """The whole update of a min/max state by an unweighted batch in one native pass
-    (`qstats._native.update_extremes`: the reduction, the merge with the state and the counts),
-    for plain eager CPU tensors; None where it does not apply or the batch holds a value that is
+    (`qstats._native.update_extremes`: the reduction, the merge with the state and the counts;
+    per tensor, per channel, group or token, plain or stacked), for plain eager CPU tensors; None where it does not apply or the batch holds a value that is
     not finite (the caller then takes the full path, which also applies ``nonfinite="raise"``)."""
     if type(x) is torch.nn.Parameter:
         x = x.detach()  # a module's weight observed directly: its values, as the full path reads them
     if (
-        # cheap refusals first: a per-tensor update (one aminmax pass) must not pay for the rest
-        (observe is observe_extremes and isinstance(spec.granularity, PerTensor))
-        or x.numel() < _native._MIN_NUMEL
+        # cheap refusals first
+        x.numel() < _native._MIN_NUMEL
         or x.dtype not in _native._KINDS
         or type(x) is not torch.Tensor
         or x.device.type != "cpu"
