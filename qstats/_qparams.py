@@ -46,11 +46,19 @@ class QParams(NamedTuple):
 
 
 class Range(NamedTuple):
-    """What a range rule returns: the range to map, and which entries saw data."""
+    """What a range rule returns: the range to map, and which entries saw data (a bool mask, or
+    integer counts: calibrated where positive; `calibrated_mask` reads either)."""
 
     min_val: torch.Tensor
     max_val: torch.Tensor
     calibrated: torch.Tensor
+
+
+def calibrated_mask(calibrated):
+    """A `Range`'s ``calibrated`` as a bool mask (counts: calibrated where positive)."""
+    if calibrated is None or calibrated.dtype == torch.bool:
+        return calibrated
+    return calibrated > 0
 
 
 _RANGE_RULES: dict[type, Callable[..., Any]] = {}
@@ -317,14 +325,28 @@ def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_unca
     ):
         # the same numbers in one native pass (`qstats._native.symmetric_scales`) where every
         # entry is valid: after a large update has evicted the caches, each of the ops below
-        # costs tens of microseconds
-        native = _native.symmetric_scales(
-            min_val, max_val, calibrated, plan.half_range, plan.eps, plan.scale_cap, plan.zero_point,
-            plan.zero_point_dtype,
-        )
+        # costs tens of microseconds. Under vmap alone, the op whose rule makes that pass over
+        # every slice at once (it takes the masked path below where some entry is not valid).
+        numbers = (plan.half_range, plan.eps, plan.scale_cap, plan.zero_point, plan.zero_point_dtype)
+        native = level = None
+        if _host_checkable(min_val, max_val, calibrated):
+            native = _native.symmetric_scales(min_val, max_val, calibrated, *numbers)
+        elif (
+            min_val.shape == max_val.shape
+            and (calibrated is None or calibrated.shape == min_val.shape)
+            and not (min_val.requires_grad or max_val.requires_grad)
+            and _native.available()
+        ):
+            # under vmap: every slice in one pass (the masked path below where some is not valid)
+            tensors = (min_val, max_val) if calibrated is None else (min_val, max_val, calibrated)
+            slices = _native.vmap_slices(tensors)
+            if slices is not None:
+                level, dense = slices
+                native = _native.symmetric_scales(*dense, *([None] if calibrated is None else []), *numbers)
         if native is not None:
-            scale, zero_point, calibrated = native
+            scale, zero_point, calibrated = native if level is None else _native.rebatch(native, level)
             return QParams(scale, zero_point, torch.ones((), dtype=torch.float32, device=scale.device), calibrated)
+    calibrated = calibrated_mask(calibrated)
     peak = torch.maximum(-min_val, max_val)
     if (
         plan.scale_cap is not None
@@ -388,12 +410,14 @@ def qparams_from_minmax(
     Entries that saw no data (``calibrated`` False, or a non-finite range) get scale 1 and zero
     point 0, and `check_calibrated` applies the spec's ``on_uncalibrated`` policy (unless
     ``check_uncalibrated`` is False: the caller applies it, as for stacked experts).
+    ``calibrated`` may also be integer counts (calibrated where positive).
     """
     min_val = min_val if min_val.dtype == torch.float32 else min_val.float()
     max_val = max_val if max_val.dtype == torch.float32 else max_val.float()
     plan = _plan_for(spec, min_val)
     if plan:
         return _symmetric_qparams(min_val, max_val, spec, calibrated, check_uncalibrated, plan=plan)
+    calibrated = calibrated_mask(calibrated)
     compiling = torch.compiler.is_compiling()
     # min <= max with both finite, without isfinite (slow on CPU): given min <= max, half the
     # span is finite exactly when both are (halving keeps finite extremes from overflowing).

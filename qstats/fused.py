@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import _formats
-from ._qparams import QParams, _rule_for, compute_qparams
+from ._qparams import QParams, _rule_for, calibrated_mask, compute_qparams
 from ._spec import QuantSpec
 
 __all__ = ["fused_amax", "fused_global_scale", "fused_qparams"]
@@ -39,7 +39,7 @@ def _amax_of(state, spec: QuantSpec, **options) -> torch.Tensor:
     if isinstance(result, QParams):
         raise TypeError(f"fused: {type(state).__name__}'s range rule returns QParams, not a range")
     min_val, max_val = result.min_val.float(), result.max_val.float()
-    calibrated = result.calibrated & torch.isfinite(min_val) & torch.isfinite(max_val)
+    calibrated = calibrated_mask(result.calibrated) & torch.isfinite(min_val) & torch.isfinite(max_val)
     zero = torch.zeros_like(min_val)
     amax = torch.max(torch.where(calibrated, -min_val, zero), torch.where(calibrated, max_val, zero))
     return torch.clamp(amax, min=0).amax() if amax.numel() else amax.new_zeros(())

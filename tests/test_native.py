@@ -467,3 +467,113 @@ def test_no_temporary_directory_means_no_kernel(monkeypatch):
 
     monkeypatch.setattr(_native.tempfile, "mkdtemp", unwritable)
     assert _native._build() is False
+
+
+def _slice_loop(fn, stack):
+    """``fn`` on each slice of ``stack``, results stacked: what ``torch.vmap(fn)`` must equal."""
+    outs = [fn(stack[e]) for e in range(stack.shape[0])]
+    return type(outs[0])(*(torch.stack(list(fields)) for fields in zip(*outs)))
+
+
+@pytest.mark.parametrize("granularity", [qstats.PerAxis(0), qstats.PerGroup(64), qstats.PerTensor()], ids=repr)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vmapped_update_takes_one_pass_for_every_slice(granularity, dtype, kernel_calls):
+    """Under vmap the eager update unwraps the batch and makes one native pass over every slice
+    (a state shared by every slice, as init gives under vmap, is read as it is, not repeated):
+    bit for bit the per-slice loop, and the state of a slice with a NaN comes from the full path."""
+    g = torch.Generator().manual_seed(8)
+    stack = (torch.randn(6, 512, 256, generator=g) * 3).to(dtype)
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=granularity))
+
+    def two_updates(w):
+        return obs.update(obs.update(obs.init(w), w), w * 0.5)
+
+    batched = torch.vmap(two_updates)(stack)
+    taken = [call for call in kernel_calls if call[0] == "update"]
+    assert taken == [("update", True)] * 2
+    kernel_calls.clear()
+    _fields_bit_equal(batched, _slice_loop(two_updates, stack))
+    # one slice not finite: the batch takes ATen's per-slice path, with the same counts
+    dirty = stack.clone()
+    dirty[4, 10, 3] = float("nan")
+    batched = torch.vmap(two_updates)(dirty)
+    assert ("update", False) in kernel_calls
+    _fields_bit_equal(batched, _slice_loop(two_updates, dirty))
+    assert int(batched.nonfinite.sum()) == 2
+
+
+def test_vmapped_update_of_shared_and_stacked_states():
+    """States per slice with one shared batch, one shared state observing per-slice batches that
+    is not init's, and a stacked observer under vmap: the per-slice loop, bit for bit."""
+    g = torch.Generator().manual_seed(9)
+    stack = torch.randn(4, 512, 128, generator=g)
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+    states = torch.vmap(lambda w: obs.update(obs.init(w), w))(stack)
+    shared_batch = torch.randn(512, 128, generator=g) * 4
+    per_state = torch.vmap(lambda s: obs.update(s, shared_batch))(states)
+    expected = [obs.update(type(states)(*(f[e] for f in states)), shared_batch) for e in range(4)]
+    _fields_bit_equal(per_state, type(states)(*(torch.stack(list(f)) for f in zip(*expected))))
+    base = obs.update(obs.init(stack[0]), stack[0] * 7)
+    _fields_bit_equal(torch.vmap(lambda w: obs.update(base, w))(stack), _slice_loop(lambda w: obs.update(base, w), stack))
+
+
+def test_vmapped_update_under_other_transforms_keeps_aten(kernel_calls):
+    """Nested vmap and grad transforms are not unwrapped (their tensors are not plain memory):
+    the ATen path, with the same values."""
+    stack = torch.randn(2, 3, 512, 64)
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+    nested = torch.vmap(torch.vmap(lambda w: obs.update(obs.init(w), w)))(stack)
+    assert ("update", True) not in kernel_calls
+    assert torch.equal(nested.max_val, stack.amax(-1)) and torch.equal(nested.min_val, stack.amin(-1))
+
+    def loss(w):
+        state = obs.update(obs.init(w), w)
+        return state.max_val.sum()
+
+    grad = torch.func.grad(loss)(stack[0, 0].clone())
+    assert ("update", True) not in kernel_calls
+    assert grad.shape == (512, 64)
+
+
+@pytest.mark.parametrize("mapping", ["symmetric", "narrow"])
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.quint8])
+def test_vmapped_compute_qparams_equals_torch_ao(mapping, dtype):
+    """vmap of init + update + compute_qparams over stacked experts (the update's and the
+    scales' native passes over every slice at once) against torch.ao's PerChannelMinMaxObserver
+    per expert; an expert that saw nothing (a masked one) gets the fallback, as per slice."""
+    g = torch.Generator().manual_seed(10)
+    experts = torch.randn(8, 256, 128, generator=g)
+    experts[2, 5] = 0.0
+    experts[3] *= 1e30
+    if mapping == "narrow":
+        spec = qstats.QuantSpec(dtype="int8", mapping="narrow", granularity=qstats.PerAxis(0))
+    else:
+        spec = qstats.QuantSpec.from_torch_ao(dtype, torch.per_channel_symmetric)
+    obs = qstats.minmax(spec)
+
+    def one(w):
+        return qstats.compute_qparams(obs.update(obs.init(w), w), spec)
+
+    batched = torch.vmap(one)(experts)
+    for e in range(8):
+        expected = one(experts[e])
+        for name in ("scale", "zero_point", "calibrated"):
+            assert bit_equal(getattr(batched, name)[e], getattr(expected, name)), (name, e)
+        if mapping == "symmetric":
+            reference = PerChannelMinMaxObserver(ch_axis=0, dtype=dtype, qscheme=torch.per_channel_symmetric)
+            reference(experts[e])
+            scale, zero_point = reference.calculate_qparams()
+            assert torch.equal(batched.scale[e], scale) and torch.equal(batched.zero_point[e].long(), zero_point)
+    fallback = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0), on_uncalibrated="fallback")
+    obs = qstats.minmax(fallback)
+    weight = torch.ones(8, 256, 1)
+    weight[5] = 0.0  # expert 5 sees nothing
+
+    def masked(w, m):
+        return qstats.compute_qparams(obs.update(obs.init(w), w, m.expand_as(w)), fallback)
+
+    batched = torch.vmap(masked)(experts, weight)
+    assert not bool(batched.calibrated[5].any()) and bool(batched.calibrated[:5].all())
+    assert torch.equal(batched.scale[5], torch.ones(256))
+    expected = masked(experts[1], weight[1])
+    assert bit_equal(batched.scale[1], expected.scale)

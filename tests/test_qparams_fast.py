@@ -132,6 +132,26 @@ def test_short_cut_equals_general_path(native, spec_index, pairs, with_calibrate
     assert torch.isfinite(fast.scale).all() and (fast.scale > 0).all()
 
 
+@SETTINGS
+@given(
+    spec_index=st.integers(0, len(SPECS) - 1),
+    pairs=st.lists(st.tuples(values, values, st.sampled_from([0, 1, 7, 2**40])), min_size=1, max_size=24),
+)
+@NATIVE
+def test_counts_as_calibrated_equal_the_mask(native, spec_index, pairs):
+    """A range rule may give counts as ``calibrated`` (the min/max family does: the native pass
+    reads them, no mask op): every path equals the general one with the mask ``count > 0``."""
+    spec = SPECS[spec_index]
+    min_val = torch.tensor([p[0] for p in pairs], dtype=torch.float32)
+    max_val = torch.tensor([p[1] for p in pairs], dtype=torch.float32)
+    counts = torch.tensor([p[2] for p in pairs], dtype=torch.int64)
+    with _native_pass(native):
+        got = qstats.qparams_from_minmax(min_val, max_val, spec, calibrated=counts, check_uncalibrated=False)
+    expected = _general(min_val, max_val, spec, counts > 0)
+    for name, a, b in zip(got._fields, got, expected):
+        assert bit_equal(a, b), (name, spec, min_val, max_val, counts)
+
+
 finite = st.one_of(
     st.sampled_from([v for v in SPECIAL if v == v and abs(v) != float("inf")]),
     st.floats(width=32, allow_nan=False, allow_infinity=False),

@@ -278,12 +278,13 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str)
         # cheap refusals first
         x.numel() < _native._MIN_NUMEL
         or x.dtype not in _native._KINDS
-        or type(x) is not torch.Tensor
         or x.device.type != "cpu"
         or torch.compiler.is_compiling()
-        or torch._C._functorch.is_functorch_wrapped_tensor(x)
         or not _native.available()
     ):
+        return None
+    plain = type(x) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(x)
+    if not plain and (spec.nonfinite != "ignore" or x.requires_grad or any(t.requires_grad for t in state)):
         return None
     if observe is observe_extremes:
         view = checked_view(x, spec.granularity, state.min_val.shape, where)
@@ -292,7 +293,21 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str)
         view = stacked_view(x, spec.granularity)
     else:
         return None
-    return _native.update_extremes(view, *state)
+    if plain:
+        return _native.update_extremes(view, *state)
+    # under vmap: every slice in one pass, the batch of the view inside its parameter dims (the
+    # slices side by side, as a stacked view), the state's fields (one per slice or shared) dense
+    if not torch._C._functorch.is_batchedtensor(view):
+        return None  # one batch for states of every slice: ATen's per-slice merge
+    # a state shared by every slice (init under vmap) is read as it is, not repeated
+    slices = _native.vmap_slices((view, *state), batch_dims=(1, 0, 0, 0, 0), repeat_shared=False)
+    if slices is None:
+        return None
+    level, (stacked, *fields) = slices
+    if len({tuple(t.shape) for t in fields}) != 1:
+        return None  # some fields per slice, some shared
+    fused = _native.update_extremes(stacked, *fields)
+    return None if fused is None else _native.rebatch(fused, level)
 
 
 def _add_count(total: torch.Tensor, count):
@@ -497,7 +512,9 @@ def _extremes_rule(state, spec: QuantSpec, **options) -> Range:
     # fields of one shape and kind: a 0-dim max_val beside per-channel min_vals broadcast to
     # scales nobody observed, and an integer max_val gave integer arithmetic
     _check_extremes_state(state, type(state), "compute_qparams")
-    return Range(state.min_val, state.max_val, state.count > 0)
+    # the counts themselves (calibrated where positive): the native pass of compute_qparams reads
+    # them, and no op computes the mask it does not need
+    return Range(state.min_val, state.max_val, state.count)
 
 
 for _cls in (MinMaxState, MemorylessMinMaxState, MovingAverageMinMaxState):
