@@ -192,21 +192,14 @@ struct State {
 // len >= LANES), read side by side: lo[r] / hi[r] are the row's min / max. Returns 1 when a
 // value is not finite or a row's range overflows. The first vector initialises the
 // accumulators; v - v is 0 for a finite v and NaN otherwise, so one sum of those tells whether
-// every value was finite. With a state (s != nullptr: its min, max, count and non-finite count
-// per row), lo / hi are merged with the state's extremes as torch.minimum / torch.maximum merge
-// them in their vector body (the batch's value on a tie, so for -0.0 and +0.0 too; a NaN in the
-// state stays), count[r] = the state's + len and nonfinite[r] the state's: the whole update of
-// a min/max state in the same pass (row r reads the state's row r % s->period, kept per stream
-// without a division).
+// every value was finite.
 template <class L, int S>
 static int extremes(const typename L::T* x, int64_t len, float* lo, float* hi, int64_t first, int64_t stride,
-                    int64_t n, const State* s) {
+                    int64_t n) {
   vf probe = {};
   float tail_probe = 0.0f;
   int overflow = 0;
   const int64_t body = len - len % LANES;
-  int64_t q[S];
-  for (int k = 0; k < S; ++k) q[k] = s ? (first + k * stride) % s->period : 0;
   for (int64_t i = 0; i < n; ++i) {
     const typename L::T* p[S];
     vf mn[S], mx[S];
@@ -235,14 +228,6 @@ static int extremes(const typename L::T* x, int64_t len, float* lo, float* hi, i
       }
       overflow |= !(M - m <= FLT_MAX);  // an infinite extreme or an overflowing range
       const int64_t r = first + k * stride + i;
-      if (s) {
-        const int64_t t = q[k];
-        q[k] = t + 1 == s->period ? 0 : t + 1;
-        m = m <= s->lo[t] ? m : s->lo[t];
-        M = M >= s->hi[t] ? M : s->hi[t];
-        s->count_out[r] = s->count[t] + len;
-        s->nonfinite_out[r] = s->nonfinite[t];
-      }
       lo[r] = m;
       hi[r] = M;
     }
@@ -252,15 +237,44 @@ static int extremes(const typename L::T* x, int64_t len, float* lo, float* hi, i
   return bad;
 }
 
-// Rows [r0, r1): QS_STREAMS far-apart streams over the bulk, one row at a time for the rest
+// Rows [r0, r1) of lo / hi merged with a state (its min, max, count and non-finite count; row r
+// reads the state's row r % s->period): the extremes as torch.minimum / torch.maximum merge them
+// in their vector body (the batch's value on a tie, so for -0.0 and +0.0 too; a NaN in the state
+// stays), count = the state's + len, nonfinite = the state's. A second, sequential pass over
+// these small arrays while the rows' extremes are still in cache (merged in the row pass, the
+// state's eight arrays were as many more memory streams, a few bytes per row: slower).
+static void merge(const State* s, float* lo, float* hi, int64_t len, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1;) {
+    const int64_t q = r % s->period, n = r1 - r < s->period - q ? r1 - r : s->period - q;
+    const float* state_lo = s->lo + q;
+    const float* state_hi = s->hi + q;
+    const int64_t* count = s->count + q;
+    const int64_t* nonfinite = s->nonfinite + q;
+    float* l = lo + r;
+    float* h = hi + r;
+    int64_t* count_out = s->count_out + r;
+    int64_t* nonfinite_out = s->nonfinite_out + r;
+    for (int64_t i = 0; i < n; ++i) {
+      l[i] = l[i] <= state_lo[i] ? l[i] : state_lo[i];
+      h[i] = h[i] >= state_hi[i] ? h[i] : state_hi[i];
+      count_out[i] = count[i] + len;
+      nonfinite_out[i] = nonfinite[i];
+    }
+    r += n;
+  }
+}
+
+// Rows [r0, r1): QS_STREAMS far-apart streams over the bulk, one row at a time for the rest;
+// then, with a state, the merge (the whole update of a min/max state by the rows)
 template <class L>
 static int range(const typename L::T* x, int64_t len, float* lo, float* hi, int64_t r0, int64_t r1,
                  const State* s) {
   const int64_t per_stream = (r1 - r0) / QS_STREAMS;
   int bad = 0;
-  if (per_stream > 0) bad |= extremes<L, QS_STREAMS>(x, len, lo, hi, r0, per_stream, per_stream, s);
+  if (per_stream > 0) bad |= extremes<L, QS_STREAMS>(x, len, lo, hi, r0, per_stream, per_stream);
   const int64_t rest = r0 + per_stream * QS_STREAMS;
-  if (rest < r1) bad |= extremes<L, 1>(x, len, lo, hi, rest, 0, r1 - rest, s);
+  if (rest < r1) bad |= extremes<L, 1>(x, len, lo, hi, rest, 0, r1 - rest);
+  if (s && !bad) merge(s, lo, hi, len, r0, r1);
   return bad;
 }
 
@@ -336,7 +350,7 @@ static int whole(const void* data, int64_t n, int64_t threads, float* m_out, flo
   }
   if (rest >= LANES) {
     float tm, tM;
-    bad |= extremes<L, 1>(x + rows * WHOLE_ROW, rest, &tm, &tM, 0, 0, 1, nullptr);
+    bad |= extremes<L, 1>(x + rows * WHOLE_ROW, rest, &tm, &tM, 0, 0, 1);
     m = !seen || tm < m ? tm : m;
     M = !seen || tM > M ? tM : M;
   } else {
@@ -409,7 +423,7 @@ extern "C" int qstats_symmetric_scales(const float* lo, const float* hi, const v
   if (calibrated_kind == 1) bad = scales<unsigned char>(lo, hi, calibrated, n, half_range, eps, cap, scale);
   else if (calibrated_kind == 2) bad = scales<int64_t>(lo, hi, calibrated, n, half_range, eps, cap, scale);
   else bad = scales<void>(lo, hi, calibrated, n, half_range, eps, cap, scale);
-  memset(calibrated_out, 1, n);
+  memset(calibrated_out, 1, (size_t)(n > 0 ? n : 0));
   if (bad) return 1;
   if (zero_point_is_float) {
     float* z = (float*)zero_point;
