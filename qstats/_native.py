@@ -42,6 +42,7 @@ import threading
 from typing import Optional
 
 import torch
+from torch.utils import _python_dispatch
 
 __all__ = ["applies", "available", "row_extremes", "symmetric_scales", "update_extremes"]
 
@@ -509,7 +510,9 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS):
                 extremes.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 2, ctypes.c_int64]
                 update = library.qstats_update_extremes
                 update.restype = ctypes.c_int
-                update.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 8, *[ctypes.c_int64] * 2]
+                update.argtypes = [
+                    ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 8, *[ctypes.c_int64] * 2,
+                ]
                 scales = library.qstats_symmetric_scales
                 scales.restype = ctypes.c_int
                 scales.argtypes = [
@@ -518,7 +521,9 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS):
                 ]
                 whole = library.qstats_update_whole
                 whole.restype = ctypes.c_int
-                whole.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 8, ctypes.c_int64]
+                whole.argtypes = [
+                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 8, ctypes.c_int64,
+                ]
                 return extremes, update, scales, whole
     return False
 
@@ -545,25 +550,43 @@ def applies(view: torch.Tensor, numel: Optional[int] = None) -> bool:
         and (view.numel() if numel is None else numel) >= _MIN_NUMEL
         and view.is_contiguous()
         # when tracing, the op's implementation asks again of the real tensor
-        and (torch.compiler.is_compiling() or _plain_memory(view))
+        and (
+            torch.compiler.is_compiling()
+            or (type(view) is torch.Tensor and _plain_memory(view) and _nothing_intercepts())
+        )
         and available()
     )
 
 
 def _plain_memory(t: torch.Tensor) -> bool:
-    """Whether ``t``'s values are its memory as it is: no negative bit, no functionalization or
-    functorch wrapper (whose data pointer is not the values'). Fake tensors under
-    ``torch.compile`` pass (their real counterparts are checked again at run time)."""
-    return not (t.is_neg() or torch._is_functional_tensor(t) or torch._C._functorch.is_functorch_wrapped_tensor(t))
+    """Whether ``t``'s values are its memory as it is: no negative bit, no zero tensor (no
+    memory at all), no functionalization or functorch wrapper (whose data pointer is not the
+    values'). Fake tensors under ``torch.compile`` pass (their real counterparts are checked
+    again at run time)."""
+    return not (
+        t.is_neg()
+        or t._is_zerotensor()
+        or torch._is_functional_tensor(t)
+        or torch._C._functorch.is_functorch_wrapped_tensor(t)
+    )
+
+
+def _nothing_intercepts() -> bool:
+    """Whether the ops around a kernel call run as they are: no dispatch mode (fake tensors,
+    ``make_fx``, a user's mode) and no ``torch.jit.trace``. These see the output allocations but
+    not the kernel's writes: fake outputs have no memory to write, and a trace would replay
+    empty tensors."""
+    return torch._C._get_tracing_state() is None and _python_dispatch._get_current_dispatch_mode() is None
 
 
 def vmap_slices(tensors, batch_dims=None, repeat_shared: bool = True):
     """Under one ``torch.vmap`` and no other function transform (eager), the tensors every slice
     together: ``(level, dense)``, where ``dense[i]`` holds ``tensors[i]``'s slices stacked at
     ``batch_dims[i]`` (default 0; a tensor shared by every slice repeated, or left as it is
-    without ``repeat_shared``), contiguous, plain memory, and `rebatch` wraps results back. None elsewhere (nested or other transforms, compiling, nothing
-    batched). The native passes take every slice in one call this way, without the per-call
-    cost of a custom op's vmap rule (several hundred microseconds)."""
+    without ``repeat_shared``), contiguous, plain memory, and `rebatch` wraps results back. None
+    elsewhere (nested or other transforms, compiling, nothing batched). The native passes take
+    every slice in one call this way, without the per-call cost of a custom op's vmap rule
+    (several hundred microseconds)."""
     functorch = torch._C._functorch
     level = functorch.maybe_current_level()
     if level is None or torch.compiler.is_compiling():
@@ -712,6 +735,7 @@ def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float
         zero_point_dtype in (torch.int32, torch.float32)
         and calibrated_kind is not None
         and ctypes.c_float(eps).value > 0
+        and _nothing_intercepts()
         and all(
             type(t) is torch.Tensor
             and t.dtype == dtype
@@ -747,7 +771,9 @@ def _update_whole(view: torch.Tensor, fields):
         and view.device.type == "cpu"
         and view.numel() >= _MIN_NUMEL
         and view.is_contiguous()
+        and type(view) is torch.Tensor
         and _plain_memory(view)
+        and _nothing_intercepts()
         and _standard_fields(fields, ())
         and available()
     ):

@@ -56,8 +56,12 @@ class Range(NamedTuple):
 
 def calibrated_mask(calibrated):
     """A `Range`'s ``calibrated`` as a bool mask (counts: calibrated where positive)."""
-    if calibrated is None or calibrated.dtype == torch.bool:
+    if not isinstance(calibrated, torch.Tensor) or calibrated.dtype == torch.bool:
         return calibrated
+    if calibrated.is_floating_point() or calibrated.is_complex():
+        raise TypeError(
+            f"calibrated must be a bool mask or integer counts, got a tensor of dtype {calibrated.dtype}"
+        )
     return calibrated > 0
 
 
@@ -325,14 +329,16 @@ def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_unca
     ):
         # the same numbers in one native pass (`qstats._native.symmetric_scales`) where every
         # entry is valid: after a large update has evicted the caches, each of the ops below
-        # costs tens of microseconds. Under vmap alone, the op whose rule makes that pass over
-        # every slice at once (it takes the masked path below where some entry is not valid).
+        # costs tens of microseconds. Under vmap alone, one such pass over every slice at once
+        # (the ops below where some entry is not valid).
         numbers = (plan.half_range, plan.eps, plan.scale_cap, plan.zero_point, plan.zero_point_dtype)
         native = level = None
-        if _host_checkable(min_val, max_val, calibrated):
+        mask = calibrated is None or isinstance(calibrated, torch.Tensor)  # not a Python bool
+        if mask and _host_checkable(min_val, max_val, calibrated):
             native = _native.symmetric_scales(min_val, max_val, calibrated, *numbers)
         elif (
-            min_val.shape == max_val.shape
+            mask
+            and min_val.shape == max_val.shape
             and (calibrated is None or calibrated.shape == min_val.shape)
             and not (min_val.requires_grad or max_val.requires_grad)
             and _native.available()
@@ -351,7 +357,7 @@ def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_unca
     if (
         plan.scale_cap is not None
         and min_val.shape == max_val.shape
-        and (calibrated is None or calibrated.shape == min_val.shape)
+        and (calibrated is None or (isinstance(calibrated, torch.Tensor) and calibrated.shape == min_val.shape))
         and _host_checkable(min_val, max_val, calibrated)
         and _every_entry_valid(min_val, max_val, calibrated)
     ):

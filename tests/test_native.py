@@ -329,7 +329,9 @@ def test_fused_update_equals_the_full_path(stacked, dtype, granularity, kernel_c
     _fields_bit_equal(fused, run())
 
 
-@pytest.mark.parametrize("size", [1 << 16, 4096 * 20 + 5, 4096 * 20 + 100, 1 << 20], ids=["rows", "short rest", "vector rest", "large"])
+@pytest.mark.parametrize(
+    "size", [1 << 16, 4096 * 20 + 5, 4096 * 20 + 100, 1 << 20], ids=["rows", "short rest", "vector rest", "large"]
+)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_per_tensor_update_equals_torch_ao(size, threads, dtype, kernel_calls, monkeypatch):
@@ -514,7 +516,8 @@ def test_vmapped_update_of_shared_and_stacked_states():
     expected = [obs.update(type(states)(*(f[e] for f in states)), shared_batch) for e in range(4)]
     _fields_bit_equal(per_state, type(states)(*(torch.stack(list(f)) for f in zip(*expected))))
     base = obs.update(obs.init(stack[0]), stack[0] * 7)
-    _fields_bit_equal(torch.vmap(lambda w: obs.update(base, w))(stack), _slice_loop(lambda w: obs.update(base, w), stack))
+    one = lambda w: obs.update(base, w)  # noqa: E731
+    _fields_bit_equal(torch.vmap(one)(stack), _slice_loop(one, stack))
 
 
 def test_vmapped_update_under_other_transforms_keeps_aten(kernel_calls):
@@ -577,3 +580,41 @@ def test_vmapped_compute_qparams_equals_torch_ao(mapping, dtype):
     assert torch.equal(batched.scale[5], torch.ones(256))
     expected = masked(experts[1], weight[1])
     assert bit_equal(batched.scale[1], expected.scale)
+
+
+def test_intercepted_ops_never_reach_the_kernel():
+    """Fake tensors, ``torch.jit.trace`` and zero tensors see the output allocations but not the
+    kernel's writes (fake outputs have no memory; a trace would replay empty tensors): the ATen
+    path, whose ops they record."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+    x = torch.randn(512, 256)
+    for obs in (qstats.minmax(qstats.QuantSpec(dtype="int8")), qstats.minmax(spec)):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            state = obs.update(obs.init(x), x)
+        assert type(state.min_val).__name__ == "FakeTensor"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's warnings about Python values
+        scales = lambda lo, hi: qstats.qparams_from_minmax(lo, hi, spec).scale  # noqa: E731
+        traced_scales = torch.jit.trace(scales, (-torch.ones(8), torch.ones(8)))
+        per_tensor = qstats.minmax(qstats.QuantSpec(dtype="int8"))
+        traced_update = torch.jit.trace(lambda t: per_tensor.update(per_tensor.init(t), t).max_val, (x,))
+    assert torch.equal(traced_scales(-3 * torch.ones(8), 3 * torch.ones(8)), torch.full((8,), 3 / 127.5))
+    y = torch.randn(512, 256) * 10
+    assert torch.equal(traced_update(y), y.max())
+    zeros = qstats.qparams_from_minmax(torch._efficientzerotensor(8), torch.ones(8), spec)
+    assert torch.equal(zeros.scale, torch.full((8,), 1 / 127.5))
+
+
+def test_calibrated_takes_a_mask_counts_or_a_python_bool():
+    lo, hi = -torch.ones(3), torch.ones(3)
+    for spec in (qstats.QuantSpec(dtype="int8"), qstats.QuantSpec(dtype="int8", mapping="asymmetric")):
+        expected = qstats.qparams_from_minmax(lo, hi, spec).scale
+        assert torch.equal(qstats.qparams_from_minmax(lo, hi, spec, calibrated=True).scale, expected)
+        counts = qstats.qparams_from_minmax(lo, hi, spec, calibrated=torch.tensor([3, 0, 1]), check_uncalibrated=False)
+        assert counts.calibrated.tolist() == [True, False, True]
+        with pytest.raises(TypeError, match="bool mask or integer counts, got a tensor of dtype torch.float32"):
+            qstats.qparams_from_minmax(lo, hi, spec, calibrated=torch.ones(3))

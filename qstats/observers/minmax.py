@@ -270,8 +270,9 @@ def observe_extremes_stacked(x: torch.Tensor, weight, spec: QuantSpec, expected_
 def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str):
     """The whole update of a min/max state by an unweighted batch in one native pass
     (`qstats._native.update_extremes`: the reduction, the merge with the state and the counts;
-    per tensor, per channel, group or token, plain or stacked), for plain eager CPU tensors; None where it does not apply or the batch holds a value that is
-    not finite (the caller then takes the full path, which also applies ``nonfinite="raise"``)."""
+    per tensor, per channel, group or token, plain or stacked), for plain eager CPU tensors and
+    under a single ``vmap``; None where it does not apply or the batch holds a value that is not
+    finite (the caller then takes the full path, which also applies ``nonfinite="raise"``)."""
     if type(x) is torch.nn.Parameter:
         x = x.detach()  # a module's weight observed directly: its values, as the full path reads them
     if (
