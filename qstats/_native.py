@@ -147,38 +147,24 @@ static inline float lanes_max(f4 v) {
   for (int k = 1; k < 4; ++k) m = v[k] > m ? v[k] : m;
   return m;
 }
+// the lower and the upper half of a vector, as vectors of half its width
+template <class H, class V>
+static inline void halves(V v, H& low, H& high) {
+  memcpy(&low, &v, sizeof low);
+  memcpy(&high, (const char*)&v + sizeof low, sizeof high);
+}
 #if QS_BYTES >= 32
 typedef float f8 __attribute__((vector_size(32)));
-static inline float lanes_min(f8 v) {
-  f4 a, b;
-  memcpy(&a, &v, sizeof a);
-  memcpy(&b, (const char*)&v + sizeof a, sizeof b);
-  return lanes_min(b < a ? b : a);
-}
-static inline float lanes_max(f8 v) {
-  f4 a, b;
-  memcpy(&a, &v, sizeof a);
-  memcpy(&b, (const char*)&v + sizeof a, sizeof b);
-  return lanes_max(b > a ? b : a);
-}
+static inline float lanes_min(f8 v) { f4 a, b; halves(v, a, b); return lanes_min(b < a ? b : a); }
+static inline float lanes_max(f8 v) { f4 a, b; halves(v, a, b); return lanes_max(b > a ? b : a); }
 #endif
 #if QS_BYTES >= 64
 typedef float f16 __attribute__((vector_size(64)));
-static inline float lanes_min(f16 v) {
-  f8 a, b;
-  memcpy(&a, &v, sizeof a);
-  memcpy(&b, (const char*)&v + sizeof a, sizeof b);
-  return lanes_min(b < a ? b : a);
-}
-static inline float lanes_max(f16 v) {
-  f8 a, b;
-  memcpy(&a, &v, sizeof a);
-  memcpy(&b, (const char*)&v + sizeof a, sizeof b);
-  return lanes_max(b > a ? b : a);
-}
+static inline float lanes_min(f16 v) { f8 a, b; halves(v, a, b); return lanes_min(b < a ? b : a); }
+static inline float lanes_max(f16 v) { f8 a, b; halves(v, a, b); return lanes_max(b > a ? b : a); }
 #endif
 
-// A min/max state merged in the same pass (see extremes)
+// A min/max state to merge the rows' extremes into (see merge)
 struct State {
   const float* lo;
   const float* hi;
