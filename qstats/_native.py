@@ -652,9 +652,13 @@ def _threads(view: torch.Tensor) -> int:
     return 1 if _forked else max(1, min(torch.get_num_threads(), view.numel() // _NUMEL_PER_THREAD))
 
 
-def _standard_fields(fields, shape) -> bool:
-    """float32 extremes and int64 counts, contiguous, on the CPU, all of ``shape``, plain memory,
-    no autograd (a field's gradient or forward-AD tangent is the full path's to carry)."""
+_STATE_DTYPES = (torch.float32, torch.float32, torch.int64, torch.int64)
+
+
+def _standard_fields(fields, shape, dtypes=_STATE_DTYPES) -> bool:
+    """Tensors of ``dtypes`` (by default a min/max state's: float32 extremes, int64 counts),
+    contiguous, on the CPU, all of ``shape``, plain memory, no autograd (a field's gradient or
+    forward-AD tangent is the full path's to carry)."""
     return all(
         type(t) is torch.Tensor
         and t.dtype == dtype
@@ -664,7 +668,7 @@ def _standard_fields(fields, shape) -> bool:
         and not t.requires_grad
         and _plain_memory(t)
         and torch.autograd.forward_ad.unpack_dual(t).tangent is None
-        for t, dtype in zip(fields, (torch.float32, torch.float32, torch.int64, torch.int64))
+        for t, dtype in zip(fields, dtypes)
     )
 
 
@@ -722,17 +726,7 @@ def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float
         and calibrated_kind is not None
         and ctypes.c_float(eps).value > 0
         and _nothing_intercepts()
-        and all(
-            type(t) is torch.Tensor
-            and t.dtype == dtype
-            and t.device.type == "cpu"
-            and tuple(t.shape) == shape
-            and t.is_contiguous()
-            and not t.requires_grad
-            and _plain_memory(t)
-            and torch.autograd.forward_ad.unpack_dual(t).tangent is None
-            for t, dtype in zip(fields, (torch.float32, torch.float32, calibrated_kind and calibrated.dtype))
-        )
+        and _standard_fields(fields, shape, (torch.float32, torch.float32, calibrated_kind and calibrated.dtype))
         and available()
     ):
         return None
