@@ -529,8 +529,17 @@ def applies(view: torch.Tensor, numel: Optional[int] = None) -> bool:
     counts, where it is not the view's (under ``vmap``, every slice together)."""
     return (
         view.ndim >= 3  # some parameter dims: a single row would take one thread
-        and view.shape[0] == 1
         and view.shape[-1] >= 16
+        and _readable(view, numel)
+    )
+
+
+def _readable(view: torch.Tensor, numel: Optional[int] = None) -> bool:
+    """Whether the kernel reads ``view`` (one observation, a dtype it knows, contiguous plain CPU
+    memory that nothing intercepts, large enough to pay for the call) on a machine with the
+    kernel; `applies` and the per-tensor update add their shape's conditions."""
+    return (
+        view.shape[0] == 1
         and view.dtype in _KINDS
         and view.device.type == "cpu"
         and (view.numel() if numel is None else numel) >= _MIN_NUMEL
@@ -745,18 +754,8 @@ def _update_whole(view: torch.Tensor, fields):
     """`update_extremes` of a per-tensor state (0-dim fields) by a view ``(1, N)``: one pass over
     all N values (rows of the row pass, split over the threads), merged as torch.minimum and
     torch.maximum merge one element."""
-    if not (
-        view.shape[0] == 1
-        and view.dtype in _KINDS
-        and view.device.type == "cpu"
-        and view.numel() >= _MIN_NUMEL
-        and view.is_contiguous()
-        and type(view) is torch.Tensor
-        and _plain_memory(view)
-        and _nothing_intercepts()
-        and _standard_fields(fields, ())
-        and available()
-    ):
+    # eager only (`update_extremes`' callers): `_readable` checks the real tensor
+    if not (_readable(view) and _standard_fields(fields, ())):
         return None
     out = [view.new_empty((), dtype=t.dtype) for t in fields]
     bad = _kernel()[3](
