@@ -477,7 +477,11 @@ def _slice_loop(fn, stack):
     return type(outs[0])(*(torch.stack(list(fields)) for fields in zip(*outs)))
 
 
-@pytest.mark.parametrize("granularity", [qstats.PerAxis(0), qstats.PerGroup(64), qstats.PerTensor()], ids=repr)
+@pytest.mark.parametrize(
+    "granularity",
+    [qstats.PerAxis(0), qstats.PerGroup(64), qstats.PerTensor(), qstats.PerToken(), qstats.PerBlock((16, 32))],
+    ids=repr,
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_vmapped_update_takes_one_pass_for_every_slice(granularity, dtype, kernel_calls):
     """Under vmap the eager update unwraps the batch and makes one native pass over every slice
@@ -502,6 +506,19 @@ def test_vmapped_update_takes_one_pass_for_every_slice(granularity, dtype, kerne
     assert ("update", False) in kernel_calls
     _fields_bit_equal(batched, _slice_loop(two_updates, dirty))
     assert int(batched.nonfinite.sum()) == 2
+
+
+def test_vmapped_update_with_the_batch_in_another_dim(kernel_calls):
+    """A batch along another dim of the input (``in_dims=1``) and in the outputs (``out_dims=1``):
+    one native pass over the slices, the per-slice loop bit for bit."""
+    g = torch.Generator().manual_seed(10)
+    stack = torch.randn(512, 5, 128, generator=g)
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+    one = lambda w: obs.update(obs.init(w), w)  # noqa: E731
+    batched = torch.vmap(one, in_dims=1, out_dims=1)(stack)
+    assert ("update", True) in kernel_calls
+    expected = _slice_loop(one, stack.movedim(1, 0))
+    _fields_bit_equal(type(batched)(*(f.movedim(1, 0) for f in batched)), expected)
 
 
 def test_vmapped_update_of_shared_and_stacked_states():

@@ -288,6 +288,8 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str)
     if not plain and (spec.nonfinite != "ignore" or x.requires_grad or any(t.requires_grad for t in state)):
         return None
     if observe is observe_extremes:
+        if not plain:
+            return _vmapped_update(state, x, spec, where)
         view = checked_view(x, spec.granularity, state.min_val.shape, where)
     elif observe is observe_extremes_stacked:
         _check_stack(x, spec, state.min_val.shape, where)
@@ -296,18 +298,37 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str)
         return None
     if plain:
         return _native.update_extremes(view, *state)
-    # under vmap: every slice in one pass, the batch of the view inside its parameter dims (the
-    # slices side by side, as a stacked view), the state's fields (one per slice or shared) dense
+    # a stacked observer under vmap: the batch of the view inside its parameter dims (the slices
+    # side by side), the state's fields dense
     if not torch._C._functorch.is_batchedtensor(view):
-        return None  # one batch for states of every slice: ATen's per-slice merge
-    # a state shared by every slice (init under vmap) is read as it is, not repeated
+        return None
     slices = _native.vmap_slices((view, *state), batch_dims=(1, 0, 0, 0, 0), repeat_shared=False)
+    return _update_slices(slices, lambda stack: stack)
+
+
+def _vmapped_update(state, x: torch.Tensor, spec: QuantSpec, where: str):
+    """`_native_update` under a single ``vmap``: every slice in one pass. ``x`` is unwrapped
+    first and its slices viewed as a stack (`stacked_view`, which equals the batched
+    `canonical_view`), so that no view op runs through a batching rule; a state shared by every
+    slice (init under vmap) is read as it is, not repeated."""
+    if not torch._C._functorch.is_batchedtensor(x):
+        return None  # one batch for states of every slice: ATen's per-slice merge
+    check_observable(x, where)
+    check_shape(x.shape, spec.granularity, state.min_val.shape, where)
+    slices = _native.vmap_slices((x, *state), repeat_shared=False)
+    return _update_slices(slices, lambda stack: stacked_view(stack, spec.granularity))
+
+
+def _update_slices(slices, view_of):
+    """`_native.update_extremes` of every slice from `_native.vmap_slices`' ``(level, (stack,
+    *fields))``, ``view_of(stack)`` the stacked canonical view (copied where not contiguous, as
+    one slice's view would be under vmap), rebatched; None where it does not apply."""
     if slices is None:
         return None
-    level, (stacked, *fields) = slices
+    level, (stack, *fields) = slices
     if len({tuple(t.shape) for t in fields}) != 1:
         return None  # some fields per slice, some shared
-    fused = _native.update_extremes(stacked, *fields)
+    fused = _native.update_extremes(view_of(stack).contiguous(), *fields)
     return None if fused is None else _native.rebatch(fused, level)
 
 
