@@ -692,7 +692,7 @@ def _standard_fields(fields, shape, dtypes=_STATE_DTYPES) -> bool:
     return True
 
 
-def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite):
+def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None):
     """A min/max state's whole update by an unmasked ``view`` in one pass: the new
     ``(min, max, count, nonfinite)``, fresh tensors, equal to merging `row_extremes` and the
     view's counts into the given fields with torch.minimum, torch.maximum and additions (a
@@ -703,6 +703,8 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite):
     Returns None where the kernel does not apply (as `row_extremes`, or fields other than
     float32 extremes and int64 counts of the parameter shape, contiguous, on the CPU) or where
     some value is not finite or some range overflows: the caller then takes the full path.
+    ``wrap``: applied to the output tensors before the pass writes them (`rebatch` under vmap),
+    its result returned: after a large pass every cache is cold, and each call costs more.
     """
     shape = tuple(view.shape[1:-1])
     fields = (lo, hi, count, nonfinite)
@@ -715,13 +717,12 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite):
         return None
     length = view.shape[-1]
     out = [view.new_empty(shape, dtype=t.dtype) for t in fields]
+    result = tuple(out) if wrap is None else wrap(out)
     bad = _kernel()[1](
         view.data_ptr(), _KINDS[view.dtype], view.numel() // length, length,
         *(t.data_ptr() for t in fields), *(t.data_ptr() for t in out), max(1, lo.numel()), _threads(view),
     )
-    if bad:
-        return None
-    return tuple(out)
+    return None if bad else result
 
 
 def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float, cap: float, zero_point: int,
@@ -744,7 +745,7 @@ def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float
     if not (
         zero_point_dtype in (torch.int32, torch.float32)
         and calibrated_kind is not None
-        and ctypes.c_float(eps).value > 0
+        and eps > 2.0**-150  # > 0 in float32 (2**-150 and below round to 0)
         and _nothing_intercepts()
         and _standard_fields(fields, shape, (torch.float32, torch.float32, calibrated_kind and calibrated.dtype))
         and available()

@@ -30,8 +30,8 @@ def kernel_calls(monkeypatch):
         calls.append(("row", out is not None))
         return out
 
-    def counting_update(*args):
-        out = update(*args)
+    def counting_update(*args, **kwargs):
+        out = update(*args, **kwargs)
         calls.append(("update", out is not None))
         return out
 

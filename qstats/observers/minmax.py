@@ -322,14 +322,14 @@ def _vmapped_update(state, x: torch.Tensor, spec: QuantSpec, where: str):
 def _update_slices(slices, view_of):
     """`_native.update_extremes` of every slice from `_native.vmap_slices`' ``(level, (stack,
     *fields))``, ``view_of(stack)`` the stacked canonical view (copied where not contiguous, as
-    one slice's view would be under vmap), rebatched; None where it does not apply."""
+    one slice's view would be under vmap), rebatched (before the pass); None where it does not
+    apply."""
     if slices is None:
         return None
     level, (stack, *fields) = slices
     if len({tuple(t.shape) for t in fields}) != 1:
         return None  # some fields per slice, some shared
-    fused = _native.update_extremes(view_of(stack).contiguous(), *fields)
-    return None if fused is None else _native.rebatch(fused, level)
+    return _native.update_extremes(view_of(stack).contiguous(), *fields, wrap=lambda out: _native.rebatch(out, level))
 
 
 def _add_count(total: torch.Tensor, count):
