@@ -246,6 +246,8 @@ def stacked_view(x: torch.Tensor, granularity: Granularity):
         return x.reshape(num, math.prod(item)).unsqueeze(0)
     if isinstance(granularity, PerAxis):
         axis = _normalize_axis(granularity.axis, len(item), item)
+        if axis == 0:  # one observation: the same view in one op
+            return x.reshape(1, num, item[0], math.prod(item[1:]))
         return x.reshape(num, math.prod(item[:axis]), item[axis], math.prod(item[axis + 1 :])).movedim(0, 1)
     if isinstance(granularity, (PerToken, PerRow, PerGroup, PerBlock)):
         # these views keep every leading dimension as a parameter dimension: the stack's is one more
