@@ -155,6 +155,53 @@ def test_narrower_vector_widths_equal_aten(flags, dtype, tmp_path):
             assert extremes(dirty.data_ptr(), _native._KINDS[dtype], rows, length, lo.data_ptr(), hi.data_ptr(), 1) == 1
 
 
+@pytest.mark.parametrize("compiler", ["clang++"])
+def test_another_compiler_builds_the_same_kernel(compiler, monkeypatch, tmp_path):
+    """The kernel built by another C++ compiler (``$CXX``; clang takes ``-fopenmp`` only with its
+    own OpenMP library, so without it the build falls back to one thread): every entry point
+    against ATen and torch.ao."""
+    import shutil
+
+    if not shutil.which(compiler):
+        pytest.skip(f"no {compiler} on this machine")
+    monkeypatch.setenv("CXX", compiler)
+    assert _native._compilers()[0] == shutil.which(compiler)
+    built = _native._compile_and_load(str(tmp_path))
+    assert built, f"{compiler} did not build the kernel"
+    extremes, update, scales, whole = built
+    g = torch.Generator().manual_seed(4)
+    for dtype in DTYPES:
+        for length in (16, 33, 256):
+            view = _view(4096 // length + 9, length, g, dtype)
+            rows = view.shape[1]
+            lo, hi = torch.empty(rows), torch.empty(rows)
+            assert extremes(view.data_ptr(), _native._KINDS[dtype], rows, length, lo.data_ptr(), hi.data_ptr(), 2) == 0
+            assert torch.equal(lo, view[0].amin(-1).float()) and torch.equal(hi, view[0].amax(-1).float())
+            # merged into a state: the state's extremes where they are wider, counts added
+            state = (lo - 1.0, hi * 0.5, torch.full((rows,), 7), torch.full((rows,), 2))
+            out = (torch.empty(rows), torch.empty(rows), torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.int64))
+            ptrs = [t.data_ptr() for t in (*state, *out)]
+            assert update(view.data_ptr(), _native._KINDS[dtype], rows, length, *ptrs, rows, 2) == 0
+            assert torch.equal(out[0], state[0]) and torch.equal(out[1], torch.maximum(hi, state[1]))
+            assert torch.equal(out[2], state[2] + length) and torch.equal(out[3], state[3])
+            # the whole tensor at once
+            fields = (torch.tensor(float("inf")), torch.tensor(float("-inf")), torch.tensor(0), torch.tensor(0))
+            outs = (torch.empty(()), torch.empty(()), torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64))
+            n = view.numel()
+            assert whole(view.data_ptr(), _native._KINDS[dtype], n, *(t.data_ptr() for t in (*fields, *outs)), 1) == 0
+            assert float(outs[0]) == float(view.amin()) and float(outs[1]) == float(view.amax()) and int(outs[2]) == n
+    # the symmetric scales of a range against torch.ao
+    x = torch.randn(64, 300, generator=g)
+    observer = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+    observer(x)
+    lo, hi = x.amin(-1), x.amax(-1)
+    scale, zero_point, calibrated = torch.empty(64), torch.empty(64, dtype=torch.int32), torch.empty(64, dtype=torch.bool)
+    eps = float(torch.finfo(torch.float32).eps)
+    args = (lo.data_ptr(), hi.data_ptr(), None, 0, 64, 127.5, eps, 3.0e38, scale.data_ptr(), zero_point.data_ptr(), 0, 0)
+    assert scales(*args, calibrated.data_ptr()) == 0
+    assert torch.equal(scale, observer.calculate_qparams()[0]) and not zero_point.any() and calibrated.all()
+
+
 @pytest.mark.parametrize(
     "make",
     [
