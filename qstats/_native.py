@@ -406,11 +406,13 @@ static int scales(const float* lo, const float* hi, const void* calibrated, int6
   return bad;
 }
 
-// calibrated_kind: 0 none, 1 a bool mask, 2 int64 counts
+// calibrated_kind: 0 none, 1 a bool mask, 2 int64 counts; ones: n_ones global scales of 1
 extern "C" int qstats_symmetric_scales(const float* lo, const float* hi, const void* calibrated,
                                        int64_t calibrated_kind, int64_t n, float half_range, float eps,
                                        float cap, float* scale, void* zero_point, int64_t zero_point_is_float,
-                                       int64_t zero_point_value, uint8_t* calibrated_out) {
+                                       int64_t zero_point_value, uint8_t* calibrated_out, float* ones,
+                                       int64_t n_ones) {
+  for (int64_t i = 0; i < n_ones; ++i) ones[i] = 1.0f;
   int bad;
   if (calibrated_kind == 1) bad = scales<unsigned char>(lo, hi, calibrated, n, half_range, eps, cap, scale);
   else if (calibrated_kind == 2) bad = scales<int64_t>(lo, hi, calibrated, n, half_range, eps, cap, scale);
@@ -508,7 +510,7 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS):
                 scales.restype = ctypes.c_int
                 scales.argtypes = [
                     *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_float] * 3, *[ctypes.c_void_p] * 2,
-                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                 ]
                 whole = library.qstats_update_whole
                 whole.restype = ctypes.c_int
@@ -727,12 +729,14 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None):
 
 
 def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float, cap: float, zero_point: int,
-                     zero_point_dtype: torch.dtype):
-    """``(scale, zero_point, calibrated)`` of a symmetric mapping over observed ranges, in one
-    pass: ``clamp(max(-min, max) / half_range, eps, cap)`` in float32 arithmetic (``half_range``,
-    ``eps`` and ``cap`` rounded to float32 first, as ATen rounds a scalar operand of a float32
-    tensor), ``zero_point`` everywhere and every entry calibrated; fresh tensors. ``calibrated``:
-    a bool mask, int64 counts (calibrated where positive) or None.
+                     zero_point_dtype: torch.dtype, ones_shape=()):
+    """``(scale, zero_point, calibrated, ones)`` of a symmetric mapping over observed ranges, in
+    one pass: ``clamp(max(-min, max) / half_range, eps, cap)`` in float32 arithmetic
+    (``half_range``, ``eps`` and ``cap`` rounded to float32 first, as ATen rounds a scalar operand
+    of a float32 tensor), ``zero_point`` everywhere, every entry calibrated and float32 ones of
+    ``ones_shape`` (the global scale; written by the pass, so that every output comes from one
+    kind of op call: after a large pass each new kind of call costs tens of microseconds); fresh
+    tensors. ``calibrated``: a bool mask, int64 counts (calibrated where positive) or None.
 
     Returns None where the kernel does not apply (not float32 extremes of one shape, contiguous
     plain CPU memory, ``calibrated`` of that shape, ``eps`` > 0 in float32, a zero point dtype
@@ -755,12 +759,13 @@ def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float
     scale = min_val.new_empty(shape)
     zero_points = min_val.new_empty(shape, dtype=zero_point_dtype)
     calibrated_out = min_val.new_empty(shape, dtype=torch.bool)
+    ones = min_val.new_empty(ones_shape)
     bad = _kernel()[2](
         min_val.data_ptr(), max_val.data_ptr(), None if calibrated is None else calibrated.data_ptr(),
         calibrated_kind, min_val.numel(), half_range, eps, cap, scale.data_ptr(), zero_points.data_ptr(),
-        int(zero_point_dtype == torch.float32), zero_point, calibrated_out.data_ptr(),
+        int(zero_point_dtype == torch.float32), zero_point, calibrated_out.data_ptr(), ones.data_ptr(), ones.numel(),
     )
-    return None if bad else (scale, zero_points, calibrated_out)
+    return None if bad else (scale, zero_points, calibrated_out, ones)
 
 
 def _update_whole(view: torch.Tensor, fields):

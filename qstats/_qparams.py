@@ -348,14 +348,12 @@ def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_unca
             slices = _native.vmap_slices(tensors)
             if slices is not None:
                 level, dense = slices
-                native = _native.symmetric_scales(*dense, *([None] if calibrated is None else []), *numbers)
+                # every slice's global scale (1) from the same pass, dense
+                native = _native.symmetric_scales(
+                    *dense, *([None] if calibrated is None else []), *numbers, ones_shape=dense[0].shape[:1]
+                )
         if native is not None:
-            if level is None:
-                scale, zero_point, calibrated = native
-                ones = torch.ones((), dtype=torch.float32, device=scale.device)
-            else:  # every slice's global scale in one dense op too (a factory op under vmap costs more)
-                ones = native[0].new_ones(native[0].shape[:1])
-                scale, zero_point, calibrated, ones = _native.rebatch((*native, ones), level)
+            scale, zero_point, calibrated, ones = native if level is None else _native.rebatch(native, level)
             return QParams(scale, zero_point, ones, calibrated)
     calibrated = calibrated_mask(calibrated)
     peak = torch.maximum(-min_val, max_val)

@@ -198,8 +198,10 @@ def test_another_compiler_builds_the_same_kernel(compiler, monkeypatch, tmp_path
     scale, zero_point, calibrated = torch.empty(64), torch.empty(64, dtype=torch.int32), torch.empty(64, dtype=torch.bool)
     eps = float(torch.finfo(torch.float32).eps)
     args = (lo.data_ptr(), hi.data_ptr(), None, 0, 64, 127.5, eps, 3.0e38, scale.data_ptr(), zero_point.data_ptr(), 0, 0)
-    assert scales(*args, calibrated.data_ptr()) == 0
+    ones = torch.zeros(3)
+    assert scales(*args, calibrated.data_ptr(), ones.data_ptr(), 3) == 0
     assert torch.equal(scale, observer.calculate_qparams()[0]) and not zero_point.any() and calibrated.all()
+    assert torch.equal(ones, torch.ones(3))
 
 
 @pytest.mark.parametrize(

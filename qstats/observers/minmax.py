@@ -127,14 +127,15 @@ def _initializer(cls, spec: QuantSpec):
     """``init(x)`` for a min/max state class (``min_val`` +inf, ``max_val`` -inf, every other
     field an int64 zero count), with its stacked form attached (`register_stacked_init`): the
     ``[E, ...]`` state of a stack built directly, four ops instead of one slice's state copied E
-    times."""
+    times. Every field comes from one kind of op (``torch.full``): where caches are cold (after a
+    large update, in a loop), each new kind of op call costs tens of microseconds."""
     counters = len(cls._fields) - 2
 
     def build(shape, device):
         return cls(
             torch.full(shape, torch.inf, dtype=torch.float32, device=device),
             torch.full(shape, -torch.inf, dtype=torch.float32, device=device),
-            *(torch.zeros(shape, dtype=torch.int64, device=device) for _ in range(counters)),
+            *(torch.full(shape, 0, dtype=torch.int64, device=device) for _ in range(counters)),
         )
 
     def init_fn(x: torch.Tensor):
