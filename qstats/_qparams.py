@@ -150,12 +150,15 @@ def stacked_compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     rule = _rule_for(state)
     if getattr(rule, "_qstats_elementwise", False) and not options and not _formats.handles_qparams(spec):
         result = rule(state, spec)
-        if result.min_val.ndim >= 1:
-            qparams = qparams_from_minmax(
-                result.min_val, result.max_val, spec, calibrated=result.calibrated, check_uncalibrated=False
-            )
+        min_val, max_val = result.min_val, result.max_val
+        if min_val.ndim >= 1:
+            stack = (min_val.shape[0],)
+            plan = _plan_for(spec, min_val) if min_val.dtype == max_val.dtype == torch.float32 else None
+            if plan:  # the stack's global scales (ones) from the same pass where it is native
+                return _symmetric_qparams(min_val, max_val, spec, result.calibrated, False, plan, ones_shape=stack)
+            qparams = qparams_from_minmax(min_val, max_val, spec, calibrated=result.calibrated, check_uncalibrated=False)
             # an elementwise format's global scale is 1 (qparams_from_minmax)
-            ones = torch.ones(result.min_val.shape[0], dtype=torch.float32, device=qparams.scale.device)
+            ones = torch.ones(stack, dtype=torch.float32, device=qparams.scale.device)
             return qparams._replace(global_scale=ones)
     return torch.vmap(lambda one: compute_qparams(one, spec, **options))(state)
 
@@ -301,7 +304,9 @@ def _host_checkable(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_uncalibrated: bool, plan=None) -> QParams:
+def _symmetric_qparams(
+    min_val, max_val, spec: QuantSpec, calibrated, check_uncalibrated: bool, plan=None, ones_shape=()
+) -> QParams:
     """`qparams_from_minmax` for the specs of `_symmetric_plan` in eager mode, bit for bit, in
     a third to half the ops (each op on a [64, 512] state costs microseconds on CPU, and compares
     and selects several times more than arithmetic).
@@ -318,7 +323,8 @@ def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_unca
     general path's validity test in one compare fewer. On plain CPU tensors in eager mode, where
     one host check finds every entry valid (`_every_entry_valid`: the ranges observers produce),
     the mask, the fallback select and one clamp go too. ``plan``: `_symmetric_plan`'s for
-    ``spec``.
+    ``spec``; ``ones_shape``: the global scale's (ones), ``(E,)`` for a stack
+    (`stacked_compute_qparams`).
     """
     plan = plan or _symmetric_plan(spec)
     if (
@@ -335,7 +341,7 @@ def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_unca
         native = level = None
         mask = calibrated is None or isinstance(calibrated, torch.Tensor)  # not a Python bool
         if mask and _host_checkable(min_val, max_val, calibrated):
-            native = _native.symmetric_scales(min_val, max_val, calibrated, *numbers)
+            native = _native.symmetric_scales(min_val, max_val, calibrated, *numbers, ones_shape=ones_shape)
         elif (
             mask
             and min_val.shape == max_val.shape
@@ -350,7 +356,8 @@ def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_unca
                 level, dense = slices
                 # every slice's global scale (1) from the same pass, dense
                 native = _native.symmetric_scales(
-                    *dense, *([None] if calibrated is None else []), *numbers, ones_shape=dense[0].shape[:1]
+                    *dense, *([None] if calibrated is None else []), *numbers,
+                    ones_shape=(*dense[0].shape[:1], *ones_shape),
                 )
         if native is not None:
             scale, zero_point, calibrated, ones = native if level is None else _native.rebatch(native, level)
@@ -373,7 +380,7 @@ def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_unca
         else:
             zero_point = torch.full_like(scale, plan.zero_point, dtype=plan.zero_point_dtype)
         calibrated = torch.ones_like(scale, dtype=torch.bool)  # fresh, as the general test's mask is
-        return QParams(scale, zero_point, torch.ones((), dtype=torch.float32, device=scale.device), calibrated)
+        return QParams(scale, zero_point, torch.ones(ones_shape, dtype=torch.float32, device=scale.device), calibrated)
     valid = (min_val <= max_val) & (peak < torch.inf)
     calibrated = valid if calibrated is None else (calibrated & valid)
     if check_uncalibrated:
@@ -388,7 +395,7 @@ def _symmetric_qparams(min_val, max_val, spec: QuantSpec, calibrated, check_unca
         zero_point = torch.zeros_like(scale, dtype=plan.zero_point_dtype)  # batched as scale is, under vmap
     else:
         zero_point = torch.where(calibrated, plan.zero_point, 0).to(plan.zero_point_dtype)
-    global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
+    global_scale = torch.ones(ones_shape, dtype=torch.float32, device=scale.device)
     return QParams(scale, zero_point, global_scale, calibrated)
 
 

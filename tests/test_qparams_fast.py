@@ -82,8 +82,8 @@ def _native_pass(on: bool):
     taken = []
     original = _native.symmetric_scales
 
-    def recording(*args):
-        out = original(*args) if on else None
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs) if on else None
         taken.append(out is not None)
         return out
 
