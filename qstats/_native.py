@@ -595,7 +595,8 @@ def vmap_slices(tensors, batch_dims=None, repeat_shared: bool = True):
     """Under one ``torch.vmap`` and no other function transform (eager), the tensors every slice
     together: ``(level, dense)``, where ``dense[i]`` holds ``tensors[i]``'s slices stacked at
     ``batch_dims[i]`` (default 0; a tensor shared by every slice repeated, or left as it is
-    without ``repeat_shared``), contiguous, plain memory, and `rebatch` wraps results back. None
+    without ``repeat_shared``), contiguous, plain memory (an ``nn.Parameter`` stays one: the
+    passes' own field checks refuse it), and `rebatch` wraps results back. None
     elsewhere (nested or other transforms, compiling, nothing batched). The native passes take
     every slice in one call this way, without the per-call cost of a custom op's vmap rule
     (several hundred microseconds)."""
@@ -612,7 +613,8 @@ def vmap_slices(tensors, batch_dims=None, repeat_shared: bool = True):
             t, dim = functorch._unwrap_batched(t, level)
         else:
             dim = None
-        if type(t) is not torch.Tensor or functorch.is_functorch_wrapped_tensor(t):
+        # a module's parameter is its values (as for the plain update); other subclasses may not be
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or functorch.is_functorch_wrapped_tensor(t):
             return None
         unwrapped.append((t, dim))
     sizes = {t.shape[dim] for t, dim in unwrapped if dim is not None}

@@ -156,7 +156,9 @@ def stacked_compute_qparams(state, spec: QuantSpec, **options) -> QParams:
             plan = _plan_for(spec, min_val) if min_val.dtype == max_val.dtype == torch.float32 else None
             if plan:  # the stack's global scales (ones) from the same pass where it is native
                 return _symmetric_qparams(min_val, max_val, spec, result.calibrated, False, plan, ones_shape=stack)
-            qparams = qparams_from_minmax(min_val, max_val, spec, calibrated=result.calibrated, check_uncalibrated=False)
+            qparams = qparams_from_minmax(
+                min_val, max_val, spec, calibrated=result.calibrated, check_uncalibrated=False
+            )
             # an elementwise format's global scale is 1 (qparams_from_minmax)
             ones = torch.ones(stack, dtype=torch.float32, device=qparams.scale.device)
             return qparams._replace(global_scale=ones)
@@ -354,13 +356,12 @@ def _symmetric_qparams(
             slices = _native.vmap_slices(tensors)
             if slices is not None:
                 level, dense = slices
-                # every slice's global scale (1) from the same pass, dense
-                native = _native.symmetric_scales(
-                    *dense, *([None] if calibrated is None else []), *numbers,
-                    ones_shape=(*dense[0].shape[:1], *ones_shape),
-                )
+                fields = (*dense, *([None] if calibrated is None else []))
+                native = _native.symmetric_scales(*fields, *numbers, ones_shape=ones_shape)
         if native is not None:
-            scale, zero_point, calibrated, ones = native if level is None else _native.rebatch(native, level)
+            scale, zero_point, calibrated, ones = native
+            if level is not None:  # the global scale (ones) stays unbatched, as on the ATen path
+                scale, zero_point, calibrated = _native.rebatch((scale, zero_point, calibrated), level)
             return QParams(scale, zero_point, ones, calibrated)
     calibrated = calibrated_mask(calibrated)
     peak = torch.maximum(-min_val, max_val)

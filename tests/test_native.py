@@ -604,6 +604,51 @@ def test_vmapped_update_under_other_transforms_keeps_aten(kernel_calls):
     assert grad.shape == (512, 64)
 
 
+def test_vmapped_update_reads_a_frozen_parameter_stack(kernel_calls):
+    """A module's stacked weights (a frozen ``nn.Parameter``) under vmap: one native pass, as
+    for a plain tensor, the per-slice loop bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    weights = torch.nn.Parameter(torch.randn(4, 256, 300, generator=g), requires_grad=False)
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+    one = lambda w: obs.update(obs.init(w), w)  # noqa: E731
+    batched = torch.vmap(one)(weights)
+    assert kernel_calls == [("update", True)]
+    _fields_bit_equal(batched, _slice_loop(one, weights.detach()))
+
+
+def test_vmapped_global_scale_is_unbatched_whichever_path():
+    """Under vmap the global scale of an elementwise format is one unbatched 1, whether the
+    native pass gives the scales (every entry valid) or ATen does (an uncalibrated entry): a
+    caller's ``out_dims=None`` for it works on both, and the default stacks it alike."""
+    g = torch.Generator().manual_seed(12)
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0), on_uncalibrated="fallback")
+    obs = qstats.minmax(spec)
+    states = torch.vmap(lambda w: obs.update(obs.init(w), w))(torch.randn(4, 256, 300, generator=g))
+    partial = type(states)(states.min_val.clone(), states.max_val.clone(), states.count.clone(), states.nonfinite)
+    partial.min_val[1, 3], partial.max_val[1, 3], partial.count[1, 3] = float("inf"), float("-inf"), 0
+    taken = []
+    original = _native.symmetric_scales
+
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    qparams = lambda s: qstats.compute_qparams(s, spec)  # noqa: E731
+    out_dims = qstats.QParams(0, 0, None, 0)
+    try:
+        _native.symmetric_scales = recording
+        results = [torch.vmap(qparams, out_dims=out_dims)(s) for s in (states, partial)]
+        stacked = [torch.vmap(qparams)(s).global_scale for s in (states, partial)]
+    finally:
+        _native.symmetric_scales = original
+    assert taken == [True, False, True, False]
+    for result in results:
+        assert result.global_scale.shape == () and float(result.global_scale) == 1.0
+    assert stacked[0].shape == stacked[1].shape == (4,) and stacked[0].stride() == stacked[1].stride()
+    assert torch.equal(stacked[0], torch.ones(4)) and torch.equal(stacked[1], torch.ones(4))
+
+
 @pytest.mark.parametrize("mapping", ["symmetric", "narrow"])
 @pytest.mark.parametrize("dtype", [torch.qint8, torch.quint8])
 def test_vmapped_compute_qparams_equals_torch_ao(mapping, dtype):
