@@ -284,7 +284,7 @@ def test_stacked_experts_vmap_equals_torch_ao_per_expert(kernel_calls):
     spec = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric)
     obs = qstats.minmax(spec)
     scales = torch.vmap(lambda w: qstats.compute_qparams(obs.update(obs.init(w), w), spec).scale)(experts)
-    assert kernel_calls == [("row", True)]  # one call for the whole stack
+    assert kernel_calls == [("update", True)]  # one fused call for the whole stack
     for i, w in enumerate(experts):
         reference = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
         reference(w)
@@ -602,6 +602,22 @@ def test_vmapped_update_under_other_transforms_keeps_aten(kernel_calls):
     grad = torch.func.grad(loss)(stack[0, 0].clone())
     assert ("update", True) not in kernel_calls
     assert grad.shape == (512, 64)
+
+
+def test_vmapped_update_counts_every_slice_toward_the_kernel_size(kernel_calls):
+    """Slices below the kernel's minimum size, together above it: one native pass (the size
+    that pays for the call is the stack's); together below it: ATen. The per-slice loop, bit
+    for bit, either way."""
+    g = torch.Generator().manual_seed(13)
+    obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+    one = lambda w: obs.update(obs.init(w), w)  # noqa: E731
+    per_slice = _native._MIN_NUMEL // 8
+    for slices, taken in ((16, True), (4, False)):
+        stack = torch.randn(slices, 64, per_slice // 64, generator=g)
+        kernel_calls.clear()
+        batched = torch.vmap(one)(stack)
+        assert (("update", True) in kernel_calls) == taken, slices
+        _fields_bit_equal(batched, _slice_loop(one, stack))
 
 
 def test_vmapped_update_reads_a_frozen_parameter_stack(kernel_calls):

@@ -277,8 +277,9 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str)
     if type(x) is torch.nn.Parameter:
         x = x.detach()  # a module's weight observed directly: its values, as the full path reads them
     if (
-        # cheap refusals first
-        x.numel() < _native._MIN_NUMEL
+        # cheap refusals first (under vmap the size that counts is every slice's together: the
+        # native pass checks it)
+        (x.numel() < _native._MIN_NUMEL and not torch._C._functorch.is_batchedtensor(x))
         or x.dtype not in _native._KINDS
         or x.device.type != "cpu"
         or torch.compiler.is_compiling()
