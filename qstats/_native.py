@@ -19,8 +19,8 @@ the ATen ops, and so does every machine where the kernel cannot be built (no C++
 tried once per process, silently).
 
 The kernel is portable C++ (GCC/Clang vector extensions of the target's native width: 16, 8 or 4
-float lanes; no intrinsics), compiled with the system's C++ compiler (``$CXX``, else ``c++``,
-``g++``, ``clang++``) in a private temporary directory, removed once the library is loaded, for
+float lanes; no intrinsics), compiled with the system's C++ compiler (``$CXX``, arguments
+included, else ``c++``, ``g++``, ``clang++``) in a private temporary directory, removed once the library is loaded, for
 this machine (``-march=native`` where the compiler takes it), in about a quarter of a second,
 once per process. It splits rows over ``torch.get_num_threads()`` threads of torch's own OpenMP
 runtime (one thread in a forked child, where that runtime's pool is gone), and each thread reads
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -453,11 +454,17 @@ if hasattr(os, "register_at_fork"):
 
 
 def _compilers():
+    """The compiler commands to try, each a list: ``$CXX`` first (a command with arguments, as
+    ``ccache g++`` or ``g++ -m64``, split as a shell would), then ``c++``, ``g++``, ``clang++``."""
     seen = []
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        path = shutil.which(name) if name else None
-        if path and path not in seen:
-            seen.append(path)
+    try:
+        cxx = shlex.split(os.environ.get("CXX", ""))
+    except ValueError:  # unbalanced quotes: not a command
+        cxx = []
+    for command in (cxx, ["c++"], ["g++"], ["clang++"]):
+        path = shutil.which(command[0]) if command else None
+        if path and [path, *command[1:]] not in seen:
+            seen.append([path, *command[1:]])
     return seen
 
 
@@ -490,7 +497,7 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS):
     for compiler in _compilers():
         for flags in flag_sets:
             try:
-                done = subprocess.run([compiler, *flags, *base], capture_output=True, timeout=120)
+                done = subprocess.run([*compiler, *flags, *base], capture_output=True, timeout=120)
             except (OSError, subprocess.SubprocessError):
                 break
             if done.returncode == 0:

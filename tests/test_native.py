@@ -155,6 +155,30 @@ def test_narrower_vector_widths_equal_aten(flags, dtype, tmp_path):
             assert extremes(dirty.data_ptr(), _native._KINDS[dtype], rows, length, lo.data_ptr(), hi.data_ptr(), 1) == 1
 
 
+def test_cxx_may_carry_arguments(monkeypatch, tmp_path):
+    """``$CXX`` as a command with arguments (``ccache g++``, ``g++ -m64``): split as a shell
+    would, and its arguments reach the compiler (a flag it rejects fails that build); a ``$CXX``
+    that is not a command is skipped."""
+    import shutil
+
+    compiler = next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("CXX", f"{compiler} -DQSTATS_FROM_CXX=1")
+    first = _native._compilers()[0]
+    assert first == [shutil.which(compiler), "-DQSTATS_FROM_CXX=1"]
+    monkeypatch.setattr(_native, "_compilers", lambda: [first])
+    (tmp_path / "good").mkdir()
+    assert _native._compile_and_load(str(tmp_path / "good"))
+    bad = [shutil.which(compiler), "--no-such-option-for-qstats"]
+    monkeypatch.setattr(_native, "_compilers", lambda: [bad])
+    (tmp_path / "bad").mkdir()
+    assert _native._compile_and_load(str(tmp_path / "bad")) is False
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "'unbalanced")
+    assert all(command[0] != "'unbalanced" for command in _native._compilers())
+
+
 @pytest.mark.parametrize("compiler", ["clang++"])
 def test_another_compiler_builds_the_same_kernel(compiler, monkeypatch, tmp_path):
     """The kernel built by another C++ compiler (``$CXX``; clang takes ``-fopenmp`` only with its
@@ -165,8 +189,8 @@ def test_another_compiler_builds_the_same_kernel(compiler, monkeypatch, tmp_path
     if not shutil.which(compiler):
         pytest.skip(f"no {compiler} on this machine")
     monkeypatch.setenv("CXX", compiler)
-    assert _native._compilers()[0] == shutil.which(compiler)  # $CXX comes first
-    monkeypatch.setattr(_native, "_compilers", lambda: [shutil.which(compiler)])  # and no other
+    assert _native._compilers()[0] == [shutil.which(compiler)]  # $CXX comes first
+    monkeypatch.setattr(_native, "_compilers", lambda: [[shutil.which(compiler)]])  # and no other
     built = _native._compile_and_load(str(tmp_path))
     assert built, f"{compiler} did not build the kernel"
     extremes, update, scales, whole = built
