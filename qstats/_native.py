@@ -20,10 +20,10 @@ tried once per process, silently).
 
 The kernel is portable C++ (GCC/Clang vector extensions of the target's native width: 16, 8 or 4
 float lanes; no intrinsics), compiled with the system's C++ compiler (``$CXX``, arguments
-included, else ``c++``, ``g++``, ``clang++``) in a private temporary directory, removed once the library is loaded, for
-this machine (``-march=native`` where the compiler takes it), in about a quarter of a second,
-once per process. It splits rows over ``torch.get_num_threads()`` threads of torch's own OpenMP
-runtime (one thread in a forked child, where that runtime's pool is gone), and each thread reads
+included, else ``c++``, ``g++``, ``clang++``) in a private temporary directory, removed once
+the library is loaded, for this machine (``-march=native`` where the compiler takes it), in
+about a quarter of a second, once per process. It splits rows over ``torch.get_num_threads()``
+threads of torch's own OpenMP runtime (one thread in a forked child, where that runtime's pool is gone), and each thread reads
 8 (4 where the target has 16 vector registers) far-apart rows side by side, each stream asking
 for its data 1 KB ahead: more memory in flight than one stream and the hardware prefetchers
 keep, so the pass takes about three quarters of one ATen ``sum`` over the same data. Min and
@@ -603,10 +603,10 @@ def vmap_slices(tensors, batch_dims=None, repeat_shared: bool = True):
     together: ``(level, dense)``, where ``dense[i]`` holds ``tensors[i]``'s slices stacked at
     ``batch_dims[i]`` (default 0; a tensor shared by every slice repeated, or left as it is
     without ``repeat_shared``), contiguous, plain memory (an ``nn.Parameter`` stays one: the
-    passes' own field checks refuse it), and `rebatch` wraps results back. None
-    elsewhere (nested or other transforms, compiling, nothing batched). The native passes take
-    every slice in one call this way, without the per-call cost of a custom op's vmap rule
-    (several hundred microseconds)."""
+    passes' own field checks refuse it), and `rebatch` wraps results back. None elsewhere
+    (nested or other transforms, compiling, nothing batched). The native passes take every slice
+    in one call this way, without the per-call cost of a custom op's vmap rule (several hundred
+    microseconds)."""
     functorch = torch._C._functorch
     if _VMAP is None or functorch.get_dynamic_layer_stack_depth() != 1 or torch.compiler.is_compiling():
         return None
