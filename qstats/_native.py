@@ -27,9 +27,10 @@ threads of torch's own OpenMP runtime (one thread in a forked child, where that 
 is gone), and each thread reads 8 (4 where the target has 16 vector registers) far-apart rows
 side by side, each stream asking for its data 1 KB ahead: more memory in flight than one
 stream and the hardware prefetchers keep, so the pass takes about three quarters of one ATen
-``sum`` over the same data. Min and max are exact, so the results equal ATen's ``amin``/``amax`` bit for bit (up to the sign of a
-zero extreme, which no qparam reads; ATen's own choice between -0.0 and +0.0 depends on the
-memory layout). ``QSTATS_NATIVE=0`` turns it off.
+``sum`` over the same data. Min and max are exact, so the results equal ATen's
+``amin``/``amax`` bit for bit (up to the sign of a zero extreme, which no qparam reads; ATen's
+own choice between -0.0 and +0.0 depends on the memory layout). ``QSTATS_NATIVE=0`` turns it
+off.
 """
 
 from __future__ import annotations
