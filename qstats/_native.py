@@ -168,6 +168,47 @@ static inline float lanes_min(f16 v) { f8 a, b; halves(v, a, b); return lanes_mi
 static inline float lanes_max(f16 v) { f8 a, b; halves(v, a, b); return lanes_max(b > a ? b : a); }
 #endif
 
+// The symmetric scales of n observed ranges, where every entry is valid (calibrated, when
+// given, with finite lo <= hi and a range that does not overflow): scale = clamp(max(-lo, hi) /
+// half_range, eps, cap) in float32 (eps > 0, so the sign of a zero peak never shows), the zero
+// point (int32 or float32) and calibrated (all true), written from entry `at` of the outputs.
+// Returns 1 when some entry is not valid (the outputs are then meaningless: the caller takes the
+// full path). C: the calibrated mask's element type (unsigned char for a bool mask, int64_t for
+// counts: calibrated where positive), or void for none.
+struct Scales {
+  float half_range, eps, cap;
+  float* scale;
+  void* zero_point;
+  int64_t zero_point_is_float, zero_point_value;
+  uint8_t* calibrated;
+};
+
+template <class C>
+static int symmetric(const float* lo, const float* hi, const void* calibrated, int64_t n, const Scales* p,
+                     int64_t at) {
+  int bad = 0;  // no branch in the loop, and the numbers in locals (no aliasing): it vectorises
+  float* scale = p->scale + at;
+  const float half_range = p->half_range, eps = p->eps, cap = p->cap;
+  for (int64_t i = 0; i < n; ++i) {
+    const float span = hi[i] - lo[i];
+    bad |= ((int)(span >= 0.0f) & (int)(span <= FLT_MAX)) ^ 1;
+    if constexpr (!std::is_void<C>::value) bad |= ((const C*)calibrated)[i] <= 0;
+    const float peak = -lo[i] > hi[i] ? -lo[i] : hi[i];
+    float s = peak / half_range;
+    s = s < eps ? eps : s;
+    scale[i] = s > cap ? cap : s;
+  }
+  memset(p->calibrated + at, 1, (size_t)(n > 0 ? n : 0));
+  if (p->zero_point_is_float) {
+    float* z = (float*)p->zero_point + at;
+    for (int64_t i = 0; i < n; ++i) z[i] = (float)p->zero_point_value;
+  } else {
+    int32_t* z = (int32_t*)p->zero_point + at;
+    for (int64_t i = 0; i < n; ++i) z[i] = (int32_t)p->zero_point_value;
+  }
+  return bad;
+}
+
 // A min/max state to merge the rows' extremes into (see merge)
 struct State {
   const float* lo;
@@ -177,6 +218,7 @@ struct State {
   int64_t* count_out;
   int64_t* nonfinite_out;
   int64_t period;  // rows of the state: row r reads the state's row r % period (one state shared by every slice)
+  const Scales* scales;  // the merged ranges' symmetric scales too, or null
 };
 
 // The S rows first + k * stride + i (k < S, i < n) of x viewed as [rows, len] (contiguous,
@@ -236,8 +278,11 @@ static int extremes(const typename L::T* x, int64_t len, float* lo, float* hi, i
 // in their vector body (the batch's value on a tie, so for -0.0 and +0.0 too; a NaN in the state
 // stays), count = the state's + len, nonfinite = the state's. A second, sequential pass over
 // these small arrays while the rows' extremes are still in cache (merged in the row pass, the
-// state's eight arrays were as many more memory streams, a few bytes per row: slower).
-static void merge(const State* s, float* lo, float* hi, int64_t len, int64_t r0, int64_t r1) {
+// state's eight arrays were as many more memory streams, a few bytes per row: slower). With
+// s->scales, the merged ranges' symmetric scales too (calibrated by the new counts); returns 1
+// when some entry is not valid for them.
+static int merge(const State* s, float* lo, float* hi, int64_t len, int64_t r0, int64_t r1) {
+  int bad = 0;
   for (int64_t r = r0; r < r1;) {
     const int64_t q = r % s->period, n = r1 - r < s->period - q ? r1 - r : s->period - q;
     const float* state_lo = s->lo + q;
@@ -254,12 +299,16 @@ static void merge(const State* s, float* lo, float* hi, int64_t len, int64_t r0,
       count_out[i] = count[i] + len;
       nonfinite_out[i] = nonfinite[i];
     }
+    if (s->scales) bad |= symmetric<int64_t>(l, h, count_out, n, s->scales, r);
     r += n;
   }
+  return bad;
 }
 
 // Rows [r0, r1): QS_STREAMS far-apart streams over the bulk, one row at a time for the rest;
-// then, with a state, the merge (the whole update of a min/max state by the rows)
+// then, with a state, the merge (the whole update of a min/max state by the rows). Returns 1
+// when a value is not finite or a range overflows, else 2 when the scales asked for are not
+// valid, else 0.
 template <class L>
 static int range(const typename L::T* x, int64_t len, float* lo, float* hi, int64_t r0, int64_t r1,
                  const State* s) {
@@ -268,7 +317,7 @@ static int range(const typename L::T* x, int64_t len, float* lo, float* hi, int6
   if (per_stream > 0) bad |= extremes<L, QS_STREAMS>(x, len, lo, hi, r0, per_stream, per_stream);
   const int64_t rest = r0 + per_stream * QS_STREAMS;
   if (rest < r1) bad |= extremes<L, 1>(x, len, lo, hi, rest, 0, r1 - rest);
-  if (s && !bad) merge(s, lo, hi, len, r0, r1);
+  if (s && !bad && merge(s, lo, hi, len, r0, r1)) bad = 2;
   return bad;
 }
 
@@ -309,12 +358,21 @@ extern "C" int qstats_row_extremes(const void* x, int64_t kind, int64_t rows, in
 
 // The same, merged into a min/max state (see State); the outputs are only meaningful when the
 // result is 0 (a flagged input leaves them partly written: the caller takes the full path).
+// With a scale output (not null), the merged ranges' symmetric scales too (see symmetric:
+// calibrated where the new count is positive) and n_ones global scales of 1; a result of 2
+// says that the update is done but some entry is not valid for the scales.
 extern "C" int qstats_update_extremes(const void* x, int64_t kind, int64_t rows, int64_t len,
                                       const float* state_lo, const float* state_hi,
                                       const int64_t* state_count, const int64_t* state_nonfinite,
                                       float* lo, float* hi, int64_t* count, int64_t* nonfinite,
-                                      int64_t state_rows, int64_t threads) {
-  const State s = {state_lo, state_hi, state_count, state_nonfinite, count, nonfinite, state_rows};
+                                      int64_t state_rows, int64_t threads, float half_range, float eps,
+                                      float cap, float* scale, void* zero_point, int64_t zero_point_is_float,
+                                      int64_t zero_point_value, uint8_t* calibrated, float* ones,
+                                      int64_t n_ones) {
+  const Scales p = {half_range, eps, cap, scale, zero_point, zero_point_is_float, zero_point_value, calibrated};
+  const State s = {state_lo, state_hi, state_count, state_nonfinite, count, nonfinite, state_rows,
+                   scale ? &p : nullptr};
+  for (int64_t i = 0; i < n_ones; ++i) ones[i] = 1.0f;
   return dispatch(x, kind, rows, len, lo, hi, threads, &s);
 }
 
@@ -385,50 +443,19 @@ extern "C" int qstats_update_whole(const void* x, int64_t kind, int64_t n, const
   return 0;
 }
 
-// The symmetric scales of n observed ranges in one pass, where every entry is valid
-// (calibrated, when given, with finite lo <= hi and a range that does not overflow):
-// scale = clamp(max(-lo, hi) / half_range, eps, cap) in float32 (eps > 0, so the sign of a zero
-// peak never shows), the zero point (int32 or float32) and calibrated (all true). Returns 1, with
-// the outputs partly written, as soon as an entry is not valid: the caller takes the full path.
-// C: the calibrated mask's element type (unsigned char for a bool mask, int64_t for counts:
-// calibrated where positive), or void for none
-template <class C>
-static int scales(const float* lo, const float* hi, const void* calibrated, int64_t n, float half_range,
-                  float eps, float cap, float* scale) {
-  int bad = 0;  // no branch in the loop: it vectorises
-  for (int64_t i = 0; i < n; ++i) {
-    const float span = hi[i] - lo[i];
-    bad |= ((int)(span >= 0.0f) & (int)(span <= FLT_MAX)) ^ 1;
-    if constexpr (!std::is_void<C>::value) bad |= ((const C*)calibrated)[i] <= 0;
-    const float peak = -lo[i] > hi[i] ? -lo[i] : hi[i];
-    float s = peak / half_range;
-    s = s < eps ? eps : s;
-    scale[i] = s > cap ? cap : s;
-  }
-  return bad;
-}
-
+// The symmetric scales of n observed ranges in one pass (see symmetric); returns 1, the outputs
+// meaningless, when some entry is not valid: the caller takes the full path.
 // calibrated_kind: 0 none, 1 a bool mask, 2 int64 counts; ones: n_ones global scales of 1
 extern "C" int qstats_symmetric_scales(const float* lo, const float* hi, const void* calibrated,
                                        int64_t calibrated_kind, int64_t n, float half_range, float eps,
                                        float cap, float* scale, void* zero_point, int64_t zero_point_is_float,
                                        int64_t zero_point_value, uint8_t* calibrated_out, float* ones,
                                        int64_t n_ones) {
+  const Scales p = {half_range, eps, cap, scale, zero_point, zero_point_is_float, zero_point_value, calibrated_out};
   for (int64_t i = 0; i < n_ones; ++i) ones[i] = 1.0f;
-  int bad;
-  if (calibrated_kind == 1) bad = scales<unsigned char>(lo, hi, calibrated, n, half_range, eps, cap, scale);
-  else if (calibrated_kind == 2) bad = scales<int64_t>(lo, hi, calibrated, n, half_range, eps, cap, scale);
-  else bad = scales<void>(lo, hi, calibrated, n, half_range, eps, cap, scale);
-  memset(calibrated_out, 1, (size_t)(n > 0 ? n : 0));
-  if (bad) return 1;
-  if (zero_point_is_float) {
-    float* z = (float*)zero_point;
-    for (int64_t i = 0; i < n; ++i) z[i] = (float)zero_point_value;
-  } else {
-    int32_t* z = (int32_t*)zero_point;
-    for (int64_t i = 0; i < n; ++i) z[i] = (int32_t)zero_point_value;
-  }
-  return 0;
+  if (calibrated_kind == 1) return symmetric<unsigned char>(lo, hi, calibrated, n, &p, 0);
+  if (calibrated_kind == 2) return symmetric<int64_t>(lo, hi, calibrated, n, &p, 0);
+  return symmetric<void>(lo, hi, calibrated, n, &p, 0);
 }
 """
 
@@ -513,6 +540,8 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS):
                 update.restype = ctypes.c_int
                 update.argtypes = [
                     ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 8, *[ctypes.c_int64] * 2,
+                    *[ctypes.c_float] * 3, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 2,
+                    ctypes.c_int64,
                 ]
                 scales = library.qstats_symmetric_scales
                 scales.restype = ctypes.c_int
@@ -705,7 +734,7 @@ def _standard_fields(fields, shape, dtypes=_STATE_DTYPES) -> bool:
     return True
 
 
-def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None):
+def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, scales=None):
     """A min/max state's whole update by an unmasked ``view`` in one pass: the new
     ``(min, max, count, nonfinite)``, fresh tensors, equal to merging `row_extremes` and the
     view's counts into the given fields with torch.minimum, torch.maximum and additions (a
@@ -718,6 +747,12 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None):
     some value is not finite or some range overflows: the caller then takes the full path.
     ``wrap``: applied to the output tensors before the pass writes them (`rebatch` under vmap),
     its result returned: after a large pass every cache is cold, and each call costs more.
+
+    ``scales``: `symmetric_scales`' ``(half_range, eps, cap, zero_point, zero_point_dtype,
+    ones_shape)`` for the observer's spec, or None. The same pass then also maps the new ranges
+    onto those scales (calibrated by the new counts) and keeps them for `recall`: the
+    ``compute_qparams`` that usually follows the update finds them instead of running its own
+    pass over cold memory.
     """
     shape = tuple(view.shape[1:-1])
     fields = (lo, hi, count, nonfinite)
@@ -730,12 +765,64 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None):
         return None
     length = view.shape[-1]
     out = [view.new_empty(shape, dtype=t.dtype) for t in fields]
-    result = tuple(out) if wrap is None else wrap(out)
+    if scales is not None and (scales[4] not in (torch.int32, torch.float32) or not scales[1] > 2.0**-150):
+        scales = None
+    if scales is None:
+        mapped, numbers = [], (0.0, 0.0, 0.0, None, None, 0, 0, None, None, 0)
+    else:
+        half_range, eps, cap, zero_point, zero_point_dtype, ones_shape = scales
+        # scale, zero point, calibrated (as many as the fields) and the global scale (ones)
+        mapped = [
+            view.new_empty(shape, dtype=dtype) for dtype in (torch.float32, zero_point_dtype, torch.bool)
+        ] + [view.new_empty(ones_shape, dtype=torch.float32)]
+        numbers = (
+            half_range, eps, cap, mapped[0].data_ptr(), mapped[1].data_ptr(),
+            int(zero_point_dtype == torch.float32), zero_point, mapped[2].data_ptr(), mapped[3].data_ptr(),
+            mapped[3].numel(),
+        )
+    # one wrap for every output (the global scale stays as it is, unbatched under vmap)
+    wrapped = tuple(out + mapped[:3]) if wrap is None else wrap(out + mapped[:3])
+    pointers = [t.data_ptr() for t in out]
     bad = _kernel()[1](
         view.data_ptr(), _KINDS[view.dtype], view.numel() // length, length,
-        *(t.data_ptr() for t in fields), *(t.data_ptr() for t in out), max(1, lo.numel()), _threads(view),
+        *(t.data_ptr() for t in fields), *pointers, max(1, lo.numel()), _threads(view), *numbers,
     )
-    return None if bad else result
+    if bad & 1:
+        return None
+    result = wrapped[:4]
+    if scales is not None and not bad:
+        # what compute_qparams reads: the new extremes and counts, as they are now (fresh
+        # tensors: version 0; the pass's writes do not count), and the scales (nobody's yet)
+        _recent.last = (result, out[:3], pointers[:3], scales, (*wrapped[4:], mapped[3]))
+    return result
+
+
+_recent = threading.local()  # the scales of this thread's latest update pass (`recall`)
+
+
+def recall(min_val, max_val, count, scales):
+    """The ``(scale, zero_point, calibrated, ones)`` that the latest `update_extremes` of this
+    thread computed with ``scales`` (`symmetric_scales`' numbers and ``ones_shape``), where
+    ``min_val``, ``max_val`` and ``count`` are the very fields it returned, unchanged since (no
+    in-place op, ``.data`` swap or ``requires_grad_``), and no mode intercepts ops: exactly what
+    `symmetric_scales` (or, inside any transform, ATen's ops) would compute from them. Each
+    result is returned once (a second caller gets fresh tensors from a pass); None otherwise."""
+    last = getattr(_recent, "last", None)
+    if last is None:
+        return None
+    fields, dense, pointers, numbers, outputs = last
+    if not (min_val is fields[0] and max_val is fields[1] and count is fields[2] and numbers == scales):
+        return None
+    _recent.last = None
+    if (
+        min_val.requires_grad
+        or max_val.requires_grad
+        or torch.compiler.is_compiling()
+        or not _nothing_intercepts()
+        or any(t._version or t.data_ptr() != pointer for t, pointer in zip(dense, pointers))
+    ):
+        return None
+    return outputs
 
 
 def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float, cap: float, zero_point: int,

@@ -338,8 +338,13 @@ def _symmetric_qparams(
         # the same numbers in one native pass (`qstats._native.symmetric_scales`) where every
         # entry is valid: after a large update has evicted the caches, each of the ops below
         # costs tens of microseconds. Under vmap alone, one such pass over every slice at once
-        # (the ops below where some entry is not valid).
+        # (the ops below where some entry is not valid). Where the update that produced these
+        # very fields computed them in its own pass (`minmax`), they are taken from there.
         numbers = (plan.half_range, plan.eps, plan.scale_cap, plan.zero_point, plan.zero_point_dtype)
+        recalled = _native.recall(min_val, max_val, calibrated, (*numbers, tuple(ones_shape)))
+        if recalled is not None:
+            scale, zero_point, calibrated, ones = recalled
+            return QParams(scale, zero_point, ones, calibrated)
         native = level = None
         mask = calibrated is None or isinstance(calibrated, torch.Tensor)  # not a Python bool
         if mask and _host_checkable(min_val, max_val, calibrated):
@@ -398,6 +403,17 @@ def _symmetric_qparams(
         zero_point = torch.where(calibrated, plan.zero_point, 0).to(plan.zero_point_dtype)
     global_scale = torch.ones(ones_shape, dtype=torch.float32, device=scale.device)
     return QParams(scale, zero_point, global_scale, calibrated)
+
+
+def native_scales(spec: QuantSpec):
+    """The numbers ``(half_range, eps, cap, zero_point, zero_point_dtype)`` with which
+    `_symmetric_qparams` maps ranges onto ``spec``'s scales in a native pass
+    (`qstats._native.symmetric_scales`), for an update pass to compute them too
+    (`qstats._native.update_extremes`); None for specs it maps otherwise."""
+    plan = _symmetric_plan(spec)
+    if not plan or plan.scale_cap is None or spec.scale_dtype != "float32":
+        return None
+    return (plan.half_range, plan.eps, plan.scale_cap, plan.zero_point, plan.zero_point_dtype)
 
 
 def _plan_for(spec: QuantSpec, min_val: torch.Tensor):

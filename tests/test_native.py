@@ -206,9 +206,20 @@ def test_another_compiler_builds_the_same_kernel(compiler, monkeypatch, tmp_path
             state = (lo - 1.0, hi * 0.5, torch.full((rows,), 7), torch.full((rows,), 2))
             out = (torch.empty(rows), torch.empty(rows), torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.int64))
             ptrs = [t.data_ptr() for t in (*state, *out)]
-            assert update(view.data_ptr(), _native._KINDS[dtype], rows, length, *ptrs, rows, 2) == 0
+            no_scales = (0.0, 0.0, 0.0, None, None, 0, 0, None, None, 0)
+            assert update(view.data_ptr(), _native._KINDS[dtype], rows, length, *ptrs, rows, 2, *no_scales) == 0
             assert torch.equal(out[0], state[0]) and torch.equal(out[1], torch.maximum(hi, state[1]))
             assert torch.equal(out[2], state[2] + length) and torch.equal(out[3], state[3])
+            # with the merged ranges' symmetric scales (int8 per channel), against torch.ao's
+            mapped = (torch.empty(rows), torch.empty(rows, dtype=torch.int32), torch.empty(rows, dtype=torch.bool))
+            ones = torch.zeros(2)
+            eps = float(torch.finfo(torch.float32).eps)
+            numbers = (127.5, eps, 3.0e38, *(t.data_ptr() for t in mapped[:2]), 0, 0, mapped[2].data_ptr(), ones.data_ptr(), 2)
+            assert update(view.data_ptr(), _native._KINDS[dtype], rows, length, *ptrs, rows, 2, *numbers) == 0
+            reference = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+            reference.min_val, reference.max_val = out[0].clone(), out[1].clone()
+            assert torch.equal(mapped[0], reference.calculate_qparams()[0])
+            assert not mapped[1].any() and mapped[2].all() and torch.equal(ones, torch.ones(2))
             # the whole tensor at once
             fields = (torch.tensor(float("inf")), torch.tensor(float("-inf")), torch.tensor(0), torch.tensor(0))
             outs = (torch.empty(()), torch.empty(()), torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64))
@@ -399,7 +410,7 @@ def test_fused_update_equals_the_full_path(stacked, dtype, granularity, kernel_c
 
     fused = run()
     assert kernel_calls == [("update", True)] * 3
-    monkeypatch.setattr(_native, "update_extremes", lambda *args: None)
+    monkeypatch.setattr(_native, "update_extremes", lambda *args, **kwargs: None)
     _fields_bit_equal(fused, run())
 
 
@@ -438,7 +449,7 @@ def test_fused_per_tensor_update_equals_torch_ao(size, threads, dtype, kernel_ca
             assert int(new.nonfinite) == 1 and int(new.count) == 4 * size - 1
             assert torch.equal(new.max_val, state.max_val)
         with monkeypatch.context() as m:
-            m.setattr(_native, "update_extremes", lambda *args: None)
+            m.setattr(_native, "update_extremes", lambda *args, **kwargs: None)
             full = obs.init(batches[0])
             for batch in batches:
                 full = obs.update(full, batch)
@@ -770,3 +781,160 @@ def test_calibrated_takes_a_mask_counts_or_a_python_bool():
         assert counts.calibrated.tolist() == [True, False, True]
         with pytest.raises(TypeError, match="bool mask or integer counts, got a tensor of dtype torch.float32"):
             qstats.qparams_from_minmax(lo, hi, spec, calibrated=torch.ones(3))
+
+
+@pytest.fixture
+def recalls(monkeypatch):
+    """Records whether each `compute_qparams` found the scales of the update pass (True) or
+    computed them (False: `_native.recall` gave nothing)."""
+    taken = []
+    original = _native.recall
+
+    def recording(*args):
+        out = original(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_native, "recall", recording)
+    return taken
+
+
+def _torch_ao_scales(min_val, max_val, dtype=torch.qint8, qscheme=torch.per_channel_symmetric):
+    """torch.ao's scales and zero points of a per-channel range (rows of a stack flattened)."""
+    reference = PerChannelMinMaxObserver(ch_axis=0, dtype=dtype, qscheme=qscheme)
+    reference.min_val, reference.max_val = min_val.reshape(-1).clone(), max_val.reshape(-1).clone()
+    scale, zero_point = reference.calculate_qparams()
+    return scale.reshape(min_val.shape), zero_point.reshape(min_val.shape)
+
+
+@pytest.mark.parametrize("form", ["plain", "vmap", "stacked"])
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.quint8], ids=str)
+def test_the_update_pass_gives_compute_qparams_its_scales(form, dtype, recalls):
+    """minmax.update maps its new ranges onto the spec's symmetric scales in the same pass, and
+    the compute_qparams that follows takes them: torch.ao's scales and zero points, all
+    calibrated, a global scale of ones (one per slice for a stack), bit for bit what the
+    compute_qparams pass gives on a copy of the state."""
+    g = torch.Generator().manual_seed(20)
+    x = torch.randn(8, 256, 288, generator=g) * torch.rand(8, 256, 1, generator=g) * 4  # 64K+ values a slice
+    spec = qstats.QuantSpec.from_torch_ao(dtype, torch.per_channel_symmetric)
+    obs = qstats.minmax(spec)
+    if form == "plain":
+        state = obs.update(obs.init(x[0]), x[0])
+        qparams = qstats.compute_qparams(state, spec)
+        ones_shape = ()
+    elif form == "vmap":
+        state, qparams = torch.vmap(lambda w: (s := obs.update(obs.init(w), w), qstats.compute_qparams(s, spec)))(x)
+        ones_shape = (8,)  # vmap stacks the unbatched 1
+    else:
+        stacked = qstats.stacked_observer(obs, 8)
+        state = stacked.update(stacked.init(x), x)
+        qparams = qstats.stacked_qparams(state, spec)
+        ones_shape = (8,)
+    assert recalls == [True]
+    scale, zero_point = _torch_ao_scales(state.min_val, state.max_val, dtype)
+    assert torch.equal(qparams.scale, scale) and torch.equal(qparams.zero_point.long(), zero_point)
+    assert qparams.zero_point.dtype == torch.int32 and qparams.calibrated.all()
+    assert torch.equal(qparams.global_scale, torch.ones(ones_shape))
+    copy = type(state)(*(t.clone() for t in state))
+    again = qstats.stacked_qparams(copy, spec) if form == "stacked" else (
+        torch.vmap(lambda s: qstats.compute_qparams(s, spec))(copy) if form == "vmap" else qstats.compute_qparams(copy, spec)
+    )
+    assert recalls == [True, False]
+    for name in qstats.QParams._fields:
+        assert bit_equal(getattr(qparams, name), getattr(again, name)), name
+
+
+def test_scales_of_the_update_pass_are_given_once_and_only_for_their_own_fields(recalls):
+    """The update's scales go to the compute_qparams of its own, unchanged state and spec, once
+    (a second call computes fresh tensors, so two callers never share them); another state,
+    another spec, a state changed in place (or through ``.data``, or made to require grad),
+    another thread or a mode that records ops get the scales computed from the fields as they
+    are, against torch.ao."""
+    import threading
+
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(256, 300, generator=g)
+    spec = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric)
+    obs = qstats.minmax(spec)
+    state = obs.update(obs.init(x), x)
+    first, second = qstats.compute_qparams(state, spec), qstats.compute_qparams(state, spec)
+    assert recalls == [True, False]
+    assert torch.equal(first.scale, second.scale) and first.scale.data_ptr() != second.scale.data_ptr()
+
+    def changed(change):
+        recalls.clear()
+        state = obs.update(obs.init(x), x)
+        state = change(state) or state
+        out = qstats.compute_qparams(state, spec)
+        scale, _ = _torch_ao_scales(state.min_val.detach(), state.max_val.detach())
+        assert torch.equal(out.scale.detach(), scale)
+        return out
+
+    def in_place(s):
+        s.min_val[7] = -100.0
+
+    def data_swap(s):
+        s.max_val.data = torch.full_like(s.max_val, 50.0)
+
+    def requires_grad(s):
+        s.min_val.requires_grad_()
+
+    for change in (in_place, data_swap):
+        changed(change)
+        assert recalls == [False]
+    out = changed(requires_grad)
+    assert recalls == [False] and out.scale.requires_grad  # the gradient reaches the range
+    narrow = qstats.QuantSpec(dtype="int8", mapping="narrow", granularity=qstats.PerAxis(0))
+    recalls.clear()
+    state = obs.update(obs.init(x), x)
+    out = qstats.compute_qparams(state, narrow)
+    assert recalls == [False] and torch.equal(out.scale, torch.maximum(-state.min_val, state.max_val) / 127)
+    other = obs.update(obs.init(x), x * 2)  # the latest update: an earlier state computes its own
+    recalls.clear()
+    assert torch.equal(qstats.compute_qparams(state, spec).scale, _torch_ao_scales(state.min_val, state.max_val)[0])
+    scale, _ = _torch_ao_scales(other.min_val, other.max_val)
+    assert torch.equal(qstats.compute_qparams(other, spec).scale, scale) and recalls == [False, True]
+    # another thread
+    recalls.clear()
+    state = obs.update(obs.init(x), x)
+    results = []
+    worker = threading.Thread(target=lambda: results.append(qstats.compute_qparams(state, spec)))
+    worker.start()
+    worker.join()
+    assert recalls == [False] and torch.equal(results[0].scale, _torch_ao_scales(state.min_val, state.max_val)[0])
+    # a mode recording the ops sees them run
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    recalls.clear()
+    state = obs.update(obs.init(x), x)
+    with Recording():
+        out = qstats.compute_qparams(state, spec)
+    assert recalls == [False] and {torch.ops.aten.div.Tensor, torch.ops.aten.div.Scalar} & set(Recording.ops)
+    assert torch.equal(out.scale, _torch_ao_scales(state.min_val, state.max_val)[0])
+
+
+def test_update_scales_with_an_entry_not_valid_leave_compute_qparams_its_own_path(recalls):
+    """A state whose merged counts are not positive (a hand-made state) is updated in the pass,
+    but its scales are not kept: compute_qparams maps it as it maps any state, the entries that
+    count nothing uncalibrated."""
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(256, 300, generator=g)
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0), on_uncalibrated="fallback")
+    obs = qstats.minmax(spec)
+    start = obs.init(x)
+    start = start._replace(count=start.count.clone())
+    start.count[3] = -300
+    state = obs.update(start, x)
+    assert int(state.count[3]) == 0
+    qparams = qstats.compute_qparams(state, spec)
+    assert recalls == [False]
+    assert not bool(qparams.calibrated[3]) and float(qparams.scale[3]) == 1.0 and int(qparams.calibrated.sum()) == 255
+    scale, _ = _torch_ao_scales(state.min_val, state.max_val)
+    assert torch.equal(qparams.scale[4:], scale[4:])

@@ -25,7 +25,7 @@ from .._granularity import (
     stacked_view,
     weight_view,
 )
-from .._qparams import Range, register_range_rule
+from .._qparams import Range, native_scales, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
 from ._base import (
@@ -268,12 +268,14 @@ def observe_extremes_stacked(x: torch.Tensor, weight, spec: QuantSpec, expected_
     return finite_aminmax(stacked_view(x, spec.granularity), None, spec.nonfinite, int_counts=True)
 
 
-def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str):
+def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str, scales=None):
     """The whole update of a min/max state by an unweighted batch in one native pass
     (`qstats._native.update_extremes`: the reduction, the merge with the state and the counts;
     per tensor, per channel, group or token, plain or stacked), for plain eager CPU tensors and
     under a single ``vmap``; None where it does not apply or the batch holds a value that is not
-    finite (the caller then takes the full path, which also applies ``nonfinite="raise"``)."""
+    finite (the caller then takes the full path, which also applies ``nonfinite="raise"``).
+    ``scales``: `native_scales` of the spec (the pass then computes the scales that
+    ``compute_qparams``, or ``stacked_qparams`` for a stack, takes from it), or None."""
     if type(x) is torch.nn.Parameter:
         x = x.detach()  # a module's weight observed directly: its values, as the full path reads them
     if (
@@ -289,17 +291,19 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str)
     plain = type(x) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(x)
     if not plain and (spec.nonfinite != "ignore" or x.requires_grad or any(t.requires_grad for t in state)):
         return None
+    ones = ()  # the global scale's shape (a stack's: one per slice)
     if observe is observe_extremes:
         if not plain:
-            return _vmapped_update(state, x, spec, where)
+            return _vmapped_update(state, x, spec, where, scales and (*scales, ones))
         view = checked_view(x, spec.granularity, state.min_val.shape, where)
     elif observe is observe_extremes_stacked:
         _check_stack(x, spec, state.min_val.shape, where)
         view = stacked_view(x, spec.granularity)
+        ones = (x.shape[0],)
     else:
         return None
     if plain:
-        return _native.update_extremes(view, *state)
+        return _native.update_extremes(view, *state, scales=scales and (*scales, ones))
     # a stacked observer under vmap: the batch of the view inside its parameter dims (the slices
     # side by side), the state's fields dense
     if not torch._C._functorch.is_batchedtensor(view):
@@ -308,7 +312,7 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str)
     return _update_slices(slices, lambda stack: stack)
 
 
-def _vmapped_update(state, x: torch.Tensor, spec: QuantSpec, where: str):
+def _vmapped_update(state, x: torch.Tensor, spec: QuantSpec, where: str, scales=None):
     """`_native_update` under a single ``vmap``: every slice in one pass. ``x`` is unwrapped
     first and its slices viewed as a stack (`stacked_view`, which equals the batched
     `canonical_view`), so that no view op runs through a batching rule; a state shared by every
@@ -318,10 +322,10 @@ def _vmapped_update(state, x: torch.Tensor, spec: QuantSpec, where: str):
     check_observable(x, where)
     check_shape(x.shape, spec.granularity, state.min_val.shape, where)
     slices = _native.vmap_slices((x, *state), repeat_shared=False)
-    return _update_slices(slices, lambda stack: stacked_view(stack, spec.granularity))
+    return _update_slices(slices, lambda stack: stacked_view(stack, spec.granularity), scales)
 
 
-def _update_slices(slices, view_of):
+def _update_slices(slices, view_of, scales=None):
     """`_native.update_extremes` of every slice from `_native.vmap_slices`' ``(level, (stack,
     *fields))``, ``view_of(stack)`` the stacked canonical view (copied where not contiguous, as
     one slice's view would be under vmap), rebatched (before the pass); None where it does not
@@ -331,7 +335,9 @@ def _update_slices(slices, view_of):
     level, (stack, *fields) = slices
     if len({tuple(t.shape) for t in fields}) != 1:
         return None  # some fields per slice, some shared
-    return _native.update_extremes(view_of(stack).contiguous(), *fields, wrap=lambda out: _native.rebatch(out, level))
+    return _native.update_extremes(
+        view_of(stack).contiguous(), *fields, wrap=lambda out: _native.rebatch(out, level), scales=scales
+    )
 
 
 def _add_count(total: torch.Tensor, count):
@@ -361,6 +367,7 @@ def minmax(spec: QuantSpec) -> Observer:
     spec = _check_spec(spec)
 
     init_fn = _initializer(MinMaxState, spec)
+    scales = native_scales(spec)  # the new state is a range: its pass can map it too
 
     def updater(observe):
         def update_fn(state: MinMaxState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MinMaxState:
@@ -368,7 +375,7 @@ def minmax(spec: QuantSpec) -> Observer:
             if x.numel() == 0:
                 return state
             if weight is None:
-                fused = _native_update(observe, state, x, spec, "minmax.update")
+                fused = _native_update(observe, state, x, spec, "minmax.update", scales)
                 if fused is not None:
                     return MinMaxState(*fused)
             lo, hi, count, nonfinite = observe(x, weight, spec, state.min_val.shape, "minmax.update")
