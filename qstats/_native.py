@@ -582,19 +582,17 @@ def _readable(view: torch.Tensor, numel: Optional[int] = None) -> bool:
     """Whether the kernel reads ``view`` (one observation, a dtype it knows, contiguous plain CPU
     memory that nothing intercepts, large enough to pay for the call) on a machine with the
     kernel; `applies` and the per-tensor update add their shape's conditions."""
-    return (
+    if not (
         view.shape[0] == 1
         and view.dtype in _KINDS
         and view.device.type == "cpu"
         and (view.numel() if numel is None else numel) >= _MIN_NUMEL
         and view.is_contiguous()
-        # when tracing, the op's implementation asks again of the real tensor
-        and (
-            torch.compiler.is_compiling()
-            or (type(view) is torch.Tensor and _plain_memory(view) and _nothing_intercepts())
-        )
-        and available()
-    )
+    ):
+        return False
+    if torch.compiler.is_compiling():
+        return available()  # when tracing, the op's implementation asks again of the real tensor
+    return type(view) is torch.Tensor and _plain_memory(view) and _nothing_intercepts() and _built()
 
 
 def _plain_memory(t: torch.Tensor) -> bool:
@@ -679,6 +677,12 @@ def available() -> bool:
     return bool(_kernel())
 
 
+def _built() -> bool:
+    """`available` for eager code: without the compiler's wrapper, whose call costs tens of
+    microseconds where a large pass has left the caches cold."""
+    return bool(_library if _library is not None else _kernel())
+
+
 if hasattr(torch.compiler, "assume_constant_result"):
     # a constant for torch.compile, which cannot trace the build or the ctypes handle
     available = torch.compiler.assume_constant_result(available)
@@ -748,11 +752,11 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
     ``wrap``: applied to the output tensors before the pass writes them (`rebatch` under vmap),
     its result returned: after a large pass every cache is cold, and each call costs more.
 
-    ``scales``: `symmetric_scales`' ``(half_range, eps, cap, zero_point, zero_point_dtype,
-    ones_shape)`` for the observer's spec, or None. The same pass then also maps the new ranges
-    onto those scales (calibrated by the new counts) and keeps them for `recall`: the
-    ``compute_qparams`` that usually follows the update finds them instead of running its own
-    pass over cold memory.
+    ``scales``: ``(numbers, ones_shape, spec)``, `symmetric_scales`' numbers ``(half_range, eps,
+    cap, zero_point, zero_point_dtype)`` for the observer's ``spec`` and the global scale's shape,
+    or None. The same pass then also maps the new ranges onto those scales (calibrated by the
+    new counts) and keeps them for `recall`: the ``compute_qparams`` that usually follows the
+    update finds them instead of running its own pass over cold memory.
     """
     shape = tuple(view.shape[1:-1])
     fields = (lo, hi, count, nonfinite)
@@ -765,12 +769,12 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
         return None
     length = view.shape[-1]
     out = [view.new_empty(shape, dtype=t.dtype) for t in fields]
-    if scales is not None and (scales[4] not in (torch.int32, torch.float32) or not scales[1] > 2.0**-150):
+    if scales is not None and (scales[0][4] not in (torch.int32, torch.float32) or not scales[0][1] > 2.0**-150):
         scales = None
     if scales is None:
         mapped, numbers = [], (0.0, 0.0, 0.0, None, None, 0, 0, None, None, 0)
     else:
-        half_range, eps, cap, zero_point, zero_point_dtype, ones_shape = scales
+        (half_range, eps, cap, zero_point, zero_point_dtype), ones_shape, _ = scales
         # scale, zero point, calibrated (as many as the fields) and the global scale (ones)
         mapped = [
             view.new_empty(shape, dtype=dtype) for dtype in (torch.float32, zero_point_dtype, torch.bool)
@@ -793,25 +797,32 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
     if scales is not None and not bad:
         # what compute_qparams reads: the new extremes and counts, as they are now (fresh
         # tensors: version 0; the pass's writes do not count), and the scales (nobody's yet)
-        _recent.last = (result, out[:3], pointers[:3], scales, (*wrapped[4:], mapped[3]))
+        _recent.last = (result, out[:3], pointers[:3], *scales, (*wrapped[4:], mapped[3]))
     return result
 
 
 _recent = threading.local()  # the scales of this thread's latest update pass (`recall`)
 
 
-def recall(min_val, max_val, count, scales):
+def recall(min_val, max_val, count, ones_shape, numbers=None, spec=None):
     """The ``(scale, zero_point, calibrated, ones)`` that the latest `update_extremes` of this
-    thread computed with ``scales`` (`symmetric_scales`' numbers and ``ones_shape``), where
-    ``min_val``, ``max_val`` and ``count`` are the very fields it returned, unchanged since (no
-    in-place op, ``.data`` swap or ``requires_grad_``), and no mode intercepts ops: exactly what
-    `symmetric_scales` (or, inside any transform, ATen's ops) would compute from them. Each
-    result is returned once (a second caller gets fresh tensors from a pass); None otherwise."""
+    thread computed for the same global scale shape and the same ``numbers`` (`symmetric_scales`'
+    numbers) or the very ``spec`` it was given, where ``min_val``, ``max_val`` and ``count`` are
+    the very fields it returned, unchanged since (no in-place op, ``.data`` swap or
+    ``requires_grad_``), and no mode intercepts ops: exactly what `symmetric_scales` (or, inside
+    any transform, ATen's ops) would compute from them. Each result is returned once (a second
+    caller gets fresh tensors from a pass); None otherwise."""
     last = getattr(_recent, "last", None)
     if last is None:
         return None
-    fields, dense, pointers, numbers, outputs = last
-    if not (min_val is fields[0] and max_val is fields[1] and count is fields[2] and numbers == scales):
+    fields, dense, pointers, kept_numbers, kept_ones_shape, kept_spec, outputs = last
+    if not (
+        min_val is fields[0]
+        and max_val is fields[1]
+        and count is fields[2]
+        and tuple(ones_shape) == kept_ones_shape
+        and (spec is kept_spec if spec is not None else numbers == kept_numbers)
+    ):
         return None
     _recent.last = None
     if (
@@ -850,7 +861,7 @@ def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float
         and eps > 2.0**-150  # > 0 in float32 (2**-150 and below round to 0)
         and _nothing_intercepts()
         and _standard_fields(fields, shape, (torch.float32, torch.float32, calibrated_kind and calibrated.dtype))
-        and available()
+        and _built()
     ):
         return None
     scale = min_val.new_empty(shape)

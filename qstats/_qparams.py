@@ -120,6 +120,10 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"compute_qparams: spec must be a QuantSpec, got {type(spec).__name__}")
     global_scale = options.pop("global_scale", None)  # a fused group's (qstats.fused)
+    if not options and global_scale is None:
+        recalled = _recalled(state, spec, ())
+        if recalled is not None:
+            return recalled
     result = _rule_for(state)(state, spec, **options)
     if isinstance(result, QParams):
         return result
@@ -140,6 +144,11 @@ def stacked_compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     """
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"compute_qparams: spec must be a QuantSpec, got {type(spec).__name__}")
+    if not options:
+        count = getattr(state, "count", None)
+        recalled = _recalled(state, spec, tuple(count.shape[:1])) if isinstance(count, torch.Tensor) else None
+        if recalled is not None:
+            return recalled
     fields = [t for t in state if isinstance(t, torch.Tensor)] if isinstance(state, tuple) else []
     if not fields or any(t.ndim < 1 or t.shape[0] != fields[0].shape[0] for t in fields):
         shapes = [tuple(t.shape) for t in fields]
@@ -163,6 +172,20 @@ def stacked_compute_qparams(state, spec: QuantSpec, **options) -> QParams:
             ones = torch.ones(stack, dtype=torch.float32, device=qparams.scale.device)
             return qparams._replace(global_scale=ones)
     return torch.vmap(lambda one: compute_qparams(one, spec, **options))(state)
+
+
+def _recalled(state, spec: QuantSpec, ones_shape) -> QParams | None:
+    """The QParams of ``state`` for ``spec`` that the update which returned it computed in its
+    own pass for this very spec (`qstats._native.recall`): the range rule of its type reads the
+    extremes and counts as they are (``_qstats_extremes``: the min/max states'), and where the
+    update kept the scales, every entry was valid. None otherwise: the caller maps the state."""
+    if not getattr(_RANGE_RULES.get(type(state)), "_qstats_extremes", False):
+        return None
+    recalled = _native.recall(state.min_val, state.max_val, state.count, ones_shape, spec=spec)
+    if recalled is None:
+        return None
+    scale, zero_point, calibrated, ones = recalled
+    return QParams(scale, zero_point, ones, calibrated)
 
 
 def _is_traced(t: torch.Tensor) -> bool:
@@ -341,7 +364,7 @@ def _symmetric_qparams(
         # (the ops below where some entry is not valid). Where the update that produced these
         # very fields computed them in its own pass (`minmax`), they are taken from there.
         numbers = (plan.half_range, plan.eps, plan.scale_cap, plan.zero_point, plan.zero_point_dtype)
-        recalled = _native.recall(min_val, max_val, calibrated, (*numbers, tuple(ones_shape)))
+        recalled = _native.recall(min_val, max_val, calibrated, ones_shape, numbers)
         if recalled is not None:
             scale, zero_point, calibrated, ones = recalled
             return QParams(scale, zero_point, ones, calibrated)
@@ -354,7 +377,7 @@ def _symmetric_qparams(
             and min_val.shape == max_val.shape
             and (calibrated is None or calibrated.shape == min_val.shape)
             and not (min_val.requires_grad or max_val.requires_grad)
-            and _native.available()
+            and _native._built()
         ):
             # under vmap: every slice in one pass (the masked path below where some is not valid)
             tensors = (min_val, max_val) if calibrated is None else (min_val, max_val, calibrated)

@@ -283,9 +283,9 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str,
         # native pass checks it)
         (x.numel() < _native._MIN_NUMEL and not torch._C._functorch.is_batchedtensor(x))
         or x.dtype not in _native._KINDS
-        or x.device.type != "cpu"
         or torch.compiler.is_compiling()
-        or not _native.available()
+        or not x.is_cpu
+        or not _native._built()
     ):
         return None
     plain = type(x) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(x)
@@ -294,7 +294,7 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str,
     ones = ()  # the global scale's shape (a stack's: one per slice)
     if observe is observe_extremes:
         if not plain:
-            return _vmapped_update(state, x, spec, where, scales and (*scales, ones))
+            return _vmapped_update(state, x, spec, where, scales and (scales, ones, spec))
         view = checked_view(x, spec.granularity, state.min_val.shape, where)
     elif observe is observe_extremes_stacked:
         _check_stack(x, spec, state.min_val.shape, where)
@@ -303,7 +303,7 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str,
     else:
         return None
     if plain:
-        return _native.update_extremes(view, *state, scales=scales and (*scales, ones))
+        return _native.update_extremes(view, *state, scales=scales and (scales, ones, spec))
     # a stacked observer under vmap: the batch of the view inside its parameter dims (the slices
     # side by side), the state's fields dense
     if not torch._C._functorch.is_batchedtensor(view):
@@ -548,5 +548,8 @@ def _extremes_rule(state, spec: QuantSpec, **options) -> Range:
     return Range(state.min_val, state.max_val, state.count)
 
 
+# its Range is the state's own min_val, max_val and count: compute_qparams may take the scales an
+# update computed for them (`qstats._native.recall`)
+_extremes_rule._qstats_extremes = True
 for _cls in (MinMaxState, MemorylessMinMaxState, MovingAverageMinMaxState):
     register_range_rule(_cls, elementwise=True)(_extremes_rule)
