@@ -42,6 +42,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -754,9 +755,11 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
 
     ``scales``: ``(numbers, ones_shape, spec)``, `symmetric_scales`' numbers ``(half_range, eps,
     cap, zero_point, zero_point_dtype)`` for the observer's ``spec`` and the global scale's shape,
-    or None. The same pass then also maps the new ranges onto those scales (calibrated by the
-    new counts) and keeps them for `recall`: the ``compute_qparams`` that usually follows the
-    update finds them instead of running its own pass over cold memory.
+    or None. For rows of ``_SCALES_MIN_LENGTH`` values or more (a few bytes per row written:
+    most updates' scales go unread) outside inference mode, the same pass then also maps the
+    new ranges onto those scales (calibrated by the new counts) and keeps them for `recall`:
+    the ``compute_qparams`` that usually follows the update finds them instead of running its
+    own pass over cold memory.
     """
     shape = tuple(view.shape[1:-1])
     fields = (lo, hi, count, nonfinite)
@@ -769,7 +772,15 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
         return None
     length = view.shape[-1]
     out = [view.new_empty(shape, dtype=t.dtype) for t in fields]
-    if scales is not None and (scales[0][4] not in (torch.int32, torch.float32) or not scales[0][1] > 2.0**-150):
+    if torch._C._functorch.is_functorch_wrapped_tensor(out[0]):
+        return None  # a transform (grad, jvp) wraps what is made under it: no memory to write
+    if scales is not None and not (
+        scales[0][4] in (torch.int32, torch.float32)
+        and scales[0][1] > 2.0**-150
+        # a few bytes per row: not worth writing for short rows (most updates' scales go unread)
+        and length >= _SCALES_MIN_LENGTH
+        and not out[0].is_inference()  # no version counter tells whether the fields change
+    ):
         scales = None
     if scales is None:
         mapped, numbers = [], (0.0, 0.0, 0.0, None, None, 0, 0, None, None, 0)
@@ -795,13 +806,29 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
         return None
     result = wrapped[:4]
     if scales is not None and not bad:
-        # what compute_qparams reads: the new extremes and counts, as they are now (fresh
-        # tensors: version 0; the pass's writes do not count), and the scales (nobody's yet)
-        _recent.last = (result, out[:3], pointers[:3], *scales, (*wrapped[4:], mapped[3]))
+        _remember(result, out, pointers, scales, (*wrapped[4:], mapped[3]))
     return result
 
 
-_recent = threading.local()  # the scales of this thread's latest update pass (`recall`)
+# The scales of each thread's latest update pass (`recall`), by thread: weak references to the
+# fields it returned (the entry goes when its min_val does), the dense fields under vmap (a
+# batched field's own version counter does not move), their data pointers, the numbers, ones
+# shape and spec of the scales, and the scales themselves.
+_recent: dict = {}
+_SCALES_MIN_LENGTH = 256
+
+
+def _remember(result, dense, pointers, scales, outputs):
+    thread = threading.get_ident()
+
+    def forget(ref):
+        if _recent.get(thread, (None,))[0] is ref:
+            _recent.pop(thread, None)
+
+    plain = result[0] is dense[0]
+    refs = (weakref.ref(result[0], forget), weakref.ref(result[1]), weakref.ref(result[2]))
+    # fresh tensors: version 0 (the pass's writes do not count); the scales are nobody's yet
+    _recent[thread] = (*refs, None if plain else dense[:3], pointers[:3], *scales, outputs)
 
 
 def recall(min_val, max_val, count, ones_shape, numbers=None, spec=None):
@@ -811,26 +838,31 @@ def recall(min_val, max_val, count, ones_shape, numbers=None, spec=None):
     the very fields it returned, unchanged since (no in-place op, ``.data`` swap or
     ``requires_grad_``), and no mode intercepts ops: exactly what `symmetric_scales` (or, inside
     any transform, ATen's ops) would compute from them. Each result is returned once (a second
-    caller gets fresh tensors from a pass); None otherwise."""
-    last = getattr(_recent, "last", None)
+    caller gets fresh tensors from a pass); None otherwise.
+
+    A write that bypasses the version counter (into ``t.data`` or ``t.numpy()``, as autograd
+    does not see either) between the update and this call is not seen: states are values, and
+    such a write changes one behind every reader's back."""
+    if torch.compiler.is_compiling():
+        return None  # a graph computes its own
+    last = _recent.get(threading.get_ident())
     if last is None:
         return None
-    fields, dense, pointers, kept_numbers, kept_ones_shape, kept_spec, outputs = last
+    lo, hi, counts, dense, pointers, kept_numbers, kept_ones_shape, kept_spec, outputs = last
     if not (
-        min_val is fields[0]
-        and max_val is fields[1]
-        and count is fields[2]
+        min_val is lo()
+        and max_val is hi()
+        and count is counts()
         and tuple(ones_shape) == kept_ones_shape
         and (spec is kept_spec if spec is not None else numbers == kept_numbers)
     ):
         return None
-    _recent.last = None
+    del _recent[threading.get_ident()]
     if (
         min_val.requires_grad
         or max_val.requires_grad
-        or torch.compiler.is_compiling()
         or not _nothing_intercepts()
-        or any(t._version or t.data_ptr() != pointer for t, pointer in zip(dense, pointers))
+        or any(t._version or t.data_ptr() != p for t, p in zip(dense or (min_val, max_val, count), pointers))
     ):
         return None
     return outputs
@@ -865,6 +897,8 @@ def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float
     ):
         return None
     scale = min_val.new_empty(shape)
+    if torch._C._functorch.is_functorch_wrapped_tensor(scale):
+        return None  # a transform (grad, jvp) wraps what is made under it: no memory to write
     zero_points = min_val.new_empty(shape, dtype=zero_point_dtype)
     calibrated_out = min_val.new_empty(shape, dtype=torch.bool)
     ones = min_val.new_empty(ones_shape)

@@ -144,11 +144,6 @@ def stacked_compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     """
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"compute_qparams: spec must be a QuantSpec, got {type(spec).__name__}")
-    if not options:
-        count = getattr(state, "count", None)
-        recalled = _recalled(state, spec, tuple(count.shape[:1])) if isinstance(count, torch.Tensor) else None
-        if recalled is not None:
-            return recalled
     fields = [t for t in state if isinstance(t, torch.Tensor)] if isinstance(state, tuple) else []
     if not fields or any(t.ndim < 1 or t.shape[0] != fields[0].shape[0] for t in fields):
         shapes = [tuple(t.shape) for t in fields]
@@ -156,6 +151,10 @@ def stacked_compute_qparams(state, spec: QuantSpec, **options) -> QParams:
             f"stacked_qparams: expected a stacked state (every field with the same leading dimension), "
             f"got {type(state).__name__} with field shapes {shapes}"
         )
+    if not options:
+        recalled = _recalled(state, spec, (fields[0].shape[0],))
+        if recalled is not None:
+            return recalled
     rule = _rule_for(state)
     if getattr(rule, "_qstats_elementwise", False) and not options and not _formats.handles_qparams(spec):
         result = rule(state, spec)

@@ -947,3 +947,52 @@ def test_update_scales_with_an_entry_not_valid_leave_compute_qparams_its_own_pat
     assert not bool(qparams.calibrated[3]) and float(qparams.scale[3]) == 1.0 and int(qparams.calibrated.sum()) == 255
     scale, _ = _torch_ao_scales(state.min_val, state.max_val)
     assert torch.equal(qparams.scale[4:], scale[4:])
+
+
+def test_update_scales_are_kept_only_where_they_can_be_trusted_and_never_keep_a_state_alive(recalls):
+    """No scales are kept for inference tensors (no version counter tells whether they change)
+    or for rows shorter than `_native._SCALES_MIN_LENGTH` (most updates' scales go unread); the
+    kept ones go with the state (a weak reference to its min_val, under vmap with the call); a
+    per-tensor state under vmap is still refused by stacked_qparams; compute_qparams of a
+    captured state inside grad and jvp works (it did not, before, on the native path)."""
+    import gc
+    import weakref
+
+    g = torch.Generator().manual_seed(23)
+    spec = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric)
+    obs = qstats.minmax(spec)
+    x = torch.randn(256, 300, generator=g)
+    _native._recent.clear()  # whatever earlier tests' live states left
+    with torch.inference_mode():
+        state = obs.update(obs.init(x), x)
+        in_mode = qstats.compute_qparams(state, spec)
+    assert not any(recalls) and torch.equal(in_mode.scale, _torch_ao_scales(state.min_val, state.max_val)[0])
+    short = torch.randn(4096, 128, generator=g)
+    recalls.clear()
+    state = obs.update(obs.init(short), short)
+    assert not _native._recent
+    assert torch.equal(qstats.compute_qparams(state, spec).scale, _torch_ao_scales(state.min_val, state.max_val)[0])
+    assert not any(recalls)
+    # kept with the state, gone with it
+    state = obs.update(obs.init(x), x)
+    assert _native._recent
+    alive = weakref.ref(state.min_val)
+    del state
+    gc.collect()
+    assert alive() is None and not _native._recent
+    torch.vmap(lambda w: obs.update(obs.init(w), w))(torch.randn(4, 256, 300, generator=g))
+    assert not _native._recent  # the batched fields died with the call
+    per_tensor = qstats.minmax(qstats.QuantSpec(dtype="int8"))
+    with pytest.raises(ValueError, match="expected a stacked state"):
+        torch.vmap(lambda w: qstats.stacked_qparams(per_tensor.update(per_tensor.init(w), w), per_tensor.spec))(
+            torch.randn(4, 256, 300, generator=g)
+        )
+    # inside grad and jvp (the first call takes the kept scales, the second the pass)
+    state = obs.update(obs.init(x), x)
+    expected = _torch_ao_scales(state.min_val, state.max_val)[0]
+    for _ in range(2):
+        grad = torch.func.grad(lambda z: (qstats.compute_qparams(state, spec).scale * z).sum())(torch.ones(256))
+        assert torch.equal(grad, expected)
+        _, tangent = torch.func.jvp(lambda z: qstats.compute_qparams(state, spec).scale * z, (torch.ones(256),),
+                                    (torch.ones(256),))
+        assert torch.equal(tangent, expected)
