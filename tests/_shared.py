@@ -91,3 +91,18 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
     return torch.equal(a, b)
+
+
+def record_taken(monkeypatch, owner, name: str) -> list:
+    """Replaces ``owner.name`` (a function that returns None where it does not apply) with one
+    that calls it and records, call by call, whether it gave a result; returns the record."""
+    taken = []
+    original = getattr(owner, name)
+
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(owner, name, recording)
+    return taken

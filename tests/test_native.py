@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.ao.quantization import PerChannelMinMaxObserver
 
-from _shared import bit_equal
+from _shared import bit_equal, record_taken
 
 import qstats
 from qstats import _native, _reductions
@@ -668,7 +668,7 @@ def test_vmapped_update_reads_a_frozen_parameter_stack(kernel_calls):
     _fields_bit_equal(batched, _slice_loop(one, weights.detach()))
 
 
-def test_vmapped_global_scale_is_unbatched_whichever_path():
+def test_vmapped_global_scale_is_unbatched_whichever_path(monkeypatch):
     """Under vmap the global scale of an elementwise format is one unbatched 1, whether the
     native pass gives the scales (every entry valid) or ATen does (an uncalibrated entry): a
     caller's ``out_dims=None`` for it works on both, and the default stacks it alike."""
@@ -678,22 +678,11 @@ def test_vmapped_global_scale_is_unbatched_whichever_path():
     states = torch.vmap(lambda w: obs.update(obs.init(w), w))(torch.randn(4, 256, 300, generator=g))
     partial = type(states)(states.min_val.clone(), states.max_val.clone(), states.count.clone(), states.nonfinite)
     partial.min_val[1, 3], partial.max_val[1, 3], partial.count[1, 3] = float("inf"), float("-inf"), 0
-    taken = []
-    original = _native.symmetric_scales
-
-    def recording(*args, **kwargs):
-        out = original(*args, **kwargs)
-        taken.append(out is not None)
-        return out
-
+    taken = record_taken(monkeypatch, _native, "symmetric_scales")
     qparams = lambda s: qstats.compute_qparams(s, spec)  # noqa: E731
     out_dims = qstats.QParams(0, 0, None, 0)
-    try:
-        _native.symmetric_scales = recording
-        results = [torch.vmap(qparams, out_dims=out_dims)(s) for s in (states, partial)]
-        stacked = [torch.vmap(qparams)(s).global_scale for s in (states, partial)]
-    finally:
-        _native.symmetric_scales = original
+    results = [torch.vmap(qparams, out_dims=out_dims)(s) for s in (states, partial)]
+    stacked = [torch.vmap(qparams)(s).global_scale for s in (states, partial)]
     assert taken == [True, False, True, False]
     for result in results:
         assert result.global_scale.shape == () and float(result.global_scale) == 1.0
@@ -787,16 +776,7 @@ def test_calibrated_takes_a_mask_counts_or_a_python_bool():
 def recalls(monkeypatch):
     """Records whether each look-up of `compute_qparams` (by spec, then by the spec's numbers)
     found the scales of the update pass (True) or not (False: `_native.recall` gave nothing)."""
-    taken = []
-    original = _native.recall
-
-    def recording(*args, **kwargs):
-        out = original(*args, **kwargs)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(_native, "recall", recording)
-    return taken
+    return record_taken(monkeypatch, _native, "recall")
 
 
 def _torch_ao_scales(min_val, max_val, dtype=torch.qint8, qscheme=torch.per_channel_symmetric):
