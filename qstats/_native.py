@@ -13,7 +13,9 @@ value that is not finite or any range that overflows (the caller then takes the 
 ``minmax.update`` of an unweighted batch (per tensor, plain or stacked) in one read of the data.
 `symmetric_scales` maps observed ranges onto symmetric scales in one pass (the eager
 `compute_qparams` of torch.ao's symmetric specs where every entry is valid: after a large update
-has evicted every cache, each ATen op call costs tens of microseconds).
+has evicted every cache, each ATen op call costs tens of microseconds); `update_extremes` can map
+its new ranges the same way in its own pass and keep the scales for the `compute_qparams` of
+that very state (`recall`).
 Everything else (masks, other dtypes, non-contiguous views, small tensors, accelerators) keeps
 the ATen ops, and so does every machine where the kernel cannot be built (no C++ compiler:
 tried once per process, silently).
