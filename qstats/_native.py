@@ -756,8 +756,9 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
     its result returned: after a large pass every cache is cold, and each call costs more.
 
     ``scales``: ``(numbers, ones_shape, spec)``, `symmetric_scales`' numbers ``(half_range, eps,
-    cap, zero_point, zero_point_dtype)`` for the observer's ``spec`` and the global scale's shape,
-    or None. For rows of ``_SCALES_MIN_LENGTH`` values or more (a few bytes per row written:
+    cap, zero_point, zero_point_dtype)`` for the observer's ``spec`` (`qstats._qparams.native_scales`:
+    an eps above 0 in float32, an int32 or float32 zero point) and the global scale's shape, or
+    None. For rows of ``_SCALES_MIN_LENGTH`` values or more (a few bytes per row written:
     most updates' scales go unread) outside inference mode, the same pass then also maps the
     new ranges onto those scales (calibrated by the new counts) and keeps them for `recall`:
     the ``compute_qparams`` that usually follows the update finds them instead of running its
@@ -777,10 +778,8 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
     if torch._C._functorch.is_functorch_wrapped_tensor(out[0]):
         return None  # a transform (grad, jvp) wraps what is made under it: no memory to write
     if scales is not None and not (
-        scales[0][4] in (torch.int32, torch.float32)
-        and scales[0][1] > 2.0**-150
         # a few bytes per row: not worth writing for short rows (most updates' scales go unread)
-        and length >= _SCALES_MIN_LENGTH
+        length >= _SCALES_MIN_LENGTH
         and not out[0].is_inference()  # no version counter tells whether the fields change
     ):
         scales = None

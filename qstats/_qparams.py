@@ -270,6 +270,10 @@ class _SymmetricPlan(NamedTuple):
     # float32(half float32 max) / half_range in float32 arithmetic: the largest scale, and None
     # where the float32 eps exceeds it (then the floor must come after the cap, in two ops)
     scale_cap: float | None = None
+    # (half_range, eps, scale_cap, zero_point, zero_point_dtype), the numbers of the native pass
+    # (`qstats._native.symmetric_scales`, or an update's own: `native_scales`) where it computes
+    # this spec's scales; None where it does not
+    native: tuple | None = None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -284,7 +288,10 @@ def _symmetric_plan(spec: QuantSpec):
         zero_point = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
         half_range = float(qmax - qmin) / 2
         cap = _scale_cap(half_range, spec.eps)
-        return _SymmetricPlan(half_range, spec.eps, True, zero_point, torch.int32, True, cap)
+        native = (half_range, spec.eps, cap, zero_point, torch.int32)
+        if cap is None or spec.scale_dtype != "float32" or not spec.eps > 2.0**-150:
+            native = None  # the pass caps, and floors at an eps above 0 in float32, in float32 scales
+        return _SymmetricPlan(half_range, spec.eps, True, zero_point, torch.int32, True, cap, native)
     if (
         spec.convention == "compressed_tensors"
         and spec.mapping == "symmetric"
@@ -351,18 +358,13 @@ def _symmetric_qparams(
     (`stacked_compute_qparams`).
     """
     plan = plan or _symmetric_plan(spec)
-    if (
-        plan.scale_cap is not None
-        and spec.scale_dtype == "float32"
-        and not torch.compiler.is_compiling()
-        and min_val.device.type == "cpu"
-    ):
+    if plan.native is not None and not torch.compiler.is_compiling() and min_val.device.type == "cpu":
         # the same numbers in one native pass (`qstats._native.symmetric_scales`) where every
         # entry is valid: after a large update has evicted the caches, each of the ops below
         # costs tens of microseconds. Under vmap alone, one such pass over every slice at once
         # (the ops below where some entry is not valid). Where the update that produced these
         # very fields computed them in its own pass (`minmax`), they are taken from there.
-        numbers = (plan.half_range, plan.eps, plan.scale_cap, plan.zero_point, plan.zero_point_dtype)
+        numbers = plan.native
         recalled = _native.recall(min_val, max_val, calibrated, ones_shape, numbers)
         if recalled is not None:
             scale, zero_point, calibrated, ones = recalled
@@ -433,9 +435,7 @@ def native_scales(spec: QuantSpec):
     (`qstats._native.symmetric_scales`), for an update pass to compute them too
     (`qstats._native.update_extremes`); None for specs it maps otherwise."""
     plan = _symmetric_plan(spec)
-    if not plan or plan.scale_cap is None or spec.scale_dtype != "float32":
-        return None
-    return (plan.half_range, plan.eps, plan.scale_cap, plan.zero_point, plan.zero_point_dtype)
+    return plan.native if plan else None
 
 
 def _plan_for(spec: QuantSpec, min_val: torch.Tensor):
