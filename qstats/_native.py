@@ -784,18 +784,9 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
     ):
         scales = None
     if scales is None:
-        mapped, numbers = [], (0.0, 0.0, 0.0, None, None, 0, 0, None, None, 0)
+        mapped, numbers = [], (0.0, 0.0, 0.0, None, None, 0, 0, None, None, 0)  # no scales
     else:
-        (half_range, eps, cap, zero_point, zero_point_dtype), ones_shape, _ = scales
-        # scale, zero point, calibrated (as many as the fields) and the global scale (ones)
-        mapped = [
-            view.new_empty(shape, dtype=dtype) for dtype in (torch.float32, zero_point_dtype, torch.bool)
-        ] + [view.new_empty(ones_shape, dtype=torch.float32)]
-        numbers = (
-            half_range, eps, cap, mapped[0].data_ptr(), mapped[1].data_ptr(),
-            int(zero_point_dtype == torch.float32), zero_point, mapped[2].data_ptr(), mapped[3].data_ptr(),
-            mapped[3].numel(),
-        )
+        mapped, numbers = _scale_outputs(view, shape, scales[0], scales[1])  # plain, as out[0] is
     # one wrap for every output (the global scale stays as it is, unbatched under vmap)
     wrapped = tuple(out + mapped[:3]) if wrap is None else wrap(out + mapped[:3])
     pointers = [t.data_ptr() for t in out]
@@ -897,18 +888,35 @@ def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float
         and _built()
     ):
         return None
-    scale = min_val.new_empty(shape)
-    if torch._C._functorch.is_functorch_wrapped_tensor(scale):
-        return None  # a transform (grad, jvp) wraps what is made under it: no memory to write
-    zero_points = min_val.new_empty(shape, dtype=zero_point_dtype)
-    calibrated_out = min_val.new_empty(shape, dtype=torch.bool)
-    ones = min_val.new_empty(ones_shape)
+    numbers = (half_range, eps, cap, zero_point, zero_point_dtype)
+    made = _scale_outputs(min_val, shape, numbers, ones_shape)
+    if made is None:
+        return None
+    outputs, numbers = made
     bad = _kernel()[2](
         min_val.data_ptr(), max_val.data_ptr(), None if calibrated is None else calibrated.data_ptr(),
-        calibrated_kind, min_val.numel(), half_range, eps, cap, scale.data_ptr(), zero_points.data_ptr(),
-        int(zero_point_dtype == torch.float32), zero_point, calibrated_out.data_ptr(), ones.data_ptr(), ones.numel(),
+        calibrated_kind, min_val.numel(), *numbers,
     )
-    return None if bad else (scale, zero_points, calibrated_out, ones)
+    return None if bad else tuple(outputs)
+
+
+def _scale_outputs(like: torch.Tensor, shape, numbers, ones_shape):
+    """Fresh outputs of a symmetric scales pass, ``[scale, zero_point, calibrated, ones]``
+    (float32, the zero point's dtype and bool of ``shape``; float32 ones of ``ones_shape``, the
+    global scale), made like ``like``, and the kernel's arguments for ``numbers``
+    (`symmetric_scales`' ``(half_range, eps, cap, zero_point, zero_point_dtype)``) and these
+    outputs, in the order both of its entry points take them (the C struct ``Scales``). None where
+    a transform (grad, jvp) wraps what is made under it: no memory to write."""
+    half_range, eps, cap, zero_point, zero_point_dtype = numbers
+    outputs = [like.new_empty(shape, dtype=dtype) for dtype in (torch.float32, zero_point_dtype, torch.bool)]
+    if torch._C._functorch.is_functorch_wrapped_tensor(outputs[0]):
+        return None
+    outputs.append(like.new_empty(ones_shape, dtype=torch.float32))
+    scale, zero_points, calibrated, ones = outputs
+    return outputs, (
+        half_range, eps, cap, scale.data_ptr(), zero_points.data_ptr(), int(zero_point_dtype == torch.float32),
+        zero_point, calibrated.data_ptr(), ones.data_ptr(), ones.numel(),
+    )
 
 
 def _update_whole(view: torch.Tensor, fields):
