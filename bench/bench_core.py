@@ -1,7 +1,9 @@
 """Core benchmarks: minmax update against torch.aminmax, vmapped experts against torch.ao.
 
 Prints markdown table rows with ratios measured in this run (alternating blocks of runs; each
-candidate's best run counts):
+candidate's best run counts), and floors for the experts: one ``sum`` over the stack, qstats'
+native pass with nothing around it, and ``torch.vmap`` around that pass (`bare_pass_functions`):
+the torch.ao loop over a floor bounds what any form built on it can reach:
 
     python bench/bench_core.py
 """
@@ -44,7 +46,58 @@ def bench_per_tensor_update():
     return best["ours"], best["ref"]
 
 
-_REFERENCES = ("torch.ao loop", "torch.ao loop, building", "raw", "one read")
+_REFERENCES = ("torch.ao loop", "torch.ao loop, building", "raw", "one read", "bare pass", "vmap floor")
+
+
+def bare_pass_functions(experts: torch.Tensor, spec) -> dict:
+    """The least work any eager form does around qstats' native pass, as floors for the forms
+    above (empty where this machine has no kernel): "bare pass" allocates the pass's outputs (the
+    new state and its scales) and calls the kernel on the plain stack; "vmap floor" does the same
+    under ``torch.vmap`` (unwrap the batched stack, allocate, call the kernel, wrap the scales back
+    and return them as QParams), which no function that ``torch.vmap`` runs over can undercut.
+    Neither checks anything: they are not usable code, only the cost of the pass itself and of
+    ``torch.vmap``'s entry and exit around it (private functorch and kernel APIs)."""
+    from qstats import _native
+    from qstats._qparams import native_scales
+
+    if not _native.available():
+        return {}
+    kernel = _native._kernel()[1]
+    functorch = torch._C._functorch
+    experts_n, channels, length = experts.shape
+    half_range, eps, cap, zero_point, zero_point_dtype = native_scales(spec)
+    state = (
+        torch.full((channels,), torch.inf),
+        torch.full((channels,), -torch.inf),
+        torch.zeros(channels, dtype=torch.int64),
+        torch.zeros(channels, dtype=torch.int64),
+    )
+    dtypes = (torch.float32, torch.float32, torch.int64, torch.int64, torch.float32, zero_point_dtype, torch.bool)
+
+    def run(stack, ones_shape):
+        outputs = [torch.empty((experts_n, channels), dtype=dtype) for dtype in dtypes]
+        ones = torch.empty(ones_shape)
+        pointers = [t.data_ptr() for t in outputs]
+        bad = kernel(
+            stack.data_ptr(), 0, experts_n * channels, length, *(t.data_ptr() for t in state), *pointers[:4],
+            channels, _native._threads(stack), half_range, eps, cap, pointers[4], pointers[5],
+            int(zero_point_dtype == torch.float32), zero_point, pointers[6], ones.data_ptr(), ones.numel(),
+        )
+        assert bad == 0
+        return outputs[4:], ones
+
+    def bare_pass():
+        (scale, zero_points, calibrated), ones = run(experts, (experts_n,))
+        return qstats.QParams(scale, zero_points, ones, calibrated)
+
+    def one_expert(w):
+        level = functorch.maybe_current_level()
+        (scale, zero_points, calibrated), ones = run(functorch._unwrap_batched(w, level)[0], ())
+        scale, zero_points, calibrated = (functorch._add_batch_dim(t, 0, level) for t in (scale, zero_points, calibrated))
+        return qstats.QParams(scale, zero_points, ones, calibrated)
+
+    floor = torch.vmap(one_expert)
+    return {"bare pass": bare_pass, "vmap floor": lambda: floor(experts)}
 
 
 def bench_stacked_experts(compile_too=True):
@@ -105,10 +158,11 @@ def bench_stacked_experts(compile_too=True):
     # The machine's floor: one vectorised read of the stacked tensor. Where the torch.ao loop takes
     # less than 10x this, no method that reads the tensor can be 10x faster than the loop.
     functions["one read"] = lambda: experts.sum()
+    functions.update(bare_pass_functions(experts, spec))
 
     # Same answer before timing: every path's scales equal torch.ao's per expert.
     spec_ao = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric)
-    for name in [n for n in functions if n not in _REFERENCES]:
+    for name in [n for n in functions if n not in _REFERENCES or n in ("bare pass", "vmap floor")]:
         scale = functions[name]().scale
         assert scale.shape == (64, 512), name
         for i in (0, 31, 63):
@@ -142,6 +196,13 @@ def main():
             f"| floor: one read of the stacked tensor (sum) | {threads} | {best['one read'] * 1e3:.2f} ms "
             f"| torch.ao loop {loop * 1e3:.2f} ms | loop / floor {loop / best['one read']:.1f}x | (bound on the 10x) |"
         )
+        for floor, what in (("bare pass", "the native pass and its outputs, no checks"),
+                            ("vmap floor", "torch.vmap around that bare pass")):
+            if floor in best:
+                print(
+                    f"| floor: {what} | {threads} | {best[floor] * 1e3:.2f} ms | torch.ao loop {loop * 1e3:.2f} ms "
+                    f"| loop / floor {loop / best[floor]:.1f}x | (bound on the 10x) |"
+                )
         building = best["torch.ao loop, building"]
         print(
             f"| torch.ao loop building each observer (the earlier reference) | {threads} | {building * 1e3:.2f} ms "
@@ -158,6 +219,12 @@ def main():
                 f"| same, {how}, against raw amin/amax over the stacked tensor | {threads} | {ours * 1e3:.2f} ms "
                 f"| {raw * 1e3:.2f} ms | {ours / raw:.2f}x | <= 1.5x |"
             )
+            floor = "vmap floor" if "vmap" in how else "bare pass"
+            if floor in best:
+                print(
+                    f"| same, {how}, against the {floor} | {threads} | {ours * 1e3:.2f} ms "
+                    f"| {best[floor] * 1e3:.2f} ms | {ours / best[floor]:.2f}x | |"
+                )
 
 
 if __name__ == "__main__":
