@@ -10,7 +10,8 @@ float16 CPU inputs with one observation, some parameter dims and groups of 16 va
 (per-channel, per-group, per-token): one read of the data, both extremes, and a flag for any
 value that is not finite or any range that overflows (the caller then takes the full path).
 `update_extremes` is the same pass merged into a min/max state with its counts: the whole eager
-``minmax.update`` of an unweighted batch (per tensor, plain or stacked) in one read of the data.
+``minmax.update`` of an unweighted batch (per tensor, plain or stacked) in one read of the data
+(``memoryless_minmax.update`` too, the state's values unread).
 `symmetric_scales` maps observed ranges onto symmetric scales in one pass (the eager
 `compute_qparams` of torch.ao's symmetric specs where every entry is valid: after a large update
 has evicted every cache, each ATen op call costs tens of microseconds); `update_extremes` can map
@@ -212,7 +213,8 @@ static int symmetric(const float* lo, const float* hi, const void* calibrated, i
   return bad;
 }
 
-// A min/max state to merge the rows' extremes into (see merge)
+// A min/max state to merge the rows' extremes into (see merge); lo null: none, the rows' own
+// extremes and counts (memoryless)
 struct State {
   const float* lo;
   const float* hi;
@@ -281,11 +283,20 @@ static int extremes(const typename L::T* x, int64_t len, float* lo, float* hi, i
 // in their vector body (the batch's value on a tie, so for -0.0 and +0.0 too; a NaN in the state
 // stays), count = the state's + len, nonfinite = the state's. A second, sequential pass over
 // these small arrays while the rows' extremes are still in cache (merged in the row pass, the
-// state's eight arrays were as many more memory streams, a few bytes per row: slower). With
-// s->scales, the merged ranges' symmetric scales too (calibrated by the new counts); returns 1
-// when some entry is not valid for them.
+// state's eight arrays were as many more memory streams, a few bytes per row: slower). Without a
+// state (s->lo null), count = len and nonfinite = 0. With s->scales, the merged ranges'
+// symmetric scales too (calibrated by the new counts); returns 1 when some entry is not valid
+// for them.
 static int merge(const State* s, float* lo, float* hi, int64_t len, int64_t r0, int64_t r1) {
   int bad = 0;
+  if (!s->lo) {
+    for (int64_t r = r0; r < r1; ++r) {
+      s->count_out[r] = len;
+      s->nonfinite_out[r] = 0;
+    }
+    if (s->scales) bad |= symmetric<int64_t>(lo + r0, hi + r0, s->count_out + r0, r1 - r0, s->scales, r0);
+    return bad;
+  }
   for (int64_t r = r0; r < r1;) {
     const int64_t q = r % s->period, n = r1 - r < s->period - q ? r1 - r : s->period - q;
     const float* state_lo = s->lo + q;
@@ -359,7 +370,8 @@ extern "C" int qstats_row_extremes(const void* x, int64_t kind, int64_t rows, in
   return dispatch(x, kind, rows, len, lo, hi, threads, nullptr);
 }
 
-// The same, merged into a min/max state (see State); the outputs are only meaningful when the
+// The same, merged into a min/max state (see State; state_lo null: the rows' own extremes, count
+// len and nonfinite 0, the other state arrays unread); the outputs are only meaningful when the
 // result is 0 (a flagged input leaves them partly written: the caller takes the full path).
 // With a scale output (not null), the merged ranges' symmetric scales too (see symmetric:
 // calibrated where the new count is positive) and n_ones global scales of 1; a result of 2
@@ -741,7 +753,7 @@ def _standard_fields(fields, shape, dtypes=_STATE_DTYPES) -> bool:
     return True
 
 
-def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, scales=None):
+def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, scales=None, forget=False):
     """A min/max state's whole update by an unmasked ``view`` in one pass: the new
     ``(min, max, count, nonfinite)``, fresh tensors, equal to merging `row_extremes` and the
     view's counts into the given fields with torch.minimum, torch.maximum and additions (a
@@ -763,11 +775,15 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
     new ranges onto those scales (calibrated by the new counts) and keeps them for `recall`:
     the ``compute_qparams`` that usually follows the update finds them instead of running its
     own pass over cold memory.
+
+    ``forget``: the view's own extremes and counts (``count`` its row length, ``nonfinite`` 0), the
+    state's values unread (``memoryless_minmax``; the fields still say the shape and kinds of the
+    state). Not per tensor (None there: one ATen ``aminmax`` is one pass too).
     """
     shape = tuple(view.shape[1:-1])
     fields = (lo, hi, count, nonfinite)
     if shape == () and view.ndim == 2:
-        return _update_whole(view, fields)
+        return None if forget else _update_whole(view, fields)
     if not applies(view):
         return None
     state_shape = shape if tuple(lo.shape) == shape else shape[1:]
@@ -792,7 +808,8 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
     pointers = [t.data_ptr() for t in out]
     bad = _kernel()[1](
         view.data_ptr(), _KINDS[view.dtype], view.numel() // length, length,
-        *(t.data_ptr() for t in fields), *pointers, max(1, lo.numel()), _threads(view), *numbers,
+        *((None,) * 4 if forget else (t.data_ptr() for t in fields)), *pointers, max(1, lo.numel()),
+        _threads(view), *numbers,
     )
     if bad & 1:
         return None

@@ -976,3 +976,145 @@ def test_update_scales_are_kept_only_where_they_can_be_trusted_and_never_keep_a_
         _, tangent = torch.func.jvp(lambda z: qstats.compute_qparams(state, spec).scale * z, (torch.ones(256),),
                                     (torch.ones(256),))
         assert torch.equal(tangent, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# memoryless_minmax: the same pass, the state's values unread
+
+
+def _odd_state(obs, x, g):
+    """A memoryless state that is not init's: the extremes and counts of other, wider data."""
+    other = torch.randn(x.shape, generator=g) * 50
+    return obs.update(obs.init(other), other)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["plain", "stacked"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("granularity", [qstats.PerAxis(0), qstats.PerGroup(32), qstats.PerToken()], ids=repr)
+def test_memoryless_fused_update_equals_the_full_path(stacked, dtype, granularity, kernel_calls, monkeypatch):
+    """memoryless_minmax.update of an unweighted batch is one native pass that forgets the state:
+    bit for bit (signed zeros included) the full path's batch extremes and counts, whatever state
+    it is given."""
+    g = torch.Generator().manual_seed(31)
+    shape = (4, 256, 96) if stacked else (256, 384)
+    batches = [torch.randn(shape, generator=g).round() * 0.0, torch.randn(shape, generator=g) * 3]
+    batches[0][..., ::2] = -0.0
+    batches = [b.to(dtype) for b in batches]
+    obs = qstats.memoryless_minmax(qstats.QuantSpec(dtype="int8", granularity=granularity))
+    if stacked:
+        obs = qstats.stacked_observer(obs, 4)
+    start = _odd_state(obs, batches[1], g)
+    kernel_calls.clear()
+
+    def run():
+        return [obs.update(start, batch) for batch in batches]
+
+    fused = run()
+    assert kernel_calls == [("update", True)] * 2
+    monkeypatch.setattr(_native, "update_extremes", lambda *args, **kwargs: None)
+    for a, b in zip(fused, run()):
+        _fields_bit_equal(a, b)
+    n = batches[1].shape[-1] if not isinstance(granularity, qstats.PerGroup) else 32
+    assert (fused[1].count == n).all() and (fused[1].nonfinite == 0).all()
+
+
+def test_memoryless_fused_update_leaves_per_tensor_masked_and_odd_states_to_the_full_path(kernel_calls):
+    """Per tensor (one ATen aminmax is one pass too), with a weight (unreached parameters keep
+    the state) and for float64 extremes (the full path's dtypes): no fused update."""
+    x = torch.randn(512, 256)
+    per_tensor = qstats.memoryless_minmax(qstats.QuantSpec(dtype="int8"))
+    state = per_tensor.update(per_tensor.init(x), x)
+    assert ("update", True) not in kernel_calls and state.max_val == x.max()
+    obs = qstats.memoryless_minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+    weight = torch.ones(512, 256)
+    weight[3] = 0  # row 3 unreached: keeps the state's
+    start = obs.update(obs.init(x), x * 2)
+    kernel_calls.clear()
+    masked = obs.update(start, x, weight)
+    assert ("update", True) not in kernel_calls
+    assert masked.max_val[3] == 2 * x[3].max() and masked.max_val[4] == x[4].max()
+    kernel_calls.clear()
+    odd = type(start)(start.min_val.double(), start.max_val.double(), start.count, start.nonfinite)
+    new = obs.update(odd, x)
+    assert kernel_calls == [("update", False), ("row", True)]
+    assert new.min_val.dtype == torch.float64 and torch.equal(new.min_val, x.double().amin(-1))
+
+
+def test_memoryless_fused_update_with_a_nonfinite_value_takes_the_full_path(kernel_calls):
+    x = torch.randn(512, 256)
+    x[7, 9] = float("nan")
+    obs = qstats.memoryless_minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
+    state = obs.update(obs.init(x), x)
+    assert kernel_calls[0] == ("update", False)
+    assert state.nonfinite[7] == 1 and state.count[7] == 255 and state.nonfinite.sum() == 1
+    assert torch.equal(state.max_val[7], x[7].nan_to_num(-torch.inf).max())
+
+
+@pytest.mark.parametrize("form", ["plain", "vmap", "stacked"])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "args",
+    [
+        dict(num_bits=8, symmetric=True, strategy="channel"),
+        dict(num_bits=8, symmetric=False, strategy="channel"),
+        dict(num_bits=4, symmetric=True, strategy="group", group_size=128),
+        dict(num_bits=4, symmetric=False, strategy="group", group_size=128),
+    ],
+    ids=lambda a: f"int{a['num_bits']}-{'sym' if a['symmetric'] else 'asym'}-{a['strategy']}",
+)
+def test_memoryless_fused_update_equals_llm_compressor(form, weight_dtype, args, kernel_calls):
+    """Large weights (the fused path) through qstats.memoryless_minmax, as one weight, under vmap
+    and as a stack, against llm-compressor's memoryless_minmax weight observer and
+    compressed-tensors' calculate_qparams, expert by expert: the same scales and zero points."""
+    llmc_observers = pytest.importorskip("llmcompressor.observers")
+    from compressed_tensors.quantization import QuantizationArgs
+
+    args = QuantizationArgs(type="int", **args)
+    g = torch.Generator().manual_seed(32)
+    experts = (torch.randn(3, 512, 384, generator=g) * torch.rand(3, 512, 1, generator=g)).to(weight_dtype)
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=weight_dtype)
+    obs = qstats.memoryless_minmax(spec)
+    if form == "plain":
+        qparams = [qstats.compute_qparams(obs.update(obs.init(w), w), spec) for w in experts]
+    elif form == "vmap":
+        out = torch.vmap(lambda w: qstats.compute_qparams(obs.update(obs.init(w), w), spec))(experts)
+        qparams = [type(out)(*(t[e] for t in out)) for e in range(3)]
+    else:
+        stacked = qstats.stacked_observer(obs, 3)
+        out = qstats.stacked_qparams(stacked.update(stacked.init(experts), experts), spec)
+        qparams = [type(out)(*(t[e] for t in out)) for e in range(3)]
+    assert kernel_calls and all(call == ("update", True) for call in kernel_calls)
+    for e, qp in enumerate(qparams):
+        reference = llmc_observers.Observer.load_from_registry("memoryless_minmax", base_name="weight", args=args)
+        reference(experts[e])
+        theirs = reference.get_qparams()
+        assert torch.equal(qp.scale, theirs["scale"].float().reshape(qp.scale.shape)), e
+        assert torch.equal(qp.zero_point.float(), theirs["zero_point"].float().reshape(qp.scale.shape)), e
+
+
+@pytest.mark.parametrize("form", ["plain", "vmap", "stacked"])
+def test_memoryless_update_pass_gives_compute_qparams_its_scales(form, recalls):
+    """As for minmax: the memoryless update's pass maps its ranges onto torch.ao's symmetric
+    scales, and compute_qparams takes them, bit for bit what its own pass gives on a copy."""
+    g = torch.Generator().manual_seed(33)
+    x = torch.randn(8, 256, 288, generator=g) * torch.rand(8, 256, 1, generator=g) * 4
+    spec = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric)
+    obs = qstats.memoryless_minmax(spec)
+    if form == "plain":
+        state = obs.update(_odd_state(obs, x[0], g), x[0])
+        qparams = qstats.compute_qparams(state, spec)
+    elif form == "vmap":
+        state, qparams = torch.vmap(lambda w: (s := obs.update(obs.init(w), w), qstats.compute_qparams(s, spec)))(x)
+    else:
+        stacked = qstats.stacked_observer(obs, 8)
+        state = stacked.update(_odd_state(stacked, x, g), x)
+        qparams = qstats.stacked_qparams(state, spec)
+    assert recalls == [True]
+    scale, zero_point = _torch_ao_scales(state.min_val, state.max_val)
+    assert torch.equal(qparams.scale, scale) and torch.equal(qparams.zero_point.long(), zero_point)
+    copy = type(state)(*(t.clone() for t in state))
+    again = qstats.stacked_qparams(copy, spec) if form == "stacked" else (
+        torch.vmap(lambda s: qstats.compute_qparams(s, spec))(copy) if form == "vmap" else qstats.compute_qparams(copy, spec)
+    )
+    for name in qstats.QParams._fields:
+        assert bit_equal(getattr(qparams, name), getattr(again, name)), name

@@ -268,14 +268,16 @@ def observe_extremes_stacked(x: torch.Tensor, weight, spec: QuantSpec, expected_
     return finite_aminmax(stacked_view(x, spec.granularity), None, spec.nonfinite, int_counts=True)
 
 
-def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str, scales=None):
+def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str, scales=None, forget=False):
     """The whole update of a min/max state by an unweighted batch in one native pass
     (`qstats._native.update_extremes`: the reduction, the merge with the state and the counts;
     per tensor, per channel, group or token, plain or stacked), for plain eager CPU tensors and
     under a single ``vmap``; None where it does not apply or the batch holds a value that is not
     finite (the caller then takes the full path, which also applies ``nonfinite="raise"``).
     ``scales``: `native_scales` of the spec (the pass then computes the scales that
-    ``compute_qparams``, or ``stacked_qparams`` for a stack, takes from it), or None."""
+    ``compute_qparams``, or ``stacked_qparams`` for a stack, takes from it), or None.
+    ``forget``: the batch's own extremes and counts, the state's values unread (``memoryless_minmax``;
+    per channel, group or token only), where its fields are float32 extremes and int64 counts."""
     if type(x) is torch.nn.Parameter:
         x = x.detach()  # a module's weight observed directly: its values, as the full path reads them
     if (
@@ -294,7 +296,7 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str,
     ones = ()  # the global scale's shape (a stack's: one per slice)
     if observe is observe_extremes:
         if not plain:
-            return _vmapped_update(state, x, spec, where, scales and (scales, ones, spec))
+            return _vmapped_update(state, x, spec, where, scales and (scales, ones, spec), forget)
         view = checked_view(x, spec.granularity, state.min_val.shape, where)
     elif observe is observe_extremes_stacked:
         _check_stack(x, spec, state.min_val.shape, where)
@@ -303,16 +305,16 @@ def _native_update(observe, state, x: torch.Tensor, spec: QuantSpec, where: str,
     else:
         return None
     if plain:
-        return _native.update_extremes(view, *state, scales=scales and (scales, ones, spec))
+        return _native.update_extremes(view, *state, scales=scales and (scales, ones, spec), forget=forget)
     # a stacked observer under vmap: the batch of the view inside its parameter dims (the slices
     # side by side), the state's fields dense
     if not torch._C._functorch.is_batchedtensor(view):
         return None
     slices = _native.vmap_slices((view, *state), batch_dims=(1, 0, 0, 0, 0), repeat_shared=False)
-    return _update_slices(slices, lambda stack: stack)
+    return _update_slices(slices, lambda stack: stack, forget=forget)
 
 
-def _vmapped_update(state, x: torch.Tensor, spec: QuantSpec, where: str, scales=None):
+def _vmapped_update(state, x: torch.Tensor, spec: QuantSpec, where: str, scales=None, forget=False):
     """`_native_update` under a single ``vmap``: every slice in one pass. ``x`` is unwrapped
     first and its slices viewed as a stack (`stacked_view`, which equals the batched
     `canonical_view`), so that no view op runs through a batching rule; a state shared by every
@@ -322,10 +324,10 @@ def _vmapped_update(state, x: torch.Tensor, spec: QuantSpec, where: str, scales=
     check_observable(x, where)
     check_shape(x.shape, spec.granularity, state.min_val.shape, where)
     slices = _native.vmap_slices((x, *state), repeat_shared=False)
-    return _update_slices(slices, lambda stack: stacked_view(stack, spec.granularity), scales)
+    return _update_slices(slices, lambda stack: stacked_view(stack, spec.granularity), scales, forget)
 
 
-def _update_slices(slices, view_of, scales=None):
+def _update_slices(slices, view_of, scales=None, forget=False):
     """`_native.update_extremes` of every slice from `_native.vmap_slices`' ``(level, (stack,
     *fields))``, ``view_of(stack)`` the stacked canonical view (copied where not contiguous, as
     one slice's view would be under vmap), rebatched (before the pass); None where it does not
@@ -336,7 +338,8 @@ def _update_slices(slices, view_of, scales=None):
     if len({tuple(t.shape) for t in fields}) != 1:
         return None  # some fields per slice, some shared
     return _native.update_extremes(
-        view_of(stack).contiguous(), *fields, wrap=lambda out: _native.rebatch(out, level), scales=scales
+        view_of(stack).contiguous(), *fields, wrap=lambda out: _native.rebatch(out, level), scales=scales,
+        forget=forget,
     )
 
 
@@ -418,12 +421,17 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
     spec = _check_spec(spec)
 
     init_fn = _initializer(MemorylessMinMaxState, spec)
+    scales = native_scales(spec)
 
     def updater(observe):
         def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MemorylessMinMaxState:
             _check_extremes_state(state, MemorylessMinMaxState, "memoryless_minmax.update")
             if x.numel() == 0:
                 return state
+            if weight is None:  # every parameter reached: the batch's own statistics, in one pass
+                fused = _native_update(observe, state, x, spec, "memoryless_minmax.update", scales, forget=True)
+                if fused is not None:
+                    return MemorylessMinMaxState(*fused)
             lo, hi, count, nonfinite = observe(x, weight, spec, state.min_val.shape, "memoryless_minmax.update")
             every = isinstance(count, int)  # finite and unmasked: every parameter is reached
             count, nonfinite = (
