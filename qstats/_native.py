@@ -173,14 +173,16 @@ static inline float lanes_max(f16 v) { f8 a, b; halves(v, a, b); return lanes_ma
 #endif
 
 // The symmetric scales of n observed ranges, where every entry is valid (calibrated, when
-// given, with finite lo <= hi and a range that does not overflow): scale = clamp(max(-lo, hi) /
-// half_range, eps, cap) in float32 (eps > 0, so the sign of a zero peak never shows), the zero
-// point (int32 or float32) and calibrated (all true), written from entry `at` of the outputs.
+// given, with finite lo <= hi and a range that does not overflow): scale = min(max(-lo, hi) /
+// half_range, cap) in float32, then floored at eps (torch.ao; floor_at_eps) or eps where it is 0
+// (compressed-tensors) (eps > 0, so the sign of a zero peak never shows), the zero point (int32
+// or float32) and calibrated (all true), written from entry `at` of the outputs.
 // Returns 1 when some entry is not valid (the outputs are then meaningless: the caller takes the
 // full path). C: the calibrated mask's element type (unsigned char for a bool mask, int64_t for
 // counts: calibrated where positive), or void for none.
 struct Scales {
   float half_range, eps, cap;
+  int64_t floor_at_eps;
   float* scale;
   void* zero_point;
   int64_t zero_point_is_float, zero_point_value;
@@ -193,14 +195,16 @@ static int symmetric(const float* lo, const float* hi, const void* calibrated, i
   int bad = 0;  // no branch in the loop, and the numbers in locals (no aliasing): it vectorises
   float* scale = p->scale + at;
   const float half_range = p->half_range, eps = p->eps, cap = p->cap;
+  const int floor_at_eps = p->floor_at_eps != 0;
   for (int64_t i = 0; i < n; ++i) {
     const float span = hi[i] - lo[i];
     bad |= ((int)(span >= 0.0f) & (int)(span <= FLT_MAX)) ^ 1;
     if constexpr (!std::is_void<C>::value) bad |= ((const C*)calibrated)[i] <= 0;
     const float peak = -lo[i] > hi[i] ? -lo[i] : hi[i];
     float s = peak / half_range;
-    s = s < eps ? eps : s;
-    scale[i] = s > cap ? cap : s;
+    s = s > cap ? cap : s;  // eps <= cap: capping first is the same as flooring first
+    const float floored = s < eps ? eps : s, zero_to_eps = s == 0.0f ? eps : s;
+    scale[i] = floor_at_eps ? floored : zero_to_eps;
   }
   memset(p->calibrated + at, 1, (size_t)(n > 0 ? n : 0));
   if (p->zero_point_is_float) {
@@ -381,10 +385,11 @@ extern "C" int qstats_update_extremes(const void* x, int64_t kind, int64_t rows,
                                       const int64_t* state_count, const int64_t* state_nonfinite,
                                       float* lo, float* hi, int64_t* count, int64_t* nonfinite,
                                       int64_t state_rows, int64_t threads, float half_range, float eps,
-                                      float cap, float* scale, void* zero_point, int64_t zero_point_is_float,
-                                      int64_t zero_point_value, uint8_t* calibrated, float* ones,
-                                      int64_t n_ones) {
-  const Scales p = {half_range, eps, cap, scale, zero_point, zero_point_is_float, zero_point_value, calibrated};
+                                      float cap, int64_t floor_at_eps, float* scale, void* zero_point,
+                                      int64_t zero_point_is_float, int64_t zero_point_value, uint8_t* calibrated,
+                                      float* ones, int64_t n_ones) {
+  const Scales p = {half_range, eps, cap, floor_at_eps, scale, zero_point, zero_point_is_float, zero_point_value,
+                    calibrated};
   const State s = {state_lo, state_hi, state_count, state_nonfinite, count, nonfinite, state_rows,
                    scale ? &p : nullptr};
   for (int64_t i = 0; i < n_ones; ++i) ones[i] = 1.0f;
@@ -463,10 +468,11 @@ extern "C" int qstats_update_whole(const void* x, int64_t kind, int64_t n, const
 // calibrated_kind: 0 none, 1 a bool mask, 2 int64 counts; ones: n_ones global scales of 1
 extern "C" int qstats_symmetric_scales(const float* lo, const float* hi, const void* calibrated,
                                        int64_t calibrated_kind, int64_t n, float half_range, float eps,
-                                       float cap, float* scale, void* zero_point, int64_t zero_point_is_float,
-                                       int64_t zero_point_value, uint8_t* calibrated_out, float* ones,
-                                       int64_t n_ones) {
-  const Scales p = {half_range, eps, cap, scale, zero_point, zero_point_is_float, zero_point_value, calibrated_out};
+                                       float cap, int64_t floor_at_eps, float* scale, void* zero_point,
+                                       int64_t zero_point_is_float, int64_t zero_point_value,
+                                       uint8_t* calibrated_out, float* ones, int64_t n_ones) {
+  const Scales p = {half_range, eps, cap, floor_at_eps, scale, zero_point, zero_point_is_float, zero_point_value,
+                    calibrated_out};
   for (int64_t i = 0; i < n_ones; ++i) ones[i] = 1.0f;
   if (calibrated_kind == 1) return symmetric<unsigned char>(lo, hi, calibrated, n, &p, 0);
   if (calibrated_kind == 2) return symmetric<int64_t>(lo, hi, calibrated, n, &p, 0);
@@ -555,14 +561,15 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS):
                 update.restype = ctypes.c_int
                 update.argtypes = [
                     ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 8, *[ctypes.c_int64] * 2,
-                    *[ctypes.c_float] * 3, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 2,
-                    ctypes.c_int64,
+                    *[ctypes.c_float] * 3, ctypes.c_int64, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2,
+                    *[ctypes.c_void_p] * 2, ctypes.c_int64,
                 ]
                 scales = library.qstats_symmetric_scales
                 scales.restype = ctypes.c_int
                 scales.argtypes = [
-                    *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_float] * 3, *[ctypes.c_void_p] * 2,
-                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                    *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_float] * 3, ctypes.c_int64,
+                    *[ctypes.c_void_p] * 2, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_int64,
                 ]
                 whole = library.qstats_update_whole
                 whole.restype = ctypes.c_int
@@ -768,7 +775,7 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
     its result returned: after a large pass every cache is cold, and each call costs more.
 
     ``scales``: ``(numbers, ones_shape, spec)``, `symmetric_scales`' numbers ``(half_range, eps,
-    cap, zero_point, zero_point_dtype)`` for the observer's ``spec`` (`qstats._qparams.native_scales`:
+    cap, zero_point, zero_point_dtype, floor_at_eps)`` for the observer's ``spec`` (`qstats._qparams.native_scales`:
     an eps above 0 in float32, an int32 or float32 zero point) and the global scale's shape, or
     None. For rows of ``_SCALES_MIN_LENGTH`` values or more (a few bytes per row written:
     most updates' scales go unread) outside inference mode, the same pass then also maps the
@@ -800,7 +807,7 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
     ):
         scales = None
     if scales is None:
-        mapped, numbers = [], (0.0, 0.0, 0.0, None, None, 0, 0, None, None, 0)  # no scales
+        mapped, numbers = [], (0.0, 0.0, 0.0, 0, None, None, 0, 0, None, None, 0)  # no scales
     else:
         mapped, numbers = _scale_outputs(view, shape, scales[0], scales[1])  # plain, as out[0] is
     # one wrap for every output (the global scale stays as it is, unbatched under vmap)
@@ -878,11 +885,12 @@ def recall(min_val, max_val, count, ones_shape, numbers=None, spec=None):
 
 
 def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float, cap: float, zero_point: int,
-                     zero_point_dtype: torch.dtype, ones_shape=()):
+                     zero_point_dtype: torch.dtype, floor_at_eps: bool = True, ones_shape=()):
     """``(scale, zero_point, calibrated, ones)`` of a symmetric mapping over observed ranges, in
-    one pass: ``clamp(max(-min, max) / half_range, eps, cap)`` in float32 arithmetic
-    (``half_range``, ``eps`` and ``cap`` rounded to float32 first, as ATen rounds a scalar operand
-    of a float32 tensor), ``zero_point`` everywhere, every entry calibrated and float32 ones of
+    one pass: ``min(max(-min, max) / half_range, cap)`` in float32 arithmetic (``half_range``,
+    ``eps`` and ``cap`` rounded to float32 first, as ATen rounds a scalar operand of a float32
+    tensor), floored at ``eps`` (torch.ao; ``floor_at_eps``) or ``eps`` where it is 0
+    (compressed-tensors), ``zero_point`` everywhere, every entry calibrated and float32 ones of
     ``ones_shape`` (the global scale; written by the pass, so that every output comes from one
     kind of op call: after a large pass each new kind of call costs tens of microseconds); fresh
     tensors. ``calibrated``: a bool mask, int64 counts (calibrated where positive) or None.
@@ -905,7 +913,7 @@ def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float
         and _built()
     ):
         return None
-    numbers = (half_range, eps, cap, zero_point, zero_point_dtype)
+    numbers = (half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps)
     made = _scale_outputs(min_val, shape, numbers, ones_shape)
     if made is None:
         return None
@@ -921,17 +929,17 @@ def _scale_outputs(like: torch.Tensor, shape, numbers, ones_shape):
     """Fresh outputs of a symmetric scales pass, ``[scale, zero_point, calibrated, ones]``
     (float32, the zero point's dtype and bool of ``shape``; float32 ones of ``ones_shape``, the
     global scale), made like ``like``, and the kernel's arguments for ``numbers``
-    (`symmetric_scales`' ``(half_range, eps, cap, zero_point, zero_point_dtype)``) and these
+    (`symmetric_scales`' ``(half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps)``) and these
     outputs, in the order both of its entry points take them (the C struct ``Scales``). None where
     a transform (grad, jvp) wraps what is made under it: no memory to write."""
-    half_range, eps, cap, zero_point, zero_point_dtype = numbers
+    half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps = numbers
     outputs = [like.new_empty(shape, dtype=dtype) for dtype in (torch.float32, zero_point_dtype, torch.bool)]
     if torch._C._functorch.is_functorch_wrapped_tensor(outputs[0]):
         return None
     outputs.append(like.new_empty(ones_shape, dtype=torch.float32))
     scale, zero_points, calibrated, ones = outputs
     return outputs, (
-        half_range, eps, cap, scale.data_ptr(), zero_points.data_ptr(), int(zero_point_dtype == torch.float32),
+        half_range, eps, cap, int(floor_at_eps), scale.data_ptr(), zero_points.data_ptr(), int(zero_point_dtype == torch.float32),
         zero_point, calibrated.data_ptr(), ones.data_ptr(), ones.numel(),
     )
 

@@ -270,7 +270,7 @@ class _SymmetricPlan(NamedTuple):
     # float32(half float32 max) / half_range in float32 arithmetic: the largest scale, and None
     # where the float32 eps exceeds it (then the floor must come after the cap, in two ops)
     scale_cap: float | None = None
-    # (half_range, eps, scale_cap, zero_point, zero_point_dtype), the numbers of the native pass
+    # (half_range, eps, scale_cap, zero_point, zero_point_dtype, floor_at_eps), the numbers of the native pass
     # (`qstats._native.symmetric_scales`, or an update's own: `native_scales`) where it computes
     # this spec's scales; None where it does not
     native: tuple | None = None
@@ -288,9 +288,7 @@ def _symmetric_plan(spec: QuantSpec):
         zero_point = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
         half_range = float(qmax - qmin) / 2
         cap = _scale_cap(half_range, spec.eps)
-        native = (half_range, spec.eps, cap, zero_point, torch.int32)
-        if cap is None or spec.scale_dtype != "float32" or not spec.eps > 2.0**-150:
-            native = None  # the pass caps, and floors at an eps above 0 in float32, in float32 scales
+        native = _native_numbers(half_range, spec.eps, cap, zero_point, torch.int32, True, spec.scale_dtype)
         return _SymmetricPlan(half_range, spec.eps, True, zero_point, torch.int32, True, cap, native)
     if (
         spec.convention == "compressed_tensors"
@@ -303,8 +301,19 @@ def _symmetric_plan(spec: QuantSpec):
         low, high = _bit_range(spec, "cpu")
         half_range = float((high - low).to(torch.float32) / 2)
         zero_point_dtype = torch.float32 if spec.is_float else torch.int32
-        return _SymmetricPlan(half_range, _scale_eps(spec, torch.float32), False, 0, zero_point_dtype, False)
+        eps = _scale_eps(spec, torch.float32)
+        # the cap: only for the native pass (the general path clamps the peak, the same number)
+        native = _native_numbers(half_range, eps, _scale_cap(half_range, eps), 0, zero_point_dtype, False, "float32")
+        return _SymmetricPlan(half_range, eps, False, 0, zero_point_dtype, False, None, native)
     return None
+
+
+def _native_numbers(half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps, scale_dtype):
+    """`_SymmetricPlan.native`, or None where the pass cannot compute the spec's scales: it caps,
+    then floors at (or replaces a zero by) an eps above 0 in float32, in float32 scales."""
+    if cap is None or scale_dtype != "float32" or not eps > 2.0**-150:
+        return None
+    return (half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps)
 
 
 def _scale_cap(half_range: float, eps: float) -> float | None:

@@ -206,15 +206,20 @@ def test_another_compiler_builds_the_same_kernel(compiler, monkeypatch, tmp_path
             state = (lo - 1.0, hi * 0.5, torch.full((rows,), 7), torch.full((rows,), 2))
             out = (torch.empty(rows), torch.empty(rows), torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.int64))
             ptrs = [t.data_ptr() for t in (*state, *out)]
-            no_scales = (0.0, 0.0, 0.0, None, None, 0, 0, None, None, 0)
+            no_scales = (0.0, 0.0, 0.0, 0, None, None, 0, 0, None, None, 0)
             assert update(view.data_ptr(), _native._KINDS[dtype], rows, length, *ptrs, rows, 2, *no_scales) == 0
             assert torch.equal(out[0], state[0]) and torch.equal(out[1], torch.maximum(hi, state[1]))
             assert torch.equal(out[2], state[2] + length) and torch.equal(out[3], state[3])
+            # no state (memoryless): the rows' own extremes and counts
+            forget = (None,) * 4 + tuple(ptrs[4:])
+            assert update(view.data_ptr(), _native._KINDS[dtype], rows, length, *forget, rows, 2, *no_scales) == 0
+            assert torch.equal(out[0], lo) and torch.equal(out[1], hi)
+            assert (out[2] == length).all() and not out[3].any()
             # with the merged ranges' symmetric scales (int8 per channel), against torch.ao's
             mapped = (torch.empty(rows), torch.empty(rows, dtype=torch.int32), torch.empty(rows, dtype=torch.bool))
             ones = torch.zeros(2)
             eps = float(torch.finfo(torch.float32).eps)
-            numbers = (127.5, eps, 3.0e38, *(t.data_ptr() for t in mapped[:2]), 0, 0, mapped[2].data_ptr(), ones.data_ptr(), 2)
+            numbers = (127.5, eps, 3.0e38, 1, *(t.data_ptr() for t in mapped[:2]), 0, 0, mapped[2].data_ptr(), ones.data_ptr(), 2)
             assert update(view.data_ptr(), _native._KINDS[dtype], rows, length, *ptrs, rows, 2, *numbers) == 0
             reference = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
             reference.min_val, reference.max_val = out[0].clone(), out[1].clone()
@@ -233,7 +238,7 @@ def test_another_compiler_builds_the_same_kernel(compiler, monkeypatch, tmp_path
     lo, hi = x.amin(-1), x.amax(-1)
     scale, zero_point, calibrated = torch.empty(64), torch.empty(64, dtype=torch.int32), torch.empty(64, dtype=torch.bool)
     eps = float(torch.finfo(torch.float32).eps)
-    args = (lo.data_ptr(), hi.data_ptr(), None, 0, 64, 127.5, eps, 3.0e38, scale.data_ptr(), zero_point.data_ptr(), 0, 0)
+    args = (lo.data_ptr(), hi.data_ptr(), None, 0, 64, 127.5, eps, 3.0e38, 1, scale.data_ptr(), zero_point.data_ptr(), 0, 0)
     ones = torch.zeros(3)
     assert scales(*args, calibrated.data_ptr(), ones.data_ptr(), 3) == 0
     assert torch.equal(scale, observer.calculate_qparams()[0]) and not zero_point.any() and calibrated.all()
@@ -1062,10 +1067,12 @@ def test_memoryless_fused_update_with_a_nonfinite_value_takes_the_full_path(kern
     ],
     ids=lambda a: f"int{a['num_bits']}-{'sym' if a['symmetric'] else 'asym'}-{a['strategy']}",
 )
-def test_memoryless_fused_update_equals_llm_compressor(form, weight_dtype, args, kernel_calls):
+def test_memoryless_fused_update_equals_llm_compressor(form, weight_dtype, args, kernel_calls, recalls):
     """Large weights (the fused path) through qstats.memoryless_minmax, as one weight, under vmap
     and as a stack, against llm-compressor's memoryless_minmax weight observer and
-    compressed-tensors' calculate_qparams, expert by expert: the same scales and zero points."""
+    compressed-tensors' calculate_qparams, expert by expert: the same scales and zero points.
+    compressed-tensors' symmetric mapping in float32 on rows of 256 values or more takes the
+    scales the update's pass computed (compute_qparams makes no pass of its own)."""
     llmc_observers = pytest.importorskip("llmcompressor.observers")
     from compressed_tensors.quantization import QuantizationArgs
 
@@ -1084,6 +1091,10 @@ def test_memoryless_fused_update_equals_llm_compressor(form, weight_dtype, args,
         out = qstats.stacked_qparams(stacked.update(stacked.init(experts), experts), spec)
         qparams = [type(out)(*(t[e] for t in out)) for e in range(3)]
     assert kernel_calls and all(call == ("update", True) for call in kernel_calls)
+    if args.symmetric and args.strategy == "channel" and weight_dtype == torch.float32:
+        assert recalls == [True] * (3 if form == "plain" else 1)
+    else:  # bfloat16 arithmetic, asymmetric, or rows of 128: compute_qparams' own path
+        assert not any(recalls)
     for e, qp in enumerate(qparams):
         reference = llmc_observers.Observer.load_from_registry("memoryless_minmax", base_name="weight", args=args)
         reference(experts[e])

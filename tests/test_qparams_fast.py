@@ -192,8 +192,14 @@ def test_every_entry_valid_short_cut_equals_general_path(native, spec_index, pai
     spread_finite = bool(torch.isfinite(max_val - min_val).all())
     expected = plan.scale_cap is not None and spread_finite and calibrated_kind != "some"
     # the native pass applies to float32 scales (no rounding to another dtype) of every such
-    # spec, where the kernel is built
-    native_taken = native and expected and spec.scale_dtype == "float32" and _native.available()
+    # spec, and of compressed-tensors' (which replace a zero scale by eps instead of flooring at
+    # it, and have no ATen short cut), where the kernel is built
+    native_taken = (
+        native and plan.native is not None and spread_finite and calibrated_kind != "some" and _native.available()
+    )
+    assert (plan.native is not None) == (
+        spec.scale_dtype == "float32" and (plan.scale_cap is not None or spec.convention == "compressed_tensors")
+    )
     assert (True in taken) == native_taken, (taken, spec, min_val, max_val)
     # the short cut is taken exactly where it applies (eps above the cap, an overflowing spread
     # or an uncalibrated entry send it to the general test)
