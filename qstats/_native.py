@@ -11,7 +11,8 @@ float16 CPU inputs with one observation, some parameter dims and groups of 16 va
 value that is not finite or any range that overflows (the caller then takes the full path).
 `update_extremes` is the same pass merged into a min/max state with its counts: the whole eager
 ``minmax.update`` of an unweighted batch (per tensor, plain or stacked) in one read of the data
-(``memoryless_minmax.update`` too, the state's values unread).
+(``memoryless_minmax.update`` too, the state's values unread); `whole_extremes` is the per-tensor
+reduction of every other observer (the same rows over the threads, then the rest).
 `symmetric_scales` maps observed ranges onto symmetric scales in one pass (the eager
 `compute_qparams` of torch.ao's symmetric specs where every entry is valid: after a large update
 has evicted every cache, each ATen op call costs tens of microseconds); `update_extremes` can map
@@ -52,7 +53,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 from torch.utils import _python_dispatch
 
-__all__ = ["applies", "available", "row_extremes", "symmetric_scales", "update_extremes"]
+__all__ = ["applies", "available", "row_extremes", "symmetric_scales", "update_extremes", "whole_extremes"]
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -463,6 +464,15 @@ extern "C" int qstats_update_whole(const void* x, int64_t kind, int64_t n, const
   return 0;
 }
 
+// Both extremes of all n values of x (contiguous) in one pass (see whole): lo[0] and hi[0].
+// Returns 1 when flagged (as whole), -1 for an unknown kind.
+extern "C" int qstats_whole_extremes(const void* x, int64_t kind, int64_t n, int64_t threads, float* lo, float* hi) {
+  if (kind == 0) return whole<F32>(x, n, threads, lo, hi);
+  if (kind == 1) return whole<BF16>(x, n, threads, lo, hi);
+  if (kind == 2) return whole<F16>(x, n, threads, lo, hi);
+  return -1;
+}
+
 // The symmetric scales of n observed ranges in one pass (see symmetric); returns 1, the outputs
 // meaningless, when some entry is not valid: the caller takes the full path.
 // calibrated_kind: 0 none, 1 a bool mask, 2 int64 counts; ones: n_ones global scales of 1
@@ -576,7 +586,10 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS):
                 whole.argtypes = [
                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 8, ctypes.c_int64,
                 ]
-                return extremes, update, scales, whole
+                whole_extremes = library.qstats_whole_extremes
+                whole_extremes.restype = ctypes.c_int
+                whole_extremes.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 2]
+                return extremes, update, scales, whole, whole_extremes
     return False
 
 
@@ -729,6 +742,22 @@ def row_extremes(view: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tenso
     bad = _kernel()[0](
         view.data_ptr(), _KINDS[view.dtype], view.numel() // length, length, lo.data_ptr(), hi.data_ptr(), _threads(view)
     )
+    if bad < 0:
+        raise AssertionError(f"qstats: the native kernel does not know dtype {view.dtype}")
+    return lo, hi, not bad
+
+
+def whole_extremes(view: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """Min and max of every value of a view ``(1, N)`` in one pass, as 0-dim float32 tensors,
+    with ``True`` when every value and the range are finite (the per-tensor reduction: ATen's
+    ``aminmax`` over all values is slower than the row pass, which reads rows of 4096 values side
+    by side over the threads). None where the kernel does not read the view (`_readable`) or where
+    this machine has no kernel."""
+    if not _readable(view):
+        return None
+    lo = view.new_empty((), dtype=torch.float32)
+    hi = view.new_empty((), dtype=torch.float32)
+    bad = _kernel()[4](view.data_ptr(), _KINDS[view.dtype], view.numel(), _threads(view), lo.data_ptr(), hi.data_ptr())
     if bad < 0:
         raise AssertionError(f"qstats: the native kernel does not know dtype {view.dtype}")
     return lo, hi, not bad

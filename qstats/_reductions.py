@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from . import _native
-from ._native import row_extremes
+from ._native import row_extremes, whole_extremes
 
 __all__ = ["finite_aminmax"]
 
@@ -78,9 +78,14 @@ def _finite_aminmax_impl(view: torch.Tensor, mask: Optional[torch.Tensor], polic
     if mask is None and view.device.type == "cpu":
         if math.prod(out_shape) == 1:
             # one parameter: a full reduction, both extremes in one pass over memory (two passes
-            # cost twice as much once the tensor does not stay in cache)
-            lo, hi = (t.reshape(out_shape) for t in torch.aminmax(view.reshape(-1)))
-            finite = None
+            # cost twice as much once the tensor does not stay in cache): the native whole pass
+            # where it applies (about half of aminmax's time), else aminmax
+            native = whole_extremes(view)
+            if native is not None:
+                lo, hi, finite = native[0].reshape(out_shape), native[1].reshape(out_shape), native[2]
+            else:
+                lo, hi = (t.reshape(out_shape) for t in torch.aminmax(view.reshape(-1)))
+                finite = None
         else:  # one native pass where it applies; ATen's per-row aminmax is far slower than two
             native = row_extremes(view)
             if native is not None:

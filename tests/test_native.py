@@ -193,7 +193,7 @@ def test_another_compiler_builds_the_same_kernel(compiler, monkeypatch, tmp_path
     monkeypatch.setattr(_native, "_compilers", lambda: [[shutil.which(compiler)]])  # and no other
     built = _native._compile_and_load(str(tmp_path))
     assert built, f"{compiler} did not build the kernel"
-    extremes, update, scales, whole = built
+    extremes, update, scales, whole, whole_extremes = built
     g = torch.Generator().manual_seed(4)
     for dtype in DTYPES:
         for length in (16, 33, 256):
@@ -231,6 +231,8 @@ def test_another_compiler_builds_the_same_kernel(compiler, monkeypatch, tmp_path
             n = view.numel()
             assert whole(view.data_ptr(), _native._KINDS[dtype], n, *(t.data_ptr() for t in (*fields, *outs)), 1) == 0
             assert float(outs[0]) == float(view.amin()) and float(outs[1]) == float(view.amax()) and int(outs[2]) == n
+            assert whole_extremes(view.data_ptr(), _native._KINDS[dtype], n, 2, outs[0].data_ptr(), outs[1].data_ptr()) == 0
+            assert float(outs[0]) == float(view.amin()) and float(outs[1]) == float(view.amax())
     # the symmetric scales of a range against torch.ao
     x = torch.randn(64, 300, generator=g)
     observer = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
@@ -1129,3 +1131,86 @@ def test_memoryless_update_pass_gives_compute_qparams_its_scales(form, recalls):
     )
     for name in qstats.QParams._fields:
         assert bit_equal(getattr(qparams, name), getattr(again, name)), name
+
+
+# --------------------------------------------------------------------------------------------
+# the per-tensor reduction of every observer (finite_aminmax over one parameter): the whole pass
+
+
+@pytest.mark.parametrize("size", [1 << 16, (1 << 20) + 4096 * 3 + 17, 4096 * 37 + 5], ids=["64K", "1M+", "rows+tail"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_whole_extremes_equal_aten(size, threads, dtype):
+    g = torch.Generator().manual_seed(size % 1000)
+    view = (torch.randn(1, size, generator=g) * 7).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lo, hi, finite = _native.whole_extremes(view)
+    finally:
+        torch.set_num_threads(before)
+    assert finite and lo.dtype == hi.dtype == torch.float32 and lo.shape == hi.shape == ()
+    assert torch.equal(lo, view.amin().float()) and torch.equal(hi, view.amax().float())
+    for where in (0, size // 2, size - 1):
+        for value in (float("nan"), float("inf")):
+            dirty = view.clone()
+            dirty[0, where] = value
+            assert _native.whole_extremes(dirty)[2] is False
+    assert _native.whole_extremes(view[:, :100]) is None  # too small: aminmax
+    assert _native.whole_extremes(view.expand(2, size)) is None  # two observations
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_tensor_moving_average_takes_the_whole_pass_and_equals_torch_ao(dtype, monkeypatch):
+    """moving_average_minmax per tensor on large batches (the whole pass instead of aminmax)
+    against torch.ao's MovingAverageMinMaxObserver, bit for bit over four observations; a NaN
+    in a batch takes the full path, which ignores and counts it."""
+    from torch.ao.quantization import MovingAverageMinMaxObserver
+
+    taken = record_taken(monkeypatch, _reductions, "whole_extremes")
+    g = torch.Generator().manual_seed(41)
+    batches = [(torch.randn(512, 384, generator=g) * s + s / 3).to(dtype) for s in (1.0, 4.0, 0.25, 2.0)]
+    spec = qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_affine)
+    obs = qstats.moving_average_minmax(spec, averaging_constant=0.1)
+    reference = MovingAverageMinMaxObserver(averaging_constant=0.1, dtype=torch.quint8)
+    state = obs.init(batches[0])
+    for batch in batches:
+        state = obs.update(state, batch)
+        reference(batch.float())
+    assert taken == [True] * 4
+    assert torch.equal(state.min_val, reference.min_val) and torch.equal(state.max_val, reference.max_val)
+    qp = qstats.compute_qparams(state, spec)
+    scale, zero_point = reference.calculate_qparams()
+    assert torch.equal(qp.scale.reshape(1), scale) and torch.equal(qp.zero_point.reshape(1).long(), zero_point)
+    dirty = batches[1].clone()
+    dirty[3, 5] = float("nan")
+    new = obs.update(state, dirty)
+    assert taken[-1] and int(new.nonfinite) == int(state.nonfinite) + 1
+    monkeypatch.setattr(_reductions, "whole_extremes", lambda view: None)  # aminmax
+    again = obs.init(batches[0])
+    for batch in batches:
+        again = obs.update(again, batch)
+    _fields_bit_equal(state, again)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_per_tensor_memoryless_takes_the_whole_pass_and_equals_llm_compressor(weight_dtype, symmetric, monkeypatch):
+    """memoryless_minmax per tensor on a large weight through the whole pass, against
+    llm-compressor's memoryless_minmax weight observer (tensor strategy)."""
+    llmc_observers = pytest.importorskip("llmcompressor.observers")
+    from compressed_tensors.quantization import QuantizationArgs
+
+    taken = record_taken(monkeypatch, _reductions, "whole_extremes")
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=symmetric, strategy="tensor")
+    g = torch.Generator().manual_seed(42)
+    weight = (torch.randn(1024, 512, generator=g) * 0.05 + 0.01).to(weight_dtype)
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=weight_dtype)
+    obs = qstats.memoryless_minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(weight), weight), spec)
+    assert taken == [True]
+    reference = llmc_observers.Observer.load_from_registry("memoryless_minmax", base_name="weight", args=args)
+    reference(weight)
+    theirs = reference.get_qparams()
+    assert torch.equal(qp.scale.reshape(1), theirs["scale"].float().reshape(1))
+    assert torch.equal(qp.zero_point.float().reshape(1), theirs["zero_point"].float().reshape(1))
