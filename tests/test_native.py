@@ -2,6 +2,7 @@
 the min/max observers on tensors large enough to take it against an independent computation
 (torch.ao's observers where the data is finite; masked ATen reductions where it is not)."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -14,6 +15,18 @@ from _shared import bit_equal, record_taken
 
 import qstats
 from qstats import _native, _reductions
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to ``n`` for the block (the kernel splits rows over it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
 
 pytestmark = pytest.mark.skipif(not _native._kernel(), reason="no C++ compiler: the native kernel is not built")
 
@@ -58,12 +71,8 @@ def _view(rows, length, generator, dtype=torch.float32):
 def test_row_extremes_equal_aten(length, threads, dtype):
     g = torch.Generator().manual_seed(length)
     view = _view(7, length, g, dtype)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         lo, hi, finite = _native.row_extremes(view)
-    finally:
-        torch.set_num_threads(before)
     assert finite and lo.dtype == hi.dtype == torch.float32
     assert torch.equal(lo, view[0].amin(-1).float()) and torch.equal(hi, view[0].amax(-1).float())
 
@@ -102,9 +111,7 @@ def test_rows_beside_the_streams_equal_aten(rows, threads):
     take the one-row path; every row is exact and a non-finite value in any of them is flagged."""
     g = torch.Generator().manual_seed(rows)
     view = _view(rows, 48, g)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         lo, hi, finite = _native.row_extremes(view)
         assert finite
         assert torch.equal(lo, view[0].amin(-1)) and torch.equal(hi, view[0].amax(-1))
@@ -112,8 +119,6 @@ def test_rows_beside_the_streams_equal_aten(rows, threads):
             dirty = view.clone()
             dirty[0, row, 40] = float("nan")
             assert _native.row_extremes(dirty)[2] is False, row
-    finally:
-        torch.set_num_threads(before)
 
 
 def _x86_vector_widths():
@@ -281,13 +286,9 @@ def test_large_per_channel_update_matches_torch_ao(name, threads, input_dtype, k
     g = torch.Generator().manual_seed(3)
     w1, w2 = (torch.randn(2, 1024, 300, generator=g) * torch.rand(1024, 1, generator=g) * 4).to(input_dtype)
     reference = PerChannelMinMaxObserver(ch_axis=0, dtype=dtype, qscheme=qscheme)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         obs = qstats.minmax(spec)
         state = obs.update(obs.update(obs.init(w1), w1), w2)
-    finally:
-        torch.set_num_threads(before)
     assert kernel_calls == [("update", True)] * 2
     reference(w1.float())
     reference(w2.float())
@@ -352,9 +353,7 @@ def test_a_forked_child_computes_without_the_parents_thread_pool():
     parent used it, a forked child takes one thread and finishes."""
     import multiprocessing
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         view = torch.rand(1, 4096, 256) * 2 - 1
         assert _native.row_extremes(view)[2]  # the parent's pool is in use
         context = multiprocessing.get_context("fork")
@@ -367,8 +366,6 @@ def test_a_forked_child_computes_without_the_parents_thread_pool():
             child.kill()
         assert not alive, "the forked child hung"
         assert queue.get(timeout=5) == (True, True)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -436,9 +433,7 @@ def test_fused_per_tensor_update_equals_torch_ao(size, threads, dtype, kernel_ca
     batches = [(torch.randn(size, generator=g) * scale).to(dtype) for scale in (1.0, 3.0, 0.5)]
     obs = qstats.minmax(qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_tensor_symmetric))
     reference = MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         state = obs.init(batches[0])
         for batch in batches:
             state = obs.update(state, batch)
@@ -461,8 +456,6 @@ def test_fused_per_tensor_update_equals_torch_ao(size, threads, dtype, kernel_ca
             for batch in batches:
                 full = obs.update(full, batch)
         _fields_bit_equal(state, full)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_fused_update_leaves_other_states_to_the_full_path(kernel_calls):
@@ -1143,12 +1136,8 @@ def test_memoryless_update_pass_gives_compute_qparams_its_scales(form, recalls):
 def test_whole_extremes_equal_aten(size, threads, dtype):
     g = torch.Generator().manual_seed(size % 1000)
     view = (torch.randn(1, size, generator=g) * 7).to(dtype)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         lo, hi, finite = _native.whole_extremes(view)
-    finally:
-        torch.set_num_threads(before)
     assert finite and lo.dtype == hi.dtype == torch.float32 and lo.shape == hi.shape == ()
     assert torch.equal(lo, view.amin().float()) and torch.equal(hi, view.amax().float())
     for where in (0, size // 2, size - 1):
