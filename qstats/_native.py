@@ -12,8 +12,8 @@ value that is not finite or any range that overflows (the caller then takes the 
 `update_extremes` is the same pass merged into a min/max state with its counts: the whole eager
 ``minmax.update`` of an unweighted batch (per tensor, plain or stacked) in one read of the data
 (``memoryless_minmax.update`` too, the state's values unread); `whole_extremes` is the per-tensor
-reduction of `finite_aminmax` (the other min/max observers, `mse`: the same rows over the threads,
-then the rest).
+reduction of `finite_aminmax` (the other min/max observers, `mse`) and of the histogram's extremes
+(the same rows over the threads, then the rest).
 `symmetric_scales` maps observed ranges onto symmetric scales in one pass (the eager
 `compute_qparams` of torch.ao's symmetric specs where every entry is valid: after a large update
 has evicted every cache, each ATen op call costs tens of microseconds); `update_extremes` can map

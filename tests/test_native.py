@@ -1203,3 +1203,28 @@ def test_per_tensor_memoryless_takes_the_whole_pass_and_equals_llm_compressor(we
     theirs = reference.get_qparams()
     assert torch.equal(qp.scale.reshape(1), theirs["scale"].float().reshape(1))
     assert torch.equal(qp.zero_point.float().reshape(1), theirs["zero_point"].float().reshape(1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_tensor_histogram_extremes_take_the_whole_pass(dtype, monkeypatch):
+    """The histogram observer's per-tensor extremes (beside its bucket counts) through the whole
+    pass, against torch.ao's HistogramObserver's min_val / max_val over three batches; with a
+    NaN, the finite values' extremes (the pass flags it: aminmax over the finite values)."""
+    from torch.ao.quantization import HistogramObserver
+
+    taken = record_taken(monkeypatch, _native, "whole_extremes")
+    g = torch.Generator().manual_seed(43)
+    batches = [(torch.randn(512, 256, generator=g) * s).to(dtype) for s in (1.0, 3.0, 0.5)]
+    obs = qstats.histogram(qstats.QuantSpec(dtype="uint8", mapping="asymmetric"))
+    reference = HistogramObserver()
+    state = obs.init(batches[0])
+    for batch in batches:
+        state = obs.update(state, batch)
+        reference(batch.float())
+    assert taken and all(taken)
+    assert torch.equal(state.min_val, reference.min_val) and torch.equal(state.max_val, reference.max_val)
+    dirty = (torch.randn(512, 256, generator=g) * 9).to(dtype)
+    dirty[1, 2] = float("nan")
+    new = obs.update(obs.init(dirty), dirty)
+    finite = dirty[~dirty.isnan()].float()
+    assert torch.equal(new.min_val, finite.min()) and torch.equal(new.max_val, finite.max())

@@ -54,6 +54,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .. import _native
 from .._granularity import checked_view, qparam_shape, weight_view
 from .._formats import effective_scale, handles_qparams
 from .._qparams import Range, _is_traced, qparams_from_minmax, register_range_rule
@@ -175,7 +176,7 @@ def _bucket_count(view, mask, mantissa_bits: int, min_exponent: int, max_exponen
         counts = raw[..., : 2 * num_buckets].reshape(*params, 2, num_buckets).contiguous()  # as the fake kernel
         nonfinite = raw[..., 2 * num_buckets].clone()  # outputs of a custom op must not alias each other
     if extremes:
-        return (counts, nonfinite), *_aminmax(view)
+        return (counts, nonfinite), *_aminmax(view, native=True)
     return counts, nonfinite
 
 
@@ -210,10 +211,16 @@ def _bucket_vmap_rule(info, in_dims, view, mask, mantissa_bits, min_exponent, ma
 torch.library.register_vmap("qstats::float_bucket_counts", _bucket_vmap_rule)
 
 
-def _aminmax(x: torch.Tensor):
+def _aminmax(x: torch.Tensor, native: bool = False):
     """Min and max over dims (0, -1): one pass over a single parameter's values (torch.aminmax
-    over all dims; its per-dim form is slow on CPU), else amin and amax group dim first."""
+    over all dims; its per-dim form is slow on CPU), else amin and amax group dim first. With
+    ``native``, a single parameter's values take the kernel's whole pass where it reads them and
+    they are all finite (`qstats._native.whole_extremes`: about half of aminmax's time)."""
     if x[0, ..., 0].numel() == 1:
+        if native:
+            out = _native.whole_extremes(x)
+            if out is not None and out[2]:
+                return out[0].reshape(x.shape[1:-1]), out[1].reshape(x.shape[1:-1])
         lo, hi = torch.aminmax(x)
         return lo.reshape(x.shape[1:-1]), hi.reshape(x.shape[1:-1])
     return x.amin(-1).amin(0), x.amax(-1).amax(0)
