@@ -443,6 +443,15 @@ static int whole(const void* data, int64_t n, int64_t threads, float* m_out, flo
   return bad;
 }
 
+// Both extremes of all n values of x (contiguous) in one pass (see whole): lo[0] and hi[0].
+// Returns 1 when flagged (as whole), -1 for an unknown kind.
+extern "C" int qstats_whole_extremes(const void* x, int64_t kind, int64_t n, int64_t threads, float* lo, float* hi) {
+  if (kind == 0) return whole<F32>(x, n, threads, lo, hi);
+  if (kind == 1) return whole<BF16>(x, n, threads, lo, hi);
+  if (kind == 2) return whole<F16>(x, n, threads, lo, hi);
+  return -1;
+}
+
 // The whole update of a per-tensor min/max state (0-dim fields) by n values: the extremes merged
 // as torch.minimum / torch.maximum merge one element (the state's value on a tie; a NaN in the
 // state stays), the count plus n, the non-finite count kept. Returns 1 when flagged (as whole),
@@ -452,26 +461,13 @@ extern "C" int qstats_update_whole(const void* x, int64_t kind, int64_t n, const
                                    const int64_t* state_nonfinite, float* lo, float* hi, int64_t* count,
                                    int64_t* nonfinite, int64_t threads) {
   float m, M;
-  int bad;
-  if (kind == 0) bad = whole<F32>(x, n, threads, &m, &M);
-  else if (kind == 1) bad = whole<BF16>(x, n, threads, &m, &M);
-  else if (kind == 2) bad = whole<F16>(x, n, threads, &m, &M);
-  else return -1;
-  if (bad) return 1;
+  const int bad = qstats_whole_extremes(x, kind, n, threads, &m, &M);
+  if (bad) return bad;
   *lo = m < *state_lo ? m : *state_lo;
   *hi = M > *state_hi ? M : *state_hi;
   *count = *state_count + n;
   *nonfinite = *state_nonfinite;
   return 0;
-}
-
-// Both extremes of all n values of x (contiguous) in one pass (see whole): lo[0] and hi[0].
-// Returns 1 when flagged (as whole), -1 for an unknown kind.
-extern "C" int qstats_whole_extremes(const void* x, int64_t kind, int64_t n, int64_t threads, float* lo, float* hi) {
-  if (kind == 0) return whole<F32>(x, n, threads, lo, hi);
-  if (kind == 1) return whole<BF16>(x, n, threads, lo, hi);
-  if (kind == 2) return whole<F16>(x, n, threads, lo, hi);
-  return -1;
 }
 
 // The symmetric scales of n observed ranges in one pass (see symmetric); returns 1, the outputs
@@ -815,7 +811,7 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
 
     ``forget``: the view's own extremes and counts (``count`` its row length, ``nonfinite`` 0), the
     state's values unread (``memoryless_minmax``; the fields still say the shape and kinds of the
-    state). Not per tensor (None there: one ATen ``aminmax`` is one pass too).
+    state). Not per tensor (None there: the reduction's own `whole_extremes` is that one pass).
     """
     shape = tuple(view.shape[1:-1])
     fields = (lo, hi, count, nonfinite)
