@@ -65,7 +65,7 @@ def bare_pass_functions(experts: torch.Tensor, spec) -> dict:
     kernel = _native._kernel()[1]
     functorch = torch._C._functorch
     experts_n, channels, length = experts.shape
-    half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps = native_scales(spec)
+    half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps, round_to = native_scales(spec)
     state = (
         torch.full((channels,), torch.inf),
         torch.full((channels,), -torch.inf),
@@ -80,8 +80,8 @@ def bare_pass_functions(experts: torch.Tensor, spec) -> dict:
         pointers = [t.data_ptr() for t in outputs]
         bad = kernel(
             stack.data_ptr(), 0, experts_n * channels, length, *(t.data_ptr() for t in state), *pointers[:4],
-            channels, _native._threads(stack), half_range, eps, cap, int(floor_at_eps), pointers[4], pointers[5],
-            int(zero_point_dtype == torch.float32), zero_point, pointers[6], ones.data_ptr(), ones.numel(),
+            channels, _native._threads(stack), half_range, eps, cap, int(floor_at_eps), round_to, pointers[4],
+            pointers[5], int(zero_point_dtype == torch.float32), zero_point, pointers[6], ones.data_ptr(), ones.numel(),
         )
         assert bad == 0
         return outputs[4:], ones

@@ -23,11 +23,14 @@ tensor there and on a 4-D input one per ``(dim0, dim1)``, where qstats' `PerToke
 (compressed-tensors' 3-D ``(batch, seq, hidden)`` case, which qstats matches). NVFP4
 (``tensor_group``) and float 4-bit scales on bfloat16/float16 weights are reproduced: like
 compressed-tensors, qstats divides ``448 * 6 / amax``, ``amax / 6`` and ``x / scale`` in the
-weight's dtype (``compute_dtype``). Refused with ValueError: what compressed-tensors refuses when
-calculating (asymmetric float 4-bit), ``tensor_group`` other than float 4-bit elements with
-float8_e4m3fn scales (``scale_dtype=None`` keeps float32 block scales under a global scale sized
-for float8 ones), a float, unsigned or too narrow ``zp_dtype`` for asymmetric targets, and scale
-dtypes other than float32, bfloat16, float16, float8_e4m3fn and uint8 (MX).
+weight's dtype (``compute_dtype``). Where that half arithmetic overflows to an infinite scale in
+compressed-tensors (an asymmetric span wider than the dtype holds; float32 extremes past float16's
+range), qstats clips the range so that the scale is the largest finite one. Refused with
+ValueError: what compressed-tensors refuses when calculating (asymmetric float 4-bit),
+``tensor_group`` other than float 4-bit elements with float8_e4m3fn scales (``scale_dtype=None``
+keeps float32 block scales under a global scale sized for float8 ones), a float, unsigned or too
+narrow ``zp_dtype`` for asymmetric targets, and scale dtypes other than float32, bfloat16,
+float16, float8_e4m3fn and uint8 (MX).
 """
 
 from __future__ import annotations
@@ -212,18 +215,44 @@ def _scale_eps(spec, compute) -> float:
     return float(torch.finfo(compute).eps)
 
 
+def peak_limit(compute: torch.dtype, half_range: float) -> float:
+    """The largest peak (as a float32) whose symmetric scale ``peak / half_range`` stays finite in
+    ``compute`` (bfloat16/float16): the dtype's largest value (times ``half_range`` where that is
+    below 1), and at most half the float32 range, where every range is clipped first."""
+    limit = torch.finfo(compute).max * min(1.0, half_range)
+    return float(torch.tensor(min(limit, torch.finfo(torch.float32).max / 2), dtype=torch.float32))
+
+
 def compressed_tensors_qparams(min_val, max_val, spec):
     """``calculate_qparams`` on (float32) extremes, computed in ``spec.compute_dtype``: the dtype
     of the observed weight, which llm-compressor's observers keep (bfloat16 weights give bfloat16
     arithmetic and scales). Returns float32 scales holding the compute dtype's values and int32
-    (int targets) or float32 (float targets) zero points."""
+    (int targets) or float32 (float targets) zero points.
+
+    Where compressed-tensors' arithmetic in bfloat16/float16 would overflow to an infinite scale
+    (float32 extremes past float16's range, a symmetric peak or an asymmetric span wider than the
+    dtype holds), qstats clips the range so that the scale is the largest finite one instead; every
+    range whose compressed-tensors scale is finite maps as compressed-tensors maps it."""
     compute = getattr(torch, spec.compute_dtype)
+    bit_min, bit_max = _bit_range(spec, min_val.device)
+    bit_range = bit_max - bit_min
+    if compute != torch.float32:
+        if spec.mapping == "asymmetric":
+            limit = float(torch.tensor(torch.finfo(compute).max, dtype=torch.float32))
+        else:
+            limit = peak_limit(compute, float(bit_range.to(compute) / 2))
+        min_val = min_val.clamp(min=-limit)
+        max_val = max_val.clamp(max=limit)
     min_val = min_val.to(compute)
     max_val = max_val.to(compute)
     min_vals = torch.min(min_val, torch.zeros_like(min_val))
     max_vals = torch.max(max_val, torch.zeros_like(max_val))
-    bit_min, bit_max = _bit_range(spec, min_vals.device)
-    bit_range = bit_max - bit_min
+    if spec.mapping == "asymmetric" and compute != torch.float32:
+        # a span wider than the dtype holds: both ends clipped at half its largest value there
+        half = torch.finfo(compute).max / 2
+        wide = (max_vals - min_vals) == torch.inf
+        min_vals = torch.where(wide, min_vals.clamp(min=-half), min_vals)
+        max_vals = torch.where(wide, max_vals.clamp(max=half), max_vals)
     if spec.mapping == "asymmetric":
         scales = (max_vals - min_vals) / bit_range.to(compute)
         # bit_min is exact in every compute dtype; casting it keeps 0-dim (per-tensor) operands in

@@ -15,7 +15,8 @@ value that is not finite or any range that overflows (the caller then takes the 
 reduction of `finite_aminmax` (the other min/max observers, `mse`) and of the histogram's extremes
 (the same rows over the threads, then the rest).
 `symmetric_scales` maps observed ranges onto symmetric scales in one pass (the eager
-`compute_qparams` of torch.ao's symmetric specs where every entry is valid: after a large update
+`compute_qparams` of torch.ao's and compressed-tensors' symmetric specs, the latter in float32 or
+in a half weight's arithmetic, where every entry is valid: after a large update
 has evicted every cache, each ATen op call costs tens of microseconds); `update_extremes` can map
 its new ranges the same way in its own pass and keep the scales for the `compute_qparams` of
 that very state (`recall`).
@@ -178,18 +179,45 @@ static inline float lanes_max(f16 v) { f8 a, b; halves(v, a, b); return lanes_ma
 // given, with finite lo <= hi and a range that does not overflow): scale = min(max(-lo, hi) /
 // half_range, cap) in float32, then floored at eps (torch.ao; floor_at_eps) or eps where it is 0
 // (compressed-tensors) (eps > 0, so the sign of a zero peak never shows), the zero point (int32
-// or float32) and calibrated (all true), written from entry `at` of the outputs.
+// or float32) and calibrated (all true), written from entry `at` of the outputs. With
+// round_to (1 bfloat16, 2 float16: compressed-tensors computing in a half weight's dtype, as
+// ATen does for those dtypes: each operation in float32, its result rounded to nearest even),
+// the peak is capped at cap, rounded, divided by half_range and the quotient rounded; a zero
+// scale becomes eps, and an infinite rounded peak is not valid.
 // Returns 1 when some entry is not valid (the outputs are then meaningless: the caller takes the
 // full path). C: the calibrated mask's element type (unsigned char for a bool mask, int64_t for
 // counts: calibrated where positive), or void for none.
 struct Scales {
   float half_range, eps, cap;
-  int64_t floor_at_eps;
+  int64_t floor_at_eps, round_to;
   float* scale;
   void* zero_point;
   int64_t zero_point_is_float, zero_point_value;
   uint8_t* calibrated;
 };
+
+// x (not NaN) rounded to the nearest bfloat16, ties to even (c10::BFloat16's rounding)
+static inline float round_bf16(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// x (0 <= x <= 65504, or -0.0) rounded to the nearest float16 value, ties to even: adding
+// 2**(e + 13), e = x's exponent (at least float16's smallest normal one, -14), leaves the sum's
+// last place at float16's spacing 2**(e - 10) around x; subtracting it back is exact
+static inline float round_f16(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  int32_t e = (int32_t)((u >> 23) & 0xffu) - 127;
+  e = e < -14 ? -14 : e;
+  const uint32_t magic_bits = (uint32_t)(e + 13 + 127) << 23;
+  float magic;
+  memcpy(&magic, &magic_bits, sizeof magic);
+  return (x + magic) - magic;
+}
 
 template <class C>
 static int symmetric(const float* lo, const float* hi, const void* calibrated, int64_t n, const Scales* p,
@@ -198,15 +226,31 @@ static int symmetric(const float* lo, const float* hi, const void* calibrated, i
   float* scale = p->scale + at;
   const float half_range = p->half_range, eps = p->eps, cap = p->cap;
   const int floor_at_eps = p->floor_at_eps != 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float span = hi[i] - lo[i];
-    bad |= ((int)(span >= 0.0f) & (int)(span <= FLT_MAX)) ^ 1;
-    if constexpr (!std::is_void<C>::value) bad |= ((const C*)calibrated)[i] <= 0;
-    const float peak = -lo[i] > hi[i] ? -lo[i] : hi[i];
-    float s = peak / half_range;
-    s = s > cap ? cap : s;  // eps <= cap: capping first is the same as flooring first
-    const float floored = s < eps ? eps : s, zero_to_eps = s == 0.0f ? eps : s;
-    scale[i] = floor_at_eps ? floored : zero_to_eps;
+  if (p->round_to == 0) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float span = hi[i] - lo[i];
+      bad |= ((int)(span >= 0.0f) & (int)(span <= FLT_MAX)) ^ 1;
+      if constexpr (!std::is_void<C>::value) bad |= ((const C*)calibrated)[i] <= 0;
+      const float peak = -lo[i] > hi[i] ? -lo[i] : hi[i];
+      float s = peak / half_range;
+      s = s > cap ? cap : s;  // eps <= cap: capping first is the same as flooring first
+      const float floored = s < eps ? eps : s, zero_to_eps = s == 0.0f ? eps : s;
+      scale[i] = floor_at_eps ? floored : zero_to_eps;
+    }
+  } else {
+    const int bf16 = p->round_to == 1;
+    for (int64_t i = 0; i < n; ++i) {
+      const float span = hi[i] - lo[i];
+      bad |= ((int)(span >= 0.0f) & (int)(span <= FLT_MAX)) ^ 1;
+      if constexpr (!std::is_void<C>::value) bad |= ((const C*)calibrated)[i] <= 0;
+      float peak = -lo[i] > hi[i] ? -lo[i] : hi[i];
+      peak = peak > cap ? cap : peak;  // rounding is monotonic: the peak of the rounded extremes
+      peak = bf16 ? round_bf16(peak) : round_f16(peak);
+      bad |= !(peak <= FLT_MAX);
+      float s = peak / half_range;
+      s = bf16 ? round_bf16(s) : round_f16(s);
+      scale[i] = s == 0.0f ? eps : s;
+    }
   }
   memset(p->calibrated + at, 1, (size_t)(n > 0 ? n : 0));
   if (p->zero_point_is_float) {
@@ -387,11 +431,11 @@ extern "C" int qstats_update_extremes(const void* x, int64_t kind, int64_t rows,
                                       const int64_t* state_count, const int64_t* state_nonfinite,
                                       float* lo, float* hi, int64_t* count, int64_t* nonfinite,
                                       int64_t state_rows, int64_t threads, float half_range, float eps,
-                                      float cap, int64_t floor_at_eps, float* scale, void* zero_point,
-                                      int64_t zero_point_is_float, int64_t zero_point_value, uint8_t* calibrated,
-                                      float* ones, int64_t n_ones) {
-  const Scales p = {half_range, eps, cap, floor_at_eps, scale, zero_point, zero_point_is_float, zero_point_value,
-                    calibrated};
+                                      float cap, int64_t floor_at_eps, int64_t round_to, float* scale,
+                                      void* zero_point, int64_t zero_point_is_float, int64_t zero_point_value,
+                                      uint8_t* calibrated, float* ones, int64_t n_ones) {
+  const Scales p = {half_range, eps, cap, floor_at_eps, round_to, scale, zero_point, zero_point_is_float,
+                    zero_point_value, calibrated};
   const State s = {state_lo, state_hi, state_count, state_nonfinite, count, nonfinite, state_rows,
                    scale ? &p : nullptr};
   for (int64_t i = 0; i < n_ones; ++i) ones[i] = 1.0f;
@@ -475,11 +519,11 @@ extern "C" int qstats_update_whole(const void* x, int64_t kind, int64_t n, const
 // calibrated_kind: 0 none, 1 a bool mask, 2 int64 counts; ones: n_ones global scales of 1
 extern "C" int qstats_symmetric_scales(const float* lo, const float* hi, const void* calibrated,
                                        int64_t calibrated_kind, int64_t n, float half_range, float eps,
-                                       float cap, int64_t floor_at_eps, float* scale, void* zero_point,
-                                       int64_t zero_point_is_float, int64_t zero_point_value,
+                                       float cap, int64_t floor_at_eps, int64_t round_to, float* scale,
+                                       void* zero_point, int64_t zero_point_is_float, int64_t zero_point_value,
                                        uint8_t* calibrated_out, float* ones, int64_t n_ones) {
-  const Scales p = {half_range, eps, cap, floor_at_eps, scale, zero_point, zero_point_is_float, zero_point_value,
-                    calibrated_out};
+  const Scales p = {half_range, eps, cap, floor_at_eps, round_to, scale, zero_point, zero_point_is_float,
+                    zero_point_value, calibrated_out};
   for (int64_t i = 0; i < n_ones; ++i) ones[i] = 1.0f;
   if (calibrated_kind == 1) return symmetric<unsigned char>(lo, hi, calibrated, n, &p, 0);
   if (calibrated_kind == 2) return symmetric<int64_t>(lo, hi, calibrated, n, &p, 0);
@@ -568,13 +612,13 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS):
                 update.restype = ctypes.c_int
                 update.argtypes = [
                     ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 8, *[ctypes.c_int64] * 2,
-                    *[ctypes.c_float] * 3, ctypes.c_int64, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2,
+                    *[ctypes.c_float] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2,
                     *[ctypes.c_void_p] * 2, ctypes.c_int64,
                 ]
                 scales = library.qstats_symmetric_scales
                 scales.restype = ctypes.c_int
                 scales.argtypes = [
-                    *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_float] * 3, ctypes.c_int64,
+                    *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_float] * 3, *[ctypes.c_int64] * 2,
                     *[ctypes.c_void_p] * 2, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                     ctypes.c_int64,
                 ]
@@ -801,7 +845,7 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
     its result returned: after a large pass every cache is cold, and each call costs more.
 
     ``scales``: ``(numbers, ones_shape, spec)``, `symmetric_scales`' numbers ``(half_range, eps,
-    cap, zero_point, zero_point_dtype, floor_at_eps)`` for the observer's ``spec`` (`qstats._qparams.native_scales`:
+    cap, zero_point, zero_point_dtype, floor_at_eps, round_to)`` for the observer's ``spec`` (`qstats._qparams.native_scales`:
     an eps above 0 in float32, an int32 or float32 zero point) and the global scale's shape, or
     None. For rows of ``_SCALES_MIN_LENGTH`` values or more (a few bytes per row written:
     most updates' scales go unread) outside inference mode, the same pass then also maps the
@@ -833,7 +877,7 @@ def update_extremes(view: torch.Tensor, lo, hi, count, nonfinite, wrap=None, sca
     ):
         scales = None
     if scales is None:
-        mapped, numbers = [], (0.0, 0.0, 0.0, 0, None, None, 0, 0, None, None, 0)  # no scales
+        mapped, numbers = [], (0.0, 0.0, 0.0, 0, 0, None, None, 0, 0, None, None, 0)  # no scales
     else:
         mapped, numbers = _scale_outputs(view, shape, scales[0], scales[1])  # plain, as out[0] is
     # one wrap for every output (the global scale stays as it is, unbatched under vmap)
@@ -911,12 +955,15 @@ def recall(min_val, max_val, count, ones_shape, numbers=None, spec=None):
 
 
 def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float, cap: float, zero_point: int,
-                     zero_point_dtype: torch.dtype, floor_at_eps: bool = True, ones_shape=()):
+                     zero_point_dtype: torch.dtype, floor_at_eps: bool = True, round_to: int = 0, ones_shape=()):
     """``(scale, zero_point, calibrated, ones)`` of a symmetric mapping over observed ranges, in
     one pass: ``min(max(-min, max) / half_range, cap)`` in float32 arithmetic (``half_range``,
     ``eps`` and ``cap`` rounded to float32 first, as ATen rounds a scalar operand of a float32
     tensor), floored at ``eps`` (torch.ao; ``floor_at_eps``) or ``eps`` where it is 0
-    (compressed-tensors), ``zero_point`` everywhere, every entry calibrated and float32 ones of
+    (compressed-tensors). ``round_to`` 1 (bfloat16) or 2 (float16): compressed-tensors' arithmetic
+    in that dtype, as ATen computes it (each result rounded to it, nearest even): the peak capped
+    at ``cap``, rounded, divided by ``half_range``, the quotient rounded, ``eps`` where it is 0.
+    ``zero_point`` everywhere, every entry calibrated and float32 ones of
     ``ones_shape`` (the global scale; written by the pass, so that every output comes from one
     kind of op call: after a large pass each new kind of call costs tens of microseconds); fresh
     tensors. ``calibrated``: a bool mask, int64 counts (calibrated where positive) or None.
@@ -939,7 +986,7 @@ def symmetric_scales(min_val, max_val, calibrated, half_range: float, eps: float
         and _built()
     ):
         return None
-    numbers = (half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps)
+    numbers = (half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps, round_to)
     made = _scale_outputs(min_val, shape, numbers, ones_shape)
     if made is None:
         return None
@@ -955,18 +1002,18 @@ def _scale_outputs(like: torch.Tensor, shape, numbers, ones_shape):
     """Fresh outputs of a symmetric scales pass, ``[scale, zero_point, calibrated, ones]``
     (float32, the zero point's dtype and bool of ``shape``; float32 ones of ``ones_shape``, the
     global scale), made like ``like``, and the kernel's arguments for ``numbers``
-    (`symmetric_scales`' ``(half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps)``) and these
+    (`symmetric_scales`' ``(half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps, round_to)``) and these
     outputs, in the order both of its entry points take them (the C struct ``Scales``). None where
     a transform (grad, jvp) wraps what is made under it: no memory to write."""
-    half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps = numbers
+    half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps, round_to = numbers
     outputs = [like.new_empty(shape, dtype=dtype) for dtype in (torch.float32, zero_point_dtype, torch.bool)]
     if torch._C._functorch.is_functorch_wrapped_tensor(outputs[0]):
         return None
     outputs.append(like.new_empty(ones_shape, dtype=torch.float32))
     scale, zero_points, calibrated, ones = outputs
     return outputs, (
-        half_range, eps, cap, int(floor_at_eps), scale.data_ptr(), zero_points.data_ptr(), int(zero_point_dtype == torch.float32),
-        zero_point, calibrated.data_ptr(), ones.data_ptr(), ones.numel(),
+        half_range, eps, cap, int(floor_at_eps), round_to, scale.data_ptr(), zero_points.data_ptr(),
+        int(zero_point_dtype == torch.float32), zero_point, calibrated.data_ptr(), ones.data_ptr(), ones.numel(),
     )
 
 

@@ -270,17 +270,21 @@ class _SymmetricPlan(NamedTuple):
     # float32(half float32 max) / half_range in float32 arithmetic: the largest scale, and None
     # where the float32 eps exceeds it (then the floor must come after the cap, in two ops)
     scale_cap: float | None = None
-    # (half_range, eps, scale_cap, zero_point, zero_point_dtype, floor_at_eps), the numbers of the native pass
-    # (`qstats._native.symmetric_scales`, or an update's own: `native_scales`) where it computes
-    # this spec's scales; None where it does not
+    # (half_range, eps, scale_cap, zero_point, zero_point_dtype, floor_at_eps, round_to), the numbers of
+    # the native pass (`qstats._native.symmetric_scales`, or an update's own: `native_scales`) where
+    # it computes this spec's scales; None where it does not
     native: tuple | None = None
+    # True: the native pass or the general path (compressed-tensors computing in bfloat16/float16:
+    # the ATen ops below compute in float32)
+    native_only: bool = False
 
 
 @functools.lru_cache(maxsize=1024)
 def _symmetric_plan(spec: QuantSpec):
     """The `_SymmetricPlan` of specs that `_symmetric_qparams` computes: torch.ao's symmetric and
-    narrow mappings, and compressed-tensors' symmetric one with float32 arithmetic and scales, onto
-    an elementwise format; None for other specs."""
+    narrow mappings, and compressed-tensors' symmetric one with float32 scales (its arithmetic in
+    float32, or in bfloat16/float16 through the native pass only), onto an elementwise format;
+    None for other specs."""
     if _formats.handles_qparams(spec):
         return None
     if spec.convention == "torch_ao" and spec.mapping in ("symmetric", "narrow") and math.isfinite(spec.eps):
@@ -290,18 +294,19 @@ def _symmetric_plan(spec: QuantSpec):
         cap = _scale_cap(half_range, spec.eps)
         native = _native_numbers(half_range, spec.eps, cap, zero_point, torch.int32, True, spec.scale_dtype)
         return _SymmetricPlan(half_range, spec.eps, True, zero_point, torch.int32, True, cap, native)
-    if (
-        spec.convention == "compressed_tensors"
-        and spec.mapping == "symmetric"
-        and spec.compute_dtype == "float32"
-        and spec.scale_dtype == "float32"
-    ):
-        from ._compat_compressed_tensors import _bit_range, _scale_eps
+    if spec.convention == "compressed_tensors" and spec.mapping == "symmetric" and spec.scale_dtype == "float32":
+        from ._compat_compressed_tensors import _bit_range, _scale_eps, peak_limit
 
+        compute = getattr(torch, spec.compute_dtype)
         low, high = _bit_range(spec, "cpu")
-        half_range = float((high - low).to(torch.float32) / 2)
+        half_range = float((high - low).to(compute) / 2)
         zero_point_dtype = torch.float32 if spec.is_float else torch.int32
-        eps = _scale_eps(spec, torch.float32)
+        eps = _scale_eps(spec, compute)
+        if compute != torch.float32:
+            # the pass rounds as ATen computes in that dtype; the general path where it does not apply
+            round_to = 1 if compute == torch.bfloat16 else 2
+            native = (half_range, eps, peak_limit(compute, half_range), 0, zero_point_dtype, False, round_to)
+            return _SymmetricPlan(half_range, eps, False, 0, zero_point_dtype, False, None, native, native_only=True)
         # the cap: only for the native pass (the general path clamps the peak, the same number)
         native = _native_numbers(half_range, eps, _scale_cap(half_range, eps), 0, zero_point_dtype, False, "float32")
         return _SymmetricPlan(half_range, eps, False, 0, zero_point_dtype, False, None, native)
@@ -309,11 +314,12 @@ def _symmetric_plan(spec: QuantSpec):
 
 
 def _native_numbers(half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps, scale_dtype):
-    """`_SymmetricPlan.native`, or None where the pass cannot compute the spec's scales: it caps,
-    then floors at (or replaces a zero by) an eps above 0 in float32, in float32 scales."""
+    """`_SymmetricPlan.native` of a float32 computation, or None where the pass cannot compute the
+    spec's scales: it caps, then floors at (or replaces a zero by) an eps above 0 in float32, in
+    float32 scales."""
     if cap is None or scale_dtype != "float32" or not eps > 2.0**-150:
         return None
-    return (half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps)
+    return (half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps, 0)
 
 
 def _scale_cap(half_range: float, eps: float) -> float | None:
@@ -401,6 +407,11 @@ def _symmetric_qparams(
             if level is not None:  # the global scale (ones) stays unbatched, as on the ATen path
                 scale, zero_point, calibrated = _native.rebatch((scale, zero_point, calibrated), level)
             return QParams(scale, zero_point, ones, calibrated)
+    if plan.native_only:
+        qparams = _general_qparams(min_val, max_val, spec, calibrated, None, check_uncalibrated)
+        if tuple(ones_shape) == ():
+            return qparams
+        return qparams._replace(global_scale=torch.ones(ones_shape, dtype=torch.float32, device=qparams.scale.device))
     calibrated = calibrated_mask(calibrated)
     peak = torch.maximum(-min_val, max_val)
     if (
@@ -439,7 +450,7 @@ def _symmetric_qparams(
 
 
 def native_scales(spec: QuantSpec):
-    """The numbers ``(half_range, eps, cap, zero_point, zero_point_dtype)`` with which
+    """The numbers ``(half_range, eps, cap, zero_point, zero_point_dtype, floor_at_eps, round_to)`` with which
     `_symmetric_qparams` maps ranges onto ``spec``'s scales in a native pass
     (`qstats._native.symmetric_scales`), for an update pass to compute them too
     (`qstats._native.update_extremes`); None for specs it maps otherwise."""
@@ -481,6 +492,11 @@ def qparams_from_minmax(
     plan = _plan_for(spec, min_val)
     if plan:
         return _symmetric_qparams(min_val, max_val, spec, calibrated, check_uncalibrated, plan=plan)
+    return _general_qparams(min_val, max_val, spec, calibrated, global_scale, check_uncalibrated)
+
+
+def _general_qparams(min_val, max_val, spec: QuantSpec, calibrated, global_scale, check_uncalibrated: bool) -> QParams:
+    """`qparams_from_minmax` of float32 ranges by the general formulas (no short cut)."""
     calibrated = calibrated_mask(calibrated)
     compiling = torch.compiler.is_compiling()
     # min <= max with both finite, without isfinite (slow on CPU): given min <= max, half the

@@ -259,6 +259,39 @@ def test_activations_static_tensor_and_dynamic_token(kwargs, dtype):
         _assert_quantization_equal(args, spec, scale, zero_point, qp, x, f"token {kwargs} {dtype}")
 
 
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("symmetric", (True, False), ids=("sym", "asym"))
+@pytest.mark.parametrize("num_bits", (8, 4))
+def test_half_precision_ranges_at_the_dtype_limit(dtype, symmetric, num_bits):
+    """Weights whose ranges reach the half dtype's limit, where compressed-tensors' arithmetic in
+    that dtype may overflow (an asymmetric span past 65504 in float16, past bfloat16's largest
+    value): wherever compressed-tensors' scale is finite, qstats' is the same number and zero
+    point; where compressed-tensors' is infinite, qstats' is finite and positive, and so are its
+    fake-quantized weights; through the short cut (the native pass) and the general path."""
+    top = torch.finfo(dtype).max
+    rows = [
+        [top, -top], [top, 0.0], [-top, 1.0], [top / 2, -top / 2], [top * 0.75, -top * 0.4],
+        [40000.0, -40000.0], [1.0, -1.0], [top, top], [-top, -top], [3e-5, -6e-8],
+    ]
+    weight = torch.tensor([r + [0.5] * 254 for r in rows]).to(dtype)
+    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy="channel")
+    scale, zero_point = _reference_qparams(args, weight)
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
+    # qstats clips every range to half the float32 range first (module qstats._qparams): bfloat16's
+    # largest values lie past it
+    within = weight.float().abs().amax(-1) <= torch.finfo(torch.float32).max / 2
+    for qp in (_ours(qstats.memoryless_minmax, spec, weight), _ours(qstats.minmax, spec, weight)):
+        theirs = scale.float().reshape(qp.scale.shape)
+        finite = torch.isfinite(theirs) & within
+        assert torch.equal(qp.scale[finite], theirs[finite])
+        assert torch.equal(qp.zero_point.float()[finite], zero_point.float().reshape(qp.scale.shape)[finite])
+        assert torch.isfinite(qp.scale).all() and (qp.scale > 0).all()
+        # (dequantizing in the half dtype, as compressed-tensors does, can still overflow at its limit)
+        assert not torch.isnan(qstats.fake_quantize(weight, qp, spec)).any()
+    if not symmetric:
+        assert not torch.isfinite(scale).all()  # the case this test is for: compressed-tensors overflows there
+
+
 # --------------------------------------------------------------------------------------------
 # known differences (module docstring), kept as strict xfails so that a fix shows
 

@@ -14,7 +14,7 @@ from torch.ao.quantization import PerChannelMinMaxObserver
 from _shared import bit_equal, record_taken
 
 import qstats
-from qstats import _native, _reductions
+from qstats import _native, _qparams, _reductions
 
 
 @contextlib.contextmanager
@@ -144,6 +144,8 @@ def test_narrower_vector_widths_equal_aten(flags, dtype, tmp_path):
     if not built:
         pytest.skip(f"the compiler does not take {flags}")
     extremes = built[0]
+    if dtype == torch.float32:
+        _assert_half_precision_scales(built[2])
     g = torch.Generator().manual_seed(3)
     for length in (16, 17, 33, 256, 1000):
         view = _view(4096 // length + 9, length, g, dtype)
@@ -211,7 +213,7 @@ def test_another_compiler_builds_the_same_kernel(compiler, monkeypatch, tmp_path
             state = (lo - 1.0, hi * 0.5, torch.full((rows,), 7), torch.full((rows,), 2))
             out = (torch.empty(rows), torch.empty(rows), torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.int64))
             ptrs = [t.data_ptr() for t in (*state, *out)]
-            no_scales = (0.0, 0.0, 0.0, 0, None, None, 0, 0, None, None, 0)
+            no_scales = (0.0, 0.0, 0.0, 0, 0, None, None, 0, 0, None, None, 0)
             assert update(view.data_ptr(), _native._KINDS[dtype], rows, length, *ptrs, rows, 2, *no_scales) == 0
             assert torch.equal(out[0], state[0]) and torch.equal(out[1], torch.maximum(hi, state[1]))
             assert torch.equal(out[2], state[2] + length) and torch.equal(out[3], state[3])
@@ -224,7 +226,7 @@ def test_another_compiler_builds_the_same_kernel(compiler, monkeypatch, tmp_path
             mapped = (torch.empty(rows), torch.empty(rows, dtype=torch.int32), torch.empty(rows, dtype=torch.bool))
             ones = torch.zeros(2)
             eps = float(torch.finfo(torch.float32).eps)
-            numbers = (127.5, eps, 3.0e38, 1, *(t.data_ptr() for t in mapped[:2]), 0, 0, mapped[2].data_ptr(), ones.data_ptr(), 2)
+            numbers = (127.5, eps, 3.0e38, 1, 0, *(t.data_ptr() for t in mapped[:2]), 0, 0, mapped[2].data_ptr(), ones.data_ptr(), 2)
             assert update(view.data_ptr(), _native._KINDS[dtype], rows, length, *ptrs, rows, 2, *numbers) == 0
             reference = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
             reference.min_val, reference.max_val = out[0].clone(), out[1].clone()
@@ -245,11 +247,34 @@ def test_another_compiler_builds_the_same_kernel(compiler, monkeypatch, tmp_path
     lo, hi = x.amin(-1), x.amax(-1)
     scale, zero_point, calibrated = torch.empty(64), torch.empty(64, dtype=torch.int32), torch.empty(64, dtype=torch.bool)
     eps = float(torch.finfo(torch.float32).eps)
-    args = (lo.data_ptr(), hi.data_ptr(), None, 0, 64, 127.5, eps, 3.0e38, 1, scale.data_ptr(), zero_point.data_ptr(), 0, 0)
+    args = (lo.data_ptr(), hi.data_ptr(), None, 0, 64, 127.5, eps, 3.0e38, 1, 0, scale.data_ptr(), zero_point.data_ptr(), 0, 0)
     ones = torch.zeros(3)
     assert scales(*args, calibrated.data_ptr(), ones.data_ptr(), 3) == 0
     assert torch.equal(scale, observer.calculate_qparams()[0]) and not zero_point.any() and calibrated.all()
     assert torch.equal(ones, torch.ones(3))
+    _assert_half_precision_scales(scales)
+
+
+def _assert_half_precision_scales(scales):
+    """The symmetric scales entry point of a built kernel, computing in bfloat16 and float16 as
+    compressed-tensors does for half weights, against the general path (ATen's arithmetic in
+    that dtype) over every float32 exponent, float16's largest values and its ties."""
+    g = torch.Generator().manual_seed(5)
+    exponent = torch.randint(-149, 127, (4096,), generator=g).float()
+    peaks = ((torch.rand(4096, generator=g) + 1) * torch.pow(2.0, exponent)).clamp(max=1.7e38)
+    peaks = torch.cat([peaks, torch.tensor([0.0, 65504.0, 65519.0, 65520.0, 1e5, 2.0**-25, 2.0**-24 * 1.5])])
+    lo, hi = -peaks * 0.5, peaks
+    for compute in ("bfloat16", "float16"):
+        spec = qstats.QuantSpec(dtype="int8", mapping="symmetric", convention="compressed_tensors", compute_dtype=compute)
+        numbers = _qparams._symmetric_plan(spec).native
+        scale, zero_point = torch.empty(len(lo)), torch.empty(len(lo), dtype=torch.int32)
+        calibrated, ones = torch.empty(len(lo), dtype=torch.bool), torch.empty(())
+        head = (lo.data_ptr(), hi.data_ptr(), None, 0, len(lo), *numbers[:3], int(numbers[5]), numbers[6])
+        tail = (scale.data_ptr(), zero_point.data_ptr(), 0, 0, calibrated.data_ptr(), ones.data_ptr(), 1)
+        assert scales(*head, *tail) == 0
+        expected = _qparams._general_qparams(lo, hi, spec, None, None, False)
+        assert torch.equal(scale, expected.scale), compute
+        assert torch.equal(zero_point, expected.zero_point) and calibrated.all()
 
 
 @pytest.mark.parametrize(
@@ -1051,7 +1076,7 @@ def test_memoryless_fused_update_with_a_nonfinite_value_takes_the_full_path(kern
 
 
 @pytest.mark.parametrize("form", ["plain", "vmap", "stacked"])
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "args",
     [
@@ -1066,8 +1091,9 @@ def test_memoryless_fused_update_equals_llm_compressor(form, weight_dtype, args,
     """Large weights (the fused path) through qstats.memoryless_minmax, as one weight, under vmap
     and as a stack, against llm-compressor's memoryless_minmax weight observer and
     compressed-tensors' calculate_qparams, expert by expert: the same scales and zero points.
-    compressed-tensors' symmetric mapping in float32 on rows of 256 values or more takes the
-    scales the update's pass computed (compute_qparams makes no pass of its own)."""
+    compressed-tensors' symmetric mapping on rows of 256 values or more, in float32 or in the
+    half weight's arithmetic, takes the scales the update's pass computed (compute_qparams
+    makes no pass of its own)."""
     llmc_observers = pytest.importorskip("llmcompressor.observers")
     from compressed_tensors.quantization import QuantizationArgs
 
@@ -1086,9 +1112,9 @@ def test_memoryless_fused_update_equals_llm_compressor(form, weight_dtype, args,
         out = qstats.stacked_qparams(stacked.update(stacked.init(experts), experts), spec)
         qparams = [type(out)(*(t[e] for t in out)) for e in range(3)]
     assert kernel_calls and all(call == ("update", True) for call in kernel_calls)
-    if args.symmetric and args.strategy == "channel" and weight_dtype == torch.float32:
+    if args.symmetric and args.strategy == "channel":
         assert recalls == [True] * (3 if form == "plain" else 1)
-    else:  # bfloat16 arithmetic, asymmetric, or rows of 128: compute_qparams' own path
+    else:  # asymmetric, or rows of 128: compute_qparams' own path
         assert not any(recalls)
     for e, qp in enumerate(qparams):
         reference = llmc_observers.Observer.load_from_registry("memoryless_minmax", base_name="weight", args=args)

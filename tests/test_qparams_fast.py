@@ -59,6 +59,13 @@ def _specs():
         qstats.QuantSpec(dtype="fp8_e4m3fn", mapping="symmetric", convention="compressed_tensors"),
         qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric, reduce_range=True),
     ]
+    # compressed-tensors computing in a half weight's dtype (the native pass or the general path):
+    # int16's range is 65536 in bfloat16 and infinite in float16, int1's half range 0.5
+    for compute in ("bfloat16", "float16"):
+        for dtype in ("int8", "int4", "int16", "int1", "fp8_e4m3fn"):
+            specs.append(
+                qstats.QuantSpec(dtype=dtype, mapping="symmetric", convention="compressed_tensors", compute_dtype=compute)
+            )
     return specs
 
 
@@ -103,7 +110,8 @@ def test_every_spec_takes_the_short_cut():
     assert not _qparams._symmetric_plan(qstats.QuantSpec(dtype="int8", mapping="symmetric", convention="torchao"))
     ct = dict(mapping="symmetric", convention="compressed_tensors")
     assert not _qparams._symmetric_plan(qstats.QuantSpec(dtype="int8", scale_dtype="bfloat16", **ct))
-    assert not _qparams._symmetric_plan(qstats.QuantSpec(dtype="int8", compute_dtype="bfloat16", **ct))
+    # in bfloat16 arithmetic: the native pass, else the general path (no float32 short cut)
+    assert _qparams._symmetric_plan(qstats.QuantSpec(dtype="int8", compute_dtype="bfloat16", **ct)).native_only
 
 
 values = st.one_of(st.sampled_from(SPECIAL), st.floats(width=32, allow_nan=True, allow_infinity=True))
@@ -328,3 +336,35 @@ def test_compute_qparams_refuses_a_state_whose_fields_disagree(corrupt, message,
     qstats.compute_qparams(state, spec)
     with pytest.raises(ValueError, match=message):
         qstats.compute_qparams(corrupt(state), spec)
+
+
+@pytest.mark.skipif(not _native.available(), reason="no native kernel on this machine")
+@pytest.mark.parametrize("compute", ["bfloat16", "float16"])
+def test_half_precision_native_pass_equals_general_path_on_every_exponent_and_tie(compute):
+    """compressed-tensors computing in bfloat16/float16: the native pass rounds the peak and the
+    quotient as ATen does (nearest even), over 130K random ranges across every float32 exponent
+    (float16's subnormals and overflow, bfloat16's subnormals), every float16 value and every
+    bfloat16 value below half the float32 range with the ties between neighbours, for int8, int4,
+    int16 (its range 65536 in bfloat16, infinite in float16), int1 (half range 0.5) and fp8 targets:
+    bit for bit the general path, every scale finite and positive."""
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 17
+    exponent = torch.randint(-149, 127, (n,), generator=g).float()
+    peaks = ((torch.rand(n, generator=g) + 1) * torch.pow(2.0, exponent)).clamp(max=1.7e38)
+    halves = torch.arange(0, 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    halves = halves[torch.isfinite(halves)]
+    brains = (torch.arange(0, 1 << 15, dtype=torch.int32) << 16).view(torch.float32)
+    brains = brains[brains < 1.7e38]
+    peaks = torch.cat([peaks, halves, (halves[:-1] + halves[1:]) / 2, brains, (brains[:-1] + brains[1:]) / 2])
+    negative = torch.rand(peaks.shape, generator=g) < 0.5
+    min_val = torch.where(negative, -peaks, 0.0)
+    max_val = torch.where(negative, peaks * torch.rand(peaks.shape, generator=g), peaks)
+    for dtype in ("int8", "int4", "int16", "int1", "fp8_e4m3fn"):
+        spec = qstats.QuantSpec(dtype=dtype, mapping="symmetric", convention="compressed_tensors", compute_dtype=compute)
+        with _native_pass(True) as taken:
+            fast = qstats.qparams_from_minmax(min_val, max_val, spec, check_uncalibrated=False)
+        assert taken == [True], dtype
+        slow = _general(min_val, max_val, spec, None)
+        for name, a, b in zip(fast._fields, fast, slow):
+            assert bit_equal(a, b), (dtype, name)
+        assert torch.isfinite(fast.scale).all() and (fast.scale > 0).all()
