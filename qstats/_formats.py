@@ -274,7 +274,9 @@ def _two_level_local(amax: torch.Tensor, global_scale: torch.Tensor, spec) -> to
     half_range = float(spec.qrange[1] - spec.qrange[0]) / 2
     if spec.global_scale_formula == "range_over_amax":
         local = amax.to(getattr(torch, spec.compute_dtype)) / half_range  # in the observed dtype
-        local = global_scale * local  # float32
+        # in float32, as compressed-tensors' (1,)-shaped float32 global scale promotes the product
+        # (a 0-dim one would keep a bfloat16/float16 local's dtype)
+        local = global_scale * local.float()
         local = _round_to_scale_dtype(local, spec)
         if spec.scale_dtype == "float32":
             eps = torch.finfo(torch.float32).eps

@@ -316,11 +316,13 @@ def test_nvfp4_low_precision_weights(dtype, seed):
     """NVFP4 on bf16/fp16 weights: compressed-tensors divides ``448 * 6 / amax`` and ``amax / 6`` in
     the weight's dtype; with ``observed_dtype`` qstats does too. Global scale, fp8 block scales
     and fake-quantized values are compared with llm-compressor's observer and compressed-tensors'
-    own fake_quantize."""
+    own fake_quantize. The product of the global scale and a block's scale is float32 (the
+    global scale is a (1,)-shaped float32 tensor there): 256x512 weights hold thousands of
+    blocks, where a product in the weight's dtype gives another fp8 scale to about 1-2% of them."""
     from compressed_tensors.quantization import preset_name_to_scheme
 
     g = torch.Generator().manual_seed(seed)
-    weight = (torch.randn(8, 64, generator=g) * 10.0 ** (seed - 2)).to(dtype)
+    weight = (torch.randn(256, 512, generator=g) * 10.0 ** (seed - 2)).to(dtype)
     weight[seed % 8] = 0  # an all-zero row of blocks
     args = preset_name_to_scheme("NVFP4", ["Linear"]).weights
     observer = llmc_observers.Observer.load_from_registry("memoryless_minmax", base_name="weight", args=args)
