@@ -30,7 +30,10 @@ block's absolute maximum ``amax`` and the element maximum ``M`` by ``QuantSpec.s
   mantissa bit whatever the element, then floor;
 - ``"round"`` (torchao float8 with ``float8_e8m0fnu`` scales): ``round(log2(amax / M))``.
 
-An all-zero block gets ``b = 0`` (scale ``2**-127``), never a zero, NaN or Inf scale. Integer
+An all-zero block gets ``b = 0`` (scale ``2**-127``), never a zero, NaN or Inf scale. With
+compressed-tensors' convention on float16 weights (``compute_dtype``), as there, a float16
+subnormal amax rounds by its own bits (to ``2**-14`` from ``0.75 * 2**-14`` up, else 0), and a
+scale that underflows in float16 (below ``2**-24``: an all-zero or tiny block) is 1. Integer
 targets accept e8m0 scales too (power-of-two scales, symmetric mappings), with ``M`` the largest
 code distance from the symmetric zero point (127 for int8 and uint8; ``"even"`` then rounds
 ``amax`` to ``floor(log2 M)`` mantissa bits).
@@ -78,6 +81,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 _F32_MANTISSA = 23
 _F32_BIAS = 127
 _F32_MIN_NORMAL = 2.0**-126
+_F16_MIN_NORMAL = 2.0**-14
 _E8M0_MIN = 2.0**-127
 
 
@@ -204,6 +208,12 @@ def e8m0_exponent(amax: torch.Tensor, spec) -> torch.Tensor:
         exponent = torch.where(torch.isnan(exponent), torch.zeros_like(exponent), exponent)
         return exponent.to(torch.int32) + _F32_BIAS
     target_pow2 = _floor_log2_int(target)
+    if rounding == "round_then_floor" and spec.compute_dtype == "float16":
+        # compressed-tensors rounds a float16 amax's own bits: a subnormal one (below 2**-14)
+        # carries into the smallest normal exponent from 0.75 * 2**-14 up, and is 0 below
+        subnormal = amax < _F16_MIN_NORMAL
+        carried = torch.where(amax >= 0.75 * _F16_MIN_NORMAL, _F16_MIN_NORMAL, 0.0)
+        amax = torch.where(subnormal, carried, amax)
     bits = bitcast(amax.contiguous(), torch.int32)
     if rounding in ("even", "round_then_floor"):
         mbits = spec.float_format.mantissa_bits if (rounding == "even" and spec.is_float) else 1
@@ -313,6 +323,12 @@ def qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec, global_scale=Non
         scale = _two_level_local(amax, global_scale, spec)
         return scale, zero_point, global_scale
     scale = e8m0_scale(amax, spec)
+    if spec.convention == "compressed_tensors" and spec.compute_dtype != "float32":
+        # compressed-tensors holds the scale in the observed dtype, and replaces one that
+        # underflows there (below 2**-24 in float16: an all-zero or tiny block) by 1, the eps of
+        # its uint8 scale dtype
+        underflows = scale.to(getattr(torch, spec.compute_dtype)) == 0
+        scale = torch.where(underflows, torch.ones_like(scale), scale)
     return scale, zero_point, torch.ones((), dtype=torch.float32, device=amax.device)
 
 

@@ -292,6 +292,38 @@ def test_half_precision_ranges_at_the_dtype_limit(dtype, symmetric, num_bits):
         assert not torch.isfinite(scale).all()  # the case this test is for: compressed-tensors overflows there
 
 
+@pytest.mark.parametrize("scheme", ("MXFP4", "MXFP8"))
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_mx_scales_of_every_half_precision_amax(dtype, scheme):
+    """MX on fp16/bf16 weights, one block of 32 per row with every finite magnitude of the
+    dtype as its amax (zero and the subnormals included): compressed-tensors rounds the amax's
+    own bits to a power of two (a float16 subnormal becomes 2**-14 or 0), holds the scale in the
+    weight's dtype and replaces one that underflows there (an all-zero or tiny float16 block) by
+    1. Scales and fake-quantized weights equal compressed-tensors' wherever its scale is finite
+    (an amax within 1/8 of the dtype's largest power of two rounds past the dtype there, Inf,
+    and its fake quantization gives NaN); qstats' are finite everywhere and never NaN."""
+    from compressed_tensors.quantization import quant_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    top = 0x7C00 if dtype == torch.float16 else 0x7F80  # the first non-finite bit pattern
+    magnitudes = torch.arange(0, top, dtype=torch.int32).to(torch.int16).view(dtype)
+    weight = torch.zeros(len(magnitudes), 32, dtype=dtype)
+    weight[:, 0], weight[:, 1], weight[:, 2] = magnitudes, -magnitudes * 0.5, magnitudes * 0.25
+    args = getattr(quant_scheme, scheme)["weights"].model_copy(deep=True)
+    scale, zero_point = calculate_qparams(weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True), args)
+    assert scale.dtype == dtype
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
+    for qp in (_ours(qstats.minmax, spec, weight), _ours(qstats.memoryless_minmax, spec, weight)):
+        theirs = scale.float().reshape(qp.scale.shape)
+        finite = torch.isfinite(theirs).all(-1)
+        assert finite[: len(finite) * 7 // 8].all()  # compressed-tensors overflows only near the top
+        assert torch.equal(qp.scale[finite], theirs[finite])
+        assert torch.isfinite(qp.scale).all() and (qp.scale > 0).all()
+        ours = qstats.fake_quantize(weight, qp, spec)
+        assert torch.equal(ours[finite], ct_forward.fake_quantize(weight, scale, zero_point, args)[finite])
+        assert not torch.isnan(ours).any()
+
+
 # --------------------------------------------------------------------------------------------
 # known differences (module docstring), kept as strict xfails so that a fix shows
 
