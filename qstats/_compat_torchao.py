@@ -293,7 +293,7 @@ def torchao_qparams(min_val, max_val, spec):
         scale = torch.clamp(scale, min=spec.eps)
         mid_point = (qmax + qmin + 1) / 2
         zero_point = min_val + scale * mid_point
-        return scale.to(scale_dtype).float(), zero_point.float()
+        return _to_scale_dtype(scale, scale_dtype), zero_point.float()
     min_val_neg = torch.min(min_val, torch.zeros_like(min_val))
     max_val_pos = torch.max(max_val, torch.zeros_like(max_val))
     if spec.mapping in ("symmetric", "narrow", "symmetric_no_clipping_err"):
@@ -314,16 +314,26 @@ def torchao_qparams(min_val, max_val, spec):
     zero_point = zero_point.to(torch.int32)
     if spec.zero_point_domain == "none":
         zero_point = torch.zeros_like(zero_point)
-    return scale.to(scale_dtype).float(), zero_point
+    return _to_scale_dtype(scale, scale_dtype), zero_point
+
+
+def _to_scale_dtype(scale, scale_dtype):
+    """``scale`` rounded to ``scale_dtype``, as float32. A scale past a bf16/fp16 scale dtype's
+    largest value (a range wider than 127.5 * 65504 in fp16) is that largest value, where
+    torchao's is Inf (and its codes 0, dequantized to NaN)."""
+    if scale_dtype != torch.float32:
+        scale = torch.clamp(scale, max=torch.finfo(scale_dtype).max)
+    return scale.to(scale_dtype).float()
 
 
 def handles_codes(spec) -> bool:
     """True where torchao's quantize arithmetic differs from the float32 integer path: the float
-    zero-point domain (tinygemm) and bf16/fp16 compute dtypes."""
+    zero-point domain (tinygemm), bf16/fp16 compute dtypes, and bf16/fp16 scales (torchao takes
+    ``1.0 / scale`` in the scale's dtype)."""
     return (
         spec.convention == "torchao"
         and not spec.is_float
-        and (spec.zero_point_domain == "float" or spec.compute_dtype != "float32")
+        and (spec.zero_point_domain == "float" or spec.compute_dtype != "float32" or _dtypes(spec)[1] != torch.float32)
     )
 
 
@@ -337,10 +347,14 @@ def torchao_codes(view, scale, zero_point, spec):
         mid_point = (qmax + qmin + 1) / 2
         min_val = zero_point.to(compute) - scale * mid_point
         unclamped = torch.round((view - min_val) / scale)
-    elif spec.zero_point_domain == "none":
-        unclamped = torch.round(view * (1.0 / scale))
     else:
-        unclamped = torch.round(view * (1.0 / scale)) + zero_point
+        scaled = view * (1.0 / scale)
+        # a float16 scale below 2**-16 (torchao's float32 eps is one) has an infinite reciprocal:
+        # torchao's 0 * Inf is NaN there; qstats maps a zero to the zero point's code
+        scaled = torch.where(view == 0, torch.zeros_like(scaled), scaled)
+        unclamped = torch.round(scaled)
+        if spec.zero_point_domain != "none":
+            unclamped = unclamped + zero_point
     return unclamped.float(), unclamped.clamp(qmin, qmax).float()
 
 

@@ -54,14 +54,14 @@ def _observe(spec, x):
     return qstats.compute_qparams(obs.update(obs.init(x), x), spec)
 
 
-def _check(spec, x, block_size, target_dtype, mapping, domain):
-    kwargs = dict(scale_dtype=torch.float32)
+def _check(spec, x, block_size, target_dtype, mapping, domain, scale_dtype=torch.float32):
+    kwargs = dict(scale_dtype=scale_dtype)
     if domain == "FLOAT":
         scale, zero_point = qp_lib._choose_qparams_affine_tinygemm(x, mapping, block_size, target_dtype, **kwargs)
     else:
         scale, zero_point = qp_lib.choose_qparams_affine(x, mapping, block_size, target_dtype, **kwargs)
     qp = _observe(spec, x)
-    assert torch.equal(qp.scale.reshape(scale.shape), scale)
+    assert torch.equal(qp.scale.reshape(scale.shape), scale.float())
     # The sub-byte torch dtypes (int1..int7) have no copy kernel, so the reference is torchao's
     # arithmetic before its final dtype cast (what quantize_affine itself calls).
     qmin, qmax = spec.qrange
@@ -79,9 +79,15 @@ def _check(spec, x, block_size, target_dtype, mapping, domain):
     codes = quantize(x, block_size, scale, zero_point, qmin, qmax)
     values = dequantize(codes, block_size, scale, zero_point, qmin, qmax, torch.float32)
     ours = qstats.quantize(x, qp, spec)
-    assert torch.equal(ours.to(torch.int32), codes.to(torch.int32))
-    assert torch.equal(qstats.dequantize(ours, qp, spec), values)
-    assert torch.equal(qstats.fake_quantize(x, qp, spec), values)
+    # a float16 scale below 2**-16 has an infinite reciprocal: torchao's code of a zero is then
+    # 0 * Inf = NaN, qstats' the zero point's (dequantized: 0)
+    nan = torch.isnan(codes)
+    assert not nan.any() or (scale_dtype == torch.float16 and (x[nan] == 0).all())
+    expected_codes = torch.where(nan, ours.to(codes.dtype), codes)  # (those dequantize to 0 below)
+    assert torch.equal(ours.to(torch.int32), expected_codes.to(torch.int32))
+    expected_values = torch.where(nan, torch.zeros_like(values), values)
+    assert torch.equal(qstats.dequantize(ours, qp, spec), expected_values)
+    assert torch.equal(qstats.fake_quantize(x, qp, spec), expected_values)
 
 
 @pytest.mark.parametrize("target_dtype", SIGNED + UNSIGNED, ids=str)
@@ -140,6 +146,38 @@ def test_zero_point_domain_none_and_float(target_dtype):
         spec = make()
         for name, x in INPUTS.items():
             _check(spec, x, block_size, target_dtype, MappingType.ASYMMETRIC, "FLOAT")
+
+
+@pytest.mark.parametrize("scale_dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("target_dtype", (torch.int8, torch.uint8, torch.int4, torch.int16), ids=str)
+def test_half_precision_scales_on_float32_inputs(target_dtype, scale_dtype):
+    """bf16/fp16 scales on float32 inputs: torchao quantizes by ``x * (1.0 / scale)`` with the
+    reciprocal in the scale's dtype, so codes and dequantized values (not only the qparams)
+    follow that dtype; every mapping and zero-point domain, three granularities. Where torchao's
+    scale overflows the scale dtype, qstats' is the dtype's largest value."""
+    for gname, (block_size, granularity) in GRANULARITIES.items():
+        for mapping, domain in (
+            (MappingType.SYMMETRIC, "INT"), (MappingType.ASYMMETRIC, "INT"),
+            (MappingType.SYMMETRIC_NO_CLIPPING_ERR, "INT"), (MappingType.SYMMETRIC, "NONE"),
+        ):
+            if mapping == MappingType.SYMMETRIC_NO_CLIPPING_ERR and target_dtype == torch.uint8:
+                continue
+            spec = qstats.QuantSpec.from_torchao(
+                target_dtype, mapping_type=mapping, granularity=granularity, scale_dtype=scale_dtype,
+                zero_point_domain=getattr(ZeroPointDomain, domain),
+            )
+            for x in INPUTS.values():
+                scale, _ = qp_lib.choose_qparams_affine(x, mapping, block_size, target_dtype, scale_dtype=scale_dtype)
+                if torch.isfinite(scale).all():
+                    _check(spec, x, block_size, target_dtype, mapping, domain, scale_dtype=scale_dtype)
+                    continue
+                # past the scale dtype (1e30 data in fp16): torchao's scale is Inf, qstats' the
+                # dtype's largest value, and its fake quantization finite
+                qp = _observe(spec, x)
+                finite = torch.isfinite(scale).reshape(qp.scale.shape)
+                assert torch.equal(qp.scale[finite], scale.float().reshape(qp.scale.shape)[finite])
+                assert (qp.scale[~finite] == torch.finfo(scale_dtype).max).all()
+                assert torch.isfinite(qstats.fake_quantize(x, qp, spec)).all()
 
 
 def test_custom_range_eps_and_bf16_scale():
