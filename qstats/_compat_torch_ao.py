@@ -160,6 +160,16 @@ def handles_codes(spec) -> bool:
     return spec.zero_point_domain == "float" or max(-qmin, qmax) > _FLOAT32_EXACT_INTEGERS
 
 
+def gradient_range(spec) -> tuple:
+    """The range against which torch's fake-quant kernels test a code for the straight-through
+    gradient: the per-tensor kernel compares its float32 code with the bounds converted to
+    float32 (2**31 - 1 becomes 2**31), the per-channel one compares int64 codes, exactly."""
+    qmin, qmax = spec.qrange
+    if handles_codes(spec) and isinstance(spec.granularity, PerTensor):
+        return tuple(float(torch.tensor(float(b), dtype=torch.float32)) for b in (qmin, qmax))
+    return qmin, qmax
+
+
 def codes(v: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec):
     """``(unclamped, codes)`` of float32 ``v`` as float64 (exact for every int32 code)."""
     qmin, qmax = spec.qrange

@@ -118,7 +118,7 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
             fmax = spec.float_format.max
             inside = unclamped.abs() <= fmax
         else:
-            qmin, qmax = spec.qrange
+            qmin, qmax = _compat_torch_ao.gradient_range(spec) if spec.convention == "torch_ao" else spec.qrange
             inside = (unclamped >= qmin) & (unclamped <= qmax)
         passthrough = view.float() - view.float().detach()
         out = torch.where(inside, out + passthrough, out)

@@ -387,3 +387,38 @@ def test_refusals_name_the_problem():
         qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_symmetric, quant_min=0, quant_max=2**32)
     with pytest.raises(ValueError, match="eps"):
         qstats.QuantSpec.from_torch_ao(torch.qint8, eps=0.0)
+
+
+@pytest.mark.parametrize("input_dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("qscheme", (torch.per_tensor_symmetric, torch.per_tensor_affine, torch.per_channel_symmetric), ids=str)
+@pytest.mark.parametrize("quant_range", ((-(2**25 + 3), 2**25 + 3), (-(2**31), 2**31 - 1), (-(2**26 + 5), 2**26 + 5)))
+def test_int32_range_edges_value_and_gradient(quant_range, qscheme, input_dtype):
+    """qint32 ranges whose ends are not float32 numbers: values and straight-through gradients of
+    ``fake_quantize`` at the codes around both ends equal torch's fake-quant ops, whose per-tensor
+    kernel tests its float32 code against the ends converted to float32 (the per-channel one
+    tests int64 codes exactly)."""
+    qmin, qmax = quant_range
+    spec = qstats.QuantSpec.from_torch_ao(torch.qint32, qscheme, quant_min=qmin, quant_max=qmax)
+    calibration = torch.tensor([[-3.0, 1.0]])
+    per_channel = qscheme == torch.per_channel_symmetric
+    reference = (ao.PerChannelMinMaxObserver if per_channel else ao.MinMaxObserver)(
+        dtype=torch.qint32, qscheme=qscheme, quant_min=qmin, quant_max=qmax
+    )
+    reference(calibration)
+    scale, zero_point = reference.calculate_qparams()
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(calibration), calibration), spec)
+    assert torch.equal(qp.scale.reshape(-1), scale.reshape(-1))
+    step, zp = float(scale.reshape(-1)[0]), int(zero_point.reshape(-1)[0])
+    offsets = torch.arange(-8, 9, dtype=torch.float64)
+    x = torch.cat([(qmin + offsets - zp) * step, (qmax + offsets - zp) * step]).to(input_dtype)[None]
+    x.requires_grad_(True)
+    if per_channel:
+        theirs = torch.fake_quantize_per_channel_affine(x, scale, zero_point.int(), 0, qmin, qmax)
+    else:
+        theirs = torch.fake_quantize_per_tensor_affine(x, scale, zero_point.int(), qmin, qmax)
+    ours = qstats.fake_quantize(x, qp, spec)
+    assert torch.equal(ours, theirs)
+    (their_grad,) = torch.autograd.grad(theirs.sum(), x)
+    (our_grad,) = torch.autograd.grad(ours.sum(), x)
+    assert torch.equal(our_grad, their_grad)
