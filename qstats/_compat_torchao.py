@@ -18,7 +18,8 @@ Three families of torchao arguments map onto a QuantSpec with ``convention="torc
   float8_e4m3fn or float8_e5m2 with a granularity (PerTensor, PerRow, PerBlock, or
   ``block_size`` with ``shape``) and ``scale_dtype`` float32 or float8_e8m0fnu (power-of-two
   scales ``2 ** round(log2(amax / max))``); an all-zero block gets the smallest scale where
-  torchao divides by a zero scale;
+  torchao divides by a zero scale, and so does a block whose amax is below ``448 * 2**-126``,
+  where torchao's scale is subnormal (QuantSpec.eps is at least the smallest normal float32);
 - NVFP4, ``NVFP4Tensor.to_nvfp4``: ``nvfp4=True`` with ``per_tensor_scale=True`` (two levels,
   global scale ``per_tensor_amax_to_scale(amax) = amax / (448 * 6)``) or ``False`` (block scales
   only), or a ``QuantizeTensorToNVFP4Kwargs``.
