@@ -206,7 +206,7 @@ def e8m0_exponent(amax: torch.Tensor, spec) -> torch.Tensor:
         to_integer = torch.ceil if rounding == "rceil" else torch.round
         exponent = torch.clamp(to_integer(torch.log2(descale)), min=-_F32_BIAS, max=_F32_BIAS)
         exponent = torch.where(torch.isnan(exponent), torch.zeros_like(exponent), exponent)
-        return exponent.to(torch.int32) + _F32_BIAS
+        return torch.clamp(exponent.to(torch.int32) + _F32_BIAS, max=_largest_finite_exponent(spec))
     target_pow2 = _floor_log2_int(target)
     if rounding == "round_then_floor" and spec.compute_dtype == "float16":
         # compressed-tensors rounds a float16 amax's own bits: a subnormal one (below 2**-14)
@@ -223,7 +223,23 @@ def e8m0_exponent(amax: torch.Tensor, spec) -> torch.Tensor:
     exponent_field = torch.bitwise_and(torch.bitwise_right_shift(bits, _F32_MANTISSA), 0xFF)
     if rounding == "ceil":
         exponent_field = exponent_field + (torch.bitwise_and(bits, 0x7FFFFF) > 0).to(torch.int32)
-    return torch.clamp(exponent_field - target_pow2, 0, 254).to(torch.int32)
+    return torch.clamp(exponent_field - target_pow2, 0, _largest_finite_exponent(spec)).to(torch.int32)
+
+
+def _largest_finite_exponent(spec) -> int:
+    """The largest biased exponent (at most 254) whose scale keeps every code of ``spec`` finite
+    when dequantized: rounding a range near half the float32 range up to a power of two could
+    otherwise put the farthest code (-128 for int8, beyond ``element_max``'s 127) past it."""
+    if spec.is_float:
+        farthest = float(spec.float_format.max)
+    else:
+        lo, hi = spec.qrange
+        zero_point = spec.zero_point_of_symmetric
+        farthest = float(max(hi - zero_point, zero_point - lo))
+    biased = 254
+    while biased > 0 and farthest * 2.0 ** (biased - _F32_BIAS) > torch.finfo(torch.float32).max:
+        biased -= 1
+    return biased
 
 
 def e8m0_to_float(biased: torch.Tensor) -> torch.Tensor:

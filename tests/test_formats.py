@@ -232,3 +232,29 @@ def test_nvfp4_qparams_and_fake_quantize_compile_without_graph_breaks():
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(6))
     compiled = torch.compile(observe_and_fake_quantize, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), observe_and_fake_quantize(x))
+
+
+@pytest.mark.parametrize("rounding", ["floor", "ceil", "even", "rceil", "round_then_floor", "round"])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "uint8", "fp8_e4m3fn", "fp8_e5m2", "fp4_e2m1"])
+def test_e8m0_scales_of_the_widest_ranges_keep_every_code_finite(dtype, rounding):
+    """Power-of-two (e8m0) scales of ranges up to the float32 limit: rounding a clipped range up
+    to a power of two never puts the farthest code (-128 for int8, past ``element_max``'s 127;
+    the element format's largest value) past float32, so the scale times it, and every
+    fake-quantized value, is finite (the parity tests against torchao and compressed-tensors
+    cover ordinary ranges)."""
+    mappings = ["symmetric"] if dtype.startswith(("fp", "u")) else ["symmetric", "narrow", "symmetric_no_clipping_err"]
+    for mapping in mappings:
+        spec = qstats.QuantSpec(
+            dtype=dtype, mapping=mapping, scale_dtype="e8m0", scale_rounding=rounding,
+            zero_point_domain="none" if dtype.startswith("fp") else "int",
+        )
+        x = torch.tensor([[-3.4e38, 1.0, 3.3e38, -1.0], [-1.7e38, 2.0, 0.5, 1e38], [-1.0, 0.25, 3.0, 0.0]])
+        obs = qstats.minmax(spec)
+        qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+        if dtype.startswith("fp"):
+            farthest = float(spec.float_format.max)
+        else:
+            lo, hi = spec.qrange
+            farthest = float(max(hi - spec.zero_point_of_symmetric, spec.zero_point_of_symmetric - lo))
+        assert torch.isfinite(qp.scale * farthest).all(), (mapping, qp.scale)
+        assert torch.isfinite(qstats.fake_quantize(x, qp, spec)).all(), mapping

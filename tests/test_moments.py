@@ -91,3 +91,29 @@ def test_bad_input():
     per_axis = qstats.moments(qstats.QuantSpec(granularity=qstats.PerAxis(0)))
     with pytest.raises(ValueError, match=r"\(4,\)"):
         per_axis.update(per_axis.init(torch.ones(3, 2)), torch.ones(4, 2))
+
+
+def test_nonfinite_raise_under_vmap_stacked_and_compile():
+    """``nonfinite="raise"`` through the min/max reduction's check: finite data under ``vmap``
+    and as a stack equals the per-slice loop, and a NaN in one slice raises there and inside a
+    compiled update (not only in eager mode)."""
+    spec = qstats.QuantSpec(dtype="int8", nonfinite="raise")
+    obs = qstats.moments(spec)
+    x = torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(0))
+    loop = [obs.update(obs.init(x[e]), x[e]) for e in range(3)]
+    batched = torch.func.vmap(lambda t: obs.update(obs.init(t), t))(x)
+    stacked = qstats.stacked_observer(obs, 3)
+    stacked_state = stacked.update(stacked.init(x), x)
+    for e in range(3):
+        for field, a, b, c in zip(loop[e]._fields, loop[e], batched, stacked_state):
+            assert torch.equal(a, b[e]) and torch.equal(a, c[e]), field
+    dirty = x.clone()
+    dirty[1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        torch.func.vmap(lambda t: obs.update(obs.init(t), t))(dirty)
+    with pytest.raises(ValueError, match="non-finite"):
+        stacked.update(stacked.init(dirty), dirty)
+    compiled = torch.compile(obs.update, fullgraph=True)
+    assert torch.equal(compiled(obs.init(x[0]), x[0]).total, loop[0].total)
+    with pytest.raises(ValueError, match="non-finite"):
+        compiled(obs.init(dirty[1]), dirty[1])

@@ -22,6 +22,7 @@ import torch
 
 from .._granularity import checked_view, qparam_shape, weight_view
 from .._qparams import Range, register_range_rule
+from .._reductions import finite_aminmax
 from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state
 
@@ -108,11 +109,11 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
         included = finite if mask is None else (finite & (mask != 0))
         excluded_nonfinite = (~finite) if mask is None else ((~finite) & (mask != 0))
         nonfinite = excluded_nonfinite.sum(dim=(0, -1))
-        if spec.nonfinite == "raise" and not torch.compiler.is_compiling() and bool(nonfinite.any()):
-            raise ValueError(
-                f"moments.update: the observed tensor holds {int(nonfinite.sum())} non-finite values (NaN or Inf) "
-                "and the spec says nonfinite='raise'"
-            )
+        if spec.nonfinite == "raise":
+            # the min/max reduction's check (and the same count): it raises in eager mode, under
+            # vmap (its batching rule reads the whole batch) and inside a compiled graph (an
+            # opaque op, kept because its count is used), as minmax's does
+            nonfinite = finite_aminmax(view, mask, "raise")[3]
         dims = (0, -1)
         v = torch.where(included, v, torch.zeros_like(v))
         weight_f = included.to(torch.float64)
