@@ -157,10 +157,13 @@ def _rebuild(structure: Any, tensors: dict[str, torch.Tensor], source: str) -> A
     if isinstance(structure, str):
         try:
             structure = json.loads(structure)
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, RecursionError) as error:
             raise ValueError(f"qstats.io: {source} has unreadable structure metadata ({error})") from None
     used: set = set()
-    tree = _decode(structure, tensors, used, "tree")
+    try:
+        tree = _decode(structure, tensors, used, "tree")
+    except RecursionError:
+        raise ValueError(f"qstats.io: {source} has structure metadata nested too deeply (corrupt checkpoint)") from None
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"qstats.io: {source} holds tensors that its structure does not mention: {extra[:5]}")

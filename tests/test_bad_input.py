@@ -614,3 +614,43 @@ def test_moments_range_past_float32_clamps_to_the_largest_float32():
     observer = MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
     observer(torch.tensor([-half, half]))
     assert torch.equal(qp.scale.reshape(1), observer.calculate_qparams()[0].reshape(1))
+
+
+def test_more_observers_refuse_bool_and_complex_inputs():
+    """imatrix and recording check what they observe, as the min/max family does."""
+    spec = qstats.QuantSpec(dtype="int8")
+    x = torch.randn(4, 8)
+    for obs in (qstats.imatrix(), qstats.recording(spec)):
+        state = obs.init(x)
+        for bad in (x > 0, torch.complex(x, x)):
+            with pytest.raises(TypeError, match="cannot observe"):
+                obs.update(state, bad)
+
+
+def test_mse_refusals_and_wide_expanded_ranges():
+    """mse refuses two-level specs at construction and merging states of other shrink factors;
+    ``expand`` on a range near the float32 limit keeps it within half the float32 range, so the
+    data counts as calibrated and the scale is finite."""
+    with pytest.raises(ValueError, match="TensorGroup"):
+        qstats.mse(qstats.preset("nvfp4"))
+    spec = qstats.QuantSpec(dtype="int8")
+    x = torch.randn(4, 8)
+    a, b = qstats.mse(spec, maxshrink=0.2, grid=100), qstats.mse(spec, maxshrink=0.4, grid=50)
+    with pytest.raises(ValueError, match="shrink factors"):
+        a.merge(a.update(a.init(x), x), b.update(b.init(x), x))
+    wide = torch.tensor([3.0e38, -1.0, 0.5])
+    for mode in ("accumulate", "moving_average"):
+        obs = qstats.mse(spec, expand=2.0, mode=mode)
+        state = obs.update(obs.init(wide), wide)
+        qp = qstats.compute_qparams(state, spec)
+        assert bool(qp.calibrated) and torch.isfinite(qp.scale).all() and (qp.scale > 0).all(), mode
+        assert float(state.max_val) <= torch.finfo(torch.float32).max / 2
+
+
+def test_moments_lp_rule_refuses_a_bad_order():
+    obs = qstats.moments(qstats.QuantSpec(dtype="int8"), p=2.0)
+    x = torch.randn(4, 8)
+    state = obs.update(obs.init(x), x)
+    for p in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="p must be"):
+            qstats.compute_qparams(state, qstats.QuantSpec(dtype="int8"), method="lp", p=p)

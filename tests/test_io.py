@@ -273,3 +273,21 @@ def test_malformed_item_lists_raise_naming_the_structure(tmp_path):
 
     with pytest.raises(ValueError, match="malformed checkpoint structure"):
         qstats.load(_rewrite(path, edit_metadata=drop_value))
+
+
+@pytest.mark.parametrize("depth", [100_000, 990])
+def test_deeply_nested_structure_metadata_is_a_clear_error(tmp_path, depth):
+    """A crafted file whose structure metadata nests too deeply for the JSON parser (or for the
+    rebuild after it) raises ValueError, not RecursionError."""
+    import struct
+
+    path = str(tmp_path / "deep.safetensors")
+    qstats.save(path, {"a": torch.ones(2)})
+    raw = open(path, "rb").read()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + size])
+    header["__metadata__"]["structure"] = "[" * depth + "]" * depth
+    encoded = json.dumps(header).encode()
+    open(path, "wb").write(struct.pack("<Q", len(encoded)) + encoded + raw[8 + size :])
+    with pytest.raises(ValueError, match="qstats.io"):
+        qstats.load(path)

@@ -222,6 +222,7 @@ def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observe
 
     def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> RecordingState:
         check_state(state, RecordingState, "recording.update")
+        check_observable(x, "recording.update")
         if x.numel() == 0:
             return state
         flat = x.detach().reshape(-1).to(torch.float32)

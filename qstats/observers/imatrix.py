@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import canonical_view
+from .._granularity import canonical_view, check_observable
 from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state
 from .mse import mse
@@ -66,6 +66,7 @@ def imatrix() -> Observer:
 
     def update_fn(state: IMatrixState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> IMatrixState:
         check_state(state, IMatrixState, "imatrix.update")
+        check_observable(x, "imatrix.update")
         if x.ndim == 0 or x.shape[-1] != state.square_total.shape[-1]:
             raise ValueError(
                 f"imatrix.update: a tensor of shape {tuple(x.shape)} has {x.shape[-1] if x.ndim else 0} input "

@@ -416,7 +416,11 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
     state, and so does every parameter whose values ``weight`` masks out entirely). ``merge``
     combines *shards of the same batch* (the halves of a batch split across ranks): elementwise
     min/max. With that meaning every law holds exactly, homomorphism included:
-    ``update(s, cat(a, b)) == merge(update(s, a), update(init, b))``.
+    ``update(s, cat(a, b)) == merge(update(s, a), update(init, b))`` where shard ``a`` reaches
+    every parameter. A shard that is empty or masked out where ``b`` is not keeps what ``s``
+    saw there (the rule above), and the merge then mixes that earlier batch into this one: a
+    rank whose shard is all padding should contribute ``init`` (or its ``update(init, a)``)
+    instead of its stale state.
     """
     spec = _check_spec(spec)
 

@@ -16,6 +16,7 @@ Range rules, ``qstats.compute_qparams(state, spec, method=..., k=...)``:
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -190,6 +191,8 @@ def _moments_rule(state: MomentsState, spec: QuantSpec, method: str = "mean_std"
         else:
             if p is None:
                 raise TypeError("compute_qparams: method 'lp' needs p=, the order the moments observer was built with")
+            if not (isinstance(p, (int, float)) and math.isfinite(p) and p > 0):
+                raise ValueError(f"compute_qparams: p must be a positive finite number, got {p!r}")
             amax = k * (state.power_total / n).pow(1.0 / float(p))
         lo, hi = -amax, amax
     zero = torch.zeros_like(lo)

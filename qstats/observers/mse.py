@@ -28,8 +28,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import checked_view, qparam_shape, weight_view
-from .._qparams import Range, qparams_from_minmax, register_range_rule
+from .._granularity import TensorGroup, checked_view, qparam_shape, weight_view
+from .._qparams import Range, _host_checkable, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
@@ -75,6 +75,11 @@ def shrink_factors(maxshrink: float, grid: float, steps: Optional[int] = None) -
 def _check_args(spec, maxshrink, grid, norm, steps):
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"mse: expected a QuantSpec, got {type(spec).__name__}")
+    if isinstance(spec.granularity, TensorGroup):
+        raise ValueError(
+            "mse: two-level (TensorGroup, NVFP4) specs are not supported: a candidate's block scales "
+            "need the global scale of the whole tensor; calibrate them with minmax"
+        )
     if not (isinstance(maxshrink, (int, float)) and 0 <= maxshrink <= 1):
         raise ValueError(f"mse: maxshrink must be in [0, 1], got {maxshrink!r}")
     if not (isinstance(grid, (int, float)) and grid > 0):
@@ -260,6 +265,15 @@ class _DefaultPatience:
 _MOVING_AVERAGE_PATIENCE = _DefaultPatience()
 
 
+def _expanded(lo: torch.Tensor, hi: torch.Tensor, expand: float):
+    """``(lo * expand, hi * expand)``, a finite range kept within half the float32 range (where
+    every range is clipped: a wide range times ``expand`` would overflow to an infinite one)."""
+    if expand == 1.0:
+        return lo, hi
+    half = torch.finfo(torch.float32).max / 2
+    return (lo * expand).clamp(min=-half), (hi * expand).clamp(max=half)
+
+
 def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float = 2.4, expand: float = 1.0,
         mode: str = "accumulate", averaging_constant: float = 0.01, patience=_MOVING_AVERAGE_PATIENCE,
         reference=None, importance: Optional[torch.Tensor] = None, steps: Optional[int] = None) -> Observer:
@@ -323,7 +337,7 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
             lo = torch.full(shape, torch.inf, dtype=torch.float32, device=device)
             hi = torch.full(shape, -torch.inf, dtype=torch.float32, device=device)
         else:
-            lo, hi = fixed[0] * expand, fixed[1] * expand
+            lo, hi = _expanded(fixed[0], fixed[1], expand)
         count = torch.zeros(shape, dtype=torch.int64, device=device)
         loss = torch.zeros((*shape, len(factors)), dtype=torch.float64, device=device)
         table = torch.tensor(factors, dtype=torch.float64, device=device)
@@ -335,8 +349,9 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
             return state
         view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
         has_reference = state.min_val <= state.max_val
-        ref_lo = torch.where(has_reference, state.min_val, lo * expand)
-        ref_hi = torch.where(has_reference, state.max_val, hi * expand)
+        lo, hi = _expanded(lo, hi, expand)
+        ref_lo = torch.where(has_reference, state.min_val, lo)
+        ref_hi = torch.where(has_reference, state.max_val, hi)
         seen = count > 0
         ref_lo = torch.where(has_reference | seen, ref_lo, state.min_val)
         ref_hi = torch.where(has_reference | seen, ref_hi, state.max_val)
@@ -350,6 +365,12 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
         check_state(a, MSEState, "mse.merge")
         check_state(b, MSEState, "mse.merge")
         check_same_shapes(a, b, "mse.merge")
+        if _host_checkable(a.factors, b.factors) and not torch.equal(a.factors, b.factors):
+            # losses of different shrink factors cannot be added (states of two mse observers)
+            raise ValueError(
+                f"mse.merge: the states search different shrink factors ({a.factors[:3].tolist()}... vs "
+                f"{b.factors[:3].tolist()}...): they come from mse observers with other maxshrink/grid/steps"
+            )
         a_set = a.min_val <= a.max_val
         b_set = b.min_val <= b.max_val
         a_span = torch.where(a_set, a.max_val - a.min_val, torch.full_like(a.max_val, -1.0))
@@ -380,8 +401,9 @@ def _moving_average(spec, factors, norm, expand, constant, patience, observe):
             return state
         view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
         seen = count > 0
-        base_lo = torch.where(seen, lo * expand, torch.zeros_like(lo))
-        base_hi = torch.where(seen, hi * expand, torch.zeros_like(hi))
+        lo, hi = _expanded(lo, hi, expand)
+        base_lo = torch.where(seen, lo, torch.zeros_like(lo))
+        base_hi = torch.where(seen, hi, torch.zeros_like(hi))
         loss = candidate_losses(view, mask, imp, base_lo, base_hi, factors, spec, norm)
         best = _first_minimum(loss, patience)
         table = torch.tensor(factors, dtype=torch.float32, device=loss.device)
