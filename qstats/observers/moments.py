@@ -108,13 +108,14 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
         finite = torch.isfinite(v)
         mask = weight_view(x, weight, spec.granularity)
         included = finite if mask is None else (finite & (mask != 0))
-        excluded_nonfinite = (~finite) if mask is None else ((~finite) & (mask != 0))
-        nonfinite = excluded_nonfinite.sum(dim=(0, -1))
         if spec.nonfinite == "raise":
             # the min/max reduction's check (and the same count): it raises in eager mode, under
             # vmap (its batching rule reads the whole batch) and inside a compiled graph (an
             # opaque op, kept because its count is used), as minmax's does
             nonfinite = finite_aminmax(view, mask, "raise")[3]
+        else:
+            excluded_nonfinite = (~finite) if mask is None else ((~finite) & (mask != 0))
+            nonfinite = excluded_nonfinite.sum(dim=(0, -1))
         dims = (0, -1)
         v = torch.where(included, v, torch.zeros_like(v))
         weight_f = included.to(torch.float64)
