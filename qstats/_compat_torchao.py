@@ -350,9 +350,11 @@ def torchao_codes(view, scale, zero_point, spec):
         unclamped = torch.round((view - min_val) / scale)
     else:
         scaled = view * (1.0 / scale)
-        # a float16 scale below 2**-16 (torchao's float32 eps is one) has an infinite reciprocal:
-        # torchao's 0 * Inf is NaN there; qstats maps a zero to the zero point's code
-        scaled = torch.where(view == 0, torch.zeros_like(scaled), scaled)
+        if scale_dtype == torch.float16:
+            # a float16 scale below 2**-16 (torchao's float32 eps is one) has an infinite
+            # reciprocal: torchao's 0 * Inf is NaN there; qstats maps a zero to the zero point's
+            # code (no other scale dtype's reciprocal overflows: scales are at least eps)
+            scaled = torch.where(view == 0, torch.zeros_like(scaled), scaled)
         unclamped = torch.round(scaled)
         if spec.zero_point_domain != "none":
             unclamped = unclamped + zero_point
