@@ -55,6 +55,8 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 from torch.utils import _python_dispatch
 
+from ._torch_features import assume_constant_result
+
 __all__ = ["applies", "available", "row_extremes", "symmetric_scales", "update_extremes", "whole_extremes"]
 
 _SOURCE = r"""
@@ -759,9 +761,8 @@ def _built() -> bool:
     return bool(_library if _library is not None else _kernel())
 
 
-if hasattr(torch.compiler, "assume_constant_result"):
-    # a constant for torch.compile, which cannot trace the build or the ctypes handle
-    available = torch.compiler.assume_constant_result(available)
+# a constant for torch.compile, which cannot trace the build or the ctypes handle
+available = assume_constant_result(available)
 
 
 def row_extremes(view: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, bool]]:

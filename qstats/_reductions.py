@@ -29,6 +29,7 @@ import torch
 
 from . import _native
 from ._native import row_extremes, whole_extremes
+from ._torch_features import assume_constant_result
 
 __all__ = ["finite_aminmax"]
 
@@ -236,7 +237,7 @@ def _no_functorch_transform() -> bool:
 
 
 if _COND:
-    _no_functorch_transform = torch.compiler.assume_constant_result(_no_functorch_transform)
+    _no_functorch_transform = assume_constant_result(_no_functorch_transform)
 
 
 @torch.library.custom_op("qstats::row_extremes", mutates_args=())

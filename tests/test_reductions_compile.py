@@ -293,3 +293,53 @@ def test_compiled_experts_large_enough_for_the_native_op_equal_eager(form, dirty
     expected = [obs.update(obs.init(w), w) for w in experts]
     for field, values in zip(got._fields, got):
         assert torch.equal(values, torch.stack([getattr(e, field) for e in expected])), field
+
+
+def test_assume_constant_result_sets_torchs_own_mark():
+    """`qstats._torch_features.assume_constant_result` marks a function as torch's own function
+    does (without importing the compiler): the same attributes, the same function returned."""
+    from qstats._torch_features import assume_constant_result
+
+    def ours():
+        return True
+
+    def torchs():
+        return True
+
+    assert torch.compiler.assume_constant_result(torchs) is torchs
+    import sys
+
+    loaded = sys.modules.pop("torch._dynamo")  # the path a process takes before the compiler loads
+    try:
+        assert assume_constant_result(ours) is ours
+    finally:
+        sys.modules["torch._dynamo"] = loaded
+    assert vars(ours) == vars(torchs) and vars(ours)
+
+
+def test_import_leaves_the_compiler_unloaded_and_compile_still_takes_the_marks():
+    """``import qstats`` does not import ``torch._dynamo`` (about two seconds); a compile started
+    afterwards still treats the marked functions as constants: a fullgraph compile of an update
+    that calls the native op, and of one that takes the ``torch.cond`` branch, equals eager."""
+    import subprocess
+    import sys
+
+    script = r"""
+import sys
+import torch
+import qstats
+from qstats import _native, _reductions
+assert "torch._dynamo" not in sys.modules, "import qstats loaded the compiler"
+obs = qstats.minmax(qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(0)))
+w = torch.randn(512, 256, generator=torch.Generator().manual_seed(0))
+calls = []
+original = _reductions._row_extremes_op
+_reductions._row_extremes_op = lambda view: calls.append(1) or original(view)
+got = torch.compile(obs.update, fullgraph=True)(obs.init(w), w)
+assert (not _native.available()) or calls, "the compiled update did not take the native op"
+for a, b in zip(got, obs.update(obs.init(w), w)):
+    assert torch.equal(a, b)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
