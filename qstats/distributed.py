@@ -233,7 +233,9 @@ def all_reduce(
         the result is bit-identical to ``reduce(obs.merge, [s_rank0, s_rank1, ...])`` for every
         observer (default False: such sums use ``all_reduce``, equal up to rounding).
       check: first verify, with one 16-byte collective, that all ranks pass the same tree;
-        ValueError on every rank otherwise.
+        ValueError on every rank otherwise (a rank with an empty tree joins the check too).
+        Without it, every rank must pass the same tree: the others would wait for a rank whose
+        tree differs.
 
     Returns:
       A new tree of the same structure; inputs are never modified. Without an initialised process
@@ -254,19 +256,28 @@ def all_reduce(
     if not (dist.is_available() and dist.is_initialized()):
         return tree
     world = dist.get_world_size(group)
-    if world <= 1 or not states:  # one rank, or this rank is not in ``group`` (size -1): no-op, as torch's collectives
+    if world <= 1:  # one rank, or this rank is not in ``group`` (size -1): no-op, as torch's collectives
         return tree
     plan = _plan(states, exact)
 
     if check:
+        # every rank joins the check, an empty tree too: the others would wait for it otherwise
         fingerprint = _fingerprint(treespec, states, plan)
         probe = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=_probe_device(group))
         dist.all_reduce(probe, op=dist.ReduceOp.MIN, group=group)
         if int(probe[0]) != fingerprint or int(-probe[1]) != fingerprint:
+            hint = (
+                " (no states here: a rank that calibrated no batch has no activation states; give every rank "
+                "at least one batch, or pass each missing site's observer init state)"
+                if not states
+                else ""
+            )
             raise ValueError(
                 "all_reduce: the ranks passed different state trees (structure, state types, field shapes or "
-                f"dtypes differ); this rank's tree is {treespec} with {len(states)} states"
+                f"dtypes differ); this rank's tree is {treespec} with {len(states)} states{hint}"
             )
+    if not states:
+        return tree
 
     results: list[list[Optional[torch.Tensor]]] = [[None] * len(s) for s in states]
 

@@ -314,6 +314,14 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
     bad = {"w": obs.update(obs.init(torch.zeros(1, width)), torch.ones(2, width))}
     _run("mismatch", lambda: reduce(bad, obs), counter, results)
 
+    # The last rank calibrated no batch: its tree of activation sites is empty. It joins the
+    # check (it used to return at once and leave the others waiting in it): ValueError everywhere.
+    model, recipe = model_and_recipe()
+    local = calibrate_model(mine if rank != world - 1 else [])
+    _run("empty", lambda: reduce(local, recipe.observers(local, model)), counter, results)
+    # ... and where every rank's tree is empty, each gets its own back.
+    _run("all-empty", lambda: reduce({}, obs), counter, results)
+
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -285,6 +285,17 @@ def test_mismatched_trees_raise_on_every_rank(runs, world):
         assert error.startswith("ValueError") and "different state trees" in error
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_rank_without_batches_raises_on_every_rank(runs, world):
+    """A rank that calibrated no batch has an empty tree (no activation states): every rank
+    raises the structure error, the empty one with a hint, instead of the others hanging."""
+    for rank, result in enumerate(runs[world]):
+        error = result["empty"].get("error", "")
+        assert error.startswith("ValueError") and "different state trees" in error, (rank, result["empty"])
+        assert ("no states here" in error) == (rank == world - 1)
+        assert "error" not in result["all-empty"]
+
+
 # ---- single process: no collectives --------------------------------------------------------
 def test_without_process_group_returns_the_tree():
     obs = qstats.minmax(qstats.QuantSpec())
