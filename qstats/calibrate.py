@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 from torch.nn.utils import parametrize
 
-from ._granularity import qparam_shape
+from ._granularity import TensorGroup, qparam_shape
 from ._qparams import QParams, check_calibrated, compute_qparams
 from ._quant import fake_quantize
 from .experts import (
@@ -34,6 +34,7 @@ from .experts import (
     stacked_qparams,
     warn_uncovered,
 )
+from .fused import fused_groups, fused_qparams
 from .recipe import PROJECTION_NAMES, Recipe
 from .tree import assert_same_structure
 
@@ -424,7 +425,9 @@ def _warn_unobserved(states: dict, sites: dict, modules: dict, seen_batches: int
     )
 
 
-def compute_qparams_tree(states: Mapping, recipe: Recipe, model: torch.nn.Module, **options) -> dict:
+def compute_qparams_tree(
+    states: Mapping, recipe: Recipe, model: torch.nn.Module, *, fuse: bool = True, **options
+) -> dict:
     """``{path: {site: QParams}}`` for a states tree, with each site's spec and ``qparams_kwargs``
     (``options`` override them).
 
@@ -432,6 +435,13 @@ def compute_qparams_tree(states: Mapping, recipe: Recipe, model: torch.nn.Module
     QParams field then has a leading expert dimension and ``calibrated`` is the coverage mask.
     Entries that saw no data follow ``spec.on_uncalibrated``: ValueError naming the module and site
     for ``"raise"``, scale 1 and zero point 0 with ``calibrated`` False for ``"fallback"``.
+
+    ``fuse`` (default True): two-level (NVFP4, `TensorGroup`) weights of sibling projections that
+    inference engines run as one matmul (q/k/v, gate/up: `qstats.fused.FUSED_LAYER_NAMES`) share
+    one global scale, that of their concatenated weights (`qstats.fused_qparams`), as
+    llm-compressor links their observers and as vLLM needs (it keeps one global scale per fused
+    matmul). A warning names a group whose members are not all such weights under one spec; their
+    global scales then stay their own.
     """
     sites = recipe.sites(model)
     out: dict = {}
@@ -452,7 +462,32 @@ def compute_qparams_tree(states: Mapping, recipe: Recipe, model: torch.nn.Module
                 except ValueError as error:
                     raise ValueError(f"{where}: {error}") from None
             out[path][site] = qparams
+    if fuse:
+        _share_global_scales(out, states, sites, model, options)
     return out
+
+
+def _share_global_scales(out: dict, states: Mapping, sites: dict, model: torch.nn.Module, options: dict) -> None:
+    """`compute_qparams_tree`'s ``fuse``: the weights of each fused group under one global scale."""
+    for group in fused_groups(model):
+        found = [sites.get(path, {}).get("weight") for path in group]
+        two_level = [f is not None and isinstance(f.spec.granularity, TensorGroup) for f in found]
+        if not any(two_level):
+            continue
+        observed = [path in states and "weight" in states[path] for path in group]
+        kinds = {(f.spec, f.rule.qparams_kwargs, f.num_experts) for f in found if f is not None}
+        if not (all(two_level) and all(observed) and len(kinds) == 1 and not found[0].num_experts):
+            warnings.warn(
+                f"compute_qparams_tree: {', '.join(group)} run as one matmul in inference engines (vLLM), which "
+                "need one NVFP4 (two-level) scheme on all of their weights and one global scale; these are not all "
+                "observed under one such spec, so each keeps its own global scale",
+                stacklevel=3,
+            )
+            continue
+        kwargs = {**dict(found[0].rule.qparams_kwargs), **options}
+        shared = fused_qparams([states[path]["weight"] for path in group], found[0].spec, **kwargs)
+        for path, qparams in zip(group, shared):
+            out[path]["weight"] = qparams
 
 
 class _FakeQuantParametrization(torch.nn.Module):

@@ -96,6 +96,7 @@ from ._qparams import QParams
 from ._quant import quantize
 from ._spec import QuantSpec
 from .experts import expert_count
+from .fused import fused_groups
 
 __all__ = ["compressed_tensors", "quantization_args"]
 
@@ -570,6 +571,7 @@ def compressed_tensors(
             stacklevel=2,
         )
     _warn_mixed_experts(schemes, expert_projection)
+    _warn_unshared_global_scales(model, qparams, specs)
 
     # Config groups: one per distinct (weights, input, output) combination.
     groups: dict[str, dict] = {}
@@ -834,6 +836,33 @@ def _warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
         )
 
 
+def _warn_unshared_global_scales(model: torch.nn.Module, qparams: Mapping, specs: Any) -> None:
+    """vLLM runs each fused group (q/k/v, gate/up: `qstats.fused.FUSED_LAYER_NAMES`) as one matmul
+    under one global scale (it keeps one of the group's): a warning names the groups whose
+    two-level (NVFP4) weights were given different global scales."""
+    unshared = []
+    for group in fused_groups(model):
+        scales = []
+        for path in group:
+            sites = qparams.get(path)
+            module_specs = specs.get(path) if isinstance(specs, Mapping) else None
+            if not (isinstance(sites, Mapping) and isinstance(module_specs, Mapping)):
+                continue
+            qp, spec = sites.get("weight"), module_specs.get("weight")
+            if isinstance(qp, QParams) and isinstance(spec, QuantSpec) and isinstance(spec.granularity, TensorGroup):
+                scales.append(qp.global_scale.detach().float().reshape(-1))
+        if len(scales) > 1 and not all(torch.equal(scales[0], other) for other in scales[1:]):
+            unshared.append("/".join(path.rsplit(".", 1)[-1] for path in group) + f" of {group[0].rsplit('.', 1)[0]!r}")
+    if unshared:
+        warnings.warn(
+            f"export.compressed_tensors: {len(unshared)} fused group(s) hold NVFP4 weights under different global "
+            f"scales ({', '.join(unshared[:4])}); vLLM runs each group as one matmul with one global scale, which "
+            "misreads the others' weights. qstats.compute_qparams_tree shares them (fuse=True, its default); "
+            "qstats.fused_qparams does it for a group",
+            stacklevel=3,
+        )
+
+
 def _allowed_formats(weight_args: dict) -> tuple:
     if weight_args["strategy"] == "tensor_group":
         return ("nvfp4-pack-quantized",)
@@ -845,9 +874,10 @@ def _allowed_formats(weight_args: dict) -> tuple:
 
 
 def _default_format(weights, inputs) -> str:
-    """compressed-tensors' own inference (``infer_module_format``): NVFP4 packs; integer weights
-    are ``int-quantized`` with quantized inputs, else ``pack-quantized``; fp8 weights are
-    ``float-quantized`` with quantized inputs, else ``naive-quantized``."""
+    """compressed-tensors' own inference (``infer_module_format``: the first compressor of its
+    priority list that takes the scheme): NVFP4 and MX pack; integer weights are
+    ``int-quantized`` with quantized inputs of any type (fp8 too), else ``pack-quantized``; fp8 weights are ``float-quantized`` with quantized inputs, else
+    ``naive-quantized``."""
     if weights is None:
         return "dense"
     if weights["strategy"] == "tensor_group":
@@ -855,9 +885,9 @@ def _default_format(weights, inputs) -> str:
     if weights.get("scale_dtype") == "torch.uint8":  # MX: e8m0 scales as uint8 exponents
         return "mxfp4-pack-quantized" if weights["num_bits"] == 4 else "mxfp8-quantized"
     if weights["type"] == "int":
-        if inputs is not None and not (inputs["type"] == "float"):
+        if inputs is not None:
             return "int-quantized"
-        return "pack-quantized"
+        return "pack-quantized"  # integer weights of up to 8 bits (`quantization_args` refuses wider)
     return "float-quantized" if inputs is not None else "naive-quantized"
 
 

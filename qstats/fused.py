@@ -31,7 +31,29 @@ from . import _formats
 from ._qparams import QParams, _rule_for, calibrated_mask, compute_qparams
 from ._spec import QuantSpec
 
-__all__ = ["fused_amax", "fused_global_scale", "fused_qparams"]
+__all__ = ["FUSED_LAYER_NAMES", "fused_amax", "fused_global_scale", "fused_groups", "fused_qparams"]
+
+# Sibling projections that inference engines run as one matmul, so that two-level (NVFP4) weights
+# of a group need one global scale: llm-compressor's ``FUSED_LAYER_NAMES`` (0.14), which links
+# the weight observers of every module that has all the names of a group.
+FUSED_LAYER_NAMES = (
+    ("gate_proj", "up_proj"),  # MLP / experts: fused gate_up_proj
+    ("q_proj", "k_proj", "v_proj"),  # attention: fused qkv_proj
+    ("q_a_proj", "kv_a_proj_with_mqa"),  # DeepSeek multi-latent attention: fused_qkv_a_proj
+    ("w1", "w3"),  # MoE experts named w1/w2/w3
+)
+
+
+def fused_groups(model: torch.nn.Module) -> list:
+    """The module paths of each fused group of ``model`` (`FUSED_LAYER_NAMES`): for every module
+    that has child modules of all the names of a group, their paths, in the group's order."""
+    groups = []
+    for path, module in model.named_modules():
+        children = dict(module.named_children())
+        for names in FUSED_LAYER_NAMES:
+            if all(name in children for name in names):
+                groups.append(tuple(f"{path}.{name}" if path else name for name in names))
+    return groups
 
 
 def _amax_of(state, spec: QuantSpec, **options) -> torch.Tensor:

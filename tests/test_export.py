@@ -10,6 +10,7 @@ must equal ours bit for bit, and our scales must equal compressed-tensors' own
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import warnings
@@ -617,3 +618,125 @@ def test_nonfinite_weights_raise(tmp_path, value):
         model.fc2.weight[0, 1] = value
     with pytest.raises(ValueError, match="fc2/weight: 1 of .* weights are NaN or infinite"):
         qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+
+
+# --------------------------------------------------------------------------------------------
+# fused groups (q/k/v, gate/up): one NVFP4 global scale, as llm-compressor links its observers
+
+
+def _llm_compressor_fused_weight_qparams(model, args):
+    """llm-compressor's own weight calibration of every Linear but lm_head: its weight observer
+    on each module, linked by its ``fuse_weight_observers`` (q/k/v and gate/up share the global
+    scale), then each observer's ``get_qparams``."""
+    observers = pytest.importorskip("llmcompressor.observers")
+    helpers = pytest.importorskip("llmcompressor.observers.helpers")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    for module in linears.values():
+        module.weight_observer = observers.Observer.load_from_registry(
+            "memoryless_minmax", base_name="weight", args=args
+        )
+    helpers.fuse_weight_observers(model)
+    out = {}
+    for name, module in linears.items():
+        module.weight_observer(module.weight)
+        out[name] = module.weight_observer.get_qparams()
+    for module in linears.values():
+        del module.weight_observer
+    return out
+
+
+def test_nvfp4_fused_groups_share_llm_compressors_global_scale(tmp_path):
+    """compute_qparams_tree gives q/k/v and gate/up one global scale, llm-compressor's (its
+    ``fuse_weight_observers``), and with it llm-compressor's fp8 group scales; the exported
+    checkpoint holds them. Without fusing, the scales differ from llm-compressor's and the export
+    warns."""
+    pytest.importorskip("transformers")
+    model = _llama()
+    with torch.no_grad():  # projections of different ranges, so that fusing changes something
+        for index, layer in enumerate(model.model.layers):
+            layer.self_attn.k_proj.weight.mul_(3.0 + index)
+            layer.mlp.up_proj.weight.mul_(0.25)
+    args = NVFP4["weights"]
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=spec)], ignore=["lm_head"])
+    states = qstats.calibrate(model, [], recipe, progress=False)
+    reference = _llm_compressor_fused_weight_qparams(model, args)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    unfused = qstats.compute_qparams_tree(states, recipe, model, fuse=False)
+    assert sorted(qparams) == sorted(reference)
+    differs = 0
+    for name, theirs in reference.items():
+        ours = qparams[name]["weight"]
+        assert torch.equal(ours.global_scale.reshape(1), theirs["global_scale"].reshape(1)), name
+        assert torch.equal(ours.scale, theirs["scale"].float().reshape(ours.scale.shape)), name
+        differs += not torch.equal(unfused[name]["weight"].global_scale.reshape(1), theirs["global_scale"].reshape(1))
+    assert differs >= 4  # k_proj, v_proj or up_proj of each layer had their own
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # shared scales: no warning
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path / "fused"), recipe)
+    written = load_file(os.path.join(str(tmp_path / "fused"), "model.safetensors"))
+    for name, theirs in reference.items():
+        assert torch.equal(written[f"{name}.weight_global_scale"], theirs["global_scale"].reshape(1).float()), name
+    with pytest.warns(UserWarning, match="different global scales"):
+        qstats.export.compressed_tensors(model, unfused, str(tmp_path / "unfused"), recipe)
+
+
+def test_fused_group_under_mixed_schemes_warns():
+    """A group whose members are not all NVFP4 under one spec keeps its own global scales, with a
+    warning naming the group (llm-compressor refuses it; vLLM needs one scheme per fused matmul)."""
+    pytest.importorskip("transformers")
+    model = _llama()
+    nvfp4 = qstats.QuantSpec.from_compressed_tensors(NVFP4["weights"])
+    int8 = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(0))
+    recipe = qstats.Recipe(
+        [qstats.Rule("re:.*v_proj", sites=("weight",), spec=int8), qstats.Rule("Linear", sites=("weight",), spec=nvfp4)],
+        ignore=["lm_head"],
+    )
+    states = qstats.calibrate(model, [], recipe, progress=False)
+    with pytest.warns(UserWarning, match=r"model\.layers\.0\.self_attn\.q_proj, .*v_proj run as one matmul"):
+        qparams = qstats.compute_qparams_tree(states, recipe, model)
+    for path in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"):
+        alone = qstats.compute_qparams(states[path]["weight"], nvfp4)
+        assert torch.equal(qparams[path]["weight"].global_scale, alone.global_scale)
+
+
+def test_default_format_is_the_one_compressed_tensors_infers():
+    """The export's default format of a Linear is what compressed-tensors' own
+    ``infer_module_format`` gives its scheme, for every pair of weight and input specs (int
+    weights under fp8 inputs included: W4AFP8 is ``int-quantized``)."""
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from qstats.export import _default_format, quantization_args
+
+    spec = qstats.QuantSpec
+    weights = {
+        "int4-group": spec(dtype="int4", mapping="symmetric", granularity=qstats.PerGroup(32)),
+        "int4-asym-channel": spec(dtype="int4", mapping="asymmetric", granularity=qstats.PerAxis(0)),
+        "int8-channel": spec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(0)),
+        "fp8-channel": spec(dtype="fp8_e4m3fn", mapping="symmetric", granularity=qstats.PerAxis(0)),
+        "nvfp4": qstats.QuantSpec.from_compressed_tensors(NVFP4["weights"]),
+        "mxfp4": qstats.QuantSpec.from_compressed_tensors(MXFP4["weights"]),
+        "mxfp8": qstats.QuantSpec.from_compressed_tensors(MXFP8["weights"]),
+    }
+    inputs = {
+        "none": None,
+        "int8-tensor": spec(dtype="int8", mapping="asymmetric"),
+        "int8-token": spec(dtype="int8", mapping="symmetric", granularity=qstats.PerToken()),
+        "fp8-tensor": spec(dtype="fp8_e4m3fn", mapping="symmetric"),
+        "fp8-token": spec(dtype="fp8_e4m3fn", mapping="symmetric", granularity=qstats.PerToken()),
+        "nvfp4": qstats.QuantSpec.from_compressed_tensors(NVFP4["input_activations"]),
+    }
+    checked = set()
+    for (w_name, w_spec), (i_name, i_spec) in itertools.product(weights.items(), inputs.items()):
+        w_args = quantization_args(w_spec, "weight")
+        i_args = None if i_spec is None else quantization_args(i_spec, "input")
+        scheme = QuantizationScheme(
+            targets=["Linear"], weights=QuantizationArgs.model_validate(w_args),
+            input_activations=None if i_args is None else QuantizationArgs.model_validate(i_args),
+        )
+        theirs = infer_module_format(torch.nn.Linear, scheme).value
+        assert _default_format(w_args, i_args) == theirs, (w_name, i_name)
+        checked.add(theirs)
+    assert checked >= {"int-quantized", "pack-quantized", "naive-quantized", "float-quantized", "nvfp4-pack-quantized"}
