@@ -137,11 +137,17 @@ def _update(found, path: str, site: str, previous, x: torch.Tensor, weight):
     try:
         return found.observer.update(previous, x, weight)
     except (ValueError, TypeError) as error:
-        try:
-            renamed = type(error)(f"calibrate: module {path!r} site {site!r}: {error}")
-        except Exception:  # a subclass built from other arguments: the original, unchanged
-            raise error from None
-        raise renamed from error
+        _raise_renamed(error, path, site)
+
+
+def _raise_renamed(error: Exception, path: str, site: str):
+    """Raises ``error`` with the module and site in front of its message (the error itself where
+    its type is built from other arguments)."""
+    try:
+        renamed = type(error)(f"calibrate: module {path!r} site {site!r}: {error}")
+    except Exception:
+        raise error from None
+    raise renamed from error
 
 
 def _check_resumed(states: dict, sites: dict) -> None:
@@ -253,7 +259,11 @@ def calibrate(
                             f"of that parameter (shape {tuple(value.shape)}): {error}"
                         ) from None
                     continue
-                states.setdefault(path, {})[site] = found.observer.update(found.observer.init(value), value)
+                try:
+                    initial = found.observer.init(value)
+                except (ValueError, TypeError) as error:
+                    _raise_renamed(error, path, site)
+                states.setdefault(path, {})[site] = _update(found, path, site, initial, value, None)
 
     current_weight: list = [None]
 

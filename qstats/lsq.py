@@ -27,8 +27,13 @@ narrow targets).
 
 One documented difference: for a per-tensor zero point, torch's backward kernel rounds the zero
 point as ``trunc(clamp(zero_point + 0.5))`` while its forward uses ``round(zero_point)``; the two
-differ for negative non-integer zero points and at exact halves. qstats uses the forward's zero
-point in the gradient too (the gradient of the function actually computed).
+differ at exact halves and for every zero point at or below -0.5, negative integers included
+(torch's backward takes one step towards zero there: -1 is 0, -3 is -2), which covers the usual
+signed asymmetric range (int8 over mostly positive values has zero points near -128). There
+torch.ao's scale and input gradients are those of another zero point than its forward's. qstats
+uses the forward's zero point in the gradient too (the gradient of the function actually
+computed); a test checks that it equals torch's gradient at a zero point both of torch's
+roundings agree on.
 """
 
 from __future__ import annotations

@@ -223,6 +223,16 @@ def test_bad_input_is_named():
         recipe.observers({"nothing": {"weight": states["0"]["weight"]}}, model)
 
 
+def test_a_weight_the_spec_cannot_observe_is_named():
+    """A parameter site's error (here a block that does not divide the weight) names the module
+    and site, as activation sites' errors do."""
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 64))
+    spec = qstats.QuantSpec(dtype="fp8_e4m3fn", mapping="symmetric", granularity=qstats.PerBlock((128, 128)))
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=spec)])
+    with pytest.raises(ValueError, match=r"calibrate: module '1' site 'weight': PerBlock block rows 128"):
+        qstats.calibrate(model, [], recipe, progress=False)
+
+
 def test_uncalibrated_site_raises_naming_it_or_falls_back():
     model = _model()
     nan_batches = [torch.full((2, 6), torch.nan)]

@@ -273,3 +273,26 @@ def test_signed_compressed_tensors_specs_are_read_as_torch_reads_them():
     params = qstats.lsq_init(observer.update(observer.init(x), x), spec)
     expected = torch.fake_quantize_per_tensor_affine(x, params.scale, params.zero_point.int(), -128, 127)
     torch.testing.assert_close(qstats.lsq_fake_quantize(x, params, spec), expected, **TOL)
+
+
+@pytest.mark.parametrize("zero_point", [-2.0, -4.0, -100.0, -128.0])
+def test_negative_zero_points_differentiate_the_forward(zero_point):
+    """torch's per-tensor backward rounds the zero point as trunc(z + 0.5), its forward as
+    round(z): for negative integers the backward reads z + 1. qstats' gradient is that of its
+    forward: it equals torch's at z - 0.5, where both of torch's roundings give z (round half to
+    even of an odd half lands on the even z), and differs from torch's at z itself."""
+    g = torch.Generator().manual_seed(int(-zero_point))
+    spec = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
+    qmin, qmax = spec.qrange
+    x = torch.rand(6, 9, generator=g) * 6.2 - 0.2  # mostly positive, and wide enough that some codes clip
+    dy = torch.randn(6, 9, generator=g)
+    scale = torch.tensor(0.02)
+    factor = 1.0 / (x.numel() * qmax) ** 0.5
+    assert torch.round(torch.tensor(zero_point - 0.5)) == zero_point == torch.trunc(torch.tensor(zero_point))
+    ours = _grads_qstats(x, scale, torch.tensor(zero_point), spec, dy)
+    agreeing = _grads_torch(x, scale, torch.tensor(zero_point - 0.5), qmin, qmax, factor, dy)
+    for a, b in zip(ours, agreeing):
+        torch.testing.assert_close(a.reshape(b.shape), b, **TOL)
+    at_z = _grads_torch(x, scale, torch.tensor(zero_point), qmin, qmax, factor, dy)
+    assert torch.equal(ours[0], at_z[0].reshape(ours[0].shape))  # the same forward
+    assert not torch.allclose(ours[2].reshape(-1), at_z[2].reshape(-1), rtol=1e-4, atol=1e-6)  # another backward
