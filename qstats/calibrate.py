@@ -35,7 +35,8 @@ from .experts import (
     warn_uncovered,
 )
 from .fused import fused_groups, fused_qparams
-from .recipe import PROJECTION_NAMES, Recipe
+from .observers import memoryless_minmax
+from .recipe import PROJECTION_NAMES, Recipe, runtime_scaled
 from .tree import assert_same_structure
 
 __all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "run_model"]
@@ -315,7 +316,7 @@ def calibrate(
         previous = states.setdefault(path, {}).get(site)
         if previous is None:
             previous = found.observer.init(x)
-        x, weight = _drop_masked_rows(x, weight, found.spec)
+        x, weight = _drop_masked_rows(x, weight, found.observer.spec or found.spec)  # the spec it observes under
         states[path][site] = _update(found, path, site, previous, x, weight)
 
     handles = []
@@ -452,17 +453,29 @@ def compute_qparams_tree(
     llm-compressor links their observers and as vLLM needs (it keeps one global scale per fused
     matmul). A warning names a group whose members are not all such weights under one spec; their
     global scales then stay their own.
+
+    Activation sites whose scales come at run time (`qstats.recipe.runtime_scaled`: per-token and
+    per-group specs, compressed-tensors' dynamic activations) get None: nothing is calibrated
+    (`qstats.export` writes them as dynamic, `fake_quantized` computes their scales from each
+    tensor). Those of two-level (NVFP4) specs get QParams whose global scale is calibrated (from
+    the whole range their state holds; the scale is that of a group reaching it), their group
+    scales coming at run time.
     """
     sites = recipe.sites(model)
+    modules = dict(model.named_modules())
     out: dict = {}
     for path, entry in states.items():
         out[path] = {}
+        params = dict(modules[path].named_parameters(recurse=False)) if path in modules else {}
         for site, state in entry.items():
             found = sites.get(path, {}).get(site)
             if found is None:
                 raise ValueError(f"compute_qparams_tree: the recipe observes no site {site!r} of module {path!r}")
             kwargs = {**dict(found.rule.qparams_kwargs), **options}
             where = f"compute_qparams_tree[{path!r}][{site!r}]"
+            if site not in params and runtime_scaled(found.spec) and not isinstance(found.spec.granularity, TensorGroup):
+                out[path][site] = None  # scales at run time: nothing calibrated
+                continue
             if found.num_experts:
                 qparams = stacked_qparams(state, found.spec, **kwargs)
                 check_calibrated(qparams.calibrated, found.spec, where=where)
@@ -500,6 +513,17 @@ def _share_global_scales(out: dict, states: Mapping, sites: dict, model: torch.n
             out[path]["weight"] = qparams
 
 
+def runtime_qparams(x: torch.Tensor, spec, calibrated: Optional[QParams] = None) -> QParams:
+    """The QParams of an activation site whose scales come at run time (`runtime_scaled`) for the
+    tensor ``x``: those of ``memoryless_minmax(spec)`` over ``x`` (compressed-tensors' dynamic
+    per-token and per-group scales), under ``calibrated``'s global scale for a two-level spec."""
+    observer = memoryless_minmax(spec)
+    extra = {}
+    if calibrated is not None and isinstance(spec.granularity, TensorGroup):
+        extra["global_scale"] = calibrated.global_scale
+    return compute_qparams(observer.update(observer.init(x), x), spec, **extra)
+
+
 class _FakeQuantParametrization(torch.nn.Module):
     def __init__(self, qparams: QParams, spec, num_experts: int):
         super().__init__()
@@ -521,17 +545,23 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Recipe):
     `qstats.fake_quantize` (straight-through gradient, usable for QAT); ``input``/``output``/
     ``q``/``k``/``v`` sites get forward hooks that fake-quantize the tensor. Everything is removed
     on exit, leaving the float parameters unchanged. Per-expert activation sites of stacked experts
-    are not applied (they would need the experts' own forward).
+    are not applied (they would need the experts' own forward). Activation sites whose scales come
+    at run time (`qstats.recipe.runtime_scaled`; their qparams may be None) compute them from each
+    tensor, as compressed-tensors' dynamic activations do: a ``memoryless_minmax`` of the tensor
+    under the site's spec, two-level (NVFP4) group scales under the calibrated global scale.
     """
     sites = recipe.sites(model)
     modules = dict(model.named_modules())
     handles = []
     parametrized = []
 
-    def quantize_activation(x, qp, spec):
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return fake_quantize(x, qp, spec)
-        return x
+    def activation_quantizer(qp, spec, runtime: bool) -> Callable[[Any], Any]:
+        def quantize(x):
+            if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+                return x
+            return fake_quantize(x, runtime_qparams(x, spec, qp) if runtime else qp, spec)
+
+        return quantize
 
     try:
         for path, entry in qparams.items():
@@ -544,6 +574,9 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Recipe):
                 if found is None:
                     raise ValueError(f"fake_quantized: the recipe observes no site {site!r} of module {path!r}")
                 spec = found.spec
+                runtime = site not in params and runtime_scaled(spec)
+                if qp is None and not runtime:
+                    raise ValueError(f"fake_quantized: qparams[{path!r}][{site!r}] is None; its spec needs QParams")
                 if site in params:
                     parametrize.register_parametrization(
                         module, site, _FakeQuantParametrization(qp, spec, found.num_experts), unsafe=True
@@ -555,23 +588,23 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Recipe):
                     # the tensor calibrate observed (`_input_tensor`): the first positional
                     # argument, or the hidden states passed by keyword
 
-                    def pre_hook(module, args, kwargs, qp=qp, spec=spec):
-                        return _replace_input_tensor(args, kwargs, lambda x: quantize_activation(x, qp, spec))
+                    def pre_hook(module, args, kwargs, quantize=activation_quantizer(qp, spec, runtime)):
+                        return _replace_input_tensor(args, kwargs, quantize)
 
                     handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
                 elif site == "output":
                     # the tensor calibrate observed (`_first_tensor`), also inside a tuple output
 
-                    def post_hook(module, args, output, qp=qp, spec=spec):
-                        return _replace_first_tensor(output, lambda x: quantize_activation(x, qp, spec))[0]
+                    def post_hook(module, args, output, quantize=activation_quantizer(qp, spec, runtime)):
+                        return _replace_first_tensor(output, quantize)[0]
 
                     handles.append(module.register_forward_hook(post_hook))
                 else:
                     children = dict(module.named_children())
                     child = next(children[name] for name in PROJECTION_NAMES[site] if name in children)
 
-                    def child_hook(child, args, output, qp=qp, spec=spec):
-                        return quantize_activation(output, qp, spec)
+                    def child_hook(child, args, output, quantize=activation_quantizer(qp, spec, runtime)):
+                        return quantize(output)
 
                     handles.append(child.register_forward_hook(child_hook))
         yield model

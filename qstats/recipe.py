@@ -17,10 +17,11 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
+from ._granularity import PerGroup, PerTensor, PerToken, TensorGroup
 from ._spec import QuantSpec
 from .observers import Observer, minmax
 
-__all__ = ["Rule", "Recipe", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES"]
+__all__ = ["Rule", "Recipe", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES", "runtime_scaled"]
 
 ACTIVATION_SITES = ("input", "output", "q", "k", "v")
 
@@ -126,9 +127,10 @@ class Rule:
         object.__setattr__(self, "observer_kwargs", _freeze(self.observer_kwargs, "observer_kwargs"))
         object.__setattr__(self, "qparams_kwargs", _freeze(self.qparams_kwargs, "qparams_kwargs"))
 
-    def make_observer(self) -> Observer:
-        """The observer of one tensor: ``observer(spec, **observer_kwargs)``."""
-        obs = self.observer(self.spec, **dict(self.observer_kwargs))
+    def make_observer(self, spec: Optional[QuantSpec] = None) -> Observer:
+        """The observer of one tensor: ``observer(spec, **observer_kwargs)`` (the rule's spec by
+        default)."""
+        obs = self.observer(self.spec if spec is None else spec, **dict(self.observer_kwargs))
         if not isinstance(obs, Observer):
             raise TypeError(f"Rule.observer {self.observer!r} returned {type(obs).__name__}, not an Observer")
         return obs
@@ -140,7 +142,9 @@ class Site(NamedTuple):
     Attributes:
       rule: the Rule that matched.
       observer: the Observer for this state; for stacked experts already vmapped over the
-        leading expert dimension (see `qstats.stacked_observer`).
+        leading expert dimension (see `qstats.stacked_observer`). For an activation site whose
+        scales come at run time (`runtime_scaled`: per-token, per-group, two-level specs) it
+        observes the whole tensor's range, under the spec made per tensor.
       spec: the spec of one tensor (one expert's tensor for stacked experts).
       num_experts: the leading expert dimension of the state, 0 when not stacked.
     """
@@ -149,6 +153,17 @@ class Site(NamedTuple):
     observer: Observer
     spec: QuantSpec
     num_experts: int
+
+
+def runtime_scaled(spec: QuantSpec) -> bool:
+    """Whether an activation site under ``spec`` gets its scales at run time, from each tensor
+    (compressed-tensors' dynamic activations, as `qstats.export` writes them): per-token and
+    per-group scales, and the group scales of a two-level (NVFP4) spec, whose global scale alone
+    is calibrated. Such sites are observed per tensor (`Recipe.sites`): a per-token state would be
+    shaped by the first batch's length; `qstats.compute_qparams_tree` gives None for them, or for
+    a two-level spec QParams holding the calibrated global scale, and `qstats.fake_quantized`
+    computes their scales from each tensor."""
+    return isinstance(spec.granularity, (PerToken, PerGroup, TensorGroup))
 
 
 def _child_projection(module: torch.nn.Module, site: str) -> Optional[torch.nn.Module]:
@@ -232,7 +247,10 @@ class Recipe:
                         stacked = num_experts
                     elif site != "output":
                         continue
-                    obs = rule.make_observer()
+                    # an activation site whose scales are computed at run time from each tensor
+                    # observes its whole range: its state is the same for batches of any length
+                    runtime = site not in params and runtime_scaled(rule.spec)
+                    obs = rule.make_observer(rule.spec.replace(granularity=PerTensor()) if runtime else None)
                     if stacked:
                         obs = stacked_observer(obs, stacked)
                     entry[site] = Site(rule, obs, rule.spec, stacked)

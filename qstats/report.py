@@ -21,8 +21,8 @@ import torch
 
 from ._granularity import broadcast_to_view, canonical_view
 from ._quant import _codes_float, fake_quantize
-from .calibrate import _first_tensor, _input_tensor, run_model
-from .recipe import PROJECTION_NAMES, Recipe
+from .calibrate import _first_tensor, _input_tensor, run_model, runtime_qparams
+from .recipe import PROJECTION_NAMES, Recipe, runtime_scaled
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
 
@@ -50,10 +50,10 @@ class LayerReport:
     experts: int
     min: Optional[float]
     max: Optional[float]
-    mean_scale: float
+    mean_scale: Optional[float]
     clipped_fraction: Optional[float]
     sqnr_db: Optional[float]
-    coverage: float
+    coverage: Optional[float]
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in COLUMNS}
@@ -252,10 +252,11 @@ def report(
                     experts=found.num_experts if found is not None else 0,
                     min=_extreme(state, "min_val", torch.min),
                     max=_extreme(state, "max_val", torch.max),
-                    mean_scale=float(qp.scale.float().mean()),
+                    # None for a site whose scales come at run time (`compute_qparams_tree` gives no QParams)
+                    mean_scale=float(qp.scale.float().mean()) if qp is not None else None,
                     clipped_fraction=error.clipped_fraction() if error is not None else None,
                     sqnr_db=error.sqnr_db() if error is not None else None,
-                    coverage=float(qp.calibrated.float().mean()),
+                    coverage=float(qp.calibrated.float().mean()) if qp is not None else None,
                 )
             )
     return Report(tuple(rows))
@@ -268,14 +269,17 @@ def _measure_activations(model, qparams, sites, modules, batches, observation_we
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         found = sites[path][site]
+        qp = qparams[path][site]
+        if runtime_scaled(found.spec):  # scales from each tensor, as `fake_quantized` applies them
+            qp = runtime_qparams(x, found.spec, qp)
         weight = current_weight[0]
         if weight is not None and weight.ndim <= x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
             # padding is left out of every measured number (zero is not representable with a float
             # zero point, and its code may fall outside the range)
             keep = weight.to(x.device).reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)) != 0
-            errors.setdefault((path, site), _Error()).add(*tensor_error(x, qparams[path][site], found.spec, keep))
+            errors.setdefault((path, site), _Error()).add(*tensor_error(x, qp, found.spec, keep))
             return
-        errors.setdefault((path, site), _Error()).add(*tensor_error(x, qparams[path][site], found.spec))
+        errors.setdefault((path, site), _Error()).add(*tensor_error(x, qp, found.spec))
 
     handles = []
     for path, entry in qparams.items():

@@ -141,14 +141,11 @@ def test_observation_weight_leaves_padding_out(granularity):
     )
     state = states["proj"]["input"]
     kept = x[mask.bool()]
-    if isinstance(granularity, qstats.PerTensor):
-        assert float(state.max_val) == float(kept.max()) and float(state.min_val) == float(kept.min())
-    elif isinstance(granularity, qstats.PerAxis):
+    if isinstance(granularity, qstats.PerAxis):
         assert torch.equal(state.max_val, kept.amax(0)) and torch.equal(state.min_val, kept.amin(0))
-    else:
-        expected_max = torch.where(mask.bool(), x.amax(-1), torch.tensor(-torch.inf))
-        assert torch.equal(state.max_val, expected_max)
-        assert torch.equal(state.count > 0, mask.bool())
+    else:  # per tensor; per-token scales come at run time, and the state holds the kept tokens' range
+        assert float(state.max_val) == float(kept.max()) and float(state.min_val) == float(kept.min())
+        assert int(state.count) == kept.numel()
 
 
 def test_q_k_v_sites_observe_projection_outputs():
@@ -325,3 +322,70 @@ def test_minilm_example_smoke(tmp_path):
     for row in results:
         assert 0.9 < row["cosine_mean"] <= 1.0 + 1e-6
     assert (tmp_path / "quantize_minilm_report.csv").exists()
+
+
+def _preset_recipe(name):
+    presets = pytest.importorskip("compressed_tensors.quantization.quant_scheme").PRESET_SCHEMES
+    scheme = presets[name]
+    weights = qstats.QuantSpec.from_compressed_tensors(scheme["weights"])
+    inputs = qstats.QuantSpec.from_compressed_tensors(scheme["input_activations"])
+    recipe = qstats.Recipe(
+        [qstats.Rule("Linear", sites=("weight",), spec=weights), qstats.Rule("Linear", sites=("input",), spec=inputs)]
+    )
+    return scheme, recipe
+
+
+@pytest.mark.parametrize("name", ["FP8_DYNAMIC", "W8A8", "NVFP4"])
+def test_dynamic_activation_presets_calibrate_batches_of_any_length(name):
+    """compressed-tensors' dynamic activations (per-token FP8/INT8, NVFP4's group scales) take
+    their scales at run time: calibration over sequences of different lengths works (a per-token
+    state used to be shaped by the first batch), per-token sites get no QParams, an NVFP4 input
+    gets llm-compressor's calibrated global scale, and `fake_quantized` quantizes each tensor as
+    compressed-tensors' own dynamic quantization does."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    observers = pytest.importorskip("llmcompressor.observers")
+    scheme, recipe = _preset_recipe(name)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
+    batches = [torch.randn(1, 5, 64), 3 * torch.randn(1, 7, 64), torch.randn(2, 3, 64)]
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    args = scheme["input_activations"]
+    if args.dynamic is True:
+        assert qparams["0"]["input"] is None
+    else:  # NVFP4: the global scale of every batch's range, as llm-compressor's observer gives it
+        observer = observers.Observer.load_from_registry(args.observer, base_name="input", args=args)
+        for x in batches:
+            observer(x)
+        assert torch.equal(qparams["0"]["input"].global_scale.reshape(1), observer.get_qparams()["global_scale"])
+    x = 2 * torch.randn(1, 9, 64)  # yet another length
+    seen = []
+    with qstats.fake_quantized(model, qparams, recipe):  # a hook registered after its own sees its input
+        handle = model[0].register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0]))
+        model(x)
+    handle.remove()
+    global_scale = None if args.dynamic is True else qparams["0"]["input"].global_scale.reshape(1)
+    scale, zero_point = compute_dynamic_scales_and_zp(x, args, model[0], global_scale=global_scale)
+    expected = ct_fake_quantize(x, scale, zero_point, args, global_scale=global_scale)
+    assert torch.equal(seen[0], expected)
+
+
+def test_dynamic_activation_sites_export_as_dynamic(tmp_path):
+    """W8A8 calibrated on sequences of different lengths exports its inputs as dynamic per-token
+    args with no input tensors (compressed-tensors' own preset)."""
+    import json
+
+    scheme, recipe = _preset_recipe("W8A8")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
+    states = qstats.calibrate(model, [torch.randn(1, 5, 64), torch.randn(1, 7, 64)], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    with open(tmp_path / "config.json") as file:
+        config = json.load(file)["quantization_config"]
+    (group,) = config["config_groups"].values()
+    assert group["input_activations"]["dynamic"] is True and group["input_activations"]["strategy"] == "token"
+    from safetensors.torch import load_file
+
+    assert not [name for name in load_file(str(tmp_path / "model.safetensors")) if name.startswith("0.input")]

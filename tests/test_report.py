@@ -113,10 +113,10 @@ def test_report_without_model_and_bad_arguments():
 
 def test_uncovered_coverage_reported():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
-    spec = qstats.QuantSpec(granularity=qstats.PerToken(), on_uncalibrated="fallback")
+    spec = qstats.QuantSpec(granularity=qstats.PerAxis(0), on_uncalibrated="fallback")
     recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=spec)])
     x = torch.randn(4, 4)
-    x[1] = torch.nan  # one token with no finite value
+    x[1] = torch.nan  # one row (a set of qparams) with no finite value
     states = qstats.calibrate(model, [x], recipe, progress=False)
     qparams = qstats.compute_qparams_tree(states, recipe, model)
     rep = qstats.report(states, qparams)
