@@ -1,5 +1,8 @@
 """qstats.mse against llm-compressor's memoryless_mse and mse observers (the real library)."""
 
+import functools
+import itertools
+
 import pytest
 import torch
 
@@ -41,15 +44,16 @@ def test_one_batch_equals_memoryless_mse_without_early_stopping(fields):
 
 @pytest.mark.parametrize("fields", WEIGHT_ARGS[:2], ids=["channel", "group"])
 def test_patience_reproduces_llm_compressor_early_stopping(fields):
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(16, 64, generator=g)
-    for patience in (1, 3, 5):
+    # patience 0: llm-compressor stops at the first step that improves nothing, as with 1
+    for seed, patience in itertools.product(range(4), (0, 1, 3, 5)):
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(16, 64, generator=g)
         args = QuantizationArgs(**fields, observer="memoryless_mse", observer_kwargs={"patience": patience, "grid": 50, "maxshrink": 0.5})
         spec = qstats.QuantSpec.from_compressed_tensors(args)
         scale, _ = _llmc(args, "weight", [w])
         obs = qstats.mse(spec, grid=50, maxshrink=0.5)
         qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec, patience=patience)
-        assert torch.equal(qp.scale, scale.reshape(qp.scale.shape)), patience
+        assert torch.equal(qp.scale, scale.reshape(qp.scale.shape)), (seed, patience)
 
 
 def test_streaming_with_a_reference_equals_one_search_over_all_data():
@@ -252,3 +256,22 @@ def test_patience_given_to_an_accumulating_search_raises(patience):
     with pytest.raises(ValueError, match=r"compute_qparams\(state, spec, patience="):
         qstats.mse(spec, patience=patience)
     qstats.mse(spec, mode="moving_average", patience=patience)  # where it applies
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_compute_specs_declare_no_exact_merge(dtype):
+    """A compressed-tensors spec computing in bf16/fp16 rounds each update's error sums to that
+    dtype (llm-compressor's arithmetic for one batch), so a search over merged batches depends on
+    the split (seed 13: another choice of scale): ``exact`` is False there, True in float32."""
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="tensor", observer="memoryless_mse")
+    minmax = qstats.minmax(qstats.QuantSpec.from_compressed_tensors(args))
+    w32 = torch.randn(8, 64, generator=torch.Generator().manual_seed(13))
+    reference = minmax.update(minmax.init(w32), w32)
+    assert qstats.mse(qstats.QuantSpec.from_compressed_tensors(args), reference=reference).exact
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
+    obs = qstats.mse(spec, reference=reference)
+    assert not obs.exact
+    w = w32.to(dtype)
+    whole = obs.update(obs.init(w), w)
+    merged = functools.reduce(obs.merge, [obs.update(obs.init(w), row) for row in w.split(1)])
+    assert not torch.allclose(whole.loss, merged.loss, rtol=1e-5, atol=0)  # the law exact would promise

@@ -122,7 +122,9 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
     column's importance. Without usable importance data (None, no rows seen, all zeros, or not
     finite in float32) the search is uniform, as llm-compressor's fallback. Candidates: ``1 - i / grid`` for ``i <= max(1, int(maxshrink * grid))``.
     Other keyword arguments go to `qstats.mse` (``reference``, ``mode``, ...). Pass
-    ``patience=5`` to ``compute_qparams`` for llm-compressor's early stopping.
+    ``patience=5`` to ``compute_qparams`` for llm-compressor's early stopping (its imatrix
+    observer reads ``patience=0`` as no early stopping, which is ``patience=None`` here: qstats'
+    0 stops as llm-compressor's plain mse observers do).
     """
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"imatrix_mse: expected a QuantSpec, got {type(spec).__name__}")

@@ -226,8 +226,11 @@ def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, erro
 
 def _first_minimum(loss: torch.Tensor, patience: Optional[int]) -> torch.Tensor:
     """Index of the chosen candidate per parameter: the first minimum, optionally restricted to
-    the candidates llm-compressor evaluates before its early stop (``patience``)."""
-    if patience is not None and patience > 0:
+    the candidates llm-compressor evaluates before its early stop (``patience``: it stops at the
+    first step that improves no parameter once ``patience`` such steps ran in a row, so 0 stops
+    there as 1 does)."""
+    if patience is not None:
+        patience = max(patience, 1)
         steps = loss.shape[-1]
         flat = loss.reshape(-1, steps)  # (params, C)
         running = torch.cummin(flat, dim=-1).values
@@ -297,7 +300,9 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
       steps: number of candidates (overrides ``int(maxshrink * grid)``).
 
     Laws: identity, associativity and commutativity (losses to float tolerance); homomorphism
-    when states share the reference (``exact`` is True when ``reference`` is given).
+    when states share the reference (``exact`` is True when ``reference`` is given, except for
+    compressed-tensors specs computing in bf16/fp16, whose error sums are rounded to that dtype
+    per update, as llm-compressor rounds one batch's).
     """
     _check_args(spec, maxshrink, grid, norm, steps)
     if mode not in ("accumulate", "moving_average"):
@@ -385,7 +390,10 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
             a.nonfinite + b.nonfinite,
         )
 
-    return Observer(init_fn, update_fn, merge_fn, exact=reference is not None, spec=spec, name="mse")
+    # bf16/fp16 compressed-tensors specs round each update's error sums to the input's dtype, as
+    # llm-compressor forms one batch's: sums of rounded batches are not the rounded sum of all
+    exact = reference is not None and spec.compute_dtype == "float32"
+    return Observer(init_fn, update_fn, merge_fn, exact=exact, spec=spec, name="mse")
 
 
 def _moving_average(spec, factors, norm, expand, constant, patience, observe):
