@@ -1,6 +1,8 @@
 """qstats.moments against direct numpy computations on the concatenated data."""
 
 import numpy as np
+import math
+
 import pytest
 import torch
 
@@ -86,6 +88,9 @@ def test_bad_input():
     state = obs.update(obs.init(torch.ones(3)), torch.ones(3))
     with pytest.raises(ValueError, match="method"):
         qstats.compute_qparams(state, spec, method="sigma")
+    for k in (0, -1.0, math.inf, math.nan):  # k=inf gave NaN ranges ("uncalibrated") or 1e36 scales
+        with pytest.raises(ValueError, match="k must be a positive finite number"):
+            qstats.compute_qparams(state, spec, method="mean_std", k=k)
     with pytest.raises(TypeError, match="p="):
         qstats.compute_qparams(state, spec, method="lp")
     per_axis = qstats.moments(qstats.QuantSpec(granularity=qstats.PerAxis(0)))

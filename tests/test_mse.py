@@ -151,6 +151,9 @@ def test_bad_input():
         qstats.mse(spec, maxshrink=0.001, grid=10)
     with pytest.raises(ValueError, match="mode"):
         qstats.mse(spec, mode="ema")
+    for expand in (0.5, float("inf"), float("nan")):  # an infinite expand gave 1e36 scales
+        with pytest.raises(ValueError, match="expand"):
+            qstats.mse(spec, expand=expand)
     with pytest.raises(ValueError, match="reference"):
         qstats.mse(qstats.QuantSpec(granularity=qstats.PerAxis(0)), reference=(torch.zeros(3), torch.ones(3))).init(torch.ones(4, 2))
     obs = qstats.mse(spec)

@@ -885,7 +885,15 @@ def _float_grid_error(edges, counts, lo, hi, spec):
     return (counts.unsqueeze(-2) * err).sum(-1)
 
 
+def _positive_int(name: str, value, low: int = 1, high: int = 1 << 20) -> None:
+    """A method option that must be an int in ``[low, high]``: ValueError naming it otherwise."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high):
+        raise ValueError(f"compute_qparams: {name} must be an int in [{low}, {high}], got {value!r}")
+
+
 def _mse_search(state, spec, bins, low, candidates=128, per_octave=32):
+    _positive_int("candidates", candidates, 1, 1 << 16)
+    _positive_int("per_octave", per_octave, 1, 1 << 16)
     edges, counts = _window(state, bins, low, _search_octaves(spec))
     steps = torch.arange(candidates, dtype=torch.float64, device=edges.device)
     factors = torch.pow(2.0, -steps / per_octave)
@@ -995,6 +1003,11 @@ def _abs_linear_histogram(state, bins, low, num_linear=2048):
 
 
 def _entropy_search(state, spec, bins, low, num_bits=None, start_bin=128, stride=1, num_linear=2048):
+    _positive_int("num_linear", num_linear, 2, 1 << 16)
+    if num_bits is not None:
+        _positive_int("num_bits", num_bits, 1, 16)
+    _positive_int("start_bin", start_bin, 1, num_linear)
+    _positive_int("stride", stride, 1, num_linear)
     hist, lin = _abs_linear_histogram(state, bins, low, num_linear)
     bits = spec.bits if num_bits is None else num_bits
     unsigned = (not spec.is_signed) and spec.mapping == "asymmetric"
@@ -1024,15 +1037,36 @@ def _quantile(mom, q):
     return a + frac * (b - a)
 
 
+def _abs_quantile(state, bins, low, p: float) -> torch.Tensor:
+    """The value below which a fraction ``p`` of the |x| lie, under the piecewise-uniform model of
+    the buckets: the mass of |x| <= t, ``F(t) - F(-t)``, is linear between the magnitudes of
+    the bucket edges, so it is evaluated there and inverted between two of them (inside a
+    bucket, at the buckets' own resolution, however far an outlier stretches the range)."""
+    edges, counts = _window(state, bins, low, 24)
+    mom = _moments(edges, counts)
+    absmax = torch.maximum(-state.min_val, state.max_val).double().clamp(min=0).unsqueeze(-1)
+    points = torch.cat([torch.zeros_like(edges[..., :1]), torch.minimum(edges.abs(), absmax), absmax], -1)
+    points = points.sort(-1).values  # (*P, K): the breakpoints of |x|'s distribution function
+    total = mom.c0[..., -1:]
+    cdf = (_cumulative(mom, points)[0] - _cumulative(mom, -points)[0]).clamp(min=0)
+    cdf = torch.cummax(torch.cat([cdf[..., :-1], total], -1), -1).values  # all of it at absmax
+    target = p * total
+    nearest = torch.round(target)  # a target a rounding error past a whole count: that count (`_quantile`)
+    target = torch.where((target - nearest).abs() <= 8 * torch.finfo(target.dtype).eps * target, nearest, target)
+    i = _searchsorted(cdf.contiguous(), target.contiguous(), right=False).clamp(1, points.shape[-1] - 1)
+    below, above = torch.gather(cdf, -1, i - 1), torch.gather(cdf, -1, i)
+    start, end = torch.gather(points, -1, i - 1), torch.gather(points, -1, i)
+    step = above - below
+    frac = torch.where(step > 0, (target - below) / torch.where(step > 0, step, torch.ones_like(step)), torch.ones_like(step))
+    return (start + frac.clamp(0, 1) * (end - start)).squeeze(-1)
+
+
 def _percentile_search(state, spec, bins, low, percentile=99.99):
     if not (isinstance(percentile, (int, float)) and 0 < percentile <= 100):
         raise ValueError(f"compute_qparams: percentile must be in (0, 100], got {percentile!r}")
     p = float(percentile) / 100
     if _is_symmetric(spec):
-        hist, lin = _abs_linear_histogram(state, bins, low, 1 << 14)
-        mom = _moments(lin, hist)
-        q = torch.full((*hist.shape[:-1], 1), p, dtype=torch.float64, device=hist.device)
-        amax = _quantile(mom, q).squeeze(-1)
+        amax = _abs_quantile(state, bins, low, p)
         return -amax, amax
     edges, counts = _window(state, bins, low, _search_octaves(spec) + 8)
     mom = _moments(edges, counts)

@@ -177,8 +177,8 @@ def _moments_rule(state: MomentsState, spec: QuantSpec, method: str = "mean_std"
         raise ValueError(f"compute_qparams: moments method must be one of {_METHODS}, got {method!r}")
     if k is None:
         k = 3.0 if method in ("mean_std", "rms") else 1.0
-    if not (isinstance(k, (int, float)) and k > 0):
-        raise ValueError(f"compute_qparams: k must be a positive number, got {k!r}")
+    if not (isinstance(k, (int, float)) and 0 < k < math.inf):
+        raise ValueError(f"compute_qparams: k must be a positive finite number, got {k!r}")
     calibrated = state.count > 0
     n = state.count.clamp(min=1).to(torch.float64)
     if method == "mean_std":

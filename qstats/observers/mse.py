@@ -24,6 +24,8 @@ search per batch, then ``min = min * (1 - c) + batch_min * c`` (order-dependent,
 
 from __future__ import annotations
 
+import math
+
 from typing import NamedTuple, Optional
 
 import torch
@@ -307,8 +309,8 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     _check_args(spec, maxshrink, grid, norm, steps)
     if mode not in ("accumulate", "moving_average"):
         raise ValueError(f"mse: mode must be 'accumulate' or 'moving_average', got {mode!r}")
-    if not (isinstance(expand, (int, float)) and expand >= 1.0):
-        raise ValueError(f"mse: expand must be at least 1.0, got {expand!r}")
+    if not (isinstance(expand, (int, float)) and 1.0 <= expand < math.inf):
+        raise ValueError(f"mse: expand must be a finite number of at least 1.0, got {expand!r}")
     if not (isinstance(averaging_constant, (int, float)) and 0 < averaging_constant <= 1):
         raise ValueError(f"mse: averaging_constant must be in (0, 1], got {averaging_constant!r}")
     if mode == "accumulate" and patience is not _MOVING_AVERAGE_PATIENCE:
