@@ -28,7 +28,10 @@ The kernel is portable C++ (GCC/Clang vector extensions of the target's native w
 float lanes; no intrinsics), compiled with the system's C++ compiler (``$CXX``, arguments
 included, else ``c++``, ``g++``, ``clang++``) in a private temporary directory, removed once
 the library is loaded, for this machine (``-march=native`` where the compiler takes it), in
-about a quarter of a second, once per process. It splits rows over ``torch.get_num_threads()``
+about a second on a 2-core machine, on the first use in a process. The build is kept in the
+user's cache (``$QSTATS_CACHE_DIR``, else ``~/.cache/qstats``; ``QSTATS_NATIVE_CACHE=0`` turns
+that off), named by a hash of the source, the compilers and the CPU, so that later processes
+load it in milliseconds (`_cache_file`). It splits rows over ``torch.get_num_threads()``
 threads of torch's own OpenMP runtime (one thread in a forked child, where that runtime's pool
 is gone), and each thread reads 8 (4 where the target has 16 vector registers) far-apart rows
 side by side, each stream asking for its data 1 KB ahead: more memory in flight than one
@@ -42,10 +45,13 @@ off.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
+import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import weakref
@@ -573,12 +579,18 @@ def _compilers():
 def _build():
     if os.environ.get("QSTATS_NATIVE", "1") == "0":
         return False
+    compilers = _compilers()
+    cached = _cache_file(compilers)
+    if cached is not None:
+        loaded = _load_cached(cached)
+        if loaded:
+            return loaded
     try:
         directory = tempfile.mkdtemp(prefix="qstats-native-")
     except OSError:  # no writable temporary directory: ATen's reductions
         return False
     try:
-        return _compile_and_load(directory)
+        return _compile_and_load(directory, keep=cached)
     except OSError:
         return False
     finally:
@@ -590,7 +602,73 @@ def _build():
 _FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ())
 
 
-def _compile_and_load(directory, flag_sets=_FLAG_SETS):
+def _cache_file(compilers) -> Optional[str]:
+    """Where this machine's build of the kernel is kept between processes: a file named by a
+    hash of everything the build depends on (the source, the flag sets, the compilers with their
+    files' size and time, the CPU's model and flags, as ``-march=native`` builds for them), in
+    ``$QSTATS_CACHE_DIR``, else ``$XDG_CACHE_HOME/qstats``, else ``~/.cache/qstats``, a directory
+    of this user's that nobody else may write. None without such a directory, on a system
+    without user ids, or with ``QSTATS_NATIVE_CACHE=0``: every process then builds its own."""
+    if os.environ.get("QSTATS_NATIVE_CACHE", "1") == "0" or not hasattr(os, "getuid") or not compilers:
+        return None
+    root = os.environ.get("QSTATS_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "qstats"
+    )
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        status = os.stat(root)
+        if status.st_uid != os.getuid() or status.st_mode & 0o022:
+            return None  # another user's, or writable by others: not a place to load code from
+        identity = [_SOURCE, repr(_FLAG_SETS), platform.machine(), sys.platform, _cpu_identity()]
+        for command in compilers:
+            stat = os.stat(command[0])
+            identity.append(repr((command, stat.st_size, stat.st_mtime_ns)))
+    except OSError:
+        return None
+    digest = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:32]
+    return os.path.join(root, f"native-{digest}.so")
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (Linux), else the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f.read().splitlines() if line.startswith(("model name", "flags", "Features"))]
+        return "\n".join(dict.fromkeys(lines))
+    except OSError:
+        return platform.processor()
+
+
+def _load_cached(path: str):
+    """The kernel from a kept build, or None (none kept, or one that does not load: removed)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        return _bind(ctypes.CDLL(path))
+    except (OSError, AttributeError):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return None
+
+
+def _keep(target: str, path: str) -> None:
+    """Copies a fresh build to ``path`` for later processes, atomically (a process loading it
+    meanwhile sees the old file or the new one, never a part); silently nothing where it fails."""
+    try:
+        handle, partial = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".partial-", suffix=".so")
+        try:
+            with os.fdopen(handle, "wb") as out, open(target, "rb") as source:
+                shutil.copyfileobj(source, out)
+            os.replace(partial, path)
+        except OSError:
+            os.unlink(partial)
+    except OSError:
+        pass
+
+
+def _compile_and_load(directory, flag_sets=_FLAG_SETS, keep: Optional[str] = None):
     source = os.path.join(directory, "row_extremes.cpp")
     with open(source, "w") as f:
         f.write(_SOURCE)
@@ -607,33 +685,39 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS):
                     library = ctypes.CDLL(target)
                 except OSError:
                     break
-                extremes = library.qstats_row_extremes
-                extremes.restype = ctypes.c_int
-                extremes.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 2, ctypes.c_int64]
-                update = library.qstats_update_extremes
-                update.restype = ctypes.c_int
-                update.argtypes = [
-                    ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 8, *[ctypes.c_int64] * 2,
-                    *[ctypes.c_float] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2,
-                    *[ctypes.c_void_p] * 2, ctypes.c_int64,
-                ]
-                scales = library.qstats_symmetric_scales
-                scales.restype = ctypes.c_int
-                scales.argtypes = [
-                    *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_float] * 3, *[ctypes.c_int64] * 2,
-                    *[ctypes.c_void_p] * 2, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                    ctypes.c_int64,
-                ]
-                whole = library.qstats_update_whole
-                whole.restype = ctypes.c_int
-                whole.argtypes = [
-                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 8, ctypes.c_int64,
-                ]
-                whole_extremes = library.qstats_whole_extremes
-                whole_extremes.restype = ctypes.c_int
-                whole_extremes.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 2]
-                return extremes, update, scales, whole, whole_extremes
+                bound = _bind(library)
+                if keep is not None:
+                    _keep(target, keep)
+                return bound
     return False
+
+
+def _bind(library):
+    """The kernel's entry points in ``library``, with their C signatures."""
+    extremes = library.qstats_row_extremes
+    extremes.restype = ctypes.c_int
+    extremes.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 2, ctypes.c_int64]
+    update = library.qstats_update_extremes
+    update.restype = ctypes.c_int
+    update.argtypes = [
+        ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 8, *[ctypes.c_int64] * 2,
+        *[ctypes.c_float] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2,
+        *[ctypes.c_void_p] * 2, ctypes.c_int64,
+    ]
+    scales = library.qstats_symmetric_scales
+    scales.restype = ctypes.c_int
+    scales.argtypes = [
+        *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_float] * 3, *[ctypes.c_int64] * 2,
+        *[ctypes.c_void_p] * 2, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int64,
+    ]
+    whole = library.qstats_update_whole
+    whole.restype = ctypes.c_int
+    whole.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 8, ctypes.c_int64]
+    whole_extremes = library.qstats_whole_extremes
+    whole_extremes.restype = ctypes.c_int
+    whole_extremes.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 2]
+    return extremes, update, scales, whole, whole_extremes
 
 
 def _kernel():

@@ -577,8 +577,82 @@ def test_no_temporary_directory_means_no_kernel(monkeypatch):
     def unwritable(*args, **kwargs):
         raise OSError(30, "Read-only file system")
 
+    monkeypatch.setenv("QSTATS_NATIVE_CACHE", "0")  # and no kept build
     monkeypatch.setattr(_native.tempfile, "mkdtemp", unwritable)
     assert _native._build() is False
+
+
+_CACHE_PROBE = r'''
+import json, os, time
+import torch
+from qstats import _native
+start = time.perf_counter()
+built = _native._kernel()
+seconds = time.perf_counter() - start
+view = torch.randn(1, 64, 300)
+lo, hi = torch.empty(64), torch.empty(64)
+bad = built[0](view.data_ptr(), 0, 64, 300, lo.data_ptr(), hi.data_ptr(), 1) if built else -1
+print(json.dumps({"built": bool(built), "seconds": seconds, "bad": bad,
+                  "equal": bool(built) and torch.equal(lo, view[0].amin(-1)) and torch.equal(hi, view[0].amax(-1))}))
+'''
+
+
+def _probe(env):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CACHE_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not _native.available(), reason="no C++ compiler: the native kernel is not built")
+def test_a_kept_build_serves_later_processes(tmp_path):
+    """The first process builds the kernel and keeps it in the cache directory; a later one
+    loads it without calling the compiler (``$CXX``, a wrapper that logs each call) and computes
+    the same extremes. A build that does not load (a corrupt file) is replaced by a fresh one."""
+    import shutil
+
+    compiler = next((shutil.which(c) for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    log = tmp_path / "calls.log"
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\necho call >> "{log}"\nexec "{compiler}" "$@"\n')
+    wrapper.chmod(0o755)
+    cache = tmp_path / "cache"
+    env = dict(os.environ, QSTATS_CACHE_DIR=str(cache), CXX=str(wrapper))
+    env.pop("QSTATS_NATIVE_CACHE", None)
+    first = _probe(env)
+    assert first["built"] and first["equal"], first
+    calls = log.read_text().count("call")
+    assert calls >= 1
+    (kept,) = list(cache.glob("native-*.so"))
+    assert oct(cache.stat().st_mode & 0o777) == oct(0o700)
+    second = _probe(env)
+    assert second["built"] and second["equal"], second
+    assert log.read_text().count("call") == calls  # loaded, not built
+    assert _probe(dict(env, QSTATS_NATIVE_CACHE="0"))["built"]  # without the cache: built again
+    assert log.read_text().count("call") > calls
+    kept.write_bytes(b"not a shared library")
+    third = _probe(env)
+    assert third["built"] and third["equal"], third
+    assert kept.read_bytes()[:4] == b"\x7fELF"  # rebuilt and kept again
+
+
+def test_the_cache_is_skipped_where_others_may_write(tmp_path, monkeypatch):
+    """A cache directory writable by other users is no place to load code from: no kept build
+    is read or written there (each process builds its own)."""
+    if not hasattr(os, "getuid"):
+        pytest.skip("no user ids on this system")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("QSTATS_CACHE_DIR", str(shared))
+    monkeypatch.delenv("QSTATS_NATIVE_CACHE", raising=False)
+    assert _native._cache_file([["/usr/bin/c++"]]) is None
+    shared.chmod(0o700)
+    if os.path.exists("/usr/bin/c++"):
+        assert _native._cache_file([["/usr/bin/c++"]]).startswith(str(shared))
 
 
 def _slice_loop(fn, stack):
