@@ -50,6 +50,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat as stat_module
 import subprocess
 import sys
 import tempfile
@@ -616,9 +617,8 @@ def _cache_file(compilers) -> Optional[str]:
     )
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)
-        status = os.stat(root)
-        if status.st_uid != os.getuid() or status.st_mode & 0o022:
-            return None  # another user's, or writable by others: not a place to load code from
+        if not _private_directory(root):
+            return None  # another user could put code there: not a place to load it from
         identity = [_SOURCE, repr(_FLAG_SETS), platform.machine(), sys.platform, _cpu_identity()]
         for command in compilers:
             stat = os.stat(command[0])
@@ -627,6 +627,28 @@ def _cache_file(compilers) -> Optional[str]:
         return None
     digest = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:32]
     return os.path.join(root, f"native-{digest}.so")
+
+
+def _private_directory(root: str) -> bool:
+    """Whether nobody but this user (and the superuser) can change what ``root`` holds: ``root``
+    itself a directory, not a symbolic link, this user's and writable by nobody else, and each
+    directory above it (links resolved) the superuser's or this user's and writable by nobody
+    else or sticky (as ``/tmp``: others cannot rename or remove what they do not own there)."""
+    uid = os.getuid()
+    status = os.lstat(root)
+    if not stat_module.S_ISDIR(status.st_mode) or status.st_uid != uid or status.st_mode & 0o022:
+        return False
+    parent = os.path.dirname(os.path.realpath(root))
+    while True:
+        status = os.stat(parent)
+        if status.st_uid not in (0, uid):
+            return False
+        if status.st_mode & 0o022 and not status.st_mode & stat_module.S_ISVTX:
+            return False
+        above = os.path.dirname(parent)
+        if above == parent:
+            return True
+        parent = above
 
 
 def _cpu_identity() -> str:
@@ -640,17 +662,28 @@ def _cpu_identity() -> str:
 
 
 def _load_cached(path: str):
-    """The kernel from a kept build, or None (none kept, or one that does not load: removed)."""
-    if not os.path.isfile(path):
+    """The kernel from a kept build, or None (none kept, or one that does not load: removed). The
+    file is opened without following links and must be a plain file of this user's that nobody
+    else may write (its directory passed `_private_directory`, so nobody else can replace it
+    between this check and the load)."""
+    try:
+        handle = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
         return None
     try:
-        return _bind(ctypes.CDLL(path))
-    except (OSError, AttributeError):
+        status = os.fstat(handle)
+        if not stat_module.S_ISREG(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o022:
+            return None
         try:
-            os.unlink(path)
-        except OSError:
-            pass
-        return None
+            return _bind(ctypes.CDLL(path))
+        except (OSError, AttributeError):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return None
+    finally:
+        os.close(handle)
 
 
 def _keep(target: str, path: str) -> None:
@@ -674,11 +707,16 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS, keep: Optional[str] = Non
         f.write(_SOURCE)
     target = os.path.join(directory, "row_extremes.so")
     base = ["-O3", "-std=c++17", "-shared", "-fPIC", source, "-o", target]
+    # a build with fewer flags is kept for later processes only where the better flags were
+    # refused by the compiler itself, not where a build of them was killed (out of memory) or
+    # timed out: a passing failure must not make every later process run the slower kernel
+    accidental = False
     for compiler in _compilers():
         for flags in flag_sets:
             try:
                 done = subprocess.run([*compiler, *flags, *base], capture_output=True, timeout=120)
             except (OSError, subprocess.SubprocessError):
+                accidental = True
                 break
             if done.returncode == 0:
                 try:
@@ -686,9 +724,11 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS, keep: Optional[str] = Non
                 except OSError:
                     break
                 bound = _bind(library)
-                if keep is not None:
+                if keep is not None and not accidental:
                     _keep(target, keep)
                 return bound
+            if done.returncode < 0:  # killed by a signal
+                accidental = True
     return False
 
 

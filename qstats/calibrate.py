@@ -141,6 +141,17 @@ def _update(found, path: str, site: str, previous, x: torch.Tensor, weight):
         _raise_renamed(error, path, site)
 
 
+def _check_runtime_shape(found, path: str, site: str, shape) -> None:
+    """A site whose scales come at run time (`runtime_scaled`) is observed per tensor, so its
+    observer never meets the spec's granularity: the tensor's shape is checked against it here
+    (a group size that does not divide the features would otherwise calibrate and export)."""
+    if runtime_scaled(found.spec):
+        try:
+            qparam_shape(shape, found.spec.granularity)
+        except ValueError as error:
+            _raise_renamed(error, path, site)
+
+
 def _raise_renamed(error: Exception, path: str, site: str):
     """Raises ``error`` with the module and site in front of its message (the error itself where
     its type is built from other arguments)."""
@@ -284,6 +295,7 @@ def calibrate(
         """One masked update of a stacked site: ``rows [N, ...]`` shared by the experts, ``mask
         [E, N]`` saying which rows each expert observes."""
         found = sites[path][site]
+        _check_runtime_shape(found, path, site, rows.shape)
         if rows.device.type == "cpu" and found.observer.name not in _ROW_REDUCING:
             x, weight = dispatch(rows, mask)
         else:  # every expert sees every (masked) row: no host read of the row counts, and
@@ -312,6 +324,7 @@ def calibrate(
                 mask = mask * (extra != 0).to(mask.dtype)
             observe_routed(path, site, tokens, mask)
             return
+        _check_runtime_shape(found, path, site, x.shape)
         weight = weight_for(x, flattened=False)
         previous = states.setdefault(path, {}).get(site)
         if previous is None:
@@ -513,10 +526,26 @@ def _share_global_scales(out: dict, states: Mapping, sites: dict, model: torch.n
             out[path]["weight"] = qparams
 
 
+_COMPUTE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def runtime_spec(x: torch.Tensor, spec):
+    """The spec an activation site whose scales come at run time applies to the tensor ``x``:
+    compressed-tensors computes dynamic scales and quantizes in the activation's own dtype
+    (``compute_dynamic_scales_and_zp``, ``fake_quantize``), so a ``convention="compressed_tensors"``
+    spec takes ``x``'s dtype as its ``compute_dtype``; other specs are returned as they are."""
+    if spec.convention != "compressed_tensors":
+        return spec
+    compute = _COMPUTE_DTYPES.get(x.dtype, spec.compute_dtype)
+    return spec if compute == spec.compute_dtype else spec.replace(compute_dtype=compute)
+
+
 def runtime_qparams(x: torch.Tensor, spec, calibrated: Optional[QParams] = None) -> QParams:
     """The QParams of an activation site whose scales come at run time (`runtime_scaled`) for the
-    tensor ``x``: those of ``memoryless_minmax(spec)`` over ``x`` (compressed-tensors' dynamic
-    per-token and per-group scales), under ``calibrated``'s global scale for a two-level spec."""
+    tensor ``x``: those of ``memoryless_minmax`` over ``x`` under `runtime_spec` ``(x, spec)``
+    (compressed-tensors' dynamic per-token and per-group scales, in the activation's dtype), under
+    ``calibrated``'s global scale for a two-level spec."""
+    spec = runtime_spec(x, spec)
     observer = memoryless_minmax(spec)
     extra = {}
     if calibrated is not None and isinstance(spec.granularity, TensorGroup):
@@ -559,7 +588,9 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Recipe):
         def quantize(x):
             if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
                 return x
-            return fake_quantize(x, runtime_qparams(x, spec, qp) if runtime else qp, spec)
+            if runtime:
+                return fake_quantize(x, runtime_qparams(x, spec, qp), runtime_spec(x, spec))
+            return fake_quantize(x, qp, spec)
 
         return quantize
 

@@ -635,6 +635,10 @@ def _write_linear(entry: _Entry, format, tensors: dict, dropped: set, log: dict)
         if spec is None:
             raise ValueError(f"export.compressed_tensors: no spec for {where}")
         args = quantization_args(spec, site, where)
+        group = args["group_size"]
+        weight = entry.weight
+        if site == "input" and group and weight is not None and weight.dim() == 2 and weight.shape[1] % group:
+            _fail(where, f"group_size {group} of the input does not divide the layer's {weight.shape[1]} input features")
         if qp is None and args["dynamic"] is True and site != "weight":
             scheme[site] = args  # dynamic activations: nothing calibrated, nothing written
             continue

@@ -1,7 +1,8 @@
 """Checkpoints of states: one safetensors file, versioned, rebuilt by type name.
 
 `save(path, tree)` writes a tree (dicts with string keys, lists, tuples, registered states,
-`QParams`, plain tensors) to ONE safetensors file. The tensors are stored as they are (bit-exact,
+`QParams`, plain tensors, and ``None``: what `qstats.compute_qparams_tree` gives a site whose
+scales come at run time) to ONE safetensors file. The tensors are stored as they are (bit-exact,
 any dtype safetensors supports); the file's metadata holds the format name and version, the nesting
 and the NamedTuple type names as JSON, and a CRC-32 of every tensor's bytes. `load(path)` rebuilds
 the tree, looking state types up by name in the registry (`qstats.register_state`), so no code is
@@ -71,6 +72,8 @@ def _encode(tree: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> dic
             raise TypeError(f"qstats.io: tensor at {where} has layout {tree.layout}; only dense tensors are saved")
         tensors[key] = tree
         return {"t": "tensor", "key": key}
+    if tree is None:
+        return {"t": "none"}
     if isinstance(tree, tuple) and hasattr(type(tree), "_fields"):
         name = type(tree).__name__
         known = _named_types().get(name)
@@ -95,7 +98,7 @@ def _encode(tree: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> dic
         return {"t": kind, "items": [_encode(value, path + [str(i)], tensors) for i, value in enumerate(tree)]}
     raise TypeError(
         f"qstats.io: cannot save a {type(tree).__name__} at {where}; a checkpoint holds dicts, lists, tuples, "
-        "registered states, QParams and tensors"
+        "registered states, QParams, tensors and None"
     )
 
 
@@ -132,6 +135,8 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set, where: str) 
                     f"fields {list(cls._fields)}"
                 )
             return cls(*[_decode(value, tensors, used, f"{where}.{field}") for field, value in node["fields"]])
+        if kind == "none":
+            return None
         if kind == "dict":
             return {key: _decode(value, tensors, used, f"{where}[{key!r}]") for key, value in node["items"]}
         if kind in ("list", "tuple"):
@@ -210,7 +215,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 
     Args:
       path: file to write (overwritten).
-      tree: dicts with string keys, lists, tuples, registered states, QParams and tensors.
+      tree: dicts with string keys, lists, tuples, registered states, QParams, tensors and None.
 
     Raises:
       TypeError: for anything else in the tree (names the path and the type).

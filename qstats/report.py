@@ -21,7 +21,7 @@ import torch
 
 from ._granularity import broadcast_to_view, canonical_view
 from ._quant import _codes_float, fake_quantize
-from .calibrate import _first_tensor, _input_tensor, run_model, runtime_qparams
+from .calibrate import _first_tensor, _input_tensor, run_model, runtime_qparams, runtime_spec
 from .recipe import PROJECTION_NAMES, Recipe, runtime_scaled
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
@@ -208,7 +208,9 @@ def report(
 
     Returns:
       a `Report`; ``min``/``max`` come from the states' ``min_val``/``max_val`` fields when they
-      exist, ``mean_scale`` and ``coverage`` (fraction of calibrated parameters) from the QParams.
+      exist, ``mean_scale`` and ``coverage`` (fraction of calibrated parameters) from the QParams;
+      ``mean_scale`` is None for activation sites whose scales come at run time
+      (`qstats.recipe.runtime_scaled`), and ``coverage`` too where their QParams are None.
     """
     if not isinstance(states, Mapping) or not isinstance(qparams, Mapping):
         raise TypeError("report expects the states and qparams trees {path: {site: ...}}")
@@ -244,6 +246,13 @@ def report(
             qp = qparams[path][site]
             found = sites.get(path, {}).get(site)
             error = errors.get((path, site))
+            # a site whose scales come at run time has no calibrated scale to average (its QParams
+            # are None, or for a two-level spec hold only the calibrated global scale)
+            runtime = (
+                found is not None
+                and site not in dict(modules[path].named_parameters(recurse=False))
+                and runtime_scaled(found.spec)
+            )
             rows.append(
                 LayerReport(
                     module=path,
@@ -252,8 +261,7 @@ def report(
                     experts=found.num_experts if found is not None else 0,
                     min=_extreme(state, "min_val", torch.min),
                     max=_extreme(state, "max_val", torch.max),
-                    # None for a site whose scales come at run time (`compute_qparams_tree` gives no QParams)
-                    mean_scale=float(qp.scale.float().mean()) if qp is not None else None,
+                    mean_scale=float(qp.scale.float().mean()) if qp is not None and not runtime else None,
                     clipped_fraction=error.clipped_fraction() if error is not None else None,
                     sqnr_db=error.sqnr_db() if error is not None else None,
                     coverage=float(qp.calibrated.float().mean()) if qp is not None else None,
@@ -269,17 +277,17 @@ def _measure_activations(model, qparams, sites, modules, batches, observation_we
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         found = sites[path][site]
-        qp = qparams[path][site]
-        if runtime_scaled(found.spec):  # scales from each tensor, as `fake_quantized` applies them
-            qp = runtime_qparams(x, found.spec, qp)
+        qp, spec = qparams[path][site], found.spec
+        if runtime_scaled(spec):  # scales from each tensor, as `fake_quantized` applies them
+            qp, spec = runtime_qparams(x, spec, qp), runtime_spec(x, spec)
         weight = current_weight[0]
         if weight is not None and weight.ndim <= x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
             # padding is left out of every measured number (zero is not representable with a float
             # zero point, and its code may fall outside the range)
             keep = weight.to(x.device).reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)) != 0
-            errors.setdefault((path, site), _Error()).add(*tensor_error(x, qp, found.spec, keep))
+            errors.setdefault((path, site), _Error()).add(*tensor_error(x, qp, spec, keep))
             return
-        errors.setdefault((path, site), _Error()).add(*tensor_error(x, qp, found.spec))
+        errors.setdefault((path, site), _Error()).add(*tensor_error(x, qp, spec))
 
     handles = []
     for path, entry in qparams.items():

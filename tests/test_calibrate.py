@@ -360,16 +360,79 @@ def test_dynamic_activation_presets_calibrate_batches_of_any_length(name):
         for x in batches:
             observer(x)
         assert torch.equal(qparams["0"]["input"].global_scale.reshape(1), observer.get_qparams()["global_scale"])
-    x = 2 * torch.randn(1, 9, 64)  # yet another length
-    seen = []
-    with qstats.fake_quantized(model, qparams, recipe):  # a hook registered after its own sees its input
-        handle = model[0].register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0]))
-        model(x)
-    handle.remove()
     global_scale = None if args.dynamic is True else qparams["0"]["input"].global_scale.reshape(1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # compressed-tensors computes in x's dtype
+        model.to(dtype)
+        x = (2 * torch.randn(1, 9, 64)).to(dtype)  # yet another length
+        seen = []
+        with qstats.fake_quantized(model, qparams, recipe):  # a hook registered after its own sees its input
+            handle = model[0].register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0]))
+            model(x)
+        handle.remove()
+        scale, zero_point = compute_dynamic_scales_and_zp(x, args, model[0], global_scale=global_scale)
+        expected = ct_fake_quantize(x, scale, zero_point, args, global_scale=global_scale)
+        assert seen[0].dtype == dtype and torch.equal(seen[0], expected), dtype
+
+
+@pytest.mark.parametrize("name", ["W8A8", "NVFP4"])
+def test_report_measures_runtime_sites_with_their_own_scales(name):
+    """`report` on a site whose scales come at run time: no mean scale (there is no calibrated
+    one; NVFP4 inputs used to show their placeholder group scale), coverage only where QParams
+    exist (NVFP4's global scale), and the SQNR of compressed-tensors' own dynamic fake-quant."""
+    import math
+
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    scheme, recipe = _preset_recipe(name)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
+    x = torch.randn(2, 5, 64)
+    states = qstats.calibrate(model, [x], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    rows = {row.site: row for row in qstats.report(states, qparams, model, recipe, batches=[x]).rows}
+    assert rows["input"].mean_scale is None and rows["weight"].mean_scale is not None
+    args = scheme["input_activations"]
+    global_scale = None if args.dynamic is True else qparams["0"]["input"].global_scale.reshape(1)
+    assert rows["input"].coverage == (None if global_scale is None else 1.0)
     scale, zero_point = compute_dynamic_scales_and_zp(x, args, model[0], global_scale=global_scale)
-    expected = ct_fake_quantize(x, scale, zero_point, args, global_scale=global_scale)
-    assert torch.equal(seen[0], expected)
+    quantized = ct_fake_quantize(x, scale, zero_point, args, global_scale=global_scale)
+    expected = 10 * math.log10(float(x.pow(2).sum()) / float((x - quantized).pow(2).sum()))
+    assert rows["input"].sqnr_db == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("granularity", [qstats.PerGroup(48), qstats.TensorGroup(48)])
+def test_dynamic_group_sites_check_the_group_size(granularity, tmp_path):
+    """A site whose scales come at run time is observed per tensor, yet a group size that does not
+    divide its features is refused when calibrating (naming the module and site), as a static one
+    is, and by the export."""
+    spec = qstats.QuantSpec(dtype="fp8_e4m3fn", granularity=granularity)
+    if isinstance(granularity, qstats.TensorGroup):
+        spec = qstats.preset("nvfp4").replace(granularity=granularity)
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=spec)])
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
+    with pytest.raises(ValueError, match=r"module '0' site 'input'.*group_size 48 does not divide"):
+        qstats.calibrate(model, [torch.randn(2, 5, 64)], recipe, progress=False)
+    fine = torch.nn.Sequential(torch.nn.Linear(96, 32)).eval()
+    qstats.calibrate(fine, [torch.randn(2, 5, 96), torch.randn(1, 3, 96)], recipe, progress=False)
+
+
+def test_export_refuses_an_input_group_size_that_does_not_divide_the_features(tmp_path):
+    weights = qstats.QuantSpec.from_compressed_tensors({"num_bits": 8, "type": "int", "strategy": "channel"})
+    inputs = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerGroup(48),
+                              convention="compressed_tensors", scale_dtype="float32", on_uncalibrated="fallback")
+    model = torch.nn.Sequential(torch.nn.Linear(96, 32)).eval()
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=weights),
+                            qstats.Rule("Linear", sites=("input",), spec=inputs)])
+    states = qstats.calibrate(model, [torch.randn(2, 5, 96)], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path / "fine"), recipe)
+    narrow = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()  # the same qparams tree on 64 features
+    qparams = {"0": {"weight": qstats.compute_qparams_tree(
+        qstats.calibrate(narrow, [], qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=weights)]),
+                         progress=False), recipe, narrow)["0"]["weight"], "input": None}}
+    with pytest.raises(ValueError, match=r"group_size 48 of the input does not divide the layer's 64 input features"):
+        qstats.export.compressed_tensors(narrow, qparams, str(tmp_path / "narrow"), recipe)
 
 
 def test_dynamic_activation_sites_export_as_dynamic(tmp_path):

@@ -228,6 +228,26 @@ def test_save_rejects_what_it_cannot_rebuild(tmp_path):
         qstats.save(path, {1: torch.zeros(1)})
 
 
+def test_a_qparams_tree_with_runtime_sites_round_trips(tmp_path):
+    """compute_qparams_tree gives None for sites whose scales come at run time (compressed-tensors'
+    W8A8 inputs): such a tree saves and loads, the None kept, the QParams bit for bit."""
+    weights = qstats.QuantSpec.from_compressed_tensors({"num_bits": 8, "type": "int", "strategy": "channel"})
+    inputs = qstats.QuantSpec.from_compressed_tensors(
+        {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}
+    )
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=weights),
+                            qstats.Rule("Linear", sites=("input",), spec=inputs)])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
+    states = qstats.calibrate(model, [torch.randn(2, 3, 8)], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    assert qparams["0"]["input"] is None
+    qstats.save(tmp_path / "q.safetensors", qparams)
+    loaded = qstats.load(tmp_path / "q.safetensors")
+    assert loaded["0"]["input"] is None
+    assert all(torch.equal(a, b) for a, b in zip(loaded["0"]["weight"], qparams["0"]["weight"]))
+    assert qio.from_state_dict(qio.to_state_dict([None, (None,)])) == [None, (None,)]
+
+
 @pytest.mark.parametrize(
     "tree_",
     [

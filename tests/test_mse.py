@@ -261,6 +261,19 @@ def test_patience_given_to_an_accumulating_search_raises(patience):
     qstats.mse(spec, mode="moving_average", patience=patience)  # where it applies
 
 
+@pytest.mark.parametrize("patience", [-3, 2.5, True, "3"])
+def test_invalid_patience_raises_naming_it(patience):
+    """A patience that is not a non-negative int is refused by the moving-average factory and by
+    compute_qparams (it was read as 1, or failed at the first update)."""
+    spec = qstats.QuantSpec(dtype="int4", mapping="symmetric")
+    with pytest.raises(ValueError, match="patience must be a non-negative int"):
+        qstats.mse(spec, mode="moving_average", patience=patience)
+    obs = qstats.mse(spec)
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="patience must be a non-negative int"):
+        qstats.compute_qparams(obs.update(obs.init(x), x), spec, patience=patience)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_compute_specs_declare_no_exact_merge(dtype):
     """A compressed-tensors spec computing in bf16/fp16 rounds each update's error sums to that

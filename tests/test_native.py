@@ -640,19 +640,82 @@ def test_a_kept_build_serves_later_processes(tmp_path):
 
 
 def test_the_cache_is_skipped_where_others_may_write(tmp_path, monkeypatch):
-    """A cache directory writable by other users is no place to load code from: no kept build
-    is read or written there (each process builds its own)."""
+    """A cache directory that another user could change is no place to load code from: writable
+    by others or by its group, a symbolic link, or under a directory others may write (not
+    sticky): no kept build is read or written there (each process builds its own)."""
+    import sys
+
     if not hasattr(os, "getuid"):
         pytest.skip("no user ids on this system")
+    compiler = [[sys.executable]]  # a file that exists everywhere: only the directory decides
+    monkeypatch.delenv("QSTATS_NATIVE_CACHE", raising=False)
     shared = tmp_path / "shared"
     shared.mkdir()
-    shared.chmod(0o777)
     monkeypatch.setenv("QSTATS_CACHE_DIR", str(shared))
-    monkeypatch.delenv("QSTATS_NATIVE_CACHE", raising=False)
-    assert _native._cache_file([["/usr/bin/c++"]]) is None
+    for mode in (0o777, 0o770, 0o720):
+        shared.chmod(mode)
+        assert _native._cache_file(compiler) is None, oct(mode)
     shared.chmod(0o700)
-    if os.path.exists("/usr/bin/c++"):
-        assert _native._cache_file([["/usr/bin/c++"]]).startswith(str(shared))
+    assert _native._cache_file(compiler).startswith(str(shared))
+    link = tmp_path / "link"
+    link.symlink_to(shared)
+    monkeypatch.setenv("QSTATS_CACHE_DIR", str(link))
+    assert _native._cache_file(compiler) is None
+    open_parent = tmp_path / "open"
+    (open_parent / "cache").mkdir(parents=True, mode=0o700)
+    open_parent.chmod(0o777)  # others could rename "cache" away and put their own in its place
+    monkeypatch.setenv("QSTATS_CACHE_DIR", str(open_parent / "cache"))
+    assert _native._cache_file(compiler) is None
+    open_parent.chmod(0o1777)  # sticky, as /tmp: they cannot
+    assert _native._cache_file(compiler).startswith(str(open_parent / "cache"))
+
+
+@pytest.mark.skipif(not _native.available(), reason="no C++ compiler: the native kernel is not built")
+def test_a_kept_build_others_may_write_is_not_loaded(tmp_path):
+    """A kept file writable by others, or a symbolic link in its place, is not loaded."""
+    import shutil
+
+    directory = tmp_path / "build"
+    directory.mkdir()
+    assert _native._compile_and_load(str(directory), keep=str(tmp_path / "kept.so"))
+    kept = tmp_path / "kept.so"
+    assert _native._load_cached(str(kept))
+    kept.chmod(0o666)
+    assert _native._load_cached(str(kept)) is None and kept.exists()  # refused, not removed
+    kept.chmod(0o600)
+    link = tmp_path / "link.so"
+    link.symlink_to(kept)
+    assert _native._load_cached(str(link)) is None
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.skipif(not _native.available(), reason="no C++ compiler: the native kernel is not built")
+def test_a_build_after_a_killed_compile_is_not_kept(tmp_path, monkeypatch):
+    """Where the build with the best flags was killed (out of memory, say) rather than refused by
+    the compiler, the fallback build serves this process but is not kept: a passing failure must
+    not leave every later process with the slower kernel. A refusal keeps the fallback."""
+    import shutil
+    import subprocess
+
+    real = subprocess.run
+
+    def killed_first(command, *args, **kwargs):
+        if "-march=native" in command:
+            return subprocess.CompletedProcess(command, -9, b"", b"")
+        return real(command, *args, **kwargs)
+
+    def refused_first(command, *args, **kwargs):
+        if "-march=native" in command:
+            return subprocess.CompletedProcess(command, 1, b"", b"error: unrecognised option")
+        return real(command, *args, **kwargs)
+
+    for run, kept_after in ((killed_first, False), (refused_first, True)):
+        monkeypatch.setattr(_native.subprocess, "run", run)
+        directory, kept = tmp_path / run.__name__, tmp_path / f"{run.__name__}.so"
+        directory.mkdir()
+        assert _native._compile_and_load(str(directory), keep=str(kept))
+        assert kept.exists() == kept_after, run.__name__
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _slice_loop(fn, stack):

@@ -320,6 +320,8 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
         )
     if patience is _MOVING_AVERAGE_PATIENCE:
         patience = 5
+    elif patience is not None and not (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 0):
+        raise ValueError(f"mse: patience must be a non-negative int or None, got {patience!r}")
     factors = shrink_factors(maxshrink, grid, steps)
     norm = float(norm)
     expand = float(expand)
@@ -456,7 +458,7 @@ def _moving_average(spec, factors, norm, expand, constant, patience, observe):
 
 @register_range_rule(MSEState)
 def _mse_rule(state: MSEState, spec: QuantSpec, patience: Optional[int] = None) -> Range:
-    if patience is not None and not (isinstance(patience, int) and patience >= 0):
+    if patience is not None and not (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 0):
         raise ValueError(f"compute_qparams: patience must be a non-negative int or None, got {patience!r}")
     best = _first_minimum(state.loss, patience)
     p = torch.gather(state.factors.expand(state.loss.shape), -1, best.unsqueeze(-1)).squeeze(-1).float()
