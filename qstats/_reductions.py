@@ -13,10 +13,9 @@ other inputs, and every input on an accelerator, take the masked path, which nee
 synchronisation. Under ``torch.compile`` (``nonfinite="ignore"``), unmasked, plain extremes come
 first (the native kernel as the op ``qstats::row_extremes`` where it applies, else ``amin`` and
 ``amax``, which the compiler fuses into one pass over the data) and the full reduction runs only
-when an extreme is not finite: outside any functorch transform a ``torch.cond`` picks it; under
-``vmap`` on CPU, where ``torch.cond`` does not run, a small opaque op reads the flag on the host.
-Masked inputs, and unmasked ones under a transform on an accelerator, take the decomposition,
-which the compiler also fuses into one pass. With ``nonfinite="raise"`` the op stays, opaque to
+when an extreme is not finite: a small opaque op reads that flag on the host (CPU only).
+Masked inputs, and unmasked ones on an accelerator, take the decomposition, which the compiler
+also fuses into one pass, with no host read. With ``nonfinite="raise"`` the op stays, opaque to
 the compiler, so that it can raise.
 """
 
@@ -228,15 +227,12 @@ def _traceable_finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor]):
     return lo, hi, count, seen - count
 
 
-_COND = hasattr(torch, "cond") and hasattr(torch.compiler, "assume_constant_result")
-
-
 def _no_functorch_transform() -> bool:
-    """True outside every vmap/grad transform (torch.cond supports neither); read when tracing."""
+    """True outside every vmap/grad transform; read when tracing."""
     return torch._C._functorch.maybe_current_level() is None
 
 
-if _COND:
+if hasattr(torch.compiler, "assume_constant_result"):
     _no_functorch_transform = assume_constant_result(_no_functorch_transform)
 
 
@@ -285,26 +281,6 @@ def _plain_extremes(view: torch.Tensor):
     return lo, hi, torch.isfinite(hi - lo).all()
 
 
-def _finite_first_aminmax(view: torch.Tensor):
-    """The unmasked reduction for ``torch.compile`` outside ``vmap``: plain extremes first (the
-    compiler's cheapest two-reduction pass), then, only when some extreme is not finite (a NaN or
-    an Inf somewhere), the full decomposition, chosen by ``torch.cond`` on one flag for the whole
-    tensor. Under ``vmap`` the flag would be per slice, and ``torch.cond`` would run both."""
-    if view.numel() == 0:
-        return _nothing_seen(view)
-    lo, hi, all_finite = _plain_extremes(view)
-    per_param = view.shape[0] * view.shape[-1]
-
-    def finite(view, lo, hi):
-        count = torch.full(lo.shape, per_param, dtype=torch.int64, device=lo.device)
-        return lo.float().clone(), hi.float().clone(), count, torch.zeros_like(count)
-
-    def not_finite(view, lo, hi):
-        return _traceable_finite_aminmax(view, None)
-
-    return torch.cond(all_finite, finite, not_finite, (view, lo, hi))
-
-
 @torch.library.custom_op("qstats::nonfinite_fallback", mutates_args=())
 def _nonfinite_fallback_op(
     view: torch.Tensor, finite: torch.Tensor
@@ -336,12 +312,14 @@ def _nonfinite_fallback_vmap_rule(info, in_dims, view, finite):
 torch.library.register_vmap("qstats::nonfinite_fallback", _nonfinite_fallback_vmap_rule)
 
 
-def _finite_first_aminmax_in_transform(view: torch.Tensor):
-    """`_finite_first_aminmax` for ``torch.compile`` on CPU under ``vmap`` (or another functorch
-    transform), where ``torch.cond`` does not run: plain extremes (which the compiler fuses into
-    one pass), then an opaque op that reads one flag on the host and runs the full reduction only
-    when some extreme is not finite; a select keeps the plain extremes otherwise (the flag is per
-    slice under ``vmap``; the op takes all of them at once)."""
+def _finite_first_aminmax(view: torch.Tensor):
+    """The unmasked reduction for ``torch.compile`` on CPU: plain extremes (the native op, or
+    ``amin`` and ``amax``, which the compiler fuses into one pass), then an opaque op that reads
+    one flag on the host and runs the full reduction only when some extreme is not finite; a
+    select keeps the plain extremes otherwise (under ``vmap`` the flag is per slice; the op takes
+    all of them at once). Not ``torch.cond``, which runs under no functorch transform and whose
+    branches inductor cannot generate for tensors of symbolic sizes (a QAT step recompiled for
+    another batch size failed with "expected [s17] to have been codegen-ed")."""
     if view.numel() == 0:
         return _nothing_seen(view)
     lo, hi, finite = _plain_extremes(view)  # finite: also False when a range overflows (full path)
@@ -388,11 +366,9 @@ def finite_aminmax(
             return _finite_aminmax_impl(view.detach(), mask, policy, uniform=uniform)
     view = view.detach()
     if policy == _POLICY_IGNORE and compiling:
-        if mask is None and _COND and _no_functorch_transform():
-            return _finite_first_aminmax(view)
         if mask is None and view.device.type == "cpu":
-            return _finite_first_aminmax_in_transform(view)
-        return _traceable_finite_aminmax(view, mask)
+            return _finite_first_aminmax(view)
+        return _traceable_finite_aminmax(view, mask)  # no host read on an accelerator
     outs = _unwrapped_vmap(view, mask, policy)
     if outs is not None:
         return outs

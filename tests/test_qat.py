@@ -360,6 +360,42 @@ def test_compiled_step_has_no_graph_breaks_and_matches_eager():
             torch.testing.assert_close(a, b)
 
 
+def test_compiled_step_recompiled_for_other_shapes_matches_eager():
+    """A compiled QAT loss recompiles with dynamic shapes when the batch size (a last, smaller
+    batch) or the model changes; inductor then failed to generate the ``torch.cond`` the
+    reduction used ("expected [s17] to have been codegen-ed"). Every shape matches eager."""
+    torch._dynamo.reset()
+    phase = QATPhase(True, True)
+
+    def run(model, batches):
+        qat = _prepare_mlp(model)
+        params = {k: v.detach().requires_grad_() for k, v in qat.params().items()}
+        state = qat.init(batches[0][0])
+
+        def loss_fn(params, state, x, y):
+            out, new_state = qat.apply(params, state, x, phase=phase)
+            return F.cross_entropy(out, y), new_state
+
+        compiled = torch.compile(loss_fn, fullgraph=True)
+        state_e = state_c = state
+        for x, y in batches:
+            loss_e, state_e = loss_fn(params, state_e, x, y)
+            grads_e = torch.autograd.grad(loss_e, list(params.values()))
+            loss_c, state_c = compiled(params, state_c, x, y)
+            grads_c = torch.autograd.grad(loss_c, list(params.values()))
+            torch.testing.assert_close(loss_c, loss_e)
+            for a, b in zip(grads_c, grads_e):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            for a, b in zip(torch.utils._pytree.tree_leaves(state_c), torch.utils._pytree.tree_leaves(state_e)):
+                assert torch.equal(a, b)
+
+    torch.manual_seed(0)
+    run(_MLP(), [(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (8, 12, 5)])
+    wider = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 3))  # another model, same code
+    run(wider, [(torch.randn(n, 10), torch.randint(0, 3, (n,))) for n in (7, 9)])
+    torch._dynamo.reset()
+
+
 def test_learned_ranges_replace_observer_ranges():
     torch.manual_seed(0)
     qat = _prepare_mlp(_MLP())

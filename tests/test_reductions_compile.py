@@ -9,10 +9,8 @@ from hypothesis import strategies as st
 import qstats
 from qstats import _native, _reductions
 from qstats._reductions import (
-    _COND,
     _finite_aminmax_impl,
     _finite_first_aminmax,
-    _finite_first_aminmax_in_transform,
     _traceable_finite_aminmax,
     finite_aminmax,
 )
@@ -55,15 +53,9 @@ def test_decomposition_equals_custom_op(shape, seed, masked, nonfinite, dtype):
     _assert_same(_traceable_finite_aminmax(view, mask), _finite_aminmax_impl(view, mask, 0))
 
 
-needs_cond = pytest.mark.skipif(not _COND, reason="torch.cond is not in this torch")
-
-
-# The extremes-first forms: torch.cond on "every extreme finite" outside vmap, the opaque
-# fallback op on that flag under vmap (compiled on CPU); each must pick either branch exactly.
-EXTREMES_FIRST = [
-    pytest.param(_finite_first_aminmax, marks=needs_cond, id="cond"),
-    pytest.param(_finite_first_aminmax_in_transform, id="fallback-op"),
-]
+# The extremes-first form (compiled, on CPU): plain extremes, the opaque fallback op on "every
+# extreme finite"; it must pick either branch exactly.
+EXTREMES_FIRST = [pytest.param(_finite_first_aminmax, id="fallback-op")]
 
 
 @pytest.mark.parametrize("reduction", EXTREMES_FIRST)
@@ -89,7 +81,6 @@ def test_extremes_first_reductions_with_a_range_that_overflows(reduction, dtype)
     _assert_same(reduction(view), _finite_aminmax_impl(view, None, 0))
 
 
-@needs_cond
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize(
     "granularity", [qstats.PerTensor(), qstats.PerAxis(0), qstats.PerGroup(4)], ids=["tensor", "axis", "group"]
@@ -106,7 +97,6 @@ def test_compiled_unmasked_update_equals_eager_on_both_branches(backend, granula
             assert torch.equal(a, b)
 
 
-@needs_cond
 def test_compiled_update_traced_outside_vmap_still_serves_grad():
     # the branch is picked when tracing; a later call under a transform retraces on the full path
     obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
@@ -182,7 +172,7 @@ def test_fallback_op_under_eager_vmap_equals_the_loop():
     generator = torch.Generator().manual_seed(4)
     views = torch.randn(3, 2, 4, 5, generator=generator)
     views[1] = _with_nonfinite(views[1], generator, 0.3)
-    got = torch.vmap(_finite_first_aminmax_in_transform)(views)
+    got = torch.vmap(_finite_first_aminmax)(views)
     for i, view in enumerate(views):
         _assert_same([t[i] for t in got], _finite_aminmax_impl(view, None, 0))
     # a shared view with a flag per slice: any False flag runs the full reduction for all
@@ -320,7 +310,7 @@ def test_assume_constant_result_sets_torchs_own_mark():
 def test_import_leaves_the_compiler_unloaded_and_compile_still_takes_the_marks():
     """``import qstats`` does not import ``torch._dynamo`` (about two seconds); a compile started
     afterwards still treats the marked functions as constants: a fullgraph compile of an update
-    that calls the native op, and of one that takes the ``torch.cond`` branch, equals eager."""
+    that calls the native op equals eager."""
     import subprocess
     import sys
 
