@@ -3,6 +3,7 @@ the min/max observers on tensors large enough to take it against an independent 
 (torch.ao's observers where the data is finite; masked ATen reductions where it is not)."""
 
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -53,6 +54,27 @@ def kernel_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture(params=[1, 2], ids=["8-streams-prefetch", "2-streams"])
+def read_mode(request):
+    """Each way the kernel reads rows (the processor picks one; both must give the same results):
+    QS_STREAMS streams asking 1 KB ahead, or two streams with the hardware prefetchers alone."""
+    set_mode = _native._kernel()[5]
+    assert set_mode(request.param) == request.param
+    try:
+        yield request.param
+    finally:
+        set_mode(0)
+
+
+def test_the_read_mode_follows_the_processor():
+    vendor = ""
+    if os.path.exists("/proc/cpuinfo"):
+        vendor = next((line for line in open("/proc/cpuinfo") if line.startswith("vendor_id")), "")
+    if "AuthenticAMD" not in vendor and "GenuineIntel" not in vendor:
+        pytest.skip("neither an AMD nor an Intel x86 processor")
+    assert _native._kernel()[5](0) == (2 if "AuthenticAMD" in vendor else 1)
+
+
 LENGTHS = [16, 17, 31, 32, 33, 47, 48, 64, 100, 256, 1000]
 
 
@@ -68,7 +90,7 @@ def _view(rows, length, generator, dtype=torch.float32):
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_row_extremes_equal_aten(length, threads, dtype):
+def test_row_extremes_equal_aten(length, threads, dtype, read_mode):
     g = torch.Generator().manual_seed(length)
     view = _view(7, length, g, dtype)
     with torch_threads(threads):
@@ -81,7 +103,7 @@ def test_row_extremes_equal_aten(length, threads, dtype):
 @pytest.mark.parametrize("where", ["first", "body", "tail", "last"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_any_nonfinite_value_is_flagged(length, where, value, dtype):
+def test_any_nonfinite_value_is_flagged(length, where, value, dtype, read_mode):
     g = torch.Generator().manual_seed(1)
     view = _view(3, length, g, dtype)
     row = view.shape[1] // 2
@@ -98,7 +120,7 @@ def test_any_nonfinite_value_is_flagged(length, where, value, dtype):
     assert torch.equal(hi[others], view[0, others].amax(-1).float())
 
 
-def test_an_overflowing_range_is_flagged():
+def test_an_overflowing_range_is_flagged(read_mode):
     view = torch.zeros(1, 4096, 32)
     view[0, 5, 3], view[0, 5, 4] = -3e38, 3e38
     assert _native.row_extremes(view)[2] is False
@@ -106,7 +128,7 @@ def test_an_overflowing_range_is_flagged():
 
 @pytest.mark.parametrize("rows", [4096 + 13, 8 * 17 + 5], ids=["many rows", "few rows"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_rows_beside_the_streams_equal_aten(rows, threads):
+def test_rows_beside_the_streams_equal_aten(rows, threads, read_mode):
     """Row counts that the threads' streams do not divide: the rows left over after the streams
     take the one-row path; every row is exact and a non-finite value in any of them is flagged."""
     g = torch.Generator().manual_seed(rows)
@@ -147,7 +169,8 @@ def test_narrower_vector_widths_equal_aten(flags, dtype, tmp_path):
     if dtype == torch.float32:
         _assert_half_precision_scales(built[2])
     g = torch.Generator().manual_seed(3)
-    for length in (16, 17, 33, 256, 1000):
+    for length, mode in itertools.product((16, 17, 33, 256, 1000), (1, 2)):  # both ways of reading
+        assert built[5](mode) == mode
         view = _view(4096 // length + 9, length, g, dtype)
         rows = view.shape[1]
         for threads in (1, 2):
@@ -1296,7 +1319,7 @@ def test_memoryless_update_pass_gives_compute_qparams_its_scales(form, recalls):
 @pytest.mark.parametrize("size", [1 << 16, (1 << 20) + 4096 * 3 + 17, 4096 * 37 + 5], ids=["64K", "1M+", "rows+tail"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_whole_extremes_equal_aten(size, threads, dtype):
+def test_whole_extremes_equal_aten(size, threads, dtype, read_mode):
     g = torch.Generator().manual_seed(size % 1000)
     view = (torch.randn(1, size, generator=g) * 7).to(dtype)
     with torch_threads(threads):
