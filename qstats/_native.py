@@ -386,11 +386,18 @@ static int merge(const State* s, float* lo, float* hi, int64_t len, int64_t r0, 
 // and no software prefetch (on an AMD Zen 5, whose prefetchers do better alone: 1.3x-1.4x faster
 // than the first way there, as fast as one ATen sum). 0 (default): the second on AMD processors,
 // the first elsewhere; qstats_read_mode sets it (tests).
-static int qs_read_mode = 0;
+static int qs_read_mode = 0;  // read and written atomically: set while other threads read rows
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_cpu_is) && (defined(__x86_64__) || defined(__i386__))
+#define QS_VENDOR_CHECK 1
+#endif
+#endif
 
 static int read_mode() {
-  if (qs_read_mode) return qs_read_mode;
-#if defined(__x86_64__) || defined(__i386__)
+  const int forced = __atomic_load_n(&qs_read_mode, __ATOMIC_RELAXED);
+  if (forced) return forced;
+#ifdef QS_VENDOR_CHECK
   static const int mode = (__builtin_cpu_init(), __builtin_cpu_is("amd")) ? 2 : 1;
   return mode;
 #else
@@ -523,13 +530,13 @@ static int whole(const void* data, int64_t n, int64_t threads, float* m_out, flo
   return bad;
 }
 
-// Both extremes of all n values of x (contiguous) in one pass (see whole): lo[0] and hi[0].
 // Sets how rows are read (see read_mode: 0 by the processor, 1 or 2); returns the way now taken.
 extern "C" int qstats_read_mode(int64_t mode) {
-  if (mode >= 0 && mode <= 2) qs_read_mode = (int)mode;
+  if (mode >= 0 && mode <= 2) __atomic_store_n(&qs_read_mode, (int)mode, __ATOMIC_RELAXED);
   return read_mode();
 }
 
+// Both extremes of all n values of x (contiguous) in one pass (see whole): lo[0] and hi[0].
 // Returns 1 when flagged (as whole), -1 for an unknown kind.
 extern "C" int qstats_whole_extremes(const void* x, int64_t kind, int64_t n, int64_t threads, float* lo, float* hi) {
   if (kind == 0) return whole<F32>(x, n, threads, lo, hi);
@@ -650,6 +657,9 @@ def _cache_file(compilers) -> Optional[str]:
     )
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)
+        # every later step goes through the resolved path: a link on the way (a trailing "/",
+        # ~/.cache on another disk) is followed once, here, and the place it leads to is checked
+        root = os.path.realpath(root)
         if not _private_directory(root):
             return None  # another user could put code there: not a place to load it from
         identity = [_SOURCE, repr(_FLAG_SETS), platform.machine(), sys.platform, _cpu_identity()]
@@ -663,15 +673,17 @@ def _cache_file(compilers) -> Optional[str]:
 
 
 def _private_directory(root: str) -> bool:
-    """Whether nobody but this user (and the superuser) can change what ``root`` holds: ``root``
-    itself a directory, not a symbolic link, this user's and writable by nobody else, and each
-    directory above it (links resolved) the superuser's or this user's and writable by nobody
-    else or sticky (as ``/tmp``: others cannot rename or remove what they do not own there)."""
+    """Whether nobody but this user (and the superuser) can change what ``root`` (a resolved
+    path: no symbolic link on it) holds: ``root`` itself a directory, this user's and writable by
+    nobody else, and each directory above it the superuser's or this user's and writable by
+    nobody else or sticky (as ``/tmp``: others cannot rename or remove what they do not own
+    there). A group-writable home directory, or one owned by another user id (some containers),
+    fails this: each process then builds its own kernel; ``QSTATS_CACHE_DIR`` names another."""
     uid = os.getuid()
     status = os.lstat(root)
     if not stat_module.S_ISDIR(status.st_mode) or status.st_uid != uid or status.st_mode & 0o022:
         return False
-    parent = os.path.dirname(os.path.realpath(root))
+    parent = os.path.dirname(root)
     while True:
         status = os.stat(parent)
         if status.st_uid not in (0, uid):
@@ -740,16 +752,19 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS, keep: Optional[str] = Non
         f.write(_SOURCE)
     target = os.path.join(directory, "row_extremes.so")
     base = ["-O3", "-std=c++17", "-shared", "-fPIC", source, "-o", target]
-    # a build with fewer flags is kept for later processes only where the better flags were
-    # refused by the compiler itself, not where a build of them was killed (out of memory) or
-    # timed out: a passing failure must not make every later process run the slower kernel
-    accidental = False
     for compiler in _compilers():
+        # a build with fewer flags is kept for later processes only where this compiler refused
+        # the better flags, not where a build of them was killed (out of memory: the driver
+        # reports its killed cc1plus or clang frontend and exits 1) or timed out: a passing
+        # failure must not make every later process run the slower kernel
+        accidental = False
         for flags in flag_sets:
             try:
                 done = subprocess.run([*compiler, *flags, *base], capture_output=True, timeout=120)
-            except (OSError, subprocess.SubprocessError):
+            except subprocess.TimeoutExpired:
                 accidental = True
+                continue
+            except (OSError, subprocess.SubprocessError):  # this compiler does not run: the next one
                 break
             if done.returncode == 0:
                 try:
@@ -760,9 +775,18 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS, keep: Optional[str] = Non
                 if keep is not None and not accidental:
                     _keep(target, keep)
                 return bound
-            if done.returncode < 0:  # killed by a signal
+            if done.returncode < 0 or _killed(done.stderr):
                 accidental = True
     return False
+
+
+def _killed(stderr: bytes) -> bool:
+    """Whether a compiler's error output says that it, or a program it ran, was killed or crashed
+    (GCC: "Killed signal terminated program cc1plus", "internal compiler error"; clang: "unable
+    to execute command: Killed", "frontend command failed due to signal") rather than refused
+    the source or its flags."""
+    text = stderr.decode(errors="replace").lower()
+    return any(sign in text for sign in ("killed", "signal", "internal compiler error"))
 
 
 def _bind(library):

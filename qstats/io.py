@@ -2,7 +2,8 @@
 
 `save(path, tree)` writes a tree (dicts with string keys, lists, tuples, registered states,
 `QParams`, plain tensors, and ``None``: what `qstats.compute_qparams_tree` gives a site whose
-scales come at run time) to ONE safetensors file. The tensors are stored as they are (bit-exact,
+scales come at run time; qstats releases before None was saved call a file holding one
+malformed) to ONE safetensors file. The tensors are stored as they are (bit-exact,
 any dtype safetensors supports); the file's metadata holds the format name and version, the nesting
 and the NamedTuple type names as JSON, and a CRC-32 of every tensor's bytes. `load(path)` rebuilds
 the tree, looking state types up by name in the registry (`qstats.register_state`), so no code is

@@ -210,7 +210,9 @@ def report(
       a `Report`; ``min``/``max`` come from the states' ``min_val``/``max_val`` fields when they
       exist, ``mean_scale`` and ``coverage`` (fraction of calibrated parameters) from the QParams;
       ``mean_scale`` is None for activation sites whose scales come at run time
-      (`qstats.recipe.runtime_scaled`), and ``coverage`` too where their QParams are None.
+      (`qstats.recipe.runtime_scaled`; known when ``model`` and ``recipe`` are given: without
+      them an NVFP4 input's row shows its QParams' placeholder group scale), and ``coverage`` too
+      where their QParams are None.
     """
     if not isinstance(states, Mapping) or not isinstance(qparams, Mapping):
         raise TypeError("report expects the states and qparams trees {path: {site: ...}}")

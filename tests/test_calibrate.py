@@ -402,7 +402,7 @@ def test_report_measures_runtime_sites_with_their_own_scales(name):
 
 
 @pytest.mark.parametrize("granularity", [qstats.PerGroup(48), qstats.TensorGroup(48)])
-def test_dynamic_group_sites_check_the_group_size(granularity, tmp_path):
+def test_dynamic_group_sites_check_the_group_size(granularity):
     """A site whose scales come at run time is observed per tensor, yet a group size that does not
     divide its features is refused when calibrating (naming the module and site), as a static one
     is, and by the export."""

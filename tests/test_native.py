@@ -223,9 +223,10 @@ def test_another_compiler_builds_the_same_kernel(compiler, monkeypatch, tmp_path
     monkeypatch.setattr(_native, "_compilers", lambda: [[shutil.which(compiler)]])  # and no other
     built = _native._compile_and_load(str(tmp_path))
     assert built, f"{compiler} did not build the kernel"
-    extremes, update, scales, whole, whole_extremes = built
+    extremes, update, scales, whole, whole_extremes, read_mode = built
     g = torch.Generator().manual_seed(4)
-    for dtype in DTYPES:
+    for dtype, mode in itertools.product(DTYPES, (1, 2)):  # both ways of reading rows
+        assert read_mode(mode) == mode
         for length in (16, 33, 256):
             view = _view(4096 // length + 9, length, g, dtype)
             rows = view.shape[1]
@@ -664,8 +665,9 @@ def test_a_kept_build_serves_later_processes(tmp_path):
 
 def test_the_cache_is_skipped_where_others_may_write(tmp_path, monkeypatch):
     """A cache directory that another user could change is no place to load code from: writable
-    by others or by its group, a symbolic link, or under a directory others may write (not
-    sticky): no kept build is read or written there (each process builds its own)."""
+    by others or by its group, or under a directory others may write (not sticky): no kept build
+    is read or written there (each process builds its own). A symbolic link is followed once and
+    the directory it leads to is checked and used (not the link, which its owner could move)."""
     import sys
 
     if not hasattr(os, "getuid"):
@@ -679,18 +681,23 @@ def test_the_cache_is_skipped_where_others_may_write(tmp_path, monkeypatch):
         shared.chmod(mode)
         assert _native._cache_file(compiler) is None, oct(mode)
     shared.chmod(0o700)
-    assert _native._cache_file(compiler).startswith(str(shared))
+    resolved = os.path.realpath(shared)
+    assert _native._cache_file(compiler).startswith(resolved + os.sep)
     link = tmp_path / "link"
     link.symlink_to(shared)
-    monkeypatch.setenv("QSTATS_CACHE_DIR", str(link))
-    assert _native._cache_file(compiler) is None
+    for spelled in (str(link), str(link) + "/"):
+        monkeypatch.setenv("QSTATS_CACHE_DIR", spelled)
+        assert _native._cache_file(compiler).startswith(resolved + os.sep)  # the place, not the link
+        shared.chmod(0o777)
+        assert _native._cache_file(compiler) is None, spelled
+        shared.chmod(0o700)
     open_parent = tmp_path / "open"
     (open_parent / "cache").mkdir(parents=True, mode=0o700)
     open_parent.chmod(0o777)  # others could rename "cache" away and put their own in its place
     monkeypatch.setenv("QSTATS_CACHE_DIR", str(open_parent / "cache"))
     assert _native._cache_file(compiler) is None
     open_parent.chmod(0o1777)  # sticky, as /tmp: they cannot
-    assert _native._cache_file(compiler).startswith(str(open_parent / "cache"))
+    assert _native._cache_file(compiler).startswith(os.path.realpath(open_parent / "cache") + os.sep)
 
 
 @pytest.mark.skipif(not _native.available(), reason="no C++ compiler: the native kernel is not built")
@@ -714,30 +721,39 @@ def test_a_kept_build_others_may_write_is_not_loaded(tmp_path):
 
 @pytest.mark.skipif(not _native.available(), reason="no C++ compiler: the native kernel is not built")
 def test_a_build_after_a_killed_compile_is_not_kept(tmp_path, monkeypatch):
-    """Where the build with the best flags was killed (out of memory, say) rather than refused by
-    the compiler, the fallback build serves this process but is not kept: a passing failure must
-    not leave every later process with the slower kernel. A refusal keeps the fallback."""
+    """Where the build with the best flags was killed (out of memory: the killer takes GCC's
+    cc1plus, and the driver exits 1 saying so) rather than refused by the compiler, the fallback
+    build serves this process but is not kept: a passing failure must not leave every later
+    process with the slower kernel. A refusal keeps the fallback; a compiler that does not run at
+    all leaves the next compiler's best build kept."""
     import shutil
-    import subprocess
 
-    real = subprocess.run
-
-    def killed_first(command, *args, **kwargs):
-        if "-march=native" in command:
-            return subprocess.CompletedProcess(command, -9, b"", b"")
-        return real(command, *args, **kwargs)
-
-    def refused_first(command, *args, **kwargs):
-        if "-march=native" in command:
-            return subprocess.CompletedProcess(command, 1, b"", b"error: unrecognised option")
-        return real(command, *args, **kwargs)
-
-    for run, kept_after in ((killed_first, False), (refused_first, True)):
-        monkeypatch.setattr(_native.subprocess, "run", run)
-        directory, kept = tmp_path / run.__name__, tmp_path / f"{run.__name__}.so"
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("no g++ (its -wrapper option runs cc1plus through a script)")
+    kill = tmp_path / "kill-cc1plus"
+    kill.write_text('#!/bin/sh\ncase "$1" in *cc1plus) kill -9 $$;; esac\nexec "$@"\n')
+    kill.chmod(0o755)
+    killed = tmp_path / "killed-cxx"  # g++ whose cc1plus is killed when it builds with -march=native
+    killed.write_text(f'#!/bin/sh\ncase " $* " in *" -march=native "*) exec "{gxx}" -wrapper "{kill}" "$@";; esac\n'
+                      f'exec "{gxx}" "$@"\n')
+    refused = tmp_path / "refusing-cxx"  # g++ that does not know -march=native
+    refused.write_text(f'#!/bin/sh\ncase " $* " in *" -march=native "*) echo "error: unrecognized command-line '
+                       f'option" >&2; exit 1;; esac\nexec "{gxx}" "$@"\n')
+    broken = tmp_path / "no-interpreter"  # not a program the system can run (no #! line)
+    broken.write_text("echo never\n")
+    for script in (killed, refused, broken):
+        script.chmod(0o755)
+    for name, compilers, kept_after in (
+        ("killed", [[str(killed)]], False),
+        ("refused", [[str(refused)]], True),
+        ("broken first", [[str(broken)], [gxx]], True),
+    ):
+        monkeypatch.setattr(_native, "_compilers", lambda compilers=compilers: compilers)
+        directory, kept = tmp_path / f"build {name}", tmp_path / f"{name}.so"
         directory.mkdir()
-        assert _native._compile_and_load(str(directory), keep=str(kept))
-        assert kept.exists() == kept_after, run.__name__
+        assert _native._compile_and_load(str(directory), keep=str(kept)), name
+        assert kept.exists() == kept_after, name
         shutil.rmtree(directory, ignore_errors=True)
 
 
