@@ -755,16 +755,13 @@ def _compile_and_load(directory, flag_sets=_FLAG_SETS, keep: Optional[str] = Non
     for compiler in _compilers():
         # a build with fewer flags is kept for later processes only where this compiler refused
         # the better flags, not where a build of them was killed (out of memory: the driver
-        # reports its killed cc1plus or clang frontend and exits 1) or timed out: a passing
-        # failure must not make every later process run the slower kernel
+        # reports its killed cc1plus or clang frontend and exits 1): a passing failure must not
+        # make every later process run the slower kernel
         accidental = False
         for flags in flag_sets:
             try:
                 done = subprocess.run([*compiler, *flags, *base], capture_output=True, timeout=120)
-            except subprocess.TimeoutExpired:
-                accidental = True
-                continue
-            except (OSError, subprocess.SubprocessError):  # this compiler does not run: the next one
+            except (OSError, subprocess.SubprocessError):  # it does not run, or hangs: the next compiler
                 break
             if done.returncode == 0:
                 try:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 from torch.nn.utils import parametrize
 
+from ._compat_compressed_tensors import _COMPUTE_NAMES
 from ._granularity import TensorGroup, qparam_shape
 from ._qparams import QParams, check_calibrated, compute_qparams
 from ._quant import fake_quantize
@@ -526,9 +527,6 @@ def _share_global_scales(out: dict, states: Mapping, sites: dict, model: torch.n
             out[path]["weight"] = qparams
 
 
-_COMPUTE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
 def runtime_spec(x: torch.Tensor, spec):
     """The spec an activation site whose scales come at run time applies to the tensor ``x``:
     compressed-tensors computes dynamic scales and quantizes in the activation's own dtype
@@ -536,7 +534,7 @@ def runtime_spec(x: torch.Tensor, spec):
     spec takes ``x``'s dtype as its ``compute_dtype``; other specs are returned as they are."""
     if spec.convention != "compressed_tensors":
         return spec
-    compute = _COMPUTE_DTYPES.get(x.dtype, spec.compute_dtype)
+    compute = _COMPUTE_NAMES.get(x.dtype, spec.compute_dtype)
     return spec if compute == spec.compute_dtype else spec.replace(compute_dtype=compute)
 
 
@@ -589,7 +587,8 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Recipe):
             if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
                 return x
             if runtime:
-                return fake_quantize(x, runtime_qparams(x, spec, qp), runtime_spec(x, spec))
+                applied = runtime_spec(x, spec)
+                return fake_quantize(x, runtime_qparams(x, applied, qp), applied)
             return fake_quantize(x, qp, spec)
 
         return quantize

@@ -281,7 +281,8 @@ def _measure_activations(model, qparams, sites, modules, batches, observation_we
         found = sites[path][site]
         qp, spec = qparams[path][site], found.spec
         if runtime_scaled(spec):  # scales from each tensor, as `fake_quantized` applies them
-            qp, spec = runtime_qparams(x, spec, qp), runtime_spec(x, spec)
+            spec = runtime_spec(x, spec)
+            qp = runtime_qparams(x, spec, qp)
         weight = current_weight[0]
         if weight is not None and weight.ndim <= x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
             # padding is left out of every measured number (zero is not representable with a float
