@@ -37,7 +37,7 @@ from .experts import (
 )
 from .fused import fused_groups, fused_qparams
 from .observers import memoryless_minmax
-from .recipe import PROJECTION_NAMES, Recipe, runtime_scaled
+from .recipe import PROJECTION_NAMES, Recipe
 from .tree import assert_same_structure
 
 __all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "run_model"]
@@ -146,7 +146,7 @@ def _check_runtime_shape(found, path: str, site: str, shape) -> None:
     """A site whose scales come at run time (`runtime_scaled`) is observed per tensor, so its
     observer never meets the spec's granularity: the tensor's shape is checked against it here
     (a group size that does not divide the features would otherwise calibrate and export)."""
-    if runtime_scaled(found.spec):
+    if found.runtime:
         try:
             qparam_shape(shape, found.spec.granularity)
         except ValueError as error:
@@ -476,18 +476,16 @@ def compute_qparams_tree(
     scales coming at run time.
     """
     sites = recipe.sites(model)
-    modules = dict(model.named_modules())
     out: dict = {}
     for path, entry in states.items():
         out[path] = {}
-        params = dict(modules[path].named_parameters(recurse=False)) if path in modules else {}
         for site, state in entry.items():
             found = sites.get(path, {}).get(site)
             if found is None:
                 raise ValueError(f"compute_qparams_tree: the recipe observes no site {site!r} of module {path!r}")
             kwargs = {**dict(found.rule.qparams_kwargs), **options}
             where = f"compute_qparams_tree[{path!r}][{site!r}]"
-            if site not in params and runtime_scaled(found.spec) and not isinstance(found.spec.granularity, TensorGroup):
+            if found.runtime and not isinstance(found.spec.granularity, TensorGroup):
                 out[path][site] = None  # scales at run time: nothing calibrated
                 continue
             if found.num_experts:
@@ -603,8 +601,7 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Recipe):
                 found = sites.get(path, {}).get(site)
                 if found is None:
                     raise ValueError(f"fake_quantized: the recipe observes no site {site!r} of module {path!r}")
-                spec = found.spec
-                runtime = site not in params and runtime_scaled(spec)
+                spec, runtime = found.spec, found.runtime
                 if qp is None and not runtime:
                     raise ValueError(f"fake_quantized: qparams[{path!r}][{site!r}] is None; its spec needs QParams")
                 if site in params:

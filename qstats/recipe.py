@@ -147,12 +147,14 @@ class Site(NamedTuple):
         observes the whole tensor's range, under the spec made per tensor.
       spec: the spec of one tensor (one expert's tensor for stacked experts).
       num_experts: the leading expert dimension of the state, 0 when not stacked.
+      runtime: an activation site whose scales come at run time (`runtime_scaled`).
     """
 
     rule: Rule
     observer: Observer
     spec: QuantSpec
     num_experts: int
+    runtime: bool = False
 
 
 def runtime_scaled(spec: QuantSpec) -> bool:
@@ -253,7 +255,7 @@ class Recipe:
                     obs = rule.make_observer(rule.spec.replace(granularity=PerTensor()) if runtime else None)
                     if stacked:
                         obs = stacked_observer(obs, stacked)
-                    entry[site] = Site(rule, obs, rule.spec, stacked)
+                    entry[site] = Site(rule, obs, rule.spec, stacked, runtime)
                     found[index].add(site)
             if entry:
                 resolved[path] = entry

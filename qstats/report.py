@@ -22,7 +22,7 @@ import torch
 from ._granularity import broadcast_to_view, canonical_view
 from ._quant import _codes_float, fake_quantize
 from .calibrate import _first_tensor, _input_tensor, run_model, runtime_qparams, runtime_spec
-from .recipe import PROJECTION_NAMES, Recipe, runtime_scaled
+from .recipe import PROJECTION_NAMES, Recipe
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
 
@@ -250,11 +250,7 @@ def report(
             error = errors.get((path, site))
             # a site whose scales come at run time has no calibrated scale to average (its QParams
             # are None, or for a two-level spec hold only the calibrated global scale)
-            runtime = (
-                found is not None
-                and site not in dict(modules[path].named_parameters(recurse=False))
-                and runtime_scaled(found.spec)
-            )
+            runtime = found is not None and found.runtime
             rows.append(
                 LayerReport(
                     module=path,
@@ -280,7 +276,7 @@ def _measure_activations(model, qparams, sites, modules, batches, observation_we
             return
         found = sites[path][site]
         qp, spec = qparams[path][site], found.spec
-        if runtime_scaled(spec):  # scales from each tensor, as `fake_quantized` applies them
+        if found.runtime:  # scales from each tensor, as `fake_quantized` applies them
             spec = runtime_spec(x, spec)
             qp = runtime_qparams(x, spec, qp)
         weight = current_weight[0]
