@@ -1,22 +1,22 @@
 """Calibrating a torch model: run it over batches and collect observer states per module and site.
 
-`calibrate` resolves a `Recipe` on the model, observes every parameter site once, then runs the
-model over the calibration batches with forward hooks that thread activation states through pure
-updates: the hooks close over a dict that the loop owns and replace each entry with
-``observer.update(old_state, x, weight)``. Per-expert sites of stacked experts (``"input"``,
-``"down_proj.input"``) are observed with one masked, vmapped update per experts call: every
-expert's rows in one tensor with a ``[E, rows]`` mask saying which rows are whose. The
-intermediate activation (``"down_proj.input"``) is captured, as the model computes it, by a
-`qstats.experts.ExpertInputCapture` active only during the experts' forward. The result is a plain nested dict
-``{module_path: {site: state}}`` of NamedTuples of tensors, ready for `qstats.save`, merges across
-ranks and `compute_qparams_tree`.
+`calibrate` resolves a `Recipe` on the model once (a `qstats.recipe.Plan`), observes every
+parameter site once, then runs the model over the calibration batches with one small hook object
+per activation site, each threading its state through pure updates: a hook replaces its entry of
+the states tree the call owns with ``observer.update(old_state, x, weight)``. Per-expert sites of
+stacked experts (``"input"``, ``"down_proj.input"``) are observed with one masked, vmapped update
+per experts call: every expert's rows in one tensor with a ``[E, rows]`` mask saying which rows
+are whose. The intermediate activation (``"down_proj.input"``) is captured, as the model computes
+it, by a `qstats.experts.ExpertInputCapture` active only during the experts' forward. The result is
+a plain nested dict ``{module_path: {site: state}}`` of NamedTuples of tensors, ready for
+`qstats.save`, merges across ranks and `compute_qparams_tree`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 from torch.nn.utils import parametrize
@@ -35,12 +35,12 @@ from .experts import (
     stacked_qparams,
     warn_uncovered,
 )
-from .fused import fused_groups, fused_qparams
+from .fused import fused_qparams
 from .observers import memoryless_minmax
-from .recipe import PROJECTION_NAMES, Recipe
+from .recipe import Plan, Recipe, as_plan
 from .tree import assert_same_structure
 
-__all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "run_model"]
+__all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "run_model", "observe_tensor"]
 
 
 def _first_tensor(value) -> Optional[torch.Tensor]:
@@ -133,24 +133,28 @@ def _copy_tree(states: Optional[Mapping]) -> dict:
     return copied
 
 
-def _update(found, path: str, site: str, previous, x: torch.Tensor, weight):
-    """``found.observer.update(previous, x, weight)``; a ValueError or TypeError (a resumed state of
-    another shape or observer) names the module and site."""
-    try:
-        return found.observer.update(previous, x, weight)
-    except (ValueError, TypeError) as error:
-        _raise_renamed(error, path, site)
+def _is_float_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
-def _check_runtime_shape(found, path: str, site: str, shape) -> None:
-    """A site whose scales come at run time (`runtime_scaled`) is observed per tensor, so its
-    observer never meets the spec's granularity: the tensor's shape is checked against it here
-    (a group size that does not divide the features would otherwise calibrate and export)."""
-    if found.runtime:
-        try:
-            qparam_shape(shape, found.spec.granularity)
-        except ValueError as error:
-            _raise_renamed(error, path, site)
+def observe_tensor(plan: Plan, path: str, site: str, fn: Callable[[Any], None]):
+    """Registers the hook that calls ``fn(x)`` with the tensor an activation site observes, and
+    returns its handle: for ``"input"`` the module's input (`_input_tensor`: the first positional
+    argument, or the hidden states passed by keyword), for ``"output"`` its (first) output tensor,
+    for ``q``/``k``/``v`` the output of its child projection. `calibrate` and `qstats.report` read
+    the same tensors through it."""
+    module = plan.hooked_module(path, site)
+    if plan.sites[path][site].kind == "input":
+
+        def pre_hook(module, args, kwargs):
+            fn(_input_tensor(args, kwargs))
+
+        return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+    def hook(module, args, output):
+        fn(_first_tensor(output))
+
+    return module.register_forward_hook(hook)
 
 
 def _raise_renamed(error: Exception, path: str, site: str):
@@ -163,10 +167,10 @@ def _raise_renamed(error: Exception, path: str, site: str):
     raise renamed from error
 
 
-def _check_resumed(states: dict, sites: dict) -> None:
+def _check_resumed(states: dict, plan: Plan) -> None:
     for path, entry in states.items():
         for site in entry:
-            if site not in sites.get(path, {}):
+            if plan.site(path, site) is None:
                 raise ValueError(
                     f"calibrate: the given states hold site {site!r} of module {path!r}, which this recipe "
                     "does not observe in this model"
@@ -206,10 +210,235 @@ def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
     return selected, None
 
 
+class _Calibration:
+    """What the hooks of one `calibrate` call share: the plan, the states tree the call builds and
+    the current batch's observation weight (None between batches)."""
+
+    def __init__(self, plan: Plan, states: dict):
+        self.plan = plan
+        self.states = states
+        self.weight: Optional[torch.Tensor] = None
+
+    def weight_for(self, x: torch.Tensor, flattened: bool) -> Optional[torch.Tensor]:
+        """The batch's observation weight as the weight of ``x``: when ``x`` starts with its
+        dimensions, or (``flattened``: tokens of stacked experts) has one row per weight entry."""
+        weight = self.weight
+        if weight is None:
+            return None
+        if flattened:
+            if x.ndim >= 1 and weight.numel() == x.shape[0]:
+                return weight.reshape(-1).to(x.device)
+            return None
+        if weight.ndim <= x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
+            return weight.to(x.device)
+        return None
+
+    def update(self, path: str, site: str, x: torch.Tensor, weight=None, like: Optional[torch.Tensor] = None):
+        """``states[path][site] = observer.update(previous, x, weight)``, ``previous`` starting as
+        ``observer.init(like)`` (``like`` defaults to ``x``); a ValueError or TypeError (a tensor the
+        spec cannot observe, a resumed state of another shape or observer) names the module and site."""
+        observer = self.plan.sites[path][site].observer
+        entry = self.states.setdefault(path, {})
+        try:
+            previous = entry.get(site)
+            if previous is None:
+                previous = observer.init(x if like is None else like)
+            entry[site] = observer.update(previous, x, weight)
+        except (ValueError, TypeError) as error:
+            _raise_renamed(error, path, site)
+
+
+class _ParameterSite:
+    """A parameter site: the parameter observed once, before the first batch; a resumed state of
+    it is checked against the parameter and kept."""
+
+    def __init__(self, run: _Calibration, path: str, site: str):
+        self.run, self.path, self.site = run, path, site
+
+    def observe(self) -> None:
+        value = self.run.plan.parameter(self.path, self.site)
+        resumed = self.run.states.get(self.path, {}).get(self.site)
+        if resumed is None:
+            self.run.update(self.path, self.site, value)
+            return
+        observer = self.run.plan.sites[self.path][self.site].observer
+        try:
+            assert_same_structure(resumed, observer.init(value), name="state")
+        except ValueError as error:
+            raise ValueError(
+                f"calibrate: the given states[{self.path!r}][{self.site!r}] is not a {observer.name} state "
+                f"of that parameter (shape {tuple(value.shape)}): {error}"
+            ) from None
+
+
+class _SiteHook:
+    """Base of the activation hooks: one site of one module, updated through the calibration."""
+
+    def __init__(self, run: _Calibration, path: str, site: str):
+        self.run, self.path, self.site = run, path, site
+        self.found = run.plan.sites[path][site]
+
+    def check_runtime_shape(self, shape) -> None:
+        """A site whose scales come at run time (`runtime_scaled`) is observed per tensor, so its
+        observer never meets the spec's granularity: the tensor's shape is checked against it here
+        (a group size that does not divide the features would otherwise calibrate and export)."""
+        if self.found.runtime:
+            try:
+                qparam_shape(shape, self.found.spec.granularity)
+            except ValueError as error:
+                _raise_renamed(error, self.path, self.site)
+
+
+class _ActivationSite(_SiteHook):
+    """An ``input``/``output``/``q``/``k``/``v`` site of a module that is not stacked experts: the
+    tensor `observe_tensor` finds, weighted by the batch's observation weight."""
+
+    def attach(self) -> list:
+        return [observe_tensor(self.run.plan, self.path, self.site, self.observe)]
+
+    def observe(self, x) -> None:
+        if not _is_float_tensor(x):
+            return
+        x = x.detach()
+        self.check_runtime_shape(x.shape)
+        weight = self.run.weight_for(x, flattened=False)
+        kept, weight = _drop_masked_rows(x, weight, self.found.observer.spec or self.found.spec)
+        self.run.update(self.path, self.site, kept, weight, like=x)
+
+
+class _RoutedSite(_SiteHook):
+    """A per-expert site of stacked experts, observed as rows shared by the experts and a mask."""
+
+    def observe_rows(self, rows: torch.Tensor, mask: torch.Tensor) -> None:
+        """One masked update: ``rows [N, ...]`` shared by the experts, ``mask [E, N]`` saying which
+        rows each expert observes."""
+        self.check_runtime_shape(rows.shape)
+        if rows.device.type == "cpu" and self.found.observer.name not in _ROW_REDUCING:
+            x, weight = dispatch(rows, mask)
+        else:  # every expert sees every (masked) row: no host read of the row counts, and
+            # min/max observers reduce each row once for all experts
+            x, weight = rows.expand(self.found.num_experts, *rows.shape), mask
+        self.run.update(self.path, self.site, x, weight)
+
+
+class _RoutedInputSite(_RoutedSite):
+    """The ``"input"`` of stacked experts: the hidden states, each token observed by the experts
+    the routing of the call (`routing_mask`) sends it to, and not where the batch's observation
+    weight is 0."""
+
+    def attach(self) -> list:
+        module = self.run.plan.modules[self.path]
+        return [module.register_forward_pre_hook(self, with_kwargs=True)]
+
+    def __call__(self, module, args, kwargs) -> None:
+        x = _input_tensor(args, kwargs)
+        if not _is_float_tensor(x):
+            return
+        tokens = x.detach().reshape(-1, x.shape[-1])
+        mask = routing_mask(args, kwargs or {}, self.found.num_experts, tokens.shape[0])
+        if mask is None:
+            raise ValueError(
+                f"calibrate: cannot find the routing (an integer tensor [tokens, k] of selected experts) "
+                f"in the call of the experts module {self.path!r}"
+            )
+        extra = self.run.weight_for(tokens, flattened=True)
+        if extra is not None:
+            mask = mask * (extra != 0).to(mask.dtype)
+        self.observe_rows(tokens, mask)
+
+
+class _ExpertMatmulInputs:
+    """The ``"<parameter>.input"`` sites of one stacked-experts module: an `ExpertInputCapture`
+    entered before the module's forward and left after it, whose captured rows (the input of each
+    expert's matmul with the parameter) are observed under their expert ids."""
+
+    def __init__(self, run: _Calibration, path: str, sites: list):
+        self.path = path
+        self.module = run.plan.modules[path]
+        self.sites = {site: _RoutedSite(run, path, site) for site in sites}
+        self.parameters = {site: parameter_input_site(site) for site in sites}
+        self.active: list = []  # (capture, tokens) of the call in progress
+
+    def attach(self) -> list:
+        return [
+            self.module.register_forward_pre_hook(self.enter, with_kwargs=True),
+            self.module.register_forward_hook(self.leave, with_kwargs=True, always_call=True),
+        ]
+
+    def enter(self, module, args, kwargs) -> None:
+        capture = ExpertInputCapture({name: getattr(module, name) for name in self.parameters.values()})
+        x = _input_tensor(args, kwargs)
+        tokens = x.numel() // x.shape[-1] if isinstance(x, torch.Tensor) and x.ndim and x.shape[-1] else 0
+        capture.__enter__()
+        self.active.append((capture, tokens))
+
+    def leave(self, module, args, kwargs, output) -> None:
+        if not self.active:
+            return
+        capture, tokens = self.active.pop()
+        capture.__exit__(None, None, None)
+        if output is None:  # the forward raised
+            return
+        for site, hook in self.sites.items():
+            name = self.parameters[site]
+            captured = capture.captured(name)
+            if captured is None:
+                if tokens:
+                    raise ValueError(
+                        f"calibrate: site {site!r} of the experts module {self.path!r} "
+                        f"({type(module).__name__}): no per-expert matmul with the stacked parameter "
+                        f"{name!r} was found in its forward (recognised: F.linear/matmul with a slice "
+                        f"{name}[e], bmm with a gathered {name}[ids], grouped_mm over {name})"
+                    )
+                continue
+            rows, ids = captured
+            if rows.is_floating_point():
+                hook.observe_rows(rows, ids_mask(ids, hook.found.num_experts))
+
+
+def _activation_hooks(run: _Calibration) -> list:
+    """One hook object per activation site of the plan (one per stacked-experts module for its
+    ``"<parameter>.input"`` sites), in ``named_modules`` order."""
+    hooks: list = []
+    for path, entry in run.plan.sites.items():
+        matmul_inputs = []
+        for site, found in entry.items():
+            if found.kind == "parameter_input":
+                matmul_inputs.append(site)
+            elif found.kind == "input" and found.num_experts:
+                hooks.append(_RoutedInputSite(run, path, site))
+            elif found.kind != "parameter":
+                hooks.append(_ActivationSite(run, path, site))
+        if matmul_inputs:
+            hooks.append(_ExpertMatmulInputs(run, path, matmul_inputs))
+    return hooks
+
+
+def _run_batches(run: _Calibration, batches: Iterable, progress: bool, observation_weight) -> int:
+    """Runs the model over ``batches`` (setting each one's observation weight); the batch count."""
+    from tqdm.auto import tqdm
+
+    total = len(batches) if hasattr(batches, "__len__") else None
+    bar = tqdm(batches, total=total, unit="batch", desc="qstats.calibrate", disable=not progress)
+    seen_batches = 0
+    with torch.no_grad():
+        for batch in bar:
+            weight = observation_weight(batch) if observation_weight is not None else None
+            if weight is not None and not isinstance(weight, torch.Tensor):
+                raise TypeError(
+                    f"calibrate: observation_weight(batch) must return a tensor or None, got {type(weight).__name__}"
+                )
+            run.weight = weight
+            run_model(run.plan.model, batch)
+            seen_batches += 1
+    bar.close()
+    return seen_batches
+
+
 def calibrate(
     model: torch.nn.Module,
     batches: Iterable,
-    recipe: Recipe,
+    recipe: Union[Recipe, Plan],
     states: Optional[Mapping] = None,
     progress: bool = True,
     observation_weight: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
@@ -220,7 +449,8 @@ def calibrate(
       model: an ``nn.Module``, run as is (call ``model.eval()`` first), under ``torch.no_grad()``.
       batches: an iterable of batches: a tensor (``model(batch)``), a tuple or list
         (``model(*batch)``) or a mapping (``model(**batch)``).
-      recipe: a `Recipe` saying which observer and spec watch which module and site.
+      recipe: a `Recipe` saying which observer and spec watch which module and site, or its
+        `Plan` on ``model`` (``recipe.resolve(model)``).
       states: a states tree returned by an earlier call, to continue from (resume). Its sites are
         not re-initialised and its parameter sites are not observed again, so calibrating ``A``
         then ``B`` from the returned states equals calibrating ``A + B`` at once.
@@ -250,190 +480,34 @@ def calibrate(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"calibrate expects an nn.Module, got {type(model).__name__}")
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"calibrate expects a qstats.Recipe, got {type(recipe).__name__}")
-    sites = recipe.sites(model)
-    states = _copy_tree(states)
-    _check_resumed(states, sites)
-    modules = dict(model.named_modules())
+    plan = as_plan(recipe, model, "calibrate")
+    run = _Calibration(plan, _copy_tree(states))
+    _check_resumed(run.states, plan)
     with torch.no_grad():
-        for path, entry in sites.items():
-            params = dict(modules[path].named_parameters(recurse=False))
+        for path, entry in plan.sites.items():
             for site, found in entry.items():
-                if site not in params:
-                    continue
-                value = params[site].detach()
-                if site in states.get(path, {}):  # resumed: it must be a state of this parameter
-                    try:
-                        assert_same_structure(states[path][site], found.observer.init(value), name="state")
-                    except ValueError as error:
-                        raise ValueError(
-                            f"calibrate: the given states[{path!r}][{site!r}] is not a {found.observer.name} state "
-                            f"of that parameter (shape {tuple(value.shape)}): {error}"
-                        ) from None
-                    continue
-                try:
-                    initial = found.observer.init(value)
-                except (ValueError, TypeError) as error:
-                    _raise_renamed(error, path, site)
-                states.setdefault(path, {})[site] = _update(found, path, site, initial, value, None)
-
-    current_weight: list = [None]
-
-    def weight_for(x: torch.Tensor, flattened: bool) -> Optional[torch.Tensor]:
-        weight = current_weight[0]
-        if weight is None:
-            return None
-        if flattened:
-            if x.ndim >= 1 and weight.numel() == x.shape[0]:
-                return weight.reshape(-1).to(x.device)
-            return None
-        if weight.ndim <= x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
-            return weight.to(x.device)
-        return None
-
-    def observe_routed(path: str, site: str, rows: torch.Tensor, mask: torch.Tensor) -> None:
-        """One masked update of a stacked site: ``rows [N, ...]`` shared by the experts, ``mask
-        [E, N]`` saying which rows each expert observes."""
-        found = sites[path][site]
-        _check_runtime_shape(found, path, site, rows.shape)
-        if rows.device.type == "cpu" and found.observer.name not in _ROW_REDUCING:
-            x, weight = dispatch(rows, mask)
-        else:  # every expert sees every (masked) row: no host read of the row counts, and
-            # min/max observers reduce each row once for all experts
-            x, weight = rows.expand(found.num_experts, *rows.shape), mask
-        previous = states.setdefault(path, {}).get(site)
-        if previous is None:
-            previous = found.observer.init(x)
-        states[path][site] = _update(found, path, site, previous, x, weight)
-
-    def observe(path: str, site: str, x, args=(), kwargs=None) -> None:
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            return
-        found = sites[path][site]
-        x = x.detach()
-        if found.num_experts:
-            tokens = x.reshape(-1, x.shape[-1])
-            mask = routing_mask(args, kwargs or {}, found.num_experts, tokens.shape[0])
-            if mask is None:
-                raise ValueError(
-                    f"calibrate: cannot find the routing (an integer tensor [tokens, k] of selected experts) "
-                    f"in the call of the experts module {path!r}"
-                )
-            extra = weight_for(tokens, flattened=True)
-            if extra is not None:
-                mask = mask * (extra != 0).to(mask.dtype)
-            observe_routed(path, site, tokens, mask)
-            return
-        _check_runtime_shape(found, path, site, x.shape)
-        weight = weight_for(x, flattened=False)
-        previous = states.setdefault(path, {}).get(site)
-        if previous is None:
-            previous = found.observer.init(x)
-        x, weight = _drop_masked_rows(x, weight, found.observer.spec or found.spec)  # the spec it observes under
-        states[path][site] = _update(found, path, site, previous, x, weight)
-
-    handles = []
-    for path, entry in sites.items():
-        module = modules[path]
-        if "input" in entry:
-
-            def input_hook(module, args, kwargs, path=path):
-                observe(path, "input", _input_tensor(args, kwargs), args, kwargs)
-
-            handles.append(module.register_forward_pre_hook(input_hook, with_kwargs=True))
-        if "output" in entry:
-
-            def output_hook(module, args, output, path=path):
-                observe(path, "output", _first_tensor(output))
-
-            handles.append(module.register_forward_hook(output_hook))
-        children = dict(module.named_children())
-        for site in ("q", "k", "v"):
-            if site not in entry:
-                continue
-            child = next(children[name] for name in PROJECTION_NAMES[site] if name in children)
-
-            def projection_hook(child, args, output, path=path, site=site):
-                observe(path, site, _first_tensor(output))
-
-            handles.append(child.register_forward_hook(projection_hook))
-        inner = {
-            site: parameter_input_site(site)
-            for site, found in entry.items()
-            if found.num_experts and parameter_input_site(site) is not None
-        }
-        if inner:
-            active: list = []  # (capture, tokens) of the call in progress
-
-            def capture_pre_hook(module, args, kwargs, inner=inner, active=active):
-                capture = ExpertInputCapture({name: getattr(module, name) for name in inner.values()})
-                x = _input_tensor(args, kwargs)
-                tokens = x.numel() // x.shape[-1] if isinstance(x, torch.Tensor) and x.ndim and x.shape[-1] else 0
-                capture.__enter__()
-                active.append((capture, tokens))
-
-            def capture_hook(module, args, kwargs, output, path=path, inner=inner, active=active):
-                if not active:
-                    return
-                capture, tokens = active.pop()
-                capture.__exit__(None, None, None)
-                if output is None:  # the forward raised
-                    return
-                for site, name in inner.items():
-                    captured = capture.captured(name)
-                    if captured is None:
-                        if tokens:
-                            raise ValueError(
-                                f"calibrate: site {site!r} of the experts module {path!r} "
-                                f"({type(module).__name__}): no per-expert matmul with the stacked parameter "
-                                f"{name!r} was found in its forward (recognised: F.linear/matmul with a slice "
-                                f"{name}[e], bmm with a gathered {name}[ids], grouped_mm over {name})"
-                            )
-                        continue
-                    rows, ids = captured
-                    if rows.is_floating_point():
-                        observe_routed(path, site, rows, ids_mask(ids, sites[path][site].num_experts))
-
-            handles.append(module.register_forward_pre_hook(capture_pre_hook, with_kwargs=True))
-            handles.append(module.register_forward_hook(capture_hook, with_kwargs=True, always_call=True))
-
+                if found.kind == "parameter":
+                    _ParameterSite(run, path, site).observe()
+    handles = [handle for hook in _activation_hooks(run) for handle in hook.attach()]
     try:
-        from tqdm.auto import tqdm
-
-        total = len(batches) if hasattr(batches, "__len__") else None
-        bar = tqdm(batches, total=total, unit="batch", desc="qstats.calibrate", disable=not progress)
-        seen_batches = 0
-        with torch.no_grad():
-            for batch in bar:
-                weight = observation_weight(batch) if observation_weight is not None else None
-                if weight is not None and not isinstance(weight, torch.Tensor):
-                    raise TypeError(
-                        "calibrate: observation_weight(batch) must return a tensor or None, "
-                        f"got {type(weight).__name__}"
-                    )
-                current_weight[0] = weight
-                run_model(model, batch)
-                seen_batches += 1
-        bar.close()
+        seen_batches = _run_batches(run, batches, progress, observation_weight)
     finally:
-        current_weight[0] = None
+        run.weight = None
         for handle in handles:
             handle.remove()
-    _warn_unobserved(states, sites, modules, seen_batches)
-    warn_uncovered(states, sites)
-    return states
+    _warn_unobserved(run.states, plan, seen_batches)
+    warn_uncovered(run.states, plan.sites)
+    return run.states
 
 
-def _warn_unobserved(states: dict, sites: dict, modules: dict, seen_batches: int) -> None:
+def _warn_unobserved(states: dict, plan: Plan, seen_batches: int) -> None:
     """Warns (`qstats.UncalibratedWarning`) naming the activation sites the recipe selects that hold
     no state after calibration: `compute_qparams_tree` and `fake_quantized` would leave them out."""
     missing = [
         f"{path}.{site}"
-        for path, entry in sites.items()
-        for site in entry
-        if site not in states.get(path, {})
-        and site not in dict(modules[path].named_parameters(recurse=False))
+        for path, entry in plan.sites.items()
+        for site, found in entry.items()
+        if site not in states.get(path, {}) and found.kind != "parameter"
     ]
     if not missing:
         return
@@ -451,10 +525,15 @@ def _warn_unobserved(states: dict, sites: dict, modules: dict, seen_batches: int
 
 
 def compute_qparams_tree(
-    states: Mapping, recipe: Recipe, model: torch.nn.Module, *, fuse: bool = True, **options
+    states: Mapping,
+    recipe: Union[Recipe, Plan],
+    model: Optional[torch.nn.Module] = None,
+    *,
+    fuse: bool = True,
+    **options,
 ) -> dict:
     """``{path: {site: QParams}}`` for a states tree, with each site's spec and ``qparams_kwargs``
-    (``options`` override them).
+    (``options`` override them). ``recipe`` is a `Recipe` (with its ``model``) or a `Plan`.
 
     Stacked-expert sites are computed in one call over the expert dimension (`stacked_qparams`); every
     QParams field then has a leading expert dimension and ``calibrated`` is the coverage mask.
@@ -475,37 +554,39 @@ def compute_qparams_tree(
     the whole range their state holds; the scale is that of a group reaching it), their group
     scales coming at run time.
     """
-    sites = recipe.sites(model)
+    plan = as_plan(recipe, model, "compute_qparams_tree")
     out: dict = {}
     for path, entry in states.items():
         out[path] = {}
         for site, state in entry.items():
-            found = sites.get(path, {}).get(site)
+            found = plan.site(path, site)
             if found is None:
                 raise ValueError(f"compute_qparams_tree: the recipe observes no site {site!r} of module {path!r}")
-            kwargs = {**dict(found.rule.qparams_kwargs), **options}
-            where = f"compute_qparams_tree[{path!r}][{site!r}]"
-            if found.runtime and not isinstance(found.spec.granularity, TensorGroup):
-                out[path][site] = None  # scales at run time: nothing calibrated
-                continue
-            if found.num_experts:
-                qparams = stacked_qparams(state, found.spec, **kwargs)
-                check_calibrated(qparams.calibrated, found.spec, where=where)
-            else:
-                try:
-                    qparams = compute_qparams(state, found.spec, **kwargs)
-                except ValueError as error:
-                    raise ValueError(f"{where}: {error}") from None
-            out[path][site] = qparams
+            out[path][site] = _site_qparams(state, found, f"compute_qparams_tree[{path!r}][{site!r}]", options)
     if fuse:
-        _share_global_scales(out, states, sites, model, options)
+        _share_global_scales(out, states, plan, options)
     return out
 
 
-def _share_global_scales(out: dict, states: Mapping, sites: dict, model: torch.nn.Module, options: dict) -> None:
+def _site_qparams(state, found, where: str, options: dict) -> Optional[QParams]:
+    """The QParams of one site's state under its spec and ``qparams_kwargs`` (``options`` first)."""
+    kwargs = {**dict(found.rule.qparams_kwargs), **options}
+    if found.runtime and not isinstance(found.spec.granularity, TensorGroup):
+        return None  # scales at run time: nothing calibrated
+    if found.num_experts:
+        qparams = stacked_qparams(state, found.spec, **kwargs)
+        check_calibrated(qparams.calibrated, found.spec, where=where)
+        return qparams
+    try:
+        return compute_qparams(state, found.spec, **kwargs)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def _share_global_scales(out: dict, states: Mapping, plan: Plan, options: dict) -> None:
     """`compute_qparams_tree`'s ``fuse``: the weights of each fused group under one global scale."""
-    for group in fused_groups(model):
-        found = [sites.get(path, {}).get("weight") for path in group]
+    for group in plan.fused_groups:
+        found = [plan.site(path, "weight") for path in group]
         two_level = [f is not None and isinstance(f.spec.granularity, TensorGroup) for f in found]
         if not any(two_level):
             continue
@@ -562,8 +643,24 @@ class _FakeQuantParametrization(torch.nn.Module):
         return fake_quantize(value, self.qparams, self.spec)
 
 
+class _ActivationFakeQuant:
+    """Fake-quantizes an activation site's floating-point tensors (others pass unchanged); for a
+    site whose scales come at run time, under the scales of each tensor (`runtime_qparams`)."""
+
+    def __init__(self, qparams: Optional[QParams], spec, runtime: bool):
+        self.qparams, self.spec, self.runtime = qparams, spec, runtime
+
+    def __call__(self, x):
+        if not _is_float_tensor(x):
+            return x
+        if self.runtime:
+            applied = runtime_spec(x, self.spec)
+            return fake_quantize(x, runtime_qparams(x, applied, self.qparams), applied)
+        return fake_quantize(x, self.qparams, self.spec)
+
+
 @contextlib.contextmanager
-def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Recipe):
+def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recipe, Plan]):
     """Context manager: ``model`` computes with fake-quantized parameters and activations.
 
     Parameter sites get a ``torch.nn.utils.parametrize`` parametrization calling
@@ -575,68 +672,56 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Recipe):
     tensor, as compressed-tensors' dynamic activations do: a ``memoryless_minmax`` of the tensor
     under the site's spec, two-level (NVFP4) group scales under the calibrated global scale.
     """
-    sites = recipe.sites(model)
-    modules = dict(model.named_modules())
-    handles = []
-    parametrized = []
-
-    def activation_quantizer(qp, spec, runtime: bool) -> Callable[[Any], Any]:
-        def quantize(x):
-            if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
-                return x
-            if runtime:
-                applied = runtime_spec(x, spec)
-                return fake_quantize(x, runtime_qparams(x, applied, qp), applied)
-            return fake_quantize(x, qp, spec)
-
-        return quantize
-
+    plan = as_plan(recipe, model, "fake_quantized")
+    handles: list = []
+    parametrized: list = []
     try:
         for path, entry in qparams.items():
-            if path not in modules:
+            if path not in plan.modules:
                 raise ValueError(f"fake_quantized: the model has no module {path!r}")
-            module = modules[path]
-            params = dict(module.named_parameters(recurse=False))
             for site, qp in entry.items():
-                found = sites.get(path, {}).get(site)
-                if found is None:
-                    raise ValueError(f"fake_quantized: the recipe observes no site {site!r} of module {path!r}")
-                spec, runtime = found.spec, found.runtime
-                if qp is None and not runtime:
-                    raise ValueError(f"fake_quantized: qparams[{path!r}][{site!r}] is None; its spec needs QParams")
-                if site in params:
-                    parametrize.register_parametrization(
-                        module, site, _FakeQuantParametrization(qp, spec, found.num_experts), unsafe=True
-                    )
-                    parametrized.append((module, site))
-                elif found.num_experts:
-                    continue
-                elif site == "input":
-                    # the tensor calibrate observed (`_input_tensor`): the first positional
-                    # argument, or the hidden states passed by keyword
-
-                    def pre_hook(module, args, kwargs, quantize=activation_quantizer(qp, spec, runtime)):
-                        return _replace_input_tensor(args, kwargs, quantize)
-
-                    handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-                elif site == "output":
-                    # the tensor calibrate observed (`_first_tensor`), also inside a tuple output
-
-                    def post_hook(module, args, output, quantize=activation_quantizer(qp, spec, runtime)):
-                        return _replace_first_tensor(output, quantize)[0]
-
-                    handles.append(module.register_forward_hook(post_hook))
-                else:
-                    children = dict(module.named_children())
-                    child = next(children[name] for name in PROJECTION_NAMES[site] if name in children)
-
-                    def child_hook(child, args, output, quantize=activation_quantizer(qp, spec, runtime)):
-                        return quantize(output)
-
-                    handles.append(child.register_forward_hook(child_hook))
+                _fake_quantize_site(plan, path, site, qp, handles, parametrized)
         yield model
     finally:
         for handle in handles:
             handle.remove()
         for module, site in reversed(parametrized):
             parametrize.remove_parametrizations(module, site, leave_parametrized=False)
+
+
+def _fake_quantize_site(plan: Plan, path: str, site: str, qp, handles: list, parametrized: list) -> None:
+    """Applies one site of `fake_quantized`: a parametrization of a parameter site (recorded in
+    ``parametrized``), a hook replacing an activation site's tensor (recorded in ``handles``)."""
+    found = plan.site(path, site)
+    if found is None:
+        raise ValueError(f"fake_quantized: the recipe observes no site {site!r} of module {path!r}")
+    if qp is None and not found.runtime:
+        raise ValueError(f"fake_quantized: qparams[{path!r}][{site!r}] is None; its spec needs QParams")
+    module = plan.modules[path]
+    if found.kind == "parameter":
+        parametrization = _FakeQuantParametrization(qp, found.spec, found.num_experts)
+        parametrize.register_parametrization(module, site, parametrization, unsafe=True)
+        parametrized.append((module, site))
+        return
+    if found.num_experts:  # per-expert activations: they would need the experts' own forward
+        return
+    quantize = _ActivationFakeQuant(qp, found.spec, found.runtime)
+    hooked = plan.hooked_module(path, site)
+    if found.kind == "input":  # the tensor calibrate observed (`_input_tensor`)
+
+        def pre_hook(module, args, kwargs):
+            return _replace_input_tensor(args, kwargs, quantize)
+
+        handles.append(hooked.register_forward_pre_hook(pre_hook, with_kwargs=True))
+    elif found.kind == "output":  # the tensor calibrate observed (`_first_tensor`), also inside a tuple
+
+        def post_hook(module, args, output):
+            return _replace_first_tensor(output, quantize)[0]
+
+        handles.append(hooked.register_forward_hook(post_hook))
+    else:  # q/k/v: the child projection's output
+
+        def projection_hook(child, args, output):
+            return quantize(output)
+
+        handles.append(hooked.register_forward_hook(projection_hook))

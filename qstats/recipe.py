@@ -4,8 +4,9 @@ A `Rule` maps module patterns and sites (``"weight"``, ``"input"``, ``"output"``
 ``"v"``, any parameter name, and for stacked experts ``"<parameter>.input"`` such as
 ``"down_proj.input"``) to an observer factory and a `QuantSpec`, like an llm-compressor
 recipe. A `Recipe` is an ordered list of rules plus an ignore list; for each (module, site) the
-first matching rule wins. `Recipe.sites(model)` resolves it on a model into `Site` entries, whose
-observers are ready to use (vmapped over the expert dimension for stacked experts).
+first matching rule wins. `Recipe.resolve(model)` resolves it on a model, once, into a `Plan`:
+its `Site` entries, whose observers are ready to use (vmapped over the expert dimension for
+stacked experts), the modules by path and the fused groups, which every consumer reads.
 """
 
 from __future__ import annotations
@@ -13,15 +14,19 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
+from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
 from ._granularity import PerGroup, PerTensor, PerToken, TensorGroup
 from ._spec import QuantSpec
+from .experts import expert_count, is_stacked_parameter, parameter_input_site
+from .fused import fused_groups
 from .observers import Observer, minmax
+from .stacked import stacked_observer
 
-__all__ = ["Rule", "Recipe", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES", "runtime_scaled"]
+__all__ = ["Rule", "Recipe", "Plan", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES", "as_plan", "runtime_scaled"]
 
 ACTIVATION_SITES = ("input", "output", "q", "k", "v")
 
@@ -148,6 +153,10 @@ class Site(NamedTuple):
       spec: the spec of one tensor (one expert's tensor for stacked experts).
       num_experts: the leading expert dimension of the state, 0 when not stacked.
       runtime: an activation site whose scales come at run time (`runtime_scaled`).
+      kind: where the observed tensor comes from: ``"parameter"`` (a parameter of the module,
+        observed once), ``"input"``, ``"output"``, ``"projection"`` (``q``/``k``/``v``: the
+        output of a child projection) or ``"parameter_input"`` (``"<parameter>.input"`` of
+        stacked experts: the input of each expert's matmul with that parameter).
     """
 
     rule: Rule
@@ -155,6 +164,7 @@ class Site(NamedTuple):
     spec: QuantSpec
     num_experts: int
     runtime: bool = False
+    kind: str = "parameter"
 
 
 def runtime_scaled(spec: QuantSpec) -> bool:
@@ -174,6 +184,117 @@ def _child_projection(module: torch.nn.Module, site: str) -> Optional[torch.nn.M
         if name in children:
             return children[name]
     return None
+
+
+def _site_kind(module: torch.nn.Module, params: dict, num_experts: int, site: str) -> Optional[tuple]:
+    """``(kind, stacked experts)`` of ``site`` on ``module`` (see `Site.kind`), or None when the
+    module has no such site."""
+    if site in params:
+        return "parameter", num_experts if is_stacked_parameter(params[site], num_experts) else 0
+    if site in PROJECTION_NAMES:
+        return ("projection", 0) if _child_projection(module, site) is not None else None
+    if site == "input":
+        return "input", num_experts
+    if site == "output":
+        return "output", 0
+    stack = params.get(parameter_input_site(site))
+    if stack is not None and stack.ndim >= 3 and is_stacked_parameter(stack, num_experts):
+        return "parameter_input", num_experts
+    return None
+
+
+def _make_site(rule: Rule, site: str, kind: str, stacked: int) -> Site:
+    # an activation site whose scales are computed at run time from each tensor observes its
+    # whole range: its state is the same for batches of any length
+    runtime = kind != "parameter" and runtime_scaled(rule.spec)
+    observer = rule.make_observer(rule.spec.replace(granularity=PerTensor()) if runtime else None)
+    if stacked:
+        observer = stacked_observer(observer, stacked)
+    return Site(rule, observer, rule.spec, stacked, runtime, kind)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """A `Recipe` resolved on one model (`Recipe.resolve`), computed once: what `calibrate`,
+    `compute_qparams_tree`, `fake_quantized`, `report` and the export read from the model.
+
+    Every consumer takes a Plan where it takes a recipe (and then needs no model), so a model is
+    walked once however many of them run. The mappings are read-only; the modules are the
+    model's own (their parameters are read when used, never copied).
+
+    Attributes:
+      recipe: the Recipe it was resolved from.
+      sites: ``{module_path: {site: Site}}`` of every observed site, in ``named_modules`` order.
+      modules: ``{module_path: module}`` of every module of the model (``""`` is the model).
+      fused_groups: the module paths of each fused group (`qstats.fused.fused_groups`).
+
+    >>> import torch, qstats
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    >>> plan = qstats.Recipe([qstats.Rule("Linear", sites=("weight",))]).resolve(model)
+    >>> plan.sites["0"]["weight"].kind, plan.model is model
+    ('parameter', True)
+    """
+
+    recipe: Recipe
+    sites: Mapping
+    modules: Mapping
+    fused_groups: tuple
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model the plan was resolved on."""
+        return self.modules[""]
+
+    def site(self, path: str, site: str) -> Optional[Site]:
+        """The `Site` of ``site`` of the module at ``path``, or None when not observed."""
+        return self.sites.get(path, {}).get(site)
+
+    def parameter(self, path: str, site: str) -> torch.Tensor:
+        """The current value (detached) of the parameter observed by a ``"parameter"`` site."""
+        return dict(self.modules[path].named_parameters(recurse=False))[site].detach()
+
+    def hooked_module(self, path: str, site: str) -> torch.nn.Module:
+        """The module whose forward carries an activation site's tensor: the child projection
+        of a ``q``/``k``/``v`` site, the module itself otherwise."""
+        module = self.modules[path]
+        return _child_projection(module, site) if self.sites[path][site].kind == "projection" else module
+
+    def _for_states(self, states: Mapping, field: str) -> dict:
+        if not isinstance(states, Mapping):
+            raise TypeError(f"expected a states tree {{path: {{site: state}}}}, got {type(states).__name__}")
+        out = {}
+        for path, entry in states.items():
+            if not isinstance(entry, Mapping):
+                raise TypeError(f"states[{path!r}] must be a dict {{site: state}}, got {type(entry).__name__}")
+            out[path] = {}
+            for site in entry:
+                found = self.site(path, site)
+                if found is None:
+                    raise ValueError(f"the recipe observes no site {site!r} of module {path!r} in this model")
+                out[path][site] = getattr(found, field)
+        return out
+
+    def observers(self, states: Mapping) -> dict:
+        """The Observer tree matching ``states`` (same keys): ``{path: {site: Observer}}``."""
+        return self._for_states(states, "observer")
+
+    def specs(self, states: Mapping) -> dict:
+        """The QuantSpec tree matching ``states`` (same keys): ``{path: {site: QuantSpec}}``."""
+        return self._for_states(states, "spec")
+
+
+def as_plan(recipe, model: Optional[torch.nn.Module], caller: str) -> Plan:
+    """``recipe`` itself when it is a `Plan` (of ``model``, when one is given), else
+    ``recipe.resolve(model)``: how every consumer resolves its argument, once, at its entry."""
+    if isinstance(recipe, Plan):
+        if model is not None and model is not recipe.model:
+            raise ValueError(f"{caller}: the Plan was resolved on another model than the one given")
+        return recipe
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"{caller} expects a qstats.Recipe or Plan, got {type(recipe).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{caller} expects an nn.Module to resolve the recipe on, got {type(model).__name__}")
+    return recipe.resolve(model)
 
 
 class Recipe:
@@ -212,53 +333,42 @@ class Recipe:
                 return rule
         return None
 
-    def sites(self, model: torch.nn.Module) -> dict:
-        """``{module_path: {site: Site}}`` for every observed site of ``model``."""
-        from .experts import expert_count, is_stacked_parameter, parameter_input_site, stacked_observer
-
+    def resolve(self, model: torch.nn.Module) -> Plan:
+        """The `Plan` of this recipe on ``model``: every observed site, the modules by path and
+        the fused groups, computed once. A rule that selects no site warns, naming it."""
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"Recipe.sites expects an nn.Module, got {type(model).__name__}")
+            raise TypeError(f"Recipe.resolve expects an nn.Module, got {type(model).__name__}")
+        modules = dict(model.named_modules())
         resolved: dict = {}
         found = [set() for _ in self.rules]  # per rule: the sites it resolved (or that an earlier rule took)
-        for path, module in model.named_modules():
+        for path, module in modules.items():
             if _matches(self.ignore, path, module):
                 continue
-            params = dict(module.named_parameters(recurse=False))
-            num_experts = expert_count(module)
-            entry = {}
-            for index, rule in enumerate(self.rules):
-                if not _matches(rule.targets, path, module):
-                    continue
-                for site in rule.sites:
-                    if site in entry:
-                        found[index].add(site)
-                        continue
-                    stacked = 0
-                    if site in params:
-                        if is_stacked_parameter(params[site], num_experts):
-                            stacked = num_experts
-                    elif site in ("q", "k", "v"):
-                        if _child_projection(module, site) is None:
-                            continue
-                    elif site == "input":
-                        stacked = num_experts
-                    elif parameter_input_site(site) in params:
-                        stack = params[parameter_input_site(site)]
-                        if stack.ndim < 3 or not is_stacked_parameter(stack, num_experts):
-                            continue
-                        stacked = num_experts
-                    elif site != "output":
-                        continue
-                    # an activation site whose scales are computed at run time from each tensor
-                    # observes its whole range: its state is the same for batches of any length
-                    runtime = site not in params and runtime_scaled(rule.spec)
-                    obs = rule.make_observer(rule.spec.replace(granularity=PerTensor()) if runtime else None)
-                    if stacked:
-                        obs = stacked_observer(obs, stacked)
-                    entry[site] = Site(rule, obs, rule.spec, stacked, runtime)
-                    found[index].add(site)
+            entry = self._module_sites(path, module, found)
             if entry:
-                resolved[path] = entry
+                resolved[path] = MappingProxyType(entry)
+        self._warn_unmatched(found, model)
+        return Plan(self, MappingProxyType(resolved), MappingProxyType(modules), tuple(fused_groups(model)))
+
+    def _module_sites(self, path: str, module: torch.nn.Module, found: list) -> dict:
+        """``{site: Site}`` of one module; records in ``found`` which rule took which site."""
+        params = dict(module.named_parameters(recurse=False))
+        num_experts = expert_count(module)
+        entry: dict = {}
+        for index, rule in enumerate(self.rules):
+            if not _matches(rule.targets, path, module):
+                continue
+            for site in rule.sites:
+                if site in entry:
+                    found[index].add(site)
+                    continue
+                kind = _site_kind(module, params, num_experts, site)
+                if kind is not None:
+                    entry[site] = _make_site(rule, site, *kind)
+                    found[index].add(site)
+        return entry
+
+    def _warn_unmatched(self, found: list, model: torch.nn.Module) -> None:
         for rule, sites in zip(self.rules, found):
             unmatched = [site for site in rule.sites if site not in sites]
             if unmatched:  # a misspelt target or site would otherwise select nothing, silently
@@ -266,30 +376,20 @@ class Recipe:
                     f"Recipe: the rule for targets {list(rule.targets)!r} selects no site {unmatched} in this "
                     f"{type(model).__name__} (no module it matches has such a parameter, input or projection)",
                     UserWarning,
-                    stacklevel=2,
+                    stacklevel=4,
                 )
-        return resolved
 
-    def _for_states(self, states: Mapping, model: torch.nn.Module, field: str) -> dict:
-        if not isinstance(states, Mapping):
-            raise TypeError(f"expected a states tree {{path: {{site: state}}}}, got {type(states).__name__}")
-        sites = self.sites(model)
-        out = {}
-        for path, entry in states.items():
-            if not isinstance(entry, Mapping):
-                raise TypeError(f"states[{path!r}] must be a dict {{site: state}}, got {type(entry).__name__}")
-            out[path] = {}
-            for site in entry:
-                found = sites.get(path, {}).get(site)
-                if found is None:
-                    raise ValueError(f"the recipe observes no site {site!r} of module {path!r} in this model")
-                out[path][site] = getattr(found, field)
-        return out
+    def sites(self, model: torch.nn.Module) -> dict:
+        """``{module_path: {site: Site}}`` for every observed site of ``model`` (a plain copy of
+        ``self.resolve(model).sites``)."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"Recipe.sites expects an nn.Module, got {type(model).__name__}")
+        return {path: dict(entry) for path, entry in self.resolve(model).sites.items()}
 
     def observers(self, states: Mapping, model: torch.nn.Module) -> dict:
         """The Observer tree matching ``states`` (same keys): ``{path: {site: Observer}}``."""
-        return self._for_states(states, model, "observer")
+        return self.resolve(model).observers(states)
 
     def specs(self, states: Mapping, model: torch.nn.Module) -> dict:
         """The QuantSpec tree matching ``states`` (same keys): ``{path: {site: QuantSpec}}``."""
-        return self._for_states(states, model, "spec")
+        return self.resolve(model).specs(states)

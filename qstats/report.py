@@ -15,14 +15,14 @@ import dataclasses
 import io
 import json
 import math
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
 from ._granularity import broadcast_to_view, canonical_view
 from ._quant import _codes_float, fake_quantize
-from .calibrate import _first_tensor, _input_tensor, run_model, runtime_qparams, runtime_spec
-from .recipe import PROJECTION_NAMES, Recipe
+from .calibrate import observe_tensor, run_model, runtime_qparams, runtime_spec
+from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
 
@@ -192,7 +192,7 @@ def report(
     states: Mapping,
     qparams: Mapping,
     model: Optional[torch.nn.Module] = None,
-    recipe: Optional[Recipe] = None,
+    recipe: Optional[Union[Recipe, Plan]] = None,
     batches: Optional[Iterable] = None,
     observation_weight: Optional[Callable] = None,
 ) -> Report:
@@ -201,7 +201,8 @@ def report(
     Args:
       states: the states tree from `qstats.calibrate`.
       qparams: the matching QParams tree (`qstats.compute_qparams_tree`).
-      model, recipe: give both to measure clipped fraction and SQNR on the parameter sites.
+      model, recipe: give both (or a `Plan` as ``recipe``, which holds its model) to measure
+        clipped fraction and SQNR on the parameter sites.
       batches: with model and recipe, also measure them on the activation sites, running these
         batches through the float model once (non-expert activation sites only).
       observation_weight: as in `qstats.calibrate`, to leave padding out of the measurement.
@@ -216,111 +217,102 @@ def report(
     """
     if not isinstance(states, Mapping) or not isinstance(qparams, Mapping):
         raise TypeError("report expects the states and qparams trees {path: {site: ...}}")
-    if (model is None) != (recipe is None):
+    if not isinstance(recipe, Plan) and (model is None) != (recipe is None):
         raise ValueError("report: give both model and recipe (to measure errors), or neither")
+    plan = as_plan(recipe, model, "report") if recipe is not None else None
     errors: dict = {}
-    sites: dict = {}
-    if model is not None:
-        sites = recipe.sites(model)
-        modules = dict(model.named_modules())
-        for path, entry in qparams.items():
-            params = dict(modules[path].named_parameters(recurse=False)) if path in modules else {}
-            for site, qp in entry.items():
-                found = sites.get(path, {}).get(site)
-                if found is None or site not in params:
-                    continue
-                error = _Error()
-                value = params[site].detach()
-                if found.num_experts:
-                    for expert in range(found.num_experts):
-                        expert_qp = type(qp)(*(field[expert] for field in qp))
-                        error.add(*tensor_error(value[expert], expert_qp, found.spec))
-                else:
-                    error.add(*tensor_error(value, qp, found.spec))
-                errors[(path, site)] = error
+    if plan is not None:
+        _measure_parameters(plan, qparams, errors)
         if batches is not None:
-            _measure_activations(model, qparams, sites, modules, batches, observation_weight, errors)
+            _measure_activations(plan, qparams, batches, observation_weight, errors)
     rows = []
     for path, entry in states.items():
         for site, state in entry.items():
             if path not in qparams or site not in qparams[path]:
                 raise ValueError(f"report: qparams has no entry for module {path!r} site {site!r}")
-            qp = qparams[path][site]
-            found = sites.get(path, {}).get(site)
-            error = errors.get((path, site))
-            # a site whose scales come at run time has no calibrated scale to average (its QParams
-            # are None, or for a two-level spec hold only the calibrated global scale)
-            runtime = found is not None and found.runtime
-            rows.append(
-                LayerReport(
-                    module=path,
-                    site=site,
-                    observer=found.observer.name if found is not None else type(state).__name__,
-                    experts=found.num_experts if found is not None else 0,
-                    min=_extreme(state, "min_val", torch.min),
-                    max=_extreme(state, "max_val", torch.max),
-                    mean_scale=float(qp.scale.float().mean()) if qp is not None and not runtime else None,
-                    clipped_fraction=error.clipped_fraction() if error is not None else None,
-                    sqnr_db=error.sqnr_db() if error is not None else None,
-                    coverage=float(qp.calibrated.float().mean()) if qp is not None else None,
-                )
-            )
+            found = plan.site(path, site) if plan is not None else None
+            rows.append(_row(path, site, state, qparams[path][site], found, errors.get((path, site))))
     return Report(tuple(rows))
 
 
-def _measure_activations(model, qparams, sites, modules, batches, observation_weight, errors) -> None:
-    current_weight: list = [None]
+def _row(path: str, site: str, state, qp, found, error: Optional[_Error]) -> LayerReport:
+    """The row of one site; ``found`` (its `Site`) and ``error`` may be None."""
+    # a site whose scales come at run time has no calibrated scale to average (its QParams are
+    # None, or for a two-level spec hold only the calibrated global scale)
+    runtime = found is not None and found.runtime
+    return LayerReport(
+        module=path,
+        site=site,
+        observer=found.observer.name if found is not None else type(state).__name__,
+        experts=found.num_experts if found is not None else 0,
+        min=_extreme(state, "min_val", torch.min),
+        max=_extreme(state, "max_val", torch.max),
+        mean_scale=float(qp.scale.float().mean()) if qp is not None and not runtime else None,
+        clipped_fraction=error.clipped_fraction() if error is not None else None,
+        sqnr_db=error.sqnr_db() if error is not None else None,
+        coverage=float(qp.calibrated.float().mean()) if qp is not None else None,
+    )
 
-    def measure(path, site, x):
+
+def _measure_parameters(plan: Plan, qparams: Mapping, errors: dict) -> None:
+    """The error of fake-quantizing every parameter site of ``qparams`` (per expert for stacks)."""
+    for path, entry in qparams.items():
+        for site, qp in entry.items():
+            found = plan.site(path, site)
+            if found is None or found.kind != "parameter":
+                continue
+            error = _Error()
+            value = plan.parameter(path, site)
+            if found.num_experts:
+                for expert in range(found.num_experts):
+                    expert_qp = type(qp)(*(field[expert] for field in qp))
+                    error.add(*tensor_error(value[expert], expert_qp, found.spec))
+            else:
+                error.add(*tensor_error(value, qp, found.spec))
+            errors[(path, site)] = error
+
+
+class _ActivationError:
+    """The hook measuring one activation site of `report`: the error of each tensor it sees under
+    the site's qparams (each tensor's own scales for a site whose scales come at run time)."""
+
+    def __init__(self, found, qparams, error: _Error, current_weight: list):
+        self.found, self.qparams, self.error, self.current_weight = found, qparams, error, current_weight
+
+    def __call__(self, x) -> None:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
-        found = sites[path][site]
-        qp, spec = qparams[path][site], found.spec
-        if found.runtime:  # scales from each tensor, as `fake_quantized` applies them
+        qp, spec = self.qparams, self.found.spec
+        if self.found.runtime:  # scales from each tensor, as `fake_quantized` applies them
             spec = runtime_spec(x, spec)
             qp = runtime_qparams(x, spec, qp)
-        weight = current_weight[0]
+        weight = self.current_weight[0]
         if weight is not None and weight.ndim <= x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
             # padding is left out of every measured number (zero is not representable with a float
             # zero point, and its code may fall outside the range)
             keep = weight.to(x.device).reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)) != 0
-            errors.setdefault((path, site), _Error()).add(*tensor_error(x, qp, spec, keep))
+            self.error.add(*tensor_error(x, qp, spec, keep))
             return
-        errors.setdefault((path, site), _Error()).add(*tensor_error(x, qp, spec))
+        self.error.add(*tensor_error(x, qp, spec))
 
+
+def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weight, errors: dict) -> None:
+    """The error of every (non-expert) activation site of ``qparams`` over ``batches``, run once
+    through the float model with the hooks `qstats.calibrate` observes through."""
+    current_weight: list = [None]
     handles = []
-    for path, entry in qparams.items():
-        for site in entry:
-            found = sites.get(path, {}).get(site)
-            if found is None or found.num_experts or site not in ("input", "output", "q", "k", "v"):
-                continue
-            module = modules[path]
-            if site == "input":
-                handles.append(
-                    module.register_forward_pre_hook(
-                        lambda m, args, kwargs, path=path: measure(path, "input", _input_tensor(args, kwargs)),
-                        with_kwargs=True,
-                    )
-                )
-            elif site == "output":
-                handles.append(
-                    module.register_forward_hook(
-                        lambda m, args, output, path=path: measure(path, "output", _first_tensor(output))
-                    )
-                )
-            else:
-                children = dict(module.named_children())
-                child = next(children[name] for name in PROJECTION_NAMES[site] if name in children)
-                handles.append(
-                    child.register_forward_hook(
-                        lambda m, args, output, path=path, site=site: measure(path, site, _first_tensor(output))
-                    )
-                )
     try:
+        for path, entry in qparams.items():
+            for site, qp in entry.items():
+                found = plan.site(path, site)
+                if found is None or found.num_experts or found.kind not in ("input", "output", "projection"):
+                    continue
+                error = errors.setdefault((path, site), _Error())
+                handles.append(observe_tensor(plan, path, site, _ActivationError(found, qp, error, current_weight)))
         with torch.no_grad():
             for batch in batches:
                 current_weight[0] = observation_weight(batch) if observation_weight is not None else None
-                run_model(model, batch)
+                run_model(plan.model, batch)
     finally:
         for handle in handles:
             handle.remove()
