@@ -21,10 +21,9 @@ import torch
 
 from ._granularity import PerGroup, PerTensor, PerToken, TensorGroup
 from ._spec import QuantSpec
-from .experts import expert_count, is_stacked_parameter, parameter_input_site
+from .experts import expert_count, is_stacked_parameter, parameter_input_site, stacked_observer
 from .fused import fused_groups
 from .observers import Observer, minmax
-from .stacked import stacked_observer
 
 __all__ = ["Rule", "Recipe", "Plan", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES", "as_plan", "runtime_scaled"]
 
