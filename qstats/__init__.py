@@ -29,8 +29,8 @@ from .calibrate import calibrate as calibrate
 from .calibrate import compute_qparams_tree as compute_qparams_tree
 from .calibrate import fake_quantized as fake_quantized
 from .experts import UncalibratedWarning as UncalibratedWarning
-from .experts import stacked_observer as stacked_observer
-from .experts import stacked_qparams as stacked_qparams
+from .stacked import stacked_observer as stacked_observer
+from .stacked import stacked_qparams as stacked_qparams
 from .lsq import LSQParams as LSQParams
 from .lsq import lsq_fake_quantize as lsq_fake_quantize
 from .lsq import lsq_grad_factor as lsq_grad_factor

@@ -4,30 +4,15 @@
   batching rule for ``aten::view.dtype`` only in 2.13);
 - `torch_dtype`: ``torch.<name>`` or None for dtypes of recent releases (``float8_e8m0fnu``:
   torch 2.7, ``float4_e2m1fn_x2``: torch 2.8), so that tables of dtypes build on every release;
-- `assume_constant_result`: ``torch.compiler.assume_constant_result`` without importing the
-  compiler (``torch._dynamo``: about two seconds, which ``import qstats`` paid for two marks).
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import torch
 
-__all__ = ["assume_constant_result", "bitcast", "torch_dtype"]
-
-
-def assume_constant_result(fn):
-    """``fn``, marked as ``torch.compiler.assume_constant_result`` marks it (a call the compiler
-    replaces by its result when tracing), without importing ``torch._dynamo`` as that function
-    does: the mark is the attribute ``torch._dynamo.decorators.assume_constant_result`` sets, and
-    the compiler reads it whenever it is imported (a test checks that torch's own function sets
-    exactly this mark). Where ``torch._dynamo`` is loaded already, torch's own function."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True
-    return fn
+__all__ = ["bitcast", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> Optional[torch.dtype]:
@@ -36,10 +21,16 @@ def torch_dtype(name: str) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
+# torch 2.13 added the batching rule of ``aten::view.dtype``
+_VIEW_DTYPE_BATCHES = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
 def bitcast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.view(dtype)`` (``dtype`` of ``x``'s element size), under ``vmap`` too: a batched tensor
-    is viewed underneath its batch dimension, which stays where it is (torch before 2.13 has no
-    batching rule for ``view.dtype``). Under ``torch.compile`` the plain view."""
+    """``x.view(dtype)`` (``dtype`` of ``x``'s element size), under ``vmap`` too: on torch before
+    2.13, which has no batching rule for ``view.dtype``, a batched tensor is viewed underneath its
+    batch dimension. (The one place qstats reads functorch's internals: a shim for old releases.)"""
+    if _VIEW_DTYPE_BATCHES:
+        return x.view(dtype)
     functorch = torch._C._functorch
     if torch.compiler.is_compiling() or not functorch.is_batchedtensor(x):
         return x.view(dtype)

@@ -32,8 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .observers import Observer
-from ._qparams import stacked_compute_qparams
-from .observers._base import stacked_init_of, stacked_update_of
+from .stacked import stacked_observer, stacked_qparams
 
 __all__ = [
     "ExpertInputCapture",
@@ -76,130 +75,6 @@ def is_stacked_parameter(param: torch.Tensor, num_experts: int) -> bool:
     """True when ``param`` is a stack of per-expert tensors (``[E, ...]`` with ``E = num_experts``
     and at least one more dimension)."""
     return bool(num_experts) and param.ndim >= 2 and param.shape[0] == num_experts
-
-
-def stacked_observer(observer: Observer, num_experts: int) -> Observer:
-    """An observer of ``[E, ...]`` stacks built from an observer of one expert's tensor.
-
-    ``init``, ``update`` and ``merge`` are ``torch.vmap`` of the given ones over dimension 0, so the
-    laws of ``observer`` hold per expert. ``update(state, x, weight=None)`` takes ``x`` of shape
-    ``[E, ...]`` (use ``x.expand(E, *x.shape)`` for activations shared by every expert: such an
-    expanded ``x`` is passed unbatched, so row reductions happen once for all experts) and an
-    optional ``weight`` of shape ``[E, ...]`` (the routing mask).
-
-    Observers that compute over a stack themselves (the min/max family, see
-    ``qstats.observers._base.register_stacked_update``) skip ``vmap``: the same ops run on the
-    ``[E, ...]`` tensors, with the same results bit for bit and without the batching overhead of
-    each small op. Others are vmapped.
-
-    >>> import torch, qstats
-    >>> spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
-    >>> obs = qstats.stacked_observer(qstats.minmax(spec), 4)
-    >>> w = torch.randn(4, 6, 3)
-    >>> obs.update(obs.init(w), w).max_val.shape
-    torch.Size([4, 6])
-    """
-    if not isinstance(observer, Observer):
-        raise TypeError(f"stacked_observer expects an Observer, got {type(observer).__name__}")
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-
-    def check(x: torch.Tensor, what: str) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"stacked_observer: {what} must be a tensor, got {type(x).__name__}")
-        if x.ndim < 1 or x.shape[0] != num_experts:
-            raise ValueError(
-                f"stacked_observer: {what} of shape {tuple(x.shape)} does not have the leading expert "
-                f"dimension {num_experts}"
-            )
-
-    def check_state(state) -> None:
-        for name, field in zip(getattr(state, "_fields", ()), state):
-            if isinstance(field, torch.Tensor) and (field.ndim < 1 or field.shape[0] != num_experts):
-                raise ValueError(
-                    f"stacked_observer: state field {name!r} of shape {tuple(field.shape)} does not have the "
-                    f"leading expert dimension {num_experts}"
-                )
-
-    native_update = stacked_update_of(observer)
-    if native_update is not None:
-        # The observer computes over the stack itself (plain ops on [E, ...] tensors, equal to
-        # vmap bit for bit, without the batching overhead of each small op); its merge is
-        # elementwise, and init reads only the shape of one expert's tensor (the Observer contract).
-        stacked_init = stacked_init_of(observer)
-
-        def init_fn(x: torch.Tensor):
-            check(x, "x")
-            if stacked_init is not None:
-                return stacked_init(x)
-            one = observer.init(x[0])
-            return type(one)(*(t.expand(num_experts, *t.shape).clone() for t in one))
-
-        def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
-            check(x, "x")
-            check_state(state)
-            if weight is not None:
-                check(weight, "weight")
-            return native_update(state, x, weight)
-
-        def merge_fn(a, b):
-            check_state(a)
-            check_state(b)
-            return observer.merge(a, b)
-    else:
-        batched_init = torch.vmap(observer.init)
-        update_with_weight = torch.vmap(observer.update)
-        update_shared = torch.vmap(observer.update, in_dims=(0, None, 0))
-        update_without_weight = torch.vmap(lambda state, x: observer.update(state, x))
-        batched_merge = torch.vmap(observer.merge)
-
-        def init_fn(x: torch.Tensor):
-            check(x, "x")
-            return batched_init(x)
-
-        def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
-            check(x, "x")
-            check_state(state)
-            if weight is None:
-                return update_without_weight(state, x)
-            check(weight, "weight")
-            if x.stride(0) == 0:  # one tensor shared by every expert (x.expand(E, ...)): observe it once
-                return update_shared(state, x[0], weight)
-            return update_with_weight(state, x, weight)
-
-        def merge_fn(a, b):
-            check_state(a)
-            check_state(b)
-            return batched_merge(a, b)
-
-    return Observer(
-        init_fn,
-        update_fn,
-        merge_fn,
-        exact=observer.exact,
-        spec=observer.spec,
-        name=f"stacked({observer.name})",
-    )
-
-
-def stacked_qparams(state, spec, **options):
-    """Quantization parameters of every expert of a stacked state (each field ``[E, ...]``):
-    equal, bit for bit, to ``torch.vmap(lambda s: qstats.compute_qparams(s, spec, **options))``,
-    whose semantics it keeps (every QParams field gets a leading expert dimension; experts that
-    saw no data get the fallback and ``calibrated`` False, whatever ``spec.on_uncalibrated``: apply
-    it to ``QParams.calibrated`` as `qstats.compute_qparams_tree` does).
-
-    For the min/max family with an elementwise format the same ops run on the stacked tensors
-    without ``vmap`` (no batching overhead per small op); other states are vmapped.
-
-    >>> import torch, qstats
-    >>> spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
-    >>> obs = qstats.stacked_observer(qstats.minmax(spec), 4)
-    >>> w = torch.randn(4, 6, 3)
-    >>> qstats.stacked_qparams(obs.update(obs.init(w), w), spec).scale.shape
-    torch.Size([4, 6])
-    """
-    return stacked_compute_qparams(state, spec, **options)
 
 
 _INDEX_NAMES = ("top_k_index", "router_indices", "selected_experts", "expert_indices", "topk_ids")

@@ -268,12 +268,6 @@ class QATModel:
         self.layers = tuple(layers)
         self.batchnorm_layers = tuple(batchnorm_layers)
 
-    def _own_parameters(self, params) -> bool:
-        if torch.compiler.is_compiling() or not isinstance(params, dict):
-            return False
-        own = dict(self.module.named_parameters())
-        return len(params) == len(own) and all(params.get(name) is tensor for name, tensor in own.items())
-
     def params(self) -> Dict[str, torch.Tensor]:
         """The model's parameters by name (the tensors themselves)."""
         return dict(self.module.named_parameters())
@@ -310,10 +304,7 @@ class QATModel:
                 )
         self._check_ranges(ranges)
         args = (*inputs, state, phase, ranges)
-        if self._own_parameters(params):  # the module's own tensors: a direct call is the same, and cheaper
-            output, states = self.module(*args)
-        else:
-            output, states = torch.func.functional_call(self.module, params, args)
+        output, states = torch.func.functional_call(self.module, params, args)
         return output, QATState(**states)
 
     def _check_ranges(self, ranges) -> None:

@@ -14,7 +14,7 @@ name, so that `qstats.load` can rebuild a checkpoint without pickling code.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Generic, NamedTuple, Optional, Protocol, TypeVar
 
 import torch
 
@@ -25,14 +25,25 @@ __all__ = [
     "check_state",
     "check_same_shapes",
     "batch_weighted_mean",
-    "register_stacked_init",
-    "register_stacked_update",
-    "stacked_init_of",
-    "stacked_update_of",
 ]
 
 
-class Observer(NamedTuple):
+State = TypeVar("State", bound=tuple)
+
+
+class InitFn(Protocol[State]):
+    def __call__(self, x: torch.Tensor) -> State: ...
+
+
+class UpdateFn(Protocol[State]):
+    def __call__(self, state: State, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> State: ...
+
+
+class MergeFn(Protocol[State]):
+    def __call__(self, a: State, b: State) -> State: ...
+
+
+class Observer(NamedTuple, Generic[State]):
     """A stateless observer: three pure functions and a flag.
 
     Attributes:
@@ -45,42 +56,15 @@ class Observer(NamedTuple):
       name: the factory's name, for reports and error messages.
     """
 
-    init: Callable[..., Any]
-    update: Callable[..., Any]
-    merge: Callable[[Any, Any], Any]
+    init: InitFn[State]
+    update: UpdateFn[State]
+    merge: MergeFn[State]
     exact: bool
     spec: Any = None
     name: str = "observer"
 
 
 _STATE_TYPES: dict[str, type] = {}
-
-
-def register_stacked_update(update: Callable, stacked_update: Callable) -> None:
-    """Declares that ``stacked_update`` computes ``torch.vmap(update)`` over a leading stack
-    dimension without ``vmap``: ``stacked_update(state, x, weight=None)`` where every state field,
-    ``x`` and ``weight`` carry a leading expert dimension. Plain ops on the stacked tensors skip
-    the batching overhead of every small op. It also declares the observer's ``merge``
-    elementwise, so that it applies to stacked states as it is. `qstats.stacked_observer` then
-    uses both; tests check them against ``vmap`` bit for bit. (Kept as an attribute of the
-    ``update`` function, so it lives exactly as long as the observer.)"""
-    update._qstats_stacked_update = stacked_update
-
-
-def register_stacked_init(init: Callable, stacked_init: Callable) -> None:
-    """Declares that ``stacked_init(stack)`` builds the ``[E, ...]`` state of a stack of E tensors
-    (``torch.vmap(init)``'s result) directly; `qstats.stacked_observer` uses it."""
-    init._qstats_stacked_init = stacked_init
-
-
-def stacked_init_of(observer: "Observer"):
-    """The stacked init registered for ``observer.init``, or None."""
-    return getattr(observer.init, "_qstats_stacked_init", None)
-
-
-def stacked_update_of(observer: "Observer"):
-    """The stacked update registered for ``observer.update``, or None."""
-    return getattr(observer.update, "_qstats_stacked_update", None)
 
 
 def register_state(cls: type) -> type:

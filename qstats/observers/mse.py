@@ -31,7 +31,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._granularity import TensorGroup, checked_view, qparam_shape, weight_view
-from .._qparams import Range, _host_checkable, qparams_from_minmax, register_range_rule
+from .._checks import require
+from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
@@ -146,26 +147,16 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
     # compressed-tensors specs on bf16/fp16 inputs, without an importance: the error of every value
     # in the input's dtype and its sum rounded to it once, as llm-compressor's MSE observers form them
     native_error = native is not None and importance is None and spec.convention == "compressed_tensors"
-    rows = []  # per chunk: (C, params in chunk)
-    rounded = native_error  # every chunk's sum may be rounded to the native dtype at the end
-    for index in chunks:
-        row = _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, compute_dtype, zero_free, native,
-                            native_error)
-        wide = compute_dtype != torch.float64 and v.device.type == "cpu" and not torch.compiler.is_compiling()
-        # (a plain tensor only: under vmap or grad the check would be data-dependent control flow)
-        wide = wide and not torch._C._functorch.is_functorch_wrapped_tensor(row)
-        if wide and not bool(row.isfinite().all()):
-            # |d| ** norm or its sum overflowed float32 (data near 1e16 and beyond): the errors in
-            # float64, which only such chunks pay for (the float32 bits stay everywhere else). A
-            # scalar read, so CPU only: accelerators keep no host synchronisation
-            row = _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, torch.float64, zero_free, native)
-            rounded = False
-        rows.append(row)
+    rows = [
+        _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, compute_dtype, zero_free, native,
+                      native_error)
+        for index in chunks
+    ]  # per chunk: (C, params in chunk)
     if num_params > 1:
         total = torch.cat(rows, dim=-1)
     else:
         total = torch.stack(rows, dim=0).sum(0)
-    if rounded:  # the float32 sums rounded once to the input's dtype, where they fit it
+    if native_error:  # the float32 sums rounded once to the input's dtype, where they fit it
         narrow = total.to(torch.float32).to(native)
         total = torch.where(narrow.isfinite(), narrow.to(torch.float64), total)
     return total.transpose(0, 1).reshape(*params, len(factors))
@@ -207,23 +198,30 @@ def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, erro
             dequantized = _dequantize_view(codes, scale, zero_point, spec)
         if native_error:
             difference = dequantized.to(native) - code_input
-            error = difference * difference if norm == 2.0 else difference.abs().pow(norm)
         else:
-            if native is not None:
-                dequantized = dequantized.to(native)
+            dequantized = dequantized if native is None else dequantized.to(native)
             difference = dequantized.to(part.dtype) - part
-            if difference.dtype != error_dtype:
-                difference = difference.to(error_dtype)
-            error = difference * difference if norm == 2.0 else difference.abs().pow(norm)
+        losses.append(_error_sum(difference, norm, error_dtype, weights, keep, index, native_error))
+    return torch.stack(losses, dim=0)
+
+
+def _error_sum(difference, norm, error_dtype, weights, keep, index, native_error):
+    """``sum |difference| ** norm`` over dims (0, -1), float64. Formed in ``error_dtype`` (in the
+    input's dtype and summed in float32 for ``native_error``); where that sum overflows (data near
+    1e16 and beyond) the same sum formed in float64 replaces it."""
+
+    def total(d, as_float32):
+        error = d * d if norm == 2.0 else d.abs().pow(norm)
         if weights is not None:
             error = error * weights[index]
         if keep is not None:
             error = torch.where(keep[index], error, torch.zeros_like(error))
-        if native_error:  # summed in float32; the caller rounds the sum to the input's dtype
-            losses.append(error.sum(dim=(0, -1), dtype=torch.float32).to(torch.float64))
-        else:
-            losses.append(error.sum(dim=(0, -1)).to(torch.float64))
-    return torch.stack(losses, dim=0)
+        return error.sum(dim=(0, -1), dtype=torch.float32 if as_float32 else None).to(torch.float64)
+
+    narrow = total(difference if native_error else difference.to(error_dtype), native_error)
+    if error_dtype == torch.float64 and not native_error:
+        return narrow
+    return torch.where(narrow.isfinite(), narrow, total(difference.to(torch.float64), False))
 
 
 def _first_minimum(loss: torch.Tensor, patience: Optional[int]) -> torch.Tensor:
@@ -374,12 +372,9 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
         check_state(a, MSEState, "mse.merge")
         check_state(b, MSEState, "mse.merge")
         check_same_shapes(a, b, "mse.merge")
-        if _host_checkable(a.factors, b.factors) and not torch.equal(a.factors, b.factors):
-            # losses of different shrink factors cannot be added (states of two mse observers)
-            raise ValueError(
-                f"mse.merge: the states search different shrink factors ({a.factors[:3].tolist()}... vs "
-                f"{b.factors[:3].tolist()}...): they come from mse observers with other maxshrink/grid/steps"
-            )
+        # losses of different shrink factors cannot be added (states of two mse observers)
+        same = require(a.factors == b.factors, "mse.merge: the states search different shrink factors: they come "
+                       "from mse observers with other maxshrink/grid/steps")
         a_set = a.min_val <= a.max_val
         b_set = b.min_val <= b.max_val
         a_span = torch.where(a_set, a.max_val - a.min_val, torch.full_like(a.max_val, -1.0))
@@ -389,7 +384,7 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
             torch.where(take_b, b.min_val, a.min_val),
             torch.where(take_b, b.max_val, a.max_val),
             a.loss + b.loss,
-            a.factors,
+            torch.where(same, a.factors, b.factors),
             a.count + b.count,
             a.nonfinite + b.nonfinite,
         )

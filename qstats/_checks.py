@@ -1,0 +1,68 @@
+"""Checks of tensor values that raise a clear ValueError wherever the values are real.
+
+A check of a value needs the value on the host. Written as ops (``torch.library``), a check
+runs eagerly, at run time of a ``torch.compile`` graph (the op stays in the graph), and under
+``torch.vmap`` (a batching rule), without the caller asking which of them is running.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["require", "require_calibrated"]
+
+
+@torch.library.custom_op("qstats::require", mutates_args=())
+def _require(condition: torch.Tensor, message: str) -> torch.Tensor:
+    if not bool(condition.all()):
+        raise ValueError(message)
+    return condition.clone()
+
+
+@_require.register_fake
+def _(condition, message):
+    return torch.empty_like(condition)
+
+
+def _require_vmap(info, in_dims, condition, message):
+    return _require(condition, message), in_dims[0]  # every slice must hold
+
+
+_require.register_vmap(_require_vmap)
+
+
+def require(condition: torch.Tensor, message: str) -> torch.Tensor:
+    """``condition`` (a bool tensor, copied), after ValueError(``message``) unless it is all True.
+    Thread the result into the computation (or discard it in eager code)."""
+    return _require(condition, message)
+
+
+@torch.library.custom_op("qstats::require_calibrated", mutates_args=())
+def _require_calibrated(calibrated: torch.Tensor, where: str) -> torch.Tensor:
+    missing = int((~calibrated).sum())
+    if missing:
+        raise ValueError(
+            f"{where}: {missing} of {calibrated.numel()} quantization parameter(s) saw no finite data "
+            "(uncalibrated); observe more data or use QuantSpec(on_uncalibrated='fallback') to get scale 1 "
+            "and zero point 0 with a coverage mask in QParams.calibrated"
+        )
+    return calibrated.clone()
+
+
+@_require_calibrated.register_fake
+def _(calibrated, where):
+    return torch.empty_like(calibrated)
+
+
+def _require_calibrated_vmap(info, in_dims, calibrated, where):
+    """Under vmap (stacked experts) an uncalibrated slice is reported, not raised: the caller
+    reads ``QParams.calibrated`` (`qstats.compute_qparams_tree` applies the policy)."""
+    return calibrated.clone(), in_dims[0]
+
+
+_require_calibrated.register_vmap(_require_calibrated_vmap)
+
+
+def require_calibrated(calibrated: torch.Tensor, where: str) -> torch.Tensor:
+    """``calibrated`` (copied), after ValueError naming how many entries are False."""
+    return _require_calibrated(calibrated, where)

@@ -1,0 +1,117 @@
+"""What an observer author needs, in one place (see docs/write_an_observer.md).
+
+- the canonical view of a tensor for a granularity (`canonical_view`, `checked_view`, which also
+  checks the state's parameter shape) and of a per-observation weight (`weight_view`);
+- the shared finite reduction (`finite_aminmax`) and its row-first form for masked updates
+  (`observe_extremes`);
+- state checks (`check_state`, `check_same_shapes`), a batch-weighted mean for merging moving
+  averages (`batch_weighted_mean`), the state registry (`register_state`) and the range-rule
+  registry (`register_range_rule`, `Range`) that `compute_qparams` reads.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .._granularity import (
+    PerAxis,
+    PerHead,
+    PerTensor,
+    canonical_view,
+    checked_view,
+    qparam_shape,
+    weight_view,
+)
+from .._qparams import Range, register_range_rule
+from .._reductions import finite_aminmax
+from .._spec import QuantSpec
+from ._base import Observer, batch_weighted_mean, check_same_shapes, check_state, register_state
+
+__all__ = [
+    "Observer",
+    "Range",
+    "batch_weighted_mean",
+    "canonical_view",
+    "check_same_shapes",
+    "check_spec",
+    "check_state",
+    "checked_view",
+    "extremes_init",
+    "finite_aminmax",
+    "observe_extremes",
+    "qparam_shape",
+    "register_range_rule",
+    "register_state",
+    "weight_view",
+]
+
+
+def check_spec(spec) -> QuantSpec:
+    """``spec`` itself, or TypeError when it is not a QuantSpec."""
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"expected a QuantSpec, got {type(spec).__name__}")
+    return spec
+
+
+def extremes_init(cls, spec: QuantSpec) -> Callable[[torch.Tensor], tuple]:
+    """``init(x)`` for a state class whose first two fields are extremes (``+inf`` and ``-inf``,
+    float32) and whose other fields are int64 counts (zero), shaped like ``x``'s parameters."""
+    counters = len(cls._fields) - 2
+
+    def init_fn(x: torch.Tensor):
+        shape = qparam_shape(x.shape, spec.granularity)
+        return cls(
+            torch.full(shape, torch.inf, dtype=torch.float32, device=x.device),
+            torch.full(shape, -torch.inf, dtype=torch.float32, device=x.device),
+            *(torch.zeros(shape, dtype=torch.int64, device=x.device) for _ in range(counters)),
+        )
+
+    return init_fn
+
+
+def _row_granularity(x: torch.Tensor, weight: torch.Tensor, granularity):
+    """The granularity of one observation row ``x[i]`` (``i`` an index of ``weight``) when the
+    parameters do not depend on the rows (per tensor, or per axis along a trailing axis)."""
+    if isinstance(granularity, PerTensor):
+        return granularity
+    if type(granularity) in (PerAxis, PerHead) and x.ndim > 0:
+        axis = granularity.axis % x.ndim
+        if axis >= weight.ndim:
+            return PerAxis(axis - weight.ndim)
+    return None
+
+
+def _masked_rows(x: torch.Tensor, weight: torch.Tensor, row_granularity):
+    """The row-first reduction: every row's extremes and counts at once, then the rows that
+    ``weight`` keeps combined. Exact (min and max of the kept rows' extremes); under
+    ``vmap`` over experts with one shared ``x`` and a mask per expert, the rows are reduced once."""
+    rows = x.reshape(-1, *x.shape[weight.ndim:])
+    view = rows.reshape(rows.shape[0], *canonical_view(rows[0], row_granularity).shape).movedim(0, 1)
+    row_min, row_max, row_count, row_nonfinite = finite_aminmax(view)
+    keep = (weight.reshape(-1) != 0).reshape(-1, *(1,) * (row_min.ndim - 1))
+    return (
+        torch.where(keep, row_min, torch.inf).amin(dim=0),
+        torch.where(keep, row_max, -torch.inf).amax(dim=0),
+        (row_count * keep).sum(dim=0),
+        (row_nonfinite * keep).sum(dim=0),
+    )
+
+
+def observe_extremes(x: torch.Tensor, weight: Optional[torch.Tensor], spec: QuantSpec, expected_shape, where: str):
+    """``(min, max, count, nonfinite)`` of ``x`` for ``spec`` over its canonical view, leaving out
+    values whose ``weight`` is zero. Checks the parameter shape against ``expected_shape``
+    (the state's) with an error naming both."""
+    view = checked_view(x, spec.granularity, expected_shape, where)
+    if (
+        isinstance(weight, torch.Tensor)
+        and spec.nonfinite == "ignore"
+        and 0 < weight.ndim <= x.ndim
+        and weight.numel() > 0
+        and tuple(weight.shape) == tuple(x.shape[: weight.ndim])
+    ):
+        row_granularity = _row_granularity(x, weight, spec.granularity)
+        if row_granularity is not None:
+            return _masked_rows(x, weight, row_granularity)
+    return finite_aminmax(view, weight_view(x, weight, spec.granularity), spec.nonfinite)

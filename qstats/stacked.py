@@ -1,0 +1,108 @@
+"""Stacked observers: one observer call over ``[E, ...]`` stacks (mixture-of-experts weights).
+
+`stacked_observer` is ``torch.vmap`` of an observer's own pure functions over the leading expert
+dimension, for any observer: the laws of ``observer`` hold per expert, and there is no
+per-observer registration. `stacked_qparams` is ``torch.vmap`` of `compute_qparams`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._qparams import compute_qparams
+from .observers._base import Observer
+
+__all__ = ["stacked_observer", "stacked_qparams"]
+
+
+def _check_stack(x, num_experts: int, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"stacked_observer: {what} must be a tensor, got {type(x).__name__}")
+    if x.ndim < 1 or x.shape[0] != num_experts:
+        raise ValueError(
+            f"stacked_observer: {what} of shape {tuple(x.shape)} does not have the leading expert "
+            f"dimension {num_experts}"
+        )
+
+
+def _check_stacked_state(state, num_experts: int) -> None:
+    for name, field in zip(getattr(state, "_fields", ()), state):
+        if isinstance(field, torch.Tensor) and (field.ndim < 1 or field.shape[0] != num_experts):
+            raise ValueError(
+                f"stacked_observer: state field {name!r} of shape {tuple(field.shape)} does not have the "
+                f"leading expert dimension {num_experts}"
+            )
+
+
+def stacked_observer(observer: Observer, num_experts: int) -> Observer:
+    """An observer of ``[E, ...]`` stacks built from an observer of one expert's tensor.
+
+    ``init``, ``update`` and ``merge`` are ``torch.vmap`` of the given ones over dimension 0, so the
+    laws of ``observer`` hold per expert. ``update(state, x, weight=None)`` takes ``x`` of shape
+    ``[E, ...]`` and an optional ``weight`` of shape ``[E, ...]`` (the routing mask). For
+    activations shared by every expert pass ``x.expand(E, *x.shape)``: a stride-0 stack is observed
+    unbatched, once, under each expert's mask.
+
+    >>> import torch, qstats
+    >>> spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
+    >>> obs = qstats.stacked_observer(qstats.minmax(spec), 4)
+    >>> w = torch.randn(4, 6, 3)
+    >>> obs.update(obs.init(w), w).max_val.shape
+    torch.Size([4, 6])
+    """
+    if not isinstance(observer, Observer):
+        raise TypeError(f"stacked_observer expects an Observer, got {type(observer).__name__}")
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    batched_init = torch.vmap(observer.init)
+    update_with_weight = torch.vmap(observer.update)
+    update_shared = torch.vmap(observer.update, in_dims=(0, None, 0))
+    update_without_weight = torch.vmap(lambda state, x: observer.update(state, x))
+    batched_merge = torch.vmap(observer.merge)
+
+    def init_fn(x: torch.Tensor):
+        _check_stack(x, num_experts, "x")
+        return batched_init(x)
+
+    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
+        _check_stack(x, num_experts, "x")
+        _check_stacked_state(state, num_experts)
+        if weight is None:
+            return update_without_weight(state, x)
+        _check_stack(weight, num_experts, "weight")
+        if x.stride(0) == 0:  # one tensor shared by every expert (x.expand(E, ...)): observe it once
+            return update_shared(state, x[0], weight)
+        return update_with_weight(state, x, weight)
+
+    def merge_fn(a, b):
+        _check_stacked_state(a, num_experts)
+        _check_stacked_state(b, num_experts)
+        return batched_merge(a, b)
+
+    return Observer(init_fn, update_fn, merge_fn, exact=observer.exact, spec=observer.spec,
+                    name=f"stacked({observer.name})")
+
+
+def stacked_qparams(state, spec, **options):
+    """Quantization parameters of every expert of a stacked state (each field ``[E, ...]``):
+    ``torch.vmap(lambda s: qstats.compute_qparams(s, spec, **options))(state)``. Experts that saw
+    no data get the fallback and ``calibrated`` False whatever ``spec.on_uncalibrated``: apply it
+    to ``QParams.calibrated`` as `qstats.compute_qparams_tree` does.
+
+    >>> import torch, qstats
+    >>> spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
+    >>> obs = qstats.stacked_observer(qstats.minmax(spec), 4)
+    >>> w = torch.randn(4, 6, 3)
+    >>> qstats.stacked_qparams(obs.update(obs.init(w), w), spec).scale.shape
+    torch.Size([4, 6])
+    """
+    fields = [t for t in state if isinstance(t, torch.Tensor)] if isinstance(state, tuple) else []
+    if not fields or any(t.ndim < 1 or t.shape[0] != fields[0].shape[0] for t in fields):
+        shapes = [tuple(t.shape) for t in fields]
+        raise ValueError(
+            f"stacked_qparams: expected a stacked state (every field with the same leading dimension), "
+            f"got {type(state).__name__} with field shapes {shapes}"
+        )
+    return torch.vmap(lambda one: compute_qparams(one, spec, **options))(state)
