@@ -40,7 +40,7 @@ from .observers import MinMaxState as MinMaxState
 from .observers import MovingAverageMinMaxState as MovingAverageMinMaxState
 from .observers import HistogramState as HistogramState
 from .observers import Observer as Observer
-from .observers import histogram as histogram
+from .observers.histogram import histogram as histogram
 from .observers import MomentsState as MomentsState
 from .observers import MSEState as MSEState
 from .observers import MovingAverageMSEState as MovingAverageMSEState
@@ -48,9 +48,9 @@ from .observers import IMatrixState as IMatrixState
 from .observers import FixedQParamsState as FixedQParamsState
 from .observers import PlaceholderState as PlaceholderState
 from .observers import RecordingState as RecordingState
-from .observers import moments as moments
-from .observers import mse as mse
-from .observers import imatrix as imatrix
+from .observers.moments import moments as moments
+from .observers.mse import mse as mse
+from .observers.imatrix import imatrix as imatrix
 from .observers import imatrix_mse as imatrix_mse
 from .observers import importance as importance
 from .observers import fixed_qparams as fixed_qparams
@@ -61,7 +61,7 @@ from .observers import recording as recording
 from .observers import sigmoid_qparams as sigmoid_qparams
 from .observers import tanh_qparams as tanh_qparams
 from .observers import memoryless_minmax as memoryless_minmax
-from .observers import minmax as minmax
+from .observers.minmax import minmax as minmax
 from .observers import moving_average_minmax as moving_average_minmax
 from .observers import register_state as register_state
 from .qat import QATState as QATState

@@ -23,7 +23,8 @@ from ._granularity import PerGroup, PerTensor, PerToken, TensorGroup
 from ._spec import QuantSpec
 from .experts import expert_count, is_stacked_parameter, parameter_input_site, stacked_observer
 from .fused import fused_groups
-from .observers import Observer, minmax
+from .observers import Observer
+from .observers.minmax import minmax
 
 __all__ = ["Rule", "Recipe", "Plan", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES", "as_plan", "runtime_scaled"]
 

@@ -1,4 +1,9 @@
-"""Observer families, one module each."""
+"""Observer families, one module each; `kit` holds what an observer author needs.
+
+The factories are re-exported at the top level (``qstats.minmax``, ``qstats.histogram``, ...);
+here each family's name is its module (``qstats.observers.minmax`` is the module), so the
+package only re-exports the names no module shadows.
+"""
 
 from ._base import Observer as Observer
 from ._base import register_state as register_state
@@ -7,17 +12,12 @@ from .minmax import MemorylessMinMaxState as MemorylessMinMaxState
 from .minmax import MinMaxState as MinMaxState
 from .minmax import MovingAverageMinMaxState as MovingAverageMinMaxState
 from .minmax import memoryless_minmax as memoryless_minmax
-from .minmax import minmax as minmax
 from .minmax import moving_average_minmax as moving_average_minmax
 from .histogram import HistogramState as HistogramState
-from .histogram import histogram as histogram
 from .moments import MomentsState as MomentsState
-from .moments import moments as moments
 from .mse import MSEState as MSEState
 from .mse import MovingAverageMSEState as MovingAverageMSEState
-from .mse import mse as mse
 from .imatrix import IMatrixState as IMatrixState
-from .imatrix import imatrix as imatrix
 from .imatrix import imatrix_mse as imatrix_mse
 from .imatrix import importance as importance
 from .fixed import FixedQParamsState as FixedQParamsState
@@ -30,3 +30,4 @@ from .fixed import recorded_values as recorded_values
 from .fixed import recording as recording
 from .fixed import sigmoid_qparams as sigmoid_qparams
 from .fixed import tanh_qparams as tanh_qparams
+from . import kit as kit
