@@ -708,7 +708,8 @@ def test_default_format_is_the_one_compressed_tensors_infers():
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationScheme
 
-    from qstats.export import _default_format, quantization_args
+    from qstats.export import quantization_args
+    from qstats.export.config import default_format
 
     spec = qstats.QuantSpec
     weights = {
@@ -737,6 +738,6 @@ def test_default_format_is_the_one_compressed_tensors_infers():
             input_activations=None if i_args is None else QuantizationArgs.model_validate(i_args),
         )
         theirs = infer_module_format(torch.nn.Linear, scheme).value
-        assert _default_format(w_args, i_args) == theirs, (w_name, i_name)
+        assert default_format(w_args, i_args) == theirs, (w_name, i_name)
         checked.add(theirs)
     assert checked >= {"int-quantized", "pack-quantized", "naive-quantized", "float-quantized", "nvfp4-pack-quantized"}

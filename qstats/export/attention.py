@@ -1,0 +1,98 @@
+"""Attention quantization: the ``q``/``k``/``v`` sites of an attention module become its
+``q_scale``/``k_scale``/``v_scale`` and the config's ``kv_cache_scheme`` (and, for ``q``, a config
+group targeting the attention modules), as compressed-tensors registers them
+(``initialize_attn_qparams``)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Mapping, Optional
+
+import torch
+
+from .config import code_offset, fail, quantization_args
+from .scales import check_qparams, check_scales, module_dtype, qparam_shape, zero_point
+
+__all__ = ["attention_config", "write_attention"]
+
+
+def write_attention(path: str, module, sites: Mapping, specs: Mapping, tensors: dict, log: dict) -> dict:
+    """``q_scale``/``k_scale``/``v_scale`` of an attention module into ``tensors`` (shape ``(1,)``
+    for the tensor strategy, in the attention module's parameter dtype; zero points
+    ``q_zero_point``... for asymmetric args); returns ``{site: QuantizationArgs fields}``."""
+    dtype = module_dtype(module)
+    prefix = path + "." if path else ""
+    written = {}
+    for site, qp in sites.items():
+        where = f"{path}/{site}"
+        spec = specs.get(site)
+        if spec is None:
+            raise ValueError(f"export.compressed_tensors: no spec for {where}")
+        args = quantization_args(spec, site, where)
+        qp = check_qparams(qp, where)
+        offset = code_offset(spec, where)
+        if not bool(qp.calibrated.all()):
+            log["uncalibrated"].append(where)
+        stored = qp.scale.to(dtype)
+        check_scales(stored, where, f"{site} scales in {dtype}")
+        if not torch.equal(stored.float(), qp.scale.float()):
+            log["rounded"].append(where)
+        shape = qparam_shape(qp.scale, "tensor", where)
+        tensors[f"{prefix}{site}_scale"] = stored.reshape(shape).clone()
+        zero = zero_point(qp, args, offset, shape, where)
+        if zero is not None:
+            tensors[f"{prefix}{site}_zero_point"] = zero
+        written[site] = args
+    _check_attention_sites(path, written)
+    if ("q" in written or "k" in written) and _takes_rotary_embedding(module):
+        log["rotary"].append(path)
+    return written
+
+
+def _check_attention_sites(path: str, written: dict) -> None:
+    """compressed-tensors quantizes keys and values together, queries only with them, and q, k and
+    v with one set of args."""
+    if ("k" in written) != ("v" in written):
+        fail(path, "the kv cache quantizes keys and values together: export both 'k' and 'v' sites")
+    if "q" in written and "k" not in written:
+        fail(path, "attention (query) quantization needs the 'k' and 'v' sites too (compressed-tensors' "
+             "attention scheme quantizes q, k and v alike)")
+    distinct = {json.dumps(args, sort_keys=True) for args in written.values()}
+    if len(distinct) > 1:
+        fail(path, "compressed-tensors quantizes q, k and v of a model with one set of QuantizationArgs; "
+             f"the specs of {sorted(written)} differ")
+
+
+def _takes_rotary_embedding(module: torch.nn.Module) -> bool:
+    """True when the attention module's forward takes transformers' ``position_embeddings``
+    (rotary cos/sin applied to q and k after their projections)."""
+    try:
+        return "position_embeddings" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def attention_config(attention: dict, groups: dict) -> Optional[dict]:
+    """The ``kv_cache_scheme`` (k/v sites, one for the whole model) and, for q sites, a config group
+    targeting the attention modules (compressed-tensors' attention quantization, whose
+    ``input_activations`` quantize q, k and v), added to ``groups``."""
+    if not attention:
+        return None
+    distinct = {json.dumps(next(iter(sites.values())), sort_keys=True) for sites in attention.values()}
+    if len(distinct) > 1:
+        fail("kv_cache_scheme", "compressed-tensors holds one kv-cache scheme per model; the attention "
+             f"modules {sorted(attention)} have different q/k/v specs")
+    args = next(iter(next(iter(attention.values())).values()))
+    query = [path for path, sites in attention.items() if "q" in sites]
+    if query:
+        if len(query) != len(attention):
+            fail("kv_cache_scheme", f"q sites on {query} but not on every attention module with k/v sites")
+        groups["attention"] = {
+            "targets": query,
+            "weights": None,
+            "input_activations": args,
+            "output_activations": None,
+            "format": None,
+        }
+    return dict(args)

@@ -1,0 +1,235 @@
+"""`compressed_tensors`: the checkpoint writer, putting together the linear, experts and
+attention parts and the ``quantization_config`` of `qstats.export` (see its docstring)."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any, Mapping, Optional
+
+import torch
+
+from .._granularity import TensorGroup
+from .._qparams import QParams
+from .._spec import QuantSpec
+from ..experts import expert_count
+from ..fused import fused_groups
+from ..recipe import Plan, Recipe, as_plan
+from .attention import attention_config, write_attention
+from .config import ATTENTION_SITES, FORMATS, config_groups
+from .experts import expert_entries, warn_mixed_experts
+from .linear import linear_entry, write_linear
+
+__all__ = ["compressed_tensors"]
+
+
+def compressed_tensors(
+    model: torch.nn.Module,
+    qparams: Mapping[str, Mapping[str, QParams]],
+    path: str,
+    specs_or_recipe: Any,
+    *,
+    format: Optional[str] = None,
+) -> dict:
+    """Writes ``model`` with ``qparams`` as a compressed-tensors checkpoint in folder ``path``.
+
+    Args:
+      model: the calibrated model (its float weights are quantized with ``qparams``).
+      qparams: ``{module_path: {site: QParams}}``, e.g. from `qstats.compute_qparams_tree`. A
+        dynamic activation site (per-token spec) needs no parameters: its value may be ``None``
+        (any QParams given for it are ignored). Stacked experts carry a leading expert dimension;
+        ``q``/``k``/``v`` sites of an attention module become its ``q_scale``/``k_scale``/``v_scale``.
+      path: output folder; gets ``model.safetensors`` and ``config.json`` (a transformers model's
+        ``config`` is included; an existing ``config.json`` there is extended).
+      specs_or_recipe: the `qstats.Recipe` used to calibrate (or its `qstats.recipe.Plan` on
+        ``model``), or a ``{path: {site: QuantSpec}}`` tree shaped like ``qparams``.
+      format: the compressed-tensors format of every Linear group: ``"pack-quantized"`` (integer
+        weights packed into int32), ``"int-quantized"``, ``"float-quantized"``,
+        ``"naive-quantized"`` (int8/fp8 codes), ``"nvfp4-pack-quantized"``,
+        ``"mxfp4-pack-quantized"`` or ``"mxfp8-quantized"``. Default: what compressed-tensors
+        itself infers per group (``int-quantized`` / ``float-quantized`` with quantized inputs;
+        ``pack-quantized`` / ``naive-quantized`` for integer / fp8 weights only; NVFP4 and MX
+        by their scales), ``"mixed-precision"`` at top level when groups differ.
+
+    Returns:
+      The ``quantization_config`` dict written into ``config.json``.
+
+    Raises:
+      ValueError: a site, spec or shape compressed-tensors cannot express (names it).
+      TypeError: wrong argument types.
+    """
+    _check_arguments(model, qparams, format)
+    specs, groups, modules = _resolve(specs_or_recipe, qparams, model)
+    tensors: dict[str, torch.Tensor] = {}
+    dropped: set[str] = set()  # float weights replaced by packed codes or unpacked experts
+    log = {"uncalibrated": [], "rounded": [], "rotary": []}
+    entries, attention = _entries(modules, qparams, specs, tensors, dropped, log)
+    schemes: dict[str, dict] = {}
+    expert_projection: dict[str, tuple] = {}  # unpacked expert path -> (experts module path, projection)
+    for entry in entries:
+        scheme = write_linear(entry, format, tensors, dropped, log)
+        if scheme:
+            schemes[entry.path] = scheme
+            if entry.experts is not None:
+                expert_projection[entry.path] = entry.experts
+    _warn_log(log)
+    warn_mixed_experts(schemes, expert_projection)
+    _warn_unshared_global_scales(groups, qparams, specs)
+    quantization_config = _quantization_config(schemes, expert_projection, attention, modules, format)
+    for name, tensor in model.state_dict().items():
+        if name not in tensors and name not in dropped:
+            tensors[name] = tensor.detach()
+    _write(path, tensors, model, quantization_config)
+    return quantization_config
+
+
+def _check_arguments(model, qparams, format) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"export.compressed_tensors: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(qparams, Mapping):
+        raise TypeError(
+            "export.compressed_tensors: qparams must be a {path: {site: QParams}} dict, "
+            f"got {type(qparams).__name__}"
+        )
+    if format is not None and format not in FORMATS:
+        raise ValueError(f"export.compressed_tensors: format must be one of {FORMATS}, got {format!r}")
+
+
+def _resolve(specs_or_recipe, qparams: Mapping, model: torch.nn.Module) -> tuple:
+    """``(specs tree, fused groups, {path: module})``: from the plan of a recipe (resolved once)
+    or, for a specs tree, from the model."""
+    if isinstance(specs_or_recipe, (Recipe, Plan)):
+        plan = as_plan(specs_or_recipe, model, "export.compressed_tensors")
+        return plan.specs(qparams), plan.fused_groups, plan.modules
+    if hasattr(specs_or_recipe, "specs") and callable(specs_or_recipe.specs):  # a recipe-like object
+        return specs_or_recipe.specs(qparams, model), fused_groups(model), dict(model.named_modules())
+    if not isinstance(specs_or_recipe, Mapping):
+        raise TypeError(
+            "export.compressed_tensors: specs must be a qstats.Recipe or a {path: {site: QuantSpec}} tree, "
+            f"got {type(specs_or_recipe).__name__}"
+        )
+    return specs_or_recipe, fused_groups(model), dict(model.named_modules())
+
+
+def _entries(modules: Mapping, qparams: Mapping, specs, tensors: dict, dropped: set, log: dict) -> tuple:
+    """``(Linear entries, {attention path: {site: args}})`` of ``qparams``: the Linear modules,
+    the unpacked projections of stacked experts (whose fused parameters go to ``dropped``) and the
+    attention modules (whose scales are written into ``tensors`` here)."""
+    entries: list = []
+    attention: dict = {}
+    for module_path, sites in qparams.items():
+        if module_path not in modules:
+            raise ValueError(f"export.compressed_tensors: qparams name module {module_path!r}, which the model lacks")
+        module = modules[module_path]
+        if not isinstance(sites, Mapping):
+            raise TypeError(f"export.compressed_tensors: qparams[{module_path!r}] must be a dict {{site: QParams}}")
+        module_specs = specs.get(module_path, {}) if isinstance(specs, Mapping) else {}
+        module_specs = module_specs if isinstance(module_specs, Mapping) else {}
+        num_experts = expert_count(module)
+        if num_experts:
+            entries.extend(expert_entries(module_path, module, sites, module_specs, num_experts, tensors))
+            prefix = module_path + "." if module_path else ""
+            dropped.update(prefix + name for name, _ in module.named_parameters(recurse=False))
+            continue
+        kv_sites = {site: qp for site, qp in sites.items() if site in ATTENTION_SITES}
+        if kv_sites:
+            attention[module_path] = write_attention(module_path, module, kv_sites, module_specs, tensors, log)
+        linear_sites = {site: qp for site, qp in sites.items() if site not in ATTENTION_SITES}
+        if linear_sites:
+            entries.append(linear_entry(module_path, module, linear_sites, module_specs))
+    return entries, attention
+
+
+def _quantization_config(schemes: dict, expert_projection: dict, attention: dict, modules: Mapping, format) -> dict:
+    """The ``quantization_config`` of ``config.json``: config groups per scheme, the kv-cache scheme
+    and the Linear modules left unquantized (``ignore``)."""
+    groups = config_groups(schemes, expert_projection, format)
+    formats = {group["format"] for group in groups.values()}
+    top_format = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
+    kv_cache_scheme = attention_config(attention, groups)
+    ignore = [path for path, module in modules.items() if isinstance(module, torch.nn.Linear) and path not in schemes and path]
+    return {
+        "quant_method": "compressed-tensors",
+        "format": top_format,
+        "quantization_status": "compressed",
+        "config_groups": {f"group_{i}": group for i, group in enumerate(groups.values())},
+        "ignore": ignore,
+        "kv_cache_scheme": kv_cache_scheme,
+        "global_compression_ratio": None,
+    }
+
+
+def _warn_log(log: dict) -> None:
+    """The warnings of a written checkpoint: rounded scales, uncalibrated sites, q/k scales
+    observed before a rotary embedding."""
+    if log["rounded"]:
+        rounded = log["rounded"]
+        warnings.warn(
+            f"export.compressed_tensors: scales of {len(rounded)} site(s) were rounded to the model's dtype "
+            f"({', '.join(rounded[:4])}, ...); calibrate with a spec whose scale_dtype is that dtype to keep "
+            "qstats' and the checkpoint's quantization identical",
+            stacklevel=3,
+        )
+    if log["uncalibrated"]:
+        uncalibrated = log["uncalibrated"]
+        warnings.warn(
+            f"export.compressed_tensors: {len(uncalibrated)} site(s) hold uncalibrated (fallback) qparams: "
+            + ", ".join(uncalibrated[:8]),
+            stacklevel=3,
+        )
+    if log["rotary"]:
+        warnings.warn(
+            f"export.compressed_tensors: the q/k scales of {len(log['rotary'])} attention module(s) "
+            f"({', '.join(log['rotary'][:4])}) were observed on the projection outputs, before the rotary "
+            "embedding (and any q/k norm) the attention applies; compressed-tensors and vLLM quantize the "
+            "rotated queries and keys, whose range can be wider",
+            stacklevel=3,
+        )
+
+
+def _warn_unshared_global_scales(groups, qparams: Mapping, specs: Any) -> None:
+    """vLLM runs each fused group (q/k/v, gate/up: `qstats.fused.FUSED_LAYER_NAMES`) as one matmul
+    under one global scale (it keeps one of the group's): a warning names the groups whose
+    two-level (NVFP4) weights were given different global scales."""
+    unshared = []
+    for group in groups:
+        scales = []
+        for path in group:
+            sites = qparams.get(path)
+            module_specs = specs.get(path) if isinstance(specs, Mapping) else None
+            if not (isinstance(sites, Mapping) and isinstance(module_specs, Mapping)):
+                continue
+            qp, spec = sites.get("weight"), module_specs.get("weight")
+            if isinstance(qp, QParams) and isinstance(spec, QuantSpec) and isinstance(spec.granularity, TensorGroup):
+                scales.append(qp.global_scale.detach().float().reshape(-1))
+        if len(scales) > 1 and not all(torch.equal(scales[0], other) for other in scales[1:]):
+            unshared.append("/".join(path.rsplit(".", 1)[-1] for path in group) + f" of {group[0].rsplit('.', 1)[0]!r}")
+    if unshared:
+        warnings.warn(
+            f"export.compressed_tensors: {len(unshared)} fused group(s) hold NVFP4 weights under different global "
+            f"scales ({', '.join(unshared[:4])}); vLLM runs each group as one matmul with one global scale, which "
+            "misreads the others' weights. qstats.compute_qparams_tree shares them (fuse=True, its default); "
+            "qstats.fused_qparams does it for a group",
+            stacklevel=3,
+        )
+
+
+def _write(path: str, tensors: dict, model: torch.nn.Module, quantization_config: dict) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    # safetensors refuses shared storage (tied weights): give every tensor its own.
+    owned = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in tensors.items()}
+    save_file(owned, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config_path = os.path.join(path, "config.json")
+    config: dict = {}
+    if os.path.exists(config_path):
+        with open(config_path) as file:
+            config = json.load(file)
+    model_config = getattr(model, "config", None)
+    if model_config is not None and hasattr(model_config, "to_dict"):
+        config.update(model_config.to_dict())
+    config["quantization_config"] = quantization_config
+    with open(config_path, "w") as file:
+        json.dump(config, file, indent=2, sort_keys=True, default=str)

@@ -1,0 +1,231 @@
+"""compressed-tensors' configuration: the ``QuantizationArgs`` of a spec, the checkpoint formats,
+and the config groups of ``quantization_config``.
+
+`quantization_args` translates a `QuantSpec` (for one site) into compressed-tensors'
+``QuantizationArgs`` fields, refusing what compressed-tensors cannot express by naming the field;
+`default_format` is the format compressed-tensors itself infers for a scheme; `config_groups`
+groups the modules by scheme.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional
+
+from .._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
+from .._spec import QuantSpec
+
+__all__ = [
+    "ATTENTION_SITES",
+    "FORMATS",
+    "allowed_formats",
+    "code_offset",
+    "config_groups",
+    "default_format",
+    "fail",
+    "quantization_args",
+]
+
+ATTENTION_SITES = ("q", "k", "v")
+FORMATS = (
+    "pack-quantized",
+    "int-quantized",
+    "float-quantized",
+    "naive-quantized",
+    "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
+    "mxfp8-quantized",
+)
+
+
+def fail(where: str, message: str):
+    """Raises the export's ValueError, naming the site (``where``) it is about."""
+    raise ValueError(f"export.compressed_tensors: {where}: {message}")
+
+
+def _element_type(spec: QuantSpec, where: str) -> str:
+    """compressed-tensors' ``type`` of the elements (``"int"`` or ``"float"``); refuses the
+    element formats and two-level or MX specs it has no compressor for."""
+    if spec.scale_dtype == "e8m0":
+        # MXFP4 / MXFP8: fp4 or fp8 elements in groups of 32 under power-of-two (e8m0) scales, stored
+        # as uint8 biased exponents (compressed_tensors/compressors/mx_utils.py)
+        if spec.dtype not in ("fp4_e2m1", "fp8_e4m3fn") or spec.granularity != PerGroup(32):
+            fail(
+                where,
+                f"e8m0 (MX) scales export as MXFP4 / MXFP8 only: dtype 'fp4_e2m1' or 'fp8_e4m3fn' with "
+                f"PerGroup(32), got dtype {spec.dtype!r} and {spec.granularity!r}",
+            )
+        return "float"
+    if isinstance(spec.granularity, TensorGroup):
+        # NVFP4: fp4 elements in groups, fp8 group scales under one float32 global scale.
+        if spec.dtype != "fp4_e2m1" or spec.scale_dtype != "float8_e4m3fn":
+            fail(where, "TensorGroup exports as NVFP4 only: dtype 'fp4_e2m1' with scale_dtype 'float8_e4m3fn'")
+        if spec.global_scale_formula != "range_over_amax":
+            fail(
+                where,
+                f"global_scale_formula {spec.global_scale_formula!r}: compressed-tensors' global scale is "
+                "range / amax; use spec.replace(global_scale_formula='range_over_amax')",
+            )
+        return "float"
+    if spec.is_float:
+        if spec.dtype != "fp8_e4m3fn":
+            fail(where, f"dtype {spec.dtype!r}: this export writes float8_e4m3fn elements, or fp4_e2m1 as NVFP4")
+        return "float"
+    if spec.bits > 8:
+        fail(where, f"dtype {spec.dtype!r}: compressed-tensors integer checkpoints hold at most 8 bits")
+    return "int"
+
+
+def _is_symmetric(spec: QuantSpec, where: str) -> bool:
+    if spec.mapping in ("symmetric", "narrow"):
+        return True
+    if spec.mapping != "asymmetric":
+        fail(where, f"mapping {spec.mapping!r} has no compressed-tensors equivalent")
+    return False
+
+
+def _strategy(granularity, site: str, where: str) -> dict:
+    """The ``strategy`` (and ``group_size``, ``block_structure``, ``dynamic``) fields of a
+    granularity: per tensor for q/k/v, the weight strategies, and the activation ones (per-token
+    and per-group activations are dynamic)."""
+    if site in ATTENTION_SITES:
+        if not isinstance(granularity, PerTensor):
+            fail(
+                where,
+                f"granularity {granularity!r} of a {site!r} site: compressed-tensors' kv-cache and attention "
+                "scales are exported per tensor (PerTensor)",
+            )
+        return {"strategy": "tensor"}
+    if isinstance(granularity, PerTensor):
+        return {"strategy": "tensor"}
+    if site == "weight":
+        if isinstance(granularity, PerRow) or (isinstance(granularity, PerAxis) and granularity.axis in (0, -2)):
+            return {"strategy": "channel"}
+        if isinstance(granularity, PerGroup):
+            return {"strategy": "group", "group_size": granularity.group_size}
+        if isinstance(granularity, PerBlock):
+            return {"strategy": "block", "block_structure": list(granularity.block_shape)}
+        fail(where, f"granularity {granularity!r} of a weight has no compressed-tensors strategy")
+    if isinstance(granularity, (PerToken, PerRow)):
+        return {"strategy": "token", "dynamic": True}
+    if type(granularity) is PerGroup:
+        return {"strategy": "group", "group_size": granularity.group_size, "dynamic": True}
+    fail(where, f"granularity {granularity!r} of an activation has no compressed-tensors strategy")
+
+
+def quantization_args(spec: QuantSpec, site: str, where: str = "spec") -> dict:
+    """The compressed-tensors ``QuantizationArgs`` fields (a plain dict) equivalent to ``spec``
+    for a ``site`` (``"weight"``, ``"input"``, ``"output"``, or ``"q"``/``"k"``/``"v"`` of an
+    attention module). Activations quantized per token (``PerToken``/``PerRow``) or per group
+    (``PerGroup``, MX) are dynamic: nothing is calibrated or written for them.
+
+    Raises:
+      ValueError: naming the spec field compressed-tensors cannot express.
+    """
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"export.compressed_tensors: {where}: expected a QuantSpec, got {type(spec).__name__}")
+    two_level = isinstance(spec.granularity, TensorGroup)
+    mx = spec.scale_dtype == "e8m0"
+    qtype = _element_type(spec, where)
+    symmetric = _is_symmetric(spec, where)
+    if spec.zero_point_domain == "float":
+        fail(where, "zero_point_domain 'float' has no compressed-tensors equivalent")
+    if spec.scale_dtype not in ("float32", "bfloat16", "float16") and not (two_level or mx):
+        fail(where, f"scale_dtype {spec.scale_dtype!r} is not supported by this export yet")
+    fields: dict[str, Any] = {
+        "num_bits": spec.bits,
+        "type": qtype,
+        "symmetric": symmetric,
+        "group_size": None,
+        "strategy": None,
+        "block_structure": None,
+        "dynamic": False,
+        "actorder": None,
+        "observer": None,
+        "observer_kwargs": {},
+    }
+    if two_level:
+        fields.update(strategy="tensor_group", group_size=spec.granularity.group_size, scale_dtype="torch.float8_e4m3fn")
+        if site != "weight":
+            fields["dynamic"] = "local"  # group scales at run time under the calibrated global scale
+        return fields
+    if mx:
+        fields.update(strategy="group", group_size=32, scale_dtype="torch.uint8", zp_dtype="torch.uint8")
+        if site != "weight":
+            fields["dynamic"] = True  # MX activations: group scales at run time (compressed-tensors' MXFP4/MXFP8)
+        return fields
+    fields.update(_strategy(spec.granularity, site, where))
+    return fields
+
+
+def code_offset(spec: QuantSpec, where: str) -> int:
+    """Shift from our integer range onto compressed-tensors' signed one."""
+    if spec.is_float:
+        return 0
+    bits = spec.bits
+    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    offset = 0 if spec.is_signed else lo
+    qmin, qmax = spec.qrange
+    if qmin + offset < lo or qmax + offset > hi:
+        fail(where, f"the integer range [{qmin}, {qmax}] does not fit compressed-tensors' [{lo}, {hi}]")
+    return offset
+
+
+def allowed_formats(weight_args: dict) -> tuple:
+    """The formats that can hold weights of these args."""
+    if weight_args["strategy"] == "tensor_group":
+        return ("nvfp4-pack-quantized",)
+    if weight_args.get("scale_dtype") == "torch.uint8":
+        return ("mxfp4-pack-quantized",) if weight_args["num_bits"] == 4 else ("mxfp8-quantized",)
+    if weight_args["type"] == "int":
+        return ("pack-quantized", "int-quantized", "naive-quantized")
+    return ("float-quantized", "naive-quantized")
+
+
+def default_format(weights, inputs) -> str:
+    """compressed-tensors' own inference (``infer_module_format``: the first compressor of its
+    priority list that takes the scheme): NVFP4 and MX pack; integer weights are
+    ``int-quantized`` with quantized inputs of any type (fp8 too), else ``pack-quantized``; fp8
+    weights are ``float-quantized`` with quantized inputs, else ``naive-quantized``."""
+    if weights is None:
+        return "dense"
+    if weights["strategy"] == "tensor_group":
+        return "nvfp4-pack-quantized"
+    if weights.get("scale_dtype") == "torch.uint8":  # MX: e8m0 scales as uint8 exponents
+        return "mxfp4-pack-quantized" if weights["num_bits"] == 4 else "mxfp8-quantized"
+    if weights["type"] == "int":
+        if inputs is not None:
+            return "int-quantized"
+        return "pack-quantized"  # integer weights of up to 8 bits (`quantization_args` refuses wider)
+    return "float-quantized" if inputs is not None else "naive-quantized"
+
+
+def config_groups(schemes: dict, expert_projection: dict, format: Optional[str]) -> dict:
+    """One config group per distinct (weights, input, output, format) combination, targeting the
+    exact module paths, and one regex per projection of unpacked experts; keyed by that
+    combination (insertion order)."""
+    groups: dict[str, dict] = {}
+    for module_path, scheme in schemes.items():
+        weights, inputs, outputs = scheme.get("weight"), scheme.get("input"), scheme.get("output")
+        group_format = format or default_format(weights, inputs)
+        key = json.dumps([weights, inputs, outputs, group_format], sort_keys=True)
+        group = groups.setdefault(
+            key,
+            {
+                "targets": [],
+                "weights": weights,
+                "input_activations": inputs,
+                "output_activations": outputs,
+                "format": group_format,
+            },
+        )
+        target = module_path
+        if module_path in expert_projection:
+            # every expert of a stacked module shares its scheme: one regex per projection of the
+            # module (transformers' get_experts_scheme picks the group whose re: target names experts)
+            experts_path, projection = expert_projection[module_path]
+            target = rf"re:^{re.escape(experts_path)}\.\d+\.{projection}$"
+        if target not in group["targets"]:
+            group["targets"].append(target)
+    return groups

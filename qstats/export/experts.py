@@ -1,0 +1,205 @@
+"""Stacked experts: a fused experts module (3-D ``gate_up_proj [E, 2I, H]`` and ``down_proj
+[E, H, I]``) unpacked into per-expert Linear entries, named as llm-compressor unpacks it.
+
+llm-compressor 0.14 replaces a fused experts module by ``LinearExperts2D``, a ModuleList of
+``ExpertMLPWithGate`` modules whose Linear children are ``gate_proj``, ``up_proj`` and
+``down_proj``; ``copy_from_experts_module`` takes ``gate_up_proj[e, :I]`` as ``gate_proj``,
+``gate_up_proj[e, I:]`` as ``up_proj`` and ``down_proj[e]`` as ``down_proj``
+(llmcompressor/modeling/moe/linear_experts.py). So the checkpoint keys are
+``<path>.<e>.gate_proj.weight`` etc., which vLLM's fused-MoE loader and transformers' conversion
+mapping (``DecompressExperts``, then a merge into the 3-D parameters) read.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Mapping, NamedTuple, Optional
+
+import torch
+
+from .._granularity import PerBlock, PerTensor, TensorGroup
+from .._qparams import QParams
+from .._spec import QuantSpec
+from .config import fail, quantization_args
+from .linear import Entry
+from .scales import check_qparams, scale_dtype
+
+__all__ = ["EXPERT_SITES", "expert_entries", "warn_mixed_experts"]
+
+EXPERT_SITES = ("gate_up_proj", "down_proj", "input", "gate_up_proj.input", "down_proj.input")
+_INPUT_SITES = ("input", "gate_up_proj.input", "down_proj.input")
+
+
+def _slice_qparams(qp: Optional[QParams], index) -> Optional[QParams]:
+    if qp is None:
+        return None
+    return QParams(*(field[index] for field in qp))
+
+
+def fill_uncovered_experts(qp: Optional[QParams], spec: Optional[QuantSpec] = None) -> Optional[QParams]:
+    """Per-expert activation qparams where experts that received no token (uncalibrated, holding
+    the fallback scale 1) take those of the covered expert with the largest scale. vLLM's fused
+    MoE applies the largest input scale of all experts to every expert, so a fallback 1 would
+    override every calibrated scale; the largest covered one leaves that maximum unchanged.
+    NVFP4 inputs (two-level): an expert is covered when any of its per-token entries is (its
+    global scale saw data), and the donor is the covered expert with the smallest global scale
+    ``range / amax`` (the largest range): vLLM takes the minimum input global scale over experts.
+    ``calibrated`` keeps saying which experts saw no token."""
+    if qp is None or qp.scale.dim() < 1:
+        return qp
+    two_level = spec is not None and isinstance(spec.granularity, TensorGroup)
+    per_entry = qp.calibrated.reshape(qp.calibrated.shape[0], -1)
+    covered = per_entry.any(-1) if two_level else per_entry.all(-1)
+    if bool(covered.all()) or not bool(covered.any()):
+        return qp
+    if two_level:
+        per_expert = -qp.global_scale.reshape(qp.global_scale.shape[0], -1).amax(-1).float()
+    else:
+        per_expert = qp.scale.reshape(qp.scale.shape[0], -1).amax(-1)
+    donor = int(torch.where(covered, per_expert, -torch.inf).argmax())
+
+    def fill(field):
+        if field.dim() < 1 or field.shape[0] != covered.shape[0]:
+            return field
+        keep = covered.reshape(-1, *([1] * (field.dim() - 1)))
+        return torch.where(keep, field, field[donor : donor + 1])
+
+    return QParams(fill(qp.scale), fill(qp.zero_point), fill(qp.global_scale), qp.calibrated)
+
+
+def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) -> QParams:
+    """The qparams of rows ``start:stop`` of a weight whose qparams are ``qp`` (one expert)."""
+    granularity = spec.granularity
+    if isinstance(granularity, PerTensor):
+        return qp
+    if isinstance(granularity, PerBlock):
+        rows = granularity.block_shape[0]
+        if start % rows or stop % rows:
+            fail(where, f"rows {start}:{stop} of the fused weight do not fall on {granularity!r} block boundaries")
+        start, stop = start // rows, stop // rows
+    return QParams(*(field[start:stop] if field.dim() >= 1 else field for field in qp))
+
+
+def _stacked_parameters(path: str, module: torch.nn.Module, sites: Mapping, num_experts: int) -> tuple:
+    """``(gate_up_proj, down_proj)`` of an exportable experts module, after checking its layout,
+    its sites and the leading expert dimension of their qparams."""
+    params = dict(module.named_parameters(recurse=False))
+    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+    unknown = [site for site in sites if site not in EXPERT_SITES]
+    if unknown:
+        fail(f"{path}/{unknown[0]}", f"stacked experts export the sites {EXPERT_SITES}")
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+        fail(path, "stacked experts export needs 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters")
+    others = sorted(name for name in params if name not in ("gate_up_proj", "down_proj"))
+    if others:  # they would be dropped with the fused parameters: no per-expert Linear name holds them
+        fail(path, f"stacked experts with other parameters ({', '.join(others)}) are not exportable yet")
+    _, fused_rows, hidden = gate_up.shape
+    if getattr(module, "is_transposed", False) or fused_rows != 2 * down.shape[2] or down.shape[1] != hidden:
+        fail(
+            path,
+            f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not the layout "
+            "[E, 2I, H] / [E, H, I] (gate rows first); transposed or interleaved experts are not exportable yet",
+        )
+    for site, qp in sites.items():
+        if qp is not None:
+            qp = check_qparams(qp, f"{path}/{site}")
+            if qp.scale.dim() < 1 or qp.scale.shape[0] != num_experts:
+                fail(f"{path}/{site}", f"stacked qparams need a leading expert dimension {num_experts}, "
+                     f"got scale of shape {tuple(qp.scale.shape)}")
+    return gate_up.detach(), down.detach()
+
+
+class _Experts(NamedTuple):
+    """What each expert's projections are cut from: the module's stacked weights, its sites
+    ``{site: stacked QParams}`` and specs, and its input site."""
+
+    path: str
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    sites: Mapping
+    specs: Mapping
+    input_name: str
+    input_dynamic: bool
+
+
+def expert_entries(
+    path: str, module: torch.nn.Module, sites: Mapping, specs: Mapping, num_experts: int, tensors: dict
+) -> list:
+    """Per-expert Linear entries of a stacked experts module, named as llm-compressor unpacks it
+    (see the module's docstring). A projection without qparams (``gate_up_proj`` or ``down_proj``
+    not calibrated) is written unquantized under the same per-expert names into ``tensors``."""
+    gate_up, down = _stacked_parameters(path, module, sites, num_experts)
+    dtype = scale_dtype(module, gate_up)
+    # the routed hidden states: "gate_up_proj.input" equals "input"
+    input_name = "gate_up_proj.input" if "gate_up_proj.input" in sites else "input"
+    input_spec = specs.get(input_name)
+    input_dynamic = input_spec is not None and quantization_args(input_spec, "input", path)["dynamic"] is True
+    sites = {site: fill_uncovered_experts(qp, specs.get(site)) if site in _INPUT_SITES else qp
+             for site, qp in sites.items()}
+    experts = _Experts(path, gate_up, down, sites, specs, input_name, input_dynamic)
+    entries = []
+    for expert in range(num_experts):
+        for name, weight, entry_sites in _expert_projections(experts, expert, tensors):
+            entries.append(Entry(f"{path}.{expert}.{name}", weight, dtype, entry_sites, experts=(path, name)))
+    return entries
+
+
+def _expert_projections(experts: _Experts, expert: int, tensors: dict) -> list:
+    """``(name, weight, {site: (QParams, spec, where)})`` of one expert's quantized projections;
+    its unquantized ones go to ``tensors``."""
+    path, gate_up, down, sites, specs, input_name = experts[:6]
+    prefix = f"{path}.{expert}"
+    intermediate, fused_rows = down.shape[2], gate_up.shape[1]
+    input_spec = specs.get(input_name)
+    inputs = {}
+    if input_name in sites:
+        inputs["input"] = (_slice_qparams(sites[input_name], expert), input_spec, f"{path}/{input_name}[{expert}]")
+    projections = []
+    if "gate_up_proj" in sites:
+        qp, spec = _slice_qparams(sites["gate_up_proj"], expert), specs.get("gate_up_proj")
+        for name, rows in (("gate_proj", (0, intermediate)), ("up_proj", (intermediate, fused_rows))):
+            where = f"{path}/gate_up_proj[{expert}] ({name})"
+            part = _row_slice(qp, spec, *rows, where) if spec is not None else qp
+            projections.append((name, gate_up[expert, rows[0] : rows[1]], {"weight": (part, spec, where), **inputs}))
+    elif inputs:
+        fail(f"{path}/{input_name}", "input scales of stacked experts need the gate_up_proj weights exported too")
+    else:  # unquantized: the float weights, unpacked like the quantized ones
+        tensors[f"{prefix}.gate_proj.weight"] = gate_up[expert, :intermediate]
+        tensors[f"{prefix}.up_proj.weight"] = gate_up[expert, intermediate:]
+    if "down_proj.input" in sites and "down_proj" not in sites:
+        fail(f"{path}/down_proj.input", "input scales of down_proj need the down_proj weights exported too")
+    if "down_proj" not in sites:
+        tensors[f"{prefix}.down_proj.weight"] = down[expert]
+        return projections
+    where = f"{path}/down_proj[{expert}]"
+    down_sites = {"weight": (_slice_qparams(sites["down_proj"], expert), specs.get("down_proj"), where)}
+    if "down_proj.input" in sites:  # the intermediate activation act(gate) * up
+        qp = _slice_qparams(sites["down_proj.input"], expert)
+        down_sites["input"] = (qp, specs.get("down_proj.input"), f"{path}/down_proj.input[{expert}]")
+    elif experts.input_dynamic:  # run-time scales: the same dynamic activation quantization as gate/up
+        down_sites["input"] = (None, input_spec, f"{path}/{input_name} (down_proj)")
+    projections.append(("down_proj", down[expert], down_sites))
+    return projections
+
+
+def warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
+    """vLLM's fused-MoE loader needs gate_proj, up_proj and down_proj of an experts module under one
+    scheme (``CompressedTensorsMoEMethod.get_moe_method``: "All MoE projections need to have same
+    quantization scheme"); warn when they differ, e.g. a static input spec without ``down_proj.input``."""
+    by_module: dict = {}
+    for path, (experts_path, projection) in expert_projection.items():
+        by_module.setdefault(experts_path, {})[projection] = json.dumps(schemes[path], sort_keys=True)
+    # a projection without qparams (written unquantized) has no scheme: mixed too
+    mixed = [
+        path for path, projections in by_module.items() if len(set(projections.values())) > 1 or len(projections) < 3
+    ]
+    if mixed:
+        warnings.warn(
+            f"export.compressed_tensors: gate_proj/up_proj and down_proj of {len(mixed)} experts module(s) "
+            f"({', '.join(mixed[:4])}) have different schemes (e.g. static input scales for gate_proj/up_proj "
+            "but no 'down_proj.input' site, or down_proj left unquantized); compressed-tensors and "
+            "transformers load this, vLLM's fused-MoE "
+            "loader requires one scheme per experts module",
+            stacklevel=3,
+        )

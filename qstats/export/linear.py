@@ -1,0 +1,190 @@
+"""Linear layers of the checkpoint: quantized weights (as codes, packed per format), their scales
+and zero points, and the scales of their static activations.
+
+An `Entry` is one Linear of the checkpoint: a module of the model, or one projection of one
+stacked expert (`qstats.export.experts`); `write_linear` writes its tensors and returns its
+scheme ``{site: QuantizationArgs fields}``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .._qparams import QParams
+from .._quant import quantize
+from .._spec import QuantSpec
+from .config import allowed_formats, code_offset, default_format, fail, quantization_args
+from .packing import pack_fp4, pack_int32, signed_int8
+from .scales import check_qparams, check_scales, qparam_shape, scale_dtype, zero_point
+
+__all__ = ["Entry", "SITE_PREFIX", "linear_entry", "write_linear"]
+
+SITE_PREFIX = {"weight": "weight", "input": "input", "output": "output"}
+
+
+class Entry(NamedTuple):
+    """One Linear of the checkpoint: a real module, or one projection of one stacked expert.
+
+    Attributes:
+      path: the checkpoint's module path.
+      weight: the float weight ``[out, in]``, or None.
+      dtype: the dtype compressed-tensors gives this module's scales.
+      sites: ``{site: (QParams or None, QuantSpec, where)}``.
+      experts: ``(experts module path, projection)`` for unpacked experts, else None.
+    """
+
+    path: str
+    weight: Optional[torch.Tensor]
+    dtype: torch.dtype
+    sites: dict
+    experts: Optional[tuple] = None
+
+
+class _Site(NamedTuple):
+    """One site of an Entry as it is written: QParams (scales as stored), spec, args, where,
+    code offset and the prefix of its tensors' names."""
+
+    qp: QParams
+    spec: QuantSpec
+    args: dict
+    where: str
+    offset: int
+    prefix: str
+
+
+def linear_entry(path: str, module: torch.nn.Module, sites: dict, specs: dict) -> Entry:
+    """The Entry of a Linear (or Embedding) module of the model with ``sites`` ``{site: QParams}``."""
+    if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        fail(path, f"a {type(module).__name__}; compressed-tensors quantizes Linear and Embedding modules")
+    entry_sites = {}
+    for site, qp in sites.items():
+        where = f"{path}/{site}"
+        if site not in SITE_PREFIX:
+            fail(where, f"site {site!r} is not exportable (weight, input, output and q/k/v are)")
+        entry_sites[site] = (qp, specs.get(site), where)
+    return Entry(path, module.weight.detach(), scale_dtype(module), entry_sites)
+
+
+def write_linear(entry: Entry, format: Optional[str], tensors: dict, dropped: set, log: dict) -> dict:
+    """Writes the tensors of one Linear (real or unpacked expert) into ``tensors`` (the float
+    weights it replaces into ``dropped``); returns its scheme ``{site: QuantizationArgs fields}``."""
+    scheme: dict = {}
+    prefix = entry.path + "." if entry.path else ""
+    input_entry = entry.sites.get("input")
+    input_args = None
+    if input_entry is not None and input_entry[1] is not None:
+        input_args = quantization_args(input_entry[1], "input", input_entry[2])
+    for site, (qp, spec, where) in entry.sites.items():
+        if spec is None:
+            raise ValueError(f"export.compressed_tensors: no spec for {where}")
+        args = quantization_args(spec, site, where)
+        _check_input_group(entry, site, args, where)
+        scheme[site] = args
+        if qp is None and args["dynamic"] is True and site != "weight":
+            continue  # dynamic activations: nothing calibrated, nothing written
+        qp = check_qparams(qp, where)
+        offset = code_offset(spec, where)
+        qp = _stored_scales(qp, args, entry.dtype, f"{SITE_PREFIX[site]} scales", where, log)
+        written = _Site(qp, spec, args, where, offset, prefix)
+        module_format = None
+        if site == "weight":
+            module_format = format or default_format(args, input_args)
+            _write_weight(entry, written, module_format, tensors, dropped)
+        if args["dynamic"] is not True:
+            _write_qparams(written, SITE_PREFIX[site], entry.dtype, module_format, tensors, log)
+    return scheme
+
+
+def _check_input_group(entry: Entry, site: str, args: dict, where: str) -> None:
+    group = args["group_size"]
+    weight = entry.weight
+    if site == "input" and group and weight is not None and weight.dim() == 2 and weight.shape[1] % group:
+        fail(where, f"group_size {group} of the input does not divide the layer's {weight.shape[1]} input features")
+
+
+def _stored_scales(qp: QParams, args: dict, dtype: torch.dtype, what: str, where: str, log: dict) -> QParams:
+    """Scales are stored in the module's dtype (as compressed-tensors does); codes are computed with
+    the stored scales so the checkpoint is self-consistent (a rounding is logged). Two-level, MX
+    and dynamic args keep theirs."""
+    if args["strategy"] == "tensor_group" or args["dynamic"] is True or args.get("scale_dtype") == "torch.uint8":
+        return qp
+    stored = qp.scale.to(dtype)
+    check_scales(stored, where, f"{what} in {dtype}")
+    if torch.equal(stored.float(), qp.scale.float()):
+        return qp
+    log["rounded"].append(where)
+    return qp._replace(scale=stored.float())
+
+
+def _write_weight(entry: Entry, site: _Site, module_format: str, tensors: dict, dropped: set) -> None:
+    """The weight's codes in ``module_format``: fp4 packed two a byte, fp8, int32 words of packed
+    integers (with ``weight_shape``) or int8."""
+    args, where, prefix = site.args, site.where, site.prefix
+    if module_format not in allowed_formats(args):
+        fail(where, f"format {module_format!r} cannot hold {args['type']} weights of strategy {args['strategy']!r}")
+    weight = entry.weight
+    if weight is None or weight.dim() != 2:
+        fail(where, f"weights of shape {None if weight is None else tuple(weight.shape)} are not exportable "
+             "(2-D Linear weights are)")
+    scale = site.qp.scale
+    if scale.dim() > 0 and scale.shape[0] != weight.shape[0] and args["strategy"] == "channel":
+        fail(where, f"{scale.shape[0]} channel scales for a weight with {weight.shape[0]} rows")
+    nonfinite = int((~torch.isfinite(weight)).sum())
+    if nonfinite:  # a NaN has no code, and an Inf would be saved as the grid's end
+        fail(where, f"{nonfinite} of {weight.numel()} weights are NaN or infinite; a checkpoint needs finite weights")
+    codes = quantize(weight, site.qp, site.spec)
+    if site.spec.dtype == "fp4_e2m1":  # NVFP4 / MXFP4
+        if weight.shape[1] % 2:
+            fail(where, f"fp4 packs two values per byte; {weight.shape[1]} columns is odd")
+        tensors[prefix + "weight_packed"] = pack_fp4(codes)
+        dropped.add(prefix + "weight")
+    elif site.spec.is_float:
+        tensors[prefix + "weight"] = codes.to(torch.float8_e4m3fn)
+    elif module_format == "pack-quantized":
+        tensors[prefix + "weight_packed"] = pack_int32(signed_int8(codes, site.offset), args["num_bits"])
+        tensors[prefix + "weight_shape"] = torch.tensor(weight.shape)
+        dropped.add(prefix + "weight")
+    else:
+        tensors[prefix + "weight"] = signed_int8(codes, site.offset)
+
+
+def _write_qparams(site: _Site, name: str, dtype, module_format, tensors: dict, log: dict) -> None:
+    """The scales (and zero points) of a static site: e8m0 exponents for MX, global and fp8 group
+    scales for two-level specs (the global scale alone for a locally dynamic NVFP4 input), else
+    scales in ``dtype`` and int8 (or packed) zero points."""
+    qp, args, where, key = site.qp, site.args, site.where, f"{site.prefix}{name}"
+    # a locally dynamic (NVFP4) input writes only its global scale, calibrated by any token
+    calibrated = qp.calibrated.any() if args["dynamic"] == "local" else qp.calibrated.all()
+    if not bool(calibrated):
+        log["uncalibrated"].append(where)
+    if args.get("scale_dtype") == "torch.uint8":  # MX
+        tensors[f"{key}_scale"] = _e8m0_exponents(qp.scale, where)
+        return
+    if args["strategy"] == "tensor_group":
+        global_scale = qp.global_scale.reshape(1).to(torch.float32).clone()
+        check_scales(global_scale, where, "global scales")
+        tensors[f"{key}_global_scale"] = global_scale
+        if args["dynamic"] != "local":
+            group_scales = qp.scale.to(torch.float8_e4m3fn).clone()
+            check_scales(group_scales, where, "float8_e4m3fn group scales")
+            tensors[f"{key}_scale"] = group_scales
+        return
+    shape = qparam_shape(qp.scale, args["strategy"], where)
+    tensors[f"{key}_scale"] = qp.scale.reshape(shape).to(dtype).clone()
+    zero = zero_point(qp, args, site.offset, shape, where)
+    if zero is not None:
+        if name == "weight" and args["strategy"] in ("group", "channel") and module_format == "pack-quantized":
+            zero = pack_int32(zero.t(), args["num_bits"]).t().contiguous()  # along the output dimension
+        tensors[f"{key}_zero_point"] = zero
+
+
+def _e8m0_exponents(scale: torch.Tensor, where: str) -> torch.Tensor:
+    """uint8 biased exponents ``b`` of power-of-two (e8m0) scales ``2**(b - 127)``."""
+    check_scales(scale, where)
+    mantissa, exponent = torch.frexp(scale.float())
+    biased = exponent - 1 + 127
+    if not bool(((mantissa == 0.5) & (biased >= 0) & (biased <= 254)).all()):
+        fail(where, "e8m0 (MX) scales must be powers of two 2**k with -127 <= k <= 127")
+    return biased.to(torch.uint8)

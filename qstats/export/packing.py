@@ -1,0 +1,38 @@
+"""Codes as compressed-tensors' compressors store them: signed int8, int32 words of packed
+integers (``pack-quantized``) and bytes of two fp4 codes (``nvfp4-pack-quantized``,
+``mxfp4-pack-quantized``)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["pack_fp4", "pack_int32", "signed_int8"]
+
+
+def signed_int8(codes: torch.Tensor, offset: int) -> torch.Tensor:
+    """Integer codes (or zero points) moved by ``offset`` onto compressed-tensors' signed range,
+    as int8 (`qstats.export.config.code_offset`)."""
+    return (codes.to(torch.int16) + offset).to(torch.int8)
+
+
+def pack_int32(values: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Dense little-endian packing of signed ``num_bits`` integers (rows of ``values``) into int32
+    words, as compressed-tensors' ``pack_to_int32``: value ``e`` of a row, offset to unsigned by
+    ``2**(num_bits-1)``, occupies bits ``e*num_bits ... e*num_bits + num_bits - 1`` of the row's
+    bit stream; a row takes ``ceil(cols * num_bits / 32)`` words."""
+    rows, cols = values.shape
+    unsigned = values.to(torch.int64) + (1 << (num_bits - 1))
+    padded = -(-cols // 32) * 32
+    unsigned = torch.nn.functional.pad(unsigned, (0, padded - cols))
+    bits = (unsigned[..., None] >> torch.arange(num_bits, device=values.device)) & 1  # LSB first
+    stream = bits.reshape(rows, -1, 32)  # 32 bits per word
+    words = (stream << torch.arange(32, device=values.device)).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words[:, : -(-cols * num_bits // 32)]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """fp4 bit codes (sign in bit 3) of a ``[rows, even cols]`` tensor, two a byte, low nibble
+    first."""
+    codes = codes.to(torch.uint8)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)

@@ -1,0 +1,82 @@
+"""Scales and zero points as compressed-tensors stores them, and the checks that keep a
+checkpoint loadable: finite positive scales in the module's dtype, int8 or float8 zero points."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .._qparams import QParams
+from .config import fail
+from .packing import signed_int8
+
+__all__ = ["check_qparams", "check_scales", "module_dtype", "qparam_shape", "scale_dtype", "zero_point"]
+
+_CT_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def scale_dtype(module: torch.nn.Module, weight: Optional[torch.Tensor] = None) -> torch.dtype:
+    """The dtype compressed-tensors gives a module's scales: its weight's (float16 for others)."""
+    weight = getattr(module, "weight", None) if weight is None else weight
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
+    return dtype if dtype in _CT_SCALE_DTYPES else torch.float16
+
+
+def module_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype of an attention module's scales: its first parameter's (float16 for others)."""
+    params = list(module.parameters())
+    dtype = params[0].dtype if params else torch.float32
+    return dtype if dtype in _CT_SCALE_DTYPES else torch.float16
+
+
+def check_qparams(qp: Any, where: str) -> QParams:
+    if not isinstance(qp, QParams):
+        raise TypeError(f"export.compressed_tensors: {where}: expected QParams, got {type(qp).__name__}")
+    return qp
+
+
+def check_scales(values: torch.Tensor, where: str, what: str = "scales") -> None:
+    """Refuses to write NaN, infinite, zero or negative scales (compressed-tensors and vLLM divide
+    by them): checked on the values as stored, after any rounding to the checkpoint's dtype."""
+    values = values.float()
+    bad = ~(torch.isfinite(values) & (values > 0))
+    if bool(bad.any()):
+        sample = values[bad].flatten()[:4].tolist()
+        fail(
+            where,
+            f"{int(bad.sum())} of {values.numel()} {what} are NaN, infinite, zero or negative as stored "
+            f"(e.g. {sample}); a checkpoint needs finite positive scales (a spec eps below the smallest "
+            "positive value of the model's dtype underflows to 0)",
+        )
+
+
+def qparam_shape(scale: torch.Tensor, strategy: str, where: str) -> tuple:
+    """The shape compressed-tensors gives the scales of a strategy."""
+    if strategy == "tensor":
+        if scale.numel() != 1:
+            fail(where, f"per-tensor qparams must hold one scale, got shape {tuple(scale.shape)}")
+        return (1,)
+    if strategy == "channel":
+        if scale.dim() != 1:
+            fail(where, f"per-channel qparams must be 1-D, got shape {tuple(scale.shape)}")
+        return (scale.shape[0], 1)
+    return tuple(scale.shape)
+
+
+def zero_point(qp: QParams, args: dict, offset: int, shape: tuple, where: str) -> Optional[torch.Tensor]:
+    """The zero point compressed-tensors stores: int8, float8_e4m3fn for float args (its
+    ``zp_dtype``), None for symmetric args."""
+    if args["symmetric"]:
+        if not bool(((qp.zero_point.float() + offset) == 0).all()):
+            fail(where, "a symmetric spec with a non-zero zero point (symmetric_zero_point) is not expressible")
+        return None
+    if args["type"] == "float":
+        # compressed-tensors' zp_dtype of float args is float8_e4m3fn (QuantizationArgs), and its
+        # calculate_qparams rounds the zero point to it: store that, never an int8 truncation
+        value = qp.zero_point.reshape(shape).float()
+        stored = value.to(torch.float8_e4m3fn)
+        if not torch.equal(stored.float(), value):
+            fail(where, "zero points of float args are stored as float8_e4m3fn; these are not representable")
+        return stored
+    return signed_int8(qp.zero_point.reshape(shape), offset)
