@@ -410,90 +410,110 @@ def prepare(
         if observer is not None and not isinstance(observer, Observer):
             raise TypeError(f"qstats.qat.prepare: {name} must be a qstats Observer or None, got {type(observer).__name__}")
     _check_ste(ste)
+    rewriter = _Rewriter(_trace(model), weight_observer, activation_observer, ste, grad_scale)
+    for node in list(rewriter.graph.nodes):
+        if node.op != "call_module":
+            continue
+        layer = rewriter.gm.get_submodule(node.target)
+        if isinstance(layer, layers):
+            rewriter.quantize_layer(node, layer)
+        elif isinstance(layer, nn.modules.batchnorm._BatchNorm):
+            rewriter.pure_batchnorm(node, layer)
+    if not rewriter.quantized:
+        raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}")
+    return QATModel(rewriter.finish(), weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms)
+
+
+def _trace(model: nn.Module) -> torch.fx.GraphModule:
     try:
-        gm = torch.fx.symbolic_trace(model)
+        return torch.fx.symbolic_trace(model)
     except Exception as error:  # data-dependent control flow, unsupported Python in forward
         raise TypeError(
             f"qstats.qat.prepare: torch.fx cannot trace {type(model).__name__}.forward ({type(error).__name__}: "
             f"{error}); make the traced part free of data-dependent control flow, or quantize it with "
             "qstats.observe_fake_quantize directly"
         ) from error
-    graph = gm.graph
-    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
-    if not placeholders:
-        raise ValueError("qstats.qat.prepare: the model's forward takes no inputs")
-    with graph.inserting_after(placeholders[-1]):
-        state_node = graph.placeholder("qat_state")
-    with graph.inserting_after(state_node):
-        phase_node = graph.placeholder("qat_phase")
-    with graph.inserting_after(phase_node):
-        ranges_node = graph.placeholder("qat_ranges")
 
-    new_states = {"weights": {}, "activations": {}, "batchnorm": {}}  # layer -> its latest state node
-    quantized, batchnorms = [], []
-    fake_quantized_weights = {}  # layer -> its fake-quantized weight (a module called twice reuses it)
-    layer_calls = batchnorm_calls = 0
-    for node in list(graph.nodes):
-        if node.op != "call_module":
-            continue
-        layer = gm.get_submodule(node.target)
+
+class _Rewriter:
+    """Rewrites a traced graph for `prepare`: quantized layers and batch norms become calls of
+    pure points that take the QAT state, phase and ranges (new placeholders) and return the new
+    state, which the graph's output carries beside the model's."""
+
+    def __init__(self, gm, weight_observer, activation_observer, ste, grad_scale):
+        self.gm, self.graph = gm, gm.graph
+        self.observers = {"weights": weight_observer, "activations": activation_observer}
+        self.ste, self.grad_scale = ste, grad_scale
+        placeholders = [node for node in self.graph.nodes if node.op == "placeholder"]
+        if not placeholders:
+            raise ValueError("qstats.qat.prepare: the model's forward takes no inputs")
+        last = placeholders[-1]
+        for name in ("qat_state", "qat_phase", "qat_ranges"):
+            with self.graph.inserting_after(last):
+                last = self.graph.placeholder(name)
+        self.state, self.phase, self.ranges = last.prev.prev, last.prev, last
+        self.new_states = {"weights": {}, "activations": {}, "batchnorm": {}}  # layer -> its latest state node
+        self.quantized, self.batchnorms = [], []
+        self.weights = {}  # layer -> its fake-quantized weight (a module called twice reuses it)
+        self.calls = {"layer": 0, "batchnorm": 0}
+
+    def _point(self, kind: str, module: nn.Module, args: tuple):
+        """Adds ``module`` as a submodule, calls it with ``args``; returns (value, new state) nodes."""
+        name = f"qat_{kind}_{self.calls['batchnorm' if kind == 'batchnorm' else 'layer']}"
+        self.gm.add_submodule(name, module)
+        result = self.graph.call_module(name, args)
+        return (self.graph.call_function(operator.getitem, (result, 0)),
+                self.graph.call_function(operator.getitem, (result, 1)))
+
+    def _fake_quantized(self, kind: str, key: str, value, previous=None):
+        observer = self.observers[kind]
+        if observer is None:
+            return value
+        point = _FakeQuantPoint(kind, key, observer, self.ste, self.grad_scale)
+        args = (value, self.state, self.phase, self.ranges) + ((previous,) if kind == "activations" else ())
+        value, self.new_states[kind][key] = self._point(kind[:-1], point, args)
+        return value
+
+    def quantize_layer(self, node, layer) -> None:
         key = str(node.target)
-        if isinstance(layer, layers):
-            function, extra = _quantized_call(layer)
-            if len(node.args) != 1 or node.kwargs:
-                raise ValueError(f"qstats.qat.prepare: layer {key!r} must be called with one input")
-            if key not in quantized:
-                quantized.append(key)
-            index, layer_calls = layer_calls, layer_calls + 1
-            with graph.inserting_before(node):
-                x = node.args[0]
-                if activation_observer is not None:
-                    # A layer called again observes into the state its earlier call returned.
-                    previous = new_states["activations"].get(key)
-                    point = f"qat_activation_{index}"
-                    gm.add_submodule(point, _FakeQuantPoint("activations", key, activation_observer, ste, grad_scale))
-                    result = graph.call_module(point, (x, state_node, phase_node, ranges_node, previous))
-                    x = graph.call_function(operator.getitem, (result, 0))
-                    new_states["activations"][key] = graph.call_function(operator.getitem, (result, 1))
-                if key in fake_quantized_weights:  # the same weight: observed once per pass
-                    weight = fake_quantized_weights[key]
-                else:
-                    weight = graph.get_attr(f"{key}.weight")
-                    if weight_observer is not None:
-                        point = f"qat_weight_{index}"
-                        gm.add_submodule(point, _FakeQuantPoint("weights", key, weight_observer, ste, grad_scale))
-                        result = graph.call_module(point, (weight, state_node, phase_node, ranges_node))
-                        weight = graph.call_function(operator.getitem, (result, 0))
-                        new_states["weights"][key] = graph.call_function(operator.getitem, (result, 1))
-                    fake_quantized_weights[key] = weight
-                bias = graph.get_attr(f"{key}.bias") if layer.bias is not None else None
-                replacement = graph.call_function(function, (x, weight, bias, *extra))
-            node.replace_all_uses_with(replacement)
-            graph.erase_node(node)
-        elif isinstance(layer, nn.modules.batchnorm._BatchNorm):
-            if not layer.track_running_stats or layer.running_mean is None:
-                raise ValueError(f"qstats.qat.prepare: batch norm {key!r} must track running statistics")
-            if key not in batchnorms:
-                batchnorms.append(key)
-            point = f"qat_batchnorm_{batchnorm_calls}"
-            batchnorm_calls += 1
-            gm.add_submodule(point, _BatchNormPoint(key, layer))
-            with graph.inserting_before(node):
-                args = [node.args[0]]
-                for attribute in ("weight", "bias"):
-                    args.append(graph.get_attr(f"{key}.{attribute}") if getattr(layer, attribute) is not None else None)
-                for attribute in ("running_mean", "running_var", "num_batches_tracked"):
-                    args.append(graph.get_attr(f"{key}.{attribute}"))
-                previous = new_states["batchnorm"].get(key)  # a layer called again chains its statistics
-                result = graph.call_module(point, (*args, state_node, phase_node, previous))
-                y = graph.call_function(operator.getitem, (result, 0))
-                new_states["batchnorm"][key] = graph.call_function(operator.getitem, (result, 1))
-            node.replace_all_uses_with(y)
-            graph.erase_node(node)
-    if not quantized:
-        raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}")
-    output = next(node for node in graph.nodes if node.op == "output")
-    output.args = ((output.args[0], new_states),)
-    graph.lint()
-    gm.recompile()
-    return QATModel(gm, weight_observer, activation_observer, quantized, batchnorms)
+        function, extra = _quantized_call(layer)
+        if len(node.args) != 1 or node.kwargs:
+            raise ValueError(f"qstats.qat.prepare: layer {key!r} must be called with one input")
+        if key not in self.quantized:
+            self.quantized.append(key)
+        with self.graph.inserting_before(node):
+            # a layer called again observes into the state its earlier call returned
+            x = self._fake_quantized("activations", key, node.args[0], self.new_states["activations"].get(key))
+            if key not in self.weights:  # the same weight: observed once per pass
+                self.weights[key] = self._fake_quantized("weights", key, self.graph.get_attr(f"{key}.weight"))
+            bias = self.graph.get_attr(f"{key}.bias") if layer.bias is not None else None
+            replacement = self.graph.call_function(function, (x, self.weights[key], bias, *extra))
+        self.calls["layer"] += 1
+        node.replace_all_uses_with(replacement)
+        self.graph.erase_node(node)
+
+    def pure_batchnorm(self, node, layer) -> None:
+        key = str(node.target)
+        if not layer.track_running_stats or layer.running_mean is None:
+            raise ValueError(f"qstats.qat.prepare: batch norm {key!r} must track running statistics")
+        if key not in self.batchnorms:
+            self.batchnorms.append(key)
+        with self.graph.inserting_before(node):
+            args = [node.args[0]]
+            for attribute in ("weight", "bias"):
+                args.append(self.graph.get_attr(f"{key}.{attribute}") if getattr(layer, attribute) is not None else None)
+            for attribute in ("running_mean", "running_var", "num_batches_tracked"):
+                args.append(self.graph.get_attr(f"{key}.{attribute}"))
+            previous = self.new_states["batchnorm"].get(key)  # a layer called again chains its statistics
+            args += [self.state, self.phase, previous]
+            y, self.new_states["batchnorm"][key] = self._point("batchnorm", _BatchNormPoint(key, layer), tuple(args))
+        self.calls["batchnorm"] += 1
+        node.replace_all_uses_with(y)
+        self.graph.erase_node(node)
+
+    def finish(self) -> torch.fx.GraphModule:
+        output = next(node for node in self.graph.nodes if node.op == "output")
+        output.args = ((output.args[0], self.new_states),)
+        self.graph.lint()
+        self.gm.recompile()
+        return self.gm
