@@ -124,3 +124,36 @@ def test_uncovered_coverage_reported():
     reference = MinMaxObserver()
     reference(x[torch.isfinite(x).all(1)])
     assert rep.rows[0].max == float(reference.max_val)
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self, features):
+        super().__init__()
+        self.proj = torch.nn.Linear(features, 3)
+
+    def forward(self, x, attention_mask):
+        return self.proj(x)
+
+
+def test_report_leaves_padding_out_with_a_float_zero_point():
+    """Zero is not representable with a float zero point: padding must not count as noise or clipping."""
+    torch.manual_seed(0)
+    model = _Masked(4).eval()
+    spec = qstats.QuantSpec(
+        dtype="uint8", mapping="asymmetric", zero_point_domain="float", granularity=qstats.PerAxis(-1)
+    )
+    recipe = qstats.Recipe([qstats.Rule("proj", sites=("input",), spec=spec)])
+    x = torch.rand(2, 5, 4) + 1.0
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    batches = [{"x": x, "attention_mask": mask}]
+    weight = lambda batch: batch["attention_mask"]  # noqa: E731
+    states = qstats.calibrate(model, batches, recipe, progress=False, observation_weight=weight)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    row = qstats.report(states, qparams, model=model, recipe=recipe, batches=batches, observation_weight=weight).rows[0]
+
+    qp = qparams["proj"]["input"]
+    kept = x[mask.bool()]
+    quantized = torch.fake_quantize_per_channel_affine(kept, qp.scale, qp.zero_point, 1, 0, 255)
+    expected_sqnr = 10 * math.log10(float(kept.pow(2).sum()) / float((kept - quantized).pow(2).sum()))
+    assert row.clipped_fraction == 0.0  # every kept value lies within the calibrated range
+    assert row.sqnr_db == pytest.approx(expected_sqnr, rel=1e-5)

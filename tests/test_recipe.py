@@ -1,0 +1,183 @@
+"""qstats.Recipe and its Plan: rule resolution (first rule wins, ignore, class names as
+compressed-tensors matches them, rules that select nothing), and a Plan resolved once serving
+calibrate, compute_qparams_tree, fake_quantized, report and the export with the results of the
+recipe itself."""
+
+import dataclasses
+import json
+import warnings
+
+import pytest
+import torch
+
+import qstats
+from qstats.recipe import Plan
+
+WEIGHT_SPEC = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(0))
+INPUT_SPEC = qstats.QuantSpec(dtype="int8", mapping="symmetric")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).eval()
+
+
+def _recipe():
+    return qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=WEIGHT_SPEC),
+                          qstats.Rule("Linear", sites=("input",), spec=INPUT_SPEC)])
+
+
+def _batches():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 6, generator=generator) * (i + 1) for i in range(3)]
+
+
+def test_recipe_resolution_first_rule_wins_and_ignore():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    )
+    first = qstats.QuantSpec(dtype="int8")
+    second = qstats.QuantSpec(dtype="int4")
+    recipe = qstats.Recipe(
+        [
+            qstats.Rule(r"re:1\.\d+", sites=("weight",), spec=first),
+            qstats.Rule("Linear", sites=("weight", "input"), spec=second),
+        ],
+        ignore=["1.1"],
+    )
+    sites = recipe.sites(model)
+    assert list(sites) == ["0", "1.0"]
+    assert sites["0"]["weight"].spec == second
+    assert sites["1.0"]["weight"].spec == first
+    assert sites["1.0"]["input"].spec == second
+    assert recipe.rule_for("1.1", "weight") is None
+    states = qstats.calibrate(model, [torch.randn(3, 2)], recipe, progress=False)
+    observers = recipe.observers(states, model)
+    specs = recipe.specs(states, model)
+    assert observers["1.0"]["weight"].spec == first and specs["0"]["input"] == second
+
+
+def test_class_targets_match_subclasses_like_compressed_tensors():
+    match = pytest.importorskip("compressed_tensors.utils.match")
+    torch.manual_seed(0)
+    # nn.MultiheadAttention's out_proj is a NonDynamicallyQuantizableLinear, a subclass of nn.Linear
+    model = torch.nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16).eval()
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",))])
+    expected = [name for name, module in model.named_modules() if match.is_match(name, module, "Linear")]
+    assert "self_attn.out_proj" in expected
+    assert list(recipe.sites(model)) == expected
+    assert recipe.rule_for("self_attn.out_proj", "weight", model.self_attn.out_proj) is recipe.rules[0]
+
+
+def test_rules_that_select_nothing_warn_naming_the_site():
+    """A misspelt site or target selects nothing; the recipe says so instead of observing less."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    typo_site = qstats.Recipe([qstats.Rule(targets="Linear", sites=("wieght", "input"), spec=qstats.QuantSpec())])
+    with pytest.warns(UserWarning, match=r"selects no site \['wieght'\]"):
+        sites = typo_site.sites(model)
+    assert {site for entry in sites.values() for site in entry} == {"input"}
+    typo_target = qstats.Recipe([qstats.Rule(targets="Lienar", sites=("weight",), spec=qstats.QuantSpec())])
+    with pytest.warns(UserWarning, match=r"\['Lienar'\] selects no site \['weight'\]"):
+        assert typo_target.sites(model) == {}
+    fine = qstats.Recipe([qstats.Rule(targets="Linear", sites=("weight", "input"), spec=qstats.QuantSpec())])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set(fine.sites(model)) == {"0", "2"}
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.q_proj(x) + self.k_proj(x)
+
+
+def test_plan_holds_each_site_with_its_kind_the_modules_and_fused_groups():
+    model = torch.nn.Sequential(_Attention()).eval()
+    recipe = qstats.Recipe([
+        qstats.Rule("_Attention", sites=("q", "k", "v", "output")),
+        qstats.Rule("Linear", sites=("weight", "bias", "input")),
+    ])
+    with pytest.warns(UserWarning, match=r"selects no site \['v'\]"):
+        plan = recipe.resolve(model)
+    assert plan.model is model and plan.recipe is recipe
+    assert plan.modules["0.q_proj"] is model[0].q_proj
+    kinds = {(path, site): found.kind for path, entry in plan.sites.items() for site, found in entry.items()}
+    assert kinds == {
+        ("0", "q"): "projection", ("0", "k"): "projection", ("0", "output"): "output",
+        ("0.q_proj", "weight"): "parameter", ("0.q_proj", "bias"): "parameter", ("0.q_proj", "input"): "input",
+        ("0.k_proj", "weight"): "parameter", ("0.k_proj", "bias"): "parameter", ("0.k_proj", "input"): "input",
+    }
+    assert plan.hooked_module("0", "k") is model[0].k_proj and plan.hooked_module("0", "output") is model[0]
+    assert torch.equal(plan.parameter("0.q_proj", "bias"), model[0].q_proj.bias)
+    assert plan.fused_groups == ()
+    # read-only: a plan is computed once and shared
+    with pytest.raises(TypeError):
+        plan.sites["0"]["q"] = None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.sites = {}
+    # Recipe.sites: the same sites, as plain dicts
+    with pytest.warns(UserWarning):
+        sites = recipe.sites(model)
+    assert {(path, site): found.kind for path, entry in sites.items() for site, found in entry.items()} == kinds
+    assert type(sites) is dict and all(type(entry) is dict for entry in sites.values())
+
+
+def _outputs(model, qparams, recipe, x):
+    with torch.no_grad(), qstats.fake_quantized(model, qparams, recipe):
+        return model(x)
+
+
+def test_every_consumer_takes_a_plan_and_resolves_a_recipe_once(tmp_path, monkeypatch):
+    model, recipe, batches = _model(), _recipe(), _batches()
+    resolved = []
+    resolve = qstats.Recipe.resolve
+
+    def counting(self, on):
+        resolved.append(on)
+        return resolve(self, on)
+
+    monkeypatch.setattr(qstats.Recipe, "resolve", counting)
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    out = _outputs(model, qparams, recipe, batches[0])
+    report = qstats.report(states, qparams, model, recipe, batches)
+    config = qstats.export.compressed_tensors(model, qparams, str(tmp_path / "recipe"), recipe)
+    assert len(resolved) == 5 and all(on is model for on in resolved)  # once per call
+
+    plan = recipe.resolve(model)
+    assert isinstance(plan, Plan) and len(resolved) == 6
+    plan_states = qstats.calibrate(model, batches, plan, progress=False)
+    plan_qparams = qstats.compute_qparams_tree(plan_states, plan)
+    plan_out = _outputs(model, plan_qparams, plan, batches[0])
+    plan_report = qstats.report(plan_states, plan_qparams, recipe=plan, batches=batches)
+    plan_config = qstats.export.compressed_tensors(model, plan_qparams, str(tmp_path / "plan"), plan)
+    assert len(resolved) == 6  # nothing resolved again
+
+    for path, entry in states.items():
+        for site, state in entry.items():
+            assert all(torch.equal(a, b) for a, b in zip(state, plan_states[path][site])), (path, site)
+            assert all(torch.equal(a, b) for a, b in zip(qparams[path][site], plan_qparams[path][site]))
+    assert torch.equal(out, plan_out)
+    assert report.rows == plan_report.rows and report.rows[0].sqnr_db is not None
+    assert json.dumps(config, sort_keys=True) == json.dumps(plan_config, sort_keys=True)
+    with open(tmp_path / "recipe" / "model.safetensors", "rb") as a, open(tmp_path / "plan" / "model.safetensors", "rb") as b:
+        assert a.read() == b.read()
+
+
+def test_a_plan_of_another_model_is_refused():
+    plan = _recipe().resolve(_model())
+    other = _model()
+    with pytest.raises(ValueError, match="another model"):
+        qstats.calibrate(other, _batches(), plan, progress=False)
+    with pytest.raises(ValueError, match="another model"):
+        qstats.compute_qparams_tree({}, plan, other)
+    with pytest.raises(ValueError, match="another model"):
+        with qstats.fake_quantized(other, {}, plan):
+            pass
+    with pytest.raises(TypeError, match="Recipe or Plan"):
+        qstats.compute_qparams_tree({}, "Linear", other)
+    with pytest.raises(TypeError, match="nn.Module"):
+        qstats.compute_qparams_tree({}, _recipe())
