@@ -82,10 +82,11 @@ def main(batches: int = 4, tokens: int = 64, verbose: bool = True):
     model = build()
     generator = torch.Generator().manual_seed(1)
     data = [torch.randn(tokens, 32, generator=generator) for _ in range(batches)]
+    plan = RECIPE.resolve(model)  # resolved once: calibrate, compute_qparams_tree, fake_quantized, report
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", qstats.UncalibratedWarning)
-        states = qstats.calibrate(model, data, RECIPE, progress=False)
-    qparams = qstats.compute_qparams_tree(states, RECIPE, model)
+        states = qstats.calibrate(model, data, plan, progress=False)
+    qparams = qstats.compute_qparams_tree(states, plan)
     if verbose:
         for warning in caught:
             print(f"warning: {warning.message}\n")
@@ -104,12 +105,12 @@ def main(batches: int = 4, tokens: int = 64, verbose: bool = True):
         x = data[0]
         with torch.no_grad():
             reference = model(x)
-            with qstats.fake_quantized(model, weights_only, RECIPE):
+            with qstats.fake_quantized(model, weights_only, plan):
                 quantized = model(x)
         error = float((quantized - reference).pow(2).sum() / reference.pow(2).sum())
         print(f"\nint8 per-channel expert weights: relative output error {error:.2e}")
         print()
-        print(qstats.report(states, qparams, model, RECIPE).text())
+        print(qstats.report(states, qparams, recipe=plan).text())
     return model, states, qparams, caught
 
 

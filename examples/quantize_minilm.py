@@ -207,15 +207,16 @@ def main(argv=None) -> list[dict]:
     calibrations = {}
     for name, recipe in list(VARIANTS.items())[: args.variants]:
         start, start_cpu = time.perf_counter(), time.process_time()
+        plan = recipe.resolve(model)  # the recipe on this model, resolved once for every step below
         states = qstats.calibrate(
-            model, calibration_batches, recipe, progress=args.progress, observation_weight=attention_mask
+            model, calibration_batches, plan, progress=args.progress, observation_weight=attention_mask
         )
-        qparams = qstats.compute_qparams_tree(states, recipe, model)
+        qparams = qstats.compute_qparams_tree(states, plan)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
-        with qstats.fake_quantized(model, qparams, recipe), torch.nn.utils.parametrize.cached():
+        with qstats.fake_quantized(model, qparams, plan), torch.nn.utils.parametrize.cached():
             quantized = embed(model, heldout_batches)  # weights fake-quantized once, not per batch
         mean_cos, min_cos = cosine_stats(reference, quantized)
-        calibrations[name] = (states, qparams)
+        calibrations[name] = (plan, states, qparams)
         results.append(
             {
                 "observers": name,
@@ -237,9 +238,9 @@ def main(argv=None) -> list[dict]:
               f"{row['calibration_s']:.2f} | {row['calibration_cpu_s']:.2f} |")
 
     best = max(results, key=lambda row: row["cosine_mean"])["observers"]
-    states, qparams = calibrations[best]
+    plan, states, qparams = calibrations[best]
     layer_report = qstats.report(
-        states, qparams, model, VARIANTS[best], heldout_batches[:2], observation_weight=attention_mask
+        states, qparams, recipe=plan, batches=heldout_batches[:2], observation_weight=attention_mask
     )
     print()
     print(f"worst layers for {best} (SQNR on two held-out batches):")
