@@ -12,19 +12,16 @@ pickled and nothing is executed on load.
 Tensor names in the file are the tree paths joined with ``/`` (``layers/0/min_val``), so other
 safetensors tools can read the numbers.
 
-``torch.save`` works too. ``torch.load(..., weights_only=True)`` refuses NamedTuple classes it does
-not know, so either allow-list the state types::
-
-    with torch.serialization.safe_globals(qstats.io.safe_globals()):
-        states = torch.load(path, weights_only=True)
-
-or convert to plain containers first: `to_state_dict(tree)` gives a dict of strings and tensors
-that ``torch.load(weights_only=True)`` accepts with no allow-list, and `from_state_dict` rebuilds
-the tree.
+``torch.save`` works too: every registered state type, `QParams` and `LSQParams` are on torch's
+list of safe globals (``torch.serialization.add_safe_globals``, torch's documented mechanism) once
+qstats is imported, so ``torch.load(path)`` (``weights_only=True``, torch's default) reads them.
+`to_state_dict(tree)` gives a dict of strings and tensors for tools that want plain containers,
+and `from_state_dict` rebuilds the tree.
 
 Errors: a corrupt or truncated file, a file that is not a qstats checkpoint, an unknown format
-version, a missing or extra tensor, a checksum mismatch, an unknown state type or a state whose
-fields changed all raise ValueError naming the problem.
+version, a missing or extra tensor, a checksum mismatch, an unknown state type, a state whose
+fields changed, a structure with a duplicate key or nested deeper than `MAX_DEPTH`, and a tensor
+without data (meta) all raise ValueError naming the problem.
 """
 
 from __future__ import annotations
@@ -37,17 +34,23 @@ from typing import Any
 import torch
 
 from ._qparams import QParams
+from .lsq import LSQParams
 from .observers._base import state_types
 
-__all__ = ["save", "load", "to_state_dict", "from_state_dict", "safe_globals", "FORMAT", "FORMAT_VERSION"]
+__all__ = ["save", "load", "to_state_dict", "from_state_dict", "safe_globals", "FORMAT", "FORMAT_VERSION", "MAX_DEPTH"]
 
 FORMAT = "qstats"
 FORMAT_VERSION = 1
+MAX_DEPTH = 100  # nesting of a checkpoint's tree (a model's tree is a few levels deep)
+
+_RESULT_TYPES = (QParams, LSQParams)  # what compute_qparams and lsq_init return
+torch.serialization.add_safe_globals(list(_RESULT_TYPES))
 
 
 def _named_types() -> dict[str, type]:
     types = state_types()
-    types.setdefault("QParams", QParams)
+    for cls in _RESULT_TYPES:
+        types.setdefault(cls.__name__, cls)
     return types
 
 
@@ -63,7 +66,11 @@ def _escape(component: str) -> str:
 
 def _encode(tree: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> dict:
     where = "/".join(path) or "<root>"
+    if len(path) > MAX_DEPTH:
+        raise ValueError(f"qstats.io: the tree is nested more than {MAX_DEPTH} levels deep (at {where[:200]})")
     if isinstance(tree, torch.Tensor):
+        if tree.device.type == "meta":
+            raise ValueError(f"qstats.io: tensor at {where} is on the meta device and holds no data to save")
         # escaped components hold "%" only as "%25" or "%2F": the two keys of an empty join (the
         # root itself, or a single empty name) cannot collide with any other path
         key = "/".join(_escape(p) for p in path) or ("%root" if not path else "%empty")
@@ -139,6 +146,10 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set, where: str) 
         if kind == "none":
             return None
         if kind == "dict":
+            keys = [key for key, _ in node["items"]]
+            if len(set(keys)) != len(keys):
+                duplicates = sorted({key for key in keys if keys.count(key) > 1})
+                raise ValueError(f"qstats.io: malformed checkpoint structure at {where}: duplicate keys {duplicates[:5]}")
             return {key: _decode(value, tensors, used, f"{where}[{key!r}]") for key, value in node["items"]}
         if kind in ("list", "tuple"):
             items = [_decode(value, tensors, used, f"{where}[{i}]") for i, value in enumerate(node["items"])]

@@ -2,7 +2,6 @@
 
 import io as _stdio
 import json
-import pickle
 
 import pytest
 import safetensors
@@ -97,15 +96,12 @@ def test_bare_state_and_bare_tensor_round_trip(tmp_path):
         _assert_bit_exact(qstats.load(path), value)
 
 
-def test_torch_load_weights_only_needs_the_allow_list_or_a_state_dict(nested_tree):
+def test_torch_load_weights_only_reads_every_state_type_and_state_dicts(nested_tree):
     buffer = _stdio.BytesIO()
     torch.save(nested_tree, buffer)
     buffer.seek(0)
-    with pytest.raises(pickle.UnpicklingError, match="MinMaxState|QParams|State"):
-        torch.load(buffer, weights_only=True)  # torch refuses unknown NamedTuple classes
-    buffer.seek(0)
-    with torch.serialization.safe_globals(qio.safe_globals()):
-        _assert_bit_exact(torch.load(buffer, weights_only=True), nested_tree)
+    _assert_bit_exact(torch.load(buffer, weights_only=True), nested_tree)  # registered at import
+    assert set(qio.safe_globals()) <= set(torch.serialization.get_safe_globals())
 
     buffer = _stdio.BytesIO()
     torch.save(qio.to_state_dict(nested_tree), buffer)
@@ -311,3 +307,42 @@ def test_deeply_nested_structure_metadata_is_a_clear_error(tmp_path, depth):
     open(path, "wb").write(struct.pack("<Q", len(encoded)) + encoded + raw[8 + size :])
     with pytest.raises(ValueError, match="qstats.io"):
         qstats.load(path)
+
+
+def test_torch_load_with_weights_only_reads_states_and_qparams_after_import(tmp_path):
+    """torch.load's default (weights_only=True) refused every qstats state with UnpicklingError."""
+    spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
+    obs = qstats.minmax(spec)
+    w = torch.randn(4, 8)
+    state = obs.update(obs.init(w), w)
+    tree = {"state": state, "qparams": qstats.compute_qparams(state, spec),
+            "lsq": qstats.lsq_init(state, spec)}
+    path = tmp_path / "states.pt"
+    torch.save(tree, path)
+    loaded = torch.load(path)  # weights_only=True is torch's default
+    _assert_bit_exact(loaded, tree)
+    assert type(loaded["state"]) is qstats.MinMaxState and type(loaded["lsq"]) is qstats.LSQParams
+
+
+def test_lsq_params_save_and_load(tmp_path):
+    spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
+    obs = qstats.minmax(spec)
+    w = torch.randn(4, 8)
+    ranges = qstats.lsq_init(obs.update(obs.init(w), w), spec)
+    qstats.save(tmp_path / "lsq.safetensors", {"layer": ranges})
+    _assert_bit_exact(qstats.load(tmp_path / "lsq.safetensors"), {"layer": ranges})
+
+
+def test_meta_tensors_deep_trees_and_duplicate_keys_give_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="meta device"):
+        qstats.save(tmp_path / "meta.safetensors", {"x": torch.empty(3, device="meta")})
+    deep = torch.zeros(1)
+    for _ in range(3000):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nested more than"):
+        qstats.save(tmp_path / "deep.safetensors", deep)
+    # a hand-edited structure with a duplicate key (the checksums still pass)
+    state_dict = qio.to_state_dict({"a": torch.ones(1), "b": torch.zeros(1)})
+    state_dict["structure"] = state_dict["structure"].replace('["b", ', '["a", ')
+    with pytest.raises(ValueError, match="duplicate keys"):
+        qio.from_state_dict(state_dict)

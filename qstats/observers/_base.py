@@ -70,7 +70,8 @@ _STATE_TYPES: dict[str, type] = {}
 def register_state(cls: type) -> type:
     """Class decorator: registers a NamedTuple state type under its class name.
 
-    The registry lets `qstats.load` rebuild states from a checkpoint by name. Names must be unique.
+    The registry lets `qstats.load` rebuild states from a checkpoint by name, and the class joins
+    torch's safe globals, so ``torch.load`` reads ``torch.save``'d states. Names must be unique.
     """
     if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
         raise TypeError(f"register_state expects a NamedTuple class, got {cls!r}")
@@ -79,6 +80,8 @@ def register_state(cls: type) -> type:
         if (previous.__module__, previous.__qualname__) != (cls.__module__, cls.__qualname__):
             raise ValueError(f"a state type named {cls.__name__!r} is already registered")
     _STATE_TYPES[cls.__name__] = cls
+    # torch.load(weights_only=True), torch's default, reads the registered state types
+    torch.serialization.add_safe_globals([cls])
     return cls
 
 
