@@ -129,6 +129,8 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
         raise ValueError(f"finite_aminmax: nonfinite must be 'ignore' or 'raise', got {nonfinite!r}")
     if mask is not None:
         mask = (mask if mask.dtype == torch.bool else mask != 0).expand(view.shape)
+    if view.is_floating_point() and view.element_size() == 1:
+        view = view.float()  # float8 values are float32 values exactly; ATen has no float8 reductions
     return _finite_aminmax_op(view.detach(), mask, nonfinite == "raise")
 
 

@@ -135,3 +135,16 @@ def test_ops_pass_opcheck():
         torch.library.opcheck(torch.ops.qstats.finite_aminmax.default, args)
     torch.library.opcheck(torch.ops.qstats.require.default, (torch.tensor([True]), "m"))
     torch.library.opcheck(torch.ops.qstats.require_calibrated.default, (torch.tensor([True]), "m"))
+
+
+@pytest.mark.parametrize("factory", [qstats.minmax, qstats.memoryless_minmax, qstats.moving_average_minmax, qstats.mse])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_inputs_observe_as_their_float32_values(factory, dtype):
+    """float8 inputs crashed (ATen has no float8 aminmax); their values are float32 values exactly."""
+    spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
+    obs = factory(spec)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    got = obs.update(obs.init(x), x)
+    expected = obs.update(obs.init(x.float()), x.float())
+    for name, a, b in zip(got._fields, got, expected):
+        assert torch.equal(a, b), name
