@@ -252,36 +252,36 @@ def all_reduce(
     quantization parameters are the same); for exact observers it hence equals one-process
     calibration over all ranks' data. Folded states equal that rank-order merge bit for bit.
     """
-    paths, states, leaf_observers, treespec = _flatten(tree, observers)
-    if not (dist.is_available() and dist.is_initialized()):
-        return tree
-    world = dist.get_world_size(group)
-    if world <= 1:  # one rank, or this rank is not in ``group`` (size -1): no-op, as torch's collectives
-        return tree
-    plan = _plan(states, exact)
-
-    if check:
-        # every rank joins the check, an empty tree too: the others would wait for it otherwise
-        fingerprint = _fingerprint(treespec, states, plan)
-        probe = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=_probe_device(group))
-        dist.all_reduce(probe, op=dist.ReduceOp.MIN, group=group)
-        if int(probe[0]) != fingerprint or int(-probe[1]) != fingerprint:
-            hint = (
-                " (no states here: a rank that calibrated no batch has no activation states; give every rank "
-                "at least one batch, or pass each missing site's observer init state)"
-                if not states
-                else ""
-            )
-            raise ValueError(
-                "all_reduce: the ranks passed different state trees (structure, state types, field shapes or "
-                f"dtypes differ); this rank's tree is {treespec} with {len(states)} states{hint}"
-            )
+    states = treespec = plan = local_error = None
+    try:  # validated locally, but raised only after every rank has joined the check
+        _, states, leaf_observers, treespec = _flatten(tree, observers)
+        plan = _plan(states, exact)
+    except (TypeError, ValueError) as error:
+        local_error = error
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if distributed else 1
+    if world <= 1 or not check:
+        # no process group, one rank, or this rank is not in ``group`` (size -1): no-op, as
+        # torch's collectives; without the check every rank must pass a valid tree
+        if local_error is not None:
+            raise local_error
+        if world <= 1:
+            return tree
+    else:
+        fingerprint = -1 if local_error is not None else _fingerprint(treespec, states, plan)
+        _check_same_trees(fingerprint, local_error, group, states, treespec)
     if not states:
         return tree
 
     results: list[list[Optional[torch.Tensor]]] = [[None] * len(s) for s in states]
+    _reduce_elementwise(states, plan, group, results)
+    _gather_and_fold(states, plan, leaf_observers, group, world, results)
+    new_states = [type(state)(*fields) for state, fields in zip(states, results)]
+    return optree.tree_unflatten(treespec, new_states)
 
-    # Elementwise: one flat bucket per (op, dtype, device), one all_reduce each.
+
+def _reduce_elementwise(states, plan, group, results) -> None:
+    """One flat bucket per (op, dtype, device), one all_reduce each, into ``results``."""
     buckets: dict[tuple, list[tuple[int, int, bool]]] = {}
     for i, (state, ops) in enumerate(zip(states, plan)):
         if ops is None:
@@ -291,13 +291,12 @@ def all_reduce(
             buckets.setdefault(key, []).append((i, j, negate))
     for key in sorted(buckets, key=lambda k: (k[0], str(k[1]), str(k[2]))):
         members = buckets[key]
-        op, dtype, device = key
         parts = []
         for i, j, negate in members:
             value = states[i][j].reshape(-1)
             parts.append(-value if negate else value)
         flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-        dist.all_reduce(flat, op=getattr(dist.ReduceOp, _TORCH_OPS[op]), group=group)
+        dist.all_reduce(flat, op=getattr(dist.ReduceOp, _TORCH_OPS[key[0]]), group=group)
         offset = 0
         for i, j, negate in members:
             value = states[i][j]
@@ -305,22 +304,44 @@ def all_reduce(
             offset += value.numel()
             results[i][j] = -piece if negate else piece
 
-    # Fold: one all_gather of every folded state's raw bytes, then obs.merge in rank order.
-    folded = [i for i, ops in enumerate(plan) if ops is None]
-    if folded:
-        local = _pack([states[i] for i in folded])
-        gathered = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local, group=group)
-        per_rank = [_unpack(buffer, [states[i] for i in folded]) for buffer in gathered]
-        for k, i in enumerate(folded):
-            merge = leaf_observers[i].merge
-            merged = per_rank[0][k]
-            for rank in range(1, world):
-                merged = merge(merged, per_rank[rank][k])
-            results[i] = list(merged)
 
-    new_states = [type(state)(*fields) for state, fields in zip(states, results)]
-    return optree.tree_unflatten(treespec, new_states)
+def _gather_and_fold(states, plan, leaf_observers, group, world: int, results) -> None:
+    """One all_gather of every folded state's raw bytes, then ``obs.merge`` in rank order."""
+    folded = [i for i, ops in enumerate(plan) if ops is None]
+    if not folded:
+        return
+    local = _pack([states[i] for i in folded])
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local, group=group)
+    per_rank = [_unpack(buffer, [states[i] for i in folded]) for buffer in gathered]
+    for k, i in enumerate(folded):
+        merged = per_rank[0][k]
+        for rank in range(1, world):
+            merged = leaf_observers[i].merge(merged, per_rank[rank][k])
+        results[i] = list(merged)
+
+
+def _check_same_trees(fingerprint: int, local_error, group, states, treespec) -> None:
+    """One 24-byte collective: every rank learns whether all ranks passed the same valid tree,
+    so that every rank raises ValueError (none waits for a rank that raised before it)."""
+    failed = 1 if local_error is not None else 0
+    probe = torch.tensor([fingerprint, -fingerprint, -failed], dtype=torch.int64, device=_probe_device(group))
+    dist.all_reduce(probe, op=dist.ReduceOp.MIN, group=group)
+    if local_error is not None:
+        raise ValueError(f"all_reduce: this rank's tree is not valid: {local_error}") from local_error
+    if int(probe[2]) != 0:
+        raise ValueError("all_reduce: another rank's tree failed its local checks (see the error on that rank)")
+    if int(probe[0]) != fingerprint or int(-probe[1]) != fingerprint:
+        hint = (
+            " (no states here: a rank that calibrated no batch has no activation states; give every rank "
+            "at least one batch, or pass each missing site's observer init state)"
+            if not states
+            else ""
+        )
+        raise ValueError(
+            "all_reduce: the ranks passed different state trees (structure, state types, field shapes or "
+            f"dtypes differ); this rank's tree is {treespec} with {len(states)} states{hint}"
+        )
 
 
 def _probe_device(group) -> torch.device:

@@ -314,6 +314,12 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
     bad = {"w": obs.update(obs.init(torch.zeros(1, width)), torch.ones(2, width))}
     _run("mismatch", lambda: reduce(bad, obs), counter, results)
 
+    # The last rank fails its local checks (its observers tree is not a prefix of its states:
+    # an empty tree given the shared observers dict): ValueError on every rank, no hang.
+    good = {"w": obs.update(obs.init(torch.zeros(1, FEATURES)), torch.ones(2, FEATURES))}
+    invalid = ({}, {"w": obs, "other": obs}) if rank == world - 1 else (good, obs)
+    _run("invalid", lambda: reduce(*invalid), counter, results)
+
     # The last rank calibrated no batch: its tree of activation sites is empty. It joins the
     # check (it used to return at once and leave the others waiting in it): ValueError everywhere.
     model, recipe = model_and_recipe()

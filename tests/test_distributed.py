@@ -286,6 +286,17 @@ def test_mismatched_trees_raise_on_every_rank(runs, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_a_rank_failing_its_local_checks_raises_on_every_rank(runs, world):
+    """The failing rank used to raise before the collective check and leave the others waiting
+    until the process group's timeout."""
+    for rank, result in enumerate(runs[world]):
+        error = result["invalid"].get("error", "")
+        assert error.startswith("ValueError"), (rank, result["invalid"])
+        expected = "this rank's tree is not valid" if rank == world - 1 else "another rank's tree failed"
+        assert expected in error, (rank, error)
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_a_rank_without_batches_raises_on_every_rank(runs, world):
     """A rank that calibrated no batch has an empty tree (no activation states): every rank
     raises the structure error, the empty one with a hint, instead of the others hanging."""
