@@ -20,7 +20,7 @@ from ._quant import code_dtype as code_dtype
 from ._quant import dequantize as dequantize
 from ._quant import fake_quantize as fake_quantize
 from ._quant import quantize as quantize
-from ._formats import preset as preset
+from ._spec import preset as preset
 from ._formats import round_to_format as round_to_format
 from .fused import fused_global_scale as fused_global_scale
 from .fused import fused_qparams as fused_qparams

@@ -58,8 +58,11 @@ without graph breaks.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ._granularity import TensorGroup
 from ._torch_features import bitcast
 
 __all__ = [
@@ -70,8 +73,6 @@ __all__ = [
     "e8m0_scale",
     "SCALE_ROUNDINGS",
     "GLOBAL_SCALE_FORMULAS",
-    "preset",
-    "PRESETS",
 ]
 
 SCALE_ROUNDINGS = ("floor", "ceil", "even", "rceil", "round_then_floor", "round")
@@ -80,9 +81,8 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 _F32_MANTISSA = 23
 _F32_BIAS = 127
-_F32_MIN_NORMAL = 2.0**-126
 _F16_MIN_NORMAL = 2.0**-14
-_E8M0_MIN = 2.0**-127
+E8M0_MIN = 2.0**-127  # the smallest e8m0 scale (biased exponent 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,8 +100,6 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
 
 
 def _min_normal_exponent(fmt) -> int:
-    import math
-
     return int(math.log2(fmt.min_normal))
 
 
@@ -161,12 +159,22 @@ def is_emulated(spec) -> bool:
     return spec.is_float and spec.float_format.torch_dtype is None
 
 
+def code_dtype(spec) -> torch.dtype:
+    """The torch dtype that holds ``spec``'s codes (smallest integer type, or the fp8 dtype)."""
+    if spec.is_float:
+        return spec.float_format.torch_dtype or torch.uint8  # uint8 bit codes for fp6/fp4
+    qmin, qmax = spec.qrange
+    for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32):
+        info = torch.iinfo(dtype)
+        if info.min <= qmin and qmax <= info.max:
+            return dtype
+    return torch.int64
+
+
 def store_codes(values: torch.Tensor, spec) -> torch.Tensor:
     """Grid values (float32) -> the codes `quantize` returns for ``spec``."""
     if is_emulated(spec):
         return encode(values, spec.float_format)
-    from ._quant import code_dtype
-
     return values.to(code_dtype(spec))
 
 
@@ -180,8 +188,6 @@ def load_codes(codes: torch.Tensor, spec) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # e8m0 scales
 def _floor_log2_int(value: float) -> int:
-    import math
-
     return int(math.floor(math.log2(value)))
 
 
@@ -246,7 +252,7 @@ def e8m0_to_float(biased: torch.Tensor) -> torch.Tensor:
     """``2.0 ** (b - 127)`` as float32 (``b = 0`` gives the subnormal ``2**-127``)."""
     biased = biased.to(torch.int32)
     normal = bitcast(torch.bitwise_left_shift(biased.clamp(1, 254), _F32_MANTISSA), torch.float32)
-    return torch.where(biased == 0, torch.full_like(normal, _E8M0_MIN), normal)
+    return torch.where(biased == 0, torch.full_like(normal, E8M0_MIN), normal)
 
 
 def e8m0_scale(amax: torch.Tensor, spec) -> torch.Tensor:
@@ -257,9 +263,7 @@ def e8m0_scale(amax: torch.Tensor, spec) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # qparams
 def handles_qparams(spec) -> bool:
-    """True when `qparams` (not the int/fp8 range arithmetic) computes ``spec``'s scales."""
-    from ._granularity import TensorGroup
-
+    """True when `qparams` (not the convention's range arithmetic) computes ``spec``'s scales."""
     return spec.scale_dtype == "e8m0" or isinstance(spec.granularity, TensorGroup)
 
 
@@ -323,8 +327,6 @@ def qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec, global_scale=Non
     ``global_scale``: a given global scale (a fused group's, `qstats.fused`); by default it is
     computed from the absolute maximum over all of ``min_val``/``max_val`` (the whole tensor).
     """
-    from ._granularity import TensorGroup
-
     min_neg = torch.min(min_val, torch.zeros_like(min_val))
     max_pos = torch.max(max_val, torch.zeros_like(max_val))
     amax = torch.max(torch.abs(min_neg), torch.abs(max_pos))
@@ -334,17 +336,9 @@ def qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec, global_scale=Non
         if global_scale is None:
             global_scale = global_scale_from_amax(amax.amax() if amax.numel() else amax.new_zeros(()), spec)
         global_scale = global_scale.float().reshape(())
-        if spec.scale_dtype == "e8m0":
-            raise ValueError("QuantSpec: TensorGroup with e8m0 scales is not supported; use PerGroup for MX")
         scale = _two_level_local(amax, global_scale, spec)
         return scale, zero_point, global_scale
-    scale = e8m0_scale(amax, spec)
-    if spec.convention == "compressed_tensors" and spec.compute_dtype != "float32":
-        # compressed-tensors holds the scale in the observed dtype, and replaces one that
-        # underflows there (below 2**-24 in float16: an all-zero or tiny block) by 1, the eps of
-        # its uint8 scale dtype
-        underflows = scale.to(getattr(torch, spec.compute_dtype)) == 0
-        scale = torch.where(underflows, torch.ones_like(scale), scale)
+    scale = spec.convention.e8m0_scale(amax, spec)
     return scale, zero_point, torch.ones((), dtype=torch.float32, device=amax.device)
 
 
@@ -353,50 +347,26 @@ def qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec, global_scale=Non
 def handles_codes(spec) -> bool:
     """True when `codes` computes ``spec``'s quantization (float targets with two-level or e8m0
     scales, and emulated element formats)."""
-    if _compat_torchao_float_domain(spec):
-        return False
     return spec.is_float and (handles_qparams(spec) or is_emulated(spec))
-
-
-def _compat_torchao_float_domain(spec) -> bool:
-    from ._compat_torchao import handles_codes as torchao_handles_codes
-
-    return torchao_handles_codes(spec)
 
 
 def codes(view: torch.Tensor, scale: torch.Tensor, global_scale, spec):
     """``(unclamped, grid_values)`` of float32 ``view`` under broadcast ``scale``: the scaled values
-    before saturation, and the saturated values rounded to the element grid."""
-    from ._granularity import TensorGroup
-
+    before saturation, and the saturated values rounded to the element grid. One level of
+    scales divides as the spec's convention divides (`Convention.block_scaled`)."""
     fmax = spec.float_format.max
-    if isinstance(spec.granularity, TensorGroup):
-        if spec.global_scale_formula == "range_over_amax":
-            scaled = view / (scale / global_scale)
-        else:
-            scaled = view * ((1.0 / global_scale) / scale)
-    elif spec.scale_dtype == "e8m0" and spec.convention == "torchao" and spec.scale_rounding != "round":
-        if spec.scale_rounding == "rceil":
-            reciprocal = torch.where(scale == _E8M0_MIN, torch.ones_like(scale), 1.0 / scale)
-            scaled = view * reciprocal
-        else:
-            scaled = view / torch.clamp(scale, min=_F32_MIN_NORMAL)
-    elif spec.convention == "torchao":  # NVFP4 without a global scale: x * (1 / scale)
-        scaled = view * (1.0 / scale)
-    elif spec.convention == "compressed_tensors" and spec.compute_dtype != "float32":
-        # compressed-tensors divides in the observed dtype
-        compute = getattr(torch, spec.compute_dtype)
-        scaled = (view.to(compute) / scale.to(compute)).float()
+    if not isinstance(spec.granularity, TensorGroup):
+        scaled = spec.convention.block_scaled(view, scale, spec)
+    elif spec.global_scale_formula == "range_over_amax":
+        scaled = view / (scale / global_scale)
     else:
-        scaled = view / scale
+        scaled = view * ((1.0 / global_scale) / scale)
     return scaled, round_to_format(scaled.clamp(-fmax, fmax), spec.float_format)
 
 
 def effective_scale(scale: torch.Tensor, global_scale, spec) -> torch.Tensor:
     """The element step: a two-level (`TensorGroup`) block scale under its global scale, in the
     convention's order of operations; ``scale`` itself for other granularities."""
-    from ._granularity import TensorGroup
-
     if isinstance(spec.granularity, TensorGroup):
         if spec.global_scale_formula == "range_over_amax":
             return scale / global_scale
@@ -410,19 +380,9 @@ def dequantize_values(values: torch.Tensor, scale: torch.Tensor, global_scale, s
 
 
 # --------------------------------------------------------------------------------------------
-# validation and presets
+# validation
 def validate(spec) -> None:
-    """Checks the low-bit fields of a QuantSpec (ValueError naming the field)."""
-    if spec.scale_rounding not in SCALE_ROUNDINGS:
-        raise ValueError(f"QuantSpec.scale_rounding must be one of {SCALE_ROUNDINGS}, got {spec.scale_rounding!r}")
-    if spec.global_scale_formula not in GLOBAL_SCALE_FORMULAS:
-        raise ValueError(
-            f"QuantSpec.global_scale_formula must be one of {GLOBAL_SCALE_FORMULAS}, got {spec.global_scale_formula!r}"
-        )
-    from ._granularity import TensorGroup
-
-    if spec.compute_dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"QuantSpec.compute_dtype must be one of {COMPUTE_DTYPES}, got {spec.compute_dtype!r}")
+    """Checks the low-bit fields of a QuantSpec against each other (ValueError naming the field)."""
     if spec.mapping == "symmetric_no_clipping_err" and not spec.is_float and spec.qrange[1] <= 0:
         raise ValueError(
             f"QuantSpec.mapping 'symmetric_no_clipping_err' needs quant_max > 0 (max / quant_max is its "
@@ -441,47 +401,3 @@ def validate(spec) -> None:
             f"QuantSpec.granularity TensorGroup (two-level scales) needs a float element format "
             f"(fp4_e2m1, fp6, fp8), got {spec.dtype!r}; integer targets take PerGroup"
         )
-
-
-def preset(name: str, **overrides):
-    """A QuantSpec for a named deployment format.
-
-    ``"nvfp4"`` (fp4_e2m1, TensorGroup(16), float8_e4m3fn block scales, fp32 global scale),
-    ``"mxfp8"`` (fp8_e4m3fn), ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"``, ``"mxfp6_e3m2"``, ``"mxfp4"``
-    (PerGroup(32), e8m0 scales), ``"fp8_block"`` (DeepSeek weights: PerBlock((128, 128))),
-    ``"fp8_group"`` (DeepSeek activations: PerGroup(128), 1x128), ``"fp8_token"`` (per-token
-    dynamic). Keyword overrides replace fields (``scale_rounding="rceil"``, ...).
-
-    >>> preset("mxfp4").granularity
-    PerGroup(group_size=32)
-    """
-    from ._granularity import PerBlock, PerGroup, PerToken, TensorGroup
-    from ._spec import QuantSpec
-
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
-    fields = dict(PRESETS[name])
-    granularity = {
-        "tensor_group16": TensorGroup(16),
-        "group32": PerGroup(32),
-        "group128": PerGroup(128),
-        "block128": PerBlock((128, 128)),
-        "token": PerToken(),
-    }[fields.pop("granularity")]
-    fields["granularity"] = granularity
-    fields.update(overrides)
-    return QuantSpec(**fields)
-
-
-_MX = dict(granularity="group32", scale_dtype="e8m0", zero_point_domain="none")
-PRESETS = {
-    "nvfp4": dict(dtype="fp4_e2m1", granularity="tensor_group16", scale_dtype="float8_e4m3fn", zero_point_domain="none"),
-    "mxfp8": dict(dtype="fp8_e4m3fn", **_MX),
-    "mxfp8_e5m2": dict(dtype="fp8_e5m2", **_MX),
-    "mxfp6_e2m3": dict(dtype="fp6_e2m3", **_MX),
-    "mxfp6_e3m2": dict(dtype="fp6_e3m2", **_MX),
-    "mxfp4": dict(dtype="fp4_e2m1", **_MX),
-    "fp8_block": dict(dtype="fp8_e4m3fn", granularity="block128", zero_point_domain="none"),
-    "fp8_group": dict(dtype="fp8_e4m3fn", granularity="group128", zero_point_domain="none"),
-    "fp8_token": dict(dtype="fp8_e4m3fn", granularity="token", zero_point_domain="none"),
-}

@@ -2,18 +2,19 @@
 
 Each state type registers a *range rule* that turns the state into a ``(min_val, max_val)`` range
 (or directly into QParams), and one function, `qparams_from_minmax`, maps a range onto the spec's
-format. Range rules take keyword options (``method=``, ``percentile=``, ...), so
-``compute_qparams(state, spec, method="entropy")`` works for distribution observers.
+format: with the spec's convention's arithmetic (`Convention.qparams`), or the MX / NVFP4 scale
+arithmetic of qstats/_formats.py. Range rules take keyword options (``method=``,
+``percentile=``, ...), so ``compute_qparams(state, spec, method="entropy")`` works for
+distribution observers.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import _compat_torchao, _formats
+from . import _formats
 from ._checks import require_calibrated
 from ._spec import QuantSpec
 
@@ -128,56 +129,6 @@ def check_calibrated(calibrated: torch.Tensor, spec: QuantSpec, where: str = "co
     return require_calibrated(calibrated, where)
 
 
-def _round_scale(scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    if spec.scale_dtype == "float32":
-        return scale
-    dtype = getattr(torch, spec.scale_dtype)
-    if spec.scale_dtype in ("float8_e4m3fn", "float16"):
-        # narrow exponent ranges: the largest finite scale instead of an overflow to Inf or NaN,
-        # and the smallest positive one (a subnormal) instead of an underflow to zero (the eps
-        # floor, applied in float32, lies below it for float8: 2**-9)
-        finfo = torch.finfo(dtype)
-        return scale.clamp(finfo.tiny * finfo.eps, finfo.max).to(dtype).float()
-    return scale.to(dtype).float()
-
-
-def _torch_ao(min_val, max_val, spec: QuantSpec):
-    qmin, qmax = spec.qrange
-    # torch.ao's max(scale, eps) against its float32 eps buffer: clamp_min casts eps to float32
-    eps = spec.eps
-    min_val_neg = min_val.clamp(max=0.0)
-    max_val_pos = max_val.clamp(min=0.0)
-    if spec.mapping in ("symmetric", "narrow"):
-        max_val_pos = torch.max(-min_val_neg, max_val_pos)
-        scale = max_val_pos / (float(qmax - qmin) / 2)
-        scale = scale.clamp_min(eps)
-        zero_point = torch.full_like(scale, spec.zero_point_of_symmetric, dtype=torch.int32)
-    elif spec.mapping == "symmetric_no_clipping_err":
-        scale_from_min = min_val_neg / float(qmin)
-        scale_from_max = max_val_pos / float(qmax)
-        scale = torch.where(scale_from_min > scale_from_max, scale_from_min, scale_from_max)
-        scale = scale.clamp_min(eps)
-        zero_point = torch.full_like(scale, spec.zero_point_of_symmetric, dtype=torch.int32)
-    elif spec.zero_point_domain == "float":
-        scale = (max_val - min_val) / float(qmax - qmin)
-        scale = torch.where(scale > eps, scale, torch.ones_like(scale))
-        zero_point = -1 * min_val / scale
-    else:
-        scale = (max_val_pos - min_val_neg) / float(qmax - qmin)
-        scale = scale.clamp_min(eps)
-        zero_point = qmin - torch.round(min_val_neg / scale).to(torch.int32)
-        zero_point = torch.clamp(zero_point, qmin, qmax)
-    if spec.zero_point_domain == "none":
-        zero_point = torch.zeros_like(scale, dtype=torch.int32)
-    return _round_scale(scale, spec), zero_point
-
-
-def _compressed_tensors(min_val, max_val, spec: QuantSpec):
-    from ._compat_compressed_tensors import compressed_tensors_qparams
-
-    return compressed_tensors_qparams(min_val, max_val, spec)
-
-
 def qparams_from_minmax(
     min_val: torch.Tensor,
     max_val: torch.Tensor,
@@ -213,19 +164,11 @@ def qparams_from_minmax(
     if _formats.handles_qparams(spec):
         scale, zero_point, global_scale = _formats.qparams(min_val, max_val, spec, global_scale)
     else:
-        scale, zero_point = _elementwise_qparams(min_val, max_val, spec)
+        scale, zero_point = spec.convention.qparams(min_val, max_val, spec)
         global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
     scale = torch.where(calibrated, scale, torch.ones_like(scale))
     zero_point = torch.where(calibrated, zero_point, torch.zeros_like(zero_point))
     return QParams(scale, zero_point, global_scale, calibrated)
-
-
-def _elementwise_qparams(min_val, max_val, spec: QuantSpec):
-    if spec.convention == "compressed_tensors":
-        return _compressed_tensors(min_val, max_val, spec)
-    if spec.convention == "torchao":
-        return _compat_torchao.torchao_qparams(min_val, max_val, spec)
-    return _torch_ao(min_val, max_val, spec)
 
 
 def _is_traced(t):  # TEMPORARY: until observers/histogram.py drops it

@@ -1,30 +1,27 @@
 """QuantSpec: the static, hashable description of a quantization target.
 
 A spec names the element format (``dtype``), how the range maps onto it (``mapping``), where the
-zero point lives (``zero_point_domain``), the granularity, range overrides and the numerical
-convention. Invalid specs raise ValueError naming the field, at construction.
-
-Conventions select bit-exact formulas where libraries differ:
-
-- ``"torch_ao"`` (default): ``torch.ao.quantization`` observers' ``_calculate_qparams``: the range
-  always contains zero, ``scale = max(range / (qmax - qmin), eps)``, integer zero points are
-  ``qmin - round(min / scale)`` clamped to the range.
-- ``"compressed_tensors"``: compressed-tensors' ``calculate_qparams``: no eps floor before the
-  zero point, zero scales replaced by the scale dtype's eps afterwards, zero points rounded last.
+zero point lives (``zero_point_domain``), the granularity, range overrides and the library
+convention whose arithmetic it reproduces (`qstats.conventions`: ``"torch_ao"``, the default,
+``"compressed_tensors"``, ``"torchao"``). Invalid specs raise ValueError naming the field, at
+construction. `preset` names the deployment formats (NVFP4, MX, DeepSeek fp8).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
+from . import conventions
+from ._formats import COMPUTE_DTYPES, GLOBAL_SCALE_FORMULAS, SCALE_ROUNDINGS, validate as validate_formats
 from ._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
 from ._torch_features import torch_dtype
+from .conventions import Convention, compressed_tensors, torch_ao, torchao
 
-__all__ = ["QuantSpec", "FloatFormat", "float_format"]
+__all__ = ["QuantSpec", "FloatFormat", "float_format", "preset", "PRESETS"]
 
 _FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
 _FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
@@ -32,10 +29,19 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 MAPPINGS = ("symmetric", "asymmetric", "symmetric_no_clipping_err", "narrow")
 ZERO_POINT_DOMAINS = ("int", "float", "none")
-CONVENTIONS = ("torch_ao", "compressed_tensors", "torchao")
 NONFINITE_POLICIES = ("ignore", "raise")
 UNCALIBRATED_POLICIES = ("raise", "fallback")
 SCALE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "e8m0")
+_CHOICES = {
+    "mapping": MAPPINGS,
+    "zero_point_domain": ZERO_POINT_DOMAINS,
+    "nonfinite": NONFINITE_POLICIES,
+    "on_uncalibrated": UNCALIBRATED_POLICIES,
+    "scale_dtype": SCALE_DTYPES,
+    "scale_rounding": SCALE_ROUNDINGS,
+    "global_scale_formula": GLOBAL_SCALE_FORMULAS,
+    "compute_dtype": COMPUTE_DTYPES,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +104,31 @@ def _parse_int_dtype(name: str) -> Optional[tuple[bool, int]]:
     return match.group(1) == "", int(match.group(2))
 
 
+def _dtype_name(dtype) -> str:
+    """``QuantSpec.dtype`` as a target name (a torch dtype is normalised), checked."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _TORCH_DTYPE_NAMES:
+            raise ValueError(f"QuantSpec.dtype: torch dtype {dtype} is not a quantization target")
+        dtype = _TORCH_DTYPE_NAMES[dtype]
+    if not isinstance(dtype, str):
+        raise ValueError(f"QuantSpec.dtype must be a string or torch dtype, got {dtype!r}")
+    parsed = _parse_int_dtype(dtype)
+    if parsed is None and dtype not in _FLOAT_FORMATS:
+        raise ValueError(
+            f"QuantSpec.dtype: unknown target {dtype!r}; use 'int<bits>', 'uint<bits>' or one of "
+            f"{sorted(_FLOAT_FORMATS)}"
+        )
+    if parsed is not None:
+        signed, bits = parsed
+        if not (1 <= bits <= 16 or (bits == 32 and signed)):
+            raise ValueError(f"QuantSpec.dtype: integer targets have 1 to 16 bits (or are int32), got {dtype!r}")
+    return dtype
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
     """A quantization target. Frozen and hashable: it is static configuration, never state.
@@ -116,7 +147,9 @@ class QuantSpec:
       eps: smallest scale (float32-rounded).
       scale_dtype: dtype the scale is rounded to (``"float32"``, ``"bfloat16"``, ``"float16"``,
         ``"float8_e4m3fn"``).
-      convention: ``"torch_ao"``, ``"compressed_tensors"`` or ``"torchao"`` (see module docs).
+      convention: the library whose arithmetic the spec reproduces: ``"torch_ao"``,
+        ``"compressed_tensors"``, ``"torchao"`` or a `qstats.conventions.Convention`; held as the
+        Convention (which compares equal to its name).
       nonfinite: ``"ignore"`` (default: NaN/Inf are left out of statistics and counted) or
         ``"raise"`` (ValueError on a non-finite value; reads the value on the host).
       on_uncalibrated: ``"raise"`` (default: `compute_qparams` raises when a parameter saw no
@@ -151,7 +184,7 @@ class QuantSpec:
     reduce_range: bool = False
     eps: float = _FLOAT32_EPS
     scale_dtype: str = "float32"
-    convention: str = "torch_ao"
+    convention: Union[str, Convention] = "torch_ao"
     nonfinite: str = "ignore"
     on_uncalibrated: str = "raise"
     symmetric_zero_point: Optional[int] = None
@@ -160,121 +193,79 @@ class QuantSpec:
     compute_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        dtype = self.dtype
-        if isinstance(dtype, torch.dtype):
-            if dtype not in _TORCH_DTYPE_NAMES:
-                raise ValueError(f"QuantSpec.dtype: torch dtype {dtype} is not a quantization target")
-            dtype = _TORCH_DTYPE_NAMES[dtype]
-            object.__setattr__(self, "dtype", dtype)
-        if not isinstance(dtype, str):
-            raise ValueError(f"QuantSpec.dtype must be a string or torch dtype, got {dtype!r}")
-        parsed = _parse_int_dtype(dtype)
-        if parsed is not None:
-            signed, bits = parsed
-            if not (1 <= bits <= 16 or (bits == 32 and signed)):
-                raise ValueError(
-                    f"QuantSpec.dtype: integer targets have 1 to 16 bits (or are int32), got {dtype!r}"
-                )
-        elif dtype not in _FLOAT_FORMATS:
-            raise ValueError(
-                f"QuantSpec.dtype: unknown target {dtype!r}; use 'int<bits>', 'uint<bits>' or one of "
-                f"{sorted(_FLOAT_FORMATS)}"
-            )
-        if self.mapping not in MAPPINGS:
-            raise ValueError(f"QuantSpec.mapping must be one of {MAPPINGS}, got {self.mapping!r}")
-        if self.zero_point_domain not in ZERO_POINT_DOMAINS:
-            raise ValueError(
-                f"QuantSpec.zero_point_domain must be one of {ZERO_POINT_DOMAINS}, got {self.zero_point_domain!r}"
-            )
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype))
+        try:
+            object.__setattr__(self, "convention", conventions.lookup(self.convention))
+        except ValueError as error:
+            raise ValueError(f"QuantSpec.{error}") from None
+        self._check_choices()
+        self._check_eps()
+        self._check_custom_range()
+        self._check_target()
+        self.convention.validate(self)
+        validate_formats(self)
+
+    def _check_choices(self) -> None:
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"QuantSpec.{name} must be one of {choices}, got {value!r}")
         if not isinstance(self.granularity, Granularity):
             raise ValueError(f"QuantSpec.granularity must be a Granularity, got {self.granularity!r}")
         self.granularity.validate()
-        if self.convention not in CONVENTIONS:
-            raise ValueError(f"QuantSpec.convention must be one of {CONVENTIONS}, got {self.convention!r}")
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"QuantSpec.nonfinite must be one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
-        if self.on_uncalibrated not in UNCALIBRATED_POLICIES:
-            raise ValueError(
-                f"QuantSpec.on_uncalibrated must be one of {UNCALIBRATED_POLICIES}, got {self.on_uncalibrated!r}"
-            )
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise ValueError(f"QuantSpec.scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if not isinstance(self.reduce_range, bool):
             raise ValueError(f"QuantSpec.reduce_range must be a bool, got {self.reduce_range!r}")
-        if not (
-            isinstance(self.eps, (int, float))
-            and not isinstance(self.eps, bool)
-            and 0 < self.eps <= _FLOAT32_MAX  # also rules out NaN and inf
-        ):
-            raise ValueError(f"QuantSpec.eps must be a positive, finite float32 value, got {self.eps!r}")
-        if self.eps < _FLOAT32_TINY:
+
+    def _check_eps(self) -> None:
+        eps = self.eps
+        # the comparison also rules out NaN and inf
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps <= _FLOAT32_MAX):
+            raise ValueError(f"QuantSpec.eps must be a positive, finite float32 value, got {eps!r}")
+        if eps < _FLOAT32_TINY:
             raise ValueError(
                 f"QuantSpec.eps must be at least {_FLOAT32_TINY:.4g} (the smallest normal float32, so that "
-                f"1 / scale stays finite), got {self.eps!r}"
+                f"1 / scale stays finite), got {eps!r}"
             )
+
+    def _check_custom_range(self) -> None:
         if (self.quant_min is None) != (self.quant_max is None):
             raise ValueError("QuantSpec.quant_min and QuantSpec.quant_max must be given together")
-        if self.quant_min is not None:
-            for name in ("quant_min", "quant_max"):
-                value = getattr(self, name)
-                if not isinstance(value, int) or isinstance(value, bool):
-                    raise ValueError(f"QuantSpec.{name} must be an int, got {value!r}")
-            if not self.quant_min <= 0 <= self.quant_max:
-                raise ValueError(
-                    f"QuantSpec.quant_min/quant_max: the range [{self.quant_min}, {self.quant_max}] must contain 0"
-                )
-            if self.quant_min >= self.quant_max:
-                raise ValueError(
-                    f"QuantSpec.quant_min ({self.quant_min}) must be smaller than quant_max ({self.quant_max})"
-                )
+        if self.quant_min is None:
+            return
+        for name in ("quant_min", "quant_max"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"QuantSpec.{name} must be an int, got {getattr(self, name)!r}")
+        if not self.quant_min <= 0 <= self.quant_max:
+            raise ValueError(
+                f"QuantSpec.quant_min/quant_max: the range [{self.quant_min}, {self.quant_max}] must contain 0"
+            )
+        if self.quant_min >= self.quant_max:
+            raise ValueError(
+                f"QuantSpec.quant_min ({self.quant_min}) must be smaller than quant_max ({self.quant_max})"
+            )
+
+    def _check_target(self) -> None:
+        """The mapping, zero point and range against the element format."""
+        dtype, zero = self.dtype, self.symmetric_zero_point
+        if zero is not None and not _is_int(zero):
+            raise ValueError(f"QuantSpec.symmetric_zero_point must be an int, got {zero!r}")
         if self.is_float:
-            if self.mapping == "asymmetric" and self.convention != "compressed_tensors":
-                raise ValueError(f"QuantSpec.mapping: float target {dtype!r} supports symmetric mappings only")
             if self.zero_point_domain == "float":
                 raise ValueError(f"QuantSpec.zero_point_domain: float target {dtype!r} has no float zero point")
-        else:
-            lo, hi = self._native_range()
-            if self.quant_min is not None and self.convention != "torch_ao":
-                if self.quant_min < lo or self.quant_max > hi:
-                    raise ValueError(
-                        f"QuantSpec.quant_min/quant_max: [{self.quant_min}, {self.quant_max}] exceeds the "
-                        f"range [{lo}, {hi}] of {dtype!r}"
-                    )
-        if self.mapping in ("symmetric_no_clipping_err", "narrow") and not self.is_float and not self.is_signed:
-            raise ValueError(f"QuantSpec.mapping {self.mapping!r} needs a signed target, got {dtype!r}")
-        if not self.is_float:
-            if self.reduce_range and self.quant_min is None and self.bits < 2:
-                raise ValueError(f"QuantSpec.reduce_range: {dtype!r} has one bit, nothing to halve")
-            qmin, qmax = self.qrange
-            if not qmin < qmax:
-                raise ValueError(
-                    f"QuantSpec: dtype {dtype!r}, mapping {self.mapping!r}, reduce_range {self.reduce_range}"
-                    f" and quant_min/quant_max ({self.quant_min}, {self.quant_max}) leave the range "
-                    f"[{qmin}, {qmax}], which holds fewer than two values"
-                )
-            float_zero = self.zero_point_domain == "float" and self.mapping == "asymmetric"
-            if float_zero and self.convention in ("torch_ao", "torchao") and qmin != 0:
-                raise ValueError(
-                    f"QuantSpec.zero_point_domain: the {self.convention} float zero point puts the observed "
-                    f"minimum at code 0, so the range [{qmin}, {qmax}] of {dtype!r} would clip the data above "
-                    f"min + {qmax} steps; use an unsigned target or quant_min=0 (torch.ao and torchao take float "
-                    "zero points with unsigned targets), or convention='compressed_tensors'"
-                )
-        if self.symmetric_zero_point is not None:
-            zero = self.symmetric_zero_point
-            if not isinstance(zero, int) or isinstance(zero, bool):
-                raise ValueError(f"QuantSpec.symmetric_zero_point must be an int, got {zero!r}")
-            if self.is_float:
+            if zero is not None:
                 raise ValueError(f"QuantSpec.symmetric_zero_point {zero}: float target {dtype!r} has no zero point")
-            lo, hi = self.qrange
-            # torch.ao's fixed zero points (128 for uint8, 2**15 for uint16) stay when reduce_range
-            # or a custom range leaves them outside the range: from_torch_ao reproduces that
-            torch_ao_fixed = self.convention == "torch_ao" and zero in (128, 2**15)
-            if not (lo <= zero <= hi or torch_ao_fixed):
-                raise ValueError(f"QuantSpec.symmetric_zero_point {zero} lies outside the range [{lo}, {hi}]")
-        from . import _formats
-
-        _formats.validate(self)
+            return
+        if self.mapping in ("symmetric_no_clipping_err", "narrow") and not self.is_signed:
+            raise ValueError(f"QuantSpec.mapping {self.mapping!r} needs a signed target, got {dtype!r}")
+        if self.reduce_range and self.quant_min is None and self.bits < 2:
+            raise ValueError(f"QuantSpec.reduce_range: {dtype!r} has one bit, nothing to halve")
+        qmin, qmax = self.qrange
+        if not qmin < qmax:
+            raise ValueError(
+                f"QuantSpec: dtype {dtype!r}, mapping {self.mapping!r}, reduce_range {self.reduce_range}"
+                f" and quant_min/quant_max ({self.quant_min}, {self.quant_max}) leave the range "
+                f"[{qmin}, {qmax}], which holds fewer than two values"
+            )
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -299,7 +290,9 @@ class QuantSpec:
     def float_format(self) -> Optional[FloatFormat]:
         return _FLOAT_FORMATS.get(self.dtype)
 
-    def _native_range(self) -> tuple[int, int]:
+    @property
+    def dtype_range(self) -> tuple[int, int]:
+        """The integer dtype's own range ``(lo, hi)``, before overrides and ``reduce_range``."""
         signed, bits = _parse_int_dtype(self.dtype)
         if signed:
             return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
@@ -314,7 +307,7 @@ class QuantSpec:
         if self.quant_min is not None:
             lo, hi = self.quant_min, self.quant_max
         else:
-            lo, hi = self._native_range()
+            lo, hi = self.dtype_range
         if self.reduce_range:
             if self.quant_min is not None:
                 lo, hi = lo // 2, hi // 2
@@ -363,13 +356,9 @@ class QuantSpec:
         """The spec whose `compute_qparams` equals torch.ao's observers' ``calculate_qparams``.
 
         Accepts exactly what torch.ao's MinMax/MovingAverage/PerChannel observers accept and
-        raises ValueError for every combination they refuse.
+        raises ValueError for every combination they refuse (``qstats/conventions/torch_ao.py``).
         """
-        from . import _compat_torch_ao
-
-        return _compat_torch_ao.spec_from_torch_ao(
-            cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis, overrides
-        )
+        return torch_ao.from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis, overrides)
 
     @classmethod
     def from_compressed_tensors(cls, args, **overrides) -> "QuantSpec":
@@ -379,9 +368,7 @@ class QuantSpec:
         Pass ``observed_dtype=weight.dtype`` for bfloat16/float16 weights: compressed-tensors
         computes their qparams (and stores their scales) in that dtype.
         """
-        from . import _compat_compressed_tensors
-
-        return _compat_compressed_tensors.spec_from_compressed_tensors(cls, args, overrides)
+        return compressed_tensors.from_compressed_tensors(cls, args, overrides)
 
     @classmethod
     def from_torchao(cls, target_dtype=None, **kwargs) -> "QuantSpec":
@@ -391,12 +378,38 @@ class QuantSpec:
         ``granularity`` or ``block_size`` with ``shape``, ``zero_point_domain``, ``quant_min``,
         ``quant_max``, ``eps``, ``scale_dtype``, ``input_dtype``); MX takes ``to_mx``'s
         (``elem_dtype``, ``block_size``, ``scaling_mode``); NVFP4 takes ``nvfp4=True`` (and
-        ``per_tensor_scale=True``). See ``qstats/_compat_torchao.py``.
+        ``per_tensor_scale=True``). See ``qstats/conventions/torchao.py``.
         """
-        from . import _compat_torchao
-
-        return _compat_torchao.spec_from_torchao(cls, target_dtype, kwargs)
+        return torchao.from_torchao(cls, target_dtype, kwargs)
 
 
-# Granularities re-exported here for convenience in type checks.
-_GRANULARITIES = (PerTensor, PerAxis, PerGroup, PerBlock, PerToken, TensorGroup)
+def preset(name: str, **overrides) -> QuantSpec:
+    """A QuantSpec for a named deployment format.
+
+    ``"nvfp4"`` (fp4_e2m1, TensorGroup(16), float8_e4m3fn block scales, fp32 global scale),
+    ``"mxfp8"`` (fp8_e4m3fn), ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"``, ``"mxfp6_e3m2"``, ``"mxfp4"``
+    (PerGroup(32), e8m0 scales), ``"fp8_block"`` (DeepSeek weights: PerBlock((128, 128))),
+    ``"fp8_group"`` (DeepSeek activations: PerGroup(128), 1x128), ``"fp8_token"`` (per-token
+    dynamic). Keyword overrides replace fields (``scale_rounding="rceil"``, ...).
+
+    >>> preset("mxfp4").granularity
+    PerGroup(group_size=32)
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    return QuantSpec(**{**PRESETS[name], **overrides})
+
+
+_MX = dict(granularity=PerGroup(32), scale_dtype="e8m0", zero_point_domain="none")
+_FP8 = dict(dtype="fp8_e4m3fn", zero_point_domain="none")
+PRESETS = {
+    "nvfp4": dict(dtype="fp4_e2m1", granularity=TensorGroup(16), scale_dtype="float8_e4m3fn", zero_point_domain="none"),
+    "mxfp8": dict(dtype="fp8_e4m3fn", **_MX),
+    "mxfp8_e5m2": dict(dtype="fp8_e5m2", **_MX),
+    "mxfp6_e2m3": dict(dtype="fp6_e2m3", **_MX),
+    "mxfp6_e3m2": dict(dtype="fp6_e3m2", **_MX),
+    "mxfp4": dict(dtype="fp4_e2m1", **_MX),
+    "fp8_block": dict(granularity=PerBlock((128, 128)), **_FP8),
+    "fp8_group": dict(granularity=PerGroup(128), **_FP8),
+    "fp8_token": dict(granularity=PerToken(), **_FP8),
+}

@@ -82,26 +82,7 @@ def _check_spec(spec) -> None:
     # in float32 with the zero point in code units, whatever the convention (other conventions' order
     # of operations and compute dtypes only change ties). Specs whose parameters mean something else
     # are refused: `lsq_init` would hand LSQ a range it reads differently.
-    if spec.convention == "torchao" and spec.zero_point_domain == "float":
-        raise ValueError(
-            "lsq: spec.zero_point_domain='float' with spec.convention='torchao' puts the zero point in "
-            "the input's units (x = (q - mid_point) * scale + zero_point); learnable ranges need "
-            "convention='torch_ao' (a float zero point in code units) or zero_point_domain='int'"
-        )
-    if spec.convention == "compressed_tensors":
-        signed_range = (-(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1)
-        if tuple(spec.qrange) != signed_range:
-            raise ValueError(
-                f"lsq: compressed-tensors clamps {spec.bits}-bit codes to {signed_range} (its zero points "
-                f"are in that range), but spec.dtype={spec.dtype!r} with mapping={spec.mapping!r} has "
-                f"qrange {tuple(spec.qrange)}; use a signed dtype with mapping 'symmetric' or "
-                "'asymmetric', or convention='torch_ao'"
-            )
-        if spec.mapping == "asymmetric" and spec.zero_point_domain == "none":
-            raise ValueError(
-                "lsq: compressed-tensors keeps an asymmetric spec's zero point even with "
-                "spec.zero_point_domain='none'; use zero_point_domain='int'"
-            )
+    spec.convention.check_lsq(spec)
 
 
 def lsq_grad_factor(x_numel: int, params_numel: int, spec: QuantSpec, grad_scale) -> float:

@@ -146,7 +146,7 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
         chunks = [(slice(None), slice(None), slice(a, b)) for a, b in _chunk_bounds(group, max(1, _CHUNK // observations))]
     # compressed-tensors specs on bf16/fp16 inputs, without an importance: the error of every value
     # in the input's dtype and its sum rounded to it once, as llm-compressor's MSE observers form them
-    native_error = native is not None and importance is None and spec.convention == "compressed_tensors"
+    native_error = native is not None and importance is None
     rows = [
         _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, compute_dtype, zero_free, native,
                       native_error)
@@ -163,11 +163,11 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
 
 
 def _computes_natively(spec: QuantSpec, dtype: torch.dtype) -> bool:
-    """True for bf16/fp16 inputs under a compressed-tensors spec computing in that dtype
-    (``from_compressed_tensors(args, observed_dtype=...)``), whose mse search llm-compressor runs in
-    the input's dtype."""
+    """True for bf16/fp16 inputs under a spec whose convention computes in the observed dtype
+    (compressed-tensors: ``from_compressed_tensors(args, observed_dtype=...)``), whose mse search
+    llm-compressor runs in the input's dtype."""
     return (
-        spec.convention == "compressed_tensors"
+        spec.convention.computes_in_observed_dtype
         and dtype in (torch.bfloat16, torch.float16)
         and spec.compute_dtype == str(dtype).removeprefix("torch.")
     )

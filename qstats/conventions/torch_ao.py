@@ -1,9 +1,9 @@
-"""QuantSpec.from_torch_ao: torch.ao.quantization observer arguments -> QuantSpec.
+"""The torch.ao convention (``"torch_ao"``, the default) and `from_torch_ao`.
 
-Mirrors the validation and the range arithmetic of ``UniformQuantizationObserverBase``,
-``MinMaxObserver`` and ``PerChannelMinMaxObserver`` (torch/ao/quantization/observer.py and
-``calculate_qmin_qmax`` in utils.py), so that `compute_qparams` reproduces their
-``calculate_qparams`` bit for bit, quirks included:
+`from_torch_ao` mirrors the validation and the range arithmetic of
+``UniformQuantizationObserverBase``, ``MinMaxObserver`` and ``PerChannelMinMaxObserver``
+(torch/ao/quantization/observer.py and ``calculate_qmin_qmax`` in utils.py), so that
+`compute_qparams` reproduces their ``calculate_qparams`` bit for bit, quirks included:
 
 - float8 and quint4x2 observers compute with the fallback range (0, 15) and a zero point of 0;
 - symmetric uint8 uses zero point 128 unless a custom range is given (then the lower midpoint),
@@ -15,13 +15,19 @@ usable parameters: an affine custom range outside int32 (torch.ao's ``calculate_
 symmetric one whose zero point is outside int32 (``(0, 2**32)`` on uint8 gives 2**31), and a custom
 range that ``reduce_range`` halves to a single value (torch.ao returns an Inf or NaN scale). An
 ``eps`` that is not positive is refused by QuantSpec (torch.ao can then return a zero scale).
+
+The range arithmetic is `Convention`'s; the codes are those of torch's fake-quant kernels (see
+`TorchAOConvention`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._granularity import PerAxis, PerTensor
+from .._granularity import PerAxis, PerTensor
+from .default import Convention, check_float_mapping, check_float_zero_point, check_symmetric_zero_point
+
+__all__ = ["TorchAOConvention", "from_torch_ao"]
 
 _ALLOWED_DTYPES = (
     torch.qint8,
@@ -78,7 +84,9 @@ def _torch_ao_range(dtype, quant_min, quant_max, reduce_range):
     return custom, lo, hi
 
 
-def spec_from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis, overrides):
+def from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis, overrides):
+    """The ``cls`` (QuantSpec) whose `compute_qparams` equals torch.ao's observers'
+    ``calculate_qparams`` (see `QuantSpec.from_torch_ao`)."""
     if dtype not in _ALLOWED_DTYPES:
         raise ValueError(f"from_torch_ao: dtype {dtype} is not accepted by torch.ao observers ({_ALLOWED_DTYPES})")
     if qscheme not in _PER_TENSOR + _PER_CHANNEL:
@@ -145,50 +153,67 @@ def spec_from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, 
 # ``(clamp(q) - zero_point) * scale`` evaluated in double and rounded once; with float zero points
 # (per_channel_affine_float_qparams) ``q = round(x * (1 / scale) + zero_point)`` with a fused
 # multiply-add. For integer zero points and ranges within 2**24 every one of these equals the plain
-# float32 formula of qstats/_quant.py; float zero points and wider ranges (int32) take the functions
-# below. Not reproduced: torch's per-channel kernels cast ``x / scale`` to int64 before clamping, so
-# values beyond 2**63 (infinities included) land on quant_min; qstats clamps them to the nearest
-# end, as torch's per-tensor kernel does (from torch 2.9 on; before, it casts like the per-channel ones).
+# float32 formula of `Convention`; float zero points and wider ranges (int32) take the exact kernel
+# arithmetic below. Not reproduced: torch's per-channel kernels cast ``x / scale`` to int64 before
+# clamping, so values beyond 2**63 (infinities included) land on quant_min; qstats clamps them to
+# the nearest end, as torch's per-tensor kernel does (from torch 2.9 on; before, it casts like the
+# per-channel ones).
 _FLOAT32_EXACT_INTEGERS = 2**24
 
 
-def handles_codes(spec) -> bool:
-    """True for torch.ao integer specs whose fake quantization needs the exact kernel arithmetic."""
-    if spec.convention != "torch_ao" or spec.is_float:
+def _exact_kernel(spec) -> bool:
+    """True for integer specs whose fake quantization needs the exact kernel arithmetic."""
+    if spec.is_float:
         return False
     qmin, qmax = spec.qrange
     return spec.zero_point_domain == "float" or max(-qmin, qmax) > _FLOAT32_EXACT_INTEGERS
 
 
-def gradient_range(spec) -> tuple:
-    """The range against which torch's fake-quant kernels test a code for the straight-through
-    gradient: the per-tensor kernel compares its float32 code with the bounds converted to
-    float32 (2**31 - 1 becomes 2**31), the per-channel one compares int64 codes, exactly."""
-    qmin, qmax = spec.qrange
-    if handles_codes(spec) and isinstance(spec.granularity, PerTensor):
-        return tuple(float(torch.tensor(float(b), dtype=torch.float32)) for b in (qmin, qmax))
-    return qmin, qmax
+class TorchAOConvention(Convention):
+    """torch.ao's observers and fake-quant kernels, bit for bit. Custom ranges may exceed the
+    dtype's own (`from_torch_ao` picks the dtype), and torch.ao's fixed symmetric zero points
+    (128 for uint8, 2**15 for uint16) stay where ``reduce_range`` or a custom range leaves them
+    outside the range."""
 
+    name = "torch_ao"
 
-def codes(v: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec):
-    """``(unclamped, codes)`` of float32 ``v`` as float64 (exact for every int32 code)."""
-    qmin, qmax = spec.qrange
-    if spec.zero_point_domain == "float":
-        # lrintf(zero_point + x * inv_scale): compilers contract it to one fused multiply-add
-        # (x86 AVX2/AVX512 and aarch64 builds of torch), i.e. the exact value rounded once to
-        # float32; float64 holds the exact product, and rounds the sum once more only where it
-        # needs more than 53 bits.
-        inv_scale = (1.0 / scale).double()
-        unclamped = torch.round((v.double() * inv_scale + zero_point.double()).float())
-    else:
-        unclamped = torch.round(v * (1.0 / scale)) + zero_point.float()
-    unclamped = unclamped.double()
-    return unclamped, unclamped.clamp(qmin, qmax)
+    def validate(self, spec) -> None:
+        check_float_mapping(spec)
+        check_float_zero_point(spec, self.name)
+        check_symmetric_zero_point(spec, fixed=(128, 2**15))
 
+    def codes(self, view, scale, zero_point, spec):
+        """As `Convention.codes`; with the exact kernel arithmetic, float64 codes (exact for
+        every int32 code)."""
+        if not _exact_kernel(spec):
+            return super().codes(view, scale, zero_point, spec)
+        v = view.float()
+        if spec.zero_point_domain == "float":
+            # lrintf(zero_point + x * inv_scale): compilers contract it to one fused multiply-add
+            # (x86 AVX2/AVX512 and aarch64 builds of torch), i.e. the exact value rounded once to
+            # float32; float64 holds the exact product, and rounds the sum once more only where it
+            # needs more than 53 bits.
+            inv_scale = (1.0 / scale).double()
+            unclamped = torch.round((v.double() * inv_scale + zero_point.double()).float())
+        else:
+            unclamped = torch.round(v * (1.0 / scale)) + zero_point.float()
+        unclamped = unclamped.double()
+        return unclamped, unclamped.clamp(*spec.qrange)
 
-def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec) -> torch.Tensor:
-    """float32 values of (float64 or integer) ``codes``, rounded as torch's fake-quant kernels."""
-    difference = codes.double() - zero_point.double()
-    if isinstance(spec.granularity, PerTensor) and spec.zero_point_domain != "float":
-        return difference.float() * scale
-    return (difference * scale.double()).float()
+    def dequantize(self, codes, scale, zero_point, spec):
+        """As `Convention.dequantize`; with the exact kernel arithmetic, rounded as torch's
+        kernels (integer or float64 codes)."""
+        if not _exact_kernel(spec):
+            return super().dequantize(codes, scale, zero_point, spec)
+        difference = codes.double() - zero_point.double()
+        if isinstance(spec.granularity, PerTensor) and spec.zero_point_domain != "float":
+            return difference.float() * scale
+        return (difference * scale.double()).float()
+
+    def gradient_range(self, spec) -> tuple:
+        """The range against which torch's fake-quant kernels test a code: the per-tensor kernel
+        compares its float32 code with the bounds converted to float32 (2**31 - 1 becomes 2**31),
+        the per-channel one compares int64 codes, exactly."""
+        if _exact_kernel(spec) and isinstance(spec.granularity, PerTensor):
+            return tuple(float(torch.tensor(float(b), dtype=torch.float32)) for b in spec.qrange)
+        return super().gradient_range(spec)

@@ -1,4 +1,4 @@
-"""QuantSpec.from_torchao and torchao's quantization arithmetic.
+"""The torchao convention (``"torchao"``) and `from_torchao`: torchao's quantization arithmetic.
 
 Three families of torchao arguments map onto a QuantSpec with ``convention="torchao"``:
 
@@ -35,8 +35,12 @@ from __future__ import annotations
 
 import torch
 
-from ._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
-from ._torch_features import torch_dtype
+from .._formats import E8M0_MIN
+from .._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
+from .._torch_features import torch_dtype
+from .default import Convention
+
+__all__ = ["TorchaoConvention", "from_torchao"]
 
 _MAPPINGS = {
     "SYMMETRIC": "symmetric",
@@ -131,7 +135,9 @@ def _granularity(kwargs) -> Granularity:
     raise ValueError(f"from_torchao: block_size {block_size} for shape {shape} has no qstats granularity")
 
 
-def spec_from_torchao(cls, target_dtype, kwargs):
+def from_torchao(cls, target_dtype, kwargs):
+    """The ``cls`` (QuantSpec) whose `compute_qparams` and `quantize` equal torchao's for these
+    arguments (see `QuantSpec.from_torchao`)."""
     kwargs = dict(kwargs)
     overrides = kwargs.pop("overrides", {})
     kind = type(target_dtype).__name__
@@ -266,56 +272,28 @@ def _affine_spec(cls, target_dtype, kwargs, overrides):
     return cls(**fields)
 
 
+
 # --------------------------------------------------------------------------------------------
 # arithmetic
+_DTYPE_BY_NAME = {name: dtype for dtype, name in _FLOAT_NAMES.items()}
+_FLOAT32_MIN_NORMAL = float(torch.finfo(torch.float32).tiny)
+
+
 def _dtypes(spec):
+    """The dtypes torchao computes in: the input's (``compute_dtype``) and the scale's (float32
+    for float8 and e8m0 scales)."""
     compute = getattr(torch, spec.compute_dtype)
-    scale_dtype = getattr(torch, spec.scale_dtype) if spec.scale_dtype in _DTYPE_BY_NAME else torch.float32
+    scale_dtype = _DTYPE_BY_NAME.get(spec.scale_dtype, torch.float32)
     return compute, scale_dtype
 
 
-_DTYPE_BY_NAME = {name: dtype for dtype, name in _FLOAT_NAMES.items()}
-
-
-def torchao_qparams(min_val, max_val, spec):
-    """``(scale, zero_point)`` as torchao's ``choose_qparams_affine`` (INT/NONE domains) or
-    ``_choose_qparams_affine_tinygemm`` (FLOAT domain), from an observed range, operation by
-    operation in ``spec.compute_dtype`` (torchao computes in the input's dtype; the extremes of a
-    bf16 tensor are exact in any wider dtype, so the float32 state loses nothing)."""
-    from ._qparams import _torch_ao
-
-    if spec.is_float:
-        return _torch_ao(min_val, max_val, spec)
-    compute, scale_dtype = _dtypes(spec)
-    min_val, max_val = min_val.to(compute), max_val.to(compute)
-    qmin, qmax = spec.qrange
-    if spec.zero_point_domain == "float":
-        scale = (max_val - min_val) / float(qmax - qmin)
-        scale = torch.clamp(scale, min=spec.eps)
-        mid_point = (qmax + qmin + 1) / 2
-        zero_point = min_val + scale * mid_point
-        return _to_scale_dtype(scale, scale_dtype), zero_point.float()
-    min_val_neg = torch.min(min_val, torch.zeros_like(min_val))
-    max_val_pos = torch.max(max_val, torch.zeros_like(max_val))
-    if spec.mapping in ("symmetric", "narrow", "symmetric_no_clipping_err"):
-        if spec.mapping == "symmetric_no_clipping_err":
-            smin = min_val_neg / float(qmin)
-            smax = max_val_pos / float(qmax)
-            scale = torch.where(smin > smax, smin, smax)
-        else:
-            max_val_pos = torch.max(-min_val_neg, max_val_pos)
-            scale = max_val_pos / (float(qmax - qmin) / 2)
-        zero_point = torch.full_like(scale, spec.zero_point_of_symmetric)
-        scale = torch.clamp(scale, min=spec.eps)
-    else:
-        scale = (max_val_pos - min_val_neg) / float(qmax - qmin)
-        scale = torch.clamp(scale, min=spec.eps)
-        zero_point = qmin - torch.round(min_val_neg / scale)
-        zero_point = torch.clamp(zero_point, qmin, qmax)
-    zero_point = zero_point.to(torch.int32)
-    if spec.zero_point_domain == "none":
-        zero_point = torch.zeros_like(zero_point)
-    return _to_scale_dtype(scale, scale_dtype), zero_point
+def _own_arithmetic(spec) -> bool:
+    """True where torchao's quantize arithmetic differs from `Convention`'s float32 integer codes:
+    the float zero-point domain (tinygemm), bf16/fp16 compute dtypes, and bf16/fp16 scales
+    (torchao takes ``1.0 / scale`` in the scale's dtype)."""
+    return not spec.is_float and (
+        spec.zero_point_domain == "float" or spec.compute_dtype != "float32" or _dtypes(spec)[1] != torch.float32
+    )
 
 
 def _to_scale_dtype(scale, scale_dtype):
@@ -327,52 +305,99 @@ def _to_scale_dtype(scale, scale_dtype):
     return scale.to(scale_dtype).float()
 
 
-def handles_codes(spec) -> bool:
-    """True where torchao's quantize arithmetic differs from the float32 integer path: the float
-    zero-point domain (tinygemm), bf16/fp16 compute dtypes, and bf16/fp16 scales (torchao takes
-    ``1.0 / scale`` in the scale's dtype)."""
-    return (
-        spec.convention == "torchao"
-        and not spec.is_float
-        and (spec.zero_point_domain == "float" or spec.compute_dtype != "float32" or _dtypes(spec)[1] != torch.float32)
-    )
+class TorchaoConvention(Convention):
+    """torchao's ``choose_qparams_affine`` / ``quantize_affine`` family in its dtypes, and its MX,
+    NVFP4 and float8 scale arithmetic. Float targets take `Convention`'s range formulas."""
 
+    name = "torchao"
 
-def torchao_codes(view, scale, zero_point, spec):
-    """torchao's ``_quantize_affine*_no_dtype_cast`` in its dtypes: the input in
-    ``compute_dtype``, the scale in ``scale_dtype`` (float32 results, integer-valued)."""
-    compute, scale_dtype = _dtypes(spec)
-    view, scale = view.to(compute), scale.to(scale_dtype)
-    qmin, qmax = spec.qrange
-    if spec.zero_point_domain == "float":
-        mid_point = (qmax + qmin + 1) / 2
-        min_val = zero_point.to(compute) - scale * mid_point
-        unclamped = torch.round((view - min_val) / scale)
-    else:
-        scaled = view * (1.0 / scale)
-        if scale_dtype == torch.float16:
-            # a float16 scale below 2**-16 (torchao's float32 eps is one) has an infinite
-            # reciprocal: torchao's 0 * Inf is NaN there; qstats maps a zero to the zero point's
-            # code (no other scale dtype's reciprocal overflows: scales are at least eps)
-            scaled = torch.where(view == 0, torch.zeros_like(scaled), scaled)
-        unclamped = torch.round(scaled)
+    def check_lsq(self, spec) -> None:
+        if spec.zero_point_domain == "float":
+            raise ValueError(
+                "lsq: spec.zero_point_domain='float' with spec.convention='torchao' puts the zero point in "
+                "the input's units (x = (q - mid_point) * scale + zero_point); learnable ranges need "
+                "convention='torch_ao' (a float zero point in code units) or zero_point_domain='int'"
+            )
+
+    def qparams(self, min_val, max_val, spec):
+        """``(scale, zero_point)`` as torchao's ``choose_qparams_affine`` (INT/NONE domains) or
+        ``_choose_qparams_affine_tinygemm`` (FLOAT domain), from an observed range, operation by
+        operation in ``spec.compute_dtype`` (torchao computes in the input's dtype; the extremes of a
+        bf16 tensor are exact in any wider dtype, so the float32 state loses nothing)."""
+        if spec.is_float:
+            return super().qparams(min_val, max_val, spec)
+        compute, scale_dtype = _dtypes(spec)
+        min_val, max_val = min_val.to(compute), max_val.to(compute)
+        qmin, qmax = spec.qrange
+        if spec.zero_point_domain == "float":
+            scale = torch.clamp((max_val - min_val) / float(qmax - qmin), min=spec.eps)
+            zero_point = min_val + scale * ((qmax + qmin + 1) / 2)
+            return _to_scale_dtype(scale, scale_dtype), zero_point.float()
+        min_val_neg = torch.min(min_val, torch.zeros_like(min_val))
+        max_val_pos = torch.max(max_val, torch.zeros_like(max_val))
+        if spec.mapping == "asymmetric":
+            scale = torch.clamp((max_val_pos - min_val_neg) / float(qmax - qmin), min=spec.eps)
+            zero_point = torch.clamp(qmin - torch.round(min_val_neg / scale), qmin, qmax)
+        else:
+            if spec.mapping == "symmetric_no_clipping_err":
+                smin = min_val_neg / float(qmin)
+                smax = max_val_pos / float(qmax)
+                scale = torch.where(smin > smax, smin, smax)
+            else:
+                scale = torch.max(-min_val_neg, max_val_pos) / (float(qmax - qmin) / 2)
+            zero_point = torch.full_like(scale, spec.zero_point_of_symmetric)
+            scale = torch.clamp(scale, min=spec.eps)
+        zero_point = zero_point.to(torch.int32)
+        if spec.zero_point_domain == "none":
+            zero_point = torch.zeros_like(zero_point)
+        return _to_scale_dtype(scale, scale_dtype), zero_point
+
+    def codes(self, view, scale, zero_point, spec):
+        """torchao's ``_quantize_affine*_no_dtype_cast`` in its dtypes: the input in
+        ``compute_dtype``, the scale in ``scale_dtype`` (float32 results, integer-valued)."""
+        if not _own_arithmetic(spec):
+            return super().codes(view, scale, zero_point, spec)
+        compute, scale_dtype = _dtypes(spec)
+        view, scale = view.float().to(compute), scale.to(scale_dtype)
+        qmin, qmax = spec.qrange
+        if spec.zero_point_domain == "float":
+            min_val = zero_point.to(compute) - scale * ((qmax + qmin + 1) / 2)
+            unclamped = torch.round((view - min_val) / scale)
+        else:
+            scaled = view * (1.0 / scale)
+            if scale_dtype == torch.float16:
+                # a float16 scale below 2**-16 (torchao's float32 eps is one) has an infinite
+                # reciprocal: torchao's 0 * Inf is NaN there; qstats maps a zero to the zero point's
+                # code (no other scale dtype's reciprocal overflows: scales are at least eps)
+                scaled = torch.where(view == 0, torch.zeros_like(scaled), scaled)
+            unclamped = torch.round(scaled)
+            if spec.zero_point_domain != "none":
+                unclamped = unclamped + zero_point
+        return unclamped.float(), unclamped.clamp(qmin, qmax).float()
+
+    def dequantize(self, codes, scale, zero_point, spec):
+        """torchao's ``_dequantize_affine*_no_dtype_check`` with ``output_dtype = compute_dtype``
+        (what torchao's fake quantization uses)."""
+        if not _own_arithmetic(spec):
+            return super().dequantize(codes, scale, zero_point, spec)
+        compute, scale_dtype = _dtypes(spec)
+        scale = scale.to(scale_dtype)
+        codes = codes.float().to(compute)
+        if spec.zero_point_domain == "float":
+            qmin, qmax = spec.qrange
+            dequant = (codes - (qmax + qmin + 1) / 2).to(compute)
+            dequant = (dequant * scale).to(compute)
+            return (dequant + zero_point.to(compute)).to(compute).float()
         if spec.zero_point_domain != "none":
-            unclamped = unclamped + zero_point
-    return unclamped.float(), unclamped.clamp(qmin, qmax).float()
+            codes = codes - zero_point.to(compute)
+        return (codes * scale).to(compute).float()
 
-
-def torchao_dequantize(codes, scale, zero_point, spec):
-    """torchao's ``_dequantize_affine*_no_dtype_check`` with ``output_dtype = compute_dtype``
-    (what torchao's fake quantization uses)."""
-    compute, scale_dtype = _dtypes(spec)
-    scale = scale.to(scale_dtype)
-    qmin, qmax = spec.qrange
-    if spec.zero_point_domain == "float":
-        mid_point = (qmax + qmin + 1) / 2
-        dequant = (codes.to(compute) - mid_point).to(compute)
-        dequant = (dequant * scale).to(compute)
-        return (dequant + zero_point.to(compute)).to(compute).float()
-    dequant = codes.to(compute)
-    if spec.zero_point_domain != "none":
-        dequant = dequant - zero_point.to(compute)
-    return (dequant * scale).to(compute).float()
+    def block_scaled(self, view, scale, spec):
+        """MX (``to_mx``): RCEIL multiplies by the reciprocal (1 for the smallest scale), the
+        other modes divide by the scale raised to the smallest normal float32; NVFP4 block scales
+        and float8 e8m0 scales (``"round"``) multiply by the reciprocal."""
+        if spec.scale_dtype == "e8m0" and spec.scale_rounding == "rceil":
+            return view * torch.where(scale == E8M0_MIN, torch.ones_like(scale), 1.0 / scale)
+        if spec.scale_dtype == "e8m0" and spec.scale_rounding != "round":
+            return view / torch.clamp(scale, min=_FLOAT32_MIN_NORMAL)
+        return view * (1.0 / scale)

@@ -1,0 +1,366 @@
+"""The compressed-tensors convention (``"compressed_tensors"``) and `from_compressed_tensors`.
+
+Reproduces ``compressed_tensors.quantization.utils.calculate_qparams`` operation by operation
+(range always contains zero; the integer range is ``[-2**(b-1), 2**(b-1) - 1]`` held as float32
+tensors; no eps floor before the zero point; zero scales become the scale dtype's eps at the end;
+zero points are rounded to the zero-point dtype last), in the dtype of the observed weight:
+``from_compressed_tensors(args, observed_dtype=torch.bfloat16)`` sets ``compute_dtype`` so that
+bfloat16 weights give compressed-tensors' bfloat16 scales and zero points. quantize/dequantize
+follow compressed-tensors' ``fake_quantize`` (divide, add the zero point, clamp, round). Under
+``torch.compile``, inductor keeps bfloat16/float16 intermediates in float32 unless
+``torch._inductor.config.emulate_precision_casts = True``; with it, compiled results are bit-equal.
+
+Not reproduced: an explicit ``scale_dtype=torch.float32`` on non-float32 weights (compressed-tensors
+then replaces zero scales by float32's eps rounded to the weight dtype; qstats uses the weight
+dtype's eps, as for ``scale_dtype=None``); the NaN zero point compressed-tensors gives an all-zero
+asymmetric float8 range (qstats: 0; with ``zp_dtype=torch.int32`` compressed-tensors' NaN becomes
+-2**31). Dynamic activations, where ``compute_dynamic_scales_and_zp`` reduces with ``aminmax`` to
+0-dim extremes: for ``strategy="tensor"`` (and ``"token"`` on a 2-D input), type promotion makes
+compressed-tensors compute an asymmetric zero point ``bit_min - min / scale`` in float32 while the
+scale stays in the activation's dtype (qstats: both in ``compute_dtype``; bfloat16/float16 zero points
+can differ by one); ``"token"`` on a 2-D ``(tokens, hidden)`` input is one scale for the whole
+tensor there and on a 4-D input one per ``(dim0, dim1)``, where qstats' `PerToken` gives one per row
+(compressed-tensors' 3-D ``(batch, seq, hidden)`` case, which qstats matches). NVFP4
+(``tensor_group``) and float 4-bit scales on bfloat16/float16 weights are reproduced: like
+compressed-tensors, qstats divides ``448 * 6 / amax``, ``amax / 6`` and ``x / scale`` in the
+weight's dtype (``compute_dtype``). Where that half arithmetic overflows to an infinite scale in
+compressed-tensors (an asymmetric span wider than the dtype holds; float32 extremes past float16's
+range), qstats clips the range so that the scale is the largest finite one. Refused with
+ValueError: what compressed-tensors refuses when calculating (asymmetric float 4-bit),
+``tensor_group`` other than float 4-bit elements with float8_e4m3fn scales (``scale_dtype=None``
+keeps float32 block scales under a global scale sized for float8 ones), a float, unsigned or too
+narrow ``zp_dtype`` for asymmetric targets, and scale dtypes other than float32, bfloat16,
+float16, float8_e4m3fn and uint8 (MX).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._granularity import PerAxis, PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
+from .default import Convention, check_range_within_dtype, check_symmetric_zero_point
+
+__all__ = ["CompressedTensorsConvention", "from_compressed_tensors", "COMPUTE_NAMES"]
+
+_FLOAT_TARGETS = {8: "fp8_e4m3fn", 4: "fp4_e2m1"}
+
+
+def _field(args, name, default=None):
+    if isinstance(args, dict):
+        return args.get(name, default)
+    return getattr(args, name, default)
+
+
+def _dtype_field(args, name):
+    """A dtype field; in a dict of fields, also as compressed-tensors serialises it
+    (``"torch.float8_e4m3fn"``), which QuantizationArgs parses."""
+    value = _field(args, name, None)
+    if isinstance(value, str):
+        parsed = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(parsed, torch.dtype):
+            return parsed
+    return value
+
+
+def _enum_value(value):
+    return getattr(value, "value", value)
+
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.uint8: "e8m0",  # MX: uint8 biased exponents (see qstats/_formats.py)
+}
+
+COMPUTE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def from_compressed_tensors(cls, args, overrides):
+    """The ``cls`` (QuantSpec) whose `compute_qparams` equals compressed-tensors'
+    ``calculate_qparams`` for ``args`` (see `QuantSpec.from_compressed_tensors`)."""
+    num_bits = int(_field(args, "num_bits", 8))
+    qtype = str(_enum_value(_field(args, "type", "int"))).lower()
+    symmetric = bool(_field(args, "symmetric", True))
+    group_size = _field(args, "group_size", None)
+    strategy = _enum_value(_field(args, "strategy", None))
+    if strategy is None:
+        # QuantizationArgs' own inference (a dict of fields has not been through it)
+        strategy = "tensor" if group_size is None else ("channel" if group_size == -1 else "group")
+    strategy = str(strategy).lower()
+    if qtype == "int":
+        dtype = f"int{num_bits}"
+    elif qtype == "float":
+        if num_bits not in _FLOAT_TARGETS:
+            raise ValueError(f"from_compressed_tensors: float targets of {num_bits} bits are not supported yet")
+        dtype = _FLOAT_TARGETS[num_bits]
+    else:
+        raise ValueError(f"from_compressed_tensors: unknown quantization type {qtype!r}")
+    if strategy == "tensor":
+        granularity = PerTensor()
+    elif strategy == "channel":
+        granularity = PerAxis(0)
+    elif strategy == "group":
+        granularity = PerGroup(int(group_size))
+    elif strategy == "tensor_group":
+        granularity = TensorGroup(int(group_size))
+    elif strategy == "block":
+        granularity = PerBlock(tuple(_field(args, "block_structure")))
+    elif strategy == "token":
+        granularity = PerToken()
+    else:
+        raise ValueError(f"from_compressed_tensors: strategy {strategy!r} is not supported")
+    scale_dtype = _dtype_field(args, "scale_dtype")
+    if scale_dtype is not None and scale_dtype not in _DTYPE_NAMES:
+        raise ValueError(
+            f"from_compressed_tensors: scale_dtype must be None or one of {sorted(map(str, _DTYPE_NAMES))}, "
+            f"got {scale_dtype!r}"
+        )
+    _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype)
+    observed_dtype = overrides.pop("observed_dtype", None)
+    compute_dtype = "float32"
+    if observed_dtype is not None:
+        # llm-compressor observes the weight in its own dtype and compressed-tensors computes the
+        # qparams (and stores the scale) in it
+        if observed_dtype not in COMPUTE_NAMES:
+            raise ValueError(
+                f"from_compressed_tensors: observed_dtype must be one of {sorted(map(str, COMPUTE_NAMES))}, "
+                f"got {observed_dtype!r}"
+            )
+        compute_dtype = COMPUTE_NAMES[observed_dtype]
+    fields = dict(
+        dtype=dtype,
+        mapping="symmetric" if symmetric else "asymmetric",
+        granularity=granularity,
+        zero_point_domain="int" if qtype == "int" else "none",
+        convention="compressed_tensors",
+        scale_dtype=_DTYPE_NAMES[scale_dtype] if scale_dtype is not None else "float32",
+        on_uncalibrated="fallback",
+        compute_dtype=compute_dtype,
+    )
+    fields.update(_low_bit_fields(fields, num_bits, qtype, group_size))
+    fields.update(overrides)
+    return cls(**fields)
+
+
+def _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype):
+    """ValueError for arguments compressed-tensors computes in a way qstats does not reproduce
+    (or refuses itself when calculating qparams)."""
+    if qtype == "float" and num_bits == 4 and not symmetric:
+        # calculate_qparams raises NotImplementedError for them
+        raise ValueError("from_compressed_tensors: symmetric=False is not supported for float 4-bit targets")
+    if strategy == "tensor_group" and not (
+        qtype == "float" and num_bits == 4 and scale_dtype == torch.float8_e4m3fn
+    ):
+        # generate_gparam scales by 448 * 6 (the FP8 and FP4 maxima) whatever the element and
+        # scale formats (also for unrounded float32 block scales, scale_dtype=None); qstats'
+        # two-level scales follow the spec's own formats (NVFP4 only)
+        raise ValueError(
+            "from_compressed_tensors: strategy 'tensor_group' is reproduced for NVFP4 only: "
+            f"type='float', num_bits=4, scale_dtype=torch.float8_e4m3fn (got type={qtype!r}, "
+            f"num_bits={num_bits}, scale_dtype={scale_dtype!r})"
+        )
+    zp_dtype = _dtype_field(args, "zp_dtype")
+    if zp_dtype is not None and not symmetric:
+        # calculate_qparams rounds the zero point to zp_dtype: a float one keeps it fractional, an
+        # unsigned or narrow one clips it; qstats rounds it to the target's signed range
+        if qtype == "float":
+            ok = zp_dtype == torch.float8_e4m3fn
+        else:
+            ok = (
+                isinstance(zp_dtype, torch.dtype)
+                and not zp_dtype.is_floating_point
+                and not zp_dtype.is_complex
+                and zp_dtype != torch.bool
+                and torch.iinfo(zp_dtype).min <= -(2 ** (num_bits - 1))
+                and torch.iinfo(zp_dtype).max >= 2 ** (num_bits - 1) - 1
+            )
+        if not ok:
+            raise ValueError(
+                f"from_compressed_tensors: zp_dtype {zp_dtype!r} is not supported for asymmetric "
+                f"{qtype}{num_bits} targets: use a signed integer dtype holding the target's range "
+                "(float8_e4m3fn for float targets)"
+            )
+
+
+def _low_bit_fields(fields, num_bits, qtype, group_size):
+    """MX (``generate_mx_scales``: float 4/8 bits, group 32, uint8 scales) and NVFP4
+    (``generate_gparam``: ``448 * 6 / amax``) conventions of compressed-tensors."""
+    extra = {}
+    if fields["scale_dtype"] == "e8m0":
+        if not (qtype == "float" and num_bits in (4, 8) and group_size == 32):
+            raise ValueError("from_compressed_tensors: uint8 scales are MX scales: float 4/8 bits, group_size 32")
+        extra["scale_rounding"] = "round_then_floor"
+    if isinstance(fields["granularity"], TensorGroup):
+        extra["global_scale_formula"] = "range_over_amax"
+    return extra
+
+
+def _code_range(spec) -> tuple:
+    """compressed-tensors' code range (``calculate_range``): the float format's, or the signed
+    ``bits``-bit range whatever the spec's own range."""
+    if spec.is_float:
+        return -spec.float_format.max, spec.float_format.max
+    half = 2.0 ** (spec.bits - 1)
+    return -half, half - 1
+
+
+def _zero_point_dtype(spec) -> torch.dtype:
+    if spec.is_float:
+        return torch.float8_e4m3fn
+    return torch.int8 if spec.bits <= 8 else (torch.int16 if spec.bits <= 16 else torch.int32)
+
+
+def _scale_eps(spec, compute) -> float:
+    """compressed-tensors' ``_get_dtype_eps`` of the scale dtype (the computation's when unset)."""
+    if spec.scale_dtype == "float8_e4m3fn":
+        return 0.125
+    if spec.scale_dtype != "float32":
+        return float(torch.finfo(getattr(torch, spec.scale_dtype)).eps)
+    return float(torch.finfo(compute).eps)
+
+
+def peak_limit(compute: torch.dtype, half_range: float) -> float:
+    """The largest peak (as a float32) whose symmetric scale ``peak / half_range`` stays finite in
+    ``compute`` (bfloat16/float16): the dtype's largest value (times ``half_range`` where that is
+    below 1), and at most half the float32 range, where every range is clipped first."""
+    limit = torch.finfo(compute).max * min(1.0, half_range)
+    return float(torch.tensor(min(limit, torch.finfo(torch.float32).max / 2), dtype=torch.float32))
+
+
+def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range):
+    """The range with zero, in ``compute``; in bfloat16/float16 first clipped so that the scale
+    stays finite (a symmetric peak, or an asymmetric span, wider than the dtype holds)."""
+    if compute != torch.float32:
+        if spec.mapping == "asymmetric":
+            limit = float(torch.tensor(torch.finfo(compute).max, dtype=torch.float32))
+        else:
+            limit = peak_limit(compute, float(bit_range.to(compute) / 2))
+        min_val = min_val.clamp(min=-limit)
+        max_val = max_val.clamp(max=limit)
+    min_val = min_val.to(compute)
+    max_val = max_val.to(compute)
+    min_vals = torch.min(min_val, torch.zeros_like(min_val))
+    max_vals = torch.max(max_val, torch.zeros_like(max_val))
+    if spec.mapping == "asymmetric" and compute != torch.float32:
+        # a span wider than the dtype holds: both ends clipped at half its largest value there
+        half = torch.finfo(compute).max / 2
+        wide = (max_vals - min_vals) == torch.inf
+        min_vals = torch.where(wide, min_vals.clamp(min=-half), min_vals)
+        max_vals = torch.where(wide, max_vals.clamp(max=half), max_vals)
+    return min_vals, max_vals
+
+
+# --------------------------------------------------------------------------------------------
+# quantize / dequantize in compressed-tensors' order and dtypes (``_quantize_dequantize``):
+# ``x / scale`` in the promoted dtype of ``x`` and the scale, ``+ zero_point`` (cast to ``x``'s
+# dtype), clamp, then round (int) or cast to float8; dequantization in the scale's dtype:
+# ``(q - zero_point) * scale``.
+class CompressedTensorsConvention(Convention):
+    """compressed-tensors' ``calculate_qparams`` and ``fake_quantize``, in the observed dtype
+    (``compute_dtype``). Float targets take asymmetric mappings; float zero points are
+    compressed-tensors' own (no range check)."""
+
+    name = "compressed_tensors"
+    computes_in_observed_dtype = True
+
+    def validate(self, spec) -> None:
+        check_range_within_dtype(spec)
+        check_symmetric_zero_point(spec)
+
+    def check_lsq(self, spec) -> None:
+        signed_range = tuple(int(b) for b in _code_range(spec))
+        if tuple(spec.qrange) != signed_range:
+            raise ValueError(
+                f"lsq: compressed-tensors clamps {spec.bits}-bit codes to {signed_range} (its zero points "
+                f"are in that range), but spec.dtype={spec.dtype!r} with mapping={spec.mapping!r} has "
+                f"qrange {tuple(spec.qrange)}; use a signed dtype with mapping 'symmetric' or "
+                "'asymmetric', or convention='torch_ao'"
+            )
+        if spec.mapping == "asymmetric" and spec.zero_point_domain == "none":
+            raise ValueError(
+                "lsq: compressed-tensors keeps an asymmetric spec's zero point even with "
+                "spec.zero_point_domain='none'; use zero_point_domain='int'"
+            )
+
+    def qparams(self, min_val, max_val, spec):
+        """``calculate_qparams`` on (float32) extremes, computed in ``spec.compute_dtype``: the dtype
+        of the observed weight, which llm-compressor's observers keep (bfloat16 weights give bfloat16
+        arithmetic and scales). Returns float32 scales holding the compute dtype's values and int32
+        (int targets) or float32 (float targets) zero points.
+
+        Where compressed-tensors' arithmetic in bfloat16/float16 would overflow to an infinite scale
+        (float32 extremes past float16's range, a symmetric peak or an asymmetric span wider than the
+        dtype holds), qstats clips the range so that the scale is the largest finite one instead; every
+        range whose compressed-tensors scale is finite maps as compressed-tensors maps it."""
+        compute = getattr(torch, spec.compute_dtype)
+        bit_min, bit_max = (torch.tensor(b, device=min_val.device) for b in _code_range(spec))
+        bit_range = bit_max - bit_min
+        min_vals, max_vals = _range_in(compute, min_val, max_val, spec, bit_range)
+        if spec.mapping == "asymmetric":
+            scales = (max_vals - min_vals) / bit_range.to(compute)
+            # bit_min is exact in every compute dtype; casting it keeps 0-dim (per-tensor) operands in
+            # the compute dtype, as compressed-tensors' (1,)-shaped ones are
+            zero_points = bit_min.to(compute) - (min_vals / scales)
+            zero_points = torch.clamp(zero_points, bit_min.to(compute), bit_max.to(compute))
+        else:
+            max_val_pos = torch.max(torch.abs(min_vals), torch.abs(max_vals))
+            scales = max_val_pos / (bit_range.to(compute) / 2)
+            zero_points = torch.zeros(scales.shape, device=scales.device, dtype=compute)
+        if spec.scale_dtype != "float32":
+            dtype = getattr(torch, spec.scale_dtype)
+            finfo = torch.finfo(dtype)
+            scales = torch.clamp(scales, finfo.min, finfo.max).to(dtype).to(compute)
+        eps = torch.tensor(_scale_eps(spec, compute), dtype=compute, device=scales.device)
+        # where(scales == 0, eps, scales) by arithmetic (scales + 0 is exact; selects are slow on CPU)
+        scales = scales + (scales == 0).to(compute) * eps
+        # an all-zero asymmetric range gives 0 / 0: compressed-tensors' NaN zero point becomes 0 in
+        # an int8 (as torch converts NaN on x86 and ARM) but stays NaN in float8, where its
+        # fake_quantize then returns NaN; qstats uses 0 in both (infinities map to the largest finite
+        # value, which the clamp below sends where it sends them)
+        zero_points = torch.nan_to_num(zero_points, nan=0.0)
+        zp_dtype = _zero_point_dtype(spec)
+        if zp_dtype.is_floating_point:
+            finfo = torch.finfo(zp_dtype)
+            zero_points = torch.clamp(zero_points, finfo.min, finfo.max).to(zp_dtype).float()
+        else:
+            iinfo = torch.iinfo(zp_dtype)
+            zero_points = torch.round(torch.clamp(zero_points, iinfo.min, iinfo.max)).to(zp_dtype).to(torch.int32)
+        return scales.float(), zero_points
+
+    def codes(self, view, scale, zero_point, spec):
+        """``(unclamped, codes)`` of ``view`` (any float dtype) as float32 tensors."""
+        compute = getattr(torch, spec.compute_dtype)
+        work = torch.promote_types(view.dtype, compute)
+        scaled = view.to(work) / scale.to(compute).to(work)
+        scaled = scaled + zero_point.to(view.dtype).to(work)
+        qmin, qmax = _code_range(spec)
+        if spec.is_float:
+            quantized = scaled.clamp(qmin, qmax).to(spec.float_format.torch_dtype).to(work)
+            return scaled.float(), quantized.float()
+        unclamped = torch.round(scaled)
+        return unclamped.float(), unclamped.clamp(qmin, qmax).float()
+
+    def dequantize(self, codes, scale, zero_point, spec):
+        """float32 values of ``codes``: ``(q - zero_point) * scale`` in the scale's (compute) dtype."""
+        compute = getattr(torch, spec.compute_dtype)
+        values = codes.float().to(compute) - zero_point.to(compute)
+        return (values * scale.to(compute)).float()
+
+    def block_scaled(self, view, scale, spec):
+        """In the observed dtype, as compressed-tensors divides."""
+        if spec.compute_dtype == "float32":
+            return view / scale
+        compute = getattr(torch, spec.compute_dtype)
+        return (view.to(compute) / scale.to(compute)).float()
+
+    def e8m0_scale(self, amax, spec):
+        """compressed-tensors holds the scale in the observed dtype, and replaces one that
+        underflows there (below 2**-24 in float16: an all-zero or tiny block) by 1, the eps of its
+        uint8 scale dtype."""
+        scale = super().e8m0_scale(amax, spec)
+        if spec.compute_dtype == "float32":
+            return scale
+        underflows = scale.to(getattr(torch, spec.compute_dtype)) == 0
+        return torch.where(underflows, torch.ones_like(scale), scale)

@@ -1,0 +1,200 @@
+"""The `Convention` protocol, with the arithmetic the library conventions share.
+
+A convention is how one library maps an observed range onto quantization parameters and values
+onto codes, where libraries differ in the order of operations, the dtypes they compute in and the
+specs they accept. `QuantSpec.convention` holds one; `compute_qparams`, `quantize`,
+`fake_quantize` and the MX / NVFP4 formats call its methods instead of testing its name.
+
+`Convention` is the protocol and its default arithmetic: torch.ao's range formulas (the range
+always contains zero, ``scale = max(range / (qmax - qmin), eps)``, integer zero points
+``qmin - round(min / scale)`` clamped to the range); integer codes
+``clamp(round(x * (1 / scale)) + zero_point, qmin, qmax)``; float codes ``x / scale`` saturated
+to the format's range and rounded to nearest even through its torch dtype. The conventions of
+``torch_ao.py``, ``compressed_tensors.py`` and ``torchao.py`` override what their library computes
+otherwise. A convention holds no state: it compares equal to its name and hashes as it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _formats
+
+__all__ = [
+    "Convention",
+    "check_float_mapping",
+    "check_float_zero_point",
+    "check_range_within_dtype",
+    "check_symmetric_zero_point",
+]
+
+
+class Convention:
+    """How one library computes quantization parameters and codes (see the module docs).
+
+    Attributes:
+      name: what ``QuantSpec(convention=...)`` accepts for it.
+      computes_in_observed_dtype: True when the library computes qparams and codes in the dtype
+        of the tensor it observes, so that ``compute_dtype`` follows bf16/fp16 inputs
+        (compressed-tensors).
+    """
+
+    name: str = "default"
+    computes_in_observed_dtype: bool = False
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, str):
+            return other == self.name
+        if isinstance(other, Convention):
+            return type(other) is type(self)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return repr(self.name)
+
+    # ----------------------------------------------------------------------------------------
+    # specs
+    def validate(self, spec) -> None:
+        """ValueError (naming the field) for a spec this convention does not compute."""
+        check_float_mapping(spec)
+        check_range_within_dtype(spec)
+        check_float_zero_point(spec, self.name)
+        check_symmetric_zero_point(spec)
+
+    def check_lsq(self, spec) -> None:
+        """ValueError where learnable ranges (`qstats.lsq`, torch.ao's arithmetic: codes
+        ``clamp(round(x * (1 / scale)) + zero_point, *spec.qrange)``, the zero point in code units)
+        would read this convention's qparams otherwise."""
+
+    # ----------------------------------------------------------------------------------------
+    # range -> qparams
+    def qparams(self, min_val: torch.Tensor, max_val: torch.Tensor, spec):
+        """``(scale, zero_point)`` of float32 ranges (calibrated, finite, within half the float32
+        range): float32 scales rounded to ``spec.scale_dtype``; int32 zero points (float32 in the
+        float zero-point domain)."""
+        qmin, qmax = spec.qrange
+        eps = spec.eps  # torch.ao's max(scale, eps) against its float32 eps buffer
+        min_val_neg = min_val.clamp(max=0.0)
+        max_val_pos = max_val.clamp(min=0.0)
+        if spec.mapping in ("symmetric", "narrow"):
+            max_val_pos = torch.max(-min_val_neg, max_val_pos)
+            scale = (max_val_pos / (float(qmax - qmin) / 2)).clamp_min(eps)
+            zero_point = torch.full_like(scale, spec.zero_point_of_symmetric, dtype=torch.int32)
+        elif spec.mapping == "symmetric_no_clipping_err":
+            scale_from_min = min_val_neg / float(qmin)
+            scale_from_max = max_val_pos / float(qmax)
+            scale = torch.where(scale_from_min > scale_from_max, scale_from_min, scale_from_max).clamp_min(eps)
+            zero_point = torch.full_like(scale, spec.zero_point_of_symmetric, dtype=torch.int32)
+        elif spec.zero_point_domain == "float":
+            scale = (max_val - min_val) / float(qmax - qmin)
+            scale = torch.where(scale > eps, scale, torch.ones_like(scale))
+            zero_point = -1 * min_val / scale
+        else:
+            scale = ((max_val_pos - min_val_neg) / float(qmax - qmin)).clamp_min(eps)
+            zero_point = qmin - torch.round(min_val_neg / scale).to(torch.int32)
+            zero_point = torch.clamp(zero_point, qmin, qmax)
+        if spec.zero_point_domain == "none":
+            zero_point = torch.zeros_like(scale, dtype=torch.int32)
+        return _round_scale(scale, spec), zero_point
+
+    # ----------------------------------------------------------------------------------------
+    # codes
+    def codes(self, view: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec):
+        """``(unclamped, codes)`` of ``view`` (any float dtype) under broadcast qparams: the codes
+        before and after saturation, as float tensors (integer-valued for integer targets)."""
+        v = view.float()
+        if spec.is_float:
+            fmax = spec.float_format.max
+            scaled = v / scale
+            return scaled, scaled.clamp(-fmax, fmax).to(spec.float_format.torch_dtype).float()
+        if spec.zero_point_domain == "float":
+            unclamped = torch.round(v * (1.0 / scale) + zero_point)
+        else:
+            unclamped = torch.round(v * (1.0 / scale)) + zero_point.float()
+        return unclamped, unclamped.clamp(*spec.qrange)
+
+    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec) -> torch.Tensor:
+        """float32 values of ``codes`` (those `quantize` stores, or `codes`' float ones)."""
+        codes = codes.float()
+        if spec.is_float:
+            return codes * scale
+        return (codes - zero_point.float()) * scale
+
+    def gradient_range(self, spec) -> tuple:
+        """The bounds inside which `fake_quantize` passes the gradient (unclamped codes)."""
+        if spec.is_float:
+            return -spec.float_format.max, spec.float_format.max
+        return spec.qrange
+
+    # ----------------------------------------------------------------------------------------
+    # block formats (qstats/_formats.py)
+    def block_scaled(self, view: torch.Tensor, scale: torch.Tensor, spec) -> torch.Tensor:
+        """float32 ``view`` divided by its block scales (e8m0 or one level of fp8 scales; emulated
+        fp6/fp4 elements), before saturation and rounding to the element format."""
+        return view / scale
+
+    def e8m0_scale(self, amax: torch.Tensor, spec) -> torch.Tensor:
+        """Power-of-two (MX) scales of blocks of absolute maximum ``amax`` (float32)."""
+        return _formats.e8m0_scale(amax, spec)
+
+
+def _round_scale(scale: torch.Tensor, spec) -> torch.Tensor:
+    """float32 ``scale`` rounded to ``spec.scale_dtype`` (held as float32)."""
+    if spec.scale_dtype == "float32":
+        return scale
+    dtype = getattr(torch, spec.scale_dtype)
+    if spec.scale_dtype in ("float8_e4m3fn", "float16"):
+        # narrow exponent ranges: the largest finite scale instead of an overflow to Inf or NaN,
+        # and the smallest positive one (a subnormal) instead of an underflow to zero (the eps
+        # floor, applied in float32, lies below it for float8: 2**-9)
+        finfo = torch.finfo(dtype)
+        return scale.clamp(finfo.tiny * finfo.eps, finfo.max).to(dtype).float()
+    return scale.to(dtype).float()
+
+
+# --------------------------------------------------------------------------------------------
+# checks conventions compose in `Convention.validate`
+def check_float_mapping(spec) -> None:
+    """Float targets take symmetric mappings only."""
+    if spec.is_float and spec.mapping == "asymmetric":
+        raise ValueError(f"QuantSpec.mapping: float target {spec.dtype!r} supports symmetric mappings only")
+
+
+def check_range_within_dtype(spec) -> None:
+    """A custom integer range lies within the dtype's own range."""
+    if spec.is_float or spec.quant_min is None:
+        return
+    lo, hi = spec.dtype_range
+    if spec.quant_min < lo or spec.quant_max > hi:
+        raise ValueError(
+            f"QuantSpec.quant_min/quant_max: [{spec.quant_min}, {spec.quant_max}] exceeds the "
+            f"range [{lo}, {hi}] of {spec.dtype!r}"
+        )
+
+
+def check_float_zero_point(spec, name: str) -> None:
+    """A float zero point (``zero_point = -min / scale``, torch.ao and torchao) puts the observed
+    minimum at code 0: the range must start there."""
+    if spec.is_float or spec.zero_point_domain != "float" or spec.mapping != "asymmetric":
+        return
+    qmin, qmax = spec.qrange
+    if qmin != 0:
+        raise ValueError(
+            f"QuantSpec.zero_point_domain: the {name} float zero point puts the observed "
+            f"minimum at code 0, so the range [{qmin}, {qmax}] of {spec.dtype!r} would clip the data above "
+            f"min + {qmax} steps; use an unsigned target or quant_min=0 (torch.ao and torchao take float "
+            "zero points with unsigned targets), or convention='compressed_tensors'"
+        )
+
+
+def check_symmetric_zero_point(spec, fixed: tuple = ()) -> None:
+    """``symmetric_zero_point`` lies in the range (or is one of ``fixed``)."""
+    zero = spec.symmetric_zero_point
+    if zero is None:
+        return
+    lo, hi = spec.qrange
+    if not (lo <= zero <= hi or zero in fixed):
+        raise ValueError(f"QuantSpec.symmetric_zero_point {zero} lies outside the range [{lo}, {hi}]")
