@@ -15,9 +15,10 @@ and ``down_proj`` Linear modules (its ``linear_experts``); here each such module
 scheme and goes through llm-compressor's own ``initialize_observer`` / ``observe`` /
 ``update_qparams`` (``memoryless_minmax`` weight observers); inputs use one ``static_minmax``
 observer per expert fed with that expert's tokens (selected in a Python loop); qstats calls each
-stacked observer once per batch (``qstats.stacked_observer``: vmap semantics over experts, routing
-mask as the update weight, run directly on the stack for min/max observers) and computes all
-quantization parameters with one call (``qstats.stacked_qparams``), as ``qstats.calibrate`` does.
+stacked observer once per batch (``qstats.stacked_observer``: ``torch.vmap`` of the observer's own
+functions over experts, routing mask as the update weight) and computes all quantization
+parameters with one call (``qstats.stacked_qparams``, vmap of ``compute_qparams``), as
+``qstats.calibrate`` does.
 Both produce the same scales (checked). A last row times one read of every weight (one full
 reduction per stack): no calibrator can beat it, so llm-compressor's time over it bounds any
 speed-up; wide experts are bound by it. The forward pass of the
@@ -126,6 +127,7 @@ def measure(num_experts, hidden, intermediate, top_k, num_batches, tokens, repea
 
     weight_observer = qstats.stacked_observer(qstats.minmax(weight_spec), num_experts)
     input_observer = qstats.stacked_observer(qstats.minmax(input_spec), num_experts)
+
     def weight_qparams(state):
         return qstats.stacked_qparams(state, weight_spec)
 

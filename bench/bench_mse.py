@@ -1,11 +1,11 @@
-"""Benchmark: qstats.mse against llm-compressor's memoryless_mse on a 4096x4096 weight.
+"""Benchmark: qstats.mse against llm-compressor's memoryless_mse on a 512x4096 weight (default).
 
 Same grid (maxshrink 0.2, grid 100: 20 candidates), int4 symmetric per channel, early stopping
 disabled on both (qstats accumulates every candidate's loss; llm-compressor's default patience of
 5 is measured too). Prints markdown rows with the ratio llm-compressor time / qstats time, both
 measured in this run.
 
-    python bench/bench_mse.py [--rows 4096] [--cols 4096] [--repeats 3] [--threads N]
+    python bench/bench_mse.py [--rows 512] [--cols 4096] [--repeats 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ warnings.filterwarnings("ignore")
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads for both libraries")

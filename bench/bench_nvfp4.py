@@ -5,7 +5,7 @@ global scale) -> ``fake_quantize``. torchao: ``per_tensor_amax_to_scale(amax)`` 
 ``NVFP4Tensor.to_nvfp4`` -> ``dequantize``. Both produce bit-identical outputs (checked here).
 Prints a markdown table row; the ratio is qstats time / torchao time (lower is better).
 
-    python bench/bench_nvfp4.py [--size 4096] [--repeats 5]
+    python bench/bench_nvfp4.py [--size 4096] [--repeats 7] [--threads N]
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads for both libraries")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 

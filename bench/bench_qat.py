@@ -144,8 +144,8 @@ def measure(ref_step, qstats_step, steps, rounds):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
