@@ -122,9 +122,6 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
     if spec.zero_point_domain == "float":
         finite = torch.isfinite(view.detach())
         error_mask = finite if mask is None else (mask & finite)
-    zero_free = (not spec.is_float and spec.mapping != "asymmetric" and spec.zero_point_of_symmetric == 0
-                 and spec.zero_point_domain != "float" and native is None)
-    qmin, qmax = spec.qrange
     params = tuple(v.shape[1:-1])
     observations, group = v.shape[0], v.shape[-1]
     num_params = 1
@@ -148,8 +145,7 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
     # in the input's dtype and its sum rounded to it once, as llm-compressor's MSE observers form them
     native_error = native is not None and importance is None
     rows = [
-        _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, compute_dtype, zero_free, native,
-                      native_error)
+        _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, compute_dtype, native, native_error)
         for index in chunks
     ]  # per chunk: (C, params in chunk)
     if num_params > 1:
@@ -173,7 +169,7 @@ def _computes_natively(spec: QuantSpec, dtype: torch.dtype) -> bool:
     )
 
 
-def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, error_dtype, zero_free, native=None,
+def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, error_dtype, native=None,
                   native_error=False):
     """``candidate_losses`` of one chunk of the view: ``(C, params in chunk)`` float64, the errors
     formed in ``error_dtype``. ``native`` (bf16/fp16 inputs, None otherwise): the codes are computed
@@ -181,21 +177,14 @@ def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, erro
     ``|q - x| ** norm`` is also formed in that dtype (summed in float32; the caller rounds the sum to
     it), as llm-compressor's MSE observers do, so that their choice holds bit for bit on bf16/fp16
     weights."""
-    qmin, qmax = spec.qrange
     part = v[index]
     code_input = part if native is None else part.to(native)  # exact: the values came from native
     param_index = (slice(None), index[1], slice(None))
     losses = []
     for scale_all, zero_all in zip(scales, zero_points):
-        scale = scale_all[param_index]
-        if zero_free:
-            # the same arithmetic as _codes_float / _dequantize_view with a zero point of 0
-            scaled = part / scale if spec.convention == "compressed_tensors" else part * (1.0 / scale)
-            dequantized = torch.round(scaled).clamp(qmin, qmax) * scale
-        else:
-            zero_point = zero_all[param_index]
-            _, codes = _codes_float(code_input, scale, zero_point, spec)
-            dequantized = _dequantize_view(codes, scale, zero_point, spec)
+        scale, zero_point = scale_all[param_index], zero_all[param_index]
+        _, codes = _codes_float(code_input, scale, zero_point, spec)
+        dequantized = _dequantize_view(codes, scale, zero_point, spec)
         if native_error:
             difference = dequantized.to(native) - code_input
         else:
@@ -305,6 +294,26 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     per update, as llm-compressor rounds one batch's).
     """
     _check_args(spec, maxshrink, grid, norm, steps)
+    patience = _check_modes(mode, expand, averaging_constant, patience)
+    factors = shrink_factors(maxshrink, grid, steps)
+    norm = float(norm)
+    expand = float(expand)
+
+    def observe(x, weight, expected, where):
+        view = checked_view(x, spec.granularity, expected, where)
+        mask = weight_view(x, weight, spec.granularity)
+        if mask is not None:
+            mask = (mask != 0).expand(view.shape)
+        lo, hi, count, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
+        return view, mask, importance, lo, hi, count, nonfinite
+
+    if mode == "moving_average":
+        return _moving_average(spec, factors, norm, expand, averaging_constant, patience, observe)
+    return _accumulate(spec, factors, norm, expand, reference, observe)
+
+
+def _check_modes(mode, expand, averaging_constant, patience):
+    """ValueError for bad mode options; the moving average's patience (llm-compressor's 5 by default)."""
     if mode not in ("accumulate", "moving_average"):
         raise ValueError(f"mse: mode must be 'accumulate' or 'moving_average', got {mode!r}")
     if not (isinstance(expand, (int, float)) and 1.0 <= expand < math.inf):
@@ -317,25 +326,13 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
             f"compute_qparams: pass compute_qparams(state, spec, patience={patience!r}) instead"
         )
     if patience is _MOVING_AVERAGE_PATIENCE:
-        patience = 5
-    elif patience is not None and not (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 0):
+        return 5
+    if patience is not None and not (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 0):
         raise ValueError(f"mse: patience must be a non-negative int or None, got {patience!r}")
-    factors = shrink_factors(maxshrink, grid, steps)
-    norm = float(norm)
-    expand = float(expand)
+    return patience
 
-    def observe(x, weight, expected, where):
-        view = checked_view(x, spec.granularity, expected, where)
-        mask = weight_view(x, weight, spec.granularity)
-        if mask is not None:
-            mask = (mask != 0).expand(view.shape)
-        lo, hi, count, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
-        scaled = None if importance is None else importance
-        return view, mask, scaled, lo, hi, count, nonfinite
 
-    if mode == "moving_average":
-        return _moving_average(spec, factors, norm, expand, averaging_constant, patience, observe)
-
+def _accumulate(spec, factors, norm, expand, reference, observe):
     def init_fn(x: torch.Tensor) -> MSEState:
         shape = qparam_shape(x.shape, spec.granularity)
         device = x.device

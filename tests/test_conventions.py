@@ -1,0 +1,144 @@
+"""Conventions as objects (qstats/conventions/): QuantSpec holds one, the core asks it."""
+
+import ast
+import copy
+import pathlib
+import pickle
+
+import pytest
+import torch
+
+import qstats
+from qstats.conventions import (
+    CompressedTensorsConvention,
+    Convention,
+    TorchAOConvention,
+    TorchaoConvention,
+    lookup,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NAMES = {"torch_ao": TorchAOConvention, "compressed_tensors": CompressedTensorsConvention, "torchao": TorchaoConvention}
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_a_spec_holds_the_convention_of_its_name(name):
+    spec = qstats.QuantSpec(dtype="int4", convention=name)
+    assert type(spec.convention) is NAMES[name]
+    assert spec.convention == name and spec.convention != "other"
+    same = qstats.QuantSpec(dtype="int4", convention=NAMES[name]())
+    assert same == spec and hash(same) == hash(spec)
+    assert spec != qstats.QuantSpec(dtype="int4", convention=sorted(set(NAMES) - {name})[0])
+    assert f"convention={name!r}" in repr(spec)
+    assert eval(repr(spec), vars(qstats)) == spec
+    assert pickle.loads(pickle.dumps(spec)) == spec and copy.deepcopy(spec) == spec
+    assert spec.replace(dtype="int8").convention is spec.convention
+
+
+def test_unknown_convention_raises_naming_the_field():
+    with pytest.raises(ValueError, match="QuantSpec.convention"):
+        qstats.QuantSpec(convention="torch.ao")
+    with pytest.raises(ValueError, match="QuantSpec.convention"):
+        qstats.QuantSpec(convention=TorchAOConvention)  # the class, not a convention
+    with pytest.raises(ValueError, match="convention must be"):
+        lookup(None)
+    assert lookup("torchao") is qstats.QuantSpec(convention="torchao").convention
+
+
+class _Halving(Convention):
+    """A user's convention: the default arithmetic with codes of half-scale steps."""
+
+    name = "halving"
+
+    def qparams(self, min_val, max_val, spec):
+        scale, zero_point = super().qparams(min_val, max_val, spec)
+        return scale / 2, zero_point
+
+
+def test_a_users_convention_runs_through_the_core():
+    x = torch.linspace(-3.0, 5.0, 64).reshape(4, 16)
+    plain = qstats.QuantSpec(dtype="int8", mapping="asymmetric", granularity=qstats.PerAxis(0))
+    custom = plain.replace(convention=_Halving())
+    assert custom.convention == "halving" and custom != plain
+
+    obs = qstats.minmax(plain)
+    state = obs.update(obs.init(x), x)
+    reference = qstats.compute_qparams(state, plain)
+    ours = qstats.compute_qparams(state, custom)
+    assert torch.equal(ours.scale, reference.scale / 2)
+    assert torch.equal(ours.zero_point, reference.zero_point)
+    # quantize and dequantize use the inherited (torch.ao) arithmetic with the halved scales
+    expected = qstats.fake_quantize(x, ours, plain)
+    assert torch.equal(qstats.fake_quantize(x, ours, custom), expected)
+    assert torch.equal(qstats.dequantize(qstats.quantize(x, ours, custom), ours, custom), expected)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        qstats.QuantSpec(dtype="int4", mapping="asymmetric", convention="compressed_tensors", compute_dtype="bfloat16"),
+        qstats.QuantSpec.from_torchao(torch.uint4, mapping_type="ASYMMETRIC", zero_point_domain="FLOAT"),
+        qstats.QuantSpec(dtype="uint8", mapping="asymmetric", zero_point_domain="float"),  # torch.ao's exact kernels
+        qstats.QuantSpec.from_torchao(elem_dtype="fp4_e2m1", block_size=32, scaling_mode="RCEIL"),
+        qstats.preset("mxfp4", convention="compressed_tensors", scale_rounding="round_then_floor"),
+    ],
+    ids=["ct-bf16", "torchao-float-zero", "torch_ao-float-zero", "torchao-mx-rceil", "ct-mx"],
+)
+def test_convention_methods_trace_without_graph_breaks(spec):
+    x = torch.randn(4, 64)
+    obs = qstats.minmax(spec)
+
+    def step(x):
+        qparams = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+        return qstats.fake_quantize(x, qparams, spec)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), step(x))
+
+
+CORE = ["_spec.py", "_qparams.py", "_quant.py", "_formats.py", "lsq.py", "observers/mse.py"] + [
+    f"conventions/{name}.py" for name in ("__init__", "default", "torch_ao", "compressed_tensors", "torchao")
+]
+
+
+@pytest.mark.parametrize("path", CORE)
+def test_core_modules_import_at_the_top_and_never_test_a_convention_name(path):
+    tree = ast.parse((ROOT / "qstats" / path).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inner = [n for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))]
+            assert not inner, f"{path}: {node.name} imports inside the function (line {inner[0].lineno})"
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "convention":
+            raise AssertionError(f"{path}: line {node.lineno} compares spec.convention")
+
+
+def _imports(path):
+    """The qstats modules ``qstats/<path>`` imports at its top level."""
+    package = ["qstats", *pathlib.PurePosixPath(path).parent.parts]
+    found = set()
+    for node in ast.parse((ROOT / "qstats" / path).read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - node.level + 1]
+            names = [node.module] if node.module else [alias.name for alias in node.names]
+            found.update(".".join([*base, *name.split(".")]) for name in names)
+    return found
+
+
+def test_no_import_cycle_among_the_core_modules():
+    modules = {"qstats." + path.removesuffix(".py").replace("/", ".").removesuffix(".__init__"): path for path in CORE}
+    graph = {module: _imports(path) & set(modules) for module, path in modules.items()}
+    assert graph["qstats._formats"] <= set(), graph["qstats._formats"]  # the formats need no spec
+    done, active = set(), []
+
+    def visit(module):
+        assert module not in active, "import cycle: " + " -> ".join(active[active.index(module):] + [module])
+        if module in done:
+            return
+        active.append(module)
+        for dependency in graph[module]:
+            visit(dependency)
+        active.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)
