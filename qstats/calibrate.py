@@ -21,10 +21,10 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import torch
 from torch.nn.utils import parametrize
 
-from ._compat_compressed_tensors import _COMPUTE_NAMES
 from ._granularity import TensorGroup, qparam_shape
 from ._qparams import QParams, check_calibrated, compute_qparams
 from ._quant import fake_quantize
+from .conventions.compressed_tensors import COMPUTE_NAMES
 from .experts import (
     ExpertInputCapture,
     UncalibratedWarning,
@@ -607,13 +607,13 @@ def _share_global_scales(out: dict, states: Mapping, plan: Plan, options: dict) 
 
 
 def runtime_spec(x: torch.Tensor, spec):
-    """The spec an activation site whose scales come at run time applies to the tensor ``x``:
-    compressed-tensors computes dynamic scales and quantizes in the activation's own dtype
-    (``compute_dynamic_scales_and_zp``, ``fake_quantize``), so a ``convention="compressed_tensors"``
-    spec takes ``x``'s dtype as its ``compute_dtype``; other specs are returned as they are."""
-    if spec.convention != "compressed_tensors":
+    """The spec an activation site whose scales come at run time applies to the tensor ``x``: a
+    convention that computes in the observed dtype (compressed-tensors' dynamic scales and
+    ``fake_quantize`` run in the activation's own dtype) takes ``x``'s dtype as its
+    ``compute_dtype``; other specs are returned as they are."""
+    if not spec.convention.computes_in_observed_dtype:
         return spec
-    compute = _COMPUTE_NAMES.get(x.dtype, spec.compute_dtype)
+    compute = COMPUTE_NAMES.get(x.dtype, spec.compute_dtype)
     return spec if compute == spec.compute_dtype else spec.replace(compute_dtype=compute)
 
 
