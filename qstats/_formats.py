@@ -78,6 +78,7 @@ __all__ = [
 SCALE_ROUNDINGS = ("floor", "ceil", "even", "rceil", "round_then_floor", "round")
 GLOBAL_SCALE_FORMULAS = ("amax_over_range", "range_over_amax")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPE_NAMES = {getattr(torch, name): name for name in COMPUTE_DTYPES}  # torch dtype -> compute_dtype
 
 _F32_MANTISSA = 23
 _F32_BIAS = 127

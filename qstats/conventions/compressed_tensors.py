@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from .._formats import COMPUTE_DTYPE_NAMES as COMPUTE_NAMES
 from .._granularity import PerAxis, PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
 from .default import Convention, check_range_within_dtype, check_symmetric_zero_point
 
@@ -67,14 +68,10 @@ def _enum_value(value):
 
 
 _DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
+    **COMPUTE_NAMES,
     torch.float8_e4m3fn: "float8_e4m3fn",
     torch.uint8: "e8m0",  # MX: uint8 biased exponents (see qstats/_formats.py)
 }
-
-COMPUTE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def from_compressed_tensors(cls, args, overrides):

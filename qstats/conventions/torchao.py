@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .._formats import E8M0_MIN
+from .._formats import COMPUTE_DTYPE_NAMES, E8M0_MIN
 from .._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import torch_dtype
 from .default import Convention
@@ -49,7 +49,6 @@ _MAPPINGS = {
 }
 _DOMAINS = {"INT": "int", "FLOAT": "float", "NONE": "none"}
 _SCALE_MODES = {"FLOOR": "floor", "CEIL": "ceil", "EVEN": "even", "RCEIL": "rceil"}
-_FLOAT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MX_ELEMENTS = {
     torch.float8_e4m3fn: "fp8_e4m3fn",
     torch.float8_e5m2: "fp8_e5m2",
@@ -244,9 +243,9 @@ def _affine_spec(cls, target_dtype, kwargs, overrides):
         raise ValueError("from_torchao: ZeroPointDomain.FLOAT (tinygemm) needs MappingType.ASYMMETRIC")
     if domain == "none" and mapping == "asymmetric":
         raise ValueError("from_torchao: ZeroPointDomain.NONE needs a symmetric mapping")
-    if input_dtype not in _FLOAT_NAMES:
+    if input_dtype not in COMPUTE_DTYPE_NAMES:
         raise ValueError(f"from_torchao: input_dtype must be float32, bfloat16 or float16, got {input_dtype}")
-    if scale_dtype not in _FLOAT_NAMES:
+    if scale_dtype not in COMPUTE_DTYPE_NAMES:
         raise ValueError(f"from_torchao: scale_dtype {scale_dtype} is not supported")
     if eps is None:
         eps = torch.finfo(input_dtype).smallest_normal
@@ -262,10 +261,10 @@ def _affine_spec(cls, target_dtype, kwargs, overrides):
         quant_min=qmin,
         quant_max=qmax,
         eps=float(torch.tensor(eps, dtype=torch.float32)),
-        scale_dtype=_FLOAT_NAMES[scale_dtype],
+        scale_dtype=COMPUTE_DTYPE_NAMES[scale_dtype],
         convention="torchao",
         symmetric_zero_point=int((qmax + qmin + 1) / 2),
-        compute_dtype=_FLOAT_NAMES[input_dtype],
+        compute_dtype=COMPUTE_DTYPE_NAMES[input_dtype],
         on_uncalibrated="fallback",
     )
     fields.update(overrides)
@@ -275,7 +274,7 @@ def _affine_spec(cls, target_dtype, kwargs, overrides):
 
 # --------------------------------------------------------------------------------------------
 # arithmetic
-_DTYPE_BY_NAME = {name: dtype for dtype, name in _FLOAT_NAMES.items()}
+_DTYPE_BY_NAME = {name: dtype for dtype, name in COMPUTE_DTYPE_NAMES.items()}
 _FLOAT32_MIN_NORMAL = float(torch.finfo(torch.float32).tiny)
 
 
