@@ -21,10 +21,10 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import torch
 from torch.nn.utils import parametrize
 
+from ._formats import COMPUTE_DTYPE_NAMES
 from ._granularity import TensorGroup, qparam_shape
 from ._qparams import QParams, check_calibrated, compute_qparams
 from ._quant import fake_quantize
-from .conventions.compressed_tensors import COMPUTE_NAMES
 from .experts import (
     ExpertInputCapture,
     UncalibratedWarning,
@@ -613,7 +613,7 @@ def runtime_spec(x: torch.Tensor, spec):
     ``compute_dtype``; other specs are returned as they are."""
     if not spec.convention.computes_in_observed_dtype:
         return spec
-    compute = COMPUTE_NAMES.get(x.dtype, spec.compute_dtype)
+    compute = COMPUTE_DTYPE_NAMES.get(x.dtype, spec.compute_dtype)
     return spec if compute == spec.compute_dtype else spec.replace(compute_dtype=compute)
 
 
