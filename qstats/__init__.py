@@ -68,6 +68,7 @@ from .qat import QATState as QATState
 from .qat import observe_fake_quantize as observe_fake_quantize
 from .schedule import QATPhase as QATPhase
 from .schedule import QATSchedule as QATSchedule
+from .recipe import Plan as Plan
 from .recipe import Recipe as Recipe
 from .recipe import Rule as Rule
 from .recipe import Site as Site
@@ -105,6 +106,7 @@ __all__ = [
     "QATState",
     "QParams",
     "QuantSpec",
+    "Plan",
     "Recipe",
     "Report",
     "Rule",
