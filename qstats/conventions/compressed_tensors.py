@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import torch
 
-from .._formats import COMPUTE_DTYPE_NAMES as COMPUTE_NAMES
+from .._formats import COMPUTE_DTYPE_NAMES
 from .._granularity import PerAxis, PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
 from .default import Convention, check_range_within_dtype, check_symmetric_zero_point
 
-__all__ = ["CompressedTensorsConvention", "from_compressed_tensors", "COMPUTE_NAMES"]
+__all__ = ["CompressedTensorsConvention", "from_compressed_tensors"]
 
 _FLOAT_TARGETS = {8: "fp8_e4m3fn", 4: "fp4_e2m1"}
 
@@ -68,7 +68,7 @@ def _enum_value(value):
 
 
 _DTYPE_NAMES = {
-    **COMPUTE_NAMES,
+    **COMPUTE_DTYPE_NAMES,
     torch.float8_e4m3fn: "float8_e4m3fn",
     torch.uint8: "e8m0",  # MX: uint8 biased exponents (see qstats/_formats.py)
 }
@@ -120,12 +120,12 @@ def from_compressed_tensors(cls, args, overrides):
     if observed_dtype is not None:
         # llm-compressor observes the weight in its own dtype and compressed-tensors computes the
         # qparams (and stores the scale) in it
-        if observed_dtype not in COMPUTE_NAMES:
+        if observed_dtype not in COMPUTE_DTYPE_NAMES:
             raise ValueError(
-                f"from_compressed_tensors: observed_dtype must be one of {sorted(map(str, COMPUTE_NAMES))}, "
+                f"from_compressed_tensors: observed_dtype must be one of {sorted(map(str, COMPUTE_DTYPE_NAMES))}, "
                 f"got {observed_dtype!r}"
             )
-        compute_dtype = COMPUTE_NAMES[observed_dtype]
+        compute_dtype = COMPUTE_DTYPE_NAMES[observed_dtype]
     fields = dict(
         dtype=dtype,
         mapping="symmetric" if symmetric else "asymmetric",
