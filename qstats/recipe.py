@@ -105,6 +105,12 @@ class Rule:
       spec: the QuantSpec of one observed tensor (of one expert, for stacked experts).
       observer_kwargs: extra keyword arguments of the factory.
       qparams_kwargs: options for ``compute_qparams`` (e.g. ``method=`` for histogram states).
+      dynamic: the activation sites of this rule take their scales at run time, from each
+        tensor, whatever the spec's granularity (compressed-tensors' ``dynamic=True``, e.g. a
+        per-tensor dynamic input): calibration gives them no QParams, `qstats.fake_quantized`
+        computes their scales from each tensor and the export writes them as dynamic. Per-token,
+        per-group and two-level specs are run-time scaled already (`runtime_scaled`); a
+        QuantSpec itself says how scales are computed, not when. Parameter sites ignore it.
 
     >>> import qstats
     >>> rule = qstats.Rule(targets="Linear", sites=("weight",), spec=qstats.QuantSpec())
@@ -118,6 +124,7 @@ class Rule:
     spec: QuantSpec = dataclasses.field(default_factory=QuantSpec)
     observer_kwargs: Any = ()
     qparams_kwargs: Any = ()
+    dynamic: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "targets", _targets(self.targets, "Rule.targets"))
@@ -131,6 +138,8 @@ class Rule:
             raise TypeError(f"Rule.spec must be a QuantSpec, got {type(self.spec).__name__}")
         object.__setattr__(self, "observer_kwargs", _freeze(self.observer_kwargs, "observer_kwargs"))
         object.__setattr__(self, "qparams_kwargs", _freeze(self.qparams_kwargs, "qparams_kwargs"))
+        if not isinstance(self.dynamic, bool):
+            raise TypeError(f"Rule.dynamic must be a bool, got {self.dynamic!r}")
 
     def make_observer(self, spec: Optional[QuantSpec] = None) -> Observer:
         """The observer of one tensor: ``observer(spec, **observer_kwargs)`` (the rule's spec by
@@ -152,7 +161,8 @@ class Site(NamedTuple):
         observes the whole tensor's range, under the spec made per tensor.
       spec: the spec of one tensor (one expert's tensor for stacked experts).
       num_experts: the leading expert dimension of the state, 0 when not stacked.
-      runtime: an activation site whose scales come at run time (`runtime_scaled`).
+      runtime: an activation site whose scales come at run time: its spec is `runtime_scaled`
+        or its rule says ``dynamic=True``.
       kind: where the observed tensor comes from: ``"parameter"`` (a parameter of the module,
         observed once), ``"input"``, ``"output"``, ``"projection"`` (``q``/``k``/``v``: the
         output of a child projection) or ``"parameter_input"`` (``"<parameter>.input"`` of
@@ -206,7 +216,7 @@ def _site_kind(module: torch.nn.Module, params: dict, num_experts: int, site: st
 def _make_site(rule: Rule, site: str, kind: str, stacked: int) -> Site:
     # an activation site whose scales are computed at run time from each tensor observes its
     # whole range: its state is the same for batches of any length
-    runtime = kind != "parameter" and runtime_scaled(rule.spec)
+    runtime = kind != "parameter" and (rule.dynamic or runtime_scaled(rule.spec))
     observer = rule.make_observer(rule.spec.replace(granularity=PerTensor()) if runtime else None)
     if stacked:
         observer = stacked_observer(observer, stacked)

@@ -433,6 +433,58 @@ def test_dynamic_activation_sites_export_as_dynamic(tmp_path):
     assert not [name for name in load_file(str(tmp_path / "model.safetensors")) if name.startswith("0.input")]
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_per_tensor_dynamic_activations_take_each_tensors_scale(tmp_path, symmetric):
+    """Issue 22, item 1: compressed-tensors' per-tensor dynamic input (``strategy="tensor"``,
+    ``dynamic=True``) used to become a static per-tensor site, silently, exported as
+    ``"dynamic": false``. ``from_compressed_tensors`` now warns that the spec alone is static;
+    under ``Rule(dynamic=True)`` the site gets no QParams, `fake_quantized` quantizes a batch 50x
+    outside the calibration range exactly as compressed-tensors' ``compute_dynamic_scales_and_zp``
+    and ``fake_quantize`` do, and the export writes dynamic per-tensor args and no input scale."""
+    import json
+
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+    from safetensors.torch import load_file
+
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=symmetric, strategy="tensor", dynamic=True)
+    with pytest.warns(UserWarning, match=r"dynamic=True with strategy 'tensor'.*Rule\(\.\.\., dynamic=True\)"):
+        inputs = qstats.QuantSpec.from_compressed_tensors(args)
+    weights = qstats.QuantSpec.from_compressed_tensors({"num_bits": 8, "type": "int", "strategy": "channel"})
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=weights),
+                            qstats.Rule("Linear", sites=("input",), spec=inputs, dynamic=True)])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
+    plan = recipe.resolve(model)
+    assert plan.site("0", "input").runtime and not plan.site("0", "weight").runtime
+    states = qstats.calibrate(model, [torch.randn(2, 5, 64), torch.randn(1, 7, 64)], plan, progress=False)
+    qparams = qstats.compute_qparams_tree(states, plan)
+    assert qparams["0"]["input"] is None
+    x = 50 * torch.randn(1, 9, 64) + (0 if symmetric else 20)  # far outside the calibration range
+    seen = []
+    with qstats.fake_quantized(model, qparams, plan):
+        handle = model[0].register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0]))
+        model(x)
+    handle.remove()
+    scale, zero_point = compute_dynamic_scales_and_zp(x, args, model[0])
+    expected = ct_fake_quantize(x, scale, zero_point, args)
+    assert torch.equal(seen[0], expected)
+    assert float((seen[0] - x).norm() / x.norm()) < 0.02
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path), plan)
+    with open(tmp_path / "config.json") as file:
+        config = json.load(file)["quantization_config"]
+    (group,) = config["config_groups"].values()
+    assert group["input_activations"]["dynamic"] is True and group["input_activations"]["strategy"] == "tensor"
+    assert QuantizationConfig.model_validate(config).config_groups["group_0"].input_activations.dynamic is True
+    assert not [name for name in load_file(str(tmp_path / "model.safetensors")) if name.startswith("0.input")]
+
+
+def test_rule_dynamic_is_a_bool():
+    with pytest.raises(TypeError, match="Rule.dynamic must be a bool"):
+        qstats.Rule("Linear", sites=("input",), dynamic="yes")
+
+
 @pytest.mark.parametrize(
     "axis, shape, mask",
     [

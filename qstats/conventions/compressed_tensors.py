@@ -35,6 +35,8 @@ float16, float8_e4m3fn and uint8 (MX).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .._formats import COMPUTE_DTYPE_NAMES
@@ -115,6 +117,7 @@ def from_compressed_tensors(cls, args, overrides):
             f"got {scale_dtype!r}"
         )
     _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype)
+    _warn_dynamic_static(args, strategy)
     observed_dtype = overrides.pop("observed_dtype", None)
     compute_dtype = "float32"
     if observed_dtype is not None:
@@ -139,6 +142,25 @@ def from_compressed_tensors(cls, args, overrides):
     fields.update(_low_bit_fields(fields, num_bits, qtype, group_size))
     fields.update(overrides)
     return cls(**fields)
+
+
+# strategies whose activation specs take their scales at run time (`qstats.recipe.runtime_scaled`)
+_RUNTIME_STRATEGIES = ("token", "group", "tensor_group")
+
+
+def _warn_dynamic_static(args, strategy):
+    """``dynamic=True`` with a strategy (``"tensor"``, ...) whose spec alone is static: a QuantSpec
+    says how scales are computed, not when, so the site must be declared dynamic by its Rule."""
+    if _enum_value(_field(args, "dynamic", False)) is True and strategy not in _RUNTIME_STRATEGIES:
+        warnings.warn(
+            f"from_compressed_tensors: dynamic=True with strategy {strategy!r}: the QuantSpec computes "
+            "scales as compressed-tensors does, but it does not say they are computed at run time; "
+            "use it in qstats.Rule(..., dynamic=True) so that calibration gives the site no scale, "
+            "fake_quantized takes each tensor's own scale and the export writes it as dynamic "
+            "(otherwise the site is calibrated as a static one)",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype):

@@ -17,7 +17,9 @@ from .scales import check_qparams, check_scales, module_dtype, qparam_shape, zer
 __all__ = ["attention_config", "write_attention"]
 
 
-def write_attention(path: str, module, sites: Mapping, specs: Mapping, tensors: dict, log: dict) -> dict:
+def write_attention(
+    path: str, module, sites: Mapping, specs: Mapping, tensors: dict, log: dict, dynamic=frozenset()
+) -> dict:
     """``q_scale``/``k_scale``/``v_scale`` of an attention module into ``tensors`` (shape ``(1,)``
     for the tensor strategy, in the attention module's parameter dtype; zero points
     ``q_zero_point``... for asymmetric args); returns ``{site: QuantizationArgs fields}``."""
@@ -29,7 +31,7 @@ def write_attention(path: str, module, sites: Mapping, specs: Mapping, tensors: 
         spec = specs.get(site)
         if spec is None:
             raise ValueError(f"export.compressed_tensors: no spec for {where}")
-        args = quantization_args(spec, site, where)
+        args = quantization_args(spec, site, where, site in dynamic)  # refuses dynamic q/k/v
         qp = check_qparams(qp, where)
         offset = code_offset(spec, where)
         if not bool(qp.calibrated.all()):

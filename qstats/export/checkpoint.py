@@ -37,8 +37,9 @@ def compressed_tensors(
     Args:
       model: the calibrated model (its float weights are quantized with ``qparams``).
       qparams: ``{module_path: {site: QParams}}``, e.g. from `qstats.compute_qparams_tree`. A
-        dynamic activation site (per-token spec) needs no parameters: its value may be ``None``
-        (any QParams given for it are ignored). Stacked experts carry a leading expert dimension;
+        dynamic activation site (per-token or per-group spec, or a Rule with ``dynamic=True``)
+        needs no parameters: its value may be ``None`` (any QParams given for it are ignored).
+        A Rule's ``dynamic`` is known from a recipe or plan only, not from a specs tree. Stacked experts carry a leading expert dimension;
         ``q``/``k``/``v`` sites of an attention module become its ``q_scale``/``k_scale``/``v_scale``.
       path: output folder; gets ``model.safetensors`` and ``config.json`` (a transformers model's
         ``config`` is included; an existing ``config.json`` there is extended).
@@ -60,11 +61,11 @@ def compressed_tensors(
       TypeError: wrong argument types.
     """
     _check_arguments(model, qparams, format)
-    specs, groups, modules = _resolve(specs_or_recipe, qparams, model)
+    specs, groups, modules, dynamic = _resolve(specs_or_recipe, qparams, model)
     tensors: dict[str, torch.Tensor] = {}
     dropped: set[str] = set()  # float weights replaced by packed codes or unpacked experts
     log = {"uncalibrated": [], "rounded": [], "rotary": []}
-    entries, attention = _entries(modules, qparams, specs, tensors, dropped, log)
+    entries, attention = _entries(modules, qparams, specs, dynamic, tensors, dropped, log)
     schemes: dict[str, dict] = {}
     expert_projection: dict[str, tuple] = {}  # unpacked expert path -> (experts module path, projection)
     for entry in entries:
@@ -97,22 +98,30 @@ def _check_arguments(model, qparams, format) -> None:
 
 
 def _resolve(specs_or_recipe, qparams: Mapping, model: torch.nn.Module) -> tuple:
-    """``(specs tree, fused groups, {path: module})``: from the plan of a recipe (resolved once)
-    or, for a specs tree, from the model."""
+    """``(specs tree, fused groups, {path: module}, {path: dynamic sites})``: from the plan of a
+    recipe (resolved once; its sites whose scales come at run time are dynamic) or, for a specs
+    tree, from the model (a specs tree says nothing of when scales are computed: its per-token and
+    per-group activations are dynamic, the others static)."""
     if isinstance(specs_or_recipe, (Recipe, Plan)):
         plan = as_plan(specs_or_recipe, model, "export.compressed_tensors")
-        return plan.specs(qparams), plan.fused_groups, plan.modules
+        specs = plan.specs(qparams)  # refuses sites the plan does not observe
+        dynamic = {
+            path: frozenset(site for site in sites if plan.site(path, site).runtime) for path, sites in qparams.items()
+        }
+        return specs, plan.fused_groups, plan.modules, dynamic
     if hasattr(specs_or_recipe, "specs") and callable(specs_or_recipe.specs):  # a recipe-like object
-        return specs_or_recipe.specs(qparams, model), fused_groups(model), dict(model.named_modules())
-    if not isinstance(specs_or_recipe, Mapping):
+        specs = specs_or_recipe.specs(qparams, model)
+    elif isinstance(specs_or_recipe, Mapping):
+        specs = specs_or_recipe
+    else:
         raise TypeError(
             "export.compressed_tensors: specs must be a qstats.Recipe or a {path: {site: QuantSpec}} tree, "
             f"got {type(specs_or_recipe).__name__}"
         )
-    return specs_or_recipe, fused_groups(model), dict(model.named_modules())
+    return specs, fused_groups(model), dict(model.named_modules()), {}
 
 
-def _entries(modules: Mapping, qparams: Mapping, specs, tensors: dict, dropped: set, log: dict) -> tuple:
+def _entries(modules: Mapping, qparams: Mapping, specs, dynamic: Mapping, tensors: dict, dropped: set, log: dict) -> tuple:
     """``(Linear entries, {attention path: {site: args}})`` of ``qparams``: the Linear modules,
     the unpacked projections of stacked experts (whose fused parameters go to ``dropped``) and the
     attention modules (whose scales are written into ``tensors`` here)."""
@@ -127,17 +136,22 @@ def _entries(modules: Mapping, qparams: Mapping, specs, tensors: dict, dropped: 
         module_specs = specs.get(module_path, {}) if isinstance(specs, Mapping) else {}
         module_specs = module_specs if isinstance(module_specs, Mapping) else {}
         num_experts = expert_count(module)
+        module_dynamic = dynamic.get(module_path, frozenset())
         if num_experts:
-            entries.extend(expert_entries(module_path, module, sites, module_specs, num_experts, tensors))
+            entries.extend(
+                expert_entries(module_path, module, sites, module_specs, num_experts, tensors, module_dynamic)
+            )
             prefix = module_path + "." if module_path else ""
             dropped.update(prefix + name for name, _ in module.named_parameters(recurse=False))
             continue
         kv_sites = {site: qp for site, qp in sites.items() if site in ATTENTION_SITES}
         if kv_sites:
-            attention[module_path] = write_attention(module_path, module, kv_sites, module_specs, tensors, log)
+            attention[module_path] = write_attention(
+                module_path, module, kv_sites, module_specs, tensors, log, module_dynamic
+            )
         linear_sites = {site: qp for site, qp in sites.items() if site not in ATTENTION_SITES}
         if linear_sites:
-            entries.append(linear_entry(module_path, module, linear_sites, module_specs))
+            entries.append(linear_entry(module_path, module, linear_sites, module_specs, module_dynamic))
     return entries, attention
 
 

@@ -114,11 +114,12 @@ def _strategy(granularity, site: str, where: str) -> dict:
     fail(where, f"granularity {granularity!r} of an activation has no compressed-tensors strategy")
 
 
-def quantization_args(spec: QuantSpec, site: str, where: str = "spec") -> dict:
+def quantization_args(spec: QuantSpec, site: str, where: str = "spec", dynamic: bool = False) -> dict:
     """The compressed-tensors ``QuantizationArgs`` fields (a plain dict) equivalent to ``spec``
     for a ``site`` (``"weight"``, ``"input"``, ``"output"``, or ``"q"``/``"k"``/``"v"`` of an
     attention module). Activations quantized per token (``PerToken``/``PerRow``) or per group
-    (``PerGroup``, MX) are dynamic: nothing is calibrated or written for them.
+    (``PerGroup``, MX) are dynamic: nothing is calibrated or written for them; so is an
+    activation site with ``dynamic=True`` (its Rule's ``dynamic``, e.g. per tensor).
 
     Raises:
       ValueError: naming the spec field compressed-tensors cannot express.
@@ -156,6 +157,11 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec") -> dict:
             fields["dynamic"] = True  # MX activations: group scales at run time (compressed-tensors' MXFP4/MXFP8)
         return fields
     fields.update(_strategy(spec.granularity, site, where))
+    if dynamic and site != "weight":
+        if site in ATTENTION_SITES:
+            fail(where, "dynamic q/k/v scales are not exportable: compressed-tensors' kv-cache and attention "
+                 "scales are calibrated (static)")
+        fields["dynamic"] = True  # scales from each tensor at run time (compute_dynamic_scales_and_zp)
     return fields
 
 

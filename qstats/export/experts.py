@@ -121,23 +121,33 @@ class _Experts(NamedTuple):
     specs: Mapping
     input_name: str
     input_dynamic: bool
+    dynamic: frozenset
 
 
 def expert_entries(
-    path: str, module: torch.nn.Module, sites: Mapping, specs: Mapping, num_experts: int, tensors: dict
+    path: str,
+    module: torch.nn.Module,
+    sites: Mapping,
+    specs: Mapping,
+    num_experts: int,
+    tensors: dict,
+    dynamic=frozenset(),
 ) -> list:
     """Per-expert Linear entries of a stacked experts module, named as llm-compressor unpacks it
     (see the module's docstring). A projection without qparams (``gate_up_proj`` or ``down_proj``
-    not calibrated) is written unquantized under the same per-expert names into ``tensors``."""
+    not calibrated) is written unquantized under the same per-expert names into ``tensors``.
+    ``dynamic``: the module's activation sites whose scales come at run time (a Rule's ``dynamic``)."""
     gate_up, down = _stacked_parameters(path, module, sites, num_experts)
     dtype = scale_dtype(module, gate_up)
     # the routed hidden states: "gate_up_proj.input" equals "input"
     input_name = "gate_up_proj.input" if "gate_up_proj.input" in sites else "input"
     input_spec = specs.get(input_name)
-    input_dynamic = input_spec is not None and quantization_args(input_spec, "input", path)["dynamic"] is True
+    input_dynamic = (
+        input_spec is not None and quantization_args(input_spec, "input", path, input_name in dynamic)["dynamic"] is True
+    )
     sites = {site: fill_uncovered_experts(qp, specs.get(site)) if site in _INPUT_SITES else qp
              for site, qp in sites.items()}
-    experts = _Experts(path, gate_up, down, sites, specs, input_name, input_dynamic)
+    experts = _Experts(path, gate_up, down, sites, specs, input_name, input_dynamic, frozenset(dynamic))
     entries = []
     for expert in range(num_experts):
         for name, weight, entry_sites in _expert_projections(experts, expert, tensors):
@@ -152,16 +162,19 @@ def _expert_projections(experts: _Experts, expert: int, tensors: dict) -> list:
     prefix = f"{path}.{expert}"
     intermediate, fused_rows = down.shape[2], gate_up.shape[1]
     input_spec = specs.get(input_name)
+    input_dynamic = input_name in experts.dynamic
     inputs = {}
     if input_name in sites:
-        inputs["input"] = (_slice_qparams(sites[input_name], expert), input_spec, f"{path}/{input_name}[{expert}]")
+        where = f"{path}/{input_name}[{expert}]"
+        inputs["input"] = (_slice_qparams(sites[input_name], expert), input_spec, where, input_dynamic)
     projections = []
     if "gate_up_proj" in sites:
         qp, spec = _slice_qparams(sites["gate_up_proj"], expert), specs.get("gate_up_proj")
         for name, rows in (("gate_proj", (0, intermediate)), ("up_proj", (intermediate, fused_rows))):
             where = f"{path}/gate_up_proj[{expert}] ({name})"
             part = _row_slice(qp, spec, *rows, where) if spec is not None else qp
-            projections.append((name, gate_up[expert, rows[0] : rows[1]], {"weight": (part, spec, where), **inputs}))
+            weight_site = (part, spec, where, False)
+            projections.append((name, gate_up[expert, rows[0] : rows[1]], {"weight": weight_site, **inputs}))
     elif inputs:
         fail(f"{path}/{input_name}", "input scales of stacked experts need the gate_up_proj weights exported too")
     else:  # unquantized: the float weights, unpacked like the quantized ones
@@ -173,12 +186,13 @@ def _expert_projections(experts: _Experts, expert: int, tensors: dict) -> list:
         tensors[f"{prefix}.down_proj.weight"] = down[expert]
         return projections
     where = f"{path}/down_proj[{expert}]"
-    down_sites = {"weight": (_slice_qparams(sites["down_proj"], expert), specs.get("down_proj"), where)}
+    down_sites = {"weight": (_slice_qparams(sites["down_proj"], expert), specs.get("down_proj"), where, False)}
     if "down_proj.input" in sites:  # the intermediate activation act(gate) * up
         qp = _slice_qparams(sites["down_proj.input"], expert)
-        down_sites["input"] = (qp, specs.get("down_proj.input"), f"{path}/down_proj.input[{expert}]")
+        where = f"{path}/down_proj.input[{expert}]"
+        down_sites["input"] = (qp, specs.get("down_proj.input"), where, "down_proj.input" in experts.dynamic)
     elif experts.input_dynamic:  # run-time scales: the same dynamic activation quantization as gate/up
-        down_sites["input"] = (None, input_spec, f"{path}/{input_name} (down_proj)")
+        down_sites["input"] = (None, input_spec, f"{path}/{input_name} (down_proj)", input_dynamic)
     projections.append(("down_proj", down[expert], down_sites))
     return projections
 

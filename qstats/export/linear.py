@@ -31,7 +31,8 @@ class Entry(NamedTuple):
       path: the checkpoint's module path.
       weight: the float weight ``[out, in]``, or None.
       dtype: the dtype compressed-tensors gives this module's scales.
-      sites: ``{site: (QParams or None, QuantSpec, where)}``.
+      sites: ``{site: (QParams or None, QuantSpec, where, dynamic)}``; ``dynamic``: an activation
+        site whose scales come at run time whatever its granularity (a Rule's ``dynamic``).
       experts: ``(experts module path, projection)`` for unpacked experts, else None.
     """
 
@@ -54,8 +55,9 @@ class _Site(NamedTuple):
     prefix: str
 
 
-def linear_entry(path: str, module: torch.nn.Module, sites: dict, specs: dict) -> Entry:
-    """The Entry of a Linear (or Embedding) module of the model with ``sites`` ``{site: QParams}``."""
+def linear_entry(path: str, module: torch.nn.Module, sites: dict, specs: dict, dynamic=frozenset()) -> Entry:
+    """The Entry of a Linear (or Embedding) module of the model with ``sites`` ``{site: QParams}``;
+    ``dynamic``: its activation sites whose scales come at run time."""
     if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
         fail(path, f"a {type(module).__name__}; compressed-tensors quantizes Linear and Embedding modules")
     entry_sites = {}
@@ -63,7 +65,7 @@ def linear_entry(path: str, module: torch.nn.Module, sites: dict, specs: dict) -
         where = f"{path}/{site}"
         if site not in SITE_PREFIX:
             fail(where, f"site {site!r} is not exportable (weight, input, output and q/k/v are)")
-        entry_sites[site] = (qp, specs.get(site), where)
+        entry_sites[site] = (qp, specs.get(site), where, site in dynamic)
     return Entry(path, module.weight.detach(), scale_dtype(module), entry_sites)
 
 
@@ -75,15 +77,15 @@ def write_linear(entry: Entry, format: Optional[str], tensors: dict, dropped: se
     input_entry = entry.sites.get("input")
     input_args = None
     if input_entry is not None and input_entry[1] is not None:
-        input_args = quantization_args(input_entry[1], "input", input_entry[2])
-    for site, (qp, spec, where) in entry.sites.items():
+        input_args = quantization_args(input_entry[1], "input", input_entry[2], input_entry[3])
+    for site, (qp, spec, where, dynamic) in entry.sites.items():
         if spec is None:
             raise ValueError(f"export.compressed_tensors: no spec for {where}")
-        args = quantization_args(spec, site, where)
+        args = quantization_args(spec, site, where, dynamic)
         _check_input_group(entry, site, args, where)
         scheme[site] = args
-        if qp is None and args["dynamic"] is True and site != "weight":
-            continue  # dynamic activations: nothing calibrated, nothing written
+        if args["dynamic"] is True and site != "weight":
+            continue  # dynamic activations: scales at run time, nothing written
         qp = check_qparams(qp, where)
         offset = code_offset(spec, where)
         qp = _stored_scales(qp, args, entry.dtype, f"{SITE_PREFIX[site]} scales", where, log)
