@@ -370,3 +370,96 @@ def test_nvfp4_low_precision_weights(dtype, seed):
     ours = qstats.fake_quantize(weight, qp, spec)
     assert ours.dtype == theirs.dtype == dtype
     assert torch.equal(ours, theirs)
+
+
+# --------------------------------------------------------------------------------------------
+# strategies on weights of any rank and attention states; specs compressed-tensors cannot code
+# (issue 22, items 4, 13, 17)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("symmetric", (True, False), ids=("sym", "asym"))
+def test_channel_strategy_on_3d_weights_gives_one_scale_per_row(symmetric, dtype):
+    """llm-compressor views a weight of any rank as ``(..., rows, 1, cols)``: a 3-D (experts, out,
+    in) weight gets one scale per row of its last dimension, not one per expert."""
+    weight = (torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(4)) * 0.1).to(dtype)
+    weight[1, 2] = 0.0  # an all-zero row
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=symmetric, strategy="channel")
+    scale, zero_point = _reference_qparams(args, weight)
+    assert scale.shape == (4, 8, 1)
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
+    for factory in (qstats.memoryless_minmax, qstats.minmax):
+        qp = _ours(factory, spec, weight)
+        assert qp.scale.shape == (4, 8)
+        _assert_qparams_equal(scale, zero_point, qp, weight, f"3-D channel {factory.__name__}")
+    _assert_quantization_equal(args, spec, scale, zero_point, qp, weight, "3-D channel")
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(num_bits=8, type="int", symmetric=s) for s in (True, False)] + [dict(num_bits=8, type="float")],
+    ids=["int8-sym", "int8-asym", "fp8"],
+)
+def test_attn_head_strategy_gives_one_scale_per_head(kwargs, dtype):
+    """``strategy="attn_head"`` on (batch, heads, seq, head_dim) query states, observed over
+    batches by llm-compressor's static observer: one scale per head (`PerHead(1)`)."""
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(2, 4, 5, 16, generator=g) * (1 + h) + shift).to(dtype) for h, shift in ((0, 0.5), (2, -1.0))]
+    args = QuantizationArgs(**kwargs, strategy="attn_head")
+    observer = llmc_observers.Observer.load_from_registry("static_minmax", base_name="q", args=args)
+    for x in batches:
+        observer(x)
+    reference = observer.get_qparams()
+    assert reference["scale"].shape == (4, 1, 1)
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
+    assert spec.granularity == qstats.PerHead(1)
+    obs = qstats.minmax(spec)
+    state = obs.init(batches[0])
+    for x in batches:
+        state = obs.update(state, x)
+    qp = qstats.compute_qparams(state, spec)
+    context = f"attn_head {kwargs} {dtype}"
+    _assert_qparams_equal(reference["scale"], reference["zero_point"], qp, batches[0], context)
+    _assert_quantization_equal(args, spec, reference["scale"], reference["zero_point"], qp, batches[1], context)
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        (dict(dtype="uint4", granularity=qstats.PerGroup(32), scale_dtype="e8m0"), "dtype"),
+        (dict(dtype="uint4"), "dtype"),
+        (dict(dtype="uint8", mapping="asymmetric"), "dtype"),
+        (dict(dtype="int8", mapping="asymmetric", quant_min=-8, quant_max=7), "quant_min"),
+        (dict(dtype="int8", quant_min=-100, quant_max=100), "quant_min"),
+        (dict(dtype="int8", reduce_range=True), "reduce_range"),
+        (dict(dtype="int8", mapping="asymmetric", reduce_range=True), "reduce_range"),
+        (dict(dtype="int4", mapping="narrow"), "mapping"),
+        (dict(dtype="int4", mapping="symmetric_no_clipping_err"), "mapping"),
+        (dict(dtype="int8", symmetric_zero_point=3), "symmetric_zero_point"),
+        (dict(dtype="fp8_e4m3fn", zero_point_domain="none", quant_min=-100, quant_max=100), "quant_min"),
+    ],
+)
+def test_specs_whose_codes_compressed_tensors_cannot_express_are_refused(fields, field):
+    """compressed-tensors clamps every integer code to the signed ``bits``-bit range (and has no
+    unsigned type, custom or reduced range, narrow mapping or symmetric zero point other than 0):
+    such specs used to give codes outside their own range (``uint4`` with e8m0 scales flipped the
+    sign of half the values; ``quant_min=-8, quant_max=7`` gave codes down to -98)."""
+    with pytest.raises(ValueError, match=field):
+        qstats.QuantSpec(convention="compressed_tensors", **fields)
+
+
+def test_accepted_integer_specs_keep_their_codes_in_their_range():
+    """Every integer spec the convention accepts codes within its own range, and equals
+    compressed-tensors' ``quantize`` there (an independent check of the refusals above)."""
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(6)) * 3 + 0.5
+    for num_bits, symmetric in itertools.product((2, 4, 8), (True, False)):
+        args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric, strategy="channel")
+        spec = qstats.QuantSpec.from_compressed_tensors(args)
+        qp = _ours(qstats.minmax, spec, x)
+        codes = qstats.quantize(x, qp, spec)
+        assert spec.qrange == (-(2 ** (num_bits - 1)), 2 ** (num_bits - 1) - 1)
+        assert spec.qrange[0] <= int(codes.min()) and int(codes.max()) <= spec.qrange[1]
+        scale, zero_point = _reference_qparams(args, x)
+        theirs = ct_forward.quantize(x, scale, None if symmetric else zero_point, args)
+        assert torch.equal(codes.float(), theirs.float())

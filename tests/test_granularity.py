@@ -36,6 +36,18 @@ def test_weight_view_reduces_like_llm_compressor(args, granularity):
     assert ours_min.shape == qstats.qparam_shape(weight.shape, granularity)
 
 
+def test_channel_view_of_3d_weights_is_per_row():
+    """compressed-tensors' ``channel`` strategy on a weight of any rank: one set per row of the
+    last dimension (what `from_compressed_tensors` maps it to), not one per leading index."""
+    weight = torch.randn(3, 6, 32, generator=torch.Generator().manual_seed(0))
+    reference = llm_helpers.flatten_for_calibration(weight, "weight", QuantizationArgs(strategy="channel"))
+    granularity = qstats.QuantSpec.from_compressed_tensors({"num_bits": 8, "strategy": "channel"}).granularity
+    ours_min, ours_max = _reduce(qstats.canonical_view(weight, granularity))
+    ref_min, ref_max = _reduce(reference)
+    assert ours_min.shape == (3, 6) and ref_min.shape == (3, 6, 1)
+    assert torch.equal(ours_min, ref_min.reshape(3, 6)) and torch.equal(ours_max, ref_max.reshape(3, 6))
+
+
 def test_activation_tensor_view_reduces_like_llm_compressor():
     activation = torch.randn(2, 5, 16)
     reference = llm_helpers.flatten_for_calibration(activation, "input", QuantizationArgs(strategy="tensor"))

@@ -30,7 +30,15 @@ ValueError: what compressed-tensors refuses when calculating (asymmetric float 4
 ``tensor_group`` other than float 4-bit elements with float8_e4m3fn scales (``scale_dtype=None``
 keeps float32 block scales under a global scale sized for float8 ones), a float, unsigned or too
 narrow ``zp_dtype`` for asymmetric targets, and scale dtypes other than float32, bfloat16,
-float16, float8_e4m3fn and uint8 (MX).
+float16, float8_e4m3fn and uint8 (MX). `CompressedTensorsConvention` refuses the specs whose codes
+compressed-tensors cannot express, as it clamps every integer code to the signed
+``[-2**(b-1), 2**(b-1) - 1]`` range with a symmetric zero point of 0: unsigned targets, custom
+(``quant_min``/``quant_max``) or reduced (``reduce_range``) ranges, ``narrow`` and
+``symmetric_no_clipping_err`` mappings, other symmetric zero points.
+
+Strategies: ``channel`` is one scale per row of the last dimension (`PerRow`, as llm-compressor
+views weights of any rank), ``attn_head`` one per head of ``(batch, heads, seq, head_dim)``
+attention states (`PerHead(1)`).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import warnings
 import torch
 
 from .._formats import COMPUTE_DTYPE_NAMES
-from .._granularity import PerAxis, PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
+from .._granularity import PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
 from .default import Convention, check_range_within_dtype, check_symmetric_zero_point
 
 __all__ = ["CompressedTensorsConvention", "from_compressed_tensors"]
@@ -99,7 +107,9 @@ def from_compressed_tensors(cls, args, overrides):
     if strategy == "tensor":
         granularity = PerTensor()
     elif strategy == "channel":
-        granularity = PerAxis(0)
+        # llm-compressor's weight view (..., rows, 1, cols): one scale per row of the last
+        # dimension, also for 3-D weights (PerAxis(0) would give one per leading index)
+        granularity = PerRow()
     elif strategy == "group":
         granularity = PerGroup(int(group_size))
     elif strategy == "tensor_group":
@@ -108,6 +118,9 @@ def from_compressed_tensors(cls, args, overrides):
         granularity = PerBlock(tuple(_field(args, "block_structure")))
     elif strategy == "token":
         granularity = PerToken()
+    elif strategy == "attn_head":
+        # llm-compressor's attention view of (batch, heads, seq, head_dim): one scale per head
+        granularity = PerHead(1)
     else:
         raise ValueError(f"from_compressed_tensors: strategy {strategy!r} is not supported")
     scale_dtype = _dtype_field(args, "scale_dtype")
@@ -218,11 +231,43 @@ def _low_bit_fields(fields, num_bits, qtype, group_size):
 
 def _code_range(spec) -> tuple:
     """compressed-tensors' code range (``calculate_range``): the float format's, or the signed
-    ``bits``-bit range whatever the spec's own range."""
+    ``bits``-bit range (the spec's own: `check_compressed_tensors_range` refuses any other)."""
     if spec.is_float:
         return -spec.float_format.max, spec.float_format.max
     half = 2.0 ** (spec.bits - 1)
     return -half, half - 1
+
+
+def check_compressed_tensors_range(spec) -> None:
+    """ValueError for a spec whose codes compressed-tensors cannot express: its codes are always
+    clamped to the signed ``[-2**(b-1), 2**(b-1) - 1]`` (or the float format's) range, with a zero
+    point of 0 for symmetric mappings, so an unsigned target, a custom or reduced range, a narrow
+    or no-clipping mapping or another symmetric zero point would give codes outside the spec's
+    own range (or ignore the field)."""
+    if spec.mapping not in ("symmetric", "asymmetric"):
+        raise ValueError(
+            f"QuantSpec.mapping {spec.mapping!r}: compressed-tensors computes 'symmetric' and 'asymmetric' "
+            "mappings only; use convention='torch_ao' or 'torchao'"
+        )
+    if not spec.is_signed:
+        raise ValueError(
+            f"QuantSpec.dtype {spec.dtype!r}: compressed-tensors' integer codes are signed "
+            f"([-2**(b-1), 2**(b-1) - 1]); use int{spec.bits}, or convention='torch_ao' or 'torchao'"
+        )
+    if spec.reduce_range:
+        raise ValueError("QuantSpec.reduce_range: compressed-tensors has no reduced range; use convention='torch_ao'")
+    if spec.quant_min is not None and tuple(spec.qrange) != _code_range(spec):
+        lo, hi = (int(b) if not spec.is_float else b for b in _code_range(spec))
+        raise ValueError(
+            f"QuantSpec.quant_min/quant_max [{spec.quant_min}, {spec.quant_max}]: compressed-tensors' codes "
+            f"always span [{lo}, {hi}] for {spec.dtype!r}; use convention='torch_ao' or 'torchao' for a "
+            "custom range"
+        )
+    if spec.symmetric_zero_point not in (None, 0):
+        raise ValueError(
+            f"QuantSpec.symmetric_zero_point {spec.symmetric_zero_point}: compressed-tensors' symmetric zero "
+            "point is 0"
+        )
 
 
 def _zero_point_dtype(spec) -> torch.dtype:
@@ -287,16 +332,9 @@ class CompressedTensorsConvention(Convention):
     def validate(self, spec) -> None:
         check_range_within_dtype(spec)
         check_symmetric_zero_point(spec)
+        check_compressed_tensors_range(spec)
 
     def check_lsq(self, spec) -> None:
-        signed_range = tuple(int(b) for b in _code_range(spec))
-        if tuple(spec.qrange) != signed_range:
-            raise ValueError(
-                f"lsq: compressed-tensors clamps {spec.bits}-bit codes to {signed_range} (its zero points "
-                f"are in that range), but spec.dtype={spec.dtype!r} with mapping={spec.mapping!r} has "
-                f"qrange {tuple(spec.qrange)}; use a signed dtype with mapping 'symmetric' or "
-                "'asymmetric', or convention='torch_ao'"
-            )
         if spec.mapping == "asymmetric" and spec.zero_point_domain == "none":
             raise ValueError(
                 "lsq: compressed-tensors keeps an asymmetric spec's zero point even with "
