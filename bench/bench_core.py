@@ -1,12 +1,14 @@
 """Core benchmarks: minmax update against torch.aminmax, stacked experts against torch.ao.
 
 Prints markdown table rows with ratios measured in this run (alternating blocks of runs; each
-candidate's best run counts). The references are measured beside qstats in the same process:
+candidate's best run counts). On one thread the CPU time of the calling thread is measured
+(``time.thread_time``: other programs on a busy machine disturb it much less); on more threads,
+or with ``--wall``, wall-clock time. The references are measured beside qstats in the same process:
 ``torch.aminmax`` for the per-tensor update; for 64 stacked experts, a loop of torch.ao
 ``PerChannelMinMaxObserver`` (built beforehand), raw ``amin`` + ``amax`` over the stack, and one
 ``sum`` over the stack (one read of it: a floor for any form that reads the tensor).
 
-    python bench/bench_core.py [--threads 1 2] [--no-compile] [--streamed]
+    python bench/bench_core.py [--threads 1 2] [--no-compile] [--streamed] [--wall]
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import qstats
 _REFERENCES = ("torch.ao loop", "raw amin+amax", "one read")
 
 
-def interleaved_best(functions: dict, rounds: int = 4, block: int = 8, warmup: int = 3) -> dict:
-    """Best wall-clock time of each function, measured in alternating blocks: every round runs
+def interleaved_best(functions: dict, clock, rounds: int = 4, block: int = 8, warmup: int = 3) -> dict:
+    """Best time (``clock``) of each function, measured in alternating blocks: every round runs
     each function ``block`` times in a row (warm caches, as timeit), and the rounds alternate, so
     that all functions meet the machine in the same states (a shared machine's speed drifts within
     a process; one block per function would compare one state with another)."""
@@ -35,19 +37,19 @@ def interleaved_best(functions: dict, rounds: int = 4, block: int = 8, warmup: i
     for _ in range(rounds):
         for name, function in functions.items():
             for _ in range(block):
-                start = time.perf_counter()
+                start = clock()
                 function()
-                best[name] = min(best[name], time.perf_counter() - start)
+                best[name] = min(best[name], clock() - start)
     return best
 
 
-def bench_per_tensor_update() -> dict:
+def bench_per_tensor_update(clock) -> dict:
     """``minmax`` update of a 4096x1024 fp32 tensor (per tensor) beside ``torch.aminmax``."""
     x = torch.randn(4096, 1024)
     obs = qstats.minmax(qstats.QuantSpec(dtype="int8"))
     state = obs.init(x)
     return interleaved_best({"qstats": lambda: obs.update(state, x), "torch.aminmax": lambda: torch.aminmax(x)},
-                            rounds=8)
+                            clock, rounds=8)
 
 
 def _experts_spec():
@@ -101,7 +103,7 @@ def check_against_torch_ao(forms: dict, experts: torch.Tensor) -> None:
             assert torch.equal(scale[i], observer.calculate_qparams()[0]), name
 
 
-def bench_stacked_experts(compile_too: bool = True) -> dict:
+def bench_stacked_experts(clock, compile_too: bool = True) -> dict:
     """Times (seconds) of every form over 64 stacked experts [64, 512, 256] beside the torch.ao
     loop, raw amin + amax and one read of the stack, all measured round-robin."""
     experts = torch.randn(64, 512, 256)
@@ -112,10 +114,10 @@ def bench_stacked_experts(compile_too: bool = True) -> dict:
     functions["torch.ao loop"] = lambda: _torch_ao_loop(observers, experts)
     functions["raw amin+amax"] = lambda: (experts.amin(dim=-1), experts.amax(dim=-1))
     functions["one read"] = lambda: experts.sum()
-    return interleaved_best(functions, rounds=4, block=4)
+    return interleaved_best(functions, clock, rounds=6, block=4)
 
 
-def bench_streamed_experts(copies: int = 4) -> dict:
+def bench_streamed_experts(clock, copies: int = 4) -> dict:
     """The same eager forms on data that no cache holds: ``copies`` different stacks (134 MB for
     4) taken in turn, so that every call reads its stack from memory, as a calibration pass over
     a model's experts does. Times in seconds."""
@@ -131,7 +133,7 @@ def bench_streamed_experts(copies: int = 4) -> dict:
     functions["torch.ao loop"] = rotation(lambda stack: _torch_ao_loop(observers, stack))
     functions["raw amin+amax"] = rotation(lambda stack: (stack.amin(dim=-1), stack.amax(dim=-1)))
     functions["one read"] = rotation(lambda stack: stack.sum())
-    return interleaved_best(functions, rounds=6, block=4)
+    return interleaved_best(functions, clock, rounds=6, block=4)
 
 
 def experts_rows(best: dict, threads: int, what: str) -> None:
@@ -152,6 +154,7 @@ def main():
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2], help="torch intra-op thread counts")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile form")
     parser.add_argument("--streamed", action="store_true", help="also time the experts on stacks streamed from memory")
+    parser.add_argument("--wall", action="store_true", help="wall-clock time on one thread too")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}")
@@ -159,13 +162,16 @@ def main():
     print("|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        best = bench_per_tensor_update()
+        # the CPU time of the calling thread misses the work of torch's other threads
+        clock = time.perf_counter if args.wall or threads > 1 else time.thread_time
+        best = bench_per_tensor_update(clock)
         ours, ref = best["qstats"], best["torch.aminmax"]
         print(f"| per-tensor minmax update, 4096x1024 fp32 | {threads} | {ours * 1e3:.3f} ms "
               f"| torch.aminmax {ref * 1e3:.3f} ms | {ours / ref:.2f}x | <= 1.3x |")
-        experts_rows(bench_stacked_experts(compile_too=not args.no_compile), threads, "64 experts [64,512,256] int8 per channel")
+        experts_rows(bench_stacked_experts(clock, compile_too=not args.no_compile), threads,
+                     "64 experts [64,512,256] int8 per channel")
         if args.streamed:
-            experts_rows(bench_streamed_experts(), threads, "64 experts streamed from memory (4 stacks in turn)")
+            experts_rows(bench_streamed_experts(clock), threads, "64 experts streamed from memory (4 stacks in turn)")
 
 
 if __name__ == "__main__":
