@@ -350,14 +350,16 @@ class _RoutedInputSite(_RoutedSite):
 class _ExpertMatmulInputs:
     """The ``"<parameter>.input"`` sites of one stacked-experts module: an `ExpertInputCapture`
     entered before the module's forward and left after it, whose captured rows (the input of each
-    expert's matmul with the parameter) are observed under their expert ids."""
+    expert's matmul with the parameter) are observed under their expert ids, and not where the
+    batch's observation weight of the token they come from is 0 (`ExpertInputCapture.row_tokens`)."""
 
     def __init__(self, run: _Calibration, path: str, sites: list):
         self.path = path
+        self.run = run
         self.module = run.plan.modules[path]
         self.sites = {site: _RoutedSite(run, path, site) for site in sites}
         self.parameters = {site: parameter_input_site(site) for site in sites}
-        self.active: list = []  # (capture, tokens) of the call in progress
+        self.active: list = []  # (capture, tokens, observation weight of the tokens) of the call in progress
 
     def attach(self) -> list:
         return [
@@ -366,16 +368,22 @@ class _ExpertMatmulInputs:
         ]
 
     def enter(self, module, args, kwargs) -> None:
-        capture = ExpertInputCapture({name: getattr(module, name) for name in self.parameters.values()})
         x = _input_tensor(args, kwargs)
         tokens = x.numel() // x.shape[-1] if isinstance(x, torch.Tensor) and x.ndim and x.shape[-1] else 0
+        weight = self.run.weight_for(x.reshape(-1, x.shape[-1]), flattened=True) if tokens else None
+        names = set(self.parameters.values())
+        if weight is not None:  # trace the tokens of the rows: through every stacked parameter
+            names |= {name for name, p in module.named_parameters(recurse=False) if p.ndim >= 3}
+        capture = ExpertInputCapture(
+            {name: getattr(module, name) for name in names}, tokens=x if weight is not None and x.ndim == 2 else None
+        )
         capture.__enter__()
-        self.active.append((capture, tokens))
+        self.active.append((capture, tokens, weight))
 
     def leave(self, module, args, kwargs, output) -> None:
         if not self.active:
             return
-        capture, tokens = self.active.pop()
+        capture, tokens, weight = self.active.pop()
         capture.__exit__(None, None, None)
         if output is None:  # the forward raised
             return
@@ -393,7 +401,25 @@ class _ExpertMatmulInputs:
                 continue
             rows, ids = captured
             if rows.is_floating_point():
-                hook.observe_rows(rows, ids_mask(ids, hook.found.num_experts))
+                mask = ids_mask(ids, hook.found.num_experts)
+                if weight is not None:
+                    mask = mask * self._kept_rows(capture, name, site, weight).to(mask.dtype)
+                hook.observe_rows(rows, mask)
+
+    def _kept_rows(self, capture: ExpertInputCapture, name: str, site: str, weight: torch.Tensor) -> torch.Tensor:
+        """``[rows]``: 1 where the token a captured row comes from has a nonzero observation
+        weight; all ones, with a warning, when the rows cannot be traced to their tokens."""
+        tokens = capture.row_tokens(name)
+        if tokens is None:
+            warnings.warn(
+                f"calibrate: the rows of site {site!r} of the experts module {self.path!r} could not be traced "
+                "back to the tokens they come from, so the observation weight (padding) is not applied to them",
+                UserWarning,
+                stacklevel=2,
+            )
+            rows = capture.rows[name]
+            return torch.ones(sum(r.shape[0] for r in rows), dtype=torch.bool, device=rows[0].device)
+        return weight.to(tokens.device)[tokens] != 0
 
 
 def _activation_hooks(run: _Calibration) -> list:
@@ -458,8 +484,9 @@ def calibrate(
       observation_weight: optional ``callable(batch) -> tensor``, e.g. the attention mask; used as
         the ``weight`` of activation updates whose tensor starts with the same dimensions (for
         stacked experts, whose hidden states are flattened to tokens, its flattened form), so
-        padding is not observed. It is not applied to ``"<parameter>.input"`` sites, whose rows
-        are the experts' own (gathered, reordered) rows and no longer map to batch positions.
+        padding is not observed. ``"<parameter>.input"`` sites leave out the rows of the tokens
+        whose weight is 0, each row traced back to its token through the experts' forward
+        (`qstats.experts.ExpertInputCapture.row_tokens`; a warning says when it cannot be).
 
     Returns:
       ``{module_path: {site: state}}``; parameter sites first, in ``named_modules`` order.

@@ -19,11 +19,14 @@ slice ``P[e]`` of the parameter (the expert is read from the slice's storage off
 ``bmm`` with a gathered ``P[ids]`` (transformers' ``batched_mm``) and of every ``grouped_mm`` over
 ``P`` (transformers' ``grouped_mm``; the expert of each row is read from ``offs``). Nothing is
 recomputed; the captured rows of all experts are returned as one tensor with their expert ids,
-for one masked update (`ids_mask`).
+for one masked update (`ids_mask`). Given the experts' input tokens, it also traces which token
+each captured row comes from (`ExpertInputCapture.row_tokens`), so that an observation weight
+(padding) applies to the intermediate rows too.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Optional
 
@@ -239,8 +242,19 @@ def _is_whole_stack(weight, stack: torch.Tensor) -> bool:
     )
 
 
-_LINEAR, _MATMUL, _BMM, _GATHER, _GROUPED = range(5)
+_LINEAR, _MATMUL, _BMM, _GATHER, _GROUPED, _REPEAT, _SELECT, _SAME_ROWS, _UNSQUEEZE = range(9)
 _KINDS = {torch.nn.functional.linear: _LINEAR, torch.Tensor.__getitem__: _GATHER}
+# the calls through which the token of each row is followed (`ExpertInputCapture.row_tokens`)
+_KINDS.update(dict.fromkeys((torch.repeat_interleave, torch.Tensor.repeat_interleave), _REPEAT))
+_KINDS.update(dict.fromkeys((torch.index_select, torch.Tensor.index_select), _SELECT))
+_KINDS.update(dict.fromkeys((torch.unsqueeze, torch.Tensor.unsqueeze), _UNSQUEEZE))
+_KINDS.update(
+    dict.fromkeys(
+        (torch.Tensor.to, torch.Tensor.contiguous, torch.Tensor.clone, torch.clone, torch.Tensor.detach,
+         torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type_as),
+        _SAME_ROWS,
+    )
+)
 _KINDS.update(dict.fromkeys((torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__), _MATMUL))
 _KINDS.update(dict.fromkeys((torch.mm, torch.Tensor.mm), _MATMUL))
 _KINDS.update(dict.fromkeys((torch.bmm, torch.Tensor.bmm), _BMM))
@@ -281,6 +295,10 @@ class ExpertInputCapture(TorchFunctionMode):
     The rows are kept by reference (no copy; the model must not modify them in place afterwards)
     and their expert ids are tensors (no host read).
 
+    ``tokens``: the experts' input ``[tokens, hidden]``; when given, the token each captured row
+    comes from is traced (`row_tokens`) through the gathers of the forward (``tokens[index]``,
+    ``repeat_interleave``, ``index_select``, ``unsqueeze`` and dtype or layout copies).
+
     >>> import torch, qstats
     >>> stack = torch.randn(3, 4, 2)
     >>> x = torch.randn(5, 2)
@@ -291,20 +309,36 @@ class ExpertInputCapture(TorchFunctionMode):
     (torch.Size([5, 2]), [2, 2, 2, 2, 2])
     """
 
-    def __init__(self, parameters):
+    def __init__(self, parameters, tokens: Optional[torch.Tensor] = None):
         super().__init__()
         self.parameters = dict(parameters)
         self.rows: dict = {name: [] for name in self.parameters}
         self.ids: dict = {name: [] for name in self.parameters}
+        self.tokens: dict = {name: [] for name in self.parameters}  # per call: each row's token, or None
         self._gathered = WeakIdKeyDictionary()
+        self._token_of = WeakIdKeyDictionary()  # tensor -> the token of each of its leading rows
+        if tokens is not None:
+            self._token_of[tokens] = torch.arange(tokens.shape[0], device=tokens.device)
         # per parameter, the layout of one slice (checked on every matmul: computed once)
         self._inner = {name: sorted(zip(p.shape[1:], p.stride()[1:])) for name, p in self.parameters.items()}
 
-    def _add(self, name: str, rows: torch.Tensor, ids) -> None:
-        """Keeps ``rows`` and their expert ids: an int (one expert; expanded in `captured`) or a
-        tensor with one id per row."""
+    def _add(self, name: str, rows: torch.Tensor, ids, tokens: Optional[torch.Tensor] = None) -> None:
+        """Keeps ``rows``, their expert ids (an int, one expert, expanded in `captured`, or a
+        tensor with one id per row) and their tokens (None where not traced)."""
         self.rows[name].append(rows.detach())
         self.ids[name].append(ids if isinstance(ids, int) else ids.reshape(-1))
+        self.tokens[name].append(tokens)
+
+    def _rows_tokens(self, x, rows_per_entry: Optional[int] = None) -> Optional[torch.Tensor]:
+        """The token of each row of ``x.reshape(-1, x.shape[-1])``: its leading entries' tokens,
+        each repeated ``rows_per_entry`` times (default: the rows of one entry); None when ``x``
+        is not traced."""
+        tokens = self._token_of.get(x) if isinstance(x, torch.Tensor) and x.ndim >= 2 else None
+        if tokens is None:
+            return None
+        if rows_per_entry is None:
+            rows_per_entry = math.prod(x.shape[1:-1])
+        return tokens if rows_per_entry == 1 else tokens.repeat_interleave(rows_per_entry)
 
     def _sliced(self, weight):
         """``(name, e)`` when ``weight`` is a slice ``P[e]`` of a watched parameter."""
@@ -325,7 +359,7 @@ class ExpertInputCapture(TorchFunctionMode):
             x = args[0] if args else kwargs.get("input")
             found = self._sliced(args[1] if len(args) > 1 else kwargs.get("weight"))
             if found is not None and isinstance(x, torch.Tensor):
-                self._add(found[0], x.reshape(-1, x.shape[-1]), found[1])
+                self._add(found[0], x.reshape(-1, x.shape[-1]), found[1], self._rows_tokens(x))
         elif kind == _MATMUL and len(args) >= 2:
             self._matmul(args[0], args[1])
         elif kind == _BMM and len(args) >= 2:
@@ -334,12 +368,39 @@ class ExpertInputCapture(TorchFunctionMode):
             self._gather(args[0], args[1], out)
         elif kind == _GROUPED and len(args) >= 2:
             self._grouped(args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None))
+        elif self._token_of and args:
+            self._follow(kind, args, kwargs, out)
         return out
+
+    def _follow(self, kind: int, args: tuple, kwargs: dict, out) -> None:
+        """Traces the tokens of ``out``'s rows from those of ``args[0]`` through a copy, an
+        ``unsqueeze`` after the first dimension, ``repeat_interleave`` or ``index_select`` along it."""
+        tokens = self._token_of.get(args[0]) if isinstance(args[0], torch.Tensor) else None
+        if tokens is None or not isinstance(out, torch.Tensor) or out.ndim == 0:
+            return
+        if kind == _REPEAT:
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+            dim = args[2] if len(args) > 2 else kwargs.get("dim")
+            if dim != 0 or repeats is None:
+                return
+            tokens = tokens.repeat_interleave(repeats.to(tokens.device) if isinstance(repeats, torch.Tensor) else repeats)
+        elif kind == _SELECT:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            index = args[2] if len(args) > 2 else kwargs.get("index")
+            if dim != 0 or not isinstance(index, torch.Tensor):
+                return
+            tokens = tokens[index.to(tokens.device)]
+        elif kind == _UNSQUEEZE:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if not isinstance(dim, int) or dim in (0, -args[0].ndim - 1):
+                return
+        if out.shape[0] == tokens.shape[0]:
+            self._token_of[out] = tokens
 
     def _matmul(self, a, b) -> None:
         found = self._sliced(b)
         if found is not None and isinstance(a, torch.Tensor) and a.ndim >= 1:  # x @ P[e]
-            self._add(found[0], a.reshape(-1, a.shape[-1]), found[1])
+            self._add(found[0], a.reshape(-1, a.shape[-1]), found[1], self._rows_tokens(a))
             return
         found = self._sliced(a)
         if found is not None and isinstance(b, torch.Tensor) and b.ndim in (1, 2):  # P[e] @ x.T
@@ -350,12 +411,21 @@ class ExpertInputCapture(TorchFunctionMode):
             return
         if b in self._gathered:  # x [S, m, in] @ P[ids]
             name, ids = self._gathered[b]
-            self._add(name, a.reshape(-1, a.shape[-1]), ids.repeat_interleave(a.shape[1]))
+            tokens = self._rows_tokens(a, a.shape[1])
+            self._add(name, a.reshape(-1, a.shape[-1]), ids.repeat_interleave(a.shape[1]), tokens)
         elif a in self._gathered:  # P[ids] @ x [S, in, m]
             name, ids = self._gathered[a]
-            self._add(name, b.transpose(1, 2).reshape(-1, b.shape[1]), ids.repeat_interleave(b.shape[2]))
+            rows = b.transpose(1, 2).reshape(-1, b.shape[1])
+            self._add(name, rows, ids.repeat_interleave(b.shape[2]), self._rows_tokens(b, b.shape[2]))
 
     def _gather(self, stack, index, out) -> None:
+        tokens = self._token_of.get(stack) if self._token_of and isinstance(stack, torch.Tensor) else None
+        if tokens is not None:  # tokens[index] (an int or bool tensor, or a slice, along the rows)
+            if isinstance(out, torch.Tensor) and out.ndim >= 1 and (
+                isinstance(index, slice) or (isinstance(index, torch.Tensor) and index.ndim == 1)
+            ):
+                self._token_of[out] = tokens[index.to(tokens.device) if isinstance(index, torch.Tensor) else index]
+            return
         for name, watched in self.parameters.items():
             if stack is watched:  # P[ids]: one expert's weights per row
                 if (
@@ -374,7 +444,8 @@ class ExpertInputCapture(TorchFunctionMode):
         for name, stack in self.parameters.items():
             if _is_whole_stack(weight, stack):  # row r belongs to the first e with r < offs[e]
                 positions = torch.arange(x.shape[0], device=offs.device, dtype=torch.int64)
-                self._add(name, x, torch.searchsorted(offs.to(torch.int64).contiguous(), positions, right=True))
+                ids = torch.searchsorted(offs.to(torch.int64).contiguous(), positions, right=True)
+                self._add(name, x, ids, self._rows_tokens(x))
                 return
 
     def captured(self, name: str) -> Optional[tuple]:
@@ -382,18 +453,45 @@ class ExpertInputCapture(TorchFunctionMode):
         expert, in call order; None when no call with that parameter was seen."""
         if not self.rows[name]:
             return None
-        rows, ids = self.rows[name], self.ids[name]
+        rows = self.rows[name]
         if len({r.dtype for r in rows}) > 1:
             rows = [r.float() for r in rows]
-        device = rows[0].device
+        return torch.cat(rows), self._expert_ids(name, rows[0].device)
+
+    def _expert_ids(self, name: str, device) -> torch.Tensor:
+        """The expert of every captured row of ``name``, in call order."""
+        rows, ids = self.rows[name], self.ids[name]
         if all(isinstance(i, int) for i in ids):  # slices P[e]: one id tensor built from host ints
             experts = torch.tensor(ids, dtype=torch.int64, device=device)
             counts = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64, device=device)
-            return torch.cat(rows), torch.repeat_interleave(experts, counts, output_size=sum(r.shape[0] for r in rows))
+            return torch.repeat_interleave(experts, counts, output_size=sum(r.shape[0] for r in rows))
         ids = [
             torch.full((r.shape[0],), i, dtype=torch.int64, device=device)
             if isinstance(i, int)
             else i.to(device=device, dtype=torch.int64)
             for r, i in zip(rows, ids)
         ]
-        return torch.cat(rows), torch.cat(ids)
+        return torch.cat(ids)
+
+    def row_tokens(self, name: str) -> Optional[torch.Tensor]:
+        """The token (row of the ``tokens`` given) of every captured row of ``name``, in call
+        order; None when not traced. Rows of a parameter whose input is computed inside the
+        forward (``down_proj``'s ``act(gate) * up``) take the tokens of the traced parameter
+        (``gate_up_proj``) whose rows they follow: the ``k``-th row of expert ``e`` of one is
+        the ``k``-th of the other, as every recognised forward computes an expert's rows
+        row-wise, in one order, from one matmul to the next."""
+        if not self.rows[name]:
+            return None
+        if all(tokens is not None for tokens in self.tokens[name]):
+            return torch.cat([tokens.to(self.rows[name][0].device) for tokens in self.tokens[name]])
+        ids = self._expert_ids(name, self.rows[name][0].device)
+        for source in self.parameters:
+            traced = self.tokens[source]
+            if source == name or not traced or any(tokens is None for tokens in traced):
+                continue
+            source_ids = self._expert_ids(source, ids.device)
+            order, source_order = torch.argsort(ids, stable=True), torch.argsort(source_ids, stable=True)
+            if ids.shape == source_ids.shape and torch.equal(ids[order], source_ids[source_order]):
+                source_tokens = torch.cat([tokens.to(ids.device) for tokens in traced])
+                return source_tokens[source_order][torch.argsort(order)]
+        return None

@@ -358,3 +358,98 @@ def test_capture_recognises_slices_of_detached_weights():
         torch.nn.functional.linear(x, stack.detach().clone()[0])  # a copy: not the parameter
     rows, ids = capture.captured("w")
     assert torch.equal(rows, torch.cat([x, x[:2]])) and ids.tolist() == [2] * 5 + [1] * 2
+
+
+def _right_padded(sequences):
+    """``(input_ids, attention_mask)`` of right-padded sequences (pad id 0)."""
+    length = max(len(sequence) for sequence in sequences)
+    ids = torch.zeros(len(sequences), length, dtype=torch.long)
+    mask = torch.zeros(len(sequences), length, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = sequence
+        mask[row, : len(sequence)] = 1
+    return ids, mask
+
+
+def _assert_states_close(padded, unpadded):
+    assert padded.keys() == unpadded.keys()
+    for path, entry in unpadded.items():
+        assert padded[path].keys() == entry.keys(), path
+        for site, state in entry.items():
+            for field, ours, theirs in zip(state._fields, padded[path][site], state):
+                if ours.is_floating_point():  # other batch shapes: other matmul blockings
+                    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=f"{path} {site} {field}")
+                else:
+                    assert torch.equal(ours, theirs), (path, site, field)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_padding_is_left_out_of_every_site_of_a_qwen3_moe(implementation):
+    """Issue 22, item 2: with right-padded batches and ``observation_weight=attention_mask``,
+    every site equals calibrating the sequences one by one, unpadded; the per-expert
+    intermediate site (``down_proj.input``) used to count the pad tokens routed to each expert."""
+    config = qwen3_moe_config(num_experts=NUM_EXPERTS, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    model.set_experts_implementation(implementation)
+    recipe = qstats.Recipe(
+        [
+            qstats.Rule("Qwen3MoeExperts", sites=("gate_up_proj", "down_proj", "input", "gate_up_proj.input",
+                                                  "down_proj.input"), spec=MINMAX),
+            qstats.Rule("Linear", sites=("weight", "input"), spec=MINMAX),
+        ]
+    )
+    generator = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(1, 64, (length,), generator=generator) for length in (5, 9, 3)]
+    ids, mask = _right_padded(sequences)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        padded = qstats.calibrate(model, [{"input_ids": ids, "attention_mask": mask}], recipe, progress=False,
+                                  observation_weight=lambda batch: batch["attention_mask"])
+    assert not [w for w in caught if "could not be traced" in str(w.message)]
+    unpadded = qstats.calibrate(model, [sequence[None] for sequence in sequences], recipe, progress=False)
+    _assert_states_close(padded, unpadded)
+    intermediate = padded["model.layers.0.mlp.experts"]["down_proj.input"]
+    assert int(intermediate.count.sum()) == sum(map(len, sequences)) * 2 * config.moe_intermediate_size
+
+
+def test_padding_is_left_out_of_the_plain_torch_moe_intermediate(moe_example):
+    model = moe_example.build()
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 12, 32, generator=generator)
+    mask = torch.tensor([[1] * 12, [1] * 7 + [0] * 5])
+    padded = qstats.calibrate(model, [x], moe_example.RECIPE, progress=False, observation_weight=lambda batch: mask)
+    unpadded = qstats.calibrate(model, [x[0], x[1, :7]], moe_example.RECIPE, progress=False)
+    _assert_states_close(padded, unpadded)
+
+
+class _CopyingExperts(torch.nn.Module):
+    """Computes each expert's tokens from a copy of the hidden states the capture cannot follow
+    (``hidden_states * 1``): its rows cannot be traced back to their tokens."""
+
+    def __init__(self, num_experts=4, hidden=6, intermediate=5):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(num_experts, 2 * intermediate, hidden))
+        self.down_proj = torch.nn.Parameter(torch.randn(num_experts, hidden, intermediate))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        copied = hidden_states * 1
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.num_experts):
+            token, slot = torch.where(top_k_index == expert)
+            gate, up = torch.nn.functional.linear(copied[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            expert_out = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, self.down_proj[expert])
+            out = out.index_add(0, token, expert_out * top_k_weights[token, slot, None])
+        return out
+
+
+def test_untraceable_intermediate_rows_warn_that_padding_is_observed():
+    torch.manual_seed(0)
+    layer = _Layer(_CopyingExperts())
+    batch = (torch.randn(5, 6), torch.tensor([[0], [1], [1], [2], [0]]), torch.ones(5, 1))
+    recipe = qstats.Recipe([qstats.Rule("_CopyingExperts", sites=("down_proj.input",), spec=MINMAX)])
+    weight = torch.tensor([1, 1, 0, 1, 0])
+    with pytest.warns(UserWarning, match=r"'down_proj.input' of the experts module 'experts' could not be traced"):
+        states = qstats.calibrate(layer, [batch], recipe, progress=False, observation_weight=lambda b: weight)
+    assert int(states["experts"]["down_proj.input"].count.sum()) == 5 * 5  # every row, padding included
