@@ -27,6 +27,7 @@ from ._qparams import QParams, check_calibrated, compute_qparams
 from ._quant import fake_quantize
 from .experts import (
     ExpertInputCapture,
+    own_parameters,
     UncalibratedWarning,
     dispatch,
     ids_mask,
@@ -359,7 +360,7 @@ class _ExpertMatmulInputs:
         self.module = run.plan.modules[path]
         self.sites = {site: _RoutedSite(run, path, site) for site in sites}
         self.parameters = {site: parameter_input_site(site) for site in sites}
-        self.active: list = []  # (capture, tokens, observation weight of the tokens) of the call in progress
+        self.active: list = []  # (capture, parametrize.cached(), tokens, observation weight) of the call
 
     def attach(self) -> list:
         return [
@@ -373,18 +374,23 @@ class _ExpertMatmulInputs:
         weight = self.run.weight_for(x.reshape(-1, x.shape[-1]), flattened=True) if tokens else None
         names = set(self.parameters.values())
         if weight is not None:  # trace the tokens of the rows: through every stacked parameter
-            names |= {name for name, p in module.named_parameters(recurse=False) if p.ndim >= 3}
+            names |= {name for name, p in own_parameters(module).items() if p.ndim >= 3}
+        # a parametrized stack (inside `qstats.fake_quantized`) is computed once for the forward,
+        # so that the slices the forward multiplies by are slices of the tensor watched
+        cached = parametrize.cached()
+        cached.__enter__()
         capture = ExpertInputCapture(
             {name: getattr(module, name) for name in names}, tokens=x if weight is not None and x.ndim == 2 else None
         )
         capture.__enter__()
-        self.active.append((capture, tokens, weight))
+        self.active.append((capture, cached, tokens, weight))
 
     def leave(self, module, args, kwargs, output) -> None:
         if not self.active:
             return
-        capture, tokens, weight = self.active.pop()
+        capture, cached, tokens, weight = self.active.pop()
         capture.__exit__(None, None, None)
+        cached.__exit__(None, None, None)
         if output is None:  # the forward raised
             return
         for site, hook in self.sites.items():

@@ -31,6 +31,7 @@ import warnings
 from typing import Optional
 
 import torch
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -44,6 +45,7 @@ __all__ = [
     "ids_mask",
     "parameter_input_site",
     "is_stacked_parameter",
+    "own_parameters",
     "dispatch",
     "routing_mask",
     "stacked_observer",
@@ -57,18 +59,31 @@ class UncalibratedWarning(UserWarning):
     """Some quantization parameters (experts that received no token) saw no data."""
 
 
+def own_parameters(module: torch.nn.Module) -> dict:
+    """``{name: tensor}`` of the parameters ``module`` owns directly, a parametrized one
+    (``torch.nn.utils.parametrize``, as `qstats.fake_quantized` registers its fake quantization)
+    under its own name, as its original tensor (for shapes: its value is ``getattr(module, name)``)."""
+    params = dict(module.named_parameters(recurse=False))
+    if parametrize.is_parametrized(module):
+        for name, parametrizations in module.parametrizations.items():
+            original = getattr(parametrizations, "original", None)
+            if isinstance(original, torch.Tensor):
+                params[name] = original
+    return params
+
+
 def expert_count(module: torch.nn.Module) -> int:
     """The number of stacked experts of ``module``, or 0.
 
     A module holds stacked experts when it has an int ``num_experts`` attribute (as every fused
     experts module of transformers does) and owns, directly, a parameter of 3 or more dimensions
-    whose leading dimension is that count. (Convolutions and other modules with 3-D or 4-D weights
-    but no ``num_experts`` are never taken for experts.)
+    whose leading dimension is that count (parametrized or not, `own_parameters`). (Convolutions
+    and other modules with 3-D or 4-D weights but no ``num_experts`` are never taken for experts.)
     """
     declared = getattr(module, "num_experts", None)
     if not isinstance(declared, int) or isinstance(declared, bool) or declared < 1:
         return 0
-    for param in module.parameters(recurse=False):
+    for param in own_parameters(module).values():
         if param.ndim >= 3 and param.shape[0] == declared:
             return declared
     return 0

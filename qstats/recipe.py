@@ -21,7 +21,7 @@ import torch
 
 from ._granularity import PerGroup, PerTensor, PerToken, TensorGroup
 from ._spec import QuantSpec
-from .experts import expert_count, is_stacked_parameter, parameter_input_site, stacked_observer
+from .experts import expert_count, is_stacked_parameter, own_parameters, parameter_input_site, stacked_observer
 from .fused import fused_groups
 from .observers import Observer
 from .observers.minmax import minmax
@@ -260,8 +260,10 @@ class Plan:
         return self.sites.get(path, {}).get(site)
 
     def parameter(self, path: str, site: str) -> torch.Tensor:
-        """The current value (detached) of the parameter observed by a ``"parameter"`` site."""
-        return dict(self.modules[path].named_parameters(recurse=False))[site].detach()
+        """The current value (detached) of the parameter observed by a ``"parameter"`` site: a
+        parametrized one's computed value (inside `qstats.fake_quantized`, the fake-quantized
+        weights, as if they had replaced the float ones)."""
+        return getattr(self.modules[path], site).detach()
 
     def hooked_module(self, path: str, site: str) -> torch.nn.Module:
         """The module whose forward carries an activation site's tensor: the child projection
@@ -362,7 +364,7 @@ class Recipe:
 
     def _module_sites(self, path: str, module: torch.nn.Module, found: list) -> dict:
         """``{site: Site}`` of one module; records in ``found`` which rule took which site."""
-        params = dict(module.named_parameters(recurse=False))
+        params = own_parameters(module)  # parametrized ones too (inside `qstats.fake_quantized`)
         num_experts = expert_count(module)
         entry: dict = {}
         for index, rule in enumerate(self.rules):
