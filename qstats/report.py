@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
-from ._granularity import broadcast_to_view, canonical_view
+from ._formats import effective_scale
+from ._granularity import TensorGroup, broadcast_to_view, canonical_view
 from ._quant import _codes_float, fake_quantize
 from .calibrate import observe_tensor, run_model, runtime_qparams, runtime_spec
 from .recipe import Plan, Recipe, as_plan
@@ -71,17 +72,36 @@ def _format(value: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """A list of `LayerReport` rows with text, CSV and JSON renderings."""
+    """A list of `LayerReport` rows with text, CSV and JSON renderings. It is a sequence of its
+    rows (``len``, indexing, iteration) and prints as its table (`text`).
+
+    Attributes:
+      rows: the `LayerReport` rows.
+      worst_listed: how many of the worst rows by SQNR `text` lists under the table by default.
+    """
 
     rows: tuple
+    worst_listed: int = 5
 
-    def worst(self, count: int = 5) -> list:
-        """The ``count`` rows with the lowest SQNR estimate (rows without one are left out)."""
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+    def worst(self, count: int = 5) -> "Report":
+        """The ``count`` rows with the lowest SQNR estimate, lowest first (rows without one are
+        left out), as a Report: ``print(report.worst())`` prints their table."""
         measured = [row for row in self.rows if row.sqnr_db is not None]
-        return sorted(measured, key=lambda row: row.sqnr_db)[:count]
+        return Report(tuple(sorted(measured, key=lambda row: row.sqnr_db)[:count]), worst_listed=0)
 
-    def text(self, worst: int = 5) -> str:
-        """A fixed-width table, followed by the worst rows by SQNR."""
+    def text(self, worst: Optional[int] = None) -> str:
+        """A fixed-width table, followed by the ``worst`` rows by SQNR (default
+        ``worst_listed``)."""
+        worst = self.worst_listed if worst is None else worst
         table = [COLUMNS] + [tuple(_format(row.as_dict()[name]) for name in COLUMNS) for row in self.rows]
         widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in table]
@@ -210,6 +230,9 @@ def report(
     Returns:
       a `Report`; ``min``/``max`` come from the states' ``min_val``/``max_val`` fields when they
       exist, ``mean_scale`` and ``coverage`` (fraction of calibrated parameters) from the QParams;
+      ``mean_scale`` is the mean step in the tensor's units (for two-level NVFP4 specs, block
+      scales under their global scale; without ``model`` and ``recipe`` the spec is unknown and
+      it is the QParams' ``scale`` field, in block-scale units for such specs);
       ``mean_scale`` is None for activation sites whose scales come at run time
       (`qstats.recipe.runtime_scaled`; known when ``model`` and ``recipe`` are given: without
       them an NVFP4 input's row shows its QParams' placeholder group scale), and ``coverage`` too
@@ -247,11 +270,24 @@ def _row(path: str, site: str, state, qp, found, error: Optional[_Error]) -> Lay
         experts=found.num_experts if found is not None else 0,
         min=_extreme(state, "min_val", torch.min),
         max=_extreme(state, "max_val", torch.max),
-        mean_scale=float(qp.scale.float().mean()) if qp is not None and not runtime else None,
+        mean_scale=_mean_scale(qp, found) if qp is not None and not runtime else None,
         clipped_fraction=error.clipped_fraction() if error is not None else None,
         sqnr_db=error.sqnr_db() if error is not None else None,
         coverage=float(qp.calibrated.float().mean()) if qp is not None else None,
     )
+
+
+def _mean_scale(qp, found) -> float:
+    """The mean step of ``qp`` in the tensor's own units: for a two-level (NVFP4) spec, the block
+    scales under their global scale (`qstats._formats.effective_scale`, per expert for stacks);
+    without the site's spec (no model and recipe) the QParams' ``scale`` field as it is, which
+    for a two-level spec is in block-scale units (times 1 / the global scale)."""
+    scale = qp.scale.float()
+    if found is not None and isinstance(found.spec.granularity, TensorGroup):
+        global_scale = qp.global_scale.float()
+        global_scale = global_scale.reshape(tuple(global_scale.shape) + (1,) * (scale.ndim - global_scale.ndim))
+        scale = effective_scale(scale, global_scale, found.spec)
+    return float(scale.mean())
 
 
 def _measure_parameters(plan: Plan, qparams: Mapping, errors: dict) -> None:

@@ -384,3 +384,23 @@ class _BiasedExperts(torch.nn.Module):
 def test_stacked_experts_with_biases_raise(tmp_path):
     # the fused parameters are replaced by per-expert Linears: a bias would be dropped silently
     _export_raises(_BiasedExperts(), "down_proj_bias", tmp_path)
+
+
+def test_uncalibrated_warning_names_each_site_once(tmp_path):
+    """Issue 22, item 10: gate_proj and up_proj of an expert share its input site, which the
+    warning listed twice while counting the duplicates as sites."""
+    model = _model()
+    weight_args, input_args = CASES["w8a8-int"]
+    recipe, qparams = _calibrate(model, weight_args, input_args)
+    path = "model.layers.0.mlp.experts"
+    for site in ("input", "down_proj.input"):
+        qp = qparams[path][site]
+        calibrated = qp.calibrated.clone()
+        calibrated[1] = False
+        qparams[path][site] = qp._replace(calibrated=calibrated)
+    with pytest.warns(UserWarning, match="uncalibrated") as caught:
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    (message,) = [str(w.message) for w in caught if "uncalibrated" in str(w.message)]
+    listed = message.split("qparams: ", 1)[1].split(", ")
+    assert listed == [f"{path}/input[1]", f"{path}/down_proj.input[1]"]
+    assert message.startswith("export.compressed_tensors: 2 site(s) hold uncalibrated")

@@ -157,3 +157,48 @@ def test_report_leaves_padding_out_with_a_float_zero_point():
     expected_sqnr = 10 * math.log10(float(kept.pow(2).sum()) / float((kept - quantized).pow(2).sum()))
     assert row.clipped_fraction == 0.0  # every kept value lies within the calibrated range
     assert row.sqnr_db == pytest.approx(expected_sqnr, rel=1e-5)
+
+
+def test_worst_prints_a_table():
+    """Issue 22, item 10: ``print(report.worst())`` printed a list of dataclass reprs; it is a
+    Report (a sequence of its rows) printing as a table, lowest SQNR first."""
+    model, batches, recipe, states, qparams = _setup()
+    rep = qstats.report(states, qparams, model, recipe, batches[:1])
+    worst = rep.worst(2)
+    text = str(worst)
+    assert "LayerReport(" not in text and "LayerReport(" not in str(rep)
+    lines = text.splitlines()
+    assert lines[0].split() == ["module", "site", "observer", "experts", "min", "max", "mean_scale",
+                                "clipped_fraction", "sqnr_db", "coverage"]
+    assert len(lines) == 2 + 2 and "worst" not in text  # header, rule, two rows
+    measured = sorted(row.sqnr_db for row in rep.rows if row.sqnr_db is not None)
+    assert [float(line.split()[-2]) for line in lines[2:]] == pytest.approx(measured[:2], rel=1e-3)
+    assert len(worst) == 2 and list(worst) == list(worst.rows) and worst[0].sqnr_db == measured[0]
+
+
+def test_nvfp4_mean_scale_is_the_step_in_the_tensors_units():
+    """Issue 22, item 10: an NVFP4 row's ``mean_scale`` was the mean fp8 block scale (in units of
+    1 / the global scale); it is the mean step, compressed-tensors' block scale divided by its
+    global scale (``calculate_qparams`` on each group's range, ``generate_gparam``)."""
+    from compressed_tensors.quantization.quant_scheme import NVFP4
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    args = NVFP4["weights"]
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8)).eval()
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=spec)])
+    states = qstats.calibrate(model, [], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    (row,) = qstats.report(states, qparams, model, recipe).rows
+    weight = model[0].weight.detach()
+    groups = weight.reshape(8, 4, 16)
+    min_val, max_val = groups.amin(-1), groups.amax(-1)
+    global_scale = generate_gparam(weight.min(), weight.max())
+    scale, _ = calculate_qparams(min_val, max_val, args, global_scale=global_scale)
+    expected = float((scale.float() / global_scale.float()).mean())
+    assert row.mean_scale == pytest.approx(expected, rel=1e-6)
+    assert row.mean_scale == pytest.approx(float(groups.abs().amax(-1).mean()) / 6, rel=0.1)
+    # without the recipe the spec is unknown: the QParams' scale field, as documented
+    (bare,) = qstats.report(states, qparams).rows
+    assert bare.mean_scale == pytest.approx(float(qparams["0"]["weight"].scale.float().mean()))

@@ -174,22 +174,29 @@ def _quantization_config(schemes: dict, expert_projection: dict, attention: dict
     }
 
 
+def _listed(names: list, limit: int) -> str:
+    """The first ``limit`` names, and how many more there are."""
+    more = f", and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
 def _warn_log(log: dict) -> None:
     """The warnings of a written checkpoint: rounded scales, uncalibrated sites, q/k scales
     observed before a rotary embedding."""
+    # gate_proj and up_proj of an expert share its input site: each site is named (and counted) once
     if log["rounded"]:
-        rounded = log["rounded"]
+        rounded = list(dict.fromkeys(log["rounded"]))
         warnings.warn(
             f"export.compressed_tensors: scales of {len(rounded)} site(s) were rounded to the model's dtype "
-            f"({', '.join(rounded[:4])}, ...); calibrate with a spec whose scale_dtype is that dtype to keep "
+            f"({_listed(rounded, 4)}); calibrate with a spec whose scale_dtype is that dtype to keep "
             "qstats' and the checkpoint's quantization identical",
             stacklevel=3,
         )
     if log["uncalibrated"]:
-        uncalibrated = log["uncalibrated"]
+        uncalibrated = list(dict.fromkeys(log["uncalibrated"]))
         warnings.warn(
             f"export.compressed_tensors: {len(uncalibrated)} site(s) hold uncalibrated (fallback) qparams: "
-            + ", ".join(uncalibrated[:8]),
+            + _listed(uncalibrated, 8),
             stacklevel=3,
         )
     if log["rotary"]:
