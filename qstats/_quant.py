@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import _formats
+from ._checks import require
 from ._formats import code_dtype
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
@@ -35,6 +36,20 @@ def _params(qparams: QParams, view: torch.Tensor):
     return scale, zero_point
 
 
+def _checked_zero_point(zero_point: torch.Tensor, spec: QuantSpec, where: str) -> torch.Tensor:
+    """``zero_point``, after ValueError (eagerly, compiled and under vmap) where an integer zero
+    point lies outside the spec's range, whose codes would land off the grid (torch's fake-quant
+    ops refuse them too)."""
+    if spec.is_float or spec.zero_point_domain != "int":
+        return zero_point
+    qmin, qmax = spec.qrange
+    inside = require(
+        (zero_point >= qmin) & (zero_point <= qmax),
+        f"{where}: integer zero points must lie in the spec's range [quant_min, quant_max] = [{qmin}, {qmax}]",
+    )
+    return torch.where(inside, zero_point, torch.full_like(zero_point, qmin))  # threads the check
+
+
 def _codes_float(view, scale, zero_point, spec: QuantSpec, global_scale=None):
     """Unclamped and clamped codes as float tensors (integer-valued for int targets)."""
     if _formats.handles_codes(spec):  # fp6/fp4, e8m0 (MX) and two-level (NVFP4) scales
@@ -49,21 +64,32 @@ def _dequantize_view(codes, scale, zero_point, spec, global_scale=None):
     return spec.convention.dequantize(codes, scale, zero_point, spec)
 
 
+def _to_output(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values (float32, or float64 where the convention computed in float64) in ``dtype``: float64
+    outputs keep a float64 computation, others are rounded to float32 first (once)."""
+    return values.to(dtype) if dtype == torch.float64 else values.float().to(dtype)
+
+
 def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor:
     """Codes of ``x``: integers in ``[qmin, qmax]`` (dtype `code_dtype(spec)`) or fp8 values."""
     view = canonical_view(x, spec.granularity)
     scale, zero_point = _params(qparams, view)
+    zero_point = _checked_zero_point(zero_point, spec, "quantize")
     _, codes = _codes_float(view, scale, zero_point, spec, qparams.global_scale)
     codes = from_canonical_view(codes, spec.granularity, x.shape)
     return _formats.store_codes(codes, spec)
 
 
 def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=torch.float32) -> torch.Tensor:
-    """Values of ``codes``: ``(codes - zero_point) * scale`` (``codes * scale`` for floats)."""
+    """Values of ``codes``: ``(codes - zero_point) * scale`` (``codes * scale`` for floats), in
+    float64 arithmetic for a float64 ``dtype`` where `fake_quantize` of float64 inputs computes in
+    it (torch.ao's per-channel integer targets)."""
     view = canonical_view(codes, spec.granularity)
+    if dtype == torch.float64 and not spec.is_float:
+        view = view.double()
     scale, zero_point = _params(qparams, view)
     out = _dequantize_view(view, scale, zero_point, spec, qparams.global_scale)
-    return from_canonical_view(out, spec.granularity, codes.shape).to(dtype)
+    return _to_output(from_canonical_view(out, spec.granularity, codes.shape), dtype)
 
 
 def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor:
@@ -72,9 +98,13 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
     The gradient with respect to ``x`` is 1 inside the representable range (the convention's
     `gradient_range`) and 0 where the value was clipped. Composes with ``torch.func.grad``,
     ``vmap`` and ``torch.compile``.
+
+    Raises:
+      ValueError: an integer zero point outside ``spec.qrange`` (as torch's fake-quant ops).
     """
     view = canonical_view(x, spec.granularity)
     scale, zero_point = _params(qparams, view)
+    zero_point = _checked_zero_point(zero_point, spec, "fake_quantize")
     unclamped, codes = _codes_float(view.detach(), scale, zero_point, spec, qparams.global_scale)
     out = _dequantize_view(codes, scale, zero_point, spec, qparams.global_scale)
     if view.requires_grad:
@@ -83,4 +113,4 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
         passthrough = view.float() - view.float().detach()
         out = torch.where(inside, out + passthrough, out)
     out = from_canonical_view(out, spec.granularity, x.shape)
-    return out.to(x.dtype)
+    return _to_output(out, x.dtype)

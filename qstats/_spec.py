@@ -355,8 +355,9 @@ class QuantSpec:
     ) -> "QuantSpec":
         """The spec whose `compute_qparams` equals torch.ao's observers' ``calculate_qparams``.
 
-        Accepts exactly what torch.ao's MinMax/MovingAverage/PerChannel observers accept and
-        raises ValueError for every combination they refuse (``qstats/conventions/torch_ao.py``).
+        Accepts exactly what torch.ao's MinMax/MovingAverage/Histogram/PerChannel observers accept
+        (what any of them accepts) and raises ValueError for every combination they all refuse
+        (``qstats/conventions/torch_ao.py``).
         """
         return torch_ao.from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis, overrides)
 

@@ -80,6 +80,8 @@ def _reference(kind, dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch
         return ao.MinMaxObserver(**kwargs)
     if kind == "moving_average":
         return ao.MovingAverageMinMaxObserver(averaging_constant=constant, **kwargs)
+    if kind == "histogram":
+        return ao.HistogramObserver(**kwargs)
     if kind == "per_channel":
         return ao.PerChannelMinMaxObserver(ch_axis=ch_axis, **kwargs)
     return ao.MovingAveragePerChannelMinMaxObserver(averaging_constant=constant, ch_axis=ch_axis, **kwargs)
@@ -87,6 +89,17 @@ def _reference(kind, dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch
 
 def _kinds(qscheme):
     return ("minmax", "moving_average") if qscheme in PER_TENSOR else ("per_channel", "moving_average_per_channel")
+
+
+def _constructing_kinds(ref_args):
+    """The min/max observer kinds of the qscheme's family that construct for ``ref_args``
+    (quint8 per_tensor_symmetric with reduce_range: none, only HistogramObserver takes it)."""
+    return [kind for kind in _kinds(ref_args[1]) if _refuses(lambda: _reference(kind, *ref_args)) is None]
+
+
+def _acceptance_kinds(qscheme):
+    """Every observer kind whose acceptance `from_torch_ao` follows (histogram: per tensor only)."""
+    return _kinds(qscheme) + (("histogram",) if qscheme in PER_TENSOR else ())
 
 
 def _ours(kind, spec, constant):
@@ -165,7 +178,7 @@ def _assert_bit_exact(reference, qp, context):
 def _refuses(make):
     try:
         make()
-    except (AssertionError, NotImplementedError, ValueError) as error:
+    except (AssertionError, NotImplementedError, ValueError, TypeError) as error:  # TypeError: HistogramObserver of float8
         return error
     return None
 
@@ -214,26 +227,29 @@ def test_from_torch_ao_accepts_and_refuses_what_torch_ao_does():
                 dtype, qscheme, reduce_range=reduce_range, quant_min=quant_min, quant_max=quant_max, eps=eps
             )
         )
-        for kind in _kinds(qscheme):
-            theirs = _refuses(lambda: _reference(kind, *ref_args))
-            checked += 1
-            context = f"{kind} {ref_args}"
-            if theirs is not None:
-                refused += 1
-                assert isinstance(ours, ValueError), f"torch.ao refuses {context} ({theirs!r}); qstats gave {ours!r}"
-            elif ours is not None:
-                deviations += 1
-                eps_deviations += eps <= 0
-                assert isinstance(ours, ValueError), context
-                if eps <= 0 and qscheme == torch.per_channel_affine_float_qparams:
-                    continue  # documented: qstats needs eps > 0; here torch.ao only tests scale > 0
+        # qstats accepts what any observer of the family accepts (quint8 per_tensor_symmetric
+        # with reduce_range: HistogramObserver only), and refuses what they all refuse
+        theirs = {kind: _refuses(lambda: _reference(kind, *ref_args)) for kind in _acceptance_kinds(qscheme)}
+        accepting = [kind for kind, error in theirs.items() if error is None]
+        checked += 1
+        context = f"{accepting or list(theirs)} {ref_args}"
+        if not accepting:
+            refused += 1
+            assert isinstance(ours, ValueError), f"torch.ao refuses {context} ({theirs!r}); qstats gave {ours!r}"
+        elif ours is not None:
+            deviations += 1
+            eps_deviations += eps <= 0
+            assert isinstance(ours, ValueError), context
+            if eps <= 0 and qscheme == torch.per_channel_affine_float_qparams:
+                continue  # documented: qstats needs eps > 0; here torch.ao only tests scale > 0
+            for kind in accepting:
                 assert _unusable(lambda: _reference(kind, *ref_args)), (
-                    f"qstats refuses {context} ({ours}) but torch.ao gives usable parameters"
+                    f"qstats refuses {context} ({ours}) but torch.ao's {kind} gives usable parameters"
                 )
         # a per-channel observer refuses per-tensor qschemes and vice versa
         wrong = "per_channel" if qscheme in PER_TENSOR else "minmax"
         assert _refuses(lambda: _reference(wrong, *ref_args)) is not None
-    assert checked == len(ALLOWED_DTYPES + REFUSED_DTYPES) * len(QSCHEMES) * 2 * len(RANGES) * len(ACCEPTANCE_EPS) * 2
+    assert checked == len(ALLOWED_DTYPES + REFUSED_DTYPES) * len(QSCHEMES) * 2 * len(RANGES) * len(ACCEPTANCE_EPS)
     assert refused > 0 and deviations > 0
     print(
         f"torch.ao acceptance: {checked} combinations, {refused} refused by both, "
@@ -283,7 +299,7 @@ def test_every_accepted_combination_is_bit_exact(qscheme):
     for index, (ref_args, spec) in enumerate(
         _accepted(qschemes=(qscheme,), ranges=QPARAM_RANGES, eps_values=EPS[:3], ch_axis=1)
     ):
-        for kind in _kinds(qscheme):
+        for kind in _constructing_kinds(ref_args):
             for name in (names[index % len(names)], names[(index + half) % len(names)]):
                 constant = CONSTANTS[(index + names.index(name)) % len(CONSTANTS)]
                 reference, qp = _run(kind, ref_args, spec, INPUTS[name], constant, ch_axis=1)
@@ -299,7 +315,7 @@ def test_default_ranges_on_every_input(qscheme):
     observer kinds and every averaging constant."""
     count = 0
     for ref_args, spec in _accepted(qschemes=(qscheme,), ranges=((None, None),), eps_values=(F32_EPS,), ch_axis=1):
-        for kind in _kinds(qscheme):
+        for kind in _constructing_kinds(ref_args):
             for name, batches in INPUTS.items():
                 for constant in CONSTANTS if kind.startswith("moving") else (0.01,):
                     reference, qp = _run(kind, ref_args, spec, batches, constant, ch_axis=1)
@@ -331,7 +347,7 @@ def test_per_channel_axes(ch_axis):
 def test_single_element_and_one_dimensional_inputs():
     count = 0
     for ref_args, spec in _accepted(ranges=QPARAM_RANGES[:4], eps_values=(F32_EPS,)):
-        for kind in _kinds(ref_args[1]):
+        for kind in _constructing_kinds(ref_args):
             for name, batches in SINGLE.items():
                 if name == "one-d" and "per_channel" in kind:
                     continue
@@ -378,7 +394,7 @@ def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="include 0"):
         qstats.QuantSpec.from_torch_ao(torch.qint8, quant_min=1, quant_max=10)
     with pytest.raises(ValueError, match="reduce range"):
-        qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_symmetric, reduce_range=True)
+        qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_channel_symmetric, reduce_range=True)
     with pytest.raises(ValueError, match="single value"):
         qstats.QuantSpec.from_torch_ao(torch.qint8, reduce_range=True, quant_min=0, quant_max=1)
     with pytest.raises(ValueError, match="int32"):
@@ -387,6 +403,36 @@ def test_refusals_name_the_problem():
         qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_symmetric, quant_min=0, quant_max=2**32)
     with pytest.raises(ValueError, match="eps"):
         qstats.QuantSpec.from_torch_ao(torch.qint8, eps=0.0)
+
+
+@pytest.mark.parametrize("quant_range", ((None, None), (0, 255), (0, 15)))
+def test_histogram_observer_quint8_symmetric_reduce_range(quant_range):
+    """quint8 with per_tensor_symmetric and reduce_range, which HistogramObserver takes (torch.ao's
+    own histogram tests use it) and MinMaxObserver refuses (issue 22, item 12): the range (0, 127)
+    with torch.ao's fixed zero point 128 (a custom range: halved, with its lower midpoint)."""
+    quant_min, quant_max = quant_range
+    kwargs = dict(dtype=torch.quint8, qscheme=torch.per_tensor_symmetric, reduce_range=True,
+                  quant_min=quant_min, quant_max=quant_max)
+    with pytest.raises(NotImplementedError):
+        ao.MinMaxObserver(**kwargs)
+    spec = qstats.QuantSpec.from_torch_ao(**kwargs)
+    g = torch.Generator().manual_seed(7)
+    for x in (torch.randn(64, generator=g) * 3, torch.randn(64, generator=g).abs() + 0.5, torch.zeros(8)):
+        reference = ao.HistogramObserver(bins=256, **kwargs)
+        reference(x)
+        assert (reference.quant_min, reference.quant_max) == spec.qrange
+        # the histogram search's range, mapped by torch.ao and by qstats
+        new_min, new_max = reference._non_linear_param_search()
+        scale, zero_point = reference.calculate_qparams()
+        qp = qstats.qparams_from_minmax(new_min, new_max, spec)
+        assert torch.equal(qp.scale.reshape(1), scale.reshape(1))
+        assert int(qp.zero_point) == int(zero_point) == spec.symmetric_zero_point
+        # the observed extremes, through qstats' own observer
+        obs = qstats.minmax(spec)
+        qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+        scale, zero_point = reference._calculate_qparams(reference.min_val, reference.max_val)
+        assert torch.equal(qp.scale.reshape(1), scale.reshape(1))
+        assert int(qp.zero_point) == int(zero_point)
 
 
 @pytest.mark.parametrize("input_dtype", (torch.float32, torch.bfloat16), ids=str)

@@ -36,7 +36,10 @@ DTYPES = (
     torch.uint16,
 )
 RANGES = ((None, None), (0, 15), (-8, 7), (-3, 4), (0, 1000), (-(2**15), 2**15 - 1), (-(2**31), 2**31 - 1))
-INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HALF_AND_SINGLE = (torch.float32, torch.bfloat16, torch.float16)
+# float64: torch computes x * inv_scale in float64 and the per-channel product (code - zero point) * scale
+# in float64, the per-tensor one in float32 (issue 22, item 6)
+INPUT_DTYPES = HALF_AND_SINGLE + (torch.float64,)
 CH_AXIS = 1
 # torch.fake_quantize_per_tensor_affine clamps before casting to int64 from torch 2.9 on (before,
 # infinities land on quant_min there too, as in the per-channel kernel)
@@ -57,7 +60,10 @@ def _configurations(qschemes):
         except ValueError:
             continue
         if qscheme in PER_TENSOR:
-            reference = ao.MinMaxObserver(**kwargs)
+            try:
+                reference = ao.MinMaxObserver(**kwargs)
+            except NotImplementedError:
+                continue  # quint8 per_tensor_symmetric with reduce_range: HistogramObserver's only (as uint8)
         else:
             reference = ao.PerChannelMinMaxObserver(ch_axis=CH_AXIS, **kwargs)
         yield kwargs, spec, reference
@@ -134,6 +140,8 @@ def _check(kwargs, spec, reference, x, generator, counts):
         # torch's fake-quant ops refuse it; nothing to compare
         with pytest.raises(RuntimeError, match="zero_point"):
             _torch_fake_quantize(test_x, scale, zero_point, reference, spec)
+        with pytest.raises(ValueError, match="zero point"):
+            qstats.fake_quantize(test_x, qp, spec)
         counts["refused_by_torch"] += 1
         return
     for dtype in INPUT_DTYPES:
@@ -213,7 +221,7 @@ def test_matches_torch_quantization_ops(qscheme):
 
 
 @pytest.mark.skipif(not PER_TENSOR_SATURATES, reason="torch's per-tensor fake-quant kernel saturates from torch 2.9")
-@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=str)  # (float64 products differ per tensor and channel)
 def test_per_channel_infinities_clip_to_the_nearest_end(dtype):
     """Values beyond int64 after scaling, infinities included: qstats clamps them to the nearest
     end of the range, as torch.fake_quantize_per_tensor_affine does. (torch's per-channel kernel
@@ -243,3 +251,35 @@ def test_per_channel_infinities_clip_to_the_nearest_end(dtype):
         assert torch.equal(ours_in.grad, theirs_in.grad)
         theirs_codes = torch.quantize_per_tensor(x.float(), scale, zero_point, qdtype).int_repr().long()
         assert torch.equal(qstats.quantize(x.float(), qp, spec).long(), theirs_codes)
+
+
+@pytest.mark.parametrize("zero_point", (-1, 256, 300))
+@pytest.mark.parametrize("per_channel", (False, True), ids=("tensor", "channel"))
+def test_zero_points_outside_the_range_raise_like_torch(per_channel, zero_point):
+    """An integer zero point outside [quant_min, quant_max]: torch's fake-quant ops raise; qstats
+    used to return values off the grid (scale 1, zero point -1 on [0, 255]: +1.0 for -0.25).
+    qstats raises ValueError naming the range, eagerly, under vmap and compiled (issue 22, item 5)."""
+    granularity = qstats.PerAxis(0) if per_channel else qstats.PerTensor()
+    spec = qstats.QuantSpec(dtype="uint8", mapping="asymmetric", granularity=granularity)
+    x = torch.tensor([[-0.25, 0.5, 3.0]])
+    shape = (1,) if per_channel else ()
+    good = torch.zeros(shape, dtype=torch.int32)
+    qp = qstats.QParams(torch.ones(shape), torch.full(shape, zero_point, dtype=torch.int32), torch.ones(()),
+                        torch.ones(shape, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="zero_point"):
+        if per_channel:
+            torch.fake_quantize_per_channel_affine(x, qp.scale, qp.zero_point, 0, 0, 255)
+        else:
+            torch.fake_quantize_per_tensor_affine(x, 1.0, zero_point, 0, 255)
+    for run in (
+        lambda q: qstats.fake_quantize(x, q, spec),
+        lambda q: qstats.quantize(x, q, spec),
+        lambda q: torch.vmap(lambda p: qstats.fake_quantize(x, p, spec))(qstats.QParams(*(t[None] for t in q))),
+        lambda q: torch.compile(lambda p: qstats.fake_quantize(x, p, spec), backend="aot_eager", fullgraph=True)(q),
+    ):
+        with pytest.raises(ValueError, match=r"zero points must lie in .* \[0, 255\]"):
+            run(qp)
+        ok = run(qp._replace(zero_point=good))  # the range's own zero points pass
+        assert ok.shape[-1] == 3
+    theirs = torch.fake_quantize_per_tensor_affine(x, 1.0, 255, 0, 255)
+    assert torch.equal(qstats.fake_quantize(x, qp._replace(zero_point=good + 255), spec), theirs)

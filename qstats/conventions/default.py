@@ -22,6 +22,7 @@ from .. import _formats
 
 __all__ = [
     "Convention",
+    "integer_working",
     "check_float_mapping",
     "check_float_zero_point",
     "check_range_within_dtype",
@@ -104,24 +105,27 @@ class Convention:
     # codes
     def codes(self, view: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec):
         """``(unclamped, codes)`` of ``view`` (any float dtype) under broadcast qparams: the codes
-        before and after saturation, as float tensors (integer-valued for integer targets)."""
-        v = view.float()
+        before and after saturation, as float tensors (integer-valued for integer targets). Integer
+        codes of a float64 ``view`` are computed in float64 (``x * (1 / scale)`` with the float32
+        reciprocal, as torch's fake-quant kernels), the others in float32."""
         if spec.is_float:
             fmax = spec.float_format.max
-            scaled = v / scale
+            scaled = view.float() / scale
             return scaled, scaled.clamp(-fmax, fmax).to(spec.float_format.torch_dtype).float()
+        v = integer_working(view)
         if spec.zero_point_domain == "float":
             unclamped = torch.round(v * (1.0 / scale) + zero_point)
         else:
-            unclamped = torch.round(v * (1.0 / scale)) + zero_point.float()
+            unclamped = torch.round(v * (1.0 / scale)) + zero_point.to(v.dtype)
         return unclamped, unclamped.clamp(*spec.qrange)
 
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec) -> torch.Tensor:
-        """float32 values of ``codes`` (those `quantize` stores, or `codes`' float ones)."""
-        codes = codes.float()
+        """Values of ``codes`` (those `quantize` stores, or `codes`' float ones): float32, or
+        float64 for float64 integer codes (as torch's per-channel fake-quant kernel)."""
+        codes = integer_working(codes) if not spec.is_float else codes.float()
         if spec.is_float:
             return codes * scale
-        return (codes - zero_point.float()) * scale
+        return (codes - zero_point.to(codes.dtype)) * scale
 
     def gradient_range(self, spec) -> tuple:
         """The bounds inside which `fake_quantize` passes the gradient (unclamped codes)."""
@@ -139,6 +143,11 @@ class Convention:
     def e8m0_scale(self, amax: torch.Tensor, spec) -> torch.Tensor:
         """Power-of-two (MX) scales of blocks of absolute maximum ``amax`` (float32)."""
         return _formats.e8m0_scale(amax, spec)
+
+
+def integer_working(t: torch.Tensor) -> torch.Tensor:
+    """The dtype integer codes are computed in: float64 for float64 tensors, float32 otherwise."""
+    return t if t.dtype == torch.float64 else t.float()
 
 
 def _round_scale(scale: torch.Tensor, spec) -> torch.Tensor:

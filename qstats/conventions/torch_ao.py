@@ -1,13 +1,16 @@
 """The torch.ao convention (``"torch_ao"``, the default) and `from_torch_ao`.
 
 `from_torch_ao` mirrors the validation and the range arithmetic of
-``UniformQuantizationObserverBase``, ``MinMaxObserver`` and ``PerChannelMinMaxObserver``
-(torch/ao/quantization/observer.py and ``calculate_qmin_qmax`` in utils.py), so that
-`compute_qparams` reproduces their ``calculate_qparams`` bit for bit, quirks included:
+``UniformQuantizationObserverBase``, ``MinMaxObserver``, ``HistogramObserver`` and
+``PerChannelMinMaxObserver`` (torch/ao/quantization/observer.py and ``calculate_qmin_qmax`` in
+utils.py), accepting what any of them accepts, so that `compute_qparams` reproduces their
+``calculate_qparams`` bit for bit, quirks included:
 
 - float8 and quint4x2 observers compute with the fallback range (0, 15) and a zero point of 0;
 - symmetric uint8 uses zero point 128 unless a custom range is given (then the lower midpoint),
-  even with ``reduce_range``; symmetric uint16 always uses 2**15;
+  even with ``reduce_range`` (quint8 with ``per_tensor_symmetric`` and ``reduce_range``, which
+  ``HistogramObserver`` takes and ``MinMaxObserver`` refuses, is accepted); symmetric uint16
+  always uses 2**15;
 - a custom range is halved by ``reduce_range``; only one of quant_min/quant_max is ignored.
 
 Three kinds of combination torch.ao constructs are refused with ValueError, because they give no
@@ -25,7 +28,13 @@ from __future__ import annotations
 import torch
 
 from .._granularity import PerAxis, PerTensor
-from .default import Convention, check_float_mapping, check_float_zero_point, check_symmetric_zero_point
+from .default import (
+    Convention,
+    check_float_mapping,
+    check_float_zero_point,
+    check_symmetric_zero_point,
+    integer_working,
+)
 
 __all__ = ["TorchAOConvention", "from_torch_ao"]
 
@@ -91,8 +100,10 @@ def from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, 
         raise ValueError(f"from_torch_ao: dtype {dtype} is not accepted by torch.ao observers ({_ALLOWED_DTYPES})")
     if qscheme not in _PER_TENSOR + _PER_CHANNEL:
         raise ValueError(f"from_torch_ao: qscheme {qscheme} is not accepted by torch.ao observers")
-    if reduce_range and dtype == torch.quint8 and qscheme in _SYMMETRIC:
-        raise ValueError("from_torch_ao: torch.ao cannot reduce range for symmetric quantization of quint8")
+    if reduce_range and dtype == torch.quint8 and qscheme == torch.per_channel_symmetric:
+        # every per-channel observer refuses it; per tensor, MinMaxObserver refuses it but
+        # HistogramObserver takes it (the range (0, 127) with torch.ao's fixed zero point 128)
+        raise ValueError("from_torch_ao: torch.ao cannot reduce range for symmetric quantization of quint8 per channel")
     custom, lo, hi = _torch_ao_range(dtype, quant_min, quant_max, reduce_range)
 
     if dtype in (torch.quint8, torch.uint8):
@@ -187,7 +198,7 @@ class TorchAOConvention(Convention):
         every int32 code)."""
         if not _exact_kernel(spec):
             return super().codes(view, scale, zero_point, spec)
-        v = view.float()
+        v = integer_working(view)  # float64 inputs: x * inv_scale in float64, as the kernels
         if spec.zero_point_domain == "float":
             # lrintf(zero_point + x * inv_scale): compilers contract it to one fused multiply-add
             # (x86 AVX2/AVX512 and aarch64 builds of torch), i.e. the exact value rounded once to
@@ -196,19 +207,25 @@ class TorchAOConvention(Convention):
             inv_scale = (1.0 / scale).double()
             unclamped = torch.round((v.double() * inv_scale + zero_point.double()).float())
         else:
-            unclamped = torch.round(v * (1.0 / scale)) + zero_point.float()
+            unclamped = torch.round(v * (1.0 / scale)) + zero_point.to(v.dtype)
         unclamped = unclamped.double()
         return unclamped, unclamped.clamp(*spec.qrange)
 
     def dequantize(self, codes, scale, zero_point, spec):
-        """As `Convention.dequantize`; with the exact kernel arithmetic, rounded as torch's
-        kernels (integer or float64 codes)."""
+        """As `Convention.dequantize`; rounded as torch's kernels: the per-tensor kernel's product
+        is float32 whatever the input dtype (float64 included), the per-channel one's is the
+        input's (float64 for float64 codes); with the exact kernel arithmetic, from integer or
+        float64 codes."""
+        per_tensor = isinstance(spec.granularity, PerTensor) and spec.zero_point_domain != "float"
         if not _exact_kernel(spec):
-            return super().dequantize(codes, scale, zero_point, spec)
+            values = super().dequantize(codes, scale, zero_point, spec)
+            if per_tensor and values.dtype == torch.float64:
+                return (integer_working(codes) - zero_point.double()).float() * scale
+            return values
         difference = codes.double() - zero_point.double()
-        if isinstance(spec.granularity, PerTensor) and spec.zero_point_domain != "float":
+        if per_tensor:
             return difference.float() * scale
-        return (difference * scale.double()).float()
+        return difference * scale.double()  # rounded once to the output dtype (qstats/_quant.py)
 
     def gradient_range(self, spec) -> tuple:
         """The range against which torch's fake-quant kernels test a code: the per-tensor kernel
