@@ -13,6 +13,10 @@ import torch
 from _shared import distribution, minilm_inputs
 
 import qstats
+from qstats.observers.search import entropy_amax
+from qstats.observers.search.l2 import sawtooth_error, sign_windows
+from qstats.observers.search.mse import exact_error
+from qstats.observers.search.percentile import percentile_search
 
 H = sys.modules["qstats.observers.histogram"]
 
@@ -67,25 +71,25 @@ def test_counts_match_an_independent_bucketing(bins, octaves):
     assert float(state.min_val) == float(finite.min()) and float(state.max_val) == float(finite.max())
 
 
-def test_full_resolution_and_clamped_paths_agree():
-    # few parameters take the full-resolution bincount, many the clamped path: same counts
+def test_bucket_counts_of_many_parameters_equal_each_parameter_alone():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(64, 256, generator=g) * torch.logspace(-3, 3, 64).unsqueeze(1)
+    x[5, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 2.0**20, -(2.0**-20)])
     view = qstats.canonical_view(x, qstats.PerAxis(0))
-    counts, nonfinite = H.bucket_counts(view, bins=64, exponent_range=(-16, 16))  # 64 * 2**15 > limit: clamped
-    for row in (0, 17, 63):
-        single, _ = H.bucket_counts(view[:, row : row + 1], bins=64, exponent_range=(-16, 16))  # full resolution
-        assert torch.equal(counts[row], single[0])
+    counts, nonfinite = H.bucket_counts(view, bins=64, exponent_range=(-16, 16))
+    assert counts.shape == (64, 2, 32 * 64 + 2) and int(nonfinite[5]) == 3 and int(nonfinite.sum()) == 3
+    for row in (0, 5, 17, 63):
+        single, single_nonfinite = H.bucket_counts(view[:, row : row + 1], bins=64, exponent_range=(-16, 16))
+        assert torch.equal(counts[row], single[0]) and torch.equal(nonfinite[row], single_nonfinite[0])
 
 
-def test_bucket_counts_and_extremes_equal_numpy(monkeypatch):
-    # full-resolution and clamped bucketing, masked and unmasked, against numpy's bucketing; the
-    # unmasked update's extremes come from the same op, with and without non-finite values
+def test_bucket_counts_and_extremes_equal_numpy():
+    # per-tensor and per-channel bucketing, masked and unmasked, against numpy's bucketing; the
+    # extremes with and without non-finite values
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4000, 3, generator=g) * 10.0 ** torch.randint(-4, 4, (4000, 3), generator=g)
     mask = torch.rand(4000, generator=g) < 0.7
-    for granularity, bins in ((qstats.PerTensor(), 128), (qstats.PerAxis(1), 64)):  # full resolution, clamped
-        monkeypatch.setattr(H, "_FULL_RESOLUTION_LIMIT", 1 << 22 if bins == 128 else 1)
+    for granularity, bins in ((qstats.PerTensor(), 128), (qstats.PerAxis(1), 64)):
         obs = qstats.histogram(qstats.QuantSpec(granularity=granularity), bins=bins, octaves=16)
         state = obs.update(obs.init(x), x, weight=mask)
         kept = x[mask]
@@ -187,6 +191,33 @@ def test_bad_input():
     assert float(qp.scale) == 1.0 and not bool(qp.calibrated)
 
 
+def test_methods_are_searches_looked_up_by_name(monkeypatch):
+    # the histogram's and the moments' methods come from one registry; a user's search registered
+    # under a new name is a method of compute_qparams at once; an unknown name lists the known ones
+    registry = sys.modules["qstats.observers.search"]
+    assert set(registry.searches()) == {"l2", "mse", "entropy", "percentile", "minmax"}
+    assert set(registry.searches("moments")) == {"mean_std", "rms", "abs_mean", "lp"}
+    monkeypatch.setattr(registry, "_SEARCHES", dict(registry._SEARCHES))  # restored after the test
+
+    def shrunk(state, spec, factor=0.5):
+        return qstats.Range(state.min_val * factor, state.max_val * factor, state.min_val <= state.max_val)
+
+    registry.register_search("shrunk", shrunk)
+    spec = qstats.QuantSpec(dtype="int8")
+    obs = qstats.histogram(spec, bins=16, octaves=20)
+    x = torch.randn(300, generator=torch.Generator().manual_seed(7))
+    state = obs.update(obs.init(x), x)
+    got = qstats.compute_qparams(state, spec, method="shrunk", factor=0.25)
+    expected = qstats.qparams_from_minmax(x.min() * 0.25, x.max() * 0.25, spec)
+    assert torch.equal(got.scale, expected.scale) and torch.equal(got.zero_point, expected.zero_point)
+    assert registry.search("shrunk") is shrunk
+    with pytest.raises(ValueError, match="known methods: entropy, l2, minmax, mse, percentile, shrunk"):
+        qstats.compute_qparams(state, spec, method="kl")
+    moments = qstats.moments(spec)
+    with pytest.raises(ValueError, match="known methods: abs_mean, lp, mean_std, rms"):
+        qstats.compute_qparams(moments.update(moments.init(x), x), spec, method="shrunk")
+
+
 # ---------------------------------------------------------------------------------------------
 # Range searches against torch.ao HistogramObserver
 
@@ -279,7 +310,7 @@ def test_exact_error_matches_monte_carlo_integration():
     counts = torch.tensor([5.0, 40.0, 100.0, 80.0, 10.0, 3.0], dtype=torch.float64)
     spec = qstats.QuantSpec(dtype="uint4", mapping="asymmetric")
     lo, hi = torch.tensor([[-2.0, -3.0]], dtype=torch.float64), torch.tensor([[1.5, 2.9]], dtype=torch.float64)
-    exact = H._exact_error(edges.unsqueeze(0), counts.unsqueeze(0), lo, hi, spec)[0]
+    exact = exact_error(edges.unsqueeze(0), counts.unsqueeze(0), lo, hi, spec)[0]
     for k in range(2):
         total = _sampled_error(edges, counts, lo[0, k], hi[0, k], spec, g)
         assert abs(float(exact[k]) - total) <= 0.01 * total
@@ -295,7 +326,7 @@ def test_l2_sawtooth_error_matches_monte_carlo_integration(dtype, mapping):
     spec = qstats.QuantSpec(dtype=dtype, mapping=mapping)
     lo, hi = torch.tensor([[-2.0, -3.0, -0.5]], dtype=torch.float64), torch.tensor([[1.5, 2.9, 0.6]], dtype=torch.float64)
     density = (counts / (edges[1:] - edges[:-1])).unsqueeze(0)
-    exact = H._sawtooth_error(edges.unsqueeze(0), density, lo, hi, spec)[0]
+    exact = sawtooth_error(edges.unsqueeze(0), density, lo, hi, spec)[0]
     for k in range(3):
         total = _sampled_error(edges, counts, lo[0, k], hi[0, k], spec, g)
         assert abs(float(exact[k]) - total) <= 0.01 * total, (k, float(exact[k]), total)
@@ -311,7 +342,7 @@ def test_l2_windows_match_an_independent_bucketing(mapping):
     spec = qstats.QuantSpec(dtype="int8" if mapping == "symmetric" else "uint8", mapping=mapping)
     obs = qstats.histogram(spec, bins=bins, octaves=octaves)
     state = obs.update(obs.init(x), x)
-    win = H._sign_windows(state, spec, window)
+    win = sign_windows(state, spec, window)
     counts, _, _ = _counts_numpy(x, bins, octaves)
     low = -(octaves // 2)
     extremes = [float(-x.min()), float(x.max())]
@@ -391,10 +422,10 @@ def test_entropy_matches_brute_force(seed):
     hist, edges = np.histogram(values, bins=300, range=(0, values.max()))
     hist[rng.integers(0, 300, size=20)] = 0  # empty bins inside
     expected = _entropy_brute_force(hist, edges, num_bits=6, start_bin=32)
-    got = H.entropy_amax(torch.from_numpy(hist), torch.from_numpy(edges), num_bits=6, start_bin=32)
+    got = entropy_amax(torch.from_numpy(hist), torch.from_numpy(edges), num_bits=6, start_bin=32)
     assert float(got) == pytest.approx(float(expected), rel=0, abs=0)
     expected8 = _entropy_brute_force(hist, edges, num_bits=8, start_bin=128, stride=3)
-    got8 = H.entropy_amax(torch.from_numpy(hist), torch.from_numpy(edges), num_bits=8, start_bin=128, stride=3)
+    got8 = entropy_amax(torch.from_numpy(hist), torch.from_numpy(edges), num_bits=8, start_bin=128, stride=3)
     assert float(got8) == float(expected8)
 
 
@@ -406,7 +437,7 @@ def test_entropy_is_vectorised_over_channels():
         h, e = np.histogram(values, bins=200, range=(0, values.max()))
         hists.append(h), edges.append(e)
         expected.append(_entropy_brute_force(h, e, num_bits=5, start_bin=16))
-    got = H.entropy_amax(torch.from_numpy(np.stack(hists)), torch.from_numpy(np.stack(edges)), num_bits=5, start_bin=16)
+    got = entropy_amax(torch.from_numpy(np.stack(hists)), torch.from_numpy(np.stack(edges)), num_bits=5, start_bin=16)
     np.testing.assert_array_equal(got.numpy(), np.array(expected))
 
 
@@ -420,11 +451,11 @@ def test_percentile_matches_quantiles_within_bucket_resolution(percentile):
     spec = qstats.QuantSpec(dtype="int8")
     obs = qstats.histogram(spec)
     state = obs.update(obs.init(x), x)
-    rng = H._percentile_search(state, spec, 128, -24, percentile=percentile)
+    rng = percentile_search(state, spec, percentile=percentile)
     expected = float(torch.quantile(x.abs().double(), percentile / 100))
-    assert float(rng[1]) == pytest.approx(expected, rel=2 / 128)
+    assert float(rng.max_val) == pytest.approx(expected, rel=2 / 128)
     asym = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
-    lo, hi = H._percentile_search(state, asym, 128, -24, percentile=percentile)
+    lo, hi, _ = percentile_search(state, asym, percentile=percentile)
     assert float(hi) == pytest.approx(float(torch.quantile(x.double(), percentile / 100)), rel=2 / 128)
     assert float(lo) == pytest.approx(float(torch.quantile(x.double(), 1 - percentile / 100)), rel=2 / 128)
     with pytest.raises(ValueError, match="percentile"):

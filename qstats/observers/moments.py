@@ -5,7 +5,8 @@ deviations from the mean, merged with Chan et al.'s parallel formula), ``abs_tot
 ``square_total`` (sum of x**2) and ``power_total`` (sum of |x|**p). Accumulators are float64,
 counts int64. Merging is exact up to float rounding (associative and commutative to tolerance).
 
-Range rules, ``qstats.compute_qparams(state, spec, method=..., k=...)``:
+Range rules, ``qstats.compute_qparams(state, spec, method=..., k=...)``, registered by name with
+`qstats.observers.search.register_search` (``observer="moments"``):
 
 - ``"mean_std"`` (default, Brevitas' mean + k * sigma): ``[mean - k * std, mean + k * std]``
   (``k=3``).
@@ -26,6 +27,7 @@ from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state
+from .search import register_search, search
 
 __all__ = ["MomentsState", "moments"]
 
@@ -167,39 +169,62 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="moments")
 
 
-_METHODS = ("mean_std", "rms", "abs_mean", "lp")
-
-
-@register_range_rule(MomentsState)
-def _moments_rule(state: MomentsState, spec: QuantSpec, method: str = "mean_std", k: Optional[float] = None,
-                  p: Optional[float] = None) -> Range:
-    if method not in _METHODS:
-        raise ValueError(f"compute_qparams: moments method must be one of {_METHODS}, got {method!r}")
-    if k is None:
-        k = 3.0 if method in ("mean_std", "rms") else 1.0
-    if not (isinstance(k, (int, float)) and 0 < k < math.inf):
-        raise ValueError(f"compute_qparams: k must be a positive finite number, got {k!r}")
-    calibrated = state.count > 0
-    n = state.count.clamp(min=1).to(torch.float64)
-    if method == "mean_std":
-        lo = state.mean - k * state.std
-        hi = state.mean + k * state.std
-    else:
-        if method == "rms":
-            amax = k * state.rms
-        elif method == "abs_mean":
-            amax = k * state.abs_mean
-        else:
-            if p is None:
-                raise TypeError("compute_qparams: method 'lp' needs p=, the order the moments observer was built with")
-            if not (isinstance(p, (int, float)) and math.isfinite(p) and p > 0):
-                raise ValueError(f"compute_qparams: p must be a positive finite number, got {p!r}")
-            amax = k * (state.power_total / n).pow(1.0 / float(p))
-        lo, hi = -amax, amax
+def _as_float32_range(state: MomentsState, lo: torch.Tensor, hi: torch.Tensor) -> Range:
+    """``[min(lo, 0), max(hi, 0)]`` in float32; calibrated where the state counted values. ``k``
+    standard deviations may reach past float32 (float64 moments): the largest float32 there, not
+    an infinite range that would read as uncalibrated."""
     zero = torch.zeros_like(lo)
-    # k standard deviations may reach past float32 (float64 moments): the largest float32 there,
-    # not an infinite range that would read as uncalibrated
     largest = torch.finfo(torch.float32).max
     lo = torch.minimum(lo, zero).clamp(min=-largest).float()
     hi = torch.maximum(hi, zero).clamp(max=largest).float()
-    return Range(lo, hi, calibrated)
+    return Range(lo, hi, state.count > 0)
+
+
+def _multiple(k: Optional[float], default: float) -> float:
+    """The method's ``k`` (``default`` when None): ValueError unless a positive finite number."""
+    k = default if k is None else k
+    if not (isinstance(k, (int, float)) and 0 < k < math.inf):
+        raise ValueError(f"compute_qparams: k must be a positive finite number, got {k!r}")
+    return k
+
+
+def mean_std_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None) -> Range:
+    """``"mean_std"`` (Brevitas' mean + k * sigma): ``[mean - k * std, mean + k * std]`` (``k=3``)."""
+    k = _multiple(k, 3.0)
+    return _as_float32_range(state, state.mean - k * state.std, state.mean + k * state.std)
+
+
+def rms_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None) -> Range:
+    """``"rms"`` (qwix' ``rms,k``): ``[-k * rms, k * rms]`` (``k=3``)."""
+    amax = _multiple(k, 3.0) * state.rms
+    return _as_float32_range(state, -amax, amax)
+
+
+def abs_mean_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None) -> Range:
+    """``"abs_mean"``: ``[-k * E|x|, k * E|x|]`` (``k=1``)."""
+    amax = _multiple(k, 1.0) * state.abs_mean
+    return _as_float32_range(state, -amax, amax)
+
+
+def lp_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None, p: Optional[float] = None) -> Range:
+    """``"lp"`` (AQT's Lp calibration): ``[-k * (E|x|**p)**(1/p), ...]`` (``k=1``); ``p`` must be
+    the order the observer was built with."""
+    k = _multiple(k, 1.0)
+    if p is None:
+        raise TypeError("compute_qparams: method 'lp' needs p=, the order the moments observer was built with")
+    if not (isinstance(p, (int, float)) and math.isfinite(p) and p > 0):
+        raise ValueError(f"compute_qparams: p must be a positive finite number, got {p!r}")
+    amax = k * (state.power_total / state._denominator()).pow(1.0 / float(p))
+    return _as_float32_range(state, -amax, amax)
+
+
+register_search("mean_std", mean_std_search, observer="moments")
+register_search("rms", rms_search, observer="moments")
+register_search("abs_mean", abs_mean_search, observer="moments")
+register_search("lp", lp_search, observer="moments")
+
+
+@register_range_rule(MomentsState)
+def _moments_rule(state: MomentsState, spec: QuantSpec, method: str = "mean_std", **options) -> Range:
+    """The range of ``method`` (a search registered for ``"moments"``), with its options."""
+    return search(method, "moments")(state, spec, **options)

@@ -1,0 +1,64 @@
+"""Range searches by name: the ``method=`` of ``qstats.compute_qparams(state, spec, method=...)``.
+
+A search is a pure function ``search(state, spec, **options) -> Range`` that picks the range to
+map from an observer's state. Searches are registered by observer family and name in one table;
+an observer's range rule looks its ``method`` up here, so a new method is one registration, with
+no change to the observer:
+
+    def widest(state, spec):
+        return qstats.Range(state.min_val, state.max_val, state.min_val <= state.max_val)
+
+    register_search("widest", widest)   # compute_qparams(histogram_state, spec, method="widest")
+
+The histogram observer's searches, one module each, all vectorised over candidates and parameters:
+``"l2"`` (torch.ao HistogramObserver's objective), ``"mse"`` (the exact squared-error integral),
+``"entropy"`` (TensorRT / ModelOpt KL calibration), ``"percentile"``; ``"minmax"`` (the observed
+extremes) is registered beside the observer. The moments observer registers its own methods
+(``"mean_std"``, ``"rms"``, ``"abs_mean"``, ``"lp"``) under ``observer="moments"``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .entropy import entropy_amax, entropy_search
+from .l2 import l2_search
+from .mse import mse_search
+from .percentile import percentile_search
+
+__all__ = ["register_search", "search", "searches", "entropy_amax"]
+
+_SEARCHES: dict[tuple[str, str], Callable] = {}
+
+
+def register_search(name: str, fn: Callable, observer: str = "histogram") -> Callable:
+    """Registers ``fn(state, spec, **options) -> Range`` as method ``name`` of the ``observer``
+    family (its ``Observer.name``); registering a name again replaces it. Returns ``fn``."""
+    if not (isinstance(name, str) and name and isinstance(observer, str) and observer):
+        raise TypeError(f"register_search: name and observer must be non-empty strings, got {name!r}, {observer!r}")
+    if not callable(fn):
+        raise TypeError(f"register_search: fn must be callable, got {type(fn).__name__}")
+    _SEARCHES[(observer, name)] = fn
+    return fn
+
+
+def search(name: str, observer: str = "histogram") -> Callable:
+    """The search registered as method ``name`` of ``observer``; ValueError naming the known
+    methods otherwise."""
+    found = _SEARCHES.get((observer, name))
+    if found is None:
+        raise ValueError(
+            f"compute_qparams: unknown {observer} method {name!r}; known methods: {', '.join(searches(observer))}"
+        )
+    return found
+
+
+def searches(observer: str = "histogram") -> tuple[str, ...]:
+    """The method names registered for ``observer``, sorted."""
+    return tuple(sorted(name for family, name in _SEARCHES if family == observer))
+
+
+register_search("l2", l2_search)
+register_search("mse", mse_search)
+register_search("entropy", entropy_search)
+register_search("percentile", percentile_search)

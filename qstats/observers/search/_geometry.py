@@ -1,0 +1,220 @@
+"""What the range searches read from a histogram state: its configuration, bucket edges, a window
+at full resolution below the largest magnitude, prefix moments under the piecewise-uniform model
+(values spread evenly inside each bucket), the quantization grid of candidate ranges, and the
+final clamp of a searched range to the observed extremes. Fixed shapes throughout: vmappable and
+traceable."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..._formats import effective_scale
+from ..._qparams import Range, qparams_from_minmax
+from ..._spec import QuantSpec
+
+_CHUNK_ELEMENTS = 1 << 22  # largest intermediate of a search over candidates (memory bound)
+
+
+def config(state) -> tuple[int, int, int]:
+    """``(bins, low exponent, high exponent)`` of a histogram state, read from its shape."""
+    bins, octaves = state.counts.shape[-1], state.counts.shape[-2]
+    low = -(octaves // 2)
+    return bins, low, low + octaves
+
+
+def flat_counts(state) -> torch.Tensor:
+    """Counts as ``(*P, 2, K)`` per sign: underflow, the octaves' buckets, overflow."""
+    return torch.cat([state.underflow.unsqueeze(-1), state.counts.flatten(-2), state.overflow.unsqueeze(-1)], -1)
+
+
+def is_symmetric(spec: QuantSpec) -> bool:
+    return spec.mapping != "asymmetric"
+
+
+def search_octaves(spec: QuantSpec) -> int:
+    """Octaves below the largest magnitude that the searches see at full resolution."""
+    return min(spec.bits, 16) + 8
+
+
+def check_int(name: str, value, low: int = 1, high: int = 1 << 20) -> None:
+    """A method option that must be an int in ``[low, high]``: ValueError naming it otherwise."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high):
+        raise ValueError(f"compute_qparams: {name} must be an int in [{low}, {high}], got {value!r}")
+
+
+def within_extremes(state, lo: torch.Tensor, hi: torch.Tensor) -> Range:
+    """The searched range clamped into ``[min(min_val, 0), 0]`` and ``[0, max(max_val, 0)]`` (float32);
+    the extremes themselves where nothing was counted (they start at +-inf: uncalibrated)."""
+    calibrated = state.min_val <= state.max_val
+    zero = torch.zeros_like(state.min_val)
+    lo = torch.where(calibrated, torch.clamp(lo.float(), torch.minimum(state.min_val, zero), zero), state.min_val)
+    hi = torch.where(calibrated, torch.clamp(hi.float(), zero, torch.maximum(state.max_val, zero)), state.max_val)
+    return Range(lo, hi, calibrated)
+
+
+def in_chunks(function: Callable, candidates: tuple, per_candidate: int) -> torch.Tensor:
+    """``function(*candidates)`` over slices of the candidates (their last dimension), so that no
+    intermediate of ``per_candidate`` elements per candidate grows past ``_CHUNK_ELEMENTS``
+    (memory, for fine granularities with many parameters); results concatenated on the last dim."""
+    size = max(1, _CHUNK_ELEMENTS // max(1, per_candidate))
+    total = candidates[0].shape[-1]
+    if total <= size:
+        return function(*candidates)
+    return torch.cat([function(*(c[..., i : i + size] for c in candidates)) for i in range(0, total, size)], -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bucket edges
+
+
+def histogram_edges(state):
+    """Signed bucket edges and counts of a state, ascending by value.
+
+    Returns ``(edges, counts)``: float64 ``(*qparam_shape, 2K + 1)`` and ``(*qparam_shape, 2K)``;
+    the outermost edges are the exact extremes and inner edges are clamped to them.
+    """
+    bins, low, _ = config(state)
+    flat = flat_counts(state)
+    j = torch.arange(flat.shape[-1] - 1, dtype=torch.float64, device=flat.device)
+    octave = torch.floor(j / bins)
+    inner = torch.pow(2.0, octave + low) * (1.0 + (j - octave * bins) / bins)
+    zero = torch.zeros(1, dtype=torch.float64, device=flat.device)
+    top = torch.full((1,), math.inf, dtype=torch.float64, device=flat.device)
+    magnitude_edges = torch.cat([zero, inner, top])  # 0, the lower edge of bucket j >= 1, inf: K + 1
+    neg_edges = torch.minimum(magnitude_edges, (-state.min_val.double()).clamp(min=0).unsqueeze(-1))
+    pos_edges = torch.minimum(magnitude_edges, state.max_val.double().clamp(min=0).unsqueeze(-1))
+    edges = torch.cat([-neg_edges.flip(-1), pos_edges[..., 1:]], dim=-1)
+    counts = torch.cat([flat[..., 0, :].flip(-1), flat[..., 1, :]], dim=-1)
+    return edges, counts
+
+
+def window(state, bins: int, low: int, octaves: int):
+    """Signed edges and counts of the ``octaves`` octaves below the largest magnitude at full
+    resolution; everything smaller in one bucket around zero.
+
+    Returns ``(edges (*P, 2W + 2) float64 ascending, counts (*P, 2W + 1) float64)`` where ``W`` is
+    the number of magnitude buckets in the window per sign.
+    """
+    counts = flat_counts(state)
+    num_buckets = counts.shape[-1]
+    width = (octaves + 1) * bins  # magnitude buckets kept per sign
+    absmax = torch.maximum(-state.min_val, state.max_val).double().clamp(min=0)
+    # index of the largest magnitude's bucket (1..K-2 inside the resolved range)
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    exponent = torch.floor(torch.log2(safe)).clamp(low, low + (num_buckets - 2) // bins - 1)
+    first = (1 + (exponent - low) * bins - octaves * bins).to(torch.int64)  # may be < 1
+    padded = torch.nn.functional.pad(counts, (width, 0))  # zeros in front
+    index = (first.unsqueeze(-1) + width) + torch.arange(width, device=counts.device)  # (*P, width)
+    index = index.clamp(0, num_buckets + width - 1)
+    kept = torch.gather(padded, -1, index.unsqueeze(-2).expand(*counts.shape[:-1], width))  # (*P, 2, width)
+    # counts below the window, and the overflow bucket above it (when the max overflows)
+    below_index = (first + width - 1).clamp(min=0).unsqueeze(-1).unsqueeze(-1).expand(*counts.shape[:-1], 1)
+    below = torch.gather(torch.cumsum(padded, -1), -1, below_index).squeeze(-1)  # (*P, 2)
+    above = padded.sum(-1) - below - kept.sum(-1)  # values beyond the window's last bucket (overflow)
+    # fold "above" into the last kept bucket (it reaches the exact extreme below)
+    kept = torch.cat([kept[..., :-1], (kept[..., -1] + above).unsqueeze(-1)], dim=-1)
+    # magnitude edges of the window: bucket ids j, possibly < 1 (then empty padding)
+    j = (index - width).double()
+    octave = torch.floor((j - 1) / bins)
+    lower = torch.pow(2.0, octave + low) * (1.0 + ((j - 1) - octave * bins) / bins)
+    lower = torch.where(j >= 1, lower, torch.zeros_like(lower)).clamp(min=0)
+    magnitude_edges = torch.cat([lower, torch.full_like(lower[..., :1], math.inf)], dim=-1)  # width + 1
+    neg = torch.minimum(magnitude_edges, (-state.min_val.double()).clamp(min=0).unsqueeze(-1))
+    pos = torch.minimum(magnitude_edges, state.max_val.double().clamp(min=0).unsqueeze(-1))
+    # the folded small values: one bucket [-floor_neg, floor_pos]
+    edges = torch.cat([-neg.flip(-1), pos], dim=-1)  # (*P, 2 * (width + 1))
+    small = (below[..., 0] + below[..., 1]).unsqueeze(-1)
+    signed_counts = torch.cat([kept[..., 0, :].flip(-1), small, kept[..., 1, :]], dim=-1)
+    return edges, signed_counts.double()
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefix moments under the piecewise-uniform model
+
+
+class Moments(NamedTuple):
+    edges: torch.Tensor  # (*P, B + 1)
+    counts: torch.Tensor  # (*P, B)
+    c0: torch.Tensor  # (*P, B + 1) prefix counts
+    c1: torch.Tensor  # prefix sums
+    c2: torch.Tensor  # prefix sums of squares
+
+
+def moments(edges, counts) -> Moments:
+    a, b = edges[..., :-1], edges[..., 1:]
+    s1 = counts * (a + b) / 2
+    s2 = counts * (a * a + a * b + b * b) / 3
+    zero = torch.zeros_like(counts[..., :1])
+    c0 = torch.cat([zero, counts.cumsum(-1)], -1)
+    c1 = torch.cat([zero, s1.cumsum(-1)], -1)
+    c2 = torch.cat([zero, s2.cumsum(-1)], -1)
+    return Moments(edges, counts, c0, c1, c2)
+
+
+def cumulative(mom: Moments, t: torch.Tensor):
+    """Count, sum and sum of squares of the values ``<= t`` (t: (*P, C)), piecewise uniform."""
+    nb = mom.counts.shape[-1]
+    i = torch.searchsorted(mom.edges[..., 1:-1].contiguous(), t.contiguous(), right=True).clamp(0, nb - 1)
+    a = torch.gather(mom.edges, -1, i)
+    b = torch.gather(mom.edges, -1, i + 1)
+    n = torch.gather(mom.counts, -1, i)
+    width = b - a
+    tc = torch.minimum(torch.maximum(t, a), b)
+    frac = torch.where(width > 0, (tc - a) / torch.where(width > 0, width, torch.ones_like(width)),
+                       (t >= b).to(t.dtype))
+    part = n * frac
+    m0 = torch.gather(mom.c0, -1, i) + part
+    m1 = torch.gather(mom.c1, -1, i) + part * (a + tc) / 2
+    m2 = torch.gather(mom.c2, -1, i) + part * (a * a + a * tc + tc * tc) / 3
+    return m0, m1, m2
+
+
+# ---------------------------------------------------------------------------------------------
+# The quantization grid of candidate ranges
+
+
+def _lean_grid(lo, hi, spec: QuantSpec, straddles_zero: bool, qrange):
+    """torch.ao / compressed-tensors scale and zero point of candidate ranges in float64 (the
+    chosen range goes through the spec's exact arithmetic afterwards)."""
+    qmin, qmax = qrange
+    if not straddles_zero:
+        lo = torch.minimum(lo, torch.zeros_like(lo))
+        hi = torch.maximum(hi, torch.zeros_like(hi))
+    tiny = torch.finfo(torch.float32).eps
+    if spec.mapping == "asymmetric":
+        scale = ((hi - lo) / float(qmax - qmin)).clamp(min=tiny)
+        if spec.zero_point_domain == "float":
+            zero_point = -lo / scale
+        else:
+            zero_point = (qmin - torch.floor(lo / scale + 0.5)).clamp(qmin, qmax)  # ties: search only
+    else:
+        if spec.mapping == "symmetric_no_clipping_err":
+            scale = torch.maximum(lo / float(qmin), hi / float(qmax))
+        else:
+            scale = torch.maximum(-lo, hi) / (float(qmax - qmin) / 2)
+        scale = scale.clamp(min=tiny)
+        zero_point = torch.full_like(scale, float(spec.zero_point_of_symmetric))
+    if spec.zero_point_domain == "none":
+        zero_point = torch.zeros_like(scale)
+    return scale, zero_point, (qmin - zero_point) * scale, (qmax - zero_point) * scale
+
+
+def grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False, qrange=None):
+    """Element step, zero point and clipping points of candidate ranges ``(lo, hi)`` with the
+    spec's own arithmetic. ``straddles_zero``: the caller knows ``lo <= 0 <= hi``; ``qrange``:
+    ``spec.qrange`` if the caller has it."""
+    qrange = spec.qrange if qrange is None else qrange
+    if not spec.is_float and spec.scale_dtype == "float32" and spec.convention in ("torch_ao", "compressed_tensors"):
+        return _lean_grid(lo, hi, spec, straddles_zero, qrange)
+    calibrated = torch.ones(lo.shape, dtype=torch.bool, device=lo.device)
+    qp = qparams_from_minmax(lo.float(), hi.float(), spec, calibrated=calibrated)
+    qmin, qmax = qrange
+    # the element step: a two-level (NVFP4) block scale under its global scale
+    scale = effective_scale(qp.scale.double(), qp.global_scale.double(), spec)
+    zero_point = qp.zero_point.double()
+    if spec.zero_point_domain == "none":
+        zero_point = torch.zeros_like(scale)
+    return scale, zero_point, (qmin - zero_point) * scale, (qmax - zero_point) * scale

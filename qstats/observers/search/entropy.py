@@ -1,0 +1,126 @@
+"""``"entropy"``: the KL-divergence calibration of TensorRT / ModelOpt.
+
+The state's buckets are re-binned into a linear histogram of ``|x|`` over ``[0, absmax]``
+(``num_linear`` bins, values spread evenly inside each bucket), and `entropy_amax` picks the
+amax whose quantized distribution is closest to it. A symmetric amax; asymmetric specs clip both
+ends at it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..._qparams import Range
+from ..._spec import QuantSpec
+from ._geometry import check_int, config, cumulative, in_chunks, moments, window, within_extremes
+
+__all__ = ["entropy_search", "entropy_amax"]
+
+
+def _divergences(hist, cand, levels: int):
+    """``KL(P || Q)`` of each candidate end bin ``cand`` ``(C,)`` for the histogram ``hist``
+    ``(*P, nbins)`` (float64, first-bin rule applied), ``(*P, C)``; infinite where ``P`` is empty."""
+    lead = hist.shape[:-1]
+    total = hist.sum(-1, keepdim=True)
+    zero = torch.zeros_like(hist[..., :1])
+    c_count = torch.cat([zero, hist.cumsum(-1)], -1)  # prefix sums
+    c_nonzero = torch.cat([zero, (hist > 0).double().cumsum(-1)], -1)
+    plogp = torch.where(hist > 0, hist * torch.log(torch.where(hist > 0, hist, torch.ones_like(hist))), zero)
+    c_plogp = torch.cat([zero, plogp.cumsum(-1)], -1)
+    # chunk boundaries: np.linspace(0, i, levels + 1) is k * (i / levels), the last point i;
+    # np.digitize puts bin j in chunk c when space[c] <= j < space[c + 1]
+    k = torch.arange(levels + 1, device=hist.device, dtype=torch.float64)
+    space = k.unsqueeze(0) * (cand.double() / levels).unsqueeze(-1)
+    starts = torch.cat([torch.ceil(space[:, :-1]).to(torch.int64), cand.unsqueeze(-1)], -1)
+    index = starts.expand(*lead, *starts.shape)  # (*P, C, levels + 1)
+
+    def at_starts(prefix):
+        return torch.gather(prefix.unsqueeze(-2).expand(*lead, cand.shape[0], prefix.shape[-1]), -1, index)
+
+    chunk_sum = at_starts(c_count).diff(dim=-1)  # (*P, C, levels)
+    chunk_nonzero = at_starts(c_nonzero).diff(dim=-1)
+    q_level = torch.where(chunk_nonzero > 0, chunk_sum / chunk_nonzero.clamp(min=1), torch.zeros_like(chunk_sum))
+    # sum_j p_j log q_{d(j)} over the bins of hist[:i] = sum_k S_k log(q_k)
+    log_q = torch.log(torch.where(q_level > 0, q_level, torch.ones_like(q_level)))
+    s_log_q = torch.where(chunk_sum > 0, chunk_sum * log_q, torch.zeros_like(chunk_sum)).sum(-1)  # (*P, C)
+    ci = cand.expand(*lead, cand.shape[0])
+    last = torch.gather(hist, -1, ci - 1)  # p_{i-1}
+    outliers = total - torch.gather(c_count, -1, ci)
+    p_last = last + outliers
+    p_log_p_last = torch.where(p_last > 0, p_last * torch.log(p_last.clamp(min=1e-300)), torch.zeros_like(p_last))
+    sum_p_log_p = torch.gather(c_plogp, -1, ci - 1) + p_log_p_last
+    q_last = q_level[..., -1]  # the last bin belongs to the last chunk
+    # the outliers in P's last bin meet Q's value there (0 if that bin is empty: infinite KL)
+    out_term = torch.where(outliers > 0, outliers * torch.log(q_last.clamp(min=1e-300)), torch.zeros_like(outliers))
+    out_term = torch.where((outliers > 0) & ((last <= 0) | (q_last <= 0)), torch.full_like(out_term, -math.inf), out_term)
+    n_q = torch.gather(c_count, -1, ci)
+    kl = (sum_p_log_p - (s_log_q + out_term)) / total - torch.log(total) + torch.log(n_q)
+    return torch.where(n_q > 0, kl, torch.full_like(kl, math.inf))
+
+
+def entropy_amax(hist: torch.Tensor, bin_edges: torch.Tensor, num_bits: int = 8, unsigned: bool = False,
+                 start_bin: int = 128, stride: int = 1) -> torch.Tensor:
+    """The KL-divergence calibration of TensorRT / ModelOpt on a linear histogram of ``|x|``.
+
+    For every candidate ``i`` (``start_bin..len(hist)`` by ``stride``) the reference
+    distribution ``P`` is ``hist[:i]`` with the outliers added to its last bin, and ``Q`` is
+    ``hist[:i]`` quantized to ``2**(num_bits - 1 + unsigned)`` levels (each level spreads its mass
+    evenly over its non-empty bins); the chosen amax is ``bin_edges[i]`` of the last minimum of
+    ``KL(P || Q)``. As ModelOpt, the first bin's count is replaced by the second's (zeros from
+    ReLU would dominate; TensorRT's older pytorch-quantization took the third's). Vectorised
+    over candidates and leading dimensions.
+
+    Args:
+      hist: counts, shape ``(*P, nbins)``.
+      bin_edges: edges, shape ``(*P, nbins + 1)`` (or ``(nbins + 1,)``).
+    """
+    hist = hist.double()
+    hist = torch.cat([hist[..., 1:2], hist[..., 1:]], -1)
+    levels = 1 << (num_bits - 1 + int(unsigned))
+    cand = torch.arange(start_bin, hist.shape[-1] + 1, stride, device=hist.device)  # (C,)
+    per_candidate = (levels + 1) * hist[..., :1].numel()
+    kl = in_chunks(lambda cand: _divergences(hist, cand, levels), (cand,), per_candidate)
+    best = kl.shape[-1] - 1 - torch.argmin(kl.flip(-1), -1)  # the last minimum
+    # index_select rather than indexing with a 0-dim tensor: traceable without a host read
+    chosen = cand.index_select(0, best.reshape(-1)).reshape(best.shape)
+    if bin_edges.dim() == 1:
+        return bin_edges.index_select(0, chosen.reshape(-1)).reshape(chosen.shape)
+    return torch.gather(bin_edges, -1, chosen.unsqueeze(-1)).squeeze(-1)
+
+
+def _abs_linear_histogram(state, num_linear: int):
+    """A linear histogram of ``|x|`` over ``[0, absmax]`` (``num_linear`` bins), re-binned from
+    the state's buckets under the piecewise-uniform model: ``(counts, edges)``."""
+    bins, low, _ = config(state)
+    edges, counts = window(state, bins, low, 24)
+    mom = moments(edges, counts)
+    absmax = torch.maximum(-state.min_val, state.max_val).double().clamp(min=0).unsqueeze(-1)
+    steps = torch.arange(num_linear + 1, dtype=torch.float64, device=edges.device) / num_linear
+    linear_edges = absmax * steps  # (*P, L + 1)
+    positive, _, _ = cumulative(mom, linear_edges)
+    negative, _, _ = cumulative(mom, -linear_edges)
+    # mass of |x| <= t = F(t) - F(-t) (+ the atom at -t, negligible under the uniform model)
+    cdf = positive - negative
+    cdf = torch.cat([torch.zeros_like(cdf[..., :1]), cdf[..., 1:-1], mom.c0[..., -1:]], -1)
+    return cdf.diff(dim=-1).clamp(min=0), linear_edges
+
+
+def entropy_search(state, spec: QuantSpec, num_bits=None, start_bin: int = 128, stride: int = 1,
+                   num_linear: int = 2048) -> Range:
+    """TensorRT / ModelOpt's KL calibration on a ``num_linear``-bin histogram of ``|x|``, with
+    ``num_bits`` (default: the spec's) and ModelOpt's ``start_bin`` and ``stride``."""
+    check_int("num_linear", num_linear, 2, 1 << 16)
+    if num_bits is not None:
+        check_int("num_bits", num_bits, 1, 16)
+    check_int("start_bin", start_bin, 1, num_linear)
+    check_int("stride", stride, 1, num_linear)
+    hist, linear_edges = _abs_linear_histogram(state, num_linear)
+    bits = spec.bits if num_bits is None else num_bits
+    unsigned = (not spec.is_signed) and spec.mapping == "asymmetric"
+    amax = entropy_amax(hist, linear_edges, bits, unsigned, start_bin, stride)
+    if spec.mapping == "asymmetric":
+        return within_extremes(state, torch.maximum(state.min_val.double(), -amax),
+                               torch.minimum(state.max_val.double(), amax))
+    return within_extremes(state, -amax, amax)

@@ -1,0 +1,91 @@
+"""``"mse"``: the range of least expected squared error, for shrink factors of the observed range.
+
+The candidates are ``candidates`` ranges ``2**(-k / per_octave)`` times the observed one (both
+ends, or the larger magnitude for symmetric mappings); each is scored by the exact integral of the
+squared error of the spec's grid (zero point rounding included) over the buckets, values spread
+evenly inside each bucket: ``O(buckets x candidates)``. Floating-point targets (fp8, fp4) use the
+format's own grid at the bucket centres. Also the ``"l2"`` search of floating-point specs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..._qparams import Range
+from ..._quant import _codes_float
+from ..._spec import QuantSpec
+from ._geometry import check_int, config, grid, in_chunks, is_symmetric, search_octaves, window, within_extremes
+
+__all__ = ["mse_search", "exact_error", "float_grid_error"]
+
+
+def _sawtooth_integral(u, scale):
+    """Integral of ``(x - scale * round(x / scale))**2`` from ``-scale / 2`` to ``u``."""
+    k = torch.floor(u / scale + 0.5)
+    v = u - k * scale
+    cube = scale * scale * scale
+    return k * cube / 12 + (v * v * v + cube / 8) / 3
+
+
+def _cube(x):
+    return x * x * x / 3
+
+
+def exact_error(edges, counts, lo, hi, spec: QuantSpec) -> torch.Tensor:
+    """Expected squared error of candidates ``(lo, hi)`` ``(*P, C)`` on an integer grid, exact
+    under the piecewise-uniform model of the buckets ``edges`` ``(*P, B + 1)``, ``counts``
+    ``(*P, B)``: inside the clipping points a sawtooth, outside them a cube. ``(*P, C)``."""
+    scale, zero_point, clip_lo, clip_hi = grid(lo, hi, spec)
+    a = edges[..., :-1].unsqueeze(-2)  # (*P, 1, B)
+    b = edges[..., 1:].unsqueeze(-2)
+    s = scale.unsqueeze(-1)
+    offset = (zero_point * scale).unsqueeze(-1)  # grid points at k * s - offset
+    cl, ch = clip_lo.unsqueeze(-1), clip_hi.unsqueeze(-1)
+    width = b - a
+    safe = torch.where(width > 0, width, torch.ones_like(width))
+    ia, ib = torch.clamp(a, cl, ch), torch.clamp(b, cl, ch)
+    inside = _sawtooth_integral(ib + offset, s) - _sawtooth_integral(ia + offset, s)
+    la, lb = torch.minimum(a, cl), torch.minimum(b, cl)
+    below = _cube(cl - la) - _cube(cl - lb)
+    ua, ub = torch.maximum(a, ch), torch.maximum(b, ch)
+    above = _cube(ub - ch) - _cube(ua - ch)
+    per_value = (inside.clamp(min=0) + below + above) / safe
+    qmin, qmax = spec.qrange
+    q = torch.clamp(torch.floor((a + offset) / s + 0.5), qmin, qmax) * s - offset  # zero width: a point mass
+    per_value = torch.where(width > 0, per_value, (a - q) ** 2)
+    return (counts.unsqueeze(-2) * per_value).sum(-1)
+
+
+def float_grid_error(edges, counts, lo, hi, spec: QuantSpec) -> torch.Tensor:
+    """Squared error at the bucket centres for floating-point targets (fp8, fp4), ``(*P, C)``."""
+    scale, _, _, _ = grid(lo, hi, spec)
+    centres = ((edges[..., :-1] + edges[..., 1:]) / 2).unsqueeze(-2).float()
+    s = scale.unsqueeze(-1).float()
+    # ``s`` is the element step (`grid`): a two-level spec's global scale is already in it
+    _, codes = _codes_float(centres, s, torch.zeros_like(s), spec, global_scale=torch.ones_like(s))
+    error = (codes * s - centres).double() ** 2
+    return (counts.unsqueeze(-2) * error).sum(-1)
+
+
+def mse_search(state, spec: QuantSpec, candidates: int = 128, per_octave: int = 32) -> Range:
+    """The shrink factor ``2**(-k / per_octave)``, ``k < candidates``, of the observed range with
+    the least expected squared error on ``spec``'s grid."""
+    check_int("candidates", candidates, 1, 1 << 16)
+    check_int("per_octave", per_octave, 1, 1 << 16)
+    bins, low, _ = config(state)
+    edges, counts = window(state, bins, low, search_octaves(spec))
+    steps = torch.arange(candidates, dtype=torch.float64, device=edges.device)
+    factors = torch.pow(2.0, -steps / per_octave)
+    lo = state.min_val.double().clamp(max=0).unsqueeze(-1) * factors
+    hi = state.max_val.double().clamp(min=0).unsqueeze(-1) * factors
+    if is_symmetric(spec):
+        absmax = torch.maximum(-lo, hi)
+        lo, hi = -absmax, absmax
+    error_fn = float_grid_error if spec.is_float else exact_error
+    per_candidate = counts[..., :1].numel() * counts.shape[-1]
+    error = in_chunks(lambda lo, hi: error_fn(edges, counts, lo, hi, spec), (lo, hi), per_candidate)
+    error = torch.where(hi - lo > 0, error, torch.full_like(error, math.inf))
+    best = torch.argmin(error, -1, keepdim=True)
+    return within_extremes(state, torch.gather(lo, -1, best).squeeze(-1), torch.gather(hi, -1, best).squeeze(-1))
