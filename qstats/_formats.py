@@ -396,6 +396,8 @@ def validate(spec) -> None:
             raise ValueError("QuantSpec.scale_dtype 'e8m0' cannot be a TensorGroup block scale; use PerGroup")
     if isinstance(spec.granularity, TensorGroup) and spec.mapping == "asymmetric":
         raise ValueError("QuantSpec.granularity TensorGroup (two-level scales) needs a symmetric mapping")
+    if isinstance(spec.granularity, TensorGroup) and spec.scale_dtype == "float64":
+        raise ValueError("QuantSpec.scale_dtype 'float64' cannot be a TensorGroup block scale")
     if isinstance(spec.granularity, TensorGroup) and not spec.is_float:
         # the codes of integer targets would ignore the global scale (all zeros under fp8 block scales)
         raise ValueError(

@@ -11,9 +11,11 @@ granularity             qparam_shape for x of shape S      view
 PerTensor()             ()                                 (1, numel)
 PerAxis(a)              (S[a],)                            (prod(S[:a]), S[a], prod(S[a+1:]))
 PerToken(), PerRow()    S[:-1]                             (1, *S[:-1], S[-1])
+PerRow(d)               S without S[d]                     (1, *S without S[d], S[d])
 PerGroup(g)             (*S[:-1], S[-1] // g)              (1, *S[:-1], S[-1] // g, g)
 TensorGroup(g)          like PerGroup(g), plus one global scale over the whole tensor
 PerBlock((r, c))        (*S[:-2], S[-2] // r, S[-1] // c)  (1, ..., S[-2]//r, S[-1]//c, r*c)
+PerBlock((b1, .., bk))  (*S[:-k], S[-k] // b1, ...)        (1, ..., S[-1]//bk, b1*...*bk)
 PerHead(axis)           like PerAxis(axis) (one set per attention head)
 ======================  =================================  ==============================
 
@@ -86,7 +88,15 @@ class PerToken(Granularity):
 
 @dataclasses.dataclass(frozen=True)
 class PerRow(Granularity):
-    """One set per row of the last dimension (torchao ``PerRow``); same view as PerToken."""
+    """One set per index of every dimension but ``dim``, reduced along ``dim`` (torchao
+    ``PerRow(dim)``); the default ``dim=-1`` is one set per row of the last dimension, the view of
+    PerToken."""
+
+    dim: int = -1
+
+    def validate(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise ValueError(f"PerRow.dim must be an int, got {self.dim!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,24 +119,25 @@ class TensorGroup(PerGroup):
 
 @dataclasses.dataclass(frozen=True)
 class PerBlock(Granularity):
-    """2-D blocks of ``block_shape = (rows, cols)`` over the last two dimensions."""
+    """Blocks of ``block_shape`` over the last ``len(block_shape)`` dimensions: ``(rows, cols)``
+    2-D blocks, or blocks spanning leading dimensions too (torchao's ``block_size``)."""
 
     block_shape: tuple = (128, 128)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_shape, (tuple, list)):
             raise ValueError(
-                f"PerBlock.block_shape must be two positive ints (rows, cols), got {self.block_shape!r}"
+                f"PerBlock.block_shape must be two or more positive ints (rows, cols), got {self.block_shape!r}"
             )
         object.__setattr__(self, "block_shape", tuple(self.block_shape))
         self.validate()
 
     def validate(self) -> None:
-        ok = len(self.block_shape) == 2 and all(
+        ok = len(self.block_shape) >= 2 and all(
             isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.block_shape
         )
         if not ok:
-            raise ValueError(f"PerBlock.block_shape must be two positive ints, got {self.block_shape!r}")
+            raise ValueError(f"PerBlock.block_shape must be two or more positive ints, got {self.block_shape!r}")
 
 
 def _normalize_axis(axis: int, ndim: int, shape) -> int:
@@ -155,20 +166,39 @@ def qparam_shape(shape, granularity: Granularity) -> tuple:
     if isinstance(granularity, (PerToken, PerRow)):
         if len(shape) == 0:
             raise ValueError(f"{type(granularity).__name__} needs a tensor with at least one dimension, got shape ()")
-        return shape[:-1]
+        dim = _row_dim(granularity, shape)
+        return shape[:dim] + shape[dim + 1 :]
     if isinstance(granularity, PerGroup):
         if len(shape) == 0:
             raise ValueError(f"{type(granularity).__name__} needs a tensor with at least one dimension, got shape ()")
         _check_divisible(shape[-1], granularity.group_size, f"{type(granularity).__name__}.group_size", shape)
         return shape[:-1] + (shape[-1] // granularity.group_size,)
     if isinstance(granularity, PerBlock):
-        if len(shape) < 2:
-            raise ValueError(f"PerBlock needs a tensor with at least two dimensions, got shape {shape}")
-        rows, cols = granularity.block_shape
-        _check_divisible(shape[-2], rows, "PerBlock block rows", shape)
-        _check_divisible(shape[-1], cols, "PerBlock block cols", shape)
-        return shape[:-2] + (shape[-2] // rows, shape[-1] // cols)
+        block = granularity.block_shape
+        if len(shape) < len(block):
+            raise ValueError(
+                f"PerBlock{block} needs a tensor with at least {len(block)} dimensions, got shape {shape}"
+            )
+        names = ("PerBlock block rows", "PerBlock block cols") if len(block) == 2 else None
+        for i, b in enumerate(block):
+            what = names[i] if names else f"PerBlock block size {block} along dimension {len(shape) - len(block) + i}:"
+            _check_divisible(shape[len(shape) - len(block) + i], b, what, shape)
+        blocked = shape[len(shape) - len(block) :]
+        return shape[: len(shape) - len(block)] + tuple(s // b for s, b in zip(blocked, block))
     raise TypeError(f"unknown granularity {granularity!r}")
+
+
+def _row_dim(granularity, shape) -> int:
+    """The dimension a PerRow/PerToken reduces along, made non-negative."""
+    dim = getattr(granularity, "dim", -1)
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(f"PerRow(dim={dim}) is out of range for a tensor of shape {tuple(shape)}")
+    return dim % len(shape)
+
+
+def _block_order(lead: int, k: int) -> list:
+    """The permutation of ``(*lead, n1, b1, ..., nk, bk)`` to ``(*lead, n1, ..., nk, b1, ..., bk)``."""
+    return list(range(lead)) + [lead + 2 * i for i in range(k)] + [lead + 2 * i + 1 for i in range(k)]
 
 
 def canonical_view(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
@@ -181,14 +211,15 @@ def canonical_view(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
         return x.reshape(math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :]))
     qshape = qparam_shape(shape, granularity)
     if isinstance(granularity, (PerToken, PerRow)):
-        return x.reshape(1, *shape)
+        return x.movedim(_row_dim(granularity, shape), -1).reshape(1, *qshape, shape[_row_dim(granularity, shape)])
     if isinstance(granularity, PerGroup):
         return x.reshape(1, *qshape, granularity.group_size)
     if isinstance(granularity, PerBlock):
-        rows, cols = granularity.block_shape
-        lead = shape[:-2]
-        blocks = x.reshape(*lead, qshape[-2], rows, qshape[-1], cols).transpose(-3, -2)
-        return blocks.reshape(1, *qshape, rows * cols)
+        block = granularity.block_shape
+        lead, k = len(shape) - len(block), len(block)
+        split = [n for pair in zip(qshape[lead:], block) for n in pair]
+        blocks = x.reshape(*shape[:lead], *split).permute(_block_order(lead, k))
+        return blocks.reshape(1, *qshape, math.prod(block))
     raise TypeError(f"unknown granularity {granularity!r}")
 
 
@@ -249,6 +280,8 @@ def stacked_view(x: torch.Tensor, granularity: Granularity):
         if axis == 0:  # one observation: the same view in one op
             return x.reshape(1, num, item[0], math.prod(item[1:]))
         return x.reshape(num, math.prod(item[:axis]), item[axis], math.prod(item[axis + 1 :])).movedim(0, 1)
+    if isinstance(granularity, PerRow) and granularity.dim >= 0:  # counted from the slice's front
+        return canonical_view(x, PerRow(granularity.dim + 1))
     if isinstance(granularity, (PerToken, PerRow, PerGroup, PerBlock)):
         # these views keep every leading dimension as a parameter dimension: the stack's is one more
         return canonical_view(x, granularity)
@@ -259,10 +292,17 @@ def from_canonical_view(view: torch.Tensor, granularity: Granularity, shape) -> 
     """Inverse of `canonical_view`: back to a tensor of ``shape``."""
     shape = tuple(shape)
     if isinstance(granularity, PerBlock):
-        rows, cols = granularity.block_shape
+        block = granularity.block_shape
+        lead, k = len(shape) - len(block), len(block)
         qshape = qparam_shape(shape, granularity)
-        blocks = view.reshape(*shape[:-2], qshape[-2], qshape[-1], rows, cols).transpose(-3, -2)
+        order = _block_order(lead, k)
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        blocks = view.reshape(*qshape, *block).permute(inverse)
         return blocks.reshape(shape)
+    if isinstance(granularity, (PerToken, PerRow)):
+        dim = _row_dim(granularity, shape)
+        moved = shape[:dim] + shape[dim + 1 :] + (shape[dim],)
+        return view.reshape(moved).movedim(-1, dim)
     return view.reshape(shape)
 
 

@@ -31,7 +31,7 @@ MAPPINGS = ("symmetric", "asymmetric", "symmetric_no_clipping_err", "narrow")
 ZERO_POINT_DOMAINS = ("int", "float", "none")
 NONFINITE_POLICIES = ("ignore", "raise")
 UNCALIBRATED_POLICIES = ("raise", "fallback")
-SCALE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "e8m0")
+SCALE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "e8m0", "float64")
 _CHOICES = {
     "mapping": MAPPINGS,
     "zero_point_domain": ZERO_POINT_DOMAINS,
@@ -146,7 +146,8 @@ class QuantSpec:
       reduce_range: halve the range (torch.ao's x86 ``reduce_range``).
       eps: smallest scale (float32-rounded).
       scale_dtype: dtype the scale is rounded to (``"float32"``, ``"bfloat16"``, ``"float16"``,
-        ``"float8_e4m3fn"``).
+        ``"float8_e4m3fn"``, ``"e8m0"``, or ``"float64"``: float32 values that torchao's convention
+        divides by in float64, as torchao's ``scale_dtype=torch.float64``).
       convention: the library whose arithmetic the spec reproduces: ``"torch_ao"``,
         ``"compressed_tensors"``, ``"torchao"`` or a `qstats.conventions.Convention`; held as the
         Convention (which compares equal to its name).
@@ -169,6 +170,10 @@ class QuantSpec:
         ``convention="compressed_tensors"`` qparams and codes are computed in it as
         compressed-tensors does for weights of that dtype
         (``from_compressed_tensors(args, observed_dtype=torch.bfloat16)``).
+      preserve_zero: ``True`` (default) makes every range contain zero, so that zero is exactly
+        representable; ``False`` maps the observed range as it is (torchao's
+        ``_choose_qparams_affine_dont_preserve_zero``: ``convention="torchao"``, asymmetric
+        mapping, integer zero point).
 
     >>> spec = QuantSpec(dtype="int8", mapping="symmetric", granularity=PerAxis(0))
     >>> spec.qmin, spec.qmax
@@ -191,6 +196,7 @@ class QuantSpec:
     scale_rounding: str = "floor"
     global_scale_formula: str = "amax_over_range"
     compute_dtype: str = "float32"
+    preserve_zero: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
@@ -213,8 +219,9 @@ class QuantSpec:
         if not isinstance(self.granularity, Granularity):
             raise ValueError(f"QuantSpec.granularity must be a Granularity, got {self.granularity!r}")
         self.granularity.validate()
-        if not isinstance(self.reduce_range, bool):
-            raise ValueError(f"QuantSpec.reduce_range must be a bool, got {self.reduce_range!r}")
+        for name in ("reduce_range", "preserve_zero"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"QuantSpec.{name} must be a bool, got {getattr(self, name)!r}")
 
     def _check_eps(self) -> None:
         eps = self.eps

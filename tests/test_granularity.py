@@ -131,7 +131,9 @@ def test_bad_spec_names_the_field(kwargs, field):
         (lambda: qstats.PerGroup(True), "group_size"),
         (lambda: qstats.PerAxis("0"), "axis"),
         (lambda: qstats.PerBlock((0, 4)), "block_shape"),
-        (lambda: qstats.PerBlock((2, 4, 8)), "block_shape"),
+        (lambda: qstats.PerBlock((8,)), "block_shape"),  # one dimension: PerGroup
+        (lambda: qstats.PerBlock((2, 0, 8)), "block_shape"),
+        (lambda: qstats.PerRow("1"), "dim"),
     ],
 )
 def test_bad_granularity_raises_at_construction(make, field):
@@ -148,3 +150,32 @@ def test_spec_is_hashable_and_ranges_follow_bits():
     for bits in range(1, 17):
         assert qstats.QuantSpec(dtype=f"uint{bits}").qrange == (0, 2**bits - 1)
         assert qstats.QuantSpec(dtype=f"int{bits}").qrange == (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+
+
+@pytest.mark.parametrize("block", [(3, 3, 2, 2), (2, 2, 4), (1, 3, 2, 4), (6, 1, 4, 8)])
+def test_blocks_spanning_leading_dimensions(block):
+    """PerBlock of three or more dimensions (torchao's block_size, issue 22, item 14): one set per
+    block, against reshaping the tensor into its blocks directly; the view's inverse."""
+    x = torch.randn(6, 6, 4, 8, generator=torch.Generator().manual_seed(1))
+    granularity = qstats.PerBlock(block)
+    lead = x.ndim - len(block)
+    split = [n for s, b in zip(x.shape[lead:], block) for n in (s // b, b)]
+    blocks = x.reshape(*x.shape[:lead], *split)
+    expected = blocks.amax(dim=tuple(lead + 2 * i + 1 for i in range(len(block))))
+    view = qstats.canonical_view(x, granularity)
+    assert view.shape[1:-1] == qstats.qparam_shape(x.shape, granularity) == expected.shape
+    assert torch.equal(view.amax(dim=(0, -1)), expected)
+    assert torch.equal(from_canonical_view(view, granularity, x.shape), x)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, -1, -2, -3])
+def test_per_row_reduces_along_its_dim(dim):
+    """PerRow(dim): one set per index of every other dimension (torchao's PerRow(dim))."""
+    x = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(2))
+    granularity = qstats.PerRow(dim)
+    view = qstats.canonical_view(x, granularity)
+    assert torch.equal(view.amin(dim=(0, -1)), x.amin(dim=dim))
+    assert qstats.qparam_shape(x.shape, granularity) == x.amin(dim=dim).shape
+    assert torch.equal(from_canonical_view(view, granularity, x.shape), x)
+    with pytest.raises(ValueError, match="PerRow"):
+        qstats.qparam_shape((3, 5), qstats.PerRow(2))

@@ -49,7 +49,7 @@ import torch
 
 from .._formats import COMPUTE_DTYPE_NAMES
 from .._granularity import PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
-from .default import Convention, check_range_within_dtype, check_symmetric_zero_point
+from .default import Convention, check_preserve_zero, check_range_within_dtype, check_symmetric_zero_point
 
 __all__ = ["CompressedTensorsConvention", "from_compressed_tensors"]
 
@@ -333,6 +333,9 @@ class CompressedTensorsConvention(Convention):
         check_range_within_dtype(spec)
         check_symmetric_zero_point(spec)
         check_compressed_tensors_range(spec)
+        check_preserve_zero(spec, self)
+        if spec.scale_dtype == "float64":
+            raise ValueError("QuantSpec.scale_dtype 'float64' is not reproduced for compressed-tensors")
 
     def check_lsq(self, spec) -> None:
         if spec.mapping == "asymmetric" and spec.zero_point_domain == "none":

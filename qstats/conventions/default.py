@@ -25,6 +25,7 @@ __all__ = [
     "integer_working",
     "check_float_mapping",
     "check_float_zero_point",
+    "check_preserve_zero",
     "check_range_within_dtype",
     "check_symmetric_zero_point",
 ]
@@ -38,10 +39,13 @@ class Convention:
       computes_in_observed_dtype: True when the library computes qparams and codes in the dtype
         of the tensor it observes, so that ``compute_dtype`` follows bf16/fp16 inputs
         (compressed-tensors).
+      maps_ranges_without_zero: True when `qparams` honours ``QuantSpec.preserve_zero=False``
+        (torchao).
     """
 
     name: str = "default"
     computes_in_observed_dtype: bool = False
+    maps_ranges_without_zero: bool = False
 
     def __eq__(self, other) -> bool:
         if isinstance(other, str):
@@ -64,6 +68,7 @@ class Convention:
         check_range_within_dtype(spec)
         check_float_zero_point(spec, self.name)
         check_symmetric_zero_point(spec)
+        check_preserve_zero(spec, self)
 
     def check_lsq(self, spec) -> None:
         """ValueError where learnable ranges (`qstats.lsq`, torch.ao's arithmetic: codes
@@ -196,6 +201,23 @@ def check_float_zero_point(spec, name: str) -> None:
             f"minimum at code 0, so the range [{qmin}, {qmax}] of {spec.dtype!r} would clip the data above "
             f"min + {qmax} steps; use an unsigned target or quant_min=0 (torch.ao and torchao take float "
             "zero points with unsigned targets), or convention='compressed_tensors'"
+        )
+
+
+def check_preserve_zero(spec, convention) -> None:
+    """``preserve_zero=False`` only where the convention maps ranges without zero (torchao), with
+    an integer target, an asymmetric mapping and an integer zero point."""
+    if spec.preserve_zero:
+        return
+    if not convention.maps_ranges_without_zero:
+        raise ValueError(
+            f"QuantSpec.preserve_zero=False: the {convention.name} convention keeps zero in every range; "
+            "use convention='torchao'"
+        )
+    if spec.is_float or spec.mapping != "asymmetric" or spec.zero_point_domain != "int":
+        raise ValueError(
+            "QuantSpec.preserve_zero=False needs an integer target, mapping 'asymmetric' and "
+            f"zero_point_domain 'int' (got {spec.dtype!r}, {spec.mapping!r}, {spec.zero_point_domain!r})"
         )
 
 

@@ -32,6 +32,7 @@ from .default import (
     Convention,
     check_float_mapping,
     check_float_zero_point,
+    check_preserve_zero,
     check_symmetric_zero_point,
     integer_working,
 )
@@ -192,6 +193,7 @@ class TorchAOConvention(Convention):
         check_float_mapping(spec)
         check_float_zero_point(spec, self.name)
         check_symmetric_zero_point(spec, fixed=(128, 2**15))
+        check_preserve_zero(spec, self)
 
     def codes(self, view, scale, zero_point, spec):
         """As `Convention.codes`; with the exact kernel arithmetic, float64 codes (exact for

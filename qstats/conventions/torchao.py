@@ -84,38 +84,44 @@ def _granularity(kwargs) -> Granularity:
     block_size = kwargs.pop("block_size", None)
     shape = kwargs.pop("shape", None)
     if granularity is not None:
-        if isinstance(granularity, Granularity):
-            return granularity
-        kind = type(granularity).__name__
-        if kind == "PerTensor":
-            return PerTensor()
-        if kind == "PerAxis":
-            return PerAxis(int(granularity.axis))
-        if kind == "PerGroup":
-            return PerGroup(int(granularity.group_size))
-        if kind == "PerRow":
-            if getattr(granularity, "dim", -1) != -1:
-                raise ValueError("from_torchao: only PerRow(dim=-1) is supported")
-            return PerRow()
-        if kind == "PerToken":
-            return PerToken()
-        if kind == "PerBlock":
-            # torchao pads a short block_size with leading 1s (get_block_size); a leading entry
-            # above 1 spans several leading indices, which qstats' 2-D PerBlock cannot express
-            block = tuple(int(b) for b in granularity.block_size)
-            block = (1,) * (2 - len(block)) + block
-            if any(b != 1 for b in block[:-2]):
-                raise ValueError(
-                    f"from_torchao: PerBlock block_size {block} spans leading dimensions; qstats' PerBlock "
-                    "covers the last two dimensions only (leading entries must be 1)"
-                )
-            return PerBlock(block[-2:])
-        raise ValueError(f"from_torchao: unsupported granularity {granularity!r}")
+        return granularity if isinstance(granularity, Granularity) else _torchao_granularity(granularity)
     if block_size is None:
         return PerTensor()
     if shape is None:
         raise ValueError("from_torchao: block_size needs the tensor shape (shape=...) to choose a granularity")
-    block_size, shape = tuple(int(b) for b in block_size), tuple(int(s) for s in shape)
+    return _block_size_granularity(tuple(int(b) for b in block_size), tuple(int(s) for s in shape))
+
+
+def _torchao_granularity(granularity) -> Granularity:
+    """The qstats granularity of a torchao granularity object (read by its class name)."""
+    kind = type(granularity).__name__
+    if kind == "PerTensor":
+        return PerTensor()
+    if kind == "PerAxis":
+        return PerAxis(int(granularity.axis))
+    if kind == "PerGroup":
+        return PerGroup(int(granularity.group_size))
+    if kind == "PerRow":
+        # reduces along ``dim``, one set per index of every other dimension (get_block_size)
+        return PerRow(int(getattr(granularity, "dim", -1)))
+    if kind == "PerToken":
+        return PerToken()
+    if kind == "PerBlock":
+        # torchao pads a short block_size with leading 1s (get_block_size): leading 1s beyond the
+        # last two dimensions are the same granularity; other entries span leading dimensions
+        return PerBlock(_strip_leading_ones(tuple(int(b) for b in granularity.block_size)))
+    raise ValueError(f"from_torchao: unsupported granularity {granularity!r}")
+
+
+def _strip_leading_ones(block: tuple) -> tuple:
+    block = (1,) * (2 - len(block)) + block
+    while len(block) > 2 and block[0] == 1:
+        block = block[1:]
+    return block
+
+
+def _block_size_granularity(block_size: tuple, shape: tuple) -> Granularity:
+    """The qstats granularity of torchao's ``block_size`` for tensors of ``shape``."""
     if len(block_size) != len(shape):
         raise ValueError(f"from_torchao: block_size {block_size} and shape {shape} differ in length")
     if any(b < 1 or s % b for b, s in zip(block_size, shape)):
@@ -131,7 +137,7 @@ def _granularity(kwargs) -> Granularity:
     full = [i for i, (b, s) in enumerate(zip(block_size, shape)) if b == 1 and s != 1]
     if len(full) == 1 and all(b == s for i, (b, s) in enumerate(zip(block_size, shape)) if i != full[0]):
         return PerAxis(full[0])
-    raise ValueError(f"from_torchao: block_size {block_size} for shape {shape} has no qstats granularity")
+    return PerBlock(_strip_leading_ones(block_size))  # blocks spanning leading dimensions
 
 
 def from_torchao(cls, target_dtype, kwargs):
@@ -228,31 +234,24 @@ def _float8_spec(cls, float8_dtype, kwargs, overrides):
 
 
 def _affine_spec(cls, target_dtype, kwargs, overrides):
-    mapping_type = kwargs.pop("mapping_type", "SYMMETRIC")
     domain = _enum_name(kwargs.pop("zero_point_domain", "INT"), _DOMAINS, "zero_point_domain")
-    mapping = _enum_name(mapping_type, _MAPPINGS, "mapping_type")
+    mapping = _enum_name(kwargs.pop("mapping_type", "SYMMETRIC"), _MAPPINGS, "mapping_type")
     granularity = _granularity(kwargs)
     input_dtype = kwargs.pop("input_dtype", torch.float32)
     eps = kwargs.pop("eps", None)
     scale_dtype = kwargs.pop("scale_dtype", None) or input_dtype
-    quant_min = kwargs.pop("quant_min", None)
-    quant_max = kwargs.pop("quant_max", None)
+    quant_min, quant_max = kwargs.pop("quant_min", None), kwargs.pop("quant_max", None)
+    preserve_zero = kwargs.pop("preserve_zero", None)
+    zero_point_dtype = kwargs.pop("zero_point_dtype", None)
     _reject_unknown(kwargs)
     dtype = _int_target(target_dtype)
-    if domain == "float" and mapping != "asymmetric":
-        raise ValueError("from_torchao: ZeroPointDomain.FLOAT (tinygemm) needs MappingType.ASYMMETRIC")
-    if domain == "none" and mapping == "asymmetric":
-        raise ValueError("from_torchao: ZeroPointDomain.NONE needs a symmetric mapping")
-    if input_dtype not in COMPUTE_DTYPE_NAMES:
-        raise ValueError(f"from_torchao: input_dtype must be float32, bfloat16 or float16, got {input_dtype}")
-    if scale_dtype not in COMPUTE_DTYPE_NAMES:
-        raise ValueError(f"from_torchao: scale_dtype {scale_dtype} is not supported")
+    _check_affine(mapping, domain, input_dtype, scale_dtype, preserve_zero)
     if eps is None:
         eps = torch.finfo(input_dtype).smallest_normal
-    probe = cls(dtype=dtype)
-    lo, hi = probe.qrange
+    lo, hi = cls(dtype=dtype).qrange
     qmin = lo if quant_min is None else int(quant_min)
     qmax = hi if quant_max is None else int(quant_max)
+    _check_zero_point_dtype(zero_point_dtype, domain, input_dtype, qmin, qmax)
     fields = dict(
         dtype=dtype,
         mapping=mapping,
@@ -261,20 +260,77 @@ def _affine_spec(cls, target_dtype, kwargs, overrides):
         quant_min=qmin,
         quant_max=qmax,
         eps=float(torch.tensor(eps, dtype=torch.float32)),
-        scale_dtype=COMPUTE_DTYPE_NAMES[scale_dtype],
+        scale_dtype=_SCALE_DTYPE_NAMES[scale_dtype],
         convention="torchao",
         symmetric_zero_point=int((qmax + qmin + 1) / 2),
         compute_dtype=COMPUTE_DTYPE_NAMES[input_dtype],
         on_uncalibrated="fallback",
+        preserve_zero=preserve_zero is not False or domain == "float",
     )
     fields.update(overrides)
     return cls(**fields)
 
 
+_SCALE_DTYPE_NAMES = {**COMPUTE_DTYPE_NAMES, torch.float64: "float64"}
+
+
+def _check_affine(mapping, domain, input_dtype, scale_dtype, preserve_zero):
+    """ValueError for affine arguments torchao refuses (or has no function for)."""
+    if domain == "float" and mapping != "asymmetric":
+        raise ValueError("from_torchao: ZeroPointDomain.FLOAT (tinygemm) needs MappingType.ASYMMETRIC")
+    if domain == "none" and mapping == "asymmetric":
+        raise ValueError("from_torchao: ZeroPointDomain.NONE needs a symmetric mapping")
+    if input_dtype not in COMPUTE_DTYPE_NAMES:
+        raise ValueError(f"from_torchao: input_dtype must be float32, bfloat16 or float16, got {input_dtype}")
+    if scale_dtype not in _SCALE_DTYPE_NAMES:
+        raise ValueError(f"from_torchao: scale_dtype {scale_dtype} is not supported (float32, bfloat16, float16, float64)")
+    if preserve_zero is False and domain != "float" and (mapping != "asymmetric" or domain != "int"):
+        # _choose_qparams_affine_dont_preserve_zero asserts MappingType.ASYMMETRIC
+        raise ValueError("from_torchao: preserve_zero=False needs MappingType.ASYMMETRIC (or ZeroPointDomain.FLOAT)")
+    if preserve_zero is True and domain == "float":
+        raise ValueError("from_torchao: ZeroPointDomain.FLOAT (tinygemm) does not preserve zero; pass preserve_zero=False")
+
+
+def _exact_integers(dtype: torch.dtype):
+    """``(lo, hi)``: the integers ``dtype`` holds exactly (all of them from lo to hi)."""
+    if dtype.is_floating_point:
+        top = int(2 / torch.finfo(dtype).eps)  # 2 ** (mantissa bits + 1)
+        return -top, top
+    name = str(dtype).replace("torch.", "")
+    if name.startswith(("int", "uint")) and name.lstrip("uint").isdigit() and name not in ("int64", "uint64"):
+        bits = int(name.lstrip("uint"))
+        return (0, 2**bits - 1) if name.startswith("u") else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    info = torch.iinfo(dtype)
+    return info.min, info.max
+
+
+def _check_zero_point_dtype(zero_point_dtype, domain, input_dtype, qmin, qmax):
+    """torchao casts the zero point to ``zero_point_dtype`` last: accepted where that keeps every
+    zero point's value (qstats holds them as int32, or float32 for the float domain)."""
+    if zero_point_dtype is None or domain == "none":
+        return
+    if not isinstance(zero_point_dtype, torch.dtype) or zero_point_dtype == torch.bool or zero_point_dtype.is_complex:
+        raise ValueError(f"from_torchao: zero_point_dtype must be a real torch dtype, got {zero_point_dtype!r}")
+    if domain == "float":
+        # the tinygemm zero point is a value of the input's dtype
+        wider = {torch.bfloat16: (torch.float32,), torch.float16: (torch.float32,)}.get(input_dtype, ())
+        if zero_point_dtype not in (input_dtype, torch.float64, *wider):
+            raise ValueError(
+                f"from_torchao: zero_point_dtype {zero_point_dtype} would round ZeroPointDomain.FLOAT zero points "
+                f"computed in {input_dtype}; use {input_dtype} (the default) or a wider float dtype"
+            )
+        return
+    lo, hi = _exact_integers(zero_point_dtype)
+    if not (lo <= qmin and qmax <= hi):
+        raise ValueError(
+            f"from_torchao: zero_point_dtype {zero_point_dtype} cannot hold every zero point of the range "
+            f"[{qmin}, {qmax}] (torchao would wrap or round them); use torch.int32 (the default)"
+        )
+
 
 # --------------------------------------------------------------------------------------------
 # arithmetic
-_DTYPE_BY_NAME = {name: dtype for dtype, name in COMPUTE_DTYPE_NAMES.items()}
+_DTYPE_BY_NAME = {name: dtype for dtype, name in _SCALE_DTYPE_NAMES.items()}
 _FLOAT32_MIN_NORMAL = float(torch.finfo(torch.float32).tiny)
 
 
@@ -288,27 +344,60 @@ def _dtypes(spec):
 
 def _own_arithmetic(spec) -> bool:
     """True where torchao's quantize arithmetic differs from `Convention`'s float32 integer codes:
-    the float zero-point domain (tinygemm), bf16/fp16 compute dtypes, and bf16/fp16 scales
+    the float zero-point domain (tinygemm), bf16/fp16 compute dtypes, and bf16/fp16/float64 scales
     (torchao takes ``1.0 / scale`` in the scale's dtype)."""
     return not spec.is_float and (
         spec.zero_point_domain == "float" or spec.compute_dtype != "float32" or _dtypes(spec)[1] != torch.float32
     )
 
 
+def _saturate(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` clamped to ``dtype``'s finite range (unchanged where it lies within it)."""
+    limit = torch.finfo(dtype).max
+    return t if limit >= torch.finfo(t.dtype).max else t.clamp(-limit, limit)
+
+
+def _span_scale(low, high, levels: float, compute):
+    """``(high - low) / levels`` in ``compute``, as torchao; where the span overflows ``compute``
+    (torchao: an Inf scale), ``high / levels - low / levels``, saturated."""
+    scale = (high - low) / levels
+    return torch.where(torch.isfinite(scale), scale, _saturate(high / levels - low / levels, compute))
+
+
 def _to_scale_dtype(scale, scale_dtype):
-    """``scale`` rounded to ``scale_dtype``, as float32. A scale past a bf16/fp16 scale dtype's
-    largest value (a range wider than 127.5 * 65504 in fp16) is that largest value, where
-    torchao's is Inf (and its codes 0, dequantized to NaN)."""
-    if scale_dtype != torch.float32:
-        scale = torch.clamp(scale, max=torch.finfo(scale_dtype).max)
+    """``scale`` rounded to ``scale_dtype``, as float32. Past a bf16/fp16 scale dtype's largest
+    value (a range wider than 127.5 * 65504 in fp16) it is that largest value, where torchao's is
+    Inf (and its codes 0, dequantized to NaN); below its smallest positive value (tiny float32 data
+    with fp16 scales) it is that value, where torchao's is 0."""
+    scale = scale.float()
+    if scale_dtype in (torch.bfloat16, torch.float16):
+        finfo = torch.finfo(scale_dtype)
+        scale = scale.clamp(finfo.tiny * finfo.eps, finfo.max)
     return scale.to(scale_dtype).float()
+
+
+def _affine_scale(min_val_neg, max_val_pos, spec, compute):
+    """torchao's scale of a range (zero included or not) in ``compute``, before the eps floor and
+    saturated where torchao's overflows (only int1/uint1 halve their symmetric divisor)."""
+    qmin, qmax = spec.qrange
+    if spec.mapping == "asymmetric":
+        return _span_scale(min_val_neg, max_val_pos, float(qmax - qmin), compute)
+    if spec.mapping == "symmetric_no_clipping_err":
+        smin = min_val_neg / float(qmin)
+        smax = max_val_pos / float(qmax)
+        return torch.where(smin > smax, smin, smax)
+    return _saturate(torch.max(-min_val_neg, max_val_pos) / (float(qmax - qmin) / 2), compute)
 
 
 class TorchaoConvention(Convention):
     """torchao's ``choose_qparams_affine`` / ``quantize_affine`` family in its dtypes, and its MX,
-    NVFP4 and float8 scale arithmetic. Float targets take `Convention`'s range formulas."""
+    NVFP4 and float8 scale arithmetic. Float targets take `Convention`'s range formulas. Honours
+    ``QuantSpec.preserve_zero=False`` (``_choose_qparams_affine_dont_preserve_zero``). Where
+    torchao's half-precision arithmetic overflows (an Inf scale, or values past the compute
+    dtype), qstats saturates at the dtype's largest value; everywhere else it equals torchao."""
 
     name = "torchao"
+    maps_ranges_without_zero = True
 
     def check_lsq(self, spec) -> None:
         if spec.zero_point_domain == "float":
@@ -319,33 +408,29 @@ class TorchaoConvention(Convention):
             )
 
     def qparams(self, min_val, max_val, spec):
-        """``(scale, zero_point)`` as torchao's ``choose_qparams_affine`` (INT/NONE domains) or
+        """``(scale, zero_point)`` as torchao's ``choose_qparams_affine`` (INT/NONE domains),
+        ``_choose_qparams_affine_dont_preserve_zero`` (``preserve_zero=False``) or
         ``_choose_qparams_affine_tinygemm`` (FLOAT domain), from an observed range, operation by
         operation in ``spec.compute_dtype`` (torchao computes in the input's dtype; the extremes of a
-        bf16 tensor are exact in any wider dtype, so the float32 state loses nothing)."""
+        bf16 tensor are exact in any wider dtype, so the float32 state loses nothing; float32
+        extremes past a bf16/fp16 compute dtype saturate to it)."""
         if spec.is_float:
             return super().qparams(min_val, max_val, spec)
         compute, scale_dtype = _dtypes(spec)
-        min_val, max_val = min_val.to(compute), max_val.to(compute)
+        min_val, max_val = (_saturate(t, compute).to(compute) for t in (min_val, max_val))
         qmin, qmax = spec.qrange
         if spec.zero_point_domain == "float":
-            scale = torch.clamp((max_val - min_val) / float(qmax - qmin), min=spec.eps)
-            zero_point = min_val + scale * ((qmax + qmin + 1) / 2)
+            scale = torch.clamp(_span_scale(min_val, max_val, float(qmax - qmin), compute), min=spec.eps)
+            zero_point = _saturate(min_val + scale * ((qmax + qmin + 1) / 2), compute)
             return _to_scale_dtype(scale, scale_dtype), zero_point.float()
-        min_val_neg = torch.min(min_val, torch.zeros_like(min_val))
-        max_val_pos = torch.max(max_val, torch.zeros_like(max_val))
+        if spec.preserve_zero:
+            min_val = torch.min(min_val, torch.zeros_like(min_val))
+            max_val = torch.max(max_val, torch.zeros_like(max_val))
+        scale = torch.clamp(_affine_scale(min_val, max_val, spec, compute), min=spec.eps)
         if spec.mapping == "asymmetric":
-            scale = torch.clamp((max_val_pos - min_val_neg) / float(qmax - qmin), min=spec.eps)
-            zero_point = torch.clamp(qmin - torch.round(min_val_neg / scale), qmin, qmax)
+            zero_point = torch.clamp(qmin - torch.round(min_val / scale), qmin, qmax)
         else:
-            if spec.mapping == "symmetric_no_clipping_err":
-                smin = min_val_neg / float(qmin)
-                smax = max_val_pos / float(qmax)
-                scale = torch.where(smin > smax, smin, smax)
-            else:
-                scale = torch.max(-min_val_neg, max_val_pos) / (float(qmax - qmin) / 2)
             zero_point = torch.full_like(scale, spec.zero_point_of_symmetric)
-            scale = torch.clamp(scale, min=spec.eps)
         zero_point = zero_point.to(torch.int32)
         if spec.zero_point_domain == "none":
             zero_point = torch.zeros_like(zero_point)
@@ -353,14 +438,15 @@ class TorchaoConvention(Convention):
 
     def codes(self, view, scale, zero_point, spec):
         """torchao's ``_quantize_affine*_no_dtype_cast`` in its dtypes: the input in
-        ``compute_dtype``, the scale in ``scale_dtype`` (float32 results, integer-valued)."""
+        ``compute_dtype`` (saturated to it), the scale in ``scale_dtype`` (float32 results,
+        integer-valued)."""
         if not _own_arithmetic(spec):
             return super().codes(view, scale, zero_point, spec)
         compute, scale_dtype = _dtypes(spec)
-        view, scale = view.float().to(compute), scale.to(scale_dtype)
+        view, scale = _saturate(view.float(), compute).to(compute), scale.to(scale_dtype)
         qmin, qmax = spec.qrange
         if spec.zero_point_domain == "float":
-            min_val = zero_point.to(compute) - scale * ((qmax + qmin + 1) / 2)
+            min_val = _saturate(zero_point.to(compute) - scale * ((qmax + qmin + 1) / 2), compute)
             unclamped = torch.round((view - min_val) / scale)
         else:
             scaled = view * (1.0 / scale)
@@ -376,20 +462,24 @@ class TorchaoConvention(Convention):
 
     def dequantize(self, codes, scale, zero_point, spec):
         """torchao's ``_dequantize_affine*_no_dtype_check`` with ``output_dtype = compute_dtype``
-        (what torchao's fake quantization uses)."""
+        (what torchao's fake quantization uses). Each product and sum is formed exactly (or rounded
+        as torchao rounds it) in float32/float64, saturated, then rounded to ``compute_dtype``: as
+        torchao where its result is finite, the dtype's largest value where it overflows."""
         if not _own_arithmetic(spec):
             return super().dequantize(codes, scale, zero_point, spec)
         compute, scale_dtype = _dtypes(spec)
-        scale = scale.to(scale_dtype)
+        work = torch.promote_types(torch.float32, scale_dtype)
+        scale = scale.to(scale_dtype).to(work)
         codes = codes.float().to(compute)
         if spec.zero_point_domain == "float":
             qmin, qmax = spec.qrange
             dequant = (codes - (qmax + qmin + 1) / 2).to(compute)
-            dequant = (dequant * scale).to(compute)
-            return (dequant + zero_point.to(compute)).to(compute).float()
+            dequant = _saturate(dequant.to(work) * scale, compute).to(compute)
+            # a sum in the compute dtype: PyTorch forms half sums in float32 and rounds them
+            return _saturate(dequant.float() + zero_point.to(compute).float(), compute).to(compute).float()
         if spec.zero_point_domain != "none":
             codes = codes - zero_point.to(compute)
-        return (codes * scale).to(compute).float()
+        return _saturate(codes.to(work) * scale, compute).to(compute).float()
 
     def block_scaled(self, view, scale, spec):
         """MX (``to_mx``): RCEIL multiplies by the reciprocal (1 for the smallest scale), the
