@@ -9,7 +9,11 @@ projection) as the forward computes it for the tokens routed to that expert. Exp
 never picks are reported by a warning and by the coverage mask (``QParams.calibrated``) and get the
 declared fallback (scale 1), never a NaN or Inf scale.
 
-Run:  python examples/moe_experts.py
+By default each expert observes the tokens the router sends it; ``--all-experts`` observes every
+token for every expert, as llm-compressor calibrates by default (``moe_calibrate_all_experts``):
+then no expert is left uncalibrated.
+
+Run:  python examples/moe_experts.py [--all-experts]
 """
 
 from __future__ import annotations
@@ -78,14 +82,14 @@ RECIPE = qstats.Recipe(
 )
 
 
-def main(batches: int = 4, tokens: int = 64, verbose: bool = True):
+def main(batches: int = 4, tokens: int = 64, verbose: bool = True, all_experts: bool = False):
     model = build()
     generator = torch.Generator().manual_seed(1)
     data = [torch.randn(tokens, 32, generator=generator) for _ in range(batches)]
     plan = RECIPE.resolve(model)  # resolved once: calibrate, compute_qparams_tree, fake_quantized, report
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", qstats.UncalibratedWarning)
-        states = qstats.calibrate(model, data, plan, progress=False)
+        states = qstats.calibrate(model, data, plan, progress=False, all_experts=all_experts)
     qparams = qstats.compute_qparams_tree(states, plan)
     if verbose:
         for warning in caught:
@@ -115,4 +119,8 @@ def main(batches: int = 4, tokens: int = 64, verbose: bool = True):
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all-experts", action="store_true", help="every token observed by every expert")
+    main(all_experts=parser.parse_args().all_experts)

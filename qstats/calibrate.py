@@ -27,6 +27,7 @@ from ._qparams import QParams, check_calibrated, compute_qparams
 from ._quant import fake_quantize
 from .experts import (
     ExpertInputCapture,
+    all_experts_calls,
     own_parameters,
     UncalibratedWarning,
     dispatch,
@@ -215,9 +216,10 @@ class _Calibration:
     """What the hooks of one `calibrate` call share: the plan, the states tree the call builds and
     the current batch's observation weight (None between batches)."""
 
-    def __init__(self, plan: Plan, states: dict):
+    def __init__(self, plan: Plan, states: dict, all_experts: bool = False):
         self.plan = plan
         self.states = states
+        self.all_experts = all_experts
         self.weight: Optional[torch.Tensor] = None
 
     def weight_for(self, x: torch.Tensor, flattened: bool) -> Optional[torch.Tensor]:
@@ -324,8 +326,8 @@ class _RoutedSite(_SiteHook):
 
 class _RoutedInputSite(_RoutedSite):
     """The ``"input"`` of stacked experts: the hidden states, each token observed by the experts
-    the routing of the call (`routing_mask`) sends it to, and not where the batch's observation
-    weight is 0."""
+    the routing of the call (`routing_mask`) sends it to (by every expert with ``all_experts``),
+    and not where the batch's observation weight is 0."""
 
     def attach(self) -> list:
         module = self.run.plan.modules[self.path]
@@ -336,7 +338,10 @@ class _RoutedInputSite(_RoutedSite):
         if not _is_float_tensor(x):
             return
         tokens = x.detach().reshape(-1, x.shape[-1])
-        mask = routing_mask(args, kwargs or {}, self.found.num_experts, tokens.shape[0])
+        if self.run.all_experts:  # every token observed by every expert
+            mask = torch.ones(self.found.num_experts, tokens.shape[0], device=tokens.device)
+        else:
+            mask = routing_mask(args, kwargs or {}, self.found.num_experts, tokens.shape[0])
         if mask is None:
             raise ValueError(
                 f"calibrate: cannot find the routing (an integer tensor [tokens, k] of selected experts) "
@@ -352,7 +357,10 @@ class _ExpertMatmulInputs:
     """The ``"<parameter>.input"`` sites of one stacked-experts module: an `ExpertInputCapture`
     entered before the module's forward and left after it, whose captured rows (the input of each
     expert's matmul with the parameter) are observed under their expert ids, and not where the
-    batch's observation weight of the token they come from is 0 (`ExpertInputCapture.row_tokens`)."""
+    batch's observation weight of the token they come from is 0 (`ExpertInputCapture.row_tokens`).
+    With ``all_experts``, the rows are captured instead from extra calls of the module's forward
+    that route every token to every expert (`qstats.experts.all_experts_calls`; their outputs are
+    discarded, the model's own forward is left as it is)."""
 
     def __init__(self, run: _Calibration, path: str, sites: list):
         self.path = path
@@ -368,8 +376,8 @@ class _ExpertMatmulInputs:
             self.module.register_forward_hook(self.leave, with_kwargs=True, always_call=True),
         ]
 
-    def enter(self, module, args, kwargs) -> None:
-        x = _input_tensor(args, kwargs)
+    def _start(self, module, x) -> tuple:
+        """Enters a capture for one forward of the experts over the tokens ``x``."""
         tokens = x.numel() // x.shape[-1] if isinstance(x, torch.Tensor) and x.ndim and x.shape[-1] else 0
         weight = self.run.weight_for(x.reshape(-1, x.shape[-1]), flattened=True) if tokens else None
         names = set(self.parameters.values())
@@ -383,16 +391,49 @@ class _ExpertMatmulInputs:
             {name: getattr(module, name) for name in names}, tokens=x if weight is not None and x.ndim == 2 else None
         )
         capture.__enter__()
-        self.active.append((capture, cached, tokens, weight))
+        return capture, cached, tokens, weight
+
+    def enter(self, module, args, kwargs) -> None:
+        if self.run.all_experts:  # observed from extra calls once the model's forward is done
+            self.active.append(None)
+            return
+        self.active.append(self._start(module, _input_tensor(args, kwargs)))
 
     def leave(self, module, args, kwargs, output) -> None:
         if not self.active:
             return
-        capture, cached, tokens, weight = self.active.pop()
-        capture.__exit__(None, None, None)
-        cached.__exit__(None, None, None)
-        if output is None:  # the forward raised
+        started = self.active.pop()
+        if started is None:
+            if output is not None:
+                self._observe_all_experts(module, args, kwargs or {})
             return
+        started[0].__exit__(None, None, None)
+        started[1].__exit__(None, None, None)
+        if output is not None:  # else the forward raised
+            self._observe(module, started[0], *started[2:])
+
+    def _observe_all_experts(self, module, args: tuple, kwargs: dict) -> None:
+        x = _input_tensor(args, kwargs)
+        if not _is_float_tensor(x):
+            return
+        num_experts = next(iter(self.sites.values())).found.num_experts
+        calls = all_experts_calls(args, kwargs, num_experts, x.numel() // x.shape[-1])
+        if calls is None:
+            raise ValueError(
+                f"calibrate: all_experts: cannot find the routing (an integer tensor [tokens, k] of selected "
+                f"experts) in the call of the experts module {self.path!r}"
+            )
+        for call_args, call_kwargs in calls:
+            capture, cached, tokens, weight = self._start(module, x)
+            try:
+                module.forward(*call_args, **call_kwargs)  # no hooks: only the capture watches it
+            finally:
+                capture.__exit__(None, None, None)
+                cached.__exit__(None, None, None)
+            self._observe(module, capture, tokens, weight)
+
+    def _observe(self, module, capture: ExpertInputCapture, tokens: int, weight) -> None:
+        """Observes the rows a finished capture holds, site by site."""
         for site, hook in self.sites.items():
             name = self.parameters[site]
             captured = capture.captured(name)
@@ -474,6 +515,7 @@ def calibrate(
     states: Optional[Mapping] = None,
     progress: bool = True,
     observation_weight: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
+    all_experts: bool = False,
 ) -> dict:
     """Observer states of ``model`` over ``batches``, per module path and site.
 
@@ -493,6 +535,12 @@ def calibrate(
         padding is not observed. ``"<parameter>.input"`` sites leave out the rows of the tokens
         whose weight is 0, each row traced back to its token through the experts' forward
         (`qstats.experts.ExpertInputCapture.row_tokens`; a warning says when it cannot be).
+      all_experts: per-expert sites of stacked experts observe every token, not only those the
+        router sends to the expert (llm-compressor's ``moe_calibrate_all_experts``, its default):
+        ``"input"`` sees all the hidden states, and ``"<parameter>.input"`` the rows of extra
+        calls of the experts' forward that route every token to every expert (``E / k`` calls of
+        ``k`` experts each; the model's outputs are unchanged). Default False: each expert's
+        statistics are those of the tokens it is routed, as at inference.
 
     Returns:
       ``{module_path: {site: state}}``; parameter sites first, in ``named_modules`` order.
@@ -514,7 +562,7 @@ def calibrate(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"calibrate expects an nn.Module, got {type(model).__name__}")
     plan = as_plan(recipe, model, "calibrate")
-    run = _Calibration(plan, _copy_tree(states))
+    run = _Calibration(plan, _copy_tree(states), all_experts=bool(all_experts))
     _check_resumed(run.states, plan)
     with torch.no_grad():
         for path, entry in plan.sites.items():

@@ -42,6 +42,7 @@ __all__ = [
     "ExpertInputCapture",
     "UncalibratedWarning",
     "expert_count",
+    "all_experts_calls",
     "ids_mask",
     "parameter_input_site",
     "is_stacked_parameter",
@@ -98,6 +99,25 @@ def is_stacked_parameter(param: torch.Tensor, num_experts: int) -> bool:
 _INDEX_NAMES = ("top_k_index", "router_indices", "selected_experts", "expert_indices", "topk_ids")
 
 
+def _routing_tensors(args: tuple, kwargs: dict, tokens: int) -> tuple:
+    """``(index, weights)`` of an experts module's call: the first integer tensor ``[tokens, k]``
+    (or a keyword named like ``top_k_index``) and the first floating tensor of that shape after
+    the hidden states (the routing weights); either may be None."""
+    candidates = [kwargs[name] for name in _INDEX_NAMES if name in kwargs]
+    candidates += list(args[1:]) + list(kwargs.values())
+    index = weights = None
+    for value in candidates:
+        if not isinstance(value, torch.Tensor) or value.ndim != 2 or value.shape[0] != tokens:
+            continue
+        if index is None and not value.is_floating_point() and value.dtype != torch.bool:
+            index = value
+        elif weights is None and value.is_floating_point() and (index is None or value.shape == index.shape):
+            weights = value
+    if weights is not None and index is not None and weights.shape != index.shape:
+        weights = None
+    return index, weights
+
+
 def routing_mask(args: tuple, kwargs: dict, num_experts: int, tokens: int) -> Optional[torch.Tensor]:
     """The ``[E, tokens]`` float mask of which token went to which expert, read from an experts
     module's call ``forward(hidden_states, top_k_index, top_k_weights)``.
@@ -106,18 +126,30 @@ def routing_mask(args: tuple, kwargs: dict, num_experts: int, tokens: int) -> Op
     holds the selected experts; indices outside ``[0, E)`` (padding slots) route nowhere. Returns
     None when no routing tensor is found.
     """
-    candidates = [kwargs[name] for name in _INDEX_NAMES if name in kwargs]
-    candidates += list(args[1:]) + list(kwargs.values())
-    for value in candidates:
-        if (
-            isinstance(value, torch.Tensor)
-            and not value.is_floating_point()
-            and value.dtype != torch.bool
-            and value.ndim == 2
-            and value.shape[0] == tokens
-        ):
-            return _scatter_mask(value.transpose(0, 1), num_experts)
-    return None
+    index, _ = _routing_tensors(args, kwargs, tokens)
+    return None if index is None else _scatter_mask(index.transpose(0, 1), num_experts)
+
+
+def all_experts_calls(args: tuple, kwargs: dict, num_experts: int, tokens: int) -> Optional[list]:
+    """The arguments ``[(args, kwargs), ...]`` of calls of an experts module that, together, route
+    every token to every expert (llm-compressor's ``moe_calibrate_all_experts``): ``ceil(E / k)``
+    calls, each sending every token to ``k`` experts (the call's own top-k, so that each call
+    needs the memory of one routed forward) with routing weights 1. None when the call has no
+    routing tensor (`routing_mask`)."""
+    index, weights = _routing_tensors(args, kwargs, tokens)
+    if index is None:
+        return None
+    calls = []
+    for first in range(0, num_experts, index.shape[1]):
+        experts = torch.arange(first, min(first + index.shape[1], num_experts), device=index.device)
+        replace = {id(index): experts.to(index.dtype).expand(tokens, -1).contiguous()}
+        if weights is not None:
+            replace[id(weights)] = weights.new_ones(tokens, experts.shape[0])
+        calls.append((
+            tuple(replace.get(id(value), value) for value in args),
+            {name: replace.get(id(value), value) for name, value in kwargs.items()},
+        ))
+    return calls
 
 
 def dispatch(tokens: torch.Tensor, mask: torch.Tensor, capacity: Optional[int] = None):

@@ -453,3 +453,41 @@ def test_untraceable_intermediate_rows_warn_that_padding_is_observed():
     with pytest.warns(UserWarning, match=r"'down_proj.input' of the experts module 'experts' could not be traced"):
         states = qstats.calibrate(layer, [batch], recipe, progress=False, observation_weight=lambda b: weight)
     assert int(states["experts"]["down_proj.input"].count.sum()) == 5 * 5  # every row, padding included
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_all_experts_observes_every_token_for_every_expert(qwen3_moe, implementation):
+    """``calibrate(all_experts=True)`` (llm-compressor's ``moe_calibrate_all_experts``): every
+    expert's ``input`` is every token and its ``down_proj.input`` the intermediate of every token
+    (computed here by hand), padding still left out; the model's own outputs are unchanged."""
+    model = qwen3_moe
+    model.set_experts_implementation(implementation)
+    recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=("input", "down_proj.input"), spec=MINMAX)])
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, 64, (2, 6), generator=generator)
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    batch = {"input_ids": ids, "attention_mask": mask}
+    with torch.no_grad():
+        expected_logits = model(**batch).logits
+    outputs = []
+    handle = model.register_forward_hook(lambda module, args, kwargs, output: outputs.append(output.logits),
+                                         with_kwargs=True)
+    try:
+        states = qstats.calibrate(model, [batch], recipe, progress=False, all_experts=True,
+                                  observation_weight=lambda b: b["attention_mask"])
+    finally:
+        handle.remove()
+    assert torch.equal(outputs[0], expected_logits)
+    calls = _routed_calls(model, [ids], "Qwen3MoeExperts")  # right padding: the kept tokens are the same
+    kept = mask.reshape(-1) != 0
+    for path, ((hidden, _),) in calls.items():
+        experts = model.get_submodule(path)
+        rows = hidden[kept]
+        state = states[path]["down_proj.input"]
+        torch.testing.assert_close(states[path]["input"].max_val, rows.max().expand(NUM_EXPERTS), rtol=1e-6, atol=0)
+        for expert in range(NUM_EXPERTS):
+            gate, up = UP_PROJECTION[implementation](rows, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            values = experts.act_fn(gate) * up
+            assert int(state.count[expert]) == values.numel()
+            torch.testing.assert_close(state.min_val[expert], values.min(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(state.max_val[expert], values.max(), rtol=1e-6, atol=1e-7)
