@@ -133,17 +133,3 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
         view = view.float()  # float8 values are float32 values exactly; ATen has no float8 reductions
     return _finite_aminmax_op(view.detach(), mask, nonfinite == "raise")
 
-
-def _batched_arguments(view, view_dim, mask, mask_dim):  # TEMPORARY: until observers/histogram.py drops it
-    if mask is not None:
-        mask = mask.unsqueeze(1) if mask_dim is None else mask.movedim(mask_dim, 1)
-    if view_dim is None:
-        view = view.unsqueeze(1)
-        shape = list(view.shape)
-        shape[1] = mask.shape[1]
-        view = view.expand(shape)
-    else:
-        view = view.movedim(view_dim, 1)
-    if mask is not None:
-        mask = mask.expand(view.shape)
-    return view, mask
