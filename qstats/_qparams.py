@@ -170,6 +170,3 @@ def qparams_from_minmax(
     zero_point = torch.where(calibrated, zero_point, torch.zeros_like(zero_point))
     return QParams(scale, zero_point, global_scale, calibrated)
 
-
-def _is_traced(t):  # TEMPORARY: until observers/histogram.py drops it
-    return torch.compiler.is_compiling() or bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
