@@ -7,6 +7,8 @@ the matching qstats spec (uint8 asymmetric, default 128 buckets per octave over 
 
     python bench/bench_histogram.py [--repeats 20] [--no-compile] [--threads N]
     python bench/bench_histogram.py --sqnr    # the SQNR table: every method vs torch.ao
+
+Both the eager and (unless --no-compile) the ``torch.compile``d update and l2 search are timed.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def sqnr_table():
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--no-compile", action="store_true", help="skip the compiled search (compiling takes minutes)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip the compiled update and search (compiling takes minutes)")
     parser.add_argument("--sqnr", action="store_true", help="print the SQNR table (dB) instead of timings")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for both libraries (1 is robust on a busy machine)")
@@ -112,6 +115,7 @@ def main():
     obs = qstats.histogram(spec)
     search = lambda state: qstats.compute_qparams(state, spec, method="l2")  # noqa: E731
     compiled = None if args.no_compile else torch.compile(search)
+    compiled_update = None if args.no_compile else torch.compile(obs.update, fullgraph=True)
     rows = []
     for name, make in (("gauss", lambda: torch.randn(shape)), ("t3", lambda: torch.distributions.StudentT(3.0).sample(shape))):
         batches = [make() * (1 + 0.05 * i) for i in range(4)]
@@ -127,6 +131,10 @@ def main():
         t_ref_search = _time(reference.calculate_qparams, args.repeats)
         t_search = _time(lambda: search(state), args.repeats)
         rows.append(_row(f"{name}: histogram update vs HistogramObserver.forward", t_ref_update, t_update))
+        if compiled_update is not None:
+            counter = iter(range(10**9))
+            t_compiled_update = _time(lambda: compiled_update(state, batches[next(counter) % 4]), args.repeats)
+            rows.append(_row(f"{name}: histogram update (torch.compile) vs forward", t_ref_update, t_compiled_update))
         rows.append(_row(f"{name}: l2 search vs HistogramObserver.calculate_qparams", t_ref_search, t_search))
         if compiled is not None:
             t_compiled = _time(lambda: compiled(state), args.repeats)

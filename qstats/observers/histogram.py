@@ -111,8 +111,9 @@ def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):
     if mask is not None:
         slot = torch.where(mask.to(torch.bool), slot, slots - 1)
     num_params = math.prod(params)
-    if num_params > 1:
-        slot = slot + slots * torch.arange(num_params, dtype=torch.int32, device=view.device).reshape(1, *params, 1)
+    if num_params > 1:  # each parameter's slots after the previous one's (int64 past int32's range)
+        index_dtype = torch.int32 if num_params * slots < 1 << 31 else torch.int64
+        slot = slot + slots * torch.arange(num_params, dtype=index_dtype, device=view.device).reshape(1, *params, 1)
     ones = torch.ones((), dtype=torch.int64, device=view.device).expand(slot.numel())
     counts = torch.zeros(num_params * slots, dtype=torch.int64, device=view.device).index_add(0, slot.reshape(-1), ones)
     counts = counts.reshape(*params, slots)
