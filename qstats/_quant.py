@@ -64,6 +64,16 @@ def _dequantize_view(codes, scale, zero_point, spec, global_scale=None):
     return spec.convention.dequantize(codes, scale, zero_point, spec)
 
 
+def _cap(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` saturated at ``dtype``'s largest finite magnitude where ``dtype`` is narrower
+    (fp16/bf16/fp8 outputs), so that every code dequantizes to a finite value (torch's fake-quant
+    ops return +-Inf there: code -128 times 513.76 for an fp16 tensor holding -65504)."""
+    if not dtype.is_floating_point or torch.finfo(dtype).max >= torch.finfo(values.dtype).max:
+        return values
+    limit = torch.finfo(dtype).max
+    return values.clamp(-limit, limit)
+
+
 def _to_output(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Values (float32, or float64 where the convention computed in float64) in ``dtype``: float64
     outputs keep a float64 computation, others are rounded to float32 first (once)."""
@@ -88,7 +98,7 @@ def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=tor
     if dtype == torch.float64 and not spec.is_float:
         view = view.double()
     scale, zero_point = _params(qparams, view)
-    out = _dequantize_view(view, scale, zero_point, spec, qparams.global_scale)
+    out = _cap(_dequantize_view(view, scale, zero_point, spec, qparams.global_scale), dtype)
     return _to_output(from_canonical_view(out, spec.granularity, codes.shape), dtype)
 
 
@@ -97,7 +107,8 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
 
     The gradient with respect to ``x`` is 1 inside the representable range (the convention's
     `gradient_range`) and 0 where the value was clipped. Composes with ``torch.func.grad``,
-    ``vmap`` and ``torch.compile``.
+    ``vmap`` and ``torch.compile``. Values past ``x``'s dtype (fp16/bf16 edges) saturate at its
+    largest finite value, where torch's fake-quant ops return +-Inf (docs/differences.md).
 
     Raises:
       ValueError: an integer zero point outside ``spec.qrange`` (as torch's fake-quant ops).
@@ -106,7 +117,7 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
     scale, zero_point = _params(qparams, view)
     zero_point = _checked_zero_point(zero_point, spec, "fake_quantize")
     unclamped, codes = _codes_float(view.detach(), scale, zero_point, spec, qparams.global_scale)
-    out = _dequantize_view(codes, scale, zero_point, spec, qparams.global_scale)
+    out = _cap(_dequantize_view(codes, scale, zero_point, spec, qparams.global_scale), x.dtype)
     if view.requires_grad:
         lo, hi = spec.convention.gradient_range(spec)
         inside = (unclamped >= lo) & (unclamped <= hi)

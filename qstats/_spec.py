@@ -384,7 +384,8 @@ class QuantSpec:
 
         Affine integer targets take ``choose_qparams_affine``'s arguments (``mapping_type``,
         ``granularity`` or ``block_size`` with ``shape``, ``zero_point_domain``, ``quant_min``,
-        ``quant_max``, ``eps``, ``scale_dtype``, ``input_dtype``); MX takes ``to_mx``'s
+        ``quant_max``, ``eps``, ``scale_dtype``, ``zero_point_dtype``, ``preserve_zero``,
+        ``input_dtype``); MX takes ``to_mx``'s
         (``elem_dtype``, ``block_size``, ``scaling_mode``); NVFP4 takes ``nvfp4=True`` (and
         ``per_tensor_scale=True``). See ``qstats/conventions/torchao.py``.
         """

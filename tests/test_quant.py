@@ -283,3 +283,53 @@ def test_zero_points_outside_the_range_raise_like_torch(per_channel, zero_point)
         assert ok.shape[-1] == 3
     theirs = torch.fake_quantize_per_tensor_affine(x, 1.0, 255, 0, 255)
     assert torch.equal(qstats.fake_quantize(x, qp._replace(zero_point=good + 255), spec), theirs)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_codes_past_the_input_dtype_saturate_where_torch_overflows(dtype):
+    """Finite fp16/bf16 inputs whose lowest code dequantizes past the dtype: the default int8 spec
+    on an fp16 tensor holding -65504 (code -128 times 513.76) is -Inf in torch's fake-quant op;
+    qstats saturates at the dtype's largest value (issue 22, item 19), equals torch everywhere
+    else, and passes the same gradient."""
+    top = torch.finfo(dtype).max
+    x = torch.tensor([-top, top, 1.0, -3.0, 0.0], dtype=dtype)
+    spec = qstats.QuantSpec(dtype="int8")
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    theirs_in, ours_in = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    theirs = torch.fake_quantize_per_tensor_affine(theirs_in, float(qp.scale), int(qp.zero_point), -128, 127)
+    ours = qstats.fake_quantize(ours_in, qp, spec)
+    overflow = torch.isinf(theirs)
+    if dtype == torch.float16:
+        assert overflow.tolist() == [True, False, False, False, False]  # the case this is for
+    assert torch.isfinite(ours).all() and ours.dtype == dtype
+    assert torch.equal(ours[~overflow], theirs[~overflow])
+    assert (ours[overflow] == -top).all()
+    theirs.sum().backward()
+    ours.sum().backward()
+    assert torch.equal(ours_in.grad, theirs_in.grad)
+    codes = torch.arange(-128, 128, dtype=torch.int8)
+    assert torch.isfinite(qstats.dequantize(codes, qp, spec, dtype=dtype)).all()
+
+
+@pytest.mark.parametrize(
+    "fields, dtype, peak",
+    [
+        (dict(dtype="fp4_e2m1", scale_dtype="float16", zero_point_domain="none"), torch.float16, 65504.0),
+        (dict(dtype="uint1", mapping="asymmetric"), torch.bfloat16, 3.38e38),
+        (dict(dtype="int8", mapping="asymmetric", granularity=qstats.PerAxis(0)), torch.float16, 65504.0),
+        (dict(dtype="int4", convention="compressed_tensors", compute_dtype="float16"), torch.float16, 65504.0),
+        (dict(dtype="int8", convention="torchao", compute_dtype="bfloat16", scale_dtype="bfloat16"), torch.bfloat16, 3.38e38),
+    ],
+)
+def test_every_code_dequantizes_to_a_finite_value(fields, dtype, peak):
+    """fp4 with an fp16 scale (6 x 10920 = 65520), uint1 on bf16 near 3.39e38, and the conventions
+    that dequantize in the input's dtype: finite values for finite inputs."""
+    spec = qstats.QuantSpec(**fields)
+    x = torch.tensor([[-peak, peak, peak / 3, 1.0] * 4, [peak, -peak / 7, 0.5, 0.0] * 4]).to(dtype)
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    assert torch.isfinite(qp.scale).all() and (qp.scale > 0).all()
+    out = qstats.fake_quantize(x, qp, spec)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert torch.isfinite(qstats.dequantize(qstats.quantize(x, qp, spec), qp, spec, dtype=dtype)).all()

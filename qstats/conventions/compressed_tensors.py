@@ -403,10 +403,16 @@ class CompressedTensorsConvention(Convention):
         return unclamped.float(), unclamped.clamp(qmin, qmax).float()
 
     def dequantize(self, codes, scale, zero_point, spec):
-        """float32 values of ``codes``: ``(q - zero_point) * scale`` in the scale's (compute) dtype."""
+        """float32 values of ``codes``: ``(q - zero_point) * scale`` in the scale's (compute) dtype;
+        the product (exact in float32 for bf16/fp16 operands) saturates at the compute dtype's
+        largest value where compressed-tensors' overflows to +-Inf."""
         compute = getattr(torch, spec.compute_dtype)
         values = codes.float().to(compute) - zero_point.to(compute)
-        return (values * scale.to(compute)).float()
+        product = values.float() * scale.to(compute).float()
+        if compute != torch.float32:
+            limit = torch.finfo(compute).max
+            product = product.clamp(-limit, limit)
+        return product.to(compute).float()
 
     def block_scaled(self, view, scale, spec):
         """In the observed dtype, as compressed-tensors divides."""

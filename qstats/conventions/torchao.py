@@ -9,8 +9,10 @@ Three families of torchao arguments map onto a QuantSpec with ``convention="torc
   value of the range's midpoint and zero need not be representable; NONE: no zero point),
   targets ``torch.int1`` ... ``torch.int8`` and ``torch.uint1`` ... ``torch.uint8`` (and int16,
   int32), ``eps`` (default ``finfo(input_dtype).smallest_normal``), ``scale_dtype`` (default the
-  input dtype), granularity given as a qstats or torchao granularity or as torchao's
-  ``block_size`` with the tensor ``shape``;
+  input dtype; float64 too), ``preserve_zero=False`` (``_choose_qparams_affine_dont_preserve_zero``),
+  ``zero_point_dtype`` (where it holds every zero point: torchao would wrap or round the others),
+  granularity given as a qstats or torchao granularity (``PerRow(dim)`` along any dimension,
+  ``PerBlock`` spanning leading dimensions) or as torchao's ``block_size`` with the tensor ``shape``;
 - MX, ``torchao.prototype.mx_formats.mx_tensor.to_mx``: ``elem_dtype`` (float8_e4m3fn,
   float8_e5m2, "fp6_e2m3", "fp6_e3m2", float4_e2m1fn_x2), ``block_size`` (32), ``scaling_mode``
   (FLOOR, CEIL, EVEN, RCEIL), or a ``QuantizeTensorToMXKwargs``;
@@ -29,6 +31,8 @@ torchao is not imported: its enums are read by name, so qstats works without it.
 Known differences, kept on purpose: torchao computes min/max and scales in the input's dtype
 (bf16 inputs give bf16 arithmetic); qstats observes in float32 and rounds the scale to
 ``scale_dtype`` once. An all-zero tensor gets NVFP4 global scale 1 where torchao divides 0 by 0.
+Where torchao's bf16/fp16 arithmetic overflows or underflows (an Inf or zero scale, values past the
+compute dtype), qstats saturates (`TorchaoConvention`).
 """
 
 from __future__ import annotations
