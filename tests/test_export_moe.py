@@ -204,7 +204,23 @@ def test_stacked_experts_match_compressed_tensors_own_compressor(tmp_path):
         assert bit_equal(ours[name], theirs[name]), name
 
 
-@pytest.mark.parametrize("case", ["w4-group", "fp8-static", "mxfp4"])
+_TRANSFORMERS_MOE = (
+    "transformers (5.15 to 5.24 checked) cannot load these stacked experts: int8 int-quantized ones fail its weight "
+    "conversion, NVFP4 ones load without their weight_global_scale (weights off by that factor, silently, with "
+    "run_compressed=False too); docs/export.md says so. Strict: a transformers that loads them fails this xfail."
+)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "w4-group",
+        "fp8-static",
+        "mxfp4",
+        pytest.param("w8a8-int", marks=pytest.mark.xfail(strict=True, reason=_TRANSFORMERS_MOE)),
+        pytest.param("nvfp4", marks=pytest.mark.xfail(strict=True, reason=_TRANSFORMERS_MOE)),
+    ],
+)
 def test_transformers_loads_stacked_experts_into_its_moe_class(tmp_path, case):
     """transformers' Qwen3MoeForCausalLM reads the per-expert weights (DecompressExperts, then its
     conversion mapping merges them into gate_up_proj / down_proj): every expert's slice equals our
