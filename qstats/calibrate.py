@@ -368,7 +368,7 @@ class _ExpertMatmulInputs:
         self.module = run.plan.modules[path]
         self.sites = {site: _RoutedSite(run, path, site) for site in sites}
         self.parameters = {site: parameter_input_site(site) for site in sites}
-        self.active: list = []  # (capture, parametrize.cached(), tokens, observation weight) of the call
+        self.active: list = []  # (capture, parametrization hooks, tokens, observation weight) of the call
 
     def attach(self) -> list:
         return [
@@ -380,18 +380,21 @@ class _ExpertMatmulInputs:
         """Enters a capture for one forward of the experts over the tokens ``x``."""
         tokens = x.numel() // x.shape[-1] if isinstance(x, torch.Tensor) and x.ndim and x.shape[-1] else 0
         weight = self.run.weight_for(x.reshape(-1, x.shape[-1]), flattened=True) if tokens else None
+        params = own_parameters(module)
         names = set(self.parameters.values())
         if weight is not None:  # trace the tokens of the rows: through every stacked parameter
-            names |= {name for name, p in own_parameters(module).items() if p.ndim >= 3}
-        # a parametrized stack (inside `qstats.fake_quantized`) is computed once for the forward,
-        # so that the slices the forward multiplies by are slices of the tensor watched
-        cached = parametrize.cached()
-        cached.__enter__()
+            names |= {name for name, p in params.items() if p.ndim >= 3}
         capture = ExpertInputCapture(
-            {name: getattr(module, name) for name in names}, tokens=x if weight is not None and x.ndim == 2 else None
+            {name: params[name] for name in names}, tokens=x if weight is not None and x.ndim == 2 else None
         )
+        handles = []
+        if parametrize.is_parametrized(module):  # inside `qstats.fake_quantized`: each value the
+            # forward computes (and slices) is watched, as the parameter's
+            for name in names & set(module.parametrizations):
+                handles.append(module.parametrizations[name].register_forward_hook(
+                    lambda _, args, value, name=name: capture.watch(name, value)))
         capture.__enter__()
-        return capture, cached, tokens, weight
+        return capture, handles, tokens, weight
 
     def enter(self, module, args, kwargs) -> None:
         if self.run.all_experts:  # observed from extra calls once the model's forward is done
@@ -407,8 +410,7 @@ class _ExpertMatmulInputs:
             if output is not None:
                 self._observe_all_experts(module, args, kwargs or {})
             return
-        started[0].__exit__(None, None, None)
-        started[1].__exit__(None, None, None)
+        _stop(*started[:2])
         if output is not None:  # else the forward raised
             self._observe(module, started[0], *started[2:])
 
@@ -424,12 +426,11 @@ class _ExpertMatmulInputs:
                 f"experts) in the call of the experts module {self.path!r}"
             )
         for call_args, call_kwargs in calls:
-            capture, cached, tokens, weight = self._start(module, x)
+            capture, handles, tokens, weight = self._start(module, x)
             try:
-                module.forward(*call_args, **call_kwargs)  # no hooks: only the capture watches it
+                module.forward(*call_args, **call_kwargs)  # no hooks of the module: only the capture watches it
             finally:
-                capture.__exit__(None, None, None)
-                cached.__exit__(None, None, None)
+                _stop(capture, handles)
             self._observe(module, capture, tokens, weight)
 
     def _observe(self, module, capture: ExpertInputCapture, tokens: int, weight) -> None:
@@ -467,6 +468,13 @@ class _ExpertMatmulInputs:
             rows = capture.rows[name]
             return torch.ones(sum(r.shape[0] for r in rows), dtype=torch.bool, device=rows[0].device)
         return weight.to(tokens.device)[tokens] != 0
+
+
+def _stop(capture: ExpertInputCapture, handles: list) -> None:
+    """Leaves a capture and removes the hooks that fed it."""
+    capture.__exit__(None, None, None)
+    for handle in handles:
+        handle.remove()
 
 
 def _activation_hooks(run: _Calibration) -> list:

@@ -369,6 +369,14 @@ class ExpertInputCapture(TorchFunctionMode):
         # per parameter, the layout of one slice (checked on every matmul: computed once)
         self._inner = {name: sorted(zip(p.shape[1:], p.stride()[1:])) for name, p in self.parameters.items()}
 
+    def watch(self, name: str, stack: torch.Tensor) -> None:
+        """Watches ``stack`` as parameter ``name`` from now on: for a parametrized parameter
+        (``torch.nn.utils.parametrize``, e.g. inside `qstats.fake_quantized`), each value the
+        forward computes, which it then slices (`calibrate` calls this from a forward hook of the
+        parametrization)."""
+        self.parameters[name] = stack
+        self._inner[name] = sorted(zip(stack.shape[1:], stack.stride()[1:]))
+
     def _add(self, name: str, rows: torch.Tensor, ids, tokens: Optional[torch.Tensor] = None) -> None:
         """Keeps ``rows``, their expert ids (an int, one expert, expanded in `captured`, or a
         tensor with one id per row) and their tokens (None where not traced)."""
