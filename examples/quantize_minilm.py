@@ -173,6 +173,37 @@ def cosine_stats(reference: torch.Tensor, quantized: torch.Tensor) -> tuple[floa
     return float(cosine.mean()), float(cosine.min())
 
 
+def compare(model, variants, calibration_batches, heldout_batches, reference, progress: bool):
+    """Calibrates each ``(name, recipe)`` and measures its held-out cosines to ``reference``:
+    ``(result rows, {name: (plan, states, qparams)})``."""
+    results = []
+    calibrations = {}
+    for index, (name, recipe) in enumerate(variants, 1):
+        print(f"[{index}/{len(variants)}] {name}", flush=True)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        plan = recipe.resolve(model)  # the recipe on this model, resolved once for every step below
+        states = qstats.calibrate(
+            model, calibration_batches, plan, progress=progress, observation_weight=attention_mask
+        )
+        qparams = qstats.compute_qparams_tree(states, plan)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
+        with qstats.fake_quantized(model, qparams, plan), torch.nn.utils.parametrize.cached():
+            # weights fake-quantized once, not per batch
+            quantized = embed(model, heldout_batches, progress, "fake-quantized, held out")
+        mean_cos, min_cos = cosine_stats(reference, quantized)
+        calibrations[name] = (plan, states, qparams)
+        results.append(
+            {
+                "observers": name,
+                "cosine_mean": mean_cos,
+                "cosine_min": min_cos,
+                "calibration_s": seconds,
+                "calibration_cpu_s": cpu_seconds,
+            }
+        )
+    return results, calibrations
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", type=int, default=256, help="calibration sentences")
@@ -210,32 +241,8 @@ def main(argv=None) -> list[dict]:
             model(**batch)
     forward_seconds, forward_cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
 
-    results = []
-    calibrations = {}
     variants = list(VARIANTS.items())[: args.variants]
-    for index, (name, recipe) in enumerate(variants, 1):
-        print(f"[{index}/{len(variants)}] {name}", flush=True)
-        start, start_cpu = time.perf_counter(), time.process_time()
-        plan = recipe.resolve(model)  # the recipe on this model, resolved once for every step below
-        states = qstats.calibrate(
-            model, calibration_batches, plan, progress=args.progress, observation_weight=attention_mask
-        )
-        qparams = qstats.compute_qparams_tree(states, plan)
-        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
-        with qstats.fake_quantized(model, qparams, plan), torch.nn.utils.parametrize.cached():
-            # weights fake-quantized once, not per batch
-            quantized = embed(model, heldout_batches, args.progress, "fake-quantized, held out")
-        mean_cos, min_cos = cosine_stats(reference, quantized)
-        calibrations[name] = (plan, states, qparams)
-        results.append(
-            {
-                "observers": name,
-                "cosine_mean": mean_cos,
-                "cosine_min": min_cos,
-                "calibration_s": seconds,
-                "calibration_cpu_s": cpu_seconds,
-            }
-        )
+    results, calibrations = compare(model, variants, calibration_batches, heldout_batches, reference, args.progress)
 
     print()
     print(f"W8A8 all-MiniLM-L6-v2, {len(calibration)} calibration / {len(heldout)} held-out sentences "
