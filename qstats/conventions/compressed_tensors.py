@@ -104,25 +104,7 @@ def from_compressed_tensors(cls, args, overrides):
         dtype = _FLOAT_TARGETS[num_bits]
     else:
         raise ValueError(f"from_compressed_tensors: unknown quantization type {qtype!r}")
-    if strategy == "tensor":
-        granularity = PerTensor()
-    elif strategy == "channel":
-        # llm-compressor's weight view (..., rows, 1, cols): one scale per row of the last
-        # dimension, also for 3-D weights (PerAxis(0) would give one per leading index)
-        granularity = PerRow()
-    elif strategy == "group":
-        granularity = PerGroup(int(group_size))
-    elif strategy == "tensor_group":
-        granularity = TensorGroup(int(group_size))
-    elif strategy == "block":
-        granularity = PerBlock(tuple(_field(args, "block_structure")))
-    elif strategy == "token":
-        granularity = PerToken()
-    elif strategy == "attn_head":
-        # llm-compressor's attention view of (batch, heads, seq, head_dim): one scale per head
-        granularity = PerHead(1)
-    else:
-        raise ValueError(f"from_compressed_tensors: strategy {strategy!r} is not supported")
+    granularity = _granularity(strategy, args, group_size)
     scale_dtype = _dtype_field(args, "scale_dtype")
     if scale_dtype is not None and scale_dtype not in _DTYPE_NAMES:
         raise ValueError(
@@ -155,6 +137,28 @@ def from_compressed_tensors(cls, args, overrides):
     fields.update(_low_bit_fields(fields, num_bits, qtype, group_size))
     fields.update(overrides)
     return cls(**fields)
+
+
+def _granularity(strategy: str, args, group_size):
+    """The granularity of a compressed-tensors strategy, as llm-compressor views the tensor."""
+    if strategy == "tensor":
+        return PerTensor()
+    if strategy == "channel":
+        # the weight view (..., rows, 1, cols): one scale per row of the last dimension, also for
+        # 3-D weights (PerAxis(0) would give one per leading index)
+        return PerRow()
+    if strategy == "group":
+        return PerGroup(int(group_size))
+    if strategy == "tensor_group":
+        return TensorGroup(int(group_size))
+    if strategy == "block":
+        return PerBlock(tuple(_field(args, "block_structure")))
+    if strategy == "token":
+        return PerToken()
+    if strategy == "attn_head":
+        # the attention view of (batch, heads, seq, head_dim): one scale per head
+        return PerHead(1)
+    raise ValueError(f"from_compressed_tensors: strategy {strategy!r} is not supported")
 
 
 # strategies whose activation specs take their scales at run time (`qstats.recipe.runtime_scaled`)
