@@ -13,7 +13,10 @@ from typing import Mapping, Optional, Union
 import torch
 
 from ._qparams import QParams
+from ._formats import effective_scale
 from ._spec import QuantSpec
+from .observers.histogram import HistogramState
+from .observers.search import _geometry as geometry
 
 __all__ = ["histogram"]
 
@@ -57,8 +60,6 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     Returns:
       the matplotlib Figure.
     """
-    from ._formats import effective_scale
-    from .observers.histogram import HistogramState, _config, _cumulative, _moments, _window
 
     if not isinstance(state, HistogramState):
         raise TypeError(f"qstats.plot.histogram: expected a HistogramState, got {type(state).__name__}")
@@ -81,12 +82,12 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     if total == 0:
         raise ValueError("qstats.plot.histogram: the state saw no data")
     lo, hi = float(state.min_val), float(state.max_val)
-    bins, low, _ = _config(state)
-    edges, window_counts = _window(state, bins, low, 24)
-    mom = _moments(edges, window_counts)
+    bins, low, _ = geometry.config(state)
+    edges, window_counts = geometry.window(state, bins, low, 24)
+    mom = geometry.moments(edges, window_counts)
     span = max(hi - lo, 1e-12)
     grid = torch.linspace(lo - 0.02 * span, hi + 0.02 * span, plot_bins + 1, dtype=torch.float64)
-    cumulative, _, _ = _cumulative(mom, grid)
+    cumulative, _, _ = geometry.cumulative(mom, grid)
     density = cumulative.diff().clamp(min=0)
 
     figure, axes = plt.subplots(figsize=(8, 4.5))
