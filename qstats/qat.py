@@ -34,6 +34,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from . import distributed
 from ._qparams import compute_qparams
 from ._quant import fake_quantize
 from ._spec import QuantSpec
@@ -345,8 +346,6 @@ class QATModel:
         synchronised (use SyncBatchNorm semantics elsewhere if needed). Without an initialised
         process group the state is returned unchanged.
         """
-        from . import distributed
-
         if not isinstance(state, QATState):
             raise TypeError(f"QATModel.sync: state must be a QATState, got {type(state).__name__}")
         activations, weight_states = state.activations, state.weights
