@@ -291,3 +291,27 @@ def test_half_compute_specs_declare_no_exact_merge(dtype):
     whole = obs.update(obs.init(w), w)
     merged = functools.reduce(obs.merge, [obs.update(obs.init(w), row) for row in w.split(1)])
     assert not torch.allclose(whole.loss, merged.loss, rtol=1e-5, atol=0)  # the law exact would promise
+
+
+def test_a_state_of_other_settings_is_refused_naming_both_shapes():
+    """A state of an mse observer with another grid broke update with a raw broadcasting error."""
+    spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
+    wide, narrow = qstats.mse(spec, grid=100), qstats.mse(spec, grid=20)
+    x = torch.randn(4, 8)
+    state = wide.update(wide.init(x), x)
+    with pytest.raises(ValueError, match=r"shape \(4, 20\).*searches 4 candidates"):
+        narrow.update(state, x)
+
+
+def test_a_resumed_state_of_other_settings_names_the_module_and_site():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
+    batches = [torch.randn(3, 8)]
+
+    def recipe(grid):
+        return qstats.Recipe([qstats.Rule("Linear", spec=spec, sites=("weight",), observer=qstats.mse,
+                                          observer_kwargs={"grid": grid})])
+
+    states = qstats.calibrate(model, batches, recipe(100))
+    with pytest.raises(ValueError, match=r"'0'.*weight|weight.*'0'"):
+        qstats.calibrate(model, batches, recipe(20), states=states)

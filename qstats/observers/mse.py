@@ -332,6 +332,18 @@ def _check_modes(mode, expand, averaging_constant, patience):
     return patience
 
 
+def _check_candidates(state: MSEState, candidates: int) -> None:
+    """ValueError naming both shapes when a state holds another number of candidates than this
+    observer searches (a state of an mse observer with other maxshrink/grid/steps)."""
+    expected = (*state.min_val.shape, candidates)
+    if tuple(state.factors.shape) != (candidates,) or tuple(state.loss.shape) != expected:
+        raise ValueError(
+            f"mse.update: the state's loss has shape {tuple(state.loss.shape)} ({state.factors.shape[-1]} "
+            f"candidates), but this observer searches {candidates} candidates (loss of shape {expected}); "
+            "the state comes from an mse observer with other maxshrink/grid/steps"
+        )
+
+
 def _accumulate(spec, factors, norm, expand, reference, observe):
     def init_fn(x: torch.Tensor) -> MSEState:
         shape = qparam_shape(x.shape, spec.granularity)
@@ -349,6 +361,7 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
 
     def update_fn(state: MSEState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MSEState:
         check_state(state, MSEState, "mse.update")
+        _check_candidates(state, len(factors))
         if x.numel() == 0:
             return state
         view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
