@@ -741,3 +741,13 @@ def test_default_format_is_the_one_compressed_tensors_infers():
         assert default_format(w_args, i_args) == theirs, (w_name, i_name)
         checked.add(theirs)
     assert checked >= {"int-quantized", "pack-quantized", "naive-quantized", "float-quantized", "nvfp4-pack-quantized"}
+
+
+@pytest.mark.parametrize(
+    "granularity", [qstats.PerRow(dim=0), qstats.PerBlock((2, 4, 4))], ids=["PerRow(dim=0)", "PerBlock(2,4,4)"]
+)
+def test_granularities_compressed_tensors_cannot_express_are_refused(granularity):
+    """PerRow along another dimension was written as 'channel', an N-D block as a 2-D block_structure."""
+    spec = qstats.QuantSpec(granularity=granularity)
+    with pytest.raises(ValueError, match="compressed-tensors"):
+        qstats.export.quantization_args(spec, "weight")

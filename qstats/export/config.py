@@ -99,12 +99,16 @@ def _strategy(granularity, site: str, where: str) -> dict:
         return {"strategy": "tensor"}
     if isinstance(granularity, PerTensor):
         return {"strategy": "tensor"}
+    if isinstance(granularity, PerRow) and granularity.dim != -1:
+        fail(where, f"granularity {granularity!r}: compressed-tensors reduces along the last dimension only (dim=-1)")
     if site == "weight":
         if isinstance(granularity, PerRow) or (isinstance(granularity, PerAxis) and granularity.axis in (0, -2)):
             return {"strategy": "channel"}
         if isinstance(granularity, PerGroup):
             return {"strategy": "group", "group_size": granularity.group_size}
         if isinstance(granularity, PerBlock):
+            if len(granularity.block_shape) != 2:
+                fail(where, f"granularity {granularity!r}: compressed-tensors' block strategy takes 2-D blocks")
             return {"strategy": "block", "block_structure": list(granularity.block_shape)}
         fail(where, f"granularity {granularity!r} of a weight has no compressed-tensors strategy")
     if isinstance(granularity, (PerToken, PerRow)):
