@@ -9,9 +9,10 @@ so no range is needed up front. The resolved magnitudes are
 octaves); smaller magnitudes (zeros included) fall into one *underflow* bucket per sign, larger
 ones into one *overflow* bucket that ends at the exact extreme. Counts are int64, so merging two
 histograms is adding integers: bit-identical for every split of the data, every merge order,
-across ranks and under ``vmap``. The update is a shift of the float's int32 view, a lookup of
-each bit prefix's bucket and one ``index_add`` over a flattened (parameter, bucket) index: plain
-tensor ops with fixed shapes, the same under ``vmap`` and ``torch.compile``.
+across ranks and under ``vmap``. The update shifts the float's int32 view, counts the bit
+prefixes of every parameter with one ``bincount`` (a ``torch.library`` op with shape and vmap
+rules, as ``bincount`` has neither) and sums them into buckets through a lookup table: fixed
+shapes, the same under ``vmap`` and ``torch.compile``.
 
 State: ``counts`` of shape ``(*qparam_shape, 2, octaves, bins)`` (sign 0: negative, sign 1:
 positive), ``underflow`` and ``overflow`` of shape ``(*qparam_shape, 2)``, the exact float32
@@ -74,21 +75,64 @@ class HistogramState(NamedTuple):
 
 
 def _bucket_table(mantissa_bits: int, low: int, high: int, device) -> torch.Tensor:
-    """The slot of every float32 bit prefix, int32 ``(2**(9 + m),)``.
+    """The slot of every float32 bit prefix and of a masked-out value, int32 ``(2**(9 + m) + 1,)``.
 
     The prefix of a value is ``(bits >> (23 - m)) + 2**(8 + m)`` of its int32 view: negative
     values below ``2**(8 + m)``, positive ones above, each as ``exponent * 2**m + top mantissa
-    bits`` of the magnitude. With ``K = (high - low) * 2**m + 2`` buckets per sign (underflow, the
-    octaves' buckets, overflow), a finite value's slot is ``sign * K + bucket``; NaN and Inf go to
-    slot ``2K``."""
+    bits`` of the magnitude; a masked-out value has prefix ``2**(9 + m)``. With
+    ``K = (high - low) * 2**m + 2`` buckets per sign (underflow, the octaves' buckets, overflow),
+    a finite value's slot is ``sign * K + bucket``; NaN and Inf go to slot ``2K``, masked-out
+    values to slot ``2K + 1``."""
     m = mantissa_bits
     num_buckets = (high - low) * (1 << m) + 2
     half = 1 << (8 + m)
-    prefix = torch.arange(2 * half, dtype=torch.int32, device=device)
+    prefix = torch.arange(2 * half + 1, dtype=torch.int32, device=device)
     positive = (prefix >= half).to(torch.int32)
     magnitude = prefix - half * positive
     bucket = (magnitude - (((low + 127) << m) - 1)).clamp(0, num_buckets - 1)
-    return torch.where(magnitude >= (255 << m), 2 * num_buckets, bucket + num_buckets * positive)
+    slot = torch.where(magnitude >= (255 << m), 2 * num_buckets, bucket + num_buckets * positive)
+    return torch.where(prefix == 2 * half, 2 * num_buckets + 1, slot)
+
+
+@torch.library.custom_op("qstats::bucket_counts", mutates_args=())
+def _count_keys(
+    bits: torch.Tensor, mask: Optional[torch.Tensor], shift: int, offset: int, size: int
+) -> torch.Tensor:
+    """Per parameter of an integer view ``(observations, *params, group)``, how many keys
+    ``(bits >> shift) + offset`` (each in ``[0, size)``; ``size - 1`` where ``mask`` is False)
+    equal each of ``0 .. size - 1``: int64 ``(*params, size)``.
+
+    One ``bincount`` over the keys offset by ``size`` per parameter; an op of its own because
+    ``bincount`` has no vmap rule and a value-dependent output shape (the fake rule fixes it)."""
+    params = bits.shape[1:-1]
+    total = math.prod(params) * size
+    dtype = torch.int32 if total < 1 << 31 else torch.int64
+    keys = bits.to(dtype) >> shift  # this op's own tensor: the writes below touch nothing else
+    if mask is not None:
+        keys.masked_fill_(mask.logical_not(), size - 1 - offset)
+    keys += torch.arange(offset, total + offset, size, dtype=dtype, device=bits.device).reshape(1, *params, 1)
+    return torch.bincount(keys.reshape(-1), minlength=total).reshape(*params, size)
+
+
+@_count_keys.register_fake
+def _(bits, mask, shift, offset, size):
+    return bits.new_empty((*bits.shape[1:-1], size), dtype=torch.int64)
+
+
+def _count_keys_vmap(info, in_dims, bits, mask, shift, offset, size):
+    """Every slice in one call: the vmapped dimension moves inside the parameter dims (dim 1)."""
+    bits_dim, mask_dim = in_dims[0], in_dims[1]
+    if bits_dim is None:  # only the mask is batched: every slice sees the same values
+        bits = bits.unsqueeze(1).expand(bits.shape[0], info.batch_size, *bits.shape[1:])
+    else:
+        bits = bits.movedim(bits_dim, 1)
+    if mask is not None:
+        mask = mask.unsqueeze(1) if mask_dim is None else mask.movedim(mask_dim, 1)
+        mask = mask.expand(bits.shape)
+    return _count_keys(bits, mask, shift, offset, size), 0
+
+
+_count_keys.register_vmap(_count_keys_vmap)
 
 
 def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):
@@ -99,23 +143,28 @@ def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):
     last) for ``exponent_range = (low, high)``; the observer with ``octaves=O`` uses
     ``(-(O // 2), O - O // 2)``. ``mask`` (bool, broadcastable) False leaves a value out.
     Values of any float dtype are bucketed as float32.
+
+    With fewer (parameter, bit prefix) pairs than values, the bit prefixes are counted and their
+    counts summed into buckets; otherwise each value's bucket is looked up, then counted.
     """
     m = int(bins).bit_length() - 1
     low, high = int(exponent_range[0]), int(exponent_range[1])
     num_buckets = (high - low) * (1 << m) + 2
     slots = 2 * num_buckets + 2  # per parameter: negative buckets, positive buckets, NaN/Inf, masked out
+    half = 1 << (8 + m)
+    prefixes = 2 * half + 1  # per parameter: every bit prefix, masked out
     params = view.shape[1:-1]
-    bits = bitcast(view.detach().to(torch.float32), torch.int32)
-    prefix = (bits >> (23 - m)) + (1 << (8 + m))
-    slot = _bucket_table(m, low, high, view.device).index_select(0, prefix.reshape(-1)).reshape(prefix.shape)
-    if mask is not None:
-        slot = torch.where(mask.to(torch.bool), slot, slots - 1)
     num_params = math.prod(params)
-    if num_params > 1:  # each parameter's slots after the previous one's (int64 past int32's range)
-        index_dtype = torch.int32 if num_params * slots < 1 << 31 else torch.int64
-        slot = slot + slots * torch.arange(num_params, dtype=index_dtype, device=view.device).reshape(1, *params, 1)
-    ones = torch.ones((), dtype=torch.int64, device=view.device).expand(slot.numel())
-    counts = torch.zeros(num_params * slots, dtype=torch.int64, device=view.device).index_add(0, slot.reshape(-1), ones)
+    bits = bitcast(view.detach().to(torch.float32), torch.int32)
+    if mask is not None:
+        mask = mask.to(torch.bool).expand(view.shape)
+    table = _bucket_table(m, low, high, view.device)
+    if num_params * prefixes <= view.numel():
+        by_prefix = _count_keys(bits, mask, 23 - m, half, prefixes).reshape(num_params, prefixes)
+        counts = by_prefix.new_zeros(num_params, slots).index_add(1, table.to(torch.int64), by_prefix)
+    else:
+        slot = table.index_select(0, ((bits >> (23 - m)) + half).reshape(-1)).reshape(bits.shape)
+        counts = _count_keys(slot, mask, 0, 0, slots)
     counts = counts.reshape(*params, slots)
     return counts[..., : 2 * num_buckets].unflatten(-1, (2, num_buckets)), counts[..., 2 * num_buckets]
 
