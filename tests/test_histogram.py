@@ -83,6 +83,33 @@ def test_bucket_counts_of_many_parameters_equal_each_parameter_alone():
         assert torch.equal(counts[row], single[0]) and torch.equal(nonfinite[row], single_nonfinite[0])
 
 
+@pytest.mark.parametrize("rows, bins", [(1, 128), (3, 128), (5, 16)])
+def test_bucket_counts_of_bit_prefixes_equal_numpy_eager_vmapped_and_compiled(rows, bins):
+    # views with more values than (parameter, bit prefix) pairs count the prefixes, then sum them
+    # into buckets: numpy's bucketing per row, masked, with NaN/Inf; vmap (the mask alone
+    # batched) and torch.compile give the eager counts
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, 70000, generator=g) * 10.0 ** torch.randint(-7, 7, (rows, 70000), generator=g)
+    x[:, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 2.0**30, -(2.0**-30)])
+    masks = torch.rand(2, rows, 70000, generator=g) < 0.7
+    view = x.unsqueeze(0)
+    assert rows * (2 ** (9 + int(math.log2(bins))) + 1) <= view.numel()  # the bit-prefix path
+    counts, nonfinite = H.bucket_counts(view, masks[0].unsqueeze(0), bins, (-8, 8))
+    for row in range(rows):
+        kept = x[row][masks[0, row]]
+        expected, under, over = _counts_numpy(kept, bins, 16)
+        assert torch.equal(counts[row, :, 1:-1].reshape(2, 16, bins), torch.from_numpy(expected))
+        assert torch.equal(counts[row, :, 0], torch.from_numpy(under))
+        assert torch.equal(counts[row, :, -1], torch.from_numpy(over))
+        assert int(nonfinite[row]) == int((~torch.isfinite(kept)).sum())
+    batched = torch.vmap(lambda mask: H.bucket_counts(view, mask.unsqueeze(0), bins, (-8, 8)))(masks)
+    compiled = torch.compile(lambda v, mask: H.bucket_counts(v, mask, bins, (-8, 8)), fullgraph=True)
+    for i in range(2):
+        eager = H.bucket_counts(view, masks[i].unsqueeze(0), bins, (-8, 8))
+        assert all(torch.equal(a[i], b) for a, b in zip(batched, eager))
+        assert all(torch.equal(a, b) for a, b in zip(compiled(view, masks[i].unsqueeze(0)), eager))
+
+
 def test_bucket_counts_and_extremes_equal_numpy():
     # per-tensor and per-channel bucketing, masked and unmasked, against numpy's bucketing; the
     # extremes with and without non-finite values
