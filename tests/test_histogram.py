@@ -662,3 +662,24 @@ def test_search_options_out_of_range_raise_naming_them(method, options, name):
     state = obs.update(obs.init(x), x)
     with pytest.raises(ValueError, match=name):
         qstats.compute_qparams(state, spec, method=method, **options)
+
+
+def test_a_state_of_other_settings_is_refused_naming_both_shapes():
+    """A state of a histogram observer with other bins/octaves broke update with a broadcasting error."""
+    spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
+    x = torch.randn(4, 8)
+    for other in (qstats.histogram(spec, bins=64), qstats.histogram(spec, octaves=32)):
+        state = other.update(other.init(x), x)
+        with pytest.raises(ValueError, match=r"counts have shape .* keeps counts of shape \(4, 2, 48, 128\)"):
+            qstats.histogram(spec).update(state, x)
+
+
+def test_a_per_channel_histogram_past_the_memory_bound_is_refused_saying_how_much():
+    """A per-channel histogram of a 4096-row weight took 0.38 GiB without a word."""
+    spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
+    weight = torch.empty(4096, 16, device="meta")
+    with pytest.raises(ValueError, match=r"4096 histograms .* would take 0\.38 GiB"):
+        qstats.histogram(spec).init(weight)
+    small = qstats.histogram(spec, bins=8, octaves=32).init(weight)  # 16 MiB: within the bound
+    assert small.counts.shape == (4096, 2, 32, 8)
+    assert qstats.histogram(spec, max_state_bytes=1 << 30).init(weight).counts.shape == (4096, 2, 48, 128)

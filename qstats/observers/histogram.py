@@ -184,7 +184,29 @@ def _check_config(spec, bins, octaves):
     return low, low + octaves
 
 
-def histogram(spec: QuantSpec, bins: int = 128, octaves: int = 48) -> Observer:
+def _check_counts(state: HistogramState, bins: int, octaves: int) -> None:
+    """ValueError naming both shapes for a state of a histogram observer with other settings."""
+    expected = (*state.min_val.shape, 2, octaves, bins)
+    if tuple(state.counts.shape) != expected:
+        raise ValueError(
+            f"histogram.update: the state's counts have shape {tuple(state.counts.shape)}, but this observer "
+            f"(bins={bins}, octaves={octaves}) keeps counts of shape {expected}; the state comes from a histogram "
+            "observer with other bins/octaves"
+        )
+
+
+def _check_state_size(shape: tuple, bins: int, octaves: int, max_state_bytes: int) -> None:
+    """ValueError saying how much memory the counts of ``shape``'s histograms would take, past the bound."""
+    size = math.prod(shape) * 2 * octaves * bins * 8
+    if size > max_state_bytes:
+        raise ValueError(
+            f"histogram: {math.prod(shape)} histograms of 2 x {octaves} octaves x {bins} bins would take "
+            f"{size / 2**30:.2f} GiB (max_state_bytes={max_state_bytes}); use fewer bins (buckets per power of "
+            "two, not torch.ao's total bins) or octaves, a coarser granularity, or raise max_state_bytes"
+        )
+
+
+def histogram(spec: QuantSpec, bins: int = 128, octaves: int = 48, max_state_bytes: int = 1 << 28) -> Observer:
     """Running histogram with an exact merge (integer counts over float-exponent buckets).
 
     Args:
@@ -195,6 +217,8 @@ def histogram(spec: QuantSpec, bins: int = 128, octaves: int = 48) -> Observer:
       octaves: powers of two resolved, centred on 1: magnitudes in
         ``[2**-(octaves // 2), 2**(octaves - octaves // 2))``; smaller ones (and zeros) share an
         underflow bucket, larger ones an overflow bucket that ends at the exact extreme.
+      max_state_bytes: the largest state ``init`` builds (default 256 MiB); a larger one (a
+        per-channel histogram of a wide weight) is refused with the memory it would take.
 
     Laws: identity, associativity, commutativity and homomorphism hold bit for bit (exact), under
     ``vmap`` too. ``update`` is a few tensor ops (no host sync, fixed shapes) and compiles
@@ -214,6 +238,7 @@ def histogram(spec: QuantSpec, bins: int = 128, octaves: int = 48) -> Observer:
 
     def init_fn(x: torch.Tensor) -> HistogramState:
         shape = qparam_shape(x.shape, spec.granularity)
+        _check_state_size(shape, bins, octaves, max_state_bytes)
         device = x.device
         zeros = torch.zeros((*shape, 2), dtype=torch.int64, device=device)
         return HistogramState(
@@ -227,6 +252,7 @@ def histogram(spec: QuantSpec, bins: int = 128, octaves: int = 48) -> Observer:
 
     def update_fn(state: HistogramState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> HistogramState:
         check_state(state, HistogramState, "histogram.update")
+        _check_counts(state, bins, octaves)
         if x.numel() == 0:
             return state
         view = checked_view(x, spec.granularity, state.min_val.shape, "histogram.update")
