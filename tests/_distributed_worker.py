@@ -88,7 +88,7 @@ def histogram_kwargs():
 
     parameters = inspect.signature(_histogram_factory()).parameters
     if "octaves" in parameters:
-        return {"bins": 16, "octaves": 16}
+        return {"buckets_per_octave": 16, "octaves": 16}
     return {"bins": 16, "exponent_range": (-8, 8)}
 
 

@@ -51,7 +51,7 @@ def _histogram_kwargs():
     import inspect
 
     if "octaves" in inspect.signature(qstats.histogram).parameters:
-        return {"bins": 16, "octaves": 16}, {}
+        return {"buckets_per_octave": 16, "octaves": 16}, {}
     config = {"bins": 16, "exponent_range": (-8, 8)}
     return config, config
 

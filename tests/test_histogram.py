@@ -60,7 +60,7 @@ def test_counts_match_an_independent_bucketing(bins, octaves):
     g = torch.Generator().manual_seed(1)
     x = torch.cat([torch.randn(3000, generator=g) * 10.0 ** torch.randint(-5, 5, (3000,), generator=g),
                    torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0 ** 40, -(2.0 ** -40), float("nan"), float("inf")])])
-    obs = qstats.histogram(qstats.QuantSpec(), bins=bins, octaves=octaves)
+    obs = qstats.histogram(qstats.QuantSpec(), buckets_per_octave=bins, octaves=octaves)
     state = obs.update(obs.init(x), x)
     counts, under, over = _counts_numpy(x, bins, octaves)
     assert torch.equal(state.counts, torch.from_numpy(counts))
@@ -117,7 +117,7 @@ def test_bucket_counts_and_extremes_equal_numpy():
     x = torch.randn(4000, 3, generator=g) * 10.0 ** torch.randint(-4, 4, (4000, 3), generator=g)
     mask = torch.rand(4000, generator=g) < 0.7
     for granularity, bins in ((qstats.PerTensor(), 128), (qstats.PerAxis(1), 64)):
-        obs = qstats.histogram(qstats.QuantSpec(granularity=granularity), bins=bins, octaves=16)
+        obs = qstats.histogram(qstats.QuantSpec(granularity=granularity), buckets_per_octave=bins, octaves=16)
         state = obs.update(obs.init(x), x, weight=mask)
         kept = x[mask]
         columns = [kept.reshape(-1)] if bins == 128 else list(kept.unbind(1))
@@ -129,7 +129,7 @@ def test_bucket_counts_and_extremes_equal_numpy():
             assert torch.equal(state.overflow[index], torch.from_numpy(over))
     for extra in (torch.tensor([]), torch.tensor([float("nan"), float("inf"), -float("inf")])):
         values = torch.cat([x.reshape(-1), extra])
-        obs = qstats.histogram(qstats.QuantSpec(), bins=128, octaves=16)
+        obs = qstats.histogram(qstats.QuantSpec(), buckets_per_octave=128, octaves=16)
         state = obs.update(obs.init(values), values)
         counts, under, over = _counts_numpy(values, 128, 16)
         assert torch.equal(state.counts, torch.from_numpy(counts))
@@ -154,7 +154,7 @@ def test_merge_is_bit_exact_for_every_split_and_order(granularity):
     rng = random.Random(0)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(96, 4, 4, generator=g) * 3
-    obs = qstats.histogram(qstats.QuantSpec(granularity=granularity), bins=32, octaves=24)
+    obs = qstats.histogram(qstats.QuantSpec(granularity=granularity), buckets_per_octave=32, octaves=24)
     whole = obs.update(obs.init(x), x)
     for _ in range(5):
         cuts = sorted(rng.sample(range(1, 96), rng.randrange(1, 6)))
@@ -169,7 +169,7 @@ def test_merge_is_bit_exact_for_every_split_and_order(granularity):
 def test_vmap_update_is_bit_exact():
     g = torch.Generator().manual_seed(4)
     xs = torch.randn(5, 32, 8, generator=g)
-    obs = qstats.histogram(qstats.QuantSpec(granularity=qstats.PerAxis(-1)), bins=16, octaves=20)
+    obs = qstats.histogram(qstats.QuantSpec(granularity=qstats.PerAxis(-1)), buckets_per_octave=16, octaves=20)
     init = obs.init(xs[0])
     stacked = torch.func.vmap(lambda x: obs.update(init, x))(xs)
     for i in range(5):
@@ -181,8 +181,8 @@ def test_vmap_update_is_bit_exact():
 def test_per_channel_equals_per_tensor_per_channel():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 50, generator=g) * torch.tensor([[0.01], [1.0], [30.0], [500.0]])
-    per_channel = qstats.histogram(qstats.QuantSpec(granularity=qstats.PerAxis(0)), bins=16, octaves=32)
-    per_tensor = qstats.histogram(qstats.QuantSpec(), bins=16, octaves=32)
+    per_channel = qstats.histogram(qstats.QuantSpec(granularity=qstats.PerAxis(0)), buckets_per_octave=16, octaves=32)
+    per_tensor = qstats.histogram(qstats.QuantSpec(), buckets_per_octave=16, octaves=32)
     state = per_channel.update(per_channel.init(x), x)
     for row in range(4):
         single = per_tensor.update(per_tensor.init(x[row]), x[row])
@@ -194,7 +194,7 @@ def test_weight_mask_excludes_values():
     g = torch.Generator().manual_seed(6)
     x = torch.randn(10, 8, generator=g)
     weight = torch.tensor([1, 0, 1, 1, 0, 0, 1, 1, 1, 0])
-    obs = qstats.histogram(qstats.QuantSpec(), bins=16, octaves=20)
+    obs = qstats.histogram(qstats.QuantSpec(), buckets_per_octave=16, octaves=20)
     masked = obs.update(obs.init(x), x, weight)
     subset = obs.update(obs.init(x), x[weight != 0])
     for field, left, right in zip(masked._fields, masked, subset):
@@ -202,11 +202,11 @@ def test_weight_mask_excludes_values():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="bins"):
-        qstats.histogram(qstats.QuantSpec(), bins=100)
+    with pytest.raises(ValueError, match="buckets_per_octave"):
+        qstats.histogram(qstats.QuantSpec(), buckets_per_octave=100)
     with pytest.raises(ValueError, match="octaves"):
         qstats.histogram(qstats.QuantSpec(), octaves=0)
-    obs = qstats.histogram(qstats.QuantSpec(granularity=qstats.PerAxis(0)), bins=4, octaves=8)
+    obs = qstats.histogram(qstats.QuantSpec(granularity=qstats.PerAxis(0)), buckets_per_octave=4, octaves=8)
     state = obs.init(torch.zeros(3, 4))
     with pytest.raises(ValueError, match=r"\(5,\)"):
         obs.update(state, torch.zeros(5, 4))
@@ -231,7 +231,7 @@ def test_methods_are_searches_looked_up_by_name(monkeypatch):
 
     registry.register_search("shrunk", shrunk)
     spec = qstats.QuantSpec(dtype="int8")
-    obs = qstats.histogram(spec, bins=16, octaves=20)
+    obs = qstats.histogram(spec, buckets_per_octave=16, octaves=20)
     x = torch.randn(300, generator=torch.Generator().manual_seed(7))
     state = obs.update(obs.init(x), x)
     got = qstats.compute_qparams(state, spec, method="shrunk", factor=0.25)
@@ -367,7 +367,7 @@ def test_l2_windows_match_an_independent_bucketing(mapping):
     x = torch.cat([torch.randn(5000, generator=g) * 3.0, -torch.rand(500, generator=g) * 0.01])
     bins, octaves, window = 16, 20, 6
     spec = qstats.QuantSpec(dtype="int8" if mapping == "symmetric" else "uint8", mapping=mapping)
-    obs = qstats.histogram(spec, bins=bins, octaves=octaves)
+    obs = qstats.histogram(spec, buckets_per_octave=bins, octaves=octaves)
     state = obs.update(obs.init(x), x)
     win = sign_windows(state, spec, window)
     counts, _, _ = _counts_numpy(x, bins, octaves)
@@ -494,10 +494,10 @@ def test_searches_are_vectorised_over_channels_and_vmappable():
     x = torch.randn(3, 2000, generator=g) * torch.tensor([[0.5], [2.0], [8.0]])
     x[1, 0] = 40.0  # an outlier in one channel
     spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
-    obs = qstats.histogram(spec, bins=32, octaves=24)
+    obs = qstats.histogram(spec, buckets_per_octave=32, octaves=24)
     state = obs.update(obs.init(x), x)
     single_spec = qstats.QuantSpec(dtype="int8")
-    single = qstats.histogram(single_spec, bins=32, octaves=24)
+    single = qstats.histogram(single_spec, buckets_per_octave=32, octaves=24)
     for method in ("l2", "mse", "entropy", "percentile"):
         qp = qstats.compute_qparams(state, spec, method=method)
         for row in range(3):
@@ -523,7 +523,7 @@ def test_searches_return_ordinary_tensors():
 
 
 def test_update_compiles_without_graph_breaks():
-    obs = qstats.histogram(qstats.QuantSpec(granularity=qstats.PerAxis(0)), bins=8, octaves=12)
+    obs = qstats.histogram(qstats.QuantSpec(granularity=qstats.PerAxis(0)), buckets_per_octave=8, octaves=12)
     g = torch.Generator().manual_seed(11)
     qstats.testing.check_compile(obs, [torch.randn(4, 8, generator=g) for _ in range(2)])
 
@@ -668,7 +668,7 @@ def test_a_state_of_other_settings_is_refused_naming_both_shapes():
     """A state of a histogram observer with other bins/octaves broke update with a broadcasting error."""
     spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
     x = torch.randn(4, 8)
-    for other in (qstats.histogram(spec, bins=64), qstats.histogram(spec, octaves=32)):
+    for other in (qstats.histogram(spec, buckets_per_octave=64), qstats.histogram(spec, octaves=32)):
         state = other.update(other.init(x), x)
         with pytest.raises(ValueError, match=r"counts have shape .* keeps counts of shape \(4, 2, 48, 128\)"):
             qstats.histogram(spec).update(state, x)
@@ -680,6 +680,19 @@ def test_a_per_channel_histogram_past_the_memory_bound_is_refused_saying_how_muc
     weight = torch.empty(4096, 16, device="meta")
     with pytest.raises(ValueError, match=r"4096 histograms .* would take 0\.38 GiB"):
         qstats.histogram(spec).init(weight)
-    small = qstats.histogram(spec, bins=8, octaves=32).init(weight)  # 16 MiB: within the bound
+    small = qstats.histogram(spec, buckets_per_octave=8, octaves=32).init(weight)  # 16 MiB: within the bound
     assert small.counts.shape == (4096, 2, 32, 8)
     assert qstats.histogram(spec, max_state_bytes=1 << 30).init(weight).counts.shape == (4096, 2, 48, 128)
+
+
+def test_bins_is_the_former_name_of_buckets_per_octave():
+    """`bins` read like torch.ao's total number of bins (a user's bins=2048 made a 1.5 MB state)."""
+    spec = qstats.QuantSpec()
+    x = torch.randn(64)
+    with pytest.warns(FutureWarning, match="buckets_per_octave"):
+        old = qstats.histogram(spec, bins=16, octaves=20)
+    new = qstats.histogram(spec, buckets_per_octave=16, octaves=20)
+    assert torch.equal(old.update(old.init(x), x).counts, new.update(new.init(x), x).counts)
+    assert new.init(x).counts.shape == (2, 20, 16)
+    with pytest.raises(TypeError, match="not both"):
+        qstats.histogram(spec, buckets_per_octave=16, bins=16)

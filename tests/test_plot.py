@@ -12,7 +12,7 @@ def test_histogram_plot_writes_a_png(tmp_path):
     g = torch.Generator().manual_seed(0)
     x = torch.distributions.StudentT(3.0).sample((20000,))
     spec = qstats.QuantSpec(dtype="int8")
-    obs = qstats.histogram(spec, bins=32, octaves=32)
+    obs = qstats.histogram(spec, buckets_per_octave=32, octaves=32)
     state = obs.update(obs.init(x), x)
     qparams = {method: qstats.compute_qparams(state, spec, method=method) for method in ("minmax", "l2", "percentile")}
     path = tmp_path / "hist.png"
@@ -30,7 +30,7 @@ def test_histogram_plot_writes_a_png(tmp_path):
 
 def test_histogram_plot_per_channel_needs_an_index(tmp_path):
     spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
-    obs = qstats.histogram(spec, bins=8, octaves=16)
+    obs = qstats.histogram(spec, buckets_per_octave=8, octaves=16)
     x = torch.randn(2, 500)
     state = obs.update(obs.init(x), x)
     qp = qstats.compute_qparams(state, spec)
@@ -46,7 +46,7 @@ def test_histogram_plot_draws_the_two_level_clipping_range():
     torch.manual_seed(0)
     spec = qstats.QuantSpec(dtype="fp4_e2m1", granularity=qstats.TensorGroup(16))
     x = torch.randn(4, 32) * 3
-    obs = qstats.histogram(spec, bins=16, octaves=16)
+    obs = qstats.histogram(spec, buckets_per_octave=16, octaves=16)
     state = obs.update(obs.init(x), x)
     qparams = qstats.compute_qparams(state, spec)
     figure = qstats.plot.histogram(state, qparams, spec, index=(1, 0))

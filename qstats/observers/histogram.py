@@ -30,6 +30,7 @@ Range searches, ``qstats.compute_qparams(state, spec, method=...)``: ``"l2"`` (d
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -177,11 +178,28 @@ def _check_config(spec, bins, octaves):
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"histogram: expected a QuantSpec, got {type(spec).__name__}")
     if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1 or bins & (bins - 1) or bins > 1 << 12:
-        raise ValueError(f"histogram: bins (buckets per power of two) must be a power of two in [1, 4096], got {bins!r}")
+        raise ValueError(
+            f"histogram: buckets_per_octave (buckets per power of two) must be a power of two in [1, 4096], got {bins!r}"
+        )
     if not isinstance(octaves, int) or isinstance(octaves, bool) or not 1 <= octaves <= 252:
         raise ValueError(f"histogram: octaves must be an int in [1, 252], got {octaves!r}")
     low = -(octaves // 2)
     return low, low + octaves
+
+
+def _buckets_per_octave(buckets_per_octave: int, bins: Optional[int]) -> int:
+    """``buckets_per_octave``, or the value of its former name ``bins`` (with a FutureWarning)."""
+    if bins is None:
+        return buckets_per_octave
+    if buckets_per_octave != 128:
+        raise TypeError("histogram: pass buckets_per_octave or its former name bins, not both")
+    warnings.warn(
+        "histogram(bins=...) is now histogram(buckets_per_octave=...): buckets per power of two, not "
+        "torch.ao HistogramObserver's total number of bins",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return bins
 
 
 def _check_counts(state: HistogramState, bins: int, octaves: int) -> None:
@@ -190,8 +208,8 @@ def _check_counts(state: HistogramState, bins: int, octaves: int) -> None:
     if tuple(state.counts.shape) != expected:
         raise ValueError(
             f"histogram.update: the state's counts have shape {tuple(state.counts.shape)}, but this observer "
-            f"(bins={bins}, octaves={octaves}) keeps counts of shape {expected}; the state comes from a histogram "
-            "observer with other bins/octaves"
+            f"(buckets_per_octave={bins}, octaves={octaves}) keeps counts of shape {expected}; the state comes "
+            "from a histogram observer with other buckets_per_octave/octaves"
         )
 
 
@@ -200,25 +218,36 @@ def _check_state_size(shape: tuple, bins: int, octaves: int, max_state_bytes: in
     size = math.prod(shape) * 2 * octaves * bins * 8
     if size > max_state_bytes:
         raise ValueError(
-            f"histogram: {math.prod(shape)} histograms of 2 x {octaves} octaves x {bins} bins would take "
-            f"{size / 2**30:.2f} GiB (max_state_bytes={max_state_bytes}); use fewer bins (buckets per power of "
-            "two, not torch.ao's total bins) or octaves, a coarser granularity, or raise max_state_bytes"
+            f"histogram: {math.prod(shape)} histograms of 2 x {octaves} octaves x {bins} buckets per octave would "
+            f"take {size / 2**30:.2f} GiB (max_state_bytes={max_state_bytes}); use fewer buckets_per_octave "
+            "(buckets per power of two, not torch.ao's total bins) or octaves, a coarser granularity, or raise "
+            "max_state_bytes"
         )
 
 
-def histogram(spec: QuantSpec, bins: int = 128, octaves: int = 48, max_state_bytes: int = 1 << 28) -> Observer:
+def histogram(
+    spec: QuantSpec,
+    buckets_per_octave: int = 128,
+    octaves: int = 48,
+    max_state_bytes: int = 1 << 28,
+    *,
+    bins: Optional[int] = None,
+) -> Observer:
     """Running histogram with an exact merge (integer counts over float-exponent buckets).
 
     Args:
       spec: the QuantSpec (its granularity decides the histograms: one per quantization
         parameter, any granularity).
-      bins: buckets per power of two (a power of two, at most 4096): relative bucket width
-        ``<= 1 / bins``.
+      buckets_per_octave: buckets per power of two (a power of two, at most 4096): relative
+        bucket width ``<= 1 / buckets_per_octave``. Not torch.ao's ``HistogramObserver(bins=)``,
+        the total number of linear bins: 128 buckets per octave over 48 octaves resolve what
+        2048 linear bins cannot, at any scale.
       octaves: powers of two resolved, centred on 1: magnitudes in
         ``[2**-(octaves // 2), 2**(octaves - octaves // 2))``; smaller ones (and zeros) share an
         underflow bucket, larger ones an overflow bucket that ends at the exact extreme.
       max_state_bytes: the largest state ``init`` builds (default 256 MiB); a larger one (a
         per-channel histogram of a wide weight) is refused with the memory it would take.
+      bins: the former name of ``buckets_per_octave`` (FutureWarning).
 
     Laws: identity, associativity, commutativity and homomorphism hold bit for bit (exact), under
     ``vmap`` too. ``update`` is a few tensor ops (no host sync, fixed shapes) and compiles
@@ -234,6 +263,7 @@ def histogram(spec: QuantSpec, bins: int = 128, octaves: int = 48, max_state_byt
     1000
     >>> qp = qstats.compute_qparams(state, spec, method="l2")
     """
+    bins = _buckets_per_octave(buckets_per_octave, bins)
     low, high = _check_config(spec, bins, octaves)
 
     def init_fn(x: torch.Tensor) -> HistogramState:
