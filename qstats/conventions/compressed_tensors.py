@@ -331,6 +331,7 @@ class CompressedTensorsConvention(Convention):
     compressed-tensors' own (no range check)."""
 
     name = "compressed_tensors"
+    ranges_map_like_torch_ao = True
     computes_in_observed_dtype = True
 
     def validate(self, spec) -> None:

@@ -41,11 +41,15 @@ class Convention:
         (compressed-tensors).
       maps_ranges_without_zero: True when `qparams` honours ``QuantSpec.preserve_zero=False``
         (torchao).
+      ranges_map_like_torch_ao: True when integer ranges with float32 scales map by torch.ao's
+        formulas up to float rounding (torch.ao, compressed-tensors): range searches may then rank
+        candidates with those formulas in float64 before the chosen range takes the exact ones.
     """
 
     name: str = "default"
     computes_in_observed_dtype: bool = False
     maps_ranges_without_zero: bool = False
+    ranges_map_like_torch_ao: bool = False
 
     def __eq__(self, other) -> bool:
         if isinstance(other, str):

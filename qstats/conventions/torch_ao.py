@@ -188,6 +188,7 @@ class TorchAOConvention(Convention):
     outside the range."""
 
     name = "torch_ao"
+    ranges_map_like_torch_ao = True
 
     def validate(self, spec) -> None:
         check_float_mapping(spec)

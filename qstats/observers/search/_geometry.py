@@ -207,7 +207,7 @@ def grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False, qrange=None):
     spec's own arithmetic. ``straddles_zero``: the caller knows ``lo <= 0 <= hi``; ``qrange``:
     ``spec.qrange`` if the caller has it."""
     qrange = spec.qrange if qrange is None else qrange
-    if not spec.is_float and spec.scale_dtype == "float32" and spec.convention in ("torch_ao", "compressed_tensors"):
+    if not spec.is_float and spec.scale_dtype == "float32" and spec.convention.ranges_map_like_torch_ao:
         return _lean_grid(lo, hi, spec, straddles_zero, qrange)
     calibrated = torch.ones(lo.shape, dtype=torch.bool, device=lo.device)
     qp = qparams_from_minmax(lo.float(), hi.float(), spec, calibrated=calibrated)
