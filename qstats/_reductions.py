@@ -92,16 +92,22 @@ def _(view, mask, raise_on_nonfinite):
     return lo, torch.empty_like(lo), count, torch.empty_like(count)
 
 
-def _vmap_rule(info, in_dims, view, mask, raise_on_nonfinite):
-    """Every slice in one reduction: the vmapped dimension moves inside the parameter dims (dim 1)."""
-    view_dim, mask_dim = in_dims[0], in_dims[1]
+def batch_inside(batch_size: int, view, view_dim, mask, mask_dim):
+    """The vmap rule of an op over a canonical view ``(observations, *params, group)`` and its
+    optional mask: the vmapped dimension moves inside the parameter dims (dim 1), so that one
+    call serves every slice (a view that only the mask batches is expanded, not copied)."""
     if view_dim is None:  # only the mask is batched: every slice sees the same values
-        view = view.unsqueeze(1).expand(view.shape[0], info.batch_size, *view.shape[1:])
+        view = view.unsqueeze(1).expand(view.shape[0], batch_size, *view.shape[1:])
     else:
         view = view.movedim(view_dim, 1)
     if mask is not None:
         mask = mask.unsqueeze(1) if mask_dim is None else mask.movedim(mask_dim, 1)
         mask = mask.expand(view.shape)
+    return view, mask
+
+
+def _vmap_rule(info, in_dims, view, mask, raise_on_nonfinite):
+    view, mask = batch_inside(info.batch_size, view, in_dims[0], mask, in_dims[1])
     return _finite_aminmax_op(view, mask, raise_on_nonfinite), (0, 0, 0, 0)
 
 

@@ -37,7 +37,7 @@ import torch
 
 from .._granularity import checked_view, qparam_shape, weight_view
 from .._qparams import Range, register_range_rule
-from .._reductions import finite_aminmax
+from .._reductions import batch_inside, finite_aminmax
 from .._spec import QuantSpec
 from .._torch_features import bitcast
 from ._base import Observer, check_same_shapes, check_state, register_state
@@ -121,15 +121,8 @@ def _(bits, mask, shift, offset, size):
 
 
 def _count_keys_vmap(info, in_dims, bits, mask, shift, offset, size):
-    """Every slice in one call: the vmapped dimension moves inside the parameter dims (dim 1)."""
-    bits_dim, mask_dim = in_dims[0], in_dims[1]
-    if bits_dim is None:  # only the mask is batched: every slice sees the same values
-        bits = bits.unsqueeze(1).expand(bits.shape[0], info.batch_size, *bits.shape[1:])
-    else:
-        bits = bits.movedim(bits_dim, 1)
-    if mask is not None:
-        mask = mask.unsqueeze(1) if mask_dim is None else mask.movedim(mask_dim, 1)
-        mask = mask.expand(bits.shape)
+    """Every slice in one call, as `finite_aminmax`'s rule does it."""
+    bits, mask = batch_inside(info.batch_size, bits, in_dims[0], mask, in_dims[1])
     return _count_keys(bits, mask, shift, offset, size), 0
 
 
