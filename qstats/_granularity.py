@@ -43,7 +43,6 @@ __all__ = [
     "checked_view",
     "check_observable",
     "from_canonical_view",
-    "stacked_view",
     "qparam_shape",
 ]
 
@@ -261,31 +260,6 @@ def _check_param_shape(shape: tuple, params: tuple, expected_shape, where: str) 
             f"{where}: a tensor of shape {shape} gives quantization parameters of shape {params}, "
             f"but the state has shape {tuple(expected_shape)}"
         )
-
-
-def stacked_view(x: torch.Tensor, granularity: Granularity):
-    """The canonical views of every slice ``x[e]`` of a stack at once, as one tensor of shape
-    ``(observations, E, *qparam_shape, group)``: reducing it over dims ``(0, -1)`` gives every
-    slice's parameters, ``[E, *qparam_shape]``, as ``torch.vmap`` over `canonical_view` would.
-
-    A view of ``x`` where possible (also for a stride-0 stack ``t.expand(E, ...)``). The caller
-    checks the slices' shape first (`checked_view` of ``x[0]``), so that errors name one slice.
-    """
-    num = x.shape[0]
-    item = tuple(x.shape[1:])
-    if isinstance(granularity, PerTensor):
-        return x.reshape(num, math.prod(item)).unsqueeze(0)
-    if isinstance(granularity, PerAxis):
-        axis = _normalize_axis(granularity.axis, len(item), item)
-        if axis == 0:  # one observation: the same view in one op
-            return x.reshape(1, num, item[0], math.prod(item[1:]))
-        return x.reshape(num, math.prod(item[:axis]), item[axis], math.prod(item[axis + 1 :])).movedim(0, 1)
-    if isinstance(granularity, PerRow) and granularity.dim >= 0:  # counted from the slice's front
-        return canonical_view(x, PerRow(granularity.dim + 1))
-    if isinstance(granularity, (PerToken, PerRow, PerGroup, PerBlock)):
-        # these views keep every leading dimension as a parameter dimension: the stack's is one more
-        return canonical_view(x, granularity)
-    raise TypeError(f"unknown granularity {granularity!r}")
 
 
 def from_canonical_view(view: torch.Tensor, granularity: Granularity, shape) -> torch.Tensor:
