@@ -349,6 +349,19 @@ class CompressedTensorsConvention(Convention):
                 "spec.zero_point_domain='none'; use zero_point_domain='int'"
             )
 
+    def moving_average(self, average, batch, constant, spec, observed_dtype):
+        """llm-compressor's ``lerp``: ``average * (1 - constant) + batch * constant``, bit for bit,
+        rounded to a bf16/fp16 observed dtype where ``spec.compute_dtype`` is it (llm-compressor
+        keeps such inputs' extremes in their dtype); saturated at the float32 limit."""
+        rounds = spec.compute_dtype == COMPUTE_DTYPE_NAMES.get(observed_dtype)
+
+        def native(t):
+            return t.to(observed_dtype).float() if rounds else t
+
+        moved = native(native(average * (1.0 - constant)) + native(batch * constant))
+        limit = torch.finfo(torch.float32).max
+        return moved.clamp(-limit, limit)
+
     def qparams(self, min_val, max_val, spec):
         """``calculate_qparams`` on (float32) extremes, computed in ``spec.compute_dtype``: the dtype
         of the observed weight, which llm-compressor's observers keep (bfloat16 weights give bfloat16

@@ -80,6 +80,17 @@ class Convention:
         would read this convention's qparams otherwise."""
 
     # ----------------------------------------------------------------------------------------
+    # moving averages
+    def moving_average(self, average: torch.Tensor, batch: torch.Tensor, constant: float, spec,
+                       observed_dtype: torch.dtype) -> torch.Tensor:
+        """One step of a moving average of float32 extremes towards a batch's: torch.ao's
+        ``average + constant * (batch - average)`` bit for bit, except where ``batch - average``
+        overflows (finite extremes of opposite signs near the float32 limit): there
+        ``(1 - constant) * average + constant * batch``, which stays finite."""
+        moved = average + constant * (batch - average)
+        return torch.where(moved.isfinite(), moved, (1.0 - constant) * average + constant * batch)
+
+    # ----------------------------------------------------------------------------------------
     # range -> qparams
     def qparams(self, min_val: torch.Tensor, max_val: torch.Tensor, spec):
         """``(scale, zero_point)`` of float32 ranges (calibrated, finite, within half the float32

@@ -142,21 +142,22 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
                     exact=True, spec=spec, name="memoryless_minmax")
 
 
-def _moved(average: torch.Tensor, batch: torch.Tensor, constant: float) -> torch.Tensor:
-    """``average + constant * (batch - average)``, torch.ao's arithmetic bit for bit, except
-    where ``batch - average`` overflows (finite extremes of opposite signs near the float32
-    limit): there ``(1 - constant) * average + constant * batch``, which stays finite."""
-    moved = average + constant * (batch - average)
-    return torch.where(moved.isfinite(), moved, (1.0 - constant) * average + constant * batch)
+def _moved(average: torch.Tensor, batch: torch.Tensor, constant: float, spec: QuantSpec,
+           observed_dtype: torch.dtype) -> torch.Tensor:
+    """One moving-average step, in the arithmetic of the spec's convention
+    (`Convention.moving_average`: torch.ao's ``average + c * (batch - average)``, or
+    llm-compressor's ``average * (1 - c) + batch * c`` for compressed-tensors specs)."""
+    return spec.convention.moving_average(average, batch, constant, spec, observed_dtype)
 
 
 def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> Observer:
     """Moving average of per-batch extremes (torch.ao MovingAverageMinMaxObserver and
-    MovingAveragePerChannelMinMaxObserver).
+    MovingAveragePerChannelMinMaxObserver; llm-compressor ``minmax``).
 
-    The first batch that reaches a parameter initialises it; later ones move it by
-    ``min + c * (batch_min - min)`` (torch.ao's arithmetic, bit for bit). A parameter that a batch
-    does not reach (masked out) keeps its value.
+    The first batch that reaches a parameter initialises it; later ones move it in the arithmetic
+    of ``spec.convention`` (`Convention.moving_average`), bit for bit: torch.ao's
+    ``min + c * (batch_min - min)``, or llm-compressor's ``min * (1 - c) + batch_min * c`` for
+    compressed-tensors specs. A parameter that a batch does not reach (masked out) keeps its value.
 
     ``merge`` is the batch-count-weighted mean of the two averages: commutative, with ``init`` as
     identity, associative up to float rounding. The result depends on batch order, so
@@ -173,8 +174,8 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
             return state
         lo, hi, count, nonfinite = observe_extremes(x, weight, spec, state.min_val.shape, "moving_average_minmax.update")
         first, seen = state.batches == 0, count > 0
-        min_val = torch.where(first, lo, _moved(state.min_val, lo, constant))
-        max_val = torch.where(first, hi, _moved(state.max_val, hi, constant))
+        min_val = torch.where(first, lo, _moved(state.min_val, lo, constant, spec, x.dtype))
+        max_val = torch.where(first, hi, _moved(state.max_val, hi, constant, spec, x.dtype))
         return MovingAverageMinMaxState(
             torch.where(seen, min_val, state.min_val),
             torch.where(seen, max_val, state.max_val),
