@@ -24,6 +24,7 @@ from ._spec import QuantSpec
 from .experts import expert_count, is_stacked_parameter, own_parameters, parameter_input_site, stacked_observer
 from .fused import fused_groups
 from .observers import Observer
+from .observers import registry as observer_registry
 from .observers.minmax import minmax
 
 __all__ = ["Rule", "Recipe", "Plan", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES", "as_plan", "runtime_scaled"]
@@ -101,7 +102,8 @@ class Rule:
         that stacked parameter, per expert. ``"down_proj.input"`` is the intermediate activation
         ``act(gate) * up`` of the tokens routed to each expert (the input of its down
         projection); ``"gate_up_proj.input"`` equals the ``"input"`` site.
-      observer: an observer factory, ``observer(spec, **observer_kwargs) -> Observer``.
+      observer: an observer factory, ``observer(spec, **observer_kwargs) -> Observer``, or the
+        name it is registered under (`qstats.observers.register`): ``"minmax"``, ``"mse"``, ...
       spec: the QuantSpec of one observed tensor (of one expert, for stacked experts).
       observer_kwargs: extra keyword arguments of the factory.
       qparams_kwargs: options for ``compute_qparams`` (e.g. ``method=`` for histogram states).
@@ -132,8 +134,13 @@ class Rule:
         if not sites or not all(isinstance(site, str) and site for site in sites):
             raise ValueError(f"Rule.sites must be non-empty strings, got {self.sites!r}")
         object.__setattr__(self, "sites", sites)
+        if isinstance(self.observer, str):
+            try:
+                object.__setattr__(self, "observer", observer_registry.get(self.observer))
+            except ValueError as error:
+                raise ValueError(f"Rule.observer: {error}") from None
         if not callable(self.observer):
-            raise TypeError(f"Rule.observer must be an observer factory, got {self.observer!r}")
+            raise TypeError(f"Rule.observer must be an observer factory or a registered name, got {self.observer!r}")
         if not isinstance(self.spec, QuantSpec):
             raise TypeError(f"Rule.spec must be a QuantSpec, got {type(self.spec).__name__}")
         object.__setattr__(self, "observer_kwargs", _freeze(self.observer_kwargs, "observer_kwargs"))
@@ -237,6 +244,8 @@ class Plan:
       sites: ``{module_path: {site: Site}}`` of every observed site, in ``named_modules`` order.
       modules: ``{module_path: module}`` of every module of the model (``""`` is the model).
       fused_groups: the module paths of each fused group (`qstats.fused.fused_groups`).
+      shared: ``{(path, site): (owner path, owner site)}``: the sites that share another site's
+        state (``Recipe(shared=...)``, torch.ao's ``ReuseInputObserver``).
 
     >>> import torch, qstats
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 3))
@@ -249,6 +258,7 @@ class Plan:
     sites: Mapping
     modules: Mapping
     fused_groups: tuple
+    shared: Mapping = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -270,6 +280,32 @@ class Plan:
         of a ``q``/``k``/``v`` site, the module itself otherwise."""
         module = self.modules[path]
         return _child_projection(module, site) if self.sites[path][site].kind == "projection" else module
+
+    def state_keys(self, path: str, site: str) -> tuple:
+        """The ``(path, site)`` keys holding one shared state with ``site`` of ``path``: its
+        owner first, then the sites sharing it (only ``((path, site),)`` when not shared)."""
+        owner = self.shared.get((path, site), (path, site))
+        return (owner,) + tuple(key for key, of in self.shared.items() if of == owner)
+
+    def share_states(self, states: Mapping) -> dict:
+        """``states`` with every shared group holding one state: the owner's and its sharers'
+        states merged (``observer.merge``), under each of their keys, so they get the same
+        QParams. For exact observers (min-max, histogram) this equals observing every tensor of
+        the group into one state; a group whose states are one object already is left as is."""
+        out = {path: dict(entry) for path, entry in states.items()}
+        for owner in dict.fromkeys(self.shared.values()):
+            keys = self.state_keys(*owner)
+            found = [out.get(path, {}).get(site) for path, site in keys]
+            present = [state for state in found if state is not None]
+            if not present or all(state is present[0] for state in present):
+                continue
+            merge = self.sites[owner[0]][owner[1]].observer.merge
+            merged = present[0]
+            for state in present[1:]:
+                merged = merge(merged, state)
+            for path, site in keys:
+                out.setdefault(path, {})[site] = merged
+        return out
 
     def _for_states(self, states: Mapping, field: str) -> dict:
         if not isinstance(states, Mapping):
@@ -293,6 +329,49 @@ class Plan:
     def specs(self, states: Mapping) -> dict:
         """The QuantSpec tree matching ``states`` (same keys): ``{path: {site: QuantSpec}}``."""
         return self._for_states(states, "spec")
+
+
+def _site_key(text: Any, what: str) -> tuple:
+    if not isinstance(text, str) or ":" not in text:
+        raise ValueError(f"Recipe.shared: {what} must be '<module path>:<site>', got {text!r}")
+    path, _, site = text.rpartition(":")
+    if not site:
+        raise ValueError(f"Recipe.shared: {what} {text!r} names no site after ':'")
+    return path, site
+
+
+def _shared_sites(shared: Optional[Mapping[str, str]]) -> dict:
+    """``{(path, site): (owner path, owner site)}`` of ``Recipe(shared={"<path>:<site>":
+    "<owner path>:<owner site>"})``; an owner cannot itself share another site's state."""
+    if shared is None:
+        return {}
+    if not isinstance(shared, Mapping):
+        raise TypeError(f"Recipe.shared must be a mapping {{'<path>:<site>': '<path>:<site>'}}, got {type(shared).__name__}")
+    out = {_site_key(key, "a key"): _site_key(value, "a value") for key, value in shared.items()}
+    for key, owner in out.items():
+        if key == owner or owner in out:
+            raise ValueError(f"Recipe.shared: {':'.join(key)} shares {':'.join(owner)}, which itself shares "
+                             "another state (or is the same site); name the owner directly")
+    return out
+
+
+def _resolve_shared(shared: dict, resolved: dict) -> dict:
+    """Checks each shared pair on the model: both sites observed, activation sites, one
+    observer, spec and stacking (they hold one state)."""
+    for key, owner in shared.items():
+        found = [resolved.get(path, {}).get(site) for path, site in (key, owner)]
+        for (path, site), site_found in zip((key, owner), found):
+            if site_found is None:
+                raise ValueError(f"Recipe.shared: the recipe observes no site {site!r} of module {path!r} in this model")
+            if site_found.kind == "parameter":
+                raise ValueError(f"Recipe.shared: {path}:{site} is a parameter; only activation sites share a state")
+        same = [(f.rule.observer, f.rule.observer_kwargs, f.spec, f.num_experts, f.runtime) for f in found]
+        if same[0] != same[1]:
+            raise ValueError(
+                f"Recipe.shared: {':'.join(key)} and {':'.join(owner)} must have the same observer, observer_kwargs, "
+                f"spec and stacking to share one state; got {same[0]} and {same[1]}"
+            )
+    return shared
 
 
 def as_plan(recipe, model: Optional[torch.nn.Module], caller: str) -> Plan:
@@ -325,16 +404,66 @@ class Recipe:
     ['0']
     """
 
-    def __init__(self, rules, ignore=()):
+    def __init__(self, rules, ignore=(), shared: Optional[Mapping[str, str]] = None):
         rules = [rules] if isinstance(rules, Rule) else list(rules)
         for rule in rules:
             if not isinstance(rule, Rule):
                 raise TypeError(f"Recipe rules must be qstats.Rule, got {type(rule).__name__}")
         self.rules = tuple(rules)
         self.ignore = _targets(ignore, "Recipe.ignore")
+        self.shared = _shared_sites(shared)
 
     def __repr__(self) -> str:
-        return f"Recipe(rules={list(self.rules)!r}, ignore={list(self.ignore)!r})"
+        shared = f", shared={self.shared!r}" if self.shared else ""
+        return f"Recipe(rules={list(self.rules)!r}, ignore={list(self.ignore)!r}{shared})"
+
+    @classmethod
+    def from_scheme(cls, scheme, targets="Linear", ignore=(), observed_dtype=None, shared=None) -> "Recipe":
+        """The recipe of a compressed-tensors scheme: a preset name (``"W4A16"``, ``"W8A8"``,
+        ``"FP8"``, ``"FP8_DYNAMIC"``, ``"NVFP4"``, ``"MXFP4"``, ... every key of compressed-tensors'
+        ``PRESET_SCHEMES``), a ``QuantizationScheme`` or a dict of its fields, on ``targets``,
+        as llm-compressor's ``QuantizationModifier(targets=, scheme=, ignore=)`` applies it:
+        specs from `QuantSpec.from_compressed_tensors`, and the observers llm-compressor
+        attaches for those args (see ``qstats/_schemes.py``). ``observed_dtype``: the weights'
+        dtype when bfloat16/float16 (compressed-tensors computes their qparams in it).
+
+        >>> import qstats
+        >>> [rule.sites for rule in qstats.Recipe.from_scheme("W4A16").rules]
+        [('weight',)]
+        """
+        from ._schemes import scheme_rules
+
+        return cls(scheme_rules(Rule, scheme, targets, observed_dtype), ignore=ignore, shared=shared)
+
+    @classmethod
+    def from_compressed_tensors(cls, config, observed_dtype=None) -> "Recipe":
+        """The recipe of a compressed-tensors ``QuantizationConfig``, or of the
+        ``quantization_config`` dict of a checkpoint's ``config.json``: one rule per site of each
+        config group (in order; the first matching rule wins, as in compressed-tensors) and its
+        ``ignore`` list, with llm-compressor's observers (`from_scheme`)."""
+        from ._schemes import config_rules
+
+        rules, ignore = config_rules(Rule, config, observed_dtype)
+        return cls(rules, ignore=ignore)
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Recipe":
+        """A recipe from plain data (parsed YAML or JSON): ``{"rules": [...], "ignore": [...],
+        "shared": {...}}``, each rule a dict of `Rule` fields whose ``observer`` is a registered
+        name and whose ``spec`` is a dict of `QuantSpec` fields (``"granularity"`` as
+        ``"PerTensor"`` or ``{"PerAxis": {"axis": 0}}``), ``{"preset": name, ...}`` or
+        ``{"compressed_tensors": {...QuantizationArgs fields}}``; or ``{"scheme": name,
+        "targets": ..., "ignore": [...]}`` (`from_scheme`)."""
+        from ._rule_data import recipe_fields
+
+        if isinstance(data, Mapping) and "scheme" in data:
+            extra = set(data) - {"scheme", "targets", "ignore", "shared", "observed_dtype"}
+            if extra:
+                raise ValueError(f"Recipe.from_dict: unknown keys {sorted(extra)} beside 'scheme'")
+            return cls.from_scheme(data["scheme"], data.get("targets", "Linear"), data.get("ignore", ()),
+                                   shared=data.get("shared"))
+        rules, ignore, shared = recipe_fields(Rule, data)
+        return cls(rules, ignore=ignore, shared=shared)
 
     def rule_for(self, path: str, site: str, module: Optional[torch.nn.Module] = None) -> Optional[Rule]:
         """The first rule covering ``site`` of the module at ``path`` (None when none, or ignored)."""
@@ -360,7 +489,8 @@ class Recipe:
             if entry:
                 resolved[path] = MappingProxyType(entry)
         self._warn_unmatched(found, model)
-        return Plan(self, MappingProxyType(resolved), MappingProxyType(modules), tuple(fused_groups(model)))
+        shared = MappingProxyType(_resolve_shared(self.shared, resolved))
+        return Plan(self, MappingProxyType(resolved), MappingProxyType(modules), tuple(fused_groups(model)), shared)
 
     def _module_sites(self, path: str, module: torch.nn.Module, found: list) -> dict:
         """``{site: Site}`` of one module; records in ``found`` which rule took which site."""

@@ -31,3 +31,7 @@ from .fixed import recording as recording
 from .fixed import sigmoid_qparams as sigmoid_qparams
 from .fixed import tanh_qparams as tanh_qparams
 from . import kit as kit
+from . import registry as registry
+from .registry import get as get
+from .registry import register as register
+from .registry import registered as registered

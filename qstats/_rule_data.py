@@ -1,0 +1,80 @@
+"""Recipes from plain data (parsed YAML or JSON): what `Recipe.from_dict` reads.
+
+A rule is a dict of `Rule` fields whose ``observer`` is a registered name
+(`qstats.observers.registered`) and whose ``spec`` is one of:
+``{"dtype": "int8", "granularity": {"PerAxis": {"axis": 0}}, ...}`` (`QuantSpec` fields; a
+granularity without arguments may be its bare name, ``"PerTensor"``),
+``{"preset": "nvfp4", ...overrides}`` (`qstats.preset`) or
+``{"compressed_tensors": {...QuantizationArgs fields}}`` (`QuantSpec.from_compressed_tensors`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from . import _granularity
+from ._spec import QuantSpec, preset
+
+__all__ = ["recipe_fields", "spec_from_data"]
+
+_GRANULARITIES = ("PerTensor", "PerAxis", "PerHead", "PerToken", "PerRow", "PerGroup", "TensorGroup", "PerBlock")
+_RULE_KEYS = ("targets", "sites", "observer", "spec", "observer_kwargs", "qparams_kwargs", "dynamic")
+
+
+def _granularity_from_data(data: Any):
+    if isinstance(data, _granularity.Granularity):
+        return data
+    if isinstance(data, str):
+        name, arguments = data, {}
+    elif isinstance(data, Mapping) and len(data) == 1:
+        (name, arguments), = data.items()
+    else:
+        raise ValueError(f"granularity must be a name or {{name: {{arguments}}}}, got {data!r}")
+    if name not in _GRANULARITIES or not isinstance(arguments, Mapping):
+        raise ValueError(f"unknown granularity {name!r}; known: {', '.join(_GRANULARITIES)}")
+    arguments = {key: tuple(value) if isinstance(value, list) else value for key, value in arguments.items()}
+    return getattr(_granularity, name)(**arguments)
+
+
+def spec_from_data(data: Any) -> QuantSpec:
+    """The `QuantSpec` a rule's ``spec`` data describes (see the module docstring)."""
+    if isinstance(data, QuantSpec):
+        return data
+    if not isinstance(data, Mapping):
+        raise TypeError(f"Recipe.from_dict: a rule's spec must be a mapping, got {type(data).__name__}")
+    fields = dict(data)
+    if "granularity" in fields:
+        fields["granularity"] = _granularity_from_data(fields["granularity"])
+    if "compressed_tensors" in fields:
+        args = fields.pop("compressed_tensors")
+        return QuantSpec.from_compressed_tensors(args, **fields)
+    if "preset" in fields:
+        return preset(fields.pop("preset"), **fields)
+    return QuantSpec(**fields)
+
+
+def recipe_fields(Rule, data: Mapping) -> tuple:
+    """``(rules, ignore, shared)`` of a recipe's plain data ``{"rules": [...], "ignore": [...],
+    "shared": {...}}``; a ValueError names the rule and the key that is wrong."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"Recipe.from_dict expects a mapping, got {type(data).__name__}")
+    extra = set(data) - {"rules", "ignore", "shared"}
+    if extra:
+        raise ValueError(f"Recipe.from_dict: unknown keys {sorted(extra)}; expected 'rules', 'ignore', 'shared'")
+    rules = []
+    for index, rule in enumerate(data.get("rules") or ()):
+        if not isinstance(rule, Mapping):
+            raise TypeError(f"Recipe.from_dict: rules[{index}] must be a mapping, got {type(rule).__name__}")
+        unknown = set(rule) - set(_RULE_KEYS)
+        if unknown:
+            raise ValueError(f"Recipe.from_dict: rules[{index}] has unknown keys {sorted(unknown)}; known: {_RULE_KEYS}")
+        fields = dict(rule)
+        if "spec" in fields:
+            fields["spec"] = spec_from_data(fields["spec"])
+        if isinstance(fields.get("sites"), list):
+            fields["sites"] = tuple(fields["sites"])
+        try:
+            rules.append(Rule(**fields))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"Recipe.from_dict: rules[{index}]: {error}") from None
+    return rules, tuple(data.get("ignore") or ()), data.get("shared")
