@@ -28,6 +28,8 @@ from ._spec import QuantSpec as QuantSpec
 from .calibrate import calibrate as calibrate
 from .calibrate import compute_qparams_tree as compute_qparams_tree
 from .calibrate import fake_quantized as fake_quantized
+from .observing import Observing as Observing
+from .observing import observing as observing
 from .experts import UncalibratedWarning as UncalibratedWarning
 from .stacked import stacked_observer as stacked_observer
 from .stacked import stacked_qparams as stacked_qparams
@@ -115,6 +117,8 @@ __all__ = [
     "TensorGroup",
     "UncalibratedWarning",
     "calibrate",
+    "observing",
+    "Observing",
     "canonical_view",
     "code_dtype",
     "compute_qparams",

@@ -22,7 +22,8 @@ import torch
 from ._formats import effective_scale
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view
 from ._quant import _codes_float, fake_quantize
-from .calibrate import observe_tensor, run_model, runtime_qparams, runtime_spec
+from ._sites import observe_tensor, run_model
+from .calibrate import runtime_qparams, runtime_spec
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]

@@ -574,7 +574,7 @@ def test_fake_quantized_applies_keyword_inputs_and_tuple_outputs_like_torch():
 def test_sites_that_saw_no_data_are_named():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2)).eval()
     recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight", "input"))])
-    with pytest.warns(qstats.UncalibratedWarning, match=r"batches was empty.*0\.input, 2\.input"):
+    with pytest.warns(qstats.UncalibratedWarning, match=r"the model was not run.*0\.input, 2\.input"):
         states = qstats.calibrate(model, [], recipe, progress=False)
     assert sorted(states["0"]) == ["weight"]
     with warnings.catch_warnings():

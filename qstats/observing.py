@@ -1,0 +1,496 @@
+"""Observing a model's forward: hooks that thread each site's state through pure updates.
+
+`observing(model, recipe)` attaches one small hook object per activation site (observing every
+parameter site once on entry) and yields an `Observing` session whose ``states`` tree the hooks
+update on every forward the user runs; the hooks are removed on exit. `qstats.calibrate` is a loop
+of forwards inside it. Per-expert sites of stacked experts (``"input"``, ``"down_proj.input"``) are
+observed with one masked, vmapped update per experts call: every expert's rows in one tensor with
+a ``[E, rows]`` mask saying which rows are whose; the intermediate activation
+(``"down_proj.input"``) is captured, as the model computes it, by a
+`qstats.experts.ExpertInputCapture` active only during the experts' forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Iterator, Mapping, Optional, Union
+
+import torch
+from torch.nn.utils import parametrize
+
+from ._granularity import qparam_shape
+from ._sites import input_tensor, is_float_tensor, observe_tensor
+from .experts import (
+    ExpertInputCapture,
+    UncalibratedWarning,
+    all_experts_calls,
+    dispatch,
+    ids_mask,
+    own_parameters,
+    parameter_input_site,
+    routing_mask,
+    warn_uncovered,
+)
+from .recipe import Plan, Recipe, as_plan
+from .tree import assert_same_structure
+
+__all__ = ["observing", "Observing"]
+
+
+def _copy_tree(states: Optional[Mapping]) -> dict:
+    if states is None:
+        return {}
+    if not isinstance(states, Mapping):
+        raise TypeError(f"states must be a dict {{path: {{site: state}}}} or None, got {type(states).__name__}")
+    copied = {}
+    for path, entry in states.items():
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"states[{path!r}] must be a dict {{site: state}}, got {type(entry).__name__}")
+        copied[path] = dict(entry)
+    return copied
+
+
+def _raise_renamed(error: Exception, path: str, site: str):
+    """Raises ``error`` with the module and site in front of its message (the error itself where
+    its type is built from other arguments)."""
+    try:
+        renamed = type(error)(f"calibrate: module {path!r} site {site!r}: {error}")
+    except Exception:
+        raise error from None
+    raise renamed from error
+
+
+def _check_resumed(states: dict, plan: Plan) -> None:
+    for path, entry in states.items():
+        for site in entry:
+            if plan.site(path, site) is None:
+                raise ValueError(
+                    f"calibrate: the given states hold site {site!r} of module {path!r}, which this recipe "
+                    "does not observe in this model"
+                )
+
+
+# Stacked observers whose masked update reduces each shared row once for all experts.
+_ROW_REDUCING = frozenset(f"stacked({name})" for name in ("minmax", "memoryless_minmax", "moving_average_minmax"))
+
+
+def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
+    """On CPU, a 0/1 observation mask whose rows can be dropped without changing the quantization
+    parameter shape is applied by selecting the kept rows (the observer then takes its unmasked
+    fast path); the statistics are the same as with the mask as ``weight``. Elsewhere (accelerators,
+    where selecting rows would synchronise the host, or granularities indexed by rows) the mask is
+    passed on as the update's ``weight``."""
+    if weight is None or x.device.type != "cpu":
+        return x, weight
+    if weight.dtype != torch.bool and not bool(((weight == 0) | (weight == 1)).all()):
+        return x, weight
+    # Selecting rows flattens the masked leading dimensions into one: only valid when the
+    # quantization parameters do not depend on those dimensions (they are reduced over), which
+    # holds when changing their sizes leaves the qparam shape unchanged (PerAxis(1) on [B, T, H]
+    # with T == H would otherwise pass a shape comparison and mix tokens with channels).
+    lead, rest = weight.ndim, tuple(x.shape[weight.ndim :])
+    try:
+        want = qparam_shape(x.shape, spec.granularity)
+        resized = tuple(size + 1 for size in x.shape[:lead]) + rest
+        if qparam_shape(resized, spec.granularity) != want:
+            return x, weight
+    except ValueError:
+        return x, weight
+    keep = weight != 0
+    selected = x[keep]
+    if qparam_shape(selected.shape, spec.granularity) != want:
+        return x, weight
+    return selected, None
+
+
+class _Calibration:
+    """What the hooks of one `calibrate` call share: the plan, the states tree the call builds and
+    the current batch's observation weight (None between batches)."""
+
+    def __init__(self, plan: Plan, states: dict, all_experts: bool = False):
+        self.plan = plan
+        self.states = states
+        self.all_experts = all_experts
+        self.weight: Optional[torch.Tensor] = None
+
+    def weight_for(self, x: torch.Tensor, flattened: bool) -> Optional[torch.Tensor]:
+        """The batch's observation weight as the weight of ``x``: when ``x`` starts with its
+        dimensions, or (``flattened``: tokens of stacked experts) has one row per weight entry."""
+        weight = self.weight
+        if weight is None:
+            return None
+        if flattened:
+            if x.ndim >= 1 and weight.numel() == x.shape[0]:
+                return weight.reshape(-1).to(x.device)
+            return None
+        if weight.ndim <= x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
+            return weight.to(x.device)
+        return None
+
+    def update(self, path: str, site: str, x: torch.Tensor, weight=None, like: Optional[torch.Tensor] = None):
+        """``states[path][site] = observer.update(previous, x, weight)``, ``previous`` starting as
+        ``observer.init(like)`` (``like`` defaults to ``x``); a ValueError or TypeError (a tensor the
+        spec cannot observe, a resumed state of another shape or observer) names the module and site."""
+        observer = self.plan.sites[path][site].observer
+        entry = self.states.setdefault(path, {})
+        try:
+            previous = entry.get(site)
+            if previous is None:
+                previous = observer.init(x if like is None else like)
+            entry[site] = observer.update(previous, x, weight)
+        except (ValueError, TypeError) as error:
+            _raise_renamed(error, path, site)
+
+
+class _ParameterSite:
+    """A parameter site: the parameter observed once, before the first batch; a resumed state of
+    it is checked against the parameter and kept."""
+
+    def __init__(self, run: _Calibration, path: str, site: str):
+        self.run, self.path, self.site = run, path, site
+
+    def observe(self) -> None:
+        value = self.run.plan.parameter(self.path, self.site)
+        resumed = self.run.states.get(self.path, {}).get(self.site)
+        if resumed is None:
+            self.run.update(self.path, self.site, value)
+            return
+        observer = self.run.plan.sites[self.path][self.site].observer
+        try:
+            assert_same_structure(resumed, observer.init(value), name="state")
+        except ValueError as error:
+            raise ValueError(
+                f"calibrate: the given states[{self.path!r}][{self.site!r}] is not a {observer.name} state "
+                f"of that parameter (shape {tuple(value.shape)}): {error}"
+            ) from None
+
+
+class _SiteHook:
+    """Base of the activation hooks: one site of one module, updated through the calibration."""
+
+    def __init__(self, run: _Calibration, path: str, site: str):
+        self.run, self.path, self.site = run, path, site
+        self.found = run.plan.sites[path][site]
+
+    def check_runtime_shape(self, shape) -> None:
+        """A site whose scales come at run time (`runtime_scaled`) is observed per tensor, so its
+        observer never meets the spec's granularity: the tensor's shape is checked against it here
+        (a group size that does not divide the features would otherwise calibrate and export)."""
+        if self.found.runtime:
+            try:
+                qparam_shape(shape, self.found.spec.granularity)
+            except ValueError as error:
+                _raise_renamed(error, self.path, self.site)
+
+
+class _ActivationSite(_SiteHook):
+    """An ``input``/``output``/``q``/``k``/``v`` site of a module that is not stacked experts: the
+    tensor `observe_tensor` finds, weighted by the batch's observation weight."""
+
+    def attach(self) -> list:
+        return [observe_tensor(self.run.plan, self.path, self.site, self.observe)]
+
+    def observe(self, x) -> None:
+        if not is_float_tensor(x):
+            return
+        x = x.detach()
+        self.check_runtime_shape(x.shape)
+        weight = self.run.weight_for(x, flattened=False)
+        kept, weight = _drop_masked_rows(x, weight, self.found.observer.spec or self.found.spec)
+        self.run.update(self.path, self.site, kept, weight, like=x)
+
+
+class _RoutedSite(_SiteHook):
+    """A per-expert site of stacked experts, observed as rows shared by the experts and a mask."""
+
+    def observe_rows(self, rows: torch.Tensor, mask: torch.Tensor) -> None:
+        """One masked update: ``rows [N, ...]`` shared by the experts, ``mask [E, N]`` saying which
+        rows each expert observes."""
+        self.check_runtime_shape(rows.shape)
+        if rows.device.type == "cpu" and self.found.observer.name not in _ROW_REDUCING:
+            x, weight = dispatch(rows, mask)
+        else:  # every expert sees every (masked) row: no host read of the row counts, and
+            # min/max observers reduce each row once for all experts
+            x, weight = rows.expand(self.found.num_experts, *rows.shape), mask
+        self.run.update(self.path, self.site, x, weight)
+
+
+class _RoutedInputSite(_RoutedSite):
+    """The ``"input"`` of stacked experts: the hidden states, each token observed by the experts
+    the routing of the call (`routing_mask`) sends it to (by every expert with ``all_experts``),
+    and not where the batch's observation weight is 0."""
+
+    def attach(self) -> list:
+        module = self.run.plan.modules[self.path]
+        return [module.register_forward_pre_hook(self, with_kwargs=True)]
+
+    def __call__(self, module, args, kwargs) -> None:
+        x = input_tensor(args, kwargs)
+        if not is_float_tensor(x):
+            return
+        tokens = x.detach().reshape(-1, x.shape[-1])
+        if self.run.all_experts:  # every token observed by every expert
+            mask = torch.ones(self.found.num_experts, tokens.shape[0], device=tokens.device)
+        else:
+            mask = routing_mask(args, kwargs or {}, self.found.num_experts, tokens.shape[0])
+        if mask is None:
+            raise ValueError(
+                f"calibrate: cannot find the routing (an integer tensor [tokens, k] of selected experts) "
+                f"in the call of the experts module {self.path!r}"
+            )
+        extra = self.run.weight_for(tokens, flattened=True)
+        if extra is not None:
+            mask = mask * (extra != 0).to(mask.dtype)
+        self.observe_rows(tokens, mask)
+
+
+class _ExpertMatmulInputs:
+    """The ``"<parameter>.input"`` sites of one stacked-experts module: an `ExpertInputCapture`
+    entered before the module's forward and left after it, whose captured rows (the input of each
+    expert's matmul with the parameter) are observed under their expert ids, and not where the
+    batch's observation weight of the token they come from is 0 (`ExpertInputCapture.row_tokens`).
+    With ``all_experts``, the rows are captured instead from extra calls of the module's forward
+    that route every token to every expert (`qstats.experts.all_experts_calls`; their outputs are
+    discarded, the model's own forward is left as it is)."""
+
+    def __init__(self, run: _Calibration, path: str, sites: list):
+        self.path = path
+        self.run = run
+        self.module = run.plan.modules[path]
+        self.sites = {site: _RoutedSite(run, path, site) for site in sites}
+        self.parameters = {site: parameter_input_site(site) for site in sites}
+        self.active: list = []  # (capture, parametrization hooks, tokens, observation weight) of the call
+
+    def attach(self) -> list:
+        return [
+            self.module.register_forward_pre_hook(self.enter, with_kwargs=True),
+            self.module.register_forward_hook(self.leave, with_kwargs=True, always_call=True),
+        ]
+
+    def _start(self, module, x) -> tuple:
+        """Enters a capture for one forward of the experts over the tokens ``x``."""
+        tokens = x.numel() // x.shape[-1] if isinstance(x, torch.Tensor) and x.ndim and x.shape[-1] else 0
+        weight = self.run.weight_for(x.reshape(-1, x.shape[-1]), flattened=True) if tokens else None
+        params = own_parameters(module)
+        names = set(self.parameters.values())
+        if weight is not None:  # trace the tokens of the rows: through every stacked parameter
+            names |= {name for name, p in params.items() if p.ndim >= 3}
+        capture = ExpertInputCapture(
+            {name: params[name] for name in names}, tokens=x if weight is not None and x.ndim == 2 else None
+        )
+        handles = []
+        if parametrize.is_parametrized(module):  # inside `qstats.fake_quantized`: each value the
+            # forward computes (and slices) is watched, as the parameter's
+            for name in names & set(module.parametrizations):
+                handles.append(module.parametrizations[name].register_forward_hook(
+                    lambda _, args, value, name=name: capture.watch(name, value)))
+        capture.__enter__()
+        return capture, handles, tokens, weight
+
+    def enter(self, module, args, kwargs) -> None:
+        if self.run.all_experts:  # observed from extra calls once the model's forward is done
+            self.active.append(None)
+            return
+        self.active.append(self._start(module, input_tensor(args, kwargs)))
+
+    def leave(self, module, args, kwargs, output) -> None:
+        if not self.active:
+            return
+        started = self.active.pop()
+        if started is None:
+            if output is not None:
+                self._observe_all_experts(module, args, kwargs or {})
+            return
+        _stop(*started[:2])
+        if output is not None:  # else the forward raised
+            self._observe(module, started[0], *started[2:])
+
+    def _observe_all_experts(self, module, args: tuple, kwargs: dict) -> None:
+        x = input_tensor(args, kwargs)
+        if not is_float_tensor(x):
+            return
+        num_experts = next(iter(self.sites.values())).found.num_experts
+        calls = all_experts_calls(args, kwargs, num_experts, x.numel() // x.shape[-1])
+        if calls is None:
+            raise ValueError(
+                f"calibrate: all_experts: cannot find the routing (an integer tensor [tokens, k] of selected "
+                f"experts) in the call of the experts module {self.path!r}"
+            )
+        for call_args, call_kwargs in calls:
+            capture, handles, tokens, weight = self._start(module, x)
+            try:
+                with torch.no_grad():  # no hooks of the module: only the capture watches it
+                    module.forward(*call_args, **call_kwargs)
+            finally:
+                _stop(capture, handles)
+            self._observe(module, capture, tokens, weight)
+
+    def _observe(self, module, capture: ExpertInputCapture, tokens: int, weight) -> None:
+        """Observes the rows a finished capture holds, site by site."""
+        for site, hook in self.sites.items():
+            name = self.parameters[site]
+            captured = capture.captured(name)
+            if captured is None:
+                if tokens:
+                    raise ValueError(
+                        f"calibrate: site {site!r} of the experts module {self.path!r} "
+                        f"({type(module).__name__}): no per-expert matmul with the stacked parameter "
+                        f"{name!r} was found in its forward (recognised: F.linear/matmul with a slice "
+                        f"{name}[e], bmm with a gathered {name}[ids], grouped_mm over {name})"
+                    )
+                continue
+            rows, ids = captured
+            if rows.is_floating_point():
+                mask = ids_mask(ids, hook.found.num_experts)
+                if weight is not None:
+                    mask = mask * self._kept_rows(capture, name, site, weight).to(mask.dtype)
+                hook.observe_rows(rows, mask)
+
+    def _kept_rows(self, capture: ExpertInputCapture, name: str, site: str, weight: torch.Tensor) -> torch.Tensor:
+        """``[rows]``: 1 where the token a captured row comes from has a nonzero observation
+        weight; all ones, with a warning, when the rows cannot be traced to their tokens."""
+        tokens = capture.row_tokens(name)
+        if tokens is None:
+            warnings.warn(
+                f"calibrate: the rows of site {site!r} of the experts module {self.path!r} could not be traced "
+                "back to the tokens they come from, so the observation weight (padding) is not applied to them",
+                UserWarning,
+                stacklevel=2,
+            )
+            rows = capture.rows[name]
+            return torch.ones(sum(r.shape[0] for r in rows), dtype=torch.bool, device=rows[0].device)
+        return weight.to(tokens.device)[tokens] != 0
+
+
+def _stop(capture: ExpertInputCapture, handles: list) -> None:
+    """Leaves a capture and removes the hooks that fed it."""
+    capture.__exit__(None, None, None)
+    for handle in handles:
+        handle.remove()
+
+
+def _activation_hooks(run: _Calibration) -> list:
+    """One hook object per activation site of the plan (one per stacked-experts module for its
+    ``"<parameter>.input"`` sites), in ``named_modules`` order."""
+    hooks: list = []
+    for path, entry in run.plan.sites.items():
+        matmul_inputs = []
+        for site, found in entry.items():
+            if found.kind == "parameter_input":
+                matmul_inputs.append(site)
+            elif found.kind == "input" and found.num_experts:
+                hooks.append(_RoutedInputSite(run, path, site))
+            elif found.kind != "parameter":
+                hooks.append(_ActivationSite(run, path, site))
+        if matmul_inputs:
+            hooks.append(_ExpertMatmulInputs(run, path, matmul_inputs))
+    return hooks
+
+
+def _observe_parameters(run: _Calibration) -> None:
+    with torch.no_grad():
+        for path, entry in run.plan.sites.items():
+            for site, found in entry.items():
+                if found.kind == "parameter":
+                    _ParameterSite(run, path, site).observe()
+
+
+class Observing:
+    """A calibration in progress (`observing` yields it): ``states`` is the tree the hooks update,
+    ``{module_path: {site: state}}``; ``calls`` counts the model's forwards so far."""
+
+    def __init__(self, run: _Calibration):
+        self._run = run
+        self.calls = 0
+
+    @property
+    def states(self) -> dict:
+        return self._run.states
+
+    @property
+    def plan(self) -> Plan:
+        return self._run.plan
+
+    @contextlib.contextmanager
+    def weighted(self, weight: Optional[torch.Tensor]) -> Iterator[None]:
+        """Forwards run inside use ``weight`` (e.g. the attention mask) as the observation weight
+        of activation updates whose tensor starts with its dimensions: padding is not observed."""
+        if weight is not None and not isinstance(weight, torch.Tensor):
+            raise TypeError(f"observing: the observation weight must be a tensor or None, got {type(weight).__name__}")
+        previous, self._run.weight = self._run.weight, weight
+        try:
+            yield
+        finally:
+            self._run.weight = previous
+
+    def _count(self, module, args) -> None:
+        self.calls += 1
+
+
+@contextlib.contextmanager
+def observing(
+    model: torch.nn.Module,
+    recipe: Union[Recipe, Plan],
+    states: Optional[Mapping] = None,
+    *,
+    all_experts: bool = False,
+) -> Iterator[Observing]:
+    """Context manager: every forward of ``model`` run inside updates the recipe's states.
+
+    For users who drive the forward themselves (their own loop, a sequential pipeline);
+    `qstats.calibrate` is this plus a loop over batches, and ``states`` / ``all_experts`` mean what
+    they mean there. Parameter sites are observed on entry; the hooks are removed on exit, where
+    a warning (`qstats.UncalibratedWarning`) names the activation sites that saw no data.
+
+    >>> import torch, qstats
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    >>> recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight", "input"))])
+    >>> with qstats.observing(model, recipe) as session, torch.no_grad():
+    ...     for x in torch.randn(3, 5, 4):
+    ...         _ = model(x)
+    >>> sorted(session.states["0"]), session.calls
+    (['input', 'weight'], 3)
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"observing expects an nn.Module, got {type(model).__name__}")
+    plan = as_plan(recipe, model, "observing")
+    run = _Calibration(plan, _copy_tree(states), all_experts=bool(all_experts))
+    _check_resumed(run.states, plan)
+    _observe_parameters(run)
+    session = Observing(run)
+    handles = [plan.model.register_forward_pre_hook(session._count)]
+    try:
+        handles += [handle for hook in _activation_hooks(run) for handle in hook.attach()]
+        yield session
+    finally:
+        run.weight = None
+        for handle in handles:
+            handle.remove()
+    _warn_unobserved(run.states, plan, session.calls)
+    warn_uncovered(run.states, plan.sites)
+
+
+def _warn_unobserved(states: dict, plan: Plan, seen_batches: int) -> None:
+    """Warns (`qstats.UncalibratedWarning`) naming the activation sites the recipe selects that hold
+    no state after calibration: `compute_qparams_tree` and `fake_quantized` would leave them out."""
+    missing = [
+        f"{path}.{site}"
+        for path, entry in plan.sites.items()
+        for site, found in entry.items()
+        if site not in states.get(path, {}) and found.kind != "parameter"
+    ]
+    if not missing:
+        return
+    why = (
+        "the model was not run"
+        if seen_batches == 0
+        else "their modules were not called, or not with a floating-point tensor"
+    )
+    warnings.warn(
+        f"qstats: {len(missing)} site(s) of the recipe saw no data ({why}) and have no state; "
+        f"compute_qparams_tree and fake_quantized leave them out: " + ", ".join(missing),
+        UncalibratedWarning,
+        stacklevel=3,
+    )
+
