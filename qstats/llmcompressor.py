@@ -1,0 +1,161 @@
+"""llm-compressor observers backed by qstats states: ``import qstats.llmcompressor`` registers them.
+
+A recipe names them like llm-compressor's own (``QuantizationModifier(..., input_observer=
+"qstats_minmax")`` or ``QuantizationArgs(observer="qstats_histogram")``):
+
+====================================  ==============================================  ==================================
+name                                  qstats observer                                 llm-compressor's counterpart
+====================================  ==============================================  ==================================
+``qstats_minmax``                     `qstats.moving_average_minmax`                  ``minmax`` (bit for bit)
+``qstats_static_minmax``              `qstats.minmax`                                 ``static_minmax`` (bit for bit)
+``qstats_memoryless_minmax``          `qstats.memoryless_minmax`                      ``memoryless_minmax`` (bit for bit)
+``qstats_histogram``                  `qstats.histogram` (range search at the end)    none
+``qstats_mse``                        `qstats.mse` (losses accumulated over batches)  ``mse`` with ``mode="moving_average"``
+====================================  ==============================================  ==================================
+
+Each is an llm-compressor ``Observer``: ``forward`` folds the observed tensor into a qstats state
+(``obs.update``), ``get_qparams`` maps it with ``qstats.compute_qparams`` under
+``QuantSpec.from_compressed_tensors(args, observed_dtype=...)``, fused groups (NVFP4 q/k/v,
+gate/up) share ``qstats.fused_global_scale``, and ``sync_activation_stats`` merges the states of
+all ranks with ``qstats.distributed.all_reduce`` (each observer's own ``merge``). ``observer_kwargs``
+that the qstats factory takes configure it (``averaging_constant``, ``buckets_per_octave``,
+``maxshrink``, ...); the others go to ``compute_qparams`` (a histogram's ``method="mse"``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional
+
+import torch
+
+try:
+    from compressed_tensors.quantization import QuantizationStrategy
+    from llmcompressor.observers.base import Observer as LLMCompressorObserver
+    from llmcompressor.observers.helpers import flatten_for_calibration
+except ImportError as error:  # llm-compressor is optional
+    raise ImportError(
+        "qstats.llmcompressor needs llm-compressor and compressed-tensors: pip install llmcompressor "
+        f"(import failed: {error})"
+    ) from error
+
+from . import distributed
+from ._qparams import compute_qparams
+from ._spec import QuantSpec
+from .fused import fused_global_scale
+from .observers.histogram import histogram
+from .observers.minmax import memoryless_minmax, minmax, moving_average_minmax
+from .observers.mse import mse
+
+__all__ = ["QstatsObserver", "OBSERVERS"]
+
+
+class QstatsObserver(LLMCompressorObserver):
+    """An llm-compressor observer whose statistics are one qstats state (``qstats_state``).
+
+    Subclasses set ``factory`` (``spec -> qstats.Observer``, keyword options from
+    ``observer_kwargs``). The spec is made at the first observation, from ``args`` and the observed
+    dtype (compressed-tensors computes bf16/fp16 weights' qparams in their dtype).
+    """
+
+    factory: Callable = None
+    _stats_attrs = ["qstats_state"]
+
+    def __init__(self, base_name, args, **observer_kwargs):
+        super().__init__(base_name, args, **observer_kwargs)
+        accepted = inspect.signature(self.factory).parameters
+        options = dict(self.args.observer_kwargs)
+        self.factory_options = {k: options.pop(k) for k in list(options) if k in accepted and k != "spec"}
+        self.qparams_options = options
+        self.spec: Optional[QuantSpec] = None
+        self.qstats_observer = None
+
+    def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} observes the tensor itself (call the observer): qstats reduces it "
+            "over its own canonical view of the spec's granularity"
+        )
+
+    @torch.no_grad
+    def forward(self, observed: torch.Tensor) -> "QstatsObserver":
+        """Fold ``observed`` into the state (weights: once, as llm-compressor's observers)."""
+        if observed.numel() == 0 or (self.is_weight_obs and self.has_statistics):
+            return self
+        # llm-compressor's view: refuses strategies the site cannot take; its middle dims are
+        # the shape llm-compressor's modules hold the qparams in
+        self.qparam_shape = flatten_for_calibration(observed, self.base_name, self.args).shape[1:-1]
+        if self.qstats_observer is None:
+            self.spec = QuantSpec.from_compressed_tensors(self.args, observed_dtype=observed.dtype)
+            self.qstats_observer = type(self).factory(self.spec, **self.factory_options)
+        obs = self.qstats_observer
+        state = self.qstats_state if self.has_statistics else obs.init(observed)
+        self.qstats_state = obs.update(state, observed)
+        self.fusion_handler.get_fused_statistics()
+        return self
+
+    def get_global_scale(self) -> Optional[torch.Tensor]:
+        """The global scale shared by this observer's fusion group (two-level specs; else None)."""
+        if self.args.strategy != QuantizationStrategy.TENSOR_GROUP:
+            return None
+        states = [stats["qstats_state"] for stats in self.fusion_handler.get_fused_statistics()]
+        return fused_global_scale(states, self.spec, **self.qparams_options).reshape(1)
+
+    @torch.no_grad
+    def get_qparams(self) -> dict:
+        """``{"scale", "zero_point", "global_scale"}`` in llm-compressor's shapes and dtypes, from
+        `qstats.compute_qparams`; then the statistics are deleted, as llm-compressor's."""
+        assert self.has_statistics, "No statistics available. Call observer(value) first."
+        global_scale = self.get_global_scale()
+        options = dict(self.qparams_options)
+        if global_scale is not None:
+            options["global_scale"] = global_scale.reshape(())
+        qparams = compute_qparams(self.qstats_state, self.spec, **options)
+        self.delete_statistics()
+        # compressed-tensors' dtypes: scales in the observed dtype (float32 under a global scale,
+        # which promotes them), zero points in zp_dtype
+        scale_dtype = torch.float32 if global_scale is not None else getattr(torch, self.spec.compute_dtype)
+        zero_point_dtype = self.args.zp_dtype or scale_dtype
+        return {
+            "scale": self._shaped(qparams.scale.to(scale_dtype)),
+            "zero_point": self._shaped(qparams.zero_point.to(zero_point_dtype)),
+            "global_scale": global_scale,
+        }
+
+    def _shaped(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` in the shape of llm-compressor's qparams. Sites whose scales are computed at
+        run time (``dynamic="local"``: only the global scale is kept) keep qstats' shape."""
+        if values.numel() == torch.Size(self.qparam_shape).numel():
+            return values.reshape(self.qparam_shape)
+        if self.args.dynamic:
+            return values
+        raise ValueError(
+            f"{type(self).__name__}: qstats' qparams of shape {tuple(values.shape)} do not fit "
+            f"llm-compressor's {tuple(self.qparam_shape)} for {self.base_name} ({self.args.strategy})"
+        )
+
+    def sync_activation_stats(self) -> list:
+        """Merges this activation observer's state across ranks (its qstats ``merge``); weights
+        are the same on every rank and are not merged. Returns no pending handles."""
+        if self.is_weight_obs or not self.has_statistics or not torch.distributed.is_initialized():
+            return []
+        self.qstats_state = distributed.all_reduce(self.qstats_state, self.qstats_observer)
+        return []
+
+
+def _observer_class(name: str, factory: Callable, doc: str) -> type:
+    cls = type(f"Qstats{name.title().replace('_', '')}Observer", (QstatsObserver,),
+               {"factory": staticmethod(factory), "__doc__": doc, "__module__": __name__})
+    return LLMCompressorObserver.register(f"qstats_{name}")(cls)
+
+
+OBSERVERS = {
+    name: _observer_class(name, factory, doc)
+    for name, factory, doc in (
+        ("minmax", moving_average_minmax, "Moving average of per-batch extremes (llm-compressor ``minmax``)."),
+        ("static_minmax", minmax, "Running extremes (llm-compressor ``static_minmax``)."),
+        ("memoryless_minmax", memoryless_minmax, "The latest batch's extremes (``memoryless_minmax``)."),
+        ("histogram", histogram, "Exactly mergeable histogram; the range is searched at get_qparams."),
+        ("mse", mse, "MSE shrink search; losses accumulated over all batches (mode='accumulate')."),
+    )
+}
+"""``{suffix: class}`` of the observers registered as ``"qstats_<suffix>"``."""
