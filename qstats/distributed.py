@@ -133,6 +133,7 @@ register_reduce_ops("MovingAverageMinMaxState", _FOLD)
 register_reduce_ops("HistogramState", extremes_and_sums)
 # Importance matrix: a float64 sum of squares and integer counts (exact=True folds it in rank order).
 register_reduce_ops("IMatrixState", {"square_total": "sum", "count": "sum", "nonfinite": "sum"})
+register_reduce_ops("HessianState", {"total": "sum", "count": "sum", "nonfinite": "sum"})  # GPTQ's sum of x^T x
 register_reduce_ops("PlaceholderState", {"count": "sum"})
 # Not elementwise: Chan's variance merge, the MSE search's widest-range pick, moving averages,
 # bounded samples, constants kept from the first operand.

@@ -1,0 +1,254 @@
+"""GPTQ as a pure function: a layer's weight, its input Hessian state and a spec -> the quantized weight.
+
+`gptq(weight, hessian_state, spec)` returns ``(fake_quantized_weight, codes, qparams)`` and never
+modifies its inputs. It follows llm-compressor 0.14's ``quantize_weight`` operation by operation
+(float32, dead columns zeroed, relative dampening, Cholesky factor of the inverse Hessian, column
+blocks with lazy error propagation, activation ordering ``"static"`` = ``"weight"``), so that on the
+same weights, Hessians and quantization parameters its codes equal llm-compressor's up to float32
+rounding. It is written for one ``[out, in]`` weight in plain torch ops and runs under
+``torch.vmap``; a stacked ``[E, out, in]`` weight with a stacked state (`qstats.stacked_observer`)
+is vmapped over its experts.
+
+Quantization parameters: ``qparams`` when given (any qstats statistic of the weight:
+min/max, mse, histogram, through `compute_qparams`; llm-compressor 0.14 passes its weight observer's
+min/max ones). Without them, group specs without activation ordering take each group's min/max
+from the running (error-updated) weight at the start of the column block where the group starts,
+as the original GPTQ; other specs take the min/max of the weight itself.
+
+A weight whose Hessian saw no row falls back to round-to-nearest (`UncalibratedWarning`), as does
+one whose dampened Hessian is not positive definite (llm-compressor's fallback, silent here too:
+read it from the result). Input columns that never saw a non-zero value (zero diagonal) quantize to
+zero, as llm-compressor. Activation ordering ``"group"`` (groups in activation order, written with
+a ``g_idx``) was removed from compressed-tensors 0.19 and llm-compressor 0.14; it is refused.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from ._granularity import PerAxis, PerGroup, PerRow, PerTensor, TensorGroup
+from ._qparams import QParams, compute_qparams
+from ._quant import _codes_float, _dequantize_view
+from ._formats import store_codes
+from ._spec import QuantSpec
+from .experts import UncalibratedWarning
+from .observers.hessian import HessianState
+from .observers.minmax import minmax
+
+__all__ = ["gptq"]
+
+_ACTORDERS = (None, "static", "weight")
+
+
+@torch.library.custom_op("qstats::warn_unobserved_hessian", mutates_args=())
+def _warn_unobserved(count: torch.Tensor) -> torch.Tensor:
+    missing = (count.reshape(-1) == 0).nonzero().flatten().tolist()
+    if missing:
+        where = "the layer" if count.ndim == 0 else f"experts {missing} ({len(missing)} of {count.numel()})"
+        warnings.warn(
+            f"qstats.gptq: the Hessian of {where} saw no input row; those weights are quantized by "
+            "round-to-nearest with their quantization parameters",
+            UncalibratedWarning,
+            stacklevel=4,
+        )
+    return count.clone()
+
+
+@_warn_unobserved.register_fake
+def _(count):
+    return torch.empty_like(count)
+
+
+def _warn_unobserved_vmap(info, in_dims, count):
+    return _warn_unobserved(count.movedim(in_dims[0], 0)), 0  # one warning naming every expert
+
+
+_warn_unobserved.register_vmap(_warn_unobserved_vmap)
+
+
+def _column_groups(spec: QuantSpec, columns: int) -> Optional[torch.Tensor]:
+    """The quantization parameter column of every weight column (None: one per row or tensor)."""
+    granularity = spec.granularity
+    if isinstance(granularity, PerGroup) and not isinstance(granularity, TensorGroup):
+        if columns % granularity.group_size:
+            raise ValueError(f"gptq: {columns} input columns are not a multiple of the group size "
+                             f"{granularity.group_size}")
+        return torch.arange(columns) // granularity.group_size
+    if isinstance(granularity, (PerTensor, PerRow)) or granularity == PerAxis(0):
+        return None
+    raise ValueError(f"gptq: granularity {granularity!r} is not supported (PerTensor, PerRow / PerAxis(0), PerGroup)")
+
+
+def _per_column(param: torch.Tensor, groups: Optional[torch.Tensor], rows: int, columns: int) -> torch.Tensor:
+    """A quantization parameter ``[rows, columns]``: each weight element's."""
+    if groups is not None:
+        return param.index_select(-1, groups.to(param.device))
+    return param.reshape(-1, 1).expand(rows, columns) if param.ndim else param.expand(rows, columns)
+
+
+def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: torch.Tensor):
+    """llm-compressor's ``factorize_hessian``: dead columns get diagonal 1, the diagonal gains
+    ``dampening * mean(diag)``, then the upper Cholesky factor of the inverse. Where it fails or the
+    Hessian is not ``usable``: the identity (round-to-nearest)."""
+    columns = hessian.shape[-1]
+    eye = torch.eye(columns, dtype=hessian.dtype, device=hessian.device)
+    dead = torch.diagonal(hessian) == 0
+    hessian = hessian + torch.diag_embed(dead.to(hessian.dtype))
+    damp = dampening * torch.mean(torch.diagonal(hessian))
+    hessian = hessian + torch.diag_embed(damp.expand(columns))
+    lower, info = torch.linalg.cholesky_ex(hessian, check_errors=False)
+    factored = usable & (info == 0)
+    inverse = torch.cholesky_inverse(torch.where(factored, lower, eye))
+    upper, info = torch.linalg.cholesky_ex(inverse, upper=True, check_errors=False)
+    factored = factored & (info == 0)
+    return torch.where(factored, upper, eye), dead & usable
+
+
+def _minmax_qparams(weight: torch.Tensor, spec: QuantSpec) -> QParams:
+    observer = minmax(spec)
+    return compute_qparams(observer.update(observer.init(weight), weight), spec)
+
+
+def _quantize_column(column, scale, zero_point, global_scale, spec):
+    """``(fake-quantized values, float codes)`` of one weight column under per-row parameters."""
+    _, codes = _codes_float(column, scale, zero_point, spec, global_scale)
+    return _dequantize_view(codes, scale, zero_point, spec, global_scale), codes
+
+
+def _blocks(weight, inverse, scale, zero_point, global_scale, spec, block_size, running):
+    """The column loop: quantize each column, spread its error over the block's later columns, then
+    the block's error over the following columns (section 3.4 of arXiv:2203.07259). ``running``
+    ``(groups, group_size)`` computes group parameters at the start of their block."""
+    rows, columns = weight.shape
+    quantized, codes, scales, zero_points = [], [], [], []
+    rest = weight
+    for start in range(0, columns, block_size):
+        stop = min(start + block_size, columns)
+        if running is not None:  # groups starting in this block, from the weight as it is now
+            groups, group_size = running
+            first, last = -(-start // group_size), -(-stop // group_size)
+            if last > first:
+                part = rest[:, first * group_size - start: last * group_size - start]
+                fresh = _minmax_qparams(part, spec)
+                scales.append(fresh.scale)
+                zero_points.append(fresh.zero_point)
+            scale = _per_column(torch.cat(scales, dim=-1), groups[: stop], rows, stop)
+            zero_point = _per_column(torch.cat(zero_points, dim=-1), groups[: stop], rows, stop)
+        block, block_inverse = rest[:, : stop - start], inverse[start:stop, start:stop]
+        block_quantized, block_codes, errors = [], [], []
+        for i in range(stop - start):
+            column = block[:, i]
+            q, code = _quantize_column(column, scale[:, start + i], zero_point[:, start + i], global_scale, spec)
+            error = (column - q) / block_inverse[i, i]
+            block = block - error[:, None] * block_inverse[i][None, :]  # the row is zero left of i
+            block_quantized.append(q)
+            block_codes.append(code)
+            errors.append(error)
+        quantized.append(torch.stack(block_quantized, dim=-1))
+        codes.append(torch.stack(block_codes, dim=-1))
+        rest = rest[:, stop - start:] - torch.stack(errors, dim=-1) @ inverse[start:stop, stop:]
+    running_qparams = None if running is None else (torch.cat(scales, dim=-1), torch.cat(zero_points, dim=-1))
+    return torch.cat(quantized, dim=-1), torch.cat(codes, dim=-1), running_qparams
+
+
+def _gptq_one(weight, total, count, qparams, spec, block_size, dampening, actorder):
+    """GPTQ of one ``[out, in]`` weight (vmappable: no host reads, no in-place writes)."""
+    rows, columns = weight.shape
+    groups = _column_groups(spec, columns)
+    work = weight.to(torch.float32)
+    hessian = (2.0 * total / count.clamp(min=1).to(total.dtype)).to(torch.float32)
+    observed = count > 0
+    running = None
+    if qparams is None and groups is not None and actorder is None:
+        running = (groups, spec.granularity.group_size)
+    elif qparams is None:
+        qparams = _minmax_qparams(work, spec)
+    perm = None
+    if actorder is not None:
+        perm = torch.argsort(torch.diagonal(hessian), descending=True)
+        hessian = hessian.index_select(0, perm).index_select(1, perm)
+        work = work.index_select(1, perm)
+    inverse, dead = _inverse_hessian_factor(hessian, dampening, observed)
+    work = torch.where(dead[None, :], torch.zeros_like(work), work)
+    global_scale = torch.ones((), device=weight.device) if qparams is None else qparams.global_scale
+    scale = zero_point = None
+    if qparams is not None:
+        scale = _per_column(qparams.scale, groups, rows, columns)
+        zero_point = _per_column(qparams.zero_point, groups, rows, columns)
+        if perm is not None:
+            scale, zero_point = scale.index_select(1, perm), zero_point.index_select(1, perm)
+    quantized, codes, running_qparams = _blocks(work, inverse, scale, zero_point, global_scale, spec,
+                                                block_size, running)
+    if perm is not None:
+        inverse_perm = torch.argsort(perm)
+        quantized, codes = quantized.index_select(1, inverse_perm), codes.index_select(1, inverse_perm)
+    if running_qparams is not None:
+        qparams = QParams(running_qparams[0], running_qparams[1], global_scale,
+                          torch.ones_like(running_qparams[0], dtype=torch.bool))
+    return quantized.to(weight.dtype), store_codes(codes, spec), qparams
+
+
+def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, block_size: int = 128,
+         dampening: float = 0.01, actorder: Optional[str] = None, qparams: Optional[QParams] = None):
+    """GPTQ of a linear weight given the `qstats.hessian` state of its inputs.
+
+    Args:
+      weight: ``[out, in]``, or ``[E, out, in]`` stacked experts with a stacked state (each field
+        ``[E, ...]``) and stacked ``qparams``: vmapped over the experts.
+      hessian_state: the `qstats.hessian` state of the layer's inputs.
+      spec: the weight's QuantSpec (`QuantSpec.from_compressed_tensors(args)` for llm-compressor's
+        rounding); PerTensor, PerRow / PerAxis(0) or PerGroup.
+      block_size: columns per block of lazy error propagation (llm-compressor's ``block_size``).
+      dampening: fraction of the mean diagonal added to the diagonal (``dampening_frac``).
+      actorder: None, or ``"static"`` (= ``"weight"``): columns in decreasing Hessian diagonal,
+        quantization parameters unchanged (llm-compressor 0.14's only activation ordering).
+      qparams: the weight's quantization parameters; None: see the module docstring.
+
+    Returns:
+      ``(fake_quantized, codes, qparams)``: the GPTQ'd weight in ``weight``'s dtype, its codes
+      (`qstats.quantize`'s dtype) and the quantization parameters they use.
+
+    >>> import torch, qstats
+    >>> x, w = torch.randn(256, 64), torch.randn(32, 64)
+    >>> obs = qstats.hessian()
+    >>> spec = qstats.QuantSpec(dtype="int4", granularity=qstats.PerGroup(32))
+    >>> w_q, codes, qp = qstats.gptq(w, obs.update(obs.init(x), x), spec)
+    >>> codes.shape, qp.scale.shape
+    (torch.Size([32, 64]), torch.Size([32, 2]))
+    """
+    _check_arguments(weight, hessian_state, spec, block_size, dampening, actorder)
+    actorder = None if actorder is None else "static"
+    count = _warn_unobserved(hessian_state.count)
+
+    def one(w, total, rows, qp):
+        return _gptq_one(w, total, rows, qp, spec, block_size, float(dampening), actorder)
+
+    if weight.ndim == 3:
+        return torch.vmap(one)(weight, hessian_state.total, count, qparams)
+    return one(weight, hessian_state.total, count, qparams)
+
+
+def _check_arguments(weight, state, spec, block_size, dampening, actorder) -> None:
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.ndim not in (2, 3):
+        raise ValueError(f"gptq: weight must be a floating [out, in] or [E, out, in] tensor, got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    if not isinstance(state, HessianState):
+        raise TypeError(f"gptq: expected a HessianState (qstats.hessian), got {type(state).__name__}")
+    expected = (*weight.shape[:-2], weight.shape[-1], weight.shape[-1])
+    if tuple(state.total.shape) != expected:
+        raise ValueError(f"gptq: a Hessian of shape {tuple(state.total.shape)} does not fit a weight of shape "
+                         f"{tuple(weight.shape)} (expected {expected})")
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"gptq: expected a QuantSpec, got {type(spec).__name__}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"gptq: block_size must be a positive int, got {block_size!r}")
+    if not 0 <= float(dampening) < float("inf"):
+        raise ValueError(f"gptq: dampening must be a finite non-negative number, got {dampening!r}")
+    if actorder == "group":
+        raise ValueError("gptq: actorder='group' (groups in activation order with a g_idx) was removed from "
+                         "compressed-tensors 0.19 and llm-compressor 0.14; use 'static' (= 'weight') or None")
+    if actorder not in _ACTORDERS:
+        raise ValueError(f"gptq: actorder must be one of {_ACTORDERS} or 'group', got {actorder!r}")

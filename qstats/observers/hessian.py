@@ -1,0 +1,126 @@
+"""The GPTQ Hessian of a linear layer's inputs: the sum of ``x^T x`` over input rows, and the row count.
+
+`hessian()` observes the *inputs* of a ``Linear`` layer (last dimension ``in_features``). The state
+stores the **sum** ``total = sum_rows x^T x`` (float32 by default) and the int64 number of rows,
+never a mean, so merges are sums: exact up to float rounding, counts exact.
+
+llm-compressor keeps a running ``H = 2/n * sum x^T x`` (0.14: ``H += 2 x^T x`` then ``H / n`` before
+GPTQ; older releases: ``H *= n/(n+m); H += 2/(n+m) x^T x``), where ``n`` counts the *samples* (the
+leading dimension of each input, one per sequence), not the rows. Its ``H`` is ``2 / n *
+state.total``; `gptq_hessian` gives ``2 / rows * total``. GPTQ's result does not depend on a
+positive factor of ``H`` (dampening is relative to its mean diagonal), so the two agree up to float
+rounding whatever ``n`` counts.
+
+A Hessian has no range: `compute_qparams` on a `HessianState` raises TypeError (use `qstats.gptq`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .._granularity import check_observable
+from .._qparams import register_range_rule
+from ._base import Observer, check_same_shapes, check_state, register_state
+
+__all__ = ["HessianState", "hessian", "gptq_hessian"]
+
+
+@register_state
+class HessianState(NamedTuple):
+    """``total``: sum of ``x^T x`` over the rows seen, ``[in, in]`` (float32, or the observer's
+    dtype); ``count``: int64 rows summed (a scalar); ``nonfinite``: int64 rows left out because
+    they held a NaN or Inf (a scalar)."""
+
+    approx_fields = ("total",)  # a float sum: the laws compare it to tolerance
+
+    total: torch.Tensor
+    count: torch.Tensor
+    nonfinite: torch.Tensor
+
+
+def _row_mask(x: torch.Tensor, weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The per-row keep mask ``[rows]`` of ``weight`` (a prefix of ``x.shape[:-1]``), or None."""
+    if weight is None:
+        return None
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"hessian.update: weight must be a tensor or None, got {type(weight).__name__}")
+    if weight.ndim >= x.ndim or tuple(weight.shape) != tuple(x.shape[: weight.ndim]):
+        raise ValueError(
+            f"hessian.update: weight of shape {tuple(weight.shape)} does not match the leading (row) "
+            f"dimensions of the inputs of shape {tuple(x.shape)}"
+        )
+    keep = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - 1 - weight.ndim)) != 0
+    return keep.expand(x.shape[:-1]).reshape(-1)
+
+
+def hessian(dtype: torch.dtype = torch.float32) -> Observer:
+    """Sum of ``x^T x`` over the rows of a linear layer's inputs (GPTQ's Hessian, unnormalised).
+
+    ``update(state, x, weight=None)``: ``x`` of shape ``[..., in_features]``; every dimension but
+    the last is a row. ``weight`` (shape a prefix of ``x.shape[:-1]``: padding or routing mask)
+    leaves out the rows where it is zero. Rows holding a NaN or Inf are left out and counted in
+    ``nonfinite``. Accumulates in ``dtype`` (float32 or float64) whatever the input dtype.
+
+    Laws: identity; associativity, commutativity and homomorphism exactly for the counts and up to
+    float rounding for ``total``. Under `qstats.stacked_observer` each expert keeps its own
+    ``[in, in]`` sum (state ``[E, in, in]``), its routing mask as ``weight``.
+
+    >>> import torch, qstats
+    >>> obs = qstats.hessian()
+    >>> x = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+    >>> obs.update(obs.init(x), x).total
+    tensor([[10.,  2.],
+            [ 2.,  4.]])
+    """
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"hessian: dtype must be torch.float32 or torch.float64, got {dtype}")
+
+    def init_fn(x: torch.Tensor) -> HessianState:
+        if x.ndim == 0:
+            raise ValueError("hessian: inputs need at least one dimension (in_features), got shape ()")
+        features = x.shape[-1]
+        zero = torch.zeros((), dtype=torch.int64, device=x.device)
+        return HessianState(torch.zeros(features, features, dtype=dtype, device=x.device), zero, zero.clone())
+
+    def update_fn(state: HessianState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> HessianState:
+        check_state(state, HessianState, "hessian.update")
+        check_observable(x, "hessian.update")
+        if x.ndim == 0 or x.shape[-1] != state.total.shape[-1]:
+            raise ValueError(
+                f"hessian.update: inputs of shape {tuple(x.shape)} have {x.shape[-1] if x.ndim else 0} features, "
+                f"but the state is {tuple(state.total.shape)}"
+            )
+        keep = _row_mask(x, weight)
+        if x.numel() == 0:  # an empty batch leaves the state as it is (a shape test, not a value)
+            return state
+        rows = x.detach().reshape(-1, x.shape[-1]).to(state.total.dtype)
+        finite = torch.isfinite(rows).all(dim=1)
+        kept = finite if keep is None else finite & keep
+        rows = torch.where(kept[:, None], rows, torch.zeros_like(rows))
+        nonfinite = (~finite).sum() if keep is None else ((~finite) & keep).sum()
+        return HessianState(state.total + rows.T @ rows, state.count + kept.sum(), state.nonfinite + nonfinite)
+
+    def merge_fn(a: HessianState, b: HessianState) -> HessianState:
+        check_state(a, HessianState, "hessian.merge")
+        check_state(b, HessianState, "hessian.merge")
+        check_same_shapes(a, b, "hessian.merge")
+        return HessianState(a.total + b.total, a.count + b.count, a.nonfinite + b.nonfinite)
+
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=None, name="hessian")
+
+
+def gptq_hessian(state: HessianState) -> torch.Tensor:
+    """``2 / rows * total`` in float32: llm-compressor's normalised Hessian when its sample count
+    equals the row count (2-D inputs). Zeros where no row was seen."""
+    check_state(state, HessianState, "gptq_hessian")
+    return (2.0 * state.total / state.count.clamp(min=1).to(state.total.dtype)).float()
+
+
+@register_range_rule(HessianState)
+def _no_range(state, spec, **options):
+    raise TypeError(
+        "compute_qparams: a HessianState has no range (it is GPTQ's input statistic); quantize the "
+        "layer's weight with qstats.gptq(weight, state, spec), with qparams from a weight observer"
+    )
