@@ -1,0 +1,355 @@
+"""A torch.ao drop-in: qstats observers as ``torch.ao.quantization`` observer modules.
+
+`QstatsObserver` wraps any qstats observer factory and `QuantSpec` in an ``ObserverBase``: its
+state is kept as module buffers (one per state field, so ``state_dict``/``load_state_dict``
+round-trip), ``forward(x)`` threads the pure ``update`` and returns ``x``, and
+``calculate_qparams()`` is `qstats.compute_qparams`. It exposes what torch.ao's eager and FX
+``convert`` read (``dtype``, ``qscheme``, ``ch_axis``, ``quant_min``/``quant_max``, ``eps``,
+``is_dynamic``) and is built with ``.with_args(...)`` like torch.ao's observers. The module-level
+``default_*`` names mirror torch.ao's presets of the same names; `from_observer` imports a
+calibrated torch.ao observer. torchao's PT2E flow checks torchao's own ``ObserverBase``: use
+`qstats.torchao_pt2e.QstatsPT2EObserver` there.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from torch.ao.quantization import observer as ao
+
+from ._granularity import PerAxis, PerTensor
+from ._qparams import compute_qparams
+from ._spec import QuantSpec
+from .observers.fixed import fixed_qparams, placeholder
+from .observers.histogram import HistogramState, histogram, histogram_edges
+from .observers.minmax import MinMaxState, MovingAverageMinMaxState, minmax, moving_average_minmax
+
+__all__ = [
+    "QstatsObserver",
+    "buckets_per_octave_for_bins",
+    "from_observer",
+    "torch_ao_fields",
+    "default_observer",
+    "default_weight_observer",
+    "default_per_channel_weight_observer",
+    "default_histogram_observer",
+    "default_float_qparams_observer",
+    "default_float_qparams_observer_4bit",
+    "default_fixed_qparams_range_0to1_observer",
+    "default_fixed_qparams_range_neg1to1_observer",
+    "default_symmetric_fixed_qparams_observer",
+    "default_affine_fixed_qparams_observer",
+    "weight_observer_range_neg_127_to_127",
+    "per_channel_weight_observer_range_neg_127_to_127",
+    "default_dynamic_quant_observer",
+    "default_placeholder_observer",
+]
+
+_FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def torch_ao_fields(spec: QuantSpec) -> dict:
+    """The torch.ao observer attributes (``dtype``, ``qscheme``, ``quant_min``, ``quant_max``,
+    ``ch_axis``, ``eps``) that describe ``spec`` to torch.ao's ``convert``; ValueError for a spec
+    a torch.ao quantized module cannot hold (float formats, groups or blocks, no zero point)."""
+    if spec.is_float:
+        raise ValueError(f"QstatsObserver: torch.ao quantized modules hold integer targets, not {spec.dtype!r}")
+    if not isinstance(spec.granularity, (PerTensor, PerAxis)):
+        raise ValueError(
+            f"QstatsObserver: torch.ao quantizes per tensor or per channel, not {spec.granularity!r}"
+        )
+    if spec.zero_point_domain == "none":
+        raise ValueError("QstatsObserver: torch.ao quantized tensors need a zero point (zero_point_domain 'none')")
+    per_tensor = isinstance(spec.granularity, PerTensor)
+    qmin, qmax = spec.qrange
+    if spec.zero_point_domain == "float":
+        if per_tensor:
+            raise ValueError("QstatsObserver: float zero points are per channel in torch.ao")
+        qscheme = torch.per_channel_affine_float_qparams
+        dtype = torch.quint4x2 if qmax <= 15 and qmin >= 0 else torch.quint8
+    else:
+        symmetric = spec.mapping != "asymmetric"
+        qscheme = {(True, True): torch.per_tensor_symmetric, (True, False): torch.per_tensor_affine,
+                   (False, True): torch.per_channel_symmetric, (False, False): torch.per_channel_affine}[
+            (per_tensor, symmetric)]
+        if qmin >= 0 and qmax <= 255:
+            dtype = torch.quint8
+        elif -128 <= qmin and qmax <= 127:
+            dtype = torch.qint8
+        else:
+            dtype = torch.qint32
+    ch_axis = 0 if per_tensor else spec.granularity.axis
+    return dict(dtype=dtype, qscheme=qscheme, quant_min=int(qmin), quant_max=int(qmax), ch_axis=ch_axis, eps=spec.eps)
+
+
+def _probe(spec: Optional[QuantSpec]) -> torch.Tensor:
+    """A small tensor every granularity this module accepts can view (for field names and the
+    qparams of an observer that saw nothing)."""
+    axis = spec.granularity.axis if spec is not None and isinstance(spec.granularity, PerAxis) else 0
+    return torch.zeros((1,) * max(axis + 1, -axis, 1))
+
+
+class QstatsObserver(ao.ObserverBase):
+    """A qstats observer as a torch.ao observer module (eager ``prepare``/``convert``, FX
+    ``prepare_fx``/``convert_fx`` through a ``QConfig`` or ``QConfigMapping``).
+
+    Args:
+      observer: a qstats observer factory ``factory(spec, **options) -> Observer``
+        (`qstats.minmax`, `qstats.histogram`, `qstats.moving_average_minmax`, ...).
+      spec: the `QuantSpec`; default: ``QuantSpec.from_torch_ao`` of the torch.ao arguments
+        below, so that the qparams equal torch.ao's observer with those arguments.
+      dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis: torch.ao's arguments,
+        used when ``spec`` is None (a float ``dtype`` builds no spec: placeholders only).
+      is_dynamic: torch.ao's flag for dynamic quantization placeholders.
+      method: ``compute_qparams(state, spec, method=...)`` (histograms: ``"l2"``, ``"mse"``, ...).
+      **options: passed to the factory (``averaging_constant``, ``buckets_per_octave``, ...).
+
+    The state lives in one buffer per field of the observer's state (empty until the first
+    ``forward``), so ``state_dict()`` holds it as plain tensors.
+
+    >>> import torch
+    >>> obs = QstatsObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)()
+    >>> _ = obs(torch.tensor([-1.0, 2.0]))
+    >>> obs.calculate_qparams()[0]
+    tensor([0.0157])
+    """
+
+    def __init__(
+        self,
+        observer: Callable = minmax,
+        spec: Optional[QuantSpec] = None,
+        *,
+        dtype=torch.quint8,
+        qscheme=torch.per_tensor_affine,
+        reduce_range: bool = False,
+        quant_min: Optional[int] = None,
+        quant_max: Optional[int] = None,
+        eps: float = _FLOAT32_EPS,
+        ch_axis: int = 0,
+        is_dynamic: bool = False,
+        method: Optional[str] = None,
+        **options: Any,
+    ) -> None:
+        torch.nn.Module.__init__(self)  # not ObserverBase.__init__: subclasses may add torchao's base
+        if not callable(observer):
+            raise TypeError(f"QstatsObserver: observer must be an observer factory, got {type(observer).__name__}")
+        if spec is not None and not isinstance(spec, QuantSpec):
+            raise TypeError(f"QstatsObserver: spec must be a QuantSpec, got {type(spec).__name__}")
+        if spec is None and dtype not in _FLOAT_DTYPES:
+            spec = QuantSpec.from_torch_ao(dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis)
+            fields = dict(dtype=dtype, qscheme=qscheme, quant_min=spec.qrange[0], quant_max=spec.qrange[1],
+                          ch_axis=ch_axis, eps=spec.eps)
+        elif spec is None:
+            fields = dict(dtype=dtype, qscheme=qscheme, quant_min=quant_min, quant_max=quant_max,
+                          ch_axis=ch_axis, eps=eps)
+        else:
+            fields = torch_ao_fields(spec)
+        for name, value in dict(fields, is_dynamic=is_dynamic, reduce_range=reduce_range).items():
+            setattr(self, name, value)
+        self.spec, self.method = spec, method
+        self._factory, self._options = observer, dict(options)
+        self._state_type = type(self.observer.init(_probe(spec)))
+        self._fields = self._state_type._fields
+        for name in self._fields:
+            self.register_buffer(name, torch.empty(0))
+
+    @property
+    def observer(self):
+        """The qstats Observer (built from the factory, the spec and the options)."""
+        return self._factory(self.spec, **self._options)
+
+    @property
+    def state(self):
+        """The observer's state (a NamedTuple of the buffers), or None before the first forward."""
+        buffers = [getattr(self, name) for name in self._fields]
+        if all(b.numel() == 0 and b.dim() == 1 for b in buffers):
+            return None
+        return self._state_type._make(buffers)
+
+    def set_state(self, state) -> None:
+        """Replaces the buffers by ``state``'s fields (a state of this observer's type)."""
+        if tuple(getattr(state, "_fields", ())) != tuple(self._fields):
+            raise TypeError(
+                f"QstatsObserver.set_state: expected a state with fields {self._fields}, got {type(state).__name__}"
+            )
+        for name, value in zip(self._fields, state):
+            setattr(self, name, value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"QstatsObserver: expected a tensor, got {type(x).__name__}")
+        observer = self.observer
+        state = self.state
+        data = x.detach()
+        self.set_state(observer.update(observer.init(data) if state is None else state, data))
+        return x
+
+    @torch.jit.export
+    def calculate_qparams(self):
+        """``(scale, zero_point)`` as torch.ao returns them: float32 scales, int32 (affine) or
+        int64 (symmetric) zero points (float32 for float zero points), shape ``(1,)`` per tensor. Before any data, torch.ao's
+        defaults (scale 1, zero point 0) with a warning, as torch.ao's observers."""
+        if self.spec is None:
+            raise TypeError("QstatsObserver: an observer without a QuantSpec (float dtype) has no qparams")
+        state = self.state
+        if state is None:
+            warnings.warn("QstatsObserver: must run the observer before calculate_qparams; returning "
+                          "torch.ao's defaults (scale 1, zero point 0)", stacklevel=2)
+            state = self.observer.init(_probe(self.spec))
+        options = {} if self.method is None else {"method": self.method}
+        qp = compute_qparams(state, self.spec, **options)
+        scale, zero_point = qp.scale, qp.zero_point
+        if not zero_point.is_floating_point() and self.spec.mapping != "asymmetric":
+            zero_point = zero_point.to(torch.int64)  # torch.ao: int64 when symmetric, int32 when affine
+        return scale.reshape(-1) if scale.dim() == 0 else scale, zero_point.reshape(-1) if zero_point.dim() == 0 else zero_point
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # the buffers take the shapes and dtypes of the loaded state (empty before the first forward)
+        for name in self._fields:
+            key = prefix + name
+            if key in state_dict and isinstance(state_dict[key], torch.Tensor):
+                setattr(self, name, torch.empty_like(state_dict[key], device=getattr(self, name).device))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def extra_repr(self) -> str:
+        name = getattr(self._factory, "__name__", type(self._factory).__name__)
+        return f"observer={name}, dtype={self.dtype}, qscheme={self.qscheme}, spec={self.spec}"
+
+
+def buckets_per_octave_for_bins(bins: int = 2048) -> int:
+    """The ``buckets_per_octave`` of `qstats.histogram` that resolves at least what torch.ao's
+    ``HistogramObserver(bins=bins)`` resolves where its range search clips.
+
+    torch.ao's ``bins`` split ``[min, max]`` linearly: each is ``(max - min) / bins`` wide. qstats'
+    buckets split every power of two into ``buckets_per_octave``: in the octave of the largest
+    magnitude ``|m|`` a bucket is at most ``|m| / buckets_per_octave`` wide, and narrower below
+    (where torch.ao's linear bins stay as wide). With ``buckets_per_octave >= bins`` (the next
+    power of two, at most 4096) qstats' buckets are never wider than torch.ao's bins: 2048 for
+    torch.ao's default.
+    """
+    if not (isinstance(bins, int) and not isinstance(bins, bool) and bins >= 1):
+        raise ValueError(f"buckets_per_octave_for_bins: bins must be a positive int, got {bins!r}")
+    return min(1 << (bins - 1).bit_length(), 4096)
+
+
+_with = QstatsObserver.with_args
+
+default_observer = _with(observer=minmax, quant_min=0, quant_max=127)
+default_weight_observer = _with(observer=minmax, dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
+weight_observer_range_neg_127_to_127 = _with(
+    observer=minmax, dtype=torch.qint8, qscheme=torch.per_tensor_symmetric, quant_min=-127, quant_max=127, eps=2**-12
+)
+default_histogram_observer = _with(
+    observer=histogram, quant_min=0, quant_max=127, buckets_per_octave=buckets_per_octave_for_bins(2048)
+)
+default_per_channel_weight_observer = _with(observer=minmax, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+per_channel_weight_observer_range_neg_127_to_127 = _with(
+    observer=minmax, dtype=torch.qint8, qscheme=torch.per_channel_symmetric, quant_min=-127, quant_max=127, eps=2**-12
+)
+default_dynamic_quant_observer = _with(observer=placeholder, dtype=torch.quint8, quant_min=0, quant_max=255,
+                                       is_dynamic=True)
+default_placeholder_observer = _with(observer=placeholder, dtype=torch.float32)
+default_float_qparams_observer = _with(
+    observer=minmax, dtype=torch.quint8, qscheme=torch.per_channel_affine_float_qparams, ch_axis=0
+)
+default_float_qparams_observer_4bit = _with(
+    observer=minmax, dtype=torch.quint4x2, qscheme=torch.per_channel_affine_float_qparams, ch_axis=0
+)
+default_fixed_qparams_range_neg1to1_observer = _with(
+    observer=fixed_qparams, dtype=torch.quint8, quant_min=0, quant_max=255, scale=2.0 / 256.0, zero_point=128
+)
+default_fixed_qparams_range_0to1_observer = _with(
+    observer=fixed_qparams, dtype=torch.quint8, quant_min=0, quant_max=255, scale=1.0 / 256.0, zero_point=0
+)
+default_symmetric_fixed_qparams_observer = default_fixed_qparams_range_neg1to1_observer
+default_affine_fixed_qparams_observer = default_fixed_qparams_range_0to1_observer
+
+
+def _spec_of(obs) -> QuantSpec:
+    """The spec whose qparams equal ``obs.calculate_qparams()`` (its range is already halved by
+    ``reduce_range`` where it was custom: torch.ao keeps only the halved one)."""
+    custom = getattr(obs, "has_customized_qrange", False)
+    return QuantSpec.from_torch_ao(
+        obs.dtype, obs.qscheme, False if custom else obs.reduce_range,
+        obs.quant_min if custom else None, obs.quant_max if custom else None,
+        float(obs.eps), getattr(obs, "ch_axis", 0),
+    )
+
+
+_MINMAX_CLASSES = (ao.MinMaxObserver, ao.PerChannelMinMaxObserver)  # the moving averages derive from them
+
+
+def _extremes(obs):
+    """``(min_val, max_val, calibrated)`` of a torch.ao min/max observer, float32 copies."""
+    lo, hi = obs.min_val.detach().float().clone(), obs.max_val.detach().float().clone()
+    if lo.numel() == 0:  # torch.ao's per-channel observers learn their channel count from data
+        raise ValueError(
+            f"from_observer: the {type(obs).__name__} has seen no data (empty min_val); build the qstats state "
+            "with observer.init(x) instead"
+        )
+    return lo, hi, (lo <= hi).to(torch.int64)
+
+
+def _histogram_state(obs, spec: QuantSpec, buckets_per_octave: int, octaves: int) -> HistogramState:
+    """torch.ao's linear bins re-bucketed: the values torch.ao's own search assumes (each bin's
+    count spread evenly over it) counted into qstats' buckets, through the rounded cumulative count
+    at every bucket edge (integer counts, the total kept, exact extremes)."""
+    state = histogram(spec, buckets_per_octave, octaves).init(torch.zeros(1))
+    lo, hi = obs.min_val.detach().float().reshape(()), obs.max_val.detach().float().reshape(())
+    state = state._replace(min_val=lo.clone(), max_val=hi.clone())
+    counts = obs.histogram.detach().double()
+    if not bool(lo <= hi) or float(counts.sum()) <= 0:
+        return histogram(spec, buckets_per_octave, octaves).init(torch.zeros(1))
+    edges, _ = histogram_edges(state)  # (2K + 1,) ascending: negative buckets flipped, then positive
+    bins = counts.numel()
+    width = (hi.double() - lo.double()) / bins
+    before = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    position = torch.where(width > 0, (edges - lo.double()) / torch.where(width > 0, width, 1.0), bins * (edges >= hi))
+    index = position.floor().clamp(0, bins - 1).to(torch.int64)
+    below = before[index] + counts[index] * (position - index).clamp(0, 1)
+    below = torch.where(edges >= hi.double(), before[-1], below)
+    cumulative = torch.round(below).to(torch.int64)
+    flat = cumulative.diff()  # (2K,): negative magnitudes descending, then positive ascending
+    half = flat.numel() // 2
+    per_sign = torch.stack([flat[:half].flip(0), flat[half:]])  # (2, K): underflow, buckets, overflow
+    return state._replace(counts=per_sign[:, 1:-1].reshape(state.counts.shape),
+                          underflow=per_sign[:, 0].clone(), overflow=per_sign[:, -1].clone())
+
+
+def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 48):
+    """A calibrated torch.ao observer as ``(observer, spec, state)`` of qstats.
+
+    ``MinMaxObserver``, ``PerChannelMinMaxObserver``, ``MovingAverageMinMaxObserver`` and
+    ``MovingAveragePerChannelMinMaxObserver`` convert exactly: observing more batches with
+    ``observer.update`` gives the qparams torch.ao gives, bit for bit. torch.ao keeps no counts, so
+    ``count`` (and the moving average's ``batches``) is 1 for every calibrated parameter.
+
+    ``HistogramObserver``: its ``bins`` linear bins over ``[min_val, max_val]`` are re-bucketed
+    into `qstats.histogram` (``buckets_per_octave``: default `buckets_per_octave_for_bins` of its
+    ``bins``), each bin's count spread evenly over the bin, as torch.ao's own search assumes; the
+    cumulative count is rounded at every bucket edge, so counts stay integers and the total and the
+    exact extremes are kept. The re-bucketed values sit at most one torch.ao bin from where they
+    were; qparams computed from the result differ from torch.ao's as qstats' ``l2`` search differs
+    from torch.ao's greedy one (docs/migrating_torch_ao.md gives the tested figures).
+    """
+    if isinstance(obs, QstatsObserver):
+        return obs.observer, obs.spec, obs.state
+    spec = _spec_of(obs)
+    if isinstance(obs, ao.HistogramObserver):
+        per_octave = buckets_per_octave_for_bins(obs.bins) if buckets_per_octave is None else buckets_per_octave
+        return histogram(spec, per_octave, octaves), spec, _histogram_state(obs, spec, per_octave, octaves)
+    if not isinstance(obs, _MINMAX_CLASSES):
+        raise TypeError(
+            f"from_observer: cannot import a {type(obs).__name__}; expected a MinMaxObserver, PerChannelMinMaxObserver, "
+            "MovingAverage(PerChannel)MinMaxObserver or HistogramObserver"
+        )
+    lo, hi, seen = _extremes(obs)
+    nonfinite = torch.zeros_like(seen)
+    if isinstance(obs, (ao.MovingAverageMinMaxObserver, ao.MovingAveragePerChannelMinMaxObserver)):
+        observer = moving_average_minmax(spec, obs.averaging_constant)
+        return observer, spec, MovingAverageMinMaxState(lo, hi, seen.clone(), seen, nonfinite)
+    return minmax(spec), spec, MinMaxState(lo, hi, seen, nonfinite)
