@@ -1,0 +1,140 @@
+"""Loading the weights of one module at a time from a directory of safetensors shards.
+
+`LazyCheckpoint` reads a checkpoint (``model.safetensors``, or shards and their
+``model.safetensors.index.json``) tensor by tensor with ``safetensors.safe_open``; `load_module`
+puts a module's parameters and buffers (built on the meta device) on the CPU in the checkpoint's
+dtype and returns what `release_module` needs to put the meta tensors back. Stacked experts
+(3-D ``gate_up_proj`` / ``down_proj``) are read from the per-expert keys transformers writes
+(``experts.<e>.gate_proj.weight`` ...) when the checkpoint has no stacked key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+__all__ = ["LazyCheckpoint", "load_module", "release_module"]
+
+# Stacked parameter -> the per-expert Linear weights it is made of, concatenated along their
+# output dimension in this order (transformers' MergeModulelist + Concatenate conversions).
+_EXPERT_SOURCES = {
+    "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
+    "down_proj": (("down_proj",), ("w2",)),
+}
+
+
+class LazyCheckpoint:
+    """The tensor names of a safetensors checkpoint directory and where each one lives; tensors
+    are read one at a time (`tensor`), never the whole file."""
+
+    def __init__(self, directory):
+        self.directory = os.fspath(directory)
+        if not os.path.isdir(self.directory):
+            raise ValueError(f"calibrate_layerwise: checkpoint {self.directory!r} is not a directory")
+        index = os.path.join(self.directory, "model.safetensors.index.json")
+        single = os.path.join(self.directory, "model.safetensors")
+        if os.path.exists(index):
+            with open(index) as file:
+                self.files = dict(json.load(file)["weight_map"])
+        elif os.path.exists(single):
+            from safetensors import safe_open
+
+            with safe_open(single, "pt") as file:
+                self.files = {key: "model.safetensors" for key in file.keys()}
+        else:
+            raise ValueError(
+                f"calibrate_layerwise: {self.directory!r} holds neither model.safetensors nor "
+                "model.safetensors.index.json"
+            )
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The tensor ``key``, read from its shard onto the CPU in its stored dtype."""
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(self.directory, self.files[key]), "pt", device="cpu") as file:
+            return file.get_tensor(key)
+
+    def stacked_experts(self, key: str) -> Optional[torch.Tensor]:
+        """``[E, out, in]`` for a stacked-experts key (``...experts.gate_up_proj``) stored per
+        expert, or None when the checkpoint has no such per-expert keys."""
+        prefix, _, name = key.rpartition(".")
+        for sources in _EXPERT_SOURCES.get(name, ()):
+            if f"{prefix}.0.{sources[0]}.weight" not in self:
+                continue
+            count = 0
+            while f"{prefix}.{count}.{sources[0]}.weight" in self:
+                count += 1
+            return torch.stack(
+                [torch.cat([self.tensor(f"{prefix}.{e}.{s}.weight") for s in sources], dim=0) for e in range(count)]
+            )
+        return None
+
+
+def _aliases(model: torch.nn.Module) -> dict:
+    """``{id(tensor): [names]}`` of every parameter and buffer, tied ones under all their names."""
+    names: dict = {}
+    for name, value in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
+        names.setdefault(id(value), []).append(name)
+    return names
+
+
+def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """The checkpoint's value of a tensor known under ``names`` (tied tensors have several)."""
+    for name in names:
+        if name in checkpoint:
+            value = checkpoint.tensor(name)
+        else:
+            value = checkpoint.stacked_experts(name) if like.ndim == 3 else None
+            if value is None:
+                continue
+        if tuple(value.shape) != tuple(like.shape):
+            raise ValueError(
+                f"calibrate_layerwise: checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
+                f"the model's {tuple(like.shape)}"
+            )
+        return value
+    return None
+
+
+def load_module(model: torch.nn.Module, path: str, checkpoint: LazyCheckpoint, recurse: bool = True) -> list:
+    """Puts every meta parameter and buffer of the module at ``path`` of ``model`` on the CPU,
+    read from ``checkpoint`` in its dtype; returns ``[(owner, kind, name, meta tensor)]`` for
+    `release_module` (its own tensors only, without ``recurse``). A meta buffer the checkpoint lacks (rotary frequencies) is recomputed by the
+    model's ``_init_weights`` (transformers models); anything else missing is a ValueError."""
+    module = model.get_submodule(path)
+    aliases = _aliases(model)
+    saved: list = []
+    owners = module.named_modules(prefix=path) if recurse else [(path, module)]
+    for owner_path, owner in owners:
+        for kind in ("_buffers", "_parameters"):  # buffers first: `_init_weights` meets meta parameters
+            recompute = False
+            for name, value in list(getattr(owner, kind).items()):
+                if value is None or value.device.type != "meta":
+                    continue
+                full = f"{owner_path}.{name}" if owner_path else name
+                loaded = _read(checkpoint, aliases.get(id(value), [full]), value)
+                if loaded is None and kind == "_buffers" and hasattr(model, "_init_weights"):
+                    loaded, recompute = torch.empty_like(value, device="cpu"), True
+                if loaded is None:
+                    raise ValueError(f"calibrate_layerwise: the checkpoint has no tensor {full!r}")
+                if kind == "_parameters":
+                    loaded = torch.nn.Parameter(loaded, requires_grad=False)
+                saved.append((owner, kind, name, value))
+                getattr(owner, kind)[name] = loaded
+            if recompute:
+                model._init_weights(owner)
+    return saved
+
+
+def release_module(saved: list) -> None:
+    """Puts back the meta tensors `load_module` replaced (ties and the user's objects intact)."""
+    for owner, kind, name, value in reversed(saved):
+        getattr(owner, kind)[name] = value

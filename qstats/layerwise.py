@@ -1,0 +1,393 @@
+"""Calibrating a model whose weights do not fit in memory, one decoder layer at a time.
+
+`calibrate_layerwise` takes a model built on the meta device and a directory of safetensors
+shards. It runs the model up to its first decoder layer once per batch to capture that layer's
+inputs, then loads each layer from the checkpoint, calibrates it (`qstats.calibrate` on the layer,
+under the part of the recipe's `Plan` inside it, so the states keep their full module paths) over
+every stored input, keeps its outputs as the next layer's inputs and puts the layer back on the
+meta device. The modules outside the layers (embeddings, final norm, ``lm_head``) are observed
+last, by running the model's own forward with every layer replaced by a stub returning the last
+layer's stored outputs. Only one layer's weights (and the modules outside the layers) are in
+memory at a time; the activations stay in memory or, with ``offload_dir``, on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
+
+import torch
+
+from . import distributed
+from ._lazy_checkpoint import LazyCheckpoint, load_module, release_module
+from .calibrate import calibrate, compute_qparams_tree, fake_quantized
+from .recipe import Plan, Recipe
+
+__all__ = ["calibrate_layerwise"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """One calibration batch between layers: the user's batch, its observation weight, the
+    arguments of the next layer and the output of the last layer run (None before the first)."""
+
+    batch: Any
+    weight: Optional[torch.Tensor]
+    args: tuple
+    kwargs: dict
+    output: Any = None
+
+
+class _Store:
+    """The batches' `_Inputs`: in a list, or one ``torch.save`` file per batch under ``directory``."""
+
+    def __init__(self, directory: Optional[str]):
+        self.directory = directory
+        self.records: list = []
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.directory, f"batch_{index:07d}.pt")
+
+    def __getitem__(self, index: int) -> _Inputs:
+        if self.directory is None:
+            return self.records[index]
+        return _Inputs(**torch.load(self.path(index), weights_only=False))
+
+    def __setitem__(self, index: int, record: _Inputs) -> None:
+        if self.directory is None:
+            self.records[index] = record
+        else:
+            torch.save(dataclasses.asdict(record), self.path(index))
+
+    def append(self, record: _Inputs) -> None:
+        if self.directory is None:
+            self.records.append(None)
+        self.count += 1
+        self[self.count - 1] = record
+
+    def __iter__(self) -> Iterator[_Inputs]:
+        return (self[index] for index in range(self.count))
+
+
+class _Stop(Exception):
+    """Raised by the first layer's pre-hook: the forward has reached it; carries its arguments."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        super().__init__("first decoder layer reached")
+        self.layer_args, self.layer_kwargs = args, kwargs
+
+
+def _call(model: torch.nn.Module, batch) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _inside(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + ".")
+
+
+def _decoder_layers(model: torch.nn.Module, layers: Optional[str]) -> tuple:
+    """``(path, container)`` of the decoder layers: ``layers`` when given, else the longest
+    ``nn.ModuleList`` whose children are all of one class."""
+    if layers is not None:
+        container = model.get_submodule(layers)
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)) or not len(container):
+            raise ValueError(f"calibrate_layerwise: layers={layers!r} is not a non-empty nn.ModuleList")
+        return layers, container
+    found = [
+        (len(module), path, module)
+        for path, module in model.named_modules()
+        if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1
+    ]
+    if not found:
+        raise ValueError("calibrate_layerwise: no nn.ModuleList of decoder layers found; name it with layers=")
+    _, path, container = max(found, key=lambda item: item[0])
+    return path, container
+
+
+def _sub_plan(plan: Plan, keep: Callable[[str], bool], root: torch.nn.Module) -> Plan:
+    """The part of ``plan`` on the modules whose paths ``keep`` selects, run through ``root``."""
+    sites = {path: entry for path, entry in plan.sites.items() if keep(path)}
+    modules = {path: module for path, module in plan.modules.items() if path and keep(path)}
+    groups = tuple(group for group in plan.fused_groups if all(keep(path) for path in group))
+    return Plan(plan.recipe, MappingProxyType(sites), MappingProxyType({"": root, **modules}), groups)
+
+
+def _without_cache(kwargs: dict) -> dict:
+    """The layer's keyword arguments without the KV cache (a calibration batch is a whole
+    sequence: the cache would only grow with every layer of every stored batch)."""
+    out = dict(kwargs)
+    if "past_key_values" in out:
+        out["past_key_values"] = None
+    if "use_cache" in out:
+        out["use_cache"] = False
+    return out
+
+
+def _next_inputs(record: _Inputs, output) -> _Inputs:
+    """``record`` with the layer's output as the next layer's hidden states."""
+    hidden = output[0] if isinstance(output, (tuple, list)) else output
+    if not isinstance(hidden, torch.Tensor):
+        raise ValueError(f"calibrate_layerwise: a decoder layer returned {type(output).__name__}, not hidden states")
+    if record.args:
+        return dataclasses.replace(record, args=(hidden,) + tuple(record.args[1:]), output=output)
+    if "hidden_states" in record.kwargs:
+        return dataclasses.replace(record, kwargs={**record.kwargs, "hidden_states": hidden}, output=output)
+    raise ValueError("calibrate_layerwise: the decoder layers take their hidden states neither first nor by keyword")
+
+
+class _LayerRun(torch.nn.Module):
+    """The root `calibrate` runs for one layer: calls the layer on a stored batch and, when
+    ``write``, stores its output as that batch's next inputs."""
+
+    def __init__(self, layer: torch.nn.Module, store: _Store):
+        super().__init__()
+        self.layer = layer
+        self.store = store
+        self.write = True
+
+    def forward(self, index: int):
+        record = self.store[index]
+        output = self.layer(*record.args, **record.kwargs)
+        if self.write:
+            self.store[index] = _next_inputs(record, output)
+        return output
+
+
+class _Replay(torch.nn.Module):
+    """Stands in for a decoder layer after the last one has run: returns the stored output of
+    the last layer for the current batch (the first stub moves to the next batch)."""
+
+    def __init__(self, store: _Store, first: bool, shared: dict):
+        super().__init__()
+        self.store, self.first, self.shared = store, first, shared
+
+    def forward(self, *args, **kwargs):
+        if self.first:
+            self.shared["index"] = self.shared.get("index", -1) + 1
+            self.shared["output"] = self.store[self.shared["index"]].output
+        return self.shared["output"]
+
+
+def _capture(model, layer, batches, observation_weight, store: _Store) -> None:
+    """Runs ``model`` on each batch up to ``layer`` (the first decoder layer) and stores its inputs."""
+
+    def stop(module, args, kwargs):
+        raise _Stop(args, kwargs)
+
+    handle = layer.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                weight = observation_weight(batch) if observation_weight is not None else None
+                try:
+                    _call(model, batch)
+                except _Stop as stopped:
+                    args, kwargs = stopped.layer_args, stopped.layer_kwargs
+                else:
+                    raise ValueError("calibrate_layerwise: the model's forward never called its first decoder layer")
+                store.append(_Inputs(batch, weight, tuple(args), _without_cache(kwargs)))
+    finally:
+        handle.remove()
+
+
+def _reduce(states: dict, plan: Plan) -> dict:
+    """``states`` with its activation sites merged across ranks (`qstats.distributed.all_reduce`);
+    parameter sites are the same on every rank and stay as they are."""
+    activations = {
+        path: {site: state for site, state in entry.items() if plan.site(path, site).kind != "parameter"}
+        for path, entry in states.items()
+    }
+    activations = {path: entry for path, entry in activations.items() if entry}
+    reduced = distributed.all_reduce(activations, plan.observers(activations))
+    return {path: {**entry, **reduced.get(path, {})} for path, entry in states.items()}
+
+
+@dataclasses.dataclass
+class _Run:
+    """What every phase of one `calibrate_layerwise` call shares."""
+
+    model: torch.nn.Module
+    checkpoint: LazyCheckpoint
+    plan: Plan
+    store: _Store
+    states: dict
+    all_experts: bool
+    propagate: str
+    all_reduce: bool
+
+    def calibrate(self, root, plan: Plan, batches, observation_weight) -> dict:
+        resumed = {path: entry for path, entry in self.states.items() if path in plan.sites}
+        found = calibrate(
+            root, batches, plan, states=resumed or None, progress=False,
+            observation_weight=observation_weight, all_experts=self.all_experts,
+        )  # fmt: skip
+        return _reduce(found, plan) if self.all_reduce else found
+
+
+def _outer_loaded(run: _Run, container_path: str) -> list:
+    """Loads every module outside the decoder layers (their own tensors); `release_module` list."""
+    saved: list = []
+    for path, _ in run.model.named_modules():
+        if not _inside(path, container_path):
+            saved += load_module(run.model, path, run.checkpoint, recurse=False)
+    return saved
+
+
+def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
+    """Loads, calibrates and releases one decoder layer; its outputs replace the stored inputs."""
+    saved = load_module(run.model, path, run.checkpoint)
+    try:
+        runner = _LayerRun(layer, run.store)
+        plan = _sub_plan(run.plan, lambda p: _inside(p, path), runner)
+        runner.write = run.propagate == "float"
+        found = run.calibrate(runner, plan, range(len(run.store)), lambda index: run.store[index].weight)
+        if run.propagate == "quantized":
+            runner.write = True
+            with fake_quantized(runner, compute_qparams_tree(found, plan), plan), torch.no_grad():
+                for index in range(len(run.store)):
+                    runner(index)
+        return found
+    finally:
+        release_module(saved)
+
+
+def _run_outside(run: _Run, container_path: str, container, observation_weight) -> dict:
+    """Observes the sites outside the decoder layers: the model's forward over the user's
+    batches, each layer replaced by a stub returning the last layer's stored outputs."""
+    shared: dict = {}
+    layers = list(container)
+    plan = _sub_plan(run.plan, lambda p: not _inside(p, container_path), run.model)
+    saved = _outer_loaded(run, container_path)
+    try:
+        for index in range(len(layers)):
+            container[index] = _Replay(run.store, index == 0, shared)
+        batches = (record.batch for record in run.store)
+        return run.calibrate(run.model, plan, batches, observation_weight)
+    finally:
+        for index, layer in enumerate(layers):
+            container[index] = layer
+        release_module(saved)
+
+
+def _check_layer_kinds(model: torch.nn.Module) -> None:
+    kinds = getattr(getattr(model, "config", None), "layer_types", None)
+    if kinds is not None and len(set(kinds)) > 1:
+        raise ValueError(
+            f"calibrate_layerwise: the layers are of several kinds ({sorted(set(kinds))}: sliding-window and full "
+            "attention get different masks); every layer here is called with the arguments of the first"
+        )
+
+
+def _check_resumed(states: Mapping, plan: Plan) -> None:
+    for path, entry in states.items():
+        for site in entry:
+            if plan.site(path, site) is None:
+                raise ValueError(
+                    f"calibrate_layerwise: the given states hold site {site!r} of module {path!r}, which this "
+                    "recipe does not observe in this model"
+                )
+
+
+def _ordered(states: dict, plan: Plan) -> dict:
+    """The states in the plan's order of modules and sites."""
+    return {
+        path: {site: states[path][site] for site in entry if site in states.get(path, {})}
+        for path, entry in plan.sites.items()
+        if states.get(path)
+    }
+
+
+def calibrate_layerwise(
+    model: torch.nn.Module,
+    checkpoint: Union[str, os.PathLike],
+    batches,
+    recipe: Union[Recipe, Plan],
+    *,
+    states: Optional[Mapping] = None,
+    propagate: str = "float",
+    offload_dir: Optional[Union[str, os.PathLike]] = None,
+    layers: Optional[str] = None,
+    progress: bool = True,
+    observation_weight: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
+    all_experts: bool = False,
+    all_reduce: bool = False,
+) -> dict:
+    """Observer states of a model too large for memory, calibrated one decoder layer at a time.
+
+    Args:
+      model: the model built on the meta device (``with torch.device("meta"):
+        AutoModelForCausalLM.from_config(config)``), in eval mode. Its tensors are read from
+        ``checkpoint`` when needed and put back on the meta device after.
+      checkpoint: a directory holding ``model.safetensors`` or shards and their
+        ``model.safetensors.index.json``; read tensor by tensor, in its dtype. Stacked experts
+        stored per expert (transformers' ``experts.<e>.gate_proj.weight``) are stacked on reading.
+      batches, recipe, states, observation_weight, all_experts: as in `qstats.calibrate` (the
+        batches are the model's; each is iterated once).
+      propagate: ``"float"`` (default): each layer's outputs are those of the float layer, and the
+        states equal ``qstats.calibrate`` on the loaded model bit for bit. ``"quantized"``: each
+        layer's outputs are those of the layer fake-quantized (`qstats.fake_quantized`) under the
+        qparams of its own states, as llm-compressor's sequential pipeline propagates.
+      offload_dir: keep the layers' inputs on disk there (one file per batch, removed at the
+        end) instead of in memory.
+      layers: the path of the ``nn.ModuleList`` of decoder layers (default: the longest one).
+      progress: a progress bar over the layers.
+      all_reduce: merge each layer's activation states across the ranks of the default process
+        group (`qstats.distributed.all_reduce`) as soon as it is observed, so quantized
+        propagation uses the same qparams on every rank; the states returned are merged already.
+
+    Returns:
+      ``{module_path: {site: state}}`` with full module paths, in the plan's order.
+
+    Raises:
+      ValueError: a tensor the checkpoint lacks (or of another shape), a forward that never calls
+        its first layer, layers of several kinds (sliding-window models), a bad ``propagate``.
+    """
+    if propagate not in ("float", "quantized"):
+        raise ValueError(f"calibrate_layerwise: propagate must be 'float' or 'quantized', got {propagate!r}")
+    if all_reduce and states is not None:
+        raise ValueError("calibrate_layerwise: all_reduce with resumed states would merge those states once per rank")
+    _check_layer_kinds(model)
+    plan = recipe if isinstance(recipe, Plan) else recipe.resolve(model)
+    if plan.model is not model:
+        raise ValueError("calibrate_layerwise: the Plan was resolved on another model than the one given")
+    _check_resumed(states or {}, plan)
+    container_path, container = _decoder_layers(model, layers)
+    directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)
+    run = _Run(model, LazyCheckpoint(checkpoint), plan, _Store(directory), dict(states or {}),
+               bool(all_experts), propagate, bool(all_reduce))  # fmt: skip
+    try:
+        return _ordered(_calibrate_all(run, container_path, container, batches, observation_weight, progress), plan)
+    finally:
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _calibrate_all(run: _Run, container_path: str, container, batches, observation_weight, progress: bool) -> dict:
+    from tqdm.auto import tqdm
+
+    found: dict = {}
+    saved = _outer_loaded(run, container_path)
+    try:
+        _capture(run.model, container[0], batches, observation_weight, run.store)
+    finally:
+        release_module(saved)
+    bar = tqdm(total=len(container) + 1, unit="layer", desc="qstats.calibrate_layerwise", disable=not progress)
+    for index, layer in enumerate(container):
+        found.update(_run_layer(run, f"{container_path}.{index}", layer))
+        bar.update(1)
+    found.update(_run_outside(run, container_path, container, observation_weight))
+    bar.update(1)
+    bar.close()
+    return found
