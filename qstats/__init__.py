@@ -54,6 +54,9 @@ from .observers.moments import moments as moments
 from .observers.mse import mse as mse
 from .observers.imatrix import imatrix as imatrix
 from .observers import imatrix_mse as imatrix_mse
+from .observers.hessian import HessianState as HessianState
+from .observers.hessian import hessian as hessian
+from .gptq import gptq as gptq
 from .observers import importance as importance
 from .observers import fixed_qparams as fixed_qparams
 from .observers import noop as noop
@@ -139,6 +142,9 @@ __all__ = [
     "mse",
     "imatrix",
     "imatrix_mse",
+    "hessian",
+    "HessianState",
+    "gptq",
     "importance",
     "fixed_qparams",
     "noop",

@@ -227,7 +227,8 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
         return _gptq_one(w, total, rows, qp, spec, block_size, float(dampening), actorder)
 
     if weight.ndim == 3:
-        return torch.vmap(one)(weight, hessian_state.total, count, qparams)
+        return torch.vmap(one, in_dims=(0, 0, 0, None if qparams is None else 0))(
+            weight, hessian_state.total, count, qparams)
     return one(weight, hessian_state.total, count, qparams)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from .._granularity import check_observable
 from .._qparams import register_range_rule
+from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state
 
 __all__ = ["HessianState", "hessian", "gptq_hessian"]
@@ -55,8 +56,11 @@ def _row_mask(x: torch.Tensor, weight: Optional[torch.Tensor]) -> Optional[torch
     return keep.expand(x.shape[:-1]).reshape(-1)
 
 
-def hessian(dtype: torch.dtype = torch.float32) -> Observer:
+def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.float32) -> Observer:
     """Sum of ``x^T x`` over the rows of a linear layer's inputs (GPTQ's Hessian, unnormalised).
+
+    ``spec`` is accepted and unused (a Hessian depends on no quantization format), so that
+    ``Rule("Linear", sites=("input",), observer=qstats.hessian)`` builds it as any observer.
 
     ``update(state, x, weight=None)``: ``x`` of shape ``[..., in_features]``; every dimension but
     the last is a row. ``weight`` (shape a prefix of ``x.shape[:-1]``: padding or routing mask)
@@ -74,6 +78,8 @@ def hessian(dtype: torch.dtype = torch.float32) -> Observer:
     tensor([[10.,  2.],
             [ 2.,  4.]])
     """
+    if spec is not None and not isinstance(spec, QuantSpec):
+        raise TypeError(f"hessian: spec must be a QuantSpec or None, got {type(spec).__name__}")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"hessian: dtype must be torch.float32 or torch.float64, got {dtype}")
 
