@@ -1,0 +1,176 @@
+"""qstats.hessian: the sum of x^T x over a linear layer's input rows (GPTQ's Hessian).
+
+References: float64 matrix products of the kept rows (independent), llm-compressor 0.14's
+``accumulate_hessian`` (its normalised H is ``2 / samples * total``), the laws of qstats.testing,
+a real 2-rank gloo all_reduce against the sequential merge.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import socket
+
+import pytest
+import torch
+
+import qstats
+from qstats.observers.hessian import HessianState, gptq_hessian, hessian
+
+
+def _gram(rows: torch.Tensor) -> torch.Tensor:
+    rows = rows.double()
+    return rows.T @ rows
+
+
+def test_sum_of_outer_products_of_the_rows():
+    gen = torch.Generator().manual_seed(0)
+    obs = hessian()
+    batches = [torch.randn(3, 7, 24, generator=gen) for _ in range(4)]
+    state = obs.init(batches[0])
+    for x in batches:
+        state = obs.update(state, x)
+    rows = torch.cat([x.reshape(-1, 24) for x in batches])
+    assert state.total.dtype == torch.float32 and state.count.dtype == torch.int64
+    torch.testing.assert_close(state.total.double(), _gram(rows), rtol=1e-5, atol=1e-4)
+    assert int(state.count) == rows.shape[0] and int(state.nonfinite) == 0
+    wide = hessian(dtype=torch.float64)
+    state64 = wide.update(wide.init(rows), rows)
+    torch.testing.assert_close(state64.total, _gram(rows), rtol=1e-12, atol=1e-10)
+
+
+def test_matches_llm_compressor_accumulate_hessian():
+    helpers = pytest.importorskip("llmcompressor.modifiers.gptq.helpers")
+    gen = torch.Generator().manual_seed(1)
+    layer = torch.nn.Linear(32, 16, bias=False)
+    batches = [torch.randn(2, 9, 32, generator=gen) * torch.linspace(0.1, 3, 32) for _ in range(5)]
+    reference, samples = helpers.make_empty_hessian(layer), torch.zeros(())
+    obs = hessian()
+    state = obs.init(batches[0])
+    for x in batches:
+        reference, samples = helpers.accumulate_hessian(x, layer, reference, samples)
+        state = obs.update(state, x)
+    # llm-compressor normalises by its sample count (2 per batch here), qstats counts rows (18)
+    assert int(samples) == 10 and int(state.count) == 90
+    torch.testing.assert_close(2.0 * state.total / samples, reference / samples, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gptq_hessian(state), reference / int(state.count), rtol=1e-5, atol=1e-5)
+
+
+def test_masks_and_nonfinite_rows_are_left_out():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 6, 16, generator=gen)
+    padding = torch.rand(4, 6, generator=gen) > 0.3
+    x[0, 1, 3] = float("nan")
+    x[2, 2, 0] = float("inf")
+    obs = hessian()
+    state = obs.update(obs.init(x), x, padding.float())
+    rows, keep = x.reshape(-1, 16), padding.reshape(-1)
+    finite = torch.isfinite(rows).all(dim=1)
+    torch.testing.assert_close(state.total.double(), _gram(rows[keep & finite]), rtol=1e-5, atol=1e-4)
+    assert int(state.count) == int((keep & finite).sum())
+    assert int(state.nonfinite) == int((keep & ~finite).sum())
+    # a per-batch mask (prefix of the row dimensions) leaves out whole sequences
+    sequences = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    clean = torch.randn(4, 6, 16, generator=gen)
+    state = obs.update(obs.init(clean), clean, sequences)
+    torch.testing.assert_close(state.total.double(), _gram(clean[sequences.bool()].reshape(-1, 16)),
+                               rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="does not match the leading"):
+        obs.update(obs.init(clean), clean, torch.ones(5))
+    with pytest.raises(ValueError, match="features"):
+        obs.update(obs.init(clean), torch.randn(3, 8))
+
+
+def test_stacked_experts_equal_a_loop_over_routed_rows():
+    gen = torch.Generator().manual_seed(3)
+    experts, tokens, features = 6, 40, 16
+    x = torch.randn(tokens, features, generator=gen)
+    route = torch.rand(experts, tokens, generator=gen) > 0.6
+    route[4] = False  # an expert that receives no token
+    obs = qstats.stacked_observer(hessian(), experts)
+    shared = x.expand(experts, tokens, features)
+    state = obs.update(obs.init(shared), shared, route.float())
+    assert state.total.shape == (experts, features, features)
+    for e in range(experts):
+        torch.testing.assert_close(state.total[e].double(), _gram(x[route[e]]), rtol=1e-5, atol=1e-4)
+        assert int(state.count[e]) == int(route[e].sum())
+    # per-expert inputs (not shared) under vmap too
+    own = torch.randn(experts, tokens, features, generator=gen)
+    state = obs.update(obs.init(own), own, route.float())
+    for e in range(experts):
+        torch.testing.assert_close(state.total[e].double(), _gram(own[e][route[e]]), rtol=1e-5, atol=1e-4)
+
+
+def test_laws():
+    qstats.testing.check_all(hessian(), lambda g: torch.randn(12, 16, generator=g), max_examples=5)
+
+
+def test_save_load_round_trip(tmp_path):
+    obs = qstats.stacked_observer(hessian(), 3)
+    x = torch.randn(3, 10, 8)
+    state = obs.update(obs.init(x), x)
+    qstats.save(tmp_path / "h.safetensors", {"layer": {"input": state}})
+    loaded = qstats.load(tmp_path / "h.safetensors")["layer"]["input"]
+    assert isinstance(loaded, HessianState)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(loaded, state))
+
+
+def test_compute_qparams_is_refused():
+    obs = hessian()
+    state = obs.update(obs.init(torch.ones(2, 4)), torch.ones(2, 4))
+    with pytest.raises(TypeError, match="no range"):
+        qstats.compute_qparams(state, qstats.QuantSpec())
+
+
+def test_calibrate_collects_hessians_through_a_recipe():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    batches = [torch.randn(4, 16) for _ in range(3)]
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), observer=hessian)])
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    inputs = torch.cat(batches)
+    torch.testing.assert_close(states["0"]["input"].total.double(), _gram(inputs), rtol=1e-5, atol=1e-4)
+    hidden = torch.relu(model[0](inputs)).detach()
+    torch.testing.assert_close(states["2"]["input"].total.double(), _gram(hidden), rtol=1e-5, atol=1e-4)
+    assert int(states["2"]["input"].count) == 12
+
+
+def _rank_state(rank: int) -> HessianState:
+    gen = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(5 + 3 * rank, 12, generator=gen) * 1000.0 ** rank
+    obs = hessian()
+    return obs.update(obs.init(x), x)
+
+
+def _run_rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        state = _rank_state(rank)
+        exact = qstats.distributed.all_reduce({"l": state}, hessian(), exact=True)["l"]
+        summed = qstats.distributed.all_reduce({"l": state}, hessian())["l"]
+        torch.save({"exact": tuple(exact), "summed": tuple(summed)}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_all_reduce_sums_and_exact_folds(tmp_path):
+    world = 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=_run_rank, args=(r, world, port, str(tmp_path))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    sequential = functools.reduce(hessian().merge, [_rank_state(r) for r in range(world)])
+    for rank in range(world):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(result["exact"], sequential))  # rank order, bit for bit
+        torch.testing.assert_close(result["summed"][0], sequential.total, rtol=1e-6, atol=0)
+        assert torch.equal(result["summed"][1], sequential.count)
