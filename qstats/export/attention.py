@@ -1,7 +1,6 @@
-"""Attention quantization: the ``q``/``k``/``v`` sites of an attention module become its
-``q_scale``/``k_scale``/``v_scale`` and the config's ``kv_cache_scheme`` (and, for ``q``, a config
-group targeting the attention modules), as compressed-tensors registers them
-(``initialize_attn_qparams``)."""
+"""Attention quantization: ``q``/``k``/``v`` sites become ``q_scale``/``k_scale``/``v_scale``, the
+config's ``kv_cache_scheme`` and a ``q`` config group, as compressed-tensors' ``initialize_attn_qparams``.
+"""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from ..experts import expert_count
 from ..fused import fused_groups
 from ..recipe import Plan, Recipe, as_plan
 from .attention import attention_config, write_attention
-from .config import ATTENTION_SITES, FORMATS, config_groups
+from .config import ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, llm_compressor_observers
 from .experts import expert_entries, warn_mixed_experts
 from .linear import linear_entry, write_linear
 
@@ -36,22 +36,10 @@ def compressed_tensors(
 
     Args:
       model: the calibrated model (its float weights are quantized with ``qparams``).
-      qparams: ``{module_path: {site: QParams}}``, e.g. from `qstats.compute_qparams_tree`. A
-        dynamic activation site (per-token or per-group spec, or a Rule with ``dynamic=True``)
-        needs no parameters: its value may be ``None`` (any QParams given for it are ignored).
-        A Rule's ``dynamic`` is known from a recipe or plan only, not from a specs tree. Stacked experts carry a leading expert dimension;
-        ``q``/``k``/``v`` sites of an attention module become its ``q_scale``/``k_scale``/``v_scale``.
-      path: output folder; gets ``model.safetensors`` and ``config.json`` (a transformers model's
-        ``config`` is included; an existing ``config.json`` there is extended).
-      specs_or_recipe: the `qstats.Recipe` used to calibrate (or its `qstats.recipe.Plan` on
-        ``model``), or a ``{path: {site: QuantSpec}}`` tree shaped like ``qparams``.
-      format: the compressed-tensors format of every Linear group: ``"pack-quantized"`` (integer
-        weights packed into int32), ``"int-quantized"``, ``"float-quantized"``,
-        ``"naive-quantized"`` (int8/fp8 codes), ``"nvfp4-pack-quantized"``,
-        ``"mxfp4-pack-quantized"`` or ``"mxfp8-quantized"``. Default: what compressed-tensors
-        itself infers per group (``int-quantized`` / ``float-quantized`` with quantized inputs;
-        ``pack-quantized`` / ``naive-quantized`` for integer / fp8 weights only; NVFP4 and MX
-        by their scales), ``"mixed-precision"`` at top level when groups differ.
+      qparams: ``{module_path: {site: QParams}}`` (`qstats.compute_qparams_tree`); dynamic sites may be None.
+      path: output folder for ``model.safetensors`` and ``config.json`` (an existing one is extended).
+      specs_or_recipe: the calibration `qstats.Recipe` (or its Plan), or a ``{path: {site: QuantSpec}}`` tree.
+      format: one compressed-tensors format for every Linear group; default: what it infers per group.
 
     Returns:
       The ``quantization_config`` dict written into ``config.json``.
@@ -61,7 +49,7 @@ def compressed_tensors(
       TypeError: wrong argument types.
     """
     _check_arguments(model, qparams, format)
-    specs, groups, modules, dynamic = _resolve(specs_or_recipe, qparams, model)
+    specs, groups, modules, dynamic, observers = _resolve(specs_or_recipe, qparams, model)
     tensors: dict[str, torch.Tensor] = {}
     dropped: set[str] = set()  # float weights replaced by packed codes or unpacked experts
     log = {"uncalibrated": [], "rounded": [], "rotary": []}
@@ -77,7 +65,7 @@ def compressed_tensors(
     _warn_log(log)
     warn_mixed_experts(schemes, expert_projection)
     _warn_unshared_global_scales(groups, qparams, specs)
-    quantization_config = _quantization_config(schemes, expert_projection, attention, modules, format)
+    quantization_config = _quantization_config(schemes, expert_projection, attention, modules, format, observers)
     for name, tensor in model.state_dict().items():
         if name not in tensors and name not in dropped:
             tensors[name] = tensor.detach()
@@ -98,17 +86,16 @@ def _check_arguments(model, qparams, format) -> None:
 
 
 def _resolve(specs_or_recipe, qparams: Mapping, model: torch.nn.Module) -> tuple:
-    """``(specs tree, fused groups, {path: module}, {path: dynamic sites})``: from the plan of a
-    recipe (resolved once; its sites whose scales come at run time are dynamic) or, for a specs
-    tree, from the model (a specs tree says nothing of when scales are computed: its per-token and
-    per-group activations are dynamic, the others static)."""
+    """``(specs, fused groups, {path: module}, {path: dynamic sites})`` from a recipe's plan, or from a
+    specs tree and the model (then per-token and per-group activations are the dynamic ones).
+    """
     if isinstance(specs_or_recipe, (Recipe, Plan)):
         plan = as_plan(specs_or_recipe, model, "export.compressed_tensors")
         specs = plan.specs(qparams)  # refuses sites the plan does not observe
         dynamic = {
             path: frozenset(site for site in sites if plan.site(path, site).runtime) for path, sites in qparams.items()
         }
-        return specs, plan.fused_groups, plan.modules, dynamic
+        return specs, plan.fused_groups, plan.modules, dynamic, llm_compressor_observers(plan, qparams)
     if hasattr(specs_or_recipe, "specs") and callable(specs_or_recipe.specs):  # a recipe-like object
         specs = specs_or_recipe.specs(qparams, model)
     elif isinstance(specs_or_recipe, Mapping):
@@ -118,7 +105,7 @@ def _resolve(specs_or_recipe, qparams: Mapping, model: torch.nn.Module) -> tuple
             "export.compressed_tensors: specs must be a qstats.Recipe or a {path: {site: QuantSpec}} tree, "
             f"got {type(specs_or_recipe).__name__}"
         )
-    return specs, fused_groups(model), dict(model.named_modules()), {}
+    return specs, fused_groups(model), dict(model.named_modules()), {}, None
 
 
 def _entries(modules: Mapping, qparams: Mapping, specs, dynamic: Mapping, tensors: dict, dropped: set, log: dict) -> tuple:
@@ -155,10 +142,10 @@ def _entries(modules: Mapping, qparams: Mapping, specs, dynamic: Mapping, tensor
     return entries, attention
 
 
-def _quantization_config(schemes: dict, expert_projection: dict, attention: dict, modules: Mapping, format) -> dict:
+def _quantization_config(schemes: dict, expert_projection: dict, attention: dict, modules: Mapping, format, observers) -> dict:
     """The ``quantization_config`` of ``config.json``: config groups per scheme, the kv-cache scheme
     and the Linear modules left unquantized (``ignore``)."""
-    groups = config_groups(schemes, expert_projection, format)
+    groups = config_groups(schemes, expert_projection, format, modules, observers)
     formats = {group["format"] for group in groups.values()}
     top_format = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
     kv_cache_scheme = attention_config(attention, groups)
@@ -171,6 +158,9 @@ def _quantization_config(schemes: dict, expert_projection: dict, attention: dict
         "ignore": ignore,
         "kv_cache_scheme": kv_cache_scheme,
         "global_compression_ratio": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": COMPRESSED_TENSORS_VERSION,
     }
 
 

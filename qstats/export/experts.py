@@ -1,13 +1,7 @@
-"""Stacked experts: a fused experts module (3-D ``gate_up_proj [E, 2I, H]`` and ``down_proj
-[E, H, I]``) unpacked into per-expert Linear entries, named as llm-compressor unpacks it.
-
-llm-compressor 0.14 replaces a fused experts module by ``LinearExperts2D``, a ModuleList of
-``ExpertMLPWithGate`` modules whose Linear children are ``gate_proj``, ``up_proj`` and
-``down_proj``; ``copy_from_experts_module`` takes ``gate_up_proj[e, :I]`` as ``gate_proj``,
-``gate_up_proj[e, I:]`` as ``up_proj`` and ``down_proj[e]`` as ``down_proj``
-(llmcompressor/modeling/moe/linear_experts.py). So the checkpoint keys are
-``<path>.<e>.gate_proj.weight`` etc., which vLLM's fused-MoE loader and transformers' conversion
-mapping (``DecompressExperts``, then a merge into the 3-D parameters) read.
+"""Stacked experts (3-D ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) unpacked into per-expert
+Linear entries ``<path>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``, as llm-compressor's
+``LinearExperts2D`` unpacks them (``gate_up_proj[e, :I]`` is gate), so that vLLM's fused-MoE loader
+and transformers read them. See docs/export.md.
 """
 
 from __future__ import annotations
@@ -38,14 +32,10 @@ def _slice_qparams(qp: Optional[QParams], index) -> Optional[QParams]:
 
 
 def fill_uncovered_experts(qp: Optional[QParams], spec: Optional[QuantSpec] = None) -> Optional[QParams]:
-    """Per-expert activation qparams where experts that received no token (uncalibrated, holding
-    the fallback scale 1) take those of the covered expert with the largest scale. vLLM's fused
-    MoE applies the largest input scale of all experts to every expert, so a fallback 1 would
-    override every calibrated scale; the largest covered one leaves that maximum unchanged.
-    NVFP4 inputs (two-level): an expert is covered when any of its per-token entries is (its
-    global scale saw data), and the donor is the covered expert with the smallest global scale
-    ``range / amax`` (the largest range): vLLM takes the minimum input global scale over experts.
-    ``calibrated`` keeps saying which experts saw no token."""
+    """Per-expert activation qparams where experts that saw no token take those of the covered expert with
+    the largest scale (NVFP4: the smallest global scale), since vLLM's fused MoE applies the largest input
+    scale (smallest global scale) of all experts to every expert. ``calibrated`` is unchanged.
+    """
     if qp is None or qp.scale.dim() < 1:
         return qp
     two_level = spec is not None and isinstance(spec.granularity, TensorGroup)
@@ -133,10 +123,9 @@ def expert_entries(
     tensors: dict,
     dynamic=frozenset(),
 ) -> list:
-    """Per-expert Linear entries of a stacked experts module, named as llm-compressor unpacks it
-    (see the module's docstring). A projection without qparams (``gate_up_proj`` or ``down_proj``
-    not calibrated) is written unquantized under the same per-expert names into ``tensors``.
-    ``dynamic``: the module's activation sites whose scales come at run time (a Rule's ``dynamic``)."""
+    """Per-expert Linear entries of a stacked experts module; a projection without qparams is written
+    unquantized into ``tensors``. ``dynamic``: activation sites whose scales come at run time.
+    """
     gate_up, down = _stacked_parameters(path, module, sites, num_experts)
     dtype = scale_dtype(module, gate_up)
     # the routed hidden states: "gate_up_proj.input" equals "input"

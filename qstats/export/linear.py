@@ -1,9 +1,7 @@
-"""Linear layers of the checkpoint: quantized weights (as codes, packed per format), their scales
-and zero points, and the scales of their static activations.
+"""Linear layers of the checkpoint: quantized weights (codes, packed per format), scales, zero points.
 
-An `Entry` is one Linear of the checkpoint: a module of the model, or one projection of one
-stacked expert (`qstats.export.experts`); `write_linear` writes its tensors and returns its
-scheme ``{site: QuantizationArgs fields}``.
+An `Entry` is a module of the model or one projection of one stacked expert; `write_linear` writes
+its tensors and returns its scheme ``{site: QuantizationArgs fields}``.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ class Entry(NamedTuple):
       path: the checkpoint's module path.
       weight: the float weight ``[out, in]``, or None.
       dtype: the dtype compressed-tensors gives this module's scales.
-      sites: ``{site: (QParams or None, QuantSpec, where, dynamic)}``; ``dynamic``: an activation
-        site whose scales come at run time whatever its granularity (a Rule's ``dynamic``).
+      sites: ``{site: (QParams or None, QuantSpec, where, dynamic)}``; dynamic: scales at run time.
       experts: ``(experts module path, projection)`` for unpacked experts, else None.
     """
 

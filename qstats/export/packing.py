@@ -16,10 +16,9 @@ def signed_int8(codes: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def pack_int32(values: torch.Tensor, num_bits: int) -> torch.Tensor:
-    """Dense little-endian packing of signed ``num_bits`` integers (rows of ``values``) into int32
-    words, as compressed-tensors' ``pack_to_int32``: value ``e`` of a row, offset to unsigned by
-    ``2**(num_bits-1)``, occupies bits ``e*num_bits ... e*num_bits + num_bits - 1`` of the row's
-    bit stream; a row takes ``ceil(cols * num_bits / 32)`` words."""
+    """Little-endian packing of signed ``num_bits`` integers (rows of ``values``) into int32 words, as
+    compressed-tensors' ``pack_to_int32``; a row takes ``ceil(cols * num_bits / 32)`` words.
+    """
     rows, cols = values.shape
     unsigned = values.to(torch.int64) + (1 << (num_bits - 1))
     padded = -(-cols // 32) * 32
