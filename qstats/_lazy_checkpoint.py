@@ -1,7 +1,7 @@
 """Loading the weights of one module at a time from a directory of safetensors shards.
 
 `LazyCheckpoint` reads a checkpoint (``model.safetensors``, or shards and their
-``model.safetensors.index.json``) tensor by tensor with ``safetensors.safe_open``; `load_module`
+``model.safetensors.index.json``) tensor by tensor with ``safetensors.safe_open``; `load_modules`
 puts a module's parameters and buffers (built on the meta device) on the CPU in the checkpoint's
 dtype and returns what `release_module` needs to put the meta tensors back. Stacked experts
 (3-D ``gate_up_proj`` / ``down_proj``) are read from the per-expert keys transformers writes
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LazyCheckpoint", "load_module", "release_module"]
+__all__ = ["LazyCheckpoint", "load_modules", "release_module"]
 
 # Stacked parameter -> the per-expert Linear weights it is made of, concatenated along their
 # output dimension in this order (transformers' MergeModulelist + Concatenate conversions).
@@ -104,37 +104,43 @@ def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor) -> Option
     return None
 
 
-def load_module(model: torch.nn.Module, path: str, checkpoint: LazyCheckpoint, recurse: bool = True) -> list:
-    """Puts every meta parameter and buffer of the module at ``path`` of ``model`` on the CPU,
-    read from ``checkpoint`` in its dtype; returns ``[(owner, kind, name, meta tensor)]`` for
-    `release_module` (its own tensors only, without ``recurse``). A meta buffer the checkpoint lacks (rotary frequencies) is recomputed by the
-    model's ``_init_weights`` (transformers models); anything else missing is a ValueError."""
-    module = model.get_submodule(path)
+def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint, recurse: bool = True) -> list:
+    """Puts every meta parameter and buffer of the modules at ``paths`` of ``model`` (their own
+    only, without ``recurse``) on the CPU, read from ``checkpoint`` in its dtype; a tensor tied
+    under several names is read once and stays tied. Returns ``[(owner, kind, name, meta tensor)]``
+    for `release_module`. A meta buffer the checkpoint lacks (rotary frequencies) is recomputed by
+    the model's ``_init_weights`` (transformers models); anything else missing is a ValueError."""
     aliases = _aliases(model)
+    loaded_by_id: dict = {}
     saved: list = []
-    owners = module.named_modules(prefix=path) if recurse else [(path, module)]
-    for owner_path, owner in owners:
-        for kind in ("_buffers", "_parameters"):  # buffers first: `_init_weights` meets meta parameters
-            recompute = False
-            for name, value in list(getattr(owner, kind).items()):
-                if value is None or value.device.type != "meta":
-                    continue
-                full = f"{owner_path}.{name}" if owner_path else name
-                loaded = _read(checkpoint, aliases.get(id(value), [full]), value)
-                if loaded is None and kind == "_buffers" and hasattr(model, "_init_weights"):
-                    loaded, recompute = torch.empty_like(value, device="cpu"), True
-                if loaded is None:
-                    raise ValueError(f"calibrate_layerwise: the checkpoint has no tensor {full!r}")
-                if kind == "_parameters":
-                    loaded = torch.nn.Parameter(loaded, requires_grad=False)
-                saved.append((owner, kind, name, value))
-                getattr(owner, kind)[name] = loaded
-            if recompute:
-                model._init_weights(owner)
+    for path in paths:
+        module = model.get_submodule(path)
+        owners = module.named_modules(prefix=path) if recurse else [(path, module)]
+        for owner_path, owner in owners:
+            for kind in ("_buffers", "_parameters"):  # buffers first: `_init_weights` meets meta parameters
+                recompute = False
+                for name, value in list(getattr(owner, kind).items()):
+                    if value is None or value.device.type != "meta":
+                        continue
+                    full = f"{owner_path}.{name}" if owner_path else name
+                    loaded = loaded_by_id.get(id(value))
+                    if loaded is None:
+                        loaded = _read(checkpoint, aliases.get(id(value), [full]), value)
+                    if loaded is None and kind == "_buffers" and hasattr(model, "_init_weights"):
+                        loaded, recompute = torch.empty_like(value, device="cpu"), True
+                    if loaded is None:
+                        raise ValueError(f"calibrate_layerwise: the checkpoint has no tensor {full!r}")
+                    if kind == "_parameters" and not isinstance(loaded, torch.nn.Parameter):
+                        loaded = torch.nn.Parameter(loaded, requires_grad=False)
+                    loaded_by_id[id(value)] = loaded
+                    saved.append((owner, kind, name, value))
+                    getattr(owner, kind)[name] = loaded
+                if recompute:
+                    model._init_weights(owner)
     return saved
 
 
 def release_module(saved: list) -> None:
-    """Puts back the meta tensors `load_module` replaced (ties and the user's objects intact)."""
+    """Puts back the meta tensors `load_modules` replaced (ties and the user's objects intact)."""
     for owner, kind, name, value in reversed(saved):
         getattr(owner, kind)[name] = value

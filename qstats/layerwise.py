@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Union
 import torch
 
 from . import distributed
-from ._lazy_checkpoint import LazyCheckpoint, load_module, release_module
+from ._lazy_checkpoint import LazyCheckpoint, load_modules, release_module
 from .calibrate import calibrate, compute_qparams_tree, fake_quantized
 from .recipe import Plan, Recipe
 
@@ -238,16 +238,13 @@ class _Run:
 
 def _outer_loaded(run: _Run, container_path: str) -> list:
     """Loads every module outside the decoder layers (their own tensors); `release_module` list."""
-    saved: list = []
-    for path, _ in run.model.named_modules():
-        if not _inside(path, container_path):
-            saved += load_module(run.model, path, run.checkpoint, recurse=False)
-    return saved
+    paths = [path for path, _ in run.model.named_modules() if not _inside(path, container_path)]
+    return load_modules(run.model, paths, run.checkpoint, recurse=False)
 
 
 def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
     """Loads, calibrates and releases one decoder layer; its outputs replace the stored inputs."""
-    saved = load_module(run.model, path, run.checkpoint)
+    saved = load_modules(run.model, [path], run.checkpoint)
     try:
         runner = _LayerRun(layer, run.store)
         plan = _sub_plan(run.plan, lambda p: _inside(p, path), runner)

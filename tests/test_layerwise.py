@@ -1,0 +1,234 @@
+"""qstats.calibrate_layerwise against qstats.calibrate on the loaded model (transformers' own loading).
+
+Tiny random-weight Llama (tied embeddings) and Qwen3-MoE (stacked experts, saved by transformers
+per expert) are written with ``save_pretrained`` in several safetensors shards; the layer-by-layer
+calibration of the meta-device model must give the states of a full-model `qstats.calibrate` on
+``from_pretrained``'s model bit for bit (float propagation), with padding masks, routed and
+all-expert sites, offloaded inputs and resumed states. Quantized propagation is compared with
+calibrating the loaded model under `qstats.fake_quantized` of the layers before each one, and
+the all-reduced quantized run of two gloo ranks with the single-process run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+
+import qstats
+from qstats.layerwise import calibrate_layerwise
+
+transformers = pytest.importorskip("transformers")
+
+SPEC_W = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(0))
+SPEC_A = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
+LAYERS = 3
+
+
+def _configs():
+    llama = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    qwen = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    return {"llama": llama, "qwen3_moe": qwen}
+
+
+def _recipe(name: str) -> qstats.Recipe:
+    rules = [qstats.Rule("Linear", sites=("weight", "input"), spec=SPEC_W)]
+    if name == "qwen3_moe":
+        sites = ("gate_up_proj", "down_proj", "input", "down_proj.input")
+        rules.append(qstats.Rule("Qwen3MoeExperts", sites=sites, spec=SPEC_W))
+    # activations per tensor: a second rule for the inputs, so weights stay per channel
+    return qstats.Recipe(
+        [qstats.Rule(r.targets, sites=tuple(s for s in r.sites if "input" in s), spec=SPEC_A) for r in rules]
+        + [qstats.Rule(r.targets, sites=tuple(s for s in r.sites if "input" not in s), spec=SPEC_W) for r in rules]
+    )
+
+
+def _batches(seed: int, count: int = 3, padded: bool = False) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for index in range(count):
+        ids = torch.randint(0, 96, (2, 6 + index), generator=generator)
+        mask = torch.ones_like(ids)
+        if padded:
+            mask[1, : 2 + index] = 0  # left padding of the second sequence
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``{name: (directory, loaded model)}``: each model saved in several shards, and loaded back."""
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, config in _configs().items():
+            directory = tmp_path_factory.mktemp(name)
+            torch.manual_seed(0)
+            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory, max_shard_size="20KB")
+            assert len([f for f in os.listdir(directory) if f.endswith(".safetensors")]) >= 3
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+            out[name] = (str(directory), loaded)
+    return out
+
+
+def _meta(name: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(_configs()[name]).eval()
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    assert list(got) == [path for path in got]  # plain dict
+    assert set(got) == set(want)
+    for path in want:
+        assert set(got[path]) == set(want[path]), path
+        for site in want[path]:
+            for a, b in zip(got[path][site], want[path][site], strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b), (path, site)
+
+
+def _attention_mask(batch):
+    return batch["attention_mask"]
+
+
+@pytest.mark.parametrize("all_experts", [False, True])
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_float_equals_full_model(saved, name, all_experts):
+    directory, loaded = saved[name]
+    batches, recipe = _batches(1, padded=True), _recipe(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qstats.UncalibratedWarning)
+        want = qstats.calibrate(loaded, batches, recipe, progress=False, observation_weight=_attention_mask,
+                                all_experts=all_experts)  # fmt: skip
+        meta = _meta(name)
+        got = calibrate_layerwise(meta, directory, batches, recipe, progress=False,
+                                  observation_weight=_attention_mask, all_experts=all_experts)  # fmt: skip
+    _assert_equal(got, want)
+    assert "lm_head" in got and f"model.layers.{LAYERS - 1}.mlp" + (".experts" if name == "qwen3_moe" else ".down_proj") in got
+    # the model is left on the meta device, its ties intact
+    assert all(p.device.type == "meta" for p in meta.parameters())
+    if name == "llama":
+        assert meta.lm_head.weight is meta.model.embed_tokens.weight
+
+
+def test_padding_is_not_observed(saved):
+    """The padded tokens change the full model's states when observed; masked, they do not count."""
+    directory, _ = saved["llama"]
+    batches, recipe = _batches(2, padded=True), _recipe("llama")
+    masked = calibrate_layerwise(_meta("llama"), directory, batches, recipe, progress=False,
+                                 observation_weight=_attention_mask)  # fmt: skip
+    unmasked = calibrate_layerwise(_meta("llama"), directory, batches, recipe, progress=False)
+    counts = [(masked[p]["input"], unmasked[p]["input"]) for p in masked if "input" in masked[p]]
+    assert any(not torch.equal(a.min_val, b.min_val) or not torch.equal(a.max_val, b.max_val) for a, b in counts)
+
+
+def test_offload_and_resume(saved, tmp_path):
+    directory, loaded = saved["qwen3_moe"]
+    recipe, first, second = _recipe("qwen3_moe"), _batches(3, 2), _batches(4, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qstats.UncalibratedWarning)
+        want = qstats.calibrate(loaded, first + second, recipe, progress=False)
+        offloaded = calibrate_layerwise(_meta("qwen3_moe"), directory, first + second, recipe, progress=False,
+                                        offload_dir=tmp_path)  # fmt: skip
+        assert os.listdir(tmp_path) == []  # its files are removed
+        path = tmp_path / "states.safetensors"
+        qstats.save(path, calibrate_layerwise(_meta("qwen3_moe"), directory, first, recipe, progress=False))
+        resumed = calibrate_layerwise(_meta("qwen3_moe"), directory, second, recipe, progress=False,
+                                      states=qstats.load(path))  # fmt: skip
+    _assert_equal(offloaded, want)
+    _assert_equal(resumed, want)
+
+
+def _quantized_reference(loaded, batches, recipe) -> dict:
+    """Each layer calibrated on the loaded model under `fake_quantized` of the layers before it
+    (qparams from their own states), the modules after the layers under all of them."""
+    plan = recipe.resolve(loaded)
+    out: dict = {}
+    for index in range(LAYERS + 1):
+        before = {path: entry for path, entry in out.items() if path.startswith("model.layers.")}
+        with qstats.fake_quantized(loaded, qstats.compute_qparams_tree(before, plan), plan):
+            states = qstats.calibrate(loaded, batches, plan, progress=False)
+        prefix = f"model.layers.{index}."
+        keep = (lambda p: p.startswith(prefix)) if index < LAYERS else (lambda p: not p.startswith("model.layers."))
+        out.update({path: entry for path, entry in states.items() if keep(path)})
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_quantized_propagation(saved, name):
+    directory, loaded = saved[name]
+    batches, recipe = _batches(5), _recipe(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qstats.UncalibratedWarning)
+        got = calibrate_layerwise(_meta(name), directory, batches, recipe, progress=False, propagate="quantized")
+        floated = calibrate_layerwise(_meta(name), directory, batches, recipe, progress=False)
+        want = _quantized_reference(loaded, batches, recipe)
+    _assert_equal(got, want)
+    assert not torch.equal(got["lm_head"]["input"].max_val, floated["lm_head"]["input"].max_val)
+    _assert_equal({p: e for p, e in got.items() if p.startswith("model.layers.0.")},
+                  {p: e for p, e in floated.items() if p.startswith("model.layers.0.")})  # fmt: skip
+
+
+def test_bad_input(saved, tmp_path):
+    directory, _ = saved["llama"]
+    recipe = _recipe("llama")
+    with pytest.raises(ValueError, match="propagate"):
+        calibrate_layerwise(_meta("llama"), directory, _batches(0, 1), recipe, propagate="int8")
+    with pytest.raises(ValueError, match="neither model.safetensors"):
+        calibrate_layerwise(_meta("llama"), tmp_path, _batches(0, 1), recipe)
+    other = _meta("qwen3_moe")
+    with pytest.raises(ValueError, match="has shape|no tensor"):
+        calibrate_layerwise(other, directory, _batches(0, 1), _recipe("qwen3_moe"), progress=False)
+    with pytest.raises(ValueError, match="does not observe"):
+        calibrate_layerwise(_meta("llama"), directory, _batches(0, 1), recipe, states={"lm_head": {"output": None}})
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, directory: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            batches = _batches(6, 4)[rank::2]
+            states = calibrate_layerwise(_meta("qwen3_moe"), directory, batches, _recipe("qwen3_moe"),
+                                         progress=False, propagate="quantized", all_reduce=True)  # fmt: skip
+        qstats.save(os.path.join(out, f"rank{rank}.safetensors"), states)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_all_reduce_two_ranks(saved, tmp_path):
+    """Two ranks, each with half the batches, all-reduce every layer before propagating it
+    quantized: each gets the states of one process over all the batches."""
+    directory, _ = saved["qwen3_moe"]
+    context = multiprocessing.get_context("fork")
+    port = _free_port()
+    procs = [context.Process(target=_rank, args=(rank, port, directory, str(tmp_path))) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+        assert proc.exitcode == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = calibrate_layerwise(_meta("qwen3_moe"), directory, _batches(6, 4), _recipe("qwen3_moe"),
+                                   progress=False, propagate="quantized")  # fmt: skip
+    for rank in range(2):
+        _assert_equal(qstats.load(tmp_path / f"rank{rank}.safetensors"), want)
