@@ -14,6 +14,7 @@ from ._granularity import qparam_shape as qparam_shape
 from ._qparams import QParams as QParams
 from ._qparams import Range as Range
 from ._qparams import compute_qparams as compute_qparams
+from ._qparams import compute_minval as compute_minval
 from ._qparams import qparams_from_minmax as qparams_from_minmax
 from ._qparams import register_range_rule as register_range_rule
 from ._quant import code_dtype as code_dtype
@@ -125,6 +126,7 @@ __all__ = [
     "canonical_view",
     "code_dtype",
     "compute_qparams",
+    "compute_minval",
     "compute_qparams_tree",
     "dequantize",
     "distributed",

@@ -5,12 +5,15 @@ Each state type registers a *range rule* that turns the state into a ``(min_val,
 format: with the spec's convention's arithmetic (`Convention.qparams`), or the MX / NVFP4 scale
 arithmetic of qstats/_formats.py. Range rules take keyword options (``method=``,
 ``percentile=``, ...), so ``compute_qparams(state, spec, method="entropy")`` works for
-distribution observers.
+distribution observers. ``float_range=(lo, hi)`` pins either end of every rule's range
+(coreai_opt's ``float_range``), and `compute_minval` gives coreai_opt's ``minval`` of that range.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
+
+import math
 
 import torch
 
@@ -21,6 +24,7 @@ from ._spec import QuantSpec
 __all__ = [
     "QParams",
     "compute_qparams",
+    "compute_minval",
     "qparams_from_minmax",
     "register_range_rule",
     "Range",
@@ -96,12 +100,14 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     Args:
       state: an observer state (MinMaxState, HistogramState, ...).
       spec: the QuantSpec to map the observed range onto.
-      **options: passed to the state's range rule (e.g. ``method="l2"`` for histograms).
+      **options: passed to the state's range rule (e.g. ``method="l2"`` for histograms), except
+        ``float_range=(lo, hi)``: pins the range's ends, as coreai_opt's ``float_range`` (see
+        `pin_range`), whatever the rule.
 
     Raises:
       ValueError: in eager mode, when ``spec.on_uncalibrated == "raise"`` and some parameter saw no
         data (names how many). Under vmap/compile the fallback is used and reported in
-        ``QParams.calibrated``.
+        ``QParams.calibrated``. Also for a bad ``float_range``.
 
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(dtype="int8")
@@ -109,16 +115,94 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     >>> x = torch.tensor([-1.0, 2.0])
     >>> qstats.compute_qparams(obs.update(obs.init(x), x), spec).scale
     tensor(0.0157)
+    >>> qstats.compute_qparams(obs.update(obs.init(x), x), spec, float_range=(None, 1.0)).scale
+    tensor(0.0078)
     """
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"compute_qparams: spec must be a QuantSpec, got {type(spec).__name__}")
     global_scale = options.pop("global_scale", None)  # a fused group's (qstats.fused)
-    result = _rule_for(state)(state, spec, **options)
+    result = _range_of(state, spec, options, "compute_qparams")
     if isinstance(result, QParams):
         return result
     return qparams_from_minmax(
         result.min_val, result.max_val, spec, calibrated=result.calibrated, global_scale=global_scale
     )
+
+
+def compute_minval(state, spec: QuantSpec, **options) -> torch.Tensor:
+    """coreai_opt's ``minval`` (its MINVAL formulation, ``x' = (q - quant_min) * scale + minval``)
+    of the range `compute_qparams` maps with the same options: ``-max(|min|, |max|)`` for
+    symmetric mappings, ``min(min, 0)`` for the others (float32, shape ``qparam_shape``). Pure;
+    vmappable. Entries that saw no data get ``(quant_min - zero_point) * scale`` of the fallback
+    qparams (``quant_min``), so both formulations dequantize alike there.
+
+    Raises:
+      ValueError: for float targets (coreai_opt's minval is None there), and as `compute_qparams`.
+      TypeError: for states whose rule gives QParams rather than a range (fixed qparams).
+
+    >>> import torch, qstats
+    >>> spec = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
+    >>> obs = qstats.minmax(spec)
+    >>> x = torch.tensor([-1.0, 2.0])
+    >>> qstats.compute_minval(obs.update(obs.init(x), x), spec, float_range=(-0.5, None))
+    tensor(-0.5000)
+    """
+    if spec.is_float:
+        raise ValueError(f"compute_minval: float target {spec.dtype!r} has no minval (coreai_opt returns None)")
+    options.pop("global_scale", None)
+    result = _range_of(state, spec, options, "compute_minval")
+    if isinstance(result, QParams):
+        raise TypeError(f"compute_minval: the rule of {type(state).__name__} gives qparams, not a range")
+    return minval_from_minmax(result.min_val, result.max_val, spec, calibrated=result.calibrated)
+
+
+def _range_of(state, spec: QuantSpec, options: dict, where: str):
+    """The state's rule result (Range or QParams), with ``float_range`` applied to a Range."""
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"{where}: spec must be a QuantSpec, got {type(spec).__name__}")
+    float_range = options.pop("float_range", None)
+    if float_range is not None:
+        float_range = check_float_range(float_range, where)
+    result = _rule_for(state)(state, spec, **options)
+    if float_range is None:
+        return result
+    if isinstance(result, QParams):
+        raise TypeError(f"{where}: float_range needs a range, but the rule of {type(state).__name__} gives qparams")
+    return pin_range(result, float_range)
+
+
+def check_float_range(float_range, where: str = "compute_qparams") -> tuple:
+    """``float_range`` as ``(lo, hi)`` floats or None, after ValueError for what coreai_opt refuses:
+    not a pair, an entry that is not a finite real number or None, ``lo > 0``, ``hi < 0``, or
+    ``lo >= hi``."""
+    if not isinstance(float_range, (tuple, list)) or len(float_range) != 2:
+        raise ValueError(f"{where}: float_range must be a pair (lo, hi), got {float_range!r}")
+    ends = []
+    for name, end in zip(("lo", "hi"), float_range):
+        if end is not None and (isinstance(end, bool) or not isinstance(end, (int, float)) or not math.isfinite(end)):
+            raise ValueError(f"{where}: float_range {name} must be a finite number or None, got {end!r}")
+        ends.append(None if end is None else float(end))
+    lo, hi = ends
+    if lo is not None and lo > 0:
+        raise ValueError(f"{where}: float_range lo must be <= 0 (the range contains zero), got {lo!r}")
+    if hi is not None and hi < 0:
+        raise ValueError(f"{where}: float_range hi must be >= 0 (the range contains zero), got {hi!r}")
+    if lo is not None and hi is not None and lo >= hi:
+        raise ValueError(f"{where}: float_range needs lo < hi, got ({lo!r}, {hi!r})")
+    return lo, hi
+
+
+def pin_range(observed: Range, float_range: tuple) -> Range:
+    """coreai_opt's ``_get_min_and_max_val``: the range with ``min = clamp(lo, max=0)`` and
+    ``max = clamp(hi, min=0)`` where ``float_range`` gives them, the observed ends clamped the same
+    way otherwise. Both ends pinned: calibrated everywhere (the data are not read)."""
+    lo, hi = float_range
+    min_val = observed.min_val.float()
+    max_val = observed.max_val.float()
+    min_val = min_val.clamp(max=0.0) if lo is None else torch.full_like(min_val, lo).clamp(max=0.0)
+    max_val = max_val.clamp(min=0.0) if hi is None else torch.full_like(max_val, hi).clamp(min=0.0)
+    calibrated = observed.calibrated
+    if lo is not None and hi is not None:
+        calibrated = torch.ones_like(min_val, dtype=torch.bool)
+    return Range(min_val, max_val, calibrated)
 
 
 def check_calibrated(calibrated: torch.Tensor, spec: QuantSpec, where: str = "compute_qparams") -> torch.Tensor:
@@ -170,3 +254,25 @@ def qparams_from_minmax(
     zero_point = torch.where(calibrated, zero_point, torch.zeros_like(zero_point))
     return QParams(scale, zero_point, global_scale, calibrated)
 
+
+
+def minval_from_minmax(
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    spec: QuantSpec,
+    calibrated: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """coreai_opt's ``minval`` of a range (see `compute_minval`); elementwise, vmappable. Entries
+    that saw no data (or hold a non-finite range) take ``quant_min``: ``(quant_min - 0) * 1`` under
+    the fallback scale 1 and zero point 0; ``spec.on_uncalibrated`` applies as in
+    `qparams_from_minmax`."""
+    min_val, max_val = min_val.float(), max_val.float()
+    half_span = max_val * 0.5 - min_val * 0.5
+    valid = (min_val <= max_val) & (half_span >= 0) & (half_span < torch.inf)
+    calibrated = valid if calibrated is None else (calibrated_mask(calibrated) & valid)
+    calibrated = check_calibrated(calibrated, spec, "compute_minval")
+    if spec.mapping == "asymmetric":
+        minval = torch.min(min_val, torch.zeros_like(min_val))
+    else:
+        minval = -torch.max(min_val.abs(), max_val.abs())
+    return torch.where(calibrated, minval, torch.full_like(minval, float(spec.qmin)))

@@ -125,6 +125,21 @@ def _dtype_name(dtype) -> str:
     return dtype
 
 
+_SCALE_DTYPE_ALIASES = {"float8_e8m0fnu": "e8m0"}  # torch's name of the e8m0 dtype
+
+
+def _scale_dtype_name(scale_dtype):
+    """``QuantSpec.scale_dtype`` as its name: a torch dtype (``torch.float8_e8m0fnu`` is ``"e8m0"``)
+    or torch's name of it normalised, so that specs compare equal whichever form was given."""
+    if isinstance(scale_dtype, torch.dtype):
+        name = str(scale_dtype).replace("torch.", "")
+        name = _SCALE_DTYPE_ALIASES.get(name, name)
+        if name not in SCALE_DTYPES:
+            raise ValueError(f"QuantSpec.scale_dtype: torch dtype {scale_dtype} is not a scale format; use one of {SCALE_DTYPES}")
+        return name
+    return _SCALE_DTYPE_ALIASES.get(scale_dtype, scale_dtype) if isinstance(scale_dtype, str) else scale_dtype
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -147,7 +162,8 @@ class QuantSpec:
       eps: smallest scale (float32-rounded).
       scale_dtype: dtype the scale is rounded to (``"float32"``, ``"bfloat16"``, ``"float16"``,
         ``"float8_e4m3fn"``, ``"e8m0"``, or ``"float64"``: float32 values that torchao's convention
-        divides by in float64, as torchao's ``scale_dtype=torch.float64``).
+        divides by in float64, as torchao's ``scale_dtype=torch.float64``); the torch dtypes
+        (``torch.float8_e8m0fnu`` for ``"e8m0"``) are accepted and normalised to these names.
       convention: the library whose arithmetic the spec reproduces: ``"torch_ao"``,
         ``"compressed_tensors"``, ``"torchao"`` or a `qstats.conventions.Convention`; held as the
         Convention (which compares equal to its name).
@@ -200,6 +216,7 @@ class QuantSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
+        object.__setattr__(self, "scale_dtype", _scale_dtype_name(self.scale_dtype))
         try:
             object.__setattr__(self, "convention", conventions.lookup(self.convention))
         except ValueError as error:
