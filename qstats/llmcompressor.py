@@ -63,12 +63,16 @@ class QstatsObserver(LLMCompressorObserver):
 
     def __init__(self, base_name, args, **observer_kwargs):
         super().__init__(base_name, args, **observer_kwargs)
-        accepted = inspect.signature(self.factory).parameters
-        options = dict(self.args.observer_kwargs)
-        self.factory_options = {k: options.pop(k) for k in list(options) if k in accepted and k != "spec"}
-        self.qparams_options = options
+        self.factory_options, self.qparams_options = self.split_options(dict(self.args.observer_kwargs))
         self.spec: Optional[QuantSpec] = None
         self.qstats_observer = None
+
+    def split_options(self, options: dict) -> tuple:
+        """``(factory options, compute_qparams options)`` of ``observer_kwargs``: those the
+        factory takes, and the others."""
+        accepted = set(inspect.signature(self.factory).parameters) - {"spec"}
+        return ({k: v for k, v in options.items() if k in accepted},
+                {k: v for k, v in options.items() if k not in accepted})
 
     def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
         raise NotImplementedError(
@@ -142,8 +146,20 @@ class QstatsObserver(LLMCompressorObserver):
         return []
 
 
+class _MSEOptions(QstatsObserver):
+    """`qstats.mse` searches at ``compute_qparams`` in its default ``mode="accumulate"``: there
+    ``patience`` (llm-compressor's early stopping) is an option of the search, not of the factory."""
+
+    def split_options(self, options: dict) -> tuple:
+        factory_options, qparams_options = super().split_options(options)
+        if factory_options.get("mode", "accumulate") == "accumulate" and "patience" in factory_options:
+            qparams_options["patience"] = factory_options.pop("patience")
+        return factory_options, qparams_options
+
+
 def _observer_class(name: str, factory: Callable, doc: str) -> type:
-    cls = type(f"Qstats{name.title().replace('_', '')}Observer", (QstatsObserver,),
+    base = _MSEOptions if factory is mse else QstatsObserver
+    cls = type(f"Qstats{name.title().replace('_', '')}Observer", (base,),
                {"factory": staticmethod(factory), "__doc__": doc, "__module__": __name__})
     return LLMCompressorObserver.register(f"qstats_{name}")(cls)
 

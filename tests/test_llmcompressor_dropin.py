@@ -1,0 +1,238 @@
+"""qstats.llmcompressor against llm-compressor 0.14 itself: the moving average bit for bit, each
+registered observer's qparams against its llm-compressor counterpart, and llm-compressor's own
+``oneshot`` on a tiny random Llama whose checkpoint is byte-identical with qstats' min/max
+observers and loads and runs with the histogram and mse ones."""
+
+import dataclasses
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from _shared import bit_equal
+
+import qstats
+
+pytest.importorskip("llmcompressor")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+import qstats.llmcompressor  # noqa: E402,F401  (registers the qstats_* observers)
+from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
+from compressed_tensors.quantization.quant_scheme import FP8, INT8_W8A8, NVFP4, W4A16  # noqa: E402
+from llmcompressor.observers import Observer  # noqa: E402
+from llmcompressor.observers.helpers import flatten_for_calibration  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+TOKENS = 12
+
+
+# --- the moving average ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("strategy", ["tensor", "channel"])
+def test_moving_average_equals_llmcompressor_minmax_bit_for_bit(strategy, dtype):
+    """200 updates of llm-compressor's ``minmax`` observer (its ``lerp``) and of
+    ``moving_average_minmax`` under the compressed-tensors spec: equal extremes after every one;
+    torch.ao's formula (the torch_ao spec) differs from it in most of them."""
+    args = QuantizationArgs(num_bits=8, symmetric=False, strategy=strategy, observer="minmax",
+                            observer_kwargs={"averaging_constant": 0.01})
+    base = "input" if strategy == "tensor" else "weight"
+    reference = Observer.load_from_registry("minmax", base_name=base, args=args)
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
+    obs = qstats.moving_average_minmax(spec, 0.01)
+    torch_ao = qstats.moving_average_minmax(dataclasses.replace(spec, convention="torch_ao", compute_dtype="float32"), 0.01)
+    g = torch.Generator().manual_seed(0)
+    shape = (4, 16, 32) if base == "input" else (8, 32)
+    state = torch_ao_state = None
+    differ = 0
+    for _ in range(200):
+        x = (torch.randn(shape, generator=g) * torch.rand((), generator=g) * 10).to(dtype)
+        # the weight observer observes once per forward; its update itself is the moving average
+        reference.update_statistics_from_observed(flatten_for_calibration(x, base, args))
+        state = obs.update(obs.init(x) if state is None else state, x)
+        torch_ao_state = torch_ao.update(torch_ao.init(x) if torch_ao_state is None else torch_ao_state, x)
+        want_min = reference.min_vals.float().reshape(state.min_val.shape)
+        want_max = reference.max_vals.float().reshape(state.max_val.shape)
+        assert bit_equal(state.min_val, want_min) and bit_equal(state.max_val, want_max)
+        differ += not bit_equal(torch_ao_state.min_val, want_min)
+    assert differ > 100
+
+
+# --- each observer's qparams ----------------------------------------------------------------
+
+QPARAM_CASES = {
+    "int8-channel-weight": (INT8_W8A8["weights"], "weight", "memoryless_minmax"),
+    "w4a16-group-weight": (W4A16["weights"], "weight", "memoryless_minmax"),
+    "nvfp4-weight": (NVFP4["weights"], "weight", "memoryless_minmax"),
+    "fp8-input-moving": (FP8["input_activations"], "input", "minmax"),
+    "fp8-input-static": (FP8["input_activations"], "input", "static_minmax"),
+    "int8-asym-input-moving": (QuantizationArgs(num_bits=8, symmetric=False, strategy="tensor"), "input", "minmax"),
+    "nvfp4-input-global-scale": (NVFP4["input_activations"], "input", "static_minmax"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", sorted(QPARAM_CASES))
+def test_observer_qparams_equal_llmcompressor(case, dtype):
+    args, base, name = QPARAM_CASES[case]
+    g = torch.Generator().manual_seed(0)
+    if base == "input":
+        xs = [(torch.randn(2, 8, 256, generator=g) * (i + 1)).to(dtype) for i in range(5)]
+    else:
+        xs = [torch.randn(32, 256, generator=g).to(dtype)]
+    theirs = Observer.load_from_registry(name, base_name=base, args=args.model_copy(deep=True))
+    ours = Observer.load_from_registry(f"qstats_{name}", base_name=base, args=args.model_copy(deep=True))
+    for x in xs:
+        theirs(x)
+        ours(x)
+    want, got = theirs.get_qparams(), ours.get_qparams()
+    assert not ours.has_statistics  # deleted after get_qparams, as llm-compressor's
+    keys = ["global_scale"] if args.dynamic else ["scale", "zero_point", "global_scale"]  # dynamic: scales at run time
+    for key in keys:
+        if want[key] is None:
+            assert got[key] is None, key
+        else:
+            assert bit_equal(got[key], want[key]), key
+
+
+def test_observer_kwargs_configure_the_qstats_observer():
+    """``averaging_constant`` goes to the factory (llm-compressor's own kwarg); a histogram's
+    ``method`` to compute_qparams: ``method="minmax"`` gives static_minmax's qparams exactly."""
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2, 8, 64, generator=g) * (i + 1) for i in range(4)]
+
+    def qparams(name, **kwargs):
+        args = QuantizationArgs(num_bits=8, symmetric=False, strategy="tensor", observer_kwargs=kwargs)
+        observer = Observer.load_from_registry(name, base_name="input", args=args)
+        for x in xs:
+            observer(x)
+        return observer.get_qparams()
+
+    assert bit_equal(qparams("qstats_minmax", averaging_constant=0.5)["scale"], qparams("minmax", averaging_constant=0.5)["scale"])
+    assert not bit_equal(qparams("qstats_minmax", averaging_constant=0.5)["scale"], qparams("qstats_minmax")["scale"])
+    histogram = qparams("qstats_histogram", method="minmax")
+    static = qparams("static_minmax")
+    assert bit_equal(histogram["scale"], static["scale"]) and bit_equal(histogram["zero_point"], static["zero_point"])
+    with pytest.raises(TypeError):
+        qparams("qstats_minmax", no_such_option=1)
+
+
+# --- llm-compressor's oneshot ---------------------------------------------------------------
+
+STATIC_W8A8 = {
+    "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+    "input_activations": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "tensor", "dynamic": False},
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny random Llama on disk, calibration samples (token ids) and a stand-in tokenizer."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    generator = torch.Generator().manual_seed(1)
+    samples = [torch.randint(1, 64, (TOKENS,), generator=generator) for _ in range(4)]
+    vocabulary = {f"t{i}": i for i in range(64)} | {"[UNK]": 0}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
+    )
+    return path, samples, tokenizer
+
+
+def _oneshot(saved, out, pipeline="basic", scheme=None, preset=None, count=4, **observers) -> str:
+    """llm-compressor's oneshot of the saved model on ``count`` samples, written compressed to ``out``."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from torch.utils.data import DataLoader
+
+    path, samples, tokenizer = saved
+    samples = samples[:count]
+    model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    loader = DataLoader([{"input_ids": s, "attention_mask": torch.ones(TOKENS, dtype=torch.long)} for s in samples])
+    if preset is not None:
+        recipe = QuantizationModifier(targets="Linear", scheme=preset, ignore=["lm_head"], **observers)
+    else:
+        recipe = QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], **scheme}},
+                                      ignore=["lm_head"], **observers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oneshot(model=model, dataset=loader, processor=tokenizer, recipe=recipe, pipeline=pipeline,
+                num_calibration_samples=len(samples), shuffle_calibration_samples=False)
+        model.save_pretrained(str(out), save_compressed=True)
+    return str(out)
+
+
+def _quantization_config(path: str, observer_names: bool) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)["quantization_config"]
+    if not observer_names:  # the one field that names the observers
+        for group in config["config_groups"].values():
+            for args in group.values():
+                if isinstance(args, dict):
+                    args.pop("observer", None)
+    return config
+
+
+def _assert_same_checkpoint(a: str, b: str):
+    tensors_a = load_file(os.path.join(a, "model.safetensors"))
+    tensors_b = load_file(os.path.join(b, "model.safetensors"))
+    assert sorted(tensors_a) == sorted(tensors_b)
+    for name in tensors_a:
+        assert bit_equal(tensors_a[name], tensors_b[name]), name
+    assert _quantization_config(a, False) == _quantization_config(b, False)
+
+
+@pytest.mark.parametrize("pipeline", ["basic", "sequential"])
+def test_oneshot_with_qstats_minmax_observers_writes_the_same_checkpoint(saved, tmp_path, pipeline):
+    """Static W8A8 (int8 channel weights, asymmetric per-tensor int8 inputs): llm-compressor's
+    default observers (moving-average ``minmax`` inputs) and the qstats ones give the same bytes."""
+    theirs = _oneshot(saved, tmp_path / "theirs", pipeline, STATIC_W8A8)
+    ours = _oneshot(saved, tmp_path / "ours", pipeline, STATIC_W8A8,
+                    weight_observer="qstats_memoryless_minmax", input_observer="qstats_minmax")
+    _assert_same_checkpoint(theirs, ours)
+    assert _quantization_config(ours, True)["config_groups"]["group_0"]["input_activations"]["observer"] == "qstats_minmax"
+    static = _oneshot(saved, tmp_path / "static", pipeline, STATIC_W8A8, input_observer="static_minmax")
+    ours_static = _oneshot(saved, tmp_path / "ours_static", pipeline, STATIC_W8A8, input_observer="qstats_static_minmax")
+    _assert_same_checkpoint(static, ours_static)
+    # the moving average and the running extremes differ: the comparison sees the input scales
+    with pytest.raises(AssertionError):
+        _assert_same_checkpoint(theirs, static)
+
+
+def test_oneshot_nvfp4_fused_global_scales_equal_llmcompressor(saved, tmp_path):
+    """NVFP4: q/k/v and gate/up share a weight global scale (llm-compressor's FusionHandler
+    drives qstats.fused_global_scale); input global scales from qstats_static_minmax."""
+    theirs = _oneshot(saved, tmp_path / "theirs", preset="NVFP4")
+    ours = _oneshot(saved, tmp_path / "ours", preset="NVFP4", weight_observer="qstats_memoryless_minmax",
+                    input_observer="qstats_static_minmax")
+    _assert_same_checkpoint(theirs, ours)
+
+
+@pytest.mark.parametrize("observer", ["qstats_histogram", "qstats_mse"])
+def test_oneshot_with_histogram_and_mse_observers_loads_and_runs(saved, tmp_path, observer):
+    """The checkpoint loads with transformers' compressed-tensors quantizer and its logits stay
+    close to the float model's. The recipe's observer_kwargs reach the qstats factory (coarser
+    per-channel weight histograms: a faster search)."""
+    weight_kwargs = {"buckets_per_octave": 16} if observer == "qstats_histogram" else {}
+    scheme = {"weights": {**STATIC_W8A8["weights"], "observer": observer, "observer_kwargs": weight_kwargs},
+              "input_activations": {**STATIC_W8A8["input_activations"], "observer": observer}}
+    out = _oneshot(saved, tmp_path / "out", "basic", scheme, count=2)
+    with open(os.path.join(out, "config.json")) as f:
+        written = json.load(f)["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert written["observer"] == observer and written["observer_kwargs"] == weight_kwargs
+    path, samples, _ = saved
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert loaded.model.layers[0].self_attn.q_proj.weight.dtype == torch.int8
+    plain = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    batch = torch.stack(samples)
+    with torch.no_grad():
+        quantized, reference = loaded(batch).logits, plain(batch).logits
+    assert torch.isfinite(quantized).all() and not torch.equal(quantized, reference)
+    assert torch.nn.functional.cosine_similarity(quantized.flatten(), reference.flatten(), dim=0) > 0.99
