@@ -1,0 +1,208 @@
+"""qstats.gptq against llm-compressor 0.14's quantize_weight, on the same weights, Hessians and
+quantization parameters (compressed-tensors' QuantizationArgs through QuantSpec.from_compressed_tensors),
+and its export read back by compressed-tensors' decompression."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import qstats
+from qstats.gptq import gptq
+from qstats.observers.hessian import HessianState, gptq_hessian, hessian
+
+ct = pytest.importorskip("compressed_tensors")
+llmc_gptq = pytest.importorskip("llmcompressor.modifiers.gptq.gptq_quantize")
+llmc_helpers = pytest.importorskip("llmcompressor.modifiers.gptq.helpers")
+from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
+
+OUT, IN = 64, 128
+
+
+def _layer_data(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(OUT, IN, generator=gen) * 0.05
+    x = torch.randn(6, 40, IN, generator=gen) * torch.linspace(0.05, 2.0, IN)
+    x[..., 7] = 0.0  # a dead input column
+    obs = hessian()
+    state = obs.init(x)
+    for batch in x:
+        state = obs.update(state, batch)
+    return weight, x, state
+
+
+def _minmax_qparams(weight, spec):
+    obs = qstats.minmax(spec)
+    return qstats.compute_qparams(obs.update(obs.init(weight), weight), spec)
+
+
+def _reference(weight, normalized_hessian, qparams, args, block_size=128):
+    """llm-compressor 0.14's quantize_weight on a batch of one, its scales laid out as it stores them."""
+    rows = weight.shape[0]
+    scale = qparams.scale.reshape(rows, -1) if qparams.scale.ndim else qparams.scale.reshape(1)
+    zero_point = qparams.zero_point.reshape(rows, -1) if qparams.zero_point.ndim else qparams.zero_point.reshape(1)
+    quantized, _, fallback = llmc_gptq.quantize_weight(weight.clone()[None], normalized_hessian.clone()[None],
+                                                       scale[None], zero_point[None], None, args, blocksize=block_size)
+    return quantized[0], bool(fallback[0])
+
+
+MATRIX = [(bits, symmetric, strategy, group, actorder)
+          for bits in (4, 8) for symmetric in (True, False)
+          for strategy, group in (("channel", None), ("group", 32))
+          for actorder in (None, "static")]
+
+
+@pytest.mark.parametrize("bits,symmetric,strategy,group,actorder", MATRIX)
+def test_codes_equal_llm_compressor_on_the_same_hessian(bits, symmetric, strategy, group, actorder):
+    weight, _, state = _layer_data()
+    args = QuantizationArgs(num_bits=bits, symmetric=symmetric, strategy=strategy, group_size=group, actorder=actorder)
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    qparams = _minmax_qparams(weight, spec)
+    fake_quantized, codes, used = gptq(weight, state, spec, block_size=64, actorder=actorder, qparams=qparams)
+    reference, fallback = _reference(weight, gptq_hessian(state), qparams, args, block_size=64)
+    assert not fallback
+    reference_codes = qstats.quantize(reference, qparams, spec)
+    assert (codes == reference_codes).float().mean() >= 0.999
+    assert (fake_quantized - reference).abs().max() <= 1e-6 + float(qparams.scale.max()) * (codes != reference_codes).any()
+    assert torch.equal(qstats.dequantize(codes, used, spec), fake_quantized)
+    assert torch.all(codes[:, 7] == qstats.quantize(torch.zeros(OUT, IN), qparams, spec)[:, 7])  # dead column -> 0
+
+
+@pytest.mark.parametrize("bits,strategy,group", [(4, "group", 32), (8, "channel", None)])
+def test_codes_equal_llm_compressor_with_its_own_hessian(bits, strategy, group):
+    """llm-compressor's Hessian (sqrt(2) x summed per sample) differs from 2 * total / rows by
+    rounding; GPTQ's codes still agree."""
+    weight, x, state = _layer_data(1)
+    layer = torch.nn.Linear(IN, OUT, bias=False)
+    hessian_reference, samples = llmc_helpers.make_empty_hessian(layer), torch.zeros(())
+    for batch in x:
+        hessian_reference, samples = llmc_helpers.accumulate_hessian(batch[None], layer, hessian_reference, samples)
+    args = QuantizationArgs(num_bits=bits, symmetric=False, strategy=strategy, group_size=group)
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    qparams = _minmax_qparams(weight, spec)
+    _, codes, _ = gptq(weight, state, spec, qparams=qparams)
+    reference, _ = _reference(weight, hessian_reference / samples, qparams, args)
+    assert (codes == qstats.quantize(reference, qparams, spec)).float().mean() >= 0.999
+
+
+def test_running_group_scales_reduce_the_output_error_and_are_consistent():
+    weight, _, _ = _layer_data(2)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(240, 24, generator=gen) @ torch.randn(24, IN, generator=gen) + 0.1 * torch.randn(240, IN, generator=gen)
+    x[:, 7] = 0.0  # correlated inputs (where GPTQ gains over rounding), a dead column
+    state = hessian().update(hessian().init(x), x)
+    spec = qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4, strategy="group", group_size=32))
+    fake_quantized, codes, qparams = gptq(weight, state, spec, block_size=64)
+    assert qparams.scale.shape == (OUT, IN // 32)
+    # the first group sees the weight as it is, its dead column zeroed: their min/max scales
+    zeroed = weight.clone()
+    zeroed[:, 7] = 0.0
+    assert torch.equal(qparams.scale[:, :1], _minmax_qparams(zeroed[:, :32], spec).scale)
+    assert torch.equal(qstats.quantize(fake_quantized, qparams, spec), codes)
+    rows = x.reshape(-1, IN)
+    rtn = qstats.fake_quantize(weight, _minmax_qparams(weight, spec), spec)
+    error_gptq = (rows @ (fake_quantized - weight).T).square().sum()
+    error_rtn = (rows @ (rtn - weight).T).square().sum()
+    assert error_gptq < 0.8 * error_rtn
+
+
+@pytest.mark.parametrize("actorder", [None, "static"])
+def test_vmap_over_experts_equals_a_loop(actorder):
+    gen = torch.Generator().manual_seed(4)
+    experts, out, features = 4, 16, 64
+    weights = torch.randn(experts, out, features, generator=gen)
+    x = torch.randn(80, features, generator=gen)
+    route = torch.rand(experts, 80, generator=gen) > 0.5
+    obs = qstats.stacked_observer(hessian(), experts)
+    shared = x.expand(experts, 80, features)
+    state = obs.update(obs.init(shared), shared, route.float())
+    spec = qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4, strategy="group", group_size=16))
+    stacked_qparams = qstats.stacked_qparams(qstats.stacked_observer(qstats.minmax(spec), experts).update(
+        qstats.stacked_observer(qstats.minmax(spec), experts).init(weights), weights), spec)
+    for qparams in (None, stacked_qparams):
+        fake_quantized, codes, used = gptq(weights, state, spec, block_size=32, actorder=actorder, qparams=qparams)
+        for e in range(experts):
+            one = HessianState(*(field[e] for field in state))
+            one_qparams = None if qparams is None else qstats.QParams(*(field[e] for field in qparams))
+            f, c, q = gptq(weights[e], one, spec, block_size=32, actorder=actorder, qparams=one_qparams)
+            assert torch.equal(f, fake_quantized[e]) and torch.equal(c, codes[e]) and torch.equal(q.scale, used.scale[e])
+
+
+def test_expert_without_tokens_falls_back_to_round_to_nearest_with_a_warning():
+    gen = torch.Generator().manual_seed(5)
+    weights = torch.randn(3, 16, 32, generator=gen)
+    x = torch.randn(30, 32, generator=gen).expand(3, 30, 32)
+    route = torch.ones(3, 30)
+    route[1] = 0
+    obs = qstats.stacked_observer(hessian(), 3)
+    state = obs.update(obs.init(x), x, route)
+    spec = qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4, strategy="channel"))
+    with pytest.warns(qstats.UncalibratedWarning, match=r"experts \[1\]"):
+        fake_quantized, _, _ = gptq(weights, state, spec)
+    assert torch.equal(fake_quantized[1], qstats.fake_quantize(weights[1], _minmax_qparams(weights[1], spec), spec))
+    assert not torch.equal(fake_quantized[0], qstats.fake_quantize(weights[0], _minmax_qparams(weights[0], spec), spec))
+    with pytest.warns(qstats.UncalibratedWarning, match="the layer"):
+        gptq(weights[0], hessian().init(x[0]), spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gptq(weights[0], HessianState(*(field[0] for field in state)), spec)
+
+
+def test_inputs_are_not_modified_and_bad_arguments_raise():
+    weight, _, state = _layer_data(6)
+    spec = qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4, strategy="group", group_size=32))
+    qparams = _minmax_qparams(weight, spec)
+    copies = (weight.clone(), tuple(f.clone() for f in state), tuple(f.clone() for f in qparams))
+    first = gptq(weight, state, spec, actorder="static", qparams=qparams)
+    second = gptq(weight, state, spec, actorder="static", qparams=qparams)
+    assert torch.equal(weight, copies[0])
+    assert all(torch.equal(a, b) for a, b in zip(state, copies[1]))
+    assert all(torch.equal(a, b) for a, b in zip(qparams, copies[2]))
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert all(torch.equal(a, b) for a, b in zip(first[2], second[2]))
+    with pytest.raises(ValueError, match="removed"):
+        gptq(weight, state, spec, actorder="group")
+    with pytest.raises(ValueError, match="does not fit"):
+        gptq(weight[:, :64], state, spec)
+    with pytest.raises(TypeError, match="HessianState"):
+        gptq(weight, tuple(state), spec)
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_export_writes_gptq_codes(tmp_path, symmetric):
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from safetensors.torch import load_file
+
+    weight, _, state = _layer_data(7)
+    args = QuantizationArgs(num_bits=4, symmetric=symmetric, strategy="group", group_size=32)
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    fake_quantized, codes, qparams = gptq(weight, state, spec)
+    model = _Tiny().eval()
+    with torch.no_grad():
+        model.fc.weight.copy_(fake_quantized)  # the GPTQ'd weight, exported with GPTQ's qparams
+    qstats.export.compressed_tensors(model, {"fc": {"weight": qparams}}, str(tmp_path), {"fc": {"weight": spec}})
+    with open(os.path.join(tmp_path, "config.json")) as file:
+        config = QuantizationConfig.model_validate(json.load(file)["quantization_config"])
+    fresh = _Tiny().eval()
+    apply_quantization_config(fresh, config)
+    compressor = ModelCompressor(quantization_config=config)
+    compressor.compress_model(fresh)
+    fresh.load_state_dict(load_file(os.path.join(tmp_path, "model.safetensors")), strict=True)
+    compressor.decompress_model(fresh)
+    assert torch.equal(fresh.fc.weight.float(), fake_quantized)
+    stored_codes = qstats.quantize(fresh.fc.weight.float(), qparams, spec)
+    assert torch.equal(stored_codes, codes)
