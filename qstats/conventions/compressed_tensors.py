@@ -1,44 +1,10 @@
 """The compressed-tensors convention (``"compressed_tensors"``) and `from_compressed_tensors`.
 
-Reproduces ``compressed_tensors.quantization.utils.calculate_qparams`` operation by operation
-(range always contains zero; the integer range is ``[-2**(b-1), 2**(b-1) - 1]`` held as float32
-tensors; no eps floor before the zero point; zero scales become the scale dtype's eps at the end;
-zero points are rounded to the zero-point dtype last), in the dtype of the observed weight:
-``from_compressed_tensors(args, observed_dtype=torch.bfloat16)`` sets ``compute_dtype`` so that
-bfloat16 weights give compressed-tensors' bfloat16 scales and zero points. quantize/dequantize
-follow compressed-tensors' ``fake_quantize`` (divide, add the zero point, clamp, round). Under
-``torch.compile``, inductor keeps bfloat16/float16 intermediates in float32 unless
-``torch._inductor.config.emulate_precision_casts = True``; with it, compiled results are bit-equal.
-
-Not reproduced: an explicit ``scale_dtype=torch.float32`` on non-float32 weights (compressed-tensors
-then replaces zero scales by float32's eps rounded to the weight dtype; qstats uses the weight
-dtype's eps, as for ``scale_dtype=None``); the NaN zero point compressed-tensors gives an all-zero
-asymmetric float8 range (qstats: 0; with ``zp_dtype=torch.int32`` compressed-tensors' NaN becomes
--2**31). Dynamic activations, where ``compute_dynamic_scales_and_zp`` reduces with ``aminmax`` to
-0-dim extremes: for ``strategy="tensor"`` (and ``"token"`` on a 2-D input), type promotion makes
-compressed-tensors compute an asymmetric zero point ``bit_min - min / scale`` in float32 while the
-scale stays in the activation's dtype (qstats: both in ``compute_dtype``; bfloat16/float16 zero points
-can differ by one); ``"token"`` on a 2-D ``(tokens, hidden)`` input is one scale for the whole
-tensor there and on a 4-D input one per ``(dim0, dim1)``, where qstats' `PerToken` gives one per row
-(compressed-tensors' 3-D ``(batch, seq, hidden)`` case, which qstats matches). NVFP4
-(``tensor_group``) and float 4-bit scales on bfloat16/float16 weights are reproduced: like
-compressed-tensors, qstats divides ``448 * 6 / amax``, ``amax / 6`` and ``x / scale`` in the
-weight's dtype (``compute_dtype``). Where that half arithmetic overflows to an infinite scale in
-compressed-tensors (an asymmetric span wider than the dtype holds; float32 extremes past float16's
-range), qstats clips the range so that the scale is the largest finite one. Refused with
-ValueError: what compressed-tensors refuses when calculating (asymmetric float 4-bit),
-``tensor_group`` other than float 4-bit elements with float8_e4m3fn scales (``scale_dtype=None``
-keeps float32 block scales under a global scale sized for float8 ones), a float, unsigned or too
-narrow ``zp_dtype`` for asymmetric targets, and scale dtypes other than float32, bfloat16,
-float16, float8_e4m3fn and uint8 (MX). `CompressedTensorsConvention` refuses the specs whose codes
-compressed-tensors cannot express, as it clamps every integer code to the signed
-``[-2**(b-1), 2**(b-1) - 1]`` range with a symmetric zero point of 0: unsigned targets, custom
-(``quant_min``/``quant_max``) or reduced (``reduce_range``) ranges, ``narrow`` and
-``symmetric_no_clipping_err`` mappings, other symmetric zero points.
-
-Strategies: ``channel`` is one scale per row of the last dimension (`PerRow`, as llm-compressor
-views weights of any rank), ``attn_head`` one per head of ``(batch, heads, seq, head_dim)``
-attention states (`PerHead(1)`).
+Reproduces ``compressed_tensors.quantization.utils.calculate_qparams`` and ``fake_quantize``
+operation by operation in the observed weight's dtype (``compute_dtype``, set by
+``from_compressed_tensors(args, observed_dtype=...)``). Strategies, refused arguments and the
+matching granularities are in docs/formats.md; the cases not reproduced on purpose (half-precision
+overflow, all-zero float8 ranges, dynamic activations, ``scale_dtype=float32``) in docs/differences.md.
 """
 
 from __future__ import annotations
@@ -243,11 +209,9 @@ def _code_range(spec) -> tuple:
 
 
 def check_compressed_tensors_range(spec) -> None:
-    """ValueError for a spec whose codes compressed-tensors cannot express: its codes are always
-    clamped to the signed ``[-2**(b-1), 2**(b-1) - 1]`` (or the float format's) range, with a zero
-    point of 0 for symmetric mappings, so an unsigned target, a custom or reduced range, a narrow
-    or no-clipping mapping or another symmetric zero point would give codes outside the spec's
-    own range (or ignore the field)."""
+    """ValueError for a spec whose codes compressed-tensors cannot express: it clamps codes to the signed
+    ``[-2**(b-1), 2**(b-1) - 1]`` (or float) range with a symmetric zero point of 0.
+    """
     if spec.mapping not in ("symmetric", "asymmetric"):
         raise ValueError(
             f"QuantSpec.mapping {spec.mapping!r}: compressed-tensors computes 'symmetric' and 'asymmetric' "
@@ -363,15 +327,11 @@ class CompressedTensorsConvention(Convention):
         return moved.clamp(-limit, limit)
 
     def qparams(self, min_val, max_val, spec):
-        """``calculate_qparams`` on (float32) extremes, computed in ``spec.compute_dtype``: the dtype
-        of the observed weight, which llm-compressor's observers keep (bfloat16 weights give bfloat16
-        arithmetic and scales). Returns float32 scales holding the compute dtype's values and int32
-        (int targets) or float32 (float targets) zero points.
-
-        Where compressed-tensors' arithmetic in bfloat16/float16 would overflow to an infinite scale
-        (float32 extremes past float16's range, a symmetric peak or an asymmetric span wider than the
-        dtype holds), qstats clips the range so that the scale is the largest finite one instead; every
-        range whose compressed-tensors scale is finite maps as compressed-tensors maps it."""
+        """``calculate_qparams`` on float32 extremes, computed in ``spec.compute_dtype`` (the observed
+        weight's dtype, as llm-compressor). Returns float32 scales holding the compute dtype's values and
+        int32 (int targets) or float32 (float targets) zero points. Where compressed-tensors' half
+        arithmetic would overflow to an infinite scale, the range is clipped to the largest finite scale.
+        """
         compute = getattr(torch, spec.compute_dtype)
         bit_min, bit_max = (torch.tensor(b, device=min_val.device) for b in _code_range(spec))
         bit_range = bit_max - bit_min

@@ -1,17 +1,11 @@
 """The `Convention` protocol, with the arithmetic the library conventions share.
 
-A convention is how one library maps an observed range onto quantization parameters and values
-onto codes, where libraries differ in the order of operations, the dtypes they compute in and the
-specs they accept. `QuantSpec.convention` holds one; `compute_qparams`, `quantize`,
-`fake_quantize` and the MX / NVFP4 formats call its methods instead of testing its name.
-
-`Convention` is the protocol and its default arithmetic: torch.ao's range formulas (the range
-always contains zero, ``scale = max(range / (qmax - qmin), eps)``, integer zero points
-``qmin - round(min / scale)`` clamped to the range); integer codes
-``clamp(round(x * (1 / scale)) + zero_point, qmin, qmax)``; float codes ``x / scale`` saturated
-to the format's range and rounded to nearest even through its torch dtype. The conventions of
-``torch_ao.py``, ``compressed_tensors.py`` and ``torchao.py`` override what their library computes
-otherwise. A convention holds no state: it compares equal to its name and hashes as it.
+A convention is how one library maps an observed range onto qparams and values onto codes.
+`QuantSpec.convention` holds one; `compute_qparams`, `quantize` and the formats call its methods
+instead of testing its name. The default arithmetic is torch.ao's range formulas, integer codes
+``clamp(round(x * (1 / scale)) + zero_point, qmin, qmax)`` and float codes saturated and rounded to
+nearest even; the library modules override what their library computes otherwise. Conventions are
+stateless and compare equal to their name.
 """
 
 from __future__ import annotations
@@ -36,14 +30,10 @@ class Convention:
 
     Attributes:
       name: what ``QuantSpec(convention=...)`` accepts for it.
-      computes_in_observed_dtype: True when the library computes qparams and codes in the dtype
-        of the tensor it observes, so that ``compute_dtype`` follows bf16/fp16 inputs
-        (compressed-tensors).
-      maps_ranges_without_zero: True when `qparams` honours ``QuantSpec.preserve_zero=False``
-        (torchao).
-      ranges_map_like_torch_ao: True when integer ranges with float32 scales map by torch.ao's
-        formulas up to float rounding (torch.ao, compressed-tensors): range searches may then rank
-        candidates with those formulas in float64 before the chosen range takes the exact ones.
+      computes_in_observed_dtype: ``compute_dtype`` follows bf16/fp16 inputs (compressed-tensors).
+      maps_ranges_without_zero: `qparams` honours ``QuantSpec.preserve_zero=False`` (torchao).
+      ranges_map_like_torch_ao: integer ranges map by torch.ao's formulas up to float rounding, so
+        range searches may rank candidates with them in float64.
     """
 
     name: str = "default"
@@ -83,10 +73,10 @@ class Convention:
     # moving averages
     def moving_average(self, average: torch.Tensor, batch: torch.Tensor, constant: float, spec,
                        observed_dtype: torch.dtype) -> torch.Tensor:
-        """One step of a moving average of float32 extremes towards a batch's: torch.ao's
-        ``average + constant * (batch - average)`` bit for bit, except where ``batch - average``
-        overflows (finite extremes of opposite signs near the float32 limit): there
-        ``(1 - constant) * average + constant * batch``, which stays finite."""
+        """One step of a moving average of float32 extremes: torch.ao's
+        ``average + constant * (batch - average)`` bit for bit, or
+        ``(1 - constant) * average + constant * batch`` where the difference overflows.
+        """
         moved = average + constant * (batch - average)
         return torch.where(moved.isfinite(), moved, (1.0 - constant) * average + constant * batch)
 
@@ -124,10 +114,9 @@ class Convention:
     # ----------------------------------------------------------------------------------------
     # codes
     def codes(self, view: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec):
-        """``(unclamped, codes)`` of ``view`` (any float dtype) under broadcast qparams: the codes
-        before and after saturation, as float tensors (integer-valued for integer targets). Integer
-        codes of a float64 ``view`` are computed in float64 (``x * (1 / scale)`` with the float32
-        reciprocal, as torch's fake-quant kernels), the others in float32."""
+        """``(unclamped, codes)`` of ``view`` under broadcast qparams, as float tensors; integer codes of a
+        float64 view in float64 (with the float32 reciprocal, as torch's kernels), others in float32.
+        """
         if spec.is_float:
             fmax = spec.float_format.max
             scaled = view.float() / scale

@@ -1,26 +1,10 @@
 """The torch.ao convention (``"torch_ao"``, the default) and `from_torch_ao`.
 
-`from_torch_ao` mirrors the validation and the range arithmetic of
-``UniformQuantizationObserverBase``, ``MinMaxObserver``, ``HistogramObserver`` and
-``PerChannelMinMaxObserver`` (torch/ao/quantization/observer.py and ``calculate_qmin_qmax`` in
-utils.py), accepting what any of them accepts, so that `compute_qparams` reproduces their
-``calculate_qparams`` bit for bit, quirks included:
-
-- float8 and quint4x2 observers compute with the fallback range (0, 15) and a zero point of 0;
-- symmetric uint8 uses zero point 128 unless a custom range is given (then the lower midpoint),
-  even with ``reduce_range`` (quint8 with ``per_tensor_symmetric`` and ``reduce_range``, which
-  ``HistogramObserver`` takes and ``MinMaxObserver`` refuses, is accepted); symmetric uint16
-  always uses 2**15;
-- a custom range is halved by ``reduce_range``; only one of quant_min/quant_max is ignored.
-
-Three kinds of combination torch.ao constructs are refused with ValueError, because they give no
-usable parameters: an affine custom range outside int32 (torch.ao's ``calculate_qparams`` raises), a
-symmetric one whose zero point is outside int32 (``(0, 2**32)`` on uint8 gives 2**31), and a custom
-range that ``reduce_range`` halves to a single value (torch.ao returns an Inf or NaN scale). An
-``eps`` that is not positive is refused by QuantSpec (torch.ao can then return a zero scale).
-
-The range arithmetic is `Convention`'s; the codes are those of torch's fake-quant kernels (see
-`TorchAOConvention`).
+`from_torch_ao` mirrors the validation and range arithmetic of torch.ao's min/max and histogram
+observers (torch/ao/quantization/observer.py, ``calculate_qmin_qmax``), accepting what any of them
+accepts, so that `compute_qparams` reproduces their ``calculate_qparams`` bit for bit, quirks
+included (docs/formats.md). Combinations torch.ao builds but cannot use (Inf/NaN/zero scales, zero
+points outside int32) raise ValueError (docs/differences.md).
 """
 
 from __future__ import annotations
@@ -157,19 +141,9 @@ def from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, 
 
 
 # --------------------------------------------------------------------------------------------
-# Fake quantization where float32 arithmetic does not reproduce torch's kernels.
-#
-# torch.fake_quantize_per_tensor_affine computes ``q = round(x * (1 / scale)) + zero_point`` in
-# float32, clamps it in double and returns ``float(q - zero_point) * scale`` (an int64 difference
-# converted to float32). torch.fake_quantize_per_channel_affine returns
-# ``(clamp(q) - zero_point) * scale`` evaluated in double and rounded once; with float zero points
-# (per_channel_affine_float_qparams) ``q = round(x * (1 / scale) + zero_point)`` with a fused
-# multiply-add. For integer zero points and ranges within 2**24 every one of these equals the plain
-# float32 formula of `Convention`; float zero points and wider ranges (int32) take the exact kernel
-# arithmetic below. Not reproduced: torch's per-channel kernels cast ``x / scale`` to int64 before
-# clamping, so values beyond 2**63 (infinities included) land on quant_min; qstats clamps them to
-# the nearest end, as torch's per-tensor kernel does (from torch 2.9 on; before, it casts like the
-# per-channel ones).
+# Fake quantization where float32 arithmetic does not reproduce torch's kernels: float zero points
+# and ranges wider than 2**24 (int32) take the exact kernel arithmetic below; integer zero points in
+# narrower ranges equal `Convention`'s float32 formula. Values past 2**63: docs/differences.md.
 _FLOAT32_EXACT_INTEGERS = 2**24
 
 
@@ -182,10 +156,9 @@ def _exact_kernel(spec) -> bool:
 
 
 class TorchAOConvention(Convention):
-    """torch.ao's observers and fake-quant kernels, bit for bit. Custom ranges may exceed the
-    dtype's own (`from_torch_ao` picks the dtype), and torch.ao's fixed symmetric zero points
-    (128 for uint8, 2**15 for uint16) stay where ``reduce_range`` or a custom range leaves them
-    outside the range."""
+    """torch.ao's observers and fake-quant kernels, bit for bit. Custom ranges may exceed the dtype's own,
+    and torch.ao's fixed symmetric zero points (128 for uint8, 2**15 for uint16) may lie outside the range.
+    """
 
     name = "torch_ao"
     ranges_map_like_torch_ao = True
@@ -215,10 +188,9 @@ class TorchAOConvention(Convention):
         return unclamped, unclamped.clamp(*spec.qrange)
 
     def dequantize(self, codes, scale, zero_point, spec):
-        """As `Convention.dequantize`; rounded as torch's kernels: the per-tensor kernel's product
-        is float32 whatever the input dtype (float64 included), the per-channel one's is the
-        input's (float64 for float64 codes); with the exact kernel arithmetic, from integer or
-        float64 codes."""
+        """As `Convention.dequantize`, rounded as torch's kernels: the per-tensor product is float32 whatever
+        the input dtype, the per-channel one is in the input's dtype.
+        """
         per_tensor = isinstance(spec.granularity, PerTensor) and spec.zero_point_domain != "float"
         if not _exact_kernel(spec):
             values = super().dequantize(codes, scale, zero_point, spec)

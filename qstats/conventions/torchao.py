@@ -1,38 +1,10 @@
 """The torchao convention (``"torchao"``) and `from_torchao`: torchao's quantization arithmetic.
 
-Three families of torchao arguments map onto a QuantSpec with ``convention="torchao"``:
-
-- affine integer quantization, ``torchao.quantization.quant_primitives.choose_qparams_affine``
-  and its variants: ``mapping_type`` (SYMMETRIC, SYMMETRIC_NO_CLIPPING_ERR, ASYMMETRIC),
-  ``zero_point_domain`` (INT: ``choose_qparams_affine`` / ``quantize_affine``; FLOAT:
-  ``_choose_qparams_affine_tinygemm`` / ``_quantize_affine_tinygemm``, the zero point is the float
-  value of the range's midpoint and zero need not be representable; NONE: no zero point),
-  targets ``torch.int1`` ... ``torch.int8`` and ``torch.uint1`` ... ``torch.uint8`` (and int16,
-  int32), ``eps`` (default ``finfo(input_dtype).smallest_normal``), ``scale_dtype`` (default the
-  input dtype; float64 too), ``preserve_zero=False`` (``_choose_qparams_affine_dont_preserve_zero``),
-  ``zero_point_dtype`` (where it holds every zero point: torchao would wrap or round the others),
-  granularity given as a qstats or torchao granularity (``PerRow(dim)`` along any dimension,
-  ``PerBlock`` spanning leading dimensions) or as torchao's ``block_size`` with the tensor ``shape``;
-- MX, ``torchao.prototype.mx_formats.mx_tensor.to_mx``: ``elem_dtype`` (float8_e4m3fn,
-  float8_e5m2, "fp6_e2m3", "fp6_e3m2", float4_e2m1fn_x2), ``block_size`` (32), ``scaling_mode``
-  (FLOOR, CEIL, EVEN, RCEIL), or a ``QuantizeTensorToMXKwargs``;
-- float8 (``_choose_scale_float8`` / ``_quantize_affine_float8``): ``target_dtype``
-  float8_e4m3fn or float8_e5m2 with a granularity (PerTensor, PerRow, PerBlock, or
-  ``block_size`` with ``shape``) and ``scale_dtype`` float32 or float8_e8m0fnu (power-of-two
-  scales ``2 ** round(log2(amax / max))``); an all-zero block gets the smallest scale where
-  torchao divides by a zero scale, and so does a block whose amax is below ``448 * 2**-126``,
-  where torchao's scale is subnormal (QuantSpec.eps is at least the smallest normal float32);
-- NVFP4, ``NVFP4Tensor.to_nvfp4``: ``nvfp4=True`` with ``per_tensor_scale=True`` (two levels,
-  global scale ``per_tensor_amax_to_scale(amax) = amax / (448 * 6)``) or ``False`` (block scales
-  only), or a ``QuantizeTensorToNVFP4Kwargs``.
-
-torchao is not imported: its enums are read by name, so qstats works without it.
-
-Known differences, kept on purpose: torchao computes min/max and scales in the input's dtype
-(bf16 inputs give bf16 arithmetic); qstats observes in float32 and rounds the scale to
-``scale_dtype`` once. An all-zero tensor gets NVFP4 global scale 1 where torchao divides 0 by 0.
-Where torchao's bf16/fp16 arithmetic overflows or underflows (an Inf or zero scale, values past the
-compute dtype), qstats saturates (`TorchaoConvention`).
+`from_torchao` maps torchao's affine (``choose_qparams_affine`` and variants), MX (``to_mx``), float8
+(``_choose_scale_float8``) and NVFP4 (``NVFP4Tensor.to_nvfp4``) arguments onto a QuantSpec; the
+arguments accepted are listed in docs/formats.md. torchao is not imported: its enums are read by name.
+Where torchao's half-precision arithmetic gives an Inf, NaN or zero scale, qstats saturates
+(docs/differences.md).
 """
 
 from __future__ import annotations
@@ -369,10 +341,9 @@ def _span_scale(low, high, levels: float, compute):
 
 
 def _to_scale_dtype(scale, scale_dtype):
-    """``scale`` rounded to ``scale_dtype``, as float32. Past a bf16/fp16 scale dtype's largest
-    value (a range wider than 127.5 * 65504 in fp16) it is that largest value, where torchao's is
-    Inf (and its codes 0, dequantized to NaN); below its smallest positive value (tiny float32 data
-    with fp16 scales) it is that value, where torchao's is 0."""
+    """``scale`` rounded to ``scale_dtype``, as float32, saturated to that dtype's largest and smallest
+    positive values where torchao's would be Inf or 0.
+    """
     scale = scale.float()
     if scale_dtype in (torch.bfloat16, torch.float16):
         finfo = torch.finfo(scale_dtype)
@@ -394,11 +365,10 @@ def _affine_scale(min_val_neg, max_val_pos, spec, compute):
 
 
 class TorchaoConvention(Convention):
-    """torchao's ``choose_qparams_affine`` / ``quantize_affine`` family in its dtypes, and its MX,
-    NVFP4 and float8 scale arithmetic. Float targets take `Convention`'s range formulas. Honours
-    ``QuantSpec.preserve_zero=False`` (``_choose_qparams_affine_dont_preserve_zero``). Where
-    torchao's half-precision arithmetic overflows (an Inf scale, or values past the compute
-    dtype), qstats saturates at the dtype's largest value; everywhere else it equals torchao."""
+    """torchao's ``choose_qparams_affine`` / ``quantize_affine`` family in its dtypes, and its MX, NVFP4 and
+    float8 scale arithmetic; honours ``preserve_zero=False``. Equal to torchao except where its
+    half-precision arithmetic overflows: there qstats saturates at the dtype's largest value.
+    """
 
     name = "torchao"
     maps_ranges_without_zero = True
@@ -412,12 +382,10 @@ class TorchaoConvention(Convention):
             )
 
     def qparams(self, min_val, max_val, spec):
-        """``(scale, zero_point)`` as torchao's ``choose_qparams_affine`` (INT/NONE domains),
-        ``_choose_qparams_affine_dont_preserve_zero`` (``preserve_zero=False``) or
-        ``_choose_qparams_affine_tinygemm`` (FLOAT domain), from an observed range, operation by
-        operation in ``spec.compute_dtype`` (torchao computes in the input's dtype; the extremes of a
-        bf16 tensor are exact in any wider dtype, so the float32 state loses nothing; float32
-        extremes past a bf16/fp16 compute dtype saturate to it)."""
+        """``(scale, zero_point)`` as torchao's ``choose_qparams_affine`` (INT/NONE domains), its
+        ``dont_preserve_zero`` or ``tinygemm`` (FLOAT domain) variants, operation by operation in
+        ``spec.compute_dtype``; float32 extremes past a bf16/fp16 compute dtype saturate to it.
+        """
         if spec.is_float:
             return super().qparams(min_val, max_val, spec)
         compute, scale_dtype = _dtypes(spec)
@@ -465,10 +433,9 @@ class TorchaoConvention(Convention):
         return unclamped.float(), unclamped.clamp(qmin, qmax).float()
 
     def dequantize(self, codes, scale, zero_point, spec):
-        """torchao's ``_dequantize_affine*_no_dtype_check`` with ``output_dtype = compute_dtype``
-        (what torchao's fake quantization uses). Each product and sum is formed exactly (or rounded
-        as torchao rounds it) in float32/float64, saturated, then rounded to ``compute_dtype``: as
-        torchao where its result is finite, the dtype's largest value where it overflows."""
+        """torchao's ``_dequantize_affine*`` with ``output_dtype = compute_dtype`` (as its fake quantization):
+        formed exactly in float32/float64, saturated, then rounded to ``compute_dtype``.
+        """
         if not _own_arithmetic(spec):
             return super().dequantize(codes, scale, zero_point, spec)
         compute, scale_dtype = _dtypes(spec)
