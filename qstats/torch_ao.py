@@ -243,9 +243,10 @@ default_weight_observer = _with(observer=minmax, dtype=torch.qint8, qscheme=torc
 weight_observer_range_neg_127_to_127 = _with(
     observer=minmax, dtype=torch.qint8, qscheme=torch.per_tensor_symmetric, quant_min=-127, quant_max=127, eps=2**-12
 )
-default_histogram_observer = _with(
-    observer=histogram, quant_min=0, quant_max=127, buckets_per_octave=buckets_per_octave_for_bins(2048)
-)
+# torch.ao's 2048 linear bins: qstats' default 128 buckets per octave (at most 0.78% of a value
+# wide over 48 octaves) give the same qparams to 0.2% of squared error as the 2048 of
+# `buckets_per_octave_for_bins(2048)`, at a fraction of the update time (docs/migrating_torch_ao.md)
+default_histogram_observer = _with(observer=histogram, quant_min=0, quant_max=127, buckets_per_octave=128)
 default_per_channel_weight_observer = _with(observer=minmax, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
 per_channel_weight_observer_range_neg_127_to_127 = _with(
     observer=minmax, dtype=torch.qint8, qscheme=torch.per_channel_symmetric, quant_min=-127, quant_max=127, eps=2**-12
@@ -338,15 +339,15 @@ def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 
     """
     if isinstance(obs, QstatsObserver):
         return obs.observer, obs.spec, obs.state
-    spec = _spec_of(obs)
-    if isinstance(obs, ao.HistogramObserver):
-        per_octave = buckets_per_octave_for_bins(obs.bins) if buckets_per_octave is None else buckets_per_octave
-        return histogram(spec, per_octave, octaves), spec, _histogram_state(obs, spec, per_octave, octaves)
-    if not isinstance(obs, _MINMAX_CLASSES):
+    if not isinstance(obs, _MINMAX_CLASSES + (ao.HistogramObserver,)):
         raise TypeError(
             f"from_observer: cannot import a {type(obs).__name__}; expected a MinMaxObserver, PerChannelMinMaxObserver, "
             "MovingAverage(PerChannel)MinMaxObserver or HistogramObserver"
         )
+    spec = _spec_of(obs)
+    if isinstance(obs, ao.HistogramObserver):
+        per_octave = buckets_per_octave_for_bins(obs.bins) if buckets_per_octave is None else buckets_per_octave
+        return histogram(spec, per_octave, octaves), spec, _histogram_state(obs, spec, per_octave, octaves)
     lo, hi, seen = _extremes(obs)
     nonfinite = torch.zeros_like(seen)
     if isinstance(obs, (ao.MovingAverageMinMaxObserver, ao.MovingAveragePerChannelMinMaxObserver)):
