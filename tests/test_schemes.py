@@ -71,6 +71,7 @@ def _llm_compressor(saved, scheme, out, ignore):
 def _qstats(saved, scheme, out, ignore):
     path, samples, _ = saved
     model = _load(path)
+    model.set_attn_implementation("eager")  # llm-compressor calibrates under eager attention
     recipe = qstats.Recipe.from_scheme(scheme, targets="Linear", ignore=ignore)
     plan = recipe.resolve(model)
     states = qstats.calibrate(model, _batches(samples), plan, progress=False)

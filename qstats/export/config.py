@@ -13,11 +13,15 @@ import json
 import re
 from typing import Any, Optional
 
+import torch
+
 from .._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
 from .._spec import QuantSpec
 
 __all__ = [
     "ATTENTION_SITES",
+    "COMPRESSED_TENSORS_VERSION",
+    "llm_compressor_observers",
     "FORMATS",
     "allowed_formats",
     "code_offset",
@@ -28,6 +32,7 @@ __all__ = [
 ]
 
 ATTENTION_SITES = ("q", "k", "v")
+COMPRESSED_TENSORS_VERSION = "0.19.0"  # the release whose checkpoint layout this export writes
 FORMATS = (
     "pack-quantized",
     "int-quantized",
@@ -149,14 +154,18 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec", dynamic: 
         "actorder": None,
         "observer": None,
         "observer_kwargs": {},
+        "scale_dtype": None,
+        "zp_dtype": None,  # compressed-tensors serializes it for asymmetric args only
     }
+    if not symmetric:
+        fields["zp_dtype"] = "torch.float8_e4m3fn" if qtype == "float" else "torch.int8"
     if two_level:
         fields.update(strategy="tensor_group", group_size=spec.granularity.group_size, scale_dtype="torch.float8_e4m3fn")
         if site != "weight":
             fields["dynamic"] = "local"  # group scales at run time under the calibrated global scale
         return fields
     if mx:
-        fields.update(strategy="group", group_size=32, scale_dtype="torch.uint8", zp_dtype="torch.uint8")
+        fields.update(strategy="group", group_size=32, scale_dtype="torch.uint8")
         if site != "weight":
             fields["dynamic"] = True  # MX activations: group scales at run time (compressed-tensors' MXFP4/MXFP8)
         return fields
@@ -211,12 +220,77 @@ def default_format(weights, inputs) -> str:
     return "float-quantized" if inputs is not None else "naive-quantized"
 
 
-def config_groups(schemes: dict, expert_projection: dict, format: Optional[str]) -> dict:
+def llm_compressor_observers(plan, qparams) -> dict:
+    """``{path: {site: name}}``: the llm-compressor observer name equivalent to each site's
+    qstats observer (what llm-compressor writes into the args' ``observer``): weights observed
+    once by min-max are ``"memoryless_minmax"``, by the MSE search ``"memoryless_mse"``;
+    activations: ``"static_minmax"`` (`qstats.minmax`), ``"minmax"`` (its moving average),
+    ``"memoryless_minmax"``, ``"mse"``; None for the others and for dynamic sites."""
+    from ..observers import registry
+
+    names: dict = {}
+    for path, sites in qparams.items():
+        for site in sites:
+            found = plan.site(path, site)
+            if found is None:
+                continue
+            ours = registry.name_of(found.rule.observer)
+            if found.kind == "parameter":
+                name = {"minmax": "memoryless_minmax", "memoryless_minmax": "memoryless_minmax",
+                        "mse": "memoryless_mse"}.get(ours)
+            else:
+                name = {"minmax": "static_minmax", "moving_average_minmax": "minmax",
+                        "memoryless_minmax": "memoryless_minmax", "mse": "mse"}.get(ours)
+            names.setdefault(path, {})[site] = name
+    return names
+
+
+def _observer_of(observers: dict, module_path: str, site: str, expert_projection: dict):
+    """The observer name of ``site`` of a Linear, or of an unpacked expert's projection (from
+    its experts module's sites of that kind, when they agree)."""
+    if module_path not in expert_projection:
+        return observers.get(module_path, {}).get(site)
+    experts_path, projection = expert_projection[module_path]
+    entry = observers.get(experts_path, {})
+    if site == "weight":
+        names = {name for key, name in entry.items() if key != "input" and not key.endswith(".input")}
+    else:
+        names = {entry.get(f"{projection}.input", entry.get("input"))}
+    return names.pop() if len(names) == 1 else None
+
+
+def _with_observers(scheme: dict, module_path: str, observers: Optional[dict], expert_projection: dict) -> dict:
+    if not observers:
+        return scheme
+    out = {}
+    for site, args in scheme.items():
+        if args is not None and args.get("dynamic") is not True:
+            args = {**args, "observer": _observer_of(observers, module_path, site, expert_projection)}
+        out[site] = args
+    return out
+
+
+def _class_targets(groups: dict, modules: Optional[dict], expert_projection: dict) -> None:
+    """One group of Linear modules only targets ``["Linear"]`` (every other Linear is in the
+    ignore list), as llm-compressor writes a one-scheme recipe on ``targets="Linear"``. Unpacked
+    experts keep their regexes: transformers' ``get_experts_scheme`` looks for them."""
+    if modules is None or len(groups) != 1 or expert_projection:
+        return
+    (group,) = groups.values()
+    if all(isinstance(modules.get(path), torch.nn.Linear) for path in group["_paths"]):
+        group["targets"] = ["Linear"]
+
+
+def config_groups(schemes: dict, expert_projection: dict, format: Optional[str], modules: Optional[dict] = None,
+                  observers: Optional[dict] = None) -> dict:
     """One config group per distinct (weights, input, output, format) combination, targeting the
     exact module paths, and one regex per projection of unpacked experts; keyed by that
-    combination (insertion order)."""
+    combination (insertion order). With the model's ``modules``, a single group of Linear
+    modules targets ``["Linear"]`` instead. ``observers`` (`llm_compressor_observers`) fills the
+    args' ``observer``."""
     groups: dict[str, dict] = {}
     for module_path, scheme in schemes.items():
+        scheme = _with_observers(scheme, module_path, observers, expert_projection)
         weights, inputs, outputs = scheme.get("weight"), scheme.get("input"), scheme.get("output")
         group_format = format or default_format(weights, inputs)
         key = json.dumps([weights, inputs, outputs, group_format], sort_keys=True)
@@ -228,8 +302,10 @@ def config_groups(schemes: dict, expert_projection: dict, format: Optional[str])
                 "input_activations": inputs,
                 "output_activations": outputs,
                 "format": group_format,
+                "_paths": [],
             },
         )
+        group["_paths"].append(module_path)
         target = module_path
         if module_path in expert_projection:
             # every expert of a stacked module shares its scheme: one regex per projection of the
@@ -238,4 +314,7 @@ def config_groups(schemes: dict, expert_projection: dict, format: Optional[str])
             target = rf"re:^{re.escape(experts_path)}\.\d+\.{projection}$"
         if target not in group["targets"]:
             group["targets"].append(target)
+    _class_targets(groups, modules, expert_projection)
+    for group in groups.values():
+        group.pop("_paths", None)
     return groups
