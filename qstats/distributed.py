@@ -1,27 +1,9 @@
-"""Merging observer states across ``torch.distributed`` ranks with few collectives.
+"""Merging observer states across ``torch.distributed`` ranks with few collectives (docs/distributed.md).
 
-`all_reduce(tree, observers, group)` returns, on every rank, the merge of all ranks' states. Each
-state type declares how its fields reduce (`register_reduce_ops`):
-
-- **elementwise** states (``MinMaxState``: ``min_val`` min, ``max_val`` max, ``count`` and
-  ``nonfinite`` sum) are packed, over the whole tree, into one flat bucket per ``(op, dtype,
-  device)`` and reduced with one ``all_reduce`` per bucket. Floating ``max`` fields are negated
-  into the ``min`` bucket (``max(x) == -min(-x)`` exactly), so a tree of min/max states costs two
-  collectives whatever its size: one MIN over float32, one SUM over int64.
-- **fold** states (moving averages, variance merges, anything without a declaration) are packed
-  as raw bytes into one buffer, gathered with one ``all_gather``, and folded with ``obs.merge`` in
-  rank order: ``merge(merge(s0, s1), s2) ...``.
-
-Min, max and integer sums are exact in any order, so for exact observers built from them (minmax,
-histogram counts) the result is bit-identical to calibrating over all the data in one process.
-Floating-point sums reduced by ``all_reduce`` are summed in the backend's order, which can differ
-by rounding from a sequential merge; ``exact=True`` sends every state with a floating ``sum``
-field down the fold path instead, making the result bit-identical to
-``functools.reduce(obs.merge, [state_of_rank_0, state_of_rank_1, ...])``.
-
-With ``check=True`` (default) one more, 16-byte ``all_reduce`` first verifies that every rank
-passes the same tree (structure, state types, shapes, dtypes, reduction plan); a mismatch raises
-ValueError on every rank instead of hanging or mixing unrelated numbers.
+`all_reduce(tree, observers, group)` returns, on every rank, the merge of all ranks' states. States
+whose merge is elementwise (`register_reduce_ops`: min, max, sum) are packed into one flat bucket per
+``(op, dtype, device)`` and all-reduced; the others are gathered once and folded with ``obs.merge``
+in rank order. A 16-byte check first makes ranks passing different trees raise instead of hang.
 
 >>> import torch, qstats
 >>> obs = qstats.minmax(qstats.QuantSpec())
@@ -67,13 +49,9 @@ def register_reduce_ops(state_cls: Union[type, str], ops: Any) -> None:
     """Declares how a state type's fields merge across ranks.
 
     Args:
-      state_cls: the state NamedTuple class, or its class name (states are registered by name, so
-        a declaration can live apart from the class).
-      ops: a mapping from every field name to ``"min"``, ``"max"`` or ``"sum"`` when
-        ``obs.merge`` is exactly that field by field; a callable ``fields -> mapping`` (e.g.
-        `extremes_and_sums`) resolved against each state's fields; or ``"fold"`` when the merge
-        is not elementwise (weighted means, variance merges, re-binning), which gathers the states
-        and folds ``obs.merge``.
+      state_cls: the state NamedTuple class, or its class name (registered by name).
+      ops: ``{field: "min" | "max" | "sum"}`` when ``obs.merge`` is that field by field; a callable
+        ``fields -> mapping`` (e.g. `extremes_and_sums`); or ``"fold"`` to gather and fold ``obs.merge``.
 
     Raises:
       TypeError: ``state_cls`` is neither a NamedTuple class nor a name.
@@ -219,39 +197,21 @@ def all_reduce(
 ) -> Any:
     """Merges the states in ``tree`` across all ranks of ``group``; every rank gets the result.
 
+    Costs 1 check + one ``all_reduce`` per elementwise bucket + one ``all_gather`` if some state folds
+    (minmax states: 1 + 2). Min/max/integer-sum states equal ``reduce(obs.merge, [s_rank0, ...])`` bit
+    for bit, as do folded ones; floating sums equal it up to rounding unless ``exact=True``.
+
     Args:
-      tree: a nested dict/list/tuple whose leaves are observer states (NamedTuples of tensors), the
-        same structure, types, shapes and dtypes on every rank. A rank that saw no data for some
-        state passes its ``obs.init`` state (or one updated with weight 0), the merge identity.
-        Pass activation sites only: weight states are identical on every rank (merging them
-        would add their counts ``world`` times), e.g.
-        ``{path: {"input": s["input"]} for path, s in states.items()}``.
-      observers: a tree of `qstats.Observer` whose structure is a prefix of ``tree``'s (an
-        Observer leaf applies to every state below it; a single Observer applies to all). Only
-        folded states call ``obs.merge``.
+      tree: nested dict/list/tuple of observer states, alike on every rank (a rank without data passes
+        ``obs.init`` states). Pass activation sites only: weight states would be counted ``world`` times.
+      observers: a tree of `qstats.Observer` whose structure is a prefix of ``tree``'s, or one Observer.
       group: the process group (default: the world).
-      exact: send states with floating ``sum`` fields through gather-and-fold in rank order, so
-        the result is bit-identical to ``reduce(obs.merge, [s_rank0, s_rank1, ...])`` for every
-        observer (default False: such sums use ``all_reduce``, equal up to rounding).
-      check: first verify, with one 16-byte collective, that all ranks pass the same tree;
-        ValueError on every rank otherwise (a rank with an empty tree joins the check too).
-        Without it, every rank must pass the same tree: the others would wait for a rank whose
-        tree differs.
+      exact: fold states with floating ``sum`` fields in rank order, bit-identical to a sequential merge.
+      check: first verify with one 16-byte collective that all ranks pass the same tree.
 
     Returns:
-      A new tree of the same structure; inputs are never modified. Without an initialised process
-      group, with one rank, or on a rank that is not a member of ``group`` (where torch's own
-      collectives do nothing), ``tree`` is returned unchanged.
-
-    Collectives: ``check`` (1) + one ``all_reduce`` per ``(op, dtype, device)`` bucket of
-    elementwise fields (float max folds into float min) + one ``all_gather`` when some state is
-    folded. A tree of minmax states costs 1 + 2.
-
-    Laws: for states whose declaration is all min/max/integer sums, the result equals
-    ``reduce(obs.merge, [s_rank0, ..., s_rankN])`` bit for bit (one caveat: when ranks hold
-    ``0.0`` and ``-0.0`` as the same extreme, the sign of that zero follows the backend; the
-    quantization parameters are the same); for exact observers it hence equals one-process
-    calibration over all ranks' data. Folded states equal that rank-order merge bit for bit.
+      A new tree of the same structure; ``tree`` itself without a process group, with one rank, or on a
+      rank outside ``group``.
     """
     states = treespec = plan = local_error = None
     try:  # validated locally, but raised only after every rank has joined the check

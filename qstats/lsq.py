@@ -1,39 +1,10 @@
 """Learnable quantization ranges: LSQ (learned scale) and LSQ+ (learned scale and offset).
 
-`lsq_fake_quantize(x, params, spec)` fake-quantizes ``x`` with a scale (and zero point) that are
-ordinary tensors, so they are trained by the same optimizer as the weights. Forward values and
-the gradients with respect to ``x``, the scale and the zero point equal torch.ao's
-``torch._fake_quantize_learnable_per_tensor_affine`` / ``_per_channel_affine`` (the kernels of
-``torch.ao.quantization._LearnableFakeQuantize``):
-
-- ``x``: 1 where ``round(x / scale) + zero_point`` falls inside ``[qmin, qmax]``, 0 outside;
-- scale: ``(fake_quantized - x) / scale`` inside, ``qmin - zero_point`` or ``qmax - zero_point``
-  outside (the LSQ gradient of Esser et al., 2020);
-- zero point: 0 inside, ``-scale`` outside;
-
-both range gradients multiplied by the gradient scale ``1 / sqrt(numel(x) * qmax)``
-(``grad_scale="torch_ao"``, torch.ao's ``use_grad_scaling=True``). Symmetric specs keep the zero
-point fixed (LSQ: its gradient is 0); asymmetric specs learn it (LSQ+, Bhalgat et al., 2020), in
-the integer domain (rounded in the forward, as torch.ao) or, with ``zero_point_domain="float"``,
-as a float offset.
-
-Everything is written with differentiable torch ops (no ``autograd.Function``), so it composes
-with ``torch.func.grad``, ``vmap`` and ``torch.compile``. Any granularity works, through the
-canonical view. The arithmetic is torch.ao's (float32, ``x * (1 / scale)``) for every convention;
-specs whose zero point or code range means something else are refused with a ValueError:
-torchao's float zero-point domain (a zero point in the input's units) and compressed-tensors
-specs whose range is not the signed ``bits``-bit range its codes are clamped to (unsigned or
-narrow targets).
-
-One documented difference: for a per-tensor zero point, torch's backward kernel rounds the zero
-point as ``trunc(clamp(zero_point + 0.5))`` while its forward uses ``round(zero_point)``; the two
-differ at exact halves and for every zero point at or below -0.5, negative integers included
-(torch's backward takes one step towards zero there: -1 is 0, -3 is -2), which covers the usual
-signed asymmetric range (int8 over mostly positive values has zero points near -128). There
-torch.ao's scale and input gradients are those of another zero point than its forward's. qstats
-uses the forward's zero point in the gradient too (the gradient of the function actually
-computed); a test checks that it equals torch's gradient at a zero point both of torch's
-roundings agree on.
+`lsq_fake_quantize(x, params, spec)` fake-quantizes ``x`` with a scale and zero point that are
+ordinary tensors, trained by the same optimizer as the weights. Forward and gradients equal torch.ao's
+``_LearnableFakeQuantize`` kernels, in plain differentiable torch ops (vmap, grad and compile work).
+Gradients and refused specs: docs/qat.md. The gradient of a per-tensor zero point uses the forward's
+rounding where torch's backward differs: docs/differences.md.
 """
 
 from __future__ import annotations
@@ -88,10 +59,9 @@ def _check_spec(spec) -> None:
 def lsq_grad_factor(x_numel: int, params_numel: int, spec: QuantSpec, grad_scale) -> float:
     """The factor applied to the range gradients.
 
-    ``grad_scale``: ``"torch_ao"`` (``1 / sqrt(numel(x) * qmax)``, torch.ao's
-    ``use_grad_scaling=True``, also for per-channel ranges), ``"per_parameter"``
-    (``1 / sqrt(numel(x) / numel(scale) * qmax)``, the LSQ paper's per-channel reading), ``None``
-    (1, torch.ao's default ``use_grad_scaling=False``) or a positive float.
+    ``grad_scale``: ``"torch_ao"`` (``1 / sqrt(numel(x) * qmax)``, torch.ao's ``use_grad_scaling=True``),
+    ``"per_parameter"`` (``1 / sqrt(numel(x) / numel(scale) * qmax)``, the LSQ paper), ``None`` (1) or a
+    positive float.
     """
     if isinstance(grad_scale, (int, float)) and not isinstance(grad_scale, bool) and grad_scale > 0:
         return float(grad_scale)
@@ -127,11 +97,9 @@ def lsq_fake_quantize(
 
     Args:
       x: the tensor to fake-quantize (any float dtype; computed in float32, returned in its dtype).
-      params: `LSQParams` of shape ``qparam_shape(x.shape, spec.granularity)``. Scales below
-        ``spec.eps`` are raised to ``spec.eps`` in the forward (torch.ao clamps its parameter the
-        same way); the gradient still reaches the scale.
-      spec: an integer QuantSpec; its granularity gives the shape of the range, its mapping says
-        whether the zero point is learned (asymmetric) or fixed (symmetric).
+      params: `LSQParams` of shape ``qparam_shape(x.shape, spec.granularity)``; scales below
+        ``spec.eps`` are raised to it in the forward (as torch.ao), the gradient still reaches them.
+      spec: an integer QuantSpec; asymmetric mappings learn the zero point, symmetric ones fix it.
       grad_scale: see `lsq_grad_factor`.
 
     Returns:
