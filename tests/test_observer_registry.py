@@ -1,0 +1,139 @@
+"""Observers by name (`qstats.observers.register` / `get` / `registered`) and recipes from plain
+data: a rule naming its observer calibrates exactly as the rule holding the factory."""
+
+import json
+
+import pytest
+import torch
+
+import qstats
+from qstats.observers import registry
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4)).eval()
+
+
+def _batches():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(5, 8, generator=generator) for _ in range(3)]
+
+
+def test_qstats_observers_are_registered_under_their_names():
+    names = qstats.observers.registered()
+    for name in ("minmax", "memoryless_minmax", "moving_average_minmax", "histogram", "mse", "moments", "imatrix"):
+        assert name in names
+    assert qstats.observers.get("minmax") is qstats.minmax
+    assert qstats.observers.get("moving_average_minmax") is qstats.moving_average_minmax
+    assert qstats.observers.get("histogram") is qstats.histogram
+    assert qstats.observers.get("imatrix")(qstats.QuantSpec()).name == "imatrix"
+
+
+def test_unknown_names_are_refused_listing_the_registered_ones():
+    with pytest.raises(ValueError, match="unknown observer 'minmaxx'.*moving_average_minmax"):
+        qstats.observers.get("minmaxx")
+    with pytest.raises(ValueError, match="Rule.observer: unknown observer 'minmaxx'"):
+        qstats.Rule("Linear", observer="minmaxx")
+
+
+def test_registering_a_name_twice_raises_unless_replaced():
+    def clipped(spec, clip=1.0):
+        return qstats.minmax(spec)._replace(name="clipped")
+
+    def other(spec):
+        return qstats.minmax(spec)
+
+    try:
+        assert qstats.observers.register("test_clipped", clipped) is clipped
+        qstats.observers.register("test_clipped", clipped)  # the same factory again: no change
+        with pytest.raises(ValueError, match="registered already"):
+            qstats.observers.register("test_clipped", other)
+        qstats.observers.register("test_clipped", other, replace=True)
+        assert qstats.observers.get("test_clipped") is other
+        with pytest.raises(ValueError, match="registered already"):
+            qstats.observers.register("minmax", other)
+        with pytest.raises(TypeError):
+            qstats.observers.register("", other)
+        with pytest.raises(TypeError):
+            qstats.observers.register("test_not_callable", 3)
+    finally:
+        registry._FACTORIES.pop("test_clipped", None)
+
+
+def _states_equal(a, b):
+    assert a.keys() == b.keys()
+    for path in a:
+        assert a[path].keys() == b[path].keys()
+        for site in a[path]:
+            for x, y in zip(a[path][site], b[path][site]):
+                assert torch.equal(x, y), (path, site)
+
+
+def test_a_rule_naming_its_observer_equals_the_rule_holding_the_factory():
+    spec = qstats.QuantSpec("uint8", "asymmetric")
+    by_factory = qstats.Recipe([
+        qstats.Rule("Linear", sites=("weight",), observer=qstats.minmax, spec=spec),
+        qstats.Rule("Linear", sites=("input",), observer=qstats.moving_average_minmax, spec=spec,
+                    observer_kwargs={"averaging_constant": 0.1}),
+    ])
+    by_name = qstats.Recipe([
+        qstats.Rule("Linear", sites=("weight",), observer="minmax", spec=spec),
+        qstats.Rule("Linear", sites=("input",), observer="moving_average_minmax", spec=spec,
+                    observer_kwargs={"averaging_constant": 0.1}),
+    ])
+    model = _model()
+    _states_equal(qstats.calibrate(model, _batches(), by_name, progress=False),
+                  qstats.calibrate(model, _batches(), by_factory, progress=False))
+
+
+def test_recipe_from_plain_data_round_trips_through_json():
+    data = json.loads(json.dumps({
+        "rules": [
+            {"targets": "Linear", "sites": ["weight"], "observer": "minmax",
+             "spec": {"dtype": "int8", "granularity": {"PerAxis": {"axis": 0}}}},
+            {"targets": "re:2", "sites": ["input"], "observer": "histogram",
+             "spec": {"dtype": "uint8", "mapping": "asymmetric"}, "qparams_kwargs": {"method": "l2"}},
+            {"targets": "Linear", "sites": ["input"], "observer": "moving_average_minmax",
+             "observer_kwargs": {"averaging_constant": 0.5}, "spec": {"dtype": "uint8", "mapping": "asymmetric"}},
+        ],
+        "ignore": ["1"],
+    }))
+    recipe = qstats.Recipe.from_dict(data)
+    written = qstats.Recipe([
+        qstats.Rule("Linear", sites=("weight",), spec=qstats.QuantSpec(granularity=qstats.PerAxis(0))),
+        qstats.Rule("re:2", sites=("input",), observer=qstats.histogram, spec=qstats.QuantSpec("uint8", "asymmetric"),
+                    qparams_kwargs={"method": "l2"}),
+        qstats.Rule("Linear", sites=("input",), observer=qstats.moving_average_minmax,
+                    observer_kwargs={"averaging_constant": 0.5}, spec=qstats.QuantSpec("uint8", "asymmetric")),
+    ], ignore=["1"])
+    assert recipe.rules == written.rules and recipe.ignore == written.ignore
+    model = _model()
+    _states_equal(qstats.calibrate(model, _batches(), recipe, progress=False),
+                  qstats.calibrate(model, _batches(), written, progress=False))
+
+
+def test_plain_data_specs_from_presets_and_compressed_tensors_args():
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationArgs
+
+    args = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}
+    recipe = qstats.Recipe.from_dict({"rules": [
+        {"targets": "Linear", "sites": ["weight"], "spec": {"compressed_tensors": args}},
+        {"targets": "Linear", "sites": ["input"], "spec": {"preset": "fp8_token"}},
+    ]})
+    assert recipe.rules[0].spec == qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(**args))
+    assert recipe.rules[1].spec == qstats.preset("fp8_token")
+    assert qstats.Recipe.from_dict({"scheme": "W4A16", "ignore": ["lm_head"]}).rules == \
+        qstats.Recipe.from_scheme("W4A16", ignore=["lm_head"]).rules
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"rules": [{"targets": "Linear", "observer": "nope"}]}, r"rules\[0\].*unknown observer 'nope'"),
+    ({"rules": [{"targets": "Linear", "obsrver": "minmax"}]}, r"rules\[0\] has unknown keys \['obsrver'\]"),
+    ({"rules": [], "ignor": []}, r"unknown keys \['ignor'\]"),
+    ({"rules": [{"targets": "Linear", "spec": {"granularity": "PerEverything"}}]}, "unknown granularity 'PerEverything'"),
+])
+def test_bad_plain_data_is_refused_naming_the_problem(data, match):
+    with pytest.raises(ValueError, match=match):
+        qstats.Recipe.from_dict(data)
