@@ -408,6 +408,16 @@ class QuantSpec:
         """
         return torchao.from_torchao(cls, target_dtype, kwargs)
 
+    @classmethod
+    def from_coreai_opt(cls, spec=None, **kwargs) -> "QuantSpec":
+        """The spec whose `compute_qparams` (and `qstats.compute_minval`) equal Apple coreai_opt's
+        qparams calculators: ``spec`` is a coreai_opt ``QuantizationSpec`` or a dict of its fields
+        (``dtype``, ``qscheme``, ``granularity``, ``scale_dtype``); ``shape=`` for per-block
+        granularities, ``target="activation"`` for activations. See ``qstats/coreai_opt.py``."""
+        from .coreai_opt import spec_from_coreai_opt
+
+        return spec_from_coreai_opt(spec, **kwargs)
+
 
 def preset(name: str, **overrides) -> QuantSpec:
     """A QuantSpec for a named deployment format.
