@@ -1,27 +1,10 @@
 """Stacked mixture-of-experts weights: one vmapped observer call, routing masks as weights.
 
-Fused MoE implementations (transformers' ``Qwen3MoeExperts``, ``MixtralExperts``, ``OlmoeExperts``,
-GPT-OSS) keep the weights of all experts in 3-D parameters ``[E, out, in]``. `stacked_observer`
-turns an observer of one expert's tensor into an observer of the stack, by ``torch.vmap`` over
-the leading expert dimension, so calibrating E experts is one call, not a loop.
-
-Activation statistics per expert use the router's assignment as the update ``weight``: the
-hidden states ``[tokens, hidden]`` are shared by every expert (an expanded view, no copy) and
-expert ``e`` sees only the rows routed to it (`routing_mask`). An expert that received no token
-keeps an empty state: ``compute_qparams`` reports it in ``QParams.calibrated`` and applies the
-spec's ``on_uncalibrated`` policy, never a NaN, Inf or zero scale.
-
-The input of one stacked parameter's per-expert matmul (``"down_proj.input"``: the intermediate
-activation ``act(gate) * up`` of each expert) exists only inside the experts' forward.
-`ExpertInputCapture` is a ``TorchFunctionMode``, active only during that forward, that keeps the
-values the model itself computes: the input of every ``F.linear``/``matmul`` whose weight is a
-slice ``P[e]`` of the parameter (the expert is read from the slice's storage offset), of every
-``bmm`` with a gathered ``P[ids]`` (transformers' ``batched_mm``) and of every ``grouped_mm`` over
-``P`` (transformers' ``grouped_mm``; the expert of each row is read from ``offs``). Nothing is
-recomputed; the captured rows of all experts are returned as one tensor with their expert ids,
-for one masked update (`ids_mask`). Given the experts' input tokens, it also traces which token
-each captured row comes from (`ExpertInputCapture.row_tokens`), so that an observation weight
-(padding) applies to the intermediate rows too.
+Fused MoE modules keep all experts' weights in 3-D parameters ``[E, out, in]``; `stacked_observer`
+vmaps an observer over the expert dimension. Per-expert activations use the router's assignment as
+the update ``weight`` (`routing_mask`, `dispatch`); an expert with no token keeps an empty state
+(``QParams.calibrated``). `ExpertInputCapture` keeps the inputs of per-expert matmuls computed inside
+the experts' forward (``down_proj``). See docs/calibrate_api.md.
 """
 
 from __future__ import annotations
@@ -74,12 +57,8 @@ def own_parameters(module: torch.nn.Module) -> dict:
 
 
 def expert_count(module: torch.nn.Module) -> int:
-    """The number of stacked experts of ``module``, or 0.
-
-    A module holds stacked experts when it has an int ``num_experts`` attribute (as every fused
-    experts module of transformers does) and owns, directly, a parameter of 3 or more dimensions
-    whose leading dimension is that count (parametrized or not, `own_parameters`). (Convolutions
-    and other modules with 3-D or 4-D weights but no ``num_experts`` are never taken for experts.)
+    """The number of stacked experts of ``module``, or 0: it needs an int ``num_experts`` and a directly
+    owned parameter (parametrized or not) of 3+ dimensions whose leading dimension is that count.
     """
     declared = getattr(module, "num_experts", None)
     if not isinstance(declared, int) or isinstance(declared, bool) or declared < 1:
@@ -119,23 +98,19 @@ def _routing_tensors(args: tuple, kwargs: dict, tokens: int) -> tuple:
 
 
 def routing_mask(args: tuple, kwargs: dict, num_experts: int, tokens: int) -> Optional[torch.Tensor]:
-    """The ``[E, tokens]`` float mask of which token went to which expert, read from an experts
-    module's call ``forward(hidden_states, top_k_index, top_k_weights)``.
-
-    The first integer tensor of shape ``[tokens, k]`` (or a keyword named like ``top_k_index``)
-    holds the selected experts; indices outside ``[0, E)`` (padding slots) route nowhere. Returns
-    None when no routing tensor is found.
+    """The ``[E, tokens]`` float mask of which token went to which expert, read from a call
+    ``forward(hidden_states, top_k_index, top_k_weights)``: the first integer ``[tokens, k]`` tensor (or a
+    keyword like ``top_k_index``); indices outside ``[0, E)`` route nowhere. None when there is none.
     """
     index, _ = _routing_tensors(args, kwargs, tokens)
     return None if index is None else _scatter_mask(index.transpose(0, 1), num_experts)
 
 
 def all_experts_calls(args: tuple, kwargs: dict, num_experts: int, tokens: int) -> Optional[list]:
-    """The arguments ``[(args, kwargs), ...]`` of calls of an experts module that, together, route
-    every token to every expert (llm-compressor's ``moe_calibrate_all_experts``): ``ceil(E / k)``
-    calls, each sending every token to ``k`` experts (the call's own top-k, so that each call
-    needs the memory of one routed forward) with routing weights 1. None when the call has no
-    routing tensor (`routing_mask`)."""
+    """The ``[(args, kwargs), ...]`` of ``ceil(E / k)`` calls of an experts module that together route every
+    token to every expert with weight 1 (llm-compressor's ``moe_calibrate_all_experts``), each needing
+    the memory of one routed forward. None when the call has no routing tensor.
+    """
     index, weights = _routing_tensors(args, kwargs, tokens)
     if index is None:
         return None
@@ -155,13 +130,11 @@ def all_experts_calls(args: tuple, kwargs: dict, num_experts: int, tokens: int) 
 def dispatch(tokens: torch.Tensor, mask: torch.Tensor, capacity: Optional[int] = None):
     """Each expert's tokens gathered into a fixed-shape stack: ``(x [E, C, ...], weight [E, C])``.
 
-    Row ``c`` of expert ``e`` is the ``c``-th token routed to ``e`` (token order kept); rows past
-    an expert's token count are padding with weight 0. ``capacity`` ``C`` defaults to the largest
-    token count of any expert (read on the host; pass ``tokens.shape[0]`` to avoid that). With
-    ``C`` at least every expert's token count, the statistics equal those of ``tokens`` shared by
-    every expert with ``mask`` as the weight, on ``E * C`` rows instead of ``E * tokens``; a smaller
-    ``C`` keeps each expert's first ``C`` tokens and leaves the rest out, as a capacity-limited
-    router drops them.
+    Row ``c`` of expert ``e`` is the ``c``-th token routed to ``e``; rows past its token count have
+    weight 0. ``capacity`` ``C`` defaults to the largest token count (a host read; pass
+    ``tokens.shape[0]`` to avoid it). With ``C`` at least every count, the statistics equal those of
+    ``tokens`` weighted by ``mask``; a smaller ``C`` drops each expert's later tokens, as a
+    capacity-limited router does.
     """
     if mask.ndim != 2 or mask.shape[1] != tokens.shape[0]:
         raise ValueError(
@@ -323,28 +296,12 @@ def _kind(func) -> Optional[int]:
 
 
 class ExpertInputCapture(TorchFunctionMode):
-    """Captures, during one forward of a stacked-experts module, the input rows of each expert's
-    matmul with the named stacked parameters, as the model computes them.
+    """Captures, during one forward of a stacked-experts module, the input rows of each expert's matmul
+    with the named stacked parameters, as the model computes them (recognised calls: docs/calibrate_api.md).
 
-    Use as a context manager around the experts' forward (``calibrate`` enters it in a forward
-    pre-hook and leaves it in a forward hook). Recognised calls, for a parameter ``P [E, ...]``:
-
-    - ``F.linear(x, P[e])``, ``x @ P[e]`` / ``x @ P[e].T``, ``torch.mm``, ``torch.matmul`` (the
-      eager loops of transformers' fused experts and of plain-torch MoEs): rows ``x``, expert
-      ``e`` read from the slice's storage offset;
-    - ``torch.bmm(P[ids], x[..., None])`` or ``torch.bmm(x[:, None], P[ids])`` after a gather
-      ``P[ids]`` seen by the mode (transformers' ``batched_mm``): the expert of each row is ``ids``;
-    - ``grouped_mm(x, P or P.transpose(-2, -1), offs=offs)`` (``torch._grouped_mm``,
-      ``F.grouped_mm`` and custom ops named ``*grouped_mm*``; transformers' ``grouped_mm``): row
-      ``r`` belongs to the first expert ``e`` with ``r < offs[e]``; rows past ``offs[-1]``
-      (sentinels) to none.
-
-    The rows are kept by reference (no copy; the model must not modify them in place afterwards)
-    and their expert ids are tensors (no host read).
-
-    ``tokens``: the experts' input ``[tokens, hidden]``; when given, the token each captured row
-    comes from is traced (`row_tokens`) through the gathers of the forward (``tokens[index]``,
-    ``repeat_interleave``, ``index_select``, ``unsqueeze`` and dtype or layout copies).
+    Use as a context manager around the experts' forward. Rows are kept by reference (the model must
+    not modify them in place) and their expert ids are tensors (no host read). ``tokens``: the experts'
+    input ``[tokens, hidden]``; when given, the token of each captured row is traced (`row_tokens`).
 
     >>> import torch, qstats
     >>> stack = torch.randn(3, 4, 2)
@@ -529,12 +486,10 @@ class ExpertInputCapture(TorchFunctionMode):
         return torch.cat(ids)
 
     def row_tokens(self, name: str) -> Optional[torch.Tensor]:
-        """The token (row of the ``tokens`` given) of every captured row of ``name``, in call
-        order; None when not traced. Rows of a parameter whose input is computed inside the
-        forward (``down_proj``'s ``act(gate) * up``) take the tokens of the traced parameter
-        (``gate_up_proj``) whose rows they follow: the ``k``-th row of expert ``e`` of one is
-        the ``k``-th of the other, as every recognised forward computes an expert's rows
-        row-wise, in one order, from one matmul to the next."""
+        """The token (row of ``tokens``) of every captured row of ``name``, in call order; None when not
+        traced. Rows of a parameter whose input is computed inside the forward (``down_proj``) take the
+        tokens of the traced parameter (``gate_up_proj``) whose rows they follow one for one.
+        """
         if not self.rows[name]:
             return None
         if all(tokens is not None for tokens in self.tokens[name]):

@@ -1,27 +1,11 @@
 """Quantization-aware training as a pure function of (params, states, batch).
 
-Two levels:
-
-- `observe_fake_quantize(x, state, observer, phase)` -> ``(y, new_state)``: one tensor. Updates
-  the observer state (when ``phase.observe``), computes the quantization parameters from the new
-  state and fake-quantizes ``x`` (when ``phase.fake_quantize``), with a straight-through gradient.
-- `prepare(model, weight_observer=..., activation_observer=...)` -> `QATModel`: a whole
-  ``nn.Module``, rewritten with ``torch.fx`` so that the weight and the input activation of
-  every Linear/Conv layer go through `observe_fake_quantize`, and batch norm is a pure function
-  of its running statistics. ``qat.apply(params, state, x, phase=phase)`` returns
-  ``(output, new_state)``: no buffers are mutated, so it composes with
-  ``torch.func.functional_call``, ``torch.func.grad(..., has_aux=True)``, ``vmap`` and
-  ``torch.compile`` (no graph breaks), and the states of several data-parallel ranks can be merged
-  with the observers' ``merge``.
-
-Unlike torch.ao's ``FakeQuantize`` modules, the observer state is an explicit input and output,
-never a hidden buffer; the phase (observe, fake-quantize, freeze batch norm) is an explicit
-`QATPhase`, usually produced by a `QATSchedule`.
-
-Straight-through gradients: ``ste="clipped"`` (default, torch.ao's): 1 where the value falls
-inside the quantized range, 0 where it was clipped; ``ste="identity"``: 1 everywhere (no
-gradient clipping outside the range). Learned ranges (LSQ / LSQ+) replace the observer's
-parameters where ``ranges`` gives them (see `qstats.lsq`).
+`observe_fake_quantize(x, state, observer, phase)` is one fake-quant point returning
+``(y, new_state)``; `prepare(model, ...)` rewrites a whole module with ``torch.fx`` so that every
+Linear/Conv weight and input goes through it and batch norm is pure: ``qat.apply(params, state, x,
+phase=...)`` returns ``(output, new_state)`` and works with ``torch.func``, ``vmap`` and
+``torch.compile``. Observer states and the `QATPhase` are explicit, never hidden buffers. See
+docs/qat.md.
 """
 
 from __future__ import annotations
@@ -107,19 +91,16 @@ def observe_fake_quantize(
       x: the weight or activation.
       state: the observer's state for this tensor (``observer.init(x)`` at first).
       observer: a qstats Observer; its ``spec`` is the quantization target.
-      phase: `QATPhase`; ``observe`` updates the state with ``x`` (detached), ``fake_quantize``
-        fake-quantizes ``x`` with the parameters of the *updated* state (as torch.ao's
-        FakeQuantize: observe, then quantize). Python bools branch; bool tensors select with
-        ``torch.where`` (one compiled graph for every phase).
-      ste: ``"clipped"`` or ``"identity"`` straight-through gradient (see module docs).
-      learned: optional `LSQParams`: fake-quantize with this learned range instead (LSQ/LSQ+,
-        gradients as torch.ao's learnable fake quant).
+      phase: `QATPhase`: observe ``x`` (detached), then fake-quantize with the updated state, as
+        torch.ao's FakeQuantize; bools branch, bool tensors select with ``torch.where``.
+      ste: ``"clipped"`` (0 gradient where clipped, torch.ao's) or ``"identity"`` straight-through gradient.
+      learned: optional `LSQParams` to fake-quantize with instead (LSQ/LSQ+).
       grad_scale: gradient scale of the learned range (see `qstats.lsq_grad_factor`).
       qparams_options: keyword options for `compute_qparams` (e.g. a histogram method).
 
     Raises:
-      ValueError: in eager mode, when fake-quantizing from a state that saw no data and the spec
-        says ``on_uncalibrated="raise"``.
+      ValueError: in eager mode, fake-quantizing from a state that saw no data under
+        ``on_uncalibrated="raise"``.
 
     >>> import torch, qstats
     >>> obs = qstats.minmax(qstats.QuantSpec(dtype="int8"))
@@ -282,17 +263,14 @@ class QATModel:
         return QATState(**states)
 
     def apply(self, params, state: QATState, *inputs, phase: QATPhase = QATPhase(), ranges=None):
-        """``(output, new_state)`` of one QAT forward pass. Pure: ``params``, ``state`` and the
-        model's buffers are not modified.
+        """``(output, new_state)`` of one QAT forward pass; ``params``, ``state`` and buffers are unchanged.
 
         Args:
-          params: parameter name -> tensor (``qat.params()`` or trained copies); missing names
-            use the model's own.
+          params: parameter name -> tensor (``qat.params()`` or trained copies); missing names: the model's.
           state: the `QATState` from `init` or the previous step.
           *inputs: the model's inputs.
           phase: a `QATPhase` (from a `QATSchedule`).
-          ranges: optional learned ranges, ``{"weights": {layer: LSQParams}, "activations": {...}}``
-            (see `learnable_ranges`); they replace the observers' parameters where given.
+          ranges: optional learned ranges ``{"weights": {layer: LSQParams}, "activations": {...}}``.
         """
         if not isinstance(state, QATState):
             raise TypeError(f"QATModel.apply: state must be a QATState, got {type(state).__name__}")
@@ -337,14 +315,9 @@ class QATModel:
 
     def sync(self, state: QATState, group=None, *, weights: bool = False) -> QATState:
         """Merges the activation observer states across the ranks of ``group`` (one
-        `qstats.distributed.all_reduce`); every rank returns the same states, so every rank
-        fake-quantizes with, and freezes, the same ranges. Call it on every rank at the steps
-        where ``schedule.sync_at(step)`` is True (after that step's update).
-
-        Weight states are left alone unless ``weights=True`` (under data parallelism the weights,
-        hence their states, are already equal on every rank). Batch-norm statistics are not
-        synchronised (use SyncBatchNorm semantics elsewhere if needed). Without an initialised
-        process group the state is returned unchanged.
+        `qstats.distributed.all_reduce`), so every rank fake-quantizes with and freezes the same ranges.
+        Call it on every rank where ``schedule.sync_at(step)``; weight states too with ``weights=True``;
+        batch norm is not synchronised. Without a process group the state is returned unchanged.
         """
         if not isinstance(state, QATState):
             raise TypeError(f"QATModel.sync: state must be a QATState, got {type(state).__name__}")
@@ -379,17 +352,12 @@ def prepare(
     ste: str = "clipped",
     grad_scale="torch_ao",
 ) -> QATModel:
-    """Rewrites ``model`` (with ``torch.fx.symbolic_trace``) for pure QAT.
+    """Rewrites ``model`` (with ``torch.fx.symbolic_trace``) for pure QAT; ``model`` is not modified.
 
-    The weight of every layer of a type in ``layers`` (Linear, Conv1d/2d/3d by default) goes
-    through ``weight_observer`` and its input through ``activation_observer`` (None: leave that
-    kind in float). Batch-norm layers become pure functions of a `BatchNormState`, frozen by
-    ``phase.freeze_batchnorm``. The model itself is not modified.
-
-    A layer called more than once per forward (shared or recurrent) has one state per kind: its
-    input observer sees every call's input in turn (torch.ao's one observer per module), its weight
-    is observed and fake-quantized once per pass, and batch norm updates its running statistics at
-    every call (as ``nn.BatchNorm`` in training).
+    The weight of every layer of a type in ``layers`` (Linear, Conv1d/2d/3d by default) goes through
+    ``weight_observer`` and its input through ``activation_observer`` (None: leave that kind in float).
+    Batch-norm layers become pure functions of a `BatchNormState`. A layer called several times per
+    forward keeps one state per kind (docs/qat.md).
 
     >>> import torch, qstats
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))

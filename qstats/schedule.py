@@ -1,22 +1,8 @@
 """QAT schedules: which phase a training step is in, as a pure function of the step.
 
-Quantization-aware training usually moves through four phases (coremltools' ``milestones``,
-Brevitas' collect-then-freeze, torch.ao's ``disable_observer`` / ``freeze_bn_stats`` calls):
-
-==========================  =========  ==============  ================  ==================
-steps                       observe    fake_quantize   (ranges frozen)   freeze_batchnorm
-==========================  =========  ==============  ================  ==================
-``[0, observe_at)``         False      False           no                False
-``[observe_at, fq_at)``     True       False           no                False
-``[fq_at, freeze_at)``      True       True            no                False
-``[freeze_at, bn_at)``      False      True            yes               False
-``[bn_at, ...)``            False      True            yes               True
-==========================  =========  ==============  ================  ==================
-
-`QATSchedule` is static configuration (a frozen dataclass); ``schedule(step)`` returns a
-`QATPhase`. A Python int step gives Python bools (the QAT step then branches in Python;
-``torch.compile`` specialises once per phase, at most five graphs); a tensor step gives bool
-tensors (the QAT step selects with ``torch.where``: one graph, every branch computed).
+`QATSchedule` is static configuration (coremltools' milestones: observe, fake-quantize, freeze
+ranges, freeze batch norm); ``schedule(step)`` returns a `QATPhase`, of Python bools for an int
+step and bool tensors for a tensor step (one compiled graph). The phase table is in docs/qat.md.
 """
 
 from __future__ import annotations
@@ -52,20 +38,17 @@ def _check_step_number(name: str, value) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class QATSchedule:
-    """Milestones of quantization-aware training (steps at which each phase starts).
+    """Milestones of quantization-aware training (steps at which each phase starts; non-decreasing).
 
     Args:
       observe_at: first step that updates observer states.
       fake_quantize_at: first step that fake-quantizes (observers keep updating).
-      freeze_ranges_at: first step with frozen observer states (ranges); activation states are
-        merged across data-parallel ranks just before it (see `sync_at`).
+      freeze_ranges_at: first step with frozen ranges; activation states are merged across ranks before it.
       freeze_batchnorm_at: first step with frozen batch-norm statistics (None: never).
-      sync_every: also merge activation states across ranks every ``sync_every`` observing steps
-        (None: only before freezing). Merging is idempotent for min/max extremes; counts add up.
+      sync_every: also merge activation states every ``sync_every`` observing steps (None: only before
+        freezing).
 
-    Milestones must be non-decreasing. ``QATSchedule.from_milestones([a, b, c, d])`` takes
-    coremltools' four milestones (enable observers, enable fake quant, disable observers, freeze
-    batch norm).
+    ``QATSchedule.from_milestones([a, b, c, d])`` takes coremltools' four milestones.
 
     >>> schedule = QATSchedule(observe_at=0, fake_quantize_at=10, freeze_ranges_at=100, freeze_batchnorm_at=150)
     >>> schedule(5)
