@@ -244,7 +244,7 @@ weight_observer_range_neg_127_to_127 = _with(
     observer=minmax, dtype=torch.qint8, qscheme=torch.per_tensor_symmetric, quant_min=-127, quant_max=127, eps=2**-12
 )
 # torch.ao's 2048 linear bins: qstats' default 128 buckets per octave (at most 0.78% of a value
-# wide over 48 octaves) give the same qparams to 0.2% of squared error as the 2048 of
+# wide over 48 octaves) give the same qparams to 0.35% of squared error as the 2048 of
 # `buckets_per_octave_for_bins(2048)`, at a fraction of the update time (docs/migrating_torch_ao.md)
 default_histogram_observer = _with(observer=histogram, quant_min=0, quant_max=127, buckets_per_octave=128)
 default_per_channel_weight_observer = _with(observer=minmax, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
