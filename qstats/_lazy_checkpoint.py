@@ -70,9 +70,13 @@ class LazyCheckpoint:
             count = 0
             while f"{prefix}.{count}.{sources[0]}.weight" in self:
                 count += 1
-            return torch.stack(
-                [torch.cat([self.tensor(f"{prefix}.{e}.{s}.weight") for s in sources], dim=0) for e in range(count)]
-            )
+            stacked = None  # filled expert by expert: never the per-expert copies and the stack at once
+            for expert in range(count):
+                value = torch.cat([self.tensor(f"{prefix}.{expert}.{s}.weight") for s in sources], dim=0)
+                if stacked is None:
+                    stacked = value.new_empty((count, *value.shape))
+                stacked[expert] = value
+            return stacked
         return None
 
 

@@ -1,0 +1,169 @@
+"""Peak memory and time of `qstats.calibrate_layerwise` on a Qwen3-MoE checkpoint larger than it.
+
+Writes a random-weight Qwen3-MoE model (bf16, about 6.3 GB by default) as safetensors shards, one
+decoder layer per shard with per-expert keys as transformers saves them, without ever holding the
+whole model: the model is built on the meta device and each layer gets random tensors only while
+its shard is written. A fresh Python process then calibrates it layer by layer (W8A8 min/max:
+every Linear's and every expert's weights per channel, their inputs per tensor, the experts'
+``down_proj.input``, all experts) on a few short random-token sequences, and reports its peak
+resident memory (VmHWM of /proc/self/status) against the checkpoint size (target: at most 1/3) and the time.
+The same process's resident memory after its imports is printed too (what any run costs). The
+checkpoint is deleted at the end unless ``--keep``.
+
+Run:  python bench/bench_layerwise.py [--dir /tmp/qstats_bench_layerwise] [--layers 10] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def config(layers: int):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
+        max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16",
+    )  # fmt: skip
+
+
+def _checkpoint_tensors(name: str, value: torch.Tensor) -> dict:
+    """The checkpoint's tensors for one model tensor: stacked experts split per expert (gate_up_proj
+    into gate_proj and up_proj), as transformers writes Qwen3-MoE checkpoints."""
+    prefix, _, leaf = name.rpartition(".")
+    if value.ndim == 3 and leaf == "gate_up_proj":
+        half = value.shape[1] // 2
+        return {
+            f"{prefix}.{e}.{proj}.weight": value[e, rows].clone()
+            for e in range(value.shape[0])
+            for proj, rows in (("gate_proj", slice(None, half)), ("up_proj", slice(half, None)))
+        }
+    if value.ndim == 3 and leaf == "down_proj":
+        return {f"{prefix}.{e}.down_proj.weight": value[e].clone() for e in range(value.shape[0])}
+    return {name: value}
+
+
+def _random_like(name: str, meta: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(meta.shape, dtype=torch.bfloat16)
+    return (torch.randn(meta.shape, generator=generator) * 0.02).to(torch.bfloat16)
+
+
+def build(directory: str, layers: int) -> int:
+    """Writes the checkpoint under ``directory`` (one shard per layer, one for the rest); its bytes."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = config(layers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    os.makedirs(directory, exist_ok=True)
+    cfg.save_pretrained(directory)
+    generator = torch.Generator().manual_seed(0)
+    groups = [f"model.layers.{i}." for i in range(layers)] + [None]
+    shards = len(groups)
+    weight_map, total = {}, 0
+    for index, prefix in enumerate(groups):
+        tensors = {}
+        for name, meta in model.named_parameters():
+            inside = name.startswith(prefix) if prefix else not name.startswith("model.layers.")
+            if inside:
+                tensors.update(_checkpoint_tensors(name, _random_like(name, meta, generator)))
+        shard = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(tensors, os.path.join(directory, shard), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update({key: shard for key in tensors})
+        del tensors
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as file:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, file)
+    return total
+
+
+def _high_water_bytes() -> int:
+    """This process's peak resident memory: VmHWM, not ``ru_maxrss`` (Linux carries a parent's
+    peak at fork over ``exec`` into the child's ``ru_maxrss``, and the parent built the model)."""
+    with open("/proc/self/status") as file:
+        for line in file:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def calibrate(directory: str, sequences: int, tokens: int) -> dict:
+    """Runs in the child process: the layer-by-layer calibration; its peak RSS and time."""
+    import qstats
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    imported = _high_water_bytes()
+    cfg = AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+    w8 = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(0))
+    a8 = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
+    recipe = qstats.Recipe([
+        qstats.Rule(("Linear", "Qwen3MoeExperts"), sites=("input", "down_proj.input"), spec=a8),
+        qstats.Rule("Linear", sites=("weight",), spec=w8),
+        qstats.Rule("Qwen3MoeExperts", sites=("gate_up_proj", "down_proj"), spec=w8),
+    ])  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        {"input_ids": torch.randint(0, cfg.vocab_size, (1, tokens), generator=generator)} for _ in range(sequences)
+    ]
+    from qstats.layerwise import calibrate_layerwise
+
+    start = time.perf_counter()
+    states = calibrate_layerwise(model, directory, batches, recipe, all_experts=True, progress=True)
+    seconds = time.perf_counter() - start
+    peak = _high_water_bytes()
+    return {"peak_rss": peak, "rss_after_imports": imported, "seconds": seconds, "paths": len(states)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="/tmp/qstats_bench_layerwise")
+    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--sequences", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoint (and reuse it next time)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(calibrate(args.dir, args.sequences, args.tokens)))
+        return
+    index = os.path.join(args.dir, "model.safetensors.index.json")
+    start = time.perf_counter()
+    if os.path.exists(index):
+        with open(index) as file:
+            size = json.load(file)["metadata"]["total_size"]
+    else:
+        size = build(args.dir, args.layers)
+    built = time.perf_counter() - start
+    try:
+        child = [sys.executable, os.path.abspath(__file__), "--child", "--dir", args.dir,
+                 "--sequences", str(args.sequences), "--tokens", str(args.tokens)]  # fmt: skip
+        output = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True).stdout
+        result = json.loads(output.strip().splitlines()[-1])
+    finally:
+        if not args.keep:
+            shutil.rmtree(args.dir, ignore_errors=True)
+    gib = 1024**3
+    print(f"| checkpoint | {size / gib:.2f} GiB (bf16, {args.layers} layers, 64 experts; written in {built:.0f} s) |")
+    print(f"| calibration | {args.sequences} x {args.tokens} tokens, all experts, {result['paths']} modules |")
+    print(f"| peak RSS of the calibrating process | {result['peak_rss'] / gib:.2f} GiB |")
+    print(f"| peak RSS / checkpoint size | {result['peak_rss'] / size:.3f} (target <= 0.333) |")
+    print(f"| RSS after imports alone | {result['rss_after_imports'] / gib:.2f} GiB |")
+    print(f"| calibration time | {result['seconds']:.1f} s ({result['seconds'] / args.layers:.1f} s per layer) |")
+
+
+if __name__ == "__main__":
+    main()
