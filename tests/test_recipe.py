@@ -181,3 +181,110 @@ def test_a_plan_of_another_model_is_refused():
         qstats.compute_qparams_tree({}, "Linear", other)
     with pytest.raises(TypeError, match="nn.Module"):
         qstats.compute_qparams_tree({}, _recipe())
+
+
+# --------------------------------------------------------------------------------------------
+# shared sites: torch.ao's ReuseInputObserver
+
+
+class _Reshape(torch.nn.Module):
+    def forward(self, x):
+        return x.reshape(x.shape[0], -1, 2)
+
+
+class _Triple(torch.nn.Module):
+    def forward(self, x):
+        return 3 * x
+
+
+def test_shared_output_reuses_the_input_observer_as_torch_ao_fx_does():
+    """torch.ao FX with ``reshape`` under ReuseInputObserver (as its default qconfig mappings set
+    it): the reshape's output shares the observer instance of its input (the Linear's output).
+    The recipe sharing ``1:output`` with ``0:output`` gives both torch.ao's qparams of that one
+    observer."""
+    from torch.ao.quantization import QConfigMapping, default_qconfig, default_reuse_input_qconfig
+    from torch.ao.quantization.quantize_fx import prepare_fx
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 6)
+
+        def forward(self, x):
+            return self.linear(x).reshape(x.shape[0], -1, 2)
+
+    torch.manual_seed(0)
+    reference = Model().eval()
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    mapping = QConfigMapping().set_global(default_qconfig).set_object_type("reshape", default_reuse_input_qconfig)
+    prepared = prepare_fx(reference, mapping, example_inputs=(batches[0],))
+    for x in batches:
+        prepared(x)
+    node_targets = [n.target for n in prepared.graph.nodes if n.op == "call_module" and "activation_post_process" in str(n.target)]
+    assert len(node_targets) == 3  # input, linear output, reshape output
+    linear_obs, reshape_obs = prepared.get_submodule(node_targets[1]), prepared.get_submodule(node_targets[2])
+    assert linear_obs is reshape_obs  # one instance observes both
+    assert isinstance(linear_obs, torch.ao.quantization.MinMaxObserver)
+    scale, zero_point = linear_obs.calculate_qparams()
+
+    model = torch.nn.Sequential(reference.linear, _Reshape()).eval()
+    spec = qstats.QuantSpec.from_torch_ao(linear_obs.dtype, linear_obs.qscheme, quant_min=linear_obs.quant_min,
+                                          quant_max=linear_obs.quant_max)
+    recipe = qstats.Recipe([qstats.Rule(("0", "1"), sites=("output",), observer="minmax", spec=spec)],
+                           shared={"1:output": "0:output"})
+    plan = recipe.resolve(model)
+    assert plan.state_keys("1", "output") == (("0", "output"), ("1", "output"))
+    states = plan.share_states(qstats.calibrate(model, batches, plan, progress=False))
+    assert states["0"]["output"] is states["1"]["output"]
+    qparams = qstats.compute_qparams_tree(states, plan)
+    for path in ("0", "1"):
+        assert torch.equal(qparams[path]["output"].scale.reshape(()), scale.reshape(()))
+        assert torch.equal(qparams[path]["output"].zero_point.reshape(()).to(zero_point.dtype), zero_point.reshape(()))
+
+
+def test_shared_sites_observe_both_tensors_into_one_state():
+    """A shared state holds both sites' tensors, as one torch.ao MinMaxObserver instance called on
+    both (PT2E's SharedQuantizationSpec), whatever the values (here the second is 3x the first)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), _Triple()).eval()
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    reference = torch.ao.quantization.MinMaxObserver(dtype=torch.quint8)
+    with torch.no_grad():
+        for x in batches:
+            y = model[0](x)
+            reference(y)
+            reference(model[1](y))
+    scale, zero_point = reference.calculate_qparams()
+    spec = qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_affine)
+    recipe = qstats.Recipe([qstats.Rule(("0", "1"), sites=("output",), spec=spec)], shared={"1:output": "0:output"})
+    plan = recipe.resolve(model)
+    states = plan.share_states(qstats.calibrate(model, batches, plan, progress=False))
+    qparams = qstats.compute_qparams_tree(states, plan)
+    for path in ("0", "1"):
+        assert torch.equal(qparams[path]["output"].scale.reshape(()), scale.reshape(()))
+        assert torch.equal(qparams[path]["output"].zero_point.reshape(()).to(zero_point.dtype), zero_point.reshape(()))
+    # not shared: each site has its own range
+    unshared = qstats.Recipe(recipe.rules).resolve(model)
+    alone = qstats.compute_qparams_tree(qstats.calibrate(model, batches, unshared, progress=False), unshared)
+    assert not torch.equal(alone["0"]["output"].scale, alone["1"]["output"].scale)
+    assert plan.share_states(states)["0"]["output"] is states["0"]["output"]  # shared already: unchanged
+
+
+@pytest.mark.parametrize("shared, match", [
+    ({"1:output": "0:weight"}, "is a parameter"),
+    ({"1:output": "2:output"}, "observes no site 'output' of module '2'"),
+    ({"1output": "0:output"}, "must be '<module path>:<site>'"),
+    ({"1:output": "0:output", "0:output": "1:input"}, "itself shares"),
+])
+def test_bad_shared_sites_are_refused(shared, match):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), _Triple())
+    with pytest.raises(ValueError, match=match):
+        qstats.Recipe([qstats.Rule(("0", "1"), sites=("weight", "input", "output"))], shared=shared).resolve(model)
+
+
+def test_shared_sites_need_one_observer_and_spec():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), _Triple())
+    recipe = qstats.Recipe([qstats.Rule("0", sites=("output",)), qstats.Rule("1", sites=("output",), observer="histogram")],
+                           shared={"1:output": "0:output"})
+    with pytest.raises(ValueError, match="same observer"):
+        recipe.resolve(model)
