@@ -87,6 +87,7 @@ from . import qat as qat
 from . import plot as plot
 from . import testing as testing
 from . import tree as tree
+from . import torch_ao as torch_ao
 from .io import load as load
 from .io import save as save
 

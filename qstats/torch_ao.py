@@ -187,7 +187,6 @@ class QstatsObserver(ao.ObserverBase):
         self.set_state(observer.update(observer.init(data) if state is None else state, data))
         return x
 
-    @torch.jit.export
     def calculate_qparams(self):
         """``(scale, zero_point)`` as torch.ao returns them: float32 scales, int32 (affine) or
         int64 (symmetric) zero points (float32 for float zero points), shape ``(1,)`` per tensor. Before any data, torch.ao's
