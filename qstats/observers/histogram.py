@@ -1,30 +1,10 @@
 """Histogram observer with an exact merge: integer counts over float-exponent buckets.
 
-Binning. Every finite value goes to a bucket taken from its float32 bit pattern: the sign, the
-exponent and the top ``log2(bins)`` mantissa bits. A bucket is therefore an interval
-``[2**e * (1 + t / bins), 2**e * (1 + (t + 1) / bins))`` of ``|x|``: its width is at most
-``1 / bins`` of its lower edge (0.78% for the default ``bins=128``), the same for every tensor,
-so no range is needed up front. The resolved magnitudes are
-``[2**-(octaves // 2), 2**(octaves - octaves // 2))`` (``[2**-24, 2**24)`` with the default 48
-octaves); smaller magnitudes (zeros included) fall into one *underflow* bucket per sign, larger
-ones into one *overflow* bucket that ends at the exact extreme. Counts are int64, so merging two
-histograms is adding integers: bit-identical for every split of the data, every merge order,
-across ranks and under ``vmap``. The update shifts the float's int32 view, counts the bit
-prefixes of every parameter with one ``bincount`` (a ``torch.library`` op with shape and vmap
-rules, as ``bincount`` has neither) and sums them into buckets through a lookup table: fixed
-shapes, the same under ``vmap`` and ``torch.compile``.
-
-State: ``counts`` of shape ``(*qparam_shape, 2, octaves, bins)`` (sign 0: negative, sign 1:
-positive), ``underflow`` and ``overflow`` of shape ``(*qparam_shape, 2)``, the exact float32
-``min_val``/``max_val`` and the ``nonfinite`` count; the shapes carry the configuration, so
-``compute_qparams`` needs nothing but the state. Memory is ``16 * octaves * bins`` bytes per
-quantization parameter (96 KiB with the defaults; use fewer ``bins`` or ``octaves`` for fine
-granularities: ``bins=8, octaves=32`` is 4 KiB).
-
-Range searches, ``qstats.compute_qparams(state, spec, method=...)``: ``"l2"`` (default), ``"mse"``,
-``"entropy"``, ``"percentile"`` (`qstats.observers.search`, one module each) and ``"minmax"``
-(the exact observed extremes); more can be registered by name with
-`qstats.observers.search.register_search`.
+Each finite value goes to a bucket taken from its float32 bits (sign, exponent, top mantissa bits),
+so buckets have a fixed relative width, no range is needed up front and merging is adding int64
+counts: bit-identical for every split, order, rank and ``vmap``. Magnitudes outside the resolved
+octaves fall into under- and overflow buckets; the exact extremes are kept too. Range searches
+(``compute_qparams(state, spec, method=...)``) live in `qstats.observers.search`. See docs/observers.md.
 """
 
 from __future__ import annotations
@@ -76,14 +56,10 @@ class HistogramState(NamedTuple):
 
 
 def _bucket_table(mantissa_bits: int, low: int, high: int, device) -> torch.Tensor:
-    """The slot of every float32 bit prefix and of a masked-out value, int32 ``(2**(9 + m) + 1,)``.
-
-    The prefix of a value is ``(bits >> (23 - m)) + 2**(8 + m)`` of its int32 view: negative
-    values below ``2**(8 + m)``, positive ones above, each as ``exponent * 2**m + top mantissa
-    bits`` of the magnitude; a masked-out value has prefix ``2**(9 + m)``. With
-    ``K = (high - low) * 2**m + 2`` buckets per sign (underflow, the octaves' buckets, overflow),
-    a finite value's slot is ``sign * K + bucket``; NaN and Inf go to slot ``2K``, masked-out
-    values to slot ``2K + 1``."""
+    """The slot of every float32 bit prefix ``(bits >> (23 - m)) + 2**(8 + m)`` and of a masked-out value
+    (prefix ``2**(9 + m)``), int32 ``(2**(9 + m) + 1,)``. A finite value's slot is ``sign * K + bucket``
+    (``K`` buckets per sign); NaN and Inf go to slot ``2K``, masked-out values to ``2K + 1``.
+    """
     m = mantissa_bits
     num_buckets = (high - low) * (1 << m) + 2
     half = 1 << (8 + m)
@@ -99,12 +75,10 @@ def _bucket_table(mantissa_bits: int, low: int, high: int, device) -> torch.Tens
 def _count_keys(
     bits: torch.Tensor, mask: Optional[torch.Tensor], shift: int, offset: int, size: int
 ) -> torch.Tensor:
-    """Per parameter of an integer view ``(observations, *params, group)``, how many keys
-    ``(bits >> shift) + offset`` (each in ``[0, size)``; ``size - 1`` where ``mask`` is False)
-    equal each of ``0 .. size - 1``: int64 ``(*params, size)``.
-
-    One ``bincount`` over the keys offset by ``size`` per parameter; an op of its own because
-    ``bincount`` has no vmap rule and a value-dependent output shape (the fake rule fixes it)."""
+    """Per parameter of an integer view, how many keys ``(bits >> shift) + offset`` equal each of
+    ``0 .. size - 1`` (``size - 1`` where ``mask`` is False): int64 ``(*params, size)``. One op of its
+    own, because ``bincount`` has no vmap rule and a value-dependent output shape.
+    """
     params = bits.shape[1:-1]
     total = math.prod(params) * size
     dtype = torch.int32 if total < 1 << 31 else torch.int64
@@ -132,14 +106,10 @@ _count_keys.register_vmap(_count_keys_vmap)
 def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):
     """Bucket counts of a canonical view ``(observations, *qparam_shape, group)``.
 
-    Returns ``(counts, nonfinite)``: int64 ``(*qparam_shape, 2, K)`` and ``(*qparam_shape,)``,
-    with ``K = (high - low) * bins + 2`` magnitude buckets per sign (underflow first, overflow
-    last) for ``exponent_range = (low, high)``; the observer with ``octaves=O`` uses
-    ``(-(O // 2), O - O // 2)``. ``mask`` (bool, broadcastable) False leaves a value out.
-    Values of any float dtype are bucketed as float32.
-
-    With fewer (parameter, bit prefix) pairs than values, the bit prefixes are counted and their
-    counts summed into buckets; otherwise each value's bucket is looked up, then counted.
+    Returns ``(counts, nonfinite)``: int64 ``(*qparam_shape, 2, K)`` and ``(*qparam_shape,)``, with
+    ``K = (high - low) * bins + 2`` magnitude buckets per sign (underflow first, overflow last) for
+    ``exponent_range = (low, high)``. ``mask`` False leaves a value out; any float dtype is bucketed as
+    float32.
     """
     m = int(bins).bit_length() - 1
     low, high = int(exponent_range[0]), int(exponent_range[1])
@@ -229,23 +199,15 @@ def histogram(
     """Running histogram with an exact merge (integer counts over float-exponent buckets).
 
     Args:
-      spec: the QuantSpec (its granularity decides the histograms: one per quantization
-        parameter, any granularity).
-      buckets_per_octave: buckets per power of two (a power of two, at most 4096): relative
-        bucket width ``<= 1 / buckets_per_octave``. Not torch.ao's ``HistogramObserver(bins=)``,
-        the total number of linear bins: 128 buckets per octave over 48 octaves resolve what
-        2048 linear bins cannot, at any scale.
-      octaves: powers of two resolved, centred on 1: magnitudes in
-        ``[2**-(octaves // 2), 2**(octaves - octaves // 2))``; smaller ones (and zeros) share an
-        underflow bucket, larger ones an overflow bucket that ends at the exact extreme.
-      max_state_bytes: the largest state ``init`` builds (default 256 MiB); a larger one (a
-        per-channel histogram of a wide weight) is refused with the memory it would take.
-      bins: the former name of ``buckets_per_octave`` (FutureWarning).
+      spec: the QuantSpec; its granularity gives one histogram per quantization parameter.
+      buckets_per_octave: buckets per power of two (a power of two, at most 4096); not torch.ao's ``bins``.
+      octaves: powers of two resolved, centred on 1; smaller and larger magnitudes share end buckets.
+      max_state_bytes: the largest state ``init`` builds (default 256 MiB); larger ones are refused.
+      bins: deprecated alias of ``buckets_per_octave`` (FutureWarning).
 
-    Laws: identity, associativity, commutativity and homomorphism hold bit for bit (exact), under
-    ``vmap`` too. ``update`` is a few tensor ops (no host sync, fixed shapes) and compiles
-    without graph breaks. Inputs of any float dtype are bucketed as float32; NaN/Inf follow
-    ``spec.nonfinite``.
+    Laws: identity, associativity, commutativity and homomorphism hold bit for bit, under ``vmap`` too;
+    ``update`` has fixed shapes, no host sync and compiles without graph breaks. Inputs are bucketed
+    as float32; NaN/Inf follow ``spec.nonfinite``.
 
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(dtype="int8")

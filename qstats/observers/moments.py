@@ -1,18 +1,8 @@
 """Moments observer: count, mean and variance (Chan's parallel merge), abs-mean, rms and an Lp norm.
 
-The state stores sums and counts only: ``count``, ``total`` (sum of x), ``m2`` (sum of squared
-deviations from the mean, merged with Chan et al.'s parallel formula), ``abs_total`` (sum of |x|),
-``square_total`` (sum of x**2) and ``power_total`` (sum of |x|**p). Accumulators are float64,
-counts int64. Merging is exact up to float rounding (associative and commutative to tolerance).
-
-Range rules, ``qstats.compute_qparams(state, spec, method=..., k=...)``, registered by name with
-`qstats.observers.search.register_search` (``observer="moments"``):
-
-- ``"mean_std"`` (default, Brevitas' mean + k * sigma): ``[mean - k * std, mean + k * std]``
-  (``k=3``).
-- ``"rms"`` (qwix' ``rms,k``): ``[-k * rms, k * rms]``.
-- ``"abs_mean"``: ``[-k * E|x|, k * E|x|]``.
-- ``"lp"`` (AQT's Lp calibration): ``[-k * (E|x|**p)**(1/p), ...]`` with the observer's ``p``.
+The state stores float64 sums and int64 counts only, so merging is exact up to float rounding. Its
+range rules (``compute_qparams(state, spec, method=..., k=...)``: ``"mean_std"``, ``"rms"``,
+``"abs_mean"``, ``"lp"``) are registered with `qstats.observers.search`; see docs/observers.md.
 """
 
 from __future__ import annotations
@@ -80,8 +70,7 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
       spec: the QuantSpec (its granularity decides the groups).
       p: order of the Lp norm accumulated in ``power_total`` (default 4).
 
-    Laws: identity exactly; associativity, commutativity and homomorphism up to float rounding
-    (``exact=True`` in the sense of sums: splitting the data changes nothing but rounding).
+    Laws: identity exactly; associativity, commutativity and homomorphism up to float rounding.
     ``weight == 0`` leaves values out; NaN/Inf follow ``spec.nonfinite``.
 
     >>> import torch, qstats

@@ -1,25 +1,10 @@
 """MSE range search as a streaming, mergeable state (llm-compressor's MSE observers, ModelOpt's
 MseCalibrator).
 
-Candidates are shrink factors ``p_i = 1 - i / grid`` of a *reference range* ``[min, max]``
-(``i < int(maxshrink * grid)``, as llm-compressor's ``memoryless_mse``). For every batch and
-every candidate the state accumulates ``sum |fake_quantize(x) - x| ** norm`` per quantization
-parameter (optionally weighted by a per-element importance, see `qstats.imatrix_mse`), so that
-``compute_qparams`` takes the argmin over *all* data instead of averaging per-batch choices.
-
-The reference range is the first batch's range (times ``expand``) unless one is given up front
-with ``reference=``. States that share a reference merge exactly (losses add); that is always
-the case with ``reference=`` given (``Observer.exact`` is then True). Two states that saw
-different first batches merge by keeping the wider reference and adding the losses of equal
-shrink factors (associative and commutative, but not exact: ``exact=False``).
-
-``compute_qparams(state, spec, patience=k)`` reproduces llm-compressor's early stopping (stop
-after ``k`` consecutive candidates that improve no parameter) on the accumulated losses; the
-default ``patience=None`` searches every candidate. With early stopping disabled, one batch gives
-exactly llm-compressor's ``memoryless_mse`` choice.
-
-``mode="moving_average"`` reproduces llm-compressor's ``mse`` observer instead: a memoryless
-search per batch, then ``min = min * (1 - c) + batch_min * c`` (order-dependent, ``exact=False``).
+The state accumulates, per quantization parameter, ``sum |fake_quantize(x) - x| ** norm`` for every
+shrink factor of a reference range, so ``compute_qparams`` takes the argmin over all data instead
+of averaging per-batch choices. ``mode="moving_average"`` reproduces llm-compressor's per-batch
+``mse`` observer. See docs/observers.md and docs/differences.md.
 """
 
 from __future__ import annotations
@@ -171,12 +156,10 @@ def _computes_natively(spec: QuantSpec, dtype: torch.dtype) -> bool:
 
 def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, error_dtype, native=None,
                   native_error=False):
-    """``candidate_losses`` of one chunk of the view: ``(C, params in chunk)`` float64, the errors
-    formed in ``error_dtype``. ``native`` (bf16/fp16 inputs, None otherwise): the codes are computed
-    from the values in that dtype and dequantized to it. ``native_error``: the error
-    ``|q - x| ** norm`` is also formed in that dtype (summed in float32; the caller rounds the sum to
-    it), as llm-compressor's MSE observers do, so that their choice holds bit for bit on bf16/fp16
-    weights."""
+    """``candidate_losses`` of one chunk of the view: ``(C, params in chunk)`` float64. ``native``
+    (bf16/fp16 inputs): codes computed and dequantized in that dtype; ``native_error``: the error formed
+    in it too, as llm-compressor's observers do, so their choice holds bit for bit.
+    """
     part = v[index]
     code_input = part if native is None else part.to(native)  # exact: the values came from native
     param_index = (slice(None), index[1], slice(None))
@@ -276,22 +259,17 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
       maxshrink, grid: candidates ``1 - i / grid`` for ``i < int(maxshrink * grid)`` (or ``steps``).
       norm: error exponent (2.4 as llm-compressor).
       expand: factor on the reference range before shrinking (llm-compressor's ``expand``).
-      mode: ``"accumulate"`` (losses over all data) or ``"moving_average"`` (llm-compressor
-        ``mse``: per-batch search, then a moving average of the chosen ranges).
+      mode: ``"accumulate"`` (losses over all data) or ``"moving_average"`` (llm-compressor's ``mse``).
       averaging_constant: the moving average's constant (``mode="moving_average"``).
-      patience: early stopping of the per-batch search in ``mode="moving_average"`` (llm-compressor's
-        default 5; None disables). In ``"accumulate"`` mode the search runs in ``compute_qparams``:
-        pass it there (``compute_qparams(state, spec, patience=k)``); given here, it raises.
-      reference: ``(min_val, max_val)`` tensors (or a MinMaxState) fixing the candidates' base range
-        up front; then every merge is exact.
-      importance: float tensor broadcastable to the canonical view, multiplying each element's
-        error (see `qstats.imatrix_mse`).
+      patience: early stopping in ``"moving_average"`` mode (default 5); for ``"accumulate"`` pass it
+        to ``compute_qparams`` (given here, it raises).
+      reference: ``(min_val, max_val)`` tensors (or a MinMaxState) fixing the base range; merges are exact.
+      importance: float tensor broadcastable to the canonical view, weighting each element's error.
       steps: number of candidates (overrides ``int(maxshrink * grid)``).
 
-    Laws: identity, associativity and commutativity (losses to float tolerance); homomorphism
-    when states share the reference (``exact`` is True when ``reference`` is given, except for
-    compressed-tensors specs computing in bf16/fp16, whose error sums are rounded to that dtype
-    per update, as llm-compressor rounds one batch's).
+    Laws: identity, associativity and commutativity (losses to float tolerance); homomorphism when
+    states share the reference (``exact`` with ``reference``, except compressed-tensors specs computing
+    in bf16/fp16, whose per-update error sums are rounded as llm-compressor's).
     """
     _check_args(spec, maxshrink, grid, norm, steps)
     patience = _check_modes(mode, expand, averaging_constant, patience)
