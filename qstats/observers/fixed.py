@@ -1,16 +1,9 @@
 """Fixed and pass-through observers (torch.ao FixedQParamsObserver, PlaceholderObserver,
 NoopObserver, RecordingObserver).
 
-- `fixed_qparams(spec, scale, zero_point)`: constant quantization parameters whatever the data
-  (the state only counts values); `sigmoid_qparams()` and `tanh_qparams()` are torch.ao's presets
-  for outputs in ``[0, 1)`` (scale 1/256, zero point 0) and ``[-1, 1)`` (scale 2/256, zero point
-  128) on quint8.
-- `placeholder(spec)` / `noop(spec)`: no statistics (dynamic quantization, or no quantization);
-  `compute_qparams` refuses them with a TypeError, as torch.ao does.
-- `recording(spec, capacity)`: a bounded sample of the observed values for debugging. It keeps the
-  ``capacity`` values with the smallest hash keys (a bottom-k sketch: every value seen while fewer
-  than ``capacity`` were observed, afterwards a pseudo-random sample), so its memory is fixed and
-  its merge is exact, associative and commutative.
+`fixed_qparams` gives constant qparams (`sigmoid_qparams`, `tanh_qparams`: torch.ao's presets);
+`placeholder` / `noop` keep no statistics (``compute_qparams`` refuses them, as torch.ao);
+`recording` keeps a bounded bottom-k sample of the values, so its memory is fixed and its merge exact.
 """
 
 from __future__ import annotations
@@ -82,9 +75,8 @@ def _count(x, weight):
 def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     """Constant quantization parameters (torch.ao ``FixedQParamsObserver``).
 
-    ``scale`` and ``zero_point`` are numbers or tensors of the spec's parameter shape. The state
-    holds them and a count of the values seen; ``compute_qparams(state, spec)`` returns them.
-    Laws: all hold exactly (merge keeps the constants and adds counts).
+    ``scale`` and ``zero_point`` are numbers or tensors of the spec's parameter shape; the state holds
+    them and counts the values seen. Laws: all hold exactly (merge keeps the constants, adds counts).
 
     >>> import torch, qstats
     >>> obs = qstats.sigmoid_qparams()
@@ -200,11 +192,9 @@ def _hash_keys(bits: torch.Tensor) -> torch.Tensor:
 def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observer:
     """A bounded sample of observed values (torch.ao ``RecordingObserver``, without unbounded memory).
 
-    Keeps the ``capacity`` finite values whose hash keys are smallest: while fewer than
-    ``capacity`` values were seen it holds all of them; afterwards a fixed-size pseudo-random
-    sample (equal values share a key, so a value repeated many times is kept or dropped as a
-    whole). `recorded_values(state)` returns the kept values. Laws: all exact (bottom-k of a
-    multiset does not depend on how it was split).
+    Keeps the ``capacity`` finite values with the smallest hash keys: all of them while fewer were
+    seen, afterwards a fixed-size pseudo-random sample (equal values are kept or dropped together).
+    `recorded_values(state)` returns them. Laws: all exact.
     """
     if spec is not None:
         _check_spec(spec, "recording")

@@ -1,16 +1,10 @@
 """Importance matrix (imatrix): per-input-channel E[x**2] of activations, and the
 importance-weighted MSE search for weights (llm-compressor's ``imatrix_mse``).
 
-`imatrix()` observes the *inputs* of a linear layer: the state holds the float64 sum of
-``x**2`` per input channel (the last dimension) and the int64 count of rows, so merges are sums
-(exact up to float rounding; counts exact). `importance(state)` is ``sum / count``.
-
-`imatrix_mse(spec, state)` is `qstats.mse` for the layer's *weight* with every element's error
-multiplied by the importance of its input channel, normalised by its mean, with
-llm-compressor's defaults (``maxshrink=0.95``, ``grid=20``, ``norm=3``, ``int(maxshrink * grid) + 1``
-candidates). One deliberate difference: for a per-tensor spec llm-compressor warns that importance
-is not supported and searches with uniform weights; qstats applies the importance there too (pass
-no importance state, or `qstats.mse`, for llm-compressor's per-tensor choice).
+`imatrix()` observes a linear layer's inputs (a float64 sum of ``x**2`` per input channel and an
+int64 row count, so merges are sums); `importance(state)` is ``sum / count``. `imatrix_mse` is
+`qstats.mse` on the weight with each error weighted by its input channel's importance; its
+difference from llm-compressor on per-tensor specs is in docs/differences.md.
 """
 
 from __future__ import annotations
@@ -45,9 +39,7 @@ def imatrix() -> Observer:
 
     ``update(state, x, weight=None)`` reduces every dimension but the last (``weight`` of shape
     ``x.shape[:-1]``, or a prefix of it, masks rows out). NaN/Inf are left out and counted.
-
-    Laws: identity; associativity, commutativity and homomorphism exactly for ``count`` and up to
-    float rounding for ``square_total``.
+    Laws: identity; the others exactly for ``count``, up to float rounding for ``square_total``.
 
     >>> import torch, qstats
     >>> obs = qstats.imatrix()
@@ -114,17 +106,14 @@ def importance(state: IMatrixState) -> torch.Tensor:
 
 def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixState] = None, maxshrink: float = 0.95,
                 grid: float = 20, norm: float = 3.0, expand: float = 1.0, **options) -> Observer:
-    """Importance-weighted MSE search for a weight of ``weight_shape`` (``(out, in)``), as
-    llm-compressor's ``imatrix_mse``.
+    """Importance-weighted MSE search for a weight of ``weight_shape`` ``(out, in)``, as llm-compressor's
+    ``imatrix_mse``.
 
-    The importance of input channel ``j`` is ``E[x_j**2] / mean(E[x**2])`` from
-    ``imatrix_state``; every weight element's error ``|fq(w) - w| ** norm`` is multiplied by its
-    column's importance. Without usable importance data (None, no rows seen, all zeros, or not
-    finite in float32) the search is uniform, as llm-compressor's fallback. Candidates: ``1 - i / grid`` for ``i <= max(1, int(maxshrink * grid))``.
-    Other keyword arguments go to `qstats.mse` (``reference``, ``mode``, ...). Pass
-    ``patience=5`` to ``compute_qparams`` for llm-compressor's early stopping (its imatrix
-    observer reads ``patience=0`` as no early stopping, which is ``patience=None`` here: qstats'
-    0 stops as llm-compressor's plain mse observers do).
+    Each element's error is multiplied by its column's importance ``E[x_j**2] / mean(E[x**2])``; without
+    usable importance data (None, no rows, all zeros, non-finite) the search is uniform, as
+    llm-compressor's fallback. Defaults are llm-compressor's (``maxshrink=0.95``, ``grid=20``,
+    ``norm=3``); other keyword arguments go to `qstats.mse`. Pass ``patience=5`` to ``compute_qparams``
+    for its early stopping.
     """
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"imatrix_mse: expected a QuantSpec, got {type(spec).__name__}")

@@ -1,20 +1,9 @@
 """Range searches by name: the ``method=`` of ``qstats.compute_qparams(state, spec, method=...)``.
 
-A search is a pure function ``search(state, spec, **options) -> Range`` that picks the range to
-map from an observer's state. Searches are registered by observer family and name in one table;
-an observer's range rule looks its ``method`` up here, so a new method is one registration, with
-no change to the observer:
-
-    def widest(state, spec):
-        return qstats.Range(state.min_val, state.max_val, state.min_val <= state.max_val)
-
-    register_search("widest", widest)   # compute_qparams(histogram_state, spec, method="widest")
-
-The histogram observer's searches, one module each, all vectorised over candidates and parameters:
-``"l2"`` (torch.ao HistogramObserver's objective), ``"mse"`` (the exact squared-error integral),
-``"entropy"`` (TensorRT / ModelOpt KL calibration), ``"percentile"``; ``"minmax"`` (the observed
-extremes) is registered beside the observer. The moments observer registers its own methods
-(``"mean_std"``, ``"rms"``, ``"abs_mean"``, ``"lp"``) under ``observer="moments"``.
+A search is a pure function ``search(state, spec, **options) -> Range``, registered by observer
+family and name, so a new method needs no change to the observer. The histogram's searches, one
+module each: ``"l2"``, ``"mse"``, ``"entropy"``, ``"percentile"`` (``"minmax"`` is beside the
+observer); the moments observer registers its own. See docs/observers.md.
 """
 
 from __future__ import annotations
@@ -32,8 +21,12 @@ _SEARCHES: dict[tuple[str, str], Callable] = {}
 
 
 def register_search(name: str, fn: Callable, observer: str = "histogram") -> Callable:
-    """Registers ``fn(state, spec, **options) -> Range`` as method ``name`` of the ``observer``
-    family (its ``Observer.name``); registering a name again replaces it. Returns ``fn``."""
+    """Registers ``fn(state, spec, **options) -> Range`` as method ``name`` of the ``observer`` family
+    (its ``Observer.name``); registering a name again replaces it. Returns ``fn``. For example::
+
+        register_search("widest", lambda state, spec: qstats.Range(
+            state.min_val, state.max_val, state.min_val <= state.max_val))
+    """
     if not (isinstance(name, str) and name and isinstance(observer, str) and observer):
         raise TypeError(f"register_search: name and observer must be non-empty strings, got {name!r}, {observer!r}")
     if not callable(fn):

@@ -1,8 +1,7 @@
-"""What the range searches read from a histogram state: its configuration, bucket edges, a window
-at full resolution below the largest magnitude, prefix moments under the piecewise-uniform model
-(values spread evenly inside each bucket), the quantization grid of candidate ranges, and the
-final clamp of a searched range to the observed extremes. Fixed shapes throughout: vmappable and
-traceable."""
+"""What the range searches read from a histogram state: configuration, bucket edges, a full-resolution
+window below the largest magnitude, prefix moments under the piecewise-uniform model, the grid of
+candidate ranges and the final clamp to the observed extremes. Fixed shapes: vmappable, traceable.
+"""
 
 from __future__ import annotations
 
@@ -92,11 +91,8 @@ def histogram_edges(state):
 
 
 def window(state, bins: int, low: int, octaves: int):
-    """Signed edges and counts of the ``octaves`` octaves below the largest magnitude at full
-    resolution; everything smaller in one bucket around zero.
-
-    Returns ``(edges (*P, 2W + 2) float64 ascending, counts (*P, 2W + 1) float64)`` where ``W`` is
-    the number of magnitude buckets in the window per sign.
+    """Signed edges ``(*P, 2W + 2)`` and counts ``(*P, 2W + 1)`` (float64, ascending) of the ``octaves``
+    octaves below the largest magnitude at full resolution, everything smaller in one bucket at zero.
     """
     counts = flat_counts(state)
     num_buckets = counts.shape[-1]

@@ -1,9 +1,7 @@
 """``"entropy"``: the KL-divergence calibration of TensorRT / ModelOpt.
 
-The state's buckets are re-binned into a linear histogram of ``|x|`` over ``[0, absmax]``
-(``num_linear`` bins, values spread evenly inside each bucket), and `entropy_amax` picks the
-amax whose quantized distribution is closest to it. A symmetric amax; asymmetric specs clip both
-ends at it.
+The buckets are re-binned into a linear histogram of ``|x|`` over ``[0, absmax]`` and `entropy_amax`
+picks the amax whose quantized distribution is closest to it; asymmetric specs clip both ends at it.
 """
 
 from __future__ import annotations
@@ -64,13 +62,10 @@ def entropy_amax(hist: torch.Tensor, bin_edges: torch.Tensor, num_bits: int = 8,
                  start_bin: int = 128, stride: int = 1) -> torch.Tensor:
     """The KL-divergence calibration of TensorRT / ModelOpt on a linear histogram of ``|x|``.
 
-    For every candidate ``i`` (``start_bin..len(hist)`` by ``stride``) the reference
-    distribution ``P`` is ``hist[:i]`` with the outliers added to its last bin, and ``Q`` is
-    ``hist[:i]`` quantized to ``2**(num_bits - 1 + unsigned)`` levels (each level spreads its mass
-    evenly over its non-empty bins); the chosen amax is ``bin_edges[i]`` of the last minimum of
-    ``KL(P || Q)``. As ModelOpt, the first bin's count is replaced by the second's (zeros from
-    ReLU would dominate; TensorRT's older pytorch-quantization took the third's). Vectorised
-    over candidates and leading dimensions.
+    For each candidate ``i`` (``start_bin..len(hist)`` by ``stride``), ``P`` is ``hist[:i]`` with the
+    outliers added to its last bin and ``Q`` is ``P`` quantized to ``2**(num_bits - 1 + unsigned)``
+    levels; the amax is ``bin_edges[i]`` of the last minimum of ``KL(P || Q)``. As ModelOpt, the first
+    bin's count is replaced by the second's (ReLU zeros would dominate). Vectorised over candidates.
 
     Args:
       hist: counts, shape ``(*P, nbins)``.

@@ -1,20 +1,10 @@
 """``"l2"``: torch.ao ``HistogramObserver``'s objective, the L2 norm of the quantization error.
 
-It is minimised over candidate clipping points on the bucket edges below each sign's extreme (the
-larger extreme for symmetric mappings; ``bits + 4`` octaves deep), instead of torch.ao's greedy
-outside-in walk:
-
-1. `sign_windows`: per sign, the ``bits + 8`` octaves of buckets below the anchor extreme, located
-   from its float32 bits and gathered with fixed shapes, with suffix and prefix sums of their
-   count, sum and sum of squares.
-2. An analytic model ranks the candidates from those sums: the clipping error exactly, plus
-   ``scale**2 / 12`` per value rounded inside the range, or ``x**2`` for the values that round to
-   zero (`_dead_zone`). Symmetric mappings rank every edge in one step; asymmetric mappings search
-   the 2-D (negative end, positive end) grid coarse to fine.
-3. The finalists around the model's best are ranked by the exact integral of the squared error of
-   the spec's grid, zero point rounding included (`sawtooth_error`).
-
-Floating-point targets take the ``"mse"`` search (the exact integral on their grid).
+It is minimised over every candidate clipping point on the bucket edges below each sign's extreme
+(`sign_windows`), instead of torch.ao's greedy walk: an analytic model ranks them (the clipping
+error plus ``scale**2 / 12`` per value inside, ``x**2`` for values rounding to zero; asymmetric
+mappings search the 2-D grid coarse to fine), then the finalists are ranked by the exact error
+integral of the spec's grid (`sawtooth_error`). Floating-point targets take the ``"mse"`` search.
 """
 
 from __future__ import annotations
@@ -44,10 +34,10 @@ class Windows(NamedTuple):
 
 
 def sign_windows(state, spec: QuantSpec, octaves: int) -> Windows:
-    """Per sign (0: negative values, as magnitudes), the ``W = octaves * bins`` magnitude
-    buckets up to an anchor: the sign's extreme (asymmetric mappings) or the larger extreme
-    (symmetric, one anchor for both signs), found from the anchor's float32 bits; candidates
-    are the window's edges up to the anchor. Fixed shapes, a few gathers: no search."""
+    """Per sign (0: negative, as magnitudes), the ``W = octaves * bins`` magnitude buckets up to the anchor
+    extreme (the sign's own, or the larger one for symmetric mappings), found from its float32 bits;
+    candidates are the window's edges. Fixed shapes, a few gathers.
+    """
     bins, low, high = config(state)
     m = bins.bit_length() - 1
     width = octaves * bins
@@ -84,13 +74,11 @@ def sign_windows(state, spec: QuantSpec, octaves: int) -> Windows:
 
 
 def sawtooth_error(edges, density, lo, hi, spec: QuantSpec, straddles_zero: bool = False, qrange=None, points=None):
-    """Expected squared error of candidates ``(lo, hi)`` ``(*P, C)`` with the spec's own grid
-    (zero point rounding included), exact under the piecewise-uniform model: the antiderivative
-    of the squared error (a sawtooth inside the clipping points, cubic outside) at every edge,
-    differenced and weighted by each bucket's ``count / width`` (``density`` ``(*P, B)``): one
-    product with the differenced densities. ``straddles_zero``: the caller knows ``lo <= 0 <= hi``.
-    ``points``: optional ``(positions, masses)`` ``(*P, n)`` of point masses (values exactly at a
-    position, as in a bucket of zero width), each adding ``mass * squared error at its position``."""
+    """Expected squared error of candidates ``(lo, hi)`` ``(*P, C)`` with the spec's own grid, exact
+    under the piecewise-uniform model (the error's antiderivative at every edge, weighted by bucket
+    densities). ``straddles_zero``: ``lo <= 0 <= hi`` is known. ``points``: optional
+    ``(positions, masses)`` of point masses, each adding ``mass * squared error`` at its position.
+    """
     scale, zero_point, clip_lo, clip_hi = grid(lo, hi, spec, straddles_zero, qrange)
     u = edges.unsqueeze(-2)  # (*P, 1, B + 1)
     inside = torch.minimum(torch.maximum(u, clip_lo.unsqueeze(-1)), clip_hi.unsqueeze(-1))  # (*P, C, B + 1)
@@ -136,10 +124,9 @@ def _model(win: Windows, spec: QuantSpec, bins: int) -> _Model:
 
 
 def _dead_zone(error, span, limit, win: Windows, model: _Model):
-    """``error`` of candidates ``(*P, n)`` of span ``span`` with ``x**2`` instead of
-    ``scale**2 / 12`` for the values that round to zero (``|x| < scale / 2``, located to the
-    bucket from the float32 bits of ``scale / 2``, at most the candidate's edge ``limit``
-    ``(*P, 2, n)``, per sign)."""
+    """``error`` of candidates with ``x**2`` instead of ``scale**2 / 12`` for the values that round to
+    zero (``|x| < scale / 2``), located from the float32 bits of ``scale / 2``, per sign.
+    """
     half = span * model.half_scale
     code = (bitcast(half.float(), torch.int32) >> model.shift).unsqueeze(-2)
     edge = torch.minimum((code - win.offset.unsqueeze(-1)).clamp(min=0), limit)  # (*P, 2, n)
@@ -191,10 +178,9 @@ def _refinements(bins: int, width: int, reach: int) -> list:
 
 
 def _asymmetric_finalists(win: Windows, model: _Model, spec: QuantSpec, bins: int, octaves: int):
-    """(negative end, positive end) pairs ranked by the model, coarse to fine (the first round
-    absolute, the next ones around the best); the finalists are a neighbourhood of the best (3 x 3
-    over +-2 edges; 5 x 5 over +-1/16 octave for grids of 4 bits or less), the full range, and
-    each side of the best with the other full. ``(lo, hi)`` ``(*P, n)``."""
+    """(negative end, positive end) pairs ranked by the model, coarse to fine; the finalists are a
+    neighbourhood of the best, the full range, and each side of the best with the other full.
+    """
     width = win.edges.shape[-1] - 1
     lead = win.edges.shape[:-2]
     device = win.edges.device

@@ -1,10 +1,9 @@
-"""``"mse"``: the range of least expected squared error, for shrink factors of the observed range.
+"""``"mse"``: the range of least expected squared error among shrink factors of the observed range.
 
-The candidates are ``candidates`` ranges ``2**(-k / per_octave)`` times the observed one (both
-ends, or the larger magnitude for symmetric mappings); each is scored by the exact integral of the
-squared error of the spec's grid (zero point rounding included) over the buckets, values spread
-evenly inside each bucket: ``O(buckets x candidates)``. Floating-point targets (fp8, fp4) use the
-format's own grid at the bucket centres. Also the ``"l2"`` search of floating-point specs.
+Candidates are ``2**(-k / per_octave)`` times the observed range, each scored by the exact integral
+of the squared error of the spec's grid over the buckets (values spread evenly inside each):
+``O(buckets x candidates)``. Floating-point targets use their own grid at bucket centres. Also the
+``"l2"`` search of floating-point specs.
 """
 
 from __future__ import annotations

@@ -34,10 +34,9 @@ def _quantile(mom: Moments, q: torch.Tensor) -> torch.Tensor:
 
 
 def _abs_quantile(state, p: float) -> torch.Tensor:
-    """The value below which a fraction ``p`` of the ``|x|`` lie. The mass of ``|x| <= t``,
-    ``F(t) - F(-t)``, is linear between the magnitudes of the bucket edges, so it is evaluated
-    there and inverted between two of them (at the buckets' own resolution, however far an
-    outlier stretches the range)."""
+    """The value below which a fraction ``p`` of the ``|x|`` lie: ``F(t) - F(-t)`` is linear between
+    bucket-edge magnitudes, so it is inverted there, at the buckets' own resolution.
+    """
     bins, low, _ = config(state)
     edges, counts = window(state, bins, low, 24)
     mom = moments(edges, counts)
