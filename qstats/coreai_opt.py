@@ -59,6 +59,13 @@ def block_size(granularity, shape, target: str = "weight") -> tuple:
     where weights keep dimensions past the first two whole and activations reduce every other
     dimension to 1. ``granularity``: a coreai_opt granularity or its dict (``{"type": ...}``)."""
     shape = [int(s) for s in shape]
+    sizes = _block_sizes(granularity, shape, target)
+    if any(b < 1 or s % b for b, s in zip(sizes, shape)):
+        raise ValueError(f"from_coreai_opt: block size {sizes} does not divide the shape {tuple(shape)}")
+    return sizes
+
+
+def _block_sizes(granularity, shape: list, target: str) -> tuple:
     kind = _field(granularity, "type") or type(granularity).__name__
     axis, size = _field(granularity, "axis"), _field(granularity, "block_size")
     if kind in ("per_tensor", "PerTensorGranularity"):

@@ -1,0 +1,254 @@
+"""coreai_opt's qparams calculators against qstats, bit for bit.
+
+Reference: Apple coreai_opt 0.4.0, ``coreai_opt.quantization.spec.qparams_calculator``:
+``StaticQParamsCalculator`` (qstats.memoryless_minmax), ``GlobalMinMaxQParamsCalculator``
+(qstats.minmax) and ``MovingAverageQParamsCalculator`` (qstats.coreai_opt.moving_average_minmax),
+built by coreai_opt's own factory from its ``QuantizationSpec``, against
+``compute_qparams(state, QuantSpec.from_coreai_opt(spec), float_range=...)`` and
+``compute_minval``: scale, zero point and minval for int8/int4/uint8, every qscheme, per-tensor,
+per-channel and per-block granularities, float_range pinned at neither, one or both ends, and the
+e8m0 scale path (int8, fp8, fp4).
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import qstats
+import qstats.coreai_opt
+
+warnings.filterwarnings("ignore")
+
+spec_lib = pytest.importorskip("coreai_opt.quantization.spec.spec")
+from coreai_opt.config.spec import CompressionTargetTensor  # noqa: E402
+from coreai_opt.quantization.spec.factory import QuantizationComponentFactory  # noqa: E402
+
+QuantizationSpec = spec_lib.QuantizationSpec
+SHAPE = (16, 64)
+GRANULARITIES = {
+    "per_tensor": {"type": "per_tensor"},
+    "per_channel_0": {"type": "per_channel", "axis": 0},
+    "per_channel_1": {"type": "per_channel", "axis": 1},
+    "per_block_axis": {"type": "per_block", "axis": 1, "block_size": 16},
+    "per_block_tuple": {"type": "per_block", "block_size": (4, 16)},
+}
+FLOAT_RANGES = [(None, None), (-1.5, None), (None, 2.0), (-1.0, 0.5)]
+TARGETS = [(torch.int8, "symmetric"), (torch.int8, "asymmetric"), (torch.int8, "symmetric_with_clipping"),
+           (torch.int4, "symmetric"), (torch.int4, "asymmetric"), (torch.uint8, "symmetric"),
+           (torch.uint8, "asymmetric"), (torch.uint8, "symmetric_with_clipping")]
+
+
+def _batches(seed=0, n=4):
+    """Random batches; the third is all positive (every block's range lies above zero) and the last
+    scaled up, so that moving ranges move and clamping to zero matters."""
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randn(SHAPE, generator=g) * (1 + i) for i in range(n)]
+    out[2] = out[2].abs() + 0.25
+    return out
+
+
+def _calculator(kind, coreai_spec, target=CompressionTargetTensor.WEIGHT, averaging_constant=0.1):
+    calc = QuantizationComponentFactory.create_qparams_calculator(
+        coreai_spec.model_copy(update={"qparam_calculator_cls": kind}) if kind else coreai_spec, target)
+    if hasattr(calc, "averaging_constant"):
+        calc.averaging_constant = averaging_constant
+    return calc
+
+
+def _observer(kind, spec):
+    return {"static": qstats.memoryless_minmax, "global_minmax": qstats.minmax}.get(
+        kind, lambda s: qstats.coreai_opt.moving_average_minmax(s, 0.1))(spec)
+
+
+def _same(ours, theirs):
+    return theirs is not None and torch.equal(ours.reshape(theirs.shape), theirs)
+
+
+def _coreai_spec(dtype, qscheme, granularity, float_range, kind="static", **extra):
+    return QuantizationSpec(dtype=dtype, qscheme=qscheme, granularity=granularity, float_range=list(float_range),
+                            qparam_calculator_cls=kind, **extra)
+
+
+@pytest.mark.parametrize("float_range", FLOAT_RANGES, ids=str)
+@pytest.mark.parametrize("granularity", list(GRANULARITIES), ids=str)
+@pytest.mark.parametrize("dtype,qscheme", TARGETS, ids=str)
+def test_calculators_bit_for_bit(dtype, qscheme, granularity, float_range):
+    for kind in ("static", "global_minmax", "moving_average"):
+        coreai_spec = _coreai_spec(dtype, qscheme, GRANULARITIES[granularity], float_range, kind)
+        calc = _calculator(None, coreai_spec)
+        spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=SHAPE)
+        obs = _observer(kind, spec)
+        state = obs.init(torch.empty(SHAPE))
+        for step, x in enumerate(_batches()):
+            scale, zero_point, minval = calc(x)
+            state = obs.update(state, x)
+            qp = qstats.compute_qparams(state, spec, float_range=float_range)
+            ours_minval = qstats.compute_minval(state, spec, float_range=float_range)
+            where = f"{kind} step {step}"
+            drifted = kind == "moving_average" and (float_range[0] is None) != (float_range[1] is None)
+            if drifted:
+                # coreai_opt moves a pinned end by its EMA of the constant (an ulp or two, at times):
+                # qstats keeps it exact. Mapping coreai_opt's own running range reproduces it bit for bit.
+                pinned = calc.running_min if float_range[0] is not None else calc.running_max
+                exact = pinned == (float_range[0] if float_range[0] is not None else float_range[1])
+                ref = qstats.qparams_from_minmax(calc.running_min, calc.running_max, spec)
+                assert torch.equal(ref.scale, scale) and torch.equal(ref.zero_point, zero_point), where
+                assert torch.equal(qp.scale.reshape(scale.shape)[exact], scale[exact]), where
+                assert torch.equal(qp.zero_point.reshape(scale.shape)[exact], zero_point[exact]), where
+                assert torch.equal(ours_minval.reshape(scale.shape)[exact], minval[exact]), where
+                continue
+            assert _same(qp.scale, scale), where
+            assert _same(qp.zero_point, zero_point), where
+            assert _same(ours_minval, minval), where
+            assert bool(qp.calibrated.all())
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2], ids=str)
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel_0", "per_block_axis"])
+@pytest.mark.parametrize("float_range", FLOAT_RANGES, ids=str)
+def test_e8m0_scales(dtype, granularity, float_range):
+    coreai_spec = _coreai_spec(dtype, "symmetric", GRANULARITIES[granularity], float_range,
+                               scale_dtype=torch.float8_e8m0fnu)
+    calc = _calculator(None, coreai_spec)
+    spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=SHAPE)
+    assert spec.scale_dtype == "e8m0"
+    x = _batches()[3] * 37.0
+    scale, zero_point, minval = calc(x)
+    state = qstats.minmax(spec).update(qstats.minmax(spec).init(x), x)
+    qp = qstats.compute_qparams(state, spec, float_range=float_range)
+    assert _same(qp.scale, scale)
+    if dtype.is_floating_point:
+        assert zero_point is None and minval is None  # coreai_opt's; qstats: no minval, zero_point_domain none
+        with pytest.raises(ValueError, match="has no minval"):
+            qstats.compute_minval(state, spec)
+    else:
+        assert _same(qp.zero_point, zero_point)
+        assert _same(qstats.compute_minval(state, spec, float_range=float_range), minval)
+
+
+def test_e8m0_all_zero_block_is_the_known_difference():
+    """An all-zero block: qstats' smallest e8m0 scale is 2**-127 (biased exponent 0), coreai_opt
+    clamps it to the smallest normal float32, 2**-126; every other block agrees."""
+    coreai_spec = _coreai_spec(torch.int8, "symmetric", GRANULARITIES["per_block_axis"], (None, None),
+                               scale_dtype=torch.float8_e8m0fnu)
+    x = _batches()[0]
+    x[0, :16] = 0.0
+    scale, _, _ = _calculator(None, coreai_spec)(x)
+    spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=SHAPE)
+    obs = qstats.minmax(spec)
+    ours = qstats.compute_qparams(obs.update(obs.init(x), x), spec).scale
+    assert ours[0, 0] == 2.0**-127 and scale[0, 0] == 2.0**-126
+    ours[0, 0] = scale[0, 0]
+    assert torch.equal(ours, scale)
+
+
+def test_float8_without_e8m0():
+    coreai_spec = _coreai_spec(torch.float8_e4m3fn, "symmetric", GRANULARITIES["per_channel_0"], (-2.0, None))
+    x = _batches()[1]
+    scale, zero_point, minval = _calculator(None, coreai_spec)(x)
+    spec = qstats.QuantSpec.from_coreai_opt(coreai_spec)
+    obs = qstats.memoryless_minmax(spec)
+    assert _same(qstats.compute_qparams(obs.update(obs.init(x), x), spec, float_range=(-2.0, None)).scale, scale)
+    assert zero_point is None and minval is None
+
+
+def test_torch_ao_moving_average_differs_where_a_batch_range_misses_zero():
+    """qstats.moving_average_minmax averages the raw extremes (torch.ao), coreai_opt those clamped
+    to contain zero: an all-positive batch gives different ranges; qstats.coreai_opt's observer
+    equals coreai_opt's running range."""
+    coreai_spec = _coreai_spec(torch.int8, "asymmetric", GRANULARITIES["per_channel_0"], (None, None), "moving_average")
+    calc = _calculator(None, coreai_spec)
+    spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=SHAPE)
+    ours, torch_ao = qstats.coreai_opt.moving_average_minmax(spec, 0.1), qstats.moving_average_minmax(spec, 0.1)
+    a, b = ours.init(torch.empty(SHAPE)), torch_ao.init(torch.empty(SHAPE))
+    for x in _batches():
+        calc(x)
+        a, b = ours.update(a, x), torch_ao.update(b, x)
+    assert torch.equal(a.min_val, calc.running_min.reshape(-1)) and torch.equal(a.max_val, calc.running_max.reshape(-1))
+    assert not torch.equal(b.min_val, calc.running_min.reshape(-1))
+
+
+def test_export_mode_is_a_state_no_longer_updated():
+    """coreai_opt's set_export_mode(True) freezes qparams; in qstats the state is simply not updated
+    again, and compute_qparams gives the same QParams."""
+    coreai_spec = _coreai_spec(torch.int8, "asymmetric", GRANULARITIES["per_channel_0"], (None, 4.0), "global_minmax")
+    calc = _calculator(None, coreai_spec)
+    spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=SHAPE)
+    obs = qstats.minmax(spec)
+    batches = _batches()
+    state = obs.init(batches[0])
+    for x in batches[:2]:
+        calc(x)
+        state = obs.update(state, x)
+    calc.set_export_mode(True)
+    frozen = calc(batches[3] * 100)
+    qp = qstats.compute_qparams(state, spec, float_range=(None, 4.0))
+    assert _same(qp.scale, frozen[0]) and _same(qp.zero_point, frozen[1])
+    assert _same(qstats.compute_minval(state, spec, float_range=(None, 4.0)), frozen[2])
+
+
+def test_block_size_matches_coreai_opt():
+    from coreai_opt.quantization.spec.granularity import QuantizationGranularity
+
+    for shape in [(16, 64), (8, 32, 3, 3), (2, 8, 32)]:
+        for target, ct in (("weight", CompressionTargetTensor.WEIGHT), ("activation", CompressionTargetTensor.ACTIVATION)):
+            for data in [{"type": "per_tensor"}, {"type": "per_channel", "axis": -1},
+                         {"type": "per_block", "axis": 1, "block_size": 8}, {"type": "per_block", "axis": -1, "block_size": 1}]:
+                granularity = QuantizationGranularity.REGISTRY[data["type"]](**{k: v for k, v in data.items() if k != "type"})
+                assert qstats.coreai_opt.block_size(data, shape, target) == granularity.get_block_size(shape, ct)
+                assert qstats.coreai_opt.block_size(granularity, shape, target) == granularity.get_block_size(shape, ct)
+    with pytest.raises(ValueError, match="does not divide"):
+        qstats.coreai_opt.block_size({"type": "per_block", "axis": 1, "block_size": 8}, (4, 12))
+
+
+def test_float_range_is_pure_vmappable_and_reaches_recipes():
+    spec = qstats.QuantSpec.from_coreai_opt(dtype=torch.int8, qscheme="asymmetric", granularity={"type": "per_channel", "axis": 0})
+    obs = qstats.minmax(spec)
+    xs = torch.randn(3, *SHAPE)
+    states = torch.vmap(lambda x: obs.update(obs.init(x), x))(xs)
+    batched = torch.vmap(lambda s: qstats.compute_qparams(s, spec, float_range=(-0.5, None)))(states)
+    minvals = torch.vmap(lambda s: qstats.compute_minval(s, spec, float_range=(-0.5, None)))(states)
+    for i, x in enumerate(xs):
+        one = obs.update(obs.init(x), x)
+        qp = qstats.compute_qparams(one, spec, float_range=(-0.5, None))
+        assert torch.equal(batched.scale[i], qp.scale) and torch.equal(batched.zero_point[i], qp.zero_point)
+        assert torch.equal(minvals[i], torch.full_like(minvals[i], -0.5))
+    # both ends pinned: the data are not read, every entry is calibrated
+    empty = obs.init(xs[0])
+    qp = qstats.compute_qparams(empty, spec, float_range=(-1.0, 3.0))
+    assert bool(qp.calibrated.all()) and torch.equal(qp.scale, torch.full((SHAPE[0],), 4.0 / 255))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 16))
+    rule = qstats.Rule("Linear", sites=("weight",), spec=spec, qparams_kwargs={"float_range": (None, 0.25)})
+    recipe = qstats.Recipe([rule])
+    states = qstats.calibrate(model, [torch.randn(2, 64)], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    weight = model[0].weight.detach()
+    expected = qstats.compute_qparams(obs.update(obs.init(weight), weight), spec, float_range=(None, 0.25))
+    assert torch.equal(qparams["0"]["weight"].scale, expected.scale)
+
+
+@pytest.mark.parametrize("bad,message", [
+    ((0.5, None), "lo must be <= 0"), ((None, -0.5), "hi must be >= 0"), ((-1.0, -1.0), "hi must be >= 0"),
+    ((0.0, 0.0), "lo < hi"), ((float("nan"), None), "finite"), ((None, float("inf")), "finite"),
+    ((True, None), "finite"), ((-1.0,), "pair"), ("ab", "pair"), ((torch.tensor(-1.0), None), "finite"),
+])
+def test_bad_float_range(bad, message):
+    spec = qstats.QuantSpec(dtype="int8")
+    obs = qstats.minmax(spec)
+    state = obs.update(obs.init(torch.ones(3)), torch.ones(3))
+    with pytest.raises(ValueError, match=message):
+        qstats.compute_qparams(state, spec, float_range=bad)
+    with pytest.raises(ValueError, match=message):
+        qstats.compute_minval(state, spec, float_range=bad)
+
+
+def test_scale_dtype_torch_dtypes_compare_equal_to_names():
+    for dtype, name in [(torch.float8_e8m0fnu, "e8m0"), (torch.float16, "float16"), (torch.bfloat16, "bfloat16"),
+                        (torch.float32, "float32"), (torch.float8_e4m3fn, "float8_e4m3fn")]:
+        fields = dict(dtype="fp8_e4m3fn", zero_point_domain="none", granularity=qstats.PerGroup(32))
+        a, b = qstats.QuantSpec(scale_dtype=dtype, **fields), qstats.QuantSpec(scale_dtype=name, **fields)
+        assert a == b and hash(a) == hash(b) and a.scale_dtype == name
+    assert qstats.QuantSpec(scale_dtype="float8_e8m0fnu", dtype="fp8_e4m3fn", zero_point_domain="none").scale_dtype == "e8m0"
+    with pytest.raises(ValueError, match="scale_dtype"):
+        qstats.QuantSpec(scale_dtype=torch.int8)
