@@ -189,8 +189,9 @@ class QstatsObserver(ao.ObserverBase):
 
     def calculate_qparams(self):
         """``(scale, zero_point)`` as torch.ao returns them: float32 scales, int32 (affine) or
-        int64 (symmetric) zero points (float32 for float zero points), shape ``(1,)`` per tensor. Before any data, torch.ao's
-        defaults (scale 1, zero point 0) with a warning, as torch.ao's observers."""
+        int64 (symmetric) zero points (float32 for float zero points), shape ``(1,)`` per tensor.
+        Before any data, torch.ao's defaults (scale 1, zero point 0) with a warning, as torch.ao's
+        observers (a spec with ``on_uncalibrated="raise"`` raises instead)."""
         if self.spec is None:
             raise TypeError("QstatsObserver: an observer without a QuantSpec (float dtype) has no qparams")
         state = self.state
@@ -203,16 +204,17 @@ class QstatsObserver(ao.ObserverBase):
         scale, zero_point = qp.scale, qp.zero_point
         if not zero_point.is_floating_point() and self.spec.mapping != "asymmetric":
             zero_point = zero_point.to(torch.int64)  # torch.ao: int64 when symmetric, int32 when affine
-        return scale.reshape(-1) if scale.dim() == 0 else scale, zero_point.reshape(-1) if zero_point.dim() == 0 else zero_point
+        if scale.dim() == 0:  # torch.ao's per-tensor qparams have shape (1,)
+            scale, zero_point = scale.reshape(1), zero_point.reshape(1)
+        return scale, zero_point
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # the buffers take the shapes and dtypes of the loaded state (empty before the first forward)
         for name in self._fields:
             key = prefix + name
             if key in state_dict and isinstance(state_dict[key], torch.Tensor):
                 setattr(self, name, torch.empty_like(state_dict[key], device=getattr(self, name).device))
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         name = getattr(self._factory, "__name__", type(self._factory).__name__)
@@ -298,12 +300,12 @@ def _histogram_state(obs, spec: QuantSpec, buckets_per_octave: int, octaves: int
     """torch.ao's linear bins re-bucketed: the values torch.ao's own search assumes (each bin's
     count spread evenly over it) counted into qstats' buckets, through the rounded cumulative count
     at every bucket edge (integer counts, the total kept, exact extremes)."""
-    state = histogram(spec, buckets_per_octave, octaves).init(torch.zeros(1))
-    lo, hi = obs.min_val.detach().float().reshape(()), obs.max_val.detach().float().reshape(())
-    state = state._replace(min_val=lo.clone(), max_val=hi.clone())
     counts = obs.histogram.detach().double()
-    if not bool(lo <= hi) or float(counts.sum()) <= 0:
-        return histogram(spec, buckets_per_octave, octaves).init(torch.zeros(1))
+    empty = histogram(spec, buckets_per_octave, octaves).init(counts[:1])
+    lo, hi = obs.min_val.detach().float().reshape(()), obs.max_val.detach().float().reshape(())
+    if not bool(lo <= hi) or float(counts.sum()) <= 0:  # torch.ao saw no finite data
+        return empty
+    state = empty._replace(min_val=lo.clone(), max_val=hi.clone())
     edges, _ = histogram_edges(state)  # (2K + 1,) ascending: negative buckets flipped, then positive
     bins = counts.numel()
     width = (hi.double() - lo.double()) / bins
@@ -312,8 +314,7 @@ def _histogram_state(obs, spec: QuantSpec, buckets_per_octave: int, octaves: int
     index = position.floor().clamp(0, bins - 1).to(torch.int64)
     below = before[index] + counts[index] * (position - index).clamp(0, 1)
     below = torch.where(edges >= hi.double(), before[-1], below)
-    cumulative = torch.round(below).to(torch.int64)
-    flat = cumulative.diff()  # (2K,): negative magnitudes descending, then positive ascending
+    flat = torch.round(below).to(torch.int64).diff()  # (2K,): negative magnitudes descending, positive ascending
     half = flat.numel() // 2
     per_sign = torch.stack([flat[:half].flip(0), flat[half:]])  # (2, K): underflow, buckets, overflow
     return state._replace(counts=per_sign[:, 1:-1].reshape(state.counts.shape),
@@ -340,8 +341,8 @@ def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 
         return obs.observer, obs.spec, obs.state
     if not isinstance(obs, _MINMAX_CLASSES + (ao.HistogramObserver,)):
         raise TypeError(
-            f"from_observer: cannot import a {type(obs).__name__}; expected a MinMaxObserver, PerChannelMinMaxObserver, "
-            "MovingAverage(PerChannel)MinMaxObserver or HistogramObserver"
+            f"from_observer: cannot import a {type(obs).__name__}; expected a MinMaxObserver, "
+            "PerChannelMinMaxObserver, MovingAverage(PerChannel)MinMaxObserver or HistogramObserver"
         )
     spec = _spec_of(obs)
     if isinstance(obs, ao.HistogramObserver):

@@ -220,12 +220,12 @@ def test_presets_match_torch_ao(name):
         assert torch.equal(ours(batch), batch)
         reference(batch)
         for a, b in zip(ours.calculate_qparams(), reference.calculate_qparams()):
-            assert a.dtype == b.dtype or "fixed" in name  # torch.ao's fixed zero point is int32
-            assert torch.equal(a, b.to(a.dtype)), (name, a, b)
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, a, b)
 
 
-def _squared_error(x, scale, zero_point):
-    return float(((torch.fake_quantize_per_tensor_affine(x, float(scale), int(zero_point), 0, 127) - x) ** 2).sum())
+def _squared_error(x, scale, zero_point, quant_max=127):
+    quantized = torch.fake_quantize_per_tensor_affine(x, float(scale), int(zero_point), 0, quant_max)
+    return float(((quantized - x) ** 2).sum())
 
 
 @pytest.mark.parametrize("kind", ["gauss", "relu", "laplace", "student_t"])
@@ -313,9 +313,7 @@ def test_from_observer_histogram(bins):
     qp = qstats.compute_qparams(state, spec)
     assert abs(float(qp.scale / direct.calculate_qparams()[0]) - 1) <= 0.02
     ref_scale, ref_zero_point = reference.calculate_qparams()
-    error = ((torch.fake_quantize_per_tensor_affine(x, float(qp.scale), int(qp.zero_point), 0, 255) - x) ** 2).sum()
-    ref_error = ((torch.fake_quantize_per_tensor_affine(x, float(ref_scale), int(ref_zero_point), 0, 255) - x) ** 2).sum()
-    assert error <= 1.01 * ref_error
+    assert _squared_error(x, qp.scale, qp.zero_point, 255) <= 1.01 * _squared_error(x, ref_scale, ref_zero_point, 255)
     state = observer.update(state, x[:3])  # observation continues in qstats
     assert int(state.counts.sum() + state.underflow.sum() + state.overflow.sum()) == int(total) + x[:3].numel()
 
@@ -345,7 +343,8 @@ def test_state_dict_round_trip(preset):
 def test_prepared_model_state_dict_round_trip():
     batches = _batches()
     model = _model(_Stubbed)
-    model.qconfig = tq.QConfig(activation=torch_ao.default_observer, weight=torch_ao.default_per_channel_weight_observer)
+    model.qconfig = tq.QConfig(activation=torch_ao.default_observer,
+                               weight=torch_ao.default_per_channel_weight_observer)
     prepared = tq.prepare(model)
     for batch in batches:
         prepared(batch)
