@@ -400,3 +400,26 @@ def test_buckets_per_octave_for_bins():
     assert torch_ao.buckets_per_octave_for_bins(2048) == 2048
     assert torch_ao.buckets_per_octave_for_bins(1000) == 1024
     assert torch_ao.buckets_per_octave_for_bins(10**6) == 4096
+
+
+def test_fx_fixed_qparams_ops_need_torch_ao_class():
+    """Documented limitation: FX's backend configuration for sigmoid/tanh accepts only torch.ao's
+    FixedQParamsObserver class, and ignores a qstats fixed-qparams observer with a warning."""
+
+    class Sigmoid(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.sigmoid(self.fc(x))
+
+    def prepared(activation):
+        qconfig = tq.QConfig(activation=activation, weight=tq.default_weight_observer)
+        mapping = tq.QConfigMapping().set_global(tq.default_qconfig).set_object_type(torch.sigmoid, qconfig)
+        return prepare_fx(Sigmoid().eval(), mapping, example_inputs=(torch.randn(2, 4),))
+
+    with pytest.warns(UserWarning, match="FixedQParamsObserver"):
+        ours = prepared(torch_ao.default_fixed_qparams_range_0to1_observer)
+    assert not any(isinstance(m, torch_ao.QstatsObserver) for m in ours.modules())
+    assert any(isinstance(m, ao.FixedQParamsObserver) for m in prepared(ao.default_fixed_qparams_range_0to1_observer).modules())
