@@ -1,25 +1,8 @@
 """Granularities and the one canonical view every observer reduces over.
 
-`canonical_view(x, granularity)` reshapes a tensor to ``(observations, *qparam_shape, group)``:
-statistics reduce over the first and the last dimension, and one set of quantization parameters
-is produced per index of ``qparam_shape``. `from_canonical_view` undoes it, so quantization uses
-the very same view (``scale[None, ..., None]`` broadcasts against it).
-
-======================  =================================  ==============================
-granularity             qparam_shape for x of shape S      view
-======================  =================================  ==============================
-PerTensor()             ()                                 (1, numel)
-PerAxis(a)              (S[a],)                            (prod(S[:a]), S[a], prod(S[a+1:]))
-PerToken(), PerRow()    S[:-1]                             (1, *S[:-1], S[-1])
-PerRow(d)               S without S[d]                     (1, *S without S[d], S[d])
-PerGroup(g)             (*S[:-1], S[-1] // g)              (1, *S[:-1], S[-1] // g, g)
-TensorGroup(g)          like PerGroup(g), plus one global scale over the whole tensor
-PerBlock((r, c))        (*S[:-2], S[-2] // r, S[-1] // c)  (1, ..., S[-2]//r, S[-1]//c, r*c)
-PerBlock((b1, .., bk))  (*S[:-k], S[-k] // b1, ...)        (1, ..., S[-1]//bk, b1*...*bk)
-PerHead(axis)           like PerAxis(axis) (one set per attention head)
-======================  =================================  ==============================
-
-Observers never special-case a granularity: they reduce the view over dims ``(0, -1)``.
+`canonical_view(x, granularity)` reshapes a tensor to ``(observations, *qparam_shape, group)``;
+observers reduce over dims ``(0, -1)`` and never special-case a granularity. `from_canonical_view`
+undoes it, so quantization uses the same view. The table of views is in docs/design.md.
 """
 
 from __future__ import annotations
@@ -286,11 +269,9 @@ def broadcast_to_view(param: torch.Tensor) -> torch.Tensor:
 
 
 def weight_view(x: torch.Tensor, weight, granularity: Granularity):
-    """Broadcasts a per-observation ``weight`` (its shape a prefix of ``x.shape``) into the
-    canonical view of ``x``; None stays None.
-
-    A zero weight excludes the values (padding, tokens not routed to an expert) without changing
-    any shape. Raises ValueError naming both shapes when ``weight`` does not fit ``x``.
+    """Broadcasts a per-observation ``weight`` (its shape a prefix of ``x.shape``) into the canonical view
+    of ``x`` (None stays None); zero weights exclude values without changing any shape. ValueError
+    naming both shapes when it does not fit.
     """
     if weight is None:
         return None

@@ -1,10 +1,10 @@
 """Fused scale groups: one shared global scale for several states, as pure functions.
 
-Inference engines fuse some projections into one matmul (q/k/v, gate/up, all experts of a MoE
-layer) and need one global scale for the fused weight (NVFP4's per-tensor scale). llm-compressor
-links its observers with a mutable ``FusionHandler``; here the group is just a tuple of states
-(or one stacked state with a leading expert dimension), and the shared scale is a function of
-their merged statistics:
+Engines fuse q/k/v, gate/up or all experts of a layer into one matmul under one NVFP4 global scale.
+The group is a tuple of states (or one stacked state), and the shared scale comes from the absolute
+maximum over every calibrated entry: for compressed-tensors' ``448 * 6 / amax`` it equals
+llm-compressor's minimum over the group's global scales (its ``FusionHandler``). Entries that saw
+no data do not contribute. See docs/formats.md.
 
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(dtype="fp4_e2m1", granularity=qstats.TensorGroup(16),
@@ -15,11 +15,6 @@ their merged statistics:
     >>> qp_q, qp_k = qstats.fused_qparams(states, spec)
     >>> bool(qp_q.global_scale == qp_k.global_scale)
     True
-
-The shared global scale is computed from the absolute maximum over every calibrated entry of every
-state, which is the global scale of the concatenated tensor: for compressed-tensors' formula
-``448 * 6 / amax`` it equals llm-compressor's minimum over the group's global scales. Entries that
-saw no data (an expert that received no tokens) do not contribute.
 """
 
 from __future__ import annotations
@@ -99,8 +94,7 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
     """QParams of every state of the group, all under the group's shared global scale.
 
     Args:
-      states: a sequence of states (q/k/v projections, gate/up) or, with ``stacked=True``, one
-        state whose fields carry a leading dimension (experts).
+      states: a sequence of states (q/k/v, gate/up) or, with ``stacked=True``, one stacked state.
       spec: a two-level spec (`TensorGroup`); other specs get their usual qparams.
       stacked: compute per-slice qparams with ``torch.func.vmap`` over the leading dimension.
       **options: passed to `compute_qparams`.

@@ -1,27 +1,10 @@
 """Checkpoints of states: one safetensors file, versioned, rebuilt by type name.
 
-`save(path, tree)` writes a tree (dicts with string keys, lists, tuples, registered states,
-`QParams`, plain tensors, and ``None``: what `qstats.compute_qparams_tree` gives a site whose
-scales come at run time; qstats releases before None was saved call a file holding one
-malformed) to ONE safetensors file. The tensors are stored as they are (bit-exact,
-any dtype safetensors supports); the file's metadata holds the format name and version, the nesting
-and the NamedTuple type names as JSON, and a CRC-32 of every tensor's bytes. `load(path)` rebuilds
-the tree, looking state types up by name in the registry (`qstats.register_state`), so no code is
-pickled and nothing is executed on load.
-
-Tensor names in the file are the tree paths joined with ``/`` (``layers/0/min_val``), so other
-safetensors tools can read the numbers.
-
-``torch.save`` works too: every registered state type, `QParams` and `LSQParams` are on torch's
-list of safe globals (``torch.serialization.add_safe_globals``, torch's documented mechanism) once
-qstats is imported, so ``torch.load(path)`` (``weights_only=True``, torch's default) reads them.
-`to_state_dict(tree)` gives a dict of strings and tensors for tools that want plain containers,
-and `from_state_dict` rebuilds the tree.
-
-Errors: a corrupt or truncated file, a file that is not a qstats checkpoint, an unknown format
-version, a missing or extra tensor, a checksum mismatch, an unknown state type, a state whose
-fields changed, a structure with a duplicate key or nested deeper than `MAX_DEPTH`, and a tensor
-without data (meta) all raise ValueError naming the problem.
+`save(path, tree)` writes a tree of dicts, lists, tuples, registered states, `QParams`, tensors and
+None (a run-time site's qparams) bit-exactly, with format version, nesting, type names and a CRC-32
+per tensor in the metadata; `load(path)` rebuilds it by looking state types up by name, so nothing
+is pickled. `to_state_dict` / `from_state_dict` give plain containers for ``torch.save``. Bad files
+raise ValueError naming the problem. See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -188,10 +171,9 @@ def _rebuild(structure: Any, tensors: dict[str, torch.Tensor], source: str) -> A
 
 
 def to_state_dict(tree: Any) -> dict:
-    """A plain dict for ``torch.save`` / ``torch.load(weights_only=True)`` with no allow-list.
-
-    Returns ``{"format": "qstats", "format_version": 1, "structure": <JSON str>, "tensors":
-    {name: tensor}}``: strings, ints and tensors only. The tensors are the tree's own (not copied).
+    """A plain dict for ``torch.save`` / ``torch.load(weights_only=True)`` with no allow-list:
+    ``{"format", "format_version", "structure" (JSON), "tensors"}`` of strings, ints and the tree's own
+    tensors (not copied).
     """
     tensors: dict[str, torch.Tensor] = {}
     structure = _encode(tree, [], tensors)
@@ -258,9 +240,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
     """Reads a tree written by `save`; tensors are put on ``device``. Bit-exact.
 
     Raises:
-      ValueError: the file is corrupt or truncated, is not a qstats checkpoint, has an unknown format
-        version, lacks a tensor, fails a checksum, or names an unknown state type (the message says
-        which).
+      ValueError: a corrupt, truncated, foreign or unknown-version file, a missing tensor, a checksum
+        mismatch or an unknown state type (the message says which).
     """
     from safetensors import SafetensorError, safe_open
 

@@ -1,11 +1,8 @@
 """Per-layer calibration reports: range, scale, clipped fraction, SQNR estimate, coverage.
 
-`report(states, qparams, model, recipe, batches)` builds one row per (module, site). Range, scale
-and coverage come from the states and QParams alone. The clipped fraction and the SQNR estimate
-(``10 log10(sum x^2 / sum (x - fake_quantize(x))^2)``) are measured on the parameters when a
-model and recipe are given, and on the activations of ``batches`` (run once more through the
-model) when those are given too; otherwise they are missing (None, printed as ``-``).
-Output: text, CSV and JSON, with no dependency beyond the standard library.
+`report(states, qparams, model, recipe, batches)` builds one row per (module, site); clipped
+fraction and SQNR are measured when a model and recipe (and batches, for activations) are given,
+else None. Text, CSV and JSON output, standard library only. See docs/calibrate_api.md.
 """
 
 from __future__ import annotations
@@ -73,8 +70,8 @@ def _format(value: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """A list of `LayerReport` rows with text, CSV and JSON renderings. It is a sequence of its
-    rows (``len``, indexing, iteration) and prints as its table (`text`).
+    """A sequence of `LayerReport` rows (``len``, indexing, iteration) with text, CSV and JSON renderings;
+    prints as its table.
 
     Attributes:
       rows: the `LayerReport` rows.
@@ -169,12 +166,9 @@ class _Error:
 
 
 def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = None) -> tuple:
-    """``(signal energy, noise energy, clipped count, element count)`` of fake-quantizing ``x``.
-
-    A value is clipped when its unclamped code falls outside the spec's range (for float formats:
-    its magnitude over the scale exceeds the format's maximum). ``mask`` (broadcastable to ``x``,
-    nonzero where kept) leaves entries such as padding out of all four numbers; they are still
-    quantized with the rest, so per-token or per-group parameters see the same tensor.
+    """``(signal energy, noise energy, clipped count, element count)`` of fake-quantizing ``x``; a value is
+    clipped when its unclamped code is outside the spec's range. ``mask`` leaves entries (padding) out
+    of the four numbers, though they are still quantized with the rest.
     """
     x = x.detach().float()
     quantized = fake_quantize(x, qparams, spec).float()
@@ -222,22 +216,14 @@ def report(
     Args:
       states: the states tree from `qstats.calibrate`.
       qparams: the matching QParams tree (`qstats.compute_qparams_tree`).
-      model, recipe: give both (or a `Plan` as ``recipe``, which holds its model) to measure
-        clipped fraction and SQNR on the parameter sites.
-      batches: with model and recipe, also measure them on the activation sites, running these
-        batches through the float model once (non-expert activation sites only).
+      model, recipe: give both (or a `Plan` as ``recipe``) to measure clipping and SQNR on parameters.
+      batches: with model and recipe, also measure activation sites (non-expert) on one float forward.
       observation_weight: as in `qstats.calibrate`, to leave padding out of the measurement.
 
     Returns:
-      a `Report`; ``min``/``max`` come from the states' ``min_val``/``max_val`` fields when they
-      exist, ``mean_scale`` and ``coverage`` (fraction of calibrated parameters) from the QParams;
-      ``mean_scale`` is the mean step in the tensor's units (for two-level NVFP4 specs, block
-      scales under their global scale; without ``model`` and ``recipe`` the spec is unknown and
-      it is the QParams' ``scale`` field, in block-scale units for such specs);
-      ``mean_scale`` is None for activation sites whose scales come at run time
-      (`qstats.recipe.runtime_scaled`; known when ``model`` and ``recipe`` are given: without
-      them an NVFP4 input's row shows its QParams' placeholder group scale), and ``coverage`` too
-      where their QParams are None.
+      a `Report`. ``mean_scale`` is the mean step in the tensor's units (NVFP4: block scales under the
+      global scale; without ``model`` and ``recipe``, the raw ``scale`` field); it is None for
+      run-time-scaled activation sites, and ``coverage`` too where their QParams are None.
     """
     if not isinstance(states, Mapping) or not isinstance(qparams, Mapping):
         raise TypeError("report expects the states and qparams trees {path: {site: ...}}")

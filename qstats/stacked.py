@@ -39,11 +39,9 @@ def _check_stacked_state(state, num_experts: int) -> None:
 def stacked_observer(observer: Observer, num_experts: int) -> Observer:
     """An observer of ``[E, ...]`` stacks built from an observer of one expert's tensor.
 
-    ``init``, ``update`` and ``merge`` are ``torch.vmap`` of the given ones over dimension 0, so the
-    laws of ``observer`` hold per expert. ``update(state, x, weight=None)`` takes ``x`` of shape
-    ``[E, ...]`` and an optional ``weight`` of shape ``[E, ...]`` (the routing mask). For
-    activations shared by every expert pass ``x.expand(E, *x.shape)``: a stride-0 stack is observed
-    unbatched, once, under each expert's mask.
+    ``init``, ``update`` and ``merge`` are ``torch.vmap`` of the given ones over dimension 0, so its laws
+    hold per expert; ``weight`` is ``[E, ...]`` (the routing mask). For activations shared by every
+    expert pass ``x.expand(E, *x.shape)``: a stride-0 stack is observed once, under each expert's mask.
 
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
@@ -86,10 +84,9 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
 
 
 def stacked_qparams(state, spec, **options):
-    """Quantization parameters of every expert of a stacked state (each field ``[E, ...]``):
-    ``torch.vmap(lambda s: qstats.compute_qparams(s, spec, **options))(state)``. Experts that saw
-    no data get the fallback and ``calibrated`` False whatever ``spec.on_uncalibrated``: apply it
-    to ``QParams.calibrated`` as `qstats.compute_qparams_tree` does.
+    """Quantization parameters of every expert of a stacked state: ``torch.vmap`` of `compute_qparams`.
+    Experts that saw no data get the fallback and ``calibrated`` False whatever ``spec.on_uncalibrated``
+    (apply it as `qstats.compute_qparams_tree` does).
 
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))

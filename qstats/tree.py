@@ -1,18 +1,8 @@
 """Trees of states: stack, unstack and strict structure checks.
 
-A *tree* is any nesting of dicts, lists, tuples and NamedTuples (states, QParams) whose leaves are
-tensors, as `optree` flattens it (NamedTuples are pytree nodes in optree's default namespace; this
-module registers nothing). Stacking a list of same-structure trees gives one tree whose leaves have
-a new leading dimension, ready for ``torch.func.vmap``::
-
-    states = [obs.init(w) for w in expert_weights]
-    batched = qstats.tree.stack(states)                   # leaves: (experts, *shape)
-    batched = torch.func.vmap(obs.update)(batched, torch.stack(expert_weights))
-    per_expert = qstats.tree.unstack(batched)             # back to a list of states
-
-`assert_same_structure` is the strict comparison used before combining trees: same node types
-(NamedTuple classes included), same dict keys, same leaf shapes and dtypes. Its error names the path
-of the first difference and both sides.
+A tree is any nesting of dicts, lists, tuples and NamedTuples with tensor leaves, as `optree`
+flattens it. `stack` gives one tree with a new leading dimension, ready for ``torch.func.vmap``, and
+`unstack` undoes it; `assert_same_structure` is the strict check used before combining trees.
 """
 
 from __future__ import annotations
@@ -86,10 +76,9 @@ def _compare(a: Any, b: Any, path: str, check_leaves: bool) -> None:
 def assert_same_structure(a: Any, b: Any, *, check_leaves: bool = True, name: str = "tree") -> None:
     """Raises ValueError unless ``a`` and ``b`` have the same structure.
 
-    Strict: node types must be identical (a MinMaxState is not a MemorylessMinMaxState even with the
-    same fields), dicts must have the same keys, sequences the same lengths, and (``check_leaves``)
-    tensor leaves the same shape and dtype. Non-tensor leaves must be equal. The message names the
-    path of the first difference (``tree['layer0'].min_val``) and both sides.
+    Strict: identical node types (NamedTuple classes included), dict keys and sequence lengths, equal
+    non-tensor leaves and (``check_leaves``) tensor shapes and dtypes. The message names the path of
+    the first difference and both sides.
 
     >>> import torch, qstats
     >>> a = {"w": torch.zeros(3)}
@@ -121,8 +110,7 @@ def stack(trees: Sequence[Any]) -> Any:
     """Stacks same-structure trees leaf by leaf along a new leading dimension.
 
     Args:
-      trees: a non-empty sequence of trees with identical structure, shapes and dtypes
-        (`assert_same_structure`); leaves must be tensors.
+      trees: a non-empty sequence of trees with identical structure, shapes, dtypes and tensor leaves.
 
     Returns:
       One tree of the same structure whose leaves have shape ``(len(trees), *leaf.shape)``.
@@ -149,8 +137,7 @@ def unstack(tree: Any) -> list[Any]:
     """Inverse of `stack`: splits every leaf along its leading dimension.
 
     Raises:
-      ValueError: when a leaf is not a tensor, is 0-dimensional, or the leading sizes differ (names
-        the paths and sizes).
+      ValueError: a leaf that is not a tensor or is 0-dimensional, or differing leading sizes.
     """
     paths = leaves_with_paths(tree)
     leaves, treespec = optree.tree_flatten(tree)
