@@ -29,7 +29,7 @@ def saved(tmp_path_factory):
 
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+        num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     path = str(tmp_path_factory.mktemp("tiny_llama"))
@@ -52,9 +52,9 @@ def _load(path):
 
 
 def _llm_compressor(saved, scheme, out, ignore):
-    """llm-compressor's oneshot (basic pipeline: the model's own forward) and compressed save."""
+    """llm-compressor's oneshot (basic pipeline: the model's own forward) and compressed save;
+    ``scheme`` a preset name or ``config_groups``."""
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
     from torch.utils.data import DataLoader
 
     path, samples, tokenizer = saved
@@ -63,16 +63,25 @@ def _llm_compressor(saved, scheme, out, ignore):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         oneshot(model=model, dataset=loader, processor=tokenizer, pipeline="basic",
-                recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore)),
+                recipe=_modifier(scheme, ignore),
                 num_calibration_samples=len(samples), shuffle_calibration_samples=False)
         model.save_pretrained(out, save_compressed=True)
 
 
-def _qstats(saved, scheme, out, ignore):
+def _modifier(scheme, ignore):
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    if isinstance(scheme, str):
+        return QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore))
+    return QuantizationModifier(config_groups=scheme, ignore=list(ignore))
+
+
+def _qstats(saved, scheme, out, ignore, recipe=None, attention="eager"):
     path, samples, _ = saved
     model = _load(path)
-    model.set_attn_implementation("eager")  # llm-compressor calibrates under eager attention
-    recipe = qstats.Recipe.from_scheme(scheme, targets="Linear", ignore=ignore)
+    # llm-compressor calibrates under eager attention (its calibration_forward_context)
+    model.set_attn_implementation(attention)
+    recipe = recipe or qstats.Recipe.from_scheme(scheme, targets="Linear", ignore=ignore)
     plan = recipe.resolve(model)
     states = qstats.calibrate(model, _batches(samples), plan, progress=False)
     qparams = qstats.compute_qparams_tree(states, plan)
@@ -84,16 +93,58 @@ def _quantization_config(out):
         return json.load(file)["quantization_config"]
 
 
-@pytest.mark.parametrize("scheme", ["W8A8", "W4A16", "W4A16_ASYM", "FP8", "FP8_DYNAMIC", "NVFP4"])
-def test_export_equals_llm_compressor_oneshot(saved, tmp_path, scheme):
-    ignore = ["lm_head"]
-    theirs, ours = str(tmp_path / "llm_compressor"), str(tmp_path / "qstats")
-    _llm_compressor(saved, scheme, theirs, ignore)
-    _qstats(saved, scheme, ours, ignore)
-    their_tensors, our_tensors = load_file(os.path.join(theirs, "model.safetensors")), load_file(os.path.join(ours, "model.safetensors"))
+def _assert_same_checkpoint(ours, theirs):
+    their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
+    our_tensors = load_file(os.path.join(ours, "model.safetensors"))
     assert sorted(our_tensors) == sorted(their_tensors)
     different = [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]
     assert not different, different
-    their_config, our_config = _quantization_config(theirs), _quantization_config(ours)
-    assert our_config["config_groups"] == their_config["config_groups"]
-    assert our_config == their_config
+    assert _quantization_config(ours) == _quantization_config(theirs)
+
+
+@pytest.mark.parametrize("scheme", ["W8A8", "W4A16", "W4A16_ASYM", "FP8", "FP8_DYNAMIC", "NVFP4", "NVFP4A16", "MXFP4", "FP8_BLOCK", "W4AFP8", "W8A16", "MXFP8"])
+def test_export_equals_llm_compressor_oneshot(saved, tmp_path, scheme):
+    """Every tensor bit for bit, and the whole ``quantization_config`` (groups targeting
+    ``["Linear"]``, ``ignore``, observers, formats, version)."""
+    theirs, ours = str(tmp_path / "llm_compressor"), str(tmp_path / "qstats")
+    _llm_compressor(saved, scheme, theirs, ["lm_head"])
+    _qstats(saved, scheme, ours, ["lm_head"])
+    _assert_same_checkpoint(ours, theirs)
+
+
+STATIC_INT8 = {"group_0": {
+    "targets": ["Linear"],
+    "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+    # observer None: llm-compressor's "minmax", the moving average of per-batch extremes
+    "input_activations": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "tensor"},
+}}
+
+
+def test_from_compressed_tensors_of_llm_compressors_config_reproduces_its_checkpoint(saved, tmp_path):
+    """A static asymmetric int8 input (moving-average min-max, llm-compressor's default for static
+    activations): the recipe read back from llm-compressor's own ``config.json`` calibrates and
+    exports the same checkpoint."""
+    theirs, ours = str(tmp_path / "llm_compressor"), str(tmp_path / "qstats")
+    _llm_compressor(saved, STATIC_INT8, theirs, ["lm_head", "re:.*down_proj"])
+    recipe = qstats.Recipe.from_compressed_tensors(_quantization_config(theirs))
+    assert sorted(recipe.ignore) == ["lm_head", "model.layers.0.mlp.down_proj"]  # the module names it wrote
+    assert [rule.observer for rule in recipe.rules] == [qstats.minmax, qstats.moving_average_minmax]
+    _qstats(saved, None, ours, None, recipe=recipe)
+    _assert_same_checkpoint(ours, theirs)
+
+
+def test_sdpa_attention_changes_mlp_input_scales_in_the_last_bits(saved, tmp_path):
+    """The one expected difference, named: llm-compressor calibrates under eager attention. The
+    model's default (SDPA) attention gives attention outputs differing in the last bits, so the
+    static input scales after the attention (the MLP's) differ by at most a few ulps; the
+    attention's own inputs are equal."""
+    theirs, ours = str(tmp_path / "llm_compressor"), str(tmp_path / "qstats")
+    _llm_compressor(saved, "FP8", theirs, ["lm_head"])
+    _qstats(saved, "FP8", ours, ["lm_head"], attention="sdpa")
+    their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
+    our_tensors = load_file(os.path.join(ours, "model.safetensors"))
+    scales = [name for name in their_tensors if name.endswith("input_scale")]
+    different = {name for name in scales if not bit_equal(our_tensors[name], their_tensors[name])}
+    assert different and all(".mlp." in name for name in different)
+    for name in different:
+        torch.testing.assert_close(our_tensors[name], their_tensors[name], rtol=2e-6, atol=0)
