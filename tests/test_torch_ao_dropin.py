@@ -422,4 +422,5 @@ def test_fx_fixed_qparams_ops_need_torch_ao_class():
     with pytest.warns(UserWarning, match="FixedQParamsObserver"):
         ours = prepared(torch_ao.default_fixed_qparams_range_0to1_observer)
     assert not any(isinstance(m, torch_ao.QstatsObserver) for m in ours.modules())
-    assert any(isinstance(m, ao.FixedQParamsObserver) for m in prepared(ao.default_fixed_qparams_range_0to1_observer).modules())
+    theirs = prepared(ao.default_fixed_qparams_range_0to1_observer)
+    assert any(isinstance(m, ao.FixedQParamsObserver) for m in theirs.modules())
