@@ -1,9 +1,7 @@
 """Plots of observer states (matplotlib is an optional dependency: ``pip install matplotlib``).
 
-`histogram(state, qparams, spec, path=...)` draws the distribution held by a `HistogramState`
-(counts per linear bin, log scale) with the clipping range ``[(qmin - zp) * scale,
-(qmax - zp) * scale]`` of every set of quantization parameters given, one colour per method, and
-saves it as PNG when ``path`` is given.
+`histogram(state, qparams, spec, path=...)` draws a `HistogramState`'s distribution (log scale) with
+the clipping range ``[(qmin - zp) * scale, (qmax - zp) * scale]`` of each set of qparams given.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Law checks for observers, public so that users can test observers of their own.
+"""Law checks for observers, public so that users can test observers of their own (docs/testing.md).
 
-Every observer obeys the laws of DESIGN.md: identity, associativity and commutativity of ``merge``,
-homomorphism (exact observers), purity, stability, batching under ``vmap`` and compilation. Each
-law is a function of an Observer and a list of input batches that raises AssertionError naming the
-law, the observer and the first differing field:
+Each ``check_*`` law takes an Observer and a list of input batches and raises AssertionError naming
+the law, the observer and the first differing field; `check_all` runs them all on hypothesis-drawn
+batches (needs ``hypothesis``, as `qstats.testing.strategies` does).
 
 >>> import torch, qstats
 >>> from qstats import testing
@@ -11,11 +10,6 @@ law, the observer and the first differing field:
 >>> xs = [torch.randn(4, 8) for _ in range(3)]
 >>> testing.check_homomorphism(obs, xs)
 >>> testing.check_all(obs, lambda g: torch.randn(4, 8, generator=g))  # hypothesis-driven
-
-Equality is bit-exact for min/max, integer and bool fields; float sums listed in a state class's
-``approx_fields`` attribute are compared to `DEFAULT_RTOL` of the field's largest magnitude.
-`check_all` and `qstats.testing.strategies` need the ``hypothesis`` package; the ``check_*``
-functions need only torch.
 """
 
 from ._check_all import LAWS as LAWS

@@ -28,17 +28,13 @@ def check_all(
 
     Args:
       obs: the Observer to check.
-      make_x: ``make_x(generator) -> tensor`` of a fixed shape; hypothesis draws the seed, the number
-        of batches (3 to 5), a power-of-two magnitude and the splits.
-      exact: whether the homomorphism law applies (default ``obs.exact``); ``exact=False``
-        observers are checked for identity, associativity (to tolerance), commutativity, purity,
-        stability and vmap.
+      make_x: ``make_x(generator) -> tensor`` of a fixed shape (hypothesis draws seed, count, magnitude).
+      exact: whether the homomorphism law applies (default ``obs.exact``).
       laws: a subset of `LAWS` to run.
       max_examples: hypothesis examples per call.
       compile: also run `check_compile` once (slow: compiles ``update``).
       accumulates: False for observers that keep only the latest batch (see `check_homomorphism`).
-      approx_fields: float-sum fields compared to tolerance (default: the state class's
-        ``approx_fields``).
+      approx_fields: float-sum fields compared to tolerance (default: the state class's).
 
     Raises:
       AssertionError: from the first law that fails, with hypothesis's minimal example.

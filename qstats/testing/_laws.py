@@ -1,18 +1,10 @@
-"""Law checks for observers: plain functions over concrete batches.
+"""Law checks for observers: plain functions over concrete batches, needing only torch.
 
-Each ``check_*`` takes an `Observer` and a list of input batches ``xs`` (tensors of one shape) and
-raises AssertionError naming the law, the observer and the first differing field when the law
-fails. They need only torch; `check_all` draws the batches with hypothesis.
-
-Equality. Integer, bool and ordinary float fields are compared bit for bit (min/max are exact
-under any regrouping). Float fields that hold *sums* cannot be: regrouping a float sum rounds
-differently. A state type lists those fields in a class attribute ``approx_fields`` (or a check
-is given ``approx_fields=``), and they are compared to `DEFAULT_RTOL` relative to the largest
-magnitude in the field: ``|a - b| <= rtol * max(|a|.max(), |b|.max())``, with NaN and infinite
-entries required to match exactly. The laws also count the magnitudes of the states the compared
-ones were built from (each batch's, each group's): a sum that cancels to nearly zero is only as
-precise as its terms. Observers declared ``exact=False`` (moving averages) compare
-every float field to that tolerance in the associativity check.
+Integer, bool and ordinary float fields compare bit for bit. Float fields holding sums (a state
+class's ``approx_fields``) compare to `DEFAULT_RTOL` of the largest magnitude among the compared
+states and the states they were built from (a sum that cancels is only as precise as its terms);
+NaN and infinite entries must match exactly. ``exact=False`` observers compare every float field
+to that tolerance in the associativity check.
 """
 
 from __future__ import annotations
@@ -122,13 +114,11 @@ def assert_states_equal(
 
     Args:
       actual, expected: trees of identical structure, shapes and dtypes (checked strictly).
-      approx_fields: field names compared to ``rtol`` (float sums); None reads the state class's
-        ``approx_fields`` attribute; ``"*"`` makes every float field approximate.
+      approx_fields: fields compared to ``rtol``; None reads the state class's; ``"*"``: every float field.
       rtol: tolerance for those fields, relative to the field's largest magnitude.
       message: prefix of the AssertionError.
-      magnitudes: trees of the same structure (the states the compared ones were built from)
-        whose fields' largest finite magnitudes also scale the tolerance: a sum that cancels to
-        nearly zero is only as precise as its terms.
+      magnitudes: trees of the states the compared ones were built from, whose magnitudes also scale
+        the tolerance.
 
     Raises:
       AssertionError: naming the path of the first differing leaf and how it differs.
@@ -204,11 +194,9 @@ def check_identity(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) -> No
 
 
 def check_associative(obs, xs: Sequence[torch.Tensor], *, exact: Optional[bool] = None, approx_fields=None) -> None:
-    """Law 2a: ``merge(merge(a, b), c) == merge(a, merge(b, c))`` for states ``a, b, c`` folded
-    over three consecutive groups of ``xs`` (a group may be empty: its state is ``init``).
-
-    Bit-exact except ``approx_fields``; for ``exact=False`` observers (default: ``obs.exact``)
-    every float field is compared to tolerance."""
+    """Law 2a: ``merge(merge(a, b), c) == merge(a, merge(b, c))`` for states folded over three consecutive
+    groups of ``xs`` (an empty group gives ``init``); float fields to tolerance when not ``exact``.
+    """
     xs = _need(xs, 1, "check_associative")
     exact = obs.exact if exact is None else exact
     init = obs.init(xs[0])
@@ -265,22 +253,15 @@ def check_homomorphism(
     accumulates: bool = True,
     approx_fields=None,
 ) -> None:
-    """Law 3, for exact observers: splitting the data never changes the result.
+    """Law 3, for exact observers: splitting the data never changes the result (bit-exact except
+    ``approx_fields``).
 
-    - Sequential form (``accumulates=True``): ``fold(update, init, xs)`` equals the merge of the
-      folds over the groups of any split of ``xs``. ``splits`` is a list of cut-point lists
-      (indices into ``xs``); the default tries every two-way split and the all-singletons split.
-      Pass ``accumulates=False`` for observers that keep only the latest batch
-      (`memoryless_minmax`), for which only the concatenation form holds.
-    - Concatenation form, when two batches can be concatenated along some dimension without
-      changing the parameter shape (dim 0 for per-tensor or ``PerAxis(-1)``, dim 1 for
-      ``PerAxis(0)``, ...): ``update(s, cat(a, b)) == merge(update(s, a), update(init, b))`` for
-      ``s = init`` and for a state that has seen data.
-    - Masked form, when batches concatenate along dim 0 (its rows are observations): a 0/1 row
-      ``weight`` leaves rows out, ``update(s, a, mask) == update(s, a[mask != 0])``, for the same
-      two states.
-
-    Bit-exact except ``approx_fields``.
+    - Sequential: ``fold(update, init, xs)`` equals the merge of the folds over the groups of each split
+      (``splits``: cut-point lists; default every two-way split and all singletons). Skipped with
+      ``accumulates=False`` (observers keeping only the latest batch, `memoryless_minmax`).
+    - Concatenation, where batches concatenate without changing the parameter shape:
+      ``update(s, cat(a, b)) == merge(update(s, a), update(init, b))``, from ``init`` and a seen state.
+    - Masked, where rows are observations: ``update(s, a, mask) == update(s, a[mask != 0])``.
     """
     xs = _need(xs, 2, "check_homomorphism")
     name = _name(obs)
@@ -354,11 +335,10 @@ def _row_mask(x: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tensor] = None) -> None:
-    """Law 4: ``init``, ``update`` (with and without a ``weight``), ``merge`` and
-    ``compute_qparams`` never modify their inputs, and the same inputs give the same outputs
-    (bit for bit). ``merge`` is given two states built from different batches, in both orders, so
-    that writing the result into either argument shows. ``weight`` defaults to a 0/1 mask over
-    the rows of ``xs[1]`` when it has at least two."""
+    """Law 4: ``init``, ``update`` (with and without ``weight``), ``merge`` and ``compute_qparams`` never
+    modify their inputs and are deterministic; ``merge`` gets two distinct states in both orders.
+    ``weight`` defaults to a 0/1 row mask over ``xs[1]``.
+    """
     xs = _need(xs, 2, "check_purity")
     name = _name(obs)
     spec = _spec_of(obs)
@@ -462,10 +442,10 @@ def _attempt(what: str, fn, *args):
 
 
 def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_fields=None) -> None:
-    """Law 6: ``torch.func.vmap`` of ``update`` (with and without a per-row ``weight``), ``merge``,
-    ``compute_qparams`` and ``fake_quantize`` over states stacked with `qstats.tree.stack` equals the
-    per-slice loop. ``compute_qparams`` and ``fake_quantize`` are compared bit for bit; ``update``
-    and ``merge`` bit for bit except ``approx_fields``."""
+    """Law 6: ``torch.func.vmap`` of ``update`` (with and without ``weight``), ``merge``, ``compute_qparams``
+    and ``fake_quantize`` over stacked states equals the per-slice loop (bit for bit except
+    ``approx_fields`` in ``update`` and ``merge``).
+    """
     xs = _need(xs, 2, "check_vmap")
     name = _name(obs)
     spec = _spec_of(obs)

@@ -1,8 +1,7 @@
 """Hypothesis strategies for observer tests (needs the ``hypothesis`` package).
 
-Tensors are drawn from a seed and a power-of-two magnitude rather than element by element:
-shrinking stays cheap, scaling by ``2**k`` is exact in floating point, and magnitudes stay
-reasonable (``2**-8`` to ``2**8`` by default), as algebird keeps its generators.
+Tensors are drawn from a seed and a power-of-two magnitude (``2**-8`` to ``2**8`` by default), not
+element by element: shrinking stays cheap and scaling by ``2**k`` is exact.
 
 >>> from hypothesis import given
 >>> from qstats.testing import strategies
