@@ -353,10 +353,8 @@ class CompressedTensorsConvention(Convention):
         eps = torch.tensor(_scale_eps(spec, compute), dtype=compute, device=scales.device)
         # where(scales == 0, eps, scales) by arithmetic (scales + 0 is exact; selects are slow on CPU)
         scales = scales + (scales == 0).to(compute) * eps
-        # an all-zero asymmetric range gives 0 / 0: compressed-tensors' NaN zero point becomes 0 in
-        # an int8 (as torch converts NaN on x86 and ARM) but stays NaN in float8, where its
-        # fake_quantize then returns NaN; qstats uses 0 in both (infinities map to the largest finite
-        # value, which the clamp below sends where it sends them)
+        # an all-zero asymmetric range gives 0 / 0: 0 here, for int8 as torch converts NaN, and for
+        # float8 where compressed-tensors keeps NaN (docs/differences.md); infinities are clamped below
         zero_points = torch.nan_to_num(zero_points, nan=0.0)
         zp_dtype = _zero_point_dtype(spec)
         if zp_dtype.is_floating_point:
