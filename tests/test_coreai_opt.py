@@ -252,3 +252,13 @@ def test_scale_dtype_torch_dtypes_compare_equal_to_names():
     assert qstats.QuantSpec(scale_dtype="float8_e8m0fnu", dtype="fp8_e4m3fn", zero_point_domain="none").scale_dtype == "e8m0"
     with pytest.raises(ValueError, match="scale_dtype"):
         qstats.QuantSpec(scale_dtype=torch.int8)
+
+
+def test_coreai_moving_average_obeys_the_laws():
+    pytest.importorskip("hypothesis")
+    import qstats.testing
+
+    spec = qstats.QuantSpec.from_coreai_opt(dtype=torch.int8, granularity={"type": "per_channel", "axis": 0})
+    obs = qstats.coreai_opt.moving_average_minmax(spec, 0.1)
+    assert obs.exact is False
+    qstats.testing.check_all(obs, lambda g: torch.randn(4, 8, generator=g), max_examples=5)
