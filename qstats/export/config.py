@@ -70,7 +70,8 @@ def _element_type(spec: QuantSpec, where: str) -> str:
             fail(
                 where,
                 f"global_scale_formula {spec.global_scale_formula!r}: compressed-tensors' global scale is "
-                "range / amax; use spec.replace(global_scale_formula='range_over_amax')",
+                "range / amax; use qstats.Recipe.from_scheme('NVFP4') (or QuantSpec.from_compressed_tensors), or "
+                "spec.replace(global_scale_formula='range_over_amax')",
             )
         return "float"
     if spec.is_float:
