@@ -7,10 +7,12 @@ its shard is written. A fresh Python process then calibrates it layer by layer (
 every Linear's and every expert's weights per channel, their inputs per tensor, the experts'
 ``down_proj.input``, all experts) on a few short random-token sequences, and reports its peak
 resident memory (VmHWM of /proc/self/status) against the checkpoint size (target: at most 1/3) and the time.
-The same process's resident memory after its imports is printed too (what any run costs). The
-checkpoint is deleted at the end unless ``--keep``.
+The same process's resident memory after its imports is printed too (what any run costs). With
+``--llmcompressor``, llm-compressor's sequential pipeline (which loads the whole model) calibrates
+the same model in another fresh process, timed and measured the same way. The checkpoint is deleted
+at the end unless ``--keep`` (a kept one is reused by the next run).
 
-Run:  python bench/bench_layerwise.py [--dir /tmp/qstats_bench_layerwise] [--layers 10] [--keep]
+Run:  python bench/bench_layerwise.py [--dir /tmp/qstats_bench_layerwise] [--layers 10] [--keep] [--llmcompressor]
 """
 
 from __future__ import annotations
@@ -128,6 +130,40 @@ def calibrate(directory: str, sequences: int, tokens: int) -> dict:
     return {"peak_rss": peak, "rss_after_imports": imported, "seconds": seconds, "paths": len(states)}
 
 
+def llmcompressor_sequential(directory: str, sequences: int, tokens: int) -> dict:
+    """Runs in a child process: llm-compressor's sequential pipeline (``oneshot``) on the model
+    loaded with ``from_pretrained`` (it holds the whole model), a static W8A8 scheme on every
+    Linear (per-channel int8 weights, per-tensor int8 inputs), all experts; peak RSS and time."""
+    import transformers
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    imported = _high_water_bytes()
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype="auto").eval()
+    generator = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, model.config.vocab_size, (tokens,), generator=generator).tolist() for _ in range(sequences)]
+    dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * tokens for _ in ids]})
+    scheme = {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "tensor", "dynamic": False},
+    }
+    start = time.perf_counter()
+    oneshot(model=model, dataset=dataset, recipe=QuantizationModifier(config_groups={"group_0": scheme}),
+            pipeline="sequential", num_calibration_samples=sequences, max_seq_length=tokens,
+            moe_calibrate_all_experts=True)  # fmt: skip
+    seconds = time.perf_counter() - start
+    return {"peak_rss": _high_water_bytes(), "rss_after_imports": imported, "seconds": seconds, "paths": 0}
+
+
+def _child(args, which: str) -> dict:
+    child = [sys.executable, os.path.abspath(__file__), "--child", which, "--dir", args.dir,
+             "--sequences", str(args.sequences), "--tokens", str(args.tokens)]  # fmt: skip
+    output = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="/tmp/qstats_bench_layerwise")
@@ -135,10 +171,12 @@ def main(argv=None) -> None:
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint (and reuse it next time)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--llmcompressor", action="store_true", help="also time llm-compressor's sequential pipeline")
+    parser.add_argument("--child", choices=("qstats", "llmcompressor"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(calibrate(args.dir, args.sequences, args.tokens)))
+        run = calibrate if args.child == "qstats" else llmcompressor_sequential
+        print(json.dumps(run(args.dir, args.sequences, args.tokens)))
         return
     index = os.path.join(args.dir, "model.safetensors.index.json")
     start = time.perf_counter()
@@ -149,10 +187,8 @@ def main(argv=None) -> None:
         size = build(args.dir, args.layers)
     built = time.perf_counter() - start
     try:
-        child = [sys.executable, os.path.abspath(__file__), "--child", "--dir", args.dir,
-                 "--sequences", str(args.sequences), "--tokens", str(args.tokens)]  # fmt: skip
-        output = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True).stdout
-        result = json.loads(output.strip().splitlines()[-1])
+        result = _child(args, "qstats")
+        reference = _child(args, "llmcompressor") if args.llmcompressor else None
     finally:
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)
@@ -163,6 +199,11 @@ def main(argv=None) -> None:
     print(f"| peak RSS / checkpoint size | {result['peak_rss'] / size:.3f} (target <= 0.333) |")
     print(f"| RSS after imports alone | {result['rss_after_imports'] / gib:.2f} GiB |")
     print(f"| calibration time | {result['seconds']:.1f} s ({result['seconds'] / args.layers:.1f} s per layer) |")
+    if reference is not None:
+        print(f"| llm-compressor sequential: peak RSS | {reference['peak_rss'] / gib:.2f} GiB "
+              f"({reference['peak_rss'] / size:.3f} of the checkpoint) |")  # fmt: skip
+        print(f"| llm-compressor sequential: time | {reference['seconds']:.1f} s "
+              f"(qstats / llm-compressor: {result['seconds'] / reference['seconds']:.2f}) |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 `LazyCheckpoint` reads a checkpoint (``model.safetensors``, or shards and their
 ``model.safetensors.index.json``) tensor by tensor with ``safetensors.safe_open``; `load_modules`
 puts a module's parameters and buffers (built on the meta device) on the CPU in the checkpoint's
-dtype and returns what `release_module` needs to put the meta tensors back. Stacked experts
+dtype and returns what `release_modules` needs to put the meta tensors back. Stacked experts
 (3-D ``gate_up_proj`` / ``down_proj``) are read from the per-expert keys transformers writes
 (``experts.<e>.gate_proj.weight`` ...) when the checkpoint has no stacked key.
 """
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LazyCheckpoint", "load_modules", "release_module"]
+__all__ = ["LazyCheckpoint", "load_modules", "release_modules"]
 
 # Stacked parameter -> the per-expert Linear weights it is made of, concatenated along their
 # output dimension in this order (transformers' MergeModulelist + Concatenate conversions).
@@ -112,7 +112,7 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
     """Puts every meta parameter and buffer of the modules at ``paths`` of ``model`` (their own
     only, without ``recurse``) on the CPU, read from ``checkpoint`` in its dtype; a tensor tied
     under several names is read once and stays tied. Returns ``[(owner, kind, name, meta tensor)]``
-    for `release_module`. A meta buffer the checkpoint lacks (rotary frequencies) is recomputed by
+    for `release_modules`. A meta buffer the checkpoint lacks (rotary frequencies) is recomputed by
     the model's ``_init_weights`` (transformers models); anything else missing is a ValueError."""
     aliases = _aliases(model)
     loaded_by_id: dict = {}
@@ -144,7 +144,7 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
     return saved
 
 
-def release_module(saved: list) -> None:
+def release_modules(saved: list) -> None:
     """Puts back the meta tensors `load_modules` replaced (ties and the user's objects intact)."""
     for owner, kind, name, value in reversed(saved):
         getattr(owner, kind)[name] = value

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Union
 import torch
 
 from . import distributed
-from ._lazy_checkpoint import LazyCheckpoint, load_modules, release_module
+from ._lazy_checkpoint import LazyCheckpoint, load_modules, release_modules
 from .calibrate import calibrate, compute_qparams_tree, fake_quantized
 from .recipe import Plan, Recipe
 
@@ -237,7 +237,7 @@ class _Run:
 
 
 def _outer_loaded(run: _Run, container_path: str) -> list:
-    """Loads every module outside the decoder layers (their own tensors); `release_module` list."""
+    """Loads every module outside the decoder layers (their own tensors); `release_modules` list."""
     paths = [path for path, _ in run.model.named_modules() if not _inside(path, container_path)]
     return load_modules(run.model, paths, run.checkpoint, recurse=False)
 
@@ -257,7 +257,7 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
                     runner(index)
         return found
     finally:
-        release_module(saved)
+        release_modules(saved)
 
 
 def _run_outside(run: _Run, container_path: str, container, observation_weight) -> dict:
@@ -275,7 +275,7 @@ def _run_outside(run: _Run, container_path: str, container, observation_weight) 
     finally:
         for index, layer in enumerate(layers):
             container[index] = layer
-        release_module(saved)
+        release_modules(saved)
 
 
 def _check_layer_kinds(model: torch.nn.Module) -> None:
@@ -379,7 +379,7 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
     try:
         _capture(run.model, container[0], batches, observation_weight, run.store)
     finally:
-        release_module(saved)
+        release_modules(saved)
     bar = tqdm(total=len(container) + 1, unit="layer", desc="qstats.calibrate_layerwise", disable=not progress)
     for index, layer in enumerate(container):
         found.update(_run_layer(run, f"{container_path}.{index}", layer))
