@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import conventions
+from . import _coreai_opt_spec, conventions
 from ._formats import COMPUTE_DTYPES, GLOBAL_SCALE_FORMULAS, SCALE_ROUNDINGS, validate as validate_formats
 from ._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
 from ._torch_features import torch_dtype
@@ -414,9 +414,7 @@ class QuantSpec:
         qparams calculators: ``spec`` is a coreai_opt ``QuantizationSpec`` or a dict of its fields
         (``dtype``, ``qscheme``, ``granularity``, ``scale_dtype``); ``shape=`` for per-block
         granularities, ``target="activation"`` for activations. See ``qstats/coreai_opt.py``."""
-        from .coreai_opt import spec_from_coreai_opt
-
-        return spec_from_coreai_opt(spec, **kwargs)
+        return _coreai_opt_spec.spec_from_coreai_opt(cls, spec, **kwargs)
 
 
 def preset(name: str, **overrides) -> QuantSpec:

@@ -1,0 +1,127 @@
+"""`QuantSpec.from_coreai_opt`: a coreai_opt ``QuantizationSpec`` (or its fields) as a QuantSpec.
+
+coreai_opt computes qparams with torchao's ``choose_qparams_affine_with_min_max`` (float32 eps,
+int32 zero points, in the input's dtype) or OCP MX floor e8m0 scales; the spec is the torchao
+convention's with those arguments. coreai_opt is not imported: its specs and granularities are
+read by attribute (or dict key). See ``qstats/coreai_opt.py`` for its calculators' observers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._granularity import PerAxis, PerTensor
+from .conventions.torchao import _block_size_granularity
+
+__all__ = ["spec_from_coreai_opt", "block_size"]
+
+_FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
+_FLOAT_TARGETS = {"float8_e4m3fn": "fp8_e4m3fn", "float8_e5m2": "fp8_e5m2", "float4_e2m1fn_x2": "fp4_e2m1"}
+_ALIASES = {"float4_e2m1fn": "float4_e2m1fn_x2", "float8_e4m3": "float8_e4m3fn", "float8_e8m0": "float8_e8m0fnu"}
+
+
+def _field(source, name: str, default=None):
+    if isinstance(source, dict):
+        return source.get(name, default)
+    return getattr(source, name, default)
+
+
+def _dtype_name(dtype) -> str:
+    name = str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else str(dtype)
+    return _ALIASES.get(name, name)
+
+
+def block_size(granularity, shape, target: str = "weight") -> tuple:
+    """coreai_opt's ``granularity.get_block_size(shape, target)``: per-tensor is the whole shape,
+    per-channel 1 on ``axis``; per-block a tuple (``-1``: the whole axis) or an int along ``axis``,
+    where weights keep dimensions past the first two whole and activations reduce every other
+    dimension to 1. ``granularity``: a coreai_opt granularity or its dict (``{"type": ...}``)."""
+    shape = [int(s) for s in shape]
+    sizes = _block_sizes(granularity, shape, target)
+    if any(b < 1 or s % b for b, s in zip(sizes, shape)):
+        raise ValueError(f"from_coreai_opt: block size {sizes} does not divide the shape {tuple(shape)}")
+    return sizes
+
+
+def _block_sizes(granularity, shape: list, target: str) -> tuple:
+    kind = _field(granularity, "type") or type(granularity).__name__
+    axis, size = _field(granularity, "axis"), _field(granularity, "block_size")
+    if kind in ("per_tensor", "PerTensorGranularity"):
+        return tuple(shape)
+    if kind not in ("per_channel", "PerChannelGranularity", "per_block", "PerBlockGranularity"):
+        raise ValueError(f"from_coreai_opt: unknown granularity {granularity!r}")
+    if isinstance(size, (tuple, list)):
+        if axis is not None or len(size) != len(shape):
+            raise ValueError(f"from_coreai_opt: per-block block_size {size} needs axis None and one entry per dim of {shape}")
+        return tuple(s if b == -1 else int(b) for b, s in zip(size, shape))
+    if axis is None or not -len(shape) <= axis < len(shape):
+        raise ValueError(f"from_coreai_opt: granularity {granularity!r} needs an axis within the shape {tuple(shape)}")
+    axis %= len(shape)
+    if size is None:  # per channel
+        return tuple(1 if i == axis else s for i, s in enumerate(shape))
+    if target == "weight":
+        return tuple(int(size) if i == axis else (1 if i < 2 else s) for i, s in enumerate(shape))
+    return tuple(int(size) if i == axis else 1 for i in range(len(shape)))
+
+
+def _granularity(granularity, shape, target):
+    kind = _field(granularity, "type") or type(granularity).__name__
+    if granularity is None or kind in ("per_tensor", "PerTensorGranularity"):
+        return PerTensor()
+    if kind in ("per_channel", "PerChannelGranularity"):
+        axis = _field(granularity, "axis")
+        if not isinstance(axis, int):
+            raise ValueError(f"from_coreai_opt: per-channel granularity needs an int axis, got {axis!r}")
+        if shape is not None:
+            block_size(granularity, shape, target)  # checks the axis against the shape
+            axis %= len(shape)
+        return PerAxis(axis)
+    if shape is None:
+        raise ValueError("from_coreai_opt: a per-block granularity needs the tensor shape (shape=...)")
+    return _block_size_granularity(block_size(granularity, shape, target), tuple(int(s) for s in shape))
+
+
+def spec_from_coreai_opt(
+    cls, spec: Any = None, *, shape=None, target: str = "weight", input_dtype: torch.dtype = torch.float32, **fields
+):
+    """The ``cls`` (QuantSpec) whose `compute_qparams` (and `qstats.compute_minval`) equal coreai_opt's
+    qparams calculators for ``spec``: a ``coreai_opt.quantization.QuantizationSpec``, a dict of its
+    fields, or the fields as keywords (``dtype``, ``qscheme``, ``granularity``, ``scale_dtype``).
+
+    ``shape`` (the tensor's) is needed for per-block granularities, ``target`` (``"weight"`` or
+    ``"activation"``) decides their single-axis block as in coreai_opt; ``input_dtype`` is the
+    observed tensor's dtype, which coreai_opt computes integer qparams in.
+    """
+    source = {**({} if spec is None else (dict(spec) if isinstance(spec, dict) else {
+        name: _field(spec, name) for name in ("dtype", "qscheme", "granularity", "scale_dtype")})), **fields}
+    dtype = _dtype_name(source.get("dtype") or torch.int8)
+    qscheme = str(getattr(source.get("qscheme"), "value", source.get("qscheme") or "symmetric"))
+    scale_dtype = source.get("scale_dtype")
+    e8m0 = scale_dtype is not None and _dtype_name(scale_dtype) == "float8_e8m0fnu"
+    if scale_dtype is not None and not e8m0:
+        raise ValueError(f"from_coreai_opt: scale_dtype must be None or torch.float8_e8m0fnu, got {scale_dtype!r}")
+    if dtype == "float4_e2m1fn_x2":
+        e8m0 = True  # coreai_opt's default for FP4
+    if e8m0 and dtype not in _FLOAT_TARGETS and dtype != "int8":
+        raise ValueError(f"from_coreai_opt: an e8m0 scale_dtype needs dtype int8 or a float target, got {dtype}")
+    if (dtype in _FLOAT_TARGETS or e8m0) and qscheme != "symmetric":
+        raise ValueError(f"from_coreai_opt: {dtype} (or an e8m0 scale) needs qscheme 'symmetric', got {qscheme!r}")
+    granularity = _granularity(source.get("granularity"), shape, target)
+    if dtype in _FLOAT_TARGETS or e8m0:
+        float_target = dtype in _FLOAT_TARGETS
+        return cls(
+            dtype=_FLOAT_TARGETS.get(dtype, dtype), granularity=granularity, eps=_FLOAT32_EPS, convention="torchao",
+            zero_point_domain="none" if float_target else "int", scale_dtype="e8m0" if e8m0 else "float32",
+            on_uncalibrated="fallback",
+        )
+    if qscheme not in ("symmetric", "asymmetric", "symmetric_with_clipping"):
+        raise ValueError(f"from_coreai_opt: unknown qscheme {qscheme!r}")
+    qmin, qmax = cls(dtype=dtype).dtype_range
+    if qscheme == "symmetric_with_clipping" and qmin < 0:
+        qmin = -qmax
+    return cls.from_torchao(
+        dtype, mapping_type="ASYMMETRIC" if qscheme == "asymmetric" else "SYMMETRIC", granularity=granularity,
+        quant_min=qmin, quant_max=qmax, eps=_FLOAT32_EPS, input_dtype=input_dtype, zero_point_dtype=torch.int32,
+    )
