@@ -130,7 +130,8 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
 def compute_minval(state, spec: QuantSpec, **options) -> torch.Tensor:
     """coreai_opt's ``minval`` (its MINVAL formulation, ``x' = (q - quant_min) * scale + minval``)
     of the range `compute_qparams` maps with the same options: ``-max(|min|, |max|)`` for
-    symmetric mappings, ``min(min, 0)`` for the others (float32, shape ``qparam_shape``). Pure;
+    symmetric mappings, ``min(min, 0)`` for the others (float32 holding ``spec.compute_dtype``
+    values, shape ``qparam_shape``). Pure;
     vmappable. Entries that saw no data get ``(quant_min - zero_point) * scale`` of the fallback
     qparams (``quant_min``), so both formulations dequantize alike there.
 
@@ -275,4 +276,6 @@ def minval_from_minmax(
         minval = torch.min(min_val, torch.zeros_like(min_val))
     else:
         minval = -torch.max(min_val.abs(), max_val.abs())
+    # coreai_opt's minval is in the input's dtype (spec.compute_dtype): a pinned end rounds to it
+    minval = minval.to(getattr(torch, spec.compute_dtype)).float()
     return torch.where(calibrated, minval, torch.full_like(minval, float(spec.qmin)))

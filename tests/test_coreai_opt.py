@@ -262,3 +262,21 @@ def test_coreai_moving_average_obeys_the_laws():
     obs = qstats.coreai_opt.moving_average_minmax(spec, 0.1)
     assert obs.exact is False
     qstats.testing.check_all(obs, lambda g: torch.randn(4, 8, generator=g), max_examples=5)
+
+
+@pytest.mark.parametrize("qscheme", ["symmetric", "asymmetric"])
+def test_bfloat16_inputs(qscheme):
+    """coreai_opt computes in the input's dtype (from_coreai_opt(input_dtype=torch.bfloat16)),
+    except with both ends pinned, where its range and scale stay float32 (the default spec)."""
+    for float_range in [(None, None), (-1.3, None), (None, 2.7), (-1.3, 0.7)]:
+        coreai_spec = _coreai_spec(torch.int8, qscheme, GRANULARITIES["per_channel_0"], float_range)
+        x = _batches()[1].bfloat16()
+        scale, zero_point, minval = _calculator(None, coreai_spec)(x)
+        both = None not in float_range
+        spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=SHAPE, input_dtype=torch.float32 if both else torch.bfloat16)
+        assert scale.dtype == (torch.float32 if both else torch.bfloat16)
+        obs = qstats.memoryless_minmax(spec)
+        state = obs.update(obs.init(x), x)
+        qp = qstats.compute_qparams(state, spec, float_range=float_range)
+        assert _same(qp.scale, scale.float()) and _same(qp.zero_point, zero_point)
+        assert _same(qstats.compute_minval(state, spec, float_range=float_range), minval.float())
