@@ -12,7 +12,8 @@ extremes (llm-compressor's ``"minmax"``, constant ``observer_kwargs["averaging_c
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+import dataclasses
+from typing import Any, Mapping
 
 from ._spec import QuantSpec
 
@@ -96,9 +97,26 @@ def _rule(Rule, targets, args, site: str, observed_dtype):
                 dynamic=False)
 
 
-def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None) -> list:
+# the sites of stacked experts (`qstats.experts`) that llm-compressor's linearized experts quantize
+_EXPERT_SITES = {"weight": ("gate_up_proj", "down_proj"), "input": ("input", "down_proj.input")}
+
+
+def _expert_rules(Rule, rules: list, experts) -> list:
+    """Rules quantizing stacked-experts modules ``experts`` (class names, paths or regexes) as
+    llm-compressor quantizes their linearized ``gate_proj``/``up_proj``/``down_proj``."""
+    out = []
+    for rule in rules:
+        (site,) = rule.sites
+        if site not in _EXPERT_SITES:
+            raise ValueError("from_scheme: experts: output activations of stacked experts are not supported")
+        out.append(dataclasses.replace(rule, targets=experts, sites=_EXPERT_SITES[site]))
+    return out
+
+
+def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None, experts=None) -> list:
     """The rules of one scheme: a ``QuantizationScheme``, a dict of its fields (``weights``,
-    ``input_activations``, ``output_activations``, optional ``targets``) or a preset name."""
+    ``input_activations``, ``output_activations``, optional ``targets``) or a preset name; with
+    ``experts``, rules for those stacked-experts modules first."""
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
     if isinstance(scheme, str):
@@ -120,7 +138,7 @@ def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None) -> list:
         args = _args(fields.get(key))
         if args is not None:
             rules.append(_rule(Rule, targets, args, site, observed_dtype))
-    return rules
+    return (_expert_rules(Rule, rules, experts) if experts else []) + rules
 
 
 def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:

@@ -418,7 +418,8 @@ class Recipe:
         return f"Recipe(rules={list(self.rules)!r}, ignore={list(self.ignore)!r}{shared})"
 
     @classmethod
-    def from_scheme(cls, scheme, targets="Linear", ignore=(), observed_dtype=None, shared=None) -> "Recipe":
+    def from_scheme(cls, scheme, targets="Linear", ignore=(), observed_dtype=None, shared=None,
+                    experts=None) -> "Recipe":
         """The recipe of a compressed-tensors scheme: a preset name (``"W4A16"``, ``"W8A8"``,
         ``"FP8"``, ``"FP8_DYNAMIC"``, ``"NVFP4"``, ``"MXFP4"``, ... every key of compressed-tensors'
         ``PRESET_SCHEMES``), a ``QuantizationScheme`` or a dict of its fields, on ``targets``,
@@ -426,6 +427,9 @@ class Recipe:
         specs from `QuantSpec.from_compressed_tensors`, and the observers llm-compressor
         attaches for those args (see ``qstats/_schemes.py``). ``observed_dtype``: the weights'
         dtype when bfloat16/float16 (compressed-tensors computes their qparams in it).
+        ``experts``: targets of stacked-experts modules (``"Qwen3MoeExperts"``) quantized as
+        llm-compressor quantizes them once linearized: their ``gate_up_proj``/``down_proj``
+        weights, ``input`` and ``down_proj.input``.
 
         >>> import qstats
         >>> [rule.sites for rule in qstats.Recipe.from_scheme("W4A16").rules]
@@ -433,7 +437,8 @@ class Recipe:
         """
         from ._schemes import scheme_rules
 
-        return cls(scheme_rules(Rule, scheme, targets, observed_dtype), ignore=ignore, shared=shared)
+        rules = scheme_rules(Rule, scheme, targets, observed_dtype, experts)
+        return cls(rules, ignore=ignore, shared=shared)
 
     @classmethod
     def from_compressed_tensors(cls, config, observed_dtype=None) -> "Recipe":

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from _shared import bit_equal
+from _shared import bit_equal, qwen3_moe_config
 
 import qstats
 
@@ -43,12 +43,22 @@ def saved(tmp_path_factory):
     return path, samples, tokenizer
 
 
+@pytest.fixture(scope="module")
+def saved_moe(tmp_path_factory, saved):
+    """A tiny random Qwen3-MoE (stacked experts, TopK routers) saved to disk, with the samples."""
+    config = qwen3_moe_config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path, saved[1], saved[2]
+
+
 def _batches(samples):
     return [{"input_ids": s[None], "attention_mask": torch.ones(1, TOKENS, dtype=torch.long)} for s in samples]
 
 
 def _load(path):
-    return transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
 
 
 def _llm_compressor(saved, scheme, out, ignore):
@@ -83,7 +93,8 @@ def _qstats(saved, scheme, out, ignore, recipe=None, attention="eager"):
     model.set_attn_implementation(attention)
     recipe = recipe or qstats.Recipe.from_scheme(scheme, targets="Linear", ignore=ignore)
     plan = recipe.resolve(model)
-    states = qstats.calibrate(model, _batches(samples), plan, progress=False)
+    # all_experts: llm-compressor's default moe_calibrate_all_experts
+    states = qstats.calibrate(model, _batches(samples), plan, progress=False, all_experts=True)
     qparams = qstats.compute_qparams_tree(states, plan)
     qstats.export.compressed_tensors(model, qparams, out, plan)
 
@@ -148,3 +159,28 @@ def test_sdpa_attention_changes_mlp_input_scales_in_the_last_bits(saved, tmp_pat
     assert different and all(".mlp." in name for name in different)
     for name in different:
         torch.testing.assert_close(our_tensors[name], their_tensors[name], rtol=2e-6, atol=0)
+
+
+def test_moe_with_ignored_routers_equals_llm_compressor_but_for_expert_targets(saved_moe, tmp_path):
+    """Qwen3-MoE, routers ignored: llm-compressor linearizes the stacked experts, qstats observes
+    them stacked (``experts=``) and unpacks them at export; every tensor is equal bit for bit and
+    ``ignore`` lists the routers. The one named difference: the config group targets the unpacked
+    experts by regex (and the other Linears by path) where llm-compressor writes ``["Linear"]``."""
+    ignore = ["lm_head", "re:.*mlp.gate$"]
+    theirs, ours = str(tmp_path / "llm_compressor"), str(tmp_path / "qstats")
+    _llm_compressor(saved_moe, "W8A8", theirs, ignore)
+    recipe = qstats.Recipe.from_scheme("W8A8", ignore=ignore, experts="Qwen3MoeExperts")
+    _qstats(saved_moe, None, ours, None, recipe=recipe)
+    their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
+    our_tensors = load_file(os.path.join(ours, "model.safetensors"))
+    assert sorted(our_tensors) == sorted(their_tensors)
+    assert not [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]
+    their_config, our_config = _quantization_config(theirs), _quantization_config(ours)
+    assert our_config["ignore"] == their_config["ignore"] == [
+        "model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "lm_head"]
+    (their_group,), (our_group,) = their_config["config_groups"].values(), our_config["config_groups"].values()
+    assert their_group.pop("targets") == ["Linear"]
+    assert r"re:^model\.layers\.0\.mlp\.experts\.\d+\.down_proj$" in our_group.pop("targets")
+    assert our_group == their_group
+    assert {k: v for k, v in our_config.items() if k != "config_groups"} == \
+        {k: v for k, v in their_config.items() if k != "config_groups"}

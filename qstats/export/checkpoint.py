@@ -17,7 +17,7 @@ from ..experts import expert_count
 from ..fused import fused_groups
 from ..recipe import Plan, Recipe, as_plan
 from .attention import attention_config, write_attention
-from .config import ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, llm_compressor_observers
+from .config import ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, ignored_modules
 from .experts import expert_entries, warn_mixed_experts
 from .linear import linear_entry, write_linear
 
@@ -49,7 +49,7 @@ def compressed_tensors(
       TypeError: wrong argument types.
     """
     _check_arguments(model, qparams, format)
-    specs, groups, modules, dynamic, observers = _resolve(specs_or_recipe, qparams, model)
+    specs, groups, modules, dynamic, plan = _resolve(specs_or_recipe, qparams, model)
     tensors: dict[str, torch.Tensor] = {}
     dropped: set[str] = set()  # float weights replaced by packed codes or unpacked experts
     log = {"uncalibrated": [], "rounded": [], "rotary": []}
@@ -65,7 +65,7 @@ def compressed_tensors(
     _warn_log(log)
     warn_mixed_experts(schemes, expert_projection)
     _warn_unshared_global_scales(groups, qparams, specs)
-    quantization_config = _quantization_config(schemes, expert_projection, attention, modules, format, observers)
+    quantization_config = _quantization_config(schemes, expert_projection, attention, modules, format, plan)
     for name, tensor in model.state_dict().items():
         if name not in tensors and name not in dropped:
             tensors[name] = tensor.detach()
@@ -86,7 +86,7 @@ def _check_arguments(model, qparams, format) -> None:
 
 
 def _resolve(specs_or_recipe, qparams: Mapping, model: torch.nn.Module) -> tuple:
-    """``(specs, fused groups, {path: module}, {path: dynamic sites})`` from a recipe's plan, or from a
+    """``(specs, fused groups, {path: module}, {path: dynamic sites}, plan or None)`` from a recipe's plan, or from a
     specs tree and the model (then per-token and per-group activations are the dynamic ones).
     """
     if isinstance(specs_or_recipe, (Recipe, Plan)):
@@ -95,7 +95,7 @@ def _resolve(specs_or_recipe, qparams: Mapping, model: torch.nn.Module) -> tuple
         dynamic = {
             path: frozenset(site for site in sites if plan.site(path, site).runtime) for path, sites in qparams.items()
         }
-        return specs, plan.fused_groups, plan.modules, dynamic, llm_compressor_observers(plan, qparams)
+        return specs, plan.fused_groups, plan.modules, dynamic, plan
     if hasattr(specs_or_recipe, "specs") and callable(specs_or_recipe.specs):  # a recipe-like object
         specs = specs_or_recipe.specs(qparams, model)
     elif isinstance(specs_or_recipe, Mapping):
@@ -142,14 +142,14 @@ def _entries(modules: Mapping, qparams: Mapping, specs, dynamic: Mapping, tensor
     return entries, attention
 
 
-def _quantization_config(schemes: dict, expert_projection: dict, attention: dict, modules: Mapping, format, observers) -> dict:
+def _quantization_config(schemes: dict, expert_projection: dict, attention: dict, modules: Mapping, format, plan) -> dict:
     """The ``quantization_config`` of ``config.json``: config groups per scheme, the kv-cache scheme
     and the Linear modules left unquantized (``ignore``)."""
-    groups = config_groups(schemes, expert_projection, format, modules, observers)
+    groups = config_groups(schemes, expert_projection, format, modules, plan)
     formats = {group["format"] for group in groups.values()}
     top_format = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
     kv_cache_scheme = attention_config(attention, groups)
-    ignore = [path for path, module in modules.items() if isinstance(module, torch.nn.Linear) and path not in schemes and path]
+    ignore = ignored_modules(modules, schemes, plan)
     return {
         "quant_method": "compressed-tensors",
         "format": top_format,

@@ -21,6 +21,7 @@ from .._spec import QuantSpec
 __all__ = [
     "ATTENTION_SITES",
     "COMPRESSED_TENSORS_VERSION",
+    "ignored_modules",
     "llm_compressor_observers",
     "FORMATS",
     "allowed_formats",
@@ -221,7 +222,7 @@ def default_format(weights, inputs) -> str:
     return "float-quantized" if inputs is not None else "naive-quantized"
 
 
-def llm_compressor_observers(plan, qparams) -> dict:
+def llm_compressor_observers(plan) -> dict:
     """``{path: {site: name}}``: the llm-compressor observer name equivalent to each site's
     qstats observer (what llm-compressor writes into the args' ``observer``): weights observed
     once by min-max are ``"memoryless_minmax"``, by the MSE search ``"memoryless_mse"``;
@@ -230,11 +231,8 @@ def llm_compressor_observers(plan, qparams) -> dict:
     from ..observers import registry
 
     names: dict = {}
-    for path, sites in qparams.items():
-        for site in sites:
-            found = plan.site(path, site)
-            if found is None:
-                continue
+    for path, sites in plan.sites.items():
+        for site, found in sites.items():
             ours = registry.name_of(found.rule.observer)
             if found.kind == "parameter":
                 name = {"minmax": "memoryless_minmax", "memoryless_minmax": "memoryless_minmax",
@@ -244,6 +242,24 @@ def llm_compressor_observers(plan, qparams) -> dict:
                         "memoryless_minmax": "memoryless_minmax", "mse": "mse"}.get(ours)
             names.setdefault(path, {})[site] = name
     return names
+
+
+def ignored_modules(modules: dict, schemes: dict, plan=None) -> list:
+    """The ``ignore`` list, as compressed-tensors writes it: the unquantized Linear modules, and
+    with a recipe's ``plan`` the modules its ``ignore`` names that hold a 2-D weight (MoE routers
+    such as ``Qwen3MoeTopKRouter``, which llm-compressor lists), in ``named_modules`` order."""
+    from ..recipe import _matches
+
+    ignore_targets = plan.recipe.ignore if plan is not None else ()
+    out = []
+    for path, module in modules.items():
+        if not path or path in schemes:
+            continue
+        weight = getattr(module, "weight", None)
+        routed = isinstance(weight, torch.Tensor) and weight.ndim == 2 and _matches(ignore_targets, path, module)
+        if isinstance(module, torch.nn.Linear) or routed:
+            out.append(path)
+    return out
 
 
 def _observer_of(observers: dict, module_path: str, site: str, expert_projection: dict):
@@ -283,12 +299,13 @@ def _class_targets(groups: dict, modules: Optional[dict], expert_projection: dic
 
 
 def config_groups(schemes: dict, expert_projection: dict, format: Optional[str], modules: Optional[dict] = None,
-                  observers: Optional[dict] = None) -> dict:
+                  plan=None) -> dict:
     """One config group per distinct (weights, input, output, format) combination, targeting the
     exact module paths, and one regex per projection of unpacked experts; keyed by that
     combination (insertion order). With the model's ``modules``, a single group of Linear
-    modules targets ``["Linear"]`` instead. ``observers`` (`llm_compressor_observers`) fills the
-    args' ``observer``."""
+    modules targets ``["Linear"]`` instead. With the recipe's ``plan``, the args' ``observer`` is
+    llm-compressor's name of the site's observer (`llm_compressor_observers`)."""
+    observers = llm_compressor_observers(plan) if plan is not None else None
     groups: dict[str, dict] = {}
     for module_path, scheme in schemes.items():
         scheme = _with_observers(scheme, module_path, observers, expert_projection)
