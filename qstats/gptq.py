@@ -41,6 +41,7 @@ from .observers.minmax import minmax
 __all__ = ["gptq"]
 
 _ACTORDERS = (None, "static", "weight")
+_INNER = 16  # columns updated one by one before a matmul carries their error over the rest of the block
 
 
 @torch.library.custom_op("qstats::warn_unobserved_hessian", mutates_args=())
@@ -69,24 +70,36 @@ def _warn_unobserved_vmap(info, in_dims, count):
 _warn_unobserved.register_vmap(_warn_unobserved_vmap)
 
 
-def _column_groups(spec: QuantSpec, columns: int) -> Optional[torch.Tensor]:
+def _column_groups(spec: QuantSpec, columns: int) -> Optional[list]:
     """The quantization parameter column of every weight column (None: one per row or tensor)."""
     granularity = spec.granularity
     if isinstance(granularity, PerGroup) and not isinstance(granularity, TensorGroup):
         if columns % granularity.group_size:
             raise ValueError(f"gptq: {columns} input columns are not a multiple of the group size "
                              f"{granularity.group_size}")
-        return torch.arange(columns) // granularity.group_size
+        return [column // granularity.group_size for column in range(columns)]
     if isinstance(granularity, (PerTensor, PerRow)) or granularity == PerAxis(0):
         return None
     raise ValueError(f"gptq: granularity {granularity!r} is not supported (PerTensor, PerRow / PerAxis(0), PerGroup)")
 
 
-def _per_column(param: torch.Tensor, groups: Optional[torch.Tensor], rows: int, columns: int) -> torch.Tensor:
-    """A quantization parameter ``[rows, columns]``: each weight element's."""
-    if groups is not None:
-        return param.index_select(-1, groups.to(param.device))
-    return param.reshape(-1, 1).expand(rows, columns) if param.ndim else param.expand(rows, columns)
+def _column_parameters(param: torch.Tensor, groups: Optional[list], shape, perm: Optional[torch.Tensor]):
+    """``(rows_param, index)``: column ``j``'s parameter is ``rows_param[..., index[j]]`` (``[..., rows]``,
+    or ``[..., 1]`` per tensor), from one per tensor ``[...]``, per row ``[..., rows]`` or per group
+    ``[..., rows, groups]``; gathered per column where activation ordering permutes the groups."""
+    *batch, rows, columns = shape
+    rows_param = param.reshape(*batch, rows if param.ndim > len(batch) else 1, -1)
+    if groups is None:
+        return rows_param, [0] * columns
+    if perm is None:
+        return rows_param, groups
+    column_groups = torch.gather(torch.tensor(groups, device=perm.device).expand(perm.shape), -1, perm)
+    return torch.gather(rows_param, -1, column_groups.unsqueeze(-2).expand(*batch, rows, columns)), list(range(columns))
+
+
+def _permute_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``x[..., perm]`` with one permutation per leading index (as llm-compressor gathers)."""
+    return torch.gather(x, -1, perm.unsqueeze(-2).expand(x.shape))
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: torch.Tensor):
@@ -95,16 +108,16 @@ def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: tor
     Hessian is not ``usable``: the identity (round-to-nearest)."""
     columns = hessian.shape[-1]
     eye = torch.eye(columns, dtype=hessian.dtype, device=hessian.device)
-    dead = torch.diagonal(hessian) == 0
+    dead = torch.diagonal(hessian, dim1=-2, dim2=-1) == 0
     hessian = hessian + torch.diag_embed(dead.to(hessian.dtype))
-    damp = dampening * torch.mean(torch.diagonal(hessian))
-    hessian = hessian + torch.diag_embed(damp.expand(columns))
+    damp = dampening * torch.mean(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, keepdim=True)
+    hessian = hessian + torch.diag_embed(damp.expand(dead.shape))
     lower, info = torch.linalg.cholesky_ex(hessian, check_errors=False)
-    factored = usable & (info == 0)
+    factored = (usable & (info == 0))[..., None, None]
     inverse = torch.cholesky_inverse(torch.where(factored, lower, eye))
     upper, info = torch.linalg.cholesky_ex(inverse, upper=True, check_errors=False)
-    factored = factored & (info == 0)
-    return torch.where(factored, upper, eye), dead & usable
+    factored = factored & (info == 0)[..., None, None]
+    return torch.where(factored, upper, eye), dead & usable[..., None]
 
 
 def _minmax_qparams(weight: torch.Tensor, spec: QuantSpec) -> QParams:
@@ -118,75 +131,88 @@ def _quantize_column(column, scale, zero_point, global_scale, spec):
     return _dequantize_view(codes, scale, zero_point, spec, global_scale), codes
 
 
-def _blocks(weight, inverse, scale, zero_point, global_scale, spec, block_size, running):
+def _running_qparams(rest, start, stop, group_size, spec, scales, zero_points):
+    """Appends the min/max parameters of the groups starting in columns ``[start, stop)``, from the
+    weight as it is at the block's start (``rest``: its columns from ``start``); returns every group's
+    so far as ``[..., rows, groups]``."""
+    first, last = -(-start // group_size), -(-stop // group_size)
+    if last > first:
+        fresh = _minmax_qparams(rest[..., first * group_size - start: last * group_size - start], spec)
+        scales.append(fresh.scale)
+        zero_points.append(fresh.zero_point)
+    return torch.cat(scales, dim=-1), torch.cat(zero_points, dim=-1).float()
+
+
+def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block_size, running):
     """The column loop: quantize each column, spread its error over the block's later columns, then
-    the block's error over the following columns (section 3.4 of arXiv:2203.07259). ``running``
-    ``(groups, group_size)`` computes group parameters at the start of their block."""
-    rows, columns = weight.shape
-    quantized, codes, scales, zero_points = [], [], [], []
+    the block's error over the following columns (section 3.4 of arXiv:2203.07259); within a block,
+    rank-1 updates over `_INNER` columns at a time, then one matmul. Column ``j`` uses
+    ``scale[..., index[j]]``; ``running`` (the group size) computes group parameters per block."""
+    columns = weight.shape[-1]
+    quantized, codes, scales, zero_points = [], [], [], []  # columns of the result; running parameters
     rest = weight
     for start in range(0, columns, block_size):
         stop = min(start + block_size, columns)
-        if running is not None:  # groups starting in this block, from the weight as it is now
-            groups, group_size = running
-            first, last = -(-start // group_size), -(-stop // group_size)
-            if last > first:
-                part = rest[:, first * group_size - start: last * group_size - start]
-                fresh = _minmax_qparams(part, spec)
-                scales.append(fresh.scale)
-                zero_points.append(fresh.zero_point)
-            scale = _per_column(torch.cat(scales, dim=-1), groups[: stop], rows, stop)
-            zero_point = _per_column(torch.cat(zero_points, dim=-1), groups[: stop], rows, stop)
-        block, block_inverse = rest[:, : stop - start], inverse[start:stop, start:stop]
-        block_quantized, block_codes, errors = [], [], []
-        for i in range(stop - start):
-            column = block[:, i]
-            q, code = _quantize_column(column, scale[:, start + i], zero_point[:, start + i], global_scale, spec)
-            error = (column - q) / block_inverse[i, i]
-            block = block - error[:, None] * block_inverse[i][None, :]  # the row is zero left of i
-            block_quantized.append(q)
-            block_codes.append(code)
-            errors.append(error)
-        quantized.append(torch.stack(block_quantized, dim=-1))
-        codes.append(torch.stack(block_codes, dim=-1))
-        rest = rest[:, stop - start:] - torch.stack(errors, dim=-1) @ inverse[start:stop, stop:]
+        if running is not None:
+            scale, zero_point = _running_qparams(rest, start, stop, running, spec, scales, zero_points)
+        block, block_inverse = rest[..., : stop - start].clone(), inverse[..., start:stop, start:stop]  # local
+        errors = []
+        for inner in range(0, stop - start, _INNER):
+            inner_stop = min(inner + _INNER, stop - start)
+            inner_errors = []
+            for i in range(inner, inner_stop):
+                column = block[..., i]
+                k = index[start + i]
+                q, code = _quantize_column(column, scale[..., k], zero_point[..., k], global_scale, spec)
+                error = (column - q) / block_inverse[..., i, i, None]
+                block[..., i:inner_stop].addcmul_(error[..., None], block_inverse[..., i, None, i:inner_stop],
+                                                  value=-1.0)  # in place on the local copy
+                quantized.append(q)
+                codes.append(code)
+                inner_errors.append(error)
+            inner_errors = torch.stack(inner_errors, dim=-1)
+            block[..., inner_stop:] -= inner_errors @ block_inverse[..., inner:inner_stop, inner_stop:]
+            errors.append(inner_errors)
+        rest = rest[..., stop - start:] - torch.cat(errors, dim=-1) @ inverse[..., start:stop, stop:]
     running_qparams = None if running is None else (torch.cat(scales, dim=-1), torch.cat(zero_points, dim=-1))
-    return torch.cat(quantized, dim=-1), torch.cat(codes, dim=-1), running_qparams
+    # one contiguous copy each: [..., columns, rows] -> [..., rows, columns]
+    return (torch.stack(quantized, dim=-2).transpose(-1, -2).contiguous(),
+            torch.stack(codes, dim=-2).transpose(-1, -2).contiguous(), running_qparams)
 
 
-def _gptq_one(weight, total, count, qparams, spec, block_size, dampening, actorder):
-    """GPTQ of one ``[out, in]`` weight (vmappable: no host reads, no in-place writes)."""
-    rows, columns = weight.shape
+def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actorder):
+    """GPTQ of ``[..., out, in]`` weights with ``[..., in, in]`` Hessian sums: one batched loop
+    over columns (no host reads; in-place writes on its own buffers only; runs under vmap)."""
+    columns = weight.shape[-1]
     groups = _column_groups(spec, columns)
     work = weight.to(torch.float32)
-    hessian = (2.0 * total / count.clamp(min=1).to(total.dtype)).to(torch.float32)
-    observed = count > 0
+    hessian = (2.0 * total / count.clamp(min=1).to(total.dtype)[..., None, None]).to(torch.float32)
     running = None
     if qparams is None and groups is not None and actorder is None:
-        running = (groups, spec.granularity.group_size)
+        running = spec.granularity.group_size
     elif qparams is None:
-        qparams = _minmax_qparams(work, spec)
+        one = lambda w: _minmax_qparams(w, spec)  # noqa: E731  (per expert: a per-tensor range is)
+        qparams = torch.vmap(one)(work) if work.ndim == 3 else one(work)
     perm = None
     if actorder is not None:
-        perm = torch.argsort(torch.diagonal(hessian), descending=True)
-        hessian = hessian.index_select(0, perm).index_select(1, perm)
-        work = work.index_select(1, perm)
-    inverse, dead = _inverse_hessian_factor(hessian, dampening, observed)
-    work = torch.where(dead[None, :], torch.zeros_like(work), work)
-    global_scale = torch.ones((), device=weight.device) if qparams is None else qparams.global_scale
+        perm = torch.argsort(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, descending=True)
+        hessian = _permute_columns(_permute_columns(hessian, perm).transpose(-1, -2), perm).transpose(-1, -2)
+        work = _permute_columns(work, perm)
+    inverse, dead = _inverse_hessian_factor(hessian, dampening, count > 0)
+    work = torch.where(dead[..., None, :], torch.zeros_like(work), work)
+    global_scale = torch.ones((), device=weight.device) if qparams is None else qparams.global_scale[..., None]
     scale = zero_point = None
+    index = groups
     if qparams is not None:
-        scale = _per_column(qparams.scale, groups, rows, columns)
-        zero_point = _per_column(qparams.zero_point, groups, rows, columns)
-        if perm is not None:
-            scale, zero_point = scale.index_select(1, perm), zero_point.index_select(1, perm)
-    quantized, codes, running_qparams = _blocks(work, inverse, scale, zero_point, global_scale, spec,
+        scale, index = _column_parameters(qparams.scale, groups, work.shape, perm)
+        zero_point, _ = _column_parameters(qparams.zero_point.float(), groups, work.shape, perm)  # exact: integers
+    quantized, codes, running_qparams = _blocks(work, inverse, scale, zero_point, index, global_scale, spec,
                                                 block_size, running)
     if perm is not None:
-        inverse_perm = torch.argsort(perm)
-        quantized, codes = quantized.index_select(1, inverse_perm), codes.index_select(1, inverse_perm)
+        inverse_perm = torch.argsort(perm, dim=-1)
+        quantized, codes = _permute_columns(quantized, inverse_perm), _permute_columns(codes, inverse_perm)
     if running_qparams is not None:
-        qparams = QParams(running_qparams[0], running_qparams[1], global_scale,
+        qparams = QParams(running_qparams[0], running_qparams[1], torch.ones(weight.shape[:-2], device=weight.device),
                           torch.ones_like(running_qparams[0], dtype=torch.bool))
     return quantized.to(weight.dtype), store_codes(codes, spec), qparams
 
@@ -197,7 +223,8 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
 
     Args:
       weight: ``[out, in]``, or ``[E, out, in]`` stacked experts with a stacked state (each field
-        ``[E, ...]``) and stacked ``qparams``: vmapped over the experts.
+        ``[E, ...]``) and stacked ``qparams``: one batched column loop for all experts (equal to
+        ``torch.vmap`` of the 2-D call, which works too).
       hessian_state: the `qstats.hessian` state of the layer's inputs.
       spec: the weight's QuantSpec (`QuantSpec.from_compressed_tensors(args)` for llm-compressor's
         rounding); PerTensor, PerRow / PerAxis(0) or PerGroup.
@@ -223,13 +250,7 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
     actorder = None if actorder is None else "static"
     count = _warn_unobserved(hessian_state.count)
 
-    def one(w, total, rows, qp):
-        return _gptq_one(w, total, rows, qp, spec, block_size, float(dampening), actorder)
-
-    if weight.ndim == 3:
-        return torch.vmap(one, in_dims=(0, 0, 0, None if qparams is None else 0))(
-            weight, hessian_state.total, count, qparams)
-    return one(weight, hessian_state.total, count, qparams)
+    return _gptq_core(weight, hessian_state.total, count, qparams, spec, block_size, float(dampening), actorder)
 
 
 def _check_arguments(weight, state, spec, block_size, dampening, actorder) -> None:
