@@ -40,7 +40,7 @@ class LazyCheckpoint:
             with open(index) as file:
                 self.files = dict(json.load(file)["weight_map"])
         elif os.path.exists(single):
-            from safetensors import safe_open
+            from safetensors import safe_open  # imported when used, as in qstats.io: not at `import qstats`
 
             with safe_open(single, "pt") as file:
                 self.files = {key: "model.safetensors" for key in file.keys()}

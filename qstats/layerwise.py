@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
+from tqdm.auto import tqdm
 
 from . import distributed
 from ._lazy_checkpoint import LazyCheckpoint, load_modules, release_modules
@@ -372,8 +373,6 @@ def calibrate_layerwise(
 
 
 def _calibrate_all(run: _Run, container_path: str, container, batches, observation_weight, progress: bool) -> dict:
-    from tqdm.auto import tqdm
-
     found: dict = {}
     saved = _outer_loaded(run, container_path)
     try:
