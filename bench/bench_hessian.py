@@ -1,0 +1,101 @@
+"""GPTQ Hessians of a 64-expert layer's routed inputs: qstats' stacked observer against
+llm-compressor's per-expert ``accumulate_hessian``, same batches, same run.
+
+Each batch is ``--tokens`` hidden states ``[tokens, hidden]`` routed top-``k`` among the experts by a
+random router (OLMoE's 64 experts, top 8). Both sides accumulate, per expert, the sum of ``x^T x``
+over the tokens routed to it:
+
+- qstats: one ``qstats.stacked_observer(qstats.hessian(), 64).update`` per batch, the hidden states
+  shared by every expert (an expanded view) and the routing mask as the update weight;
+- llm-compressor: what its GPTQ hook does per expert module and batch, ``accumulate_hessian`` on the
+  tokens routed to that expert (selected before timing; hook dispatch not timed).
+
+Both give the same Hessians (checked: llm-compressor's is ``2 * total``). torch runs one thread; the
+CPU time of this process is measured (``--wall``: wall-clock). Prints the best time of each side over
+``--repeats`` and the range of llm-compressor's time over qstats' in the same repeat.
+
+Run:  python bench/bench_hessian.py [--repeats 3] [--tokens 512] [--batches 4] [--hidden 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+
+import qstats
+
+warnings.filterwarnings("ignore")
+
+
+def make_batches(num_batches: int, tokens: int, hidden: int, experts: int, top_k: int):
+    """``(hidden_states, routing_mask [E, tokens], per-expert routed rows)`` per batch."""
+    gen = torch.Generator().manual_seed(0)
+    router = torch.randn(hidden, experts, generator=gen)
+    batches = []
+    for _ in range(num_batches):
+        x = torch.randn(tokens, hidden, generator=gen)
+        chosen = torch.topk(x @ router, top_k, dim=-1).indices
+        mask = torch.zeros(tokens, experts).scatter_(1, chosen, 1.0).T.contiguous()
+        batches.append((x, mask, [x[mask[e].bool()] for e in range(experts)]))
+    return batches
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--wall", action="store_true", help="wall-clock time instead of this process's CPU time")
+    options = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    from llmcompressor.modifiers.gptq.helpers import accumulate_hessian, make_empty_hessian
+
+    experts, hidden = options.experts, options.hidden
+    batches = make_batches(options.batches, options.tokens, hidden, experts, options.top_k)
+    modules = [torch.nn.Linear(hidden, 1, bias=False) for _ in range(experts)]
+    observer = qstats.stacked_observer(qstats.hessian(), experts)
+
+    def ours():
+        state = observer.init(batches[0][0].expand(experts, *batches[0][0].shape))
+        for x, mask, _ in batches:
+            state = observer.update(state, x.expand(experts, *x.shape), mask)
+        return state
+
+    def llm_compressor():
+        hessians = [make_empty_hessian(module) for module in modules]
+        samples = [torch.zeros(()) for _ in modules]
+        for _, _, routed in batches:
+            for e, module in enumerate(modules):
+                hessians[e], samples[e] = accumulate_hessian(routed[e], module, hessians[e], samples[e])
+        return hessians
+
+    state, reference = ours(), llm_compressor()
+    worst = max(float((2 * state.total[e] - reference[e]).abs().max() / reference[e].abs().max().clamp(min=1e-30))
+                for e in range(experts))
+    print(f"largest difference to llm-compressor's Hessian, relative to its largest entry: {worst:.1e}")
+    clock = time.perf_counter if options.wall else time.process_time
+    rows = {"qstats stacked hessian": ours, "llm-compressor accumulate_hessian per expert": llm_compressor}
+    times = {name: [] for name in rows}
+    for _ in range(options.repeats):
+        for name, fn in rows.items():
+            start = clock()
+            fn()
+            times[name].append(clock() - start)
+    base = times["qstats stacked hessian"]
+    routed = sum(int(mask.sum()) for _, mask, _ in batches)
+    print(f"Hessians of {experts} experts, hidden {hidden}, {options.batches} batches of {options.tokens} tokens, "
+          f"top-{options.top_k} ({routed} routed rows), 1 thread, {'wall-clock' if options.wall else 'CPU'} time, "
+          f"{options.repeats} repeats")
+    for name, values in times.items():
+        ratios = [v / b for v, b in zip(values, base)]
+        print(f"  {name:46s} best {min(values):7.4f} s   time / qstats: {min(ratios):.2f}-{max(ratios):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
