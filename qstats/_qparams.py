@@ -6,12 +6,12 @@ format: with the spec's convention's arithmetic (`Convention.qparams`), or the M
 arithmetic of qstats/_formats.py. Range rules take keyword options (``method=``,
 ``percentile=``, ...), so ``compute_qparams(state, spec, method="entropy")`` works for
 distribution observers. ``float_range=(lo, hi)`` pins either end of every rule's range
-(coreai_opt's ``float_range``), and `compute_minval` gives coreai_opt's ``minval`` of that range.
+(coreai_opt's ``float_range``), and ``QParams.minval`` holds coreai_opt's ``minval`` of that range.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import math
 
@@ -41,12 +41,19 @@ class QParams(NamedTuple):
       global_scale: float32 scalar; 1 unless the spec uses two-level scales.
       calibrated: bool, shape ``qparam_shape``: False where the state saw no finite data (those
         entries hold the fallback scale 1 and zero point 0).
+      minval: float32, shape ``qparam_shape``: coreai_opt's ``minval`` (its MINVAL formulation,
+        ``x' = (q - quant_min) * scale + minval``) of the mapped range, ``-max(|min|, |max|)`` for
+        symmetric mappings and ``min(min, 0)`` for the others, rounded to ``spec.compute_dtype``;
+        ``quant_min`` where uncalibrated. Float targets get the same value, although coreai_opt
+        returns None there and `fake_quantize` never reads it: a tensor keeps QParams vmappable
+        and stackable. None only in QParams built with four fields (older code, old checkpoints).
     """
 
     scale: torch.Tensor
     zero_point: torch.Tensor
     global_scale: torch.Tensor
     calibrated: torch.Tensor
+    minval: Optional[torch.Tensor] = None
 
 
 class Range(NamedTuple):
@@ -121,38 +128,22 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     global_scale = options.pop("global_scale", None)  # a fused group's (qstats.fused)
     result = _range_of(state, spec, options, "compute_qparams")
     if isinstance(result, QParams):
-        return result
+        return result if result.minval is not None else _with_minval_of_codes(result, spec)
     return qparams_from_minmax(
         result.min_val, result.max_val, spec, calibrated=result.calibrated, global_scale=global_scale
     )
 
 
 def compute_minval(state, spec: QuantSpec, **options) -> torch.Tensor:
-    """coreai_opt's ``minval`` (its MINVAL formulation, ``x' = (q - quant_min) * scale + minval``)
-    of the range `compute_qparams` maps with the same options: ``-max(|min|, |max|)`` for
-    symmetric mappings, ``min(min, 0)`` for the others (float32 holding ``spec.compute_dtype``
-    values, shape ``qparam_shape``). Pure;
-    vmappable. Entries that saw no data get ``(quant_min - zero_point) * scale`` of the fallback
-    qparams (``quant_min``), so both formulations dequantize alike there.
+    """``compute_qparams(state, spec, **options).minval``, refusing float targets (coreai_opt's
+    minval is None there). Kept for code written before `QParams` carried ``minval``.
 
     Raises:
-      ValueError: for float targets (coreai_opt's minval is None there), and as `compute_qparams`.
-      TypeError: for states whose rule gives QParams rather than a range (fixed qparams).
-
-    >>> import torch, qstats
-    >>> spec = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
-    >>> obs = qstats.minmax(spec)
-    >>> x = torch.tensor([-1.0, 2.0])
-    >>> qstats.compute_minval(obs.update(obs.init(x), x), spec, float_range=(-0.5, None))
-    tensor(-0.5000)
+      ValueError: for float targets, and as `compute_qparams`.
     """
-    if spec.is_float:
+    if isinstance(spec, QuantSpec) and spec.is_float:
         raise ValueError(f"compute_minval: float target {spec.dtype!r} has no minval (coreai_opt returns None)")
-    options.pop("global_scale", None)
-    result = _range_of(state, spec, options, "compute_minval")
-    if isinstance(result, QParams):
-        raise TypeError(f"compute_minval: the rule of {type(state).__name__} gives qparams, not a range")
-    return minval_from_minmax(result.min_val, result.max_val, spec, calibrated=result.calibrated)
+    return compute_qparams(state, spec, **options).minval
 
 
 def _range_of(state, spec: QuantSpec, options: dict, where: str):
@@ -240,6 +231,7 @@ def qparams_from_minmax(
     calibrated = valid if calibrated is None else (calibrated_mask(calibrated) & valid)
     if check_uncalibrated:
         calibrated = check_calibrated(calibrated, spec)
+    minval = _minval(min_val, max_val, spec, calibrated)
     # an uncalibrated entry maps a zero range (its scale and zero point are replaced below; a
     # two-level scale reduces over every entry, so they must not take part); ranges near the
     # float32 limit are clipped to half of it, so that max - min cannot overflow
@@ -253,25 +245,13 @@ def qparams_from_minmax(
         global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
     scale = torch.where(calibrated, scale, torch.ones_like(scale))
     zero_point = torch.where(calibrated, zero_point, torch.zeros_like(zero_point))
-    return QParams(scale, zero_point, global_scale, calibrated)
+    return QParams(scale, zero_point, global_scale, calibrated, minval)
 
 
-
-def minval_from_minmax(
-    min_val: torch.Tensor,
-    max_val: torch.Tensor,
-    spec: QuantSpec,
-    calibrated: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """coreai_opt's ``minval`` of a range (see `compute_minval`); elementwise, vmappable. Entries
-    that saw no data (or hold a non-finite range) take ``quant_min``: ``(quant_min - 0) * 1`` under
-    the fallback scale 1 and zero point 0; ``spec.on_uncalibrated`` applies as in
-    `qparams_from_minmax`."""
-    min_val, max_val = min_val.float(), max_val.float()
-    half_span = max_val * 0.5 - min_val * 0.5
-    valid = (min_val <= max_val) & (half_span >= 0) & (half_span < torch.inf)
-    calibrated = valid if calibrated is None else (calibrated_mask(calibrated) & valid)
-    calibrated = check_calibrated(calibrated, spec, "compute_minval")
+def _minval(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec, calibrated: torch.Tensor) -> torch.Tensor:
+    """coreai_opt's ``minval`` of a float32 range (see `QParams`): entries that saw no data take
+    ``quant_min``, i.e. ``(quant_min - 0) * 1`` under the fallback scale 1 and zero point 0, so
+    both formulations dequantize alike there."""
     if spec.mapping == "asymmetric":
         minval = torch.min(min_val, torch.zeros_like(min_val))
     else:
@@ -279,3 +259,11 @@ def minval_from_minmax(
     # coreai_opt's minval is in the input's dtype (spec.compute_dtype): a pinned end rounds to it
     minval = minval.to(getattr(torch, spec.compute_dtype)).float()
     return torch.where(calibrated, minval, torch.full_like(minval, float(spec.qmin)))
+
+
+def _with_minval_of_codes(qparams: QParams, spec: QuantSpec) -> QParams:
+    """``qparams`` from a rule that gives them directly (fixed qparams, no range), with ``minval`` the
+    value of code ``quant_min``, ``(quant_min - zero_point) * scale``: what makes the MINVAL
+    formulation dequantize as the zero-point one."""
+    minval = (float(spec.qmin) - qparams.zero_point.float()) * qparams.scale.float()
+    return qparams._replace(minval=minval)

@@ -120,7 +120,12 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set, where: str) 
                     f"(registered: {sorted(types)})"
                 )
             names = [field for field, _ in node["fields"]]
-            if tuple(names) != tuple(cls._fields):
+            # a checkpoint from before trailing fields with defaults were added (QParams.minval) loads
+            # with those defaults
+            older = tuple(names) == cls._fields[: len(names)] and set(cls._fields[len(names) :]) <= set(
+                cls._field_defaults
+            )
+            if tuple(names) != tuple(cls._fields) and not older:
                 raise ValueError(
                     f"qstats.io: state {name} at {where} was saved with fields {names}, but {name} now has "
                     f"fields {list(cls._fields)}"

@@ -288,7 +288,7 @@ def _measure_parameters(plan: Plan, qparams: Mapping, errors: dict) -> None:
             value = plan.parameter(path, site)
             if found.num_experts:
                 for expert in range(found.num_experts):
-                    expert_qp = type(qp)(*(field[expert] for field in qp))
+                    expert_qp = type(qp)(*(None if field is None else field[expert] for field in qp))
                     error.add(*tensor_error(value[expert], expert_qp, found.spec))
             else:
                 error.add(*tensor_error(value, qp, found.spec))

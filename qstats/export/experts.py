@@ -28,7 +28,7 @@ _INPUT_SITES = ("input", "gate_up_proj.input", "down_proj.input")
 def _slice_qparams(qp: Optional[QParams], index) -> Optional[QParams]:
     if qp is None:
         return None
-    return QParams(*(field[index] for field in qp))
+    return QParams(*(None if field is None else field[index] for field in qp))
 
 
 def fill_uncovered_experts(qp: Optional[QParams], spec: Optional[QuantSpec] = None) -> Optional[QParams]:
@@ -55,7 +55,9 @@ def fill_uncovered_experts(qp: Optional[QParams], spec: Optional[QuantSpec] = No
         keep = covered.reshape(-1, *([1] * (field.dim() - 1)))
         return torch.where(keep, field, field[donor : donor + 1])
 
-    return QParams(fill(qp.scale), fill(qp.zero_point), fill(qp.global_scale), qp.calibrated)
+    minval = None if qp.minval is None else fill(qp.minval)  # follows the scale and zero point it goes with
+    return qp._replace(scale=fill(qp.scale), zero_point=fill(qp.zero_point), global_scale=fill(qp.global_scale),
+                       minval=minval)
 
 
 def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) -> QParams:
@@ -68,7 +70,7 @@ def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) 
         if start % rows or stop % rows:
             fail(where, f"rows {start}:{stop} of the fused weight do not fall on {granularity!r} block boundaries")
         start, stop = start // rows, stop // rows
-    return QParams(*(field[start:stop] if field.dim() >= 1 else field for field in qp))
+    return QParams(*(field[start:stop] if field is not None and field.dim() >= 1 else field for field in qp))
 
 
 def _stacked_parameters(path: str, module: torch.nn.Module, sites: Mapping, num_experts: int) -> tuple:
