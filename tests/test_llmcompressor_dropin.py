@@ -236,3 +236,84 @@ def test_oneshot_with_histogram_and_mse_observers_loads_and_runs(saved, tmp_path
         quantized, reference = loaded(batch).logits, plain(batch).logits
     assert torch.isfinite(quantized).all() and not torch.equal(quantized, reference)
     assert torch.nn.functional.cosine_similarity(quantized.flatten(), reference.flatten(), dim=0) > 0.99
+
+
+# --- optional dependency, distributed sync ----------------------------------------------------
+
+
+def test_missing_llmcompressor_gives_a_clear_import_error(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llmcompressor", None)  # as if it were not installed
+    monkeypatch.setitem(sys.modules, "llmcompressor.observers.base", None)
+    monkeypatch.delitem(sys.modules, "qstats.llmcompressor")
+    with pytest.raises(ImportError, match="pip install llmcompressor"):
+        importlib.import_module("qstats.llmcompressor")
+
+
+SYNC_ARGS = QuantizationArgs(num_bits=8, symmetric=False, strategy="tensor")
+
+
+def _rank_data(rank: int) -> list:
+    """Uneven data per rank: rank 1 sees wider batches, and more of them."""
+    g = torch.Generator().manual_seed(10 + rank)
+    return [torch.randn(2, 8, 64, generator=g) * (1 + 3 * rank) for _ in range(1 + rank)]
+
+
+def _sync_rank(rank: int, port: int, out: str):
+    """One forked rank: observe its data, sync like llm-compressor's QuantizationMixin, save qparams."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool (it hangs)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        results = {}
+        for name in ("qstats_static_minmax", "qstats_histogram"):
+            observer = Observer.load_from_registry(name, base_name="input", args=SYNC_ARGS.model_copy(deep=True))
+            weight = Observer.load_from_registry(name, base_name="weight", args=SYNC_ARGS.model_copy(deep=True))
+            for x in _rank_data(rank):
+                observer(x)
+            weight(torch.full((4, 4), float(rank)))  # weights differ here to show they are not merged
+            assert observer.sync_activation_stats() == [] and weight.sync_activation_stats() == []
+            results[name] = (observer.get_qparams(), weight.get_qparams())
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sync_activation_stats_merges_the_ranks_states(tmp_path):
+    """Two gloo ranks (forked) with uneven data: after ``sync_activation_stats`` every rank's
+    activation qparams equal those of one observer over all the data (llm-compressor's
+    static_minmax for the min/max one, bit for bit); weight observers are left alone."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_sync_rank, args=(rank, port, str(tmp_path))) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    for process in ranks:
+        if process.is_alive():  # hung: end it rather than leave it behind
+            process.kill()
+            process.join()
+    assert [process.exitcode for process in ranks] == [0, 0]
+    everything = _rank_data(0) + _rank_data(1)
+    for name, reference_name in (("qstats_static_minmax", "static_minmax"), ("qstats_histogram", "qstats_histogram")):
+        reference = Observer.load_from_registry(reference_name, base_name="input", args=SYNC_ARGS.model_copy(deep=True))
+        for x in everything:
+            reference(x)
+        want = reference.get_qparams()
+        weight_scales = []
+        for rank in range(2):
+            activation, weight = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)[name]
+            assert bit_equal(activation["scale"], want["scale"]), (name, rank)
+            assert bit_equal(activation["zero_point"], want["zero_point"]), (name, rank)
+            weight_scales.append(weight["scale"])
+        assert not bit_equal(*weight_scales)  # each rank kept its own weight's
