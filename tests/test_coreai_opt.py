@@ -5,7 +5,7 @@ Reference: Apple coreai_opt 0.4.0, ``coreai_opt.quantization.spec.qparams_calcul
 (qstats.minmax) and ``MovingAverageQParamsCalculator`` (qstats.coreai_opt.moving_average_minmax),
 built by coreai_opt's own factory from its ``QuantizationSpec``, against
 ``compute_qparams(state, QuantSpec.from_coreai_opt(spec), float_range=...)`` and
-``compute_minval``: scale, zero point and minval for int8/int4/uint8, every qscheme, per-tensor,
+its ``QParams.minval``: scale, zero point and minval for int8/int4/uint8, every qscheme, per-tensor,
 per-channel and per-block granularities, float_range pinned at neither, one or both ends, and the
 e8m0 scale path (int8, fp8, fp4).
 """
@@ -84,7 +84,7 @@ def test_calculators_bit_for_bit(dtype, qscheme, granularity, float_range):
             scale, zero_point, minval = calc(x)
             state = obs.update(state, x)
             qp = qstats.compute_qparams(state, spec, float_range=float_range)
-            ours_minval = qstats.compute_minval(state, spec, float_range=float_range)
+            ours_minval = qp.minval
             where = f"{kind} step {step}"
             drifted = kind == "moving_average" and (float_range[0] is None) != (float_range[1] is None)
             if drifted:
@@ -119,12 +119,14 @@ def test_e8m0_scales(dtype, granularity, float_range):
     qp = qstats.compute_qparams(state, spec, float_range=float_range)
     assert _same(qp.scale, scale)
     if dtype.is_floating_point:
-        assert zero_point is None and minval is None  # coreai_opt's; qstats: no minval, zero_point_domain none
+        # coreai_opt's; qstats: zero_point_domain none, and minval the same range value as for integers
+        assert zero_point is None and minval is None
+        assert qp.minval.dtype == torch.float32 and qp.minval.shape == qp.scale.shape
         with pytest.raises(ValueError, match="has no minval"):
             qstats.compute_minval(state, spec)
     else:
         assert _same(qp.zero_point, zero_point)
-        assert _same(qstats.compute_minval(state, spec, float_range=float_range), minval)
+        assert _same(qp.minval, minval)
 
 
 def test_e8m0_all_zero_block_is_the_known_difference():
@@ -185,7 +187,7 @@ def test_export_mode_is_a_state_no_longer_updated():
     frozen = calc(batches[3] * 100)
     qp = qstats.compute_qparams(state, spec, float_range=(None, 4.0))
     assert _same(qp.scale, frozen[0]) and _same(qp.zero_point, frozen[1])
-    assert _same(qstats.compute_minval(state, spec, float_range=(None, 4.0)), frozen[2])
+    assert _same(qp.minval, frozen[2])
 
 
 def test_block_size_matches_coreai_opt():
@@ -208,7 +210,7 @@ def test_float_range_is_pure_vmappable_and_reaches_recipes():
     xs = torch.randn(3, *SHAPE)
     states = torch.vmap(lambda x: obs.update(obs.init(x), x))(xs)
     batched = torch.vmap(lambda s: qstats.compute_qparams(s, spec, float_range=(-0.5, None)))(states)
-    minvals = torch.vmap(lambda s: qstats.compute_minval(s, spec, float_range=(-0.5, None)))(states)
+    minvals = batched.minval
     for i, x in enumerate(xs):
         one = obs.update(obs.init(x), x)
         qp = qstats.compute_qparams(one, spec, float_range=(-0.5, None))
@@ -239,8 +241,6 @@ def test_bad_float_range(bad, message):
     state = obs.update(obs.init(torch.ones(3)), torch.ones(3))
     with pytest.raises(ValueError, match=message):
         qstats.compute_qparams(state, spec, float_range=bad)
-    with pytest.raises(ValueError, match=message):
-        qstats.compute_minval(state, spec, float_range=bad)
 
 
 def test_scale_dtype_torch_dtypes_compare_equal_to_names():
@@ -279,4 +279,48 @@ def test_bfloat16_inputs(qscheme):
         state = obs.update(obs.init(x), x)
         qp = qstats.compute_qparams(state, spec, float_range=float_range)
         assert _same(qp.scale, scale.float()) and _same(qp.zero_point, zero_point)
-        assert _same(qstats.compute_minval(state, spec, float_range=float_range), minval.float())
+        assert _same(qp.minval, minval.float())
+
+
+@pytest.mark.parametrize("qscheme", ["symmetric", "asymmetric"])
+def test_stacked_experts_minval_per_expert_under_vmap_and_compile(qscheme):
+    """stacked_qparams (torch.vmap of compute_qparams) gives each expert coreai_opt's minval of that
+    expert's tensor; an expert that saw nothing gets quant_min (both formulations dequantize alike
+    under the fallback scale 1, zero point 0); torch.compile(fullgraph=True) gives the same QParams.
+    Float targets keep a tensor too, so their stacks vmap."""
+    coreai_spec = _coreai_spec(torch.int8, qscheme, GRANULARITIES["per_channel_0"], (None, None))
+    spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=SHAPE)
+    experts = torch.stack(_batches(seed=1)[:3])
+    weight = torch.ones(3, *SHAPE)
+    weight[1] = 0.0  # expert 1 saw no tokens
+    obs = qstats.stacked_observer(qstats.minmax(spec), 3)
+    state = obs.update(obs.init(experts), experts, weight)
+    stacked = qstats.stacked_qparams(state, spec)
+    for e in (0, 2):
+        _, _, minval = _calculator(None, coreai_spec)(experts[e])
+        assert _same(stacked.minval[e], minval), e
+    assert not bool(stacked.calibrated[1].any())
+    assert torch.equal(stacked.minval[1], torch.full((SHAPE[0],), -128.0))
+    assert torch.equal(stacked.scale[1], torch.ones(SHAPE[0])) and not bool(stacked.zero_point[1].any())
+    one = qstats.minmax(spec).update(qstats.minmax(spec).init(experts[0]), experts[0])
+    compiled = torch.compile(lambda s: qstats.compute_qparams(s, spec), fullgraph=True)(one)
+    eager = qstats.compute_qparams(one, spec)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+    assert torch.equal(qstats.compute_minval(one, spec), eager.minval)
+    fp8 = qstats.QuantSpec.from_coreai_opt(_coreai_spec(torch.float8_e4m3fn, "symmetric", GRANULARITIES["per_channel_0"],
+                                                        (None, None)), shape=SHAPE)
+    fp8_obs = qstats.stacked_observer(qstats.minmax(fp8), 3)
+    fp8_qp = qstats.stacked_qparams(fp8_obs.update(fp8_obs.init(experts), experts), fp8)
+    assert torch.equal(fp8_qp.minval, -experts.abs().amax(-1))
+
+
+def test_fixed_qparams_minval_is_the_value_of_quant_min():
+    """A rule that gives QParams rather than a range (fixed qparams): ``minval`` makes coreai_opt's
+    MINVAL formulation, ``(q - quant_min) * scale + minval``, dequantize every code as the
+    zero-point one, ``(q - zero_point) * scale``."""
+    spec = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
+    obs = qstats.fixed_qparams(spec, scale=2.0**-8, zero_point=37)
+    qp = qstats.compute_qparams(obs.init(torch.zeros(3)), spec)
+    codes = torch.arange(0.0, 256.0)
+    assert torch.equal((codes - 0) * qp.scale + qp.minval, (codes - 37) * qp.scale)
+    assert torch.equal(qstats.compute_minval(obs.init(torch.zeros(3)), spec), qp.minval)

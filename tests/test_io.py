@@ -346,3 +346,48 @@ def test_meta_tensors_deep_trees_and_duplicate_keys_give_clear_errors(tmp_path):
     state_dict["structure"] = state_dict["structure"].replace('["b", ', '["a", ')
     with pytest.raises(ValueError, match="duplicate keys"):
         qio.from_state_dict(state_dict)
+
+
+def _old_qparams_file(path, fields):
+    """A checkpoint as qstats wrote it while QParams had four fields, built by hand (safetensors and
+    the documented metadata), not by our encoder."""
+    import zlib
+
+    tensors = {f"experts/{name}": value.contiguous() for name, value in fields.items()}
+    structure = {"t": "dict", "items": [["experts", {"t": "namedtuple", "type": "QParams", "fields": [
+        [name, {"t": "tensor", "key": f"experts/{name}"}] for name in fields]}]]}
+    checksums = {key: f"{zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().tobytes()):08x}"
+                 for key, t in tensors.items()}
+    metadata = {"format": "qstats", "format_version": "1", "structure": json.dumps(structure),
+                "checksums": json.dumps(checksums)}
+    safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+def test_a_checkpoint_saved_before_qparams_had_minval_still_loads(tmp_path):
+    """Files written with the four-field QParams load with ``minval`` None and every other field bit for
+    bit; they fake-quantize, slice per expert and save again as before. A file missing a field without
+    a default still raises."""
+    from qstats.export.experts import _slice_qparams, fill_uncovered_experts
+
+    spec = qstats.QuantSpec(dtype="int8", mapping="asymmetric", granularity=qstats.PerAxis(0))
+    fields = {"scale": torch.tensor([[0.5, 0.25], [1.0, 0.125]]),
+              "zero_point": torch.tensor([[3, -2], [0, 7]], dtype=torch.int32),
+              "global_scale": torch.ones(2), "calibrated": torch.tensor([[True, True], [False, False]])}
+    loaded = qstats.load(_old_qparams_file(tmp_path / "old.safetensors", fields))["experts"]
+    assert type(loaded) is qstats.QParams and loaded.minval is None
+    for name, value in fields.items():
+        assert torch.equal(getattr(loaded, name), value) and getattr(loaded, name).dtype == value.dtype
+    expert = _slice_qparams(loaded, 0)
+    assert expert.minval is None and torch.equal(expert.scale, fields["scale"][0])
+    codes = torch.tensor([[-128.0, 5.0], [127.0, 0.0]]).T  # rows are channels: x = (q - zp) * scale
+    x = (codes - fields["zero_point"][0].float()) * fields["scale"][0]
+    assert torch.equal(qstats.fake_quantize(x.T, expert, spec).T, x)
+    filled = fill_uncovered_experts(loaded, spec)
+    assert filled.minval is None and torch.equal(filled.scale[1], fields["scale"][0])
+    qstats.save(tmp_path / "new.safetensors", {"experts": loaded})
+    again = qstats.load(tmp_path / "new.safetensors")["experts"]
+    assert again.minval is None and all(torch.equal(a, b) for a, b in zip(again[:4], loaded[:4]))
+    three = {name: fields[name] for name in ("scale", "zero_point", "global_scale")}
+    with pytest.raises(ValueError, match="fields"):
+        qstats.load(_old_qparams_file(tmp_path / "three.safetensors", three))
