@@ -3,15 +3,12 @@
 A recipe names them like llm-compressor's own (``QuantizationModifier(..., input_observer=
 "qstats_minmax")`` or ``QuantizationArgs(observer="qstats_histogram")``):
 
-====================================  ==============================================  ==================================
-name                                  qstats observer                                 llm-compressor's counterpart
-====================================  ==============================================  ==================================
-``qstats_minmax``                     `qstats.moving_average_minmax`                  ``minmax`` (bit for bit)
-``qstats_static_minmax``              `qstats.minmax`                                 ``static_minmax`` (bit for bit)
-``qstats_memoryless_minmax``          `qstats.memoryless_minmax`                      ``memoryless_minmax`` (bit for bit)
-``qstats_histogram``                  `qstats.histogram` (range search at the end)    none
-``qstats_mse``                        `qstats.mse` (losses accumulated over batches)  ``mse`` with ``mode="moving_average"``
-====================================  ==============================================  ==================================
+- ``qstats_minmax``: `qstats.moving_average_minmax`, llm-compressor's ``minmax`` bit for bit;
+- ``qstats_static_minmax``: `qstats.minmax`, ``static_minmax`` bit for bit;
+- ``qstats_memoryless_minmax``: `qstats.memoryless_minmax`, ``memoryless_minmax`` bit for bit;
+- ``qstats_histogram``: `qstats.histogram`, an exactly mergeable histogram searched at the end;
+- ``qstats_mse``: `qstats.mse`, losses accumulated over all batches (``mode="moving_average"``:
+  llm-compressor's ``mse``).
 
 Each is an llm-compressor ``Observer``: ``forward`` folds the observed tensor into a qstats state
 (``obs.update``), ``get_qparams`` maps it with ``qstats.compute_qparams`` under
@@ -101,7 +98,13 @@ class QstatsObserver(LLMCompressorObserver):
         """The global scale shared by this observer's fusion group (two-level specs; else None)."""
         if self.args.strategy != QuantizationStrategy.TENSOR_GROUP:
             return None
-        states = [stats["qstats_state"] for stats in self.fusion_handler.get_fused_statistics()]
+        group = self.fusion_handler.get_fused_statistics()
+        if any("qstats_state" not in stats for stats in group):
+            raise TypeError(
+                f"{type(self).__name__}: its fusion group (q/k/v or gate/up weights sharing a global scale) "
+                "mixes qstats and llm-compressor observers; give every layer of the group a qstats observer"
+            )
+        states = [stats["qstats_state"] for stats in group]
         return fused_global_scale(states, self.spec, **self.qparams_options).reshape(1)
 
     @torch.no_grad

@@ -317,3 +317,15 @@ def test_sync_activation_stats_merges_the_ranks_states(tmp_path):
             assert bit_equal(activation["zero_point"], want["zero_point"]), (name, rank)
             weight_scales.append(weight["scale"])
         assert not bit_equal(*weight_scales)  # each rank kept its own weight's
+
+
+def test_fused_group_mixing_qstats_and_llmcompressor_observers_is_refused():
+    from llmcompressor.observers.fusion import FusionHandler
+
+    q, k = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    ours = Observer.load_from_registry("qstats_memoryless_minmax", base_name="weight", args=NVFP4["weights"].model_copy(deep=True))
+    theirs = Observer.load_from_registry("memoryless_minmax", base_name="weight", args=NVFP4["weights"].model_copy(deep=True))
+    FusionHandler.fuse([(ours, q), (theirs, k)])
+    ours(q.weight)
+    with pytest.raises(TypeError, match="mixes qstats and llm-compressor observers"):
+        ours.get_qparams()
