@@ -130,17 +130,20 @@ class _Calibration:
 
     def update(self, path: str, site: str, x: torch.Tensor, weight=None, like: Optional[torch.Tensor] = None):
         """``states[path][site] = observer.update(previous, x, weight)``, ``previous`` starting as
-        ``observer.init(like)`` (``like`` defaults to ``x``); a ValueError or TypeError (a tensor the
-        spec cannot observe, a resumed state of another shape or observer) names the module and site."""
+        ``observer.init(like)`` (``like`` defaults to ``x``), written under every key of a shared
+        state (`Plan.state_keys`); a ValueError or TypeError (a tensor the spec cannot observe, a
+        resumed state of another shape or observer) names the module and site."""
         observer = self.plan.sites[path][site].observer
-        entry = self.states.setdefault(path, {})
+        keys = self.plan.state_keys(path, site)
         try:
-            previous = entry.get(site)
+            previous = self.states.get(keys[0][0], {}).get(keys[0][1])
             if previous is None:
                 previous = observer.init(x if like is None else like)
-            entry[site] = observer.update(previous, x, weight)
+            updated = observer.update(previous, x, weight)
         except (ValueError, TypeError) as error:
             _raise_renamed(error, path, site)
+        for key_path, key_site in keys:
+            self.states.setdefault(key_path, {})[key_site] = updated
 
 
 class _ParameterSite:
@@ -455,7 +458,7 @@ def observing(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"observing expects an nn.Module, got {type(model).__name__}")
     plan = as_plan(recipe, model, "observing")
-    run = _Calibration(plan, _copy_tree(states), all_experts=bool(all_experts))
+    run = _Calibration(plan, plan.share_states(_copy_tree(states)), all_experts=bool(all_experts))
     _check_resumed(run.states, plan)
     _observe_parameters(run)
     session = Observing(run)

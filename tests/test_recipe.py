@@ -234,7 +234,7 @@ def test_shared_output_reuses_the_input_observer_as_torch_ao_fx_does():
                            shared={"1:output": "0:output"})
     plan = recipe.resolve(model)
     assert plan.state_keys("1", "output") == (("0", "output"), ("1", "output"))
-    states = plan.share_states(qstats.calibrate(model, batches, plan, progress=False))
+    states = qstats.calibrate(model, batches, plan, progress=False)  # one state, threaded through both sites
     assert states["0"]["output"] is states["1"]["output"]
     qparams = qstats.compute_qparams_tree(states, plan)
     for path in ("0", "1"):
@@ -242,13 +242,17 @@ def test_shared_output_reuses_the_input_observer_as_torch_ao_fx_does():
         assert torch.equal(qparams[path]["output"].zero_point.reshape(()).to(zero_point.dtype), zero_point.reshape(()))
 
 
-def test_shared_sites_observe_both_tensors_into_one_state():
-    """A shared state holds both sites' tensors, as one torch.ao MinMaxObserver instance called on
-    both (PT2E's SharedQuantizationSpec), whatever the values (here the second is 3x the first)."""
+@pytest.mark.parametrize("reference_cls, observer", [
+    (torch.ao.quantization.MinMaxObserver, "minmax"),
+    (torch.ao.quantization.MovingAverageMinMaxObserver, "moving_average_minmax"),
+])
+def test_shared_sites_observe_both_tensors_into_one_state(reference_cls, observer):
+    """A shared state holds both sites' tensors in call order, as one torch.ao observer instance
+    called on both (PT2E's SharedQuantizationSpec), whatever the values (the second is 3x the first)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 6), _Triple()).eval()
     batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    reference = torch.ao.quantization.MinMaxObserver(dtype=torch.quint8)
+    reference = reference_cls(dtype=torch.quint8)
     with torch.no_grad():
         for x in batches:
             y = model[0](x)
@@ -256,9 +260,10 @@ def test_shared_sites_observe_both_tensors_into_one_state():
             reference(model[1](y))
     scale, zero_point = reference.calculate_qparams()
     spec = qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_affine)
-    recipe = qstats.Recipe([qstats.Rule(("0", "1"), sites=("output",), spec=spec)], shared={"1:output": "0:output"})
+    recipe = qstats.Recipe([qstats.Rule(("0", "1"), sites=("output",), observer=observer, spec=spec)],
+                           shared={"1:output": "0:output"})
     plan = recipe.resolve(model)
-    states = plan.share_states(qstats.calibrate(model, batches, plan, progress=False))
+    states = qstats.calibrate(model, batches, plan, progress=False)
     qparams = qstats.compute_qparams_tree(states, plan)
     for path in ("0", "1"):
         assert torch.equal(qparams[path]["output"].scale.reshape(()), scale.reshape(()))
