@@ -46,7 +46,9 @@ class QParams(NamedTuple):
         symmetric mappings and ``min(min, 0)`` for the others, rounded to ``spec.compute_dtype``;
         ``quant_min`` where uncalibrated. Float targets get the same value, although coreai_opt
         returns None there and `fake_quantize` never reads it: a tensor keeps QParams vmappable
-        and stackable. None only in QParams built with four fields (older code, old checkpoints).
+        and stackable. None only in QParams built with four fields (older code, checkpoints saved
+        before this field): ``torch.vmap`` over such a QParams needs ``in_dims`` None for it, e.g.
+        ``in_dims=(QParams(0, 0, 0, 0, None),)``, or ``qp._replace(minval=...)`` first.
     """
 
     scale: torch.Tensor

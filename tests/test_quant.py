@@ -274,7 +274,9 @@ def test_zero_points_outside_the_range_raise_like_torch(per_channel, zero_point)
     for run in (
         lambda q: qstats.fake_quantize(x, q, spec),
         lambda q: qstats.quantize(x, q, spec),
-        lambda q: torch.vmap(lambda p: qstats.fake_quantize(x, p, spec))(qstats.QParams(*(t[None] for t in q))),
+        # a QParams built with four fields has minval None: vmap needs in_dim None there
+        lambda q: torch.vmap(lambda p: qstats.fake_quantize(x, p, spec), in_dims=(qstats.QParams(0, 0, 0, 0, None),))(
+            qstats.QParams(*(None if t is None else t[None] for t in q))),
         lambda q: torch.compile(lambda p: qstats.fake_quantize(x, p, spec), backend="aot_eager", fullgraph=True)(q),
     ):
         with pytest.raises(ValueError, match=r"zero points must lie in .* \[0, 255\]"):
