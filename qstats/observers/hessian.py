@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._granularity import check_observable
+from .._gram import add_masked_gram
 from .._qparams import register_range_rule
 from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state
@@ -104,9 +105,10 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
         rows = x.detach().reshape(-1, x.shape[-1]).to(state.total.dtype)
         finite = torch.isfinite(rows).all(dim=1)
         kept = finite if keep is None else finite & keep
-        rows = torch.where(kept[:, None], rows, torch.zeros_like(rows))
         nonfinite = (~finite).sum() if keep is None else ((~finite) & keep).sum()
-        return HessianState(state.total + rows.T @ rows, state.count + kept.sum(), state.nonfinite + nonfinite)
+        # total + where(kept, rows, 0).T @ rows; under vmap over experts, each expert's rows only
+        total = add_masked_gram(state.total, rows, kept)
+        return HessianState(total, state.count + kept.sum(), state.nonfinite + nonfinite)
 
     def merge_fn(a: HessianState, b: HessianState) -> HessianState:
         check_state(a, HessianState, "hessian.merge")
