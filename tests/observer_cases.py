@@ -43,6 +43,7 @@ CASES = [
     ("mse/axis0-reference", lambda: qstats.mse(qstats.QuantSpec(dtype="int4", granularity=qstats.PerAxis(0)), grid=20, reference=(-torch.ones(6), torch.ones(6))), _x((6, 8))),
     ("mse/moving_average", lambda: qstats.mse(qstats.QuantSpec(dtype="int4"), grid=20, mode="moving_average", averaging_constant=0.5), _x((6, 8))),
     ("imatrix", lambda: qstats.imatrix(), _x((6, 8))),
+    ("hessian", lambda: qstats.hessian(), _x((6, 8))),
     ("imatrix_mse/axis0", lambda: qstats.imatrix_mse(qstats.QuantSpec(dtype="int4", granularity=qstats.PerAxis(0)), (6, 8), reference=(-torch.ones(6), torch.ones(6))), _x((6, 8))),
     ("fixed_qparams/sigmoid", lambda: qstats.sigmoid_qparams(), _x((6, 8))),
     ("placeholder", lambda: qstats.placeholder(), _x((6, 8))),
