@@ -66,9 +66,9 @@ def main(argv=None) -> None:
     def ours():
         return qstats.gptq(weights, state, spec, qparams=qparams)
 
-    def vmapped(w, total, count, nonfinite, scale, zero_point, global_scale, calibrated):
+    def vmapped(w, total, count, nonfinite, *qparam_fields):
         state_one = qstats.HessianState(total, count, nonfinite)
-        return qstats.gptq(w, state_one, spec, qparams=qstats.QParams(scale, zero_point, global_scale, calibrated))
+        return qstats.gptq(w, state_one, spec, qparams=qstats.QParams(*qparam_fields))
 
     def ours_vmap():
         return torch.vmap(vmapped)(weights, *state, *qparams)

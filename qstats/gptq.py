@@ -131,16 +131,21 @@ def _quantize_column(column, scale, zero_point, global_scale, spec):
     return _dequantize_view(codes, scale, zero_point, spec, global_scale), codes
 
 
-def _running_qparams(rest, start, stop, group_size, spec, scales, zero_points):
+def _running_qparams(rest, start, stop, group_size, spec, found):
     """Appends the min/max parameters of the groups starting in columns ``[start, stop)``, from the
     weight as it is at the block's start (``rest``: its columns from ``start``); returns every group's
     so far as ``[..., rows, groups]``."""
     first, last = -(-start // group_size), -(-stop // group_size)
     if last > first:
         fresh = _minmax_qparams(rest[..., first * group_size - start: last * group_size - start], spec)
-        scales.append(fresh.scale)
-        zero_points.append(fresh.zero_point)
-    return torch.cat(scales, dim=-1), torch.cat(zero_points, dim=-1).float()
+        found.append(fresh)
+    return torch.cat([qp.scale for qp in found], dim=-1), torch.cat([qp.zero_point for qp in found], dim=-1).float()
+
+
+def _joined(found: list) -> QParams:
+    """The groups' parameters of every block as one QParams (one global scale: 1)."""
+    return QParams(*(field[0] if name == "global_scale" or field[0] is None else torch.cat(field, dim=-1)
+                     for name, field in zip(QParams._fields, zip(*found))))
 
 
 def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block_size, running):
@@ -149,12 +154,12 @@ def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block
     rank-1 updates over `_INNER` columns at a time, then one matmul. Column ``j`` uses
     ``scale[..., index[j]]``; ``running`` (the group size) computes group parameters per block."""
     columns = weight.shape[-1]
-    quantized, codes, scales, zero_points = [], [], [], []  # columns of the result; running parameters
+    quantized, codes, found = [], [], []  # columns of the result; running group parameters
     rest = weight
     for start in range(0, columns, block_size):
         stop = min(start + block_size, columns)
         if running is not None:
-            scale, zero_point = _running_qparams(rest, start, stop, running, spec, scales, zero_points)
+            scale, zero_point = _running_qparams(rest, start, stop, running, spec, found)
         block, block_inverse = rest[..., : stop - start].clone(), inverse[..., start:stop, start:stop]  # local
         errors = []
         for inner in range(0, stop - start, _INNER):
@@ -174,7 +179,7 @@ def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block
             block[..., inner_stop:] -= inner_errors @ block_inverse[..., inner:inner_stop, inner_stop:]
             errors.append(inner_errors)
         rest = rest[..., stop - start:] - torch.cat(errors, dim=-1) @ inverse[..., start:stop, stop:]
-    running_qparams = None if running is None else (torch.cat(scales, dim=-1), torch.cat(zero_points, dim=-1))
+    running_qparams = None if running is None else _joined(found)
     # one contiguous copy each: [..., columns, rows] -> [..., rows, columns]
     return (torch.stack(quantized, dim=-2).transpose(-1, -2).contiguous(),
             torch.stack(codes, dim=-2).transpose(-1, -2).contiguous(), running_qparams)
@@ -212,8 +217,7 @@ def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actor
         inverse_perm = torch.argsort(perm, dim=-1)
         quantized, codes = _permute_columns(quantized, inverse_perm), _permute_columns(codes, inverse_perm)
     if running_qparams is not None:
-        qparams = QParams(running_qparams[0], running_qparams[1], torch.ones(weight.shape[:-2], device=weight.device),
-                          torch.ones_like(running_qparams[0], dtype=torch.bool))
+        qparams = running_qparams
     return quantized.to(weight.dtype), store_codes(codes, spec), qparams
 
 
