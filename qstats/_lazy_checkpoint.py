@@ -70,12 +70,16 @@ class LazyCheckpoint:
             count = 0
             while f"{prefix}.{count}.{sources[0]}.weight" in self:
                 count += 1
-            stacked = None  # filled expert by expert: never the per-expert copies and the stack at once
+            stacked = None  # filled slice by slice: never the per-expert copies and the stack at once
             for expert in range(count):
-                value = torch.cat([self.tensor(f"{prefix}.{expert}.{s}.weight") for s in sources], dim=0)
+                parts = [self.tensor(f"{prefix}.{expert}.{source}.weight") for source in sources]
                 if stacked is None:
-                    stacked = value.new_empty((count, *value.shape))
-                stacked[expert] = value
+                    rows = sum(part.shape[0] for part in parts)
+                    stacked = parts[0].new_empty((count, rows, *parts[0].shape[1:]))
+                start = 0
+                for part in parts:
+                    stacked[expert, start : start + part.shape[0]] = part
+                    start += part.shape[0]
             return stacked
         return None
 
