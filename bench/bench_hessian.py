@@ -10,7 +10,11 @@ over the tokens routed to it:
 - llm-compressor: what its GPTQ hook does per expert module and batch, ``accumulate_hessian`` on the
   tokens routed to that expert (selected before timing; hook dispatch not timed).
 
-Both give the same Hessians (checked: llm-compressor's is ``2 * total``). torch runs one thread; the
+Both give the same Hessians (checked: llm-compressor's is ``2 * total``). Both multiply each expert's
+routed rows once (``qstats::add_masked_gram``'s vmap rule gathers them and runs one ``addmm`` per
+expert), so on one thread the products cost the same; qstats' update also gathers the routed rows
+(llm-compressor's are selected before timing) and writes a new ``[E, in, in]`` state per batch
+(pure update) where llm-compressor adds in place. torch runs one thread; the
 CPU time of this process is measured (``--wall``: wall-clock). Prints the best time of each side over
 ``--repeats`` and the range of llm-compressor's time over qstats' in the same repeat.
 
