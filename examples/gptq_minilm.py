@@ -15,7 +15,7 @@ Reports the mean and minimum cosine of the held-out sentence embeddings to the f
 asserts that GPTQ beats round-to-nearest.
 
 Run:  python examples/gptq_minilm.py [--calibration 256] [--heldout 256] [--groups 32 128] [--layers 6]
-      (about 2 minutes on one busy core: the 1536-column layers' Cholesky factors and column loops)
+      (2 to 5 minutes on a busy 2-core machine: mostly the 1536-column layers' Cholesky inverses and column loops)
 """
 
 from __future__ import annotations
