@@ -29,6 +29,7 @@ from ._spec import QuantSpec as QuantSpec
 from .calibrate import calibrate as calibrate
 from .calibrate import compute_qparams_tree as compute_qparams_tree
 from .calibrate import fake_quantized as fake_quantized
+from .layerwise import calibrate_layerwise as calibrate_layerwise
 from .observing import Observing as Observing
 from .observing import observing as observing
 from .experts import UncalibratedWarning as UncalibratedWarning
@@ -122,6 +123,7 @@ __all__ = [
     "TensorGroup",
     "UncalibratedWarning",
     "calibrate",
+    "calibrate_layerwise",
     "observing",
     "Observing",
     "canonical_view",
