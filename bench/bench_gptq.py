@@ -9,8 +9,8 @@ weight observer's), block size 128, no activation ordering:
 - llm-compressor: ``quantize_weight`` (its eager column loop) called once per expert, as a per-module
   GPTQ loop does; a second row calls it once on the whole batch (its ``batched_quantization``).
 
-The codes are compared before timing (qstats carries a block's error over its later columns by
-a matmul every 16 columns: a few codes in 10^5 differ by float rounding). torch runs one thread;
+The codes are compared before timing (the same float operations in the same order; the batched
+matmuls that carry a block's error may round a few codes in a million differently). torch runs one thread;
 the CPU time of this process is measured (``--wall``: wall-clock). Prints the best time of each
 row over ``--repeats`` and the range of its ratio to qstats' time of the same repeat.
 

@@ -41,7 +41,6 @@ from .observers.minmax import minmax
 __all__ = ["gptq"]
 
 _ACTORDERS = (None, "static", "weight")
-_INNER = 16  # columns updated one by one before a matmul carries their error over the rest of the block
 
 
 @torch.library.custom_op("qstats::warn_unobserved_hessian", mutates_args=())
@@ -150,8 +149,8 @@ def _joined(found: list) -> QParams:
 
 def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block_size, running):
     """The column loop: quantize each column, spread its error over the block's later columns, then
-    the block's error over the following columns (section 3.4 of arXiv:2203.07259); within a block,
-    rank-1 updates over `_INNER` columns at a time, then one matmul. Column ``j`` uses
+    the block's error over the following columns (section 3.4 of arXiv:2203.07259), in
+    llm-compressor's order of float operations. Column ``j`` uses
     ``scale[..., index[j]]``; ``running`` (the group size) computes group parameters per block."""
     columns = weight.shape[-1]
     quantized, codes, found = [], [], []  # columns of the result; running group parameters
@@ -162,23 +161,17 @@ def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block
             scale, zero_point = _running_qparams(rest, start, stop, running, spec, found)
         block, block_inverse = rest[..., : stop - start].clone(), inverse[..., start:stop, start:stop]  # local
         errors = []
-        for inner in range(0, stop - start, _INNER):
-            inner_stop = min(inner + _INNER, stop - start)
-            inner_errors = []
-            for i in range(inner, inner_stop):
-                column = block[..., i]
-                k = index[start + i]
-                q, code = _quantize_column(column, scale[..., k], zero_point[..., k], global_scale, spec)
-                error = (column - q) / block_inverse[..., i, i, None]
-                block[..., i:inner_stop].addcmul_(error[..., None], block_inverse[..., i, None, i:inner_stop],
-                                                  value=-1.0)  # in place on the local copy
-                quantized.append(q)
-                codes.append(code)
-                inner_errors.append(error)
-            inner_errors = torch.stack(inner_errors, dim=-1)
-            block[..., inner_stop:] -= inner_errors @ block_inverse[..., inner:inner_stop, inner_stop:]
-            errors.append(inner_errors)
-        rest = rest[..., stop - start:] - torch.cat(errors, dim=-1) @ inverse[..., start:stop, stop:]
+        for i in range(stop - start):
+            column = block[..., i]
+            k = index[start + i]
+            q, code = _quantize_column(column, scale[..., k], zero_point[..., k], global_scale, spec)
+            error = (column - q) / block_inverse[..., i, i, None]
+            # in place on the local copy; a - e * h rounded as llm-compressor's W1[:, :, i:] -= e * h
+            block[..., i:].addcmul_(error[..., None], block_inverse[..., i, None, i:], value=-1.0)
+            quantized.append(q)
+            codes.append(code)
+            errors.append(error)
+        rest = rest[..., stop - start:] - torch.stack(errors, dim=-1) @ inverse[..., start:stop, stop:]
     running_qparams = None if running is None else _joined(found)
     # one contiguous copy each: [..., columns, rows] -> [..., rows, columns]
     return (torch.stack(quantized, dim=-2).transpose(-1, -2).contiguous(),
