@@ -18,6 +18,7 @@ from .moments import MomentsState as MomentsState
 from .mse import MSEState as MSEState
 from .mse import MovingAverageMSEState as MovingAverageMSEState
 from .imatrix import IMatrixState as IMatrixState
+from .hessian import HessianState as HessianState
 from .imatrix import imatrix_mse as imatrix_mse
 from .imatrix import importance as importance
 from .fixed import FixedQParamsState as FixedQParamsState
