@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import qstats
-from qstats.layerwise import calibrate_layerwise
 
 transformers = pytest.importorskip("transformers")
 
@@ -110,8 +109,8 @@ def test_float_equals_full_model(saved, name, all_experts):
         want = qstats.calibrate(loaded, batches, recipe, progress=False, observation_weight=_attention_mask,
                                 all_experts=all_experts)  # fmt: skip
         meta = _meta(name)
-        got = calibrate_layerwise(meta, directory, batches, recipe, progress=False,
-                                  observation_weight=_attention_mask, all_experts=all_experts)  # fmt: skip
+        got = qstats.calibrate_layerwise(meta, directory, batches, recipe, progress=False,
+                                         observation_weight=_attention_mask, all_experts=all_experts)  # fmt: skip
     _assert_equal(got, want)
     assert "lm_head" in got and f"model.layers.{LAYERS - 1}.mlp" + (".experts" if name == "qwen3_moe" else ".down_proj") in got
     # the model is left on the meta device, its ties intact
@@ -124,9 +123,9 @@ def test_padding_is_not_observed(saved):
     """The padded tokens change the full model's states when observed; masked, they do not count."""
     directory, _ = saved["llama"]
     batches, recipe = _batches(2, padded=True), _recipe("llama")
-    masked = calibrate_layerwise(_meta("llama"), directory, batches, recipe, progress=False,
-                                 observation_weight=_attention_mask)  # fmt: skip
-    unmasked = calibrate_layerwise(_meta("llama"), directory, batches, recipe, progress=False)
+    masked = qstats.calibrate_layerwise(_meta("llama"), directory, batches, recipe, progress=False,
+                                        observation_weight=_attention_mask)  # fmt: skip
+    unmasked = qstats.calibrate_layerwise(_meta("llama"), directory, batches, recipe, progress=False)
     counts = [(masked[p]["input"], unmasked[p]["input"]) for p in masked if "input" in masked[p]]
     assert any(not torch.equal(a.min_val, b.min_val) or not torch.equal(a.max_val, b.max_val) for a, b in counts)
 
@@ -137,13 +136,13 @@ def test_offload_and_resume(saved, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", qstats.UncalibratedWarning)
         want = qstats.calibrate(loaded, first + second, recipe, progress=False)
-        offloaded = calibrate_layerwise(_meta("qwen3_moe"), directory, first + second, recipe, progress=False,
-                                        offload_dir=tmp_path)  # fmt: skip
+        offloaded = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, first + second, recipe, progress=False,
+                                               offload_dir=tmp_path)  # fmt: skip
         assert os.listdir(tmp_path) == []  # its files are removed
         path = tmp_path / "states.safetensors"
-        qstats.save(path, calibrate_layerwise(_meta("qwen3_moe"), directory, first, recipe, progress=False))
-        resumed = calibrate_layerwise(_meta("qwen3_moe"), directory, second, recipe, progress=False,
-                                      states=qstats.load(path))  # fmt: skip
+        qstats.save(path, qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, first, recipe, progress=False))
+        resumed = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, second, recipe, progress=False,
+                                             states=qstats.load(path))  # fmt: skip
     _assert_equal(offloaded, want)
     _assert_equal(resumed, want)
 
@@ -169,8 +168,8 @@ def test_quantized_propagation(saved, name):
     batches, recipe = _batches(5), _recipe(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", qstats.UncalibratedWarning)
-        got = calibrate_layerwise(_meta(name), directory, batches, recipe, progress=False, propagate="quantized")
-        floated = calibrate_layerwise(_meta(name), directory, batches, recipe, progress=False)
+        got = qstats.calibrate_layerwise(_meta(name), directory, batches, recipe, progress=False, propagate="quantized")
+        floated = qstats.calibrate_layerwise(_meta(name), directory, batches, recipe, progress=False)
         want = _quantized_reference(loaded, batches, recipe)
     _assert_equal(got, want)
     assert not torch.equal(got["lm_head"]["input"].max_val, floated["lm_head"]["input"].max_val)
@@ -182,16 +181,16 @@ def test_bad_input(saved, tmp_path):
     directory, _ = saved["llama"]
     recipe = _recipe("llama")
     with pytest.raises(ValueError, match="propagate"):
-        calibrate_layerwise(_meta("llama"), directory, _batches(0, 1), recipe, propagate="int8")
+        qstats.calibrate_layerwise(_meta("llama"), directory, _batches(0, 1), recipe, propagate="int8")
     with pytest.raises(ValueError, match="neither model.safetensors"):
-        calibrate_layerwise(_meta("llama"), tmp_path, _batches(0, 1), recipe)
+        qstats.calibrate_layerwise(_meta("llama"), tmp_path, _batches(0, 1), recipe)
     other = _meta("qwen3_moe")
     with pytest.raises(ValueError, match="has shape|no tensor"):
-        calibrate_layerwise(other, directory, _batches(0, 1), _recipe("qwen3_moe"), progress=False)
+        qstats.calibrate_layerwise(other, directory, _batches(0, 1), _recipe("qwen3_moe"), progress=False)
     with pytest.raises(ValueError, match="not a non-empty nn.ModuleList"):
-        calibrate_layerwise(_meta("llama"), directory, _batches(0, 1), recipe, layers="model.norm")
+        qstats.calibrate_layerwise(_meta("llama"), directory, _batches(0, 1), recipe, layers="model.norm")
     with pytest.raises(ValueError, match="does not observe"):
-        calibrate_layerwise(_meta("llama"), directory, _batches(0, 1), recipe, states={"lm_head": {"output": None}})
+        qstats.calibrate_layerwise(_meta("llama"), directory, _batches(0, 1), recipe, states={"lm_head": {"output": None}})
 
 
 def _free_port() -> int:
@@ -208,8 +207,8 @@ def _rank(rank: int, port: int, directory: str, out: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             batches = _batches(6, 4)[rank::2]
-            states = calibrate_layerwise(_meta("qwen3_moe"), directory, batches, _recipe("qwen3_moe"),
-                                         progress=False, propagate="quantized", all_reduce=True)  # fmt: skip
+            states = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, batches, _recipe("qwen3_moe"),
+                                                progress=False, propagate="quantized", all_reduce=True)  # fmt: skip
         qstats.save(os.path.join(out, f"rank{rank}.safetensors"), states)
     finally:
         torch.distributed.destroy_process_group()
@@ -229,7 +228,7 @@ def test_all_reduce_two_ranks(saved, tmp_path):
         assert proc.exitcode == 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        want = calibrate_layerwise(_meta("qwen3_moe"), directory, _batches(6, 4), _recipe("qwen3_moe"),
-                                   progress=False, propagate="quantized")  # fmt: skip
+        want = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, _batches(6, 4), _recipe("qwen3_moe"),
+                                          progress=False, propagate="quantized")  # fmt: skip
     for rank in range(2):
         _assert_equal(qstats.load(tmp_path / f"rank{rank}.safetensors"), want)
