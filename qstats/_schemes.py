@@ -151,13 +151,14 @@ def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
     groups = config.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
         raise ValueError("quantization config: 'config_groups' must be a non-empty mapping of schemes")
-    if config.get("kv_cache_scheme"):
-        raise ValueError("quantization config: kv_cache_scheme is not converted yet; add Rules for the 'k'/'v' "
-                         "sites of the attention modules")
     rules = []
     for name, group in groups.items():
         if not isinstance(group, Mapping):
             raise TypeError(f"quantization config: config_groups[{name!r}] must be a mapping, got {type(group).__name__}")
         rules.extend(scheme_rules(Rule, group, group.get("targets") or "Linear", observed_dtype))
+    kv_args = _args(config.get("kv_cache_scheme"))
+    if kv_args is not None:  # the k/v projection outputs of every attention module
+        kv = _rule(Rule, "re:.*", kv_args, "k", observed_dtype)
+        rules.append(dataclasses.replace(kv, sites=("k", "v")))
     return rules, tuple(config.get("ignore") or ())
 

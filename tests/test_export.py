@@ -751,3 +751,36 @@ def test_granularities_compressed_tensors_cannot_express_are_refused(granularity
     spec = qstats.QuantSpec(granularity=granularity)
     with pytest.raises(ValueError, match="compressed-tensors"):
         qstats.export.quantization_args(spec, "weight")
+
+
+def test_recipe_from_a_config_with_kv_cache_scheme_calibrates_and_exports_the_kv_scales(tmp_path):
+    """``Recipe.from_compressed_tensors`` of a config with ``kv_cache_scheme`` observes the k/v sites
+    of every attention module under that scheme: the same qparams as the explicit rule above (whose
+    scales are checked against compressed-tensors), and the scheme written back unchanged."""
+    weight_args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+    config = {
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weight_args.model_dump()}},
+        "kv_cache_scheme": KV_FP8.model_dump(),
+        "ignore": ["lm_head"],
+    }
+    recipe = qstats.Recipe.from_compressed_tensors(config)
+    explicit = qstats.Recipe(
+        [
+            qstats.Rule("Linear", sites=("weight",), spec=qstats.QuantSpec.from_compressed_tensors(weight_args)),
+            qstats.Rule("LlamaAttention", sites=("k", "v"), observer=qstats.moving_average_minmax,
+                        spec=qstats.QuantSpec.from_compressed_tensors(KV_FP8), observer_kwargs={"averaging_constant": 0.01}),
+        ],
+        ignore=["lm_head"],
+    )
+    model = _llama()
+    generator = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 64, (2, 8), generator=generator) for _ in range(2)]
+    ours = qstats.compute_qparams_tree(qstats.calibrate(model, batches, recipe, progress=False), recipe, model)
+    reference = qstats.compute_qparams_tree(qstats.calibrate(model, batches, explicit, progress=False), explicit, model)
+    for layer in range(2):
+        path = f"model.layers.{layer}.self_attn"
+        for site in ("k", "v"):
+            assert bit_equal(ours[path][site].scale, reference[path][site].scale)
+    with pytest.warns(UserWarning, match="before the rotary embedding"):
+        written = qstats.export.compressed_tensors(model, ours, str(tmp_path), recipe)
+    assert QuantizationConfig.model_validate(written).kv_cache_scheme == KV_FP8
