@@ -20,6 +20,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 import torch
 
 from ._granularity import PerGroup, PerTensor, PerToken, TensorGroup
+from ._rule_data import recipe_fields
+from ._schemes import config_rules, scheme_rules
 from ._spec import QuantSpec
 from .experts import expert_count, is_stacked_parameter, own_parameters, parameter_input_site, stacked_observer
 from .fused import fused_groups
@@ -435,7 +437,6 @@ class Recipe:
         >>> [rule.sites for rule in qstats.Recipe.from_scheme("W4A16").rules]
         [('weight',)]
         """
-        from ._schemes import scheme_rules
 
         rules = scheme_rules(Rule, scheme, targets, observed_dtype, experts)
         return cls(rules, ignore=ignore, shared=shared)
@@ -446,7 +447,6 @@ class Recipe:
         ``quantization_config`` dict of a checkpoint's ``config.json``: one rule per site of each
         config group (in order; the first matching rule wins, as in compressed-tensors) and its
         ``ignore`` list, with llm-compressor's observers (`from_scheme`)."""
-        from ._schemes import config_rules
 
         rules, ignore = config_rules(Rule, config, observed_dtype)
         return cls(rules, ignore=ignore)
@@ -459,7 +459,6 @@ class Recipe:
         ``"PerTensor"`` or ``{"PerAxis": {"axis": 0}}``), ``{"preset": name, ...}`` or
         ``{"compressed_tensors": {...QuantizationArgs fields}}``; or ``{"scheme": name,
         "targets": ..., "ignore": [...]}`` (`from_scheme`)."""
-        from ._rule_data import recipe_fields
 
         if isinstance(data, Mapping) and "scheme" in data:
             extra = set(data) - {"scheme", "targets", "ignore", "shared", "observed_dtype"}

@@ -17,6 +17,8 @@ import torch
 
 from .._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
 from .._spec import QuantSpec
+from ..observers import registry
+from ..recipe import _matches
 
 __all__ = [
     "ATTENTION_SITES",
@@ -228,8 +230,6 @@ def llm_compressor_observers(plan) -> dict:
     once by min-max are ``"memoryless_minmax"``, by the MSE search ``"memoryless_mse"``;
     activations: ``"static_minmax"`` (`qstats.minmax`), ``"minmax"`` (its moving average),
     ``"memoryless_minmax"``, ``"mse"``; None for the others and for dynamic sites."""
-    from ..observers import registry
-
     names: dict = {}
     for path, sites in plan.sites.items():
         for site, found in sites.items():
@@ -248,8 +248,6 @@ def ignored_modules(modules: dict, schemes: dict, plan=None) -> list:
     """The ``ignore`` list, as compressed-tensors writes it: the unquantized Linear modules, and
     with a recipe's ``plan`` the modules its ``ignore`` names that hold a 2-D weight (MoE routers
     such as ``Qwen3MoeTopKRouter``, which llm-compressor lists), in ``named_modules`` order."""
-    from ..recipe import _matches
-
     ignore_targets = plan.recipe.ignore if plan is not None else ()
     out = []
     for path, module in modules.items():
