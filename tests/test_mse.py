@@ -192,6 +192,22 @@ def test_search_does_not_depend_on_the_data_magnitude(magnitude):
     torch.testing.assert_close(qstats.compute_qparams(state, spec).scale / magnitude, reference, rtol=1e-6, atol=0.0)
 
 
+def test_stacked_search_equals_a_loop_over_experts_with_and_without_overflow():
+    """One vmapped update of 3 experts (one with data past float32's error range, one masked out
+    in part) equals the per-expert updates: each slice takes its own float32 or float64 errors."""
+    spec = qstats.QuantSpec(dtype="int4", granularity=qstats.PerAxis(0))
+    obs = qstats.mse(spec)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 4, 64, generator=generator) * torch.tensor([1.0, 1e20, 0.01]).reshape(3, 1, 1)
+    mask = torch.rand(3, 4, 64, generator=generator) > 0.3
+    stacked = qstats.stacked_observer(obs, 3)
+    state = stacked.update(stacked.init(x), x, mask)
+    for e in range(3):
+        alone = obs.update(obs.init(x[e]), x[e], mask[e])
+        assert torch.equal(state.loss[e], alone.loss), e
+    assert torch.isfinite(state.loss).all()
+
+
 LOW_PRECISION_ARGS = [
     dict(num_bits=4, type="int", symmetric=True, strategy="channel"),
     dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16),

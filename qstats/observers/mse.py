@@ -177,23 +177,51 @@ def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, erro
     return torch.stack(losses, dim=0)
 
 
-def _error_sum(difference, norm, error_dtype, weights, keep, index, native_error):
-    """``sum |difference| ** norm`` over dims (0, -1), float64. Formed in ``error_dtype`` (in the
-    input's dtype and summed in float32 for ``native_error``); where that sum overflows (data near
-    1e16 and beyond) the same sum formed in float64 replaces it."""
+def _error_total(d, weights, keep, norm: float, as_float32: bool) -> torch.Tensor:
+    error = d * d if norm == 2.0 else d.abs().pow(norm)
+    if weights is not None:
+        error = error * weights
+    if keep is not None:
+        error = torch.where(keep, error, torch.zeros_like(error))
+    return error.sum(dim=(0, -1), dtype=torch.float32 if as_float32 else None).to(torch.float64)
 
-    def total(d, as_float32):
-        error = d * d if norm == 2.0 else d.abs().pow(norm)
-        if weights is not None:
-            error = error * weights[index]
-        if keep is not None:
-            error = torch.where(keep[index], error, torch.zeros_like(error))
-        return error.sum(dim=(0, -1), dtype=torch.float32 if as_float32 else None).to(torch.float64)
 
-    narrow = total(difference if native_error else difference.to(error_dtype), native_error)
-    if error_dtype == torch.float64 and not native_error:
+@torch.library.custom_op("qstats::error_sum", mutates_args=())
+def _error_sum_op(difference: torch.Tensor, weights: Optional[torch.Tensor], keep: Optional[torch.Tensor],
+                  norm: float, native_error: bool) -> torch.Tensor:
+    """``sum |difference| ** norm`` over dims (0, -1) as float64, formed in ``difference``'s dtype
+    (summed in float32 for ``native_error``); where that sum overflows (data near 1e16 and beyond)
+    the sum formed in float64 replaces it. One op, so that the float64 pass runs only when needed."""
+    narrow = _error_total(difference, weights, keep, norm, native_error)
+    if difference.dtype == torch.float64 and not native_error:
         return narrow
-    return torch.where(narrow.isfinite(), narrow, total(difference.to(torch.float64), False))
+    finite = narrow.isfinite()
+    if bool(finite.all()):  # this op's own host read: the usual case skips the float64 pass
+        return narrow
+    return torch.where(finite, narrow, _error_total(difference.to(torch.float64), weights, keep, norm, False))
+
+
+@_error_sum_op.register_fake
+def _(difference, weights, keep, norm, native_error):
+    return difference.new_empty(difference.shape[1:-1], dtype=torch.float64)
+
+
+def _error_sum_vmap(info, in_dims, difference, weights, keep, norm, native_error):
+    """The vmapped dimension moves inside the parameter dims (dim 1); every slice in one call."""
+    moved = [t if t is None else t.unsqueeze(1) if d is None else t.movedim(d, 1)
+             for t, d in zip((difference, weights, keep), in_dims)]
+    shape = torch.broadcast_shapes(*(t.shape for t in moved if t is not None))
+    return _error_sum_op(moved[0].expand(shape), moved[1], moved[2], norm, native_error), 0
+
+
+_error_sum_op.register_vmap(_error_sum_vmap)
+
+
+def _error_sum(difference, norm, error_dtype, weights, keep, index, native_error):
+    """``sum |difference| ** norm`` over dims (0, -1), float64 (`_error_sum_op`)."""
+    weights = None if weights is None else weights[index]
+    keep = None if keep is None else keep[index]
+    return _error_sum_op(difference if native_error else difference.to(error_dtype), weights, keep, norm, native_error)
 
 
 def _first_minimum(loss: torch.Tensor, patience: Optional[int]) -> torch.Tensor:
