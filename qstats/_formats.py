@@ -1,59 +1,9 @@
 """Low-bit float element formats, power-of-two (e8m0) scales and two-level (NVFP4) scales.
 
-Element formats (``QuantSpec.dtype``):
-
-==============  =====  =====  ========  ==========  ===================================
-name            exp    man    max       min normal  storage of `quantize` codes
-==============  =====  =====  ========  ==========  ===================================
-fp8_e4m3fn      4      3      448       2**-6       torch.float8_e4m3fn
-fp8_e5m2        5      2      57344     2**-14      torch.float8_e5m2
-fp8_e4m3fnuz    4      3      240       2**-7       torch.float8_e4m3fnuz
-fp8_e5m2fnuz    5      2      57344     2**-15      torch.float8_e5m2fnuz
-fp6_e2m3        2      3      7.5       1           uint8 bit codes (sign bit 5)
-fp6_e3m2        3      2      28        0.25        uint8 bit codes (sign bit 5)
-fp4_e2m1        2      1      6         1           uint8 bit codes (sign bit 3, unpacked)
-==============  =====  =====  ========  ==========  ===================================
-
-Every cast saturates to ``[-max, max]`` and rounds to nearest, ties to even, subnormals
-included (`round_to_format`); the formats without a torch dtype are emulated exactly in float32
-and stored as the same unpacked bit codes as torchao (`encode` / `decode`).
-
-Scale formats (``QuantSpec.scale_dtype``): float32, bfloat16, float16, float8_e4m3fn (NVFP4 block
-scales) and ``"e8m0"``: a power of two ``2**(b - 127)``, ``b`` in ``[0, 254]``, chosen from the
-block's absolute maximum ``amax`` and the element maximum ``M`` by ``QuantSpec.scale_rounding``:
-
-- ``"floor"`` (default; OCP MX spec, torchao FLOOR): ``floor(log2 amax) - floor(log2 M)``;
-- ``"ceil"`` (torchao CEIL): ``ceil(log2 amax) - floor(log2 M)``;
-- ``"even"`` (torchao EVEN): ``amax`` rounded to the element's mantissa width, then floor;
-- ``"rceil"`` (torchao RCEIL, cuBLAS/NVIDIA): ``ceil(log2(amax / M))``;
-- ``"round_then_floor"`` (compressed-tensors ``generate_mx_scales``): ``amax`` rounded to one
-  mantissa bit whatever the element, then floor;
-- ``"round"`` (torchao float8 with ``float8_e8m0fnu`` scales): ``round(log2(amax / M))``.
-
-An all-zero block gets ``b = 0`` (scale ``2**-127``), never a zero, NaN or Inf scale. With
-compressed-tensors' convention on float16 weights (``compute_dtype``), as there, a float16
-subnormal amax rounds by its own bits (to ``2**-14`` from ``0.75 * 2**-14`` up, else 0), and a
-scale that underflows in float16 (below ``2**-24``: an all-zero or tiny block) is 1. Integer
-targets accept e8m0 scales too (power-of-two scales, symmetric mappings), with ``M`` the largest
-code distance from the symmetric zero point (127 for int8 and uint8; ``"even"`` then rounds
-``amax`` to ``floor(log2 M)`` mantissa bits).
-
-Two-level scales (``TensorGroup(g)``, NVFP4 = fp4_e2m1 elements, ``TensorGroup(16)``,
-float8_e4m3fn block scales): one global scale from the whole tensor's ``amax_t`` (or a fused
-group's, see `qstats.fused`), and per-group scales rounded to the scale format.
-``QuantSpec.global_scale_formula`` selects the convention (``R = scale_max * element_max``,
-2688 for NVFP4):
-
-- ``"amax_over_range"`` (default; torchao ``per_tensor_amax_to_scale``, ModelOpt):
-  ``global = amax_t / R``; block ``scale = fp8(clamp((amax / M) / global, tiny, max))``;
-  codes ``x * ((1 / global) / scale)``; values ``code * (global * scale)``. An all-zero tensor
-  uses ``global = 1`` (torchao divides 0 by 0 there).
-- ``"range_over_amax"`` (compressed-tensors ``generate_gparam``): ``global = R / amax_t``
-  (Inf/NaN -> 1); block ``scale = fp8(global * (amax / M))``, zero -> the scale format's eps;
-  codes ``x / (scale / global)``; values ``code * (scale / global)``.
-
-Every function here is elementwise or reduces with fixed shapes, so it is vmappable and compiles
-without graph breaks.
+Float formats without a torch dtype (fp6, fp4) are emulated exactly in float32 and stored as
+torchao's unpacked bit codes; every cast rounds to nearest even and saturates. The e8m0 rounding
+modes and the two global-scale conventions are tabled in docs/formats.md. Every function is
+elementwise or reduces with fixed shapes: vmappable, and compiled without graph breaks.
 """
 
 from __future__ import annotations
