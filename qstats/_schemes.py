@@ -6,7 +6,7 @@ Each ``QuantizationArgs`` of a scheme becomes a `Rule` whose spec is
 for those args (``initialize_observer``): weights are observed once (the static min-max, or the
 MSE search for ``observer="mse"``); static activations take the moving average of per-batch
 extremes (llm-compressor's ``"minmax"``, constant ``observer_kwargs["averaging_constant"]``,
-0.01); dynamic activations are scaled at run time (``Rule(dynamic=True)``); NVFP4's
+0.01), or the named one (``"memoryless_mse"``: the latest batch's search); dynamic activations are scaled at run time (``Rule(dynamic=True)``); NVFP4's
 ``dynamic="local"`` activations calibrate their global scale like static ones.
 """
 
@@ -25,7 +25,7 @@ _ACTIVATION_OBSERVERS = {
     "static_minmax": ("minmax", ()),
     "memoryless_minmax": ("memoryless_minmax", ()),
     "mse": ("mse", ("maxshrink", "patience", "grid", "norm", "expand", "averaging_constant")),
-    "memoryless_mse": ("mse", ("maxshrink", "grid", "norm", "expand")),
+    "memoryless_mse": ("mse", ("maxshrink", "patience", "grid", "norm", "expand")),
 }
 _WEIGHT_MINMAX = (None, "minmax", "static_minmax", "memoryless_minmax")
 _WEIGHT_MSE = ("mse", "memoryless_mse")
@@ -80,6 +80,8 @@ def _activation_observer(args) -> tuple:
         kwargs.setdefault("averaging_constant", 0.01)
     if name == "mse":  # llm-compressor's mse: a search per batch, then a moving average
         kwargs = {"mode": "moving_average", "averaging_constant": 0.01, **kwargs}
+    if name == "memoryless_mse":  # the latest batch's search: a moving average with constant 1
+        kwargs = {"mode": "moving_average", "averaging_constant": 1.0, **kwargs}
     return ours, kwargs
 
 

@@ -184,3 +184,27 @@ def test_moe_with_ignored_routers_equals_llm_compressor_but_for_expert_targets(s
     assert our_group == their_group
     assert {k: v for k, v in our_config.items() if k != "config_groups"} == \
         {k: v for k, v in their_config.items() if k != "config_groups"}
+
+
+@pytest.mark.parametrize("name", ["memoryless_mse", "mse", "minmax", "static_minmax", "memoryless_minmax"])
+def test_activation_rule_observer_equals_llm_compressors_observer_of_that_name(name):
+    """The rule `Recipe.from_scheme` makes for an activation ``observer=name`` gives the scale
+    llm-compressor's observer of that name gives after three batches of different ranges
+    (``memoryless_mse``: the latest batch's search, not one over all batches)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmcompressor.observers import Observer
+
+    args = QuantizationArgs(num_bits=8, symmetric=True, strategy="tensor", observer=name)
+    reference = Observer.load_from_registry(name, base_name="input", args=args)
+    (rule,) = qstats.Recipe.from_scheme({"input_activations": args}).rules
+    obs = rule.observer(rule.spec, **dict(rule.observer_kwargs))
+    g = torch.Generator().manual_seed(0)
+    state = None
+    for i in range(3):
+        x = torch.randn(4, 16, 32, generator=g) * (1 + 5 * i)
+        x[0, 0, 0] = 40.0 * (i + 1)  # an outlier the search clips, larger in every batch
+        reference(x)
+        state = obs.update(obs.init(x) if state is None else state, x)
+    want = reference.get_qparams()["scale"].reshape(())
+    got = qstats.compute_qparams(state, rule.spec, **dict(rule.qparams_kwargs)).scale.reshape(())
+    assert torch.allclose(got, want.float(), rtol=1e-6), (got, want)
