@@ -16,8 +16,8 @@ from the running (error-updated) weight at the start of the column block where t
 as the original GPTQ; other specs take the min/max of the weight itself.
 
 A weight whose Hessian saw no row falls back to round-to-nearest (`UncalibratedWarning`), as does
-one whose dampened Hessian is not positive definite (llm-compressor's fallback, silent here too:
-read it from the result). Input columns that never saw a non-zero value (zero diagonal) quantize to
+one whose dampened Hessian is not positive definite (a UserWarning; llm-compressor records those
+modules). A NaN or Inf in the Hessian sum or the weight is a ValueError. Input columns that never saw a non-zero value (zero diagonal) quantize to
 zero, as llm-compressor. Activation ordering ``"group"`` (groups in activation order, written with
 a ``g_idx``) was removed from compressed-tensors 0.19 and llm-compressor 0.14; it is refused.
 """
@@ -43,30 +43,64 @@ __all__ = ["gptq"]
 _ACTORDERS = (None, "static", "weight")
 
 
-@torch.library.custom_op("qstats::warn_unobserved_hessian", mutates_args=())
-def _warn_unobserved(count: torch.Tensor) -> torch.Tensor:
-    missing = (count.reshape(-1) == 0).nonzero().flatten().tolist()
-    if missing:
-        where = "the layer" if count.ndim == 0 else f"experts {missing} ({len(missing)} of {count.numel()})"
+def _experts(flags: torch.Tensor, scalar: bool) -> str:
+    where = flags.reshape(-1).nonzero().flatten().tolist()
+    return "the layer" if scalar else f"experts {where} ({len(where)} of {flags.numel()})"
+
+
+@torch.library.custom_op("qstats::check_gptq_inputs", mutates_args=())
+def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Eager checks (one op, so they run under vmap and compile): a non-finite Hessian sum or weight
+    raises ValueError; a Hessian that saw no row warns (round-to-nearest)."""
+    scalar = count.ndim == 0
+    for name, value, dims in (("Hessian sum", total, 2), ("weight", weight, 2)):
+        bad = ~torch.isfinite(value).flatten(start_dim=value.ndim - dims).all(dim=-1)
+        if bad.any():
+            raise ValueError(f"qstats.gptq: the {name} of {_experts(bad, scalar)} holds NaN or Inf")
+    if (count == 0).any():
         warnings.warn(
-            f"qstats.gptq: the Hessian of {where} saw no input row; those weights are quantized by "
-            "round-to-nearest with their quantization parameters",
+            f"qstats.gptq: the Hessian of {_experts(count == 0, scalar)} saw no input row; those weights are "
+            "quantized by round-to-nearest with their quantization parameters",
             UncalibratedWarning,
             stacklevel=4,
         )
     return count.clone()
 
 
-@_warn_unobserved.register_fake
-def _(count):
+@_check_inputs.register_fake
+def _(count, total, weight):
     return torch.empty_like(count)
 
 
-def _warn_unobserved_vmap(info, in_dims, count):
-    return _warn_unobserved(count.movedim(in_dims[0], 0)), 0  # one warning naming every expert
+def _check_inputs_vmap(info, in_dims, count, total, weight):
+    moved = [value if dim is None else value.movedim(dim, 0) for value, dim in zip((count, total, weight), in_dims)]
+    moved = [value.expand(info.batch_size, *value.shape) if dim is None else value
+             for value, dim in zip(moved, in_dims)]
+    return _check_inputs(*moved), 0  # one message naming every expert
 
 
-_warn_unobserved.register_vmap(_warn_unobserved_vmap)
+_check_inputs.register_vmap(_check_inputs_vmap)
+
+
+@torch.library.custom_op("qstats::warn_unfactored_hessian", mutates_args=())
+def _warn_unfactored(failed: torch.Tensor) -> torch.Tensor:
+    """Warns where a seen Hessian, dampened, is not positive definite (llm-compressor warns too)."""
+    if failed.any():
+        warnings.warn(
+            f"qstats.gptq: the dampened Hessian of {_experts(failed, failed.ndim == 0)} is not positive definite; "
+            "those weights are quantized by round-to-nearest (raise dampening, or calibrate on more rows)",
+            UserWarning,
+            stacklevel=5,
+        )
+    return failed.clone()
+
+
+@_warn_unfactored.register_fake
+def _(failed):
+    return torch.empty_like(failed)
+
+
+_warn_unfactored.register_vmap(lambda info, in_dims, failed: (_warn_unfactored(failed.movedim(in_dims[0], 0)), 0))
 
 
 def _column_groups(spec: QuantSpec, columns: int) -> Optional[list]:
@@ -116,6 +150,7 @@ def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: tor
     inverse = torch.cholesky_inverse(torch.where(factored, lower, eye))
     upper, info = torch.linalg.cholesky_ex(inverse, upper=True, check_errors=False)
     factored = factored & (info == 0)[..., None, None]
+    _warn_unfactored(usable & ~factored[..., 0, 0])
     return torch.where(factored, upper, eye), dead & usable[..., None]
 
 
@@ -244,10 +279,29 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
     (torch.Size([32, 64]), torch.Size([32, 2]))
     """
     _check_arguments(weight, hessian_state, spec, block_size, dampening, actorder)
+    _check_qparams(qparams, weight, spec)
     actorder = None if actorder is None else "static"
-    count = _warn_unobserved(hessian_state.count)
+    count = _check_inputs(hessian_state.count, hessian_state.total, weight)
 
     return _gptq_core(weight, hessian_state.total, count, qparams, spec, block_size, float(dampening), actorder)
+
+
+def _check_qparams(qparams, weight, spec) -> None:
+    """Shapes of given ``qparams`` against those ``spec`` gives ``weight`` (on meta: no data read)."""
+    if qparams is None:
+        return
+    if not isinstance(qparams, QParams):
+        raise TypeError(f"gptq: qparams must be a QParams (qstats.compute_qparams) or None, got {type(qparams).__name__}")
+    _column_groups(spec, weight.shape[-1])  # an unsupported granularity is named first
+    meta = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+    one = lambda w: _minmax_qparams(w, spec)  # noqa: E731
+    want = torch.vmap(one)(meta) if meta.ndim == 3 else one(meta)
+    for field in ("scale", "zero_point", "global_scale"):
+        got, expected = getattr(qparams, field), getattr(want, field)
+        if got is None or tuple(got.shape) != tuple(expected.shape):
+            raise ValueError(f"gptq: qparams.{field} of shape {None if got is None else tuple(got.shape)} does not "
+                             f"fit {spec.granularity!r} on a weight of shape {tuple(weight.shape)} "
+                             f"(expected {tuple(expected.shape)})")
 
 
 def _check_arguments(weight, state, spec, block_size, dampening, actorder) -> None:

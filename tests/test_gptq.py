@@ -221,3 +221,45 @@ def test_gptq_minilm_example_smoke():
     assert [row["method"] for row in results] == ["RTN", "GPTQ"]
     for row in results:
         assert 0.9 < row["cosine_mean"] <= 1.0 + 1e-6
+
+
+def test_non_positive_definite_hessian_warns_and_falls_back_as_llm_compressor():
+    """llm-compressor replaces a Hessian that fails Cholesky by the identity and flags the module;
+    gptq gives the same codes and warns, naming the expert."""
+    weight, x, state = _layer_data(7)
+    args = QuantizationArgs(num_bits=4, strategy="channel")
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    qparams = _minmax_qparams(weight, spec)
+    negative = state._replace(total=-state.total)
+    want, fallback = _reference(weight, gptq_hessian(negative), qparams, args)
+    assert fallback
+    stacked = HessianState(*(torch.stack([a, b]) for a, b in zip(state, negative)))
+    stacked_qparams = qstats.QParams(*(None if f is None else torch.stack([f, f]) for f in qparams))
+    with pytest.warns(UserWarning, match=r"experts \[1\] \(1 of 2\) is not positive definite"):
+        got, _, _ = gptq(torch.stack([weight, weight]), stacked, spec, qparams=stacked_qparams)
+    assert torch.equal(got[1], want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gptq(weight, state, spec, qparams=qparams)
+
+
+def test_nonfinite_inputs_and_mismatched_qparams_raise():
+    weight, _, state = _layer_data(8)
+    spec = qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4, strategy="group", group_size=32))
+    nan_total = state.total.clone()
+    nan_total[3, 3] = float("nan")
+    with pytest.raises(ValueError, match="Hessian sum of the layer holds NaN or Inf"):
+        gptq(weight, state._replace(total=nan_total), spec)
+    stacked = HessianState(*(torch.stack([f, g]) for f, g in zip(state, state._replace(total=nan_total * 0 + float("inf")))))
+    with pytest.raises(ValueError, match=r"Hessian sum of experts \[1\]"):
+        gptq(torch.stack([weight, weight]), stacked, spec)
+    nan_weight = weight.clone()
+    nan_weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="weight of the layer holds NaN"):
+        gptq(nan_weight, state, spec)
+    other = qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4, strategy="group", group_size=16))
+    with pytest.raises(ValueError, match=r"qparams.scale of shape \(\d+, \d+\) does not fit"):
+        gptq(weight, state, spec, qparams=_minmax_qparams(weight, other))
+    with pytest.raises(ValueError, match="qparams.scale"):
+        gptq(weight, state, qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4)),
+             qparams=_minmax_qparams(weight, spec))
