@@ -30,8 +30,10 @@ def _granularity_from_data(data: Any):
         (name, arguments), = data.items()
     else:
         raise ValueError(f"granularity must be a name or {{name: {{arguments}}}}, got {data!r}")
-    if name not in _GRANULARITIES or not isinstance(arguments, Mapping):
+    if name not in _GRANULARITIES:
         raise ValueError(f"unknown granularity {name!r}; known: {', '.join(_GRANULARITIES)}")
+    if not isinstance(arguments, Mapping):
+        raise ValueError(f"granularity {name!r}: arguments must be a mapping ({{name: {{arguments}}}}), got {arguments!r}")
     arguments = {key: tuple(value) if isinstance(value, list) else value for key, value in arguments.items()}
     return getattr(_granularity, name)(**arguments)
 
@@ -77,4 +79,4 @@ def recipe_fields(Rule, data: Mapping) -> tuple:
             rules.append(Rule(**fields))
         except (TypeError, ValueError) as error:
             raise type(error)(f"Recipe.from_dict: rules[{index}]: {error}") from None
-    return rules, tuple(data.get("ignore") or ()), data.get("shared")
+    return rules, data.get("ignore") or (), data.get("shared")  # Recipe checks ignore (a name or names)

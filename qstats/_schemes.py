@@ -162,5 +162,5 @@ def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
     if kv_args is not None:  # the k/v projection outputs of every attention module
         kv = _rule(Rule, "re:.*", kv_args, "k", observed_dtype)
         rules.append(dataclasses.replace(kv, sites=("k", "v")))
-    return rules, tuple(config.get("ignore") or ())
+    return rules, config.get("ignore") or ()  # Recipe checks it (a name or names)
 

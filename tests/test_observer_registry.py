@@ -137,3 +137,21 @@ def test_plain_data_specs_from_presets_and_compressed_tensors_args():
 def test_bad_plain_data_is_refused_naming_the_problem(data, match):
     with pytest.raises(ValueError, match=match):
         qstats.Recipe.from_dict(data)
+
+
+def test_a_single_ignore_name_is_one_target_not_its_characters():
+    """``ignore: lm_head`` (a YAML scalar) ignores the module ``lm_head``, as ``Recipe(ignore="lm_head")``."""
+    rules = [{"targets": "Linear", "sites": ["weight"], "observer": "minmax",
+              "spec": {"dtype": "int8", "granularity": {"PerAxis": {"axis": 0}}}}]
+    linear = torch.nn.Linear(4, 4)
+    recipe = qstats.Recipe.from_dict({"rules": rules, "ignore": "lm_head"})
+    assert recipe.ignore == qstats.Recipe([], ignore="lm_head").ignore == ("lm_head",)
+    assert recipe.rule_for("lm_head", "weight", linear) is None
+    assert recipe.rule_for("proj", "weight", linear) is not None
+    config = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8}}}, "ignore": "lm_head"}
+    assert qstats.Recipe.from_compressed_tensors(config).ignore == ("lm_head",)
+
+
+def test_granularity_arguments_that_are_not_a_mapping_are_refused_naming_the_granularity():
+    with pytest.raises(ValueError, match=r"granularity 'PerAxis': arguments must be a mapping"):
+        qstats.Recipe.from_dict({"rules": [{"targets": "Linear", "spec": {"granularity": {"PerAxis": 0}}}]})
