@@ -117,34 +117,39 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
     only, without ``recurse``) on the CPU, read from ``checkpoint`` in its dtype; a tensor tied
     under several names is read once and stays tied. Returns ``[(owner, kind, name, meta tensor)]``
     for `release_modules`. A meta buffer the checkpoint lacks (rotary frequencies) is recomputed by
-    the model's ``_init_weights`` (transformers models); anything else missing is a ValueError."""
+    the model's ``_init_weights`` (transformers models); anything else missing is a ValueError,
+    after the tensors loaded before it are put back on meta."""
     aliases = _aliases(model)
     loaded_by_id: dict = {}
     saved: list = []
-    for path in paths:
-        module = model.get_submodule(path)
-        owners = module.named_modules(prefix=path) if recurse else [(path, module)]
-        for owner_path, owner in owners:
-            for kind in ("_buffers", "_parameters"):  # buffers first: `_init_weights` meets meta parameters
-                recompute = False
-                for name, value in list(getattr(owner, kind).items()):
-                    if value is None or value.device.type != "meta":
-                        continue
-                    full = f"{owner_path}.{name}" if owner_path else name
-                    loaded = loaded_by_id.get(id(value))
-                    if loaded is None:
-                        loaded = _read(checkpoint, aliases.get(id(value), [full]), value)
-                    if loaded is None and kind == "_buffers" and hasattr(model, "_init_weights"):
-                        loaded, recompute = torch.empty_like(value, device="cpu"), True
-                    if loaded is None:
-                        raise ValueError(f"calibrate_layerwise: the checkpoint has no tensor {full!r}")
-                    if kind == "_parameters" and not isinstance(loaded, torch.nn.Parameter):
-                        loaded = torch.nn.Parameter(loaded, requires_grad=False)
-                    loaded_by_id[id(value)] = loaded
-                    saved.append((owner, kind, name, value))
-                    getattr(owner, kind)[name] = loaded
-                if recompute:
-                    model._init_weights(owner)
+    try:
+        for path in paths:
+            module = model.get_submodule(path)
+            owners = module.named_modules(prefix=path) if recurse else [(path, module)]
+            for owner_path, owner in owners:
+                for kind in ("_buffers", "_parameters"):  # buffers first: `_init_weights` meets meta parameters
+                    recompute = False
+                    for name, value in list(getattr(owner, kind).items()):
+                        if value is None or value.device.type != "meta":
+                            continue
+                        full = f"{owner_path}.{name}" if owner_path else name
+                        loaded = loaded_by_id.get(id(value))
+                        if loaded is None:
+                            loaded = _read(checkpoint, aliases.get(id(value), [full]), value)
+                        if loaded is None and kind == "_buffers" and hasattr(model, "_init_weights"):
+                            loaded, recompute = torch.empty_like(value, device="cpu"), True
+                        if loaded is None:
+                            raise ValueError(f"calibrate_layerwise: the checkpoint has no tensor {full!r}")
+                        if kind == "_parameters" and not isinstance(loaded, torch.nn.Parameter):
+                            loaded = torch.nn.Parameter(loaded, requires_grad=False)
+                        loaded_by_id[id(value)] = loaded
+                        saved.append((owner, kind, name, value))
+                        getattr(owner, kind)[name] = loaded
+                    if recompute:
+                        model._init_weights(owner)
+    except BaseException:  # a missing tensor: the modules loaded so far go back to meta
+        release_modules(saved)
+        raise
     return saved
 
 

@@ -288,6 +288,16 @@ def _check_layer_kinds(model: torch.nn.Module) -> None:
         )
 
 
+def _check_on_meta(model: torch.nn.Module) -> None:
+    loaded = [name for name, value in model.named_parameters() if value.device.type != "meta"]
+    if loaded:
+        raise ValueError(
+            f"calibrate_layerwise: the model's parameters {loaded[:3]} ({len(loaded)} in all) are not on the meta "
+            "device: they would be used instead of the checkpoint's and never released; build the model under "
+            'torch.device("meta")'
+        )
+
+
 def _check_resumed(states: Mapping, plan: Plan) -> None:
     for path, entry in states.items():
         for site in entry:
@@ -349,7 +359,8 @@ def calibrate_layerwise(
       ``{module_path: {site: state}}`` with full module paths, in the plan's order.
 
     Raises:
-      ValueError: a tensor the checkpoint lacks (or of another shape), a forward that never calls
+      ValueError: a model with parameters off the meta device, a tensor the checkpoint lacks (or of
+        another shape: the model's tensors are back on meta after), a forward that never calls
         its first layer, layers of several kinds (sliding-window models), a bad ``propagate``.
     """
     if propagate not in ("float", "quantized"):
@@ -357,6 +368,7 @@ def calibrate_layerwise(
     if all_reduce and states is not None:
         raise ValueError("calibrate_layerwise: all_reduce with resumed states would merge those states once per rank")
     _check_layer_kinds(model)
+    _check_on_meta(model)
     plan = recipe if isinstance(recipe, Plan) else recipe.resolve(model)
     if plan.model is not model:
         raise ValueError("calibrate_layerwise: the Plan was resolved on another model than the one given")

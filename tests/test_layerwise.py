@@ -232,3 +232,21 @@ def test_all_reduce_two_ranks(saved, tmp_path):
                                           progress=False, propagate="quantized")  # fmt: skip
     for rank in range(2):
         _assert_equal(qstats.load(tmp_path / f"rank{rank}.safetensors"), want)
+
+
+def test_missing_tensor_or_loaded_model_raise_and_leave_the_model_on_meta(saved, tmp_path):
+    """A checkpoint without one tensor of layer 1 raises naming it, and every tensor loaded before it
+    is back on the meta device; a model whose parameters are loaded already is refused."""
+    from safetensors.torch import save_file
+
+    directory, loaded = saved["llama"]
+    tensors = {key: value.clone() for key, value in loaded.state_dict().items() if key != "lm_head.weight"}
+    missing = "model.layers.1.mlp.down_proj.weight"
+    del tensors[missing]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model = _meta("llama")
+    with pytest.raises(ValueError, match=f"no tensor {missing!r}"):
+        qstats.calibrate_layerwise(model, tmp_path, _batches(0, 2), _recipe("llama"), progress=False)
+    assert [n for n, v in list(model.named_parameters()) + list(model.named_buffers()) if v.device.type != "meta"] == []
+    with pytest.raises(ValueError, match="not on the meta device"):
+        qstats.calibrate_layerwise(loaded, directory, _batches(0, 1), _recipe("llama"), progress=False)
