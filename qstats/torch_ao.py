@@ -301,10 +301,15 @@ def _histogram_state(obs, spec: QuantSpec, buckets_per_octave: int, octaves: int
     count spread evenly over it) counted into qstats' buckets, through the rounded cumulative count
     at every bucket edge (integer counts, the total kept, exact extremes)."""
     counts = obs.histogram.detach().double()
-    empty = histogram(spec, buckets_per_octave, octaves).init(counts[:1])
+    observer = histogram(spec, buckets_per_octave, octaves)
+    empty = observer.init(counts[:1])
     lo, hi = obs.min_val.detach().float().reshape(()), obs.max_val.detach().float().reshape(())
     if not bool(lo <= hi) or float(counts.sum()) <= 0:  # torch.ao saw no finite data
         return empty
+    if bool(lo == hi):  # one repeated value (zero-width bins): every count in that value's bucket
+        one = observer.update(empty, lo.reshape(1))
+        total = torch.round(counts.sum()).to(torch.int64)
+        return one._replace(counts=one.counts * total, underflow=one.underflow * total, overflow=one.overflow * total)
     state = empty._replace(min_val=lo.clone(), max_val=hi.clone())
     edges, _ = histogram_edges(state)  # (2K + 1,) ascending: negative buckets flipped, then positive
     bins = counts.numel()

@@ -318,6 +318,23 @@ def test_from_observer_histogram(bins):
     assert int(state.counts.sum() + state.underflow.sum() + state.overflow.sum()) == int(total) + x[:3].numel()
 
 
+@pytest.mark.parametrize("value", [-2.0, -1.5, 0.0, 2.0, 3.3])
+def test_from_observer_histogram_of_a_constant_keeps_its_counts_in_the_values_bucket(value):
+    """A torch.ao histogram of one repeated value (``min_val == max_val``: zero-width bins) becomes
+    the state qstats' own histogram makes of the same data (every count in that value's bucket),
+    with torch.ao's qparams."""
+    x = torch.full((10,), value)
+    reference = ao.HistogramObserver()
+    reference(x)
+    observer, spec, state = torch_ao.from_observer(reference)
+    direct = observer.update(observer.init(x), x)
+    for field in ("counts", "underflow", "overflow", "min_val", "max_val"):
+        assert torch.equal(getattr(state, field), getattr(direct, field)), field
+    ref_scale, ref_zero_point = reference.calculate_qparams()
+    qp = qstats.compute_qparams(state, spec)
+    assert torch.equal(qp.scale.reshape(1), ref_scale) and torch.equal(qp.zero_point.reshape(1), ref_zero_point)
+
+
 # ---------------------------------------------------------------------------------------------
 # state_dict, uncalibrated, bad input
 
