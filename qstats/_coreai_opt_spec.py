@@ -78,6 +78,8 @@ def _granularity(granularity, shape, target):
             block_size(granularity, shape, target)  # checks the axis against the shape
             axis %= len(shape)
         return PerAxis(axis)
+    if kind not in ("per_block", "PerBlockGranularity"):
+        raise ValueError(f"from_coreai_opt: unknown granularity {granularity!r}")
     if shape is None:
         raise ValueError("from_coreai_opt: a per-block granularity needs the tensor shape (shape=...)")
     return _block_size_granularity(block_size(granularity, shape, target), tuple(int(s) for s in shape))

@@ -324,3 +324,11 @@ def test_fixed_qparams_minval_is_the_value_of_quant_min():
     codes = torch.arange(0.0, 256.0)
     assert torch.equal((codes - 0) * qp.scale + qp.minval, (codes - 37) * qp.scale)
     assert torch.equal(qstats.compute_minval(obs.init(torch.zeros(3)), spec), qp.minval)
+
+
+def test_unknown_granularity_is_named_with_or_without_a_shape():
+    """An unknown granularity type is refused as unknown, not as a per-block one missing its shape."""
+    bad = {"type": "per_group", "axis": 1, "block_size": 16}
+    for shape in (None, SHAPE):
+        with pytest.raises(ValueError, match=r"unknown granularity .*per_group"):
+            qstats.QuantSpec.from_coreai_opt(dtype=torch.int8, granularity=bad, shape=shape)
