@@ -229,11 +229,32 @@ class _Run:
     all_reduce: bool
 
     def calibrate(self, root, plan: Plan, batches, observation_weight) -> dict:
+        """This rank's states of ``plan`` over ``batches`` (resumed from ``self.states``); no collective."""
         resumed = {path: entry for path, entry in self.states.items() if path in plan.sites}
-        found = calibrate(
+        return calibrate(
             root, batches, plan, states=resumed or None, progress=False,
             observation_weight=observation_weight, all_experts=self.all_experts,
         )  # fmt: skip
+
+    def agreed(self, step: Callable[[], Any]) -> Any:
+        """``step()``; with ``all_reduce``, every rank then learns whether one rank's step raised, so
+        that all raise instead of the others waiting for it in the next collective."""
+        if not (self.all_reduce and torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return step()
+        result = error = None
+        try:
+            result = step()
+        except Exception as caught:  # re-raised below, once every rank knows
+            error = caught
+        failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=distributed._probe_device(None))
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if int(failed[0]):
+            raise RuntimeError("calibrate_layerwise: another rank failed (see the error on that rank)")
+        return result
+
+    def reduce(self, found: dict, plan: Plan) -> dict:
         return _reduce(found, plan) if self.all_reduce else found
 
 
@@ -245,17 +266,25 @@ def _outer_loaded(run: _Run, container_path: str) -> list:
 
 def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
     """Loads, calibrates and releases one decoder layer; its outputs replace the stored inputs."""
-    saved = load_modules(run.model, [path], run.checkpoint)
-    try:
-        runner = _LayerRun(layer, run.store)
-        plan = _sub_plan(run.plan, lambda p: _inside(p, path), runner)
+    saved: list = []
+    runner = _LayerRun(layer, run.store)
+    plan = _sub_plan(run.plan, lambda p: _inside(p, path), runner)
+
+    def observe() -> dict:
+        saved.extend(load_modules(run.model, [path], run.checkpoint))
         runner.write = run.propagate == "float"
-        found = run.calibrate(runner, plan, range(len(run.store)), lambda index: run.store[index].weight)
+        return run.calibrate(runner, plan, range(len(run.store)), lambda index: run.store[index].weight)
+
+    def propagate_quantized(found: dict) -> None:
+        runner.write = True
+        with fake_quantized(runner, compute_qparams_tree(found, plan), plan), torch.no_grad():
+            for index in range(len(run.store)):
+                runner(index)
+
+    try:
+        found = run.reduce(run.agreed(observe), plan)
         if run.propagate == "quantized":
-            runner.write = True
-            with fake_quantized(runner, compute_qparams_tree(found, plan), plan), torch.no_grad():
-                for index in range(len(run.store)):
-                    runner(index)
+            run.agreed(lambda: propagate_quantized(found))
         return found
     finally:
         release_modules(saved)
@@ -267,12 +296,16 @@ def _run_outside(run: _Run, container_path: str, container, observation_weight) 
     shared: dict = {}
     layers = list(container)
     plan = _sub_plan(run.plan, lambda p: not _inside(p, container_path), run.model)
-    saved = _outer_loaded(run, container_path)
-    try:
+    saved: list = []
+
+    def observe() -> dict:
+        saved.extend(_outer_loaded(run, container_path))
         for index in range(len(layers)):
             container[index] = _Replay(run.store, index == 0, shared)
-        batches = (record.batch for record in run.store)
-        return run.calibrate(run.model, plan, batches, observation_weight)
+        return run.calibrate(run.model, plan, (record.batch for record in run.store), observation_weight)
+
+    try:
+        return run.reduce(run.agreed(observe), plan)
     finally:
         for index, layer in enumerate(layers):
             container[index] = layer
@@ -354,6 +387,7 @@ def calibrate_layerwise(
       all_reduce: merge each layer's activation states across the ranks of the default process
         group (`qstats.distributed.all_reduce`) as soon as it is observed, so quantized
         propagation uses the same qparams on every rank; the states returned are merged already.
+        An error on one rank makes every rank raise (RuntimeError on the others), never hang.
 
     Returns:
       ``{module_path: {site: state}}`` with full module paths, in the plan's order.
@@ -386,9 +420,14 @@ def calibrate_layerwise(
 
 def _calibrate_all(run: _Run, container_path: str, container, batches, observation_weight, progress: bool) -> dict:
     found: dict = {}
-    saved = _outer_loaded(run, container_path)
-    try:
+    saved: list = []
+
+    def capture() -> None:
+        saved.extend(_outer_loaded(run, container_path))
         _capture(run.model, container[0], batches, observation_weight, run.store)
+
+    try:
+        run.agreed(capture)
     finally:
         release_modules(saved)
     bar = tqdm(total=len(container) + 1, unit="layer", desc="qstats.calibrate_layerwise", disable=not progress)

@@ -11,6 +11,7 @@ the all-reduced quantized run of two gloo ranks with the single-process run.
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import os
 import socket
@@ -250,3 +251,51 @@ def test_missing_tensor_or_loaded_model_raise_and_leave_the_model_on_meta(saved,
     assert [n for n, v in list(model.named_parameters()) + list(model.named_buffers()) if v.device.type != "meta"] == []
     with pytest.raises(ValueError, match="not on the meta device"):
         qstats.calibrate_layerwise(loaded, directory, _batches(0, 1), _recipe("llama"), progress=False)
+
+
+def _failing_rank(rank: int, port: int, directory: str, out: str, case: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    batches, weight = _batches(6, 2, padded=True), _attention_mask
+    if rank == 1 and case == "bad_batch":
+        batches[1]["input_ids"] = batches[1]["input_ids"] + 1000  # out of the vocabulary: fails in capture
+    if rank == 1 and case == "bad_weight":
+        weight = lambda batch: "mask"  # noqa: E731  (not a tensor: stored by the capture, fails in layer 0)
+    if rank == 1 and case == "no_batches":
+        batches = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qstats.calibrate_layerwise(_meta("llama"), directory, batches, _recipe("llama"), progress=False,
+                                       propagate="quantized", all_reduce=True, observation_weight=weight)  # fmt: skip
+        message = "no error"
+    except Exception as error:  # noqa: BLE001  (what each rank raised is the result)
+        message = f"{type(error).__name__}: {error}"
+    with open(os.path.join(out, f"{case}{rank}.txt"), "w") as file:
+        file.write(message)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["bad_batch", "bad_weight", "no_batches"])
+def test_all_reduce_one_rank_failing_makes_every_rank_raise(saved, tmp_path, case):
+    """A rank whose batch fails before any collective (capture), inside a layer, or that has no
+    batch: every rank raises instead of waiting for it in a collective."""
+    directory, _ = saved["llama"]
+    context = multiprocessing.get_context("fork")
+    port = _free_port()
+    procs = [context.Process(target=_failing_rank, args=(rank, port, directory, str(tmp_path), case))
+             for rank in range(2)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+    hung = [proc.is_alive() for proc in procs]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    assert hung == [False, False]
+    messages = [(tmp_path / f"{case}{rank}.txt").read_text() for rank in range(2)]
+    assert "no error" not in messages[0] and "no error" not in messages[1], messages
+    if case != "no_batches":
+        assert "another rank failed" in messages[0], messages
