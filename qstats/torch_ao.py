@@ -190,17 +190,19 @@ class QstatsObserver(ao.ObserverBase):
     def calculate_qparams(self):
         """``(scale, zero_point)`` as torch.ao returns them: float32 scales, int32 (affine) or
         int64 (symmetric) zero points (float32 for float zero points), shape ``(1,)`` per tensor.
-        Before any data, torch.ao's defaults (scale 1, zero point 0) with a warning, as torch.ao's
-        observers (a spec with ``on_uncalibrated="raise"`` raises instead)."""
+        Before any data (or after empty tensors only), torch.ao's defaults (scale 1, zero point 0)
+        with a warning, as torch.ao's observers (a spec with ``on_uncalibrated="raise"`` raises
+        instead); observers whose qparams need no data (fixed qparams) do not warn."""
         if self.spec is None:
             raise TypeError("QstatsObserver: an observer without a QuantSpec (float dtype) has no qparams")
         state = self.state
         if state is None:
-            warnings.warn("QstatsObserver: must run the observer before calculate_qparams; returning "
-                          "torch.ao's defaults (scale 1, zero point 0)", stacklevel=2)
             state = self.observer.init(_probe(self.spec))
         options = {} if self.method is None else {"method": self.method}
         qp = compute_qparams(state, self.spec, **options)
+        if not bool(qp.calibrated.all()):  # eager, outside the pure core
+            warnings.warn("QstatsObserver: must run the observer on data before calculate_qparams; returning "
+                          "torch.ao's defaults (scale 1, zero point 0) where it saw none", stacklevel=2)
         scale, zero_point = qp.scale, qp.zero_point
         if not zero_point.is_floating_point() and self.spec.mapping != "asymmetric":
             zero_point = zero_point.to(torch.int64)  # torch.ao: int64 when symmetric, int32 when affine

@@ -386,6 +386,27 @@ def test_uncalibrated_gives_torch_ao_defaults():
         assert ours.state is None
 
 
+def test_uncalibrated_warning_only_where_torch_ao_warns():
+    """torch.ao warns for a min/max observer that saw only an empty tensor, not for a fixed-qparams
+    one that saw nothing (its qparams need no data); so do the qstats modules, same qparams."""
+    cases = ((torch_ao.default_observer, ao.default_observer, torch.empty(0)),
+             (torch_ao.default_fixed_qparams_range_0to1_observer, ao.default_fixed_qparams_range_0to1_observer, None))
+    for ours, reference, x in cases:
+        ours, reference = ours(), reference()
+        if x is not None:
+            ours(x), reference(x)
+        for observer in (ours, reference):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                qparams = observer.calculate_qparams()
+            warned = any("calculate_qparams" in str(w.message) for w in caught)
+            if observer is ours:
+                ours_warned, ours_qparams = warned, qparams
+        assert ours_warned == warned, type(reference).__name__
+        for a, b in zip(ours_qparams, qparams):
+            assert torch.equal(a, b.to(a.dtype))
+
+
 def test_bad_input():
     with pytest.raises(TypeError, match="observer factory"):
         torch_ao.QstatsObserver(observer="minmax")
