@@ -237,25 +237,29 @@ class _Run:
         )  # fmt: skip
 
     def agreed(self, step: Callable[[], Any]) -> Any:
-        """``step()``; with ``all_reduce``, every rank then learns whether one rank's step raised, so
-        that all raise instead of the others waiting for it in the next collective."""
-        if not (self.all_reduce and torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return step()
-        result = error = None
-        try:
-            result = step()
-        except Exception as caught:  # re-raised below, once every rank knows
-            error = caught
-        failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=distributed._probe_device(None))
-        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
-        if error is not None:
-            raise error
-        if int(failed[0]):
-            raise RuntimeError("calibrate_layerwise: another rank failed (see the error on that rank)")
-        return result
+        return _agreed(self.all_reduce, step)
 
     def reduce(self, found: dict, plan: Plan) -> dict:
         return _reduce(found, plan) if self.all_reduce else found
+
+
+def _agreed(all_reduce: bool, step: Callable[[], Any]) -> Any:
+    """``step()``; with ``all_reduce``, every rank then learns whether one rank's step raised, so
+    that all raise instead of the others waiting for it in the next collective."""
+    if not (all_reduce and torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return step()
+    result = error = None
+    try:
+        result = step()
+    except Exception as caught:  # re-raised below, once every rank knows
+        error = caught
+    failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=distributed._probe_device(None))
+    torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if int(failed[0]):
+        raise RuntimeError("calibrate_layerwise: another rank failed (see the error on that rank)")
+    return result
 
 
 def _outer_loaded(run: _Run, container_path: str) -> list:
@@ -397,25 +401,33 @@ def calibrate_layerwise(
         another shape: the model's tensors are back on meta after), a forward that never calls
         its first layer, layers of several kinds (sliding-window models), a bad ``propagate``.
     """
-    if propagate not in ("float", "quantized"):
-        raise ValueError(f"calibrate_layerwise: propagate must be 'float' or 'quantized', got {propagate!r}")
-    if all_reduce and states is not None:
-        raise ValueError("calibrate_layerwise: all_reduce with resumed states would merge those states once per rank")
-    _check_layer_kinds(model)
-    _check_on_meta(model)
-    plan = recipe if isinstance(recipe, Plan) else recipe.resolve(model)
-    if plan.model is not model:
-        raise ValueError("calibrate_layerwise: the Plan was resolved on another model than the one given")
-    _check_resumed(states or {}, plan)
-    container_path, container = _decoder_layers(model, layers)
-    directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)
-    run = _Run(model, LazyCheckpoint(checkpoint), plan, _Store(directory), dict(states or {}),
-               bool(all_experts), propagate, bool(all_reduce))  # fmt: skip
+    def prepare() -> tuple:  # every check here, so that with all_reduce a rank's bad argument stops all
+        if propagate not in ("float", "quantized"):
+            raise ValueError(f"calibrate_layerwise: propagate must be 'float' or 'quantized', got {propagate!r}")
+        if all_reduce and states is not None:
+            raise ValueError("calibrate_layerwise: all_reduce with resumed states would merge them once per rank")
+        _check_layer_kinds(model)
+        _check_on_meta(model)
+        plan = recipe if isinstance(recipe, Plan) else recipe.resolve(model)
+        if plan.model is not model:
+            raise ValueError("calibrate_layerwise: the Plan was resolved on another model than the one given")
+        _check_resumed(states or {}, plan)
+        container_path, container = _decoder_layers(model, layers)
+        directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)
+        run = _Run(model, LazyCheckpoint(checkpoint), plan, _Store(directory), dict(states or {}),
+                   bool(all_experts), propagate, bool(all_reduce))  # fmt: skip
+        made.append(directory)
+        return run, container_path, container
+
+    made: list = []  # the offload folder, once made
     try:
-        return _ordered(_calibrate_all(run, container_path, container, batches, observation_weight, progress), plan)
+        run, container_path, container = _agreed(all_reduce, prepare)
+        found = _calibrate_all(run, container_path, container, batches, observation_weight, progress)
+        return _ordered(found, run.plan)
     finally:
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
+        for directory in made:
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
 
 
 def _calibrate_all(run: _Run, container_path: str, container, batches, observation_weight, progress: bool) -> dict:

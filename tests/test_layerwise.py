@@ -264,6 +264,8 @@ def _failing_rank(rank: int, port: int, directory: str, out: str, case: str) -> 
         weight = lambda batch: "mask"  # noqa: E731  (not a tensor: stored by the capture, fails in layer 0)
     if rank == 1 and case == "no_batches":
         batches = []
+    if rank == 1 and case == "bad_checkpoint":
+        directory = out  # holds no safetensors: fails in the checks before the first step
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -277,10 +279,10 @@ def _failing_rank(rank: int, port: int, directory: str, out: str, case: str) -> 
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("case", ["bad_batch", "bad_weight", "no_batches"])
+@pytest.mark.parametrize("case", ["bad_checkpoint", "bad_batch", "bad_weight", "no_batches"])
 def test_all_reduce_one_rank_failing_makes_every_rank_raise(saved, tmp_path, case):
-    """A rank whose batch fails before any collective (capture), inside a layer, or that has no
-    batch: every rank raises instead of waiting for it in a collective."""
+    """A rank with a bad argument, whose batch fails before any collective (capture) or inside a
+    layer, or that has no batch: every rank raises instead of waiting for it in a collective."""
     directory, _ = saved["llama"]
     context = multiprocessing.get_context("fork")
     port = _free_port()
