@@ -151,7 +151,16 @@ class QstatsObserver(ao.ObserverBase):
             setattr(self, name, value)
         self.spec, self.method = spec, method
         self._factory, self._options = observer, dict(options)
-        self._state_type = type(self.observer.init(_probe(spec)))
+        try:
+            self._state_type = type(self.observer.init(_probe(spec)))
+        except TypeError as error:
+            if spec is not None:
+                raise
+            name = getattr(observer, "__name__", type(observer).__name__)
+            raise TypeError(
+                f"QstatsObserver: the float dtype {dtype} builds no QuantSpec, and {name} needs one: pass an "
+                "integer dtype or spec=, or use observer=placeholder"
+            ) from error
         self._fields = self._state_type._fields
         for name in self._fields:
             self.register_buffer(name, torch.empty(0))
