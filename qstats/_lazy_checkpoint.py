@@ -57,6 +57,8 @@ class LazyCheckpoint:
         """The tensor ``key``, read from its shard onto the CPU in its stored dtype."""
         from safetensors import safe_open
 
+        if key not in self.files:
+            raise ValueError(f"calibrate_layerwise: the checkpoint has no tensor {key!r}")
         with safe_open(os.path.join(self.directory, self.files[key]), "pt", device="cpu") as file:
             return file.get_tensor(key)
 
@@ -76,6 +78,9 @@ class LazyCheckpoint:
                 if stacked is None:
                     rows = sum(part.shape[0] for part in parts)
                     stacked = parts[0].new_empty((count, rows, *parts[0].shape[1:]))
+                if sum(part.shape[0] for part in parts) != stacked.shape[1] or parts[0].shape[1:] != stacked.shape[2:]:
+                    raise ValueError(f"calibrate_layerwise: checkpoint expert {prefix}.{expert} has shapes "
+                                     f"{[tuple(part.shape) for part in parts]}, unlike expert 0's")
                 start = 0
                 for part in parts:
                     stacked[expert, start : start + part.shape[0]] = part

@@ -301,3 +301,17 @@ def test_all_reduce_one_rank_failing_makes_every_rank_raise(saved, tmp_path, cas
     assert "no error" not in messages[0] and "no error" not in messages[1], messages
     if case != "no_batches":
         assert "another rank failed" in messages[0], messages
+
+
+def test_checkpoint_missing_one_experts_tensor_names_it(saved, tmp_path):
+    from safetensors.torch import save_file
+
+    from qstats._lazy_checkpoint import LazyCheckpoint
+
+    directory, _ = saved["qwen3_moe"]
+    source = LazyCheckpoint(directory)
+    missing = "model.layers.0.mlp.experts.3.up_proj.weight"
+    assert missing in source
+    save_file({key: source.tensor(key) for key in source.files if key != missing}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"no tensor {missing!r}"):
+        qstats.calibrate_layerwise(_meta("qwen3_moe"), tmp_path, _batches(0, 1), _recipe("qwen3_moe"), progress=False)
