@@ -100,17 +100,19 @@ def _inside(path: str, prefix: str) -> bool:
 
 def _decoder_layers(model: torch.nn.Module, layers: Optional[str]) -> tuple:
     """``(path, container)`` of the decoder layers: ``layers`` when given, else the longest
-    ``nn.ModuleList`` whose children are all of one class."""
+    ``nn.ModuleList`` whose children are all of one class, outside any other such list."""
     if layers is not None:
         container = model.get_submodule(layers)
         if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)) or not len(container):
             raise ValueError(f"calibrate_layerwise: layers={layers!r} is not a non-empty nn.ModuleList")
         return layers, container
-    found = [
+    lists = [
         (len(module), path, module)
         for path, module in model.named_modules()
         if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1
     ]
+    # not a list inside another's items (experts inside a decoder layer may outnumber the layers)
+    found = [item for item in lists if not any(item[1].startswith(other[1] + ".") for other in lists)]
     if not found:
         raise ValueError("calibrate_layerwise: no nn.ModuleList of decoder layers found; name it with layers=")
     _, path, container = max(found, key=lambda item: item[0])

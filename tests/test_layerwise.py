@@ -315,3 +315,42 @@ def test_checkpoint_missing_one_experts_tensor_names_it(saved, tmp_path):
     save_file({key: source.tensor(key) for key in source.files if key != missing}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=f"no tensor {missing!r}"):
         qstats.calibrate_layerwise(_meta("qwen3_moe"), tmp_path, _batches(0, 1), _recipe("qwen3_moe"), progress=False)
+
+
+class _ExpertBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, hidden):
+        return sum(expert(hidden) for expert in self.experts) / len(self.experts)
+
+
+class _ExpertModel(torch.nn.Module):
+    """Two layers of five per-expert Linear modules each: the experts' lists outnumber the layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(_ExpertBlock() for _ in range(2))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, ids):
+        hidden = self.embed(ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.head(hidden)
+
+
+def test_default_layers_are_the_outer_list_not_the_experts_inside(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    loaded = _ExpertModel().eval()
+    save_file(loaded.state_dict(), str(tmp_path / "model.safetensors"))
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight", "input"), spec=SPEC_A)])
+    batches = [torch.randint(0, 16, (2, 5)) for _ in range(2)]
+    with torch.device("meta"):
+        model = _ExpertModel().eval()
+    got = qstats.calibrate_layerwise(model, tmp_path, batches, recipe, progress=False)
+    _assert_equal(got, qstats.calibrate(loaded, batches, recipe, progress=False))
