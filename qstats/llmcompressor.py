@@ -44,7 +44,8 @@ from .observers.histogram import histogram
 from .observers.minmax import memoryless_minmax, minmax, moving_average_minmax
 from .observers.mse import mse
 
-__all__ = ["QstatsObserver", "OBSERVERS"]
+__all__ = ["QstatsObserver", "OBSERVERS", "QstatsMinmaxObserver", "QstatsStaticMinmaxObserver",
+           "QstatsMemorylessMinmaxObserver", "QstatsHistogramObserver", "QstatsMseObserver"]
 
 
 class QstatsObserver(LLMCompressorObserver):
@@ -63,6 +64,15 @@ class QstatsObserver(LLMCompressorObserver):
         self.factory_options, self.qparams_options = self.split_options(dict(self.args.observer_kwargs))
         self.spec: Optional[QuantSpec] = None
         self.qstats_observer = None
+
+    def __getstate__(self) -> dict:
+        # the qstats Observer holds closures: pickled without it, rebuilt from the factory and spec
+        return {**self.__dict__, "qstats_observer": None}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if self.spec is not None:
+            self.qstats_observer = type(self).factory(self.spec, **self.factory_options)
 
     def split_options(self, options: dict) -> tuple:
         """``(factory options, compute_qparams options)`` of ``observer_kwargs``: those the
@@ -178,3 +188,11 @@ OBSERVERS = {
     )
 }
 """``{suffix: class}`` of the observers registered as ``"qstats_<suffix>"``."""
+
+# module attributes under their class names, so that pickle (torch.save of a model under
+# calibration) finds the classes
+QstatsMinmaxObserver = OBSERVERS["minmax"]
+QstatsStaticMinmaxObserver = OBSERVERS["static_minmax"]
+QstatsMemorylessMinmaxObserver = OBSERVERS["memoryless_minmax"]
+QstatsHistogramObserver = OBSERVERS["histogram"]
+QstatsMseObserver = OBSERVERS["mse"]

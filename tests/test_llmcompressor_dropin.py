@@ -329,3 +329,21 @@ def test_fused_group_mixing_qstats_and_llmcompressor_observers_is_refused():
     ours(q.weight)
     with pytest.raises(TypeError, match="mixes qstats and llm-compressor observers"):
         ours.get_qparams()
+
+
+@pytest.mark.parametrize("name", sorted(qstats.llmcompressor.OBSERVERS))
+def test_observers_pickle_with_their_state_as_llm_compressors_do(name):
+    """``torch.save`` of a model under calibration pickles its observers (llm-compressor's own
+    pickle); a qstats one comes back with its state and gives the same qparams."""
+    import pickle
+
+    args = QuantizationArgs(num_bits=8, symmetric=True, strategy="tensor", observer=f"qstats_{name}")
+    ours = Observer.load_from_registry(f"qstats_{name}", base_name="input", args=args)
+    reference = Observer.load_from_registry("static_minmax", base_name="input", args=args.model_copy())
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    ours(x), reference(x)
+    assert type(pickle.loads(pickle.dumps(reference))) is type(reference)
+    again = pickle.loads(pickle.dumps(ours))
+    assert type(again) is type(ours)
+    for a, b in zip(again.get_qparams().values(), ours.get_qparams().values()):
+        assert (a is None and b is None) or bit_equal(a, b)
