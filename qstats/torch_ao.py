@@ -138,6 +138,9 @@ class QstatsObserver(ao.ObserverBase):
             raise TypeError(f"QstatsObserver: observer must be an observer factory, got {type(observer).__name__}")
         if spec is not None and not isinstance(spec, QuantSpec):
             raise TypeError(f"QstatsObserver: spec must be a QuantSpec, got {type(spec).__name__}")
+        if spec is not None and reduce_range:
+            raise ValueError("QstatsObserver: reduce_range applies to torch.ao's arguments; with spec= pass "
+                             "QuantSpec(reduce_range=True) instead")
         if spec is None and dtype not in _FLOAT_DTYPES:
             spec = QuantSpec.from_torch_ao(dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis)
             fields = dict(dtype=dtype, qscheme=qscheme, quant_min=spec.qrange[0], quant_max=spec.qrange[1],
@@ -146,7 +149,7 @@ class QstatsObserver(ao.ObserverBase):
             fields = dict(dtype=dtype, qscheme=qscheme, quant_min=quant_min, quant_max=quant_max,
                           ch_axis=ch_axis, eps=eps)
         else:
-            fields = torch_ao_fields(spec)
+            fields, reduce_range = torch_ao_fields(spec), spec.reduce_range
         for name, value in dict(fields, is_dynamic=is_dynamic, reduce_range=reduce_range).items():
             setattr(self, name, value)
         self.spec, self.method = spec, method

@@ -410,6 +410,8 @@ def test_uncalibrated_warning_only_where_torch_ao_warns():
 def test_bad_input():
     with pytest.raises(TypeError, match="observer factory"):
         torch_ao.QstatsObserver(observer="minmax")
+    with pytest.raises(ValueError, match=r"reduce_range.*QuantSpec\(reduce_range=True\)"):  # was ignored
+        torch_ao.QstatsObserver(spec=qstats.QuantSpec(dtype="uint8", mapping="asymmetric"), reduce_range=True)
     with pytest.raises(TypeError, match=r"float dtype torch.float32 builds no QuantSpec.*minmax needs one"):
         torch_ao.QstatsObserver(dtype=torch.float32)  # torch.ao's MinMaxObserver refuses it too
     with pytest.raises(TypeError, match="QuantSpec"):
