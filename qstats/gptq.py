@@ -267,8 +267,9 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
       qparams: the weight's quantization parameters; None: see the module docstring.
 
     Returns:
-      ``(fake_quantized, codes, qparams)``: the GPTQ'd weight in ``weight``'s dtype, its codes
-      (`qstats.quantize`'s dtype) and the quantization parameters they use.
+      ``(fake_quantized, codes, qparams)``: the GPTQ'd weight in ``weight``'s dtype (no gradient:
+      a parameter may be passed as it is), its codes (`qstats.quantize`'s dtype) and the
+      quantization parameters they use.
 
     >>> import torch, qstats
     >>> x, w = torch.randn(256, 64), torch.randn(32, 64)
@@ -283,7 +284,10 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
     actorder = None if actorder is None else "static"
     count = _check_inputs(hessian_state.count, hessian_state.total, weight)
 
-    return _gptq_core(weight, hessian_state.total, count, qparams, spec, block_size, float(dampening), actorder)
+    if qparams is not None:  # no autograd graph through the column loop (it would hold every column's tensors)
+        qparams = QParams(*(None if field is None else field.detach() for field in qparams))
+    return _gptq_core(weight.detach(), hessian_state.total.detach(), count, qparams, spec, block_size,
+                      float(dampening), actorder)
 
 
 def _check_qparams(qparams, weight, spec) -> None:

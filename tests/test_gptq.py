@@ -263,3 +263,14 @@ def test_nonfinite_inputs_and_mismatched_qparams_raise():
     with pytest.raises(ValueError, match="qparams.scale"):
         gptq(weight, state, qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4)),
              qparams=_minmax_qparams(weight, spec))
+
+
+def test_a_parameter_requiring_grad_gives_the_same_result_without_a_graph():
+    weight, _, state = _layer_data(9)
+    spec = qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4, strategy="group", group_size=32))
+    parameter = torch.nn.Parameter(weight.clone())
+    qparams = _minmax_qparams(parameter, spec)
+    got = gptq(parameter, state, spec, qparams=qparams)
+    want = gptq(weight, state, spec, qparams=_minmax_qparams(weight, spec))
+    assert not any(t.requires_grad for t in (got[0], got[1], *got[2]) if t is not None)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
