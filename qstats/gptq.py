@@ -111,9 +111,9 @@ def _column_groups(spec: QuantSpec, columns: int) -> Optional[list]:
             raise ValueError(f"gptq: {columns} input columns are not a multiple of the group size "
                              f"{granularity.group_size}")
         return [column // granularity.group_size for column in range(columns)]
-    if isinstance(granularity, (PerTensor, PerRow)) or granularity == PerAxis(0):
-        return None
-    raise ValueError(f"gptq: granularity {granularity!r} is not supported (PerTensor, PerRow / PerAxis(0), PerGroup)")
+    if isinstance(granularity, PerTensor) or granularity in (PerAxis(0), PerRow(-1), PerRow(1)):
+        return None  # one set per tensor or per output row; PerRow(0) would be one per input column
+    raise ValueError(f"gptq: granularity {granularity!r} is not supported (PerTensor, PerRow() / PerAxis(0), PerGroup)")
 
 
 def _column_parameters(param: torch.Tensor, groups: Optional[list], shape, perm: Optional[torch.Tensor]):

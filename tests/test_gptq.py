@@ -263,6 +263,11 @@ def test_nonfinite_inputs_and_mismatched_qparams_raise():
     with pytest.raises(ValueError, match="qparams.scale"):
         gptq(weight, state, qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4)),
              qparams=_minmax_qparams(weight, spec))
+    per_column = qstats.QuantSpec(dtype="int4", granularity=qstats.PerRow(dim=0))  # one scale per input column
+    with pytest.raises(ValueError, match=r"PerRow\(dim=0\) is not supported"):
+        gptq(weight, state, per_column)
+    per_row = gptq(weight, state, qstats.QuantSpec(dtype="int4", granularity=qstats.PerRow(dim=1)))
+    assert torch.equal(per_row[1], gptq(weight, state, qstats.QuantSpec(dtype="int4", granularity=qstats.PerAxis(0)))[1])
 
 
 def test_a_parameter_requiring_grad_gives_the_same_result_without_a_graph():
