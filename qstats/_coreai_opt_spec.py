@@ -19,6 +19,11 @@ __all__ = ["spec_from_coreai_opt", "block_size"]
 
 _FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
 _FLOAT_TARGETS = {"float8_e4m3fn": "fp8_e4m3fn", "float8_e5m2": "fp8_e5m2", "float4_e2m1fn_x2": "fp4_e2m1"}
+# coreai_opt's QuantizationSpec fields, then those its model_dump derives from them (a dict or
+# keywords naming others is a typo)
+_SPEC_FIELDS = ("dtype", "qscheme", "qformulation", "granularity", "fake_quantize_cls", "qparam_calculator_cls",
+                "range_calculator_cls", "float_range", "scale_dtype",
+                "n_bits", "target_dtype", "_quant_range", "quant_min", "quant_max")
 _ALIASES = {"float4_e2m1fn": "float4_e2m1fn_x2", "float8_e4m3": "float8_e4m3fn", "float8_e8m0": "float8_e8m0fnu"}
 
 
@@ -98,6 +103,9 @@ def spec_from_coreai_opt(
     """
     source = {**({} if spec is None else (dict(spec) if isinstance(spec, dict) else {
         name: _field(spec, name) for name in ("dtype", "qscheme", "granularity", "scale_dtype")})), **fields}
+    unknown = sorted(set(source) - set(_SPEC_FIELDS))
+    if unknown:
+        raise ValueError(f"from_coreai_opt: unknown QuantizationSpec field(s) {unknown}; known: {', '.join(_SPEC_FIELDS)}")
     dtype = _dtype_name(source.get("dtype") or torch.int8)
     qscheme = str(getattr(source.get("qscheme"), "value", source.get("qscheme") or "symmetric"))
     scale_dtype = source.get("scale_dtype")

@@ -332,3 +332,16 @@ def test_unknown_granularity_is_named_with_or_without_a_shape():
     for shape in (None, SHAPE):
         with pytest.raises(ValueError, match=r"unknown granularity .*per_group"):
             qstats.QuantSpec.from_coreai_opt(dtype=torch.int8, granularity=bad, shape=shape)
+
+
+def test_unknown_spec_fields_are_refused_naming_them():
+    """A misspelt field (keyword or dict key) is refused, not ignored for the default int8
+    symmetric; every field of coreai_opt's QuantizationSpec is accepted."""
+    for bad in ({"dtyp": torch.uint8}, {"dtype": torch.uint8, "qschem": "asymmetric"}):
+        with pytest.raises(ValueError, match=f"unknown QuantizationSpec field.*{sorted(bad)[-1]}"):
+            qstats.QuantSpec.from_coreai_opt(**bad)
+        with pytest.raises(ValueError, match="unknown QuantizationSpec field"):
+            qstats.QuantSpec.from_coreai_opt(dict(bad))
+    full = QuantizationSpec(dtype=torch.uint8, qscheme="asymmetric").model_dump()  # every field, derived ones too
+    assert set(QuantizationSpec.model_fields) <= set(full)
+    assert qstats.QuantSpec.from_coreai_opt(full) == qstats.QuantSpec.from_coreai_opt(dtype=torch.uint8, qscheme="asymmetric")
