@@ -153,8 +153,16 @@ class QstatsObserver(LLMCompressorObserver):
     def sync_activation_stats(self) -> list:
         """Merges this activation observer's state across ranks (its qstats ``merge``); weights
         are the same on every rank and are not merged. Returns no pending handles."""
-        if self.is_weight_obs or not self.has_statistics or not torch.distributed.is_initialized():
+        if self.is_weight_obs or not torch.distributed.is_initialized():
             return []
+        if not self.has_statistics:  # join the ranks' check, so that every rank raises instead of waiting
+            try:
+                distributed.all_reduce(None, self.qstats_observer)
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    f"qstats.llmcompressor: the {self.base_name} observer saw no data on this rank, so there is "
+                    "no state to merge across ranks (give every rank calibration data)"
+                ) from error
         self.qstats_state = distributed.all_reduce(self.qstats_state, self.qstats_observer)
         return []
 

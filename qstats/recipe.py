@@ -420,12 +420,12 @@ class Recipe:
         return f"Recipe(rules={list(self.rules)!r}, ignore={list(self.ignore)!r}{shared})"
 
     @classmethod
-    def from_scheme(cls, scheme, targets="Linear", ignore=(), observed_dtype=None, shared=None,
+    def from_scheme(cls, scheme, targets=None, ignore=(), observed_dtype=None, shared=None,
                     experts=None) -> "Recipe":
         """The recipe of a compressed-tensors scheme: a preset name (``"W4A16"``, ``"W8A8"``,
         ``"FP8"``, ``"FP8_DYNAMIC"``, ``"NVFP4"``, ``"MXFP4"``, ... every key of compressed-tensors'
-        ``PRESET_SCHEMES``), a ``QuantizationScheme`` or a dict of its fields, on ``targets``,
-        as llm-compressor's ``QuantizationModifier(targets=, scheme=, ignore=)`` applies it:
+        ``PRESET_SCHEMES``), a ``QuantizationScheme`` or a dict of its fields, on ``targets``
+        (default: the scheme's own ``targets``, else ``"Linear"``), as llm-compressor's ``QuantizationModifier(targets=, scheme=, ignore=)`` applies it:
         specs from `QuantSpec.from_compressed_tensors`, and the observers llm-compressor
         attaches for those args (see ``qstats/_schemes.py``). ``observed_dtype``: the weights'
         dtype when bfloat16/float16 (compressed-tensors computes their qparams in it).

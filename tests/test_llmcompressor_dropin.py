@@ -319,6 +319,52 @@ def test_sync_activation_stats_merges_the_ranks_states(tmp_path):
         assert not bit_equal(*weight_scales)  # each rank kept its own weight's
 
 
+def _empty_rank(rank: int, port: int, out: str):
+    """One forked rank; rank 0 observes nothing, then both sync: each records what it raised."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        observer = Observer.load_from_registry("qstats_static_minmax", base_name="input",
+                                               args=SYNC_ARGS.model_copy(deep=True))
+        for x in _rank_data(rank)[: rank]:  # rank 0: no batch
+            observer(x)
+        try:
+            observer.sync_activation_stats()
+            message = "no error"
+        except ValueError as error:
+            message = str(error)
+        with open(os.path.join(out, f"rank{rank}.txt"), "w") as file:
+            file.write(message)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sync_with_a_rank_that_saw_no_data_raises_on_every_rank_instead_of_hanging(tmp_path):
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_empty_rank, args=(rank, port, str(tmp_path))) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    alive = [process.is_alive() for process in ranks]
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    assert alive == [False, False], "a rank hung in the collective"
+    messages = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    assert "saw no data on this rank" in messages[0]
+    assert messages[1] != "no error"
+
+
 def test_fused_group_mixing_qstats_and_llmcompressor_observers_is_refused():
     from llmcompressor.observers.fusion import FusionHandler
 

@@ -155,3 +155,12 @@ def test_a_single_ignore_name_is_one_target_not_its_characters():
 def test_granularity_arguments_that_are_not_a_mapping_are_refused_naming_the_granularity():
     with pytest.raises(ValueError, match=r"granularity 'PerAxis': arguments must be a mapping"):
         qstats.Recipe.from_dict({"rules": [{"targets": "Linear", "spec": {"granularity": {"PerAxis": 0}}}]})
+
+
+def test_from_scheme_takes_the_schemes_own_targets_unless_given():
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    scheme = QuantizationScheme(targets=["re:.*down$"], weights=QuantizationArgs(num_bits=4, strategy="channel"))
+    assert qstats.Recipe.from_scheme(scheme).rules[0].targets == ("re:.*down$",)
+    assert qstats.Recipe.from_scheme(scheme, targets="Linear").rules[0].targets == ("Linear",)
+    assert qstats.Recipe.from_scheme("W4A16").rules[0].targets == ("Linear",)
