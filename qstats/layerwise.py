@@ -66,7 +66,7 @@ class _Store:
         if self.directory is None:
             self.records[index] = record
         else:
-            torch.save(dataclasses.asdict(record), self.path(index))
+            torch.save({field.name: getattr(record, field.name) for field in dataclasses.fields(record)}, self.path(index))  # no copies
 
     def append(self, record: _Inputs) -> None:
         if self.directory is None:
