@@ -66,7 +66,8 @@ class _Store:
         if self.directory is None:
             self.records[index] = record
         else:
-            torch.save({field.name: getattr(record, field.name) for field in dataclasses.fields(record)}, self.path(index))  # no copies
+            fields = {field.name: getattr(record, field.name) for field in dataclasses.fields(record)}
+            torch.save(fields, self.path(index))  # a shallow dict: asdict would copy every tensor
 
     def append(self, record: _Inputs) -> None:
         if self.directory is None:
