@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from . import distributed
 from ._lazy_checkpoint import LazyCheckpoint, load_modules, release_modules
 from .calibrate import calibrate, compute_qparams_tree, fake_quantized
+from .observing import check_resumed
 from .recipe import Plan, Recipe
 
 __all__ = ["calibrate_layerwise"]
@@ -338,16 +339,6 @@ def _check_on_meta(model: torch.nn.Module) -> None:
         )
 
 
-def _check_resumed(states: Mapping, plan: Plan) -> None:
-    for path, entry in states.items():
-        for site in entry:
-            if plan.site(path, site) is None:
-                raise ValueError(
-                    f"calibrate_layerwise: the given states hold site {site!r} of module {path!r}, which this "
-                    "recipe does not observe in this model"
-                )
-
-
 def _ordered(states: dict, plan: Plan) -> dict:
     """The states in the plan's order of modules and sites."""
     return {
@@ -414,7 +405,7 @@ def calibrate_layerwise(
         plan = recipe if isinstance(recipe, Plan) else recipe.resolve(model)
         if plan.model is not model:
             raise ValueError("calibrate_layerwise: the Plan was resolved on another model than the one given")
-        _check_resumed(states or {}, plan)
+        check_resumed(states or {}, plan, "calibrate_layerwise")
         container_path, container = _decoder_layers(model, layers)
         directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)
         run = _Run(model, LazyCheckpoint(checkpoint), plan, _Store(directory), dict(states or {}),

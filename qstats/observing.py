@@ -61,12 +61,13 @@ def _raise_renamed(error: Exception, path: str, site: str):
     raise renamed from error
 
 
-def _check_resumed(states: dict, plan: Plan) -> None:
+def check_resumed(states: Mapping, plan: Plan, caller: str = "calibrate") -> None:
+    """ValueError naming the first site of resumed ``states`` that ``plan`` does not observe."""
     for path, entry in states.items():
         for site in entry:
             if plan.site(path, site) is None:
                 raise ValueError(
-                    f"calibrate: the given states hold site {site!r} of module {path!r}, which this recipe "
+                    f"{caller}: the given states hold site {site!r} of module {path!r}, which this recipe "
                     "does not observe in this model"
                 )
 
@@ -459,7 +460,7 @@ def observing(
         raise TypeError(f"observing expects an nn.Module, got {type(model).__name__}")
     plan = as_plan(recipe, model, "observing")
     run = _Calibration(plan, plan.share_states(_copy_tree(states)), all_experts=bool(all_experts))
-    _check_resumed(run.states, plan)
+    check_resumed(run.states, plan)
     _observe_parameters(run)
     session = Observing(run)
     handles = [plan.model.register_forward_pre_hook(session._count)]
