@@ -24,15 +24,14 @@ ulp or two.
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
-import torch
+from typing import Any
 
 from ._coreai_opt_spec import block_size
 from ._spec import QuantSpec
 from .observers._base import Observer
-from .observers.kit import check_spec, extremes_init, observe_extremes
-from .observers.minmax import MovingAverageMinMaxState, check_extremes_state, moving_average_minmax as _torch_ao_average
+from .observers.kit import check_spec, extremes_init
+from .observers.minmax import MovingAverageMinMaxState, moving_extremes_update
+from .observers.minmax import moving_average_minmax as _torch_ao_average
 
 __all__ = ["spec_from_coreai_opt", "moving_average_minmax", "block_size"]
 
@@ -56,24 +55,13 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
     spec = check_spec(spec)
     base = _torch_ao_average(spec, averaging_constant)
     constant = float(averaging_constant)
-    where = "coreai_opt.moving_average_minmax.update"
 
-    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MovingAverageMinMaxState:
-        check_extremes_state(state, MovingAverageMinMaxState, where)
-        if x.numel() == 0:
-            return state
-        lo, hi, count, nonfinite = observe_extremes(x, weight, spec, state.min_val.shape, where)
-        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
-        first, seen = state.batches == 0, count > 0
-        min_val = torch.where(first, lo, constant * lo + (1 - constant) * state.min_val)
-        max_val = torch.where(first, hi, constant * hi + (1 - constant) * state.max_val)
-        return MovingAverageMinMaxState(
-            torch.where(seen, min_val, state.min_val),
-            torch.where(seen, max_val, state.max_val),
-            state.batches + seen.to(torch.int64),
-            state.count + count,
-            state.nonfinite + nonfinite,
-        )
+    def step(average, batch, observed_dtype):
+        return constant * batch + (1 - constant) * average
 
+    def contain_zero(lo, hi):
+        return lo.clamp(max=0.0), hi.clamp(min=0.0)
+
+    update_fn = moving_extremes_update(spec, step, "coreai_opt.moving_average_minmax.update", contain_zero)
     return Observer(extremes_init(MovingAverageMinMaxState, spec), update_fn, base.merge,
                     exact=False, spec=spec, name="coreai_opt_moving_average_minmax")

@@ -8,7 +8,7 @@ int64 counts whatever the input dtype.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -150,6 +150,33 @@ def _moved(average: torch.Tensor, batch: torch.Tensor, constant: float, spec: Qu
     return spec.convention.moving_average(average, batch, constant, spec, observed_dtype)
 
 
+def moving_extremes_update(spec: QuantSpec, step: Callable, where: str, batch_range: Optional[Callable] = None):
+    """The update of a moving average of per-batch extremes (`MovingAverageMinMaxState`): the
+    first batch that reaches a parameter initialises it, later ones move it by
+    ``step(average, batch, observed_dtype)``; ``batch_range(lo, hi)`` may transform a batch's
+    extremes first. A parameter that a batch does not reach (masked out) keeps its value."""
+
+    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MovingAverageMinMaxState:
+        check_extremes_state(state, MovingAverageMinMaxState, where)
+        if x.numel() == 0:
+            return state
+        lo, hi, count, nonfinite = observe_extremes(x, weight, spec, state.min_val.shape, where)
+        if batch_range is not None:
+            lo, hi = batch_range(lo, hi)
+        first, seen = state.batches == 0, count > 0
+        min_val = torch.where(first, lo, step(state.min_val, lo, x.dtype))
+        max_val = torch.where(first, hi, step(state.max_val, hi, x.dtype))
+        return MovingAverageMinMaxState(
+            torch.where(seen, min_val, state.min_val),
+            torch.where(seen, max_val, state.max_val),
+            state.batches + seen.to(torch.int64),
+            state.count + count,
+            state.nonfinite + nonfinite,
+        )
+
+    return update_fn
+
+
 def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> Observer:
     """Moving average of per-batch extremes (torch.ao MovingAverageMinMaxObserver and
     MovingAveragePerChannelMinMaxObserver; llm-compressor ``minmax``).
@@ -168,21 +195,10 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
         raise ValueError(f"averaging_constant must be in (0, 1], got {averaging_constant!r}")
     constant = float(averaging_constant)
 
-    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MovingAverageMinMaxState:
-        check_extremes_state(state, MovingAverageMinMaxState, "moving_average_minmax.update")
-        if x.numel() == 0:
-            return state
-        lo, hi, count, nonfinite = observe_extremes(x, weight, spec, state.min_val.shape, "moving_average_minmax.update")
-        first, seen = state.batches == 0, count > 0
-        min_val = torch.where(first, lo, _moved(state.min_val, lo, constant, spec, x.dtype))
-        max_val = torch.where(first, hi, _moved(state.max_val, hi, constant, spec, x.dtype))
-        return MovingAverageMinMaxState(
-            torch.where(seen, min_val, state.min_val),
-            torch.where(seen, max_val, state.max_val),
-            state.batches + seen.to(torch.int64),
-            state.count + count,
-            state.nonfinite + nonfinite,
-        )
+    def step(average, batch, observed_dtype):
+        return _moved(average, batch, constant, spec, observed_dtype)
+
+    update_fn = moving_extremes_update(spec, step, "moving_average_minmax.update")
 
     def merge_fn(a, b) -> MovingAverageMinMaxState:
         check_extremes_state(a, MovingAverageMinMaxState, "moving_average_minmax.merge")
