@@ -1,12 +1,8 @@
 """Recipes: which observer and spec watch which module and site of a model.
 
-A `Rule` maps module patterns and sites (``"weight"``, ``"input"``, ``"output"``, ``"q"``/``"k"``/
-``"v"``, any parameter name, and for stacked experts ``"<parameter>.input"`` such as
-``"down_proj.input"``) to an observer factory and a `QuantSpec`, like an llm-compressor
-recipe. A `Recipe` is an ordered list of rules plus an ignore list; for each (module, site) the
-first matching rule wins. `Recipe.resolve(model)` resolves it on a model, once, into a `Plan`:
-its `Site` entries, whose observers are ready to use (vmapped over the expert dimension for
-stacked experts), the modules by path and the fused groups, which every consumer reads.
+A `Rule` maps module patterns and sites to an observer factory and a `QuantSpec`; a `Recipe` is
+an ordered list of rules (first match wins) plus an ignore list; `Recipe.resolve(model)` gives
+the `Plan` every consumer reads. See docs/calibrate_api.md.
 """
 
 from __future__ import annotations
@@ -96,25 +92,19 @@ class Rule:
 
     Args:
       targets: a string or tuple of strings: ``"re:<regex>"`` (full match on the module path), a
-        module class name (``"Linear"``; subclasses match too, as in compressed-tensors) or an exact
-        module path.
-      sites: what to observe: ``"weight"`` or any parameter name (observed once), ``"input"``,
-        ``"output"``, ``"q"``/``"k"``/``"v"`` (outputs of an attention module's projections), and
-        on stacked-experts modules ``"<parameter>.input"``: the input of each expert's matmul with
-        that stacked parameter, per expert. ``"down_proj.input"`` is the intermediate activation
-        ``act(gate) * up`` of the tokens routed to each expert (the input of its down
-        projection); ``"gate_up_proj.input"`` equals the ``"input"`` site.
-      observer: an observer factory, ``observer(spec, **observer_kwargs) -> Observer``, or the
-        name it is registered under (`qstats.observers.register`): ``"minmax"``, ``"mse"``, ...
+        module class name (subclasses match too) or an exact module path.
+      sites: ``"weight"`` or any parameter name (observed once), ``"input"``, ``"output"``,
+        ``"q"``/``"k"``/``"v"`` (outputs of an attention module's projections), and on
+        stacked-experts modules ``"<parameter>.input"`` (e.g. ``"down_proj.input"``: the input of
+        each expert's down projection).
+      observer: an observer factory, ``observer(spec, **observer_kwargs) -> Observer``, or its
+        registered name (``"minmax"``, ``"mse"``, ...).
       spec: the QuantSpec of one observed tensor (of one expert, for stacked experts).
       observer_kwargs: extra keyword arguments of the factory.
       qparams_kwargs: options for ``compute_qparams`` (e.g. ``method=`` for histogram states).
-      dynamic: the activation sites of this rule take their scales at run time, from each
-        tensor, whatever the spec's granularity (compressed-tensors' ``dynamic=True``, e.g. a
-        per-tensor dynamic input): calibration gives them no QParams, `qstats.fake_quantized`
-        computes their scales from each tensor and the export writes them as dynamic. Per-token,
-        per-group and two-level specs are run-time scaled already (`runtime_scaled`); a
-        QuantSpec itself says how scales are computed, not when. Parameter sites ignore it.
+      dynamic: this rule's activation sites take their scales at run time from each tensor
+        (compressed-tensors' ``dynamic=True``): no calibrated QParams, exported as dynamic.
+        Parameter sites ignore it.
 
     >>> import qstats
     >>> rule = qstats.Rule(targets="Linear", sites=("weight",), spec=qstats.QuantSpec())
@@ -165,17 +155,12 @@ class Site(NamedTuple):
     Attributes:
       rule: the Rule that matched.
       observer: the Observer for this state; for stacked experts already vmapped over the
-        leading expert dimension (see `qstats.stacked_observer`). For an activation site whose
-        scales come at run time (`runtime_scaled`: per-token, per-group, two-level specs) it
-        observes the whole tensor's range, under the spec made per tensor.
+        leading expert dimension. A `runtime` site observes each whole tensor, per tensor.
       spec: the spec of one tensor (one expert's tensor for stacked experts).
       num_experts: the leading expert dimension of the state, 0 when not stacked.
-      runtime: an activation site whose scales come at run time: its spec is `runtime_scaled`
-        or its rule says ``dynamic=True``.
-      kind: where the observed tensor comes from: ``"parameter"`` (a parameter of the module,
-        observed once), ``"input"``, ``"output"``, ``"projection"`` (``q``/``k``/``v``: the
-        output of a child projection) or ``"parameter_input"`` (``"<parameter>.input"`` of
-        stacked experts: the input of each expert's matmul with that parameter).
+      runtime: the site's scales come at run time (`runtime_scaled` spec or ``dynamic=True``).
+      kind: ``"parameter"`` (observed once), ``"input"``, ``"output"``, ``"projection"``
+        (``q``/``k``/``v``) or ``"parameter_input"`` (``"<parameter>.input"`` of stacked experts).
     """
 
     rule: Rule
@@ -187,13 +172,10 @@ class Site(NamedTuple):
 
 
 def runtime_scaled(spec: QuantSpec) -> bool:
-    """Whether an activation site under ``spec`` gets its scales at run time, from each tensor
-    (compressed-tensors' dynamic activations, as `qstats.export` writes them): per-token and
-    per-group scales, and the group scales of a two-level (NVFP4) spec, whose global scale alone
-    is calibrated. Such sites are observed per tensor (`Recipe.sites`): a per-token state would be
-    shaped by the first batch's length; `qstats.compute_qparams_tree` gives None for them, or for
-    a two-level spec QParams holding the calibrated global scale, and `qstats.fake_quantized`
-    computes their scales from each tensor."""
+    """Whether an activation site under ``spec`` gets its scales at run time, from each tensor:
+    per-token and per-group specs, and two-level (NVFP4) specs, whose global scale alone is
+    calibrated. Such sites are observed per tensor, since a per-token state would be shaped by
+    the first batch's length."""
     return isinstance(spec.granularity, (PerToken, PerGroup, TensorGroup))
 
 
@@ -234,12 +216,9 @@ def _make_site(rule: Rule, site: str, kind: str, stacked: int) -> Site:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-    """A `Recipe` resolved on one model (`Recipe.resolve`), computed once: what `calibrate`,
-    `compute_qparams_tree`, `fake_quantized`, `report` and the export read from the model.
-
-    Every consumer takes a Plan where it takes a recipe (and then needs no model), so a model is
-    walked once however many of them run. The mappings are read-only; the modules are the
-    model's own (their parameters are read when used, never copied).
+    """A `Recipe` resolved on one model (`Recipe.resolve`), computed once, so that every consumer
+    (`calibrate`, `compute_qparams_tree`, `fake_quantized`, `report`, the export) reads the model
+    once. Mappings are read-only; modules are the model's own, never copied.
 
     Attributes:
       recipe: the Recipe it was resolved from.
@@ -393,12 +372,11 @@ def as_plan(recipe, model: Optional[torch.nn.Module], caller: str) -> Plan:
 class Recipe:
     """An ordered list of rules and an ignore list.
 
-    For each module of a model (``model.named_modules()`` order) and each site, the first rule whose
-    targets match the module and whose ``sites`` contain the site wins. Modules matching ``ignore``
-    (same syntax as ``Rule.targets``) are skipped. A parameter site applies to modules that own that
-    parameter directly; ``q``/``k``/``v`` to modules with a matching child projection; ``input`` and
-    ``output`` to every matched module; ``"<parameter>.input"`` (e.g. ``"down_proj.input"``) to
-    stacked-experts modules owning that stacked parameter (see `qstats.experts.ExpertInputCapture`).
+    For each module and site, the first rule whose targets match the module and whose ``sites``
+    contain the site wins; modules matching ``ignore`` (``Rule.targets`` syntax) are skipped. A site
+    applies only to modules that have it: a parameter owned directly, a ``q``/``k``/``v`` child
+    projection, a stacked parameter for ``"<parameter>.input"``. ``shared`` maps
+    ``"<path>:<site>"`` to the ``"<owner path>:<owner site>"`` whose state it shares.
 
     >>> import torch, qstats
     >>> recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",))])
@@ -422,16 +400,17 @@ class Recipe:
     @classmethod
     def from_scheme(cls, scheme, targets=None, ignore=(), observed_dtype=None, shared=None,
                     experts=None) -> "Recipe":
-        """The recipe of a compressed-tensors scheme: a preset name (``"W4A16"``, ``"W8A8"``,
-        ``"FP8"``, ``"FP8_DYNAMIC"``, ``"NVFP4"``, ``"MXFP4"``, ... every key of compressed-tensors'
-        ``PRESET_SCHEMES``), a ``QuantizationScheme`` or a dict of its fields, on ``targets``
-        (default: the scheme's own ``targets``, else ``"Linear"``), as llm-compressor's ``QuantizationModifier(targets=, scheme=, ignore=)`` applies it:
-        specs from `QuantSpec.from_compressed_tensors`, and the observers llm-compressor
-        attaches for those args (see ``qstats/_schemes.py``). ``observed_dtype``: the weights'
-        dtype when bfloat16/float16 (compressed-tensors computes their qparams in it).
-        ``experts``: targets of stacked-experts modules (``"Qwen3MoeExperts"``) quantized as
-        llm-compressor quantizes them once linearized: their ``gate_up_proj``/``down_proj``
-        weights, ``input`` and ``down_proj.input``.
+        """The recipe llm-compressor's ``QuantizationModifier(targets=, scheme=, ignore=)`` applies
+        (docs/recipes.md).
+
+        Args:
+          scheme: a compressed-tensors ``PRESET_SCHEMES`` name (``"W4A16"``, ``"FP8"``, ...), a
+            ``QuantizationScheme`` or a dict of its fields.
+          targets: default: the scheme's own ``targets``, else ``"Linear"``.
+          observed_dtype: the weights' dtype when bfloat16/float16 (qparams are computed in it).
+          experts: targets of stacked-experts modules (``"Qwen3MoeExperts"``), quantized as
+            llm-compressor quantizes them once linearized.
+          ignore, shared: as in `Recipe`.
 
         >>> import qstats
         >>> [rule.sites for rule in qstats.Recipe.from_scheme("W4A16").rules]
@@ -454,11 +433,8 @@ class Recipe:
     @classmethod
     def from_dict(cls, data: Mapping) -> "Recipe":
         """A recipe from plain data (parsed YAML or JSON): ``{"rules": [...], "ignore": [...],
-        "shared": {...}}``, each rule a dict of `Rule` fields whose ``observer`` is a registered
-        name and whose ``spec`` is a dict of `QuantSpec` fields (``"granularity"`` as
-        ``"PerTensor"`` or ``{"PerAxis": {"axis": 0}}``), ``{"preset": name, ...}`` or
-        ``{"compressed_tensors": {...QuantizationArgs fields}}``; or ``{"scheme": name,
-        "targets": ..., "ignore": [...]}`` (`from_scheme`)."""
+        "shared": {...}}`` with rules as dicts of `Rule` fields, observers by registered name, or
+        ``{"scheme": name, ...}`` (`from_scheme`). The formats are in docs/recipes.md."""
 
         if isinstance(data, Mapping) and "scheme" in data:
             extra = set(data) - {"scheme", "targets", "ignore", "shared", "observed_dtype"}
