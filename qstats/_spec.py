@@ -1,10 +1,7 @@
 """QuantSpec: the static, hashable description of a quantization target.
 
-A spec names the element format (``dtype``), how the range maps onto it (``mapping``), where the
-zero point lives (``zero_point_domain``), the granularity, range overrides and the library
-convention whose arithmetic it reproduces (`qstats.conventions`: ``"torch_ao"``, the default,
-``"compressed_tensors"``, ``"torchao"``). Invalid specs raise ValueError naming the field, at
-construction. `preset` names the deployment formats (NVFP4, MX, DeepSeek fp8).
+Invalid specs raise ValueError naming the field, at construction. `preset` names the deployment
+formats (NVFP4, MX, DeepSeek fp8). Fields: docs/observers.md.
 """
 
 from __future__ import annotations
@@ -149,47 +146,37 @@ class QuantSpec:
     """A quantization target. Frozen and hashable: it is static configuration, never state.
 
     Args:
-      dtype: ``"int1"`` ... ``"int16"`` (and ``"int32"``), ``"uint1"`` ... ``"uint16"``,
-        ``"fp8_e4m3fn"``, ``"fp8_e5m2"``; a torch dtype is accepted and normalised.
+      dtype: ``"int1"`` ... ``"int16"``, ``"int32"``, ``"uint1"`` ... ``"uint16"`` or a float format
+        (``"fp8_e4m3fn"``, ``"fp4_e2m1"``, ...: docs/formats.md); torch dtypes are normalised.
       mapping: ``"symmetric"``, ``"asymmetric"``, ``"symmetric_no_clipping_err"`` (torchao: the
         scale covers both ends without clipping either) or ``"narrow"`` (symmetric with
         ``qmin = -qmax``).
       granularity: a `Granularity` (default `PerTensor()`).
-      zero_point_domain: ``"int"`` (integer zero point), ``"float"`` (float zero point, torch.ao
-        ``per_channel_affine_float_qparams``: ``zero_point = -min / scale``), or ``"none"``.
+      zero_point_domain: ``"int"``, ``"float"`` (torch.ao ``per_channel_affine_float_qparams``:
+        ``zero_point = -min / scale``) or ``"none"``.
       quant_min, quant_max: override the integer range (both or neither).
       reduce_range: halve the range (torch.ao's x86 ``reduce_range``).
       eps: smallest scale (float32-rounded).
-      scale_dtype: dtype the scale is rounded to (``"float32"``, ``"bfloat16"``, ``"float16"``,
-        ``"float8_e4m3fn"``, ``"e8m0"``, or ``"float64"``: float32 values that torchao's convention
-        divides by in float64, as torchao's ``scale_dtype=torch.float64``); the torch dtypes
-        (``torch.float8_e8m0fnu`` for ``"e8m0"``) are accepted and normalised to these names.
-      convention: the library whose arithmetic the spec reproduces: ``"torch_ao"``,
-        ``"compressed_tensors"``, ``"torchao"`` or a `qstats.conventions.Convention`; held as the
-        Convention (which compares equal to its name).
+      scale_dtype: dtype the scale is rounded to: ``"float32"``, ``"bfloat16"``, ``"float16"``,
+        ``"float8_e4m3fn"``, ``"e8m0"`` or ``"float64"`` (float32 values that torchao's convention
+        divides by in float64); torch dtypes are normalised to these names.
+      convention: whose arithmetic the spec reproduces: ``"torch_ao"``, ``"compressed_tensors"``,
+        ``"torchao"`` or a `qstats.conventions.Convention` (held as one; equal to its name).
       nonfinite: ``"ignore"`` (default: NaN/Inf are left out of statistics and counted) or
         ``"raise"`` (ValueError on a non-finite value; reads the value on the host).
       on_uncalibrated: ``"raise"`` (default: `compute_qparams` raises when a parameter saw no
         data) or ``"fallback"`` (scale 1, zero point 0, reported in ``QParams.calibrated``).
       symmetric_zero_point: zero point of symmetric mappings onto unsigned ranges; default is the
         upper midpoint ``(qmin + qmax + 1) // 2`` (128 for uint8, as torch.ao).
-      scale_rounding: how ``scale_dtype="e8m0"`` (power-of-two, MX) scales are rounded:
-        ``"floor"`` (default, OCP MX), ``"ceil"``, ``"even"``, ``"rceil"`` (torchao's modes) or
-        ``"round_then_floor"`` (compressed-tensors) or ``"round"`` (torchao float8 e8m0 scales);
-        see ``qstats/_formats.py``.
-      global_scale_formula: two-level (`TensorGroup`, NVFP4) global scale: ``"amax_over_range"``
-        (default; torchao/ModelOpt ``amax / (448 * 6)``, effective scale ``scale * global``) or
-        ``"range_over_amax"`` (compressed-tensors ``448 * 6 / amax``, effective ``scale / global``).
-      compute_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: with
-        ``convention="torchao"``, integer qparams and codes are computed in this dtype, as torchao
-        computes in the input's dtype (``from_torchao(input_dtype=torch.bfloat16)``); with
-        ``convention="compressed_tensors"`` qparams and codes are computed in it as
-        compressed-tensors does for weights of that dtype
-        (``from_compressed_tensors(args, observed_dtype=torch.bfloat16)``).
-      preserve_zero: ``True`` (default) makes every range contain zero, so that zero is exactly
-        representable; ``False`` maps the observed range as it is (torchao's
-        ``_choose_qparams_affine_dont_preserve_zero``: ``convention="torchao"``, asymmetric
-        mapping, integer zero point).
+      scale_rounding: rounding of ``"e8m0"`` scales: ``"floor"`` (default, OCP MX), ``"ceil"``,
+        ``"even"``, ``"rceil"``, ``"round_then_floor"`` or ``"round"`` (docs/formats.md).
+      global_scale_formula: two-level (`TensorGroup`) global scale: ``"amax_over_range"``
+        (default, torchao/ModelOpt: effective scale ``scale * global``) or ``"range_over_amax"``
+        (compressed-tensors: ``scale / global``).
+      compute_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: the dtype the
+        torchao and compressed-tensors conventions compute qparams and codes in.
+      preserve_zero: ``True`` (default) makes every range contain zero; ``False`` maps the
+        observed range as it is (``convention="torchao"``, asymmetric mapping, integer zero point).
 
     >>> spec = QuantSpec(dtype="int8", mapping="symmetric", granularity=PerAxis(0))
     >>> spec.qmin, spec.qmax
@@ -420,11 +407,9 @@ class QuantSpec:
 def preset(name: str, **overrides) -> QuantSpec:
     """A QuantSpec for a named deployment format.
 
-    ``"nvfp4"`` (fp4_e2m1, TensorGroup(16), float8_e4m3fn block scales, fp32 global scale),
-    ``"mxfp8"`` (fp8_e4m3fn), ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"``, ``"mxfp6_e3m2"``, ``"mxfp4"``
-    (PerGroup(32), e8m0 scales), ``"fp8_block"`` (DeepSeek weights: PerBlock((128, 128))),
-    ``"fp8_group"`` (DeepSeek activations: PerGroup(128), 1x128), ``"fp8_token"`` (per-token
-    dynamic). Keyword overrides replace fields (``scale_rounding="rceil"``, ...).
+    ``"nvfp4"``, ``"mxfp8"``, ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"``, ``"mxfp6_e3m2"``, ``"mxfp4"``,
+    ``"fp8_block"``, ``"fp8_group"``, ``"fp8_token"`` (docs/formats.md). Keyword overrides
+    replace fields (``scale_rounding="rceil"``, ...).
 
     >>> preset("mxfp4").granularity
     PerGroup(group_size=32)
