@@ -66,18 +66,12 @@ def calibrate(
         not re-initialised and its parameter sites are not observed again, so calibrating ``A``
         then ``B`` from the returned states equals calibrating ``A + B`` at once.
       progress: show a tqdm progress bar (batches and batches per second).
-      observation_weight: optional ``callable(batch) -> tensor``, e.g. the attention mask; used as
-        the ``weight`` of activation updates whose tensor starts with the same dimensions (for
-        stacked experts, whose hidden states are flattened to tokens, its flattened form), so
-        padding is not observed. ``"<parameter>.input"`` sites leave out the rows of the tokens
-        whose weight is 0, each row traced back to its token through the experts' forward
-        (`qstats.experts.ExpertInputCapture.row_tokens`; a warning says when it cannot be).
-      all_experts: per-expert sites of stacked experts observe every token, not only those the
-        router sends to the expert (llm-compressor's ``moe_calibrate_all_experts``, its default):
-        ``"input"`` sees all the hidden states, and ``"<parameter>.input"`` the rows of extra
-        calls of the experts' forward that route every token to every expert (``E / k`` calls of
-        ``k`` experts each; the model's outputs are unchanged). Default False: each expert's
-        statistics are those of the tokens it is routed, as at inference.
+      observation_weight: optional ``callable(batch) -> tensor``, e.g. the attention mask: the
+        ``weight`` of activation updates whose tensor starts with its dimensions, so padding is
+        not observed; ``"<parameter>.input"`` rows are traced back to their tokens (a warning
+        says when they cannot be).
+      all_experts: per-expert sites of stacked experts observe every token, not only the routed
+        ones (llm-compressor's ``moe_calibrate_all_experts``); the model's outputs are unchanged.
 
     Returns:
       ``{module_path: {site: state}}``; parameter sites first, in ``named_modules`` order.
@@ -111,27 +105,23 @@ def compute_qparams_tree(
     fuse: bool = True,
     **options,
 ) -> dict:
-    """``{path: {site: QParams}}`` for a states tree, with each site's spec and ``qparams_kwargs``
-    (``options`` override them). ``recipe`` is a `Recipe` (with its ``model``) or a `Plan`.
+    """``{path: {site: QParams}}`` for a states tree, with each site's spec and ``qparams_kwargs``.
 
-    Stacked-expert sites are computed in one call over the expert dimension (`stacked_qparams`); every
-    QParams field then has a leading expert dimension and ``calibrated`` is the coverage mask.
-    Entries that saw no data follow ``spec.on_uncalibrated``: ValueError naming the module and site
-    for ``"raise"``, scale 1 and zero point 0 with ``calibrated`` False for ``"fallback"``.
+    Args:
+      states: a states tree from `calibrate`.
+      recipe: a `Recipe` (with ``model``) or a `Plan`.
+      fuse: two-level (NVFP4) weights of each fused group (q/k/v, gate/up) share one global
+        scale, as vLLM needs; a warning names a group whose members differ, which keep their own.
+      options: override the sites' ``qparams_kwargs``.
 
-    ``fuse`` (default True): two-level (NVFP4, `TensorGroup`) weights of sibling projections that
-    inference engines run as one matmul (q/k/v, gate/up: `qstats.fused.FUSED_LAYER_NAMES`) share
-    one global scale, that of their concatenated weights (`qstats.fused_qparams`), as
-    llm-compressor links their observers and as vLLM needs (it keeps one global scale per fused
-    matmul). A warning names a group whose members are not all such weights under one spec; their
-    global scales then stay their own.
+    Returns:
+      Stacked-expert sites have a leading expert dimension and ``calibrated`` as coverage mask.
+      Run-time scaled activation sites (`qstats.recipe.runtime_scaled`) get None, or for a
+      two-level spec QParams holding the calibrated global scale.
 
-    Activation sites whose scales come at run time (`qstats.recipe.runtime_scaled`: per-token and
-    per-group specs, compressed-tensors' dynamic activations) get None: nothing is calibrated
-    (`qstats.export` writes them as dynamic, `fake_quantized` computes their scales from each
-    tensor). Those of two-level (NVFP4) specs get QParams whose global scale is calibrated (from
-    the whole range their state holds; the scale is that of a group reaching it), their group
-    scales coming at run time.
+    Raises:
+      ValueError: naming the module and site, for data-less entries under
+        ``on_uncalibrated="raise"`` (``"fallback"`` gives scale 1, zero point 0).
     """
     plan = as_plan(recipe, model, "compute_qparams_tree")
     out: dict = {}
@@ -242,14 +232,10 @@ class _ActivationFakeQuant:
 def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recipe, Plan]):
     """Context manager: ``model`` computes with fake-quantized parameters and activations.
 
-    Parameter sites get a ``torch.nn.utils.parametrize`` parametrization calling
-    `qstats.fake_quantize` (straight-through gradient, usable for QAT); ``input``/``output``/
-    ``q``/``k``/``v`` sites get forward hooks that fake-quantize the tensor. Everything is removed
-    on exit, leaving the float parameters unchanged. Per-expert activation sites of stacked experts
-    are not applied (they would need the experts' own forward). Activation sites whose scales come
-    at run time (`qstats.recipe.runtime_scaled`; their qparams may be None) compute them from each
-    tensor, as compressed-tensors' dynamic activations do: a ``memoryless_minmax`` of the tensor
-    under the site's spec, two-level (NVFP4) group scales under the calibrated global scale.
+    Parameter sites become parametrizations (straight-through gradient, usable for QAT);
+    activation sites get forward hooks; all are removed on exit. Per-expert activation sites of
+    stacked experts are not applied. Run-time scaled sites compute their scales from each tensor,
+    as compressed-tensors' dynamic activations do.
     """
     plan = as_plan(recipe, model, "fake_quantized")
     handles: list = []
