@@ -1,12 +1,8 @@
 """compute_qparams: observer state + spec -> QParams, as a pure function.
 
-Each state type registers a *range rule* that turns the state into a ``(min_val, max_val)`` range
-(or directly into QParams), and one function, `qparams_from_minmax`, maps a range onto the spec's
-format: with the spec's convention's arithmetic (`Convention.qparams`), or the MX / NVFP4 scale
-arithmetic of qstats/_formats.py. Range rules take keyword options (``method=``,
-``percentile=``, ...), so ``compute_qparams(state, spec, method="entropy")`` works for
-distribution observers. ``float_range=(lo, hi)`` pins either end of every rule's range
-(coreai_opt's ``float_range``), and ``QParams.minval`` holds coreai_opt's ``minval`` of that range.
+Each state type registers a *range rule* (state -> ``(min_val, max_val)``, taking options such as
+``method=``), and one function, `qparams_from_minmax`, maps a range onto the spec's format with the
+spec's convention's arithmetic or the MX / NVFP4 scale arithmetic of qstats/_formats.py.
 """
 
 from __future__ import annotations
@@ -41,14 +37,9 @@ class QParams(NamedTuple):
       global_scale: float32 scalar; 1 unless the spec uses two-level scales.
       calibrated: bool, shape ``qparam_shape``: False where the state saw no finite data (those
         entries hold the fallback scale 1 and zero point 0).
-      minval: float32, shape ``qparam_shape``: coreai_opt's ``minval`` (its MINVAL formulation,
-        ``x' = (q - quant_min) * scale + minval``) of the mapped range, ``-max(|min|, |max|)`` for
-        symmetric mappings and ``min(min, 0)`` for the others, rounded to ``spec.compute_dtype``;
-        ``quant_min`` where uncalibrated. Float targets get the same value, although coreai_opt
-        returns None there and `fake_quantize` never reads it: a tensor keeps QParams vmappable
-        and stackable. None only in QParams built with four fields (older code, checkpoints saved
-        before this field): ``torch.vmap`` over such a QParams needs ``in_dims`` None for it, e.g.
-        ``in_dims=(QParams(0, 0, 0, 0, None),)``, or ``qp._replace(minval=...)`` first.
+      minval: float32, shape ``qparam_shape``: coreai_opt's ``minval`` of the mapped range
+        (docs/migrating_coreai_opt.md); ``quant_min`` where uncalibrated. None only in QParams
+        built with four fields (older code and checkpoints).
     """
 
     scale: torch.Tensor
