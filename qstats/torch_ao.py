@@ -1,14 +1,9 @@
 """A torch.ao drop-in: qstats observers as ``torch.ao.quantization`` observer modules.
 
-`QstatsObserver` wraps any qstats observer factory and `QuantSpec` in an ``ObserverBase``: its
-state is kept as module buffers (one per state field, so ``state_dict``/``load_state_dict``
-round-trip), ``forward(x)`` threads the pure ``update`` and returns ``x``, and
-``calculate_qparams()`` is `qstats.compute_qparams`. It exposes what torch.ao's eager and FX
-``convert`` read (``dtype``, ``qscheme``, ``ch_axis``, ``quant_min``/``quant_max``, ``eps``,
-``is_dynamic``) and is built with ``.with_args(...)`` like torch.ao's observers. The module-level
-``default_*`` names mirror torch.ao's presets of the same names; `from_observer` imports a
-calibrated torch.ao observer. torchao's PT2E flow checks torchao's own ``ObserverBase``: use
-`qstats.torchao_pt2e.QstatsPT2EObserver` there.
+`QstatsObserver` wraps a qstats observer factory and `QuantSpec` in an ``ObserverBase``; the
+``default_*`` names mirror torch.ao's presets; `from_observer` imports a calibrated torch.ao
+observer. For torchao's PT2E flow use `qstats.torchao_pt2e.QstatsPT2EObserver`. See
+docs/migrating_torch_ao.md.
 """
 
 from __future__ import annotations
@@ -107,8 +102,8 @@ class QstatsObserver(ao.ObserverBase):
       method: ``compute_qparams(state, spec, method=...)`` (histograms: ``"l2"``, ``"mse"``, ...).
       **options: passed to the factory (``averaging_constant``, ``buckets_per_octave``, ...).
 
-    The state lives in one buffer per field of the observer's state (empty until the first
-    ``forward``), so ``state_dict()`` holds it as plain tensors.
+    The state is one buffer per state field (empty until the first ``forward``), so
+    ``state_dict()`` holds it.
 
     >>> import torch
     >>> obs = QstatsObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)()
@@ -239,12 +234,8 @@ def buckets_per_octave_for_bins(bins: int = 2048) -> int:
     """The ``buckets_per_octave`` of `qstats.histogram` that resolves at least what torch.ao's
     ``HistogramObserver(bins=bins)`` resolves where its range search clips.
 
-    torch.ao's ``bins`` split ``[min, max]`` linearly: each is ``(max - min) / bins`` wide. qstats'
-    buckets split every power of two into ``buckets_per_octave``: in the octave of the largest
-    magnitude ``|m|`` a bucket is at most ``|m| / buckets_per_octave`` wide, and narrower below
-    (where torch.ao's linear bins stay as wide). With ``buckets_per_octave >= bins`` (the next
-    power of two, at most 4096) qstats' buckets are never wider than torch.ao's bins: 2048 for
-    torch.ao's default.
+    Buckets of the largest magnitude's octave are at most ``|m| / buckets_per_octave`` wide and
+    narrower below, so ``bins`` rounded up to a power of two (at most 4096) is never coarser.
     """
     if not (isinstance(bins, int) and not isinstance(bins, bool) and bins >= 1):
         raise ValueError(f"buckets_per_octave_for_bins: bins must be a positive int, got {bins!r}")
@@ -258,9 +249,8 @@ default_weight_observer = _with(observer=minmax, dtype=torch.qint8, qscheme=torc
 weight_observer_range_neg_127_to_127 = _with(
     observer=minmax, dtype=torch.qint8, qscheme=torch.per_tensor_symmetric, quant_min=-127, quant_max=127, eps=2**-12
 )
-# torch.ao's 2048 linear bins: qstats' default 128 buckets per octave (at most 0.78% of a value
-# wide over 48 octaves) give the same qparams to 0.35% of squared error as the 2048 of
-# `buckets_per_octave_for_bins(2048)`, at a fraction of the update time (docs/migrating_torch_ao.md)
+# 128 buckets per octave, not 2048: the same qparams to 0.35% of squared error, much faster
+# (docs/migrating_torch_ao.md)
 default_histogram_observer = _with(observer=histogram, quant_min=0, quant_max=127, buckets_per_octave=128)
 default_per_channel_weight_observer = _with(observer=minmax, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
 per_channel_weight_observer_range_neg_127_to_127 = _with(
@@ -343,18 +333,11 @@ def _histogram_state(obs, spec: QuantSpec, buckets_per_octave: int, octaves: int
 def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 48):
     """A calibrated torch.ao observer as ``(observer, spec, state)`` of qstats.
 
-    ``MinMaxObserver``, ``PerChannelMinMaxObserver``, ``MovingAverageMinMaxObserver`` and
-    ``MovingAveragePerChannelMinMaxObserver`` convert exactly: observing more batches with
-    ``observer.update`` gives the qparams torch.ao gives, bit for bit. torch.ao keeps no counts, so
-    ``count`` (and the moving average's ``batches``) is 1 for every calibrated parameter.
-
-    ``HistogramObserver``: its ``bins`` linear bins over ``[min_val, max_val]`` are re-bucketed
-    into `qstats.histogram` (``buckets_per_octave``: default `buckets_per_octave_for_bins` of its
-    ``bins``), each bin's count spread evenly over the bin, as torch.ao's own search assumes; the
-    cumulative count is rounded at every bucket edge, so counts stay integers and the total and the
-    exact extremes are kept. The re-bucketed values sit at most one torch.ao bin from where they
-    were; qparams computed from the result differ from torch.ao's as qstats' ``l2`` search differs
-    from torch.ao's greedy one (docs/migrating_torch_ao.md gives the tested figures).
+    The min-max and moving-average min-max observers (per tensor and per channel) convert
+    exactly: further ``observer.update`` calls give torch.ao's qparams bit for bit; ``count`` is 1
+    per calibrated parameter (torch.ao keeps none). A ``HistogramObserver`` is re-bucketed into
+    `qstats.histogram` (``buckets_per_octave`` default: `buckets_per_octave_for_bins`), values
+    moving at most one torch.ao bin (docs/migrating_torch_ao.md).
     """
     if isinstance(obs, QstatsObserver):
         return obs.observer, obs.spec, obs.state
