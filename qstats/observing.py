@@ -1,13 +1,8 @@
 """Observing a model's forward: hooks that thread each site's state through pure updates.
 
-`observing(model, recipe)` attaches one small hook object per activation site (observing every
-parameter site once on entry) and yields an `Observing` session whose ``states`` tree the hooks
-update on every forward the user runs; the hooks are removed on exit. `qstats.calibrate` is a loop
-of forwards inside it. Per-expert sites of stacked experts (``"input"``, ``"down_proj.input"``) are
-observed with one masked, vmapped update per experts call: every expert's rows in one tensor with
-a ``[E, rows]`` mask saying which rows are whose; the intermediate activation
-(``"down_proj.input"``) is captured, as the model computes it, by a
-`qstats.experts.ExpertInputCapture` active only during the experts' forward.
+`observing(model, recipe)` yields an `Observing` session whose ``states`` tree its hooks update on
+every forward run inside it; `qstats.calibrate` is a loop of forwards inside it. Per-expert sites
+of stacked experts take one masked, vmapped update per experts call.
 """
 
 from __future__ import annotations
@@ -251,12 +246,9 @@ class _RoutedInputSite(_RoutedSite):
 
 class _ExpertMatmulInputs:
     """The ``"<parameter>.input"`` sites of one stacked-experts module: an `ExpertInputCapture`
-    entered before the module's forward and left after it, whose captured rows (the input of each
-    expert's matmul with the parameter) are observed under their expert ids, and not where the
-    batch's observation weight of the token they come from is 0 (`ExpertInputCapture.row_tokens`).
-    With ``all_experts``, the rows are captured instead from extra calls of the module's forward
-    that route every token to every expert (`qstats.experts.all_experts_calls`; their outputs are
-    discarded, the model's own forward is left as it is)."""
+    around the module's forward whose rows are observed under their expert ids, weighted by their
+    tokens' observation weight. With ``all_experts``, rows come from extra calls routing every
+    token to every expert (`qstats.experts.all_experts_calls`), whose outputs are discarded."""
 
     def __init__(self, run: _Calibration, path: str, sites: list):
         self.path = path
