@@ -120,12 +120,9 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
     """Min/max of the latest batch only (llm-compressor ``memoryless_minmax``; dynamic
     quantization).
 
-    ``update(state, x)`` forgets the state and keeps the extremes of ``x``; an empty ``x`` keeps the
-    state, and so does every parameter whose values ``weight`` masks out entirely. ``merge``
-    combines *shards of the same batch* (the halves of a batch split across ranks): elementwise
-    min/max. With that meaning every law holds exactly, homomorphism included, where shard ``a``
-    of ``update(s, cat(a, b)) == merge(update(s, a), update(init, b))`` reaches every parameter.
-    A rank whose shard is all padding should contribute ``init`` instead of its stale state.
+    ``update`` keeps the extremes of ``x`` only (an empty or fully masked parameter keeps its
+    state). ``merge`` combines shards of the same batch (elementwise min/max), so every law holds
+    exactly (docs/observers.md).
     """
     spec = check_spec(spec)
 
@@ -181,14 +178,10 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
     """Moving average of per-batch extremes (torch.ao MovingAverageMinMaxObserver and
     MovingAveragePerChannelMinMaxObserver; llm-compressor ``minmax``).
 
-    The first batch that reaches a parameter initialises it; later ones move it in the arithmetic
-    of ``spec.convention`` (`Convention.moving_average`), bit for bit: torch.ao's
-    ``min + c * (batch_min - min)``, or llm-compressor's ``min * (1 - c) + batch_min * c`` for
-    compressed-tensors specs. A parameter that a batch does not reach (masked out) keeps its value.
-
-    ``merge`` is the batch-count-weighted mean of the two averages: commutative, with ``init`` as
-    identity, associative up to float rounding. The result depends on batch order, so
-    ``exact=False``.
+    The first batch reaching a parameter initialises it; later ones move it in the arithmetic of
+    ``spec.convention``, bit for bit; masked-out parameters keep their value. ``merge`` is the
+    batch-count-weighted mean: commutative, ``init`` as identity, associative up to rounding;
+    order-dependent, so ``exact=False``.
     """
     spec = check_spec(spec)
     if not (isinstance(averaging_constant, (int, float)) and 0.0 < averaging_constant <= 1.0):
