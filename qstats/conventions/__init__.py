@@ -1,19 +1,9 @@
 """Library conventions: how torch.ao, compressed-tensors and torchao compute qparams and codes.
 
-Libraries that agree on a format still differ in their arithmetic: torch.ao floors the scale at
-``eps`` before the zero point, compressed-tensors replaces zero scales afterwards and computes in
-the observed weight's dtype, torchao computes in the input's dtype and has its own float zero
-point. A `QuantSpec` holds one `Convention` (``QuantSpec(convention="compressed_tensors")``
-looks it up by name), whose methods `compute_qparams`, `quantize` and `fake_quantize` call:
-
-- ``"torch_ao"`` (default, `TorchAOConvention`): torch.ao observers and fake-quant kernels;
-- ``"compressed_tensors"`` (`CompressedTensorsConvention`): compressed-tensors'
-  ``calculate_qparams`` and ``fake_quantize``, as llm-compressor calls them;
-- ``"torchao"`` (`TorchaoConvention`): torchao's affine, MX, NVFP4 and float8 arithmetic.
-
-`Convention` (``default.py``) is the protocol and the arithmetic they share. Each convention's
-module also holds the constructor of specs from its library's arguments
-(`QuantSpec.from_torch_ao`, `from_compressed_tensors`, `from_torchao`).
+A `QuantSpec` holds one `Convention`, looked up by name: ``"torch_ao"`` (default),
+``"compressed_tensors"`` or ``"torchao"``; `compute_qparams`, `quantize` and `fake_quantize` call
+its methods. `Convention` (``default.py``) is the protocol and the shared arithmetic; each
+library's module also holds its ``from_*`` spec constructor. Why conventions: docs/design.md.
 """
 
 from .compressed_tensors import CompressedTensorsConvention
