@@ -1,11 +1,8 @@
 """Quantization-aware training as a pure function of (params, states, batch).
 
-`observe_fake_quantize(x, state, observer, phase)` is one fake-quant point returning
-``(y, new_state)``; `prepare(model, ...)` rewrites a whole module with ``torch.fx`` so that every
-Linear/Conv weight and input goes through it and batch norm is pure: ``qat.apply(params, state, x,
-phase=...)`` returns ``(output, new_state)`` and works with ``torch.func``, ``vmap`` and
-``torch.compile``. Observer states and the `QATPhase` are explicit, never hidden buffers. See
-docs/qat.md.
+`observe_fake_quantize` is one fake-quant point returning ``(y, new_state)``; `prepare(model)`
+rewrites a model with ``torch.fx`` so that ``qat.apply(params, state, x, phase=...)`` returns
+``(output, new_state)``. States and the `QATPhase` are explicit, never hidden buffers (docs/qat.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The `Convention` protocol, with the arithmetic the library conventions share.
 
-A convention is how one library maps an observed range onto qparams and values onto codes.
-`QuantSpec.convention` holds one; `compute_qparams`, `quantize` and the formats call its methods
-instead of testing its name. The default arithmetic is torch.ao's range formulas, integer codes
-``clamp(round(x * (1 / scale)) + zero_point, qmin, qmax)`` and float codes saturated and rounded to
-nearest even; the library modules override what their library computes otherwise. Conventions are
-stateless and compare equal to their name.
+A convention is how one library maps an observed range onto qparams and values onto codes. The
+default is torch.ao's range formulas, integer codes ``clamp(round(x * (1 / scale)) + zero_point,
+qmin, qmax)`` and float codes saturated and rounded to nearest even. Conventions are stateless
+and compare equal to their name.
 """
 
 from __future__ import annotations
