@@ -30,6 +30,7 @@ from .calibrate import calibrate as calibrate
 from .calibrate import compute_qparams_tree as compute_qparams_tree
 from .calibrate import fake_quantized as fake_quantized
 from .layerwise import calibrate_layerwise as calibrate_layerwise
+from .gptq_layerwise import LayerwiseGPTQ as LayerwiseGPTQ, gptq_layerwise as gptq_layerwise
 from .observing import Observing as Observing
 from .observing import observing as observing
 from .experts import UncalibratedWarning as UncalibratedWarning
@@ -124,6 +125,8 @@ __all__ = [
     "UncalibratedWarning",
     "calibrate",
     "calibrate_layerwise",
+    "gptq_layerwise",
+    "LayerwiseGPTQ",
     "observing",
     "Observing",
     "canonical_view",

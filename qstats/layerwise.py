@@ -13,6 +13,7 @@ memory at a time; the activations stay in memory or, with ``offload_dir``, on di
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -231,6 +232,8 @@ class _Run:
     all_experts: bool
     propagate: str
     all_reduce: bool
+    side_plan: Optional[Plan] = None  # observed per layer beside the plan, handed to after_layer, not returned
+    after_layer: Optional[Callable[[str, torch.nn.Module, dict, dict], dict]] = None
 
     def calibrate(self, root, plan: Plan, batches, observation_weight) -> dict:
         """This rank's states of ``plan`` over ``batches`` (resumed from ``self.states``); no collective."""
@@ -273,26 +276,43 @@ def _outer_loaded(run: _Run, container_path: str) -> list:
 
 
 def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
-    """Loads, calibrates and releases one decoder layer; its outputs replace the stored inputs."""
+    """Loads, calibrates and releases one decoder layer; its outputs replace the stored inputs.
+    With ``run.after_layer``, ``after_layer(path, layer, states, side_states)`` runs on the loaded
+    layer before its outputs are computed (it may replace its weights) and gives the states kept."""
     saved: list = []
     runner = _LayerRun(layer, run.store)
-    plan = _sub_plan(run.plan, lambda p: _inside(p, path), runner)
+    inside = lambda p: _inside(p, path)  # noqa: E731
+    plan = _sub_plan(run.plan, inside, runner)
+    side = None if run.side_plan is None else _sub_plan(run.side_plan, inside, runner)
+    float_outputs = run.propagate == "float" and run.after_layer is None
 
-    def observe() -> dict:
+    def observe() -> tuple:
         saved.extend(load_modules(run.model, [path], run.checkpoint))
-        runner.write = run.propagate == "float"
-        return run.calibrate(runner, plan, range(len(run.store)), lambda index: run.store[index].weight)
+        runner.write = float_outputs and side is None
+        found = run.calibrate(runner, plan, range(len(run.store)), lambda index: run.store[index].weight)
+        if side is None:
+            return found, {}
+        runner.write = float_outputs
+        return found, calibrate(runner, range(len(run.store)), side, progress=False, all_experts=run.all_experts,
+                                observation_weight=lambda index: run.store[index].weight)
 
-    def propagate_quantized(found: dict) -> None:
+    def propagate(found: dict) -> None:
         runner.write = True
-        with fake_quantized(runner, compute_qparams_tree(found, plan), plan), torch.no_grad():
+        quantized = fake_quantized(runner, compute_qparams_tree(found, plan), plan) if run.propagate == "quantized" \
+            else contextlib.nullcontext()
+        with quantized, torch.no_grad():
             for index in range(len(run.store)):
                 runner(index)
 
     try:
-        found = run.reduce(run.agreed(observe), plan)
-        if run.propagate == "quantized":
-            run.agreed(lambda: propagate_quantized(found))
+        found, side_found = run.agreed(observe)
+        found = run.reduce(found, plan)
+        if side is not None:
+            side_found = run.reduce(side_found, side)
+        if run.after_layer is not None:
+            found = run.agreed(lambda: run.after_layer(path, layer, found, side_found))
+        if not float_outputs:
+            run.agreed(lambda: propagate(found))
         return found
     finally:
         release_modules(saved)
@@ -395,28 +415,39 @@ def calibrate_layerwise(
         another shape: the model's tensors are back on meta after), a forward that never calls
         its first layer, layers of several kinds (sliding-window models), a bad ``propagate``.
     """
+    return _layerwise(model, checkpoint, batches, recipe, states=states, propagate=propagate, offload_dir=offload_dir,
+                      layers=layers, progress=progress, observation_weight=observation_weight,
+                      all_experts=all_experts, all_reduce=all_reduce)
+
+
+def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload_dir, layers, progress,
+               observation_weight, all_experts, all_reduce, layer_step=None, where="calibrate_layerwise"):
+    """`calibrate_layerwise`; ``layer_step(plan) -> (side_plan, after_layer)`` gives a plan observed
+    beside the recipe's in each layer and a step run on each loaded layer (see `_run_layer`)."""
+
     def prepare() -> tuple:  # every check here, so that with all_reduce a rank's bad argument stops all
         if propagate not in ("float", "quantized"):
-            raise ValueError(f"calibrate_layerwise: propagate must be 'float' or 'quantized', got {propagate!r}")
+            raise ValueError(f"{where}: propagate must be 'float' or 'quantized', got {propagate!r}")
         if all_reduce and states is not None:
-            raise ValueError("calibrate_layerwise: all_reduce with resumed states would merge them once per rank")
+            raise ValueError(f"{where}: all_reduce with resumed states would merge them once per rank")
         _check_layer_kinds(model)
         _check_on_meta(model)
         plan = recipe if isinstance(recipe, Plan) else recipe.resolve(model)
         if plan.model is not model:
-            raise ValueError("calibrate_layerwise: the Plan was resolved on another model than the one given")
-        check_resumed(states or {}, plan, "calibrate_layerwise")
+            raise ValueError(f"{where}: the Plan was resolved on another model than the one given")
+        check_resumed(states or {}, plan, where)
         container_path, container = _decoder_layers(model, layers)
         directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)
+        side_plan, after_layer = (None, None) if layer_step is None else layer_step(plan)
         run = _Run(model, LazyCheckpoint(checkpoint), plan, _Store(directory), dict(states or {}),
-                   bool(all_experts), propagate, bool(all_reduce))  # fmt: skip
+                   bool(all_experts), propagate, bool(all_reduce), side_plan, after_layer)
         made.append(directory)
         return run, container_path, container
 
     made: list = []  # the offload folder, once made
     try:
         run, container_path, container = _agreed(all_reduce, prepare)
-        found = _calibrate_all(run, container_path, container, batches, observation_weight, progress)
+        found = _calibrate_all(run, container_path, container, batches, observation_weight, progress, where)
         return _ordered(found, run.plan)
     finally:
         for directory in made:
@@ -424,7 +455,8 @@ def calibrate_layerwise(
                 shutil.rmtree(directory, ignore_errors=True)
 
 
-def _calibrate_all(run: _Run, container_path: str, container, batches, observation_weight, progress: bool) -> dict:
+def _calibrate_all(run: _Run, container_path: str, container, batches, observation_weight, progress: bool,
+                   where: str) -> dict:
     found: dict = {}
     saved: list = []
 
@@ -436,7 +468,7 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
         run.agreed(capture)
     finally:
         release_modules(saved)
-    bar = tqdm(total=len(container) + 1, unit="layer", desc="qstats.calibrate_layerwise", disable=not progress)
+    bar = tqdm(total=len(container) + 1, unit="layer", desc=f"qstats.{where}", disable=not progress)
     for index, layer in enumerate(container):
         found.update(_run_layer(run, f"{container_path}.{index}", layer))
         bar.update(1)

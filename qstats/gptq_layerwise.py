@@ -1,0 +1,146 @@
+"""GPTQ of a whole model, one decoder layer at a time, as llm-compressor's sequential pipeline.
+
+`gptq_layerwise` runs `calibrate_layerwise`'s loop over a model built on the meta device. In each
+layer it observes the recipe's sites and, beside them, the `qstats.hessian` of the input of every
+weight the recipe quantizes to integers (a Linear's ``weight``, a stacked-experts parameter);
+replaces each such weight by `qstats.gptq` of it under the qparams of the recipe's weight state;
+then computes the layer's outputs through the quantized layer for the next one. A layer's Hessians
+are released with it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import torch
+
+from .calibrate import compute_qparams_tree
+from .gptq import gptq
+from .layerwise import _layerwise
+from .observers.hessian import hessian
+from .recipe import Plan, Recipe, Rule
+
+__all__ = ["gptq_layerwise", "LayerwiseGPTQ"]
+
+
+class LayerwiseGPTQ(NamedTuple):
+    """What `gptq_layerwise` returns.
+
+    Attributes:
+      states: ``{module_path: {site: state}}`` of the recipe, as `calibrate_layerwise` returns
+        them; `compute_qparams_tree` of them gives the qparams GPTQ used.
+      weights: ``{"<module_path>.<parameter>": GPTQ'd weight}`` in the checkpoint's dtype, to load
+        into the model (``model.load_state_dict(weights, strict=False)``) before the export.
+    """
+
+    states: dict
+    weights: dict
+
+
+def _hessian_site(plan: Plan, path: str, site: str) -> Optional[str]:
+    """The site whose Hessian GPTQ of parameter ``site`` of ``path`` needs, or None when GPTQ does
+    not apply (not a Linear weight or stacked-experts parameter, or a float format)."""
+    entry = plan.site(path, site)
+    if entry.kind != "parameter" or entry.spec.is_float:
+        return None
+    if entry.num_experts:
+        return f"{site}.input"
+    return "input" if site == "weight" and isinstance(plan.modules[path], torch.nn.Linear) else None
+
+
+def _targets(plan: Plan) -> dict:
+    """``{(module path, parameter site): Hessian site}`` of every weight GPTQ quantizes."""
+    found = {}
+    for path, entry in plan.sites.items():
+        for site in entry:
+            hessian_site = _hessian_site(plan, path, site)
+            if hessian_site is not None:
+                found[(path, site)] = hessian_site
+    if not found:
+        raise ValueError(
+            "gptq_layerwise: the recipe quantizes no Linear weight or stacked-experts parameter to an integer format"
+        )
+    return found
+
+
+def _hessian_plan(plan: Plan, targets: dict) -> Plan:
+    """The plan observing the Hessian site of every target."""
+    by_site: dict = {}
+    for (path, _), site in targets.items():
+        by_site.setdefault(site, []).append(path)
+    rules = [Rule(tuple(paths), sites=(site,), observer=hessian) for site, paths in by_site.items()]
+    return Recipe(rules).resolve(plan.model)
+
+
+def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict) -> Callable:
+    """The layer step: GPTQ of the layer's targets, each weight replaced by its GPTQ'd value in the
+    loaded layer (which `calibrate_layerwise` then runs) and kept in ``weights``."""
+
+    def step(layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> dict:
+        qparams = compute_qparams_tree(states, plan)
+        for (path, site), hessian_site in targets.items():
+            if path not in states:
+                continue
+            module = plan.modules[path]
+            weight = getattr(module, site)
+            quantized, _, _ = gptq(weight, hessians[path][hessian_site], plan.site(path, site).spec,
+                                   qparams=qparams[path][site], **options)
+            module._parameters[site] = torch.nn.Parameter(quantized, requires_grad=False)
+            weights[f"{path}.{site}"] = quantized
+        return states
+
+    return step
+
+
+def gptq_layerwise(
+    model: torch.nn.Module,
+    checkpoint: Union[str, os.PathLike],
+    batches,
+    recipe: Union[Recipe, Plan],
+    *,
+    block_size: int = 128,
+    dampening: float = 0.01,
+    actorder: Optional[str] = "static",
+    offload_dir: Optional[Union[str, os.PathLike]] = None,
+    layers: Optional[str] = None,
+    progress: bool = True,
+    observation_weight: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
+    all_experts: bool = False,
+    all_reduce: bool = False,
+) -> LayerwiseGPTQ:
+    """GPTQ of every integer weight of ``recipe``, one decoder layer at a time (llm-compressor's
+    ``oneshot`` with a ``GPTQModifier`` and the sequential pipeline).
+
+    Each layer is loaded, calibrated (the recipe's states and the Hessians of the quantized
+    weights' inputs), GPTQ'd (`qstats.gptq` with the qparams of the recipe's weight states),
+    run quantized (`qstats.fake_quantized`) over every batch to give the next layer's inputs, and
+    released. Weights outside the decoder layers are not GPTQ'd (llm-compressor's ``ignore``
+    usually holds ``lm_head``): their states are returned as `calibrate_layerwise` returns them.
+
+    Args:
+      model, checkpoint, batches, recipe, offload_dir, layers, progress, observation_weight,
+        all_experts, all_reduce: as in `calibrate_layerwise` (Hessians are merged across ranks
+        with the activation states).
+      block_size, dampening, actorder: as in `qstats.gptq`; ``actorder`` defaults to ``"static"``,
+        as ``GPTQModifier``'s.
+
+    Returns:
+      `LayerwiseGPTQ` ``(states, weights)``.
+
+    Raises:
+      ValueError: as `calibrate_layerwise`; a recipe without integer Linear or expert weights.
+    """
+    weights: dict = {}
+    options = {"block_size": block_size, "dampening": dampening, "actorder": actorder}
+
+    def layer_step(plan: Plan) -> tuple:
+        targets = _targets(plan)
+        return _hessian_plan(plan, targets), _gptq_step(plan, targets, weights, options)
+
+    states = _layerwise(
+        model, checkpoint, batches, recipe, states=None, propagate="quantized", offload_dir=offload_dir,
+        layers=layers, progress=progress, observation_weight=observation_weight, all_experts=all_experts,
+        all_reduce=all_reduce, layer_step=layer_step, where="gptq_layerwise",
+    )  # fmt: skip
+    return LayerwiseGPTQ(states, weights)

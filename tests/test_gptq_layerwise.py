@@ -1,0 +1,203 @@
+"""`qstats.gptq_layerwise` against llm-compressor 0.14's ``oneshot`` with a ``GPTQModifier``
+(checkpoints compared code by code), and against the same steps written as a loop over the
+loaded model (`qstats.calibrate` + `qstats.gptq`, one layer after the other)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import qstats
+from _shared import qwen3_moe_config
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("llmcompressor")
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+TOKENS = 16
+MOE_IGNORE = ["lm_head", "re:.*mlp.gate$"]
+
+
+@pytest.fixture(scope="module")
+def samples():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(1, 64, (TOKENS,), generator=generator) for _ in range(8)]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("gptq_llama"))
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    config = qwen3_moe_config(hidden_size=128, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                              head_dim=32, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("gptq_qwen3_moe"))
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _batches(samples):
+    return [{"input_ids": s[None], "attention_mask": torch.ones(1, TOKENS, dtype=torch.long)} for s in samples]
+
+
+def _oneshot_gptq(path, samples, out, pipeline, ignore):
+    """llm-compressor's W4A16 GPTQ (its defaults: actorder static, block 128, dampening 0.01)."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from torch.utils.data import DataLoader
+
+    vocabulary = {f"t{i}": i for i in range(64)} | {"[UNK]": 0}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]")))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    loader = DataLoader([{"input_ids": s, "attention_mask": torch.ones(TOKENS, dtype=torch.long)} for s in samples])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oneshot(model=model, dataset=loader, processor=tokenizer, pipeline=pipeline,
+                recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore),
+                num_calibration_samples=len(samples), shuffle_calibration_samples=False)
+        model.save_pretrained(out, save_compressed=True)
+    return load_file(f"{out}/model.safetensors")
+
+
+def _ours(path, samples, out, recipe, **options):
+    """gptq_layerwise on the model built on meta, then the export of the loaded model with its weights."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+    result = qstats.gptq_layerwise(meta, path, _batches(samples), recipe, progress=False, **options)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    missing = set(result.weights) - set(model.state_dict())
+    assert not missing, missing
+    model.load_state_dict(result.weights, strict=False)
+    plan = recipe.resolve(model)
+    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(result.states, plan), out, plan)
+    return result, load_file(f"{out}/model.safetensors")
+
+
+def _codes(tensors, name):
+    shape = tuple(tensors[f"{name}.weight_shape"].tolist())
+    return unpack_from_int32(tensors[f"{name}.weight_packed"], 4, shape)
+
+
+def _same_codes(ours, theirs, names):
+    same = sum(int((_codes(ours, name) == _codes(theirs, name)).sum()) for name in names)
+    return same / sum(_codes(theirs, name).numel() for name in names)
+
+
+def _packed(tensors):
+    return sorted(name[: -len(".weight_packed")] for name in tensors if name.endswith(".weight_packed"))
+
+
+def test_llama_w4a16_equals_llm_compressor_sequential_gptq(llama, samples, tmp_path):
+    """Sequential GPTQ: each layer's Hessians come from the outputs of the GPTQ'd layers before it.
+    Every scale is equal and at least 99.9% of the codes (0.99974 measured: float rounding of the
+    Hessian sums in the last layer's down_proj)."""
+    theirs = _oneshot_gptq(llama, samples, str(tmp_path / "theirs"), "sequential", ["lm_head"])
+    result, ours = _ours(llama, samples, str(tmp_path / "ours"), qstats.Recipe.from_scheme("W4A16", ignore=["lm_head"]))
+    names = _packed(theirs)
+    assert len(names) == 14 and _packed(ours) == names
+    assert len(result.weights) == 14
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        if not name.endswith("weight_packed"):
+            assert torch.equal(ours[name], theirs[name]), name
+    assert _same_codes(ours, theirs, names) >= 0.999
+    first_layer = [name for name in names if name.startswith("model.layers.0.")]
+    assert _same_codes(ours, theirs, first_layer) == 1.0
+
+
+def _loop_gptq(path, samples, recipe):
+    """The same algorithm as a plain loop over the loaded model: per layer, the Hessians of its
+    quantized weights (`qstats.calibrate` of the whole model), then `qstats.gptq` of each weight."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    plan = recipe.resolve(model)
+    weights = {}
+    for index in range(model.config.num_hidden_layers):
+        prefix = f"model.layers.{index}."
+        hessian_rules = [
+            qstats.Rule((prefix + "self_attn.q_proj", prefix + "self_attn.k_proj", prefix + "self_attn.v_proj",
+                         prefix + "self_attn.o_proj"), sites=("input",), observer=qstats.hessian),
+            qstats.Rule(prefix + "mlp.experts", sites=("gate_up_proj.input", "down_proj.input"), observer=qstats.hessian),
+        ]
+        with torch.no_grad():
+            hessians = qstats.calibrate(model, _batches(samples), qstats.Recipe(hessian_rules), progress=False,
+                                        all_experts=True)
+            states = qstats.calibrate(model, _batches(samples[:1]), plan, progress=False)
+        qparams = qstats.compute_qparams_tree(states, plan)
+        for path_, sites in hessians.items():
+            for hessian_site, state in sites.items():
+                site = "weight" if hessian_site == "input" else hessian_site[: -len(".input")]
+                module = plan.modules[path_]
+                quantized, _, _ = qstats.gptq(getattr(module, site), state, plan.site(path_, site).spec,
+                                              qparams=qparams[path_][site], actorder="static")
+                with torch.no_grad():
+                    getattr(module, site).copy_(quantized)
+                weights[f"{path_}.{site}"] = quantized
+    return weights
+
+
+def test_moe_experts_equal_llm_compressor_in_the_first_layer_and_a_plain_loop_in_all(moe, samples, tmp_path):
+    """Qwen3-MoE with stacked experts (their Hessians per expert over all tokens, llm-compressor's
+    ``moe_calibrate_all_experts``). The first layer's inputs do not depend on GPTQ: there every
+    code equals llm-compressor's (basic pipeline, linearized experts). Every layer's weights equal
+    the plain loop's bit for bit."""
+    recipe = qstats.Recipe.from_scheme("W4A16", ignore=MOE_IGNORE, experts="Qwen3MoeExperts")
+    result, ours = _ours(moe, samples[:4], str(tmp_path / "ours"), recipe, all_experts=True)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in result.weights
+    theirs = _oneshot_gptq(moe, samples[:4], str(tmp_path / "theirs"), "basic", MOE_IGNORE)
+    names = _packed(theirs)
+    assert _packed(ours) == names
+    first_layer = [name for name in names if name.startswith("model.layers.0.")]
+    assert len(first_layer) == 4 + 3 * 4
+    assert _same_codes(ours, theirs, first_layer) == 1.0
+    loop = _loop_gptq(moe, samples[:4], recipe)
+    assert sorted(loop) == sorted(result.weights)
+    for name, weight in loop.items():
+        assert torch.equal(result.weights[name], weight), name
+
+
+def test_llm_compressor_sequential_pipeline_attends_both_ways_on_qwen3_moe(moe, samples, tmp_path):
+    """docs/differences.md: on Qwen3-MoE (transformers 5), llm-compressor 0.14's sequential pipeline
+    computes attention without the causal mask when the attention mask is all ones: its first
+    o_proj equals GPTQ with the Hessian of bidirectional attention, not that of the model's."""
+    theirs = _oneshot_gptq(moe, samples[:4], str(tmp_path / "theirs"), "sequential", MOE_IGNORE)
+    model = transformers.AutoModelForCausalLM.from_pretrained(moe).eval()
+    model.set_attn_implementation("eager")
+    o_proj = "model.layers.0.self_attn.o_proj"
+    spec = qstats.Recipe.from_scheme("W4A16").rules[0].spec
+    weight = model.get_submodule(o_proj).weight.detach()
+    observer = qstats.minmax(spec)
+    qparams = qstats.compute_qparams(observer.update(observer.init(weight), weight), spec)
+    recipe = qstats.Recipe([qstats.Rule(o_proj, sites=("input",), observer=qstats.hessian)])
+
+    def codes(mask):
+        batches = [{"input_ids": s[None], "attention_mask": mask} for s in samples[:4]]
+        with torch.no_grad():
+            state = qstats.calibrate(model, batches, recipe, progress=False)[o_proj]["input"]
+        return qstats.gptq(weight, state, spec, qparams=qparams, actorder="static")[1]
+
+    causal = codes(torch.ones(1, TOKENS, dtype=torch.long))
+    both_ways = codes(torch.ones(1, 1, TOKENS, TOKENS, dtype=torch.bool))
+    assert torch.equal(both_ways, _codes(theirs, o_proj))
+    assert not torch.equal(causal, _codes(theirs, o_proj))
+
+
+def test_a_recipe_without_integer_weights_is_refused(llama, samples):
+    config = transformers.AutoConfig.from_pretrained(llama)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(ValueError, match="no Linear weight or stacked-experts parameter"):
+        qstats.gptq_layerwise(meta, llama, _batches(samples[:1]), qstats.Recipe.from_scheme("FP8"), progress=False)
