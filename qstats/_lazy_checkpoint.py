@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LazyCheckpoint", "load_modules", "release_modules"]
+__all__ = ["LazyCheckpoint", "Overlay", "load_modules", "release_modules"]
 
 # Stacked parameter -> the per-expert Linear weights it is made of, concatenated along their
 # output dimension in this order (transformers' MergeModulelist + Concatenate conversions).
@@ -87,6 +87,26 @@ class LazyCheckpoint:
                     start += part.shape[0]
             return stacked
         return None
+
+
+class Overlay:
+    """A checkpoint whose tensors named in ``weights`` (a dict of tensors, or a checkpoint folder)
+    are read from there, the others from ``base`` (e.g. GPTQ'd weights over the float checkpoint)."""
+
+    def __init__(self, weights, base: LazyCheckpoint):
+        self.weights = weights if isinstance(weights, dict) else LazyCheckpoint(weights)
+        self.base = base
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.weights or key in self.base
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if key not in self.weights:
+            return self.base.tensor(key)
+        return self.weights[key] if isinstance(self.weights, dict) else self.weights.tensor(key)
+
+    def stacked_experts(self, key: str) -> Optional[torch.Tensor]:
+        return self.base.stacked_experts(key)
 
 
 def _aliases(model: torch.nn.Module) -> dict:

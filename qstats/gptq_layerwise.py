@@ -10,12 +10,14 @@ are released with it.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
 from .calibrate import compute_qparams_tree
+from .export.checkpoint import write_tensors
 from .gptq import gptq
 from .layerwise import _layerwise
 from .observers.hessian import hessian
@@ -30,8 +32,9 @@ class LayerwiseGPTQ(NamedTuple):
     Attributes:
       states: ``{module_path: {site: state}}`` of the recipe, as `calibrate_layerwise` returns
         them; `compute_qparams_tree` of them gives the qparams GPTQ used.
-      weights: ``{"<module_path>.<parameter>": GPTQ'd weight}`` in the checkpoint's dtype, to load
-        into the model (``model.load_state_dict(weights, strict=False)``) before the export.
+      weights: ``{"<module_path>.<parameter>": GPTQ'd weight}`` in the checkpoint's dtype, or the
+        folder holding them (``weights_dir``); `export.compressed_tensors_layerwise` takes either
+        as its ``weights``, ``model.load_state_dict(weights, strict=False)`` the dict.
     """
 
     states: dict
@@ -73,12 +76,14 @@ def _hessian_plan(plan: Plan, targets: dict) -> Plan:
     return Recipe(rules).resolve(plan.model)
 
 
-def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict) -> Callable:
+def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_dir: Optional[str]) -> Callable:
     """The layer step: GPTQ of the layer's targets, each weight replaced by its GPTQ'd value in the
-    loaded layer (which `calibrate_layerwise` then runs) and kept in ``weights``."""
+    loaded layer (which `calibrate_layerwise` then runs) and kept in ``weights`` (with
+    ``weights_dir``: written there, one shard per layer, and ``weights`` maps it to its shard)."""
 
     def step(layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> dict:
         qparams = compute_qparams_tree(states, plan)
+        layer_weights = {}
         for (path, site), hessian_site in targets.items():
             if path not in states:
                 continue
@@ -87,7 +92,13 @@ def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict) -> Calla
             quantized, _, _ = gptq(weight, hessians[path][hessian_site], plan.site(path, site).spec,
                                    qparams=qparams[path][site], **options)
             module._parameters[site] = torch.nn.Parameter(quantized, requires_grad=False)
-            weights[f"{path}.{site}"] = quantized
+            layer_weights[f"{path}.{site}"] = quantized
+        if weights_dir is None:
+            weights.update(layer_weights)
+        elif layer_weights:
+            filename = f"gptq-{len(set(weights.values())) + 1:05d}.safetensors"
+            write_tensors(weights_dir, layer_weights, filename)
+            weights.update(dict.fromkeys(layer_weights, filename))
         return states
 
     return step
@@ -103,6 +114,7 @@ def gptq_layerwise(
     dampening: float = 0.01,
     actorder: Optional[str] = "static",
     offload_dir: Optional[Union[str, os.PathLike]] = None,
+    weights_dir: Optional[Union[str, os.PathLike]] = None,
     layers: Optional[str] = None,
     progress: bool = True,
     observation_weight: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
@@ -124,6 +136,8 @@ def gptq_layerwise(
         with the activation states).
       block_size, dampening, actorder: as in `qstats.gptq`; ``actorder`` defaults to ``"static"``,
         as ``GPTQModifier``'s.
+      weights_dir: write the GPTQ'd weights there (safetensors, one file per layer, and
+        ``model.safetensors.index.json``) as each layer is done, instead of keeping them in memory.
 
     Returns:
       `LayerwiseGPTQ` ``(states, weights)``.
@@ -132,15 +146,20 @@ def gptq_layerwise(
       ValueError: as `calibrate_layerwise`; a recipe without integer Linear or expert weights.
     """
     weights: dict = {}
+    weights_dir = None if weights_dir is None else os.fspath(weights_dir)
     options = {"block_size": block_size, "dampening": dampening, "actorder": actorder}
 
     def layer_step(plan: Plan) -> tuple:
         targets = _targets(plan)
-        return _hessian_plan(plan, targets), _gptq_step(plan, targets, weights, options)
+        return _hessian_plan(plan, targets), _gptq_step(plan, targets, weights, options, weights_dir)
 
     states = _layerwise(
         model, checkpoint, batches, recipe, states=None, propagate="quantized", offload_dir=offload_dir,
         layers=layers, progress=progress, observation_weight=observation_weight, all_experts=all_experts,
         all_reduce=all_reduce, layer_step=layer_step, where="gptq_layerwise",
     )  # fmt: skip
-    return LayerwiseGPTQ(states, weights)
+    if weights_dir is None:
+        return LayerwiseGPTQ(states, weights)
+    with open(os.path.join(weights_dir, "model.safetensors.index.json"), "w") as file:
+        json.dump({"metadata": {}, "weight_map": weights}, file, indent=2, sort_keys=True)
+    return LayerwiseGPTQ(states, weights_dir)

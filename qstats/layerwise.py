@@ -97,11 +97,12 @@ def _call(model: torch.nn.Module, batch) -> Any:
     return model(batch)
 
 
-def _inside(path: str, prefix: str) -> bool:
+def inside(path: str, prefix: str) -> bool:
+    """Whether ``path`` is the module ``prefix`` or inside it."""
     return path == prefix or path.startswith(prefix + ".")
 
 
-def _decoder_layers(model: torch.nn.Module, layers: Optional[str]) -> tuple:
+def decoder_layers(model: torch.nn.Module, layers: Optional[str]) -> tuple:
     """``(path, container)`` of the decoder layers: ``layers`` when given, else the longest
     ``nn.ModuleList`` whose children are all of one class, outside any other such list."""
     if layers is not None:
@@ -269,10 +270,14 @@ def _agreed(all_reduce: bool, step: Callable[[], Any]) -> Any:
     return result
 
 
+def outer_paths(model: torch.nn.Module, container_path: str) -> list:
+    """The paths of the modules outside the decoder layers (load each with ``recurse=False``)."""
+    return [path for path, _ in model.named_modules() if not inside(path, container_path)]
+
+
 def _outer_loaded(run: _Run, container_path: str) -> list:
     """Loads every module outside the decoder layers (their own tensors); `release_modules` list."""
-    paths = [path for path, _ in run.model.named_modules() if not _inside(path, container_path)]
-    return load_modules(run.model, paths, run.checkpoint, recurse=False)
+    return load_modules(run.model, outer_paths(run.model, container_path), run.checkpoint, recurse=False)
 
 
 def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
@@ -281,9 +286,9 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
     layer before its outputs are computed (it may replace its weights) and gives the states kept."""
     saved: list = []
     runner = _LayerRun(layer, run.store)
-    inside = lambda p: _inside(p, path)  # noqa: E731
-    plan = _sub_plan(run.plan, inside, runner)
-    side = None if run.side_plan is None else _sub_plan(run.side_plan, inside, runner)
+    in_layer = lambda p: inside(p, path)  # noqa: E731
+    plan = _sub_plan(run.plan, in_layer, runner)
+    side = None if run.side_plan is None else _sub_plan(run.side_plan, in_layer, runner)
     float_outputs = run.propagate == "float" and run.after_layer is None
 
     def observe() -> tuple:
@@ -323,7 +328,7 @@ def _run_outside(run: _Run, container_path: str, container, observation_weight) 
     batches, each layer replaced by a stub returning the last layer's stored outputs."""
     shared: dict = {}
     layers = list(container)
-    plan = _sub_plan(run.plan, lambda p: not _inside(p, container_path), run.model)
+    plan = _sub_plan(run.plan, lambda p: not inside(p, container_path), run.model)
     saved: list = []
 
     def observe() -> dict:
@@ -349,7 +354,7 @@ def _check_layer_kinds(model: torch.nn.Module) -> None:
         )
 
 
-def _check_on_meta(model: torch.nn.Module) -> None:
+def check_on_meta(model: torch.nn.Module) -> None:
     loaded = [name for name, value in model.named_parameters() if value.device.type != "meta"]
     if loaded:
         raise ValueError(
@@ -431,12 +436,12 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
         if all_reduce and states is not None:
             raise ValueError(f"{where}: all_reduce with resumed states would merge them once per rank")
         _check_layer_kinds(model)
-        _check_on_meta(model)
+        check_on_meta(model)
         plan = recipe if isinstance(recipe, Plan) else recipe.resolve(model)
         if plan.model is not model:
             raise ValueError(f"{where}: the Plan was resolved on another model than the one given")
         check_resumed(states or {}, plan, where)
-        container_path, container = _decoder_layers(model, layers)
+        container_path, container = decoder_layers(model, layers)
         directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)
         side_plan, after_layer = (None, None) if layer_step is None else layer_step(plan)
         run = _Run(model, LazyCheckpoint(checkpoint), plan, _Store(directory), dict(states or {}),

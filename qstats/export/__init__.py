@@ -2,6 +2,8 @@
 
 `compressed_tensors(model, qparams, path, specs)` writes ``path/model.safetensors`` and
 ``path/config.json``; the tensor layout, formats and refusals are in docs/export.md.
+`compressed_tensors_layerwise` writes the same tensors for a model on the meta device, read from
+its checkpoint one decoder layer at a time.
 Modules: `checkpoint` (the writer), `config` (quantization args, formats, config groups),
 `linear`, `experts` (stacked experts), `attention` (q/k/v scales), `scales`, `packing`.
 """
@@ -9,5 +11,6 @@ Modules: `checkpoint` (the writer), `config` (quantization args, formats, config
 from .checkpoint import compressed_tensors as compressed_tensors
 from .config import FORMATS as FORMATS
 from .config import quantization_args as quantization_args
+from .layerwise import compressed_tensors_layerwise as compressed_tensors_layerwise
 
-__all__ = ["compressed_tensors", "quantization_args"]
+__all__ = ["compressed_tensors", "compressed_tensors_layerwise", "quantization_args"]

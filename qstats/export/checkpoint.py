@@ -21,7 +21,7 @@ from .config import ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config
 from .experts import expert_entries, warn_mixed_experts
 from .linear import linear_entry, write_linear
 
-__all__ = ["compressed_tensors"]
+__all__ = ["compressed_tensors", "Writer", "write_config", "write_tensors"]
 
 
 def compressed_tensors(
@@ -49,28 +49,51 @@ def compressed_tensors(
       TypeError: wrong argument types.
     """
     _check_arguments(model, qparams, format)
-    specs, groups, modules, dynamic, plan = _resolve(specs_or_recipe, qparams, model)
-    tensors: dict[str, torch.Tensor] = {}
-    dropped: set[str] = set()  # float weights replaced by packed codes or unpacked experts
-    log = {"uncalibrated": [], "rounded": [], "rotary": []}
-    entries, attention = _entries(modules, qparams, specs, dynamic, tensors, dropped, log)
-    schemes: dict[str, dict] = {}
-    expert_projection: dict[str, tuple] = {}  # unpacked expert path -> (experts module path, projection)
-    for entry in entries:
-        scheme = write_linear(entry, format, tensors, dropped, log)
-        if scheme:
-            schemes[entry.path] = scheme
-            if entry.experts is not None:
-                expert_projection[entry.path] = entry.experts
-    _warn_log(log)
-    warn_mixed_experts(schemes, expert_projection)
-    _warn_unshared_global_scales(groups, qparams, specs)
-    quantization_config = _quantization_config(schemes, expert_projection, attention, modules, format, plan)
-    for name, tensor in model.state_dict().items():
-        if name not in tensors and name not in dropped:
-            tensors[name] = tensor.detach()
-    _write(path, tensors, model, quantization_config)
+    writer = Writer(specs_or_recipe, qparams, model, format)
+    tensors = writer.part(qparams, model.state_dict())
+    quantization_config = writer.finish()
+    write_tensors(path, tensors, "model.safetensors")
+    write_config(path, model, quantization_config)
     return quantization_config
+
+
+class Writer:
+    """The export of a model in parts: `part` gives the checkpoint's tensors of some modules' qparams
+    (the model's tensors of those modules present), `finish` the warnings and the
+    ``quantization_config`` of every part written."""
+
+    def __init__(self, specs_or_recipe, qparams: Mapping, model: torch.nn.Module, format: Optional[str]):
+        self.specs, self.groups, self.modules, self.dynamic, self.plan = _resolve(specs_or_recipe, qparams, model)
+        self.qparams, self.format = qparams, format
+        self.log: dict = {"uncalibrated": [], "rounded": [], "rotary": []}
+        self.schemes: dict = {}
+        self.expert_projection: dict = {}  # unpacked expert path -> (experts module path, projection)
+        self.attention: dict = {}
+
+    def part(self, qparams: Mapping, state: Mapping) -> dict:
+        """The tensors to write for ``qparams`` (some modules') and ``state`` (those modules'
+        ``state_dict`` entries, float weights replaced by their packed codes or unpacked experts)."""
+        tensors: dict[str, torch.Tensor] = {}
+        dropped: set[str] = set()
+        entries, attention = _entries(self.modules, qparams, self.specs, self.dynamic, tensors, dropped, self.log)
+        self.attention.update(attention)
+        for entry in entries:
+            scheme = write_linear(entry, self.format, tensors, dropped, self.log)
+            if scheme:
+                self.schemes[entry.path] = scheme
+                if entry.experts is not None:
+                    self.expert_projection[entry.path] = entry.experts
+        for name, tensor in state.items():
+            if name not in tensors and name not in dropped:
+                tensors[name] = tensor.detach()
+        return tensors
+
+    def finish(self) -> dict:
+        _warn_log(self.log)
+        warn_mixed_experts(self.schemes, self.expert_projection)
+        _warn_unshared_global_scales(self.groups, self.qparams, self.specs)
+        return _quantization_config(self.schemes, self.expert_projection, self.attention, self.modules, self.format,
+                                    self.plan)
 
 
 def _check_arguments(model, qparams, format) -> None:
@@ -226,13 +249,18 @@ def _warn_unshared_global_scales(groups, qparams: Mapping, specs: Any) -> None:
         )
 
 
-def _write(path: str, tensors: dict, model: torch.nn.Module, quantization_config: dict) -> None:
+def write_tensors(path: str, tensors: dict, filename: str) -> None:
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
     # safetensors refuses shared storage (tied weights): give every tensor its own.
     owned = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in tensors.items()}
-    save_file(owned, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    save_file(owned, os.path.join(path, filename), metadata={"format": "pt"})
+
+
+def write_config(path: str, model: torch.nn.Module, quantization_config: dict) -> None:
+    """``path/config.json``: an existing one, updated with the model's config and ``quantization_config``."""
+    os.makedirs(path, exist_ok=True)
     config_path = os.path.join(path, "config.json")
     config: dict = {}
     if os.path.exists(config_path):

@@ -1,0 +1,90 @@
+"""`compressed_tensors_layerwise`: the compressed-tensors export of a model whose weights do not fit
+in memory, read from its safetensors checkpoint one decoder layer at a time and written one shard
+per layer (the modules outside the layers in a last shard) with ``model.safetensors.index.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping, Optional, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from .._lazy_checkpoint import LazyCheckpoint, Overlay, load_modules, release_modules
+from ..layerwise import check_on_meta, decoder_layers, inside, outer_paths
+from .checkpoint import Writer, _check_arguments, write_tensors, write_config
+
+__all__ = ["compressed_tensors_layerwise"]
+
+
+def _parts(model: torch.nn.Module, layers: Optional[str]) -> list:
+    """``(paths to load, recurse, keep(name))`` of each shard: every decoder layer, then the rest."""
+    container_path, container = decoder_layers(model, layers)
+    parts = []
+    for index in range(len(container)):
+        path = f"{container_path}.{index}"
+        parts.append(([path], True, lambda name, path=path: inside(name, path)))
+    parts.append((outer_paths(model, container_path), False, lambda name: not inside(name, container_path)))
+    return parts
+
+
+def compressed_tensors_layerwise(
+    model: torch.nn.Module,
+    checkpoint: Union[str, os.PathLike],
+    qparams: Mapping,
+    path: str,
+    recipe,
+    *,
+    weights: Optional[Union[dict, str, os.PathLike]] = None,
+    layers: Optional[str] = None,
+    format: Optional[str] = None,
+    progress: bool = True,
+) -> dict:
+    """`compressed_tensors` of a model built on the meta device, its tensors read from ``checkpoint``.
+
+    Writes the tensors `compressed_tensors` writes for the loaded model, as one shard per decoder
+    layer and one for the modules outside them, with ``model.safetensors.index.json`` and
+    ``config.json``. Only one layer's tensors are in memory at a time.
+
+    Args:
+      model: the model on the meta device (as `calibrate_layerwise` takes it); left on meta.
+      checkpoint: its safetensors folder (``model.safetensors`` or shards and their index).
+      qparams, path, format: as in `compressed_tensors`.
+      recipe: the calibration `qstats.Recipe` or its `Plan` (resolved on ``model``).
+      weights: tensors to write instead of the checkpoint's: ``{name: tensor}`` or a folder of
+        safetensors (`gptq_layerwise`'s GPTQ'd weights).
+      layers: the path of the decoder layers' ``nn.ModuleList`` (default: the longest one).
+      progress: a progress bar over the shards.
+
+    Returns:
+      The ``quantization_config`` written into ``config.json``.
+
+    Raises:
+      ValueError: as `compressed_tensors`; parameters off the meta device; a tensor the checkpoint lacks.
+    """
+    _check_arguments(model, qparams, format)
+    check_on_meta(model)
+    source = LazyCheckpoint(checkpoint)
+    if weights is not None:
+        source = Overlay(weights, source)
+    writer = Writer(recipe, qparams, model, format)
+    parts = _parts(model, layers)
+    weight_map: dict = {}
+    size = 0
+    for number, (paths, recurse, keep) in enumerate(tqdm(parts, desc="qstats.export", disable=not progress), 1):
+        saved = load_modules(model, paths, source, recurse=recurse)
+        try:
+            state = {name: tensor for name, tensor in model.state_dict().items() if keep(name)}
+            tensors = writer.part({module: sites for module, sites in qparams.items() if keep(module)}, state)
+            filename = f"model-{number:05d}-of-{len(parts):05d}.safetensors"
+            write_tensors(path, tensors, filename)
+            weight_map.update(dict.fromkeys(tensors, filename))
+            size += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        finally:
+            release_modules(saved)
+    quantization_config = writer.finish()
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as file:
+        json.dump({"metadata": {"total_size": size}, "weight_map": weight_map}, file, indent=2, sort_keys=True)
+    write_config(path, model, quantization_config)
+    return quantization_config

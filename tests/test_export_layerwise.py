@@ -1,0 +1,158 @@
+"""`qstats.export.compressed_tensors_layerwise`: the export of a model on the meta device, read from
+its checkpoint one layer at a time, against llm-compressor's ``oneshot`` checkpoint (W8A8, bit for
+bit), the in-memory export, and transformers loading the GPTQ'd Qwen3-MoE back."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import qstats
+from _shared import bit_equal, qwen3_moe_config
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+from safetensors.torch import load_file  # noqa: E402
+
+TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def samples():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(1, 64, (TOKENS,), generator=generator) for _ in range(3)]
+
+
+def _save(tmp_path_factory, name, model):
+    path = str(tmp_path_factory.mktemp(name))
+    model.save_pretrained(path, max_shard_size="200KB")  # several shards: read across files
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    return _save(tmp_path_factory, "export_llama", transformers.LlamaForCausalLM(config))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    config = qwen3_moe_config(hidden_size=128, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                              head_dim=32, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    return _save(tmp_path_factory, "export_moe", transformers.Qwen3MoeForCausalLM(config))
+
+
+def _batches(samples):
+    return [{"input_ids": s[None], "attention_mask": torch.ones(1, TOKENS, dtype=torch.long)} for s in samples]
+
+
+def _meta(path):
+    config = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.set_attn_implementation("eager")  # llm-compressor calibrates under eager attention
+    return model
+
+
+def _tensors(folder):
+    """Every tensor of a checkpoint folder, one file or shards."""
+    tensors = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(folder, name)))
+    return tensors
+
+
+def _config(folder):
+    with open(os.path.join(folder, "config.json")) as file:
+        return json.load(file)["quantization_config"]
+
+
+def _oneshot_w8a8(path, samples, out):
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from torch.utils.data import DataLoader
+
+    vocabulary = {f"t{i}": i for i in range(64)} | {"[UNK]": 0}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]")))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    loader = DataLoader([{"input_ids": s, "attention_mask": torch.ones(TOKENS, dtype=torch.long)} for s in samples])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oneshot(model=model, dataset=loader, processor=tokenizer, pipeline="basic", num_calibration_samples=len(samples),
+                recipe=QuantizationModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"]),
+                shuffle_calibration_samples=False)
+        model.save_pretrained(out, save_compressed=True)
+
+
+def test_w8a8_layer_by_layer_equals_llm_compressor_oneshot(llama, samples, tmp_path):
+    """calibrate_layerwise + compressed_tensors_layerwise, never holding the model: every tensor and
+    the quantization_config equal llm-compressor's oneshot checkpoint; one shard per layer."""
+    pytest.importorskip("llmcompressor")
+    theirs = str(tmp_path / "theirs")
+    _oneshot_w8a8(llama, samples, theirs)
+    model = _meta(llama)
+    recipe = qstats.Recipe.from_scheme("W8A8", ignore=["lm_head"])
+    plan = recipe.resolve(model)
+    states = qstats.calibrate_layerwise(model, llama, _batches(samples), plan, progress=False)
+    ours = str(tmp_path / "ours")
+    config = qstats.export.compressed_tensors_layerwise(model, llama, qstats.compute_qparams_tree(states, plan), ours,
+                                                        plan, progress=False)
+    assert config == _config(ours) == _config(theirs)
+    their_tensors, our_tensors = _tensors(theirs), _tensors(ours)
+    assert sorted(our_tensors) == sorted(their_tensors)
+    assert not [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]
+    with open(os.path.join(ours, "model.safetensors.index.json")) as file:
+        weight_map = json.load(file)["weight_map"]
+    assert sorted(weight_map) == sorted(our_tensors) and len(set(weight_map.values())) == 3
+    assert all(param.device.type == "meta" for param in model.parameters())
+
+
+def test_gptq_moe_export_from_disk_equals_the_in_memory_export_and_loads(moe, samples, tmp_path):
+    """gptq_layerwise writing its weights to a folder, then the layer-by-layer export over them:
+    the same tensors and config as the in-memory export of the loaded model with the GPTQ'd
+    weights; transformers loads it, its experts holding the GPTQ'd weights."""
+    recipe = qstats.Recipe.from_scheme("W4A16", ignore=["lm_head", "re:.*mlp.gate$"], experts="Qwen3MoeExperts")
+    model = _meta(moe)
+    folder = str(tmp_path / "gptq_weights")
+    on_disk = qstats.gptq_layerwise(model, moe, _batches(samples), recipe, weights_dir=folder, progress=False)
+    assert on_disk.weights == folder
+    in_memory = qstats.gptq_layerwise(model, moe, _batches(samples), recipe, progress=False)
+    assert sorted(_tensors(folder)) == sorted(in_memory.weights)
+    plan = recipe.resolve(model)
+    streamed = str(tmp_path / "streamed")
+    qstats.export.compressed_tensors_layerwise(model, moe, qstats.compute_qparams_tree(on_disk.states, plan), streamed,
+                                               plan, weights=folder, progress=False)
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(moe).eval()
+    loaded.load_state_dict(in_memory.weights, strict=False)
+    loaded_plan = recipe.resolve(loaded)
+    whole = str(tmp_path / "whole")
+    qstats.export.compressed_tensors(loaded, qstats.compute_qparams_tree(in_memory.states, loaded_plan), whole,
+                                     loaded_plan)
+    assert _config(streamed) == _config(whole)
+    streamed_tensors, whole_tensors = _tensors(streamed), _tensors(whole)
+    assert sorted(streamed_tensors) == sorted(whole_tensors)
+    assert not [name for name in whole_tensors if not bit_equal(streamed_tensors[name], whole_tensors[name])]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reread = transformers.AutoModelForCausalLM.from_pretrained(streamed).eval()
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        assert torch.equal(reread.get_parameter(name), in_memory.weights[name]), name
+
+
+def test_a_model_off_the_meta_device_is_refused(llama, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama)
+    recipe = qstats.Recipe.from_scheme("W8A8", ignore=["lm_head"])
+    with pytest.raises(ValueError, match="meta"):
+        qstats.export.compressed_tensors_layerwise(model, llama, {}, str(tmp_path), recipe, progress=False)
