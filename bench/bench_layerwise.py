@@ -12,7 +12,11 @@ The same process's resident memory after its imports is printed too (what any ru
 the same model in another fresh process, timed and measured the same way. The checkpoint is deleted
 at the end unless ``--keep`` (a kept one is reused by the next run).
 
-Run:  python bench/bench_layerwise.py [--dir /tmp/qstats_bench_layerwise] [--layers 10] [--keep] [--llmcompressor]
+With ``--gptq``, the child runs `qstats.gptq_layerwise` (W4A16, all experts, the GPTQ'd weights
+written to disk) and `qstats.export.compressed_tensors_layerwise` instead, and ``--llmcompressor``
+llm-compressor's ``GPTQModifier`` with its sequential pipeline and compressed save.
+
+Run:  python bench/bench_layerwise.py [--dir /tmp/qstats_bench_layerwise] [--layers 10] [--keep] [--llmcompressor] [--gptq]
 """
 
 from __future__ import annotations
@@ -159,6 +163,112 @@ def llmcompressor_sequential(directory: str, sequences: int, tokens: int) -> dic
     return {"peak_rss": _high_water_bytes(), "rss_after_imports": imported, "seconds": seconds, "loading": loading}
 
 
+MOE_IGNORE = ["lm_head", "re:.*mlp.gate$"]
+
+
+def _batches(vocab_size: int, sequences: int, tokens: int) -> list:
+    generator = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(0, vocab_size, (1, tokens), generator=generator)} for _ in range(sequences)]
+
+
+def gptq(directory: str, sequences: int, tokens: int) -> dict:
+    """Runs in the child process: `qstats.gptq_layerwise` (W4A16 from the scheme, all experts, the
+    GPTQ'd weights written to disk as it goes), then `qstats.export.compressed_tensors_layerwise`
+    into ``directory + "_qstats_w4a16"``; peak RSS and the time of each step."""
+    import tempfile
+
+    import qstats
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    imported = _high_water_bytes()
+    cfg = AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+    recipe = qstats.Recipe.from_scheme("W4A16", ignore=MOE_IGNORE, experts="Qwen3MoeExperts",
+                                       observed_dtype=torch.bfloat16)  # fmt: skip
+    batches = _batches(cfg.vocab_size, sequences, tokens)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(directory)) as weights_dir:
+        start = time.perf_counter()
+        result = qstats.gptq_layerwise(model, directory, batches, recipe, all_experts=True, weights_dir=weights_dir)
+        seconds = time.perf_counter() - start
+        plan = recipe.resolve(model)
+        start = time.perf_counter()
+        qstats.export.compressed_tensors_layerwise(model, directory, qstats.compute_qparams_tree(result.states, plan),
+                                                   directory + "_qstats_w4a16", plan, weights=result.weights)
+        export = time.perf_counter() - start
+    return {"peak_rss": _high_water_bytes(), "rss_after_imports": imported, "seconds": seconds, "export": export}
+
+
+def llmcompressor_gptq(directory: str, sequences: int, tokens: int) -> dict:
+    """Runs in a child process: llm-compressor's ``oneshot`` with ``GPTQModifier(scheme="W4A16")``
+    and the sequential pipeline on the model loaded with ``from_pretrained``, all experts, then
+    its compressed save into ``directory + "_llmcompressor_w4a16"``; peak RSS and times."""
+    import transformers
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    imported = _high_water_bytes()
+    start = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype="auto").eval()
+    loading = time.perf_counter() - start
+    ids = [batch["input_ids"][0].tolist() for batch in _batches(model.config.vocab_size, sequences, tokens)]
+    dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * tokens for _ in ids]})
+    start = time.perf_counter()
+    oneshot(model=model, dataset=dataset, recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=MOE_IGNORE),
+            pipeline="sequential", num_calibration_samples=sequences, max_seq_length=tokens,
+            moe_calibrate_all_experts=True)  # fmt: skip
+    seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    model.save_pretrained(directory + "_llmcompressor_w4a16", save_compressed=True)
+    export = time.perf_counter() - start
+    return {"peak_rss": _high_water_bytes(), "rss_after_imports": imported, "seconds": seconds, "loading": loading,
+            "export": export}
+
+
+def same_codes(directory: str, names: list) -> float:
+    """The fraction of equal int4 codes of ``names`` in the two GPTQ checkpoints."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors import safe_open
+
+    def read(folder, key):
+        shard = "model.safetensors"
+        if os.path.exists(os.path.join(folder, "model.safetensors.index.json")):
+            with open(os.path.join(folder, "model.safetensors.index.json")) as file:
+                shard = json.load(file)["weight_map"][key]
+        with safe_open(os.path.join(folder, shard), "pt") as file:
+            return file.get_tensor(key)
+
+    same = total = 0
+    for name in names:
+        codes = []
+        for folder in (directory + "_qstats_w4a16", directory + "_llmcompressor_w4a16"):
+            shape = tuple(read(folder, f"{name}.weight_shape").tolist())
+            codes.append(unpack_from_int32(read(folder, f"{name}.weight_packed"), 4, shape))
+        same += int((codes[0] == codes[1]).sum())
+        total += codes[0].numel()
+    return same / total
+
+
+def _gptq_rows(args, size: int, result: dict, reference) -> None:
+    gib = 1024**3
+    print(f"| GPTQ W4A16 (all experts, {args.sequences} x {args.tokens} tokens) | qstats `gptq_layerwise` + "
+          f"`compressed_tensors_layerwise` | llm-compressor sequential `GPTQModifier` + `save_pretrained` |")
+    print("|---|---|---|")
+    ours = f"{result['peak_rss'] / gib:.2f} GiB ({result['peak_rss'] / size:.3f} of the checkpoint)"
+    theirs = "-" if reference is None else f"{reference['peak_rss'] / gib:.2f} GiB ({reference['peak_rss'] / size:.3f})"
+    print(f"| peak RSS | {ours} | {theirs} |")
+    theirs = "-" if reference is None else (f"{reference['loading']:.1f} s + {reference['seconds']:.1f} s + "
+                                            f"{reference['export']:.1f} s")  # fmt: skip
+    print(f"| time (load + calibrate and GPTQ + export) | - + {result['seconds']:.1f} s + {result['export']:.1f} s "
+          f"| {theirs} |")
+    if reference is not None:
+        total = reference["loading"] + reference["seconds"] + reference["export"]
+        print(f"| qstats time / llm-compressor time | {(result['seconds'] + result['export']) / total:.2f} | |")
+        names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+        print(f"| equal codes, layer 0 q/k/v | {same_codes(args.dir, names):.4%} | |")
+
+
 def _child(args, which: str) -> dict:
     child = [sys.executable, os.path.abspath(__file__), "--child", which, "--dir", args.dir,
              "--sequences", str(args.sequences), "--tokens", str(args.tokens)]  # fmt: skip
@@ -174,11 +284,11 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint (and reuse it next time)")
     parser.add_argument("--llmcompressor", action="store_true", help="also time llm-compressor's sequential pipeline")
-    parser.add_argument("--child", choices=("qstats", "llmcompressor"), help=argparse.SUPPRESS)
+    parser.add_argument("--gptq", action="store_true", help="GPTQ W4A16 and the export instead of W8A8 calibration")
+    parser.add_argument("--child", choices=tuple(CHILDREN), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        run = calibrate if args.child == "qstats" else llmcompressor_sequential
-        print(json.dumps(run(args.dir, args.sequences, args.tokens)))
+        print(json.dumps(CHILDREN[args.child](args.dir, args.sequences, args.tokens)))
         return
     index = os.path.join(args.dir, "model.safetensors.index.json")
     start = time.perf_counter()
@@ -188,12 +298,17 @@ def main(argv=None) -> None:
     else:
         size = build(args.dir, args.layers)
     built = time.perf_counter() - start
+    ours, theirs = ("qstats_gptq", "llmcompressor_gptq") if args.gptq else ("qstats", "llmcompressor")
     try:
-        result = _child(args, "qstats")
-        reference = _child(args, "llmcompressor") if args.llmcompressor else None
+        result = _child(args, ours)
+        reference = _child(args, theirs) if args.llmcompressor else None
+        if args.gptq:
+            _gptq_rows(args, size, result, reference)
+            return
     finally:
-        if not args.keep:
-            shutil.rmtree(args.dir, ignore_errors=True)
+        for folder in ("", "_qstats_w4a16", "_llmcompressor_w4a16"):
+            if folder or not args.keep:
+                shutil.rmtree(args.dir + folder, ignore_errors=True)
     gib = 1024**3
     print(f"| checkpoint | {size / gib:.2f} GiB (bf16, {args.layers} layers, 64 experts; written in {built:.0f} s) |")
     print(f"| calibration | {args.sequences} x {args.tokens} tokens, all experts, {result['paths']} modules |")
@@ -209,6 +324,9 @@ def main(argv=None) -> None:
               f"(qstats, which reads the checkpoint as it goes / llm-compressor with loading: "
               f"{result['seconds'] / total:.2f}) |")  # fmt: skip
 
+
+CHILDREN = {"qstats": calibrate, "llmcompressor": llmcompressor_sequential, "qstats_gptq": gptq,
+            "llmcompressor_gptq": llmcompressor_gptq}
 
 if __name__ == "__main__":
     main()

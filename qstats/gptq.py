@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ._granularity import PerAxis, PerGroup, PerRow, PerTensor, TensorGroup
+from ._granularity import PerAxis, PerGroup, PerRow, PerTensor, TensorGroup, qparam_shape
 from ._qparams import QParams, compute_qparams
 from ._quant import _codes_float, _dequantize_view
 from ._formats import store_codes
@@ -291,21 +291,20 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
 
 
 def _check_qparams(qparams, weight, spec) -> None:
-    """Shapes of given ``qparams`` against those ``spec`` gives ``weight`` (on meta: no data read)."""
+    """Shapes of given ``qparams`` against those ``spec`` gives ``weight`` (per expert for ``[E, out, in]``)."""
     if qparams is None:
         return
     if not isinstance(qparams, QParams):
         raise TypeError(f"gptq: qparams must be a QParams (qstats.compute_qparams) or None, got {type(qparams).__name__}")
     _column_groups(spec, weight.shape[-1])  # an unsupported granularity is named first
-    meta = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
-    one = lambda w: _minmax_qparams(w, spec)  # noqa: E731
-    want = torch.vmap(one)(meta) if meta.ndim == 3 else one(meta)
-    for field in ("scale", "zero_point", "global_scale"):
-        got, expected = getattr(qparams, field), getattr(want, field)
-        if got is None or tuple(got.shape) != tuple(expected.shape):
+    experts = tuple(weight.shape[:-2])
+    per_weight = experts + qparam_shape(weight.shape[-2:], spec.granularity)
+    for field, expected in (("scale", per_weight), ("zero_point", per_weight), ("global_scale", experts)):
+        got = getattr(qparams, field)
+        if got is None or tuple(got.shape) != expected:
             raise ValueError(f"gptq: qparams.{field} of shape {None if got is None else tuple(got.shape)} does not "
                              f"fit {spec.granularity!r} on a weight of shape {tuple(weight.shape)} "
-                             f"(expected {tuple(expected.shape)})")
+                             f"(expected {expected})")
 
 
 def _check_arguments(weight, state, spec, block_size, dampening, actorder) -> None:

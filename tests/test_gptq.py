@@ -279,3 +279,18 @@ def test_a_parameter_requiring_grad_gives_the_same_result_without_a_graph():
     want = gptq(weight, state, spec, qparams=_minmax_qparams(weight, spec))
     assert not any(t.requires_grad for t in (got[0], got[1], *got[2]) if t is not None)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_bfloat16_weight_with_bfloat16_scales_equals_llm_compressor():
+    """A bf16 checkpoint's weight with compressed-tensors' bf16 qparams (``observed_dtype``): qparams
+    given, the codes equal llm-compressor's on the same Hessian, the result is bf16."""
+    weight, _, state = _layer_data()
+    weight = weight.to(torch.bfloat16)
+    args = QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=32, actorder="static")
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=torch.bfloat16)
+    qparams = _minmax_qparams(weight, spec)
+    fake_quantized, codes, _ = gptq(weight, state, spec, qparams=qparams, actorder="static")
+    # llm-compressor holds a bf16 model's scales in bf16 and dequantizes in their dtype
+    reference, _ = _reference(weight, gptq_hessian(state), qparams._replace(scale=qparams.scale.bfloat16()), args)
+    assert fake_quantized.dtype == torch.bfloat16
+    assert (codes == qstats.quantize(reference, qparams, spec)).float().mean() >= 0.999
