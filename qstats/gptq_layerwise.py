@@ -20,7 +20,8 @@ from .calibrate import compute_qparams_tree
 from .export.checkpoint import write_tensors
 from .gptq import gptq
 from .layerwise import _layerwise
-from .observers.hessian import hessian
+from ._qparams import QParams
+from .observers.hessian import HessianState, hessian
 from .recipe import Plan, Recipe, Rule
 
 __all__ = ["gptq_layerwise", "LayerwiseGPTQ"]
@@ -76,7 +77,22 @@ def _hessian_plan(plan: Plan, targets: dict) -> Plan:
     return Recipe(rules).resolve(plan.model)
 
 
-def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_dir: Optional[str]) -> Callable:
+def _gptq_in_chunks(weight: torch.Tensor, state: HessianState, spec, qparams: QParams, chunk: int, options: dict):
+    """`qstats.gptq` of ``weight``, stacked experts ``chunk`` at a time (each expert's result is its
+    own: the working memory, a few ``[in, in]`` matrices per expert, is bounded by the chunk)."""
+    if weight.ndim == 2 or weight.shape[0] <= chunk:
+        return gptq(weight, state, spec, qparams=qparams, **options)[0]
+    parts = []
+    for start in range(0, weight.shape[0], chunk):
+        take = slice(start, start + chunk)
+        part_qparams = QParams(*(None if field is None else field[take] for field in qparams))
+        part_state = HessianState(*(field[take] for field in state))
+        parts.append(gptq(weight[take], part_state, spec, qparams=part_qparams, **options)[0])
+    return torch.cat(parts)
+
+
+def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_dir: Optional[str],
+               experts_at_once: int) -> Callable:
     """The layer step: GPTQ of the layer's targets, each weight replaced by its GPTQ'd value in the
     loaded layer (which `calibrate_layerwise` then runs) and kept in ``weights`` (with
     ``weights_dir``: written there, one shard per layer, and ``weights`` maps it to its shard)."""
@@ -88,9 +104,9 @@ def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_
             if path not in states:
                 continue
             module = plan.modules[path]
-            weight = getattr(module, site)
-            quantized, _, _ = gptq(weight, hessians[path][hessian_site], plan.site(path, site).spec,
-                                   qparams=qparams[path][site], **options)
+            hessian_state = hessians[path].pop(hessian_site)  # released once used
+            quantized = _gptq_in_chunks(getattr(module, site), hessian_state, plan.site(path, site).spec,
+                                        qparams[path][site], experts_at_once, options)
             module._parameters[site] = torch.nn.Parameter(quantized, requires_grad=False)
             layer_weights[f"{path}.{site}"] = quantized
         if weights_dir is None:
@@ -115,6 +131,7 @@ def gptq_layerwise(
     actorder: Optional[str] = "static",
     offload_dir: Optional[Union[str, os.PathLike]] = None,
     weights_dir: Optional[Union[str, os.PathLike]] = None,
+    experts_at_once: int = 8,
     layers: Optional[str] = None,
     progress: bool = True,
     observation_weight: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
@@ -138,6 +155,8 @@ def gptq_layerwise(
         as ``GPTQModifier``'s.
       weights_dir: write the GPTQ'd weights there (safetensors, one file per layer, and
         ``model.safetensors.index.json``) as each layer is done, instead of keeping them in memory.
+      experts_at_once: stacked experts GPTQ'd together (GPTQ's working memory is a few ``[in, in]``
+        float32 matrices per expert); each expert's result does not depend on it.
 
     Returns:
       `LayerwiseGPTQ` ``(states, weights)``.
@@ -145,13 +164,15 @@ def gptq_layerwise(
     Raises:
       ValueError: as `calibrate_layerwise`; a recipe without integer Linear or expert weights.
     """
+    if not isinstance(experts_at_once, int) or isinstance(experts_at_once, bool) or experts_at_once < 1:
+        raise ValueError(f"gptq_layerwise: experts_at_once must be a positive int, got {experts_at_once!r}")
     weights: dict = {}
     weights_dir = None if weights_dir is None else os.fspath(weights_dir)
     options = {"block_size": block_size, "dampening": dampening, "actorder": actorder}
 
     def layer_step(plan: Plan) -> tuple:
         targets = _targets(plan)
-        return _hessian_plan(plan, targets), _gptq_step(plan, targets, weights, options, weights_dir)
+        return _hessian_plan(plan, targets), _gptq_step(plan, targets, weights, options, weights_dir, experts_at_once)
 
     states = _layerwise(
         model, checkpoint, batches, recipe, states=None, propagate="quantized", offload_dir=offload_dir,

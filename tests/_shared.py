@@ -106,3 +106,13 @@ def record_taken(monkeypatch, owner, name: str) -> list:
 
     monkeypatch.setattr(owner, name, recording)
     return taken
+
+
+def word_tokenizer(size: int = 64):
+    """A stand-in tokenizer for llm-compressor's ``oneshot`` over samples that are token ids already:
+    words ``t0``..``t{size-1}``, offline."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    vocabulary = {f"t{i}": i for i in range(size)} | {"[UNK]": 0}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]")))

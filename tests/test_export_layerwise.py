@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import bit_equal, qwen3_moe_config
+from _shared import bit_equal, qwen3_moe_config, word_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -81,9 +81,7 @@ def _oneshot_w8a8(path, samples, out):
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from torch.utils.data import DataLoader
 
-    vocabulary = {f"t{i}": i for i in range(64)} | {"[UNK]": 0}
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]")))
+    tokenizer = word_tokenizer()
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     loader = DataLoader([{"input_ids": s, "attention_mask": torch.ones(TOKENS, dtype=torch.long)} for s in samples])
     with warnings.catch_warnings():

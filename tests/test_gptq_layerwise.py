@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import qwen3_moe_config
+from _shared import qwen3_moe_config, word_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -58,9 +58,7 @@ def _oneshot_gptq(path, samples, out, pipeline, ignore):
     from llmcompressor.modifiers.gptq import GPTQModifier
     from torch.utils.data import DataLoader
 
-    vocabulary = {f"t{i}": i for i in range(64)} | {"[UNK]": 0}
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]")))
+    tokenizer = word_tokenizer()
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     loader = DataLoader([{"input_ids": s, "attention_mask": torch.ones(TOKENS, dtype=torch.long)} for s in samples])
     with warnings.catch_warnings():
@@ -167,6 +165,12 @@ def test_moe_experts_equal_llm_compressor_in_the_first_layer_and_a_plain_loop_in
     assert sorted(loop) == sorted(result.weights)
     for name, weight in loop.items():
         assert torch.equal(result.weights[name], weight), name
+    config = transformers.AutoConfig.from_pretrained(moe)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+    chunked = qstats.gptq_layerwise(meta, moe, _batches(samples[:4]), recipe, progress=False, all_experts=True,
+                                    experts_at_once=3)  # experts 0-2, then 3
+    assert all(torch.equal(chunked.weights[name], weight) for name, weight in result.weights.items())
 
 
 def test_llm_compressor_sequential_pipeline_attends_both_ways_on_qwen3_moe(moe, samples, tmp_path):
@@ -195,9 +199,12 @@ def test_llm_compressor_sequential_pipeline_attends_both_ways_on_qwen3_moe(moe, 
     assert not torch.equal(causal, _codes(theirs, o_proj))
 
 
-def test_a_recipe_without_integer_weights_is_refused(llama, samples):
+def test_a_recipe_without_integer_weights_and_a_bad_chunk_are_refused(llama, samples):
     config = transformers.AutoConfig.from_pretrained(llama)
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(config).eval()
     with pytest.raises(ValueError, match="no Linear weight or stacked-experts parameter"):
         qstats.gptq_layerwise(meta, llama, _batches(samples[:1]), qstats.Recipe.from_scheme("FP8"), progress=False)
+    with pytest.raises(ValueError, match="experts_at_once"):
+        qstats.gptq_layerwise(meta, llama, _batches(samples[:1]), qstats.Recipe.from_scheme("W4A16"), progress=False,
+                              experts_at_once=0)

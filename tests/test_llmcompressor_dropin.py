@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from _shared import bit_equal
+from _shared import bit_equal, word_tokenizer
 
 import qstats
 
@@ -137,10 +137,7 @@ def saved(tmp_path_factory):
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     generator = torch.Generator().manual_seed(1)
     samples = [torch.randint(1, 64, (TOKENS,), generator=generator) for _ in range(4)]
-    vocabulary = {f"t{i}": i for i in range(64)} | {"[UNK]": 0}
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
-    )
+    tokenizer = word_tokenizer()
     return path, samples, tokenizer
 
 

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from _shared import qwen3_moe_config
+from _shared import qwen3_moe_config, word_tokenizer
 
 import qstats
 
@@ -26,19 +26,13 @@ TOKENS = 12
 def saved(tmp_path_factory):
     """A tiny random Qwen3-MoE saved to disk (llm-compressor reads its config from there), the
     calibration samples and a stand-in tokenizer (the samples are token ids already)."""
-    import tokenizers
-    from tokenizers.models import WordLevel
-
     config = qwen3_moe_config(num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=16)
     torch.manual_seed(0)
     path = str(tmp_path_factory.mktemp("tiny_qwen3_moe"))
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
     generator = torch.Generator().manual_seed(1)
     samples = [torch.randint(1, 64, (TOKENS,), generator=generator) for _ in range(4)]
-    vocabulary = {f"t{i}": i for i in range(64)} | {"[UNK]": 0}
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizers.Tokenizer(WordLevel(vocabulary, unk_token="[UNK]"))
-    )
+    tokenizer = word_tokenizer()
     return path, samples, tokenizer
 
 

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from _shared import bit_equal, qwen3_moe_config
+from _shared import bit_equal, qwen3_moe_config, word_tokenizer
 
 import qstats
 
@@ -24,9 +24,6 @@ TOKENS = 12
 def saved(tmp_path_factory):
     """A tiny random Llama saved to disk (llm-compressor reads its config there), calibration
     samples (token ids) and a stand-in tokenizer."""
-    import tokenizers
-    from tokenizers.models import WordLevel
-
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False,
@@ -36,10 +33,7 @@ def saved(tmp_path_factory):
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     generator = torch.Generator().manual_seed(1)
     samples = [torch.randint(1, 64, (TOKENS,), generator=generator) for _ in range(3)]
-    vocabulary = {f"t{i}": i for i in range(64)} | {"[UNK]": 0}
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizers.Tokenizer(WordLevel(vocabulary, unk_token="[UNK]"))
-    )
+    tokenizer = word_tokenizer()
     return path, samples, tokenizer
 
 
