@@ -30,10 +30,11 @@ class LazyCheckpoint:
     """The tensor names of a safetensors checkpoint directory and where each one lives; tensors
     are read one at a time (`tensor`), never the whole file."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, where: str = "calibrate_layerwise"):
         self.directory = os.fspath(directory)
+        self.where = where  # the public function named in errors
         if not os.path.isdir(self.directory):
-            raise ValueError(f"calibrate_layerwise: checkpoint {self.directory!r} is not a directory")
+            raise ValueError(f"{where}: checkpoint {self.directory!r} is not a directory")
         index = os.path.join(self.directory, "model.safetensors.index.json")
         single = os.path.join(self.directory, "model.safetensors")
         if os.path.exists(index):
@@ -46,7 +47,7 @@ class LazyCheckpoint:
                 self.files = {key: "model.safetensors" for key in file.keys()}
         else:
             raise ValueError(
-                f"calibrate_layerwise: {self.directory!r} holds neither model.safetensors nor "
+                f"{where}: {self.directory!r} holds neither model.safetensors nor "
                 "model.safetensors.index.json"
             )
 
@@ -58,7 +59,7 @@ class LazyCheckpoint:
         from safetensors import safe_open
 
         if key not in self.files:
-            raise ValueError(f"calibrate_layerwise: the checkpoint has no tensor {key!r}")
+            raise ValueError(f"{self.where}: the checkpoint has no tensor {key!r}")
         with safe_open(os.path.join(self.directory, self.files[key]), "pt", device="cpu") as file:
             return file.get_tensor(key)
 
@@ -79,7 +80,7 @@ class LazyCheckpoint:
                     rows = sum(part.shape[0] for part in parts)
                     stacked = parts[0].new_empty((count, rows, *parts[0].shape[1:]))
                 if sum(part.shape[0] for part in parts) != stacked.shape[1] or parts[0].shape[1:] != stacked.shape[2:]:
-                    raise ValueError(f"calibrate_layerwise: checkpoint expert {prefix}.{expert} has shapes "
+                    raise ValueError(f"{self.where}: checkpoint expert {prefix}.{expert} has shapes "
                                      f"{[tuple(part.shape) for part in parts]}, unlike expert 0's")
                 start = 0
                 for part in parts:
@@ -94,8 +95,9 @@ class Overlay:
     are read from there, the others from ``base`` (e.g. GPTQ'd weights over the float checkpoint)."""
 
     def __init__(self, weights, base: LazyCheckpoint):
-        self.weights = weights if isinstance(weights, dict) else LazyCheckpoint(weights)
+        self.weights = weights if isinstance(weights, dict) else LazyCheckpoint(weights, base.where)
         self.base = base
+        self.where = base.where
 
     def __contains__(self, key: str) -> bool:
         return key in self.weights or key in self.base
@@ -130,7 +132,7 @@ def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor) -> Option
                 continue
         if tuple(value.shape) != tuple(like.shape):
             raise ValueError(
-                f"calibrate_layerwise: checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
+                f"{checkpoint.where}: checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
                 f"the model's {tuple(like.shape)}"
             )
         return value
@@ -164,7 +166,7 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
                         if loaded is None and kind == "_buffers" and hasattr(model, "_init_weights"):
                             loaded, recompute = torch.empty_like(value, device="cpu"), True
                         if loaded is None:
-                            raise ValueError(f"calibrate_layerwise: the checkpoint has no tensor {full!r}")
+                            raise ValueError(f"{checkpoint.where}: the checkpoint has no tensor {full!r}")
                         if kind == "_parameters" and not isinstance(loaded, torch.nn.Parameter):
                             loaded = torch.nn.Parameter(loaded, requires_grad=False)
                         loaded_by_id[id(value)] = loaded

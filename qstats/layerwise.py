@@ -444,7 +444,7 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
         container_path, container = decoder_layers(model, layers)
         directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)
         side_plan, after_layer = (None, None) if layer_step is None else layer_step(plan)
-        run = _Run(model, LazyCheckpoint(checkpoint), plan, _Store(directory), dict(states or {}),
+        run = _Run(model, LazyCheckpoint(checkpoint, where), plan, _Store(directory), dict(states or {}),
                    bool(all_experts), propagate, bool(all_reduce), side_plan, after_layer)
         made.append(directory)
         return run, container_path, container

@@ -65,7 +65,7 @@ def compressed_tensors_layerwise(
     """
     _check_arguments(model, qparams, format)
     check_on_meta(model)
-    source = LazyCheckpoint(checkpoint)
+    source = LazyCheckpoint(checkpoint, "export.compressed_tensors_layerwise")
     if weights is not None:
         source = Overlay(weights, source)
     writer = Writer(recipe, qparams, model, format)
