@@ -45,7 +45,11 @@ def _add_masked_gram_vmap(info, in_dims, total, rows, keep):
         return _add_grams_of_shared_rows(total, rows, keep.movedim(keep_dim, 0)), 0
     rows = rows.movedim(rows_dim, 0) if rows_dim is not None else rows.expand(size, *rows.shape)
     keep = keep.movedim(keep_dim, 0) if keep_dim is not None else keep.expand(size, *keep.shape)
-    return torch.stack([_add_masked_gram(total[index], rows[index], keep[index]) for index in range(size)]), 0
+    out = torch.empty_like(total)
+    for index in range(size):
+        kept = rows[index][keep[index]]
+        torch.addmm(total[index], kept.T, kept, out=out[index])
+    return out, 0
 
 
 _add_masked_gram.register_vmap(_add_masked_gram_vmap)

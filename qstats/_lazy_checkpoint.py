@@ -92,12 +92,17 @@ class LazyCheckpoint:
 
 class Overlay:
     """A checkpoint whose tensors named in ``weights`` (a dict of tensors, or a checkpoint folder)
-    are read from there, the others from ``base`` (e.g. GPTQ'd weights over the float checkpoint)."""
+    are read from there, the others from ``base`` (e.g. GPTQ'd weights over the float checkpoint).
+    ``used`` collects the names read from ``weights``."""
 
     def __init__(self, weights, base: LazyCheckpoint):
         self.weights = weights if isinstance(weights, dict) else LazyCheckpoint(weights, base.where)
         self.base = base
         self.where = base.where
+        self.used: set = set()
+
+    def names(self) -> set:
+        return set(self.weights) if isinstance(self.weights, dict) else set(self.weights.files)
 
     def __contains__(self, key: str) -> bool:
         return key in self.weights or key in self.base
@@ -105,10 +110,11 @@ class Overlay:
     def tensor(self, key: str) -> torch.Tensor:
         if key not in self.weights:
             return self.base.tensor(key)
+        self.used.add(key)
         return self.weights[key] if isinstance(self.weights, dict) else self.weights.tensor(key)
 
     def stacked_experts(self, key: str) -> Optional[torch.Tensor]:
-        return self.base.stacked_experts(key)
+        return LazyCheckpoint.stacked_experts(self, key)  # per-expert keys from either side
 
 
 def _aliases(model: torch.nn.Module) -> dict:
@@ -122,7 +128,10 @@ def _aliases(model: torch.nn.Module) -> dict:
 
 
 def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor) -> Optional[torch.Tensor]:
-    """The checkpoint's value of a tensor known under ``names`` (tied tensors have several)."""
+    """The checkpoint's value of a tensor known under ``names`` (tied tensors have several; an
+    `Overlay`'s own names first)."""
+    if isinstance(checkpoint, Overlay):
+        names = sorted(names, key=lambda name: name not in checkpoint.weights)
     for name in names:
         if name in checkpoint:
             value = checkpoint.tensor(name)

@@ -137,14 +137,15 @@ def _permute_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: torch.Tensor):
     """llm-compressor's ``factorize_hessian``: dead columns get diagonal 1, the diagonal gains
-    ``dampening * mean(diag)``, then the upper Cholesky factor of the inverse. Where it fails or the
-    Hessian is not ``usable``: the identity (round-to-nearest)."""
+    ``dampening * mean(diag)`` (both written into ``hessian``, a buffer of the caller's), then the
+    upper Cholesky factor of the inverse. Where it fails or the Hessian is not ``usable``: the
+    identity (round-to-nearest)."""
     columns = hessian.shape[-1]
     eye = torch.eye(columns, dtype=hessian.dtype, device=hessian.device)
-    dead = torch.diagonal(hessian, dim1=-2, dim2=-1) == 0
-    hessian = hessian + torch.diag_embed(dead.to(hessian.dtype))
-    damp = dampening * torch.mean(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, keepdim=True)
-    hessian = hessian + torch.diag_embed(damp.expand(dead.shape))
+    diagonal = torch.diagonal(hessian, dim1=-2, dim2=-1)  # written in place: `_gptq_core`'s own tensor
+    dead = diagonal == 0
+    diagonal.add_(dead.to(hessian.dtype))
+    diagonal.add_(dampening * torch.mean(diagonal, dim=-1, keepdim=True))
     lower, info = torch.linalg.cholesky_ex(hessian, check_errors=False)
     factored = (usable & (info == 0))[..., None, None]
     inverse = torch.cholesky_inverse(torch.where(factored, lower, eye))

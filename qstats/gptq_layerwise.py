@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
 from .calibrate import compute_qparams_tree
 from .export.checkpoint import write_tensors
+from .experts import UncalibratedWarning
 from .gptq import gptq
 from .layerwise import _layerwise
 from ._qparams import QParams
@@ -39,7 +41,7 @@ class LayerwiseGPTQ(NamedTuple):
     """
 
     states: dict
-    weights: dict
+    weights: Union[dict, str]
 
 
 def _hessian_site(plan: Plan, path: str, site: str) -> Optional[str]:
@@ -54,13 +56,20 @@ def _hessian_site(plan: Plan, path: str, site: str) -> Optional[str]:
 
 
 def _targets(plan: Plan) -> dict:
-    """``{(module path, parameter site): Hessian site}`` of every weight GPTQ quantizes."""
-    found = {}
+    """``{(module path, parameter site): Hessian site}`` of every weight GPTQ quantizes; a warning
+    names the integer parameters it does not (not a Linear weight or stacked experts)."""
+    found, others = {}, []
     for path, entry in plan.sites.items():
-        for site in entry:
+        for site, observed in entry.items():
             hessian_site = _hessian_site(plan, path, site)
             if hessian_site is not None:
                 found[(path, site)] = hessian_site
+            elif observed.kind == "parameter" and not observed.spec.is_float:
+                others.append(f"{path}.{site}")
+    if others:
+        warnings.warn(f"gptq_layerwise: {len(others)} integer parameter(s) are not Linear weights or stacked experts "
+                      f"and are rounded to nearest, not GPTQ'd: {', '.join(others[:6])}", UncalibratedWarning,
+                      stacklevel=3)
     if not found:
         raise ValueError(
             "gptq_layerwise: the recipe quantizes no Linear weight or stacked-experts parameter to an integer format"
@@ -91,17 +100,25 @@ def _gptq_in_chunks(weight: torch.Tensor, state: HessianState, spec, qparams: QP
     return torch.cat(parts)
 
 
+def _writes() -> bool:
+    """Whether this process writes shared files: rank 0, or the only process (ranks hold equal weights)."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0
+
+
 def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_dir: Optional[str],
-               experts_at_once: int) -> Callable:
+               experts_at_once: int, uncalled: list) -> Callable:
     """The layer step: GPTQ of the layer's targets, each weight replaced by its GPTQ'd value in the
     loaded layer (which `calibrate_layerwise` then runs) and kept in ``weights`` (with
     ``weights_dir``: written there, one shard per layer, and ``weights`` maps it to its shard)."""
 
     def step(layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> dict:
         qparams = compute_qparams_tree(states, plan)
-        layer_weights = {}
+        layer_weights, missing, done = {}, [], set()
         for (path, site), hessian_site in targets.items():
             if path not in states:
+                continue
+            if hessian_site not in hessians.get(path, {}):  # never called: llm-compressor rounds it to nearest too
+                missing.append(f"{path}.{site}")
                 continue
             module = plan.modules[path]
             hessian_state = hessians[path].pop(hessian_site)  # released once used
@@ -109,13 +126,20 @@ def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_
                                         qparams[path][site], experts_at_once, options)
             module._parameters[site] = torch.nn.Parameter(quantized, requires_grad=False)
             layer_weights[f"{path}.{site}"] = quantized
+            done.add((path, site))
+        if missing:
+            uncalled.extend(missing)
+            warnings.warn(f"gptq_layerwise: {len(missing)} weight(s) of {layer_path} were never called, so have no "
+                          f"Hessian, and are rounded to nearest: {', '.join(missing[:6])}", UncalibratedWarning,
+                          stacklevel=2)
         if weights_dir is None:
             weights.update(layer_weights)
         elif layer_weights:
             filename = f"gptq-{len(set(weights.values())) + 1:05d}.safetensors"
-            write_tensors(weights_dir, layer_weights, filename)
+            if _writes():
+                write_tensors(weights_dir, layer_weights, filename)
             weights.update(dict.fromkeys(layer_weights, filename))
-        return states
+        return states, done  # the GPTQ'd weights are on their grid: propagation does not fake-quantize them
 
     return step
 
@@ -168,19 +192,34 @@ def gptq_layerwise(
         raise ValueError(f"gptq_layerwise: experts_at_once must be a positive int, got {experts_at_once!r}")
     weights: dict = {}
     weights_dir = None if weights_dir is None else os.fspath(weights_dir)
+    if weights_dir is not None and os.path.isdir(weights_dir) and (
+            os.path.samefile(weights_dir, checkpoint) or any(n.endswith(".safetensors") for n in os.listdir(weights_dir))):
+        raise ValueError(f"gptq_layerwise: weights_dir {weights_dir!r} is the checkpoint or already holds safetensors "
+                         "files; give an empty or new folder")
     options = {"block_size": block_size, "dampening": dampening, "actorder": actorder}
 
+    targets: dict = {}
+    uncalled: list = []
+
     def layer_step(plan: Plan) -> tuple:
-        targets = _targets(plan)
-        return _hessian_plan(plan, targets), _gptq_step(plan, targets, weights, options, weights_dir, experts_at_once)
+        targets.update(_targets(plan))
+        return _hessian_plan(plan, targets), _gptq_step(plan, targets, weights, options, weights_dir, experts_at_once,
+                                                              uncalled)
 
     states = _layerwise(
         model, checkpoint, batches, recipe, states=None, propagate="quantized", offload_dir=offload_dir,
         layers=layers, progress=progress, observation_weight=observation_weight, all_experts=all_experts,
         all_reduce=all_reduce, layer_step=layer_step, where="gptq_layerwise",
     )  # fmt: skip
+    done = set(weights) | set(uncalled)
+    outside = [f"{path}.{site}" for path, site in targets if f"{path}.{site}" not in done and path in states]
+    if outside:
+        warnings.warn(f"gptq_layerwise: {len(outside)} weight(s) outside the decoder layers are rounded to nearest, "
+                      f"not GPTQ'd: {', '.join(outside[:6])}", UncalibratedWarning, stacklevel=2)
     if weights_dir is None:
         return LayerwiseGPTQ(states, weights)
+    if not _writes():
+        return LayerwiseGPTQ(states, weights_dir)
     with open(os.path.join(weights_dir, "model.safetensors.index.json"), "w") as file:
         json.dump({"metadata": {}, "weight_map": weights}, file, indent=2, sort_keys=True)
     return LayerwiseGPTQ(states, weights_dir)

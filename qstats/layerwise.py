@@ -234,7 +234,7 @@ class _Run:
     propagate: str
     all_reduce: bool
     side_plan: Optional[Plan] = None  # observed per layer beside the plan, handed to after_layer, not returned
-    after_layer: Optional[Callable[[str, torch.nn.Module, dict, dict], dict]] = None
+    after_layer: Optional[Callable[[str, torch.nn.Module, dict, dict], tuple]] = None
 
     def calibrate(self, root, plan: Plan, batches, observation_weight) -> dict:
         """This rank's states of ``plan`` over ``batches`` (resumed from ``self.states``); no collective."""
@@ -280,20 +280,41 @@ def _outer_loaded(run: _Run, container_path: str) -> list:
     return load_modules(run.model, outer_paths(run.model, container_path), run.checkpoint, recurse=False)
 
 
+def _merged(plan: Plan, side: Plan) -> Optional[Plan]:
+    """One plan observing both plans' sites (one forward pass), or None when a site is in both."""
+    if any(site in plan.sites.get(path, {}) for path, entry in side.sites.items() for site in entry):
+        return None
+    paths = list(dict.fromkeys([*plan.sites, *side.sites]))
+    sites = {path: {**plan.sites.get(path, {}), **side.sites.get(path, {})} for path in paths}
+    return Plan(plan.recipe, MappingProxyType(sites), plan.modules, plan.fused_groups)
+
+
+def _split(found: dict, side: Plan) -> tuple:
+    """``(states of the recipe's sites, states of the side plan's sites)`` of a merged plan's states."""
+    mine = {path: {s: v for s, v in entry.items() if s not in side.sites.get(path, {})} for path, entry in found.items()}
+    theirs = {path: {s: v for s, v in entry.items() if s in side.sites.get(path, {})} for path, entry in found.items()}
+    return {p: e for p, e in mine.items() if e}, {p: e for p, e in theirs.items() if e}
+
+
 def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
     """Loads, calibrates and releases one decoder layer; its outputs replace the stored inputs.
     With ``run.after_layer``, ``after_layer(path, layer, states, side_states)`` runs on the loaded
-    layer before its outputs are computed (it may replace its weights) and gives the states kept."""
+    layer before its outputs are computed; it may replace weights by quantized ones and returns
+    the states kept and the ``(path, site)`` parameter sites it quantized (not fake-quantized again)."""
     saved: list = []
     runner = _LayerRun(layer, run.store)
     in_layer = lambda p: inside(p, path)  # noqa: E731
     plan = _sub_plan(run.plan, in_layer, runner)
     side = None if run.side_plan is None else _sub_plan(run.side_plan, in_layer, runner)
     float_outputs = run.propagate == "float" and run.after_layer is None
+    resumed = any(p in plan.sites for p in run.states)
+    merged = None if side is None or resumed else _merged(plan, side)
 
     def observe() -> tuple:
         saved.extend(load_modules(run.model, [path], run.checkpoint))
-        runner.write = float_outputs and side is None
+        runner.write = float_outputs and (side is None or merged is not None)
+        if merged is not None:
+            return _split(run.calibrate(runner, merged, range(len(run.store)), lambda i: run.store[i].weight), side)
         found = run.calibrate(runner, plan, range(len(run.store)), lambda index: run.store[index].weight)
         if side is None:
             return found, {}
@@ -301,10 +322,13 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
         return found, calibrate(runner, range(len(run.store)), side, progress=False, all_experts=run.all_experts,
                                 observation_weight=lambda index: run.store[index].weight)
 
-    def propagate(found: dict) -> None:
+    def propagate(found: dict, done: set) -> None:
         runner.write = True
-        quantized = fake_quantized(runner, compute_qparams_tree(found, plan), plan) if run.propagate == "quantized" \
-            else contextlib.nullcontext()
+        quantized = contextlib.nullcontext()
+        if run.propagate == "quantized":
+            qparams = {p: {s: q for s, q in entry.items() if (p, s) not in done}
+                       for p, entry in compute_qparams_tree(found, plan).items()}
+            quantized = fake_quantized(runner, qparams, plan)
         with quantized, torch.no_grad():
             for index in range(len(run.store)):
                 runner(index)
@@ -314,10 +338,11 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
         found = run.reduce(found, plan)
         if side is not None:
             side_found = run.reduce(side_found, side)
+        done: set = set()
         if run.after_layer is not None:
-            found = run.agreed(lambda: run.after_layer(path, layer, found, side_found))
+            found, done = run.agreed(lambda: run.after_layer(path, layer, found, side_found))
         if not float_outputs:
-            run.agreed(lambda: propagate(found))
+            run.agreed(lambda: propagate(found, done))
         return found
     finally:
         release_modules(saved)

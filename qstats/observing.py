@@ -67,8 +67,11 @@ def check_resumed(states: Mapping, plan: Plan, caller: str = "calibrate") -> Non
                 )
 
 
-# Stacked observers whose masked update reduces each shared row once for all experts.
-_ROW_REDUCING = frozenset(f"stacked({name})" for name in ("minmax", "memoryless_minmax", "moving_average_minmax"))
+# Stacked observers whose masked update of rows shared by the experts costs what each expert's own
+# rows cost: min/max reduce each row once for all experts, the Hessian's op gathers each expert's rows.
+_ROW_REDUCING = frozenset(
+    f"stacked({name})" for name in ("minmax", "memoryless_minmax", "moving_average_minmax", "hessian")
+)
 
 
 def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
@@ -313,6 +316,7 @@ class _ExpertMatmulInputs:
                 f"calibrate: all_experts: cannot find the routing (an integer tensor [tokens, k] of selected "
                 f"experts) in the call of the experts module {self.path!r}"
             )
+        found: dict = {}  # site -> [(rows, mask)] of every call: each expert is in one call only
         for call_args, call_kwargs in calls:
             capture, handles, tokens, weight = self._start(module, x)
             try:
@@ -320,10 +324,20 @@ class _ExpertMatmulInputs:
                     module.forward(*call_args, **call_kwargs)
             finally:
                 _stop(capture, handles)
-            self._observe(module, capture, tokens, weight)
+            for site, rows_mask in self._rows(module, capture, tokens, weight).items():
+                found.setdefault(site, []).append(rows_mask)
+        for site, parts in found.items():  # one update per site: the masks keep each expert's rows
+            rows, masks = zip(*parts)
+            self.sites[site].observe_rows(torch.cat(rows), torch.cat(masks, dim=1))
 
     def _observe(self, module, capture: ExpertInputCapture, tokens: int, weight) -> None:
         """Observes the rows a finished capture holds, site by site."""
+        for site, (rows, mask) in self._rows(module, capture, tokens, weight).items():
+            self.sites[site].observe_rows(rows, mask)
+
+    def _rows(self, module, capture: ExpertInputCapture, tokens: int, weight) -> dict:
+        """``{site: (rows, mask [E, rows])}`` of the float rows a finished capture holds."""
+        out = {}
         for site, hook in self.sites.items():
             name = self.parameters[site]
             captured = capture.captured(name)
@@ -341,7 +355,8 @@ class _ExpertMatmulInputs:
                 mask = ids_mask(ids, hook.found.num_experts)
                 if weight is not None:
                     mask = mask * self._kept_rows(capture, name, site, weight).to(mask.dtype)
-                hook.observe_rows(rows, mask)
+                out[site] = (rows, mask)
+        return out
 
     def _kept_rows(self, capture: ExpertInputCapture, name: str, site: str, weight: torch.Tensor) -> torch.Tensor:
         """``[rows]``: 1 where the token a captured row comes from has a nonzero observation

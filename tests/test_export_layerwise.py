@@ -154,3 +154,38 @@ def test_a_model_off_the_meta_device_is_refused(llama, tmp_path):
     recipe = qstats.Recipe.from_scheme("W8A8", ignore=["lm_head"])
     with pytest.raises(ValueError, match="meta"):
         qstats.export.compressed_tensors_layerwise(model, llama, {}, str(tmp_path), recipe, progress=False)
+
+
+def test_tied_embeddings_and_weights_given_as_a_dict(tmp_path, samples):
+    """A Llama whose lm_head is tied to the embeddings, with one weight replaced through a dict:
+    the same tensors as the in-memory export of the loaded model holding that weight; a name the
+    model lacks, and writing into the checkpoint, are refused."""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    checkpoint = str(tmp_path / "tied")
+    transformers.LlamaForCausalLM(config).save_pretrained(checkpoint)
+    model = _meta(checkpoint)
+    recipe = qstats.Recipe.from_scheme("W8A8", ignore=["lm_head"])
+    plan = recipe.resolve(model)
+    qparams = qstats.compute_qparams_tree(qstats.calibrate_layerwise(model, checkpoint, _batches(samples), plan,
+                                                                     progress=False), plan)  # fmt: skip
+    name = "model.layers.1.mlp.down_proj.weight"
+    replaced = torch.randn(64, 128) * 0.02
+    streamed = str(tmp_path / "streamed")
+    qstats.export.compressed_tensors_layerwise(model, checkpoint, qparams, streamed, plan, weights={name: replaced},
+                                               progress=False)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    loaded.load_state_dict({name: replaced}, strict=False)
+    whole = str(tmp_path / "whole")
+    qstats.export.compressed_tensors(loaded, qparams, whole, recipe.resolve(loaded))
+    ours, reference = _tensors(streamed), _tensors(whole)
+    assert "lm_head.weight" in reference and sorted(ours) == sorted(reference)
+    assert not [key for key in reference if not bit_equal(ours[key], reference[key])]
+    assert _config(streamed) == _config(whole)
+    with pytest.raises(ValueError, match="name no tensor"):
+        qstats.export.compressed_tensors_layerwise(model, checkpoint, qparams, str(tmp_path / "bad"), plan,
+                                                   weights={"model.no_such.weight": replaced}, progress=False)
+    with pytest.raises(ValueError, match="checkpoint being read"):
+        qstats.export.compressed_tensors_layerwise(model, checkpoint, qparams, checkpoint, plan, progress=False)

@@ -4,6 +4,7 @@ loaded model (`qstats.calibrate` + `qstats.gptq`, one layer after the other)."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -208,3 +209,114 @@ def test_a_recipe_without_integer_weights_and_a_bad_chunk_are_refused(llama, sam
     with pytest.raises(ValueError, match="experts_at_once"):
         qstats.gptq_layerwise(meta, llama, _batches(samples[:1]), qstats.Recipe.from_scheme("W4A16"), progress=False,
                               experts_at_once=0)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(32, 32)
+        self.unused = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.head = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_weights_without_a_hessian_are_named_and_left_to_rounding(tmp_path):
+    """A Linear never called (no Hessian, as an expert without tokens in llm-compressor) and one
+    outside the decoder layers are not GPTQ'd; warnings name them; the others are GPTQ'd, equal to
+    `qstats.gptq` on the Hessian of their inputs."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    net = _Net().eval()
+    save_file(net.state_dict(), str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        meta = _Net().eval()
+    spec = qstats.QuantSpec.from_compressed_tensors({"num_bits": 4, "type": "int", "symmetric": True,
+                                                     "strategy": "group", "group_size": 16})
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=spec)])
+    x = torch.randn(4, 8, 32)
+    with pytest.warns(qstats.UncalibratedWarning) as caught:
+        result = qstats.gptq_layerwise(meta, str(tmp_path), [x], recipe, progress=False)
+    messages = " ".join(str(w.message) for w in caught)
+    assert "layers.0.unused.weight" in messages and "layers.1.unused.weight" in messages
+    assert "outside the decoder layers" in messages and "head.weight" in messages
+    assert sorted(result.weights) == ["layers.0.used.weight", "layers.1.used.weight"]
+    state = qstats.hessian().update(qstats.hessian().init(x), x)
+    weight = net.layers[0].used.weight.detach()
+    qparams = qstats.compute_qparams(qstats.minmax(spec).update(qstats.minmax(spec).init(weight), weight), spec)
+    expected = qstats.gptq(weight, state, spec, qparams=qparams, actorder="static")[0]
+    assert torch.equal(result.weights["layers.0.used.weight"], expected)
+    with pytest.raises(ValueError, match="weights_dir"):
+        qstats.gptq_layerwise(meta, str(tmp_path), [x], recipe, progress=False, weights_dir=str(tmp_path))
+
+
+def _gptq_rank(rank: int, port: int, directory: str, weights_dir: str, batches: list) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        with torch.device("meta"):
+            meta = _Net().eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qstats.gptq_layerwise(meta, directory, batches[rank::2], _net_recipe(), progress=False, all_reduce=True,
+                                  weights_dir=weights_dir)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _net_recipe():
+    spec = qstats.QuantSpec.from_compressed_tensors({"num_bits": 4, "type": "int", "symmetric": True,
+                                                     "strategy": "group", "group_size": 16})
+    return qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=spec)])
+
+
+def test_two_ranks_merge_their_hessians_and_one_writes_the_weights(tmp_path):
+    """Each rank observes half the batches; the Hessians are summed across ranks before GPTQ, so the
+    weights written (by rank 0 alone) are those of one process over every batch, up to the float
+    rounding of the sums' order."""
+    import multiprocessing
+    import socket
+
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    save_file(_Net().state_dict(), str(tmp_path / "model.safetensors"))
+    batches = [torch.randn(2, 8, 32) for _ in range(4)]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    weights_dir = str(tmp_path / "weights")
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=_gptq_rank, args=(rank, port, str(tmp_path), weights_dir, batches))
+             for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+        assert proc.exitcode == 0
+    with torch.device("meta"):
+        meta = _Net().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = qstats.gptq_layerwise(meta, str(tmp_path), batches, _net_recipe(), progress=False)
+    written = {}
+    for name in os.listdir(weights_dir):
+        if name.endswith(".safetensors"):
+            written.update(load_file(os.path.join(weights_dir, name)))
+    assert sorted(written) == sorted(one.weights)
+    for name, weight in one.weights.items():
+        assert (written[name] == weight).float().mean() >= 0.99, name

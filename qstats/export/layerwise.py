@@ -29,6 +29,15 @@ def _parts(model: torch.nn.Module, layers: Optional[str]) -> list:
     return parts
 
 
+def _check_output(path, checkpoint) -> None:
+    """Refuses to write into the checkpoint read, or over an existing checkpoint."""
+    if os.path.isdir(path) and os.path.samefile(path, checkpoint):
+        raise ValueError("export.compressed_tensors_layerwise: path is the checkpoint being read")
+    if os.path.isdir(path) and any(name.endswith(".safetensors") for name in os.listdir(path)):
+        raise ValueError(f"export.compressed_tensors_layerwise: {path!r} already holds safetensors files; "
+                         "write into an empty or new folder")
+
+
 def compressed_tensors_layerwise(
     model: torch.nn.Module,
     checkpoint: Union[str, os.PathLike],
@@ -61,10 +70,12 @@ def compressed_tensors_layerwise(
       The ``quantization_config`` written into ``config.json``.
 
     Raises:
-      ValueError: as `compressed_tensors`; parameters off the meta device; a tensor the checkpoint lacks.
+      ValueError: as `compressed_tensors`; parameters off the meta device; a tensor the checkpoint lacks;
+        a tensor of ``weights`` the model lacks; ``path`` the checkpoint or holding safetensors.
     """
     _check_arguments(model, qparams, format)
     check_on_meta(model)
+    _check_output(path, checkpoint)
     source = LazyCheckpoint(checkpoint, "export.compressed_tensors_layerwise")
     if weights is not None:
         source = Overlay(weights, source)
@@ -83,6 +94,10 @@ def compressed_tensors_layerwise(
             size += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
         finally:
             release_modules(saved)
+    unused = sorted(source.names() - source.used) if weights is not None else []
+    if unused:
+        raise ValueError(f"export.compressed_tensors_layerwise: {len(unused)} tensor(s) of weights= name no tensor of "
+                         f"the model: {', '.join(unused[:6])}")
     quantization_config = writer.finish()
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as file:
         json.dump({"metadata": {"total_size": size}, "weight_map": weight_map}, file, indent=2, sort_keys=True)
