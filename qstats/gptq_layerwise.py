@@ -102,7 +102,8 @@ def _gptq_in_chunks(weight: torch.Tensor, state: HessianState, spec, qparams: QP
 
 def _writes() -> bool:
     """Whether this process writes shared files: rank 0, or the only process (ranks hold equal weights)."""
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not distributed or torch.distributed.get_rank() == 0
 
 
 def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_dir: Optional[str],
@@ -111,7 +112,7 @@ def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_
     loaded layer (which `calibrate_layerwise` then runs) and kept in ``weights`` (with
     ``weights_dir``: written there, one shard per layer, and ``weights`` maps it to its shard)."""
 
-    def step(layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> dict:
+    def step(layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> tuple:
         qparams = compute_qparams_tree(states, plan)
         layer_weights, missing, done = {}, [], set()
         for (path, site), hessian_site in targets.items():
@@ -193,7 +194,8 @@ def gptq_layerwise(
     weights: dict = {}
     weights_dir = None if weights_dir is None else os.fspath(weights_dir)
     if weights_dir is not None and os.path.isdir(weights_dir) and (
-            os.path.samefile(weights_dir, checkpoint) or any(n.endswith(".safetensors") for n in os.listdir(weights_dir))):
+            os.path.samefile(weights_dir, checkpoint) or any(n.endswith(".safetensors") for n in os.listdir(weights_dir))
+    ):
         raise ValueError(f"gptq_layerwise: weights_dir {weights_dir!r} is the checkpoint or already holds safetensors "
                          "files; give an empty or new folder")
     options = {"block_size": block_size, "dampening": dampening, "actorder": actorder}

@@ -291,9 +291,11 @@ def _merged(plan: Plan, side: Plan) -> Optional[Plan]:
 
 def _split(found: dict, side: Plan) -> tuple:
     """``(states of the recipe's sites, states of the side plan's sites)`` of a merged plan's states."""
-    mine = {path: {s: v for s, v in entry.items() if s not in side.sites.get(path, {})} for path, entry in found.items()}
-    theirs = {path: {s: v for s, v in entry.items() if s in side.sites.get(path, {})} for path, entry in found.items()}
-    return {p: e for p, e in mine.items() if e}, {p: e for p, e in theirs.items() if e}
+    mine, theirs = {}, {}
+    for path, entry in found.items():
+        for site, state in entry.items():
+            (theirs if site in side.sites.get(path, {}) else mine).setdefault(path, {})[site] = state
+    return mine, theirs
 
 
 def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
