@@ -116,3 +116,32 @@ def word_tokenizer(size: int = 64):
     vocabulary = {f"t{i}": i for i in range(size)} | {"[UNK]": 0}
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]")))
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now, for a process group's rendezvous."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def fork_ranks(target, *args, world: int = 2, timeout: float = 120) -> list:
+    """Runs ``target(rank, port, *args)`` in ``world`` forked processes and waits ``timeout``
+    seconds for each; returns their exit codes, None for a rank that hung (it is killed)."""
+    import multiprocessing
+
+    port = free_port()
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=target, args=(rank, port, *args)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=timeout)
+    codes = [None if proc.is_alive() else proc.exitcode for proc in procs]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return codes

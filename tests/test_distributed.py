@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 
@@ -28,15 +27,10 @@ from qstats import distributed
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _distributed_worker as worker  # noqa: E402
+from _shared import free_port  # noqa: E402
 
 WORLDS = (2, 4)
 WORKER = os.path.join(os.path.dirname(__file__), "_distributed_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _warm_up():
@@ -86,7 +80,7 @@ def runs(tmp_path_factory):
     launched = {}
     for world in WORLDS:
         out = tmp_path_factory.mktemp(f"world{world}")
-        launched[world] = (out, (_fork_ranks if fork else _spawn_ranks)(world, _free_port(), out))
+        launched[world] = (out, (_fork_ranks if fork else _spawn_ranks)(world, free_port(), out))
     results = {}
     for world, (out, procs) in launched.items():
         codes = [_wait(p, 180) for p in procs]
@@ -361,7 +355,7 @@ def test_three_ranks_one_without_data_and_a_subgroup(tmp_path):
     # used to raise "Invalid process group specified" (check=True) or IndexError (check=False),
     # where torch's own collectives do nothing; it now gets its tree back.
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=worker.run_three_ranks, args=(rank, port, str(tmp_path))) for rank in range(3)]
     for p in procs:
         p.start()

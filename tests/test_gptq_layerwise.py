@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import qwen3_moe_config, word_tokenizer
+from _shared import fork_ranks, qwen3_moe_config, word_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -288,26 +288,13 @@ def test_two_ranks_merge_their_hessians_and_one_writes_the_weights(tmp_path):
     """Each rank observes half the batches; the Hessians are summed across ranks before GPTQ, so the
     weights written (by rank 0 alone) are those of one process over every batch, up to the float
     rounding of the sums' order."""
-    import multiprocessing
-    import socket
-
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(0)
     save_file(_Net().state_dict(), str(tmp_path / "model.safetensors"))
     batches = [torch.randn(2, 8, 32) for _ in range(4)]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     weights_dir = str(tmp_path / "weights")
-    context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_gptq_rank, args=(rank, port, str(tmp_path), weights_dir, batches))
-             for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=120)
-        assert proc.exitcode == 0
+    assert fork_ranks(_gptq_rank, str(tmp_path), weights_dir, batches) == [0, 0]
     with torch.device("meta"):
         meta = _Net().eval()
     with warnings.catch_warnings():

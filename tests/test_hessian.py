@@ -10,13 +10,13 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
-import socket
 
 import pytest
 import torch
 
 import qstats
 from qstats.observers.hessian import HessianState, gptq_hessian, hessian
+from _shared import free_port
 
 
 def _gram(rows: torch.Tensor) -> torch.Tensor:
@@ -158,9 +158,7 @@ def _run_rank(rank: int, world: int, port: int, out: str) -> None:
 
 def test_distributed_all_reduce_sums_and_exact_folds(tmp_path):
     world = 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     context = multiprocessing.get_context("fork")
     procs = [context.Process(target=_run_rank, args=(r, world, port, str(tmp_path))) for r in range(world)]
     for p in procs:

@@ -12,15 +12,14 @@ the all-reduced quantized run of two gloo ranks with the single-process run.
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
-import socket
 import warnings
 
 import pytest
 import torch
 
 import qstats
+from _shared import fork_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -194,12 +193,6 @@ def test_bad_input(saved, tmp_path):
         qstats.calibrate_layerwise(_meta("llama"), directory, _batches(0, 1), recipe, states={"lm_head": {"output": None}})
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, port: int, directory: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -219,14 +212,7 @@ def test_all_reduce_two_ranks(saved, tmp_path):
     """Two ranks, each with half the batches, all-reduce every layer before propagating it
     quantized: each gets the states of one process over all the batches."""
     directory, _ = saved["qwen3_moe"]
-    context = multiprocessing.get_context("fork")
-    port = _free_port()
-    procs = [context.Process(target=_rank, args=(rank, port, directory, str(tmp_path))) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=120)
-        assert proc.exitcode == 0
+    assert fork_ranks(_rank, directory, str(tmp_path)) == [0, 0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         want = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, _batches(6, 4), _recipe("qwen3_moe"),
@@ -284,19 +270,8 @@ def test_all_reduce_one_rank_failing_makes_every_rank_raise(saved, tmp_path, cas
     """A rank with a bad argument, whose batch fails before any collective (capture) or inside a
     layer, or that has no batch: every rank raises instead of waiting for it in a collective."""
     directory, _ = saved["llama"]
-    context = multiprocessing.get_context("fork")
-    port = _free_port()
-    procs = [context.Process(target=_failing_rank, args=(rank, port, directory, str(tmp_path), case))
-             for rank in range(2)]  # fmt: skip
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=60)
-    hung = [proc.is_alive() for proc in procs]
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-    assert hung == [False, False]
+    codes = fork_ranks(_failing_rank, directory, str(tmp_path), case, timeout=60)
+    assert [code is None for code in codes] == [False, False]
     messages = [(tmp_path / f"{case}{rank}.txt").read_text() for rank in range(2)]
     assert "no error" not in messages[0] and "no error" not in messages[1], messages
     if case != "no_batches":

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from _shared import bit_equal, word_tokenizer
+from _shared import bit_equal, fork_ranks, word_tokenizer
 
 import qstats
 
@@ -284,23 +284,7 @@ def test_sync_activation_stats_merges_the_ranks_states(tmp_path):
     """Two gloo ranks (forked) with uneven data: after ``sync_activation_stats`` every rank's
     activation qparams equal those of one observer over all the data (llm-compressor's
     static_minmax for the min/max one, bit for bit); weight observers are left alone."""
-    import multiprocessing
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_sync_rank, args=(rank, port, str(tmp_path))) for rank in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=120)
-    for process in ranks:
-        if process.is_alive():  # hung: end it rather than leave it behind
-            process.kill()
-            process.join()
-    assert [process.exitcode for process in ranks] == [0, 0]
+    assert fork_ranks(_sync_rank, str(tmp_path)) == [0, 0]
     everything = _rank_data(0) + _rank_data(1)
     for name, reference_name in (("qstats_static_minmax", "static_minmax"), ("qstats_histogram", "qstats_histogram")):
         reference = Observer.load_from_registry(reference_name, base_name="input", args=SYNC_ARGS.model_copy(deep=True))
@@ -339,24 +323,8 @@ def _empty_rank(rank: int, port: int, out: str):
 
 
 def test_sync_with_a_rank_that_saw_no_data_raises_on_every_rank_instead_of_hanging(tmp_path):
-    import multiprocessing
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_empty_rank, args=(rank, port, str(tmp_path))) for rank in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=120)
-    alive = [process.is_alive() for process in ranks]
-    for process in ranks:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    assert alive == [False, False], "a rank hung in the collective"
+    codes = fork_ranks(_empty_rank, str(tmp_path))
+    assert [code is None for code in codes] == [False, False], "a rank hung in the collective"
     messages = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
     assert "saw no data on this rank" in messages[0]
     assert messages[1] != "no error"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qstats
+from _shared import free_port
 
 WORLD = 2
 STEPS = 8
@@ -90,17 +90,11 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, kind: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=["minmax", "moving_average"])
 def ranks(request, tmp_path_factory):
     kind = request.param
     out = tmp_path_factory.mktemp(f"qat_{kind}")
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen([sys.executable, __file__, str(r), str(WORLD), str(port), str(out), kind], env=env,
