@@ -10,7 +10,6 @@ are released with it.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -18,7 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import torch
 
 from .calibrate import compute_qparams_tree
-from .export.checkpoint import write_tensors
+from .export.checkpoint import check_new_folder, write_index, write_tensors
 from .experts import UncalibratedWarning
 from .gptq import gptq
 from .layerwise import _layerwise
@@ -193,11 +192,8 @@ def gptq_layerwise(
         raise ValueError(f"gptq_layerwise: experts_at_once must be a positive int, got {experts_at_once!r}")
     weights: dict = {}
     weights_dir = None if weights_dir is None else os.fspath(weights_dir)
-    if weights_dir is not None and os.path.isdir(weights_dir) and (
-            os.path.samefile(weights_dir, checkpoint) or any(n.endswith(".safetensors") for n in os.listdir(weights_dir))
-    ):
-        raise ValueError(f"gptq_layerwise: weights_dir {weights_dir!r} is the checkpoint or already holds safetensors "
-                         "files; give an empty or new folder")
+    if weights_dir is not None:
+        check_new_folder(weights_dir, checkpoint, "gptq_layerwise", "weights_dir")
     options = {"block_size": block_size, "dampening": dampening, "actorder": actorder}
 
     targets: dict = {}
@@ -222,6 +218,5 @@ def gptq_layerwise(
         return LayerwiseGPTQ(states, weights)
     if not _writes():
         return LayerwiseGPTQ(states, weights_dir)
-    with open(os.path.join(weights_dir, "model.safetensors.index.json"), "w") as file:
-        json.dump({"metadata": {}, "weight_map": weights}, file, indent=2, sort_keys=True)
+    write_index(weights_dir, weights)
     return LayerwiseGPTQ(states, weights_dir)

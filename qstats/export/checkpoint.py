@@ -21,7 +21,7 @@ from .config import ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config
 from .experts import expert_entries, warn_mixed_experts
 from .linear import linear_entry, write_linear
 
-__all__ = ["compressed_tensors", "Writer", "write_config", "write_tensors"]
+__all__ = ["compressed_tensors", "Writer", "check_new_folder", "write_config", "write_index", "write_tensors"]
 
 
 def compressed_tensors(
@@ -256,6 +256,23 @@ def write_tensors(path: str, tensors: dict, filename: str) -> None:
     # safetensors refuses shared storage (tied weights): give every tensor its own.
     owned = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in tensors.items()}
     save_file(owned, os.path.join(path, filename), metadata={"format": "pt"})
+
+
+def write_index(path: str, weight_map: dict, size: Optional[int] = None) -> None:
+    """``path/model.safetensors.index.json``: which shard holds each tensor (and their bytes, when given)."""
+    metadata = {} if size is None else {"total_size": size}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as file:
+        json.dump({"metadata": metadata, "weight_map": weight_map}, file, indent=2, sort_keys=True)
+
+
+def check_new_folder(folder: str, checkpoint, where: str, what: str) -> None:
+    """Refuses to write shards into the checkpoint being read, or beside existing safetensors files."""
+    if not os.path.isdir(folder):
+        return
+    if os.path.samefile(folder, checkpoint):
+        raise ValueError(f"{where}: {what} {folder!r} is the checkpoint being read")
+    if any(name.endswith(".safetensors") for name in os.listdir(folder)):
+        raise ValueError(f"{where}: {what} {folder!r} already holds safetensors files; give an empty or new folder")
 
 
 def write_config(path: str, model: torch.nn.Module, quantization_config: dict) -> None:

@@ -4,7 +4,6 @@ per layer (the modules outside the layers in a last shard) with ``model.safetens
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Mapping, Optional, Union
 
@@ -13,7 +12,7 @@ from tqdm.auto import tqdm
 
 from .._lazy_checkpoint import LazyCheckpoint, Overlay, load_modules, release_modules
 from ..layerwise import check_on_meta, decoder_layers, inside, outer_paths
-from .checkpoint import Writer, _check_arguments, write_tensors, write_config
+from .checkpoint import Writer, _check_arguments, check_new_folder, write_config, write_index, write_tensors
 
 __all__ = ["compressed_tensors_layerwise"]
 
@@ -27,15 +26,6 @@ def _parts(model: torch.nn.Module, layers: Optional[str]) -> list:
         parts.append(([path], True, lambda name, path=path: inside(name, path)))
     parts.append((outer_paths(model, container_path), False, lambda name: not inside(name, container_path)))
     return parts
-
-
-def _check_output(path, checkpoint) -> None:
-    """Refuses to write into the checkpoint read, or over an existing checkpoint."""
-    if os.path.isdir(path) and os.path.samefile(path, checkpoint):
-        raise ValueError("export.compressed_tensors_layerwise: path is the checkpoint being read")
-    if os.path.isdir(path) and any(name.endswith(".safetensors") for name in os.listdir(path)):
-        raise ValueError(f"export.compressed_tensors_layerwise: {path!r} already holds safetensors files; "
-                         "write into an empty or new folder")
 
 
 def compressed_tensors_layerwise(
@@ -75,7 +65,7 @@ def compressed_tensors_layerwise(
     """
     _check_arguments(model, qparams, format)
     check_on_meta(model)
-    _check_output(path, checkpoint)
+    check_new_folder(path, checkpoint, "export.compressed_tensors_layerwise", "path")
     source = LazyCheckpoint(checkpoint, "export.compressed_tensors_layerwise")
     if weights is not None:
         source = Overlay(weights, source)
@@ -99,7 +89,6 @@ def compressed_tensors_layerwise(
         raise ValueError(f"export.compressed_tensors_layerwise: {len(unused)} tensor(s) of weights= name no tensor of "
                          f"the model: {', '.join(unused[:6])}")
     quantization_config = writer.finish()
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as file:
-        json.dump({"metadata": {"total_size": size}, "weight_map": weight_map}, file, indent=2, sort_keys=True)
+    write_index(path, weight_map, size)
     write_config(path, model, quantization_config)
     return quantization_config
