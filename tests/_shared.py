@@ -145,3 +145,22 @@ def fork_ranks(target, *args, world: int = 2, timeout: float = 120) -> list:
             proc.kill()
             proc.join()
     return codes
+
+
+def llm_compressor_oneshot(model, samples, recipe, out=None, pipeline="basic", tokenizer=None, **options):
+    """llm-compressor's ``oneshot`` of ``model`` with ``recipe`` (its modifier) over ``samples``
+    (token-id sequences, one a batch, unpadded), in order, its warnings silenced; saved compressed
+    to ``out`` when given. Returns the model."""
+    import warnings
+
+    from llmcompressor import oneshot
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader([{"input_ids": s, "attention_mask": torch.ones(len(s), dtype=torch.long)} for s in samples])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oneshot(model=model, dataset=loader, processor=tokenizer or word_tokenizer(), recipe=recipe, pipeline=pipeline,
+                num_calibration_samples=len(samples), shuffle_calibration_samples=False, **options)
+        if out is not None:
+            model.save_pretrained(str(out), save_compressed=True)
+    return model

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import bit_equal, qwen3_moe_config, word_tokenizer
+from _shared import bit_equal, llm_compressor_oneshot, qwen3_moe_config
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -77,19 +77,10 @@ def _config(folder):
 
 
 def _oneshot_w8a8(path, samples, out):
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
-    from torch.utils.data import DataLoader
 
-    tokenizer = word_tokenizer()
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    loader = DataLoader([{"input_ids": s, "attention_mask": torch.ones(TOKENS, dtype=torch.long)} for s in samples])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oneshot(model=model, dataset=loader, processor=tokenizer, pipeline="basic", num_calibration_samples=len(samples),
-                recipe=QuantizationModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"]),
-                shuffle_calibration_samples=False)
-        model.save_pretrained(out, save_compressed=True)
+    llm_compressor_oneshot(model, samples, QuantizationModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"]), out)
 
 
 def test_w8a8_layer_by_layer_equals_llm_compressor_oneshot(llama, samples, tmp_path):

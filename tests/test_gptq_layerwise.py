@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import fork_ranks, qwen3_moe_config, word_tokenizer
+from _shared import fork_ranks, llm_compressor_oneshot, qwen3_moe_config
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -55,19 +55,10 @@ def _batches(samples):
 
 def _oneshot_gptq(path, samples, out, pipeline, ignore):
     """llm-compressor's W4A16 GPTQ (its defaults: actorder static, block 128, dampening 0.01)."""
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
-    from torch.utils.data import DataLoader
 
-    tokenizer = word_tokenizer()
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    loader = DataLoader([{"input_ids": s, "attention_mask": torch.ones(TOKENS, dtype=torch.long)} for s in samples])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oneshot(model=model, dataset=loader, processor=tokenizer, pipeline=pipeline,
-                recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore),
-                num_calibration_samples=len(samples), shuffle_calibration_samples=False)
-        model.save_pretrained(out, save_compressed=True)
+    llm_compressor_oneshot(model, samples, GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore), out, pipeline)
     return load_file(f"{out}/model.safetensors")
 
 

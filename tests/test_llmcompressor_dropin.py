@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from _shared import bit_equal, fork_ranks, word_tokenizer
+from _shared import bit_equal, fork_ranks, llm_compressor_oneshot, word_tokenizer
 
 import qstats
 
@@ -143,24 +143,16 @@ def saved(tmp_path_factory):
 
 def _oneshot(saved, out, pipeline="basic", scheme=None, preset=None, count=4, **observers) -> str:
     """llm-compressor's oneshot of the saved model on ``count`` samples, written compressed to ``out``."""
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
-    from torch.utils.data import DataLoader
 
     path, samples, tokenizer = saved
-    samples = samples[:count]
     model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
-    loader = DataLoader([{"input_ids": s, "attention_mask": torch.ones(TOKENS, dtype=torch.long)} for s in samples])
     if preset is not None:
         recipe = QuantizationModifier(targets="Linear", scheme=preset, ignore=["lm_head"], **observers)
     else:
         recipe = QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], **scheme}},
                                       ignore=["lm_head"], **observers)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oneshot(model=model, dataset=loader, processor=tokenizer, recipe=recipe, pipeline=pipeline,
-                num_calibration_samples=len(samples), shuffle_calibration_samples=False)
-        model.save_pretrained(str(out), save_compressed=True)
+    llm_compressor_oneshot(model, samples[:count], recipe, out, pipeline, tokenizer)
     return str(out)
 
 

@@ -6,11 +6,10 @@ sequential pipeline (its default for data-driven modifiers) runs this model's at
 its causal mask, which is what made its ``o_proj`` input global scales differ: they equal those
 qstats observes on the same model made non-causal."""
 
-import warnings
 
 import pytest
 import torch
-from _shared import qwen3_moe_config, word_tokenizer
+from _shared import llm_compressor_oneshot, qwen3_moe_config, word_tokenizer
 
 import qstats
 
@@ -42,19 +41,12 @@ def _load(path):
 
 def _oneshot(saved, pipeline, all_experts) -> dict:
     """``{module path: input_global_scale}`` of llm-compressor's NVFP4 oneshot."""
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
-    from torch.utils.data import DataLoader
 
     path, samples, tokenizer = saved
-    model = _load(path)
-    loader = DataLoader([{"input_ids": s, "attention_mask": torch.ones(TOKENS, dtype=torch.long)} for s in samples])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oneshot(model=model, dataset=loader, processor=tokenizer, pipeline=pipeline,
-                recipe=QuantizationModifier(targets="Linear", scheme="NVFP4", ignore=["lm_head"]),
-                num_calibration_samples=len(samples), moe_calibrate_all_experts=all_experts,
-                shuffle_calibration_samples=False)
+    model = llm_compressor_oneshot(_load(path), samples, QuantizationModifier(targets="Linear", scheme="NVFP4",
+                                                                              ignore=["lm_head"]),
+                                   pipeline=pipeline, tokenizer=tokenizer, moe_calibrate_all_experts=all_experts)
     return {name: module.input_global_scale.reshape(()) for name, module in model.named_modules()
             if hasattr(module, "input_global_scale")}
 

@@ -4,11 +4,10 @@ checkpoint, tensor for tensor and bit for bit, and the same ``quantization_confi
 
 import json
 import os
-import warnings
 
 import pytest
 import torch
-from _shared import bit_equal, qwen3_moe_config, word_tokenizer
+from _shared import bit_equal, llm_compressor_oneshot, qwen3_moe_config, word_tokenizer
 
 import qstats
 
@@ -58,18 +57,8 @@ def _load(path):
 def _llm_compressor(saved, scheme, out, ignore):
     """llm-compressor's oneshot (basic pipeline: the model's own forward) and compressed save;
     ``scheme`` a preset name or ``config_groups``."""
-    from llmcompressor import oneshot
-    from torch.utils.data import DataLoader
-
     path, samples, tokenizer = saved
-    model = _load(path)
-    loader = DataLoader([{"input_ids": s, "attention_mask": torch.ones(TOKENS, dtype=torch.long)} for s in samples])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oneshot(model=model, dataset=loader, processor=tokenizer, pipeline="basic",
-                recipe=_modifier(scheme, ignore),
-                num_calibration_samples=len(samples), shuffle_calibration_samples=False)
-        model.save_pretrained(out, save_compressed=True)
+    llm_compressor_oneshot(_load(path), samples, _modifier(scheme, ignore), out, "basic", tokenizer)
 
 
 def _modifier(scheme, ignore):
