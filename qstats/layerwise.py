@@ -237,8 +237,10 @@ class _Run:
     after_layer: Optional[Callable[[str, torch.nn.Module, dict, dict], tuple]] = None
 
     def calibrate(self, root, plan: Plan, batches, observation_weight) -> dict:
-        """This rank's states of ``plan`` over ``batches`` (resumed from ``self.states``); no collective."""
-        resumed = {path: entry for path, entry in self.states.items() if path in plan.sites}
+        """This rank's states of ``plan`` over ``batches``, resumed from its sites in ``self.states``."""
+        resumed = {path: {site: state for site, state in entry.items() if plan.site(path, site) is not None}
+                   for path, entry in self.states.items()}
+        resumed = {path: entry for path, entry in resumed.items() if entry}
         return calibrate(
             root, batches, plan, states=resumed or None, progress=False,
             observation_weight=observation_weight, all_experts=self.all_experts,
@@ -321,8 +323,7 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
         if side is None:
             return found, {}
         runner.write = float_outputs
-        return found, calibrate(runner, range(len(run.store)), side, progress=False, all_experts=run.all_experts,
-                                observation_weight=lambda index: run.store[index].weight)
+        return found, run.calibrate(runner, side, range(len(run.store)), lambda index: run.store[index].weight)
 
     def propagate(found: dict, done: set) -> None:
         runner.write = True

@@ -298,3 +298,20 @@ def test_two_ranks_merge_their_hessians_and_one_writes_the_weights(tmp_path):
     assert sorted(written) == sorted(one.weights)
     for name, weight in one.weights.items():
         assert (written[name] == weight).float().mean() >= 0.99, name
+
+
+def test_a_recipe_observing_the_hessian_site_observes_it_in_a_second_pass(llama, samples):
+    """W8A8 observes every Linear's input, the site the Hessians need too: both are observed, in two
+    passes. The first layer's states are observed before any GPTQ, so they equal calibrate_layerwise's."""
+    config = transformers.AutoConfig.from_pretrained(llama)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+    recipe = qstats.Recipe.from_scheme("W8A8", ignore=["lm_head"])
+    result = qstats.gptq_layerwise(meta, llama, _batches(samples[:3]), recipe, progress=False)
+    assert len(result.weights) == 14
+    float_states = qstats.calibrate_layerwise(meta, llama, _batches(samples[:3]), recipe, progress=False)
+    first = [path for path in float_states if path.startswith("model.layers.0.")]
+    assert len(first) == 7
+    for path in first:
+        for site in ("input", "weight"):
+            assert all(torch.equal(a, b) for a, b in zip(result.states[path][site], float_states[path][site]))
