@@ -20,7 +20,8 @@ from .calibrate import compute_qparams_tree
 from .export.checkpoint import check_new_folder, write_index, write_tensors
 from .experts import UncalibratedWarning
 from .gptq import gptq
-from .layerwise import _layerwise
+from . import distributed
+from .layerwise import _agreed, _layerwise
 from ._qparams import QParams
 from .observers.hessian import HessianState, hessian
 from .recipe import Plan, Recipe, Rule
@@ -85,48 +86,115 @@ def _hessian_plan(plan: Plan, targets: dict) -> Plan:
     return Recipe(rules).resolve(plan.model)
 
 
-def _gptq_in_chunks(weight: torch.Tensor, state: HessianState, spec, qparams: QParams, chunk: int, options: dict):
-    """`qstats.gptq` of ``weight``, stacked experts ``chunk`` at a time (each expert's result is its
-    own: the working memory, a few ``[in, in]`` matrices per expert, is bounded by the chunk)."""
+class _Job(NamedTuple):
+    """One weight to GPTQ: its parameter, the Hessian of its inputs, its spec and qparams."""
+
+    weight: torch.Tensor
+    hessian: HessianState
+    spec: Any
+    qparams: QParams
+
+
+def _parts(job: _Job, chunk: int) -> list:
+    """The slices of ``job.weight`` GPTQ'd in one call: the whole weight, or stacked experts
+    ``chunk`` at a time (GPTQ's working memory, a few ``[in, in]`` matrices per expert, is bounded
+    by the chunk; each expert's result is its own)."""
+    weight = job.weight
     if weight.ndim == 2 or weight.shape[0] <= chunk:
-        return gptq(weight, state, spec, qparams=qparams, **options)[0]
-    parts = []
-    for start in range(0, weight.shape[0], chunk):
-        take = slice(start, start + chunk)
-        part_qparams = QParams(*(None if field is None else field[take] for field in qparams))
-        part_state = HessianState(*(field[take] for field in state))
-        parts.append(gptq(weight[take], part_state, spec, qparams=part_qparams, **options)[0])
-    return torch.cat(parts)
+        return [slice(None)]
+    return [slice(start, start + chunk) for start in range(0, weight.shape[0], chunk)]
+
+
+def _owners(costs: list, world: int) -> list:
+    """The rank that computes each part: the costliest first, each to the least loaded rank (as
+    llm-compressor's ``greedy_bin_packing``); every rank computes the same assignment."""
+    loads, owners = [0] * world, [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        owners[index] = min(range(world), key=loads.__getitem__)
+        loads[owners[index]] += costs[index]
+    return owners
+
+
+def _gptq_part(job: _Job, take: slice, options: dict) -> torch.Tensor:
+    if take == slice(None):
+        return gptq(job.weight, job.hessian, job.spec, qparams=job.qparams, **options)[0]
+    qparams = QParams(*(None if field is None else field[take] for field in job.qparams))
+    return gptq(job.weight[take], HessianState(*(field[take] for field in job.hessian)), job.spec, qparams=qparams,
+                **options)[0]
+
+
+def _sharing() -> tuple:
+    """``(rank, world)`` of the default process group, ``(0, 1)`` without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def _writes() -> bool:
     """Whether this process writes shared files: rank 0, or the only process (ranks hold equal weights)."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return not distributed or torch.distributed.get_rank() == 0
+    return _sharing()[0] == 0
+
+
+def _gptq_jobs(jobs: list, chunk: int, options: dict, share: bool) -> list:
+    """The GPTQ'd weight of every job. With ``share`` (a process group), the parts are divided
+    among the ranks by their cost (``out * in^2 + in^3`` per expert), and each rank receives the
+    others' parts by broadcast: every rank holds the same weights, each computed once."""
+    parts = [(index, take) for index, job in enumerate(jobs) for take in _parts(job, chunk)]
+    rank, world = _sharing() if share else (0, 1)
+    owners = _owners([_cost(jobs[index].weight[take]) for index, take in parts], world)
+    results = [torch.empty(job.weight.shape, dtype=job.weight.dtype) for job in jobs]
+
+    def mine() -> None:
+        for (index, take), owner in zip(parts, owners):
+            if owner == rank:
+                results[index][take] = _gptq_part(jobs[index], take, options)
+
+    _agreed(world > 1, mine)
+    if world > 1:
+        device = distributed._probe_device(None)
+        for (index, take), owner in zip(parts, owners):
+            part = results[index][take]
+            bits = part.view(torch.uint8).to(device)  # the bytes: any dtype, any backend
+            torch.distributed.broadcast(bits, src=owner)
+            if bits.device != part.device:
+                part.view(torch.uint8).copy_(bits)
+    return results
+
+
+def _cost(weight: torch.Tensor) -> int:
+    """GPTQ's work on ``weight`` (``[out, in]`` or ``[E, out, in]``): ``out * in^2 + in^3`` per matrix."""
+    out, columns = weight.shape[-2], weight.shape[-1]
+    return (weight.numel() // (out * columns or 1)) * (out * columns * columns + columns**3)
+
+
+def _layer_jobs(plan: Plan, targets: dict, states: dict, hessians: dict) -> tuple:
+    """``({(path, site): _Job}, [names of the weights that have no Hessian])`` of one layer."""
+    qparams = compute_qparams_tree(states, plan)
+    jobs, missing = {}, []
+    for (path, site), hessian_site in targets.items():
+        if path not in states:
+            continue
+        if hessian_site not in hessians.get(path, {}):  # never called: llm-compressor rounds it to nearest too
+            missing.append(f"{path}.{site}")
+            continue
+        jobs[(path, site)] = _Job(getattr(plan.modules[path], site), hessians[path].pop(hessian_site),
+                                  plan.site(path, site).spec, qparams[path][site])
+    return jobs, missing
 
 
 def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_dir: Optional[str],
-               experts_at_once: int, uncalled: list) -> Callable:
+               experts_at_once: int, uncalled: list, share: bool) -> Callable:
     """The layer step: GPTQ of the layer's targets, each weight replaced by its GPTQ'd value in the
     loaded layer (which `calibrate_layerwise` then runs) and kept in ``weights`` (with
     ``weights_dir``: written there, one shard per layer, and ``weights`` maps it to its shard)."""
 
     def step(layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> tuple:
-        qparams = compute_qparams_tree(states, plan)
-        layer_weights, missing, done = {}, [], set()
-        for (path, site), hessian_site in targets.items():
-            if path not in states:
-                continue
-            if hessian_site not in hessians.get(path, {}):  # never called: llm-compressor rounds it to nearest too
-                missing.append(f"{path}.{site}")
-                continue
-            module = plan.modules[path]
-            hessian_state = hessians[path].pop(hessian_site)  # released once used
-            quantized = _gptq_in_chunks(getattr(module, site), hessian_state, plan.site(path, site).spec,
-                                        qparams[path][site], experts_at_once, options)
-            module._parameters[site] = torch.nn.Parameter(quantized, requires_grad=False)
+        # rank-local work, then collectives: every rank learns whether one raised before the broadcasts
+        jobs, missing = _agreed(share, lambda: _layer_jobs(plan, targets, states, hessians))
+        layer_weights = {}
+        for (path, site), quantized in zip(jobs, _gptq_jobs(list(jobs.values()), experts_at_once, options, share)):
+            plan.modules[path]._parameters[site] = torch.nn.Parameter(quantized, requires_grad=False)
             layer_weights[f"{path}.{site}"] = quantized
-            done.add((path, site))
         if missing:
             uncalled.extend(missing)
             warnings.warn(f"gptq_layerwise: {len(missing)} weight(s) of {layer_path} were never called, so have no "
@@ -139,7 +207,7 @@ def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_
             if _writes():
                 write_tensors(weights_dir, layer_weights, filename)
             weights.update(dict.fromkeys(layer_weights, filename))
-        return states, done  # the GPTQ'd weights are on their grid: propagation does not fake-quantize them
+        return states, set(jobs)  # the GPTQ'd weights are on their grid: propagation does not fake-quantize them
 
     return step
 
@@ -202,7 +270,7 @@ def gptq_layerwise(
     def layer_step(plan: Plan) -> tuple:
         targets.update(_targets(plan))
         return _hessian_plan(plan, targets), _gptq_step(plan, targets, weights, options, weights_dir, experts_at_once,
-                                                              uncalled)
+                                                              uncalled, all_reduce)
 
     states = _layerwise(
         model, checkpoint, batches, recipe, states=None, propagate="quantized", offload_dir=offload_dir,

@@ -315,3 +315,63 @@ def test_a_recipe_observing_the_hessian_site_observes_it_in_a_second_pass(llama,
     for path in first:
         for site in ("input", "weight"):
             assert all(torch.equal(a, b) for a, b in zip(result.states[path][site], float_states[path][site]))
+
+
+def _shared_gptq_rank(rank: int, port: int, moe: str, samples: list, out: str, fail_rank=None) -> None:
+    """One rank of `test_two_ranks_share_the_gptq_work`: half the batches; saves its weights and
+    the experts it GPTQ'd (counted by wrapping `qstats.gptq`, which raises on ``fail_rank``)."""
+    import sys
+
+    module = sys.modules["qstats.gptq_layerwise"]  # the module (qstats.gptq_layerwise is the function)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    done = []
+
+    def counted(weight, *args, **kwargs):
+        done.append(weight.shape[0] if weight.ndim == 3 else 1)
+        if rank == fail_rank:
+            raise ValueError("this rank's GPTQ failed")
+        return qstats.gptq(weight, *args, **kwargs)
+
+    module.gptq = counted
+    try:
+        config = transformers.AutoConfig.from_pretrained(moe)
+        with torch.device("meta"):
+            meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+        recipe = qstats.Recipe.from_scheme("W4A16", ignore=MOE_IGNORE, experts="Qwen3MoeExperts")
+        result = qstats.gptq_layerwise(meta, moe, _batches(samples[rank::2]), recipe, progress=False,
+                                       all_experts=True, experts_at_once=1, all_reduce=True)
+        torch.save({"weights": result.weights, "done": sum(done)}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_share_the_gptq_work(moe, samples, tmp_path):
+    """Under ``all_reduce`` each weight (each expert, with ``experts_at_once=1``) is GPTQ'd by one
+    rank and broadcast: the two ranks hold bit-identical weights, each rank did part of the work
+    and together all of it once, and the weights are those of one process over every batch (up to
+    the float rounding of the Hessian sums' order)."""
+    assert fork_ranks(_shared_gptq_rank, moe, samples[:4], str(tmp_path), timeout=300) == [0, 0]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    assert sorted(ranks[0]["weights"]) == sorted(ranks[1]["weights"])
+    for name, weight in ranks[0]["weights"].items():
+        assert torch.equal(weight, ranks[1]["weights"][name]), name
+    config = transformers.AutoConfig.from_pretrained(moe)
+    per_layer = 4 + 2 * config.num_experts  # q, k, v, o; gate_up and down of each expert
+    assert ranks[0]["done"] + ranks[1]["done"] == per_layer * config.num_hidden_layers
+    assert min(ranks[0]["done"], ranks[1]["done"]) >= per_layer * config.num_hidden_layers // 3
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+    recipe = qstats.Recipe.from_scheme("W4A16", ignore=MOE_IGNORE, experts="Qwen3MoeExperts")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = qstats.gptq_layerwise(meta, moe, _batches(samples[:4]), recipe, progress=False, all_experts=True)
+    for name, weight in one.weights.items():
+        assert (ranks[0]["weights"][name] == weight).float().mean() >= 0.99, name
+
+
+def test_a_rank_whose_gptq_fails_makes_every_rank_raise(moe, samples, tmp_path):
+    """GPTQ raising on one rank (its share of the work) raises on both, instead of the other
+    waiting for its broadcasts."""
+    assert fork_ranks(_shared_gptq_rank, moe, samples[:4], str(tmp_path), 1, timeout=120) == [1, 1]
