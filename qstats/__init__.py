@@ -26,13 +26,13 @@ from ._formats import round_to_format as round_to_format
 from .fused import fused_global_scale as fused_global_scale
 from .fused import fused_qparams as fused_qparams
 from ._spec import QuantSpec as QuantSpec
-from .calibrate import calibrate as calibrate
-from .calibrate import compute_qparams_tree as compute_qparams_tree
-from .calibrate import fake_quantized as fake_quantized
+from .calibration import calibrate as calibrate
+from .calibration import compute_qparams_tree as compute_qparams_tree
+from .calibration import fake_quantized as fake_quantized
 from .layerwise import calibrate_layerwise as calibrate_layerwise
-from .gptq_layerwise import LayerwiseGPTQ as LayerwiseGPTQ, gptq_layerwise as gptq_layerwise
-from .observing import Observing as Observing
-from .observing import observing as observing
+from .layerwise_gptq import LayerwiseGPTQ as LayerwiseGPTQ, gptq_layerwise as gptq_layerwise
+from .observation import Observing as Observing
+from .observation import observing as observing
 from .experts import UncalibratedWarning as UncalibratedWarning
 from .stacked import stacked_observer as stacked_observer
 from .stacked import stacked_qparams as stacked_qparams
@@ -59,7 +59,7 @@ from .observers.imatrix import imatrix as imatrix
 from .observers import imatrix_mse as imatrix_mse
 from .observers.hessian import HessianState as HessianState
 from .observers.hessian import hessian as hessian
-from .gptq import gptq as gptq
+from .gptq_quantize import gptq as gptq
 from .observers import importance as importance
 from .observers import fixed_qparams as fixed_qparams
 from .observers import noop as noop
@@ -80,8 +80,8 @@ from .recipe import Plan as Plan
 from .recipe import Recipe as Recipe
 from .recipe import Rule as Rule
 from .recipe import Site as Site
-from .report import Report as Report
-from .report import report as report
+from .reporting import Report as Report
+from .reporting import report as report
 
 from . import distributed as distributed
 from . import export as export

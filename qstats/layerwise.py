@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from ._lazy_checkpoint import LazyCheckpoint, load_modules, release_modules
-from .calibrate import calibrate, compute_qparams_tree, fake_quantized
-from .observing import check_resumed
+from .calibration import calibrate, compute_qparams_tree, fake_quantized
+from .observation import check_resumed
 from .recipe import Plan, Recipe
 
 __all__ = ["calibrate_layerwise"]

@@ -142,3 +142,21 @@ def test_no_import_cycle_among_the_core_modules():
 
     for module in graph:
         visit(module)
+
+
+def test_every_module_of_the_package_is_reachable_as_a_module():
+    """``qstats.X`` (and ``qstats.observers.X``, ...) is the module ``qstats/X.py``, never a function
+    of the same name that shadows it (``import qstats.X as m``, ``mock.patch("qstats.X.f")``)."""
+    import importlib
+    import pkgutil
+    import types
+
+    import qstats
+
+    shadowed = []
+    for info in pkgutil.walk_packages(qstats.__path__, "qstats."):
+        parent, _, name = info.name.rpartition(".")
+        found = getattr(importlib.import_module(parent), name, None)
+        if found is not None and not isinstance(found, types.ModuleType):
+            shadowed.append(f"{info.name} ({type(found).__name__})")
+    assert not shadowed, shadowed

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qstats
-from qstats.gptq import gptq
+from qstats.gptq_quantize import gptq
 from qstats.observers.hessian import HessianState, gptq_hessian, hessian
 
 ct = pytest.importorskip("compressed_tensors")

@@ -322,7 +322,7 @@ def _shared_gptq_rank(rank: int, port: int, moe: str, samples: list, out: str, f
     the experts it GPTQ'd (counted by wrapping `qstats.gptq`, which raises on ``fail_rank``)."""
     import sys
 
-    module = sys.modules["qstats.gptq_layerwise"]  # the module (qstats.gptq_layerwise is the function)
+    module = sys.modules["qstats.layerwise_gptq"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)

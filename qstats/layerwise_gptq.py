@@ -16,10 +16,10 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from .calibrate import compute_qparams_tree
+from .calibration import compute_qparams_tree
 from .export.checkpoint import check_new_folder, write_index, write_tensors
 from .experts import UncalibratedWarning
-from .gptq import gptq
+from .gptq_quantize import gptq
 from . import distributed
 from .layerwise import _agreed, _layerwise
 from ._qparams import QParams
@@ -136,7 +136,7 @@ def _writes() -> bool:
 
 
 def _gptq_jobs(jobs: list, chunk: int, options: dict, share: bool) -> list:
-    """The GPTQ'd weight of every job. With ``share`` (a process group), the parts are divided
+    """The GPTQ'd weight of every job (``jobs`` is emptied as they are done). With ``share`` (a process group), the parts are divided
     among the ranks by their cost (``out * in^2 + in^3`` per expert), and each rank receives the
     others' parts by broadcast: every rank holds the same weights, each computed once."""
     parts = [(index, take) for index, job in enumerate(jobs) for take in _parts(job, chunk)]
@@ -145,9 +145,11 @@ def _gptq_jobs(jobs: list, chunk: int, options: dict, share: bool) -> list:
     results = [torch.empty(job.weight.shape, dtype=job.weight.dtype) for job in jobs]
 
     def mine() -> None:
-        for (index, take), owner in zip(parts, owners):
+        for number, ((index, take), owner) in enumerate(zip(parts, owners)):
             if owner == rank:
                 results[index][take] = _gptq_part(jobs[index], take, options)
+            if number + 1 == len(parts) or parts[number + 1][0] != index:  # the job's last part
+                jobs[index] = None  # its Hessian is released before the next job's GPTQ
 
     _agreed(world > 1, mine)
     if world > 1:
@@ -191,8 +193,9 @@ def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_
     def step(layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> tuple:
         # rank-local work, then collectives: every rank learns whether one raised before the broadcasts
         jobs, missing = _agreed(share, lambda: _layer_jobs(plan, targets, states, hessians))
+        keys, jobs = list(jobs), list(jobs.values())  # the list alone holds the Hessians: each is released once used
         layer_weights = {}
-        for (path, site), quantized in zip(jobs, _gptq_jobs(list(jobs.values()), experts_at_once, options, share)):
+        for (path, site), quantized in zip(keys, _gptq_jobs(jobs, experts_at_once, options, share)):
             plan.modules[path]._parameters[site] = torch.nn.Parameter(quantized, requires_grad=False)
             layer_weights[f"{path}.{site}"] = quantized
         if missing:
@@ -207,7 +210,7 @@ def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_
             if _writes():
                 write_tensors(weights_dir, layer_weights, filename)
             weights.update(dict.fromkeys(layer_weights, filename))
-        return states, set(jobs)  # the GPTQ'd weights are on their grid: propagation does not fake-quantize them
+        return states, set(keys)  # the GPTQ'd weights are on their grid: propagation does not fake-quantize them
 
     return step
 
@@ -241,8 +244,10 @@ def gptq_layerwise(
 
     Args:
       model, checkpoint, batches, recipe, offload_dir, layers, progress, observation_weight,
-        all_experts, all_reduce: as in `calibrate_layerwise` (Hessians are merged across ranks
-        with the activation states).
+        all_experts, all_reduce: as in `calibrate_layerwise`. With ``all_reduce`` the Hessians are
+        merged across ranks with the activation states, and each layer's GPTQ is divided among
+        the ranks (weights, or expert chunks, by cost) and broadcast: each weight is GPTQ'd once
+        and every rank holds the same weights.
       block_size, dampening, actorder: as in `qstats.gptq`; ``actorder`` defaults to ``"static"``,
         as ``GPTQModifier``'s.
       weights_dir: write the GPTQ'd weights there (safetensors, one file per layer, and

@@ -23,7 +23,7 @@ from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor,
 from .experts import stacked_qparams
 from .fused import fused_qparams
 from .observers import memoryless_minmax
-from .observing import Observing, observing
+from .observation import Observing, observing
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "runtime_qparams", "runtime_spec"]

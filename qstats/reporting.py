@@ -20,7 +20,7 @@ from ._formats import effective_scale
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view
 from ._quant import _codes_float, fake_quantize
 from ._sites import observe_tensor, run_model
-from .calibrate import runtime_qparams, runtime_spec
+from .calibration import runtime_qparams, runtime_spec
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
