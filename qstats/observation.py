@@ -67,13 +67,6 @@ def check_resumed(states: Mapping, plan: Plan, caller: str = "calibrate") -> Non
                 )
 
 
-# Stacked observers whose masked update of rows shared by the experts costs what each expert's own
-# rows cost: min/max reduce each row once for all experts, the Hessian's op gathers each expert's rows.
-_ROW_REDUCING = frozenset(
-    f"stacked({name})" for name in ("minmax", "memoryless_minmax", "moving_average_minmax", "hessian")
-)
-
-
 def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
     """On CPU, a 0/1 observation mask whose rows can be dropped without changing the quantization
     parameter shape is applied by selecting the kept rows (the observer then takes its unmasked
@@ -210,7 +203,7 @@ class _RoutedSite(_SiteHook):
         """One masked update: ``rows [N, ...]`` shared by the experts, ``mask [E, N]`` saying which
         rows each expert observes."""
         self.check_runtime_shape(rows.shape)
-        if rows.device.type == "cpu" and self.found.observer.name not in _ROW_REDUCING:
+        if rows.device.type == "cpu" and not self.found.observer.shared_rows:
             x, weight = dispatch(rows, mask)
         else:  # every expert sees every (masked) row: no host read of the row counts, and
             # min/max observers reduce each row once for all experts

@@ -80,7 +80,7 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
         return batched_merge(a, b)
 
     return Observer(init_fn, update_fn, merge_fn, exact=observer.exact, spec=observer.spec,
-                    name=f"stacked({observer.name})")
+                    name=f"stacked({observer.name})", shared_rows=observer.shared_rows)
 
 
 def stacked_qparams(state, spec, **options):

@@ -54,6 +54,10 @@ class Observer(NamedTuple, Generic[State]):
         (splitting data never changes the result); False for order-dependent observers.
       spec: the QuantSpec the observer was built for (static configuration).
       name: the factory's name, for reports and error messages.
+      shared_rows: True when a masked update of rows shared by every expert of a
+        `qstats.stacked_observer` costs what each expert's own rows cost (min/max reduce each row
+        once, the Hessian gathers each expert's rows), so `qstats.calibrate` passes routed rows
+        with the routing mask instead of dispatching them to each expert first.
     """
 
     init: InitFn[State]
@@ -62,6 +66,7 @@ class Observer(NamedTuple, Generic[State]):
     exact: bool
     spec: Any = None
     name: str = "observer"
+    shared_rows: bool = False
 
 
 _STATE_TYPES: dict[str, type] = {}

@@ -116,7 +116,7 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
         check_same_shapes(a, b, "hessian.merge")
         return HessianState(a.total + b.total, a.count + b.count, a.nonfinite + b.nonfinite)
 
-    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=None, name="hessian")
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=None, name="hessian", shared_rows=True)
 
 
 def gptq_hessian(state: HessianState) -> torch.Tensor:

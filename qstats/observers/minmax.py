@@ -113,7 +113,7 @@ def minmax(spec: QuantSpec) -> Observer:
                            state.count + count, state.nonfinite + nonfinite)
 
     return Observer(extremes_init(MinMaxState, spec), update_fn, _merge_extremes(MinMaxState, "minmax"),
-                    exact=True, spec=spec, name="minmax")
+                    exact=True, spec=spec, name="minmax", shared_rows=True)
 
 
 def memoryless_minmax(spec: QuantSpec) -> Observer:
@@ -136,7 +136,7 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
 
     merge_fn = _merge_extremes(MemorylessMinMaxState, "memoryless_minmax")
     return Observer(extremes_init(MemorylessMinMaxState, spec), update_fn, merge_fn,
-                    exact=True, spec=spec, name="memoryless_minmax")
+                    exact=True, spec=spec, name="memoryless_minmax", shared_rows=True)
 
 
 def _moved(average: torch.Tensor, batch: torch.Tensor, constant: float, spec: QuantSpec,
@@ -205,7 +205,7 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
                                         a.batches + b.batches, a.count + b.count, a.nonfinite + b.nonfinite)
 
     return Observer(extremes_init(MovingAverageMinMaxState, spec), update_fn, merge_fn,
-                    exact=False, spec=spec, name="moving_average_minmax")
+                    exact=False, spec=spec, name="moving_average_minmax", shared_rows=True)
 
 
 def _extremes_rule(state, spec: QuantSpec, **options) -> Range:
