@@ -16,7 +16,11 @@ With ``--gptq``, the child runs `qstats.gptq_layerwise` (W4A16, all experts, the
 written to disk) and `qstats.export.compressed_tensors_layerwise` instead, and ``--llmcompressor``
 llm-compressor's ``GPTQModifier`` with its sequential pipeline and compressed save.
 
-Run:  python bench/bench_layerwise.py [--dir /tmp/qstats_bench_layerwise] [--layers 10] [--keep] [--llmcompressor] [--gptq]
+With ``--gptq --ranks N``, `gptq_layerwise` also runs on N gloo ranks of one thread each (torchrun),
+each rank calibrating its share of the sequences and GPTQ'ing its share of the weights.
+
+Run:  python bench/bench_layerwise.py [--dir /tmp/qstats_bench_layerwise] [--layers 10] [--keep] [--llmcompressor]
+      [--gptq [--ranks 2]]
 """
 
 from __future__ import annotations
@@ -181,21 +185,31 @@ def gptq(directory: str, sequences: int, tokens: int) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     imported = _high_water_bytes()
+    ranked = "RANK" in os.environ  # started by torchrun (--ranks): each rank takes its share of the batches
+    if ranked:
+        torch.distributed.init_process_group("gloo")
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if ranked else (0, 1)
     cfg = AutoConfig.from_pretrained(directory)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg).eval()
     recipe = qstats.Recipe.from_scheme("W4A16", ignore=MOE_IGNORE, experts="Qwen3MoeExperts",
                                        observed_dtype=torch.bfloat16)  # fmt: skip
-    batches = _batches(cfg.vocab_size, sequences, tokens)
+    batches = _batches(cfg.vocab_size, sequences, tokens)[rank::world]
     with tempfile.TemporaryDirectory(dir=os.path.dirname(directory)) as weights_dir:
         start = time.perf_counter()
-        result = qstats.gptq_layerwise(model, directory, batches, recipe, all_experts=True, weights_dir=weights_dir)
+        result = qstats.gptq_layerwise(model, directory, batches, recipe, all_experts=True, weights_dir=weights_dir,
+                                       all_reduce=ranked, progress=rank == 0)
         seconds = time.perf_counter() - start
+        if rank != 0:
+            torch.distributed.destroy_process_group()
+            return {}
         plan = recipe.resolve(model)
         start = time.perf_counter()
         qstats.export.compressed_tensors_layerwise(model, directory, qstats.compute_qparams_tree(result.states, plan),
                                                    directory + "_qstats_w4a16", plan, weights=result.weights)
         export = time.perf_counter() - start
+    if ranked:
+        torch.distributed.destroy_process_group()
     return {"peak_rss": _high_water_bytes(), "rss_after_imports": imported, "seconds": seconds, "export": export}
 
 
@@ -269,11 +283,15 @@ def _gptq_rows(args, size: int, result: dict, reference) -> None:
         print(f"| equal codes, layer 0 q/k/v | {same_codes(args.dir, names):.4%} | |")
 
 
-def _child(args, which: str) -> dict:
+def _child(args, which: str, ranks: int = 1) -> dict:
+    """Runs ``which`` in a fresh process (``ranks`` > 1: that many under torchrun, one thread each)
+    and returns what it (rank 0) printed last."""
     child = [sys.executable, os.path.abspath(__file__), "--child", which, "--dir", args.dir,
              "--sequences", str(args.sequences), "--tokens", str(args.tokens)]  # fmt: skip
+    if ranks > 1:
+        child[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     output = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True).stdout
-    return json.loads(output.strip().splitlines()[-1])
+    return json.loads([line for line in output.strip().splitlines() if line.startswith("{")][-1])
 
 
 def main(argv=None) -> None:
@@ -285,6 +303,8 @@ def main(argv=None) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint (and reuse it next time)")
     parser.add_argument("--llmcompressor", action="store_true", help="also time llm-compressor's sequential pipeline")
     parser.add_argument("--gptq", action="store_true", help="GPTQ W4A16 and the export instead of W8A8 calibration")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="with --gptq: also run it on this many gloo ranks of one thread (torchrun)")
     parser.add_argument("--child", choices=tuple(CHILDREN), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -304,6 +324,12 @@ def main(argv=None) -> None:
         reference = _child(args, theirs) if args.llmcompressor else None
         if args.gptq:
             _gptq_rows(args, size, result, reference)
+            if args.ranks > 1:
+                shutil.rmtree(args.dir + "_qstats_w4a16")
+                ranked = _child(args, ours, args.ranks)
+                print(f"| {args.ranks} ranks, one thread each: calibrate and GPTQ | {ranked['seconds']:.1f} s "
+                      f"({ranked['seconds'] / result['seconds']:.2f}x the one process's {result['seconds']:.1f} s); "
+                      f"rank 0 peak RSS {ranked['peak_rss'] / 1024**3:.2f} GiB | |")
             return
     finally:
         for folder in ("", "_qstats_w4a16", "_llmcompressor_w4a16"):
