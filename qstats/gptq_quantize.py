@@ -148,11 +148,13 @@ def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: tor
     diagonal.add_(dampening * torch.mean(diagonal, dim=-1, keepdim=True))
     lower, info = torch.linalg.cholesky_ex(hessian, check_errors=False)
     factored = (usable & (info == 0))[..., None, None]
-    inverse = torch.cholesky_inverse(torch.where(factored, lower, eye))
+    # LAPACK's factors are column-major: the identity is taken in that layout (eye.mT) so that the
+    # selection runs in one order, and the factor made row-major once for the column loop's row reads
+    inverse = torch.cholesky_inverse(torch.where(factored, lower, eye.mT))
     upper, info = torch.linalg.cholesky_ex(inverse, upper=True, check_errors=False)
     factored = factored & (info == 0)[..., None, None]
     _warn_unfactored(usable & ~factored[..., 0, 0])
-    return torch.where(factored, upper, eye), dead & usable[..., None]
+    return torch.where(factored, upper, eye.mT).contiguous(), dead & usable[..., None]
 
 
 def _minmax_qparams(weight: torch.Tensor, spec: QuantSpec) -> QParams:
@@ -202,8 +204,9 @@ def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block
             k = index[start + i]
             q, code = _quantize_column(column, scale[..., k], zero_point[..., k], global_scale, spec)
             error = (column - q) / block_inverse[..., i, i, None]
-            # in place on the local copy; a - e * h rounded as llm-compressor's W1[:, :, i:] -= e * h
-            block[..., i:].addcmul_(error[..., None], block_inverse[..., i, None, i:], value=-1.0)
+            # in place on the local copy; the product rounded, then subtracted, as llm-compressor's
+            # W1[:, :, i:] -= e * h
+            block[..., i:].sub_(error[..., None] * block_inverse[..., i, None, i:])
             quantized.append(q)
             codes.append(code)
             errors.append(error)
