@@ -25,11 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
 SKIP_MARK = "<!-- skip-test -->"
 FILE_MARK = re.compile(r"<!-- file: ([\w.-]+) -->")
-# Pages written as API notes with fragments (names such as `model` left to the reader), owned and
-# kept elsewhere; their blocks are not run until they are written as runnable snippets.
-FRAGMENT_PAGES = {"docs/calibrate_api.md"}
-# Pages linked before they are written (another change adds them).
-PENDING_PAGES = {"docs/write_an_observer.md"}
 # Names of code that was removed: no page may document them.
 REMOVED = ("_native", "QSTATS_NATIVE", "register_stacked_update", "register_stacked_init", "set_num_threads")
 
@@ -61,7 +56,7 @@ def test_block_parser_finds_blocks_and_markers():
     assert python_blocks(text) == [(3, "a = 1\n", "run"), (8, "b = 2\n", "skip"), (15, "c = 3\n", "file:job.py")]
 
 
-RUNNABLE = [p for p in DOCS if p.exists() and p.name.endswith(".md") and _relative(p) not in FRAGMENT_PAGES]
+RUNNABLE = [p for p in DOCS if p.exists() and p.name.endswith(".md")]
 
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=_relative)
@@ -102,8 +97,6 @@ def test_relative_links_exist(page):
         if re.match(r"[a-z]+:", target):
             continue
         resolved = (page.parent / target).resolve()
-        if _relative(resolved) in PENDING_PAGES:
-            continue
         assert resolved.exists(), f"{_relative(page)} links to {target}, which does not exist"
 
 
