@@ -308,7 +308,9 @@ def main(argv=None) -> None:
     parser.add_argument("--child", choices=tuple(CHILDREN), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(CHILDREN[args.child](args.dir, args.sequences, args.tokens)))
+        result = CHILDREN[args.child](args.dir, args.sequences, args.tokens)
+        if result:  # ranks other than 0 report nothing
+            print(json.dumps(result))
         return
     index = os.path.join(args.dir, "model.safetensors.index.json")
     start = time.perf_counter()

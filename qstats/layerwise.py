@@ -249,8 +249,15 @@ class _Run:
     def agreed(self, step: Callable[[], Any]) -> Any:
         return _agreed(self.all_reduce, step)
 
-    def reduce(self, found: dict, plan: Plan) -> dict:
-        return _reduce(found, plan) if self.all_reduce else found
+    def reduce(self, found: dict, plan: Plan, each: bool = False) -> dict:
+        """``found`` merged across ranks (with ``all_reduce``); ``each``: one state at a time, so
+        that every state owns its buffer and is freed on its own (a layer's Hessians, one by one)."""
+        if not self.all_reduce:
+            return found
+        if not each:
+            return _reduce(found, plan)
+        return {path: {site: _reduce({path: {site: state}}, plan)[path][site] for site, state in entry.items()}
+                for path, entry in found.items()}
 
 
 def _agreed(all_reduce: bool, step: Callable[[], Any]) -> Any:
@@ -268,7 +275,7 @@ def _agreed(all_reduce: bool, step: Callable[[], Any]) -> Any:
     if error is not None:
         raise error
     if int(failed[0]):
-        raise RuntimeError("calibrate_layerwise: another rank failed (see the error on that rank)")
+        raise RuntimeError("another rank failed (see the error on that rank)")
     return result
 
 
@@ -340,7 +347,7 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
         found, side_found = run.agreed(observe)
         found = run.reduce(found, plan)
         if side is not None:
-            side_found = run.reduce(side_found, side)
+            side_found = run.reduce(side_found, side, each=True)
         done: set = set()
         if run.after_layer is not None:
             found, done = run.agreed(lambda: run.after_layer(path, layer, found, side_found))

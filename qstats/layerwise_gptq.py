@@ -131,25 +131,31 @@ def _sharing() -> tuple:
 
 
 def _writes() -> bool:
-    """Whether this process writes shared files: rank 0, or the only process (ranks hold equal weights)."""
+    """Whether this process writes shared files: rank 0, or the only process."""
     return _sharing()[0] == 0
 
 
-def _gptq_jobs(jobs: list, chunk: int, options: dict, share: bool) -> list:
-    """The GPTQ'd weight of every job (``jobs`` is emptied as they are done). With ``share`` (a process group), the parts are divided
-    among the ranks by their cost (``out * in^2 + in^3`` per expert), and each rank receives the
-    others' parts by broadcast: every rank holds the same weights, each computed once."""
+def _gptq_jobs(jobs: list, chunk: int, options: dict, share: bool, finished: Callable) -> None:
+    """GPTQ of every job; ``finished(index, weight)`` receives each job's weight once it is whole.
+    With ``share`` (a process group), the parts are divided among the ranks by their cost
+    (``out * in^2 + in^3`` per expert) and each rank receives the others' parts by broadcast:
+    every rank holds the same weights, each computed once. Each entry of ``jobs`` is set to None
+    after its last part, so that its Hessian and float weight can go before the next job's GPTQ."""
     parts = [(index, take) for index, job in enumerate(jobs) for take in _parts(job, chunk)]
     rank, world = _sharing() if share else (0, 1)
     owners = _owners([_cost(jobs[index].weight[take]) for index, take in parts], world)
-    results = [torch.empty(job.weight.shape, dtype=job.weight.dtype) for job in jobs]
+    results: list = [None] * len(jobs)
 
-    def mine() -> None:
+    def mine() -> None:  # every allocation and GPTQ of this rank: a failure here is agreed on
         for number, ((index, take), owner) in enumerate(zip(parts, owners)):
+            if results[index] is None:
+                results[index] = torch.empty(jobs[index].weight.shape, dtype=jobs[index].weight.dtype)
             if owner == rank:
                 results[index][take] = _gptq_part(jobs[index], take, options)
             if number + 1 == len(parts) or parts[number + 1][0] != index:  # the job's last part
-                jobs[index] = None  # its Hessian is released before the next job's GPTQ
+                jobs[index] = None
+                if world == 1:
+                    finished(index, results[index])
 
     _agreed(world > 1, mine)
     if world > 1:
@@ -160,7 +166,8 @@ def _gptq_jobs(jobs: list, chunk: int, options: dict, share: bool) -> list:
             torch.distributed.broadcast(bits, src=owner)
             if bits.device != part.device:
                 part.view(torch.uint8).copy_(bits)
-    return results
+        for index, result in enumerate(results):
+            finished(index, result)
 
 
 def _cost(weight: torch.Tensor) -> int:
@@ -193,11 +200,15 @@ def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_
     def step(layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> tuple:
         # rank-local work, then collectives: every rank learns whether one raised before the broadcasts
         jobs, missing = _agreed(share, lambda: _layer_jobs(plan, targets, states, hessians))
-        keys, jobs = list(jobs), list(jobs.values())  # the list alone holds the Hessians: each is released once used
+        keys, jobs = list(jobs), list(jobs.values())  # the list alone holds the Hessians (and the layer the weights)
         layer_weights = {}
-        for (path, site), quantized in zip(keys, _gptq_jobs(jobs, experts_at_once, options, share)):
+
+        def finished(index: int, quantized: torch.Tensor) -> None:
+            path, site = keys[index]
             plan.modules[path]._parameters[site] = torch.nn.Parameter(quantized, requires_grad=False)
             layer_weights[f"{path}.{site}"] = quantized
+
+        _gptq_jobs(jobs, experts_at_once, options, share, finished)
         if missing:
             uncalled.extend(missing)
             warnings.warn(f"gptq_layerwise: {len(missing)} weight(s) of {layer_path} were never called, so have no "
@@ -247,7 +258,8 @@ def gptq_layerwise(
         all_experts, all_reduce: as in `calibrate_layerwise`. With ``all_reduce`` the Hessians are
         merged across ranks with the activation states, and each layer's GPTQ is divided among
         the ranks (weights, or expert chunks, by cost) and broadcast: each weight is GPTQ'd once
-        and every rank holds the same weights.
+        and every rank holds the same weights. Every rank passes the same arguments but
+        ``batches``; rank 0 writes ``weights_dir``.
       block_size, dampening, actorder: as in `qstats.gptq`; ``actorder`` defaults to ``"static"``,
         as ``GPTQModifier``'s.
       weights_dir: write the GPTQ'd weights there (safetensors, one file per layer, and
@@ -289,7 +301,6 @@ def gptq_layerwise(
                       f"not GPTQ'd: {', '.join(outside[:6])}", UncalibratedWarning, stacklevel=2)
     if weights_dir is None:
         return LayerwiseGPTQ(states, weights)
-    if not _writes():
-        return LayerwiseGPTQ(states, weights_dir)
-    write_index(weights_dir, weights)
+    # every rank returns once rank 0 has written the index, and raises if that failed
+    _agreed(all_reduce, lambda: write_index(weights_dir, weights) if _writes() else None)
     return LayerwiseGPTQ(states, weights_dir)

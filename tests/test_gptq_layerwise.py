@@ -340,8 +340,13 @@ def _shared_gptq_rank(rank: int, port: int, moe: str, samples: list, out: str, f
         with torch.device("meta"):
             meta = transformers.AutoModelForCausalLM.from_config(config).eval()
         recipe = qstats.Recipe.from_scheme("W4A16", ignore=MOE_IGNORE, experts="Qwen3MoeExperts")
-        result = qstats.gptq_layerwise(meta, moe, _batches(samples[rank::2]), recipe, progress=False,
-                                       all_experts=True, experts_at_once=1, all_reduce=True)
+        try:
+            result = qstats.gptq_layerwise(meta, moe, _batches(samples[rank::2]), recipe, progress=False,
+                                           all_experts=True, experts_at_once=1, all_reduce=True)
+        except Exception as error:  # what each rank raised, for the test; then the rank fails
+            with open(os.path.join(out, f"rank{rank}.err"), "w") as file:
+                file.write(f"{type(error).__name__}: {error}")
+            raise
         torch.save({"weights": result.weights, "done": sum(done)}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
@@ -375,3 +380,6 @@ def test_a_rank_whose_gptq_fails_makes_every_rank_raise(moe, samples, tmp_path):
     """GPTQ raising on one rank (its share of the work) raises on both, instead of the other
     waiting for its broadcasts."""
     assert fork_ranks(_shared_gptq_rank, moe, samples[:4], str(tmp_path), 1, timeout=120) == [1, 1]
+    errors = [(tmp_path / f"rank{rank}.err").read_text() for rank in range(2)]
+    assert errors[1] == "ValueError: this rank's GPTQ failed", errors
+    assert errors[0].startswith("RuntimeError: another rank failed"), errors
