@@ -383,3 +383,30 @@ def test_a_rank_whose_gptq_fails_makes_every_rank_raise(moe, samples, tmp_path):
     errors = [(tmp_path / f"rank{rank}.err").read_text() for rank in range(2)]
     assert errors[1] == "ValueError: this rank's GPTQ failed", errors
     assert errors[0].startswith("RuntimeError: another rank failed"), errors
+
+
+def test_each_hessian_is_released_once_its_weight_is_done(moe, samples, monkeypatch):
+    """When GPTQ starts on a weight, the Hessians of the weights done before it are gone (so a
+    layer's working memory holds one job's Hessian less at a time, not all of them to the end)."""
+    import sys
+    import weakref
+
+    module = sys.modules["qstats.layerwise_gptq"]
+    original, refs, alive_at_start = module._gptq_part, [], []
+
+    def tracking(job, take, options):
+        total = job.hessian.total
+        if not refs or refs[-1]() is not total:  # a new job: count the earlier jobs' Hessians still alive
+            alive_at_start.append(sum(ref() is not None for ref in refs))
+            refs.append(weakref.ref(total))
+        return original(job, take, options)
+
+    monkeypatch.setattr(module, "_gptq_part", tracking)
+    config = transformers.AutoConfig.from_pretrained(moe)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+    recipe = qstats.Recipe.from_scheme("W4A16", ignore=MOE_IGNORE, experts="Qwen3MoeExperts")
+    qstats.gptq_layerwise(meta, moe, _batches(samples[:2]), recipe, progress=False, all_experts=True,
+                          experts_at_once=1)
+    assert len(alive_at_start) == 2 * (4 + 2)  # per layer: q, k, v, o, gate_up, down
+    assert alive_at_start == [0] * len(alive_at_start), alive_at_start
