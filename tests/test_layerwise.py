@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import fork_ranks
+from _shared import fork_ranks, gloo_group
 
 transformers = pytest.importorskip("transformers")
 
@@ -194,18 +194,13 @@ def test_bad_input(saved, tmp_path):
 
 
 def _rank(rank: int, port: int, directory: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, port):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             batches = _batches(6, 4)[rank::2]
             states = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, batches, _recipe("qwen3_moe"),
                                                 progress=False, propagate="quantized", all_reduce=True)  # fmt: skip
         qstats.save(os.path.join(out, f"rank{rank}.safetensors"), states)
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_all_reduce_two_ranks(saved, tmp_path):
@@ -240,29 +235,27 @@ def test_missing_tensor_or_loaded_model_raise_and_leave_the_model_on_meta(saved,
 
 
 def _failing_rank(rank: int, port: int, directory: str, out: str, case: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
-    batches, weight = _batches(6, 2, padded=True), _attention_mask
-    if rank == 1 and case == "bad_batch":
-        batches[1]["input_ids"] = batches[1]["input_ids"] + 1000  # out of the vocabulary: fails in capture
-    if rank == 1 and case == "bad_weight":
-        weight = lambda batch: "mask"  # noqa: E731  (not a tensor: stored by the capture, fails in layer 0)
-    if rank == 1 and case == "no_batches":
-        batches = []
-    if rank == 1 and case == "bad_checkpoint":
-        directory = out  # holds no safetensors: fails in the checks before the first step
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            qstats.calibrate_layerwise(_meta("llama"), directory, batches, _recipe("llama"), progress=False,
-                                       propagate="quantized", all_reduce=True, observation_weight=weight)  # fmt: skip
-        message = "no error"
-    except Exception as error:  # noqa: BLE001  (what each rank raised is the result)
-        message = f"{type(error).__name__}: {error}"
-    with open(os.path.join(out, f"{case}{rank}.txt"), "w") as file:
-        file.write(message)
-    torch.distributed.destroy_process_group()
+    with gloo_group(rank, port, timeout=datetime.timedelta(seconds=30)):
+        batches, weight = _batches(6, 2, padded=True), _attention_mask
+        if rank == 1 and case == "bad_batch":
+            batches[1]["input_ids"] = batches[1]["input_ids"] + 1000  # out of the vocabulary: fails in capture
+        if rank == 1 and case == "bad_weight":
+            weight = lambda batch: "mask"  # noqa: E731  (not a tensor: stored by the capture, fails in layer 0)
+        if rank == 1 and case == "no_batches":
+            batches = []
+        if rank == 1 and case == "bad_checkpoint":
+            directory = out  # holds no safetensors: fails in the checks before the first step
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                qstats.calibrate_layerwise(_meta("llama"), directory, batches, _recipe("llama"), progress=False,
+                                           propagate="quantized", all_reduce=True,
+                                           observation_weight=weight)  # fmt: skip
+            message = "no error"
+        except Exception as error:  # noqa: BLE001  (what each rank raised is the result)
+            message = f"{type(error).__name__}: {error}"
+        with open(os.path.join(out, f"{case}{rank}.txt"), "w") as file:
+            file.write(message)
 
 
 @pytest.mark.parametrize("case", ["bad_checkpoint", "bad_batch", "bad_weight", "no_batches"])
