@@ -200,16 +200,15 @@ def gptq(directory: str, sequences: int, tokens: int) -> dict:
         result = qstats.gptq_layerwise(model, directory, batches, recipe, all_experts=True, weights_dir=weights_dir,
                                        all_reduce=ranked, progress=rank == 0)
         seconds = time.perf_counter() - start
+        if ranked:
+            torch.distributed.destroy_process_group()  # the export is rank 0's alone
         if rank != 0:
-            torch.distributed.destroy_process_group()
             return {}
         plan = recipe.resolve(model)
         start = time.perf_counter()
         qstats.export.compressed_tensors_layerwise(model, directory, qstats.compute_qparams_tree(result.states, plan),
                                                    directory + "_qstats_w4a16", plan, weights=result.weights)
         export = time.perf_counter() - start
-    if ranked:
-        torch.distributed.destroy_process_group()
     return {"peak_rss": _high_water_bytes(), "rss_after_imports": imported, "seconds": seconds, "export": export}
 
 
