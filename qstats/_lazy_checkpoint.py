@@ -2,10 +2,10 @@
 
 `LazyCheckpoint` reads a checkpoint (``model.safetensors``, or shards and their
 ``model.safetensors.index.json``) tensor by tensor with ``safetensors.safe_open``; `load_modules`
-puts a module's parameters and buffers (built on the meta device) on the CPU in the checkpoint's
-dtype and returns what `release_modules` needs to put the meta tensors back. Stacked experts
-(3-D ``gate_up_proj`` / ``down_proj``) are read from the per-expert keys transformers writes
-(``experts.<e>.gate_proj.weight`` ...) when the checkpoint has no stacked key.
+puts a module's parameters and buffers (built on the meta device) on the CPU (or a device) in
+the checkpoint's dtype and returns what `release_modules` needs to put the meta tensors back.
+Stacked experts (3-D ``gate_up_proj`` / ``down_proj``) are read from the per-expert keys
+transformers writes (``experts.<e>.gate_proj.weight`` ...) when the checkpoint has no stacked key.
 """
 
 from __future__ import annotations
@@ -148,9 +148,10 @@ def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor) -> Option
     return None
 
 
-def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint, recurse: bool = True) -> list:
+def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint, recurse: bool = True,
+                 device: Optional[torch.device] = None) -> list:
     """Puts every meta parameter and buffer of the modules at ``paths`` of ``model`` (their own
-    only, without ``recurse``) on the CPU, read from ``checkpoint`` in its dtype; a tensor tied
+    only, without ``recurse``) on ``device`` (default the CPU), read from ``checkpoint`` in its dtype; a tensor tied
     under several names is read once and stays tied. Returns ``[(owner, kind, name, meta tensor)]``
     for `release_modules`. A meta buffer the checkpoint lacks (rotary frequencies) is recomputed by
     the model's ``_init_weights`` (transformers models); anything else missing is a ValueError,
@@ -173,9 +174,10 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
                         if loaded is None:
                             loaded = _read(checkpoint, aliases.get(id(value), [full]), value)
                         if loaded is None and kind == "_buffers" and hasattr(model, "_init_weights"):
-                            loaded, recompute = torch.empty_like(value, device="cpu"), True
+                            loaded, recompute = torch.empty_like(value, device=device or "cpu"), True
                         if loaded is None:
                             raise ValueError(f"{checkpoint.where}: the checkpoint has no tensor {full!r}")
+                        loaded = loaded if device is None else loaded.to(device)
                         if kind == "_parameters" and not isinstance(loaded, torch.nn.Parameter):
                             loaded = torch.nn.Parameter(loaded, requires_grad=False)
                         loaded_by_id[id(value)] = loaded

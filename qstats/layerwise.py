@@ -97,6 +97,38 @@ def _call(model: torch.nn.Module, batch) -> Any:
     return model(batch)
 
 
+def _moved(value: Any, device: Optional[torch.device]) -> Any:
+    """``value`` with every tensor in it (in tuples, lists and mappings) on ``device``; None: as is."""
+    if device is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_moved(item, device) for item in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_moved(item, device) for item in value)
+    if isinstance(value, Mapping):
+        return {key: _moved(item, device) for key, item in value.items()}
+    return value
+
+
+def _offloaded(value: Any, device: Optional[torch.device]) -> Any:
+    """``value`` with its tensors on the CPU, where the store keeps them, when layers run on ``device``."""
+    return value if device is None else _moved(value, torch.device("cpu"))
+
+
+def _execution_device(device, where: str) -> Optional[torch.device]:
+    """``device`` as a ``torch.device`` that can hold a tensor, or None; ValueError otherwise."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+        torch.empty(0, device=device)
+    except (RuntimeError, TypeError, AssertionError) as error:
+        raise ValueError(f"{where}: device={device!r} cannot hold tensors here: {error}") from None
+    return device
+
+
 def inside(path: str, prefix: str) -> bool:
     """Whether ``path`` is the module ``prefix`` or inside it."""
     return path == prefix or path.startswith(prefix + ".")
@@ -158,17 +190,18 @@ class _LayerRun(torch.nn.Module):
     """The root `calibrate` runs for one layer: calls the layer on a stored batch and, when
     ``write``, stores its output as that batch's next inputs."""
 
-    def __init__(self, layer: torch.nn.Module, store: _Store):
+    def __init__(self, layer: torch.nn.Module, store: _Store, device: Optional[torch.device]):
         super().__init__()
         self.layer = layer
         self.store = store
+        self.device = device  # where the layer runs; the store keeps its tensors on the CPU
         self.write = True
 
     def forward(self, index: int):
         record = self.store[index]
-        output = self.layer(*record.args, **record.kwargs)
+        output = self.layer(*_moved(record.args, self.device), **_moved(record.kwargs, self.device))
         if self.write:
-            self.store[index] = _next_inputs(record, output)
+            self.store[index] = _next_inputs(record, _offloaded(output, self.device))
         return output
 
 
@@ -176,19 +209,20 @@ class _Replay(torch.nn.Module):
     """Stands in for a decoder layer after the last one has run: returns the stored output of
     the last layer for the current batch (the first stub moves to the next batch)."""
 
-    def __init__(self, store: _Store, first: bool, shared: dict):
+    def __init__(self, store: _Store, first: bool, shared: dict, device: Optional[torch.device]):
         super().__init__()
-        self.store, self.first, self.shared = store, first, shared
+        self.store, self.first, self.shared, self.device = store, first, shared, device
 
     def forward(self, *args, **kwargs):
         if self.first:
             self.shared["index"] = self.shared.get("index", -1) + 1
-            self.shared["output"] = self.store[self.shared["index"]].output
+            self.shared["output"] = _moved(self.store[self.shared["index"]].output, self.device)
         return self.shared["output"]
 
 
-def _capture(model, layer, batches, observation_weight, store: _Store) -> None:
-    """Runs ``model`` on each batch up to ``layer`` (the first decoder layer) and stores its inputs."""
+def _capture(model, layer, batches, observation_weight, store: _Store, device: Optional[torch.device]) -> None:
+    """Runs ``model`` on each batch (on ``device``) up to ``layer`` (the first decoder layer) and
+    stores its inputs (on the CPU)."""
 
     def stop(module, args, kwargs):
         raise _Stop(args, kwargs)
@@ -199,9 +233,9 @@ def _capture(model, layer, batches, observation_weight, store: _Store) -> None:
             for batch in batches:
                 weight = observation_weight(batch) if observation_weight is not None else None
                 try:
-                    _call(model, batch)
+                    _call(model, _moved(batch, device))
                 except _Stop as stopped:
-                    args, kwargs = stopped.layer_args, stopped.layer_kwargs
+                    args, kwargs = _offloaded((stopped.layer_args, stopped.layer_kwargs), device)
                 else:
                     raise ValueError("calibrate_layerwise: the model's forward never called its first decoder layer")
                 store.append(_Inputs(batch, weight, tuple(args), _without_cache(kwargs)))
@@ -233,6 +267,7 @@ class _Run:
     all_experts: bool
     propagate: str
     all_reduce: bool
+    device: Optional[torch.device] = None  # where layers run (None: the CPU, nothing moved)
     side_plan: Optional[Plan] = None  # observed per layer beside the plan, handed to after_layer, not returned
     after_layer: Optional[Callable[[str, torch.nn.Module, dict, dict], tuple]] = None
 
@@ -240,7 +275,7 @@ class _Run:
         """This rank's states of ``plan`` over ``batches``, resumed from its sites in ``self.states``."""
         resumed = {path: {site: state for site, state in entry.items() if plan.site(path, site) is not None}
                    for path, entry in self.states.items()}
-        resumed = {path: entry for path, entry in resumed.items() if entry}
+        resumed = _moved({path: entry for path, entry in resumed.items() if entry}, self.device)
         return calibrate(
             root, batches, plan, states=resumed or None, progress=False,
             observation_weight=observation_weight, all_experts=self.all_experts,
@@ -286,7 +321,8 @@ def outer_paths(model: torch.nn.Module, container_path: str) -> list:
 
 def _outer_loaded(run: _Run, container_path: str) -> list:
     """Loads every module outside the decoder layers (their own tensors); `release_modules` list."""
-    return load_modules(run.model, outer_paths(run.model, container_path), run.checkpoint, recurse=False)
+    return load_modules(run.model, outer_paths(run.model, container_path), run.checkpoint, recurse=False,
+                        device=run.device)
 
 
 def _merged(plan: Plan, side: Plan) -> Optional[Plan]:
@@ -313,7 +349,7 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
     layer before its outputs are computed; it may replace weights by quantized ones and returns
     the states kept and the ``(path, site)`` parameter sites it quantized (not fake-quantized again)."""
     saved: list = []
-    runner = _LayerRun(layer, run.store)
+    runner = _LayerRun(layer, run.store, run.device)
     in_layer = lambda p: inside(p, path)  # noqa: E731
     plan = _sub_plan(run.plan, in_layer, runner)
     side = None if run.side_plan is None else _sub_plan(run.side_plan, in_layer, runner)
@@ -322,7 +358,7 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
     merged = None if side is None or resumed else _merged(plan, side)
 
     def observe() -> tuple:
-        saved.extend(load_modules(run.model, [path], run.checkpoint))
+        saved.extend(load_modules(run.model, [path], run.checkpoint, device=run.device))
         runner.write = float_outputs and (side is None or merged is not None)
         if merged is not None:
             return _split(run.calibrate(runner, merged, range(len(run.store)), lambda i: run.store[i].weight), side)
@@ -369,8 +405,9 @@ def _run_outside(run: _Run, container_path: str, container, observation_weight) 
     def observe() -> dict:
         saved.extend(_outer_loaded(run, container_path))
         for index in range(len(layers)):
-            container[index] = _Replay(run.store, index == 0, shared)
-        return run.calibrate(run.model, plan, (record.batch for record in run.store), observation_weight)
+            container[index] = _Replay(run.store, index == 0, shared, run.device)
+        batches = (_moved(record.batch, run.device) for record in run.store)
+        return run.calibrate(run.model, plan, batches, observation_weight)
 
     try:
         return run.reduce(run.agreed(observe), plan)
@@ -422,6 +459,7 @@ def calibrate_layerwise(
     observation_weight: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
     all_experts: bool = False,
     all_reduce: bool = False,
+    device: Optional[Union[str, torch.device]] = None,
 ) -> dict:
     """Observer states of a model too large for memory, calibrated one decoder layer at a time.
 
@@ -446,6 +484,9 @@ def calibrate_layerwise(
         group (`qstats.distributed.all_reduce`) as soon as it is observed, so quantized
         propagation uses the same qparams on every rank; the states returned are merged already.
         An error on one rank makes every rank raise (RuntimeError on the others), never hang.
+      device: where each layer runs (``"cuda"``, as llm-compressor's sequential pipeline onloads
+        layers): its weights are read onto it, each stored batch is moved there and the outputs
+        back to the CPU (or ``offload_dir``). Default: the CPU. The states are returned on it.
 
     Returns:
       ``{module_path: {site: state}}`` with full module paths, in the plan's order.
@@ -457,11 +498,11 @@ def calibrate_layerwise(
     """
     return _layerwise(model, checkpoint, batches, recipe, states=states, propagate=propagate, offload_dir=offload_dir,
                       layers=layers, progress=progress, observation_weight=observation_weight,
-                      all_experts=all_experts, all_reduce=all_reduce)
+                      all_experts=all_experts, all_reduce=all_reduce, device=device)
 
 
 def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload_dir, layers, progress,
-               observation_weight, all_experts, all_reduce, layer_step=None, where="calibrate_layerwise"):
+               observation_weight, all_experts, all_reduce, device=None, layer_step=None, where="calibrate_layerwise"):
     """`calibrate_layerwise`; ``layer_step(plan) -> (side_plan, after_layer)`` gives a plan observed
     beside the recipe's in each layer and a step run on each loaded layer (see `_run_layer`)."""
 
@@ -472,6 +513,7 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
             raise ValueError(f"{where}: all_reduce with resumed states would merge them once per rank")
         _check_layer_kinds(model)
         check_on_meta(model)
+        execution = _execution_device(device, where)
         plan = recipe if isinstance(recipe, Plan) else recipe.resolve(model)
         if plan.model is not model:
             raise ValueError(f"{where}: the Plan was resolved on another model than the one given")
@@ -480,7 +522,7 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
         directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)
         side_plan, after_layer = (None, None) if layer_step is None else layer_step(plan)
         run = _Run(model, LazyCheckpoint(checkpoint, where), plan, _Store(directory), dict(states or {}),
-                   bool(all_experts), propagate, bool(all_reduce), side_plan, after_layer)
+                   bool(all_experts), propagate, bool(all_reduce), execution, side_plan, after_layer)
         made.append(directory)
         return run, container_path, container
 
@@ -502,7 +544,7 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
 
     def capture() -> None:
         saved.extend(_outer_loaded(run, container_path))
-        _capture(run.model, container[0], batches, observation_weight, run.store)
+        _capture(run.model, container[0], batches, observation_weight, run.store, run.device)
 
     try:
         run.agreed(capture)

@@ -149,7 +149,7 @@ def _gptq_jobs(jobs: list, chunk: int, options: dict, share: bool, finished: Cal
     def mine() -> None:  # every allocation and GPTQ of this rank: a failure here is agreed on
         for number, ((index, take), owner) in enumerate(zip(parts, owners)):
             if results[index] is None:
-                results[index] = torch.empty(jobs[index].weight.shape, dtype=jobs[index].weight.dtype)
+                results[index] = torch.empty_like(jobs[index].weight, memory_format=torch.contiguous_format)
             if owner == rank:
                 results[index][take] = _gptq_part(jobs[index], take, options)
             if number + 1 == len(parts) or parts[number + 1][0] != index:  # the job's last part
@@ -206,7 +206,7 @@ def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_
         def finished(index: int, quantized: torch.Tensor) -> None:
             path, site = keys[index]
             plan.modules[path]._parameters[site] = torch.nn.Parameter(quantized, requires_grad=False)
-            layer_weights[f"{path}.{site}"] = quantized
+            layer_weights[f"{path}.{site}"] = quantized.cpu()  # kept or written from the CPU, whatever the device
 
         _gptq_jobs(jobs, experts_at_once, options, share, finished)
         if missing:
@@ -243,6 +243,7 @@ def gptq_layerwise(
     observation_weight: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
     all_experts: bool = False,
     all_reduce: bool = False,
+    device: Optional[Union[str, torch.device]] = None,
 ) -> LayerwiseGPTQ:
     """GPTQ of every integer weight of ``recipe``, one decoder layer at a time (llm-compressor's
     ``oneshot`` with a ``GPTQModifier`` and the sequential pipeline).
@@ -255,7 +256,8 @@ def gptq_layerwise(
 
     Args:
       model, checkpoint, batches, recipe, offload_dir, layers, progress, observation_weight,
-        all_experts, all_reduce: as in `calibrate_layerwise`. With ``all_reduce`` the Hessians are
+        all_experts, all_reduce, device: as in `calibrate_layerwise` (on ``device``, GPTQ runs there
+        too; the weights returned or written are on the CPU). With ``all_reduce`` the Hessians are
         merged across ranks with the activation states, and each layer's GPTQ is divided among
         the ranks (weights, or expert chunks, by cost) and broadcast: each weight is GPTQ'd once
         and every rank holds the same weights. Every rank passes the same arguments but
@@ -292,7 +294,7 @@ def gptq_layerwise(
     states = _layerwise(
         model, checkpoint, batches, recipe, states=None, propagate="quantized", offload_dir=offload_dir,
         layers=layers, progress=progress, observation_weight=observation_weight, all_experts=all_experts,
-        all_reduce=all_reduce, layer_step=layer_step, where="gptq_layerwise",
+        all_reduce=all_reduce, device=device, layer_step=layer_step, where="gptq_layerwise",
     )  # fmt: skip
     done = set(weights) | set(uncalled)
     outside = [f"{path}.{site}" for path, site in targets if f"{path}.{site}" not in done and path in states]

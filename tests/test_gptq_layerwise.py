@@ -161,7 +161,7 @@ def test_moe_experts_equal_llm_compressor_in_the_first_layer_and_a_plain_loop_in
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(config).eval()
     chunked = qstats.gptq_layerwise(meta, moe, _batches(samples[:4]), recipe, progress=False, all_experts=True,
-                                    experts_at_once=3)  # experts 0-2, then 3
+                                    experts_at_once=3, device="cpu")  # experts 0-2, then 3; every move
     assert all(torch.equal(chunked.weights[name], weight) for name, weight in result.weights.items())
 
 

@@ -177,6 +177,30 @@ def test_quantized_propagation(saved, name):
                   {p: e for p, e in floated.items() if p.startswith("model.layers.0.")})  # fmt: skip
 
 
+@pytest.mark.parametrize("propagate", ["float", "quantized"])
+def test_execution_device_moves_everything_and_changes_nothing(saved, propagate, tmp_path):
+    """``device=``: layers run there, the store stays on the CPU. Only the CPU is here, so this
+    runs every move (batches, layer arguments as tuples and dicts, outputs, resumed states) and
+    checks the states equal the default run's; an accelerator's transfers are not exercised."""
+    directory, _ = saved["qwen3_moe"]
+    recipe, first, second = _recipe("qwen3_moe"), _batches(7, 2, padded=True), _batches(8, 2)
+    options = {"progress": False, "propagate": propagate, "observation_weight": _attention_mask}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qstats.UncalibratedWarning)
+        want = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, first + second, recipe, **options)
+        got = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, first + second, recipe, device="cpu", **options)
+        _assert_equal(got, want)
+        if propagate == "float":  # resumed states move too (quantized propagation is not resumable bit for bit)
+            path = tmp_path / "states.safetensors"
+            qstats.save(path, qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, first, recipe, **options))
+            resumed = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, second, recipe,
+                                                 device=torch.device("cpu"), states=qstats.load(path), **options)
+            _assert_equal(resumed, want)
+    for device in ("tpu9",) + (() if torch.cuda.is_available() else ("cuda",)):
+        with pytest.raises(ValueError, match="cannot hold tensors"):
+            qstats.calibrate_layerwise(_meta("llama"), saved["llama"][0], first, _recipe("llama"), device=device)
+
+
 def test_bad_input(saved, tmp_path):
     directory, _ = saved["llama"]
     recipe = _recipe("llama")
