@@ -102,6 +102,26 @@ def test_stacked_experts_equal_a_loop_over_routed_rows():
         torch.testing.assert_close(state.total[e].double(), _gram(own[e][route[e]]), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("shared", ["every token", "one padding mask"])
+def test_stacked_experts_keeping_the_same_rows_equal_each_expert_alone(shared):
+    """Every expert calibrated on every token (llm-compressor's default for MoE, qstats'
+    ``all_experts``): the experts keep the same rows, and each state equals that expert's own
+    observer bit for bit, and the float64 product of the kept rows to float32 rounding."""
+    gen = torch.Generator().manual_seed(4)
+    experts, tokens, features = 5, 30, 12
+    x = torch.randn(tokens, features, generator=gen)
+    keep = torch.ones(tokens) if shared == "every token" else (torch.rand(tokens, generator=gen) > 0.3).float()
+    obs, one = qstats.stacked_observer(hessian(), experts), hessian()
+    shared_x = x.expand(experts, tokens, features)
+    start = obs.update(obs.init(shared_x), shared_x, torch.rand(experts, tokens, generator=gen) > 0.5)
+    state = obs.update(start, shared_x, keep.expand(experts, tokens))
+    for e in range(experts):
+        alone = one.update(HessianState(*(field[e] for field in start)), x, keep)
+        assert all(torch.equal(a, b) for a, b in zip(alone, (field[e] for field in state))), e
+        torch.testing.assert_close(state.total[e].double(), start.total[e].double() + _gram(x[keep.bool()]),
+                                   rtol=1e-5, atol=1e-4)
+
+
 def test_laws():
     qstats.testing.check_all(hessian(), lambda g: torch.randn(12, 16, generator=g), max_examples=5)
 
