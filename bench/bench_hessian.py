@@ -1,9 +1,10 @@
-"""GPTQ Hessians of a 64-expert layer's routed inputs: qstats' stacked observer against
-llm-compressor's per-expert ``accumulate_hessian``, same batches, same run.
+"""GPTQ Hessians of a 64-expert layer's inputs: qstats' stacked observer against llm-compressor's
+per-expert ``accumulate_hessian``, same batches, same run.
 
 Each batch is ``--tokens`` hidden states ``[tokens, hidden]`` routed top-``k`` among the experts by a
 random router (OLMoE's 64 experts, top 8). Both sides accumulate, per expert, the sum of ``x^T x``
-over the tokens routed to it:
+over the tokens routed to it (first table) or over every token (second table: llm-compressor's
+``oneshot`` default for MoE, ``moe_calibrate_all_experts=True``; qstats' ``all_experts=True``):
 
 - qstats: one ``qstats.stacked_observer(qstats.hessian(), 64).update`` per batch, the hidden states
   shared by every expert (an expanded view) and the routing mask as the update weight;
@@ -35,33 +36,26 @@ warnings.filterwarnings("ignore")
 
 
 def make_batches(num_batches: int, tokens: int, hidden: int, experts: int, top_k: int):
-    """``(hidden_states, routing_mask [E, tokens], per-expert routed rows)`` per batch."""
+    """``(hidden_states, routing_mask [E, tokens], per-expert routed rows)`` per batch; ``top_k``
+    None: every expert takes every token."""
     gen = torch.Generator().manual_seed(0)
     router = torch.randn(hidden, experts, generator=gen)
     batches = []
     for _ in range(num_batches):
         x = torch.randn(tokens, hidden, generator=gen)
+        if top_k is None:
+            batches.append((x, torch.ones(experts, tokens), [x] * experts))
+            continue
         chosen = torch.topk(x @ router, top_k, dim=-1).indices
         mask = torch.zeros(tokens, experts).scatter_(1, chosen, 1.0).T.contiguous()
         batches.append((x, mask, [x[mask[e].bool()] for e in range(experts)]))
     return batches
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--batches", type=int, default=4)
-    parser.add_argument("--wall", action="store_true", help="wall-clock time instead of this process's CPU time")
-    options = parser.parse_args(argv)
-    torch.set_num_threads(1)
+def compare(batches, experts: int, hidden: int, repeats: int, clock, title: str) -> None:
+    """Times both sides on ``batches`` (checked equal first) and prints their ratio."""
     from llmcompressor.modifiers.gptq.helpers import accumulate_hessian, make_empty_hessian
 
-    experts, hidden = options.experts, options.hidden
-    batches = make_batches(options.batches, options.tokens, hidden, experts, options.top_k)
     modules = [torch.nn.Linear(hidden, 1, bias=False) for _ in range(experts)]
     observer = qstats.stacked_observer(qstats.hessian(), experts)
 
@@ -82,23 +76,39 @@ def main(argv=None) -> None:
     state, reference = ours(), llm_compressor()
     worst = max(float((2 * state.total[e] - reference[e]).abs().max() / reference[e].abs().max().clamp(min=1e-30))
                 for e in range(experts))
-    print(f"largest difference to llm-compressor's Hessian, relative to its largest entry: {worst:.1e}")
-    clock = time.perf_counter if options.wall else time.process_time
     rows = {"qstats stacked hessian": ours, "llm-compressor accumulate_hessian per expert": llm_compressor}
     times = {name: [] for name in rows}
-    for _ in range(options.repeats):
+    for _ in range(repeats):
         for name, fn in rows.items():
             start = clock()
             fn()
             times[name].append(clock() - start)
     base = times["qstats stacked hessian"]
-    routed = sum(int(mask.sum()) for _, mask, _ in batches)
-    print(f"Hessians of {experts} experts, hidden {hidden}, {options.batches} batches of {options.tokens} tokens, "
-          f"top-{options.top_k} ({routed} routed rows), 1 thread, {'wall-clock' if options.wall else 'CPU'} time, "
-          f"{options.repeats} repeats")
+    print(f"{title} ({sum(int(mask.sum()) for _, mask, _ in batches)} rows in all); largest difference to "
+          f"llm-compressor's Hessian, relative to its largest entry: {worst:.1e}")
     for name, values in times.items():
         ratios = [v / b for v, b in zip(values, base)]
         print(f"  {name:46s} best {min(values):7.4f} s   time / qstats: {min(ratios):.2f}-{max(ratios):.2f}x")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--wall", action="store_true", help="wall-clock time instead of this process's CPU time")
+    options = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    experts, hidden = options.experts, options.hidden
+    clock = time.perf_counter if options.wall else time.process_time
+    print(f"Hessians of {experts} experts, hidden {hidden}, {options.batches} batches of {options.tokens} tokens, "
+          f"1 thread, {'wall-clock' if options.wall else 'CPU'} time, {options.repeats} repeats")
+    for top_k, title in ((options.top_k, f"routed top-{options.top_k}"), (None, "every expert on every token")):
+        batches = make_batches(options.batches, options.tokens, hidden, experts, top_k)
+        compare(batches, experts, hidden, options.repeats, clock, title)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def _add_grams_of_shared_rows(total: torch.Tensor, rows: torch.Tensor, keep: tor
     grams = torch.empty_like(total)
     for expert, part in enumerate(torch.split(gathered, counts)):
         torch.mm(part.T, part, out=grams[expert])
-    return total + grams
+    return grams.add_(total)  # the product's own buffer: the same sum as total + grams
 
 
 def _add_masked_gram_vmap(info, in_dims, total, rows, keep):
@@ -56,7 +56,7 @@ def _add_masked_gram_vmap(info, in_dims, total, rows, keep):
     for index in range(size):
         kept = rows[index][keep[index]]
         torch.mm(kept.T, kept, out=grams[index])
-    return total + grams, 0
+    return grams.add_(total), 0
 
 
 _add_masked_gram.register_vmap(_add_masked_gram_vmap)
