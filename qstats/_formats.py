@@ -247,8 +247,8 @@ def global_scale_from_amax(amax_t: torch.Tensor, spec) -> torch.Tensor:
         clamped = torch.clamp(amax_t.to(compute), min=torch.finfo(compute).tiny)
         scale = (full_range / clamped).float()
         return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0)
-    scale = amax_t / full_range
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = amax_t / full_range  # floored at the smallest normal float32, so that 1 / scale is finite
+    return torch.where(scale > 0, scale.clamp(min=torch.finfo(torch.float32).tiny), torch.ones_like(scale))
 
 
 def _two_level_local(amax: torch.Tensor, global_scale: torch.Tensor, spec) -> torch.Tensor:

@@ -138,6 +138,24 @@ def test_nvfp4_all_zero_tensor_is_finite_where_torchao_is_nan():
     assert torch.equal(qstats.fake_quantize(x, qp, spec), x)
 
 
+def test_nvfp4_tiny_tensor_keeps_its_zeros_where_torchao_loses_them():
+    """amax below 2688 x 2^-126: torchao's global scale is subnormal and 1 / it overflows, so its
+    zeros come back nonzero (and qstats' came back NaN before its floor); qstats floors the global
+    scale at the smallest normal float32."""
+    x = torch.tensor([[1e-37, 0.0] * 8, [-3e-38, 2e-37] * 8])
+    spec = qstats.QuantSpec.from_torchao(nvfp4=True)
+    qp = _observe(spec, x)
+    torchao_scale = per_tensor_amax_to_scale(torch.amax(torch.abs(x)))
+    assert 0 < torchao_scale < torch.finfo(torch.float32).tiny and torch.isinf(1 / torchao_scale)
+    theirs = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=torchao_scale).dequantize(torch.float32)
+    assert (theirs[x == 0] != 0).all()
+    assert qp.global_scale == torch.finfo(torch.float32).tiny
+    fake = qstats.fake_quantize(x, qp, spec)
+    assert torch.isfinite(fake).all() and torch.equal(fake == 0, x == 0)
+    torch.testing.assert_close(fake, x, rtol=0.35, atol=0)  # within fp4's step (and the fp8 block scale's)
+    assert torch.equal(qstats.dequantize(qstats.quantize(x, qp, spec), qp, spec), fake)
+
+
 def _ct_group_minmax(x, group_size):
     view = x.reshape(x.shape[0], -1, group_size)
     return view.amin(-1), view.amax(-1)
