@@ -126,7 +126,11 @@ def store_codes(values: torch.Tensor, spec) -> torch.Tensor:
     """Grid values (float32) -> the codes `quantize` returns for ``spec``."""
     if is_emulated(spec):
         return encode(values, spec.float_format)
-    return values.to(code_dtype(spec))
+    dtype = code_dtype(spec)
+    if not dtype.is_floating_point and spec.qrange[1] > 1 << 24:
+        # float32 has no 2**31 - 1: its clamp gave 2**31, which int32 would wrap to -2**31
+        values = values.double().clamp(*spec.qrange)
+    return values.to(dtype)
 
 
 def load_codes(codes: torch.Tensor, spec) -> torch.Tensor:

@@ -258,3 +258,18 @@ def test_e8m0_scales_of_the_widest_ranges_keep_every_code_finite(dtype, rounding
             farthest = float(max(hi - spec.zero_point_of_symmetric, spec.zero_point_of_symmetric - lo))
         assert torch.isfinite(qp.scale * farthest).all(), (mapping, qp.scale)
         assert torch.isfinite(qstats.fake_quantize(x, qp, spec)).all(), mapping
+
+
+@pytest.mark.parametrize("convention", ["torch_ao", "compressed_tensors", "torchao"])
+def test_int32_codes_saturate_at_the_top_code_instead_of_wrapping(convention):
+    """float32 cannot hold 2**31 - 1: the largest value's code must not wrap to -2**31 (it did under
+    the compressed-tensors and torchao conventions). Reference: torch.quantize_per_tensor."""
+    x = torch.tensor([-1e4, 0.5, 1e4, 9999.0])
+    spec = qstats.QuantSpec(dtype="int32", convention=convention)
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    codes = qstats.quantize(x, qp, spec)
+    reference = torch.quantize_per_tensor(x, float(qp.scale), int(qp.zero_point), torch.qint32).int_repr()
+    assert codes.dtype == torch.int32 and codes[2] == 2**31 - 1
+    assert (codes - reference).abs().max() <= 1  # the conventions round x / scale in their own arithmetic
+    assert torch.equal(qstats.dequantize(codes, qp, spec), qstats.fake_quantize(x, qp, spec))
