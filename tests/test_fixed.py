@@ -46,6 +46,28 @@ def test_fixed_qparams_per_channel_and_validation():
         qstats.fixed_qparams(spec, 0.0)
     with pytest.raises(ValueError, match="zero_point"):
         qstats.fixed_qparams(spec, 0.1, 300)
+    # a scale the spec's scale dtype cannot hold (QParams' scales are its values)
+    bf16 = qstats.QuantSpec(dtype="int8", scale_dtype="bfloat16")
+    with pytest.raises(ValueError, match="not a bfloat16 value"):
+        qstats.fixed_qparams(bf16, 0.1)
+    held = float(torch.tensor(0.1).bfloat16())
+    assert float(qstats.compute_qparams(qstats.fixed_qparams(bf16, held).init(x), bf16).scale) == held
+
+
+def test_states_of_other_constants_do_not_merge():
+    """Merging them kept the first argument's constants: not commutative, and one observer's
+    constants silently lost. Stacked (vmap) too."""
+    spec = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
+    a, b = qstats.fixed_qparams(spec, 0.5, 3), qstats.fixed_qparams(spec, 0.25, 7)
+    x = torch.randn(4)
+    with pytest.raises(ValueError, match="different constants"):
+        a.merge(a.update(a.init(x), x), b.update(b.init(x), x))
+    same = a.merge(a.update(a.init(x), x), a.update(a.init(x), x))
+    assert float(same.scale) == 0.5 and int(same.count) == 8
+    stacked_a, stacked_b = qstats.stacked_observer(a, 2), qstats.stacked_observer(b, 2)
+    xs = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="different constants"):
+        stacked_a.merge(stacked_a.init(xs), stacked_b.init(xs))
 
 
 def test_placeholder_and_noop_refuse_qparams_like_torch_ao():

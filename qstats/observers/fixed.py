@@ -15,6 +15,7 @@ import torch
 from .._granularity import check_observable, check_shape, qparam_shape, weight_view
 from .._qparams import QParams, check_calibrated, register_range_rule
 from .._spec import QuantSpec
+from .._checks import require
 from .._torch_features import bitcast
 from ._base import Observer, check_same_shapes, check_state, register_state
 
@@ -76,7 +77,8 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     """Constant quantization parameters (torch.ao ``FixedQParamsObserver``).
 
     ``scale`` and ``zero_point`` are numbers or tensors of the spec's parameter shape; the state holds
-    them and counts the values seen. Laws: all hold exactly (merge keeps the constants, adds counts).
+    them and counts the values seen; ``scale`` must be a value of ``spec.scale_dtype``. Laws: all hold
+    exactly (merge keeps the constants, adds counts; states of other constants do not merge).
 
     >>> import torch, qstats
     >>> obs = qstats.sigmoid_qparams()
@@ -88,6 +90,10 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     zero_t = torch.as_tensor(zero_point)
     if not bool(torch.isfinite(scale_t).all()) or not bool((scale_t > 0).all()):
         raise ValueError(f"fixed_qparams: scale must be positive and finite, got {scale!r}")
+    held = scale_t.to(getattr(torch, spec.scale_dtype)).float()
+    if not torch.equal(held, scale_t):  # QParams' scales are values of the spec's scale dtype
+        raise ValueError(f"fixed_qparams: scale {scale!r} is not a {spec.scale_dtype} value (nearest: "
+                         f"{held.tolist()}); pass that, or a spec with scale_dtype='float32'")
     if spec.zero_point_domain == "float":
         zero_t = zero_t.to(torch.float32)
     else:
@@ -123,7 +129,9 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
         check_state(a, FixedQParamsState, "fixed_qparams.merge")
         check_state(b, FixedQParamsState, "fixed_qparams.merge")
         check_same_shapes(a, b, "fixed_qparams.merge")
-        return a._replace(count=a.count + b.count)
+        same = require((a.scale == b.scale) & (a.zero_point == b.zero_point), "fixed_qparams.merge: the states hold "
+                       "different constants (scale, zero_point): they come from different fixed_qparams observers")
+        return a._replace(scale=torch.where(same, a.scale, b.scale), count=a.count + b.count)
 
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="fixed_qparams")
 
