@@ -31,7 +31,7 @@ import torch
 
 from ._granularity import PerAxis, PerGroup, PerRow, PerTensor, TensorGroup, qparam_shape
 from ._qparams import QParams, compute_qparams
-from ._quant import _codes_float, _dequantize_view
+from ._quant import _cap, _checked_zero_point, _codes_float, _dequantize_view
 from ._formats import store_codes
 from ._spec import QuantSpec
 from .experts import UncalibratedWarning
@@ -180,9 +180,11 @@ def _running_qparams(rest, start, stop, group_size, spec, found):
 
 
 def _joined(found: list) -> QParams:
-    """The groups' parameters of every block as one QParams (one global scale: 1)."""
-    return QParams(*(field[0] if name == "global_scale" or field[0] is None else torch.cat(field, dim=-1)
-                     for name, field in zip(QParams._fields, zip(*found))))
+    """The groups' parameters of every block as one QParams (one global scale: 1, one per expert
+    for ``[..., out, in]`` weights, as `compute_qparams` under vmap and `_check_qparams` expect)."""
+    joined = QParams(*(field[0] if name == "global_scale" or field[0] is None else torch.cat(field, dim=-1)
+                       for name, field in zip(QParams._fields, zip(*found))))
+    return joined._replace(global_scale=joined.global_scale.expand(joined.scale.shape[:-2]).contiguous())
 
 
 def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block_size, running):
@@ -242,7 +244,9 @@ def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actor
     index = groups
     if qparams is not None:
         scale, index = _column_parameters(qparams.scale, groups, work.shape, perm)
-        zero_point, _ = _column_parameters(qparams.zero_point.float(), groups, work.shape, perm)  # exact: integers
+        # an integer zero point off the spec's range is a ValueError, as in fake_quantize (exact: integers)
+        checked = _checked_zero_point(qparams.zero_point, spec, "gptq")
+        zero_point, _ = _column_parameters(checked.float(), groups, work.shape, perm)
     quantized, codes, running_qparams = _blocks(work, inverse, scale, zero_point, index, global_scale, spec,
                                                 block_size, running)
     if perm is not None:
@@ -250,7 +254,8 @@ def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actor
         quantized, codes = _permute_columns(quantized, inverse_perm), _permute_columns(codes, inverse_perm)
     if running_qparams is not None:
         qparams = running_qparams
-    return quantized.to(weight.dtype), store_codes(codes, spec), qparams
+    # saturated at the weight dtype's largest finite value (fp16/bf16 edges), as fake_quantize
+    return _cap(quantized, weight.dtype).to(weight.dtype), store_codes(codes, spec), qparams
 
 
 def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, block_size: int = 128,

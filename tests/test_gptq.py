@@ -294,3 +294,64 @@ def test_bfloat16_weight_with_bfloat16_scales_equals_llm_compressor():
     reference, _ = _reference(weight, gptq_hessian(state), qparams._replace(scale=qparams.scale.bfloat16()), args)
     assert fake_quantized.dtype == torch.bfloat16
     assert (codes == qstats.quantize(reference, qparams, spec)).float().mean() >= 0.999
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_float16_weight_at_the_edge_of_its_range_saturates_as_fake_quantize(given):
+    """-65504 (fp16's lowest) under int8 symmetric per row rounds to code -128, past fp16's range:
+    fake_quantize saturates at fp16's largest finite value, and so does gptq. Column 0 is the first
+    quantized (no error reaches it): it equals fake_quantize's."""
+    gen = torch.Generator().manual_seed(10)
+    weight = (torch.randn(4, 16, generator=gen) * 1000).half()
+    weight[0, 0] = -65504.0
+    x = torch.randn(64, 16, generator=gen)
+    state = hessian().update(hessian().init(x), x)
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+    qparams = _minmax_qparams(weight, spec)
+    want = qstats.fake_quantize(weight, qparams, spec)
+    fake_quantized, _, _ = gptq(weight, state, spec, qparams=qparams if given else None)
+    assert fake_quantized.dtype == torch.float16 and torch.isfinite(fake_quantized).all()
+    assert want[0, 0].item() == -65504.0
+    assert torch.equal(fake_quantized[:, 0], want[:, 0])
+
+
+def test_integer_zero_point_outside_the_range_raises_as_fake_quantize():
+    weight, _, state = _layer_data(11)
+    spec = qstats.QuantSpec(dtype="int4", granularity=qstats.PerGroup(32))
+    qparams = _minmax_qparams(weight, spec)
+    bad = qparams._replace(zero_point=torch.full_like(qparams.zero_point, 100))  # int4: [-8, 7]
+    message = r"integer zero points must lie in the spec's range \[quant_min, quant_max\] = \[-8, 7\]"
+    with pytest.raises(ValueError, match="fake_quantize: " + message):
+        qstats.fake_quantize(weight, bad, spec)
+    with pytest.raises(ValueError, match="gptq: " + message):
+        gptq(weight, state, spec, qparams=bad)
+    stacked_qparams = qstats.QParams(*(torch.stack([field, field]) for field in qparams))
+    stacked_qparams = stacked_qparams._replace(zero_point=torch.stack([qparams.zero_point, bad.zero_point]))  # expert 1
+    stacked_state = HessianState(*(torch.stack([field, field]) for field in state))
+    with pytest.raises(ValueError, match="gptq: " + message):
+        gptq(torch.stack([weight, weight]), stacked_state, spec, qparams=stacked_qparams)
+    with pytest.raises(ValueError, match="gptq: " + message):
+        torch.vmap(lambda w, s, q: gptq(w, s, spec, qparams=q))(torch.stack([weight, weight]), stacked_state,
+                                                                 stacked_qparams)
+
+
+def test_stacked_experts_running_group_qparams_equal_vmap_and_round_trip():
+    """Group spec, no qparams: the batched call's QParams equal torch.vmap's of the 2-D call (a
+    global scale per expert), and fed back they give the same codes."""
+    gen = torch.Generator().manual_seed(12)
+    experts, out, features = 3, 8, 32
+    weights = torch.randn(experts, out, features, generator=gen)
+    x = torch.randn(40, features, generator=gen)
+    route = torch.rand(experts, 40, generator=gen) > 0.5
+    obs = qstats.stacked_observer(hessian(), experts)
+    shared = x.expand(experts, 40, features)
+    state = obs.update(obs.init(shared), shared, route.float())
+    spec = qstats.QuantSpec(dtype="int4", granularity=qstats.PerGroup(16))
+    _, codes, qparams = gptq(weights, state, spec)
+    _, vmapped_codes, vmapped = torch.vmap(lambda w, s: gptq(w, s, spec))(weights, state)
+    assert torch.equal(codes, vmapped_codes)
+    for name, got, want in zip(qstats.QParams._fields, qparams, vmapped):
+        assert (got is None) == (want is None), name
+        if got is not None:
+            assert got.shape == want.shape and torch.equal(got, want), name
+    assert torch.equal(gptq(weights, state, spec, qparams=qparams)[1], codes)
