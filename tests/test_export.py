@@ -422,6 +422,46 @@ def test_dynamic_sites_need_no_qparams(tmp_path):
         qstats.export.compressed_tensors(model, without, str(tmp_path / "c"), bad_specs)
 
 
+def test_a_folder_holding_a_checkpoint_is_refused(tmp_path):
+    """Shards or an index left in the folder would be read beside (or instead of) the new
+    checkpoint: refused, naming the folder, and nothing is written; a folder with only a
+    config.json is extended."""
+    model, recipe, _, qparams = _calibrated(*CASES["w8a8-int-channel-asym-input"][:2])
+    old = tmp_path / "float"
+    old.mkdir()
+    (old / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    (old / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    with pytest.raises(ValueError, match="already holds safetensors files or an index"):
+        qstats.export.compressed_tensors(model, qparams, str(old), recipe)
+    assert sorted(os.listdir(old)) == ["model-00001-of-00002.safetensors", "model.safetensors.index.json"]
+    index_only = tmp_path / "index_only"
+    index_only.mkdir()
+    (index_only / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    with pytest.raises(ValueError, match="index_only"):
+        qstats.export.compressed_tensors(model, qparams, str(index_only), recipe)
+    configured = tmp_path / "configured"
+    configured.mkdir()
+    (configured / "config.json").write_text('{"model_type": "tiny"}')
+    qstats.export.compressed_tensors(model, qparams, str(configured), recipe)
+    with open(configured / "config.json") as file:
+        assert json.load(file)["model_type"] == "tiny"
+    with pytest.raises(ValueError, match="already holds"):  # exporting twice into one folder
+        qstats.export.compressed_tensors(model, qparams, str(configured), recipe)
+
+
+def test_modules_the_recipe_quantizes_without_qparams_warn(tmp_path):
+    """A module the recipe quantizes whose qparams are left out is written in full precision and
+    listed in ``ignore``: an UncalibratedWarning names it; the whole tree warns nothing."""
+    model, recipe, _, qparams = _calibrated(*CASES["w8a8-int-channel-asym-input"][:2])
+    with pytest.warns(qstats.UncalibratedWarning, match=r"1 module\(s\).*unquantized.*\(fc2\)"):
+        written = qstats.export.compressed_tensors(model, {"fc1": qparams["fc1"]}, str(tmp_path / "part"), recipe)
+    assert "fc2" in written["ignore"]
+    assert load_file(os.path.join(str(tmp_path / "part"), "model.safetensors"))["fc2.weight"].dtype == torch.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qstats.UncalibratedWarning)
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path / "whole"), recipe)
+
+
 # --------------------------------------------------------------------------------------------
 # kv cache and attention (q/k/v) scales
 

@@ -147,6 +147,28 @@ def test_a_model_off_the_meta_device_is_refused(llama, tmp_path):
         qstats.export.compressed_tensors_layerwise(model, llama, {}, str(tmp_path), recipe, progress=False)
 
 
+def test_a_checkpoint_that_is_not_a_directory_is_refused(llama, tmp_path):
+    model = _meta(llama)
+    recipe = qstats.Recipe.from_scheme("W8A8", ignore=["lm_head"])
+    missing = str(tmp_path / "no_such_checkpoint")
+    with pytest.raises(ValueError, match="checkpoint '.*no_such_checkpoint' is not a directory"):
+        qstats.export.compressed_tensors_layerwise(model, missing, {}, str(tmp_path), recipe, progress=False)
+
+
+def test_a_layer_left_out_of_qparams_warns(llama, samples, tmp_path):
+    """Leaving out one layer's qparams writes that layer unquantized: an UncalibratedWarning names
+    its modules, which the config ignores."""
+    model = _meta(llama)
+    plan = qstats.Recipe.from_scheme("W8A8", ignore=["lm_head"]).resolve(model)
+    qparams = qstats.compute_qparams_tree(
+        qstats.calibrate_layerwise(model, llama, _batches(samples), plan, progress=False), plan)
+    without = {path: sites for path, sites in qparams.items() if not path.startswith("model.layers.1.")}
+    with pytest.warns(qstats.UncalibratedWarning, match=r"7 module\(s\).*unquantized.*model\.layers\.1\.self_attn"):
+        config = qstats.export.compressed_tensors_layerwise(model, llama, without, str(tmp_path / "out"), plan,
+                                                            progress=False)
+    assert "model.layers.1.mlp.down_proj" in config["ignore"]
+
+
 def test_tied_embeddings_and_weights_given_as_a_dict(tmp_path, samples):
     """A Llama whose lm_head is tied to the embeddings, with one weight replaced through a dict:
     the same tensors as the in-memory export of the loaded model holding that weight; a name the

@@ -13,4 +13,4 @@ from .config import FORMATS as FORMATS
 from .config import quantization_args as quantization_args
 from .layerwise import compressed_tensors_layerwise as compressed_tensors_layerwise
 
-__all__ = ["compressed_tensors", "compressed_tensors_layerwise", "quantization_args"]
+__all__ = ["FORMATS", "compressed_tensors", "compressed_tensors_layerwise", "quantization_args"]

@@ -13,7 +13,7 @@ import torch
 from .._granularity import TensorGroup
 from .._qparams import QParams
 from .._spec import QuantSpec
-from ..experts import expert_count
+from ..experts import UncalibratedWarning, expert_count
 from ..fused import fused_groups
 from ..recipe import Plan, Recipe, as_plan
 from .attention import attention_config, write_attention
@@ -37,7 +37,8 @@ def compressed_tensors(
     Args:
       model: the calibrated model (its float weights are quantized with ``qparams``).
       qparams: ``{module_path: {site: QParams}}`` (`qstats.compute_qparams_tree`); dynamic sites may be None.
-      path: output folder for ``model.safetensors`` and ``config.json`` (an existing one is extended).
+      path: output folder for ``model.safetensors`` and ``config.json``: new, or one without safetensors
+        files or index (an existing ``config.json`` there is extended).
       specs_or_recipe: the calibration `qstats.Recipe` (or its Plan), or a ``{path: {site: QuantSpec}}`` tree.
       format: one compressed-tensors format for every Linear group; default: what it infers per group.
 
@@ -45,10 +46,12 @@ def compressed_tensors(
       The ``quantization_config`` dict written into ``config.json``.
 
     Raises:
-      ValueError: a site, spec or shape compressed-tensors cannot express (names it).
+      ValueError: a site, spec or shape compressed-tensors cannot express (names it); ``path`` holding
+        safetensors files or a safetensors index (a loader would read those stale tensors).
       TypeError: wrong argument types.
     """
     _check_arguments(model, qparams, format)
+    check_new_folder(path, None, "export.compressed_tensors", "path")
     writer = Writer(specs_or_recipe, qparams, model, format)
     tensors = writer.part(qparams, model.state_dict())
     quantization_config = writer.finish()
@@ -90,6 +93,7 @@ class Writer:
 
     def finish(self) -> dict:
         _warn_log(self.log)
+        _warn_missing_qparams(self.plan.sites if self.plan is not None else self.specs, self.qparams)
         warn_mixed_experts(self.schemes, self.expert_projection)
         _warn_unshared_global_scales(self.groups, self.qparams, self.specs)
         return _quantization_config(self.schemes, self.expert_projection, self.attention, self.modules, self.format,
@@ -222,6 +226,22 @@ def _warn_log(log: dict) -> None:
         )
 
 
+def _warn_missing_qparams(quantized: Any, qparams: Mapping) -> None:
+    """Warns (`qstats.UncalibratedWarning`) naming the modules that the recipe's sites (or the specs
+    tree) quantize but ``qparams`` leaves out: they are written unquantized, in full precision."""
+    if not isinstance(quantized, Mapping):
+        return
+    missing = [path for path, sites in quantized.items() if sites and not qparams.get(path)]
+    if missing:
+        warnings.warn(
+            f"export.compressed_tensors: {len(missing)} module(s) that the recipe (or specs tree) quantizes have no "
+            f"qparams and are written unquantized, in full precision ({_listed(missing, 6)}); pass the whole "
+            "qstats.compute_qparams_tree of the calibration states to quantize them",
+            UncalibratedWarning,
+            stacklevel=4,
+        )
+
+
 def _warn_unshared_global_scales(groups, qparams: Mapping, specs: Any) -> None:
     """vLLM runs each fused group (q/k/v, gate/up: `qstats.fused.FUSED_LAYER_NAMES`) as one matmul
     under one global scale (it keeps one of the group's): a warning names the groups whose
@@ -266,13 +286,21 @@ def write_index(path: str, weight_map: dict, size: Optional[int] = None) -> None
 
 
 def check_new_folder(folder: str, checkpoint, where: str, what: str) -> None:
-    """Refuses to write shards into the checkpoint being read, or beside existing safetensors files."""
+    """Refuses a ``checkpoint`` (None: none is read) that is no directory, and shards written into
+    the checkpoint being read or beside existing safetensors files or a safetensors index."""
+    if checkpoint is not None and not os.path.isdir(checkpoint):
+        raise ValueError(f"{where}: checkpoint {os.fspath(checkpoint)!r} is not a directory")
+    folder = os.fspath(folder)
     if not os.path.isdir(folder):
         return
-    if os.path.samefile(folder, checkpoint):
+    if checkpoint is not None and os.path.samefile(folder, checkpoint):
         raise ValueError(f"{where}: {what} {folder!r} is the checkpoint being read")
-    if any(name.endswith(".safetensors") for name in os.listdir(folder)):
-        raise ValueError(f"{where}: {what} {folder!r} already holds safetensors files; give an empty or new folder")
+    stale = sorted(name for name in os.listdir(folder) if name.endswith((".safetensors", ".safetensors.index.json")))
+    if stale:
+        raise ValueError(
+            f"{where}: {what} {folder!r} already holds safetensors files or an index ({_listed(stale, 3)}), which a "
+            "loader would read beside the new checkpoint; give an empty or new folder"
+        )
 
 
 def write_config(path: str, model: torch.nn.Module, quantization_config: dict) -> None:

@@ -60,8 +60,9 @@ def compressed_tensors_layerwise(
       The ``quantization_config`` written into ``config.json``.
 
     Raises:
-      ValueError: as `compressed_tensors`; parameters off the meta device; a tensor the checkpoint lacks;
-        a tensor of ``weights`` the model lacks; ``path`` the checkpoint or holding safetensors.
+      ValueError: as `compressed_tensors`; ``checkpoint`` not a directory; parameters off the meta device;
+        a tensor the checkpoint lacks; a tensor of ``weights`` the model lacks; ``path`` the checkpoint or
+        holding safetensors files or an index.
     """
     _check_arguments(model, qparams, format)
     check_on_meta(model)
