@@ -29,6 +29,18 @@ from .recipe import Plan, Recipe, as_plan
 __all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "runtime_qparams", "runtime_spec"]
 
 
+def check_batches(batches, caller: str) -> None:
+    """TypeError when ``batches`` is one batch (a Tensor or a mapping) rather than an iterable of
+    batches: iterating it would run the model on its rows, or on its keys."""
+    if isinstance(batches, torch.Tensor):
+        got = "Tensor"
+    elif isinstance(batches, Mapping):
+        got = "dict" if type(batches) is dict else f"dict ({type(batches).__name__})"
+    else:
+        return
+    raise TypeError(f"{caller}: batches must be an iterable of batches (got a single {got}); wrap one batch in a list")
+
+
 def _run_batches(session: Observing, batches: Iterable, progress: bool, observation_weight) -> None:
     """Runs the model over ``batches`` inside ``session``, with each one's observation weight."""
     total = len(batches) if hasattr(batches, "__len__") else None
@@ -92,7 +104,9 @@ def calibrate(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"calibrate expects an nn.Module, got {type(model).__name__}")
-    with observing(model, recipe, states, all_experts=all_experts) as session:
+    check_batches(batches, "calibrate")
+    plan = as_plan(recipe, model, "calibrate")
+    with observing(model, plan, states, all_experts=all_experts) as session:
         _run_batches(session, batches, progress, observation_weight)
     return session.states
 

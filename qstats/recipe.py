@@ -78,6 +78,11 @@ def _matches(targets: tuple, path: str, module: Optional[torch.nn.Module]) -> bo
     return False
 
 
+def _unmatched_targets(targets: tuple, modules: Mapping[str, torch.nn.Module]) -> list:
+    """The entries of ``targets`` that match none of ``modules`` (``{path: module}``)."""
+    return [target for target in targets if not any(_matches((target,), p, m) for p, m in modules.items())]
+
+
 def _is_class_name(module: torch.nn.Module, target: str) -> bool:
     """The module's class or one of its ``nn.Module`` base classes is named ``target`` (as
     compressed-tensors matches: ``"Linear"`` also matches subclasses of ``nn.Linear``)."""
@@ -362,6 +367,9 @@ def as_plan(recipe, model: Optional[torch.nn.Module], caller: str) -> Plan:
         if model is not None and model is not recipe.model:
             raise ValueError(f"{caller}: the Plan was resolved on another model than the one given")
         return recipe
+    if isinstance(recipe, str):
+        raise TypeError(f"{caller} expects a qstats.Recipe or Plan, got the string {recipe!r}; for a scheme "
+                        f"name use qstats.Recipe.from_scheme({recipe!r}, ...)")
     if not isinstance(recipe, Recipe):
         raise TypeError(f"{caller} expects a qstats.Recipe or Plan, got {type(recipe).__name__}")
     if not isinstance(model, torch.nn.Module):
@@ -456,7 +464,8 @@ class Recipe:
 
     def resolve(self, model: torch.nn.Module) -> Plan:
         """The `Plan` of this recipe on ``model``: every observed site, the modules by path and
-        the fused groups, computed once. A rule that selects no site warns, naming it."""
+        the fused groups, computed once. A rule that selects no site, and an ``ignore`` entry that
+        matches no module, warn, naming it."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Recipe.resolve expects an nn.Module, got {type(model).__name__}")
         modules = dict(model.named_modules())
@@ -469,6 +478,7 @@ class Recipe:
             if entry:
                 resolved[path] = MappingProxyType(entry)
         self._warn_unmatched(found, model)
+        self._warn_unmatched_ignore(modules, model)
         shared = MappingProxyType(_resolve_shared(self.shared, resolved))
         return Plan(self, MappingProxyType(resolved), MappingProxyType(modules), tuple(fused_groups(model)), shared)
 
@@ -500,6 +510,15 @@ class Recipe:
                     UserWarning,
                     stacklevel=4,
                 )
+
+    def _warn_unmatched_ignore(self, modules: dict, model: torch.nn.Module) -> None:
+        for target in _unmatched_targets(self.ignore, modules):  # a misspelt ignore would quantize it, silently
+            warnings.warn(
+                f"Recipe: the ignore entry {target!r} matches no module in this {type(model).__name__} "
+                "(by path, class name or 're:' full match of a path), so it ignores nothing",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def sites(self, model: torch.nn.Module) -> dict:
         """``{module_path: {site: Site}}`` for every observed site of ``model`` (a plain copy of

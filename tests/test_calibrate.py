@@ -626,3 +626,19 @@ def test_observer_error_with_a_custom_constructor_is_raised_unchanged():
     recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), observer=lambda spec, **kw: base._replace(update=plain))])
     with pytest.raises(ValueError, match=r"module '0' site 'input': bad state"):
         qstats.calibrate(model, [torch.randn(2, 4)], recipe, progress=False)
+
+
+def test_one_batch_instead_of_a_list_of_batches_is_refused():
+    """A tensor would be iterated over its rows, a dict over its keys: both name the mistake."""
+    model, recipe = _model(), _recipe()
+    with pytest.raises(TypeError, match=r"calibrate: batches must be an iterable of batches \(got a single Tensor\)"):
+        qstats.calibrate(model, torch.randn(4, 6), recipe, progress=False)
+    with pytest.raises(TypeError, match=r"got a single dict\); wrap one batch in a list"):
+        qstats.calibrate(model, {"input": torch.randn(4, 6)}, recipe, progress=False)
+    states = qstats.calibrate(model, [torch.randn(4, 6)], recipe, progress=False)
+    assert sorted(states) == ["0", "2"]
+
+
+def test_a_scheme_name_as_recipe_points_to_from_scheme_naming_calibrate():
+    with pytest.raises(TypeError, match=r"^calibrate expects .*string 'W8A8'.*Recipe\.from_scheme\('W8A8'"):
+        qstats.calibrate(_model(), _batches(), "W8A8", progress=False)

@@ -164,3 +164,9 @@ def test_from_scheme_takes_the_schemes_own_targets_unless_given():
     assert qstats.Recipe.from_scheme(scheme).rules[0].targets == ("re:.*down$",)
     assert qstats.Recipe.from_scheme(scheme, targets="Linear").rules[0].targets == ("Linear",)
     assert qstats.Recipe.from_scheme("W4A16").rules[0].targets == ("Linear",)
+
+
+def test_unknown_observer_error_says_how_to_register_one():
+    with pytest.raises(ValueError, match=r"unknown observer 'rms_rangee'.*\(add one with "
+                                         r"qstats\.observers\.register\(name, factory\)\)"):
+        qstats.Rule("Linear", observer="rms_rangee")

@@ -293,3 +293,19 @@ def test_shared_sites_need_one_observer_and_spec():
                            shared={"1:output": "0:output"})
     with pytest.raises(ValueError, match="same observer"):
         recipe.resolve(model)
+
+
+def test_ignore_entries_that_match_no_module_warn_naming_them():
+    """A misspelt ignore entry ignores nothing, so the module it meant is observed: the recipe says so."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    rules = [qstats.Rule(targets="Linear", sites=("weight",), spec=qstats.QuantSpec())]
+    typo = qstats.Recipe(rules, ignore=["2", "haed", "re:1\\d", "ReLU"])
+    with pytest.warns(UserWarning, match=r"ignore entry 'haed' matches no module") as caught:
+        assert set(typo.sites(model)) == {"0"}
+    unmatched = [str(w.message) for w in caught if "ignore entry" in str(w.message)]
+    assert len(unmatched) == 2 and "'re:1\\\\d'" in unmatched[1]
+    fine = qstats.Recipe(rules, ignore=["2", "re:[12]", "ReLU", "Sequential"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set(fine.sites(model)) == {"0"}
+        qstats.Recipe.from_scheme("W8A8").resolve(model)  # no ignore entries of its own

@@ -49,7 +49,8 @@ def get(name: str) -> Callable:
         raise TypeError(f"observers.get: name must be a string, got {type(name).__name__}")
     found = _FACTORIES.get(name)
     if found is None:
-        raise ValueError(f"unknown observer {name!r}; registered observers: {', '.join(registered())}")
+        raise ValueError(f"unknown observer {name!r}; registered observers: {', '.join(registered())} "
+                         "(add one with qstats.observers.register(name, factory))")
     return found
 
 
