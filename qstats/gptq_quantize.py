@@ -328,12 +328,17 @@ def _check_arguments(weight, state, spec, block_size, dampening, actorder) -> No
                          f"{tuple(weight.shape)} (expected {expected})")
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"gptq: expected a QuantSpec, got {type(spec).__name__}")
+    check_options(block_size, dampening, actorder, "gptq")
+
+
+def check_options(block_size, dampening, actorder, where: str) -> None:
+    """ValueError for a GPTQ option out of its domain (``gptq_layerwise`` checks them up front)."""
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"gptq: block_size must be a positive int, got {block_size!r}")
-    if not 0 <= float(dampening) < float("inf"):
-        raise ValueError(f"gptq: dampening must be a finite non-negative number, got {dampening!r}")
+        raise ValueError(f"{where}: block_size must be a positive int, got {block_size!r}")
+    if not isinstance(dampening, (int, float)) or not 0 <= float(dampening) < float("inf"):
+        raise ValueError(f"{where}: dampening must be a finite non-negative number, got {dampening!r}")
     if actorder == "group":
-        raise ValueError("gptq: actorder='group' (groups in activation order with a g_idx) was removed from "
+        raise ValueError(f"{where}: actorder='group' (groups in activation order with a g_idx) was removed from "
                          "compressed-tensors 0.19 and llm-compressor 0.14; use 'static' (= 'weight') or None")
     if actorder not in _ACTORDERS:
-        raise ValueError(f"gptq: actorder must be one of {_ACTORDERS} or 'group', got {actorder!r}")
+        raise ValueError(f"{where}: actorder must be one of {_ACTORDERS} or 'group', got {actorder!r}")

@@ -26,9 +26,9 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from ._lazy_checkpoint import LazyCheckpoint, load_modules, release_modules
-from .calibration import calibrate, compute_qparams_tree, fake_quantized
+from .calibration import calibrate, check_batches, compute_qparams_tree, fake_quantized
 from .observation import check_resumed
-from .recipe import Plan, Recipe
+from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["calibrate_layerwise"]
 
@@ -287,12 +287,44 @@ class _Run:
     def reduce(self, found: dict, plan: Plan, each: bool = False) -> dict:
         """``found`` merged across ranks (with ``all_reduce``); ``each``: one state at a time, so
         that every state owns its buffer and is freed on its own (a layer's Hessians, one by one)."""
-        if not self.all_reduce:
+        if not (self.all_reduce and torch.distributed.is_available() and torch.distributed.is_initialized()):
             return found
+        found, partial = _merged_partial_sites(found, plan, self.device)
         if not each:
-            return _reduce(found, plan)
-        return {path: {site: _reduce({path: {site: state}}, plan)[path][site] for site, state in entry.items()}
-                for path, entry in found.items()}
+            found = _reduce(found, plan)
+        else:
+            found = {path: {site: _reduce({path: {site: state}}, plan)[path][site] for site, state in entry.items()}
+                     for path, entry in found.items()}
+        return {path: {**found.get(path, {}), **partial.get(path, {})} for path in [*found, *partial]}
+
+
+def _merged_partial_sites(found: dict, plan: Plan, device: Optional[torch.device]) -> tuple:
+    """``(found's states of the sites every rank observed, in one order on every rank; the merged
+    states of the sites only some ranks observed)``. A module that only some batches call (routing
+    to per-expert modules) has states on some ranks alone: those are gathered (through the CPU) and
+    merged in rank order, so that every rank goes on with the same sites and collectives."""
+    world = torch.distributed.get_world_size()
+    keys: list = [None] * world
+    torch.distributed.all_gather_object(keys, [(path, site) for path, entry in found.items() for site in entry])
+    union = list(dict.fromkeys(key for rank_keys in keys for key in rank_keys))
+    partial = {key for key in union if not all(key in set(rank_keys) for rank_keys in keys)}
+    everywhere = {}
+    for path, site in union:
+        if (path, site) not in partial:
+            everywhere.setdefault(path, {})[site] = found[path][site]
+    if not partial:
+        return everywhere, {}
+    mine = {key: _moved(found[key[0]][key[1]], torch.device("cpu")) for key in partial if key[1] in found.get(key[0], {})}
+    gathered: list = [None] * world
+    torch.distributed.all_gather_object(gathered, mine)
+    merged: dict = {}
+    for path, site in (key for key in union if key in partial):
+        present = [_moved(states[(path, site)], device) for states in gathered if (path, site) in states]
+        state = present[0]
+        for other in present[1:]:
+            state = plan.site(path, site).observer.merge(state, other)
+        merged.setdefault(path, {})[site] = state
+    return everywhere, merged
 
 
 def _agreed(all_reduce: bool, step: Callable[[], Any]) -> Any:
@@ -514,9 +546,8 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
         _check_layer_kinds(model)
         check_on_meta(model)
         execution = _execution_device(device, where)
-        plan = recipe if isinstance(recipe, Plan) else recipe.resolve(model)
-        if plan.model is not model:
-            raise ValueError(f"{where}: the Plan was resolved on another model than the one given")
+        check_batches(batches, where)
+        plan = as_plan(recipe, model, where)
         check_resumed(states or {}, plan, where)
         container_path, container = decoder_layers(model, layers)
         directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)

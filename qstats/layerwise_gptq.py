@@ -19,7 +19,7 @@ import torch
 from .calibration import compute_qparams_tree
 from .export.checkpoint import check_new_folder, write_index, write_tensors
 from .experts import UncalibratedWarning
-from .gptq_quantize import gptq
+from .gptq_quantize import check_options, gptq
 from . import distributed
 from .layerwise import _agreed, _layerwise
 from ._qparams import QParams
@@ -275,18 +275,19 @@ def gptq_layerwise(
     Raises:
       ValueError: as `calibrate_layerwise`; a recipe without integer Linear or expert weights.
     """
-    if not isinstance(experts_at_once, int) or isinstance(experts_at_once, bool) or experts_at_once < 1:
-        raise ValueError(f"gptq_layerwise: experts_at_once must be a positive int, got {experts_at_once!r}")
     weights: dict = {}
     weights_dir = None if weights_dir is None else os.fspath(weights_dir)
-    if weights_dir is not None:
-        check_new_folder(weights_dir, checkpoint, "gptq_layerwise", "weights_dir")
     options = {"block_size": block_size, "dampening": dampening, "actorder": actorder}
 
     targets: dict = {}
     uncalled: list = []
 
-    def layer_step(plan: Plan) -> tuple:
+    def layer_step(plan: Plan) -> tuple:  # in calibrate_layerwise's checks: one rank's bad argument stops all
+        if not isinstance(experts_at_once, int) or isinstance(experts_at_once, bool) or experts_at_once < 1:
+            raise ValueError(f"gptq_layerwise: experts_at_once must be a positive int, got {experts_at_once!r}")
+        check_options(block_size, dampening, actorder, "gptq_layerwise")
+        if weights_dir is not None:
+            check_new_folder(weights_dir, checkpoint, "gptq_layerwise", "weights_dir")
         targets.update(_targets(plan))
         return _hessian_plan(plan, targets), _gptq_step(plan, targets, weights, options, weights_dir, experts_at_once,
                                                               uncalled, all_reduce)

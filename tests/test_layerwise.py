@@ -284,15 +284,18 @@ def _failing_rank(rank: int, port: int, directory: str, out: str, case: str) -> 
 
 @pytest.mark.parametrize("case", ["bad_checkpoint", "bad_batch", "bad_weight", "no_batches"])
 def test_all_reduce_one_rank_failing_makes_every_rank_raise(saved, tmp_path, case):
-    """A rank with a bad argument, whose batch fails before any collective (capture) or inside a
-    layer, or that has no batch: every rank raises instead of waiting for it in a collective."""
+    """A rank with a bad argument, or whose batch fails before any collective (capture) or inside a
+    layer: every rank raises instead of waiting for it in a collective. A rank with no batch is no
+    error: it takes the other ranks' states of every site, as for a module only they call."""
     directory, _ = saved["llama"]
     codes = fork_ranks(_failing_rank, directory, str(tmp_path), case, timeout=60)
     assert [code is None for code in codes] == [False, False]
     messages = [(tmp_path / f"{case}{rank}.txt").read_text() for rank in range(2)]
+    if case == "no_batches":
+        assert messages == ["no error", "no error"], messages
+        return
     assert "no error" not in messages[0] and "no error" not in messages[1], messages
-    if case != "no_batches":
-        assert "another rank failed" in messages[0], messages
+    assert "another rank failed" in messages[0], messages
 
 
 def test_checkpoint_missing_one_experts_tensor_names_it(saved, tmp_path):
@@ -346,3 +349,129 @@ def test_default_layers_are_the_outer_list_not_the_experts_inside(tmp_path):
         model = _ExpertModel().eval()
     got = qstats.calibrate_layerwise(model, tmp_path, batches, recipe, progress=False)
     _assert_equal(got, qstats.calibrate(loaded, batches, recipe, progress=False))
+
+
+class _RoutedBlock(torch.nn.Module):
+    """A decoder layer whose second Linear runs only on batches whose first value is large (data-
+    dependent routing, as per-expert Linear modules): some ranks' batches never call it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.a(x)
+        return y + self.b(x) if float(x.flatten()[0]) > 100 else y
+
+
+class _RoutedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_RoutedBlock() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _routed_batches(rank: int) -> list:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    if rank == 0:
+        x[0, 0] = 1000.0  # calls every layer's `b`, on rank 0 only
+    return [x]
+
+
+def _routed_rank(rank: int, port: int, directory: str, out: str, gptq: bool) -> None:
+    with gloo_group(rank, port, timeout=datetime.timedelta(seconds=30)):
+        with torch.device("meta"):
+            meta = _RoutedNet().eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if gptq:
+                result = qstats.gptq_layerwise(meta, directory, _routed_batches(rank), _routed_recipe(True),
+                                               progress=False, all_reduce=True).weights  # fmt: skip
+                torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+            else:
+                states = qstats.calibrate_layerwise(meta, directory, _routed_batches(rank), _routed_recipe(False),
+                                                    progress=False, all_reduce=True)  # fmt: skip
+                qstats.save(os.path.join(out, f"rank{rank}.safetensors"), states)
+
+
+def _routed_recipe(gptq: bool) -> qstats.Recipe:
+    if gptq:
+        return qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=qstats.QuantSpec(dtype="int4",
+                              granularity=qstats.PerAxis(0)))])  # fmt: skip
+    return qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=SPEC_A)])
+
+
+@pytest.mark.parametrize("gptq", [False, True])
+def test_all_reduce_with_a_module_only_some_ranks_call(tmp_path, gptq):
+    """Rank 0's batch calls every layer's ``b``, rank 1's none: the ranks still end with the same
+    sites (rank 0's states of ``b`` merged in), equal to one process over both ranks' batches;
+    GPTQ'd weights equal. Before, the ranks raised "different state trees" (calibrate) or hung in
+    mismatched collectives (GPTQ)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    save_file(_RoutedNet().state_dict(), str(tmp_path / "model.safetensors"))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert fork_ranks(_routed_rank, str(tmp_path), str(out), gptq, timeout=90) == [0, 0]
+    with torch.device("meta"):
+        meta = _RoutedNet().eval()
+    batches = _routed_batches(0) + _routed_batches(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if gptq:
+            want = qstats.gptq_layerwise(meta, str(tmp_path), batches, _routed_recipe(True), progress=False).weights
+        else:
+            want = qstats.calibrate_layerwise(meta, str(tmp_path), batches, _routed_recipe(False), progress=False)
+    for rank in range(2):
+        if gptq:
+            got = torch.load(out / f"rank{rank}.pt")
+            assert sorted(got) == sorted(want) and "layers.1.b.weight" in got
+            for name in want:  # the Hessians merged in another order than one process's sums: float rounding
+                torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6)
+        else:
+            got = qstats.load(out / f"rank{rank}.safetensors")
+            assert "layers.1.b" in got
+            _assert_equal(got, want)
+
+
+def _bad_option_rank(rank: int, port: int, directory: str, out: str) -> None:
+    with gloo_group(rank, port, timeout=datetime.timedelta(seconds=30)):
+        with torch.device("meta"):
+            meta = _RoutedNet().eval()
+        try:
+            qstats.gptq_layerwise(meta, directory, _routed_batches(rank), _routed_recipe(True), progress=False,
+                                  all_reduce=True, experts_at_once=0 if rank == 1 else 8)  # fmt: skip
+            message = "no error"
+        except Exception as error:  # noqa: BLE001  (what each rank raised is the result)
+            message = f"{type(error).__name__}: {error}"
+        with open(os.path.join(out, f"rank{rank}.txt"), "w") as file:
+            file.write(message)
+
+
+def test_gptq_options_are_checked_before_any_work_and_on_every_rank(tmp_path):
+    """A bad GPTQ option raises before the first batch is read; with ``all_reduce``, one rank's bad
+    option makes every rank raise (the other waited for it before)."""
+    from safetensors.torch import save_file
+
+    save_file(_RoutedNet().state_dict(), str(tmp_path / "model.safetensors"))
+    read = []
+
+    def batches():
+        read.append(1)
+        yield from _routed_batches(0)
+
+    for options in ({"actorder": "group"}, {"block_size": 0}, {"dampening": -1.0}, {"experts_at_once": 0}):
+        with torch.device("meta"):
+            meta = _RoutedNet().eval()
+        with pytest.raises(ValueError, match="gptq_layerwise: " + next(iter(options))):
+            qstats.gptq_layerwise(meta, str(tmp_path), batches(), _routed_recipe(True), progress=False, **options)
+    assert read == []
+    assert fork_ranks(_bad_option_rank, str(tmp_path), str(tmp_path), timeout=60) == [0, 0]
+    messages = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    assert messages[1].startswith("ValueError: gptq_layerwise: experts_at_once"), messages
+    assert messages[0].startswith("RuntimeError: another rank failed"), messages
