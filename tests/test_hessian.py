@@ -70,6 +70,14 @@ def test_masks_and_nonfinite_rows_are_left_out():
     torch.testing.assert_close(state.total.double(), _gram(rows[keep & finite]), rtol=1e-5, atol=1e-4)
     assert int(state.count) == int((keep & finite).sum())
     assert int(state.nonfinite) == int((keep & ~finite).sum())
+    # a finite row whose products overflow float32 is left out too (it made the total Inf); float64 keeps it
+    big = torch.randn(3, 16, generator=gen)
+    big[1, 5] = 1e20
+    state = obs.update(obs.init(big), big)
+    assert int(state.count) == 2 and int(state.nonfinite) == 1 and torch.isfinite(state.total).all()
+    torch.testing.assert_close(state.total.double(), _gram(big[[0, 2]]), rtol=1e-5, atol=1e-4)
+    wide = hessian(dtype=torch.float64)
+    assert int(wide.update(wide.init(big), big).count) == 3
     # a per-batch mask (prefix of the row dimensions) leaves out whole sequences
     sequences = torch.tensor([1.0, 0.0, 1.0, 1.0])
     clean = torch.randn(4, 6, 16, generator=gen)

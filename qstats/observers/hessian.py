@@ -33,7 +33,7 @@ __all__ = ["HessianState", "hessian", "gptq_hessian"]
 class HessianState(NamedTuple):
     """``total``: sum of ``x^T x`` over the rows seen, ``[in, in]`` (float32, or the observer's
     dtype); ``count``: int64 rows summed (a scalar); ``nonfinite``: int64 rows left out because
-    they held a NaN or Inf (a scalar)."""
+    they held a NaN, an Inf or a value whose square overflows (a scalar)."""
 
     approx_fields = ("total",)  # a float sum: the laws compare it to tolerance
 
@@ -65,8 +65,9 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
 
     ``update(state, x, weight=None)``: ``x`` of shape ``[..., in_features]``; every dimension but
     the last is a row. ``weight`` (shape a prefix of ``x.shape[:-1]``: padding or routing mask)
-    leaves out the rows where it is zero. Rows holding a NaN or Inf are left out and counted in
-    ``nonfinite``. Accumulates in ``dtype`` (float32 or float64) whatever the input dtype.
+    leaves out the rows where it is zero. Rows holding a NaN or Inf, or a value whose square
+    overflows ``dtype`` (|x| above 1.8e19 in float32), are left out and counted in ``nonfinite``.
+    Accumulates in ``dtype`` (float32 or float64) whatever the input dtype.
 
     Laws: identity; associativity, commutativity and homomorphism exactly for the counts and up to
     float rounding for ``total``. Under `qstats.stacked_observer` each expert keeps its own
@@ -103,7 +104,7 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
         if x.numel() == 0:  # an empty batch leaves the state as it is (a shape test, not a value)
             return state
         rows = x.detach().reshape(-1, x.shape[-1]).to(state.total.dtype)
-        finite = torch.isfinite(rows).all(dim=1)
+        finite = torch.isfinite(rows * rows).all(dim=1)  # NaN, Inf, or a square past the dtype's range
         kept = finite if keep is None else finite & keep
         nonfinite = (~finite).sum() if keep is None else ((~finite) & keep).sum()
         # total + where(kept, rows, 0).T @ rows; under vmap over experts, each expert's rows only
