@@ -105,6 +105,7 @@ class _Calibration:
         self.states = states
         self.all_experts = all_experts
         self.weight: Optional[torch.Tensor] = None
+        self.weight_use = [0, 0]  # activations offered the current weight, and those it fitted
 
     def weight_for(self, x: torch.Tensor, flattened: bool) -> Optional[torch.Tensor]:
         """The batch's observation weight as the weight of ``x``: when ``x`` starts with its
@@ -112,11 +113,14 @@ class _Calibration:
         weight = self.weight
         if weight is None:
             return None
+        self.weight_use[0] += 1
         if flattened:
             if x.ndim >= 1 and weight.numel() == x.shape[0]:
+                self.weight_use[1] += 1
                 return weight.reshape(-1).to(x.device)
             return None
         if weight.ndim <= x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
+            self.weight_use[1] += 1
             return weight.to(x.device)
         return None
 
@@ -422,10 +426,17 @@ class Observing:
         of activation updates whose tensor starts with its dimensions: padding is not observed."""
         if weight is not None and not isinstance(weight, torch.Tensor):
             raise TypeError(f"observing: the observation weight must be a tensor or None, got {type(weight).__name__}")
-        previous, self._run.weight = self._run.weight, weight
+        previous, self._run.weight, self._run.weight_use = self._run.weight, weight, [0, 0]
         try:
             yield
         finally:
+            offered, fitted = self._run.weight_use
+            if offered and not fitted:
+                warnings.warn(
+                    f"observing: the observation weight of shape {tuple(weight.shape)} fits no observed activation "
+                    "(it must be a prefix of their shapes, e.g. (batch, tokens)), so nothing was left out",
+                    UserWarning, stacklevel=3,
+                )
             self._run.weight = previous
 
     def _count(self, module, args) -> None:

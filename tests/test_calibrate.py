@@ -642,3 +642,20 @@ def test_one_batch_instead_of_a_list_of_batches_is_refused():
 def test_a_scheme_name_as_recipe_points_to_from_scheme_naming_calibrate():
     with pytest.raises(TypeError, match=r"^calibrate expects .*string 'W8A8'.*Recipe\.from_scheme\('W8A8'"):
         qstats.calibrate(_model(), _batches(), "W8A8", progress=False)
+
+
+def test_an_observation_weight_that_fits_no_activation_warns():
+    """A weight whose shape is no prefix of the activations' was ignored in silence, so padding
+    was calibrated; now it warns (and one that fits does not)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",))])
+    batches = [torch.randn(2, 5, 8)]
+    with pytest.warns(UserWarning, match=r"observation weight of shape \(5,\) fits no observed activation"):
+        ignored = qstats.calibrate(model, batches, recipe, progress=False, observation_weight=lambda b: torch.zeros(5))
+    assert float(ignored["0"]["input"].max_val) == float(batches[0].max())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fits = qstats.calibrate(model, batches, recipe, progress=False,
+                                observation_weight=lambda b: torch.tensor([1.0, 0.0]))
+    assert float(fits["0"]["input"].max_val) == float(batches[0][0].max())
