@@ -162,8 +162,8 @@ def _site_qparams(state, found, where: str, options: dict) -> Optional[QParams]:
         return qparams
     try:
         return compute_qparams(state, found.spec, **kwargs)
-    except ValueError as error:
-        raise ValueError(f"{where}: {error}") from None
+    except (ValueError, TypeError) as error:  # named by module and site, keeping its type
+        raise type(error)(f"{where}: {error}") from None
 
 
 def _share_global_scales(out: dict, states: Mapping, plan: Plan, options: dict) -> None:

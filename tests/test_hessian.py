@@ -162,6 +162,8 @@ def test_calibrate_collects_hessians_through_a_recipe():
     hidden = torch.relu(model[0](inputs)).detach()
     torch.testing.assert_close(states["2"]["input"].total.double(), _gram(hidden), rtol=1e-5, atol=1e-4)
     assert int(states["2"]["input"].count) == 12
+    with pytest.raises(TypeError, match=r"\['0'\]\['input'\].*no range"):  # names the site
+        qstats.compute_qparams_tree(states, recipe, model)
 
 
 def _rank_state(rank: int) -> HessianState:
