@@ -71,6 +71,8 @@ def test_streaming_with_a_reference_equals_one_search_over_all_data():
     merged = obs.merge(obs.merge(shards[2], shards[0]), shards[1])
     qp = qstats.compute_qparams(merged, spec)
     assert torch.equal(qp.scale, scale.reshape(()))
+    with pytest.raises(ValueError, match="reference range holds NaN"):  # it read as "no reference"
+        qstats.mse(spec, reference=(torch.tensor(float("nan")), torch.tensor(float("nan")))).init(x)
 
 
 def test_accumulated_choice_differs_from_averaging_and_is_better_on_all_data():

@@ -254,6 +254,8 @@ def _reference_of(reference, shape, device):
         raise ValueError(
             f"mse: reference of shape {tuple(lo.shape)} does not match the quantization parameter shape {tuple(shape)}"
         )
+    if bool(lo.isnan().any() | hi.isnan().any()):  # a NaN bound would read as "no reference", in silence
+        raise ValueError("mse: the reference range holds NaN")
     return lo, hi
 
 
