@@ -31,13 +31,17 @@ def _(total, rows, keep):
 
 def _add_grams_of_shared_rows(total: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``total[e] + gram of the rows [R, F] that keep[e] keeps`` for every expert ``e`` of ``keep``
-    ``[E, R]``: one product when every expert keeps the same rows, else the kept rows gathered
-    once in expert order and one product per expert."""
+    ``[E, R]``: one product when every expert keeps the same rows (or rows of the same values in the
+    same order), else the kept rows gathered once in expert order and one product per expert."""
     if bool((keep == keep[:1]).all()):
         return total + _gram(rows[keep[0]])
     experts, rows_index = keep.nonzero(as_tuple=True)
     gathered = rows.index_select(0, rows_index)
     counts = torch.bincount(experts, minlength=keep.shape[0]).tolist()
+    first = gathered[: counts[0]]
+    copies = (len(counts), *first.shape)
+    if min(counts) == max(counts) and torch.equal(gathered.view(copies), first.expand(copies)):
+        return total + _gram(first)  # every expert's own copy of the same rows (captured per expert)
     grams = torch.empty_like(total)
     for expert, part in enumerate(torch.split(gathered, counts)):
         torch.mm(part.T, part, out=grams[expert])

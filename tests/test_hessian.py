@@ -110,7 +110,7 @@ def test_stacked_experts_equal_a_loop_over_routed_rows():
         torch.testing.assert_close(state.total[e].double(), _gram(own[e][route[e]]), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("shared", ["every token", "one padding mask"])
+@pytest.mark.parametrize("shared", ["every token", "one padding mask", "a copy per expert"])
 def test_stacked_experts_keeping_the_same_rows_equal_each_expert_alone(shared):
     """Every expert calibrated on every token (llm-compressor's default for MoE, qstats'
     ``all_experts``): the experts keep the same rows, and each state equals that expert's own
@@ -122,7 +122,12 @@ def test_stacked_experts_keeping_the_same_rows_equal_each_expert_alone(shared):
     obs, one = qstats.stacked_observer(hessian(), experts), hessian()
     shared_x = x.expand(experts, tokens, features)
     start = obs.update(obs.init(shared_x), shared_x, torch.rand(experts, tokens, generator=gen) > 0.5)
-    state = obs.update(start, shared_x, keep.expand(experts, tokens))
+    if shared == "a copy per expert":  # as the experts' captured matmul inputs: rows [E * T], a block each
+        rows = x.repeat(experts, 1)
+        blocks = torch.block_diag(*[keep[None]] * experts)
+        state = obs.update(start, rows.expand(experts, *rows.shape), blocks)
+    else:
+        state = obs.update(start, shared_x, keep.expand(experts, tokens))
     for e in range(experts):
         alone = one.update(HessianState(*(field[e] for field in start)), x, keep)
         assert all(torch.equal(a, b) for a, b in zip(alone, (field[e] for field in state))), e
