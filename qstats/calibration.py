@@ -156,14 +156,14 @@ def _site_qparams(state, found, where: str, options: dict) -> Optional[QParams]:
     kwargs = {**dict(found.rule.qparams_kwargs), **options}
     if found.runtime and not isinstance(found.spec.granularity, TensorGroup):
         return None  # scales at run time: nothing calibrated
-    if found.num_experts:
-        qparams = stacked_qparams(state, found.spec, **kwargs)
-        check_calibrated(qparams.calibrated, found.spec, where=where)
-        return qparams
     try:
-        return compute_qparams(state, found.spec, **kwargs)
-    except (ValueError, TypeError) as error:  # named by module and site, keeping its type
-        raise type(error)(f"{where}: {error}") from None
+        qparams = (stacked_qparams if found.num_experts else compute_qparams)(state, found.spec, **kwargs)
+    except (ValueError, TypeError) as error:  # named by module and site, the same exception
+        error.args = (f"{where}: {error}", *error.args[1:])
+        raise
+    if found.num_experts:
+        check_calibrated(qparams.calibrated, found.spec, where=where)
+    return qparams
 
 
 def _share_global_scales(out: dict, states: Mapping, plan: Plan, options: dict) -> None:

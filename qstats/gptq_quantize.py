@@ -335,7 +335,11 @@ def check_options(block_size, dampening, actorder, where: str) -> None:
     """ValueError for a GPTQ option out of its domain (``gptq_layerwise`` checks them up front)."""
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"{where}: block_size must be a positive int, got {block_size!r}")
-    if not isinstance(dampening, (int, float)) or not 0 <= float(dampening) < float("inf"):
+    try:
+        number = float(dampening)  # a Python, numpy or 0-d torch number
+    except (TypeError, ValueError, RuntimeError):
+        number = float("nan")
+    if not 0 <= number < float("inf"):
         raise ValueError(f"{where}: dampening must be a finite non-negative number, got {dampening!r}")
     if actorder == "group":
         raise ValueError(f"{where}: actorder='group' (groups in activation order with a g_idx) was removed from "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import shutil
 import tempfile
@@ -126,6 +127,8 @@ def _execution_device(device, where: str) -> Optional[torch.device]:
         torch.empty(0, device=device)
     except (RuntimeError, TypeError, AssertionError) as error:
         raise ValueError(f"{where}: device={device!r} cannot hold tensors here: {error}") from None
+    if device.type == "meta":
+        raise ValueError(f"{where}: device='meta' holds no data; name the device the layers run on")
     return device
 
 
@@ -301,30 +304,53 @@ class _Run:
 def _merged_partial_sites(found: dict, plan: Plan, device: Optional[torch.device]) -> tuple:
     """``(found's states of the sites every rank observed, in one order on every rank; the merged
     states of the sites only some ranks observed)``. A module that only some batches call (routing
-    to per-expert modules) has states on some ranks alone: those are gathered (through the CPU) and
-    merged in rank order, so that every rank goes on with the same sites and collectives."""
-    world = torch.distributed.get_world_size()
+    to per-expert modules) has states on some ranks alone: each holder broadcasts its state in
+    turn, one state at a time, and every rank merges them in rank order, so that every rank goes
+    on with the same sites and collectives."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     keys: list = [None] * world
     torch.distributed.all_gather_object(keys, [(path, site) for path, entry in found.items() for site in entry])
+    held = [set(rank_keys) for rank_keys in keys]
     union = list(dict.fromkeys(key for rank_keys in keys for key in rank_keys))
-    partial = {key for key in union if not all(key in set(rank_keys) for rank_keys in keys)}
-    everywhere = {}
-    for path, site in union:
-        if (path, site) not in partial:
-            everywhere.setdefault(path, {})[site] = found[path][site]
+    partial = [key for key in union if not all(key in rank_keys for rank_keys in held)]
+    everywhere: dict = {}
+    for path, site in (key for key in union if key not in partial):
+        everywhere.setdefault(path, {})[site] = found[path][site]
     if not partial:
         return everywhere, {}
-    mine = {key: _moved(found[key[0]][key[1]], torch.device("cpu")) for key in partial if key[1] in found.get(key[0], {})}
-    gathered: list = [None] * world
-    torch.distributed.all_gather_object(gathered, mine)
+    layouts: list = [None] * world  # (state type, field shapes and dtypes) of each state a rank holds
+    torch.distributed.all_gather_object(layouts, {key: _layout(found[key[0]][key[1]]) for key in partial
+                                                  if key in held[rank]})  # fmt: skip
     merged: dict = {}
-    for path, site in (key for key in union if key in partial):
-        present = [_moved(states[(path, site)], device) for states in gathered if (path, site) in states]
-        state = present[0]
-        for other in present[1:]:
-            state = plan.site(path, site).observer.merge(state, other)
+    for path, site in partial:
+        state = None
+        for source in (r for r in range(world) if (path, site) in held[r]):
+            mine = found[path][site] if source == rank else None
+            received = _broadcast_state(mine, layouts[source][(path, site)], source, device)
+            state = received if state is None else plan.site(path, site).observer.merge(state, received)
         merged.setdefault(path, {})[site] = state
     return everywhere, merged
+
+
+def _layout(state) -> tuple:
+    return type(state), [(tuple(field.shape), field.dtype) for field in state]
+
+
+def _broadcast_state(state, layout: tuple, source: int, device: Optional[torch.device]):
+    """``source``'s state (``state`` there, None elsewhere) on every rank, on ``device`` (default the
+    CPU), field by field as bytes through the process group's device."""
+    kind, fields = layout
+    through = distributed._probe_device(None)
+    out = []
+    for index, (shape, dtype) in enumerate(fields):
+        if state is not None:
+            value = state[index].detach().to(through).contiguous().reshape(-1)
+        else:
+            value = torch.empty(math.prod(shape), dtype=dtype, device=through)
+        bits = value.view(torch.uint8)
+        torch.distributed.broadcast(bits, src=source)
+        out.append(value.reshape(shape).to(device or "cpu"))
+    return kind(*out)
 
 
 def _agreed(all_reduce: bool, step: Callable[[], Any]) -> Any:
@@ -434,12 +460,17 @@ def _run_outside(run: _Run, container_path: str, container, observation_weight) 
     plan = _sub_plan(run.plan, lambda p: not inside(p, container_path), run.model)
     saved: list = []
 
+    def batches() -> Iterator:  # each batch as the capture saw it (moved), its weight as computed there
+        for record in run.store:
+            shared["weight"] = record.weight
+            yield _moved(record.batch, run.device)
+
     def observe() -> dict:
         saved.extend(_outer_loaded(run, container_path))
         for index in range(len(layers)):
             container[index] = _Replay(run.store, index == 0, shared, run.device)
-        batches = (_moved(record.batch, run.device) for record in run.store)
-        return run.calibrate(run.model, plan, batches, observation_weight)
+        weight = None if observation_weight is None else (lambda batch: shared["weight"])
+        return run.calibrate(run.model, plan, batches(), weight)
 
     try:
         return run.reduce(run.agreed(observe), plan)
@@ -550,8 +581,8 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
         plan = as_plan(recipe, model, where)
         check_resumed(states or {}, plan, where)
         container_path, container = decoder_layers(model, layers)
-        directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)
         side_plan, after_layer = (None, None) if layer_step is None else layer_step(plan)
+        directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)
         run = _Run(model, LazyCheckpoint(checkpoint, where), plan, _Store(directory), dict(states or {}),
                    bool(all_experts), propagate, bool(all_reduce), execution, side_plan, after_layer)
         made.append(directory)

@@ -52,6 +52,10 @@ def test_fixed_qparams_per_channel_and_validation():
         qstats.fixed_qparams(bf16, 0.1)
     held = float(torch.tensor(0.1).bfloat16())
     assert float(qstats.compute_qparams(qstats.fixed_qparams(bf16, held).init(x), bf16).scale) == held
+    e8m0 = qstats.QuantSpec(dtype="fp8_e4m3fn", scale_dtype="e8m0")
+    assert float(qstats.compute_qparams(qstats.fixed_qparams(e8m0, 0.5).init(x), e8m0).scale) == 0.5
+    with pytest.raises(ValueError, match="not a power of two"):
+        qstats.fixed_qparams(e8m0, 0.3)
 
 
 def test_states_of_other_constants_do_not_merge():

@@ -8,6 +8,7 @@ import json
 import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -170,6 +171,10 @@ def test_inputs_are_not_modified_and_bad_arguments_raise():
         gptq(weight[:, :64], state, spec)
     with pytest.raises(TypeError, match="HessianState"):
         gptq(weight, tuple(state), spec)
+    with pytest.raises(ValueError, match="dampening"):
+        gptq(weight, state, spec, dampening="much")
+    for dampening in (np.float32(0.01), torch.tensor(0.01)):  # any real number, as float(...) takes it
+        assert torch.equal(gptq(weight, state, spec, dampening=dampening)[1], gptq(weight, state, spec)[1])
 
 
 class _Tiny(torch.nn.Module):

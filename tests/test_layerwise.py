@@ -196,8 +196,8 @@ def test_execution_device_moves_everything_and_changes_nothing(saved, propagate,
             resumed = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, second, recipe,
                                                  device=torch.device("cpu"), states=qstats.load(path), **options)
             _assert_equal(resumed, want)
-    for device in ("tpu9",) + (() if torch.cuda.is_available() else ("cuda",)):
-        with pytest.raises(ValueError, match="cannot hold tensors"):
+    for device in ("tpu9", "meta") + (() if torch.cuda.is_available() else ("cuda",)):
+        with pytest.raises(ValueError, match="cannot hold tensors|holds no data"):
             qstats.calibrate_layerwise(_meta("llama"), saved["llama"][0], first, _recipe("llama"), device=device)
 
 
@@ -377,13 +377,13 @@ class _RoutedNet(torch.nn.Module):
 
 def _routed_batches(rank: int) -> list:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
-    if rank == 0:
-        x[0, 0] = 1000.0  # calls every layer's `b`, on rank 0 only
+    if rank % 2 == 0:
+        x[0, 0] = 1000.0  # calls every layer's `b`, on ranks 0 and 2 only
     return [x]
 
 
-def _routed_rank(rank: int, port: int, directory: str, out: str, gptq: bool) -> None:
-    with gloo_group(rank, port, timeout=datetime.timedelta(seconds=30)):
+def _routed_rank(rank: int, port: int, directory: str, out: str, gptq: bool, world: int) -> None:
+    with gloo_group(rank, port, world=world, timeout=datetime.timedelta(seconds=30)):
         with torch.device("meta"):
             meta = _RoutedNet().eval()
         with warnings.catch_warnings():
@@ -405,29 +405,29 @@ def _routed_recipe(gptq: bool) -> qstats.Recipe:
     return qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=SPEC_A)])
 
 
-@pytest.mark.parametrize("gptq", [False, True])
-def test_all_reduce_with_a_module_only_some_ranks_call(tmp_path, gptq):
-    """Rank 0's batch calls every layer's ``b``, rank 1's none: the ranks still end with the same
-    sites (rank 0's states of ``b`` merged in), equal to one process over both ranks' batches;
-    GPTQ'd weights equal. Before, the ranks raised "different state trees" (calibrate) or hung in
-    mismatched collectives (GPTQ)."""
+@pytest.mark.parametrize("gptq, world", [(False, 2), (False, 3), (True, 2)])
+def test_all_reduce_with_a_module_only_some_ranks_call(tmp_path, gptq, world):
+    """Ranks 0 and 2 call every layer's ``b``, rank 1 none: the ranks still end with the same sites
+    (the holders' states of ``b`` merged in rank order), equal to one process over all the ranks'
+    batches; GPTQ'd weights equal. Before, the ranks raised "different state trees" (calibrate) or
+    hung in mismatched collectives (GPTQ)."""
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
     save_file(_RoutedNet().state_dict(), str(tmp_path / "model.safetensors"))
     out = tmp_path / "out"
     out.mkdir()
-    assert fork_ranks(_routed_rank, str(tmp_path), str(out), gptq, timeout=90) == [0, 0]
+    assert fork_ranks(_routed_rank, str(tmp_path), str(out), gptq, world, world=world, timeout=90) == [0] * world
     with torch.device("meta"):
         meta = _RoutedNet().eval()
-    batches = _routed_batches(0) + _routed_batches(1)
+    batches = [batch for rank in range(world) for batch in _routed_batches(rank)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if gptq:
             want = qstats.gptq_layerwise(meta, str(tmp_path), batches, _routed_recipe(True), progress=False).weights
         else:
             want = qstats.calibrate_layerwise(meta, str(tmp_path), batches, _routed_recipe(False), progress=False)
-    for rank in range(2):
+    for rank in range(world):
         if gptq:
             got = torch.load(out / f"rank{rank}.pt")
             assert sorted(got) == sorted(want) and "layers.1.b.weight" in got
@@ -465,12 +465,15 @@ def test_gptq_options_are_checked_before_any_work_and_on_every_rank(tmp_path):
         read.append(1)
         yield from _routed_batches(0)
 
+    offload = tmp_path / "offload"
+    offload.mkdir()
     for options in ({"actorder": "group"}, {"block_size": 0}, {"dampening": -1.0}, {"experts_at_once": 0}):
         with torch.device("meta"):
             meta = _RoutedNet().eval()
         with pytest.raises(ValueError, match="gptq_layerwise: " + next(iter(options))):
-            qstats.gptq_layerwise(meta, str(tmp_path), batches(), _routed_recipe(True), progress=False, **options)
-    assert read == []
+            qstats.gptq_layerwise(meta, str(tmp_path), batches(), _routed_recipe(True), progress=False,
+                                  offload_dir=offload, **options)  # fmt: skip
+    assert read == [] and list(offload.iterdir()) == []  # no batch read, no offload folder left
     assert fork_ranks(_bad_option_rank, str(tmp_path), str(tmp_path), timeout=60) == [0, 0]
     messages = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
     assert messages[1].startswith("ValueError: gptq_layerwise: experts_at_once"), messages

@@ -73,6 +73,18 @@ def _count(x, weight):
     return (mask != 0).sum()
 
 
+def _check_held(scale, scale_t: torch.Tensor, spec: QuantSpec) -> None:
+    """ValueError unless every scale is a value of ``spec.scale_dtype`` (QParams' scales are)."""
+    if spec.scale_dtype == "e8m0":
+        if not bool((torch.frexp(scale_t).mantissa == 0.5).all()):
+            raise ValueError(f"fixed_qparams: scale {scale!r} is not a power of two (an e8m0 scale)")
+        return
+    held = scale_t.to(getattr(torch, spec.scale_dtype)).float()
+    if not torch.equal(held, scale_t):
+        raise ValueError(f"fixed_qparams: scale {scale!r} is not a {spec.scale_dtype} value (it rounds to "
+                         f"{held.tolist()}); pass that, or a spec with scale_dtype='float32'")
+
+
 def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     """Constant quantization parameters (torch.ao ``FixedQParamsObserver``).
 
@@ -90,10 +102,7 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     zero_t = torch.as_tensor(zero_point)
     if not bool(torch.isfinite(scale_t).all()) or not bool((scale_t > 0).all()):
         raise ValueError(f"fixed_qparams: scale must be positive and finite, got {scale!r}")
-    held = scale_t.to(getattr(torch, spec.scale_dtype)).float()
-    if not torch.equal(held, scale_t):  # QParams' scales are values of the spec's scale dtype
-        raise ValueError(f"fixed_qparams: scale {scale!r} is not a {spec.scale_dtype} value (nearest: "
-                         f"{held.tolist()}); pass that, or a spec with scale_dtype='float32'")
+    _check_held(scale, scale_t, spec)
     if spec.zero_point_domain == "float":
         zero_t = zero_t.to(torch.float32)
     else:
