@@ -165,7 +165,8 @@ def _minmax_qparams(weight: torch.Tensor, spec: QuantSpec) -> QParams:
 def _quantize_column(column, scale, zero_point, global_scale, spec):
     """``(fake-quantized values, float codes)`` of one weight column under per-row parameters."""
     _, codes = _codes_float(column, scale, zero_point, spec, global_scale)
-    return _dequantize_view(codes, scale, zero_point, spec, global_scale), codes
+    # in the column's dtype (float zero points dequantize in float64: the error update is float32)
+    return _dequantize_view(codes, scale, zero_point, spec, global_scale).to(column.dtype), codes
 
 
 def _running_qparams(rest, start, stop, group_size, spec, found):

@@ -360,3 +360,20 @@ def test_stacked_experts_running_group_qparams_equal_vmap_and_round_trip():
         if got is not None:
             assert got.shape == want.shape and torch.equal(got, want), name
     assert torch.equal(gptq(weights, state, spec, qparams=qparams)[1], codes)
+
+
+@pytest.mark.parametrize("spec", [
+    qstats.QuantSpec(dtype="int4", granularity=qstats.PerGroup(16)),
+    qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)),
+    qstats.QuantSpec(dtype="uint4", granularity=qstats.PerGroup(16), zero_point_domain="float", mapping="asymmetric"),
+], ids=["int4-group", "int8-channel", "uint4-float-zero-point"])
+def test_an_identity_hessian_gives_round_to_nearest(spec):
+    """No correlation between inputs: no error to spread, so GPTQ is `fake_quantize` under the same
+    qparams (the float zero-point domain failed here on a float64 error column)."""
+    weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(9))
+    identity = HessianState(torch.eye(32) * 10, torch.tensor(10), torch.tensor(0))
+    obs = qstats.minmax(spec)
+    qparams = qstats.compute_qparams(obs.update(obs.init(weight), weight), spec)
+    quantized, _, _ = gptq(weight, identity, spec, qparams=qparams, actorder=None)
+    assert quantized.dtype == weight.dtype
+    assert torch.equal(quantized, qstats.fake_quantize(weight, qparams, spec))
