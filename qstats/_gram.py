@@ -41,8 +41,10 @@ def _rows_of_every_expert(gathered: torch.Tensor, counts: list) -> Optional[torc
     blocks = gathered.view(len(counts), counts[0], -1)
     if torch.equal(blocks, blocks[:1].expand_as(blocks)):
         return blocks[0]
-    weights = torch.linspace(1.0, 2.0, blocks.shape[-1], dtype=torch.float64, device=blocks.device)
-    order = (blocks.double() @ weights).argsort(dim=1, stable=True)
+    keys = blocks @ torch.linspace(1.0, 2.0, blocks.shape[-1], dtype=blocks.dtype, device=blocks.device)
+    keys, order = keys.sort(dim=1, stable=True)
+    if not torch.equal(keys, keys[:1].expand_as(keys)):  # other rows: no need to compare them all
+        return None
     blocks = blocks.gather(1, order.unsqueeze(-1).expand_as(blocks))
     return blocks[0] if torch.equal(blocks, blocks[:1].expand_as(blocks)) else None
 
