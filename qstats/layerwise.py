@@ -290,7 +290,7 @@ class _Run:
     def reduce(self, found: dict, plan: Plan, each: bool = False) -> dict:
         """``found`` merged across ranks (with ``all_reduce``); ``each``: one state at a time, so
         that every state owns its buffer and is freed on its own (a layer's Hessians, one by one)."""
-        if not (self.all_reduce and torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if not (self.all_reduce and group_up()):
             return found
         found, partial = _merged_partial_sites(found, plan, self.device)
         if not each:
@@ -353,10 +353,15 @@ def _broadcast_state(state, layout: tuple, source: int, device: Optional[torch.d
     return kind(*out)
 
 
+def group_up() -> bool:
+    """Whether the default process group is initialised (collectives would run)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _agreed(all_reduce: bool, step: Callable[[], Any]) -> Any:
     """``step()``; with ``all_reduce``, every rank then learns whether one rank's step raised, so
     that all raise instead of the others waiting for it in the next collective."""
-    if not (all_reduce and torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if not (all_reduce and group_up()):
         return step()
     result = error = None
     try:

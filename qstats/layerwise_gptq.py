@@ -21,7 +21,7 @@ from .export.checkpoint import check_new_folder, write_index, write_tensors
 from .experts import UncalibratedWarning
 from .gptq_quantize import check_options, gptq
 from . import distributed
-from .layerwise import _agreed, _layerwise
+from .layerwise import _agreed, _layerwise, group_up
 from ._qparams import QParams
 from .observers.hessian import HessianState, hessian
 from .recipe import Plan, Recipe, Rule
@@ -125,7 +125,7 @@ def _gptq_part(job: _Job, take: slice, options: dict) -> torch.Tensor:
 
 def _sharing() -> tuple:
     """``(rank, world)`` of the default process group, ``(0, 1)`` without one."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if group_up():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
 

@@ -111,16 +111,21 @@ def test_running_group_scales_reduce_the_output_error_and_are_consistent():
     assert error_gptq < 0.8 * error_rtn
 
 
+def _routed_experts(seed: int, experts: int, out: int, features: int, tokens: int) -> tuple:
+    """Random stacked expert weights and the stacked Hessian of shared inputs under a random routing."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.randn(experts, out, features, generator=gen)
+    x = torch.randn(tokens, features, generator=gen)
+    route = torch.rand(experts, tokens, generator=gen) > 0.5
+    obs = qstats.stacked_observer(hessian(), experts)
+    shared = x.expand(experts, tokens, features)
+    return weights, obs.update(obs.init(shared), shared, route.float())
+
+
 @pytest.mark.parametrize("actorder", [None, "static"])
 def test_vmap_over_experts_equals_a_loop(actorder):
-    gen = torch.Generator().manual_seed(4)
-    experts, out, features = 4, 16, 64
-    weights = torch.randn(experts, out, features, generator=gen)
-    x = torch.randn(80, features, generator=gen)
-    route = torch.rand(experts, 80, generator=gen) > 0.5
-    obs = qstats.stacked_observer(hessian(), experts)
-    shared = x.expand(experts, 80, features)
-    state = obs.update(obs.init(shared), shared, route.float())
+    experts = 4
+    weights, state = _routed_experts(4, experts, 16, 64, 80)
     spec = qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4, strategy="group", group_size=16))
     stacked_qparams = qstats.stacked_qparams(qstats.stacked_observer(qstats.minmax(spec), experts).update(
         qstats.stacked_observer(qstats.minmax(spec), experts).init(weights), weights), spec)
@@ -343,14 +348,7 @@ def test_integer_zero_point_outside_the_range_raises_as_fake_quantize():
 def test_stacked_experts_running_group_qparams_equal_vmap_and_round_trip():
     """Group spec, no qparams: the batched call's QParams equal torch.vmap's of the 2-D call (a
     global scale per expert), and fed back they give the same codes."""
-    gen = torch.Generator().manual_seed(12)
-    experts, out, features = 3, 8, 32
-    weights = torch.randn(experts, out, features, generator=gen)
-    x = torch.randn(40, features, generator=gen)
-    route = torch.rand(experts, 40, generator=gen) > 0.5
-    obs = qstats.stacked_observer(hessian(), experts)
-    shared = x.expand(experts, 40, features)
-    state = obs.update(obs.init(shared), shared, route.float())
+    weights, state = _routed_experts(12, 3, 8, 32, 40)
     spec = qstats.QuantSpec(dtype="int4", granularity=qstats.PerGroup(16))
     _, codes, qparams = gptq(weights, state, spec)
     _, vmapped_codes, vmapped = torch.vmap(lambda w, s: gptq(w, s, spec))(weights, state)
