@@ -10,8 +10,6 @@ Every path computes the product, then adds it to ``total``, in a new tensor.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 __all__ = ["add_masked_gram"]
@@ -31,36 +29,15 @@ def _(total, rows, keep):
     return torch.empty_like(total)
 
 
-def _rows_of_every_expert(gathered: torch.Tensor, counts: list) -> Optional[torch.Tensor]:
-    """The rows every expert keeps when each expert's block of ``gathered`` holds the same rows, in
-    any order (each expert's own copy of every token: experts' captured matmul inputs under
-    ``all_experts``, whose order the experts' kernel may shuffle); else None. Blocks are compared
-    as they are, then sorted by a projection of their rows (equal rows, equal keys)."""
-    if min(counts) != max(counts) or not counts[0]:
-        return None
-    blocks = gathered.view(len(counts), counts[0], -1)
-    if torch.equal(blocks, blocks[:1].expand_as(blocks)):
-        return blocks[0]
-    keys = blocks @ torch.linspace(1.0, 2.0, blocks.shape[-1], dtype=blocks.dtype, device=blocks.device)
-    keys, order = keys.sort(dim=1, stable=True)
-    if not torch.equal(keys, keys[:1].expand_as(keys)):  # other rows: no need to compare them all
-        return None
-    blocks = blocks.gather(1, order.unsqueeze(-1).expand_as(blocks))
-    return blocks[0] if torch.equal(blocks, blocks[:1].expand_as(blocks)) else None
-
-
 def _add_grams_of_shared_rows(total: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``total[e] + gram of the rows [R, F] that keep[e] keeps`` for every expert ``e`` of ``keep``
-    ``[E, R]``: one product when every expert keeps the same rows (or its own copy of them), else the
-    kept rows gathered once in expert order and one product per expert."""
+    ``[E, R]``: one product when every expert keeps the same rows, else the kept rows gathered once
+    in expert order and one product per expert."""
     if bool((keep == keep[:1]).all()):
         return total + _gram(rows[keep[0]])
     experts, rows_index = keep.nonzero(as_tuple=True)
     gathered = rows.index_select(0, rows_index)
     counts = torch.bincount(experts, minlength=keep.shape[0]).tolist()
-    shared = _rows_of_every_expert(gathered, counts)
-    if shared is not None:
-        return total + _gram(shared)
     grams = torch.empty_like(total)
     for expert, part in enumerate(torch.split(gathered, counts)):
         torch.mm(part.T, part, out=grams[expert])

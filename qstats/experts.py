@@ -26,6 +26,7 @@ __all__ = [
     "UncalibratedWarning",
     "expert_count",
     "all_experts_calls",
+    "copies_of_tokens",
     "ids_mask",
     "parameter_input_site",
     "is_stacked_parameter",
@@ -204,6 +205,31 @@ def ids_mask(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """The ``[E, rows]`` float mask of rows tagged with expert ids ``[rows]``; ids outside
     ``[0, E)`` (padding, sentinel rows) belong to no expert."""
     return _scatter_mask(ids.reshape(1, -1), num_experts)
+
+
+def copies_of_tokens(rows: torch.Tensor, ids: torch.Tensor, tokens: torch.Tensor, num_experts: int):
+    """``[E]`` bool, the experts holding rows, when each of them holds every row of ``tokens``
+    ``[T, F]`` once, in any order (its copy of every token under ``all_experts``); else None. Such
+    rows are observed as ``tokens`` once under a mask, not as ``E`` copies. Rows are compared
+    exactly, after sorting both sides by a float32 projection of each row."""
+    count, features = tokens.shape
+    if not count or rows.dtype != tokens.dtype or rows.shape[1:] != tokens.shape[1:] or rows.shape[0] % count:
+        return None
+    if not bool(((ids >= 0) & (ids < num_experts)).all()):
+        return None
+    held = torch.bincount(ids, minlength=num_experts)
+    if not bool((held[held > 0] == count).all()):
+        return None
+    if not bool((ids[1:] >= ids[:-1]).all()):
+        rows = rows[torch.argsort(ids, stable=True)]
+    blocks = rows.view(-1, count, features)
+    if torch.equal(blocks, tokens.expand_as(blocks)):  # each expert's rows in token order
+        return held > 0
+    probe = torch.linspace(1.0, 2.0, features, device=tokens.device)
+    order = (blocks.float() @ probe).argsort(dim=1, stable=True)
+    blocks = blocks.gather(1, order.unsqueeze(-1).expand_as(blocks))
+    tokens = tokens[(tokens.float() @ probe).argsort(stable=True)]
+    return held > 0 if torch.equal(blocks, tokens.expand_as(blocks)) else None
 
 
 def _scatter_mask(index: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from .experts import (
     ExpertInputCapture,
     UncalibratedWarning,
     all_experts_calls,
+    copies_of_tokens,
     dispatch,
     ids_mask,
     own_parameters,
@@ -313,6 +314,7 @@ class _ExpertMatmulInputs:
                 f"calibrate: all_experts: cannot find the routing (an integer tensor [tokens, k] of selected "
                 f"experts) in the call of the experts module {self.path!r}"
             )
+        rows_of_x = x.detach().reshape(-1, x.shape[-1])
         found: dict = {}  # site -> [(rows, mask)] of every call: each expert is in one call only
         for call_args, call_kwargs in calls:
             capture, handles, tokens, weight = self._start(module, x)
@@ -321,19 +323,26 @@ class _ExpertMatmulInputs:
                     module.forward(*call_args, **call_kwargs)
             finally:
                 _stop(capture, handles)
-            for site, rows_mask in self._rows(module, capture, tokens, weight).items():
-                found.setdefault(site, []).append(rows_mask)
+            for site, (rows, ids, mask) in self._rows(module, capture, tokens, weight).items():
+                experts = copies_of_tokens(rows, ids, rows_of_x, num_experts)
+                if experts is not None:  # the experts' copies of the tokens: kept as the tokens once
+                    rows, mask = rows_of_x, experts[:, None].float().expand(num_experts, rows_of_x.shape[0])
+                    mask = mask if weight is None else mask * (weight != 0).to(mask.dtype)
+                found.setdefault(site, []).append((rows, mask))
         for site, parts in found.items():  # one update per site: the masks keep each expert's rows
             rows, masks = zip(*parts)
-            self.sites[site].observe_rows(torch.cat(rows), torch.cat(masks, dim=1))
+            if all(part is rows_of_x for part in rows):  # every expert's rows are the tokens: no copies
+                self.sites[site].observe_rows(rows_of_x, sum(masks))
+            else:
+                self.sites[site].observe_rows(torch.cat(rows), torch.cat(masks, dim=1))
 
     def _observe(self, module, capture: ExpertInputCapture, tokens: int, weight) -> None:
         """Observes the rows a finished capture holds, site by site."""
-        for site, (rows, mask) in self._rows(module, capture, tokens, weight).items():
+        for site, (rows, _, mask) in self._rows(module, capture, tokens, weight).items():
             self.sites[site].observe_rows(rows, mask)
 
     def _rows(self, module, capture: ExpertInputCapture, tokens: int, weight) -> dict:
-        """``{site: (rows, mask [E, rows])}`` of the float rows a finished capture holds."""
+        """``{site: (rows, expert ids [rows], mask [E, rows])}`` of the float rows a finished capture holds."""
         out = {}
         for site, hook in self.sites.items():
             name = self.parameters[site]
@@ -352,7 +361,7 @@ class _ExpertMatmulInputs:
                 mask = ids_mask(ids, hook.found.num_experts)
                 if weight is not None:
                     mask = mask * self._kept_rows(capture, name, site, weight).to(mask.dtype)
-                out[site] = (rows, mask)
+                out[site] = (rows, ids, mask)
         return out
 
     def _kept_rows(self, capture: ExpertInputCapture, name: str, site: str, weight: torch.Tensor) -> torch.Tensor:

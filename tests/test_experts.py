@@ -292,3 +292,26 @@ def test_shared_tokens_with_a_routing_mask_on_a_vmapped_histogram_equal_the_expe
         reference = plain.update(plain.init(x), x, mask[expert])
         for field, ours, theirs in zip(state._fields, state, reference):
             assert torch.equal(ours[expert], theirs), (expert, field)
+
+
+def test_copies_of_tokens_finds_every_expert_holding_every_token_in_any_order():
+    from qstats.experts import copies_of_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randn(7, 5, generator=gen)
+    in_order = torch.cat([tokens, tokens])
+    shuffled = torch.cat([tokens[torch.randperm(7, generator=gen)], tokens[torch.randperm(7, generator=gen)]])
+    ids = torch.tensor([1] * 7 + [3] * 7)
+    expected = torch.tensor([False, True, False, True])
+    assert torch.equal(copies_of_tokens(in_order, ids, tokens, 4), expected)
+    assert torch.equal(copies_of_tokens(shuffled, ids, tokens, 4), expected)
+    interleaved = torch.stack([tokens, tokens], dim=1).reshape(14, 5)  # rows of experts 1 and 3 alternate
+    assert torch.equal(copies_of_tokens(interleaved, torch.tensor([1, 3] * 7), tokens, 4), expected)
+    other = shuffled.clone()
+    other[9, 2] += 1e-3  # one value differs
+    assert copies_of_tokens(other, ids, tokens, 4) is None
+    repeated = torch.cat([tokens[[0, 0, 1, 2, 3, 4, 5]], tokens])  # a token twice, another missing
+    assert copies_of_tokens(repeated, ids, tokens, 4) is None
+    assert copies_of_tokens(in_order[:13], ids[:13], tokens, 4) is None  # an expert short of a token
+    assert copies_of_tokens(in_order, torch.tensor([1] * 7 + [4] * 7), tokens, 4) is None  # a sentinel id
+    assert copies_of_tokens(in_order.double(), ids, tokens, 4) is None

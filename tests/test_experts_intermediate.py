@@ -491,3 +491,37 @@ def test_all_experts_observes_every_token_for_every_expert(qwen3_moe, implementa
             assert int(state.count[expert]) == values.numel()
             torch.testing.assert_close(state.min_val[expert], values.min(), rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(state.max_val[expert], values.max(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_all_experts_observe_their_copies_of_the_tokens_once(qwen3_moe, implementation, monkeypatch):
+    """Under ``all_experts`` every expert's ``gate_up_proj.input`` is its copy of every token: the
+    update gets the tokens once (not E copies) and the states equal those of the experts' ``input``
+    (the same tokens and padding) bit for bit, Hessians included."""
+    import qstats.observation as observation
+
+    model = qwen3_moe
+    model.set_experts_implementation(implementation)
+    rows_seen = []
+    original = observation._RoutedSite.observe_rows
+
+    def spy(self, rows, mask):
+        rows_seen.append((self.site, rows.shape[0], mask.shape))
+        return original(self, rows, mask)
+
+    monkeypatch.setattr(observation._RoutedSite, "observe_rows", spy)
+    sites = ("input", "gate_up_proj.input")
+    recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=sites, observer=qstats.hessian),
+                            qstats.Rule("Qwen3MoeExperts", sites=sites, spec=MINMAX)])
+    for rule in range(2):
+        plan = qstats.Recipe([recipe.rules[rule]])
+        mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+        batch = {"input_ids": torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(4)),
+                 "attention_mask": mask}
+        rows_seen.clear()
+        states = qstats.calibrate(model, [batch], plan, progress=False, all_experts=True,
+                                  observation_weight=lambda b: b["attention_mask"])
+        assert {(site, rows) for site, rows, _ in rows_seen} == {(site, 12) for site in sites}
+        for path, entry in states.items():
+            for a, b in zip(entry["input"], entry["gate_up_proj.input"]):
+                assert torch.equal(a, b), (path, rule)
