@@ -8,7 +8,6 @@ tensors, ready for `qstats.save`, merges across ranks and `compute_qparams_tree`
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
@@ -25,6 +24,7 @@ from .fused import fused_qparams
 from .observers import memoryless_minmax
 from .observation import Observing, observing
 from .recipe import Plan, Recipe, as_plan
+from ._warn import warn
 
 __all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "runtime_qparams", "runtime_spec"]
 
@@ -176,11 +176,10 @@ def _share_global_scales(out: dict, states: Mapping, plan: Plan, options: dict) 
         observed = [path in states and "weight" in states[path] for path in group]
         kinds = {(f.spec, f.rule.qparams_kwargs, f.num_experts) for f in found if f is not None}
         if not (all(two_level) and all(observed) and len(kinds) == 1 and not found[0].num_experts):
-            warnings.warn(
+            warn(
                 f"compute_qparams_tree: {', '.join(group)} run as one matmul in inference engines (vLLM), which "
                 "need one NVFP4 (two-level) scheme on all of their weights and one global scale; these are not all "
                 "observed under one such spec, so each keeps its own global scale",
-                stacklevel=3,
             )
             continue
         kwargs = {**dict(found[0].rule.qparams_kwargs), **options}

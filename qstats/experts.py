@@ -10,7 +10,6 @@ the experts' forward (``down_proj``). See docs/calibrate_api.md.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Optional
 
 import torch
@@ -20,6 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .observers import Observer
 from .stacked import stacked_observer, stacked_qparams
+from ._warn import warn
 
 __all__ = [
     "ExpertInputCapture",
@@ -180,12 +180,11 @@ def warn_uncovered(states: dict, sites: dict) -> dict:
             for path, entry in missing.items()
             for site, experts in entry.items()
         ]
-        warnings.warn(
+        warn(
             "qstats.calibrate: some experts received no calibration token; their quantization "
             "parameters follow the spec's on_uncalibrated policy (QParams.calibrated is False there): "
             + "; ".join(lines),
             UncalibratedWarning,
-            stacklevel=3,
         )
     return missing
 
@@ -222,7 +221,7 @@ def copies_of_tokens(rows: torch.Tensor, ids: torch.Tensor, tokens: torch.Tensor
         return None
     if not bool((ids[1:] >= ids[:-1]).all()):
         rows = rows[torch.argsort(ids, stable=True)]
-    blocks = rows.view(-1, count, features)
+    blocks = rows.reshape(-1, count, features)
     if torch.equal(blocks, tokens.expand_as(blocks)):  # each expert's rows in token order
         return held > 0
     probe = torch.linspace(1.0, 2.0, features, device=tokens.device)

@@ -24,7 +24,6 @@ a ``g_idx``) was removed from compressed-tensors 0.19 and llm-compressor 0.14; i
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
@@ -37,6 +36,7 @@ from ._spec import QuantSpec
 from .experts import UncalibratedWarning
 from .observers.hessian import HessianState
 from .observers.minmax import minmax
+from ._warn import warn
 
 __all__ = ["gptq"]
 
@@ -58,11 +58,10 @@ def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor
         if bad.any():
             raise ValueError(f"qstats.gptq: the {name} of {_experts(bad, scalar)} holds NaN or Inf")
     if (count == 0).any():
-        warnings.warn(
+        warn(
             f"qstats.gptq: the Hessian of {_experts(count == 0, scalar)} saw no input row; those weights are "
             "quantized by round-to-nearest with their quantization parameters",
             UncalibratedWarning,
-            stacklevel=4,
         )
     return count.clone()
 
@@ -86,11 +85,10 @@ _check_inputs.register_vmap(_check_inputs_vmap)
 def _warn_unfactored(failed: torch.Tensor) -> torch.Tensor:
     """Warns where a seen Hessian, dampened, is not positive definite (llm-compressor warns too)."""
     if failed.any():
-        warnings.warn(
+        warn(
             f"qstats.gptq: the dampened Hessian of {_experts(failed, failed.ndim == 0)} is not positive definite; "
             "those weights are quantized by round-to-nearest (raise dampening, or calibrate on more rows)",
             UserWarning,
-            stacklevel=5,
         )
     return failed.clone()
 

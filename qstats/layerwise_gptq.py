@@ -11,7 +11,6 @@ are released with it.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
@@ -25,6 +24,7 @@ from .layerwise import _agreed, _layerwise, group_up
 from ._qparams import QParams
 from .observers.hessian import HessianState, hessian
 from .recipe import Plan, Recipe, Rule
+from ._warn import warn
 
 __all__ = ["gptq_layerwise", "LayerwiseGPTQ"]
 
@@ -67,9 +67,8 @@ def _targets(plan: Plan) -> dict:
             elif observed.kind == "parameter" and not observed.spec.is_float:
                 others.append(f"{path}.{site}")
     if others:
-        warnings.warn(f"gptq_layerwise: {len(others)} integer parameter(s) are not Linear weights or stacked experts "
-                      f"and are rounded to nearest, not GPTQ'd: {', '.join(others[:6])}", UncalibratedWarning,
-                      stacklevel=3)
+        warn(f"gptq_layerwise: {len(others)} integer parameter(s) are not Linear weights or stacked experts "
+                      f"and are rounded to nearest, not GPTQ'd: {', '.join(others[:6])}", UncalibratedWarning)
     if not found:
         raise ValueError(
             "gptq_layerwise: the recipe quantizes no Linear weight or stacked-experts parameter to an integer format"
@@ -211,9 +210,8 @@ def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_
         _gptq_jobs(jobs, experts_at_once, options, share, finished)
         if missing:
             uncalled.extend(missing)
-            warnings.warn(f"gptq_layerwise: {len(missing)} weight(s) of {layer_path} were never called, so have no "
-                          f"Hessian, and are rounded to nearest: {', '.join(missing[:6])}", UncalibratedWarning,
-                          stacklevel=2)
+            warn(f"gptq_layerwise: {len(missing)} weight(s) of {layer_path} were never called, so have no "
+                          f"Hessian, and are rounded to nearest: {', '.join(missing[:6])}", UncalibratedWarning)
         if weights_dir is None:
             weights.update(layer_weights)
         elif layer_weights:
@@ -300,8 +298,8 @@ def gptq_layerwise(
     done = set(weights) | set(uncalled)
     outside = [f"{path}.{site}" for path, site in targets if f"{path}.{site}" not in done and path in states]
     if outside:
-        warnings.warn(f"gptq_layerwise: {len(outside)} weight(s) outside the decoder layers are rounded to nearest, "
-                      f"not GPTQ'd: {', '.join(outside[:6])}", UncalibratedWarning, stacklevel=2)
+        warn(f"gptq_layerwise: {len(outside)} weight(s) outside the decoder layers are rounded to nearest, "
+                      f"not GPTQ'd: {', '.join(outside[:6])}", UncalibratedWarning)
     if weights_dir is None:
         return LayerwiseGPTQ(states, weights)
     # every rank returns once rank 0 has written the index, and raises if that failed

@@ -8,7 +8,6 @@ of stacked experts take one masked, vmapped update per experts call.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Iterator, Mapping, Optional, Union
 
 import torch
@@ -30,6 +29,7 @@ from .experts import (
 )
 from .recipe import Plan, Recipe, as_plan
 from .tree import assert_same_structure
+from ._warn import warn
 
 __all__ = ["observing", "Observing"]
 
@@ -369,11 +369,10 @@ class _ExpertMatmulInputs:
         weight; all ones, with a warning, when the rows cannot be traced to their tokens."""
         tokens = capture.row_tokens(name)
         if tokens is None:
-            warnings.warn(
+            warn(
                 f"calibrate: the rows of site {site!r} of the experts module {self.path!r} could not be traced "
                 "back to the tokens they come from, so the observation weight (padding) is not applied to them",
                 UserWarning,
-                stacklevel=2,
             )
             rows = capture.rows[name]
             return torch.ones(sum(r.shape[0] for r in rows), dtype=torch.bool, device=rows[0].device)
@@ -441,10 +440,10 @@ class Observing:
         finally:
             offered, fitted = self._run.weight_use
             if offered and not fitted:
-                warnings.warn(
+                warn(
                     f"observing: the observation weight of shape {tuple(weight.shape)} fits no observed activation "
                     "(it must be a prefix of their shapes, e.g. (batch, tokens)), so nothing was left out",
-                    UserWarning, stacklevel=3,
+                    UserWarning,
                 )
             self._run.weight = previous
 
@@ -511,10 +510,9 @@ def _warn_unobserved(states: dict, plan: Plan, seen_batches: int) -> None:
         if seen_batches == 0
         else "their modules were not called, or not with a floating-point tensor"
     )
-    warnings.warn(
+    warn(
         f"qstats: {len(missing)} site(s) of the recipe saw no data ({why}) and have no state; "
         f"compute_qparams_tree and fake_quantized leave them out: " + ", ".join(missing),
         UncalibratedWarning,
-        stacklevel=3,
     )
 

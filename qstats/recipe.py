@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
@@ -24,6 +23,7 @@ from .fused import fused_groups
 from .observers import Observer
 from .observers import registry as observer_registry
 from .observers.minmax import minmax
+from ._warn import warn
 
 __all__ = ["Rule", "Recipe", "Plan", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES", "as_plan", "runtime_scaled"]
 
@@ -504,20 +504,18 @@ class Recipe:
         for rule, sites in zip(self.rules, found):
             unmatched = [site for site in rule.sites if site not in sites]
             if unmatched:  # a misspelt target or site would otherwise select nothing, silently
-                warnings.warn(
+                warn(
                     f"Recipe: the rule for targets {list(rule.targets)!r} selects no site {unmatched} in this "
                     f"{type(model).__name__} (no module it matches has such a parameter, input or projection)",
                     UserWarning,
-                    stacklevel=4,
                 )
 
     def _warn_unmatched_ignore(self, modules: dict, model: torch.nn.Module) -> None:
         for target in _unmatched_targets(self.ignore, modules):  # a misspelt ignore would quantize it, silently
-            warnings.warn(
+            warn(
                 f"Recipe: the ignore entry {target!r} matches no module in this {type(model).__name__} "
                 "(by path, class name or 're:' full match of a path), so it ignores nothing",
                 UserWarning,
-                stacklevel=4,
             )
 
     def sites(self, model: torch.nn.Module) -> dict:

@@ -8,7 +8,6 @@ docs/migrating_torch_ao.md.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -20,6 +19,7 @@ from ._spec import QuantSpec
 from .observers.fixed import fixed_qparams, placeholder
 from .observers.histogram import HistogramState, histogram, histogram_edges
 from .observers.minmax import MinMaxState, MovingAverageMinMaxState, minmax, moving_average_minmax
+from ._warn import warn
 
 __all__ = [
     "QstatsObserver",
@@ -208,8 +208,8 @@ class QstatsObserver(ao.ObserverBase):
         options = {} if self.method is None else {"method": self.method}
         qp = compute_qparams(state, self.spec, **options)
         if not bool(qp.calibrated.all()):  # eager, outside the pure core
-            warnings.warn("QstatsObserver: must run the observer on data before calculate_qparams; returning "
-                          "torch.ao's defaults (scale 1, zero point 0) where it saw none", stacklevel=2)
+            warn("QstatsObserver: must run the observer on data before calculate_qparams; returning "
+                          "torch.ao's defaults (scale 1, zero point 0) where it saw none")
         scale, zero_point = qp.scale, qp.zero_point
         if not zero_point.is_floating_point() and self.spec.mapping != "asymmetric":
             zero_point = zero_point.to(torch.int64)  # torch.ao: int64 when symmetric, int32 when affine

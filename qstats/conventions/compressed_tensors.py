@@ -9,13 +9,13 @@ overflow, all-zero float8 ranges, dynamic activations, ``scale_dtype=float32``) 
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
 from .._formats import COMPUTE_DTYPE_NAMES
 from .._granularity import PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
 from .default import Convention, check_preserve_zero, check_range_within_dtype, check_symmetric_zero_point
+from .._warn import warn
 
 __all__ = ["CompressedTensorsConvention", "from_compressed_tensors"]
 
@@ -135,14 +135,13 @@ def _warn_dynamic_static(args, strategy):
     """``dynamic=True`` with a strategy (``"tensor"``, ...) whose spec alone is static: a QuantSpec
     says how scales are computed, not when, so the site must be declared dynamic by its Rule."""
     if _enum_value(_field(args, "dynamic", False)) is True and strategy not in _RUNTIME_STRATEGIES:
-        warnings.warn(
+        warn(
             f"from_compressed_tensors: dynamic=True with strategy {strategy!r}: the QuantSpec computes "
             "scales as compressed-tensors does, but it does not say they are computed at run time; "
             "use it in qstats.Rule(..., dynamic=True) so that calibration gives the site no scale, "
             "fake_quantized takes each tensor's own scale and the export writes it as dynamic "
             "(otherwise the site is calibrated as a static one)",
             UserWarning,
-            stacklevel=4,
         )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from typing import Any, Mapping, Optional
 
 import torch
@@ -20,6 +19,7 @@ from .attention import attention_config, write_attention
 from .config import ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, ignored_modules
 from .experts import expert_entries, warn_mixed_experts
 from .linear import linear_entry, write_linear
+from .._warn import warn
 
 __all__ = ["compressed_tensors", "Writer", "check_new_folder", "write_config", "write_index", "write_tensors"]
 
@@ -203,26 +203,23 @@ def _warn_log(log: dict) -> None:
     # gate_proj and up_proj of an expert share its input site: each site is named (and counted) once
     if log["rounded"]:
         rounded = list(dict.fromkeys(log["rounded"]))
-        warnings.warn(
+        warn(
             f"export.compressed_tensors: scales of {len(rounded)} site(s) were rounded to the model's dtype "
             f"({_listed(rounded, 4)}); calibrate with a spec whose scale_dtype is that dtype to keep "
             "qstats' and the checkpoint's quantization identical",
-            stacklevel=3,
         )
     if log["uncalibrated"]:
         uncalibrated = list(dict.fromkeys(log["uncalibrated"]))
-        warnings.warn(
+        warn(
             f"export.compressed_tensors: {len(uncalibrated)} site(s) hold uncalibrated (fallback) qparams: "
             + _listed(uncalibrated, 8),
-            stacklevel=3,
         )
     if log["rotary"]:
-        warnings.warn(
+        warn(
             f"export.compressed_tensors: the q/k scales of {len(log['rotary'])} attention module(s) "
             f"({', '.join(log['rotary'][:4])}) were observed on the projection outputs, before the rotary "
             "embedding (and any q/k norm) the attention applies; compressed-tensors and vLLM quantize the "
             "rotated queries and keys, whose range can be wider",
-            stacklevel=3,
         )
 
 
@@ -233,12 +230,11 @@ def _warn_missing_qparams(quantized: Any, qparams: Mapping) -> None:
         return
     missing = [path for path, sites in quantized.items() if sites and not qparams.get(path)]
     if missing:
-        warnings.warn(
+        warn(
             f"export.compressed_tensors: {len(missing)} module(s) that the recipe (or specs tree) quantizes have no "
             f"qparams and are written unquantized, in full precision ({_listed(missing, 6)}); pass the whole "
             "qstats.compute_qparams_tree of the calibration states to quantize them",
             UncalibratedWarning,
-            stacklevel=4,
         )
 
 
@@ -260,12 +256,11 @@ def _warn_unshared_global_scales(groups, qparams: Mapping, specs: Any) -> None:
         if len(scales) > 1 and not all(torch.equal(scales[0], other) for other in scales[1:]):
             unshared.append("/".join(path.rsplit(".", 1)[-1] for path in group) + f" of {group[0].rsplit('.', 1)[0]!r}")
     if unshared:
-        warnings.warn(
+        warn(
             f"export.compressed_tensors: {len(unshared)} fused group(s) hold NVFP4 weights under different global "
             f"scales ({', '.join(unshared[:4])}); vLLM runs each group as one matmul with one global scale, which "
             "misreads the others' weights. qstats.compute_qparams_tree shares them (fuse=True, its default); "
             "qstats.fused_qparams does it for a group",
-            stacklevel=3,
         )
 
 

@@ -7,7 +7,6 @@ and transformers read them. See docs/export.md.
 from __future__ import annotations
 
 import json
-import warnings
 from typing import Mapping, NamedTuple, Optional
 
 import torch
@@ -18,6 +17,7 @@ from .._spec import QuantSpec
 from .config import fail, quantization_args
 from .linear import Entry
 from .scales import check_qparams, scale_dtype
+from .._warn import warn
 
 __all__ = ["EXPERT_SITES", "expert_entries", "warn_mixed_experts"]
 
@@ -200,11 +200,10 @@ def warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
         path for path, projections in by_module.items() if len(set(projections.values())) > 1 or len(projections) < 3
     ]
     if mixed:
-        warnings.warn(
+        warn(
             f"export.compressed_tensors: gate_proj/up_proj and down_proj of {len(mixed)} experts module(s) "
             f"({', '.join(mixed[:4])}) have different schemes (e.g. static input scales for gate_proj/up_proj "
             "but no 'down_proj.input' site, or down_proj left unquantized); compressed-tensors and "
             "transformers load this, vLLM's fused-MoE "
             "loader requires one scheme per experts module",
-            stacklevel=3,
         )

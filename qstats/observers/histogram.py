@@ -10,7 +10,6 @@ octaves fall into under- and overflow buckets; the exact extremes are kept too. 
 from __future__ import annotations
 
 import math
-import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -27,6 +26,7 @@ from .search._geometry import cumulative as _cumulative  # noqa: F401
 from .search._geometry import histogram_edges
 from .search._geometry import moments as _moments  # noqa: F401
 from .search._geometry import window as _window  # noqa: F401
+from .._warn import warn
 
 __all__ = [
     "HistogramState",
@@ -156,11 +156,10 @@ def _buckets_per_octave(buckets_per_octave: int, bins: Optional[int]) -> int:
         return buckets_per_octave
     if buckets_per_octave != 128:
         raise TypeError("histogram: pass buckets_per_octave or its former name bins, not both")
-    warnings.warn(
+    warn(
         "histogram(bins=...) is now histogram(buckets_per_octave=...): buckets per power of two, not "
         "torch.ao HistogramObserver's total number of bins",
         FutureWarning,
-        stacklevel=3,
     )
     return bins
 
