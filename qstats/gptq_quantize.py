@@ -49,9 +49,10 @@ def _experts(flags: torch.Tensor, scalar: bool) -> str:
 
 
 @torch.library.custom_op("qstats::check_gptq_inputs", mutates_args=())
-def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager checks (one op, so they run under vmap and compile): a non-finite Hessian sum or weight
-    raises ValueError; a Hessian that saw no row warns (round-to-nearest)."""
+    raises ValueError; a Hessian that saw no row warns (round-to-nearest). Returns the counts and
+    whether a stack's Hessians are all equal (every expert on every token: factored once)."""
     scalar = count.ndim == 0
     for name, value, dims in (("Hessian sum", total, 2), ("weight", weight, 2)):
         bad = ~torch.isfinite(value).flatten(start_dim=value.ndim - dims).all(dim=-1)
@@ -63,19 +64,21 @@ def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor
             "quantized by round-to-nearest with their quantization parameters",
             UncalibratedWarning,
         )
-    return count.clone()
+    shared = count.ndim == 1 and count.shape[0] > 1 and bool((count == count[:1]).all())
+    shared = shared and torch.equal(total, total[:1].expand_as(total))
+    return count.clone(), torch.tensor(shared)
 
 
 @_check_inputs.register_fake
 def _(count, total, weight):
-    return torch.empty_like(count)
+    return torch.empty_like(count), torch.empty((), dtype=torch.bool)
 
 
 def _check_inputs_vmap(info, in_dims, count, total, weight):
     moved = [value if dim is None else value.movedim(dim, 0) for value, dim in zip((count, total, weight), in_dims)]
     moved = [value.expand(info.batch_size, *value.shape) if dim is None else value
              for value, dim in zip(moved, in_dims)]
-    return _check_inputs(*moved), 0  # one message naming every expert
+    return (_check_inputs(*moved)[0], torch.tensor(False)), (0, None)  # one message naming every expert
 
 
 _check_inputs.register_vmap(_check_inputs_vmap)
@@ -218,25 +221,38 @@ def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block
             torch.stack(codes, dim=-2).transpose(-1, -2).contiguous(), running_qparams)
 
 
-def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actorder):
+def _ordered_factor(total, count, dampening, actorder, shared: int):
+    """``(column order or None, inverse Hessian factor, dead columns)`` of Hessian sums ``[..., in, in]``.
+    ``shared`` > 0: the ``shared`` Hessians of a stack are equal and factored once (the same bits)."""
+    if shared:
+        total, count = total[:1], count[:1]
+    hessian = (2.0 * total / count.clamp(min=1).to(total.dtype)[..., None, None]).to(torch.float32)
+    perm = None
+    if actorder is not None:
+        perm = torch.argsort(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, descending=True)
+        hessian = _permute_columns(_permute_columns(hessian, perm).transpose(-1, -2), perm).transpose(-1, -2)
+    inverse, dead = _inverse_hessian_factor(hessian, dampening, count > 0)
+    if shared:
+        perm = None if perm is None else perm.expand(shared, -1)
+        inverse, dead = inverse.expand(shared, -1, -1), dead.expand(shared, -1)
+    return perm, inverse, dead
+
+
+def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actorder, shared: int = 0):
     """GPTQ of ``[..., out, in]`` weights with ``[..., in, in]`` Hessian sums: one batched loop
     over columns (no host reads; in-place writes on its own buffers only; runs under vmap)."""
     columns = weight.shape[-1]
     groups = _column_groups(spec, columns)
     work = weight.to(torch.float32)
-    hessian = (2.0 * total / count.clamp(min=1).to(total.dtype)[..., None, None]).to(torch.float32)
     running = None
     if qparams is None and groups is not None and actorder is None:
         running = spec.granularity.group_size
     elif qparams is None:
         one = lambda w: _minmax_qparams(w, spec)  # noqa: E731  (per expert: a per-tensor range is)
         qparams = torch.vmap(one)(work) if work.ndim == 3 else one(work)
-    perm = None
-    if actorder is not None:
-        perm = torch.argsort(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, descending=True)
-        hessian = _permute_columns(_permute_columns(hessian, perm).transpose(-1, -2), perm).transpose(-1, -2)
+    perm, inverse, dead = _ordered_factor(total, count, dampening, actorder, shared)
+    if perm is not None:
         work = _permute_columns(work, perm)
-    inverse, dead = _inverse_hessian_factor(hessian, dampening, count > 0)
     work = torch.where(dead[..., None, :], torch.zeros_like(work), work)
     global_scale = torch.ones((), device=weight.device) if qparams is None else qparams.global_scale[..., None]
     scale = zero_point = None
@@ -290,12 +306,12 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
     _check_arguments(weight, hessian_state, spec, block_size, dampening, actorder)
     _check_qparams(qparams, weight, spec)
     actorder = None if actorder is None else "static"
-    count = _check_inputs(hessian_state.count, hessian_state.total, weight)
+    count, same = _check_inputs(hessian_state.count, hessian_state.total, weight)
 
     if qparams is not None:  # no autograd graph through the column loop (it would hold every column's tensors)
         qparams = QParams(*(None if field is None else field.detach() for field in qparams))
     return _gptq_core(weight.detach(), hessian_state.total.detach(), count, qparams, spec, block_size,
-                      float(dampening), actorder)
+                      float(dampening), actorder, weight.shape[0] if bool(same) else 0)
 
 
 def _check_qparams(qparams, weight, spec) -> None:

@@ -111,21 +111,40 @@ def test_running_group_scales_reduce_the_output_error_and_are_consistent():
     assert error_gptq < 0.8 * error_rtn
 
 
-def _routed_experts(seed: int, experts: int, out: int, features: int, tokens: int) -> tuple:
-    """Random stacked expert weights and the stacked Hessian of shared inputs under a random routing."""
+def _routed_experts(seed: int, experts: int, out: int, features: int, tokens: int, every_token: bool = False) -> tuple:
+    """Random stacked expert weights and the stacked Hessian of shared inputs under a random routing
+    (``every_token``: every expert sees every token, so their Hessians are equal)."""
     gen = torch.Generator().manual_seed(seed)
     weights = torch.randn(experts, out, features, generator=gen)
     x = torch.randn(tokens, features, generator=gen)
-    route = torch.rand(experts, tokens, generator=gen) > 0.5
+    route = torch.rand(experts, tokens, generator=gen) > (-1.0 if every_token else 0.5)
     obs = qstats.stacked_observer(hessian(), experts)
     shared = x.expand(experts, tokens, features)
     return weights, obs.update(obs.init(shared), shared, route.float())
 
 
+def test_experts_with_equal_hessians_factor_it_once(monkeypatch):
+    """Every expert on every token (llm-compressor's MoE default): the stack's Hessians are equal,
+    factored once for all; the result equals torch.vmap of the one-expert call bit for bit."""
+    import qstats.gptq_quantize as module
+
+    weights, state = _routed_experts(5, 4, 16, 64, 80, every_token=True)
+    spec = qstats.QuantSpec(dtype="int4", mapping="symmetric", granularity=qstats.PerGroup(16))
+    factored, original = [], module._inverse_hessian_factor
+    monkeypatch.setattr(module, "_inverse_hessian_factor",
+                        lambda hessian, *args: factored.append(tuple(hessian.shape)) or original(hessian, *args))
+    stacked = gptq(weights, state, spec, actorder="static")
+    assert factored == [(1, 64, 64)]
+    vmapped = torch.vmap(lambda w, s: gptq(w, s, spec, actorder="static"))(weights, state)
+    assert factored[1:] == [(64, 64)]  # under vmap: the one-expert call, batched
+    assert torch.equal(stacked[0], vmapped[0]) and torch.equal(stacked[1], vmapped[1])
+
+
+@pytest.mark.parametrize("every_token", [False, True])
 @pytest.mark.parametrize("actorder", [None, "static"])
-def test_vmap_over_experts_equals_a_loop(actorder):
+def test_vmap_over_experts_equals_a_loop(actorder, every_token):
     experts = 4
-    weights, state = _routed_experts(4, experts, 16, 64, 80)
+    weights, state = _routed_experts(4, experts, 16, 64, 80, every_token)
     spec = qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4, strategy="group", group_size=16))
     stacked_qparams = qstats.stacked_qparams(qstats.stacked_observer(qstats.minmax(spec), experts).update(
         qstats.stacked_observer(qstats.minmax(spec), experts).init(weights), weights), spec)
