@@ -14,7 +14,10 @@ matmuls that carry a block's error may round a few codes in a million differentl
 the CPU time of this process is measured (``--wall``: wall-clock). Prints the best time of each
 row over ``--repeats`` and the range of its ratio to qstats' time of the same repeat.
 
-Run:  python bench/bench_gptq.py [--repeats 3] [--experts 64] [--wall]
+``--every-token``: every expert's Hessian is of the same tokens (llm-compressor's ``oneshot`` default
+for MoE); qstats then factors it once for the stack, llm-compressor once per expert.
+
+Run:  python bench/bench_gptq.py [--repeats 3] [--experts 64] [--wall] [--every-token]
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ import qstats
 warnings.filterwarnings("ignore")
 
 
-def make_inputs(experts: int, out: int, features: int, group: int):
+def make_inputs(experts: int, out: int, features: int, group: int, every_token: bool = False):
     from compressed_tensors.quantization import QuantizationArgs
 
     gen = torch.Generator().manual_seed(0)
     weights = torch.randn(experts, out, features, generator=gen) * features**-0.5
     x = torch.randn(experts, 256, 32, generator=gen) @ torch.randn(32, features, generator=gen)
     x = x + 0.1 * torch.randn(experts, 256, features, generator=gen)
+    if every_token:  # every expert on the same tokens: equal Hessians (llm-compressor's MoE default)
+        x = x[:1].expand_as(x)
     observer = qstats.stacked_observer(qstats.hessian(), experts)
     state = observer.update(observer.init(x), x)
     args = QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=group)
@@ -54,11 +59,13 @@ def main(argv=None) -> None:
     parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--wall", action="store_true", help="wall-clock time instead of this process's CPU time")
+    parser.add_argument("--every-token", action="store_true", help="every expert on the same tokens (equal Hessians)")
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
     from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
 
-    weights, state, spec, args, qparams = make_inputs(options.experts, options.out, options.features, options.group)
+    weights, state, spec, args, qparams = make_inputs(options.experts, options.out, options.features, options.group,
+                                                       options.every_token)
     hessians = torch.stack([qstats.observers.hessian.gptq_hessian(qstats.HessianState(*(f[e] for f in state)))
                             for e in range(options.experts)])
     scale, zero_point = qparams.scale, qparams.zero_point
