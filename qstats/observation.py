@@ -314,7 +314,8 @@ class _ExpertMatmulInputs:
                 f"calibrate: all_experts: cannot find the routing (an integer tensor [tokens, k] of selected "
                 f"experts) in the call of the experts module {self.path!r}"
             )
-        rows_of_x = x.detach().reshape(-1, x.shape[-1])
+        tokens_as: dict = {}  # dtype -> the call's tokens [T, F] in it: what each expert's copy is compared to
+        as_rows = lambda dtype: tokens_as.setdefault(dtype, x.detach().reshape(-1, x.shape[-1]).to(dtype))  # noqa: E731
         found: dict = {}  # site -> [(rows, mask)] of every call: each expert is in one call only
         for call_args, call_kwargs in calls:
             capture, handles, tokens, weight = self._start(module, x)
@@ -323,26 +324,24 @@ class _ExpertMatmulInputs:
                     module.forward(*call_args, **call_kwargs)
             finally:
                 _stop(capture, handles)
-            for site, (rows, ids, mask) in self._rows(module, capture, tokens, weight).items():
-                experts = copies_of_tokens(rows, ids, rows_of_x, num_experts)
-                if experts is not None:  # the experts' copies of the tokens: kept as the tokens once
-                    rows, mask = rows_of_x, experts[:, None].float().expand(num_experts, rows_of_x.shape[0])
-                    mask = mask if weight is None else mask * (weight != 0).to(mask.dtype)
-                found.setdefault(site, []).append((rows, mask))
+            for site, rows_mask in self._rows(module, capture, tokens, weight, as_rows).items():
+                found.setdefault(site, []).append(rows_mask)
         for site, parts in found.items():  # one update per site: the masks keep each expert's rows
             rows, masks = zip(*parts)
-            if all(part is rows_of_x for part in rows):  # every expert's rows are the tokens: no copies
-                self.sites[site].observe_rows(rows_of_x, sum(masks))
+            if any(all(part is shared for part in rows) for shared in tokens_as.values()):  # no copies
+                self.sites[site].observe_rows(rows[0], sum(masks))
             else:
                 self.sites[site].observe_rows(torch.cat(rows), torch.cat(masks, dim=1))
 
     def _observe(self, module, capture: ExpertInputCapture, tokens: int, weight) -> None:
         """Observes the rows a finished capture holds, site by site."""
-        for site, (rows, _, mask) in self._rows(module, capture, tokens, weight).items():
+        for site, (rows, mask) in self._rows(module, capture, tokens, weight).items():
             self.sites[site].observe_rows(rows, mask)
 
-    def _rows(self, module, capture: ExpertInputCapture, tokens: int, weight) -> dict:
-        """``{site: (rows, expert ids [rows], mask [E, rows])}`` of the float rows a finished capture holds."""
+    def _rows(self, module, capture: ExpertInputCapture, tokens: int, weight, as_rows=None) -> dict:
+        """``{site: (rows, mask [E, rows])}`` of the float rows a finished capture holds. With
+        ``as_rows(dtype)`` (the call's tokens in a dtype, under ``all_experts``), rows that are each
+        expert's copy of the tokens come back as those tokens once."""
         out = {}
         for site, hook in self.sites.items():
             name = self.parameters[site]
@@ -357,11 +356,19 @@ class _ExpertMatmulInputs:
                     )
                 continue
             rows, ids = captured
-            if rows.is_floating_point():
-                mask = ids_mask(ids, hook.found.num_experts)
-                if weight is not None:
-                    mask = mask * self._kept_rows(capture, name, site, weight).to(mask.dtype)
-                out[site] = (rows, ids, mask)
+            if not rows.is_floating_point():
+                continue
+            num_experts = hook.found.num_experts
+            experts = None if as_rows is None else copies_of_tokens(rows, ids, as_rows(rows.dtype), num_experts)
+            if experts is not None:  # the tokens once, each expert keeping the unweighted-out ones
+                rows = as_rows(rows.dtype)
+                mask = experts[:, None].float().expand(num_experts, rows.shape[0])
+                out[site] = (rows, mask if weight is None else mask * (weight != 0).to(mask.dtype))
+                continue
+            mask = ids_mask(ids, num_experts)
+            if weight is not None:
+                mask = mask * self._kept_rows(capture, name, site, weight).to(mask.dtype)
+            out[site] = (rows, mask)
         return out
 
     def _kept_rows(self, capture: ExpertInputCapture, name: str, site: str, weight: torch.Tensor) -> torch.Tensor:

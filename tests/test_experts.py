@@ -315,3 +315,65 @@ def test_copies_of_tokens_finds_every_expert_holding_every_token_in_any_order():
     assert copies_of_tokens(in_order[:13], ids[:13], tokens, 4) is None  # an expert short of a token
     assert copies_of_tokens(in_order, torch.tensor([1] * 7 + [4] * 7), tokens, 4) is None  # a sentinel id
     assert copies_of_tokens(in_order.double(), ids, tokens, 4) is None
+
+
+class _LoopExperts(torch.nn.Module):
+    """Stacked experts in an eager loop over flattened hidden states ``[B, S, H]``; ``cast``: each
+    expert's rows are cast to the weights' dtype before its matmuls (as transformers' kernels do)."""
+
+    def __init__(self, experts=4, hidden=6, intermediate=5, cast=False):
+        super().__init__()
+        self.num_experts, self.cast = experts, cast
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * intermediate, hidden))
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, intermediate))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out = torch.zeros(flat.shape, dtype=self.gate_up_proj.dtype)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            rows = flat[token].to(self.gate_up_proj.dtype) if self.cast else flat[token]
+            gate, up = torch.nn.functional.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, y * top_k_weights[token, slot, None])
+        return out.reshape(hidden_states.shape).to(hidden_states.dtype)
+
+
+class _LoopMoE(torch.nn.Module):
+    def __init__(self, cast=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = torch.nn.Linear(6, 4)
+        self.experts = _LoopExperts(cast=cast)
+
+    def forward(self, x, attention_mask=None):
+        weights, index = self.router(x.float()).reshape(-1, 4).softmax(-1).topk(2, dim=-1)
+        return self.experts(x, index, weights)
+
+
+@pytest.mark.parametrize("observer", ["minmax", "hessian"])
+def test_all_experts_copies_of_padded_or_cast_tokens_are_observed_once(observer, monkeypatch):
+    """Under ``all_experts`` each expert's copy of the tokens is observed as the tokens once: from
+    [B, S, H] hidden states with padding (which it leaves out, without warning that it cannot), and
+    when the experts cast their rows to another dtype (the cast tokens, once: one Hessian product)."""
+    import qstats.observation as observation
+
+    seen, original = [], observation._RoutedSite.observe_rows
+    monkeypatch.setattr(observation._RoutedSite, "observe_rows",
+                        lambda self, rows, mask: seen.append((self.site, rows.shape[0])) or original(self, rows, mask))
+    spec = qstats.QuantSpec(dtype="int8", mapping="asymmetric", on_uncalibrated="fallback")
+    rule = dict(observer=qstats.hessian) if observer == "hessian" else dict(spec=spec)
+    recipe = qstats.Recipe([qstats.Rule("_LoopExperts", sites=("input", "gate_up_proj.input"), **rule)])
+    x = torch.randn(2, 3, 6)
+    x[1, 2] = 100.0  # a padded token
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        padded = qstats.calibrate(_LoopMoE(), [(x, torch.tensor([[1, 1, 1], [1, 1, 0]]))], recipe, progress=False,
+                                  all_experts=True, observation_weight=lambda batch: batch[1])["experts"]
+    assert all(torch.equal(a, b) for a, b in zip(padded["input"], padded["gate_up_proj.input"]))
+    cast = qstats.calibrate(_LoopMoE(cast=True), [(torch.randn(1, 8, 6, dtype=torch.bfloat16),)], recipe,
+                            progress=False, all_experts=True)["experts"]
+    assert dict(seen[2:]) == {"input": 8, "gate_up_proj.input": 8}, seen
+    if observer == "hessian":  # one product of the cast tokens, shared: every expert's sum is the same
+        total = cast["gate_up_proj.input"].total
+        assert torch.equal(total, total[:1].expand_as(total))

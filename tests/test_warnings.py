@@ -1,5 +1,5 @@
-"""Warnings raised deep inside qstats (recipe resolution, a torch.library op under GPTQ, a layer's
-hooks) point at the user's line that called qstats, not at a library frame."""
+"""Warnings raised deep inside qstats (recipe resolution, a torch.library op under GPTQ, the
+session's context managers) point at the user's line that called qstats, not at a library frame."""
 
 import warnings
 
@@ -32,3 +32,23 @@ def test_gptq_of_an_expert_without_rows_warns_at_the_gptq_call():
     caught = _caught(lambda: qstats.gptq(weight, state, spec))
     messages = [w for w in caught if "saw no input row" in str(w.message)]
     assert messages and all(w.filename == __file__ for w in messages), [(w.filename, w.lineno) for w in messages]
+
+
+def test_observing_warns_at_the_users_with_lines():
+    """Through ``contextlib`` (the session's context managers): an observation weight that fits no
+    activation, and a site that saw no data."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=qstats.QuantSpec())])
+
+    def weighted():
+        with qstats.observing(model, recipe) as session, torch.no_grad():
+            with session.weighted(torch.ones(7)):  # fits no activation ([2, 4])
+                model(torch.randn(2, 4))
+
+    def unobserved():
+        with qstats.observing(model, recipe):
+            pass
+
+    for call, text in ((weighted, "fits no observed activation"), (unobserved, "saw no data")):
+        messages = [w for w in _caught(call) if text in str(w.message)]
+        assert messages and all(w.filename == __file__ for w in messages), [(w.filename, w.lineno) for w in messages]
