@@ -63,6 +63,60 @@ class MomentsState(NamedTuple):
         return (self.square_total / self._denominator()).sqrt()
 
 
+def _batch_moments(x, weight, expected, spec: QuantSpec, power: float) -> MomentsState:
+    """One batch's moments (a state of its own, for `_combine`)."""
+    view = checked_view(x.detach(), spec.granularity, expected, "moments.update")
+    v = view.to(torch.float64)
+    finite = torch.isfinite(v)
+    mask = weight_view(x, weight, spec.granularity)
+    included = finite if mask is None else (finite & (mask != 0))
+    if spec.nonfinite == "raise":
+        # the min/max reduction's check (and the same count): it raises in eager mode, under
+        # vmap (its batching rule reads the whole batch) and inside a compiled graph (an
+        # opaque op, kept because its count is used), as minmax's does
+        nonfinite = finite_aminmax(view, mask, "raise")[3]
+    else:
+        excluded_nonfinite = (~finite) if mask is None else ((~finite) & (mask != 0))
+        nonfinite = excluded_nonfinite.sum(dim=(0, -1))
+    dims = (0, -1)
+    v = torch.where(included, v, torch.zeros_like(v))
+    weight_f = included.to(torch.float64)
+    count = included.sum(dim=dims)
+    total = v.sum(dim=dims)
+    mean = total / count.clamp(min=1).to(torch.float64)
+    centred = (v - mean.unsqueeze(0).unsqueeze(-1)) * weight_f
+    m2 = (centred * centred).sum(dim=dims)
+    magnitude = v.abs()
+    return MomentsState(
+        count,
+        total,
+        m2,
+        magnitude.sum(dim=dims),
+        (v * v).sum(dim=dims),
+        magnitude.pow(power).sum(dim=dims),
+        nonfinite,
+    )
+
+
+def _combine(a: MomentsState, b: MomentsState) -> MomentsState:
+    """Two states as one: sums add, the centred sums of squares by Chan et al.'s update."""
+    count = a.count + b.count
+    na = a.count.to(torch.float64)
+    nb = b.count.to(torch.float64)
+    n = count.clamp(min=1).to(torch.float64)
+    delta = b.total / nb.clamp(min=1) - a.total / na.clamp(min=1)
+    m2 = a.m2 + b.m2 + delta * delta * na * nb / n
+    return MomentsState(
+        count,
+        a.total + b.total,
+        m2,
+        a.abs_total + b.abs_total,
+        a.square_total + b.square_total,
+        a.power_total + b.power_total,
+        a.nonfinite + b.nonfinite,
+    )
+
+
 def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
     """Count, mean, variance, abs-mean, rms and the normalised Lp norm ``(E|x|**p)**(1/p)``.
 
@@ -93,67 +147,17 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
         count = torch.zeros(shape, dtype=torch.int64, device=x.device)
         return MomentsState(count, zeros, zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), count.clone())
 
-    def batch_state(x, weight, expected):
-        view = checked_view(x.detach(), spec.granularity, expected, "moments.update")
-        v = view.to(torch.float64)
-        finite = torch.isfinite(v)
-        mask = weight_view(x, weight, spec.granularity)
-        included = finite if mask is None else (finite & (mask != 0))
-        if spec.nonfinite == "raise":
-            # the min/max reduction's check (and the same count): it raises in eager mode, under
-            # vmap (its batching rule reads the whole batch) and inside a compiled graph (an
-            # opaque op, kept because its count is used), as minmax's does
-            nonfinite = finite_aminmax(view, mask, "raise")[3]
-        else:
-            excluded_nonfinite = (~finite) if mask is None else ((~finite) & (mask != 0))
-            nonfinite = excluded_nonfinite.sum(dim=(0, -1))
-        dims = (0, -1)
-        v = torch.where(included, v, torch.zeros_like(v))
-        weight_f = included.to(torch.float64)
-        count = included.sum(dim=dims)
-        total = v.sum(dim=dims)
-        mean = total / count.clamp(min=1).to(torch.float64)
-        centred = (v - mean.unsqueeze(0).unsqueeze(-1)) * weight_f
-        m2 = (centred * centred).sum(dim=dims)
-        magnitude = v.abs()
-        return MomentsState(
-            count,
-            total,
-            m2,
-            magnitude.sum(dim=dims),
-            (v * v).sum(dim=dims),
-            magnitude.pow(power).sum(dim=dims),
-            nonfinite,
-        )
-
-    def combine(a: MomentsState, b: MomentsState) -> MomentsState:
-        count = a.count + b.count
-        na = a.count.to(torch.float64)
-        nb = b.count.to(torch.float64)
-        n = count.clamp(min=1).to(torch.float64)
-        delta = b.total / nb.clamp(min=1) - a.total / na.clamp(min=1)
-        m2 = a.m2 + b.m2 + delta * delta * na * nb / n
-        return MomentsState(
-            count,
-            a.total + b.total,
-            m2,
-            a.abs_total + b.abs_total,
-            a.square_total + b.square_total,
-            a.power_total + b.power_total,
-            a.nonfinite + b.nonfinite,
-        )
-
     def update_fn(state: MomentsState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MomentsState:
         check_state(state, MomentsState, "moments.update")
         if x.numel() == 0:
             return state
-        return combine(state, batch_state(x, weight, state.count.shape))
+        return _combine(state, _batch_moments(x, weight, state.count.shape, spec, power))
 
     def merge_fn(a: MomentsState, b: MomentsState) -> MomentsState:
         check_state(a, MomentsState, "moments.merge")
         check_state(b, MomentsState, "moments.merge")
         check_same_shapes(a, b, "moments.merge")
-        return combine(a, b)
+        return _combine(a, b)
 
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="moments")
 
