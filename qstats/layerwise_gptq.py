@@ -68,7 +68,7 @@ def _targets(plan: Plan) -> dict:
                 others.append(f"{path}.{site}")
     if others:
         warn(f"gptq_layerwise: {len(others)} integer parameter(s) are not Linear weights or stacked experts "
-                      f"and are rounded to nearest, not GPTQ'd: {', '.join(others[:6])}", UncalibratedWarning)
+             f"and are rounded to nearest, not GPTQ'd: {', '.join(others[:6])}", UncalibratedWarning)
     if not found:
         raise ValueError(
             "gptq_layerwise: the recipe quantizes no Linear weight or stacked-experts parameter to an integer format"
@@ -211,7 +211,7 @@ def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_
         if missing:
             uncalled.extend(missing)
             warn(f"gptq_layerwise: {len(missing)} weight(s) of {layer_path} were never called, so have no "
-                          f"Hessian, and are rounded to nearest: {', '.join(missing[:6])}", UncalibratedWarning)
+                 f"Hessian, and are rounded to nearest: {', '.join(missing[:6])}", UncalibratedWarning)
         if weights_dir is None:
             weights.update(layer_weights)
         elif layer_weights:
@@ -299,7 +299,7 @@ def gptq_layerwise(
     outside = [f"{path}.{site}" for path, site in targets if f"{path}.{site}" not in done and path in states]
     if outside:
         warn(f"gptq_layerwise: {len(outside)} weight(s) outside the decoder layers are rounded to nearest, "
-                      f"not GPTQ'd: {', '.join(outside[:6])}", UncalibratedWarning)
+             f"not GPTQ'd: {', '.join(outside[:6])}", UncalibratedWarning)
     if weights_dir is None:
         return LayerwiseGPTQ(states, weights)
     # every rank returns once rank 0 has written the index, and raises if that failed

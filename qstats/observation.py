@@ -315,7 +315,12 @@ class _ExpertMatmulInputs:
                 f"experts) in the call of the experts module {self.path!r}"
             )
         tokens_as: dict = {}  # dtype -> the call's tokens [T, F] in it: what each expert's copy is compared to
-        as_rows = lambda dtype: tokens_as.setdefault(dtype, x.detach().reshape(-1, x.shape[-1]).to(dtype))  # noqa: E731
+
+        def as_rows(dtype: torch.dtype) -> torch.Tensor:  # converted once per dtype, not per call and site
+            if dtype not in tokens_as:
+                tokens_as[dtype] = x.detach().reshape(-1, x.shape[-1]).to(dtype)
+            return tokens_as[dtype]
+
         found: dict = {}  # site -> [(rows, mask)] of every call: each expert is in one call only
         for call_args, call_kwargs in calls:
             capture, handles, tokens, weight = self._start(module, x)

@@ -9,7 +9,6 @@ overflow, all-zero float8 ranges, dynamic activations, ``scale_dtype=float32``) 
 
 from __future__ import annotations
 
-
 import torch
 
 from .._formats import COMPUTE_DTYPE_NAMES
