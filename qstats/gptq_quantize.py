@@ -136,11 +136,12 @@ def _permute_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, -1, perm.unsqueeze(-2).expand(x.shape))
 
 
-def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: torch.Tensor):
+def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: torch.Tensor, shared: int = 0):
     """llm-compressor's ``factorize_hessian``: dead columns get diagonal 1, the diagonal gains
     ``dampening * mean(diag)`` (both written into ``hessian``, a buffer of the caller's), then the
     upper Cholesky factor of the inverse. Where it fails or the Hessian is not ``usable``: the
-    identity (round-to-nearest)."""
+    identity (round-to-nearest). ``shared`` > 0: ``hessian`` ``[1, in, in]`` stands for that many
+    experts (the warning names them all)."""
     columns = hessian.shape[-1]
     eye = torch.eye(columns, dtype=hessian.dtype, device=hessian.device)
     diagonal = torch.diagonal(hessian, dim1=-2, dim2=-1)  # written in place: `_gptq_core`'s own tensor
@@ -154,7 +155,8 @@ def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: tor
     inverse = torch.cholesky_inverse(torch.where(factored, lower, eye.mT))
     upper, info = torch.linalg.cholesky_ex(inverse, upper=True, check_errors=False)
     factored = factored & (info == 0)[..., None, None]
-    _warn_unfactored(usable & ~factored[..., 0, 0])
+    failed = usable & ~factored[..., 0, 0]
+    _warn_unfactored(failed.expand(shared) if shared else failed)
     return torch.where(factored, upper, eye.mT).contiguous(), dead & usable[..., None]
 
 
@@ -231,7 +233,7 @@ def _ordered_factor(total, count, dampening, actorder, shared: int):
     if actorder is not None:
         perm = torch.argsort(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, descending=True)
         hessian = _permute_columns(_permute_columns(hessian, perm).transpose(-1, -2), perm).transpose(-1, -2)
-    inverse, dead = _inverse_hessian_factor(hessian, dampening, count > 0)
+    inverse, dead = _inverse_hessian_factor(hessian, dampening, count > 0, shared)
     if shared:
         perm = None if perm is None else perm.expand(shared, -1)
         inverse, dead = inverse.expand(shared, -1, -1), dead.expand(shared, -1)

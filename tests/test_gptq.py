@@ -270,6 +270,12 @@ def test_non_positive_definite_hessian_warns_and_falls_back_as_llm_compressor():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gptq(weight, state, spec, qparams=qparams)
+    # equal Hessians are factored once: the warning still names every expert, and each falls back
+    equal = HessianState(*(torch.stack([b, b, b]) for b in negative))
+    three = qstats.QParams(*(None if f is None else torch.stack([f, f, f]) for f in qparams))
+    with pytest.warns(UserWarning, match=r"experts \[0, 1, 2\] \(3 of 3\) is not positive definite"):
+        got, _, _ = gptq(torch.stack([weight] * 3), equal, spec, qparams=three)
+    assert all(torch.equal(got[e], want) for e in range(3))
 
 
 def test_nonfinite_inputs_and_mismatched_qparams_raise():
