@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LazyCheckpoint", "Overlay", "load_modules", "release_modules"]
+__all__ = ["LazyCheckpoint", "Overlay", "check_covers", "load_modules", "release_modules"]
 
 # Stacked parameter -> the per-expert Linear weights it is made of, concatenated along their
 # output dimension in this order (transformers' MergeModulelist + Concatenate conversions).
@@ -38,12 +38,15 @@ class LazyCheckpoint:
         index = os.path.join(self.directory, "model.safetensors.index.json")
         single = os.path.join(self.directory, "model.safetensors")
         if os.path.exists(index):
-            with open(index) as file:
-                self.files = dict(json.load(file)["weight_map"])
+            try:
+                with open(index) as file:
+                    self.files = dict(json.load(file)["weight_map"])
+            except (ValueError, KeyError, TypeError) as error:  # not JSON, or no {name: file} weight_map
+                raise ValueError(f"{where}: {index!r} is not a safetensors index with a weight_map: "
+                                 f"{type(error).__name__}: {error}") from None
+            self._check_shards()
         elif os.path.exists(single):
-            from safetensors import safe_open  # imported when used, as in qstats.io: not at `import qstats`
-
-            with safe_open(single, "pt") as file:
+            with self._open("model.safetensors") as file:
                 self.files = {key: "model.safetensors" for key in file.keys()}
         else:
             raise ValueError(
@@ -51,16 +54,41 @@ class LazyCheckpoint:
                 "model.safetensors.index.json"
             )
 
+    def _open(self, filename: str):
+        """``safe_open`` of one of the checkpoint's files; a missing or unreadable file is a ValueError naming it."""
+        from safetensors import safe_open  # imported when used, as in qstats.io: not at `import qstats`
+
+        path = os.path.join(self.directory, filename)
+        if not os.path.isfile(path):
+            raise ValueError(f"{self.where}: the checkpoint's file {path!r} is missing")
+        try:
+            return safe_open(path, "pt", device="cpu")
+        except Exception as error:  # safetensors' SafetensorError (corrupt or truncated header), OSError
+            raise ValueError(f"{self.where}: the checkpoint's file {path!r} cannot be read as safetensors: "
+                             f"{error}") from None
+
+    def _check_shards(self) -> None:
+        """Every shard the index names exists, reads as safetensors and holds the tensors the index
+        puts there (headers only): a bad checkpoint fails before any batch runs, naming the file."""
+        by_file: dict = {}
+        for key, filename in self.files.items():
+            by_file.setdefault(filename, []).append(key)
+        for filename, keys in by_file.items():
+            with self._open(filename) as file:
+                held = set(file.keys())
+            absent = [key for key in keys if key not in held]
+            if absent:
+                raise ValueError(f"{self.where}: the index puts {len(absent)} tensor(s) in {filename!r}, which lacks "
+                                 f"them: {', '.join(absent[:3])}")
+
     def __contains__(self, key: str) -> bool:
         return key in self.files
 
     def tensor(self, key: str) -> torch.Tensor:
         """The tensor ``key``, read from its shard onto the CPU in its stored dtype."""
-        from safetensors import safe_open
-
         if key not in self.files:
             raise ValueError(f"{self.where}: the checkpoint has no tensor {key!r}")
-        with safe_open(os.path.join(self.directory, self.files[key]), "pt", device="cpu") as file:
+        with self._open(self.files[key]) as file:
             return file.get_tensor(key)
 
     def stacked_experts(self, key: str) -> Optional[torch.Tensor]:
@@ -96,6 +124,9 @@ class Overlay:
     ``used`` collects the names read from ``weights``."""
 
     def __init__(self, weights, base: LazyCheckpoint):
+        if not isinstance(weights, dict) and not os.path.isdir(weights):
+            raise ValueError(f"{base.where}: weights={os.fspath(weights)!r} is neither a dict of tensors nor a "
+                             "directory")
         self.weights = weights if isinstance(weights, dict) else LazyCheckpoint(weights, base.where)
         self.base = base
         self.where = base.where
@@ -125,6 +156,33 @@ def _aliases(model: torch.nn.Module) -> dict:
     ):
         names.setdefault(id(value), []).append(name)
     return names
+
+
+def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint) -> None:
+    """ValueError naming a meta parameter of ``model`` that ``checkpoint`` holds under none of its
+    names (nor, for stacked experts, per expert). Names only, before any layer is read: a
+    checkpoint of another model, or one missing a tensor, fails before any batch runs."""
+    tensors: dict = {}
+    for name, value in model.named_parameters(remove_duplicate=False):
+        tensors.setdefault(id(value), (value, []))[1].append(name)
+    for value, names in tensors.values():
+        if value.device.type != "meta" or any(name in checkpoint for name in names):
+            continue
+        per_expert = [_experts_missing(checkpoint, name, value.shape[0]) for name in names] if value.ndim == 3 else []
+        if "" not in per_expert:
+            missing = next((key for key in per_expert if key), names[0])
+            raise ValueError(f"{checkpoint.where}: the checkpoint has no tensor {missing!r}")
+
+
+def _experts_missing(checkpoint: LazyCheckpoint, key: str, count: int) -> Optional[str]:
+    """For a stacked-experts key: "" when the checkpoint holds its ``count`` experts per expert, the
+    first per-expert key it lacks when it holds expert 0's, None when it holds none."""
+    prefix, _, name = key.rpartition(".")
+    for sources in _EXPERT_SOURCES.get(name, ()):
+        if f"{prefix}.0.{sources[0]}.weight" in checkpoint:
+            wanted = (f"{prefix}.{expert}.{source}.weight" for expert in range(count) for source in sources)
+            return next((want for want in wanted if want not in checkpoint), "")
+    return None
 
 
 def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor) -> Optional[torch.Tensor]:

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import distributed
-from ._lazy_checkpoint import LazyCheckpoint, load_modules, release_modules
+from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, release_modules
 from .calibration import calibrate, check_batches, compute_qparams_tree, fake_quantized
 from .observation import check_resumed
 from .recipe import Plan, Recipe, as_plan
@@ -137,13 +137,16 @@ def inside(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + ".")
 
 
-def decoder_layers(model: torch.nn.Module, layers: Optional[str]) -> tuple:
+def decoder_layers(model: torch.nn.Module, layers: Optional[str], where: str = "calibrate_layerwise") -> tuple:
     """``(path, container)`` of the decoder layers: ``layers`` when given, else the longest
     ``nn.ModuleList`` whose children are all of one class, outside any other such list."""
     if layers is not None:
-        container = model.get_submodule(layers)
+        try:
+            container = model.get_submodule(layers)
+        except (AttributeError, TypeError) as error:  # no such module (torch's message names one part of the path)
+            raise ValueError(f"{where}: layers={layers!r} names no module of the model: {error}") from None
         if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)) or not len(container):
-            raise ValueError(f"calibrate_layerwise: layers={layers!r} is not a non-empty nn.ModuleList")
+            raise ValueError(f"{where}: layers={layers!r} is not a non-empty nn.ModuleList")
         return layers, container
     lists = [
         (len(module), path, module)
@@ -153,7 +156,7 @@ def decoder_layers(model: torch.nn.Module, layers: Optional[str]) -> tuple:
     # not a list inside another's items (experts inside a decoder layer may outnumber the layers)
     found = [item for item in lists if not any(item[1].startswith(other[1] + ".") for other in lists)]
     if not found:
-        raise ValueError("calibrate_layerwise: no nn.ModuleList of decoder layers found; name it with layers=")
+        raise ValueError(f"{where}: no nn.ModuleList of decoder layers found; name it with layers=")
     _, path, container = max(found, key=lambda item: item[0])
     return path, container
 
@@ -585,12 +588,16 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
         check_batches(batches, where)
         plan = as_plan(recipe, model, where)
         check_resumed(states or {}, plan, where)
-        container_path, container = decoder_layers(model, layers)
+        container_path, container = decoder_layers(model, layers, where)
         side_plan, after_layer = (None, None) if layer_step is None else layer_step(plan)
+        source = LazyCheckpoint(checkpoint, where)
+        check_covers(model, source)
+        if offload_dir is not None and not os.path.isdir(offload_dir):
+            raise ValueError(f"{where}: offload_dir={os.fspath(offload_dir)!r} is not a directory")
         directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)
-        run = _Run(model, LazyCheckpoint(checkpoint, where), plan, _Store(directory), dict(states or {}),
+        made.append(directory)  # removed at the end, whatever fails after this
+        run = _Run(model, source, plan, _Store(directory), dict(states or {}),
                    bool(all_experts), propagate, bool(all_reduce), execution, side_plan, after_layer)
-        made.append(directory)
         return run, container_path, container
 
     made: list = []  # the offload folder, once made

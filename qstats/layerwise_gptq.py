@@ -10,6 +10,7 @@ are released with it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -290,11 +291,18 @@ def gptq_layerwise(
         return _hessian_plan(plan, targets), _gptq_step(plan, targets, weights, options, weights_dir, experts_at_once,
                                                               uncalled, all_reduce)
 
-    states = _layerwise(
-        model, checkpoint, batches, recipe, states=None, propagate="quantized", offload_dir=offload_dir,
-        layers=layers, progress=progress, observation_weight=observation_weight, all_experts=all_experts,
-        all_reduce=all_reduce, device=device, layer_step=layer_step, where="gptq_layerwise",
-    )  # fmt: skip
+    try:
+        states = _layerwise(
+            model, checkpoint, batches, recipe, states=None, propagate="quantized", offload_dir=offload_dir,
+            layers=layers, progress=progress, observation_weight=observation_weight, all_experts=all_experts,
+            all_reduce=all_reduce, device=device, layer_step=layer_step, where="gptq_layerwise",
+        )  # fmt: skip
+    except BaseException:  # the layers' files written so far would make a rerun into weights_dir refused
+        if weights_dir is not None and _writes():
+            for filename in set(weights.values()):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(weights_dir, filename))
+        raise
     done = set(weights) | set(uncalled)
     outside = [f"{path}.{site}" for path, site in targets if f"{path}.{site}" not in done and path in states]
     if outside:

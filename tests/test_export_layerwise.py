@@ -202,3 +202,25 @@ def test_tied_embeddings_and_weights_given_as_a_dict(tmp_path, samples):
                                                    weights={"model.no_such.weight": replaced}, progress=False)
     with pytest.raises(ValueError, match="checkpoint being read"):
         qstats.export.compressed_tensors_layerwise(model, checkpoint, qparams, checkpoint, plan, progress=False)
+
+
+def test_a_failed_export_leaves_no_shard_and_bad_arguments_are_named(llama, samples, tmp_path):
+    """A weights= name the model lacks is found after every shard is written: those shards stayed,
+    and a rerun into the folder was refused ("already holds safetensors files"). A weights= folder
+    that does not exist was reported as the checkpoint; a wrong layers= raised torch's AttributeError."""
+    model = _meta(llama)
+    plan = qstats.Recipe.from_scheme("W8A8", ignore=["lm_head"]).resolve(model)
+    qparams = qstats.compute_qparams_tree(
+        qstats.calibrate_layerwise(model, llama, _batches(samples[:1]), plan, progress=False), plan)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="name no tensor"):
+        qstats.export.compressed_tensors_layerwise(model, llama, qparams, str(out), plan,
+                                                   weights={"model.no_such.weight": torch.zeros(2)}, progress=False)
+    assert [name for name in os.listdir(out) if name.endswith(".safetensors")] == []
+    qstats.export.compressed_tensors_layerwise(model, llama, qparams, str(out), plan, progress=False)  # a rerun works
+    with pytest.raises(ValueError, match="weights='.*no_such_folder' is neither"):
+        qstats.export.compressed_tensors_layerwise(model, llama, qparams, str(tmp_path / "b"), plan,
+                                                   weights=str(tmp_path / "no_such_folder"), progress=False)
+    with pytest.raises(ValueError, match="export.compressed_tensors_layerwise: layers='model.layer' names no module"):
+        qstats.export.compressed_tensors_layerwise(model, llama, qparams, str(tmp_path / "c"), plan,
+                                                   layers="model.layer", progress=False)

@@ -400,3 +400,34 @@ def test_each_hessian_is_released_once_its_weight_is_done(moe, samples, monkeypa
                           experts_at_once=1)
     assert len(alive_at_start) == 2 * (4 + 2)  # per layer: q, k, v, o, gate_up, down
     assert alive_at_start == [0] * len(alive_at_start), alive_at_start
+
+
+def test_a_failed_run_leaves_no_weights_in_weights_dir(tmp_path, monkeypatch):
+    """GPTQ failing in the second layer left the first layer's shard in weights_dir, where a rerun
+    was then refused ("already holds safetensors files")."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    save_file(_Net().state_dict(), str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        meta = _Net().eval()
+    real, calls = qstats.layerwise_gptq.gptq, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("GPTQ failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qstats.layerwise_gptq, "gptq", failing)
+    weights_dir = tmp_path / "weights"
+    batches = [torch.randn(2, 8, 32)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="GPTQ failed"):
+            qstats.gptq_layerwise(meta, str(tmp_path), batches, _net_recipe(), progress=False, weights_dir=weights_dir)
+        assert len(calls) == 2 and [name for name in os.listdir(weights_dir) if name.endswith(".safetensors")] == []
+        monkeypatch.setattr(qstats.layerwise_gptq, "gptq", real)
+        result = qstats.gptq_layerwise(meta, str(tmp_path), batches, _net_recipe(), progress=False,
+                                       weights_dir=weights_dir)  # fmt: skip
+    assert result.weights == str(weights_dir)

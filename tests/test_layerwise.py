@@ -483,3 +483,97 @@ def test_gptq_options_are_checked_before_any_work_and_on_every_rank(tmp_path):
     messages = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
     assert messages[1].startswith("ValueError: gptq_layerwise: experts_at_once"), messages
     assert messages[0].startswith("RuntimeError: another rank failed"), messages
+
+
+def _counted(batches: list, read: list):
+    """``batches`` as a generator that records each batch read (a check before any work reads none)."""
+    for batch in batches:
+        read.append(1)
+        yield batch
+
+
+def test_a_wrong_layers_name_is_a_value_error_naming_it(saved):
+    """``layers=`` naming no module raised torch's AttributeError ("LlamaModel has no attribute `layer`")."""
+    directory, _ = saved["llama"]
+    with pytest.raises(ValueError, match=r"calibrate_layerwise: layers='model\.layer' names no module"):
+        qstats.calibrate_layerwise(_meta("llama"), directory, _batches(0, 1), _recipe("llama"), layers="model.layer")
+
+
+def test_a_bad_checkpoint_or_offload_dir_leaves_no_offload_folder(saved, tmp_path):
+    """A checkpoint refused after the offload folder was made left that folder behind; an
+    offload_dir that does not exist raised tempfile's FileNotFoundError on a made-up name."""
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="neither model.safetensors"):
+        qstats.calibrate_layerwise(_meta("llama"), empty, _batches(0, 1), _recipe("llama"), offload_dir=offload)
+    assert list(offload.iterdir()) == []
+    with pytest.raises(ValueError, match="offload_dir=.*no_such.* is not a directory"):
+        qstats.calibrate_layerwise(_meta("llama"), saved["llama"][0], _batches(0, 1), _recipe("llama"),
+                                   offload_dir=tmp_path / "no_such")  # fmt: skip
+
+
+def _broken(directory: str, into, how: str) -> str:
+    """A copy of the sharded checkpoint ``directory`` under ``into``, broken as ``how`` says."""
+    import json
+    import shutil
+
+    out = str(into / how)
+    shutil.copytree(directory, out)
+    with open(os.path.join(out, "model.safetensors.index.json")) as file:
+        index = json.load(file)
+    shard = index["weight_map"]["model.layers.1.mlp.down_proj.weight"]
+    if how == "missing_shard":
+        os.remove(os.path.join(out, shard))
+    elif how == "corrupt_shard":
+        with open(os.path.join(out, shard), "wb") as file:
+            file.write(b"not safetensors")
+    elif how == "bad_index":
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as file:
+            file.write('{"metadata": {}}')
+    elif how == "index_names_the_wrong_shard":
+        index["weight_map"]["model.layers.1.mlp.down_proj.weight"] = next(
+            name for name in index["weight_map"].values() if name != shard)
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as file:
+            json.dump(index, file)
+    return out
+
+
+@pytest.mark.parametrize("how, message", [
+    ("missing_shard", "checkpoint's file .* is missing"),
+    ("corrupt_shard", "checkpoint's file .* cannot be read as safetensors"),
+    ("bad_index", "model.safetensors.index.json' is not a safetensors index with a weight_map"),
+    ("index_names_the_wrong_shard", r"the index puts 1 tensor\(s\) in .*model\.layers\.1\.mlp\.down_proj\.weight"),
+])  # fmt: skip
+def test_a_broken_checkpoint_fails_before_any_batch_naming_the_file(saved, tmp_path, how, message):
+    """A missing or corrupt shard, or an index naming a shard that lacks the tensor, raised
+    FileNotFoundError or safetensors' SafetensorError (without the file's name), or KeyError
+    'weight_map', and only once the layer holding it was reached, after the capture and every layer before."""
+    directory = _broken(saved["llama"][0], tmp_path, how)
+    read: list = []
+    model = _meta("llama")
+    with pytest.raises(ValueError, match=message):
+        qstats.calibrate_layerwise(model, directory, _counted(_batches(0, 2), read), _recipe("llama"), progress=False)
+    assert read == [] and all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_a_tensor_missing_from_the_checkpoint_fails_before_any_batch(saved, tmp_path):
+    """The model's tensors are checked by name before the capture: a tensor of the last layer that the
+    checkpoint lacks (or one expert's) was found only once every layer before it had run."""
+    from safetensors.torch import save_file
+
+    from qstats._lazy_checkpoint import LazyCheckpoint
+
+    for name, missing in (("llama", f"model.layers.{LAYERS - 1}.self_attn.o_proj.weight"),
+                          ("qwen3_moe", f"model.layers.{LAYERS - 1}.mlp.experts.5.down_proj.weight")):  # fmt: skip
+        source = LazyCheckpoint(saved[name][0])
+        folder = tmp_path / name
+        folder.mkdir()
+        kept = {key: source.tensor(key) for key in source.files if key != missing}
+        save_file(kept, str(folder / "model.safetensors"))
+        read: list = []
+        with pytest.raises(ValueError, match=f"no tensor {missing!r}"):
+            qstats.calibrate_layerwise(_meta(name), folder, _counted(_batches(0, 2), read), _recipe(name),
+                                       progress=False)  # fmt: skip
+        assert read == []

@@ -4,13 +4,14 @@ per layer (the modules outside the layers in a last shard) with ``model.safetens
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Mapping, Optional, Union
 
 import torch
 from tqdm.auto import tqdm
 
-from .._lazy_checkpoint import LazyCheckpoint, Overlay, load_modules, release_modules
+from .._lazy_checkpoint import LazyCheckpoint, Overlay, check_covers, load_modules, release_modules
 from ..layerwise import check_on_meta, decoder_layers, inside, outer_paths
 from .checkpoint import Writer, _check_arguments, check_new_folder, write_config, write_index, write_tensors
 
@@ -19,7 +20,7 @@ __all__ = ["compressed_tensors_layerwise"]
 
 def _parts(model: torch.nn.Module, layers: Optional[str]) -> list:
     """``(paths to load, recurse, keep(name))`` of each shard: every decoder layer, then the rest."""
-    container_path, container = decoder_layers(model, layers)
+    container_path, container = decoder_layers(model, layers, "export.compressed_tensors_layerwise")
     parts = []
     for index in range(len(container)):
         path = f"{container_path}.{index}"
@@ -70,25 +71,34 @@ def compressed_tensors_layerwise(
     source = LazyCheckpoint(checkpoint, "export.compressed_tensors_layerwise")
     if weights is not None:
         source = Overlay(weights, source)
+    check_covers(model, source)
     writer = Writer(recipe, qparams, model, format)
     parts = _parts(model, layers)
     weight_map: dict = {}
+    written: list = []  # the shards this call wrote: removed if it fails
     size = 0
-    for number, (paths, recurse, keep) in enumerate(tqdm(parts, desc="qstats.export", disable=not progress), 1):
-        saved = load_modules(model, paths, source, recurse=recurse)
-        try:
-            state = {name: tensor for name, tensor in model.state_dict().items() if keep(name)}
-            tensors = writer.part({module: sites for module, sites in qparams.items() if keep(module)}, state)
-            filename = f"model-{number:05d}-of-{len(parts):05d}.safetensors"
-            write_tensors(path, tensors, filename)
-            weight_map.update(dict.fromkeys(tensors, filename))
-            size += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-        finally:
-            release_modules(saved)
-    unused = sorted(source.names() - source.used) if weights is not None else []
-    if unused:
-        raise ValueError(f"export.compressed_tensors_layerwise: {len(unused)} tensor(s) of weights= name no tensor of "
-                         f"the model: {', '.join(unused[:6])}")
+    try:
+        for number, (paths, recurse, keep) in enumerate(tqdm(parts, desc="qstats.export", disable=not progress), 1):
+            saved = load_modules(model, paths, source, recurse=recurse)
+            try:
+                state = {name: tensor for name, tensor in model.state_dict().items() if keep(name)}
+                tensors = writer.part({module: sites for module, sites in qparams.items() if keep(module)}, state)
+                filename = f"model-{number:05d}-of-{len(parts):05d}.safetensors"
+                written.append(filename)
+                write_tensors(path, tensors, filename)
+                weight_map.update(dict.fromkeys(tensors, filename))
+                size += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+            finally:
+                release_modules(saved)
+        unused = sorted(source.names() - source.used) if weights is not None else []
+        if unused:
+            raise ValueError(f"export.compressed_tensors_layerwise: {len(unused)} tensor(s) of weights= name no tensor "
+                             f"of the model: {', '.join(unused[:6])}")
+    except BaseException:  # no half-written checkpoint left (check_new_folder found no shard there before)
+        for filename in written:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(path, filename))
+        raise
     quantization_config = writer.finish()
     write_index(path, weight_map, size)
     write_config(path, model, quantization_config)
