@@ -3,7 +3,7 @@
 `all_reduce(tree, observers, group)` returns, on every rank, the merge of all ranks' states. States
 whose merge is elementwise (`register_reduce_ops`: min, max, sum) are packed into one flat bucket per
 ``(op, dtype, device)`` and all-reduced; the others are gathered once and folded with ``obs.merge``
-in rank order. A 16-byte check first makes ranks passing different trees raise instead of hang.
+in rank order. A 24-byte check first makes ranks passing different trees raise instead of hang.
 
 >>> import torch, qstats
 >>> obs = qstats.minmax(qstats.QuantSpec())
@@ -136,6 +136,11 @@ def _flatten(tree: Any, observers: Any):
                     f"all_reduce: field {field!r} of the {type(state).__name__} at {where!r} is a "
                     f"{type(value).__name__}, not a tensor"
                 )
+            if value.layout != torch.strided:  # the flat buckets and byte views need dense tensors
+                raise TypeError(
+                    f"all_reduce: field {field!r} of the {type(state).__name__} at {where!r} is a "
+                    f"{value.layout} tensor, not a dense (strided) one"
+                )
     if isinstance(observers, Observer):
         leaf_observers = [observers] * len(states)
     else:
@@ -168,13 +173,42 @@ def _plan(states, exact: bool):
     return plan
 
 
-def _fingerprint(treespec, states, plan) -> int:
+def _check_values(paths, states, plan) -> None:
+    """Raises ValueError where the collectives would go wrong on this rank alone: a NaN in a field
+    reduced by min/max (the backends drop it where ``obs.merge`` keeps it, so the result would depend
+    on the rank order; observers leave NaN out of their extremes), or folded states on several devices."""
+    extremes = [
+        (path, state, field, value)
+        for path, state, ops in zip(paths, states, plan)
+        if ops is not None
+        for field, value in zip(state._fields, state)
+        if ops[field] != "sum" and value.is_floating_point() and value.numel() and value.device.type != "meta"
+    ]
+    flat: dict[torch.device, list[torch.Tensor]] = {}
+    for *_, value in extremes:
+        flat.setdefault(value.device, []).append(value.reshape(-1))
+    if any(bool(torch.cat(parts).isnan().any()) for parts in flat.values()):  # one sync per device
+        path, state, field, _ = next(e for e in extremes if bool(torch.isnan(e[3]).any()))
+        raise ValueError(
+            f"all_reduce: field {field!r} of the {type(state).__name__} at {'/'.join(map(str, path)) or '<root>'!r} "
+            "holds NaN; observers leave NaN out of their extremes (counted in nonfinite), so the state is corrupt"
+        )
+    devices = {v.device for state, ops in zip(states, plan) if ops is None for v in state if v.numel() > 0}
+    if len(devices) > 1:
+        raise ValueError(f"all_reduce: states to fold live on several devices {sorted(map(str, devices))}")
+
+
+def _fingerprint(treespec, states, plan, leaf_observers) -> int:
     digest = hashlib.sha256(str(treespec).encode())
-    for state, ops in zip(states, plan):
+    devices: dict[torch.device, int] = {}  # each device by first use: cuda:0 on one rank, cuda:1 on the next
+    for state, ops, obs in zip(states, plan, leaf_observers):
         digest.update(type(state).__name__.encode())
         digest.update(repr(ops).encode())
+        if ops is None:  # folded with this rank's obs.merge: another observer raises on its rank only
+            digest.update(str(obs.name).encode())
         for value in state:
-            digest.update(f"{tuple(value.shape)}{value.dtype}".encode())
+            device = (value.device.type, devices.setdefault(value.device, len(devices)))
+            digest.update(f"{tuple(value.shape)}{value.dtype}{device}".encode())
     return int.from_bytes(digest.digest()[:8], "little") >> 2  # 62 bits: -h never overflows
 
 
@@ -207,7 +241,7 @@ def all_reduce(
       observers: a tree of `qstats.Observer` whose structure is a prefix of ``tree``'s, or one Observer.
       group: the process group (default: the world).
       exact: fold states with floating ``sum`` fields in rank order, bit-identical to a sequential merge.
-      check: first verify with one 16-byte collective that all ranks pass the same tree.
+      check: first verify with one 24-byte collective that all ranks pass the same tree.
 
     Returns:
       A new tree of the same structure; ``tree`` itself without a process group, with one rank, or on a
@@ -215,8 +249,9 @@ def all_reduce(
     """
     states = treespec = plan = local_error = None
     try:  # validated locally, but raised only after every rank has joined the check
-        _, states, leaf_observers, treespec = _flatten(tree, observers)
+        paths, states, leaf_observers, treespec = _flatten(tree, observers)
         plan = _plan(states, exact)
+        _check_values(paths, states, plan)
     except (TypeError, ValueError) as error:
         local_error = error
     distributed = dist.is_available() and dist.is_initialized()
@@ -229,7 +264,7 @@ def all_reduce(
         if world <= 1:
             return tree
     else:
-        fingerprint = -1 if local_error is not None else _fingerprint(treespec, states, plan)
+        fingerprint = -1 if local_error is not None else _fingerprint(treespec, states, plan, leaf_observers)
         _check_same_trees(fingerprint, local_error, group, states, treespec)
     if not states:
         return tree
@@ -300,8 +335,8 @@ def _check_same_trees(fingerprint: int, local_error, group, states, treespec) ->
             else ""
         )
         raise ValueError(
-            "all_reduce: the ranks passed different state trees (structure, state types, field shapes or "
-            f"dtypes differ); this rank's tree is {treespec} with {len(states)} states{hint}"
+            "all_reduce: the ranks passed different state trees (structure, state types, folding observers, "
+            f"field shapes, dtypes or devices differ); this rank's tree is {treespec} with {len(states)} states{hint}"
         )
 
 
@@ -319,9 +354,6 @@ def _pack(states) -> torch.Tensor:
         for value in state
         if value.numel() > 0
     ]
-    devices = {p.device for p in parts}
-    if len(devices) > 1:
-        raise ValueError(f"all_reduce: states to fold live on several devices {sorted(map(str, devices))}")
     if not parts:
         device = next((v.device for s in states for v in s), torch.device("cpu"))
         return torch.zeros(0, dtype=torch.uint8, device=device)

@@ -386,3 +386,60 @@ def run_three_ranks(rank: int, port: int, out_dir: str) -> None:
 
         results = {"error": traceback.format_exc()}
     torch.save(results, os.path.join(out_dir, f"three{rank}.pt"))
+
+
+def bad_input_scenarios(rank: int):
+    """``{name: (tree, observers)}`` for `run_bad_inputs`: in each, rank 1 alone passes bad input
+    (rank 0 in ``nan/histogram``); ``after`` is valid on both ranks."""
+    g = torch.Generator().manual_seed(50 + rank)
+    x = torch.randn(6, FEATURES, generator=g)
+    minmax = qstats.minmax(qstats.QuantSpec(granularity=qstats.PerAxis(-1)))
+    moving = qstats.moving_average_minmax(qstats.QuantSpec(granularity=qstats.PerAxis(-1)), 0.1)
+    good = minmax.update(minmax.init(x), x)
+    averaged = moving.update(moving.init(x), x)
+    nan = torch.full((FEATURES,), float("nan"))
+    scenarios = {
+        # NaN extremes: the backends' min/max drop them where obs.merge keeps them
+        "nan/minmax": ({"a": good._replace(min_val=nan) if rank == 1 else good}, minmax),
+        # a state on another device (meta) on one rank: fingerprints agreed, the collectives did not
+        "device/meta": ({"a": type(good)(*(v.to("meta") for v in good)) if rank == 1 else good}, minmax),
+        # folded states on two devices on one rank: that rank raised after the check, the other hung
+        "device/fold": ({"a": averaged._replace(count=averaged.count.to("meta")) if rank == 1 else averaged}, moving),
+        # a folded state with another observer on one rank: only that rank's obs.merge raised
+        "observer/fold": ({"a": averaged}, minmax if rank == 1 else moving),
+        # a sparse field on one rank: same shape and dtype, but no flat view
+        "layout/sparse": ({"a": good._replace(count=good.count.to_sparse()) if rank == 1 else good}, minmax),
+        "after": ({"a": good, "b": averaged}, {"a": minmax, "b": moving}),
+    }
+    histogram = _histogram_factory()
+    if histogram is not None:
+        obs = histogram(qstats.QuantSpec(granularity=qstats.PerAxis(-1)), **histogram_kwargs())
+        state = obs.update(obs.init(x), x)
+        scenarios["nan/histogram"] = ({"h": [state._replace(max_val=nan) if rank == 0 else state]}, obs)
+    return scenarios
+
+
+def run_bad_inputs(rank: int, port: int, out_dir: str) -> None:
+    """World 2, one rank passing bad input per scenario: saves ``{scenario: error or leaves}`` to
+    ``OUT_DIR/bad{RANK}.pt``. A short process-group timeout turns a hang into an error."""
+    import torch.distributed as dist
+
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    results = {}
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=20)
+        )
+        for name, (tree, observers) in bad_input_scenarios(rank).items():
+            try:
+                results[name] = {"leaves": [t.clone() for t in leaves(qstats.distributed.all_reduce(tree, observers))]}
+            except Exception as error:  # recorded, checked by the test
+                results[name] = {"error": f"{type(error).__name__}: {error}"}
+        dist.destroy_process_group()
+    except BaseException:
+        import traceback
+
+        results["crash"] = traceback.format_exc()
+    torch.save(results, os.path.join(out_dir, f"bad{rank}.pt"))

@@ -379,3 +379,59 @@ def test_three_ranks_one_without_data_and_a_subgroup(tmp_path):
         for rank in (0, 1):
             assert_bit_equal(results[rank][f"{name}/pair"], worker.leaves(merged), f"{name}/pair rank {rank}")
         assert_bit_equal(results[2][f"{name}/pair"], worker.leaves(local[2]), f"{name}/pair rank 2")
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank(tmp_path):
+    """One rank passes bad input; every rank raises a ValueError naming it (none hangs, none returns
+    a silently wrong merge), and the group stays usable. Each used to fail: a NaN extreme was dropped
+    by gloo's MIN/MAX (on rank 1 for min, rank 0 for max), so the result was not reduce(obs.merge)
+    and depended on the rank order; a state on another device passed the check and desynchronised
+    the collectives; folded states on two devices raised on their rank after the check, leaving the
+    other in all_gather until the timeout; a folded state with another rank's observer raised on
+    that rank only; a sparse field raised on its rank after the check."""
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    port = free_port()
+    procs = [context.Process(target=worker.run_bad_inputs, args=(rank, port, str(tmp_path))) for rank in range(2)]
+    for p in procs:
+        p.start()
+    codes = [_wait(p, 150) for p in procs]
+    files = [tmp_path / f"bad{r}.pt" for r in range(2)]
+    results = [torch.load(f, weights_only=False) if f.exists() else {"crash": "no results"} for f in files]
+    assert codes == [0, 0] and not any("crash" in r for r in results), (codes, results)
+
+    def error(rank, name):
+        got = results[rank][name]
+        assert "error" in got, (rank, name, got)
+        assert got["error"].startswith("ValueError"), (rank, name, got["error"])
+        return got["error"]
+
+    for name, bad_rank, what in (
+        ("nan/minmax", 1, "field 'min_val' of the MinMaxState at 'a' holds NaN"),
+        ("nan/histogram", 0, "field 'max_val' of the HistogramState at 'h/0' holds NaN"),
+        ("device/fold", 1, "states to fold live on several devices ['cpu', 'meta']"),
+        ("layout/sparse", 1, "field 'count' of the MinMaxState at 'a' is a torch.sparse_coo tensor"),
+    ):
+        if name not in results[0]:
+            continue
+        assert what in error(bad_rank, name), name
+        assert "another rank's tree failed its local checks" in error(1 - bad_rank, name), name
+    for name in ("device/meta", "observer/fold"):
+        for rank in range(2):
+            assert "different state trees" in error(rank, name), (name, rank)
+    # the group is still in step: a valid call gives both ranks reduce(obs.merge) in rank order
+    scenarios = [worker.bad_input_scenarios(r)["after"] for r in range(2)]
+    observers = scenarios[0][1]
+    want = worker.leaves({k: observers[k].merge(scenarios[0][0][k], scenarios[1][0][k]) for k in observers})
+    for rank in range(2):
+        assert "error" not in results[rank]["after"], results[rank]["after"]
+        assert_bit_equal(results[rank]["after"]["leaves"], want, f"after rank {rank}")
+
+
+def test_nan_extremes_raise_without_process_group():
+    obs = qstats.minmax(qstats.QuantSpec())
+    state = obs.init(torch.zeros(3))._replace(max_val=torch.tensor(float("nan")))
+    with pytest.raises(ValueError, match="field 'max_val' of the MinMaxState at 'x/1' holds NaN"):
+        distributed.all_reduce({"x": [obs.init(torch.zeros(3)), state]}, obs)
+    moving = qstats.moving_average_minmax(qstats.QuantSpec(), 0.1)  # folded: merged by obs.merge, NaN kept
+    tree = {"x": moving.init(torch.zeros(3))._replace(max_val=torch.tensor(float("nan")))}
+    assert distributed.all_reduce(tree, moving) is tree
