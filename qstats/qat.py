@@ -19,6 +19,7 @@ from . import distributed
 from ._qparams import compute_qparams
 from ._quant import fake_quantize
 from ._spec import QuantSpec
+from ._warn import warn
 from .lsq import LSQParams, lsq_fake_quantize, lsq_init
 from .observers import Observer
 from .schedule import QATPhase
@@ -35,6 +36,10 @@ __all__ = [
 _STE_MODES = ("clipped", "identity")
 _DEFAULT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONV_FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+# forwards that `prepare` rewrites: a subclass that keeps one is the layer it subclasses
+_STOCK_FORWARDS = (nn.Linear.forward, nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward,
+                   nn.modules.batchnorm._BatchNorm.forward)
+_EXTRA_INPUTS = ("qat_state", "qat_phase", "qat_ranges")  # keyword arguments the rewritten forward takes
 
 
 def _select(flag, if_true, if_false):
@@ -112,6 +117,11 @@ def observe_fake_quantize(
         raise TypeError(f"observe_fake_quantize: phase must be a QATPhase, got {type(phase).__name__}")
     _check_ste(ste)
     spec = observer.spec
+    if phase.fake_quantize is not False and not isinstance(spec, QuantSpec):
+        raise TypeError(
+            f"observe_fake_quantize: the {observer.name} observer has no QuantSpec to fake-quantize to "
+            f"(spec={spec!r}); use it with phase.fake_quantize=False, or pass an observer built from a QuantSpec"
+        )
     if phase.observe is False:
         new_state = state
     else:
@@ -234,8 +244,8 @@ class QATModel:
     """A model rewritten for pure QAT (built by `prepare`).
 
     Attributes:
-      module: the ``torch.fx.GraphModule``; ``forward(*inputs, state, phase, ranges)`` returns
-        ``(output, new_state_dict)``. It shares the original model's parameters and names.
+      module: the ``torch.fx.GraphModule``; ``forward(*inputs, qat_state=, qat_phase=, qat_ranges=)``
+        returns ``(output, new_state_dict)``. It shares the original model's parameters and names.
       weight_observer, activation_observer: the observers (their specs are the targets).
       layers: names of the quantized layers; ``batchnorm_layers``: names of batch-norm layers.
     """
@@ -256,7 +266,7 @@ class QATModel:
         """Fresh states sized on ``example_inputs`` (one forward pass; nothing is observed).
         Batch-norm states start from the model's running statistics."""
         empty = QATState({}, {}, {})
-        _, states = self.module(*example_inputs, empty, QATPhase(False, False, False), None)
+        _, states = self.module(*example_inputs, **_extra(empty, QATPhase(False, False, False), None))
         return QATState(**states)
 
     def apply(self, params, state: QATState, *inputs, phase: QATPhase = QATPhase(), ranges=None):
@@ -279,8 +289,7 @@ class QATModel:
                     f"QATModel.apply: state.{kind} has keys {sorted(got)}, the model needs {sorted(expected)}"
                 )
         self._check_ranges(ranges)
-        args = (*inputs, state, phase, ranges)
-        output, states = torch.func.functional_call(self.module, params, args)
+        output, states = torch.func.functional_call(self.module, params, inputs, _extra(state, phase, ranges))
         return output, QATState(**states)
 
     def _check_ranges(self, ranges) -> None:
@@ -374,7 +383,12 @@ def prepare(
         if observer is not None and not isinstance(observer, Observer):
             raise TypeError(f"qstats.qat.prepare: {name} must be a qstats Observer or None, got {type(observer).__name__}")
     _check_ste(ste)
-    rewriter = _Rewriter(_trace(model), weight_observer, activation_observer, ste, grad_scale)
+    if isinstance(layers, (type, list)):  # one type, or a list of them
+        layers = (layers,) if isinstance(layers, type) else tuple(layers)
+    if not (isinstance(layers, tuple) and layers and all(isinstance(t, type) and issubclass(t, nn.Module) for t in layers)):
+        raise TypeError(f"qstats.qat.prepare: layers must be nn.Module subclasses (Linear, Conv1d/2d/3d), got {layers!r}")
+    rewriter = _Rewriter(_trace(model, layers), weight_observer, activation_observer, ste, grad_scale)
+    hidden = {}  # layers inside modules that torch.fx keeps whole (torch.nn's Transformer layers)
     for node in list(rewriter.graph.nodes):
         if node.op != "call_module":
             continue
@@ -383,14 +397,41 @@ def prepare(
             rewriter.quantize_layer(node, layer)
         elif isinstance(layer, nn.modules.batchnorm._BatchNorm):
             rewriter.pure_batchnorm(node, layer)
+        else:
+            hidden.update((f"{node.target}.{name}", type(layer).__name__) for name, child in layer.named_modules()
+                          if name and isinstance(child, layers))
+    if hidden:
+        warn(f"qstats.qat.prepare: {sorted(hidden)} run inside {sorted(set(hidden.values()))}, which torch.fx "
+             "does not trace into: they stay in float")
     if not rewriter.quantized:
         raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}")
     return QATModel(rewriter.finish(), weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms)
 
 
-def _trace(model: nn.Module) -> torch.fx.GraphModule:
+def _extra(state, phase, ranges) -> Dict[str, Any]:
+    return dict(zip(_EXTRA_INPUTS, (state, phase, ranges)))
+
+
+class _Tracer(torch.fx.Tracer):
+    """torch.fx's tracer, with subclasses of the quantized layers and of batch norm that keep
+    their stock forward as leaves (fx traces through modules defined outside torch.nn, which
+    left a subclassed Linear in float)."""
+
+    def __init__(self, layers: Tuple[type, ...]):
+        super().__init__()
+        self.layers = tuple(layers) + (nn.modules.batchnorm._BatchNorm,)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, self.layers) and type(m).forward in _STOCK_FORWARDS:
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def _trace(model: nn.Module, layers: Tuple[type, ...]) -> torch.fx.GraphModule:
     try:
-        return torch.fx.symbolic_trace(model)
+        tracer = _Tracer(layers)
+        graph = tracer.trace(model)
+        return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as error:  # data-dependent control flow, unsupported Python in forward
         raise TypeError(
             f"qstats.qat.prepare: torch.fx cannot trace {type(model).__name__}.forward ({type(error).__name__}: "
@@ -411,11 +452,13 @@ class _Rewriter:
         placeholders = [node for node in self.graph.nodes if node.op == "placeholder"]
         if not placeholders:
             raise ValueError("qstats.qat.prepare: the model's forward takes no inputs")
-        last = placeholders[-1]
-        for name in ("qat_state", "qat_phase", "qat_ranges"):
-            with self.graph.inserting_after(last):
-                last = self.graph.placeholder(name)
-        self.state, self.phase, self.ranges = last.prev.prev, last.prev, last
+        # keyword arguments with defaults, after the model's own (some of which may have defaults,
+        # or be *args) and before a **kwargs
+        varkw = placeholders[-1] if str(placeholders[-1].target).startswith("**") else None
+        for name in _EXTRA_INPUTS:
+            with self.graph.inserting_before(varkw) if varkw is not None else self.graph.inserting_after(placeholders[-1]):
+                placeholders.append(self.graph.placeholder(name, default_value=None))
+        self.state, self.phase, self.ranges = placeholders[-3:]
         self.new_states = {"weights": {}, "activations": {}, "batchnorm": {}}  # layer -> its latest state node
         self.quantized, self.batchnorms = [], []
         self.weights = {}  # layer -> its fake-quantized weight (a module called twice reuses it)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from torch.ao.quantization import MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
 from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantize
@@ -43,6 +43,9 @@ def _grads_torch(x, scale, zero_point, qmin, qmax, factor, dy, axis=None):
 
 
 @settings(max_examples=25, deadline=None)
+# torch's CPU kernel forms (codes - zero_point) * scale - x with one rounding (a fused multiply-add),
+# qstats rounds the product first: the unscaled scale gradients are 1.1e-5 apart here
+@example(seed=0, dtype="uint8", spread=6.15625, scale_value=0.1333371773222041, zero_fraction=0.5, scaled=False)
 @given(
     seed=st.integers(0, 2**31 - 1),
     dtype=st.sampled_from(["uint8", "uint4"]),
@@ -74,9 +77,12 @@ def test_per_tensor_lsq_plus_matches_torch(seed, dtype, spread, scale_value, zer
     # With LSQ's gradient scale the range gradients are O(0.1) and agree to 1e-6. Unscaled, they
     # are sums of 35 terms of O(1), added in another order (and each term's product associated
     # differently) than torch's kernel: float32 rounding then allows a few 1e-6 relative.
+    # The product's rounding differs by at most an ulp of |codes - zero_point| * scale, divided by
+    # scale for each element's scale gradient: at most qmax * 2**-23 * sum |dy| in all.
     tol = TOL if scaled else dict(rtol=1e-5, atol=1e-5)
-    for a, b in zip(ours, ref):
-        torch.testing.assert_close(a.reshape(b.shape), b, **tol)
+    fused = dict(rtol=1e-5, atol=max(1e-5, qmax * 2.0**-23 * float(dy.abs().sum())))
+    for index, (a, b) in enumerate(zip(ours, ref)):
+        torch.testing.assert_close(a.reshape(b.shape), b, **(fused if index == 2 and not scaled else tol))
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])

@@ -69,6 +69,18 @@ def test_observe_fake_quantize_matches_torch_ao_fake_quantize(fused):
     assert bool((xq.grad == 0).any())  # the last step clipped some values (range frozen, x grew)
 
 
+@pytest.mark.parametrize("fake_quantize", [True, torch.tensor(True)])
+def test_observer_without_a_spec_is_refused_clearly_when_fake_quantizing(fake_quantize):
+    # imatrix, hessian, noop, recording: no QuantSpec. The error was compute_qparams' "spec must be
+    # a QuantSpec, got NoneType", or an AttributeError under a tensor flag
+    observer = qstats.imatrix()
+    x = torch.randn(4, 6)
+    with pytest.raises(TypeError, match="imatrix observer has no QuantSpec"):
+        qstats.observe_fake_quantize(x, observer.init(x), observer, QATPhase(True, fake_quantize))
+    y, state = qstats.observe_fake_quantize(x, observer.init(x), observer, QATPhase(True, False))  # observing is fine
+    assert y is x
+
+
 def test_straight_through_modes():
     observer = qstats.minmax(qstats.QuantSpec(dtype="int4"))
     ref_x = torch.linspace(-1, 1, 9)
@@ -447,6 +459,10 @@ def test_prepare_and_apply_errors():
         qstats.qat.prepare(_MLP(), weight_observer="minmax")
     with pytest.raises(ValueError, match="no layer"):
         qstats.qat.prepare(nn.Sequential(nn.ReLU()))
+    assert qstats.qat.prepare(_MLP(), layers=nn.Linear).layers == ("fc1", "fc2")  # one type
+    for bad in ((), ("Linear",), 3):  # an empty tuple quantized nothing; names and numbers: isinstance's error
+        with pytest.raises(TypeError, match="layers must be nn.Module subclasses"):
+            qstats.qat.prepare(_MLP(), layers=bad)
 
     class DataDependent(nn.Module):
         def __init__(self):
@@ -465,6 +481,104 @@ def test_prepare_and_apply_errors():
         qat.apply(qat.params(), broken, torch.randn(2, 6))
     with pytest.raises(TypeError, match="QATState"):
         qat.apply(qat.params(), dict(state._asdict()), torch.randn(2, 6))
+
+
+class _SubclassedLinear(nn.Linear):
+    """A Linear defined outside torch.nn with the stock forward (a project's own layer type)."""
+
+
+class _SubclassedBatchNorm(nn.BatchNorm1d):
+    pass
+
+
+class _SubclassedMLP(nn.Module):
+    def __init__(self, linear=_SubclassedLinear, norm=_SubclassedBatchNorm):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = linear(6, 8), norm(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.norm(self.fc1(x))))
+
+
+def test_subclasses_of_the_layers_are_quantized():
+    # torch.fx traces through modules defined outside torch.nn: a subclass of nn.Linear became a
+    # bare F.linear that prepare never saw, and was left in float (its batch norm kept hidden buffers)
+    torch.manual_seed(0)
+    mixed = qstats.qat.prepare(nn.Sequential(_SubclassedLinear(4, 4), nn.Linear(4, 2)), qstats.minmax(W_SPEC))
+    assert mixed.layers == ("0", "1")  # was ("1",): the subclass silently stayed in float
+    model = _SubclassedMLP()
+    plain = _SubclassedMLP(nn.Linear, nn.BatchNorm1d)
+    plain.load_state_dict(model.state_dict())
+    qat, reference = _prepare_mlp(model), _prepare_mlp(plain)
+    assert qat.layers == reference.layers == ("fc1", "fc2")
+    assert qat.batchnorm_layers == reference.batchnorm_layers == ("norm",)
+    x = torch.randn(5, 6)
+    state, ref_state = qat.init(x), reference.init(x)
+    for phase in (QATPhase(True, False), QATPhase(True, True)):
+        out, state = qat.apply(qat.params(), state, x, phase=phase)
+        expected, ref_state = reference.apply(reference.params(), ref_state, x, phase=phase)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for a, b in zip(torch.utils._pytree.tree_leaves(state), torch.utils._pytree.tree_leaves(ref_state)):
+        assert torch.equal(a, b)
+
+
+def test_layers_inside_modules_fx_keeps_whole_are_named_in_a_warning():
+    # torch.fx does not trace into torch.nn's modules: the Linears of a TransformerEncoderLayer
+    # stayed in float without a word (torch.ao's prepare_qat swaps them)
+    model = nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), nn.Linear(8, 2))
+    with pytest.warns(UserWarning, match=r"'0.linear1', '0.linear2', '0.self_attn.out_proj'.*stay in float"):
+        qat = qstats.qat.prepare(model, weight_observer=qstats.minmax(W_SPEC))
+    assert qat.layers == ("1",)
+
+
+class _OptionalMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None):
+        h = self.fc(x)
+        return F.scaled_dot_product_attention(h, h, h, attn_mask=mask)
+
+
+class _VariadicInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, *inputs):
+        return self.fc(inputs[0]) + inputs[1]
+
+
+class _KeywordInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, **options):
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("cls", [_OptionalMask, _VariadicInputs, _KeywordInputs])
+def test_forward_with_optional_or_variadic_inputs(cls):
+    # the QAT inputs were appended as positional parameters: after `mask=None` and `**options`
+    # the generated forward was a SyntaxError; after `*inputs` they were keyword-only, never given
+    torch.manual_seed(0)
+    model = cls()
+    qat = qstats.qat.prepare(model, weight_observer=qstats.minmax(W_SPEC),
+                             activation_observer=qstats.moving_average_minmax(ACT_SPEC, 0.01))
+    x = torch.randn(2, 3, 4)
+    inputs = (x, x) if cls is _VariadicInputs else (x,)
+    state = qat.init(*inputs)
+    out, state = qat.apply(qat.params(), state, *inputs, phase=QATPhase(True, False))
+    torch.testing.assert_close(out, model(*inputs), rtol=0, atol=0)
+    out, _ = qat.apply(qat.params(), state, *inputs, phase=QATPhase(False, True))
+    w = qstats.fake_quantize(model.fc.weight, qstats.compute_qparams(state.weights["fc"], W_SPEC), W_SPEC)
+    xq = qstats.fake_quantize(x, qstats.compute_qparams(state.activations["fc"], ACT_SPEC), ACT_SPEC)
+    h = F.linear(xq, w, model.fc.bias)
+    expected = {_OptionalMask: lambda: F.scaled_dot_product_attention(h, h, h), _VariadicInputs: lambda: h + x,
+                _KeywordInputs: lambda: h}[cls]()
+    torch.testing.assert_close(out, expected)
 
 
 # ------------------------------------------------------------------------------------------------
