@@ -19,6 +19,7 @@ import torch
 from ._qparams import QParams
 from .lsq import LSQParams
 from .observers._base import state_types
+from .qat import BatchNormState, QATState
 
 __all__ = ["save", "load", "to_state_dict", "from_state_dict", "safe_globals", "FORMAT", "FORMAT_VERSION", "MAX_DEPTH"]
 
@@ -26,7 +27,8 @@ FORMAT = "qstats"
 FORMAT_VERSION = 1
 MAX_DEPTH = 100  # nesting of a checkpoint's tree (a model's tree is a few levels deep)
 
-_RESULT_TYPES = (QParams, LSQParams)  # what compute_qparams and lsq_init return
+# what compute_qparams and lsq_init return, and what a QAT model carries between steps
+_RESULT_TYPES = (QParams, LSQParams, QATState, BatchNormState)
 torch.serialization.add_safe_globals(list(_RESULT_TYPES))
 
 

@@ -228,7 +228,6 @@ def test_layer_called_twice_observes_both_inputs_as_torch_ao():
     # first input's range was lost (and the layer was listed twice).
     torch.manual_seed(0)
     model = _SharedLayerMLP()
-    block, head = model.block, model.head
     act_block, act_head = _act_fq(), _act_fq()
     weight_block, weight_head = _minmax_weight_fq(), _minmax_weight_fq()
 
@@ -313,6 +312,25 @@ def test_apply_is_pure():
         assert torch.equal(a, b)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before_model[k]), k
+
+
+def test_state_checkpoints_with_qstats_save_and_resumes_the_same(tmp_path):
+    """A QAT state (observer states, batch-norm statistics) saved with qstats.save and loaded back
+    continues training exactly as the state kept in memory."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 16, 2))
+    qat = _prepare_mlp(model)
+    batches = [torch.randn(3, 1, 6, 6) for _ in range(3)]
+    state = qat.apply(qat.params(), qat.init(batches[0]), batches[0], phase=QATPhase(True, True))[1]
+    qstats.save(tmp_path / "qat.safetensors", state)
+    loaded = qstats.load(tmp_path / "qat.safetensors")
+    assert isinstance(loaded, qstats.QATState) and set(loaded.batchnorm) == {"1"}
+    for x in batches[1:]:
+        out, state = qat.apply(qat.params(), state, x, phase=QATPhase(True, True))
+        out_loaded, loaded = qat.apply(qat.params(), loaded, x, phase=QATPhase(True, True))
+        assert torch.equal(out, out_loaded)
+    for a, b in zip(torch.utils._pytree.tree_leaves(state), torch.utils._pytree.tree_leaves(loaded)):
+        assert torch.equal(a, b)
 
 
 def test_batchnorm_train_and_frozen_match_nn_batchnorm():
