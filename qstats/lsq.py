@@ -56,6 +56,18 @@ def _check_spec(spec) -> None:
     spec.convention.check_lsq(spec)
 
 
+def check_grad_scale(grad_scale) -> bool:
+    """ValueError unless ``grad_scale`` is ``"torch_ao"``, ``"per_parameter"``, None or a positive
+    float; True for a float."""
+    if isinstance(grad_scale, (int, float)) and not isinstance(grad_scale, bool) and grad_scale > 0:
+        return True
+    if grad_scale is not None and grad_scale not in ("torch_ao", "per_parameter"):
+        raise ValueError(
+            f"grad_scale must be 'torch_ao', 'per_parameter', None or a positive float, got {grad_scale!r}"
+        )
+    return False
+
+
 def lsq_grad_factor(x_numel: int, params_numel: int, spec: QuantSpec, grad_scale) -> float:
     """The factor applied to the range gradients.
 
@@ -63,12 +75,8 @@ def lsq_grad_factor(x_numel: int, params_numel: int, spec: QuantSpec, grad_scale
     ``"per_parameter"`` (``1 / sqrt(numel(x) / numel(scale) * qmax)``, the LSQ paper), ``None`` (1) or a
     positive float.
     """
-    if isinstance(grad_scale, (int, float)) and not isinstance(grad_scale, bool) and grad_scale > 0:
+    if check_grad_scale(grad_scale):
         return float(grad_scale)
-    if grad_scale is not None and grad_scale not in ("torch_ao", "per_parameter"):
-        raise ValueError(
-            f"grad_scale must be 'torch_ao', 'per_parameter', None or a positive float, got {grad_scale!r}"
-        )
     if grad_scale is None or x_numel == 0:  # an empty tensor sends no gradient to its range
         return 1.0
     qmax = spec.qrange[1]

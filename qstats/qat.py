@@ -20,7 +20,7 @@ from ._qparams import compute_qparams
 from ._quant import fake_quantize
 from ._spec import QuantSpec
 from ._warn import warn
-from .lsq import LSQParams, lsq_fake_quantize, lsq_init
+from .lsq import LSQParams, check_grad_scale, lsq_fake_quantize, lsq_init
 from .observers import Observer
 from .schedule import QATPhase
 
@@ -383,6 +383,7 @@ def prepare(
         if observer is not None and not isinstance(observer, Observer):
             raise TypeError(f"qstats.qat.prepare: {name} must be a qstats Observer or None, got {type(observer).__name__}")
     _check_ste(ste)
+    check_grad_scale(grad_scale)
     if isinstance(layers, (type, list)):  # one type, or a list of them
         layers = (layers,) if isinstance(layers, type) else tuple(layers)
     if not (isinstance(layers, tuple) and layers and all(isinstance(t, type) and issubclass(t, nn.Module) for t in layers)):

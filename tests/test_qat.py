@@ -481,6 +481,9 @@ def test_prepare_and_apply_errors():
     for bad in ((), ("Linear",), 3):  # an empty tuple quantized nothing; names and numbers: isinstance's error
         with pytest.raises(TypeError, match="layers must be nn.Module subclasses"):
             qstats.qat.prepare(_MLP(), layers=bad)
+    for bad in ("bogus", -1.0, True):  # refused by prepare, not at the first apply with learned ranges
+        with pytest.raises(ValueError, match="grad_scale must be"):
+            qstats.qat.prepare(_MLP(), grad_scale=bad)
 
     class DataDependent(nn.Module):
         def __init__(self):
