@@ -118,7 +118,8 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
     """Min, max, finite count and non-finite count over dims ``(0, -1)`` of a canonical view.
 
     Args:
-      view: a tensor of shape ``(observations, *qparam_shape, group)`` (any float dtype).
+      view: a tensor of shape ``(observations, *qparam_shape, group)`` (any float dtype; float64
+        values past float32's range count as non-finite).
       mask: optional tensor broadcastable to ``view``; zero / False leaves a value out.
       nonfinite: ``"ignore"`` (NaN/Inf are left out and counted) or ``"raise"`` (ValueError).
 
@@ -135,7 +136,9 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
         raise ValueError(f"finite_aminmax: nonfinite must be 'ignore' or 'raise', got {nonfinite!r}")
     if mask is not None:
         mask = (mask if mask.dtype == torch.bool else mask != 0).expand(view.shape)
-    if view.is_floating_point() and view.element_size() == 1:
-        view = view.float()  # float8 values are float32 values exactly; ATen has no float8 reductions
+    if view.is_floating_point() and view.element_size() in (1, 8):
+        # float8 values are float32 values exactly (ATen has no float8 reductions); float64 values
+        # are reduced as the float32 the extremes are kept in: past its range they are Inf, left out
+        view = view.float()
     return _finite_aminmax_op(view.detach(), mask, nonfinite == "raise")
 

@@ -148,3 +148,24 @@ def test_float8_inputs_observe_as_their_float32_values(factory, dtype):
     expected = obs.update(obs.init(x.float()), x.float())
     for name, a, b in zip(got._fields, got, expected):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("factory", [qstats.minmax, qstats.memoryless_minmax, qstats.mse])
+def test_float64_values_past_float32_count_as_nonfinite(factory):
+    """The extremes are float32: a float64 value past its range became an Inf extreme, counted as
+    finite, and the state read as uncalibrated. It is now left out and counted, as an Inf is."""
+    x = torch.tensor([[1e300, -2.0, 1.0], [0.5, -1e300, 0.25]], dtype=torch.float64)
+    lo, hi, count, bad = finite_aminmax(x.reshape(1, 1, -1))
+    assert (lo.item(), hi.item(), count.item(), bad.item()) == (-2.0, 1.0, 4, 2)
+    spec = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
+    obs = factory(spec)
+    state = obs.update(obs.init(x), x)
+    clean = x[x.abs() < 1e30]
+    expected = qstats.minmax(spec).update(qstats.minmax(spec).init(clean), clean)
+    assert state.min_val.item() == -2.0 and state.max_val.item() == 1.0
+    if factory is qstats.minmax:
+        qp, want = qstats.compute_qparams(state, spec), qstats.compute_qparams(expected, spec)
+        assert torch.equal(qp.scale, want.scale) and state.nonfinite.item() == 2
+    with pytest.raises(ValueError, match="non-finite"):
+        strict = factory(qstats.QuantSpec(dtype="int8", nonfinite="raise"))
+        strict.update(strict.init(x), x)
