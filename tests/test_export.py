@@ -462,6 +462,22 @@ def test_modules_the_recipe_quantizes_without_qparams_warn(tmp_path):
         qstats.export.compressed_tensors(model, qparams, str(tmp_path / "whole"), recipe)
 
 
+def test_a_forced_format_leaves_groups_without_weights_dense(tmp_path):
+    """``format=`` applies to groups with quantized weights: an input-only group was written with
+    it, and compressed-tensors' weight compressor then failed on the missing weight args."""
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    input_spec = qstats.QuantSpec.from_compressed_tensors(CASES["w8a8-int-channel-asym-input"][1])
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=input_spec)], ignore=["head"])
+    states = qstats.calibrate(model, [torch.randn(4, 32)], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe, format="int-quantized")
+    assert written["config_groups"]["group_0"]["format"] == "dense"
+    _, fresh = _load_with_compressed_tensors(str(tmp_path))
+    assert bit_equal(fresh.fc1.weight.data, model.fc1.weight.data)
+    assert bit_equal(fresh.fc1.input_scale.data, qparams["fc1"]["input"].scale.reshape(1))
+
+
 # --------------------------------------------------------------------------------------------
 # kv cache and attention (q/k/v) scales
 
@@ -582,6 +598,21 @@ def test_unexportable_attention_sites_raise(tmp_path):
             qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
 
 
+def test_kv_cache_scheme_needs_k_v_scales_on_every_attention_module(tmp_path):
+    """compressed-tensors gives every attention module k_scale/v_scale under the kv_cache_scheme: k/v
+    qparams of layer 0 only were written, and transformers loaded layer 1's scales uninitialised
+    (1e-38, keys and values quantized to nothing). Refused, naming the module, with nothing written."""
+    model = _llama()
+    recipe = qstats.Recipe(
+        [qstats.Rule("model.layers.0.self_attn", sites=("k", "v"), spec=qstats.QuantSpec.from_compressed_tensors(KV_FP8))]
+    )
+    states = qstats.calibrate(model, [torch.randint(0, 64, (1, 4))], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    with pytest.raises(ValueError, match=r"kv_cache_scheme: .*1 have no k/v qparams \(model\.layers\.1\.self_attn\)"):
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path / "out"), recipe)
+    assert not (tmp_path / "out").exists()
+
+
 def test_fp8_asymmetric_zero_points_are_stored_as_float8(tmp_path):
     """Asymmetric fp8 args: compressed-tensors registers float8_e4m3fn zero points (its zp_dtype)
     and its calculate_qparams gives non-integer ones; they were truncated to int8. The file's
@@ -658,6 +689,15 @@ def test_nonfinite_weights_raise(tmp_path, value):
         model.fc2.weight[0, 1] = value
     with pytest.raises(ValueError, match="fc2/weight: 1 of .* weights are NaN or infinite"):
         qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+
+
+def test_qparams_of_another_shape_raise_naming_the_site(tmp_path):
+    """Group qparams of another module (swapped entries of the tree) raised qstats.quantize's shape
+    error without saying which module's weight it was about."""
+    model, recipe, _, qparams = _calibrated(*CASES["w4-int-group-asym"][:2])
+    swapped = {"fc1": qparams["fc2"], "fc2": qparams["fc1"]}
+    with pytest.raises(ValueError, match=r"fc1/weight: qparams of shape \(32, 4\) .*\(a weight of shape \(64, 32\)\)"):
+        qstats.export.compressed_tensors(model, swapped, str(tmp_path), recipe)
 
 
 # --------------------------------------------------------------------------------------------
@@ -824,3 +864,45 @@ def test_recipe_from_a_config_with_kv_cache_scheme_calibrates_and_exports_the_kv
     with pytest.warns(UserWarning, match="before the rotary embedding"):
         written = qstats.export.compressed_tensors(model, ours, str(tmp_path), recipe)
     assert QuantizationConfig.model_validate(written).kv_cache_scheme == KV_FP8
+
+
+def test_tied_embeddings_with_a_quantized_lm_head_load_untied(tmp_path):
+    """A model whose lm_head is tied to its input embeddings, lm_head quantized: the config kept
+    ``tie_word_embeddings: true``, so transformers tied the quantized lm_head to the float embeddings
+    and failed loading ('Linear has no attribute weight'); the export unties them, as llm-compressor
+    does, and transformers runs the checkpoint like qstats.fake_quantized."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    weight_args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=qstats.QuantSpec.from_compressed_tensors(weight_args))])
+    generator = torch.Generator().manual_seed(0)
+    states = qstats.calibrate(model, [torch.randint(0, 64, (2, 8), generator=generator)], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path / "tied"), recipe)
+    with open(tmp_path / "tied" / "config.json") as file:
+        assert json.load(file)["tie_word_embeddings"] is False
+    assert model.config.tie_word_embeddings is True  # the model itself is left alone
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "tied")).eval()
+    test_batch = torch.randint(0, 64, (2, 8), generator=generator)
+    with torch.no_grad():
+        theirs = loaded(test_batch).logits
+        with qstats.fake_quantized(model, qparams, recipe):
+            ours = model(test_batch).logits
+    assert bit_equal(theirs, ours)
+    assert bit_equal(loaded.model.embed_tokens.weight.data, model.model.embed_tokens.weight.data)
+    # lm_head left unquantized: the tie stays; untied by hand while the config still says tied: untied
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path / "by_hand"), recipe)
+    with open(tmp_path / "by_hand" / "config.json") as file:
+        assert json.load(file)["tie_word_embeddings"] is False
+    recipe = qstats.Recipe(recipe.rules, ignore=["lm_head"])
+    qparams = {path: sites for path, sites in qparams.items() if path != "lm_head"}
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path / "kept"), recipe)
+    with open(tmp_path / "kept" / "config.json") as file:
+        assert json.load(file)["tie_word_embeddings"] is True

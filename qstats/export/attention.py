@@ -74,12 +74,33 @@ def _takes_rotary_embedding(module: torch.nn.Module) -> bool:
         return False
 
 
-def attention_config(attention: dict, groups: dict) -> Optional[dict]:
+def _is_kv_cache_module(module: torch.nn.Module) -> bool:
+    """compressed-tensors' ``is_cached_attention_module``: the modules its ``kv_cache_scheme`` gives
+    ``k_scale``/``v_scale``, every one of the model's."""
+    if "attention" not in type(module).__name__.lower():
+        return False
+    if not any(hasattr(module, name) for name in ("k_proj", "v_proj", "qkv_proj", "kv_b_proj")):
+        return False
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "past_key_value" in parameters or "past_key_values" in parameters
+
+
+def attention_config(attention: dict, groups: dict, modules: Optional[Mapping] = None) -> Optional[dict]:
     """The ``kv_cache_scheme`` (k/v sites, one for the whole model) and, for q sites, a config group
     targeting the attention modules (compressed-tensors' attention quantization, whose
-    ``input_activations`` quantize q, k and v), added to ``groups``."""
+    ``input_activations`` quantize q, k and v), added to ``groups``. With the model's ``modules``,
+    refuses a scheme that leaves some of compressed-tensors' kv-cache modules without k/v scales."""
     if not attention:
         return None
+    uncovered = [path for path, module in (modules or {}).items() if path not in attention and _is_kv_cache_module(module)]
+    if uncovered:
+        shown = ", ".join(uncovered[:4]) + (f", and {len(uncovered) - 4} more" if len(uncovered) > 4 else "")
+        fail("kv_cache_scheme", f"compressed-tensors applies the kv-cache scheme to every attention module, and "
+             f"{len(uncovered)} have no k/v qparams ({shown}): their k_scale/v_scale would be left uninitialised "
+             "at load; calibrate the 'k' and 'v' sites of every attention module")
     distinct = {json.dumps(next(iter(sites.values())), sort_keys=True) for sites in attention.values()}
     if len(distinct) > 1:
         fail("kv_cache_scheme", "compressed-tensors holds one kv-cache scheme per model; the attention "

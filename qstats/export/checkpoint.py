@@ -14,7 +14,7 @@ from .._qparams import QParams
 from .._spec import QuantSpec
 from ..experts import UncalibratedWarning, expert_count
 from ..fused import fused_groups
-from ..recipe import Plan, Recipe, as_plan
+from ..recipe import Plan, Recipe, _matches, as_plan
 from .attention import attention_config, write_attention
 from .config import ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, ignored_modules
 from .experts import expert_entries, warn_mixed_experts
@@ -40,7 +40,8 @@ def compressed_tensors(
       path: output folder for ``model.safetensors`` and ``config.json``: new, or one without safetensors
         files or index (an existing ``config.json`` there is extended).
       specs_or_recipe: the calibration `qstats.Recipe` (or its Plan), or a ``{path: {site: QuantSpec}}`` tree.
-      format: one compressed-tensors format for every Linear group; default: what it infers per group.
+      format: one compressed-tensors format for every Linear group with quantized weights (groups without
+        are dense); default: what it infers per group.
 
     Returns:
       The ``quantization_config`` dict written into ``config.json``.
@@ -175,7 +176,7 @@ def _quantization_config(schemes: dict, expert_projection: dict, attention: dict
     groups = config_groups(schemes, expert_projection, format, modules, plan)
     formats = {group["format"] for group in groups.values()}
     top_format = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
-    kv_cache_scheme = attention_config(attention, groups)
+    kv_cache_scheme = attention_config(attention, groups, modules)
     ignore = ignored_modules(modules, schemes, plan)
     return {
         "quant_method": "compressed-tensors",
@@ -298,6 +299,34 @@ def check_new_folder(folder: str, checkpoint, where: str, what: str) -> None:
         )
 
 
+def _quantizes_a_tied_weight(model: torch.nn.Module, quantization_config: dict) -> bool:
+    """True when a parameter the model ties (one tensor under several module names, e.g. ``lm_head``
+    and the input embeddings), or an embedding its config ties (``tie_word_embeddings``), belongs to
+    a module whose weights ``quantization_config`` quantizes."""
+    owners: dict = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name.rpartition(".")[0])
+    tied = {path for paths in owners.values() if len(paths) > 1 for path in paths}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        embeddings = []
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            try:
+                embeddings.append(getattr(model, getter)())
+            except (AttributeError, NotImplementedError):
+                pass
+        tied.update(path for path, module in modules.items() if any(module is e for e in embeddings if e is not None))
+    if not tied:
+        return False
+    ignore = set(quantization_config.get("ignore") or ())
+    return any(
+        path not in ignore and _matches(tuple(group.get("targets") or ()), path, modules.get(path))
+        for group in quantization_config.get("config_groups", {}).values()
+        if group.get("weights") is not None
+        for path in tied
+    )
+
+
 def write_config(path: str, model: torch.nn.Module, quantization_config: dict) -> None:
     """``path/config.json``: an existing one, updated with the model's config and ``quantization_config``."""
     os.makedirs(path, exist_ok=True)
@@ -309,6 +338,13 @@ def write_config(path: str, model: torch.nn.Module, quantization_config: dict) -
     model_config = getattr(model, "config", None)
     if model_config is not None and hasattr(model_config, "to_dict"):
         config.update(model_config.to_dict())
+    if _quantizes_a_tied_weight(model, quantization_config):
+        # the checkpoint holds the tied modules' own tensors (one of them quantized): a loader that ties them
+        # would replace one by the other (transformers fails, vLLM drops the quantized lm_head), so untie
+        # them, as llm-compressor does (untie_word_embeddings)
+        for entry in (config, *(value for value in config.values() if isinstance(value, dict))):
+            if entry.get("tie_word_embeddings"):
+                entry["tie_word_embeddings"] = False
     config["quantization_config"] = quantization_config
     with open(config_path, "w") as file:
         json.dump(config, file, indent=2, sort_keys=True, default=str)

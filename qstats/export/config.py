@@ -308,7 +308,9 @@ def config_groups(schemes: dict, expert_projection: dict, format: Optional[str],
     for module_path, scheme in schemes.items():
         scheme = _with_observers(scheme, module_path, observers, expert_projection)
         weights, inputs, outputs = scheme.get("weight"), scheme.get("input"), scheme.get("output")
-        group_format = format or default_format(weights, inputs)
+        # a group without weights is dense whatever ``format`` says: compressed-tensors' weight compressors
+        # fail on it (naive_quantized compress: 'NoneType' object has no attribute 'strategy')
+        group_format = format if format is not None and weights is not None else default_format(weights, inputs)
         key = json.dumps([weights, inputs, outputs, group_format], sort_keys=True)
         group = groups.setdefault(
             key,

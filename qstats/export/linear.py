@@ -133,7 +133,10 @@ def _write_weight(entry: Entry, site: _Site, module_format: str, tensors: dict, 
     nonfinite = int((~torch.isfinite(weight)).sum())
     if nonfinite:  # a NaN has no code, and an Inf would be saved as the grid's end
         fail(where, f"{nonfinite} of {weight.numel()} weights are NaN or infinite; a checkpoint needs finite weights")
-    codes = quantize(weight, site.qp, site.spec)
+    try:
+        codes = quantize(weight, site.qp, site.spec)
+    except ValueError as error:  # qparams of another shape (another module's, a transposed weight)
+        fail(where, f"{error} (a weight of shape {tuple(weight.shape)})")
     if site.spec.dtype == "fp4_e2m1":  # NVFP4 / MXFP4
         if weight.shape[1] % 2:
             fail(where, f"fp4 packs two values per byte; {weight.shape[1]} columns is odd")
