@@ -696,3 +696,46 @@ def test_bins_is_the_former_name_of_buckets_per_octave():
     assert new.init(x).counts.shape == (2, 20, 16)
     with pytest.raises(TypeError, match="not both"):
         qstats.histogram(spec, buckets_per_octave=16, bins=16)
+
+
+# --- found in review: symmetric_no_clipping_err, float64 inputs past float32 ---------------------
+
+
+@pytest.mark.parametrize("method", ["l2", "mse"])
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
+def test_no_clipping_err_search_ranks_the_grid_it_returns(method, dtype):
+    """symmetric_no_clipping_err scales by the side that binds (max(lo / qmin, hi / qmax)): the
+    searches ranked (-amax, amax) (step amax / qmax) and returned (-amax, max_val) (step amax / -qmin),
+    twice the squared error of the best range on int4 data with the larger negative side."""
+    spec = qstats.QuantSpec(dtype=dtype, mapping="symmetric_no_clipping_err")
+    x = -torch.rand(20000, generator=torch.Generator().manual_seed(0)).double()
+    qmin, qmax = spec.qrange
+
+    def error(step):  # torch.ao's grid, zero point 0, computed here
+        return float(((torch.clamp(torch.round(x / step), qmin, qmax) * step - x) ** 2).mean())
+
+    best = min(error(float(x.min()) * f / qmin) for f in np.linspace(0.5, 1.0, 1001))
+    obs = qstats.histogram(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x.float()), x.float()), spec, method=method)
+    assert int(qp.zero_point) == 0
+    assert error(float(qp.scale)) <= 1.02 * best
+
+
+def test_float64_values_past_float32_are_infinities_of_the_float32_buckets():
+    """A float64 1e300 was an Inf in the buckets (counted nowhere) but finite for the extremes:
+    max_val +inf, nonfinite 0, and a range of about [-2, 260] from data in [-2, 1]."""
+    x = torch.tensor([1e300, -2.0, 1.0, -1e-50], dtype=torch.float64)
+    with np.errstate(over="ignore"):
+        as_float32 = x.numpy().astype(np.float32)  # numpy's cast: 1e300 -> inf, -1e-50 -> -0.0
+    finite = as_float32[np.isfinite(as_float32)]
+    spec = qstats.QuantSpec(dtype="int8")
+    obs = qstats.histogram(spec)
+    state = obs.update(obs.init(x), x)
+    counted = int(state.counts.sum() + state.underflow.sum() + state.overflow.sum())
+    assert counted == finite.size and int(state.nonfinite) == 1
+    assert float(state.min_val) == float(finite.min()) and float(state.max_val) == float(finite.max())
+    for method in ("l2", "mse", "entropy", "percentile", "minmax"):
+        assert float(qstats.compute_qparams(state, spec, method=method).scale) <= 2.0 / 127.5 * (1 + 1e-6)
+    strict = qstats.histogram(qstats.QuantSpec(dtype="int8", nonfinite="raise"))
+    with pytest.raises(ValueError):
+        strict.update(strict.init(x), x)

@@ -122,3 +122,17 @@ def test_nonfinite_raise_under_vmap_stacked_and_compile():
     assert torch.equal(compiled(obs.init(x[0]), x[0]).total, loop[0].total)
     with pytest.raises(ValueError, match="non-finite"):
         compiled(obs.init(dirty[1]), dirty[1])
+
+
+def test_a_first_batch_past_1e154_keeps_a_finite_variance():
+    """Merging a batch into an empty state squared the batch's mean times a zero count: a float64
+    mean past 1e154 gave inf * 0, a NaN variance, and compute_qparams called the state uncalibrated."""
+    spec = qstats.QuantSpec(dtype="int8")
+    obs = qstats.moments(spec)
+    x = torch.tensor([1e200, 1e200], dtype=torch.float64)
+    state = obs.update(obs.init(x), x)
+    assert float(state.variance) == float(x.numpy().var()) == 0.0
+    assert float(obs.merge(obs.init(x), state).m2) == 0.0
+    for method in ("mean_std", "abs_mean"):
+        qp = qstats.compute_qparams(state, spec, method=method)
+        assert bool(qp.calibrated) and math.isfinite(float(qp.scale)) and float(qp.scale) > 0

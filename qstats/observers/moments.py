@@ -105,7 +105,9 @@ def _combine(a: MomentsState, b: MomentsState) -> MomentsState:
     nb = b.count.to(torch.float64)
     n = count.clamp(min=1).to(torch.float64)
     delta = b.total / nb.clamp(min=1) - a.total / na.clamp(min=1)
-    m2 = a.m2 + b.m2 + delta * delta * na * nb / n
+    # no correction where a side is empty: its delta (the other mean) may square past float64
+    # (float64 inputs past 1e154), and inf * 0 was a NaN variance
+    m2 = a.m2 + b.m2 + torch.where((na > 0) & (nb > 0), delta * delta * na * nb / n, torch.zeros_like(delta))
     return MomentsState(
         count,
         a.total + b.total,

@@ -253,6 +253,10 @@ def l2_search(state, spec: QuantSpec) -> Range:
     model = _model(win, spec, bins)
     if is_symmetric(spec):
         lo, hi = _symmetric_finalists(win, model, spec, bins)
+        # ranked as returned: clamped to the extremes (for symmetric_no_clipping_err the scale
+        # follows the side that binds, so (-amax, amax) would rank another grid than the result's)
+        lo = torch.maximum(lo, state.min_val.double().clamp(max=0).unsqueeze(-1))
+        hi = torch.minimum(hi, state.max_val.double().clamp(min=0).unsqueeze(-1))
         return within_extremes(state, *_exact_ranking(win, lo, hi, spec, bins))
     lo, hi = _exact_ranking(win, *_asymmetric_finalists(win, model, spec, bins, octaves), spec, bins)
     # edges clamped to each sign's extreme: inside [min(min_val, 0), 0] and [0, max(max_val, 0)]

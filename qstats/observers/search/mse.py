@@ -79,7 +79,7 @@ def mse_search(state, spec: QuantSpec, candidates: int = 128, per_octave: int = 
     factors = torch.pow(2.0, -steps / per_octave)
     lo = state.min_val.double().clamp(max=0).unsqueeze(-1) * factors
     hi = state.max_val.double().clamp(min=0).unsqueeze(-1) * factors
-    if is_symmetric(spec):
+    if is_symmetric(spec) and spec.mapping != "symmetric_no_clipping_err":  # that one scales by the binding side
         absmax = torch.maximum(-lo, hi)
         lo, hi = -absmax, absmax
     error_fn = float_grid_error if spec.is_float else exact_error
