@@ -30,12 +30,14 @@ __all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "runtime_qpara
 
 
 def check_batches(batches, caller: str) -> None:
-    """TypeError when ``batches`` is one batch (a Tensor or a mapping) rather than an iterable of
-    batches: iterating it would run the model on its rows, or on its keys."""
+    """TypeError when ``batches`` is one batch (a Tensor, a mapping or a string) rather than an
+    iterable of batches: iterating it would run the model on its rows, its keys or its characters."""
     if isinstance(batches, torch.Tensor):
         got = "Tensor"
     elif isinstance(batches, Mapping):
         got = "dict" if type(batches) is dict else f"dict ({type(batches).__name__})"
+    elif isinstance(batches, (str, bytes)):  # iterated, the model would be called on each character
+        got = type(batches).__name__
     else:
         return
     raise TypeError(f"{caller}: batches must be an iterable of batches (got a single {got}); wrap one batch in a list")
@@ -138,6 +140,9 @@ def compute_qparams_tree(
         ``on_uncalibrated="raise"`` (``"fallback"`` gives scale 1, zero point 0).
     """
     plan = as_plan(recipe, model, "compute_qparams_tree")
+    if not isinstance(states, Mapping) or not all(isinstance(entry, Mapping) for entry in states.values()):
+        got = type(states).__name__ if not isinstance(states, Mapping) else "a module entry that is not a dict"
+        raise TypeError(f"compute_qparams_tree: states must be a tree {{path: {{site: state}}}} (calibrate's), got {got}")
     out: dict = {}
     for path, entry in states.items():
         out[path] = {}
@@ -251,6 +256,8 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
     as compressed-tensors' dynamic activations do.
     """
     plan = as_plan(recipe, model, "fake_quantized")
+    if not isinstance(qparams, Mapping) or not all(isinstance(entry, Mapping) for entry in qparams.values()):
+        raise TypeError("fake_quantized: qparams must be a tree {path: {site: QParams}} (compute_qparams_tree's)")
     handles: list = []
     parametrized: list = []
     try:
@@ -263,23 +270,40 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
     finally:
         for handle in handles:
             handle.remove()
-        for module, site in reversed(parametrized):
-            parametrize.remove_parametrizations(module, site, leave_parametrized=False)
+        orders = {}  # each module's parameters in their order before (removal re-registers at the end)
+        for module, site, before, order in parametrized:
+            orders.setdefault(module, order)
+        for module, site, before, _ in reversed(parametrized):
+            if before:  # the model's own parametrizations of the tensor stay (weight_norm, ...)
+                del module.parametrizations[site][before:]
+            else:
+                parametrize.remove_parametrizations(module, site, leave_parametrized=False)
+        for module, order in orders.items():
+            for name in order:
+                if name in module._parameters:
+                    module._parameters[name] = module._parameters.pop(name)
 
 
 def _fake_quantize_site(plan: Plan, path: str, site: str, qp, handles: list, parametrized: list) -> None:
     """Applies one site of `fake_quantized`: a parametrization of a parameter site (recorded in
-    ``parametrized``), a hook replacing an activation site's tensor (recorded in ``handles``)."""
+    ``parametrized`` with the number of parametrizations the tensor had before and the module's
+    parameter order), a hook replacing an activation site's tensor (recorded in ``handles``)."""
     found = plan.site(path, site)
     if found is None:
         raise ValueError(f"fake_quantized: the recipe observes no site {site!r} of module {path!r}")
     if qp is None and not found.runtime:
         raise ValueError(f"fake_quantized: qparams[{path!r}][{site!r}] is None; its spec needs QParams")
+    if qp is not None and not isinstance(qp, QParams):  # e.g. the states tree instead of its qparams
+        raise TypeError(
+            f"fake_quantized: qparams[{path!r}][{site!r}] is a {type(qp).__name__}, not QParams; "
+            "pass qstats.compute_qparams_tree(states, recipe, model), not the states"
+        )
     module = plan.modules[path]
     if found.kind == "parameter":
         parametrization = _FakeQuantParametrization(qp, found.spec, found.num_experts)
+        before = len(module.parametrizations[site]) if parametrize.is_parametrized(module, site) else 0
         parametrize.register_parametrization(module, site, parametrization, unsafe=True)
-        parametrized.append((module, site))
+        parametrized.append((module, site, before, list(module._parameters)))
         return
     if found.num_experts:  # per-expert activations: they would need the experts' own forward
         return

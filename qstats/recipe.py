@@ -13,6 +13,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
+from torch.nn.utils import parametrize
 
 from ._granularity import PerGroup, PerTensor, PerToken, TensorGroup
 from ._rule_data import recipe_fields
@@ -448,7 +449,10 @@ class Recipe:
             extra = set(data) - {"scheme", "targets", "ignore", "shared", "observed_dtype"}
             if extra:
                 raise ValueError(f"Recipe.from_dict: unknown keys {sorted(extra)} beside 'scheme'")
-            return cls.from_scheme(data["scheme"], data.get("targets", "Linear"), data.get("ignore", ()),
+            observed = data.get("observed_dtype")
+            if isinstance(observed, str) and isinstance(getattr(torch, observed.removeprefix("torch."), None), torch.dtype):
+                observed = getattr(torch, observed.removeprefix("torch."))  # plain data names it: "bfloat16"
+            return cls.from_scheme(data["scheme"], data.get("targets"), data.get("ignore", ()), observed_dtype=observed,
                                    shared=data.get("shared"))
         rules, ignore, shared = recipe_fields(Rule, data)
         return cls(rules, ignore=ignore, shared=shared)
@@ -485,6 +489,10 @@ class Recipe:
     def _module_sites(self, path: str, module: torch.nn.Module, found: list) -> dict:
         """``{site: Site}`` of one module; records in ``found`` which rule took which site."""
         params = own_parameters(module)  # parametrized ones too (inside `qstats.fake_quantized`)
+        if parametrize.is_parametrized(module):  # one with several originals (weight_norm): its value
+            for name in module.parametrizations:
+                if name not in params:
+                    params[name] = getattr(module, name)
         num_experts = expert_count(module)
         entry: dict = {}
         for index, rule in enumerate(self.rules):

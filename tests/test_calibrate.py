@@ -635,6 +635,8 @@ def test_one_batch_instead_of_a_list_of_batches_is_refused():
         qstats.calibrate(model, torch.randn(4, 6), recipe, progress=False)
     with pytest.raises(TypeError, match=r"got a single dict\); wrap one batch in a list"):
         qstats.calibrate(model, {"input": torch.randn(4, 6)}, recipe, progress=False)
+    with pytest.raises(TypeError, match=r"got a single str\); wrap one batch in a list"):
+        qstats.calibrate(model, "some calibration text", recipe, progress=False)
     states = qstats.calibrate(model, [torch.randn(4, 6)], recipe, progress=False)
     assert sorted(states) == ["0", "2"]
 
@@ -659,3 +661,76 @@ def test_an_observation_weight_that_fits_no_activation_warns():
         fits = qstats.calibrate(model, batches, recipe, progress=False,
                                 observation_weight=lambda b: torch.tensor([1.0, 0.0]))
     assert float(fits["0"]["input"].max_val) == float(batches[0][0].max())
+
+
+class _Double(torch.nn.Module):
+    def forward(self, weight):
+        return weight * 2
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "custom"])
+def test_parametrized_weights_are_observed_and_their_parametrizations_kept(kind):
+    """A weight_norm'd Linear (two originals) had no weight site, silently; fake_quantized removed
+    the model's own parametrization of a weight (the model then computed with its original)."""
+    from torch.nn.utils import parametrize
+
+    model = _model()
+    if kind == "weight_norm":
+        torch.nn.utils.parametrizations.weight_norm(model[0])
+    else:
+        parametrize.register_parametrization(model[0], "weight", _Double())
+    own = list(model[0].parametrizations["weight"])
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=WEIGHT_SPEC)])
+    states = qstats.calibrate(model, _batches(), recipe, progress=False)
+    weight = model[0].weight.detach()
+    assert "weight" in states["0"]
+    assert torch.equal(states["0"]["weight"].max_val, weight.amax(dim=1))
+    assert torch.equal(states["0"]["weight"].min_val, weight.amin(dim=1))
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    x = _batches()[0]
+    expected = model(x)
+    with pytest.raises(KeyError):
+        with qstats.fake_quantized(model, qparams, recipe):
+            assert not torch.equal(model[0].weight, weight)
+            raise KeyError("boom")
+    with qstats.fake_quantized(model, qparams, recipe):
+        model(x)
+    assert list(model[0].parametrizations["weight"]) == own
+    assert torch.equal(model[0].weight, weight) and torch.equal(model(x), expected)
+
+
+def test_states_given_as_qparams_and_trees_that_are_not_trees_are_named():
+    """fake_quantized(model, states, recipe) failed in the forward with an AttributeError deep in
+    the fake quantization ('MinMaxState' object has no attribute 'scale'); a non-dict tree with
+    "'NoneType' object has no attribute 'items'"."""
+    model, recipe, x = _model(), _recipe(), _batches()[0]
+    states = qstats.calibrate(model, _batches(), recipe, progress=False)
+    with pytest.raises(TypeError, match=r"qparams\['0'\]\['weight'\] is a MinMaxState, not QParams.*compute_qparams_tree"):
+        with qstats.fake_quantized(model, states, recipe):
+            model(x)
+    for bad in (None, [states], {"0": None}):
+        with pytest.raises(TypeError, match=r"fake_quantized: qparams must be a tree"):
+            with qstats.fake_quantized(model, bad, recipe):
+                model(x)
+        with pytest.raises(TypeError, match=r"compute_qparams_tree: states must be a tree"):
+            qstats.compute_qparams_tree(bad, recipe, model)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert type(model[0].weight) is torch.nn.Parameter
+
+
+def test_fake_quantized_keeps_the_order_and_flags_of_the_parameters():
+    """Removing the parametrizations re-registered each weight after its bias: model.parameters()
+    (an optimizer's state by index) and state_dict() came back in another order."""
+    model, x = _model(), _batches()[0]
+    model[0].weight.requires_grad_(False)
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight", "bias"), spec=WEIGHT_SPEC)])
+    before = list(model.named_parameters())
+    keys = list(model.state_dict())
+    qparams = qstats.compute_qparams_tree(qstats.calibrate(model, [x], recipe, progress=False), recipe, model)
+    with qstats.fake_quantized(model, qparams, recipe):
+        model(x)
+    after = list(model.named_parameters())
+    assert [name for name, _ in after] == [name for name, _ in before] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert all(p is q for (_, p), (_, q) in zip(before, after)) and list(model.state_dict()) == keys
+    assert not model[0].weight.requires_grad and model[0].bias.requires_grad
+

@@ -309,3 +309,15 @@ def test_ignore_entries_that_match_no_module_warn_naming_them():
         warnings.simplefilter("error")
         assert set(fine.sites(model)) == {"0"}
         qstats.Recipe.from_scheme("W8A8").resolve(model)  # no ignore entries of its own
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "bfloat16", "torch.float16"])
+def test_from_dict_scheme_passes_observed_dtype_and_the_schemes_own_targets(dtype):
+    """``{"scheme": ..., "observed_dtype": ...}`` was accepted and dropped (qparams computed in
+    float32, not in the weights' dtype), and the scheme's own targets were replaced by "Linear"."""
+    name = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype.removeprefix("torch."))
+    recipe = qstats.Recipe.from_dict({"scheme": "FP8", "observed_dtype": dtype})
+    assert recipe.rules == qstats.Recipe.from_scheme("FP8", observed_dtype=name).rules
+    assert {rule.spec.compute_dtype for rule in recipe.rules} == {str(name).removeprefix("torch.")}
+    scheme = {"targets": ["re:.*mlp.*"], "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}
+    assert qstats.Recipe.from_dict({"scheme": scheme}).rules[0].targets == ("re:.*mlp.*",)
