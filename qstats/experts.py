@@ -47,13 +47,13 @@ class UncalibratedWarning(UserWarning):
 def own_parameters(module: torch.nn.Module) -> dict:
     """``{name: tensor}`` of the parameters ``module`` owns directly, a parametrized one
     (``torch.nn.utils.parametrize``, as `qstats.fake_quantized` registers its fake quantization)
-    under its own name, as its original tensor (for shapes: its value is ``getattr(module, name)``)."""
+    under its own name, as its original tensor (for shapes: its value is ``getattr(module, name)``),
+    or as its value where it has several originals (``weight_norm``'s ``original0``/``original1``)."""
     params = dict(module.named_parameters(recurse=False))
     if parametrize.is_parametrized(module):
         for name, parametrizations in module.parametrizations.items():
             original = getattr(parametrizations, "original", None)
-            if isinstance(original, torch.Tensor):
-                params[name] = original
+            params[name] = original if isinstance(original, torch.Tensor) else getattr(module, name)
     return params
 
 

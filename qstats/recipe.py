@@ -13,7 +13,6 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
-from torch.nn.utils import parametrize
 
 from ._granularity import PerGroup, PerTensor, PerToken, TensorGroup
 from ._rule_data import recipe_fields
@@ -489,10 +488,6 @@ class Recipe:
     def _module_sites(self, path: str, module: torch.nn.Module, found: list) -> dict:
         """``{site: Site}`` of one module; records in ``found`` which rule took which site."""
         params = own_parameters(module)  # parametrized ones too (inside `qstats.fake_quantized`)
-        if parametrize.is_parametrized(module):  # one with several originals (weight_norm): its value
-            for name in module.parametrizations:
-                if name not in params:
-                    params[name] = getattr(module, name)
         num_experts = expert_count(module)
         entry: dict = {}
         for index, rule in enumerate(self.rules):
