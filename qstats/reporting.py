@@ -62,9 +62,7 @@ def _format(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        if math.isinf(value):
-            return "inf"
-        return f"{value:.4g}"
+        return f"{value:.4g}"  # "inf", "-inf" and "nan" as they are
     return str(value)
 
 
@@ -92,9 +90,12 @@ class Report:
 
     def worst(self, count: int = 5) -> "Report":
         """The ``count`` rows with the lowest SQNR estimate, lowest first (rows without one are
-        left out), as a Report: ``print(report.worst())`` prints their table."""
+        left out; a NaN estimate, from non-finite values, counts as the worst), as a Report:
+        ``print(report.worst())`` prints their table."""
         measured = [row for row in self.rows if row.sqnr_db is not None]
-        return Report(tuple(sorted(measured, key=lambda row: row.sqnr_db)[:count]), worst_listed=0)
+        # NaN compares false with everything: sorted() would leave such rows wherever they stood
+        ordered = sorted(measured, key=lambda row: (not math.isnan(row.sqnr_db), row.sqnr_db))
+        return Report(tuple(ordered[:count]), worst_listed=0)
 
     def text(self, worst: Optional[int] = None) -> str:
         """A fixed-width table, followed by the ``worst`` rows by SQNR (default
@@ -221,9 +222,10 @@ def report(
       observation_weight: as in `qstats.calibrate`, to leave padding out of the measurement.
 
     Returns:
-      a `Report`. ``mean_scale`` is the mean step in the tensor's units (NVFP4: block scales under the
-      global scale; without ``model`` and ``recipe``, the raw ``scale`` field); it is None for
-      run-time-scaled activation sites, and ``coverage`` too where their QParams are None.
+      a `Report`. ``mean_scale`` is the mean step in the tensor's units over the calibrated entries
+      (NVFP4: block scales under the global scale; without ``model`` and ``recipe``, the raw
+      ``scale`` field); it is None for run-time-scaled activation sites and sites with no calibrated
+      entry, and ``coverage`` too where their QParams are None.
     """
     if not isinstance(states, Mapping) or not isinstance(qparams, Mapping):
         raise TypeError("report expects the states and qparams trees {path: {site: ...}}")
@@ -264,16 +266,23 @@ def _row(path: str, site: str, state, qp, found, error: Optional[_Error]) -> Lay
     )
 
 
-def _mean_scale(qp, found) -> float:
+def _mean_scale(qp, found) -> Optional[float]:
     """The mean step of ``qp`` in the tensor's own units: for a two-level (NVFP4) spec, the block
     scales under their global scale (`qstats._formats.effective_scale`, per expert for stacks);
     without the site's spec (no model and recipe) the QParams' ``scale`` field as it is, which
-    for a two-level spec is in block-scale units (times 1 / the global scale)."""
+    for a two-level spec is in block-scale units (times 1 / the global scale). Entries marked
+    uncalibrated (their fallback scale 1, e.g. experts that got no tokens) are left out; None when
+    no entry is calibrated."""
     scale = qp.scale.float()
     if found is not None and isinstance(found.spec.granularity, TensorGroup):
         global_scale = qp.global_scale.float()
         global_scale = global_scale.reshape(tuple(global_scale.shape) + (1,) * (scale.ndim - global_scale.ndim))
         scale = effective_scale(scale, global_scale, found.spec)
+    calibrated = qp.calibrated
+    if isinstance(calibrated, torch.Tensor) and calibrated.shape == scale.shape:
+        if not bool(calibrated.any()):
+            return None
+        scale = scale[calibrated.bool()]
     return float(scale.mean())
 
 

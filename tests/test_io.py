@@ -262,6 +262,14 @@ def test_keys_that_join_to_nothing_do_not_collide(tmp_path, tree_):
         assert len(list(handle.keys())) == len(tree.leaves_with_paths(tree_))
 
 
+def test_a_top_level_key_named_like_the_safetensors_header_round_trips(tmp_path):
+    """A top-level key "__metadata__" became the tensor name safetensors reserves for its header:
+    save wrote a file that load refused as corrupt."""
+    tree_ = {"__metadata__": torch.arange(3.0), "a": {"__metadata__": torch.ones(2)}}
+    _assert_bit_exact(qstats.load(_saved(tmp_path, tree_)), tree_)
+    assert list(qstats.load(tmp_path / "stats.safetensors")) == ["__metadata__", "a"]
+
+
 def test_a_bare_tensor_saved_under_the_earlier_root_key_still_loads(tmp_path):
     """Files written before the root key became "%root" name their bare tensor "_"; loading reads
     the key from the file's own structure."""

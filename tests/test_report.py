@@ -202,3 +202,59 @@ def test_nvfp4_mean_scale_is_the_step_in_the_tensors_units():
     # without the recipe the spec is unknown: the QParams' scale field, as documented
     (bare,) = qstats.report(states, qparams).rows
     assert bare.mean_scale == pytest.approx(float(qparams["0"]["weight"].scale.float().mean()))
+
+
+def _row(module, sqnr_db):
+    return qstats.reporting.LayerReport(module, "weight", "minmax", 0, -1.0, 1.0, 0.5, 0.0, sqnr_db, 1.0)
+
+
+def test_text_prints_negative_infinity_as_such():
+    """A row with -inf SQNR (all-zero signal, nonzero noise) printed "inf" in the table: the best
+    possible value instead of the worst."""
+    rep = qstats.reporting.Report((_row("a", -math.inf), _row("b", math.inf)))
+    table = rep.text(worst=0).splitlines()
+    assert table[2].split()[-2] == "-inf" and table[3].split()[-2] == "inf"
+    assert float(list(csv.DictReader(io.StringIO(rep.to_csv())))[0]["sqnr_db"]) == -math.inf
+
+
+def test_worst_puts_nan_first_and_keeps_the_rest_in_order():
+    """One NaN SQNR (a NaN in a held-out batch) made sorted() leave the order as it was: worst(2)
+    returned a 50 dB row and the NaN row instead of the NaN row and the 10 dB row."""
+    rep = qstats.reporting.Report(tuple(_row(str(i), s) for i, s in enumerate([50.0, math.nan, 10.0, 30.0])))
+    worst = rep.worst(3)
+    assert [row.module for row in worst] == ["1", "2", "3"]
+    # on a real report: a NaN in the held-out batch of layer 0's input
+    model, batches, recipe, states, qparams = _setup()
+    x = batches[0].clone()
+    x[0, 0] = math.nan
+    rep = qstats.report(states, qparams, model, recipe, [x])
+    rows = {(row.module, row.site): row for row in rep.rows}
+    assert math.isnan(rows[("0", "input")].sqnr_db)
+    nans = sum(math.isnan(row.sqnr_db) for row in rep.rows)  # the NaN reaches layer 2's input too
+    finite = sorted(row.sqnr_db for row in rep.rows if not math.isnan(row.sqnr_db))
+    ordered = [row.sqnr_db for row in rep.worst(len(rep))]
+    assert all(math.isnan(value) for value in ordered[:nans]) and ordered[nans:] == finite
+
+
+def test_mean_scale_leaves_out_uncalibrated_experts(moe_example):
+    """Experts the router never picks hold the fallback scale 1: averaging them in made the mean step
+    of the MoE example's expert inputs 0.146 where the calibrated experts' steps average 0.024."""
+    _, states, qparams, _ = moe_example.main(batches=1, verbose=False)
+    plan = moe_example.RECIPE.resolve(moe_example.build())
+    for rep in (qstats.report(states, qparams, recipe=plan), qstats.report(states, qparams)):
+        rows = {(row.module, row.site): row for row in rep.rows}
+        for path, entry in qparams.items():
+            for site in ("input", "down_proj.input"):
+                qp = entry[site]
+                assert not bool(qp.calibrated.all())  # the example's dead experts
+                expected = float(qp.scale[qp.calibrated].mean())
+                assert rows[(path, site)].mean_scale == pytest.approx(expected, rel=1e-6)
+                assert rows[(path, site)].coverage == float(qp.calibrated.float().mean())
+    # a site with no calibrated entry has no step to average
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    spec = qstats.QuantSpec(on_uncalibrated="fallback")
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=spec)])
+    states = qstats.calibrate(model, [torch.full((2, 4), math.nan)], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    (row,) = qstats.report(states, qparams).rows
+    assert row.coverage == 0.0 and row.mean_scale is None
