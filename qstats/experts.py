@@ -289,12 +289,14 @@ def _is_whole_stack(weight, stack: torch.Tensor) -> bool:
     )
 
 
-_LINEAR, _MATMUL, _BMM, _GATHER, _GROUPED, _REPEAT, _SELECT, _SAME_ROWS, _UNSQUEEZE = range(9)
+_LINEAR, _MATMUL, _BMM, _GATHER, _GROUPED, _REPEAT, _SELECT, _SAME_ROWS, _UNSQUEEZE, _CLAMP, _RESHAPE = range(11)
 _KINDS = {torch.nn.functional.linear: _LINEAR, torch.Tensor.__getitem__: _GATHER}
 # the calls through which the token of each row is followed (`ExpertInputCapture.row_tokens`)
 _KINDS.update(dict.fromkeys((torch.repeat_interleave, torch.Tensor.repeat_interleave), _REPEAT))
 _KINDS.update(dict.fromkeys((torch.index_select, torch.Tensor.index_select), _SELECT))
 _KINDS.update(dict.fromkeys((torch.unsqueeze, torch.Tensor.unsqueeze), _UNSQUEEZE))
+_KINDS.update(dict.fromkeys((torch.reshape, torch.Tensor.reshape, torch.Tensor.view, torch.flatten, torch.Tensor.flatten),
+                            _RESHAPE))
 _KINDS.update(
     dict.fromkeys(
         (torch.Tensor.to, torch.Tensor.contiguous, torch.Tensor.clone, torch.clone, torch.Tensor.detach,
@@ -302,6 +304,9 @@ _KINDS.update(
         _SAME_ROWS,
     )
 )
+# expert ids clamped into [0, E) before a gather (transformers' batched_mm, for expert-parallel
+# sentinels): the rows of an id outside [0, E) belong to no expert, not to the clamped one
+_KINDS.update(dict.fromkeys((torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip), _CLAMP))
 _KINDS.update(dict.fromkeys((torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__), _MATMUL))
 _KINDS.update(dict.fromkeys((torch.mm, torch.Tensor.mm), _MATMUL))
 _KINDS.update(dict.fromkeys((torch.bmm, torch.Tensor.bmm), _BMM))
@@ -347,9 +352,13 @@ class ExpertInputCapture(TorchFunctionMode):
         self.ids: dict = {name: [] for name in self.parameters}
         self.tokens: dict = {name: [] for name in self.parameters}  # per call: each row's token, or None
         self._gathered = WeakIdKeyDictionary()
+        self._unclamped = WeakIdKeyDictionary()  # clamped integer tensor -> the ids before the clamp
         self._token_of = WeakIdKeyDictionary()  # tensor -> the token of each of its leading rows
-        if tokens is not None:
+        self._flat = WeakIdKeyDictionary()  # tokens [..., hidden] of more than 2 dimensions -> their flat rows' tokens
+        if tokens is not None and tokens.ndim == 2:
             self._token_of[tokens] = torch.arange(tokens.shape[0], device=tokens.device)
+        elif tokens is not None and tokens.ndim > 2:  # traced from their flattening to [tokens, hidden]
+            self._flat[tokens] = torch.arange(tokens.numel() // max(tokens.shape[-1], 1), device=tokens.device)
         # per parameter, the layout of one slice (checked on every matmul: computed once)
         self._inner = {name: sorted(zip(p.shape[1:], p.stride()[1:])) for name, p in self.parameters.items()}
 
@@ -407,13 +416,23 @@ class ExpertInputCapture(TorchFunctionMode):
             self._gather(args[0], args[1], out)
         elif kind == _GROUPED and len(args) >= 2:
             self._grouped(args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None))
-        elif self._token_of and args:
+        elif kind == _CLAMP:
+            if args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor) and out is not args[0] \
+                    and not args[0].is_floating_point() and args[0].dtype != torch.bool:
+                self._unclamped[out] = self._unclamped.get(args[0], args[0])
+        elif (self._token_of or self._flat) and args:
             self._follow(kind, args, kwargs, out)
         return out
 
     def _follow(self, kind: int, args: tuple, kwargs: dict, out) -> None:
         """Traces the tokens of ``out``'s rows from those of ``args[0]`` through a copy, an
-        ``unsqueeze`` after the first dimension, ``repeat_interleave`` or ``index_select`` along it."""
+        ``unsqueeze`` after the first dimension, ``repeat_interleave`` or ``index_select`` along it,
+        a reshape keeping the rows, or the flattening of ``[..., hidden]`` tokens to ``[tokens, hidden]``."""
+        if kind == _RESHAPE and isinstance(args[0], torch.Tensor) and args[0] in self._flat:
+            flat = self._flat[args[0]]
+            if isinstance(out, torch.Tensor) and out.ndim == 2 and out.shape == (flat.shape[0], args[0].shape[-1]):
+                self._token_of[out] = flat
+            return
         tokens = self._token_of.get(args[0]) if isinstance(args[0], torch.Tensor) else None
         if tokens is None or not isinstance(out, torch.Tensor) or out.ndim == 0:
             return
@@ -429,6 +448,9 @@ class ExpertInputCapture(TorchFunctionMode):
             if dim != 0 or not isinstance(index, torch.Tensor):
                 return
             tokens = tokens[index.to(tokens.device)]
+        elif kind == _RESHAPE:
+            if out.shape[0] != args[0].shape[0]:  # the same leading rows only
+                return
         elif kind == _UNSQUEEZE:
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             if not isinstance(dim, int) or dim in (0, -args[0].ndim - 1):
@@ -474,7 +496,7 @@ class ExpertInputCapture(TorchFunctionMode):
                     and index.dtype != torch.bool
                     and isinstance(out, torch.Tensor)
                 ):
-                    self._gathered[out] = (name, index)
+                    self._gathered[out] = (name, self._unclamped.get(index, index))
                 return
 
     def _grouped(self, x, weight, offs) -> None:

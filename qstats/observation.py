@@ -274,7 +274,7 @@ class _ExpertMatmulInputs:
         if weight is not None:  # trace the tokens of the rows: through every stacked parameter
             names |= {name for name, p in params.items() if p.ndim >= 3}
         capture = ExpertInputCapture(
-            {name: params[name] for name in names}, tokens=x if weight is not None and x.ndim == 2 else None
+            {name: params[name] for name in names}, tokens=x if weight is not None and x.ndim >= 2 else None
         )
         handles = []
         if parametrize.is_parametrized(module):  # inside `qstats.fake_quantized`: each value the

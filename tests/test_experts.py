@@ -377,3 +377,29 @@ def test_all_experts_copies_of_padded_or_cast_tokens_are_observed_once(observer,
     if observer == "hessian":  # one product of the cast tokens, shared: every expert's sum is the same
         total = cast["gate_up_proj.input"].total
         assert torch.equal(total, total[:1].expand_as(total))
+
+
+def test_padding_is_left_out_of_the_intermediates_of_experts_that_flatten_their_tokens():
+    """Routed (not ``all_experts``): experts that flatten their hidden states themselves
+    (``hidden_states.reshape(-1, hidden)``, from ``[B, S, H]`` or already ``[T, H]``) keep their
+    rows traceable to their tokens, so padding is left out of ``gate_up_proj.input`` and
+    ``down_proj.input`` as of ``input``. It used to be observed, with a warning that it was."""
+    recipe = qstats.Recipe([qstats.Rule("_LoopExperts", sites=("input", "gate_up_proj.input", "down_proj.input"),
+                                        spec=qstats.QuantSpec(dtype="int8", mapping="asymmetric",
+                                                              on_uncalibrated="fallback"))])
+    x = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(1))
+    x[1, 2] = 100.0  # a padded token
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.simplefilter("ignore", qstats.UncalibratedWarning)
+        padded = qstats.calibrate(_LoopMoE(), [(x, mask)], recipe, progress=False,
+                                  observation_weight=lambda batch: batch[1])["experts"]
+        unpadded = qstats.calibrate(_LoopMoE(), [(x[:1],), (x[1:, :2],)], recipe, progress=False)["experts"]
+        for site, state in unpadded.items():
+            for field, ours, theirs in zip(state._fields, padded[site], state):
+                torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0, msg=f"{site} {field}")
+        flat = _LoopMoE()  # [T, H] hidden states, every token padded: no expert observes anything
+        states = qstats.calibrate(flat, [(x[0],)], recipe, progress=False,
+                                  observation_weight=lambda batch: torch.zeros(3))["experts"]
+    assert all(int(state.count.sum()) == 0 for state in states.values()), {k: s.count for k, s in states.items()}

@@ -525,3 +525,34 @@ def test_all_experts_observe_their_copies_of_the_tokens_once(qwen3_moe, implemen
         for path, entry in states.items():
             for a, b in zip(entry["input"], entry["gate_up_proj.input"]):
                 assert torch.equal(a, b), (path, rule)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_sentinel_expert_ids_are_observed_by_no_expert(qwen3_moe, implementation):
+    """Expert-parallel sentinels (an id past the experts, weight 0) route a slot nowhere. batched_mm
+    clamps them into [0, E) before gathering the weights: its rows used to count as the last (or,
+    for -1, the first) expert's, which then read as calibrated on tokens the router never sent it."""
+    model = qwen3_moe
+    model.set_experts_implementation(implementation)
+    experts = model.model.layers[0].mlp.experts
+    layer = _Layer(experts)
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(6, 16, generator=generator)
+    index = torch.tensor([[0, 8], [1, 2], [8, 3], [3, 4], [5, 6], [1, 8]])
+    if implementation == "batched_mm":
+        index[1, 1] = -1
+    weights = torch.rand(6, 2, generator=generator) * ((index >= 0) & (index < NUM_EXPERTS))
+    sites = ("input", "gate_up_proj.input", "down_proj.input")
+    recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=sites, spec=MINMAX)])
+    states, caught = _calibrate(layer, [(hidden, index, weights)], recipe)
+    intermediates = _fused_by_hand(experts, hidden, index, implementation)
+    for expert in range(NUM_EXPERTS):
+        rows = hidden[(index == expert).any(dim=-1)]
+        for site, values in (("input", rows), ("gate_up_proj.input", rows), ("down_proj.input", intermediates[expert])):
+            state = states["experts"][site]
+            assert int(state.count[expert]) == values.numel(), (site, expert)
+            if values.numel():
+                assert torch.equal(state.min_val[expert], values.min()), (site, expert)
+                assert torch.equal(state.max_val[expert], values.max()), (site, expert)
+    empty = [expert for expert in range(NUM_EXPERTS) if not bool((index == expert).any())]
+    assert 7 in empty and f"experts.down_proj.input: experts {empty}" in str(caught[0].message)
