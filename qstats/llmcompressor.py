@@ -37,12 +37,14 @@ except ImportError as error:  # llm-compressor is optional
     ) from error
 
 from . import distributed
+from ._granularity import PerTensor
 from ._qparams import compute_qparams
 from ._spec import QuantSpec
 from .fused import fused_global_scale
 from .observers.histogram import histogram
 from .observers.minmax import memoryless_minmax, minmax, moving_average_minmax
 from .observers.mse import mse
+from .recipe import runtime_scaled
 
 __all__ = ["QstatsObserver", "OBSERVERS", "QstatsMinmaxObserver", "QstatsStaticMinmaxObserver",
            "QstatsMemorylessMinmaxObserver", "QstatsHistogramObserver", "QstatsMseObserver"]
@@ -72,7 +74,17 @@ class QstatsObserver(LLMCompressorObserver):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         if self.spec is not None:
-            self.qstats_observer = type(self).factory(self.spec, **self.factory_options)
+            self.qstats_observer = self.make_observer()
+
+    def make_observer(self):
+        """The qstats Observer of ``self.spec``. An activation whose scales come at run time
+        (NVFP4's ``dynamic="local"``: only the global scale is calibrated) is observed per tensor,
+        as `qstats.calibrate` observes it: a per-token state would take the first batch's length
+        and refuse a batch of another length."""
+        spec = self.spec
+        if not self.is_weight_obs and runtime_scaled(spec):
+            spec = spec.replace(granularity=PerTensor())
+        return type(self).factory(spec, **self.factory_options)
 
     def split_options(self, options: dict) -> tuple:
         """``(factory options, compute_qparams options)`` of ``observer_kwargs``: those the
@@ -97,7 +109,7 @@ class QstatsObserver(LLMCompressorObserver):
         self.qparam_shape = flatten_for_calibration(observed, self.base_name, self.args).shape[1:-1]
         if self.qstats_observer is None:
             self.spec = QuantSpec.from_compressed_tensors(self.args, observed_dtype=observed.dtype)
-            self.qstats_observer = type(self).factory(self.spec, **self.factory_options)
+            self.qstats_observer = self.make_observer()
         obs = self.qstats_observer
         state = self.qstats_state if self.has_statistics else obs.init(observed)
         self.qstats_state = obs.update(state, observed)

@@ -100,6 +100,7 @@ class QstatsObserver(ao.ObserverBase):
         used when ``spec`` is None (a float ``dtype`` builds no spec: placeholders only).
       is_dynamic: torch.ao's flag for dynamic quantization placeholders.
       method: ``compute_qparams(state, spec, method=...)`` (histograms: ``"l2"``, ``"mse"``, ...).
+      factory_kwargs: torch.ao's ``{"device": ...}`` for the buffers (torch.ao's QAT modules pass it).
       **options: passed to the factory (``averaging_constant``, ``buckets_per_octave``, ...).
 
     The state is one buffer per state field (empty until the first ``forward``), so
@@ -126,6 +127,7 @@ class QstatsObserver(ao.ObserverBase):
         ch_axis: int = 0,
         is_dynamic: bool = False,
         method: Optional[str] = None,
+        factory_kwargs: Optional[dict] = None,
         **options: Any,
     ) -> None:
         torch.nn.Module.__init__(self)  # not ObserverBase.__init__: subclasses may add torchao's base
@@ -160,8 +162,10 @@ class QstatsObserver(ao.ObserverBase):
                 "integer dtype or spec=, or use observer=placeholder"
             ) from error
         self._fields = self._state_type._fields
+        # torch.ao's factory_kwargs (its QAT modules and FakeQuantize pass them): the buffers' device
+        device = (factory_kwargs or {}).get("device")
         for name in self._fields:
-            self.register_buffer(name, torch.empty(0))
+            self.register_buffer(name, torch.empty(0, device=device))
 
     @property
     def observer(self):

@@ -202,6 +202,40 @@ def test_oneshot_nvfp4_fused_global_scales_equal_llmcompressor(saved, tmp_path):
     _assert_same_checkpoint(theirs, ours)
 
 
+def test_oneshot_nvfp4_with_samples_of_different_lengths(saved, tmp_path):
+    """NVFP4 inputs (``dynamic="local"``: only a global scale calibrated) over unpadded samples of
+    different lengths: the qstats state of an input is per tensor, not shaped by the first
+    sample's length (it refused the second sample), and the checkpoint is llm-compressor's."""
+    path, samples, tokenizer = saved
+    ragged = (path, [sample[:length] for sample, length in zip(samples, (12, 7, 9, 5))], tokenizer)
+    theirs = _oneshot(ragged, tmp_path / "theirs", preset="NVFP4")
+    ours = _oneshot(ragged, tmp_path / "ours", preset="NVFP4", weight_observer="qstats_memoryless_minmax",
+                    input_observer="qstats_static_minmax")
+    _assert_same_checkpoint(theirs, ours)
+
+
+@pytest.mark.parametrize("name", ["qstats_static_minmax", "qstats_minmax", "qstats_histogram", "qstats_mse"])
+def test_runtime_scaled_input_observer_takes_batches_of_any_length(name):
+    """One NVFP4 input observer over batches of different shapes; pickled midway, it goes on."""
+    import pickle
+
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(1, 10, 64, generator=g), torch.randn(1, 14, 64, generator=g) * 3, torch.randn(2, 7, 64, generator=g)]
+    ours = Observer.load_from_registry(name, base_name="input", args=NVFP4["input_activations"].model_copy(deep=True))
+    ours(xs[0])
+    ours = pickle.loads(pickle.dumps(ours))
+    for x in xs[1:]:
+        ours(x)
+    got = ours.get_qparams()["global_scale"]
+    assert got.shape == (1,) and torch.isfinite(got).all()
+    if name == "qstats_static_minmax":
+        theirs = Observer.load_from_registry("static_minmax", base_name="input",
+                                             args=NVFP4["input_activations"].model_copy(deep=True))
+        for x in xs:
+            theirs(x)
+        assert bit_equal(got, theirs.get_qparams()["global_scale"])
+
+
 @pytest.mark.parametrize("observer", ["qstats_histogram", "qstats_mse"])
 def test_oneshot_with_histogram_and_mse_observers_loads_and_runs(saved, tmp_path, observer):
     """The checkpoint loads with transformers' compressed-tensors quantizer and its logits stay

@@ -466,3 +466,30 @@ def test_fx_fixed_qparams_ops_need_torch_ao_class():
     assert not any(isinstance(m, torch_ao.QstatsObserver) for m in ours.modules())
     theirs = prepared(ao.default_fixed_qparams_range_0to1_observer)
     assert any(isinstance(m, ao.FixedQParamsObserver) for m in theirs.modules())
+
+
+def test_qat_fake_quantize_wrapping_qstats_observers():
+    """torch.ao's QAT modules build their weight fake-quant with ``factory_kwargs=`` (FakeQuantize
+    passes them on to its observer), so a qstats observer inside ``FakeQuantize`` must take them
+    (it raised a TypeError in ``prepare_qat``); trained and converted, the model is torch.ao's."""
+
+    def run(activation_observer, weight_observer):
+        activation = tq.FakeQuantize.with_args(observer=activation_observer, quant_min=0, quant_max=255,
+                                               dtype=torch.quint8, qscheme=torch.per_tensor_affine, reduce_range=True)
+        weight = tq.FakeQuantize.with_args(observer=weight_observer, quant_min=-128, quant_max=127,
+                                           dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+        model = _model(_Stubbed).train()
+        model.qconfig = tq.QConfig(activation=activation, weight=weight)
+        prepared = tq.prepare_qat(model)
+        for batch in _batches():
+            prepared(batch)
+        return tq.convert(prepared.eval())
+
+    moving = torch_ao.QstatsObserver.with_args(observer=qstats.moving_average_minmax)
+    ours = run(moving, moving)
+    reference = run(ao.MovingAverageMinMaxObserver, ao.MovingAveragePerChannelMinMaxObserver)
+    x = torch.randn(5, 16) * 2
+    assert torch.equal(ours(x), reference(x))
+    assert torch.equal(ours.fc1.weight().int_repr(), reference.fc1.weight().int_repr())
+    observer = torch_ao.default_observer(factory_kwargs={"device": torch.device("cpu"), "dtype": None})
+    assert observer.min_val.device.type == "cpu"
