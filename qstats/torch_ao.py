@@ -80,6 +80,15 @@ def torch_ao_fields(spec: QuantSpec) -> dict:
     return dict(dtype=dtype, qscheme=qscheme, quant_min=int(qmin), quant_max=int(qmax), ch_axis=ch_axis, eps=spec.eps)
 
 
+def _holds(dtype, qrange) -> bool:
+    """True for a plain (not quantized) torch integer dtype whose range holds ``qrange``."""
+    if not isinstance(dtype, torch.dtype) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool \
+            or dtype in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+        return False
+    info = torch.iinfo(dtype)
+    return info.min <= qrange[0] and qrange[1] <= info.max
+
+
 def _probe(spec: Optional[QuantSpec]) -> torch.Tensor:
     """A small tensor every granularity this module accepts can view (for field names and the
     qparams of an observer that saw nothing)."""
@@ -97,7 +106,9 @@ class QstatsObserver(ao.ObserverBase):
       spec: the `QuantSpec`; default: ``QuantSpec.from_torch_ao`` of the torch.ao arguments
         below, so that the qparams equal torch.ao's observer with those arguments.
       dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis: torch.ao's arguments,
-        used when ``spec`` is None (a float ``dtype`` builds no spec: placeholders only).
+        used when ``spec`` is None (a float ``dtype`` builds no spec: placeholders only). With
+        ``spec``, a plain integer ``dtype`` holding its range (PT2E's ``torch.int16``) is kept as
+        the observer's dtype.
       is_dynamic: torch.ao's flag for dynamic quantization placeholders.
       method: ``compute_qparams(state, spec, method=...)`` (histograms: ``"l2"``, ``"mse"``, ...).
       factory_kwargs: torch.ao's ``{"device": ...}`` for the buffers (torch.ao's QAT modules pass it).
@@ -118,7 +129,7 @@ class QstatsObserver(ao.ObserverBase):
         observer: Callable = minmax,
         spec: Optional[QuantSpec] = None,
         *,
-        dtype=torch.quint8,
+        dtype=None,
         qscheme=torch.per_tensor_affine,
         reduce_range: bool = False,
         quant_min: Optional[int] = None,
@@ -138,6 +149,8 @@ class QstatsObserver(ao.ObserverBase):
         if spec is not None and reduce_range:
             raise ValueError("QstatsObserver: reduce_range applies to torch.ao's arguments; with spec= pass "
                              "QuantSpec(reduce_range=True) instead")
+        if spec is None and dtype is None:
+            dtype = torch.quint8  # torch.ao's default
         if spec is None and dtype not in _FLOAT_DTYPES:
             spec = QuantSpec.from_torch_ao(dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis)
             fields = dict(dtype=dtype, qscheme=qscheme, quant_min=spec.qrange[0], quant_max=spec.qrange[1],
@@ -147,6 +160,8 @@ class QstatsObserver(ao.ObserverBase):
                           ch_axis=ch_axis, eps=eps)
         else:
             fields, reduce_range = torch_ao_fields(spec), spec.reduce_range
+            if _holds(dtype, spec.qrange):  # a plain integer dtype given beside spec= (PT2E's torch.int16)
+                fields["dtype"] = dtype
         for name, value in dict(fields, is_dynamic=is_dynamic, reduce_range=reduce_range).items():
             setattr(self, name, value)
         self.spec, self.method = spec, method

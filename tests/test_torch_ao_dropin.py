@@ -134,7 +134,10 @@ def test_fx_with_a_qstats_spec_and_histogram():
     assert error <= 1.25 * reference_error, (error, reference_error)
 
 
-def test_pt2e_convert_bit_exact():
+@pytest.mark.parametrize("act_dtype", [torch.int8, torch.int16])
+def test_pt2e_convert_bit_exact(act_dtype):
+    """int16 activations given as spec=: the observer keeps the QuantizationSpec's torch.int16 (it
+    became qint32, and convert_pt2e wrote int32 q/dq nodes)."""
     pt2e = pytest.importorskip("torchao.quantization.pt2e")
     quantize_pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
     quantizer_module = pytest.importorskip("torchao.quantization.pt2e.quantizer")
@@ -148,8 +151,9 @@ def test_pt2e_convert_bit_exact():
             self.activation, self.weight = activation, weight
 
         def annotate(self, model):
+            info = torch.iinfo(act_dtype)
             act = quantizer_module.QuantizationSpec(
-                dtype=torch.int8, quant_min=-128, quant_max=127, qscheme=torch.per_tensor_affine,
+                dtype=act_dtype, quant_min=info.min, quant_max=info.max, qscheme=torch.per_tensor_affine,
                 observer_or_fake_quant_ctr=self.activation)
             wt = quantizer_module.QuantizationSpec(
                 dtype=torch.int8, quant_min=-127, quant_max=127, qscheme=torch.per_channel_symmetric, ch_axis=0,
@@ -172,12 +176,16 @@ def test_pt2e_convert_bit_exact():
             prepared(batch)
         return quantize_pt2e.convert_pt2e(prepared)
 
-    reference = run(pt2e.MinMaxObserver.with_args(dtype=torch.int8),
+    info = torch.iinfo(act_dtype)
+    reference = run(pt2e.MinMaxObserver.with_args(dtype=act_dtype, quant_min=info.min, quant_max=info.max),
                     pt2e.PerChannelMinMaxObserver.with_args(dtype=torch.int8, qscheme=torch.per_channel_symmetric))
-    ours = run(QstatsPT2EObserver.with_args(dtype=torch.int8),
+    act_spec = qstats.QuantSpec.from_torch_ao(act_dtype, torch.per_tensor_affine, quant_min=info.min, quant_max=info.max)
+    ours = run(QstatsPT2EObserver.with_args(spec=act_spec),
                QstatsPT2EObserver.with_args(dtype=torch.int8, qscheme=torch.per_channel_symmetric))
     x = torch.randn(4, 16) * 2
     assert torch.equal(ours(x), reference(x))
+    dtypes = {str(a) for n in ours.graph.nodes if "quantize_per_tensor" in str(n.target) for a in n.args[1:]}
+    assert str(act_dtype) in dtypes and "torch.int32" not in dtypes
     assert not torch.equal(ours(x), _model(_Plain)(x))  # quantized: the comparison can fail
 
 
