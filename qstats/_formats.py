@@ -127,9 +127,13 @@ def store_codes(values: torch.Tensor, spec) -> torch.Tensor:
     if is_emulated(spec):
         return encode(values, spec.float_format)
     dtype = code_dtype(spec)
-    if not dtype.is_floating_point and spec.qrange[1] > 1 << 24:
-        # float32 has no 2**31 - 1: its clamp gave 2**31, which int32 would wrap to -2**31
-        values = values.double().clamp(*spec.qrange)
+    if not dtype.is_floating_point:
+        # codes clamped in a narrower dtype may lie past the range: float32 has no 2**31 - 1 (its
+        # clamp gave 2**31, which int32 would wrap to -2**31), bfloat16/float16 no 32767 (int16
+        # wrapped 32768 to -32768) nor 2**(b-1) - 1 for wide targets
+        if spec.qrange[1] > 1 << 24:
+            values = values.double()
+        values = values.clamp(*spec.qrange)
     return values.to(dtype)
 
 

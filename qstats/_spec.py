@@ -91,7 +91,7 @@ _TORCH_DTYPE_NAMES = {
 if torch_dtype("float4_e2m1fn_x2") is not None:  # torch >= 2.8; the name "fp4_e2m1" works on any torch
     _TORCH_DTYPE_NAMES[torch_dtype("float4_e2m1fn_x2")] = "fp4_e2m1"
 
-_INT_RE = re.compile(r"^(u?)int(\d+)$")
+_INT_RE = re.compile(r"^(u?)int([1-9][0-9]*)$")  # ASCII digits, no leading zero: one name per target
 
 
 def _parse_int_dtype(name: str) -> Optional[tuple[bool, int]]:
@@ -265,6 +265,14 @@ class QuantSpec:
                 raise ValueError(f"QuantSpec.zero_point_domain: float target {dtype!r} has no float zero point")
             if zero is not None:
                 raise ValueError(f"QuantSpec.symmetric_zero_point {zero}: float target {dtype!r} has no zero point")
+            if self.quant_min is not None or self.reduce_range:
+                # the scales, codes and gradients of float targets span the format's largest value: a
+                # custom range changed only some scales (codes past it were not clipped), reduce_range none
+                raise ValueError(
+                    f"QuantSpec.quant_min/quant_max and reduce_range: float target {dtype!r} has no integer "
+                    f"range to override (its codes span +-{_FLOAT_FORMATS[dtype].max}), got quant_min="
+                    f"{self.quant_min}, quant_max={self.quant_max}, reduce_range={self.reduce_range}"
+                )
             return
         if self.mapping in ("symmetric_no_clipping_err", "narrow") and not self.is_signed:
             raise ValueError(f"QuantSpec.mapping {self.mapping!r} needs a signed target, got {dtype!r}")
@@ -312,7 +320,7 @@ class QuantSpec:
     @property
     def qrange(self) -> tuple:
         """``(qmin, qmax)`` after overrides, ``reduce_range`` and the mapping (numbers)."""
-        if self.is_float and self.quant_min is None:
+        if self.is_float:
             fmax = _FLOAT_FORMATS[self.dtype].max
             return -fmax, fmax
         if self.quant_min is not None:

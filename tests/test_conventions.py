@@ -163,3 +163,25 @@ def test_every_module_of_the_package_is_reachable_as_a_module():
         if found is not None and not isinstance(found, types.ModuleType):
             shadowed.append(f"{info.name} ({type(found).__name__})")
     assert not shadowed, shadowed
+
+
+def test_compressed_tensors_int16_in_float16_is_refused():
+    """compressed-tensors divides by the code range 65535 in float16, where it is Inf: every scale
+    is 0, replaced by float16's eps (0.000977), so values past 32 (symmetric) clip. The spec used
+    to reproduce that silently (1000.0 fake-quantized to 32.0, or to 65504 asymmetric)."""
+    compressed_tensors = pytest.importorskip("compressed_tensors.quantization")
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    w = torch.tensor([[-3000.0, 1000.0, 0.5]], dtype=torch.float16)
+    for symmetric in (True, False):
+        args = compressed_tensors.QuantizationArgs(num_bits=16, symmetric=symmetric, strategy="tensor")
+        scale, _ = calculate_qparams(w.amin(), w.amax(), args)
+        assert float(scale) == float(torch.finfo(torch.float16).eps)  # unusable whatever the data
+        with pytest.raises(ValueError, match="compute_dtype 'float16'"):
+            qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=torch.float16)
+        for dtype in (torch.float32, torch.bfloat16):  # computed there, the scale is the data's
+            spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
+            x = w.to(dtype)
+            obs = qstats.minmax(spec)
+            qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+            assert (qstats.fake_quantize(x, qp, spec).float() - x.float()).abs().max() <= 16  # bf16 ulp at 3000

@@ -273,3 +273,20 @@ def test_int32_codes_saturate_at_the_top_code_instead_of_wrapping(convention):
     assert codes.dtype == torch.int32 and codes[2] == 2**31 - 1
     assert (codes - reference).abs().max() <= 1  # the conventions round x / scale in their own arithmetic
     assert torch.equal(qstats.dequantize(codes, qp, spec), qstats.fake_quantize(x, qp, spec))
+
+
+@pytest.mark.parametrize("convention", ["compressed_tensors", "torchao"])
+@pytest.mark.parametrize("bits", [12, 16])
+def test_codes_of_half_precision_compute_stay_in_the_range(convention, bits):
+    """bfloat16 cannot hold 2**(b-1) - 1 for wide targets: clamped there it became 2**(b-1), which
+    int16 wrapped to -32768 (the largest value quantized to the smallest code) or which lay past
+    quant_max. Codes saturate at quant_max; fake_quantize keeps the library's own value."""
+    x = (torch.arange(64.0) - 31.5).reshape(2, 32).to(torch.bfloat16)
+    spec = qstats.QuantSpec(dtype=f"int{bits}", convention=convention, compute_dtype="bfloat16",
+                            scale_dtype="bfloat16" if convention == "torchao" else "float32")
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    codes = qstats.quantize(x, qp, spec)
+    assert codes.min() >= spec.qmin and codes.max() <= spec.qmax
+    assert codes[-1, -1] == spec.qmax  # the largest value gets the top code, not a wrapped one
+    assert (codes.float() * torch.sign(x.float()) >= 0).all()

@@ -106,6 +106,8 @@ def test_bad_granularity_for_shape_names_the_problem(granularity, shape, needle)
     [
         (dict(dtype="int17"), "dtype"),
         (dict(dtype="float5"), "dtype"),
+        (dict(dtype="int08"), "dtype"),  # was accepted as a target unequal to "int8"
+        (dict(dtype="int\uff18"), "dtype"),  # a fullwidth digit 8, that a \d pattern and int() read as int8
         (dict(mapping="sym"), "mapping"),
         (dict(zero_point_domain="double"), "zero_point_domain"),
         (dict(quant_min=-3), "quant_min"),
@@ -116,6 +118,11 @@ def test_bad_granularity_for_shape_names_the_problem(granularity, shape, needle)
         (dict(dtype="uint8", mapping="narrow"), "mapping"),
         (dict(nonfinite="nan"), "nonfinite"),
         (dict(on_uncalibrated="zero"), "on_uncalibrated"),
+        # float targets: a custom range changed the scale but codes were not clipped to it (and e8m0
+        # scales ignored it); reduce_range was ignored
+        (dict(dtype="fp8_e4m3fn", zero_point_domain="none", quant_min=-10, quant_max=10), "quant_min"),
+        (dict(dtype="fp4_e2m1", zero_point_domain="none", quant_min=-3, quant_max=3), "quant_min"),
+        (dict(dtype="fp8_e5m2", zero_point_domain="none", reduce_range=True), "reduce_range"),
     ],
 )
 def test_bad_spec_names_the_field(kwargs, field):

@@ -322,6 +322,9 @@ def test_codes_past_the_input_dtype_saturate_where_torch_overflows(dtype):
         (dict(dtype="int8", mapping="asymmetric", granularity=qstats.PerAxis(0)), torch.float16, 65504.0),
         (dict(dtype="int4", convention="compressed_tensors", compute_dtype="float16"), torch.float16, 65504.0),
         (dict(dtype="int8", convention="torchao", compute_dtype="bfloat16", scale_dtype="bfloat16"), torch.bfloat16, 3.38e38),
+        # bfloat16 scales of one-bit targets: peak / 0.5 rounded past bfloat16's largest value to Inf
+        (dict(dtype="int1", scale_dtype="bfloat16"), torch.float32, 1.7e38),
+        (dict(dtype="uint1", mapping="asymmetric", scale_dtype="bfloat16"), torch.float32, 1.7e38),
     ],
 )
 def test_every_code_dequantizes_to_a_finite_value(fields, dtype, peak):
@@ -335,3 +338,20 @@ def test_every_code_dequantizes_to_a_finite_value(fields, dtype, peak):
     out = qstats.fake_quantize(x, qp, spec)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert torch.isfinite(qstats.dequantize(qstats.quantize(x, qp, spec), qp, spec, dtype=dtype)).all()
+
+
+@pytest.mark.parametrize("dtype", ["int16", "int12"])
+def test_half_precision_zero_points_of_wide_targets_lie_in_the_range(dtype):
+    """torchao clamps an asymmetric zero point in the input's dtype, where bfloat16 rounds quant_max
+    (32767, 2047) up: an all-negative row got the zero point 32768, which compute_qparams returned
+    and quantize / fake_quantize then refused. Zero points now lie in the range."""
+    x = torch.tensor([[-3.0, -1.0, -2.0, -0.5], [-1.0, 2.0, 0.25, 3.0]], dtype=torch.bfloat16)
+    spec = qstats.QuantSpec(dtype=dtype, mapping="asymmetric", granularity=qstats.PerToken(),
+                            convention="torchao", compute_dtype="bfloat16", scale_dtype="bfloat16")
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    assert (qp.zero_point >= spec.qmin).all() and (qp.zero_point <= spec.qmax).all()
+    out = qstats.fake_quantize(x, qp, spec)
+    assert (out.float() - x.float()).abs().max() <= 0.02
+    codes = qstats.quantize(x, qp, spec)
+    assert codes.min() >= spec.qmin and codes.max() <= spec.qmax

@@ -303,6 +303,15 @@ class CompressedTensorsConvention(Convention):
         check_preserve_zero(spec, self)
         if spec.scale_dtype == "float64":
             raise ValueError("QuantSpec.scale_dtype 'float64' is not reproduced for compressed-tensors")
+        steps = 2.0**spec.bits - 1
+        if not spec.is_float and spec.compute_dtype == "float16" and steps > torch.finfo(torch.float16).max:
+            # calculate_qparams divides by the code range 2**bits - 1 in float16, where 65535 is Inf:
+            # every scale is 0, replaced by float16's eps, whatever the data
+            raise ValueError(
+                f"QuantSpec.compute_dtype 'float16': compressed-tensors' code range of {spec.dtype!r} "
+                f"({2**spec.bits - 1} steps) overflows float16, so its scale is float16's eps for any data; "
+                "observe in float32 or bfloat16, or use int8"
+            )
 
     def check_lsq(self, spec) -> None:
         if spec.mapping == "asymmetric" and spec.zero_point_domain == "none":

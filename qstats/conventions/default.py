@@ -162,10 +162,11 @@ def _round_scale(scale: torch.Tensor, spec) -> torch.Tensor:
     if spec.scale_dtype == "float32":
         return scale
     dtype = getattr(torch, spec.scale_dtype)
-    if spec.scale_dtype in ("float8_e4m3fn", "float16"):
+    if spec.scale_dtype in ("float8_e4m3fn", "float16", "bfloat16"):
         # narrow exponent ranges: the largest finite scale instead of an overflow to Inf or NaN,
         # and the smallest positive one (a subnormal) instead of an underflow to zero (the eps
-        # floor, applied in float32, lies below it for float8: 2**-9)
+        # floor, applied in float32, lies below it for float8: 2**-9); bfloat16 rounds float32
+        # scales past its largest value (a one-bit target's peak / 0.5 near 3.4e38) to Inf
         finfo = torch.finfo(dtype)
         return scale.clamp(finfo.tiny * finfo.eps, finfo.max).to(dtype).float()
     return scale.to(dtype).float()

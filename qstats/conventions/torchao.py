@@ -403,7 +403,9 @@ class TorchaoConvention(Convention):
             zero_point = torch.clamp(qmin - torch.round(min_val / scale), qmin, qmax)
         else:
             zero_point = torch.full_like(scale, spec.zero_point_of_symmetric)
-        zero_point = zero_point.to(torch.int32)
+        # clamped again as an integer: a bf16/fp16 clamp rounds a wide target's quant_max up (32767
+        # to 32768 in bfloat16), a zero point outside the range that quantize refuses
+        zero_point = zero_point.to(torch.int32).clamp(qmin, qmax)
         if spec.zero_point_domain == "none":
             zero_point = torch.zeros_like(zero_point)
         return _to_scale_dtype(scale, scale_dtype), zero_point
