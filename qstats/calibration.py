@@ -302,8 +302,9 @@ def _fake_quantize_site(plan: Plan, path: str, site: str, qp, handles: list, par
     if found.kind == "parameter":
         parametrization = _FakeQuantParametrization(qp, found.spec, found.num_experts)
         before = len(module.parametrizations[site]) if parametrize.is_parametrized(module, site) else 0
+        order = list(module._parameters)  # before registering: it takes the tensor out of the list
         parametrize.register_parametrization(module, site, parametrization, unsafe=True)
-        parametrized.append((module, site, before, list(module._parameters)))
+        parametrized.append((module, site, before, order))
         return
     if found.num_experts:  # per-expert activations: they would need the experts' own forward
         return

@@ -248,14 +248,15 @@ def all_reduce(
       rank outside ``group``.
     """
     states = treespec = plan = local_error = None
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if distributed else 1
     try:  # validated locally, but raised only after every rank has joined the check
         paths, states, leaf_observers, treespec = _flatten(tree, observers)
         plan = _plan(states, exact)
-        _check_values(paths, states, plan)
+        if world > 1:  # what the collectives would get wrong (one process: the tree comes back as it is)
+            _check_values(paths, states, plan)
     except (TypeError, ValueError) as error:
         local_error = error
-    distributed = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size(group) if distributed else 1
     if world <= 1 or not check:
         # no process group, one rank, or this rank is not in ``group`` (size -1): no-op, as
         # torch's collectives; without the check every rank must pass a valid tree

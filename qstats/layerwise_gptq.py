@@ -225,6 +225,15 @@ def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_
     return step
 
 
+def _remove_written(weights_dir: Optional[str], weights: dict) -> None:
+    """Removes the weight files a failed run wrote (by the writing rank): while they remain, a rerun
+    into ``weights_dir`` is refused."""
+    if weights_dir is not None and _writes():
+        for filename in set(weights.values()):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(weights_dir, filename))
+
+
 def gptq_layerwise(
     model: torch.nn.Module,
     checkpoint: Union[str, os.PathLike],
@@ -297,11 +306,8 @@ def gptq_layerwise(
             layers=layers, progress=progress, observation_weight=observation_weight, all_experts=all_experts,
             all_reduce=all_reduce, device=device, layer_step=layer_step, where="gptq_layerwise",
         )  # fmt: skip
-    except BaseException:  # the layers' files written so far would make a rerun into weights_dir refused
-        if weights_dir is not None and _writes():
-            for filename in set(weights.values()):
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(weights_dir, filename))
+    except BaseException:
+        _remove_written(weights_dir, weights)
         raise
     done = set(weights) | set(uncalled)
     outside = [f"{path}.{site}" for path, site in targets if f"{path}.{site}" not in done and path in states]

@@ -734,3 +734,18 @@ def test_fake_quantized_keeps_the_order_and_flags_of_the_parameters():
     assert all(p is q for (_, p), (_, q) in zip(before, after)) and list(model.state_dict()) == keys
     assert not model[0].weight.requires_grad and model[0].bias.requires_grad
 
+    class BiasFirst(torch.nn.Linear):  # registers its bias before its weight
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.in_features, self.out_features = 8, 4
+            self.bias = torch.nn.Parameter(torch.zeros(4))
+            self.weight = torch.nn.Parameter(torch.randn(4, 8))
+
+    model = torch.nn.Sequential(BiasFirst())
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=WEIGHT_SPEC)])
+    x = torch.randn(2, 8)
+    qparams = qstats.compute_qparams_tree(qstats.calibrate(model, [x], recipe, progress=False), recipe, model)
+    with qstats.fake_quantized(model, qparams, recipe):
+        model(x)
+    assert [name for name, _ in model.named_parameters()] == ["0.bias", "0.weight"]
+

@@ -427,11 +427,9 @@ def test_bad_input_on_one_rank_raises_on_every_rank(tmp_path):
         assert_bit_equal(results[rank]["after"]["leaves"], want, f"after rank {rank}")
 
 
-def test_nan_extremes_raise_without_process_group():
+def test_nan_extremes_come_back_unchanged_without_process_group():
+    """The NaN check guards the collectives (gloo's MIN drops a NaN that obs.merge keeps): one
+    process returns the tree itself, as documented, with no host sync for the check."""
     obs = qstats.minmax(qstats.QuantSpec())
-    state = obs.init(torch.zeros(3))._replace(max_val=torch.tensor(float("nan")))
-    with pytest.raises(ValueError, match="field 'max_val' of the MinMaxState at 'x/1' holds NaN"):
-        distributed.all_reduce({"x": [obs.init(torch.zeros(3)), state]}, obs)
-    moving = qstats.moving_average_minmax(qstats.QuantSpec(), 0.1)  # folded: merged by obs.merge, NaN kept
-    tree = {"x": moving.init(torch.zeros(3))._replace(max_val=torch.tensor(float("nan")))}
-    assert distributed.all_reduce(tree, moving) is tree
+    tree = {"x": [obs.init(torch.zeros(3)), obs.init(torch.zeros(3))._replace(max_val=torch.tensor(float("nan")))]}
+    assert distributed.all_reduce(tree, obs) is tree

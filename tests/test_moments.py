@@ -136,3 +136,16 @@ def test_a_first_batch_past_1e154_keeps_a_finite_variance():
     for method in ("mean_std", "abs_mean"):
         qp = qstats.compute_qparams(state, spec, method=method)
         assert bool(qp.calibrated) and math.isfinite(float(qp.scale)) and float(qp.scale) > 0
+
+
+def test_float64_values_past_float32_are_finite_under_the_raise_policy():
+    """moments counts in float64: values past float32's range are finite data, and
+    nonfinite="raise" must not call them NaN or Inf (the min/max reduction keeps float32 extremes)."""
+    x = torch.tensor([1e200, -3e199, 2.0], dtype=torch.float64)
+    obs = qstats.moments(qstats.QuantSpec(nonfinite="raise"))
+    state = obs.update(obs.init(x), x)
+    assert int(state.count) == 3 and int(state.nonfinite) == 0
+    assert float(state.total) == float(x.sum())
+    with pytest.raises(ValueError, match="non-finite"):
+        bad = torch.tensor([1e200, float("inf")], dtype=torch.float64)
+        obs.update(obs.init(bad), bad)

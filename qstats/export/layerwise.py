@@ -94,12 +94,12 @@ def compressed_tensors_layerwise(
         if unused:
             raise ValueError(f"export.compressed_tensors_layerwise: {len(unused)} tensor(s) of weights= name no tensor "
                              f"of the model: {', '.join(unused[:6])}")
+        quantization_config = writer.finish()  # its refusals (a kv-cache scheme, ...) too leave no shard
+        write_index(path, weight_map, size)
+        write_config(path, model, quantization_config)
     except BaseException:  # no half-written checkpoint left (check_new_folder found no shard there before)
-        for filename in written:
+        for filename in written + ["model.safetensors.index.json"]:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(path, filename))
         raise
-    quantization_config = writer.finish()
-    write_index(path, weight_map, size)
-    write_config(path, model, quantization_config)
     return quantization_config

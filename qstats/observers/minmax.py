@@ -94,7 +94,8 @@ def minmax(spec: QuantSpec) -> Observer:
     ``static_minmax``).
 
     Laws: identity, associativity, commutativity and homomorphism all hold bit for bit (exact).
-    Inputs of any float dtype are reduced in their own dtype and stored as float32.
+    Inputs of any float dtype are reduced in their own dtype (float64 as float32: values past its
+    range count as non-finite) and stored as float32.
 
     >>> import torch, qstats
     >>> obs = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))

@@ -74,7 +74,8 @@ def _batch_moments(x, weight, expected, spec: QuantSpec, power: float) -> Moment
         # the min/max reduction's check (and the same count): it raises in eager mode, under
         # vmap (its batching rule reads the whole batch) and inside a compiled graph (an
         # opaque op, kept because its count is used), as minmax's does
-        nonfinite = finite_aminmax(view, mask, "raise")[3]
+        # on the non-finite values alone: float64 values past float32's range are finite here
+        nonfinite = finite_aminmax(torch.where(finite, torch.zeros_like(v), v), mask, "raise")[3]
     else:
         excluded_nonfinite = (~finite) if mask is None else ((~finite) & (mask != 0))
         nonfinite = excluded_nonfinite.sum(dim=(0, -1))
