@@ -38,6 +38,13 @@ def _dtype_name(dtype) -> str:
     return _ALIASES.get(name, name)
 
 
+def _compute_dtype_name(input_dtype) -> str:
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if input_dtype not in names:
+        raise ValueError(f"from_coreai_opt: input_dtype must be torch.float32, bfloat16 or float16, got {input_dtype!r}")
+    return names[input_dtype]
+
+
 def block_size(granularity, shape, target: str = "weight") -> tuple:
     """coreai_opt's ``granularity.get_block_size(shape, target)``: per-tensor is the whole shape,
     per-channel 1 on ``axis``; per-block a tuple (``-1``: the whole axis) or an int along ``axis``,
@@ -99,7 +106,7 @@ def spec_from_coreai_opt(
 
     ``shape`` (the tensor's) is needed for per-block granularities, ``target`` (``"weight"`` or
     ``"activation"``) decides their single-axis block as in coreai_opt; ``input_dtype`` is the
-    observed tensor's dtype, which coreai_opt computes integer qparams in.
+    observed tensor's dtype, which coreai_opt computes integer and fp8 qparams in.
     """
     source = {**({} if spec is None else (dict(spec) if isinstance(spec, dict) else {
         name: _field(spec, name) for name in ("dtype", "qscheme", "granularity", "scale_dtype")})), **fields}
@@ -121,10 +128,12 @@ def spec_from_coreai_opt(
     granularity = _granularity(source.get("granularity"), shape, target)
     if dtype in _FLOAT_TARGETS or e8m0:
         float_target = dtype in _FLOAT_TARGETS
+        # without e8m0, torchao's fp8 scale is computed in (and held as) the input's dtype
+        compute = "float32" if e8m0 else _compute_dtype_name(input_dtype)
         return cls(
             dtype=_FLOAT_TARGETS.get(dtype, dtype), granularity=granularity, eps=_FLOAT32_EPS, convention="torchao",
-            zero_point_domain="none" if float_target else "int", scale_dtype="e8m0" if e8m0 else "float32",
-            on_uncalibrated="fallback",
+            zero_point_domain="none" if float_target else "int", scale_dtype="e8m0" if e8m0 else compute,
+            compute_dtype=compute, on_uncalibrated="fallback",
         )
     if qscheme not in ("symmetric", "asymmetric", "symmetric_with_clipping"):
         raise ValueError(f"from_coreai_opt: unknown qscheme {qscheme!r}")

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ._coreai_opt_spec import block_size
 from ._spec import QuantSpec
 from .observers._base import Observer
@@ -50,14 +52,21 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
     ``c * batch + (1 - c) * average`` (the first batch initialises it). Its state is
     `qstats.MovingAverageMinMaxState`, so `compute_qparams`, `qstats.compute_minval` and ``merge``
     are `qstats.moving_average_minmax`'s; only the update differs (qstats' averages the raw
-    extremes in the spec convention's arithmetic). ``exact=False`` (order-dependent).
+    extremes in the spec convention's arithmetic). bf16/fp16 batches step in their dtype, as
+    coreai_opt's running range does. ``exact=False`` (order-dependent).
     """
     spec = check_spec(spec)
     base = _torch_ao_average(spec, averaging_constant)
     constant = float(averaging_constant)
 
     def step(average, batch, observed_dtype):
-        return constant * batch + (1 - constant) * average
+        if observed_dtype not in (torch.bfloat16, torch.float16):
+            return constant * batch + (1 - constant) * average
+        # coreai_opt's running range is held in the input's dtype: each product and the sum round
+        def rounded(t):
+            return t.to(observed_dtype).float()
+
+        return rounded(rounded(constant * batch) + rounded((1 - constant) * average))
 
     def contain_zero(lo, hi):
         return lo.clamp(max=0.0), hi.clamp(min=0.0)

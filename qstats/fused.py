@@ -41,13 +41,18 @@ FUSED_LAYER_NAMES = (
 
 def fused_groups(model: torch.nn.Module) -> list:
     """The module paths of each fused group of ``model`` (`FUSED_LAYER_NAMES`): for every module
-    that has child modules of all the names of a group, their paths, in the group's order."""
+    that has attributes of all the names of a group, the paths of those that are modules, in the
+    group's order. As llm-compressor's ``fuse_weight_observers``, a member set to None is skipped
+    (Gemma 4's ``v_proj`` under ``attention_k_eq_v``) and the others stay fused."""
     groups = []
     for path, module in model.named_modules():
-        children = dict(module.named_children())
         for names in FUSED_LAYER_NAMES:
-            if all(name in children for name in names):
-                groups.append(tuple(f"{path}.{name}" if path else name for name in names))
+            if not all(hasattr(module, name) for name in names):
+                continue
+            members = {name: getattr(module, name) for name in names}
+            present = [name for name, member in members.items() if member is not None]
+            if len(present) >= 2 and all(isinstance(members[name], torch.nn.Module) for name in present):
+                groups.append(tuple(f"{path}.{name}" if path else name for name in present))
     return groups
 
 

@@ -345,3 +345,47 @@ def test_unknown_spec_fields_are_refused_naming_them():
     full = QuantizationSpec(dtype=torch.uint8, qscheme="asymmetric").model_dump()  # every field, derived ones too
     assert set(QuantizationSpec.model_fields) <= set(full)
     assert qstats.QuantSpec.from_coreai_opt(full) == qstats.QuantSpec.from_coreai_opt(dtype=torch.uint8, qscheme="asymmetric")
+
+
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("scale_dtype", [None, torch.float8_e8m0fnu], ids=str)
+@pytest.mark.parametrize("dtype,qscheme", [(torch.int8, "symmetric"), (torch.uint4, "asymmetric"),
+                                           (torch.int4, "symmetric_with_clipping")], ids=str)
+def test_half_moving_average_is_coreai_opts_half_ema(dtype, qscheme, scale_dtype, input_dtype):
+    """coreai_opt's moving average steps its running range in the input's dtype (its buffers take
+    the first batch's dtype): each product and the sum round to bf16/fp16. qstats averaged in
+    float32, so scale, zero point and minval drifted from the second half-precision batch on."""
+    if scale_dtype is not None and dtype != torch.int8:
+        pytest.skip("e8m0 scales are int8 or float targets only")
+    coreai_spec = _coreai_spec(dtype, qscheme, GRANULARITIES["per_block_axis"], (None, None), "moving_average",
+                               scale_dtype=scale_dtype)
+    calc = _calculator(None, coreai_spec)
+    spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=SHAPE, input_dtype=input_dtype)
+    obs = qstats.coreai_opt.moving_average_minmax(spec, 0.1)
+    state = obs.init(torch.empty(SHAPE, dtype=input_dtype))
+    for step, x in enumerate(_batches(seed=5)):
+        x = x.to(input_dtype)
+        scale, zero_point, minval = calc(x)
+        state = obs.update(state, x)
+        assert _same(state.min_val, calc.running_min.float()) and _same(state.max_val, calc.running_max.float()), step
+        qp = qstats.compute_qparams(state, spec)
+        assert _same(qp.scale, scale.float()) and _same(qp.zero_point, zero_point), step
+        assert _same(qp.minval, minval.float()), step
+
+
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_half_inputs_float8_scale_in_the_inputs_dtype(dtype, input_dtype):
+    """coreai_opt's fp8 scale (no e8m0 scale_dtype) is torchao's ``amax / fp_max`` in the input's
+    dtype, as for integers; from_coreai_opt(input_dtype=...) was ignored for float targets and
+    gave float32 scales."""
+    for float_range in [(None, None), (-1.3, None), (-1.3, 0.7)]:
+        coreai_spec = _coreai_spec(dtype, "symmetric", GRANULARITIES["per_channel_0"], float_range)
+        x = _batches()[1].to(input_dtype)
+        scale, _, _ = _calculator(None, coreai_spec)(x)
+        both = None not in float_range
+        spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=SHAPE, input_dtype=torch.float32 if both else input_dtype)
+        obs = qstats.memoryless_minmax(spec)
+        qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec, float_range=float_range)
+        assert _same(qp.scale, scale.float()), float_range
+        assert bool(torch.isfinite(qstats.fake_quantize(x.float(), qp, spec)).all())

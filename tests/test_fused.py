@@ -128,3 +128,48 @@ def test_stacked_needs_one_stacked_state():
     x = torch.randn(4, 32)
     with pytest.raises(TypeError, match="stacked=True"):
         qstats.fused_qparams([obs.update(obs.init(x), x)] * 2, spec, stacked=True)
+
+
+class _KEqVAttention(torch.nn.Module):
+    """Gemma 4's full-attention layers with ``attention_k_eq_v``: ``v_proj`` is None (values are
+    the keys), q_proj and k_proj remain."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.q_proj = torch.nn.Linear(32, 16, bias=False)
+        self.k_proj = torch.nn.Linear(32, 8, bias=False)
+        self.v_proj = None
+        self.q_proj.weight.data = torch.randn(16, 32, generator=g)
+        self.k_proj.weight.data = 5 * torch.randn(8, 32, generator=g)
+
+    def forward(self, x):
+        return self.q_proj(x).sum(-1) + self.k_proj(x).sum(-1)
+
+
+def test_a_none_member_leaves_the_rest_of_the_group_fused():
+    """llm-compressor's ``fuse_weight_observers`` fuses the members of a group that a module has as
+    attributes, skipping one that is None; qstats' fused_groups dropped the whole group, so q_proj
+    and k_proj kept their own global scales."""
+    from llmcompressor.observers.helpers import fuse_weight_observers
+
+    model = torch.nn.Sequential(_KEqVAttention())
+    assert qstats.fused.fused_groups(model) == [("0.q_proj", "0.k_proj")]
+    args = NVFP4["weights"]
+    for name in ("q_proj", "k_proj"):
+        module = getattr(model[0], name)
+        module.weight_observer = observers.Observer.load_from_registry(
+            "memoryless_minmax", base_name="weight", args=args.model_copy(deep=True))
+    fuse_weight_observers(model)
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=spec)])
+    states = qstats.calibrate(model, [torch.randn(2, 32)], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    for name in ("q_proj", "k_proj"):
+        module = getattr(model[0], name)
+        module.weight_observer(module.weight)
+    for name in ("q_proj", "k_proj"):
+        module = getattr(model[0], name)
+        ref = module.weight_observer.get_qparams()
+        assert torch.equal(qparams[f"0.{name}"]["weight"].global_scale.reshape(1), ref["global_scale"]), name
+        assert torch.equal(qparams[f"0.{name}"]["weight"].scale, ref["scale"]), name
