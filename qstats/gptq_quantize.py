@@ -17,8 +17,9 @@ as the original GPTQ; other specs take the min/max of the weight itself.
 
 A weight whose Hessian saw no row falls back to round-to-nearest (`UncalibratedWarning`), as does
 one whose dampened Hessian is not positive definite (a UserWarning; llm-compressor records those
-modules). A NaN or Inf in the Hessian sum or the weight is a ValueError. Input columns that never saw a non-zero value (zero diagonal) quantize to
-zero, as llm-compressor. Activation ordering ``"group"`` (groups in activation order, written with
+modules). A NaN or Inf in the Hessian sum or the weight, or a NaN, Inf, zero or negative scale in
+``qparams``, is a ValueError. Input columns that never saw a non-zero value (zero diagonal)
+quantize to zero, as llm-compressor. Activation ordering ``"group"`` (groups in activation order, written with
 a ``g_idx``) was removed from compressed-tensors 0.19 and llm-compressor 0.14; it is refused.
 """
 
@@ -34,9 +35,10 @@ from ._quant import _cap, _checked_zero_point, _codes_float, _dequantize_view
 from ._formats import store_codes
 from ._spec import QuantSpec
 from .experts import UncalibratedWarning
-from .observers.hessian import HessianState
+from .observers.hessian import HessianState, normalized_hessian
 from .observers.minmax import minmax
 from ._warn import warn
+from ._checks import require
 
 __all__ = ["gptq"]
 
@@ -228,7 +230,7 @@ def _ordered_factor(total, count, dampening, actorder, shared: int):
     ``shared`` > 0: the ``shared`` Hessians of a stack are equal and factored once (the same bits)."""
     if shared:
         total, count = total[:1], count[:1]
-    hessian = (2.0 * total / count.clamp(min=1).to(total.dtype)[..., None, None]).to(torch.float32)
+    hessian = normalized_hessian(total, count)
     perm = None
     if actorder is not None:
         perm = torch.argsort(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, descending=True)
@@ -312,6 +314,7 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
 
     if qparams is not None:  # no autograd graph through the column loop (it would hold every column's tensors)
         qparams = QParams(*(None if field is None else field.detach() for field in qparams))
+        qparams = _checked_scales(qparams)
     return _gptq_core(weight.detach(), hessian_state.total.detach(), count, qparams, spec, block_size,
                       float(dampening), actorder, weight.shape[0] if bool(same) else 0)
 
@@ -331,6 +334,17 @@ def _check_qparams(qparams, weight, spec) -> None:
             raise ValueError(f"gptq: qparams.{field} of shape {None if got is None else tuple(got.shape)} does not "
                              f"fit {spec.granularity!r} on a weight of shape {tuple(weight.shape)} "
                              f"(expected {expected})")
+
+
+def _checked_scales(qparams: QParams) -> QParams:
+    """ValueError (eagerly and under vmap) where a given scale is NaN, Inf, zero or negative, or a
+    float zero point NaN or Inf: the column loop would carry the NaN or Inf along the whole row
+    through the error updates. Returns ``qparams``, the check threaded through the scale."""
+    good = torch.isfinite(qparams.scale) & (qparams.scale > 0)
+    if qparams.zero_point.is_floating_point():
+        good = good & torch.isfinite(qparams.zero_point)
+    good = require(good, "gptq: qparams holds a NaN, Inf, zero or negative scale, or a NaN or Inf zero point")
+    return qparams._replace(scale=torch.where(good, qparams.scale, torch.ones_like(qparams.scale)))
 
 
 def _check_arguments(weight, state, spec, block_size, dampening, actorder) -> None:

@@ -400,3 +400,46 @@ def test_an_identity_hessian_gives_round_to_nearest(spec):
     quantized, _, _ = gptq(weight, identity, spec, qparams=qparams, actorder=None)
     assert quantized.dtype == weight.dtype
     assert torch.equal(quantized, qstats.fake_quantize(weight, qparams, spec))
+
+
+def test_a_hessian_sum_past_half_float32_range_is_not_called_indefinite():
+    """A finite float32 Hessian sum above 1.7e38: 2 * total overflowed to Inf before the division
+    by the rows, and gptq fell back to round-to-nearest with a 'not positive definite' warning."""
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(200, 64, generator=gen) * 1e18
+    weight = torch.randn(16, 64, generator=gen)
+    state = hessian().update(hessian().init(x), x)
+    assert torch.isfinite(state.total).all()
+    wide = hessian(dtype=torch.float64).update(hessian(dtype=torch.float64).init(x), x)
+    spec = qstats.QuantSpec(dtype="int4", granularity=qstats.PerAxis(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, codes, _ = gptq(weight, state, spec)
+    assert (codes == gptq(weight, wide, spec)[1]).float().mean() >= 0.999
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -1.0])
+def test_a_bad_given_scale_raises_instead_of_spreading_along_its_row(value):
+    """A NaN or Inf scale in one group made the rest of that row NaN through the error updates
+    (fake_quantize only makes the group NaN); a zero or negative one is no quantization grid."""
+    weight, _, state = _layer_data(16)
+    spec = qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4, strategy="group", group_size=32))
+    qparams = _minmax_qparams(weight, spec)
+    scale = qparams.scale.clone()
+    scale[0, 0] = value
+    with pytest.raises(ValueError, match="gptq: qparams holds a NaN, Inf, zero or negative scale"):
+        gptq(weight, state, spec, qparams=qparams._replace(scale=scale))
+    stacked = qstats.QParams(*(torch.stack([field, field]) for field in qparams))
+    stacked = stacked._replace(scale=torch.stack([qparams.scale, scale]))  # expert 1
+    stacked_state = HessianState(*(torch.stack([field, field]) for field in state))
+    with pytest.raises(ValueError, match="gptq: qparams holds"):
+        gptq(torch.stack([weight, weight]), stacked_state, spec, qparams=stacked)
+    with pytest.raises(ValueError, match="gptq: qparams holds"):
+        torch.vmap(lambda w, s, q: gptq(w, s, spec, qparams=q))(torch.stack([weight, weight]), stacked_state, stacked)
+    float_zero = qstats.QuantSpec(dtype="uint4", granularity=qstats.PerGroup(32), zero_point_domain="float",
+                                  mapping="asymmetric")
+    float_qparams = _minmax_qparams(weight, float_zero)
+    zero_point = float_qparams.zero_point.clone()
+    zero_point[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="gptq: qparams holds"):
+        gptq(weight, state, float_zero, qparams=float_qparams._replace(zero_point=zero_point))

@@ -110,6 +110,37 @@ def test_stacked_experts_equal_a_loop_over_routed_rows():
         torch.testing.assert_close(state.total[e].double(), _gram(own[e][route[e]]), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("experts", [3, 16])
+def test_gptq_hessian_of_a_stacked_state_divides_each_expert_by_its_own_rows(experts):
+    """A stacked state's count is ``[E]``: it divided the last axis of ``[E, in, in]`` (an error for
+    E != in, silently wrong values for E == in)."""
+    gen = torch.Generator().manual_seed(13)
+    features, tokens = 16, 40
+    x = torch.randn(tokens, features, generator=gen)
+    route = torch.rand(experts, tokens, generator=gen) > 0.5
+    route[1] = False  # no row: zeros
+    obs = qstats.stacked_observer(hessian(), experts)
+    shared = x.expand(experts, tokens, features)
+    state = obs.update(obs.init(shared), shared, route.float())
+    normalized = gptq_hessian(state)
+    assert normalized.shape == (experts, features, features)
+    for e in range(experts):
+        assert torch.equal(normalized[e], gptq_hessian(HessianState(*(field[e] for field in state))))
+    assert torch.equal(normalized[1], torch.zeros(features, features))
+
+
+def test_gptq_hessian_of_a_finite_sum_past_half_float32_range_is_finite():
+    """2 * total overflowed float32 before the division by the row count (a finite sum of 2.8e38
+    became Inf, and gptq fell back to round-to-nearest calling the Hessian not positive definite)."""
+    x = torch.randn(200, 8, generator=torch.Generator().manual_seed(14)) * 1e18
+    state = hessian().update(hessian().init(x), x)
+    assert torch.isfinite(state.total).all() and state.total.abs().max() > torch.finfo(torch.float32).max / 2
+    wide = hessian(dtype=torch.float64).update(hessian(dtype=torch.float64).init(x), x)
+    normalized = gptq_hessian(state)
+    assert torch.isfinite(normalized).all()
+    torch.testing.assert_close(normalized, gptq_hessian(wide), rtol=1e-5, atol=1e-5 * float(normalized.abs().max()))
+
+
 @pytest.mark.parametrize("shared", ["every token", "one padding mask", "a copy per expert", "a shuffled copy each"])
 def test_stacked_experts_keeping_the_same_rows_equal_each_expert_alone(shared):
     """Every expert calibrated on every token (llm-compressor's default for MoE, qstats'

@@ -121,11 +121,19 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=None, name="hessian", shared_rows=True)
 
 
+def normalized_hessian(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``2 / count * total`` in float32, ``total`` ``[..., in, in]`` and ``count`` ``[...]`` (one per
+    expert of a stack); zeros where ``count`` is 0. Divided before the (exact) doubling, so that a
+    finite float32 sum past half of float32's range does not overflow to Inf."""
+    return (2.0 * (total / count.clamp(min=1).to(total.dtype)[..., None, None])).to(torch.float32)
+
+
 def gptq_hessian(state: HessianState) -> torch.Tensor:
     """``2 / rows * total`` in float32: llm-compressor's normalised Hessian when its sample count
-    equals the row count (2-D inputs). Zeros where no row was seen."""
+    equals the row count (2-D inputs). Zeros where no row was seen. A stacked state (`qstats.stacked_observer`)
+    gives ``[E, in, in]``, each expert divided by its own row count."""
     check_state(state, HessianState, "gptq_hessian")
-    return (2.0 * state.total / state.count.clamp(min=1).to(state.total.dtype)).float()
+    return normalized_hessian(state.total, state.count)
 
 
 @register_range_rule(HessianState)
