@@ -127,3 +127,26 @@ def test_update_with_a_tensor_of_another_parameter_shape_raises_naming_both():
         obs.update(state, torch.randn(7, 9))
     assert int(obs.update(state, torch.randn(4, 9)).count) == 36
     assert torch.equal(obs.update(state, torch.empty(0, 9)).count, state.count)
+
+
+def test_fixed_scales_at_the_float32_extremes_are_refused():
+    """A subnormal scale (1 / scale is Inf: fake_quantize gave NaN at x = 0, where torch's kernel
+    gives 0), a scale whose code range overflows float32 (the extreme codes, and x near the float32
+    limit, fake-quantized to +-Inf) and a non-finite float zero point (every value NaN) raise
+    naming the problem; the extremes still accepted keep every fake-quantized value finite."""
+    spec = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
+    for scale in (1e-45, 1e-39, 2.2e38, 1e37):
+        with pytest.raises(ValueError, match="scale .* out of range"):
+            qstats.fixed_qparams(spec, scale)
+    with pytest.raises(ValueError, match="scale .* out of range"):
+        qstats.fixed_qparams(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)), torch.tensor([0.1, 1e-45]))
+    x = torch.tensor([0.0, 1.0, -1.0, 3.4e38, -3.4e38])
+    for scale in (float(torch.finfo(torch.float32).tiny), 1e30):
+        obs = qstats.fixed_qparams(spec, scale, 128)
+        qp = qstats.compute_qparams(obs.init(x), spec)
+        assert torch.isfinite(qstats.fake_quantize(x, qp, spec)).all()
+        assert torch.isfinite(qstats.dequantize(torch.tensor([0, 255], dtype=torch.uint8), qp, spec)).all()
+    float_zero = qstats.QuantSpec(dtype="uint8", mapping="asymmetric", zero_point_domain="float")
+    for zero_point in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="zero_point must be finite"):
+            qstats.fixed_qparams(float_zero, 0.1, zero_point)

@@ -333,3 +333,36 @@ def test_a_resumed_state_of_other_settings_names_the_module_and_site():
     states = qstats.calibrate(model, batches, recipe(100))
     with pytest.raises(ValueError, match=r"'0'.*weight|weight.*'0'"):
         qstats.calibrate(model, batches, recipe(20), states=states)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_expand_on_bf16_and_fp16_inputs_reproduces_llm_compressor(dtype):
+    """llm-compressor forms ``amin(x) * expand`` in a bf16/fp16 input's dtype; the search expanded
+    the range in float32, so with an ``expand`` that is not a power of two (1.3, 1.8) it searched
+    other candidates and chose other scales for up to a third of the channels (memoryless_mse) and
+    another moving average (mse: bf16 seeds 0 and 1)."""
+    for fields in (dict(num_bits=4, type="int", symmetric=True, strategy="channel"),
+                   dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16)):
+        spec = qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(**fields), observed_dtype=dtype)
+        for expand in (1.3, 1.8):
+            g = torch.Generator().manual_seed(0)
+            w = (torch.randn(32, 64, generator=g) * torch.rand(32, 1, generator=g) * 3).to(dtype)
+            args = QuantizationArgs(**fields, observer="memoryless_mse",
+                                    observer_kwargs={"patience": 10**6, "expand": expand})
+            scale, zero_point = _llmc(args, "weight", [w])
+            obs = qstats.mse(spec, expand=expand)
+            qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec)
+            assert torch.equal(qp.scale.float(), scale.float().reshape(qp.scale.shape)), (fields, expand)
+            assert torch.equal(qp.zero_point.float(), zero_point.float().reshape(qp.zero_point.shape)), (fields, expand)
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="tensor", observer="mse",
+                            observer_kwargs={"averaging_constant": 0.25, "expand": 1.3})
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
+    obs = qstats.mse(spec, mode="moving_average", averaging_constant=0.25, expand=1.3)
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        xs = [(torch.randn(2, 8, 64, generator=g) * (i + 1)).to(dtype) for i in range(3)]
+        scale, _ = _llmc(args, "input", xs)
+        state = obs.init(xs[0])
+        for x in xs:
+            state = obs.update(state, x)
+        assert torch.equal(qstats.compute_qparams(state, spec).scale.float(), scale.float().reshape(())), seed

@@ -102,14 +102,23 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     zero_t = torch.as_tensor(zero_point)
     if not bool(torch.isfinite(scale_t).all()) or not bool((scale_t > 0).all()):
         raise ValueError(f"fixed_qparams: scale must be positive and finite, got {scale!r}")
+    # as QuantSpec.eps: 1 / scale finite (0 * Inf made fake_quantize NaN at zero), and the code
+    # range times the scale finite (its extreme codes dequantized to +-Inf)
+    qmin, qmax = spec.qrange
+    if not bool(torch.isfinite(1.0 / scale_t).all()) or not bool(torch.isfinite(scale_t * float(qmax - qmin)).all()):
+        raise ValueError(
+            f"fixed_qparams: scale {scale!r} is out of range: 1 / scale and scale * {qmax - qmin} (the code range) "
+            "must be finite in float32"
+        )
     _check_held(scale, scale_t, spec)
     if spec.zero_point_domain == "float":
         zero_t = zero_t.to(torch.float32)
+        if not bool(torch.isfinite(zero_t).all()):
+            raise ValueError(f"fixed_qparams: zero_point must be finite, got {zero_point!r}")
     else:
         if zero_t.is_floating_point() and not bool((zero_t == zero_t.round()).all()):
             raise ValueError(f"fixed_qparams: zero_point must be an integer for the int domain, got {zero_point!r}")
         zero_t = zero_t.to(torch.int64)
-        qmin, qmax = spec.qrange
         if not bool(((zero_t >= qmin) & (zero_t <= qmax)).all()):
             raise ValueError(f"fixed_qparams: zero_point {zero_point!r} is outside the range [{qmin}, {qmax}]")
 

@@ -279,6 +279,21 @@ def _expanded(lo: torch.Tensor, hi: torch.Tensor, expand: float):
     return (lo * expand).clamp(min=-half), (hi * expand).clamp(max=half)
 
 
+def _batch_range(lo: torch.Tensor, hi: torch.Tensor, expand: float, spec: QuantSpec, dtype: torch.dtype):
+    """A batch's range times ``expand`` (`_expanded`); for bf16/fp16 inputs of a spec computing in
+    their dtype rounded to it, as llm-compressor forms ``amin(x) * expand`` in the input's dtype
+    (where the rounded value is finite)."""
+    lo, hi = _expanded(lo, hi, expand)
+    if expand == 1.0 or not _computes_natively(spec, dtype):
+        return lo, hi
+
+    def native(t):
+        rounded = t.to(dtype).float()
+        return torch.where(rounded.isfinite(), rounded, t)
+
+    return native(lo), native(hi)
+
+
 def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float = 2.4, expand: float = 1.0,
         mode: str = "accumulate", averaging_constant: float = 0.01, patience=_MOVING_AVERAGE_PATIENCE,
         reference=None, importance: Optional[torch.Tensor] = None, steps: Optional[int] = None) -> Observer:
@@ -374,7 +389,7 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
             return state
         view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
         has_reference = state.min_val <= state.max_val
-        lo, hi = _expanded(lo, hi, expand)
+        lo, hi = _batch_range(lo, hi, expand, spec, x.dtype)
         ref_lo = torch.where(has_reference, state.min_val, lo)
         ref_hi = torch.where(has_reference, state.max_val, hi)
         seen = count > 0
@@ -426,7 +441,7 @@ def _moving_average(spec, factors, norm, expand, constant, patience, observe):
             return state
         view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
         seen = count > 0
-        lo, hi = _expanded(lo, hi, expand)
+        lo, hi = _batch_range(lo, hi, expand, spec, x.dtype)
         base_lo = torch.where(seen, lo, torch.zeros_like(lo))
         base_hi = torch.where(seen, hi, torch.zeros_like(hi))
         loss = candidate_losses(view, mask, imp, base_lo, base_hi, factors, spec, norm)
