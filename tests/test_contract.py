@@ -310,3 +310,32 @@ def test_homomorphism_draws_always_split_where_they_can(data, count):
     cuts = data.draw(strategies.splits(count, min_cuts=1))
     assert cuts == sorted(set(cuts)) and all(0 < c < count for c in cuts)
     assert len(cuts) >= (1 if count >= 2 else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kit's checks name the problem (docs/write_an_observer.md: "clear TypeErrors and ValueErrors").
+
+
+def test_check_same_shapes_refuses_states_of_different_types():
+    """zip() over the fields stopped at the shorter state: a two-field state of float32 fields passed
+    as a MinMaxState, and other mixes were reported as a dtype difference of some field."""
+    from qstats.observers import kit
+
+    a = MinMaxState(torch.zeros(3), torch.zeros(3), torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+    other = ContractTestAbsSumState(torch.zeros(3), torch.zeros(3))
+    with pytest.raises(TypeError, match="obs.merge: .*MinMaxState.*ContractTestAbsSumState"):
+        kit.check_same_shapes(a, other, "obs.merge")
+    with pytest.raises(TypeError, match="obs.merge: .*MinMaxState.*tuple"):
+        kit.check_same_shapes(a, tuple(a), "obs.merge")
+    with pytest.raises(TypeError, match="obs.merge: expected NamedTuple states, got Tensor"):
+        kit.check_same_shapes(torch.zeros(3), torch.zeros(3), "obs.merge")
+    kit.check_same_shapes(a, a, "obs.merge")
+
+
+def test_extremes_init_refuses_what_it_cannot_build():
+    from qstats.observers import kit
+
+    with pytest.raises(TypeError, match="expected a QuantSpec"):
+        kit.extremes_init(MinMaxState, "int8")
+    with pytest.raises(TypeError, match="extremes_init.*NamedTuple"):
+        kit.extremes_init(tuple, qstats.QuantSpec())

@@ -170,3 +170,21 @@ def test_unknown_observer_error_says_how_to_register_one():
     with pytest.raises(ValueError, match=r"unknown observer 'rms_rangee'.*\(add one with "
                                          r"qstats\.observers\.register\(name, factory\)\)"):
         qstats.Rule("Linear", observer="rms_rangee")
+
+
+def test_an_alias_of_a_builtin_factory_keeps_its_name_for_export():
+    """``name_of`` picked the first name in sorted order: registering qstats.minmax under an alias that
+    sorts first ("absmax") renamed it, and the llm-compressor export wrote no observer for its sites."""
+    from types import SimpleNamespace
+
+    from qstats.export.config import llm_compressor_observers
+
+    site = SimpleNamespace(rule=qstats.Rule("Linear", observer=qstats.minmax), kind="activation")
+    plan = SimpleNamespace(sites={"fc": {"input": site}})
+    try:
+        qstats.observers.register("absmax", qstats.minmax)
+        assert qstats.observers.get("absmax") is qstats.minmax
+        assert registry.name_of(qstats.minmax) == "minmax"
+        assert llm_compressor_observers(plan) == {"fc": {"input": "static_minmax"}}
+    finally:
+        registry._FACTORIES.pop("absmax", None)

@@ -138,3 +138,177 @@ def test_a_float32_sum_that_cancels_is_compared_to_the_magnitude_of_its_terms(se
     assert float((left - joined).abs()) < 1e-6 * float(torch.cat([xs[1], xs[2]]).double().abs().sum())
     testing.check_homomorphism(obs, xs, [[1], [2]])
     testing.check_associative(obs, xs)
+
+
+# ---------------------------------------------------------------------------------------------
+# A new observer author's mistakes (docs/write_an_observer.md): each must fail the law it breaks,
+# with a message naming the law, the observer and why.
+
+
+@qstats.register_state
+class LawsReviewMAVState(NamedTuple):
+    """A per-channel mean absolute value: float64 sum of |x| and int64 count per parameter."""
+
+    approx_fields = ("abs_total",)
+    abs_total: torch.Tensor
+    count: torch.Tensor
+
+
+@qstats.register_range_rule(LawsReviewMAVState)
+def _mav_rule(state, spec):
+    mean = (state.abs_total / state.count.clamp(min=1)).float()
+    return qstats.Range(-3 * mean, 3 * mean, state.count)
+
+
+def _mav_observer(spec):
+    from qstats.observers import kit
+
+    def init_fn(x):
+        shape = kit.qparam_shape(x.shape, spec.granularity)
+        return LawsReviewMAVState(torch.zeros(shape, dtype=torch.float64, device=x.device),
+                                  torch.zeros(shape, dtype=torch.int64, device=x.device))
+
+    def update_fn(state, x, weight=None):
+        if x.numel() == 0:
+            return state
+        view = kit.checked_view(x, spec.granularity, state.count.shape, "mav.update").double()
+        keep = torch.isfinite(view)
+        mask = kit.weight_view(x, weight, spec.granularity)
+        if mask is not None:
+            keep = keep & (mask != 0)
+        values = torch.where(keep, view.abs(), 0.0)
+        return LawsReviewMAVState(state.abs_total + values.sum(dim=(0, -1)), state.count + keep.sum(dim=(0, -1)))
+
+    def merge_fn(a, b):
+        kit.check_same_shapes(a, b, "mav.merge")
+        return LawsReviewMAVState(a.abs_total + b.abs_total, a.count + b.count)
+
+    return kit.Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="mav")
+
+
+GRANULARITIES = [qstats.PerTensor(), qstats.PerAxis(0), qstats.PerAxis(-1), qstats.PerGroup(4),
+                 qstats.PerBlock((2, 4))]
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES, ids=str)
+def test_a_correct_user_observer_passes_every_law(granularity):
+    testing.check_all(_mav_observer(qstats.QuantSpec(granularity=granularity)), _make_x, max_examples=3)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES, ids=str)
+def test_homomorphism_catches_an_update_that_ignores_or_inverts_its_weight_at_any_granularity(granularity):
+    """Per channel, per group and per block, batches do not concatenate along dim 0: the masked form
+    ``update(s, x, mask) == update(s, x[mask != 0])`` was skipped and a weight was never checked."""
+    for obs in (qstats.minmax(qstats.QuantSpec(granularity=granularity)),
+                _mav_observer(qstats.QuantSpec(granularity=granularity))):
+        ignores = obs._replace(update=lambda s, x, weight=None, obs=obs: obs.update(s, x), name="ignores")
+        inverts = obs._replace(
+            update=lambda s, x, weight=None, obs=obs: obs.update(s, x, None if weight is None else 1 - weight),
+            name="inverts")
+        for broken in (ignores, inverts):
+            with pytest.raises(AssertionError, match=f"{broken.name}: homomorphism.*weight"):
+                testing.check_homomorphism(broken, XS)
+            with pytest.raises(AssertionError, match="homomorphism"):
+                testing.check_all(broken, _make_x, laws=("homomorphism",), max_examples=3)
+
+
+def test_identity_catches_an_init_that_reads_the_values_of_x():
+    """An init seeded with the extremes of its argument: merge(init(x0), s) == s holds for every
+    state s that has seen x0, as every state of the laws had."""
+    obs = qstats.minmax(SPEC)
+
+    def init(x):
+        state = obs.init(x)
+        return state._replace(min_val=x.amin(dim=1).float(), max_val=x.amax(dim=1).float())
+
+    broken = obs._replace(init=init, name="seeded")
+    with pytest.raises(AssertionError, match="seeded: identity: init.*values"):
+        testing.check_identity(broken, XS)
+    with pytest.raises(AssertionError, match="identity"):
+        testing.check_all(broken, _make_x, max_examples=3)
+
+
+def test_stability_names_the_law_when_update_refuses_an_empty_batch():
+    """The page's own first mistake: without the ``x.numel() == 0`` line the error was the update's
+    bare ValueError, naming neither the law, the observer nor the empty batch."""
+    obs = _mav_observer(SPEC)
+
+    def update(state, x, weight=None):
+        if x.numel() == 0:
+            from qstats.observers import kit
+
+            kit.checked_view(x, SPEC.granularity, state.count.shape, "mav.update")
+        return obs.update(state, x, weight)
+
+    broken = obs._replace(update=update)
+    with pytest.raises(AssertionError, match="mav: stability: update with an empty tensor.*failed.*ValueError"):
+        testing.check_stability(broken, XS)
+
+
+class _AnyField(NamedTuple):
+    total: torch.Tensor
+    extra: object
+
+
+_AnyField = qstats.register_state(type("LawsReviewAnyFieldState", (_AnyField,), {}))
+
+
+@pytest.mark.parametrize("extra", [None, {}, {"a": torch.zeros(())}, (), [torch.zeros(())]],
+                         ids=["None", "dict", "dict-of-tensors", "tuple", "list"])
+def test_stability_catches_a_field_that_is_not_a_tensor(extra):
+    """design.md: no None, dicts, strings or Python numbers; None, containers and empty containers
+    have no leaf for the tensor check to see."""
+    def init(x):
+        return _AnyField(torch.zeros((), dtype=torch.float64), extra)
+
+    def update(state, x, weight=None):
+        return _AnyField(state.total + x.double().sum(), state.extra)
+
+    obs = qstats.Observer(init, update, lambda a, b: _AnyField(a.total + b.total, a.extra), exact=True,
+                          name="extra")
+    with pytest.raises(AssertionError, match="extra: stability: state.extra is a .*; states hold tensors only"):
+        testing.check_stability(obs, XS)
+
+
+def test_check_all_blames_an_update_that_writes_into_its_state_on_purity():
+    """An update that accumulates into its state in place broke the identity law first
+    (``merge(init, s)`` saw a modified init), whose message pointed at ``merge``."""
+    obs = _mav_observer(SPEC)
+
+    def update(state, x, weight=None):
+        new = obs.update(state, x, weight)
+        state.abs_total.copy_(new.abs_total)
+        state.count.copy_(new.count)
+        return state
+
+    with pytest.raises(AssertionError, match="purity: update modified the state"):
+        testing.check_all(obs._replace(update=update), _make_x, max_examples=3)
+
+
+def test_a_float32_sum_declared_bit_exact_says_how_to_declare_it():
+    obs = _sum_observer()
+    state_type = type(obs.init(XS[0]))
+    plain = qstats.register_state(NamedTuple("LawsReviewPlainSumState", [("total", torch.Tensor),
+                                                                           ("count", torch.Tensor)]))
+
+    def wrap(state):
+        return plain(*state)
+
+    def unwrap(state):
+        return state_type(*state)
+
+    undeclared = obs._replace(init=lambda x: wrap(obs.init(x)),
+                              update=lambda s, x, weight=None: wrap(obs.update(unwrap(s), x, weight)),
+                              merge=lambda a, b: wrap(obs.merge(unwrap(a), unwrap(b))))
+    generator = torch.Generator().manual_seed(57)
+    xs = [torch.randn(6, 64, generator=generator) for _ in range(4)]
+    with pytest.raises(AssertionError, match="not bit-exact.*approx_fields"):
+        testing.check_homomorphism(undeclared, xs, [[1], [2]])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vmap_weights_follow_the_device_of_the_batches():
+    """check_vmap built its row masks on the CPU: a correct observer of CUDA batches failed
+    ``vmap(update, weight)`` on mixing devices."""
+    testing.check_vmap(qstats.minmax(qstats.QuantSpec()), [x.cuda() for x in XS])
+    testing.check_vmap(_mav_observer(SPEC), [x.cuda() for x in XS])

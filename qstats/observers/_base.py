@@ -102,7 +102,12 @@ def check_state(state: Any, cls: type, where: str) -> None:
 
 
 def check_same_shapes(a: Any, b: Any, where: str) -> None:
-    """Raises ValueError naming both shapes when two states' fields differ in shape."""
+    """Raises ValueError naming both shapes when two states' fields differ in shape (or dtype), and
+    TypeError when they are not NamedTuple states of one type."""
+    if not hasattr(type(a), "_fields"):
+        raise TypeError(f"{where}: expected NamedTuple states, got {type(a).__name__}")
+    if type(a) is not type(b):
+        raise TypeError(f"{where}: the states differ in type: {type(a).__name__} and {type(b).__name__}")
     for name, left, right in zip(a._fields, a, b):
         if left.shape != right.shape:
             raise ValueError(

@@ -58,6 +58,9 @@ def check_spec(spec) -> QuantSpec:
 def extremes_init(cls, spec: QuantSpec) -> Callable[[torch.Tensor], tuple]:
     """``init(x)`` for a state class whose first two fields are extremes (``+inf`` and ``-inf``,
     float32) and whose other fields are int64 counts (zero), shaped like ``x``'s parameters."""
+    spec = check_spec(spec)
+    if not (isinstance(cls, type) and issubclass(cls, tuple) and len(getattr(cls, "_fields", ())) >= 2):
+        raise TypeError(f"extremes_init expects a NamedTuple class with at least two fields (min, max), got {cls!r}")
     counters = len(cls._fields) - 2
 
     def init_fn(x: torch.Tensor):

@@ -60,8 +60,9 @@ def registered() -> tuple[str, ...]:
 
 
 def name_of(factory: Callable):
-    """The name ``factory`` is registered under (the first, sorted), or None."""
-    return next((name for name in registered() if _FACTORIES[name] is factory), None)
+    """The name ``factory`` is registered under (the first registered: qstats' own name before a
+    user's alias, whatever their order), or None."""
+    return next((name for name, registered_factory in _FACTORIES.items() if registered_factory is factory), None)
 
 
 def _imatrix(spec=None):

@@ -71,8 +71,12 @@ def _finite_magnitude(leaf: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(values), values, 0).amax() if values.numel() else values.new_zeros(())
 
 
+_APPROX_HINT = ("; if it holds a float sum, which rounds differently when the data is split, list it in the "
+                "state class's approx_fields")
+
+
 def _leaf_difference(actual: torch.Tensor, expected: torch.Tensor, approx: bool, rtol: float,
-                     magnitude: float = 0.0) -> Optional[str]:
+                     magnitude: float = 0.0, hint: str = "") -> Optional[str]:
     if actual.is_floating_point():
         a_nan, e_nan = torch.isnan(actual), torch.isnan(expected)
         if not torch.equal(a_nan, e_nan):
@@ -94,7 +98,7 @@ def _leaf_difference(actual: torch.Tensor, expected: torch.Tensor, approx: bool,
             return None
         if not torch.equal(a, e):
             worst = (a - e).abs().max()
-            return f"not bit-exact (largest difference {float(worst):.3g})"
+            return f"not bit-exact (largest difference {float(worst):.3g}){hint}"
         return None
     if not torch.equal(actual, expected):
         return "not equal"
@@ -142,7 +146,9 @@ def assert_states_equal(
                 term = leaves.get(path)
                 if isinstance(term, torch.Tensor) and term.is_floating_point():
                     magnitude = max(magnitude, float(_finite_magnitude(term)))
-        problem = _leaf_difference(leaf, other, field_approx, rtol, magnitude)
+        # the hint where the tolerance comes from the state class (not where the law is bit-exact)
+        hint = _APPROX_HINT if approx_fields is None else ""
+        problem = _leaf_difference(leaf, other, field_approx, rtol, magnitude, hint)
         if problem is not None:
             raise AssertionError(f"{prefix}{path} {problem}\n  got:      {leaf}\n  expected: {other}")
 
@@ -185,6 +191,13 @@ def check_identity(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) -> No
     xs = _need(xs, 1, "check_identity")
     init = obs.init(xs[0])
     name = _name(obs)
+    # init is the identity of every tensor like x: it reads the shape, dtype and device of x, never its
+    # values (an init seeded with x0's extremes is the identity only of states that have seen x0)
+    for other in [*xs[1:], torch.zeros_like(xs[0])]:
+        if (other.shape, other.dtype, other.device) == (xs[0].shape, xs[0].dtype, xs[0].device):
+            assert_states_equal(obs.init(other), init, approx_fields=(),
+                                message=f"{name}: identity: init(x) depends on the values of x (it may read only "
+                                "their shape, dtype and device)")
     assert_states_equal(obs.merge(init, init), init, approx_fields=(), message=f"{name}: identity merge(init, init)")
     state = init
     for x in xs:
@@ -203,7 +216,8 @@ def check_associative(obs, xs: Sequence[torch.Tensor], *, exact: Optional[bool] 
     a, b, c = (_fold(obs, init, group) for group in _groups(xs, 3))
     left = obs.merge(obs.merge(a, b), c)
     right = obs.merge(a, obs.merge(b, c))
-    approx = _approx_set(init, approx_fields) | ({_ALL_FLOAT} if not exact else set())
+    approx = None if approx_fields is None and exact else _approx_set(init, approx_fields) | (
+        {_ALL_FLOAT} if not exact else set())
     assert_states_equal(left, right, approx_fields=approx, message=f"{_name(obs)}: associativity", magnitudes=(a, b, c))
 
 
@@ -262,6 +276,9 @@ def check_homomorphism(
     - Concatenation, where batches concatenate without changing the parameter shape:
       ``update(s, cat(a, b)) == merge(update(s, a), update(init, b))``, from ``init`` and a seen state.
     - Masked, where rows are observations: ``update(s, a, mask) == update(s, a[mask != 0])``.
+    - Weighted, at every granularity: ``update(init, a, 0) == init`` and, for complementary 0/1 row
+      weights, ``merge(update(s, a, w), update(init, a, 1 - w)) == update(s, a)`` (from ``init`` only
+      with ``accumulates=False``).
     """
     xs = _need(xs, 2, "check_homomorphism")
     name = _name(obs)
@@ -286,12 +303,18 @@ def check_homomorphism(
                 "vs sequential updates)",
             )
     a, b = (xs[1], xs[2]) if len(xs) >= 3 else (xs[0], xs[1])
-    dim = _concat_dim(obs, a, b)
-    if dim is None:
-        return
-    joined = torch.cat([a, b], dim)
     seen = obs.update(init, xs[0])
     states = (("init", init), ("a state that has seen data", seen))
+    dim = _concat_dim(obs, a, b)
+    if dim is not None:
+        _check_concatenation(obs, a, b, dim, init, states, approx_fields)
+    # an observer keeping only the latest batch keeps a seen state's parameters that a batch leaves out
+    _check_weight_split(obs, a, init, states if accumulates else states[:1], approx_fields)
+
+
+def _check_concatenation(obs, a: torch.Tensor, b: torch.Tensor, dim: int, init, states, approx_fields) -> None:
+    name = _name(obs)
+    joined = torch.cat([a, b], dim)
     for label, state in states:
         left, right = obs.update(state, a), obs.update(init, b)
         assert_states_equal(
@@ -314,6 +337,33 @@ def check_homomorphism(
             magnitudes=(state, obs.update(init, kept)),
             message=f"{name}: homomorphism update(s, x, mask) == update(s, x[mask != 0]) (a 0/1 row weight "
             f"leaves rows out) with s = {label}",
+        )
+
+
+def _check_weight_split(obs, x: torch.Tensor, init, states, approx_fields) -> None:
+    """The weight forms that need no concatenation, so hold at every granularity (per channel, group
+    or block too, where batches do not concatenate along the rows): a zero row weight observes
+    nothing, ``update(init, x, 0) == init``; complementary 0/1 row weights split the rows,
+    ``merge(update(s, x, w), update(init, x, 1 - w)) == update(s, x)``."""
+    mask = _row_mask(x)
+    if mask is None:
+        return
+    name = _name(obs)
+    assert_states_equal(
+        obs.update(init, x, torch.zeros_like(mask)),
+        init,
+        approx_fields=(),
+        message=f"{name}: homomorphism update(init, x, weight=0) == init (a zero row weight leaves every row out)",
+    )
+    for label, state in states:
+        kept, left_out = obs.update(state, x, mask), obs.update(init, x, 1 - mask)
+        assert_states_equal(
+            obs.merge(kept, left_out),
+            obs.update(state, x),
+            approx_fields=approx_fields,
+            magnitudes=(state, kept, left_out),
+            message=f"{name}: homomorphism merge(update(s, x, w), update(init, x, 1 - w)) == update(s, x) "
+            f"(complementary 0/1 row weights split the rows) with s = {label}",
         )
 
 
@@ -386,6 +436,18 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
         same(qparams, compute_qparams(merged, spec), "compute_qparams gave different results twice")
 
 
+def _state_fields(state, path: str) -> list:
+    """``[(path, value), ...]`` of the fields of a NamedTuple state, nested NamedTuples walked: a
+    None or a container field has no leaf for `qtree.leaves_with_paths` to report, but is no tensor."""
+    out = []
+    for field, value in zip(state._fields, state):
+        if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+            out.extend(_state_fields(value, f"{path}.{field}"))
+        else:
+            out.append((f"{path}.{field}", value))
+    return out
+
+
 def _check_state_leaves(state, name: str) -> None:
     cls = type(state)
     registered = state_types().get(cls.__name__)
@@ -393,7 +455,7 @@ def _check_state_leaves(state, name: str) -> None:
         raise AssertionError(
             f"{name}: stability: state type {cls.__name__} is not registered; decorate it with qstats.register_state"
         )
-    for path, leaf in qtree.leaves_with_paths(state, "state"):
+    for path, leaf in _state_fields(state, "state"):
         if not isinstance(leaf, torch.Tensor):
             raise AssertionError(f"{name}: stability: {path} is a {type(leaf).__name__}; states hold tensors only")
         if leaf.is_floating_point() and leaf.dtype not in (torch.float32, torch.float64):
@@ -417,19 +479,24 @@ def check_stability(obs, xs: Sequence[torch.Tensor]) -> None:
         except ValueError as error:
             raise AssertionError(f"{name}: stability: {what} changed the state: {error}") from None
 
+    def call(what, fn, *args):
+        return _attempt(f"{name}: stability: {what}", fn, *args)
+
     state = init
     for x in xs:
-        state = obs.update(state, x)
+        state = call("update", obs.update, state, x)
         same(state, "update")
-        same(obs.merge(state, init), "merge(s, init)")
-        same(obs.merge(init, state), "merge(init, s)")
-    same(obs.update(state, xs[0][:0] if xs[0].ndim else xs[0].reshape(-1)[:0]), "update with an empty tensor")
+        same(call("merge(s, init)", obs.merge, state, init), "merge(s, init)")
+        same(call("merge(init, s)", obs.merge, init, state), "merge(init, s)")
+    empty = xs[0][:0] if xs[0].ndim else xs[0].reshape(-1)[:0]
+    what = f"update with an empty tensor of shape {tuple(empty.shape)}"
+    same(call(what, obs.update, state, empty), what)
     if xs[0].dtype == torch.float32:
         # the state's dtypes do not follow the input's, narrower or wider
         for dtype in (torch.bfloat16, torch.float16, torch.float64):
             other = xs[0].to(dtype)
-            same(obs.init(other), f"init of a {dtype} tensor")
-            same(obs.update(state, other), f"update with a {dtype} tensor")
+            same(call(f"init of a {dtype} tensor", obs.init, other), f"init of a {dtype} tensor")
+            same(call(f"update with a {dtype} tensor", obs.update, state, other), f"update with a {dtype} tensor")
 
 
 def _attempt(what: str, fn, *args):
@@ -463,7 +530,7 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
 
     if weights and xs[0].ndim >= 1 and xs[0].shape[0] >= 2:
         rows = xs[0].shape[0]
-        masks = [((torch.arange(rows) + i) % 2 == 0).to(torch.float32) for i in range(len(xs))]
+        masks = [((torch.arange(rows, device=xs[0].device) + i) % 2 == 0).to(torch.float32) for i in range(len(xs))]
         batched_w = _attempt(
             f"{name}: vmap(update, weight)", vmap(obs.update), stacked_states, stacked_next, torch.stack(masks)
         )
