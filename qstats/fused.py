@@ -41,9 +41,10 @@ FUSED_LAYER_NAMES = (
 
 def fused_groups(model: torch.nn.Module) -> list:
     """The module paths of each fused group of ``model`` (`FUSED_LAYER_NAMES`): for every module
-    that has attributes of all the names of a group, the paths of those that are modules, in the
-    group's order. As llm-compressor's ``fuse_weight_observers``, a member set to None is skipped
-    (Gemma 4's ``v_proj`` under ``attention_k_eq_v``) and the others stay fused."""
+    that has attributes of all the names of a group, the paths of its members, in the group's order.
+    As llm-compressor's ``fuse_weight_observers``, a member set to None is skipped (Gemma 4's
+    ``v_proj`` under ``attention_k_eq_v``) and the others stay fused, if two or more; a member that is
+    neither None nor a module leaves the whole group out."""
     groups = []
     for path, module in model.named_modules():
         for names in FUSED_LAYER_NAMES:

@@ -17,8 +17,8 @@ as the original GPTQ; other specs take the min/max of the weight itself.
 
 A weight whose Hessian saw no row falls back to round-to-nearest (`UncalibratedWarning`), as does
 one whose dampened Hessian is not positive definite (a UserWarning; llm-compressor records those
-modules). A NaN or Inf in the Hessian sum or the weight, or a NaN, Inf, zero or negative scale in
-``qparams``, is a ValueError. Input columns that never saw a non-zero value (zero diagonal)
+modules). A NaN or Inf in the Hessian sum or the weight, or in ``qparams`` a NaN, Inf, zero or
+negative scale or a NaN or Inf zero point, is a ValueError. Input columns that never saw a non-zero value (zero diagonal)
 quantize to zero, as llm-compressor. Activation ordering ``"group"`` (groups in activation order, written with
 a ``g_idx``) was removed from compressed-tensors 0.19 and llm-compressor 0.14; it is refused.
 """

@@ -146,6 +146,10 @@ def test_fixed_scales_at_the_float32_extremes_are_refused():
         qp = qstats.compute_qparams(obs.init(x), spec)
         assert torch.isfinite(qstats.fake_quantize(x, qp, spec)).all()
         assert torch.isfinite(qstats.dequantize(torch.tensor([0, 255], dtype=torch.uint8), qp, spec)).all()
+    # the bound is the farthest code from the zero point: half the code range for symmetric specs
+    for other, scale in ((qstats.QuantSpec(dtype="int8"), 2e36), (qstats.QuantSpec(dtype="fp8_e4m3fn"), 5e35)):
+        qp = qstats.compute_qparams(qstats.fixed_qparams(other, scale).init(x), other)
+        assert torch.isfinite(qstats.fake_quantize(x, qp, other)).all()
     float_zero = qstats.QuantSpec(dtype="uint8", mapping="asymmetric", zero_point_domain="float")
     for zero_point in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="zero_point must be finite"):

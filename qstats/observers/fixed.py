@@ -85,6 +85,21 @@ def _check_held(scale, scale_t: torch.Tensor, spec: QuantSpec) -> None:
                          f"{held.tolist()}); pass that, or a spec with scale_dtype='float32'")
 
 
+def _check_finite_steps(scale, scale_t: torch.Tensor, zero_t: torch.Tensor, spec: QuantSpec) -> None:
+    """As QuantSpec.eps: ``1 / scale`` finite (0 * Inf made fake_quantize NaN at zero), and the
+    farthest code from the zero point times the scale finite (it dequantized to +-Inf)."""
+    qmin, qmax = spec.qrange
+    if spec.zero_point_domain == "int":
+        farthest = torch.maximum(qmax - zero_t, zero_t - qmin).to(torch.float32)
+    else:
+        farthest = torch.tensor(float(max(abs(qmin), abs(qmax))))
+    if not bool(torch.isfinite(1.0 / scale_t).all()) or not bool(torch.isfinite(scale_t * farthest).all()):
+        raise ValueError(
+            f"fixed_qparams: scale {scale!r} is out of range: 1 / scale and scale times the farthest code from the "
+            f"zero point ({float(farthest.max()):g}) must be finite in float32"
+        )
+
+
 def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     """Constant quantization parameters (torch.ao ``FixedQParamsObserver``).
 
@@ -102,14 +117,7 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     zero_t = torch.as_tensor(zero_point)
     if not bool(torch.isfinite(scale_t).all()) or not bool((scale_t > 0).all()):
         raise ValueError(f"fixed_qparams: scale must be positive and finite, got {scale!r}")
-    # as QuantSpec.eps: 1 / scale finite (0 * Inf made fake_quantize NaN at zero), and the code
-    # range times the scale finite (its extreme codes dequantized to +-Inf)
     qmin, qmax = spec.qrange
-    if not bool(torch.isfinite(1.0 / scale_t).all()) or not bool(torch.isfinite(scale_t * float(qmax - qmin)).all()):
-        raise ValueError(
-            f"fixed_qparams: scale {scale!r} is out of range: 1 / scale and scale * {qmax - qmin} (the code range) "
-            "must be finite in float32"
-        )
     _check_held(scale, scale_t, spec)
     if spec.zero_point_domain == "float":
         zero_t = zero_t.to(torch.float32)
@@ -121,6 +129,7 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
         zero_t = zero_t.to(torch.int64)
         if not bool(((zero_t >= qmin) & (zero_t <= qmax)).all()):
             raise ValueError(f"fixed_qparams: zero_point {zero_point!r} is outside the range [{qmin}, {qmax}]")
+    _check_finite_steps(scale, scale_t, zero_t, spec)
 
     def init_fn(x: torch.Tensor) -> FixedQParamsState:
         shape = qparam_shape(x.shape, spec.granularity)

@@ -60,8 +60,8 @@ def registered() -> tuple[str, ...]:
 
 
 def name_of(factory: Callable):
-    """The name ``factory`` is registered under (the first registered: qstats' own name before a
-    user's alias, whatever their order), or None."""
+    """The name ``factory`` is registered under, or None: of several, the one registered first
+    (qstats' own name before a user's alias; a name replaced with ``replace=True`` keeps its place)."""
     return next((name for name, registered_factory in _FACTORIES.items() if registered_factory is factory), None)
 
 
