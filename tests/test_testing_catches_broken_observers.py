@@ -312,3 +312,82 @@ def test_vmap_weights_follow_the_device_of_the_batches():
     ``vmap(update, weight)`` on mixing devices."""
     testing.check_vmap(qstats.minmax(qstats.QuantSpec()), [x.cuda() for x in XS])
     testing.check_vmap(_mav_observer(SPEC), [x.cuda() for x in XS])
+
+
+EXPERTS = 3
+
+
+def _make_stack(generator):
+    return torch.randn(EXPERTS, 6, 8, generator=generator)
+
+
+STACKED = {
+    "minmax_per_channel": (lambda: qstats.minmax(SPEC), True),
+    "minmax_per_tensor": (lambda: qstats.minmax(qstats.QuantSpec()), True),
+    "histogram": (lambda: qstats.histogram(qstats.QuantSpec()), True),
+    "memoryless_minmax": (lambda: qstats.memoryless_minmax(SPEC), False),
+    "mav_per_group": (lambda: _mav_observer(qstats.QuantSpec(granularity=qstats.PerGroup(4))), True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STACKED))
+def test_a_stacked_observer_passes_every_law_with_batch_dims(case):
+    """``x[:0]`` emptied the expert dimension, row masks covered the experts and vmap(fake_quantize) used
+    the per-expert spec on stacked qparams: correct stacked observers failed stability and vmap."""
+    make, accumulates = STACKED[case]
+    obs = qstats.stacked_observer(make(), EXPERTS)
+    testing.check_all(obs, _make_stack, accumulates=accumulates, batch_dims=1, max_examples=2)
+
+
+def test_a_stacked_hessian_passes_every_law_but_nested_vmap():
+    obs = qstats.stacked_observer(qstats.hessian(), EXPERTS)
+    laws = tuple(law for law in testing.LAWS if law != "vmap")
+    testing.check_all(obs, _make_stack, laws=laws, batch_dims=1, max_examples=2)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="qstats/_gram.py's vmap rule of add_masked_gram indexes with a boolean mask, which an "
+                   "outer vmap (over a stacked hessian: layers x experts) cannot batch")
+def test_a_stacked_hessian_vmaps_over_layers():
+    obs = qstats.stacked_observer(qstats.hessian(), EXPERTS)
+    testing.check_vmap(obs, [_make_stack(torch.Generator().manual_seed(i)) for i in range(3)], batch_dims=1)
+
+
+def _drops_expert_0(state, new):
+    return new._replace(min_val=torch.cat([state.min_val[:1], new.min_val[1:]]),
+                        max_val=torch.cat([state.max_val[:1], new.max_val[1:]]))
+
+
+def _shares_expert_0(state, new):
+    return new._replace(max_val=torch.cat([new.max_val.amax(0, keepdim=True), new.max_val[1:]]))
+
+
+@pytest.mark.parametrize("breaks", [_drops_expert_0, _shares_expert_0], ids=["drops", "shares"])
+def test_vmap_catches_a_stacked_update_that_treats_expert_0_apart(breaks):
+    """Dropping expert 0's data (or giving it every expert's maximum) is a homomorphism of the stack:
+    only comparing expert slices with each other shows it."""
+    obs = qstats.stacked_observer(qstats.minmax(SPEC), EXPERTS)
+    broken = obs._replace(update=lambda s, x, weight=None: breaks(s, obs.update(s, x, weight)), name="broken")
+    xs = [_make_stack(torch.Generator().manual_seed(i)) for i in range(3)]
+    for law in (testing.check_identity, testing.check_associative, testing.check_commutative):
+        law(broken, xs)
+    testing.check_homomorphism(broken, xs, batch_dims=1)
+    with pytest.raises(AssertionError, match="broken: vmap over the batch dims"):
+        testing.check_vmap(broken, xs, batch_dims=1)
+
+
+def test_associativity_catches_a_stacked_merge_that_is_not_associative():
+    inner = qstats.minmax(SPEC)
+
+    def merge(a, b):  # averages the maxima: commutative, not associative
+        new = inner.merge(a, b)
+        return new._replace(max_val=(a.max_val + b.max_val) / 2)
+
+    broken = qstats.stacked_observer(inner._replace(merge=merge, name="averaging"), EXPERTS)
+    with pytest.raises(AssertionError, match=r"stacked\(averaging\): associativity"):
+        testing.check_all(broken, _make_stack, laws=("associative",), batch_dims=1, max_examples=3)
+
+
+def test_check_all_refuses_a_negative_batch_dims():
+    with pytest.raises(ValueError, match="batch_dims"):
+        testing.check_all(qstats.minmax(SPEC), _make_x, batch_dims=-1)

@@ -23,6 +23,7 @@ def check_all(
     compile: bool = False,
     accumulates: bool = True,
     approx_fields=None,
+    batch_dims: int = 0,
 ) -> None:
     """Runs the laws on ``obs`` with hypothesis-drawn batches of ``make_x``.
 
@@ -35,6 +36,9 @@ def check_all(
       compile: also run `check_compile` once (slow: compiles ``update``).
       accumulates: False for observers that keep only the latest batch (see `check_homomorphism`).
       approx_fields: float-sum fields compared to tolerance (default: the state class's).
+      batch_dims: leading dimensions of the batches, states and weights that index independent slices
+        (1 for a `qstats.stacked_observer`, whose ``make_x`` returns ``[E, ...]`` stacks): empty batches,
+        row masks and concatenations act on the rows of each slice (dimension ``batch_dims``).
 
     Raises:
       AssertionError: from the first law that fails, with hypothesis's minimal example.
@@ -50,6 +54,8 @@ def check_all(
     if unknown:
         raise ValueError(f"check_all: unknown laws {unknown}; known: {LAWS}")
     exact = obs.exact if exact is None else exact
+    if not isinstance(batch_dims, int) or isinstance(batch_dims, bool) or batch_dims < 0:
+        raise ValueError(f"check_all: batch_dims must be a non-negative int, got {batch_dims!r}")
 
     @settings(
         max_examples=max_examples,
@@ -63,9 +69,9 @@ def check_all(
         # purity and stability first: a state written in place or holding a non-tensor breaks the
         # other laws too, whose messages would point at merge instead
         if "purity" in laws:
-            _laws.check_purity(obs, xs)
+            _laws.check_purity(obs, xs, batch_dims=batch_dims)
         if "stability" in laws:
-            _laws.check_stability(obs, xs)
+            _laws.check_stability(obs, xs, batch_dims=batch_dims)
         if "identity" in laws:
             _laws.check_identity(obs, xs)
         if "associative" in laws:
@@ -75,9 +81,10 @@ def check_all(
         if "homomorphism" in laws and exact:
             # at least one cut: with none, the merge of one group's fold is the fold itself
             cuts = data.draw(strategies.splits(len(xs), min_cuts=1), label="split")
-            _laws.check_homomorphism(obs, xs, [cuts], accumulates=accumulates, approx_fields=approx_fields)
+            _laws.check_homomorphism(obs, xs, [cuts], accumulates=accumulates, approx_fields=approx_fields,
+                                     batch_dims=batch_dims)
         if "vmap" in laws:
-            _laws.check_vmap(obs, xs, approx_fields=approx_fields)
+            _laws.check_vmap(obs, xs, approx_fields=approx_fields, batch_dims=batch_dims)
 
     run()
     if compile:

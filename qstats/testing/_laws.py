@@ -5,11 +5,18 @@ class's ``approx_fields``) compare to `DEFAULT_RTOL` of the largest magnitude am
 states and the states they were built from (a sum that cancels is only as precise as its terms);
 NaN and infinite entries must match exactly. ``exact=False`` observers compare every float field
 to that tolerance in the associativity check.
+
+``batch_dims``: the number of leading dimensions of every batch, state field and weight that index
+independent slices (the experts of a `qstats.stacked_observer`, ``batch_dims=1``). Empty batches, row
+masks, concatenations and kept rows act on the rows inside each slice (dimension ``batch_dims``),
+``compute_qparams`` and ``fake_quantize`` are vmapped over those dimensions, and `check_vmap` also
+checks that each slice is observed independently of the others.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Iterable, Optional, Sequence
 
 import optree
@@ -235,14 +242,14 @@ def check_commutative(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) ->
         )
 
 
-def _concat_dim(obs, a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
-    """The first dimension along which ``a`` and ``b`` concatenate without changing the state's
-    structure (dim 0 for per-tensor or ``PerAxis(-1)``, dim 1 for ``PerAxis(0)``, ...) and which
-    ``update`` accepts, or None."""
-    if a.ndim == 0 or a.ndim != b.ndim:
+def _concat_dim(obs, a: torch.Tensor, b: torch.Tensor, batch_dims: int = 0) -> Optional[int]:
+    """The first dimension after the ``batch_dims`` along which ``a`` and ``b`` concatenate without
+    changing the state's structure (the row dimension for per-tensor or ``PerAxis(-1)``, the next one for
+    ``PerAxis(0)``, ...) and which ``update`` accepts, or None."""
+    if a.ndim <= batch_dims or a.ndim != b.ndim:
         return None
     structure = obs.init(a)
-    for dim in range(a.ndim):
+    for dim in range(batch_dims, a.ndim):
         if a.shape[:dim] + a.shape[dim + 1 :] != b.shape[:dim] + b.shape[dim + 1 :]:
             continue
         joined = torch.cat([a, b], dim)
@@ -266,6 +273,7 @@ def check_homomorphism(
     *,
     accumulates: bool = True,
     approx_fields=None,
+    batch_dims: int = 0,
 ) -> None:
     """Law 3, for exact observers: splitting the data never changes the result (bit-exact except
     ``approx_fields``).
@@ -305,14 +313,15 @@ def check_homomorphism(
     a, b = (xs[1], xs[2]) if len(xs) >= 3 else (xs[0], xs[1])
     seen = obs.update(init, xs[0])
     states = (("init", init), ("a state that has seen data", seen))
-    dim = _concat_dim(obs, a, b)
+    dim = _concat_dim(obs, a, b, batch_dims)
     if dim is not None:
-        _check_concatenation(obs, a, b, dim, init, states, approx_fields)
+        _check_concatenation(obs, a, b, dim, init, states, approx_fields, batch_dims)
     # an observer keeping only the latest batch keeps a seen state's parameters that a batch leaves out
-    _check_weight_split(obs, a, init, states if accumulates else states[:1], approx_fields)
+    _check_weight_split(obs, a, init, states if accumulates else states[:1], approx_fields, batch_dims)
 
 
-def _check_concatenation(obs, a: torch.Tensor, b: torch.Tensor, dim: int, init, states, approx_fields) -> None:
+def _check_concatenation(obs, a: torch.Tensor, b: torch.Tensor, dim: int, init, states, approx_fields,
+                         batch_dims: int = 0) -> None:
     name = _name(obs)
     joined = torch.cat([a, b], dim)
     for label, state in states:
@@ -325,10 +334,11 @@ def _check_concatenation(obs, a: torch.Tensor, b: torch.Tensor, dim: int, init, 
             message=f"{name}: homomorphism update(s, cat(a, b)) == merge(update(s, a), update(init, b)) "
             f"along dim {dim} with s = {label}",
         )
-    mask = _row_mask(a) if dim == 0 else None  # at least one row kept and one left out
+    # at least one row kept and one left out; the same rows of every slice, so that they form a tensor
+    mask = _row_mask(a, batch_dims, per_slice=False) if dim == batch_dims else None
     if mask is None:
         return
-    kept = a[mask != 0]
+    kept = a.index_select(batch_dims, torch.arange(0, a.shape[batch_dims], 2, device=a.device))
     for label, state in states:
         assert_states_equal(
             obs.update(state, a, mask),
@@ -340,12 +350,12 @@ def _check_concatenation(obs, a: torch.Tensor, b: torch.Tensor, dim: int, init, 
         )
 
 
-def _check_weight_split(obs, x: torch.Tensor, init, states, approx_fields) -> None:
+def _check_weight_split(obs, x: torch.Tensor, init, states, approx_fields, batch_dims: int = 0) -> None:
     """The weight forms that need no concatenation, so hold at every granularity (per channel, group
     or block too, where batches do not concatenate along the rows): a zero row weight observes
     nothing, ``update(init, x, 0) == init``; complementary 0/1 row weights split the rows,
     ``merge(update(s, x, w), update(init, x, 1 - w)) == update(s, x)``."""
-    mask = _row_mask(x)
+    mask = _row_mask(x, batch_dims)
     if mask is None:
         return
     name = _name(obs)
@@ -376,15 +386,34 @@ def _spec_of(obs) -> Optional[QuantSpec]:
     return spec if isinstance(spec, QuantSpec) else None
 
 
-def _row_mask(x: torch.Tensor) -> Optional[torch.Tensor]:
-    """A 0/1 float32 weight over the rows (dim 0) of ``x`` keeping rows 0, 2, 4, ...; None when
-    ``x`` has fewer than two rows."""
-    if x.ndim == 0 or x.shape[0] < 2:
+def _row_mask(x: torch.Tensor, batch_dims: int = 0, offset: int = 0, per_slice: bool = True) -> Optional[torch.Tensor]:
+    """A 0/1 float32 weight ``x.shape[:batch_dims + 1]`` over the rows (dim ``batch_dims``) of ``x``
+    keeping rows ``offset``, ``offset + 2``, ... of the first slice; with ``per_slice`` the next slice
+    starts one row later, so that slices get different masks. None when ``x`` has fewer than two rows."""
+    if x.ndim <= batch_dims or x.shape[batch_dims] < 2:
         return None
-    return (torch.arange(x.shape[0], device=x.device) % 2 == 0).to(torch.float32)
+    batch, rows = tuple(x.shape[:batch_dims]), x.shape[batch_dims]
+    start = torch.arange(math.prod(batch), device=x.device).reshape(*batch, 1) if per_slice else 0
+    keep = (torch.arange(rows, device=x.device) + start + offset) % 2 == 0
+    return keep.to(torch.float32).expand(*batch, rows).contiguous()
 
 
-def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tensor] = None) -> None:
+def _empty_batch(x: torch.Tensor, batch_dims: int = 0) -> torch.Tensor:
+    """``x`` with no rows: dimension ``batch_dims`` cut to 0 (a flat one appended when ``x`` has none)."""
+    if x.ndim <= batch_dims:
+        x = x.reshape(*x.shape, -1)
+    return x.narrow(batch_dims, 0, 0)
+
+
+def _per_slice(fn, batch_dims: int):
+    """``fn`` vmapped over the ``batch_dims`` leading dimensions of its arguments."""
+    for _ in range(batch_dims):
+        fn = torch.func.vmap(fn)
+    return fn
+
+
+def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tensor] = None,
+                 batch_dims: int = 0) -> None:
     """Law 4: ``init``, ``update`` (with and without ``weight``), ``merge`` and ``compute_qparams`` never
     modify their inputs and are deterministic; ``merge`` gets two distinct states in both orders.
     ``weight`` defaults to a 0/1 row mask over ``xs[1]``.
@@ -405,7 +434,7 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
     same(init, init_copy, "update modified the state")
     state_copy = _clone(state)
     if weight is None:
-        weight = _row_mask(x1)
+        weight = _row_mask(x1, batch_dims)
     weights = [()] if weight is None else [(), (weight,)]
     for extra in weights:
         weight_copy = [w.clone() for w in extra]
@@ -431,9 +460,10 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
     same(init, init_copy, "update or merge modified the init state")
     if spec is not None:
         merged_copy = _clone(merged)
-        qparams = compute_qparams(merged, spec)
+        qparams_of = _per_slice(lambda s: compute_qparams(s, spec), batch_dims)
+        qparams = qparams_of(merged)
         same(merged, merged_copy, "compute_qparams modified the state")
-        same(qparams, compute_qparams(merged, spec), "compute_qparams gave different results twice")
+        same(qparams, qparams_of(merged), "compute_qparams gave different results twice")
 
 
 def _state_fields(state, path: str) -> list:
@@ -464,7 +494,7 @@ def _check_state_leaves(state, name: str) -> None:
             raise AssertionError(f"{name}: stability: {path} has dtype {leaf.dtype}; counts are int64")
 
 
-def check_stability(obs, xs: Sequence[torch.Tensor]) -> None:
+def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> None:
     """Law 5: ``update`` and ``merge`` return exactly the structure, NamedTuple type, shapes and
     dtypes that ``init`` returned, for float32 and for bfloat16/float16/float64 inputs; the state type is
     registered, its leaves are tensors, floats are float32 or wider, integers int64."""
@@ -488,7 +518,7 @@ def check_stability(obs, xs: Sequence[torch.Tensor]) -> None:
         same(state, "update")
         same(call("merge(s, init)", obs.merge, state, init), "merge(s, init)")
         same(call("merge(init, s)", obs.merge, init, state), "merge(init, s)")
-    empty = xs[0][:0] if xs[0].ndim else xs[0].reshape(-1)[:0]
+    empty = _empty_batch(xs[0], batch_dims)
     what = f"update with an empty tensor of shape {tuple(empty.shape)}"
     same(call(what, obs.update, state, empty), what)
     if xs[0].dtype == torch.float32:
@@ -508,10 +538,58 @@ def _attempt(what: str, fn, *args):
         raise AssertionError(f"{what} failed: {type(error).__name__}: {error}") from error
 
 
-def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_fields=None) -> None:
+def _map_slices(tree, fn):
+    return optree.tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _check_slices(obs, xs: Sequence[torch.Tensor], states, weights: bool, approx_fields, batch_dims: int) -> None:
+    """Each of the ``batch_dims`` leading slices (experts) is observed on its own and alike:
+    rolling the slices of the inputs rolls those of ``update`` and ``merge`` (a slice whose data is
+    dropped or observed differently shows), and the first slice's state does not depend on the other
+    slices' data."""
+    name = _name(obs)
+    x, other, state, seen = xs[0], xs[1], states[0], states[1]
+    mask = _row_mask(x, batch_dims) if weights else None
+    extra = () if mask is None else (mask,)
+    updated, merged = obs.update(state, x, *extra), obs.merge(state, seen)
+    for dim in range(batch_dims):
+        if x.shape[dim] < 2:
+            continue
+
+        def roll(tree, dim=dim):
+            return _map_slices(tree, lambda t: t.roll(1, dim))
+
+        with_weight = " (with a weight)" if extra else ""
+        assert_states_equal(
+            obs.update(roll(state), roll(x), *roll(extra)), roll(updated), approx_fields=approx_fields,
+            magnitudes=(state, updated),
+            message=f"{name}: vmap over the batch dims: update{with_weight} of slices rolled along dim {dim} "
+            "vs the rolled update (slices must be observed alike)",
+        )
+        assert_states_equal(
+            obs.merge(roll(state), roll(seen)), roll(merged), approx_fields=approx_fields,
+            magnitudes=(state, seen),
+            message=f"{name}: vmap over the batch dims: merge of slices rolled along dim {dim} vs the rolled merge",
+        )
+    first = (0,) * batch_dims
+    is_first = torch.zeros(x.shape[:batch_dims], dtype=torch.bool, device=x.device)
+    is_first[first] = True
+    mixed = torch.where(is_first.reshape(*is_first.shape, *(1,) * (x.ndim - batch_dims)), x, other)
+    assert_states_equal(
+        _map_slices(obs.update(state, mixed, *extra), lambda t: t[first]),
+        _map_slices(updated, lambda t: t[first]),
+        approx_fields=approx_fields,
+        message=f"{name}: vmap over the batch dims: the state of slice {first} depends on the data of other slices",
+    )
+
+
+def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_fields=None,
+               batch_dims: int = 0) -> None:
     """Law 6: ``torch.func.vmap`` of ``update`` (with and without ``weight``), ``merge``, ``compute_qparams``
     and ``fake_quantize`` over stacked states equals the per-slice loop (bit for bit except
-    ``approx_fields`` in ``update`` and ``merge``).
+    ``approx_fields`` in ``update`` and ``merge``). With ``batch_dims``, ``compute_qparams`` and
+    ``fake_quantize`` are also vmapped over those dimensions, and each of their slices must be observed
+    alike and independently of the others (see the module docstring).
     """
     xs = _need(xs, 2, "check_vmap")
     name = _name(obs)
@@ -519,6 +597,8 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
     vmap = torch.func.vmap
     init = obs.init(xs[0])
     states = [obs.update(init, x) for x in xs]
+    if batch_dims:
+        _check_slices(obs, xs, states, weights, approx_fields, batch_dims)
     nexts = xs[1:] + xs[:1]
     stacked_states = qtree.stack(states)
     stacked_next = torch.stack(nexts)
@@ -528,9 +608,8 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
     assert_states_equal(batched, looped, approx_fields=approx_fields, message=f"{name}: vmap(update) vs loop",
                         magnitudes=(stacked_states,))
 
-    if weights and xs[0].ndim >= 1 and xs[0].shape[0] >= 2:
-        rows = xs[0].shape[0]
-        masks = [((torch.arange(rows, device=xs[0].device) + i) % 2 == 0).to(torch.float32) for i in range(len(xs))]
+    masks = [_row_mask(xs[0], batch_dims, offset=i) for i in range(len(xs))] if weights else [None]
+    if masks[0] is not None:
         batched_w = _attempt(
             f"{name}: vmap(update, weight)", vmap(obs.update), stacked_states, stacked_next, torch.stack(masks)
         )
@@ -548,14 +627,15 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
     if spec is None:
         return
     slices = qtree.unstack(merged)
-    batched_qp = _attempt(f"{name}: vmap(compute_qparams)", vmap(lambda s: compute_qparams(s, spec)), merged)
-    looped_qp = qtree.stack([compute_qparams(s, spec) for s in slices])
+    # a stacked observer's spec is each slice's: compute_qparams and fake_quantize map over the batch dims
+    qparams_of = _per_slice(lambda s: compute_qparams(s, spec), batch_dims)
+    quantize = _per_slice(lambda x, qp: fake_quantize(x, qp, spec), batch_dims)
+    batched_qp = _attempt(f"{name}: vmap(compute_qparams)", vmap(qparams_of), merged)
+    looped_qp = qtree.stack([qparams_of(s) for s in slices])
     assert_states_equal(batched_qp, looped_qp, approx_fields=(), message=f"{name}: vmap(compute_qparams) vs loop")
     stacked_x = torch.stack(xs)
-    batched_fq = _attempt(
-        f"{name}: vmap(fake_quantize)", vmap(lambda x, qp: fake_quantize(x, qp, spec)), stacked_x, batched_qp
-    )
-    looped_fq = torch.stack([fake_quantize(x, qp, spec) for x, qp in zip(xs, qtree.unstack(batched_qp))])
+    batched_fq = _attempt(f"{name}: vmap(fake_quantize)", vmap(quantize), stacked_x, batched_qp)
+    looped_fq = torch.stack([quantize(x, qp) for x, qp in zip(xs, qtree.unstack(batched_qp))])
     assert_states_equal(batched_fq, looped_fq, approx_fields=(), message=f"{name}: vmap(fake_quantize) vs loop")
 
 
