@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ._formats import COMPUTE_DTYPE_NAMES
 from ._granularity import PerAxis, PerTensor
 from .conventions.torchao import _block_size_granularity
 
@@ -39,10 +40,9 @@ def _dtype_name(dtype) -> str:
 
 
 def _compute_dtype_name(input_dtype) -> str:
-    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-    if input_dtype not in names:
+    if input_dtype not in COMPUTE_DTYPE_NAMES:
         raise ValueError(f"from_coreai_opt: input_dtype must be torch.float32, bfloat16 or float16, got {input_dtype!r}")
-    return names[input_dtype]
+    return COMPUTE_DTYPE_NAMES[input_dtype]
 
 
 def block_size(granularity, shape, target: str = "weight") -> tuple:
