@@ -265,13 +265,21 @@ def _run(name, fn, counter, results):
     }
 
 
-def main(rank: int, world: int, port: int, out_dir: str) -> None:
+def _join_gloo(rank: int, world: int, port: int, seconds: int):
+    """Joins a gloo group of ``world`` ranks over loopback, one thread; returns torch.distributed."""
     import torch.distributed as dist
 
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # this process only: ranks talk over loopback
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=seconds)
     )
+    return dist
+
+
+def main(rank: int, world: int, port: int, out_dir: str) -> None:
+    dist = _join_gloo(rank, world, port, 60)
     counter = _install_counter(dist)
     reduce = qstats.distributed.all_reduce
     results = {}
@@ -335,8 +343,6 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point of a forked or spawned rank: writes ``rank{R}.err`` with the traceback on failure."""
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # this process only: ranks talk over loopback
     try:
         main(rank, world, port, out_dir)
     except BaseException:
@@ -360,16 +366,9 @@ def three_rank_batches(rank: int):
 def run_three_ranks(rank: int, port: int, out_dir: str) -> None:
     """World 3 with a rank that saw no data, and a subgroup of ranks 0 and 1 that rank 2 is not in:
     saves ``{scenario: leaves}`` to ``OUT_DIR/three{RANK}.pt``."""
-    import torch.distributed as dist
-
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     results = {}
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3, timeout=timedelta(seconds=60)
-        )
+        dist = _join_gloo(rank, 3, port, 60)
         pair = dist.new_group([0, 1])
         for name in ("minmax/axis", "moving_average", "histogram/axis"):
             factory = expert_factories().get(name)
@@ -422,16 +421,9 @@ def bad_input_scenarios(rank: int):
 def run_bad_inputs(rank: int, port: int, out_dir: str) -> None:
     """World 2, one rank passing bad input per scenario: saves ``{scenario: error or leaves}`` to
     ``OUT_DIR/bad{RANK}.pt``. A short process-group timeout turns a hang into an error."""
-    import torch.distributed as dist
-
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     results = {}
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=20)
-        )
+        dist = _join_gloo(rank, 2, port, 20)
         for name, (tree, observers) in bad_input_scenarios(rank).items():
             try:
                 results[name] = {"leaves": [t.clone() for t in leaves(qstats.distributed.all_reduce(tree, observers))]}

@@ -348,20 +348,27 @@ def test_declared_ops_agree_with_merge():
         assert_bit_equal(list(got), list(want), name)
 
 
+def _run_ranks(target, world: int, out, prefix: str, timeout: float):
+    """Forks (or spawns) ``world`` ranks of ``target(rank, port, out)``; returns their exit codes
+    and the results each saved to ``out/{prefix}{rank}.pt`` (``{"crash": ...}`` where none)."""
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    port = free_port()
+    procs = [context.Process(target=target, args=(rank, port, str(out))) for rank in range(world)]
+    for p in procs:
+        p.start()
+    codes = [_wait(p, timeout) for p in procs]
+    files = [out / f"{prefix}{rank}.pt" for rank in range(world)]
+    return codes, [torch.load(f, weights_only=False) if f.exists() else {"crash": "no results"} for f in files]
+
+
 def test_three_ranks_one_without_data_and_a_subgroup(tmp_path):
     # World 3, rank 2 calibrates nothing at all: exact observers equal one process over all the
     # data, the moving average the rank-order merge. All three ranks also call all_reduce with
     # the subgroup {0, 1}: its members get the merge of their two states; rank 2, not a member,
     # used to raise "Invalid process group specified" (check=True) or IndexError (check=False),
     # where torch's own collectives do nothing; it now gets its tree back.
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    port = free_port()
-    procs = [context.Process(target=worker.run_three_ranks, args=(rank, port, str(tmp_path))) for rank in range(3)]
-    for p in procs:
-        p.start()
-    codes = [_wait(p, 180) for p in procs]
-    results = [torch.load(tmp_path / f"three{r}.pt", weights_only=False) for r in range(3)]
-    errors = [r["error"] for r in results if "error" in r]
+    codes, results = _run_ranks(worker.run_three_ranks, 3, tmp_path, "three", 180)
+    errors = [r.get("error", r.get("crash")) for r in results if "error" in r or "crash" in r]
     assert not errors and codes == [0, 0, 0], (codes, errors)
     factories = worker.expert_factories()
     for name in ("minmax/axis", "moving_average", "histogram/axis"):
@@ -389,14 +396,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank(tmp_path):
     the collectives; folded states on two devices raised on their rank after the check, leaving the
     other in all_gather until the timeout; a folded state with another rank's observer raised on
     that rank only; a sparse field raised on its rank after the check."""
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    port = free_port()
-    procs = [context.Process(target=worker.run_bad_inputs, args=(rank, port, str(tmp_path))) for rank in range(2)]
-    for p in procs:
-        p.start()
-    codes = [_wait(p, 150) for p in procs]
-    files = [tmp_path / f"bad{r}.pt" for r in range(2)]
-    results = [torch.load(f, weights_only=False) if f.exists() else {"crash": "no results"} for f in files]
+    codes, results = _run_ranks(worker.run_bad_inputs, 2, tmp_path, "bad", 150)
     assert codes == [0, 0] and not any("crash" in r for r in results), (codes, results)
 
     def error(rank, name):
