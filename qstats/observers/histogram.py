@@ -239,9 +239,9 @@ def histogram(
         _check_counts(state, bins, octaves)
         if x.numel() == 0:
             return state
-        # bucketed as float32: a float64 value past float32's range is an Inf there, for the
-        # extremes and the NaN/Inf count as for the buckets (it was counted nowhere, max_val +inf)
-        view = checked_view(x, spec.granularity, state.min_val.shape, "histogram.update").to(torch.float32)
+        # bucketed and reduced as float32 (`bucket_counts`, `finite_aminmax`): a float64 value past
+        # its range is a non-finite value for both
+        view = checked_view(x, spec.granularity, state.min_val.shape, "histogram.update")
         mask = weight_view(x, weight, spec.granularity)
         if mask is not None:
             mask = (mask != 0).expand(view.shape)
