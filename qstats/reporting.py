@@ -1,8 +1,9 @@
 """Per-layer calibration reports: range, scale, clipped fraction, SQNR estimate, coverage.
 
 `report(states, qparams, model, recipe, batches)` builds one row per (module, site); clipped
-fraction and SQNR are measured when a model and recipe (and batches, for activations) are given,
-else None. Text, CSV and JSON output, standard library only. See docs/calibrate_api.md.
+fraction and SQNR are measured over the finite values when a model and recipe (and batches, for
+activations) are given, else None; ``nonfinite`` counts the NaN/Inf values left out. Text, CSV and
+JSON (strict: non-finite numbers as strings) output, standard library only. See docs/calibrate_api.md.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ COLUMNS = (
     "clipped_fraction",
     "sqnr_db",
     "coverage",
+    "nonfinite",
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerReport:
-    """One row of a report. Measured fields are None when they could not be measured."""
+    """One row of a report. Measured fields are None when they could not be measured;
+    ``nonfinite`` counts the NaN/Inf values left out of ``clipped_fraction`` and ``sqnr_db``."""
 
     module: str
     site: str
@@ -53,6 +56,7 @@ class LayerReport:
     clipped_fraction: Optional[float]
     sqnr_db: Optional[float]
     coverage: Optional[float]
+    nonfinite: Optional[int] = None
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in COLUMNS}
@@ -86,12 +90,17 @@ class Report:
         return iter(self.rows)
 
     def __getitem__(self, index):
+        """A row, or for a slice a Report of those rows (which prints as their table)."""
+        if isinstance(index, slice):
+            return Report(self.rows[index], worst_listed=0)
         return self.rows[index]
 
     def worst(self, count: int = 5) -> "Report":
         """The ``count`` rows with the lowest SQNR estimate, lowest first (rows without one are
-        left out; a NaN estimate, from non-finite values, counts as the worst), as a Report:
+        left out; a NaN estimate, e.g. from a NaN scale, counts as the worst), as a Report:
         ``print(report.worst())`` prints their table."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"worst: count must be a non-negative int, got {count!r}")
         measured = [row for row in self.rows if row.sqnr_db is not None]
         # NaN compares false with everything: sorted() would leave such rows wherever they stood
         ordered = sorted(measured, key=lambda row: (not math.isnan(row.sqnr_db), row.sqnr_db))
@@ -127,8 +136,11 @@ class Report:
         return text
 
     def to_json(self, path=None) -> str:
-        """JSON text, a list of row objects (written to ``path`` when given); missing values are null."""
-        text = json.dumps([row.as_dict() for row in self.rows], indent=1, allow_nan=True)
+        """Strict JSON text, a list of row objects (written to ``path`` when given); missing values
+        are null, non-finite numbers the strings ``"Infinity"``, ``"-Infinity"`` and ``"NaN"``
+        (``float(value)`` reads every field back)."""
+        rows = [{name: _json_number(value) for name, value in row.as_dict().items()} for row in self.rows]
+        text = json.dumps(rows, indent=1, allow_nan=False)
         if path is not None:
             with open(path, "w", encoding="utf-8") as handle:
                 handle.write(text)
@@ -138,20 +150,30 @@ class Report:
         return self.text()
 
 
+def _json_number(value: Any) -> Any:
+    """``value``, a non-finite float as a string (strict JSON has no NaN or Infinity) that Python's
+    ``float()`` and JavaScript's ``Number()`` read back."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
 class _Error:
-    """Running sums for the SQNR and clipped fraction of one site."""
+    """Running sums for the SQNR, clipped fraction and non-finite count of one site."""
 
     def __init__(self):
         self.signal = 0.0
         self.noise = 0.0
         self.clipped = 0
         self.total = 0
+        self.nonfinite = 0
 
-    def add(self, signal: float, noise: float, clipped: int, total: int) -> None:
+    def add(self, signal: float, noise: float, clipped: int, total: int, nonfinite: int) -> None:
         self.signal += signal
         self.noise += noise
         self.clipped += clipped
         self.total += total
+        self.nonfinite += nonfinite
 
     def sqnr_db(self) -> Optional[float]:
         if self.total == 0:
@@ -166,10 +188,21 @@ class _Error:
         return None if self.total == 0 else self.clipped / self.total
 
 
+def _energy(values: torch.Tensor, keep: torch.Tensor) -> float:
+    """The sum of squares of the kept ``values``; in float64 where float32 overflows (finite values
+    above 1.8e19, which observers take in)."""
+    energy = float(torch.where(keep, values.pow(2), 0.0).sum())
+    if math.isinf(energy):
+        energy = float(torch.where(keep, values.double().pow(2), 0.0).sum())
+    return energy
+
+
 def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = None) -> tuple:
-    """``(signal energy, noise energy, clipped count, element count)`` of fake-quantizing ``x``; a value is
-    clipped when its unclamped code is outside the spec's range. ``mask`` leaves entries (padding) out
-    of the four numbers, though they are still quantized with the rest.
+    """``(signal energy, noise energy, clipped count, finite count, non-finite count)`` of
+    fake-quantizing ``x``; a value is clipped when its unclamped code is outside the spec's range.
+    Non-finite values (NaN, +-Inf) are left out of the first four numbers and counted in the last,
+    as observers leave them out of their statistics; ``mask`` leaves entries (padding) out of all
+    five, though they are still quantized with the rest.
     """
     x = x.detach().float()
     quantized = fake_quantize(x, qparams, spec).float()
@@ -182,16 +215,12 @@ def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = 
     else:
         qmin, qmax = spec.qrange
         outside = (unclamped < qmin) | (unclamped > qmax)
-    if mask is None:
-        signal = float(x.pow(2).sum())
-        noise = float((x - quantized).pow(2).sum())
-        return signal, noise, int(outside.sum()), x.numel()
-    keep = (mask != 0).expand(x.shape)
-    zero = torch.zeros((), dtype=torch.float32)
-    signal = float(torch.where(keep, x.pow(2), zero).sum())
-    noise = float(torch.where(keep, (x - quantized).pow(2), zero).sum())
+    finite = torch.isfinite(x)
+    counted = torch.ones_like(finite) if mask is None else (mask != 0).to(x.device).expand(x.shape)
+    keep, left_out = finite & counted, ~finite & counted
+    signal, noise = _energy(x, keep), _energy(x - quantized, keep)
     clipped = int((outside & canonical_view(keep, spec.granularity)).sum())
-    return signal, noise, clipped, int(keep.sum())
+    return signal, noise, clipped, int(keep.sum()), int(left_out.sum())
 
 
 def _extreme(state, name: str, reduce) -> Optional[float]:
@@ -263,6 +292,7 @@ def _row(path: str, site: str, state, qp, found, error: Optional[_Error]) -> Lay
         clipped_fraction=error.clipped_fraction() if error is not None else None,
         sqnr_db=error.sqnr_db() if error is not None else None,
         coverage=float(qp.calibrated.float().mean()) if qp is not None else None,
+        nonfinite=error.nonfinite if error is not None else None,
     )
 
 

@@ -169,10 +169,10 @@ def test_worst_prints_a_table():
     assert "LayerReport(" not in text and "LayerReport(" not in str(rep)
     lines = text.splitlines()
     assert lines[0].split() == ["module", "site", "observer", "experts", "min", "max", "mean_scale",
-                                "clipped_fraction", "sqnr_db", "coverage"]
+                                "clipped_fraction", "sqnr_db", "coverage", "nonfinite"]
     assert len(lines) == 2 + 2 and "worst" not in text  # header, rule, two rows
     measured = sorted(row.sqnr_db for row in rep.rows if row.sqnr_db is not None)
-    assert [float(line.split()[-2]) for line in lines[2:]] == pytest.approx(measured[:2], rel=1e-3)
+    assert [float(line.split()[8]) for line in lines[2:]] == pytest.approx(measured[:2], rel=1e-3)
     assert len(worst) == 2 and list(worst) == list(worst.rows) and worst[0].sqnr_db == measured[0]
 
 
@@ -213,7 +213,7 @@ def test_text_prints_negative_infinity_as_such():
     possible value instead of the worst."""
     rep = qstats.reporting.Report((_row("a", -math.inf), _row("b", math.inf)))
     table = rep.text(worst=0).splitlines()
-    assert table[2].split()[-2] == "-inf" and table[3].split()[-2] == "inf"
+    assert table[2].split()[8] == "-inf" and table[3].split()[8] == "inf"
     assert float(list(csv.DictReader(io.StringIO(rep.to_csv())))[0]["sqnr_db"]) == -math.inf
 
 
@@ -223,17 +223,6 @@ def test_worst_puts_nan_first_and_keeps_the_rest_in_order():
     rep = qstats.reporting.Report(tuple(_row(str(i), s) for i, s in enumerate([50.0, math.nan, 10.0, 30.0])))
     worst = rep.worst(3)
     assert [row.module for row in worst] == ["1", "2", "3"]
-    # on a real report: a NaN in the held-out batch of layer 0's input
-    model, batches, recipe, states, qparams = _setup()
-    x = batches[0].clone()
-    x[0, 0] = math.nan
-    rep = qstats.report(states, qparams, model, recipe, [x])
-    rows = {(row.module, row.site): row for row in rep.rows}
-    assert math.isnan(rows[("0", "input")].sqnr_db)
-    nans = sum(math.isnan(row.sqnr_db) for row in rep.rows)  # the NaN reaches layer 2's input too
-    finite = sorted(row.sqnr_db for row in rep.rows if not math.isnan(row.sqnr_db))
-    ordered = [row.sqnr_db for row in rep.worst(len(rep))]
-    assert all(math.isnan(value) for value in ordered[:nans]) and ordered[nans:] == finite
 
 
 def test_mean_scale_leaves_out_uncalibrated_experts(moe_example):
@@ -258,3 +247,149 @@ def test_mean_scale_leaves_out_uncalibrated_experts(moe_example):
     qparams = qstats.compute_qparams_tree(states, recipe, model)
     (row,) = qstats.report(states, qparams).rows
     assert row.coverage == 0.0 and row.mean_scale is None
+
+
+def _finite_sqnr(x, quantized):
+    keep = torch.isfinite(x)
+    return _sqnr(x[keep].double(), quantized[keep].double())
+
+
+def test_sqnr_and_clipping_leave_non_finite_values_out():
+    """An Inf and a NaN in a held-out batch made layer 0's input SQNR NaN (and the Infs counted as
+    clipped), an Inf weight made its site's SQNR NaN, while calibration's observers leave such values
+    out and count them: the report measures the finite values and counts the rest in ``nonfinite``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4)).eval()
+    with torch.no_grad():
+        model[2].weight[1, 2] = math.inf
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randn(5, 8, generator=generator) for _ in range(3)]
+    batches[1][2, 3] = math.inf
+    recipe = qstats.Recipe(
+        [qstats.Rule("Linear", sites=("weight",), spec=WEIGHT_SPEC), qstats.Rule("0", sites=("input",), spec=INPUT_SPEC)]
+    )
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    x = torch.randn(7, 8, generator=generator) * 3
+    x[0, 0], x[3, 5], x[4, 1] = math.nan, math.inf, -math.inf
+    rows = {(r.module, r.site): r for r in qstats.report(states, qparams, model, recipe, [x])}
+
+    observer = MinMaxObserver(dtype=torch.quint8)
+    observer(torch.cat([b[torch.isfinite(b)] for b in batches]))
+    scale, zero_point = observer.calculate_qparams()
+    quantized, in_range = torch.ops.aten.fake_quantize_per_tensor_affine_cachemask(
+        x, float(scale), int(zero_point), 0, 255
+    )
+    row = rows[("0", "input")]
+    assert row.nonfinite == 3
+    assert row.sqnr_db == pytest.approx(_finite_sqnr(x, quantized), rel=1e-6)
+    assert 0 < row.clipped_fraction == pytest.approx(float((~in_range[torch.isfinite(x)]).float().mean()))
+
+    weight = model[2].weight.detach()
+    observer = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+    observer(torch.where(torch.isfinite(weight), weight, 0.0))  # torch.ao's range always holds 0
+    scale, zero_point = observer.calculate_qparams()
+    # torch's kernel also returns which codes fell in range
+    quantized, in_range = torch.ops.aten.fake_quantize_per_channel_affine_cachemask(
+        weight, scale, zero_point.int(), 0, -128, 127
+    )
+    row = rows[("2", "weight")]
+    assert row.nonfinite == 1
+    assert 0 < row.clipped_fraction == pytest.approx(float((~in_range[torch.isfinite(weight)]).float().mean()))
+    assert row.sqnr_db == pytest.approx(_finite_sqnr(weight, quantized), rel=1e-6)
+    assert rows[("0", "weight")].nonfinite == 0
+
+    # on the calibration batches, the report counts what calibration's observer left out
+    (row,) = [r for r in qstats.report(states, qparams, model, recipe, batches) if r.site == "input"]
+    assert row.nonfinite == int(states["0"]["input"].nonfinite) == 1 and math.isfinite(row.sqnr_db)
+    # a batch with no finite value: nothing to measure, everything counted
+    (row,) = [r for r in qstats.report(states, qparams, model, recipe, [torch.full((2, 8), math.nan)])
+              if r.site == "input"]
+    assert row.sqnr_db is None and row.clipped_fraction is None and row.nonfinite == 16
+
+
+def test_non_finite_padding_is_not_counted():
+    """Non-finite values under the observation weight's zeros are padding: left out, not counted."""
+    torch.manual_seed(0)
+    model = _Masked(4).eval()
+    recipe = qstats.Recipe([qstats.Rule("proj", sites=("input",), spec=INPUT_SPEC)])
+    x = torch.rand(2, 5, 4) + 1.0
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    x[0, 4, 1], x[1, 2, 0] = math.nan, math.inf  # one in the padding, one kept
+    batches = [{"x": x, "attention_mask": mask}]
+    weight = lambda batch: batch["attention_mask"]  # noqa: E731
+    states = qstats.calibrate(model, batches, recipe, progress=False, observation_weight=weight)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    row = qstats.report(states, qparams, model=model, recipe=recipe, batches=batches, observation_weight=weight).rows[0]
+    kept = x[mask.bool()]
+    qp = qparams["proj"]["input"]
+    quantized = torch.fake_quantize_per_tensor_affine(kept, float(qp.scale), int(qp.zero_point), 0, 255)
+    assert row.nonfinite == int(states["proj"]["input"].nonfinite) == 1
+    assert row.sqnr_db == pytest.approx(_finite_sqnr(kept, quantized), rel=1e-6)
+
+
+def _strict(constant):
+    raise ValueError(f"not strict JSON: {constant}")
+
+
+def test_json_is_strict_and_reads_back():
+    """to_json wrote the bare tokens NaN and Infinity (Python's json extension): strict parsers
+    (JavaScript's JSON.parse, jq) reject them. Non-finite numbers are the strings "Infinity",
+    "-Infinity" and "NaN", which float() (and JavaScript's Number) read back."""
+    model, batches, recipe, states, qparams = _setup()
+    with torch.no_grad():
+        model[2].weight.zero_()  # quantized exactly: noise 0, SQNR +inf
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    real = qstats.report(states, qparams, model, recipe, batches[:1])
+    assert next(r for r in real if (r.module, r.site) == ("2", "weight")).sqnr_db == math.inf
+    synthetic = qstats.reporting.Report((_row("a", -math.inf), _row("b", math.nan), _row("c", None)))
+    for rep in (real, synthetic):
+        text = rep.to_json()
+        loaded = json.loads(text, parse_constant=_strict)
+        assert json.dumps(loaded, allow_nan=False)
+        for item, row in zip(loaded, rep, strict=True):
+            assert list(item) == list(row.as_dict())
+            for name, value in row.as_dict().items():
+                if value is None or isinstance(value, str):
+                    assert item[name] == value
+                elif isinstance(value, float) and math.isnan(value):
+                    assert item[name] == "NaN" and math.isnan(float(item[name]))
+                else:
+                    assert float(item[name]) == value
+    assert [item["sqnr_db"] for item in json.loads(synthetic.to_json())] == ["-Infinity", "NaN", None]
+
+
+def test_worst_rejects_a_bad_count_and_slices_are_reports():
+    """worst(-1) returned every row but the best (a Python slice) and worst(True) one row; a slice
+    of a report was a tuple printing as dataclass reprs."""
+    rep = qstats.reporting.Report(tuple(_row(str(i), float(i)) for i in range(4)))
+    for count in (-1, 2.5, True, "2"):
+        with pytest.raises(ValueError, match="worst: count must be a non-negative int"):
+            rep.worst(count)
+    with pytest.raises(ValueError, match="count must be a non-negative int"):
+        rep.text(worst=-1)
+    assert len(rep.worst(0)) == 0 and [row.module for row in rep.worst(10)] == ["0", "1", "2", "3"]
+    head = rep[1:3]
+    assert isinstance(head, qstats.Report) and list(head) == list(rep.rows[1:3])
+    assert "LayerReport(" not in str(head) and str(head).splitlines()[2].split()[0] == "1"
+
+
+def test_sqnr_of_values_whose_squares_overflow_float32():
+    """A finite activation of 1e20 (observers take it in) overflowed the float32 sum of squares:
+    the signal energy was inf and the SQNR inf, the best possible figure, for a site whose other
+    values all quantize to 0. Such sums are redone in float64."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=INPUT_SPEC)])
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    x[2, 2] = 1e20
+    states = qstats.calibrate(model, [x], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    (row,) = [r for r in qstats.report(states, qparams, model, recipe, [x]) if r.site == "input"]
+    observer = MinMaxObserver(dtype=torch.quint8)
+    observer(x)
+    scale, zero_point = observer.calculate_qparams()
+    quantized = torch.fake_quantize_per_tensor_affine(x, float(scale), int(zero_point), 0, 255)
+    expected = _sqnr(x.double(), quantized.double())
+    assert math.isfinite(expected) and row.sqnr_db == pytest.approx(expected, rel=1e-6)
+    assert row.nonfinite == 0
