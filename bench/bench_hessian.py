@@ -12,7 +12,7 @@ over the tokens routed to it (first table) or over every token (second table: ll
   tokens routed to that expert (selected before timing; hook dispatch not timed).
 
 Both give the same Hessians (checked: llm-compressor's is ``2 * total``). Both multiply each expert's
-routed rows once (``qstats::add_masked_gram``'s vmap rule gathers them and runs one ``mm`` per
+routed rows once (``qstats::add_masked_grams`` gathers them and runs one ``mm`` per
 expert), so on one thread the products cost the same; qstats' update also gathers the routed rows
 (llm-compressor's are selected before timing) and writes a new ``[E, in, in]`` state per batch
 (pure update) where llm-compressor adds in place. torch runs one thread; the

@@ -35,7 +35,7 @@ from ._quant import _cap, _checked_zero_point, _codes_float, _dequantize_view
 from ._formats import store_codes
 from ._spec import QuantSpec
 from .experts import UncalibratedWarning
-from .observers.hessian import HessianState, normalized_hessian
+from .observers.hessian import HessianState, checked_hessian_state, normalized_hessian
 from .observers.minmax import minmax
 from ._warn import warn
 from ._checks import require
@@ -308,6 +308,7 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
     (torch.Size([32, 64]), torch.Size([32, 2]))
     """
     _check_arguments(weight, hessian_state, spec, block_size, dampening, actorder)
+    hessian_state = checked_hessian_state(hessian_state, "gptq")
     _check_qparams(qparams, weight, spec)
     actorder = None if actorder is None else "static"
     count, same = _check_inputs(hessian_state.count, hessian_state.total, weight)

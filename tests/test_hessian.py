@@ -241,3 +241,64 @@ def test_distributed_all_reduce_sums_and_exact_folds(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(result["exact"], sequential))  # rank order, bit for bit
         torch.testing.assert_close(result["summed"][0], sequential.total, rtol=1e-6, atol=0)
         assert torch.equal(result["summed"][1], sequential.count)
+
+
+@pytest.mark.parametrize("routing", ["top-k", "every token", "one padding mask"])
+@pytest.mark.parametrize("rows", ["shared by the experts", "each expert its own"])
+def test_vmap_over_layers_of_stacked_experts_equals_a_loop_over_routed_rows(routing, rows):
+    """``torch.vmap`` over layers of a stacked Hessian (layers x experts): add_masked_gram's vmap rule
+    indexed with a boolean mask, which the outer vmap could not batch (RuntimeError)."""
+    gen = torch.Generator().manual_seed(21)
+    layers, experts, tokens, features = 3, 4, 20, 8
+    if rows == "shared by the experts":
+        x = torch.randn(layers, tokens, features, generator=gen)[:, None].expand(layers, experts, tokens, features)
+    else:
+        x = torch.randn(layers, experts, tokens, features, generator=gen)
+    if routing == "top-k":
+        route = torch.rand(layers, experts, tokens, generator=gen) > 0.6
+        route[1, 2] = False  # an expert of layer 1 that receives no token
+    else:
+        keep = torch.ones(tokens) if routing == "every token" else torch.rand(tokens, generator=gen) > 0.3
+        route = keep.bool().expand(layers, experts, tokens)
+    obs = qstats.stacked_observer(hessian(), experts)
+    start = torch.vmap(obs.init)(x)
+    state = torch.vmap(obs.update)(start, x, route.float())
+    assert state.total.shape == (layers, experts, features, features) and state.count.shape == (layers, experts)
+    for layer in range(layers):
+        for e in range(experts):
+            kept = x[layer, e][route[layer, e]]
+            torch.testing.assert_close(state.total[layer, e].double(), _gram(kept), rtol=1e-5, atol=1e-4)
+            assert int(state.count[layer, e]) == kept.shape[0] and int(state.nonfinite[layer, e]) == 0
+    merged = torch.vmap(obs.merge)(state, state)
+    torch.testing.assert_close(merged.total.double(), 2 * state.total.double(), rtol=0, atol=0)
+
+
+def test_a_hand_built_state_with_a_negative_or_float_count_is_refused():
+    """A negative, fractional or float ``count`` (or ``nonfinite``) was accepted: gptq_hessian divided
+    by it (a negative Hessian, or one scaled by a count that is no number of rows)."""
+    obs, x = hessian(), torch.randn(6, 4)
+    good = obs.update(obs.init(x), x)
+    bad = {
+        "negative": good._replace(count=torch.tensor(-6)),
+        "negative nonfinite": good._replace(nonfinite=torch.tensor(-1)),
+        "fractional": good._replace(count=torch.tensor(2.5)),
+        "float": good._replace(count=torch.tensor(6.0)),
+        "python float": good._replace(count=6.0),
+        "int32": good._replace(count=torch.tensor(6, dtype=torch.int32)),
+    }
+    for name, state in bad.items():
+        for call, where in ((lambda s: obs.update(s, x), "hessian.update"), (lambda s: obs.merge(good, s), "hessian.merge"),
+                            (lambda s: obs.merge(s, good), "hessian.merge"), (gptq_hessian, "gptq_hessian"),
+                            (lambda s: qstats.gptq(torch.randn(3, 4), s, qstats.QuantSpec(dtype="int4")), "gptq")):
+            with pytest.raises(ValueError, match=rf"{where}: HessianState\.(count|nonfinite|count and \.nonfinite)"):
+                call(state)
+    # a stack with one negative expert: under vmap too
+    stacked = qstats.stacked_observer(hessian(), 3)
+    xs = torch.randn(3, 6, 4)
+    state = stacked.update(stacked.init(xs), xs)
+    negative = state._replace(count=torch.tensor([6, -1, 6]))
+    with pytest.raises(ValueError, match="negative"):
+        stacked.update(negative, xs)
+    with pytest.raises(ValueError, match="negative"):
+        gptq_hessian(negative)
+    assert torch.equal(gptq_hessian(state), torch.vmap(gptq_hessian)(state))

@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .._checks import require
 from .._granularity import check_observable
 from .._gram import add_masked_gram
 from .._qparams import register_range_rule
@@ -40,6 +41,22 @@ class HessianState(NamedTuple):
     total: torch.Tensor
     count: torch.Tensor
     nonfinite: torch.Tensor
+
+
+def checked_hessian_state(state, where: str) -> HessianState:
+    """``state`` after the checks of a `HessianState`: its type, int64 tensors ``count`` and
+    ``nonfinite`` (numbers of rows: a float count would divide GPTQ's Hessian by a non-integer), and
+    a ValueError where one of them is negative (eagerly, under vmap and compile; the check is threaded
+    through ``count``)."""
+    check_state(state, HessianState, where)
+    for name in ("count", "nonfinite"):
+        value = getattr(state, name)
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:
+            got = f"dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{where}: HessianState.{name} must be an int64 tensor (a number of rows), got {got}")
+    ok = require((state.count >= 0) & (state.nonfinite >= 0),
+                 f"{where}: HessianState.count and .nonfinite are numbers of rows; the state holds a negative one")
+    return state._replace(count=torch.where(ok, state.count, torch.zeros_like(state.count)))
 
 
 def _row_mask(x: torch.Tensor, weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -94,7 +111,7 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
         return HessianState(torch.zeros(features, features, dtype=dtype, device=x.device), zero, zero.clone())
 
     def update_fn(state: HessianState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> HessianState:
-        check_state(state, HessianState, "hessian.update")
+        state = checked_hessian_state(state, "hessian.update")
         check_observable(x, "hessian.update")
         if x.ndim == 0 or x.shape[-1] != state.total.shape[-1]:
             raise ValueError(
@@ -113,8 +130,7 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
         return HessianState(total, state.count + kept.sum(), state.nonfinite + nonfinite)
 
     def merge_fn(a: HessianState, b: HessianState) -> HessianState:
-        check_state(a, HessianState, "hessian.merge")
-        check_state(b, HessianState, "hessian.merge")
+        a, b = checked_hessian_state(a, "hessian.merge"), checked_hessian_state(b, "hessian.merge")
         check_same_shapes(a, b, "hessian.merge")
         return HessianState(a.total + b.total, a.count + b.count, a.nonfinite + b.nonfinite)
 
@@ -132,7 +148,7 @@ def gptq_hessian(state: HessianState) -> torch.Tensor:
     """``2 / rows * total`` in float32: llm-compressor's normalised Hessian when its sample count
     equals the row count (2-D inputs). Zeros where no row was seen. A stacked state (`qstats.stacked_observer`)
     gives ``[E, in, in]``, each expert divided by its own row count."""
-    check_state(state, HessianState, "gptq_hessian")
+    state = checked_hessian_state(state, "gptq_hessian")
     return normalized_hessian(state.total, state.count)
 
 
