@@ -8,7 +8,7 @@ rewrites a model with ``torch.fx`` so that ``qat.apply(params, state, x, phase=.
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import torch.fx
@@ -40,6 +40,9 @@ _CONV_FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d
 _STOCK_FORWARDS = (nn.Linear.forward, nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward,
                    nn.modules.batchnorm._BatchNorm.forward)
 _EXTRA_INPUTS = ("qat_state", "qat_phase", "qat_ranges")  # keyword arguments the rewritten forward takes
+# functional calls a traced-through forward makes (a subclass's own forward, `super().forward`): the
+# layer type whose ``weight`` they may read, as torch.ao's prepare_qat_fx quantizes functional linear/conv
+_FUNCTIONAL_LAYERS = {F.linear: nn.Linear, F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d}
 
 
 def _select(flag, if_true, if_false):
@@ -234,8 +237,6 @@ def _quantized_call(layer: nn.Module):
         return F.linear, ()
     for cls, fn in _CONV_FUNCTIONS.items():
         if isinstance(layer, cls):
-            if layer.padding_mode != "zeros":
-                raise ValueError(f"qstats.qat.prepare: padding_mode={layer.padding_mode!r} is not supported (only 'zeros')")
             return fn, (layer.stride, layer.padding, layer.dilation, layer.groups)
     raise TypeError(f"qstats.qat.prepare: cannot quantize a {type(layer).__name__}; supported: Linear, Conv1d/2d/3d")
 
@@ -256,6 +257,9 @@ class QATModel:
         self.activation_observer = activation_observer
         self.layers = tuple(layers)
         self.batchnorm_layers = tuple(batchnorm_layers)
+        # names `apply` takes: parameters (tied ones under every name) and buffers
+        self._names = frozenset(name for named in (module.named_parameters(remove_duplicate=False),
+                                                   module.named_buffers(remove_duplicate=False)) for name, _ in named)
 
     def params(self) -> Dict[str, torch.Tensor]:
         """The model's parameters by name (the tensors themselves)."""
@@ -288,6 +292,13 @@ class QATModel:
                 raise ValueError(
                     f"QATModel.apply: state.{kind} has keys {sorted(got)}, the model needs {sorted(expected)}"
                 )
+        if not isinstance(params, Mapping):
+            raise TypeError(
+                f"QATModel.apply: params must be a dict of tensors by parameter name, got {type(params).__name__}")
+        unknown = sorted(set(params) - self._names)
+        if unknown:  # a misspelt or prefixed name was ignored: that tensor never used, never trained
+            raise ValueError(
+                f"QATModel.apply: params names {unknown}, which the model does not have (see qat.params())")
         self._check_ranges(ranges)
         output, states = torch.func.functional_call(self.module, params, inputs, _extra(state, phase, ranges))
         return output, QATState(**states)
@@ -391,6 +402,10 @@ def prepare(
     rewriter = _Rewriter(_trace(model, layers), weight_observer, activation_observer, ste, grad_scale)
     hidden = {}  # layers inside modules that torch.fx keeps whole (torch.nn's Transformer layers)
     for node in list(rewriter.graph.nodes):
+        if node.op == "call_function" and node.target in _FUNCTIONAL_LAYERS:
+            owner = _functional_owner(model, node, layers)
+            if owner is not None:  # a traced-through forward passing a layer's own weight to F.linear/conv
+                rewriter.quantize_functional(node, owner)
         if node.op != "call_module":
             continue
         layer = rewriter.gm.get_submodule(node.target)
@@ -404,9 +419,53 @@ def prepare(
     if hidden:
         warn(f"qstats.qat.prepare: {sorted(hidden)} run inside {sorted(set(hidden.values()))}, which torch.fx "
              "does not trace into: they stay in float")
+    _warn_own_forwards(model, layers, rewriter, hidden)
     if not rewriter.quantized:
         raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}")
     return QATModel(rewriter.finish(), weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms)
+
+
+def _functional_owner(model: nn.Module, node, layers) -> Optional[str]:
+    """The name of the layer (of a type in ``layers`` and of the kind the function computes) whose own
+    ``weight`` parameter ``node`` (an ``F.linear``/``F.convNd`` call) reads, or None. The module whose
+    forward makes the call is preferred: torch.fx names a tied weight after its first owner."""
+    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    if not isinstance(weight, torch.fx.Node) or weight.op != "get_attr":
+        return None
+    try:
+        tensor = model.get_parameter(str(weight.target))
+    except AttributeError:  # a buffer or a plain attribute
+        return None
+    stack = [entry[0] if isinstance(entry, tuple) else key
+             for key, entry in (node.meta.get("nn_module_stack") or {}).items()]
+    for name in list(reversed(stack)) + [str(weight.target).rpartition(".")[0]]:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if (isinstance(module, layers) and isinstance(module, _FUNCTIONAL_LAYERS[node.target])
+                and getattr(module, "weight", None) is tensor):
+            return name
+    return None
+
+
+def _warn_own_forwards(model: nn.Module, layers, rewriter, hidden) -> None:
+    """Names the subclasses with their own forward that torch.fx traced through and `prepare` could
+    not rewrite: a weight not passed as is to F.linear/F.convNd, a batch norm's hidden buffers."""
+    floats, buffers = [], []
+    for name, module in model.named_modules():
+        if type(module).forward in _STOCK_FORWARDS or name in hidden or any(name.startswith(f"{h}.") for h in hidden):
+            continue
+        if isinstance(module, layers) and name not in rewriter.quantized:
+            floats.append(name or type(module).__name__)
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm) and name not in rewriter.batchnorms:
+            buffers.append(name or type(module).__name__)
+    if floats:
+        warn(f"qstats.qat.prepare: {floats} have their own forward, which does not pass self.weight as is to "
+             "F.linear/F.conv: they stay in float (quantize them with qstats.observe_fake_quantize)")
+    if buffers:
+        warn(f"qstats.qat.prepare: batch norms {buffers} have their own forward: their running statistics stay "
+             "buffers updated in place, outside the QAT state")
 
 
 def _extra(state, phase, ranges) -> Dict[str, Any]:
@@ -416,13 +475,16 @@ def _extra(state, phase, ranges) -> Dict[str, Any]:
 class _Tracer(torch.fx.Tracer):
     """torch.fx's tracer, with subclasses of the quantized layers and of batch norm that keep
     their stock forward as leaves (fx traces through modules defined outside torch.nn, which
-    left a subclassed Linear in float)."""
+    left a subclassed Linear in float), and convolutions padded otherwise than with zeros traced
+    through."""
 
     def __init__(self, layers: Tuple[type, ...]):
         super().__init__()
         self.layers = tuple(layers) + (nn.modules.batchnorm._BatchNorm,)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, self.layers) and isinstance(m, tuple(_CONV_FUNCTIONS)) and m.padding_mode != "zeros":
+            return False  # traced to F.pad and an F.convNd of self.weight, which `prepare` quantizes
         if isinstance(m, self.layers) and type(m).forward in _STOCK_FORWARDS:
             return True
         return super().is_leaf_module(m, module_qualified_name)
@@ -482,23 +544,42 @@ class _Rewriter:
         value, self.new_states[kind][key] = self._point(kind[:-1], point, args)
         return value
 
+    def _quantized_inputs(self, node, key: str, x, weight):
+        """Fake-quantized (input, weight) nodes of one call of layer ``key``, inserted before ``node``;
+        ``weight()`` makes the weight's node the first time the layer is met."""
+        if key not in self.quantized:
+            self.quantized.append(key)
+        with self.graph.inserting_before(node):
+            # a layer called again observes into the state its earlier call returned
+            x = self._fake_quantized("activations", key, x, self.new_states["activations"].get(key))
+            if key not in self.weights:  # the same weight: observed once per pass
+                self.weights[key] = self._fake_quantized("weights", key, weight())
+        self.calls["layer"] += 1
+        return x, self.weights[key]
+
     def quantize_layer(self, node, layer) -> None:
         key = str(node.target)
         function, extra = _quantized_call(layer)
         if len(node.args) != 1 or node.kwargs:
             raise ValueError(f"qstats.qat.prepare: layer {key!r} must be called with one input")
-        if key not in self.quantized:
-            self.quantized.append(key)
+        x, weight = self._quantized_inputs(node, key, node.args[0], lambda: self.graph.get_attr(f"{key}.weight"))
         with self.graph.inserting_before(node):
-            # a layer called again observes into the state its earlier call returned
-            x = self._fake_quantized("activations", key, node.args[0], self.new_states["activations"].get(key))
-            if key not in self.weights:  # the same weight: observed once per pass
-                self.weights[key] = self._fake_quantized("weights", key, self.graph.get_attr(f"{key}.weight"))
             bias = self.graph.get_attr(f"{key}.bias") if layer.bias is not None else None
-            replacement = self.graph.call_function(function, (x, self.weights[key], bias, *extra))
-        self.calls["layer"] += 1
+            replacement = self.graph.call_function(function, (x, weight, bias, *extra))
         node.replace_all_uses_with(replacement)
         self.graph.erase_node(node)
+
+    def quantize_functional(self, node, key: str) -> None:
+        """An ``F.linear``/``F.convNd`` call reading layer ``key``'s weight (a traced-through forward)
+        takes the fake-quantized input and weight; its other arguments stay."""
+        positions = {"input": 0, "weight": 1}
+        given = {name: node.args[i] if len(node.args) > i else node.kwargs[name] for name, i in positions.items()}
+        x, weight = self._quantized_inputs(node, key, given["input"], lambda: given["weight"])
+        for (name, i), value in zip(positions.items(), (x, weight)):
+            if len(node.args) > i:
+                node.update_arg(i, value)
+            else:
+                node.update_kwarg(name, value)
 
     def pure_batchnorm(self, node, layer) -> None:
         key = str(node.target)

@@ -7,6 +7,8 @@ mode, and eager execution for ``torch.func.grad`` / ``vmap`` / ``torch.compile``
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -504,6 +506,34 @@ def test_prepare_and_apply_errors():
         qat.apply(qat.params(), dict(state._asdict()), torch.randn(2, 6))
 
 
+class _TiedAutoencoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.dec.weight = self.enc.weight
+
+    def forward(self, x):
+        return self.dec(F.relu(self.enc(x)))
+
+
+def test_params_with_names_the_model_does_not_have_raise():
+    # torch.func.functional_call ignored a misspelt or prefixed name ("module.enc.weight" from a DDP
+    # checkpoint): apply ran the model's own tensor and that parameter's gradient was zero
+    torch.manual_seed(0)
+    model = _TiedAutoencoder()
+    qat = qstats.qat.prepare(model, weight_observer=qstats.minmax(W_SPEC))
+    x = torch.randn(3, 4)
+    state = qat.init(x)
+    for name in ("enc.wieght", "module.enc.weight"):
+        with pytest.raises(ValueError, match=rf"params names \['{name}'\], which the model does not have"):
+            qat.apply({name: torch.zeros(4, 4)}, state, x)
+    with pytest.raises(TypeError, match="params must be a dict"):
+        qat.apply(list(qat.params().values()), state, x)
+    tied = {"dec.weight": torch.randn(4, 4)}  # the tied name is the model's too: both uses take it
+    out, _ = qat.apply(tied, state, x, phase=QATPhase(False, False))
+    torch.testing.assert_close(out, torch.func.functional_call(model, tied, (x,)), rtol=0, atol=0)
+
+
 class _SubclassedLinear(nn.Linear):
     """A Linear defined outside torch.nn with the stock forward (a project's own layer type)."""
 
@@ -541,6 +571,125 @@ def test_subclasses_of_the_layers_are_quantized():
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
     for a, b in zip(torch.utils._pytree.tree_leaves(state), torch.utils._pytree.tree_leaves(ref_state)):
         assert torch.equal(a, b)
+
+
+class _LoRALinear(nn.Linear):
+    """A LoRA layer: its own forward runs the Linear's through ``super().forward``."""
+
+    def __init__(self, in_features, out_features, rank=2):
+        super().__init__(in_features, out_features)
+        self.A, self.B = nn.Linear(in_features, rank, bias=False), nn.Linear(rank, out_features, bias=False)
+
+    def forward(self, x):
+        return super().forward(x) + self.B(self.A(x))
+
+
+class _ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias) * 2
+
+
+class _MaskedLinear(nn.Linear):
+    def forward(self, x):
+        return F.linear(x, self.weight * 0.5, self.bias)
+
+
+class _OwnBatchNorm(nn.BatchNorm1d):
+    def forward(self, x):
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, 0.1, self.eps)
+
+
+def _feeds_a_layer_or_is_a_weight(graph_module, node) -> bool:
+    """Whether a torch.ao FakeQuantize node quantizes what qstats does: a weight, or a layer's input."""
+    def layer_input(user):
+        if user.op == "call_function":
+            return user.target is F.linear and user.args[0] is node
+        return user.op == "call_module" and hasattr(graph_module.get_submodule(user.target), "weight_fake_quant")
+    return node.args[0].op == "get_attr" or all(layer_input(user) for user in node.users)
+
+
+def test_subclass_with_its_own_forward_fake_quantizes_the_weight_it_gives_f_linear():
+    # torch.fx traces through such forwards to a bare F.linear on self.weight, which prepare never
+    # saw: the base weight of a LoRA layer and its input stayed in float without a word (layers were
+    # ("0.A", "0.B")). torch.ao's prepare_qat_fx fake-quantizes that F.linear's weight and input.
+    from torch.ao.quantization import QConfig, QConfigMapping
+    from torch.ao.quantization.quantize_fx import prepare_qat_fx
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_LoRALinear(6, 5), nn.ReLU(), _ScaledLinear(5, 3))
+    qat = _prepare_mlp(model)
+    assert qat.layers == ("0", "0.A", "0.B", "2")
+    qconfig = QConfig(  # _act_fq() and _weight_fq()
+        activation=FakeQuantize.with_args(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255,
+                                          dtype=torch.quint8, qscheme=torch.per_tensor_affine),
+        weight=FakeQuantize.with_args(observer=MovingAveragePerChannelMinMaxObserver, quant_min=-128, quant_max=127,
+                                      dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0))
+    reference = prepare_qat_fx(copy.deepcopy(model), QConfigMapping().set_global(qconfig), (torch.randn(2, 6),))
+    # torch.ao also fake-quantizes outputs (of each F.linear before the sum and the scaling): not those
+    unmatched = [reference.get_submodule(node.target) for node in reference.graph.nodes if node.op == "call_module"
+                 and isinstance(reference.get_submodule(node.target), FakeQuantize)
+                 and not _feeds_a_layer_or_is_a_weight(reference, node)]
+    assert len(unmatched) == 4
+    g = torch.Generator().manual_seed(4)
+    state = qat.init(torch.randn(4, 6, generator=g))
+    params = {k: v.detach().clone() for k, v in qat.params().items()}
+    schedule = QATSchedule(observe_at=0, fake_quantize_at=1, freeze_ranges_at=3)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for step in range(5):
+        x, phase = torch.randn(4, 6, generator=g) * (step + 1), schedule(step)
+        for fq in (m for m in reference.modules() if isinstance(m, FakeQuantize)):
+            fq.enable_observer(phase.observe and fq not in unmatched)
+            fq.enable_fake_quant(phase.fake_quantize and fq not in unmatched)
+        optimizer.zero_grad()
+        expected = reference(x)
+        expected.pow(2).sum().backward()
+
+        def loss_fn(params, state):
+            out, new_state = qat.apply(params, state, x, phase=phase)
+            return out.pow(2).sum(), (out, new_state)
+
+        grads, (out, state) = torch.func.grad(loss_fn, has_aux=True)(params, state)
+        torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-6)
+        assert set(grads) == {name for name, _ in reference.named_parameters()}
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-5, msg=name)
+        optimizer.step()
+        params = {k: v - 0.05 * grads[k] for k, v in params.items()}
+
+
+def test_subclass_forward_that_prepare_cannot_rewrite_is_named_in_a_warning():
+    # a weight changed before F.linear (a mask, DoRA) and a batch norm's own forward (in-place
+    # buffers) stayed float / impure without a word
+    model = nn.Sequential(_MaskedLinear(4, 4), _OwnBatchNorm(4), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match=r"\['0'\] have their own forward.*stay in float") as record:
+        qat = qstats.qat.prepare(model, weight_observer=qstats.minmax(W_SPEC))
+    assert any("batch norms ['1'] have their own forward" in str(w.message) for w in record)
+    assert qat.layers == ("2",)
+
+
+@pytest.mark.parametrize("padding_mode", ["reflect", "replicate", "circular"])
+def test_conv_padded_otherwise_than_with_zeros_matches_torch_ao_qat_conv(padding_mode):
+    # prepare raised "padding_mode='reflect' is not supported"; torch.ao's QAT Conv2d pads the
+    # fake-quantized input and convolves with the fake-quantized weight
+    from torch.ao.nn.qat import Conv2d as QATConv2d
+    from torch.ao.quantization import QConfig
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 3, padding=1, padding_mode=padding_mode)
+    qat = _prepare_mlp(nn.Sequential(conv))
+    act = _act_fq()
+    conv.qconfig = QConfig(activation=None, weight=FakeQuantize.with_args(
+        observer=MovingAveragePerChannelMinMaxObserver, quant_min=-128, quant_max=127, dtype=torch.qint8,
+        qscheme=torch.per_channel_symmetric, ch_axis=0))
+    reference = QATConv2d.from_float(conv)
+    x = torch.randn(2, 2, 5, 5)
+    state = qat.init(x)
+    for phase in (QATPhase(True, False), QATPhase(True, True), QATPhase(False, True)):
+        for fq in (act, reference.weight_fake_quant):
+            fq.enable_observer(phase.observe)
+            fq.enable_fake_quant(phase.fake_quantize)
+        out, state = qat.apply(qat.params(), state, x * 2, phase=phase)
+        torch.testing.assert_close(out, reference(act(x * 2)), rtol=1e-5, atol=1e-6)
 
 
 def test_layers_inside_modules_fx_keeps_whole_are_named_in_a_warning():
