@@ -227,7 +227,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="shape"):
         qstats.QuantSpec.from_torchao(torch.int8, block_size=(1, 32))
     with pytest.raises(ValueError, match="unexpected"):
-        qstats.QuantSpec.from_torchao(torch.int8, keepdim=True)
+        qstats.QuantSpec.from_torchao(torch.int8, output_dtype=torch.int8)
     with pytest.raises(ValueError, match="preserve_zero=False needs MappingType.ASYMMETRIC"):
         qstats.QuantSpec.from_torchao(torch.int8, preserve_zero=False)  # torchao asserts it too
     with pytest.raises(ValueError, match="NVFP4 needs block_size 16"):
@@ -533,3 +533,232 @@ def test_float16_compute_saturates(mapping, target_dtype):
         assert not torch.isnan(out).any() and torch.isfinite(out).all()
     if mapping == MappingType.ASYMMETRIC:
         assert not torch.isfinite(scale).all()  # the case this is for: torchao's float16 span overflows
+
+
+# --------------------------------------------------------------------------------------------
+# every target dtype torchao's affine functions take, through its own public functions
+
+
+_TORCHAO_QUANTIZE = {
+    "INT": (qp_lib.quantize_affine, qp_lib.dequantize_affine),
+    "NONE": (qp_lib._quantize_affine_no_zero_point, qp_lib._dequantize_affine_no_zero_point),
+    "FLOAT": (qp_lib._quantize_affine_tinygemm, qp_lib._dequantize_affine_tinygemm),
+}
+_TORCHAO_NO_CAST = {
+    "INT": (qp_lib._quantize_affine_no_dtype_cast, qp_lib._dequantize_affine_no_dtype_check),
+    "NONE": (qp_lib._quantize_affine_no_zero_point_no_dtype_cast, qp_lib._dequantize_affine_no_zero_point_no_dtype_check),
+    "FLOAT": (qp_lib._quantize_affine_tinygemm_no_dtype_cast, qp_lib._dequantize_affine_tinygemm_no_dtype_check),
+}
+TORCHAO_TARGETS = SIGNED + UNSIGNED + [torch.int16, torch.int32]
+AFFINE_CASES = [  # (mapping, zero-point domain, preserve_zero)
+    (MappingType.SYMMETRIC, "INT", True), (MappingType.ASYMMETRIC, "INT", True),
+    (MappingType.SYMMETRIC_NO_CLIPPING_ERR, "INT", True), (MappingType.SYMMETRIC, "NONE", True),
+    (MappingType.ASYMMETRIC, "FLOAT", True), (MappingType.ASYMMETRIC, "INT", False),
+]
+
+
+def _torchao_affine(x, target, mapping, domain, block_size, preserve_zero=True, **kwargs):
+    """torchao's qparams, its arithmetic's codes before the final dtype cast, its stored codes
+    and its values in ``x``'s dtype, each from its own functions (the stored codes and values
+    from the public ones where torch can hold the target: int1..int7 have no copy kernel)."""
+    if not preserve_zero:
+        choose = qp_lib._choose_qparams_affine_dont_preserve_zero
+    elif domain == "FLOAT":
+        choose = qp_lib._choose_qparams_affine_tinygemm
+    else:
+        choose = qp_lib.choose_qparams_affine
+    scale, zero_point = choose(x, mapping, block_size, target, **kwargs)
+    zero_point = None if domain == "NONE" else zero_point
+    qrange = (kwargs.get("quant_min"), kwargs.get("quant_max"))
+    qmin, qmax = qp_lib._get_and_check_qmin_qmax(target, *qrange)
+    quantize_no_cast, dequantize_no_check = _TORCHAO_NO_CAST[domain]
+    uncast = quantize_no_cast(x, block_size, scale, zero_point, qmin, qmax)
+    quantize, dequantize = _TORCHAO_QUANTIZE[domain]
+    try:
+        codes = quantize(x, block_size, scale, zero_point, target, *qrange)
+    except NotImplementedError:  # "copy_" not implemented for 'Int4'
+        return scale, zero_point, uncast, uncast, dequantize_no_check(uncast, block_size, scale, zero_point, qmin, qmax, x.dtype)
+    values = dequantize(codes, block_size, scale, zero_point, target, *qrange, output_dtype=x.dtype)
+    return scale, zero_point, uncast, codes, values
+
+
+def _per_element(t, block_size, shape):
+    """A per-block tensor (torchao's layout) repeated over every element of its block."""
+    t = t.reshape([size // block for size, block in zip(shape, block_size)])
+    for dim, block in enumerate(block_size):
+        t = t.repeat_interleave(block, dim=dim)
+    return t
+
+
+def _compare_with_torchao(spec, x, target, mapping, domain, block_size, preserve_zero=True, **kwargs):
+    scale, zero_point, uncast, codes, values = _torchao_affine(x, target, mapping, domain, block_size, preserve_zero, **kwargs)
+    qmin, qmax = spec.qrange
+    qp = _observe(spec, x)
+    assert torch.equal(qp.scale.reshape(scale.shape), scale.float())
+    fine = torch.ones_like(x, dtype=torch.bool)
+    if domain == "FLOAT":
+        assert torch.equal(qp.zero_point.reshape(zero_point.shape).to(zero_point.dtype), zero_point)
+    elif domain == "INT":
+        # int16 in bf16: torchao clamps an all-negative block's zero point to bf16(32767) = 32768;
+        # qstats' is 32767 (docs/differences.md); those blocks are compared no further
+        theirs = zero_point.to(torch.int64).clamp(qmin, qmax)
+        assert torch.equal(qp.zero_point.reshape(zero_point.shape).to(torch.int64), theirs)
+        fine = _per_element(theirs == zero_point.to(torch.int64), block_size, x.shape)
+    ours = qstats.quantize(x, qp, spec)
+    # int16/int32: the top code rounds up past the target in bf16 (32767) or float32 (2**31 - 1)
+    # arithmetic, and torchao's cast wraps it to the bottom code; qstats' is the top code
+    wrapped = fine & (uncast.double() > qmax)
+    fine = fine & ~wrapped
+    assert not wrapped.any() or target in (torch.int16, torch.int32)
+    assert torch.equal(ours.to(torch.int64)[fine], codes.to(torch.int64)[fine])
+    assert (ours.to(torch.int64)[wrapped] == qmax).all()
+    assert codes.dtype != target or (codes.to(torch.int64)[wrapped] == qmin).all()
+    assert torch.equal(qstats.dequantize(ours, qp, spec).to(x.dtype)[fine], values[fine])
+    assert torch.equal(qstats.fake_quantize(x, qp, spec)[fine], values[fine])
+
+
+def _inputs_with_ties():
+    inputs = dict(INPUTS)
+    ties = torch.arange(128, dtype=torch.float32) - 63.5  # k + 1/2 at scale 1 (int8, per tensor)
+    ties[0] = 127.5
+    inputs["ties"] = ties.reshape(4, 32)
+    return inputs
+
+
+@pytest.mark.parametrize("input_dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("target_dtype", TORCHAO_TARGETS, ids=str)
+def test_every_torchao_target_matches_choose_quantize_dequantize_affine(target_dtype, input_dtype):
+    """Every target of torchao's affine functions (int1..int8, uint1..uint8, int16, int32; uint16
+    used to be built, which torchao refuses), every MappingType, zero-point domain INT/NONE/FLOAT
+    and preserve_zero=False, per tensor / row / group, float32 and bf16 inputs: scales, zero
+    points, stored codes and values of choose_qparams_affine + quantize_affine + dequantize_affine
+    (or their NONE/FLOAT/dont_preserve_zero variants)."""
+    for mapping, domain, preserve_zero in AFFINE_CASES:
+        make = lambda granularity: qstats.QuantSpec.from_torchao(  # noqa: E731
+            target_dtype, mapping_type=mapping, zero_point_domain=getattr(ZeroPointDomain, domain),
+            granularity=granularity, input_dtype=input_dtype, **({} if preserve_zero else dict(preserve_zero=False)),
+        )
+        refused = (mapping == MappingType.SYMMETRIC_NO_CLIPPING_ERR and (target_dtype in UNSIGNED or target_dtype == torch.int1)
+                   or domain == "FLOAT" and target_dtype not in UNSIGNED)
+        if refused:  # documented in docs/differences.md (torchao: an infinite scale, or clipped data)
+            with pytest.raises(ValueError):
+                make(qstats.PerTensor())
+            continue
+        for gname, (block_size, granularity) in GRANULARITIES.items():
+            spec = make(granularity)
+            for name, x in _inputs_with_ties().items():
+                _compare_with_torchao(spec, x.to(input_dtype), target_dtype, mapping, domain, block_size, preserve_zero)
+
+
+@pytest.mark.parametrize(
+    "target_dtype",
+    [torch.uint16, torch.uint32, torch.uint64, torch.int64, torch.bool, torch.float32, torch.bfloat16,
+     torch.float8_e8m0fnu, torch.quint8],
+    ids=str,
+)
+def test_targets_torchao_refuses_are_refused_naming_the_dtype(target_dtype):
+    # from_torchao(torch.uint16) used to build a uint16 spec
+    with pytest.raises(ValueError, match="Unsupported dtype"):
+        qp_lib.choose_qparams_affine(INPUTS["random"], MappingType.ASYMMETRIC, (1, 32), target_dtype)
+    with pytest.raises(ValueError, match=str(target_dtype)):
+        qstats.QuantSpec.from_torchao(target_dtype, mapping_type=MappingType.ASYMMETRIC)
+
+
+@pytest.mark.parametrize("name", ("uint16", "int12", "uint9"))
+def test_target_names_outside_torchao_are_refused(name):
+    with pytest.raises(ValueError, match=name):
+        qstats.QuantSpec.from_torchao(name)
+
+
+def test_deprecated_torchao_dtype_enum_is_refused():
+    # torchao's choose_qparams_affine (a custom op taking a ScalarType) refuses TorchAODType.INT4
+    TorchAODType = qp_lib.TorchAODType
+    with pytest.raises(RuntimeError, match="TorchAODType"):
+        qp_lib.choose_qparams_affine(INPUTS["random"], MappingType.ASYMMETRIC, (1, 32), TorchAODType.INT4)
+    with pytest.raises(ValueError, match="TorchAODType.INT4"):
+        qstats.QuantSpec.from_torchao(TorchAODType.INT4, mapping_type=MappingType.ASYMMETRIC)
+
+
+@pytest.mark.parametrize("float8_dtype", sorted(qp_lib.FP8_TYPES, key=str), ids=str)
+def test_float8_targets_of_choose_qparams_affine_are_refused(float8_dtype):
+    """torchao's choose_qparams_affine + quantize_affine on a float8 target round the codes to
+    integers before the float8 cast; qstats refuses those arguments and names the dtype (they
+    used to be 'unexpected arguments', or 'not an integer target' for the fnuz dtypes)."""
+    x = INPUTS["random"] * 100
+    scale, zero_point = qp_lib.choose_qparams_affine(x, MappingType.SYMMETRIC, (4, 32), float8_dtype)
+    codes = qp_lib.quantize_affine(x, (4, 32), scale, zero_point, float8_dtype)
+    assert torch.equal(codes.float(), codes.float().round())
+    for kwargs in (dict(mapping_type=MappingType.SYMMETRIC), dict(zero_point_domain=ZeroPointDomain.INT), dict(eps=1e-6)):
+        with pytest.raises(ValueError, match=str(float8_dtype)):
+            qstats.QuantSpec.from_torchao(float8_dtype, **kwargs)
+
+
+@pytest.mark.parametrize("input_dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("scale_dtype", (torch.float32, torch.float8_e8m0fnu), ids=str)
+@pytest.mark.parametrize("float8_dtype", sorted(qp_lib.FP8_TYPES, key=str), ids=str)
+def test_float8_every_dtype_and_input_dtype(float8_dtype, scale_dtype, input_dtype):
+    """_choose_scale_float8 + _quantize_affine_float8 + _dequantize_affine_float8 for every float8
+    dtype torchao takes (the fnuz ones used to be refused) on float32, bf16 and fp16 inputs
+    (``input_dtype=``: torchao divides ``amax / max`` and takes the e8m0 log2 in the input's dtype;
+    bf16 scales used to differ in 54 of 64 rows)."""
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 3, 64)[:, None]
+    x = x.to(input_dtype)
+    for block_size, granularity in FLOAT8_GRANULARITIES.values():
+        block_size = (16, 16) if isinstance(granularity, tao_granularity.PerBlock) else block_size
+        block_size = (64, 32) if isinstance(granularity, tao_granularity.PerTensor) else block_size
+        granularity = tao_granularity.PerBlock((16, 16)) if isinstance(granularity, tao_granularity.PerBlock) else granularity
+        spec = qstats.QuantSpec.from_torchao(float8_dtype, granularity=granularity, scale_dtype=scale_dtype,
+                                             input_dtype=input_dtype)
+        scale = qp_lib._choose_scale_float8(x, list(block_size), float8_dtype, scale_dtype)
+        qp = _observe(spec, x)
+        assert torch.equal(qp.scale.reshape(scale.shape), scale)
+        codes = qp_lib._quantize_affine_float8(x, scale, float8_dtype)
+        ours = qstats.quantize(x, qp, spec)
+        assert ours.dtype == float8_dtype and torch.equal(ours.view(torch.uint8), codes.view(torch.uint8))
+        values = qp_lib._dequantize_affine_float8(codes, scale, input_dtype)
+        assert torch.equal(qstats.fake_quantize(x, qp, spec), values)
+
+
+def test_fractional_quant_min_max_are_refused():
+    # torchao maps onto a fractional range (its scale divides by quant_max - quant_min); qstats
+    # used to truncate it with int(), a different scale
+    x = INPUTS["random"]
+    fractional, _ = qp_lib.choose_qparams_affine(x, MappingType.ASYMMETRIC, (4, 32), torch.int8, quant_min=-100.5, quant_max=90)
+    truncated, _ = qp_lib.choose_qparams_affine(x, MappingType.ASYMMETRIC, (4, 32), torch.int8, quant_min=-100, quant_max=90)
+    assert not torch.equal(fractional, truncated)
+    for kwargs in (dict(quant_min=-100.5), dict(quant_max=90.7), dict(quant_min=True), dict(quant_max="7")):
+        with pytest.raises(ValueError, match="must be an integer"):
+            qstats.QuantSpec.from_torchao(torch.int8, mapping_type=MappingType.ASYMMETRIC, **kwargs)
+    # integral floats are torchao's integer ranges
+    spec = qstats.QuantSpec.from_torchao(torch.int8, mapping_type=MappingType.ASYMMETRIC, quant_min=-100.0, quant_max=90.0)
+    _compare_with_torchao(spec, x, torch.int8, MappingType.ASYMMETRIC, "INT", (4, 32), quant_min=-100.0, quant_max=90.0)
+
+
+def test_keepdim_only_shapes_torchao_outputs():
+    x = INPUTS["outlier"]
+    flat = qp_lib.choose_qparams_affine(x, MappingType.ASYMMETRIC, (1, 8), torch.int8)
+    kept = qp_lib.choose_qparams_affine(x, MappingType.ASYMMETRIC, (1, 8), torch.int8, keepdim=True)
+    assert all(torch.equal(a.flatten(), b.flatten()) for a, b in zip(flat, kept))
+    spec = qstats.QuantSpec.from_torchao(torch.int8, mapping_type=MappingType.ASYMMETRIC, granularity=qstats.PerGroup(8),
+                                         keepdim=True)
+    assert spec == qstats.QuantSpec.from_torchao(torch.int8, mapping_type=MappingType.ASYMMETRIC, granularity=qstats.PerGroup(8))
+
+
+@pytest.mark.parametrize("input_dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("eps", (1e-3, 0.1, 0.3, 7.0), ids=str)
+def test_eps_matches_torchao(eps, input_dtype):
+    """torchao clamps the scale at ``eps`` in the input's dtype (eps rounded to it), for every
+    mapping, domain and preserve_zero=False."""
+    for target in (torch.int4, torch.uint4, torch.int8, torch.uint8):
+        for mapping, domain, preserve_zero in AFFINE_CASES:
+            if (mapping == MappingType.SYMMETRIC_NO_CLIPPING_ERR and target in UNSIGNED
+                    or domain == "FLOAT" and target not in UNSIGNED):
+                continue
+            for block_size, granularity in GRANULARITIES.values():
+                spec = qstats.QuantSpec.from_torchao(
+                    target, mapping_type=mapping, zero_point_domain=getattr(ZeroPointDomain, domain), eps=eps,
+                    granularity=granularity, input_dtype=input_dtype, **({} if preserve_zero else dict(preserve_zero=False)),
+                )
+                for name in ("random", "positive", "zeros", "outlier"):
+                    x = INPUTS[name].to(input_dtype)
+                    _compare_with_torchao(spec, x, target, mapping, domain, block_size, preserve_zero, eps=eps)

@@ -9,9 +9,11 @@ Where torchao's half-precision arithmetic gives an Inf, NaN or zero scale, qstat
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
-from .._formats import COMPUTE_DTYPE_NAMES, E8M0_MIN
+from .._formats import COMPUTE_DTYPE_NAMES, E8M0_MIN, _largest_finite_exponent, e8m0_to_float
 from .._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import torch_dtype
 from .default import Convention
@@ -36,7 +38,13 @@ _MX_ELEMENTS = {
 }
 if torch_dtype("float4_e2m1fn_x2") is not None:  # torch >= 2.8; the name "fp4_e2m1" works on any torch
     _MX_ELEMENTS[torch_dtype("float4_e2m1fn_x2")] = "fp4_e2m1"
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# _choose_scale_float8 / _quantize_affine_float8 targets (torchao's FP8_TYPES)
+_FLOAT8 = {
+    torch.float8_e4m3fn: "fp8_e4m3fn",
+    torch.float8_e5m2: "fp8_e5m2",
+    torch.float8_e4m3fnuz: "fp8_e4m3fnuz",
+    torch.float8_e5m2fnuz: "fp8_e5m2fnuz",
+}
 _E8M0 = torch_dtype("float8_e8m0fnu")  # torch >= 2.7
 _NVFP4_BLOCK_SCALE_EPS = float(torch.finfo(torch.float8_e4m3fn).tiny)  # torchao E4M3_EPS
 
@@ -48,11 +56,36 @@ def _enum_name(value, table, what):
     raise ValueError(f"from_torchao: unknown {what} {value!r}; expected one of {sorted(table)}")
 
 
+# choose_qparams_affine's integer targets (torchao's _DTYPE_TO_QVALUE_BOUNDS); torchao refuses
+# every other dtype (uint16, uint32, int64, ...) with "Unsupported dtype"
+_AFFINE_TARGETS = frozenset([f"int{b}" for b in range(1, 9)] + [f"uint{b}" for b in range(1, 9)] + ["int16", "int32"])
+
+
 def _int_target(dtype) -> str:
+    """qstats' name of a ``choose_qparams_affine`` integer target (a torch dtype or its name)."""
     name = str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else str(dtype)
-    if name.startswith(("int", "uint")) and name.lstrip("uint").isdigit():
+    if name in _AFFINE_TARGETS:
         return name
-    raise ValueError(f"from_torchao: target_dtype {dtype!r} is not an integer target of choose_qparams_affine")
+    if isinstance(dtype, torch.dtype) and dtype in _FLOAT8:
+        raise ValueError(
+            f"from_torchao: target_dtype {dtype} with choose_qparams_affine's arguments (mapping_type, "
+            "zero_point_domain, quant_min, quant_max, eps, zero_point_dtype, preserve_zero): torchao rounds such "
+            f"float8 codes to integers, which qstats does not emulate; use from_torchao({dtype}, granularity=, "
+            "scale_dtype=, input_dtype=) (_choose_scale_float8)"
+        )
+    raise ValueError(
+        f"from_torchao: target_dtype {dtype!r} is not a target of torchao's choose_qparams_affine "
+        "(torch.int1...int8, uint1...uint8, int16, int32; torchao raises 'Unsupported dtype')"
+    )
+
+
+def _int_bound(value, name):
+    """``quant_min``/``quant_max`` as an int; torchao computes with fractional ones, qstats cannot."""
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer():
+        return int(value)
+    raise ValueError(f"from_torchao: {name} must be an integer, got {value!r}")
 
 
 def _granularity(kwargs) -> Granularity:
@@ -137,7 +170,9 @@ def from_torchao(cls, target_dtype, kwargs):
         if block_size != 16:
             raise ValueError(f"from_torchao: NVFP4 needs block_size 16, got {block_size}")
         return _nvfp4_spec(cls, per_tensor, kwargs, overrides)
-    if target_dtype in _FLOAT8 and "scaling_mode" not in kwargs:
+    if isinstance(target_dtype, torch.dtype) and target_dtype in _FLOAT8 and "scaling_mode" not in kwargs:
+        if _AFFINE_ONLY.intersection(kwargs):
+            _int_target(target_dtype)  # raises: choose_qparams_affine on a float8 target
         return _float8_spec(cls, target_dtype, kwargs, overrides)
     if "scaling_mode" in kwargs or "elem_dtype" in kwargs:
         elem = kwargs.pop("elem_dtype", target_dtype)
@@ -145,6 +180,11 @@ def from_torchao(cls, target_dtype, kwargs):
             cls, elem, kwargs.pop("block_size", 32), kwargs.pop("scaling_mode", "FLOOR"), kwargs, overrides
         )
     return _affine_spec(cls, target_dtype, kwargs, overrides)
+
+
+_AFFINE_ONLY = frozenset(
+    ("mapping_type", "zero_point_domain", "quant_min", "quant_max", "eps", "zero_point_dtype", "preserve_zero")
+)
 
 
 def _reject_unknown(kwargs):
@@ -190,18 +230,25 @@ def _nvfp4_spec(cls, per_tensor_scale, kwargs, overrides):
 def _float8_spec(cls, float8_dtype, kwargs, overrides):
     granularity = _granularity(kwargs)
     scale_dtype = kwargs.pop("scale_dtype", torch.float32)
+    input_dtype = kwargs.pop("input_dtype", torch.float32)
     if kwargs.pop("hp_value_lb", None) is not None or kwargs.pop("hp_value_ub", None) is not None:
         raise ValueError("from_torchao: float8 hp_value_lb/hp_value_ub are not supported")
     _reject_unknown(kwargs)
     if scale_dtype is None or scale_dtype not in (torch.float32, _E8M0):
         raise ValueError(f"from_torchao: float8 scale_dtype must be float32 or float8_e8m0fnu, got {scale_dtype}")
+    if input_dtype not in COMPUTE_DTYPE_NAMES:
+        raise ValueError(f"from_torchao: input_dtype must be float32, bfloat16 or float16, got {input_dtype}")
+    compute = COMPUTE_DTYPE_NAMES[input_dtype]
     fields = dict(
-        dtype=_MX_ELEMENTS[float8_dtype],
+        dtype=_FLOAT8[float8_dtype],
         granularity=granularity,
         zero_point_domain="none",
         convention="torchao",
         eps=float(torch.finfo(torch.float32).tiny),
         on_uncalibrated="fallback",
+        # torchao divides amax / max in the input's dtype, then widens the scale to float32
+        scale_dtype=compute,
+        compute_dtype=compute,
     )
     if scale_dtype == _E8M0:
         fields.update(scale_dtype="e8m0", scale_rounding="round")
@@ -216,17 +263,18 @@ def _affine_spec(cls, target_dtype, kwargs, overrides):
     input_dtype = kwargs.pop("input_dtype", torch.float32)
     eps = kwargs.pop("eps", None)
     scale_dtype = kwargs.pop("scale_dtype", None) or input_dtype
-    quant_min, quant_max = kwargs.pop("quant_min", None), kwargs.pop("quant_max", None)
+    quant_min, quant_max = (_int_bound(kwargs.pop(name, None), name) for name in ("quant_min", "quant_max"))
     preserve_zero = kwargs.pop("preserve_zero", None)
     zero_point_dtype = kwargs.pop("zero_point_dtype", None)
+    kwargs.pop("keepdim", None)  # the shape of torchao's outputs only
     _reject_unknown(kwargs)
     dtype = _int_target(target_dtype)
     _check_affine(mapping, domain, input_dtype, scale_dtype, preserve_zero)
     if eps is None:
         eps = torch.finfo(input_dtype).smallest_normal
     lo, hi = cls(dtype=dtype).qrange
-    qmin = lo if quant_min is None else int(quant_min)
-    qmax = hi if quant_max is None else int(quant_max)
+    qmin = lo if quant_min is None else quant_min
+    qmax = hi if quant_max is None else quant_max
     _check_zero_point_dtype(zero_point_dtype, domain, input_dtype, qmin, qmax)
     fields = dict(
         dtype=dtype,
@@ -453,6 +501,18 @@ class TorchaoConvention(Convention):
         if spec.zero_point_domain != "none":
             codes = codes - zero_point.to(compute)
         return _saturate(codes.to(work) * scale, compute).to(compute).float()
+
+    def e8m0_scale(self, amax, spec):
+        """Float8 ``float8_e8m0fnu`` scales (``"round"``) of bf16/fp16 inputs as torchao's
+        ``_choose_scale_float8``: ``exp2(round(log2(amax / max)))`` with every step in the input's
+        dtype (its log2 rounds to it, moving ties); exponents past the e8m0 range saturate."""
+        compute = getattr(torch, spec.compute_dtype)
+        if not spec.is_float or spec.scale_rounding != "round" or compute == torch.float32:
+            return super().e8m0_scale(amax, spec)
+        descale = _saturate(amax.float(), compute).to(compute) / float(spec.float_format.max)
+        exponent = torch.round(torch.log2(descale)).float().clamp(-127, 127).nan_to_num(0.0)
+        biased = (exponent.to(torch.int32) + 127).clamp(max=_largest_finite_exponent(spec))
+        return e8m0_to_float(biased)
 
     def block_scaled(self, view, scale, spec):
         """MX (``to_mx``): RCEIL multiplies by the reciprocal (1 for the smallest scale), the
