@@ -73,9 +73,14 @@ _RANGE_RULES: dict[type, Callable[..., Any]] = {}
 
 
 def register_range_rule(state_cls: type):
-    """Decorator: ``rule(state, spec, **options) -> Range | QParams`` for ``state_cls``."""
+    """Decorator: ``rule(state, spec, **options) -> Range | QParams`` for ``state_cls`` (a
+    NamedTuple state class; TypeError naming what it got otherwise, or for a rule that is not callable)."""
+    if not (isinstance(state_cls, type) and issubclass(state_cls, tuple) and hasattr(state_cls, "_fields")):
+        raise TypeError(f"register_range_rule expects a NamedTuple state class, got {state_cls!r}")
 
     def decorate(rule):
+        if not callable(rule):
+            raise TypeError(f"register_range_rule({state_cls.__name__}): the rule must be callable, got {rule!r}")
         _RANGE_RULES[state_cls] = rule
         return rule
 

@@ -68,7 +68,7 @@ RANGES = (
     (-(2**31), 2**32),
 )
 EPS = (F32_EPS, 1e-3, 1e-10, 0.0)
-CONSTANTS = (1.0, 0.5, 0.01)
+CONSTANTS = (1.0, 0.5, 0.01, 0.0)  # 0: torch.ao keeps the first batch's range
 CH_AXES = (0, 1, -1)
 
 
@@ -468,3 +468,45 @@ def test_int32_range_edges_value_and_gradient(quant_range, qscheme, input_dtype)
     (their_grad,) = torch.autograd.grad(theirs.sum(), x)
     (our_grad,) = torch.autograd.grad(ours.sum(), x)
     assert torch.equal(our_grad, their_grad)
+
+
+@pytest.mark.parametrize("constant", (0, 0.01, 1), ids=lambda c: f"c={c}")
+@pytest.mark.parametrize(
+    "kind, dtype, qscheme",
+    (("moving_average", torch.quint8, torch.per_tensor_affine),
+     ("moving_average_per_channel", torch.qint8, torch.per_channel_symmetric)),
+    ids=("per_tensor", "per_channel"),
+)
+def test_averaging_constant_zero_to_one_equals_torch_ao_after_every_batch(kind, dtype, qscheme, constant):
+    """torch.ao's moving averages take ``averaging_constant=0`` (the first batch's range stays):
+    qstats takes it too (it used to raise), and its extremes and qparams equal torch.ao's after
+    every batch; `torch_ao.from_observer` of a calibrated torch.ao observer continues it exactly."""
+    from qstats import torch_ao
+
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randn(4, 6, 5, generator=g) * scale + shift
+               for scale, shift in ((1.0, 0.0), (3.0, 1.0), (0.1, -2.0), (10.0, 0.5), (1e-3, 0.0))]
+    spec = qstats.QuantSpec.from_torch_ao(dtype, qscheme, ch_axis=1)
+    reference = _reference(kind, dtype, qscheme, False, None, None, F32_EPS, ch_axis=1, constant=constant)
+    obs = qstats.moving_average_minmax(spec, averaging_constant=constant)
+    state = obs.init(batches[0])
+    for index, x in enumerate(batches):
+        reference(x)
+        state = obs.update(state, x)
+        assert torch.equal(state.min_val, reference.min_val) and torch.equal(state.max_val, reference.max_val), index
+        _assert_bit_exact(reference.calculate_qparams(), qstats.compute_qparams(state, spec), f"{kind} c={constant} batch {index}")
+        if index == 1:
+            imported, imported_spec, imported_state = torch_ao.from_observer(reference)
+    if constant == 0:  # the first batch's range, as torch.ao keeps it
+        first = obs.update(obs.init(batches[0]), batches[0])
+        assert torch.equal(state.min_val, first.min_val) and torch.equal(state.max_val, first.max_val)
+    for x in batches[2:]:
+        imported_state = imported.update(imported_state, x)
+    assert torch.equal(imported_state.min_val, reference.min_val) and torch.equal(imported_state.max_val, reference.max_val)
+    _assert_bit_exact(reference.calculate_qparams(), qstats.compute_qparams(imported_state, imported_spec), "from_observer")
+
+
+@pytest.mark.parametrize("bad", (-0.01, 1.5, float("nan"), True, False, "0.1", None), ids=repr)
+def test_moving_average_minmax_refuses_averaging_constants_outside_zero_to_one(bad):
+    with pytest.raises(ValueError, match="averaging_constant must be a number in \\[0, 1\\]"):
+        qstats.moving_average_minmax(qstats.QuantSpec(), averaging_constant=bad)

@@ -30,19 +30,21 @@ TOKENS = 12
 # --- the moving average ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("constant", [0, 0.01, 1], ids=lambda c: f"c={c}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("strategy", ["tensor", "channel"])
-def test_moving_average_equals_llmcompressor_minmax_bit_for_bit(strategy, dtype):
+def test_moving_average_equals_llmcompressor_minmax_bit_for_bit(strategy, dtype, constant):
     """200 updates of llm-compressor's ``minmax`` observer (its ``lerp``) and of
-    ``moving_average_minmax`` under the compressed-tensors spec: equal extremes after every one;
+    ``moving_average_minmax`` under the compressed-tensors spec: equal extremes after every one
+    (``averaging_constant=0``, which llm-compressor takes, keeps the first batch's); at 0.01
     torch.ao's formula (the torch_ao spec) differs from it in most of them."""
     args = QuantizationArgs(num_bits=8, symmetric=False, strategy=strategy, observer="minmax",
-                            observer_kwargs={"averaging_constant": 0.01})
+                            observer_kwargs={"averaging_constant": constant})
     base = "input" if strategy == "tensor" else "weight"
     reference = Observer.load_from_registry("minmax", base_name=base, args=args)
     spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
-    obs = qstats.moving_average_minmax(spec, 0.01)
-    torch_ao = qstats.moving_average_minmax(dataclasses.replace(spec, convention="torch_ao", compute_dtype="float32"), 0.01)
+    obs = qstats.moving_average_minmax(spec, constant)
+    torch_ao = qstats.moving_average_minmax(dataclasses.replace(spec, convention="torch_ao", compute_dtype="float32"), constant)
     g = torch.Generator().manual_seed(0)
     shape = (4, 16, 32) if base == "input" else (8, 32)
     state = torch_ao_state = None
@@ -57,7 +59,8 @@ def test_moving_average_equals_llmcompressor_minmax_bit_for_bit(strategy, dtype)
         want_max = reference.max_vals.float().reshape(state.max_val.shape)
         assert bit_equal(state.min_val, want_min) and bit_equal(state.max_val, want_max)
         differ += not bit_equal(torch_ao_state.min_val, want_min)
-    assert differ > 100
+    if constant == 0.01:
+        assert differ > 100
 
 
 # --- each observer's qparams ----------------------------------------------------------------
@@ -111,6 +114,9 @@ def test_observer_kwargs_configure_the_qstats_observer():
         return observer.get_qparams()
 
     assert bit_equal(qparams("qstats_minmax", averaging_constant=0.5)["scale"], qparams("minmax", averaging_constant=0.5)["scale"])
+    for constant in (0, 0.01, 1):  # 0 (the first batch's range) as llm-compressor takes it; it used to raise
+        ours, theirs = qparams("qstats_minmax", averaging_constant=constant), qparams("minmax", averaging_constant=constant)
+        assert bit_equal(ours["scale"], theirs["scale"]) and bit_equal(ours["zero_point"], theirs["zero_point"]), constant
     assert not bit_equal(qparams("qstats_minmax", averaging_constant=0.5)["scale"], qparams("qstats_minmax")["scale"])
     histogram = qparams("qstats_histogram", method="minmax")
     static = qparams("static_minmax")

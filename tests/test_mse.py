@@ -366,3 +366,41 @@ def test_expand_on_bf16_and_fp16_inputs_reproduces_llm_compressor(dtype):
         for x in xs:
             state = obs.update(state, x)
         assert torch.equal(qstats.compute_qparams(state, spec).scale.float(), scale.float().reshape(())), seed
+
+
+@pytest.mark.parametrize("constant", (0, 0.01, 1), ids=lambda c: f"c={c}")
+@pytest.mark.parametrize("strategy", ["tensor", "channel"])
+def test_moving_average_mode_takes_averaging_constants_zero_to_one_as_llm_compressor(strategy, constant):
+    """llm-compressor's ``mse`` takes ``averaging_constant=0`` (the first batch's search stays):
+    qstats takes it too (it used to raise) and equals it bit for bit after every batch."""
+    from llmcompressor.observers.helpers import flatten_for_calibration
+
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=strategy == "channel", strategy=strategy, observer="mse",
+                            observer_kwargs={"averaging_constant": constant})
+    base = "input" if strategy == "tensor" else "weight"
+    reference = llmc_observers.Observer.load_from_registry("mse", base_name=base, args=args)
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    obs = qstats.mse(spec, mode="moving_average", averaging_constant=constant)
+    g = torch.Generator().manual_seed(11)
+    shape = (2, 16, 32) if base == "input" else (8, 32)
+    state = None
+    for index, scale in enumerate((1.0, 4.0, 0.25, 2.0)):
+        x = torch.randn(shape, generator=g) * scale
+        reference.update_statistics_from_observed(flatten_for_calibration(x, base, args))
+        state = obs.update(obs.init(x) if state is None else state, x)
+        assert torch.equal(state.min_val, reference.min_vals.float().reshape(state.min_val.shape)), index
+        assert torch.equal(state.max_val, reference.max_vals.float().reshape(state.max_val.shape)), index
+        if index == 0:
+            first = state
+    if constant == 0:
+        assert torch.equal(state.min_val, first.min_val) and torch.equal(state.max_val, first.max_val)
+    want = reference.get_qparams()
+    qp = qstats.compute_qparams(state, spec)
+    assert torch.equal(qp.scale.reshape(-1), want["scale"].float().reshape(-1))
+    assert torch.equal(qp.zero_point.reshape(-1).float(), want["zero_point"].float().reshape(-1))
+
+
+@pytest.mark.parametrize("bad", (-0.01, 1.5, float("nan"), True, False, "0.1"), ids=repr)
+def test_moving_average_mode_refuses_averaging_constants_outside_zero_to_one(bad):
+    with pytest.raises(ValueError, match="mse: averaging_constant must be a number in \\[0, 1\\]"):
+        qstats.mse(qstats.QuantSpec(dtype="int4"), mode="moving_average", averaging_constant=bad)

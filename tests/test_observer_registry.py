@@ -188,3 +188,20 @@ def test_an_alias_of_a_builtin_factory_keeps_its_name_for_export():
         assert llm_compressor_observers(plan) == {"fc": {"input": "static_minmax"}}
     finally:
         registry._FACTORIES.pop("absmax", None)
+
+
+@pytest.mark.parametrize("bad", ("MinMaxState", int, tuple, dict, qstats.MinMaxState(*[torch.zeros(())] * 4)), ids=repr)
+def test_register_range_rule_refuses_what_is_not_a_namedtuple_state_class(bad):
+    """A string, a plain class or a state instance used to be registered silently (the rule was
+    never found): a TypeError names what it got. The registry keeps the built-in rules."""
+    with pytest.raises(TypeError, match=r"register_range_rule expects a NamedTuple state class, got "):
+        qstats.register_range_rule(bad)
+    with pytest.raises(TypeError, match="register_range_rule\\(MinMaxState\\): the rule must be callable, got 'rule'"):
+        qstats.register_range_rule(qstats.MinMaxState)("rule")
+    spec = qstats.QuantSpec.from_torch_ao()
+    obs = qstats.minmax(spec)
+    x = torch.tensor([-1.0, 2.0])
+    scale = qstats.compute_qparams(obs.update(obs.init(x), x), spec).scale
+    reference = torch.ao.quantization.MinMaxObserver()
+    reference(x)
+    assert torch.equal(scale.reshape(1), reference.calculate_qparams()[0])

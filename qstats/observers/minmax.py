@@ -175,19 +175,27 @@ def moving_extremes_update(spec: QuantSpec, step: Callable, where: str, batch_ra
     return update_fn
 
 
+def check_averaging_constant(averaging_constant, where: str) -> float:
+    """``averaging_constant`` as a float in [0, 1] (0 keeps the first batch's range, as torch.ao's
+    and llm-compressor's moving averages); ValueError naming it otherwise (bools, NaN included)."""
+    if (isinstance(averaging_constant, bool) or not isinstance(averaging_constant, (int, float))
+            or not 0.0 <= averaging_constant <= 1.0):
+        raise ValueError(f"{where}: averaging_constant must be a number in [0, 1], got {averaging_constant!r}")
+    return float(averaging_constant)
+
+
 def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> Observer:
     """Moving average of per-batch extremes (torch.ao MovingAverageMinMaxObserver and
     MovingAveragePerChannelMinMaxObserver; llm-compressor ``minmax``).
 
     The first batch reaching a parameter initialises it; later ones move it in the arithmetic of
-    ``spec.convention``, bit for bit; masked-out parameters keep their value. ``merge`` is the
+    ``spec.convention``, bit for bit (``averaging_constant=0`` keeps the first batch's range, 1 the
+    latest batch's); masked-out parameters keep their value. ``merge`` is the
     batch-count-weighted mean: commutative, ``init`` as identity, associative up to rounding;
     order-dependent, so ``exact=False``.
     """
     spec = check_spec(spec)
-    if not (isinstance(averaging_constant, (int, float)) and 0.0 < averaging_constant <= 1.0):
-        raise ValueError(f"averaging_constant must be in (0, 1], got {averaging_constant!r}")
-    constant = float(averaging_constant)
+    constant = check_averaging_constant(averaging_constant, "moving_average_minmax")
 
     def step(average, batch, observed_dtype):
         return _moved(average, batch, constant, spec, observed_dtype)

@@ -22,6 +22,7 @@ from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
 from ._base import Observer, batch_weighted_mean, check_same_shapes, check_state, register_state
+from .minmax import check_averaging_constant
 
 __all__ = ["MSEState", "MovingAverageMSEState", "mse", "shrink_factors", "candidate_losses"]
 
@@ -305,7 +306,8 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
       norm: error exponent (2.4 as llm-compressor).
       expand: factor on the reference range before shrinking (llm-compressor's ``expand``).
       mode: ``"accumulate"`` (losses over all data) or ``"moving_average"`` (llm-compressor's ``mse``).
-      averaging_constant: the moving average's constant (``mode="moving_average"``).
+      averaging_constant: the moving average's constant in [0, 1] (``mode="moving_average"``; 0 keeps
+        the first batch's search, 1 the latest batch's).
       patience: early stopping in ``"moving_average"`` mode (default 5); for ``"accumulate"`` pass it
         to ``compute_qparams`` (given here, it raises).
       reference: ``(min_val, max_val)`` tensors (or a MinMaxState) fixing the base range; merges are exact.
@@ -341,8 +343,7 @@ def _check_modes(mode, expand, averaging_constant, patience):
         raise ValueError(f"mse: mode must be 'accumulate' or 'moving_average', got {mode!r}")
     if not (isinstance(expand, (int, float)) and 1.0 <= expand < math.inf):
         raise ValueError(f"mse: expand must be a finite number of at least 1.0, got {expand!r}")
-    if not (isinstance(averaging_constant, (int, float)) and 0 < averaging_constant <= 1):
-        raise ValueError(f"mse: averaging_constant must be in (0, 1], got {averaging_constant!r}")
+    check_averaging_constant(averaging_constant, "mse")
     if mode == "accumulate" and patience is not _MOVING_AVERAGE_PATIENCE:
         raise ValueError(
             "mse: patience applies to mode='moving_average'; in mode='accumulate' the search runs in "
