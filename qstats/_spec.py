@@ -397,9 +397,11 @@ class QuantSpec:
         Affine integer targets take ``choose_qparams_affine``'s arguments (``mapping_type``,
         ``granularity`` or ``block_size`` with ``shape``, ``zero_point_domain``, ``quant_min``,
         ``quant_max``, ``eps``, ``scale_dtype``, ``zero_point_dtype``, ``preserve_zero``,
-        ``input_dtype``); MX takes ``to_mx``'s
-        (``elem_dtype``, ``block_size``, ``scaling_mode``); NVFP4 takes ``nvfp4=True`` (and
-        ``per_tensor_scale=True``). See ``qstats/conventions/torchao.py``.
+        ``input_dtype``; ``keepdim`` is accepted and ignored); float8 targets take ``granularity``,
+        ``scale_dtype`` and ``input_dtype`` (scales in the input's dtype, as torchao computes them); MX
+        takes ``to_mx``'s (``elem_dtype``, ``block_size``, ``scaling_mode``); NVFP4 takes ``nvfp4=True``
+        (and ``per_tensor_scale=True``). Targets torchao refuses raise ValueError. See
+        ``qstats/conventions/torchao.py``.
         """
         return torchao.from_torchao(cls, target_dtype, kwargs)
 
