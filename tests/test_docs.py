@@ -9,12 +9,15 @@ Snippets assert what they show (parity with torch.ao, compressed-tensors, ...), 
 fails when the code stops doing what the docs say.
 
 Also checked: the README's test command is the one .ci/run runs, every relative link of the docs
-points to a file of the repository, and the docs name nothing that the code no longer has.
+points to a file of the repository (and to a heading of it, for ``page.md#anchor``), every file of
+the repository the prose names (``tests/...``, ``bench/...``) exists, the MiniLM recipe
+docs/calibrate.md shows is the example's, and the docs name nothing that the code no longer has.
 """
 
 from __future__ import annotations
 
 import re
+import runpy
 import warnings
 from pathlib import Path
 
@@ -98,6 +101,52 @@ def test_relative_links_exist(page):
             continue
         resolved = (page.parent / target).resolve()
         assert resolved.exists(), f"{_relative(page)} links to {target}, which does not exist"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)
+    return {_slug(heading) for heading in re.findall(r"^#+\s+(.*)$", text, re.MULTILINE)}
+
+
+def test_slug_is_githubs():
+    assert _slug("Mixture-of-experts layers: stacked experts") == "mixture-of-experts-layers-stacked-experts"
+    assert _slug("Testing observers: `qstats.testing`") == "testing-observers-qstatstesting"
+
+
+@pytest.mark.parametrize("page", [p for p in DOCS if p.exists()], ids=_relative)
+def test_link_anchors_exist(page):
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        linked = (page.parent / target).resolve() if target else page
+        assert linked.suffix != ".md" or anchor in _anchors(linked), (
+            f"{_relative(page)} links to {target}#{anchor}, a heading {target or 'it'} does not have"
+        )
+
+
+@pytest.mark.parametrize("page", [p for p in DOCS if p.exists()], ids=_relative)
+def test_named_repository_files_exist(page):
+    """Files of the repository the prose names (``tests/test_gptq.py``, ``bench/bench_layerwise.py``)."""
+    for path in re.findall(r"(?<![\w/.])((?:tests|bench|examples|qstats)/[\w/.-]*\w\.(?:py|md))", page.read_text()):
+        assert (ROOT / path).exists(), f"{_relative(page)} names {path}, which does not exist"
+
+
+def test_minilm_recipe_in_docs_is_the_examples(monkeypatch):
+    """docs/calibrate.md shows the recipe examples/quantize_minilm.py builds; keep the two in step."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # the example sets them; undone at teardown
+        monkeypatch.setenv(name, "1")
+    (code,) = [code for _, code, _ in python_blocks((ROOT / "docs" / "calibrate.md").read_text())
+               if "minilm_recipe =" in code]
+    namespace = {}
+    exec(compile("import qstats\n" + code, "docs/calibrate.md", "exec"), namespace)
+    example = runpy.run_path(str(ROOT / "examples" / "quantize_minilm.py"), run_name="quantize_minilm")
+    shown, built = namespace["minilm_recipe"], example["VARIANTS"][namespace["MINILM_VARIANT"]]
+    assert (shown.rules, shown.ignore) == (built.rules, built.ignore)
 
 
 @pytest.mark.parametrize("page", [p for p in DOCS if p.exists()], ids=_relative)
