@@ -22,7 +22,7 @@ from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor,
 from .experts import stacked_qparams
 from .fused import fused_qparams
 from .observers import memoryless_minmax
-from .observation import Observing, observing
+from .observation import Observing, observing, uncompiled
 from .recipe import Plan, Recipe, as_plan
 from ._warn import warn
 
@@ -43,8 +43,9 @@ def check_batches(batches, caller: str) -> None:
     raise TypeError(f"{caller}: batches must be an iterable of batches (got a single {got}); wrap one batch in a list")
 
 
-def _run_batches(session: Observing, batches: Iterable, progress: bool, observation_weight) -> None:
-    """Runs the model over ``batches`` inside ``session``, with each one's observation weight."""
+def _run_batches(session: Observing, model, batches: Iterable, progress: bool, observation_weight) -> None:
+    """Runs ``model`` (the plan's model, or its compiled wrapper) over ``batches`` inside
+    ``session``, with each one's observation weight."""
     total = len(batches) if hasattr(batches, "__len__") else None
     bar = tqdm(batches, total=total, unit="batch", desc="qstats.calibrate", disable=not progress)
     with torch.no_grad():
@@ -55,7 +56,7 @@ def _run_batches(session: Observing, batches: Iterable, progress: bool, observat
                     f"calibrate: observation_weight(batch) must return a tensor or None, got {type(weight).__name__}"
                 )
             with session.weighted(weight):
-                run_model(session.plan.model, batch)
+                run_model(model, batch)
     bar.close()
 
 
@@ -71,7 +72,9 @@ def calibrate(
     """Observer states of ``model`` over ``batches``, per module path and site.
 
     Args:
-      model: an ``nn.Module``, run as is (call ``model.eval()`` first), under ``torch.no_grad()``.
+      model: an ``nn.Module``, run as is (call ``model.eval()`` first), under ``torch.no_grad()``;
+        a compiled one (``torch.compile(model)``) runs compiled, its sites named by the paths of
+        the module it wraps, and gives the eager model's states.
       batches: an iterable of batches: a tensor (``model(batch)``), a tuple or list
         (``model(*batch)``) or a mapping (``model(**batch)``).
       recipe: a `Recipe` saying which observer and spec watch which module and site, or its
@@ -107,9 +110,9 @@ def calibrate(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"calibrate expects an nn.Module, got {type(model).__name__}")
     check_batches(batches, "calibrate")
-    plan = as_plan(recipe, model, "calibrate")
+    plan = as_plan(recipe, uncompiled(model), "calibrate")
     with observing(model, plan, states, all_experts=all_experts) as session:
-        _run_batches(session, batches, progress, observation_weight)
+        _run_batches(session, model, batches, progress, observation_weight)
     return session.states
 
 
@@ -139,7 +142,7 @@ def compute_qparams_tree(
       ValueError: naming the module and site, for data-less entries under
         ``on_uncalibrated="raise"`` (``"fallback"`` gives scale 1, zero point 0).
     """
-    plan = as_plan(recipe, model, "compute_qparams_tree")
+    plan = as_plan(recipe, uncompiled(model), "compute_qparams_tree")
     if not isinstance(states, Mapping) or not all(isinstance(entry, Mapping) for entry in states.values()):
         got = type(states).__name__ if not isinstance(states, Mapping) else "a module entry that is not a dict"
         raise TypeError(f"compute_qparams_tree: states must be a tree {{path: {{site: state}}}} (calibrate's), got {got}")
@@ -255,7 +258,7 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
     stacked experts are not applied. Run-time scaled sites compute their scales from each tensor,
     as compressed-tensors' dynamic activations do.
     """
-    plan = as_plan(recipe, model, "fake_quantized")
+    plan = as_plan(recipe, uncompiled(model), "fake_quantized")
     if not isinstance(qparams, Mapping) or not all(isinstance(entry, Mapping) for entry in qparams.values()):
         raise TypeError("fake_quantized: qparams must be a tree {path: {site: QParams}} (compute_qparams_tree's)")
     handles: list = []

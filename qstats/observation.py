@@ -3,6 +3,11 @@
 `observing(model, recipe)` yields an `Observing` session whose ``states`` tree its hooks update on
 every forward run inside it; `qstats.calibrate` is a loop of forwards inside it. Per-expert sites
 of stacked experts take one masked, vmapped update per experts call.
+
+A compiled model (``torch.compile(model)``, ``model.compile()``) calibrates too: the recipe resolves
+on the module the compiled wrapper holds (so sites keep the model's own paths), and the hooks run
+eagerly (``torch.compiler.disable``): each site's update is then the eager one, and the hooks'
+host-side work (masks, the states dict) makes dynamo neither trace nor recompile per site.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import contextlib
 from typing import Iterator, Mapping, Optional, Union
 
 import torch
+import torch._dynamo
 from torch.nn.utils import parametrize
 
 from ._granularity import qparam_shape
@@ -32,6 +38,15 @@ from .tree import assert_same_structure
 from ._warn import warn
 
 __all__ = ["observing", "Observing"]
+
+
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile(model)`` wraps (``OptimizedModule._orig_mod``), else ``model``:
+    recipes resolve on it, so a compiled model's sites are named (and targeted, and ignored) by
+    the model's own paths rather than ``"_orig_mod.<path>"``."""
+    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return model
 
 
 def _copy_tree(states: Optional[Mapping]) -> dict:
@@ -191,6 +206,7 @@ class _ActivationSite(_SiteHook):
     def attach(self) -> list:
         return [observe_tensor(self.run.plan, self.path, self.site, self.observe)]
 
+    @torch.compiler.disable  # run eagerly inside a compiled model (module docstring)
     def observe(self, x) -> None:
         if not is_float_tensor(x):
             return
@@ -225,6 +241,7 @@ class _RoutedInputSite(_RoutedSite):
         module = self.run.plan.modules[self.path]
         return [module.register_forward_pre_hook(self, with_kwargs=True)]
 
+    @torch.compiler.disable
     def __call__(self, module, args, kwargs) -> None:
         x = input_tensor(args, kwargs)
         if not is_float_tensor(x):
@@ -285,12 +302,14 @@ class _ExpertMatmulInputs:
         capture.__enter__()
         return capture, handles, tokens, weight
 
+    @torch.compiler.disable
     def enter(self, module, args, kwargs) -> None:
         if self.run.all_experts:  # observed from extra calls once the model's forward is done
             self.active.append(None)
             return
         self.active.append(self._start(module, input_tensor(args, kwargs)))
 
+    @torch.compiler.disable
     def leave(self, module, args, kwargs, output) -> None:
         if not self.active:
             return
@@ -459,6 +478,7 @@ class Observing:
                 )
             self._run.weight = previous
 
+    @torch.compiler.disable
     def _count(self, module, args) -> None:
         self.calls += 1
 
@@ -475,7 +495,8 @@ def observing(
 
     For users who drive the forward themselves (their own loop, a sequential pipeline);
     `qstats.calibrate` is this plus a loop over batches, and ``states`` / ``all_experts`` mean what
-    they mean there. Parameter sites are observed on entry; the hooks are removed on exit, where
+    they mean there. ``model`` may be compiled (``torch.compile(model)``): the recipe resolves on
+    the module it wraps, so sites keep the model's own paths. Parameter sites are observed on entry; the hooks are removed on exit, where
     a warning (`qstats.UncalibratedWarning`) names the activation sites that saw no data.
 
     >>> import torch, qstats
@@ -489,7 +510,7 @@ def observing(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"observing expects an nn.Module, got {type(model).__name__}")
-    plan = as_plan(recipe, model, "observing")
+    plan = as_plan(recipe, uncompiled(model), "observing")
     run = _Calibration(plan, plan.share_states(_copy_tree(states)), all_experts=bool(all_experts))
     check_resumed(run.states, plan)
     _observe_parameters(run)

@@ -749,3 +749,48 @@ def test_fake_quantized_keeps_the_order_and_flags_of_the_parameters():
         model(x)
     assert [name for name, _ in model.named_parameters()] == ["0.bias", "0.weight"]
 
+
+
+@pytest.mark.parametrize("wrap", [True, False], ids=["torch.compile(model)", "model.compile()"])
+def test_compiled_model_calibrates_under_its_own_paths_with_eager_states(wrap):
+    """A compiled model, batches of several lengths and a padding mask: ``torch.compile(model)``
+    returns a wrapper whose module paths start with ``_orig_mod.``, and the recipe resolved on it
+    named every site so (``ignore=["2"]`` ignored nothing; compute_qparams_tree on the model raised).
+    Sites keep the model's paths and states equal torch.ao observers fed the unmasked rows by plain
+    hooks on the uncompiled model; the observation hooks run eagerly (no per-site recompiles)."""
+    torch._dynamo.reset()
+    model = _model()
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight", "input"), spec=INPUT_SPEC)], ignore=["2"])
+    generator = torch.Generator().manual_seed(3)
+    batches = [torch.randn(2, length, 6, generator=generator) for length in (3, 5, 7, 4)]
+
+    def mask(batch):
+        return (batch[..., 0] > -0.3).long()
+
+    reference = MinMaxObserver(dtype=torch.quint8, qscheme=torch.per_tensor_affine)
+    current = []
+    handle = model[0].register_forward_pre_hook(lambda module, args: reference(args[0][current[0] != 0]))
+    with torch.no_grad():
+        for batch in batches:
+            current[:] = [mask(batch)]
+            model(batch)
+    handle.remove()
+    traced = set()  # the ops dynamo puts in the graphs: the model's, none of the hooks'
+
+    def backend(graph_module, example_inputs):
+        nodes = graph_module.graph.nodes
+        traced.update(getattr(node.target, "__name__", str(node.target)) for node in nodes if node.op.startswith("call"))
+        return graph_module.forward
+
+    compiled = torch.compile(model, backend=backend) if wrap else model
+    if not wrap:
+        model.compile(backend=backend)
+    states = qstats.calibrate(compiled, batches, recipe, progress=False, observation_weight=mask)
+    assert "linear" in traced and traced <= {"linear", "relu"}
+    assert list(states) == ["0"] and sorted(states["0"]) == ["input", "weight"]
+    assert torch.equal(states["0"]["input"].min_val, reference.min_val)
+    assert torch.equal(states["0"]["input"].max_val, reference.max_val)
+    qparams = qstats.compute_qparams_tree(states, recipe, compiled)["0"]["input"]
+    scale, zero_point = reference.calculate_qparams()
+    assert torch.equal(qparams.scale.reshape(1), scale) and torch.equal(qparams.zero_point.reshape(1), zero_point)
+    torch._dynamo.reset()
