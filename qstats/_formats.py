@@ -319,8 +319,18 @@ def codes(view: torch.Tensor, scale: torch.Tensor, global_scale, spec):
     elif spec.global_scale_formula == "range_over_amax":
         scaled = view / (scale / global_scale)
     else:
-        scaled = view * ((1.0 / global_scale) / scale)
+        scaled = _two_level_scaled(view, scale, global_scale)
     return scaled, round_to_format(scaled.clamp(-fmax, fmax), spec.float_format)
+
+
+def _two_level_scaled(view: torch.Tensor, scale: torch.Tensor, global_scale) -> torch.Tensor:
+    """``view * ((1 / global) / scale)``, torchao's (and the MSLK kernel's) reciprocal product;
+    where that reciprocal overflows (a tiny tensor's global scale under a block scale floored at
+    the e4m3 minimum: zeros became NaN, small values the format's maximum), ``view * (1 / global)``
+    divided by the block scale instead, which stays finite for values up to ``2688 * global``."""
+    inverse_global = 1.0 / global_scale
+    reciprocal = inverse_global / scale
+    return torch.where(torch.isfinite(reciprocal), view * reciprocal, (view * inverse_global) / scale)
 
 
 def effective_scale(scale: torch.Tensor, global_scale, spec) -> torch.Tensor:

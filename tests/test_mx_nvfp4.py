@@ -260,3 +260,87 @@ def test_two_level_scales_need_a_float_element_format():
                          zero_point_domain="none")
     with pytest.raises(ValueError, match="TensorGroup"):
         qstats.QuantSpec(dtype="int4", granularity=qstats.TensorGroup(16))
+
+
+def test_nvfp4_tiny_tensor_small_blocks_match_float64_where_torchao_overflows():
+    """A tiny tensor's global scale (floored at the smallest normal float32) under a block scale
+    floored at e4m3's minimum 2**-6: torchao's reciprocal ``(1 / global) / scale`` overflows to Inf
+    (zeros became NaN, every small value fp4's maximum). Block scales equal torchao's, codes equal
+    torchao's fp4 rounding of the float64 quotient ``x / (global * scale)``."""
+    from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked
+
+    x = torch.tensor([[1e-37, -4e-38] * 8 + [1e-40, -3e-40, 0.0, 2e-40] * 4])
+    spec = qstats.QuantSpec.from_torchao(nvfp4=True)
+    qp = _observe(spec, x)
+    tiny = torch.tensor(torch.finfo(torch.float32).tiny)
+    assert torch.equal(qp.global_scale, tiny)
+    block_scales, _ = nvfp4_quantize(x, 16, tiny)
+    assert torch.equal(qp.scale, block_scales.float())
+    assert torch.isinf((1.0 / tiny) / qp.scale[0, 1])  # torchao's reciprocal for the small block
+    step = (qp.global_scale.double() * qp.scale.double()).repeat_interleave(16, dim=-1)
+    expected_codes = f32_to_f4_unpacked((x.double() / step).float().clamp(-6.0, 6.0))
+    codes = qstats.quantize(x, qp, spec)
+    assert torch.equal(codes, expected_codes)
+    fake = qstats.fake_quantize(x, qp, spec)
+    assert torch.isfinite(fake).all() and torch.equal(fake == 0, x == 0)
+    assert torch.equal(fake, qstats.dequantize(codes, qp, spec))
+
+
+def test_nvfp4_reciprocal_overflow_without_the_global_floor():
+    """amax 1e-34 (global 3.7e-38, above the floor) with an all-zero block: ``(1 / global) / 2**-6``
+    overflows; the zeros stay zeros and the other block equals torchao."""
+    x = torch.cat([torch.linspace(-1e-34, 1e-34, 16), torch.zeros(16)]).reshape(1, 32)
+    spec = qstats.QuantSpec.from_torchao(nvfp4=True)
+    qp = _observe(spec, x)
+    per_tensor_scale = per_tensor_amax_to_scale(torch.amax(torch.abs(x)))
+    assert torch.equal(qp.global_scale, per_tensor_scale)
+    block_scales, packed = nvfp4_quantize(x, 16, per_tensor_scale)
+    assert torch.equal(qp.scale, block_scales.float())
+    reference = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_scale).dequantize(torch.float32)
+    assert (reference[0, 16:] != 0).all()  # torchao: 0 * Inf, a NaN that fp4 encodes as -6
+    fake = qstats.fake_quantize(x, qp, spec)
+    assert torch.equal(_bits(fake[0, :16]), _bits(reference[0, :16]))
+    assert torch.equal(fake[0, 16:], x[0, 16:])
+    codes = qstats.quantize(x, qp, spec)
+    assert torch.equal(codes[0, :16], unpack_uint4(packed).reshape(x.shape)[0, :16])
+    assert torch.equal(codes[0, 16:], torch.zeros(16, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("elem", (torch.float8_e4m3fn, torch.float4_e2m1fn_x2), ids=str)
+def test_mx_nonfinite_values_stay_out_of_the_block_scale(elem):
+    """One Inf in a block: torchao's block scale comes from the Inf (every other value flushes to
+    0; a NaN makes the block NaN). qstats' observers leave NaN/Inf out (docs/observers.md): the
+    block scale and the other codes equal torchao's on the block with the Inf replaced by 0, and
+    the Inf saturates to the element maximum."""
+    g = torch.Generator().manual_seed(6)
+    finite = torch.randn(2, 64, generator=g)
+    x = finite.clone()
+    x[1, 40] = float("inf")
+    finite[1, 40] = 0.0
+    spec = qstats.QuantSpec.from_torchao(elem_dtype=elem, block_size=32, scaling_mode=ScaleCalculationMode.FLOOR)
+    qp = _observe(spec, x)
+    scale_e8m0, data = torchao_mx.to_mx(finite, elem, 32, ScaleCalculationMode.FLOOR)
+    assert torch.equal(qp.scale, torch.pow(2.0, scale_e8m0.view(torch.uint8).float() - 127))
+    reference = torchao_mx.to_dtype(data, scale_e8m0, elem, 32, torch.float32)
+    fake = qstats.fake_quantize(x, qp, spec)
+    inf = torch.isinf(x)
+    assert torch.equal(fake[~inf], reference[~inf])
+    assert fake[inf] == spec.float_format.max * qp.scale[1, 1]
+
+
+@pytest.mark.xfail(strict=True, reason="qstats/_qparams.py:236-238 clips every range to half the float32 maximum, "
+                   "also for MX/NVFP4 scales, which take only the absolute maximum and need no clip")
+@pytest.mark.parametrize("preset", ("mxfp8", "nvfp4"))
+def test_block_maxima_past_half_the_float32_range_match_torchao(preset):
+    x = torch.full((1, 32), 2e38)
+    spec = qstats.preset(preset)
+    qp = _observe(spec, x)
+    if preset == "mxfp8":
+        scale_e8m0, data = torchao_mx.to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.FLOOR)
+        assert torch.equal(qp.scale, torch.pow(2.0, scale_e8m0.view(torch.uint8).float() - 127))
+        reference = torchao_mx.to_dtype(data, scale_e8m0, torch.float8_e4m3fn, 32, torch.float32)
+    else:
+        per_tensor_scale = per_tensor_amax_to_scale(torch.amax(torch.abs(x)))
+        assert torch.equal(qp.global_scale, per_tensor_scale)
+        reference = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_scale).dequantize(torch.float32)
+    assert torch.equal(qstats.fake_quantize(x, qp, spec), reference)
