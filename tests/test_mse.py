@@ -269,6 +269,22 @@ def test_moving_average_update_compiles_without_graph_breaks():
             assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("mode", ["accumulate", "moving_average"])
+def test_compiled_update_takes_batches_of_every_length_in_one_graph(mode):
+    """The chunking of the candidate losses read the input's sizes in Python: a compiled update
+    recompiled for every sequence length and failed at torch.compile's limit of 8 with fullgraph."""
+    obs = qstats.mse(qstats.QuantSpec(dtype="int8"), grid=10, mode=mode)
+    torch._dynamo.reset()
+    compiled = torch.compile(obs.update, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(3)
+    eager = got = obs.init(torch.zeros(2, 3, 16))
+    for length in range(3, 14):
+        x = torch.randn(2, length, 16, generator=g)
+        got, eager = compiled(got, x), obs.update(eager, x)
+    for name, a, b in zip(eager._fields, got, eager):
+        assert torch.allclose(a, b, rtol=1e-12, atol=0) if a.is_floating_point() else torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("patience", [1, 5, None])
 def test_patience_given_to_an_accumulating_search_raises(patience):
     """In mode="accumulate" the search runs in compute_qparams, which takes ``patience``; the

@@ -123,7 +123,9 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
         scales.append(qp.scale.float().reshape(1, num_params, 1))
         zero_points.append(qp.zero_point.reshape(1, num_params, 1))
     per_chunk = max(1, _CHUNK // max(1, observations * group))
-    if num_params > 1:
+    if v.numel() <= _CHUNK:  # one chunk, decided without the sizes' values: torch.compile keeps one graph
+        chunks = [(slice(None), slice(None), slice(None))]
+    elif num_params > 1:
         chunks = [(slice(None), slice(a, b), slice(None)) for a, b in _chunk_bounds(num_params, per_chunk)]
     else:
         chunks = [(slice(None), slice(None), slice(a, b)) for a, b in _chunk_bounds(group, max(1, _CHUNK // observations))]
