@@ -302,6 +302,30 @@ def test_bfloat16_model_stores_bfloat16_scales(tmp_path):
             assert bit_equal(scale.float().reshape(-1), qparams["fc1"]["weight"].scale)
 
 
+
+def test_half_precision_model_without_observed_dtype_warns(tmp_path):
+    """NVFP4A16 on a bfloat16 model from a recipe without ``observed_dtype``: qstats computes the
+    global scale in float32, compressed-tensors (``generate_gparam`` on the bfloat16 weight, as
+    llm-compressor calls it) in bfloat16; they differ, and the export says so (no scale is rounded,
+    so nothing else warned). With ``observed_dtype=torch.bfloat16`` they are equal and it is quiet."""
+    torch.manual_seed(0)
+    model = Tiny().eval().to(torch.bfloat16)
+    x = torch.randn(6, 32, dtype=torch.bfloat16)
+    w = model.fc1.weight.detach()
+    reference = generate_gparam(w.amin(), w.amax()).reshape(1)
+    for observed_dtype, warns in ((None, True), (torch.bfloat16, False)):
+        recipe = qstats.Recipe.from_scheme("NVFP4A16", ignore=["head"], observed_dtype=observed_dtype)
+        states = qstats.calibrate(model, [x], recipe, progress=False)
+        qparams = qstats.compute_qparams_tree(states, recipe, model)
+        out = str(tmp_path / str(observed_dtype))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            qstats.export.compressed_tensors(model, qparams, out, recipe)
+        assert any("observed_dtype" in str(c.message) for c in caught) == warns
+        written = load_file(os.path.join(out, "model.safetensors"))["fc1.weight_global_scale"]
+        assert bit_equal(written, reference) != warns
+
+
 def test_unsigned_torch_ao_range_is_shifted_onto_signed(tmp_path):
     """A quint8 asymmetric input (torch.ao convention) is written with codes and zero point moved
     by -128; the dequantized values compressed-tensors computes are unchanged."""

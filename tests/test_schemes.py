@@ -46,19 +46,37 @@ def saved_moe(tmp_path_factory, saved):
     return path, saved[1], saved[2]
 
 
+@pytest.fixture(scope="module")
+def saved_half(tmp_path_factory, saved):
+    """The tiny Llama in float16 and in bfloat16, a few weights of each Linear -0.0 (as a float16
+    copy of a float32 model holds them where tiny negative weights underflow), with the samples."""
+    config = transformers.LlamaConfig.from_pretrained(saved[0])
+    paths = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).to(dtype)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight[::7, ::5] = -0.0
+        paths[dtype] = str(tmp_path_factory.mktemp(f"tiny_llama_{str(dtype)[6:]}"))
+        model.save_pretrained(paths[dtype])
+    return paths, saved[1], saved[2]
+
+
 def _batches(samples):
     return [{"input_ids": s[None], "attention_mask": torch.ones(1, TOKENS, dtype=torch.long)} for s in samples]
 
 
-def _load(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+def _load(path, dtype=None):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-def _llm_compressor(saved, scheme, out, ignore):
+def _llm_compressor(saved, scheme, out, ignore, dtype=None):
     """llm-compressor's oneshot (basic pipeline: the model's own forward) and compressed save;
     ``scheme`` a preset name or ``config_groups``."""
     path, samples, tokenizer = saved
-    llm_compressor_oneshot(_load(path), samples, _modifier(scheme, ignore), out, "basic", tokenizer)
+    llm_compressor_oneshot(_load(path, dtype), samples, _modifier(scheme, ignore), out, "basic", tokenizer)
 
 
 def _modifier(scheme, ignore):
@@ -69,9 +87,9 @@ def _modifier(scheme, ignore):
     return QuantizationModifier(config_groups=scheme, ignore=list(ignore))
 
 
-def _qstats(saved, scheme, out, ignore, recipe=None, attention="eager"):
+def _qstats(saved, scheme, out, ignore, recipe=None, attention="eager", dtype=None):
     path, samples, _ = saved
-    model = _load(path)
+    model = _load(path, dtype)
     # llm-compressor calibrates under eager attention (its calibration_forward_context)
     model.set_attn_implementation(attention)
     recipe = recipe or qstats.Recipe.from_scheme(scheme, targets="Linear", ignore=ignore)
@@ -104,6 +122,29 @@ def test_export_equals_llm_compressor_oneshot(saved, tmp_path, scheme):
     _llm_compressor(saved, scheme, theirs, ["lm_head"])
     _qstats(saved, scheme, ours, ["lm_head"])
     _assert_same_checkpoint(ours, theirs)
+
+
+HALF_SCHEMES = [(torch.bfloat16, "W8A8"), (torch.bfloat16, "W4A16"), (torch.bfloat16, "FP8"), (torch.bfloat16, "NVFP4"),
+                (torch.float16, "FP8_DYNAMIC"), (torch.float16, "NVFP4A16"), (torch.float16, "MXFP4A16"),
+                (torch.float16, "MXFP8A16")]
+
+
+@pytest.mark.parametrize("dtype, scheme", HALF_SCHEMES, ids=[f"{str(d)[6:]}-{s}" for d, s in HALF_SCHEMES])
+def test_half_precision_export_equals_llm_compressor_oneshot(saved_half, tmp_path, dtype, scheme):
+    """A bfloat16 / float16 model, ``observed_dtype`` its dtype: the same checkpoint bit for bit.
+    Its -0.0 weights are stored as +0 codes, as llm-compressor compresses them (it adds the zero
+    point compressed-tensors registers, zeros, before rounding; qstats' fp4 codes kept the sign)."""
+    paths, samples, tokenizer = saved_half
+    saved = (paths[dtype], samples, tokenizer)
+    theirs, ours = str(tmp_path / "llm_compressor"), str(tmp_path / "qstats")
+    _llm_compressor(saved, scheme, theirs, ["lm_head"], dtype)
+    recipe = qstats.Recipe.from_scheme(scheme, targets="Linear", ignore=["lm_head"], observed_dtype=dtype)
+    _qstats(saved, None, ours, None, recipe=recipe, dtype=dtype)
+    _assert_same_checkpoint(ours, theirs)
+    # the whole config.json: the model's config as transformers' save_pretrained writes it (its diff
+    # from the defaults, no local _name_or_path)
+    with open(os.path.join(ours, "config.json")) as file, open(os.path.join(theirs, "config.json")) as other:
+        assert json.load(file) == json.load(other)
 
 
 STATIC_INT8 = {"group_0": {

@@ -69,7 +69,7 @@ class Writer:
     def __init__(self, specs_or_recipe, qparams: Mapping, model: torch.nn.Module, format: Optional[str]):
         self.specs, self.groups, self.modules, self.dynamic, self.plan = _resolve(specs_or_recipe, qparams, model)
         self.qparams, self.format = qparams, format
-        self.log: dict = {"uncalibrated": [], "rounded": [], "rotary": []}
+        self.log: dict = {"uncalibrated": [], "rounded": [], "rotary": [], "compute_dtype": []}
         self.schemes: dict = {}
         self.expert_projection: dict = {}  # unpacked expert path -> (experts module path, projection)
         self.attention: dict = {}
@@ -209,6 +209,14 @@ def _warn_log(log: dict) -> None:
             f"({_listed(rounded, 4)}); calibrate with a spec whose scale_dtype is that dtype to keep "
             "qstats' and the checkpoint's quantization identical",
         )
+    if log["compute_dtype"]:
+        sites = list(dict.fromkeys(log["compute_dtype"]))
+        warn(
+            f"export.compressed_tensors: {len(sites)} site(s) of a half-precision model were calibrated with "
+            f"compressed-tensors specs computing in another dtype ({_listed(sites, 4)}); llm-compressor computes "
+            "their qparams in the model's dtype, so this checkpoint differs from its: build the recipe with "
+            "observed_dtype=<the model's dtype> (Recipe.from_scheme, QuantSpec.from_compressed_tensors)",
+        )
     if log["uncalibrated"]:
         uncalibrated = list(dict.fromkeys(log["uncalibrated"]))
         warn(
@@ -327,6 +335,17 @@ def _quantizes_a_tied_weight(model: torch.nn.Module, quantization_config: dict) 
     )
 
 
+def _untie(config: dict, model_config: Any) -> None:
+    """``tie_word_embeddings`` false in ``config`` and its sub-configs wherever they (or the model's
+    config objects) tie them: written even where true is the config class's default, which the
+    diff leaves out."""
+    entries = [(model_config, config)]
+    entries += [(getattr(model_config, key, None), value) for key, value in config.items() if isinstance(value, dict)]
+    for source, entry in entries:
+        if entry.get("tie_word_embeddings") or getattr(source, "tie_word_embeddings", False) is True:
+            entry["tie_word_embeddings"] = False
+
+
 def write_config(path: str, model: torch.nn.Module, quantization_config: dict) -> None:
     """``path/config.json``: an existing one, updated with the model's config and ``quantization_config``."""
     os.makedirs(path, exist_ok=True)
@@ -337,14 +356,14 @@ def write_config(path: str, model: torch.nn.Module, quantization_config: dict) -
             config = json.load(file)
     model_config = getattr(model, "config", None)
     if model_config is not None and hasattr(model_config, "to_dict"):
-        config.update(model_config.to_dict())
+        # what differs from the config class's defaults, as transformers' save_pretrained (and so
+        # llm-compressor) writes it: no local _name_or_path
+        config.update(getattr(model_config, "to_diff_dict", model_config.to_dict)())
     if _quantizes_a_tied_weight(model, quantization_config):
         # the checkpoint holds the tied modules' own tensors (one of them quantized): a loader that ties them
         # would replace one by the other (transformers fails, vLLM drops the quantized lm_head), so untie
         # them, as llm-compressor does (untie_word_embeddings)
-        for entry in (config, *(value for value in config.values() if isinstance(value, dict))):
-            if entry.get("tie_word_embeddings"):
-                entry["tie_word_embeddings"] = False
+        _untie(config, model_config)
     config["quantization_config"] = quantization_config
     with open(config_path, "w") as file:
         json.dump(config, file, indent=2, sort_keys=True, default=str)

@@ -83,6 +83,7 @@ def write_linear(entry: Entry, format: Optional[str], tensors: dict, dropped: se
         scheme[site] = args
         if args["dynamic"] is True and site != "weight":
             continue  # dynamic activations: scales at run time, nothing written
+        _log_compute_dtype(spec, entry.dtype, where, log)
         qp = check_qparams(qp, where)
         offset = code_offset(spec, where)
         qp = _stored_scales(qp, args, entry.dtype, f"{SITE_PREFIX[site]} scales", where, log)
@@ -101,6 +102,15 @@ def _check_input_group(entry: Entry, site: str, args: dict, where: str) -> None:
     weight = entry.weight
     if site == "input" and group and weight is not None and weight.dim() == 2 and weight.shape[1] % group:
         fail(where, f"group_size {group} of the input does not divide the layer's {weight.shape[1]} input features")
+
+
+def _log_compute_dtype(spec: QuantSpec, dtype: torch.dtype, where: str, log: dict) -> None:
+    """Logs a compressed-tensors spec computing its qparams in another dtype than a bfloat16 or
+    float16 module's: llm-compressor computes them in the module's dtype, so the checkpoint
+    differs from its (NVFP4 scales too, with no rounding warning)."""
+    if spec.convention.computes_in_observed_dtype and dtype in (torch.bfloat16, torch.float16):
+        if spec.compute_dtype != str(dtype).removeprefix("torch."):
+            log["compute_dtype"].append(where)
 
 
 def _stored_scales(qp: QParams, args: dict, dtype: torch.dtype, what: str, where: str, log: dict) -> QParams:
@@ -134,7 +144,7 @@ def _write_weight(entry: Entry, site: _Site, module_format: str, tensors: dict, 
     if nonfinite:  # a NaN has no code, and an Inf would be saved as the grid's end
         fail(where, f"{nonfinite} of {weight.numel()} weights are NaN or infinite; a checkpoint needs finite weights")
     try:
-        codes = quantize(weight, site.qp, site.spec)
+        codes = _positive_zero(quantize(weight, site.qp, site.spec), weight, site.spec)
     except ValueError as error:  # qparams of another shape (another module's, a transposed weight)
         fail(where, f"{error} (a weight of shape {tuple(weight.shape)})")
     if site.spec.dtype == "fp4_e2m1":  # NVFP4 / MXFP4
@@ -150,6 +160,17 @@ def _write_weight(entry: Entry, site: _Site, module_format: str, tensors: dict, 
         dropped.add(prefix + "weight")
     else:
         tensors[prefix + "weight"] = signed_int8(codes, site.offset)
+
+
+def _positive_zero(codes: torch.Tensor, weight: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Float codes of the weights that are -0.0 made +0: llm-compressor compresses with the zero
+    point compressed-tensors registers (zeros, also for symmetric args) added to ``weight / scale``,
+    and -0.0 + 0 is +0 (a tiny negative weight still rounds to -0). fp4 codes carry their sign in
+    bit 3; integer codes have no -0."""
+    if not spec.is_float:
+        return codes
+    negative_zero = (weight == 0) & torch.signbit(weight)
+    return torch.where(negative_zero, torch.zeros_like(codes), codes)
 
 
 def _write_qparams(site: _Site, name: str, dtype, module_format, tensors: dict, log: dict) -> None:
