@@ -8,11 +8,12 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
 
-__all__ = ["bitcast", "torch_dtype"]
+__all__ = ["bitcast", "torch_dtype", "uncompiled"]
 
 
 def torch_dtype(name: str) -> Optional[torch.dtype]:
@@ -37,3 +38,13 @@ def bitcast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     level = functorch.maybe_get_level(x)
     inner, dim = functorch._unwrap_batched(x, level)
     return functorch._add_batch_dim(bitcast(inner, dtype), dim, level)
+
+
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile(model)`` wraps (``OptimizedModule._orig_mod``), else ``model``:
+    recipes resolve on it, so a compiled model's sites are named (and targeted, and ignored) by
+    the model's own paths rather than ``"_orig_mod.<path>"``."""
+    dynamo = sys.modules.get("torch._dynamo")  # imported by torch.compile; importing it costs seconds
+    while dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return model

@@ -22,7 +22,7 @@ from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor,
 from .experts import stacked_qparams
 from .fused import fused_qparams
 from .observers import memoryless_minmax
-from .observation import Observing, observing, uncompiled
+from .observation import Observing, observing
 from .recipe import Plan, Recipe, as_plan
 from ._warn import warn
 
@@ -110,7 +110,7 @@ def calibrate(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"calibrate expects an nn.Module, got {type(model).__name__}")
     check_batches(batches, "calibrate")
-    plan = as_plan(recipe, uncompiled(model), "calibrate")
+    plan = as_plan(recipe, model, "calibrate")
     with observing(model, plan, states, all_experts=all_experts) as session:
         _run_batches(session, model, batches, progress, observation_weight)
     return session.states
@@ -142,7 +142,7 @@ def compute_qparams_tree(
       ValueError: naming the module and site, for data-less entries under
         ``on_uncalibrated="raise"`` (``"fallback"`` gives scale 1, zero point 0).
     """
-    plan = as_plan(recipe, uncompiled(model), "compute_qparams_tree")
+    plan = as_plan(recipe, model, "compute_qparams_tree")
     if not isinstance(states, Mapping) or not all(isinstance(entry, Mapping) for entry in states.values()):
         got = type(states).__name__ if not isinstance(states, Mapping) else "a module entry that is not a dict"
         raise TypeError(f"compute_qparams_tree: states must be a tree {{path: {{site: state}}}} (calibrate's), got {got}")
@@ -258,7 +258,7 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
     stacked experts are not applied. Run-time scaled sites compute their scales from each tensor,
     as compressed-tensors' dynamic activations do.
     """
-    plan = as_plan(recipe, uncompiled(model), "fake_quantized")
+    plan = as_plan(recipe, model, "fake_quantized")
     if not isinstance(qparams, Mapping) or not all(isinstance(entry, Mapping) for entry in qparams.values()):
         raise TypeError("fake_quantized: qparams must be a tree {path: {site: QParams}} (compute_qparams_tree's)")
     handles: list = []

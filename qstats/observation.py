@@ -16,7 +16,6 @@ import contextlib
 from typing import Iterator, Mapping, Optional, Union
 
 import torch
-import torch._dynamo
 from torch.nn.utils import parametrize
 
 from ._granularity import qparam_shape
@@ -38,15 +37,6 @@ from .tree import assert_same_structure
 from ._warn import warn
 
 __all__ = ["observing", "Observing"]
-
-
-def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
-    """The module ``torch.compile(model)`` wraps (``OptimizedModule._orig_mod``), else ``model``:
-    recipes resolve on it, so a compiled model's sites are named (and targeted, and ignored) by
-    the model's own paths rather than ``"_orig_mod.<path>"``."""
-    while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        model = model._orig_mod
-    return model
 
 
 def _copy_tree(states: Optional[Mapping]) -> dict:
@@ -510,7 +500,7 @@ def observing(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"observing expects an nn.Module, got {type(model).__name__}")
-    plan = as_plan(recipe, uncompiled(model), "observing")
+    plan = as_plan(recipe, model, "observing")
     run = _Calibration(plan, plan.share_states(_copy_tree(states)), all_experts=bool(all_experts))
     check_resumed(run.states, plan)
     _observe_parameters(run)

@@ -18,6 +18,7 @@ from ._granularity import PerGroup, PerTensor, PerToken, TensorGroup
 from ._rule_data import recipe_fields
 from ._schemes import config_rules, scheme_rules
 from ._spec import QuantSpec
+from ._torch_features import uncompiled
 from .experts import expert_count, is_stacked_parameter, own_parameters, parameter_input_site, stacked_observer
 from .fused import fused_groups
 from .observers import Observer
@@ -362,7 +363,10 @@ def _resolve_shared(shared: dict, resolved: dict) -> dict:
 
 def as_plan(recipe, model: Optional[torch.nn.Module], caller: str) -> Plan:
     """``recipe`` itself when it is a `Plan` (of ``model``, when one is given), else
-    ``recipe.resolve(model)``: how every consumer resolves its argument, once, at its entry."""
+    ``recipe.resolve(model)``: how every consumer resolves its argument, once, at its entry. A
+    compiled model (``torch.compile(model)``) resolves as the module it wraps: its sites keep the
+    model's own paths."""
+    model = None if model is None else uncompiled(model)
     if isinstance(recipe, Plan):
         if model is not None and model is not recipe.model:
             raise ValueError(f"{caller}: the Plan was resolved on another model than the one given")
