@@ -161,3 +161,82 @@ def test_imatrix_mse_names_both_shapes_for_a_tensor_of_another_shape():
         obs.init(torch.randn(6, 4))
     # an empty tensor leaves the state as it is
     assert all(torch.equal(a, b) for a, b in zip(obs.update(state, torch.randn(0, 8)), state))
+
+
+def _llama_cpp_expert_importance(x, ids, num_experts):
+    """llama.cpp's imatrix.cpp for GGML_OP_MUL_MAT_ID, reimplemented: for every expert, every token
+    routed to it adds ``x**2`` to the expert's values and one to its count; the saved importance is
+    values / count, zero-filled for an expert no token reached."""
+    channels = x.shape[-1]
+    values = [[0.0] * channels for _ in range(num_experts)]
+    counts = [0] * num_experts
+    for token, chosen in enumerate(ids.tolist()):
+        for ex in chosen:
+            counts[ex] += 1
+            for j in range(channels):
+                values[ex][j] += float(x[token, j]) ** 2
+    return torch.tensor([[v / c if c > 0 else 0.0 for v in row] for row, c in zip(values, counts)], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("num_experts, channels", [(3, 8), (4, 4)], ids=["E!=C", "E==C"])
+def test_stacked_importance_is_per_expert_as_llama_cpp(num_experts, channels):
+    """importance() of a stacked imatrix subtracted each expert's row count from the channels'
+    non-finite counts along the wrong dimension: [E] - [E, C] raised for E != C and, for E == C,
+    divided each expert's channel j by expert j's count."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(24, channels, generator=g, dtype=torch.float64) * torch.logspace(-1, 1, channels, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(num_experts - 1, generator=g)[:2] for _ in range(24)])  # top-2; the last expert idle
+    route = torch.zeros(num_experts, 24, dtype=torch.int64)
+    for token, chosen in enumerate(ids.tolist()):
+        route[chosen, token] = 1
+    obs = qstats.stacked_observer(qstats.imatrix(), num_experts)
+    stack = x.expand(num_experts, *x.shape)
+    state = obs.update(obs.init(stack), stack, route)
+    assert state.count.tolist() == route.sum(1).tolist()
+    torch.testing.assert_close(qstats.importance(state), _llama_cpp_expert_importance(x, ids, num_experts),
+                               rtol=1e-12, atol=0.0)
+
+
+def test_imatrix_mse_on_stacked_experts_equals_llm_compressor_per_expert_linear():
+    """A stacked importance [E, in] with an [E, out, in] weight: each expert searched with its own
+    importance, as llm-compressor's imatrix_mse on each expert's Linear fed the tokens routed to it
+    (an expert no token reached falls back to uniform there). The old code broadcast [E] against
+    [E, in] and could not expand the importance to the weight."""
+    num_experts, out_features, in_features = 3, 8, 32
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, in_features, generator=g) * torch.logspace(-1, 1, in_features)
+    route = torch.stack([torch.rand(40, generator=g) < 0.5, torch.rand(40, generator=g) < 0.3, torch.zeros(40, dtype=torch.bool)])
+    torch.manual_seed(2)
+    layers = [torch.nn.Linear(in_features, out_features, bias=False) for _ in range(num_experts)]
+    fields = dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16)
+    expected = [_llmc(fields, layers[e], [x[route[e]]] if route[e].any() else [], patience=10**6) for e in range(num_experts)]
+    spec = qstats.QuantSpec.from_compressed_tensors(expected[0][0])
+    imatrix = qstats.stacked_observer(qstats.imatrix(), num_experts)
+    stack = x.expand(num_experts, *x.shape)
+    istate = imatrix.update(imatrix.init(stack), stack, route)
+    w = torch.stack([layer.weight.data for layer in layers])
+    obs = qstats.imatrix_mse(spec, w.shape, istate)
+    qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec)
+    for e, (_, scale, zero_point) in enumerate(expected):
+        assert torch.equal(qp.scale[e], scale.reshape(qp.scale[e].shape)), e
+        assert torch.equal(qp.zero_point[e].to(zero_point.dtype), zero_point.reshape(qp.zero_point[e].shape)), e
+    with pytest.raises(ValueError, match=r"\(3,\) \+ \(out, in\)"):
+        qstats.imatrix_mse(spec, (out_features, in_features), istate)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["None", "no-rows"])
+def test_uniform_imatrix_mse_on_bf16_weights_equals_llm_compressor_fallback(with_state):
+    """Without importance data llm-compressor's imatrix_mse still forms every error in float32;
+    imatrix_state=None used qstats.mse's bf16 error sums (llm-compressor's plain mse observer)
+    instead and chose other scales for bf16 weights (4 of 768 group scales here)."""
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(512, 24, bias=False).to(torch.bfloat16)
+    fields = dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16)
+    args, scale, zero_point = _llmc(fields, layer, [], patience=10**6)  # no tokens: the uniform fallback
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=torch.bfloat16)
+    w = layer.weight.data
+    istate = qstats.imatrix().init(torch.zeros(1, 512)) if with_state else None
+    obs = qstats.imatrix_mse(spec, w.shape, istate)
+    qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec)
+    assert torch.equal(qp.scale, scale.reshape(qp.scale.shape))
+    assert torch.equal(qp.zero_point.to(zero_point.dtype), zero_point.reshape(qp.zero_point.shape))

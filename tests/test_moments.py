@@ -88,11 +88,14 @@ def test_bad_input():
     state = obs.update(obs.init(torch.ones(3)), torch.ones(3))
     with pytest.raises(ValueError, match="method"):
         qstats.compute_qparams(state, spec, method="sigma")
-    for k in (0, -1.0, math.inf, math.nan):  # k=inf gave NaN ranges ("uncalibrated") or 1e36 scales
+    # k=inf gave NaN ranges ("uncalibrated") or 1e36 scales; k=True / p=True were read as 1
+    for k in (0, -1.0, math.inf, math.nan, True):
         with pytest.raises(ValueError, match="k must be a positive finite number"):
             qstats.compute_qparams(state, spec, method="mean_std", k=k)
     with pytest.raises(TypeError, match="p="):
         qstats.compute_qparams(state, spec, method="lp")
+    with pytest.raises(ValueError, match="p must be a positive finite number"):
+        qstats.compute_qparams(state, spec, method="lp", p=True)
     per_axis = qstats.moments(qstats.QuantSpec(granularity=qstats.PerAxis(0)))
     with pytest.raises(ValueError, match=r"\(4,\)"):
         per_axis.update(per_axis.init(torch.ones(3, 2)), torch.ones(4, 2))
@@ -149,3 +152,78 @@ def test_float64_values_past_float32_are_finite_under_the_raise_policy():
     with pytest.raises(ValueError, match="non-finite"):
         bad = torch.tensor([1e200, float("inf")], dtype=torch.float64)
         obs.update(obs.init(bad), bad)
+
+
+
+def _numpy_moments(views, masks, axis, p):
+    """count, mean, variance, E|x|, rms and E|x|**p over dims (0, -1) of the float64 canonical
+    views concatenated along ``axis``, masked and non-finite values left out (numpy, two passes)."""
+    view, keep = np.concatenate(views, axis=axis), np.concatenate(masks, axis=axis)
+    keep = keep & np.isfinite(view)
+    axes = (0, view.ndim - 1)
+    n = keep.sum(axis=axes)
+    v = np.where(keep, view, 0.0)
+    mean = v.sum(axis=axes) / np.maximum(n, 1)
+    centred = np.where(keep, view - mean[None, ..., None], 0.0)
+
+    def per(a):
+        return a.sum(axis=axes) / np.maximum(n, 1)
+
+    return n, mean, per(centred**2), per(np.abs(v)), np.sqrt(per(v**2)), per(np.abs(v) ** p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "granularity",
+    [qstats.PerTensor(), qstats.PerAxis(1), qstats.PerToken(), qstats.PerGroup(4), qstats.PerBlock((2, 4))],
+    ids=["tensor", "axis1", "token", "group4", "block"],
+)
+def test_masked_batches_merged_in_any_order_match_numpy(granularity, dtype):
+    """Row masks, an empty batch, NaN/Inf and 2**60 magnitudes (float32), merged as shards in a
+    shuffled tree: the moments numpy computes over all the data, per quantization parameter."""
+    g = torch.Generator().manual_seed(6)
+    rows_vary = isinstance(granularity, (qstats.PerTensor, qstats.PerAxis))  # else rows are parameters
+    shapes = [(2, 4, 8), (1 if rows_vary else 2, 4, 8), (0, 4, 8), (3 if rows_vary else 2, 4, 8)]
+    scale = 2.0**60 if dtype == torch.float32 else 2.0**6  # bf16/fp16: within fp16's range
+    xs = [(torch.randn(s, generator=g) * scale + scale / 3).to(dtype) for s in shapes]
+    xs[0][1, 2, 3], xs[3][0, 0, 0] = float("nan"), float("-inf")
+    ws = [(torch.rand(s[:1], generator=g) < 0.7).to(torch.int64) for s in shapes]
+    obs = qstats.moments(qstats.QuantSpec(granularity=granularity), p=3.0)
+    states = [obs.update(obs.init(xs[0]), x, w) for x, w in zip(xs, ws)]
+    order = torch.randperm(len(states), generator=g).tolist()
+    merged = obs.merge(obs.merge(states[order[0]], states[order[1]]), obs.merge(states[order[2]], states[order[3]]))
+
+    def view(t):
+        return qstats._granularity.canonical_view(t, granularity).numpy()
+
+    seen = [(x, w) for x, w in zip(xs, ws) if x.numel()]
+    views = [view(x.double()) for x, _ in seen]
+    masks = [view((w != 0).reshape(-1, 1, 1).expand(x.shape)) for x, w in seen]
+    axis = -1 if isinstance(granularity, qstats.PerTensor) else 0
+    n, mean, var, abs_mean, rms, power = _numpy_moments(views, masks, axis, 3.0)
+    assert np.array_equal(merged.count.numpy(), n)
+    for got, want in [(merged.mean, mean), (merged.variance, var), (merged.abs_mean, abs_mean), (merged.rms, rms),
+                      (merged.power_total / merged.count.clamp(min=1), power)]:
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=0.0)
+    assert int(merged.nonfinite.sum()) == sum(int((~torch.isfinite(x[w != 0])).sum()) for x, w in seen)
+
+
+def test_stacked_experts_with_routing_masks_match_numpy_per_expert():
+    """qstats.stacked_observer over shared activations with per-expert routing masks (an idle
+    expert included), two batches merged: each expert's per-channel moments are numpy's over the
+    tokens routed to it."""
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(12, 6, generator=g) * 5 + 2 for _ in range(2)]
+    routes = [torch.stack([torch.rand(12, generator=g) < 0.5, torch.rand(12, generator=g) < 0.2, torch.zeros(12, dtype=torch.bool)])
+              for _ in range(2)]
+    obs = qstats.stacked_observer(qstats.moments(qstats.QuantSpec(granularity=qstats.PerAxis(-1))), 3)
+    states = [obs.update(obs.init(x.expand(3, *x.shape)), x.expand(3, *x.shape), r) for x, r in zip(xs, routes)]
+    merged = obs.merge(states[1], states[0])
+    for e in range(3):
+        rows = torch.cat([x[r[e]] for x, r in zip(xs, routes)]).double().numpy()
+        assert merged.count[e].tolist() == [rows.shape[0]] * 6
+        if rows.shape[0] == 0:
+            assert not merged.total[e].any() and not merged.m2[e].any()
+            continue
+        np.testing.assert_allclose(merged.mean[e].numpy(), rows.mean(0), rtol=1e-12)
+        np.testing.assert_allclose(merged.variance[e].numpy(), rows.var(0), rtol=1e-10)

@@ -99,9 +99,39 @@ def imatrix() -> Observer:
 def importance(state: IMatrixState) -> torch.Tensor:
     """``E[x**2]`` per input channel over its finite values (float64; zeros before any data).
     A row's NaN/Inf is left out of its channel's sum and, through ``nonfinite``, of the
-    channel's count."""
+    channel's count. A stacked state (`qstats.stacked_observer`, ``count`` of shape ``[E]``)
+    gives ``[E, channels]``, each expert over its own rows (llama.cpp's per-expert counts)."""
     check_state(state, IMatrixState, "importance")
-    return state.square_total / (state.count - state.nonfinite).clamp(min=1).to(torch.float64)
+    # the row count is per state (per expert when stacked): it lines up with the channels' leading dims
+    rows = state.count.unsqueeze(-1) - state.nonfinite
+    return state.square_total / rows.clamp(min=1).to(torch.float64)
+
+
+def _normalised_importance(state: IMatrixState, weight_shape: tuple) -> torch.Tensor:
+    """The importance over its mean (float32, as llm-compressor), expanded to ``weight_shape``; per
+    expert for a stacked state (``count`` of shape ``[E]``, a weight ``[E, out, in]``), each expert
+    normalised as llm-compressor normalises each expert's own Linear."""
+    check_state(state, IMatrixState, "imatrix_mse")
+    lead, channels = tuple(state.count.shape), state.square_total.shape[-1]
+    if channels != weight_shape[-1]:
+        raise ValueError(
+            f"imatrix_mse: the importance has {channels} input channels but the weight of shape "
+            f"{weight_shape} has {weight_shape[-1]}"
+        )
+    if len(weight_shape) < len(lead) + 2 or weight_shape[: len(lead)] != lead:
+        raise ValueError(
+            f"imatrix_mse: a stacked importance of {lead} experts needs a weight of shape "
+            f"{lead} + (out, in), got {weight_shape}"
+        )
+    imp = importance(state).to(torch.float32)
+    # llm-compressor's fallbacks to uniform weights: no rows seen, an importance that is all
+    # zeros (every candidate's loss would be 0), or one that is not finite in float32 (a
+    # non-finite entry, or a mean that overflows, leaves a non-finite normalised entry)
+    usable = (state.count > 0) & (imp != 0).any(-1)
+    imp = imp / (imp.mean(-1, keepdim=True) + torch.finfo(torch.float32).tiny)
+    usable = usable & torch.isfinite(imp).all(-1)
+    imp = torch.where(usable.unsqueeze(-1), imp, torch.ones_like(imp))
+    return imp.reshape(lead + (1,) * (len(weight_shape) - len(lead) - 1) + (channels,)).expand(weight_shape)
 
 
 def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixState] = None, maxshrink: float = 0.95,
@@ -113,7 +143,9 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
     usable importance data (None, no rows, all zeros, non-finite) the search is uniform, as
     llm-compressor's fallback. Defaults are llm-compressor's (``maxshrink=0.95``, ``grid=20``,
     ``norm=3``); other keyword arguments go to `qstats.mse`. Pass ``patience=5`` to ``compute_qparams``
-    for its early stopping.
+    for its early stopping. A stacked ``imatrix_state`` (`qstats.stacked_observer` of `imatrix`, one
+    per expert) takes a ``weight_shape`` of ``(E, out, in)``: each expert's importance is its own, and
+    an expert no token reached searches uniformly (llm-compressor's fallback for its Linear).
     """
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"imatrix_mse: expected a QuantSpec, got {type(spec).__name__}")
@@ -122,30 +154,27 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
         raise ValueError(f"imatrix_mse: weight_shape must have at least two dimensions, got {weight_shape}")
     weights = None
     if imatrix_state is not None:
-        check_state(imatrix_state, IMatrixState, "imatrix_mse")
-        channels = imatrix_state.square_total.shape[-1]
-        if channels != weight_shape[-1]:
-            raise ValueError(
-                f"imatrix_mse: the importance has {channels} input channels but the weight of shape "
-                f"{weight_shape} has {weight_shape[-1]}"
-            )
-        imp = importance(imatrix_state).to(torch.float32)
-        # llm-compressor's fallbacks to uniform weights: no rows seen, an importance that is all
-        # zeros (every candidate's loss would be 0), or one that is not finite in float32 (a
-        # non-finite entry, or a mean that overflows, leaves a non-finite normalised entry)
-        usable = (imatrix_state.count > 0) & (imp != 0).any()
-        imp = imp / (imp.mean() + torch.finfo(torch.float32).tiny)
-        usable = usable & torch.isfinite(imp).all()
-        imp = torch.where(usable, imp, torch.ones_like(imp))
-        full = imp.expand(weight_shape)
+        full = _normalised_importance(imatrix_state, weight_shape)
         weights = canonical_view(full, spec.granularity)
     steps = max(1, int(maxshrink * grid)) + 1
     if not math.isfinite(norm) or norm <= 0:
         raise ValueError(f"imatrix_mse: norm must be a finite positive number, got {norm!r}")
-    base = mse(spec, maxshrink=maxshrink, grid=grid, norm=norm, expand=expand, importance=weights, steps=steps,
-               **options)._replace(name="imatrix_mse")
+
+    def build(importance: torch.Tensor) -> Observer:
+        return mse(spec, maxshrink=maxshrink, grid=grid, norm=norm, expand=expand, importance=importance,
+                   steps=steps, **options)._replace(name="imatrix_mse")
+
     if weights is None:
-        return base
+        # llm-compressor's imatrix search forms every error in float32, with importance data or
+        # without: a unit importance (on the tensor's device) keeps qstats.mse from forming bf16/fp16
+        # errors in their own dtype, as llm-compressor's plain mse observer does
+        base = build(None)
+
+        def uniform_update(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
+            return build(torch.ones((), dtype=torch.float32, device=x.device)).update(state, x, weight)
+
+        return base._replace(update=uniform_update)
+    base = build(weights)
 
     def check_weight_shape(x: torch.Tensor, where: str) -> None:
         # the importance is laid out for the weight's shape; an empty tensor leaves the state as it is

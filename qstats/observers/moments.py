@@ -179,7 +179,7 @@ def _as_float32_range(state: MomentsState, lo: torch.Tensor, hi: torch.Tensor) -
 def _multiple(k: Optional[float], default: float) -> float:
     """The method's ``k`` (``default`` when None): ValueError unless a positive finite number."""
     k = default if k is None else k
-    if not (isinstance(k, (int, float)) and 0 < k < math.inf):
+    if isinstance(k, bool) or not (isinstance(k, (int, float)) and 0 < k < math.inf):
         raise ValueError(f"compute_qparams: k must be a positive finite number, got {k!r}")
     return k
 
@@ -208,7 +208,7 @@ def lp_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None, p
     k = _multiple(k, 1.0)
     if p is None:
         raise TypeError("compute_qparams: method 'lp' needs p=, the order the moments observer was built with")
-    if not (isinstance(p, (int, float)) and math.isfinite(p) and p > 0):
+    if isinstance(p, bool) or not (isinstance(p, (int, float)) and math.isfinite(p) and p > 0):
         raise ValueError(f"compute_qparams: p must be a positive finite number, got {p!r}")
     amax = k * (state.power_total / state._denominator()).pow(1.0 / float(p))
     return _as_float32_range(state, -amax, amax)
