@@ -232,13 +232,14 @@ def qparams_from_minmax(
     minval = _minval(min_val, max_val, spec, calibrated)
     # an uncalibrated entry maps a zero range (its scale and zero point are replaced below; a
     # two-level scale reduces over every entry, so they must not take part); ranges near the
-    # float32 limit are clipped to half of it, so that max - min cannot overflow
-    half_float32_max = torch.finfo(torch.float32).max / 2
-    min_val = torch.where(calibrated, min_val, 0.0).clamp(min=-half_float32_max)
-    max_val = torch.where(calibrated, max_val, 0.0).clamp(max=half_float32_max)
+    # float32 limit are clipped to half of it, so that max - min cannot overflow (MX and NVFP4
+    # scales take only the absolute maximum: theirs are not clipped)
+    min_val, max_val = torch.where(calibrated, min_val, 0.0), torch.where(calibrated, max_val, 0.0)
     if _formats.handles_qparams(spec):
         scale, zero_point, global_scale = _formats.qparams(min_val, max_val, spec, global_scale)
     else:
+        half_float32_max = torch.finfo(torch.float32).max / 2
+        min_val, max_val = min_val.clamp(min=-half_float32_max), max_val.clamp(max=half_float32_max)
         scale, zero_point = spec.convention.qparams(min_val, max_val, spec)
         global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
     scale = torch.where(calibrated, scale, torch.ones_like(scale))

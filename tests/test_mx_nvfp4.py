@@ -328,8 +328,6 @@ def test_mx_nonfinite_values_stay_out_of_the_block_scale(elem):
     assert fake[inf] == spec.float_format.max * qp.scale[1, 1]
 
 
-@pytest.mark.xfail(strict=True, reason="qstats/_qparams.py:236-238 clips every range to half the float32 maximum, "
-                   "also for MX/NVFP4 scales, which take only the absolute maximum and need no clip")
 @pytest.mark.parametrize("preset", ("mxfp8", "nvfp4"))
 def test_block_maxima_past_half_the_float32_range_match_torchao(preset):
     x = torch.full((1, 32), 2e38)
