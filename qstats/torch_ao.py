@@ -89,11 +89,11 @@ def _holds(dtype, qrange) -> bool:
     return info.min <= qrange[0] and qrange[1] <= info.max
 
 
-def _probe(spec: Optional[QuantSpec]) -> torch.Tensor:
+def _probe(spec: Optional[QuantSpec], device=None) -> torch.Tensor:
     """A small tensor every granularity this module accepts can view (for field names and the
-    qparams of an observer that saw nothing)."""
+    qparams of an observer that saw nothing), on ``device``."""
     axis = spec.granularity.axis if spec is not None and isinstance(spec.granularity, PerAxis) else 0
-    return torch.zeros((1,) * max(axis + 1, -axis, 1))
+    return torch.zeros((1,) * max(axis + 1, -axis, 1), device=device)
 
 
 class QstatsObserver(ao.ObserverBase):
@@ -106,7 +106,8 @@ class QstatsObserver(ao.ObserverBase):
       spec: the `QuantSpec`; default: ``QuantSpec.from_torch_ao`` of the torch.ao arguments
         below, so that the qparams equal torch.ao's observer with those arguments.
       dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis: torch.ao's arguments,
-        used when ``spec`` is None (a float ``dtype`` builds no spec: placeholders only). With
+        used when ``spec`` is None (a float ``dtype`` builds no spec: placeholders only, whose
+        ``qscheme`` is None, so that FX's convert skips them as torch.ao's placeholders). With
         ``spec``, a plain integer ``dtype`` holding its range (PT2E's ``torch.int16``) is kept as
         the observer's dtype.
       is_dynamic: torch.ao's flag for dynamic quantization placeholders.
@@ -155,8 +156,8 @@ class QstatsObserver(ao.ObserverBase):
             spec = QuantSpec.from_torch_ao(dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis)
             fields = dict(dtype=dtype, qscheme=qscheme, quant_min=spec.qrange[0], quant_max=spec.qrange[1],
                           ch_axis=ch_axis, eps=spec.eps)
-        elif spec is None:
-            fields = dict(dtype=dtype, qscheme=qscheme, quant_min=quant_min, quant_max=quant_max,
+        elif spec is None:  # qscheme None: torch.ao's get_qparam_dict skips it, as a PlaceholderObserver
+            fields = dict(dtype=dtype, qscheme=None, quant_min=quant_min, quant_max=quant_max,
                           ch_axis=ch_axis, eps=eps)
         else:
             fields, reduce_range = torch_ao_fields(spec), spec.reduce_range
@@ -204,6 +205,12 @@ class QstatsObserver(ao.ObserverBase):
         for name, value in zip(self._fields, state):
             setattr(self, name, value)
 
+    def reset_min_max_vals(self) -> None:
+        """Forgets what the observer saw (torch.ao's name; FX's equalization calls it): the buffers
+        become empty, as before the first ``forward``, on their device."""
+        for name in self._fields:
+            setattr(self, name, torch.empty(0, device=getattr(self, name).device))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"QstatsObserver: expected a tensor, got {type(x).__name__}")
@@ -216,20 +223,25 @@ class QstatsObserver(ao.ObserverBase):
     def calculate_qparams(self):
         """``(scale, zero_point)`` as torch.ao returns them: float32 scales, int32 (affine) or
         int64 (symmetric) zero points (float32 for float zero points), shape ``(1,)`` per tensor.
-        Before any data (or after empty tensors only), torch.ao's defaults (scale 1, zero point 0)
-        with a warning, as torch.ao's observers (a spec with ``on_uncalibrated="raise"`` raises
-        instead); observers whose qparams need no data (fixed qparams) do not warn."""
+        Before any data (or after empty tensors only), torch.ao's defaults ``([1.], [0])`` (an
+        int64 zero point, on the buffers' device) with a warning, as torch.ao's observers (a spec
+        with ``on_uncalibrated="raise"`` raises instead); observers whose qparams need no data
+        (fixed qparams) do not warn. On ``meta`` tensors (no values to read) no warning."""
         if self.spec is None:
             raise TypeError("QstatsObserver: an observer without a QuantSpec (float dtype) has no qparams")
+        device = next(self.buffers()).device if self._fields else None
         state = self.state
         if state is None:
-            state = self.observer.init(_probe(self.spec))
+            state = self.observer.init(_probe(self.spec, device))
         options = {} if self.method is None else {"method": self.method}
         qp = compute_qparams(state, self.spec, **options)
-        if not bool(qp.calibrated.all()):  # eager, outside the pure core
-            warn("QstatsObserver: must run the observer on data before calculate_qparams; returning "
-                          "torch.ao's defaults (scale 1, zero point 0) where it saw none")
         scale, zero_point = qp.scale, qp.zero_point
+        if qp.calibrated.device.type != "meta" and not bool(qp.calibrated.all()):  # eager, outside the pure core
+            warn("QstatsObserver: must run the observer on data before calculate_qparams; returning "
+                 "torch.ao's defaults (scale 1, zero point 0) where it saw none")
+            if not bool(qp.calibrated.any()):  # torch.ao's defaults: torch.tensor([1.0]), torch.tensor([0])
+                ones = torch.ones(1, dtype=scale.dtype, device=scale.device)
+                return ones, torch.zeros(1, dtype=torch.int64, device=scale.device)
         if not zero_point.is_floating_point() and self.spec.mapping != "asymmetric":
             zero_point = zero_point.to(torch.int64)  # torch.ao: int64 when symmetric, int32 when affine
         if scale.dim() == 0:  # torch.ao's per-tensor qparams have shape (1,)

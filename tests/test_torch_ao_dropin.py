@@ -1,7 +1,6 @@
 """qstats.torch_ao against torch.ao itself: converted models (eager, FX, torchao PT2E), the
 default_* presets, from_observer continuation, state_dict round trips and bad input."""
 
-import copy
 import io
 import warnings
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 import torch.ao.quantization as tq
 from torch.ao.quantization import observer as ao
-from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx, prepare_qat_fx
 
 import qstats
 from qstats import torch_ao
@@ -213,6 +212,9 @@ PRESETS = [
 def test_presets_match_torch_ao(name):
     ours, reference = getattr(torch_ao, name)(), getattr(ao, name)()
     for field in ("dtype", "qscheme", "quant_min", "quant_max", "is_dynamic"):
+        if field == "qscheme" and ours.spec is None:  # float dtype: None, so FX skips it as torch.ao's placeholder
+            assert ours.qscheme is None and isinstance(reference, ao.PlaceholderObserver)
+            continue
         assert getattr(ours, field) == getattr(reference, field), field
     if hasattr(reference, "ch_axis"):
         assert ours.ch_axis == reference.ch_axis
@@ -382,16 +384,37 @@ def test_prepared_model_state_dict_round_trip():
 
 
 def test_uncalibrated_gives_torch_ao_defaults():
-    for ours, reference in ((torch_ao.default_observer(), ao.default_observer()),
-                            (torch_ao.default_per_channel_weight_observer(), ao.default_per_channel_weight_observer())):
+    """torch.ao's ``(tensor([1.]), tensor([0]))``: an int64 zero point whatever the qscheme (it
+    was int32 for affine observers), shape (1,) also per channel."""
+    cases = ((torch_ao.default_observer(), ao.default_observer()),
+             (torch_ao.default_per_channel_weight_observer(), ao.default_per_channel_weight_observer()),
+             (torch_ao.default_float_qparams_observer(), ao.default_float_qparams_observer()),
+             (torch_ao.default_histogram_observer(), ao.default_histogram_observer()),
+             (torch_ao.QstatsObserver(observer=qstats.moving_average_minmax, qscheme=torch.per_channel_affine),
+              ao.MovingAveragePerChannelMinMaxObserver()))
+    for ours, reference in cases:
         with pytest.warns(UserWarning, match="before calculate_qparams"):
             qparams = ours.calculate_qparams()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             expected = reference.calculate_qparams()
         for a, b in zip(qparams, expected):
-            assert torch.equal(a, b.to(a.dtype))
+            assert a.dtype == b.dtype and torch.equal(a, b), (type(reference).__name__, a, b)
         assert ours.state is None
+
+
+def test_uncalibrated_on_meta_keeps_the_device():
+    """Before data the qparams come on the observer's device (they were CPU tensors for a ``meta``
+    observer); calibrated on ``meta``, the qparams have torch.ao's shapes and dtypes (torch.ao's
+    own observers cannot read meta values)."""
+    ours = torch_ao.default_per_channel_weight_observer().to("meta")
+    scale, zero_point = ours.calculate_qparams()  # no warning: meta has no values to read
+    assert scale.device.type == zero_point.device.type == "meta"
+    reference = ao.default_per_channel_weight_observer()
+    reference(torch.randn(4, 3))
+    ours(torch.randn(4, 3, device="meta"))
+    for a, b in zip(ours.calculate_qparams(), reference.calculate_qparams()):
+        assert (a.device.type, a.shape, a.dtype) == ("meta", b.shape, b.dtype)
 
 
 def test_uncalibrated_warning_only_where_torch_ao_warns():
@@ -501,3 +524,251 @@ def test_qat_fake_quantize_wrapping_qstats_observers():
     assert torch.equal(ours.fc1.weight().int_repr(), reference.fc1.weight().int_repr())
     observer = torch_ao.default_observer(factory_kwargs={"device": torch.device("cpu"), "dtype": None})
     assert observer.min_val.device.type == "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.ao's default qconfigs with every observer replaced by its qstats preset
+
+
+class _ConvNet(torch.nn.Module):
+    """Conv, ReLU, add, cat and a shared Linear (eager: FloatFunctional and QuantStubs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
+        self.conv, self.relu, self.conv2 = torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1)
+        self.add, self.cat = torch.ao.nn.quantized.FloatFunctional(), torch.ao.nn.quantized.FloatFunctional()
+        self.shared, self.fc = torch.nn.Linear(6, 6), torch.nn.Linear(8 * 6 * 6, 5)
+
+    def forward(self, x):
+        a = self.relu(self.conv(self.quant(x)))
+        c = self.cat.cat([self.add.add(a, self.conv2(a)), a], 1)
+        return self.dequant(self.fc(self.shared(self.shared(c)).flatten(1)))
+
+
+def _images(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(2, 3, 8, 8, generator=g) * (1 + i) + 0.2 * i for i in range(n)]
+
+
+def _assert_same_quantized_state(ours, reference):
+    """Every buffer, packed weight, scale and zero point of two converted models, bit for bit."""
+    mine, theirs = ours.state_dict(), reference.state_dict()
+    assert mine.keys() == theirs.keys()
+    for key, value in theirs.items():
+        other = mine[key]
+        pairs = zip(value, other) if isinstance(value, tuple) else [(value, other)]
+        for a, b in pairs:
+            if isinstance(a, torch.Tensor) and a.is_quantized:
+                assert a.qscheme() == b.qscheme() and torch.equal(a.int_repr(), b.int_repr()), key
+                assert torch.equal(a.dequantize(), b.dequantize()), key  # scales and zero points
+            elif isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b), key
+            elif not isinstance(a, torch._C.ScriptObject):
+                assert a == b, key
+
+
+def _with_qstats_observers(qconfig):
+    """torch.ao's qconfig with each observer replaced by the qstats preset of the same name."""
+    presets = {getattr(ao, name): getattr(torch_ao, name) for name in PRESETS}
+    return tq.QConfig(activation=presets[qconfig.activation], weight=presets[qconfig.weight])
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_default_qconfig_eager_and_fx_on_conv_add_cat_shared(fuse):
+    """torch.ao's default_qconfig, and its per-channel variant, in eager prepare/convert (convs
+    fused with their ReLU or not) and FX prepare_fx/convert_fx: the converted models are torch.ao's."""
+    def eager(qconfig):
+        model = _model(_ConvNet)
+        model.qconfig = qconfig
+        prepared = tq.prepare(tq.fuse_modules(model, [["conv", "relu"]]) if fuse else model)
+        for batch in _images():
+            prepared(batch)
+        return tq.convert(prepared)
+
+    def fx(qconfig):
+        prepared = prepare_fx(_model(_Plain4D), tq.QConfigMapping().set_global(qconfig), example_inputs=(_images()[0],))
+        for batch in _images():
+            prepared(batch)
+        return convert_fx(prepared)
+
+    per_channel = tq.QConfig(activation=ao.default_observer, weight=ao.default_per_channel_weight_observer)
+    x = torch.randn(2, 3, 8, 8) * 3
+    for qconfig in (tq.default_qconfig, per_channel):
+        for flow in (eager, fx):
+            ours, reference = flow(_with_qstats_observers(qconfig)), flow(qconfig)
+            _assert_same_quantized_state(ours, reference)
+            assert torch.equal(ours(x), reference(x))
+
+
+class _Plain4D(torch.nn.Module):
+    """_ConvNet without stubs, for FX and PT2E (a functional add and cat)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.conv2 = torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 4, 1)
+        self.shared, self.fc = torch.nn.Linear(6, 6), torch.nn.Linear(8 * 6 * 6, 5)
+
+    def forward(self, x):
+        a = torch.relu(self.conv(x))
+        c = torch.cat([a + self.conv2(a), a], 1)
+        return self.fc(self.shared(self.shared(c)).flatten(1))
+
+
+class _Recurrent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.bag = torch.nn.Embedding(20, 8), torch.nn.EmbeddingBag(20, 8, mode="sum")
+        self.lstm, self.fc = torch.nn.LSTM(8, 12, batch_first=True), torch.nn.Linear(12, 4)
+
+    def forward(self, i):
+        return self.fc(self.lstm(self.emb(i))[0]).sum(1) + self.bag(i)[:, :4]
+
+
+@pytest.mark.parametrize("dynamic", ["per_channel_dynamic_qconfig", "default_dynamic_qconfig"])
+def test_dynamic_qconfigs_lstm_linear_embedding(dynamic):
+    """quantize_dynamic with torch.ao's dynamic qconfig (LSTM, Linear) and
+    float_qparams_weight_only_qconfig (Embedding, EmbeddingBag): torch.ao's packed weights."""
+    def run(qconfig, embedding):
+        spec = {torch.nn.LSTM: qconfig, torch.nn.Linear: qconfig, torch.nn.Embedding: embedding,
+                torch.nn.EmbeddingBag: embedding}
+        return tq.quantize_dynamic(_model(_Recurrent), spec, dtype=torch.qint8)
+
+    qconfig, embedding = getattr(tq, dynamic), tq.float_qparams_weight_only_qconfig
+    ours = run(_with_qstats_observers(qconfig), _with_qstats_observers(embedding))
+    reference = run(qconfig, embedding)
+    _assert_same_quantized_state(ours, reference)
+    for part in ("weight", "bias"):
+        for name, value in reference.lstm._weight_bias()[part].items():
+            other = ours.lstm._weight_bias()[part][name]
+            assert torch.equal(other.dequantize() if other.is_quantized else other,
+                               value.dequantize() if value.is_quantized else value), name
+    i = torch.randint(0, 20, (3, 5))
+    assert torch.equal(ours(i), reference(i))
+
+
+def test_float16_dynamic_qconfig_in_fx():
+    """float16_dynamic_qconfig with qstats placeholders through convert_fx: a float-dtype
+    observer has qscheme None, so torch.ao's get_qparam_dict skips it as its PlaceholderObserver
+    (calculate_qparams was called and raised a TypeError)."""
+    def run(qconfig):
+        prepared = prepare_fx(_model(_Plain), tq.QConfigMapping().set_global(qconfig), example_inputs=(x,))
+        prepared(x)
+        return convert_fx(prepared)
+
+    x = torch.randn(4, 16)
+    placeholder = torch_ao.default_placeholder_observer
+    ours = run(tq.QConfig(activation=placeholder.with_args(dtype=torch.float16, is_dynamic=True),
+                          weight=placeholder.with_args(dtype=torch.float16)))
+    reference = run(tq.float16_dynamic_qconfig)
+    assert str(ours.code) == str(reference.code)
+    assert type(ours.fc1) is type(reference.fc1) and torch.equal(ours(x), reference(x))
+
+
+def test_fx_equalization_resets_the_weight_observer():
+    """FX's input-weight equalization calls the weight observer's ``reset_min_max_vals`` (an
+    AttributeError before) and writes the input observer's min_val/max_val: torch.ao's model."""
+    from torch.ao.quantization.fx._equalize import default_equalization_qconfig
+
+    class Functional(torch.nn.Module):  # weights as buffers: torch.ao's equalization reassigns them
+        def __init__(self):
+            super().__init__()
+            for name, shape in (("w1", (32, 16)), ("b1", (32,)), ("w2", (8, 32))):
+                self.register_buffer(name, torch.randn(*shape))
+
+        def forward(self, x):
+            return torch.nn.functional.linear(torch.nn.functional.linear(x, self.w1, self.b1), self.w2)
+
+    batches = [b * torch.linspace(0.1, 5, 16) for b in _batches(n=3)]
+
+    def run(qconfig):
+        prepared = prepare_fx(_model(Functional), tq.QConfigMapping().set_global(qconfig), example_inputs=(batches[0],),
+                              _equalization_config=tq.QConfigMapping().set_global(default_equalization_qconfig))
+        for batch in batches:
+            prepared(batch)
+        return convert_fx(prepared)
+
+    ours, reference = run(_with_qstats_observers(tq.default_qconfig)), run(tq.default_qconfig)
+    _assert_same_quantized_state(ours, reference)
+    assert torch.equal(ours(batches[1]), reference(batches[1]))
+    observer = torch_ao.default_observer()
+    observer(torch.randn(5))
+    observer.reset_min_max_vals()
+    assert observer.state is None
+
+
+def test_default_qat_qconfig_eager_and_fx():
+    """default_qat_qconfig with the moving averages inside torch.ao's FakeQuantize replaced by
+    qstats.moving_average_minmax; trained a few SGD steps (prepare_qat, prepare_qat_fx), converted:
+    torch.ao's models. (FusedMovingAvgObsFakeQuantize accepts only torch.ao's classes.)"""
+    def swap(fake_quant):
+        keywords = dict(fake_quant.p.keywords, observer=torch_ao.QstatsObserver.with_args(
+            observer=qstats.moving_average_minmax))
+        return tq.FakeQuantize.with_args(**keywords)
+
+    def train(prepared):
+        optimizer = torch.optim.SGD(prepared.parameters(), lr=0.01)
+        for batch in _images():
+            optimizer.zero_grad()
+            (prepared(batch) ** 2).mean().backward()
+            optimizer.step()
+        return prepared.eval()
+
+    def eager(qconfig):
+        model = _model(_ConvNet).train()
+        model.qconfig = qconfig
+        return tq.convert(train(tq.prepare_qat(tq.fuse_modules_qat(model, [["conv", "relu"]]))))
+
+    def fx(qconfig):
+        mapping = tq.QConfigMapping().set_global(qconfig)
+        return convert_fx(train(prepare_qat_fx(_model(_Plain4D).train(), mapping, example_inputs=(_images()[0],))))
+
+    reference_qconfig = tq.default_qat_qconfig
+    qconfig = tq.QConfig(activation=swap(reference_qconfig.activation), weight=swap(reference_qconfig.weight))
+    x = torch.randn(2, 3, 8, 8)
+    for flow in (eager, fx):
+        ours, reference = flow(qconfig), flow(reference_qconfig)
+        _assert_same_quantized_state(ours, reference)
+        assert torch.equal(ours(x), reference(x))
+
+
+def test_pt2e_x86_inductor_quantizer_with_qstats_observers():
+    """torchao's X86InductorQuantizer config (conv, add, cat, linear) with its observers replaced:
+    MinMaxObserver/PerChannelMinMaxObserver by QstatsPT2EObserver; every q/dq node's scale and zero
+    point, and the outputs, are those of torchao's observers."""
+    import dataclasses
+
+    pt2e = pytest.importorskip("torchao.quantization.pt2e")
+    quantize_pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
+    x86 = pytest.importorskip("torchao.quantization.pt2e.quantizer.x86_inductor_quantizer")
+    from qstats.torchao_pt2e import QstatsPT2EObserver
+
+    def swapped(activation, weight):
+        config = x86.get_default_x86_inductor_quantization_config()
+        replace = lambda spec, ctr: None if spec is None else dataclasses.replace(spec, observer_or_fake_quant_ctr=ctr)
+        return dataclasses.replace(config, input_activation=replace(config.input_activation, activation),
+                                   output_activation=replace(config.output_activation, activation),
+                                   weight=replace(config.weight, weight))
+
+    def run(config):
+        exported = torch.export.export(_model(_Plain4D), (_images()[0],)).module()
+        prepared = quantize_pt2e.prepare_pt2e(exported, x86.X86InductorQuantizer().set_global(config))
+        for batch in _images():
+            prepared(batch)
+        return quantize_pt2e.convert_pt2e(prepared)
+
+    def qparams(model):
+        def value(arg):
+            return getattr(model, arg.target) if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" else arg
+        return [(str(n.target), [value(a) for a in n.args[1:] if not isinstance(value(a), torch.fx.Node)])
+                for n in model.graph.nodes if n.op == "call_function" and "quantize_per" in str(n.target)]
+
+    ours = run(swapped(QstatsPT2EObserver, QstatsPT2EObserver))
+    reference = run(swapped(pt2e.MinMaxObserver, pt2e.PerChannelMinMaxObserver))
+    mine, theirs = qparams(ours), qparams(reference)
+    assert len(theirs) > 10 and [t for t, _ in mine] == [t for t, _ in theirs]
+    for (_, a), (_, b) in zip(mine, theirs):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q) if isinstance(q, torch.Tensor) else p == q
+    x = torch.randn(2, 3, 8, 8) * 2
+    assert torch.equal(ours(x), reference(x))
