@@ -209,8 +209,44 @@ def from_state_dict(state_dict: dict) -> Any:
 
 
 def _checksum(tensor: torch.Tensor) -> str:
-    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = _dense_cpu(tensor).reshape(-1).view(torch.uint8).numpy().tobytes()
     return f"{zlib.crc32(data):08x}"
+
+
+def _dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with unit strides of its own. ``contiguous()`` keeps a one-element view's stride
+    (``x[:1, 0]`` of a (5, 3) tensor has stride 3), which the byte view refuses."""
+    tensor = tensor.detach().to("cpu").resolve_conj().resolve_neg()
+    if tensor.is_contiguous() and (tensor.dim() == 0 or tensor.stride(-1) == 1):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _check_storable(tensors: dict[str, torch.Tensor]) -> None:
+    import safetensors.torch
+
+    storable = getattr(safetensors.torch, "_SIZE", None)  # the dtypes safetensors writes (private: may go)
+    for key, tensor in tensors.items():
+        if storable is not None and tensor.dtype not in storable:
+            raise TypeError(
+                f"qstats.io: tensor {key!r} has dtype {tensor.dtype}, which a safetensors file cannot hold "
+                "(dequantize it, or save its int_repr() and qparams)"
+            )
+
+
+def _describe_foreign(source: str) -> str:
+    """What a file that is not a safetensors file looks like it is, for the error message."""
+    try:
+        with open(source, "rb") as handle:
+            head = handle.read(4)
+    except OSError:
+        return ""
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        return (
+            "; it looks like a torch.save file: read it with torch.load (and qstats.io.from_state_dict "
+            "for a to_state_dict file)"
+        )
+    return ""
 
 
 def save(path: str | os.PathLike, tree: Any) -> None:
@@ -234,8 +270,9 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     from safetensors.torch import save_file
 
     state_dict = to_state_dict(tree)
+    _check_storable(state_dict["tensors"])
     # Own contiguous CPU copies: safetensors refuses tensors that share storage.
-    tensors = {key: t.detach().to("cpu").contiguous().clone() for key, t in state_dict["tensors"].items()}
+    tensors = {key: _dense_cpu(t).clone() for key, t in state_dict["tensors"].items()}
     metadata = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
@@ -262,6 +299,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
     except SafetensorError as error:
         raise ValueError(
             f"qstats.io: {source} is corrupt or truncated (not a readable safetensors file: {error})"
+            + _describe_foreign(source)
         ) from None
     except (OSError, RuntimeError) as error:
         if isinstance(error, FileNotFoundError):

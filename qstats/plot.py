@@ -1,7 +1,8 @@
 """Plots of observer states (matplotlib is an optional dependency: ``pip install matplotlib``).
 
 `histogram(state, qparams, spec, path=...)` draws a `HistogramState`'s distribution (log scale) with
-the clipping range ``[(qmin - zp) * scale, (qmax - zp) * scale]`` of each set of qparams given.
+the clipping range ``[(qmin - zp) * scale, (qmax - zp) * scale]`` of each set of qparams given. The
+figure has its own Agg canvas: pyplot and the process's backend are left alone.
 """
 
 from __future__ import annotations
@@ -19,26 +20,41 @@ from .observers.search import _geometry as geometry
 __all__ = ["histogram"]
 
 
-def _matplotlib():
+def _figure():
+    """A Figure on its own Agg canvas: no pyplot, so no backend switch and no figure kept by pyplot."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ImportError("qstats.plot needs matplotlib: pip install matplotlib") from error
-    return plt
+    figure = Figure(figsize=(8, 4.5))
+    FigureCanvasAgg(figure)
+    return figure
 
 
-def _select(t: torch.Tensor, index):
+def _select(t: torch.Tensor, index: tuple):
+    """The entry of ``t`` at ``index``; a tensor with fewer dimensions (the global scale of a stacked
+    two-level state: one per expert) takes the leading components."""
     if t.dim() == 0:
         return t
+    return t[index[: t.dim()]]
+
+
+def _one_histogram(state: HistogramState, index) -> tuple[HistogramState, tuple]:
+    shape = tuple(state.min_val.shape)
+    if not shape:
+        return state, ()
     if index is None:
         raise ValueError(
-            f"qstats.plot.histogram: the state holds {t.numel()} histograms (shape {tuple(t.shape)}); "
-            "choose one with index=(...)"
+            f"qstats.plot.histogram: the state holds histograms of shape {shape}; choose one with index=(...)"
         )
-    return t[index]
+    index = index if isinstance(index, tuple) else (index,)
+    if len(index) != len(shape):
+        raise ValueError(
+            f"qstats.plot.histogram: index {index} must select one histogram of shape {shape} "
+            f"({len(shape)} components)"
+        )
+    return HistogramState(*(field[index] for field in state)), index
 
 
 def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec: QuantSpec, path=None, *,
@@ -51,7 +67,8 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
       qparams: one QParams, a mapping ``{label: QParams}`` (e.g. one per method), or None.
       spec: the QuantSpec the qparams were computed for (its range gives the clipping points).
       path: where to save a PNG (optional).
-      index: which histogram to draw when the state holds several (per-channel): an int or tuple.
+      index: which histogram to draw when the state holds several (per-channel, stacked): one
+        component per dimension of ``state.min_val`` (an int when it has one), expert first.
       title: the figure title.
       plot_bins: linear bins drawn between the observed extremes.
 
@@ -66,16 +83,7 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     if isinstance(qparams, QParams):
         qparams = {"qparams": qparams}
     qparams = dict(qparams or {})
-    plt = _matplotlib()
-
-    if state.min_val.dim() > 0:
-        flat_index = index if index is None or isinstance(index, tuple) else (index,)
-        if flat_index is None:
-            raise ValueError(
-                f"qstats.plot.histogram: the state holds histograms of shape {tuple(state.min_val.shape)}; "
-                "choose one with index=(...)"
-            )
-        state = HistogramState(*(field[flat_index] for field in state))
+    state, index = _one_histogram(state, index)
     total = int(state.counts.sum() + state.underflow.sum() + state.overflow.sum())
     if total == 0:
         raise ValueError("qstats.plot.histogram: the state saw no data")
@@ -88,14 +96,15 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     cumulative, _, _ = geometry.cumulative(mom, grid)
     density = cumulative.diff().clamp(min=0)
 
-    figure, axes = plt.subplots(figsize=(8, 4.5))
+    figure = _figure()
+    axes = figure.subplots()
     centres = ((grid[:-1] + grid[1:]) / 2).numpy()
     axes.fill_between(centres, density.numpy(), step="mid", color="0.6", alpha=0.8, label="values")
     axes.set_yscale("log")
     axes.set_xlabel("value")
     axes.set_ylabel("count per bin")
     qmin, qmax = spec.qrange
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colours = [f"C{i}" for i in range(10)]  # the property cycle's colours
     for i, (label, qp) in enumerate(qparams.items()):
         # the element step: a two-level (TensorGroup, NVFP4) block scale under its global scale
         block_scale, global_scale = _select(qp.scale, index).double(), _select(qp.global_scale, index).double()

@@ -38,7 +38,8 @@ def _check_step_number(name: str, value) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class QATSchedule:
-    """Milestones of quantization-aware training (steps at which each phase starts; non-decreasing).
+    """Milestones of quantization-aware training (steps at which each phase starts; the first three
+    non-decreasing, freezing batch norm at any step).
 
     Args:
       observe_at: first step that updates observer states.
@@ -66,20 +67,20 @@ class QATSchedule:
     def __post_init__(self) -> None:
         _check_step_number("observe_at", self.observe_at)
         _check_step_number("fake_quantize_at", self.fake_quantize_at)
-        previous_name, previous = "fake_quantize_at", self.fake_quantize_at
         if self.fake_quantize_at < self.observe_at:
             raise ValueError(
                 f"QATSchedule.fake_quantize_at ({self.fake_quantize_at}) must not come before "
                 f"observe_at ({self.observe_at})"
             )
-        for name in ("freeze_ranges_at", "freeze_batchnorm_at"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            _check_step_number(name, value)
-            if value < previous:
-                raise ValueError(f"QATSchedule.{name} ({value}) must not come before {previous_name} ({previous})")
-            previous_name, previous = name, value
+        if self.freeze_ranges_at is not None:
+            _check_step_number("freeze_ranges_at", self.freeze_ranges_at)
+            if self.freeze_ranges_at < self.fake_quantize_at:
+                raise ValueError(
+                    f"QATSchedule.freeze_ranges_at ({self.freeze_ranges_at}) must not come before "
+                    f"fake_quantize_at ({self.fake_quantize_at})"
+                )
+        if self.freeze_batchnorm_at is not None:  # independent of the others, as in coremltools
+            _check_step_number("freeze_batchnorm_at", self.freeze_batchnorm_at)
         if self.sync_every is not None and (
             not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1
         ):
@@ -105,7 +106,7 @@ class QATSchedule:
             observing = _and(observing, _not(_at_least(step, self.freeze_ranges_at)))
         fake_quantize = _at_least(step, self.fake_quantize_at)
         if self.freeze_batchnorm_at is None:
-            frozen_bn = torch.zeros((), dtype=torch.bool) if isinstance(step, torch.Tensor) else False
+            frozen_bn = torch.zeros_like(step, dtype=torch.bool) if isinstance(step, torch.Tensor) else False
         else:
             frozen_bn = _at_least(step, self.freeze_batchnorm_at)
         return QATPhase(observing, fake_quantize, frozen_bn)

@@ -128,7 +128,8 @@ def stack(trees: Sequence[Any]) -> Any:
         if not isinstance(leaf, torch.Tensor):
             raise ValueError(f"tree.stack: leaf {path} is a {type(leaf).__name__}, not a tensor")
     treespec = optree.tree_structure(first)
-    leaves_per_tree = [optree.tree_leaves(tree) for tree in trees]
+    # leaves in the first tree's order, matched by key: OrderedDicts flatten in their own key order
+    leaves_per_tree = [treespec.flatten_up_to(tree) for tree in trees]
     stacked = [torch.stack(column) for column in zip(*leaves_per_tree)]
     return optree.tree_unflatten(treespec, stacked)
 

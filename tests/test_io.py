@@ -399,3 +399,36 @@ def test_a_checkpoint_saved_before_qparams_had_minval_still_loads(tmp_path):
     three = {name: fields[name] for name in ("scale", "zero_point", "global_scale")}
     with pytest.raises(ValueError, match="fields"):
         qstats.load(_old_qparams_file(tmp_path / "three.safetensors", three))
+
+
+def test_a_one_element_view_with_a_wide_stride_saves(tmp_path):
+    """``x[:1, 0]`` of a (5, 3) tensor is "contiguous" to torch but keeps stride 3: the checksum's byte
+    view raised RuntimeError. safetensors' own writer and reader are the reference."""
+    base = torch.arange(15.0).reshape(5, 3)
+    tree_ = {"scale": base[:1, 0], "neg": torch.tensor([1 + 2j, 3 - 4j]).conj().imag, "row": base[2:3, 1:2]}
+    path = _saved(tmp_path, tree_)
+    dense = {key: value.clone(memory_format=torch.contiguous_format) for key, value in tree_.items()}
+    _assert_bit_exact(qstats.load(path), dense)
+    reference = tmp_path / "reference.safetensors"
+    safetensors.torch.save_file({key: value.contiguous() for key, value in tree_.items()}, str(reference))
+    raw = safetensors.torch.load_file(str(path))
+    for key, value in safetensors.torch.load_file(str(reference)).items():
+        assert torch.equal(raw[key], value), key
+
+
+def test_a_dtype_safetensors_cannot_hold_is_a_clear_error_and_keeps_the_old_file(tmp_path):
+    """A quantized or complex32 tensor raised a bare KeyError(torch.qint8) from safetensors."""
+    path = _saved(tmp_path, {"good": torch.ones(2)})
+    for bad in (torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8), torch.ones(2, dtype=torch.complex32)):
+        with pytest.raises(TypeError, match=rf"'layer/x'.*{bad.dtype}"):
+            qstats.save(path, {"layer": {"x": bad}})
+    assert torch.equal(qstats.load(path)["good"], torch.ones(2))
+
+
+def test_a_torch_save_file_is_named_as_such(tmp_path):
+    """A file of another kind (torch.save of a to_state_dict) was reported only as corrupt."""
+    path = tmp_path / "states.pt"
+    torch.save(qio.to_state_dict({"a": torch.ones(2)}), path)
+    with pytest.raises(ValueError, match=r"states\.pt.*torch\.save file"):
+        qstats.load(path)
+    assert torch.equal(qio.from_state_dict(torch.load(path))["a"], torch.ones(2))

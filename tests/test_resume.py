@@ -80,3 +80,35 @@ def test_padding_is_not_observed():
     x = torch.cat([b["x"][b["mask"] != 0] for b in batches])
     assert torch.equal(states["fc1"]["input"].min_val, x.amin())
     assert torch.equal(states["fc1"]["input"].max_val, x.amax())
+
+
+def _coremltools_flags(milestones, steps):
+    """coremltools' LinearQuantizer as a loop of toggles: prepare() turns observers and fake quantization
+    off, and at step count ``m[0]`` observers go on, ``m[1]`` fake quantization on, ``m[2]`` observers
+    off, ``m[3]`` batch norm frozen (each an event, in that order, at the start of the step)."""
+    observe = fake_quantize = frozen_bn = False
+    flags = []
+    for step in range(steps):
+        observe = True if step == milestones[0] else observe
+        fake_quantize = True if step == milestones[1] else fake_quantize
+        observe = False if step == milestones[2] else observe
+        frozen_bn = True if step == milestones[3] else frozen_bn
+        flags.append((observe, fake_quantize, frozen_bn))
+    return flags
+
+
+def test_schedule_follows_coremltools_milestones_and_resumes_mid_schedule():
+    """coremltools' own example, milestones [0, 100, 300, 200], freezes batch norm before the ranges:
+    from_milestones refused it (freeze_batchnorm_at had to come after freeze_ranges_at). Every
+    step's phase equals the toggles above, from step 0 or resumed at any step (int or tensor)."""
+    for milestones in ([0, 100, 300, 200], [2, 4, 7, 9], [3, 3, 3, 0], [0, 0, 5, 5], [1, 6, 6, 2]):
+        schedule = qstats.QATSchedule.from_milestones(milestones)
+        steps = max(milestones) + 3
+        expected = _coremltools_flags(milestones, steps)
+        for resume_at in (0, milestones[1], milestones[2] - 1 if milestones[2] else 0):
+            got = [tuple(schedule(step)) for step in range(resume_at, steps)]
+            assert got == expected[resume_at:], (milestones, resume_at)
+        tensor_steps = torch.arange(steps)
+        as_tensors = schedule(tensor_steps)
+        assert [tuple(bool(flag[i]) for flag in as_tensors) for i in range(steps)] == expected
+        assert all(flag.shape == tensor_steps.shape for flag in as_tensors)

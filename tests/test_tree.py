@@ -116,3 +116,17 @@ def test_unstack_rejects_ragged_and_scalar_leaves():
         tree.unstack({"a": torch.zeros(())})
     with pytest.raises(ValueError, match="no leaves"):
         tree.unstack({})
+
+
+def test_stack_matches_ordered_dicts_by_key():
+    """optree flattens an OrderedDict in its own key order: stacking two OrderedDicts with the keys in
+    different orders stacked a's "a" with b's "b". The reference is a plain loop over the keys."""
+    from collections import OrderedDict
+
+    first = OrderedDict(a=torch.tensor([1.0]), b=torch.tensor([2.0]), c={"x": torch.tensor([3.0])})
+    second = OrderedDict(c={"x": torch.tensor([30.0])}, b=torch.tensor([20.0]), a=torch.tensor([10.0]))
+    stacked = tree.stack([first, second])
+    assert list(stacked) == ["a", "b", "c"]
+    for key in ("a", "b"):
+        assert torch.equal(stacked[key], torch.stack([first[key], second[key]]))
+    assert torch.equal(stacked["c"]["x"], torch.stack([first["c"]["x"], second["c"]["x"]]))
