@@ -102,9 +102,15 @@ class TensorGroup(PerGroup):
 @dataclasses.dataclass(frozen=True)
 class PerBlock(Granularity):
     """Blocks of ``block_shape`` over the last ``len(block_shape)`` dimensions: ``(rows, cols)``
-    2-D blocks, or blocks spanning leading dimensions too (torchao's ``block_size``)."""
+    2-D blocks, or blocks spanning leading dimensions too (torchao's ``block_size``).
+
+    ``partial=True`` (compressed-tensors' convention, as its ``strategy="block"``): a dimension the
+    block does not divide ends in a smaller edge block, one set of parameters per
+    ``ceil(size / block)``; observers reduce an edge block over its real values only. With
+    ``partial=False`` (torchao, which asserts divisibility) such a shape raises ValueError."""
 
     block_shape: tuple = (128, 128)
+    partial: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_shape, (tuple, list)):
@@ -120,6 +126,8 @@ class PerBlock(Granularity):
         )
         if not ok:
             raise ValueError(f"PerBlock.block_shape must be two or more positive ints, got {self.block_shape!r}")
+        if not isinstance(self.partial, bool):
+            raise ValueError(f"PerBlock.partial must be a bool, got {self.partial!r}")
 
 
 def _normalize_axis(axis: int, ndim: int, shape) -> int:
@@ -128,11 +136,11 @@ def _normalize_axis(axis: int, ndim: int, shape) -> int:
     return axis % ndim
 
 
-def _check_divisible(size: int, part: int, what: str, shape) -> None:
+def _check_divisible(size: int, part: int, what: str, shape, hint: str = "") -> None:
     if size % part != 0:
         raise ValueError(
             f"{what} {part} does not divide dimension {size} of a tensor of shape {tuple(shape)}; "
-            "pad the tensor or choose a divisor"
+            f"pad the tensor or choose a divisor{hint}"
         )
 
 
@@ -156,18 +164,35 @@ def qparam_shape(shape, granularity: Granularity) -> tuple:
         _check_divisible(shape[-1], granularity.group_size, f"{type(granularity).__name__}.group_size", shape)
         return shape[:-1] + (shape[-1] // granularity.group_size,)
     if isinstance(granularity, PerBlock):
-        block = granularity.block_shape
-        if len(shape) < len(block):
-            raise ValueError(
-                f"PerBlock{block} needs a tensor with at least {len(block)} dimensions, got shape {shape}"
-            )
-        names = ("PerBlock block rows", "PerBlock block cols") if len(block) == 2 else None
-        for i, b in enumerate(block):
-            what = names[i] if names else f"PerBlock block size {block} along dimension {len(shape) - len(block) + i}:"
-            _check_divisible(shape[len(shape) - len(block) + i], b, what, shape)
-        blocked = shape[len(shape) - len(block) :]
-        return shape[: len(shape) - len(block)] + tuple(s // b for s, b in zip(blocked, block))
+        return _block_qparam_shape(shape, granularity)
     raise TypeError(f"unknown granularity {granularity!r}")
+
+
+def _block_qparam_shape(shape: tuple, granularity: PerBlock) -> tuple:
+    """`qparam_shape` of a PerBlock: ``size // block`` per blocked dimension, or
+    ``ceil(size / block)`` with ``partial``; ValueError for a block that does not divide a
+    dimension otherwise."""
+    block = granularity.block_shape
+    if len(shape) < len(block):
+        raise ValueError(f"PerBlock{block} needs a tensor with at least {len(block)} dimensions, got shape {shape}")
+    lead = len(shape) - len(block)
+    if not granularity.partial:
+        names = ("PerBlock block rows", "PerBlock block cols") if len(block) == 2 else None
+        hint = " (PerBlock(..., partial=True) takes smaller edge blocks, as compressed-tensors does)"
+        for i, b in enumerate(block):
+            what = names[i] if names else f"PerBlock block size {block} along dimension {lead + i}:"
+            _check_divisible(shape[lead + i], b, what, shape, hint)
+    return shape[:lead] + tuple(-(-s // b) for s, b in zip(shape[lead:], block))
+
+
+def _padded(x: torch.Tensor, block: tuple) -> torch.Tensor:
+    """``x`` with zeros appended to each blocked dimension up to a multiple of its block (``x``
+    itself where every block divides); the view of a partial PerBlock."""
+    shortfalls = [-x.shape[x.ndim - len(block) + i] % b for i, b in enumerate(block)]
+    if not any(shortfalls):
+        return x
+    pads = [n for short in reversed(shortfalls) for n in (0, short)]
+    return torch.nn.functional.pad(x, pads)
 
 
 def _row_dim(granularity, shape) -> int:
@@ -200,7 +225,7 @@ def canonical_view(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
         block = granularity.block_shape
         lead, k = len(shape) - len(block), len(block)
         split = [n for pair in zip(qshape[lead:], block) for n in pair]
-        blocks = x.reshape(*shape[:lead], *split).permute(_block_order(lead, k))
+        blocks = _padded(x, block).reshape(*shape[:lead], *split).permute(_block_order(lead, k))
         return blocks.reshape(1, *qshape, math.prod(block))
     raise TypeError(f"unknown granularity {granularity!r}")
 
@@ -255,7 +280,10 @@ def from_canonical_view(view: torch.Tensor, granularity: Granularity, shape) -> 
         order = _block_order(lead, k)
         inverse = sorted(range(len(order)), key=order.__getitem__)
         blocks = view.reshape(*qshape, *block).permute(inverse)
-        return blocks.reshape(shape)
+        padded = blocks.reshape(*shape[:lead], *(n * b for n, b in zip(qshape[lead:], block)))
+        for i in range(k):  # the edge blocks' padding dropped (partial blocks)
+            padded = padded.narrow(lead + i, 0, shape[lead + i])
+        return padded
     if isinstance(granularity, (PerToken, PerRow)):
         dim = _row_dim(granularity, shape)
         moved = shape[:dim] + shape[dim + 1 :] + (shape[dim],)
@@ -270,11 +298,11 @@ def broadcast_to_view(param: torch.Tensor) -> torch.Tensor:
 
 def weight_view(x: torch.Tensor, weight, granularity: Granularity):
     """Broadcasts a per-observation ``weight`` (its shape a prefix of ``x.shape``) into the canonical view
-    of ``x`` (None stays None); zero weights exclude values without changing any shape. ValueError
-    naming both shapes when it does not fit.
+    of ``x`` (None stays None, except for a partial PerBlock: its padding mask); zero weights exclude
+    values without changing any shape. ValueError naming both shapes when it does not fit.
     """
     if weight is None:
-        return None
+        return _padding_mask(x, granularity)
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a tensor or None, got {type(weight).__name__}")
     if weight.ndim > x.ndim or tuple(weight.shape) != tuple(x.shape[: weight.ndim]):
@@ -283,4 +311,15 @@ def weight_view(x: torch.Tensor, weight, granularity: Granularity):
             f"observed tensor of shape {tuple(x.shape)}"
         )
     full = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)).expand(x.shape)
-    return canonical_view(full, granularity)
+    return canonical_view(full, granularity)  # a partial block's padding gets weight 0
+
+
+def _padding_mask(x: torch.Tensor, granularity: Granularity):
+    """None, or for a partial PerBlock whose edge blocks are padded, the bool canonical view that
+    is False on the padding: observers reduce an edge block over its real values only."""
+    if not isinstance(granularity, PerBlock) or not granularity.partial or x.ndim < len(granularity.block_shape):
+        return None
+    block = granularity.block_shape
+    if not any(x.shape[x.ndim - len(block) + i] % b for i, b in enumerate(block)):
+        return None
+    return canonical_view(torch.ones(x.shape, dtype=torch.bool, device=x.device), granularity)

@@ -90,9 +90,9 @@ def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
     lead, rest = weight.ndim, tuple(x.shape[weight.ndim :])
     try:
         want = qparam_shape(x.shape, spec.granularity)
-        resized = tuple(size + 1 for size in x.shape[:lead]) + rest
-        if qparam_shape(resized, spec.granularity) != want:
-            return x, weight
+        for resized in (tuple(size + 1 for size in x.shape[:lead]), (1,) * lead):  # partial blocks: ceil
+            if qparam_shape(resized + rest, spec.granularity) != want:
+                return x, weight
     except ValueError:
         return x, weight
     keep = weight != 0

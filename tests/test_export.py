@@ -930,3 +930,42 @@ def test_tied_embeddings_with_a_quantized_lm_head_load_untied(tmp_path):
     qstats.export.compressed_tensors(model, qparams, str(tmp_path / "kept"), recipe)
     with open(tmp_path / "kept" / "config.json") as file:
         assert json.load(file)["tie_word_embeddings"] is True
+
+
+def test_partial_fp8_blocks_load_with_compressed_tensors(tmp_path):
+    """FP8 blocks of 48x48 on 64x32 and 32x64 weights (edge blocks of 16 rows / columns, as a
+    64x128 k_proj under 128x128 blocks): weight_scale of ceil-sized grids equal to llm-compressor's
+    padded calibration, the codes its compressor writes from our scales, and the decompressed
+    weights our dequantized values."""
+    import dataclasses
+
+    from llmcompressor.observers.helpers import flatten_for_calibration
+
+    args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[48, 48])
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    spec = dataclasses.replace(spec, granularity=qstats.PerBlock((48, 48), partial=True))
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    recipe = qstats.Recipe([qstats.Rule(targets="Linear", sites=("weight",), spec=spec)], ignore=["head"])
+    states = qstats.calibrate(model, [torch.randn(5, 32)], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    written = qstats.export.compressed_tensors(model, qparams, str(tmp_path / "ours"), recipe)
+    assert written["config_groups"]["group_0"]["weights"]["block_structure"] == [48, 48]
+    ours = load_file(os.path.join(str(tmp_path / "ours"), "model.safetensors"))
+    config, fresh = _load_with_compressed_tensors(str(tmp_path / "ours"))
+    reference = Tiny().eval()
+    reference.load_state_dict(model.state_dict())
+    apply_quantization_config(reference, config)
+    for name, grid in (("fc1", (2, 1)), ("fc2", (1, 2))):
+        w = getattr(model, name).weight.detach()
+        flat = flatten_for_calibration(w, "weight", args)
+        ref_scale, _ = calculate_qparams(flat.amin(dim=(0, -1)), flat.amax(dim=(0, -1)), args)
+        assert ref_scale.shape == grid and bit_equal(ours[f"{name}.weight_scale"], ref_scale)
+        with torch.no_grad():
+            getattr(reference, name).weight_scale.copy_(ref_scale)
+        dequantized = qstats.dequantize(qstats.quantize(w, qparams[name]["weight"], spec), qparams[name]["weight"], spec)
+        assert bit_equal(getattr(fresh, name).weight.data, dequantized)
+    ModelCompressor(quantization_config=config).compress_model(reference)
+    theirs = reference.state_dict()
+    assert sorted(theirs) == sorted(ours)
+    assert all(bit_equal(ours[name], theirs[name]) for name in ours)

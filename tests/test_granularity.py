@@ -1,6 +1,8 @@
 """The canonical view against llm-compressor's flatten_for_calibration and torch.ao's per-channel
 reduction, and the view's inverse."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -186,3 +188,123 @@ def test_per_row_reduces_along_its_dim(dim):
     assert torch.equal(from_canonical_view(view, granularity, x.shape), x)
     with pytest.raises(ValueError, match="PerRow"):
         qstats.qparam_shape((3, 5), qstats.PerRow(2))
+
+
+PARTIAL_ARGS = [
+    dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]),
+    dict(num_bits=8, type="int", symmetric=False, strategy="block", block_structure=[32, 48]),
+    dict(num_bits=4, type="int", symmetric=True, strategy="block", block_structure=[16, 16]),
+]
+
+
+def _partial_spec(args, dtype):
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
+    return dataclasses.replace(spec, granularity=qstats.PerBlock(spec.granularity.block_shape, partial=True))
+
+
+@pytest.mark.parametrize("fields", PARTIAL_ARGS, ids=["fp8-128", "int8-asym-32x48", "int4-16"])
+@pytest.mark.parametrize("shape", [(64, 128), (200, 300), (7, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+def test_partial_blocks_equal_compressed_tensors(fields, shape, dtype):
+    """Blocks that do not divide the weight (a 64x128 k_proj under 128x128 blocks; 200x300):
+    compressed-tensors pads the edge blocks with zeros (llm-compressor's flatten_for_calibration,
+    its fake_quantize), scales ceil(out / rows) x ceil(in / cols). qstats refused them; now the
+    scales, fake-quantized values, codes and dequantized values are equal bit for bit."""
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, fake_quantize, quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = QuantizationArgs(**fields)
+    w = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 0.05).to(dtype)
+    w[-1, -1] = 3.0  # the edge block's maximum, alone in it
+    spec = _partial_spec(args, dtype)
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec)
+    flat = llm_helpers.flatten_for_calibration(w, "weight", args)
+    scale, zero_point = calculate_qparams(flat.amin(dim=(0, -1)), flat.amax(dim=(0, -1)), args)
+    assert qp.scale.shape == scale.shape == tuple(-(-s // b) for s, b in zip(shape, args.block_structure))
+    assert torch.equal(qp.scale, scale.float())
+    assert torch.equal(qstats.fake_quantize(w, qp, spec), fake_quantize(w, scale, zero_point, args))
+    codes, their_codes = qstats.quantize(w, qp, spec), quantize(w, scale, zero_point, args)
+    assert torch.equal(codes.to(their_codes.dtype), their_codes)
+    assert torch.equal(qstats.dequantize(codes, qp, spec, dtype=dtype), dequantize(their_codes, scale, zero_point, args, dtype=dtype))
+
+
+@pytest.mark.parametrize("name", ["memoryless_mse", "memoryless_minmax", "static_minmax"])
+def test_partial_block_observers_equal_llm_compressors(name):
+    """llm-compressor's observers on a 20x40 weight under 16x16 blocks (edge blocks of 4 rows and
+    8 columns, all-positive except where the data is negative): the same scales and zero points."""
+    from llmcompressor.observers import Observer
+
+    fields = dict(num_bits=4, type="int", symmetric=False, strategy="block", block_structure=[16, 16])
+    args = QuantizationArgs(**fields, observer=name, observer_kwargs={"patience": 10**6} if "mse" in name else {})
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(20, 40, generator=g) * torch.rand(20, 1, generator=g) * 3 + 0.5
+    w[-1, -1] = 9.0
+    reference = Observer.load_from_registry(name, base_name="weight", args=args)
+    reference(w)
+    want = reference.get_qparams()
+    spec = _partial_spec(args, torch.float32)
+    obs = {"memoryless_mse": qstats.mse, "memoryless_minmax": qstats.memoryless_minmax, "static_minmax": qstats.minmax}[name](spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec)
+    assert torch.equal(qp.scale, want["scale"].float())
+    assert torch.equal(qp.zero_point.float(), want["zero_point"].float())
+
+
+def test_partial_edge_blocks_reduce_over_their_real_values():
+    """An edge block's extremes and counts are those of its real values (no padding zero counted):
+    against slicing the tensor directly."""
+    x = torch.rand(5, 7, generator=torch.Generator().manual_seed(4)) + 1  # all positive: a zero would show
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerBlock((2, 4), partial=True))
+    obs = qstats.minmax(spec)
+    state = obs.update(obs.init(x), x)
+    assert state.min_val.shape == (3, 2)
+    for i in range(3):
+        for j in range(2):
+            block = x[2 * i : 2 * i + 2, 4 * j : 4 * j + 4]
+            assert state.min_val[i, j] == block.min() and state.max_val[i, j] == block.max()
+            assert state.count[i, j] == block.numel()
+    moments = qstats.moments(spec)
+    assert torch.equal(moments.update(moments.init(x), x).count.reshape(-1), state.count.reshape(-1))
+
+
+@pytest.mark.parametrize("make_obs", [qstats.minmax, qstats.memoryless_minmax, qstats.moving_average_minmax, qstats.mse, qstats.moments])
+def test_laws_hold_with_partial_blocks(make_obs):
+    spec = qstats.QuantSpec(dtype="fp8_e4m3fn", zero_point_domain="none", convention="compressed_tensors",
+                            granularity=qstats.PerBlock((2, 4), partial=True))
+    obs = make_obs(spec)
+    qstats.testing.check_all(obs, lambda g: torch.randn(3, 5, 7, generator=g), max_examples=3,
+                             accumulates=make_obs is not qstats.memoryless_minmax)
+
+
+def test_partial_blocks_round_trip_and_keep_gradients():
+    granularity = qstats.PerBlock((3, 5), partial=True)
+    x = torch.arange(2 * 4 * 8, dtype=torch.float32).reshape(2, 4, 8).requires_grad_()
+    view = qstats.canonical_view(x, granularity)
+    assert view.shape == (1, 2, 2, 2, 15) and view.shape[1:-1] == qstats.qparam_shape(x.shape, granularity)
+    assert torch.equal(from_canonical_view(view, granularity, x.shape), x)
+    # the edge block of x[0]: row 3, columns 5:8, padded to 3x5
+    assert torch.equal(view[0, 0, 1, 1], torch.tensor([29.0, 30, 31] + [0.0] * 12))
+    from_canonical_view(view * 2, granularity, x.shape).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
+def test_torchao_block_granularity_keeps_refusing_partial_blocks():
+    """torchao asserts that the block divides the tensor (`_choose_scale_float8`); its spec raises a
+    ValueError naming the shape, not an edge block of its own."""
+    tao_granularity = pytest.importorskip("torchao.quantization.granularity")
+    from torchao.quantization.quant_primitives import _choose_scale_float8
+
+    w = torch.randn(64, 128)
+    with pytest.raises(AssertionError, match="divisible"):
+        _choose_scale_float8(w, [128, 128])
+    spec = qstats.QuantSpec.from_torchao(torch.float8_e4m3fn, granularity=tao_granularity.PerBlock((128, 128)))
+    obs = qstats.minmax(spec)
+    with pytest.raises(ValueError, match=r"block rows 128 does not divide dimension 64 of a tensor of shape \(64, 128\)"):
+        obs.update(obs.init(w), w)
+    with pytest.raises(ValueError, match="partial=True"):
+        qstats.QuantSpec(dtype="int8", granularity=qstats.PerBlock((128, 128), partial=True), convention="torchao")
+
+
+def test_bad_partial_flag_names_it():
+    with pytest.raises(ValueError, match="partial"):
+        qstats.PerBlock((2, 2), partial="yes")

@@ -130,3 +130,20 @@ def test_bad_weight_and_model_are_named():
         with pytest.raises(TypeError, match="observation weight must be a tensor"):
             with session.weighted([1, 0]):
                 pass
+
+
+def test_masked_rows_of_partial_blocks_stay_in_their_blocks():
+    """Dropping masked rows kept the qparam shape of a partial PerBlock (ceil(7/4) == ceil(6/4)), so
+    the rows after a dropped one slid into the previous block."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 8)
+    x[4, 0], x[3, 1] = 10.0, -10.0  # the extremes of the second block and the first
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerBlock((4, 8), partial=True))
+    recipe = qstats.Recipe([qstats.Rule("Identity", sites=("input",), spec=spec)])
+    mask = torch.tensor([1.0, 0, 1, 1, 1, 1, 1])
+    states = qstats.calibrate(torch.nn.Sequential(torch.nn.Identity()), [x], recipe,
+                              observation_weight=lambda batch: mask, progress=False)
+    keep = mask.bool()
+    blocks = [(x[:4], keep[:4]), (x[4:], keep[4:])]
+    assert torch.equal(states["0"]["input"].max_val.flatten(), torch.stack([b[k].max() for b, k in blocks]))
+    assert torch.equal(states["0"]["input"].min_val.flatten(), torch.stack([b[k].min() for b, k in blocks]))

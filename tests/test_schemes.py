@@ -232,3 +232,34 @@ def test_activation_rule_observer_equals_llm_compressors_observer_of_that_name(n
     want = reference.get_qparams()["scale"].reshape(())
     got = qstats.compute_qparams(state, rule.spec, **dict(rule.qparams_kwargs)).scale.reshape(())
     assert torch.allclose(got, want.float(), rtol=1e-6), (got, want)
+
+
+@pytest.fixture(scope="module")
+def saved_gqa(tmp_path_factory, saved):
+    """The tiny Llama with 2 KV heads of 32: k_proj and v_proj are 64x128, half a 128x128 block."""
+    config = transformers.LlamaConfig.from_pretrained(saved[0])
+    config.num_key_value_heads = 2
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("tiny_llama_gqa"))
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path, saved[1], saved[2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fp8_block_with_a_partial_block_equals_llm_compressor_oneshot(saved_gqa, tmp_path, dtype):
+    """FP8_BLOCK on a k_proj/v_proj of 64x128 rows (2 KV heads of 32): llm-compressor pads the edge
+    block (a scale grid of ceil(64 / 128) x 1); qstats refused it. Now every tensor, the (1, 1)
+    weight_scale included, is equal bit for bit."""
+    theirs, ours = str(tmp_path / "llm_compressor"), str(tmp_path / "qstats")
+    _llm_compressor(saved_gqa, "FP8_BLOCK", theirs, ["lm_head"], dtype)
+    recipe = qstats.Recipe.from_scheme("FP8_BLOCK", targets="Linear", ignore=["lm_head"], observed_dtype=dtype)
+    _qstats(saved_gqa, None, ours, None, recipe=recipe, dtype=dtype)
+    _assert_same_checkpoint(ours, theirs)
+    their_scale = load_file(os.path.join(theirs, "model.safetensors"))["model.layers.0.self_attn.k_proj.weight_scale"]
+    assert their_scale.shape == (1, 1)
+
+
+def test_from_compressed_tensors_block_strategy_takes_partial_edge_blocks():
+    spec = qstats.QuantSpec.from_compressed_tensors(
+        {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [128, 128]})
+    assert spec.granularity.partial

@@ -117,7 +117,7 @@ def _granularity(strategy: str, args, group_size):
     if strategy == "tensor_group":
         return TensorGroup(int(group_size))
     if strategy == "block":
-        return PerBlock(tuple(_field(args, "block_structure")))
+        return PerBlock(tuple(_field(args, "block_structure")), partial=True)
     if strategy == "token":
         return PerToken()
     if strategy == "attn_head":

@@ -421,6 +421,12 @@ class TorchaoConvention(Convention):
     name = "torchao"
     maps_ranges_without_zero = True
 
+    def validate(self, spec) -> None:
+        super().validate(spec)
+        if isinstance(spec.granularity, PerBlock) and spec.granularity.partial:
+            raise ValueError("convention='torchao': PerBlock(partial=True) is not torchao's: its block size must "
+                             "divide the tensor (_get_reduction_params asserts it)")
+
     def check_lsq(self, spec) -> None:
         if spec.zero_point_domain == "float":
             raise ValueError(
