@@ -44,7 +44,7 @@ from .fused import fused_global_scale
 from .observers.histogram import histogram
 from .observers.minmax import memoryless_minmax, minmax, moving_average_minmax
 from .observers.mse import mse
-from .recipe import runtime_scaled
+from .recipe import STATIC_GROUP_ACTIVATIONS, runtime_scaled
 
 __all__ = ["QstatsObserver", "OBSERVERS", "QstatsMinmaxObserver", "QstatsStaticMinmaxObserver",
            "QstatsMemorylessMinmaxObserver", "QstatsHistogramObserver", "QstatsMseObserver"]
@@ -63,6 +63,11 @@ class QstatsObserver(LLMCompressorObserver):
 
     def __init__(self, base_name, args, **observer_kwargs):
         super().__init__(base_name, args, **observer_kwargs)
+        strategy = QuantizationStrategy(self.args.strategy)
+        grouped = strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP)
+        if not self.is_weight_obs and grouped and self.args.dynamic is False:  # not True, nor NVFP4's "local"
+            raise ValueError(f"{type(self).__name__} ({base_name}, strategy {strategy.value!r}): "
+                             f"{STATIC_GROUP_ACTIVATIONS}")
         self.factory_options, self.qparams_options = self.split_options(dict(self.args.observer_kwargs))
         self.spec: Optional[QuantSpec] = None
         self.qstats_observer = None

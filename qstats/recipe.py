@@ -210,6 +210,29 @@ def _site_kind(module: torch.nn.Module, params: dict, num_experts: int, site: st
     return None
 
 
+# why compressed-tensors' static per-group activations are refused (`_refuse_static_groups`)
+STATIC_GROUP_ACTIVATIONS = (
+    "static per-group activations (compressed-tensors strategy='group' with dynamic=False) are not supported "
+    "end to end by llm-compressor 0.14 / compressed-tensors 0.19: llm-compressor calibrates one scale per group "
+    "of the features, but compressed-tensors' forward (the model after oneshot, the reloaded checkpoint) "
+    "broadcasts those scales against the sequence dimension and fails (or quantizes token i with group i's "
+    "scale); use dynamic=True (per-group scales of each tensor at run time) or strategy 'tensor'"
+)
+
+
+def _refuse_static_groups(rules: list, caller: str) -> list:
+    """``rules`` (of compressed-tensors args), or ValueError for one of static per-group
+    activations (`STATIC_GROUP_ACTIVATIONS`): args with ``dynamic=True`` give ``Rule(dynamic=True)``
+    and ``dynamic="local"`` only exists for NVFP4's ``TensorGroup``, so a compressed-tensors
+    ``PerGroup`` activation rule left static came from ``dynamic=False``."""
+    for rule in rules:
+        granularity = rule.spec.granularity
+        if (not rule.dynamic and any(site in ACTIVATION_SITES or site.endswith(".input") for site in rule.sites)
+                and isinstance(granularity, PerGroup) and not isinstance(granularity, TensorGroup)):
+            raise ValueError(f"{caller}: the {'/'.join(rule.sites)} args: {STATIC_GROUP_ACTIVATIONS}")
+    return rules
+
+
 def _make_site(rule: Rule, site: str, kind: str, stacked: int) -> Site:
     # an activation site whose scales are computed at run time from each tensor observes its
     # whole range: its state is the same for batches of any length
@@ -430,7 +453,7 @@ class Recipe:
         """
 
         rules = scheme_rules(Rule, scheme, targets, observed_dtype, experts)
-        return cls(rules, ignore=ignore, shared=shared)
+        return cls(_refuse_static_groups(rules, "Recipe.from_scheme"), ignore=ignore, shared=shared)
 
     @classmethod
     def from_compressed_tensors(cls, config, observed_dtype=None) -> "Recipe":
@@ -440,7 +463,7 @@ class Recipe:
         ``ignore`` list, with llm-compressor's observers (`from_scheme`)."""
 
         rules, ignore = config_rules(Rule, config, observed_dtype)
-        return cls(rules, ignore=ignore)
+        return cls(_refuse_static_groups(rules, "Recipe.from_compressed_tensors"), ignore=ignore)
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Recipe":

@@ -380,6 +380,43 @@ def test_dynamic_activation_presets_calibrate_batches_of_any_length(name):
         assert seen[0].dtype == dtype and torch.equal(seen[0], expected), dtype
 
 
+def test_static_group_input_schemes_are_refused_and_dynamic_ones_quantize_as_compressed_tensors():
+    """compressed-tensors' static per-group inputs (``strategy="group"``, ``dynamic=False``) were
+    silently calibrated, fake-quantized and exported as dynamic ones. compressed-tensors' forward
+    cannot apply static group scales (shape (groups,): broadcast against the tokens, fails at 5),
+    so `Recipe.from_scheme` refuses the scheme, naming the configuration; the same args with
+    ``dynamic=True`` calibrate over any length and `fake_quantized` equals compressed-tensors'
+    dynamic group quantization."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    fields = dict(num_bits=8, type="int", symmetric=False, strategy="group", group_size=16)
+    static = QuantizationArgs(**fields, dynamic=False)
+    with pytest.raises(RuntimeError):  # the scales a static site would hold: one per group of the features
+        ct_fake_quantize(torch.randn(1, 5, 64), torch.ones(4), torch.zeros(4, dtype=torch.int8), static)
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    for scheme in ({"weights": weights, "input_activations": static}, {"output_activations": static.model_dump()}):
+        with pytest.raises(ValueError, match=r"from_scheme: the (input|output) args: static per-group .*dynamic=True"):
+            qstats.Recipe.from_scheme(scheme)
+    with pytest.raises(ValueError, match="static per-group activations"):
+        qstats.Recipe.from_dict({"scheme": {"input_activations": static.model_dump()}})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
+    dynamic = QuantizationArgs(**fields, dynamic=True)
+    recipe = qstats.Recipe.from_scheme({"weights": weights, "input_activations": dynamic})
+    batches = [torch.randn(1, 5, 64), 3 * torch.randn(1, 7, 64)]
+    qparams = qstats.compute_qparams_tree(qstats.calibrate(model, batches, recipe, progress=False), recipe, model)
+    assert qparams["0"]["input"] is None
+    x, seen = 2 * torch.randn(1, 9, 64), []
+    with qstats.fake_quantized(model, qparams, recipe):
+        handle = model[0].register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0]))
+        model(x)
+    handle.remove()
+    scale, zero_point = compute_dynamic_scales_and_zp(x, dynamic, model[0])
+    assert torch.equal(seen[0], ct_fake_quantize(x, scale, zero_point, dynamic))
+
+
 @pytest.mark.parametrize("name", ["W8A8", "NVFP4"])
 def test_report_measures_runtime_sites_with_their_own_scales(name):
     """`report` on a site whose scales come at run time: no mean scale (there is no calibrated

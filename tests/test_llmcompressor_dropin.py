@@ -242,6 +242,64 @@ def test_runtime_scaled_input_observer_takes_batches_of_any_length(name):
         assert bit_equal(got, theirs.get_qparams()["global_scale"])
 
 
+STATIC_GROUP_INPUT = {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "group", "group_size": 16,
+                      "dynamic": False}
+
+
+@pytest.mark.parametrize("strategy", ["group", "tensor_group"])
+def test_static_group_input_observers_are_refused_as_compressed_tensors_cannot_apply_their_scales(strategy):
+    """llm-compressor's ``static_minmax`` gives static per-group inputs one scale per group of the
+    features, whatever the batches' lengths; compressed-tensors' ``fake_quantize`` broadcasts those
+    scales against the sequence dimension: it fails unless the length is 1 or the group count, and
+    then puts token i under group i's scale. The qstats observers refuse the configuration (they
+    raised a shape mismatch at ``get_qparams``, or at the first observation). Dynamic groups and
+    NVFP4's ``dynamic="local"`` inputs are still observed."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    args = QuantizationArgs(**STATIC_GROUP_INPUT)
+    g = torch.Generator().manual_seed(5)
+    theirs = Observer.load_from_registry("static_minmax", base_name="input", args=args.model_copy(deep=True))
+    for length in (5, 7, 3):
+        theirs(torch.randn(2, length, 64, generator=g))
+    qparams = theirs.get_qparams()
+    assert qparams["scale"].shape == (4,)
+    with pytest.raises(RuntimeError):
+        fake_quantize(torch.randn(2, 5, 64, generator=g), qparams["scale"], qparams["zero_point"], args)
+    x = torch.randn(1, 4, 64, generator=g)  # 4 tokens of 4 groups: token i under group i's scale
+    per_token = fake_quantize(x, qparams["scale"], qparams["zero_point"], args)
+    groups = x.unflatten(-1, (4, 16))
+    scale, zero_point = qparams["scale"].reshape(4, 1), qparams["zero_point"].reshape(4, 1).float()
+    transposed = (torch.clamp(torch.round(groups / scale.reshape(4, 1, 1) + zero_point.reshape(4, 1, 1)), -128, 127)
+                  - zero_point.reshape(4, 1, 1)) * scale.reshape(4, 1, 1)
+    assert torch.equal(per_token, transposed.flatten(-2))
+    if strategy == "tensor_group":
+        args = NVFP4["input_activations"].model_copy(update={"dynamic": False})
+    for name in ("qstats_static_minmax", "qstats_minmax", "qstats_histogram", "qstats_mse"):
+        refused = rf"strategy '{strategy}'.*static per-group activations .* not supported end to end"
+        with pytest.raises(ValueError, match=refused):
+            Observer.load_from_registry(name, base_name="input", args=args.model_copy(deep=True))
+    for dynamic in (NVFP4["input_activations"], args.model_copy(update={"dynamic": True})):
+        Observer.load_from_registry("qstats_static_minmax", base_name="input", args=dynamic.model_copy(deep=True))
+
+
+def test_oneshot_of_static_group_inputs_writes_a_checkpoint_compressed_tensors_cannot_run(saved, tmp_path):
+    """End to end: llm-compressor's oneshot writes (num_groups,) input scales, but the checkpoint's
+    compressed-tensors forward fails at every length; the qstats observers refuse it up front."""
+    scheme = {"weights": STATIC_W8A8["weights"], "input_activations": STATIC_GROUP_INPUT}
+    theirs = _oneshot(saved, tmp_path / "theirs", "basic", scheme, input_observer="static_minmax")
+    tensors = load_file(os.path.join(theirs, "model.safetensors"))
+    assert tensors["model.layers.0.self_attn.q_proj.input_scale"].shape == (2,)  # 32 features / 16
+    assert tensors["model.layers.0.mlp.down_proj.input_scale"].shape == (4,)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(theirs).eval()
+    for length in (1, 2, 4, 12):
+        with pytest.raises(RuntimeError), torch.no_grad():
+            loaded(torch.randint(1, 64, (1, length)))
+    with pytest.raises(ValueError, match="static per-group activations"):
+        _oneshot(saved, tmp_path / "ours", "basic", scheme, input_observer="qstats_static_minmax")
+
+
 @pytest.mark.parametrize("observer", ["qstats_histogram", "qstats_mse"])
 def test_oneshot_with_histogram_and_mse_observers_loads_and_runs(saved, tmp_path, observer):
     """The checkpoint loads with transformers' compressed-tensors quantizer and its logits stay

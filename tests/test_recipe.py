@@ -321,3 +321,32 @@ def test_from_dict_scheme_passes_observed_dtype_and_the_schemes_own_targets(dtyp
     assert {rule.spec.compute_dtype for rule in recipe.rules} == {str(name).removeprefix("torch.")}
     scheme = {"targets": ["re:.*mlp.*"], "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}
     assert qstats.Recipe.from_dict({"scheme": scheme}).rules[0].targets == ("re:.*mlp.*",)
+
+
+def test_static_group_activations_of_a_compressed_tensors_config_are_refused():
+    """A checkpoint config with static per-group inputs (what llm-compressor's oneshot writes for
+    them, though compressed-tensors' forward cannot apply those scales) used to give a run-time
+    site, calibrated and exported as dynamic; it is refused, naming the configuration. Dynamic
+    groups, NVFP4's two-level inputs and per-group specs of hand-written rules still take their
+    scales at run time."""
+    quantization = pytest.importorskip("compressed_tensors.quantization")
+    from compressed_tensors.quantization.quant_scheme import NVFP4
+
+    def config(inputs):
+        scheme = quantization.QuantizationScheme(
+            targets=["Linear"], weights=quantization.QuantizationArgs(num_bits=8, strategy="channel"),
+            input_activations=inputs)
+        return quantization.QuantizationConfig(config_groups={"group_0": scheme}).model_dump()
+
+    group = dict(num_bits=8, symmetric=False, strategy="group", group_size=16)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 8)).eval()
+    static = config(quantization.QuantizationArgs(**group, dynamic=False))
+    with pytest.raises(ValueError, match=r"from_compressed_tensors: the input args: static per-group activations"):
+        qstats.Recipe.from_compressed_tensors(static)
+    for inputs in (quantization.QuantizationArgs(**group, dynamic=True), NVFP4["input_activations"]):
+        plan = qstats.Recipe.from_compressed_tensors(config(inputs)).resolve(model)
+        assert plan.sites["0"]["input"].runtime and not plan.sites["0"]["weight"].runtime
+    hand_written = qstats.QuantSpec.from_compressed_tensors(quantization.QuantizationArgs(**group))
+    for spec in (qstats.preset("mxfp8"), hand_written):
+        own = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=spec)]).resolve(model)
+        assert own.sites["0"]["input"].runtime
