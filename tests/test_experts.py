@@ -403,3 +403,111 @@ def test_padding_is_left_out_of_the_intermediates_of_experts_that_flatten_their_
         states = qstats.calibrate(flat, [(x[0],)], recipe, progress=False,
                                   observation_weight=lambda batch: torch.zeros(3))["experts"]
     assert all(int(state.count.sum()) == 0 for state in states.values()), {k: s.count for k, s in states.items()}
+
+
+# --- transformers' other MoE architectures --------------------------------------------------------------------------
+
+_SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+              max_position_embeddings=32, tie_word_embeddings=False)
+# (model class, config class, config fields): 8 experts, top-2, every layer a MoE layer
+_ARCHITECTURES = {
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        intermediate_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8,
+        num_experts_per_tok=2)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(intermediate_size=16, num_local_experts=8,
+                                                            num_experts_per_tok=2, head_dim=16)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                                                      eos_token_id=None, pad_token_id=None)),
+    "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(intermediate_size=16, num_local_experts=8,
+                                                                     num_experts_per_tok=2)),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        intermediate_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=0, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=2)),
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(intermediate_size=16, num_local_experts=8,
+                                                          num_experts_per_tok=2, head_dim=16,
+                                                          layer_types=["full_attention"] * 2)),
+}
+
+
+def _tiny_moe(architecture):
+    transformers = pytest.importorskip("transformers")
+    model_class, config_class, fields = _ARCHITECTURES[architecture]
+    config = getattr(transformers, config_class)(**{**_SMALL, **fields})
+    torch.manual_seed(0)
+    return getattr(transformers, model_class)(config).eval()
+
+
+def _router_assignments(model, batches):
+    """``{experts path: [(tokens [T, H], mask [E, T])]}``, one per call, from the model's own routers: a hook
+    on the router next to each experts module reads the selected experts from its output (the first
+    integer tensor it returns) and the tokens from its input."""
+    seen, handles = {}, []
+    for path, module in model.named_modules():
+        if not qstats.experts.expert_count(module):
+            continue
+        parent = model.get_submodule(path.rsplit(".", 1)[0])
+        router = getattr(parent, "gate", None) or parent.router
+
+        def hook(router, args, output, path=path, experts=module.num_experts):
+            index = next(o for o in output if isinstance(o, torch.Tensor) and not o.is_floating_point())
+            tokens = args[0].detach().reshape(-1, args[0].shape[-1])
+            mask = torch.zeros(experts, tokens.shape[0])
+            mask.scatter_(0, index.T.long(), 1.0)
+            seen.setdefault(path, []).append((tokens, mask))
+
+        handles.append(router.register_forward_hook(hook))
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+def _intermediate(architecture, experts, rows, expert):
+    """``down_proj``'s input for ``rows`` sent to ``expert``, computed here from the stacked weights."""
+    if architecture == "gpt_oss":  # [E, H, 2I] with biases, interleaved gate/up and its own activation
+        return experts._apply_gate(rows @ experts.gate_up_proj[expert] + experts.gate_up_proj_bias[expert])
+    gate, up = torch.nn.functional.linear(rows, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
+
+
+@pytest.mark.parametrize("all_experts", [False, True], ids=["routed", "all_experts"])
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("architecture", sorted(_ARCHITECTURES))
+def test_every_expert_of_transformers_moe_architectures_observes_what_its_router_sends(
+        architecture, implementation, all_experts):
+    """Qwen2-MoE (shared expert), Mixtral, OLMoE, GraniteMoE, DeepSeek-V3 (grouped routing) and GPT-OSS
+    (transposed, biased): each expert's ``input`` and ``down_proj.input`` observe exactly the tokens the
+    model's own router sent it (read by a hook on the router's output), padding left out, or every
+    unpadded token with ``all_experts``; the intermediates are computed here from those tokens."""
+    model = _tiny_moe(architecture)
+    model.set_experts_implementation(implementation)
+    name = next(type(m).__name__ for m in model.modules() if qstats.experts.expert_count(m))
+    spec = qstats.QuantSpec(dtype="int8", mapping="asymmetric", on_uncalibrated="fallback")
+    recipe = qstats.Recipe([qstats.Rule(name, sites=("input", "down_proj.input"), spec=spec)])
+    generator = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(0, 64, (2, 6), generator=generator),
+                "attention_mask": torch.tensor([[1] * 6, [0] * 2 + [1] * 4])} for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qstats.UncalibratedWarning)
+        states = qstats.calibrate(model, batches, recipe, progress=False, all_experts=all_experts,
+                                  observation_weight=lambda batch: batch["attention_mask"])
+    routed = _router_assignments(model, batches)
+    assert sorted(states) == sorted(routed) and len(routed) == 2
+    kept = [batch["attention_mask"].reshape(-1) != 0 for batch in batches]
+    for path, calls in routed.items():
+        experts = model.get_submodule(path)
+        for expert in range(8):
+            selected = [(mask[expert] != 0 if not all_experts else torch.ones_like(keep)) & keep
+                        for (_, mask), keep in zip(calls, kept)]
+            rows = torch.cat([tokens[chosen] for (tokens, _), chosen in zip(calls, selected)])
+            with torch.no_grad():
+                values = _intermediate(architecture, experts, rows, expert)
+            for site, expected in (("input", rows), ("down_proj.input", values)):
+                state = states[path][site]
+                assert int(state.count[expert]) == expected.numel(), (path, site, expert)
+                if expected.numel():
+                    torch.testing.assert_close(state.min_val[expert], expected.min(), rtol=1e-5, atol=1e-6)
+                    torch.testing.assert_close(state.max_val[expert], expected.max(), rtol=1e-5, atol=1e-6)
