@@ -19,6 +19,7 @@ no data do not contribute. See docs/formats.md.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 
 import torch
 
@@ -71,6 +72,9 @@ def _amax_of(state, spec: QuantSpec, **options) -> torch.Tensor:
 def _as_states(states) -> list:
     if isinstance(states, tuple) and hasattr(states, "_fields"):
         return [states]  # one (stacked) state
+    if isinstance(states, Mapping):
+        raise TypeError("fused: the group must be a sequence of states (q, k, v), got a mapping; pass "
+                        "list(group.values())")
     states = list(states)
     if not states:
         raise ValueError("fused: the group holds no states")

@@ -173,3 +173,13 @@ def test_a_none_member_leaves_the_rest_of_the_group_fused():
         ref = module.weight_observer.get_qparams()
         assert torch.equal(qparams[f"0.{name}"]["weight"].global_scale.reshape(1), ref["global_scale"]), name
         assert torch.equal(qparams[f"0.{name}"]["weight"].scale, ref["scale"]), name
+
+
+def test_a_group_given_as_a_mapping_is_named():
+    """A dict of states iterated its keys: the error read 'no range rule for str'."""
+    spec = qstats.preset("nvfp4")
+    obs = qstats.minmax(spec)
+    x = torch.randn(4, 32)
+    state = obs.update(obs.init(x), x)
+    with pytest.raises(TypeError, match="sequence of states"):
+        qstats.fused_qparams({"q": state, "k": state}, spec)
