@@ -456,6 +456,21 @@ def test_entropy_matches_brute_force(seed):
     assert float(got8) == float(expected8)
 
 
+def test_entropy_with_more_levels_than_bins_matches_brute_force():
+    # 256 levels (8 bits unsigned) or 2048 (12 bits) against candidates of 32..300 bins: the chunks
+    # after a candidate's last bin are empty; Q there was read from the last chunk (0), every
+    # candidate below the number of levels had an infinite divergence and the full range won. Bins
+    # past the maximum (outliers 0, a level per bin) are exact ties at 0: the last one, as ModelOpt.
+    rng = np.random.default_rng(4)
+    values = np.concatenate([np.abs(rng.standard_normal(20000)), [25.0]])
+    for top in (1.0, 1.05):
+        hist, edges = np.histogram(values, bins=300, range=(0, values.max() * top))
+        for bits, unsigned in ((8, True), (12, False)):
+            expected = _entropy_brute_force(hist, edges, num_bits=bits, unsigned=unsigned, start_bin=32)
+            got = entropy_amax(torch.from_numpy(hist), torch.from_numpy(edges), bits, unsigned, start_bin=32)
+            assert float(got) == float(expected), (top, bits, unsigned)
+
+
 def test_entropy_is_vectorised_over_channels():
     rng = np.random.default_rng(3)
     hists, edges, expected = [], [], []
@@ -481,6 +496,10 @@ def test_percentile_matches_quantiles_within_bucket_resolution(percentile):
     rng = percentile_search(state, spec, percentile=percentile)
     expected = float(torch.quantile(x.abs().double(), percentile / 100))
     assert float(rng.max_val) == pytest.approx(expected, rel=2 / 128)
+    # a numpy scalar is a percentile too (np.float32 was refused as "not in (0, 100]")
+    as_numpy = percentile_search(state, spec, percentile=np.float32(percentile))
+    expected = float(torch.quantile(x.abs().double(), float(np.float32(percentile)) / 100))
+    assert float(as_numpy.max_val) == pytest.approx(expected, rel=2 / 128)
     asym = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
     lo, hi, _ = percentile_search(state, asym, percentile=percentile)
     assert float(hi) == pytest.approx(float(torch.quantile(x.double(), percentile / 100)), rel=2 / 128)
@@ -650,6 +669,7 @@ def test_symmetric_percentile_keeps_the_buckets_resolution_past_an_outlier(outli
         ("mse", dict(candidates=0), "candidates"),
         ("mse", dict(per_octave=0), "per_octave"),
         ("mse", dict(per_octave=True), "per_octave"),
+        ("percentile", dict(percentile=True), "percentile"),  # was taken as the 1st percentile
     ],
 )
 def test_search_options_out_of_range_raise_naming_them(method, options, name):

@@ -395,6 +395,46 @@ def test_entropy_search_is_modelopt_on_its_own_histogram(name, bits):
     assert float(ours) == result["rows"]["entropy"]["modelopt"]
 
 
+def test_entropy_with_more_levels_than_candidate_bins_is_modelopts():
+    # unsigned 8 bits (256 levels) from start bin 128: a candidate i < 256 bins leaves the chunks
+    # after its last bin empty; Q at that bin was read from the last chunk (0), so every such
+    # candidate had an infinite divergence (|x| of 40000 Gaussians and one value at 40, whose mass
+    # ends near bin 205 of 2048: amax 40 where ModelOpt clips at 4.57). 10 bits on 512 bins:
+    # every candidate has a level per bin.
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(40000, generator=g).abs(), torch.tensor([40.0])])
+    for bits, unsigned, num_bins in ((8, True, 2048), (10, False, 512)):
+        calibrator = HistogramCalibrator(num_bits=bits, unsigned=unsigned, num_bins=num_bins)
+        calibrator.collect(x)
+        theirs = float(calibrator.compute_amax("entropy"))
+        hist, edges = calibrator._calib_hist.long(), calibrator._calib_bin_edges.double()
+        assert float(H.entropy_amax(hist, edges, bits, unsigned)) == theirs, (bits, unsigned)
+        if unsigned:  # qstats' own histogram, uint8 asymmetric (ModelOpt's unsigned=True)
+            spec = _spec(8, unsigned=True)
+            obs = qstats.histogram(spec)
+            qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec, method="entropy")
+            assert float(qp.scale.double() * _maxbound(8, True)) == pytest.approx(theirs, rel=ENTROPY_AMAX_RTOL)
+
+
+def test_entropy_of_int16_and_int32_grids_is_modelopts_with_a_level_per_bin():
+    # 2**15 or 2**31 levels on 512 bins: Q is P without the outliers, whatever the number of levels
+    # past 512, so ModelOpt's 10-bit result is theirs (ModelOpt itself would allocate 2**31 levels);
+    # int32 hung (2**31 chunk boundaries per candidate) and int16 took seconds per tensor
+    x = _data("t3").abs()
+    calibrator = HistogramCalibrator(num_bits=10, num_bins=512)
+    calibrator.collect(x)
+    theirs = float(calibrator.compute_amax("entropy"))
+    hist, edges = calibrator._calib_hist.long(), calibrator._calib_bin_edges.double()
+    for bits in (16, 32):
+        assert float(H.entropy_amax(hist, edges, bits)) == theirs, bits
+    # a compute_qparams of an int32 spec: no outliers only at the full range, Q = P there: the range
+    spec = qstats.QuantSpec(dtype="int32", mapping="symmetric", eps=1e-30)
+    obs = qstats.histogram(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec, method="entropy")
+    expected = qstats.qparams_from_minmax(-x.max(), x.max(), spec)
+    assert torch.equal(qp.scale, expected.scale)
+
+
 def test_entropy_first_bin_rule_is_modelopts():
     # a histogram whose second and third bins differ a lot (a spike just above zero): the rule decides
     rng = np.random.default_rng(1)

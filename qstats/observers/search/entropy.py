@@ -49,12 +49,18 @@ def _divergences(hist, cand, levels: int):
     p_last = last + outliers
     p_log_p_last = torch.where(p_last > 0, p_last * torch.log(p_last.clamp(min=1e-300)), torch.zeros_like(p_last))
     sum_p_log_p = torch.gather(c_plogp, -1, ci - 1) + p_log_p_last
-    q_last = q_level[..., -1]  # the last bin belongs to the last chunk
+    # Q at the last bin: the level of its chunk, the last one starting at or before it (with more
+    # levels than bins, i < levels, the chunks after it are empty: the last chunk's 0 made KL infinite)
+    last_chunk = (starts[:, :-1] <= (cand - 1).unsqueeze(-1)).sum(-1, keepdim=True) - 1  # (C, 1)
+    q_last = torch.gather(q_level, -1, last_chunk.expand(*lead, cand.shape[0], 1)).squeeze(-1)
     # the outliers in P's last bin meet Q's value there (0 if that bin is empty: infinite KL)
     out_term = torch.where(outliers > 0, outliers * torch.log(q_last.clamp(min=1e-300)), torch.zeros_like(outliers))
     out_term = torch.where((outliers > 0) & ((last <= 0) | (q_last <= 0)), torch.full_like(out_term, -math.inf), out_term)
     n_q = torch.gather(c_count, -1, ci)
     kl = (sum_p_log_p - (s_log_q + out_term)) / total - torch.log(total) + torch.log(n_q)
+    # no outliers and a level per bin (i <= levels): Q is P, KL exactly 0 as ModelOpt's (not rounding
+    # noise of the closed form, which would pick among such ties other than the last)
+    kl = torch.where((outliers == 0) & (ci <= levels), torch.zeros_like(kl), kl)
     return torch.where(n_q > 0, kl, torch.full_like(kl, math.inf))
 
 
@@ -73,7 +79,9 @@ def entropy_amax(hist: torch.Tensor, bin_edges: torch.Tensor, num_bits: int = 8,
     """
     hist = hist.double()
     hist = torch.cat([hist[..., 1:2], hist[..., 1:]], -1)
-    levels = 1 << (num_bits - 1 + int(unsigned))
+    # more levels than bins leave every bin a level of its own (Q is P without the outliers), whatever
+    # their number: capped there, so that int16/int32 grids cost what 2048 levels do (2**31 hung)
+    levels = min(1 << (num_bits - 1 + int(unsigned)), hist.shape[-1])
     cand = torch.arange(start_bin, hist.shape[-1] + 1, stride, device=hist.device)  # (C,)
     per_candidate = (levels + 1) * hist[..., :1].numel()
     kl = in_chunks(lambda cand: _divergences(hist, cand, levels), (cand,), per_candidate)

@@ -3,6 +3,8 @@ percentiles of ``x`` (asymmetric), interpolated inside buckets (values spread ev
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..._qparams import Range
@@ -58,8 +60,9 @@ def _abs_quantile(state, p: float) -> torch.Tensor:
 def percentile_search(state, spec: QuantSpec, percentile: float = 99.99) -> Range:
     """The ``percentile`` (in ``(0, 100]``) of ``|x|`` for symmetric mappings; the ``100 -
     percentile`` and ``percentile`` percentiles of ``x`` for asymmetric ones."""
-    if not (isinstance(percentile, (int, float)) and 0 < percentile <= 100):
-        raise ValueError(f"compute_qparams: percentile must be in (0, 100], got {percentile!r}")
+    # numpy scalars are numbers.Real; a bool is not a percentile (True was the 1st)
+    if isinstance(percentile, bool) or not (isinstance(percentile, numbers.Real) and 0 < percentile <= 100):
+        raise ValueError(f"compute_qparams: percentile must be a number in (0, 100], got {percentile!r}")
     p = float(percentile) / 100
     if is_symmetric(spec):
         amax = _abs_quantile(state, p)
