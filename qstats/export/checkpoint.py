@@ -19,6 +19,7 @@ from .attention import attention_config, write_attention
 from .config import ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, ignored_modules
 from .experts import expert_entries, warn_mixed_experts
 from .linear import linear_entry, write_linear
+from .names import module_renamer, saved_tensors
 from .._warn import warn
 
 __all__ = ["compressed_tensors", "Writer", "check_new_folder", "write_config", "write_index", "write_tensors"]
@@ -68,7 +69,7 @@ class Writer:
 
     def __init__(self, specs_or_recipe, qparams: Mapping, model: torch.nn.Module, format: Optional[str]):
         self.specs, self.groups, self.modules, self.dynamic, self.plan = _resolve(specs_or_recipe, qparams, model)
-        self.qparams, self.format = qparams, format
+        self.qparams, self.format, self.model = qparams, format, model
         self.log: dict = {"uncalibrated": [], "rounded": [], "rotary": [], "compute_dtype": []}
         self.schemes: dict = {}
         self.expert_projection: dict = {}  # unpacked expert path -> (experts module path, projection)
@@ -76,7 +77,8 @@ class Writer:
 
     def part(self, qparams: Mapping, state: Mapping) -> dict:
         """The tensors to write for ``qparams`` (some modules') and ``state`` (those modules'
-        ``state_dict`` entries, float weights replaced by their packed codes or unpacked experts)."""
+        ``state_dict`` entries, float weights replaced by their packed codes or unpacked experts),
+        under the names transformers' ``save_pretrained`` writes (`names.saved_tensors`)."""
         tensors: dict[str, torch.Tensor] = {}
         dropped: set[str] = set()
         entries, attention = _entries(self.modules, qparams, self.specs, self.dynamic, tensors, dropped, self.log)
@@ -90,7 +92,7 @@ class Writer:
         for name, tensor in state.items():
             if name not in tensors and name not in dropped:
                 tensors[name] = tensor.detach()
-        return tensors
+        return saved_tensors(self.model, tensors)
 
     def finish(self) -> dict:
         _warn_log(self.log)
@@ -98,7 +100,7 @@ class Writer:
         warn_mixed_experts(self.schemes, self.expert_projection)
         _warn_unshared_global_scales(self.groups, self.qparams, self.specs)
         return _quantization_config(self.schemes, self.expert_projection, self.attention, self.modules, self.format,
-                                    self.plan)
+                                    self.plan, module_renamer(self.model))
 
 
 def _check_arguments(model, qparams, format) -> None:
@@ -170,14 +172,17 @@ def _entries(modules: Mapping, qparams: Mapping, specs, dynamic: Mapping, tensor
     return entries, attention
 
 
-def _quantization_config(schemes: dict, expert_projection: dict, attention: dict, modules: Mapping, format, plan) -> dict:
+def _quantization_config(schemes: dict, expert_projection: dict, attention: dict, modules: Mapping, format, plan,
+                         rename) -> dict:
     """The ``quantization_config`` of ``config.json``: config groups per scheme, the kv-cache scheme
-    and the Linear modules left unquantized (``ignore``)."""
-    groups = config_groups(schemes, expert_projection, format, modules, plan)
+    and the Linear modules left unquantized (``ignore``), modules under their checkpoint names."""
+    groups = config_groups(schemes, expert_projection, format, modules, plan, rename)
     formats = {group["format"] for group in groups.values()}
     top_format = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
     kv_cache_scheme = attention_config(attention, groups, modules)
-    ignore = ignored_modules(modules, schemes, plan)
+    if "attention" in groups:  # q sites: a group targeting the attention modules by path
+        groups["attention"]["targets"] = [rename(path) for path in groups["attention"]["targets"]]
+    ignore = ignored_modules(modules, schemes, plan, rename)
     return {
         "quant_method": "compressed-tensors",
         "format": top_format,
@@ -327,8 +332,9 @@ def _quantizes_a_tied_weight(model: torch.nn.Module, quantization_config: dict) 
     if not tied:
         return False
     ignore = set(quantization_config.get("ignore") or ())
+    rename = module_renamer(model)  # the config names modules as the checkpoint does
     return any(
-        path not in ignore and _matches(tuple(group.get("targets") or ()), path, modules.get(path))
+        rename(path) not in ignore and _matches(tuple(group.get("targets") or ()), rename(path), modules.get(path))
         for group in quantization_config.get("config_groups", {}).values()
         if group.get("weights") is not None
         for path in tied

@@ -244,10 +244,11 @@ def llm_compressor_observers(plan) -> dict:
     return names
 
 
-def ignored_modules(modules: dict, schemes: dict, plan=None) -> list:
+def ignored_modules(modules: dict, schemes: dict, plan=None, rename=None) -> list:
     """The ``ignore`` list, as compressed-tensors writes it: the unquantized Linear modules, and
     with a recipe's ``plan`` the modules its ``ignore`` names that hold a 2-D weight (MoE routers
-    such as ``Qwen3MoeTopKRouter``, which llm-compressor lists), in ``named_modules`` order."""
+    such as ``Qwen3MoeTopKRouter``, which llm-compressor lists), in ``named_modules`` order, under
+    their checkpoint names (``rename``, `names.module_renamer`)."""
     ignore_targets = plan.recipe.ignore if plan is not None else ()
     out = []
     for path, module in modules.items():
@@ -256,7 +257,7 @@ def ignored_modules(modules: dict, schemes: dict, plan=None) -> list:
         weight = getattr(module, "weight", None)
         routed = isinstance(weight, torch.Tensor) and weight.ndim == 2 and _matches(ignore_targets, path, module)
         if isinstance(module, torch.nn.Linear) or routed:
-            out.append(path)
+            out.append(rename(path) if rename else path)
     return out
 
 
@@ -297,12 +298,14 @@ def _class_targets(groups: dict, modules: Optional[dict], expert_projection: dic
 
 
 def config_groups(schemes: dict, expert_projection: dict, format: Optional[str], modules: Optional[dict] = None,
-                  plan=None) -> dict:
+                  plan=None, rename=None) -> dict:
     """One config group per distinct (weights, input, output, format) combination, targeting the
     exact module paths, and one regex per projection of unpacked experts; keyed by that
     combination (insertion order). With the model's ``modules``, a single group of Linear
     modules targets ``["Linear"]`` instead. With the recipe's ``plan``, the args' ``observer`` is
-    llm-compressor's name of the site's observer (`llm_compressor_observers`)."""
+    llm-compressor's name of the site's observer (`llm_compressor_observers`). ``rename``: a module
+    path's checkpoint name (`names.module_renamer`), for the targets."""
+    rename = rename or (lambda name: name)
     observers = llm_compressor_observers(plan) if plan is not None else None
     groups: dict[str, dict] = {}
     for module_path, scheme in schemes.items():
@@ -324,12 +327,12 @@ def config_groups(schemes: dict, expert_projection: dict, format: Optional[str],
             },
         )
         group["_paths"].append(module_path)
-        target = module_path
+        target = rename(module_path)
         if module_path in expert_projection:
             # every expert of a stacked module shares its scheme: one regex per projection of the
             # module (transformers' get_experts_scheme picks the group whose re: target names experts)
             experts_path, projection = expert_projection[module_path]
-            target = rf"re:^{re.escape(experts_path)}\.\d+\.{projection}$"
+            target = rf"re:^{re.escape(rename(experts_path))}\.\d+\.{projection}$"
         if target not in group["targets"]:
             group["targets"].append(target)
     _class_targets(groups, modules, expert_projection)

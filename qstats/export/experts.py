@@ -73,6 +73,16 @@ def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) 
     return QParams(*(field[start:stop] if field is not None and field.dim() >= 1 else field for field in qp))
 
 
+def _whole_block(qp: QParams, spec: QuantSpec, shape: tuple) -> tuple:
+    """``(qp, spec)`` of one projection; a PerBlock whose one block is the whole projection as
+    PerTensor: llm-compressor's per-tensor ``gate_proj``/``up_proj``, each its own scale, of a fused
+    ``gate_up_proj [E, 2I, H]`` observed in ``PerBlock((I, H))`` halves."""
+    granularity = spec.granularity
+    if not (isinstance(granularity, PerBlock) and tuple(granularity.block_shape) == tuple(shape)):
+        return qp, spec
+    return QParams(*(None if f is None else f.reshape(()) for f in qp)), spec.replace(granularity=PerTensor())
+
+
 def _stacked_parameters(path: str, module: torch.nn.Module, sites: Mapping, num_experts: int) -> tuple:
     """``(gate_up_proj, down_proj)`` of an exportable experts module, after checking its layout,
     its sites and the leading expert dimension of their qparams."""
@@ -163,8 +173,11 @@ def _expert_projections(experts: _Experts, expert: int, tensors: dict) -> list:
         qp, spec = _slice_qparams(sites["gate_up_proj"], expert), specs.get("gate_up_proj")
         for name, rows in (("gate_proj", (0, intermediate)), ("up_proj", (intermediate, fused_rows))):
             where = f"{path}/gate_up_proj[{expert}] ({name})"
-            part = _row_slice(qp, spec, *rows, where) if spec is not None else qp
-            weight_site = (part, spec, where, False)
+            part, part_spec = qp, spec
+            if spec is not None:
+                part = _row_slice(qp, spec, *rows, where)
+                part, part_spec = _whole_block(part, spec, (rows[1] - rows[0], gate_up.shape[2]))
+            weight_site = (part, part_spec, where, False)
             projections.append((name, gate_up[expert, rows[0] : rows[1]], {"weight": weight_site, **inputs}))
     elif inputs:
         fail(f"{path}/{input_name}", "input scales of stacked experts need the gate_up_proj weights exported too")

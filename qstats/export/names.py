@@ -1,0 +1,59 @@
+"""The checkpoint's names of a transformers model's tensors and modules: transformers 5 loads
+checkpoints through a conversion mapping (Mixtral's ``block_sparse_moe.*`` becomes ``mlp.*``,
+GraniteMoE's ``router.layer.weight`` becomes ``router.weight``) and its ``save_pretrained``
+writes the original names back (``revert_weight_conversion``). llm-compressor's checkpoints carry
+those names, and compressed-tensors maps its ``ignore`` list the same way
+(``quant_config._map_to_checkpoint_names``); so does this export. Models without a mapping (and
+plain ``nn.Module``s) keep their in-memory names.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["saved_tensors", "module_renamer"]
+
+
+def _save_transforms(model: torch.nn.Module) -> list:
+    """The transforms ``save_pretrained`` reverts (transformers' ``revert_weight_conversion``): those
+    ``from_pretrained`` applied, else the model type's registered ones without prefix changes."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:  # no transformers (5): nothing was renamed on load
+        return []
+    if not isinstance(model, PreTrainedModel):
+        return []
+    transforms = getattr(model, "_weight_conversions", None)
+    if transforms is None:
+        transforms = get_model_conversion_mapping(model, add_legacy=False)
+        transforms = [t for t in transforms if not isinstance(t, PrefixChange)]
+    return list(transforms or ())
+
+
+def saved_tensors(model: torch.nn.Module, tensors: dict) -> dict:
+    """``tensors`` under the names (and layout) transformers' ``save_pretrained`` gives the model's
+    state dict: its own ``revert_weight_conversion``."""
+    if not _save_transforms(model):
+        return tensors
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, tensors)
+
+
+def module_renamer(model: torch.nn.Module) -> Callable[[str], str]:
+    """``name -> checkpoint name`` of a module path, each reversed transform applied in turn, as
+    compressed-tensors maps the ``ignore`` list of a checkpoint llm-compressor saves."""
+    reversed_transforms = [t.reverse_transform() for t in reversed(_save_transforms(model))]
+
+    def rename(name: str) -> str:
+        for transform in reversed_transforms:
+            renamed, matched = transform.rename_source_key(name)
+            if matched is not None:
+                name = renamed
+        return name
+
+    return rename
