@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["bitcast", "torch_dtype", "uncompiled"]
+__all__ = ["bitcast", "eager", "torch_dtype", "uncompiled"]
 
 
 def torch_dtype(name: str) -> Optional[torch.dtype]:
@@ -48,3 +48,13 @@ def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     while dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
         model = model._orig_mod
     return model
+
+
+def eager(hook):
+    """``hook`` run eagerly inside a compiled model (``torch.compiler.disable(hook)``) once
+    ``torch.compile`` is loaded, else ``hook`` itself: ``torch.compiler.disable`` imports dynamo,
+    which costs seconds, and a model cannot be compiled before torch.compile is loaded. Applied
+    where a hook is registered, not where it is defined, so that importing qstats imports no dynamo."""
+    if "torch._dynamo" not in sys.modules:
+        return hook
+    return torch.compiler.disable(hook)

@@ -7,7 +7,9 @@ of stacked experts take one masked, vmapped update per experts call.
 A compiled model (``torch.compile(model)``, ``model.compile()``) calibrates too: the recipe resolves
 on the module the compiled wrapper holds (so sites keep the model's own paths), and the hooks run
 eagerly (``torch.compiler.disable``): each site's update is then the eager one, and the hooks'
-host-side work (masks, the states dict) makes dynamo neither trace nor recompile per site.
+host-side work (masks, the states dict) makes dynamo neither trace nor recompile per site. The
+hooks are made eager where they are registered (`qstats._torch_features.eager`): compile the model
+before calibrating it; importing qstats does not import dynamo.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.nn.utils import parametrize
 
 from ._granularity import qparam_shape
 from ._sites import input_tensor, is_float_tensor, observe_tensor
+from ._torch_features import eager
 from .experts import (
     ExpertInputCapture,
     UncalibratedWarning,
@@ -194,9 +197,8 @@ class _ActivationSite(_SiteHook):
     tensor `observe_tensor` finds, weighted by the batch's observation weight."""
 
     def attach(self) -> list:
-        return [observe_tensor(self.run.plan, self.path, self.site, self.observe)]
+        return [observe_tensor(self.run.plan, self.path, self.site, eager(self.observe))]  # module docstring
 
-    @torch.compiler.disable  # run eagerly inside a compiled model (module docstring)
     def observe(self, x) -> None:
         if not is_float_tensor(x):
             return
@@ -229,9 +231,8 @@ class _RoutedInputSite(_RoutedSite):
 
     def attach(self) -> list:
         module = self.run.plan.modules[self.path]
-        return [module.register_forward_pre_hook(self, with_kwargs=True)]
+        return [module.register_forward_pre_hook(eager(self), with_kwargs=True)]
 
-    @torch.compiler.disable
     def __call__(self, module, args, kwargs) -> None:
         x = input_tensor(args, kwargs)
         if not is_float_tensor(x):
@@ -268,8 +269,8 @@ class _ExpertMatmulInputs:
 
     def attach(self) -> list:
         return [
-            self.module.register_forward_pre_hook(self.enter, with_kwargs=True),
-            self.module.register_forward_hook(self.leave, with_kwargs=True, always_call=True),
+            self.module.register_forward_pre_hook(eager(self.enter), with_kwargs=True),
+            self.module.register_forward_hook(eager(self.leave), with_kwargs=True, always_call=True),
         ]
 
     def _start(self, module, x) -> tuple:
@@ -292,14 +293,12 @@ class _ExpertMatmulInputs:
         capture.__enter__()
         return capture, handles, tokens, weight
 
-    @torch.compiler.disable
     def enter(self, module, args, kwargs) -> None:
         if self.run.all_experts:  # observed from extra calls once the model's forward is done
             self.active.append(None)
             return
         self.active.append(self._start(module, input_tensor(args, kwargs)))
 
-    @torch.compiler.disable
     def leave(self, module, args, kwargs, output) -> None:
         if not self.active:
             return
@@ -468,7 +467,6 @@ class Observing:
                 )
             self._run.weight = previous
 
-    @torch.compiler.disable
     def _count(self, module, args) -> None:
         self.calls += 1
 
@@ -505,7 +503,7 @@ def observing(
     check_resumed(run.states, plan)
     _observe_parameters(run)
     session = Observing(run)
-    handles = [plan.model.register_forward_pre_hook(session._count)]
+    handles = [plan.model.register_forward_pre_hook(eager(session._count))]
     try:
         handles += [handle for hook in _activation_hooks(run) for handle in hook.attach()]
         yield session

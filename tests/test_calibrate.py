@@ -2,6 +2,8 @@
 torch arithmetic: weights observed once, activations weighted by padding masks, resume, errors naming
 the module and site, fake_quantized."""
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -831,3 +833,10 @@ def test_compiled_model_calibrates_under_its_own_paths_with_eager_states(wrap):
     scale, zero_point = reference.calculate_qparams()
     assert torch.equal(qparams.scale.reshape(1), scale) and torch.equal(qparams.zero_point.reshape(1), zero_point)
     torch._dynamo.reset()
+
+
+def test_importing_qstats_does_not_import_dynamo():
+    """The hooks' ``@torch.compiler.disable`` imported ``torch._dynamo`` with qstats (it doubled the
+    import time); they are made eager where they are registered, once torch.compile is loaded."""
+    code = "import sys, qstats; assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
