@@ -286,10 +286,13 @@ def test_a_hand_built_state_with_a_negative_or_float_count_is_refused():
         "python float": good._replace(count=6.0),
         "int32": good._replace(count=torch.tensor(6, dtype=torch.int32)),
     }
+    # update and merge check the dtypes only (the values would be a host read per update)
+    checks_values = ((gptq_hessian, "gptq_hessian"),
+                     (lambda s: qstats.gptq(torch.randn(3, 4), s, qstats.QuantSpec(dtype="int4")), "gptq"))
+    checks_dtypes = ((lambda s: obs.update(s, x), "hessian.update"), (lambda s: obs.merge(good, s), "hessian.merge"),
+                     (lambda s: obs.merge(s, good), "hessian.merge"))
     for name, state in bad.items():
-        for call, where in ((lambda s: obs.update(s, x), "hessian.update"), (lambda s: obs.merge(good, s), "hessian.merge"),
-                            (lambda s: obs.merge(s, good), "hessian.merge"), (gptq_hessian, "gptq_hessian"),
-                            (lambda s: qstats.gptq(torch.randn(3, 4), s, qstats.QuantSpec(dtype="int4")), "gptq")):
+        for call, where in checks_values + (checks_dtypes if not name.startswith("negative") else ()):
             with pytest.raises(ValueError, match=rf"{where}: HessianState\.(count|nonfinite|count and \.nonfinite)"):
                 call(state)
     # a stack with one negative expert: under vmap too
@@ -297,8 +300,6 @@ def test_a_hand_built_state_with_a_negative_or_float_count_is_refused():
     xs = torch.randn(3, 6, 4)
     state = stacked.update(stacked.init(xs), xs)
     negative = state._replace(count=torch.tensor([6, -1, 6]))
-    with pytest.raises(ValueError, match="negative"):
-        stacked.update(negative, xs)
     with pytest.raises(ValueError, match="negative"):
         gptq_hessian(negative)
     assert torch.equal(gptq_hessian(state), torch.vmap(gptq_hessian)(state))

@@ -43,17 +43,19 @@ class HessianState(NamedTuple):
     nonfinite: torch.Tensor
 
 
-def checked_hessian_state(state, where: str) -> HessianState:
+def checked_hessian_state(state, where: str, values: bool = True) -> HessianState:
     """``state`` after the checks of a `HessianState`: its type, int64 tensors ``count`` and
     ``nonfinite`` (numbers of rows: a float count would divide GPTQ's Hessian by a non-integer), and
-    a ValueError where one of them is negative (eagerly, under vmap and compile; the check is threaded
-    through ``count``)."""
+    with ``values`` a ValueError where one of them is negative (eagerly, under vmap and compile; the
+    check is threaded through ``count``). ``update`` and ``merge`` skip the values, a host read."""
     check_state(state, HessianState, where)
     for name in ("count", "nonfinite"):
         value = getattr(state, name)
         if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:
             got = f"dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"{where}: HessianState.{name} must be an int64 tensor (a number of rows), got {got}")
+    if not values:
+        return state
     ok = require((state.count >= 0) & (state.nonfinite >= 0),
                  f"{where}: HessianState.count and .nonfinite are numbers of rows; the state holds a negative one")
     return state._replace(count=torch.where(ok, state.count, torch.zeros_like(state.count)))
@@ -111,7 +113,7 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
         return HessianState(torch.zeros(features, features, dtype=dtype, device=x.device), zero, zero.clone())
 
     def update_fn(state: HessianState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> HessianState:
-        state = checked_hessian_state(state, "hessian.update")
+        state = checked_hessian_state(state, "hessian.update", values=False)
         check_observable(x, "hessian.update")
         if x.ndim == 0 or x.shape[-1] != state.total.shape[-1]:
             raise ValueError(
@@ -130,7 +132,7 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
         return HessianState(total, state.count + kept.sum(), state.nonfinite + nonfinite)
 
     def merge_fn(a: HessianState, b: HessianState) -> HessianState:
-        a, b = checked_hessian_state(a, "hessian.merge"), checked_hessian_state(b, "hessian.merge")
+        a, b = (checked_hessian_state(s, "hessian.merge", values=False) for s in (a, b))
         check_same_shapes(a, b, "hessian.merge")
         return HessianState(a.total + b.total, a.count + b.count, a.nonfinite + b.nonfinite)
 
