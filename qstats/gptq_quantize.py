@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ._granularity import PerAxis, PerGroup, PerRow, PerTensor, TensorGroup, qparam_shape
+from ._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, TensorGroup, qparam_shape
 from ._qparams import QParams, compute_qparams
 from ._quant import _cap, _checked_zero_point, _codes_float, _dequantize_view
 from ._formats import store_codes
@@ -116,7 +116,10 @@ def _column_groups(spec: QuantSpec, columns: int) -> Optional[list]:
         return [column // granularity.group_size for column in range(columns)]
     if isinstance(granularity, PerTensor) or granularity in (PerAxis(0), PerRow(-1), PerRow(1)):
         return None  # one set per tensor or per output row; PerRow(0) would be one per input column
-    raise ValueError(f"gptq: granularity {granularity!r} is not supported (PerTensor, PerRow() / PerAxis(0), PerGroup)")
+    if isinstance(granularity, PerBlock) and granularity.block_shape[1:] == (columns,):
+        return None  # blocks of whole rows (a fused gate_up_proj's per-projection scales)
+    raise ValueError(f"gptq: granularity {granularity!r} is not supported (PerTensor, PerRow() / PerAxis(0), "
+                     "PerGroup, PerBlock of whole rows)")
 
 
 def _column_parameters(param: torch.Tensor, groups: Optional[list], shape, perm: Optional[torch.Tensor]):
@@ -124,9 +127,12 @@ def _column_parameters(param: torch.Tensor, groups: Optional[list], shape, perm:
     or ``[..., 1]`` per tensor), from one per tensor ``[...]``, per row ``[..., rows]`` or per group
     ``[..., rows, groups]``; gathered per column where activation ordering permutes the groups."""
     *batch, rows, columns = shape
-    rows_param = param.reshape(*batch, rows if param.ndim > len(batch) else 1, -1)
-    if groups is None:
+    if groups is None:  # per tensor, per row or per block of rows: one column of row parameters
+        rows_param = param.reshape(*batch, -1, 1)
+        if rows_param.shape[-2] not in (1, rows):
+            rows_param = rows_param.repeat_interleave(rows // rows_param.shape[-2], dim=-2)
         return rows_param, [0] * columns
+    rows_param = param.reshape(*batch, rows, -1)
     if perm is None:
         return rows_param, groups
     column_groups = torch.gather(torch.tensor(groups, device=perm.device).expand(perm.shape), -1, perm)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
-from ._granularity import PerGroup, PerTensor, PerToken, TensorGroup
+from ._granularity import PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
 from ._rule_data import recipe_fields
 from ._schemes import config_rules, scheme_rules
 from ._spec import QuantSpec
@@ -233,14 +233,27 @@ def _refuse_static_groups(rules: list, caller: str) -> list:
     return rules
 
 
-def _make_site(rule: Rule, site: str, kind: str, stacked: int) -> Site:
+def _make_site(rule: Rule, site: str, kind: str, stacked: int, spec: Optional[QuantSpec] = None) -> Site:
     # an activation site whose scales are computed at run time from each tensor observes its
     # whole range: its state is the same for batches of any length
-    runtime = kind != "parameter" and (rule.dynamic or runtime_scaled(rule.spec))
-    observer = rule.make_observer(rule.spec.replace(granularity=PerTensor()) if runtime else None)
+    spec = rule.spec if spec is None else spec
+    runtime = kind != "parameter" and (rule.dynamic or runtime_scaled(spec))
+    observer = rule.make_observer(spec.replace(granularity=PerTensor()) if runtime else spec)
     if stacked:
         observer = stacked_observer(observer, stacked)
-    return Site(rule, observer, rule.spec, stacked, runtime, kind)
+    return Site(rule, observer, spec, stacked, runtime, kind)
+
+
+def _gate_up_halves(spec: QuantSpec, site: str, module: torch.nn.Module, params: dict) -> QuantSpec:
+    """A per-tensor spec of fused experts' ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows)
+    made per projection, ``PerBlock((I, H))``: gate and up are two matrices, each with its own scale
+    (llm-compressor linearizes them into ``gate_proj`` and ``up_proj``; vLLM keeps both scales)."""
+    param, down = params.get(site), params.get("down_proj")
+    if (site != "gate_up_proj" or not isinstance(spec.granularity, PerTensor) or down is None
+            or getattr(module, "is_transposed", False) or param.ndim != 3 or down.ndim != 3
+            or param.shape[1] != 2 * down.shape[2]):
+        return spec
+    return spec.replace(granularity=PerBlock((param.shape[1] // 2, param.shape[2])))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -526,7 +539,8 @@ class Recipe:
                     continue
                 kind = _site_kind(module, params, num_experts, site)
                 if kind is not None:
-                    entry[site] = _make_site(rule, site, *kind)
+                    spec = _gate_up_halves(rule.spec, site, module, params) if kind[1] else None
+                    entry[site] = _make_site(rule, site, *kind, spec=spec)
                     found[index].add(site)
         return entry
 

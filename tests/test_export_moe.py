@@ -90,6 +90,8 @@ def _expert_slices(experts, qparams_of, spec_of, expert):
     def rows(start, stop):
         if isinstance(granularity, qstats.PerTensor):
             return one
+        if isinstance(granularity, qstats.PerBlock):  # per-tensor specs: one block per projection, [2, 1]
+            return qstats.QParams(*(field[start // INTER:stop // INTER] if field.dim() else field for field in one))
         return qstats.QParams(*(field[start:stop] if field.dim() else field for field in one))
 
     down_qp = qstats.QParams(*(field[expert] for field in qparams_of["down_proj"]))
@@ -473,14 +475,6 @@ def test_w8a8_export_of_other_moe_architectures_equals_llm_compressor_oneshot(tm
     assert configs[0] == configs[1]
 
 
-_PER_TENSOR_GATE_UP = (
-    "per-tensor expert weights (FP8) from Recipe.from_scheme: llm-compressor's linearized gate_proj and up_proj each "
-    "get their own weight_scale; the scheme's rule observes gate_up_proj[e] as one tensor (its spec is per tensor, and "
-    "a rule cannot know I to observe PerBlock((I, H)) halves: qstats/recipe.py _make_site would have to), so both "
-    "halves get the larger scale. A recipe observing the halves (PerBlock((I, H))) exports llm-compressor's scales: "
-    "test_per_block_halves_of_gate_up_equal_llm_compressors_per_tensor_gate_and_up")
-
-
 def _fp8_against_oneshot(tmp_path, halves: bool):
     """FP8 experts (per-tensor weights and inputs) calibrated and exported by qstats (``halves``: gate_up_proj observed
     in PerBlock((I, H)) halves) and by llm-compressor's oneshot: ``(model, plan, qparams, ours, theirs)``."""
@@ -520,7 +514,6 @@ def _differing_expert_weights(ours: dict, theirs: dict) -> list:
     return [name for name in names if not bit_equal(ours[name], theirs[name])]
 
 
-@pytest.mark.xfail(strict=True, reason=_PER_TENSOR_GATE_UP)
 def test_per_tensor_expert_weight_scales_of_gate_and_up_equal_llm_compressors(tmp_path):
     """FP8 (per-tensor fp8 weights): every expert's gate_proj and up_proj ``weight_scale`` as
     llm-compressor's oneshot writes it (weights are observed once: no calibration data matters)."""

@@ -443,3 +443,23 @@ def test_a_bad_given_scale_raises_instead_of_spreading_along_its_row(value):
     zero_point[0, 0] = float("nan")
     with pytest.raises(ValueError, match="gptq: qparams holds"):
         gptq(weight, state, float_zero, qparams=float_qparams._replace(zero_point=zero_point))
+
+
+def test_blocks_of_whole_rows_equal_gptq_of_each_block_per_tensor():
+    """A per-tensor spec of a fused gate_up_proj resolves to PerBlock((I, H)) halves (one scale per
+    projection, as llm-compressor's linearized gate_proj/up_proj): GPTQ of the fused weight equals
+    per-tensor GPTQ of each half under the same Hessian (the rows are independent given it)."""
+    g = torch.Generator().manual_seed(0)
+    experts, inter, hidden = 2, 8, 32
+    weight = torch.randn(experts, 2 * inter, hidden, generator=g)
+    x = torch.randn(experts, 96, hidden, generator=g)
+    stacked = qstats.stacked_observer(qstats.hessian(), experts)
+    state = stacked.update(stacked.init(x), x)
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerBlock((inter, hidden)))
+    fused, codes, qp = qstats.gptq(weight, state, spec, block_size=16)
+    per_tensor = spec.replace(granularity=qstats.PerTensor())
+    for half in range(2):
+        rows = slice(half * inter, (half + 1) * inter)
+        ref, ref_codes, ref_qp = qstats.gptq(weight[:, rows], state, per_tensor, block_size=16)
+        assert torch.equal(fused[:, rows], ref) and torch.equal(codes[:, rows], ref_codes)
+        assert torch.equal(qp.scale[:, half, 0], ref_qp.scale.reshape(experts))
