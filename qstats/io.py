@@ -227,7 +227,7 @@ def _check_storable(tensors: dict[str, torch.Tensor]) -> None:
 
     storable = getattr(safetensors.torch, "_SIZE", None)  # the dtypes safetensors writes (private: may go)
     for key, tensor in tensors.items():
-        if storable is not None and tensor.dtype not in storable:
+        if tensor.is_quantized or (storable is not None and tensor.dtype not in storable):
             raise TypeError(
                 f"qstats.io: tensor {key!r} has dtype {tensor.dtype}, which a safetensors file cannot hold "
                 "(dequantize it, or save its int_repr() and qparams)"
