@@ -117,6 +117,7 @@ def main(argv=None) -> list[dict]:
     for group_size in args.groups:
         spec = int4_group(group_size)
         for method in args.methods:
+            print(f"group {group_size}: {method}...", file=sys.stderr, flush=True)  # minutes without output otherwise
             with warnings.catch_warnings():
                 warnings.simplefilter("error", qstats.UncalibratedWarning)  # every layer saw tokens
                 weights = quantized_weights(model, hessians, spec, method)

@@ -14,7 +14,7 @@ model embeds a 12-character context and applies three Linear layers. On held-out
 - with ``--lsq``, LSQ/LSQ+ fine-tuning of the weight and activation ranges, initialised from the
   frozen observer states.
 
-Run: ``python examples/qat_charlm.py`` (about 30 s of CPU). Prints a markdown table. The figures
+Run: ``python examples/qat_charlm.py`` (under a minute of CPU). Prints a markdown table. The figures
 depend on the Python version whose source is read.
 """
 
