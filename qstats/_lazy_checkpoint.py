@@ -6,15 +6,20 @@ puts a module's parameters and buffers (built on the meta device) on the CPU (or
 the checkpoint's dtype and returns what `release_modules` needs to put the meta tensors back.
 Stacked experts (3-D ``gate_up_proj`` / ``down_proj``) are read from the per-expert keys
 transformers writes (``experts.<e>.gate_proj.weight`` ...) when the checkpoint has no stacked key.
+A tensor the checkpoint lacks under its in-memory name is looked up under the name transformers'
+``save_pretrained`` gives it (its reversed conversion mapping, `_checkpoint_names.module_renamer`):
+Mixtral's ``mlp.gate.weight`` is stored as ``block_sparse_moe.gate.weight``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+
+from ._checkpoint_names import module_renamer
 
 __all__ = ["LazyCheckpoint", "Overlay", "check_covers", "load_modules", "release_modules"]
 
@@ -148,30 +153,54 @@ class Overlay:
         return LazyCheckpoint.stacked_experts(self, key)  # per-expert keys from either side
 
 
-def _aliases(model: torch.nn.Module) -> dict:
-    """``{id(tensor): [names]}`` of every parameter and buffer, tied ones under all their names."""
+def _checkpoint_names(model: torch.nn.Module) -> Callable[[str], list]:
+    """``name -> [names]`` a tensor of ``model`` may be stored under: its in-memory name, then the
+    name transformers' ``save_pretrained`` writes (`_checkpoint_names.module_renamer`, applied to the
+    tensor's name and to its module's path, for stacked experts stored per expert)."""
+
+    rename = module_renamer(model)
+
+    def names(name: str) -> list:
+        owner, _, leaf = name.rpartition(".")
+        found = (name, rename(name), f"{rename(owner)}.{leaf}" if owner else name)
+        return list(dict.fromkeys(key for key in found if "*" not in key))  # a converter's pattern is no key
+
+    return names
+
+
+def _aliases(model: torch.nn.Module, stored: Callable[[str], list]) -> dict:
+    """``{id(tensor): [names]}`` of every parameter and buffer, tied ones under all their names, each
+    followed by its checkpoint names (``stored``, `_checkpoint_names`)."""
     names: dict = {}
     for name, value in list(model.named_parameters(remove_duplicate=False)) + list(
         model.named_buffers(remove_duplicate=False)
     ):
-        names.setdefault(id(value), []).append(name)
+        names.setdefault(id(value), []).extend(key for key in stored(name) if key not in names.get(id(value), ()))
     return names
+
+
+def _no_tensor(checkpoint, missing: str, name: str) -> ValueError:
+    """The error for a tensor ``name`` of the model the checkpoint lacks as ``missing``."""
+    also = f" (the model's {name!r})" if missing != name else ""
+    return ValueError(f"{checkpoint.where}: the checkpoint has no tensor {missing!r}{also}")
 
 
 def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint) -> None:
     """ValueError naming a meta parameter of ``model`` that ``checkpoint`` holds under none of its
-    names (nor, for stacked experts, per expert). Names only, before any layer is read: a
-    checkpoint of another model, or one missing a tensor, fails before any batch runs."""
+    names (in memory or as saved; nor, for stacked experts, per expert). Names only, before any
+    layer is read: a checkpoint of another model, or one missing a tensor, fails before any batch runs."""
+    stored = _checkpoint_names(model)
     tensors: dict = {}
     for name, value in model.named_parameters(remove_duplicate=False):
         tensors.setdefault(id(value), (value, []))[1].append(name)
     for value, names in tensors.values():
-        if value.device.type != "meta" or any(name in checkpoint for name in names):
+        keys = [key for name in names for key in stored(name)]
+        if value.device.type != "meta" or any(key in checkpoint for key in keys):
             continue
-        per_expert = [_experts_missing(checkpoint, name, value.shape[0]) for name in names] if value.ndim == 3 else []
+        per_expert = [_experts_missing(checkpoint, key, value.shape[0]) for key in keys] if value.ndim == 3 else []
         if "" not in per_expert:
-            missing = next((key for key in per_expert if key), names[0])
-            raise ValueError(f"{checkpoint.where}: the checkpoint has no tensor {missing!r}")
+            missing = next((key for key in per_expert if key), stored(names[0])[-1])
+            raise _no_tensor(checkpoint, missing, names[0])
 
 
 def _experts_missing(checkpoint: LazyCheckpoint, key: str, count: int) -> Optional[str]:
@@ -214,7 +243,8 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
     for `release_modules`. A meta buffer the checkpoint lacks (rotary frequencies) is recomputed by
     the model's ``_init_weights`` (transformers models); anything else missing is a ValueError,
     after the tensors loaded before it are put back on meta."""
-    aliases = _aliases(model)
+    stored = _checkpoint_names(model)
+    aliases = _aliases(model, stored)
     loaded_by_id: dict = {}
     saved: list = []
     try:
@@ -234,7 +264,7 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
                         if loaded is None and kind == "_buffers" and hasattr(model, "_init_weights"):
                             loaded, recompute = torch.empty_like(value, device=device or "cpu"), True
                         if loaded is None:
-                            raise ValueError(f"{checkpoint.where}: the checkpoint has no tensor {full!r}")
+                            raise _no_tensor(checkpoint, stored(full)[-1], full)
                         loaded = loaded if device is None else loaded.to(device)
                         if kind == "_parameters" and not isinstance(loaded, torch.nn.Parameter):
                             loaded = torch.nn.Parameter(loaded, requires_grad=False)

@@ -577,3 +577,59 @@ def test_a_tensor_missing_from_the_checkpoint_fails_before_any_batch(saved, tmp_
             qstats.calibrate_layerwise(_meta(name), folder, _counted(_batches(0, 2), read), _recipe(name),
                                        progress=False)  # fmt: skip
         assert read == []
+
+
+def _renamed_configs():
+    """Models whose checkpoint names transformers 5 renames on load (``block_sparse_moe.*`` -> ``mlp.*``
+    and per-expert ``w1``/``w3``/``w2`` -> stacked experts for Mixtral; ``router.layer.weight`` ->
+    ``router.weight`` and ``input_linear``/``output_linear`` -> stacked experts for GraniteMoE)."""
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    return {
+        "mixtral": (transformers.MixtralConfig(head_dim=8, **shape), "MixtralExperts", "MixtralTopKRouter",
+                    "model.layers.0.block_sparse_moe.gate.weight"),
+        "granitemoe": (transformers.GraniteMoeConfig(**shape), "GraniteMoeExperts", "GraniteMoeTopKRouter",
+                       "model.layers.0.block_sparse_moe.router.layer.weight"),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["mixtral", "granitemoe"])
+def test_checkpoint_names_transformers_renames_on_load(tmp_path, name):
+    """The meta model's tensors are read under the names ``save_pretrained`` wrote (transformers' own
+    reversed conversion mapping): the states equal a full-model `calibrate` of ``from_pretrained``'s
+    model bit for bit, routers' weights and stacked experts included."""
+    config, experts, router, stored = _renamed_configs()[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, max_shard_size="20KB")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    from safetensors.torch import save_file
+
+    from qstats._lazy_checkpoint import LazyCheckpoint
+
+    assert stored in LazyCheckpoint(tmp_path)  # the checkpoint's names are not the model's
+    recipe = qstats.Recipe([
+        qstats.Rule(("Linear", experts), sites=("input", "down_proj.input"), spec=SPEC_A),
+        qstats.Rule(("Linear", router), sites=("weight",), spec=SPEC_W),
+        qstats.Rule(experts, sites=("gate_up_proj", "down_proj"), spec=SPEC_W),
+    ])  # fmt: skip
+    batches = _batches(3, padded=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qstats.UncalibratedWarning)
+        want = qstats.calibrate(loaded, batches, recipe, progress=False, observation_weight=_attention_mask,
+                                all_experts=True)  # fmt: skip
+        with torch.device("meta"):
+            meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+        got = qstats.calibrate_layerwise(meta, tmp_path, batches, recipe, progress=False,
+                                         observation_weight=_attention_mask, all_experts=True)  # fmt: skip
+    _assert_equal(got, want)
+    prefix = "model.layers.1." + ("mlp" if name == "mixtral" else "block_sparse_moe")
+    assert {f"{prefix}.experts", f"{prefix}.{'gate' if name == 'mixtral' else 'router'}"} <= set(got)
+    assert all(p.device.type == "meta" for p in meta.parameters())
+    # a tensor the checkpoint lacks is named as the checkpoint would name it
+    source, folder = LazyCheckpoint(tmp_path), tmp_path / "without"
+    folder.mkdir()
+    save_file({key: source.tensor(key) for key in source.files if key != stored}, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"no tensor {stored!r}"):
+        qstats.calibrate_layerwise(meta, folder, batches, recipe, progress=False)

@@ -19,7 +19,7 @@ from .attention import attention_config, write_attention
 from .config import ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, ignored_modules
 from .experts import expert_entries, warn_mixed_experts
 from .linear import linear_entry, write_linear
-from .names import module_renamer, saved_tensors
+from .._checkpoint_names import module_renamer, saved_tensors
 from .._warn import warn
 
 __all__ = ["compressed_tensors", "Writer", "check_new_folder", "write_config", "write_index", "write_tensors"]
