@@ -207,11 +207,17 @@ def _block_minmax(x, rows, cols):
     return blocks.amin((-2, -1)), blocks.amax((-2, -1))
 
 
-def test_fp8_block_that_does_not_divide_raises_where_compressed_tensors_pads():
+def test_fp8_block_that_does_not_divide_takes_partial_edge_blocks_as_compressed_tensors():
+    """compressed-tensors pads a weight to whole blocks (its ``_process_block``); its block specs take
+    the edge blocks' own values (``PerBlock(partial=True)``), scales ``ceil(200 / 128) x 2``."""
     args = _ct_args(strategy="block", block_structure=[128, 128])
     spec = qstats.QuantSpec.from_compressed_tensors(args)
-    with pytest.raises(ValueError, match=r"shape \(200, 256\)"):
-        qstats.minmax(spec).init(torch.zeros(200, 256))
+    x = torch.randn(200, 256, generator=torch.Generator().manual_seed(2))
+    qp = _observe(spec, x)
+    amax = torch.stack([torch.stack([x[r:r + 128, c:c + 128].abs().amax() for c in (0, 128)]) for r in (0, 128)])
+    assert torch.equal(qp.scale, amax / 448.0)
+    reference = ct_fake_quantize(x, qp.scale, torch.zeros_like(qp.scale), args)
+    assert torch.equal(_bits(qstats.fake_quantize(x, qp, spec)), _bits(reference))
 
 
 def test_deepseek_fp8_presets_against_per_block_amax():
