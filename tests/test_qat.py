@@ -256,11 +256,7 @@ def test_layer_called_twice_observes_both_inputs_as_torch_ao():
         expected = reference(ref_params, x)
         expected.pow(2).sum().backward()
 
-        def loss_fn(params, state):
-            out, new_state = qat.apply(params, state, x, phase=phase)
-            return out.pow(2).sum(), (out, new_state)
-
-        grads, (out, state) = torch.func.grad(loss_fn, has_aux=True)(params, state)
+        grads, out, state = _squared_loss_step(qat, params, state, x, phase)
         torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-6)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-5, atol=1e-5, msg=name)
@@ -644,11 +640,7 @@ def test_subclass_with_its_own_forward_fake_quantizes_the_weight_it_gives_f_line
         expected = reference(x)
         expected.pow(2).sum().backward()
 
-        def loss_fn(params, state):
-            out, new_state = qat.apply(params, state, x, phase=phase)
-            return out.pow(2).sum(), (out, new_state)
-
-        grads, (out, state) = torch.func.grad(loss_fn, has_aux=True)(params, state)
+        grads, out, state = _squared_loss_step(qat, params, state, x, phase)
         torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-6)
         assert set(grads) == {name for name, _ in reference.named_parameters()}
         for name, grad in grads.items():
@@ -811,3 +803,13 @@ def test_apply_uses_the_given_parameters():
     shifted, _ = qat.apply(changed, state, x, phase=QATPhase(False, False))
     plain, _ = qat.apply(qat.params(), state, x, phase=QATPhase(False, False))
     torch.testing.assert_close(shifted, plain + 1.0)
+
+
+def _squared_loss_step(qat, params, state, x, phase):
+    """``(grads, output, new state)`` of ``sum(qat.apply(...) ** 2)`` through ``torch.func.grad``."""
+    def loss_fn(params, state):
+        out, new_state = qat.apply(params, state, x, phase=phase)
+        return out.pow(2).sum(), (out, new_state)
+
+    grads, (out, state) = torch.func.grad(loss_fn, has_aux=True)(params, state)
+    return grads, out, state
