@@ -7,9 +7,17 @@ runs eagerly, at run time of a ``torch.compile`` graph (the op stays in the grap
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
-__all__ = ["require", "require_calibrated"]
+__all__ = ["is_real_number", "require", "require_calibrated"]
+
+
+def is_real_number(value) -> bool:
+    """A Python or numpy real number, not a bool (``True`` is no averaging constant or eps): how
+    qstats' factories recognise numeric options."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @torch.library.custom_op("qstats::require", mutates_args=())

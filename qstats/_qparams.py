@@ -14,7 +14,7 @@ import math
 import torch
 
 from . import _formats
-from ._checks import require_calibrated
+from ._checks import is_real_number, require_calibrated
 from ._spec import QuantSpec
 
 __all__ = [
@@ -167,7 +167,7 @@ def check_float_range(float_range, where: str = "compute_qparams") -> tuple:
         raise ValueError(f"{where}: float_range must be a pair (lo, hi), got {float_range!r}")
     ends = []
     for name, end in zip(("lo", "hi"), float_range):
-        if end is not None and (isinstance(end, bool) or not isinstance(end, (int, float)) or not math.isfinite(end)):
+        if end is not None and (not is_real_number(end) or not math.isfinite(end)):
             raise ValueError(f"{where}: float_range {name} must be a finite number or None, got {end!r}")
         ends.append(None if end is None else float(end))
     lo, hi = ends

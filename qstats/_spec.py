@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import _coreai_opt_spec, conventions
+from ._checks import is_real_number
 from ._formats import COMPUTE_DTYPES, GLOBAL_SCALE_FORMULAS, SCALE_ROUNDINGS, validate as validate_formats
 from ._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
 from ._torch_features import torch_dtype
@@ -230,7 +231,7 @@ class QuantSpec:
     def _check_eps(self) -> None:
         eps = self.eps
         # the comparison also rules out NaN and inf
-        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps <= _FLOAT32_MAX):
+        if not (is_real_number(eps) and 0 < eps <= _FLOAT32_MAX):
             raise ValueError(f"QuantSpec.eps must be a positive, finite float32 value, got {eps!r}")
         if eps < _FLOAT32_TINY:
             raise ValueError(

@@ -14,6 +14,7 @@ from typing import NamedTuple, Union
 
 import torch
 
+from ._checks import is_real_number
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import compute_qparams
 from ._spec import QuantSpec
@@ -59,7 +60,7 @@ def _check_spec(spec) -> None:
 def check_grad_scale(grad_scale) -> bool:
     """ValueError unless ``grad_scale`` is ``"torch_ao"``, ``"per_parameter"``, None or a positive
     float; True for a float."""
-    if isinstance(grad_scale, (int, float)) and not isinstance(grad_scale, bool) and grad_scale > 0:
+    if is_real_number(grad_scale) and grad_scale > 0:
         return True
     if grad_scale is not None and grad_scale not in ("torch_ao", "per_parameter"):
         raise ValueError(

@@ -672,3 +672,29 @@ def test_states_with_no_parameters_give_empty_qparams(factory, convention, scale
     qp = qstats.compute_qparams(state, spec)
     assert qp.scale.shape == qp.zero_point.shape == qp.calibrated.shape == (0,)
     assert qstats.fake_quantize(x, qp, spec).shape == (0, 32)
+
+
+def test_numeric_options_take_numpy_numbers_and_refuse_bools():
+    """Options read from numpy (``np.float32(0.1)``) were refused by some factories and taken by
+    others; ``True`` was taken as 1 by some. Now every numeric option takes a real number, never a bool."""
+    np = pytest.importorskip("numpy")
+    spec = qstats.QuantSpec(dtype="int8")
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    factories = {
+        "moving_average_minmax": (lambda v: qstats.moving_average_minmax(spec, averaging_constant=v), 0.25),
+        "mse maxshrink": (lambda v: qstats.mse(spec, maxshrink=v), 0.25),
+        "moments p": (lambda v: qstats.moments(spec, p=v), 4.0),
+    }
+    for name, (make, value) in factories.items():
+        theirs, ours = make(value), make(np.float32(value))
+        a, b = theirs.update(theirs.init(x), x), ours.update(ours.init(x), x)
+        for field, left, right in zip(a._fields, a, b):
+            assert torch.equal(left, right), (name, field)
+        with pytest.raises(ValueError):
+            make(True)
+    assert qstats.QuantSpec(dtype="int8", eps=np.float64(1e-6)).eps == 1e-6
+    state = qstats.moments(spec).update(qstats.moments(spec).init(x), x)
+    same = [qstats.compute_qparams(state, spec, method="mean_std", k=k).scale for k in (3.0, np.float32(3.0))]
+    assert torch.equal(*same)
+    with pytest.raises(ValueError):
+        qstats.compute_qparams(state, spec, method="mean_std", k=True)

@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from .._checks import is_real_number
 from .._qparams import Range, register_range_rule
 from .._spec import QuantSpec
 from ._base import Observer, batch_weighted_mean, check_same_shapes, check_state, register_state
@@ -178,8 +179,7 @@ def moving_extremes_update(spec: QuantSpec, step: Callable, where: str, batch_ra
 def check_averaging_constant(averaging_constant, where: str) -> float:
     """``averaging_constant`` as a float in [0, 1] (0 keeps the first batch's range, as torch.ao's
     and llm-compressor's moving averages); ValueError naming it otherwise (bools, NaN included)."""
-    if (isinstance(averaging_constant, bool) or not isinstance(averaging_constant, (int, float))
-            or not 0.0 <= averaging_constant <= 1.0):
+    if not (is_real_number(averaging_constant) and 0.0 <= averaging_constant <= 1.0):
         raise ValueError(f"{where}: averaging_constant must be a number in [0, 1], got {averaging_constant!r}")
     return float(averaging_constant)
 

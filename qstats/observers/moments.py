@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .._checks import is_real_number
 from .._granularity import checked_view, qparam_shape, weight_view
 from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
@@ -140,7 +141,7 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
     """
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"moments: expected a QuantSpec, got {type(spec).__name__}")
-    if not (isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0 and p == p and p != float("inf")):
+    if not (is_real_number(p) and p > 0 and p == p and p != float("inf")):
         raise ValueError(f"moments: p must be a positive finite number, got {p!r}")
     power = float(p)
 
@@ -179,7 +180,7 @@ def _as_float32_range(state: MomentsState, lo: torch.Tensor, hi: torch.Tensor) -
 def _multiple(k: Optional[float], default: float) -> float:
     """The method's ``k`` (``default`` when None): ValueError unless a positive finite number."""
     k = default if k is None else k
-    if isinstance(k, bool) or not (isinstance(k, (int, float)) and 0 < k < math.inf):
+    if not (is_real_number(k) and 0 < k < math.inf):
         raise ValueError(f"compute_qparams: k must be a positive finite number, got {k!r}")
     return k
 
@@ -208,7 +209,7 @@ def lp_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None, p
     k = _multiple(k, 1.0)
     if p is None:
         raise TypeError("compute_qparams: method 'lp' needs p=, the order the moments observer was built with")
-    if isinstance(p, bool) or not (isinstance(p, (int, float)) and math.isfinite(p) and p > 0):
+    if not (is_real_number(p) and math.isfinite(p) and p > 0):
         raise ValueError(f"compute_qparams: p must be a positive finite number, got {p!r}")
     amax = k * (state.power_total / state._denominator()).pow(1.0 / float(p))
     return _as_float32_range(state, -amax, amax)

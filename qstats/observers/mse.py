@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._granularity import TensorGroup, checked_view, qparam_shape, weight_view
-from .._checks import require
+from .._checks import is_real_number, require
 from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
@@ -69,11 +69,11 @@ def _check_args(spec, maxshrink, grid, norm, steps):
             "mse: two-level (TensorGroup, NVFP4) specs are not supported: a candidate's block scales "
             "need the global scale of the whole tensor; calibrate them with minmax"
         )
-    if not (isinstance(maxshrink, (int, float)) and 0 <= maxshrink <= 1):
+    if not (is_real_number(maxshrink) and 0 <= maxshrink <= 1):
         raise ValueError(f"mse: maxshrink must be in [0, 1], got {maxshrink!r}")
-    if not (isinstance(grid, (int, float)) and grid > 0):
+    if not (is_real_number(grid) and grid > 0):
         raise ValueError(f"mse: grid must be positive, got {grid!r}")
-    if not (isinstance(norm, (int, float)) and 0 < norm < float("inf")):
+    if not (is_real_number(norm) and 0 < norm < float("inf")):
         raise ValueError(f"mse: norm must be a positive finite number, got {norm!r}")
     count = int(maxshrink * grid) if steps is None else steps
     if count < 1:
@@ -343,7 +343,7 @@ def _check_modes(mode, expand, averaging_constant, patience):
     """ValueError for bad mode options; the moving average's patience (llm-compressor's 5 by default)."""
     if mode not in ("accumulate", "moving_average"):
         raise ValueError(f"mse: mode must be 'accumulate' or 'moving_average', got {mode!r}")
-    if not (isinstance(expand, (int, float)) and 1.0 <= expand < math.inf):
+    if not (is_real_number(expand) and 1.0 <= expand < math.inf):
         raise ValueError(f"mse: expand must be a finite number of at least 1.0, got {expand!r}")
     check_averaging_constant(averaging_constant, "mse")
     if mode == "accumulate" and patience is not _MOVING_AVERAGE_PATIENCE:
