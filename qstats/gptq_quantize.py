@@ -116,7 +116,7 @@ def _column_groups(spec: QuantSpec, columns: int) -> Optional[list]:
         return [column // granularity.group_size for column in range(columns)]
     if isinstance(granularity, PerTensor) or granularity in (PerAxis(0), PerRow(-1), PerRow(1)):
         return None  # one set per tensor or per output row; PerRow(0) would be one per input column
-    if isinstance(granularity, PerBlock) and granularity.block_shape[1:] == (columns,):
+    if isinstance(granularity, PerBlock) and granularity.block_shape[1:] == (columns,) and not granularity.partial:
         return None  # blocks of whole rows (a fused gate_up_proj's per-projection scales)
     raise ValueError(f"gptq: granularity {granularity!r} is not supported (PerTensor, PerRow() / PerAxis(0), "
                      "PerGroup, PerBlock of whole rows)")

@@ -463,3 +463,8 @@ def test_blocks_of_whole_rows_equal_gptq_of_each_block_per_tensor():
         ref, ref_codes, ref_qp = qstats.gptq(weight[:, rows], state, per_tensor, block_size=16)
         assert torch.equal(fused[:, rows], ref) and torch.equal(codes[:, rows], ref_codes)
         assert torch.equal(qp.scale[:, half, 0], ref_qp.scale.reshape(experts))
+    # partial row blocks (200 rows in blocks of 128) are refused, not mapped to rows // blocks
+    state = qstats.hessian().update(qstats.hessian().init(x[0]), x[0])
+    partial = spec.replace(granularity=qstats.PerBlock((128, hidden), partial=True))
+    with pytest.raises(ValueError, match="not supported"):
+        qstats.gptq(torch.randn(200, hidden, generator=g), state, partial)
