@@ -3,10 +3,9 @@ percentiles of ``x`` (asymmetric), interpolated inside buckets (values spread ev
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from ..._checks import is_real_number
 from ..._qparams import Range
 from ..._spec import QuantSpec
 from ._geometry import Moments, config, cumulative, is_symmetric, moments, search_octaves, window, within_extremes
@@ -60,8 +59,8 @@ def _abs_quantile(state, p: float) -> torch.Tensor:
 def percentile_search(state, spec: QuantSpec, percentile: float = 99.99) -> Range:
     """The ``percentile`` (in ``(0, 100]``) of ``|x|`` for symmetric mappings; the ``100 -
     percentile`` and ``percentile`` percentiles of ``x`` for asymmetric ones."""
-    # numpy scalars are numbers.Real; a bool is not a percentile (True was the 1st)
-    if isinstance(percentile, bool) or not (isinstance(percentile, numbers.Real) and 0 < percentile <= 100):
+    # numpy scalars are real numbers; a bool is not a percentile (True was the 1st)
+    if not (is_real_number(percentile) and 0 < percentile <= 100):
         raise ValueError(f"compute_qparams: percentile must be a number in (0, 100], got {percentile!r}")
     p = float(percentile) / 100
     if is_symmetric(spec):
