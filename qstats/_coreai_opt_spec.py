@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ._formats import COMPUTE_DTYPE_NAMES
+from ._formats import compute_dtype_name
 from ._granularity import PerAxis, PerTensor
 from .conventions.torchao import _block_size_granularity
 
@@ -37,12 +37,6 @@ def _field(source, name: str, default=None):
 def _dtype_name(dtype) -> str:
     name = str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else str(dtype)
     return _ALIASES.get(name, name)
-
-
-def _compute_dtype_name(input_dtype) -> str:
-    if input_dtype not in COMPUTE_DTYPE_NAMES:
-        raise ValueError(f"from_coreai_opt: input_dtype must be torch.float32, bfloat16 or float16, got {input_dtype!r}")
-    return COMPUTE_DTYPE_NAMES[input_dtype]
 
 
 def block_size(granularity, shape, target: str = "weight") -> tuple:
@@ -129,7 +123,7 @@ def spec_from_coreai_opt(
     if dtype in _FLOAT_TARGETS or e8m0:
         float_target = dtype in _FLOAT_TARGETS
         # without e8m0, torchao's fp8 scale is computed in (and held as) the input's dtype
-        compute = "float32" if e8m0 else _compute_dtype_name(input_dtype)
+        compute = "float32" if e8m0 else compute_dtype_name(input_dtype, "from_coreai_opt: input_dtype")
         return cls(
             dtype=_FLOAT_TARGETS.get(dtype, dtype), granularity=granularity, eps=_FLOAT32_EPS, convention="torchao",
             zero_point_domain="none" if float_target else "int", scale_dtype="e8m0" if e8m0 else compute,

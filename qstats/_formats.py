@@ -30,6 +30,14 @@ GLOBAL_SCALE_FORMULAS = ("amax_over_range", "range_over_amax")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 COMPUTE_DTYPE_NAMES = {getattr(torch, name): name for name in COMPUTE_DTYPES}  # torch dtype -> compute_dtype
 
+
+def compute_dtype_name(dtype, what: str) -> str:
+    """The ``compute_dtype`` name of a torch dtype qstats computes in (float32, bfloat16, float16);
+    ValueError naming ``what`` (the argument) otherwise."""
+    if dtype not in COMPUTE_DTYPE_NAMES:
+        raise ValueError(f"{what} must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
+    return COMPUTE_DTYPE_NAMES[dtype]
+
 _F32_MANTISSA = 23
 _F32_BIAS = 127
 _F16_MIN_NORMAL = 2.0**-14

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._formats import COMPUTE_DTYPE_NAMES
+from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name
 from .._granularity import PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
 from .default import Convention, check_preserve_zero, check_range_within_dtype, check_symmetric_zero_point
 from .._warn import warn
@@ -83,12 +83,7 @@ def from_compressed_tensors(cls, args, overrides):
     if observed_dtype is not None:
         # llm-compressor observes the weight in its own dtype and compressed-tensors computes the
         # qparams (and stores the scale) in it
-        if observed_dtype not in COMPUTE_DTYPE_NAMES:
-            raise ValueError(
-                f"from_compressed_tensors: observed_dtype must be one of {sorted(map(str, COMPUTE_DTYPE_NAMES))}, "
-                f"got {observed_dtype!r}"
-            )
-        compute_dtype = COMPUTE_DTYPE_NAMES[observed_dtype]
+        compute_dtype = compute_dtype_name(observed_dtype, "from_compressed_tensors: observed_dtype")
     fields = dict(
         dtype=dtype,
         mapping="symmetric" if symmetric else "asymmetric",

@@ -9,11 +9,10 @@ Where torchao's half-precision arithmetic gives an Inf, NaN or zero scale, qstat
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
-from .._formats import COMPUTE_DTYPE_NAMES, E8M0_MIN, _largest_finite_exponent, e8m0_to_float
+from .._checks import is_real_number
+from .._formats import COMPUTE_DTYPE_NAMES, E8M0_MIN, compute_dtype_name, _largest_finite_exponent, e8m0_to_float
 from .._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import torch_dtype
 from .default import Convention
@@ -83,7 +82,7 @@ def _int_bound(value, name):
     """``quant_min``/``quant_max`` as an int; torchao computes with fractional ones, qstats cannot."""
     if value is None:
         return None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer():
+    if is_real_number(value) and float(value).is_integer():
         return int(value)
     raise ValueError(f"from_torchao: {name} must be an integer, got {value!r}")
 
@@ -236,9 +235,7 @@ def _float8_spec(cls, float8_dtype, kwargs, overrides):
     _reject_unknown(kwargs)
     if scale_dtype is None or scale_dtype not in (torch.float32, _E8M0):
         raise ValueError(f"from_torchao: float8 scale_dtype must be float32 or float8_e8m0fnu, got {scale_dtype}")
-    if input_dtype not in COMPUTE_DTYPE_NAMES:
-        raise ValueError(f"from_torchao: input_dtype must be float32, bfloat16 or float16, got {input_dtype}")
-    compute = COMPUTE_DTYPE_NAMES[input_dtype]
+    compute = compute_dtype_name(input_dtype, "from_torchao: input_dtype")
     fields = dict(
         dtype=_FLOAT8[float8_dtype],
         granularity=granularity,
@@ -304,8 +301,7 @@ def _check_affine(mapping, domain, input_dtype, scale_dtype, preserve_zero):
         raise ValueError("from_torchao: ZeroPointDomain.FLOAT (tinygemm) needs MappingType.ASYMMETRIC")
     if domain == "none" and mapping == "asymmetric":
         raise ValueError("from_torchao: ZeroPointDomain.NONE needs a symmetric mapping")
-    if input_dtype not in COMPUTE_DTYPE_NAMES:
-        raise ValueError(f"from_torchao: input_dtype must be float32, bfloat16 or float16, got {input_dtype}")
+    compute_dtype_name(input_dtype, "from_torchao: input_dtype")
     if scale_dtype not in _SCALE_DTYPE_NAMES:
         raise ValueError(f"from_torchao: scale_dtype {scale_dtype} is not supported (float32, bfloat16, float16, float64)")
     if preserve_zero is False and domain != "float" and (mapping != "asymmetric" or domain != "int"):
