@@ -185,10 +185,16 @@ def _block_qparam_shape(shape: tuple, granularity: PerBlock) -> tuple:
     return shape[:lead] + tuple(-(-s // b) for s, b in zip(shape[lead:], block))
 
 
+def _shortfalls(shape, block: tuple) -> list:
+    """Per blocked dimension (the last ``len(block)`` of ``shape``), how far its size falls short of a
+    multiple of its block: all zeros where every block divides."""
+    return [-shape[len(shape) - len(block) + i] % b for i, b in enumerate(block)]
+
+
 def _padded(x: torch.Tensor, block: tuple) -> torch.Tensor:
     """``x`` with zeros appended to each blocked dimension up to a multiple of its block (``x``
     itself where every block divides); the view of a partial PerBlock."""
-    shortfalls = [-x.shape[x.ndim - len(block) + i] % b for i, b in enumerate(block)]
+    shortfalls = _shortfalls(x.shape, block)
     if not any(shortfalls):
         return x
     pads = [n for short in reversed(shortfalls) for n in (0, short)]
@@ -319,7 +325,6 @@ def _padding_mask(x: torch.Tensor, granularity: Granularity):
     is False on the padding: observers reduce an edge block over its real values only."""
     if not isinstance(granularity, PerBlock) or not granularity.partial or x.ndim < len(granularity.block_shape):
         return None
-    block = granularity.block_shape
-    if not any(x.shape[x.ndim - len(block) + i] % b for i, b in enumerate(block)):
+    if not any(_shortfalls(x.shape, granularity.block_shape)):
         return None
     return canonical_view(torch.ones(x.shape, dtype=torch.bool, device=x.device), granularity)
