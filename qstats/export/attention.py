@@ -88,11 +88,12 @@ def _is_kv_cache_module(module: torch.nn.Module) -> bool:
     return "past_key_value" in parameters or "past_key_values" in parameters
 
 
-def attention_config(attention: dict, groups: dict, modules: Optional[Mapping] = None) -> Optional[dict]:
+def attention_config(attention: dict, groups: dict, modules: Optional[Mapping] = None, rename=None) -> Optional[dict]:
     """The ``kv_cache_scheme`` (k/v sites, one for the whole model) and, for q sites, a config group
     targeting the attention modules (compressed-tensors' attention quantization, whose
     ``input_activations`` quantize q, k and v), added to ``groups``. With the model's ``modules``,
-    refuses a scheme that leaves some of compressed-tensors' kv-cache modules without k/v scales."""
+    refuses a scheme that leaves some of compressed-tensors' kv-cache modules without k/v scales.
+    ``rename``: a module path's checkpoint name (`_checkpoint_names.module_renamer`), for the targets."""
     if not attention:
         return None
     uncovered = [path for path, module in (modules or {}).items() if path not in attention and _is_kv_cache_module(module)]
@@ -111,7 +112,7 @@ def attention_config(attention: dict, groups: dict, modules: Optional[Mapping] =
         if len(query) != len(attention):
             fail("kv_cache_scheme", f"q sites on {query} but not on every attention module with k/v sites")
         groups["attention"] = {
-            "targets": query,
+            "targets": [rename(path) for path in query] if rename else query,
             "weights": None,
             "input_activations": args,
             "output_activations": None,

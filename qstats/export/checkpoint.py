@@ -179,9 +179,7 @@ def _quantization_config(schemes: dict, expert_projection: dict, attention: dict
     groups = config_groups(schemes, expert_projection, format, modules, plan, rename)
     formats = {group["format"] for group in groups.values()}
     top_format = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
-    kv_cache_scheme = attention_config(attention, groups, modules)
-    if "attention" in groups:  # q sites: a group targeting the attention modules by path
-        groups["attention"]["targets"] = [rename(path) for path in groups["attention"]["targets"]]
+    kv_cache_scheme = attention_config(attention, groups, modules, rename)
     ignore = ignored_modules(modules, schemes, plan, rename)
     return {
         "quant_method": "compressed-tensors",
