@@ -18,7 +18,7 @@ from ._granularity import PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
 from ._rule_data import recipe_fields
 from ._schemes import config_rules, scheme_rules
 from ._spec import QuantSpec
-from ._torch_features import uncompiled
+from ._torch_features import torch_dtype, uncompiled
 from .experts import expert_count, is_stacked_parameter, own_parameters, parameter_input_site, stacked_observer
 from .fused import fused_groups
 from .observers import Observer
@@ -489,8 +489,8 @@ class Recipe:
             if extra:
                 raise ValueError(f"Recipe.from_dict: unknown keys {sorted(extra)} beside 'scheme'")
             observed = data.get("observed_dtype")
-            if isinstance(observed, str) and isinstance(getattr(torch, observed.removeprefix("torch."), None), torch.dtype):
-                observed = getattr(torch, observed.removeprefix("torch."))  # plain data names it: "bfloat16"
+            if isinstance(observed, str) and torch_dtype(observed.removeprefix("torch.")) is not None:
+                observed = torch_dtype(observed.removeprefix("torch."))  # plain data names it: "bfloat16"
             return cls.from_scheme(data["scheme"], data.get("targets"), data.get("ignore", ()), observed_dtype=observed,
                                    shared=data.get("shared"))
         rules, ignore, shared = recipe_fields(Rule, data)
