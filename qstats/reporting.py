@@ -13,6 +13,7 @@ import dataclasses
 import io
 import json
 import math
+import operator
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
@@ -70,6 +71,20 @@ def _format(value: Any) -> str:
     return str(value)
 
 
+def _row_count(count: Any) -> int:
+    """``count`` as a Python int: any integral (``operator.index``: int, numpy or one-element torch
+    integers), not a bool (Python, numpy or torch), float or string; ValueError unless non-negative."""
+    if isinstance(count, bool) or (isinstance(count, torch.Tensor) and count.dtype == torch.bool):
+        raise ValueError(f"worst: count must be a non-negative int, got {count!r}")
+    try:
+        count = operator.index(count)
+    except TypeError:
+        raise ValueError(f"worst: count must be a non-negative int, got {count!r}") from None
+    if count < 0:
+        raise ValueError(f"worst: count must be a non-negative int, got {count!r}")
+    return count
+
+
 @dataclasses.dataclass(frozen=True)
 class Report:
     """A sequence of `LayerReport` rows (``len``, indexing, iteration) with text, CSV and JSON renderings;
@@ -99,8 +114,7 @@ class Report:
         """The ``count`` rows with the lowest SQNR estimate, lowest first (rows without one are
         left out; a NaN estimate, e.g. from a NaN scale, counts as the worst), as a Report:
         ``print(report.worst())`` prints their table."""
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"worst: count must be a non-negative int, got {count!r}")
+        count = _row_count(count)
         measured = [row for row in self.rows if row.sqnr_db is not None]
         # NaN compares false with everything: sorted() would leave such rows wherever they stood
         ordered = sorted(measured, key=lambda row: (not math.isnan(row.sqnr_db), row.sqnr_db))
@@ -349,8 +363,8 @@ class _ActivationError:
             spec = runtime_spec(x, spec)
             qp = runtime_qparams(x, spec, qp)
         weight = self.current_weight[0]
-        if weight is not None and weight.ndim <= x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
-            # padding is left out of every measured number (zero is not representable with a float
+        if weight is not None and weight.ndim < x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
+            # padding (a strict prefix: features follow) is left out of every measured number (zero is not representable with a float
             # zero point, and its code may fall outside the range)
             keep = weight.to(x.device).reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)) != 0
             self.error.add(*tensor_error(x, qp, spec, keep))

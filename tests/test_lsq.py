@@ -8,6 +8,8 @@ zero point must agree to 1e-6.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import assume, example, given, settings
@@ -316,3 +318,81 @@ def test_negative_zero_points_differentiate_the_forward(zero_point):
     at_z = _grads_torch(x, scale, torch.tensor(zero_point), qmin, qmax, factor, dy)
     assert torch.equal(ours[0], at_z[0].reshape(ours[0].shape))  # the same forward
     assert not torch.allclose(ours[2].reshape(-1), at_z[2].reshape(-1), rtol=1e-4, atol=1e-6)  # another backward
+
+
+def _blockwise_torch(x, scale, zero_point, block, qmin, qmax, factor, dy):
+    """torch's learnable per-tensor kernel on each block of ``x`` sliced out on its own (the edge
+    blocks smaller, nothing padded), the outputs put back in place: forward and gradients."""
+    x = x.clone().requires_grad_(True)
+    scale = scale.clone().requires_grad_(True)
+    zero_point = zero_point.clone().requires_grad_(True)
+    rows, cols = block
+    where = torch.arange(x.numel()).reshape(x.shape)
+    positions, values = [], []
+    for index in itertools.product(*[range(n) for n in scale.shape]):
+        *lead, i, j = index
+        part = (*lead, slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols))
+        y = torch._fake_quantize_learnable_per_tensor_affine(
+            x[part], scale[index].reshape(1), zero_point[index].reshape(1), qmin, qmax, factor)
+        positions.append(where[part].reshape(-1))
+        values.append(y.reshape(-1))
+    out = torch.zeros(x.numel()).index_put((torch.cat(positions),), torch.cat(values)).reshape(x.shape)
+    assert torch.equal(torch.cat(positions).sort().values, torch.arange(x.numel()))  # every value once
+    out.backward(dy)
+    return out.detach(), x.grad, scale.grad, zero_point.grad
+
+
+@pytest.mark.parametrize("shape,block", [((10, 13), (4, 5)), ((2, 7, 9), (3, 4)), ((6, 8), (3, 4))],
+                         ids=["2d-edges", "3d-lead-edges", "divides"])
+@pytest.mark.parametrize("mapping,dtype", [("asymmetric", "uint8"), ("symmetric", "int8"), ("asymmetric", "uint4")])
+@pytest.mark.parametrize("grad_scale", ["torch_ao", None])
+def test_partial_blocks_match_torch_per_block(shape, block, mapping, dtype, grad_scale):
+    """PerBlock(partial=True), whose edge blocks are smaller: forward and the gradients of x, the
+    scales and zero points equal torch's learnable per-tensor fake quant run on each block alone
+    (the padding LSQ's view adds is not a value: it moves no output, no scale or zero-point gradient)."""
+    g = torch.Generator().manual_seed(sum(shape) + len(dtype))
+    spec = qstats.QuantSpec(dtype=dtype, mapping=mapping, granularity=qstats.PerBlock(block, partial=True))
+    qmin, qmax = spec.qrange
+    x = torch.randn(shape, generator=g) * 3 + 0.5
+    dy = torch.randn(shape, generator=g)
+    params_shape = qstats.qparam_shape(shape, spec.granularity)
+    assert params_shape[-2:] == tuple(-(-s // b) for s, b in zip(shape[-2:], block))
+    scale = torch.rand(params_shape, generator=g) * 0.05 + 0.01  # small scales: some values clip
+    if mapping == "asymmetric":  # integer zero points in range: torch's backward rounds them as its forward
+        zero_point = torch.randint(qmin, qmax + 1, params_shape, generator=g).float()
+    else:
+        zero_point = torch.full(params_shape, float(spec.zero_point_of_symmetric))
+    factor = 1.0 / (x.numel() * qmax) ** 0.5 if grad_scale == "torch_ao" else 1.0
+    ours = _grads_qstats(x, scale, zero_point, spec, dy, grad_scale)
+    ref = _blockwise_torch(x, scale, zero_point, block, qmin, qmax, factor, dy)
+    for name, a, b in zip(("forward", "x.grad", "scale.grad", "zero_point.grad"), ours, ref):
+        if name == "zero_point.grad" and mapping == "symmetric":
+            assert not a.any(), name  # a symmetric spec fixes its zero point
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_partial_blocks_with_float_zero_points_the_padding_would_clip():
+    """A float-domain zero point below qmin makes the zeros a partial PerBlock's view pads with
+    clip (code round(zero_point) < qmin), which would give them a scale and zero-point gradient:
+    the gradients still equal plain torch's LSQ+ on each (smaller) edge block alone."""
+    spec = qstats.QuantSpec(dtype="uint4", mapping="asymmetric", zero_point_domain="float",
+                            granularity=qstats.PerBlock((4, 5), partial=True))
+    g = torch.Generator().manual_seed(5)
+    x, dy = torch.randn(10, 13, generator=g), torch.randn(10, 13, generator=g)
+    scale = torch.rand(3, 3, generator=g) * 0.1 + 0.05
+    zero_point = -3.7 - torch.rand(3, 3, generator=g)
+    out, x_grad, scale_grad, zero_grad = _grads_qstats(x, scale, zero_point, spec, dy, None)
+    want = [torch.zeros(10, 13), torch.zeros(10, 13), torch.zeros(3, 3), torch.zeros(3, 3)]
+    for i, j in itertools.product(range(3), range(3)):
+        part = (slice(4 * i, 4 * i + 4), slice(5 * j, 5 * j + 5))
+        v, d, s, z = x[part].double(), dy[part].double(), float(scale[i, j]), float(zero_point[i, j])
+        unclamped = torch.round(v / s + z)
+        inside = (unclamped >= 0) & (unclamped <= 15)
+        fq = (unclamped.clamp(0, 15) - z) * s
+        want[0][part], want[1][part] = fq.float(), torch.where(inside, d, 0.0).float()
+        want[2][i, j] = (d * torch.where(inside, (fq - v) / s, unclamped.clamp(0, 15) - z)).sum()
+        want[3][i, j] = (d * torch.where(inside, 0.0, -s)).sum()
+    for name, got, expected in zip(("forward", "x.grad", "scale.grad", "zero_point.grad"),
+                                   (out, x_grad, scale_grad, zero_grad), want):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=name)

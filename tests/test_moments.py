@@ -28,7 +28,7 @@ def test_statistics_match_numpy_over_all_batches(granularity):
     np.testing.assert_allclose(state.variance.numpy(), data.var(axis=axis), rtol=1e-10)
     np.testing.assert_allclose(state.abs_mean.numpy(), np.abs(data).mean(axis=axis), rtol=1e-12)
     np.testing.assert_allclose(state.rms.numpy(), np.sqrt((data**2).mean(axis=axis)), rtol=1e-12)
-    np.testing.assert_allclose((state.power_total / state.count).numpy(), (np.abs(data) ** 3).mean(axis=axis), rtol=1e-10)
+    np.testing.assert_allclose(state.lp_norm.numpy(), ((np.abs(data) ** 3).mean(axis=axis)) ** (1 / 3), rtol=1e-10)
     assert np.all(state.count.numpy() == (data.size if axis is None else data.shape[0]))
 
 
@@ -92,8 +92,8 @@ def test_bad_input():
     for k in (0, -1.0, math.inf, math.nan, True):
         with pytest.raises(ValueError, match="k must be a positive finite number"):
             qstats.compute_qparams(state, spec, method="mean_std", k=k)
-    with pytest.raises(TypeError, match="p="):
-        qstats.compute_qparams(state, spec, method="lp")
+    with pytest.raises(ValueError, match="another order"):
+        qstats.compute_qparams(state, spec, method="lp", p=3.0)  # the state holds p=4's sum
     with pytest.raises(ValueError, match="p must be a positive finite number"):
         qstats.compute_qparams(state, spec, method="lp", p=True)
     per_axis = qstats.moments(qstats.QuantSpec(granularity=qstats.PerAxis(0)))
@@ -203,7 +203,7 @@ def test_masked_batches_merged_in_any_order_match_numpy(granularity, dtype):
     n, mean, var, abs_mean, rms, power = _numpy_moments(views, masks, axis, 3.0)
     assert np.array_equal(merged.count.numpy(), n)
     for got, want in [(merged.mean, mean), (merged.variance, var), (merged.abs_mean, abs_mean), (merged.rms, rms),
-                      (merged.power_total / merged.count.clamp(min=1), power)]:
+                      (merged.lp_norm, power ** (1 / 3))]:
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=0.0)
     assert int(merged.nonfinite.sum()) == sum(int((~torch.isfinite(x[w != 0])).sum()) for x, w in seen)
 
@@ -227,3 +227,85 @@ def test_stacked_experts_with_routing_masks_match_numpy_per_expert():
             continue
         np.testing.assert_allclose(merged.mean[e].numpy(), rows.mean(0), rtol=1e-12)
         np.testing.assert_allclose(merged.variance[e].numpy(), rows.var(0), rtol=1e-10)
+
+
+def _mpmath_lp(rows, p):
+    """(mean |x|**p)**(1/p) of each column of ``rows`` (float64 numpy), in 60-digit mpmath."""
+    mpmath = pytest.importorskip("mpmath")
+    with mpmath.workdps(60):
+        return np.array([float(mpmath.power(mpmath.fsum(mpmath.power(abs(mpmath.mpf(float(v))), p) for v in col)
+                                            / len(col), mpmath.mpf(1) / p)) for col in rows.T])
+
+
+@pytest.mark.parametrize("p", [50.0, 200.0, 3.5])
+@pytest.mark.parametrize("dtype,top", [(torch.float32, 1e30), (torch.float64, 1e300)], ids=["f32", "f64"])
+def test_lp_norm_of_large_p_and_large_values_matches_mpmath(p, dtype, top):
+    """The "lp" rule summed |x|**p in float64: p=50 of 1e30 (or p=4 of 1e80) overflowed to inf
+    and the range became the largest float32 (scale 1.33e36 for int8 instead of 7.7e27). The scaled
+    sum gives mpmath's (E|x|**p)**(1/p) per channel, batches merged in any order."""
+    g = torch.Generator().manual_seed(11)
+    # per-channel magnitudes from 1 up to ``top``; later batches hold the larger values (rescaling)
+    xs = [(torch.randn(5 + i, 3, generator=g, dtype=torch.float64) * torch.tensor([1.0, top ** 0.5, top], dtype=torch.float64)
+           * (0.2 + 0.4 * i)).to(dtype) for i in range(3)]
+    xs[1][0, 2] = 0.0
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(-1))
+    obs = qstats.moments(spec, p=p)
+    folded = obs.init(xs[0])
+    for x in xs:
+        folded = obs.update(folded, x)
+    parts = [obs.update(obs.init(x), x) for x in xs]
+    merged = obs.merge(parts[2], obs.merge(parts[0], parts[1]))
+    rows = torch.cat(xs).double().numpy()
+    want = _mpmath_lp(rows, p)
+    for state in (folded, merged):
+        np.testing.assert_allclose(state.lp_norm.numpy(), want, rtol=1e-12)
+        assert bool(torch.isfinite(state.lp_sum).all()) and float(state.lp_sum.max()) <= rows.shape[0]
+    qp = qstats.compute_qparams(merged, spec, method="lp", k=1.0)
+    amax = torch.tensor(np.minimum(want, float(torch.finfo(torch.float32).max)), dtype=torch.float32)
+    expected = qstats.qparams_from_minmax(-amax, amax, spec)
+    torch.testing.assert_close(qp.scale, expected.scale, rtol=1e-6, atol=0.0)
+    assert bool(qp.calibrated.all())
+
+
+def test_lp_laws_hold_with_large_p_and_growing_magnitudes():
+    """qstats.testing's laws (identity, associativity, commutativity, homomorphism) for the
+    rescaled Lp sum, with magnitudes whose p-th powers overflow float64."""
+    obs = qstats.moments(qstats.QuantSpec(granularity=qstats.PerAxis(0)), p=120.0)
+    qstats.testing.check_all(obs, lambda g: torch.randn(6, 8, generator=g) * 1e30, max_examples=5)
+
+
+def test_the_state_records_p_and_other_orders_are_refused():
+    """The state holds p (``lp_order``): compute_qparams(method="lp") reads it, a different p is
+    refused, and so are merges and updates of states from moments observers of another p (their
+    Lp sums cannot be added). Omitting p matches numpy's (E|x|**3)**(1/3)."""
+    x = torch.randn(50, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    spec = qstats.QuantSpec(dtype="int8")
+    three, four = qstats.moments(spec, p=3.0), qstats.moments(spec, p=4.0)
+    s3, s4 = three.update(three.init(x), x), four.update(four.init(x), x)
+    assert torch.equal(s3.lp_order, torch.tensor(3.0, dtype=torch.float64))
+    amax = float((np.abs(x.numpy()) ** 3).mean() ** (1 / 3))
+    expected = qstats.qparams_from_minmax(torch.tensor(-amax), torch.tensor(amax), spec)
+    for options in ({}, {"p": 3.0}, {"p": np.float32(3.0)}):
+        got = qstats.compute_qparams(s3, spec, method="lp", **options)
+        assert float(got.scale) == pytest.approx(float(expected.scale), rel=1e-6), options
+    with pytest.raises(ValueError, match="another order"):
+        qstats.compute_qparams(s3, spec, method="lp", p=4.0)
+    with pytest.raises(ValueError, match="moments.merge: .*different orders p"):
+        three.merge(s3, s4)
+    with pytest.raises(ValueError, match="moments.update: .*different orders p"):
+        four.update(s3, x)
+    with pytest.raises(ValueError, match="moments.merge: .*different orders p"):
+        three.merge(three.init(x), four.init(x))
+
+
+def test_lp_state_round_trips_through_qstats_io(tmp_path):
+    """save/load keeps the scaled Lp sum, its absmax and p: the loaded state's range is the saved one's."""
+    obs = qstats.moments(qstats.QuantSpec(granularity=qstats.PerAxis(0)), p=60.0)
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(4)) * 1e30
+    state = obs.update(obs.init(x), x)
+    qstats.save(tmp_path / "m.safetensors", {"s": state})
+    loaded = qstats.load(tmp_path / "m.safetensors")["s"]
+    for field, a, b in zip(state._fields, state, loaded):
+        assert torch.equal(a, b), field
+    with pytest.raises(ValueError, match="another order"):
+        qstats.compute_qparams(loaded, obs.spec, method="lp", p=4.0)

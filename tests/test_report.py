@@ -393,3 +393,46 @@ def test_sqnr_of_values_whose_squares_overflow_float32():
     expected = _sqnr(x.double(), quantized.double())
     assert math.isfinite(expected) and row.sqnr_db == pytest.approx(expected, rel=1e-6)
     assert row.nonfinite == 0
+
+
+def test_worst_takes_numpy_and_torch_integers_and_refuses_bools_and_floats():
+    """worst(np.int64(2)) (a count read from numpy) was refused as "not an int"; any integral
+    (operator.index) is a count now, and bools (Python, numpy, torch) and floats are still refused."""
+    np = pytest.importorskip("numpy")
+    sqnrs = [30.0, 5.0, 20.0, 10.0]
+    rep = qstats.reporting.Report(tuple(_row(str(i), s) for i, s in enumerate(sqnrs)))
+    lowest_two = [str(i) for i in sorted(range(len(sqnrs)), key=sqnrs.__getitem__)[:2]]  # plain Python
+    for count in (np.int64(2), np.uint8(2), np.int32(2), torch.tensor(2)):
+        assert [row.module for row in rep.worst(count)] == lowest_two, type(count)
+    assert "worst 2 by SQNR" in qstats.reporting.Report(rep.rows, worst_listed=np.int64(2)).text()
+    for count in (np.bool_(True), torch.tensor(True), np.float64(2.0), torch.tensor(2.0), np.int64(-1), True):
+        with pytest.raises(ValueError, match="worst: count must be a non-negative int"):
+            rep.worst(count)
+
+
+class _Pooled(torch.nn.Module):
+    """A pooled [batch, hidden] input whose hidden size equals the padded length of the mask."""
+
+    def __init__(self, features):
+        super().__init__()
+        self.proj = torch.nn.Linear(features, 3)
+
+    def forward(self, x, attention_mask):
+        return self.proj(x[:, 0])
+
+
+def test_a_mask_shaped_like_a_pooled_input_does_not_mask_its_features():
+    """The mask [2, 5] is not a strict prefix of the pooled [2, 5] input: every value is measured
+    (it masked features 3 and 4 of the first row as padding)."""
+    torch.manual_seed(0)
+    model = _Pooled(5).eval()
+    recipe = qstats.Recipe([qstats.Rule("proj", sites=("input",))])
+    x = torch.randn(2, 5, 5)
+    batches = [{"x": x, "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])}]
+    weight = lambda batch: batch["attention_mask"]  # noqa: E731
+    states = qstats.calibrate(model, batches, recipe, progress=False, observation_weight=weight)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    row = qstats.report(states, qparams, model=model, recipe=recipe, batches=batches, observation_weight=weight).rows[0]
+    pooled, qp = x[:, 0], qparams["proj"]["input"]
+    quantized = torch.fake_quantize_per_tensor_affine(pooled, float(qp.scale), int(qp.zero_point), -128, 127)
+    assert row.sqnr_db == pytest.approx(_sqnr(pooled, quantized), rel=1e-5)

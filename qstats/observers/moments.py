@@ -1,6 +1,8 @@
 """Moments observer: count, mean and variance (Chan's parallel merge), abs-mean, rms and an Lp norm.
 
-The state stores float64 sums and int64 counts only, so merging is exact up to float rounding. Its
+The state stores float64 sums and int64 counts, so merging is exact up to float rounding. The Lp
+sum is kept scaled by the running absmax (``sum |x / m|**p``, at most the count), so large ``p`` or
+large values do not overflow it; the state records ``p``. The
 range rules (``compute_qparams(state, spec, method=..., k=...)``: ``"mean_std"``, ``"rms"``,
 ``"abs_mean"``, ``"lp"``) are registered with `qstats.observers.search`; see docs/observers.md.
 """
@@ -12,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._checks import is_real_number
+from .._checks import is_real_number, require
 from .._granularity import checked_view, qparam_shape, weight_view
 from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
@@ -25,17 +27,21 @@ __all__ = ["MomentsState", "moments"]
 
 @register_state
 class MomentsState(NamedTuple):
-    """Sums of a moments observer, one entry per quantization parameter; ``power_total`` is the
-    sum of ``|x|**p`` for the observer's ``p`` (pass the same ``p`` to the ``"lp"`` rule)."""
+    """Sums of a moments observer, one entry per quantization parameter. The Lp norm's sum is
+    scaled: ``lp_max`` is the largest ``|x|`` seen (``m``), ``lp_sum`` the sum of ``|x / m|**p``
+    (rescaled when ``m`` grows) and ``lp_order`` the observer's ``p``, so
+    ``sum |x|**p == lp_sum * lp_max**p`` without forming it."""
 
-    approx_fields = ("total", "m2", "abs_total", "square_total", "power_total")  # float sums: laws compare them to tolerance
+    approx_fields = ("total", "m2", "abs_total", "square_total", "lp_sum")  # float sums: laws compare them to tolerance
 
     count: torch.Tensor
     total: torch.Tensor
     m2: torch.Tensor
     abs_total: torch.Tensor
     square_total: torch.Tensor
-    power_total: torch.Tensor
+    lp_max: torch.Tensor
+    lp_sum: torch.Tensor
+    lp_order: torch.Tensor
     nonfinite: torch.Tensor
 
     def _denominator(self):
@@ -63,6 +69,11 @@ class MomentsState(NamedTuple):
     def rms(self) -> torch.Tensor:
         return (self.square_total / self._denominator()).sqrt()
 
+    @property
+    def lp_norm(self) -> torch.Tensor:
+        """``(E|x|**p)**(1/p)``, as ``m * (lp_sum / count)**(1/p)`` (no overflow; 0 where nothing was seen)."""
+        return self.lp_max * (self.lp_sum / self._denominator()).pow(1.0 / self.lp_order)
+
 
 def _batch_moments(x, weight, expected, spec: QuantSpec, power: float) -> MomentsState:
     """One batch's moments (a state of its own, for `_combine`)."""
@@ -88,20 +99,31 @@ def _batch_moments(x, weight, expected, spec: QuantSpec, power: float) -> Moment
     mean = total / count.clamp(min=1).to(torch.float64)
     centred = (v - mean.unsqueeze(0).unsqueeze(-1)) * weight_f
     m2 = (centred * centred).sum(dim=dims)
-    magnitude = v.abs()
+    magnitude = v.abs()  # 0 where left out
+    largest = magnitude.amax(dim=dims)
+    unit = torch.where(largest > 0, largest, torch.ones_like(largest)).unsqueeze(0).unsqueeze(-1)
     return MomentsState(
         count,
         total,
         m2,
         magnitude.sum(dim=dims),
         (v * v).sum(dim=dims),
-        magnitude.pow(power).sum(dim=dims),
+        largest,
+        (magnitude / unit).pow(power).sum(dim=dims),
+        torch.full_like(total, power),
         nonfinite,
     )
 
 
-def _combine(a: MomentsState, b: MomentsState) -> MomentsState:
-    """Two states as one: sums add, the centred sums of squares by Chan et al.'s update."""
+def _rescaled(lp_sum: torch.Tensor, lp_max: torch.Tensor, largest: torch.Tensor, order: torch.Tensor):
+    """``lp_sum`` (a sum of ``|x / lp_max|**p``) as a sum of ``|x / largest|**p`` (``largest >= lp_max``)."""
+    ratio = lp_max / torch.where(largest > 0, largest, torch.ones_like(largest))
+    return lp_sum * ratio.pow(order)
+
+
+def _combine(a: MomentsState, b: MomentsState, where: str) -> MomentsState:
+    """Two states as one: sums add, the centred sums of squares by Chan et al.'s update, the scaled
+    Lp sums after rescaling both to the larger absmax. ValueError when their ``p`` differ."""
     count = a.count + b.count
     na = a.count.to(torch.float64)
     nb = b.count.to(torch.float64)
@@ -110,13 +132,21 @@ def _combine(a: MomentsState, b: MomentsState) -> MomentsState:
     # no correction where a side is empty: its delta (the other mean) may square past float64
     # (float64 inputs past 1e154), and inf * 0 was a NaN variance
     m2 = a.m2 + b.m2 + torch.where((na > 0) & (nb > 0), delta * delta * na * nb / n, torch.zeros_like(delta))
+    # an Lp sum of another order cannot be added (states of two moments observers); the check's
+    # result is threaded into the state so a compiled graph keeps it
+    same = require(a.lp_order == b.lp_order, f"{where}: the states hold Lp sums of different orders p: they come "
+                   "from moments observers built with other p")
+    largest = torch.maximum(a.lp_max, b.lp_max)
+    lp_sum = _rescaled(a.lp_sum, a.lp_max, largest, a.lp_order) + _rescaled(b.lp_sum, b.lp_max, largest, b.lp_order)
     return MomentsState(
         count,
         a.total + b.total,
         m2,
         a.abs_total + b.abs_total,
         a.square_total + b.square_total,
-        a.power_total + b.power_total,
+        largest,
+        lp_sum,
+        torch.where(same, a.lp_order, b.lp_order),
         a.nonfinite + b.nonfinite,
     )
 
@@ -126,7 +156,8 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
 
     Args:
       spec: the QuantSpec (its granularity decides the groups).
-      p: order of the Lp norm accumulated in ``power_total`` (default 4).
+      p: order of the Lp norm (default 4), recorded in the state (``lp_order``); its sum is kept
+        scaled by the running absmax, so any ``p`` and any finite value are safe.
 
     Laws: identity exactly; associativity, commutativity and homomorphism up to float rounding.
     ``weight == 0`` leaves values out; NaN/Inf follow ``spec.nonfinite``.
@@ -149,19 +180,21 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
         shape = qparam_shape(x.shape, spec.granularity)
         zeros = torch.zeros(shape, dtype=torch.float64, device=x.device)
         count = torch.zeros(shape, dtype=torch.int64, device=x.device)
-        return MomentsState(count, zeros, zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), count.clone())
+        order = torch.full(shape, power, dtype=torch.float64, device=x.device)
+        return MomentsState(count, zeros, zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(),
+                            order, count.clone())
 
     def update_fn(state: MomentsState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MomentsState:
         check_state(state, MomentsState, "moments.update")
         if x.numel() == 0:
             return state
-        return _combine(state, _batch_moments(x, weight, state.count.shape, spec, power))
+        return _combine(state, _batch_moments(x, weight, state.count.shape, spec, power), "moments.update")
 
     def merge_fn(a: MomentsState, b: MomentsState) -> MomentsState:
         check_state(a, MomentsState, "moments.merge")
         check_state(b, MomentsState, "moments.merge")
         check_same_shapes(a, b, "moments.merge")
-        return _combine(a, b)
+        return _combine(a, b, "moments.merge")
 
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="moments")
 
@@ -204,14 +237,16 @@ def abs_mean_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = N
 
 
 def lp_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None, p: Optional[float] = None) -> Range:
-    """``"lp"`` (AQT's Lp calibration): ``[-k * (E|x|**p)**(1/p), ...]`` (``k=1``); ``p`` must be
-    the order the observer was built with."""
+    """``"lp"`` (AQT's Lp calibration): ``[-k * (E|x|**p)**(1/p), ...]`` (``k=1``) of the state's
+    ``p``; a ``p`` given must be that order (ValueError otherwise)."""
     k = _multiple(k, 1.0)
-    if p is None:
-        raise TypeError("compute_qparams: method 'lp' needs p=, the order the moments observer was built with")
-    if not (is_real_number(p) and math.isfinite(p) and p > 0):
-        raise ValueError(f"compute_qparams: p must be a positive finite number, got {p!r}")
-    amax = k * (state.power_total / state._denominator()).pow(1.0 / float(p))
+    if p is not None:
+        if not (is_real_number(p) and math.isfinite(p) and p > 0):
+            raise ValueError(f"compute_qparams: p must be a positive finite number, got {p!r}")
+        same = require(state.lp_order == float(p), f"compute_qparams: method 'lp' with p={p!r}, but the state holds the "
+                       "Lp sum of another order (the p its moments observer was built with, state.lp_order)")
+        state = state._replace(lp_order=torch.where(same, state.lp_order, state.lp_order))
+    amax = k * state.lp_norm
     return _as_float32_range(state, -amax, amax)
 
 
