@@ -43,10 +43,27 @@ def check_batches(batches, caller: str) -> None:
     raise TypeError(f"{caller}: batches must be an iterable of batches (got a single {got}); wrap one batch in a list")
 
 
+def warn_training_mode(model: torch.nn.Module, caller: str) -> None:
+    """Warns naming the first dropout (p > 0) or batch-norm module in training mode: calibration
+    would observe dropped-out activations (and update batch-norm running statistics)."""
+    kinds = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+    for path, module in model.named_modules():
+        if module.training and isinstance(module, kinds) and getattr(module, "p", 1.0) > 0:
+            warn(
+                f"{caller}: module {path!r} ({type(module).__name__}) is in training mode, so the statistics "
+                "observe its training behaviour (dropout, batch statistics); call model.eval() first",
+                UserWarning,
+            )
+            return
+
+
 def _run_batches(session: Observing, model, batches: Iterable, progress: bool, observation_weight) -> None:
     """Runs ``model`` (the plan's model, or its compiled wrapper) over ``batches`` inside
     ``session``, with each one's observation weight."""
-    total = len(batches) if hasattr(batches, "__len__") else None
+    try:  # a DataLoader over an IterableDataset has __len__ but raises TypeError
+        total = len(batches)
+    except TypeError:
+        total = None
     bar = tqdm(batches, total=total, unit="batch", desc="qstats.calibrate", disable=not progress)
     with torch.no_grad():
         for batch in bar:
@@ -72,7 +89,8 @@ def calibrate(
     """Observer states of ``model`` over ``batches``, per module path and site.
 
     Args:
-      model: an ``nn.Module``, run as is (call ``model.eval()`` first), under ``torch.no_grad()``;
+      model: an ``nn.Module``, run as is (call ``model.eval()`` first: dropout or batch norm in
+        training mode warns), under ``torch.no_grad()``;
         a compiled one (``torch.compile(model)``) runs compiled, its sites named by the paths of
         the module it wraps, and gives the eager model's states.
       batches: an iterable of batches: a tensor (``model(batch)``), a tuple or list
@@ -111,6 +129,7 @@ def calibrate(
         raise TypeError(f"calibrate expects an nn.Module, got {type(model).__name__}")
     check_batches(batches, "calibrate")
     plan = as_plan(recipe, model, "calibrate")
+    warn_training_mode(plan.model, "calibrate")
     with observing(model, plan, states, all_experts=all_experts) as session:
         _run_batches(session, model, batches, progress, observation_weight)
     return session.states

@@ -118,7 +118,8 @@ class _Calibration:
 
     def weight_for(self, x: torch.Tensor, flattened: bool) -> Optional[torch.Tensor]:
         """The batch's observation weight as the weight of ``x``: when ``x`` starts with its
-        dimensions, or (``flattened``: tokens of stacked experts) has one row per weight entry."""
+        dimensions and has more (the features), or (``flattened``: tokens of stacked experts) has
+        one row per weight entry."""
         weight = self.weight
         if weight is None:
             return None
@@ -128,7 +129,9 @@ class _Calibration:
                 self.weight_use[1] += 1
                 return weight.reshape(-1).to(x.device)
             return None
-        if weight.ndim <= x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
+        # a strict prefix: the weighted dims are tokens, features follow (a pooled [batch, hidden]
+        # with hidden == the padded length is not masked over its features)
+        if weight.ndim < x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
             self.weight_use[1] += 1
             return weight.to(x.device)
         return None
@@ -238,15 +241,15 @@ class _RoutedInputSite(_RoutedSite):
         if not is_float_tensor(x):
             return
         tokens = x.detach().reshape(-1, x.shape[-1])
-        if self.run.all_experts:  # every token observed by every expert
-            mask = torch.ones(self.found.num_experts, tokens.shape[0], device=tokens.device)
-        else:
-            mask = routing_mask(args, kwargs or {}, self.found.num_experts, tokens.shape[0])
+        # a call without routing (Llama 4's dense [E*T, H] rows) is refused with all_experts too
+        mask = routing_mask(args, kwargs or {}, self.found.num_experts, tokens.shape[0])
         if mask is None:
             raise ValueError(
                 f"calibrate: cannot find the routing (an integer tensor [tokens, k] of selected experts) "
                 f"in the call of the experts module {self.path!r}"
             )
+        if self.run.all_experts:  # every token observed by every expert
+            mask = torch.ones_like(mask)
         extra = self.run.weight_for(tokens, flattened=True)
         if extra is not None:
             mask = mask * (extra != 0).to(mask.dtype)
@@ -454,18 +457,20 @@ class Observing:
         of activation updates whose tensor starts with its dimensions: padding is not observed."""
         if weight is not None and not isinstance(weight, torch.Tensor):
             raise TypeError(f"observing: the observation weight must be a tensor or None, got {type(weight).__name__}")
-        previous, self._run.weight, self._run.weight_use = self._run.weight, weight, [0, 0]
+        previous, previous_use = self._run.weight, self._run.weight_use  # a nested `weighted` keeps the outer's
+        self._run.weight, self._run.weight_use = weight, [0, 0]
         try:
             yield
         finally:
             offered, fitted = self._run.weight_use
+            self._run.weight, self._run.weight_use = previous, previous_use
             if offered and not fitted:
                 warn(
                     f"observing: the observation weight of shape {tuple(weight.shape)} fits no observed activation "
-                    "(it must be a prefix of their shapes, e.g. (batch, tokens)), so nothing was left out",
+                    "(it must be a prefix of their shapes with features after it, e.g. (batch, tokens)), so nothing "
+                    "was left out",
                     UserWarning,
                 )
-            self._run.weight = previous
 
     def _count(self, module, args) -> None:
         self.calls += 1
