@@ -118,8 +118,8 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
     """Min, max, finite count and non-finite count over dims ``(0, -1)`` of a canonical view.
 
     Args:
-      view: a tensor of shape ``(observations, *qparam_shape, group)`` (any float dtype; float64
-        values past float32's range count as non-finite).
+      view: a tensor of shape ``(observations, *qparam_shape, group)``, at least 2-d (any float
+        dtype; float64 values past float32's range count as non-finite).
       mask: optional tensor broadcastable to ``view``; zero / False leaves a value out.
       nonfinite: ``"ignore"`` (NaN/Inf are left out and counted) or ``"raise"`` (ValueError).
 
@@ -134,6 +134,11 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
     """
     if nonfinite not in ("ignore", "raise"):
         raise ValueError(f"finite_aminmax: nonfinite must be 'ignore' or 'raise', got {nonfinite!r}")
+    if view.ndim < 2:  # a 1-d view is its own observation and group dim: every value counted twice
+        raise ValueError(
+            f"finite_aminmax: expected a canonical view (observations, *qparam_shape, group) of at least "
+            f"2 dimensions, got shape {tuple(view.shape)}; kit.canonical_view(x, granularity) builds one"
+        )
     if mask is not None:
         mask = (mask if mask.dtype == torch.bool else mask != 0).expand(view.shape)
     if view.is_floating_point() and view.element_size() in (1, 8):

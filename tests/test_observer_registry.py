@@ -205,3 +205,20 @@ def test_register_range_rule_refuses_what_is_not_a_namedtuple_state_class(bad):
     reference = torch.ao.quantization.MinMaxObserver()
     reference(x)
     assert torch.equal(scale.reshape(1), reference.calculate_qparams()[0])
+
+
+def test_a_second_state_type_of_the_same_name_is_refused_naming_the_first():
+    """The error said only that the name was taken, not by which class, so the author could not
+    tell which of two modules to rename."""
+    from typing import NamedTuple
+
+    class RegistryReviewTwinState(NamedTuple):
+        total: torch.Tensor
+
+    qstats.register_state(RegistryReviewTwinState)
+    twin = NamedTuple("RegistryReviewTwinState", [("total", torch.Tensor)])
+    twin.__module__ = "someone_elses.observers"
+    with pytest.raises(ValueError, match=r"'RegistryReviewTwinState' is already registered, by "
+                       r"(tests\.)?test_observer_registry\..*<locals>\.RegistryReviewTwinState"):
+        qstats.register_state(twin)
+    assert qstats.observers._base.state_types()["RegistryReviewTwinState"] is RegistryReviewTwinState

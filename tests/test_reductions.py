@@ -169,3 +169,14 @@ def test_float64_values_past_float32_count_as_nonfinite(factory):
     with pytest.raises(ValueError, match="non-finite"):
         strict = factory(qstats.QuantSpec(dtype="int8", nonfinite="raise"))
         strict.update(strict.init(x), x)
+
+
+def test_a_view_of_fewer_than_two_dims_is_refused_naming_its_shape():
+    """A 1-d tensor is its own observation and group dimension: three values were counted nine
+    times ``(count 9)``, or, with a NaN, failed in count_nonzero on a repeated dim."""
+    for values in ([1.0, 2.0, 3.0], [1.0, float("nan"), 3.0], 2.0):
+        with pytest.raises(ValueError, match=r"canonical view.*got shape \((3,)?\)"):
+            finite_aminmax(torch.tensor(values))
+    # the same values as a per-tensor canonical view: 3 finite values, counted once
+    lo, hi, count, bad = finite_aminmax(torch.tensor([[1.0, float("nan"), 3.0]]))
+    assert (lo.item(), hi.item(), count.item(), bad.item()) == (1.0, 3.0, 2, 1)

@@ -389,3 +389,47 @@ def test_associativity_catches_a_stacked_merge_that_is_not_associative():
 def test_check_all_refuses_a_negative_batch_dims():
     with pytest.raises(ValueError, match="batch_dims"):
         testing.check_all(qstats.minmax(SPEC), _make_x, batch_dims=-1)
+
+
+def _forgets_on_empty(obs):
+    def update(state, x, weight=None):
+        if x.numel() == 0:
+            return obs.init(x)  # the loader's short last batch wipes what was observed
+        return obs.update(state, x, weight)
+
+    return obs._replace(update=update, name="forgets")
+
+
+def _nan_on_empty(obs):
+    def update(state, x, weight=None):
+        new = obs.update(state, x, weight)
+        # the batch's mean |x| (never above its max) folded into the max: the mean of nothing is NaN
+        return new._replace(max_val=torch.maximum(new.max_val, x.abs().float().mean()))
+
+    return obs._replace(update=update, name="nan_on_empty")
+
+
+@pytest.mark.parametrize("breaks", [_forgets_on_empty, _nan_on_empty], ids=["forgets", "nan"])
+def test_stability_catches_an_empty_batch_that_changes_the_state(breaks):
+    """design.md (bad input): an empty tensor leaves the state unchanged. Stability compared only the
+    structure after an empty batch, so a state reset to init, or one turned NaN, passed every law."""
+    obs = qstats.minmax(qstats.QuantSpec())
+    broken = breaks(obs)
+    seen = obs.update(obs.init(XS[0]), XS[0])
+    empty_update = broken.update(seen, XS[0][:0])
+    assert not torch.equal(empty_update.max_val, seen.max_val)  # the breakage is real
+    with pytest.raises(AssertionError,
+                       match=f"{broken.name}: stability: update with an empty tensor.*changed the state"):
+        testing.check_stability(broken, XS)
+    with pytest.raises(AssertionError, match="stability: update with an empty tensor"):
+        testing.check_all(broken, _make_x, laws=("stability",), max_examples=2)
+
+
+def test_check_all_takes_one_law_by_name():
+    """``laws="identity"`` was read as the laws 'i', 'd', 'e', ... and refused as unknown."""
+    testing.check_all(qstats.minmax(SPEC), _make_x, laws="identity", max_examples=2)
+    forgetful = qstats.minmax(SPEC)._replace(merge=lambda a, b: a, name="forgetful")
+    with pytest.raises(AssertionError, match="forgetful: identity"):
+        testing.check_all(forgetful, _make_x, laws="identity", max_examples=2)
+    with pytest.raises(ValueError, match=r"unknown laws \['purity '\]"):
+        testing.check_all(forgetful, _make_x, laws="purity ", max_examples=2)

@@ -44,7 +44,7 @@ class MergeFn(Protocol[State]):
 
 
 class Observer(NamedTuple, Generic[State]):
-    """A stateless observer: three pure functions and a flag.
+    """A stateless observer: three pure functions and their static configuration.
 
     Attributes:
       init: ``init(x) -> state``; reads only the shape, dtype and device of ``x``.
@@ -83,7 +83,11 @@ def register_state(cls: type) -> type:
     previous = _STATE_TYPES.get(cls.__name__)
     if previous is not None and previous is not cls:
         if (previous.__module__, previous.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(f"a state type named {cls.__name__!r} is already registered")
+            raise ValueError(
+                f"register_state: a state type named {cls.__name__!r} is already registered, by "
+                f"{previous.__module__}.{previous.__qualname__}; qstats.load finds states by class name, so "
+                "rename one of them"
+            )
     _STATE_TYPES[cls.__name__] = cls
     # torch.load(weights_only=True), torch's default, reads the registered state types
     torch.serialization.add_safe_globals([cls])

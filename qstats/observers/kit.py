@@ -55,7 +55,7 @@ def check_spec(spec) -> QuantSpec:
     return spec
 
 
-def extremes_init(cls, spec: QuantSpec) -> Callable[[torch.Tensor], tuple]:
+def extremes_init(cls: type, spec: QuantSpec) -> Callable[[torch.Tensor], tuple]:
     """``init(x)`` for a state class whose first two fields are extremes (``+inf`` and ``-inf``,
     float32) and whose other fields are int64 counts (zero), shaped like ``x``'s parameters."""
     spec = check_spec(spec)
@@ -102,15 +102,17 @@ def _masked_rows(x: torch.Tensor, weight: torch.Tensor, row_granularity):
     )
 
 
-def observe_extremes(x: torch.Tensor, weight: Optional[torch.Tensor], spec: QuantSpec, expected_shape, where: str):
+def observe_extremes(
+    x: torch.Tensor, weight: Optional[torch.Tensor], spec: QuantSpec, expected_shape: tuple, where: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(min, max, count, nonfinite)`` of ``x`` for ``spec`` over its canonical view, leaving out
-    values whose ``weight`` is zero. Checks the parameter shape against ``expected_shape``
-    (the state's) with an error naming both."""
+    values whose ``weight`` is zero, as `finite_aminmax` with ``spec.nonfinite``. Checks the
+    parameter shape against ``expected_shape`` (the state's) with an error naming both."""
     view = checked_view(x, spec.granularity, expected_shape, where)
     if (
         isinstance(weight, torch.Tensor)
         and spec.nonfinite == "ignore"
-        and 0 < weight.ndim <= x.ndim
+        and weight.ndim > 0
         and weight.numel() > 0
         and tuple(weight.shape) == tuple(x.shape[: weight.ndim])
     ):

@@ -79,11 +79,15 @@ def check_extremes_state(state, cls, where: str) -> None:
             raise ValueError(f"{where}: field {name!r} of the {cls.__name__} has dtype {value.dtype}, expected {want}")
 
 
+def _check_merge(a, b, cls, where: str) -> None:
+    check_extremes_state(a, cls, where)
+    check_extremes_state(b, cls, where)
+    check_same_shapes(a, b, where)
+
+
 def _merge_extremes(cls, name: str):
     def merge_fn(a, b):
-        check_extremes_state(a, cls, f"{name}.merge")
-        check_extremes_state(b, cls, f"{name}.merge")
-        check_same_shapes(a, b, f"{name}.merge")
+        _check_merge(a, b, cls, f"{name}.merge")
         return cls(torch.minimum(a.min_val, b.min_val), torch.maximum(a.max_val, b.max_val),
                    a.count + b.count, a.nonfinite + b.nonfinite)
 
@@ -141,14 +145,6 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
                     exact=True, spec=spec, name="memoryless_minmax", shared_rows=True)
 
 
-def _moved(average: torch.Tensor, batch: torch.Tensor, constant: float, spec: QuantSpec,
-           observed_dtype: torch.dtype) -> torch.Tensor:
-    """One moving-average step, in the arithmetic of the spec's convention
-    (`Convention.moving_average`: torch.ao's ``average + c * (batch - average)``, or
-    llm-compressor's ``average * (1 - c) + batch * c`` for compressed-tensors specs)."""
-    return spec.convention.moving_average(average, batch, constant, spec, observed_dtype)
-
-
 def moving_extremes_update(spec: QuantSpec, step: Callable, where: str, batch_range: Optional[Callable] = None):
     """The update of a moving average of per-batch extremes (`MovingAverageMinMaxState`): the
     first batch that reaches a parameter initialises it, later ones move it by
@@ -198,14 +194,14 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
     constant = check_averaging_constant(averaging_constant, "moving_average_minmax")
 
     def step(average, batch, observed_dtype):
-        return _moved(average, batch, constant, spec, observed_dtype)
+        # in the convention's arithmetic (`Convention.moving_average`): torch.ao's
+        # ``average + c * (batch - average)``, llm-compressor's ``average * (1 - c) + batch * c``
+        return spec.convention.moving_average(average, batch, constant, spec, observed_dtype)
 
     update_fn = moving_extremes_update(spec, step, "moving_average_minmax.update")
 
     def merge_fn(a, b) -> MovingAverageMinMaxState:
-        check_extremes_state(a, MovingAverageMinMaxState, "moving_average_minmax.merge")
-        check_extremes_state(b, MovingAverageMinMaxState, "moving_average_minmax.merge")
-        check_same_shapes(a, b, "moving_average_minmax.merge")
+        _check_merge(a, b, MovingAverageMinMaxState, "moving_average_minmax.merge")
 
         def mean(u, v):
             return batch_weighted_mean(u, v, a.batches, b.batches)

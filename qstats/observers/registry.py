@@ -6,8 +6,8 @@ qstats' own observers; ``register`` adds more (a user's observer, a wrapped one)
     register("clipped_minmax", lambda spec, clip=6.0: ...)   # Rule(observer="clipped_minmax", ...)
 
 Registering a name twice raises unless ``replace=True``; an unknown name raises a ValueError
-listing the registered ones. The same shape as the range searches' table
-(`qstats.observers.search.register_search`).
+listing the registered ones. The range searches' table (`qstats.observers.search.register_search`)
+has the same shape, except that it replaces a registered name without asking.
 """
 
 from __future__ import annotations

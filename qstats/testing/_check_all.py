@@ -30,8 +30,8 @@ def check_all(
     Args:
       obs: the Observer to check.
       make_x: ``make_x(generator) -> tensor`` of a fixed shape (hypothesis draws seed, count, magnitude).
-      exact: whether the homomorphism law applies (default ``obs.exact``).
-      laws: a subset of `LAWS` to run.
+      exact: whether the homomorphism law applies and associativity is bit-exact (default ``obs.exact``).
+      laws: a subset of `LAWS` to run (or the name of one).
       max_examples: hypothesis examples per call.
       compile: also run `check_compile` once (slow: compiles ``update``).
       accumulates: False for observers that keep only the latest batch (see `check_homomorphism`).
@@ -49,7 +49,7 @@ def check_all(
 
     from . import strategies
 
-    laws = tuple(laws)
+    laws = (laws,) if isinstance(laws, str) else tuple(laws)  # laws="vmap" is one law, not four letters
     unknown = sorted(set(laws) - set(LAWS))
     if unknown:
         raise ValueError(f"check_all: unknown laws {unknown}; known: {LAWS}")
