@@ -11,7 +11,7 @@ is vmapped over its experts.
 
 Quantization parameters: ``qparams`` when given (any qstats statistic of the weight:
 min/max, mse, histogram, through `compute_qparams`; llm-compressor 0.14 passes its weight observer's
-min/max ones). Without them, group specs without activation ordering take each group's min/max
+min/max ones). Without them, PerGroup specs (not TensorGroup) without activation ordering take each group's min/max
 from the running (error-updated) weight at the start of the column block where the group starts,
 as the original GPTQ; other specs take the min/max of the weight itself.
 
@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, TensorGroup, qparam_shape
+from ._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, qparam_shape
 from ._qparams import QParams, compute_qparams
 from ._quant import _cap, _checked_zero_point, _codes_float, _dequantize_view
 from ._formats import store_codes
@@ -106,20 +106,31 @@ def _(failed):
 _warn_unfactored.register_vmap(lambda info, in_dims, failed: (_warn_unfactored(failed.movedim(in_dims[0], 0)), 0))
 
 
-def _column_groups(spec: QuantSpec, columns: int) -> Optional[list]:
-    """The quantization parameter column of every weight column (None: one per row or tensor)."""
-    granularity = spec.granularity
-    if isinstance(granularity, PerGroup) and not isinstance(granularity, TensorGroup):
+def _column_groups(spec: QuantSpec, shape) -> Optional[list]:
+    """The quantization parameter column of every weight column (None: one per row or tensor) of an
+    ``[..., rows, columns]`` weight."""
+    granularity, (rows, columns) = spec.granularity, tuple(shape[-2:])
+    if isinstance(granularity, PerGroup):  # TensorGroup (NVFP4) too: its global scale is one per weight
         if columns % granularity.group_size:
             raise ValueError(f"gptq: {columns} input columns are not a multiple of the group size "
-                             f"{granularity.group_size}")
+                             f"{granularity.group_size} (llm-compressor 0.14's weight observers refuse them too)")
         return [column // granularity.group_size for column in range(columns)]
     if isinstance(granularity, PerTensor) or granularity in (PerAxis(0), PerRow(-1), PerRow(1)):
         return None  # one set per tensor or per output row; PerRow(0) would be one per input column
-    if isinstance(granularity, PerBlock) and granularity.block_shape[1:] == (columns,) and not granularity.partial:
-        return None  # blocks of whole rows (a fused gate_up_proj's per-projection scales)
-    raise ValueError(f"gptq: granularity {granularity!r} is not supported (PerTensor, PerRow() / PerAxis(0), "
-                     "PerGroup, PerBlock of whole rows)")
+    if isinstance(granularity, PerBlock) and len(granularity.block_shape) == 2:
+        block_rows, block_columns = granularity.block_shape  # smaller edge blocks allowed (partial=True)
+        if block_columns >= columns:
+            return None  # blocks of whole rows (a fused gate_up_proj's per-projection scales)
+        return [column // block_columns for column in range(columns)]  # FP8 block (llm-compressor's BLOCK)
+    raise ValueError(f"gptq: granularity {granularity!r} is not supported on a weight of shape {tuple(shape)} "
+                     "(PerTensor, PerRow() / PerAxis(0), PerGroup, TensorGroup, 2-D PerBlock)")
+
+
+def _per_row(param: torch.Tensor, spec: QuantSpec, rows: int) -> torch.Tensor:
+    """A 2-D PerBlock's parameters ``[..., rows / block rows, groups]`` repeated over each block's rows."""
+    if isinstance(spec.granularity, PerBlock) and param.ndim >= 2 and param.shape[-2] != rows:
+        return param.repeat_interleave(spec.granularity.block_shape[0], dim=-2)[..., :rows, :]
+    return param
 
 
 def _column_parameters(param: torch.Tensor, groups: Optional[list], shape, perm: Optional[torch.Tensor]):
@@ -251,11 +262,10 @@ def _ordered_factor(total, count, dampening, actorder, shared: int):
 def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actorder, shared: int = 0):
     """GPTQ of ``[..., out, in]`` weights with ``[..., in, in]`` Hessian sums: one batched loop
     over columns (no host reads; in-place writes on its own buffers only; runs under vmap)."""
-    columns = weight.shape[-1]
-    groups = _column_groups(spec, columns)
+    groups = _column_groups(spec, weight.shape)
     work = weight.to(torch.float32)
     running = None
-    if qparams is None and groups is not None and actorder is None:
+    if qparams is None and type(spec.granularity) is PerGroup and actorder is None:
         running = spec.granularity.group_size
     elif qparams is None:
         one = lambda w: _minmax_qparams(w, spec)  # noqa: E731  (per expert: a per-tensor range is)
@@ -268,10 +278,11 @@ def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actor
     scale = zero_point = None
     index = groups
     if qparams is not None:
-        scale, index = _column_parameters(qparams.scale, groups, work.shape, perm)
+        rows = work.shape[-2]
+        scale, index = _column_parameters(_per_row(qparams.scale, spec, rows), groups, work.shape, perm)
         # an integer zero point off the spec's range is a ValueError, as in fake_quantize (exact: integers)
         checked = _checked_zero_point(qparams.zero_point, spec, "gptq")
-        zero_point, _ = _column_parameters(checked.float(), groups, work.shape, perm)
+        zero_point, _ = _column_parameters(_per_row(checked.float(), spec, rows), groups, work.shape, perm)
     quantized, codes, running_qparams = _blocks(work, inverse, scale, zero_point, index, global_scale, spec,
                                                 block_size, running)
     if perm is not None:
@@ -293,7 +304,8 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
         ``torch.vmap`` of the 2-D call, which works too).
       hessian_state: the `qstats.hessian` state of the layer's inputs.
       spec: the weight's QuantSpec (`QuantSpec.from_compressed_tensors(args)` for llm-compressor's
-        rounding); PerTensor, PerRow / PerAxis(0) or PerGroup.
+        rounding); PerTensor, PerRow / PerAxis(0), PerGroup, TensorGroup (NVFP4) or 2-D PerBlock
+        (smaller edge blocks allowed).
       block_size: columns per block of lazy error propagation (llm-compressor's ``block_size``).
       dampening: fraction of the mean diagonal added to the diagonal (``dampening_frac``).
       actorder: None, or ``"static"`` (= ``"weight"``): columns in decreasing Hessian diagonal,
@@ -332,7 +344,7 @@ def _check_qparams(qparams, weight, spec) -> None:
         return
     if not isinstance(qparams, QParams):
         raise TypeError(f"gptq: qparams must be a QParams (qstats.compute_qparams) or None, got {type(qparams).__name__}")
-    _column_groups(spec, weight.shape[-1])  # an unsupported granularity is named first
+    _column_groups(spec, weight.shape)  # an unsupported granularity is named first
     experts = tuple(weight.shape[:-2])
     per_weight = experts + qparam_shape(weight.shape[-2:], spec.granularity)
     for field, expected in (("scale", per_weight), ("zero_point", per_weight), ("global_scale", experts)):

@@ -546,7 +546,8 @@ def calibrate_layerwise(
       propagate: ``"float"`` (default): each layer's outputs are those of the float layer, and the
         states equal ``qstats.calibrate`` on the loaded model bit for bit. ``"quantized"``: each
         layer's outputs are those of the layer fake-quantized (`qstats.fake_quantized`) under the
-        qparams of its own states, as llm-compressor's sequential pipeline propagates.
+        qparams of its own states (llm-compressor 0.14's sequential pipeline, which runs with
+        quantization disabled, gives ``"float"``'s states for a ``QuantizationModifier``).
       offload_dir: keep the layers' inputs on disk there (one file per batch, removed at the
         end) instead of in memory.
       layers: the path of the ``nn.ModuleList`` of decoder layers (default: the longest one).

@@ -2,9 +2,10 @@
 
 `gptq_layerwise` runs `calibrate_layerwise`'s loop over a model built on the meta device. In each
 layer it observes the recipe's sites and, beside them, the `qstats.hessian` of the input of every
-weight the recipe quantizes to integers (a Linear's ``weight``, a stacked-experts parameter);
-replaces each such weight by `qstats.gptq` of it under the qparams of the recipe's weight state;
-then computes the layer's outputs through the quantized layer for the next one. A layer's Hessians
+weight the recipe quantizes (a Linear's ``weight``, a stacked-experts parameter; integer, FP8,
+MX or NVFP4); replaces each such weight by `qstats.gptq` of it under the qparams of the recipe's
+weight state; then computes the layer's outputs with the GPTQ'd weights (activations in float, as
+llm-compressor 0.14's pipeline runs with quantization disabled) for the next one. A layer's Hessians
 are released with it.
 """
 
@@ -47,9 +48,9 @@ class LayerwiseGPTQ(NamedTuple):
 
 def _hessian_site(plan: Plan, path: str, site: str) -> Optional[str]:
     """The site whose Hessian GPTQ of parameter ``site`` of ``path`` needs, or None when GPTQ does
-    not apply (not a Linear weight or stacked-experts parameter, or a float format)."""
+    not apply (not a Linear weight or stacked-experts parameter)."""
     entry = plan.site(path, site)
-    if entry.kind != "parameter" or entry.spec.is_float:
+    if entry.kind != "parameter":
         return None
     if entry.num_experts:
         return f"{site}.input"
@@ -58,21 +59,21 @@ def _hessian_site(plan: Plan, path: str, site: str) -> Optional[str]:
 
 def _targets(plan: Plan) -> dict:
     """``{(module path, parameter site): Hessian site}`` of every weight GPTQ quantizes; a warning
-    names the integer parameters it does not (not a Linear weight or stacked experts)."""
+    names the quantized parameters it does not (not a Linear weight or stacked experts)."""
     found, others = {}, []
     for path, entry in plan.sites.items():
         for site, observed in entry.items():
             hessian_site = _hessian_site(plan, path, site)
             if hessian_site is not None:
                 found[(path, site)] = hessian_site
-            elif observed.kind == "parameter" and not observed.spec.is_float:
+            elif observed.kind == "parameter":
                 others.append(f"{path}.{site}")
     if others:
-        warn(f"gptq_layerwise: {len(others)} integer parameter(s) are not Linear weights or stacked experts "
+        warn(f"gptq_layerwise: {len(others)} quantized parameter(s) are not Linear weights or stacked experts "
              f"and are rounded to nearest, not GPTQ'd: {', '.join(others[:6])}", UncalibratedWarning)
     if not found:
         raise ValueError(
-            "gptq_layerwise: the recipe quantizes no Linear weight or stacked-experts parameter to an integer format"
+            "gptq_layerwise: the recipe quantizes no Linear weight or stacked-experts parameter"
         )
     return found
 
@@ -220,7 +221,7 @@ def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_
             if _writes():
                 write_tensors(weights_dir, layer_weights, filename)
             weights.update(dict.fromkeys(layer_weights, filename))
-        return states, set(keys)  # the GPTQ'd weights are on their grid: propagation does not fake-quantize them
+        return states, set(keys)  # the layer then runs with its GPTQ'd weights, activations in float
 
     return step
 
@@ -253,13 +254,13 @@ def gptq_layerwise(
     all_reduce: bool = False,
     device: Optional[Union[str, torch.device]] = None,
 ) -> LayerwiseGPTQ:
-    """GPTQ of every integer weight of ``recipe``, one decoder layer at a time (llm-compressor's
+    """GPTQ of every Linear and experts weight of ``recipe``, one decoder layer at a time (llm-compressor's
     ``oneshot`` with a ``GPTQModifier`` and the sequential pipeline).
 
     Each layer is loaded, calibrated (the recipe's states and the Hessians of the quantized
     weights' inputs), GPTQ'd (`qstats.gptq` with the qparams of the recipe's weight states),
-    run quantized (`qstats.fake_quantized`) over every batch to give the next layer's inputs, and
-    released. Weights outside the decoder layers are not GPTQ'd (llm-compressor's ``ignore``
+    run with its GPTQ'd weights and float activations over every batch to give the next layer's
+    inputs (llm-compressor 0.14 runs its pipeline with quantization disabled), and released. Weights outside the decoder layers are not GPTQ'd (llm-compressor's ``ignore``
     usually holds ``lm_head``): their states are returned as `calibrate_layerwise` returns them.
 
     Args:
@@ -281,7 +282,7 @@ def gptq_layerwise(
       `LayerwiseGPTQ` ``(states, weights)``.
 
     Raises:
-      ValueError: as `calibrate_layerwise`; a recipe without integer Linear or expert weights.
+      ValueError: as `calibrate_layerwise`; a recipe without Linear or expert weights.
     """
     weights: dict = {}
     weights_dir = None if weights_dir is None else os.fspath(weights_dir)
@@ -302,7 +303,7 @@ def gptq_layerwise(
 
     try:
         states = _layerwise(
-            model, checkpoint, batches, recipe, states=None, propagate="quantized", offload_dir=offload_dir,
+            model, checkpoint, batches, recipe, states=None, propagate="float", offload_dir=offload_dir,
             layers=layers, progress=progress, observation_weight=observation_weight, all_experts=all_experts,
             all_reduce=all_reduce, device=device, layer_step=layer_step, where="gptq_layerwise",
         )  # fmt: skip

@@ -463,8 +463,11 @@ def test_blocks_of_whole_rows_equal_gptq_of_each_block_per_tensor():
         ref, ref_codes, ref_qp = qstats.gptq(weight[:, rows], state, per_tensor, block_size=16)
         assert torch.equal(fused[:, rows], ref) and torch.equal(codes[:, rows], ref_codes)
         assert torch.equal(qp.scale[:, half, 0], ref_qp.scale.reshape(experts))
-    # partial row blocks (200 rows in blocks of 128) are refused, not mapped to rows // blocks
+    # partial row blocks (200 rows in blocks of 128): rows 128-199 are the edge block, not rows // blocks
     state = qstats.hessian().update(qstats.hessian().init(x[0]), x[0])
     partial = spec.replace(granularity=qstats.PerBlock((128, hidden), partial=True))
-    with pytest.raises(ValueError, match="not supported"):
-        qstats.gptq(torch.randn(200, hidden, generator=g), state, partial)
+    weight = torch.randn(200, hidden, generator=g)
+    got, got_codes, got_qp = qstats.gptq(weight, state, partial, block_size=16)
+    for rows in (slice(0, 128), slice(128, 200)):
+        ref, ref_codes, _ = qstats.gptq(weight[rows], state, per_tensor, block_size=16)
+        assert torch.equal(got[rows], ref) and torch.equal(got_codes[rows], ref_codes)

@@ -53,12 +53,12 @@ def _batches(samples):
     return [{"input_ids": s[None], "attention_mask": torch.ones(1, TOKENS, dtype=torch.long)} for s in samples]
 
 
-def _oneshot_gptq(path, samples, out, pipeline, ignore):
-    """llm-compressor's W4A16 GPTQ (its defaults: actorder static, block 128, dampening 0.01)."""
+def _oneshot_gptq(path, samples, out, pipeline, ignore, scheme="W4A16"):
+    """llm-compressor's GPTQ (its defaults: actorder static, block 128, dampening 0.01)."""
     from llmcompressor.modifiers.gptq import GPTQModifier
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    llm_compressor_oneshot(model, samples, GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore), out, pipeline)
+    llm_compressor_oneshot(model, samples, GPTQModifier(targets="Linear", scheme=scheme, ignore=ignore), out, pipeline)
     return load_file(f"{out}/model.safetensors")
 
 
@@ -107,6 +107,42 @@ def test_llama_w4a16_equals_llm_compressor_sequential_gptq(llama, samples, tmp_p
     assert _same_codes(ours, theirs, names) >= 0.999
     first_layer = [name for name in names if name.startswith("model.layers.0.")]
     assert _same_codes(ours, theirs, first_layer) == 1.0
+
+
+@pytest.mark.parametrize("scheme, codes, same_codes", [("FP8_DYNAMIC", "weight", 0.999),
+                                                       ("NVFP4A16", "weight_packed", 0.95)])
+def test_float_weight_formats_equal_llm_compressor_sequential_gptq(llama, samples, tmp_path, scheme, codes,
+                                                                   same_codes):
+    """llm-compressor GPTQs float weight formats too (FP8 per channel, NVFP4 with its fused global
+    scales), propagating with quantization disabled (FP8_DYNAMIC's inputs stay float): every scale
+    equal, the first layer's codes too (float rounding of the Hessian sums aside). NVFP4's coarse
+    grid makes GPTQ of the second layer chaotic: qstats against itself with dampening 0.0100001
+    keeps 80% of down_proj's packed bytes; against llm-compressor, 88% of them and 98% overall."""
+    theirs = _oneshot_gptq(llama, samples, str(tmp_path / "theirs"), "sequential", ["lm_head"], scheme)
+    result, ours = _ours(llama, samples, str(tmp_path / "ours"), qstats.Recipe.from_scheme(scheme, ignore=["lm_head"]))
+    assert len(result.weights) == 14 and sorted(ours) == sorted(theirs)
+    names = sorted(name[: -len(".weight_scale")] for name in theirs if name.endswith(".weight_scale"))
+    assert len(names) == 14
+    same = total = 0
+    for name in theirs:
+        if name in {f"{quantized}.{codes}" for quantized in names}:
+            equal = ours[name].view(torch.uint8) == theirs[name].view(torch.uint8)
+            same, total = same + int(equal.sum()), total + equal.numel()
+            if name.startswith("model.layers.0."):
+                assert equal.float().mean() >= 0.999, name
+        else:
+            assert torch.equal(ours[name], theirs[name]), name
+    assert same / total >= same_codes
+    rtn = load_file(_ours_rtn(llama, samples, str(tmp_path / "rtn"), scheme))
+    assert any(not torch.equal(rtn[f"{name}.{codes}"], theirs[f"{name}.{codes}"]) for name in names)  # not RTN
+
+
+def _ours_rtn(path, samples, out, scheme):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    plan = qstats.Recipe.from_scheme(scheme, ignore=["lm_head"]).resolve(model)
+    states = qstats.calibrate(model, _batches(samples[:1]), plan, progress=False)
+    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), out, plan)
+    return f"{out}/model.safetensors"
 
 
 def _loop_gptq(path, samples, recipe):
@@ -191,12 +227,13 @@ def test_llm_compressor_sequential_pipeline_attends_both_ways_on_qwen3_moe(moe, 
     assert not torch.equal(causal, _codes(theirs, o_proj))
 
 
-def test_a_recipe_without_integer_weights_and_a_bad_chunk_are_refused(llama, samples):
+def test_a_recipe_without_linear_weights_and_a_bad_chunk_are_refused(llama, samples):
     config = transformers.AutoConfig.from_pretrained(llama)
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+    inputs_only = qstats.Recipe([qstats.Rule("Linear", sites=("input",))])
     with pytest.raises(ValueError, match="no Linear weight or stacked-experts parameter"):
-        qstats.gptq_layerwise(meta, llama, _batches(samples[:1]), qstats.Recipe.from_scheme("FP8"), progress=False)
+        qstats.gptq_layerwise(meta, llama, _batches(samples[:1]), inputs_only, progress=False)
     with pytest.raises(ValueError, match="experts_at_once"):
         qstats.gptq_layerwise(meta, llama, _batches(samples[:1]), qstats.Recipe.from_scheme("W4A16"), progress=False,
                               experts_at_once=0)
