@@ -260,17 +260,23 @@ def global_scale_from_amax(amax_t: torch.Tensor, spec) -> torch.Tensor:
         # compressed-tensors divides in the observed dtype (``compute_dtype``; the extremes of a
         # bf16/fp16 tensor convert to it exactly), then stores the global scale as float32
         compute = getattr(torch, spec.compute_dtype)
-        clamped = torch.clamp(amax_t.to(compute), min=torch.finfo(compute).tiny)
+        clamped = torch.clamp(_in_compute_dtype(amax_t, compute), min=torch.finfo(compute).tiny)
         scale = (full_range / clamped).float()
         return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0)
     scale = amax_t / full_range  # floored at the smallest normal float32, so that 1 / scale is finite
     return torch.where(scale > 0, scale.clamp(min=torch.finfo(torch.float32).tiny), torch.ones_like(scale))
 
 
+def _in_compute_dtype(amax: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """A float32 ``amax`` in ``compute``, saturated at its largest value (a range rule's estimate,
+    such as moments' mean + 3 std of an fp16 tensor, may lie past it: Inf there made NaN scales)."""
+    return amax.clamp(max=torch.finfo(compute).max).to(compute)
+
+
 def _two_level_local(amax: torch.Tensor, global_scale: torch.Tensor, spec) -> torch.Tensor:
     half_range = float(spec.qrange[1] - spec.qrange[0]) / 2
     if spec.global_scale_formula == "range_over_amax":
-        local = amax.to(getattr(torch, spec.compute_dtype)) / half_range  # in the observed dtype
+        local = _in_compute_dtype(amax, getattr(torch, spec.compute_dtype)) / half_range  # in the observed dtype
         # in float32, as compressed-tensors' (1,)-shaped float32 global scale promotes the product
         # (a 0-dim one would keep a bfloat16/float16 local's dtype)
         local = global_scale * local.float()
@@ -352,8 +358,11 @@ def effective_scale(scale: torch.Tensor, global_scale, spec) -> torch.Tensor:
 
 
 def dequantize_values(values: torch.Tensor, scale: torch.Tensor, global_scale, spec) -> torch.Tensor:
-    """Grid values times the effective scale (in the convention's order of operations)."""
-    return values * effective_scale(scale, global_scale, spec)
+    """Grid values times the effective scale (in the convention's order of operations), saturated
+    at float32's largest value (the element maximum times the scale of a block holding float32's
+    largest value rounds past it)."""
+    limit = torch.finfo(torch.float32).max
+    return (values * effective_scale(scale, global_scale, spec)).clamp(-limit, limit)
 
 
 # --------------------------------------------------------------------------------------------

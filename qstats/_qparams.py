@@ -232,19 +232,34 @@ def qparams_from_minmax(
     minval = _minval(min_val, max_val, spec, calibrated)
     # an uncalibrated entry maps a zero range (its scale and zero point are replaced below; a
     # two-level scale reduces over every entry, so they must not take part); ranges near the
-    # float32 limit are clipped to half of it, so that max - min cannot overflow (MX and NVFP4
-    # scales take only the absolute maximum: theirs are not clipped)
+    # float32 limit are clipped (`_clipped`; MX and NVFP4 scales take only the absolute maximum:
+    # theirs are not clipped)
     min_val, max_val = torch.where(calibrated, min_val, 0.0), torch.where(calibrated, max_val, 0.0)
     if _formats.handles_qparams(spec):
         scale, zero_point, global_scale = _formats.qparams(min_val, max_val, spec, global_scale)
     else:
-        half_float32_max = torch.finfo(torch.float32).max / 2
-        min_val, max_val = min_val.clamp(min=-half_float32_max), max_val.clamp(max=half_float32_max)
-        scale, zero_point = spec.convention.qparams(min_val, max_val, spec)
+        scale, zero_point = spec.convention.qparams(*_clipped(min_val, max_val, spec), spec)
         global_scale = torch.ones((), dtype=torch.float32, device=scale.device)
     scale = torch.where(calibrated, scale, torch.ones_like(scale))
     zero_point = torch.where(calibrated, zero_point, torch.zeros_like(zero_point))
     return QParams(scale, zero_point, global_scale, calibrated, minval)
+
+
+def _clipped(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec):
+    """The finite float32 range clipped only where some code would dequantize past float32:
+    symmetric integer peaks above half the float32 range (code -128 lies past 127.5 steps) and
+    asymmetric ranges whose span ``max(max, 0) - min(min, 0)`` overflows are clipped to half of
+    it; one-sided wide asymmetric ranges and float targets (codes at most ``amax``) keep their
+    ends, as torch.ao and compressed-tensors map them, up to a margin of 2**-20 at the limit."""
+    half = torch.finfo(torch.float32).max / 2
+    limit = torch.finfo(torch.float32).max * (1.0 - 2.0**-20)
+    min_val, max_val = min_val.clamp(min=-limit), max_val.clamp(max=limit)
+    if spec.is_float:
+        return min_val, max_val
+    if spec.mapping == "asymmetric":
+        wide = ~(max_val.clamp(min=0.0) - min_val.clamp(max=0.0) <= limit)
+        return torch.where(wide, min_val.clamp(min=-half), min_val), torch.where(wide, max_val.clamp(max=half), max_val)
+    return min_val.clamp(min=-half), max_val.clamp(max=half)
 
 
 def _minval(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec, calibrated: torch.Tensor) -> torch.Tensor:

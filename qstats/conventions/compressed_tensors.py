@@ -246,12 +246,12 @@ def _scale_eps(spec, compute) -> float:
     return float(torch.finfo(compute).eps)
 
 
-def peak_limit(compute: torch.dtype, half_range: float) -> float:
+def peak_limit(compute: torch.dtype, half_range: float, cap: float) -> float:
     """The largest peak (as a float32) whose symmetric scale ``peak / half_range`` stays finite in
     ``compute`` (bfloat16/float16): the dtype's largest value (times ``half_range`` where that is
-    below 1), and at most half the float32 range, where every range is clipped first."""
+    below 1), and at most ``cap``, the float32 limit `qparams_from_minmax` clips the spec's ranges to."""
     limit = torch.finfo(compute).max * min(1.0, half_range)
-    return float(torch.tensor(min(limit, torch.finfo(torch.float32).max / 2), dtype=torch.float32))
+    return float(torch.tensor(min(limit, cap), dtype=torch.float32))
 
 
 def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range):
@@ -261,7 +261,9 @@ def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range):
         if spec.mapping == "asymmetric":
             limit = float(torch.tensor(torch.finfo(compute).max, dtype=torch.float32))
         else:
-            limit = peak_limit(compute, float(bit_range.to(compute) / 2))
+            # float targets' codes stay within the peak; integer ones are clipped at half float32
+            cap = torch.finfo(torch.float32).max * (1.0 - 2.0**-20 if spec.is_float else 0.5)
+            limit = peak_limit(compute, float(bit_range.to(compute) / 2), cap)
         min_val = min_val.clamp(min=-limit)
         max_val = max_val.clamp(max=limit)
     min_val = min_val.to(compute)
