@@ -13,11 +13,16 @@ extremes (llm-compressor's ``"minmax"``, constant ``observer_kwargs["averaging_c
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 from typing import Any, Mapping
 
-from ._spec import QuantSpec
+import torch
 
-__all__ = ["scheme_rules", "config_rules", "preset_schemes"]
+from ._spec import QuantSpec
+from ._warn import warn
+
+__all__ = ["scheme_rules", "config_rules", "preset_schemes", "compressed_tensors_ignore", "GroupMatch"]
 
 # llm-compressor's observer names for activations -> (qstats registered name, kwargs it takes)
 _ACTIVATION_OBSERVERS = {
@@ -52,16 +57,45 @@ def _args(args):
     raise TypeError(f"expected compressed-tensors QuantizationArgs or a dict of its fields, got {type(args).__name__}")
 
 
+# the observers `qstats.llmcompressor` registers (a drop-in checkpoint names them) -> qstats' names
+_QSTATS_OBSERVERS = {"qstats_minmax": "moving_average_minmax", "qstats_static_minmax": "minmax",
+                     "qstats_memoryless_minmax": "memoryless_minmax", "qstats_histogram": "histogram",
+                     "qstats_mse": "mse"}
+
+
+def _qstats_observer(args, weight: bool) -> tuple:
+    """``(observer name, observer_kwargs, qparams_kwargs)`` of a ``qstats_*`` observer, its
+    ``observer_kwargs`` split as `qstats.llmcompressor` splits them: those the factory takes, the
+    others (and mse's ``patience`` when it accumulates) for ``compute_qparams``."""
+    from .observers import registry
+
+    name = _QSTATS_OBSERVERS[args.observer]
+    accepted = set(inspect.signature(registry.get(name)).parameters) - {"spec"}
+    given = dict(args.observer_kwargs or {})
+    factory = {key: value for key, value in given.items() if key in accepted}
+    qparams = {key: value for key, value in given.items() if key not in accepted}
+    if weight and name in ("moving_average_minmax", "memoryless_minmax"):
+        name, factory = "minmax", {}  # a weight is observed once: its averaging constant is unused
+    if name == "mse" and factory.get("mode", "accumulate") == "accumulate" and "patience" in factory:
+        qparams["patience"] = factory.pop("patience")
+    if qparams and name not in ("histogram", "mse"):  # min-max qparams take no options
+        raise TypeError(f"observer {args.observer!r}: observer_kwargs {sorted(qparams)} are not options of "
+                         f"qstats.{name}{' (weights are observed once)' if weight else ''}")
+    return name, factory, qparams
+
+
 def _weight_observer(args) -> tuple:
     """``(observer name, observer_kwargs, qparams_kwargs)`` llm-compressor uses for weights."""
     kwargs = dict(args.observer_kwargs or {})
+    if args.observer in _QSTATS_OBSERVERS:
+        return _qstats_observer(args, weight=True)
     if args.observer in _WEIGHT_MINMAX:
         return "minmax", {}, {}
     if args.observer in _WEIGHT_MSE:  # llm-compressor's memoryless_mse: one search over the weight
         return "mse", {k: kwargs[k] for k in _MSE_SEARCH if k in kwargs}, {"patience": kwargs.get("patience", 5)}
     raise ValueError(
         f"weights observer {args.observer!r}: no qstats equivalent of this llm-compressor observer; "
-        f"known: {[name for name in _WEIGHT_MINMAX if name] + list(_WEIGHT_MSE)}"
+        f"known: {[name for name in _WEIGHT_MINMAX if name] + list(_WEIGHT_MSE) + list(_QSTATS_OBSERVERS)}"
     )
 
 
@@ -71,7 +105,7 @@ def _activation_observer(args) -> tuple:
     if name not in _ACTIVATION_OBSERVERS:
         raise ValueError(
             f"activation observer {name!r}: no qstats equivalent of this llm-compressor observer; "
-            f"known: {sorted(_ACTIVATION_OBSERVERS)}"
+            f"known: {sorted(_ACTIVATION_OBSERVERS) + list(_QSTATS_OBSERVERS)}"
         )
     ours, taken = _ACTIVATION_OBSERVERS[name]
     given = dict(args.observer_kwargs or {})
@@ -94,6 +128,10 @@ def _rule(Rule, targets, args, site: str, observed_dtype):
                     qparams_kwargs=qparams_kwargs)
     if args.dynamic is True:  # scales at run time: llm-compressor observes nothing
         return Rule(targets, sites=(site,), observer="memoryless_minmax", spec=spec, dynamic=True)
+    if args.observer in _QSTATS_OBSERVERS:
+        observer, observer_kwargs, qparams_kwargs = _qstats_observer(args, weight=False)
+        return Rule(targets, sites=(site,), observer=observer, spec=spec, observer_kwargs=observer_kwargs,
+                    qparams_kwargs=qparams_kwargs)
     observer, observer_kwargs = _activation_observer(args)
     return Rule(targets, sites=(site,), observer=observer, spec=spec, observer_kwargs=observer_kwargs,
                 dynamic=False)
@@ -104,63 +142,216 @@ _EXPERT_SITES = {"weight": ("gate_up_proj", "down_proj"), "input": ("input", "do
 
 
 def _expert_rules(Rule, rules: list, experts) -> list:
-    """Rules quantizing stacked-experts modules ``experts`` (class names, paths or regexes) as
-    llm-compressor quantizes their linearized ``gate_proj``/``up_proj``/``down_proj``."""
+    """Rules quantizing stacked-experts modules ``experts`` (class names, paths or regexes, in
+    qstats' syntax) as llm-compressor quantizes their linearized ``gate_proj``/``up_proj``/``down_proj``."""
     out = []
     for rule in rules:
         (site,) = rule.sites
         if site not in _EXPERT_SITES:
-            raise ValueError("from_scheme: experts: output activations of stacked experts are not supported")
-        out.append(dataclasses.replace(rule, targets=experts, sites=_EXPERT_SITES[site]))
+            raise ValueError(f"from_scheme: experts: {site} activations of stacked experts are not supported")
+        out.append(dataclasses.replace(rule, targets=experts, sites=_EXPERT_SITES[site], matcher=None))
     return out
 
 
-def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None, experts=None) -> list:
-    """The rules of one scheme: a ``QuantizationScheme``, a dict of its fields (``weights``,
-    ``input_activations``, ``output_activations``, optional ``targets``) or a preset name; with
-    ``experts``, rules for those stacked-experts modules first."""
-    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+def _list(targets, what: str) -> list:
+    if isinstance(targets, str):
+        return [targets]
+    if isinstance(targets, (list, tuple)):
+        return list(targets)
+    raise TypeError(f"{what} must be a string or a list of strings, got {type(targets).__name__}")
+
+
+def _scheme_groups(scheme: Any, targets) -> list:
+    """The ``QuantizationScheme`` config groups of llm-compressor's ``QuantizationModifier(scheme=,
+    targets=)`` (``resolve_quantization_config``): a preset name, a dict of ``QuantizationScheme``
+    fields, a ``QuantizationScheme``, or a dict mapping preset names to their targets."""
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, is_preset_scheme, preset_name_to_scheme
 
     if isinstance(scheme, str):
-        name = scheme.upper()
-        if name not in PRESET_SCHEMES:
+        if not is_preset_scheme(scheme):
             raise ValueError(f"unknown compressed-tensors scheme {scheme!r}; presets: {', '.join(PRESET_SCHEMES)}")
-        fields: Mapping = PRESET_SCHEMES[name]
-    elif isinstance(scheme, Mapping):
-        fields = scheme
-    elif hasattr(scheme, "weights"):
-        fields = {key: getattr(scheme, key) for key, _ in _SITES}
-        targets = scheme.targets if targets is None else targets
-    else:
+        return [preset_name_to_scheme(scheme, _list(targets or "Linear", "targets"))]
+    if isinstance(scheme, QuantizationScheme):
+        return [scheme if targets is None else scheme.model_copy(update={"targets": _list(targets, "targets")})]
+    if not isinstance(scheme, Mapping):
         raise TypeError(f"expected a scheme name, QuantizationScheme or dict, got {type(scheme).__name__}")
-    if targets is None:
-        targets = fields.get("targets", "Linear")
+    if scheme and all(isinstance(key, str) and is_preset_scheme(key) for key in scheme):
+        if targets is not None:  # llm-compressor drops them silently
+            raise ValueError(f"targets={targets!r} with a scheme mapping presets to their targets ({scheme!r}): "
+                             "name each preset's targets in the mapping")
+        return [preset_name_to_scheme(name, _list(names, f"the targets of {name}")) for name, names in scheme.items()]
+    fields = dict(scheme)
+    fields["targets"] = _list(targets if targets is not None else fields.get("targets", "Linear"), "targets")
+    try:  # refuses unknown fields, naming them
+        return [QuantizationScheme.model_validate(fields)]
+    except ValueError as error:
+        raise ValueError(f"scheme {scheme!r} is neither a dict of QuantizationScheme fields nor a mapping of "
+                         f"preset names to targets: {error}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupMatch:
+    """`Rule.matcher` of config group ``group``: the modules compressed-tensors'
+    ``apply_quantization_config`` gives that group's scheme. Of the groups whose ``targets``
+    (``groups``, in config order) match a module, its ``match_targets`` picks the group of the most
+    specific target (an exact name, then a regex, ``re.match`` from the start of the path, then a
+    class name; a target repeated in a later group belongs to the later one); Linear and Embedding
+    modules take the scheme's args (``attention=False``), attention modules it matches narrowly
+    (``is_narrow_match``, its parent checked by name) quantize q, k and v with its input args
+    (``attention=True``)."""
+
+    groups: tuple
+    group: int
+    attention: bool = False
+
+    def __call__(self, path: str, module) -> bool:
+        from compressed_tensors.utils import match_targets
+
+        owner = {target: index for index, targets in enumerate(self.groups) for target in targets}
+        matched = match_targets(path, module, owner)
+        if not matched or owner[matched[0]] != self.group:
+            return False
+        if _kv_cache_module(path, module) and self._narrow(path, module):
+            return self.attention
+        return not self.attention and isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+
+    def _narrow(self, path: str, module) -> bool:
+        from compressed_tensors.utils import is_match, match_name
+
+        parent = path.rsplit(".", 1)[0]
+        return any(
+            is_match(path, module, target) and parent != path and not match_name(parent, target)
+            and not any(is_match(f"{path}.{name}", child, target) for name, child in module.named_modules() if name)
+            for target in self.groups[self.group]
+        )
+
+
+def _kv_cache_module(path: str, module) -> bool:
+    """`Rule.matcher` of a ``kv_cache_scheme``: compressed-tensors' ``is_cached_attention_module``."""
+    from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module
+
+    return module is not None and is_cached_attention_module(module)
+
+
+def compressed_tensors_ignore(ignore) -> Any:
+    """An ``ignore`` list of compressed-tensors (``re:`` regexes ``re.match`` from the start of the
+    path) in qstats' syntax (``re.fullmatch``): ``re:X`` becomes ``re:(?:X).*`` (leading inline
+    flags kept first); names and class names are unchanged. Anything else is left for `Recipe`
+    to refuse."""
+    if isinstance(ignore, str):
+        ignore = (ignore,)
+    if not isinstance(ignore, (list, tuple)):
+        return ignore
+    return tuple(_fullmatch_form(target) if isinstance(target, str) and target.startswith("re:") else target
+                 for target in ignore)
+
+
+def _fullmatch_form(target: str) -> str:
+    pattern = target[3:]
+    flags = re.match(r"\(\?[aiLmsux]+\)", pattern)
+    head = flags.group() if flags else ""
+    return f"re:{head}(?:{pattern[len(head):]}).*"
+
+
+_LINEAR_CLASSES = {"Linear", "Embedding"}
+
+
+def _group_rules(Rule, groups: list, observed_dtype) -> list:
+    """One rule per site of each ``QuantizationScheme`` of ``groups`` (config order), each
+    selecting the modules compressed-tensors gives that group (`GroupMatch`)."""
+    names = tuple(tuple(group.targets) for group in groups)
     rules = []
-    for key, site in _SITES:
-        args = _args(fields.get(key))
-        if args is not None:
-            rules.append(_rule(Rule, targets, args, site, observed_dtype))
-    return (_expert_rules(Rule, rules, experts) if experts else []) + rules
+    for index, group in enumerate(groups):
+        matcher = GroupMatch(names, index)
+        for key, site in _SITES:
+            args = getattr(group, key)
+            if args is not None:
+                rule = _rule(Rule, tuple(group.targets), args, site, observed_dtype)
+                rules.append(dataclasses.replace(rule, matcher=matcher))
+        if group.weights is None and group.input_activations is not None and set(group.targets) - _LINEAR_CLASSES:
+            # an attention group (it may name attention modules): their q, k, v take the input args
+            rule = _rule(Rule, tuple(group.targets), group.input_activations, "q", observed_dtype)
+            rules.append(dataclasses.replace(rule, sites=("q", "k", "v"), matcher=GroupMatch(names, index, True)))
+    return rules
+
+
+def _kv_rule(Rule, kv_cache_scheme, observed_dtype):
+    kv = _rule(Rule, "re:.*", _args(kv_cache_scheme), "k", observed_dtype)
+    return dataclasses.replace(kv, sites=("k", "v"), matcher=_kv_cache_module)
+
+
+def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None, experts=None, kv_cache_scheme=None) -> list:
+    """The rules of llm-compressor's ``QuantizationModifier(scheme=, targets=, kv_cache_scheme=)``
+    (`_scheme_groups`); with ``experts``, rules for those stacked-experts modules first."""
+    groups = _scheme_groups(scheme, targets)
+    rules = _group_rules(Rule, groups, observed_dtype)
+    if experts:
+        if len(groups) != 1:
+            raise ValueError("from_scheme: experts= takes one scheme, not a mapping of several presets")
+        rules = _expert_rules(Rule, [r for r in rules if r.sites != ("q",)], experts) + rules
+    if kv_cache_scheme is not None:
+        rules.append(_kv_rule(Rule, kv_cache_scheme, observed_dtype))
+    return rules
+
+
+def _modifier_config(config: Any) -> Any:
+    """The ``QuantizationConfig`` of an llm-compressor quantization modifier, or of an
+    llm-compressor recipe (YAML text or file, ``llmcompressor.recipe.Recipe``) holding one and
+    nothing else; any other ``config`` as it is."""
+    if isinstance(config, str) or hasattr(config, "modifiers"):
+        try:
+            from llmcompressor.recipe import Recipe as LLMCompressorRecipe
+        except ImportError as error:
+            raise ImportError("reading an llm-compressor recipe needs llm-compressor: pip install llmcompressor "
+                              f"({error})") from None
+        recipe = LLMCompressorRecipe.create_instance(config) if isinstance(config, str) else config
+        quantizing = [m for m in recipe.modifiers if hasattr(m, "resolve_quantization_config")]
+        others = [type(m).__name__ for m in recipe.modifiers if not hasattr(m, "resolve_quantization_config")]
+        if others or len(quantizing) != 1:
+            raise ValueError(f"an llm-compressor recipe reads as a qstats Recipe when it holds one quantization modifier "
+                             f"and nothing else; it holds {[type(m).__name__ for m in recipe.modifiers]} (no qstats "
+                             f"equivalent read here: {others or 'several quantization modifiers'})")
+        config = quantizing[0]
+    if not hasattr(config, "resolve_quantization_config"):
+        return config
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    algorithm = {name: getattr(config, name) for name in type(config).model_fields
+                 if name not in QuantizationModifier.model_fields}
+    if algorithm:  # GPTQModifier's block_size, dampening_frac, actorder, ...
+        warn(f"{type(config).__name__}: the qstats Recipe holds its quantization config (observers and specs); "
+             f"its algorithm options {algorithm} are not part of it (qstats.gptq takes GPTQ's: docs/gptq.md)",
+             UserWarning)
+    return config.resolve_quantization_config()
 
 
 def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
-    """``(rules, ignore)`` of a compressed-tensors ``QuantizationConfig`` or of the
-    ``quantization_config`` dict of a ``config.json`` (its config groups in order)."""
+    """``(rules, ignore)`` of a compressed-tensors ``QuantizationConfig``, of the
+    ``quantization_config`` dict of a ``config.json`` (its config groups in order), or of an
+    llm-compressor ``QuantizationModifier`` / ``GPTQModifier`` (its ``resolve_quantization_config``)
+    or recipe (`_modifier_config`)."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    config = _modifier_config(config)
     if hasattr(config, "model_dump"):
         config = config.model_dump()
     if not isinstance(config, Mapping):
-        raise TypeError(f"expected a QuantizationConfig or a dict, got {type(config).__name__}")
+        raise TypeError(f"expected a QuantizationConfig, QuantizationModifier or a dict, got {type(config).__name__}")
     groups = config.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
         raise ValueError("quantization config: 'config_groups' must be a non-empty mapping of schemes")
-    rules = []
+    schemes = []
     for name, group in groups.items():
         if not isinstance(group, Mapping):
             raise TypeError(f"quantization config: config_groups[{name!r}] must be a mapping, got {type(group).__name__}")
-        rules.extend(scheme_rules(Rule, group, group.get("targets") or "Linear", observed_dtype))
-    kv_args = _args(config.get("kv_cache_scheme"))
-    if kv_args is not None:  # the k/v projection outputs of every attention module
-        kv = _rule(Rule, "re:.*", kv_args, "k", observed_dtype)
-        rules.append(dataclasses.replace(kv, sites=("k", "v")))
-    return rules, config.get("ignore") or ()  # Recipe checks it (a name or names)
-
+        try:  # refuses unknown fields, naming them
+            fields = {"targets": ["Linear"], **group}
+            fields["targets"] = _list(fields["targets"] or ["Linear"], f"config_groups[{name!r}].targets")
+            schemes.append(QuantizationScheme.model_validate(fields))
+        except ValueError as error:
+            raise ValueError(f"quantization config: config_groups[{name!r}]: {error}") from None
+    rules = _group_rules(Rule, schemes, observed_dtype)
+    if config.get("kv_cache_scheme") is not None:  # every attention module compressed-tensors caches
+        rules.append(_kv_rule(Rule, config["kv_cache_scheme"], observed_dtype))
+    return rules, compressed_tensors_ignore(config.get("ignore") or ())  # Recipe checks it

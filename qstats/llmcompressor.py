@@ -69,6 +69,9 @@ class QstatsObserver(LLMCompressorObserver):
             raise ValueError(f"{type(self).__name__} ({base_name}, strategy {strategy.value!r}): "
                              f"{STATIC_GROUP_ACTIVATIONS}")
         self.factory_options, self.qparams_options = self.split_options(dict(self.args.observer_kwargs))
+        if self.qparams_options and type(self).factory not in (histogram, mse):  # min-max qparams take none
+            raise TypeError(f"{type(self).__name__} ({base_name}): observer_kwargs {sorted(self.qparams_options)} "
+                             f"are not options of qstats.{type(self).factory.__name__}")
         self.spec: Optional[QuantSpec] = None
         self.qstats_observer = None
 

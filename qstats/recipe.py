@@ -16,7 +16,7 @@ import torch
 
 from ._granularity import PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
 from ._rule_data import recipe_fields
-from ._schemes import config_rules, scheme_rules
+from ._schemes import compressed_tensors_ignore, config_rules, scheme_rules
 from ._spec import QuantSpec
 from ._torch_features import torch_dtype, uncompiled
 from .experts import expert_count, is_stacked_parameter, own_parameters, parameter_input_site, stacked_observer
@@ -111,6 +111,10 @@ class Rule:
       dynamic: this rule's activation sites take their scales at run time from each tensor
         (compressed-tensors' ``dynamic=True``): no calibrated QParams, exported as dynamic.
         Parameter sites ignore it.
+      matcher: None (``targets`` select the modules), or a hashable predicate
+        ``matcher(path, module) -> bool`` that selects them in place of ``targets`` (which then
+        only name them): `Recipe.from_scheme` and `Recipe.from_compressed_tensors` give one that
+        picks the modules compressed-tensors' ``apply_quantization_config`` gives that scheme.
 
     >>> import qstats
     >>> rule = qstats.Rule(targets="Linear", sites=("weight",), spec=qstats.QuantSpec())
@@ -125,6 +129,7 @@ class Rule:
     observer_kwargs: Any = ()
     qparams_kwargs: Any = ()
     dynamic: bool = False
+    matcher: Optional[Callable[[str, Optional[torch.nn.Module]], bool]] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "targets", _targets(self.targets, "Rule.targets"))
@@ -145,6 +150,14 @@ class Rule:
         object.__setattr__(self, "qparams_kwargs", _freeze(self.qparams_kwargs, "qparams_kwargs"))
         if not isinstance(self.dynamic, bool):
             raise TypeError(f"Rule.dynamic must be a bool, got {self.dynamic!r}")
+        if self.matcher is not None and not callable(self.matcher):
+            raise TypeError(f"Rule.matcher must be None or a predicate (path, module) -> bool, got {self.matcher!r}")
+
+    def matches(self, path: str, module: Optional[torch.nn.Module]) -> bool:
+        """Whether this rule selects the module at ``path`` (its ``matcher``, else its ``targets``)."""
+        if self.matcher is not None:
+            return bool(self.matcher(path, module))
+        return _matches(self.targets, path, module)
 
     def make_observer(self, spec: Optional[QuantSpec] = None) -> Observer:
         """The observer of one tensor: ``observer(spec, **observer_kwargs)`` (the rule's spec by
@@ -447,33 +460,41 @@ class Recipe:
 
     @classmethod
     def from_scheme(cls, scheme, targets=None, ignore=(), observed_dtype=None, shared=None,
-                    experts=None) -> "Recipe":
-        """The recipe llm-compressor's ``QuantizationModifier(targets=, scheme=, ignore=)`` applies
-        (docs/recipes.md).
+                    experts=None, kv_cache_scheme=None) -> "Recipe":
+        """The recipe llm-compressor's ``QuantizationModifier(targets=, scheme=, ignore=,
+        kv_cache_scheme=)`` applies (docs/recipes.md): ``targets`` and ``ignore`` read as
+        compressed-tensors reads them (``re:`` matches from the start of the path; only Linear and
+        Embedding modules are quantized; the most specific target picks a module's group).
 
         Args:
           scheme: a compressed-tensors ``PRESET_SCHEMES`` name (``"W4A16"``, ``"FP8"``, ...), a
-            ``QuantizationScheme`` or a dict of its fields.
+            ``QuantizationScheme``, a dict of its fields, or a dict mapping preset names to their
+            targets (``{"W4A16": ["Linear"], "W8A16": ["re:.*down_proj"]}``).
           targets: default: the scheme's own ``targets``, else ``"Linear"``.
           observed_dtype: the weights' dtype when bfloat16/float16 (qparams are computed in it).
-          experts: targets of stacked-experts modules (``"Qwen3MoeExperts"``), quantized as
-            llm-compressor quantizes them once linearized.
-          ignore, shared: as in `Recipe`.
+          experts: targets of stacked-experts modules (``"Qwen3MoeExperts"``, in qstats' syntax),
+            quantized as llm-compressor quantizes them once linearized.
+          kv_cache_scheme: ``QuantizationArgs`` (or a dict of them) of the k/v sites of every
+            attention module compressed-tensors caches.
+          shared: as in `Recipe`.
 
         >>> import qstats
         >>> [rule.sites for rule in qstats.Recipe.from_scheme("W4A16").rules]
         [('weight',)]
         """
 
-        rules = scheme_rules(Rule, scheme, targets, observed_dtype, experts)
-        return cls(_refuse_static_groups(rules, "Recipe.from_scheme"), ignore=ignore, shared=shared)
+        rules = scheme_rules(Rule, scheme, targets, observed_dtype, experts, kv_cache_scheme)
+        return cls(_refuse_static_groups(rules, "Recipe.from_scheme"), ignore=compressed_tensors_ignore(ignore),
+                   shared=shared)
 
     @classmethod
     def from_compressed_tensors(cls, config, observed_dtype=None) -> "Recipe":
-        """The recipe of a compressed-tensors ``QuantizationConfig``, or of the
-        ``quantization_config`` dict of a checkpoint's ``config.json``: one rule per site of each
-        config group (in order; the first matching rule wins, as in compressed-tensors) and its
-        ``ignore`` list, with llm-compressor's observers (`from_scheme`)."""
+        """The recipe of a compressed-tensors ``QuantizationConfig``, of the
+        ``quantization_config`` dict of a checkpoint's ``config.json``, of an llm-compressor
+        ``QuantizationModifier``/``GPTQModifier``, or of an llm-compressor recipe (YAML text or
+        file) holding one of them and nothing else: one rule per site of each config group, each
+        selecting the modules compressed-tensors gives that group (`from_scheme`), and its
+        ``ignore`` list, with llm-compressor's observers."""
 
         rules, ignore = config_rules(Rule, config, observed_dtype)
         return cls(_refuse_static_groups(rules, "Recipe.from_compressed_tensors"), ignore=ignore)
@@ -485,14 +506,14 @@ class Recipe:
         ``{"scheme": name, ...}`` (`from_scheme`). The formats are in docs/recipes.md."""
 
         if isinstance(data, Mapping) and "scheme" in data:
-            extra = set(data) - {"scheme", "targets", "ignore", "shared", "observed_dtype"}
+            extra = set(data) - {"scheme", "targets", "ignore", "shared", "observed_dtype", "kv_cache_scheme"}
             if extra:
                 raise ValueError(f"Recipe.from_dict: unknown keys {sorted(extra)} beside 'scheme'")
             observed = data.get("observed_dtype")
             if isinstance(observed, str) and torch_dtype(observed.removeprefix("torch.")) is not None:
                 observed = torch_dtype(observed.removeprefix("torch."))  # plain data names it: "bfloat16"
             return cls.from_scheme(data["scheme"], data.get("targets"), data.get("ignore", ()), observed_dtype=observed,
-                                   shared=data.get("shared"))
+                                   shared=data.get("shared"), kv_cache_scheme=data.get("kv_cache_scheme"))
         rules, ignore, shared = recipe_fields(Rule, data)
         return cls(rules, ignore=ignore, shared=shared)
 
@@ -501,7 +522,7 @@ class Recipe:
         if _matches(self.ignore, path, module):
             return None
         for rule in self.rules:
-            if site in rule.sites and _matches(rule.targets, path, module):
+            if site in rule.sites and rule.matches(path, module):
                 return rule
         return None
 
@@ -531,7 +552,7 @@ class Recipe:
         num_experts = expert_count(module)
         entry: dict = {}
         for index, rule in enumerate(self.rules):
-            if not _matches(rule.targets, path, module):
+            if not rule.matches(path, module):
                 continue
             for site in rule.sites:
                 if site in entry:
