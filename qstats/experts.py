@@ -9,6 +9,7 @@ the experts' forward (``down_proj``). See docs/calibrate_api.md.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional
 
@@ -22,8 +23,10 @@ from .stacked import stacked_observer, stacked_qparams
 from ._warn import warn
 
 __all__ = [
+    "EXPERT_COUNT_NAMES",
     "ExpertInputCapture",
     "UncalibratedWarning",
+    "declared_experts",
     "expert_count",
     "all_experts_calls",
     "copies_of_tokens",
@@ -35,6 +38,8 @@ __all__ = [
     "routing_mask",
     "stacked_observer",
     "stacked_qparams",
+    "takes_routing",
+    "unstacked_parameter_problem",
     "uncovered_experts",
     "warn_uncovered",
 ]
@@ -57,17 +62,68 @@ def own_parameters(module: torch.nn.Module) -> dict:
     return params
 
 
+# attributes declaring a module's expert count, the first positive int wins: transformers' fused
+# experts (num_experts), LongCat-Flash (num_routed_experts, its zero experts having no weights),
+# DBRX's DbrxExpertGLU (moe_num_experts), DeepSeek-style (n_routed_experts), Mixtral-style
+EXPERT_COUNT_NAMES = ("num_experts", "num_routed_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+
+
+def declared_experts(module: torch.nn.Module) -> tuple:
+    """``(attribute, count)``: the first attribute of ``EXPERT_COUNT_NAMES`` of ``module`` holding a
+    positive int, or ``(None, 0)``."""
+    for name in EXPERT_COUNT_NAMES:
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return name, value
+    return None, 0
+
+
 def expert_count(module: torch.nn.Module) -> int:
-    """The number of stacked experts of ``module``, or 0: it needs an int ``num_experts`` and a directly
-    owned parameter (parametrized or not) of 3+ dimensions whose leading dimension is that count.
+    """The number of stacked experts of ``module``, or 0: it needs an int expert count
+    (`declared_experts`: ``num_experts``, ``num_routed_experts``, ...) and a directly owned parameter
+    (parametrized or not) of 3+ dimensions whose leading dimension is that count.
     """
-    declared = getattr(module, "num_experts", None)
-    if not isinstance(declared, int) or isinstance(declared, bool) or declared < 1:
+    declared = declared_experts(module)[1]
+    if not declared:
         return 0
     for param in own_parameters(module).values():
         if param.ndim >= 3 and param.shape[0] == declared:
             return declared
     return 0
+
+
+def unstacked_parameter_problem(module: torch.nn.Module, name: str) -> Optional[str]:
+    """Why parameter ``name`` of an experts module cannot be observed as one tensor without
+    mixing experts, or None: a 3+-D parameter whose leading dimension is not the module's stacked
+    expert count (LongCat-Flash's ``gate_up_proj``, which also holds its weightless zero experts),
+    or a 2-D one holding the declared experts flattened along its rows (DBRX's ``[E * ffn, hidden]``)."""
+    param = own_parameters(module).get(name)
+    attribute, declared = declared_experts(module)
+    if param is None or not declared or is_stacked_parameter(param, expert_count(module)):
+        return None
+    shape = tuple(param.shape)
+    if param.ndim >= 3:
+        return (
+            f"its parameter {name!r} of shape {shape} is stacked but its leading dimension {shape[0]} is not "
+            f"the module's {declared} experts ({attribute}), so qstats cannot observe it per expert"
+        )
+    if param.ndim == 2 and shape[0] > declared and shape[0] % declared == 0:
+        return (
+            f"its parameter {name!r} of shape {shape} holds its {declared} experts ({attribute}) flattened "
+            f"along dim 0 ([E * rows, columns]); qstats observes per expert only parameters stacked as "
+            f"[E, out, in], and one state would share scales (and mix channels) across the experts"
+        )
+    return None
+
+
+def takes_routing(module: torch.nn.Module) -> bool:
+    """True when ``module``'s forward has a parameter named like the routing (``top_k_index``, ...):
+    an experts module, called on tokens with the experts each goes to."""
+    try:
+        names = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in names for name in _INDEX_NAMES)
 
 
 def is_stacked_parameter(param: torch.Tensor, num_experts: int) -> bool:

@@ -28,11 +28,14 @@ from .experts import (
     UncalibratedWarning,
     all_experts_calls,
     copies_of_tokens,
+    declared_experts,
     dispatch,
     ids_mask,
     own_parameters,
     parameter_input_site,
     routing_mask,
+    takes_routing,
+    unstacked_parameter_problem,
     warn_uncovered,
 )
 from .recipe import Plan, Recipe, as_plan
@@ -103,6 +106,56 @@ def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
     if qparam_shape(selected.shape, spec.granularity) != want:
         return x, weight
     return selected, None
+
+
+def _unstacked_experts_problem(module: torch.nn.Module, site: str, found) -> Optional[str]:
+    """Why a site the plan observes as one tensor (not per expert) would mix the experts of an
+    experts module whose layout qstats does not stack, or None (`check_experts_layout`)."""
+    if found.num_experts:
+        return None
+    if found.kind == "parameter":
+        return unstacked_parameter_problem(module, site)
+    if found.kind != "input":
+        return None
+    attribute, declared = declared_experts(module)
+    experts = f"{declared} experts ({attribute})" if declared else "experts"
+    if takes_routing(module):  # DBRX's DbrxExperts: the weights in a child
+        return (
+            f"its forward takes the routing, but it owns no parameter stacked over its {experts} as [E, ...], "
+            "so its 'input' would be one state over every expert's tokens, not per expert (for one shared "
+            "state, observe the input of the MoE block that calls it)"
+        )
+    flat = [name for name in own_parameters(module) if declared and unstacked_parameter_problem(module, name)]
+    if flat:  # DBRX's DbrxExpertGLU: called once per expert with slices of its flat parameters
+        return (
+            f"its parameters {flat} hold its {experts} unstacked, so its 'input' would be one state over "
+            "every expert's rows, not per expert"
+        )
+    return None
+
+
+def check_experts_layout(plan: Plan, caller: str = "calibrate") -> None:
+    """ValueError naming the first site of an experts module that would be observed as one tensor
+    across its experts (`_unstacked_experts_problem`); a warning for a 3+-D parameter of a module that
+    declares no expert count (nor is a convolution), observed as one tensor."""
+    for path, entry in plan.sites.items():
+        module = plan.modules[path]
+        for site, found in entry.items():
+            problem = _unstacked_experts_problem(module, site, found)
+            if problem is not None:
+                raise ValueError(f"{caller}: module {path!r} ({type(module).__name__}) site {site!r}: {problem}")
+            if found.kind == "parameter" and not found.num_experts and not declared_experts(module)[1]:
+                _warn_undeclared_stack(path, module, site, own_parameters(module)[site])
+
+
+def _warn_undeclared_stack(path: str, module: torch.nn.Module, site: str, value: torch.Tensor) -> None:
+    if value.ndim >= 3 and not isinstance(module, torch.nn.modules.conv._ConvNd):
+        warn(
+            f"calibrate: parameter {site!r} of shape {tuple(value.shape)} of module {path!r} "
+            f"({type(module).__name__}) is observed as one tensor: if it stacks experts, give the module an "
+            "int num_experts attribute equal to its leading dimension to observe it per expert",
+            UserWarning,
+        )
 
 
 class _Calibration:
@@ -506,6 +559,7 @@ def observing(
     plan = as_plan(recipe, model, "observing")
     run = _Calibration(plan, plan.share_states(_copy_tree(states)), all_experts=bool(all_experts))
     check_resumed(run.states, plan)
+    check_experts_layout(plan)
     _observe_parameters(run)
     session = Observing(run)
     handles = [plan.model.register_forward_pre_hook(eager(session._count))]

@@ -53,6 +53,9 @@ def _model(family):
                       ffn_config=dict(ffn_hidden_size=32, moe_num_experts=E, moe_top_k=K),
                       attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0))
         fields = {}
+    if family == "longcat_flash":  # 8 routed experts and 2 zero (identity) experts
+        chosen.update(ffn_hidden_size=64, expert_ffn_hidden_size=32, num_layers=1, zero_expert_num=2, qk_head_dim=16,
+                      num_key_value_heads=4, head_dim=8)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -209,10 +212,128 @@ def test_jetmoe_parallel_experts(single_thread_quiet):
         _assert_site(states[name]["weight.input"], rows, name)
 
 
-def test_dbrx_flat_experts_are_not_stacked(single_thread_quiet):
-    """DBRX keeps its experts as 2-D [E * ffn, hidden] parameters: no per-expert site; a
-    ``<param>.input`` rule selects nothing and says so."""
+LONGCAT = "model.layers.0.mlp.experts"
+
+
+def _longcat_reference(module, calls, all_experts):
+    """Per routed expert: its input rows and act(gate) * up of them, in plain torch. Ids from
+    ``num_routed_experts`` on are zero (identity) experts, which have no weights."""
+    inputs, intermediates = [[] for _ in range(E)], [[] for _ in range(E)]
+    for number, call in enumerate(calls):
+        x, index = call["hidden_states"], call["top_k_index"]
+        for expert in range(E):
+            routed = (index == expert).any(dim=-1).nonzero().flatten()
+            if number == 0 and not all_experts:
+                assert _touched_tokens(module, call, expert) <= set(routed.tolist())
+            rows = x if all_experts else x[routed]
+            gate, up = torch.nn.functional.linear(rows, module.gate_up_proj[expert].detach()).chunk(2, dim=-1)
+            inputs[expert].append(rows)
+            intermediates[expert].append(torch.nn.functional.silu(gate) * up)
+    return [torch.cat(r) for r in inputs], [torch.cat(r) for r in intermediates]
+
+
+@pytest.mark.parametrize("all_experts", [False, True])
+def test_longcat_flash_routed_experts_per_expert(all_experts, single_thread_quiet):
+    """LongCat-Flash declares num_routed_experts (no num_experts); its router also picks zero
+    (identity) experts, ids 8 and 9 here, which observe nothing."""
+    model = _model("longcat_flash")
+    module = model.get_submodule(LONGCAT)
+    assert (module.num_routed_experts, module.zero_expert_num, module.act_fn(torch.ones(1))) == (
+        E, 2, torch.nn.functional.silu(torch.ones(1)))
+    batches = _batches()
+    calls = _recorded_calls(model, {LONGCAT: module}, batches)[LONGCAT]
+    assert any(bool((call["top_k_index"] >= E).any()) for call in calls)  # zero experts are routed to
+    recipe = qstats.Recipe([
+        qstats.Rule("LongcatFlashExperts", sites=("down_proj",), observer=qstats.minmax, spec=WEIGHTS),
+        qstats.Rule("LongcatFlashExperts", sites=("input", "down_proj.input"), observer=qstats.minmax, spec=INPUTS),
+    ])
+    states = qstats.calibrate(model, batches, recipe, progress=False, all_experts=all_experts)[LONGCAT]
+    down = module.down_proj.detach()
+    assert torch.equal(states["down_proj"].min_val, down.amin(dim=-1))
+    assert torch.equal(states["down_proj"].max_val, down.amax(dim=-1))
+    inputs, intermediates = _longcat_reference(module, calls, all_experts)
+    _assert_site(states["input"], inputs, "input")
+    _assert_site(states["down_proj.input"], intermediates, "down_proj.input")
+
+
+def test_longcat_flash_gate_up_proj_with_zero_experts_raises(single_thread_quiet):
+    """Its gate_up_proj stacks the 2 zero experts too ([10, ...] against 8 routed experts): refused,
+    naming the module; trimmed to the routed experts (the forward never reads the zero experts'
+    rows: same outputs) it is observed per expert."""
+    model = _model("longcat_flash")
+    rule = _one_rule("LongcatFlashExperts", ("gate_up_proj",), WEIGHTS)
+    with pytest.raises(ValueError, match=rf"{LONGCAT}.*gate_up_proj.*\(10, 64, 64\).*8 experts \(num_routed_experts\)"):
+        qstats.calibrate(model, _batches(), rule, progress=False)
+    batch = _batches()[0]
+    with torch.no_grad():
+        before = model(batch).logits
+        module = model.get_submodule(LONGCAT)
+        module.gate_up_proj = torch.nn.Parameter(module.gate_up_proj[:E].clone())
+        torch.testing.assert_close(model(batch).logits, before, rtol=0, atol=0)
+    state = qstats.calibrate(model, [batch], rule, progress=False)[LONGCAT]["gate_up_proj"]
+    assert torch.equal(state.min_val, module.gate_up_proj.detach().amin(dim=-1))
+    assert torch.equal(state.max_val, module.gate_up_proj.detach().amax(dim=-1))
+
+
+@pytest.mark.parametrize("target,site,why", [
+    ("DbrxExpertGLU", "w1", "flattened"), ("DbrxExpertGLU", "v1", "flattened"), ("DbrxExpertGLU", "w2", "flattened"),
+    ("DbrxExpertGLU", "input", "unstacked"), ("DbrxExperts", "input", "takes the routing"),
+])
+def test_dbrx_flat_experts_raise_naming_the_module(target, site, why, single_thread_quiet):
+    """DBRX keeps its experts as 2-D [E * ffn, hidden] parameters of DbrxExpertGLU, which DbrxExperts
+    calls once per expert with slices: a weight or input rule on them would mix the experts."""
     model = _model("dbrx")
     assert not _stacked(model)
+    with pytest.raises(ValueError, match=rf"module 'transformer\.blocks\.0\.ffn\.experts.*\({target}\) site '{site}'.*{why}"):
+        qstats.calibrate(model, _batches(), _one_rule(target, (site,), WEIGHTS), progress=False)
+
+
+def test_dbrx_flat_experts_parameter_input_selects_no_site(single_thread_quiet):
+    """A ``<param>.input`` rule on DBRX's flat experts selects nothing and says so; the input of
+    the MoE block that calls the experts (one shared state) is the block's input, in plain torch."""
+    model = _model("dbrx")
     with pytest.warns(UserWarning, match="DbrxExpertGLU"):
         _one_rule("DbrxExpertGLU", ("w2.input",)).resolve(model)
+    seen = []
+    handle = model.get_submodule("transformer.blocks.0.ffn").register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].detach().clone()))
+    with torch.no_grad():
+        for batch in _batches():
+            model(batch)
+    handle.remove()
+    state = qstats.calibrate(model, _batches(), _one_rule("DbrxFFN", ("input",)), progress=False)
+    rows = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen])
+    assert torch.equal(state["transformer.blocks.0.ffn"]["input"].min_val, rows.min())
+    assert torch.equal(state["transformer.blocks.0.ffn"]["input"].max_val, rows.max())
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, count=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 3, 5))
+        if count is not None:
+            self.num_experts = count
+
+    def forward(self, x):
+        return x @ self.weight.sum(dim=0).T
+
+
+def test_unstacked_three_dimensional_parameters(single_thread_quiet):
+    """A 3-D parameter whose leading dimension is not the declared expert count raises; with no
+    declared count it is observed as one tensor with a warning naming the module; a Conv1d weight
+    is observed as one tensor without one."""
+    x = [torch.randn(2, 5)]
+    rule = _one_rule("_Stack", ("weight",), WEIGHTS)
+    with pytest.raises(ValueError, match=r"module '0' \(_Stack\) site 'weight'.*leading dimension 4.*3 experts"):
+        qstats.calibrate(torch.nn.Sequential(_Stack(3)), x, rule, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        with pytest.warns(UserWarning, match=r"'weight' of shape \(4, 3, 5\) of module '0' \(_Stack\).*num_experts"):
+            state = qstats.calibrate(torch.nn.Sequential(_Stack()), x, rule, progress=False)["0"]["weight"]
+        assert state.min_val.shape == (4,)
+        state = qstats.calibrate(torch.nn.Sequential(_Stack(4)), x, rule, progress=False)["0"]["weight"]
+        assert state.min_val.shape == (4, 3)
+        conv = torch.nn.Sequential(torch.nn.Conv1d(2, 3, 3))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            qstats.calibrate(conv, [torch.randn(1, 2, 6)], _one_rule("Conv1d", ("weight",), WEIGHTS), progress=False)
