@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from . import distributed
 from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, release_modules
 from .calibration import calibrate, check_batches, compute_qparams_tree, fake_quantized
-from .observation import check_resumed
+from .observation import check_experts_layout, check_resumed
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["calibrate_layerwise"]
@@ -589,6 +589,7 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
         check_batches(batches, where)
         plan = as_plan(recipe, model, where)
         check_resumed(states or {}, plan, where)
+        check_experts_layout(plan, where)  # shapes only: before the first layer is read
         container_path, container = decoder_layers(model, layers, where)
         side_plan, after_layer = (None, None) if layer_step is None else layer_step(plan)
         source = LazyCheckpoint(checkpoint, where)

@@ -633,3 +633,17 @@ def test_checkpoint_names_transformers_renames_on_load(tmp_path, name):
     save_file({key: source.tensor(key) for key in source.files if key != stored}, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=f"no tensor {stored!r}"):
         qstats.calibrate_layerwise(meta, folder, batches, recipe, progress=False)
+
+
+def test_an_experts_layout_that_would_mix_experts_is_refused_before_any_layer_is_read(saved, monkeypatch):
+    """An experts module whose declared count is not its parameters' leading size: refused up front
+    (it was refused only when its layer had been read and run)."""
+    directory, _ = saved["qwen3_moe"]
+    model = _meta("qwen3_moe")
+    experts = next(m for m in model.modules() if type(m).__name__ == "Qwen3MoeExperts")
+    experts.num_experts = experts.gate_up_proj.shape[0] - 1
+    read = []
+    monkeypatch.setattr(qstats.layerwise, "load_modules", lambda *args, **kwargs: read.append(args) or [])
+    with pytest.raises(ValueError, match="calibrate_layerwise: module 'model.layers.0.mlp.experts'"):
+        qstats.calibrate_layerwise(model, directory, _batches(5), _recipe("qwen3_moe"), progress=False)
+    assert read == []
