@@ -214,22 +214,29 @@ class _BatchNormPoint(nn.Module):
         if frozen is True:
             return F.batch_norm(x, current.running_mean, current.running_var, weight, bias, False, 0.0, self.eps), current
         y_train = F.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
-        dims = [0] + list(range(2, x.ndim))
-        batch_var, batch_mean = torch.var_mean(x.detach().float(), dim=dims, correction=1)
-        count = current.num_batches_tracked + 1
-        if self.momentum is None:
-            momentum = 1.0 / count.to(torch.float32)
-        else:
-            momentum = self.momentum
-        updated = BatchNormState(
-            current.running_mean + momentum * (batch_mean.to(current.running_mean.dtype) - current.running_mean),
-            current.running_var + momentum * (batch_var.to(current.running_var.dtype) - current.running_var),
-            count,
-        )
+        updated = self._updated(x, current)
         if frozen is False:
             return y_train, updated
         y_eval = F.batch_norm(x, current.running_mean, current.running_var, weight, bias, False, 0.0, self.eps)
         return _select(frozen, y_eval, y_train), _select(frozen, current, updated)
+
+    def _updated(self, x, current: BatchNormState) -> BatchNormState:
+        """Running statistics after the batch ``x``, as ``nn.BatchNorm``: an empty batch counts but
+        leaves the statistics as they were (their mean and variance would be NaN)."""
+        count = current.num_batches_tracked + 1
+        if x.numel() == 0:
+            return BatchNormState(current.running_mean, current.running_var, count)
+        # in float32, float64 for float64 models, as nn.BatchNorm's CPU kernel (bfloat16/float16 statistics
+        # can still differ from it in their last bit)
+        compute = torch.promote_types(torch.promote_types(x.dtype, current.running_mean.dtype), torch.float32)
+        dims = [0] + list(range(2, x.ndim))
+        batch_var, batch_mean = torch.var_mean(x.detach().to(compute), dim=dims, correction=1)
+        momentum = 1.0 / count.to(compute) if self.momentum is None else self.momentum
+        mean, var = (
+            (momentum * batch + (1 - momentum) * running.to(compute)).to(running.dtype)
+            for batch, running in ((batch_mean, current.running_mean), (batch_var, current.running_var))
+        )
+        return BatchNormState(mean, var, count)
 
 
 def _quantized_call(layer: nn.Module):
