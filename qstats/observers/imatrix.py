@@ -34,11 +34,46 @@ class IMatrixState(NamedTuple):
     nonfinite: torch.Tensor
 
 
+def _checked(state, where: str) -> IMatrixState:
+    """``state`` after the checks of an `IMatrixState`: its type, a float64 ``square_total``, int64
+    ``count`` and ``nonfinite``, and shapes that line up (``count`` one per state, ``nonfinite`` one
+    per channel); a state of other dtypes or shapes would otherwise change them, or broadcast."""
+    check_state(state, IMatrixState, where)
+    for name, dtype in (("square_total", torch.float64), ("count", torch.int64), ("nonfinite", torch.int64)):
+        value = getattr(state, name)
+        if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+            got = f"dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{where}: IMatrixState.{name} must be a {dtype} tensor, got {got}")
+    total = state.square_total
+    if total.ndim == 0 or state.count.shape != total.shape[:-1] or state.nonfinite.shape != total.shape:
+        raise ValueError(
+            f"{where}: IMatrixState fields do not line up: square_total {tuple(total.shape)}, count "
+            f"{tuple(state.count.shape)} (expected {tuple(total.shape[:-1])}), nonfinite {tuple(state.nonfinite.shape)}"
+        )
+    return state
+
+
+def _row_keep(x: torch.Tensor, weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The keep mask ``[rows, 1]`` of a row ``weight`` (a prefix of ``x.shape[:-1]``), or None."""
+    if weight is None:
+        return None
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"imatrix.update: weight must be a tensor or None, got {type(weight).__name__}")
+    if weight.ndim >= x.ndim or tuple(weight.shape) != tuple(x.shape[: weight.ndim]):
+        raise ValueError(
+            f"imatrix.update: weight of shape {tuple(weight.shape)} does not match the leading (row) "
+            f"dimensions of the activations of shape {tuple(x.shape)}"
+        )
+    keep = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - 1 - weight.ndim))
+    return keep.expand(x.shape[:-1]).reshape(-1, 1) != 0
+
+
 def imatrix() -> Observer:
     """Per-input-channel importance ``E[x**2]`` of a layer's input activations.
 
     ``update(state, x, weight=None)`` reduces every dimension but the last (``weight`` of shape
-    ``x.shape[:-1]``, or a prefix of it, masks rows out). NaN/Inf are left out and counted.
+    ``x.shape[:-1]``, or a prefix of it, masks rows out). NaN/Inf, and float64 values whose square
+    overflows, are left out and counted.
     Laws: identity; the others exactly for ``count``, up to float rounding for ``square_total``.
 
     >>> import torch, qstats
@@ -57,39 +92,31 @@ def imatrix() -> Observer:
                             torch.zeros(channels, dtype=torch.int64, device=x.device))
 
     def update_fn(state: IMatrixState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> IMatrixState:
-        check_state(state, IMatrixState, "imatrix.update")
+        state = _checked(state, "imatrix.update")
         check_observable(x, "imatrix.update")
         if x.ndim == 0 or x.shape[-1] != state.square_total.shape[-1]:
             raise ValueError(
                 f"imatrix.update: a tensor of shape {tuple(x.shape)} has {x.shape[-1] if x.ndim else 0} input "
                 f"channels, but the state has {state.square_total.shape[-1]}"
             )
+        keep = _row_keep(x, weight)  # checked on an empty batch too
         if x.numel() == 0:
             return state
         rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
-        finite = torch.isfinite(rows)
-        if weight is not None:
-            if not isinstance(weight, torch.Tensor):
-                raise TypeError(f"imatrix.update: weight must be a tensor or None, got {type(weight).__name__}")
-            if weight.ndim >= x.ndim or tuple(weight.shape) != tuple(x.shape[: weight.ndim]):
-                raise ValueError(
-                    f"imatrix.update: weight of shape {tuple(weight.shape)} does not match the leading (row) "
-                    f"dimensions of the activations of shape {tuple(x.shape)}"
-                )
-            keep = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - 1 - weight.ndim))
-            keep = keep.expand(x.shape[:-1]).reshape(-1, 1) != 0
-            row_count = keep.sum()
-        else:
-            keep = torch.ones_like(rows[:, :1], dtype=torch.bool)
+        squares = rows * rows
+        finite = torch.isfinite(squares)  # NaN, Inf, or a float64 value whose square overflows
+        if keep is None:
             row_count = torch.tensor(rows.shape[0], dtype=torch.int64, device=rows.device)
-        included = finite & keep
-        squares = torch.where(included, rows * rows, torch.zeros_like(rows)).sum(0)
-        nonfinite = ((~finite) & keep).sum(0)
-        return IMatrixState(state.square_total + squares, state.count + row_count, state.nonfinite + nonfinite)
+            included = finite
+        else:
+            row_count = keep.sum()
+            included = finite & keep
+        total = torch.where(included, squares, torch.zeros_like(squares)).sum(0)
+        nonfinite = (~finite).sum(0) if keep is None else ((~finite) & keep).sum(0)
+        return IMatrixState(state.square_total + total, state.count + row_count, state.nonfinite + nonfinite)
 
     def merge_fn(a: IMatrixState, b: IMatrixState) -> IMatrixState:
-        check_state(a, IMatrixState, "imatrix.merge")
-        check_state(b, IMatrixState, "imatrix.merge")
+        a, b = _checked(a, "imatrix.merge"), _checked(b, "imatrix.merge")
         check_same_shapes(a, b, "imatrix.merge")
         return IMatrixState(a.square_total + b.square_total, a.count + b.count, a.nonfinite + b.nonfinite)
 
@@ -101,7 +128,7 @@ def importance(state: IMatrixState) -> torch.Tensor:
     A row's NaN/Inf is left out of its channel's sum and, through ``nonfinite``, of the
     channel's count. A stacked state (`qstats.stacked_observer`, ``count`` of shape ``[E]``)
     gives ``[E, channels]``, each expert over its own rows (llama.cpp's per-expert counts)."""
-    check_state(state, IMatrixState, "importance")
+    state = _checked(state, "importance")
     # the row count is per state (per expert when stacked): it lines up with the channels' leading dims
     rows = state.count.unsqueeze(-1) - state.nonfinite
     return state.square_total / rows.clamp(min=1).to(torch.float64)
@@ -111,7 +138,7 @@ def _normalised_importance(state: IMatrixState, weight_shape: tuple) -> torch.Te
     """The importance over its mean (float32, as llm-compressor), expanded to ``weight_shape``; per
     expert for a stacked state (``count`` of shape ``[E]``, a weight ``[E, out, in]``), each expert
     normalised as llm-compressor normalises each expert's own Linear."""
-    check_state(state, IMatrixState, "imatrix_mse")
+    state = _checked(state, "imatrix_mse")
     lead, channels = tuple(state.count.shape), state.square_total.shape[-1]
     if channels != weight_shape[-1]:
         raise ValueError(
@@ -125,9 +152,11 @@ def _normalised_importance(state: IMatrixState, weight_shape: tuple) -> torch.Te
         )
     imp = importance(state).to(torch.float32)
     # llm-compressor's fallbacks to uniform weights: no rows seen, an importance that is all
-    # zeros (every candidate's loss would be 0), or one that is not finite in float32 (a
-    # non-finite entry, or a mean that overflows, leaves a non-finite normalised entry)
-    usable = (state.count > 0) & (imp != 0).any(-1)
+    # zeros (every candidate's loss would be 0), or one that is not finite in float32: its float32
+    # sums hold a NaN/Inf where an activation was one (qstats left it out and counted it in
+    # ``nonfinite``) and overflow where the float32 sum of squares does
+    usable = (state.count > 0) & (imp != 0).any(-1) & (state.nonfinite == 0).all(-1)
+    usable = usable & torch.isfinite(state.square_total.to(torch.float32)).all(-1)
     imp = imp / (imp.mean(-1, keepdim=True) + torch.finfo(torch.float32).tiny)
     usable = usable & torch.isfinite(imp).all(-1)
     imp = torch.where(usable.unsqueeze(-1), imp, torch.ones_like(imp))
@@ -140,7 +169,8 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
     ``imatrix_mse``.
 
     Each element's error is multiplied by its column's importance ``E[x_j**2] / mean(E[x**2])``; without
-    usable importance data (None, no rows, all zeros, non-finite) the search is uniform, as
+    usable importance data (None, no rows, all zeros, a NaN/Inf activation, a sum of squares past the
+    float32 range: llm-compressor's float32 sums are then not finite) the search is uniform, as
     llm-compressor's fallback. Defaults are llm-compressor's (``maxshrink=0.95``, ``grid=20``,
     ``norm=3``); other keyword arguments go to `qstats.mse`. Pass ``patience=5`` to ``compute_qparams``
     for its early stopping. A stacked ``imatrix_state`` (`qstats.stacked_observer` of `imatrix`, one
