@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
+from ._formats import COMPUTE_DTYPE_NAMES
 from .calibration import compute_qparams_tree
 from .export.checkpoint import check_new_folder, write_index, write_tensors
 from .experts import UncalibratedWarning
@@ -76,6 +77,21 @@ def _targets(plan: Plan) -> dict:
             "gptq_layerwise: the recipe quantizes no Linear weight or stacked-experts parameter"
         )
     return found
+
+
+def _warn_compute_dtype(plan: Plan, targets: dict) -> None:
+    """Warns where a bfloat16/float16 weight's spec computes its qparams in another dtype: its
+    scales are then not those its checkpoint stores (in the weight's dtype), and GPTQ's codes
+    drift from llm-compressor's, which computes qparams and dequantizes in the weight's dtype."""
+    off = []
+    for path, site in targets:
+        dtype = getattr(plan.modules[path], site).dtype
+        if dtype in (torch.bfloat16, torch.float16) and plan.site(path, site).spec.compute_dtype != COMPUTE_DTYPE_NAMES[dtype]:
+            off.append(f"{path}.{site}")
+    if off:
+        warn(f"gptq_layerwise: {len(off)} weight(s) are bfloat16/float16 but their specs compute qparams in "
+             f"another dtype ({', '.join(off[:3])}): build the recipe with observed_dtype=<the weights' dtype> "
+             "(Recipe.from_scheme) for GPTQ's scales and codes to be llm-compressor's", UserWarning)
 
 
 def _hessian_plan(plan: Plan, targets: dict) -> Plan:
@@ -298,6 +314,7 @@ def gptq_layerwise(
         if weights_dir is not None:
             check_new_folder(weights_dir, checkpoint, "gptq_layerwise", "weights_dir")
         targets.update(_targets(plan))
+        _warn_compute_dtype(plan, targets)
         return _hessian_plan(plan, targets), _gptq_step(plan, targets, weights, options, weights_dir, experts_at_once,
                                                               uncalled, all_reduce)
 

@@ -76,9 +76,11 @@ def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) 
 def _whole_block(qp: QParams, spec: QuantSpec, shape: tuple) -> tuple:
     """``(qp, spec)`` of one projection; a PerBlock whose one block is the whole projection as
     PerTensor: llm-compressor's per-tensor ``gate_proj``/``up_proj``, each its own scale, of a fused
-    ``gate_up_proj [E, 2I, H]`` observed in ``PerBlock((I, H))`` halves."""
+    ``gate_up_proj [E, 2I, H]`` observed in ``PerBlock((I, H))`` halves (not ``partial``: a
+    compressed-tensors block spec, FP8_BLOCK's, keeps its one block as llm-compressor does)."""
     granularity = spec.granularity
-    if not (isinstance(granularity, PerBlock) and tuple(granularity.block_shape) == tuple(shape)):
+    if not (isinstance(granularity, PerBlock) and not granularity.partial
+            and tuple(granularity.block_shape) == tuple(shape)):
         return qp, spec
     return QParams(*(None if f is None else f.reshape(()) for f in qp)), spec.replace(granularity=PerTensor())
 
