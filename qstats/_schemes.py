@@ -63,24 +63,32 @@ _QSTATS_OBSERVERS = {"qstats_minmax": "moving_average_minmax", "qstats_static_mi
                      "qstats_mse": "mse"}
 
 
+def split_observer_kwargs(factory, options: Mapping, where: str) -> tuple:
+    """``(factory options, compute_qparams options)`` of llm-compressor ``observer_kwargs`` for the
+    qstats observer ``factory``: those it takes, and the others (with `mse`'s ``patience`` in its
+    accumulating mode, an option of its search); TypeError naming options a min/max observer, whose
+    qparams take none, was given."""
+    accepted = set(inspect.signature(factory).parameters) - {"spec"}
+    own = {key: value for key, value in options.items() if key in accepted}
+    rest = {key: value for key, value in options.items() if key not in accepted}
+    name = factory.__name__
+    if name == "mse" and own.get("mode", "accumulate") == "accumulate" and "patience" in own:
+        rest["patience"] = own.pop("patience")
+    if rest and name not in ("histogram", "mse"):
+        raise TypeError(f"{where}: observer_kwargs {sorted(rest)} are not options of qstats.{name}")
+    return own, rest
+
+
 def _qstats_observer(args, weight: bool) -> tuple:
     """``(observer name, observer_kwargs, qparams_kwargs)`` of a ``qstats_*`` observer, its
-    ``observer_kwargs`` split as `qstats.llmcompressor` splits them: those the factory takes, the
-    others (and mse's ``patience`` when it accumulates) for ``compute_qparams``."""
+    ``observer_kwargs`` split as `qstats.llmcompressor` splits them (`split_observer_kwargs`)."""
     from .observers import registry
 
     name = _QSTATS_OBSERVERS[args.observer]
-    accepted = set(inspect.signature(registry.get(name)).parameters) - {"spec"}
-    given = dict(args.observer_kwargs or {})
-    factory = {key: value for key, value in given.items() if key in accepted}
-    qparams = {key: value for key, value in given.items() if key not in accepted}
+    factory, qparams = split_observer_kwargs(registry.get(name), dict(args.observer_kwargs or {}),
+                                             f"observer {args.observer!r}")
     if weight and name in ("moving_average_minmax", "memoryless_minmax"):
         name, factory = "minmax", {}  # a weight is observed once: its averaging constant is unused
-    if name == "mse" and factory.get("mode", "accumulate") == "accumulate" and "patience" in factory:
-        qparams["patience"] = factory.pop("patience")
-    if qparams and name not in ("histogram", "mse"):  # min-max qparams take no options
-        raise TypeError(f"observer {args.observer!r}: observer_kwargs {sorted(qparams)} are not options of "
-                         f"qstats.{name}{' (weights are observed once)' if weight else ''}")
     return name, factory, qparams
 
 
@@ -208,6 +216,10 @@ class GroupMatch:
     def __call__(self, path: str, module) -> bool:
         from compressed_tensors.utils import match_targets
 
+        if module is None:
+            raise TypeError(f"the rules of Recipe.from_scheme / from_compressed_tensors select modules by their "
+                            f"class too, as compressed-tensors does: pass the module of {path!r}")
+
         owner = {target: index for index, targets in enumerate(self.groups) for target in targets}
         matched = match_targets(path, module, owner)
         if not matched or owner[matched[0]] != self.group:
@@ -299,6 +311,8 @@ def _modifier_config(config: Any) -> Any:
     """The ``QuantizationConfig`` of an llm-compressor quantization modifier, or of an
     llm-compressor recipe (YAML text or file, ``llmcompressor.recipe.Recipe``) holding one and
     nothing else; any other ``config`` as it is."""
+    if isinstance(config, str):
+        _check_recipe_text(config)
     if isinstance(config, str) or hasattr(config, "modifiers"):
         try:
             from llmcompressor.recipe import Recipe as LLMCompressorRecipe
@@ -309,9 +323,9 @@ def _modifier_config(config: Any) -> Any:
         quantizing = [m for m in recipe.modifiers if hasattr(m, "resolve_quantization_config")]
         others = [type(m).__name__ for m in recipe.modifiers if not hasattr(m, "resolve_quantization_config")]
         if others or len(quantizing) != 1:
+            what = others or ("several quantization modifiers" if quantizing else "no quantization modifier")
             raise ValueError(f"an llm-compressor recipe reads as a qstats Recipe when it holds one quantization modifier "
-                             f"and nothing else; it holds {[type(m).__name__ for m in recipe.modifiers]} (no qstats "
-                             f"equivalent read here: {others or 'several quantization modifiers'})")
+                             f"and nothing else; it holds {[type(m).__name__ for m in recipe.modifiers]} ({what})")
         config = quantizing[0]
     if not hasattr(config, "resolve_quantization_config"):
         return config
@@ -324,6 +338,17 @@ def _modifier_config(config: Any) -> Any:
              f"its algorithm options {algorithm} are not part of it (qstats.gptq takes GPTQ's: docs/gptq.md)",
              UserWarning)
     return config.resolve_quantization_config()
+
+
+def _check_recipe_text(text: str) -> None:
+    """ValueError for strings that are not an llm-compressor recipe but another input of qstats'."""
+    from compressed_tensors.quantization.quant_scheme import is_preset_scheme
+
+    if is_preset_scheme(text):
+        raise ValueError(f"{text!r} is a compressed-tensors preset scheme: use Recipe.from_scheme({text!r})")
+    if text.endswith(".json"):
+        raise ValueError(f"{text!r}: a config.json is read as a dict: pass "
+                         "json.load(open(path))['quantization_config']")
 
 
 def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:

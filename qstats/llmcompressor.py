@@ -21,7 +21,6 @@ that the qstats factory takes configure it (``averaging_constant``, ``buckets_pe
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Optional
 
 import torch
@@ -39,6 +38,7 @@ except ImportError as error:  # llm-compressor is optional
 from . import distributed
 from ._granularity import PerTensor
 from ._qparams import compute_qparams
+from ._schemes import split_observer_kwargs
 from ._spec import QuantSpec
 from .fused import fused_global_scale
 from .observers.histogram import histogram
@@ -68,10 +68,8 @@ class QstatsObserver(LLMCompressorObserver):
         if not self.is_weight_obs and grouped and self.args.dynamic is False:  # not True, nor NVFP4's "local"
             raise ValueError(f"{type(self).__name__} ({base_name}, strategy {strategy.value!r}): "
                              f"{STATIC_GROUP_ACTIVATIONS}")
-        self.factory_options, self.qparams_options = self.split_options(dict(self.args.observer_kwargs))
-        if self.qparams_options and type(self).factory not in (histogram, mse):  # min-max qparams take none
-            raise TypeError(f"{type(self).__name__} ({base_name}): observer_kwargs {sorted(self.qparams_options)} "
-                             f"are not options of qstats.{type(self).factory.__name__}")
+        self.factory_options, self.qparams_options = split_observer_kwargs(
+            type(self).factory, dict(self.args.observer_kwargs), f"{type(self).__name__} ({base_name})")
         self.spec: Optional[QuantSpec] = None
         self.qstats_observer = None
 
@@ -93,13 +91,6 @@ class QstatsObserver(LLMCompressorObserver):
         if not self.is_weight_obs and runtime_scaled(spec):
             spec = spec.replace(granularity=PerTensor())
         return type(self).factory(spec, **self.factory_options)
-
-    def split_options(self, options: dict) -> tuple:
-        """``(factory options, compute_qparams options)`` of ``observer_kwargs``: those the
-        factory takes, and the others."""
-        accepted = set(inspect.signature(self.factory).parameters) - {"spec"}
-        return ({k: v for k, v in options.items() if k in accepted},
-                {k: v for k, v in options.items() if k not in accepted})
 
     def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
         raise NotImplementedError(
@@ -187,20 +178,8 @@ class QstatsObserver(LLMCompressorObserver):
         return []
 
 
-class _MSEOptions(QstatsObserver):
-    """`qstats.mse` searches at ``compute_qparams`` in its default ``mode="accumulate"``: there
-    ``patience`` (llm-compressor's early stopping) is an option of the search, not of the factory."""
-
-    def split_options(self, options: dict) -> tuple:
-        factory_options, qparams_options = super().split_options(options)
-        if factory_options.get("mode", "accumulate") == "accumulate" and "patience" in factory_options:
-            qparams_options["patience"] = factory_options.pop("patience")
-        return factory_options, qparams_options
-
-
 def _observer_class(name: str, factory: Callable, doc: str) -> type:
-    base = _MSEOptions if factory is mse else QstatsObserver
-    cls = type(f"Qstats{name.title().replace('_', '')}Observer", (base,),
+    cls = type(f"Qstats{name.title().replace('_', '')}Observer", (QstatsObserver,),
                {"factory": staticmethod(factory), "__doc__": doc, "__module__": __name__})
     return LLMCompressorObserver.register(f"qstats_{name}")(cls)
 

@@ -145,13 +145,13 @@ def check_experts_layout(plan: Plan, caller: str = "calibrate") -> None:
             if problem is not None:
                 raise ValueError(f"{caller}: module {path!r} ({type(module).__name__}) site {site!r}: {problem}")
             if found.kind == "parameter" and not found.num_experts and not declared_experts(module)[1]:
-                _warn_undeclared_stack(path, module, site, own_parameters(module)[site])
+                _warn_undeclared_stack(path, module, site, own_parameters(module)[site], caller)
 
 
-def _warn_undeclared_stack(path: str, module: torch.nn.Module, site: str, value: torch.Tensor) -> None:
+def _warn_undeclared_stack(path: str, module: torch.nn.Module, site: str, value: torch.Tensor, caller: str) -> None:
     if value.ndim >= 3 and not isinstance(module, torch.nn.modules.conv._ConvNd):
         warn(
-            f"calibrate: parameter {site!r} of shape {tuple(value.shape)} of module {path!r} "
+            f"{caller}: parameter {site!r} of shape {tuple(value.shape)} of module {path!r} "
             f"({type(module).__name__}) is observed as one tensor: if it stacks experts, give the module an "
             "int num_experts attribute equal to its leading dimension to observe it per expert",
             UserWarning,
@@ -299,7 +299,9 @@ class _RoutedInputSite(_RoutedSite):
         if mask is None:
             raise ValueError(
                 f"calibrate: cannot find the routing (an integer tensor [tokens, k] of selected experts) "
-                f"in the call of the experts module {self.path!r}"
+                f"in the call of the experts module {self.path!r}; with all_experts too, as its rows need "
+                "not be tokens (Llama 4 passes [E * tokens, hidden]): where every expert runs on the same "
+                "tokens, observe the input of the module that calls it (one state for all experts)"
             )
         if self.run.all_experts:  # every token observed by every expert
             mask = torch.ones_like(mask)

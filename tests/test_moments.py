@@ -292,8 +292,11 @@ def test_the_state_records_p_and_other_orders_are_refused():
         qstats.compute_qparams(s3, spec, method="lp", p=4.0)
     with pytest.raises(ValueError, match="moments.merge: .*different orders p"):
         three.merge(s3, s4)
-    with pytest.raises(ValueError, match="moments.update: .*different orders p"):
-        four.update(s3, x)
+    mixed = four.update(s3, x)  # no host read in update: the mixed order is NaN, refused where read
+    with pytest.raises(ValueError, match="another order"):
+        qstats.compute_qparams(mixed, spec, method="lp")
+    with pytest.raises(ValueError, match="moments.merge: .*different orders p"):
+        three.merge(mixed, s3)
     with pytest.raises(ValueError, match="moments.merge: .*different orders p"):
         three.merge(three.init(x), four.init(x))
 
@@ -309,3 +312,28 @@ def test_lp_state_round_trips_through_qstats_io(tmp_path):
         assert torch.equal(a, b), field
     with pytest.raises(ValueError, match="another order"):
         qstats.compute_qparams(loaded, obs.spec, method="lp", p=4.0)
+
+
+def test_update_reads_nothing_back_from_the_device():
+    """``update`` never syncs the host (docs/design.md): no ``qstats::require`` check and no
+    ``.item()``-style read in it; ``merge`` checks the orders."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    obs = qstats.moments(qstats.QuantSpec(granularity=qstats.PerAxis(0)), p=6.0)
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))
+    state = obs.init(x)
+    with Ops() as ops:
+        obs.update(state, x)
+    assert not {op for op in ops.seen if "require" in op or "local_scalar" in op}, ops.seen
+    with Ops() as ops:
+        obs.merge(state, state)
+    assert any("require" in op for op in ops.seen)

@@ -287,3 +287,17 @@ def test_a_drop_in_min_max_observer_refuses_observer_kwargs_it_does_not_take_whe
     args = QuantizationArgs(**A8, observer_kwargs={"averging_constant": 0.1})
     with pytest.raises(TypeError, match=r"\['averging_constant'\] are not options of qstats.moving_average_minmax"):
         Observer.load_from_registry("qstats_minmax", base_name="input", args=args)
+
+
+def test_strings_that_are_not_recipes_and_rule_for_without_a_module_are_named():
+    """A preset name, a config.json path and a recipe without a quantization modifier name what to
+    do instead; rules selecting modules by class as compressed-tensors does need the module."""
+    with pytest.raises(ValueError, match=r"preset scheme: use Recipe.from_scheme\('W4A16'\)"):
+        qstats.Recipe.from_compressed_tensors("W4A16")
+    with pytest.raises(ValueError, match=r"quantization_config"):
+        qstats.Recipe.from_compressed_tensors("/tmp/somewhere/config.json")
+    recipe = qstats.Recipe.from_scheme("W4A16", targets=["re:.*down_proj"])
+    with pytest.raises(TypeError, match="pass the module of 'model.layers.0.mlp.down_proj'"):
+        recipe.rule_for("model.layers.0.mlp.down_proj", "weight")
+    linear = torch.nn.Linear(4, 4)
+    assert recipe.rule_for("model.layers.0.mlp.down_proj", "weight", linear) is recipe.rules[0]

@@ -121,9 +121,10 @@ def _rescaled(lp_sum: torch.Tensor, lp_max: torch.Tensor, largest: torch.Tensor,
     return lp_sum * ratio.pow(order)
 
 
-def _combine(a: MomentsState, b: MomentsState, where: str) -> MomentsState:
+def _combine(a: MomentsState, b: MomentsState, where: Optional[str]) -> MomentsState:
     """Two states as one: sums add, the centred sums of squares by Chan et al.'s update, the scaled
-    Lp sums after rescaling both to the larger absmax. ValueError when their ``p`` differ."""
+    Lp sums after rescaling both to the larger absmax. With ``where``, ValueError when their ``p``
+    differ (a host read: ``update`` skips it, its batch has the observer's own ``p``)."""
     count = a.count + b.count
     na = a.count.to(torch.float64)
     nb = b.count.to(torch.float64)
@@ -134,8 +135,11 @@ def _combine(a: MomentsState, b: MomentsState, where: str) -> MomentsState:
     m2 = a.m2 + b.m2 + torch.where((na > 0) & (nb > 0), delta * delta * na * nb / n, torch.zeros_like(delta))
     # an Lp sum of another order cannot be added (states of two moments observers); the check's
     # result is threaded into the state so a compiled graph keeps it
-    same = require(a.lp_order == b.lp_order, f"{where}: the states hold Lp sums of different orders p: they come "
-                   "from moments observers built with other p")
+    same = a.lp_order == b.lp_order
+    mixed = torch.full_like(a.lp_order, math.nan)  # update: the order of a mixed sum is NaN, refused later
+    if where is not None:
+        same = require(same, f"{where}: the states hold Lp sums of different orders p: they come "
+                       "from moments observers built with other p")
     largest = torch.maximum(a.lp_max, b.lp_max)
     lp_sum = _rescaled(a.lp_sum, a.lp_max, largest, a.lp_order) + _rescaled(b.lp_sum, b.lp_max, largest, b.lp_order)
     return MomentsState(
@@ -146,7 +150,7 @@ def _combine(a: MomentsState, b: MomentsState, where: str) -> MomentsState:
         a.square_total + b.square_total,
         largest,
         lp_sum,
-        torch.where(same, a.lp_order, b.lp_order),
+        torch.where(same, a.lp_order, mixed),
         a.nonfinite + b.nonfinite,
     )
 
@@ -188,7 +192,7 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
         check_state(state, MomentsState, "moments.update")
         if x.numel() == 0:
             return state
-        return _combine(state, _batch_moments(x, weight, state.count.shape, spec, power), "moments.update")
+        return _combine(state, _batch_moments(x, weight, state.count.shape, spec, power), None)
 
     def merge_fn(a: MomentsState, b: MomentsState) -> MomentsState:
         check_state(a, MomentsState, "moments.merge")
@@ -240,12 +244,13 @@ def lp_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None, p
     """``"lp"`` (AQT's Lp calibration): ``[-k * (E|x|**p)**(1/p), ...]`` (``k=1``) of the state's
     ``p``; a ``p`` given must be that order (ValueError otherwise)."""
     k = _multiple(k, 1.0)
-    if p is not None:
-        if not (is_real_number(p) and math.isfinite(p) and p > 0):
-            raise ValueError(f"compute_qparams: p must be a positive finite number, got {p!r}")
-        same = require(state.lp_order == float(p), f"compute_qparams: method 'lp' with p={p!r}, but the state holds the "
-                       "Lp sum of another order (the p its moments observer was built with, state.lp_order)")
-        state = state._replace(lp_order=torch.where(same, state.lp_order, state.lp_order))
+    if p is not None and not (is_real_number(p) and math.isfinite(p) and p > 0):
+        raise ValueError(f"compute_qparams: p must be a positive finite number, got {p!r}")
+    # NaN orders: an update of this state by a moments observer of another p mixed two orders
+    expected = state.lp_order == (state.lp_order if p is None else float(p))
+    same = require(expected, f"compute_qparams: method 'lp' with p={p!r}, but the state holds the Lp sum of another "
+                   "order, or of mixed orders (NaN; state.lp_order is the p its moments observer was built with)")
+    state = state._replace(lp_order=torch.where(same, state.lp_order, state.lp_order))
     amax = k * state.lp_norm
     return _as_float32_range(state, -amax, amax)
 
