@@ -510,3 +510,21 @@ def test_averaging_constant_zero_to_one_equals_torch_ao_after_every_batch(kind, 
 def test_moving_average_minmax_refuses_averaging_constants_outside_zero_to_one(bad):
     with pytest.raises(ValueError, match="averaging_constant must be a number in \\[0, 1\\]"):
         qstats.moving_average_minmax(qstats.QuantSpec(), averaging_constant=bad)
+
+
+def test_fused_qat_fake_quant_symmetric_scales_differ_as_documented():
+    """docs/differences.md: torch.ao's fused fake-quant divides min by 128 and max by 127; its
+    unfused FakeQuantize (and qstats) divide the larger magnitude by 127.5."""
+    from torch.ao.quantization import FakeQuantize, FusedMovingAvgObsFakeQuantize, MovingAveragePerChannelMinMaxObserver
+
+    x = torch.tensor([[-2.0, 1.0, 0.3], [0.5, -0.25, 1.5]])
+    kwargs = dict(observer=MovingAveragePerChannelMinMaxObserver, quant_min=-128, quant_max=127, dtype=torch.qint8,
+                  qscheme=torch.per_channel_symmetric, ch_axis=0)
+    fused, unfused = FusedMovingAvgObsFakeQuantize(**kwargs), FakeQuantize(**kwargs)
+    fused(x), unfused(x)
+    spec = qstats.QuantSpec.from_torch_ao(dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
+    obs = qstats.minmax(spec)
+    ours = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    assert torch.equal(ours.scale, unfused.scale)
+    assert torch.equal(fused.scale, torch.tensor([2 / 128, 1.5 / 127]))
+    assert not torch.equal(ours.scale, fused.scale)
