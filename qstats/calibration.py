@@ -22,7 +22,7 @@ from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor,
 from .experts import stacked_qparams
 from .fused import fused_qparams
 from .observers import memoryless_minmax
-from .observation import Observing, observing
+from .observation import Observing, check_runtime_group, observing
 from .recipe import Plan, Recipe, as_plan
 from ._warn import warn
 
@@ -256,13 +256,17 @@ class _ActivationFakeQuant:
     """Fake-quantizes an activation site's floating-point tensors (others pass unchanged); for a
     site whose scales come at run time, under the scales of each tensor (`runtime_qparams`)."""
 
-    def __init__(self, qparams: Optional[QParams], spec, runtime: bool):
-        self.qparams, self.spec, self.runtime = qparams, spec, runtime
+    def __init__(self, qparams: Optional[QParams], spec, runtime: bool, where: str = "fake_quantized"):
+        self.qparams, self.spec, self.runtime, self.where = qparams, spec, runtime, where
 
     def __call__(self, x):
         if not is_float_tensor(x):
             return x
         if self.runtime:
+            try:
+                check_runtime_group(x.shape, self.spec)
+            except ValueError as error:
+                raise ValueError(f"{self.where}: {error}") from None
             applied = runtime_spec(x, self.spec)
             return fake_quantize(x, runtime_qparams(x, applied, self.qparams), applied)
         return fake_quantize(x, self.qparams, self.spec)
@@ -330,7 +334,7 @@ def _fake_quantize_site(plan: Plan, path: str, site: str, qp, handles: list, par
         return
     if found.num_experts:  # per-expert activations: they would need the experts' own forward
         return
-    quantize = _ActivationFakeQuant(qp, found.spec, found.runtime)
+    quantize = _ActivationFakeQuant(qp, found.spec, found.runtime, f"fake_quantized: module {path!r} site {site!r}")
     hooked = plan.hooked_module(path, site)
     if found.kind == "input":  # the tensor calibrate observed (`input_tensor`)
 

@@ -20,7 +20,7 @@ from typing import Iterator, Mapping, Optional, Union
 import torch
 from torch.nn.utils import parametrize
 
-from ._granularity import qparam_shape
+from ._granularity import PerGroup, qparam_shape
 from ._sites import input_tensor, is_float_tensor, observe_tensor
 from ._torch_features import eager
 from .experts import (
@@ -56,6 +56,26 @@ def _copy_tree(states: Optional[Mapping]) -> dict:
             raise TypeError(f"states[{path!r}] must be a dict {{site: state}}, got {type(entry).__name__}")
         copied[path] = dict(entry)
     return copied
+
+
+COMPRESSED_TENSORS_PARTIAL_GROUPS = (
+    "compressed-tensors 0.19 cannot run dynamic group activations whose width the group size does not divide "
+    "(its forward's compute_dynamic_scales_and_zp raises in unflatten: there is no smaller last group), although "
+    "llm-compressor 0.14's oneshot calibrates such a model and writes a checkpoint that compressed-tensors cannot "
+    "run; ignore the module or choose a group size that divides its input features"
+)
+
+
+def check_runtime_group(shape, spec) -> None:
+    """ValueError for a tensor of ``shape`` that the granularity of ``spec`` (a site whose scales
+    come at run time) does not fit; for a compressed-tensors group size that does not divide the
+    features, it says that compressed-tensors cannot run such activations either."""
+    try:
+        qparam_shape(shape, spec.granularity)
+    except ValueError as error:
+        if isinstance(spec.granularity, PerGroup) and spec.convention.name == "compressed_tensors":
+            raise ValueError(f"{error}; {COMPRESSED_TENSORS_PARTIAL_GROUPS}") from None
+        raise
 
 
 def _raise_renamed(error: Exception, path: str, site: str):
@@ -243,7 +263,7 @@ class _SiteHook:
         (a group size that does not divide the features would otherwise calibrate and export)."""
         if self.found.runtime:
             try:
-                qparam_shape(shape, self.found.spec.granularity)
+                check_runtime_group(shape, self.found.spec)
             except ValueError as error:
                 _raise_renamed(error, self.path, self.site)
 
