@@ -142,7 +142,8 @@ def _check_config(spec, bins, octaves):
         raise TypeError(f"histogram: expected a QuantSpec, got {type(spec).__name__}")
     if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1 or bins & (bins - 1) or bins > 1 << 12:
         raise ValueError(
-            f"histogram: buckets_per_octave (buckets per power of two) must be a power of two in [1, 4096], got {bins!r}"
+            f"histogram: buckets_per_octave (buckets per power of two) must be a power of two in [1, 4096], got {bins!r} "
+            "(for torch.ao's number of linear bins: qstats.torch_ao.buckets_per_octave_for_bins(bins))"
         )
     if not isinstance(octaves, int) or isinstance(octaves, bool) or not 1 <= octaves <= 252:
         raise ValueError(f"histogram: octaves must be an int in [1, 252], got {octaves!r}")
