@@ -22,7 +22,8 @@ import torch
 from ._spec import QuantSpec
 from ._warn import warn
 
-__all__ = ["scheme_rules", "config_rules", "preset_schemes", "compressed_tensors_ignore", "GroupMatch"]
+__all__ = ["scheme_rules", "config_rules", "preset_schemes", "compressed_tensors_ignore", "GroupMatch",
+           "split_observer_kwargs"]
 
 # llm-compressor's observer names for activations -> (qstats registered name, kwargs it takes)
 _ACTIVATION_OBSERVERS = {
@@ -243,7 +244,15 @@ def _kv_cache_module(path: str, module) -> bool:
     """`Rule.matcher` of a ``kv_cache_scheme``: compressed-tensors' ``is_cached_attention_module``."""
     from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module
 
-    return module is not None and is_cached_attention_module(module)
+    if module is None:
+        raise TypeError(f"a kv_cache_scheme rule selects attention modules by their class, as compressed-tensors "
+                        f"does: pass the module of {path!r}")
+    return is_cached_attention_module(module)
+
+
+def _is_attention_rule(rule) -> bool:
+    """Whether ``rule`` is the q/k/v rule of a config group that may name attention modules."""
+    return isinstance(rule.matcher, GroupMatch) and rule.matcher.attention
 
 
 def compressed_tensors_ignore(ignore) -> Any:
@@ -301,7 +310,7 @@ def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None, experts=None, 
     if experts:
         if len(groups) != 1:
             raise ValueError("from_scheme: experts= takes one scheme, not a mapping of several presets")
-        rules = _expert_rules(Rule, [r for r in rules if r.sites != ("q",)], experts) + rules
+        rules = _expert_rules(Rule, [r for r in rules if not _is_attention_rule(r)], experts) + rules
     if kv_cache_scheme is not None:
         rules.append(_kv_rule(Rule, kv_cache_scheme, observed_dtype))
     return rules

@@ -589,7 +589,7 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
         check_batches(batches, where)
         plan = as_plan(recipe, model, where)
         check_resumed(states or {}, plan, where)
-        check_experts_layout(plan, where)  # shapes only: before the first layer is read
+        check_experts_layout(plan, where, warns=False)  # shapes only: before the first layer is read
         container_path, container = decoder_layers(model, layers, where)
         side_plan, after_layer = (None, None) if layer_step is None else layer_step(plan)
         source = LazyCheckpoint(checkpoint, where)

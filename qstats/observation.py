@@ -154,7 +154,7 @@ def _unstacked_experts_problem(module: torch.nn.Module, site: str, found) -> Opt
     return None
 
 
-def check_experts_layout(plan: Plan, caller: str = "calibrate") -> None:
+def check_experts_layout(plan: Plan, caller: str = "calibrate", warns: bool = True) -> None:
     """ValueError naming the first site of an experts module that would be observed as one tensor
     across its experts (`_unstacked_experts_problem`); a warning for a 3+-D parameter of a module that
     declares no expert count (nor is a convolution), observed as one tensor."""
@@ -164,7 +164,7 @@ def check_experts_layout(plan: Plan, caller: str = "calibrate") -> None:
             problem = _unstacked_experts_problem(module, site, found)
             if problem is not None:
                 raise ValueError(f"{caller}: module {path!r} ({type(module).__name__}) site {site!r}: {problem}")
-            if found.kind == "parameter" and not found.num_experts and not declared_experts(module)[1]:
+            if warns and found.kind == "parameter" and not found.num_experts and not declared_experts(module)[1]:
                 _warn_undeclared_stack(path, module, site, own_parameters(module)[site], caller)
 
 

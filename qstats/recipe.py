@@ -567,6 +567,8 @@ class Recipe:
 
     def _warn_unmatched(self, found: list, model: torch.nn.Module) -> None:
         for rule, sites in zip(self.rules, found):
+            if getattr(rule.matcher, "attention", False):
+                continue  # a config group's q/k/v rule: its group need not name an attention module
             unmatched = [site for site in rule.sites if site not in sites]
             if unmatched:  # a misspelt target or site would otherwise select nothing, silently
                 warn(

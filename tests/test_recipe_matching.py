@@ -301,3 +301,22 @@ def test_strings_that_are_not_recipes_and_rule_for_without_a_module_are_named():
         recipe.rule_for("model.layers.0.mlp.down_proj", "weight")
     linear = torch.nn.Linear(4, 4)
     assert recipe.rule_for("model.layers.0.mlp.down_proj", "weight", linear) is recipe.rules[0]
+
+
+def test_an_input_group_naming_no_attention_module_and_experts_with_it():
+    """An input-only group of other targets also reads as an attention group (its q/k/v rule):
+    no 'selects no site' warning where it names no attention module, and experts= takes it."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    inputs = {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    recipe = qstats.Recipe.from_scheme({"targets": ["re:.*mlp.*"], "input_activations": inputs})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = recipe.resolve(model)
+    assert sorted(path for path, sites in plan.sites.items() if "input" in sites) == [
+        "model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    with_experts = qstats.Recipe.from_scheme({"targets": ["Linear", "re:.*self_attn$"], "input_activations": inputs},
+                                             experts="Qwen3MoeExperts")
+    assert with_experts.rules[0].sites == ("input", "down_proj.input")
