@@ -23,7 +23,7 @@ from ._spec import QuantSpec
 from ._warn import warn
 
 __all__ = ["scheme_rules", "config_rules", "preset_schemes", "compressed_tensors_ignore", "GroupMatch",
-           "split_observer_kwargs"]
+           "split_observer_kwargs", "DROPIN_OBSERVERS"]
 
 # llm-compressor's observer names for activations -> (qstats registered name, kwargs it takes)
 _ACTIVATION_OBSERVERS = {
@@ -58,10 +58,12 @@ def _args(args):
     raise TypeError(f"expected compressed-tensors QuantizationArgs or a dict of its fields, got {type(args).__name__}")
 
 
-# the observers `qstats.llmcompressor` registers (a drop-in checkpoint names them) -> qstats' names
-_QSTATS_OBSERVERS = {"qstats_minmax": "moving_average_minmax", "qstats_static_minmax": "minmax",
-                     "qstats_memoryless_minmax": "memoryless_minmax", "qstats_histogram": "histogram",
-                     "qstats_mse": "mse"}
+DROPIN_OBSERVERS = {"minmax": "moving_average_minmax", "static_minmax": "minmax",
+                    "memoryless_minmax": "memoryless_minmax", "histogram": "histogram", "mse": "mse"}
+"""``{suffix: qstats observer name}`` of the observers `qstats.llmcompressor` registers in
+llm-compressor as ``"qstats_<suffix>"`` (a drop-in checkpoint names them)."""
+
+_QSTATS_OBSERVERS = {f"qstats_{suffix}": name for suffix, name in DROPIN_OBSERVERS.items()}
 
 
 def split_observer_kwargs(factory, options: Mapping, where: str) -> tuple:

@@ -38,12 +38,10 @@ except ImportError as error:  # llm-compressor is optional
 from . import distributed
 from ._granularity import PerTensor
 from ._qparams import compute_qparams
-from ._schemes import split_observer_kwargs
+from ._schemes import DROPIN_OBSERVERS, split_observer_kwargs
 from ._spec import QuantSpec
 from .fused import fused_global_scale
-from .observers.histogram import histogram
-from .observers.minmax import memoryless_minmax, minmax, moving_average_minmax
-from .observers.mse import mse
+from .observers import registry
 from .recipe import STATIC_GROUP_ACTIVATIONS, runtime_scaled
 
 __all__ = ["QstatsObserver", "OBSERVERS", "QstatsMinmaxObserver", "QstatsStaticMinmaxObserver",
@@ -184,16 +182,16 @@ def _observer_class(name: str, factory: Callable, doc: str) -> type:
     return LLMCompressorObserver.register(f"qstats_{name}")(cls)
 
 
-OBSERVERS = {
-    name: _observer_class(name, factory, doc)
-    for name, factory, doc in (
-        ("minmax", moving_average_minmax, "Moving average of per-batch extremes (llm-compressor ``minmax``)."),
-        ("static_minmax", minmax, "Running extremes (llm-compressor ``static_minmax``)."),
-        ("memoryless_minmax", memoryless_minmax, "The latest batch's extremes (``memoryless_minmax``)."),
-        ("histogram", histogram, "Exactly mergeable histogram; the range is searched at get_qparams."),
-        ("mse", mse, "MSE shrink search; losses accumulated over all batches (mode='accumulate')."),
-    )
+_DOCS = {
+    "minmax": "Moving average of per-batch extremes (llm-compressor ``minmax``).",
+    "static_minmax": "Running extremes (llm-compressor ``static_minmax``).",
+    "memoryless_minmax": "The latest batch's extremes (``memoryless_minmax``).",
+    "histogram": "Exactly mergeable histogram; the range is searched at get_qparams.",
+    "mse": "MSE shrink search; losses accumulated over all batches (mode='accumulate').",
 }
+
+OBSERVERS = {suffix: _observer_class(suffix, registry.get(name), _DOCS[suffix])
+             for suffix, name in DROPIN_OBSERVERS.items()}
 """``{suffix: class}`` of the observers registered as ``"qstats_<suffix>"``."""
 
 # module attributes under their class names, so that pickle (torch.save of a model under
