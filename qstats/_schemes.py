@@ -272,6 +272,10 @@ def compressed_tensors_ignore(ignore) -> Any:
 
 def _fullmatch_form(target: str) -> str:
     pattern = target[3:]
+    try:  # named as written, not in the rewritten form
+        re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"ignore: invalid regular expression {target!r}: {error}") from None
     flags = re.match(r"\(\?[aiLmsux]+\)", pattern)
     head = flags.group() if flags else ""
     return f"re:{head}(?:{pattern[len(head):]}).*"

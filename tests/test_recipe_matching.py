@@ -320,3 +320,8 @@ def test_an_input_group_naming_no_attention_module_and_experts_with_it():
     with_experts = qstats.Recipe.from_scheme({"targets": ["Linear", "re:.*self_attn$"], "input_activations": inputs},
                                              experts="Qwen3MoeExperts")
     assert with_experts.rules[0].sites == ("input", "down_proj.input")
+
+
+def test_a_bad_ignore_regex_is_named_as_written():
+    with pytest.raises(ValueError, match=r"invalid regular expression 're:\(unclosed'"):
+        qstats.Recipe.from_scheme("W4A16", ignore=["re:(unclosed"])
