@@ -180,7 +180,7 @@ def _quantization_config(schemes: dict, expert_projection: dict, attention: dict
     formats = {group["format"] for group in groups.values()}
     top_format = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
     kv_cache_scheme = attention_config(attention, groups, modules, rename)
-    ignore = ignored_modules(modules, schemes, plan, rename)
+    ignore = ignored_modules(modules, schemes, rename)
     return {
         "quant_method": "compressed-tensors",
         "format": top_format,

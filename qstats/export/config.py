@@ -18,7 +18,6 @@ import torch
 from .._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
 from .._spec import QuantSpec
 from ..observers import registry
-from ..recipe import _matches
 
 __all__ = [
     "ATTENTION_SITES",
@@ -244,21 +243,28 @@ def llm_compressor_observers(plan) -> dict:
     return names
 
 
-def ignored_modules(modules: dict, schemes: dict, plan=None, rename=None) -> list:
-    """The ``ignore`` list, as compressed-tensors writes it: the unquantized Linear modules, and
-    with a recipe's ``plan`` the modules its ``ignore`` names that hold a 2-D weight (MoE routers
-    such as ``Qwen3MoeTopKRouter``, which llm-compressor lists), in ``named_modules`` order, under
-    their checkpoint names (``rename``, `names.module_renamer`)."""
-    ignore_targets = plan.recipe.ignore if plan is not None else ()
-    out = []
+def ignored_modules(modules: dict, schemes: dict, rename=None) -> list:
+    """The ``ignore`` list, as compressed-tensors' ``QuantizationConfig.from_pretrained`` writes it:
+    the unquantized modules of a type some quantized module has (MoE routers and gates count as
+    Linear, as vLLM matches them; unpacked experts are Linear), grouped by type in order of first
+    appearance, then in ``named_modules`` order, under their checkpoint names (``rename``,
+    `names.module_renamer`). A module the recipe's ``ignore`` names but no group could quantize (an
+    embedding under Linear groups) is not listed."""
+    quantized = {vllm_module_type(modules[path]) if path in modules else "Linear" for path in schemes}
+    by_type: dict = {}
     for path, module in modules.items():
-        if not path or path in schemes:
-            continue
-        weight = getattr(module, "weight", None)
-        routed = isinstance(weight, torch.Tensor) and weight.ndim == 2 and _matches(ignore_targets, path, module)
-        if isinstance(module, torch.nn.Linear) or routed:
-            out.append(rename(path) if rename else path)
-    return out
+        kind = vllm_module_type(module)
+        if path and path not in schemes and kind in quantized:
+            by_type.setdefault(kind, []).append(rename(path) if rename else path)
+    return [path for paths in by_type.values() for path in paths]
+
+
+def vllm_module_type(module: torch.nn.Module) -> str:
+    """compressed-tensors' ``get_vllm_module_type``: the class name, "Linear" for routers and gates."""
+    name = type(module).__name__
+    if "ExpertMLP" not in name and ("Router" in name or "Gating" in name or re.search(r"Gate(?![a-z])", name)):
+        return "Linear"
+    return name
 
 
 def _observer_of(observers: dict, module_path: str, site: str, expert_projection: dict):
