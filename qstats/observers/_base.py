@@ -24,6 +24,7 @@ __all__ = [
     "state_types",
     "check_state",
     "check_same_shapes",
+    "row_mask",
     "batch_weighted_mean",
 ]
 
@@ -123,6 +124,23 @@ def check_same_shapes(a: Any, b: Any, where: str) -> None:
                 f"{where}: field {name!r} has dtype {left.dtype} in the first state and "
                 f"{right.dtype} in the second"
             )
+
+
+def row_mask(x: torch.Tensor, weight: Optional[torch.Tensor], where: str) -> Optional[torch.Tensor]:
+    """The per-row keep mask ``[rows]`` of a row ``weight`` (shape a prefix of ``x.shape[:-1]``;
+    zero leaves a row out) over ``x`` flattened to ``[rows, features]``, or None; ``where`` names
+    the caller in the errors."""
+    if weight is None:
+        return None
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{where}: weight must be a tensor or None, got {type(weight).__name__}")
+    if weight.ndim >= x.ndim or tuple(weight.shape) != tuple(x.shape[: weight.ndim]):
+        raise ValueError(
+            f"{where}: weight of shape {tuple(weight.shape)} does not match the leading (row) "
+            f"dimensions of the inputs of shape {tuple(x.shape)}"
+        )
+    keep = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - 1 - weight.ndim)) != 0
+    return keep.expand(x.shape[:-1]).reshape(-1)
 
 
 def batch_weighted_mean(u: torch.Tensor, v: torch.Tensor, u_batches: torch.Tensor, v_batches: torch.Tensor):

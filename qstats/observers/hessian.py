@@ -25,7 +25,7 @@ from .._granularity import check_observable
 from .._gram import add_masked_gram
 from .._qparams import register_range_rule
 from .._spec import QuantSpec
-from ._base import Observer, check_same_shapes, check_state, register_state
+from ._base import Observer, check_same_shapes, check_state, register_state, row_mask
 
 __all__ = ["HessianState", "hessian", "gptq_hessian"]
 
@@ -59,21 +59,6 @@ def checked_hessian_state(state, where: str, values: bool = True) -> HessianStat
     ok = require((state.count >= 0) & (state.nonfinite >= 0),
                  f"{where}: HessianState.count and .nonfinite are numbers of rows; the state holds a negative one")
     return state._replace(count=torch.where(ok, state.count, torch.zeros_like(state.count)))
-
-
-def _row_mask(x: torch.Tensor, weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The per-row keep mask ``[rows]`` of ``weight`` (a prefix of ``x.shape[:-1]``), or None."""
-    if weight is None:
-        return None
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"hessian.update: weight must be a tensor or None, got {type(weight).__name__}")
-    if weight.ndim >= x.ndim or tuple(weight.shape) != tuple(x.shape[: weight.ndim]):
-        raise ValueError(
-            f"hessian.update: weight of shape {tuple(weight.shape)} does not match the leading (row) "
-            f"dimensions of the inputs of shape {tuple(x.shape)}"
-        )
-    keep = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - 1 - weight.ndim)) != 0
-    return keep.expand(x.shape[:-1]).reshape(-1)
 
 
 def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.float32) -> Observer:
@@ -120,7 +105,7 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
                 f"hessian.update: inputs of shape {tuple(x.shape)} have {x.shape[-1] if x.ndim else 0} features, "
                 f"but the state is {tuple(state.total.shape)}"
             )
-        keep = _row_mask(x, weight)
+        keep = row_mask(x, weight, "hessian.update")
         if x.numel() == 0:  # an empty batch leaves the state as it is (a shape test, not a value)
             return state
         rows = x.detach().reshape(-1, x.shape[-1]).to(state.total.dtype)

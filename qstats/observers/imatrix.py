@@ -16,7 +16,7 @@ import torch
 
 from .._granularity import canonical_view, check_observable
 from .._spec import QuantSpec
-from ._base import Observer, check_same_shapes, check_state, register_state
+from ._base import Observer, check_same_shapes, check_state, register_state, row_mask
 from .mse import mse
 
 __all__ = ["IMatrixState", "imatrix", "importance", "imatrix_mse"]
@@ -53,21 +53,6 @@ def _checked(state, where: str) -> IMatrixState:
     return state
 
 
-def _row_keep(x: torch.Tensor, weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The keep mask ``[rows, 1]`` of a row ``weight`` (a prefix of ``x.shape[:-1]``), or None."""
-    if weight is None:
-        return None
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"imatrix.update: weight must be a tensor or None, got {type(weight).__name__}")
-    if weight.ndim >= x.ndim or tuple(weight.shape) != tuple(x.shape[: weight.ndim]):
-        raise ValueError(
-            f"imatrix.update: weight of shape {tuple(weight.shape)} does not match the leading (row) "
-            f"dimensions of the activations of shape {tuple(x.shape)}"
-        )
-    keep = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - 1 - weight.ndim))
-    return keep.expand(x.shape[:-1]).reshape(-1, 1) != 0
-
-
 def imatrix() -> Observer:
     """Per-input-channel importance ``E[x**2]`` of a layer's input activations.
 
@@ -99,9 +84,10 @@ def imatrix() -> Observer:
                 f"imatrix.update: a tensor of shape {tuple(x.shape)} has {x.shape[-1] if x.ndim else 0} input "
                 f"channels, but the state has {state.square_total.shape[-1]}"
             )
-        keep = _row_keep(x, weight)  # checked on an empty batch too
+        keep = row_mask(x, weight, "imatrix.update")  # checked on an empty batch too
         if x.numel() == 0:
             return state
+        keep = None if keep is None else keep[:, None]  # [rows, 1] against the squares [rows, channels]
         rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
         squares = rows * rows
         finite = torch.isfinite(squares)  # NaN, Inf, or a float64 value whose square overflows
