@@ -178,3 +178,21 @@ def llm_compressor_oneshot(model, samples, recipe, out=None, pipeline="basic", t
         if out is not None:
             model.save_pretrained(str(out), save_compressed=True)
     return model
+
+
+def llm_compressor_imatrix_mse(fields: dict, layer, xs, **observer_kwargs):
+    """llm-compressor's ``imatrix_mse`` weight observer on ``layer``: its hook sees the inputs ``xs``,
+    then it observes the weight. Returns ``(args, scale, zero_point)``."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmcompressor.observers import Observer
+
+    args = QuantizationArgs(**fields, observer="imatrix_mse", observer_kwargs=observer_kwargs)
+    observer = Observer.load_from_registry("imatrix_mse", base_name="weight", args=args)
+    observer.attach(layer)
+    with torch.no_grad():
+        for x in xs:
+            layer(x)
+    observer(layer.weight.data)
+    qp = observer.get_qparams()
+    observer.detach(layer)
+    return args, qp["scale"], qp["zero_point"]

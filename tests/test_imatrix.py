@@ -5,8 +5,8 @@ import torch
 
 import qstats
 
-llmc_observers = pytest.importorskip("llmcompressor.observers")
-from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
+pytest.importorskip("llmcompressor.observers")
+from _shared import llm_compressor_imatrix_mse  # noqa: E402
 
 
 def _activations(seed=0):
@@ -42,17 +42,7 @@ def test_row_mask_and_nonfinite():
         obs.update(state, torch.ones(3, 5))
 
 
-def _llmc(fields, layer, xs, **kwargs):
-    args = QuantizationArgs(**fields, observer="imatrix_mse", observer_kwargs=kwargs)
-    observer = llmc_observers.Observer.load_from_registry("imatrix_mse", base_name="weight", args=args)
-    observer.attach(layer)
-    with torch.no_grad():
-        for x in xs:
-            layer(x)
-    observer(layer.weight.data)
-    qp = observer.get_qparams()
-    observer.detach(layer)
-    return args, qp["scale"], qp["zero_point"]
+_llmc = llm_compressor_imatrix_mse
 
 
 @pytest.mark.parametrize(

@@ -14,22 +14,13 @@ import qstats
 import qstats.io
 from qstats import testing
 
-llmc_observers = pytest.importorskip("llmcompressor.observers")
-from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
+pytest.importorskip("llmcompressor.observers")
+from _shared import llm_compressor_imatrix_mse  # noqa: E402
 
 
 def _llmc(fields, layer, xs, **kwargs):
-    """llm-compressor's imatrix_mse on ``layer``: its hook sees ``xs``, then it observes the weight."""
-    args = QuantizationArgs(**fields, observer="imatrix_mse", observer_kwargs={"patience": 10**6, **kwargs})
-    observer = llmc_observers.Observer.load_from_registry("imatrix_mse", base_name="weight", args=args)
-    observer.attach(layer)
-    with torch.no_grad():
-        for x in xs:
-            layer(x)
-    observer(layer.weight.data)
-    qp = observer.get_qparams()
-    observer.detach(layer)
-    return args, qp["scale"], qp["zero_point"]
+    """llm-compressor's imatrix_mse without early stopping (patience 10**6) unless ``kwargs`` say so."""
+    return llm_compressor_imatrix_mse(fields, layer, xs, **{"patience": 10**6, **kwargs})
 
 
 def _qstats(args, w, xs, with_state=True, **kwargs):
