@@ -165,21 +165,27 @@ def test_overlapping_groups_export_equals_llm_compressor_oneshot(float_llama, sa
         assert bit_equal(our_logits, their_logits)
 
 
-def test_routers_the_ignore_list_does_not_name_are_listed_as_llm_compressor_lists_them(tmp_path, samples):
+@pytest.mark.parametrize("ignore", [["lm_head"], ["lm_head", "re:.*mlp.experts.*"]])
+def test_routers_the_ignore_list_does_not_name_are_listed_as_llm_compressor_lists_them(tmp_path, samples, ignore):
     """A Qwen3-MoE router (``Qwen3MoeTopKRouter``, a Linear to vLLM) that no group quantizes is in
-    ``ignore`` even when the recipe's ``ignore`` does not name it, as in llm-compressor's checkpoint."""
+    ``ignore`` even when the recipe's ``ignore`` does not name it, as in llm-compressor's checkpoint;
+    unquantized stacked experts are listed as the per-expert Linears llm-compressor linearizes them into."""
     saved, theirs, ours = (str(tmp_path / name) for name in ("float", "llm_compressor", "qstats"))
     torch.manual_seed(0)
     config = qwen3_moe_config(hidden_size=32, moe_intermediate_size=32, head_dim=16)
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(saved)
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    modifier = QuantizationModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])
+    modifier = QuantizationModifier(targets="Linear", scheme="W8A8", ignore=ignore)
     llm_compressor_oneshot(_load(saved), samples[:1], modifier, theirs)
     model = _load(saved)
     model.set_attn_implementation("eager")
-    plan = qstats.Recipe.from_scheme("W8A8", ignore=["lm_head"], experts="Qwen3MoeExperts").resolve(model)
+    plan = qstats.Recipe.from_scheme("W8A8", ignore=ignore, experts="Qwen3MoeExperts").resolve(model)
     states = qstats.calibrate(model, [{"input_ids": samples[0][None]}], plan, progress=False, all_experts=True)
     qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
     assert _quantization_config(ours)["ignore"] == _quantization_config(theirs)["ignore"]
     assert "model.layers.0.mlp.gate" in _quantization_config(ours)["ignore"]
+    their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
+    our_tensors = load_file(os.path.join(ours, "model.safetensors"))
+    assert sorted(our_tensors) == sorted(their_tensors)
+    assert not [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]

@@ -249,14 +249,31 @@ def ignored_modules(modules: dict, schemes: dict, rename=None) -> list:
     Linear, as vLLM matches them; unpacked experts are Linear), grouped by type in order of first
     appearance, then in ``named_modules`` order, under their checkpoint names (``rename``,
     `names.module_renamer`). A module the recipe's ``ignore`` names but no group could quantize (an
-    embedding under Linear groups) is not listed."""
+    embedding under Linear groups) is not listed. Stacked experts count as the Linear modules
+    llm-compressor linearizes them into (`linearized_experts`): those left unquantized are listed."""
+    rename = rename or (lambda name: name)
     quantized = {vllm_module_type(modules[path]) if path in modules else "Linear" for path in schemes}
     by_type: dict = {}
     for path, module in modules.items():
-        kind = vllm_module_type(module)
-        if path and path not in schemes and kind in quantized:
-            by_type.setdefault(kind, []).append(rename(path) if rename else path)
+        linear = linearized_experts(path, module)
+        kind = "Linear" if linear else vllm_module_type(module)
+        unquantized = [name for name in linear or [path] if name not in schemes]
+        if path and kind in quantized:
+            by_type.setdefault(kind, []).extend(rename(name) for name in unquantized)
     return [path for paths in by_type.values() for path in paths]
+
+
+def linearized_experts(path: str, module: torch.nn.Module) -> list:
+    """The paths of the Linear modules llm-compressor's ``linearize_moe`` turns a transformers
+    experts module into (3-D ``gate_up_proj`` or ``up_proj``, and ``down_proj``): per expert
+    ``up_proj``, ``gate_proj`` (when fused with up) and ``down_proj``, in its module order; [] for
+    any other module."""
+    params = dict(module.named_parameters(recurse=False))
+    up, down = params.get("gate_up_proj", params.get("up_proj")), params.get("down_proj")
+    if up is None or down is None or up.ndim != 3 or down.ndim != 3:
+        return []
+    names = ("up_proj", "gate_proj", "down_proj") if "gate_up_proj" in params else ("up_proj", "down_proj")
+    return [f"{path}.{expert}.{name}" for expert in range(down.shape[0]) for name in names]
 
 
 def vllm_module_type(module: torch.nn.Module) -> str:
