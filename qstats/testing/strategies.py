@@ -81,11 +81,8 @@ def batches(
     seed = draw(seeds())
     scale = draw(magnitudes(min_exponent, max_exponent))
     generator = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(count):
-        x = make_x(generator)
-        out.append(x * scale if x.is_floating_point() else x)
-    return out
+    xs = [make_x(generator) for _ in range(count)]
+    return [x * scale if x.is_floating_point() else x for x in xs]
 
 
 def splits(count: int, min_cuts: int = 0) -> st.SearchStrategy[list]:
