@@ -252,24 +252,16 @@ class _FakeQuantParametrization(torch.nn.Module):
         return fake_quantize(value, self.qparams, self.spec)
 
 
-class _ActivationFakeQuant:
-    """Fake-quantizes an activation site's floating-point tensors (others pass unchanged); for a
-    site whose scales come at run time, under the scales of each tensor (`runtime_qparams`)."""
-
-    def __init__(self, qparams: Optional[QParams], spec, runtime: bool, where: str = "fake_quantized"):
-        self.qparams, self.spec, self.runtime, self.where = qparams, spec, runtime, where
-
-    def __call__(self, x):
-        if not is_float_tensor(x):
-            return x
-        if self.runtime:
-            try:
-                check_runtime_group(x.shape, self.spec)
-            except ValueError as error:
-                raise ValueError(f"{self.where}: {error}") from None
-            applied = runtime_spec(x, self.spec)
-            return fake_quantize(x, runtime_qparams(x, applied, self.qparams), applied)
-        return fake_quantize(x, self.qparams, self.spec)
+def _fake_quantize_activation(x, qparams: Optional[QParams], spec, runtime: bool, where: str):
+    """Fake-quantizes an activation site's floating-point tensor ``x`` (others pass unchanged); for
+    a site whose scales come at run time, under the scales of ``x`` (`runtime_qparams`)."""
+    if not is_float_tensor(x):
+        return x
+    if not runtime:
+        return fake_quantize(x, qparams, spec)
+    check_runtime_group(x.shape, spec, where)
+    applied = runtime_spec(x, spec)
+    return fake_quantize(x, runtime_qparams(x, applied, qparams), applied)
 
 
 @contextlib.contextmanager
@@ -296,15 +288,13 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
     finally:
         for handle in handles:
             handle.remove()
-        orders = {}  # each module's parameters in their order before (removal re-registers at the end)
-        for module, site, before, order in parametrized:
-            orders.setdefault(module, order)
-        for module, site, before, _ in reversed(parametrized):
+        for module, site, before, order in reversed(parametrized):
             if before:  # the model's own parametrizations of the tensor stay (weight_norm, ...)
                 del module.parametrizations[site][before:]
             else:
                 parametrize.remove_parametrizations(module, site, leave_parametrized=False)
-        for module, order in orders.items():
+            # the parameters in their order before (removal re-registers at the end); a module's
+            # first parametrization comes last here, so its order before any is the one that stays
             for name in order:
                 if name in module._parameters:
                     module._parameters[name] = module._parameters.pop(name)
@@ -334,23 +324,18 @@ def _fake_quantize_site(plan: Plan, path: str, site: str, qp, handles: list, par
         return
     if found.num_experts:  # per-expert activations: they would need the experts' own forward
         return
-    quantize = _ActivationFakeQuant(qp, found.spec, found.runtime, f"fake_quantized: module {path!r} site {site!r}")
+    where = f"fake_quantized: module {path!r} site {site!r}"
+
+    def quantize(x):
+        return _fake_quantize_activation(x, qp, found.spec, found.runtime, where)
+
     hooked = plan.hooked_module(path, site)
     if found.kind == "input":  # the tensor calibrate observed (`input_tensor`)
-
-        def pre_hook(module, args, kwargs):
-            return replace_input_tensor(args, kwargs, quantize)
-
-        handles.append(hooked.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        hook = hooked.register_forward_pre_hook(
+            lambda _, args, kwargs: replace_input_tensor(args, kwargs, quantize), with_kwargs=True
+        )
     elif found.kind == "output":  # the tensor calibrate observed (`first_tensor`), also inside a tuple
-
-        def post_hook(module, args, output):
-            return replace_first_tensor(output, quantize)[0]
-
-        handles.append(hooked.register_forward_hook(post_hook))
+        hook = hooked.register_forward_hook(lambda _, args, output: replace_first_tensor(output, quantize)[0])
     else:  # q/k/v: the child projection's output
-
-        def projection_hook(child, args, output):
-            return quantize(output)
-
-        handles.append(hooked.register_forward_hook(projection_hook))
+        hook = hooked.register_forward_hook(lambda _, args, output: quantize(output))
+    handles.append(hook)

@@ -66,16 +66,16 @@ COMPRESSED_TENSORS_PARTIAL_GROUPS = (
 )
 
 
-def check_runtime_group(shape, spec) -> None:
-    """ValueError for a tensor of ``shape`` that the granularity of ``spec`` (a site whose scales
-    come at run time) does not fit; for a compressed-tensors group size that does not divide the
-    features, it says that compressed-tensors cannot run such activations either."""
+def check_runtime_group(shape, spec, where: str) -> None:
+    """ValueError, after ``where``, for a tensor of ``shape`` that the granularity of ``spec`` (a
+    site whose scales come at run time) does not fit; for a compressed-tensors group size that does
+    not divide the features, it says that compressed-tensors cannot run such activations either."""
     try:
         qparam_shape(shape, spec.granularity)
     except ValueError as error:
         if isinstance(spec.granularity, PerGroup) and spec.convention.name == "compressed_tensors":
-            raise ValueError(f"{error}; {COMPRESSED_TENSORS_PARTIAL_GROUPS}") from None
-        raise
+            error = f"{error}; {COMPRESSED_TENSORS_PARTIAL_GROUPS}"
+        raise ValueError(f"{where}: {error}") from None
 
 
 def _raise_renamed(error: Exception, path: str, site: str):
@@ -121,8 +121,7 @@ def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
                 return x, weight
     except ValueError:
         return x, weight
-    keep = weight != 0
-    selected = x[keep]
+    selected = x[weight != 0]
     if qparam_shape(selected.shape, spec.granularity) != want:
         return x, weight
     return selected, None
@@ -164,18 +163,17 @@ def check_experts_layout(plan: Plan, caller: str = "calibrate", warns: bool = Tr
             problem = _unstacked_experts_problem(module, site, found)
             if problem is not None:
                 raise ValueError(f"{caller}: module {path!r} ({type(module).__name__}) site {site!r}: {problem}")
-            if warns and found.kind == "parameter" and not found.num_experts and not declared_experts(module)[1]:
-                _warn_undeclared_stack(path, module, site, own_parameters(module)[site], caller)
-
-
-def _warn_undeclared_stack(path: str, module: torch.nn.Module, site: str, value: torch.Tensor, caller: str) -> None:
-    if value.ndim >= 3 and not isinstance(module, torch.nn.modules.conv._ConvNd):
-        warn(
-            f"{caller}: parameter {site!r} of shape {tuple(value.shape)} of module {path!r} "
-            f"({type(module).__name__}) is observed as one tensor: if it stacks experts, give the module an "
-            "int num_experts attribute equal to its leading dimension to observe it per expert",
-            UserWarning,
-        )
+            if not warns or found.kind != "parameter" or found.num_experts or declared_experts(module)[1]:
+                continue
+            value = own_parameters(module)[site]
+            if value.ndim >= 3 and not isinstance(module, torch.nn.modules.conv._ConvNd):
+                warn(
+                    f"{caller}: parameter {site!r} of shape {tuple(value.shape)} of module {path!r} "
+                    f"({type(module).__name__}) is observed as one tensor: if it stacks experts, give the "
+                    "module an int num_experts attribute equal to its leading dimension to observe it per "
+                    "expert",
+                    UserWarning,
+                )
 
 
 class _Calibration:
@@ -198,16 +196,14 @@ class _Calibration:
             return None
         self.weight_use[0] += 1
         if flattened:
-            if x.ndim >= 1 and weight.numel() == x.shape[0]:
-                self.weight_use[1] += 1
-                return weight.reshape(-1).to(x.device)
+            fits = x.ndim >= 1 and weight.numel() == x.shape[0]
+        else:  # a strict prefix: the weighted dims are tokens, features follow (a pooled [batch, hidden]
+            # with hidden == the padded length is not masked over its features)
+            fits = weight.ndim < x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape)
+        if not fits:
             return None
-        # a strict prefix: the weighted dims are tokens, features follow (a pooled [batch, hidden]
-        # with hidden == the padded length is not masked over its features)
-        if weight.ndim < x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
-            self.weight_use[1] += 1
-            return weight.to(x.device)
-        return None
+        self.weight_use[1] += 1
+        return (weight.reshape(-1) if flattened else weight).to(x.device)
 
     def update(self, path: str, site: str, x: torch.Tensor, weight=None, like: Optional[torch.Tensor] = None):
         """``states[path][site] = observer.update(previous, x, weight)``, ``previous`` starting as
@@ -227,45 +223,20 @@ class _Calibration:
             self.states.setdefault(key_path, {})[key_site] = updated
 
 
-class _ParameterSite:
-    """A parameter site: the parameter observed once, before the first batch; a resumed state of
-    it is checked against the parameter and kept."""
-
-    def __init__(self, run: _Calibration, path: str, site: str):
-        self.run, self.path, self.site = run, path, site
-
-    def observe(self) -> None:
-        value = self.run.plan.parameter(self.path, self.site)
-        resumed = self.run.states.get(self.path, {}).get(self.site)
-        if resumed is None:
-            self.run.update(self.path, self.site, value)
-            return
-        observer = self.run.plan.sites[self.path][self.site].observer
-        try:
-            assert_same_structure(resumed, observer.init(value), name="state")
-        except ValueError as error:
-            raise ValueError(
-                f"calibrate: the given states[{self.path!r}][{self.site!r}] is not a {observer.name} state "
-                f"of that parameter (shape {tuple(value.shape)}): {error}"
-            ) from None
-
-
 class _SiteHook:
     """Base of the activation hooks: one site of one module, updated through the calibration."""
 
     def __init__(self, run: _Calibration, path: str, site: str):
         self.run, self.path, self.site = run, path, site
         self.found = run.plan.sites[path][site]
+        self.where = f"calibrate: module {path!r} site {site!r}"
 
     def check_runtime_shape(self, shape) -> None:
         """A site whose scales come at run time (`runtime_scaled`) is observed per tensor, so its
         observer never meets the spec's granularity: the tensor's shape is checked against it here
         (a group size that does not divide the features would otherwise calibrate and export)."""
         if self.found.runtime:
-            try:
-                check_runtime_group(shape, self.found.spec)
-            except ValueError as error:
-                _raise_renamed(error, self.path, self.site)
+            check_runtime_group(shape, self.found.spec, self.where)
 
 
 class _ActivationSite(_SiteHook):
@@ -306,8 +277,7 @@ class _RoutedInputSite(_RoutedSite):
     and not where the batch's observation weight is 0."""
 
     def attach(self) -> list:
-        module = self.run.plan.modules[self.path]
-        return [module.register_forward_pre_hook(eager(self), with_kwargs=True)]
+        return [self.run.plan.modules[self.path].register_forward_pre_hook(eager(self), with_kwargs=True)]
 
     def __call__(self, module, args, kwargs) -> None:
         x = input_tensor(args, kwargs)
@@ -338,8 +308,7 @@ class _ExpertMatmulInputs:
     token to every expert (`qstats.experts.all_experts_calls`), whose outputs are discarded."""
 
     def __init__(self, run: _Calibration, path: str, sites: list):
-        self.path = path
-        self.run = run
+        self.run, self.path = run, path
         self.module = run.plan.modules[path]
         self.sites = {site: _RoutedSite(run, path, site) for site in sites}
         self.parameters = {site: parameter_input_site(site) for site in sites}
@@ -372,10 +341,8 @@ class _ExpertMatmulInputs:
         return capture, handles, tokens, weight
 
     def enter(self, module, args, kwargs) -> None:
-        if self.run.all_experts:  # observed from extra calls once the model's forward is done
-            self.active.append(None)
-            return
-        self.active.append(self._start(module, input_tensor(args, kwargs)))
+        # with all_experts, None: observed from extra calls once the model's forward is done
+        self.active.append(None if self.run.all_experts else self._start(module, input_tensor(args, kwargs)))
 
     def leave(self, module, args, kwargs, output) -> None:
         if not self.active:
@@ -386,8 +353,10 @@ class _ExpertMatmulInputs:
                 self._observe_all_experts(module, args, kwargs or {})
             return
         _stop(*started[:2])
-        if output is not None:  # else the forward raised
-            self._observe(module, started[0], *started[2:])
+        if output is None:  # the forward raised
+            return
+        for site, (rows, mask) in self._rows(module, started[0], *started[2:]).items():
+            self.sites[site].observe_rows(rows, mask)
 
     def _observe_all_experts(self, module, args: tuple, kwargs: dict) -> None:
         x = input_tensor(args, kwargs)
@@ -424,11 +393,6 @@ class _ExpertMatmulInputs:
             else:
                 self.sites[site].observe_rows(torch.cat(rows), torch.cat(masks, dim=1))
 
-    def _observe(self, module, capture: ExpertInputCapture, tokens: int, weight) -> None:
-        """Observes the rows a finished capture holds, site by site."""
-        for site, (rows, mask) in self._rows(module, capture, tokens, weight).items():
-            self.sites[site].observe_rows(rows, mask)
-
     def _rows(self, module, capture: ExpertInputCapture, tokens: int, weight, as_rows=None) -> dict:
         """``{site: (rows, mask [E, rows])}`` of the float rows a finished capture holds. With
         ``as_rows(dtype)`` (the call's tokens in a dtype, under ``all_experts``), rows that are each
@@ -454,12 +418,11 @@ class _ExpertMatmulInputs:
             if experts is not None:  # the tokens once, each expert keeping the unweighted-out ones
                 rows = as_rows(rows.dtype)
                 mask = experts[:, None].float().expand(num_experts, rows.shape[0])
-                out[site] = (rows, mask if weight is None else mask * (weight != 0).to(mask.dtype))
-                continue
-            mask = ids_mask(ids, num_experts)
-            if weight is not None:
-                mask = mask * self._kept_rows(capture, name, site, weight).to(mask.dtype)
-            out[site] = (rows, mask)
+                kept = None if weight is None else weight != 0
+            else:
+                mask = ids_mask(ids, num_experts)
+                kept = None if weight is None else self._kept_rows(capture, name, site, weight)
+            out[site] = (rows, mask if kept is None else mask * kept.to(mask.dtype))
         return out
 
     def _kept_rows(self, capture: ExpertInputCapture, name: str, site: str, weight: torch.Tensor) -> torch.Tensor:
@@ -503,11 +466,25 @@ def _activation_hooks(run: _Calibration) -> list:
 
 
 def _observe_parameters(run: _Calibration) -> None:
+    """Observes each parameter site once, before the first batch; a resumed state of one is
+    checked against the parameter and kept."""
     with torch.no_grad():
         for path, entry in run.plan.sites.items():
             for site, found in entry.items():
-                if found.kind == "parameter":
-                    _ParameterSite(run, path, site).observe()
+                if found.kind != "parameter":
+                    continue
+                value = run.plan.parameter(path, site)
+                resumed = run.states.get(path, {}).get(site)
+                if resumed is None:
+                    run.update(path, site, value)
+                    continue
+                try:
+                    assert_same_structure(resumed, found.observer.init(value), name="state")
+                except ValueError as error:
+                    raise ValueError(
+                        f"calibrate: the given states[{path!r}][{site!r}] is not a {found.observer.name} "
+                        f"state of that parameter (shape {tuple(value.shape)}): {error}"
+                    ) from None
 
 
 class Observing:
