@@ -18,7 +18,6 @@ from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .observers import Observer
 from .stacked import stacked_observer, stacked_qparams
 from ._warn import warn
 
@@ -84,11 +83,8 @@ def expert_count(module: torch.nn.Module) -> int:
     (parametrized or not) of 3+ dimensions whose leading dimension is that count.
     """
     declared = declared_experts(module)[1]
-    if not declared:
-        return 0
-    for param in own_parameters(module).values():
-        if param.ndim >= 3 and param.shape[0] == declared:
-            return declared
+    if declared and any(p.ndim >= 3 and p.shape[0] == declared for p in own_parameters(module).values()):
+        return declared
     return 0
 
 
@@ -99,7 +95,7 @@ def unstacked_parameter_problem(module: torch.nn.Module, name: str) -> Optional[
     or a 2-D one holding the declared experts flattened along its rows (DBRX's ``[E * ffn, hidden]``)."""
     param = own_parameters(module).get(name)
     attribute, declared = declared_experts(module)
-    if param is None or not declared or is_stacked_parameter(param, expert_count(module)):
+    if param is None or not declared or param.ndim < 2 or param.shape[0] == declared:
         return None
     shape = tuple(param.shape)
     if param.ndim >= 3:
@@ -107,7 +103,7 @@ def unstacked_parameter_problem(module: torch.nn.Module, name: str) -> Optional[
             f"its parameter {name!r} of shape {shape} is stacked but its leading dimension {shape[0]} is not "
             f"the module's {declared} experts ({attribute}), so qstats cannot observe it per expert"
         )
-    if param.ndim == 2 and shape[0] > declared and shape[0] % declared == 0:
+    if shape[0] > declared and shape[0] % declared == 0:
         return (
             f"its parameter {name!r} of shape {shape} holds its {declared} experts ({attribute}) flattened "
             f"along dim 0 ([E * rows, columns]); qstats observes per expert only parameters stacked as "
@@ -135,6 +131,16 @@ def is_stacked_parameter(param: torch.Tensor, num_experts: int) -> bool:
 _INDEX_NAMES = ("top_k_index", "router_indices", "selected_experts", "expert_indices", "topk_ids")
 
 
+def _is_int(value) -> bool:
+    """True when ``value`` is a tensor of integers (expert ids), not of floats or bools."""
+    return isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool
+
+
+def _arg(args: tuple, kwargs: dict, position: int, name: str):
+    """Argument ``name`` of a torch call, passed at ``position`` or by keyword (None if absent)."""
+    return args[position] if len(args) > position else kwargs.get(name)
+
+
 def _routing_tensors(args: tuple, kwargs: dict, tokens: int) -> tuple:
     """``(index, weights)`` of an experts module's call: the first integer tensor ``[tokens, k]``
     (or a keyword named like ``top_k_index``) and the first floating tensor of that shape after
@@ -145,7 +151,7 @@ def _routing_tensors(args: tuple, kwargs: dict, tokens: int) -> tuple:
     for value in candidates:
         if not isinstance(value, torch.Tensor) or value.ndim != 2 or value.shape[0] != tokens:
             continue
-        if index is None and not value.is_floating_point() and value.dtype != torch.bool:
+        if index is None and _is_int(value):
             index = value
         elif weights is None and value.is_floating_point() and (index is None or value.shape == index.shape):
             weights = value
@@ -223,6 +229,7 @@ def warn_uncovered(states: dict, sites: dict) -> dict:
     """Warns (`UncalibratedWarning`) naming, per stacked activation site, the experts that
     received no token; returns ``{path: {site: [expert indices]}}`` of those sites."""
     missing: dict = {}
+    lines = []
     for path, entry in sites.items():
         for site, found in entry.items():
             if not found.num_experts or site not in states.get(path, {}):
@@ -230,12 +237,8 @@ def warn_uncovered(states: dict, sites: dict) -> dict:
             experts = uncovered_experts(states[path][site])
             if experts:
                 missing.setdefault(path, {})[site] = experts
-    if missing:
-        lines = [
-            f"{path}.{site}: experts {experts} ({len(experts)} of {sites[path][site].num_experts})"
-            for path, entry in missing.items()
-            for site, experts in entry.items()
-        ]
+                lines.append(f"{path}.{site}: experts {experts} ({len(experts)} of {found.num_experts})")
+    if lines:
         warn(
             "qstats.calibrate: some experts received no calibration token; their quantization "
             "parameters follow the spec's on_uncalibrated policy (QParams.calibrated is False there): "
@@ -319,15 +322,13 @@ def _layout(t: torch.Tensor) -> list:
     return sorted(zip(t.shape, t.stride()))
 
 
-def _expert_of_slice(weight, stack: torch.Tensor, inner: Optional[list] = None) -> Optional[int]:
+def _expert_of_slice(weight, stack: torch.Tensor) -> Optional[int]:
     """``e`` when ``weight`` is the view ``stack[e]`` (possibly transposed), else None. Reads
-    only shapes, strides and storage offsets (no tensor data). ``inner``: the sorted
-    (size, stride) pairs of one slice of ``stack``, when the caller has them at hand."""
+    only shapes, strides and storage offsets (no tensor data)."""
     if not isinstance(weight, torch.Tensor) or not _same_storage(weight, stack) or weight.ndim != stack.ndim - 1:
         return None
     expert, rest = divmod(weight.storage_offset() - stack.storage_offset(), stack.stride(0))
-    if inner is None:
-        inner = sorted(zip(stack.shape[1:], stack.stride()[1:]))
+    inner = sorted(zip(stack.shape[1:], stack.stride()[1:]))  # the layout of one slice
     if rest or not 0 <= expert < stack.shape[0] or _layout(weight) != inner:
         return None
     return expert
@@ -346,29 +347,30 @@ def _is_whole_stack(weight, stack: torch.Tensor) -> bool:
 
 
 _LINEAR, _MATMUL, _BMM, _GATHER, _GROUPED, _REPEAT, _SELECT, _SAME_ROWS, _UNSQUEEZE, _CLAMP, _RESHAPE = range(11)
-_KINDS = {torch.nn.functional.linear: _LINEAR, torch.Tensor.__getitem__: _GATHER}
-# the calls through which the token of each row is followed (`ExpertInputCapture.row_tokens`)
-_KINDS.update(dict.fromkeys((torch.repeat_interleave, torch.Tensor.repeat_interleave), _REPEAT))
-_KINDS.update(dict.fromkeys((torch.index_select, torch.Tensor.index_select), _SELECT))
-_KINDS.update(dict.fromkeys((torch.unsqueeze, torch.Tensor.unsqueeze), _UNSQUEEZE))
-_KINDS.update(dict.fromkeys((torch.reshape, torch.Tensor.reshape, torch.Tensor.view, torch.flatten, torch.Tensor.flatten),
-                            _RESHAPE))
-_KINDS.update(
-    dict.fromkeys(
-        (torch.Tensor.to, torch.Tensor.contiguous, torch.Tensor.clone, torch.clone, torch.Tensor.detach,
-         torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type_as),
-        _SAME_ROWS,
+_KINDS = {
+    func: kind
+    for kind, funcs in (
+        (_LINEAR, (torch.nn.functional.linear,)),
+        (_GATHER, (torch.Tensor.__getitem__,)),
+        (_MATMUL, (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm)),
+        (_BMM, (torch.bmm, torch.Tensor.bmm)),
+        (_GROUPED, (getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None))),
+        # expert ids clamped into [0, E) before a gather (transformers' batched_mm, for expert-parallel
+        # sentinels): the rows of an id outside [0, E) belong to no expert, not to the clamped one
+        (_CLAMP, (torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip)),
+        # the calls through which the token of each row is followed (`ExpertInputCapture.row_tokens`)
+        (_REPEAT, (torch.repeat_interleave, torch.Tensor.repeat_interleave)),
+        (_SELECT, (torch.index_select, torch.Tensor.index_select)),
+        (_UNSQUEEZE, (torch.unsqueeze, torch.Tensor.unsqueeze)),
+        (_RESHAPE, (torch.reshape, torch.Tensor.reshape, torch.Tensor.view, torch.flatten,
+                    torch.Tensor.flatten)),
+        (_SAME_ROWS, (torch.Tensor.to, torch.Tensor.contiguous, torch.Tensor.clone, torch.clone,
+                      torch.Tensor.detach, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
+                      torch.Tensor.type_as)),
     )
-)
-# expert ids clamped into [0, E) before a gather (transformers' batched_mm, for expert-parallel
-# sentinels): the rows of an id outside [0, E) belong to no expert, not to the clamped one
-_KINDS.update(dict.fromkeys((torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip), _CLAMP))
-_KINDS.update(dict.fromkeys((torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__), _MATMUL))
-_KINDS.update(dict.fromkeys((torch.mm, torch.Tensor.mm), _MATMUL))
-_KINDS.update(dict.fromkeys((torch.bmm, torch.Tensor.bmm), _BMM))
-for _grouped_mm in (getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None)):
-    if _grouped_mm is not None:
-        _KINDS[_grouped_mm] = _GROUPED
+    for func in funcs
+    if func is not None  # grouped_mm: only in some torch versions
+}
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 
 
@@ -376,10 +378,9 @@ def _kind(func) -> Optional[int]:
     """Which recognised call ``func`` is (None for every other function: one dict look-up and
     one isinstance, as the mode sees every torch call of the experts' forward)."""
     kind = _KINDS.get(func)
-    if kind is None and isinstance(func, _OPS):  # custom grouped-mm ops (transformers' fallback)
-        name = func.name() if isinstance(func, torch._ops.OpOverload) else str(func)
-        if "grouped_mm" in name:
-            return _GROUPED
+    # custom grouped-mm ops (transformers' fallback)
+    if kind is None and isinstance(func, _OPS) and "grouped_mm" in str(func):
+        return _GROUPED
     return kind
 
 
@@ -415,8 +416,6 @@ class ExpertInputCapture(TorchFunctionMode):
             self._token_of[tokens] = torch.arange(tokens.shape[0], device=tokens.device)
         elif tokens is not None and tokens.ndim > 2:  # traced from their flattening to [tokens, hidden]
             self._flat[tokens] = torch.arange(tokens.numel() // max(tokens.shape[-1], 1), device=tokens.device)
-        # per parameter, the layout of one slice (checked on every matmul: computed once)
-        self._inner = {name: sorted(zip(p.shape[1:], p.stride()[1:])) for name, p in self.parameters.items()}
 
     def watch(self, name: str, stack: torch.Tensor) -> None:
         """Watches ``stack`` as parameter ``name`` from now on: for a parametrized parameter
@@ -424,7 +423,6 @@ class ExpertInputCapture(TorchFunctionMode):
         forward computes, which it then slices (`calibrate` calls this from a forward hook of the
         parametrization)."""
         self.parameters[name] = stack
-        self._inner[name] = sorted(zip(stack.shape[1:], stack.stride()[1:]))
 
     def _add(self, name: str, rows: torch.Tensor, ids, tokens: Optional[torch.Tensor] = None) -> None:
         """Keeps ``rows``, their expert ids (an int, one expert, expanded in `captured`, or a
@@ -447,21 +445,20 @@ class ExpertInputCapture(TorchFunctionMode):
     def _sliced(self, weight):
         """``(name, e)`` when ``weight`` is a slice ``P[e]`` of a watched parameter."""
         for name, stack in self.parameters.items():
-            expert = _expert_of_slice(weight, stack, self._inner[name])
+            expert = _expert_of_slice(weight, stack)
             if expert is not None:
                 return name, expert
         return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
+        kwargs = kwargs or {}
         out = func(*args, **kwargs)
         kind = _kind(func)
         if kind is None:
             return out
         if kind == _LINEAR:
-            x = args[0] if args else kwargs.get("input")
-            found = self._sliced(args[1] if len(args) > 1 else kwargs.get("weight"))
+            x = _arg(args, kwargs, 0, "input")
+            found = self._sliced(_arg(args, kwargs, 1, "weight"))
             if found is not None and isinstance(x, torch.Tensor):
                 self._add(found[0], x.reshape(-1, x.shape[-1]), found[1], self._rows_tokens(x))
         elif kind == _MATMUL and len(args) >= 2:
@@ -471,10 +468,9 @@ class ExpertInputCapture(TorchFunctionMode):
         elif kind == _GATHER and len(args) == 2:
             self._gather(args[0], args[1], out)
         elif kind == _GROUPED and len(args) >= 2:
-            self._grouped(args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None))
+            self._grouped(args[0], args[1], _arg(args, kwargs, 2, "offs"))
         elif kind == _CLAMP:
-            if args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor) and out is not args[0] \
-                    and not args[0].is_floating_point() and args[0].dtype != torch.bool:
+            if args and _is_int(args[0]) and isinstance(out, torch.Tensor) and out is not args[0]:
                 self._unclamped[out] = self._unclamped.get(args[0], args[0])
         elif (self._token_of or self._flat) and args:
             self._follow(kind, args, kwargs, out)
@@ -484,32 +480,31 @@ class ExpertInputCapture(TorchFunctionMode):
         """Traces the tokens of ``out``'s rows from those of ``args[0]`` through a copy, an
         ``unsqueeze`` after the first dimension, ``repeat_interleave`` or ``index_select`` along it,
         a reshape keeping the rows, or the flattening of ``[..., hidden]`` tokens to ``[tokens, hidden]``."""
-        if kind == _RESHAPE and isinstance(args[0], torch.Tensor) and args[0] in self._flat:
-            flat = self._flat[args[0]]
-            if isinstance(out, torch.Tensor) and out.ndim == 2 and out.shape == (flat.shape[0], args[0].shape[-1]):
-                self._token_of[out] = flat
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or out.ndim == 0:
             return
-        tokens = self._token_of.get(args[0]) if isinstance(args[0], torch.Tensor) else None
-        if tokens is None or not isinstance(out, torch.Tensor) or out.ndim == 0:
+        if kind == _RESHAPE and x in self._flat:
+            if out.ndim == 2 and out.shape == (self._flat[x].shape[0], x.shape[-1]):
+                self._token_of[out] = self._flat[x]
+            return
+        tokens = self._token_of.get(x)
+        if tokens is None:
             return
         if kind == _REPEAT:
-            repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
-            dim = args[2] if len(args) > 2 else kwargs.get("dim")
-            if dim != 0 or repeats is None:
+            repeats = _arg(args, kwargs, 1, "repeats")
+            if _arg(args, kwargs, 2, "dim") != 0 or repeats is None:
                 return
             tokens = tokens.repeat_interleave(repeats.to(tokens.device) if isinstance(repeats, torch.Tensor) else repeats)
         elif kind == _SELECT:
-            dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            index = args[2] if len(args) > 2 else kwargs.get("index")
-            if dim != 0 or not isinstance(index, torch.Tensor):
+            index = _arg(args, kwargs, 2, "index")
+            if _arg(args, kwargs, 1, "dim") != 0 or not isinstance(index, torch.Tensor):
                 return
             tokens = tokens[index.to(tokens.device)]
-        elif kind == _RESHAPE:
-            if out.shape[0] != args[0].shape[0]:  # the same leading rows only
-                return
+        elif kind == _RESHAPE and out.shape[0] != x.shape[0]:  # the same leading rows only
+            return
         elif kind == _UNSQUEEZE:
-            dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            if not isinstance(dim, int) or dim in (0, -args[0].ndim - 1):
+            dim = _arg(args, kwargs, 1, "dim")
+            if not isinstance(dim, int) or dim in (0, -x.ndim - 1):
                 return
         if out.shape[0] == tokens.shape[0]:
             self._token_of[out] = tokens
@@ -543,34 +538,26 @@ class ExpertInputCapture(TorchFunctionMode):
             ):
                 self._token_of[out] = tokens[index.to(tokens.device) if isinstance(index, torch.Tensor) else index]
             return
-        for name, watched in self.parameters.items():
-            if stack is watched:  # P[ids]: one expert's weights per row
-                if (
-                    isinstance(index, torch.Tensor)
-                    and index.ndim == 1
-                    and not index.is_floating_point()
-                    and index.dtype != torch.bool
-                    and isinstance(out, torch.Tensor)
-                ):
-                    self._gathered[out] = (name, self._unclamped.get(index, index))
-                return
+        name = next((name for name, watched in self.parameters.items() if stack is watched), None)
+        if name is not None and _is_int(index) and index.ndim == 1 and isinstance(out, torch.Tensor):
+            # P[ids]: one expert's weights per row
+            self._gathered[out] = (name, self._unclamped.get(index, index))
 
     def _grouped(self, x, weight, offs) -> None:
         if not (isinstance(x, torch.Tensor) and x.ndim == 2 and isinstance(offs, torch.Tensor)):
             return
-        for name, stack in self.parameters.items():
-            if _is_whole_stack(weight, stack):  # row r belongs to the first e with r < offs[e]
-                positions = torch.arange(x.shape[0], device=offs.device, dtype=torch.int64)
-                ids = torch.searchsorted(offs.to(torch.int64).contiguous(), positions, right=True)
-                self._add(name, x, ids, self._rows_tokens(x))
-                return
+        name = next((name for name, stack in self.parameters.items() if _is_whole_stack(weight, stack)), None)
+        if name is not None:  # row r belongs to the first e with r < offs[e]
+            positions = torch.arange(x.shape[0], device=offs.device, dtype=torch.int64)
+            ids = torch.searchsorted(offs.to(torch.int64).contiguous(), positions, right=True)
+            self._add(name, x, ids, self._rows_tokens(x))
 
     def captured(self, name: str) -> Optional[tuple]:
         """``(rows [N, in], ids [N])``: every captured input row of parameter ``name`` and its
         expert, in call order; None when no call with that parameter was seen."""
-        if not self.rows[name]:
-            return None
         rows = self.rows[name]
+        if not rows:
+            return None
         if len({r.dtype for r in rows}) > 1:
             rows = [r.float() for r in rows]
         return torch.cat(rows), self._expert_ids(name, rows[0].device)
