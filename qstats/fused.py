@@ -51,9 +51,8 @@ def fused_groups(model: torch.nn.Module) -> list:
         for names in FUSED_LAYER_NAMES:
             if not all(hasattr(module, name) for name in names):
                 continue
-            members = {name: getattr(module, name) for name in names}
-            present = [name for name, member in members.items() if member is not None]
-            if len(present) >= 2 and all(isinstance(members[name], torch.nn.Module) for name in present):
+            present = [name for name in names if getattr(module, name) is not None]
+            if len(present) >= 2 and all(isinstance(getattr(module, name), torch.nn.Module) for name in present):
                 groups.append(tuple(f"{path}.{name}" if path else name for name in present))
     return groups
 
@@ -64,13 +63,16 @@ def _amax_of(state, spec: QuantSpec, **options) -> torch.Tensor:
         raise TypeError(f"fused: {type(state).__name__}'s range rule returns QParams, not a range")
     min_val, max_val = result.min_val.float(), result.max_val.float()
     calibrated = calibrated_mask(result.calibrated) & torch.isfinite(min_val) & torch.isfinite(max_val)
-    zero = torch.zeros_like(min_val)
-    amax = torch.max(torch.where(calibrated, -min_val, zero), torch.where(calibrated, max_val, zero))
+    amax = torch.where(calibrated, torch.max(-min_val, max_val), 0.0)
     return torch.clamp(amax, min=0).amax() if amax.numel() else amax.new_zeros(())
 
 
+def _is_state(states) -> bool:
+    return isinstance(states, tuple) and hasattr(states, "_fields")
+
+
 def _as_states(states) -> list:
-    if isinstance(states, tuple) and hasattr(states, "_fields"):
+    if _is_state(states):
         return [states]  # one (stacked) state
     if isinstance(states, Mapping):
         raise TypeError("fused: the group must be a sequence of states (q, k, v), got a mapping; pass "
@@ -88,8 +90,7 @@ def fused_amax(states, spec: QuantSpec, **options) -> torch.Tensor:
     """Absolute maximum (float32 scalar) over all calibrated entries of ``states``: a sequence of
     states, or one state stacked along a leading dimension (all experts of a layer). ``options``
     go to the states' range rule (a histogram's ``method=``)."""
-    amaxes = [_amax_of(s, spec, **options) for s in _as_states(states)]
-    return torch.stack(amaxes).amax()
+    return torch.stack([_amax_of(s, spec, **options) for s in _as_states(states)]).amax()
 
 
 def fused_global_scale(states, spec: QuantSpec, **options) -> torch.Tensor:
@@ -112,18 +113,15 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
     Returns:
       A tuple of QParams (one per state), or one QParams with a leading dimension when stacked.
     """
-    if stacked:
-        if not (isinstance(states, tuple) and hasattr(states, "_fields")):
-            raise TypeError(
-                f"fused_qparams(stacked=True): states must be one state stacked along a leading dimension, "
-                f"got a {type(states).__name__} (pass stacked=False for a sequence of states)"
-            )
-    else:
-        states = _as_states(states)  # read an iterator once
-    global_scale = fused_global_scale(states, spec, **options)  # the same range method as the scales
-    if stacked:
-        def one(state):
-            return compute_qparams(state, spec, global_scale=global_scale, **options)
+    if stacked and not _is_state(states):
+        raise TypeError(
+            f"fused_qparams(stacked=True): states must be one state stacked along a leading dimension, "
+            f"got a {type(states).__name__} (pass stacked=False for a sequence of states)"
+        )
+    group = [states] if stacked else _as_states(states)  # read an iterator once
+    global_scale = fused_global_scale(group, spec, **options)  # the same range method as the scales
 
-        return torch.func.vmap(one)(states)
-    return tuple(compute_qparams(s, spec, global_scale=global_scale, **options) for s in states)
+    def qparams(state):
+        return compute_qparams(state, spec, global_scale=global_scale, **options)
+
+    return torch.func.vmap(qparams)(states) if stacked else tuple(qparams(s) for s in group)

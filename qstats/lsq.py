@@ -96,6 +96,24 @@ def _zero_gradient(t: torch.Tensor) -> torch.Tensor:
     return t - t.detach()
 
 
+def _checked_view(x: torch.Tensor, params, spec) -> torch.Tensor:
+    """``x`` in the canonical view of ``spec.granularity``, once ``spec`` and ``params`` fit it."""
+    _check_spec(spec)
+    if not isinstance(params, LSQParams):
+        raise TypeError(f"lsq_fake_quantize: params must be LSQParams, got {type(params).__name__}")
+    view = canonical_view(x, spec.granularity)
+    expected = tuple(view.shape[1:-1])
+    for name, value in zip(LSQParams._fields, params):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"lsq_fake_quantize: params.{name} must be a tensor, got {type(value).__name__}")
+        if tuple(value.shape) != expected:
+            raise ValueError(
+                f"lsq_fake_quantize: params.{name} has shape {tuple(value.shape)} but a tensor of shape "
+                f"{tuple(x.shape)} with {type(spec.granularity).__name__} needs {expected}"
+            )
+    return view
+
+
 def lsq_fake_quantize(
     x: torch.Tensor,
     params: LSQParams,
@@ -120,26 +138,13 @@ def lsq_fake_quantize(
     >>> qstats.lsq_fake_quantize(torch.tensor([0.3, 9.0]), params, spec).detach()
     tensor([0.5000, 3.5000])
     """
-    _check_spec(spec)
-    if not isinstance(params, LSQParams):
-        raise TypeError(f"lsq_fake_quantize: params must be LSQParams, got {type(params).__name__}")
-    view = canonical_view(x, spec.granularity)
-    expected = tuple(view.shape[1:-1])
-    for name, value in zip(LSQParams._fields, params):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"lsq_fake_quantize: params.{name} must be a tensor, got {type(value).__name__}")
-        if tuple(value.shape) != expected:
-            raise ValueError(
-                f"lsq_fake_quantize: params.{name} has shape {tuple(value.shape)} but a tensor of shape "
-                f"{tuple(x.shape)} with {type(spec.granularity).__name__} needs {expected}"
-            )
+    view = _checked_view(x, params, spec)
     qmin, qmax = spec.qrange
     factor = lsq_grad_factor(x.numel(), params.scale.numel(), spec, grad_scale)
 
     scale = broadcast_to_view(params.scale.float())
     scale_value = scale.detach().clamp(min=spec.eps)
-    learn_zero_point = spec.mapping == "asymmetric" and spec.zero_point_domain != "none"
-    if learn_zero_point:
+    if spec.mapping == "asymmetric" and spec.zero_point_domain != "none":  # a learned zero point
         zero_point = broadcast_to_view(params.zero_point.float())
         zero_point_value = zero_point.detach()
         if spec.zero_point_domain == "int":

@@ -34,15 +34,15 @@ __all__ = [
 ]
 
 _STE_MODES = ("clipped", "identity")
-_DEFAULT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_CONV_FUNCTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+# the layers `prepare` can quantize, and the function each computes
+_LAYER_FUNCTIONS = {nn.Linear: F.linear, nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+_DEFAULT_LAYERS = tuple(_LAYER_FUNCTIONS)
 # forwards that `prepare` rewrites: a subclass that keeps one is the layer it subclasses
-_STOCK_FORWARDS = (nn.Linear.forward, nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward,
-                   nn.modules.batchnorm._BatchNorm.forward)
+_STOCK_FORWARDS = (*(layer.forward for layer in _LAYER_FUNCTIONS), nn.modules.batchnorm._BatchNorm.forward)
 _EXTRA_INPUTS = ("qat_state", "qat_phase", "qat_ranges")  # keyword arguments the rewritten forward takes
 # functional calls a traced-through forward makes (a subclass's own forward, `super().forward`): the
 # layer type whose ``weight`` they may read, as torch.ao's prepare_qat_fx quantizes functional linear/conv
-_FUNCTIONAL_LAYERS = {F.linear: nn.Linear, F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d}
+_FUNCTIONAL_LAYERS = {function: layer for layer, function in _LAYER_FUNCTIONS.items()}
 
 
 def _select(flag, if_true, if_false):
@@ -73,10 +73,6 @@ def fake_quantize_ste(x: torch.Tensor, qparams, spec: QuantSpec, ste: str = "cli
         return fake_quantize(x, qparams, spec)
     value = fake_quantize(x.detach(), qparams, spec)
     return value + (x - x.detach())
-
-
-def _fallback_spec(spec: QuantSpec) -> QuantSpec:
-    return spec if spec.on_uncalibrated == "fallback" else spec.replace(on_uncalibrated="fallback")
 
 
 def observe_fake_quantize(
@@ -125,16 +121,16 @@ def observe_fake_quantize(
             f"observe_fake_quantize: the {observer.name} observer has no QuantSpec to fake-quantize to "
             f"(spec={spec!r}); use it with phase.fake_quantize=False, or pass an observer built from a QuantSpec"
         )
-    if phase.observe is False:
-        new_state = state
-    else:
+    new_state = state
+    if phase.observe is not False:
         new_state = _select(phase.observe, observer.update(state, x.detach()), state)
     if phase.fake_quantize is False:
         return x, new_state
     if learned is not None:
         y = lsq_fake_quantize(x, learned, spec, grad_scale)
     else:
-        qp_spec = spec if isinstance(phase.fake_quantize, bool) else _fallback_spec(spec)
+        # a tensor flag computes qparams where it then keeps ``x``: a state that saw no data must not raise
+        qp_spec = spec if isinstance(phase.fake_quantize, bool) else spec.replace(on_uncalibrated="fallback")
         qparams = compute_qparams(new_state, qp_spec, **(qparams_options or {}))
         y = fake_quantize_ste(x, qparams, spec, ste)
     return _select(phase.fake_quantize, y, x), new_state
@@ -166,12 +162,6 @@ class QATState(NamedTuple):
     batchnorm: Dict[str, BatchNormState]
 
 
-def _learned(ranges, kind: str, key: str):
-    if ranges is None:
-        return None
-    return ranges.get(kind, {}).get(key)
-
-
 class _FakeQuantPoint(nn.Module):
     """Graph node: observe and fake-quantize one tensor, reading and returning its state."""
 
@@ -187,7 +177,7 @@ class _FakeQuantPoint(nn.Module):
             return x, self.observer.init(x) if previous is None else previous
         if previous is not None:
             current = previous
-        learned = _learned(ranges, self.kind, self.key)
+        learned = (ranges or {}).get(self.kind, {}).get(self.key)
         return observe_fake_quantize(
             x, current, self.observer, phase, ste=self.ste, learned=learned, grad_scale=self.grad_scale
         )
@@ -203,21 +193,20 @@ class _BatchNormPoint(nn.Module):
     def forward(self, x, weight, bias, running_mean, running_var, num_batches_tracked, state: QATState, phase,
                 previous=None):
         current = state.batchnorm.get(self.key)
-        if current is None:
-            if previous is not None:  # a later call of the same layer during QATModel.init
-                return x, previous
-            init = BatchNormState(running_mean.detach().clone(), running_var.detach().clone(), num_batches_tracked.clone())
-            return x, init
+        if current is None:  # QATModel.init (a later call of the same layer keeps the first call's state)
+            if previous is None:
+                previous = BatchNormState(running_mean.detach().clone(), running_var.detach().clone(),
+                                          num_batches_tracked.clone())
+            return x, previous
         if previous is not None:  # a later call of the same layer: chain its running statistics
             current = previous
         frozen = phase.freeze_batchnorm
-        if frozen is True:
-            return F.batch_norm(x, current.running_mean, current.running_var, weight, bias, False, 0.0, self.eps), current
-        y_train = F.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
-        updated = self._updated(x, current)
-        if frozen is False:
-            return y_train, updated
-        y_eval = F.batch_norm(x, current.running_mean, current.running_var, weight, bias, False, 0.0, self.eps)
+        y_eval = y_train = updated = None  # a bool flag computes one side only
+        if frozen is not False:
+            y_eval = F.batch_norm(x, current.running_mean, current.running_var, weight, bias, False, 0.0, self.eps)
+        if frozen is not True:
+            y_train = F.batch_norm(x, None, None, weight, bias, True, 0.0, self.eps)
+            updated = self._updated(x, current)
         return _select(frozen, y_eval, y_train), _select(frozen, current, updated)
 
     def _updated(self, x, current: BatchNormState) -> BatchNormState:
@@ -240,11 +229,10 @@ class _BatchNormPoint(nn.Module):
 
 
 def _quantized_call(layer: nn.Module):
-    if isinstance(layer, nn.Linear):
-        return F.linear, ()
-    for cls, fn in _CONV_FUNCTIONS.items():
+    for cls, function in _LAYER_FUNCTIONS.items():
         if isinstance(layer, cls):
-            return fn, (layer.stride, layer.padding, layer.dilation, layer.groups)
+            extra = () if cls is nn.Linear else (layer.stride, layer.padding, layer.dilation, layer.groups)
+            return function, extra
     raise TypeError(f"qstats.qat.prepare: cannot quantize a {type(layer).__name__}; supported: Linear, Conv1d/2d/3d")
 
 
@@ -292,8 +280,7 @@ class QATModel:
         """
         if not isinstance(state, QATState):
             raise TypeError(f"QATModel.apply: state must be a QATState, got {type(state).__name__}")
-        for kind, expected in (("weights", self._weight_keys), ("activations", self._activation_keys),
-                               ("batchnorm", self.batchnorm_layers)):
+        for kind, expected in self._state_keys().items():
             got = getattr(state, kind)
             if set(got) != set(expected):
                 raise ValueError(
@@ -321,7 +308,7 @@ class QATModel:
                 raise ValueError(f"QATModel.apply: ranges has the key {kind!r}; expected 'weights' and/or 'activations'")
             if not isinstance(given, dict):
                 raise TypeError(f"QATModel.apply: ranges[{kind!r}] must be a dict of LSQParams, got {type(given).__name__}")
-            expected = self._weight_keys if kind == "weights" else self._activation_keys
+            expected = self._state_keys()[kind]
             unknown = sorted(set(given) - set(expected))
             if unknown:
                 raise ValueError(
@@ -329,13 +316,11 @@ class QATModel:
                     f"{sorted(expected)}"
                 )
 
-    @property
-    def _weight_keys(self):
-        return self.layers if self.weight_observer is not None else ()
-
-    @property
-    def _activation_keys(self):
-        return self.layers if self.activation_observer is not None else ()
+    def _state_keys(self) -> Dict[str, tuple]:
+        """`QATState` field -> the layers it holds (none for a kind without observer)."""
+        return {"weights": self.layers if self.weight_observer is not None else (),
+                "activations": self.layers if self.activation_observer is not None else (),
+                "batchnorm": self.batchnorm_layers}
 
     def sync(self, state: QATState, group=None, *, weights: bool = False) -> QATState:
         """Merges the activation observer states across the ranks of ``group`` (one
@@ -423,10 +408,7 @@ def prepare(
         else:
             hidden.update((f"{node.target}.{name}", type(layer).__name__) for name, child in layer.named_modules()
                           if name and isinstance(child, layers))
-    if hidden:
-        warn(f"qstats.qat.prepare: {sorted(hidden)} run inside {sorted(set(hidden.values()))}, which torch.fx "
-             "does not trace into: they stay in float")
-    _warn_own_forwards(model, layers, rewriter, hidden)
+    _warn_float_layers(model, layers, rewriter, hidden)
     if not rewriter.quantized:
         raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}")
     return QATModel(rewriter.finish(), weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms)
@@ -456,9 +438,13 @@ def _functional_owner(model: nn.Module, node, layers) -> Optional[str]:
     return None
 
 
-def _warn_own_forwards(model: nn.Module, layers, rewriter, hidden) -> None:
-    """Names the subclasses with their own forward that torch.fx traced through and `prepare` could
-    not rewrite: a weight not passed as is to F.linear/F.convNd, a batch norm's hidden buffers."""
+def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
+    """Names the layers `prepare` could not rewrite: those inside modules torch.fx keeps whole
+    (``hidden``: name -> that module's type name), and subclasses with their own forward that torch.fx
+    traced through (a weight not passed as is to F.linear/F.convNd, a batch norm's hidden buffers)."""
+    if hidden:
+        warn(f"qstats.qat.prepare: {sorted(hidden)} run inside {sorted(set(hidden.values()))}, which torch.fx "
+             "does not trace into: they stay in float")
     floats, buffers = [], []
     for name, module in model.named_modules():
         if type(module).forward in _STOCK_FORWARDS or name in hidden or any(name.startswith(f"{h}.") for h in hidden):
@@ -490,10 +476,11 @@ class _Tracer(torch.fx.Tracer):
         self.layers = tuple(layers) + (nn.modules.batchnorm._BatchNorm,)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, self.layers) and isinstance(m, tuple(_CONV_FUNCTIONS)) and m.padding_mode != "zeros":
-            return False  # traced to F.pad and an F.convNd of self.weight, which `prepare` quantizes
-        if isinstance(m, self.layers) and type(m).forward in _STOCK_FORWARDS:
-            return True
+        if isinstance(m, self.layers):
+            if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.padding_mode != "zeros":
+                return False  # traced to F.pad and an F.convNd of self.weight, which `prepare` quantizes
+            if type(m).forward in _STOCK_FORWARDS:
+                return True
         return super().is_leaf_module(m, module_qualified_name)
 
 
@@ -532,22 +519,24 @@ class _Rewriter:
         self.new_states = {"weights": {}, "activations": {}, "batchnorm": {}}  # layer -> its latest state node
         self.quantized, self.batchnorms = [], []
         self.weights = {}  # layer -> its fake-quantized weight (a module called twice reuses it)
-        self.calls = {"layer": 0, "batchnorm": 0}
+        self.points = 0  # numbers the submodules of the points
 
     def _point(self, kind: str, module: nn.Module, args: tuple):
         """Adds ``module`` as a submodule, calls it with ``args``; returns (value, new state) nodes."""
-        name = f"qat_{kind}_{self.calls['batchnorm' if kind == 'batchnorm' else 'layer']}"
+        name = f"qat_{kind}_{self.points}"
+        self.points += 1
         self.gm.add_submodule(name, module)
         result = self.graph.call_module(name, args)
         return (self.graph.call_function(operator.getitem, (result, 0)),
                 self.graph.call_function(operator.getitem, (result, 1)))
 
-    def _fake_quantized(self, kind: str, key: str, value, previous=None):
+    def _fake_quantized(self, kind: str, key: str, value):
         observer = self.observers[kind]
         if observer is None:
             return value
         point = _FakeQuantPoint(kind, key, observer, self.ste, self.grad_scale)
-        args = (value, self.state, self.phase, self.ranges) + ((previous,) if kind == "activations" else ())
+        # a layer called again observes into the state its earlier call returned
+        args = (value, self.state, self.phase, self.ranges, self.new_states[kind].get(key))
         value, self.new_states[kind][key] = self._point(kind[:-1], point, args)
         return value
 
@@ -557,11 +546,9 @@ class _Rewriter:
         if key not in self.quantized:
             self.quantized.append(key)
         with self.graph.inserting_before(node):
-            # a layer called again observes into the state its earlier call returned
-            x = self._fake_quantized("activations", key, x, self.new_states["activations"].get(key))
+            x = self._fake_quantized("activations", key, x)
             if key not in self.weights:  # the same weight: observed once per pass
                 self.weights[key] = self._fake_quantized("weights", key, weight())
-        self.calls["layer"] += 1
         return x, self.weights[key]
 
     def quantize_layer(self, node, layer) -> None:
@@ -595,15 +582,11 @@ class _Rewriter:
         if key not in self.batchnorms:
             self.batchnorms.append(key)
         with self.graph.inserting_before(node):
-            args = [node.args[0]]
-            for attribute in ("weight", "bias"):
-                args.append(self.graph.get_attr(f"{key}.{attribute}") if getattr(layer, attribute) is not None else None)
-            for attribute in ("running_mean", "running_var", "num_batches_tracked"):
-                args.append(self.graph.get_attr(f"{key}.{attribute}"))
+            args = [self.graph.get_attr(f"{key}.{name}") if getattr(layer, name) is not None else None
+                    for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
             previous = self.new_states["batchnorm"].get(key)  # a layer called again chains its statistics
-            args += [self.state, self.phase, previous]
-            y, self.new_states["batchnorm"][key] = self._point("batchnorm", _BatchNormPoint(key, layer), tuple(args))
-        self.calls["batchnorm"] += 1
+            args = (node.args[0], *args, self.state, self.phase, previous)
+            y, self.new_states["batchnorm"][key] = self._point("batchnorm", _BatchNormPoint(key, layer), args)
         node.replace_all_uses_with(y)
         self.graph.erase_node(node)
 
