@@ -463,3 +463,19 @@ def test_accepted_integer_specs_keep_their_codes_in_their_range():
         scale, zero_point = _reference_qparams(args, x)
         theirs = ct_forward.quantize(x, scale, None if symmetric else zero_point, args)
         assert torch.equal(codes.float(), theirs.float())
+
+
+@pytest.mark.parametrize("fields,missing", [
+    (dict(num_bits=4, strategy="group"), "group_size"),
+    (dict(num_bits=4, type="float", strategy="tensor_group"), "group_size"),
+    (dict(strategy="block"), "block_structure"),
+])
+def test_a_dict_of_fields_missing_what_its_strategy_needs_is_refused_naming_it(fields, missing):
+    """compressed-tensors' ``QuantizationArgs`` refuses these fields; a dict skips its validation,
+    so qstats names the missing field (it raised a bare TypeError from ``int(None)``)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    with pytest.raises(ValueError):
+        QuantizationArgs(**fields)
+    with pytest.raises(ValueError, match=missing):
+        qstats.QuantSpec.from_compressed_tensors(fields)

@@ -69,7 +69,12 @@ def from_compressed_tensors(cls, args, overrides):
         dtype = _FLOAT_TARGETS[num_bits]
     else:
         raise ValueError(f"from_compressed_tensors: unknown quantization type {qtype!r}")
-    granularity = _granularity(strategy, args, group_size)
+    if strategy not in _GRANULARITIES:
+        raise ValueError(f"from_compressed_tensors: strategy {strategy!r} is not supported")
+    needs = {"group": "group_size", "tensor_group": "group_size", "block": "block_structure"}.get(strategy)
+    if needs is not None and _field(args, needs, None) is None:  # QuantizationArgs refuses it too
+        raise ValueError(f"from_compressed_tensors: strategy {strategy!r} needs {needs}")
+    granularity = _GRANULARITIES[strategy](args, group_size)
     scale_dtype = _dtype_field(args, "scale_dtype")
     if scale_dtype is not None and scale_dtype not in _DTYPE_NAMES:
         raise ValueError(
@@ -94,31 +99,30 @@ def from_compressed_tensors(cls, args, overrides):
         on_uncalibrated="fallback",
         compute_dtype=compute_dtype,
     )
-    fields.update(_low_bit_fields(fields, num_bits, qtype, group_size))
+    if fields["scale_dtype"] == "e8m0":
+        # MX (generate_mx_scales): float 4/8 bits, group 32, uint8 scales
+        if not (qtype == "float" and num_bits in (4, 8) and group_size == 32):
+            raise ValueError("from_compressed_tensors: uint8 scales are MX scales: float 4/8 bits, group_size 32")
+        fields["scale_rounding"] = "round_then_floor"
+    if isinstance(granularity, TensorGroup):
+        fields["global_scale_formula"] = "range_over_amax"  # NVFP4 (generate_gparam: 448 * 6 / amax)
     fields.update(overrides)
     return cls(**fields)
 
 
-def _granularity(strategy: str, args, group_size):
-    """The granularity of a compressed-tensors strategy, as llm-compressor views the tensor."""
-    if strategy == "tensor":
-        return PerTensor()
-    if strategy == "channel":
-        # the weight view (..., rows, 1, cols): one scale per row of the last dimension, also for
-        # 3-D weights (PerAxis(0) would give one per leading index)
-        return PerRow()
-    if strategy == "group":
-        return PerGroup(int(group_size))
-    if strategy == "tensor_group":
-        return TensorGroup(int(group_size))
-    if strategy == "block":
-        return PerBlock(tuple(_field(args, "block_structure")), partial=True)
-    if strategy == "token":
-        return PerToken()
-    if strategy == "attn_head":
-        # the attention view of (batch, heads, seq, head_dim): one scale per head
-        return PerHead(1)
-    raise ValueError(f"from_compressed_tensors: strategy {strategy!r} is not supported")
+# granularities of compressed-tensors strategies, as llm-compressor views the tensor: f(args, group_size)
+_GRANULARITIES = {
+    "tensor": lambda args, group_size: PerTensor(),
+    # the weight view (..., rows, 1, cols): one scale per row of the last dimension, also for
+    # 3-D weights (PerAxis(0) would give one per leading index)
+    "channel": lambda args, group_size: PerRow(),
+    "group": lambda args, group_size: PerGroup(int(group_size)),
+    "tensor_group": lambda args, group_size: TensorGroup(int(group_size)),
+    "block": lambda args, group_size: PerBlock(tuple(_field(args, "block_structure")), partial=True),
+    "token": lambda args, group_size: PerToken(),
+    # the attention view of (batch, heads, seq, head_dim): one scale per head
+    "attn_head": lambda args, group_size: PerHead(1),
+}
 
 
 # strategies whose activation specs take their scales at run time (`qstats.recipe.runtime_scaled`)
@@ -177,19 +181,6 @@ def _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype)
                 f"{qtype}{num_bits} targets: use a signed integer dtype holding the target's range "
                 "(float8_e4m3fn for float targets)"
             )
-
-
-def _low_bit_fields(fields, num_bits, qtype, group_size):
-    """MX (``generate_mx_scales``: float 4/8 bits, group 32, uint8 scales) and NVFP4
-    (``generate_gparam``: ``448 * 6 / amax``) conventions of compressed-tensors."""
-    extra = {}
-    if fields["scale_dtype"] == "e8m0":
-        if not (qtype == "float" and num_bits in (4, 8) and group_size == 32):
-            raise ValueError("from_compressed_tensors: uint8 scales are MX scales: float 4/8 bits, group_size 32")
-        extra["scale_rounding"] = "round_then_floor"
-    if isinstance(fields["granularity"], TensorGroup):
-        extra["global_scale_formula"] = "range_over_amax"
-    return extra
 
 
 def _code_range(spec) -> tuple:

@@ -86,25 +86,25 @@ class Convention:
         float zero-point domain)."""
         qmin, qmax = spec.qrange
         eps = spec.eps  # torch.ao's max(scale, eps) against its float32 eps buffer
-        min_val_neg = min_val.clamp(max=0.0)
-        max_val_pos = max_val.clamp(min=0.0)
-        if spec.mapping in ("symmetric", "narrow"):
-            max_val_pos = torch.max(-min_val_neg, max_val_pos)
-            scale = (max_val_pos / (float(qmax - qmin) / 2)).clamp_min(eps)
-            zero_point = torch.full_like(scale, spec.zero_point_of_symmetric, dtype=torch.int32)
-        elif spec.mapping == "symmetric_no_clipping_err":
-            scale_from_min = min_val_neg / float(qmin)
-            scale_from_max = max_val_pos / float(qmax)
-            scale = torch.where(scale_from_min > scale_from_max, scale_from_min, scale_from_max).clamp_min(eps)
-            zero_point = torch.full_like(scale, spec.zero_point_of_symmetric, dtype=torch.int32)
-        elif spec.zero_point_domain == "float":
+        if spec.mapping == "asymmetric" and spec.zero_point_domain == "float":
             scale = (max_val - min_val) / float(qmax - qmin)
             scale = torch.where(scale > eps, scale, torch.ones_like(scale))
-            zero_point = -1 * min_val / scale
-        else:
+            return _round_scale(scale, spec), -1 * min_val / scale
+        min_val_neg = min_val.clamp(max=0.0)
+        max_val_pos = max_val.clamp(min=0.0)
+        if spec.mapping == "asymmetric":
             scale = ((max_val_pos - min_val_neg) / float(qmax - qmin)).clamp_min(eps)
             zero_point = qmin - torch.round(min_val_neg / scale).to(torch.int32)
             zero_point = torch.clamp(zero_point, qmin, qmax)
+        else:
+            if spec.mapping == "symmetric_no_clipping_err":
+                scale_from_min = min_val_neg / float(qmin)
+                scale_from_max = max_val_pos / float(qmax)
+                scale = torch.where(scale_from_min > scale_from_max, scale_from_min, scale_from_max)
+            else:  # "symmetric", "narrow"
+                scale = torch.max(-min_val_neg, max_val_pos) / (float(qmax - qmin) / 2)
+            scale = scale.clamp_min(eps)
+            zero_point = torch.full_like(scale, spec.zero_point_of_symmetric, dtype=torch.int32)
         if spec.zero_point_domain == "none":
             zero_point = torch.zeros_like(scale, dtype=torch.int32)
         return _round_scale(scale, spec), zero_point
@@ -129,9 +129,9 @@ class Convention:
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec) -> torch.Tensor:
         """Values of ``codes`` (those `quantize` stores, or `codes`' float ones): float32, or
         float64 for float64 integer codes (as torch's per-channel fake-quant kernel)."""
-        codes = integer_working(codes) if not spec.is_float else codes.float()
         if spec.is_float:
-            return codes * scale
+            return codes.float() * scale
+        codes = integer_working(codes)
         return (codes - zero_point.to(codes.dtype)) * scale
 
     def gradient_range(self, spec) -> tuple:
@@ -159,8 +159,6 @@ def integer_working(t: torch.Tensor) -> torch.Tensor:
 
 def _round_scale(scale: torch.Tensor, spec) -> torch.Tensor:
     """float32 ``scale`` rounded to ``spec.scale_dtype`` (held as float32)."""
-    if spec.scale_dtype == "float32":
-        return scale
     dtype = getattr(torch, spec.scale_dtype)
     if spec.scale_dtype in ("float8_e4m3fn", "float16", "bfloat16"):
         # narrow exponent ranges: the largest finite scale instead of an overflow to Inf or NaN,
@@ -168,7 +166,7 @@ def _round_scale(scale: torch.Tensor, spec) -> torch.Tensor:
         # floor, applied in float32, lies below it for float8: 2**-9); bfloat16 rounds float32
         # scales past its largest value (a one-bit target's peak / 0.5 near 3.4e38) to Inf
         finfo = torch.finfo(dtype)
-        return scale.clamp(finfo.tiny * finfo.eps, finfo.max).to(dtype).float()
+        scale = scale.clamp(finfo.tiny * finfo.eps, finfo.max)
     return scale.to(dtype).float()
 
 

@@ -18,7 +18,6 @@ from .default import (
     check_float_zero_point,
     check_preserve_zero,
     check_symmetric_zero_point,
-    integer_working,
 )
 
 __all__ = ["TorchAOConvention", "from_torch_ao"]
@@ -40,6 +39,15 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 _PER_CHANNEL = (torch.per_channel_affine, torch.per_channel_symmetric, torch.per_channel_affine_float_qparams)
 _SYMMETRIC = (torch.per_tensor_symmetric, torch.per_channel_symmetric)
+# calculate_qmin_qmax without a custom range (other dtypes: (0, 15)); reduce_range halves 8-bit ones
+_DEFAULT_RANGES = {
+    **dict.fromkeys((torch.qint8, torch.int8), (-128, 127)),
+    **dict.fromkeys((torch.quint8, torch.uint8), (0, 255)),
+    **dict.fromkeys((torch.qint32, torch.int32), (_INT32_MIN, _INT32_MAX)),
+    torch.uint16: (0, 2**16 - 1),
+    torch.int16: (-(2**15), 2**15 - 1),
+}
+_REDUCIBLE = (torch.qint8, torch.int8, torch.quint8, torch.uint8)
 
 
 def _torch_ao_range(dtype, quant_min, quant_max, reduce_range):
@@ -54,27 +62,17 @@ def _torch_ao_range(dtype, quant_min, quant_max, reduce_range):
             raise ValueError("from_torch_ao: quantization range exceeds the maximum bit range (=256) of int8")
         if dtype in (torch.qint32, torch.int32) and not 0 < qrange_len <= 2**32:
             raise ValueError("from_torch_ao: quantization range exceeds the maximum bit range of int32")
-        if reduce_range:
-            quant_min, quant_max = quant_min // 2, quant_max // 2
-            if quant_min == quant_max:
-                # torch.ao accepts it and returns an Inf or NaN scale.
-                raise ValueError(
-                    f"from_torch_ao: reduce_range halves the range to the single value {quant_min}; "
-                    "use a range of at least 2 values per half"
-                )
-        return custom, quant_min, quant_max
-    if dtype in (torch.qint8, torch.int8):
-        lo, hi = (-64, 63) if reduce_range else (-128, 127)
-    elif dtype in (torch.quint8, torch.uint8):
-        lo, hi = (0, 127) if reduce_range else (0, 255)
-    elif dtype in (torch.qint32, torch.int32):
-        lo, hi = -(2**31), 2**31 - 1
-    elif dtype == torch.uint16:
-        lo, hi = 0, 2**16 - 1
-    elif dtype == torch.int16:
-        lo, hi = -(2**15), 2**15 - 1
+        lo, hi = quant_min, quant_max
     else:
-        lo, hi = 0, 15
+        lo, hi = _DEFAULT_RANGES.get(dtype, (0, 15))
+    if reduce_range and (custom or dtype in _REDUCIBLE):
+        lo, hi = lo // 2, hi // 2
+        if lo == hi:
+            # torch.ao accepts it and returns an Inf or NaN scale.
+            raise ValueError(
+                f"from_torch_ao: reduce_range halves the range to the single value {lo}; "
+                "use a range of at least 2 values per half"
+            )
     return custom, lo, hi
 
 
@@ -114,20 +112,13 @@ def from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, 
         target = f"int{bits if bits <= 16 else 32}"
     else:
         bits = max(int(hi).bit_length(), 1)
-        target = f"uint{bits if bits <= 16 else 32}" if bits <= 16 else "int32"
+        target = f"uint{bits}" if bits <= 16 else "int32"
 
-    if qscheme in _SYMMETRIC:
-        mapping, domain = "symmetric", "int"
-    elif qscheme == torch.per_channel_affine_float_qparams:
-        mapping, domain = "asymmetric", "float"
-    else:
-        mapping, domain = "asymmetric", "int"
-    granularity = PerTensor() if qscheme in _PER_TENSOR else PerAxis(ch_axis)
     fields = dict(
         dtype=target,
-        mapping=mapping,
-        granularity=granularity,
-        zero_point_domain=domain,
+        mapping="symmetric" if qscheme in _SYMMETRIC else "asymmetric",
+        granularity=PerTensor() if qscheme in _PER_TENSOR else PerAxis(ch_axis),
+        zero_point_domain="float" if qscheme == torch.per_channel_affine_float_qparams else "int",
         quant_min=lo,
         quant_max=hi,
         reduce_range=False,
@@ -174,16 +165,15 @@ class TorchAOConvention(Convention):
         every int32 code)."""
         if not _exact_kernel(spec):
             return super().codes(view, scale, zero_point, spec)
-        v = integer_working(view)  # float64 inputs: x * inv_scale in float64, as the kernels
         if spec.zero_point_domain == "float":
             # lrintf(zero_point + x * inv_scale): compilers contract it to one fused multiply-add
             # (x86 AVX2/AVX512 and aarch64 builds of torch), i.e. the exact value rounded once to
             # float32; float64 holds the exact product, and rounds the sum once more only where it
             # needs more than 53 bits.
             inv_scale = (1.0 / scale).double()
-            unclamped = torch.round((v.double() * inv_scale + zero_point.double()).float())
-        else:
-            unclamped = torch.round(v * (1.0 / scale)) + zero_point.to(v.dtype)
+            unclamped = torch.round((view.double() * inv_scale + zero_point.double()).float())
+        else:  # Convention's (float64 inputs: x * inv_scale in float64, as the kernels), unclamped
+            unclamped = super().codes(view, scale, zero_point, spec)[0]
         unclamped = unclamped.double()
         return unclamped, unclamped.clamp(*spec.qrange)
 
@@ -192,15 +182,13 @@ class TorchAOConvention(Convention):
         the input dtype, the per-channel one is in the input's dtype.
         """
         per_tensor = isinstance(spec.granularity, PerTensor) and spec.zero_point_domain != "float"
-        if not _exact_kernel(spec):
-            values = super().dequantize(codes, scale, zero_point, spec)
-            if per_tensor and values.dtype == torch.float64:
-                return (integer_working(codes) - zero_point.double()).float() * scale
-            return values
-        difference = codes.double() - zero_point.double()
-        if per_tensor:
-            return difference.float() * scale
-        return difference * scale.double()  # rounded once to the output dtype (qstats/_quant.py)
+        exact = _exact_kernel(spec)
+        if per_tensor and not spec.is_float and (exact or codes.dtype == torch.float64):
+            return (codes.double() - zero_point.double()).float() * scale
+        if not exact:
+            return super().dequantize(codes, scale, zero_point, spec)
+        # rounded once to the output dtype (qstats/_quant.py)
+        return (codes.double() - zero_point.double()) * scale.double()
 
     def gradient_range(self, spec) -> tuple:
         """The range against which torch's fake-quant kernels test a code: the per-tensor kernel

@@ -29,21 +29,12 @@ _SCALE_MODES = {"FLOOR": "floor", "CEIL": "ceil", "EVEN": "even", "RCEIL": "rcei
 _MX_ELEMENTS = {
     torch.float8_e4m3fn: "fp8_e4m3fn",
     torch.float8_e5m2: "fp8_e5m2",
-    "fp6_e2m3": "fp6_e2m3",
-    "fp6_e3m2": "fp6_e3m2",
-    "fp4_e2m1": "fp4_e2m1",
-    "fp8_e4m3fn": "fp8_e4m3fn",
-    "fp8_e5m2": "fp8_e5m2",
+    **{name: name for name in ("fp6_e2m3", "fp6_e3m2", "fp4_e2m1", "fp8_e4m3fn", "fp8_e5m2")},
 }
 if torch_dtype("float4_e2m1fn_x2") is not None:  # torch >= 2.8; the name "fp4_e2m1" works on any torch
     _MX_ELEMENTS[torch_dtype("float4_e2m1fn_x2")] = "fp4_e2m1"
 # _choose_scale_float8 / _quantize_affine_float8 targets (torchao's FP8_TYPES)
-_FLOAT8 = {
-    torch.float8_e4m3fn: "fp8_e4m3fn",
-    torch.float8_e5m2: "fp8_e5m2",
-    torch.float8_e4m3fnuz: "fp8_e4m3fnuz",
-    torch.float8_e5m2fnuz: "fp8_e5m2fnuz",
-}
+_FLOAT8 = {getattr(torch, f"float8_{e}"): f"fp8_{e}" for e in ("e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz")}
 _E8M0 = torch_dtype("float8_e8m0fnu")  # torch >= 2.7
 _NVFP4_BLOCK_SCALE_EPS = float(torch.finfo(torch.float8_e4m3fn).tiny)  # torchao E4M3_EPS
 
@@ -100,25 +91,26 @@ def _granularity(kwargs) -> Granularity:
     return _block_size_granularity(tuple(int(b) for b in block_size), tuple(int(s) for s in shape))
 
 
+# qstats granularities of torchao granularity objects, by class name
+_GRANULARITIES = {
+    "PerTensor": lambda g: PerTensor(),
+    "PerAxis": lambda g: PerAxis(int(g.axis)),
+    "PerGroup": lambda g: PerGroup(int(g.group_size)),
+    # reduces along ``dim``, one set per index of every other dimension (get_block_size)
+    "PerRow": lambda g: PerRow(int(getattr(g, "dim", -1))),
+    "PerToken": lambda g: PerToken(),
+    # torchao pads a short block_size with leading 1s (get_block_size): leading 1s beyond the
+    # last two dimensions are the same granularity; other entries span leading dimensions
+    "PerBlock": lambda g: PerBlock(_strip_leading_ones(tuple(int(b) for b in g.block_size))),
+}
+
+
 def _torchao_granularity(granularity) -> Granularity:
     """The qstats granularity of a torchao granularity object (read by its class name)."""
     kind = type(granularity).__name__
-    if kind == "PerTensor":
-        return PerTensor()
-    if kind == "PerAxis":
-        return PerAxis(int(granularity.axis))
-    if kind == "PerGroup":
-        return PerGroup(int(granularity.group_size))
-    if kind == "PerRow":
-        # reduces along ``dim``, one set per index of every other dimension (get_block_size)
-        return PerRow(int(getattr(granularity, "dim", -1)))
-    if kind == "PerToken":
-        return PerToken()
-    if kind == "PerBlock":
-        # torchao pads a short block_size with leading 1s (get_block_size): leading 1s beyond the
-        # last two dimensions are the same granularity; other entries span leading dimensions
-        return PerBlock(_strip_leading_ones(tuple(int(b) for b in granularity.block_size)))
-    raise ValueError(f"from_torchao: unsupported granularity {granularity!r}")
+    if kind not in _GRANULARITIES:
+        raise ValueError(f"from_torchao: unsupported granularity {granularity!r}")
+    return _GRANULARITIES[kind](granularity)
 
 
 def _strip_leading_ones(block: tuple) -> tuple:
@@ -157,18 +149,12 @@ def from_torchao(cls, target_dtype, kwargs):
     if kind == "QuantizeTensorToMXKwargs":
         config = target_dtype
         return _mx_spec(cls, config.elem_dtype, config.block_size, config.scaling_mode, kwargs, overrides)
-    if kind == "QuantizeTensorToNVFP4Kwargs":
-        config = target_dtype
-        if config.block_size != 16:
-            raise ValueError(f"from_torchao: NVFP4 needs block_size 16, got {config.block_size}")
-        per_tensor = kwargs.pop("per_tensor_scale", True)
-        return _nvfp4_spec(cls, per_tensor, kwargs, overrides)
-    if kwargs.pop("nvfp4", False):
-        per_tensor = kwargs.pop("per_tensor_scale", True)
-        block_size = kwargs.pop("block_size", 16)
+    nvfp4_config = kind == "QuantizeTensorToNVFP4Kwargs"
+    if nvfp4_config or kwargs.pop("nvfp4", False):
+        block_size = target_dtype.block_size if nvfp4_config else kwargs.pop("block_size", 16)
         if block_size != 16:
             raise ValueError(f"from_torchao: NVFP4 needs block_size 16, got {block_size}")
-        return _nvfp4_spec(cls, per_tensor, kwargs, overrides)
+        return _nvfp4_spec(cls, kwargs.pop("per_tensor_scale", True), kwargs, overrides)
     if isinstance(target_dtype, torch.dtype) and target_dtype in _FLOAT8 and "scaling_mode" not in kwargs:
         if _AFFINE_ONLY.intersection(kwargs):
             _int_target(target_dtype)  # raises: choose_qparams_affine on a float8 target
@@ -186,6 +172,11 @@ _AFFINE_ONLY = frozenset(
 )
 
 
+def _spec(cls, overrides, **fields):
+    """A torchao-convention ``cls`` (QuantSpec) of ``fields``, ``overrides`` replacing any of them."""
+    return cls(**{"convention": "torchao", "on_uncalibrated": "fallback", **fields, **overrides})
+
+
 def _reject_unknown(kwargs):
     if kwargs:
         raise ValueError(f"from_torchao: unexpected arguments {sorted(kwargs)}")
@@ -197,33 +188,29 @@ def _mx_spec(cls, elem_dtype, block_size, scaling_mode, kwargs, overrides):
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"from_torchao: MX block_size must be a positive int, got {block_size!r}")
     _reject_unknown(kwargs)
-    fields = dict(
+    return _spec(
+        cls,
+        overrides,
         dtype=_MX_ELEMENTS[elem_dtype],
         granularity=PerGroup(block_size),
         scale_dtype="e8m0",
         scale_rounding=_enum_name(scaling_mode, _SCALE_MODES, "scaling_mode"),
         zero_point_domain="none",
-        convention="torchao",
-        on_uncalibrated="fallback",
     )
-    fields.update(overrides)
-    return cls(**fields)
 
 
 def _nvfp4_spec(cls, per_tensor_scale, kwargs, overrides):
     _reject_unknown(kwargs)
-    fields = dict(
+    return _spec(
+        cls,
+        overrides,
         dtype="fp4_e2m1",
         granularity=TensorGroup(16) if per_tensor_scale else PerGroup(16),
         scale_dtype="float8_e4m3fn",
         zero_point_domain="none",
-        convention="torchao",
         global_scale_formula="amax_over_range",
         eps=_NVFP4_BLOCK_SCALE_EPS,
-        on_uncalibrated="fallback",
     )
-    fields.update(overrides)
-    return cls(**fields)
 
 
 def _float8_spec(cls, float8_dtype, kwargs, overrides):
@@ -236,21 +223,20 @@ def _float8_spec(cls, float8_dtype, kwargs, overrides):
     if scale_dtype is None or scale_dtype not in (torch.float32, _E8M0):
         raise ValueError(f"from_torchao: float8 scale_dtype must be float32 or float8_e8m0fnu, got {scale_dtype}")
     compute = compute_dtype_name(input_dtype, "from_torchao: input_dtype")
-    fields = dict(
+    # torchao divides amax / max in the input's dtype, then widens the scale to float32
+    scales = dict(scale_dtype=compute)
+    if scale_dtype == _E8M0:
+        scales = dict(scale_dtype="e8m0", scale_rounding="round")
+    return _spec(
+        cls,
+        overrides,
         dtype=_FLOAT8[float8_dtype],
         granularity=granularity,
         zero_point_domain="none",
-        convention="torchao",
         eps=float(torch.finfo(torch.float32).tiny),
-        on_uncalibrated="fallback",
-        # torchao divides amax / max in the input's dtype, then widens the scale to float32
-        scale_dtype=compute,
         compute_dtype=compute,
+        **scales,
     )
-    if scale_dtype == _E8M0:
-        fields.update(scale_dtype="e8m0", scale_rounding="round")
-    fields.update(overrides)
-    return cls(**fields)
 
 
 def _affine_spec(cls, target_dtype, kwargs, overrides):
@@ -273,7 +259,9 @@ def _affine_spec(cls, target_dtype, kwargs, overrides):
     qmin = lo if quant_min is None else quant_min
     qmax = hi if quant_max is None else quant_max
     _check_zero_point_dtype(zero_point_dtype, domain, input_dtype, qmin, qmax)
-    fields = dict(
+    return _spec(
+        cls,
+        overrides,
         dtype=dtype,
         mapping=mapping,
         granularity=granularity,
@@ -282,14 +270,10 @@ def _affine_spec(cls, target_dtype, kwargs, overrides):
         quant_max=qmax,
         eps=float(torch.tensor(eps, dtype=torch.float32)),
         scale_dtype=_SCALE_DTYPE_NAMES[scale_dtype],
-        convention="torchao",
         symmetric_zero_point=int((qmax + qmin + 1) / 2),
         compute_dtype=COMPUTE_DTYPE_NAMES[input_dtype],
-        on_uncalibrated="fallback",
         preserve_zero=preserve_zero is not False or domain == "float",
     )
-    fields.update(overrides)
-    return cls(**fields)
 
 
 _SCALE_DTYPE_NAMES = {**COMPUTE_DTYPE_NAMES, torch.float64: "float64"}
