@@ -25,13 +25,17 @@ from ._warn import warn
 __all__ = ["scheme_rules", "config_rules", "preset_schemes", "compressed_tensors_ignore", "GroupMatch",
            "split_observer_kwargs", "DROPIN_OBSERVERS"]
 
-# llm-compressor's observer names for activations -> (qstats registered name, kwargs it takes)
+# llm-compressor's observer names for activations -> (qstats registered name, kwargs it takes,
+# llm-compressor's defaults): its mse searches per batch, then takes a moving average; its
+# memoryless_mse keeps the latest batch's search (a moving average with constant 1)
 _ACTIVATION_OBSERVERS = {
-    "minmax": ("moving_average_minmax", ("averaging_constant",)),
-    "static_minmax": ("minmax", ()),
-    "memoryless_minmax": ("memoryless_minmax", ()),
-    "mse": ("mse", ("maxshrink", "patience", "grid", "norm", "expand", "averaging_constant")),
-    "memoryless_mse": ("mse", ("maxshrink", "patience", "grid", "norm", "expand")),
+    "minmax": ("moving_average_minmax", ("averaging_constant",), {"averaging_constant": 0.01}),
+    "static_minmax": ("minmax", (), {}),
+    "memoryless_minmax": ("memoryless_minmax", (), {}),
+    "mse": ("mse", ("maxshrink", "patience", "grid", "norm", "expand", "averaging_constant"),
+            {"mode": "moving_average", "averaging_constant": 0.01}),
+    "memoryless_mse": ("mse", ("maxshrink", "patience", "grid", "norm", "expand"),
+                       {"mode": "moving_average", "averaging_constant": 1.0}),
 }
 _WEIGHT_MINMAX = (None, "minmax", "static_minmax", "memoryless_minmax")
 _WEIGHT_MSE = ("mse", "memoryless_mse")
@@ -111,41 +115,29 @@ def _weight_observer(args) -> tuple:
 
 
 def _activation_observer(args) -> tuple:
-    """``(observer name, observer_kwargs)`` llm-compressor uses for activations."""
+    """``(observer name, observer_kwargs, qparams_kwargs)`` llm-compressor uses for static activations."""
+    if args.observer in _QSTATS_OBSERVERS:
+        return _qstats_observer(args, weight=False)
     name = args.observer or "minmax"
     if name not in _ACTIVATION_OBSERVERS:
         raise ValueError(
             f"activation observer {name!r}: no qstats equivalent of this llm-compressor observer; "
             f"known: {sorted(_ACTIVATION_OBSERVERS) + list(_QSTATS_OBSERVERS)}"
         )
-    ours, taken = _ACTIVATION_OBSERVERS[name]
+    ours, taken, defaults = _ACTIVATION_OBSERVERS[name]
     given = dict(args.observer_kwargs or {})
-    kwargs = {key: given[key] for key in taken if key in given}
-    if name == "minmax":
-        kwargs.setdefault("averaging_constant", 0.01)
-    if name == "mse":  # llm-compressor's mse: a search per batch, then a moving average
-        kwargs = {"mode": "moving_average", "averaging_constant": 0.01, **kwargs}
-    if name == "memoryless_mse":  # the latest batch's search: a moving average with constant 1
-        kwargs = {"mode": "moving_average", "averaging_constant": 1.0, **kwargs}
-    return ours, kwargs
+    return ours, {**defaults, **{key: given[key] for key in taken if key in given}}, {}
 
 
 def _rule(Rule, targets, args, site: str, observed_dtype):
     overrides = {} if observed_dtype is None else {"observed_dtype": observed_dtype}
     spec = QuantSpec.from_compressed_tensors(args, **overrides)
-    if site == "weight":
-        observer, observer_kwargs, qparams_kwargs = _weight_observer(args)
-        return Rule(targets, sites=(site,), observer=observer, spec=spec, observer_kwargs=observer_kwargs,
-                    qparams_kwargs=qparams_kwargs)
-    if args.dynamic is True:  # scales at run time: llm-compressor observes nothing
+    if site != "weight" and args.dynamic is True:  # scales at run time: llm-compressor observes nothing
         return Rule(targets, sites=(site,), observer="memoryless_minmax", spec=spec, dynamic=True)
-    if args.observer in _QSTATS_OBSERVERS:
-        observer, observer_kwargs, qparams_kwargs = _qstats_observer(args, weight=False)
-        return Rule(targets, sites=(site,), observer=observer, spec=spec, observer_kwargs=observer_kwargs,
-                    qparams_kwargs=qparams_kwargs)
-    observer, observer_kwargs = _activation_observer(args)
+    observers = _weight_observer if site == "weight" else _activation_observer
+    observer, observer_kwargs, qparams_kwargs = observers(args)
     return Rule(targets, sites=(site,), observer=observer, spec=spec, observer_kwargs=observer_kwargs,
-                dynamic=False)
+                qparams_kwargs=qparams_kwargs)
 
 
 # the sites of stacked experts (`qstats.experts`) that llm-compressor's linearized experts quantize
@@ -252,11 +244,6 @@ def _kv_cache_module(path: str, module) -> bool:
     return is_cached_attention_module(module)
 
 
-def _is_attention_rule(rule) -> bool:
-    """Whether ``rule`` is the q/k/v rule of a config group that may name attention modules."""
-    return isinstance(rule.matcher, GroupMatch) and rule.matcher.attention
-
-
 def compressed_tensors_ignore(ignore) -> Any:
     """An ``ignore`` list of compressed-tensors (``re:`` regexes ``re.match`` from the start of the
     path) in qstats' syntax (``re.fullmatch``): ``re:X`` becomes ``re:(?:X).*`` (leading inline
@@ -316,7 +303,8 @@ def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None, experts=None, 
     if experts:
         if len(groups) != 1:
             raise ValueError("from_scheme: experts= takes one scheme, not a mapping of several presets")
-        rules = _expert_rules(Rule, [r for r in rules if not _is_attention_rule(r)], experts) + rules
+        # every rule here has a GroupMatch; an attention group's q/k/v rule has no expert sites
+        rules = _expert_rules(Rule, [r for r in rules if not r.matcher.attention], experts) + rules
     if kv_cache_scheme is not None:
         rules.append(_kv_rule(Rule, kv_cache_scheme, observed_dtype))
     return rules
@@ -386,9 +374,8 @@ def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
         if not isinstance(group, Mapping):
             raise TypeError(f"quantization config: config_groups[{name!r}] must be a mapping, got {type(group).__name__}")
         try:  # refuses unknown fields, naming them
-            fields = {"targets": ["Linear"], **group}
-            fields["targets"] = _list(fields["targets"] or ["Linear"], f"config_groups[{name!r}].targets")
-            schemes.append(QuantizationScheme.model_validate(fields))
+            targets = _list(group.get("targets") or ["Linear"], f"config_groups[{name!r}].targets")
+            schemes.append(QuantizationScheme.model_validate({**group, "targets": targets}))
         except ValueError as error:
             raise ValueError(f"quantization config: config_groups[{name!r}]: {error}") from None
     rules = _group_rules(Rule, schemes, observed_dtype)

@@ -8,6 +8,7 @@ the `Plan` every consumer reads. See docs/calibrate_api.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple, Optional
@@ -72,16 +73,9 @@ def _matches(targets: tuple, path: str, module: Optional[torch.nn.Module]) -> bo
         if target.startswith("re:"):
             if re.fullmatch(target[3:], path):
                 return True
-        elif target == path:
-            return True
-        elif module is not None and _is_class_name(module, target):
+        elif target == path or (module is not None and _is_class_name(module, target)):
             return True
     return False
-
-
-def _unmatched_targets(targets: tuple, modules: Mapping[str, torch.nn.Module]) -> list:
-    """The entries of ``targets`` that match none of ``modules`` (``{path: module}``)."""
-    return [target for target in targets if not any(_matches((target,), p, m) for p, m in modules.items())]
 
 
 def _is_class_name(module: torch.nn.Module, target: str) -> bool:
@@ -200,10 +194,7 @@ def runtime_scaled(spec: QuantSpec) -> bool:
 
 def _child_projection(module: torch.nn.Module, site: str) -> Optional[torch.nn.Module]:
     children = dict(module.named_children())
-    for name in PROJECTION_NAMES[site]:
-        if name in children:
-            return children[name]
-    return None
+    return next((children[name] for name in PROJECTION_NAMES[site] if name in children), None)
 
 
 def _site_kind(module: torch.nn.Module, params: dict, num_experts: int, site: str) -> Optional[tuple]:
@@ -246,10 +237,9 @@ def _refuse_static_groups(rules: list, caller: str) -> list:
     return rules
 
 
-def _make_site(rule: Rule, site: str, kind: str, stacked: int, spec: Optional[QuantSpec] = None) -> Site:
+def _make_site(rule: Rule, spec: QuantSpec, kind: str, stacked: int) -> Site:
     # an activation site whose scales are computed at run time from each tensor observes its
     # whole range: its state is the same for batches of any length
-    spec = rule.spec if spec is None else spec
     runtime = kind != "parameter" and (rule.dynamic or runtime_scaled(spec))
     observer = rule.make_observer(spec.replace(granularity=PerTensor()) if runtime else spec)
     if stacked:
@@ -335,10 +325,7 @@ class Plan:
             present = [state for state in found if state is not None]
             if not present or all(state is present[0] for state in present):
                 continue
-            merge = self.sites[owner[0]][owner[1]].observer.merge
-            merged = present[0]
-            for state in present[1:]:
-                merged = merge(merged, state)
+            merged = functools.reduce(self.sites[owner[0]][owner[1]].observer.merge, present)
             for path, site in keys:
                 out.setdefault(path, {})[site] = merged
         return out
@@ -510,8 +497,8 @@ class Recipe:
             if extra:
                 raise ValueError(f"Recipe.from_dict: unknown keys {sorted(extra)} beside 'scheme'")
             observed = data.get("observed_dtype")
-            if isinstance(observed, str) and torch_dtype(observed.removeprefix("torch.")) is not None:
-                observed = torch_dtype(observed.removeprefix("torch."))  # plain data names it: "bfloat16"
+            if isinstance(observed, str):  # plain data names it: "bfloat16"
+                observed = torch_dtype(observed.removeprefix("torch.")) or observed
             return cls.from_scheme(data["scheme"], data.get("targets"), data.get("ignore", ()), observed_dtype=observed,
                                    shared=data.get("shared"), kv_cache_scheme=data.get("kv_cache_scheme"))
         rules, ignore, shared = recipe_fields(Rule, data)
@@ -541,8 +528,7 @@ class Recipe:
             entry = self._module_sites(path, module, found)
             if entry:
                 resolved[path] = MappingProxyType(entry)
-        self._warn_unmatched(found, model)
-        self._warn_unmatched_ignore(modules, model)
+        self._warn_unmatched(found, modules, model)
         shared = MappingProxyType(_resolve_shared(self.shared, resolved))
         return Plan(self, MappingProxyType(resolved), MappingProxyType(modules), tuple(fused_groups(model)), shared)
 
@@ -555,17 +541,15 @@ class Recipe:
             if not rule.matches(path, module):
                 continue
             for site in rule.sites:
-                if site in entry:
-                    found[index].add(site)
-                    continue
-                kind = _site_kind(module, params, num_experts, site)
+                kind = None if site in entry else _site_kind(module, params, num_experts, site)
                 if kind is not None:
-                    spec = _gate_up_halves(rule.spec, site, module, params) if kind[1] else None
-                    entry[site] = _make_site(rule, site, *kind, spec=spec)
+                    spec = _gate_up_halves(rule.spec, site, module, params) if kind[1] else rule.spec
+                    entry[site] = _make_site(rule, spec, *kind)
+                if site in entry:  # taken here or by an earlier rule
                     found[index].add(site)
         return entry
 
-    def _warn_unmatched(self, found: list, model: torch.nn.Module) -> None:
+    def _warn_unmatched(self, found: list, modules: dict, model: torch.nn.Module) -> None:
         for rule, sites in zip(self.rules, found):
             if getattr(rule.matcher, "attention", False):
                 continue  # a config group's q/k/v rule: its group need not name an attention module
@@ -576,9 +560,9 @@ class Recipe:
                     f"{type(model).__name__} (no module it matches has such a parameter, input or projection)",
                     UserWarning,
                 )
-
-    def _warn_unmatched_ignore(self, modules: dict, model: torch.nn.Module) -> None:
-        for target in _unmatched_targets(self.ignore, modules):  # a misspelt ignore would quantize it, silently
+        for target in self.ignore:  # a misspelt ignore would quantize it, silently
+            if any(_matches((target,), path, module) for path, module in modules.items()):
+                continue
             warn(
                 f"Recipe: the ignore entry {target!r} matches no module in this {type(model).__name__} "
                 "(by path, class name or 're:' full match of a path), so it ignores nothing",
