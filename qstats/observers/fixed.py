@@ -12,8 +12,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import check_observable, check_shape, qparam_shape, weight_view
-from .._qparams import QParams, check_calibrated, register_range_rule
+from .._granularity import PerTensor, check_observable, check_shape, qparam_shape, weight_view
+from .._qparams import QParams, register_range_rule
 from .._spec import QuantSpec
 from .._checks import require
 from .._torch_features import bitcast
@@ -61,9 +61,12 @@ class RecordingState(NamedTuple):
     count: torch.Tensor
 
 
-def _check_spec(spec, where):
-    if not isinstance(spec, QuantSpec):
+def _check_spec(spec, where, optional=False):
+    if not (isinstance(spec, QuantSpec) or optional and spec is None):
         raise TypeError(f"{where}: expected a QuantSpec, got {type(spec).__name__}")
+
+
+_FLAT = PerTensor()
 
 
 def _count(x, weight):
@@ -175,14 +178,8 @@ def tanh_qparams(spec: Optional[QuantSpec] = None) -> Observer:
     return fixed_qparams(spec, 2.0 / 256.0, 128)._replace(name="tanh_qparams")
 
 
-from .._granularity import PerTensor as _PerTensor  # noqa: E402
-
-_FLAT = _PerTensor()
-
-
 def _placeholder(spec: Optional[QuantSpec], name: str) -> Observer:
-    if spec is not None:
-        _check_spec(spec, name)
+    _check_spec(spec, name, optional=True)
 
     def init_fn(x: torch.Tensor) -> PlaceholderState:
         return PlaceholderState(torch.zeros((), dtype=torch.int64, device=x.device))
@@ -231,8 +228,7 @@ def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observe
     seen, afterwards a fixed-size pseudo-random sample (equal values are kept or dropped together).
     `recorded_values(state)` returns them. Laws: all exact.
     """
-    if spec is not None:
-        _check_spec(spec, "recording")
+    _check_spec(spec, "recording", optional=True)
     if not (isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 1):
         raise ValueError(f"recording: capacity must be a positive int, got {capacity!r}")
 
@@ -281,7 +277,6 @@ def recorded_values(state: RecordingState) -> torch.Tensor:
 @register_range_rule(FixedQParamsState)
 def _fixed_rule(state: FixedQParamsState, spec: QuantSpec) -> QParams:
     calibrated = torch.ones(state.scale.shape, dtype=torch.bool, device=state.scale.device)
-    check_calibrated(calibrated, spec)
     global_scale = torch.ones((), dtype=torch.float32, device=state.scale.device)
     zero_point = state.zero_point if state.zero_point.is_floating_point() else state.zero_point.to(torch.int32)
     return QParams(state.scale, zero_point, global_scale, calibrated)

@@ -21,11 +21,7 @@ from .._spec import QuantSpec
 from .._torch_features import bitcast
 from ._base import Observer, check_same_shapes, check_state, register_state
 from .search import entropy_amax, register_search, search
-from .search._geometry import config as _config  # noqa: F401  (qstats.plot reads a state's geometry)
-from .search._geometry import cumulative as _cumulative  # noqa: F401
 from .search._geometry import histogram_edges
-from .search._geometry import moments as _moments  # noqa: F401
-from .search._geometry import window as _window  # noqa: F401
 from .._warn import warn
 
 __all__ = [
@@ -188,6 +184,18 @@ def _check_state_size(shape: tuple, bins: int, octaves: int, max_state_bytes: in
         )
 
 
+def _combine(a: HistogramState, b: HistogramState) -> HistogramState:
+    """Counts added, extremes widened: the merge, and an update with a batch's own state."""
+    return HistogramState(
+        a.counts + b.counts,
+        a.underflow + b.underflow,
+        a.overflow + b.overflow,
+        torch.minimum(a.min_val, b.min_val),
+        torch.maximum(a.max_val, b.max_val),
+        a.nonfinite + b.nonfinite,
+    )
+
+
 def histogram(
     spec: QuantSpec,
     buckets_per_octave: int = 128,
@@ -224,16 +232,10 @@ def histogram(
     def init_fn(x: torch.Tensor) -> HistogramState:
         shape = qparam_shape(x.shape, spec.granularity)
         _check_state_size(shape, bins, octaves, max_state_bytes)
-        device = x.device
-        zeros = torch.zeros((*shape, 2), dtype=torch.int64, device=device)
-        return HistogramState(
-            torch.zeros((*shape, 2, octaves, bins), dtype=torch.int64, device=device),
-            zeros,
-            zeros.clone(),
-            torch.full(shape, torch.inf, dtype=torch.float32, device=device),
-            torch.full(shape, -torch.inf, dtype=torch.float32, device=device),
-            torch.zeros(shape, dtype=torch.int64, device=device),
-        )
+        zeros = torch.zeros((*shape, 2), dtype=torch.int64, device=x.device)
+        inf = torch.full(shape, torch.inf, dtype=torch.float32, device=x.device)
+        counts = torch.zeros((*shape, 2, octaves, bins), dtype=torch.int64, device=x.device)
+        return HistogramState(counts, zeros, zeros.clone(), inf, -inf, zeros.new_zeros(shape))
 
     def update_fn(state: HistogramState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> HistogramState:
         check_state(state, HistogramState, "histogram.update")
@@ -248,27 +250,14 @@ def histogram(
             mask = (mask != 0).expand(view.shape)
         lo, hi, _, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
         counts, _ = bucket_counts(view, mask, bins, (low, high))
-        return HistogramState(
-            state.counts + counts[..., 1:-1].unflatten(-1, (octaves, bins)),
-            state.underflow + counts[..., 0],
-            state.overflow + counts[..., -1],
-            torch.minimum(state.min_val, lo),
-            torch.maximum(state.max_val, hi),
-            state.nonfinite + nonfinite,
-        )
+        resolved = counts[..., 1:-1].unflatten(-1, (octaves, bins))
+        return _combine(state, HistogramState(resolved, counts[..., 0], counts[..., -1], lo, hi, nonfinite))
 
     def merge_fn(a: HistogramState, b: HistogramState) -> HistogramState:
         check_state(a, HistogramState, "histogram.merge")
         check_state(b, HistogramState, "histogram.merge")
         check_same_shapes(a, b, "histogram.merge")
-        return HistogramState(
-            a.counts + b.counts,
-            a.underflow + b.underflow,
-            a.overflow + b.overflow,
-            torch.minimum(a.min_val, b.min_val),
-            torch.maximum(a.max_val, b.max_val),
-            a.nonfinite + b.nonfinite,
-        )
+        return _combine(a, b)
 
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="histogram")
 

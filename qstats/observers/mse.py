@@ -110,9 +110,7 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
         error_mask = finite if mask is None else (mask & finite)
     params = tuple(v.shape[1:-1])
     observations, group = v.shape[0], v.shape[-1]
-    num_params = 1
-    for d in params:
-        num_params *= d
+    num_params = math.prod(params)
     v = v.reshape(observations, num_params, group)
     weights = None if importance is None else importance.expand(view.shape).reshape(observations, num_params, group)
     keep = None if error_mask is None else error_mask.expand(view.shape).reshape(observations, num_params, group)
@@ -133,7 +131,7 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
     # in the input's dtype and its sum rounded to it once, as llm-compressor's MSE observers form them
     native_error = native is not None and importance is None
     rows = [
-        _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, compute_dtype, native, native_error)
+        _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, native, native_error)
         for index in chunks
     ]  # per chunk: (C, params in chunk)
     if num_params > 1:
@@ -157,8 +155,7 @@ def _computes_natively(spec: QuantSpec, dtype: torch.dtype) -> bool:
     )
 
 
-def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, error_dtype, native=None,
-                  native_error=False):
+def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, native, native_error):
     """``candidate_losses`` of one chunk of the view: ``(C, params in chunk)`` float64. ``native``
     (bf16/fp16 inputs): codes computed and dequantized in that dtype; ``native_error``: the error formed
     in it too, as llm-compressor's observers do, so their choice holds bit for bit.
@@ -166,17 +163,17 @@ def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, erro
     part = v[index]
     code_input = part if native is None else part.to(native)  # exact: the values came from native
     param_index = (slice(None), index[1], slice(None))
+    weights = None if weights is None else weights[index]
+    keep = None if keep is None else keep[index]
     losses = []
     for scale_all, zero_all in zip(scales, zero_points):
         scale, zero_point = scale_all[param_index], zero_all[param_index]
         _, codes = _codes_float(code_input, scale, zero_point, spec)
         dequantized = _dequantize_view(codes, scale, zero_point, spec)
-        if native_error:
-            difference = dequantized.to(native) - code_input
-        else:
-            dequantized = dequantized if native is None else dequantized.to(native)
-            difference = dequantized.to(part.dtype) - part
-        losses.append(_error_sum(difference, norm, error_dtype, weights, keep, index, native_error))
+        if native is not None:
+            dequantized = dequantized.to(native)
+        difference = dequantized - code_input if native_error else dequantized.to(part.dtype) - part
+        losses.append(_error_sum_op(difference, weights, keep, norm, native_error))
     return torch.stack(losses, dim=0)
 
 
@@ -220,17 +217,10 @@ def _error_sum_vmap(info, in_dims, difference, weights, keep, norm, native_error
 _error_sum_op.register_vmap(_error_sum_vmap)
 
 
-def _error_sum(difference, norm, error_dtype, weights, keep, index, native_error):
-    """``sum |difference| ** norm`` over dims (0, -1), float64 (`_error_sum_op`)."""
-    weights = None if weights is None else weights[index]
-    keep = None if keep is None else keep[index]
-    return _error_sum_op(difference if native_error else difference.to(error_dtype), weights, keep, norm, native_error)
-
-
-def _first_minimum(loss: torch.Tensor, patience: Optional[int]) -> torch.Tensor:
-    """Index of the chosen candidate per parameter: the first minimum, optionally restricted to
-    the candidates llm-compressor evaluates before its early stop (``patience``: it stops at the
-    first step that improves no parameter once ``patience`` such steps ran in a row, so 0 stops
+def _chosen_factor(loss: torch.Tensor, factors: torch.Tensor, patience: Optional[int]) -> torch.Tensor:
+    """The shrink factor of the chosen candidate per parameter, float32: the first minimum, optionally
+    restricted to the candidates llm-compressor evaluates before its early stop (``patience``: it stops
+    at the first step that improves no parameter once ``patience`` such steps ran in a row, so 0 stops
     there as 1 does)."""
     if patience is not None:
         patience = max(patience, 1)
@@ -244,15 +234,16 @@ def _first_minimum(loss: torch.Tensor, patience: Optional[int]) -> torch.Tensor:
         stalled = (positions - last_improved) >= patience
         stop = torch.where(stalled, positions, torch.full_like(positions, steps - 1)).amin()
         loss = torch.where(positions <= stop, loss, torch.full_like(loss, torch.inf))
-    return torch.argmin(loss, dim=-1)
+    best = torch.argmin(loss, dim=-1)
+    # a gather, not factors[best]: a 0-dim index would read its value on the host (a graph break)
+    return torch.gather(factors.expand(loss.shape), -1, best.unsqueeze(-1)).squeeze(-1).float()
 
 
 def _reference_of(reference, shape, device):
     if reference is None:
         return None
     lo, hi = (reference.min_val, reference.max_val) if hasattr(reference, "min_val") else reference
-    lo = torch.as_tensor(lo, dtype=torch.float32, device=device)
-    hi = torch.as_tensor(hi, dtype=torch.float32, device=device)
+    lo, hi = (torch.as_tensor(t, dtype=torch.float32, device=device) for t in (lo, hi))
     if lo.shape != tuple(shape) or hi.shape != tuple(shape):
         raise ValueError(
             f"mse: reference of shape {tuple(lo.shape)} does not match the quantization parameter shape {tuple(shape)}"
@@ -375,11 +366,8 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
         shape = qparam_shape(x.shape, spec.granularity)
         device = x.device
         fixed = _reference_of(reference, shape, device)
-        if fixed is None:
-            lo = torch.full(shape, torch.inf, dtype=torch.float32, device=device)
-            hi = torch.full(shape, -torch.inf, dtype=torch.float32, device=device)
-        else:
-            lo, hi = _expanded(fixed[0], fixed[1], expand)
+        inf = torch.full(shape, torch.inf, dtype=torch.float32, device=device)
+        lo, hi = (inf, -inf) if fixed is None else _expanded(*fixed, expand)
         count = torch.zeros(shape, dtype=torch.int64, device=device)
         loss = torch.zeros((*shape, len(factors)), dtype=torch.float64, device=device)
         table = torch.tensor(factors, dtype=torch.float64, device=device)
@@ -391,13 +379,11 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
         if x.numel() == 0:
             return state
         view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
-        has_reference = state.min_val <= state.max_val
+        # the batch's range becomes the reference where none is set yet and the batch saw values
+        from_batch = ~(state.min_val <= state.max_val) & (count > 0)
         lo, hi = _batch_range(lo, hi, expand, spec, x.dtype)
-        ref_lo = torch.where(has_reference, state.min_val, lo)
-        ref_hi = torch.where(has_reference, state.max_val, hi)
-        seen = count > 0
-        ref_lo = torch.where(has_reference | seen, ref_lo, state.min_val)
-        ref_hi = torch.where(has_reference | seen, ref_hi, state.max_val)
+        ref_lo = torch.where(from_batch, lo, state.min_val)
+        ref_hi = torch.where(from_batch, hi, state.max_val)
         safe_lo = torch.where(ref_lo <= ref_hi, ref_lo, torch.zeros_like(ref_lo))
         safe_hi = torch.where(ref_lo <= ref_hi, ref_hi, torch.zeros_like(ref_hi))
         batch_loss = candidate_losses(view, mask, imp, safe_lo, safe_hi, factors, spec, norm)
@@ -411,10 +397,8 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
         # losses of different shrink factors cannot be added (states of two mse observers)
         same = require(a.factors == b.factors, "mse.merge: the states search different shrink factors: they come "
                        "from mse observers with other maxshrink/grid/steps")
-        a_set = a.min_val <= a.max_val
-        b_set = b.min_val <= b.max_val
-        a_span = torch.where(a_set, a.max_val - a.min_val, torch.full_like(a.max_val, -1.0))
-        b_span = torch.where(b_set, b.max_val - b.min_val, torch.full_like(b.max_val, -1.0))
+        # the wider reference range is kept (-1: none set)
+        a_span, b_span = (torch.where(s.min_val <= s.max_val, s.max_val - s.min_val, -1.0) for s in (a, b))
         take_b = (b_span > a_span) | ((b_span == a_span) & (b.min_val < a.min_val))
         return MSEState(
             torch.where(take_b, b.min_val, a.min_val),
@@ -445,27 +429,20 @@ def _moving_average(spec, factors, norm, expand, constant, patience, observe):
         view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
         seen = count > 0
         lo, hi = _batch_range(lo, hi, expand, spec, x.dtype)
-        base_lo = torch.where(seen, lo, torch.zeros_like(lo))
-        base_hi = torch.where(seen, hi, torch.zeros_like(hi))
+        base_lo, base_hi = (torch.where(seen, t, torch.zeros_like(t)) for t in (lo, hi))
         loss = candidate_losses(view, mask, imp, base_lo, base_hi, factors, spec, norm)
-        best = _first_minimum(loss, patience)
-        table = torch.tensor(factors, dtype=torch.float32, device=loss.device)
-        # a gather, not table[best]: a 0-dim index would read its value on the host (a graph break)
-        p = torch.gather(table.expand(*best.shape, len(factors)), -1, best.unsqueeze(-1)).squeeze(-1)
+        p = _chosen_factor(loss, torch.tensor(factors, dtype=torch.float64, device=loss.device), patience)
         first = state.batches == 0
-        if _computes_natively(spec, x.dtype):
-            # llm-compressor keeps a bf16/fp16 input's ranges in its dtype: every product and the
-            # moving average's sum rounded to it
-            def native(t):
-                return t.to(x.dtype).to(torch.float32)
+        # llm-compressor keeps a bf16/fp16 input's ranges in its dtype: every product and the
+        # moving average's sum rounded to it
+        natively = _computes_natively(spec, x.dtype)
 
-            batch_lo, batch_hi = native(native(base_lo) * p), native(native(base_hi) * p)
-            moved_lo = native(native(state.min_val * (1.0 - constant)) + native(batch_lo * constant))
-            moved_hi = native(native(state.max_val * (1.0 - constant)) + native(batch_hi * constant))
-        else:
-            batch_lo, batch_hi = base_lo * p, base_hi * p
-            moved_lo = state.min_val * (1.0 - constant) + batch_lo * constant
-            moved_hi = state.max_val * (1.0 - constant) + batch_hi * constant
+        def native(t):
+            return t.to(x.dtype).to(torch.float32) if natively else t
+
+        batch_lo, batch_hi = native(native(base_lo) * p), native(native(base_hi) * p)
+        moved_lo = native(native(state.min_val * (1.0 - constant)) + native(batch_lo * constant))
+        moved_hi = native(native(state.max_val * (1.0 - constant)) + native(batch_hi * constant))
         return MovingAverageMSEState(
             torch.where(seen, torch.where(first, batch_lo, moved_lo), state.min_val),
             torch.where(seen, torch.where(first, batch_hi, moved_hi), state.max_val),
@@ -491,8 +468,7 @@ def _moving_average(spec, factors, norm, expand, constant, patience, observe):
 def _mse_rule(state: MSEState, spec: QuantSpec, patience: Optional[int] = None) -> Range:
     if patience is not None and not (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 0):
         raise ValueError(f"compute_qparams: patience must be a non-negative int or None, got {patience!r}")
-    best = _first_minimum(state.loss, patience)
-    p = torch.gather(state.factors.expand(state.loss.shape), -1, best.unsqueeze(-1)).squeeze(-1).float()
+    p = _chosen_factor(state.loss, state.factors, patience)
     calibrated = (state.count > 0) & (state.min_val <= state.max_val)
     lo = torch.where(calibrated, state.min_val * p, state.min_val)
     hi = torch.where(calibrated, state.max_val * p, state.max_val)
