@@ -13,6 +13,7 @@ Mixtral's ``mlp.gate.weight`` is stored as ``block_sparse_moe.gate.weight``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Callable, Optional
@@ -41,7 +42,6 @@ class LazyCheckpoint:
         if not os.path.isdir(self.directory):
             raise ValueError(f"{where}: checkpoint {self.directory!r} is not a directory")
         index = os.path.join(self.directory, "model.safetensors.index.json")
-        single = os.path.join(self.directory, "model.safetensors")
         if os.path.exists(index):
             try:
                 with open(index) as file:
@@ -50,14 +50,12 @@ class LazyCheckpoint:
                 raise ValueError(f"{where}: {index!r} is not a safetensors index with a weight_map: "
                                  f"{type(error).__name__}: {error}") from None
             self._check_shards()
-        elif os.path.exists(single):
+        elif os.path.exists(os.path.join(self.directory, "model.safetensors")):
             with self._open("model.safetensors") as file:
                 self.files = {key: "model.safetensors" for key in file.keys()}
         else:
-            raise ValueError(
-                f"{where}: {self.directory!r} holds neither model.safetensors nor "
-                "model.safetensors.index.json"
-            )
+            raise ValueError(f"{where}: {self.directory!r} holds neither model.safetensors nor "
+                             "model.safetensors.index.json")
 
     def _open(self, filename: str):
         """``safe_open`` of one of the checkpoint's files; a missing or unreadable file is a ValueError naming it."""
@@ -99,28 +97,24 @@ class LazyCheckpoint:
     def stacked_experts(self, key: str) -> Optional[torch.Tensor]:
         """``[E, out, in]`` for a stacked-experts key (``...experts.gate_up_proj``) stored per
         expert, or None when the checkpoint has no such per-expert keys."""
-        prefix, _, name = key.rpartition(".")
-        for sources in _EXPERT_SOURCES.get(name, ()):
-            if f"{prefix}.0.{sources[0]}.weight" not in self:
-                continue
-            count = 0
-            while f"{prefix}.{count}.{sources[0]}.weight" in self:
-                count += 1
-            stacked = None  # filled slice by slice: never the per-expert copies and the stack at once
-            for expert in range(count):
-                parts = [self.tensor(f"{prefix}.{expert}.{source}.weight") for source in sources]
-                if stacked is None:
-                    rows = sum(part.shape[0] for part in parts)
-                    stacked = parts[0].new_empty((count, rows, *parts[0].shape[1:]))
-                if sum(part.shape[0] for part in parts) != stacked.shape[1] or parts[0].shape[1:] != stacked.shape[2:]:
-                    raise ValueError(f"{self.where}: checkpoint expert {prefix}.{expert} has shapes "
-                                     f"{[tuple(part.shape) for part in parts]}, unlike expert 0's")
-                start = 0
-                for part in parts:
-                    stacked[expert, start : start + part.shape[0]] = part
-                    start += part.shape[0]
-            return stacked
-        return None
+        found = _per_expert(self, key)
+        if found is None:
+            return None
+        prefix, sources = found
+        count = 0
+        while f"{prefix}.{count}.{sources[0]}.weight" in self:
+            count += 1
+        stacked = None  # filled expert by expert: never the per-expert copies and the stack at once
+        for expert in range(count):
+            parts = [self.tensor(f"{prefix}.{expert}.{source}.weight") for source in sources]
+            shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
+            if stacked is None:
+                stacked = parts[0].new_empty((count, *shape))
+            if shape != stacked.shape[1:]:
+                raise ValueError(f"{self.where}: checkpoint expert {prefix}.{expert} has shapes "
+                                 f"{[tuple(part.shape) for part in parts]}, unlike expert 0's")
+            stacked[expert] = torch.cat(parts)
+        return stacked
 
 
 class Overlay:
@@ -149,8 +143,7 @@ class Overlay:
         self.used.add(key)
         return self.weights[key] if isinstance(self.weights, dict) else self.weights.tensor(key)
 
-    def stacked_experts(self, key: str) -> Optional[torch.Tensor]:
-        return LazyCheckpoint.stacked_experts(self, key)  # per-expert keys from either side
+    stacked_experts = LazyCheckpoint.stacked_experts  # per-expert keys from either side
 
 
 def _checkpoint_names(model: torch.nn.Module) -> Callable[[str], list]:
@@ -172,9 +165,8 @@ def _aliases(model: torch.nn.Module, stored: Callable[[str], list]) -> dict:
     """``{id(tensor): [names]}`` of every parameter and buffer, tied ones under all their names, each
     followed by its checkpoint names (``stored``, `_checkpoint_names`)."""
     names: dict = {}
-    for name, value in list(model.named_parameters(remove_duplicate=False)) + list(
-        model.named_buffers(remove_duplicate=False)
-    ):
+    for name, value in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                       model.named_buffers(remove_duplicate=False)):
         names.setdefault(id(value), []).extend(key for key in stored(name) if key not in names.get(id(value), ()))
     return names
 
@@ -203,15 +195,25 @@ def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint) -> None:
             raise _no_tensor(checkpoint, missing, names[0])
 
 
-def _experts_missing(checkpoint: LazyCheckpoint, key: str, count: int) -> Optional[str]:
-    """For a stacked-experts key: "" when the checkpoint holds its ``count`` experts per expert, the
-    first per-expert key it lacks when it holds expert 0's, None when it holds none."""
+def _per_expert(checkpoint, key: str) -> Optional[tuple]:
+    """``(prefix, sources)`` of a stacked-experts key whose expert 0 the checkpoint holds per expert
+    (``<prefix>.0.<source>.weight``, `_EXPERT_SOURCES`), or None."""
     prefix, _, name = key.rpartition(".")
     for sources in _EXPERT_SOURCES.get(name, ()):
         if f"{prefix}.0.{sources[0]}.weight" in checkpoint:
-            wanted = (f"{prefix}.{expert}.{source}.weight" for expert in range(count) for source in sources)
-            return next((want for want in wanted if want not in checkpoint), "")
+            return prefix, sources
     return None
+
+
+def _experts_missing(checkpoint: LazyCheckpoint, key: str, count: int) -> Optional[str]:
+    """For a stacked-experts key: "" when the checkpoint holds its ``count`` experts per expert, the
+    first per-expert key it lacks when it holds expert 0's, None when it holds none."""
+    found = _per_expert(checkpoint, key)
+    if found is None:
+        return None
+    prefix, sources = found
+    wanted = (f"{prefix}.{expert}.{source}.weight" for expert in range(count) for source in sources)
+    return next((want for want in wanted if want not in checkpoint), "")
 
 
 def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor) -> Optional[torch.Tensor]:

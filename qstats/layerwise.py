@@ -51,35 +51,30 @@ class _Store:
 
     def __init__(self, directory: Optional[str]):
         self.directory = directory
-        self.records: list = []
-        self.count = 0
+        self.records: list = []  # the `_Inputs`, or with a directory the file holding each
 
     def __len__(self) -> int:
-        return self.count
-
-    def path(self, index: int) -> str:
-        return os.path.join(self.directory, f"batch_{index:07d}.pt")
+        return len(self.records)
 
     def __getitem__(self, index: int) -> _Inputs:
         if self.directory is None:
             return self.records[index]
-        return _Inputs(**torch.load(self.path(index), weights_only=False))
+        return _Inputs(**torch.load(self.records[index], weights_only=False))
 
     def __setitem__(self, index: int, record: _Inputs) -> None:
         if self.directory is None:
             self.records[index] = record
         else:
             fields = {field.name: getattr(record, field.name) for field in dataclasses.fields(record)}
-            torch.save(fields, self.path(index))  # a shallow dict: asdict would copy every tensor
+            torch.save(fields, self.records[index])  # a shallow dict: asdict would copy every tensor
 
     def append(self, record: _Inputs) -> None:
-        if self.directory is None:
-            self.records.append(None)
-        self.count += 1
-        self[self.count - 1] = record
+        name = f"batch_{len(self):07d}.pt"
+        self.records.append(None if self.directory is None else os.path.join(self.directory, name))
+        self[len(self) - 1] = record
 
     def __iter__(self) -> Iterator[_Inputs]:
-        return (self[index] for index in range(self.count))
+        return (self[index] for index in range(len(self)))
 
 
 class _Stop(Exception):
@@ -104,10 +99,9 @@ def _moved(value: Any, device: Optional[torch.device]) -> Any:
         return value
     if isinstance(value, torch.Tensor):
         return value.to(device)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_moved(item, device) for item in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_moved(item, device) for item in value)
+        items = [_moved(item, device) for item in value]  # a NamedTuple takes them by field
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, Mapping):
         return {key: _moved(item, device) for key, item in value.items()}
     return value
@@ -157,8 +151,7 @@ def decoder_layers(model: torch.nn.Module, layers: Optional[str], where: str = "
     found = [item for item in lists if not any(item[1].startswith(other[1] + ".") for other in lists)]
     if not found:
         raise ValueError(f"{where}: no nn.ModuleList of decoder layers found; name it with layers=")
-    _, path, container = max(found, key=lambda item: item[0])
-    return path, container
+    return max(found, key=lambda item: item[0])[1:]
 
 
 def _sub_plan(plan: Plan, keep: Callable[[str], bool], root: torch.nn.Module) -> Plan:
@@ -172,12 +165,8 @@ def _sub_plan(plan: Plan, keep: Callable[[str], bool], root: torch.nn.Module) ->
 def _without_cache(kwargs: dict) -> dict:
     """The layer's keyword arguments without the KV cache (a calibration batch is a whole
     sequence: the cache would only grow with every layer of every stored batch)."""
-    out = dict(kwargs)
-    if "past_key_values" in out:
-        out["past_key_values"] = None
-    if "use_cache" in out:
-        out["use_cache"] = False
-    return out
+    cleared = {"past_key_values": None, "use_cache": False}
+    return {key: cleared[key] if key in cleared else value for key, value in kwargs.items()}
 
 
 def _next_inputs(record: _Inputs, output) -> _Inputs:
@@ -249,14 +238,17 @@ def _capture(model, layer, batches, observation_weight, store: _Store, device: O
         handle.remove()
 
 
+def _select(states: dict, keep: Callable[[str, str], bool]) -> dict:
+    """The states of the ``(path, site)`` that ``keep`` selects, without empty entries."""
+    kept = {path: {site: state for site, state in entry.items() if keep(path, site)}
+            for path, entry in states.items()}  # fmt: skip
+    return {path: entry for path, entry in kept.items() if entry}
+
+
 def _reduce(states: dict, plan: Plan) -> dict:
     """``states`` with its activation sites merged across ranks (`qstats.distributed.all_reduce`);
     parameter sites are the same on every rank and stay as they are."""
-    activations = {
-        path: {site: state for site, state in entry.items() if plan.site(path, site).kind != "parameter"}
-        for path, entry in states.items()
-    }
-    activations = {path: entry for path, entry in activations.items() if entry}
+    activations = _select(states, lambda path, site: plan.site(path, site).kind != "parameter")
     reduced = distributed.all_reduce(activations, plan.observers(activations))
     return {path: {**entry, **reduced.get(path, {})} for path, entry in states.items()}
 
@@ -279,9 +271,8 @@ class _Run:
 
     def calibrate(self, root, plan: Plan, batches, observation_weight) -> dict:
         """This rank's states of ``plan`` over ``batches``, resumed from its sites in ``self.states``."""
-        resumed = {path: {site: state for site, state in entry.items() if plan.site(path, site) is not None}
-                   for path, entry in self.states.items()}
-        resumed = _moved({path: entry for path, entry in resumed.items() if entry}, self.device)
+        resumed = _select(self.states, lambda path, site: plan.site(path, site) is not None)
+        resumed = _moved(resumed, self.device)
         return calibrate(
             root, batches, plan, states=resumed or None, progress=False,
             observation_weight=observation_weight, all_experts=self.all_experts,
@@ -350,8 +341,7 @@ def _broadcast_state(state, layout: tuple, source: int, device: Optional[torch.d
             value = state[index].detach().to(through).contiguous().reshape(-1)
         else:
             value = torch.empty(math.prod(shape), dtype=dtype, device=through)
-        bits = value.view(torch.uint8)
-        torch.distributed.broadcast(bits, src=source)
+        torch.distributed.broadcast(value.view(torch.uint8), src=source)
         out.append(value.reshape(shape).to(device or "cpu"))
     return kind(*out)
 
@@ -402,11 +392,8 @@ def _merged(plan: Plan, side: Plan) -> Optional[Plan]:
 
 def _split(found: dict, side: Plan) -> tuple:
     """``(states of the recipe's sites, states of the side plan's sites)`` of a merged plan's states."""
-    mine, theirs = {}, {}
-    for path, entry in found.items():
-        for site, state in entry.items():
-            (theirs if site in side.sites.get(path, {}) else mine).setdefault(path, {})[site] = state
-    return mine, theirs
+    theirs = lambda path, site: site in side.sites.get(path, {})  # noqa: E731
+    return _select(found, lambda path, site: not theirs(path, site)), _select(found, theirs)
 
 
 def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
@@ -423,16 +410,17 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
     resumed = any(p in plan.sites for p in run.states)
     merged = None if side is None or resumed else _merged(plan, side)
 
+    def over_store(observed: Plan) -> dict:  # this rank's states of ``observed`` over every stored batch
+        return run.calibrate(runner, observed, range(len(run.store)), lambda index: run.store[index].weight)
+
     def observe() -> tuple:
         saved.extend(load_modules(run.model, [path], run.checkpoint, device=run.device))
         runner.write = float_outputs and (side is None or merged is not None)
         if merged is not None:
-            return _split(run.calibrate(runner, merged, range(len(run.store)), lambda i: run.store[i].weight), side)
-        found = run.calibrate(runner, plan, range(len(run.store)), lambda index: run.store[index].weight)
-        if side is None:
-            return found, {}
+            return _split(over_store(merged), side)
+        found = over_store(plan)
         runner.write = float_outputs
-        return found, run.calibrate(runner, side, range(len(run.store)), lambda index: run.store[index].weight)
+        return found, {} if side is None else over_store(side)
 
     def propagate(found: dict, done: set) -> None:
         runner.write = True
@@ -626,11 +614,10 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
         run.agreed(capture)
     finally:
         release_modules(saved)
-    bar = tqdm(total=len(container) + 1, unit="layer", desc=f"qstats.{where}", disable=not progress)
-    for index, layer in enumerate(container):
-        found.update(_run_layer(run, f"{container_path}.{index}", layer))
+    with tqdm(total=len(container) + 1, unit="layer", desc=f"qstats.{where}", disable=not progress) as bar:
+        for index, layer in enumerate(container):
+            found.update(_run_layer(run, f"{container_path}.{index}", layer))
+            bar.update(1)
+        found.update(_run_outside(run, container_path, container, observation_weight))
         bar.update(1)
-    found.update(_run_outside(run, container_path, container, observation_weight))
-    bar.update(1)
-    bar.close()
     return found

@@ -12,6 +12,7 @@ are released with it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -47,35 +48,26 @@ class LayerwiseGPTQ(NamedTuple):
     weights: Union[dict, str]
 
 
-def _hessian_site(plan: Plan, path: str, site: str) -> Optional[str]:
-    """The site whose Hessian GPTQ of parameter ``site`` of ``path`` needs, or None when GPTQ does
-    not apply (not a Linear weight or stacked-experts parameter)."""
-    entry = plan.site(path, site)
-    if entry.kind != "parameter":
-        return None
-    if entry.num_experts:
-        return f"{site}.input"
-    return "input" if site == "weight" and isinstance(plan.modules[path], torch.nn.Linear) else None
-
-
 def _targets(plan: Plan) -> dict:
-    """``{(module path, parameter site): Hessian site}`` of every weight GPTQ quantizes; a warning
-    names the quantized parameters it does not (not a Linear weight or stacked experts)."""
+    """``{(module path, parameter site): Hessian site}`` of every weight GPTQ quantizes (a Linear's
+    ``weight``: its ``input``; a stacked-experts parameter: its ``<site>.input``); a warning names
+    the quantized parameters it does not (not a Linear weight or stacked experts)."""
     found, others = {}, []
     for path, entry in plan.sites.items():
         for site, observed in entry.items():
-            hessian_site = _hessian_site(plan, path, site)
-            if hessian_site is not None:
-                found[(path, site)] = hessian_site
-            elif observed.kind == "parameter":
+            if observed.kind != "parameter":
+                continue
+            if observed.num_experts:
+                found[(path, site)] = f"{site}.input"
+            elif site == "weight" and isinstance(plan.modules[path], torch.nn.Linear):
+                found[(path, site)] = "input"
+            else:
                 others.append(f"{path}.{site}")
     if others:
         warn(f"gptq_layerwise: {len(others)} quantized parameter(s) are not Linear weights or stacked experts "
              f"and are rounded to nearest, not GPTQ'd: {', '.join(others[:6])}", UncalibratedWarning)
     if not found:
-        raise ValueError(
-            "gptq_layerwise: the recipe quantizes no Linear weight or stacked-experts parameter"
-        )
+        raise ValueError("gptq_layerwise: the recipe quantizes no Linear weight or stacked-experts parameter")
     return found
 
 
@@ -116,10 +108,9 @@ def _parts(job: _Job, chunk: int) -> list:
     """The slices of ``job.weight`` GPTQ'd in one call: the whole weight, or stacked experts
     ``chunk`` at a time (GPTQ's working memory, a few ``[in, in]`` matrices per expert, is bounded
     by the chunk; each expert's result is its own)."""
-    weight = job.weight
-    if weight.ndim == 2 or weight.shape[0] <= chunk:
+    if job.weight.ndim == 2 or job.weight.shape[0] <= chunk:
         return [slice(None)]
-    return [slice(start, start + chunk) for start in range(0, weight.shape[0], chunk)]
+    return [slice(start, start + chunk) for start in range(0, job.weight.shape[0], chunk)]
 
 
 def _owners(costs: list, world: int) -> list:
@@ -208,47 +199,83 @@ def _layer_jobs(plan: Plan, targets: dict, states: dict, hessians: dict) -> tupl
     return jobs, missing
 
 
-def _gptq_step(plan: Plan, targets: dict, weights: dict, options: dict, weights_dir: Optional[str],
-               experts_at_once: int, uncalled: list, share: bool) -> Callable:
-    """The layer step: GPTQ of the layer's targets, each weight replaced by its GPTQ'd value in the
-    loaded layer (which `calibrate_layerwise` then runs) and kept in ``weights`` (with
-    ``weights_dir``: written there, one shard per layer, and ``weights`` maps it to its shard)."""
+@dataclasses.dataclass
+class _GPTQRun:
+    """What the layer steps of one `gptq_layerwise` call share: its arguments, the weights to GPTQ
+    (``targets``: ``{(path, site): Hessian site}``), the GPTQ'd ``weights`` (``{name: weight}``, or
+    ``{name: shard}`` with ``weights_dir``) and the weights never called (rounded to nearest)."""
 
-    def step(layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> tuple:
+    checkpoint: Union[str, os.PathLike]
+    options: dict  # qstats.gptq's block_size, dampening, actorder
+    experts_at_once: int
+    weights_dir: Optional[str]
+    share: bool  # all_reduce: the ranks divide each layer's GPTQ
+    plan: Optional[Plan] = None
+    targets: dict = dataclasses.field(default_factory=dict)
+    weights: dict = dataclasses.field(default_factory=dict)
+    uncalled: list = dataclasses.field(default_factory=list)
+
+    def layer_step(self, plan: Plan) -> tuple:
+        """`_layerwise`'s ``layer_step``, run in its checks (one rank's bad argument stops all)."""
+        at_once = self.experts_at_once
+        if not isinstance(at_once, int) or isinstance(at_once, bool) or at_once < 1:
+            raise ValueError(f"gptq_layerwise: experts_at_once must be a positive int, got {at_once!r}")
+        check_options(**self.options, where="gptq_layerwise")
+        if self.weights_dir is not None:
+            check_new_folder(self.weights_dir, self.checkpoint, "gptq_layerwise", "weights_dir")
+        self.plan, self.targets = plan, _targets(plan)
+        _warn_compute_dtype(plan, self.targets)
+        return _hessian_plan(plan, self.targets), self.step
+
+    def step(self, layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> tuple:
+        """GPTQ of the layer's targets, each weight replaced by its GPTQ'd value in the loaded layer
+        (which `calibrate_layerwise` then runs) and kept in ``weights`` (with ``weights_dir``:
+        written there, one shard per layer, and ``weights`` maps it to its shard)."""
         # rank-local work, then collectives: every rank learns whether one raised before the broadcasts
-        jobs, missing = _agreed(share, lambda: _layer_jobs(plan, targets, states, hessians))
+        jobs, missing = _agreed(self.share, lambda: _layer_jobs(self.plan, self.targets, states, hessians))
         keys, jobs = list(jobs), list(jobs.values())  # the list alone holds the Hessians (and the layer the weights)
         layer_weights = {}
 
         def finished(index: int, quantized: torch.Tensor) -> None:
             path, site = keys[index]
-            plan.modules[path]._parameters[site] = torch.nn.Parameter(quantized, requires_grad=False)
+            self.plan.modules[path]._parameters[site] = torch.nn.Parameter(quantized, requires_grad=False)
             layer_weights[f"{path}.{site}"] = quantized.cpu()  # kept or written from the CPU, whatever the device
 
-        _gptq_jobs(jobs, experts_at_once, options, share, finished)
+        _gptq_jobs(jobs, self.experts_at_once, self.options, self.share, finished)
         if missing:
-            uncalled.extend(missing)
+            self.uncalled.extend(missing)
             warn(f"gptq_layerwise: {len(missing)} weight(s) of {layer_path} were never called, so have no "
                  f"Hessian, and are rounded to nearest: {', '.join(missing[:6])}", UncalibratedWarning)
-        if weights_dir is None:
-            weights.update(layer_weights)
+        if self.weights_dir is None:
+            self.weights.update(layer_weights)
         elif layer_weights:
-            filename = f"gptq-{len(set(weights.values())) + 1:05d}.safetensors"
+            filename = f"gptq-{len(set(self.weights.values())) + 1:05d}.safetensors"
             if _writes():
-                write_tensors(weights_dir, layer_weights, filename)
-            weights.update(dict.fromkeys(layer_weights, filename))
+                write_tensors(self.weights_dir, layer_weights, filename)
+            self.weights.update(dict.fromkeys(layer_weights, filename))
         return states, set(keys)  # the layer then runs with its GPTQ'd weights, activations in float
 
-    return step
+    def remove_written(self) -> None:
+        """Removes the weight files a failed run wrote (by the writing rank): while they remain, a
+        rerun into ``weights_dir`` is refused."""
+        if self.weights_dir is not None and _writes():
+            for filename in set(self.weights.values()):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(self.weights_dir, filename))
 
-
-def _remove_written(weights_dir: Optional[str], weights: dict) -> None:
-    """Removes the weight files a failed run wrote (by the writing rank): while they remain, a rerun
-    into ``weights_dir`` is refused."""
-    if weights_dir is not None and _writes():
-        for filename in set(weights.values()):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(weights_dir, filename))
+    def finish(self, states: dict) -> LayerwiseGPTQ:
+        """The result, once every layer is done; warns of the targets outside the decoder layers."""
+        done = set(self.weights) | set(self.uncalled)
+        outside = [f"{path}.{site}" for path, site in self.targets if path in states]
+        outside = [name for name in outside if name not in done]
+        if outside:
+            warn(f"gptq_layerwise: {len(outside)} weight(s) outside the decoder layers are rounded to "
+                 f"nearest, not GPTQ'd: {', '.join(outside[:6])}", UncalibratedWarning)
+        if self.weights_dir is None:
+            return LayerwiseGPTQ(states, self.weights)
+        # every rank returns once rank 0 has written the index, and raises if that failed
+        _agreed(self.share, lambda: write_index(self.weights_dir, self.weights) if _writes() else None)
+        return LayerwiseGPTQ(states, self.weights_dir)
 
 
 def gptq_layerwise(
@@ -300,40 +327,16 @@ def gptq_layerwise(
     Raises:
       ValueError: as `calibrate_layerwise`; a recipe without Linear or expert weights.
     """
-    weights: dict = {}
-    weights_dir = None if weights_dir is None else os.fspath(weights_dir)
     options = {"block_size": block_size, "dampening": dampening, "actorder": actorder}
-
-    targets: dict = {}
-    uncalled: list = []
-
-    def layer_step(plan: Plan) -> tuple:  # in calibrate_layerwise's checks: one rank's bad argument stops all
-        if not isinstance(experts_at_once, int) or isinstance(experts_at_once, bool) or experts_at_once < 1:
-            raise ValueError(f"gptq_layerwise: experts_at_once must be a positive int, got {experts_at_once!r}")
-        check_options(block_size, dampening, actorder, "gptq_layerwise")
-        if weights_dir is not None:
-            check_new_folder(weights_dir, checkpoint, "gptq_layerwise", "weights_dir")
-        targets.update(_targets(plan))
-        _warn_compute_dtype(plan, targets)
-        return _hessian_plan(plan, targets), _gptq_step(plan, targets, weights, options, weights_dir, experts_at_once,
-                                                              uncalled, all_reduce)
-
+    weights_dir = None if weights_dir is None else os.fspath(weights_dir)
+    run = _GPTQRun(checkpoint, options, experts_at_once, weights_dir, all_reduce)
     try:
         states = _layerwise(
             model, checkpoint, batches, recipe, states=None, propagate="float", offload_dir=offload_dir,
             layers=layers, progress=progress, observation_weight=observation_weight, all_experts=all_experts,
-            all_reduce=all_reduce, device=device, layer_step=layer_step, where="gptq_layerwise",
+            all_reduce=all_reduce, device=device, layer_step=run.layer_step, where="gptq_layerwise",
         )  # fmt: skip
     except BaseException:
-        _remove_written(weights_dir, weights)
+        run.remove_written()
         raise
-    done = set(weights) | set(uncalled)
-    outside = [f"{path}.{site}" for path, site in targets if f"{path}.{site}" not in done and path in states]
-    if outside:
-        warn(f"gptq_layerwise: {len(outside)} weight(s) outside the decoder layers are rounded to nearest, "
-             f"not GPTQ'd: {', '.join(outside[:6])}", UncalibratedWarning)
-    if weights_dir is None:
-        return LayerwiseGPTQ(states, weights)
-    # every rank returns once rank 0 has written the index, and raises if that failed
-    _agreed(all_reduce, lambda: write_index(weights_dir, weights) if _writes() else None)
-    return LayerwiseGPTQ(states, weights_dir)
+    return run.finish(states)

@@ -17,16 +17,31 @@ from .checkpoint import Writer, _check_arguments, check_new_folder, write_config
 
 __all__ = ["compressed_tensors_layerwise"]
 
+_WHERE = "export.compressed_tensors_layerwise"
+
 
 def _parts(model: torch.nn.Module, layers: Optional[str]) -> list:
     """``(paths to load, recurse, keep(name))`` of each shard: every decoder layer, then the rest."""
-    container_path, container = decoder_layers(model, layers, "export.compressed_tensors_layerwise")
-    parts = []
-    for index in range(len(container)):
-        path = f"{container_path}.{index}"
-        parts.append(([path], True, lambda name, path=path: inside(name, path)))
-    parts.append((outer_paths(model, container_path), False, lambda name: not inside(name, container_path)))
-    return parts
+    container_path, container = decoder_layers(model, layers, _WHERE)
+    paths = [f"{container_path}.{index}" for index in range(len(container))]
+    outer = (outer_paths(model, container_path), False, lambda name: not inside(name, container_path))
+    return [([path], True, lambda name, path=path: inside(name, path)) for path in paths] + [outer]
+
+
+def _write_part(model: torch.nn.Module, source, writer: Writer, part: tuple, path: str,
+                filename: str) -> dict:
+    """Loads the modules of one shard (a `_parts` entry), writes their tensors as ``path/filename``
+    and puts them back on meta; returns ``{name: bytes}`` of the tensors written."""
+    paths, recurse, keep = part
+    saved = load_modules(model, paths, source, recurse=recurse)
+    try:
+        state = {name: tensor for name, tensor in model.state_dict().items() if keep(name)}
+        qparams = {module: sites for module, sites in writer.qparams.items() if keep(module)}
+        tensors = writer.part(qparams, state)
+        write_tensors(path, tensors, filename)
+        return {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
+    finally:
+        release_modules(saved)
 
 
 def compressed_tensors_layerwise(
@@ -67,10 +82,9 @@ def compressed_tensors_layerwise(
     """
     _check_arguments(model, qparams, format)
     check_on_meta(model)
-    check_new_folder(path, checkpoint, "export.compressed_tensors_layerwise", "path")
-    source = LazyCheckpoint(checkpoint, "export.compressed_tensors_layerwise")
-    if weights is not None:
-        source = Overlay(weights, source)
+    check_new_folder(path, checkpoint, _WHERE, "path")
+    source = LazyCheckpoint(checkpoint, _WHERE)
+    source = source if weights is None else Overlay(weights, source)
     check_covers(model, source)
     writer = Writer(recipe, qparams, model, format)
     parts = _parts(model, layers)
@@ -78,21 +92,14 @@ def compressed_tensors_layerwise(
     written: list = []  # the shards this call wrote: removed if it fails
     size = 0
     try:
-        for number, (paths, recurse, keep) in enumerate(tqdm(parts, desc="qstats.export", disable=not progress), 1):
-            saved = load_modules(model, paths, source, recurse=recurse)
-            try:
-                state = {name: tensor for name, tensor in model.state_dict().items() if keep(name)}
-                tensors = writer.part({module: sites for module, sites in qparams.items() if keep(module)}, state)
-                filename = f"model-{number:05d}-of-{len(parts):05d}.safetensors"
-                written.append(filename)
-                write_tensors(path, tensors, filename)
-                weight_map.update(dict.fromkeys(tensors, filename))
-                size += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-            finally:
-                release_modules(saved)
+        for number, part in enumerate(tqdm(parts, desc="qstats.export", disable=not progress), 1):
+            written.append(f"model-{number:05d}-of-{len(parts):05d}.safetensors")
+            tensors = _write_part(model, source, writer, part, path, written[-1])
+            weight_map.update(dict.fromkeys(tensors, written[-1]))
+            size += sum(tensors.values())
         unused = sorted(source.names() - source.used) if weights is not None else []
         if unused:
-            raise ValueError(f"export.compressed_tensors_layerwise: {len(unused)} tensor(s) of weights= name no tensor "
+            raise ValueError(f"{_WHERE}: {len(unused)} tensor(s) of weights= name no tensor "
                              f"of the model: {', '.join(unused[:6])}")
         quantization_config = writer.finish()  # its refusals (a kv-cache scheme, ...) too leave no shard
         write_index(path, weight_map, size)
