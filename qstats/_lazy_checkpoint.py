@@ -106,7 +106,11 @@ class LazyCheckpoint:
             count += 1
         stacked = None  # filled expert by expert: never the per-expert copies and the stack at once
         for expert in range(count):
-            parts = [self.tensor(f"{prefix}.{expert}.{source}.weight") for source in sources]
+            names = [f"{prefix}.{expert}.{source}.weight" for source in sources]
+            parts = [self.tensor(name) for name in names]
+            if len({part.shape[1:] for part in parts}) > 1:  # torch.cat would fail without naming them
+                raise ValueError(f"{self.where}: checkpoint expert {prefix}.{expert}'s tensors differ in their input "
+                                 "width: " + ", ".join(f"{n!r} {tuple(t.shape)}" for n, t in zip(names, parts)))
             shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
             if stacked is None:
                 stacked = parts[0].new_empty((count, *shape))

@@ -334,8 +334,7 @@ def _fake_quantize_site(plan: Plan, path: str, site: str, qp, handles: list, par
         hook = hooked.register_forward_pre_hook(
             lambda _, args, kwargs: replace_input_tensor(args, kwargs, quantize), with_kwargs=True
         )
-    elif found.kind == "output":  # the tensor calibrate observed (`first_tensor`), also inside a tuple
+    else:  # output, q/k/v (the child projection's output): the tensor calibrate observed
+        # (`first_tensor`), also inside a tuple
         hook = hooked.register_forward_hook(lambda _, args, output: replace_first_tensor(output, quantize)[0])
-    else:  # q/k/v: the child projection's output
-        hook = hooked.register_forward_hook(lambda _, args, output: quantize(output))
     handles.append(hook)

@@ -79,3 +79,42 @@ def test_calibrating_inside_fake_quantized_equals_replaced_weights(implementatio
     assert qparams[experts]["input"].scale.shape == (8,)
     # the float weights are back after the context
     assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, float_stack)
+
+
+class _TupleProjection(torch.nn.Module):
+    """A projection returning ``(activation, None)``: its first tensor is the q activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x), None
+
+
+class _TupleAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = _TupleProjection()
+
+    def forward(self, x):
+        return self.q_proj(x)[0]
+
+
+def test_q_site_of_a_projection_returning_a_tuple_is_fake_quantized():
+    """`fake_quantized` quantizes the tensor `calibrate` observes for a ``q`` site, the first
+    tensor of the projection's output, equal to torch's own per-tensor fake quantization under
+    the calibrated scale (it used to pass a tuple through unquantized)."""
+    torch.manual_seed(0)
+    model = _TupleAttention().eval()
+    spec = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
+    plan = qstats.Recipe([qstats.Rule("_TupleAttention", sites=("q",), spec=spec)]).resolve(model)
+    x = torch.randn(8, 4)
+    qp = qstats.compute_qparams_tree(qstats.calibrate(model, [x], plan, progress=False), plan)[""]["q"]
+    with torch.no_grad():
+        activation = model.q_proj.linear(x)
+        expected = torch.fake_quantize_per_tensor_affine(activation, qp.scale.item(), int(qp.zero_point), -128, 127)
+        with qstats.fake_quantized(model, {"": {"q": qp}}, plan):
+            got = model(x)
+    assert not torch.equal(expected, activation)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -317,6 +317,24 @@ def test_checkpoint_missing_one_experts_tensor_names_it(saved, tmp_path):
         qstats.calibrate_layerwise(_meta("qwen3_moe"), tmp_path, _batches(0, 1), _recipe("qwen3_moe"), progress=False)
 
 
+def test_checkpoint_experts_of_different_input_widths_name_them(tmp_path):
+    """An expert whose gate_proj and up_proj differ in input width ([3, 4] and [3, 5]) is a
+    ValueError naming both tensors and their shapes (it was torch.cat's bare RuntimeError)."""
+    from safetensors.torch import save_file
+
+    from qstats._lazy_checkpoint import LazyCheckpoint
+
+    prefix = "model.layers.0.mlp.experts"
+    tensors = {}
+    for expert in range(2):
+        tensors[f"{prefix}.{expert}.gate_proj.weight"] = torch.zeros(3, 4)
+        tensors[f"{prefix}.{expert}.up_proj.weight"] = torch.zeros(3, 5 if expert == 1 else 4)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    wanted = rf"{prefix}\.1\.gate_proj\.weight' \(3, 4\), '{prefix}\.1\.up_proj\.weight' \(3, 5\)"
+    with pytest.raises(ValueError, match=wanted):
+        LazyCheckpoint(tmp_path).stacked_experts(f"{prefix}.gate_up_proj")
+
+
 class _ExpertBlock(torch.nn.Module):
     def __init__(self):
         super().__init__()
