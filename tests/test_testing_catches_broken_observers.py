@@ -40,7 +40,7 @@ def test_purity_catches_an_update_that_modifies_its_weight():
         return new
 
     broken = obs._replace(update=update)
-    with pytest.raises(AssertionError, match="purity: update modified the weight"):
+    with pytest.raises(AssertionError, match="purity: update modified the weight: state not bit-exact"):
         testing.check_purity(broken, XS)
     with pytest.raises(AssertionError, match="purity: update modified the weight"):
         testing.check_all(broken, _make_x, laws=("purity",), max_examples=3)
@@ -433,3 +433,17 @@ def test_check_all_takes_one_law_by_name():
         testing.check_all(forgetful, _make_x, laws="identity", max_examples=2)
     with pytest.raises(ValueError, match=r"unknown laws \['purity '\]"):
         testing.check_all(forgetful, _make_x, laws="purity ", max_examples=2)
+
+
+def test_homomorphism_lets_an_init_that_crashes_on_a_longer_batch_raise():
+    """The concatenated batch is the observer's input like any other: an error of ``init`` there
+    (not a change of state structure, which skips the concatenation) reaches the author."""
+    obs = qstats.minmax(qstats.QuantSpec())
+
+    def init(x):
+        if x.shape[0] > 6:
+            raise RuntimeError("init: bug for long batches")
+        return obs.init(x)
+
+    with pytest.raises(RuntimeError, match="bug for long batches"):
+        testing.check_homomorphism(obs._replace(init=init), XS)
