@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from ._spec import QuantSpec
+from .experts import linearized_experts
 from ._warn import warn
 
 __all__ = ["scheme_rules", "config_rules", "preset_schemes", "compressed_tensors_ignore", "GroupMatch",
@@ -202,7 +203,8 @@ class GroupMatch:
     class name; a target repeated in a later group belongs to the later one); Linear and Embedding
     modules take the scheme's args (``attention=False``), attention modules it matches narrowly
     (``is_narrow_match``, its parent checked by name) quantize q, k and v with its input args
-    (``attention=True``)."""
+    (``attention=True``). On transformers' stacked experts, `sites_on` gives the sites whose
+    linearized Linears (what llm-compressor quantizes) take this group."""
 
     groups: tuple
     group: int
@@ -223,6 +225,37 @@ class GroupMatch:
             return self.attention
         return not self.attention and isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
 
+    def sites_on(self, path: str, module, sites: tuple) -> tuple:
+        """The ``sites`` of the module at ``path`` this group quantizes; on stacked experts, those of
+        their sites (`_EXPERT_SITES`) whose per-expert Linears (`qstats.experts.linearized_experts`)
+        take this group; ValueError where they take several groups."""
+        if self(path, module):
+            return sites
+        if self.attention or not linearized_experts(path, module):
+            return ()
+        if "output" in sites and self._takes_experts(path, module, None):
+            raise ValueError(f"Recipe: config group {self.group} quantizes output activations of the stacked experts "
+                             f"{path!r}; output activations of stacked experts are not supported")
+        return tuple(expert_site for site in sites for expert_site in _EXPERT_SITES.get(site, ())
+                     if self._takes_experts(path, module, expert_site))
+
+    def _takes_experts(self, path: str, module, site) -> bool:
+        from compressed_tensors.utils import match_targets
+
+        owner = {target: index for index, targets in enumerate(self.groups) for target in targets}
+        linear = torch.nn.Linear(1, 1, bias=False, device="meta")  # what linearize_moe makes of each
+        groups: dict = {}
+        for name in linearized_experts(path, module, site):
+            matched = match_targets(name, linear, owner)
+            groups.setdefault(owner[matched[0]] if matched else None, []).append(name)
+        if self.group in groups and len(groups) > 1:
+            raise ValueError(
+                f"Recipe: the config groups give the per-expert Linears behind {site or 'the outputs'!r} of the "
+                f"stacked experts {path!r} different schemes ({_listed_groups(groups)}); qstats observes a stacked "
+                "site with one scheme for every expert: target all of them alike"
+            )
+        return self.group in groups
+
     def _narrow(self, path: str, module) -> bool:
         from compressed_tensors.utils import is_match, match_name
 
@@ -232,6 +265,11 @@ class GroupMatch:
             and not any(is_match(f"{path}.{name}", child, target) for name, child in module.named_modules() if name)
             for target in self.groups[self.group]
         )
+
+
+def _listed_groups(groups: dict) -> str:
+    return "; ".join(f"{'no group' if group is None else f'group {group}'}: {names[0]}"
+                     + (f" and {len(names) - 1} more" if len(names) > 1 else "") for group, names in groups.items())
 
 
 def _kv_cache_module(path: str, module) -> bool:

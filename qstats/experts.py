@@ -32,6 +32,7 @@ __all__ = [
     "ids_mask",
     "parameter_input_site",
     "is_stacked_parameter",
+    "linearized_experts",
     "own_parameters",
     "dispatch",
     "routing_mask",
@@ -75,6 +76,32 @@ def declared_experts(module: torch.nn.Module) -> tuple:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return name, value
     return None, 0
+
+
+# the Linear modules llm-compressor's ``linearize_moe`` makes of each expert's slice of a stack
+_LINEARIZED = {"gate_up_proj": ("up_proj", "gate_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
+
+
+def linearized_experts(path: str, module: torch.nn.Module, site: Optional[str] = None) -> list:
+    """The paths of the Linear modules llm-compressor's ``linearize_moe`` turns the transformers
+    experts module at ``path`` into (3-D ``gate_up_proj`` or ``up_proj``, and ``down_proj``, one
+    leading expert dimension): per expert ``up_proj``, ``gate_proj`` (when fused with up) and
+    ``down_proj``, in its module order. With ``site`` (a stacked parameter, ``"<parameter>.input"``,
+    or ``"input"``: the first projection's input) only the modules behind it. [] for any other
+    module or site."""
+    params = own_parameters(module)
+    first = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
+    up, down = params.get(first), params.get("down_proj")
+    if up is None or down is None or up.ndim != 3 or down.ndim != 3 or up.shape[0] != down.shape[0]:
+        return []
+    if site is None:
+        names = _LINEARIZED[first] + _LINEARIZED["down_proj"]
+    else:
+        parameter = first if site == "input" else site.removesuffix(".input")
+        if parameter not in (first, "down_proj"):
+            return []
+        names = _LINEARIZED[parameter]
+    return [f"{path}.{expert}.{name}" for expert in range(down.shape[0]) for name in names]
 
 
 def expert_count(module: torch.nn.Module) -> int:

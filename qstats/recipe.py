@@ -20,7 +20,8 @@ from ._rule_data import recipe_fields
 from ._schemes import compressed_tensors_ignore, config_rules, scheme_rules
 from ._spec import QuantSpec
 from ._torch_features import torch_dtype, uncompiled
-from .experts import expert_count, is_stacked_parameter, own_parameters, parameter_input_site, stacked_observer
+from .experts import (expert_count, is_stacked_parameter, linearized_experts, own_parameters, parameter_input_site,
+                      stacked_observer)
 from .fused import fused_groups
 from .observers import Observer
 from .observers import registry as observer_registry
@@ -41,7 +42,10 @@ PROJECTION_NAMES = {
 def _freeze(mapping: Optional[Mapping[str, Any]], what: str) -> tuple:
     if mapping is None:
         return ()
-    if isinstance(mapping, tuple):
+    if isinstance(mapping, tuple):  # the frozen form: (key, value) pairs
+        if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in mapping):
+            raise TypeError(f"Rule.{what} must be a mapping of keyword arguments (or its (key, value) pairs), "
+                            f"got {mapping!r}")
         mapping = dict(mapping)
     if not isinstance(mapping, Mapping):
         raise TypeError(f"Rule.{what} must be a mapping of keyword arguments, got {type(mapping).__name__}")
@@ -152,6 +156,15 @@ class Rule:
         if self.matcher is not None:
             return bool(self.matcher(path, module))
         return _matches(self.targets, path, module)
+
+    def sites_on(self, path: str, module: Optional[torch.nn.Module]) -> tuple:
+        """The sites of the module at ``path`` this rule covers: its ``sites`` where it `matches`,
+        or those its matcher's ``sites_on(path, module, sites)`` picks (`GroupMatch`: the sites of
+        stacked experts whose linearized Linears its config group takes)."""
+        pick = getattr(self.matcher, "sites_on", None)
+        if pick is not None:
+            return tuple(pick(path, module, self.sites))
+        return self.sites if self.matches(path, module) else ()
 
     def make_observer(self, spec: Optional[QuantSpec] = None) -> Observer:
         """The observer of one tensor: ``observer(spec, **observer_kwargs)`` (the rule's spec by
@@ -493,25 +506,42 @@ class Recipe:
         ``{"scheme": name, ...}`` (`from_scheme`). The formats are in docs/recipes.md."""
 
         if isinstance(data, Mapping) and "scheme" in data:
-            extra = set(data) - {"scheme", "targets", "ignore", "shared", "observed_dtype", "kv_cache_scheme"}
+            extra = set(data) - {"scheme", "targets", "ignore", "shared", "observed_dtype", "kv_cache_scheme",
+                                 "experts"}
             if extra:
                 raise ValueError(f"Recipe.from_dict: unknown keys {sorted(extra)} beside 'scheme'")
             observed = data.get("observed_dtype")
             if isinstance(observed, str):  # plain data names it: "bfloat16"
                 observed = torch_dtype(observed.removeprefix("torch.")) or observed
-            return cls.from_scheme(data["scheme"], data.get("targets"), data.get("ignore", ()), observed_dtype=observed,
-                                   shared=data.get("shared"), kv_cache_scheme=data.get("kv_cache_scheme"))
+            return cls.from_scheme(data["scheme"], data.get("targets"), data.get("ignore") or (), observed_dtype=observed,
+                                   shared=data.get("shared"), experts=data.get("experts"),
+                                   kv_cache_scheme=data.get("kv_cache_scheme"))
         rules, ignore, shared = recipe_fields(Rule, data)
         return cls(rules, ignore=ignore, shared=shared)
 
     def rule_for(self, path: str, site: str, module: Optional[torch.nn.Module] = None) -> Optional[Rule]:
         """The first rule covering ``site`` of the module at ``path`` (None when none, or ignored)."""
-        if _matches(self.ignore, path, module):
+        if _matches(self.ignore, path, module) or (module is not None and self._ignored_site(path, module, site)):
             return None
         for rule in self.rules:
-            if site in rule.sites and rule.matches(path, module):
+            if site in rule.sites_on(path, module):
                 return rule
         return None
+
+    def _ignored_site(self, path: str, module: torch.nn.Module, site: str) -> bool:
+        """Whether ``ignore`` names every per-expert Linear behind ``site`` of stacked experts
+        (`linearized_experts`: what compressed-tensors matches after llm-compressor linearizes
+        them); ValueError where it names some of them only."""
+        names = linearized_experts(path, module, site)
+        linear = torch.nn.Linear(1, 1, bias=False, device="meta")
+        ignored = [name for name in names if _matches(self.ignore, name, linear)]
+        if ignored and len(ignored) < len(names):
+            raise ValueError(
+                f"Recipe: ignore names {len(ignored)} of the {len(names)} per-expert Linears behind site {site!r} "
+                f"of the stacked experts {path!r} (e.g. {ignored[0]!r}); qstats observes a stacked site for "
+                "every expert: ignore all of them or none"
+            )
+        return bool(ignored)
 
     def resolve(self, model: torch.nn.Module) -> Plan:
         """The `Plan` of this recipe on ``model``: every observed site, the modules by path and
@@ -537,11 +567,12 @@ class Recipe:
         params = own_parameters(module)  # parametrized ones too (inside `qstats.fake_quantized`)
         num_experts = expert_count(module)
         entry: dict = {}
+        ignored: dict = {}  # site -> whether `ignore` names its per-expert Linears
         for index, rule in enumerate(self.rules):
-            if not rule.matches(path, module):
-                continue
-            for site in rule.sites:
-                kind = None if site in entry else _site_kind(module, params, num_experts, site)
+            for site in rule.sites_on(path, module):
+                if site not in ignored:
+                    ignored[site] = bool(num_experts) and self._ignored_site(path, module, site)
+                kind = None if site in entry or ignored[site] else _site_kind(module, params, num_experts, site)
                 if kind is not None:
                     spec = _gate_up_halves(rule.spec, site, module, params) if kind[1] else rule.spec
                     entry[site] = _make_site(rule, spec, *kind)
@@ -560,9 +591,13 @@ class Recipe:
                     f"{type(model).__name__} (no module it matches has such a parameter, input or projection)",
                     UserWarning,
                 )
+        linear = torch.nn.Linear(1, 1, bias=False, device="meta")
         for target in self.ignore:  # a misspelt ignore would quantize it, silently
             if any(_matches((target,), path, module) for path, module in modules.items()):
                 continue
+            if any(_matches((target,), name, linear) for path, module in modules.items()
+                   for name in linearized_experts(path, module)):
+                continue  # it names linearized experts
             warn(
                 f"Recipe: the ignore entry {target!r} matches no module in this {type(model).__name__} "
                 "(by path, class name or 're:' full match of a path), so it ignores nothing",

@@ -189,3 +189,30 @@ def test_routers_the_ignore_list_does_not_name_are_listed_as_llm_compressor_list
     our_tensors = load_file(os.path.join(ours, "model.safetensors"))
     assert sorted(our_tensors) == sorted(their_tensors)
     assert not [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]
+
+
+@pytest.mark.parametrize("ignore", [["lm_head"], ["lm_head", "re:.*experts.*down_proj"], ["re:model.layers.1.mlp"]])
+def test_a_linear_recipe_quantizes_stacked_experts_as_llm_compressor_linearizes_them(tmp_path, samples, ignore):
+    """``QuantizationModifier(targets="Linear")`` read as it is (no ``experts=``): llm-compressor
+    linearizes Qwen3-MoE's stacked experts into per-expert Linears and quantizes those its targets
+    and ignore select; qstats observes the stacked sites behind them. Same tensors bit for bit and
+    the same ignore list as ``oneshot``'s checkpoint."""
+    saved, theirs, ours = (str(tmp_path / name) for name in ("float", "llm_compressor", "qstats"))
+    torch.manual_seed(0)
+    config = qwen3_moe_config(hidden_size=32, moe_intermediate_size=32, head_dim=16)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(saved)
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    modifier = QuantizationModifier(targets="Linear", scheme="W8A8", ignore=ignore)
+    llm_compressor_oneshot(_load(saved), samples[:1], modifier, theirs)
+    model = _load(saved)
+    model.set_attn_implementation("eager")
+    plan = qstats.Recipe.from_compressed_tensors(modifier).resolve(model)
+    states = qstats.calibrate(model, [{"input_ids": samples[0][None]}], plan, progress=False, all_experts=True)
+    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
+    assert _quantization_config(ours)["ignore"] == _quantization_config(theirs)["ignore"]
+    their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
+    our_tensors = load_file(os.path.join(ours, "model.safetensors"))
+    assert sorted(our_tensors) == sorted(their_tensors)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight_scale" in our_tensors
+    assert not [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]

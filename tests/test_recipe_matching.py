@@ -4,6 +4,7 @@ compressed-tensors' own ``apply_quantization_config`` (and llm-compressor's
 
 import copy
 import os
+import re
 import warnings
 
 import pytest
@@ -40,11 +41,23 @@ def moe():
     return transformers.AutoModelForCausalLM.from_config(qwen3_moe_config()).eval()
 
 
+# a linearized expert's Linear -> the stacked-experts site of qstats that holds it, per site kind
+_STACKED = {("gate_proj", "weight"): "gate_up_proj", ("up_proj", "weight"): "gate_up_proj",
+            ("down_proj", "weight"): "down_proj", ("gate_proj", "input"): "input", ("up_proj", "input"): "input",
+            ("down_proj", "input"): "down_proj.input"}
+
+
 def _theirs(model, config) -> dict:
-    """``{path: {site: (QuantSpec, dynamic)}}`` of the modules compressed-tensors quantizes."""
+    """``{path: {site: (QuantSpec, dynamic)}}`` of the modules compressed-tensors quantizes, on the
+    model as llm-compressor calibrates it: stacked experts linearized (``linearize_moe``) into
+    per-expert Linears, whose schemes are gathered back into the stacked sites (every expert alike)."""
     model = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if any(qstats.experts.linearized_experts(path, m) for path, m in model.named_modules()):
+            from llmcompressor.modeling.moe.linearize import linearize_moe
+
+            linearize_moe(model)
         apply_quantization_config(model, QuantizationConfig.model_validate(config), show_progress=False)
     out = {}
     for path, module in model.named_modules():
@@ -56,7 +69,12 @@ def _theirs(model, config) -> dict:
             args = {site: scheme.input_activations for site in sites}
         else:
             args = {site: getattr(scheme, key) for key, site in _SITES if getattr(scheme, key) is not None}
-        out[path] = {site: (qstats.QuantSpec.from_compressed_tensors(a), a.dynamic is True) for site, a in args.items()}
+        expert = re.fullmatch(r"(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj)", path)
+        if expert:
+            path, args = expert.group(1), {_STACKED[expert.group(2), site]: a for site, a in args.items()}
+        entry = {site: (qstats.QuantSpec.from_compressed_tensors(a), a.dynamic is True) for site, a in args.items()}
+        assert all(out.get(path, {}).get(site, value) == value for site, value in entry.items()), path
+        out.setdefault(path, {}).update(entry)
     return out
 
 
@@ -106,6 +124,12 @@ MOE_CONFIGS = {
     # an attention group (input args only, narrowly matched): q, k and v of that layer
     "attention_group": _config({"targets": ["Linear"], "weights": W8},
                                {"targets": ["re:.*layers.1.self_attn$"], "input_activations": FP8}, kv=FP8),
+    # stacked experts are quantized as llm-compressor's linearized per-expert Linears: by projection
+    "experts_down_proj_group": _config({"targets": ["Linear"], "weights": W8, "input_activations": A8},
+                                       {"targets": ["re:.*down_proj"], "weights": W4}, ignore=["lm_head"]),
+    "experts_down_proj_ignored": _config({"targets": ["Linear"], "weights": W8, "input_activations": A8},
+                                         ignore=["lm_head", "re:.*experts.*down_proj"]),
+    "experts_of_one_layer_ignored": _config({"targets": ["Linear"], "weights": W8}, ignore=["re:model.layers.1.mlp"]),
 }
 
 
@@ -199,6 +223,20 @@ def test_from_dict_reads_llm_compressor_modifier_fields(moe):
     data = {"scheme": {"W8A16": ["Linear"]}, "ignore": ["lm_head"], "kv_cache_scheme": FP8}
     config = _config({"targets": ["Linear"], **PRESET_SCHEMES["W8A16"]}, ignore=["lm_head"], kv=FP8)
     assert _ours(moe, qstats.Recipe.from_dict(data)) == _theirs(moe, config)
+
+
+def test_from_dict_takes_an_empty_yaml_ignore_and_experts(moe):
+    """An empty YAML ``ignore:`` parses as None: no ignore, as the rules form reads it; ``experts``
+    passes through to `from_scheme`."""
+    config = _config({"targets": ["Linear"], **PRESET_SCHEMES["W8A16"]})
+    assert _ours(moe, qstats.Recipe.from_dict({"scheme": "W8A16", "ignore": None})) == _theirs(moe, config)
+    recipe = qstats.Recipe.from_dict({"scheme": "W8A16", "experts": "Qwen3MoeExperts"})
+    assert recipe.rules[0].targets == ("Qwen3MoeExperts",)
+
+
+def test_rule_options_given_as_a_bad_tuple_are_refused_naming_the_field():
+    with pytest.raises(TypeError, match="Rule.observer_kwargs must be a mapping"):
+        qstats.Rule("Linear", observer_kwargs=(1, 2))
 
 
 def test_ignore_regexes_keep_inline_flags(minilm):
@@ -325,3 +363,15 @@ def test_an_input_group_naming_no_attention_module_and_experts_with_it():
 def test_a_bad_ignore_regex_is_named_as_written():
     with pytest.raises(ValueError, match=r"invalid regular expression 're:\(unclosed'"):
         qstats.Recipe.from_scheme("W4A16", ignore=["re:(unclosed"])
+
+
+@pytest.mark.parametrize("config, match", [
+    (_config({"targets": ["Linear"], "weights": W8}, ignore=["re:.*experts.0.down_proj"]), "ignore names 1 of the 8"),
+    (_config({"targets": ["Linear"], "weights": W8}, {"targets": ["re:.*experts.1.up_proj"], "weights": W4}),
+     "different schemes"),
+])
+def test_experts_that_linearized_experts_would_split_are_refused(moe, config, match):
+    """compressed-tensors would give some experts (or gate but not up) of a stack another scheme,
+    or none: one stacked state cannot hold that, so qstats refuses naming the experts module."""
+    with pytest.raises(ValueError, match=match):
+        _ours(moe, qstats.Recipe.from_compressed_tensors(config))

@@ -17,6 +17,7 @@ import torch
 
 from .._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
 from .._spec import QuantSpec
+from ..experts import linearized_experts
 from ..observers import registry
 
 __all__ = [
@@ -261,19 +262,6 @@ def ignored_modules(modules: dict, schemes: dict, rename=None) -> list:
         if path and kind in quantized:
             by_type.setdefault(kind, []).extend(rename(name) for name in unquantized)
     return [path for paths in by_type.values() for path in paths]
-
-
-def linearized_experts(path: str, module: torch.nn.Module) -> list:
-    """The paths of the Linear modules llm-compressor's ``linearize_moe`` turns a transformers
-    experts module into (3-D ``gate_up_proj`` or ``up_proj``, and ``down_proj``): per expert
-    ``up_proj``, ``gate_proj`` (when fused with up) and ``down_proj``, in its module order; [] for
-    any other module."""
-    params = dict(module.named_parameters(recurse=False))
-    up, down = params.get("gate_up_proj", params.get("up_proj")), params.get("down_proj")
-    if up is None or down is None or up.ndim != 3 or down.ndim != 3:
-        return []
-    names = ("up_proj", "gate_proj", "down_proj") if "gate_up_proj" in params else ("up_proj", "down_proj")
-    return [f"{path}.{expert}.{name}" for expert in range(down.shape[0]) for name in names]
 
 
 def vllm_module_type(module: torch.nn.Module) -> str:
