@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from ._spec import QuantSpec
-from .experts import linearized_experts
+from .experts import linearized_experts, linearized_layout_problem
 from ._warn import warn
 
 __all__ = ["scheme_rules", "config_rules", "preset_schemes", "compressed_tensors_ignore", "GroupMatch",
@@ -143,6 +143,8 @@ def _rule(Rule, targets, args, site: str, observed_dtype):
 
 # the sites of stacked experts (`qstats.experts`) that llm-compressor's linearized experts quantize
 _EXPERT_SITES = {"weight": ("gate_up_proj", "down_proj"), "input": ("input", "down_proj.input")}
+# those of any layout llm-compressor linearizes (gate-less experts: ``up_proj``)
+_LINEARIZED_SITES = {**_EXPERT_SITES, "weight": ("gate_up_proj", "up_proj", "down_proj")}
 
 
 def _expert_rules(Rule, rules: list, experts) -> list:
@@ -209,6 +211,7 @@ class GroupMatch:
     groups: tuple
     group: int
     attention: bool = False
+    ignore: tuple = ()  # the config's ignore list (compressed-tensors syntax), for per-expert Linears
 
     def __call__(self, path: str, module) -> bool:
         from compressed_tensors.utils import match_targets
@@ -236,17 +239,25 @@ class GroupMatch:
         if "output" in sites and self._takes_experts(path, module, None):
             raise ValueError(f"Recipe: config group {self.group} quantizes output activations of the stacked experts "
                              f"{path!r}; output activations of stacked experts are not supported")
-        return tuple(expert_site for site in sites for expert_site in _EXPERT_SITES.get(site, ())
-                     if self._takes_experts(path, module, expert_site))
+        taken = tuple(expert_site for site in sites for expert_site in _LINEARIZED_SITES.get(site, ())
+                      if self._takes_experts(path, module, expert_site))
+        problem = linearized_layout_problem(module) if taken else None
+        if problem:
+            raise ValueError(f"Recipe: config group {self.group} takes the per-expert Linears of the stacked experts "
+                             f"{path!r}, but {problem}; ignore them (e.g. 're:{re.escape(path)}\\..*') or quantize "
+                             "them with a qstats Rule that states their layout")
+        return taken
 
     def _takes_experts(self, path: str, module, site) -> bool:
         from compressed_tensors.utils import match_targets
 
         owner = {target: index for index, targets in enumerate(self.groups) for target in targets}
         linear = torch.nn.Linear(1, 1, bias=False, device="meta")  # what linearize_moe makes of each
+        names = linearized_experts(path, module, site)
+        ignored = _ignored(names, self.ignore)
         groups: dict = {}
-        for name in linearized_experts(path, module, site):
-            matched = match_targets(name, linear, owner)
+        for name in names:
+            matched = None if name in ignored else match_targets(name, linear, owner)
             groups.setdefault(owner[matched[0]] if matched else None, []).append(name)
         if self.group in groups and len(groups) > 1:
             raise ValueError(
@@ -265,6 +276,16 @@ class GroupMatch:
             and not any(is_match(f"{path}.{name}", child, target) for name, child in module.named_modules() if name)
             for target in self.groups[self.group]
         )
+
+
+def _ignored(names: list, ignore: tuple) -> set:
+    """The per-expert Linear ``names`` compressed-tensors' ``ignore`` matches (an exact name, a
+    ``re:`` regex matched from the start, or the class name ``Linear``)."""
+    exact = {target for target in ignore if not target.startswith("re:")}
+    if "Linear" in exact:
+        return set(names)
+    patterns = [re.compile(target[3:]) for target in ignore if target.startswith("re:")]
+    return {name for name in names if name in exact or any(pattern.match(name) for pattern in patterns)}
 
 
 def _listed_groups(groups: dict) -> str:
@@ -309,13 +330,13 @@ def _fullmatch_form(target: str) -> str:
 _LINEAR_CLASSES = {"Linear", "Embedding"}
 
 
-def _group_rules(Rule, groups: list, observed_dtype) -> list:
+def _group_rules(Rule, groups: list, observed_dtype, ignore=()) -> list:
     """One rule per site of each ``QuantizationScheme`` of ``groups`` (config order), each
     selecting the modules compressed-tensors gives that group (`GroupMatch`)."""
     names = tuple(tuple(group.targets) for group in groups)
     rules = []
     for index, group in enumerate(groups):
-        matcher = GroupMatch(names, index)
+        matcher = GroupMatch(names, index, ignore=_strings(ignore))
         for key, site in _SITES:
             args = getattr(group, key)
             if args is not None:
@@ -333,11 +354,18 @@ def _kv_rule(Rule, kv_cache_scheme, observed_dtype):
     return dataclasses.replace(kv, sites=("k", "v"), matcher=_kv_cache_module)
 
 
-def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None, experts=None, kv_cache_scheme=None) -> list:
+def _strings(ignore) -> tuple:
+    """An ``ignore`` list's strings (`Recipe` refuses anything else, naming it)."""
+    ignore = (ignore,) if isinstance(ignore, str) else ignore
+    return tuple(t for t in ignore if isinstance(t, str)) if isinstance(ignore, (list, tuple)) else ()
+
+
+def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None, experts=None, kv_cache_scheme=None,
+                 ignore=()) -> list:
     """The rules of llm-compressor's ``QuantizationModifier(scheme=, targets=, kv_cache_scheme=)``
     (`_scheme_groups`); with ``experts``, rules for those stacked-experts modules first."""
     groups = _scheme_groups(scheme, targets)
-    rules = _group_rules(Rule, groups, observed_dtype)
+    rules = _group_rules(Rule, groups, observed_dtype, ignore)
     if experts:
         if len(groups) != 1:
             raise ValueError("from_scheme: experts= takes one scheme, not a mapping of several presets")
@@ -416,7 +444,7 @@ def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
             schemes.append(QuantizationScheme.model_validate({**group, "targets": targets}))
         except ValueError as error:
             raise ValueError(f"quantization config: config_groups[{name!r}]: {error}") from None
-    rules = _group_rules(Rule, schemes, observed_dtype)
+    rules = _group_rules(Rule, schemes, observed_dtype, config.get("ignore") or ())
     if config.get("kv_cache_scheme") is not None:  # every attention module compressed-tensors caches
         rules.append(_kv_rule(Rule, config["kv_cache_scheme"], observed_dtype))
     return rules, compressed_tensors_ignore(config.get("ignore") or ())  # Recipe checks it

@@ -33,6 +33,7 @@ __all__ = [
     "parameter_input_site",
     "is_stacked_parameter",
     "linearized_experts",
+    "linearized_layout_problem",
     "own_parameters",
     "dispatch",
     "routing_mask",
@@ -78,6 +79,8 @@ def declared_experts(module: torch.nn.Module) -> tuple:
     return None, 0
 
 
+# experts classes llm-compressor 0.14 linearizes by registration (LinearExperts2D._registry)
+_REGISTERED_EXPERTS = ("GptOssExperts", "Llama4TextExperts")
 # the Linear modules llm-compressor's ``linearize_moe`` makes of each expert's slice of a stack
 _LINEARIZED = {"gate_up_proj": ("up_proj", "gate_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
 
@@ -88,7 +91,10 @@ def linearized_experts(path: str, module: torch.nn.Module, site: Optional[str] =
     leading expert dimension): per expert ``up_proj``, ``gate_proj`` (when fused with up) and
     ``down_proj``, in its module order. With ``site`` (a stacked parameter, ``"<parameter>.input"``,
     or ``"input"``: the first projection's input) only the modules behind it. [] for any other
-    module or site."""
+    module or site, and for experts llm-compressor does not linearize (neither built by
+    transformers' ``use_experts_implementation``, which sets ``is_transposed``, nor registered)."""
+    if not hasattr(module, "is_transposed") and type(module).__name__ not in _REGISTERED_EXPERTS:
+        return []
     params = own_parameters(module)
     first = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
     up, down = params.get(first), params.get("down_proj")
@@ -102,6 +108,17 @@ def linearized_experts(path: str, module: torch.nn.Module, site: Optional[str] =
             return []
         names = _LINEARIZED[parameter]
     return [f"{path}.{expert}.{name}" for expert in range(down.shape[0]) for name in names]
+
+
+def linearized_layout_problem(module: torch.nn.Module) -> Optional[str]:
+    """Why qstats' stacked sites of ``module`` do not observe the per-expert Linears
+    llm-compressor linearizes it into (weights stored transposed ``[E, in, out]``, gate and up
+    interleaved column by column), or None."""
+    if getattr(module, "is_transposed", False) or type(module).__name__ == "Llama4TextExperts":
+        return "its stacked weights are transposed ([E, in, out]): qstats would observe them along the wrong axis"
+    if not getattr(module, "is_concatenated", True):
+        return "its gate and up projections are interleaved column by column in gate_up_proj"
+    return None
 
 
 def expert_count(module: torch.nn.Module) -> int:

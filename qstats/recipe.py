@@ -82,6 +82,28 @@ def _matches(targets: tuple, path: str, module: Optional[torch.nn.Module]) -> bo
     return False
 
 
+def _unmatched_ignore(ignore: tuple, modules: dict) -> list:
+    """The ``ignore`` entries that match no module of ``modules`` and no per-expert Linear name
+    (`linearized_experts`, which compressed-tensors' ignore lists name)."""
+    classes = {cls.__name__ for module in modules.values() for cls in type(module).__mro__
+               if issubclass(cls, torch.nn.Module)}
+    names = None
+    unmatched = []
+    for target in ignore:
+        if target.startswith("re:"):
+            hit = any(re.fullmatch(target[3:], path) for path in modules)
+        else:
+            hit = target in modules or target in classes
+        if not hit:
+            if names is None:
+                names = {name for path, module in modules.items() for name in linearized_experts(path, module)}
+            hit = (any(re.fullmatch(target[3:], name) for name in names) if target.startswith("re:")
+                   else target in names or (target == "Linear" and bool(names)))
+        if not hit:
+            unmatched.append(target)
+    return unmatched
+
+
 def _is_class_name(module: torch.nn.Module, target: str) -> bool:
     """The module's class or one of its ``nn.Module`` base classes is named ``target`` (as
     compressed-tensors matches: ``"Linear"`` also matches subclasses of ``nn.Linear``)."""
@@ -483,7 +505,7 @@ class Recipe:
         [('weight',)]
         """
 
-        rules = scheme_rules(Rule, scheme, targets, observed_dtype, experts, kv_cache_scheme)
+        rules = scheme_rules(Rule, scheme, targets, observed_dtype, experts, kv_cache_scheme, ignore)
         return cls(_refuse_static_groups(rules, "Recipe.from_scheme"), ignore=compressed_tensors_ignore(ignore),
                    shared=shared)
 
@@ -521,27 +543,12 @@ class Recipe:
 
     def rule_for(self, path: str, site: str, module: Optional[torch.nn.Module] = None) -> Optional[Rule]:
         """The first rule covering ``site`` of the module at ``path`` (None when none, or ignored)."""
-        if _matches(self.ignore, path, module) or (module is not None and self._ignored_site(path, module, site)):
+        if _matches(self.ignore, path, module):
             return None
         for rule in self.rules:
             if site in rule.sites_on(path, module):
                 return rule
         return None
-
-    def _ignored_site(self, path: str, module: torch.nn.Module, site: str) -> bool:
-        """Whether ``ignore`` names every per-expert Linear behind ``site`` of stacked experts
-        (`linearized_experts`: what compressed-tensors matches after llm-compressor linearizes
-        them); ValueError where it names some of them only."""
-        names = linearized_experts(path, module, site)
-        linear = torch.nn.Linear(1, 1, bias=False, device="meta")
-        ignored = [name for name in names if _matches(self.ignore, name, linear)]
-        if ignored and len(ignored) < len(names):
-            raise ValueError(
-                f"Recipe: ignore names {len(ignored)} of the {len(names)} per-expert Linears behind site {site!r} "
-                f"of the stacked experts {path!r} (e.g. {ignored[0]!r}); qstats observes a stacked site for "
-                "every expert: ignore all of them or none"
-            )
-        return bool(ignored)
 
     def resolve(self, model: torch.nn.Module) -> Plan:
         """The `Plan` of this recipe on ``model``: every observed site, the modules by path and
@@ -567,12 +574,9 @@ class Recipe:
         params = own_parameters(module)  # parametrized ones too (inside `qstats.fake_quantized`)
         num_experts = expert_count(module)
         entry: dict = {}
-        ignored: dict = {}  # site -> whether `ignore` names its per-expert Linears
         for index, rule in enumerate(self.rules):
             for site in rule.sites_on(path, module):
-                if site not in ignored:
-                    ignored[site] = bool(num_experts) and self._ignored_site(path, module, site)
-                kind = None if site in entry or ignored[site] else _site_kind(module, params, num_experts, site)
+                kind = None if site in entry else _site_kind(module, params, num_experts, site)
                 if kind is not None:
                     spec = _gate_up_halves(rule.spec, site, module, params) if kind[1] else rule.spec
                     entry[site] = _make_site(rule, spec, *kind)
@@ -584,20 +588,15 @@ class Recipe:
         for rule, sites in zip(self.rules, found):
             if getattr(rule.matcher, "attention", False):
                 continue  # a config group's q/k/v rule: its group need not name an attention module
-            unmatched = [site for site in rule.sites if site not in sites]
+            # a config group's rule that took stacked experts' sites (`GroupMatch.sites_on`) selects them
+            unmatched = [] if sites and hasattr(rule.matcher, "sites_on") else [s for s in rule.sites if s not in sites]
             if unmatched:  # a misspelt target or site would otherwise select nothing, silently
                 warn(
                     f"Recipe: the rule for targets {list(rule.targets)!r} selects no site {unmatched} in this "
                     f"{type(model).__name__} (no module it matches has such a parameter, input or projection)",
                     UserWarning,
                 )
-        linear = torch.nn.Linear(1, 1, bias=False, device="meta")
-        for target in self.ignore:  # a misspelt ignore would quantize it, silently
-            if any(_matches((target,), path, module) for path, module in modules.items()):
-                continue
-            if any(_matches((target,), name, linear) for path, module in modules.items()
-                   for name in linearized_experts(path, module)):
-                continue  # it names linearized experts
+        for target in _unmatched_ignore(self.ignore, modules):  # a misspelt ignore would quantize it, silently
             warn(
                 f"Recipe: the ignore entry {target!r} matches no module in this {type(model).__name__} "
                 "(by path, class name or 're:' full match of a path), so it ignores nothing",

@@ -1,6 +1,7 @@
-"""Stacked experts (3-D ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) unpacked into per-expert
-Linear entries ``<path>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``, as llm-compressor's
-``LinearExperts2D`` unpacks them (``gate_up_proj[e, :I]`` is gate), so that vLLM's fused-MoE loader
+"""Stacked experts (3-D ``gate_up_proj [E, 2I, H]`` or gate-less ``up_proj [E, I, H]``, ``down_proj
+[E, H, I]``) unpacked into per-expert Linear entries ``<path>.<e>.gate_proj`` / ``up_proj`` /
+``down_proj``, as llm-compressor's ``LinearExperts2D`` unpacks them (``gate_up_proj[e, :I]`` is gate);
+transposed, interleaved or biased stacks are refused. So that vLLM's fused-MoE loader
 and transformers read them. See docs/export.md.
 """
 
@@ -21,8 +22,9 @@ from .._warn import warn
 
 __all__ = ["EXPERT_SITES", "expert_entries", "warn_mixed_experts"]
 
-EXPERT_SITES = ("gate_up_proj", "down_proj", "input", "gate_up_proj.input", "down_proj.input")
-_INPUT_SITES = ("input", "gate_up_proj.input", "down_proj.input")
+EXPERT_SITES = ("gate_up_proj", "up_proj", "down_proj", "input", "gate_up_proj.input", "up_proj.input",
+                "down_proj.input")
+_INPUT_SITES = ("input", "gate_up_proj.input", "up_proj.input", "down_proj.input")
 
 
 def _slice_qparams(qp: Optional[QParams], index) -> Optional[QParams]:
@@ -85,47 +87,64 @@ def _whole_block(qp: QParams, spec: QuantSpec, shape: tuple) -> tuple:
     return QParams(*(None if f is None else f.reshape(()) for f in qp)), spec.replace(granularity=PerTensor())
 
 
+def _refuse_layout(path: str, module: torch.nn.Module, params: dict, first: str) -> None:
+    """ValueError naming ``path`` for experts whose per-expert Linears are not row slices of their
+    stacks: transposed (``[E, in, out]``, gpt-oss), gate and up interleaved column by column
+    (``is_concatenated=False``, gpt-oss), or with parameters beyond the stacked weights (biases)."""
+    problems = []
+    if getattr(module, "is_transposed", False):
+        problems.append("its stacked weights are transposed ([E, in, out]; qstats observes rows of [E, out, in])")
+    if getattr(module, "is_concatenated", True) is False:
+        problems.append("its gate and up projections are interleaved column by column in gate_up_proj")
+    others = sorted(name for name in params if name not in (first, "down_proj"))
+    if others:  # they would be dropped with the fused parameters
+        problems.append(f"it has other parameters ({', '.join(others)}), e.g. biases, that no exported tensor holds")
+    if problems:
+        fail(path, "stacked experts are not exportable yet: " + "; ".join(problems))
+
+
 def _stacked_parameters(path: str, module: torch.nn.Module, sites: Mapping, num_experts: int) -> tuple:
-    """``(gate_up_proj, down_proj)`` of an exportable experts module, after checking its layout,
-    its sites and the leading expert dimension of their qparams."""
+    """``(first, up, down)``: the name of the first projection (``gate_up_proj [E, 2I, H]``, gate rows
+    first, or gate-less ``up_proj [E, I, H]``) and the stacks of an exportable experts module, after
+    checking its layout, its sites and the leading expert dimension of their qparams."""
     params = dict(module.named_parameters(recurse=False))
-    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
-    unknown = [site for site in sites if site not in EXPERT_SITES]
+    first = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
+    up, down = params.get(first), params.get("down_proj")
+    known = (first, "down_proj", "input", f"{first}.input", "down_proj.input")
+    unknown = [site for site in sites if site not in known]
     if unknown:
-        fail(f"{path}/{unknown[0]}", f"stacked experts export the sites {EXPERT_SITES}")
-    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
-        fail(path, "stacked experts export needs 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters")
-    others = sorted(name for name in params if name not in ("gate_up_proj", "down_proj"))
-    if others:  # they would be dropped with the fused parameters: no per-expert Linear name holds them
-        fail(path, f"stacked experts with other parameters ({', '.join(others)}) are not exportable yet")
-    _, fused_rows, hidden = gate_up.shape
-    if getattr(module, "is_transposed", False) or fused_rows != 2 * down.shape[2] or down.shape[1] != hidden:
-        fail(
-            path,
-            f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not the layout "
-            "[E, 2I, H] / [E, H, I] (gate rows first); transposed or interleaved experts are not exportable yet",
-        )
+        fail(f"{path}/{unknown[0]}", f"stacked experts with {first} export the sites {known}")
+    if up is None or down is None or up.dim() != 3 or down.dim() != 3:
+        fail(path, "stacked experts export needs 3-D gate_up_proj [E, 2I, H] (or up_proj [E, I, H]) and down_proj "
+             "[E, H, I] parameters")
+    _refuse_layout(path, module, params, first)
+    rows = 2 * down.shape[2] if first == "gate_up_proj" else down.shape[2]
+    if up.shape[1] != rows or down.shape[1] != up.shape[2]:
+        fail(path, f"{first} {tuple(up.shape)} and down_proj {tuple(down.shape)} are not the layout "
+             f"[E, {'2I' if first == 'gate_up_proj' else 'I'}, H] / [E, H, I]")
     for site, qp in sites.items():
         if qp is not None:
             qp = check_qparams(qp, f"{path}/{site}")
             if qp.scale.dim() < 1 or qp.scale.shape[0] != num_experts:
                 fail(f"{path}/{site}", f"stacked qparams need a leading expert dimension {num_experts}, "
                      f"got scale of shape {tuple(qp.scale.shape)}")
-    return gate_up.detach(), down.detach()
+    return first, up.detach(), down.detach()
 
 
 class _Experts(NamedTuple):
-    """What each expert's projections are cut from: the module's stacked weights, its sites
-    ``{site: stacked QParams}`` and specs, and its input site."""
+    """What each expert's projections are cut from: the module's stacked weights (``first``:
+    ``gate_up_proj`` or gate-less ``up_proj``), its sites ``{site: stacked QParams}`` and specs, and
+    its input site."""
 
     path: str
-    gate_up: torch.Tensor
+    up: torch.Tensor
     down: torch.Tensor
     sites: Mapping
     specs: Mapping
     input_name: str
     input_dynamic: bool
     dynamic: frozenset
+    first: str
 
 
 def expert_entries(
@@ -140,17 +159,17 @@ def expert_entries(
     """Per-expert Linear entries of a stacked experts module; a projection without qparams is written
     unquantized into ``tensors``. ``dynamic``: activation sites whose scales come at run time.
     """
-    gate_up, down = _stacked_parameters(path, module, sites, num_experts)
-    dtype = scale_dtype(module, gate_up)
-    # the routed hidden states: "gate_up_proj.input" equals "input"
-    input_name = "gate_up_proj.input" if "gate_up_proj.input" in sites else "input"
+    first, up, down = _stacked_parameters(path, module, sites, num_experts)
+    dtype = scale_dtype(module, up)
+    # the routed hidden states: "<first>.input" equals "input"
+    input_name = f"{first}.input" if f"{first}.input" in sites else "input"
     input_spec = specs.get(input_name)
     input_dynamic = (
         input_spec is not None and quantization_args(input_spec, "input", path, input_name in dynamic)["dynamic"] is True
     )
     sites = {site: fill_uncovered_experts(qp, specs.get(site)) if site in _INPUT_SITES else qp
              for site, qp in sites.items()}
-    experts = _Experts(path, gate_up, down, sites, specs, input_name, input_dynamic, frozenset(dynamic))
+    experts = _Experts(path, up, down, sites, specs, input_name, input_dynamic, frozenset(dynamic), first)
     entries = []
     for expert in range(num_experts):
         for name, weight, entry_sites in _expert_projections(experts, expert, tensors):
@@ -158,12 +177,20 @@ def expert_entries(
     return entries
 
 
+def _up_rows(experts: _Experts) -> tuple:
+    """``(name, (start, stop))`` of the Linears cut from each expert's first stack: gate rows then
+    up rows of ``gate_up_proj``, or all of a gate-less ``up_proj``."""
+    intermediate = experts.down.shape[2]
+    if experts.first == "up_proj":
+        return (("up_proj", (0, intermediate)),)
+    return ("gate_proj", (0, intermediate)), ("up_proj", (intermediate, 2 * intermediate))
+
+
 def _expert_projections(experts: _Experts, expert: int, tensors: dict) -> list:
     """``(name, weight, {site: (QParams, spec, where)})`` of one expert's quantized projections;
     its unquantized ones go to ``tensors``."""
-    path, gate_up, down, sites, specs, input_name = experts[:6]
-    prefix = f"{path}.{expert}"
-    intermediate, fused_rows = down.shape[2], gate_up.shape[1]
+    path, up, down, sites, specs, input_name = experts[:6]
+    prefix, first = f"{path}.{expert}", experts.first
     input_spec = specs.get(input_name)
     input_dynamic = input_name in experts.dynamic
     inputs = {}
@@ -171,21 +198,21 @@ def _expert_projections(experts: _Experts, expert: int, tensors: dict) -> list:
         where = f"{path}/{input_name}[{expert}]"
         inputs["input"] = (_slice_qparams(sites[input_name], expert), input_spec, where, input_dynamic)
     projections = []
-    if "gate_up_proj" in sites:
-        qp, spec = _slice_qparams(sites["gate_up_proj"], expert), specs.get("gate_up_proj")
-        for name, rows in (("gate_proj", (0, intermediate)), ("up_proj", (intermediate, fused_rows))):
-            where = f"{path}/gate_up_proj[{expert}] ({name})"
+    if first in sites:
+        qp, spec = _slice_qparams(sites[first], expert), specs.get(first)
+        for name, rows in _up_rows(experts):
+            where = f"{path}/{first}[{expert}] ({name})"
             part, part_spec = qp, spec
-            if spec is not None:
+            if spec is not None and first == "gate_up_proj":
                 part = _row_slice(qp, spec, *rows, where)
-                part, part_spec = _whole_block(part, spec, (rows[1] - rows[0], gate_up.shape[2]))
+                part, part_spec = _whole_block(part, spec, (rows[1] - rows[0], up.shape[2]))
             weight_site = (part, part_spec, where, False)
-            projections.append((name, gate_up[expert, rows[0] : rows[1]], {"weight": weight_site, **inputs}))
+            projections.append((name, up[expert, rows[0] : rows[1]], {"weight": weight_site, **inputs}))
     elif inputs:
-        fail(f"{path}/{input_name}", "input scales of stacked experts need the gate_up_proj weights exported too")
+        fail(f"{path}/{input_name}", f"input scales of stacked experts need the {first} weights exported too")
     else:  # unquantized: the float weights, unpacked like the quantized ones
-        tensors[f"{prefix}.gate_proj.weight"] = gate_up[expert, :intermediate]
-        tensors[f"{prefix}.up_proj.weight"] = gate_up[expert, intermediate:]
+        for name, rows in _up_rows(experts):
+            tensors[f"{prefix}.{name}.weight"] = up[expert, rows[0] : rows[1]]
     if "down_proj.input" in sites and "down_proj" not in sites:
         fail(f"{path}/down_proj.input", "input scales of down_proj need the down_proj weights exported too")
     if "down_proj" not in sites:
@@ -210,9 +237,11 @@ def warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
     by_module: dict = {}
     for path, (experts_path, projection) in expert_projection.items():
         by_module.setdefault(experts_path, {})[projection] = json.dumps(schemes[path], sort_keys=True)
-    # a projection without qparams (written unquantized) has no scheme: mixed too
+    # a projection without qparams (written unquantized) has no scheme: mixed too (gate_proj comes with
+    # up_proj, from one gate_up_proj; gate-less experts have none)
     mixed = [
-        path for path, projections in by_module.items() if len(set(projections.values())) > 1 or len(projections) < 3
+        path for path, projections in by_module.items()
+        if len(set(projections.values())) > 1 or not {"up_proj", "down_proj"} <= projections.keys()
     ]
     if mixed:
         warn(
