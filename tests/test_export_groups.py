@@ -216,3 +216,28 @@ def test_a_linear_recipe_quantizes_stacked_experts_as_llm_compressor_linearizes_
     assert sorted(our_tensors) == sorted(their_tensors)
     assert "model.layers.0.mlp.experts.3.up_proj.weight_scale" in our_tensors
     assert not [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]
+
+
+def test_a_float_lm_head_tied_to_the_embeddings_is_written_once_as_save_pretrained_does(tmp_path, samples):
+    """A tied lm_head left unquantized: llm-compressor's checkpoint (``save_pretrained``) holds the
+    embeddings only; qstats wrote a second copy under ``lm_head.weight`` (the vocabulary times the
+    hidden size again). Now the same tensors, and transformers ties them back on load."""
+    saved, theirs, ours = (str(tmp_path / name) for name in ("float", "llm_compressor", "qstats"))
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(saved)
+    modifier = _modifier({"g0": ("W8A8", ["Linear"])}, ["lm_head"])
+    llm_compressor_oneshot(_load(saved), samples, modifier, theirs)
+    model = _load(saved)
+    model.set_attn_implementation("eager")
+    plan = qstats.Recipe.from_compressed_tensors(_modifier({"g0": ("W8A8", ["Linear"])}, ["lm_head"])).resolve(model)
+    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False)
+    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
+    their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
+    our_tensors = load_file(os.path.join(ours, "model.safetensors"))
+    assert "lm_head.weight" not in their_tensors and sorted(our_tensors) == sorted(their_tensors)
+    assert not [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]
+    loaded = _load(ours)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()

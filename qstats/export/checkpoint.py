@@ -55,7 +55,7 @@ def compressed_tensors(
     _check_arguments(model, qparams, format)
     check_new_folder(path, None, "export.compressed_tensors", "path")
     writer = Writer(specs_or_recipe, qparams, model, format)
-    tensors = writer.part(qparams, model.state_dict())
+    tensors = without_tied_copies(model, writer.part(qparams, model.state_dict()))
     quantization_config = writer.finish()
     write_tensors(path, tensors, "model.safetensors")
     write_config(path, model, quantization_config)
@@ -274,6 +274,17 @@ def _warn_unshared_global_scales(groups, qparams: Mapping, specs: Any) -> None:
             "misreads the others' weights. qstats.compute_qparams_tree shares them (fuse=True, its default); "
             "qstats.fused_qparams does it for a group",
         )
+
+
+def without_tied_copies(model: torch.nn.Module, tensors: dict) -> dict:
+    """``tensors`` without the float copies of tied weights (an unquantized ``lm_head`` equal to
+    the embeddings it is tied to, transformers' ``all_tied_weights_keys``), as ``save_pretrained``
+    leaves them out; a quantized tied weight has tensors of its own, kept (the config unties it)."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    drop = {target for target, source in tied.items() if target in tensors and source in tensors
+            and tensors[target].dtype == tensors[source].dtype and tensors[target].shape == tensors[source].shape
+            and torch.equal(tensors[target], tensors[source])}
+    return {name: tensor for name, tensor in tensors.items() if name not in drop}
 
 
 def write_tensors(path: str, tensors: dict, filename: str) -> None:

@@ -13,7 +13,8 @@ from tqdm.auto import tqdm
 
 from .._lazy_checkpoint import LazyCheckpoint, Overlay, check_covers, load_modules, release_modules
 from ..layerwise import check_on_meta, decoder_layers, inside, outer_paths
-from .checkpoint import Writer, _check_arguments, check_new_folder, write_config, write_index, write_tensors
+from .checkpoint import (Writer, _check_arguments, check_new_folder, without_tied_copies, write_config, write_index,
+                         write_tensors)
 
 __all__ = ["compressed_tensors_layerwise"]
 
@@ -37,7 +38,7 @@ def _write_part(model: torch.nn.Module, source, writer: Writer, part: tuple, pat
     try:
         state = {name: tensor for name, tensor in model.state_dict().items() if keep(name)}
         qparams = {module: sites for module, sites in writer.qparams.items() if keep(module)}
-        tensors = writer.part(qparams, state)
+        tensors = without_tied_copies(model, writer.part(qparams, state))
         write_tensors(path, tensors, filename)
         return {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
     finally:
