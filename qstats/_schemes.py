@@ -220,13 +220,17 @@ class GroupMatch:
             raise TypeError(f"the rules of Recipe.from_scheme / from_compressed_tensors select modules by their "
                             f"class too, as compressed-tensors does: pass the module of {path!r}")
 
-        owner = {target: index for index, targets in enumerate(self.groups) for target in targets}
+        owner = self._owner()
         matched = match_targets(path, module, owner)
         if not matched or owner[matched[0]] != self.group:
             return False
         if _kv_cache_module(path, module) and self._narrow(path, module):
             return self.attention
         return not self.attention and isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+
+    def _owner(self) -> dict:
+        """``{target: group}``: a target repeated in a later group belongs to the later one."""
+        return {target: index for index, targets in enumerate(self.groups) for target in targets}
 
     def sites_on(self, path: str, module, sites: tuple) -> tuple:
         """The ``sites`` of the module at ``path`` this group quantizes; on stacked experts, those of
@@ -251,7 +255,7 @@ class GroupMatch:
     def _takes_experts(self, path: str, module, site) -> bool:
         from compressed_tensors.utils import match_targets
 
-        owner = {target: index for index, targets in enumerate(self.groups) for target in targets}
+        owner = self._owner()
         linear = torch.nn.Linear(1, 1, bias=False, device="meta")  # what linearize_moe makes of each
         names = linearized_experts(path, module, site)
         ignored = _ignored(names, self.ignore)

@@ -165,11 +165,10 @@ def test_overlapping_groups_export_equals_llm_compressor_oneshot(float_llama, sa
         assert bit_equal(our_logits, their_logits)
 
 
-@pytest.mark.parametrize("ignore", [["lm_head"], ["lm_head", "re:.*mlp.experts.*"]])
-def test_routers_the_ignore_list_does_not_name_are_listed_as_llm_compressor_lists_them(tmp_path, samples, ignore):
-    """A Qwen3-MoE router (``Qwen3MoeTopKRouter``, a Linear to vLLM) that no group quantizes is in
-    ``ignore`` even when the recipe's ``ignore`` does not name it, as in llm-compressor's checkpoint;
-    unquantized stacked experts are listed as the per-expert Linears llm-compressor linearizes them into."""
+def _moe_export_and_oneshot(tmp_path, samples, ignore, recipe_of) -> tuple:
+    """A tiny Qwen3-MoE calibrated W8A8 (``targets="Linear"``, ``ignore``) by llm-compressor's
+    ``oneshot`` and by qstats with ``recipe_of(modifier)``, both exported: ``(ours, theirs)`` folders,
+    after checking they hold the same tensors bit for bit and the same ``ignore`` list."""
     saved, theirs, ours = (str(tmp_path / name) for name in ("float", "llm_compressor", "qstats"))
     torch.manual_seed(0)
     config = qwen3_moe_config(hidden_size=32, moe_intermediate_size=32, head_dim=16)
@@ -180,15 +179,26 @@ def test_routers_the_ignore_list_does_not_name_are_listed_as_llm_compressor_list
     llm_compressor_oneshot(_load(saved), samples[:1], modifier, theirs)
     model = _load(saved)
     model.set_attn_implementation("eager")
-    plan = qstats.Recipe.from_scheme("W8A8", ignore=ignore, experts="Qwen3MoeExperts").resolve(model)
+    plan = recipe_of(modifier).resolve(model)
     states = qstats.calibrate(model, [{"input_ids": samples[0][None]}], plan, progress=False, all_experts=True)
     qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
     assert _quantization_config(ours)["ignore"] == _quantization_config(theirs)["ignore"]
-    assert "model.layers.0.mlp.gate" in _quantization_config(ours)["ignore"]
     their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
     our_tensors = load_file(os.path.join(ours, "model.safetensors"))
     assert sorted(our_tensors) == sorted(their_tensors)
     assert not [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]
+    return ours, our_tensors
+
+
+@pytest.mark.parametrize("ignore", [["lm_head"], ["lm_head", "re:.*mlp.experts.*"]])
+def test_routers_the_ignore_list_does_not_name_are_listed_as_llm_compressor_lists_them(tmp_path, samples, ignore):
+    """A Qwen3-MoE router (``Qwen3MoeTopKRouter``, a Linear to vLLM) that no group quantizes is in
+    ``ignore`` even when the recipe's ``ignore`` does not name it, as in llm-compressor's checkpoint;
+    unquantized stacked experts are listed as the per-expert Linears llm-compressor linearizes them into."""
+    ours, _ = _moe_export_and_oneshot(
+        tmp_path, samples, ignore,
+        lambda modifier: qstats.Recipe.from_scheme("W8A8", ignore=ignore, experts="Qwen3MoeExperts"))
+    assert "model.layers.0.mlp.gate" in _quantization_config(ours)["ignore"]
 
 
 @pytest.mark.parametrize("ignore", [["lm_head"], ["lm_head", "re:.*experts.*down_proj"], ["re:model.layers.1.mlp"]])
@@ -197,25 +207,8 @@ def test_a_linear_recipe_quantizes_stacked_experts_as_llm_compressor_linearizes_
     linearizes Qwen3-MoE's stacked experts into per-expert Linears and quantizes those its targets
     and ignore select; qstats observes the stacked sites behind them. Same tensors bit for bit and
     the same ignore list as ``oneshot``'s checkpoint."""
-    saved, theirs, ours = (str(tmp_path / name) for name in ("float", "llm_compressor", "qstats"))
-    torch.manual_seed(0)
-    config = qwen3_moe_config(hidden_size=32, moe_intermediate_size=32, head_dim=16)
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(saved)
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-
-    modifier = QuantizationModifier(targets="Linear", scheme="W8A8", ignore=ignore)
-    llm_compressor_oneshot(_load(saved), samples[:1], modifier, theirs)
-    model = _load(saved)
-    model.set_attn_implementation("eager")
-    plan = qstats.Recipe.from_compressed_tensors(modifier).resolve(model)
-    states = qstats.calibrate(model, [{"input_ids": samples[0][None]}], plan, progress=False, all_experts=True)
-    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
-    assert _quantization_config(ours)["ignore"] == _quantization_config(theirs)["ignore"]
-    their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
-    our_tensors = load_file(os.path.join(ours, "model.safetensors"))
-    assert sorted(our_tensors) == sorted(their_tensors)
+    _, our_tensors = _moe_export_and_oneshot(tmp_path, samples, ignore, qstats.Recipe.from_compressed_tensors)
     assert "model.layers.0.mlp.experts.3.up_proj.weight_scale" in our_tensors
-    assert not [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]
 
 
 def test_a_float_lm_head_tied_to_the_embeddings_is_written_once_as_save_pretrained_does(tmp_path, samples):
