@@ -18,11 +18,11 @@ from ._formats import COMPUTE_DTYPE_NAMES
 from ._granularity import TensorGroup
 from ._qparams import QParams, check_calibrated, compute_qparams
 from ._quant import fake_quantize
-from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
-from .experts import stacked_qparams
+from ._sites import input_tensor, is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
+from .experts import own_parameters, stacked_qparams
 from .fused import fused_qparams
 from .observers import memoryless_minmax
-from .observation import Observing, check_runtime_group, observing
+from .observation import Observing, check_runtime_group, expert_capture, observing, stop_capture
 from .recipe import Plan, Recipe, as_plan
 from ._warn import warn
 
@@ -270,8 +270,9 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
 
     Parameter sites become parametrizations (straight-through gradient, usable for QAT);
     activation sites get forward hooks; all are removed on exit. Per-expert activation sites of
-    stacked experts are not applied. Run-time scaled sites compute their scales from each tensor,
-    as compressed-tensors' dynamic activations do.
+    stacked experts quantize each expert's matmul input under that expert's QParams
+    (`_ExpertInputs`). Run-time scaled sites compute their scales from each tensor, as
+    compressed-tensors' dynamic activations do.
     """
     plan = as_plan(recipe, model, "fake_quantized")
     if not isinstance(qparams, Mapping) or not all(isinstance(entry, Mapping) for entry in qparams.values()):
@@ -282,8 +283,11 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
         for path, entry in qparams.items():
             if path not in plan.modules:
                 raise ValueError(f"fake_quantized: the model has no module {path!r}")
+            expert_sites: dict = {}
             for site, qp in entry.items():
-                _fake_quantize_site(plan, path, site, qp, handles, parametrized)
+                _fake_quantize_site(plan, path, site, qp, handles, parametrized, expert_sites)
+            if expert_sites:
+                handles.extend(_ExpertInputs(plan.modules[path], path, expert_sites).attach())
         yield model
     finally:
         for handle in handles:
@@ -300,10 +304,13 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
                     module._parameters[name] = module._parameters.pop(name)
 
 
-def _fake_quantize_site(plan: Plan, path: str, site: str, qp, handles: list, parametrized: list) -> None:
+def _fake_quantize_site(
+    plan: Plan, path: str, site: str, qp, handles: list, parametrized: list, expert_sites: dict
+) -> None:
     """Applies one site of `fake_quantized`: a parametrization of a parameter site (recorded in
     ``parametrized`` with the number of parametrizations the tensor had before and the module's
-    parameter order), a hook replacing an activation site's tensor (recorded in ``handles``)."""
+    parameter order), a hook replacing an activation site's tensor (recorded in ``handles``); a
+    per-expert activation site goes to ``expert_sites`` (site -> (qp, found)), for `_ExpertInputs`."""
     found = plan.site(path, site)
     if found is None:
         raise ValueError(f"fake_quantized: the recipe observes no site {site!r} of module {path!r}")
@@ -322,7 +329,8 @@ def _fake_quantize_site(plan: Plan, path: str, site: str, qp, handles: list, par
         parametrize.register_parametrization(module, site, parametrization, unsafe=True)
         parametrized.append((module, site, before, order))
         return
-    if found.num_experts:  # per-expert activations: they would need the experts' own forward
+    if found.num_experts:  # per-expert activations: inside the experts' own forward
+        expert_sites[site] = (qp, found)
         return
     where = f"fake_quantized: module {path!r} site {site!r}"
 
@@ -338,3 +346,59 @@ def _fake_quantize_site(plan: Plan, path: str, site: str, qp, handles: list, par
         # (`first_tensor`), also inside a tuple
         hook = hooked.register_forward_hook(lambda _, args, output: replace_first_tensor(output, quantize)[0])
     handles.append(hook)
+
+
+class _ExpertInputs:
+    """`fake_quantized`'s per-expert activation sites of one stacked-experts module: during its
+    forward, the input rows of each expert's matmul with a stacked parameter ``P`` are fake-quantized
+    under that expert's QParams of site ``"P.input"``, or of ``"input"`` where the rows are the
+    module's input tokens, as llm-compressor's linearized per-expert Linears quantize their inputs."""
+
+    def __init__(self, module: torch.nn.Module, path: str, sites: dict):
+        self.module, self.path, self.sites = module, path, sites  # site -> (QParams or None, found)
+        self.active: list = []  # per call in progress: (capture, hooks, sites applied, ran on tokens)
+
+    def attach(self) -> list:
+        return [
+            self.module.register_forward_pre_hook(self.enter, with_kwargs=True),
+            self.module.register_forward_hook(self.leave, with_kwargs=True, always_call=True),
+        ]
+
+    def enter(self, module, args, kwargs) -> None:
+        x = input_tensor(args, kwargs)
+        tokens = x if is_float_tensor(x) and x.ndim >= 2 and x.numel() else None
+        stacked = [name for name, p in own_parameters(module).items() if p.ndim >= 3]
+        applied: set = set()
+        capture, hooks = expert_capture(module, stacked, tokens, lambda *found: self.quantize(applied, *found))
+        self.active.append((capture, hooks, applied, tokens is not None))
+
+    def leave(self, module, args, kwargs, output) -> None:
+        capture, hooks, applied, ran = self.active.pop()
+        stop_capture(capture, hooks)
+        missing = sorted(set(self.sites) - applied)
+        if output is not None and ran and missing:
+            raise ValueError(
+                f"fake_quantized: site(s) {missing} of the experts module {self.path!r} ({type(module).__name__}): "
+                "no per-expert matmul taking that input was found in its forward (recognised calls: "
+                "qstats.experts.ExpertInputCapture; \"input\": rows traced to the module's input tokens)"
+            )
+
+    def quantize(self, applied: set, name: str, rows: torch.Tensor, ids, traced: bool) -> torch.Tensor:
+        site = f"{name}.input" if f"{name}.input" in self.sites else "input" if traced else None
+        if site not in self.sites or not rows.is_floating_point():
+            return rows
+        applied.add(site)
+        qp, found = self.sites[site]
+        where = f"fake_quantized: module {self.path!r} site {site!r}"
+
+        def of_expert(expert: int, part: torch.Tensor) -> torch.Tensor:
+            chosen = None if qp is None else QParams(*(t if t is None else t[expert] for t in qp))
+            return _fake_quantize_activation(part, chosen, found.spec, found.runtime, where)
+
+        if isinstance(ids, int):
+            return of_expert(ids, rows)
+        out = torch.empty_like(rows)
+        for expert in torch.unique(ids).tolist():  # each expert's rows under its own scales
+            chosen = ids == expert
+            out[chosen] = of_expert(expert, rows[chosen])
+        return out

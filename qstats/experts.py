@@ -415,7 +415,20 @@ _KINDS = {
     for func in funcs
     if func is not None  # grouped_mm: only in some torch versions
 }
+_EXPERT_MATMULS = frozenset((_LINEAR, _MATMUL, _BMM, _GROUPED))
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+
+
+def _putting(args: tuple, kwargs: dict, position: int, name: str, back):
+    """``put(rows)``: ``(args, kwargs)`` of a call with ``back(rows)`` as its argument ``name``
+    (passed at ``position`` or by keyword)."""
+
+    def put(rows: torch.Tensor) -> tuple:
+        if len(args) > position:
+            return (*args[:position], back(rows), *args[position + 1:]), kwargs
+        return args, {**kwargs, name: back(rows)}
+
+    return put
 
 
 def _kind(func) -> Optional[int]:
@@ -435,6 +448,9 @@ class ExpertInputCapture(TorchFunctionMode):
     Use as a context manager around the experts' forward. Rows are kept by reference (the model must
     not modify them in place) and their expert ids are tensors (no host read). ``tokens``: the experts'
     input ``[tokens, hidden]``; when given, the token of each captured row is traced (`row_tokens`).
+    ``replace(name, rows, ids, traced)``: when given, nothing is kept; each matmul takes the rows it
+    returns in place of its input rows ``[N, in]`` (``ids``: an int or one expert per row; ``traced``:
+    whether the rows' tokens are known, i.e. they are the experts' input) (`qstats.fake_quantized`).
 
     >>> import torch, qstats
     >>> stack = torch.randn(3, 4, 2)
@@ -446,8 +462,9 @@ class ExpertInputCapture(TorchFunctionMode):
     (torch.Size([5, 2]), [2, 2, 2, 2, 2])
     """
 
-    def __init__(self, parameters, tokens: Optional[torch.Tensor] = None):
+    def __init__(self, parameters, tokens: Optional[torch.Tensor] = None, replace=None):
         super().__init__()
+        self.replace = replace
         self.parameters = dict(parameters)
         self.rows: dict = {name: [] for name in self.parameters}
         self.ids: dict = {name: [] for name in self.parameters}
@@ -496,23 +513,19 @@ class ExpertInputCapture(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         kind = _kind(func)
-        if kind is None:
+        if kind in _EXPERT_MATMULS:
+            found = self._expert_input(kind, args, kwargs)
+            if found is not None and self.replace is not None:
+                name, rows, ids, tokens, put = found
+                args, kwargs = put(self.replace(name, rows, ids, tokens is not None))
+            elif found is not None:
+                self._add(*found[:4])
+        out = func(*args, **kwargs)
+        if kind is None or kind in _EXPERT_MATMULS:
             return out
-        if kind == _LINEAR:
-            x = _arg(args, kwargs, 0, "input")
-            found = self._sliced(_arg(args, kwargs, 1, "weight"))
-            if found is not None and isinstance(x, torch.Tensor):
-                self._add(found[0], x.reshape(-1, x.shape[-1]), found[1], self._rows_tokens(x))
-        elif kind == _MATMUL and len(args) >= 2:
-            self._matmul(args[0], args[1])
-        elif kind == _BMM and len(args) >= 2:
-            self._bmm(args[0], args[1])
-        elif kind == _GATHER and len(args) == 2:
+        if kind == _GATHER and len(args) == 2:
             self._gather(args[0], args[1], out)
-        elif kind == _GROUPED and len(args) >= 2:
-            self._grouped(args[0], args[1], _arg(args, kwargs, 2, "offs"))
         elif kind == _CLAMP:
             if args and _is_int(args[0]) and isinstance(out, torch.Tensor) and out is not args[0]:
                 self._unclamped[out] = self._unclamped.get(args[0], args[0])
@@ -553,26 +566,55 @@ class ExpertInputCapture(TorchFunctionMode):
         if out.shape[0] == tokens.shape[0]:
             self._token_of[out] = tokens
 
-    def _matmul(self, a, b) -> None:
-        found = self._sliced(b)
-        if found is not None and isinstance(a, torch.Tensor) and a.ndim >= 1:  # x @ P[e]
-            self._add(found[0], a.reshape(-1, a.shape[-1]), found[1], self._rows_tokens(a))
-            return
-        found = self._sliced(a)
-        if found is not None and isinstance(b, torch.Tensor) and b.ndim in (1, 2):  # P[e] @ x.T
-            self._add(found[0], b.reshape(1, -1) if b.ndim == 1 else b.transpose(0, 1), found[1])
+    def _expert_input(self, kind: int, args: tuple, kwargs: dict) -> Optional[tuple]:
+        """``(name, rows [N, in], ids, tokens, put)`` of a call multiplying input rows by an expert's
+        weights of watched parameter ``name`` (``ids``: an int, or one expert per row; ``tokens``:
+        each row's token, or None), ``put(rows)`` giving the call's ``(args, kwargs)`` with other
+        rows of that shape in their place; None for any other call."""
+        if kind == _LINEAR:
+            x, found = _arg(args, kwargs, 0, "input"), self._sliced(_arg(args, kwargs, 1, "weight"))
+            if found is None or not isinstance(x, torch.Tensor):
+                return None
+            put = _putting(args, kwargs, 0, "input", lambda rows: rows.reshape(x.shape))
+            return found[0], x.reshape(-1, x.shape[-1]), found[1], self._rows_tokens(x), put
+        if len(args) < 2 or not all(isinstance(t, torch.Tensor) for t in args[:2]):
+            return None
+        a, b = args[:2]
+        if kind == _MATMUL:
+            return self._matmul_input(args, kwargs, a, b)
+        if kind == _BMM and a.ndim == 3 and b.ndim == 3:
+            if b in self._gathered:  # x [S, m, in] @ P[ids]
+                name, ids = self._gathered[b]
+                put = _putting(args, kwargs, 0, "input", lambda rows: rows.reshape(a.shape))
+                return (name, a.reshape(-1, a.shape[-1]), ids.repeat_interleave(a.shape[1]),
+                        self._rows_tokens(a, a.shape[1]), put)
+            if a in self._gathered:  # P[ids] @ x [S, in, m]
+                name, ids = self._gathered[a]
+                put = _putting(args, kwargs, 1, "mat2",
+                               lambda rows: rows.reshape(b.shape[0], b.shape[2], b.shape[1]).transpose(1, 2))
+                return (name, b.transpose(1, 2).reshape(-1, b.shape[1]), ids.repeat_interleave(b.shape[2]),
+                        self._rows_tokens(b, b.shape[2]), put)
+        if kind == _GROUPED:
+            offs = _arg(args, kwargs, 2, "offs")
+            name = next((name for name, stack in self.parameters.items() if _is_whole_stack(b, stack)), None)
+            if name is not None and a.ndim == 2 and isinstance(offs, torch.Tensor):  # row r: first e with r < offs[e]
+                positions = torch.arange(a.shape[0], device=offs.device, dtype=torch.int64)
+                ids = torch.searchsorted(offs.to(torch.int64).contiguous(), positions, right=True)
+                return name, a, ids, self._rows_tokens(a), _putting(args, kwargs, 0, "input", lambda rows: rows)
+        return None
 
-    def _bmm(self, a, b) -> None:
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.ndim == 3 and b.ndim == 3):
-            return
-        if b in self._gathered:  # x [S, m, in] @ P[ids]
-            name, ids = self._gathered[b]
-            tokens = self._rows_tokens(a, a.shape[1])
-            self._add(name, a.reshape(-1, a.shape[-1]), ids.repeat_interleave(a.shape[1]), tokens)
-        elif a in self._gathered:  # P[ids] @ x [S, in, m]
-            name, ids = self._gathered[a]
-            rows = b.transpose(1, 2).reshape(-1, b.shape[1])
-            self._add(name, rows, ids.repeat_interleave(b.shape[2]), self._rows_tokens(b, b.shape[2]))
+    def _matmul_input(self, args: tuple, kwargs: dict, a: torch.Tensor, b: torch.Tensor) -> Optional[tuple]:
+        """`_expert_input` of ``x @ P[e]`` and ``P[e] @ x.T``."""
+        found = self._sliced(b)
+        if found is not None and a.ndim >= 1:  # x @ P[e]
+            put = _putting(args, kwargs, 0, "input", lambda rows: rows.reshape(a.shape))
+            return found[0], a.reshape(-1, a.shape[-1]), found[1], self._rows_tokens(a), put
+        found = self._sliced(a)
+        if found is not None and b.ndim in (1, 2):  # P[e] @ x.T
+            rows = b.reshape(1, -1) if b.ndim == 1 else b.transpose(0, 1)
+            put = _putting(args, kwargs, 1, "other", lambda rows: rows.reshape(b.shape) if b.ndim == 1 else rows.T)
+            return found[0], rows, found[1], None, put
+        return None
 
     def _gather(self, stack, index, out) -> None:
         tokens = self._token_of.get(stack) if self._token_of and isinstance(stack, torch.Tensor) else None
@@ -586,15 +628,6 @@ class ExpertInputCapture(TorchFunctionMode):
         if name is not None and _is_int(index) and index.ndim == 1 and isinstance(out, torch.Tensor):
             # P[ids]: one expert's weights per row
             self._gathered[out] = (name, self._unclamped.get(index, index))
-
-    def _grouped(self, x, weight, offs) -> None:
-        if not (isinstance(x, torch.Tensor) and x.ndim == 2 and isinstance(offs, torch.Tensor)):
-            return
-        name = next((name for name, stack in self.parameters.items() if _is_whole_stack(weight, stack)), None)
-        if name is not None:  # row r belongs to the first e with r < offs[e]
-            positions = torch.arange(x.shape[0], device=offs.device, dtype=torch.int64)
-            ids = torch.searchsorted(offs.to(torch.int64).contiguous(), positions, right=True)
-            self._add(name, x, ids, self._rows_tokens(x))
 
     def captured(self, name: str) -> Optional[tuple]:
         """``(rows [N, in], ids [N])``: every captured input row of parameter ``name`` and its

@@ -328,16 +328,7 @@ class _ExpertMatmulInputs:
         names = set(self.parameters.values())
         if weight is not None:  # trace the tokens of the rows: through every stacked parameter
             names |= {name for name, p in params.items() if p.ndim >= 3}
-        capture = ExpertInputCapture(
-            {name: params[name] for name in names}, tokens=x if weight is not None and x.ndim >= 2 else None
-        )
-        handles = []
-        if parametrize.is_parametrized(module):  # inside `qstats.fake_quantized`: each value the
-            # forward computes (and slices) is watched, as the parameter's
-            for name in names & set(module.parametrizations):
-                handles.append(module.parametrizations[name].register_forward_hook(
-                    lambda _, args, value, name=name: capture.watch(name, value)))
-        capture.__enter__()
+        capture, handles = expert_capture(module, names, x if weight is not None and x.ndim >= 2 else None)
         return capture, handles, tokens, weight
 
     def enter(self, module, args, kwargs) -> None:
@@ -352,7 +343,7 @@ class _ExpertMatmulInputs:
             if output is not None:
                 self._observe_all_experts(module, args, kwargs or {})
             return
-        _stop(*started[:2])
+        stop_capture(*started[:2])
         if output is None:  # the forward raised
             return
         for site, (rows, mask) in self._rows(module, started[0], *started[2:]).items():
@@ -383,7 +374,7 @@ class _ExpertMatmulInputs:
                 with torch.no_grad():  # no hooks of the module: only the capture watches it
                     module.forward(*call_args, **call_kwargs)
             finally:
-                _stop(capture, handles)
+                stop_capture(capture, handles)
             for site, rows_mask in self._rows(module, capture, tokens, weight, as_rows).items():
                 found.setdefault(site, []).append(rows_mask)
         for site, parts in found.items():  # one update per site: the masks keep each expert's rows
@@ -440,7 +431,22 @@ class _ExpertMatmulInputs:
         return weight.to(tokens.device)[tokens] != 0
 
 
-def _stop(capture: ExpertInputCapture, handles: list) -> None:
+def expert_capture(module: torch.nn.Module, names, tokens: Optional[torch.Tensor], replace=None) -> tuple:
+    """``(capture, handles)``: an entered `ExpertInputCapture` of ``module``'s parameters ``names``
+    (``tokens`` and ``replace`` as there) and the hooks feeding it; leave with `_stop`."""
+    params = own_parameters(module)
+    capture = ExpertInputCapture({name: params[name] for name in names}, tokens=tokens, replace=replace)
+    handles = []
+    if parametrize.is_parametrized(module):  # inside `qstats.fake_quantized`: each value the
+        # forward computes (and slices) is watched, as the parameter's
+        for name in set(names) & set(module.parametrizations):
+            handles.append(module.parametrizations[name].register_forward_hook(
+                lambda _, args, value, name=name: capture.watch(name, value)))
+    capture.__enter__()
+    return capture, handles
+
+
+def stop_capture(capture: ExpertInputCapture, handles: list) -> None:
     """Leaves a capture and removes the hooks that fed it."""
     capture.__exit__(None, None, None)
     for handle in handles:
