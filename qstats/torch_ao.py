@@ -8,6 +8,7 @@ docs/migrating_torch_ao.md.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
@@ -124,6 +125,10 @@ class QstatsObserver(ao.ObserverBase):
     >>> obs.calculate_qparams()[0]
     tensor([0.0157])
     """
+
+    # torch.ao's observer state_dict version: its observers read "min_val"/"max_val" (version 3), not
+    # version 1's "min_vals"/"max_vals" and default eps, from a state_dict this module saved
+    _version = 3
 
     def __init__(
         self,
@@ -248,17 +253,58 @@ class QstatsObserver(ao.ObserverBase):
             scale, zero_point = scale.reshape(1), zero_point.reshape(1)
         return scale, zero_point
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # a torch.ao observer's entries (min_val/max_val or histogram, eps) become this state's fields
+        state_dict = _state_dict_of_torch_ao(self, state_dict, prefix, error_msgs)
         # the buffers take the shapes and dtypes of the loaded state (empty before the first forward)
         for name in self._fields:
             key = prefix + name
             if key in state_dict and isinstance(state_dict[key], torch.Tensor):
                 setattr(self, name, torch.empty_like(state_dict[key], device=getattr(self, name).device))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def extra_repr(self) -> str:
         name = getattr(self._factory, "__name__", type(self._factory).__name__)
         return f"observer={name}, dtype={self.dtype}, qscheme={self.qscheme}, spec={self.spec}"
+
+
+_EXTREMES_FIELDS = {"min_val", "max_val", "count", "batches", "nonfinite"}
+
+
+def _state_dict_of_torch_ao(module: QstatsObserver, state_dict, prefix: str, error_msgs: list):
+    """``state_dict`` with a torch.ao observer's entries (a ``MinMaxObserver``'s, a moving
+    average's, a per-channel one's or a ``HistogramObserver``'s) converted to ``module``'s state
+    as `from_observer` converts them; its ``eps`` buffer is dropped where it equals ``module.eps``
+    (else an error). Other state dicts come back as they are."""
+    keys = {name: prefix + name for name in module._fields}
+    if any(key in state_dict for name, key in keys.items() if name not in ("min_val", "max_val")):
+        return state_dict  # qstats' own fields
+    ao_keys = [prefix + name for name in ("min_val", "max_val", "histogram", "eps")]
+    extremes = set(module._fields) <= _EXTREMES_FIELDS and {"min_val", "max_val"} <= set(module._fields)
+    histogram_state = module._state_type is HistogramState and prefix + "histogram" in state_dict
+    if not (prefix + "min_val" in state_dict and prefix + "max_val" in state_dict and (extremes or histogram_state)):
+        return state_dict
+    converted = {key: value for key, value in state_dict.items() if key not in ao_keys}
+    if prefix + "eps" in state_dict:
+        eps = float(state_dict[prefix + "eps"].reshape(-1)[0])
+        if module.spec is not None and eps != float(torch.tensor(module.spec.eps, dtype=torch.float32)):
+            error_msgs.append(f"QstatsObserver: the torch.ao observer's eps {eps} in {prefix}eps differs from this "
+                              f"observer's eps {module.spec.eps}; build it with eps={eps}")
+    found = SimpleNamespace(**{name: state_dict[prefix + name] for name in ("min_val", "max_val", "histogram")
+                               if prefix + name in state_dict})
+    if found.min_val.numel() == 0:  # a per-channel torch.ao observer before any data: empty buffers
+        state = [torch.empty(0)] * len(module._fields)
+    elif histogram_state:
+        state = _histogram_state(found, module.observer)
+    else:
+        lo, hi = found.min_val.detach().float(), found.max_val.detach().float()
+        seen = (lo <= hi).to(torch.int64)
+        fields = dict(min_val=lo, max_val=hi, count=seen, batches=seen, nonfinite=torch.zeros_like(seen))
+        state = [fields[name] for name in module._fields]
+    converted.update({keys[name]: value for name, value in zip(module._fields, state)})
+    return converted
 
 
 def buckets_per_octave_for_bins(bins: int = 2048) -> int:
@@ -331,12 +377,12 @@ def _extremes(obs):
     return lo, hi, (lo <= hi).to(torch.int64)
 
 
-def _histogram_state(obs, spec: QuantSpec, buckets_per_octave: int, octaves: int) -> HistogramState:
-    """torch.ao's linear bins re-bucketed: the values torch.ao's own search assumes (each bin's
+def _histogram_state(obs, observer) -> HistogramState:
+    """torch.ao's linear bins (``obs``: its ``histogram``, ``min_val``, ``max_val``) re-bucketed
+    into the qstats histogram ``observer``'s: the values torch.ao's own search assumes (each bin's
     count spread evenly over it) counted into qstats' buckets, through the rounded cumulative count
     at every bucket edge (integer counts, the total kept, exact extremes)."""
     counts = obs.histogram.detach().double()
-    observer = histogram(spec, buckets_per_octave, octaves)
     empty = observer.init(counts[:1])
     lo, hi = obs.min_val.detach().float().reshape(()), obs.max_val.detach().float().reshape(())
     if not bool(lo <= hi) or float(counts.sum()) <= 0:  # torch.ao saw no finite data
@@ -380,7 +426,8 @@ def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 
     spec = _spec_of(obs)
     if isinstance(obs, ao.HistogramObserver):
         per_octave = buckets_per_octave_for_bins(obs.bins) if buckets_per_octave is None else buckets_per_octave
-        return histogram(spec, per_octave, octaves), spec, _histogram_state(obs, spec, per_octave, octaves)
+        observer = histogram(spec, per_octave, octaves)
+        return observer, spec, _histogram_state(obs, observer)
     lo, hi, seen = _extremes(obs)
     nonfinite = torch.zeros_like(seen)
     if isinstance(obs, (ao.MovingAverageMinMaxObserver, ao.MovingAveragePerChannelMinMaxObserver)):
