@@ -161,11 +161,19 @@ def _flatten(tree: Any, observers: Any):
     return paths, states, leaf_observers, treespec
 
 
+# dtypes every backend reduces (gloo refuses int16, uint16/32/64 and float8 with "Invalid scalar type")
+_REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32,
+              torch.int64, torch.bool)
+
+
 def _plan(states, exact: bool):
-    """Per state: its ``{field: op}`` dict when reduced elementwise, or None when folded."""
+    """Per state: its ``{field: op}`` dict when reduced elementwise, or None when folded (also when a
+    field has a dtype the backends cannot reduce: its raw bytes are gathered and merged by obs.merge)."""
     plan = []
     for state in states:
         ops = reduce_ops(state)
+        if ops != _FOLD and any(v.dtype not in _REDUCIBLE for v in state):
+            ops = _FOLD
         if ops != _FOLD and exact:
             if any(ops[f] == "sum" and v.is_floating_point() for f, v in zip(state._fields, state)):
                 ops = _FOLD
@@ -255,7 +263,7 @@ def all_reduce(
         plan = _plan(states, exact)
         if world > 1:  # what the collectives would get wrong (one process: the tree comes back as it is)
             _check_values(paths, states, plan)
-    except (TypeError, ValueError) as error:
+    except Exception as error:  # any local failure (a user's reduce-ops callable, say) raises on every rank
         local_error = error
     if world <= 1 or not check:
         # no process group, one rank, or this rank is not in ``group`` (size -1): no-op, as
@@ -325,7 +333,8 @@ def _check_same_trees(fingerprint: int, local_error, group, states, treespec) ->
     probe = torch.tensor([fingerprint, -fingerprint, -failed], dtype=torch.int64, device=_probe_device(group))
     dist.all_reduce(probe, op=dist.ReduceOp.MIN, group=group)
     if local_error is not None:
-        raise ValueError(f"all_reduce: this rank's tree is not valid: {local_error}") from local_error
+        detail = local_error if isinstance(local_error, (TypeError, ValueError)) else repr(local_error)
+        raise ValueError(f"all_reduce: this rank's tree is not valid: {detail}") from local_error
     if int(probe[2]) != 0:
         raise ValueError("all_reduce: another rank's tree failed its local checks (see the error on that rank)")
     if int(probe[0]) != fingerprint or int(-probe[1]) != fingerprint:
@@ -349,16 +358,18 @@ def _probe_device(group) -> torch.device:
 
 
 def _pack(states) -> torch.Tensor:
-    parts = [
-        value.detach().contiguous().reshape(-1).view(torch.uint8)
-        for state in states
-        for value in state
-        if value.numel() > 0
-    ]
+    parts = [_flat(value).view(torch.uint8) for state in states for value in state if value.numel() > 0]
     if not parts:
         device = next((v.device for s in states for v in s), torch.device("cpu"))
         return torch.zeros(0, dtype=torch.uint8, device=device)
     return torch.cat(parts)
+
+
+def _flat(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as a 1-D unit-stride tensor. ``contiguous()`` keeps a one-element view's stride
+    (``x[:1, 0]`` of a (5, 3) tensor has stride 3), which the byte view refuses."""
+    flat = value.detach().reshape(-1)
+    return flat if flat.stride(0) == 1 else flat.clone(memory_format=torch.contiguous_format)
 
 
 def _unpack(buffer: torch.Tensor, templates):
