@@ -154,7 +154,10 @@ def from_torchao(cls, target_dtype, kwargs):
         block_size = target_dtype.block_size if nvfp4_config else kwargs.pop("block_size", 16)
         if block_size != 16:
             raise ValueError(f"from_torchao: NVFP4 needs block_size 16, got {block_size}")
-        return _nvfp4_spec(cls, kwargs.pop("per_tensor_scale", True), kwargs, overrides)
+        # the kwargs object's use_dynamic_per_tensor_scale=False (its default): torchao quantizes
+        # with block scales only, unless a static (calibrated) scale is given: per_tensor_scale=True
+        dynamic = getattr(target_dtype, "use_dynamic_per_tensor_scale", True) if nvfp4_config else True
+        return _nvfp4_spec(cls, kwargs.pop("per_tensor_scale", dynamic), kwargs, overrides)
     if isinstance(target_dtype, torch.dtype) and target_dtype in _FLOAT8 and "scaling_mode" not in kwargs:
         if _AFFINE_ONLY.intersection(kwargs):
             _int_target(target_dtype)  # raises: choose_qparams_affine on a float8 target
@@ -406,6 +409,15 @@ class TorchaoConvention(Convention):
         if isinstance(spec.granularity, PerBlock) and spec.granularity.partial:
             raise ValueError("convention='torchao': PerBlock(partial=True) is not torchao's: its block size must "
                              "divide the tensor (_get_reduction_params asserts it)")
+        limit = torch.finfo(getattr(torch, spec.compute_dtype)).max
+        if not spec.is_float and max(-spec.qrange[0], spec.qrange[1]) > limit:
+            # torchao clamps the codes to quant_min/quant_max in the input's dtype: RuntimeError
+            # "value cannot be converted to type c10::Half without overflow"
+            raise ValueError(
+                f"convention='torchao': the range {spec.qrange} of {spec.dtype} does not fit "
+                f"compute_dtype={spec.compute_dtype!r} (largest {limit:g}); torchao's quantize_affine "
+                "fails on such inputs: use input_dtype=torch.float32 / bfloat16 or a narrower quant_min/quant_max"
+            )
 
     def check_lsq(self, spec) -> None:
         if spec.zero_point_domain == "float":
@@ -449,7 +461,13 @@ class TorchaoConvention(Convention):
         ``compute_dtype`` (saturated to it), the scale in ``scale_dtype`` (float32 results,
         integer-valued)."""
         if not _own_arithmetic(spec):
-            return super().codes(view, scale, zero_point, spec)
+            unclamped, codes = super().codes(view, scale, zero_point, spec)
+            if spec.is_float or spec.zero_point_domain != "none":
+                return unclamped, codes
+            # no zero point added (ZeroPointDomain.NONE): a zero code keeps the sign of its input
+            # (torchao's round(-0.0 * (1 / scale)) is -0.0, dequantized to -0.0)
+            unclamped = torch.copysign(unclamped, view.to(unclamped.dtype))
+            return unclamped, unclamped.clamp(*spec.qrange)
         compute, scale_dtype = _dtypes(spec)
         view, scale = _saturate(view.float(), compute).to(compute), scale.to(scale_dtype)
         qmin, qmax = spec.qrange
@@ -462,7 +480,7 @@ class TorchaoConvention(Convention):
                 # a float16 scale below 2**-16 (torchao's float32 eps is one) has an infinite
                 # reciprocal: torchao's 0 * Inf is NaN there; qstats maps a zero to the zero point's
                 # code (no other scale dtype's reciprocal overflows: scales are at least eps)
-                scaled = torch.where(view == 0, torch.zeros_like(scaled), scaled)
+                scaled = torch.where(view == 0, view * 0, scaled)
             unclamped = torch.round(scaled)
             if spec.zero_point_domain != "none":
                 unclamped = unclamped + zero_point
@@ -491,11 +509,17 @@ class TorchaoConvention(Convention):
     def e8m0_scale(self, amax, spec):
         """Float8 ``float8_e8m0fnu`` scales (``"round"``) of bf16/fp16 inputs as torchao's
         ``_choose_scale_float8``: ``exp2(round(log2(amax / max)))`` with every step in the input's
-        dtype (its log2 rounds to it, moving ties); exponents past the e8m0 range saturate."""
+        dtype (its log2 rounds to it, moving ties); exponents past the e8m0 range saturate, and a
+        quotient that underflows to 0 for a nonzero amax is the dtype's smallest subnormal."""
         compute = getattr(torch, spec.compute_dtype)
         if not spec.is_float or spec.scale_rounding != "round" or compute == torch.float32:
             return super().e8m0_scale(amax, spec)
-        descale = _saturate(amax.float(), compute).to(compute) / float(spec.float_format.max)
+        amax = _saturate(amax.float(), compute).to(compute)
+        descale = amax / float(spec.float_format.max)
+        # a nonzero amax whose quotient underflows to 0 (fp16 below 448 * 2**-25): torchao's scale
+        # is 0 (NaN values); qstats' is the dtype's smallest subnormal, as for float32 scales
+        smallest = torch.finfo(compute).tiny * torch.finfo(compute).eps
+        descale = torch.where((amax > 0) & (descale == 0), torch.full_like(descale, smallest), descale)
         exponent = torch.round(torch.log2(descale)).float().clamp(-127, 127).nan_to_num(0.0)
         biased = (exponent.to(torch.int32) + 127).clamp(max=_largest_finite_exponent(spec))
         return e8m0_to_float(biased)
