@@ -13,6 +13,7 @@ extremes (llm-compressor's ``"minmax"``, constant ``observer_kwargs["averaging_c
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import re
 from typing import Any, Mapping
@@ -44,9 +45,19 @@ _MSE_SEARCH = ("maxshrink", "grid", "norm", "expand")
 _SITES = (("weights", "weight"), ("input_activations", "input"), ("output_activations", "output"))
 
 
+def require_compressed_tensors(caller: str) -> None:
+    """ImportError naming the install when compressed-tensors, an optional dependency that reading
+    its schemes and configs needs, is missing."""
+    try:
+        importlib.import_module("compressed_tensors.quantization")
+    except ImportError as error:
+        raise ImportError(f"{caller} needs compressed-tensors: pip install 'qstats[calibrate]' ({error})") from None
+
+
 def preset_schemes() -> tuple:
     """The names of compressed-tensors' preset schemes (``PRESET_SCHEMES``) of the installed
     compressed-tensors."""
+    require_compressed_tensors("preset_schemes")
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
     return tuple(PRESET_SCHEMES)
@@ -368,6 +379,7 @@ def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None, experts=None, 
                  ignore=()) -> list:
     """The rules of llm-compressor's ``QuantizationModifier(scheme=, targets=, kv_cache_scheme=)``
     (`_scheme_groups`); with ``experts``, rules for those stacked-experts modules first."""
+    require_compressed_tensors("Recipe.from_scheme")
     groups = _scheme_groups(scheme, targets)
     rules = _group_rules(Rule, groups, observed_dtype, ignore)
     if experts:
@@ -429,6 +441,7 @@ def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
     ``quantization_config`` dict of a ``config.json`` (its config groups in order), or of an
     llm-compressor ``QuantizationModifier`` / ``GPTQModifier`` (its ``resolve_quantization_config``)
     or recipe (`_modifier_config`)."""
+    require_compressed_tensors("Recipe.from_compressed_tensors")
     from compressed_tensors.quantization import QuantizationScheme
 
     config = _modifier_config(config)

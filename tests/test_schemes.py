@@ -263,3 +263,17 @@ def test_from_compressed_tensors_block_strategy_takes_partial_edge_blocks():
     spec = qstats.QuantSpec.from_compressed_tensors(
         {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [128, 128]})
     assert spec.granularity.partial
+
+
+@pytest.mark.parametrize("build", [
+    lambda: qstats.Recipe.from_scheme("W8A8"),
+    lambda: qstats.Recipe.from_compressed_tensors({"config_groups": {}}),
+])
+def test_a_missing_compressed_tensors_names_the_install(build, monkeypatch):
+    """compressed-tensors is an optional dependency (the ``calibrate`` extra): without it, the
+    recipes read from its schemes say what to install (was: a bare ModuleNotFoundError)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)
+    with pytest.raises(ImportError, match=r"needs compressed-tensors: pip install 'qstats\[calibrate\]'"):
+        build()
