@@ -116,6 +116,6 @@ def attention_config(attention: dict, groups: dict, modules: Optional[Mapping] =
             "weights": None,
             "input_activations": args,
             "output_activations": None,
-            "format": None,
+            "format": "dense",  # as compressed-tensors infers it for a group without weights (oneshot writes it)
         }
     return dict(args)

@@ -45,7 +45,8 @@ def compressed_tensors(
         are dense); default: what it infers per group.
 
     Returns:
-      The ``quantization_config`` dict written into ``config.json``.
+      The ``quantization_config`` dict written into ``config.json`` (not written when it quantizes
+      nothing: no config group and no kv-cache scheme, as llm-compressor writes none; a warning says so).
 
     Raises:
       ValueError: a site, spec or shape compressed-tensors cannot express (names it); ``path`` holding
@@ -99,8 +100,13 @@ class Writer:
         _warn_missing_qparams(self.plan.sites if self.plan is not None else self.specs, self.qparams)
         warn_mixed_experts(self.schemes, self.expert_projection)
         _warn_unshared_global_scales(self.groups, self.qparams, self.specs)
-        return _quantization_config(self.schemes, self.expert_projection, self.attention, self.modules, self.format,
-                                    self.plan, module_renamer(self.model))
+        config = _quantization_config(self.schemes, self.expert_projection, self.attention, self.modules,
+                                      self.format, self.plan, module_renamer(self.model))
+        if _quantizes_nothing(config):
+            warn("export.compressed_tensors: no module is quantized (no config group and no kv-cache scheme; "
+                 "e.g. a recipe on 'Linear' of a model of Conv1D layers, such as GPT-2); config.json gets no "
+                 "quantization_config, as llm-compressor writes none: the checkpoint is the float model")
+        return config
 
 
 def _check_arguments(model, qparams, format) -> None:
@@ -321,6 +327,11 @@ def check_new_folder(folder: str, checkpoint, where: str, what: str) -> None:
         )
 
 
+def _quantizes_nothing(quantization_config: dict) -> bool:
+    """True for a ``quantization_config`` without config groups or kv-cache scheme (nothing quantized)."""
+    return not quantization_config.get("config_groups") and quantization_config.get("kv_cache_scheme") is None
+
+
 def _quantizes_a_tied_weight(model: torch.nn.Module, quantization_config: dict) -> bool:
     """True when a parameter the model ties (one tensor under several module names, e.g. ``lm_head``
     and the input embeddings), or an embedding its config ties (``tie_word_embeddings``), belongs to
@@ -379,6 +390,10 @@ def write_config(path: str, model: torch.nn.Module, quantization_config: dict) -
         # would replace one by the other (transformers fails, vLLM drops the quantized lm_head), so untie
         # them, as llm-compressor does (untie_word_embeddings)
         _untie(config, model_config)
-    config["quantization_config"] = quantization_config
+    config.pop("quantization_config", None)
+    if not _quantizes_nothing(quantization_config):
+        # transformers' compressed-tensors quantizer fails on a config without groups or kv-cache scheme
+        # (its CompressedTensorsConfig keeps no QuantizationConfig then): a float checkpoint has none
+        config["quantization_config"] = quantization_config
     with open(config_path, "w") as file:
         json.dump(config, file, indent=2, sort_keys=True, default=str)
