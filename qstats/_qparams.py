@@ -7,9 +7,8 @@ spec's convention's arithmetic or the MX / NVFP4 scale arithmetic of qstats/_for
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
-
 import math
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -247,19 +246,23 @@ def qparams_from_minmax(
 
 def _clipped(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec):
     """The finite float32 range clipped only where some code would dequantize past float32:
-    symmetric integer peaks above half the float32 range (code -128 lies past 127.5 steps) and
-    asymmetric ranges whose span ``max(max, 0) - min(min, 0)`` overflows are clipped to half of
-    it; one-sided wide asymmetric ranges and float targets (codes at most ``amax``) keep their
-    ends, as torch.ao and compressed-tensors map them, up to a margin of 2**-20 at the limit."""
-    half = torch.finfo(torch.float32).max / 2
-    limit = torch.finfo(torch.float32).max * (1.0 - 2.0**-20)
+    symmetric integer peaks where the farthest code (int8: -128, 128 steps of ``amax / 127.5``)
+    would, and asymmetric ranges whose span ``max(max, 0) - min(min, 0)`` overflows (clipped to
+    half of float32's range); one-sided wide asymmetric ranges and float targets (codes at most
+    ``amax``) keep their ends, as torch.ao, torchao and compressed-tensors map them, up to a
+    margin of 2**-20 at the limit (2**-7 more for a bf16/fp16 scale, which may round up)."""
+    largest = torch.finfo(torch.float32).max
+    limit = largest * (1.0 - 2.0**-20)
     min_val, max_val = min_val.clamp(min=-limit), max_val.clamp(max=limit)
     if spec.is_float:
         return min_val, max_val
     if spec.mapping == "asymmetric":
+        half = largest / 2
         wide = ~(max_val.clamp(min=0.0) - min_val.clamp(max=0.0) <= limit)
         return torch.where(wide, min_val.clamp(min=-half), min_val), torch.where(wide, max_val.clamp(max=half), max_val)
-    return min_val.clamp(min=-half), max_val.clamp(max=half)
+    steps = (spec.qmax - spec.qmin) / 2  # the scale's divisor; the farthest code lies ceil(steps) away
+    peak = limit * steps / math.ceil(steps) * (1.0 - (2.0**-7 if spec.scale_dtype in ("bfloat16", "float16") else 0.0))
+    return min_val.clamp(min=-peak), max_val.clamp(max=peak)
 
 
 def _minval(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec, calibrated: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,9 @@ NaN/Inf mixed in) through the public observers and formats, table-driven.
 Every observer x spec x input dtype gives finite, positive scales and dequantizes every finite input
 to a finite value; where a reference library maps the same range (torch.ao, compressed-tensors
 0.19, torchao) the qparams and fake-quantized values are its own, bit for bit. Deliberate
-differences (docs/differences.md): symmetric integer peaks above half the float32 range and
-asymmetric spans that overflow float32 are clipped; those inputs are only checked for finiteness.
+differences (docs/differences.md): symmetric integer peaks whose farthest code would dequantize
+past float32 (int8: above 3.39e38) and asymmetric spans that overflow float32 are clipped; those
+inputs are only checked for finiteness.
 """
 
 import math
@@ -153,14 +154,13 @@ TORCH_AO_INPUTS = {
 def test_minmax_matches_torch_ao_on_extreme_ranges(x_name, dtype, qscheme):
     """Scales, zero points and fake-quantized values equal torch.ao's: one-sided ranges past half
     the float32 range included (they were clipped to 1.7e38, and float zero points inverted the
-    range into scale 1, so every value of a row of -3e38 came back as -1.7e38)."""
+    range into scale 1, so every value of a row of -3e38 came back as -1.7e38), symmetric peaks
+    of 3e38 too (clipped to 1.7e38 before)."""
     from torch.ao.quantization import MinMaxObserver, PerChannelMinMaxObserver
 
     x = TORCH_AO_INPUTS[x_name]
     per_channel = qscheme in (torch.per_channel_affine, torch.per_channel_symmetric,
                               torch.per_channel_affine_float_qparams)
-    if x_name == "one_sided_huge" and qscheme in (torch.per_tensor_symmetric, torch.per_channel_symmetric):
-        pytest.skip("symmetric peaks past 1.7e38 are clipped (docs/differences.md)")
     if x_name == "one_sided_huge" and not per_channel:
         x = x[:1]  # per tensor: one row's sign, as the mixed rows' span overflows
     reference = (PerChannelMinMaxObserver(ch_axis=0, dtype=dtype, qscheme=qscheme) if per_channel
@@ -208,8 +208,8 @@ def test_minmax_matches_compressed_tensors_on_extreme_ranges(x_name, kind, dtype
     if not torch.isfinite(x).all():
         pytest.skip("the input itself overflows this dtype")
     scale, zero_point = calculate_qparams(x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), args)
-    if not torch.isfinite(scale).all() or (kind == "int4_sym" and x.float().abs().amax() > F32_MAX / 2):
-        pytest.skip("compressed-tensors' scale overflows, or a clipped symmetric peak (docs/differences.md)")
+    if not torch.isfinite(scale).all():
+        pytest.skip("compressed-tensors' scale overflows")
     spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
     qp = _qparams(qstats.minmax, spec, x)
     assert torch.equal(qp.scale.reshape(scale.shape), scale.float())
@@ -233,8 +233,6 @@ def test_minmax_matches_torchao_choose_qparams_affine(x_name, mapping):
     """torchao's ``choose_qparams_affine`` per row (uint8 asymmetric, int8 symmetric)."""
     qp_lib = pytest.importorskip("torchao.quantization.quant_primitives")
     x = TORCH_AO_INPUTS[x_name]
-    if mapping == "SYMMETRIC" and x.abs().max() > F32_MAX / 2:
-        pytest.skip("symmetric peaks past 1.7e38 are clipped (docs/differences.md)")
     target = torch.uint8 if mapping == "ASYMMETRIC" else torch.int8
     scale, zero_point = qp_lib.choose_qparams_affine(x, getattr(qp_lib.MappingType, mapping), (1, 32), target)
     spec = qstats.QuantSpec.from_torchao(target, mapping_type=getattr(qp_lib.MappingType, mapping),

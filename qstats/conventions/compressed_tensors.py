@@ -9,6 +9,8 @@ overflow, all-zero float8 ranges, dynamic activations, ``scale_dtype=float32``) 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name
@@ -252,8 +254,11 @@ def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range):
         if spec.mapping == "asymmetric":
             limit = float(torch.tensor(torch.finfo(compute).max, dtype=torch.float32))
         else:
-            # float targets' codes stay within the peak; integer ones are clipped at half float32
-            cap = torch.finfo(torch.float32).max * (1.0 - 2.0**-20 if spec.is_float else 0.5)
+            # float targets' codes stay within the peak; integer ones where their farthest code
+            # (ceil(steps) away) does, with a margin for the half-precision roundings of the scale
+            steps = float(bit_range) / 2
+            cap = torch.finfo(torch.float32).max * (
+                1.0 - 2.0**-20 if spec.is_float else steps / math.ceil(steps) * (1.0 - 2.0**-7))
             limit = peak_limit(compute, float(bit_range.to(compute) / 2), cap)
         min_val = min_val.clamp(min=-limit)
         max_val = max_val.clamp(max=limit)
