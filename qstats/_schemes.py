@@ -49,7 +49,7 @@ def require_compressed_tensors(caller: str) -> None:
     """ImportError naming the install when compressed-tensors, an optional dependency that reading
     its schemes and configs needs, is missing."""
     try:
-        importlib.import_module("compressed_tensors.quantization")
+        importlib.import_module("compressed_tensors")
     except ImportError as error:
         raise ImportError(f"{caller} needs compressed-tensors: pip install 'qstats[calibrate]' ({error})") from None
 
