@@ -21,8 +21,12 @@ import torch
 from ._formats import effective_scale
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view
 from ._quant import _codes_float, fake_quantize
-from ._sites import observe_tensor, run_model
+from ._sites import input_tensor, is_float_tensor, observe_tensor, run_model
+from ._torch_features import eager
+from ._warn import warn
 from .calibration import runtime_qparams, runtime_spec
+from .experts import own_parameters
+from .observation import expert_capture, stop_capture
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
@@ -261,7 +265,8 @@ def report(
       states: the states tree from `qstats.calibrate`.
       qparams: the matching QParams tree (`qstats.compute_qparams_tree`).
       model, recipe: give both (or a `Plan` as ``recipe``) to measure clipping and SQNR on parameters.
-      batches: with model and recipe, also measure activation sites (non-expert) on one float forward.
+      batches: with model and recipe, also measure activation sites on one float forward (those of
+        stacked experts per expert, on the rows `fake_quantized` quantizes, in one row per site).
       observation_weight: as in `qstats.calibrate`, to leave padding out of the measurement.
 
     Returns:
@@ -341,11 +346,26 @@ def _measure_parameters(plan: Plan, qparams: Mapping, errors: dict) -> None:
             value = plan.parameter(path, site)
             if found.num_experts:
                 for expert in range(found.num_experts):
-                    expert_qp = type(qp)(*(None if field is None else field[expert] for field in qp))
-                    error.add(*tensor_error(value[expert], expert_qp, found.spec))
+                    error.add(*tensor_error(value[expert], _expert_qparams(qp, expert), found.spec))
             else:
                 error.add(*tensor_error(value, qp, found.spec))
             errors[(path, site)] = error
+
+
+def _add_error(error: _Error, x: torch.Tensor, qp, found, keep: Optional[torch.Tensor] = None) -> None:
+    """Adds to ``error`` the error of fake-quantizing the activation ``x`` under ``qp`` (each
+    tensor's own scales for a site whose scales come at run time, as `fake_quantized` applies them);
+    ``keep`` (broadcast over ``x``) leaves padding out of the measured numbers."""
+    spec = found.spec
+    if found.runtime:
+        spec = runtime_spec(x, spec)
+        qp = runtime_qparams(x, spec, qp)
+    error.add(*tensor_error(x, qp, spec, keep))
+
+
+def _expert_qparams(qp, expert: int):
+    """Expert ``expert``'s QParams of a stacked site's ``qp`` (None stays None)."""
+    return None if qp is None else type(qp)(*(None if field is None else field[expert] for field in qp))
 
 
 class _ActivationError:
@@ -358,33 +378,112 @@ class _ActivationError:
     def __call__(self, x) -> None:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
-        qp, spec = self.qparams, self.found.spec
-        if self.found.runtime:  # scales from each tensor, as `fake_quantized` applies them
-            spec = runtime_spec(x, spec)
-            qp = runtime_qparams(x, spec, qp)
         weight = self.current_weight[0]
         if weight is not None and weight.ndim < x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
             # padding (a strict prefix: features follow) is left out of every measured number (zero is not representable with a float
             # zero point, and its code may fall outside the range)
             keep = weight.to(x.device).reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)) != 0
-            self.error.add(*tensor_error(x, qp, spec, keep))
+            _add_error(self.error, x, self.qparams, self.found, keep)
             return
-        self.error.add(*tensor_error(x, qp, spec))
+        _add_error(self.error, x, self.qparams, self.found)
+
+
+class _ExpertErrors:
+    """The per-expert activation sites of one stacked-experts module in `report`: the input rows of
+    each expert's matmul with a stacked parameter ``P``, measured under that expert's QParams of
+    ``"P.input"``, or of ``"input"`` where the rows are the module's input tokens: the rows
+    `fake_quantized` quantizes (`qstats.calibration._ExpertInputs`), per call and expert (run-time
+    scales from each expert's rows of a call, as there). The rows are captured during the float
+    forward (`ExpertInputCapture`) and measured when it ends, leaving out those of tokens whose
+    observation weight is 0."""
+
+    def __init__(self, module: torch.nn.Module, path: str, sites: dict, current_weight: list):
+        self.module, self.path, self.current_weight = module, path, current_weight
+        self.sites = sites  # site -> (QParams or None, found, _Error)
+        self.active: list = []  # per call in progress: (capture, hooks, tokens or None)
+
+    def attach(self) -> list:
+        return [
+            self.module.register_forward_pre_hook(eager(self.enter), with_kwargs=True),
+            self.module.register_forward_hook(eager(self.leave), with_kwargs=True, always_call=True),
+        ]
+
+    def enter(self, module, args, kwargs) -> None:
+        x = input_tensor(args, kwargs)
+        tokens = x if is_float_tensor(x) and x.ndim >= 2 and x.numel() else None
+        stacked = [name for name, p in own_parameters(module).items() if p.ndim >= 3]
+        self.active.append((*expert_capture(module, stacked, tokens), tokens))
+
+    def leave(self, module, args, kwargs, output) -> None:
+        capture, hooks, tokens = self.active.pop()
+        stop_capture(capture, hooks)
+        if output is None:  # the forward raised
+            return
+        weight = self.current_weight[0]
+        if weight is None or tokens is None or weight.numel() != tokens.numel() // tokens.shape[-1]:
+            weight = None  # calibrate's fit: one weight per token of the experts' input
+        for name, calls in capture.rows.items():
+            site = f"{name}.input" if f"{name}.input" in self.sites else "input"
+            if site in self.sites and calls:
+                self._measure(capture, name, site, weight)
+
+    def _measure(self, capture, name: str, site: str, weight: Optional[torch.Tensor]) -> None:
+        """Adds the error of every call's rows of parameter ``name`` to ``site``'s: for ``"input"``,
+        of the calls whose rows are the module's input tokens only."""
+        qp, found, error = self.sites[site]
+        kept = self._kept_rows(capture, name, site, weight) if weight is not None and site != "input" else None
+        offset = 0
+        for rows, ids, tokens in zip(capture.rows[name], capture.ids[name], capture.tokens[name]):
+            start, offset = offset, offset + rows.shape[0]  # `row_tokens` holds every call's rows
+            if (site == "input" and tokens is None) or not rows.is_floating_point():
+                continue
+            if weight is None:
+                keep = None
+            elif site == "input":
+                keep = weight.reshape(-1).to(tokens.device)[tokens] != 0
+            else:
+                keep = kept[start:offset]
+            keep = None if keep is None else keep.to(rows.device)
+            experts = [(ids, slice(None))] if isinstance(ids, int) else [
+                (expert, ids == expert) for expert in torch.unique(ids).tolist()]
+            for expert, chosen in experts:  # each expert's rows under its own QParams
+                part_keep = None if keep is None else keep[chosen][:, None]
+                _add_error(error, rows[chosen], _expert_qparams(qp, expert), found, part_keep)
+
+    def _kept_rows(self, capture, name: str, site: str, weight: torch.Tensor) -> torch.Tensor:
+        """``[rows]``: whether the token of each captured row of ``name`` has a nonzero observation
+        weight; all rows, with a warning, when they cannot be traced to their tokens (as calibrate)."""
+        tokens = capture.row_tokens(name)
+        if tokens is None:
+            warn(
+                f"report: the rows of site {site!r} of the experts module {self.path!r} could not be traced "
+                "back to the tokens they come from, so the observation weight (padding) is not applied to them",
+                UserWarning,
+            )
+            return torch.ones(sum(r.shape[0] for r in capture.rows[name]), dtype=torch.bool)
+        return weight.reshape(-1).to(tokens.device)[tokens] != 0
 
 
 def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weight, errors: dict) -> None:
-    """The error of every (non-expert) activation site of ``qparams`` over ``batches``, run once
-    through the float model with the hooks `qstats.calibrate` observes through."""
+    """The error of every activation site of ``qparams`` over ``batches``, run once through the
+    float model with the hooks `qstats.calibrate` observes through (`_ExpertErrors` for the
+    per-expert sites of stacked experts)."""
     current_weight: list = [None]
     handles = []
     try:
         for path, entry in qparams.items():
+            expert_sites: dict = {}
             for site, qp in entry.items():
                 found = plan.site(path, site)
-                if found is None or found.num_experts or found.kind not in ("input", "output", "projection"):
+                if found is None or found.kind not in ("input", "output", "projection", "parameter_input"):
                     continue
                 error = errors.setdefault((path, site), _Error())
-                handles.append(observe_tensor(plan, path, site, _ActivationError(found, qp, error, current_weight)))
+                if found.num_experts:
+                    expert_sites[site] = (qp, found, error)
+                else:
+                    handles.append(observe_tensor(plan, path, site, _ActivationError(found, qp, error, current_weight)))
+            if expert_sites:
+                handles.extend(_ExpertErrors(plan.modules[path], path, expert_sites, current_weight).attach())
         with torch.no_grad():
             for batch in batches:
                 current_weight[0] = observation_weight(batch) if observation_weight is not None else None

@@ -1,0 +1,182 @@
+"""qstats.report on the per-expert activation sites of stacked experts (``input``,
+``<parameter>.input``): each expert's matmul input rows measured under that expert's scale, against
+the experts' forward recomputed by hand in plain torch (torch's own fake-quant ops, torch.ao's
+per-row observer for run-time scales); and on a tiny transformers Qwen3-MoE, that the rows are
+measured in every experts implementation. Before, these sites were skipped (SQNR None)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.ao.quantization.observer import PerChannelMinMaxObserver
+
+import qstats
+
+STATIC = qstats.QuantSpec(dtype="int8", mapping="symmetric")
+DYNAMIC = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerToken())
+SITES = ("input", "down_proj.input")
+
+
+class _Experts(torch.nn.Module):
+    """Two stacked experts multiplying by ``P[e]`` with F.linear (as test_fake_quantized_experts');
+    ``untraced``: the rows are a product of the gathered tokens, which the capture does not follow."""
+
+    def __init__(self, untraced=False):
+        super().__init__()
+        self.num_experts = 2
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(2, 6, 4))
+        self.down_proj = torch.nn.Parameter(torch.randn(2, 4, 3))
+        self.untraced = untraced
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for e in range(2):
+            token, slot = torch.where(top_k_index == e)
+            rows = x[token] * 1.0 if self.untraced else x[token]
+            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
+def _rows_by_hand(experts, x, index):
+    """``{site: [rows of expert 0, rows of expert 1]}`` and each expert's tokens, in plain torch."""
+    rows, tokens = {"input": [], "down_proj.input": [], "gate_up_proj.input": []}, []
+    for e in range(2):
+        token = torch.where(index[:, 0] == e)[0]
+        gate, up = (x[token] @ experts.gate_up_proj[e].detach().T).chunk(2, dim=-1)
+        rows["input"].append(x[token])
+        rows["gate_up_proj.input"].append(x[token])
+        rows["down_proj.input"].append(F.silu(gate) * up)
+        tokens.append(token)
+    return rows, tokens
+
+
+def _expected(parts, scales):
+    """``(sqnr_db, clipped_fraction)`` of fake-quantizing each part under its per-row (or one)
+    int8 scale with torch's own ops, over all parts together."""
+    signal = noise = 0.0
+    clipped = total = 0
+    for part, scale in zip(parts, scales):
+        scale = torch.as_tensor(scale, dtype=torch.float32).reshape(-1).expand(part.shape[0]).contiguous()
+        zero = torch.zeros(part.shape[0], dtype=torch.int32)
+        quantized = torch.fake_quantize_per_channel_affine(part, scale, zero, 0, -128, 127)
+        codes = torch.round(part / scale[:, None])
+        signal += float(part.double().pow(2).sum())
+        noise += float((part - quantized).double().pow(2).sum())
+        clipped += int(((codes < -128) | (codes > 127)).sum())
+        total += part.numel()
+    return 10 * math.log10(signal / noise), clipped / total
+
+
+def _setup(spec, sites=SITES, untraced=False):
+    torch.manual_seed(0)
+    experts = _Experts(untraced).eval()
+    recipe = qstats.Recipe([qstats.Rule("_Experts", sites=sites, observer=qstats.minmax, spec=spec)])
+    index = torch.tensor([[0], [1], [1]] * 4)
+    calibration = (torch.randn(12, 4), index, torch.ones(12, 1))
+    states = qstats.calibrate(experts, [calibration], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, experts)
+    held_out = (torch.randn(12, 4, generator=torch.Generator().manual_seed(3)) * 1.5, index, torch.ones(12, 1))
+    return experts, recipe, states, qparams, held_out
+
+
+def _rows(rep):
+    return {row.site: row for row in rep.rows}
+
+
+def test_static_expert_inputs_under_each_experts_scale():
+    """Held-out rows larger than the calibration's: each expert's rows under its own scale, some clipped."""
+    experts, recipe, states, qparams, (x, index, weights) = _setup(STATIC)
+    rows = _rows(qstats.report(states, qparams, experts, recipe, [(x, index, weights)]))
+    by_hand, _ = _rows_by_hand(experts, x, index)
+    for site in SITES:
+        scales = [float(qparams[""][site].scale[e]) for e in range(2)]
+        sqnr, clipped = _expected(by_hand[site], scales)
+        assert rows[site].sqnr_db == pytest.approx(sqnr, rel=1e-5)
+        assert rows[site].clipped_fraction == pytest.approx(clipped)
+        assert rows[site].nonfinite == 0 and rows[site].experts == 2
+    assert rows["input"].clipped_fraction > 0
+    assert scales[0] != scales[1]
+
+
+def test_runtime_per_token_expert_inputs_use_each_rows_scales():
+    """A run-time (per-token) site: each row under its own scale, torch.ao's per-row symmetric observer's."""
+    experts, recipe, states, qparams, (x, index, weights) = _setup(DYNAMIC)
+    rows = _rows(qstats.report(states, qparams, experts, recipe, [(x, index, weights)]))
+    by_hand, _ = _rows_by_hand(experts, x, index)
+    for site in SITES:
+        scales = []
+        for part in by_hand[site]:
+            observer = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+            observer(part)
+            scales.append(observer.calculate_qparams()[0])
+        sqnr, clipped = _expected(by_hand[site], scales)
+        assert rows[site].sqnr_db == pytest.approx(sqnr, rel=1e-5)
+        assert rows[site].clipped_fraction == pytest.approx(clipped)
+        assert rows[site].mean_scale is None
+
+
+def test_padding_tokens_are_left_out_of_each_site():
+    """Tokens whose observation weight is 0 (huge values there) are left out of both sites: ``input``
+    through the rows' traced tokens, ``down_proj.input`` through the ``gate_up_proj`` rows they follow."""
+    experts, recipe, states, qparams, (x, index, weights) = _setup(STATIC)
+    padding = torch.tensor([0, 5, 7])
+    x = x.clone()
+    x[padding] = 1e3
+    weight = torch.ones(12)
+    weight[padding] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # every row traced to its token
+        rows = _rows(qstats.report(states, qparams, experts, recipe, [(x, index, weights)],
+                                   observation_weight=lambda batch: weight))
+    by_hand, tokens = _rows_by_hand(experts, x, index)
+    for site in SITES:
+        parts = [rows_e[weight[token] != 0] for rows_e, token in zip(by_hand[site], tokens)]
+        sqnr, clipped = _expected(parts, [float(qparams[""][site].scale[e]) for e in range(2)])
+        assert rows[site].sqnr_db == pytest.approx(sqnr, rel=1e-5)
+        assert rows[site].clipped_fraction == pytest.approx(clipped)
+
+
+def test_untraced_rows_warn_and_are_all_measured():
+    """Rows the capture cannot trace to their tokens: a warning (as calibrate's), every row measured."""
+    sites = ("gate_up_proj.input",)
+    experts, recipe, states, qparams, (x, index, weights) = _setup(STATIC, sites=sites, untraced=True)
+    with pytest.warns(UserWarning, match="could not be traced"):
+        rep = qstats.report(states, qparams, experts, recipe, [(x, index, weights)],
+                            observation_weight=lambda batch: torch.ones(12))
+    by_hand, _ = _rows_by_hand(experts, x, index)
+    sqnr, clipped = _expected(by_hand[sites[0]], [float(qparams[""][sites[0]].scale[e]) for e in range(2)])
+    assert _rows(rep)[sites[0]].sqnr_db == pytest.approx(sqnr, rel=1e-5)
+    assert _rows(rep)[sites[0]].clipped_fraction == pytest.approx(clipped)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+def test_qwen3_moe_expert_sites_are_measured(implementation):
+    pytest.importorskip("transformers")
+    from test_moe_families import INPUTS, _model
+
+    model = _model("qwen3_moe")
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(implementation)
+    elif implementation != "eager":
+        pytest.skip("this transformers has one experts implementation")
+    experts = next(m for m in model.modules() if qstats.experts.expert_count(m))
+    recipe = qstats.Recipe([qstats.Rule(type(experts).__name__, sites=SITES, observer=qstats.minmax, spec=INPUTS)])
+    generator = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(1, 128, (2, 6), generator=generator),
+             "attention_mask": torch.tensor([[1] * 6, [1] * 3 + [0] * 3])}
+    states = qstats.calibrate(model, [batch], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # every row traced to its token
+        rep = qstats.report(states, qparams, model, recipe, [batch],
+                            observation_weight=lambda batch: batch["attention_mask"])
+    assert len(rep) == 2 * len(SITES)  # two layers
+    for row in rep:
+        assert row.experts == 8 and row.nonfinite == 0
+        # measured on the calibration batch: its min/max scales clip nothing, int8 noise well below the signal
+        assert row.clipped_fraction == 0.0
+        assert 25.0 < row.sqnr_db < 60.0
