@@ -67,7 +67,7 @@ def _args(args):
     """``args`` as compressed-tensors' ``QuantizationArgs`` (from a dict of its fields too)."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    if args is None or isinstance(args, QuantizationArgs):
+    if isinstance(args, QuantizationArgs):
         return args
     if isinstance(args, Mapping):
         return QuantizationArgs.model_validate(dict(args))
@@ -158,7 +158,7 @@ _EXPERT_SITES = {"weight": ("gate_up_proj", "down_proj"), "input": ("input", "do
 _LINEARIZED_SITES = {**_EXPERT_SITES, "weight": ("gate_up_proj", "up_proj", "down_proj")}
 
 
-def _expert_rules(Rule, rules: list, experts) -> list:
+def _expert_rules(rules: list, experts) -> list:
     """Rules quantizing stacked-experts modules ``experts`` (class names, paths or regexes, in
     qstats' syntax) as llm-compressor quantizes their linearized ``gate_proj``/``up_proj``/``down_proj``."""
     out = []
@@ -386,7 +386,7 @@ def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None, experts=None, 
         if len(groups) != 1:
             raise ValueError("from_scheme: experts= takes one scheme, not a mapping of several presets")
         # every rule here has a GroupMatch; an attention group's q/k/v rule has no expert sites
-        rules = _expert_rules(Rule, [r for r in rules if not r.matcher.attention], experts) + rules
+        rules = _expert_rules([r for r in rules if not r.matcher.attention], experts) + rules
     if kv_cache_scheme is not None:
         rules.append(_kv_rule(Rule, kv_cache_scheme, observed_dtype))
     return rules

@@ -109,7 +109,7 @@ _warn_unfactored.register_vmap(lambda info, in_dims, failed: (_warn_unfactored(f
 def _column_groups(spec: QuantSpec, shape) -> Optional[list]:
     """The quantization parameter column of every weight column (None: one per row or tensor) of an
     ``[..., rows, columns]`` weight."""
-    granularity, (rows, columns) = spec.granularity, tuple(shape[-2:])
+    granularity, columns = spec.granularity, shape[-1]
     if isinstance(granularity, PerGroup):  # TensorGroup (NVFP4) too: its global scale is one per weight
         if columns % granularity.group_size:
             raise ValueError(f"gptq: {columns} input columns are not a multiple of the group size "
@@ -118,7 +118,7 @@ def _column_groups(spec: QuantSpec, shape) -> Optional[list]:
     if isinstance(granularity, PerTensor) or granularity in (PerAxis(0), PerRow(-1), PerRow(1)):
         return None  # one set per tensor or per output row; PerRow(0) would be one per input column
     if isinstance(granularity, PerBlock) and len(granularity.block_shape) == 2:
-        block_rows, block_columns = granularity.block_shape  # smaller edge blocks allowed (partial=True)
+        block_columns = granularity.block_shape[1]  # smaller edge blocks allowed (partial=True)
         if block_columns >= columns:
             return None  # blocks of whole rows (a fused gate_up_proj's per-projection scales)
         return [column // block_columns for column in range(columns)]  # FP8 block (llm-compressor's BLOCK)

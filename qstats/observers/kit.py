@@ -79,7 +79,7 @@ def _row_granularity(x: torch.Tensor, weight: torch.Tensor, granularity):
     parameters do not depend on the rows (per tensor, or per axis along a trailing axis)."""
     if isinstance(granularity, PerTensor):
         return granularity
-    if type(granularity) in (PerAxis, PerHead) and x.ndim > 0:
+    if type(granularity) in (PerAxis, PerHead):
         axis = granularity.axis % x.ndim
         if axis >= weight.ndim:
             return PerAxis(axis - weight.ndim)
