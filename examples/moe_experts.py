@@ -111,8 +111,12 @@ def main(batches: int = 4, tokens: int = 64, verbose: bool = True, all_experts: 
             reference = model(x)
             with qstats.fake_quantized(model, weights_only, plan):
                 quantized = model(x)
+            with qstats.fake_quantized(model, qparams, plan):  # each expert's inputs under its own scale too
+                quantized_inputs = model(x)
         error = float((quantized - reference).pow(2).sum() / reference.pow(2).sum())
         print(f"\nint8 per-channel expert weights: relative output error {error:.2e}")
+        error = float((quantized_inputs - reference).pow(2).sum() / reference.pow(2).sum())
+        print(f"and int8 per-expert inputs (input, down_proj.input): relative output error {error:.2e}")
         print()
         print(qstats.report(states, qparams, recipe=plan).text())
     return model, states, qparams, caught
