@@ -250,7 +250,7 @@ def _clipped(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec):
     would, and asymmetric ranges whose span ``max(max, 0) - min(min, 0)`` overflows (clipped to
     half of float32's range); one-sided wide asymmetric ranges and float targets (codes at most
     ``amax``) keep their ends, as torch.ao, torchao and compressed-tensors map them, up to a
-    margin of 2**-20 at the limit (2**-7 more for a bf16/fp16 scale, which may round up)."""
+    margin of 2**-20 at the limit (2**-7 more for a bf16/fp16 scale or compute dtype, which may round up)."""
     largest = torch.finfo(torch.float32).max
     limit = largest * (1.0 - 2.0**-20)
     min_val, max_val = min_val.clamp(min=-limit), max_val.clamp(max=limit)
@@ -261,7 +261,9 @@ def _clipped(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec):
         wide = ~(max_val.clamp(min=0.0) - min_val.clamp(max=0.0) <= limit)
         return torch.where(wide, min_val.clamp(min=-half), min_val), torch.where(wide, max_val.clamp(max=half), max_val)
     steps = (spec.qmax - spec.qmin) / 2  # the scale's divisor; the farthest code lies ceil(steps) away
-    peak = limit * steps / math.ceil(steps) * (1.0 - (2.0**-7 if spec.scale_dtype in ("bfloat16", "float16") else 0.0))
+    # a bf16/fp16 scale, or a peak and scale computed in bf16/fp16 (torchao's input dtype), may round up
+    half = {spec.scale_dtype, spec.compute_dtype} & {"bfloat16", "float16"}
+    peak = limit * steps / math.ceil(steps) * (1.0 - (2.0**-7 if half else 0.0))
     return min_val.clamp(min=-peak), max_val.clamp(max=peak)
 
 

@@ -260,6 +260,8 @@ def _fake_quantize_activation(x, qparams: Optional[QParams], spec, runtime: bool
     if not runtime:
         return fake_quantize(x, qparams, spec)
     check_runtime_group(x.shape, spec, where)
+    if not x.numel():  # no values (an expert no token is routed to): no scale to compute
+        return x
     applied = runtime_spec(x, spec)
     return fake_quantize(x, runtime_qparams(x, applied, qparams), applied)
 
@@ -351,8 +353,8 @@ def _fake_quantize_site(
 class _ExpertInputs:
     """`fake_quantized`'s per-expert activation sites of one stacked-experts module: during its
     forward, the input rows of each expert's matmul with a stacked parameter ``P`` are fake-quantized
-    under that expert's QParams of site ``"P.input"``, or of ``"input"`` where the rows are the
-    module's input tokens, as llm-compressor's linearized per-expert Linears quantize their inputs."""
+    under that expert's QParams of site ``"input"`` where the rows are the module's input tokens,
+    then of site ``"P.input"``, as llm-compressor's linearized per-expert Linears quantize their inputs."""
 
     def __init__(self, module: torch.nn.Module, path: str, sites: dict):
         self.module, self.path, self.sites = module, path, sites  # site -> (QParams or None, found)
@@ -365,6 +367,9 @@ class _ExpertInputs:
         ]
 
     def enter(self, module, args, kwargs) -> None:
+        if self.active:  # a call from inside the module's own forward: the capture of the outer
+            self.active.append(None)  # call sees its matmuls (a second would quantize them twice)
+            return
         x = input_tensor(args, kwargs)
         tokens = x if is_float_tensor(x) and x.ndim >= 2 and x.numel() else None
         stacked = [name for name, p in own_parameters(module).items() if p.ndim >= 3]
@@ -373,7 +378,10 @@ class _ExpertInputs:
         self.active.append((capture, hooks, applied, tokens is not None))
 
     def leave(self, module, args, kwargs, output) -> None:
-        capture, hooks, applied, ran = self.active.pop()
+        started = self.active.pop() if self.active else None
+        if started is None:  # a nested call, or a pre-hook raised before `enter`
+            return
+        capture, hooks, applied, ran = started
         stop_capture(capture, hooks)
         missing = sorted(set(self.sites) - applied)
         if output is not None and ran and missing:
@@ -384,10 +392,18 @@ class _ExpertInputs:
             )
 
     def quantize(self, applied: set, name: str, rows: torch.Tensor, ids, traced: bool) -> torch.Tensor:
-        site = f"{name}.input" if f"{name}.input" in self.sites else "input" if traced else None
-        if site not in self.sites or not rows.is_floating_point():
+        """The rows of a matmul with ``name``: under ``"input"`` where they are the module's input
+        tokens, then under ``"<name>.input"`` (both where the recipe has both, as nested modules'
+        input sites apply one after the other)."""
+        if not rows.is_floating_point():
             return rows
-        applied.add(site)
+        for site in ("input" if traced else None, f"{name}.input"):
+            if site in self.sites:
+                applied.add(site)
+                rows = self._quantized(site, rows, ids)
+        return rows
+
+    def _quantized(self, site: str, rows: torch.Tensor, ids) -> torch.Tensor:
         qp, found = self.sites[site]
         where = f"fake_quantized: module {self.path!r} site {site!r}"
 
@@ -397,8 +413,10 @@ class _ExpertInputs:
 
         if isinstance(ids, int):
             return of_expert(ids, rows)
-        out = torch.empty_like(rows)
+        out = rows.clone()  # rows of no expert (expert-parallel sentinels, ids past the experts) stay
         for expert in torch.unique(ids).tolist():  # each expert's rows under its own scales
+            if not 0 <= expert < found.num_experts:
+                continue
             chosen = ids == expert
             out[chosen] = of_expert(expert, rows[chosen])
         return out

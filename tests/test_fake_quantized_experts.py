@@ -147,3 +147,184 @@ def test_an_expert_input_whose_matmul_is_not_found_is_refused():
     with pytest.raises(ValueError, match=r"\['input'\] of the experts module ''"):
         with qstats.fake_quantized(experts, qparams, recipe):
             experts(*batch)
+
+
+def _qwen3_experts(implementation):
+    """One transformers Qwen3-MoE experts module (8 experts, weights of order 1) in a `_Layer`."""
+    from _shared import qwen3_moe_config
+    from test_experts_intermediate import _Layer
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(qwen3_moe_config(num_experts=8, num_experts_per_tok=2)).eval()
+    model.set_experts_implementation(implementation)
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0.0, 0.5)
+        experts.down_proj.normal_(0.0, 0.5)
+    return _Layer(experts)
+
+
+def _by_hand(experts, scales, hidden, index, weights):
+    """The experts' output with each expert's rows fake-quantized by torch under its own scales
+    (int8 symmetric, zero point 0); slots of ids outside [0, E) contribute nothing."""
+    out = torch.zeros_like(hidden)
+    for expert in range(experts.gate_up_proj.shape[0]):
+        token, slot = torch.where(index == expert)
+
+        def quantize(t, site):
+            return torch.fake_quantize_per_tensor_affine(t, float(scales[site][expert]), 0, -128, 127)
+
+        linear = torch.nn.functional.linear
+        gate, up = linear(quantize(hidden[token], "input"), experts.gate_up_proj[expert]).chunk(2, -1)
+        y = linear(quantize(experts.act_fn(gate) * up, "down_proj.input"), experts.down_proj[expert])
+        out.index_add_(0, token, y * weights[token, slot, None])
+    return out
+
+
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+def test_sentinel_expert_ids_are_quantized_by_no_expert(implementation, single_thread_quiet):
+    """Expert-parallel sentinels (id 8 of 8 experts, weight 0) route a slot nowhere: batched_mm
+    gathers the clamped expert's weights for it, grouped_mm leaves it past the last offset. Their
+    rows used to be looked up as expert 8's QParams: IndexError."""
+    layer = _qwen3_experts(implementation)
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(6, 16, generator=generator)
+    index = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 4], [5, 6], [7, 0]])
+    spec = qstats.QuantSpec(dtype="int8", mapping="symmetric")
+    recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=("input", "down_proj.input"), spec=spec)])
+    states = qstats.calibrate(layer, [(hidden, index, torch.rand(6, 2, generator=generator))], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, layer)
+    index = torch.tensor([[0, 8], [1, 2], [8, 3], [3, 4], [5, 6], [1, 8]])
+    weights = torch.rand(6, 2, generator=generator) * (index < 8)
+    with torch.no_grad():
+        with qstats.fake_quantized(layer, qparams, recipe):
+            ours = layer(hidden, index, weights)
+        scales = {site: qp.scale for site, qp in qparams["experts"].items()}
+        expected = _by_hand(layer.experts, scales, hidden, index, weights)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+
+def test_runtime_per_tensor_scales_of_an_expert_without_tokens():
+    """Dynamic per-tensor inputs, every token routed to expert 0: the toy's forward still multiplies
+    expert 1's (empty) rows, whose run-time scale used to raise 'saw no finite data'. Expert 0's
+    rows against torch.ao's MinMaxObserver of those rows."""
+    from torch.ao.quantization.observer import MinMaxObserver
+
+    torch.manual_seed(0)
+    experts = _Experts()
+    spec = qstats.QuantSpec(dtype="int8", mapping="symmetric")
+    recipe = qstats.Recipe([qstats.Rule("_Experts", sites=("input", "down_proj.input"), spec=spec, dynamic=True)])
+    x, index, weights = torch.randn(8, 4), torch.zeros(8, 1, dtype=torch.long), torch.ones(8, 1)
+    qparams = qstats.compute_qparams_tree(qstats.calibrate(experts, [(x, index, weights)], recipe, progress=False),
+                                          recipe, experts)
+
+    def quantize(t):
+        observer = MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
+        observer(t)
+        scale, zero_point = observer.calculate_qparams()
+        return torch.fake_quantize_per_tensor_affine(t, float(scale), int(zero_point), -128, 127)
+
+    with torch.no_grad():
+        with qstats.fake_quantized(experts, qparams, recipe):
+            ours = experts(x, index, weights)
+        gate, up = (quantize(x) @ experts.gate_up_proj[0].T).chunk(2, dim=-1)
+        expected = quantize(torch.nn.functional.silu(gate) * up) @ experts.down_proj[0].T
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
+
+
+class _HalvingExperts(_Experts):
+    """`_Experts` whose forward calls the module itself on each half of its tokens."""
+
+    def forward(self, x, top_k_index, top_k_weights):
+        if x.shape[0] <= 4:
+            return super().forward(x, top_k_index, top_k_weights)
+        return torch.cat([self(x[:4], top_k_index[:4], top_k_weights[:4]),
+                          self(x[4:], top_k_index[4:], top_k_weights[4:])])
+
+
+def test_a_nested_call_of_the_experts_is_quantized_once():
+    """The inner calls' matmuls were seen by the outer call's capture too: their rows, quantized
+    already, did not trace to the outer input, which raised that "input" was never applied."""
+    torch.manual_seed(0)
+    experts = _HalvingExperts()
+    spec = qstats.QuantSpec(dtype="int8", mapping="symmetric")
+    recipe = qstats.Recipe([qstats.Rule("_HalvingExperts", sites=("input", "down_proj.input"), spec=spec)])
+    x, index, weights = torch.randn(8, 4), torch.tensor([[0], [1]] * 4), torch.ones(8, 1)
+    states = qstats.calibrate(experts, [(x, index, weights)], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, experts)
+    with torch.no_grad():
+        with qstats.fake_quantized(experts, qparams, recipe):
+            ours = experts(x, index, weights)
+        expected = torch.zeros_like(x)
+        for e in range(2):
+            token = torch.where(index[:, 0] == e)[0]
+
+            def quantize(t, site):
+                return torch.fake_quantize_per_tensor_affine(t, float(qparams[""][site].scale[e]), 0, -128, 127)
+
+            gate, up = (quantize(x[token], "input") @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
+            expected[token] = quantize(torch.nn.functional.silu(gate) * up, "down_proj.input") @ experts.down_proj[e].T
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
+
+
+def test_input_and_gate_up_proj_input_both_apply():
+    """A recipe with both ``"input"`` and ``"gate_up_proj.input"`` (the same rows, both calibrated):
+    the rows are quantized under the first, then the second, as nested modules' input sites are.
+    Before, only the second applied and fake_quantized raised that "input" was never found."""
+    torch.manual_seed(0)
+    experts = _Experts()
+    int8, int4 = (qstats.QuantSpec(dtype=dtype, mapping="symmetric") for dtype in ("int8", "int4"))
+    recipe = qstats.Recipe([qstats.Rule("_Experts", sites=("input",), spec=int8),
+                            qstats.Rule("_Experts", sites=("gate_up_proj.input",), spec=int4)])
+    x, index, weights = torch.randn(8, 4), torch.tensor([[0], [1]] * 4), torch.ones(8, 1)
+    states = qstats.calibrate(experts, [(x, index, weights)], recipe, progress=False)
+    entry = qstats.compute_qparams_tree(states, recipe, experts)[""]
+    with torch.no_grad():
+        with qstats.fake_quantized(experts, {"": entry}, recipe):
+            ours = experts(x, index, weights)
+        expected = torch.zeros_like(x)
+        for e in range(2):
+            token = torch.where(index[:, 0] == e)[0]
+            rows = torch.fake_quantize_per_tensor_affine(x[token], float(entry["input"].scale[e]), 0, -128, 127)
+            rows = torch.fake_quantize_per_tensor_affine(rows, float(entry["gate_up_proj.input"].scale[e]), 0, -8, 7)
+            gate, up = (rows @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
+            expected[token] = (torch.nn.functional.silu(gate) * up) @ experts.down_proj[e].T
+    assert not torch.equal(ours, experts(x, index, weights))
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
+
+
+def test_gradients_equal_torch_straight_through_per_expert():
+    """QAT: the gradients of the input and both stacked parameters through the per-expert input
+    sites (some inputs past the calibrated range: clipped, no gradient) equal those of the same
+    loop written with torch.fake_quantize_per_tensor_affine."""
+    experts, recipe, (x, index, weights), qparams = _toy_calibrated()
+    entry, x = qparams[""], x * 3
+
+    def gradients(forward):
+        leaf = x.clone().requires_grad_(True)
+        experts.zero_grad()
+        out = forward(leaf)
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        return leaf.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()
+
+    def ours(leaf):
+        with qstats.fake_quantized(experts, qparams, recipe):
+            return experts(leaf, index, weights)
+
+    def by_hand(leaf):
+        out = torch.zeros_like(leaf)
+        for e in range(2):
+            token = torch.where(index[:, 0] == e)[0]
+
+            def quantize(t, site):
+                return torch.fake_quantize_per_tensor_affine(t, float(entry[site].scale[e]), 0, -128, 127)
+
+            gate, up = (quantize(leaf[token], "input") @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
+            y = quantize(torch.nn.functional.silu(gate) * up, "down_proj.input") @ experts.down_proj[e].T
+            out = out.index_add(0, token, y)
+        return out
+
+    got, expected = gradients(ours), gradients(by_hand)
+    assert (got[0] == 0).any() and (got[0] != 0).any()
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

@@ -247,6 +247,18 @@ def peak_limit(compute: torch.dtype, half_range: float, cap: float) -> float:
     return float(torch.tensor(min(limit, cap), dtype=torch.float32))
 
 
+def _largest_in_both(first: torch.dtype, second: torch.dtype) -> float:
+    """The largest value both float dtypes hold (bfloat16 and float16: 65280, as bfloat16 rounds
+    float16's 65504 up to 65536, past float16)."""
+    largest = torch.tensor(min(torch.finfo(first).max, torch.finfo(second).max), dtype=torch.float64)
+    for dtype in (first, second):
+        rounded = largest.to(dtype)
+        if rounded.double() > largest:
+            rounded = torch.nextafter(rounded, torch.zeros_like(rounded))
+        largest = rounded.double()
+    return float(largest)
+
+
 def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range):
     """The range with zero, in ``compute``; in bfloat16/float16 first clipped so that the scale
     stays finite (a symmetric peak, or an asymmetric span, wider than the dtype holds)."""
@@ -348,8 +360,8 @@ class CompressedTensorsConvention(Convention):
             zero_points = torch.zeros(scales.shape, device=scales.device, dtype=compute)
         if spec.scale_dtype != "float32":
             dtype = getattr(torch, spec.scale_dtype)
-            finfo = torch.finfo(dtype)
-            scales = torch.clamp(scales, finfo.min, finfo.max).to(dtype).to(compute)
+            limit = _largest_in_both(dtype, compute)  # saturated where the round trip would overflow
+            scales = scales.float().clamp(-limit, limit).to(dtype).to(compute)
         eps = torch.tensor(_scale_eps(spec, compute), dtype=compute, device=scales.device)
         # where(scales == 0, eps, scales) by arithmetic (scales + 0 is exact; selects are slow on CPU)
         scales = scales + (scales == 0).to(compute) * eps
