@@ -412,23 +412,26 @@ class _ExpertMatmulInputs:
                 kept = None if weight is None else weight != 0
             else:
                 mask = ids_mask(ids, num_experts)
-                kept = None if weight is None else self._kept_rows(capture, name, site, weight)
+                named = f"calibrate: the rows of site {site!r} of the experts module {self.path!r}"
+                kept = None if weight is None else kept_rows(capture, name, weight, named)
             out[site] = (rows, mask if kept is None else mask * kept.to(mask.dtype))
         return out
 
-    def _kept_rows(self, capture: ExpertInputCapture, name: str, site: str, weight: torch.Tensor) -> torch.Tensor:
-        """``[rows]``: 1 where the token a captured row comes from has a nonzero observation
-        weight; all ones, with a warning, when the rows cannot be traced to their tokens."""
-        tokens = capture.row_tokens(name)
-        if tokens is None:
-            warn(
-                f"calibrate: the rows of site {site!r} of the experts module {self.path!r} could not be traced "
-                "back to the tokens they come from, so the observation weight (padding) is not applied to them",
-                UserWarning,
-            )
-            rows = capture.rows[name]
-            return torch.ones(sum(r.shape[0] for r in rows), dtype=torch.bool, device=rows[0].device)
-        return weight.to(tokens.device)[tokens] != 0
+
+def kept_rows(capture: ExpertInputCapture, name: str, weight: torch.Tensor, rows_named: str) -> torch.Tensor:
+    """``[rows]``: 1 where the token a captured row of parameter ``name`` comes from has a nonzero
+    observation weight; all ones, with a warning naming ``rows_named``, when the rows cannot be
+    traced to their tokens."""
+    tokens = capture.row_tokens(name)
+    if tokens is None:
+        warn(
+            f"{rows_named} could not be traced back to the tokens they come from, so the observation weight "
+            "(padding) is not applied to them",
+            UserWarning,
+        )
+        rows = capture.rows[name]
+        return torch.ones(sum(r.shape[0] for r in rows), dtype=torch.bool, device=rows[0].device)
+    return weight.reshape(-1).to(tokens.device)[tokens] != 0
 
 
 def expert_capture(module: torch.nn.Module, names, tokens: Optional[torch.Tensor], replace=None) -> tuple:

@@ -23,10 +23,9 @@ from ._granularity import TensorGroup, broadcast_to_view, canonical_view
 from ._quant import _codes_float, fake_quantize
 from ._sites import input_tensor, is_float_tensor, observe_tensor, run_model
 from ._torch_features import eager
-from ._warn import warn
 from .calibration import runtime_qparams, runtime_spec
 from .experts import own_parameters
-from .observation import expert_capture, stop_capture
+from .observation import expert_capture, kept_rows, stop_capture
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
@@ -431,7 +430,8 @@ class _ExpertErrors:
         """Adds the error of every call's rows of parameter ``name`` to ``site``'s: for ``"input"``,
         of the calls whose rows are the module's input tokens only."""
         qp, found, error = self.sites[site]
-        kept = self._kept_rows(capture, name, site, weight) if weight is not None and site != "input" else None
+        named = f"report: the rows of site {site!r} of the experts module {self.path!r}"
+        kept = kept_rows(capture, name, weight, named) if weight is not None and site != "input" else None
         offset = 0
         for rows, ids, tokens in zip(capture.rows[name], capture.ids[name], capture.tokens[name]):
             start, offset = offset, offset + rows.shape[0]  # `row_tokens` holds every call's rows
@@ -449,19 +449,6 @@ class _ExpertErrors:
             for expert, chosen in experts:  # each expert's rows under its own QParams
                 part_keep = None if keep is None else keep[chosen][:, None]
                 _add_error(error, rows[chosen], _expert_qparams(qp, expert), found, part_keep)
-
-    def _kept_rows(self, capture, name: str, site: str, weight: torch.Tensor) -> torch.Tensor:
-        """``[rows]``: whether the token of each captured row of ``name`` has a nonzero observation
-        weight; all rows, with a warning, when they cannot be traced to their tokens (as calibrate)."""
-        tokens = capture.row_tokens(name)
-        if tokens is None:
-            warn(
-                f"report: the rows of site {site!r} of the experts module {self.path!r} could not be traced "
-                "back to the tokens they come from, so the observation weight (padding) is not applied to them",
-                UserWarning,
-            )
-            return torch.ones(sum(r.shape[0] for r in capture.rows[name]), dtype=torch.bool)
-        return weight.reshape(-1).to(tokens.device)[tokens] != 0
 
 
 def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weight, errors: dict) -> None:
