@@ -15,7 +15,7 @@ from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
 from ._formats import COMPUTE_DTYPE_NAMES
-from ._granularity import TensorGroup
+from ._granularity import PerTensor, TensorGroup
 from ._qparams import QParams, check_calibrated, compute_qparams
 from ._quant import fake_quantize
 from ._sites import input_tensor, is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
@@ -413,10 +413,19 @@ class _ExpertInputs:
 
         if isinstance(ids, int):
             return of_expert(ids, rows)
-        out = rows.clone()  # rows of no expert (expert-parallel sentinels, ids past the experts) stay
-        for expert in torch.unique(ids).tolist():  # each expert's rows under its own scales
-            if not 0 <= expert < found.num_experts:
-                continue
-            chosen = ids == expert
-            out[chosen] = of_expert(expert, rows[chosen])
-        return out
+        inside = (ids >= 0) & (ids < found.num_experts)  # expert-parallel sentinels: no expert's rows
+        if found.runtime and isinstance(found.spec.granularity, PerTensor):  # scales from each expert's rows
+            out = rows.clone()
+            for expert in torch.unique(ids[inside]).tolist():
+                chosen = ids == expert
+                out[chosen] = of_expert(expert, rows[chosen])
+            return out
+        if not rows.shape[0]:
+            return rows
+        experts = ids.clamp(0, found.num_experts - 1)
+        per_row = None if qp is None else QParams(*(t if t is None else t[experts] for t in qp))
+        quantized = torch.vmap(
+            lambda row, q: _fake_quantize_activation(row[None], q, found.spec, found.runtime, where)[0],
+            in_dims=(0, None if qp is None else 0),
+        )(rows, per_row)
+        return torch.where(inside[:, None], quantized, rows)

@@ -164,19 +164,15 @@ def _qwen3_experts(implementation):
     return _Layer(experts)
 
 
-def _by_hand(experts, scales, hidden, index, weights):
-    """The experts' output with each expert's rows fake-quantized by torch under its own scales
-    (int8 symmetric, zero point 0); slots of ids outside [0, E) contribute nothing."""
+def _by_hand(experts, quantize, hidden, index, weights):
+    """The experts' output with each expert's rows fake-quantized by ``quantize(rows, site,
+    expert)``; slots of ids outside [0, E) contribute nothing."""
     out = torch.zeros_like(hidden)
     for expert in range(experts.gate_up_proj.shape[0]):
         token, slot = torch.where(index == expert)
-
-        def quantize(t, site):
-            return torch.fake_quantize_per_tensor_affine(t, float(scales[site][expert]), 0, -128, 127)
-
         linear = torch.nn.functional.linear
-        gate, up = linear(quantize(hidden[token], "input"), experts.gate_up_proj[expert]).chunk(2, -1)
-        y = linear(quantize(experts.act_fn(gate) * up, "down_proj.input"), experts.down_proj[expert])
+        gate, up = linear(quantize(hidden[token], "input", expert), experts.gate_up_proj[expert]).chunk(2, -1)
+        y = linear(quantize(experts.act_fn(gate) * up, "down_proj.input", expert), experts.down_proj[expert])
         out.index_add_(0, token, y * weights[token, slot, None])
     return out
 
@@ -200,7 +196,41 @@ def test_sentinel_expert_ids_are_quantized_by_no_expert(implementation, single_t
         with qstats.fake_quantized(layer, qparams, recipe):
             ours = layer(hidden, index, weights)
         scales = {site: qp.scale for site, qp in qparams["experts"].items()}
-        expected = _by_hand(layer.experts, scales, hidden, index, weights)
+
+        def quantize(t, site, expert):  # int8 symmetric under the expert's calibrated scale
+            return torch.fake_quantize_per_tensor_affine(t, float(scales[site][expert]), 0, -128, 127)
+
+        expected = _by_hand(layer.experts, quantize, hidden, index, weights)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+def test_runtime_per_tensor_scales_of_each_experts_rows(implementation, single_thread_quiet):
+    """Dynamic per-tensor inputs where the rows of several experts come in one call (one expert id
+    per row): each expert's rows of the call under their own run-time scale, as llm-compressor's
+    linearized per-expert Linears compute it, against torch.ao's MinMaxObserver of those rows."""
+    from torch.ao.quantization.observer import MinMaxObserver
+
+    layer = _qwen3_experts(implementation)
+    generator = torch.Generator().manual_seed(2)
+    hidden, index = torch.randn(6, 16, generator=generator), torch.tensor([[0, 1], [1, 2], [2, 3], [3, 4], [5, 6], [7, 0]])
+    weights = torch.rand(6, 2, generator=generator)
+    spec = qstats.QuantSpec(dtype="int8", mapping="symmetric")
+    recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=("input", "down_proj.input"), spec=spec,
+                                        dynamic=True)])
+    qparams = qstats.compute_qparams_tree(
+        qstats.calibrate(layer, [(hidden, index, weights)], recipe, progress=False), recipe, layer)
+
+    def quantize(t, site, expert):
+        observer = MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
+        observer(t)
+        scale, zero_point = observer.calculate_qparams()
+        return torch.fake_quantize_per_tensor_affine(t, float(scale), int(zero_point), -128, 127)
+
+    with torch.no_grad():
+        with qstats.fake_quantized(layer, qparams, recipe):
+            ours = layer(hidden, index, weights)
+        expected = _by_hand(layer.experts, quantize, hidden, index, weights)
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
 
 
