@@ -161,17 +161,22 @@ class QstatsObserver(LLMCompressorObserver):
 
     def sync_activation_stats(self) -> list:
         """Merges this activation observer's state across ranks (its qstats ``merge``); weights
-        are the same on every rank and are not merged. Returns no pending handles."""
+        are the same on every rank and are not merged. An observer no rank saw data for (an MoE
+        expert no token reached) stays without statistics, as llm-compressor's; one that some ranks
+        saw and others did not raises on every rank. Returns no pending handles."""
         if self.is_weight_obs or not torch.distributed.is_initialized():
             return []
-        if not self.has_statistics:  # join the ranks' check, so that every rank raises instead of waiting
-            try:
-                distributed.all_reduce(None, self.qstats_observer)
-            except (TypeError, ValueError) as error:
-                raise ValueError(
-                    f"qstats.llmcompressor: the {self.base_name} observer saw no data on this rank, so there is "
-                    "no state to merge across ranks (give every rank calibration data)"
-                ) from error
+        world = torch.distributed.get_world_size()
+        seen = torch.tensor([int(self.has_statistics)], device=distributed._probe_device(None))
+        torch.distributed.all_reduce(seen)  # every rank learns how many ranks saw data
+        if seen.item() == 0:
+            return []
+        if seen.item() < world:
+            where = "this rank" if not self.has_statistics else f"{world - seen.item()} of {world} ranks"
+            raise ValueError(
+                f"qstats.llmcompressor: the {self.base_name} observer saw no data on {where}, so there is no "
+                "state to merge across ranks (give every rank calibration data; MoE experts: "
+                "moe_calibrate_all_experts=True)")
         self.qstats_state = distributed.all_reduce(self.qstats_state, self.qstats_observer)
         return []
 
