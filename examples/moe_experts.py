@@ -118,7 +118,7 @@ def main(batches: int = 4, tokens: int = 64, verbose: bool = True, all_experts: 
         error = float((quantized_inputs - reference).pow(2).sum() / reference.pow(2).sum())
         print(f"and int8 per-expert inputs (input, down_proj.input): relative output error {error:.2e}")
         print()
-        print(qstats.report(states, qparams, recipe=plan).text())
+        print(qstats.report(states, qparams, model, plan, batches=[x]).text())  # activations too, per expert
     return model, states, qparams, caught
 
 

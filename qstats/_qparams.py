@@ -57,6 +57,12 @@ class Range(NamedTuple):
     calibrated: torch.Tensor
 
 
+def experts_qparams(qp: Optional[QParams], index) -> Optional[QParams]:
+    """The QParams of the experts ``index`` (an int, or a tensor of expert ids: one set per id)
+    of a stacked site's ``qp``, whose fields lead with the expert dimension (None stays None)."""
+    return None if qp is None else type(qp)(*(None if field is None else field[index] for field in qp))
+
+
 def calibrated_mask(calibrated):
     """A `Range`'s ``calibrated`` as a bool mask (counts: calibrated where positive)."""
     if not isinstance(calibrated, torch.Tensor) or calibrated.dtype == torch.bool:

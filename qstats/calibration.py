@@ -15,14 +15,14 @@ from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
 from ._formats import COMPUTE_DTYPE_NAMES
-from ._granularity import PerTensor, TensorGroup
-from ._qparams import QParams, check_calibrated, compute_qparams
+from ._granularity import PerGroup, PerRow, PerToken, TensorGroup
+from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams
 from ._quant import fake_quantize
-from ._sites import input_tensor, is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
-from .experts import own_parameters, stacked_qparams
+from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
+from .experts import stacked_qparams
 from .fused import fused_qparams
 from .observers import memoryless_minmax
-from .observation import Observing, check_runtime_group, expert_capture, observing, stop_capture
+from .observation import Observing, capture_call, check_runtime_group, observing, stop_capture
 from .recipe import Plan, Recipe, as_plan
 from ._warn import warn
 
@@ -370,11 +370,8 @@ class _ExpertInputs:
         if self.active:  # a call from inside the module's own forward: the capture of the outer
             self.active.append(None)  # call sees its matmuls (a second would quantize them twice)
             return
-        x = input_tensor(args, kwargs)
-        tokens = x if is_float_tensor(x) and x.ndim >= 2 and x.numel() else None
-        stacked = [name for name, p in own_parameters(module).items() if p.ndim >= 3]
         applied: set = set()
-        capture, hooks = expert_capture(module, stacked, tokens, lambda *found: self.quantize(applied, *found))
+        capture, hooks, tokens = capture_call(module, args, kwargs, lambda *found: self.quantize(applied, *found))
         self.active.append((capture, hooks, applied, tokens is not None))
 
     def leave(self, module, args, kwargs, output) -> None:
@@ -408,13 +405,12 @@ class _ExpertInputs:
         where = f"fake_quantized: module {self.path!r} site {site!r}"
 
         def of_expert(expert: int, part: torch.Tensor) -> torch.Tensor:
-            chosen = None if qp is None else QParams(*(t if t is None else t[expert] for t in qp))
-            return _fake_quantize_activation(part, chosen, found.spec, found.runtime, where)
+            return _fake_quantize_activation(part, experts_qparams(qp, expert), found.spec, found.runtime, where)
 
         if isinstance(ids, int):
             return of_expert(ids, rows)
         inside = (ids >= 0) & (ids < found.num_experts)  # expert-parallel sentinels: no expert's rows
-        if found.runtime and isinstance(found.spec.granularity, PerTensor):  # scales from each expert's rows
+        if found.runtime and not _row_wise(found.spec.granularity):  # scales from each expert's rows
             out = rows.clone()
             for expert in torch.unique(ids[inside]).tolist():
                 chosen = ids == expert
@@ -423,9 +419,15 @@ class _ExpertInputs:
         if not rows.shape[0]:
             return rows
         experts = ids.clamp(0, found.num_experts - 1)
-        per_row = None if qp is None else QParams(*(t if t is None else t[experts] for t in qp))
+        per_row = experts_qparams(qp, experts)
         quantized = torch.vmap(
             lambda row, q: _fake_quantize_activation(row[None], q, found.spec, found.runtime, where)[0],
             in_dims=(0, None if qp is None else 0),
         )(rows, per_row)
         return torch.where(inside[:, None], quantized, rows)
+
+
+def _row_wise(granularity) -> bool:
+    """Whether run-time scales of ``granularity`` come from each row alone (per token, per group
+    of a row): then the rows of several experts are quantized one row at a time."""
+    return isinstance(granularity, (PerToken, PerGroup)) or granularity == PerRow(-1)

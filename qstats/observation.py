@@ -449,6 +449,16 @@ def expert_capture(module: torch.nn.Module, names, tokens: Optional[torch.Tensor
     return capture, handles
 
 
+def capture_call(module: torch.nn.Module, args, kwargs, replace=None) -> tuple:
+    """``(capture, handles, tokens)`` for one call of the stacked-experts ``module``'s forward
+    with ``args``/``kwargs``: `expert_capture` of all its stacked parameters, tracing the rows to
+    ``tokens``, the call's float input ``[..., hidden]`` (None where it has none)."""
+    x = input_tensor(args, kwargs)
+    tokens = x if is_float_tensor(x) and x.ndim >= 2 and x.numel() else None
+    stacked = [name for name, p in own_parameters(module).items() if p.ndim >= 3]
+    return (*expert_capture(module, stacked, tokens, replace), tokens)
+
+
 def stop_capture(capture: ExpertInputCapture, handles: list) -> None:
     """Leaves a capture and removes the hooks that fed it."""
     capture.__exit__(None, None, None)

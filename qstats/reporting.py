@@ -20,12 +20,12 @@ import torch
 
 from ._formats import effective_scale
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view
+from ._qparams import experts_qparams
 from ._quant import _codes_float, fake_quantize
-from ._sites import input_tensor, is_float_tensor, observe_tensor, run_model
+from ._sites import observe_tensor, run_model
 from ._torch_features import eager
 from .calibration import runtime_qparams, runtime_spec
-from .experts import own_parameters
-from .observation import expert_capture, kept_rows, stop_capture
+from .observation import capture_call, kept_rows, stop_capture
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
@@ -345,7 +345,7 @@ def _measure_parameters(plan: Plan, qparams: Mapping, errors: dict) -> None:
             value = plan.parameter(path, site)
             if found.num_experts:
                 for expert in range(found.num_experts):
-                    error.add(*tensor_error(value[expert], _expert_qparams(qp, expert), found.spec))
+                    error.add(*tensor_error(value[expert], experts_qparams(qp, expert), found.spec))
             else:
                 error.add(*tensor_error(value, qp, found.spec))
             errors[(path, site)] = error
@@ -360,11 +360,6 @@ def _add_error(error: _Error, x: torch.Tensor, qp, found, keep: Optional[torch.T
         spec = runtime_spec(x, spec)
         qp = runtime_qparams(x, spec, qp)
     error.add(*tensor_error(x, qp, spec, keep))
-
-
-def _expert_qparams(qp, expert: int):
-    """Expert ``expert``'s QParams of a stacked site's ``qp`` (None stays None)."""
-    return None if qp is None else type(qp)(*(None if field is None else field[expert] for field in qp))
 
 
 class _ActivationError:
@@ -408,13 +403,16 @@ class _ExpertErrors:
         ]
 
     def enter(self, module, args, kwargs) -> None:
-        x = input_tensor(args, kwargs)
-        tokens = x if is_float_tensor(x) and x.ndim >= 2 and x.numel() else None
-        stacked = [name for name, p in own_parameters(module).items() if p.ndim >= 3]
-        self.active.append((*expert_capture(module, stacked, tokens), tokens))
+        if self.active:  # a call from inside the module's own forward: the outer call's capture
+            self.active.append(None)  # sees its matmuls (a second would measure them twice)
+            return
+        self.active.append(capture_call(module, args, kwargs))
 
     def leave(self, module, args, kwargs, output) -> None:
-        capture, hooks, tokens = self.active.pop()
+        started = self.active.pop() if self.active else None
+        if started is None:  # a nested call, or a pre-hook raised before `enter`
+            return
+        capture, hooks, tokens = started
         stop_capture(capture, hooks)
         if output is None:  # the forward raised
             return
@@ -422,9 +420,9 @@ class _ExpertErrors:
         if weight is None or tokens is None or weight.numel() != tokens.numel() // tokens.shape[-1]:
             weight = None  # calibrate's fit: one weight per token of the experts' input
         for name, calls in capture.rows.items():
-            site = f"{name}.input" if f"{name}.input" in self.sites else "input"
-            if site in self.sites and calls:
-                self._measure(capture, name, site, weight)
+            for site in ("input", f"{name}.input"):  # both where both exist, as `fake_quantized` applies them
+                if site in self.sites and calls:
+                    self._measure(capture, name, site, weight)
 
     def _measure(self, capture, name: str, site: str, weight: Optional[torch.Tensor]) -> None:
         """Adds the error of every call's rows of parameter ``name`` to ``site``'s: for ``"input"``,
@@ -444,11 +442,11 @@ class _ExpertErrors:
             else:
                 keep = kept[start:offset]
             keep = None if keep is None else keep.to(rows.device)
-            experts = [(ids, slice(None))] if isinstance(ids, int) else [
-                (expert, ids == expert) for expert in torch.unique(ids).tolist()]
+            experts = [(ids, slice(None))] if isinstance(ids, int) else [  # sentinel ids: no expert's rows
+                (expert, ids == expert) for expert in torch.unique(ids).tolist() if 0 <= expert < found.num_experts]
             for expert, chosen in experts:  # each expert's rows under its own QParams
                 part_keep = None if keep is None else keep[chosen][:, None]
-                _add_error(error, rows[chosen], _expert_qparams(qp, expert), found, part_keep)
+                _add_error(error, rows[chosen], experts_qparams(qp, expert), found, part_keep)
 
 
 def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weight, errors: dict) -> None:

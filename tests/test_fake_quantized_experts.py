@@ -358,3 +358,36 @@ def test_gradients_equal_torch_straight_through_per_expert():
     assert (got[0] == 0).any() and (got[0] != 0).any()
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+def test_runtime_per_channel_scales_of_each_experts_rows(implementation, single_thread_quiet):
+    """Dynamic per-channel (``PerAxis(1)``) inputs, several experts' rows in one call: each expert's
+    scales over all its rows of the call, as in the eager loop, against torch.ao's
+    PerChannelMinMaxObserver of those rows. They were computed from each row alone (0.015 off)."""
+    from torch.ao.quantization.observer import PerChannelMinMaxObserver
+
+    layer = _qwen3_experts(implementation)
+    generator = torch.Generator().manual_seed(2)
+    hidden, index = torch.randn(6, 16, generator=generator), torch.tensor([[0, 1], [1, 2], [2, 3], [3, 4], [5, 6], [7, 0]])
+    weights = torch.rand(6, 2, generator=generator)
+    spec = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(1))
+    # the input site only: every column's largest value is a tie (code 127.5), which the
+    # intermediate's last bits, batched_mm's differing from F.linear's, would move
+    recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=("input",), spec=spec, dynamic=True)])
+    qparams = qstats.compute_qparams_tree(
+        qstats.calibrate(layer, [(hidden, index, weights)], recipe, progress=False), recipe, layer)
+
+    def quantize(t, site, expert):
+        if site != "input":
+            return t
+        observer = PerChannelMinMaxObserver(ch_axis=1, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+        observer(t)
+        scale, zero_point = observer.calculate_qparams()
+        return torch.fake_quantize_per_channel_affine(t, scale, zero_point.to(torch.int32), 1, -128, 127)
+
+    with torch.no_grad():
+        with qstats.fake_quantized(layer, qparams, recipe):
+            ours = layer(hidden, index, weights)
+        expected = _by_hand(layer.experts, quantize, hidden, index, weights)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)

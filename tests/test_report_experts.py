@@ -63,7 +63,7 @@ def _expected(parts, scales):
         scale = torch.as_tensor(scale, dtype=torch.float32).reshape(-1).expand(part.shape[0]).contiguous()
         zero = torch.zeros(part.shape[0], dtype=torch.int32)
         quantized = torch.fake_quantize_per_channel_affine(part, scale, zero, 0, -128, 127)
-        codes = torch.round(part / scale[:, None])
+        codes = torch.round(part * (1.0 / scale[:, None]))  # as torch's fake-quant kernel: times 1 / scale
         signal += float(part.double().pow(2).sum())
         noise += float((part - quantized).double().pow(2).sum())
         clipped += int(((codes < -128) | (codes > 127)).sum())
@@ -180,3 +180,88 @@ def test_qwen3_moe_expert_sites_are_measured(implementation):
         # measured on the calibration batch: its min/max scales clip nothing, int8 noise well below the signal
         assert row.clipped_fraction == 0.0
         assert 25.0 < row.sqnr_db < 60.0
+
+
+def test_input_and_gate_up_proj_input_are_both_measured():
+    """Both sites on the same rows (`fake_quantized` applies both): each measured under its own
+    scales. Before, the rows went to ``gate_up_proj.input`` only and ``input`` had no SQNR."""
+    sites = ("input", "gate_up_proj.input")
+    experts, recipe, states, qparams, (x, index, weights) = _setup(STATIC, sites=sites)
+    rows = _rows(qstats.report(states, qparams, experts, recipe, [(x, index, weights)]))
+    by_hand, _ = _rows_by_hand(experts, x, index)
+    for site in sites:
+        sqnr, clipped = _expected(by_hand[site], [float(qparams[""][site].scale[e]) for e in range(2)])
+        assert rows[site].sqnr_db == pytest.approx(sqnr, rel=1e-5)
+        assert rows[site].clipped_fraction == pytest.approx(clipped)
+
+
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+def test_sentinel_expert_ids_are_measured_by_no_expert(implementation):
+    """Expert-parallel sentinels (id 8 of 8 experts, weight 0) route a slot nowhere: their rows are
+    left out, as `fake_quantized` leaves them float. They were looked up as expert 8: IndexError."""
+    transformers = pytest.importorskip("transformers")
+    from _shared import qwen3_moe_config
+    from test_experts_intermediate import _Layer
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(qwen3_moe_config(num_experts=8, num_experts_per_tok=2)).eval()
+    if not hasattr(model, "set_experts_implementation"):
+        pytest.skip("this transformers has one experts implementation")
+    model.set_experts_implementation(implementation)
+    layer = _Layer(model.model.layers[0].mlp.experts)
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(6, 16, generator=generator)
+    index = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 4], [5, 6], [7, 0]])
+    recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=SITES, observer=qstats.minmax, spec=STATIC)])
+    states = qstats.calibrate(layer, [(hidden, index, torch.rand(6, 2, generator=generator))], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, layer)
+    index = torch.tensor([[0, 8], [1, 2], [8, 3], [3, 4], [5, 6], [1, 8]])
+    weights = torch.rand(6, 2, generator=generator) * (index < 8)
+    hidden = torch.randn(6, 16, generator=generator) * 1.5  # held out: no value at a calibrated extreme (a tie)
+    rows = _rows(qstats.report(states, qparams, layer, recipe, [(hidden, index, weights)]))
+    experts, parts = layer.experts, {site: [] for site in SITES}
+    with torch.no_grad():
+        for expert in range(8):
+            token = torch.where(index == expert)[0]
+            gate, up = F.linear(hidden[token], experts.gate_up_proj[expert]).chunk(2, -1)
+            parts["input"].append(hidden[token])
+            parts["down_proj.input"].append(experts.act_fn(gate) * up)
+    for site in SITES:
+        scales = [float(s) for s in qparams["experts"][site].scale]
+        sqnr, clipped = _expected(*zip(*[(part, scale) for part, scale in zip(parts[site], scales) if len(part)]))
+        assert rows[site].sqnr_db == pytest.approx(sqnr, rel=1e-5)
+        assert rows[site].clipped_fraction == pytest.approx(clipped)
+
+
+class _HalvingExperts(_Experts):
+    """`_Experts` whose forward calls the module itself on each half of its tokens."""
+
+    def forward(self, x, top_k_index, top_k_weights):
+        if x.shape[0] <= 6:
+            return super().forward(x, top_k_index, top_k_weights)
+        return torch.cat([self(x[:6], top_k_index[:6], top_k_weights[:6]),
+                          self(x[6:], top_k_index[6:], top_k_weights[6:])])
+
+
+def test_a_nested_call_is_measured_once_with_its_padding_left_out():
+    """The inner calls' matmuls are the outer call's: measured once, by the outer call, whose rows
+    trace to its tokens. Before, the inner calls measured them again without the observation
+    weight (it fits the outer input only): the padding's huge values were measured (0.2 dB)."""
+    torch.manual_seed(0)
+    experts = _HalvingExperts().eval()
+    recipe = qstats.Recipe([qstats.Rule("_HalvingExperts", sites=SITES, observer=qstats.minmax, spec=STATIC)])
+    index = torch.tensor([[0], [1], [1]] * 4)
+    states = qstats.calibrate(experts, [(torch.randn(12, 4), index, torch.ones(12, 1))], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, experts)
+    x = torch.randn(12, 4, generator=torch.Generator().manual_seed(3)) * 1.5
+    x[[1, 8]] = 1e3
+    weight = torch.ones(12)
+    weight[[1, 8]] = 0
+    rows = _rows(qstats.report(states, qparams, experts, recipe, [(x, index, torch.ones(12, 1))],
+                               observation_weight=lambda batch: weight))
+    by_hand, tokens = _rows_by_hand(experts, x, index)
+    for site in SITES:
+        parts = [rows_e[weight[token] != 0] for rows_e, token in zip(by_hand[site], tokens)]
+        sqnr, clipped = _expected(parts, [float(qparams[""][site].scale[e]) for e in range(2)])
+        assert rows[site].sqnr_db == pytest.approx(sqnr, rel=1e-5)
+        assert rows[site].clipped_fraction == pytest.approx(clipped)
