@@ -22,7 +22,7 @@ from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor,
 from .experts import stacked_qparams
 from .fused import fused_qparams
 from .observers import memoryless_minmax
-from .observation import Observing, capture_call, check_runtime_group, observing, stop_capture
+from .observation import ExpertCallHooks, Observing, capture_call, check_runtime_group, observing, stop_capture
 from .recipe import Plan, Recipe, as_plan
 from ._warn import warn
 
@@ -350,34 +350,22 @@ def _fake_quantize_site(
     handles.append(hook)
 
 
-class _ExpertInputs:
+class _ExpertInputs(ExpertCallHooks):
     """`fake_quantized`'s per-expert activation sites of one stacked-experts module: during its
     forward, the input rows of each expert's matmul with a stacked parameter ``P`` are fake-quantized
     under that expert's QParams of site ``"input"`` where the rows are the module's input tokens,
     then of site ``"P.input"``, as llm-compressor's linearized per-expert Linears quantize their inputs."""
 
     def __init__(self, module: torch.nn.Module, path: str, sites: dict):
-        self.module, self.path, self.sites = module, path, sites  # site -> (QParams or None, found)
-        self.active: list = []  # per call in progress: (capture, hooks, sites applied, ran on tokens)
+        super().__init__(module)
+        self.path, self.sites = path, sites  # site -> (QParams or None, found)
 
-    def attach(self) -> list:
-        return [
-            self.module.register_forward_pre_hook(self.enter, with_kwargs=True),
-            self.module.register_forward_hook(self.leave, with_kwargs=True, always_call=True),
-        ]
-
-    def enter(self, module, args, kwargs) -> None:
-        if self.active:  # a call from inside the module's own forward: the capture of the outer
-            self.active.append(None)  # call sees its matmuls (a second would quantize them twice)
-            return
+    def start(self, module, args, kwargs) -> tuple:
         applied: set = set()
         capture, hooks, tokens = capture_call(module, args, kwargs, lambda *found: self.quantize(applied, *found))
-        self.active.append((capture, hooks, applied, tokens is not None))
+        return capture, hooks, applied, tokens is not None
 
-    def leave(self, module, args, kwargs, output) -> None:
-        started = self.active.pop() if self.active else None
-        if started is None:  # a nested call, or a pre-hook raised before `enter`
-            return
+    def finish(self, module, started: tuple, output) -> None:
         capture, hooks, applied, ran = started
         stop_capture(capture, hooks)
         missing = sorted(set(self.sites) - applied)

@@ -449,6 +449,31 @@ def expert_capture(module: torch.nn.Module, names, tokens: Optional[torch.Tensor
     return capture, handles
 
 
+class ExpertCallHooks:
+    """Hooks around each outermost forward of a stacked-experts module: ``start(module, args,
+    kwargs)`` (a subclass's) opens what the call needs, ``finish(module, started, output)`` gets it
+    back at the end (``output`` None where the forward raised). Calls from inside the module's own
+    forward are left to the outer call, whose capture sees their matmuls."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.active: list = []  # per call in progress: what `start` returned, None for a nested call
+
+    def attach(self) -> list:
+        return [
+            self.module.register_forward_pre_hook(eager(self._enter), with_kwargs=True),
+            self.module.register_forward_hook(eager(self._leave), with_kwargs=True, always_call=True),
+        ]
+
+    def _enter(self, module, args, kwargs) -> None:
+        self.active.append(None if self.active else self.start(module, args, kwargs or {}))
+
+    def _leave(self, module, args, kwargs, output) -> None:
+        started = self.active.pop() if self.active else None
+        if started is not None:  # not a nested call, nor one whose earlier pre-hook raised
+            self.finish(module, started, output)
+
+
 def capture_call(module: torch.nn.Module, args, kwargs, replace=None) -> tuple:
     """``(capture, handles, tokens)`` for one call of the stacked-experts ``module``'s forward
     with ``args``/``kwargs``: `expert_capture` of all its stacked parameters, tracing the rows to

@@ -23,9 +23,8 @@ from ._granularity import TensorGroup, broadcast_to_view, canonical_view
 from ._qparams import experts_qparams
 from ._quant import _codes_float, fake_quantize
 from ._sites import observe_tensor, run_model
-from ._torch_features import eager
 from .calibration import runtime_qparams, runtime_spec
-from .observation import capture_call, kept_rows, stop_capture
+from .observation import ExpertCallHooks, capture_call, kept_rows, stop_capture
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
@@ -382,7 +381,7 @@ class _ActivationError:
         _add_error(self.error, x, self.qparams, self.found)
 
 
-class _ExpertErrors:
+class _ExpertErrors(ExpertCallHooks):
     """The per-expert activation sites of one stacked-experts module in `report`: the input rows of
     each expert's matmul with a stacked parameter ``P``, measured under that expert's QParams of
     ``"P.input"``, or of ``"input"`` where the rows are the module's input tokens: the rows
@@ -392,26 +391,14 @@ class _ExpertErrors:
     observation weight is 0."""
 
     def __init__(self, module: torch.nn.Module, path: str, sites: dict, current_weight: list):
-        self.module, self.path, self.current_weight = module, path, current_weight
+        super().__init__(module)
+        self.path, self.current_weight = path, current_weight
         self.sites = sites  # site -> (QParams or None, found, _Error)
-        self.active: list = []  # per call in progress: (capture, hooks, tokens or None)
 
-    def attach(self) -> list:
-        return [
-            self.module.register_forward_pre_hook(eager(self.enter), with_kwargs=True),
-            self.module.register_forward_hook(eager(self.leave), with_kwargs=True, always_call=True),
-        ]
+    def start(self, module, args, kwargs) -> tuple:
+        return capture_call(module, args, kwargs)
 
-    def enter(self, module, args, kwargs) -> None:
-        if self.active:  # a call from inside the module's own forward: the outer call's capture
-            self.active.append(None)  # sees its matmuls (a second would measure them twice)
-            return
-        self.active.append(capture_call(module, args, kwargs))
-
-    def leave(self, module, args, kwargs, output) -> None:
-        started = self.active.pop() if self.active else None
-        if started is None:  # a nested call, or a pre-hook raised before `enter`
-            return
+    def finish(self, module, started: tuple, output) -> None:
         capture, hooks, tokens = started
         stop_capture(capture, hooks)
         if output is None:  # the forward raised
