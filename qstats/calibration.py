@@ -240,16 +240,39 @@ def runtime_qparams(x: torch.Tensor, spec, calibrated: Optional[QParams] = None)
 
 
 class _FakeQuantParametrization(torch.nn.Module):
-    def __init__(self, qparams: QParams, spec, num_experts: int):
+    def __init__(self, qparams: QParams, spec, num_experts: int, where: str = ""):
         super().__init__()
         self.qparams = qparams
         self.spec = spec
         self.num_experts = num_experts
+        self.where = where  # "module 'path' parameter 'site'", for errors
+
+    def right_inverse(self, value: torch.Tensor) -> torch.Tensor:
+        """Assigning the parametrized tensor (``torch.func.functional_call`` with the model's own
+        parameter names does) would copy the value into the original under no_grad: its gradient
+        would be lost. (NotImplementedError: registration takes it as the identity.)"""
+        raise NotImplementedError(
+            f"fake_quantized: {self.where} is fake-quantized through a parametrization and cannot be assigned "
+            "(its gradient would be lost); with torch.func.functional_call, pass it under the name the model "
+            "gives it inside the context, model.named_parameters()'s 'parametrizations.<name>.original'"
+        )
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
         if self.num_experts:
-            return torch.vmap(lambda w, qp: fake_quantize(w, qp, self.spec))(value, self.qparams)
+            quantize = _straight_through(lambda w, qp: fake_quantize(w, qp, self.spec), value)
+            return torch.vmap(quantize)(value, self.qparams)
         return fake_quantize(value, self.qparams, self.spec)
+
+
+def _straight_through(quantize: Callable, x: torch.Tensor) -> Callable:
+    """``quantize(x, *rest)`` (a fake quantization) to vmap over ``x``: inside ``torch.vmap``
+    tensors report ``requires_grad=False``, so `fake_quantize` would leave out its straight-through
+    term and ``x`` would get no gradient. Where ``x`` needs one (it requires grad, grad enabled),
+    ``quantize`` runs under ``torch.func.vjp``, whose tracked input takes the term to the autograd
+    (or ``torch.func.grad``) outside the vmap; inference keeps the plain (faster, bit-exact) path."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return quantize
+    return lambda value, *rest: torch.func.vjp(lambda tracked: quantize(tracked, *rest), value)[0]
 
 
 def _fake_quantize_activation(x, qparams: Optional[QParams], spec, runtime: bool, where: str):
@@ -325,7 +348,8 @@ def _fake_quantize_site(
         )
     module = plan.modules[path]
     if found.kind == "parameter":
-        parametrization = _FakeQuantParametrization(qp, found.spec, found.num_experts)
+        where = f"module {path!r} parameter {site!r}"
+        parametrization = _FakeQuantParametrization(qp, found.spec, found.num_experts, where)
         before = len(module.parametrizations[site]) if parametrize.is_parametrized(module, site) else 0
         order = list(module._parameters)  # before registering: it takes the tensor out of the list
         parametrize.register_parametrization(module, site, parametrization, unsafe=True)
@@ -408,10 +432,11 @@ class _ExpertInputs(ExpertCallHooks):
             return rows
         experts = ids.clamp(0, found.num_experts - 1)
         per_row = experts_qparams(qp, experts)
-        quantized = torch.vmap(
-            lambda row, q: _fake_quantize_activation(row[None], q, found.spec, found.runtime, where)[0],
-            in_dims=(0, None if qp is None else 0),
-        )(rows, per_row)
+
+        def of_row(row: torch.Tensor, q) -> torch.Tensor:
+            return _fake_quantize_activation(row[None], q, found.spec, found.runtime, where)[0]
+
+        quantized = torch.vmap(_straight_through(of_row, rows), in_dims=(0, None if qp is None else 0))(rows, per_row)
         return torch.where(inside[:, None], quantized, rows)
 
 

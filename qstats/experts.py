@@ -357,9 +357,12 @@ def _same_storage(view: torch.Tensor, stack: torch.Tensor) -> bool:
         return True
     if view.dtype != stack.dtype or view.device != stack.device or stack.numel() == 0:
         return False
-    start = stack.data_ptr()
+    try:
+        start, at = stack.data_ptr(), view.data_ptr()
+    except RuntimeError:  # tensors without storage (torch.func.grad's): the `_base` test is the only one
+        return False
     extent = 1 + sum((size - 1) * stride for size, stride in zip(stack.shape, stack.stride()))
-    return start <= view.data_ptr() < start + extent * stack.element_size()
+    return start <= at < start + extent * stack.element_size()
 
 
 def _layout(t: torch.Tensor) -> list:
