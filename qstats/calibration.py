@@ -264,6 +264,52 @@ class _FakeQuantParametrization(torch.nn.Module):
         return fake_quantize(value, self.qparams, self.spec)
 
 
+def _float_state_dict_hooks(parametrized: list) -> list:
+    """Hooks (handles) giving each module whose parameters `fake_quantized` parametrized (those
+    without a parametrization of the model's own) the float model's ``state_dict`` keys and order,
+    the float values under ``<name>`` instead of ``parametrizations.<name>.original``, and taking
+    those keys in ``load_state_dict``: a checkpoint saved inside the context loads into the model."""
+    sites, orders = {}, {}
+    for module, site, before, order in parametrized:
+        if not before:
+            sites.setdefault(module, []).append(site)
+            orders.setdefault(module, order)  # a module's first registration: its float order
+    handles = []
+    for module, names in sites.items():
+        renamed = {name: f"parametrizations.{name}.original" for name in names}
+        handles.append(module.register_state_dict_post_hook(_saving_float_keys(renamed, orders[module])))
+        handles.append(module.register_load_state_dict_pre_hook(_loading_float_keys(renamed)))
+    return handles
+
+
+def _saving_float_keys(renamed: dict, order: list) -> Callable:
+    """A ``state_dict`` post-hook: the module's parametrized entries under their float names, its
+    parameters in their float order."""
+
+    def hook(module, state_dict, prefix, local_metadata) -> None:
+        # this module's entries are the last ones (own tensors, then its children's)
+        own = {key: state_dict.pop(key) for key in [key for key in state_dict if key.startswith(prefix)]}
+        for name, key in renamed.items():
+            if prefix + key in own:
+                own[prefix + name] = own.pop(prefix + key)
+        parameters = [prefix + name for name in order if prefix + name in own]
+        state_dict.update((key, own.pop(key)) for key in parameters)
+        state_dict.update(own)
+
+    return hook
+
+
+def _loading_float_keys(renamed: dict) -> Callable:
+    """A ``load_state_dict`` pre-hook: float names taken as the parametrized entries they are."""
+
+    def hook(module, state_dict, prefix, *_) -> None:
+        for name, key in renamed.items():
+            if prefix + name in state_dict:
+                state_dict[prefix + key] = state_dict.pop(prefix + name)
+
+    return hook
+
+
 def _straight_through(quantize: Callable, x: torch.Tensor) -> Callable:
     """``quantize(x, *rest)`` (a fake quantization) to vmap over ``x``: inside ``torch.vmap``
     tensors report ``requires_grad=False``, so `fake_quantize` would leave out its straight-through
@@ -313,6 +359,7 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
                 _fake_quantize_site(plan, path, site, qp, handles, parametrized, expert_sites)
             if expert_sites:
                 handles.extend(_ExpertInputs(plan.modules[path], path, expert_sites).attach())
+        handles.extend(_float_state_dict_hooks(parametrized))
         yield model
     finally:
         for handle in handles:
@@ -352,7 +399,14 @@ def _fake_quantize_site(
         parametrization = _FakeQuantParametrization(qp, found.spec, found.num_experts, where)
         before = len(module.parametrizations[site]) if parametrize.is_parametrized(module, site) else 0
         order = list(module._parameters)  # before registering: it takes the tensor out of the list
+        original = module._parameters.get(site)
+        if original is not None:  # torch would ``original.set_(original)``: a new grad accumulator, which
+            # drops the hooks on the old one (DistributedDataParallel's gradient all-reduce): register a
+            # stand-in sharing its storage, then put the Parameter itself (and its hooks) in its place
+            module._parameters[site] = torch.nn.Parameter(original.detach(), original.requires_grad)
         parametrize.register_parametrization(module, site, parametrization, unsafe=True)
+        if original is not None:
+            module.parametrizations[site]._parameters["original"] = original
         parametrized.append((module, site, before, order))
         return
     if found.num_experts:  # per-expert activations: inside the experts' own forward

@@ -20,6 +20,7 @@ from ._qparams import compute_qparams
 from ._quant import fake_quantize
 from ._spec import QuantSpec
 from ._warn import warn
+from .experts import expert_count
 from .lsq import LSQParams, check_grad_scale, lsq_fake_quantize, lsq_init
 from .observers import Observer
 from .schedule import QATPhase
@@ -391,6 +392,7 @@ def prepare(
         layers = (layers,) if isinstance(layers, type) else tuple(layers)
     if not (isinstance(layers, tuple) and layers and all(isinstance(t, type) and issubclass(t, nn.Module) for t in layers)):
         raise TypeError(f"qstats.qat.prepare: layers must be nn.Module subclasses (Linear, Conv1d/2d/3d), got {layers!r}")
+    _refuse_stacked_experts(model)
     rewriter = _Rewriter(_trace(model, layers), weight_observer, activation_observer, ste, grad_scale)
     hidden = {}  # layers inside modules that torch.fx keeps whole (torch.nn's Transformer layers)
     for node in list(rewriter.graph.nodes):
@@ -412,6 +414,19 @@ def prepare(
     if not rewriter.quantized:
         raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}")
     return QATModel(rewriter.finish(), weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms)
+
+
+def _refuse_stacked_experts(model: nn.Module) -> None:
+    """Stacked experts (``[E, out, in]`` parameters, transformers' fused experts) are no Linear: the
+    rewrite would leave them in float, training unquantized. They raise, naming the modules."""
+    stacked = [f"{repr(name) if name else 'the model'} ({type(module).__name__}, {count} experts)"
+               for name, module in model.named_modules() for count in (expert_count(module),) if count]
+    if stacked:
+        more = f" and {len(stacked) - 3} more" if len(stacked) > 3 else ""
+        raise ValueError(
+            f"qstats.qat.prepare: {', '.join(stacked[:3])}{more} hold stacked experts, which prepare does not fake-quantize "
+            "(they would train in float); train such a model with qstats.fake_quantized (per-expert qparams, "
+            "straight-through gradients; docs/qat.md)")
 
 
 def _functional_owner(model: nn.Module, node, layers) -> Optional[str]:
