@@ -310,6 +310,15 @@ def _loading_float_keys(renamed: dict) -> Callable:
     return hook
 
 
+def _parameter_order(module: torch.nn.Module) -> list:
+    """The names of ``module``'s own tensors in its float ``state_dict`` order. A module already
+    parametrized (an enclosing `fake_quantized`, whose hooks give back its float names) takes them
+    from its ``state_dict``: ``_parameters`` no longer holds the enclosing context's parameters."""
+    if not parametrize.is_parametrized(module):
+        return list(module._parameters)
+    return [key for key in module.state_dict(keep_vars=True) if "." not in key]
+
+
 def _straight_through(quantize: Callable, x: torch.Tensor) -> Callable:
     """``quantize(x, *rest)`` (a fake quantization) to vmap over ``x``: inside ``torch.vmap``
     tensors report ``requires_grad=False``, so `fake_quantize` would leave out its straight-through
@@ -398,7 +407,7 @@ def _fake_quantize_site(
         where = f"module {path!r} parameter {site!r}"
         parametrization = _FakeQuantParametrization(qp, found.spec, found.num_experts, where)
         before = len(module.parametrizations[site]) if parametrize.is_parametrized(module, site) else 0
-        order = list(module._parameters)  # before registering: it takes the tensor out of the list
+        order = _parameter_order(module)  # before registering: it takes the tensor out of the list
         original = module._parameters.get(site)
         if original is not None:  # torch would ``original.set_(original)``: a new grad accumulator, which
             # drops the hooks on the old one (DistributedDataParallel's gradient all-reduce): register a

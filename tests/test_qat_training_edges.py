@@ -226,3 +226,23 @@ def test_state_dict_inside_of_stacked_experts_is_the_float_models():
         saved = model.state_dict()
     assert list(saved) == list(expected)
     assert all(torch.equal(saved[key], expected[key]) for key in expected)
+
+
+def test_state_dict_inside_nested_contexts_on_one_module_is_the_float_models():
+    """An inner context fake-quantizing another parameter of a module the outer one parametrized:
+    before, its hook ordered the module's parameters by ``_parameters`` at its entry (the outer
+    context's already moved out): ``lin.bias`` came before ``lin.weight``."""
+    model, tokens, qp = _tied()
+    bias_recipe = qstats.Recipe([qstats.Rule("Linear", sites=("bias",), spec=INPUT)])
+    bias_qp = qstats.compute_qparams_tree(
+        qstats.calibrate(model, [tokens[:2]], bias_recipe, progress=False), bias_recipe, model)
+    expected = {key: value.clone() for key, value in model.state_dict().items()}  # torch's own, outside
+    parameters = list(model.named_parameters())
+    with qstats.fake_quantized(model, qp, RECIPE):
+        with qstats.fake_quantized(model, bias_qp, bias_recipe):
+            saved = model.state_dict()
+            assert list(saved) == list(expected)
+            assert all(torch.equal(saved[key], expected[key]) for key in expected)
+        assert list(model.state_dict()) == list(expected)
+    assert list(model.named_parameters()) == parameters
+    assert list(model.state_dict()) == list(expected)
