@@ -113,12 +113,21 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
     Raises:
       ValueError: an integer zero point outside ``spec.qrange`` (as torch's fake-quant ops).
     """
+    return fake_quantize_passing(x, qparams, spec, None)
+
+
+def fake_quantize_passing(x: torch.Tensor, qparams: QParams, spec: QuantSpec, straight_through) -> torch.Tensor:
+    """`fake_quantize` with its straight-through term added where ``straight_through`` is True,
+    left out where False, and where ``x`` requires grad for None (`fake_quantize`). Inside
+    ``torch.vmap`` tensors report ``requires_grad=False``: a caller vmapping a tensor that needs a
+    gradient passes True (autograd records through the vmap)."""
     view = canonical_view(x, spec.granularity)
     scale, zero_point = _params(qparams, view)
     zero_point = _checked_zero_point(zero_point, spec, "fake_quantize")
     unclamped, codes = _codes_float(view.detach(), scale, zero_point, spec, qparams.global_scale)
     out = _cap(_dequantize_view(codes, scale, zero_point, spec, qparams.global_scale), x.dtype)
-    if view.requires_grad:  # reverse mode; forward mode (jvp) gets no straight-through tangent (docs/qat.md)
+    if view.requires_grad if straight_through is None else straight_through:
+        # reverse mode; forward mode (jvp) gets no straight-through tangent (docs/qat.md)
         lo, hi = spec.convention.gradient_range(spec)
         inside = (unclamped >= lo) & (unclamped <= hi)
         passthrough = view.float() - view.float().detach()

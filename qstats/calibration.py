@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from ._formats import COMPUTE_DTYPE_NAMES
 from ._granularity import PerGroup, PerRow, PerToken, TensorGroup
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams
-from ._quant import fake_quantize
+from ._quant import fake_quantize, fake_quantize_passing
 from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
 from .experts import stacked_qparams
 from .fused import fused_qparams
@@ -259,8 +259,8 @@ class _FakeQuantParametrization(torch.nn.Module):
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
         if self.num_experts:
-            quantize = _straight_through(lambda w, qp: fake_quantize(w, qp, self.spec), value)
-            return torch.vmap(quantize)(value, self.qparams)
+            tracked = _needs_gradient(value)
+            return torch.vmap(lambda w, qp: fake_quantize_passing(w, qp, self.spec, tracked))(value, self.qparams)
         return fake_quantize(value, self.qparams, self.spec)
 
 
@@ -319,29 +319,26 @@ def _parameter_order(module: torch.nn.Module) -> list:
     return [key for key in module.state_dict(keep_vars=True) if "." not in key]
 
 
-def _straight_through(quantize: Callable, x: torch.Tensor) -> Callable:
-    """``quantize(x, *rest)`` (a fake quantization) to vmap over ``x``: inside ``torch.vmap``
-    tensors report ``requires_grad=False``, so `fake_quantize` would leave out its straight-through
-    term and ``x`` would get no gradient. Where ``x`` needs one (it requires grad, grad enabled),
-    ``quantize`` runs under ``torch.func.vjp``, whose tracked input takes the term to the autograd
-    (or ``torch.func.grad``) outside the vmap; inference keeps the plain (faster, bit-exact) path."""
-    if not (torch.is_grad_enabled() and x.requires_grad):
-        return quantize
-    return lambda value, *rest: torch.func.vjp(lambda tracked: quantize(tracked, *rest), value)[0]
+def _needs_gradient(x: torch.Tensor) -> bool:
+    """Whether a tensor about to be vmapped needs the straight-through term (it requires grad,
+    grad enabled): inside ``torch.vmap`` it reports ``requires_grad=False`` (`fake_quantize_passing`);
+    inference keeps the plain, bit-exact path."""
+    return torch.is_grad_enabled() and x.requires_grad
 
 
-def _fake_quantize_activation(x, qparams: Optional[QParams], spec, runtime: bool, where: str):
+def _fake_quantize_activation(x, qparams: Optional[QParams], spec, runtime: bool, where: str, straight_through=None):
     """Fake-quantizes an activation site's floating-point tensor ``x`` (others pass unchanged); for
-    a site whose scales come at run time, under the scales of ``x`` (`runtime_qparams`)."""
+    a site whose scales come at run time, under the scales of ``x`` (`runtime_qparams`);
+    ``straight_through`` as in `fake_quantize_passing`."""
     if not is_float_tensor(x):
         return x
     if not runtime:
-        return fake_quantize(x, qparams, spec)
+        return fake_quantize_passing(x, qparams, spec, straight_through)
     check_runtime_group(x.shape, spec, where)
     if not x.numel():  # no values (an expert no token is routed to): no scale to compute
         return x
     applied = runtime_spec(x, spec)
-    return fake_quantize(x, runtime_qparams(x, applied, qparams), applied)
+    return fake_quantize_passing(x, runtime_qparams(x, applied, qparams), applied, straight_through)
 
 
 @contextlib.contextmanager
@@ -496,10 +493,12 @@ class _ExpertInputs(ExpertCallHooks):
         experts = ids.clamp(0, found.num_experts - 1)
         per_row = experts_qparams(qp, experts)
 
-        def of_row(row: torch.Tensor, q) -> torch.Tensor:
-            return _fake_quantize_activation(row[None], q, found.spec, found.runtime, where)[0]
+        tracked = _needs_gradient(rows)
 
-        quantized = torch.vmap(_straight_through(of_row, rows), in_dims=(0, None if qp is None else 0))(rows, per_row)
+        def of_row(row: torch.Tensor, q) -> torch.Tensor:
+            return _fake_quantize_activation(row[None], q, found.spec, found.runtime, where, tracked)[0]
+
+        quantized = torch.vmap(of_row, in_dims=(0, None if qp is None else 0))(rows, per_row)
         return torch.where(inside[:, None], quantized, rows)
 
 

@@ -270,3 +270,20 @@ def test_toy_experts_bf16_sgd_steps_equal_torch_fake_quant_loop():
     reference.forward = _reference_experts(qparams[""]).__get__(reference)
     x, y = (torch.randn(8, 4) * 1.5).bfloat16(), torch.randn(8, 4).bfloat16()
     _train_both(model, reference, qparams, recipe, lambda m: F.mse_loss(m(x, index, weights), y))
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_qwen3_moe_sgd_steps_under_gradient_checkpointing(implementation):
+    """transformers' gradient checkpointing (non-reentrant: saved-tensor hooks, which torch.func.vjp
+    refuses) around the quantized experts: the same steps as the per-expert torch.fake_quantize loop."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, recipe, qparams = _qwen3_moe(implementation)
+    reference = copy.deepcopy(model)
+    for path, entry in qparams.items():
+        experts = reference.get_submodule(path)
+        experts.forward = _reference_experts(entry, experts.act_fn).__get__(experts)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert model.model.gradient_checkpointing and model.model.layers[0]._gradient_checkpointing_func.func is checkpoint
+    _train_both(model, reference, qparams, recipe, lambda m: m(input_ids=TOKENS, labels=TOKENS).loss, steps=2)
