@@ -9,8 +9,6 @@ overflow, all-zero float8 ranges, dynamic activations, ``scale_dtype=float32``) 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name
@@ -239,12 +237,11 @@ def _scale_eps(spec, compute) -> float:
     return float(torch.finfo(compute).eps)
 
 
-def peak_limit(compute: torch.dtype, half_range: float, cap: float) -> float:
+def peak_limit(compute: torch.dtype, half_range: float) -> float:
     """The largest peak (as a float32) whose symmetric scale ``peak / half_range`` stays finite in
-    ``compute`` (bfloat16/float16): the dtype's largest value (times ``half_range`` where that is
-    below 1), and at most ``cap``, the float32 limit `qparams_from_minmax` clips the spec's ranges to."""
-    limit = torch.finfo(compute).max * min(1.0, half_range)
-    return float(torch.tensor(min(limit, cap), dtype=torch.float32))
+    ``compute`` (bfloat16/float16): the dtype's largest value, times ``half_range`` where that is
+    below 1. (The float32 limits are `qparams_from_minmax`'s: its ranges arrive clipped.)"""
+    return float(torch.tensor(torch.finfo(compute).max * min(1.0, half_range), dtype=torch.float32))
 
 
 def _largest_in_both(first: torch.dtype, second: torch.dtype) -> float:
@@ -266,12 +263,7 @@ def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range):
         if spec.mapping == "asymmetric":
             limit = float(torch.tensor(torch.finfo(compute).max, dtype=torch.float32))
         else:
-            # float targets' codes stay within the peak; integer ones where their farthest code
-            # (ceil(steps) away) does, with a margin for the half-precision roundings of the scale
-            steps = float(bit_range) / 2
-            cap = torch.finfo(torch.float32).max * (
-                1.0 - 2.0**-20 if spec.is_float else steps / math.ceil(steps) * (1.0 - 2.0**-7))
-            limit = peak_limit(compute, float(bit_range.to(compute) / 2), cap)
+            limit = peak_limit(compute, float(bit_range.to(compute) / 2))
         min_val = min_val.clamp(min=-limit)
         max_val = max_val.clamp(max=limit)
     min_val = min_val.to(compute)
