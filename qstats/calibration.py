@@ -19,7 +19,7 @@ from ._granularity import PerGroup, PerRow, PerToken, TensorGroup
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams
 from ._quant import fake_quantize, fake_quantize_passing
 from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
-from .experts import stacked_qparams
+from .experts import rows_by_expert, stacked_qparams
 from .fused import fused_qparams
 from .observers import memoryless_minmax
 from .observation import ExpertCallHooks, Observing, capture_call, check_runtime_group, observing, stop_capture
@@ -481,13 +481,12 @@ class _ExpertInputs(ExpertCallHooks):
 
         if isinstance(ids, int):
             return of_expert(ids, rows)
-        inside = (ids >= 0) & (ids < found.num_experts)  # expert-parallel sentinels: no expert's rows
         if found.runtime and not _row_wise(found.spec.granularity):  # scales from each expert's rows
-            out = rows.clone()
-            for expert in torch.unique(ids[inside]).tolist():
-                chosen = ids == expert
+            out = rows.clone()  # rows of no expert (expert-parallel sentinels) stay
+            for expert, chosen in rows_by_expert(ids, found.num_experts):
                 out[chosen] = of_expert(expert, rows[chosen])
             return out
+        inside = (ids >= 0) & (ids < found.num_experts)  # expert-parallel sentinels: no expert's rows
         if not rows.shape[0]:
             return rows
         experts = ids.clamp(0, found.num_experts - 1)

@@ -30,6 +30,7 @@ __all__ = [
     "all_experts_calls",
     "copies_of_tokens",
     "ids_mask",
+    "rows_by_expert",
     "parameter_input_site",
     "is_stacked_parameter",
     "linearized_experts",
@@ -301,6 +302,15 @@ def parameter_input_site(site: str) -> Optional[str]:
     if isinstance(site, str) and site.endswith(PARAMETER_INPUT_SUFFIX) and len(site) > len(PARAMETER_INPUT_SUFFIX):
         return site[: -len(PARAMETER_INPUT_SUFFIX)]
     return None
+
+
+def rows_by_expert(ids, num_experts: int) -> list:
+    """``[(expert, rows)]`` of captured rows with expert ``ids`` (`ExpertInputCapture.captured`):
+    all rows for an int, else each expert present and a bool mask of its rows; ids outside
+    ``[0, num_experts)`` (expert-parallel sentinels) are no expert's."""
+    if isinstance(ids, int):
+        return [(ids, slice(None))]
+    return [(expert, ids == expert) for expert in torch.unique(ids).tolist() if 0 <= expert < num_experts]
 
 
 def ids_mask(ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from ._qparams import experts_qparams
 from ._quant import _codes_float, fake_quantize
 from ._sites import observe_tensor, run_model
 from .calibration import runtime_qparams, runtime_spec
+from .experts import rows_by_expert
 from .observation import ExpertCallHooks, capture_call, kept_rows, stop_capture
 from .recipe import Plan, Recipe, as_plan
 
@@ -429,9 +430,7 @@ class _ExpertErrors(ExpertCallHooks):
             else:
                 keep = kept[start:offset]
             keep = None if keep is None else keep.to(rows.device)
-            experts = [(ids, slice(None))] if isinstance(ids, int) else [  # sentinel ids: no expert's rows
-                (expert, ids == expert) for expert in torch.unique(ids).tolist() if 0 <= expert < found.num_experts]
-            for expert, chosen in experts:  # each expert's rows under its own QParams
+            for expert, chosen in rows_by_expert(ids, found.num_experts):  # each under its own QParams
                 part_keep = None if keep is None else keep[chosen][:, None]
                 _add_error(error, rows[chosen], experts_qparams(qp, expert), found, part_keep)
 
