@@ -141,13 +141,14 @@ def gloo_group(rank: int, port: int, world: int = 2, **options):
         torch.distributed.destroy_process_group()
 
 
-def fork_ranks(target, *args, world: int = 2, timeout: float = 120) -> list:
-    """Runs ``target(rank, port, *args)`` in ``world`` forked processes and waits ``timeout``
-    seconds for each; returns their exit codes, None for a rank that hung (it is killed)."""
+def fork_ranks(target, *args, world: int = 2, timeout: float = 120, start_method: str = "fork") -> list:
+    """Runs ``target(rank, port, *args)`` in ``world`` forked processes (or started by
+    ``start_method``) and waits ``timeout`` seconds for each; returns their exit codes, None for a
+    rank that hung (it is killed)."""
     import multiprocessing
 
     port = free_port()
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context(start_method)
     procs = [context.Process(target=target, args=(rank, port, *args)) for rank in range(world)]
     for proc in procs:
         proc.start()

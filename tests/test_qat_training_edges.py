@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import qstats
-from _shared import free_port, gloo_group, qwen3_moe_config
+from _shared import fork_ranks, gloo_group, qwen3_moe_config
 
 WEIGHT = qstats.QuantSpec("int8", granularity=qstats.PerAxis(0))
 INPUT = qstats.QuantSpec("int8")
@@ -174,27 +174,8 @@ def test_ddp_steps_equal_a_single_process_hand_written_loop():
         opt.step()
         opt.zero_grad()
     expected = [p.detach() for p in reference.parameters()]
-    assert _spawn_ranks(_ddp_rank, model, qp, tokens, target, expected) == [0, 0]
-
-
-def _spawn_ranks(target, *args, world: int = 2, timeout: float = 120) -> list:
-    """``target(rank, port, *args)`` in ``world`` spawned processes (forked ones can hang on the intra-op
-    threads earlier tests started); their exit codes, None for a rank that hung (it is killed)."""
-    import multiprocessing
-
-    port = free_port()
-    procs = [multiprocessing.get_context("spawn").Process(target=target, args=(rank, port, *args))
-             for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=timeout)
-    codes = [None if proc.is_alive() else proc.exitcode for proc in procs]
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    return codes
+    # spawned: forked ranks can hang on the intra-op threads earlier tests started
+    assert fork_ranks(_ddp_rank, model, qp, tokens, target, expected, start_method="spawn") == [0, 0]
 
 
 # ------------------------------------------------------------------------------------------------
