@@ -223,6 +223,38 @@ class _Calibration:
             self.states.setdefault(key_path, {})[key_site] = updated
 
 
+class ExpertCallHooks:
+    """Hooks around each outermost forward of a stacked-experts module: ``start(module, args,
+    kwargs)`` (a subclass's) opens what the call needs, ``finish(module, started, output)`` gets it
+    back at the end (``output`` None where the forward raised). Calls from inside the module's own
+    forward are left to the outer call, whose capture sees their matmuls."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.active: list = []  # per call in progress: what `start` returned, None for a nested call
+
+    def attach(self) -> list:
+        return [
+            self.module.register_forward_pre_hook(eager(self._enter), with_kwargs=True),
+            self.module.register_forward_hook(eager(self._leave), with_kwargs=True, always_call=True),
+        ]
+
+    def _enter(self, module, args, kwargs) -> None:
+        self.active.append(None if self.active else self.start(module, args, kwargs or {}))
+
+    def _leave(self, module, args, kwargs, output) -> None:
+        if not self.active:  # a call whose earlier pre-hook raised
+            return
+        try:  # calls `finish` makes of the module are nested calls too
+            if self.active[-1] is not None:  # not a nested call
+                self.finish(module, self.active[-1], output)
+        finally:
+            self.active.pop()
+
+    def finish(self, module, started, output) -> None:
+        """Nothing to finish, by default."""
+
+
 class _SiteHook:
     """Base of the activation hooks: one site of one module, updated through the calibration."""
 
@@ -272,14 +304,11 @@ class _RoutedSite(_SiteHook):
 
 
 class _RoutedInputSite(_RoutedSite):
-    """The ``"input"`` of stacked experts: the hidden states, each token observed by the experts
-    the routing of the call (`routing_mask`) sends it to (by every expert with ``all_experts``),
-    and not where the batch's observation weight is 0."""
+    """The ``"input"`` of stacked experts: the hidden states of each outermost call (`_ExpertSites`),
+    each token observed by the experts the routing of the call (`routing_mask`) sends it to (by every
+    expert with ``all_experts``), and not where the batch's observation weight is 0."""
 
-    def attach(self) -> list:
-        return [self.run.plan.modules[self.path].register_forward_pre_hook(eager(self), with_kwargs=True)]
-
-    def __call__(self, module, args, kwargs) -> None:
+    def observe(self, args, kwargs) -> None:
         x = input_tensor(args, kwargs)
         if not is_float_tensor(x):
             return
@@ -301,24 +330,19 @@ class _RoutedInputSite(_RoutedSite):
         self.observe_rows(tokens, mask)
 
 
-class _ExpertMatmulInputs:
-    """The ``"<parameter>.input"`` sites of one stacked-experts module: an `ExpertInputCapture`
-    around the module's forward whose rows are observed under their expert ids, weighted by their
-    tokens' observation weight. With ``all_experts``, rows come from extra calls routing every
-    token to every expert (`qstats.experts.all_experts_calls`), whose outputs are discarded."""
+class _ExpertSites(ExpertCallHooks):
+    """The per-expert activation sites of one stacked-experts module, observed once per outermost
+    call: its ``"input"`` (`_RoutedInputSite`, where the recipe has it) and its ``"<parameter>.input"``
+    sites, from an `ExpertInputCapture` around the forward whose rows are observed under their expert
+    ids, weighted by their tokens' observation weight. With ``all_experts``, rows come from extra
+    calls routing every token to every expert (`qstats.experts.all_experts_calls`), whose outputs
+    are discarded."""
 
-    def __init__(self, run: _Calibration, path: str, sites: list):
-        self.run, self.path = run, path
-        self.module = run.plan.modules[path]
+    def __init__(self, run: _Calibration, path: str, routed_input: Optional[_RoutedInputSite], sites: list):
+        super().__init__(run.plan.modules[path])
+        self.run, self.path, self.routed_input = run, path, routed_input
         self.sites = {site: _RoutedSite(run, path, site) for site in sites}
         self.parameters = {site: parameter_input_site(site) for site in sites}
-        self.active: list = []  # (capture, parametrization hooks, tokens, observation weight) of the call
-
-    def attach(self) -> list:
-        return [
-            self.module.register_forward_pre_hook(eager(self.enter), with_kwargs=True),
-            self.module.register_forward_hook(eager(self.leave), with_kwargs=True, always_call=True),
-        ]
 
     def _start(self, module, x) -> tuple:
         """Enters a capture for one forward of the experts over the tokens ``x``."""
@@ -331,17 +355,23 @@ class _ExpertMatmulInputs:
         capture, handles = expert_capture(module, names, x if weight is not None and x.ndim >= 2 else None)
         return capture, handles, tokens, weight
 
-    def enter(self, module, args, kwargs) -> None:
-        # with all_experts, None: observed from extra calls once the model's forward is done
-        self.active.append(None if self.run.all_experts else self._start(module, input_tensor(args, kwargs)))
+    def start(self, module, args, kwargs) -> tuple:
+        """(capture, parametrization hooks, tokens, observation weight) of the call; with
+        all_experts, (None, args, kwargs): observed from extra calls once the call is done."""
+        if self.routed_input is not None:
+            self.routed_input.observe(args, kwargs)
+        if not self.sites:
+            return ()
+        if self.run.all_experts:
+            return None, args, kwargs
+        return self._start(module, input_tensor(args, kwargs))
 
-    def leave(self, module, args, kwargs, output) -> None:
-        if not self.active:
+    def finish(self, module, started: tuple, output) -> None:
+        if not started:
             return
-        started = self.active.pop()
-        if started is None:
+        if started[0] is None:
             if output is not None:
-                self._observe_all_experts(module, args, kwargs or {})
+                self._observe_all_experts(module, *started[1:])
             return
         stop_capture(*started[:2])
         if output is None:  # the forward raised
@@ -449,31 +479,6 @@ def expert_capture(module: torch.nn.Module, names, tokens: Optional[torch.Tensor
     return capture, handles
 
 
-class ExpertCallHooks:
-    """Hooks around each outermost forward of a stacked-experts module: ``start(module, args,
-    kwargs)`` (a subclass's) opens what the call needs, ``finish(module, started, output)`` gets it
-    back at the end (``output`` None where the forward raised). Calls from inside the module's own
-    forward are left to the outer call, whose capture sees their matmuls."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-        self.active: list = []  # per call in progress: what `start` returned, None for a nested call
-
-    def attach(self) -> list:
-        return [
-            self.module.register_forward_pre_hook(eager(self._enter), with_kwargs=True),
-            self.module.register_forward_hook(eager(self._leave), with_kwargs=True, always_call=True),
-        ]
-
-    def _enter(self, module, args, kwargs) -> None:
-        self.active.append(None if self.active else self.start(module, args, kwargs or {}))
-
-    def _leave(self, module, args, kwargs, output) -> None:
-        started = self.active.pop() if self.active else None
-        if started is not None:  # not a nested call, nor one whose earlier pre-hook raised
-            self.finish(module, started, output)
-
-
 def capture_call(module: torch.nn.Module, args, kwargs, replace=None) -> tuple:
     """``(capture, handles, tokens)`` for one call of the stacked-experts ``module``'s forward
     with ``args``/``kwargs``: `expert_capture` of all its stacked parameters, tracing the rows to
@@ -493,19 +498,19 @@ def stop_capture(capture: ExpertInputCapture, handles: list) -> None:
 
 def _activation_hooks(run: _Calibration) -> list:
     """One hook object per activation site of the plan (one per stacked-experts module for its
-    ``"<parameter>.input"`` sites), in ``named_modules`` order."""
+    per-expert sites), in ``named_modules`` order."""
     hooks: list = []
     for path, entry in run.plan.sites.items():
-        matmul_inputs = []
+        matmul_inputs, routed_input = [], None
         for site, found in entry.items():
             if found.kind == "parameter_input":
                 matmul_inputs.append(site)
             elif found.kind == "input" and found.num_experts:
-                hooks.append(_RoutedInputSite(run, path, site))
+                routed_input = _RoutedInputSite(run, path, site)
             elif found.kind != "parameter":
                 hooks.append(_ActivationSite(run, path, site))
-        if matmul_inputs:
-            hooks.append(_ExpertMatmulInputs(run, path, matmul_inputs))
+        if matmul_inputs or routed_input is not None:
+            hooks.append(_ExpertSites(run, path, routed_input, matmul_inputs))
     return hooks
 
 

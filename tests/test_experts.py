@@ -379,6 +379,47 @@ def test_all_experts_copies_of_padded_or_cast_tokens_are_observed_once(observer,
         assert torch.equal(total, total[:1].expand_as(total))
 
 
+class _HalvingLoopExperts(_LoopExperts):
+    """`_LoopExperts` whose forward calls the module itself on each half of its tokens."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        if hidden_states.shape[0] <= 4:
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        halves = [self(hidden_states[part], top_k_index[part], top_k_weights[part])
+                  for part in (slice(None, 4), slice(4, None))]
+        return torch.cat(halves)
+
+
+@pytest.mark.parametrize("all_experts", [False, True])
+def test_experts_that_call_themselves_are_observed_once_per_outer_call(all_experts):
+    """A moving average counts each batch once: the module's calls on halves of its tokens, from
+    inside its own forward, are part of the outer call (they were observed again, 3 batches per
+    batch, 5 with ``all_experts``). Reference: torch.ao's moving-average observer per expert, fed
+    that expert's routed tokens (every token with ``all_experts``) and its own intermediates."""
+    from torch.ao.quantization.observer import MovingAverageMinMaxObserver
+
+    torch.manual_seed(0)
+    experts = _HalvingLoopExperts(experts=2, hidden=4, intermediate=3)
+    spec = qstats.QuantSpec.from_torch_ao(dtype=torch.quint8, qscheme=torch.per_tensor_affine)
+    observer = lambda s: qstats.moving_average_minmax(s, averaging_constant=0.5)  # noqa: E731
+    recipe = qstats.Recipe([qstats.Rule("_HalvingLoopExperts", sites=("input", "down_proj.input"), spec=spec,
+                                        observer=observer)])
+    batches = [(torch.randn(8, 4) * (1 + b), torch.tensor([[0], [1]] * 4), torch.ones(8, 1)) for b in range(3)]
+    states = qstats.calibrate(experts, batches, recipe, progress=False, all_experts=all_experts)[""]
+    for e in range(2):
+        refs = {site: MovingAverageMinMaxObserver(averaging_constant=0.5) for site in states}
+        with torch.no_grad():
+            for x, index, _ in batches:
+                rows = x if all_experts else x[index[:, 0] == e]
+                gate, up = torch.nn.functional.linear(rows, experts.gate_up_proj[e]).chunk(2, dim=-1)
+                refs["input"](rows)
+                refs["down_proj.input"](torch.nn.functional.silu(gate) * up)
+        for site, ref in refs.items():
+            assert int(states[site].batches[e]) == 3, site
+            torch.testing.assert_close(states[site].min_val[e], ref.min_val, rtol=0, atol=0)
+            torch.testing.assert_close(states[site].max_val[e], ref.max_val, rtol=0, atol=0)
+
+
 def test_padding_is_left_out_of_the_intermediates_of_experts_that_flatten_their_tokens():
     """Routed (not ``all_experts``): experts that flatten their hidden states themselves
     (``hidden_states.reshape(-1, hidden)``, from ``[B, S, H]`` or already ``[T, H]``) keep their
