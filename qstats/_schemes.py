@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from ._spec import QuantSpec
+from .observers import registry
 from .experts import linearized_experts, linearized_layout_problem
 from ._warn import warn
 
@@ -101,8 +102,6 @@ def split_observer_kwargs(factory, options: Mapping, where: str) -> tuple:
 def _qstats_observer(args, weight: bool) -> tuple:
     """``(observer name, observer_kwargs, qparams_kwargs)`` of a ``qstats_*`` observer, its
     ``observer_kwargs`` split as `qstats.llmcompressor` splits them (`split_observer_kwargs`)."""
-    from .observers import registry
-
     name = _QSTATS_OBSERVERS[args.observer]
     factory, qparams = split_observer_kwargs(registry.get(name), dict(args.observer_kwargs or {}),
                                              f"observer {args.observer!r}")

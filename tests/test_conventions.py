@@ -112,22 +112,27 @@ def test_core_modules_import_at_the_top_and_never_test_a_convention_name(path):
             raise AssertionError(f"{path}: line {node.lineno} compares spec.convention")
 
 
-def _imports(path):
-    """The qstats modules ``qstats/<path>`` imports at its top level."""
-    package = ["qstats", *pathlib.PurePosixPath(path).parent.parts]
+def _module_name(path) -> str:
+    return "qstats." + str(path).removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+
+
+def _imports(path, anywhere=False):
+    """The qstats modules ``qstats/<path>`` imports by relative imports at its top level (also
+    inside functions with ``anywhere``), and the modules of names it imports from a package."""
+    package = _module_name(path).split(".")[: None if path.endswith("__init__.py") else -1]
+    tree = ast.parse((ROOT / "qstats" / path).read_text())
     found = set()
-    for node in ast.parse((ROOT / "qstats" / path).read_text()).body:
+    for node in ast.walk(tree) if anywhere else tree.body:
         if isinstance(node, ast.ImportFrom) and node.level:
             base = package[: len(package) - node.level + 1]
-            names = [node.module] if node.module else [alias.name for alias in node.names]
-            found.update(".".join([*base, *name.split(".")]) for name in names)
+            module = [*base, *(node.module.split(".") if node.module else [])]
+            if node.module:  # `from . import x` needs x, not the package being imported
+                found.add(".".join(module))
+            found.update(".".join([*module, alias.name]) for alias in node.names)
     return found
 
 
-def test_no_import_cycle_among_the_core_modules():
-    modules = {"qstats." + path.removesuffix(".py").replace("/", ".").removesuffix(".__init__"): path for path in CORE}
-    graph = {module: _imports(path) & set(modules) for module, path in modules.items()}
-    assert graph["qstats._formats"] <= set(), graph["qstats._formats"]  # the formats need no spec
+def _assert_acyclic(graph: dict) -> None:
     done, active = set(), []
 
     def visit(module):
@@ -142,6 +147,26 @@ def test_no_import_cycle_among_the_core_modules():
 
     for module in graph:
         visit(module)
+
+
+def test_no_import_cycle_among_the_core_modules():
+    modules = {_module_name(path): path for path in CORE}
+    graph = {module: _imports(path) & set(modules) for module, path in modules.items()}
+    assert graph["qstats._formats"] <= set(), graph["qstats._formats"]  # the formats need no spec
+    _assert_acyclic(graph)
+
+
+def test_no_import_cycle_in_the_package_and_no_import_inside_a_function():
+    """Every module of the package, imports inside functions included; the one import inside a
+    function is `check_all`'s of the strategies, which need the optional hypothesis."""
+    paths = [str(p.relative_to(ROOT / "qstats")) for p in sorted((ROOT / "qstats").rglob("*.py"))]
+    modules = {_module_name(path): path for path in paths}
+    graph = {module: (_imports(path, anywhere=True) & set(modules)) - {module} for module, path in modules.items()}
+    inner = {module: sorted((_imports(path, anywhere=True) - _imports(path)) & set(modules))
+             for module, path in modules.items()}
+    assert {module: found for module, found in inner.items() if found} == {
+        "qstats.testing._check_all": ["qstats.testing.strategies"]}
+    _assert_acyclic(graph)
 
 
 def test_every_module_of_the_package_is_reachable_as_a_module():
