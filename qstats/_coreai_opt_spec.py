@@ -2,8 +2,9 @@
 
 coreai_opt computes qparams with torchao's ``choose_qparams_affine_with_min_max`` (float32 eps,
 int32 zero points, in the input's dtype) or OCP MX floor e8m0 scales; the spec is the torchao
-convention's with those arguments. coreai_opt is not imported: its specs and granularities are
-read by attribute (or dict key). See ``qstats/coreai_opt.py`` for its calculators' observers.
+convention's with those arguments, under `CoreaiOptConvention` (coreai_opt's fake quantization).
+coreai_opt is not imported: its specs and granularities are read by attribute (or dict key). See
+``qstats/coreai_opt.py`` for its calculators' observers.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 from ._formats import compute_dtype_name
 from ._granularity import PerAxis, PerTensor
-from .conventions.torchao import _block_size_granularity
+from .conventions.default import Convention
+from .conventions.torchao import TorchaoConvention, _block_size_granularity
 
 __all__ = ["spec_from_coreai_opt", "block_size"]
 
@@ -25,7 +27,33 @@ _FLOAT_TARGETS = {"float8_e4m3fn": "fp8_e4m3fn", "float8_e5m2": "fp8_e5m2", "flo
 _SPEC_FIELDS = ("dtype", "qscheme", "qformulation", "granularity", "fake_quantize_cls", "qparam_calculator_cls",
                 "range_calculator_cls", "float_range", "scale_dtype",
                 "n_bits", "target_dtype", "_quant_range", "quant_min", "quant_max")
+# coreai_opt's presets leave the axis None: its Quantizer.prepare resolves it per module type
+_AXIS_NONE = " (coreai_opt resolves axis None per module type in Quantizer.prepare: give it, e.g. 0 for a Linear weight)"
 _ALIASES = {"float4_e2m1fn": "float4_e2m1fn_x2", "float8_e4m3": "float8_e4m3fn", "float8_e8m0": "float8_e8m0fnu"}
+
+
+class CoreaiOptConvention(TorchaoConvention):
+    """torchao's qparams (``choose_qparams_affine_with_min_max``, in the input's dtype), and
+    coreai_opt's own fake quantization of integer targets: float32 codes
+    ``clamp(round(x / scale) + zero_point, quant_min, quant_max)``, dequantized as
+    ``(q - zero_point) * scale`` in float32 (torchao multiplies by ``1 / scale``, in the input's
+    dtype: codes a step apart at ties and for bf16/fp16 inputs). Float targets are torchao's."""
+
+    name = "coreai_opt"
+
+    def codes(self, view, scale, zero_point, spec):
+        if spec.is_float:
+            return super().codes(view, scale, zero_point, spec)
+        unclamped = torch.round(view.float() / scale) + zero_point.float()
+        return unclamped, unclamped.clamp(*spec.qrange)
+
+    def dequantize(self, codes, scale, zero_point, spec):
+        if spec.is_float:
+            return super().dequantize(codes, scale, zero_point, spec)
+        return Convention.dequantize(self, codes.float(), scale.float(), zero_point, spec)
+
+
+_CONVENTION = CoreaiOptConvention()
 
 
 def _field(source, name: str, default=None):
@@ -63,7 +91,8 @@ def _block_sizes(granularity, shape: list, target: str) -> tuple:
             raise ValueError(f"from_coreai_opt: per-block block_size {size} needs axis None and one entry per dim of {shape}")
         return tuple(s if b == -1 else int(b) for b, s in zip(size, shape))
     if axis is None or not -len(shape) <= axis < len(shape):
-        raise ValueError(f"from_coreai_opt: granularity {granularity!r} needs an axis within the shape {tuple(shape)}")
+        raise ValueError(f"from_coreai_opt: granularity {granularity!r} needs an axis within the shape {tuple(shape)}"
+                         + (_AXIS_NONE if axis is None else ""))
     axis %= len(shape)
     if size is None:  # per channel
         return tuple(1 if i == axis else s for i, s in enumerate(shape))
@@ -79,7 +108,8 @@ def _granularity(granularity, shape, target):
     if kind in ("per_channel", "PerChannelGranularity"):
         axis = _field(granularity, "axis")
         if not isinstance(axis, int):
-            raise ValueError(f"from_coreai_opt: per-channel granularity needs an int axis, got {axis!r}")
+            raise ValueError(f"from_coreai_opt: per-channel granularity needs an int axis, got {axis!r}"
+                             + (_AXIS_NONE if axis is None else ""))
         if shape is not None:
             block_size(granularity, shape, target)  # checks the axis against the shape
             axis %= len(shape)
@@ -125,7 +155,7 @@ def spec_from_coreai_opt(
         # without e8m0, torchao's fp8 scale is computed in (and held as) the input's dtype
         compute = "float32" if e8m0 else compute_dtype_name(input_dtype, "from_coreai_opt: input_dtype")
         return cls(
-            dtype=_FLOAT_TARGETS.get(dtype, dtype), granularity=granularity, eps=_FLOAT32_EPS, convention="torchao",
+            dtype=_FLOAT_TARGETS.get(dtype, dtype), granularity=granularity, eps=_FLOAT32_EPS, convention=_CONVENTION,
             zero_point_domain="none" if float_target else "int", scale_dtype="e8m0" if e8m0 else compute,
             compute_dtype=compute, on_uncalibrated="fallback",
         )
@@ -134,7 +164,8 @@ def spec_from_coreai_opt(
     qmin, qmax = cls(dtype=dtype).dtype_range
     if qscheme == "symmetric_with_clipping" and qmin < 0:
         qmin = -qmax
-    return cls.from_torchao(
+    spec = cls.from_torchao(
         dtype, mapping_type="ASYMMETRIC" if qscheme == "asymmetric" else "SYMMETRIC", granularity=granularity,
         quant_min=qmin, quant_max=qmax, eps=_FLOAT32_EPS, input_dtype=input_dtype, zero_point_dtype=torch.int32,
     )
+    return spec.replace(convention=_CONVENTION)

@@ -13,7 +13,8 @@ coreai_opt ``qparam_calculator_cls``     qstats observer
 =======================================  ===============================================
 
 `spec_from_coreai_opt` (``QuantSpec.from_coreai_opt``) gives the spec, ``compute_qparams(state,
-spec, float_range=...)`` its ``float_range`` and `qstats.compute_minval` its ``minval``.
+spec, float_range=...)`` its ``float_range`` and ``minval``; `qstats.fake_quantize` under that spec is
+its fake quantizer (``qformulation="zp"``), `fake_quantize_minval` its ``"minval"`` formulation.
 coreai_opt is not imported: its specs and granularities are read by attribute (or dict key).
 
 Known differences, kept on purpose: an e8m0 scale of an all-zero (or below ``2**-120``) block is
@@ -29,13 +30,16 @@ from typing import Any
 import torch
 
 from ._coreai_opt_spec import block_size
+from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
+from ._qparams import QParams
+from ._quant import fake_quantize
 from ._spec import QuantSpec
 from .observers._base import Observer
 from .observers.kit import check_spec, extremes_init
 from .observers.minmax import MovingAverageMinMaxState, moving_extremes_update
 from .observers.minmax import moving_average_minmax as _torch_ao_average
 
-__all__ = ["spec_from_coreai_opt", "moving_average_minmax", "block_size"]
+__all__ = ["spec_from_coreai_opt", "moving_average_minmax", "fake_quantize_minval", "block_size"]
 
 
 def spec_from_coreai_opt(spec: Any = None, **kwargs) -> QuantSpec:
@@ -74,3 +78,25 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
     update_fn = moving_extremes_update(spec, step, "coreai_opt.moving_average_minmax.update", contain_zero)
     return Observer(extremes_init(MovingAverageMinMaxState, spec), update_fn, base.merge,
                     exact=False, spec=spec, name="coreai_opt_moving_average_minmax")
+
+
+def fake_quantize_minval(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor:
+    """coreai_opt's fake quantization under ``qformulation="minval"``: codes
+    ``clamp(round((x - minval) / scale) + quant_min, quant_min, quant_max)``, values
+    ``(q - quant_min) * scale + minval`` (float32, then ``x``'s dtype), with `qstats.fake_quantize`'s
+    straight-through gradient. `qstats.fake_quantize` is its ``"zp"`` formulation (the default).
+
+    Raises:
+      ValueError: a float target (coreai_opt allows ``"minval"`` for integers only), or ``qparams``
+        without ``minval`` (saved by an earlier release).
+    """
+    spec = check_spec(spec)
+    if spec.is_float or qparams.minval is None:
+        raise ValueError(f"fake_quantize_minval: needs an integer target and qparams.minval, got dtype "
+                         f"{spec.dtype!r} and minval {'None' if qparams.minval is None else 'given'}")
+    minval = broadcast_to_view(qparams.minval.float())
+    view = canonical_view(x, spec.granularity).float()
+    shifted = from_canonical_view(view - minval, spec.granularity, x.shape)
+    codes_at_qmin = qparams._replace(zero_point=torch.full_like(qparams.zero_point, spec.qrange[0]))
+    values = canonical_view(fake_quantize(shifted, codes_at_qmin, spec), spec.granularity) + minval
+    return from_canonical_view(values, spec.granularity, x.shape).to(x.dtype)
