@@ -12,12 +12,12 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import _coreai_opt_spec, conventions
+from . import conventions
 from ._checks import is_real_number
 from ._formats import COMPUTE_DTYPES, GLOBAL_SCALE_FORMULAS, SCALE_ROUNDINGS, validate as validate_formats
 from ._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
 from ._torch_features import torch_dtype
-from .conventions import Convention, compressed_tensors, torch_ao, torchao
+from .conventions import Convention, compressed_tensors, coreai_opt, torch_ao, torchao
 
 __all__ = ["QuantSpec", "FloatFormat", "float_format", "preset", "PRESETS"]
 
@@ -412,7 +412,7 @@ class QuantSpec:
         qparams calculators: ``spec`` is a coreai_opt ``QuantizationSpec`` or a dict of its fields
         (``dtype``, ``qscheme``, ``granularity``, ``scale_dtype``); ``shape=`` for per-block
         granularities, ``target="activation"`` for activations. See ``qstats/coreai_opt.py``."""
-        return _coreai_opt_spec.spec_from_coreai_opt(cls, spec, **kwargs)
+        return coreai_opt.spec_from_coreai_opt(cls, spec, **kwargs)
 
 
 def preset(name: str, **overrides) -> QuantSpec:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ._coreai_opt_spec import block_size
+from .conventions.coreai_opt import block_size
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
 from ._quant import fake_quantize

@@ -149,6 +149,8 @@ def test_coreai_opt_specs_vmap_compile_and_pickle():
     spec = qstats.QuantSpec.from_coreai_opt(dtype=torch.int8, qscheme="asymmetric",
                                             granularity={"type": "per_channel", "axis": 0})
     assert spec.convention == "coreai_opt" and pickle.loads(pickle.dumps(spec)) == spec
+    assert spec.replace(convention="torchao") != spec  # torchao's arithmetic, by name as the others
+    assert spec.replace(convention="torchao").replace(convention="coreai_opt") == spec
     obs = qstats.minmax(spec)
 
     def fake(x):

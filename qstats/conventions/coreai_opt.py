@@ -1,4 +1,5 @@
-"""`QuantSpec.from_coreai_opt`: a coreai_opt ``QuantizationSpec`` (or its fields) as a QuantSpec.
+"""The coreai_opt convention (``"coreai_opt"``) and `QuantSpec.from_coreai_opt`: a coreai_opt
+``QuantizationSpec`` (or its fields) as a QuantSpec.
 
 coreai_opt computes qparams with torchao's ``choose_qparams_affine_with_min_max`` (float32 eps,
 int32 zero points, in the input's dtype) or OCP MX floor e8m0 scales; the spec is the torchao
@@ -13,12 +14,12 @@ from typing import Any
 
 import torch
 
-from ._formats import compute_dtype_name
-from ._granularity import PerAxis, PerTensor
-from .conventions.default import Convention
-from .conventions.torchao import TorchaoConvention, _block_size_granularity
+from .._formats import compute_dtype_name
+from .._granularity import PerAxis, PerTensor
+from .default import Convention
+from .torchao import TorchaoConvention, _block_size_granularity
 
-__all__ = ["spec_from_coreai_opt", "block_size"]
+__all__ = ["CoreaiOptConvention", "spec_from_coreai_opt", "block_size"]
 
 _FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
 _FLOAT_TARGETS = {"float8_e4m3fn": "fp8_e4m3fn", "float8_e5m2": "fp8_e5m2", "float4_e2m1fn_x2": "fp4_e2m1"}
@@ -52,8 +53,6 @@ class CoreaiOptConvention(TorchaoConvention):
             return super().dequantize(codes, scale, zero_point, spec)
         return Convention.dequantize(self, codes.float(), scale.float(), zero_point, spec)
 
-
-_CONVENTION = CoreaiOptConvention()
 
 
 def _field(source, name: str, default=None):
@@ -155,7 +154,7 @@ def spec_from_coreai_opt(
         # without e8m0, torchao's fp8 scale is computed in (and held as) the input's dtype
         compute = "float32" if e8m0 else compute_dtype_name(input_dtype, "from_coreai_opt: input_dtype")
         return cls(
-            dtype=_FLOAT_TARGETS.get(dtype, dtype), granularity=granularity, eps=_FLOAT32_EPS, convention=_CONVENTION,
+            dtype=_FLOAT_TARGETS.get(dtype, dtype), granularity=granularity, eps=_FLOAT32_EPS, convention="coreai_opt",
             zero_point_domain="none" if float_target else "int", scale_dtype="e8m0" if e8m0 else compute,
             compute_dtype=compute, on_uncalibrated="fallback",
         )
@@ -168,4 +167,4 @@ def spec_from_coreai_opt(
         dtype, mapping_type="ASYMMETRIC" if qscheme == "asymmetric" else "SYMMETRIC", granularity=granularity,
         quant_min=qmin, quant_max=qmax, eps=_FLOAT32_EPS, input_dtype=input_dtype, zero_point_dtype=torch.int32,
     )
-    return spec.replace(convention=_CONVENTION)
+    return spec.replace(convention="coreai_opt")
