@@ -25,6 +25,8 @@ __all__ = [
     "Range",
 ]
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 class QParams(NamedTuple):
     """Quantization parameters; every field is a tensor (vmap- and checkpoint-friendly).
@@ -172,8 +174,8 @@ def check_float_range(float_range, where: str = "compute_qparams") -> tuple:
         raise ValueError(f"{where}: float_range must be a pair (lo, hi), got {float_range!r}")
     ends = []
     for name, end in zip(("lo", "hi"), float_range):
-        if end is not None and (not is_real_number(end) or not math.isfinite(end)):
-            raise ValueError(f"{where}: float_range {name} must be a finite number or None, got {end!r}")
+        if end is not None and (not is_real_number(end) or not abs(end) <= _FLOAT32_MAX):
+            raise ValueError(f"{where}: float_range {name} must be a finite float32 number or None, got {end!r}")
         ends.append(None if end is None else float(end))
     lo, hi = ends
     if lo is not None and lo > 0:
@@ -281,8 +283,10 @@ def _minval(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec, calib
         minval = torch.min(min_val, torch.zeros_like(min_val))
     else:
         minval = -torch.max(min_val.abs(), max_val.abs())
-    # coreai_opt's minval is in the input's dtype (spec.compute_dtype): a pinned end rounds to it
-    minval = minval.to(getattr(torch, spec.compute_dtype)).float()
+    # coreai_opt's minval is in the input's dtype (spec.compute_dtype): a pinned end rounds to it,
+    # saturating where it is past that dtype's range (as the scale does)
+    compute = getattr(torch, spec.compute_dtype)
+    minval = minval.clamp(min=torch.finfo(compute).min).to(compute).float()
     return torch.where(calibrated, minval, torch.full_like(minval, float(spec.qmin)))
 
 

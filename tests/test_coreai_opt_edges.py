@@ -172,3 +172,20 @@ def test_presets_axis_none_is_refused_naming_what_to_give():
         assert weight_spec.granularity.axis is None
         with pytest.raises(ValueError, match="resolves axis None per module type"):
             qstats.QuantSpec.from_coreai_opt(weight_spec, shape=(16, 64))
+
+
+def test_a_float_range_past_float32_is_named_and_a_half_precision_minval_saturates():
+    """``float_range`` past float32's range raised torch's bare "cannot be converted to type float
+    without overflow"; a pinned end past float16's range gave minval -inf (coreai_opt's too),
+    while the scale saturates: fake_quantize_minval then gave NaN. minval saturates like the scale,
+    at float16's lowest finite value."""
+    spec = qstats.QuantSpec.from_coreai_opt(dtype=torch.int8, qscheme="asymmetric", input_dtype=torch.float16)
+    x = _input((4, 8), torch.float16, seed=3)
+    obs = qstats.minmax(spec)
+    state = obs.update(obs.init(x), x)
+    with pytest.raises(ValueError, match="float_range lo"):
+        qstats.compute_qparams(state, spec, float_range=(-1e39, None))
+    qp = qstats.compute_qparams(state, spec, float_range=(-1e5, None))
+    assert qp.minval.item() == torch.finfo(torch.float16).min
+    assert torch.isfinite(qp.scale).all()
+    assert torch.isfinite(qstats.coreai_opt.fake_quantize_minval(x, qp, spec)).all()
