@@ -40,6 +40,7 @@ from .lsq import LSQParams as LSQParams
 from .lsq import lsq_fake_quantize as lsq_fake_quantize
 from .lsq import lsq_grad_factor as lsq_grad_factor
 from .lsq import lsq_init as lsq_init
+from .lsq import lsq_qparams as lsq_qparams
 from .observers import MemorylessMinMaxState as MemorylessMinMaxState
 from .observers import MinMaxState as MinMaxState
 from .observers import MovingAverageMinMaxState as MovingAverageMinMaxState
@@ -165,6 +166,7 @@ __all__ = [
     "lsq_fake_quantize",
     "lsq_grad_factor",
     "lsq_init",
+    "lsq_qparams",
     "load",
     "memoryless_minmax",
     "minmax",

@@ -16,10 +16,10 @@ import torch
 
 from ._checks import is_real_number
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
-from ._qparams import compute_qparams
+from ._qparams import QParams, _with_minval_of_codes, compute_qparams
 from ._spec import QuantSpec
 
-__all__ = ["LSQParams", "lsq_init", "lsq_fake_quantize", "lsq_grad_factor"]
+__all__ = ["LSQParams", "lsq_init", "lsq_fake_quantize", "lsq_grad_factor", "lsq_qparams"]
 
 
 class LSQParams(NamedTuple):
@@ -58,13 +58,13 @@ def _check_spec(spec) -> None:
 
 
 def check_grad_scale(grad_scale) -> bool:
-    """ValueError unless ``grad_scale`` is ``"torch_ao"``, ``"per_parameter"``, None or a positive
-    float; True for a float."""
-    if is_real_number(grad_scale) and grad_scale > 0:
+    """ValueError unless ``grad_scale`` is ``"torch_ao"``, ``"per_parameter"``, None or a positive,
+    finite float; True for a float."""
+    if is_real_number(grad_scale) and 0 < grad_scale < math.inf:
         return True
     if grad_scale is not None and grad_scale not in ("torch_ao", "per_parameter"):
         raise ValueError(
-            f"grad_scale must be 'torch_ao', 'per_parameter', None or a positive float, got {grad_scale!r}"
+            f"grad_scale must be 'torch_ao', 'per_parameter', None or a positive, finite float, got {grad_scale!r}"
         )
     return False
 
@@ -74,7 +74,7 @@ def lsq_grad_factor(x_numel: int, params_numel: int, spec: QuantSpec, grad_scale
 
     ``grad_scale``: ``"torch_ao"`` (``1 / sqrt(numel(x) * qmax)``, torch.ao's ``use_grad_scaling=True``),
     ``"per_parameter"`` (``1 / sqrt(numel(x) / numel(scale) * qmax)``, the LSQ paper), ``None`` (1) or a
-    positive float.
+    positive, finite float.
     """
     if check_grad_scale(grad_scale):
         return float(grad_scale)
@@ -91,6 +91,37 @@ def lsq_grad_factor(x_numel: int, params_numel: int, spec: QuantSpec, grad_scale
     return 1.0 / math.sqrt(x_numel / max(params_numel, 1) * qmax)
 
 
+def lsq_qparams(params: LSQParams, spec: QuantSpec) -> QParams:
+    """The learned range as `QParams` (detached), to quantize or export with: the values
+    `lsq_fake_quantize`'s forward uses, as torch.ao's ``_LearnableFakeQuantize.calculate_qparams``:
+    scales below ``spec.eps`` raised to it, zero points rounded and clamped to ``spec.qrange`` (int32;
+    float32 as learned with ``zero_point_domain="float"``); symmetric specs take their fixed zero point.
+    Scales stay float32 (not rounded to ``spec.scale_dtype``).
+
+    >>> import torch, qstats
+    >>> spec = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
+    >>> qstats.lsq.lsq_qparams(qstats.LSQParams(torch.tensor(-0.5), torch.tensor(260.4)), spec)[:2]
+    (tensor(1.1921e-07), tensor(255, dtype=torch.int32))
+    """
+    _check_spec(spec)
+    if not (isinstance(params, LSQParams) and all(isinstance(t, torch.Tensor) for t in params)):
+        raise TypeError(f"lsq_qparams: params must be LSQParams of tensors, got {params!r}")
+    if params.scale.shape != params.zero_point.shape:
+        raise ValueError(f"lsq_qparams: params.scale has shape {tuple(params.scale.shape)}, params.zero_point "
+                         f"{tuple(params.zero_point.shape)}; they must be equal")
+    scale = params.scale.detach().float().clamp(min=spec.eps)
+    qmin, qmax = spec.qrange
+    if spec.mapping == "asymmetric" and spec.zero_point_domain == "float":
+        zero_point = params.zero_point.detach().float().clone()
+    elif spec.mapping == "asymmetric" and spec.zero_point_domain == "int":
+        zero_point = torch.round(params.zero_point.detach().float()).clamp(qmin, qmax).to(torch.int32)
+    else:
+        fixed = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
+        zero_point = torch.full(scale.shape, fixed, dtype=torch.int32, device=scale.device)
+    calibrated = torch.ones_like(scale, dtype=torch.bool)
+    return _with_minval_of_codes(QParams(scale, zero_point, scale.new_tensor(1.0), calibrated), spec)
+
+
 def _zero_gradient(t: torch.Tensor) -> torch.Tensor:
     """0 in value, with gradient 1 with respect to ``t``."""
     return t - t.detach()
@@ -101,6 +132,9 @@ def _checked_view(x: torch.Tensor, params, spec) -> torch.Tensor:
     _check_spec(spec)
     if not isinstance(params, LSQParams):
         raise TypeError(f"lsq_fake_quantize: params must be LSQParams, got {type(params).__name__}")
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):  # the result would be cast back to ints
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"lsq_fake_quantize: x must be a floating-point tensor, got {got}")
     view = canonical_view(x, spec.granularity)
     expected = tuple(view.shape[1:-1])
     for name, value in zip(LSQParams._fields, params):

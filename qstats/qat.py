@@ -122,6 +122,8 @@ def observe_fake_quantize(
             f"observe_fake_quantize: the {observer.name} observer has no QuantSpec to fake-quantize to "
             f"(spec={spec!r}); use it with phase.fake_quantize=False, or pass an observer built from a QuantSpec"
         )
+    if phase.fake_quantize is not False and not x.is_floating_point():  # torch's fake quant refuses them too
+        raise TypeError(f"observe_fake_quantize: x must be a floating-point tensor to fake-quantize, got {x.dtype}")
     new_state = state
     if phase.observe is not False:
         new_state = _select(phase.observe, observer.update(state, x.detach()), state)
@@ -279,24 +281,47 @@ class QATModel:
           phase: a `QATPhase` (from a `QATSchedule`).
           ranges: optional learned ranges ``{"weights": {layer: LSQParams}, "activations": {...}}``.
         """
-        if not isinstance(state, QATState):
-            raise TypeError(f"QATModel.apply: state must be a QATState, got {type(state).__name__}")
-        for kind, expected in self._state_keys().items():
-            got = getattr(state, kind)
-            if set(got) != set(expected):
-                raise ValueError(
-                    f"QATModel.apply: state.{kind} has keys {sorted(got)}, the model needs {sorted(expected)}"
-                )
-        if not isinstance(params, Mapping):
-            raise TypeError(
-                f"QATModel.apply: params must be a dict of tensors by parameter name, got {type(params).__name__}")
-        unknown = sorted(set(params) - self._names)
-        if unknown:  # a misspelt or prefixed name was ignored: that tensor never used, never trained
-            raise ValueError(
-                f"QATModel.apply: params names {unknown}, which the model does not have (see qat.params())")
+        self._check_inputs(params, state, "QATModel.apply")
+        if not isinstance(phase, QATPhase):  # a batch norm read phase.freeze_batchnorm: a bare AttributeError
+            raise TypeError(f"QATModel.apply: phase must be a QATPhase (schedule(step)), got {type(phase).__name__}")
         self._check_ranges(ranges)
         output, states = torch.func.functional_call(self.module, params, inputs, _extra(state, phase, ranges))
         return output, QATState(**states)
+
+    def state_dict(self, params, state: QATState) -> Dict[str, torch.Tensor]:
+        """The float model's ``state_dict`` after training (detached tensors), to load into the model with
+        ``model.load_state_dict``: ``params`` (a tied parameter given under one of its names fills them all;
+        parameters not given keep the model's values) and the batch norms' running statistics from
+        ``state.batchnorm`` (the model's own buffers never change). Modules and buffers the forward
+        never uses are left out (``module`` lacks them): load with ``strict=False`` then."""
+        self._check_inputs(params, state, "QATModel.state_dict")
+        tied = {}  # parameter name -> every name of that tensor
+        for name, tensor in self.module.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(tensor), []).append(name)
+        aliases = {name: names for names in tied.values() for name in names}
+        result = {}
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            given = [params[alias] for alias in aliases.get(name, [name]) if alias in params]
+            result[name] = (given[0] if given else tensor).detach()
+        for key, statistics in state.batchnorm.items():
+            for field, value in statistics._asdict().items():
+                if f"{key}.{field}" in result:
+                    result[f"{key}.{field}"] = value.detach()
+        return result
+
+    def _check_inputs(self, params, state, where: str) -> None:
+        """``state`` a `QATState` with the model's keys; ``params`` a dict of the model's names."""
+        if not isinstance(state, QATState):
+            raise TypeError(f"{where}: state must be a QATState, got {type(state).__name__}")
+        for kind, expected in self._state_keys().items():
+            got = getattr(state, kind)
+            if set(got) != set(expected):
+                raise ValueError(f"{where}: state.{kind} has keys {sorted(got)}, the model needs {sorted(expected)}")
+        if not isinstance(params, Mapping):
+            raise TypeError(f"{where}: params must be a dict of tensors by parameter name, got {type(params).__name__}")
+        unknown = sorted(set(params) - self._names)
+        if unknown:  # a misspelt or prefixed name was ignored: that tensor never used, never trained
+            raise ValueError(f"{where}: params names {unknown}, which the model does not have (see qat.params())")
 
     def _check_ranges(self, ranges) -> None:
         """Learned ranges must name quantized points: a misspelt kind or layer would be ignored."""
@@ -346,11 +371,18 @@ class QATModel:
                                        ("activations", activations, self.activation_observer)):
             if not wanted or observer is None:
                 continue
-            ranges[kind] = {
-                key: LSQParams(*(t.detach().clone().requires_grad_(True) for t in lsq_init(value, observer.spec)))
-                for key, value in getattr(state, kind).items()
-            }
+            ranges[kind] = {key: _learnable(value, observer.spec, f"the {kind[:-1]} of {key!r}")
+                            for key, value in getattr(state, kind).items()}
         return ranges
+
+
+def _learnable(state, spec: QuantSpec, where: str) -> LSQParams:
+    """`lsq_init` of one point's state as trainable leaves; an uncalibrated state's error names the point."""
+    try:
+        params = lsq_init(state, spec)
+    except ValueError as error:
+        raise ValueError(f"QATModel.learnable_ranges: {where}: {error}") from error
+    return LSQParams(*(t.detach().clone().requires_grad_(True) for t in params))
 
 
 def prepare(
