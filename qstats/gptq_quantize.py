@@ -18,9 +18,11 @@ as the original GPTQ; other specs take the min/max of the weight itself.
 A weight whose Hessian saw no row falls back to round-to-nearest (`UncalibratedWarning`), as does
 one whose dampened Hessian is not positive definite (a UserWarning; llm-compressor records those
 modules). A NaN or Inf in the Hessian sum or the weight, or in ``qparams`` a NaN, Inf, zero or
-negative scale or a NaN or Inf zero point, is a ValueError. Input columns that never saw a non-zero value (zero diagonal)
-quantize to zero, as llm-compressor. Activation ordering ``"group"`` (groups in activation order, written with
-a ``g_idx``) was removed from compressed-tensors 0.19 and llm-compressor 0.14; it is refused.
+negative scale or global scale or a NaN or Inf zero point, is a ValueError. Input columns that
+never saw a non-zero value (zero diagonal) quantize to zero, as llm-compressor. A Hessian past
+float32's Cholesky range (largest diagonal above 2^64 or below 2^-64) is scaled by a power of 4
+first, which changes no code. Activation ordering ``"group"`` (groups in activation order, written
+with a ``g_idx``) was removed from compressed-tensors 0.19 and llm-compressor 0.14; it is refused.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ._quant import _cap, _checked_zero_point, _codes_float, _dequantize_view
 from ._formats import store_codes
 from ._spec import QuantSpec
 from .experts import UncalibratedWarning
-from .observers.hessian import HessianState, checked_hessian_state, normalized_hessian
+from .observers.hessian import HessianState, checked_hessian_state
 from .observers.minmax import minmax
 from ._warn import warn
 from ._checks import require
@@ -242,12 +244,29 @@ def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block
             torch.stack(codes, dim=-2).transpose(-1, -2).contiguous(), running_qparams)
 
 
+def _factorable_hessian(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """`normalized_hessian` in float32, times a power of 4 where its largest diagonal lies outside
+    ``[2^-64, 2^64]`` (a float64 sum whose mean passes float32's range, or inputs of 1e-10 and
+    less), which brings it near 1: float32's Cholesky factors would overflow or underflow there.
+    GPTQ's result does not depend on that factor (the factors scale by its square root, exactly);
+    inside the range the Hessian is llm-compressor's, bit for bit."""
+    mean = 2.0 * (total / count.clamp(min=1).to(total.dtype)[..., None, None])  # in the sum's dtype
+    peak = torch.diagonal(mean, dim1=-2, dim2=-1).amax(dim=-1).double()
+    outside = (peak > 2.0**64) | ((peak < 2.0**-64) & (peak > 0))
+    peak = torch.where(outside, peak.clamp(max=2.0**1000), 1.0)
+    mantissa, exponent = torch.frexp(peak)  # peak = mantissa * 2^exponent; 1 = 0.5 * 2^1
+    power = peak / mantissa / torch.where(exponent % 2 == 1, 2.0, 1.0)  # 2^(2 floor(exponent / 2)), exact
+    half = (1.0 / torch.sqrt(power)).to(mean.dtype)[..., None, None]  # 2^-floor(exponent / 2), exact
+    mean = mean * half  # twice: the power of 4 itself may not be a float32 number
+    return (mean * half).to(torch.float32)
+
+
 def _ordered_factor(total, count, dampening, actorder, shared: int):
     """``(column order or None, inverse Hessian factor, dead columns)`` of Hessian sums ``[..., in, in]``.
     ``shared`` > 0: the ``shared`` Hessians of a stack are equal and factored once (the same bits)."""
     if shared:
         total, count = total[:1], count[:1]
-    hessian = normalized_hessian(total, count)
+    hessian = _factorable_hessian(total, count)
     perm = None
     if actorder is not None:
         perm = torch.argsort(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, descending=True)
@@ -356,20 +375,26 @@ def _check_qparams(qparams, weight, spec) -> None:
 
 
 def _checked_scales(qparams: QParams) -> QParams:
-    """ValueError (eagerly and under vmap) where a given scale is NaN, Inf, zero or negative, or a
-    float zero point NaN or Inf: the column loop would carry the NaN or Inf along the whole row
+    """ValueError (eagerly and under vmap) where a given scale or global scale is NaN, Inf, zero or
+    negative, or a float zero point NaN or Inf: the column loop would carry the NaN or Inf along the whole row
     through the error updates. Returns ``qparams``, the check threaded through the scale."""
     good = torch.isfinite(qparams.scale) & (qparams.scale > 0)
     if qparams.zero_point.is_floating_point():
         good = good & torch.isfinite(qparams.zero_point)
     good = require(good, "gptq: qparams holds a NaN, Inf, zero or negative scale, or a NaN or Inf zero point")
-    return qparams._replace(scale=torch.where(good, qparams.scale, torch.ones_like(qparams.scale)))
+    global_scale = qparams.global_scale  # NVFP4's second level: a NaN or zero one made every value NaN
+    good_global = require(torch.isfinite(global_scale) & (global_scale > 0),
+                          "gptq: qparams holds a NaN, Inf, zero or negative global scale")
+    return qparams._replace(scale=torch.where(good, qparams.scale, torch.ones_like(qparams.scale)),
+                            global_scale=torch.where(good_global, global_scale, torch.ones_like(global_scale)))
 
 
 def _check_arguments(weight, state, spec, block_size, dampening, actorder) -> None:
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.ndim not in (2, 3):
         raise ValueError(f"gptq: weight must be a floating [out, in] or [E, out, in] tensor, got "
                          f"{getattr(weight, 'shape', type(weight).__name__)}")
+    if weight.shape[-1] == 0:
+        raise ValueError(f"gptq: a weight of shape {tuple(weight.shape)} has no input column (GPTQ runs over them)")
     if not isinstance(state, HessianState):
         raise TypeError(f"gptq: expected a HessianState (qstats.hessian), got {type(state).__name__}")
     expected = (*weight.shape[:-2], weight.shape[-1], weight.shape[-1])

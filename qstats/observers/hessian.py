@@ -9,7 +9,10 @@ GPTQ; older releases: ``H *= n/(n+m); H += 2/(n+m) x^T x``), where ``n`` counts 
 leading dimension of each input, one per sequence), not the rows. Its ``H`` is ``2 / n *
 state.total``; `gptq_hessian` gives ``2 / rows * total``. GPTQ's result does not depend on a
 positive factor of ``H`` (dampening is relative to its mean diagonal), so the two agree up to float
-rounding whatever ``n`` counts.
+rounding whatever ``n`` counts, except where ``H`` has dead columns (zero diagonal): llm-compressor
+sets their diagonal to 1 before taking the mean, a value that does not scale with ``H``, so with
+3-D inputs (samples fewer than rows) its codes may differ by several percent; given
+``gptq_hessian(state)`` they are qstats'.
 
 A Hessian has no range: `compute_qparams` on a `HessianState` raises TypeError (use `qstats.gptq`).
 """
@@ -72,7 +75,8 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
     leaves out the rows where it is zero. Rows holding a NaN or Inf, or a value whose square
     overflows ``dtype`` (|x| above 1.8e19 in float32), are left out and counted in ``nonfinite``.
     Accumulates in ``dtype`` (float32 or float64) whatever the input dtype; a sum of many rows that
-    passes float32's range is Inf (`qstats.gptq` refuses it): use ``dtype=torch.float64`` there.
+    passes float32's range is Inf (`qstats.gptq` refuses it): use ``dtype=torch.float64`` there
+    (`qstats.gptq` scales a mean past float32's range by a power of 4, which changes no code).
 
     Laws: identity; associativity, commutativity and homomorphism exactly for the counts and up to
     float rounding for ``total``. Under `qstats.stacked_observer` each expert keeps its own
