@@ -36,6 +36,15 @@ def _params(qparams: QParams, view: torch.Tensor):
     return scale, zero_point
 
 
+def _floating(x: torch.Tensor, where: str) -> torch.Tensor:
+    """``x``, after TypeError where it is not a floating-point tensor (its codes or values would be
+    truncated back to integers; torch's fake-quant ops refuse them too)."""
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{where}: x must be a floating-point tensor, got {got}")
+    return x
+
+
 def _checked_zero_point(zero_point: torch.Tensor, spec: QuantSpec, where: str) -> torch.Tensor:
     """``zero_point``, after ValueError (eagerly, compiled and under vmap) where an integer zero
     point lies outside the spec's range, whose codes would land off the grid (torch's fake-quant
@@ -82,7 +91,7 @@ def _to_output(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor:
     """Codes of ``x``: integers in ``[qmin, qmax]`` (dtype `code_dtype(spec)`) or fp8 values."""
-    view = canonical_view(x, spec.granularity)
+    view = canonical_view(_floating(x, "quantize"), spec.granularity)
     scale, zero_point = _params(qparams, view)
     zero_point = _checked_zero_point(zero_point, spec, "quantize")
     _, codes = _codes_float(view, scale, zero_point, spec, qparams.global_scale)
@@ -112,6 +121,7 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
 
     Raises:
       ValueError: an integer zero point outside ``spec.qrange`` (as torch's fake-quant ops).
+      TypeError: ``x`` is not a floating-point tensor.
     """
     return fake_quantize_passing(x, qparams, spec, None)
 
@@ -121,7 +131,7 @@ def fake_quantize_passing(x: torch.Tensor, qparams: QParams, spec: QuantSpec, st
     left out where False, and where ``x`` requires grad for None (`fake_quantize`). Inside
     ``torch.vmap`` tensors report ``requires_grad=False``: a caller vmapping a tensor that needs a
     gradient passes True (autograd records through the vmap)."""
-    view = canonical_view(x, spec.granularity)
+    view = canonical_view(_floating(x, "fake_quantize"), spec.granularity)
     scale, zero_point = _params(qparams, view)
     zero_point = _checked_zero_point(zero_point, spec, "fake_quantize")
     unclamped, codes = _codes_float(view.detach(), scale, zero_point, spec, qparams.global_scale)

@@ -355,3 +355,17 @@ def test_half_precision_zero_points_of_wide_targets_lie_in_the_range(dtype):
     assert (out.float() - x.float()).abs().max() <= 0.02
     codes = qstats.quantize(x, qp, spec)
     assert codes.min() >= spec.qmin and codes.max() <= spec.qmax
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+def test_integer_input_is_refused_as_torch_refuses_it(dtype):
+    """An integer tensor was fake-quantized and cast back: ``[1, 2, 300]`` came back as truncated
+    ints, no error. torch's fake-quant ops refuse it (NotImplementedError); qstats names it."""
+    x = torch.tensor([1, 2, 300]).to(dtype)
+    spec = qstats.QuantSpec(dtype="int8", mapping="symmetric")
+    qp = qstats.QParams(torch.tensor(0.7), torch.tensor(0, dtype=torch.int32), torch.tensor(1.0), torch.tensor(True))
+    with pytest.raises(NotImplementedError):
+        torch.fake_quantize_per_tensor_affine(x, 0.7, 0, -128, 127)
+    for function in (qstats.fake_quantize, qstats.quantize):
+        with pytest.raises(TypeError, match="floating-point"):
+            function(x, qp, spec)
