@@ -3,7 +3,8 @@
 `LazyCheckpoint` reads a checkpoint (``model.safetensors``, or shards and their
 ``model.safetensors.index.json``) tensor by tensor with ``safetensors.safe_open``; `load_modules`
 puts a module's parameters and buffers (built on the meta device) on the CPU (or a device) in
-the checkpoint's dtype and returns what `release_modules` needs to put the meta tensors back.
+the meta tensor's dtype (as ``from_pretrained`` casts a checkpoint to the model's dtype) and
+returns what `release_modules` needs to put the meta tensors back.
 Stacked experts (3-D ``gate_up_proj`` / ``down_proj``) are read from the per-expert keys
 transformers writes (``experts.<e>.gate_proj.weight`` ...) when the checkpoint has no stacked key.
 A tensor the checkpoint lacks under its in-memory name is looked up under the name transformers'
@@ -237,15 +238,31 @@ def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor) -> Option
                 f"{checkpoint.where}: checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
                 f"the model's {tuple(like.shape)}"
             )
-        return value
+        return _in_dtype_of(checkpoint, name, value, like)
     return None
+
+
+_WIDE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _in_dtype_of(checkpoint, name: str, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` in the dtype of the model's tensor ``like``, as ``from_pretrained`` casts a checkpoint
+    to the model's dtype (float32 norms of a bfloat16 checkpoint); a float8 tensor (a quantized
+    checkpoint: the cast would drop its scales) is a ValueError."""
+    if value.dtype == like.dtype or not (value.is_floating_point() and like.is_floating_point()):
+        return value
+    if value.dtype not in _WIDE_FLOATS or like.dtype not in _WIDE_FLOATS:
+        raise ValueError(f"{checkpoint.where}: checkpoint tensor {name!r} is stored as {value.dtype}, the model's "
+                         f"is {like.dtype}: a quantized checkpoint is not read here; give its float weights")
+    return value.to(like.dtype)
 
 
 def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint, recurse: bool = True,
                  device: Optional[torch.device] = None) -> list:
     """Puts every meta parameter and buffer of the modules at ``paths`` of ``model`` (their own
-    only, without ``recurse``) on ``device`` (default the CPU), read from ``checkpoint`` in its dtype; a tensor tied
-    under several names is read once and stays tied. Returns ``[(owner, kind, name, meta tensor)]``
+    only, without ``recurse``) on ``device`` (default the CPU), read from ``checkpoint`` (floating-point
+    tensors cast to the meta tensor's dtype); a tensor tied under several names is read once and
+    stays tied. Returns ``[(owner, kind, name, meta tensor)]``
     for `release_modules`. A meta buffer the checkpoint lacks (rotary frequencies) is recomputed by
     the model's ``_init_weights`` (transformers models); anything else missing is a ValueError,
     after the tensors loaded before it are put back on meta."""

@@ -2,7 +2,8 @@
 
 `calibrate_layerwise` takes a model built on the meta device and a directory of safetensors
 shards. It runs the model up to its first decoder layer once per batch to capture that layer's
-inputs, then loads each layer from the checkpoint, calibrates it (`qstats.calibrate` on the layer,
+inputs (through every layer, standing in for each, when the layers are of several kinds and each
+gets its own mask), then loads each layer from the checkpoint, calibrates it (`qstats.calibrate` on the layer,
 under the part of the recipe's `Plan` inside it, so the states keep their full module paths) over
 every stored input, keeps its outputs as the next layer's inputs and puts the layer back on the
 meta device. The modules outside the layers (embeddings, final norm, ``lm_head``) are observed
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import os
 import shutil
@@ -37,13 +39,16 @@ __all__ = ["calibrate_layerwise"]
 @dataclasses.dataclass(frozen=True)
 class _Inputs:
     """One calibration batch between layers: the user's batch, its observation weight, the
-    arguments of the next layer and the output of the last layer run (None before the first)."""
+    arguments of the next layer and the output of the last layer run (None before the first).
+    ``layers``: when the layers are of several kinds (sliding-window and full attention), each
+    layer's own ``(arguments after the hidden states, keyword arguments without them)``."""
 
     batch: Any
     weight: Optional[torch.Tensor]
     args: tuple
     kwargs: dict
     output: Any = None
+    layers: Optional[tuple] = None
 
 
 class _Store:
@@ -93,23 +98,29 @@ def _call(model: torch.nn.Module, batch) -> Any:
     return model(batch)
 
 
-def _moved(value: Any, device: Optional[torch.device]) -> Any:
-    """``value`` with every tensor in it (in tuples, lists and mappings) on ``device``; None: as is."""
+def _moved(value: Any, device: Optional[torch.device], seen: Optional[dict] = None) -> Any:
+    """``value`` with every tensor in it (in tuples, lists and mappings) on ``device``; None: as is.
+    ``seen``: ``{id: moved}``, so that a tensor found twice (one mask for several layers) is moved once."""
     if device is None:
         return value
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        if seen is None:
+            return value.to(device)
+        if id(value) not in seen:
+            seen[id(value)] = value.to(device)
+        return seen[id(value)]
     if isinstance(value, (tuple, list)):
-        items = [_moved(item, device) for item in value]  # a NamedTuple takes them by field
+        items = [_moved(item, device, seen) for item in value]  # a NamedTuple takes them by field
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, Mapping):
-        return {key: _moved(item, device) for key, item in value.items()}
+        return {key: _moved(item, device, seen) for key, item in value.items()}
     return value
 
 
 def _offloaded(value: Any, device: Optional[torch.device]) -> Any:
-    """``value`` with its tensors on the CPU, where the store keeps them, when layers run on ``device``."""
-    return value if device is None else _moved(value, torch.device("cpu"))
+    """``value`` with its tensors on the CPU, where the store keeps them, when layers run on ``device``
+    (a tensor found several times in it moved once)."""
+    return value if device is None else _moved(value, torch.device("cpu"), {})
 
 
 def _execution_device(device, where: str) -> Optional[torch.device]:
@@ -169,15 +180,19 @@ def _without_cache(kwargs: dict) -> dict:
     return {key: cleared[key] if key in cleared else value for key, value in kwargs.items()}
 
 
-def _next_inputs(record: _Inputs, output) -> _Inputs:
-    """``record`` with the layer's output as the next layer's hidden states."""
+def _next_inputs(record: _Inputs, output, following: int) -> _Inputs:
+    """``record`` with the layer's output as the hidden states of layer ``following`` (with that
+    layer's own other arguments, when `_Inputs.layers` holds them)."""
     hidden = output[0] if isinstance(output, (tuple, list)) else output
     if not isinstance(hidden, torch.Tensor):
         raise ValueError(f"calibrate_layerwise: a decoder layer returned {type(output).__name__}, not hidden states")
+    rest, kwargs = tuple(record.args[1:]), record.kwargs
+    if record.layers is not None and following < len(record.layers):
+        rest, kwargs = record.layers[following]
     if record.args:
-        return dataclasses.replace(record, args=(hidden,) + tuple(record.args[1:]), output=output)
+        return dataclasses.replace(record, args=(hidden,) + tuple(rest), kwargs=kwargs, output=output)
     if "hidden_states" in record.kwargs:
-        return dataclasses.replace(record, kwargs={**record.kwargs, "hidden_states": hidden}, output=output)
+        return dataclasses.replace(record, kwargs={**kwargs, "hidden_states": hidden}, output=output)
     raise ValueError("calibrate_layerwise: the decoder layers take their hidden states neither first nor by keyword")
 
 
@@ -185,27 +200,44 @@ class _LayerRun(torch.nn.Module):
     """The root `calibrate` runs for one layer: calls the layer on a stored batch and, when
     ``write``, stores its output as that batch's next inputs."""
 
-    def __init__(self, layer: torch.nn.Module, store: _Store, device: Optional[torch.device]):
+    def __init__(self, layer: torch.nn.Module, store: _Store, device: Optional[torch.device], following: int):
         super().__init__()
         self.layer = layer
         self.store = store
         self.device = device  # where the layer runs; the store keeps its tensors on the CPU
+        self.following = following  # the index of the layer its outputs go to
         self.write = True
 
     def forward(self, index: int):
         record = self.store[index]
         output = self.layer(*_moved(record.args, self.device), **_moved(record.kwargs, self.device))
         if self.write:
-            self.store[index] = _next_inputs(record, _offloaded(output, self.device))
+            self.store[index] = _next_inputs(record, _offloaded(output, self.device), self.following)
         return output
 
 
-class _Replay(torch.nn.Module):
+class _StandIn(torch.nn.Module):
+    """Stands in for a decoder layer; an attribute it lacks is read from that layer (the model's
+    forward may read one, as ModernBERT its layers' ``attention_type``)."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.__dict__["_layer"] = layer  # not a submodule: its tensors are none of the stand-in's
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_layer"], name)
+
+
+class _Replay(_StandIn):
     """Stands in for a decoder layer after the last one has run: returns the stored output of
     the last layer for the current batch (the first stub moves to the next batch)."""
 
-    def __init__(self, store: _Store, first: bool, shared: dict, device: Optional[torch.device]):
-        super().__init__()
+    def __init__(self, layer: torch.nn.Module, store: _Store, first: bool, shared: dict,
+                 device: Optional[torch.device]):
+        super().__init__(layer)
         self.store, self.first, self.shared, self.device = store, first, shared, device
 
     def forward(self, *args, **kwargs):
@@ -215,27 +247,59 @@ class _Replay(torch.nn.Module):
         return self.shared["output"]
 
 
-def _capture(model, layer, batches, observation_weight, store: _Store, device: Optional[torch.device]) -> None:
-    """Runs ``model`` on each batch (on ``device``) up to ``layer`` (the first decoder layer) and
-    stores its inputs (on the CPU)."""
+class _Recorder(_StandIn):
+    """Stands in for a decoder layer while the inputs are captured, for layers of several kinds:
+    keeps the layer's arguments and passes its hidden states on; the last one stops the forward."""
+
+    def __init__(self, layer: torch.nn.Module, calls: list, last: bool):
+        super().__init__(layer)
+        self.calls, self.last = calls, last
+
+    def forward(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        if self.last:
+            raise _Stop(*self.calls[0])
+        return args[0] if args else kwargs.get("hidden_states")
+
+
+def _own_arguments(calls: list) -> tuple:
+    """Each layer's ``(arguments after the hidden states, keyword arguments without them)``."""
+    return tuple((tuple(args[1:]), _without_cache({k: v for k, v in kwargs.items() if k != "hidden_states"}))
+                 for args, kwargs in calls)  # fmt: skip
+
+
+def _capture(model, container, batches, observation_weight, store: _Store, device: Optional[torch.device],
+             each_layer: bool) -> None:
+    """Runs ``model`` on each batch (on ``device``) up to its first decoder layer and stores that
+    layer's inputs (on the CPU); with ``each_layer``, up to the last, through stand-ins, keeping
+    every layer's own arguments (`_Inputs.layers`)."""
 
     def stop(module, args, kwargs):
         raise _Stop(args, kwargs)
 
-    handle = layer.register_forward_pre_hook(stop, with_kwargs=True)
+    calls: list = []
+    layers = list(container)
+    handle = None if each_layer else container[0].register_forward_pre_hook(stop, with_kwargs=True)
+    for index in range(len(layers) if each_layer else 0):
+        container[index] = _Recorder(layers[index], calls, index == len(layers) - 1)
     try:
         with torch.no_grad():
             for batch in batches:
                 weight = observation_weight(batch) if observation_weight is not None else None
+                calls.clear()
                 try:
                     _call(model, _moved(batch, device))
                 except _Stop as stopped:
-                    args, kwargs = _offloaded((stopped.layer_args, stopped.layer_kwargs), device)
+                    args, kwargs, each = _offloaded((stopped.layer_args, stopped.layer_kwargs, calls), device)
                 else:
                     raise ValueError("calibrate_layerwise: the model's forward never called its first decoder layer")
-                store.append(_Inputs(batch, weight, tuple(args), _without_cache(kwargs)))
+                own = _own_arguments(each) if each_layer else None
+                store.append(_Inputs(batch, weight, tuple(args), _without_cache(kwargs), layers=own))
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
+        for index, layer in enumerate(layers):
+            container[index] = layer
 
 
 def _select(states: dict, keep: Callable[[str, str], bool]) -> dict:
@@ -396,13 +460,13 @@ def _split(found: dict, side: Plan) -> tuple:
     return _select(found, lambda path, site: not theirs(path, site)), _select(found, theirs)
 
 
-def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
+def _run_layer(run: _Run, path: str, layer: torch.nn.Module, following: int) -> dict:
     """Loads, calibrates and releases one decoder layer; its outputs replace the stored inputs.
     With ``run.after_layer``, ``after_layer(path, layer, states, side_states)`` runs on the loaded
     layer before its outputs are computed; it may replace weights by quantized ones and returns
     the states kept and the ``(path, site)`` parameter sites it quantized (not fake-quantized again)."""
     saved: list = []
-    runner = _LayerRun(layer, run.store, run.device)
+    runner = _LayerRun(layer, run.store, run.device, following)
     in_layer = lambda p: inside(p, path)  # noqa: E731
     plan = _sub_plan(run.plan, in_layer, runner)
     side = None if run.side_plan is None else _sub_plan(run.side_plan, in_layer, runner)
@@ -448,6 +512,24 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module) -> dict:
         release_modules(saved)
 
 
+def _without_router_logits(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Calls ``model`` with ``output_router_logits=False`` when its forward takes it (transformers'
+    MoE models, default ``config.output_router_logits``): the stand-in layers route no token, so
+    the router logits the model would gather after the layers are none (an IndexError in its
+    load-balancing loss); the modules outside the layers see the same values without them."""
+    names = list(inspect.signature(model.forward).parameters)
+    if "output_router_logits" not in names:
+        return contextlib.nullcontext()
+    position = names.index("output_router_logits")
+
+    def off(module, args, kwargs):
+        if len(args) > position:
+            return args[:position] + (False,) + args[position + 1 :], kwargs
+        return args, {**kwargs, "output_router_logits": False}
+
+    return model.register_forward_pre_hook(off, with_kwargs=True)  # removed on leaving the with
+
+
 def _run_outside(run: _Run, container_path: str, container, observation_weight) -> dict:
     """Observes the sites outside the decoder layers: the model's forward over the user's
     batches, each layer replaced by a stub returning the last layer's stored outputs."""
@@ -464,9 +546,10 @@ def _run_outside(run: _Run, container_path: str, container, observation_weight) 
     def observe() -> dict:
         saved.extend(_outer_loaded(run, container_path))
         for index in range(len(layers)):
-            container[index] = _Replay(run.store, index == 0, shared, run.device)
+            container[index] = _Replay(layers[index], run.store, index == 0, shared, run.device)
         weight = None if observation_weight is None else (lambda batch: shared["weight"])
-        return run.calibrate(run.model, plan, batches(), weight)
+        with _without_router_logits(run.model):
+            return run.calibrate(run.model, plan, batches(), weight)
 
     try:
         return run.reduce(run.agreed(observe), plan)
@@ -476,13 +559,13 @@ def _run_outside(run: _Run, container_path: str, container, observation_weight) 
         release_modules(saved)
 
 
-def _check_layer_kinds(model: torch.nn.Module) -> None:
-    kinds = getattr(getattr(model, "config", None), "layer_types", None)
-    if kinds is not None and len(set(kinds)) > 1:
-        raise ValueError(
-            f"calibrate_layerwise: the layers are of several kinds ({sorted(set(kinds))}: sliding-window and full "
-            "attention get different masks); every layer here is called with the arguments of the first"
-        )
+def _layer_kinds(model: torch.nn.Module, container_path: str) -> set:
+    """The kinds in ``config.layer_types`` of the modules holding the decoder layers (a multimodal
+    model keeps its text model's in ``text_config``, the config of its language model): layers of
+    several kinds get different masks (sliding-window and full attention), captured layer by layer."""
+    parts = container_path.split(".")
+    owners = [model.get_submodule(".".join(parts[:count])) for count in range(len(parts))]
+    return {kind for owner in owners for kind in getattr(getattr(owner, "config", None), "layer_types", None) or ()}
 
 
 def check_on_meta(model: torch.nn.Module) -> None:
@@ -527,7 +610,8 @@ def calibrate_layerwise(
         AutoModelForCausalLM.from_config(config)``), in eval mode. Its tensors are read from
         ``checkpoint`` when needed and put back on the meta device after.
       checkpoint: a directory holding ``model.safetensors`` or shards and their
-        ``model.safetensors.index.json``; read tensor by tensor, in its dtype. Stacked experts
+        ``model.safetensors.index.json``; read tensor by tensor, in the dtypes of the model's meta
+        tensors (as ``from_pretrained`` casts to the model's dtype). Stacked experts
         stored per expert (transformers' ``experts.<e>.gate_proj.weight``) are stacked on reading.
       batches, recipe, states, observation_weight, all_experts: as in `qstats.calibrate` (the
         batches are the model's; each is iterated once).
@@ -554,7 +638,7 @@ def calibrate_layerwise(
     Raises:
       ValueError: a model with parameters off the meta device, a tensor the checkpoint lacks (or of
         another shape: the model's tensors are back on meta after), a forward that never calls
-        its first layer, layers of several kinds (sliding-window models), a bad ``propagate``.
+        its first layer, a bad ``propagate``.
     """
     return _layerwise(model, checkpoint, batches, recipe, states=states, propagate=propagate, offload_dir=offload_dir,
                       layers=layers, progress=progress, observation_weight=observation_weight,
@@ -571,7 +655,6 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
             raise ValueError(f"{where}: propagate must be 'float' or 'quantized', got {propagate!r}")
         if all_reduce and states is not None:
             raise ValueError(f"{where}: all_reduce with resumed states would merge them once per rank")
-        _check_layer_kinds(model)
         check_on_meta(model)
         execution = _execution_device(device, where)
         check_batches(batches, where)
@@ -608,7 +691,8 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
 
     def capture() -> None:
         saved.extend(_outer_loaded(run, container_path))
-        _capture(run.model, container[0], batches, observation_weight, run.store, run.device)
+        each_layer = len(_layer_kinds(run.model, container_path)) > 1
+        _capture(run.model, container, batches, observation_weight, run.store, run.device, each_layer)
 
     try:
         run.agreed(capture)
@@ -616,7 +700,7 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
         release_modules(saved)
     with tqdm(total=len(container) + 1, unit="layer", desc=f"qstats.{where}", disable=not progress) as bar:
         for index, layer in enumerate(container):
-            found.update(_run_layer(run, f"{container_path}.{index}", layer))
+            found.update(_run_layer(run, f"{container_path}.{index}", layer, index + 1))
             bar.update(1)
         found.update(_run_outside(run, container_path, container, observation_weight))
         bar.update(1)
