@@ -9,7 +9,6 @@ difference from llm-compressor on per-tensor specs is in docs/differences.md.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -17,7 +16,7 @@ import torch
 from .._granularity import canonical_view, check_observable
 from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state, row_mask
-from .mse import mse
+from .mse import _check_args as check_search_args, mse
 
 __all__ = ["IMatrixState", "imatrix", "importance", "imatrix_mse"]
 
@@ -172,9 +171,8 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
     if imatrix_state is not None:
         full = _normalised_importance(imatrix_state, weight_shape)
         weights = canonical_view(full, spec.granularity)
+    check_search_args(spec, maxshrink, grid, norm, 1)  # ValueError naming a bad option (not int()'s)
     steps = max(1, int(maxshrink * grid)) + 1
-    if not math.isfinite(norm) or norm <= 0:
-        raise ValueError(f"imatrix_mse: norm must be a finite positive number, got {norm!r}")
 
     def build(importance: torch.Tensor) -> Observer:
         return mse(spec, maxshrink=maxshrink, grid=grid, norm=norm, expand=expand, importance=importance,

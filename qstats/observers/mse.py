@@ -55,10 +55,13 @@ class MovingAverageMSEState(NamedTuple):
 
 
 def shrink_factors(maxshrink: float, grid: float, steps: Optional[int] = None) -> list:
-    """``[1 - i / grid for i in range(steps)]`` with ``steps = int(maxshrink * grid)`` by default."""
+    """``[max(1 - i / grid, 0) for i in range(steps)]`` with ``steps = int(maxshrink * grid)`` by
+    default. A factor past zero (``steps > grid``: ``imatrix_mse``'s ``int(maxshrink * grid) + 1``
+    steps with ``grid < 1``) is 0: compressed-tensors clamps such a flipped range ``(p * min, p * max)``
+    to hold zero, which is the zero range; as a flipped range it read as uncalibrated (scale 1)."""
     if steps is None:
         steps = int(maxshrink * grid)
-    return [1.0 - i / grid for i in range(steps)]
+    return [max(1.0 - i / grid, 0.0) for i in range(steps)]
 
 
 def _check_args(spec, maxshrink, grid, norm, steps):
@@ -71,8 +74,8 @@ def _check_args(spec, maxshrink, grid, norm, steps):
         )
     if not (is_real_number(maxshrink) and 0 <= maxshrink <= 1):
         raise ValueError(f"mse: maxshrink must be in [0, 1], got {maxshrink!r}")
-    if not (is_real_number(grid) and grid > 0):
-        raise ValueError(f"mse: grid must be positive, got {grid!r}")
+    if not (is_real_number(grid) and 0 < grid < math.inf):
+        raise ValueError(f"mse: grid must be a positive finite number, got {grid!r}")
     if not (is_real_number(norm) and 0 < norm < float("inf")):
         raise ValueError(f"mse: norm must be a positive finite number, got {norm!r}")
     count = int(maxshrink * grid) if steps is None else steps
@@ -304,7 +307,8 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
       patience: early stopping in ``"moving_average"`` mode (default 5); for ``"accumulate"`` pass it
         to ``compute_qparams`` (given here, it raises).
       reference: ``(min_val, max_val)`` tensors (or a MinMaxState) fixing the base range; merges are exact.
-      importance: float tensor broadcastable to the canonical view, weighting each element's error.
+      importance: a real tensor of finite, non-negative weights broadcastable to the canonical view
+        ``(observations, *qparam_shape, group)``, weighting each element's error (ValueError otherwise).
       steps: number of candidates (overrides ``int(maxshrink * grid)``).
 
     Laws: identity, associativity and commutativity (losses to float tolerance); homomorphism when
@@ -316,6 +320,7 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     factors = shrink_factors(maxshrink, grid, steps)
     norm = float(norm)
     expand = float(expand)
+    _check_importance_type(importance)
 
     def observe(x, weight, expected, where):
         view = checked_view(x, spec.granularity, expected, where)
@@ -323,11 +328,38 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
         if mask is not None:
             mask = (mask != 0).expand(view.shape)
         lo, hi, count, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
-        return view, mask, importance, lo, hi, count, nonfinite
+        return view, mask, _checked_importance(importance, view, where), lo, hi, count, nonfinite
 
     if mode == "moving_average":
         return _moving_average(spec, factors, norm, expand, averaging_constant, patience, observe)
     return _accumulate(spec, factors, norm, expand, reference, observe)
+
+
+def _check_importance_type(importance) -> None:
+    """TypeError unless ``importance`` is None or a real (not bool or complex) tensor."""
+    if importance is None:
+        return
+    if not isinstance(importance, torch.Tensor) or importance.dtype == torch.bool or importance.is_complex():
+        got = f"a {importance.dtype} tensor" if isinstance(importance, torch.Tensor) else type(importance).__name__
+        raise TypeError(f"mse: importance must be a real tensor or None, got {got}")
+
+
+def _checked_importance(importance, view: torch.Tensor, where: str):
+    """``importance`` after ValueError where it does not broadcast to the canonical ``view`` (naming
+    both shapes: torch's expand failed deep inside the search), or holds a negative, NaN or infinite
+    weight (a negative one made the search pick the worst candidate, a NaN one the first)."""
+    if importance is None:
+        return None
+    try:
+        fits = torch.broadcast_shapes(importance.shape, view.shape) == view.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{where}: importance of shape {tuple(importance.shape)} does not broadcast to the "
+                         f"canonical view {tuple(view.shape)} (observations, *quantization parameters, group)")
+    ok = require(torch.isfinite(importance) & (importance >= 0),
+                 f"{where}: importance holds a negative, NaN or infinite weight; weights must be finite and >= 0")
+    return torch.where(ok, importance, torch.zeros_like(importance))
 
 
 def _check_modes(mode, expand, averaging_constant, patience):

@@ -203,14 +203,15 @@ def grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False, qrange=None):
     spec's own arithmetic. ``straddles_zero``: the caller knows ``lo <= 0 <= hi``; ``qrange``:
     ``spec.qrange`` if the caller has it."""
     qrange = spec.qrange if qrange is None else qrange
-    if not spec.is_float and spec.scale_dtype == "float32" and spec.convention.ranges_map_like_torch_ao:
+    # an asymmetric zero point of domain "none" is the convention's to keep (compressed-tensors
+    # does) or drop: the spec's own qparams say which
+    keeps_domain = spec.zero_point_domain != "none" or spec.mapping != "asymmetric"
+    if not spec.is_float and spec.scale_dtype == "float32" and spec.convention.ranges_map_like_torch_ao and keeps_domain:
         return _lean_grid(lo, hi, spec, straddles_zero, qrange)
     calibrated = torch.ones(lo.shape, dtype=torch.bool, device=lo.device)
     qp = qparams_from_minmax(lo.float(), hi.float(), spec, calibrated=calibrated)
     qmin, qmax = qrange
     # the element step: a two-level (NVFP4) block scale under its global scale
     scale = effective_scale(qp.scale.double(), qp.global_scale.double(), spec)
-    zero_point = qp.zero_point.double()
-    if spec.zero_point_domain == "none":
-        zero_point = torch.zeros_like(scale)
+    zero_point = qp.zero_point.double()  # the one fake quantization uses
     return scale, zero_point, (qmin - zero_point) * scale, (qmax - zero_point) * scale

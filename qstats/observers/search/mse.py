@@ -58,13 +58,16 @@ def exact_error(edges, counts, lo, hi, spec: QuantSpec) -> torch.Tensor:
 
 
 def float_grid_error(edges, counts, lo, hi, spec: QuantSpec) -> torch.Tensor:
-    """Squared error at the bucket centres for floating-point targets (fp8, fp4), ``(*P, C)``."""
-    scale, _, _, _ = grid(lo, hi, spec)
+    """Squared error at the bucket centres for floating-point targets (fp8, fp4), ``(*P, C)``; with
+    the candidate's zero point (compressed-tensors' asymmetric fp8: the error of a grid without it
+    ranked every shrunk candidate of skewed data below the full range)."""
+    scale, zero_point, _, _ = grid(lo, hi, spec)
     centres = ((edges[..., :-1] + edges[..., 1:]) / 2).unsqueeze(-2).float()
     s = scale.unsqueeze(-1).float()
+    zp = zero_point.unsqueeze(-1).float()
     # ``s`` is the element step (`grid`): a two-level spec's global scale is already in it
-    _, codes = _codes_float(centres, s, torch.zeros_like(s), spec, global_scale=torch.ones_like(s))
-    error = (codes * s - centres).double() ** 2
+    _, codes = _codes_float(centres, s, zp, spec, global_scale=torch.ones_like(s))
+    error = ((codes - zp) * s - centres).double() ** 2
     return (counts.unsqueeze(-2) * error).sum(-1)
 
 

@@ -58,7 +58,8 @@ def _abs_quantile(state, p: float) -> torch.Tensor:
 
 def percentile_search(state, spec: QuantSpec, percentile: float = 99.99) -> Range:
     """The ``percentile`` (in ``(0, 100]``) of ``|x|`` for symmetric mappings; the ``100 -
-    percentile`` and ``percentile`` percentiles of ``x`` for asymmetric ones."""
+    percentile`` and ``percentile`` percentiles of ``x`` for asymmetric ones (``percentile`` in
+    ``(50, 100]``)."""
     # numpy scalars are real numbers; a bool is not a percentile (True was the 1st)
     if not (is_real_number(percentile) and 0 < percentile <= 100):
         raise ValueError(f"compute_qparams: percentile must be a number in (0, 100], got {percentile!r}")
@@ -66,6 +67,9 @@ def percentile_search(state, spec: QuantSpec, percentile: float = 99.99) -> Rang
     if is_symmetric(spec):
         amax = _abs_quantile(state, p)
         return within_extremes(state, -amax, amax)
+    if percentile <= 50:  # the upper percentile would fall below the lower one: an empty range, in silence
+        raise ValueError(f"compute_qparams: an asymmetric mapping takes the {100 - percentile} and {percentile} "
+                         f"percentiles of x: percentile must be in (50, 100], got {percentile!r}")
     bins, low, _ = config(state)
     edges, counts = window(state, bins, low, search_octaves(spec) + 8)
     q = torch.tensor([1 - p, p], dtype=torch.float64, device=edges.device).expand(*counts.shape[:-1], 2)
