@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import os
 import re
 from typing import Any, Mapping
 
@@ -42,6 +43,8 @@ _ACTIVATION_OBSERVERS = {
 }
 _WEIGHT_MINMAX = (None, "minmax", "static_minmax", "memoryless_minmax")
 _WEIGHT_MSE = ("mse", "memoryless_mse")
+# llm-compressor's nvfp4_expanded_mse (alias fouroversix): memoryless_mse with these defaults
+_EXPANDED_MSE = {"expand": 1.8, "maxshrink": 1 - 0.8 / 1.8, "grid": 200.0, "patience": 1000}
 _MSE_SEARCH = ("maxshrink", "grid", "norm", "expand")
 _SITES = (("weights", "weight"), ("input_activations", "input"), ("output_activations", "output"))
 
@@ -117,12 +120,14 @@ def _weight_observer(args) -> tuple:
         return _qstats_observer(args, weight=True)
     if args.observer in _WEIGHT_MINMAX:
         return "minmax", {}, {}
-    if args.observer in _WEIGHT_MSE:  # llm-compressor's memoryless_mse: one search over the weight
-        return "mse", {k: kwargs[k] for k in _MSE_SEARCH if k in kwargs}, {"patience": kwargs.get("patience", 5)}
-    raise ValueError(
-        f"weights observer {args.observer!r}: no qstats equivalent of this llm-compressor observer; "
-        f"known: {[name for name in _WEIGHT_MINMAX if name] + list(_WEIGHT_MSE) + list(_QSTATS_OBSERVERS)}"
-    )
+    if args.observer in ("nvfp4_expanded_mse", "fouroversix"):
+        kwargs = {**_EXPANDED_MSE, **kwargs}
+    elif args.observer not in _WEIGHT_MSE:
+        known = [name for name in _WEIGHT_MINMAX if name] + [*_WEIGHT_MSE, "nvfp4_expanded_mse", *_QSTATS_OBSERVERS]
+        raise ValueError(f"weights observer {args.observer!r}: no qstats equivalent of this llm-compressor observer; "
+                         f"known: {known}")
+    # llm-compressor's memoryless_mse: one search over the weight
+    return "mse", {k: kwargs[k] for k in _MSE_SEARCH if k in kwargs}, {"patience": kwargs.get("patience", 5)}
 
 
 def _activation_observer(args) -> tuple:
@@ -141,6 +146,10 @@ def _activation_observer(args) -> tuple:
 
 
 def _rule(Rule, targets, args, site: str, observed_dtype):
+    if args.strategy == "attn_head":  # compressed-tensors takes it for the heads of q, k, v only
+        raise ValueError(f"the {site} args: strategy 'attn_head' (per-head scales) is not supported: qstats observes "
+                         "q, k and v as the outputs of q_proj/k_proj/v_proj, [batch, seq, heads * head_dim], not split "
+                         "into heads (and compressed-tensors refuses it on Linear weights and activations); use 'tensor'")
     overrides = {} if observed_dtype is None else {"observed_dtype": observed_dtype}
     spec = QuantSpec.from_compressed_tensors(args, **overrides)
     if site != "weight" and args.dynamic is True:  # scales at run time: llm-compressor observes nothing
@@ -187,7 +196,7 @@ def _scheme_groups(scheme: Any, targets) -> list:
     if isinstance(scheme, str):
         if not is_preset_scheme(scheme):
             raise ValueError(f"unknown compressed-tensors scheme {scheme!r}; presets: {', '.join(PRESET_SCHEMES)}")
-        return [preset_name_to_scheme(scheme, _list(targets or "Linear", "targets"))]
+        return [preset_name_to_scheme(scheme, _list("Linear" if targets is None else targets, "targets"))]
     if isinstance(scheme, QuantizationScheme):
         return [scheme if targets is None else scheme.model_copy(update={"targets": _list(targets, "targets")})]
     if not isinstance(scheme, Mapping):
@@ -222,6 +231,7 @@ class GroupMatch:
     group: int
     attention: bool = False
     ignore: tuple = ()  # the config's ignore list (compressed-tensors syntax), for per-expert Linears
+    refusal: str = ""  # why compressed-tensors refuses this group's scheme on an attention module (`_attention_refusal`)
 
     def __call__(self, path: str, module) -> bool:
         from compressed_tensors.utils import match_targets
@@ -235,6 +245,11 @@ class GroupMatch:
         if not matched or owner[matched[0]] != self.group:
             return False
         if _kv_cache_module(path, module) and self._narrow(path, module):
+            if self.refusal:  # compressed-tensors' `_validate_attention_scheme` raises: not quantized silently
+                raise ValueError(f"Recipe: config group {self.group} (targets {list(self.groups[self.group])}) narrowly "
+                                 f"matches the attention module {path!r}, which compressed-tensors refuses: {self.refusal}")
+            if self.attention:
+                _check_projections(path, module, ("q", "k", "v"), f"config group {self.group}")
             return self.attention
         return not self.attention and isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
 
@@ -317,6 +332,36 @@ def _kv_cache_module(path: str, module) -> bool:
     return is_cached_attention_module(module)
 
 
+# the children whose outputs are an attention module's sites "q", "k", "v" (`qstats.recipe`)
+PROJECTION_NAMES = {
+    "q": ("q_proj", "query", "q"),
+    "k": ("k_proj", "key", "k"),
+    "v": ("v_proj", "value", "v"),
+}
+
+
+def _kv_cache_sites(path: str, module) -> bool:
+    """`Rule.matcher` of a ``kv_cache_scheme``: the attention modules compressed-tensors caches
+    (`_kv_cache_module`), each with the k/v projections qstats observes (`_check_projections`)."""
+    if not _kv_cache_module(path, module):
+        return False
+    _check_projections(path, module, ("k", "v"), "the kv_cache_scheme")
+    return True
+
+
+def _check_projections(path: str, module, sites: tuple, what: str) -> None:
+    """ValueError where the attention module at ``path``, which compressed-tensors quantizes,
+    lacks a projection child of ``sites`` (qstats observes q/k/v as their outputs): a fused
+    ``qkv_proj`` (Phi-3) or MLA's ``kv_b_proj`` would lose that quantization silently."""
+    children = dict(module.named_children())
+    missing = [site for site in sites if not any(name in children for name in PROJECTION_NAMES[site])]
+    if missing:
+        raise ValueError(f"Recipe: {what} applies to the attention module {path!r} ({type(module).__name__}), whose "
+                         f"{'/'.join(sites)} compressed-tensors quantizes, but qstats observes them as the outputs of "
+                         f"{'/'.join(PROJECTION_NAMES[site][0] for site in missing)} children, which it has not (a "
+                         "fused qkv_proj, MLA's kv_b_proj): not supported; ignore the module or drop that scheme")
+
+
 def compressed_tensors_ignore(ignore) -> Any:
     """An ``ignore`` list of compressed-tensors (``re:`` regexes ``re.match`` from the start of the
     path) in qstats' syntax (``re.fullmatch``): ``re:X`` becomes ``re:(?:X).*`` (leading inline
@@ -336,12 +381,25 @@ def _fullmatch_form(target: str) -> str:
         re.compile(pattern)
     except re.error as error:
         raise ValueError(f"ignore: invalid regular expression {target!r}: {error}") from None
-    flags = re.match(r"\(\?[aiLmsux]+\)", pattern)
+    flags = re.match(r"(?:\(\?[aiLmsux]+\))+", pattern)
     head = flags.group() if flags else ""
-    return f"re:{head}(?:{pattern[len(head):]}).*"
+    end = "\n" if "x" in head else ""  # a verbose pattern's trailing comment ends at a newline
+    return f"re:{head}(?:{pattern[len(head):]}{end}).*"
 
 
 _LINEAR_CLASSES = {"Linear", "Embedding"}
+
+
+def _attention_refusal(group) -> str:
+    """compressed-tensors' ``_validate_attention_scheme`` message for config group ``group`` applied to
+    an attention module it narrowly matches, or "" when it takes q, k and v."""
+    if group.weights is not None:
+        return "cannot apply weight quantization to attention; target the (q|k|v)_proj submodule layers of attention"
+    if group.input_activations is None:
+        return "cannot apply attention quantization without specifying input activations"
+    if group.output_activations is not None:
+        return "cannot apply output quantization to attention"
+    return ""
 
 
 def _group_rules(Rule, groups: list, observed_dtype, ignore=()) -> list:
@@ -350,7 +408,7 @@ def _group_rules(Rule, groups: list, observed_dtype, ignore=()) -> list:
     names = tuple(tuple(group.targets) for group in groups)
     rules = []
     for index, group in enumerate(groups):
-        matcher = GroupMatch(names, index, ignore=_strings(ignore))
+        matcher = GroupMatch(names, index, ignore=_strings(ignore), refusal=_attention_refusal(group))
         for key, site in _SITES:
             args = getattr(group, key)
             if args is not None:
@@ -364,8 +422,16 @@ def _group_rules(Rule, groups: list, observed_dtype, ignore=()) -> list:
 
 
 def _kv_rule(Rule, kv_cache_scheme, observed_dtype):
-    kv = _rule(Rule, "re:.*", _args(kv_cache_scheme), "k", observed_dtype)
-    return dataclasses.replace(kv, sites=("k", "v"), matcher=_kv_cache_module)
+    from compressed_tensors.quantization import QuantizationScheme
+
+    args = _args(kv_cache_scheme)
+    try:  # checked as compressed-tensors checks the scheme it makes of it: no channel or block strategy
+        QuantizationScheme(targets=["re:.*"], input_activations=args)
+    except (ValueError, NotImplementedError) as error:
+        raise ValueError(f"kv_cache_scheme: {error}") from None
+    # its matcher selects the modules; its targets only name it (in warnings: "selects no site")
+    kv = _rule(Rule, "kv_cache_scheme", args, "k", observed_dtype)
+    return dataclasses.replace(kv, sites=("k", "v"), matcher=_kv_cache_sites)
 
 
 def _strings(ignore) -> tuple:
@@ -393,17 +459,20 @@ def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None, experts=None, 
 
 def _modifier_config(config: Any) -> Any:
     """The ``QuantizationConfig`` of an llm-compressor quantization modifier, or of an
-    llm-compressor recipe (YAML text or file, ``llmcompressor.recipe.Recipe``) holding one and
-    nothing else; any other ``config`` as it is."""
+    llm-compressor recipe (YAML text, a file's path, a list of modifiers as ``oneshot(recipe=)``
+    takes it, ``llmcompressor.recipe.Recipe``) holding one and nothing else; any other ``config``
+    as it is."""
+    if isinstance(config, os.PathLike):  # a recipe file
+        config = os.fspath(config)
     if isinstance(config, str):
         _check_recipe_text(config)
-    if isinstance(config, str) or hasattr(config, "modifiers"):
+    if isinstance(config, (str, list)) or hasattr(config, "modifiers"):  # a list: of modifiers (oneshot's recipe=)
         try:
             from llmcompressor.recipe import Recipe as LLMCompressorRecipe
         except ImportError as error:
             raise ImportError("reading an llm-compressor recipe needs llm-compressor: pip install llmcompressor "
                               f"({error})") from None
-        recipe = LLMCompressorRecipe.create_instance(config) if isinstance(config, str) else config
+        recipe = config if hasattr(config, "modifiers") else LLMCompressorRecipe.create_instance(config)
         quantizing = [m for m in recipe.modifiers if hasattr(m, "resolve_quantization_config")]
         others = [type(m).__name__ for m in recipe.modifiers if not hasattr(m, "resolve_quantization_config")]
         if others or len(quantizing) != 1:
@@ -435,31 +504,44 @@ def _check_recipe_text(text: str) -> None:
                          "json.load(open(path))['quantization_config']")
 
 
+def _config_group(name: Any, group: Any):
+    """The ``QuantizationScheme`` of ``config_groups[name]``: a mapping of its fields (``targets``
+    ``["Linear"]`` when absent; an empty list targets nothing, as in compressed-tensors), or, as
+    compressed-tensors' ``QuantizationConfig`` reads it, a preset name mapped to its targets
+    (``{"W4A16": ["Linear"]}``)."""
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import is_preset_scheme, preset_name_to_scheme
+
+    if isinstance(group, (list, tuple)) and isinstance(name, str) and is_preset_scheme(name):
+        return preset_name_to_scheme(name, _list(group, f"config_groups[{name!r}]"))
+    if not isinstance(group, Mapping):
+        raise TypeError(f"quantization config: config_groups[{name!r}] must be a mapping of scheme fields (or, "
+                        f"under a preset name, its targets), got {type(group).__name__}")
+    try:  # refuses unknown fields, naming them
+        targets = group.get("targets")
+        targets = _list(["Linear"] if targets is None else targets, f"config_groups[{name!r}].targets")
+        return QuantizationScheme.model_validate({**group, "targets": targets})
+    except ValueError as error:
+        raise ValueError(f"quantization config: config_groups[{name!r}]: {error}") from None
+
+
 def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
     """``(rules, ignore)`` of a compressed-tensors ``QuantizationConfig``, of the
     ``quantization_config`` dict of a ``config.json`` (its config groups in order), or of an
     llm-compressor ``QuantizationModifier`` / ``GPTQModifier`` (its ``resolve_quantization_config``)
     or recipe (`_modifier_config`)."""
     require_compressed_tensors("Recipe.from_compressed_tensors")
-    from compressed_tensors.quantization import QuantizationScheme
-
     config = _modifier_config(config)
     if hasattr(config, "model_dump"):
         config = config.model_dump()
     if not isinstance(config, Mapping):
         raise TypeError(f"expected a QuantizationConfig, QuantizationModifier or a dict, got {type(config).__name__}")
     groups = config.get("config_groups")
-    if not isinstance(groups, Mapping) or not groups:
-        raise ValueError("quantization config: 'config_groups' must be a non-empty mapping of schemes")
-    schemes = []
-    for name, group in groups.items():
-        if not isinstance(group, Mapping):
-            raise TypeError(f"quantization config: config_groups[{name!r}] must be a mapping, got {type(group).__name__}")
-        try:  # refuses unknown fields, naming them
-            targets = _list(group.get("targets") or ["Linear"], f"config_groups[{name!r}].targets")
-            schemes.append(QuantizationScheme.model_validate({**group, "targets": targets}))
-        except ValueError as error:
-            raise ValueError(f"quantization config: config_groups[{name!r}]: {error}") from None
+    if not isinstance(groups, Mapping) or not (groups or config.get("kv_cache_scheme") is not None):
+        # a kv-cache-only checkpoint writes "config_groups": {} (QuantizationConfig.from_pretrained)
+        raise ValueError("quantization config: 'config_groups' must be a mapping of schemes, non-empty unless a "
+                         "'kv_cache_scheme' is given")
+    schemes = [_config_group(name, group) for name, group in groups.items()]
     rules = _group_rules(Rule, schemes, observed_dtype, config.get("ignore") or ())
     if config.get("kv_cache_scheme") is not None:  # every attention module compressed-tensors caches
         rules.append(_kv_rule(Rule, config["kv_cache_scheme"], observed_dtype))

@@ -17,7 +17,7 @@ import torch
 
 from ._granularity import PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
 from ._rule_data import recipe_fields
-from ._schemes import compressed_tensors_ignore, config_rules, scheme_rules
+from ._schemes import PROJECTION_NAMES, compressed_tensors_ignore, config_rules, scheme_rules
 from ._spec import QuantSpec
 from ._torch_features import torch_dtype, uncompiled
 from .experts import (expert_count, is_stacked_parameter, linearized_experts, own_parameters, parameter_input_site,
@@ -32,11 +32,6 @@ __all__ = ["Rule", "Recipe", "Plan", "Site", "ACTIVATION_SITES", "PROJECTION_NAM
 
 ACTIVATION_SITES = ("input", "output", "q", "k", "v")
 
-PROJECTION_NAMES = {
-    "q": ("q_proj", "query", "q"),
-    "k": ("k_proj", "key", "k"),
-    "v": ("v_proj", "value", "v"),
-}
 
 
 def _freeze(mapping: Optional[Mapping[str, Any]], what: str) -> tuple:
@@ -102,6 +97,13 @@ def _unmatched_ignore(ignore: tuple, modules: dict) -> list:
         if not hit:
             unmatched.append(target)
     return unmatched
+
+
+def _group_of(rule: "Rule") -> Optional[tuple]:
+    """``(config groups, group index)`` of a rule read from a compressed-tensors config group
+    (its `GroupMatch`), else None."""
+    group = getattr(rule.matcher, "group", None)
+    return None if group is None else (rule.matcher.groups, group)
 
 
 def _is_class_name(module: torch.nn.Module, target: str) -> bool:
@@ -585,8 +587,11 @@ class Recipe:
         return entry
 
     def _warn_unmatched(self, found: list, modules: dict, model: torch.nn.Module) -> None:
+        # config groups whose q/k/v rule took attention modules: their other rules need not select any
+        attention = {_group_of(rule) for rule, sites in zip(self.rules, found)
+                     if sites and getattr(rule.matcher, "attention", False)}
         for rule, sites in zip(self.rules, found):
-            if getattr(rule.matcher, "attention", False):
+            if getattr(rule.matcher, "attention", False) or _group_of(rule) in attention:
                 continue  # a config group's q/k/v rule: its group need not name an attention module
             # a config group's rule that took stacked experts' sites (`GroupMatch.sites_on`) selects them
             unmatched = [] if sites and hasattr(rule.matcher, "sites_on") else [s for s in rule.sites if s not in sites]

@@ -234,6 +234,28 @@ def test_activation_rule_observer_equals_llm_compressors_observer_of_that_name(n
     assert torch.allclose(got, want.float(), rtol=1e-6), (got, want)
 
 
+@pytest.mark.parametrize("name", ["memoryless_mse", "nvfp4_expanded_mse"])
+def test_nvfp4_weight_rule_observer_equals_llm_compressors_observer_of_that_name(name):
+    """NVFP4 weights under llm-compressor's mse observers (``nvfp4_expanded_mse``: memoryless_mse
+    searching 1.8x down to 0.8x the range): `Recipe.from_scheme` refused the name, and qstats.mse
+    refused two-level specs. Block scales and global scale equal llm-compressor's bit for bit."""
+    from compressed_tensors.quantization.quant_scheme import NVFP4
+    from llmcompressor.observers import Observer
+
+    args = NVFP4["weights"].model_copy(update={"observer": name})
+    reference = Observer.load_from_registry(name, base_name="weight", args=args)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 64, generator=g)
+    w[2, 3] = 30.0
+    reference(w)
+    want = reference.get_qparams()
+    (rule,) = qstats.Recipe.from_scheme({"weights": args}).rules
+    obs = rule.observer(rule.spec, **dict(rule.observer_kwargs))
+    qp = qstats.compute_qparams(obs.update(obs.init(w), w), rule.spec, **dict(rule.qparams_kwargs))
+    assert torch.equal(qp.scale.float(), want["scale"].float().reshape(qp.scale.shape))
+    assert torch.equal(qp.global_scale.reshape(1), want["global_scale"].float().reshape(1))
+
+
 @pytest.fixture(scope="module")
 def saved_gqa(tmp_path_factory, saved):
     """The tiny Llama with 2 KV heads of 32: k_proj and v_proj are 64x128, half a 128x128 block."""

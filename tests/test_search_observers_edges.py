@@ -164,3 +164,72 @@ def test_asymmetric_percentile_at_or_below_50_raises():
     qp = qstats.compute_qparams(state, spec, method="percentile", percentile=60)
     lo, hi = torch.quantile(x.double(), 0.4), torch.quantile(x.double(), 0.6)  # straddling 0 for this data
     assert float(qp.scale) == pytest.approx(float(hi - lo) / 255, rel=0.02)
+
+
+def _nvfp4_args(observer, **observer_kwargs):
+    from compressed_tensors.quantization.quant_scheme import NVFP4
+
+    return NVFP4["weights"].model_copy(update={"observer": observer, "observer_kwargs": observer_kwargs})
+
+
+# llm-compressor's nvfp4_expanded_* defaults, given to qstats explicitly
+_EXPANDED = dict(expand=1.8, maxshrink=1 - 0.8 / 1.8, grid=200)
+
+
+@pytest.mark.parametrize("observer", ["memoryless_mse", "nvfp4_expanded_mse"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mse_of_an_nvfp4_weight_equals_llm_compressor(observer, dtype):
+    # llm-compressor searches NVFP4 groups with float32 scales and takes the global scale from the
+    # chosen ranges; qstats refused two-level specs
+    from llmcompressor.observers import Observer
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 64, generator=g)
+    w[2, 3] = 30.0
+    w = w.to(dtype)
+    args = _nvfp4_args(observer, **({"patience": 10**6} if observer == "memoryless_mse" else {}))
+    reference = Observer.load_from_registry(observer, base_name="weight", args=args)
+    reference(w)
+    expected = reference.get_qparams()
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
+    obs = qstats.mse(spec, **(_EXPANDED if observer == "nvfp4_expanded_mse" else {}))
+    assert obs.spec == spec
+    qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec)
+    assert torch.equal(qp.scale.float(), expected["scale"].float().reshape(qp.scale.shape))
+    assert torch.equal(qp.global_scale.reshape(1), expected["global_scale"].float().reshape(1))
+
+
+@pytest.mark.parametrize("observer, dtype", [("imatrix_mse", torch.float32), ("imatrix_mse", torch.bfloat16),
+                                             ("nvfp4_expanded_imatrix", torch.float32)])
+def test_imatrix_mse_of_an_nvfp4_weight_equals_llm_compressor(observer, dtype):
+    from llmcompressor.observers import Observer
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 16, bias=False).to(dtype)
+    layer.weight.data[2, 3] = 3.0
+    x = (torch.randn(3, 64) * torch.logspace(-1, 1, 64)).to(dtype)
+    args = _nvfp4_args(observer, patience=10**6)
+    reference = Observer.load_from_registry(observer, base_name="weight", args=args)
+    reference.attach(layer)
+    with torch.no_grad():
+        layer(x)
+    reference(layer.weight.data)
+    expected = reference.get_qparams()
+    reference.detach(layer)
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
+    imatrix = qstats.imatrix()
+    options = dict(_EXPANDED, norm=2.4) if observer.startswith("nvfp4") else {}
+    w = layer.weight.data
+    obs = qstats.imatrix_mse(spec, w.shape, imatrix.update(imatrix.init(x), x), **options)
+    qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec)
+    assert torch.equal(qp.scale.float(), expected["scale"].float().reshape(qp.scale.shape))
+    assert torch.equal(qp.global_scale.reshape(1), expected["global_scale"].float().reshape(1))
+
+
+def test_mse_of_an_nvfp4_spec_keeps_the_laws():
+    from qstats import testing
+
+    spec = qstats.preset("nvfp4")
+    reference = (torch.full((4, 2), -3.0), torch.full((4, 2), 3.0))
+    testing.check_all(qstats.mse(spec, reference=reference), lambda g: torch.randn(4, 32, generator=g),
+                      max_examples=3)

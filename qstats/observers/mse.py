@@ -9,13 +9,14 @@ of averaging per-batch choices. ``mode="moving_average"`` reproduces llm-compres
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import TensorGroup, checked_view, qparam_shape, weight_view
+from .._granularity import PerGroup, TensorGroup, checked_view, qparam_shape, weight_view
 from .._checks import is_real_number, require
 from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
@@ -64,14 +65,19 @@ def shrink_factors(maxshrink: float, grid: float, steps: Optional[int] = None) -
     return [max(1.0 - i / grid, 0.0) for i in range(steps)]
 
 
+def search_spec(spec: QuantSpec) -> QuantSpec:
+    """The spec the candidates are scored with: ``spec`` itself, or for a two-level (TensorGroup,
+    NVFP4) spec its groups with float32 scales and no global scale, as llm-compressor's mse searches
+    (its ``nvfp4_expanded_mse`` too; the global scale cancels out of float32 block scales).
+    ``compute_qparams(state, spec)`` then takes the global scale from the chosen ranges' absmax."""
+    if isinstance(spec.granularity, TensorGroup):
+        return dataclasses.replace(spec, granularity=PerGroup(spec.granularity.group_size), scale_dtype="float32")
+    return spec
+
+
 def _check_args(spec, maxshrink, grid, norm, steps):
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"mse: expected a QuantSpec, got {type(spec).__name__}")
-    if isinstance(spec.granularity, TensorGroup):
-        raise ValueError(
-            "mse: two-level (TensorGroup, NVFP4) specs are not supported: a candidate's block scales "
-            "need the global scale of the whole tensor; calibrate them with minmax"
-        )
     if not (is_real_number(maxshrink) and 0 <= maxshrink <= 1):
         raise ValueError(f"mse: maxshrink must be in [0, 1], got {maxshrink!r}")
     if not (is_real_number(grid) and 0 < grid < math.inf):
@@ -297,7 +303,8 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     """MSE grid search over shrink factors of the observed range, as a mergeable state.
 
     Args:
-      spec: the QuantSpec (granularity, format and qparams arithmetic of the candidates).
+      spec: the QuantSpec (granularity, format and qparams arithmetic of the candidates); a two-level
+        (NVFP4) spec's candidates have float32 group scales, as llm-compressor's (`search_spec`).
       maxshrink, grid: candidates ``1 - i / grid`` for ``i < int(maxshrink * grid)`` (or ``steps``).
       norm: error exponent (2.4 as llm-compressor).
       expand: factor on the reference range before shrinking (llm-compressor's ``expand``).
@@ -321,6 +328,7 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     norm = float(norm)
     expand = float(expand)
     _check_importance_type(importance)
+    given, spec = spec, search_spec(spec)
 
     def observe(x, weight, expected, where):
         view = checked_view(x, spec.granularity, expected, where)
@@ -331,8 +339,10 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
         return view, mask, _checked_importance(importance, view, where), lo, hi, count, nonfinite
 
     if mode == "moving_average":
-        return _moving_average(spec, factors, norm, expand, averaging_constant, patience, observe)
-    return _accumulate(spec, factors, norm, expand, reference, observe)
+        observer = _moving_average(spec, factors, norm, expand, averaging_constant, patience, observe)
+    else:
+        observer = _accumulate(spec, factors, norm, expand, reference, observe)
+    return observer._replace(spec=given)
 
 
 def _check_importance_type(importance) -> None:
