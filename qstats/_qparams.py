@@ -268,10 +268,14 @@ def _clipped(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec):
         half = largest / 2
         wide = ~(max_val.clamp(min=0.0) - min_val.clamp(max=0.0) <= limit)
         return torch.where(wide, min_val.clamp(min=-half), min_val), torch.where(wide, max_val.clamp(max=half), max_val)
-    steps = (spec.qmax - spec.qmin) / 2  # the scale's divisor; the farthest code lies ceil(steps) away
     # a bf16/fp16 scale, or a peak and scale computed in bf16/fp16 (torchao's input dtype), may round up
     half = {spec.scale_dtype, spec.compute_dtype} & {"bfloat16", "float16"}
-    peak = limit * steps / math.ceil(steps) * (1.0 - (2.0**-7 if half else 0.0))
+    limit = limit * (1.0 - (2.0**-7 if half else 0.0))
+    if spec.mapping == "symmetric_no_clipping_err":  # scale max(-min / -qmin, max / qmax): each end
+        farthest = max(spec.qmax, -spec.qmin)  # the scale's farthest code
+        return min_val.clamp(min=-limit * -spec.qmin / farthest), max_val.clamp(max=limit * spec.qmax / farthest)
+    steps = (spec.qmax - spec.qmin) / 2  # the scale's divisor; the farthest code lies ceil(steps) away
+    peak = limit * steps / math.ceil(steps)
     return min_val.clamp(min=-peak), max_val.clamp(max=peak)
 
 

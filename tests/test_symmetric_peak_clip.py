@@ -76,3 +76,25 @@ def test_compressed_tensors_scale_dtype_of_the_other_half_precision(peak):
                 assert float(ours) == 65280.0
                 continue
         assert torch.equal(ours, expected.float()), (compute, ours, expected)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_no_clipping_error_peaks_keep_every_code_finite_and_equal_torchao_below(bits):
+    """``symmetric_no_clipping_err`` scales a positive peak over ``qmax`` steps while code ``qmin``
+    lies one step farther: int8 peaks of 3.378e38 gave a scale whose code -128 dequantized to -Inf
+    (the clip assumed the symmetric mapping's 127.5 steps). Below the clip the scale is torchao's
+    ``choose_qparams_affine`` with ``SYMMETRIC_NO_CLIPPING_ERR``, bit for bit."""
+    primitives = pytest.importorskip("torchao.quantization.quant_primitives")
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    mapping = primitives.MappingType.SYMMETRIC_NO_CLIPPING_ERR
+    spec = qstats.QuantSpec.from_torchao(torch.int32, mapping_type=mapping, quant_min=qmin, quant_max=qmax,
+                                         zero_point_dtype=torch.int32)
+    for peak in [*PEAKS, 3.378e38]:
+        for low, high in ((-0.5, peak), (-peak, 0.5), (-peak, peak)):
+            qp = qstats.qparams_from_minmax(torch.tensor([low]), torch.tensor([high]), spec)
+            assert torch.isfinite(_dequantized_ends(qp, spec)).all(), (peak, qp.scale)
+            scale, _ = primitives.choose_qparams_affine(torch.tensor([[low, high]]), mapping, (1, 2), torch.int32,
+                                                        qmin, qmax, zero_point_dtype=torch.int32)
+            if torch.isfinite(torch.stack([qmin * scale, qmax * scale])).all() and peak < 3e38:
+                # torchao's own codes dequantize finite (and outside the clip's margin): its scale
+                assert torch.equal(qp.scale.reshape(-1), scale.float().reshape(-1)), (peak, qp.scale, scale)
