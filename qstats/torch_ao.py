@@ -8,6 +8,7 @@ docs/migrating_torch_ao.md.
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
@@ -17,9 +18,9 @@ from torch.ao.quantization import observer as ao
 from ._granularity import PerAxis, PerTensor
 from ._qparams import compute_qparams
 from ._spec import QuantSpec
-from .observers.fixed import fixed_qparams, placeholder
+from .observers.fixed import FixedQParamsState, fixed_qparams, placeholder
 from .observers.histogram import HistogramState, histogram, histogram_edges
-from .observers.minmax import MinMaxState, MovingAverageMinMaxState, minmax, moving_average_minmax
+from .observers.minmax import MinMaxState, MovingAverageMinMaxState, memoryless_minmax, minmax, moving_average_minmax
 from ._warn import warn
 
 __all__ = [
@@ -88,6 +89,28 @@ def _holds(dtype, qrange) -> bool:
         return False
     info = torch.iinfo(dtype)
     return info.min <= qrange[0] and qrange[1] <= info.max
+
+
+def _factory_option(factory: Callable, options: dict, name: str):
+    """``options[name]``, else the factory's default for ``name``, else None."""
+    if name in options:
+        return options[name]
+    try:
+        parameter = inspect.signature(factory).parameters.get(name)
+    except (TypeError, ValueError):  # a callable without a signature
+        return None
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+
+def _averaging_constant(factory: Callable, options: dict) -> Optional[float]:
+    """The moving average's ``averaging_constant`` (1 for `memoryless_minmax`), or None: torch.ao
+    reads the attribute (1: memoryless, which dynamic QAT demands and eager ``prepare`` observes on
+    the module's input)."""
+    if factory is memoryless_minmax:
+        return 1.0
+    if _factory_option(factory, options, "mode") not in (None, "moving_average"):  # mse's "accumulate"
+        return None
+    return _factory_option(factory, options, "averaging_constant")
 
 
 def _probe(spec: Optional[QuantSpec], device=None) -> torch.Tensor:
@@ -172,6 +195,9 @@ class QstatsObserver(ao.ObserverBase):
             setattr(self, name, value)
         self.spec, self.method = spec, method
         self._factory, self._options = observer, dict(options)
+        constant = _averaging_constant(observer, self._options)
+        if constant is not None:
+            self.averaging_constant = constant
         try:
             self._state_type = type(self.observer.init(_probe(spec)))
         except TypeError as error:
@@ -226,8 +252,8 @@ class QstatsObserver(ao.ObserverBase):
         return x
 
     def calculate_qparams(self):
-        """``(scale, zero_point)`` as torch.ao returns them: float32 scales, int32 (affine) or
-        int64 (symmetric) zero points (float32 for float zero points), shape ``(1,)`` per tensor.
+        """``(scale, zero_point)`` as torch.ao returns them: float32 scales, int32 (affine, and fixed
+        qparams) or int64 (symmetric) zero points (float32 for float zero points), shape ``(1,)`` per tensor.
         Before any data (or after empty tensors only), torch.ao's defaults ``([1.], [0])`` (an
         int64 zero point, on the buffers' device) with a warning, as torch.ao's observers (a spec
         with ``on_uncalibrated="raise"`` raises instead); observers whose qparams need no data
@@ -247,11 +273,24 @@ class QstatsObserver(ao.ObserverBase):
             if not bool(qp.calibrated.any()):  # torch.ao's defaults: torch.tensor([1.0]), torch.tensor([0])
                 ones = torch.ones(1, dtype=scale.dtype, device=scale.device)
                 return ones, torch.zeros(1, dtype=torch.int64, device=scale.device)
-        if not zero_point.is_floating_point() and self.spec.mapping != "asymmetric":
+        fixed = isinstance(state, FixedQParamsState)  # torch.ao's FixedQParamsObserver: int32 whatever the qscheme
+        if not zero_point.is_floating_point() and self.spec.mapping != "asymmetric" and not fixed:
             zero_point = zero_point.to(torch.int64)  # torch.ao: int64 when symmetric, int32 when affine
         if scale.dim() == 0:  # torch.ao's per-tensor qparams have shape (1,)
             scale, zero_point = scale.reshape(1), zero_point.reshape(1)
         return scale, zero_point
+
+    def _apply(self, fn, recurse=True):
+        """``.to``/``.cuda``/``.half()`` move the state to their device but keep its dtypes: a
+        qstats state is float32/int64 (``model.to(torch.bfloat16)`` rounded the observed extremes,
+        and a float64 histogram state broke its search)."""
+        before = {name: getattr(self, name) for name in self._fields}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = getattr(self, name)
+            if new.dtype != old.dtype:
+                setattr(self, name, old.to(new.device))
+        return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -264,6 +303,14 @@ class QstatsObserver(ao.ObserverBase):
                 setattr(self, name, torch.empty_like(state_dict[key], device=getattr(self, name).device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+    def __prepare_scriptable__(self):
+        """``torch.jit.script`` calls this first: qstats observers are Python functions, which
+        TorchScript cannot compile (it failed deep inside with 'keyword-arg expansion')."""
+        raise TypeError(
+            "QstatsObserver: torch.jit.script cannot compile a qstats observer (Python functions); script the "
+            "converted model (convert / convert_fx) instead, or use torch.export"
+        )
 
     def extra_repr(self) -> str:
         name = getattr(self._factory, "__name__", type(self._factory).__name__)
@@ -278,6 +325,8 @@ def _state_dict_of_torch_ao(module: QstatsObserver, state_dict, prefix: str, err
     average's, a per-channel one's or a ``HistogramObserver``'s) converted to ``module``'s state
     as `from_observer` converts them; its ``eps`` buffer is dropped where it equals ``module.eps``
     (else an error). Other state dicts come back as they are."""
+    if module._state_type is FixedQParamsState:
+        return _fixed_state_dict_of_torch_ao(module, state_dict, prefix, error_msgs)
     keys = {name: prefix + name for name in module._fields}
     if any(key in state_dict for name, key in keys.items() if name not in ("min_val", "max_val")):
         return state_dict  # qstats' own fields
@@ -304,6 +353,25 @@ def _state_dict_of_torch_ao(module: QstatsObserver, state_dict, prefix: str, err
         fields = dict(min_val=lo, max_val=hi, count=seen, batches=seen, nonfinite=torch.zeros_like(seen))
         state = [fields[name] for name in module._fields]
     converted.update({keys[name]: value for name, value in zip(module._fields, state)})
+    return converted
+
+
+def _fixed_state_dict_of_torch_ao(module: QstatsObserver, state_dict, prefix: str, error_msgs: list):
+    """A torch.ao ``FixedQParamsObserver``'s entries (``scale``, ``zero_point``, no ``count``)
+    checked against ``module``'s constants (else an error) and loaded as the state before any data
+    (torch.ao counts nothing). Other state dicts come back as they are."""
+    keys = [prefix + name for name in ("scale", "zero_point")]
+    if prefix + "count" in state_dict or not all(key in state_dict for key in keys):
+        return state_dict
+    constants = module.observer.init(_probe(module.spec))
+    for key, ours in zip(keys, (constants.scale, constants.zero_point)):
+        theirs = state_dict[key]
+        if not (isinstance(theirs, torch.Tensor) and theirs.numel() == ours.numel()
+                and torch.equal(theirs.detach().cpu().double().reshape(-1), ours.double().reshape(-1))):
+            error_msgs.append(f"QstatsObserver: the torch.ao observer's {key} {theirs} differs from this fixed_qparams "
+                              f"observer's {ours.tolist()}")
+    converted = {key: value for key, value in state_dict.items() if key not in keys}
+    converted.update({prefix + name: torch.empty(0) for name in module._fields})
     return converted
 
 
