@@ -759,3 +759,18 @@ def test_float64_values_past_float32_are_infinities_of_the_float32_buckets():
     strict = qstats.histogram(qstats.QuantSpec(dtype="int8", nonfinite="raise"))
     with pytest.raises(ValueError):
         strict.update(strict.init(x), x)
+
+
+@pytest.mark.parametrize("method", ["l2", "mse", "entropy", "percentile", "minmax"])
+def test_a_float64_state_gives_the_float32_states_qparams(method):
+    """A histogram state whose extremes were cast to float64 (``model.to(torch.float64)`` of a
+    torch.ao drop-in did it) gave the eps scale under ``"l2"``, silently; the extremes are float32
+    values, so every search gives the float32 state's qparams."""
+    spec = qstats.QuantSpec(dtype="int8")
+    obs = qstats.histogram(spec, 128)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    state = obs.update(obs.init(x), x)
+    wide = state._replace(min_val=state.min_val.double(), max_val=state.max_val.double())
+    expected = qstats.compute_qparams(state, spec, method=method)
+    got = qstats.compute_qparams(wide, spec, method=method)
+    assert torch.equal(got.scale, expected.scale) and torch.equal(got.zero_point, expected.zero_point)

@@ -276,5 +276,8 @@ register_search("minmax", minmax_search)
 
 @register_range_rule(HistogramState)
 def _histogram_range(state: HistogramState, spec: QuantSpec, method: str = "l2", **options) -> Range:
-    """The range of ``method`` (a search registered for ``"histogram"``), with its options."""
+    """The range of ``method`` (a search registered for ``"histogram"``), with its options; the
+    extremes in float32, the dtype of the bucket keys (a float64 state, cast by a user, made
+    ``"l2"`` give the eps scale)."""
+    state = state._replace(min_val=state.min_val.float(), max_val=state.max_val.float())
     return search(method, "histogram")(state, spec, **options)
