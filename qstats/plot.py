@@ -1,18 +1,21 @@
 """Plots of observer states (matplotlib is an optional dependency: ``pip install matplotlib``).
 
 `histogram(state, qparams, spec, path=...)` draws a `HistogramState`'s distribution (log scale) with
-the clipping range ``[(qmin - zp) * scale, (qmax - zp) * scale]`` of each set of qparams given. The
-figure has its own Agg canvas: pyplot and the process's backend are left alone.
+the clipping range of each set of qparams given: the values codes ``qmin`` and ``qmax`` dequantize to
+in the spec's convention (``(q - zp) * scale``; torchao's float zero point, two-level block scales and
+bf16/fp16 compute dtypes as `qstats.fake_quantize` computes them). The figure has its own Agg canvas:
+pyplot and the process's backend are left alone.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Mapping, Optional, Union
 
 import torch
 
 from ._qparams import QParams
-from ._formats import effective_scale
+from ._quant import _dequantize_view
 from ._spec import QuantSpec
 from .observers.histogram import HistogramState
 from .observers.search import _geometry as geometry
@@ -49,12 +52,43 @@ def _one_histogram(state: HistogramState, index) -> tuple[HistogramState, tuple]
             f"qstats.plot.histogram: the state holds histograms of shape {shape}; choose one with index=(...)"
         )
     index = index if isinstance(index, tuple) else (index,)
-    if len(index) != len(shape):
+    if len(index) != len(shape) or not all(_component(i, n) for i, n in zip(index, shape)):
         raise ValueError(
             f"qstats.plot.histogram: index {index} must select one histogram of shape {shape} "
-            f"({len(shape)} components)"
+            f"({len(shape)} integer components within it)"
         )
     return HistogramState(*(field[index] for field in state)), index
+
+
+def _component(i, size: int) -> bool:
+    """Whether ``i`` is an integer (Python, numpy or one-element torch; not a bool) within ``size``."""
+    if isinstance(i, bool) or (isinstance(i, torch.Tensor) and i.dtype == torch.bool):
+        return False
+    try:
+        return -size <= operator.index(i) < size
+    except TypeError:
+        return False
+
+
+def _clip_range(label, qp, index: tuple, spec: QuantSpec) -> tuple:
+    """The values codes ``qmin`` and ``qmax`` dequantize to under the selected entry of ``qp``, in
+    the spec's convention (torchao's float zero point offsets the grid's middle; a two-level block
+    scale is under its global scale; bf16/fp16 compute dtypes round the ends)."""
+    if not isinstance(qp, QParams):
+        raise TypeError(f"qstats.plot.histogram: qparams {label!r} is a {type(qp).__name__}, not QParams")
+    scale = _select(qp.scale, index)
+    if scale.numel() != 1:
+        raise ValueError(
+            f"qstats.plot.histogram: qparams {label!r} of shape {tuple(qp.scale.shape)} do not give one scale "
+            f"for index {index} (pass the QParams computed from this state)"
+        )
+    zero_point = torch.zeros(()) if qp.zero_point is None else _select(qp.zero_point, index)
+    global_scale = None if qp.global_scale is None else _select(qp.global_scale, index).reshape(())
+    codes = torch.tensor([spec.qrange], dtype=torch.float32)
+    # float32 scales, as `qstats.fake_quantize` passes them
+    ends = _dequantize_view(codes, scale.float().reshape(1, 1), zero_point.reshape(1, 1), spec, global_scale)
+    ends = ends.float()  # rounded once, as `fake_quantize` rounds a float32 tensor's values
+    return float(ends[0, 0]), float(ends[0, 1])
 
 
 def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec: QuantSpec, path=None, *,
@@ -82,6 +116,11 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
         raise TypeError(f"qstats.plot.histogram: spec must be a QuantSpec, got {type(spec).__name__}")
     if isinstance(qparams, QParams):
         qparams = {"qparams": qparams}
+    if qparams is not None and not isinstance(qparams, Mapping):
+        raise TypeError(
+            f"qstats.plot.histogram: qparams must be QParams, a mapping {{label: QParams}} or None, "
+            f"got {type(qparams).__name__}"
+        )
     qparams = dict(qparams or {})
     state, index = _one_histogram(state, index)
     total = int(state.counts.sum() + state.underflow.sum() + state.overflow.sum())
@@ -103,14 +142,9 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     axes.set_yscale("log")
     axes.set_xlabel("value")
     axes.set_ylabel("count per bin")
-    qmin, qmax = spec.qrange
     colours = [f"C{i}" for i in range(10)]  # the property cycle's colours
     for i, (label, qp) in enumerate(qparams.items()):
-        # the element step: a two-level (TensorGroup, NVFP4) block scale under its global scale
-        block_scale, global_scale = _select(qp.scale, index).double(), _select(qp.global_scale, index).double()
-        scale = float(effective_scale(block_scale, global_scale, spec))
-        zero_point = float(_select(qp.zero_point, index)) if spec.zero_point_domain != "none" else 0.0
-        clip_lo, clip_hi = (qmin - zero_point) * scale, (qmax - zero_point) * scale
+        clip_lo, clip_hi = _clip_range(label, qp, index, spec)
         colour = colours[i % len(colours)]
         axes.axvline(clip_lo, color=colour, linestyle="--", linewidth=1.2)
         axes.axvline(clip_hi, color=colour, linestyle="--", linewidth=1.2,

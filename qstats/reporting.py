@@ -20,7 +20,7 @@ import torch
 
 from ._formats import effective_scale
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view
-from ._qparams import experts_qparams
+from ._qparams import QParams, experts_qparams
 from ._quant import _codes_float, fake_quantize
 from ._sites import observe_tensor, run_model
 from .calibration import runtime_qparams, runtime_spec
@@ -216,14 +216,17 @@ def _energy(values: torch.Tensor, keep: torch.Tensor) -> float:
 
 def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = None) -> tuple:
     """``(signal energy, noise energy, clipped count, finite count, non-finite count)`` of
-    fake-quantizing ``x``; a value is clipped when its unclamped code is outside the spec's range.
+    fake-quantizing ``x`` in its own dtype (as `fake_quantized` does: bf16/fp16 outputs are rounded
+    to that dtype), measured in float32; a value is clipped when its unclamped code (in ``x``'s
+    dtype, as `fake_quantize` computes it) is outside the spec's range.
     Non-finite values (NaN, +-Inf) are left out of the first four numbers and counted in the last,
     as observers leave them out of their statistics; ``mask`` leaves entries (padding) out of all
     five, though they are still quantized with the rest.
     """
-    x = x.detach().float()
-    quantized = fake_quantize(x, qparams, spec).float()
+    x = x.detach()
+    quantized = fake_quantize(x, qparams, spec).float()  # in x's dtype: a bf16 model's values round to bf16
     view = canonical_view(x, spec.granularity)
+    x = x.float()
     scale = broadcast_to_view(qparams.scale.float())
     zero_point = broadcast_to_view(qparams.zero_point)
     unclamped, _ = _codes_float(view, scale, zero_point, spec, global_scale=qparams.global_scale)
@@ -279,6 +282,7 @@ def report(
     if not isinstance(recipe, Plan) and (model is None) != (recipe is None):
         raise ValueError("report: give both model and recipe (to measure errors), or neither")
     plan = as_plan(recipe, model, "report") if recipe is not None else None
+    _check_qparams(qparams, plan, batches is not None)
     errors: dict = {}
     if plan is not None:
         _measure_parameters(plan, qparams, errors)
@@ -292,6 +296,27 @@ def report(
             found = plan.site(path, site) if plan is not None else None
             rows.append(_row(path, site, state, qparams[path][site], found, errors.get((path, site))))
     return Report(tuple(rows))
+
+
+def _check_qparams(qparams: Mapping, plan: Optional[Plan], activations: bool) -> None:
+    """TypeError for an entry that is neither QParams nor None (the states tree passed as qparams),
+    ValueError for a None entry of a site the plan measures (parameters; activations too where
+    ``activations``) whose spec needs QParams (its scales do not come at run time), as
+    `fake_quantized` refuses them."""
+    for path, entry in qparams.items():
+        if not isinstance(entry, Mapping):
+            got = type(entry).__name__
+            raise TypeError(f"report: qparams[{path!r}] must be a mapping {{site: QParams}}, got {got}")
+        for site, qp in entry.items():
+            if qp is not None and not isinstance(qp, QParams):
+                raise TypeError(
+                    f"report: qparams[{path!r}][{site!r}] is a {type(qp).__name__}, not QParams; "
+                    "pass qstats.compute_qparams_tree(states, recipe, model), not the states"
+                )
+            found = plan.site(path, site) if plan is not None else None
+            measured = found is not None and (activations or found.kind == "parameter")
+            if qp is None and measured and not found.runtime:
+                raise ValueError(f"report: qparams[{path!r}][{site!r}] is None; its spec needs QParams")
 
 
 def _row(path: str, site: str, state, qp, found, error: Optional[_Error]) -> LayerReport:
@@ -310,7 +335,8 @@ def _row(path: str, site: str, state, qp, found, error: Optional[_Error]) -> Lay
         clipped_fraction=error.clipped_fraction() if error is not None else None,
         sqnr_db=error.sqnr_db() if error is not None else None,
         coverage=float(qp.calibrated.float().mean()) if qp is not None else None,
-        nonfinite=error.nonfinite if error is not None else None,
+        # None where the site saw no value at all (no batch reached it), as the other measured fields
+        nonfinite=error.nonfinite if error is not None and (error.total or error.nonfinite) else None,
     )
 
 
