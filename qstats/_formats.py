@@ -146,9 +146,18 @@ def store_codes(values: torch.Tensor, spec) -> torch.Tensor:
 
 
 def load_codes(codes: torch.Tensor, spec) -> torch.Tensor:
-    """Codes -> float32 grid values (decodes emulated formats)."""
-    if is_emulated(spec) and codes.dtype == torch.uint8:
+    """Codes -> float32 grid values: bit codes of emulated formats in any integer dtype are
+    decoded, floating-point tensors are grid values. TypeError for integer codes of an fp8 format
+    (its codes are the torch float8 dtype; the bytes of ``codes.view(torch.uint8)`` are no values)."""
+    if codes.is_floating_point():
+        return codes.float()
+    if is_emulated(spec):
         return decode(codes, spec.float_format)
+    if spec.is_float:
+        raise TypeError(
+            f"dequantize: codes of {spec.dtype!r} must be {spec.float_format.torch_dtype} (or its "
+            f"float values), got {codes.dtype}; view fp8 bytes with codes.view({spec.float_format.torch_dtype})"
+        )
     return codes.float()
 
 
@@ -331,7 +340,8 @@ def codes(view: torch.Tensor, scale: torch.Tensor, global_scale, spec):
     if not isinstance(spec.granularity, TensorGroup):
         scaled = spec.convention.block_scaled(view, scale, spec)
     elif spec.global_scale_formula == "range_over_amax":
-        scaled = view / (scale / global_scale)
+        # + 0: compressed-tensors adds its zero point (0), which makes -0.0 +0
+        scaled = view / (scale / global_scale) + 0.0
     else:
         scaled = _two_level_scaled(view, scale, global_scale)
     return scaled, round_to_format(scaled.clamp(-fmax, fmax), spec.float_format)

@@ -395,11 +395,12 @@ class CompressedTensorsConvention(Convention):
         return product.to(compute).float()
 
     def block_scaled(self, view, scale, spec):
-        """In the observed dtype, as compressed-tensors divides."""
+        """In the observed dtype, as compressed-tensors divides, then adds its zero point (0), which
+        makes -0.0 +0 (a tiny negative value still rounds to -0)."""
         if spec.compute_dtype == "float32":
-            return view / scale
+            return view / scale + 0.0
         compute = getattr(torch, spec.compute_dtype)
-        return (view.to(compute) / scale.to(compute)).float()
+        return (view.to(compute) / scale.to(compute) + 0.0).float()
 
     def e8m0_scale(self, amax, spec):
         """compressed-tensors holds the scale in the observed dtype, and replaces one that
