@@ -147,18 +147,12 @@ def store_codes(values: torch.Tensor, spec) -> torch.Tensor:
 
 def load_codes(codes: torch.Tensor, spec) -> torch.Tensor:
     """Codes -> float32 grid values: bit codes of emulated formats in any integer dtype are
-    decoded, floating-point tensors are grid values. TypeError for integer codes of an fp8 format
-    (its codes are the torch float8 dtype; the bytes of ``codes.view(torch.uint8)`` are no values)."""
+    decoded, floating-point tensors are grid values."""
     if codes.is_floating_point():
         return codes.float()
     if is_emulated(spec):
         return decode(codes, spec.float_format)
-    if spec.is_float:
-        raise TypeError(
-            f"dequantize: codes of {spec.dtype!r} must be {spec.float_format.torch_dtype} (or its "
-            f"float values), got {codes.dtype}; view fp8 bytes with codes.view({spec.float_format.torch_dtype})"
-        )
-    return codes.float()
+    return codes.float()  # integer codes of an fp8 format: refused by `dequantize`
 
 
 # --------------------------------------------------------------------------------------------

@@ -102,7 +102,16 @@ def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor
 def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=torch.float32) -> torch.Tensor:
     """Values of ``codes``: ``(codes - zero_point) * scale`` (``codes * scale`` for floats), in
     float64 arithmetic for a float64 ``dtype`` where `fake_quantize` of float64 inputs computes in
-    it (torch.ao's per-channel integer targets)."""
+    it (torch.ao's per-channel integer targets).
+
+    Raises:
+      TypeError: integer codes of an fp8 format (its codes are the torch float8 dtype).
+    """
+    if spec.is_float and not _formats.is_emulated(spec) and not codes.is_floating_point():
+        raise TypeError(
+            f"dequantize: codes of {spec.dtype!r} must be {spec.float_format.torch_dtype} (or its float values), "
+            f"got {codes.dtype}; view fp8 bytes with codes.view({spec.float_format.torch_dtype})"
+        )
     view = canonical_view(codes, spec.granularity)
     if dtype == torch.float64 and not spec.is_float:
         view = view.double()

@@ -102,6 +102,13 @@ def test_integer_codes_of_an_fp8_format_are_refused_naming_the_dtype():
     assert torch.equal(qstats.dequantize(codes, qp, spec), ct_forward.fake_quantize(x, scale, zero_point, args))
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         qstats.dequantize(codes.view(torch.uint8), qp, spec)
+    # per-tensor fp8 under the default convention (not a block format) was read as values too
+    spec = qstats.QuantSpec(dtype="fp8_e4m3fn", zero_point_domain="none")
+    qp = _observe(spec, x)
+    codes = qstats.quantize(x, qp, spec)
+    assert torch.equal(qstats.dequantize(codes, qp, spec), codes.float() * qp.scale)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        qstats.dequantize(codes.view(torch.uint8), qp, spec)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
