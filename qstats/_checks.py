@@ -11,13 +11,22 @@ import numbers
 
 import torch
 
-__all__ = ["is_real_number", "require", "require_calibrated"]
+__all__ = ["check_floating", "is_real_number", "require", "require_calibrated"]
 
 
 def is_real_number(value) -> bool:
     """A Python or numpy real number, not a bool (``True`` is no averaging constant or eps): how
     qstats' factories recognise numeric options."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_floating(x, where: str) -> torch.Tensor:
+    """``x``, after TypeError where it is not a floating-point tensor (quantizing one and casting
+    back would truncate to integers; torch's fake-quant ops refuse them too)."""
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{where}: x must be a floating-point tensor, got {got}")
+    return x
 
 
 @torch.library.custom_op("qstats::require", mutates_args=())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import _formats
-from ._checks import require
+from ._checks import check_floating, require
 from ._formats import code_dtype
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
@@ -34,15 +34,6 @@ def _params(qparams: QParams, view: torch.Tensor):
     scale = broadcast_to_view(qparams.scale.float())
     zero_point = broadcast_to_view(qparams.zero_point)
     return scale, zero_point
-
-
-def _floating(x: torch.Tensor, where: str) -> torch.Tensor:
-    """``x``, after TypeError where it is not a floating-point tensor (its codes or values would be
-    truncated back to integers; torch's fake-quant ops refuse them too)."""
-    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"{where}: x must be a floating-point tensor, got {got}")
-    return x
 
 
 def _checked_zero_point(zero_point: torch.Tensor, spec: QuantSpec, where: str) -> torch.Tensor:
@@ -91,7 +82,7 @@ def _to_output(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor:
     """Codes of ``x``: integers in ``[qmin, qmax]`` (dtype `code_dtype(spec)`) or fp8 values."""
-    view = canonical_view(_floating(x, "quantize"), spec.granularity)
+    view = canonical_view(check_floating(x, "quantize"), spec.granularity)
     scale, zero_point = _params(qparams, view)
     zero_point = _checked_zero_point(zero_point, spec, "quantize")
     _, codes = _codes_float(view, scale, zero_point, spec, qparams.global_scale)
@@ -140,7 +131,7 @@ def fake_quantize_passing(x: torch.Tensor, qparams: QParams, spec: QuantSpec, st
     left out where False, and where ``x`` requires grad for None (`fake_quantize`). Inside
     ``torch.vmap`` tensors report ``requires_grad=False``: a caller vmapping a tensor that needs a
     gradient passes True (autograd records through the vmap)."""
-    view = canonical_view(_floating(x, "fake_quantize"), spec.granularity)
+    view = canonical_view(check_floating(x, "fake_quantize"), spec.granularity)
     scale, zero_point = _params(qparams, view)
     zero_point = _checked_zero_point(zero_point, spec, "fake_quantize")
     unclamped, codes = _codes_float(view.detach(), scale, zero_point, spec, qparams.global_scale)

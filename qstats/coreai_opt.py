@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ._checks import check_floating
 from .conventions.coreai_opt import block_size
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
@@ -89,8 +90,10 @@ def fake_quantize_minval(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> 
     Raises:
       ValueError: a float target (coreai_opt allows ``"minval"`` for integers only), or ``qparams``
         without ``minval`` (saved by an earlier release).
+      TypeError: ``x`` is not a floating-point tensor.
     """
     spec = check_spec(spec)
+    check_floating(x, "fake_quantize_minval")
     if spec.is_float or qparams.minval is None:
         raise ValueError(f"fake_quantize_minval: needs an integer target and qparams.minval, got dtype "
                          f"{spec.dtype!r} and minval {'None' if qparams.minval is None else 'given'}")

@@ -14,7 +14,7 @@ from typing import NamedTuple, Union
 
 import torch
 
-from ._checks import is_real_number
+from ._checks import check_floating, is_real_number
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams, _with_minval_of_codes, compute_qparams
 from ._spec import QuantSpec
@@ -109,17 +109,29 @@ def lsq_qparams(params: LSQParams, spec: QuantSpec) -> QParams:
     if params.scale.shape != params.zero_point.shape:
         raise ValueError(f"lsq_qparams: params.scale has shape {tuple(params.scale.shape)}, params.zero_point "
                          f"{tuple(params.zero_point.shape)}; they must be equal")
-    scale = params.scale.detach().float().clamp(min=spec.eps)
-    qmin, qmax = spec.qrange
-    if spec.mapping == "asymmetric" and spec.zero_point_domain == "float":
-        zero_point = params.zero_point.detach().float().clone()
-    elif spec.mapping == "asymmetric" and spec.zero_point_domain == "int":
-        zero_point = torch.round(params.zero_point.detach().float()).clamp(qmin, qmax).to(torch.int32)
-    else:
-        fixed = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
-        zero_point = torch.full(scale.shape, fixed, dtype=torch.int32, device=scale.device)
+    scale, zero_point = _forward_values(params, spec)
+    float_zero_point = _learns_zero_point(spec) and spec.zero_point_domain == "float"
+    zero_point = zero_point.clone() if float_zero_point else zero_point.to(torch.int32)
     calibrated = torch.ones_like(scale, dtype=torch.bool)
     return _with_minval_of_codes(QParams(scale, zero_point, scale.new_tensor(1.0), calibrated), spec)
+
+
+def _learns_zero_point(spec: QuantSpec) -> bool:
+    return spec.mapping == "asymmetric" and spec.zero_point_domain != "none"
+
+
+def _forward_values(params: LSQParams, spec: QuantSpec) -> tuple:
+    """The scale and zero point the forward uses (detached, float32): the scale raised to
+    ``spec.eps``; a learned integer zero point rounded and clamped to ``spec.qrange``, a float one
+    as it is; else the spec's fixed zero point."""
+    scale = params.scale.detach().float().clamp(min=spec.eps)
+    if not _learns_zero_point(spec):
+        fixed = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
+        return scale, torch.full_like(scale, float(fixed))
+    zero_point = params.zero_point.detach().float()
+    if spec.zero_point_domain == "int":
+        zero_point = torch.round(zero_point).clamp(*spec.qrange)
+    return scale, zero_point
 
 
 def _zero_gradient(t: torch.Tensor) -> torch.Tensor:
@@ -132,10 +144,7 @@ def _checked_view(x: torch.Tensor, params, spec) -> torch.Tensor:
     _check_spec(spec)
     if not isinstance(params, LSQParams):
         raise TypeError(f"lsq_fake_quantize: params must be LSQParams, got {type(params).__name__}")
-    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):  # the result would be cast back to ints
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"lsq_fake_quantize: x must be a floating-point tensor, got {got}")
-    view = canonical_view(x, spec.granularity)
+    view = canonical_view(check_floating(x, "lsq_fake_quantize"), spec.granularity)
     expected = tuple(view.shape[1:-1])
     for name, value in zip(LSQParams._fields, params):
         if not isinstance(value, torch.Tensor):
@@ -177,16 +186,8 @@ def lsq_fake_quantize(
     factor = lsq_grad_factor(x.numel(), params.scale.numel(), spec, grad_scale)
 
     scale = broadcast_to_view(params.scale.float())
-    scale_value = scale.detach().clamp(min=spec.eps)
-    if spec.mapping == "asymmetric" and spec.zero_point_domain != "none":  # a learned zero point
-        zero_point = broadcast_to_view(params.zero_point.float())
-        zero_point_value = zero_point.detach()
-        if spec.zero_point_domain == "int":
-            zero_point_value = torch.round(zero_point_value).clamp(qmin, qmax)
-    else:
-        zero_point = None
-        fixed = 0 if spec.zero_point_domain == "none" else spec.zero_point_of_symmetric
-        zero_point_value = torch.full_like(scale_value, float(fixed))
+    zero_point = broadcast_to_view(params.zero_point.float()) if _learns_zero_point(spec) else None
+    scale_value, zero_point_value = (broadcast_to_view(t) for t in _forward_values(params, spec))
 
     v = view.float()
     v_value = v.detach()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import distributed
+from ._checks import check_floating
 from ._qparams import compute_qparams
 from ._quant import fake_quantize
 from ._spec import QuantSpec
@@ -122,8 +123,8 @@ def observe_fake_quantize(
             f"observe_fake_quantize: the {observer.name} observer has no QuantSpec to fake-quantize to "
             f"(spec={spec!r}); use it with phase.fake_quantize=False, or pass an observer built from a QuantSpec"
         )
-    if phase.fake_quantize is not False and not x.is_floating_point():  # torch's fake quant refuses them too
-        raise TypeError(f"observe_fake_quantize: x must be a floating-point tensor to fake-quantize, got {x.dtype}")
+    if phase.fake_quantize is not False:
+        check_floating(x, "observe_fake_quantize")
     new_state = state
     if phase.observe is not False:
         new_state = _select(phase.observe, observer.update(state, x.detach()), state)

@@ -189,3 +189,16 @@ def test_a_float_range_past_float32_is_named_and_a_half_precision_minval_saturat
     assert qp.minval.item() == torch.finfo(torch.float16).min
     assert torch.isfinite(qp.scale).all()
     assert torch.isfinite(qstats.coreai_opt.fake_quantize_minval(x, qp, spec)).all()
+
+
+def test_minval_fake_quantization_refuses_integer_input():
+    """``fake_quantize_minval`` cast integer input to float and back: truncated ints, no error,
+    where coreai_opt's fake quantizer (torch's) and `qstats.fake_quantize` refuse it."""
+    spec = qstats.QuantSpec.from_coreai_opt({"dtype": "int8", "qscheme": "asymmetric",
+                                             "granularity": {"type": "per_tensor"}})
+    x = torch.tensor([-3.0, 1.0, 7.0])
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    for fake in (qstats.fake_quantize, qstats.coreai_opt.fake_quantize_minval):
+        with pytest.raises(TypeError, match="floating-point"):
+            fake(torch.tensor([-3, 1, 7]), qp, spec)
