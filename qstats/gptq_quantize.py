@@ -37,7 +37,7 @@ from ._quant import _cap, _checked_zero_point, _codes_float, _dequantize_view
 from ._formats import store_codes
 from ._spec import QuantSpec
 from .experts import UncalibratedWarning
-from .observers.hessian import HessianState, checked_hessian_state
+from .observers.hessian import HessianState, checked_hessian_state, normalized_hessian
 from .observers.minmax import minmax
 from ._warn import warn
 from ._checks import require
@@ -187,10 +187,15 @@ def _minmax_qparams(weight: torch.Tensor, spec: QuantSpec) -> QParams:
 
 
 def _quantize_column(column, scale, zero_point, global_scale, spec):
-    """``(fake-quantized values, float codes)`` of one weight column under per-row parameters."""
+    """``(fake-quantized values, float codes)`` of one weight column under per-row parameters: the
+    codes `qstats.quantize` gives those values (a float format's -0 is +0 under compressed-tensors'
+    convention, as in the checkpoint llm-compressor writes of its GPTQ'd weight)."""
     _, codes = _codes_float(column, scale, zero_point, spec, global_scale)
+    values = _dequantize_view(codes, scale, zero_point, spec, global_scale)
+    if spec.is_float:
+        _, codes = _codes_float(values, scale, zero_point, spec, global_scale)
     # in the column's dtype (float zero points dequantize in float64: the error update is float32)
-    return _dequantize_view(codes, scale, zero_point, spec, global_scale).to(column.dtype), codes
+    return values.to(column.dtype), codes
 
 
 def _running_qparams(rest, start, stop, group_size, spec, found):
@@ -250,13 +255,11 @@ def _factorable_hessian(total: torch.Tensor, count: torch.Tensor) -> torch.Tenso
     less), which brings it near 1: float32's Cholesky factors would overflow or underflow there.
     GPTQ's result does not depend on that factor (the factors scale by its square root, exactly);
     inside the range the Hessian is llm-compressor's, bit for bit."""
-    mean = 2.0 * (total / count.clamp(min=1).to(total.dtype)[..., None, None])  # in the sum's dtype
+    mean = normalized_hessian(total, count, dtype=total.dtype)  # in the sum's dtype
     peak = torch.diagonal(mean, dim1=-2, dim2=-1).amax(dim=-1).double()
     outside = (peak > 2.0**64) | ((peak < 2.0**-64) & (peak > 0))
-    peak = torch.where(outside, peak.clamp(max=2.0**1000), 1.0)
-    mantissa, exponent = torch.frexp(peak)  # peak = mantissa * 2^exponent; 1 = 0.5 * 2^1
-    power = peak / mantissa / torch.where(exponent % 2 == 1, 2.0, 1.0)  # 2^(2 floor(exponent / 2)), exact
-    half = (1.0 / torch.sqrt(power)).to(mean.dtype)[..., None, None]  # 2^-floor(exponent / 2), exact
+    _, exponent = torch.frexp(torch.where(outside, peak.clamp(max=2.0**1000), 1.0))  # 1 = 0.5 * 2^1
+    half = torch.ldexp(torch.ones_like(peak), -(exponent // 2)).to(mean.dtype)[..., None, None]  # exact
     mean = mean * half  # twice: the power of 4 itself may not be a float32 number
     return (mean * half).to(torch.float32)
 

@@ -128,11 +128,11 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=None, name="hessian", shared_rows=True)
 
 
-def normalized_hessian(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """``2 / count * total`` in float32, ``total`` ``[..., in, in]`` and ``count`` ``[...]`` (one per
+def normalized_hessian(total: torch.Tensor, count: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """``2 / count * total`` in ``dtype``, ``total`` ``[..., in, in]`` and ``count`` ``[...]`` (one per
     expert of a stack); zeros where ``count`` is 0. Divided before the (exact) doubling, so that a
     finite float32 sum past half of float32's range does not overflow to Inf."""
-    return (2.0 * (total / count.clamp(min=1).to(total.dtype)[..., None, None])).to(torch.float32)
+    return (2.0 * (total / count.clamp(min=1).to(total.dtype)[..., None, None])).to(dtype)
 
 
 def gptq_hessian(state: HessianState) -> torch.Tensor:
