@@ -152,7 +152,7 @@ def load_codes(codes: torch.Tensor, spec) -> torch.Tensor:
         return codes.float()
     if is_emulated(spec):
         return decode(codes, spec.float_format)
-    return codes.float()  # integer codes of an fp8 format: refused by `dequantize`
+    return codes.float()  # an integer format's codes (integer fp8 codes are refused by `dequantize`)
 
 
 # --------------------------------------------------------------------------------------------

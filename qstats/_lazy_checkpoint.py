@@ -242,7 +242,7 @@ def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor) -> Option
     return None
 
 
-_WIDE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_CASTABLE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _in_dtype_of(checkpoint, name: str, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -251,7 +251,7 @@ def _in_dtype_of(checkpoint, name: str, value: torch.Tensor, like: torch.Tensor)
     checkpoint: the cast would drop its scales) is a ValueError."""
     if value.dtype == like.dtype or not (value.is_floating_point() and like.is_floating_point()):
         return value
-    if value.dtype not in _WIDE_FLOATS or like.dtype not in _WIDE_FLOATS:
+    if value.dtype not in _CASTABLE_FLOATS or like.dtype not in _CASTABLE_FLOATS:
         raise ValueError(f"{checkpoint.where}: checkpoint tensor {name!r} is stored as {value.dtype}, the model's "
                          f"is {like.dtype}: a quantized checkpoint is not read here; give its float weights")
     return value.to(like.dtype)

@@ -25,7 +25,7 @@ __all__ = [
     "Range",
 ]
 
-_FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class QParams(NamedTuple):
@@ -259,13 +259,12 @@ def _clipped(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec):
     half of float32's range); one-sided wide asymmetric ranges and float targets (codes at most
     ``amax``) keep their ends, as torch.ao, torchao and compressed-tensors map them, up to a
     margin of 2**-20 at the limit (2**-7 more for a bf16/fp16 scale or compute dtype, which may round up)."""
-    largest = torch.finfo(torch.float32).max
-    limit = largest * (1.0 - 2.0**-20)
+    limit = _FLOAT32_MAX * (1.0 - 2.0**-20)
     min_val, max_val = min_val.clamp(min=-limit), max_val.clamp(max=limit)
     if spec.is_float:
         return min_val, max_val
     if spec.mapping == "asymmetric":
-        half = largest / 2
+        half = _FLOAT32_MAX / 2
         wide = ~(max_val.clamp(min=0.0) - min_val.clamp(max=0.0) <= limit)
         return torch.where(wide, min_val.clamp(min=-half), min_val), torch.where(wide, max_val.clamp(max=half), max_val)
     # a bf16/fp16 scale, or a peak and scale computed in bf16/fp16 (torchao's input dtype), may round up

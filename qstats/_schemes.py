@@ -517,9 +517,9 @@ def _config_group(name: Any, group: Any):
     if not isinstance(group, Mapping):
         raise TypeError(f"quantization config: config_groups[{name!r}] must be a mapping of scheme fields (or, "
                         f"under a preset name, its targets), got {type(group).__name__}")
+    targets = group.get("targets")
+    targets = _list(["Linear"] if targets is None else targets, f"config_groups[{name!r}].targets")
     try:  # refuses unknown fields, naming them
-        targets = group.get("targets")
-        targets = _list(["Linear"] if targets is None else targets, f"config_groups[{name!r}].targets")
         return QuantizationScheme.model_validate({**group, "targets": targets})
     except ValueError as error:
         raise ValueError(f"quantization config: config_groups[{name!r}]: {error}") from None

@@ -280,8 +280,9 @@ def _capture(model, container, batches, observation_weight, store: _Store, devic
     calls: list = []
     layers = list(container)
     handle = None if each_layer else container[0].register_forward_pre_hook(stop, with_kwargs=True)
-    for index in range(len(layers) if each_layer else 0):
-        container[index] = _Recorder(layers[index], calls, index == len(layers) - 1)
+    if each_layer:
+        for index, layer in enumerate(layers):
+            container[index] = _Recorder(layer, calls, index == len(layers) - 1)
     try:
         with torch.no_grad():
             for batch in batches:
@@ -298,8 +299,9 @@ def _capture(model, container, batches, observation_weight, store: _Store, devic
     finally:
         if handle is not None:
             handle.remove()
-        for index, layer in enumerate(layers):
-            container[index] = layer
+        if each_layer:
+            for index, layer in enumerate(layers):
+                container[index] = layer
 
 
 def _select(states: dict, keep: Callable[[str, str], bool]) -> dict:

@@ -82,8 +82,7 @@ def _clip_range(label, qp, index: tuple, spec: QuantSpec) -> tuple:
             f"qstats.plot.histogram: qparams {label!r} of shape {tuple(qp.scale.shape)} do not give one scale "
             f"for index {index} (pass the QParams computed from this state)"
         )
-    zero_point = torch.zeros(()) if qp.zero_point is None else _select(qp.zero_point, index)
-    global_scale = None if qp.global_scale is None else _select(qp.global_scale, index).reshape(())
+    zero_point, global_scale = _select(qp.zero_point, index), _select(qp.global_scale, index).reshape(())
     codes = torch.tensor([spec.qrange], dtype=torch.float32)
     # float32 scales, as `qstats.fake_quantize` passes them
     ends = _dequantize_view(codes, scale.float().reshape(1, 1), zero_point.reshape(1, 1), spec, global_scale)

@@ -33,7 +33,6 @@ __all__ = ["Rule", "Recipe", "Plan", "Site", "ACTIVATION_SITES", "PROJECTION_NAM
 ACTIVATION_SITES = ("input", "output", "q", "k", "v")
 
 
-
 def _freeze(mapping: Optional[Mapping[str, Any]], what: str) -> tuple:
     if mapping is None:
         return ()
@@ -588,10 +587,10 @@ class Recipe:
 
     def _warn_unmatched(self, found: list, modules: dict, model: torch.nn.Module) -> None:
         # config groups whose q/k/v rule took attention modules: their other rules need not select any
-        attention = {_group_of(rule) for rule, sites in zip(self.rules, found)
-                     if sites and getattr(rule.matcher, "attention", False)}
-        for rule, sites in zip(self.rules, found):
-            if getattr(rule.matcher, "attention", False) or _group_of(rule) in attention:
+        takes_attention = [getattr(rule.matcher, "attention", False) for rule in self.rules]
+        attention = {_group_of(rule) for rule, sites, takes in zip(self.rules, found, takes_attention) if sites and takes}
+        for rule, sites, takes in zip(self.rules, found, takes_attention):
+            if takes or _group_of(rule) in attention:
                 continue  # a config group's q/k/v rule: its group need not name an attention module
             # a config group's rule that took stacked experts' sites (`GroupMatch.sites_on`) selects them
             unmatched = [] if sites and hasattr(rule.matcher, "sites_on") else [s for s in rule.sites if s not in sites]

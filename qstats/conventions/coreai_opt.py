@@ -54,7 +54,6 @@ class CoreaiOptConvention(TorchaoConvention):
         return Convention.dequantize(self, codes.float(), scale.float(), zero_point, spec)
 
 
-
 def _field(source, name: str, default=None):
     if isinstance(source, dict):
         return source.get(name, default)

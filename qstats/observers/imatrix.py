@@ -16,7 +16,7 @@ import torch
 from .._granularity import canonical_view, check_observable
 from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state, row_mask
-from .mse import _check_args as check_search_args, mse
+from .mse import check_search_args, mse
 
 __all__ = ["IMatrixState", "imatrix", "importance", "imatrix_mse"]
 
@@ -171,7 +171,7 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
     if imatrix_state is not None:
         full = _normalised_importance(imatrix_state, weight_shape)
         weights = canonical_view(full, spec.granularity)
-    check_search_args(spec, maxshrink, grid, norm, 1)  # ValueError naming a bad option (not int()'s)
+    check_search_args(spec, maxshrink, grid, norm, 1, "imatrix_mse")  # ValueError naming a bad option (not int()'s)
     steps = max(1, int(maxshrink * grid)) + 1
 
     def build(importance: torch.Tensor) -> Observer:

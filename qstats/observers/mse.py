@@ -75,18 +75,20 @@ def search_spec(spec: QuantSpec) -> QuantSpec:
     return spec
 
 
-def _check_args(spec, maxshrink, grid, norm, steps):
+def check_search_args(spec, maxshrink, grid, norm, steps, where: str = "mse") -> None:
+    """TypeError / ValueError naming a bad option of an MSE search (``steps`` None: the candidates
+    ``int(maxshrink * grid)`` must be at least one)."""
     if not isinstance(spec, QuantSpec):
-        raise TypeError(f"mse: expected a QuantSpec, got {type(spec).__name__}")
+        raise TypeError(f"{where}: expected a QuantSpec, got {type(spec).__name__}")
     if not (is_real_number(maxshrink) and 0 <= maxshrink <= 1):
-        raise ValueError(f"mse: maxshrink must be in [0, 1], got {maxshrink!r}")
+        raise ValueError(f"{where}: maxshrink must be in [0, 1], got {maxshrink!r}")
     if not (is_real_number(grid) and 0 < grid < math.inf):
-        raise ValueError(f"mse: grid must be a positive finite number, got {grid!r}")
+        raise ValueError(f"{where}: grid must be a positive finite number, got {grid!r}")
     if not (is_real_number(norm) and 0 < norm < float("inf")):
-        raise ValueError(f"mse: norm must be a positive finite number, got {norm!r}")
+        raise ValueError(f"{where}: norm must be a positive finite number, got {norm!r}")
     count = int(maxshrink * grid) if steps is None else steps
     if count < 1:
-        raise ValueError(f"mse: int(maxshrink * grid) must be at least 1 candidate, got {count} "
+        raise ValueError(f"{where}: int(maxshrink * grid) must be at least 1 candidate, got {count} "
                          f"(maxshrink={maxshrink}, grid={grid})")
 
 
@@ -322,7 +324,7 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     states share the reference (``exact`` with ``reference``, except compressed-tensors specs computing
     in bf16/fp16, whose per-update error sums are rounded as llm-compressor's).
     """
-    _check_args(spec, maxshrink, grid, norm, steps)
+    check_search_args(spec, maxshrink, grid, norm, steps)
     patience = _check_modes(mode, expand, averaging_constant, patience)
     factors = shrink_factors(maxshrink, grid, steps)
     norm = float(norm)
