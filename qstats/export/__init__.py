@@ -1,7 +1,8 @@
 """Export calibrated qparams as a compressed-tensors checkpoint that vLLM and transformers load.
 
-`compressed_tensors(model, qparams, path, specs)` writes ``path/model.safetensors`` and
-``path/config.json``; the tensor layout, formats and refusals are in docs/export.md.
+`compressed_tensors(model, qparams, path, specs)` writes ``path/model.safetensors`` (or shards, with
+``max_shard_size``), ``path/config.json`` and a generating model's ``generation_config.json``; the
+tensor layout, formats and refusals are in docs/export.md.
 `compressed_tensors_layerwise` writes the same tensors for a model on the meta device, read from
 its checkpoint one decoder layer at a time.
 Modules: `checkpoint` (the writer), `config` (quantization args, formats, config groups),

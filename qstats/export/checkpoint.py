@@ -3,9 +3,10 @@ attention parts and the ``quantization_config`` of `qstats.export` (see its docs
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -32,17 +33,23 @@ def compressed_tensors(
     specs_or_recipe: Any,
     *,
     format: Optional[str] = None,
+    max_shard_size: Optional[Union[int, str]] = None,
 ) -> dict:
     """Writes ``model`` with ``qparams`` as a compressed-tensors checkpoint in folder ``path``.
 
     Args:
       model: the calibrated model (its float weights are quantized with ``qparams``).
       qparams: ``{module_path: {site: QParams}}`` (`qstats.compute_qparams_tree`); dynamic sites may be None.
-      path: output folder for ``model.safetensors`` and ``config.json``: new, or one without safetensors
-        files or index (an existing ``config.json`` there is extended).
+      path: output folder for ``model.safetensors`` (or its shards), ``config.json`` and, for a transformers
+        model that generates, ``generation_config.json``: new, or one without safetensors files or index (an
+        existing ``config.json`` there is extended).
       specs_or_recipe: the calibration `qstats.Recipe` (or its Plan), or a ``{path: {site: QuantSpec}}`` tree.
       format: one compressed-tensors format for every Linear group with quantized weights (groups without
         are dense); default: what it infers per group.
+      max_shard_size: None (default): one ``model.safetensors``; else the largest shard, in bytes or as
+        ``save_pretrained`` reads it (``"5GB"``: units KB, MB, GB, TB of powers of 1000): the tensors are
+        split in order into ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``,
+        as ``save_pretrained(max_shard_size=...)`` splits them (a tensor larger than it gets a shard of its own).
 
     Returns:
       The ``quantization_config`` dict written into ``config.json`` (not written when it quantizes
@@ -50,17 +57,99 @@ def compressed_tensors(
 
     Raises:
       ValueError: a site, spec or shape compressed-tensors cannot express (names it); ``path`` holding
-        safetensors files or a safetensors index (a loader would read those stale tensors).
+        safetensors files or a safetensors index (a loader would read those stale tensors), or a file; a
+        bad ``max_shard_size``; a model on the meta device.
       TypeError: wrong argument types.
     """
     _check_arguments(model, qparams, format)
+    _check_materialized(model)
+    shard_bytes = _shard_bytes(max_shard_size)
     check_new_folder(path, None, "export.compressed_tensors", "path")
     writer = Writer(specs_or_recipe, qparams, model, format)
     tensors = without_tied_copies(model, writer.part(qparams, model.state_dict()))
     quantization_config = writer.finish()
-    write_tensors(path, tensors, "model.safetensors")
+    _write_shards(path, tensors, shard_bytes)
     write_config(path, model, quantization_config)
     return quantization_config
+
+
+def _check_materialized(model: torch.nn.Module) -> None:
+    """Refuses a model whose parameters or buffers are on the meta device (no values to write)."""
+    on_meta = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"export.compressed_tensors: {len(on_meta)} tensor(s) of the model are on the meta device "
+            f"({_listed(on_meta, 3)}) and hold no values; load them, or export a meta model from its "
+            "checkpoint with qstats.export.compressed_tensors_layerwise"
+        )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _shard_bytes(max_shard_size) -> Optional[int]:
+    """``max_shard_size`` in bytes (None: no sharding): an int, or digits and a unit ``KB``, ``MB``,
+    ``GB``, ``TB`` (powers of 1000), as huggingface_hub's ``parse_size_to_int`` reads it for
+    ``save_pretrained``."""
+    if max_shard_size is None:
+        return None
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    size = None
+    if isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool):
+        size = max_shard_size
+    elif isinstance(max_shard_size, str) and max_shard_size.strip()[-2:].upper() in units:
+        text = max_shard_size.strip()
+        try:
+            size = int(float(text[:-2]) * units[text[-2:].upper()])
+        except ValueError:
+            size = None
+    if size is None or size <= 0:
+        raise ValueError("export.compressed_tensors: max_shard_size must be a positive number of bytes or a string "
+                         f"such as '5GB' (units KB, MB, GB, TB), got {max_shard_size!r}")
+    return size
+
+
+def split_shards(tensors: dict, max_bytes: int) -> list:
+    """``tensors`` split in order into shards of at most ``max_bytes``, as huggingface_hub's
+    ``split_torch_state_dict_into_shards`` (``save_pretrained``) splits them: a tensor larger than
+    ``max_bytes`` gets a shard of its own, and a shard is closed when the next tensor would overflow it."""
+    shards: list = []
+    current: dict = {}
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = _nbytes(tensor)
+        if nbytes > max_bytes:
+            shards.append({name: tensor})
+            continue
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def _write_shards(path: str, tensors: dict, shard_bytes: Optional[int]) -> None:
+    """``path/model.safetensors``, or (``shard_bytes`` given and exceeded) numbered shards and their
+    index, as ``save_pretrained`` names them; shards of a failed write are removed."""
+    shards = [tensors] if shard_bytes is None else split_shards(tensors, shard_bytes)
+    if len(shards) == 1:
+        write_tensors(path, tensors, "model.safetensors")
+        return
+    names = [f"model-{number:05d}-of-{len(shards):05d}.safetensors" for number in range(1, len(shards) + 1)]
+    try:
+        for filename, shard in zip(names, shards):
+            write_tensors(path, shard, filename)
+        weight_map = {name: filename for filename, shard in zip(names, shards) for name in shard}
+        write_index(path, weight_map, sum(_nbytes(tensor) for tensor in tensors.values()))
+    except BaseException:  # no partial checkpoint (the next export would refuse the folder)
+        for filename in names + ["model.safetensors.index.json"]:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(path, filename))
+        raise
 
 
 class Writer:
@@ -315,6 +404,8 @@ def check_new_folder(folder: str, checkpoint, where: str, what: str) -> None:
     if checkpoint is not None and not os.path.isdir(checkpoint):
         raise ValueError(f"{where}: checkpoint {os.fspath(checkpoint)!r} is not a directory")
     folder = os.fspath(folder)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"{where}: {what} {folder!r} is a file; give a directory (new or empty) to write into")
     if not os.path.isdir(folder):
         return
     if checkpoint is not None and os.path.samefile(folder, checkpoint):
@@ -372,8 +463,39 @@ def _untie(config: dict, model_config: Any) -> None:
             entry["tie_word_embeddings"] = False
 
 
+def _saved_model_fields(model: torch.nn.Module) -> dict:
+    """The fields transformers' ``save_pretrained`` sets from a ``PreTrainedModel`` itself before it
+    writes its config: ``architectures`` (the model's class; vLLM picks its implementation by it) and
+    ``dtype`` (its parameters'); none for other modules."""
+    if not (callable(getattr(model, "can_generate", None)) and hasattr(model, "dtype")):
+        return {}
+    fields = {"architectures": [type(model).__name__.removeprefix("FSDP")]}
+    if any(param.is_floating_point() for param in model.parameters()):
+        fields["dtype"] = str(model.dtype).removeprefix("torch.")
+    return fields
+
+
+def write_generation_config(path: str, model: torch.nn.Module) -> None:
+    """``path/generation_config.json`` of a model that generates, as ``save_pretrained`` writes it
+    (vLLM and ``generate`` read their default sampling settings and stop tokens from it). One that
+    transformers refuses to save (its strict validation) is left out with a warning naming why: the
+    checkpoint is written by then."""
+    generation_config = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if generation_config is None or not callable(can_generate) or not can_generate():
+        return
+    try:
+        generation_config.save_pretrained(path)
+    except ValueError as error:
+        reasons = [line.strip() for line in str(error).splitlines() if line.strip().startswith("- ")]
+        warn(f"export.compressed_tensors: generation_config.json was not written: transformers refuses to save the "
+             f"model's generation config ({' '.join(reasons) or error}); fix model.generation_config and save it "
+             "with model.generation_config.save_pretrained(path)")
+
+
 def write_config(path: str, model: torch.nn.Module, quantization_config: dict) -> None:
-    """``path/config.json``: an existing one, updated with the model's config and ``quantization_config``."""
+    """``path/config.json``: an existing one, updated with the model's config and ``quantization_config``
+    (and ``path/generation_config.json`` of a model that generates)."""
     os.makedirs(path, exist_ok=True)
     config_path = os.path.join(path, "config.json")
     config: dict = {}
@@ -385,6 +507,7 @@ def write_config(path: str, model: torch.nn.Module, quantization_config: dict) -
         # what differs from the config class's defaults, as transformers' save_pretrained (and so
         # llm-compressor) writes it: no local _name_or_path
         config.update(getattr(model_config, "to_diff_dict", model_config.to_dict)())
+        config.update(_saved_model_fields(model))
     if _quantizes_a_tied_weight(model, quantization_config):
         # the checkpoint holds the tied modules' own tensors (one of them quantized): a loader that ties them
         # would replace one by the other (transformers fails, vLLM drops the quantized lm_head), so untie
@@ -397,3 +520,4 @@ def write_config(path: str, model: torch.nn.Module, quantization_config: dict) -
         config["quantization_config"] = quantization_config
     with open(config_path, "w") as file:
         json.dump(config, file, indent=2, sort_keys=True, default=str)
+    write_generation_config(path, model)
