@@ -1,10 +1,12 @@
 """Fused scale groups: one shared global scale for several states, as pure functions.
 
-Engines fuse q/k/v, gate/up or all experts of a layer into one matmul under one NVFP4 global scale.
-The group is a tuple of states (or one stacked state), and the shared scale comes from the absolute
-maximum over every calibrated entry: for compressed-tensors' ``448 * 6 / amax`` it equals
-llm-compressor's minimum over the group's global scales (its ``FusionHandler``). Entries that saw
-no data do not contribute. See docs/formats.md.
+Engines (vLLM) run q/k/v, gate/up and DeepSeek's q_a/kv_a projections as one matmul under one NVFP4
+global scale. The group is a tuple of states (or one stacked state), and the shared scale comes from
+the absolute maximum over every calibrated entry: for compressed-tensors' ``448 * 6 / amax`` it
+equals llm-compressor's minimum over the group's global scales (its ``FusionHandler``). Entries that
+saw no data do not contribute. vLLM's fused MoE keeps one global scale per expert (gate and up equal
+within it, as a stacked ``gate_up_proj``'s per-expert qparams have them); ``stacked=True`` shares one
+over all experts, which neither vLLM nor llm-compressor needs. See docs/formats.md.
 
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(dtype="fp4_e2m1", granularity=qstats.TensorGroup(16),
@@ -24,7 +26,8 @@ from collections.abc import Mapping
 import torch
 
 from . import _formats
-from ._qparams import QParams, _rule_for, calibrated_mask, compute_qparams
+from ._granularity import TensorGroup
+from ._qparams import QParams, _rule_for, calibrated_mask, check_calibrated, compute_qparams
 from ._spec import QuantSpec
 
 __all__ = ["FUSED_LAYER_NAMES", "fused_amax", "fused_global_scale", "fused_groups", "fused_qparams"]
@@ -80,6 +83,10 @@ def _as_states(states) -> list:
     states = list(states)
     if not states:
         raise ValueError("fused: the group holds no states")
+    for i, state in enumerate(states):
+        if not _is_state(state):  # None (an unquantized member), a tensor: not "mixes state types"
+            raise TypeError(f"fused: member {i} of the group is a {type(state).__name__}, not an observer state; "
+                            "pass the states of the group's quantized members only")
     kinds = {type(s) for s in states}
     if len(kinds) != 1:
         raise TypeError(f"fused: the group mixes state types {sorted(k.__name__ for k in kinds)}")
@@ -96,9 +103,16 @@ def fused_amax(states, spec: QuantSpec, **options) -> torch.Tensor:
 def fused_global_scale(states, spec: QuantSpec, **options) -> torch.Tensor:
     """The global scale (float32 scalar) shared by the group, in ``spec.global_scale_formula``'s
     convention. Pure; vmappable over a stacked group of groups."""
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"fused_global_scale: spec must be a QuantSpec, got {type(spec).__name__}")
+    _check_spec(spec, "fused_global_scale")
+    if not isinstance(spec.granularity, TensorGroup):
+        raise ValueError(f"fused_global_scale: only two-level specs (TensorGroup, NVFP4) have a global scale; "
+                         f"spec has granularity {spec.granularity!r}")
     return _formats.global_scale_from_amax(fused_amax(states, spec, **options), spec)
+
+
+def _check_spec(spec, where: str) -> None:
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"{where}: spec must be a QuantSpec, got {type(spec).__name__}")
 
 
 def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
@@ -107,7 +121,8 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
     Args:
       states: a sequence of states (q/k/v, gate/up) or, with ``stacked=True``, one stacked state.
       spec: a two-level spec (`TensorGroup`); other specs get their usual qparams.
-      stacked: compute per-slice qparams with ``torch.func.vmap`` over the leading dimension.
+      stacked: compute per-slice qparams with ``torch.func.vmap`` over the leading dimension;
+        ``spec.on_uncalibrated="raise"`` raises for a slice that saw no data, as the list form does.
       **options: passed to `compute_qparams`.
 
     Returns:
@@ -118,10 +133,17 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
             f"fused_qparams(stacked=True): states must be one state stacked along a leading dimension, "
             f"got a {type(states).__name__} (pass stacked=False for a sequence of states)"
         )
+    _check_spec(spec, "fused_qparams")
     group = [states] if stacked else _as_states(states)  # read an iterator once
-    global_scale = fused_global_scale(group, spec, **options)  # the same range method as the scales
+    shared = {}
+    if isinstance(spec.granularity, TensorGroup):  # the same range method as the scales
+        shared["global_scale"] = fused_global_scale(group, spec, **options)
 
     def qparams(state):
-        return compute_qparams(state, spec, global_scale=global_scale, **options)
+        return compute_qparams(state, spec, **shared, **options)
 
-    return torch.func.vmap(qparams)(states) if stacked else tuple(qparams(s) for s in group)
+    if not stacked:
+        return tuple(qparams(s) for s in group)
+    result = torch.func.vmap(qparams)(states)
+    check_calibrated(result.calibrated, spec, where="fused_qparams(stacked=True)")
+    return result
