@@ -611,7 +611,8 @@ def test_nvfp4_histogram_every_method_gives_usable_qparams(method):
 
 def test_fused_qparams_takes_the_global_scale_from_the_caller_method():
     spec = qstats.preset("nvfp4")
-    xs = [torch.randn(4, 64), torch.randn(4, 64) * 3]
+    generator = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 64, generator=generator), torch.randn(4, 64, generator=generator) * 3]
     obs = qstats.histogram(spec)
     states = [obs.update(obs.init(x), x) for x in xs]
     fused = qstats.fused_qparams(states, spec, method="minmax")
@@ -620,7 +621,10 @@ def test_fused_qparams_takes_the_global_scale_from_the_caller_method():
     expected = amax / (448.0 * 6.0)
     for qp in fused:
         torch.testing.assert_close(qp.global_scale, expected, rtol=1e-6, atol=0.0)
-    assert all(torch.equal(a.global_scale, b.global_scale) for a, b in zip(fused, qstats.fused_qparams(states, spec)))
+    # the default method (l2) may clip: its shared global scale is the largest of the members' own
+    # (amax_over_range), which need not be the minmax one (asserting that failed for 1 seed in 5)
+    own = torch.stack([qstats.compute_qparams(state, spec).global_scale for state in states])
+    assert all(torch.equal(qp.global_scale, own.max()) for qp in qstats.fused_qparams(states, spec))
 
 
 @pytest.mark.parametrize("method", ["l2", "entropy", "percentile"])
