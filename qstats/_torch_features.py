@@ -4,6 +4,8 @@
   batching rule for ``aten::view.dtype`` only in 2.13);
 - `torch_dtype`: ``torch.<name>`` or None for dtypes of recent releases (``float8_e8m0fnu``:
   torch 2.7, ``float4_e2m1fn_x2``: torch 2.8), so that tables of dtypes build on every release;
+- `recomputing`: whether a forward runs inside autograd's backward (activation checkpointing),
+  which torch tells only through a private call.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["bitcast", "eager", "torch_dtype", "uncompiled"]
+__all__ = ["bitcast", "eager", "recomputing", "torch_dtype", "uncompiled"]
 
 
 def torch_dtype(name: str) -> Optional[torch.dtype]:
@@ -58,3 +60,10 @@ def eager(hook):
     if "torch._dynamo" not in sys.modules:
         return hook
     return torch.compiler.disable(hook)
+
+
+def recomputing() -> bool:
+    """Whether autograd's backward is running: a forward there is activation checkpointing's
+    recomputation (`torch.utils.checkpoint`, transformers' gradient checkpointing) of tensors
+    already observed, not new data (torch's own ``ModuleTracker`` and FSDP tell backward apart so)."""
+    return torch._C._current_graph_task_id() != -1

@@ -43,12 +43,22 @@ def check_batches(batches, caller: str) -> None:
     raise TypeError(f"{caller}: batches must be an iterable of batches (got a single {got}); wrap one batch in a list")
 
 
-def warn_training_mode(model: torch.nn.Module, caller: str) -> None:
-    """Warns naming the first dropout (p > 0) or batch-norm module in training mode: calibration
-    would observe dropped-out activations (and update batch-norm running statistics)."""
+def _drops_out(module: torch.nn.Module) -> bool:
+    """Whether ``module`` behaves differently in training mode: a dropout (p > 0) or batch norm,
+    or an attention module applying a functional dropout of probability ``attention_dropout`` > 0
+    while training (transformers' Llama family)."""
     kinds = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+    if isinstance(module, kinds):
+        return getattr(module, "p", 1.0) > 0
+    rate = getattr(module, "attention_dropout", None)
+    return isinstance(rate, float) and rate > 0
+
+
+def warn_training_mode(model: torch.nn.Module, caller: str) -> None:
+    """Warns naming the first module of `_drops_out` in training mode: calibration would observe
+    dropped-out activations (and update batch-norm running statistics)."""
     for path, module in model.named_modules():
-        if module.training and isinstance(module, kinds) and getattr(module, "p", 1.0) > 0:
+        if module.training and _drops_out(module):
             warn(
                 f"{caller}: module {path!r} ({type(module).__name__}) is in training mode, so the statistics "
                 "observe its training behaviour (dropout, batch statistics); call model.eval() first",
@@ -92,7 +102,8 @@ def calibrate(
       model: an ``nn.Module``, run as is (call ``model.eval()`` first: dropout or batch norm in
         training mode warns), under ``torch.no_grad()``;
         a compiled one (``torch.compile(model)``) runs compiled, its sites named by the paths of
-        the module it wraps, and gives the eager model's states.
+        the module it wraps, each update the eager one (on the compiled activations, which can
+        differ from eager's in the last bits).
       batches: an iterable of batches: a tensor (``model(batch)``), a tuple or list
         (``model(*batch)``) or a mapping (``model(**batch)``).
       recipe: a `Recipe` saying which observer and spec watch which module and site, or its
@@ -102,9 +113,9 @@ def calibrate(
         then ``B`` from the returned states equals calibrating ``A + B`` at once.
       progress: show a tqdm progress bar (batches and batches per second).
       observation_weight: optional ``callable(batch) -> tensor``, e.g. the attention mask: the
-        ``weight`` of activation updates whose tensor starts with its dimensions, so padding is
-        not observed; ``"<parameter>.input"`` rows are traced back to their tokens (a warning
-        says when they cannot be).
+        ``weight`` of activation updates whose tensor starts with its dimensions (or is 2-D, one
+        row per entry: the tokens flattened), so padding is not observed; ``"<parameter>.input"``
+        rows are traced back to their tokens (a warning says when they cannot be).
       all_experts: per-expert sites of stacked experts observe every token, not only the routed
         ones (llm-compressor's ``moe_calibrate_all_experts``); the model's outputs are unchanged.
 
@@ -201,6 +212,8 @@ def _share_global_scales(out: dict, states: Mapping, plan: Plan, options: dict) 
         if not any(two_level):
             continue
         observed = [path in states and "weight" in states[path] for path in group]
+        if not any(observed):  # a tree without this group's weights (one layer's, activations only)
+            continue
         kinds = {(f.spec, f.rule.qparams_kwargs, f.num_experts) for f in found if f is not None}
         if not (all(two_level) and all(observed) and len(kinds) == 1 and not found[0].num_experts):
             warn(
@@ -258,10 +271,20 @@ class _FakeQuantParametrization(torch.nn.Module):
         )
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
-        if self.num_experts:
-            tracked = _needs_gradient(value)
-            return torch.vmap(lambda w, qp: fake_quantize_passing(w, qp, self.spec, tracked))(value, self.qparams)
-        return fake_quantize(value, self.qparams, self.spec)
+        try:
+            if self.num_experts:
+                tracked = _needs_gradient(value)
+                return torch.vmap(lambda w, qp: fake_quantize_passing(w, qp, self.spec, tracked))(value, self.qparams)
+            return fake_quantize(value, self.qparams, self.spec)
+        except (ValueError, TypeError) as error:  # QParams of another shape or spec: named by site
+            _rename(error, f"fake_quantized: {self.where}")
+            raise
+
+
+def _rename(error: Exception, where: str) -> None:
+    """Puts ``where`` (the module and site) in front of ``error``'s message, once."""
+    if error.args and isinstance(error.args[0], str) and not error.args[0].startswith(where):
+        error.args = (f"{where}: {error.args[0]}", *error.args[1:])
 
 
 def _float_state_dict_hooks(parametrized: list) -> list:
@@ -333,7 +356,11 @@ def _fake_quantize_activation(x, qparams: Optional[QParams], spec, runtime: bool
     if not is_float_tensor(x):
         return x
     if not runtime:
-        return fake_quantize_passing(x, qparams, spec, straight_through)
+        try:
+            return fake_quantize_passing(x, qparams, spec, straight_through)
+        except (ValueError, TypeError) as error:  # QParams of another shape or spec
+            _rename(error, where)
+            raise
     check_runtime_group(x.shape, spec, where)
     if not x.numel():  # no values (an expert no token is routed to): no scale to compute
         return x

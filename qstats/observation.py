@@ -22,7 +22,7 @@ from torch.nn.utils import parametrize
 
 from ._granularity import PerGroup, qparam_shape
 from ._sites import input_tensor, is_float_tensor, observe_tensor
-from ._torch_features import eager
+from ._torch_features import eager, recomputing
 from .experts import (
     ExpertInputCapture,
     UncalibratedWarning,
@@ -189,18 +189,20 @@ class _Calibration:
 
     def weight_for(self, x: torch.Tensor, flattened: bool) -> Optional[torch.Tensor]:
         """The batch's observation weight as the weight of ``x``: when ``x`` starts with its
-        dimensions and has more (the features), or (``flattened``: tokens of stacked experts) has
-        one row per weight entry."""
+        dimensions and has more (the features), or (``flattened``: tokens of stacked experts; or
+        ``x`` 2-D and the weight 2+-D: tokens flattened) has one row per weight entry."""
         weight = self.weight
         if weight is None:
             return None
         self.weight_use[0] += 1
-        if flattened:
-            fits = x.ndim >= 1 and weight.numel() == x.shape[0]
-        else:  # a strict prefix: the weighted dims are tokens, features follow (a pooled [batch, hidden]
-            # with hidden == the padded length is not masked over its features)
-            fits = weight.ndim < x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape)
-        if not fits:
+        prefix = weight.ndim < x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape)
+        # a strict prefix: the weighted dims are tokens, features follow (a pooled [batch, hidden]
+        # with hidden == the padded length is not masked over its features); else the tokens
+        # flattened: rows of stacked experts, or a 2-D [batch * tokens, features] (MoE blocks' routers
+        # and shared experts take ``hidden_states.view(-1, hidden)``)
+        flat = (flattened and x.ndim >= 1) or (x.ndim == 2 and weight.ndim >= 2)
+        flattened = not prefix and flat and weight.numel() == x.shape[0]
+        if not (prefix or flattened):
             return None
         self.weight_use[1] += 1
         return (weight.reshape(-1) if flattened else weight).to(x.device)
@@ -279,7 +281,7 @@ class _ActivationSite(_SiteHook):
         return [observe_tensor(self.run.plan, self.path, self.site, eager(self.observe))]  # module docstring
 
     def observe(self, x) -> None:
-        if not is_float_tensor(x):
+        if not is_float_tensor(x) or recomputing():
             return
         x = x.detach()
         self.check_runtime_shape(x.shape)
@@ -357,7 +359,10 @@ class _ExpertSites(ExpertCallHooks):
 
     def start(self, module, args, kwargs) -> tuple:
         """(capture, parametrization hooks, tokens, observation weight) of the call; with
-        all_experts, (None, args, kwargs): observed from extra calls once the call is done."""
+        all_experts, (None, args, kwargs): observed from extra calls once the call is done; ()
+        for a call that observes nothing (no such sites, or a recomputation in backward)."""
+        if recomputing():
+            return ()
         if self.routed_input is not None:
             self.routed_input.observe(args, kwargs)
         if not self.sites:
@@ -574,7 +579,8 @@ class Observing:
                 )
 
     def _count(self, module, args) -> None:
-        self.calls += 1
+        if not recomputing():
+            self.calls += 1
 
 
 @contextlib.contextmanager
