@@ -14,13 +14,13 @@ import torch
 from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
-from ._formats import COMPUTE_DTYPE_NAMES
+from ._formats import COMPUTE_DTYPE_NAMES, global_scale_from_amax
 from ._granularity import PerGroup, PerRow, PerToken, TensorGroup
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams
 from ._quant import fake_quantize, fake_quantize_passing
 from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
 from .experts import rows_by_expert, stacked_qparams
-from .fused import fused_qparams
+from .fused import fused_amax
 from .observers import memoryless_minmax
 from .observation import ExpertCallHooks, Observing, capture_call, check_runtime_group, observing, stop_capture
 from .recipe import Plan, Recipe, as_plan
@@ -160,7 +160,8 @@ def compute_qparams_tree(
       states: a states tree from `calibrate`.
       recipe: a `Recipe` (with ``model``) or a `Plan`.
       fuse: two-level (NVFP4) weights of each fused group (q/k/v, gate/up) share one global
-        scale, as vLLM needs; a warning names a group whose members differ, which keep their own.
+        scale, as vLLM needs (over each member's range under its own observer, as llm-compressor);
+        a warning names a group whose specs differ, which keep their own.
       options: override the sites' ``qparams_kwargs``.
 
     Returns:
@@ -171,8 +172,11 @@ def compute_qparams_tree(
     Raises:
       ValueError: naming the module and site, for data-less entries under
         ``on_uncalibrated="raise"`` (``"fallback"`` gives scale 1, zero point 0).
+      TypeError: ``fuse`` that is not a bool.
     """
     plan = as_plan(recipe, model, "compute_qparams_tree")
+    if not isinstance(fuse, bool):  # "no" would fuse, None / [] not
+        raise TypeError(f"compute_qparams_tree: fuse must be True or False, got {fuse!r}")
     if not isinstance(states, Mapping) or not all(isinstance(entry, Mapping) for entry in states.values()):
         got = type(states).__name__ if not isinstance(states, Mapping) else "a module entry that is not a dict"
         raise TypeError(f"compute_qparams_tree: states must be a tree {{path: {{site: state}}}} (calibrate's), got {got}")
@@ -214,7 +218,7 @@ def _share_global_scales(out: dict, states: Mapping, plan: Plan, options: dict) 
         observed = [path in states and "weight" in states[path] for path in group]
         if not any(observed):  # a tree without this group's weights (one layer's, activations only)
             continue
-        kinds = {(f.spec, f.rule.qparams_kwargs, f.num_experts) for f in found if f is not None}
+        kinds = {(f.spec, f.num_experts) for f in found if f is not None}  # observers may differ
         if not (all(two_level) and all(observed) and len(kinds) == 1 and not found[0].num_experts):
             warn(
                 f"compute_qparams_tree: {', '.join(group)} run as one matmul in inference engines (vLLM), which "
@@ -222,10 +226,14 @@ def _share_global_scales(out: dict, states: Mapping, plan: Plan, options: dict) 
                 "observed under one such spec, so each keeps its own global scale",
             )
             continue
-        kwargs = {**dict(found[0].rule.qparams_kwargs), **options}
-        shared = fused_qparams([states[path]["weight"] for path in group], found[0].spec, **kwargs)
-        for path, qparams in zip(group, shared):
-            out[path]["weight"] = qparams
+        # each member's range under its own observer and qparams_kwargs, one global scale over them
+        # (llm-compressor fuses q/k/v under minmax and mse observers alike)
+        spec = found[0].spec
+        members = [(states[path]["weight"], {**dict(f.rule.qparams_kwargs), **options}) for path, f in zip(group, found)]
+        amax = torch.stack([fused_amax([state], spec, **kwargs) for state, kwargs in members]).amax()
+        shared = global_scale_from_amax(amax, spec)
+        for path, (state, kwargs) in zip(group, members):
+            out[path]["weight"] = compute_qparams(state, spec, **{**kwargs, "global_scale": shared})
 
 
 def runtime_spec(x: torch.Tensor, spec):

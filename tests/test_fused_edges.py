@@ -185,3 +185,52 @@ def test_deepseek_v3_mla_nvfp4_bf16_equals_llm_compressor_oneshot(tmp_path):
         names = ("q_a_proj", "kv_a_proj_with_mqa")
         q_a, kv_a = (their_tensors[f"{prefix}{name}.weight_global_scale"] for name in names)
         assert torch.equal(q_a, kv_a)
+
+
+def test_a_group_under_mixed_observers_shares_llm_compressors_global_scale():
+    """q/k under memoryless_minmax and v under nvfp4_expanded_mse (one NVFP4 scheme): llm-compressor
+    fuses them, each observer giving its own range; compute_qparams_tree kept each its own global
+    scale (with a warning), and a qstats recipe mixing observer types raised a TypeError naming no
+    group. The group's global scale comes from every member's own range; scales equal llm-compressor's
+    `FusionHandler` bit for bit."""
+    from llmcompressor.observers import Observer
+    from llmcompressor.observers.fusion import FusionHandler
+
+    def args(observer):
+        return NVFP4["weights"].model_copy(update={"observer": observer})
+
+    weights = _weights(3)
+    weights[2][0, 0] = 30.0  # v holds the peak, which its mse search (from 1.8x the range) moves
+    attention = torch.nn.Module()
+    for name, weight in zip(("q_proj", "k_proj", "v_proj"), weights):
+        linear = torch.nn.Linear(32, 8, bias=False)
+        linear.weight.data = weight.clone()
+        setattr(attention, name, linear)
+    kinds = ["memoryless_minmax", "memoryless_minmax", "nvfp4_expanded_mse"]
+    references = [Observer.load_from_registry(kind, base_name="weight", args=args(kind)) for kind in kinds]
+    FusionHandler.fuse(list(zip(references, (attention.q_proj, attention.k_proj, attention.v_proj))))
+    for reference, weight in zip(references, weights):
+        reference(weight)
+    expected = [reference.get_qparams() for reference in references]
+    config = {"config_groups": {
+        "qk": {"targets": ["re:.*[qk]_proj"], "weights": args("memoryless_minmax").model_dump()},
+        "v": {"targets": ["re:.*v_proj"], "weights": args("nvfp4_expanded_mse").model_dump()}}}
+    recipe = qstats.Recipe.from_compressed_tensors(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "each keeps its own global scale"
+        states = qstats.calibrate(attention, [], recipe, progress=False)
+        qparams = qstats.compute_qparams_tree(states, recipe, attention)
+    for name, want in zip(("q_proj", "k_proj", "v_proj"), expected):
+        got = qparams[name]["weight"]
+        assert torch.equal(got.global_scale.reshape(1), want["global_scale"].float().reshape(1)), name
+        assert torch.equal(got.scale.float(), want["scale"].float().reshape(got.scale.shape)), name
+
+
+@pytest.mark.parametrize("fuse", ["no", None, [], 1])
+def test_fuse_must_be_a_bool(fuse):
+    """``fuse="no"`` fused and ``fuse=None`` did not, silently."""
+    layer = torch.nn.Linear(32, 8)
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=qstats.preset("nvfp4"))])
+    states = qstats.calibrate(layer, [], recipe, progress=False)
+    with pytest.raises(TypeError, match="fuse must be True or False"):
+        qstats.compute_qparams_tree(states, recipe, layer, fuse=fuse)
