@@ -176,6 +176,23 @@ def check_experts_layout(plan: Plan, caller: str = "calibrate", warns: bool = Tr
                 )
 
 
+def weight_of(x: torch.Tensor, weight: torch.Tensor, flattened: bool = False) -> Optional[torch.Tensor]:
+    """A batch's observation ``weight`` as the weight of the tensor ``x`` (on its device), or None
+    where it does not fit: when ``x`` starts with its dimensions and has more (the features), or
+    (``flattened``: tokens of stacked experts; or ``x`` 2-D and the weight 2+-D: tokens flattened)
+    has one row per weight entry."""
+    prefix = weight.ndim < x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape)
+    # a strict prefix: the weighted dims are tokens, features follow (a pooled [batch, hidden]
+    # with hidden == the padded length is not masked over its features); else the tokens
+    # flattened: rows of stacked experts, or a 2-D [batch * tokens, features] (MoE blocks' routers
+    # and shared experts take ``hidden_states.view(-1, hidden)``)
+    flat = (flattened and x.ndim >= 1) or (x.ndim == 2 and weight.ndim >= 2)
+    flattened = not prefix and flat and weight.numel() == x.shape[0]
+    if not (prefix or flattened):
+        return None
+    return (weight.reshape(-1) if flattened else weight).to(x.device)
+
+
 class _Calibration:
     """What the hooks of one `calibrate` call share: the plan, the states tree the call builds and
     the current batch's observation weight (None between batches)."""
@@ -188,24 +205,13 @@ class _Calibration:
         self.weight_use = [0, 0]  # activations offered the current weight, and those it fitted
 
     def weight_for(self, x: torch.Tensor, flattened: bool) -> Optional[torch.Tensor]:
-        """The batch's observation weight as the weight of ``x``: when ``x`` starts with its
-        dimensions and has more (the features), or (``flattened``: tokens of stacked experts; or
-        ``x`` 2-D and the weight 2+-D: tokens flattened) has one row per weight entry."""
-        weight = self.weight
-        if weight is None:
+        """The batch's observation weight as the weight of ``x`` (`weight_of`)."""
+        if self.weight is None:
             return None
         self.weight_use[0] += 1
-        prefix = weight.ndim < x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape)
-        # a strict prefix: the weighted dims are tokens, features follow (a pooled [batch, hidden]
-        # with hidden == the padded length is not masked over its features); else the tokens
-        # flattened: rows of stacked experts, or a 2-D [batch * tokens, features] (MoE blocks' routers
-        # and shared experts take ``hidden_states.view(-1, hidden)``)
-        flat = (flattened and x.ndim >= 1) or (x.ndim == 2 and weight.ndim >= 2)
-        flattened = not prefix and flat and weight.numel() == x.shape[0]
-        if not (prefix or flattened):
-            return None
-        self.weight_use[1] += 1
-        return (weight.reshape(-1) if flattened else weight).to(x.device)
+        weight = weight_of(x, self.weight, flattened)
+        self.weight_use[1] += weight is not None
+        return weight
 
     def update(self, path: str, site: str, x: torch.Tensor, weight=None, like: Optional[torch.Tensor] = None):
         """``states[path][site] = observer.update(previous, x, weight)``, ``previous`` starting as

@@ -25,7 +25,7 @@ from ._quant import _codes_float, fake_quantize
 from ._sites import observe_tensor, run_model
 from .calibration import runtime_qparams, runtime_spec
 from .experts import rows_by_expert
-from .observation import ExpertCallHooks, capture_call, kept_rows, stop_capture
+from .observation import ExpertCallHooks, capture_call, kept_rows, stop_capture, weight_of
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
@@ -399,10 +399,11 @@ class _ActivationError:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         weight = self.current_weight[0]
-        if weight is not None and weight.ndim < x.ndim and tuple(x.shape[: weight.ndim]) == tuple(weight.shape):
-            # padding (a strict prefix: features follow) is left out of every measured number (zero is not representable with a float
+        weight = None if weight is None else weight_of(x, weight)  # as calibrate takes it
+        if weight is not None:
+            # padding is left out of every measured number (zero is not representable with a float
             # zero point, and its code may fall outside the range)
-            keep = weight.to(x.device).reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)) != 0
+            keep = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)) != 0
             _add_error(self.error, x, self.qparams, self.found, keep)
             return
         _add_error(self.error, x, self.qparams, self.found)

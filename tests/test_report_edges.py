@@ -211,3 +211,38 @@ def test_plot_of_torch_ao_float_qparams_draws_torchs_fake_quantized_ends():
     for channel in range(3):
         drawn = _lines(qstats.plot.histogram(state, qparams, spec, index=channel))
         assert drawn == [float(clipped[channel].min()), float(clipped[channel].max())]
+
+
+def test_padding_is_left_out_of_tokens_flattened_to_rows():
+    """Qwen2-MoE's shared expert takes ``hidden_states.view(-1, hidden)``: the ``(batch, tokens)``
+    observation weight fitted no ``[batch * tokens, hidden]`` input, so `report` measured its left
+    padding (calibrate leaves it out). Against the SQNR of the unpadded rows, fake-quantized by
+    torch under the same qparams, from plain hooks."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2)
+    model = transformers.Qwen2MoeForCausalLM(config).eval()
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    batch = {"input_ids": torch.randint(0, 64, (2, 7)), "attention_mask": mask}
+    spec = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
+    recipe = qstats.Recipe([qstats.Rule("re:.*shared_expert.down_proj", sites=("input",), spec=spec)])
+    weight = lambda b: b["attention_mask"]  # noqa: E731
+    states = qstats.calibrate(model, [batch], recipe, progress=False, observation_weight=weight)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    (row,) = qstats.report(states, qparams, model, recipe, [batch], observation_weight=weight).rows
+    seen = []
+    site = model.model.layers[0].mlp.shared_expert.down_proj
+    handle = site.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
+    with torch.no_grad():
+        model(**batch)
+    handle.remove()
+    (x,) = seen
+    assert x.ndim == 2  # [batch * tokens, hidden]
+    x = x[mask.reshape(-1) != 0]
+    qp = qparams[row.module]["input"]
+    quantized = torch.fake_quantize_per_tensor_affine(x, float(qp.scale), int(qp.zero_point), 0, 255)
+    assert math.isclose(row.sqnr_db, _sqnr(x, quantized), rel_tol=1e-5)
