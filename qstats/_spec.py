@@ -162,7 +162,8 @@ class QuantSpec:
         ``"float8_e4m3fn"``, ``"e8m0"`` or ``"float64"`` (float32 values that torchao's convention
         divides by in float64); torch dtypes are normalised to these names.
       convention: whose arithmetic the spec reproduces: ``"torch_ao"``, ``"compressed_tensors"``,
-        ``"torchao"`` or a `qstats.conventions.Convention` (held as one; equal to its name).
+        ``"torchao"``, ``"coreai_opt"`` or a `qstats.conventions.Convention` (held as one; equal to
+        its name).
       nonfinite: ``"ignore"`` (default: NaN/Inf are left out of statistics and counted) or
         ``"raise"`` (ValueError on a non-finite value; reads the value on the host).
       on_uncalibrated: ``"raise"`` (default: `compute_qparams` raises when a parameter saw no
