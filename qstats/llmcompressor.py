@@ -8,7 +8,7 @@ A recipe names them like llm-compressor's own (``QuantizationModifier(..., input
 - ``qstats_memoryless_minmax``: `qstats.memoryless_minmax`, ``memoryless_minmax`` bit for bit;
 - ``qstats_histogram``: `qstats.histogram`, an exactly mergeable histogram searched at the end;
 - ``qstats_mse``: `qstats.mse`, losses accumulated over all batches (``mode="moving_average"``:
-  llm-compressor's ``mse``).
+  llm-compressor's ``mse``); weights: ``memoryless_mse``, its early stop (``patience`` 5) included.
 
 Each is an llm-compressor ``Observer``: ``forward`` folds the observed tensor into a qstats state
 (``obs.update``), ``get_qparams`` maps it with ``qstats.compute_qparams`` under
@@ -68,8 +68,25 @@ class QstatsObserver(LLMCompressorObserver):
                              f"{STATIC_GROUP_ACTIVATIONS}")
         self.factory_options, self.qparams_options = split_observer_kwargs(
             type(self).factory, dict(self.args.observer_kwargs), f"{type(self).__name__} ({base_name})")
+        if type(self).factory is registry.get("mse"):
+            self.qparams_options = self._mse_qparams_options()
         self.spec: Optional[QuantSpec] = None
         self.qstats_observer = None
+
+    def _mse_qparams_options(self) -> dict:
+        """`qstats.mse`'s compute_qparams options: a weight's one search stops early as
+        ``memoryless_mse``'s (``patience`` 5 unless given); ``triton_error_buffer`` is dropped (only
+        llm-compressor's CUDA Triton kernel reads it; qstats searches as its eager backend does); any
+        other option raises TypeError here, not at ``get_qparams`` after the whole calibration."""
+        options = {k: v for k, v in self.qparams_options.items() if k != "triton_error_buffer"}
+        accumulating = self.factory_options.get("mode", "accumulate") == "accumulate"
+        if self.is_weight_obs and accumulating:
+            options.setdefault("patience", 5)
+        unknown = sorted(set(options) - ({"patience"} if accumulating else set()))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} ({self.base_name}): observer_kwargs {unknown} are not options "
+                            f"of qstats.mse (mode={'accumulate' if accumulating else 'moving_average'!r})")
+        return options
 
     def __getstate__(self) -> dict:
         # the qstats Observer holds closures: pickled without it, rebuilt from the factory and spec
@@ -104,7 +121,7 @@ class QstatsObserver(LLMCompressorObserver):
         # llm-compressor's view: refuses strategies the site cannot take; its middle dims are
         # the shape llm-compressor's modules hold the qparams in
         self.qparam_shape = flatten_for_calibration(observed, self.base_name, self.args).shape[1:-1]
-        if self.qstats_observer is None:
+        if self.qstats_observer is None or not self.has_statistics:  # a new start: this tensor's dtype
             self.spec = QuantSpec.from_compressed_tensors(self.args, observed_dtype=observed.dtype)
             self.qstats_observer = self.make_observer()
         obs = self.qstats_observer
