@@ -86,19 +86,25 @@ llm-compressor as ``"qstats_<suffix>"`` (a drop-in checkpoint names them)."""
 _QSTATS_OBSERVERS = {f"qstats_{suffix}": name for suffix, name in DROPIN_OBSERVERS.items()}
 
 
-def split_observer_kwargs(factory, options: Mapping, where: str) -> tuple:
+def split_observer_kwargs(factory, options: Mapping, where: str, weight: bool = False) -> tuple:
     """``(factory options, compute_qparams options)`` of llm-compressor ``observer_kwargs`` for the
-    qstats observer ``factory``: those it takes, and the others (with `mse`'s ``patience`` in its
-    accumulating mode, an option of its search); TypeError naming options a min/max observer, whose
-    qparams take none, was given."""
+    qstats observer ``factory``: those it takes, and the others. `mse` in its accumulating mode
+    takes ``patience`` at compute_qparams (5 on a ``weight``, as ``memoryless_mse`` stops early);
+    its ``triton_error_buffer`` (read by llm-compressor's CUDA kernel only) is dropped. TypeError
+    naming options an observer's qparams do not take (any, for min/max observers)."""
     accepted = set(inspect.signature(factory).parameters) - {"spec"}
     own = {key: value for key, value in options.items() if key in accepted}
     rest = {key: value for key, value in options.items() if key not in accepted}
     name = factory.__name__
-    if name == "mse" and own.get("mode", "accumulate") == "accumulate" and "patience" in own:
-        rest["patience"] = own.pop("patience")
-    if rest and name not in ("histogram", "mse"):
-        raise TypeError(f"{where}: observer_kwargs {sorted(rest)} are not options of qstats.{name}")
+    taken = set(rest) if name == "histogram" else set()  # its methods' options
+    if name == "mse":
+        rest.pop("triton_error_buffer", None)
+        if own.get("mode", "accumulate") == "accumulate":
+            taken = {"patience"}
+            if "patience" in own or weight:  # a search option there (mse's factory takes it for moving averages)
+                rest["patience"] = own.pop("patience", 5)
+    if set(rest) - taken:
+        raise TypeError(f"{where}: observer_kwargs {sorted(set(rest) - taken)} are not options of qstats.{name}")
     return own, rest
 
 
@@ -107,7 +113,7 @@ def _qstats_observer(args, weight: bool) -> tuple:
     ``observer_kwargs`` split as `qstats.llmcompressor` splits them (`split_observer_kwargs`)."""
     name = _QSTATS_OBSERVERS[args.observer]
     factory, qparams = split_observer_kwargs(registry.get(name), dict(args.observer_kwargs or {}),
-                                             f"observer {args.observer!r}")
+                                             f"observer {args.observer!r}", weight)
     if weight and name in ("moving_average_minmax", "memoryless_minmax"):
         name, factory = "minmax", {}  # a weight is observed once: its averaging constant is unused
     return name, factory, qparams

@@ -67,26 +67,10 @@ class QstatsObserver(LLMCompressorObserver):
             raise ValueError(f"{type(self).__name__} ({base_name}, strategy {strategy.value!r}): "
                              f"{STATIC_GROUP_ACTIVATIONS}")
         self.factory_options, self.qparams_options = split_observer_kwargs(
-            type(self).factory, dict(self.args.observer_kwargs), f"{type(self).__name__} ({base_name})")
-        if type(self).factory is registry.get("mse"):
-            self.qparams_options = self._mse_qparams_options()
+            type(self).factory, dict(self.args.observer_kwargs), f"{type(self).__name__} ({base_name})",
+            self.is_weight_obs)
         self.spec: Optional[QuantSpec] = None
         self.qstats_observer = None
-
-    def _mse_qparams_options(self) -> dict:
-        """`qstats.mse`'s compute_qparams options: a weight's one search stops early as
-        ``memoryless_mse``'s (``patience`` 5 unless given); ``triton_error_buffer`` is dropped (only
-        llm-compressor's CUDA Triton kernel reads it; qstats searches as its eager backend does); any
-        other option raises TypeError here, not at ``get_qparams`` after the whole calibration."""
-        options = {k: v for k, v in self.qparams_options.items() if k != "triton_error_buffer"}
-        accumulating = self.factory_options.get("mode", "accumulate") == "accumulate"
-        if self.is_weight_obs and accumulating:
-            options.setdefault("patience", 5)
-        unknown = sorted(set(options) - ({"patience"} if accumulating else set()))
-        if unknown:
-            raise TypeError(f"{type(self).__name__} ({self.base_name}): observer_kwargs {unknown} are not options "
-                            f"of qstats.mse (mode={'accumulate' if accumulating else 'moving_average'!r})")
-        return options
 
     def __getstate__(self) -> dict:
         # the qstats Observer holds closures: pickled without it, rebuilt from the factory and spec
