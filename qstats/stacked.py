@@ -28,6 +28,8 @@ def _check_stack(x, num_experts: int, what: str) -> None:
 
 
 def _check_stacked_state(state, num_experts: int) -> None:
+    if not (isinstance(state, tuple) and hasattr(type(state), "_fields")):
+        raise TypeError(f"stacked_observer: expected a state (a NamedTuple of tensors), got {type(state).__name__}")
     for name, field in zip(getattr(state, "_fields", ()), state):
         if isinstance(field, torch.Tensor) and (field.ndim < 1 or field.shape[0] != num_experts):
             raise ValueError(
@@ -40,7 +42,8 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
     """An observer of ``[E, ...]`` stacks built from an observer of one expert's tensor.
 
     ``init``, ``update`` and ``merge`` are ``torch.vmap`` of the given ones over dimension 0, so its laws
-    hold per expert; ``weight`` is ``[E, ...]`` (the routing mask). For activations shared by every
+    hold per expert; ``weight`` is ``[E, ...]`` (the routing mask: a nonzero entry keeps its row, once,
+    whatever its value, so routing probabilities act as their 0/1 mask). For activations shared by every
     expert pass ``x.expand(E, *x.shape)``: a stride-0 stack is observed once, under each expert's mask.
 
     >>> import torch, qstats

@@ -556,6 +556,35 @@ def _check_slices(obs, xs: Sequence[torch.Tensor], states, weights: bool, approx
         approx_fields=approx_fields,
         message=f"{name}: vmap over the batch dims: the state of slice {first} depends on the data of other slices",
     )
+    if mask is not None:
+        _check_slice_weights(obs, x, mask, approx_fields, batch_dims)
+
+
+def _check_slice_weights(obs, x: torch.Tensor, mask: torch.Tensor, approx_fields, batch_dims: int) -> None:
+    """Each slice is observed under its own row weight (the other slices' weights never reach it), and
+    a stride-0 stack of one slice (``x[0].expand(E, ...)``, tokens shared by every expert) is observed
+    as its materialized copy."""
+    name = _name(obs)
+    state = obs.init(x)  # from init: a state that has seen x would hide the weight of min/max observers
+    updated = obs.update(state, x, mask)
+    first = (0,) * batch_dims
+    is_first = torch.zeros(mask.shape[:batch_dims], dtype=torch.bool, device=mask.device)
+    is_first[first] = True
+    mixed = torch.where(is_first.reshape(*is_first.shape, 1), mask, 1 - mask)
+    assert_states_equal(
+        _map_tensors(obs.update(state, x, mixed), lambda t: t[first]),
+        _map_tensors(updated, lambda t: t[first]),
+        approx_fields=approx_fields,
+        message=f"{name}: vmap over the batch dims: the state of slice {first} depends on the weights of other slices",
+    )
+    shared = x[first].expand(x.shape)
+    assert_states_equal(
+        obs.update(state, shared, mask),
+        obs.update(state, shared.contiguous(), mask),
+        approx_fields=approx_fields,
+        message=f"{name}: vmap over the batch dims: update (with a weight) of a stride-0 stack of one slice "
+        "(x[0].expand(...), rows shared by every slice) vs its contiguous copy",
+    )
 
 
 def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_fields=None,
