@@ -22,7 +22,8 @@ from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor,
 from .experts import rows_by_expert, stacked_qparams
 from .fused import fused_amax
 from .observers import memoryless_minmax
-from .observation import ExpertCallHooks, Observing, capture_call, check_runtime_group, observing, stop_capture
+from .observation import (ExpertCallHooks, Observing, capture_call, check_runtime_group, observing, raise_renamed,
+                          stop_capture)
 from .recipe import Plan, Recipe, as_plan
 from ._warn import warn
 
@@ -285,14 +286,7 @@ class _FakeQuantParametrization(torch.nn.Module):
                 return torch.vmap(lambda w, qp: fake_quantize_passing(w, qp, self.spec, tracked))(value, self.qparams)
             return fake_quantize(value, self.qparams, self.spec)
         except (ValueError, TypeError) as error:  # QParams of another shape or spec: named by site
-            _rename(error, f"fake_quantized: {self.where}")
-            raise
-
-
-def _rename(error: Exception, where: str) -> None:
-    """Puts ``where`` (the module and site) in front of ``error``'s message, once."""
-    if error.args and isinstance(error.args[0], str) and not error.args[0].startswith(where):
-        error.args = (f"{where}: {error.args[0]}", *error.args[1:])
+            raise_renamed(error, f"fake_quantized: {self.where}")
 
 
 def _float_state_dict_hooks(parametrized: list) -> list:
@@ -367,8 +361,7 @@ def _fake_quantize_activation(x, qparams: Optional[QParams], spec, runtime: bool
         try:
             return fake_quantize_passing(x, qparams, spec, straight_through)
         except (ValueError, TypeError) as error:  # QParams of another shape or spec
-            _rename(error, where)
-            raise
+            raise_renamed(error, where)
     check_runtime_group(x.shape, spec, where)
     if not x.numel():  # no values (an expert no token is routed to): no scale to compute
         return x

@@ -78,11 +78,13 @@ def check_runtime_group(shape, spec, where: str) -> None:
         raise ValueError(f"{where}: {error}") from None
 
 
-def _raise_renamed(error: Exception, path: str, site: str):
-    """Raises ``error`` with the module and site in front of its message (the error itself where
-    its type is built from other arguments)."""
+def raise_renamed(error: Exception, where: str):
+    """Raises ``error`` with ``where`` (the caller, module and site) in front of its message, once
+    (the error itself where its type is built from other arguments)."""
+    if str(error).startswith(where):
+        raise error
     try:
-        renamed = type(error)(f"calibrate: module {path!r} site {site!r}: {error}")
+        renamed = type(error)(f"{where}: {error}")
     except Exception:
         raise error from None
     raise renamed from error
@@ -226,7 +228,7 @@ class _Calibration:
                 previous = observer.init(x if like is None else like)
             updated = observer.update(previous, x, weight)
         except (ValueError, TypeError) as error:
-            _raise_renamed(error, path, site)
+            raise_renamed(error, f"calibrate: module {path!r} site {site!r}")
         for key_path, key_site in keys:
             self.states.setdefault(key_path, {})[key_site] = updated
 
