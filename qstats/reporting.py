@@ -432,8 +432,10 @@ class _ExpertErrors(ExpertCallHooks):
         if output is None:  # the forward raised
             return
         weight = self.current_weight[0]
-        if weight is None or tokens is None or weight.numel() != tokens.numel() // tokens.shape[-1]:
-            weight = None  # calibrate's fit: one weight per token of the experts' input
+        if weight is not None and tokens is not None:  # calibrate's fit: one weight per token of the experts' input
+            weight = weight_of(tokens.reshape(-1, tokens.shape[-1]), weight, flattened=True)
+        else:
+            weight = None
         for name, calls in capture.rows.items():
             for site in ("input", f"{name}.input"):  # both where both exist, as `fake_quantized` applies them
                 if site in self.sites and calls:
