@@ -84,8 +84,21 @@ def _check_materialized(model: torch.nn.Module) -> None:
         )
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def shard_name(number: int, count: int) -> str:
+    """``save_pretrained``'s name of shard ``number`` (from 1) of ``count``."""
+    return f"model-{number:05d}-of-{count:05d}.safetensors"
+
+
+def remove_shards(path: str, filenames: list) -> None:
+    """Removes the shards ``filenames`` and the index a failed write may have left in ``path`` (the
+    next export would refuse the folder)."""
+    for filename in filenames + ["model.safetensors.index.json"]:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(path, filename))
 
 
 def _shard_bytes(max_shard_size) -> Optional[int]:
@@ -118,7 +131,7 @@ def split_shards(tensors: dict, max_bytes: int) -> list:
     current: dict = {}
     size = 0
     for name, tensor in tensors.items():
-        nbytes = _nbytes(tensor)
+        nbytes = tensor_bytes(tensor)
         if nbytes > max_bytes:
             shards.append({name: tensor})
             continue
@@ -139,16 +152,14 @@ def _write_shards(path: str, tensors: dict, shard_bytes: Optional[int]) -> None:
     if len(shards) == 1:
         write_tensors(path, tensors, "model.safetensors")
         return
-    names = [f"model-{number:05d}-of-{len(shards):05d}.safetensors" for number in range(1, len(shards) + 1)]
+    names = [shard_name(number, len(shards)) for number in range(1, len(shards) + 1)]
     try:
         for filename, shard in zip(names, shards):
             write_tensors(path, shard, filename)
         weight_map = {name: filename for filename, shard in zip(names, shards) for name in shard}
-        write_index(path, weight_map, sum(_nbytes(tensor) for tensor in tensors.values()))
-    except BaseException:  # no partial checkpoint (the next export would refuse the folder)
-        for filename in names + ["model.safetensors.index.json"]:
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(path, filename))
+        write_index(path, weight_map, sum(tensor_bytes(tensor) for tensor in tensors.values()))
+    except BaseException:  # no partial checkpoint
+        remove_shards(path, names)
         raise
 
 

@@ -4,7 +4,6 @@ per layer (the modules outside the layers in a last shard) with ``model.safetens
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Mapping, Optional, Union
 
@@ -13,8 +12,8 @@ from tqdm.auto import tqdm
 
 from .._lazy_checkpoint import LazyCheckpoint, Overlay, check_covers, load_modules, release_modules
 from ..layerwise import check_on_meta, decoder_layers, inside, outer_paths
-from .checkpoint import (Writer, _check_arguments, check_new_folder, without_tied_copies, write_config, write_index,
-                         write_tensors)
+from .checkpoint import (Writer, _check_arguments, check_new_folder, remove_shards, shard_name, tensor_bytes,
+                         without_tied_copies, write_config, write_index, write_tensors)
 
 __all__ = ["compressed_tensors_layerwise"]
 
@@ -40,7 +39,7 @@ def _write_part(model: torch.nn.Module, source, writer: Writer, part: tuple, pat
         qparams = {module: sites for module, sites in writer.qparams.items() if keep(module)}
         tensors = without_tied_copies(model, writer.part(qparams, state))
         write_tensors(path, tensors, filename)
-        return {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
+        return {name: tensor_bytes(tensor) for name, tensor in tensors.items()}
     finally:
         release_modules(saved)
 
@@ -94,7 +93,7 @@ def compressed_tensors_layerwise(
     size = 0
     try:
         for number, part in enumerate(tqdm(parts, desc="qstats.export", disable=not progress), 1):
-            written.append(f"model-{number:05d}-of-{len(parts):05d}.safetensors")
+            written.append(shard_name(number, len(parts)))
             tensors = _write_part(model, source, writer, part, path, written[-1])
             weight_map.update(dict.fromkeys(tensors, written[-1]))
             size += sum(tensors.values())
@@ -106,8 +105,6 @@ def compressed_tensors_layerwise(
         write_index(path, weight_map, size)
         write_config(path, model, quantization_config)
     except BaseException:  # no half-written checkpoint left (check_new_folder found no shard there before)
-        for filename in written + ["model.safetensors.index.json"]:
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(path, filename))
+        remove_shards(path, written)
         raise
     return quantization_config
