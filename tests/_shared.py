@@ -62,6 +62,22 @@ def minilm_inputs(modules: tuple) -> dict:
     return {name: torch.cat(parts).reshape(-1) for name, parts in captured.items()}
 
 
+def left_padded_qwen2_moe(layers: int) -> tuple:
+    """``(model, batch, mask)``: a tiny random transformers Qwen2-MoE (a shared expert, 4 experts,
+    top 2) of ``layers`` layers in eval mode, and a batch of 2 x 7 tokens whose first row has 3
+    tokens of left padding (``mask``, also the batch's ``attention_mask``)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2)
+    model = transformers.Qwen2MoeForCausalLM(config).eval()
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    return model, {"input_ids": torch.randint(0, 64, (2, 7)), "attention_mask": mask}, mask
+
+
 def qwen3_moe_config(**overrides):
     """A tiny transformers ``Qwen3MoeConfig`` (random weights, no download): every layer a MoE
     layer with fused (stacked) experts; ``overrides`` change any field."""

@@ -24,6 +24,16 @@ def single_thread_quiet():
 
 
 @pytest.fixture
+def quantized_engine(single_thread_quiet):
+    """torch.ao's quantized engine set to fbgemm (qnnpack where fbgemm is missing) for the test, on
+    one thread without warnings (`single_thread_quiet`)."""
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "fbgemm" if "fbgemm" in torch.backends.quantized.supported_engines else "qnnpack"
+    yield
+    torch.backends.quantized.engine = before
+
+
+@pytest.fixture
 def moe_example():
     """``examples/moe_experts.py`` loaded as a module (its ``main`` calibrates the plain-torch MoE)."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "moe_experts.py")

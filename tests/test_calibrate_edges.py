@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from _shared import left_padded_qwen2_moe
 from torch.ao.quantization.observer import MovingAverageMinMaxObserver
 
 import qstats
@@ -94,15 +95,7 @@ def test_padding_is_left_out_of_tokens_flattened_to_rows():
     Linear's input equals a torch.ao observer fed by plain hooks the unpadded tokens only."""
     from torch.ao.quantization.observer import MinMaxObserver
 
-    torch.manual_seed(0)
-    config = transformers.Qwen2MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        num_experts=4, num_experts_per_tok=2)
-    model = transformers.Qwen2MoeForCausalLM(config).eval()
-    mask = torch.ones(2, 7, dtype=torch.long)
-    mask[0, :3] = 0  # left padding
-    batch = {"input_ids": torch.randint(0, 64, (2, 7)), "attention_mask": mask}
+    model, batch, mask = left_padded_qwen2_moe(layers=2)
     recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=qstats.QuantSpec(dtype="uint8", mapping="asymmetric"))],
                            ignore=["lm_head"])
     states = qstats.calibrate(model, [batch], recipe, progress=False, observation_weight=lambda b: b["attention_mask"])

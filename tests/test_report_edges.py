@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from _shared import left_padded_qwen2_moe
 
 import qstats
 
@@ -218,16 +219,7 @@ def test_padding_is_left_out_of_tokens_flattened_to_rows():
     observation weight fitted no ``[batch * tokens, hidden]`` input, so `report` measured its left
     padding (calibrate leaves it out). Against the SQNR of the unpadded rows, fake-quantized by
     torch under the same qparams, from plain hooks."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.Qwen2MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        shared_expert_intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        num_experts=4, num_experts_per_tok=2)
-    model = transformers.Qwen2MoeForCausalLM(config).eval()
-    mask = torch.ones(2, 7, dtype=torch.long)
-    mask[0, :3] = 0  # left padding
-    batch = {"input_ids": torch.randint(0, 64, (2, 7)), "attention_mask": mask}
+    model, batch, mask = left_padded_qwen2_moe(layers=1)
     spec = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
     recipe = qstats.Recipe([qstats.Rule("re:.*shared_expert.down_proj", sites=("input",), spec=spec)])
     weight = lambda b: b["attention_mask"]  # noqa: E731

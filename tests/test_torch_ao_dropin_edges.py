@@ -13,15 +13,7 @@ from torch.ao.quantization.quantize_fx import prepare_fx
 import qstats
 from qstats import torch_ao
 
-_ENGINE = "fbgemm" if "fbgemm" in torch.backends.quantized.supported_engines else "qnnpack"
-
-
-@pytest.fixture(autouse=True)
-def _engine(single_thread_quiet):
-    before = torch.backends.quantized.engine
-    torch.backends.quantized.engine = _ENGINE
-    yield
-    torch.backends.quantized.engine = before
+pytestmark = pytest.mark.usefixtures("quantized_engine")
 
 
 def _batches(n=4, shape=(6, 4), seed=3):
