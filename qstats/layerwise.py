@@ -100,12 +100,12 @@ def _call(model: torch.nn.Module, batch) -> Any:
 
 def _moved(value: Any, device: Optional[torch.device], seen: Optional[dict] = None) -> Any:
     """``value`` with every tensor in it (in tuples, lists and mappings) on ``device``; None: as is.
-    ``seen``: ``{id: moved}``, so that a tensor found twice (one mask for several layers) is moved once."""
+    A tensor found several times in it (one mask for several layers) is moved once (``seen``:
+    ``{id: moved}`` of the call)."""
     if device is None:
         return value
+    seen = {} if seen is None else seen
     if isinstance(value, torch.Tensor):
-        if seen is None:
-            return value.to(device)
         if id(value) not in seen:
             seen[id(value)] = value.to(device)
         return seen[id(value)]
@@ -118,9 +118,8 @@ def _moved(value: Any, device: Optional[torch.device], seen: Optional[dict] = No
 
 
 def _offloaded(value: Any, device: Optional[torch.device]) -> Any:
-    """``value`` with its tensors on the CPU, where the store keeps them, when layers run on ``device``
-    (a tensor found several times in it moved once)."""
-    return value if device is None else _moved(value, torch.device("cpu"), {})
+    """``value`` with its tensors on the CPU, where the store keeps them, when layers run on ``device``."""
+    return value if device is None else _moved(value, torch.device("cpu"))
 
 
 def _execution_device(device, where: str) -> Optional[torch.device]:
