@@ -16,15 +16,13 @@ model's own ``state_dict``):
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import qstats
-from _shared import fork_ranks, gloo_group, qwen3_moe_config
+from _shared import exit_rank, fork_ranks, gloo_group, qwen3_moe_config
 
 WEIGHT = qstats.QuantSpec("int8", granularity=qstats.PerAxis(0))
 INPUT = qstats.QuantSpec("int8")
@@ -157,11 +155,7 @@ def _ddp_rank(rank, port, model, qp, tokens, target, expected):
             opt.step()
             opt.zero_grad()
         same = all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(model.parameters(), expected))
-    # the result is the exit code; os._exit skips the interpreter's teardown, where torch's DDP/gloo
-    # threads at times abort the process ("terminate called without an active exception")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if same else 3)
+    exit_rank(0 if same else 3)  # the result is the exit code
 
 
 def test_ddp_steps_equal_a_single_process_hand_written_loop():
