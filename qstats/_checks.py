@@ -11,6 +11,8 @@ import numbers
 
 import torch
 
+from ._ops import op
+
 __all__ = ["check_floating", "is_real_number", "require", "require_calibrated"]
 
 
@@ -29,14 +31,14 @@ def check_floating(x, where: str) -> torch.Tensor:
     return x
 
 
-@torch.library.custom_op("qstats::require", mutates_args=())
+@op("require")
 def _require(condition: torch.Tensor, message: str) -> torch.Tensor:
     if not bool(condition.all()):
         raise ValueError(message)
     return condition.clone()
 
 
-@_require.register_fake
+@torch.library.register_fake(_require)
 def _(condition, message):
     return torch.empty_like(condition)
 
@@ -45,7 +47,7 @@ def _require_vmap(info, in_dims, condition, message):
     return _require(condition, message), in_dims[0]  # every slice must hold
 
 
-_require.register_vmap(_require_vmap)
+torch.library.register_vmap(_require, _require_vmap)
 
 
 def require(condition: torch.Tensor, message: str) -> torch.Tensor:
@@ -54,7 +56,7 @@ def require(condition: torch.Tensor, message: str) -> torch.Tensor:
     return _require(condition, message)
 
 
-@torch.library.custom_op("qstats::require_calibrated", mutates_args=())
+@op("require_calibrated")
 def _require_calibrated(calibrated: torch.Tensor, where: str) -> torch.Tensor:
     missing = int((~calibrated).sum())
     if missing:
@@ -66,7 +68,7 @@ def _require_calibrated(calibrated: torch.Tensor, where: str) -> torch.Tensor:
     return calibrated.clone()
 
 
-@_require_calibrated.register_fake
+@torch.library.register_fake(_require_calibrated)
 def _(calibrated, where):
     return torch.empty_like(calibrated)
 
@@ -77,7 +79,7 @@ def _require_calibrated_vmap(info, in_dims, calibrated, where):
     return calibrated.clone(), in_dims[0]
 
 
-_require_calibrated.register_vmap(_require_calibrated_vmap)
+torch.library.register_vmap(_require_calibrated, _require_calibrated_vmap)
 
 
 def require_calibrated(calibrated: torch.Tensor, where: str) -> torch.Tensor:

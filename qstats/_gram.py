@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ._ops import op
+
 __all__ = ["add_masked_gram"]
 
 
@@ -35,7 +37,7 @@ def _add_group(out: torch.Tensor, total: torch.Tensor, rows: torch.Tensor, keep:
     out.add_(total)  # the products' own buffer: the same sum as total + grams
 
 
-@torch.library.custom_op("qstats::add_masked_grams", mutates_args=())
+@op("add_masked_grams")
 def _add_masked_grams(total: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(total)
     for group in range(keep.shape[0]):
@@ -43,7 +45,7 @@ def _add_masked_grams(total: torch.Tensor, rows: torch.Tensor, keep: torch.Tenso
     return out
 
 
-@_add_masked_grams.register_fake
+@torch.library.register_fake(_add_masked_grams)
 def _(total, rows, keep):
     return torch.empty_like(total)
 
@@ -69,7 +71,7 @@ def _add_masked_grams_vmap(info, in_dims, total, rows, keep):
     return out.reshape(size, groups, *out.shape[1:]), 0
 
 
-_add_masked_grams.register_vmap(_add_masked_grams_vmap)
+torch.library.register_vmap(_add_masked_grams, _add_masked_grams_vmap)
 
 
 def add_masked_gram(total: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,12 @@ op's body may read a flag on the host: nothing outside it does.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
+
+from ._ops import op
 
 __all__ = ["finite_aminmax"]
 
@@ -39,13 +42,15 @@ def _nothing_seen(view: torch.Tensor):
 
 def _plain_extremes(view: torch.Tensor):
     """Extremes of every value, or None when some extreme or range is not finite (one host read)."""
-    if view.shape[1:-1].numel() == 1:
-        lo, hi = (t.reshape(view.shape[1:-1]) for t in torch.aminmax(view.reshape(-1)))
+    params = view.shape[1:-1]
+    if params.numel() == 1:
+        lo, hi = torch.aminmax(view.reshape(-1))
+        lo, hi = (lo, hi) if params == lo.shape else (lo.reshape(params), hi.reshape(params))
     else:
         lo, hi = _reduce(view, torch.amin), _reduce(view, torch.amax)
-    # amin/amax propagate NaN, so hi - lo is finite exactly when every value is (or the range
-    # overflows float32: then the masked pass, which gives the same extremes)
-    return (lo, hi) if bool(torch.isfinite(hi - lo).all()) else None
+    # amin/amax propagate NaN, so the summed ranges are finite exactly when every value is (or a
+    # range or their sum overflows float32: then the masked pass, which gives the same extremes)
+    return (lo, hi) if math.isfinite((hi - lo).sum()) else None
 
 
 def _masked_extremes(view: torch.Tensor, mask: Optional[torch.Tensor]):
@@ -77,14 +82,14 @@ def _finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor], raise_on_n
     return lo.float(), hi.float(), count, nonfinite
 
 
-@torch.library.custom_op("qstats::finite_aminmax", mutates_args=())
+@op("finite_aminmax")
 def _finite_aminmax_op(
     view: torch.Tensor, mask: Optional[torch.Tensor], raise_on_nonfinite: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _finite_aminmax(view, mask, raise_on_nonfinite)
 
 
-@_finite_aminmax_op.register_fake
+@torch.library.register_fake(_finite_aminmax_op)
 def _(view, mask, raise_on_nonfinite):
     shape = view.shape[1:-1]
     lo = view.new_empty(shape, dtype=torch.float32)
@@ -111,7 +116,7 @@ def _vmap_rule(info, in_dims, view, mask, raise_on_nonfinite):
     return _finite_aminmax_op(view, mask, raise_on_nonfinite), (0, 0, 0, 0)
 
 
-_finite_aminmax_op.register_vmap(_vmap_rule)
+torch.library.register_vmap(_finite_aminmax_op, _vmap_rule)
 
 
 def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonfinite: str = "ignore"):

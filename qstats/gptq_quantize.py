@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from ._ops import op
 from ._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, qparam_shape
 from ._qparams import QParams, compute_qparams
 from ._quant import _cap, _checked_zero_point, _codes_float, _dequantize_view
@@ -52,7 +53,7 @@ def _experts(flags: torch.Tensor, scalar: bool) -> str:
     return "the layer" if scalar else f"experts {where} ({len(where)} of {flags.numel()})"
 
 
-@torch.library.custom_op("qstats::check_gptq_inputs", mutates_args=())
+@op("check_gptq_inputs")
 def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager checks (one op, so they run under vmap and compile): a non-finite Hessian sum or weight
     raises ValueError; a Hessian that saw no row warns (round-to-nearest). Returns the counts and
@@ -73,7 +74,7 @@ def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor
     return count.clone(), torch.tensor(shared)
 
 
-@_check_inputs.register_fake
+@torch.library.register_fake(_check_inputs)
 def _(count, total, weight):
     return torch.empty_like(count), torch.empty((), dtype=torch.bool)
 
@@ -85,10 +86,10 @@ def _check_inputs_vmap(info, in_dims, count, total, weight):
     return (_check_inputs(*moved)[0], torch.tensor(False)), (0, None)  # one message naming every expert
 
 
-_check_inputs.register_vmap(_check_inputs_vmap)
+torch.library.register_vmap(_check_inputs, _check_inputs_vmap)
 
 
-@torch.library.custom_op("qstats::warn_unfactored_hessian", mutates_args=())
+@op("warn_unfactored_hessian")
 def _warn_unfactored(failed: torch.Tensor) -> torch.Tensor:
     """Warns where a seen Hessian, dampened, is not positive definite (llm-compressor warns too)."""
     if failed.any():
@@ -100,12 +101,12 @@ def _warn_unfactored(failed: torch.Tensor) -> torch.Tensor:
     return failed.clone()
 
 
-@_warn_unfactored.register_fake
+@torch.library.register_fake(_warn_unfactored)
 def _(failed):
     return torch.empty_like(failed)
 
 
-_warn_unfactored.register_vmap(lambda info, in_dims, failed: (_warn_unfactored(failed.movedim(in_dims[0], 0)), 0))
+torch.library.register_vmap(_warn_unfactored, lambda info, in_dims, failed: (_warn_unfactored(failed.movedim(in_dims[0], 0)), 0))
 
 
 def _column_groups(spec: QuantSpec, shape) -> Optional[list]:

@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .._ops import op
 from .._granularity import checked_view, qparam_shape, weight_view
 from .._qparams import Range, register_range_rule
 from .._reductions import batch_inside, finite_aminmax
@@ -67,7 +68,7 @@ def _bucket_table(mantissa_bits: int, low: int, high: int, device) -> torch.Tens
     return torch.where(prefix == 2 * half, 2 * num_buckets + 1, slot)
 
 
-@torch.library.custom_op("qstats::bucket_counts", mutates_args=())
+@op("bucket_counts")
 def _count_keys(
     bits: torch.Tensor, mask: Optional[torch.Tensor], shift: int, offset: int, size: int
 ) -> torch.Tensor:
@@ -85,7 +86,7 @@ def _count_keys(
     return torch.bincount(keys.reshape(-1), minlength=total).reshape(*params, size)
 
 
-@_count_keys.register_fake
+@torch.library.register_fake(_count_keys)
 def _(bits, mask, shift, offset, size):
     return bits.new_empty((*bits.shape[1:-1], size), dtype=torch.int64)
 
@@ -96,7 +97,7 @@ def _count_keys_vmap(info, in_dims, bits, mask, shift, offset, size):
     return _count_keys(bits, mask, shift, offset, size), 0
 
 
-_count_keys.register_vmap(_count_keys_vmap)
+torch.library.register_vmap(_count_keys, _count_keys_vmap)
 
 
 def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):

@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .._ops import op
 from .._granularity import PerGroup, TensorGroup, checked_view, qparam_shape, weight_view
 from .._checks import is_real_number, require
 from .._qparams import Range, qparams_from_minmax, register_range_rule
@@ -197,7 +198,7 @@ def _error_total(d, weights, keep, norm: float, as_float32: bool) -> torch.Tenso
     return error.sum(dim=(0, -1), dtype=torch.float32 if as_float32 else None).to(torch.float64)
 
 
-@torch.library.custom_op("qstats::error_sum", mutates_args=())
+@op("error_sum")
 def _error_sum_op(difference: torch.Tensor, weights: Optional[torch.Tensor], keep: Optional[torch.Tensor],
                   norm: float, native_error: bool) -> torch.Tensor:
     """``sum |difference| ** norm`` over dims (0, -1) as float64, formed in ``difference``'s dtype
@@ -212,7 +213,7 @@ def _error_sum_op(difference: torch.Tensor, weights: Optional[torch.Tensor], kee
     return torch.where(finite, narrow, _error_total(difference.to(torch.float64), weights, keep, norm, False))
 
 
-@_error_sum_op.register_fake
+@torch.library.register_fake(_error_sum_op)
 def _(difference, weights, keep, norm, native_error):
     return difference.new_empty(difference.shape[1:-1], dtype=torch.float64)
 
@@ -225,7 +226,7 @@ def _error_sum_vmap(info, in_dims, difference, weights, keep, norm, native_error
     return _error_sum_op(moved[0].expand(shape), moved[1], moved[2], norm, native_error), 0
 
 
-_error_sum_op.register_vmap(_error_sum_vmap)
+torch.library.register_vmap(_error_sum_op, _error_sum_vmap)
 
 
 def _chosen_factor(loss: torch.Tensor, factors: torch.Tensor, patience: Optional[int]) -> torch.Tensor:
