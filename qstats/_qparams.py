@@ -106,8 +106,8 @@ def _rule_for(state) -> Callable[..., Any]:
 
 
 def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
-    """Quantization parameters of ``state`` for ``spec``. Pure; vmappable; no host sync under
-    vmap or compile.
+    """Quantization parameters of ``state`` for ``spec``. Pure; vmappable; compilable. With
+    ``on_uncalibrated="raise"`` (the default) it reads on the host whether every parameter saw data.
 
     Args:
       state: an observer state (MinMaxState, HistogramState, ...).
