@@ -59,6 +59,20 @@ def test_reduction_equals_a_per_parameter_loop(shape, seed, masked, fraction, dt
     _assert_same(finite_aminmax(view, mask), _reference(view.float(), mask))
 
 
+
+@pytest.mark.parametrize("params", [(), (1,), (3,), (64, 2)])
+def test_finite_extremes_whose_ranges_overflow_float32_are_kept(params):
+    """Values all finite, but a parameter's range (max - min) or the sum of the ranges overflows
+    float32: the extremes are still the finite ones, nothing counted as non-finite."""
+    generator = torch.Generator().manual_seed(0)
+    view = torch.randn(2, *params, 5, generator=generator) * 3e38
+    view = view.clamp(-3.4e38, 3.4e38)
+    _assert_same(finite_aminmax(view), _reference(view, None))
+    for low in (-2e38, 0.0):  # each range 4e38 overflows; each 2e38 does not, their sum may
+        wide = torch.full((1, *params, 2), 2e38)
+        wide[..., 0] = low
+        _assert_same(finite_aminmax(wide), _reference(wide, None))
+
 def test_vmap_equals_the_loop_with_shared_values_and_batched_masks():
     generator = torch.Generator().manual_seed(0)
     view = _with_nonfinite(torch.randn(4, 3, 5, generator=generator), generator, 0.2)
