@@ -261,6 +261,88 @@ class _Recorder(_StandIn):
         return args[0] if args else kwargs.get("hidden_states")
 
 
+class _Walker(_StandIn):
+    """Stands in for decoder layer ``index`` in `_check_call_order`: records the call and passes the
+    hidden states on; a second call of a layer stops the forward."""
+
+    def __init__(self, layer: torch.nn.Module, index: int, order: list):
+        super().__init__(layer)
+        self.index, self.order = index, order
+
+    def forward(self, *args, **kwargs):
+        called_before = self.index in self.order
+        self.order.append(self.index)
+        if called_before:
+            raise _Stop(args, kwargs)
+        return args[0] if args else kwargs.get("hidden_states")
+
+
+def _check_call_order(model: torch.nn.Module, container, container_path: str, batch, where: str) -> None:
+    """Runs the model's forward on ``batch`` through stand-ins of its layers and refuses a forward
+    that calls a layer twice (one layer shared across depths, as ALBERT's) or out of list order:
+    each layer is calibrated once, its outputs feeding the next in the list."""
+    order: list = []
+    layers = list(container)
+    for index, layer in enumerate(layers):
+        container[index] = _Walker(layer, index, order)
+    try:
+        _call(model, batch)
+    except Exception:  # noqa: BLE001 - _Stop at a second call; any other error the capture that follows reports
+        pass
+    finally:
+        for index, layer in enumerate(layers):
+            container[index] = layer
+    if order != list(range(len(order))):
+        raise ValueError(
+            f"{where}: the model's forward calls its decoder layers {container_path!r} in the order "
+            f"{order[:12]}{' ...' if len(order) > 12 else ''}, not each once in list order (a layer shared across "
+            "depths, as ALBERT's, or layers run out of order); layer-by-layer calibration runs each layer once, "
+            "in list order: calibrate the loaded model with qstats.calibrate"
+        )
+
+
+def _check_passed_on(run: "_Run", container, container_path: str, batch, where: str) -> None:
+    """Runs the model's forward on ``batch`` through its first layer (read from the checkpoint) up
+    to the second, and refuses a forward that passes the second layer a tensor the first returned
+    beside its hidden states (T5's position bias, computed by the first block alone): layer by layer,
+    only the hidden states go from one layer to the next."""
+    if len(container) < 2:
+        return
+    outputs: list = []
+
+    def stop(module, args, kwargs):
+        raise _Stop(args, kwargs)
+
+    def keep(module, args, kwargs, output):
+        outputs.append((output, [*args, *kwargs.values()]))
+
+    handles = [container[0].register_forward_hook(keep, with_kwargs=True),
+               container[1].register_forward_pre_hook(stop, with_kwargs=True)]
+    saved = load_modules(run.model, [f"{container_path}.0"], run.checkpoint, device=run.device)
+    received: list = []
+    try:
+        _call(run.model, batch)
+    except _Stop as stopped:
+        received = [*stopped.layer_args, *stopped.layer_kwargs.values()]
+    except Exception:  # noqa: BLE001 - the capture and the layer's own run report the model's errors
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+        release_modules(saved)
+    output, given = outputs[0] if outputs else (None, [])
+    extras = output[1:] if isinstance(output, (tuple, list)) else ()
+    # a tensor the first layer was given too (the same for every layer) is no output passed on
+    extras = [extra for extra in extras if isinstance(extra, torch.Tensor) and not any(extra is g for g in given)]
+    if any(extra is value for extra in extras for value in received):
+        raise ValueError(
+            f"{where}: the model's forward passes {container_path}.1 a tensor that {container_path}.0 returned beside "
+            "its hidden states (as T5 passes the position bias its first block computes); layer-by-layer "
+            "calibration passes only the hidden states from one layer to the next: calibrate the loaded model "
+            "with qstats.calibrate"
+        )
+
+
 def _own_arguments(calls: list) -> tuple:
     """Each layer's ``(arguments after the hidden states, keyword arguments without them)``."""
     return tuple((tuple(args[1:]), _without_cache({k: v for k, v in kwargs.items() if k != "hidden_states"}))
@@ -268,23 +350,30 @@ def _own_arguments(calls: list) -> tuple:
 
 
 def _capture(model, container, batches, observation_weight, store: _Store, device: Optional[torch.device],
-             each_layer: bool) -> None:
+             each_layer: bool, checked: Callable[[Any], None]) -> None:
     """Runs ``model`` on each batch (on ``device``) up to its first decoder layer and stores that
     layer's inputs (on the CPU); with ``each_layer``, up to the last, through stand-ins, keeping
-    every layer's own arguments (`_Inputs.layers`)."""
+    every layer's own arguments (`_Inputs.layers`). ``checked(batch)`` runs first, on the first batch."""
 
     def stop(module, args, kwargs):
         raise _Stop(args, kwargs)
 
     calls: list = []
     layers = list(container)
-    handle = None if each_layer else container[0].register_forward_pre_hook(stop, with_kwargs=True)
-    if each_layer:
-        for index, layer in enumerate(layers):
+    handles: list = []
+
+    def install() -> None:  # after the checks, which run the model through layers of their own
+        if not each_layer:
+            handles.append(container[0].register_forward_pre_hook(stop, with_kwargs=True))
+        for index, layer in enumerate(layers if each_layer else ()):
             container[index] = _Recorder(layer, calls, index == len(layers) - 1)
+
     try:
         with torch.no_grad():
-            for batch in batches:
+            for number, batch in enumerate(batches):
+                if number == 0:
+                    checked(_moved(batch, device))
+                    install()
                 weight = observation_weight(batch) if observation_weight is not None else None
                 calls.clear()
                 try:
@@ -296,11 +385,10 @@ def _capture(model, container, batches, observation_weight, store: _Store, devic
                 own = _own_arguments(each) if each_layer else None
                 store.append(_Inputs(batch, weight, tuple(args), _without_cache(kwargs), layers=own))
     finally:
-        if handle is not None:
+        for handle in handles:
             handle.remove()
-        if each_layer:
-            for index, layer in enumerate(layers):
-                container[index] = layer
+        for index, layer in enumerate(layers):
+            container[index] = layer
 
 
 def _select(states: dict, keep: Callable[[str, str], bool]) -> dict:
@@ -639,7 +727,9 @@ def calibrate_layerwise(
     Raises:
       ValueError: a model with parameters off the meta device, a tensor the checkpoint lacks (or of
         another shape: the model's tensors are back on meta after), a forward that never calls
-        its first layer, a bad ``propagate``.
+        its first layer, or calls a layer twice (ALBERT's shared layers) or out of list order, or
+        passes a layer a tensor the previous one returned beside its hidden states (T5's position
+        bias), a bad ``propagate``.
     """
     return _layerwise(model, checkpoint, batches, recipe, states=states, propagate=propagate, offload_dir=offload_dir,
                       layers=layers, progress=progress, observation_weight=observation_weight,
@@ -693,7 +783,11 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
     def capture() -> None:
         saved.extend(_outer_loaded(run, container_path))
         each_layer = len(_layer_kinds(run.model, container_path)) > 1
-        _capture(run.model, container, batches, observation_weight, run.store, run.device, each_layer)
+        def checked(batch) -> None:
+            _check_call_order(run.model, container, container_path, batch, where)
+            _check_passed_on(run, container, container_path, batch, where)
+
+        _capture(run.model, container, batches, observation_weight, run.store, run.device, each_layer, checked)
 
     try:
         run.agreed(capture)

@@ -4,7 +4,7 @@
 ``max_shard_size``), ``path/config.json`` and a generating model's ``generation_config.json``; the
 tensor layout, formats and refusals are in docs/export.md.
 `compressed_tensors_layerwise` writes the same tensors for a model on the meta device, read from
-its checkpoint one decoder layer at a time.
+its checkpoint one decoder layer at a time (a shard per layer, or shards of ``max_shard_size``).
 Modules: `checkpoint` (the writer), `config` (quantization args, formats, config groups),
 `linear`, `experts` (stacked experts), `attention` (q/k/v scales), `scales`, `packing`.
 """

@@ -23,7 +23,8 @@ from .linear import linear_entry, write_linear
 from .._checkpoint_names import module_renamer, saved_tensors
 from .._warn import warn
 
-__all__ = ["compressed_tensors", "Writer", "check_new_folder", "write_config", "write_index", "write_tensors"]
+__all__ = ["compressed_tensors", "Writer", "check_new_folder", "shard_bytes", "write_config", "write_index",
+           "write_tensors"]
 
 
 def compressed_tensors(
@@ -63,12 +64,12 @@ def compressed_tensors(
     """
     _check_arguments(model, qparams, format)
     _check_materialized(model)
-    shard_bytes = _shard_bytes(max_shard_size)
+    max_bytes = shard_bytes(max_shard_size)
     check_new_folder(path, None, "export.compressed_tensors", "path")
     writer = Writer(specs_or_recipe, qparams, model, format)
     tensors = without_tied_copies(model, writer.part(qparams, model.state_dict()))
     quantization_config = writer.finish()
-    _write_shards(path, tensors, shard_bytes)
+    _write_shards(path, tensors, max_bytes)
     write_config(path, model, quantization_config)
     return quantization_config
 
@@ -101,7 +102,7 @@ def remove_shards(path: str, filenames: list) -> None:
             os.remove(os.path.join(path, filename))
 
 
-def _shard_bytes(max_shard_size) -> Optional[int]:
+def shard_bytes(max_shard_size, where: str = "export.compressed_tensors") -> Optional[int]:
     """``max_shard_size`` in bytes (None: no sharding): an int, or digits and a unit ``KB``, ``MB``,
     ``GB``, ``TB`` (powers of 1000), as huggingface_hub's ``parse_size_to_int`` reads it for
     ``save_pretrained``."""
@@ -118,7 +119,7 @@ def _shard_bytes(max_shard_size) -> Optional[int]:
         except ValueError:
             size = None
     if size is None or size <= 0:
-        raise ValueError("export.compressed_tensors: max_shard_size must be a positive number of bytes or a string "
+        raise ValueError(f"{where}: max_shard_size must be a positive number of bytes or a string "
                          f"such as '5GB' (units KB, MB, GB, TB), got {max_shard_size!r}")
     return size
 

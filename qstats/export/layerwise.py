@@ -1,6 +1,7 @@
 """`compressed_tensors_layerwise`: the compressed-tensors export of a model whose weights do not fit
 in memory, read from its safetensors checkpoint one decoder layer at a time and written one shard
-per layer (the modules outside the layers in a last shard) with ``model.safetensors.index.json``."""
+per layer (the modules outside the layers in a last shard), or in shards of ``max_shard_size``, with
+``model.safetensors.index.json``."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from tqdm.auto import tqdm
 
 from .._lazy_checkpoint import LazyCheckpoint, Overlay, check_covers, load_modules, release_modules
 from ..layerwise import check_on_meta, decoder_layers, inside, outer_paths
-from .checkpoint import (Writer, _check_arguments, check_new_folder, remove_shards, shard_name, tensor_bytes,
-                         without_tied_copies, write_config, write_index, write_tensors)
+from .checkpoint import (Writer, _check_arguments, check_new_folder, remove_shards, shard_bytes, shard_name,
+                         tensor_bytes, without_tied_copies, write_config, write_index, write_tensors)
 
 __all__ = ["compressed_tensors_layerwise"]
 
@@ -28,18 +29,64 @@ def _parts(model: torch.nn.Module, layers: Optional[str]) -> list:
     return [([path], True, lambda name, path=path: inside(name, path)) for path in paths] + [outer]
 
 
-def _write_part(model: torch.nn.Module, source, writer: Writer, part: tuple, path: str,
-                filename: str) -> dict:
-    """Loads the modules of one shard (a `_parts` entry), writes their tensors as ``path/filename``
-    and puts them back on meta; returns ``{name: bytes}`` of the tensors written."""
+class _Shards:
+    """The shards of one export, written as the parts come (`add`) under temporary names, named as
+    ``save_pretrained`` names them once their count is known (`close`). Without ``max_bytes`` each part
+    is a shard; with it the tensors are split in order as ``save_pretrained(max_shard_size=)`` splits
+    them (`checkpoint.split_shards`), the open shard's tensors kept (copied) between parts."""
+
+    def __init__(self, path: str, max_bytes: Optional[int]):
+        self.path, self.max_bytes = path, max_bytes
+        self.files: list = []  # every file written (temporary names, then final ones): removed on failure
+        self.shards: list = []  # {name: bytes} of each shard written
+        self.open: dict = {}
+        self.open_bytes = 0
+
+    def add(self, tensors: dict) -> None:
+        if self.max_bytes is None:
+            return self._write(tensors)
+        for name, tensor in tensors.items():
+            size = tensor_bytes(tensor)
+            if size > self.max_bytes:  # a shard of its own, before the open one (as split_shards)
+                self._write({name: tensor})
+                continue
+            if self.open and self.open_bytes + size > self.max_bytes:
+                self._write(self.open)
+                self.open, self.open_bytes = {}, 0
+            self.open[name] = tensor.detach().to("cpu", copy=True)  # not a view holding the loaded layer
+            self.open_bytes += size
+
+    def _write(self, tensors: dict) -> None:
+        self.files.append(f"model-{len(self.shards) + 1:05d}.safetensors.partial")
+        write_tensors(self.path, tensors, self.files[-1])
+        self.shards.append({name: tensor_bytes(tensor) for name, tensor in tensors.items()})
+
+    def close(self) -> None:
+        """The open shard written; the files renamed: ``model.safetensors`` when ``max_bytes`` leaves
+        one, else ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``."""
+        if self.open or not self.shards:
+            self._write(self.open)
+        names = [shard_name(number, len(self.shards)) for number in range(1, len(self.shards) + 1)]
+        if self.max_bytes is not None and len(self.shards) == 1:
+            names = ["model.safetensors"]
+        for partial, name in zip(list(self.files), names):
+            os.replace(os.path.join(self.path, partial), os.path.join(self.path, name))
+            self.files.append(name)
+        if len(names) > 1:
+            weight_map = {tensor: name for name, shard in zip(names, self.shards) for tensor in shard}
+            write_index(self.path, weight_map, sum(sum(shard.values()) for shard in self.shards))
+
+
+def _part_tensors(model: torch.nn.Module, source, writer: Writer, part: tuple, shards: _Shards) -> None:
+    """Loads the modules of one part (a `_parts` entry), adds their tensors to ``shards`` and puts
+    them back on meta."""
     paths, recurse, keep = part
     saved = load_modules(model, paths, source, recurse=recurse)
     try:
         state = {name: tensor for name, tensor in model.state_dict().items() if keep(name)}
         qparams = {module: sites for module, sites in writer.qparams.items() if keep(module)}
         tensors = without_tied_copies(model, writer.part(qparams, state))
-        write_tensors(path, tensors, filename)
-        return {name: tensor_bytes(tensor) for name, tensor in tensors.items()}
+        shards.add(tensors)
     finally:
         release_modules(saved)
 
@@ -54,6 +101,7 @@ def compressed_tensors_layerwise(
     weights: Optional[Union[dict, str, os.PathLike]] = None,
     layers: Optional[str] = None,
     format: Optional[str] = None,
+    max_shard_size: Optional[Union[int, str]] = None,
     progress: bool = True,
 ) -> dict:
     """`compressed_tensors` of a model built on the meta device, its tensors read from ``checkpoint``.
@@ -70,7 +118,11 @@ def compressed_tensors_layerwise(
       weights: tensors to write instead of the checkpoint's: ``{name: tensor}`` or a folder of
         safetensors (`gptq_layerwise`'s GPTQ'd weights).
       layers: the path of the decoder layers' ``nn.ModuleList`` (default: the longest one).
-      progress: a progress bar over the shards.
+      max_shard_size: None (default): one shard per decoder layer and one for the rest; else the
+        largest shard, as in `compressed_tensors` (``"5GB"``, or bytes): the tensors, layer after layer,
+        are split in order as ``save_pretrained(max_shard_size=...)`` splits them (one shard:
+        ``model.safetensors``, no index). The shard being filled is kept in memory.
+      progress: a progress bar over the parts (the decoder layers and the rest).
 
     Returns:
       The ``quantization_config`` written into ``config.json``.
@@ -81,6 +133,7 @@ def compressed_tensors_layerwise(
         holding safetensors files or an index.
     """
     _check_arguments(model, qparams, format)
+    max_bytes = shard_bytes(max_shard_size, _WHERE)
     check_on_meta(model)
     check_new_folder(path, checkpoint, _WHERE, "path")
     source = LazyCheckpoint(checkpoint, _WHERE)
@@ -88,23 +141,18 @@ def compressed_tensors_layerwise(
     check_covers(model, source)
     writer = Writer(recipe, qparams, model, format)
     parts = _parts(model, layers)
-    weight_map: dict = {}
-    written: list = []  # the shards this call wrote: removed if it fails
-    size = 0
+    shards = _Shards(path, max_bytes)
     try:
-        for number, part in enumerate(tqdm(parts, desc="qstats.export", disable=not progress), 1):
-            written.append(shard_name(number, len(parts)))
-            tensors = _write_part(model, source, writer, part, path, written[-1])
-            weight_map.update(dict.fromkeys(tensors, written[-1]))
-            size += sum(tensors.values())
+        for part in tqdm(parts, desc="qstats.export", disable=not progress):
+            _part_tensors(model, source, writer, part, shards)
         unused = sorted(source.names() - source.used) if weights is not None else []
         if unused:
             raise ValueError(f"{_WHERE}: {len(unused)} tensor(s) of weights= name no tensor "
                              f"of the model: {', '.join(unused[:6])}")
         quantization_config = writer.finish()  # its refusals (a kv-cache scheme, ...) too leave no shard
-        write_index(path, weight_map, size)
+        shards.close()
         write_config(path, model, quantization_config)
     except BaseException:  # no half-written checkpoint left (check_new_folder found no shard there before)
-        remove_shards(path, written)
+        remove_shards(path, shards.files)
         raise
     return quantization_config
