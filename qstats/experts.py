@@ -242,15 +242,17 @@ def dispatch(tokens: torch.Tensor, mask: torch.Tensor, capacity: Optional[int] =
     weight 0. ``capacity`` ``C`` defaults to the largest token count (a host read; pass
     ``tokens.shape[0]`` to avoid it). With ``C`` at least every count, the statistics equal those of
     ``tokens`` weighted by ``mask``; a smaller ``C`` drops each expert's later tokens, as a
-    capacity-limited router does.
+    capacity-limited router does (``C = 0`` keeps none).
     """
     if mask.ndim != 2 or mask.shape[1] != tokens.shape[0]:
         raise ValueError(
             f"dispatch: mask of shape {tuple(mask.shape)} does not match {tokens.shape[0]} tokens ([E, tokens])"
         )
     if capacity is None:
-        capacity = int((mask != 0).sum(dim=1).max()) if mask.numel() else 0
-    capacity = max(1, min(int(capacity), tokens.shape[0]))
+        capacity = max(1, int((mask != 0).sum(dim=1).max()) if mask.numel() else 1)
+    elif isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise ValueError(f"dispatch: capacity must be an int >= 0 (rows kept per expert), got {capacity!r}")
+    capacity = min(capacity, tokens.shape[0])
     order = torch.argsort((mask != 0).to(torch.int8), dim=1, descending=True, stable=True)[:, :capacity]
     return tokens[order], torch.gather(mask, 1, order)
 
@@ -384,7 +386,10 @@ def _expert_of_slice(weight, stack: torch.Tensor) -> Optional[int]:
     only shapes, strides and storage offsets (no tensor data)."""
     if not isinstance(weight, torch.Tensor) or not _same_storage(weight, stack) or weight.ndim != stack.ndim - 1:
         return None
-    expert, rest = divmod(weight.storage_offset() - stack.storage_offset(), stack.stride(0))
+    offset, stride = weight.storage_offset() - stack.storage_offset(), stack.stride(0)
+    if stride == 0 and stack.shape[0] > 1:  # experts sharing one memory (an expanded stack): whose slice is unknown
+        return None
+    expert, rest = divmod(offset, stride) if stride else (0, offset)
     inner = sorted(zip(stack.shape[1:], stack.stride()[1:]))  # the layout of one slice
     if rest or not 0 <= expert < stack.shape[0] or _layout(weight) != inner:
         return None

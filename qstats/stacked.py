@@ -89,7 +89,9 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
 def stacked_qparams(state, spec, **options):
     """Quantization parameters of every expert of a stacked state: ``torch.vmap`` of `compute_qparams`.
     Experts that saw no data get the fallback and ``calibrated`` False whatever ``spec.on_uncalibrated``
-    (apply it as `qstats.compute_qparams_tree` does).
+    (apply it as `qstats.compute_qparams_tree` does). A tensor ``global_scale`` is one shared by all
+    experts (one element) or one per expert (``[E]``, e.g. each expert's gate and up fused by
+    ``torch.vmap(qstats.fused_global_scale)``).
 
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
@@ -105,4 +107,16 @@ def stacked_qparams(state, spec, **options):
             f"stacked_qparams: expected a stacked state (every field with the same leading dimension), "
             f"got {type(state).__name__} with field shapes {shapes}"
         )
+    global_scale = options.pop("global_scale", None)
+    if isinstance(global_scale, torch.Tensor) and global_scale.numel() != 1:
+        num_experts = fields[0].shape[0]
+        if global_scale.shape[0] != num_experts or global_scale.numel() != num_experts:
+            raise ValueError(
+                f"stacked_qparams: global_scale of shape {tuple(global_scale.shape)} is neither one value shared "
+                f"by the experts nor one per expert ([{num_experts}])"
+            )
+        per_expert = global_scale.reshape(num_experts)
+        return torch.vmap(lambda one, scale: compute_qparams(one, spec, global_scale=scale, **options))(state, per_expert)
+    if global_scale is not None:
+        options["global_scale"] = global_scale
     return torch.vmap(lambda one: compute_qparams(one, spec, **options))(state)

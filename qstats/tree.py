@@ -42,6 +42,17 @@ def _leaf_description(leaf: Any) -> str:
     return f"{type(leaf).__name__} {leaf!r}"
 
 
+def _same_value(a: Any, b: Any) -> bool:
+    """Equality of two non-tensor leaves of one type: NaN equals NaN, and an elementwise ``==``
+    (numpy arrays) must hold everywhere, on equal shapes."""
+    if isinstance(a, float) and a != a:
+        return b != b
+    if getattr(a, "shape", None) != getattr(b, "shape", None):
+        return False
+    equal = a == b
+    return equal if isinstance(equal, bool) else bool(equal.all())
+
+
 def _compare(a: Any, b: Any, path: str, check_leaves: bool) -> None:
     a_leaf, b_leaf = _is_leaf(a), _is_leaf(b)
     if a_leaf or b_leaf:
@@ -51,7 +62,7 @@ def _compare(a: Any, b: Any, path: str, check_leaves: bool) -> None:
                 f"vs {_leaf_description(b) if b_leaf else _node_description(b)}"
             )
         a_tensor, b_tensor = isinstance(a, torch.Tensor), isinstance(b, torch.Tensor)
-        if a_tensor != b_tensor or (not a_tensor and (type(a) is not type(b) or a != b)):
+        if a_tensor != b_tensor or (not a_tensor and (type(a) is not type(b) or not _same_value(a, b))):
             raise ValueError(f"tree mismatch at {path}: {_leaf_description(a)} vs {_leaf_description(b)}")
         if check_leaves and a_tensor and (a.shape != b.shape or a.dtype != b.dtype):
             raise ValueError(f"tree mismatch at {path}: {_leaf_description(a)} vs {_leaf_description(b)}")
