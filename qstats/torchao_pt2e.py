@@ -13,12 +13,16 @@ Importing this module imports torchao.
 
 from __future__ import annotations
 
+import torch
 from torchao.quantization.pt2e import ObserverBase as _TorchAOObserverBase
 from torchao.quantization.pt2e.observer import _with_args, _with_callable_args
 
+from .observers.minmax import minmax
 from .torch_ao import QstatsObserver
 
-__all__ = ["QstatsPT2EObserver"]
+__all__ = ["QstatsPT2EObserver", "QstatsPT2EPerChannelObserver"]
+
+_PER_CHANNEL = (torch.per_channel_affine, torch.per_channel_symmetric, torch.per_channel_affine_float_qparams)
 
 
 class QstatsPT2EObserver(QstatsObserver, _TorchAOObserverBase):
@@ -26,7 +30,45 @@ class QstatsPT2EObserver(QstatsObserver, _TorchAOObserverBase):
     ``convert_pt2e`` recognise as an observer. ``with_args`` makes torchao's partial wrapper,
     which ``prepare_pt2e`` fills with the ``QuantizationSpec``'s dtype, range and qscheme; it
     passes ``ch_axis`` only to classes named ``PerChannel...``, so give ``ch_axis`` to
-    ``with_args`` here (default 0)."""
+    ``with_args`` here (default 0), or use `QstatsPT2EPerChannelObserver`. With ``spec=``, the
+    ``QuantizationSpec``'s dtype, range, per-tensor/per-channel qscheme and ``ch_axis`` must agree
+    with the spec (ValueError otherwise: the converted graph would quantize as the spec says, not as
+    the quantizer annotated)."""
 
     with_args = classmethod(_with_args)
     with_callable_args = classmethod(_with_callable_args)
+
+    def __init__(self, observer=minmax, spec=None, **kwargs) -> None:
+        super().__init__(observer, spec, **kwargs)
+        if spec is not None:
+            _check_agrees(self, kwargs)
+
+
+class QstatsPT2EPerChannelObserver(QstatsPT2EObserver):
+    """`QstatsPT2EObserver` to which ``prepare_pt2e`` passes the ``QuantizationSpec``'s ``ch_axis``
+    (it does so for classes named ``PerChannel...`` only): a per-channel ``QuantizationSpec`` with
+    ``ch_axis=1`` reduces along axis 1, as torchao's ``PerChannelMinMaxObserver`` does (the plain
+    class, not given ``ch_axis``, takes axis 0)."""
+
+    def __init__(self, observer=minmax, spec=None, *, ch_axis=None, **kwargs) -> None:
+        # a per-tensor QuantizationSpec passes ch_axis=None
+        super().__init__(observer, spec, **kwargs, **({} if ch_axis is None else dict(ch_axis=ch_axis)))
+
+
+def _check_agrees(module: QstatsPT2EObserver, given: dict) -> None:
+    """ValueError where the ``QuantizationSpec``'s arguments (``given``) differ from what the
+    spec's observer ``module`` writes into the converted graph."""
+    ours = dict(dtype=module.dtype, quant_min=module.quant_min, quant_max=module.quant_max,
+                per_channel=module.qscheme in _PER_CHANNEL)
+    theirs = {name: given.get(name) for name in ("dtype", "quant_min", "quant_max")}
+    theirs["per_channel"] = None if given.get("qscheme") is None else given["qscheme"] in _PER_CHANNEL
+    if ours["per_channel"] and module.ch_axis >= 0:
+        ours["ch_axis"], theirs["ch_axis"] = module.ch_axis, given.get("ch_axis")
+    differ = {name: (value, ours[name]) for name, value in theirs.items() if value is not None and value != ours[name]}
+    if differ:
+        described = ", ".join(f"{name} {value} (the spec: {mine})" for name, (value, mine) in differ.items())
+        raise ValueError(
+            f"QstatsPT2EObserver: the QuantizationSpec gives {described}, which spec={module.spec} does not "
+            "quantize to; make the QuantizationSpec's dtype, quant_min/quant_max, qscheme and ch_axis agree "
+            "with the spec"
+        )

@@ -1,10 +1,10 @@
 """The torchao convention (``"torchao"``) and `from_torchao`: torchao's quantization arithmetic.
 
 `from_torchao` maps torchao's affine (``choose_qparams_affine`` and variants), MX (``to_mx``), float8
-(``_choose_scale_float8``) and NVFP4 (``NVFP4Tensor.to_nvfp4``) arguments onto a QuantSpec; the
-arguments accepted are listed in docs/formats.md. torchao is not imported: its enums are read by name.
-Where torchao's half-precision arithmetic gives an Inf, NaN or zero scale, qstats saturates
-(docs/differences.md).
+(``_choose_scale_float8``, ``QuantizeTensorToFloat8Kwargs``) and NVFP4 (``NVFP4Tensor.to_nvfp4``)
+arguments onto a QuantSpec; the arguments accepted are listed in docs/formats.md. torchao is not
+imported: its enums are read by name. Where torchao's half-precision arithmetic gives an Inf, NaN or
+zero scale, qstats saturates (docs/differences.md).
 """
 
 from __future__ import annotations
@@ -158,6 +158,11 @@ def from_torchao(cls, target_dtype, kwargs):
         # with block scales only, unless a static (calibrated) scale is given: per_tensor_scale=True
         dynamic = getattr(target_dtype, "use_dynamic_per_tensor_scale", True) if nvfp4_config else True
         return _nvfp4_spec(cls, kwargs.pop("per_tensor_scale", dynamic), kwargs, overrides)
+    if kind == "QuantizeTensorToFloat8Kwargs":  # Float8Tensor's (and its activations') arguments
+        config = target_dtype
+        for name in ("granularity", "hp_value_lb", "hp_value_ub"):
+            kwargs.setdefault(name, getattr(config, name))
+        return _float8_spec(cls, config.float8_dtype, kwargs, overrides)
     if isinstance(target_dtype, torch.dtype) and target_dtype in _FLOAT8 and "scaling_mode" not in kwargs:
         if _AFFINE_ONLY.intersection(kwargs):
             _int_target(target_dtype)  # raises: choose_qparams_affine on a float8 target
