@@ -206,17 +206,43 @@ def _check_values(paths, states, plan) -> None:
         raise ValueError(f"all_reduce: states to fold live on several devices {sorted(map(str, devices))}")
 
 
+def _device_numbers(states) -> dict[torch.device, int]:
+    """Each device of ``states`` numbered by first use, alike on ranks that pass the same tree on
+    devices of other indices (cuda:0 and cuda:8 on one rank, cuda:1 and cuda:9 on the next)."""
+    devices: dict[torch.device, int] = {}
+    for state in states:
+        for value in state:
+            devices.setdefault(value.device, len(devices))
+    return devices
+
+
+def _check_merges(paths, states, plan, leaf_observers) -> None:
+    """Raises ValueError where ``obs.merge`` refuses an elementwise state (a float count, a state of
+    another observer, fields of other shapes): the collectives reduce its fields without
+    ``obs.merge``, so such a state would merge silently where a sequential merge raises. Folded
+    states go through ``obs.merge`` anyway."""
+    for path, state, ops, obs in zip(paths, states, plan, leaf_observers):
+        if ops is None:
+            continue
+        try:
+            obs.merge(state, state)
+        except Exception as error:
+            where = "/".join(map(str, path)) or "<root>"
+            raise ValueError(
+                f"all_reduce: {obs.name}.merge refuses the {type(state).__name__} at {where!r}: {error}"
+            ) from error
+
+
 def _fingerprint(treespec, states, plan, leaf_observers) -> int:
     digest = hashlib.sha256(str(treespec).encode())
-    devices: dict[torch.device, int] = {}  # each device by first use: cuda:0 on one rank, cuda:1 on the next
+    devices = _device_numbers(states)
     for state, ops, obs in zip(states, plan, leaf_observers):
         digest.update(type(state).__name__.encode())
         digest.update(repr(ops).encode())
         if ops is None:  # folded with this rank's obs.merge: another observer raises on its rank only
             digest.update(str(obs.name).encode())
         for value in state:
-            device = (value.device.type, devices.setdefault(value.device, len(devices)))
-            digest.update(f"{tuple(value.shape)}{value.dtype}{device}".encode())
+            digest.update(f"{tuple(value.shape)}{value.dtype}{(value.device.type, devices[value.device])}".encode())
     return int.from_bytes(digest.digest()[:8], "little") >> 2  # 62 bits: -h never overflows
 
 
@@ -246,7 +272,8 @@ def all_reduce(
     Args:
       tree: nested dict/list/tuple of observer states, alike on every rank (a rank without data passes
         ``obs.init`` states). Pass activation sites only: weight states would be counted ``world`` times.
-      observers: a tree of `qstats.Observer` whose structure is a prefix of ``tree``'s, or one Observer.
+      observers: a tree of `qstats.Observer` whose structure is a prefix of ``tree``'s, or one Observer;
+        every state must be one its observer's ``merge`` accepts (else ValueError on every rank).
       group: the process group (default: the world).
       exact: fold states with floating ``sum`` fields in rank order, bit-identical to a sequential merge.
       check: first verify with one 24-byte collective that all ranks pass the same tree.
@@ -263,6 +290,7 @@ def all_reduce(
         plan = _plan(states, exact)
         if world > 1:  # what the collectives would get wrong (one process: the tree comes back as it is)
             _check_values(paths, states, plan)
+            _check_merges(paths, states, plan, leaf_observers)
     except Exception as error:  # any local failure (a user's reduce-ops callable, say) raises on every rank
         local_error = error
     if world <= 1 or not check:
@@ -294,7 +322,7 @@ def _reduce_elementwise(states, plan, group, results) -> None:
         for j, (field, value) in enumerate(zip(state._fields, state)):
             key, negate = _bucket_key(ops[field], value)
             buckets.setdefault(key, []).append((i, j, negate))
-    for key in sorted(buckets, key=lambda k: (k[0], str(k[1]), str(k[2]))):
+    for key in _bucket_order(buckets, _device_numbers(states)):
         members = buckets[key]
         parts = []
         for i, j, negate in members:
@@ -308,6 +336,14 @@ def _reduce_elementwise(states, plan, group, results) -> None:
             piece = flat[offset : offset + value.numel()].reshape(value.shape)
             offset += value.numel()
             results[i][j] = -piece if negate else piece
+
+
+def _bucket_order(keys, devices: dict) -> list:
+    """The ``(op, dtype, device)`` bucket keys in the order every rank all-reduces them: devices by
+    first use (`_device_numbers`), as the check compares them, not by name (``cuda:10`` sorts before
+    ``cuda:9``, and a rank's first device may have the higher index: the ranks would pair buckets of
+    other devices and sizes)."""
+    return sorted(keys, key=lambda k: (k[0], str(k[1]), devices[k[2]]))
 
 
 def _gather_and_fold(states, plan, leaf_observers, group, world: int, results) -> None:

@@ -258,6 +258,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
 
     Raises:
       TypeError: for anything else in the tree (names the path and the type).
+      OSError: the file cannot be written (FileNotFoundError when its folder does not exist).
 
     >>> import torch, qstats, tempfile, os
     >>> obs = qstats.minmax(qstats.QuantSpec())
@@ -267,6 +268,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     >>> qstats.load(path)["layer0"].max_val
     tensor(2.)
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     state_dict = to_state_dict(tree)
@@ -279,7 +281,13 @@ def save(path: str | os.PathLike, tree: Any) -> None:
         "structure": state_dict["structure"],
         "checksums": json.dumps({key: _checksum(t) for key, t in tensors.items()}),
     }
-    save_file(tensors, os.fspath(path), metadata=metadata)
+    target = os.fspath(path)
+    try:
+        save_file(tensors, target, metadata=metadata)
+    except SafetensorError as error:  # the writer's I/O failures, as open() and torch.save raise them
+        folder = os.path.dirname(target) or "."
+        kind = FileNotFoundError if not os.path.isdir(folder) else OSError
+        raise kind(f"qstats.io: could not write {target} ({error})") from None
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
