@@ -14,6 +14,7 @@ name, so that `qstats.load` can rebuild a checkpoint without pickling code.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Generic, NamedTuple, Optional, Protocol, TypeVar
 
 import torch
@@ -44,7 +45,12 @@ class MergeFn(Protocol[State]):
     def __call__(self, a: State, b: State) -> State: ...
 
 
-class Observer(NamedTuple, Generic[State]):
+# Python 3.10 (which pyproject.toml supports) takes no Generic base in a NamedTuple: Observer is
+# generic (``Observer[MyState]``) from 3.11 on, a plain NamedTuple of the same fields before.
+_GENERIC_OBSERVER = (Generic[State],) if sys.version_info >= (3, 11) else ()
+
+
+class Observer(NamedTuple, *_GENERIC_OBSERVER):
     """A stateless observer: three pure functions and their static configuration.
 
     Attributes:
@@ -72,15 +78,25 @@ class Observer(NamedTuple, Generic[State]):
 
 _STATE_TYPES: dict[str, type] = {}
 
+# The result types `qstats.io` also stores by class name (``io._RESULT_TYPES``): a state named like
+# one would take its place in checkpoints (a QAT model's BatchNormState could no longer be saved).
+_RESERVED_NAMES = frozenset({"QParams", "LSQParams", "QATState", "BatchNormState"})
+
 
 def register_state(cls: type) -> type:
     """Class decorator: registers a NamedTuple state type under its class name.
 
     The registry lets `qstats.load` rebuild states from a checkpoint by name, and the class joins
-    torch's safe globals, so ``torch.load`` reads ``torch.save``'d states. Names must be unique.
+    torch's safe globals, so ``torch.load`` reads ``torch.save``'d states. Names must be unique, and
+    differ from the result types checkpoints also hold (QParams, LSQParams, QATState, BatchNormState).
     """
     if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
         raise TypeError(f"register_state expects a NamedTuple class, got {cls!r}")
+    if cls.__name__ in _RESERVED_NAMES:
+        raise ValueError(
+            f"register_state: {cls.__name__!r} is the name of a qstats type that checkpoints store by "
+            "name; qstats.load finds states by class name, so rename the state"
+        )
     previous = _STATE_TYPES.get(cls.__name__)
     if previous is not None and previous is not cls:
         if (previous.__module__, previous.__qualname__) != (cls.__module__, cls.__qualname__):
@@ -108,12 +124,16 @@ def check_state(state: Any, cls: type, where: str) -> None:
 
 def check_same_shapes(a: Any, b: Any, where: str) -> None:
     """Raises ValueError naming both shapes when two states' fields differ in shape (or dtype), and
-    TypeError when they are not NamedTuple states of one type."""
+    TypeError when they are not NamedTuple states of one type or a field is not a tensor."""
     if not hasattr(type(a), "_fields"):
         raise TypeError(f"{where}: expected NamedTuple states, got {type(a).__name__}")
     if type(a) is not type(b):
         raise TypeError(f"{where}: the states differ in type: {type(a).__name__} and {type(b).__name__}")
     for name, left, right in zip(a._fields, a, b):
+        for which, value in (("first", left), ("second", right)):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{where}: field {name!r} of the {which} state is a {type(value).__name__}; "
+                                "states hold tensors only")
         if left.shape != right.shape:
             raise ValueError(
                 f"{where}: field {name!r} has shape {tuple(left.shape)} in the first state and "
@@ -147,11 +167,14 @@ def batch_weighted_mean(u: torch.Tensor, v: torch.Tensor, u_batches: torch.Tenso
     """Merge of two moving averages: their mean weighted by how many batches each averaged.
 
     Where one side averaged no batch the other side is returned as it is (so ``init`` is the
-    identity); commutative bit for bit, associative up to float rounding.
+    identity); commutative bit for bit, associative up to float rounding; the shares are computed
+    in the averages' dtype (float32 or wider), so float64 averages merge to float64 precision.
     """
     u_seen, v_seen = u_batches > 0, v_batches > 0
-    total = (u_batches + v_batches).clamp(min=1).to(torch.float32)
-    u_weight, v_weight = u_batches.to(torch.float32), v_batches.to(torch.float32)
+    # the shares in the averages' precision (float32 or wider): a float64 average keeps float64 shares
+    dtype = torch.promote_types(torch.promote_types(u.dtype, v.dtype), torch.float32)
+    total = (u_batches + v_batches).clamp(min=1).to(dtype)
+    u_weight, v_weight = u_batches.to(dtype), v_batches.to(dtype)
     u0 = torch.where(u_seen, u, torch.zeros_like(u))
     v0 = torch.where(v_seen, v, torch.zeros_like(v))
     # each side times its share (at most 1): no overflow where the sum of products would overflow

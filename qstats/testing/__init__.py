@@ -19,6 +19,7 @@ from ._laws import assert_states_equal as assert_states_equal
 from ._laws import check_associative as check_associative
 from ._laws import check_commutative as check_commutative
 from ._laws import check_compile as check_compile
+from ._laws import check_distributed as check_distributed
 from ._laws import check_homomorphism as check_homomorphism
 from ._laws import check_identity as check_identity
 from ._laws import check_purity as check_purity
@@ -33,6 +34,7 @@ __all__ = [
     "check_associative",
     "check_commutative",
     "check_compile",
+    "check_distributed",
     "check_homomorphism",
     "check_identity",
     "check_purity",

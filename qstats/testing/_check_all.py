@@ -10,7 +10,7 @@ from . import _laws
 
 __all__ = ["check_all", "LAWS"]
 
-LAWS = ("identity", "associative", "commutative", "homomorphism", "purity", "stability", "vmap")
+LAWS = ("identity", "associative", "commutative", "homomorphism", "purity", "stability", "vmap", "distributed")
 
 
 def check_all(
@@ -85,6 +85,8 @@ def check_all(
                                      batch_dims=batch_dims)
         if "vmap" in laws:
             _laws.check_vmap(obs, xs, approx_fields=approx_fields, batch_dims=batch_dims)
+        if "distributed" in laws:
+            _laws.check_distributed(obs, xs, approx_fields=approx_fields)
 
     run()
     if compile:

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Optional, Sequence
 import optree
 import torch
 
+from .. import distributed
 from .. import tree as qtree
 from .._qparams import compute_qparams
 from .._quant import fake_quantize
@@ -39,6 +40,7 @@ __all__ = [
     "check_stability",
     "check_vmap",
     "check_compile",
+    "check_distributed",
 ]
 
 DEFAULT_RTOL = 1e-5
@@ -393,6 +395,29 @@ def _per_slice(fn, batch_dims: int):
     return fn
 
 
+def _overwrite(tensor: torch.Tensor) -> None:
+    """Writes into every element of ``tensor`` (a value other than the one there)."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(math.nan)
+    elif tensor.dtype == torch.bool:
+        tensor.logical_not_()
+    else:
+        tensor.bitwise_not_()
+
+
+def _check_owns_its_state(obs, state, x: torch.Tensor, extra: tuple, same, with_weight: str) -> None:
+    """``update``'s state shares no memory with its inputs: writing into ``x`` (and the weight) after
+    ``update`` leaves the state as it was. A model writes into the activations an observer saw
+    (``ReLU(inplace=True)``), an optimizer into the weights."""
+    inputs = [t.clone(memory_format=torch.contiguous_format) for t in (x, *extra)]
+    got = obs.update(state, *inputs)
+    kept = _map_tensors(got, torch.clone)
+    for tensor in inputs:
+        _overwrite(tensor)
+    same(got, kept, f"update{with_weight} returned a state that shares memory with its input (it changed when the "
+         "input was written to afterwards); copy what you keep of x (x.float() of a float32 x is x itself)")
+
+
 def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tensor] = None,
                  batch_dims: int = 0) -> None:
     """Law 4: ``init``, ``update`` (with and without ``weight``), ``merge`` and ``compute_qparams`` never
@@ -426,6 +451,7 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
         if extra:
             same(extra[0], extra_copy[0], "update modified the weight")
         same(first, second, f"update{with_weight} gave different results twice")
+        _check_owns_its_state(obs, state, x1, extra, same, with_weight)
     # two states of different batches: neither contains the other
     other = obs.update(init, x1)
     for left, right in ((state, other), (other, state)):
@@ -456,13 +482,21 @@ def _state_fields(state, path: str) -> list:
     return out
 
 
+def _state_classes(state, path: str) -> list:
+    """``[(path, class), ...]`` of a NamedTuple state and of the NamedTuples nested in its fields."""
+    out = [(path, type(state))]
+    for field, value in zip(state._fields, state):
+        if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+            out.extend(_state_classes(value, f"{path}.{field}"))
+    return out
+
+
 def _check_state_leaves(state, name: str) -> None:
-    cls = type(state)
-    registered = state_types().get(cls.__name__)
-    if registered is not cls:
-        raise AssertionError(
-            f"{name}: stability: state type {cls.__name__} is not registered; decorate it with qstats.register_state"
-        )
+    # nested NamedTuples too: qstats.save and torch.load rebuild every one of them by name
+    for path, cls in _state_classes(state, "state"):
+        if state_types().get(cls.__name__) is not cls:
+            raise AssertionError(f"{name}: stability: state type {cls.__name__} (at {path}) is not registered; "
+                                 "decorate it with qstats.register_state")
     for path, leaf in _state_fields(state, "state"):
         if not isinstance(leaf, torch.Tensor):
             raise AssertionError(f"{name}: stability: {path} is a {type(leaf).__name__}; states hold tensors only")
@@ -641,3 +675,26 @@ def check_compile(obs, xs: Sequence[torch.Tensor], *, backend: str = "inductor",
         previous, state = state, obs.update(state, x)
         assert_states_equal(got, state, approx_fields=approx_fields, message=f"{name}: compiled update vs eager",
                             magnitudes=(previous, obs.update(obs.init(x), x)))
+
+
+_REDUCE = {"min": torch.minimum, "max": torch.maximum, "sum": torch.add}
+
+
+def check_distributed(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) -> None:
+    """Law 8: a state type declared elementwise (`qstats.distributed.register_reduce_ops`) merges as
+    its declared field ops, which `qstats.distributed.all_reduce` applies instead of ``merge``; for
+    states folded over three groups of ``xs`` (bit-exact except ``approx_fields``). States that fold
+    (the default) pass."""
+    xs = _need(xs, 1, "check_distributed")
+    name = _name(obs)
+    init = obs.init(xs[0])
+    a, b, c = (_fold(obs, init, group) for group in _groups(xs, 3))
+    ops = _attempt(f"{name}: distributed: qstats.distributed.reduce_ops", distributed.reduce_ops, a)
+    if ops == "fold":
+        return
+    for left, right in ((init, a), (a, b), (obs.merge(a, b), c)):
+        reduced = type(left)(*(_REDUCE[ops[field]](u, v) for field, u, v in zip(left._fields, left, right)))
+        assert_states_equal(reduced, obs.merge(left, right), approx_fields=approx_fields, magnitudes=(left, right),
+                            message=f"{name}: distributed: the reduce ops declared for {type(left).__name__} "
+                            f"({ops}), which qstats.distributed.all_reduce applies, vs merge")
+
