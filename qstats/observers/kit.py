@@ -27,10 +27,24 @@ from .._granularity import (
 from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
-from ._base import Observer, batch_weighted_mean, check_same_shapes, check_state, register_state
+from ._base import (
+    InitFn,
+    MergeFn,
+    Observer,
+    State,
+    UpdateFn,
+    batch_weighted_mean,
+    check_same_shapes,
+    check_state,
+    register_state,
+)
 
 __all__ = [
+    "InitFn",
+    "MergeFn",
     "Observer",
+    "State",
+    "UpdateFn",
     "Range",
     "batch_weighted_mean",
     "canonical_view",
