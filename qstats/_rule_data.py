@@ -38,6 +38,26 @@ def _granularity_from_data(data: Any):
     return getattr(_granularity, name)(**arguments)
 
 
+def _compressed_tensors_args(args: Any) -> Any:
+    """``args`` of ``{"compressed_tensors": args}``: a ``QuantizationArgs``, or a mapping of its fields
+    (misspelt fields refused, naming them, where compressed-tensors is installed to list them);
+    anything else (a preset name, a list) raises rather than reading as the default int8 spec."""
+    try:
+        from compressed_tensors.quantization import QuantizationArgs
+    except ImportError:
+        QuantizationArgs = None
+    if QuantizationArgs is not None and isinstance(args, QuantizationArgs):
+        return args
+    if not isinstance(args, Mapping):
+        raise TypeError(f"a spec's 'compressed_tensors' must be a mapping of QuantizationArgs fields, got {args!r} "
+                        "(for a preset scheme name use {'scheme': name})")
+    unknown = [] if QuantizationArgs is None else sorted(set(map(str, args)) - set(QuantizationArgs.model_fields))
+    if unknown:
+        raise ValueError(f"a spec's 'compressed_tensors' has unknown QuantizationArgs fields {unknown}; "
+                         f"known: {sorted(QuantizationArgs.model_fields)}")
+    return args
+
+
 def spec_from_data(data: Any) -> QuantSpec:
     """The `QuantSpec` a rule's ``spec`` data describes (see the module docstring)."""
     if isinstance(data, QuantSpec):
@@ -48,7 +68,7 @@ def spec_from_data(data: Any) -> QuantSpec:
     if "granularity" in fields:
         fields["granularity"] = _granularity_from_data(fields["granularity"])
     if "compressed_tensors" in fields:
-        args = fields.pop("compressed_tensors")
+        args = _compressed_tensors_args(fields.pop("compressed_tensors"))
         return QuantSpec.from_compressed_tensors(args, **fields)
     if "preset" in fields:
         return preset(fields.pop("preset"), **fields)
@@ -63,6 +83,8 @@ def recipe_fields(Rule, data: Mapping) -> tuple:
     extra = set(data) - {"rules", "ignore", "shared"}
     if extra:
         raise ValueError(f"Recipe.from_dict: unknown keys {sorted(extra)}; expected 'rules', 'ignore', 'shared'")
+    if not isinstance(data.get("rules") or (), (list, tuple)):
+        raise TypeError(f"Recipe.from_dict: 'rules' must be a list of rules (mappings), got {type(data['rules']).__name__}")
     rules = []
     for index, rule in enumerate(data.get("rules") or ()):
         if not isinstance(rule, Mapping):
@@ -71,11 +93,11 @@ def recipe_fields(Rule, data: Mapping) -> tuple:
         if unknown:
             raise ValueError(f"Recipe.from_dict: rules[{index}] has unknown keys {sorted(unknown)}; known: {_RULE_KEYS}")
         fields = dict(rule)
-        if "spec" in fields:
-            fields["spec"] = spec_from_data(fields["spec"])
         if isinstance(fields.get("sites"), list):
             fields["sites"] = tuple(fields["sites"])
-        try:
+        try:  # a wrong spec names its rule too
+            if "spec" in fields:
+                fields["spec"] = spec_from_data(fields["spec"])
             rules.append(Rule(**fields))
         except (TypeError, ValueError) as error:
             raise type(error)(f"Recipe.from_dict: rules[{index}]: {error}") from None

@@ -86,17 +86,35 @@ llm-compressor as ``"qstats_<suffix>"`` (a drop-in checkpoint names them)."""
 _QSTATS_OBSERVERS = {f"qstats_{suffix}": name for suffix, name in DROPIN_OBSERVERS.items()}
 
 
+def _histogram_method_options(options: Mapping, where: str) -> set:
+    """The compute_qparams options a histogram takes with ``options["method"]`` (default ``"l2"``):
+    ``method`` and its search's keyword options (any, for a search taking ``**options``). An unknown
+    method raises here, when the observer is made, rather than after the calibration."""
+    from .observers.search import search
+
+    method = options.get("method", "l2")
+    try:
+        found = search(method, "histogram")
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{where}: observer_kwargs method={method!r}: {error}") from None
+    parameters = list(inspect.signature(found).parameters.values())[2:]  # after (state, spec)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return set(options)
+    return {"method"} | {p.name for p in parameters}
+
+
 def split_observer_kwargs(factory, options: Mapping, where: str, weight: bool = False) -> tuple:
     """``(factory options, compute_qparams options)`` of llm-compressor ``observer_kwargs`` for the
     qstats observer ``factory``: those it takes, and the others. `mse` in its accumulating mode
     takes ``patience`` at compute_qparams (5 on a ``weight``, as ``memoryless_mse`` stops early);
     its ``triton_error_buffer`` (read by llm-compressor's CUDA kernel only) is dropped. TypeError
-    naming options an observer's qparams do not take (any, for min/max observers)."""
+    naming options an observer's qparams do not take (any, for min/max observers; for a histogram,
+    those its ``method``'s search does not take: `_histogram_method_options`)."""
     accepted = set(inspect.signature(factory).parameters) - {"spec"}
     own = {key: value for key, value in options.items() if key in accepted}
     rest = {key: value for key, value in options.items() if key not in accepted}
     name = factory.__name__
-    taken = set(rest) if name == "histogram" else set()  # its methods' options
+    taken = _histogram_method_options(rest, where) if name == "histogram" else set()
     if name == "mse":
         rest.pop("triton_error_buffer", None)
         if own.get("mode", "accumulate") == "accumulate":
@@ -531,6 +549,17 @@ def _config_group(name: Any, group: Any):
         raise ValueError(f"quantization config: config_groups[{name!r}]: {error}") from None
 
 
+def _warn_dropped_configs(config: Mapping) -> None:
+    """Warns where a checkpoint's ``quantization_config`` holds what a Recipe does not: the
+    ``transform_config`` of llm-compressor's QuIP/SpinQuant transforms (rotations), the
+    ``sparsity_config`` of a sparse model; a model calibrated with the Recipe alone has neither."""
+    dropped = [key for key in ("transform_config", "sparsity_config") if config.get(key)]
+    if dropped:
+        warn(f"Recipe.from_compressed_tensors: the config's {' and '.join(dropped)} (transforms / sparsity "
+             "llm-compressor applied to that model) are not part of a qstats Recipe, which holds its quantization "
+             "only: calibrating a model without them gives other scales than that checkpoint's", UserWarning)
+
+
 def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
     """``(rules, ignore)`` of a compressed-tensors ``QuantizationConfig``, of the
     ``quantization_config`` dict of a ``config.json`` (its config groups in order), or of an
@@ -547,6 +576,7 @@ def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
         # a kv-cache-only checkpoint writes "config_groups": {} (QuantizationConfig.from_pretrained)
         raise ValueError("quantization config: 'config_groups' must be a mapping of schemes, non-empty unless a "
                          "'kv_cache_scheme' is given")
+    _warn_dropped_configs(config)
     schemes = [_config_group(name, group) for name, group in groups.items()]
     rules = _group_rules(Rule, schemes, observed_dtype, config.get("ignore") or ())
     if config.get("kv_cache_scheme") is not None:  # every attention module compressed-tensors caches
