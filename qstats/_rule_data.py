@@ -38,26 +38,6 @@ def _granularity_from_data(data: Any):
     return getattr(_granularity, name)(**arguments)
 
 
-def _compressed_tensors_args(args: Any) -> Any:
-    """``args`` of ``{"compressed_tensors": args}``: a ``QuantizationArgs``, or a mapping of its fields
-    (misspelt fields refused, naming them, where compressed-tensors is installed to list them);
-    anything else (a preset name, a list) raises rather than reading as the default int8 spec."""
-    try:
-        from compressed_tensors.quantization import QuantizationArgs
-    except ImportError:
-        QuantizationArgs = None
-    if QuantizationArgs is not None and isinstance(args, QuantizationArgs):
-        return args
-    if not isinstance(args, Mapping):
-        raise TypeError(f"a spec's 'compressed_tensors' must be a mapping of QuantizationArgs fields, got {args!r} "
-                        "(for a preset scheme name use {'scheme': name})")
-    unknown = [] if QuantizationArgs is None else sorted(set(map(str, args)) - set(QuantizationArgs.model_fields))
-    if unknown:
-        raise ValueError(f"a spec's 'compressed_tensors' has unknown QuantizationArgs fields {unknown}; "
-                         f"known: {sorted(QuantizationArgs.model_fields)}")
-    return args
-
-
 def spec_from_data(data: Any) -> QuantSpec:
     """The `QuantSpec` a rule's ``spec`` data describes (see the module docstring)."""
     if isinstance(data, QuantSpec):
@@ -68,8 +48,7 @@ def spec_from_data(data: Any) -> QuantSpec:
     if "granularity" in fields:
         fields["granularity"] = _granularity_from_data(fields["granularity"])
     if "compressed_tensors" in fields:
-        args = _compressed_tensors_args(fields.pop("compressed_tensors"))
-        return QuantSpec.from_compressed_tensors(args, **fields)
+        return QuantSpec.from_compressed_tensors(fields.pop("compressed_tensors"), **fields)
     if "preset" in fields:
         return preset(fields.pop("preset"), **fields)
     return QuantSpec(**fields)

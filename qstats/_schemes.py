@@ -23,6 +23,7 @@ import torch
 
 from ._spec import QuantSpec
 from .observers import registry
+from .observers.search import search
 from .experts import linearized_experts, linearized_layout_problem
 from ._warn import warn
 
@@ -90,8 +91,6 @@ def _histogram_method_options(options: Mapping, where: str) -> set:
     """The compute_qparams options a histogram takes with ``options["method"]`` (default ``"l2"``):
     ``method`` and its search's keyword options (any, for a search taking ``**options``). An unknown
     method raises here, when the observer is made, rather than after the calibration."""
-    from .observers.search import search
-
     method = options.get("method", "l2")
     try:
         found = search(method, "histogram")

@@ -28,8 +28,16 @@ def _rule_with(args):
 @pytest.mark.parametrize("args", ["W4A16", ["num_bits", 4], 4])
 def test_a_compressed_tensors_spec_that_is_not_args_is_refused_naming_the_rule(args):
     # it read as the default int8 per-tensor spec, silently
-    with pytest.raises(TypeError, match=r"rules\[0\]: a spec's 'compressed_tensors' must be a mapping"):
+    with pytest.raises(TypeError, match=r"rules\[0\]: from_compressed_tensors: args must be a QuantizationArgs"):
         qstats.Recipe.from_dict(_rule_with(args))
+    with pytest.raises(TypeError, match="args must be a QuantizationArgs"):
+        qstats.QuantSpec.from_compressed_tensors(args)
+
+
+def test_the_known_fields_are_compressed_tensors_quantization_args_fields():
+    from qstats.conventions.compressed_tensors import ARGS_FIELDS
+
+    assert ARGS_FIELDS == set(QuantizationArgs.model_fields)
 
 
 def test_a_misspelt_compressed_tensors_field_is_refused_as_quantization_args_refuses_it():
@@ -38,6 +46,8 @@ def test_a_misspelt_compressed_tensors_field_is_refused_as_quantization_args_ref
         QuantizationArgs.model_validate(fields)
     with pytest.raises(ValueError, match=r"rules\[0\]: .*unknown QuantizationArgs fields \['num_bit'\]"):
         qstats.Recipe.from_dict(_rule_with(fields))
+    with pytest.raises(ValueError, match=r"unknown QuantizationArgs fields \['num_bit'\]"):
+        qstats.QuantSpec.from_compressed_tensors(fields)
 
 
 def test_compressed_tensors_spec_data_gives_the_args_scales():

@@ -21,6 +21,25 @@ __all__ = ["CompressedTensorsConvention", "from_compressed_tensors"]
 _FLOAT_TARGETS = {8: "fp8_e4m3fn", 4: "fp4_e2m1"}
 
 
+# compressed-tensors 0.19's QuantizationArgs fields (a test keeps this in step with its model_fields)
+ARGS_FIELDS = frozenset({"actorder", "block_structure", "dynamic", "group_size", "num_bits", "observer",
+                         "observer_kwargs", "scale_dtype", "strategy", "symmetric", "type", "zp_dtype"})
+
+
+def _checked_args(args):
+    """``args``, after TypeError where it is neither QuantizationArgs-like nor a dict of its fields
+    (a preset name read as the default int8 spec) and ValueError naming misspelt fields of a dict."""
+    if isinstance(args, dict):
+        unknown = sorted(set(map(str, args)) - ARGS_FIELDS)
+        if unknown:
+            raise ValueError(f"from_compressed_tensors: unknown QuantizationArgs fields {unknown}; known: "
+                             f"{sorted(ARGS_FIELDS)}")
+    elif not hasattr(args, "num_bits"):
+        raise TypeError(f"from_compressed_tensors: args must be a QuantizationArgs or a dict of its fields, got "
+                        f"{args!r} (for a preset scheme, take its weights/input_activations args)")
+    return args
+
+
 def _field(args, name, default=None):
     if isinstance(args, dict):
         return args.get(name, default)
@@ -52,6 +71,7 @@ _DTYPE_NAMES = {
 def from_compressed_tensors(cls, args, overrides):
     """The ``cls`` (QuantSpec) whose `compute_qparams` equals compressed-tensors'
     ``calculate_qparams`` for ``args`` (see `QuantSpec.from_compressed_tensors`)."""
+    args = _checked_args(args)
     num_bits = int(_field(args, "num_bits", 8))
     qtype = str(_enum_value(_field(args, "type", "int"))).lower()
     symmetric = bool(_field(args, "symmetric", True))
