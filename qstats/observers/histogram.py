@@ -10,6 +10,7 @@ octaves fall into under- and overflow buckets; the exact extremes are kept too. 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple, Optional
 
 import torch
@@ -100,6 +101,22 @@ def _count_keys_vmap(info, in_dims, bits, mask, shift, offset, size):
 torch.library.register_vmap(_count_keys, _count_keys_vmap)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_bucketing(bins, exponent_range) -> None:
+    """ValueError naming a ``bins`` that is no power of two in [1, 4096] (100 was bucketed as 64, the
+    counts' shape not the documented one) or an ``exponent_range`` that is no pair of ints
+    ``-126 <= low < high <= 128`` (float32's octaves; a reversed one failed deep inside torch)."""
+    if not (_is_int(bins) and 1 <= bins <= 1 << 12 and not bins & (bins - 1)):
+        raise ValueError(f"bucket_counts: bins (buckets per octave) must be a power of two in [1, 4096], got {bins!r}")
+    pair = tuple(exponent_range) if isinstance(exponent_range, (tuple, list)) else ()
+    if not (len(pair) == 2 and all(_is_int(e) for e in pair) and -126 <= pair[0] < pair[1] <= 128):
+        raise ValueError("bucket_counts: exponent_range must be two ints (low, high) with -126 <= low < high <= 128 "
+                         f"(float32's octaves), got {exponent_range!r}")
+
+
 def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):
     """Bucket counts of a canonical view ``(observations, *qparam_shape, group)``.
 
@@ -108,6 +125,7 @@ def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):
     ``exponent_range = (low, high)``. ``mask`` False leaves a value out; any float dtype is bucketed as
     float32.
     """
+    _check_bucketing(bins, exponent_range)
     m = int(bins).bit_length() - 1
     low, high = int(exponent_range[0]), int(exponent_range[1])
     num_buckets = (high - low) * (1 << m) + 2

@@ -38,10 +38,10 @@ def search_octaves(spec: QuantSpec) -> int:
     return min(spec.bits, 16) + 8
 
 
-def check_int(name: str, value, low: int = 1, high: int = 1 << 20) -> None:
+def check_int(name: str, value, low: int = 1, high: int = 1 << 20, where: str = "compute_qparams") -> None:
     """A method option that must be an int in ``[low, high]``: ValueError naming it otherwise."""
     if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high):
-        raise ValueError(f"compute_qparams: {name} must be an int in [{low}, {high}], got {value!r}")
+        raise ValueError(f"{where}: {name} must be an int in [{low}, {high}], got {value!r}")
 
 
 def within_extremes(state, lo: torch.Tensor, hi: torch.Tensor) -> Range:

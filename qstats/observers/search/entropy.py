@@ -64,6 +64,22 @@ def _divergences(hist, cand, levels: int):
     return torch.where(n_q > 0, kl, torch.full_like(kl, math.inf))
 
 
+def _check_entropy_args(hist, bin_edges, num_bits, start_bin: int, stride: int) -> None:
+    """ValueError naming a bad argument of `entropy_amax` (they failed deep inside torch: an empty
+    candidate range, a zero stride, a negative shift, edges that do not fit the bins)."""
+    nbins = hist.shape[-1] if hist.dim() else 0
+    if nbins < 2:
+        raise ValueError(f"entropy_amax: hist must hold at least 2 bins (the first bin's count is the second's), "
+                         f"got shape {tuple(hist.shape)}")
+    expected = [(nbins + 1,), (*hist.shape[:-1], nbins + 1)]
+    if tuple(bin_edges.shape) not in expected:
+        raise ValueError(f"entropy_amax: bin_edges of shape {tuple(bin_edges.shape)} do not fit hist of shape "
+                         f"{tuple(hist.shape)}: expected {' or '.join(map(str, dict.fromkeys(expected)))}")
+    check_int("num_bits", num_bits, 1, 64, "entropy_amax")
+    check_int("start_bin", start_bin, 1, nbins, "entropy_amax")
+    check_int("stride", stride, 1, 1 << 30, "entropy_amax")
+
+
 def entropy_amax(hist: torch.Tensor, bin_edges: torch.Tensor, num_bits: int = 8, unsigned: bool = False,
                  start_bin: int = 128, stride: int = 1) -> torch.Tensor:
     """The KL-divergence calibration of TensorRT / ModelOpt on a linear histogram of ``|x|``.
@@ -76,7 +92,10 @@ def entropy_amax(hist: torch.Tensor, bin_edges: torch.Tensor, num_bits: int = 8,
     Args:
       hist: counts, shape ``(*P, nbins)``.
       bin_edges: edges, shape ``(*P, nbins + 1)`` (or ``(nbins + 1,)``).
+
+    Raises ValueError naming a bad argument (``start_bin`` in ``[1, nbins]``, at least 2 bins).
     """
+    _check_entropy_args(hist, bin_edges, num_bits, start_bin, stride)
     hist = hist.double()
     hist = torch.cat([hist[..., 1:2], hist[..., 1:]], -1)
     # more levels than bins leave every bin a level of its own (Q is P without the outliers), whatever
