@@ -19,11 +19,11 @@ from ._granularity import PerGroup, PerRow, PerToken, TensorGroup
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams
 from ._quant import fake_quantize, fake_quantize_passing
 from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
-from .experts import rows_by_expert, stacked_qparams
+from .experts import own_parameters, rows_by_expert, stacked_qparams
 from .fused import fused_amax
 from .observers import memoryless_minmax
 from .observation import (ExpertCallHooks, Observing, capture_call, check_runtime_group, observing, raise_renamed,
-                          stop_capture)
+                          stop_capture, unrecognisable_slices_cause)
 from .recipe import Plan, Recipe, as_plan
 from ._warn import warn
 
@@ -68,24 +68,40 @@ def warn_training_mode(model: torch.nn.Module, caller: str) -> None:
             return
 
 
-def _run_batches(session: Observing, model, batches: Iterable, progress: bool, observation_weight) -> None:
+def batch_weight(observation_weight: Optional[Callable], batch, caller: str) -> Optional[torch.Tensor]:
+    """``observation_weight(batch)`` (None without one); TypeError, after ``caller``, where it
+    returns something else than a tensor or None."""
+    weight = observation_weight(batch) if observation_weight is not None else None
+    if weight is not None and not isinstance(weight, torch.Tensor):
+        got = type(weight).__name__
+        raise TypeError(f"{caller}: observation_weight(batch) must return a tensor or None, got {got}")
+    return weight
+
+
+COMPILED_BEFORE_HOOKS = (
+    "a torch.compile'd model that ran before the observation hooks were registered keeps running its compiled "
+    "graph, which calls no hook added later (dynamo does not guard on module hooks); call torch.compiler.reset() "
+    "before calibrating, or compile the model without running it first"
+)
+
+
+def _run_batches(session: Observing, model, batches: Iterable, progress: bool, observation_weight) -> int:
     """Runs ``model`` (the plan's model, or its compiled wrapper) over ``batches`` inside
-    ``session``, with each one's observation weight."""
+    ``session``, with each one's observation weight; returns how many batches ran."""
     try:  # a DataLoader over an IterableDataset has __len__ but raises TypeError
         total = len(batches)
     except TypeError:
         total = None
     bar = tqdm(batches, total=total, unit="batch", desc="qstats.calibrate", disable=not progress)
+    ran = 0
     with torch.no_grad():
         for batch in bar:
-            weight = observation_weight(batch) if observation_weight is not None else None
-            if weight is not None and not isinstance(weight, torch.Tensor):
-                raise TypeError(
-                    f"calibrate: observation_weight(batch) must return a tensor or None, got {type(weight).__name__}"
-                )
+            ran += 1
+            weight = batch_weight(observation_weight, batch, "calibrate")
             with session.weighted(weight):
                 run_model(model, batch)
     bar.close()
+    return ran
 
 
 def calibrate(
@@ -143,7 +159,11 @@ def calibrate(
     plan = as_plan(recipe, model, "calibrate")
     warn_training_mode(plan.model, "calibrate")
     with observing(model, plan, states, all_experts=all_experts) as session:
-        _run_batches(session, model, batches, progress, observation_weight)
+        ran = _run_batches(session, model, batches, progress, observation_weight)
+        if ran and not session.calls:  # the model's own forward pre-hook never ran
+            raise ValueError(
+                f"calibrate: the model ran {ran} batch(es) but none of its hooks ran: {COMPILED_BEFORE_HOOKS}"
+            )
     return session.states
 
 
@@ -434,6 +454,11 @@ def _fake_quantize_site(
         before = len(module.parametrizations[site]) if parametrize.is_parametrized(module, site) else 0
         order = _parameter_order(module)  # before registering: it takes the tensor out of the list
         original = module._parameters.get(site)
+        if original is not None and original.device.type == "meta":  # the parametrization would compute on it
+            raise ValueError(
+                f"fake_quantized: {where} is on the meta device (offloaded by accelerate, or never loaded), so it "
+                "cannot be fake-quantized through a parametrization; load the model without offloading"
+            )
         if original is not None:  # torch would ``original.set_(original)``: a new grad accumulator, which
             # drops the hooks on the old one (DistributedDataParallel's gradient all-reduce): register a
             # stand-in sharing its storage, then put the Parameter itself (and its hooks) in its place
@@ -482,10 +507,12 @@ class _ExpertInputs(ExpertCallHooks):
         stop_capture(capture, hooks)
         missing = sorted(set(self.sites) - applied)
         if output is not None and ran and missing:
+            stacked = [name for name, p in own_parameters(module).items() if p.ndim >= 3]
             raise ValueError(
                 f"fake_quantized: site(s) {missing} of the experts module {self.path!r} ({type(module).__name__}): "
                 "no per-expert matmul taking that input was found in its forward (recognised calls: "
                 "qstats.experts.ExpertInputCapture; \"input\": rows traced to the module's input tokens)"
+                + unrecognisable_slices_cause(module, stacked)
             )
 
     def quantize(self, applied: set, name: str, rows: torch.Tensor, ids, traced: bool) -> torch.Tensor:

@@ -442,6 +442,7 @@ class _ExpertSites(ExpertCallHooks):
                         f"({type(module).__name__}): no per-expert matmul with the stacked parameter "
                         f"{name!r} was found in its forward (recognised: F.linear/matmul with a slice "
                         f"{name}[e], bmm with a gathered {name}[ids], grouped_mm over {name})"
+                        + unrecognisable_slices_cause(module, [name])
                     )
                 continue
             rows, ids = captured
@@ -459,6 +460,29 @@ class _ExpertSites(ExpertCallHooks):
                 kept = None if weight is None else kept_rows(capture, name, weight, named)
             out[site] = (rows, mask if kept is None else mask * kept.to(mask.dtype))
         return out
+
+
+def unrecognisable_slices_cause(module: torch.nn.Module, names) -> str:
+    """``"; the cause: ..."`` when no per-expert matmul with the stacked parameters ``names`` of
+    ``module`` can be recognised whatever its forward does: several experts in one memory (stride 0
+    over the expert dim, as ``expand`` makes: ``P[e]`` is the same tensor for every expert), or a
+    parameter offloaded by accelerate (meta outside the call, another tensor inside); else ``""``."""
+    params = own_parameters(module)
+    shared = [name for name in names if name in params and params[name].ndim
+              and params[name].shape[0] > 1 and params[name].stride(0) == 0]
+    if shared:
+        return (
+            f"; the cause: the experts of {shared} share one memory (stride 0 over the expert dimension, as "
+            "expand() makes), so no slice of them can be told apart as one expert's; give each expert its own "
+            "copy (e.g. torch.nn.Parameter(p.contiguous()))"
+        )
+    offloaded = [name for name in names if name in params and params[name].device.type == "meta"]
+    if offloaded and getattr(module, "_hf_hook", None) is not None:
+        return (
+            f"; the cause: {offloaded} are offloaded by accelerate (meta tensors the hook replaces by other "
+            "tensors inside each call), so their slices cannot be recognised; load the experts without offloading"
+        )
+    return ""
 
 
 def kept_rows(capture: ExpertInputCapture, name: str, weight: torch.Tensor, rows_named: str) -> torch.Tensor:
@@ -527,6 +551,27 @@ def _activation_hooks(run: _Calibration) -> list:
     return hooks
 
 
+def parameter_value(plan: Plan, path: str, site: str, caller: str) -> torch.Tensor:
+    """The value of a parameter site, read onto its execution device where accelerate offloads it
+    (``cpu_offload``, ``device_map`` with offloading: the module holds a meta tensor, its hook the
+    data); ValueError naming it where it is on the meta device with no data behind it."""
+    value = plan.parameter(path, site)
+    if value.device.type != "meta":
+        return value
+    module = plan.modules[path]
+    if getattr(module, "_hf_hook", None) is not None:
+        from accelerate.utils import align_module_device  # the hook's own onloading
+
+        with align_module_device(module):
+            value = plan.parameter(path, site)  # keeps the onloaded data once the hook offloads again
+    if value.device.type == "meta":
+        raise ValueError(
+            f"{caller}: parameter {site!r} of module {path!r} is on the meta device and holds no data "
+            "(load the weights first, or use qstats.layerwise for a model built on meta)"
+        )
+    return value
+
+
 def _observe_parameters(run: _Calibration) -> None:
     """Observes each parameter site once, before the first batch; a resumed state of one is
     checked against the parameter and kept."""
@@ -535,7 +580,7 @@ def _observe_parameters(run: _Calibration) -> None:
             for site, found in entry.items():
                 if found.kind != "parameter":
                     continue
-                value = run.plan.parameter(path, site)
+                value = parameter_value(run.plan, path, site, "calibrate")
                 resumed = run.states.get(path, {}).get(site)
                 if resumed is None:
                     run.update(path, site, value)
@@ -632,13 +677,14 @@ def observing(
         run.weight = None
         for handle in handles:
             handle.remove()
-    _warn_unobserved(run.states, plan, session.calls)
+    _warn_unobserved(run.states, plan, session.calls, compiled=model is not plan.model)
     warn_uncovered(run.states, plan.sites)
 
 
-def _warn_unobserved(states: dict, plan: Plan, seen_batches: int) -> None:
+def _warn_unobserved(states: dict, plan: Plan, seen_batches: int, compiled: bool = False) -> None:
     """Warns (`qstats.UncalibratedWarning`) naming the activation sites the recipe selects that hold
-    no state after calibration: `compute_qparams_tree` and `fake_quantized` would leave them out."""
+    no state after calibration: `compute_qparams_tree` and `fake_quantized` would leave them out.
+    For a ``compiled`` wrapper whose forwards were not seen, it names the graph compiled before the hooks."""
     missing = [
         f"{path}.{site}"
         for path, entry in plan.sites.items()
@@ -652,6 +698,9 @@ def _warn_unobserved(states: dict, plan: Plan, seen_batches: int) -> None:
         if seen_batches == 0
         else "their modules were not called, or not with a floating-point tensor"
     )
+    if seen_batches == 0 and compiled:
+        why += ("; or, if it was, a torch.compile'd model that ran before the hooks were registered runs a graph "
+                "calling no hook added later: call torch.compiler.reset() first")
     warn(
         f"qstats: {len(missing)} site(s) of the recipe saw no data ({why}) and have no state; "
         f"compute_qparams_tree and fake_quantized leave them out: " + ", ".join(missing),

@@ -23,9 +23,10 @@ from ._granularity import TensorGroup, broadcast_to_view, canonical_view
 from ._qparams import QParams, experts_qparams
 from ._quant import _codes_float, fake_quantize
 from ._sites import observe_tensor, run_model
-from .calibration import runtime_qparams, runtime_spec
-from .experts import rows_by_expert
-from .observation import ExpertCallHooks, capture_call, kept_rows, stop_capture, weight_of
+from .calibration import batch_weight, check_batches, runtime_qparams, runtime_spec, warn_training_mode
+from .experts import own_parameters, rows_by_expert
+from .observation import (ExpertCallHooks, capture_call, kept_rows, parameter_value, stop_capture,
+                          unrecognisable_slices_cause, weight_of)
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
@@ -282,6 +283,10 @@ def report(
     if not isinstance(recipe, Plan) and (model is None) != (recipe is None):
         raise ValueError("report: give both model and recipe (to measure errors), or neither")
     plan = as_plan(recipe, model, "report") if recipe is not None else None
+    if batches is not None:
+        check_batches(batches, "report")  # one batch would run the model on its rows or keys
+        if plan is not None:
+            warn_training_mode(plan.model, "report")  # dropout would be measured as error
     _check_qparams(qparams, plan, batches is not None)
     errors: dict = {}
     if plan is not None:
@@ -368,7 +373,7 @@ def _measure_parameters(plan: Plan, qparams: Mapping, errors: dict) -> None:
             if found is None or found.kind != "parameter":
                 continue
             error = _Error()
-            value = plan.parameter(path, site)
+            value = parameter_value(plan, path, site, "report")
             if found.num_experts:
                 for expert in range(found.num_experts):
                     error.add(*tensor_error(value[expert], experts_qparams(qp, expert), found.spec))
@@ -436,10 +441,21 @@ class _ExpertErrors(ExpertCallHooks):
             weight = weight_of(tokens.reshape(-1, tokens.shape[-1]), weight, flattened=True)
         else:
             weight = None
+        measured: set = set()
         for name, calls in capture.rows.items():
             for site in ("input", f"{name}.input"):  # both where both exist, as `fake_quantized` applies them
                 if site in self.sites and calls:
                     self._measure(capture, name, site, weight)
+                    if site != "input" or any(t is not None for t in capture.tokens[name]):  # rows measured
+                        measured.add(site)
+        missing = sorted(set(self.sites) - measured)
+        if tokens is not None and missing:  # as `fake_quantized` refuses it: it could not quantize them either
+            stacked = [name for name, p in own_parameters(module).items() if p.ndim >= 3]
+            raise ValueError(
+                f"report: site(s) {missing} of the experts module {self.path!r} ({type(module).__name__}): no "
+                "per-expert matmul taking that input was found in its forward (recognised calls: "
+                "qstats.experts.ExpertInputCapture)" + unrecognisable_slices_cause(module, stacked)
+            )
 
     def _measure(self, capture, name: str, site: str, weight: Optional[torch.Tensor]) -> None:
         """Adds the error of every call's rows of parameter ``name`` to ``site``'s: for ``"input"``,
@@ -486,7 +502,7 @@ def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weig
                 handles.extend(_ExpertErrors(plan.modules[path], path, expert_sites, current_weight).attach())
         with torch.no_grad():
             for batch in batches:
-                current_weight[0] = observation_weight(batch) if observation_weight is not None else None
+                current_weight[0] = batch_weight(observation_weight, batch, "report")
                 run_model(plan.model, batch)
     finally:
         for handle in handles:
