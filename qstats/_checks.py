@@ -11,7 +11,7 @@ import numbers
 
 import torch
 
-from ._ops import op
+from ._ops import op, register_fake, register_vmap
 
 __all__ = ["check_floating", "is_real_number", "require", "require_calibrated"]
 
@@ -38,7 +38,7 @@ def _require(condition: torch.Tensor, message: str) -> torch.Tensor:
     return condition.clone()
 
 
-@torch.library.register_fake(_require)
+@register_fake(_require)
 def _(condition, message):
     return torch.empty_like(condition)
 
@@ -47,7 +47,7 @@ def _require_vmap(info, in_dims, condition, message):
     return _require(condition, message), in_dims[0]  # every slice must hold
 
 
-torch.library.register_vmap(_require, _require_vmap)
+register_vmap(_require, _require_vmap)
 
 
 def require(condition: torch.Tensor, message: str) -> torch.Tensor:
@@ -68,7 +68,7 @@ def _require_calibrated(calibrated: torch.Tensor, where: str) -> torch.Tensor:
     return calibrated.clone()
 
 
-@torch.library.register_fake(_require_calibrated)
+@register_fake(_require_calibrated)
 def _(calibrated, where):
     return torch.empty_like(calibrated)
 
@@ -79,7 +79,7 @@ def _require_calibrated_vmap(info, in_dims, calibrated, where):
     return calibrated.clone(), in_dims[0]
 
 
-torch.library.register_vmap(_require_calibrated, _require_calibrated_vmap)
+register_vmap(_require_calibrated, _require_calibrated_vmap)
 
 
 def require_calibrated(calibrated: torch.Tensor, where: str) -> torch.Tensor:

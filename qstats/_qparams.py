@@ -131,6 +131,9 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     tensor(0.0078)
     """
     global_scale = options.pop("global_scale", None)  # a fused group's (qstats.fused)
+    if isinstance(global_scale, torch.Tensor) and global_scale.numel() != 1:
+        raise ValueError(f"compute_qparams: global_scale must be one value (a fused group's), got shape "
+                         f"{tuple(global_scale.shape)}; stacked experts take one per expert in qstats.stacked_qparams")
     result = _range_of(state, spec, options, "compute_qparams")
     if isinstance(result, QParams):
         return result if result.minval is not None else _with_minval_of_codes(result, spec)

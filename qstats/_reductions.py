@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ._ops import op
+from ._ops import op, register_fake, register_vmap
 
 __all__ = ["finite_aminmax"]
 
@@ -50,7 +50,7 @@ def _plain_extremes(view: torch.Tensor):
         lo, hi = _reduce(view, torch.amin), _reduce(view, torch.amax)
     # amin/amax propagate NaN, so the summed ranges are finite exactly when every value is (or a
     # range or their sum overflows float32: then the masked pass, which gives the same extremes)
-    return (lo, hi) if math.isfinite((hi - lo).sum()) else None
+    return (lo, hi) if math.isfinite((hi.float() - lo.float()).sum()) else None
 
 
 def _masked_extremes(view: torch.Tensor, mask: Optional[torch.Tensor]):
@@ -89,7 +89,7 @@ def _finite_aminmax_op(
     return _finite_aminmax(view, mask, raise_on_nonfinite)
 
 
-@torch.library.register_fake(_finite_aminmax_op)
+@register_fake(_finite_aminmax_op)
 def _(view, mask, raise_on_nonfinite):
     shape = view.shape[1:-1]
     lo = view.new_empty(shape, dtype=torch.float32)
@@ -116,7 +116,7 @@ def _vmap_rule(info, in_dims, view, mask, raise_on_nonfinite):
     return _finite_aminmax_op(view, mask, raise_on_nonfinite), (0, 0, 0, 0)
 
 
-torch.library.register_vmap(_finite_aminmax_op, _vmap_rule)
+register_vmap(_finite_aminmax_op, _vmap_rule)
 
 
 def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonfinite: str = "ignore"):

@@ -14,7 +14,10 @@ import os
 import zlib
 from typing import Any
 
+import safetensors.torch
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from ._qparams import QParams
 from .lsq import LSQParams
@@ -223,8 +226,6 @@ def _dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _check_storable(tensors: dict[str, torch.Tensor]) -> None:
-    import safetensors.torch
-
     storable = getattr(safetensors.torch, "_SIZE", None)  # the dtypes safetensors writes (private: may go)
     for key, tensor in tensors.items():
         if tensor.is_quantized or (storable is not None and tensor.dtype not in storable):
@@ -268,9 +269,6 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     >>> qstats.load(path)["layer0"].max_val
     tensor(2.)
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
     state_dict = to_state_dict(tree)
     _check_storable(state_dict["tensors"])
     # Own contiguous CPU copies: safetensors refuses tensors that share storage.
@@ -297,8 +295,6 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
       ValueError: a corrupt, truncated, foreign or unknown-version file, a missing tensor, a checksum
         mismatch or an unknown state type (the message says which).
     """
-    from safetensors import SafetensorError, safe_open
-
     source = os.fspath(path)
     try:
         with safe_open(source, framework="pt", device="cpu") as handle:

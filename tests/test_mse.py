@@ -420,3 +420,22 @@ def test_moving_average_mode_takes_averaging_constants_zero_to_one_as_llm_compre
 def test_moving_average_mode_refuses_averaging_constants_outside_zero_to_one(bad):
     with pytest.raises(ValueError, match="mse: averaging_constant must be a number in \\[0, 1\\]"):
         qstats.mse(qstats.QuantSpec(dtype="int4"), mode="moving_average", averaging_constant=bad)
+
+
+def test_inputs_that_require_grad_give_the_state_of_their_detached_values():
+    """Statistics carry no autograd graph: an importance, reference or input that requires grad
+    gives the state (and scales) of its detached values, no field requiring grad."""
+    torch.manual_seed(0)
+    spec = qstats.QuantSpec(dtype="int4", granularity=qstats.PerAxis(0))
+    x = torch.randn(8, 32)
+    importance = torch.rand(32)
+    reference = (x.amin(dim=1), x.amax(dim=1))
+    plain = qstats.mse(spec, importance=importance, reference=reference)
+    graded = qstats.mse(spec, importance=importance.clone().requires_grad_(),
+                        reference=tuple(t.clone().requires_grad_() for t in reference))
+    expected = plain.update(plain.init(x), x)
+    got = graded.update(graded.init(x), x.clone().requires_grad_())
+    for name, a, b in zip(expected._fields, expected, got):
+        assert not b.requires_grad, name
+        assert torch.equal(a, b), name
+    assert torch.equal(qstats.compute_qparams(got, spec).scale, qstats.compute_qparams(expected, spec).scale)

@@ -149,6 +149,48 @@ def test_ops_pass_opcheck():
         torch.library.opcheck(torch.ops.qstats.finite_aminmax.default, args)
     torch.library.opcheck(torch.ops.qstats.require.default, (torch.tensor([True]), "m"))
     torch.library.opcheck(torch.ops.qstats.require_calibrated.default, (torch.tensor([True]), "m"))
+    bits = torch.randint(0, 1 << 20, (3, 2, 5), dtype=torch.int32)
+    torch.library.opcheck(torch.ops.qstats.bucket_counts.default, (bits, mask, 12, 0, 1 << 9))
+    weights = torch.rand(3, 2, 5)
+    torch.library.opcheck(torch.ops.qstats.error_sum.default, (view, weights, mask, 2.4, False))
+    rows, keep = torch.randn(1, 6, 4), torch.rand(1, 2, 6) < 0.5
+    torch.library.opcheck(torch.ops.qstats.add_masked_grams.default, (torch.zeros(1, 2, 4, 4), rows, keep))
+    torch.library.opcheck(torch.ops.qstats.warn_unfactored_hessian.default, (torch.tensor([False]),))
+
+
+def test_every_qstats_op_is_pt2_compliant():
+    """torch.compile(fullgraph=True) of an update under only_allow_pt2_compliant_ops (custom_op's ops
+    carry the tag; an op defined without it is refused there)."""
+    names = [name for name in dir(torch.ops.qstats) if not name.startswith("_")]
+    assert {"finite_aminmax", "require", "require_calibrated", "bucket_counts", "error_sum"} <= set(names)
+    for name in names:
+        packet = getattr(torch.ops.qstats, name)
+        if hasattr(packet, "default"):
+            assert torch.Tag.pt2_compliant_tag in packet.default.tags, name
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+    obs = qstats.minmax(spec)
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(only_allow_pt2_compliant_ops=True):
+        got = torch.compile(obs.update, fullgraph=True)(obs.init(x), x)
+    assert torch.equal(got.max_val, x.amax(dim=1)) and torch.equal(got.min_val, x.amin(dim=1))
+
+
+def test_a_reloaded_module_defines_its_ops_again():
+    """importlib.reload (a notebook's autoreload) of a module defining qstats ops: the op works after,
+    equal to torch's own reduction."""
+    import importlib
+
+    import qstats._checks
+    import qstats._reductions
+
+    importlib.reload(qstats._reductions)
+    importlib.reload(qstats._checks)
+    x = torch.randn(6, 5)
+    lo, hi, count, nonfinite = qstats._reductions.finite_aminmax(x.reshape(1, -1))
+    assert torch.equal(lo, x.amin()) and torch.equal(hi, x.amax()) and int(count) == 30
+    vmapped = torch.vmap(lambda v: qstats._reductions.finite_aminmax(v.reshape(1, -1))[1])(x)
+    assert torch.equal(vmapped, x.amax(dim=1).reshape(6))
 
 
 @pytest.mark.parametrize("factory", [qstats.minmax, qstats.memoryless_minmax, qstats.moving_average_minmax, qstats.mse])
@@ -169,7 +211,7 @@ def test_float64_values_past_float32_count_as_nonfinite(factory):
     """The extremes are float32: a float64 value past its range became an Inf extreme, counted as
     finite, and the state read as uncalibrated. It is now left out and counted, as an Inf is."""
     x = torch.tensor([[1e300, -2.0, 1.0], [0.5, -1e300, 0.25]], dtype=torch.float64)
-    lo, hi, count, bad = finite_aminmax(x.reshape(1, 1, -1))
+    lo, hi, count, bad = finite_aminmax(x.reshape(1, -1))
     assert (lo.item(), hi.item(), count.item(), bad.item()) == (-2.0, 1.0, 4, 2)
     spec = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
     obs = factory(spec)

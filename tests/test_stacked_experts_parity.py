@@ -72,6 +72,9 @@ def test_stacked_qparams_share_a_one_element_global_scale_and_name_other_shapes(
     for bad in (torch.ones(E + 1), torch.ones(2, E), torch.ones(E, 2)):
         with pytest.raises(ValueError, match=r"stacked_qparams: global_scale of shape .* one per expert \(\[4\]\)"):
             qstats.stacked_qparams(state, spec, global_scale=bad)
+    one_expert = type(state)(*(field[0] for field in state))  # compute_qparams takes one value only
+    with pytest.raises(ValueError, match=r"compute_qparams: global_scale must be one value .* shape \(4,\)"):
+        qstats.compute_qparams(one_expert, spec, global_scale=torch.ones(E))
 
 
 def _linear_rows(stack, expert):

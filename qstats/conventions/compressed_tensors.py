@@ -9,6 +9,8 @@ overflow, all-zero float8 ranges, dynamic activations, ``scale_dtype=float32``) 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name
@@ -28,8 +30,8 @@ ARGS_FIELDS = frozenset({"actorder", "block_structure", "dynamic", "group_size",
 
 def _checked_args(args):
     """``args``, after TypeError where it is neither QuantizationArgs-like nor a dict of its fields
-    (a preset name read as the default int8 spec) and ValueError naming misspelt fields of a dict."""
-    if isinstance(args, dict):
+    (a preset name read as the default int8 spec) and ValueError naming misspelt fields of a mapping."""
+    if isinstance(args, Mapping):
         unknown = sorted(set(map(str, args)) - ARGS_FIELDS)
         if unknown:
             raise ValueError(f"from_compressed_tensors: unknown QuantizationArgs fields {unknown}; known: "
@@ -41,7 +43,7 @@ def _checked_args(args):
 
 
 def _field(args, name, default=None):
-    if isinstance(args, dict):
+    if isinstance(args, Mapping):
         return args.get(name, default)
     return getattr(args, name, default)
 

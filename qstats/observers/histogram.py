@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._ops import op
+from .._ops import op, register_fake, register_vmap
 from .._granularity import checked_view, qparam_shape, weight_view
 from .._qparams import Range, register_range_rule
 from .._reductions import batch_inside, finite_aminmax
@@ -87,7 +87,7 @@ def _count_keys(
     return torch.bincount(keys.reshape(-1), minlength=total).reshape(*params, size)
 
 
-@torch.library.register_fake(_count_keys)
+@register_fake(_count_keys)
 def _(bits, mask, shift, offset, size):
     return bits.new_empty((*bits.shape[1:-1], size), dtype=torch.int64)
 
@@ -98,7 +98,7 @@ def _count_keys_vmap(info, in_dims, bits, mask, shift, offset, size):
     return _count_keys(bits, mask, shift, offset, size), 0
 
 
-torch.library.register_vmap(_count_keys, _count_keys_vmap)
+register_vmap(_count_keys, _count_keys_vmap)
 
 
 def _is_int(value) -> bool:

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._ops import op
+from .._ops import op, register_fake, register_vmap
 from .._granularity import PerGroup, TensorGroup, checked_view, qparam_shape, weight_view
 from .._checks import is_real_number, require
 from .._qparams import Range, qparams_from_minmax, register_range_rule
@@ -213,7 +213,7 @@ def _error_sum_op(difference: torch.Tensor, weights: Optional[torch.Tensor], kee
     return torch.where(finite, narrow, _error_total(difference.to(torch.float64), weights, keep, norm, False))
 
 
-@torch.library.register_fake(_error_sum_op)
+@register_fake(_error_sum_op)
 def _(difference, weights, keep, norm, native_error):
     return difference.new_empty(difference.shape[1:-1], dtype=torch.float64)
 
@@ -226,7 +226,7 @@ def _error_sum_vmap(info, in_dims, difference, weights, keep, norm, native_error
     return _error_sum_op(moved[0].expand(shape), moved[1], moved[2], norm, native_error), 0
 
 
-torch.library.register_vmap(_error_sum_op, _error_sum_vmap)
+register_vmap(_error_sum_op, _error_sum_vmap)
 
 
 def _chosen_factor(loss: torch.Tensor, factors: torch.Tensor, patience: Optional[int]) -> torch.Tensor:
@@ -255,7 +255,7 @@ def _reference_of(reference, shape, device):
     if reference is None:
         return None
     lo, hi = (reference.min_val, reference.max_val) if hasattr(reference, "min_val") else reference
-    lo, hi = (torch.as_tensor(t, dtype=torch.float32, device=device) for t in (lo, hi))
+    lo, hi = (torch.as_tensor(t, dtype=torch.float32, device=device).detach() for t in (lo, hi))
     if lo.shape != tuple(shape) or hi.shape != tuple(shape):
         raise ValueError(
             f"mse: reference of shape {tuple(lo.shape)} does not match the quantization parameter shape {tuple(shape)}"
@@ -334,7 +334,7 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     given, spec = spec, search_spec(spec)
 
     def observe(x, weight, expected, where):
-        view = checked_view(x, spec.granularity, expected, where)
+        view = checked_view(x.detach(), spec.granularity, expected, where)  # statistics have no gradient
         mask = weight_view(x, weight, spec.granularity)
         if mask is not None:
             mask = (mask != 0).expand(view.shape)
@@ -363,6 +363,7 @@ def _checked_importance(importance, view: torch.Tensor, where: str):
     weight (a negative one made the search pick the worst candidate, a NaN one the first)."""
     if importance is None:
         return None
+    importance = importance.detach()  # a weight of the statistic, not differentiated
     try:
         fits = torch.broadcast_shapes(importance.shape, view.shape) == view.shape
     except RuntimeError:
