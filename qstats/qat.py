@@ -68,13 +68,15 @@ def fake_quantize_ste(x: torch.Tensor, qparams, spec: QuantSpec, ste: str = "cli
     """`qstats.fake_quantize` with a choice of straight-through gradient.
 
     ``ste="clipped"``: 1 inside the representable range, 0 where clipped (torch.ao's fake quant);
-    ``ste="identity"``: 1 everywhere.
+    ``ste="identity"``: 1 everywhere but at ±Inf (0 there: ``x - x.detach()`` would be ``inf - inf``,
+    a NaN in the forward where the fake-quantized value is the range's end).
     """
     _check_ste(ste)
     if ste == "clipped":
         return fake_quantize(x, qparams, spec)
     value = fake_quantize(x.detach(), qparams, spec)
-    return value + (x - x.detach())
+    passthrough = x - x.detach()  # 0, with gradient 1
+    return value + torch.where(torch.isinf(x.detach()), torch.zeros_like(passthrough), passthrough)
 
 
 def observe_fake_quantize(
@@ -219,8 +221,8 @@ class _BatchNormPoint(nn.Module):
         count = current.num_batches_tracked + 1
         if x.numel() == 0:
             return BatchNormState(current.running_mean, current.running_var, count)
-        # in float32, float64 for float64 models, as nn.BatchNorm's CPU kernel (bfloat16/float16 statistics
-        # can still differ from it in their last bit)
+        # in float32, float64 for float64 models, as nn.BatchNorm's CPU kernel; its reductions and update
+        # round otherwise, so the statistics can differ from it in their last bit (docs/qat.md)
         compute = torch.promote_types(torch.promote_types(x.dtype, current.running_mean.dtype), torch.float32)
         dims = [0] + list(range(2, x.ndim))
         batch_var, batch_mean = torch.var_mean(x.detach().to(compute), dim=dims, correction=1)
@@ -354,15 +356,24 @@ class QATModel:
         `qstats.distributed.all_reduce`), so every rank fake-quantizes with and freezes the same ranges.
         Call it on every rank where ``schedule.sync_at(step)``; weight states too with ``weights=True``;
         batch norm is not synchronised. Without a process group the state is returned unchanged.
+        Which collectives it calls depends on the model only, never on ``state``: a rank whose state is
+        not a `QATState` of the model's layers raises its error, and every other rank a ValueError,
+        instead of leaving them waiting.
         """
-        if not isinstance(state, QATState):
-            raise TypeError(f"QATModel.sync: state must be a QATState, got {type(state).__name__}")
-        activations, weight_states = state.activations, state.weights
-        if self.activation_observer is not None and activations:
-            activations = distributed.all_reduce(activations, self.activation_observer, group)
-        if weights and self.weight_observer is not None and weight_states:
-            weight_states = distributed.all_reduce(weight_states, self.weight_observer, group)
-        return QATState(weight_states, activations, state.batchnorm)
+        observers = {"activations": self.activation_observer, "weights": self.weight_observer if weights else None}
+        observers = {kind: observer for kind, observer in observers.items() if observer is not None}
+        try:
+            self._check_inputs({}, state, "QATModel.sync")
+        except (TypeError, ValueError) as error:
+            if observers:  # join the first collective with a tree that fails its local check: the others raise
+                try:
+                    distributed.all_reduce([object()], next(iter(observers.values())), group)
+                except (TypeError, ValueError):
+                    pass
+            raise error
+        merged = {kind: distributed.all_reduce(getattr(state, kind), observer, group)
+                  for kind, observer in observers.items()}
+        return state._replace(**merged)
 
     def learnable_ranges(self, state: QATState, weights: bool = False, activations: bool = True):
         """LSQ/LSQ+ ranges initialised from the observer states (detached float32 copies with
