@@ -105,12 +105,17 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_bucketing(bins, exponent_range) -> None:
-    """ValueError naming a ``bins`` that is no power of two in [1, 4096] (100 was bucketed as 64, the
-    counts' shape not the documented one) or an ``exponent_range`` that is no pair of ints
-    ``-126 <= low < high <= 128`` (float32's octaves; a reversed one failed deep inside torch)."""
+def _check_bins(bins, where: str, hint: str = "") -> None:
+    """ValueError unless ``bins`` (buckets per octave) is a power of two in [1, 4096] (100 was
+    bucketed as 64: the counts' shape was not the documented one)."""
     if not (_is_int(bins) and 1 <= bins <= 1 << 12 and not bins & (bins - 1)):
-        raise ValueError(f"bucket_counts: bins (buckets per octave) must be a power of two in [1, 4096], got {bins!r}")
+        raise ValueError(f"{where} (buckets per power of two) must be a power of two in [1, 4096], got {bins!r}{hint}")
+
+
+def _check_bucketing(bins, exponent_range) -> None:
+    """`_check_bins`, and ValueError naming an ``exponent_range`` that is no pair of ints
+    ``-126 <= low < high <= 128`` (float32's octaves; a reversed one failed deep inside torch)."""
+    _check_bins(bins, "bucket_counts: bins")
     pair = tuple(exponent_range) if isinstance(exponent_range, (tuple, list)) else ()
     if not (len(pair) == 2 and all(_is_int(e) for e in pair) and -126 <= pair[0] < pair[1] <= 128):
         raise ValueError("bucket_counts: exponent_range must be two ints (low, high) with -126 <= low < high <= 128 "
@@ -155,11 +160,8 @@ def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):
 def _check_config(spec, bins, octaves):
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"histogram: expected a QuantSpec, got {type(spec).__name__}")
-    if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1 or bins & (bins - 1) or bins > 1 << 12:
-        raise ValueError(
-            f"histogram: buckets_per_octave (buckets per power of two) must be a power of two in [1, 4096], got {bins!r} "
-            "(for torch.ao's number of linear bins: qstats.torch_ao.buckets_per_octave_for_bins(bins))"
-        )
+    _check_bins(bins, "histogram: buckets_per_octave",
+                " (for torch.ao's number of linear bins: qstats.torch_ao.buckets_per_octave_for_bins(bins))")
     if not isinstance(octaves, int) or isinstance(octaves, bool) or not 1 <= octaves <= 252:
         raise ValueError(f"histogram: octaves must be an int in [1, 252], got {octaves!r}")
     low = -(octaves // 2)
