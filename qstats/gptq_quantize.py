@@ -35,6 +35,7 @@ from ._ops import op
 from ._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, qparam_shape
 from ._qparams import QParams, compute_qparams
 from ._quant import _cap, _checked_zero_point, _codes_float, _dequantize_view
+from . import _formats
 from ._formats import store_codes
 from ._spec import QuantSpec
 from .experts import UncalibratedWarning
@@ -118,7 +119,7 @@ def _column_groups(spec: QuantSpec, shape) -> Optional[list]:
             raise ValueError(f"gptq: {columns} input columns are not a multiple of the group size "
                              f"{granularity.group_size} (llm-compressor 0.14's weight observers refuse them too)")
         return [column // granularity.group_size for column in range(columns)]
-    if isinstance(granularity, PerTensor) or granularity in (PerAxis(0), PerRow(-1), PerRow(1)):
+    if isinstance(granularity, PerTensor) or granularity in (PerAxis(0), PerAxis(-2), PerRow(-1), PerRow(1)):
         return None  # one set per tensor or per output row; PerRow(0) would be one per input column
     if isinstance(granularity, PerBlock) and len(granularity.block_shape) == 2:
         block_columns = granularity.block_shape[1]  # smaller edge blocks allowed (partial=True)
@@ -187,6 +188,16 @@ def _minmax_qparams(weight: torch.Tensor, spec: QuantSpec) -> QParams:
     return compute_qparams(observer.update(observer.init(weight), weight), spec)
 
 
+def _column_spec(spec: QuantSpec) -> QuantSpec:
+    """The spec the float32 running columns are quantized under: compressed-tensors divides
+    llm-compressor's float32 working weight by a bf16/fp16 scale in float32 (type promotion), so an
+    element format qstats scales itself (MXFP4, fp6/fp4) divides in float32 there too, as the
+    integer and fp8 codes do (they promote the column's dtype with the compute dtype)."""
+    if _formats.handles_codes(spec) and spec.compute_dtype != "float32":
+        return spec.replace(compute_dtype="float32")
+    return spec
+
+
 def _quantize_column(column, scale, zero_point, global_scale, spec):
     """``(fake-quantized values, float codes)`` of one weight column under per-row parameters: the
     codes `qstats.quantize` gives those values (a float format's -0 is +0 under compressed-tensors'
@@ -223,7 +234,7 @@ def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block
     the block's error over the following columns (section 3.4 of arXiv:2203.07259), in
     llm-compressor's order of float operations. Column ``j`` uses
     ``scale[..., index[j]]``; ``running`` (the group size) computes group parameters per block."""
-    columns = weight.shape[-1]
+    columns, column_spec = weight.shape[-1], _column_spec(spec)
     quantized, codes, found = [], [], []  # columns of the result; running group parameters
     rest = weight
     for start in range(0, columns, block_size):
@@ -235,7 +246,7 @@ def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block
         for i in range(stop - start):
             column = block[..., i]
             k = index[start + i]
-            q, code = _quantize_column(column, scale[..., k], zero_point[..., k], global_scale, spec)
+            q, code = _quantize_column(column, scale[..., k], zero_point[..., k], global_scale, column_spec)
             error = (column - q) / block_inverse[..., i, i, None]
             # in place on the local copy; the product rounded, then subtracted, as llm-compressor's
             # W1[:, :, i:] -= e * h
@@ -327,8 +338,8 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
         ``torch.vmap`` of the 2-D call, which works too).
       hessian_state: the `qstats.hessian` state of the layer's inputs.
       spec: the weight's QuantSpec (`QuantSpec.from_compressed_tensors(args)` for llm-compressor's
-        rounding); PerTensor, PerRow / PerAxis(0), PerGroup, TensorGroup (NVFP4) or 2-D PerBlock
-        (smaller edge blocks allowed).
+        rounding); PerTensor, PerRow / PerAxis(0) / PerAxis(-2), PerGroup, TensorGroup (NVFP4) or
+        2-D PerBlock (smaller edge blocks allowed).
       block_size: columns per block of lazy error propagation (llm-compressor's ``block_size``).
       dampening: fraction of the mean diagonal added to the diagonal (``dampening_frac``).
       actorder: None, or ``"static"`` (= ``"weight"``): columns in decreasing Hessian diagonal,
