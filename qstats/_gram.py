@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._ops import op
+from ._ops import op, register_fake, register_vmap
 
 __all__ = ["add_masked_gram"]
 
@@ -45,7 +45,7 @@ def _add_masked_grams(total: torch.Tensor, rows: torch.Tensor, keep: torch.Tenso
     return out
 
 
-@torch.library.register_fake(_add_masked_grams)
+@register_fake(_add_masked_grams)
 def _(total, rows, keep):
     return torch.empty_like(total)
 
@@ -71,7 +71,7 @@ def _add_masked_grams_vmap(info, in_dims, total, rows, keep):
     return out.reshape(size, groups, *out.shape[1:]), 0
 
 
-torch.library.register_vmap(_add_masked_grams, _add_masked_grams_vmap)
+register_vmap(_add_masked_grams, _add_masked_grams_vmap)
 
 
 def add_masked_gram(total: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ._ops import op
+from ._ops import op, register_fake, register_vmap
 from ._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, qparam_shape
 from ._qparams import QParams, compute_qparams
 from ._quant import _cap, _checked_zero_point, _codes_float, _dequantize_view
@@ -75,7 +75,7 @@ def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor
     return count.clone(), torch.tensor(shared)
 
 
-@torch.library.register_fake(_check_inputs)
+@register_fake(_check_inputs)
 def _(count, total, weight):
     return torch.empty_like(count), torch.empty((), dtype=torch.bool)
 
@@ -87,7 +87,7 @@ def _check_inputs_vmap(info, in_dims, count, total, weight):
     return (_check_inputs(*moved)[0], torch.tensor(False)), (0, None)  # one message naming every expert
 
 
-torch.library.register_vmap(_check_inputs, _check_inputs_vmap)
+register_vmap(_check_inputs, _check_inputs_vmap)
 
 
 @op("warn_unfactored_hessian")
@@ -102,12 +102,12 @@ def _warn_unfactored(failed: torch.Tensor) -> torch.Tensor:
     return failed.clone()
 
 
-@torch.library.register_fake(_warn_unfactored)
+@register_fake(_warn_unfactored)
 def _(failed):
     return torch.empty_like(failed)
 
 
-torch.library.register_vmap(_warn_unfactored, lambda info, in_dims, failed: (_warn_unfactored(failed.movedim(in_dims[0], 0)), 0))
+register_vmap(_warn_unfactored, lambda info, in_dims, failed: (_warn_unfactored(failed.movedim(in_dims[0], 0)), 0))
 
 
 def _column_groups(spec: QuantSpec, shape) -> Optional[list]:
