@@ -22,6 +22,7 @@ def write_attention(
     """``q_scale``/``k_scale``/``v_scale`` of an attention module into ``tensors`` (shape ``(1,)``
     for the tensor strategy, in the attention module's parameter dtype; zero points
     ``q_zero_point``... for asymmetric args); returns ``{site: QuantizationArgs fields}``."""
+    _check_cached_attention(path, module)
     dtype = module_dtype(module)
     prefix = path + "." if path else ""
     written = {}
@@ -49,6 +50,17 @@ def write_attention(
     if ("q" in written or "k" in written) and _takes_rotary_embedding(module):
         log["rotary"].append(path)
     return written
+
+
+def _check_cached_attention(path: str, module: torch.nn.Module) -> None:
+    """Refuses q/k/v sites of a module that compressed-tensors does not quantize as attention (its
+    ``is_cached_attention_module``): it registers no ``q_scale``/``k_scale``/``v_scale`` there, so a
+    loader drops them (transformers: UNEXPECTED keys) and the model runs unquantized."""
+    if not _is_kv_cache_module(module):
+        fail(path, f"q/k/v sites of a {type(module).__name__}, which compressed-tensors does not quantize as "
+             "attention (it takes modules whose class name contains 'attention', with a k_proj, v_proj, qkv_proj "
+             "or kv_b_proj child and a forward taking past_key_values): its q_scale/k_scale/v_scale would not "
+             "load; drop these sites or ignore the module")
 
 
 def _check_attention_sites(path: str, written: dict) -> None:

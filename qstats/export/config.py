@@ -174,12 +174,32 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec", dynamic: 
             fields["dynamic"] = True  # MX activations: group scales at run time (compressed-tensors' MXFP4/MXFP8)
         return fields
     fields.update(_strategy(spec.granularity, site, where))
+    if site != "weight":
+        _check_activation_range(spec, site, where)
     if dynamic and site != "weight":
         if site in ATTENTION_SITES:
             fail(where, "dynamic q/k/v scales are not exportable: compressed-tensors' kv-cache and attention "
                  "scales are calibrated (static)")
         fields["dynamic"] = True  # scales from each tensor at run time (compute_dynamic_scales_and_zp)
     return fields
+
+
+def _check_activation_range(spec: QuantSpec, site: str, where: str) -> None:
+    """Refuses an integer activation spec whose range, moved onto compressed-tensors' signed one, is
+    narrower than the whole ``num_bits`` range: compressed-tensors and vLLM quantize activations at run
+    time on the whole range (weights keep theirs: their codes are stored), so values beyond the
+    calibrated range would clamp elsewhere and dynamic scales would differ."""
+    if spec.is_float:
+        return
+    lo, hi = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
+    offset = code_offset(spec, where)
+    qmin, qmax = spec.qrange
+    if (qmin + offset, qmax + offset) != (lo, hi):
+        fail(where, f"the {site} range [{qmin}, {qmax}] of dtype {spec.dtype!r} is narrower than the {2 ** spec.bits} "
+             f"codes compressed-tensors quantizes activations on at run time ([{lo}, {hi}]; mapping "
+             f"{spec.mapping!r}, reduce_range={spec.reduce_range}, quant_min/quant_max {spec.quant_min}/"
+             f"{spec.quant_max}): the loaded model would clamp them elsewhere; calibrate the activations on the "
+             "whole range (weights may keep a narrower one)")
 
 
 def code_offset(spec: QuantSpec, where: str) -> int:
@@ -304,8 +324,20 @@ def _class_targets(groups: dict, modules: Optional[dict], expert_projection: dic
     if modules is None or len(groups) != 1 or expert_projection:
         return
     (group,) = groups.values()
-    if all(isinstance(modules.get(path), torch.nn.Linear) for path in group["_paths"]):
+    paths = group["_paths"]
+    if all(isinstance(modules.get(path), torch.nn.Linear) for path in paths) and _ignore_covers(modules, paths):
         group["targets"] = ["Linear"]
+
+
+def _ignore_covers(modules: dict, paths: list) -> bool:
+    """True when every Linear but ``paths`` is in the ``ignore`` list (`ignored_modules`: the unquantized
+    modules of a quantized class): compressed-tensors' ``"Linear"`` target matches any module with a
+    class named Linear in its MRO, so an unquantized Linear subclass of another class would be quantized
+    at load (its scales missing)."""
+    kinds = {vllm_module_type(modules[path]) for path in paths}
+    chosen = set(paths)
+    return all(path in chosen or vllm_module_type(module) in kinds
+               for path, module in modules.items() if isinstance(module, torch.nn.Linear))
 
 
 def config_groups(schemes: dict, expert_projection: dict, format: Optional[str], modules: Optional[dict] = None,
