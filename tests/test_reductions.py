@@ -59,7 +59,6 @@ def test_reduction_equals_a_per_parameter_loop(shape, seed, masked, fraction, dt
     _assert_same(finite_aminmax(view, mask), _reference(view.float(), mask))
 
 
-
 @pytest.mark.parametrize("params", [(), (1,), (3,), (64, 2)])
 def test_finite_extremes_whose_ranges_overflow_float32_are_kept(params):
     """Values all finite, but a parameter's range (max - min) or the sum of the ranges overflows
@@ -72,6 +71,7 @@ def test_finite_extremes_whose_ranges_overflow_float32_are_kept(params):
         wide = torch.full((1, *params, 2), 2e38)
         wide[..., 0] = low
         _assert_same(finite_aminmax(wide), _reference(wide, None))
+
 
 def test_vmap_equals_the_loop_with_shared_values_and_batched_masks():
     generator = torch.Generator().manual_seed(0)
