@@ -326,18 +326,28 @@ def handles_codes(spec) -> bool:
     return spec.is_float and (handles_qparams(spec) or is_emulated(spec))
 
 
+def _block_input(view: torch.Tensor) -> torch.Tensor:
+    """``view`` in its own dtype where float32 holds it exactly and promotes it (bf16, fp16,
+    float32), so that a convention dividing in a narrower compute dtype divides in the promotion of
+    the input's dtype with it (compressed-tensors: float32 inputs by a bf16 scale in float32), while
+    one dividing by float32 scales gets the same float32 arithmetic as before; float32 otherwise."""
+    return view if torch.promote_types(view.dtype, torch.float32) == torch.float32 else view.float()
+
+
 def codes(view: torch.Tensor, scale: torch.Tensor, global_scale, spec):
-    """``(unclamped, grid_values)`` of float32 ``view`` under broadcast ``scale``: the scaled values
-    before saturation, and the saturated values rounded to the element grid. One level of
-    scales divides as the spec's convention divides (`Convention.block_scaled`)."""
+    """``(unclamped, grid_values)`` as float32 tensors of ``view`` (any float dtype) under broadcast
+    float32 ``scale``: the scaled values before saturation, and the saturated values rounded to the
+    element grid. One level of scales divides as the spec's convention divides
+    (`Convention.block_scaled`, given the input in its own dtype: `_block_input`)."""
     fmax = spec.float_format.max
     if not isinstance(spec.granularity, TensorGroup):
-        scaled = spec.convention.block_scaled(view, scale, spec)
+        scaled = spec.convention.block_scaled(_block_input(view), scale, spec).float()
     elif spec.global_scale_formula == "range_over_amax":
+        view = view.float()
         # + 0: compressed-tensors adds its zero point (0), which makes -0.0 +0
         scaled = view / (scale / global_scale) + 0.0
     else:
-        scaled = _two_level_scaled(view, scale, global_scale)
+        scaled = _two_level_scaled(view.float(), scale, global_scale)
     return scaled, round_to_format(scaled.clamp(-fmax, fmax), spec.float_format)
 
 

@@ -53,7 +53,7 @@ def _checked_zero_point(zero_point: torch.Tensor, spec: QuantSpec, where: str) -
 def _codes_float(view, scale, zero_point, spec: QuantSpec, global_scale=None):
     """Unclamped and clamped codes as float tensors (integer-valued for int targets)."""
     if _formats.handles_codes(spec):  # fp6/fp4, e8m0 (MX) and two-level (NVFP4) scales
-        return _formats.codes(view.float(), scale, global_scale, spec)
+        return _formats.codes(view, scale, global_scale, spec)
     return spec.convention.codes(view, scale, zero_point, spec)
 
 

@@ -417,12 +417,13 @@ class CompressedTensorsConvention(Convention):
         return product.to(compute).float()
 
     def block_scaled(self, view, scale, spec):
-        """In the observed dtype, as compressed-tensors divides, then adds its zero point (0), which
-        makes -0.0 +0 (a tiny negative value still rounds to -0)."""
-        if spec.compute_dtype == "float32":
-            return view / scale + 0.0
+        """As compressed-tensors divides ``view`` (bf16, fp16 or float32) by its scale held in the
+        observed (compute) dtype: in their type promotion (a float32 input by a bf16 scale in
+        float32, a bf16 one in bf16), then adds its zero point (0), which makes -0.0 +0 (a tiny
+        negative value still rounds to -0)."""
         compute = getattr(torch, spec.compute_dtype)
-        return (view.to(compute) / scale.to(compute) + 0.0).float()
+        work = torch.promote_types(view.dtype, compute)
+        return (view.to(work) / scale.to(compute).to(work) + 0.0).float()
 
     def e8m0_scale(self, amax, spec):
         """compressed-tensors holds the scale in the observed dtype, and replaces one that
