@@ -35,7 +35,6 @@ from ._ops import op, register_fake, register_vmap
 from ._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, qparam_shape
 from ._qparams import QParams, compute_qparams
 from ._quant import _cap, _checked_zero_point, _codes_float, _dequantize_view
-from . import _formats
 from ._formats import store_codes
 from ._spec import QuantSpec
 from .experts import UncalibratedWarning
@@ -188,16 +187,6 @@ def _minmax_qparams(weight: torch.Tensor, spec: QuantSpec) -> QParams:
     return compute_qparams(observer.update(observer.init(weight), weight), spec)
 
 
-def _column_spec(spec: QuantSpec) -> QuantSpec:
-    """The spec the float32 running columns are quantized under: compressed-tensors divides
-    llm-compressor's float32 working weight by a bf16/fp16 scale in float32 (type promotion), so an
-    element format qstats scales itself (MXFP4, fp6/fp4) divides in float32 there too, as the
-    integer and fp8 codes do (they promote the column's dtype with the compute dtype)."""
-    if _formats.handles_codes(spec) and spec.compute_dtype != "float32":
-        return spec.replace(compute_dtype="float32")
-    return spec
-
-
 def _quantize_column(column, scale, zero_point, global_scale, spec):
     """``(fake-quantized values, float codes)`` of one weight column under per-row parameters: the
     codes `qstats.quantize` gives those values (a float format's -0 is +0 under compressed-tensors'
@@ -234,7 +223,7 @@ def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block
     the block's error over the following columns (section 3.4 of arXiv:2203.07259), in
     llm-compressor's order of float operations. Column ``j`` uses
     ``scale[..., index[j]]``; ``running`` (the group size) computes group parameters per block."""
-    columns, column_spec = weight.shape[-1], _column_spec(spec)
+    columns = weight.shape[-1]
     quantized, codes, found = [], [], []  # columns of the result; running group parameters
     rest = weight
     for start in range(0, columns, block_size):
@@ -246,7 +235,7 @@ def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block
         for i in range(stop - start):
             column = block[..., i]
             k = index[start + i]
-            q, code = _quantize_column(column, scale[..., k], zero_point[..., k], global_scale, column_spec)
+            q, code = _quantize_column(column, scale[..., k], zero_point[..., k], global_scale, spec)
             error = (column - q) / block_inverse[..., i, i, None]
             # in place on the local copy; the product rounded, then subtracted, as llm-compressor's
             # W1[:, :, i:] -= e * h
