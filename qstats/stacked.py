@@ -7,6 +7,7 @@ per-observer registration. `stacked_qparams` is ``torch.vmap`` of `compute_qpara
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -38,6 +39,19 @@ def _check_stacked_state(state, num_experts: int) -> None:
             )
 
 
+def _expert_count(num_experts) -> int:
+    """``num_experts`` as a Python int: any integer (``operator.index``: numpy ints, a one-element
+    integer tensor), not a bool; ValueError naming it otherwise."""
+    is_bool = isinstance(num_experts, bool) or (isinstance(num_experts, torch.Tensor) and num_experts.dtype == torch.bool)
+    try:
+        count = None if is_bool else operator.index(num_experts)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    return count
+
+
 def stacked_observer(observer: Observer, num_experts: int) -> Observer:
     """An observer of ``[E, ...]`` stacks built from an observer of one expert's tensor.
 
@@ -55,8 +69,7 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
     """
     if not isinstance(observer, Observer):
         raise TypeError(f"stacked_observer expects an Observer, got {type(observer).__name__}")
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    num_experts = _expert_count(num_experts)
     batched_init = torch.vmap(observer.init)
     update_with_weight = torch.vmap(observer.update)
     update_shared = torch.vmap(observer.update, in_dims=(0, None, 0))
