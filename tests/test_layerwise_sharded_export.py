@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 
 import pytest
@@ -93,6 +94,76 @@ def test_max_shard_size_shards_as_save_pretrained_and_loads_as_the_in_memory_exp
 
 def recipe_plan(model):
     return qstats.Recipe.from_scheme("W8A8", ignore=["lm_head"]).resolve(model)
+
+
+def _added(monkeypatch, module: str) -> dict:
+    """Records (as copies, in order) the tensors an export's ``module`` hands its shard writer: what
+    its `without_tied_copies` returns, once for the in-memory export and once per layer layer by layer."""
+    seen: dict = {}
+    original = sys.modules[module].without_tied_copies
+
+    def spy(model, tensors):
+        kept = original(model, tensors)
+        seen.update((name, tensor.detach().to("cpu", copy=True)) for name, tensor in kept.items())
+        return kept
+
+    monkeypatch.setattr(sys.modules[module], "without_tied_copies", spy)
+    return seen
+
+
+def _check_against_huggingface_hub(folder, added: dict, size) -> None:
+    """The files and index of ``folder`` are those huggingface_hub's split (save_pretrained's) gives
+    the tensors in the order the export added them."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(added, max_shard_size=size)
+    files = sorted(name for name in os.listdir(folder) if "safetensors" in name and "index" not in name)
+    assert files == sorted(split.filename_to_tensors)
+    if not split.is_sharded:
+        assert files == ["model.safetensors"] and not (folder / "model.safetensors.index.json").exists()
+        return
+    with open(folder / "model.safetensors.index.json") as file:
+        index = json.load(file)
+    assert index["weight_map"] == split.tensor_to_filename
+    assert index["metadata"]["total_size"] == split.metadata["total_size"]
+    for name, names in split.filename_to_tensors.items():
+        assert sorted(load_file(str(folder / name))) == sorted(names)
+
+
+@pytest.mark.parametrize("size", ["100KB", 20_000, 10**9])  # 20 kB: the embeddings get shards of their own
+def test_both_exports_shard_as_huggingface_hub_splits_the_tensors_they_add(llama, calibrated, tmp_path,
+                                                                            monkeypatch, size):
+    model, plan, qparams = calibrated
+    held = _held_between_layers(monkeypatch)
+    added_layerwise = _added(monkeypatch, "qstats.export.layerwise")
+    added_whole = _added(monkeypatch, "qstats.export.checkpoint")
+    qstats.export.compressed_tensors_layerwise(model, llama, qparams, str(tmp_path / "layerwise"), plan,
+                                               max_shard_size=size, progress=False)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(llama).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qstats.export.compressed_tensors(loaded, qparams, str(tmp_path / "whole"), recipe_plan(loaded),
+                                         max_shard_size=size)
+    # the same tensors in different orders (the in-memory export puts quantized modules first): each
+    # export is checked on its own order
+    assert sorted(added_layerwise) == sorted(added_whole) and list(added_layerwise) != list(added_whole)
+    _check_against_huggingface_hub(tmp_path / "layerwise", added_layerwise, size)
+    _check_against_huggingface_hub(tmp_path / "whole", added_whole, size)
+    assert len(held) == 4 and max(held) <= {"100KB": 100_000}.get(size, size)  # one open shard at most
+
+
+def _held_between_layers(monkeypatch) -> list:
+    """The bytes the layer-by-layer export keeps from one part (layer) to the next."""
+    shards = sys.modules["qstats.export.layerwise"]._Shards
+    held: list = []
+    original = shards.add
+
+    def add(self, tensors):
+        original(self, tensors)
+        held.append(sum(tensor.numel() * tensor.element_size() for tensor in self.open.values()))
+
+    monkeypatch.setattr(shards, "add", add)
+    return held
 
 
 def test_a_max_shard_size_holding_everything_writes_one_model_safetensors(llama, calibrated, tmp_path):

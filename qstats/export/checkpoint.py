@@ -89,9 +89,20 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def shard_name(number: int, count: int) -> str:
-    """``save_pretrained``'s name of shard ``number`` (from 1) of ``count``."""
-    return f"model-{number:05d}-of-{count:05d}.safetensors"
+def shard_names(count: int, single: bool = True) -> list:
+    """``save_pretrained``'s file names of ``count`` shards: ``model.safetensors`` for one (``single``),
+    else ``model-0000i-of-0000n.safetensors``."""
+    if count == 1 and single:
+        return ["model.safetensors"]
+    return [f"model-{number:05d}-of-{count:05d}.safetensors" for number in range(1, count + 1)]
+
+
+def write_shard_index(path: str, names: list, shards: list) -> None:
+    """The index of ``shards`` (``{tensor name: bytes}`` each) written as files ``names``, with their
+    ``total_size``; none for one file."""
+    if len(names) > 1:
+        weight_map = {tensor: name for name, shard in zip(names, shards) for tensor in shard}
+        write_index(path, weight_map, sum(sum(shard.values()) for shard in shards))
 
 
 def remove_shards(path: str, filenames: list) -> None:
@@ -124,41 +135,59 @@ def shard_bytes(max_shard_size, where: str = "export.compressed_tensors") -> Opt
     return size
 
 
-def split_shards(tensors: dict, max_bytes: int) -> list:
-    """``tensors`` split in order into shards of at most ``max_bytes``, as huggingface_hub's
-    ``split_torch_state_dict_into_shards`` (``save_pretrained``) splits them: a tensor larger than
-    ``max_bytes`` gets a shard of its own, and a shard is closed when the next tensor would overflow it."""
-    shards: list = []
-    current: dict = {}
-    size = 0
+class ShardSplitter:
+    """Tensors put in order into shards of at most ``max_bytes`` (None: no limit), as huggingface_hub's
+    ``split_torch_state_dict_into_shards`` (``save_pretrained``) splits a state dict: a tensor larger
+    than ``max_bytes`` gets a shard of its own, and the open shard is closed when the next tensor would
+    overflow it. It keeps names and sizes only: the writer keeps the tensors of the shards not closed."""
+
+    def __init__(self, max_bytes: Optional[int]):
+        self.max_bytes = max_bytes
+        self.shards: list = []  # {name: bytes} of each shard closed, in order
+        self.open: dict = {}  # {name: bytes} of the shard being filled
+        self.open_bytes = 0
+
+    def add(self, name: str, nbytes: int) -> list:
+        """Puts tensor ``name`` of ``nbytes`` into a shard; returns the shards this closes (none or one)."""
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            self.shards.append({name: nbytes})  # before the open one
+            return [self.shards[-1]]
+        closed = []
+        if self.open and self.max_bytes is not None and self.open_bytes + nbytes > self.max_bytes:
+            closed.append(self.close())
+        self.open[name] = nbytes
+        self.open_bytes += nbytes
+        return closed
+
+    def close(self) -> dict:
+        """Closes the open shard (an empty one too) and returns it."""
+        self.shards.append(self.open)
+        self.open, self.open_bytes = {}, 0
+        return self.shards[-1]
+
+    def finish(self) -> Optional[dict]:
+        """The last shard closed (the open one, or an empty one when there is no shard), or None."""
+        return self.close() if self.open or not self.shards else None
+
+
+def split_shards(tensors: dict, max_bytes: Optional[int]) -> list:
+    """``{name: bytes}`` of each shard of ``tensors`` split in order by a `ShardSplitter`."""
+    splitter = ShardSplitter(max_bytes)
     for name, tensor in tensors.items():
-        nbytes = tensor_bytes(tensor)
-        if nbytes > max_bytes:
-            shards.append({name: tensor})
-            continue
-        if current and size + nbytes > max_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = tensor
-        size += nbytes
-    if current or not shards:
-        shards.append(current)
-    return shards
+        splitter.add(name, tensor_bytes(tensor))
+    splitter.finish()
+    return splitter.shards
 
 
-def _write_shards(path: str, tensors: dict, shard_bytes: Optional[int]) -> None:
-    """``path/model.safetensors``, or (``shard_bytes`` given and exceeded) numbered shards and their
+def _write_shards(path: str, tensors: dict, max_bytes: Optional[int]) -> None:
+    """``path/model.safetensors``, or (``max_bytes`` given and exceeded) numbered shards and their
     index, as ``save_pretrained`` names them; shards of a failed write are removed."""
-    shards = [tensors] if shard_bytes is None else split_shards(tensors, shard_bytes)
-    if len(shards) == 1:
-        write_tensors(path, tensors, "model.safetensors")
-        return
-    names = [shard_name(number, len(shards)) for number in range(1, len(shards) + 1)]
+    shards = split_shards(tensors, max_bytes)
+    names = shard_names(len(shards))
     try:
         for filename, shard in zip(names, shards):
-            write_tensors(path, shard, filename)
-        weight_map = {name: filename for filename, shard in zip(names, shards) for name in shard}
-        write_index(path, weight_map, sum(tensor_bytes(tensor) for tensor in tensors.values()))
+            write_tensors(path, {name: tensors[name] for name in shard}, filename)
+        write_shard_index(path, names, shards)
     except BaseException:  # no partial checkpoint
         remove_shards(path, names)
         raise

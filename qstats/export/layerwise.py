@@ -13,8 +13,8 @@ from tqdm.auto import tqdm
 
 from .._lazy_checkpoint import LazyCheckpoint, Overlay, check_covers, load_modules, release_modules
 from ..layerwise import check_on_meta, decoder_layers, inside, outer_paths
-from .checkpoint import (Writer, _check_arguments, check_new_folder, remove_shards, shard_bytes, shard_name,
-                         tensor_bytes, without_tied_copies, write_config, write_index, write_tensors)
+from .checkpoint import (ShardSplitter, Writer, _check_arguments, check_new_folder, remove_shards, shard_bytes,
+                         shard_names, tensor_bytes, without_tied_copies, write_config, write_shard_index, write_tensors)
 
 __all__ = ["compressed_tensors_layerwise"]
 
@@ -31,50 +31,42 @@ def _parts(model: torch.nn.Module, layers: Optional[str]) -> list:
 
 class _Shards:
     """The shards of one export, written as the parts come (`add`) under temporary names, named as
-    ``save_pretrained`` names them once their count is known (`close`). Without ``max_bytes`` each part
-    is a shard; with it the tensors are split in order as ``save_pretrained(max_shard_size=)`` splits
-    them (`checkpoint.split_shards`), the open shard's tensors kept (copied) between parts."""
+    ``save_pretrained`` names them once their count is known (`close`). A `checkpoint.ShardSplitter`
+    splits the tensors (as `compressed_tensors` does); without ``max_bytes`` each part is a shard. Only
+    the open shard's tensors are kept (copied) from one part to the next."""
 
     def __init__(self, path: str, max_bytes: Optional[int]):
         self.path, self.max_bytes = path, max_bytes
+        self.splitter = ShardSplitter(max_bytes)
         self.files: list = []  # every file written (temporary names, then final ones): removed on failure
-        self.shards: list = []  # {name: bytes} of each shard written
-        self.open: dict = {}
-        self.open_bytes = 0
+        self.open: dict = {}  # copies of the open shard's tensors of earlier parts
 
     def add(self, tensors: dict) -> None:
-        if self.max_bytes is None:
-            return self._write(tensors)
+        """Writes the shards that one part's ``tensors`` close, and copies those left in the open shard."""
         for name, tensor in tensors.items():
-            size = tensor_bytes(tensor)
-            if size > self.max_bytes:  # a shard of its own, before the open one (as split_shards)
-                self._write({name: tensor})
-                continue
-            if self.open and self.open_bytes + size > self.max_bytes:
-                self._write(self.open)
-                self.open, self.open_bytes = {}, 0
-            self.open[name] = tensor.detach().to("cpu", copy=True)  # not a view holding the loaded layer
-            self.open_bytes += size
+            for shard in self.splitter.add(name, tensor_bytes(tensor)):
+                self._write(shard, tensors)
+        if self.max_bytes is None:
+            self._write(self.splitter.close(), tensors)
+        for name in self.splitter.open.keys() - self.open.keys():  # not a view holding the loaded layer
+            self.open[name] = tensors[name].detach().to("cpu", copy=True)
 
-    def _write(self, tensors: dict) -> None:
-        self.files.append(f"model-{len(self.shards) + 1:05d}.safetensors.partial")
+    def _write(self, shard: dict, part: dict) -> None:
+        tensors = {name: self.open.pop(name) if name in self.open else part[name] for name in shard}
+        self.files.append(f"model-{len(self.splitter.shards):05d}.safetensors.partial")
         write_tensors(self.path, tensors, self.files[-1])
-        self.shards.append({name: tensor_bytes(tensor) for name, tensor in tensors.items()})
 
     def close(self) -> None:
         """The open shard written; the files renamed: ``model.safetensors`` when ``max_bytes`` leaves
         one, else ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``."""
-        if self.open or not self.shards:
-            self._write(self.open)
-        names = [shard_name(number, len(self.shards)) for number in range(1, len(self.shards) + 1)]
-        if self.max_bytes is not None and len(self.shards) == 1:
-            names = ["model.safetensors"]
+        last = self.splitter.finish()
+        if last is not None:
+            self._write(last, {})
+        names = shard_names(len(self.splitter.shards), single=self.max_bytes is not None)
         for partial, name in zip(list(self.files), names):
             os.replace(os.path.join(self.path, partial), os.path.join(self.path, name))
             self.files.append(name)
-        if len(names) > 1:
-            weight_map = {tensor: name for name, shard in zip(names, self.shards) for tensor in shard}
-            write_index(self.path, weight_map, sum(sum(shard.values()) for shard in self.shards))
+        write_shard_index(self.path, names, self.splitter.shards)
 
 
 def _part_tensors(model: torch.nn.Module, source, writer: Writer, part: tuple, shards: _Shards) -> None:
