@@ -71,9 +71,7 @@ def recipe_fields(Rule, data: Mapping) -> tuple:
         unknown = set(rule) - set(_RULE_KEYS)
         if unknown:
             raise ValueError(f"Recipe.from_dict: rules[{index}] has unknown keys {sorted(unknown)}; known: {_RULE_KEYS}")
-        fields = dict(rule)
-        if isinstance(fields.get("sites"), list):
-            fields["sites"] = tuple(fields["sites"])
+        fields = dict(rule)  # Rule takes sites and targets as lists too
         try:  # a wrong spec names its rule too
             if "spec" in fields:
                 fields["spec"] = spec_from_data(fields["spec"])

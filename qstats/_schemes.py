@@ -229,13 +229,20 @@ def _scheme_groups(scheme: Any, targets) -> list:
             raise ValueError(f"targets={targets!r} with a scheme mapping presets to their targets ({scheme!r}): "
                              "name each preset's targets in the mapping")
         return [preset_name_to_scheme(name, _list(names, f"the targets of {name}")) for name, names in scheme.items()]
-    fields = dict(scheme)
-    fields["targets"] = _list(targets if targets is not None else fields.get("targets", "Linear"), "targets")
-    try:  # refuses unknown fields, naming them
-        return [QuantizationScheme.model_validate(fields)]
+    targets = _list(scheme.get("targets", "Linear") if targets is None else targets, "targets")
+    return [_validated(scheme, targets, f"scheme {scheme!r} is neither a dict of QuantizationScheme fields nor a "
+                                        "mapping of preset names to targets")]
+
+
+def _validated(fields: Mapping, targets: list, what: str):
+    """The ``QuantizationScheme`` of ``fields`` with ``targets``; its ValueError (which names unknown
+    fields) prefixed with ``what``."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    try:
+        return QuantizationScheme.model_validate({**fields, "targets": targets})
     except ValueError as error:
-        raise ValueError(f"scheme {scheme!r} is neither a dict of QuantizationScheme fields nor a mapping of "
-                         f"preset names to targets: {error}") from None
+        raise ValueError(f"{what}: {error}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -532,7 +539,6 @@ def _config_group(name: Any, group: Any):
     ``["Linear"]`` when absent; an empty list targets nothing, as in compressed-tensors), or, as
     compressed-tensors' ``QuantizationConfig`` reads it, a preset name mapped to its targets
     (``{"W4A16": ["Linear"]}``)."""
-    from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.quant_scheme import is_preset_scheme, preset_name_to_scheme
 
     if isinstance(group, (list, tuple)) and isinstance(name, str) and is_preset_scheme(name):
@@ -542,10 +548,7 @@ def _config_group(name: Any, group: Any):
                         f"under a preset name, its targets), got {type(group).__name__}")
     targets = group.get("targets")
     targets = _list(["Linear"] if targets is None else targets, f"config_groups[{name!r}].targets")
-    try:  # refuses unknown fields, naming them
-        return QuantizationScheme.model_validate({**group, "targets": targets})
-    except ValueError as error:
-        raise ValueError(f"quantization config: config_groups[{name!r}]: {error}") from None
+    return _validated(group, targets, f"quantization config: config_groups[{name!r}]")
 
 
 def _warn_dropped_configs(config: Mapping) -> None:

@@ -76,6 +76,14 @@ def _matches(targets: tuple, path: str, module: Optional[torch.nn.Module]) -> bo
     return False
 
 
+def _ignore_hits(target: str, paths, classes) -> bool:
+    """Whether an ``ignore`` entry matches one of ``paths`` (``re:`` full match, or exact) or names
+    one of ``classes``."""
+    if target.startswith("re:"):
+        return any(re.fullmatch(target[3:], path) for path in paths)
+    return target in paths or target in classes
+
+
 def _unmatched_ignore(ignore: tuple, modules: dict) -> list:
     """The ``ignore`` entries that match no module of ``modules`` and no per-expert Linear name
     (`linearized_experts`, which compressed-tensors' ignore lists name)."""
@@ -84,16 +92,11 @@ def _unmatched_ignore(ignore: tuple, modules: dict) -> list:
     names = None
     unmatched = []
     for target in ignore:
-        if target.startswith("re:"):
-            hit = any(re.fullmatch(target[3:], path) for path in modules)
-        else:
-            hit = target in modules or target in classes
-        if not hit:
-            if names is None:
-                names = {name for path, module in modules.items() for name in linearized_experts(path, module)}
-            hit = (any(re.fullmatch(target[3:], name) for name in names) if target.startswith("re:")
-                   else target in names or (target == "Linear" and bool(names)))
-        if not hit:
+        if _ignore_hits(target, modules, classes):
+            continue
+        if names is None:
+            names = {name for path, module in modules.items() for name in linearized_experts(path, module)}
+        if not _ignore_hits(target, names, {"Linear"} if names else ()):  # per-expert Linears
             unmatched.append(target)
     return unmatched
 
@@ -546,10 +549,7 @@ class Recipe:
         """The first rule covering ``site`` of the module at ``path`` (None when none, or ignored)."""
         if _matches(self.ignore, path, module):
             return None
-        for rule in self.rules:
-            if site in rule.sites_on(path, module):
-                return rule
-        return None
+        return next((rule for rule in self.rules if site in rule.sites_on(path, module)), None)
 
     def resolve(self, model: torch.nn.Module) -> Plan:
         """The `Plan` of this recipe on ``model``: every observed site, the modules by path and
@@ -587,10 +587,10 @@ class Recipe:
 
     def _warn_unmatched(self, found: list, modules: dict, model: torch.nn.Module) -> None:
         # config groups whose q/k/v rule took attention modules: their other rules need not select any
-        takes_attention = [getattr(rule.matcher, "attention", False) for rule in self.rules]
-        attention = {_group_of(rule) for rule, sites, takes in zip(self.rules, found, takes_attention) if sites and takes}
-        for rule, sites, takes in zip(self.rules, found, takes_attention):
-            if takes or _group_of(rule) in attention:
+        attention = {_group_of(rule) for rule, sites in zip(self.rules, found)
+                     if sites and getattr(rule.matcher, "attention", False)}
+        for rule, sites in zip(self.rules, found):
+            if getattr(rule.matcher, "attention", False) or _group_of(rule) in attention:
                 continue  # a config group's q/k/v rule: its group need not name an attention module
             # a config group's rule that took stacked experts' sites (`GroupMatch.sites_on`) selects them
             unmatched = [] if sites and hasattr(rule.matcher, "sites_on") else [s for s in rule.sites if s not in sites]
