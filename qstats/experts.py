@@ -593,8 +593,7 @@ class ExpertInputCapture(TorchFunctionMode):
             x, found = _arg(args, kwargs, 0, "input"), self._sliced(_arg(args, kwargs, 1, "weight"))
             if found is None or not isinstance(x, torch.Tensor):
                 return None
-            put = _putting(args, kwargs, 0, "input", lambda rows: rows.reshape(x.shape))
-            return found[0], x.reshape(-1, x.shape[-1]), found[1], self._rows_tokens(x), put
+            return self._input_rows(args, kwargs, x, *found)
         if len(args) < 2 or not all(isinstance(t, torch.Tensor) for t in args[:2]):
             return None
         a, b = args[:2]
@@ -603,9 +602,7 @@ class ExpertInputCapture(TorchFunctionMode):
         if kind == _BMM and a.ndim == 3 and b.ndim == 3:
             if b in self._gathered:  # x [S, m, in] @ P[ids]
                 name, ids = self._gathered[b]
-                put = _putting(args, kwargs, 0, "input", lambda rows: rows.reshape(a.shape))
-                return (name, a.reshape(-1, a.shape[-1]), ids.repeat_interleave(a.shape[1]),
-                        self._rows_tokens(a, a.shape[1]), put)
+                return self._input_rows(args, kwargs, a, name, ids.repeat_interleave(a.shape[1]))
             if a in self._gathered:  # P[ids] @ x [S, in, m]
                 name, ids = self._gathered[a]
                 put = _putting(args, kwargs, 1, "mat2",
@@ -618,15 +615,20 @@ class ExpertInputCapture(TorchFunctionMode):
             if name is not None and a.ndim == 2 and isinstance(offs, torch.Tensor):  # row r: first e with r < offs[e]
                 positions = torch.arange(a.shape[0], device=offs.device, dtype=torch.int64)
                 ids = torch.searchsorted(offs.to(torch.int64).contiguous(), positions, right=True)
-                return name, a, ids, self._rows_tokens(a), _putting(args, kwargs, 0, "input", lambda rows: rows)
+                return self._input_rows(args, kwargs, a, name, ids)
         return None
+
+    def _input_rows(self, args: tuple, kwargs: dict, x: torch.Tensor, name: str, ids) -> tuple:
+        """`_expert_input` of a call whose first argument (``input``) ``x`` holds the rows
+        ``[..., in]`` multiplied by the weights of ``name``."""
+        put = _putting(args, kwargs, 0, "input", lambda rows: rows.reshape(x.shape))
+        return name, x.reshape(-1, x.shape[-1]), ids, self._rows_tokens(x), put
 
     def _matmul_input(self, args: tuple, kwargs: dict, a: torch.Tensor, b: torch.Tensor) -> Optional[tuple]:
         """`_expert_input` of ``x @ P[e]`` and ``P[e] @ x.T``."""
         found = self._sliced(b)
         if found is not None and a.ndim >= 1:  # x @ P[e]
-            put = _putting(args, kwargs, 0, "input", lambda rows: rows.reshape(a.shape))
-            return found[0], a.reshape(-1, a.shape[-1]), found[1], self._rows_tokens(a), put
+            return self._input_rows(args, kwargs, a, *found)
         found = self._sliced(a)
         if found is not None and b.ndim in (1, 2):  # P[e] @ x.T
             rows = b.reshape(1, -1) if b.ndim == 1 else b.transpose(0, 1)

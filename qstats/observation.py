@@ -324,7 +324,7 @@ class _RoutedInputSite(_RoutedSite):
             return
         tokens = x.detach().reshape(-1, x.shape[-1])
         # a call without routing (Llama 4's dense [E*T, H] rows) is refused with all_experts too
-        mask = routing_mask(args, kwargs or {}, self.found.num_experts, tokens.shape[0])
+        mask = routing_mask(args, kwargs, self.found.num_experts, tokens.shape[0])
         if mask is None:
             raise ValueError(
                 f"calibrate: cannot find the routing (an integer tensor [tokens, k] of selected experts) "
