@@ -12,19 +12,10 @@ batches (needs ``hypothesis``, as `qstats.testing.strategies` does).
 >>> testing.check_all(obs, lambda g: torch.randn(4, 8, generator=g))  # hypothesis-driven
 """
 
-from ._check_all import LAWS as LAWS
-from ._check_all import check_all as check_all
-from ._laws import DEFAULT_RTOL as DEFAULT_RTOL
-from ._laws import assert_states_equal as assert_states_equal
-from ._laws import check_associative as check_associative
-from ._laws import check_commutative as check_commutative
-from ._laws import check_compile as check_compile
-from ._laws import check_distributed as check_distributed
-from ._laws import check_homomorphism as check_homomorphism
-from ._laws import check_identity as check_identity
-from ._laws import check_purity as check_purity
-from ._laws import check_stability as check_stability
-from ._laws import check_vmap as check_vmap
+from ._check_all import LAWS, check_all
+from ._laws import (DEFAULT_RTOL, assert_states_equal, check_associative, check_commutative, check_compile,
+                    check_distributed, check_homomorphism, check_identity, check_purity, check_stability,
+                    check_vmap)
 
 __all__ = [
     "DEFAULT_RTOL",

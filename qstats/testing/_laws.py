@@ -69,10 +69,14 @@ def _approx_set(state: Any, approx_fields: Optional[Iterable[str]]) -> frozenset
     return frozenset(approx_fields)
 
 
-def _finite_magnitude(leaf: torch.Tensor) -> torch.Tensor:
-    """Largest finite ``|leaf|`` (float64; 0 for an empty or all non-finite leaf)."""
-    values = leaf.detach().double().abs()
-    return torch.where(torch.isfinite(values), values, 0).amax() if values.numel() else values.new_zeros(())
+def _finite_magnitude(terms: list) -> float:
+    """Largest finite ``|t|`` among the float tensors of ``terms`` (0 for none, empty or all non-finite)."""
+    magnitude = 0.0
+    for term in terms:
+        if isinstance(term, torch.Tensor) and term.is_floating_point() and term.numel():
+            values = term.detach().double().abs()
+            magnitude = max(magnitude, float(torch.where(torch.isfinite(values), values, 0).amax()))
+    return magnitude
 
 
 _APPROX_HINT = ("; if it holds a float sum, which rounds differently when the data is split, list it in the "
@@ -141,12 +145,9 @@ def assert_states_equal(
         if not isinstance(leaf, torch.Tensor):
             continue
         field_approx = _ALL_FLOAT in approx or path.rsplit(".", 1)[-1] in approx
-        magnitude = 0.0
-        if field_approx and leaf.is_floating_point():
-            for leaves in magnitude_leaves:
-                term = leaves.get(path)
-                if isinstance(term, torch.Tensor) and term.is_floating_point():
-                    magnitude = max(magnitude, float(_finite_magnitude(term)))
+        # only float sums compare to a tolerance that these magnitudes scale
+        terms = [leaves.get(path) for leaves in magnitude_leaves] if field_approx else []
+        magnitude = _finite_magnitude(terms)
         problem = _leaf_difference(leaf, other, field_approx, rtol, magnitude, hint)
         if problem is not None:
             raise AssertionError(f"{prefix}{path} {problem}\n  got:      {leaf}\n  expected: {other}")
@@ -273,8 +274,12 @@ def check_homomorphism(
       with ``accumulates=False``).
     """
     xs = _need(xs, 2, "check_homomorphism")
-    name = _name(obs)
     init = obs.init(xs[0])
+
+    def check(actual, expected, equation: str, magnitudes=(), approx=approx_fields):
+        assert_states_equal(actual, expected, approx_fields=approx, magnitudes=magnitudes,
+                            message=f"{_name(obs)}: homomorphism {equation}")
+
     # the states of single batches: the terms whose magnitudes scale the tolerance of float sums
     terms = [obs.update(init, x) for x in xs]
     if accumulates:
@@ -284,56 +289,41 @@ def check_homomorphism(
         for cuts in splits:
             bounds = [0, *sorted(set(int(c) for c in cuts if 0 < int(c) < len(xs))), len(xs)]
             folds = [_fold(obs, init, xs[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
-            merged = functools.reduce(obs.merge, folds)
-            assert_states_equal(
-                merged,
-                sequential,
-                approx_fields=approx_fields,
-                magnitudes=terms + folds,
-                message=f"{name}: homomorphism (merge of per-group states for split {list(cuts)} "
-                "vs sequential updates)",
-            )
+            check(functools.reduce(obs.merge, folds), sequential,
+                  f"(merge of per-group states for split {list(cuts)} vs sequential updates)", terms + folds)
     a, b = (xs[1], xs[2]) if len(xs) >= 3 else (xs[0], xs[1])
     seen = obs.update(init, xs[0])
     states = (("init", init), ("a state that has seen data", seen))
     dim = _concat_dim(obs, a, b, batch_dims)
     if dim is not None:
-        _check_concatenation(obs, a, b, dim, init, states, approx_fields, batch_dims)
+        _check_concatenation(obs, a, b, dim, init, states, check, batch_dims)
     # an observer keeping only the latest batch keeps a seen state's parameters that a batch leaves out
-    _check_weight_split(obs, a, init, states if accumulates else states[:1], approx_fields, batch_dims)
+    _check_weight_split(obs, a, init, states if accumulates else states[:1], check, batch_dims)
 
 
-def _check_concatenation(obs, a: torch.Tensor, b: torch.Tensor, dim: int, init, states, approx_fields,
-                         batch_dims: int = 0) -> None:
-    name = _name(obs)
+def _check_concatenation(obs, a: torch.Tensor, b: torch.Tensor, dim: int, init, states, check,
+                         batch_dims: int) -> None:
+    """`check_homomorphism`'s concatenation and row mask forms (``check``: its assertion)."""
     joined = torch.cat([a, b], dim)
     for label, state in states:
         left, right = obs.update(state, a), obs.update(init, b)
-        assert_states_equal(
-            obs.merge(left, right),
-            obs.update(state, joined),
-            approx_fields=approx_fields,
-            magnitudes=(state, left, right),
-            message=f"{name}: homomorphism update(s, cat(a, b)) == merge(update(s, a), update(init, b)) "
-            f"along dim {dim} with s = {label}",
-        )
+        check(obs.merge(left, right), obs.update(state, joined),
+              "update(s, cat(a, b)) == merge(update(s, a), update(init, b)) "
+              f"along dim {dim} with s = {label}",
+              (state, left, right))
     # at least one row kept and one left out; the same rows of every slice, so that they form a tensor
     mask = _row_mask(a, batch_dims, per_slice=False) if dim == batch_dims else None
     if mask is None:
         return
     kept = a.index_select(batch_dims, torch.arange(0, a.shape[batch_dims], 2, device=a.device))
     for label, state in states:
-        assert_states_equal(
-            obs.update(state, a, mask),
-            obs.update(state, kept),
-            approx_fields=approx_fields,
-            magnitudes=(state, obs.update(init, kept)),
-            message=f"{name}: homomorphism update(s, x, mask) == update(s, x[mask != 0]) (a 0/1 row weight "
-            f"leaves rows out) with s = {label}",
-        )
+        check(obs.update(state, a, mask), obs.update(state, kept),
+              "update(s, x, mask) == update(s, x[mask != 0]) (a 0/1 row weight "
+              f"leaves rows out) with s = {label}",
+              (state, obs.update(init, kept)))
 
 
-def _check_weight_split(obs, x: torch.Tensor, init, states, approx_fields, batch_dims: int = 0) -> None:
+def _check_weight_split(obs, x: torch.Tensor, init, states, check, batch_dims: int) -> None:
     """The weight forms that need no concatenation, so hold at every granularity (per channel, group
     or block too, where batches do not concatenate along the rows): a zero row weight observes
     nothing, ``update(init, x, 0) == init``; complementary 0/1 row weights split the rows,
@@ -341,23 +331,14 @@ def _check_weight_split(obs, x: torch.Tensor, init, states, approx_fields, batch
     mask = _row_mask(x, batch_dims)
     if mask is None:
         return
-    name = _name(obs)
-    assert_states_equal(
-        obs.update(init, x, torch.zeros_like(mask)),
-        init,
-        approx_fields=(),
-        message=f"{name}: homomorphism update(init, x, weight=0) == init (a zero row weight leaves every row out)",
-    )
+    check(obs.update(init, x, torch.zeros_like(mask)), init,
+          "update(init, x, weight=0) == init (a zero row weight leaves every row out)", approx=())
     for label, state in states:
         kept, left_out = obs.update(state, x, mask), obs.update(init, x, 1 - mask)
-        assert_states_equal(
-            obs.merge(kept, left_out),
-            obs.update(state, x),
-            approx_fields=approx_fields,
-            magnitudes=(state, kept, left_out),
-            message=f"{name}: homomorphism merge(update(s, x, w), update(init, x, 1 - w)) == update(s, x) "
-            f"(complementary 0/1 row weights split the rows) with s = {label}",
-        )
+        check(obs.merge(kept, left_out), obs.update(state, x),
+              "merge(update(s, x, w), update(init, x, 1 - w)) == update(s, x) "
+              f"(complementary 0/1 row weights split the rows) with s = {label}",
+              (state, kept, left_out))
 
 
 def _map_tensors(tree, fn):
@@ -399,10 +380,8 @@ def _overwrite(tensor: torch.Tensor) -> None:
     """Writes into every element of ``tensor`` (a value other than the one there)."""
     if tensor.is_floating_point() or tensor.is_complex():
         tensor.fill_(math.nan)
-    elif tensor.dtype == torch.bool:
-        tensor.logical_not_()
     else:
-        tensor.bitwise_not_()
+        tensor.bitwise_not_()  # of a bool: its logical not
 
 
 def _check_owns_its_state(obs, state, x: torch.Tensor, extra: tuple, same, with_weight: str) -> None:
@@ -470,34 +449,29 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
         same(qparams, qparams_of(merged), "compute_qparams gave different results twice")
 
 
-def _state_fields(state, path: str) -> list:
-    """``[(path, value), ...]`` of the fields of a NamedTuple state, nested NamedTuples walked: a
-    None or a container field has no leaf for `qtree.leaves_with_paths` to report, but is no tensor."""
-    out = []
+def _state_parts(state, path: str) -> tuple[list, list]:
+    """``([(path, class), ...], [(path, value), ...])``: the NamedTuple classes of a state (its own and
+    those nested in its fields) and its fields, nested NamedTuples walked: a None or a container field
+    has no leaf for `qtree.leaves_with_paths` to report, but is no tensor."""
+    classes, fields = [(path, type(state))], []
     for field, value in zip(state._fields, state):
         if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-            out.extend(_state_fields(value, f"{path}.{field}"))
+            inner_classes, inner_fields = _state_parts(value, f"{path}.{field}")
+            classes += inner_classes
+            fields += inner_fields
         else:
-            out.append((f"{path}.{field}", value))
-    return out
-
-
-def _state_classes(state, path: str) -> list:
-    """``[(path, class), ...]`` of a NamedTuple state and of the NamedTuples nested in its fields."""
-    out = [(path, type(state))]
-    for field, value in zip(state._fields, state):
-        if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-            out.extend(_state_classes(value, f"{path}.{field}"))
-    return out
+            fields.append((f"{path}.{field}", value))
+    return classes, fields
 
 
 def _check_state_leaves(state, name: str) -> None:
+    classes, fields = _state_parts(state, "state")
     # nested NamedTuples too: qstats.save and torch.load rebuild every one of them by name
-    for path, cls in _state_classes(state, "state"):
+    for path, cls in classes:
         if state_types().get(cls.__name__) is not cls:
             raise AssertionError(f"{name}: stability: state type {cls.__name__} (at {path}) is not registered; "
                                  "decorate it with qstats.register_state")
-    for path, leaf in _state_fields(state, "state"):
+    for path, leaf in fields:
         if not isinstance(leaf, torch.Tensor):
             raise AssertionError(f"{name}: stability: {path} is a {type(leaf).__name__}; states hold tensors only")
         if leaf.is_floating_point() and leaf.dtype not in (torch.float32, torch.float64):
@@ -556,8 +530,12 @@ def _check_slices(obs, xs: Sequence[torch.Tensor], states, weights: bool, approx
     rolling the slices of the inputs rolls those of ``update`` and ``merge`` (a slice whose data is
     dropped or observed differently shows), and the first slice's state does not depend on the other
     slices' data."""
-    name = _name(obs)
     x, other, state, seen = xs[0], xs[1], states[0], states[1]
+
+    def check(actual, expected, what: str, magnitudes=()):
+        assert_states_equal(actual, expected, approx_fields=approx_fields, magnitudes=magnitudes,
+                            message=f"{_name(obs)}: vmap over the batch dims: {what}")
+
     mask = _row_mask(x, batch_dims) if weights else None
     extra = () if mask is None else (mask,)
     with_weight = " (with a weight)" if extra else ""
@@ -569,56 +547,45 @@ def _check_slices(obs, xs: Sequence[torch.Tensor], states, weights: bool, approx
         def roll(tree, dim=dim):
             return _map_tensors(tree, lambda t: t.roll(1, dim))
 
-        assert_states_equal(
-            obs.update(roll(state), roll(x), *roll(extra)), roll(updated), approx_fields=approx_fields,
-            magnitudes=(state, updated),
-            message=f"{name}: vmap over the batch dims: update{with_weight} of slices rolled along dim {dim} "
-            "vs the rolled update (slices must be observed alike)",
-        )
-        assert_states_equal(
-            obs.merge(roll(state), roll(seen)), roll(merged), approx_fields=approx_fields,
-            magnitudes=(state, seen),
-            message=f"{name}: vmap over the batch dims: merge of slices rolled along dim {dim} vs the rolled merge",
-        )
-    first = (0,) * batch_dims
-    is_first = torch.zeros(x.shape[:batch_dims], dtype=torch.bool, device=x.device)
-    is_first[first] = True
-    mixed = torch.where(is_first.reshape(*is_first.shape, *(1,) * (x.ndim - batch_dims)), x, other)
-    assert_states_equal(
-        _map_tensors(obs.update(state, mixed, *extra), lambda t: t[first]),
-        _map_tensors(updated, lambda t: t[first]),
-        approx_fields=approx_fields,
-        message=f"{name}: vmap over the batch dims: the state of slice {first} depends on the data of other slices",
-    )
+        check(obs.update(roll(state), roll(x), *roll(extra)), roll(updated),
+              f"update{with_weight} of slices rolled along dim {dim} vs the rolled update (slices must be "
+              "observed alike)", (state, updated))
+        check(obs.merge(roll(state), roll(seen)), roll(merged),
+              f"merge of slices rolled along dim {dim} vs the rolled merge", (state, seen))
+    mixed = _first_slice_of(x, other, batch_dims)
+    _check_first_slice(check, obs.update(state, mixed, *extra), updated, batch_dims, "data")
     if mask is not None:
-        _check_slice_weights(obs, x, mask, approx_fields, batch_dims)
+        _check_slice_weights(obs, x, mask, check, batch_dims)
 
 
-def _check_slice_weights(obs, x: torch.Tensor, mask: torch.Tensor, approx_fields, batch_dims: int) -> None:
+def _first_slice_of(a: torch.Tensor, b: torch.Tensor, batch_dims: int) -> torch.Tensor:
+    """``a`` in the first of the slices indexed by the ``batch_dims`` leading dimensions, ``b`` in the
+    others."""
+    is_first = torch.zeros(a.shape[:batch_dims], dtype=torch.bool, device=a.device)
+    is_first[(0,) * batch_dims] = True
+    return torch.where(is_first.reshape(*is_first.shape, *(1,) * (a.ndim - batch_dims)), a, b)
+
+
+def _check_first_slice(check, actual, expected, batch_dims: int, what: str) -> None:
+    """The first slices of two states are equal (``check``: `_check_slices`'s assertion): that of
+    ``actual``, observed with the ``what`` of the other slices changed, does not depend on them."""
+    first = (0,) * batch_dims
+    check(_map_tensors(actual, lambda t: t[first]), _map_tensors(expected, lambda t: t[first]),
+          f"the state of slice {first} depends on the {what} of other slices")
+
+
+def _check_slice_weights(obs, x: torch.Tensor, mask: torch.Tensor, check, batch_dims: int) -> None:
     """Each slice is observed under its own row weight (the other slices' weights never reach it), and
     a stride-0 stack of one slice (``x[0].expand(E, ...)``, tokens shared by every expert) is observed
     as its materialized copy."""
-    name = _name(obs)
     state = obs.init(x)  # from init: a state that has seen x would hide the weight of min/max observers
     updated = obs.update(state, x, mask)
-    first = (0,) * batch_dims
-    is_first = torch.zeros(mask.shape[:batch_dims], dtype=torch.bool, device=mask.device)
-    is_first[first] = True
-    mixed = torch.where(is_first.reshape(*is_first.shape, 1), mask, 1 - mask)
-    assert_states_equal(
-        _map_tensors(obs.update(state, x, mixed), lambda t: t[first]),
-        _map_tensors(updated, lambda t: t[first]),
-        approx_fields=approx_fields,
-        message=f"{name}: vmap over the batch dims: the state of slice {first} depends on the weights of other slices",
-    )
-    shared = x[first].expand(x.shape)
-    assert_states_equal(
-        obs.update(state, shared, mask),
-        obs.update(state, shared.contiguous(), mask),
-        approx_fields=approx_fields,
-        message=f"{name}: vmap over the batch dims: update (with a weight) of a stride-0 stack of one slice "
-        "(x[0].expand(...), rows shared by every slice) vs its contiguous copy",
-    )
+    mixed = _first_slice_of(mask, 1 - mask, batch_dims)
+    _check_first_slice(check, obs.update(state, x, mixed), updated, batch_dims, "weights")
+    shared = x[(0,) * batch_dims].expand(x.shape)
+    check(obs.update(state, shared, mask), obs.update(state, shared.contiguous(), mask),
+          "update (with a weight) of a stride-0 stack of one slice (x[0].expand(...), rows shared by every "
+          "slice) vs its contiguous copy")
 
 
 def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_fields=None,
