@@ -223,3 +223,38 @@ def llm_compressor_imatrix_mse(fields: dict, layer, xs, **observer_kwargs):
     qp = observer.get_qparams()
     observer.detach(layer)
     return args, qp["scale"], qp["zero_point"]
+
+
+class TiedExperts(torch.nn.Module):
+    """SwiGLU experts over stacks made by ``expand`` (stride 0; ``own_copies``: contiguous copies), called
+    as transformers' fused experts."""
+
+    def __init__(self, num_experts, own_copies=False, hidden=8, intermediate=4):
+        super().__init__()
+        self.num_experts = num_experts
+        g = torch.Generator().manual_seed(1)
+        up = torch.randn(2 * intermediate, hidden, generator=g).expand(num_experts, 2 * intermediate, hidden)
+        down = torch.randn(hidden, intermediate, generator=g).expand(num_experts, hidden, intermediate)
+        self.gate_up_proj = torch.nn.Parameter(up.contiguous() if own_copies else up)
+        self.down_proj = torch.nn.Parameter(down.contiguous() if own_copies else down)
+
+    def intermediate(self, x, expert):
+        gate, up = torch.nn.functional.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.num_experts):
+            token, slot = torch.where(top_k_index == expert)
+            rows = torch.nn.functional.linear(self.intermediate(hidden_states[token], expert), self.down_proj[expert])
+            out = out.index_add(0, token, rows * top_k_weights[token, slot, None])
+        return out
+
+
+class ExpertsLayer(torch.nn.Module):
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, index, weights):
+        return self.experts(x, index, weights)

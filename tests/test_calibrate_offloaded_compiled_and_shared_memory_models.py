@@ -15,7 +15,7 @@ from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObser
 import qstats
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _shared import qwen3_moe_config  # noqa: E402
+from _shared import ExpertsLayer, TiedExperts, qwen3_moe_config  # noqa: E402
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -93,56 +93,22 @@ def test_offloaded_or_unloaded_weights_are_refused_by_name():
         qstats.calibrate(empty, [], recipe, progress=False)
 
 
-class _TiedExperts(torch.nn.Module):
-    """SwiGLU experts over stacks made by ``expand`` (stride 0), called as transformers' fused experts."""
-
-    def __init__(self, num_experts, own_copies=False, hidden=8, intermediate=4):
-        super().__init__()
-        self.num_experts = num_experts
-        g = torch.Generator().manual_seed(1)
-        up = torch.randn(2 * intermediate, hidden, generator=g).expand(num_experts, 2 * intermediate, hidden)
-        down = torch.randn(hidden, intermediate, generator=g).expand(num_experts, hidden, intermediate)
-        self.gate_up_proj = torch.nn.Parameter(up.contiguous() if own_copies else up)
-        self.down_proj = torch.nn.Parameter(down.contiguous() if own_copies else down)
-
-    def intermediate(self, x, expert):
-        gate, up = torch.nn.functional.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
-        for expert in range(self.num_experts):
-            token, slot = torch.where(top_k_index == expert)
-            rows = torch.nn.functional.linear(self.intermediate(hidden_states[token], expert), self.down_proj[expert])
-            out = out.index_add(0, token, rows * top_k_weights[token, slot, None])
-        return out
-
-
-class _Layer(torch.nn.Module):
-    def __init__(self, experts):
-        super().__init__()
-        self.experts = experts
-
-    def forward(self, x, index, weights):
-        return self.experts(x, index, weights)
-
-
 def test_expanded_experts_errors_name_the_shared_memory_and_a_copy_calibrates():
     # the error said only "no per-expert matmul ... was found", hiding that the experts share memory
     x = torch.randn(10, 8, generator=torch.Generator().manual_seed(2))
     batch = (x, torch.arange(10).remainder(3).reshape(10, 1), torch.ones(10, 1))
     shared = r"the experts of \[.*'down_proj'\] share one memory \(stride 0"
-    recipe = qstats.Recipe([qstats.Rule("_TiedExperts", sites=("down_proj.input",), spec=qstats.QuantSpec())])
+    recipe = qstats.Recipe([qstats.Rule("TiedExperts", sites=("down_proj.input",), spec=qstats.QuantSpec())])
     with pytest.raises(ValueError, match=r"calibrate: site 'down_proj.input' .*" + shared):
-        qstats.calibrate(_Layer(_TiedExperts(3)), [batch], recipe, progress=False)
-    inputs = qstats.Recipe([qstats.Rule("_TiedExperts", sites=("input",), spec=qstats.QuantSpec())])
-    tied = _Layer(_TiedExperts(3))
+        qstats.calibrate(ExpertsLayer(TiedExperts(3)), [batch], recipe, progress=False)
+    inputs = qstats.Recipe([qstats.Rule("TiedExperts", sites=("input",), spec=qstats.QuantSpec())])
+    tied = ExpertsLayer(TiedExperts(3))
     qparams = qstats.compute_qparams_tree(qstats.calibrate(tied, [batch], inputs, progress=False), inputs, tied)
     with pytest.raises(ValueError, match=r"fake_quantized: site\(s\) \['input'\] .*" + shared):
         with qstats.fake_quantized(tied, qparams, inputs):
             tied(*batch)
     # the fix the message gives: each expert its own copy; states against plain torch per expert
-    own = _Layer(_TiedExperts(3, own_copies=True))
+    own = ExpertsLayer(TiedExperts(3, own_copies=True))
     state = qstats.calibrate(own, [batch], recipe, progress=False)["experts"]["down_proj.input"]
     with torch.no_grad():
         for expert in range(3):

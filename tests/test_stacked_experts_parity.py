@@ -15,6 +15,8 @@ import torch
 import qstats
 from qstats import tree
 
+from _shared import ExpertsLayer, TiedExperts
+
 E = 4
 
 
@@ -92,48 +94,14 @@ def test_capture_of_a_stack_whose_experts_share_one_memory():
     assert rows.shape == (5, 4) and ids.tolist() == [0] * 5
 
 
-class _TiedExperts(torch.nn.Module):
-    """SwiGLU experts over stacks made by ``expand`` (stride 0), called as transformers' fused experts."""
-
-    def __init__(self, num_experts, hidden=8, intermediate=4):
-        super().__init__()
-        self.num_experts = num_experts
-        g = torch.Generator().manual_seed(1)
-        up = torch.randn(2 * intermediate, hidden, generator=g)
-        down = torch.randn(hidden, intermediate, generator=g)
-        self.gate_up_proj = torch.nn.Parameter(up.expand(num_experts, *up.shape))
-        self.down_proj = torch.nn.Parameter(down.expand(num_experts, *down.shape))
-
-    def intermediate(self, x, expert):
-        gate, up = torch.nn.functional.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
-        for expert in range(self.num_experts):
-            token, slot = torch.where(top_k_index == expert)
-            rows = torch.nn.functional.linear(self.intermediate(hidden_states[token], expert), self.down_proj[expert])
-            out = out.index_add(0, token, rows * top_k_weights[token, slot, None])
-        return out
-
-
-class _Layer(torch.nn.Module):
-    def __init__(self, experts):
-        super().__init__()
-        self.experts = experts
-
-    def forward(self, x, index, weights):
-        return self.experts(x, index, weights)
-
-
 def test_calibrate_expanded_experts_names_the_module_or_observes_the_one_expert():
     # three experts sharing one memory: calibrate used to fail with ZeroDivisionError from the capture
     x = torch.randn(10, 8, generator=torch.Generator().manual_seed(2))
-    recipe = qstats.Recipe([qstats.Rule("_TiedExperts", sites=("down_proj.input",), spec=qstats.QuantSpec())])
+    recipe = qstats.Recipe([qstats.Rule("TiedExperts", sites=("down_proj.input",), spec=qstats.QuantSpec())])
     index, weights = torch.arange(10).remainder(3).reshape(10, 1), torch.ones(10, 1)
     with pytest.raises(ValueError, match=r"'down_proj.input' of the experts module 'experts'"):
-        qstats.calibrate(_Layer(_TiedExperts(3)), [(x, index, weights)], recipe, progress=False)
-    one = _Layer(_TiedExperts(1))  # against the intermediate computed in plain torch
+        qstats.calibrate(ExpertsLayer(TiedExperts(3)), [(x, index, weights)], recipe, progress=False)
+    one = ExpertsLayer(TiedExperts(1))  # against the intermediate computed in plain torch
     states = qstats.calibrate(one, [(x, torch.zeros_like(index), weights)], recipe, progress=False)
     with torch.no_grad():
         rows = one.experts.intermediate(x, 0)
