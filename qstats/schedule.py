@@ -39,7 +39,7 @@ def _check_step_number(name: str, value) -> None:
 @dataclasses.dataclass(frozen=True)
 class QATSchedule:
     """Milestones of quantization-aware training (steps at which each phase starts; the first three
-    non-decreasing, ``freeze_ranges_at`` after ``observe_at``, freezing batch norm at any step).
+    non-decreasing, freezing batch norm at any step).
 
     Args:
       observe_at: first step that updates observer states.
@@ -78,11 +78,6 @@ class QATSchedule:
                 raise ValueError(
                     f"QATSchedule.freeze_ranges_at ({self.freeze_ranges_at}) must not come before "
                     f"fake_quantize_at ({self.fake_quantize_at})"
-                )
-            if self.freeze_ranges_at <= self.observe_at:  # no observing step: ranges never calibrated
-                raise ValueError(
-                    f"QATSchedule.freeze_ranges_at ({self.freeze_ranges_at}) must come after observe_at "
-                    f"({self.observe_at}): at least one step must observe before the ranges freeze"
                 )
         if self.freeze_batchnorm_at is not None:  # independent of the others, as in coremltools
             _check_step_number("freeze_batchnorm_at", self.freeze_batchnorm_at)
