@@ -222,6 +222,9 @@ def all_experts_calls(args: tuple, kwargs: dict, num_experts: int, tokens: int) 
     index, weights = _routing_tensors(args, kwargs, tokens)
     if index is None:
         return None
+    if index.shape[1] == 0:
+        raise ValueError("all_experts: the experts module's routing index has no slot per token (top-k 0), so no "
+                         "call of it can route tokens to an expert")
     calls = []
     for first in range(0, num_experts, index.shape[1]):
         experts = torch.arange(first, min(first + index.shape[1], num_experts), device=index.device)

@@ -14,6 +14,7 @@ import os
 import zlib
 from typing import Any
 
+import optree
 import safetensors.torch
 import torch
 from safetensors import SafetensorError, safe_open
@@ -294,7 +295,12 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
     Raises:
       ValueError: a corrupt, truncated, foreign or unknown-version file, a missing tensor, a checksum
         mismatch or an unknown state type (the message says which).
+      TypeError: ``device`` is no device (``None``, a ``map_location`` dict), before the file is read.
     """
+    try:  # before the file is read: torch.device(None) is a TypeError
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as error:
+        raise TypeError(f"qstats.io.load: device must be a torch.device or its name, got {device!r} ({error})") from None
     source = os.fspath(path)
     try:
         with safe_open(source, framework="pt", device="cpu") as handle:
@@ -328,8 +334,6 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
         if _checksum(tensor) != expected:
             raise ValueError(f"qstats.io: {source} is corrupt: tensor {key!r} fails its checksum")
     tree = _rebuild(metadata["structure"], tensors, source)
-    if torch.device(device).type != "cpu":
-        import optree
-
+    if device.type != "cpu":
         tree = optree.tree_map(lambda t: t.to(device), tree)
     return tree

@@ -552,3 +552,15 @@ def test_every_expert_of_transformers_moe_architectures_observes_what_its_router
                 if expected.numel():
                     torch.testing.assert_close(state.min_val[expert], expected.min(), rtol=1e-5, atol=1e-6)
                     torch.testing.assert_close(state.max_val[expert], expected.max(), rtol=1e-5, atol=1e-6)
+
+
+def test_all_experts_calls_cover_every_expert_and_name_a_routing_without_slots():
+    """ceil(E / k) calls route every token to every expert once; a top-k of 0 (an index [tokens, 0])
+    raised Python's range() error."""
+    x = torch.randn(5, 4)
+    calls = qstats.experts.all_experts_calls((x, torch.zeros(5, 3, dtype=torch.long), torch.zeros(5, 3)), {}, 7, 5)
+    routed = torch.cat([args[1] for args, _ in calls], dim=1)
+    assert len(calls) == 3 and all(sorted(row.tolist()) == list(range(7)) for row in routed)
+    assert all(torch.equal(args[2], torch.ones_like(args[1], dtype=torch.float32)) for args, _ in calls)
+    with pytest.raises(ValueError, match="routing index has no slot per token"):
+        qstats.experts.all_experts_calls((x, torch.zeros(5, 0, dtype=torch.long), torch.zeros(5, 0)), {}, 7, 5)

@@ -432,3 +432,17 @@ def test_a_torch_save_file_is_named_as_such(tmp_path):
     with pytest.raises(ValueError, match=r"states\.pt.*torch\.save file"):
         qstats.load(path)
     assert torch.equal(qio.from_state_dict(torch.load(path))["a"], torch.ones(2))
+
+
+@pytest.mark.parametrize("device", [None, {"cuda:0": "cpu"}, "not-a-device"])
+def test_load_names_a_bad_device_before_reading_the_file(tmp_path, device):
+    """torch.device(None) was a TypeError from deep in load, after the whole file was read: the
+    check now runs first (a missing file is not even opened)."""
+    with pytest.raises(TypeError, match=r"qstats.io.load: device must be a torch.device or its name"):
+        qstats.load(tmp_path / "absent.safetensors", device=device)
+    obs = qstats.minmax(qstats.QuantSpec())
+    x = torch.tensor([-1.0, 3.0])
+    qstats.save(tmp_path / "s.safetensors", {"a": obs.update(obs.init(x), x)})
+    loaded = qstats.load(tmp_path / "s.safetensors", device=torch.device("cpu"))["a"]
+    assert loaded.min_val.item() == -1.0 and loaded.max_val.item() == 3.0
+    assert qstats.load(tmp_path / "s.safetensors", device="meta")["a"].max_val.device.type == "meta"
