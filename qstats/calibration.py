@@ -19,11 +19,11 @@ from ._granularity import PerGroup, PerRow, PerToken, TensorGroup
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams
 from ._quant import fake_quantize, fake_quantize_passing
 from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
-from .experts import own_parameters, rows_by_expert, stacked_qparams
+from .experts import rows_by_expert, stacked_qparams
 from .fused import fused_amax
 from .observers import memoryless_minmax
 from .observation import (ExpertCallHooks, Observing, capture_call, check_runtime_group, observing, raise_renamed,
-                          stop_capture, unrecognisable_slices_cause)
+                          stop_capture, unrecognised_sites_error)
 from .recipe import Plan, Recipe, as_plan
 from ._warn import warn
 
@@ -507,13 +507,8 @@ class _ExpertInputs(ExpertCallHooks):
         stop_capture(capture, hooks)
         missing = sorted(set(self.sites) - applied)
         if output is not None and ran and missing:
-            stacked = [name for name, p in own_parameters(module).items() if p.ndim >= 3]
-            raise ValueError(
-                f"fake_quantized: site(s) {missing} of the experts module {self.path!r} ({type(module).__name__}): "
-                "no per-expert matmul taking that input was found in its forward (recognised calls: "
-                "qstats.experts.ExpertInputCapture; \"input\": rows traced to the module's input tokens)"
-                + unrecognisable_slices_cause(module, stacked)
-            )
+            recognised = "qstats.experts.ExpertInputCapture; \"input\": rows traced to the module's input tokens"
+            raise unrecognised_sites_error("fake_quantized", missing, self.path, module, recognised)
 
     def quantize(self, applied: set, name: str, rows: torch.Tensor, ids, traced: bool) -> torch.Tensor:
         """The rows of a matmul with ``name``: under ``"input"`` where they are the module's input

@@ -462,6 +462,19 @@ class _ExpertSites(ExpertCallHooks):
         return out
 
 
+def unrecognised_sites_error(caller: str, missing: list, path: str, module: torch.nn.Module,
+                             recognised: str) -> ValueError:
+    """The ValueError of ``caller`` (`fake_quantized`, `report`) for input sites ``missing`` of the
+    experts module at ``path`` whose per-expert matmul its forward did not make recognisably, with
+    the cause where the stacked parameters' layout rules every form out (`unrecognisable_slices_cause`)."""
+    stacked = [name for name, p in own_parameters(module).items() if p.ndim >= 3]
+    return ValueError(
+        f"{caller}: site(s) {missing} of the experts module {path!r} ({type(module).__name__}): no per-expert "
+        f"matmul taking that input was found in its forward (recognised calls: {recognised})"
+        + unrecognisable_slices_cause(module, stacked)
+    )
+
+
 def unrecognisable_slices_cause(module: torch.nn.Module, names) -> str:
     """``"; the cause: ..."`` when no per-expert matmul with the stacked parameters ``names`` of
     ``module`` can be recognised whatever its forward does: several experts in one memory (stride 0

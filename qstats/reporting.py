@@ -24,9 +24,9 @@ from ._qparams import QParams, experts_qparams
 from ._quant import _codes_float, fake_quantize
 from ._sites import observe_tensor, run_model
 from .calibration import batch_weight, check_batches, runtime_qparams, runtime_spec, warn_training_mode
-from .experts import own_parameters, rows_by_expert
+from .experts import rows_by_expert
 from .observation import (ExpertCallHooks, capture_call, kept_rows, parameter_value, stop_capture,
-                          unrecognisable_slices_cause, weight_of)
+                          unrecognised_sites_error, weight_of)
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
@@ -450,12 +450,7 @@ class _ExpertErrors(ExpertCallHooks):
                         measured.add(site)
         missing = sorted(set(self.sites) - measured)
         if tokens is not None and missing:  # as `fake_quantized` refuses it: it could not quantize them either
-            stacked = [name for name, p in own_parameters(module).items() if p.ndim >= 3]
-            raise ValueError(
-                f"report: site(s) {missing} of the experts module {self.path!r} ({type(module).__name__}): no "
-                "per-expert matmul taking that input was found in its forward (recognised calls: "
-                "qstats.experts.ExpertInputCapture)" + unrecognisable_slices_cause(module, stacked)
-            )
+            raise unrecognised_sites_error("report", missing, self.path, module, "qstats.experts.ExpertInputCapture")
 
     def _measure(self, capture, name: str, site: str, weight: Optional[torch.Tensor]) -> None:
         """Adds the error of every call's rows of parameter ``name`` to ``site``'s: for ``"input"``,
