@@ -13,16 +13,14 @@ Importing this module imports torchao.
 
 from __future__ import annotations
 
-import torch
 from torchao.quantization.pt2e import ObserverBase as _TorchAOObserverBase
 from torchao.quantization.pt2e.observer import _with_args, _with_callable_args
 
+from .conventions.torch_ao import PER_CHANNEL_QSCHEMES
 from .observers.minmax import minmax
 from .torch_ao import QstatsObserver
 
 __all__ = ["QstatsPT2EObserver", "QstatsPT2EPerChannelObserver"]
-
-_PER_CHANNEL = (torch.per_channel_affine, torch.per_channel_symmetric, torch.per_channel_affine_float_qparams)
 
 
 class QstatsPT2EObserver(QstatsObserver, _TorchAOObserverBase):
@@ -59,9 +57,9 @@ def _check_agrees(module: QstatsPT2EObserver, given: dict) -> None:
     """ValueError where the ``QuantizationSpec``'s arguments (``given``) differ from what the
     spec's observer ``module`` writes into the converted graph."""
     ours = dict(dtype=module.dtype, quant_min=module.quant_min, quant_max=module.quant_max,
-                per_channel=module.qscheme in _PER_CHANNEL)
+                per_channel=module.qscheme in PER_CHANNEL_QSCHEMES)
     theirs = {name: given.get(name) for name in ("dtype", "quant_min", "quant_max")}
-    theirs["per_channel"] = None if given.get("qscheme") is None else given["qscheme"] in _PER_CHANNEL
+    theirs["per_channel"] = None if given.get("qscheme") is None else given["qscheme"] in PER_CHANNEL_QSCHEMES
     if ours["per_channel"] and module.ch_axis >= 0:
         ours["ch_axis"], theirs["ch_axis"] = module.ch_axis, given.get("ch_axis")
     differ = {name: (value, ours[name]) for name, value in theirs.items() if value is not None and value != ours[name]}

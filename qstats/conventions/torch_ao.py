@@ -20,7 +20,7 @@ from .default import (
     check_symmetric_zero_point,
 )
 
-__all__ = ["TorchAOConvention", "from_torch_ao"]
+__all__ = ["PER_CHANNEL_QSCHEMES", "TorchAOConvention", "from_torch_ao"]
 
 _ALLOWED_DTYPES = (
     torch.qint8,
@@ -37,7 +37,7 @@ _ALLOWED_DTYPES = (
 )
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
-_PER_CHANNEL = (torch.per_channel_affine, torch.per_channel_symmetric, torch.per_channel_affine_float_qparams)
+PER_CHANNEL_QSCHEMES = (torch.per_channel_affine, torch.per_channel_symmetric, torch.per_channel_affine_float_qparams)
 _SYMMETRIC = (torch.per_tensor_symmetric, torch.per_channel_symmetric)
 # calculate_qmin_qmax without a custom range (other dtypes: (0, 15)); reduce_range halves 8-bit ones
 _DEFAULT_RANGES = {
@@ -81,7 +81,7 @@ def from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, 
     ``calculate_qparams`` (see `QuantSpec.from_torch_ao`)."""
     if dtype not in _ALLOWED_DTYPES:
         raise ValueError(f"from_torch_ao: dtype {dtype} is not accepted by torch.ao observers ({_ALLOWED_DTYPES})")
-    if qscheme not in _PER_TENSOR + _PER_CHANNEL:
+    if qscheme not in _PER_TENSOR + PER_CHANNEL_QSCHEMES:
         raise ValueError(f"from_torch_ao: qscheme {qscheme} is not accepted by torch.ao observers")
     if reduce_range and dtype == torch.quint8 and qscheme == torch.per_channel_symmetric:
         # every per-channel observer refuses it; per tensor, MinMaxObserver refuses it but
