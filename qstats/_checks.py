@@ -13,13 +13,18 @@ import torch
 
 from ._ops import op, register_fake, register_vmap
 
-__all__ = ["check_floating", "is_real_number", "require", "require_calibrated"]
+__all__ = ["check_floating", "is_integer", "is_real_number", "require", "require_calibrated"]
 
 
 def is_real_number(value) -> bool:
     """A Python or numpy real number, not a bool (``True`` is no averaging constant or eps): how
     qstats' factories recognise numeric options."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_integer(value) -> bool:
+    """A Python or numpy integer, not a bool: how qstats recognises integer options (bins, ranges)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_floating(x, where: str) -> torch.Tensor:

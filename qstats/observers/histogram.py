@@ -10,12 +10,12 @@ octaves fall into under- and overflow buckets; the exact extremes are kept too. 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import NamedTuple, Optional
 
 import torch
 
 from .._ops import op, register_fake, register_vmap
+from .._checks import is_integer
 from .._granularity import checked_view, qparam_shape, weight_view
 from .._qparams import Range, register_range_rule
 from .._reductions import batch_inside, finite_aminmax
@@ -101,14 +101,10 @@ def _count_keys_vmap(info, in_dims, bits, mask, shift, offset, size):
 register_vmap(_count_keys, _count_keys_vmap)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _check_bins(bins, where: str, hint: str = "") -> None:
     """ValueError unless ``bins`` (buckets per octave) is a power of two in [1, 4096] (100 was
     bucketed as 64: the counts' shape was not the documented one)."""
-    if not (_is_int(bins) and 1 <= bins <= 1 << 12 and not bins & (bins - 1)):
+    if not (is_integer(bins) and 1 <= bins <= 1 << 12 and not bins & (bins - 1)):
         raise ValueError(f"{where} (buckets per power of two) must be a power of two in [1, 4096], got {bins!r}{hint}")
 
 
@@ -117,7 +113,7 @@ def _check_bucketing(bins, exponent_range) -> None:
     ``-126 <= low < high <= 128`` (float32's octaves; a reversed one failed deep inside torch)."""
     _check_bins(bins, "bucket_counts: bins")
     pair = tuple(exponent_range) if isinstance(exponent_range, (tuple, list)) else ()
-    if not (len(pair) == 2 and all(_is_int(e) for e in pair) and -126 <= pair[0] < pair[1] <= 128):
+    if not (len(pair) == 2 and all(is_integer(e) for e in pair) and -126 <= pair[0] < pair[1] <= 128):
         raise ValueError("bucket_counts: exponent_range must be two ints (low, high) with -126 <= low < high <= 128 "
                          f"(float32's octaves), got {exponent_range!r}")
 
