@@ -102,9 +102,8 @@ class LazyCheckpoint:
         if found is None:
             return None
         prefix, sources = found
-        count = 0
-        while f"{prefix}.{count}.{sources[0]}.weight" in self:
-            count += 1
+        count = next(expert for expert in itertools.count()
+                     if f"{prefix}.{expert}.{sources[0]}.weight" not in self)
         stacked = None  # filled expert by expert: never the per-expert copies and the stack at once
         for expert in range(count):
             names = [f"{prefix}.{expert}.{source}.weight" for source in sources]
@@ -187,17 +186,15 @@ def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint) -> None:
     names (in memory or as saved; nor, for stacked experts, per expert). Names only, before any
     layer is read: a checkpoint of another model, or one missing a tensor, fails before any batch runs."""
     stored = _checkpoint_names(model)
-    tensors: dict = {}
-    for name, value in model.named_parameters(remove_duplicate=False):
-        tensors.setdefault(id(value), (value, []))[1].append(name)
-    for value, names in tensors.values():
-        keys = [key for name in names for key in stored(name)]
+    aliases = _aliases(model, stored)
+    for name, value in model.named_parameters():  # each tensor once, under its first name
+        keys = aliases[id(value)]
         if value.device.type != "meta" or any(key in checkpoint for key in keys):
             continue
         per_expert = [_experts_missing(checkpoint, key, value.shape[0]) for key in keys] if value.ndim == 3 else []
         if "" not in per_expert:
-            missing = next((key for key in per_expert if key), stored(names[0])[-1])
-            raise _no_tensor(checkpoint, missing, names[0])
+            missing = next((key for key in per_expert if key), stored(name)[-1])
+            raise _no_tensor(checkpoint, missing, name)
 
 
 def _per_expert(checkpoint, key: str) -> Optional[tuple]:

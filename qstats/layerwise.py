@@ -277,21 +277,33 @@ class _Walker(_StandIn):
         return args[0] if args else kwargs.get("hidden_states")
 
 
+@contextlib.contextmanager
+def _stood_in(container, stand_in: Callable[[int, torch.nn.Module], torch.nn.Module]) -> Iterator[None]:
+    """Every layer of ``container`` replaced by ``stand_in(index, layer)`` inside the with, put back after."""
+    layers = list(container)
+    try:
+        for index, layer in enumerate(layers):
+            container[index] = stand_in(index, layer)
+        yield
+    finally:
+        for index, layer in enumerate(layers):
+            container[index] = layer
+
+
+def _stop(module, args, kwargs):
+    """A forward pre-hook that stops the forward at its module, with the module's arguments."""
+    raise _Stop(args, kwargs)
+
+
 def _check_call_order(model: torch.nn.Module, container, container_path: str, batch, where: str) -> None:
     """Runs the model's forward on ``batch`` through stand-ins of its layers and refuses a forward
     that calls a layer twice (one layer shared across depths, as ALBERT's) or out of list order:
     each layer is calibrated once, its outputs feeding the next in the list."""
     order: list = []
-    layers = list(container)
-    for index, layer in enumerate(layers):
-        container[index] = _Walker(layer, index, order)
-    try:
+    walk = lambda index, layer: _Walker(layer, index, order)  # noqa: E731
+    # _Stop at a second call; any other error the capture that follows reports
+    with _stood_in(container, walk), contextlib.suppress(Exception):
         _call(model, batch)
-    except Exception:  # noqa: BLE001 - _Stop at a second call; any other error the capture that follows reports
-        pass
-    finally:
-        for index, layer in enumerate(layers):
-            container[index] = layer
     if order != list(range(len(order))):
         raise ValueError(
             f"{where}: the model's forward calls its decoder layers {container_path!r} in the order "
@@ -310,25 +322,20 @@ def _check_passed_on(run: "_Run", container, container_path: str, batch, where: 
         return
     outputs: list = []
 
-    def stop(module, args, kwargs):
-        raise _Stop(args, kwargs)
-
     def keep(module, args, kwargs, output):
         outputs.append((output, [*args, *kwargs.values()]))
 
-    handles = [container[0].register_forward_hook(keep, with_kwargs=True),
-               container[1].register_forward_pre_hook(stop, with_kwargs=True)]
     saved = load_modules(run.model, [f"{container_path}.0"], run.checkpoint, device=run.device)
     received: list = []
     try:
-        _call(run.model, batch)
+        with container[0].register_forward_hook(keep, with_kwargs=True), \
+                container[1].register_forward_pre_hook(_stop, with_kwargs=True):
+            _call(run.model, batch)
     except _Stop as stopped:
         received = [*stopped.layer_args, *stopped.layer_kwargs.values()]
     except Exception:  # noqa: BLE001 - the capture and the layer's own run report the model's errors
         pass
     finally:
-        for handle in handles:
-            handle.remove()
         release_modules(saved)
     output, given = outputs[0] if outputs else (None, [])
     extras = output[1:] if isinstance(output, (tuple, list)) else ()
@@ -355,40 +362,27 @@ def _capture(model, container, batches, observation_weight, store: _Store, devic
     layer's inputs (on the CPU); with ``each_layer``, up to the last, through stand-ins, keeping
     every layer's own arguments (`_Inputs.layers`). ``checked(batch)`` runs first, on the first batch."""
 
-    def stop(module, args, kwargs):
-        raise _Stop(args, kwargs)
-
     calls: list = []
-    layers = list(container)
-    handles: list = []
-
-    def install() -> None:  # after the checks, which run the model through layers of their own
-        if not each_layer:
-            handles.append(container[0].register_forward_pre_hook(stop, with_kwargs=True))
-        for index, layer in enumerate(layers if each_layer else ()):
-            container[index] = _Recorder(layer, calls, index == len(layers) - 1)
-
-    try:
-        with torch.no_grad():
-            for number, batch in enumerate(batches):
-                if number == 0:
-                    checked(_moved(batch, device))
-                    install()
-                weight = observation_weight(batch) if observation_weight is not None else None
-                calls.clear()
-                try:
-                    _call(model, _moved(batch, device))
-                except _Stop as stopped:
-                    args, kwargs, each = _offloaded((stopped.layer_args, stopped.layer_kwargs, calls), device)
+    last = len(container) - 1
+    with contextlib.ExitStack() as installed, torch.no_grad():
+        for number, batch in enumerate(batches):
+            if number == 0:  # the stand-ins or the hook after the checks, which run layers of their own
+                checked(_moved(batch, device))
+                if each_layer:
+                    record = lambda index, layer: _Recorder(layer, calls, index == last)  # noqa: E731
+                    installed.enter_context(_stood_in(container, record))
                 else:
-                    raise ValueError("calibrate_layerwise: the model's forward never called its first decoder layer")
-                own = _own_arguments(each) if each_layer else None
-                store.append(_Inputs(batch, weight, tuple(args), _without_cache(kwargs), layers=own))
-    finally:
-        for handle in handles:
-            handle.remove()
-        for index, layer in enumerate(layers):
-            container[index] = layer
+                    installed.enter_context(container[0].register_forward_pre_hook(_stop, with_kwargs=True))
+            weight = observation_weight(batch) if observation_weight is not None else None
+            calls.clear()
+            try:
+                _call(model, _moved(batch, device))
+            except _Stop as stopped:
+                args, kwargs, each = _offloaded((stopped.layer_args, stopped.layer_kwargs, calls), device)
+            else:
+                raise ValueError("calibrate_layerwise: the model's forward never called its first decoder layer")
+            own = _own_arguments(each) if each_layer else None
+            store.append(_Inputs(batch, weight, tuple(args), _without_cache(kwargs), layers=own))
 
 
 def _select(states: dict, keep: Callable[[str, str], bool]) -> dict:
@@ -623,7 +617,6 @@ def _run_outside(run: _Run, container_path: str, container, observation_weight) 
     """Observes the sites outside the decoder layers: the model's forward over the user's
     batches, each layer replaced by a stub returning the last layer's stored outputs."""
     shared: dict = {}
-    layers = list(container)
     plan = _sub_plan(run.plan, lambda p: not inside(p, container_path), run.model)
     saved: list = []
 
@@ -634,17 +627,14 @@ def _run_outside(run: _Run, container_path: str, container, observation_weight) 
 
     def observe() -> dict:
         saved.extend(_outer_loaded(run, container_path))
-        for index in range(len(layers)):
-            container[index] = _Replay(layers[index], run.store, index == 0, shared, run.device)
         weight = None if observation_weight is None else (lambda batch: shared["weight"])
-        with _without_router_logits(run.model):
+        replay = lambda index, layer: _Replay(layer, run.store, index == 0, shared, run.device)  # noqa: E731
+        with _stood_in(container, replay), _without_router_logits(run.model):
             return run.calibrate(run.model, plan, batches(), weight)
 
     try:
         return run.reduce(run.agreed(observe), plan)
     finally:
-        for index, layer in enumerate(layers):
-            container[index] = layer
         release_modules(saved)
 
 
@@ -770,9 +760,8 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
         found = _calibrate_all(run, container_path, container, batches, observation_weight, progress, where)
         return _ordered(found, run.plan)
     finally:
-        for directory in made:
-            if directory is not None:
-                shutil.rmtree(directory, ignore_errors=True)
+        for directory in filter(None, made):
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _calibrate_all(run: _Run, container_path: str, container, batches, observation_weight, progress: bool,
