@@ -185,8 +185,6 @@ def lsq_fake_quantize(
     qmin, qmax = spec.qrange
     factor = lsq_grad_factor(x.numel(), params.scale.numel(), spec, grad_scale)
 
-    scale = broadcast_to_view(params.scale.float())
-    zero_point = broadcast_to_view(params.zero_point.float()) if _learns_zero_point(spec) else None
     scale_value, zero_point_value = (broadcast_to_view(t) for t in _forward_values(params, spec))
 
     v = view.float()
@@ -203,9 +201,9 @@ def lsq_fake_quantize(
     # Gradient coefficients (values, detached), torch.ao's kernel term by term.
     scale_coefficient = torch.where(inside, (out - v_value) * inv_scale, codes - zero_point_value) * factor
     passthrough = torch.where(inside, _zero_gradient(v), torch.zeros_like(v_value))
-    out = out + passthrough + _zero_gradient(scale) * scale_coefficient
-    if zero_point is not None:
+    out = out + passthrough + _zero_gradient(broadcast_to_view(params.scale.float())) * scale_coefficient
+    if _learns_zero_point(spec):
         zero_point_coefficient = torch.where(inside, torch.zeros_like(scale_value), -scale_value) * factor
-        out = out + _zero_gradient(zero_point) * zero_point_coefficient
+        out = out + _zero_gradient(broadcast_to_view(params.zero_point.float())) * zero_point_coefficient
     out = from_canonical_view(out, spec.granularity, x.shape)
     return out.to(x.dtype)

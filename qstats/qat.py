@@ -120,12 +120,13 @@ def observe_fake_quantize(
         raise TypeError(f"observe_fake_quantize: phase must be a QATPhase, got {type(phase).__name__}")
     _check_ste(ste)
     spec = observer.spec
-    if phase.fake_quantize is not False and not isinstance(spec, QuantSpec):
-        raise TypeError(
-            f"observe_fake_quantize: the {observer.name} observer has no QuantSpec to fake-quantize to "
-            f"(spec={spec!r}); use it with phase.fake_quantize=False, or pass an observer built from a QuantSpec"
-        )
     if phase.fake_quantize is not False:
+        if not isinstance(spec, QuantSpec):
+            raise TypeError(
+                f"observe_fake_quantize: the {observer.name} observer has no QuantSpec to fake-quantize to "
+                f"(spec={spec!r}); use it with phase.fake_quantize=False, or pass an observer built from a "
+                "QuantSpec"
+            )
         check_floating(x, "observe_fake_quantize")
     new_state = state
     if phase.observe is not False:
@@ -181,12 +182,9 @@ class _FakeQuantPoint(nn.Module):
         current = getattr(state, self.kind).get(self.key)
         if current is None:  # QATModel.init: size the state on the example input
             return x, self.observer.init(x) if previous is None else previous
-        if previous is not None:
-            current = previous
         learned = (ranges or {}).get(self.kind, {}).get(self.key)
-        return observe_fake_quantize(
-            x, current, self.observer, phase, ste=self.ste, learned=learned, grad_scale=self.grad_scale
-        )
+        return observe_fake_quantize(x, current if previous is None else previous, self.observer, phase,
+                                     ste=self.ste, learned=learned, grad_scale=self.grad_scale)
 
 
 class _BatchNormPoint(nn.Module):
@@ -200,10 +198,8 @@ class _BatchNormPoint(nn.Module):
                 previous=None):
         current = state.batchnorm.get(self.key)
         if current is None:  # QATModel.init (a later call of the same layer keeps the first call's state)
-            if previous is None:
-                previous = BatchNormState(running_mean.detach().clone(), running_var.detach().clone(),
-                                          num_batches_tracked.clone())
-            return x, previous
+            return x, previous or BatchNormState(running_mean.detach().clone(), running_var.detach().clone(),
+                                                 num_batches_tracked.clone())
         if previous is not None:  # a later call of the same layer: chain its running statistics
             current = previous
         frozen = phase.freeze_batchnorm
@@ -298,14 +294,12 @@ class QATModel:
         ``state.batchnorm`` (the model's own buffers never change). Modules and buffers the forward
         never uses are left out (``module`` lacks them): load with ``strict=False`` then."""
         self._check_inputs(params, state, "QATModel.state_dict")
-        tied = {}  # parameter name -> every name of that tensor
+        given = {}  # a parameter -> the value given under its first name in params (tied ones have several)
         for name, tensor in self.module.named_parameters(remove_duplicate=False):
-            tied.setdefault(id(tensor), []).append(name)
-        aliases = {name: names for names in tied.values() for name in names}
-        result = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            given = [params[alias] for alias in aliases.get(name, [name]) if alias in params]
-            result[name] = (given[0] if given else tensor).detach()
+            if name in params:
+                given.setdefault(id(tensor), params[name])
+        result = {name: given.get(id(tensor), params.get(name, tensor)).detach()
+                  for name, tensor in self.module.state_dict(keep_vars=True).items()}
         for key, statistics in state.batchnorm.items():
             for field, value in statistics._asdict().items():
                 if f"{key}.{field}" in result:
@@ -378,14 +372,11 @@ class QATModel:
     def learnable_ranges(self, state: QATState, weights: bool = False, activations: bool = True):
         """LSQ/LSQ+ ranges initialised from the observer states (detached float32 copies with
         ``requires_grad=True``), in the ``ranges`` format of `apply`."""
-        ranges = {}
-        for kind, wanted, observer in (("weights", weights, self.weight_observer),
-                                       ("activations", activations, self.activation_observer)):
-            if not wanted or observer is None:
-                continue
-            ranges[kind] = {key: _learnable(value, observer.spec, f"the {kind[:-1]} of {key!r}")
-                            for key, value in getattr(state, kind).items()}
-        return ranges
+        kinds = (("weights", weights, self.weight_observer),
+                 ("activations", activations, self.activation_observer))
+        return {kind: {key: _learnable(value, observer.spec, f"the {kind[:-1]} of {key!r}")
+                       for key, value in getattr(state, kind).items()}
+                for kind, wanted, observer in kinds if wanted and observer is not None}
 
 
 def _learnable(state, spec: QuantSpec, where: str) -> LSQParams:
@@ -580,24 +571,24 @@ class _Rewriter:
         self.weights = {}  # layer -> its fake-quantized weight (a module called twice reuses it)
         self.points = 0  # numbers the submodules of the points
 
-    def _point(self, kind: str, module: nn.Module, args: tuple):
-        """Adds ``module`` as a submodule, calls it with ``args``; returns (value, new state) nodes."""
-        name = f"qat_{kind}_{self.points}"
+    def _point(self, kind: str, key: str, module: nn.Module, args: tuple):
+        """Adds ``module`` as a submodule, calls it with ``args`` and the state layer ``key``'s earlier
+        call returned (None at first: a layer called again chains one state); returns the value node and
+        records the new state's."""
+        name = f"qat_{kind.rstrip('s')}_{self.points}"  # qat_weight_0, qat_activation_1, qat_batchnorm_2
         self.points += 1
         self.gm.add_submodule(name, module)
-        result = self.graph.call_module(name, args)
-        return (self.graph.call_function(operator.getitem, (result, 0)),
-                self.graph.call_function(operator.getitem, (result, 1)))
+        result = self.graph.call_module(name, (*args, self.new_states[kind].get(key)))
+        value = self.graph.call_function(operator.getitem, (result, 0))
+        self.new_states[kind][key] = self.graph.call_function(operator.getitem, (result, 1))
+        return value
 
     def _fake_quantized(self, kind: str, key: str, value):
         observer = self.observers[kind]
         if observer is None:
             return value
         point = _FakeQuantPoint(kind, key, observer, self.ste, self.grad_scale)
-        # a layer called again observes into the state its earlier call returned
-        args = (value, self.state, self.phase, self.ranges, self.new_states[kind].get(key))
-        value, self.new_states[kind][key] = self._point(kind[:-1], point, args)
-        return value
+        return self._point(kind, key, point, (value, self.state, self.phase, self.ranges))
 
     def _quantized_inputs(self, node, key: str, x, weight):
         """Fake-quantized (input, weight) nodes of one call of layer ``key``, inserted before ``node``;
@@ -643,9 +634,8 @@ class _Rewriter:
         with self.graph.inserting_before(node):
             args = [self.graph.get_attr(f"{key}.{name}") if getattr(layer, name) is not None else None
                     for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
-            previous = self.new_states["batchnorm"].get(key)  # a layer called again chains its statistics
-            args = (node.args[0], *args, self.state, self.phase, previous)
-            y, self.new_states["batchnorm"][key] = self._point("batchnorm", _BatchNormPoint(key, layer), args)
+            point = _BatchNormPoint(key, layer)
+            y = self._point("batchnorm", key, point, (node.args[0], *args, self.state, self.phase))
         node.replace_all_uses_with(y)
         self.graph.erase_node(node)
 

@@ -31,8 +31,17 @@ class QATPhase(NamedTuple):
     freeze_batchnorm: Flag = False
 
 
+_MILESTONE_ORDER = (("observe_at", None), ("fake_quantize_at", "observe_at"),
+                    ("freeze_ranges_at", "fake_quantize_at"), ("freeze_batchnorm_at", None))
+
+
+def _is_int(value, minimum=None) -> bool:
+    """``value`` is an int (not a bool), at least ``minimum`` if given."""
+    return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+
+
 def _check_step_number(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not _is_int(value, 0):
         raise ValueError(f"QATSchedule.{name} must be a non-negative int, got {value!r}")
 
 
@@ -65,25 +74,18 @@ class QATSchedule:
     sync_every: Optional[int] = None
 
     def __post_init__(self) -> None:
-        _check_step_number("observe_at", self.observe_at)
-        _check_step_number("fake_quantize_at", self.fake_quantize_at)
-        if self.fake_quantize_at < self.observe_at:
-            raise ValueError(
-                f"QATSchedule.fake_quantize_at ({self.fake_quantize_at}) must not come before "
-                f"observe_at ({self.observe_at})"
-            )
-        if self.freeze_ranges_at is not None:
-            _check_step_number("freeze_ranges_at", self.freeze_ranges_at)
-            if self.freeze_ranges_at < self.fake_quantize_at:
+        # each milestone, and the one it must not come before (freezing batch norm is independent of the
+        # others, as in coremltools); the freezes may be None
+        for name, earlier in _MILESTONE_ORDER:
+            value = getattr(self, name)
+            if value is None and name.startswith("freeze"):
+                continue
+            _check_step_number(name, value)
+            if earlier is not None and value < getattr(self, earlier):
                 raise ValueError(
-                    f"QATSchedule.freeze_ranges_at ({self.freeze_ranges_at}) must not come before "
-                    f"fake_quantize_at ({self.fake_quantize_at})"
+                    f"QATSchedule.{name} ({value}) must not come before {earlier} ({getattr(self, earlier)})"
                 )
-        if self.freeze_batchnorm_at is not None:  # independent of the others, as in coremltools
-            _check_step_number("freeze_batchnorm_at", self.freeze_batchnorm_at)
-        if self.sync_every is not None and (
-            not isinstance(self.sync_every, int) or isinstance(self.sync_every, bool) or self.sync_every < 1
-        ):
+        if self.sync_every is not None and not _is_int(self.sync_every, 1):
             raise ValueError(f"QATSchedule.sync_every must be a positive int or None, got {self.sync_every!r}")
 
     @classmethod
@@ -99,45 +101,27 @@ class QATSchedule:
         if isinstance(step, torch.Tensor):
             if step.dtype.is_floating_point or step.dtype == torch.bool:
                 raise TypeError(f"QATSchedule: a tensor step must hold an integer, got dtype {step.dtype}")
-        elif not isinstance(step, int) or isinstance(step, bool):
+        elif not _is_int(step):
             raise TypeError(f"QATSchedule: step must be an int or an integer tensor, got {type(step).__name__}")
-        observing = _at_least(step, self.observe_at)
+        observing = step >= self.observe_at
         if self.freeze_ranges_at is not None:
-            observing = _and(observing, _not(_at_least(step, self.freeze_ranges_at)))
-        fake_quantize = _at_least(step, self.fake_quantize_at)
+            observing = observing & (step < self.freeze_ranges_at)
+        fake_quantize = step >= self.fake_quantize_at
         if self.freeze_batchnorm_at is None:
             frozen_bn = torch.zeros_like(step, dtype=torch.bool) if isinstance(step, torch.Tensor) else False
         else:
-            frozen_bn = _at_least(step, self.freeze_batchnorm_at)
+            frozen_bn = step >= self.freeze_batchnorm_at
         return QATPhase(observing, fake_quantize, frozen_bn)
 
     def sync_at(self, step: int) -> bool:
         """True when activation states should be merged across ranks *after* ``step`` (a host-side
         decision: every rank calls the collective at the same steps). Always True for the last
         observing step before ``freeze_ranges_at``."""
-        if not isinstance(step, int) or isinstance(step, bool):
+        if not _is_int(step):
             raise TypeError(f"QATSchedule.sync_at: step must be an int, got {type(step).__name__}")
         if self.freeze_ranges_at is not None and step == self.freeze_ranges_at - 1 and step >= self.observe_at:
             return True
         observing = step >= self.observe_at and (self.freeze_ranges_at is None or step < self.freeze_ranges_at)
-        if self.sync_every is not None and observing:
-            return (step - self.observe_at + 1) % self.sync_every == 0
-        return False
+        every = self.sync_every
+        return every is not None and observing and (step - self.observe_at + 1) % every == 0
 
-
-def _at_least(step, milestone: int):
-    if isinstance(step, torch.Tensor):
-        return step >= milestone
-    return step >= milestone
-
-
-def _not(flag):
-    if isinstance(flag, torch.Tensor):
-        return ~flag
-    return not flag
-
-
-def _and(a, b):
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return torch.as_tensor(a) & torch.as_tensor(b)
-    return a and b
