@@ -121,14 +121,12 @@ def shard_bytes(max_shard_size, where: str = "export.compressed_tensors") -> Opt
         return None
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
     size = None
+    text = max_shard_size.strip() if isinstance(max_shard_size, str) else ""
     if isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool):
         size = max_shard_size
-    elif isinstance(max_shard_size, str) and max_shard_size.strip()[-2:].upper() in units:
-        text = max_shard_size.strip()
-        try:
+    elif text[-2:].upper() in units:
+        with contextlib.suppress(ValueError):
             size = int(float(text[:-2]) * units[text[-2:].upper()])
-        except ValueError:
-            size = None
     if size is None or size <= 0:
         raise ValueError(f"{where}: max_shard_size must be a positive number of bytes or a string "
                          f"such as '5GB' (units KB, MB, GB, TB), got {max_shard_size!r}")
@@ -149,12 +147,11 @@ class ShardSplitter:
 
     def add(self, name: str, nbytes: int) -> list:
         """Puts tensor ``name`` of ``nbytes`` into a shard; returns the shards this closes (none or one)."""
-        if self.max_bytes is not None and nbytes > self.max_bytes:
+        limit = float("inf") if self.max_bytes is None else self.max_bytes
+        if nbytes > limit:
             self.shards.append({name: nbytes})  # before the open one
             return [self.shards[-1]]
-        closed = []
-        if self.open and self.max_bytes is not None and self.open_bytes + nbytes > self.max_bytes:
-            closed.append(self.close())
+        closed = [self.close()] if self.open and self.open_bytes + nbytes > limit else []
         self.open[name] = nbytes
         self.open_bytes += nbytes
         return closed
@@ -170,19 +167,15 @@ class ShardSplitter:
         return self.close() if self.open or not self.shards else None
 
 
-def split_shards(tensors: dict, max_bytes: Optional[int]) -> list:
-    """``{name: bytes}`` of each shard of ``tensors`` split in order by a `ShardSplitter`."""
+def _write_shards(path: str, tensors: dict, max_bytes: Optional[int]) -> None:
+    """``path/model.safetensors``, or (``max_bytes`` given and exceeded) numbered shards and their
+    index, as ``save_pretrained`` names them (split in order by a `ShardSplitter`); shards of a failed
+    write are removed."""
     splitter = ShardSplitter(max_bytes)
     for name, tensor in tensors.items():
         splitter.add(name, tensor_bytes(tensor))
     splitter.finish()
-    return splitter.shards
-
-
-def _write_shards(path: str, tensors: dict, max_bytes: Optional[int]) -> None:
-    """``path/model.safetensors``, or (``max_bytes`` given and exceeded) numbered shards and their
-    index, as ``save_pretrained`` names them; shards of a failed write are removed."""
-    shards = split_shards(tensors, max_bytes)
+    shards = splitter.shards
     names = shard_names(len(shards))
     try:
         for filename, shard in zip(names, shards):
@@ -342,23 +335,22 @@ def _warn_log(log: dict) -> None:
     """The warnings of a written checkpoint: rounded scales, uncalibrated sites, q/k scales
     observed before a rotary embedding."""
     # gate_proj and up_proj of an expert share its input site: each site is named (and counted) once
-    if log["rounded"]:
-        rounded = list(dict.fromkeys(log["rounded"]))
+    rounded, sites, uncalibrated = (list(dict.fromkeys(log[key]))
+                                    for key in ("rounded", "compute_dtype", "uncalibrated"))
+    if rounded:
         warn(
             f"export.compressed_tensors: scales of {len(rounded)} site(s) were rounded to the model's dtype "
             f"({_listed(rounded, 4)}); calibrate with a spec whose scale_dtype is that dtype to keep "
             "qstats' and the checkpoint's quantization identical",
         )
-    if log["compute_dtype"]:
-        sites = list(dict.fromkeys(log["compute_dtype"]))
+    if sites:
         warn(
             f"export.compressed_tensors: {len(sites)} site(s) of a half-precision model were calibrated with "
             f"compressed-tensors specs computing in another dtype ({_listed(sites, 4)}); llm-compressor computes "
             "their qparams in the model's dtype, so this checkpoint differs from its: build the recipe with "
             "observed_dtype=<the model's dtype> (Recipe.from_scheme, QuantSpec.from_compressed_tensors)",
         )
-    if log["uncalibrated"]:
-        uncalibrated = list(dict.fromkeys(log["uncalibrated"]))
+    if uncalibrated:
         warn(
             f"export.compressed_tensors: {len(uncalibrated)} site(s) hold uncalibrated (fallback) qparams: "
             + _listed(uncalibrated, 8),
@@ -477,10 +469,8 @@ def _quantizes_a_tied_weight(model: torch.nn.Module, quantization_config: dict) 
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         embeddings = []
         for getter in ("get_input_embeddings", "get_output_embeddings"):
-            try:
+            with contextlib.suppress(AttributeError, NotImplementedError):
                 embeddings.append(getattr(model, getter)())
-            except (AttributeError, NotImplementedError):
-                pass
         tied.update(path for path, module in modules.items() if any(module is e for e in embeddings if e is not None))
     if not tied:
         return False

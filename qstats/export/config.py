@@ -98,14 +98,12 @@ def _strategy(granularity, site: str, where: str) -> dict:
     """The ``strategy`` (and ``group_size``, ``block_structure``, ``dynamic``) fields of a
     granularity: per tensor for q/k/v, the weight strategies, and the activation ones (per-token
     and per-group activations are dynamic)."""
-    if site in ATTENTION_SITES:
-        if not isinstance(granularity, PerTensor):
-            fail(
-                where,
-                f"granularity {granularity!r} of a {site!r} site: compressed-tensors' kv-cache and attention "
-                "scales are exported per tensor (PerTensor)",
-            )
-        return {"strategy": "tensor"}
+    if site in ATTENTION_SITES and not isinstance(granularity, PerTensor):
+        fail(
+            where,
+            f"granularity {granularity!r} of a {site!r} site: compressed-tensors' kv-cache and attention "
+            "scales are exported per tensor (PerTensor)",
+        )
     if isinstance(granularity, PerTensor):
         return {"strategy": "tensor"}
     if isinstance(granularity, PerRow) and granularity.dim != -1:
@@ -163,24 +161,23 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec", dynamic: 
     }
     if not symmetric:
         fields["zp_dtype"] = "torch.float8_e4m3fn" if qtype == "float" else "torch.int8"
-    if two_level:
-        fields.update(strategy="tensor_group", group_size=spec.granularity.group_size, scale_dtype="torch.float8_e4m3fn")
+    if two_level or mx:
+        # activations: group scales at run time, NVFP4's under the calibrated global scale ("local"),
+        # MX ones on their own (compressed-tensors' MXFP4/MXFP8)
+        fields.update(strategy="tensor_group" if two_level else "group",
+                      group_size=spec.granularity.group_size,  # 32 for MX (`_element_type`)
+                      scale_dtype="torch.float8_e4m3fn" if two_level else "torch.uint8")
         if site != "weight":
-            fields["dynamic"] = "local"  # group scales at run time under the calibrated global scale
-        return fields
-    if mx:
-        fields.update(strategy="group", group_size=32, scale_dtype="torch.uint8")
-        if site != "weight":
-            fields["dynamic"] = True  # MX activations: group scales at run time (compressed-tensors' MXFP4/MXFP8)
+            fields["dynamic"] = "local" if two_level else True
         return fields
     fields.update(_strategy(spec.granularity, site, where))
     if site != "weight":
         _check_activation_range(spec, site, where)
-    if dynamic and site != "weight":
-        if site in ATTENTION_SITES:
-            fail(where, "dynamic q/k/v scales are not exportable: compressed-tensors' kv-cache and attention "
-                 "scales are calibrated (static)")
-        fields["dynamic"] = True  # scales from each tensor at run time (compute_dynamic_scales_and_zp)
+        if dynamic:
+            if site in ATTENTION_SITES:
+                fail(where, "dynamic q/k/v scales are not exportable: compressed-tensors' kv-cache and attention "
+                     "scales are calibrated (static)")
+            fields["dynamic"] = True  # scales from each tensor at run time (compute_dynamic_scales_and_zp)
     return fields
 
 
@@ -206,8 +203,7 @@ def code_offset(spec: QuantSpec, where: str) -> int:
     """Shift from our integer range onto compressed-tensors' signed one."""
     if spec.is_float:
         return 0
-    bits = spec.bits
-    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    lo, hi = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
     offset = 0 if spec.is_signed else lo
     qmin, qmax = spec.qrange
     if qmin + offset < lo or qmax + offset > hi:
@@ -219,7 +215,7 @@ def allowed_formats(weight_args: dict) -> tuple:
     """The formats that can hold weights of these args."""
     if weight_args["strategy"] == "tensor_group":
         return ("nvfp4-pack-quantized",)
-    if weight_args.get("scale_dtype") == "torch.uint8":
+    if weight_args.get("scale_dtype") == "torch.uint8":  # MX: e8m0 scales as uint8 exponents
         return ("mxfp4-pack-quantized",) if weight_args["num_bits"] == 4 else ("mxfp8-quantized",)
     if weight_args["type"] == "int":
         return ("pack-quantized", "int-quantized", "naive-quantized")
@@ -233,15 +229,19 @@ def default_format(weights, inputs) -> str:
     weights are ``float-quantized`` with quantized inputs, else ``naive-quantized``."""
     if weights is None:
         return "dense"
-    if weights["strategy"] == "tensor_group":
-        return "nvfp4-pack-quantized"
-    if weights.get("scale_dtype") == "torch.uint8":  # MX: e8m0 scales as uint8 exponents
-        return "mxfp4-pack-quantized" if weights["num_bits"] == 4 else "mxfp8-quantized"
-    if weights["type"] == "int":
-        if inputs is not None:
-            return "int-quantized"
-        return "pack-quantized"  # integer weights of up to 8 bits (`quantization_args` refuses wider)
+    formats = allowed_formats(weights)
+    if len(formats) == 1:  # NVFP4, MX
+        return formats[0]
+    if weights["type"] == "int":  # of up to 8 bits (`quantization_args` refuses wider)
+        return "int-quantized" if inputs is not None else "pack-quantized"
     return "float-quantized" if inputs is not None else "naive-quantized"
+
+
+# llm-compressor's name of a qstats observer, of weights (observed once) and of activations
+_WEIGHT_OBSERVERS = {"minmax": "memoryless_minmax", "memoryless_minmax": "memoryless_minmax",
+                     "mse": "memoryless_mse"}
+_ACTIVATION_OBSERVERS = {"minmax": "static_minmax", "moving_average_minmax": "minmax",
+                         "memoryless_minmax": "memoryless_minmax", "mse": "mse"}
 
 
 def llm_compressor_observers(plan) -> dict:
@@ -253,14 +253,8 @@ def llm_compressor_observers(plan) -> dict:
     names: dict = {}
     for path, sites in plan.sites.items():
         for site, found in sites.items():
-            ours = registry.name_of(found.rule.observer)
-            if found.kind == "parameter":
-                name = {"minmax": "memoryless_minmax", "memoryless_minmax": "memoryless_minmax",
-                        "mse": "memoryless_mse"}.get(ours)
-            else:
-                name = {"minmax": "static_minmax", "moving_average_minmax": "minmax",
-                        "memoryless_minmax": "memoryless_minmax", "mse": "mse"}.get(ours)
-            names.setdefault(path, {})[site] = name
+            table = _WEIGHT_OBSERVERS if found.kind == "parameter" else _ACTIVATION_OBSERVERS
+            names.setdefault(path, {})[site] = table.get(registry.name_of(found.rule.observer))
     return names
 
 
