@@ -178,14 +178,14 @@ class QstatsObserver(ao.ObserverBase):
         if spec is not None and reduce_range:
             raise ValueError("QstatsObserver: reduce_range applies to torch.ao's arguments; with spec= pass "
                              "QuantSpec(reduce_range=True) instead")
-        if spec is None and dtype is None:
-            dtype = torch.quint8  # torch.ao's default
-        if spec is None and dtype not in _FLOAT_DTYPES:
-            spec = QuantSpec.from_torch_ao(dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis)
-            fields = dict(dtype=dtype, qscheme=qscheme, quant_min=spec.qrange[0], quant_max=spec.qrange[1],
-                          ch_axis=ch_axis, eps=spec.eps)
-        elif spec is None:  # qscheme None: torch.ao's get_qparam_dict skips it, as a PlaceholderObserver
-            fields = dict(dtype=dtype, qscheme=None, quant_min=quant_min, quant_max=quant_max,
+        if spec is None:
+            dtype = torch.quint8 if dtype is None else dtype  # torch.ao's default
+            if dtype in _FLOAT_DTYPES:
+                qscheme = None  # torch.ao's get_qparam_dict skips it, as a PlaceholderObserver
+            else:
+                spec = QuantSpec.from_torch_ao(dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis)
+                (quant_min, quant_max), eps = spec.qrange, spec.eps
+            fields = dict(dtype=dtype, qscheme=qscheme, quant_min=quant_min, quant_max=quant_max,
                           ch_axis=ch_axis, eps=eps)
         else:
             fields, reduce_range = torch_ao_fields(spec), spec.reduce_range
@@ -348,10 +348,7 @@ def _state_dict_of_torch_ao(module: QstatsObserver, state_dict, prefix: str, err
     elif histogram_state:
         state = _histogram_state(found, module.observer)
     else:
-        lo, hi = found.min_val.detach().float(), found.max_val.detach().float()
-        seen = (lo <= hi).to(torch.int64)
-        fields = dict(min_val=lo, max_val=hi, count=seen, batches=seen, nonfinite=torch.zeros_like(seen))
-        state = [fields[name] for name in module._fields]
+        state = _extremes_state(module._fields, found.min_val.detach().float(), found.max_val.detach().float())
     converted.update({keys[name]: value for name, value in zip(module._fields, state)})
     return converted
 
@@ -434,15 +431,12 @@ def _spec_of(obs) -> QuantSpec:
 _MINMAX_CLASSES = (ao.MinMaxObserver, ao.PerChannelMinMaxObserver)  # the moving averages derive from them
 
 
-def _extremes(obs):
-    """``(min_val, max_val, calibrated)`` of a torch.ao min/max observer, float32 copies."""
-    lo, hi = obs.min_val.detach().float().clone(), obs.max_val.detach().float().clone()
-    if lo.numel() == 0:  # torch.ao's per-channel observers learn their channel count from data
-        raise ValueError(
-            f"from_observer: the {type(obs).__name__} has seen no data (empty min_val); build the qstats state "
-            "with observer.init(x) instead"
-        )
-    return lo, hi, (lo <= hi).to(torch.int64)
+def _extremes_state(fields, lo, hi) -> list:
+    """The values of a min/max state's ``fields`` for torch.ao's extremes ``lo``/``hi`` (float32):
+    ``count`` and ``batches`` are 1 per calibrated parameter (torch.ao keeps neither)."""
+    seen = (lo <= hi).to(torch.int64)
+    values = dict(min_val=lo, max_val=hi, count=seen, batches=seen.clone(), nonfinite=torch.zeros_like(seen))
+    return [values[name] for name in fields]
 
 
 def _histogram_state(obs, observer) -> HistogramState:
@@ -496,9 +490,13 @@ def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 
         per_octave = buckets_per_octave_for_bins(obs.bins) if buckets_per_octave is None else buckets_per_octave
         observer = histogram(spec, per_octave, octaves)
         return observer, spec, _histogram_state(obs, observer)
-    lo, hi, seen = _extremes(obs)
-    nonfinite = torch.zeros_like(seen)
-    if isinstance(obs, (ao.MovingAverageMinMaxObserver, ao.MovingAveragePerChannelMinMaxObserver)):
-        observer = moving_average_minmax(spec, obs.averaging_constant)
-        return observer, spec, MovingAverageMinMaxState(lo, hi, seen.clone(), seen, nonfinite)
-    return minmax(spec), spec, MinMaxState(lo, hi, seen, nonfinite)
+    lo, hi = obs.min_val.detach().float().clone(), obs.max_val.detach().float().clone()
+    if lo.numel() == 0:  # torch.ao's per-channel observers learn their channel count from data
+        raise ValueError(
+            f"from_observer: the {type(obs).__name__} has seen no data (empty min_val); build the qstats state "
+            "with observer.init(x) instead"
+        )
+    moving = isinstance(obs, (ao.MovingAverageMinMaxObserver, ao.MovingAveragePerChannelMinMaxObserver))
+    observer = moving_average_minmax(spec, obs.averaging_constant) if moving else minmax(spec)
+    state_type = MovingAverageMinMaxState if moving else MinMaxState
+    return observer, spec, state_type._make(_extremes_state(state_type._fields, lo, hi))

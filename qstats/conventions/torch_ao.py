@@ -22,19 +22,6 @@ from .default import (
 
 __all__ = ["PER_CHANNEL_QSCHEMES", "TorchAOConvention", "from_torch_ao"]
 
-_ALLOWED_DTYPES = (
-    torch.qint8,
-    torch.quint8,
-    torch.quint4x2,
-    torch.qint32,
-    torch.int8,
-    torch.uint8,
-    torch.int16,
-    torch.int32,
-    torch.float8_e5m2,
-    torch.float8_e4m3fn,
-    torch.uint16,
-)
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 PER_CHANNEL_QSCHEMES = (torch.per_channel_affine, torch.per_channel_symmetric, torch.per_channel_affine_float_qparams)
@@ -47,6 +34,8 @@ _DEFAULT_RANGES = {
     torch.uint16: (0, 2**16 - 1),
     torch.int16: (-(2**15), 2**15 - 1),
 }
+# what torch.ao's observers accept: the dtypes above, and those with the range (0, 15)
+_ALLOWED_DTYPES = (*_DEFAULT_RANGES, torch.quint4x2, torch.float8_e5m2, torch.float8_e4m3fn)
 _REDUCIBLE = (torch.qint8, torch.int8, torch.quint8, torch.uint8)
 
 

@@ -19,13 +19,10 @@ from .default import Convention
 
 __all__ = ["TorchaoConvention", "from_torchao"]
 
-_MAPPINGS = {
-    "SYMMETRIC": "symmetric",
-    "SYMMETRIC_NO_CLIPPING_ERR": "symmetric_no_clipping_err",
-    "ASYMMETRIC": "asymmetric",
-}
-_DOMAINS = {"INT": "int", "FLOAT": "float", "NONE": "none"}
-_SCALE_MODES = {"FLOOR": "floor", "CEIL": "ceil", "EVEN": "even", "RCEIL": "rceil"}
+# torchao's enum members, whose lower-case names are qstats'
+_MAPPINGS = ("SYMMETRIC", "SYMMETRIC_NO_CLIPPING_ERR", "ASYMMETRIC")
+_DOMAINS = ("INT", "FLOAT", "NONE")
+_SCALE_MODES = ("FLOOR", "CEIL", "EVEN", "RCEIL")
 _MX_ELEMENTS = {
     torch.float8_e4m3fn: "fp8_e4m3fn",
     torch.float8_e5m2: "fp8_e5m2",
@@ -39,11 +36,12 @@ _E8M0 = torch_dtype("float8_e8m0fnu")  # torch >= 2.7
 _NVFP4_BLOCK_SCALE_EPS = float(torch.finfo(torch.float8_e4m3fn).tiny)  # torchao E4M3_EPS
 
 
-def _enum_name(value, table, what):
+def _enum_name(value, names, what):
+    """qstats' name of a torchao enum member (or its name, any case), one of ``names``."""
     name = getattr(value, "name", value)
-    if isinstance(name, str) and name.upper() in table:
-        return table[name.upper()]
-    raise ValueError(f"from_torchao: unknown {what} {value!r}; expected one of {sorted(table)}")
+    if isinstance(name, str) and name.upper() in names:
+        return name.lower()
+    raise ValueError(f"from_torchao: unknown {what} {value!r}; expected one of {sorted(names)}")
 
 
 # choose_qparams_affine's integer targets (torchao's _DTYPE_TO_QVALUE_BOUNDS); torchao refuses
@@ -56,13 +54,6 @@ def _int_target(dtype) -> str:
     name = str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else str(dtype)
     if name in _AFFINE_TARGETS:
         return name
-    if isinstance(dtype, torch.dtype) and dtype in _FLOAT8:
-        raise ValueError(
-            f"from_torchao: target_dtype {dtype} with choose_qparams_affine's arguments (mapping_type, "
-            "zero_point_domain, quant_min, quant_max, eps, zero_point_dtype, preserve_zero): torchao rounds such "
-            f"float8 codes to integers, which qstats does not emulate; use from_torchao({dtype}, granularity=, "
-            "scale_dtype=, input_dtype=) (_choose_scale_float8)"
-        )
     raise ValueError(
         f"from_torchao: target_dtype {dtype!r} is not a target of torchao's choose_qparams_affine "
         "(torch.int1...int8, uint1...uint8, int16, int32; torchao raises 'Unsupported dtype')"
@@ -79,11 +70,17 @@ def _int_bound(value, name):
 
 
 def _granularity(kwargs) -> Granularity:
+    """The qstats granularity of ``granularity=`` (qstats', or torchao's read by its class name), else
+    of ``block_size=`` for tensors of ``shape=``, else per tensor."""
     granularity = kwargs.pop("granularity", None)
     block_size = kwargs.pop("block_size", None)
     shape = kwargs.pop("shape", None)
+    if isinstance(granularity, Granularity):
+        return granularity
     if granularity is not None:
-        return granularity if isinstance(granularity, Granularity) else _torchao_granularity(granularity)
+        if type(granularity).__name__ not in _GRANULARITIES:
+            raise ValueError(f"from_torchao: unsupported granularity {granularity!r}")
+        return _GRANULARITIES[type(granularity).__name__](granularity)
     if block_size is None:
         return PerTensor()
     if shape is None:
@@ -103,14 +100,6 @@ _GRANULARITIES = {
     # last two dimensions are the same granularity; other entries span leading dimensions
     "PerBlock": lambda g: PerBlock(_strip_leading_ones(tuple(int(b) for b in g.block_size))),
 }
-
-
-def _torchao_granularity(granularity) -> Granularity:
-    """The qstats granularity of a torchao granularity object (read by its class name)."""
-    kind = type(granularity).__name__
-    if kind not in _GRANULARITIES:
-        raise ValueError(f"from_torchao: unsupported granularity {granularity!r}")
-    return _GRANULARITIES[kind](granularity)
 
 
 def _strip_leading_ones(block: tuple) -> tuple:
@@ -159,13 +148,17 @@ def from_torchao(cls, target_dtype, kwargs):
         dynamic = getattr(target_dtype, "use_dynamic_per_tensor_scale", True) if nvfp4_config else True
         return _nvfp4_spec(cls, kwargs.pop("per_tensor_scale", dynamic), kwargs, overrides)
     if kind == "QuantizeTensorToFloat8Kwargs":  # Float8Tensor's (and its activations') arguments
-        config = target_dtype
         for name in ("granularity", "hp_value_lb", "hp_value_ub"):
-            kwargs.setdefault(name, getattr(config, name))
-        return _float8_spec(cls, config.float8_dtype, kwargs, overrides)
+            kwargs.setdefault(name, getattr(target_dtype, name))
+        return _float8_spec(cls, target_dtype.float8_dtype, kwargs, overrides)
     if isinstance(target_dtype, torch.dtype) and target_dtype in _FLOAT8 and "scaling_mode" not in kwargs:
         if _AFFINE_ONLY.intersection(kwargs):
-            _int_target(target_dtype)  # raises: choose_qparams_affine on a float8 target
+            raise ValueError(
+                f"from_torchao: target_dtype {target_dtype} with choose_qparams_affine's arguments "
+                "(mapping_type, zero_point_domain, quant_min, quant_max, eps, zero_point_dtype, preserve_zero): "
+                "torchao rounds such float8 codes to integers, which qstats does not emulate; use "
+                f"from_torchao({target_dtype}, granularity=, scale_dtype=, input_dtype=) (_choose_scale_float8)"
+            )
         return _float8_spec(cls, target_dtype, kwargs, overrides)
     if "scaling_mode" in kwargs or "elem_dtype" in kwargs:
         elem = kwargs.pop("elem_dtype", target_dtype)
@@ -349,9 +342,7 @@ _FLOAT32_MIN_NORMAL = float(torch.finfo(torch.float32).tiny)
 def _dtypes(spec):
     """The dtypes torchao computes in: the input's (``compute_dtype``) and the scale's (float32
     for float8 and e8m0 scales)."""
-    compute = getattr(torch, spec.compute_dtype)
-    scale_dtype = _DTYPE_BY_NAME.get(spec.scale_dtype, torch.float32)
-    return compute, scale_dtype
+    return getattr(torch, spec.compute_dtype), _DTYPE_BY_NAME.get(spec.scale_dtype, torch.float32)
 
 
 def _own_arithmetic(spec) -> bool:
