@@ -37,9 +37,7 @@ def _figure():
 
 def _select(t: torch.Tensor, index: tuple):
     """The entry of ``t`` at ``index``; a tensor with fewer dimensions (the global scale of a stacked
-    two-level state: one per expert) takes the leading components."""
-    if t.dim() == 0:
-        return t
+    two-level state: one per expert) takes the leading components (a 0-dim one is itself)."""
     return t[index[: t.dim()]]
 
 
@@ -91,8 +89,7 @@ def _clip_range(label, qp, index: tuple, spec: QuantSpec) -> tuple:
 
 
 def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec: QuantSpec, path=None, *,
-              index=None, title: Optional[str] = None,
-              plot_bins: int = 400):
+              index=None, title: Optional[str] = None, plot_bins: int = 400):
     """Draws a histogram state with the clipping range of each method.
 
     Args:
@@ -138,13 +135,10 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     axes = figure.subplots()
     centres = ((grid[:-1] + grid[1:]) / 2).numpy()
     axes.fill_between(centres, density.numpy(), step="mid", color="0.6", alpha=0.8, label="values")
-    axes.set_yscale("log")
-    axes.set_xlabel("value")
-    axes.set_ylabel("count per bin")
-    colours = [f"C{i}" for i in range(10)]  # the property cycle's colours
+    axes.set(yscale="log", xlabel="value", ylabel="count per bin")
     for i, (label, qp) in enumerate(qparams.items()):
         clip_lo, clip_hi = _clip_range(label, qp, index, spec)
-        colour = colours[i % len(colours)]
+        colour = f"C{i % 10}"  # the property cycle's colours
         axes.axvline(clip_lo, color=colour, linestyle="--", linewidth=1.2)
         axes.axvline(clip_hi, color=colour, linestyle="--", linewidth=1.2,
                      label=f"{label}: [{clip_lo:.3g}, {clip_hi:.3g}]")

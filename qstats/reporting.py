@@ -31,20 +31,6 @@ from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
 
-COLUMNS = (
-    "module",
-    "site",
-    "observer",
-    "experts",
-    "min",
-    "max",
-    "mean_scale",
-    "clipped_fraction",
-    "sqnr_db",
-    "coverage",
-    "nonfinite",
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class LayerReport:
@@ -67,6 +53,9 @@ class LayerReport:
         return {name: getattr(self, name) for name in COLUMNS}
 
 
+COLUMNS = tuple(field.name for field in dataclasses.fields(LayerReport))  # the table's columns, in order
+
+
 def _format(value: Any) -> str:
     if value is None:
         return "-"
@@ -78,15 +67,14 @@ def _format(value: Any) -> str:
 def _row_count(count: Any) -> int:
     """``count`` as a Python int: any integral (``operator.index``: int, numpy or one-element torch
     integers), not a bool (Python, numpy or torch), float or string; ValueError unless non-negative."""
-    if isinstance(count, bool) or (isinstance(count, torch.Tensor) and count.dtype == torch.bool):
-        raise ValueError(f"worst: count must be a non-negative int, got {count!r}")
+    is_bool = isinstance(count, bool) or (isinstance(count, torch.Tensor) and count.dtype == torch.bool)
     try:
-        count = operator.index(count)
+        index = None if is_bool else operator.index(count)
     except TypeError:
-        raise ValueError(f"worst: count must be a non-negative int, got {count!r}") from None
-    if count < 0:
+        index = None
+    if index is None or index < 0:
         raise ValueError(f"worst: count must be a non-negative int, got {count!r}")
-    return count
+    return index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,16 +116,14 @@ class Report:
         """A fixed-width table, followed by the ``worst`` rows by SQNR (default
         ``worst_listed``)."""
         worst = self.worst_listed if worst is None else worst
-        table = [COLUMNS] + [tuple(_format(row.as_dict()[name]) for name in COLUMNS) for row in self.rows]
+        table = [COLUMNS] + [tuple(map(_format, row.as_dict().values())) for row in self.rows]
         widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in table]
         lines.insert(1, "  ".join("-" * width for width in widths))
         worst_rows = self.worst(worst)
         if worst_rows:
-            lines.append("")
-            lines.append(f"worst {len(worst_rows)} by SQNR:")
-            for row in worst_rows:
-                lines.append(f"  {row.module} [{row.site}]: {row.sqnr_db:.2f} dB")
+            lines += ["", f"worst {len(worst_rows)} by SQNR:"]
+            lines += [f"  {row.module} [{row.site}]: {row.sqnr_db:.2f} dB" for row in worst_rows]
         return "\n".join(lines)
 
     def to_csv(self, path=None) -> str:
@@ -146,26 +132,26 @@ class Report:
         writer = csv.writer(buffer, lineterminator="\n")
         writer.writerow(COLUMNS)
         for row in self.rows:
-            writer.writerow(["" if row.as_dict()[name] is None else row.as_dict()[name] for name in COLUMNS])
-        text = buffer.getvalue()
-        if path is not None:
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(text)
-        return text
+            writer.writerow(["" if value is None else value for value in row.as_dict().values()])
+        return _written(buffer.getvalue(), path)
 
     def to_json(self, path=None) -> str:
         """Strict JSON text, a list of row objects (written to ``path`` when given); missing values
         are null, non-finite numbers the strings ``"Infinity"``, ``"-Infinity"`` and ``"NaN"``
         (``float(value)`` reads every field back)."""
         rows = [{name: _json_number(value) for name, value in row.as_dict().items()} for row in self.rows]
-        text = json.dumps(rows, indent=1, allow_nan=False)
-        if path is not None:
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(text)
-        return text
+        return _written(json.dumps(rows, indent=1, allow_nan=False), path)
 
     def __str__(self) -> str:
         return self.text()
+
+
+def _written(text: str, path) -> str:
+    """``text``, written to ``path`` first when one is given."""
+    if path is not None:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    return text
 
 
 def _json_number(value: Any) -> Any:
@@ -176,22 +162,20 @@ def _json_number(value: Any) -> Any:
     return value
 
 
+@dataclasses.dataclass
 class _Error:
     """Running sums for the SQNR, clipped fraction and non-finite count of one site."""
 
-    def __init__(self):
-        self.signal = 0.0
-        self.noise = 0.0
-        self.clipped = 0
-        self.total = 0
-        self.nonfinite = 0
+    signal: float = 0.0
+    noise: float = 0.0
+    clipped: int = 0
+    total: int = 0
+    nonfinite: int = 0
 
-    def add(self, signal: float, noise: float, clipped: int, total: int, nonfinite: int) -> None:
-        self.signal += signal
-        self.noise += noise
-        self.clipped += clipped
-        self.total += total
-        self.nonfinite += nonfinite
+    def add(self, *numbers) -> None:
+        """Adds `tensor_error`'s ``(signal, noise, clipped, total, nonfinite)``."""
+        for field, number in zip(dataclasses.fields(self), numbers, strict=True):
+            setattr(self, field.name, getattr(self, field.name) + number)
 
     def sqnr_db(self) -> Optional[float]:
         if self.total == 0:
@@ -231,11 +215,8 @@ def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = 
     scale = broadcast_to_view(qparams.scale.float())
     zero_point = broadcast_to_view(qparams.zero_point)
     unclamped, _ = _codes_float(view, scale, zero_point, spec, global_scale=qparams.global_scale)
-    if spec.is_float:
-        outside = unclamped.abs() > spec.float_format.max
-    else:
-        qmin, qmax = spec.qrange
-        outside = (unclamped < qmin) | (unclamped > qmax)
+    qmin, qmax = spec.qrange  # (-max, max) for a float format
+    outside = (unclamped < qmin) | (unclamped > qmax)
     finite = torch.isfinite(x)
     counted = torch.ones_like(finite) if mask is None else (mask != 0).to(x.device).expand(x.shape)
     keep, left_out = finite & counted, ~finite & counted
@@ -246,12 +227,10 @@ def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = 
 
 def _extreme(state, name: str, reduce) -> Optional[float]:
     value = getattr(state, name, None)
-    if not isinstance(value, torch.Tensor) or value.numel() == 0:
+    if not isinstance(value, torch.Tensor):
         return None
     finite = value[torch.isfinite(value)]
-    if finite.numel() == 0:
-        return None
-    return float(reduce(finite))
+    return float(reduce(finite)) if finite.numel() else None
 
 
 def report(
@@ -372,14 +351,11 @@ def _measure_parameters(plan: Plan, qparams: Mapping, errors: dict) -> None:
             found = plan.site(path, site)
             if found is None or found.kind != "parameter":
                 continue
-            error = _Error()
+            error = errors[(path, site)] = _Error()
             value = parameter_value(plan, path, site, "report")
-            if found.num_experts:
-                for expert in range(found.num_experts):
-                    error.add(*tensor_error(value[expert], experts_qparams(qp, expert), found.spec))
-            else:
-                error.add(*tensor_error(value, qp, found.spec))
-            errors[(path, site)] = error
+            parts = [(value[e], experts_qparams(qp, e)) for e in range(found.num_experts)] or [(value, qp)]
+            for part, part_qp in parts:
+                error.add(*tensor_error(part, part_qp, found.spec))
 
 
 def _add_error(error: _Error, x: torch.Tensor, qp, found, keep: Optional[torch.Tensor] = None) -> None:
@@ -405,13 +381,10 @@ class _ActivationError:
             return
         weight = self.current_weight[0]
         weight = None if weight is None else weight_of(x, weight)  # as calibrate takes it
-        if weight is not None:
-            # padding is left out of every measured number (zero is not representable with a float
-            # zero point, and its code may fall outside the range)
-            keep = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - weight.ndim)) != 0
-            _add_error(self.error, x, self.qparams, self.found, keep)
-            return
-        _add_error(self.error, x, self.qparams, self.found)
+        # padding is left out of every measured number (zero is not representable with a float
+        # zero point, and its code may fall outside the range)
+        keep = None if weight is None else weight.reshape(weight.shape + (1,) * (x.ndim - weight.ndim)) != 0
+        _add_error(self.error, x, self.qparams, self.found, keep)
 
 
 class _ExpertErrors(ExpertCallHooks):
@@ -436,11 +409,9 @@ class _ExpertErrors(ExpertCallHooks):
         stop_capture(capture, hooks)
         if output is None:  # the forward raised
             return
-        weight = self.current_weight[0]
-        if weight is not None and tokens is not None:  # calibrate's fit: one weight per token of the experts' input
+        weight = self.current_weight[0] if tokens is not None else None
+        if weight is not None:  # calibrate's fit: one weight per token of the experts' input
             weight = weight_of(tokens.reshape(-1, tokens.shape[-1]), weight, flattened=True)
-        else:
-            weight = None
         measured: set = set()
         for name, calls in capture.rows.items():
             for site in ("input", f"{name}.input"):  # both where both exist, as `fake_quantized` applies them
@@ -463,13 +434,10 @@ class _ExpertErrors(ExpertCallHooks):
             start, offset = offset, offset + rows.shape[0]  # `row_tokens` holds every call's rows
             if (site == "input" and tokens is None) or not rows.is_floating_point():
                 continue
-            if weight is None:
-                keep = None
-            elif site == "input":
-                keep = weight.reshape(-1).to(tokens.device)[tokens] != 0
-            else:
-                keep = kept[start:offset]
-            keep = None if keep is None else keep.to(rows.device)
+            keep = None
+            if weight is not None:
+                keep = kept[start:offset] if site != "input" else weight.reshape(-1).to(tokens.device)[tokens]
+                keep = keep.to(rows.device) != 0
             for expert, chosen in rows_by_expert(ids, found.num_experts):  # each under its own QParams
                 part_keep = None if keep is None else keep[chosen][:, None]
                 _add_error(error, rows[chosen], experts_qparams(qp, expert), found, part_keep)

@@ -83,10 +83,9 @@ def check_search_args(spec, maxshrink, grid, norm, steps, where: str = "mse") ->
         raise TypeError(f"{where}: expected a QuantSpec, got {type(spec).__name__}")
     if not (is_real_number(maxshrink) and 0 <= maxshrink <= 1):
         raise ValueError(f"{where}: maxshrink must be in [0, 1], got {maxshrink!r}")
-    if not (is_real_number(grid) and 0 < grid < math.inf):
-        raise ValueError(f"{where}: grid must be a positive finite number, got {grid!r}")
-    if not (is_real_number(norm) and 0 < norm < float("inf")):
-        raise ValueError(f"{where}: norm must be a positive finite number, got {norm!r}")
+    for name, value in (("grid", grid), ("norm", norm)):
+        if not (is_real_number(value) and 0 < value < math.inf):
+            raise ValueError(f"{where}: {name} must be a positive finite number, got {value!r}")
     count = int(maxshrink * grid) if steps is None else steps
     if count < 1:
         raise ValueError(f"{where}: int(maxshrink * grid) must be at least 1 candidate, got {count} "
@@ -96,8 +95,9 @@ def check_search_args(spec, maxshrink, grid, norm, steps, where: str = "mse") ->
 _CHUNK = 1 << 18  # elements per chunk: temporaries stay small and are reused by the allocator
 
 
-def _chunk_bounds(size: int, step: int):
-    return [(start, min(size, start + step)) for start in range(0, size, step)]
+def _chunk_slices(size: int, step: int) -> list:
+    step = max(1, step)
+    return [slice(start, start + step) for start in range(0, size, step)]
 
 
 def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, norm: float):
@@ -110,7 +110,7 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
     # bf16/fp16 inputs under a spec that computes in their dtype (compressed-tensors with
     # observed_dtype): quantized from their own values and dequantized to it, as compressed-tensors'
     # fake_quantize does. Other specs accumulate half-precision inputs in float32.
-    native = v.dtype if v.dtype != compute_dtype and _computes_natively(spec, v.dtype) else None
+    native = v.dtype if _computes_natively(spec, v.dtype) else None
     v = torch.nan_to_num(v.to(compute_dtype), nan=0.0, posinf=0.0, neginf=0.0)
     if mask is not None:
         v = torch.where(mask, v, torch.zeros_like(v))
@@ -127,29 +127,22 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
     weights = None if importance is None else importance.expand(view.shape).reshape(observations, num_params, group)
     keep = None if error_mask is None else error_mask.expand(view.shape).reshape(observations, num_params, group)
     calibrated = torch.ones(lo.shape, dtype=torch.bool, device=lo.device)
-    scales, zero_points = [], []
-    for p in factors:
-        qp = qparams_from_minmax(lo * p, hi * p, spec, calibrated=calibrated)
-        scales.append(qp.scale.float().reshape(1, num_params, 1))
-        zero_points.append(qp.zero_point.reshape(1, num_params, 1))
-    per_chunk = max(1, _CHUNK // max(1, observations * group))
+    candidates = [qparams_from_minmax(lo * p, hi * p, spec, calibrated=calibrated) for p in factors]
+    scales = [qp.scale.float().reshape(1, num_params, 1) for qp in candidates]
+    zero_points = [qp.zero_point.reshape(1, num_params, 1) for qp in candidates]
+    every = slice(None)
     if v.numel() <= _CHUNK:  # one chunk, decided without the sizes' values: torch.compile keeps one graph
-        chunks = [(slice(None), slice(None), slice(None))]
+        chunks = [(every, every, every)]
     elif num_params > 1:
-        chunks = [(slice(None), slice(a, b), slice(None)) for a, b in _chunk_bounds(num_params, per_chunk)]
+        chunks = [(every, cut, every) for cut in _chunk_slices(num_params, _CHUNK // (observations * group))]
     else:
-        chunks = [(slice(None), slice(None), slice(a, b)) for a, b in _chunk_bounds(group, max(1, _CHUNK // observations))]
+        chunks = [(every, every, cut) for cut in _chunk_slices(group, _CHUNK // observations)]
     # compressed-tensors specs on bf16/fp16 inputs, without an importance: the error of every value
     # in the input's dtype and its sum rounded to it once, as llm-compressor's MSE observers form them
     native_error = native is not None and importance is None
-    rows = [
-        _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, native, native_error)
-        for index in chunks
-    ]  # per chunk: (C, params in chunk)
-    if num_params > 1:
-        total = torch.cat(rows, dim=-1)
-    else:
-        total = torch.stack(rows, dim=0).sum(0)
+    rows = [_chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, native, native_error)
+            for index in chunks]  # per chunk: (C, params in chunk)
+    total = torch.cat(rows, dim=-1) if num_params > 1 else torch.stack(rows, dim=0).sum(0)
     if native_error:  # the float32 sums rounded once to the input's dtype, where they fit it
         narrow = total.to(torch.float32).to(native)
         total = torch.where(narrow.isfinite(), narrow.to(torch.float64), total)
@@ -174,12 +167,11 @@ def _chunk_losses(v, index, scales, zero_points, weights, keep, spec, norm, nati
     """
     part = v[index]
     code_input = part if native is None else part.to(native)  # exact: the values came from native
-    param_index = (slice(None), index[1], slice(None))
     weights = None if weights is None else weights[index]
     keep = None if keep is None else keep[index]
     losses = []
     for scale_all, zero_all in zip(scales, zero_points):
-        scale, zero_point = scale_all[param_index], zero_all[param_index]
+        scale, zero_point = scale_all[:, index[1]], zero_all[:, index[1]]
         _, codes = _codes_float(code_input, scale, zero_point, spec)
         dequantized = _dequantize_view(codes, scale, zero_point, spec)
         if native is not None:
@@ -328,8 +320,7 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     check_search_args(spec, maxshrink, grid, norm, steps)
     patience = _check_modes(mode, expand, averaging_constant, patience)
     factors = shrink_factors(maxshrink, grid, steps)
-    norm = float(norm)
-    expand = float(expand)
+    norm, expand = float(norm), float(expand)
     _check_importance_type(importance)
     given, spec = spec, search_spec(spec)
 
@@ -339,10 +330,11 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
         if mask is not None:
             mask = (mask != 0).expand(view.shape)
         lo, hi, count, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
+        lo, hi = _batch_range(lo, hi, expand, spec, x.dtype)
         return view, mask, _checked_importance(importance, view, where), lo, hi, count, nonfinite
 
     if mode == "moving_average":
-        observer = _moving_average(spec, factors, norm, expand, averaging_constant, patience, observe)
+        observer = _moving_average(spec, factors, norm, averaging_constant, patience, observe)
     else:
         observer = _accumulate(spec, factors, norm, expand, reference, observe)
     return observer._replace(spec=given)
@@ -390,8 +382,14 @@ def _check_modes(mode, expand, averaging_constant, patience):
         )
     if patience is _MOVING_AVERAGE_PATIENCE:
         return 5
-    if patience is not None and not (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 0):
-        raise ValueError(f"mse: patience must be a non-negative int or None, got {patience!r}")
+    return _checked_patience(patience, "mse")
+
+
+def _checked_patience(patience, where: str):
+    """``patience`` after ValueError unless it is None or a non-negative int (not a bool)."""
+    ok = patience is None or (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 0)
+    if not ok:
+        raise ValueError(f"{where}: patience must be a non-negative int or None, got {patience!r}")
     return patience
 
 
@@ -427,11 +425,9 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
         view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
         # the batch's range becomes the reference where none is set yet and the batch saw values
         from_batch = ~(state.min_val <= state.max_val) & (count > 0)
-        lo, hi = _batch_range(lo, hi, expand, spec, x.dtype)
         ref_lo = torch.where(from_batch, lo, state.min_val)
         ref_hi = torch.where(from_batch, hi, state.max_val)
-        safe_lo = torch.where(ref_lo <= ref_hi, ref_lo, torch.zeros_like(ref_lo))
-        safe_hi = torch.where(ref_lo <= ref_hi, ref_hi, torch.zeros_like(ref_hi))
+        safe_lo, safe_hi = (torch.where(ref_lo <= ref_hi, t, torch.zeros_like(t)) for t in (ref_lo, ref_hi))
         batch_loss = candidate_losses(view, mask, imp, safe_lo, safe_hi, factors, spec, norm)
         return MSEState(ref_lo, ref_hi, state.loss + batch_loss, state.factors, state.count + count,
                         state.nonfinite + nonfinite)
@@ -461,7 +457,7 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
     return Observer(init_fn, update_fn, merge_fn, exact=exact, spec=spec, name="mse")
 
 
-def _moving_average(spec, factors, norm, expand, constant, patience, observe):
+def _moving_average(spec, factors, norm, constant, patience, observe):
     def init_fn(x: torch.Tensor) -> MovingAverageMSEState:
         shape = qparam_shape(x.shape, spec.granularity)
         count = torch.zeros(shape, dtype=torch.int64, device=x.device)
@@ -474,7 +470,6 @@ def _moving_average(spec, factors, norm, expand, constant, patience, observe):
             return state
         view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
         seen = count > 0
-        lo, hi = _batch_range(lo, hi, expand, spec, x.dtype)
         base_lo, base_hi = (torch.where(seen, t, torch.zeros_like(t)) for t in (lo, hi))
         loss = candidate_losses(view, mask, imp, base_lo, base_hi, factors, spec, norm)
         p = _chosen_factor(loss, torch.tensor(factors, dtype=torch.float64, device=loss.device), patience)
@@ -486,16 +481,14 @@ def _moving_average(spec, factors, norm, expand, constant, patience, observe):
         def native(t):
             return t.to(x.dtype).to(torch.float32) if natively else t
 
-        batch_lo, batch_hi = native(native(base_lo) * p), native(native(base_hi) * p)
-        moved_lo = native(native(state.min_val * (1.0 - constant)) + native(batch_lo * constant))
-        moved_hi = native(native(state.max_val * (1.0 - constant)) + native(batch_hi * constant))
-        return MovingAverageMSEState(
-            torch.where(seen, torch.where(first, batch_lo, moved_lo), state.min_val),
-            torch.where(seen, torch.where(first, batch_hi, moved_hi), state.max_val),
-            state.batches + seen.to(torch.int64),
-            state.count + count,
-            state.nonfinite + nonfinite,
-        )
+        def averaged(old, base):  # the first batch's range, or the moving average with it
+            batch = native(native(base) * p)
+            moved = native(native(old * (1.0 - constant)) + native(batch * constant))
+            return torch.where(seen, torch.where(first, batch, moved), old)
+
+        return MovingAverageMSEState(averaged(state.min_val, base_lo), averaged(state.max_val, base_hi),
+                                     state.batches + seen.to(torch.int64), state.count + count,
+                                     state.nonfinite + nonfinite)
 
     def merge_fn(a, b) -> MovingAverageMSEState:
         check_state(a, MovingAverageMSEState, "mse.merge")
@@ -512,9 +505,7 @@ def _moving_average(spec, factors, norm, expand, constant, patience, observe):
 
 @register_range_rule(MSEState)
 def _mse_rule(state: MSEState, spec: QuantSpec, patience: Optional[int] = None) -> Range:
-    if patience is not None and not (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 0):
-        raise ValueError(f"compute_qparams: patience must be a non-negative int or None, got {patience!r}")
-    p = _chosen_factor(state.loss, state.factors, patience)
+    p = _chosen_factor(state.loss, state.factors, _checked_patience(patience, "compute_qparams"))
     calibrated = (state.count > 0) & (state.min_val <= state.max_val)
     lo = torch.where(calibrated, state.min_val * p, state.min_val)
     hi = torch.where(calibrated, state.max_val * p, state.max_val)
