@@ -84,10 +84,7 @@ _TORCH_DTYPE_NAMES = {
     torch.uint16: "uint16",
     torch.int32: "int32",
     torch.qint32: "int32",
-    torch.float8_e4m3fn: "fp8_e4m3fn",
-    torch.float8_e5m2: "fp8_e5m2",
-    torch.float8_e4m3fnuz: "fp8_e4m3fnuz",
-    torch.float8_e5m2fnuz: "fp8_e5m2fnuz",
+    **{fmt.torch_dtype: name for name, fmt in _FLOAT_FORMATS.items() if fmt.torch_dtype is not None},
 }
 if torch_dtype("float4_e2m1fn_x2") is not None:  # torch >= 2.8; the name "fp4_e2m1" works on any torch
     _TORCH_DTYPE_NAMES[torch_dtype("float4_e2m1fn_x2")] = "fp4_e2m1"
@@ -296,9 +293,7 @@ class QuantSpec:
 
     @property
     def is_signed(self) -> bool:
-        if self.is_float:
-            return True
-        return _parse_int_dtype(self.dtype)[0]
+        return self.is_float or _parse_int_dtype(self.dtype)[0]
 
     @property
     def bits(self) -> int:
@@ -329,12 +324,8 @@ class QuantSpec:
             lo, hi = self.quant_min, self.quant_max
         else:
             lo, hi = self.dtype_range
-        if self.reduce_range:
-            if self.quant_min is not None:
-                lo, hi = lo // 2, hi // 2
-            else:
-                signed, bits = _parse_int_dtype(self.dtype)
-                lo, hi = (-(2 ** (bits - 2)), 2 ** (bits - 2) - 1) if signed else (0, 2 ** (bits - 1) - 1)
+        if self.reduce_range:  # the dtype's own range halved is one bit fewer (one-bit dtypes are refused)
+            lo, hi = lo // 2, hi // 2
         if self.mapping == "narrow":
             lo = -hi
         return lo, hi

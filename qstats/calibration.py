@@ -539,8 +539,7 @@ class _ExpertInputs(ExpertCallHooks):
         inside = (ids >= 0) & (ids < found.num_experts)  # expert-parallel sentinels: no expert's rows
         if not rows.shape[0]:
             return rows
-        experts = ids.clamp(0, found.num_experts - 1)
-        per_row = experts_qparams(qp, experts)
+        per_row = experts_qparams(qp, ids.clamp(0, found.num_experts - 1))
 
         tracked = _needs_gradient(rows)
 

@@ -14,6 +14,7 @@ tensor(3.)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any, Optional, Union
 
@@ -63,14 +64,11 @@ def register_reduce_ops(state_cls: Union[type, str], ops: Any) -> None:
         name, fields = state_cls.__name__, tuple(state_cls._fields)
     else:
         raise TypeError(f"register_reduce_ops: expected a NamedTuple state class or its name, got {state_cls!r}")
-    if callable(ops):
+    if callable(ops) or ops == _FOLD:
         _REGISTRY[name] = ops
         return
     if isinstance(ops, str):
-        if ops != _FOLD:
-            raise ValueError(f"register_reduce_ops({name}): ops must be a field mapping or 'fold', got {ops!r}")
-        _REGISTRY[name] = _FOLD
-        return
+        raise ValueError(f"register_reduce_ops({name}): ops must be a field mapping or 'fold', got {ops!r}")
     ops = dict(ops)
     bad = {field: op for field, op in ops.items() if op not in REDUCE_OPS}
     if bad:
@@ -124,23 +122,27 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields") and not isinstance(x, Observer)
 
 
+def _where(path) -> str:
+    """A tree path as errors name it."""
+    return "/".join(map(str, path)) or "<root>"
+
+
 def _flatten(tree: Any, observers: Any):
     paths, states, treespec = optree.tree_flatten_with_path(tree, is_leaf=_is_state)
     for path, state in zip(paths, states):
-        where = "/".join(map(str, path)) or "<root>"
+        where = _where(path)
         if not _is_state(state):
             raise TypeError(f"all_reduce: the leaf at {where!r} is a {type(state).__name__}, not an observer state")
         for field, value in zip(state._fields, state):
             if not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"all_reduce: field {field!r} of the {type(state).__name__} at {where!r} is a "
-                    f"{type(value).__name__}, not a tensor"
-                )
-            if value.layout != torch.strided:  # the flat buckets and byte views need dense tensors
-                raise TypeError(
-                    f"all_reduce: field {field!r} of the {type(state).__name__} at {where!r} is a "
-                    f"{value.layout} tensor, not a dense (strided) one"
-                )
+                problem = f"{type(value).__name__}, not a tensor"
+            elif value.layout != torch.strided:  # the flat buckets and byte views need dense tensors
+                problem = f"{value.layout} tensor, not a dense (strided) one"
+            else:
+                continue
+            raise TypeError(
+                f"all_reduce: field {field!r} of the {type(state).__name__} at {where!r} is a {problem}"
+            )
     if isinstance(observers, Observer):
         leaf_observers = [observers] * len(states)
     else:
@@ -154,9 +156,9 @@ def _flatten(tree: Any, observers: Any):
         leaf_observers = optree.tree_leaves(broadcast, is_leaf=is_node_leaf)
         for path, obs in zip(paths, leaf_observers):
             if not isinstance(obs, Observer):
-                where = "/".join(map(str, path)) or "<root>"
                 raise TypeError(
-                    f"all_reduce: the observer for {where!r} is a {type(obs).__name__}, not a qstats.Observer"
+                    f"all_reduce: the observer for {_where(path)!r} is a {type(obs).__name__}, "
+                    "not a qstats.Observer"
                 )
     return paths, states, leaf_observers, treespec
 
@@ -172,12 +174,10 @@ def _plan(states, exact: bool):
     plan = []
     for state in states:
         ops = reduce_ops(state)
-        if ops != _FOLD and any(v.dtype not in _REDUCIBLE for v in state):
-            ops = _FOLD
-        if ops != _FOLD and exact:
-            if any(ops[f] == "sum" and v.is_floating_point() for f, v in zip(state._fields, state)):
-                ops = _FOLD
-        plan.append(None if ops == _FOLD else ops)
+        folds = ops == _FOLD or any(v.dtype not in _REDUCIBLE for v in state)
+        if not folds and exact:
+            folds = any(ops[f] == "sum" and v.is_floating_point() for f, v in zip(state._fields, state))
+        plan.append(None if folds else ops)
     return plan
 
 
@@ -198,7 +198,7 @@ def _check_values(paths, states, plan) -> None:
     if any(bool(torch.cat(parts).isnan().any()) for parts in flat.values()):  # one sync per device
         path, state, field, _ = next(e for e in extremes if bool(torch.isnan(e[3]).any()))
         raise ValueError(
-            f"all_reduce: field {field!r} of the {type(state).__name__} at {'/'.join(map(str, path)) or '<root>'!r} "
+            f"all_reduce: field {field!r} of the {type(state).__name__} at {_where(path)!r} "
             "holds NaN; observers leave NaN out of their extremes (counted in nonfinite), so the state is corrupt"
         )
     devices = {v.device for state, ops in zip(states, plan) if ops is None for v in state if v.numel() > 0}
@@ -227,9 +227,9 @@ def _check_merges(paths, states, plan, leaf_observers) -> None:
         try:
             obs.merge(state, state)
         except Exception as error:
-            where = "/".join(map(str, path)) or "<root>"
             raise ValueError(
-                f"all_reduce: {obs.name}.merge refuses the {type(state).__name__} at {where!r}: {error}"
+                f"all_reduce: {obs.name}.merge refuses the {type(state).__name__} at {_where(path)!r}: "
+                f"{error}"
             ) from error
 
 
@@ -293,17 +293,14 @@ def all_reduce(
             _check_merges(paths, states, plan, leaf_observers)
     except Exception as error:  # any local failure (a user's reduce-ops callable, say) raises on every rank
         local_error = error
-    if world <= 1 or not check:
-        # no process group, one rank, or this rank is not in ``group`` (size -1): no-op, as
-        # torch's collectives; without the check every rank must pass a valid tree
-        if local_error is not None:
-            raise local_error
-        if world <= 1:
-            return tree
-    else:
+    if world > 1 and check:
         fingerprint = -1 if local_error is not None else _fingerprint(treespec, states, plan, leaf_observers)
         _check_same_trees(fingerprint, local_error, group, states, treespec)
-    if not states:
+    elif local_error is not None:  # without the check every rank must pass a valid tree
+        raise local_error
+    if world <= 1 or not states:
+        # no process group, one rank, or this rank is not in ``group`` (size -1): no-op, as
+        # torch's collectives
         return tree
 
     results: list[list[Optional[torch.Tensor]]] = [[None] * len(s) for s in states]
@@ -324,17 +321,12 @@ def _reduce_elementwise(states, plan, group, results) -> None:
             buckets.setdefault(key, []).append((i, j, negate))
     for key in _bucket_order(buckets, _device_numbers(states)):
         members = buckets[key]
-        parts = []
-        for i, j, negate in members:
-            value = states[i][j].reshape(-1)
-            parts.append(-value if negate else value)
-        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        parts = [states[i][j].reshape(-1) for i, j, _ in members]
+        flat = torch.cat([-part if negate else part for part, (_, _, negate) in zip(parts, members)])
         dist.all_reduce(flat, op=getattr(dist.ReduceOp, _TORCH_OPS[key[0]]), group=group)
-        offset = 0
-        for i, j, negate in members:
-            value = states[i][j]
-            piece = flat[offset : offset + value.numel()].reshape(value.shape)
-            offset += value.numel()
+        pieces = flat.split([states[i][j].numel() for i, j, _ in members])
+        for (i, j, negate), piece in zip(members, pieces):
+            piece = piece.reshape(states[i][j].shape)
             results[i][j] = -piece if negate else piece
 
 
@@ -355,10 +347,8 @@ def _gather_and_fold(states, plan, leaf_observers, group, world: int, results) -
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local, group=group)
     per_rank = [_unpack(buffer, [states[i] for i in folded]) for buffer in gathered]
-    for k, i in enumerate(folded):
-        merged = per_rank[0][k]
-        for rank in range(1, world):
-            merged = leaf_observers[i].merge(merged, per_rank[rank][k])
+    for k, i in enumerate(folded):  # in rank order
+        merged = functools.reduce(leaf_observers[i].merge, [rank_states[k] for rank_states in per_rank])
         results[i] = list(merged)
 
 
@@ -374,11 +364,9 @@ def _check_same_trees(fingerprint: int, local_error, group, states, treespec) ->
     if int(probe[2]) != 0:
         raise ValueError("all_reduce: another rank's tree failed its local checks (see the error on that rank)")
     if int(probe[0]) != fingerprint or int(-probe[1]) != fingerprint:
-        hint = (
+        hint = "" if states else (
             " (no states here: a rank that calibrated no batch has no activation states; give every rank "
             "at least one batch, or pass each missing site's observer init state)"
-            if not states
-            else ""
         )
         raise ValueError(
             "all_reduce: the ranks passed different state trees (structure, state types, folding observers, "
@@ -387,8 +375,7 @@ def _check_same_trees(fingerprint: int, local_error, group, states, treespec) ->
 
 
 def _probe_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl":
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -409,14 +396,10 @@ def _flat(value: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack(buffer: torch.Tensor, templates):
-    out = []
-    offset = 0
-    for template in templates:
-        fields = []
-        for value in template:
-            size = value.numel() * value.element_size()
-            raw = buffer[offset : offset + size].clone()
-            offset += size
-            fields.append(raw.view(value.dtype).reshape(value.shape))
-        out.append(type(template)(*fields))
-    return out
+    """The states ``templates`` (shapes, dtypes) from a buffer that `_pack` made of them."""
+    sizes = [value.numel() * value.element_size() for state in templates for value in state]
+    raws = iter(buffer.split(sizes))
+    return [
+        type(state)(*(next(raws).clone().view(value.dtype).reshape(value.shape) for value in state))
+        for state in templates
+    ]
