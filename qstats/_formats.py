@@ -148,27 +148,28 @@ def store_codes(values: torch.Tensor, spec) -> torch.Tensor:
 def load_codes(codes: torch.Tensor, spec) -> torch.Tensor:
     """Codes -> float32 grid values: bit codes of emulated formats in any integer dtype are
     decoded, floating-point tensors are grid values."""
-    if codes.is_floating_point():
-        return codes.float()
-    if is_emulated(spec):
+    if is_emulated(spec) and not codes.is_floating_point():
         return decode(codes, spec.float_format)
-    return codes.float()  # an integer format's codes (integer fp8 codes are refused by `dequantize`)
+    # grid values, or an integer format's codes (integer fp8 codes are refused by `dequantize`)
+    return codes.float()
 
 
 # --------------------------------------------------------------------------------------------
 # e8m0 scales
-def _floor_log2_int(value: float) -> int:
-    return int(math.floor(math.log2(value)))
-
-
 def element_max(spec) -> float:
     """Largest magnitude of ``spec``'s element format; for integer targets the largest code
     distance from the symmetric zero point that fits on both sides (127 for int8 and uint8)."""
+    return _code_distance(spec, min)
+
+
+def _code_distance(spec, pick) -> float:
+    """``fmt.max`` of a float format; ``pick`` (min or max) of an integer target's code distances
+    on either side of its symmetric zero point."""
     if spec.is_float:
         return float(spec.float_format.max)
     lo, hi = spec.qrange
     zero_point = spec.zero_point_of_symmetric
-    return float(min(hi - zero_point, zero_point - lo))
+    return float(pick(hi - zero_point, zero_point - lo))
 
 
 def e8m0_exponent(amax: torch.Tensor, spec) -> torch.Tensor:
@@ -183,7 +184,7 @@ def e8m0_exponent(amax: torch.Tensor, spec) -> torch.Tensor:
         exponent = torch.clamp(to_integer(torch.log2(descale)), min=-_F32_BIAS, max=_F32_BIAS)
         exponent = torch.where(torch.isnan(exponent), torch.zeros_like(exponent), exponent)
         return torch.clamp(exponent.to(torch.int32) + _F32_BIAS, max=_largest_finite_exponent(spec))
-    target_pow2 = _floor_log2_int(target)
+    target_pow2 = int(math.floor(math.log2(target)))
     if rounding == "round_then_floor" and spec.compute_dtype == "float16":
         # compressed-tensors rounds a float16 amax's own bits: a subnormal one (below 2**-14)
         # carries into the smallest normal exponent from 0.75 * 2**-14 up, and is 0 below
@@ -192,9 +193,8 @@ def e8m0_exponent(amax: torch.Tensor, spec) -> torch.Tensor:
         amax = torch.where(subnormal, carried, amax)
     bits = bitcast(amax.contiguous(), torch.int32)
     if rounding in ("even", "round_then_floor"):
-        mbits = spec.float_format.mantissa_bits if (rounding == "even" and spec.is_float) else 1
-        if rounding == "even" and not spec.is_float:
-            mbits = max(_floor_log2_int(target), 1)
+        even_bits = spec.float_format.mantissa_bits if spec.is_float else max(target_pow2, 1)
+        mbits = even_bits if rounding == "even" else 1
         bits = torch.bitwise_and(bits + (1 << (_F32_MANTISSA - mbits - 1)), 0x7F800000)
     exponent_field = torch.bitwise_and(torch.bitwise_right_shift(bits, _F32_MANTISSA), 0xFF)
     if rounding == "ceil":
@@ -206,12 +206,7 @@ def _largest_finite_exponent(spec) -> int:
     """The largest biased exponent (at most 254) whose scale keeps every code of ``spec`` finite
     when dequantized: rounding a range near half the float32 range up to a power of two could
     otherwise put the farthest code (-128 for int8, beyond ``element_max``'s 127) past it."""
-    if spec.is_float:
-        farthest = float(spec.float_format.max)
-    else:
-        lo, hi = spec.qrange
-        zero_point = spec.zero_point_of_symmetric
-        farthest = float(max(hi - zero_point, zero_point - lo))
+    farthest = _code_distance(spec, max)
     biased = 254
     while biased > 0 and farthest * 2.0 ** (biased - _F32_BIAS) > torch.finfo(torch.float32).max:
         biased -= 1
@@ -237,28 +232,11 @@ def handles_qparams(spec) -> bool:
     return spec.scale_dtype == "e8m0" or isinstance(spec.granularity, TensorGroup)
 
 
-def _scale_dtype_info(spec):
-    dtype = getattr(torch, spec.scale_dtype)
-    return dtype, torch.finfo(dtype)
-
-
-def _scale_range_max(spec) -> float:
-    if spec.scale_dtype == "float8_e4m3fn":
-        return float(torch.finfo(torch.float8_e4m3fn).max)
-    return 1.0
-
-
-def _round_to_scale_dtype(scale: torch.Tensor, spec) -> torch.Tensor:
-    if spec.scale_dtype == "float32":
-        return scale
-    dtype, finfo = _scale_dtype_info(spec)
-    return torch.clamp(scale, finfo.min, finfo.max).to(dtype).float()
-
-
 def global_scale_from_amax(amax_t: torch.Tensor, spec) -> torch.Tensor:
     """The global (per-tensor) scale for a tensor of absolute maximum ``amax_t`` (float32)."""
     amax_t = amax_t.float()
-    full_range = _scale_range_max(spec) * element_max(spec)
+    scale_max = float(torch.finfo(torch.float8_e4m3fn).max) if spec.scale_dtype == "float8_e4m3fn" else 1.0
+    full_range = scale_max * element_max(spec)
     if spec.global_scale_formula == "range_over_amax":
         # compressed-tensors divides in the observed dtype (``compute_dtype``; the extremes of a
         # bf16/fp16 tensor convert to it exactly), then stores the global scale as float32
@@ -277,23 +255,20 @@ def _in_compute_dtype(amax: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
 
 
 def _two_level_local(amax: torch.Tensor, global_scale: torch.Tensor, spec) -> torch.Tensor:
-    half_range = float(spec.qrange[1] - spec.qrange[0]) / 2
+    dtype = getattr(torch, spec.scale_dtype)
+    finfo = torch.finfo(dtype)
     if spec.global_scale_formula == "range_over_amax":
+        half_range = float(spec.qrange[1] - spec.qrange[0]) / 2
         local = _in_compute_dtype(amax, getattr(torch, spec.compute_dtype)) / half_range  # in the observed dtype
         # in float32, as compressed-tensors' (1,)-shaped float32 global scale promotes the product
         # (a 0-dim one would keep a bfloat16/float16 local's dtype)
         local = global_scale * local.float()
-        local = _round_to_scale_dtype(local, spec)
-        if spec.scale_dtype == "float32":
-            eps = torch.finfo(torch.float32).eps
-        else:
-            eps = _scale_dtype_info(spec)[1].eps
-        return torch.where(local == 0, torch.full_like(local, eps), local)
-    local = amax / element_max(spec)
-    local = local / global_scale
-    if spec.scale_dtype == "float32":
+        if dtype != torch.float32:
+            local = torch.clamp(local, finfo.min, finfo.max).to(dtype).float()
+        return torch.where(local == 0, torch.full_like(local, finfo.eps), local)
+    local = amax / element_max(spec) / global_scale
+    if dtype == torch.float32:
         return torch.clamp(local, min=spec.eps)
-    dtype, finfo = _scale_dtype_info(spec)
     return torch.clamp(local, min=finfo.tiny, max=finfo.max).to(dtype).float()
 
 
@@ -303,9 +278,7 @@ def qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec, global_scale=Non
     ``global_scale``: a given global scale (a fused group's, `qstats.fused`); by default it is
     computed from the absolute maximum over all of ``min_val``/``max_val`` (the whole tensor).
     """
-    min_neg = torch.min(min_val, torch.zeros_like(min_val))
-    max_pos = torch.max(max_val, torch.zeros_like(max_val))
-    amax = torch.max(torch.abs(min_neg), torch.abs(max_pos))
+    amax = torch.max(min_val.clamp(max=0.0).abs(), max_val.clamp(min=0.0).abs())
     symmetric_zero_point = 0 if (spec.is_float or spec.zero_point_domain == "none") else spec.zero_point_of_symmetric
     zero_point = torch.full_like(amax, symmetric_zero_point, dtype=torch.int32)
     if isinstance(spec.granularity, TensorGroup):

@@ -130,10 +130,10 @@ class PerBlock(Granularity):
             raise ValueError(f"PerBlock.partial must be a bool, got {self.partial!r}")
 
 
-def _normalize_axis(axis: int, ndim: int, shape) -> int:
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"PerAxis(axis={axis}) is out of range for a tensor of shape {tuple(shape)}")
-    return axis % ndim
+def _normalize_axis(axis: int, shape, what: str = "PerAxis(axis") -> int:
+    if not -len(shape) <= axis < len(shape):
+        raise ValueError(f"{what}={axis}) is out of range for a tensor of shape {tuple(shape)}")
+    return axis % len(shape)
 
 
 def _check_divisible(size: int, part: int, what: str, shape, hint: str = "") -> None:
@@ -149,18 +149,14 @@ def qparam_shape(shape, granularity: Granularity) -> tuple:
     shape = tuple(shape)
     if isinstance(granularity, PerTensor):
         return ()
+    if isinstance(granularity, (PerAxis, PerToken, PerRow, PerGroup)) and len(shape) == 0:
+        raise ValueError(f"{type(granularity).__name__} needs a tensor with at least one dimension, got shape ()")
     if isinstance(granularity, PerAxis):
-        if len(shape) == 0:
-            raise ValueError(f"{type(granularity).__name__} needs a tensor with at least one dimension, got shape ()")
-        return (shape[_normalize_axis(granularity.axis, len(shape), shape)],)
+        return (shape[_normalize_axis(granularity.axis, shape)],)
     if isinstance(granularity, (PerToken, PerRow)):
-        if len(shape) == 0:
-            raise ValueError(f"{type(granularity).__name__} needs a tensor with at least one dimension, got shape ()")
         dim = _row_dim(granularity, shape)
         return shape[:dim] + shape[dim + 1 :]
     if isinstance(granularity, PerGroup):
-        if len(shape) == 0:
-            raise ValueError(f"{type(granularity).__name__} needs a tensor with at least one dimension, got shape ()")
         _check_divisible(shape[-1], granularity.group_size, f"{type(granularity).__name__}.group_size", shape)
         return shape[:-1] + (shape[-1] // granularity.group_size,)
     if isinstance(granularity, PerBlock):
@@ -203,10 +199,7 @@ def _padded(x: torch.Tensor, block: tuple) -> torch.Tensor:
 
 def _row_dim(granularity, shape) -> int:
     """The dimension a PerRow/PerToken reduces along, made non-negative."""
-    dim = getattr(granularity, "dim", -1)
-    if not -len(shape) <= dim < len(shape):
-        raise ValueError(f"PerRow(dim={dim}) is out of range for a tensor of shape {tuple(shape)}")
-    return dim % len(shape)
+    return _normalize_axis(getattr(granularity, "dim", -1), shape, "PerRow(dim")
 
 
 def _block_order(lead: int, k: int) -> list:
@@ -220,11 +213,12 @@ def canonical_view(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
     if isinstance(granularity, PerTensor):
         return x.reshape(1, math.prod(shape))
     if isinstance(granularity, PerAxis):
-        axis = _normalize_axis(granularity.axis, x.ndim, shape)
+        axis = _normalize_axis(granularity.axis, shape)
         return x.reshape(math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :]))
     qshape = qparam_shape(shape, granularity)
     if isinstance(granularity, (PerToken, PerRow)):
-        return x.movedim(_row_dim(granularity, shape), -1).reshape(1, *qshape, shape[_row_dim(granularity, shape)])
+        dim = _row_dim(granularity, shape)
+        return x.movedim(dim, -1).reshape(1, *qshape, shape[dim])
     if isinstance(granularity, PerGroup):
         return x.reshape(1, *qshape, granularity.group_size)
     if isinstance(granularity, PerBlock):
@@ -259,10 +253,8 @@ def check_shape(shape, granularity: Granularity, expected_shape, where: str) -> 
     """`checked_view`'s checks and errors for a tensor of ``shape``, from the shape alone (no
     tensor op)."""
     shape = tuple(shape)
-    if isinstance(granularity, PerTensor):
-        params = ()
-    elif isinstance(granularity, PerAxis):  # canonical_view's error first
-        params = (shape[_normalize_axis(granularity.axis, len(shape), shape)],)
+    if isinstance(granularity, PerAxis):  # canonical_view's error first
+        params = (shape[_normalize_axis(granularity.axis, shape)],)
     else:
         params = qparam_shape(shape, granularity)
     _check_param_shape(shape, params, expected_shape, where)

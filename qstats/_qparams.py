@@ -159,8 +159,7 @@ def _range_of(state, spec: QuantSpec, options: dict, where: str):
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"{where}: spec must be a QuantSpec, got {type(spec).__name__}")
     float_range = options.pop("float_range", None)
-    if float_range is not None:
-        float_range = check_float_range(float_range, where)
+    float_range = None if float_range is None else check_float_range(float_range, where)
     result = _rule_for(state)(state, spec, **options)
     if float_range is None:
         return result
@@ -197,20 +196,17 @@ def pin_range(observed: Range, float_range: tuple) -> Range:
     lo, hi = float_range
     min_val = observed.min_val.float()
     max_val = observed.max_val.float()
-    min_val = min_val.clamp(max=0.0) if lo is None else torch.full_like(min_val, lo).clamp(max=0.0)
-    max_val = max_val.clamp(min=0.0) if hi is None else torch.full_like(max_val, hi).clamp(min=0.0)
-    calibrated = observed.calibrated
-    if lo is not None and hi is not None:
-        calibrated = torch.ones_like(min_val, dtype=torch.bool)
+    min_val = (min_val if lo is None else torch.full_like(min_val, lo)).clamp(max=0.0)
+    max_val = (max_val if hi is None else torch.full_like(max_val, hi)).clamp(min=0.0)
+    pinned = lo is not None and hi is not None  # both ends: calibrated everywhere
+    calibrated = torch.ones_like(min_val, dtype=torch.bool) if pinned else observed.calibrated
     return Range(min_val, max_val, calibrated)
 
 
 def check_calibrated(calibrated: torch.Tensor, spec: QuantSpec, where: str = "compute_qparams") -> torch.Tensor:
     """``calibrated``, after ValueError when ``spec.on_uncalibrated == 'raise'`` and some entries
     are False (outside ``vmap``, where slices report rather than raise)."""
-    if spec.on_uncalibrated != "raise":
-        return calibrated
-    return require_calibrated(calibrated, where)
+    return calibrated if spec.on_uncalibrated != "raise" else require_calibrated(calibrated, where)
 
 
 def qparams_from_minmax(

@@ -80,9 +80,8 @@ def _(count, total, weight):
 
 
 def _check_inputs_vmap(info, in_dims, count, total, weight):
-    moved = [value if dim is None else value.movedim(dim, 0) for value, dim in zip((count, total, weight), in_dims)]
-    moved = [value.expand(info.batch_size, *value.shape) if dim is None else value
-             for value, dim in zip(moved, in_dims)]
+    moved = [value.expand(info.batch_size, *value.shape) if dim is None else value.movedim(dim, 0)
+             for value, dim in zip((count, total, weight), in_dims)]
     return (_check_inputs(*moved)[0], torch.tensor(False)), (0, None)  # one message naming every expert
 
 
@@ -129,23 +128,17 @@ def _column_groups(spec: QuantSpec, shape) -> Optional[list]:
                      "(PerTensor, PerRow() / PerAxis(0), PerGroup, TensorGroup, 2-D PerBlock)")
 
 
-def _per_row(param: torch.Tensor, spec: QuantSpec, rows: int) -> torch.Tensor:
-    """A 2-D PerBlock's parameters ``[..., rows / block rows, groups]`` repeated over each block's rows."""
-    if isinstance(spec.granularity, PerBlock) and param.ndim >= 2 and param.shape[-2] != rows:
-        return param.repeat_interleave(spec.granularity.block_shape[0], dim=-2)[..., :rows, :]
-    return param
-
-
-def _column_parameters(param: torch.Tensor, groups: Optional[list], shape, perm: Optional[torch.Tensor]):
+def _column_parameters(param: torch.Tensor, spec: QuantSpec, groups: Optional[list], shape,
+                       perm: Optional[torch.Tensor]):
     """``(rows_param, index)``: column ``j``'s parameter is ``rows_param[..., index[j]]`` (``[..., rows]``,
     or ``[..., 1]`` per tensor), from one per tensor ``[...]``, per row ``[..., rows]`` or per group
-    ``[..., rows, groups]``; gathered per column where activation ordering permutes the groups."""
+    ``[..., rows, groups]`` (a 2-D PerBlock's ``[..., rows / block rows, groups]`` repeated over each
+    block's rows); gathered per column where activation ordering permutes the groups."""
     *batch, rows, columns = shape
+    if isinstance(spec.granularity, PerBlock) and param.ndim >= 2 and param.shape[-2] != rows:
+        param = param.repeat_interleave(spec.granularity.block_shape[0], dim=-2)[..., :rows, :]
     if groups is None:  # per tensor, per row or per block of rows: one column of row parameters
-        rows_param = param.reshape(*batch, -1, 1)
-        if rows_param.shape[-2] not in (1, rows):
-            rows_param = rows_param.repeat_interleave(rows // rows_param.shape[-2], dim=-2)
-        return rows_param, [0] * columns
+        return param.reshape(*batch, -1, 1), [0] * columns
     rows_param = param.reshape(*batch, rows, -1)
     if perm is None:
         return rows_param, groups
@@ -301,11 +294,10 @@ def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actor
     scale = zero_point = None
     index = groups
     if qparams is not None:
-        rows = work.shape[-2]
-        scale, index = _column_parameters(_per_row(qparams.scale, spec, rows), groups, work.shape, perm)
+        scale, index = _column_parameters(qparams.scale, spec, groups, work.shape, perm)
         # an integer zero point off the spec's range is a ValueError, as in fake_quantize (exact: integers)
         checked = _checked_zero_point(qparams.zero_point, spec, "gptq")
-        zero_point, _ = _column_parameters(_per_row(checked.float(), spec, rows), groups, work.shape, perm)
+        zero_point, _ = _column_parameters(checked.float(), spec, groups, work.shape, perm)
     quantized, codes, running_qparams = _blocks(work, inverse, scale, zero_point, index, global_scale, spec,
                                                 block_size, running)
     if perm is not None:
@@ -355,8 +347,7 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
     count, same = _check_inputs(hessian_state.count, hessian_state.total, weight)
 
     if qparams is not None:  # no autograd graph through the column loop (it would hold every column's tensors)
-        qparams = QParams(*(None if field is None else field.detach() for field in qparams))
-        qparams = _checked_scales(qparams)
+        qparams = _checked_scales(QParams(*(None if field is None else field.detach() for field in qparams)))
     return _gptq_core(weight.detach(), hessian_state.total.detach(), count, qparams, spec, block_size,
                       float(dampening), actorder, weight.shape[0] if bool(same) else 0)
 
