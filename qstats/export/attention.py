@@ -47,7 +47,8 @@ def write_attention(
             tensors[f"{prefix}{site}_zero_point"] = zero
         written[site] = args
     _check_attention_sites(path, written)
-    if ("q" in written or "k" in written) and _takes_rotary_embedding(module):
+    # transformers' position_embeddings: rotary cos/sin applied to q and k after their projections
+    if ("q" in written or "k" in written) and _forward_takes(module, "position_embeddings"):
         log["rotary"].append(path)
     return written
 
@@ -77,13 +78,13 @@ def _check_attention_sites(path: str, written: dict) -> None:
              f"the specs of {sorted(written)} differ")
 
 
-def _takes_rotary_embedding(module: torch.nn.Module) -> bool:
-    """True when the attention module's forward takes transformers' ``position_embeddings``
-    (rotary cos/sin applied to q and k after their projections)."""
+def _forward_takes(module: torch.nn.Module, *names: str) -> bool:
+    """True when the module's forward takes one of the keyword ``names``."""
     try:
-        return "position_embeddings" in inspect.signature(module.forward).parameters
+        parameters = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return False
+    return any(name in parameters for name in names)
 
 
 def _is_kv_cache_module(module: torch.nn.Module) -> bool:
@@ -93,11 +94,7 @@ def _is_kv_cache_module(module: torch.nn.Module) -> bool:
         return False
     if not any(hasattr(module, name) for name in ("k_proj", "v_proj", "qkv_proj", "kv_b_proj")):
         return False
-    try:
-        parameters = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return "past_key_value" in parameters or "past_key_values" in parameters
+    return _forward_takes(module, "past_key_value", "past_key_values")
 
 
 def attention_config(attention: dict, groups: dict, modules: Optional[Mapping] = None, rename=None) -> Optional[dict]:

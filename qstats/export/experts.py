@@ -8,12 +8,13 @@ and transformers read them. See docs/export.md.
 from __future__ import annotations
 
 import json
-from typing import Mapping, NamedTuple, Optional
+from typing import Mapping, Optional
 
 import torch
 
 from .._granularity import PerBlock, PerTensor, TensorGroup
 from .._qparams import QParams
+from .._qparams import experts_qparams as _slice_qparams  # the name tests import
 from .._spec import QuantSpec
 from .config import fail, quantization_args
 from .linear import Entry
@@ -25,12 +26,6 @@ __all__ = ["EXPERT_SITES", "expert_entries", "warn_mixed_experts"]
 EXPERT_SITES = ("gate_up_proj", "up_proj", "down_proj", "input", "gate_up_proj.input", "up_proj.input",
                 "down_proj.input")
 _INPUT_SITES = ("input", "gate_up_proj.input", "up_proj.input", "down_proj.input")
-
-
-def _slice_qparams(qp: Optional[QParams], index) -> Optional[QParams]:
-    if qp is None:
-        return None
-    return QParams(*(None if field is None else field[index] for field in qp))
 
 
 def fill_uncovered_experts(qp: Optional[QParams], spec: Optional[QuantSpec] = None) -> Optional[QParams]:
@@ -52,14 +47,14 @@ def fill_uncovered_experts(qp: Optional[QParams], spec: Optional[QuantSpec] = No
     donor = int(torch.where(covered, per_expert, -torch.inf).argmax())
 
     def fill(field):
-        if field.dim() < 1 or field.shape[0] != covered.shape[0]:
+        if field is None or field.dim() < 1 or field.shape[0] != covered.shape[0]:
             return field
         keep = covered.reshape(-1, *([1] * (field.dim() - 1)))
         return torch.where(keep, field, field[donor : donor + 1])
 
-    minval = None if qp.minval is None else fill(qp.minval)  # follows the scale and zero point it goes with
-    return qp._replace(scale=fill(qp.scale), zero_point=fill(qp.zero_point), global_scale=fill(qp.global_scale),
-                       minval=minval)
+    # minval follows the scale and zero point it goes with
+    filled = ("scale", "zero_point", "global_scale", "minval")
+    return qp._replace(**{name: fill(getattr(qp, name)) for name in filled})
 
 
 def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) -> QParams:
@@ -131,22 +126,6 @@ def _stacked_parameters(path: str, module: torch.nn.Module, sites: Mapping, num_
     return first, up.detach(), down.detach()
 
 
-class _Experts(NamedTuple):
-    """What each expert's projections are cut from: the module's stacked weights (``first``:
-    ``gate_up_proj`` or gate-less ``up_proj``), its sites ``{site: stacked QParams}`` and specs, and
-    its input site."""
-
-    path: str
-    up: torch.Tensor
-    down: torch.Tensor
-    sites: Mapping
-    specs: Mapping
-    input_name: str
-    input_dynamic: bool
-    dynamic: frozenset
-    first: str
-
-
 def expert_entries(
     path: str,
     module: torch.nn.Module,
@@ -169,65 +148,54 @@ def expert_entries(
     )
     sites = {site: fill_uncovered_experts(qp, specs.get(site)) if site in _INPUT_SITES else qp
              for site, qp in sites.items()}
-    experts = _Experts(path, up, down, sites, specs, input_name, input_dynamic, frozenset(dynamic), first)
+
+    def site(name: str, expert: int, where: Optional[str] = None) -> tuple:
+        """The entry site ``(QParams, spec, where, dynamic)`` of stacked site ``name`` cut to ``expert``."""
+        qp = _slice_qparams(sites.get(name), expert)
+        return qp, specs.get(name), where or f"{path}/{name}[{expert}]", name in dynamic
+
     entries = []
     for expert in range(num_experts):
-        for name, weight, entry_sites in _expert_projections(experts, expert, tensors):
-            entries.append(Entry(f"{path}.{expert}.{name}", weight, dtype, entry_sites, experts=(path, name)))
+        prefix = f"{path}.{expert}"
+        inputs = {"input": site(input_name, expert)} if input_name in sites else {}
+        if inputs and first not in sites:
+            fail(f"{path}/{input_name}",
+                 f"input scales of stacked experts need the {first} weights exported too")
+        projections = []
+        for name, (start, stop) in _up_rows(first, down.shape[2]):
+            weight = up[expert, start:stop]
+            if first not in sites:  # unquantized: the float weights, unpacked like the quantized ones
+                tensors[f"{prefix}.{name}.weight"] = weight
+                continue
+            qp, spec, where, _ = site(first, expert, f"{path}/{first}[{expert}] ({name})")
+            if spec is not None and first == "gate_up_proj":
+                qp = _row_slice(qp, spec, start, stop, where)
+                qp, spec = _whole_block(qp, spec, (stop - start, up.shape[2]))
+            projections.append((name, weight, {"weight": (qp, spec, where, False), **inputs}))
+        if "down_proj" in sites:
+            down_sites = {"weight": site("down_proj", expert)}
+            if "down_proj.input" in sites:  # the intermediate activation act(gate) * up
+                down_sites["input"] = site("down_proj.input", expert)
+            elif input_dynamic:  # run-time scales: the same dynamic activation quantization as gate/up
+                where = f"{path}/{input_name} (down_proj)"
+                down_sites["input"] = (None, input_spec, where, input_name in dynamic)
+            projections.append(("down_proj", down[expert], down_sites))
+        elif "down_proj.input" in sites:
+            fail(f"{path}/down_proj.input",
+                 "input scales of down_proj need the down_proj weights exported too")
+        else:
+            tensors[f"{prefix}.down_proj.weight"] = down[expert]
+        entries += [Entry(f"{prefix}.{name}", weight, dtype, entry_sites, experts=(path, name))
+                    for name, weight, entry_sites in projections]
     return entries
 
 
-def _up_rows(experts: _Experts) -> tuple:
+def _up_rows(first: str, intermediate: int) -> tuple:
     """``(name, (start, stop))`` of the Linears cut from each expert's first stack: gate rows then
     up rows of ``gate_up_proj``, or all of a gate-less ``up_proj``."""
-    intermediate = experts.down.shape[2]
-    if experts.first == "up_proj":
+    if first == "up_proj":
         return (("up_proj", (0, intermediate)),)
     return ("gate_proj", (0, intermediate)), ("up_proj", (intermediate, 2 * intermediate))
-
-
-def _expert_projections(experts: _Experts, expert: int, tensors: dict) -> list:
-    """``(name, weight, {site: (QParams, spec, where)})`` of one expert's quantized projections;
-    its unquantized ones go to ``tensors``."""
-    path, up, down, sites, specs, input_name = experts[:6]
-    prefix, first = f"{path}.{expert}", experts.first
-    input_spec = specs.get(input_name)
-    input_dynamic = input_name in experts.dynamic
-    inputs = {}
-    if input_name in sites:
-        where = f"{path}/{input_name}[{expert}]"
-        inputs["input"] = (_slice_qparams(sites[input_name], expert), input_spec, where, input_dynamic)
-    projections = []
-    if first in sites:
-        qp, spec = _slice_qparams(sites[first], expert), specs.get(first)
-        for name, rows in _up_rows(experts):
-            where = f"{path}/{first}[{expert}] ({name})"
-            part, part_spec = qp, spec
-            if spec is not None and first == "gate_up_proj":
-                part = _row_slice(qp, spec, *rows, where)
-                part, part_spec = _whole_block(part, spec, (rows[1] - rows[0], up.shape[2]))
-            weight_site = (part, part_spec, where, False)
-            projections.append((name, up[expert, rows[0] : rows[1]], {"weight": weight_site, **inputs}))
-    elif inputs:
-        fail(f"{path}/{input_name}", f"input scales of stacked experts need the {first} weights exported too")
-    else:  # unquantized: the float weights, unpacked like the quantized ones
-        for name, rows in _up_rows(experts):
-            tensors[f"{prefix}.{name}.weight"] = up[expert, rows[0] : rows[1]]
-    if "down_proj.input" in sites and "down_proj" not in sites:
-        fail(f"{path}/down_proj.input", "input scales of down_proj need the down_proj weights exported too")
-    if "down_proj" not in sites:
-        tensors[f"{prefix}.down_proj.weight"] = down[expert]
-        return projections
-    where = f"{path}/down_proj[{expert}]"
-    down_sites = {"weight": (_slice_qparams(sites["down_proj"], expert), specs.get("down_proj"), where, False)}
-    if "down_proj.input" in sites:  # the intermediate activation act(gate) * up
-        qp = _slice_qparams(sites["down_proj.input"], expert)
-        where = f"{path}/down_proj.input[{expert}]"
-        down_sites["input"] = (qp, specs.get("down_proj.input"), where, "down_proj.input" in experts.dynamic)
-    elif experts.input_dynamic:  # run-time scales: the same dynamic activation quantization as gate/up
-        down_sites["input"] = (None, input_spec, f"{path}/{input_name} (down_proj)", input_dynamic)
-    projections.append(("down_proj", down[expert], down_sites))
-    return projections
 
 
 def warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
@@ -248,6 +216,5 @@ def warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
             f"export.compressed_tensors: gate_proj/up_proj and down_proj of {len(mixed)} experts module(s) "
             f"({', '.join(mixed[:4])}) have different schemes (e.g. static input scales for gate_proj/up_proj "
             "but no 'down_proj.input' site, or down_proj left unquantized); compressed-tensors and "
-            "transformers load this, vLLM's fused-MoE "
-            "loader requires one scheme per experts module",
+            "transformers load this, vLLM's fused-MoE loader requires one scheme per experts module",
         )

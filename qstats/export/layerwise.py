@@ -77,8 +77,7 @@ def _part_tensors(model: torch.nn.Module, source, writer: Writer, part: tuple, s
     try:
         state = {name: tensor for name, tensor in model.state_dict().items() if keep(name)}
         qparams = {module: sites for module, sites in writer.qparams.items() if keep(module)}
-        tensors = without_tied_copies(model, writer.part(qparams, state))
-        shards.add(tensors)
+        shards.add(without_tied_copies(model, writer.part(qparams, state)))
     finally:
         release_modules(saved)
 

@@ -57,12 +57,11 @@ def linear_entry(path: str, module: torch.nn.Module, sites: dict, specs: dict, d
     ``dynamic``: its activation sites whose scales come at run time."""
     if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
         fail(path, f"a {type(module).__name__}; compressed-tensors quantizes Linear and Embedding modules")
-    entry_sites = {}
-    for site, qp in sites.items():
-        where = f"{path}/{site}"
+    for site in sites:
         if site not in SITE_PREFIX:
-            fail(where, f"site {site!r} is not exportable (weight, input, output and q/k/v are)")
-        entry_sites[site] = (qp, specs.get(site), where, site in dynamic)
+            fail(f"{path}/{site}", f"site {site!r} is not exportable (weight, input, output and q/k/v are)")
+    entry_sites = {site: (qp, specs.get(site), f"{path}/{site}", site in dynamic)
+                   for site, qp in sites.items()}
     return Entry(path, module.weight.detach(), scale_dtype(module), entry_sites)
 
 
@@ -71,37 +70,30 @@ def write_linear(entry: Entry, format: Optional[str], tensors: dict, dropped: se
     weights it replaces into ``dropped``); returns its scheme ``{site: QuantizationArgs fields}``."""
     scheme: dict = {}
     prefix = entry.path + "." if entry.path else ""
-    input_entry = entry.sites.get("input")
-    input_args = None
-    if input_entry is not None and input_entry[1] is not None:
-        input_args = quantization_args(input_entry[1], "input", input_entry[2], input_entry[3])
+    _, input_spec, input_where, input_dynamic = entry.sites.get("input", (None,) * 4)
+    input_args = input_spec and quantization_args(input_spec, "input", input_where, input_dynamic)
     for site, (qp, spec, where, dynamic) in entry.sites.items():
         if spec is None:
             raise ValueError(f"export.compressed_tensors: no spec for {where}")
         args = quantization_args(spec, site, where, dynamic)
-        _check_input_group(entry, site, args, where)
+        group, weight = args["group_size"], entry.weight
+        if site == "input" and group and weight is not None and weight.dim() == 2 and weight.shape[1] % group:
+            fail(where, f"group_size {group} of the input does not divide the layer's {weight.shape[1]} "
+                 "input features")
         scheme[site] = args
         if args["dynamic"] is True and site != "weight":
             continue  # dynamic activations: scales at run time, nothing written
         _log_compute_dtype(spec, entry.dtype, where, log)
         qp = check_qparams(qp, where)
         offset = code_offset(spec, where)
-        qp = _stored_scales(qp, args, entry.dtype, f"{SITE_PREFIX[site]} scales", where, log)
+        qp = _stored_scales(qp, args, entry.dtype, f"{site} scales", where, log)
         written = _Site(qp, spec, args, where, offset, prefix)
-        module_format = None
+        module_format = (format or default_format(args, input_args)) if site == "weight" else None
         if site == "weight":
-            module_format = format or default_format(args, input_args)
             _write_weight(entry, written, module_format, tensors, dropped)
         if args["dynamic"] is not True:
-            _write_qparams(written, SITE_PREFIX[site], entry.dtype, module_format, tensors, log)
+            _write_qparams(written, site, entry.dtype, module_format, tensors, log)
     return scheme
-
-
-def _check_input_group(entry: Entry, site: str, args: dict, where: str) -> None:
-    group = args["group_size"]
-    weight = entry.weight
-    if site == "input" and group and weight is not None and weight.dim() == 2 and weight.shape[1] % group:
-        fail(where, f"group_size {group} of the input does not divide the layer's {weight.shape[1]} input features")
 
 
 def _log_compute_dtype(spec: QuantSpec, dtype: torch.dtype, where: str, log: dict) -> None:

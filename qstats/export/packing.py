@@ -21,19 +21,14 @@ def pack_int32(values: torch.Tensor, num_bits: int) -> torch.Tensor:
     """
     rows, cols = values.shape
     unsigned = values.to(torch.int64) + (1 << (num_bits - 1))
-    if 32 % num_bits == 0:  # whole values per word: value i of a word at bit i * num_bits
-        per_word = 32 // num_bits
-        unsigned = torch.nn.functional.pad(unsigned, (0, -(-cols // per_word) * per_word - cols))
-        shifts = torch.arange(per_word, device=values.device) * num_bits
-        words = (unsigned.reshape(rows, -1, per_word) << shifts).sum(-1)  # disjoint bits: the sum is an or
-        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    padded = -(-cols // 32) * 32
-    unsigned = torch.nn.functional.pad(unsigned, (0, padded - cols))
-    bits = (unsigned[..., None] >> torch.arange(num_bits, device=values.device)) & 1  # LSB first
-    stream = bits.reshape(rows, -1, 32)  # 32 bits per word
-    words = (stream << torch.arange(32, device=values.device)).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words[:, : -(-cols * num_bits // 32)]
+    if 32 % num_bits:  # values straddle words: pack their bits (LSB first) as a stream of 1-bit values
+        bits = (unsigned[..., None] >> torch.arange(num_bits, device=values.device)) & 1
+        unsigned, cols, num_bits = bits.reshape(rows, -1), cols * num_bits, 1
+    per_word = 32 // num_bits  # whole values per word: value i of a word at bit i * num_bits
+    unsigned = torch.nn.functional.pad(unsigned, (0, -(-cols // per_word) * per_word - cols))
+    shifts = torch.arange(per_word, device=values.device) * num_bits
+    words = (unsigned.reshape(rows, -1, per_word) << shifts).sum(-1)  # disjoint bits: the sum is an or
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,8 @@ def scale_dtype(module: torch.nn.Module, weight: Optional[torch.Tensor] = None) 
 
 def module_dtype(module: torch.nn.Module) -> torch.dtype:
     """The dtype of an attention module's scales: its first parameter's (float16 for others)."""
-    params = list(module.parameters())
-    dtype = params[0].dtype if params else torch.float32
-    return dtype if dtype in _CT_SCALE_DTYPES else torch.float16
+    first = next(module.parameters(), None)
+    return torch.float32 if first is None else scale_dtype(module, first)
 
 
 def check_qparams(qp: Any, where: str) -> QParams:
