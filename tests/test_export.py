@@ -506,12 +506,13 @@ def test_a_forced_format_leaves_groups_without_weights_dense(tmp_path):
 # kv cache and attention (q/k/v) scales
 
 
-def _llama():
+def _llama(**overrides):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
-    )
+    config = transformers.LlamaConfig(**{
+        **dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False),
+        **overrides,
+    })
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -620,6 +621,22 @@ def test_unexportable_attention_sites_raise(tmp_path):
         qparams = qstats.compute_qparams_tree(states, recipe, model)
         with pytest.raises(ValueError, match=match):
             qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+
+
+@pytest.mark.parametrize("scheme", ["NVFP4", "MXFP4"])
+def test_group_scaled_attention_sites_are_refused_as_other_granularities_are(tmp_path, scheme):
+    """compressed-tensors' kv-cache and attention scales are per tensor: NVFP4/MX q/k/v specs are refused by
+    name (NVFP4 ones were written, unloadable as kv-cache args; MX ones failed with a bare TypeError)."""
+    from compressed_tensors.quantization.quant_scheme import MXFP4, NVFP4
+
+    args = {"NVFP4": NVFP4, "MXFP4": MXFP4}[scheme]["input_activations"]
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    model = _llama(hidden_size=64)  # k/v outputs of 32 features: whole groups of 16 and 32
+    recipe = qstats.Recipe([qstats.Rule("LlamaAttention", sites=("k", "v"), spec=spec)])
+    states = qstats.calibrate(model, [torch.randint(0, 64, (1, 32))], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    with pytest.raises(ValueError, match=r"self_attn/k: granularity .* of a 'k' site: .* per tensor \(PerTensor\)"):
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
 
 
 def test_kv_cache_scheme_needs_k_v_scales_on_every_attention_module(tmp_path):

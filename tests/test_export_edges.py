@@ -143,7 +143,7 @@ def test_max_shard_size_splits_the_checkpoint_as_save_pretrained_splits_it(tmp_p
         assert bit_equal(loaded(batch).logits, whole_model(batch).logits)
 
 
-@pytest.mark.parametrize("size", [0, -5, "5 GiB", "GB", True, 1.5])
+@pytest.mark.parametrize("size", [0, -5, "5 GiB", "GB", True, 1.5, "infGB", "1e400KB", "nanMB"])
 def test_a_bad_max_shard_size_is_refused_before_anything_is_written(tmp_path, size):
     with pytest.raises(ValueError, match="max_shard_size"):
         _export(_llama(), tmp_path / "out", max_shard_size=size)

@@ -125,7 +125,7 @@ def shard_bytes(max_shard_size, where: str = "export.compressed_tensors") -> Opt
     if isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool):
         size = max_shard_size
     elif text[-2:].upper() in units:
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, OverflowError):  # NaN, Inf
             size = int(float(text[:-2]) * units[text[-2:].upper()])
     if size is None or size <= 0:
         raise ValueError(f"{where}: max_shard_size must be a positive number of bytes or a string "

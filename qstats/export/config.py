@@ -96,14 +96,8 @@ def _is_symmetric(spec: QuantSpec, where: str) -> bool:
 
 def _strategy(granularity, site: str, where: str) -> dict:
     """The ``strategy`` (and ``group_size``, ``block_structure``, ``dynamic``) fields of a
-    granularity: per tensor for q/k/v, the weight strategies, and the activation ones (per-token
-    and per-group activations are dynamic)."""
-    if site in ATTENTION_SITES and not isinstance(granularity, PerTensor):
-        fail(
-            where,
-            f"granularity {granularity!r} of a {site!r} site: compressed-tensors' kv-cache and attention "
-            "scales are exported per tensor (PerTensor)",
-        )
+    granularity (the caller checks that q/k/v sites are per tensor): the weight strategies, and the
+    activation ones (per-token and per-group activations are dynamic)."""
     if isinstance(granularity, PerTensor):
         return {"strategy": "tensor"}
     if isinstance(granularity, PerRow) and granularity.dim != -1:
@@ -161,6 +155,9 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec", dynamic: 
     }
     if not symmetric:
         fields["zp_dtype"] = "torch.float8_e4m3fn" if qtype == "float" else "torch.int8"
+    if site in ATTENTION_SITES and not isinstance(spec.granularity, PerTensor):  # NVFP4 and MX too
+        fail(where, f"granularity {spec.granularity!r} of a {site!r} site: compressed-tensors' kv-cache and "
+             "attention scales are exported per tensor (PerTensor)")
     if two_level or mx:
         # activations: group scales at run time, NVFP4's under the calibrated global scale ("local"),
         # MX ones on their own (compressed-tensors' MXFP4/MXFP8)
