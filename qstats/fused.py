@@ -21,13 +21,13 @@ over all experts, which neither vLLM nor llm-compressor needs. See docs/formats.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from . import _formats
 from ._granularity import TensorGroup
-from ._qparams import QParams, _rule_for, calibrated_mask, check_calibrated, compute_qparams
+from ._qparams import QParams, _range_of, calibrated_mask, check_calibrated, compute_qparams
 from ._spec import QuantSpec
 
 __all__ = ["FUSED_LAYER_NAMES", "fused_amax", "fused_global_scale", "fused_groups", "fused_qparams"]
@@ -48,20 +48,27 @@ def fused_groups(model: torch.nn.Module) -> list:
     that has attributes of all the names of a group, the paths of its members, in the group's order.
     As llm-compressor's ``fuse_weight_observers``, a member set to None is skipped (Gemma 4's
     ``v_proj`` under ``attention_k_eq_v``) and the others stay fused, if two or more; a member that is
-    neither None nor a module leaves the whole group out."""
+    the same module as an earlier one (``v_proj = k_proj``) counts once, under its path in
+    ``named_modules``; a member that is neither None nor a module leaves the whole group out."""
+    path_of = {id(module): path for path, module in model.named_modules()}
     groups = []
     for path, module in model.named_modules():
         for names in FUSED_LAYER_NAMES:
             if not all(hasattr(module, name) for name in names):
                 continue
-            present = [name for name in names if getattr(module, name) is not None]
-            if len(present) >= 2 and all(isinstance(getattr(module, name), torch.nn.Module) for name in present):
-                groups.append(tuple(f"{path}.{name}" if path else name for name in present))
+            members = [getattr(module, name) for name in names]
+            if not all(m is None or isinstance(m, torch.nn.Module) for m in members):
+                continue
+            paths = {id(m): path_of.get(id(m), f"{path}.{name}" if path else name)  # in the group's order
+                     for name, m in zip(names, members) if m is not None}
+            if len(paths) >= 2:
+                groups.append(tuple(paths.values()))
     return groups
 
 
 def _amax_of(state, spec: QuantSpec, **options) -> torch.Tensor:
-    result = _rule_for(state)(state, spec, **options)
+    # the range compute_qparams maps: the rule's, with ``float_range`` pinned as there
+    result = _range_of(state, spec, options, "fused")
     if isinstance(result, QParams):
         raise TypeError(f"fused: {type(state).__name__}'s range rule returns QParams, not a range")
     min_val, max_val = result.min_val.float(), result.max_val.float()
@@ -80,6 +87,8 @@ def _as_states(states) -> list:
     if isinstance(states, Mapping):
         raise TypeError("fused: the group must be a sequence of states (q, k, v), got a mapping; pass "
                         "list(group.values())")
+    if not isinstance(states, Iterable):
+        raise TypeError(f"fused: the group must be a sequence of states (q, k, v), got a {type(states).__name__}")
     states = list(states)
     if not states:
         raise ValueError("fused: the group holds no states")
@@ -128,12 +137,17 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
     Returns:
       A tuple of QParams (one per state), or one QParams with a leading dimension when stacked.
     """
+    if not isinstance(stacked, bool):
+        raise TypeError(f"fused_qparams: stacked must be True or False, got {stacked!r}")
     if stacked and not _is_state(states):
         raise TypeError(
             f"fused_qparams(stacked=True): states must be one state stacked along a leading dimension, "
             f"got a {type(states).__name__} (pass stacked=False for a sequence of states)"
         )
     _check_spec(spec, "fused_qparams")
+    if "global_scale" in options:
+        raise TypeError("fused_qparams: global_scale is the group's, computed here; pass none (compute_qparams "
+                        "takes global_scale= to impose one)")
     group = [states] if stacked else _as_states(states)  # read an iterator once
     shared = {}
     if isinstance(spec.granularity, TensorGroup):  # the same range method as the scales
