@@ -36,11 +36,12 @@ except ImportError as error:  # llm-compressor is optional
     ) from error
 
 from . import distributed
+from ._formats import global_scale_from_amax
 from ._granularity import PerTensor
 from ._qparams import compute_qparams
 from ._schemes import DROPIN_OBSERVERS, split_observer_kwargs
 from ._spec import QuantSpec
-from .fused import fused_global_scale
+from .fused import fused_amax
 from .observers import registry
 from .recipe import STATIC_GROUP_ACTIVATIONS, runtime_scaled
 
@@ -124,8 +125,15 @@ class QstatsObserver(LLMCompressorObserver):
                 f"{type(self).__name__}: its fusion group (q/k/v or gate/up weights sharing a global scale) "
                 "mixes qstats and llm-compressor observers; give every layer of the group a qstats observer"
             )
-        states = [stats["qstats_state"] for stats in group]
-        return fused_global_scale(states, self.spec, **self.qparams_options).reshape(1)
+        # each member's range under its own observer and options (llm-compressor fuses minmax and mse
+        # members alike), one global scale over them, as compute_qparams_tree shares it
+        amax = torch.stack([fused_amax([stats["qstats_state"]], stats["qstats_spec"], **stats["qstats_options"])
+                            for stats in group]).amax()
+        return global_scale_from_amax(amax, self.spec).reshape(1)
+
+    def get_statistics(self) -> dict:
+        """The state, with the spec and qparams options its fusion group reads its range under."""
+        return {**super().get_statistics(), "qstats_spec": self.spec, "qstats_options": self.qparams_options}
 
     @torch.no_grad
     def get_qparams(self) -> dict:

@@ -432,6 +432,32 @@ def test_fused_group_mixing_qstats_and_llmcompressor_observers_is_refused():
         ours.get_qparams()
 
 
+def test_fused_group_of_different_qstats_observers_shares_llmcompressors_global_scale():
+    """q/k under min/max and v under mse (llm-compressor fuses its own observers of both kinds): one
+    global scale over each member's own range; it raised 'the group mixes state types'."""
+    from llmcompressor.observers.fusion import FusionHandler
+
+    generator = torch.Generator().manual_seed(3)
+    weights = [torch.randn(8, 32, generator=generator) * (i + 1) for i in range(3)]
+
+    def global_scales(kinds):
+        modules = [torch.nn.Linear(32, 8, bias=False) for _ in weights]
+        observers = []
+        for kind, module, weight in zip(kinds, modules, weights):
+            module.weight.data = weight
+            args = NVFP4["weights"].model_copy(update={"observer": kind}, deep=True)
+            observers.append(Observer.load_from_registry(kind, base_name="weight", args=args))
+        FusionHandler.fuse(list(zip(observers, modules)))
+        for observer, weight in zip(observers, weights):
+            observer(weight)
+        return [observer.get_qparams()["global_scale"] for observer in observers]
+
+    theirs = global_scales(["memoryless_minmax", "memoryless_minmax", "memoryless_mse"])
+    ours = global_scales(["qstats_memoryless_minmax", "qstats_memoryless_minmax", "qstats_mse"])
+    assert all(bit_equal(a, b) for a, b in zip(ours, theirs))
+    assert bit_equal(ours[0], ours[2])
+
+
 @pytest.mark.parametrize("name", sorted(qstats.llmcompressor.OBSERVERS))
 def test_observers_pickle_with_their_state_as_llm_compressors_do(name):
     """``torch.save`` of a model under calibration pickles its observers (llm-compressor's own
