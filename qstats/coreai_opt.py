@@ -10,6 +10,7 @@ coreai_opt ``qparam_calculator_cls``     qstats observer
 ``"static"`` (weights' default)          `qstats.memoryless_minmax` (the latest tensor)
 ``"global_minmax"``                      `qstats.minmax`
 ``"moving_average"`` (activations')      `moving_average_minmax` (here: coreai_opt's EMA)
+``"dynamic"`` (activations, stateless)   `qstats.memoryless_minmax`
 =======================================  ===============================================
 
 `spec_from_coreai_opt` (``QuantSpec.from_coreai_opt``) gives the spec, ``compute_qparams(state,
@@ -17,7 +18,8 @@ spec, float_range=...)`` its ``float_range`` and ``minval``; `qstats.fake_quanti
 its fake quantizer (``qformulation="zp"``), `fake_quantize_minval` its ``"minval"`` formulation.
 coreai_opt is not imported: its specs and granularities are read by attribute (or dict key).
 
-Known differences, kept on purpose: an e8m0 scale of an all-zero (or below ``2**-120``) block is
+Known differences, kept on purpose: an e8m0 scale of an all-zero (or below ``2**(p - 126)``, ``p``
+the target's largest power of two: 6 for int8, 8 and 15 for fp8 e4m3 and e5m2, 2 for fp4) block is
 ``2**-127`` in qstats, ``2**-126`` in coreai_opt; a moving average with one ``float_range`` end
 pinned keeps that end exactly in qstats, where coreai_opt's EMA of the constant may move it by an
 ulp or two.
@@ -88,15 +90,17 @@ def fake_quantize_minval(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> 
     straight-through gradient. `qstats.fake_quantize` is its ``"zp"`` formulation (the default).
 
     Raises:
-      ValueError: a float target (coreai_opt allows ``"minval"`` for integers only), or ``qparams``
-        without ``minval`` (saved by an earlier release).
+      ValueError: a float target or an e8m0 scale (coreai_opt allows ``"minval"`` for integers
+        without e8m0 scales only), or ``qparams`` without ``minval`` (saved by an earlier release).
       TypeError: ``x`` is not a floating-point tensor.
     """
     spec = check_spec(spec)
     check_floating(x, "fake_quantize_minval")
-    if spec.is_float or qparams.minval is None:
-        raise ValueError(f"fake_quantize_minval: needs an integer target and qparams.minval, got dtype "
-                         f"{spec.dtype!r} and minval {'None' if qparams.minval is None else 'given'}")
+    if spec.is_float or spec.scale_dtype == "e8m0" or qparams.minval is None:
+        raise ValueError(f"fake_quantize_minval: needs an integer target without e8m0 scales (coreai_opt "
+                         f"allows qformulation='minval' for those only) and qparams.minval, got dtype "
+                         f"{spec.dtype!r}, scale_dtype {spec.scale_dtype!r} and minval "
+                         f"{'None' if qparams.minval is None else 'given'}")
     minval = broadcast_to_view(qparams.minval.float())
     view = canonical_view(x, spec.granularity).float()
     shifted = from_canonical_view(view - minval, spec.granularity, x.shape)

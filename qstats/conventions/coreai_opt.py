@@ -30,6 +30,8 @@ _SPEC_FIELDS = ("dtype", "qscheme", "qformulation", "granularity", "fake_quantiz
                 "n_bits", "target_dtype", "_quant_range", "quant_min", "quant_max")
 # coreai_opt's presets leave the axis None: its Quantizer.prepare resolves it per module type
 _AXIS_NONE = " (coreai_opt resolves axis None per module type in Quantizer.prepare: give it, e.g. 0 for a Linear weight)"
+# coreai_opt's QuantizationSpec.SUPPORTED_DTYPES (its validator refuses every other dtype)
+_INT_TARGETS = ("int2", "int4", "int6", "int8", "uint2", "uint4", "uint6", "uint8")
 _ALIASES = {"float4_e2m1fn": "float4_e2m1fn_x2", "float8_e4m3": "float8_e4m3fn", "float8_e8m0": "float8_e8m0fnu"}
 
 
@@ -41,6 +43,15 @@ class CoreaiOptConvention(TorchaoConvention):
     dtype: codes a step apart at ties and for bf16/fp16 inputs). Float targets are torchao's."""
 
     name = "coreai_opt"
+
+    def qparams(self, min_val, max_val, spec):
+        # coreai_opt casts the range to the input's dtype (a pinned float_range end rounds to it)
+        # before torchao's arithmetic; torchao's integer path does so itself, not its float targets'
+        return super().qparams(*_in_input_dtype(spec, min_val, max_val), spec)
+
+    def e8m0_scale(self, amax, spec):
+        # coreai_opt takes max(|min|, |max|) in the input's dtype, then the float32 exponent
+        return super().e8m0_scale(*_in_input_dtype(spec, amax), spec)
 
     def codes(self, view, scale, zero_point, spec):
         if spec.is_float:
@@ -54,6 +65,16 @@ class CoreaiOptConvention(TorchaoConvention):
         return Convention.dequantize(self, codes.float(), scale.float(), zero_point, spec)
 
 
+def _in_input_dtype(spec, *tensors):
+    """``tensors`` rounded to ``spec.compute_dtype`` (the input's; saturated at its largest
+    value, where coreai_opt's would be Inf), as float32."""
+    compute = getattr(torch, spec.compute_dtype)
+    if compute == torch.float32:
+        return tensors
+    limit = torch.finfo(compute).max
+    return tuple(t.float().clamp(-limit, limit).to(compute).float() for t in tensors)
+
+
 def _field(source, name: str, default=None):
     if isinstance(source, dict):
         return source.get(name, default)
@@ -65,13 +86,24 @@ def _dtype_name(dtype) -> str:
     return _ALIASES.get(name, name)
 
 
-def block_size(granularity, shape, target: str = "weight") -> tuple:
+def _target(target) -> str:
+    """``"weight"`` or ``"activation"``, from that string or coreai_opt's ``CompressionTargetTensor``
+    (a plain Enum: its members do not compare equal to their values)."""
+    value = getattr(target, "value", target)
+    if value not in ("weight", "activation"):
+        raise ValueError(f"from_coreai_opt: target must be 'weight' or 'activation' (or coreai_opt's "
+                         f"CompressionTargetTensor.WEIGHT / ACTIVATION), got {target!r}")
+    return value
+
+
+def block_size(granularity, shape, target="weight") -> tuple:
     """coreai_opt's ``granularity.get_block_size(shape, target)``: per-tensor is the whole shape,
     per-channel 1 on ``axis``; per-block a tuple (``-1``: the whole axis) or an int along ``axis``,
     where weights keep dimensions past the first two whole and activations reduce every other
-    dimension to 1. ``granularity``: a coreai_opt granularity or its dict (``{"type": ...}``)."""
+    dimension to 1. ``granularity``: a coreai_opt granularity or its dict (``{"type": ...}``);
+    ``target``: ``"weight"``, ``"activation"`` or a ``CompressionTargetTensor``."""
     shape = [int(s) for s in shape]
-    sizes = _block_sizes(granularity, shape, target)
+    sizes = _block_sizes(granularity, shape, _target(target))
     if any(b < 1 or s % b for b, s in zip(sizes, shape)):
         raise ValueError(f"from_coreai_opt: block size {sizes} does not divide the shape {tuple(shape)}")
     return sizes
@@ -120,22 +152,28 @@ def _granularity(granularity, shape, target):
 
 
 def spec_from_coreai_opt(
-    cls, spec: Any = None, *, shape=None, target: str = "weight", input_dtype: torch.dtype = torch.float32, **fields
+    cls, spec: Any = None, *, shape=None, target="weight", input_dtype: torch.dtype = torch.float32, **fields
 ):
     """The ``cls`` (QuantSpec) whose `compute_qparams` (and `qstats.compute_minval`) equal coreai_opt's
     qparams calculators for ``spec``: a ``coreai_opt.quantization.QuantizationSpec``, a dict of its
     fields, or the fields as keywords (``dtype``, ``qscheme``, ``granularity``, ``scale_dtype``).
 
-    ``shape`` (the tensor's) is needed for per-block granularities, ``target`` (``"weight"`` or
-    ``"activation"``) decides their single-axis block as in coreai_opt; ``input_dtype`` is the
-    observed tensor's dtype, which coreai_opt computes integer and fp8 qparams in.
+    ``shape`` (the tensor's) is needed for per-block granularities, ``target`` (``"weight"``,
+    ``"activation"`` or coreai_opt's ``CompressionTargetTensor``) decides their single-axis block
+    as in coreai_opt; ``input_dtype`` is the observed tensor's dtype, which coreai_opt takes the
+    range (a pinned float_range end included) and minval in, and computes integer and fp8 scales in.
     """
+    target = _target(target)
+    input_compute = compute_dtype_name(input_dtype, "from_coreai_opt: input_dtype")  # float64 has no qstats path
     source = {**({} if spec is None else (dict(spec) if isinstance(spec, dict) else {
         name: _field(spec, name) for name in ("dtype", "qscheme", "granularity", "scale_dtype")})), **fields}
     unknown = sorted(set(source) - set(_SPEC_FIELDS))
     if unknown:
         raise ValueError(f"from_coreai_opt: unknown QuantizationSpec field(s) {unknown}; known: {', '.join(_SPEC_FIELDS)}")
     dtype = _dtype_name(source.get("dtype") or torch.int8)
+    if dtype not in _INT_TARGETS and dtype not in _FLOAT_TARGETS:
+        raise ValueError(f"from_coreai_opt: dtype {dtype!r} is not one of coreai_opt's: "
+                         f"{', '.join(_INT_TARGETS + tuple(_FLOAT_TARGETS))}")
     qscheme = str(getattr(source.get("qscheme"), "value", source.get("qscheme") or "symmetric"))
     scale_dtype = source.get("scale_dtype")
     e8m0 = scale_dtype is not None and _dtype_name(scale_dtype) == "float8_e8m0fnu"
@@ -150,12 +188,12 @@ def spec_from_coreai_opt(
     granularity = _granularity(source.get("granularity"), shape, target)
     if dtype in _FLOAT_TARGETS or e8m0:
         float_target = dtype in _FLOAT_TARGETS
-        # without e8m0, torchao's fp8 scale is computed in (and held as) the input's dtype
-        compute = "float32" if e8m0 else compute_dtype_name(input_dtype, "from_coreai_opt: input_dtype")
+        # coreai_opt takes the range (and minval) in the input's dtype; without e8m0, torchao's
+        # fp8 scale is computed in (and held as) it too
         return cls(
             dtype=_FLOAT_TARGETS.get(dtype, dtype), granularity=granularity, eps=_FLOAT32_EPS, convention="coreai_opt",
-            zero_point_domain="none" if float_target else "int", scale_dtype="e8m0" if e8m0 else compute,
-            compute_dtype=compute, on_uncalibrated="fallback",
+            zero_point_domain="none" if float_target else "int", scale_dtype="e8m0" if e8m0 else input_compute,
+            compute_dtype=input_compute, on_uncalibrated="fallback",
         )
     if qscheme not in ("symmetric", "asymmetric", "symmetric_with_clipping"):
         raise ValueError(f"from_coreai_opt: unknown qscheme {qscheme!r}")
