@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import optree
 import torch
@@ -350,6 +350,19 @@ def _gather_and_fold(states, plan, leaf_observers, group, world: int, results) -
     for k, i in enumerate(folded):  # in rank order
         merged = functools.reduce(leaf_observers[i].merge, [rank_states[k] for rank_states in per_rank])
         results[i] = list(merged)
+
+
+def check_same_arguments(arguments: Mapping[str, Any], where: str, group=None) -> None:
+    """ValueError on every rank unless every rank of ``group`` passed the same ``arguments`` (compared
+    by their repr): arguments that decide which collectives run would otherwise leave ranks waiting."""
+    digest = hashlib.sha256(repr(sorted(arguments.items())).encode()).digest()
+    value = int.from_bytes(digest[:8], "little") >> 2  # 62 bits: -value never overflows
+    probe = torch.tensor([value, -value], dtype=torch.int64, device=_probe_device(group))
+    dist.all_reduce(probe, op=dist.ReduceOp.MIN, group=group)
+    if int(probe[0]) != value or int(-probe[1]) != value:
+        listed = ", ".join(f"{name}={given!r}" for name, given in arguments.items())
+        raise ValueError(f"{where}: the ranks passed different arguments (this rank: {listed}); every rank "
+                         "passes the same ones but its batches")
 
 
 def _check_same_trees(fingerprint: int, local_error, group, states, treespec) -> None:

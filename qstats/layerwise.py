@@ -727,9 +727,11 @@ def calibrate_layerwise(
 
 
 def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload_dir, layers, progress,
-               observation_weight, all_experts, all_reduce, device=None, layer_step=None, where="calibrate_layerwise"):
+               observation_weight, all_experts, all_reduce, device=None, layer_step=None, same_on_ranks=dict,
+               where="calibrate_layerwise"):
     """`calibrate_layerwise`; ``layer_step(plan) -> (side_plan, after_layer)`` gives a plan observed
-    beside the recipe's in each layer and a step run on each loaded layer (see `_run_layer`)."""
+    beside the recipe's in each layer and a step run on each loaded layer (see `_run_layer`);
+    ``same_on_ranks()``: more arguments every rank must pass alike, read once they are checked."""
 
     def prepare() -> tuple:  # every check here, so that with all_reduce a rank's bad argument stops all
         if propagate not in ("float", "quantized"):
@@ -757,6 +759,12 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
     made: list = []  # the offload folder, once made
     try:
         run, container_path, container = _agreed(all_reduce, prepare)
+        if run.all_reduce and group_up():  # another propagate or experts split runs other collectives
+            distributed.check_same_arguments({
+                "propagate": propagate, "all_experts": run.all_experts, "layers": container_path,
+                "layer count": len(container), "observation_weight": observation_weight is not None,
+                "device": None if run.device is None else run.device.type, **same_on_ranks(),
+            }, where)  # fmt: skip
         found = _calibrate_all(run, container_path, container, batches, observation_weight, progress, where)
         return _ordered(found, run.plan)
     finally:

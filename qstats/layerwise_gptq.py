@@ -227,6 +227,11 @@ class _GPTQRun:
         _warn_compute_dtype(plan, self.targets)
         return _hessian_plan(plan, self.targets), self.step
 
+    def same_on_ranks(self) -> dict:
+        """The options every rank must pass alike (another split of the experts runs other broadcasts),
+        read after `layer_step` checked them."""
+        return {"experts_at_once": self.experts_at_once, **self.options, "dampening": float(self.options["dampening"])}
+
     def step(self, layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> tuple:
         """GPTQ of the layer's targets, each weight replaced by its GPTQ'd value in the loaded layer
         (which `calibrate_layerwise` then runs) and kept in ``weights`` (with ``weights_dir``:
@@ -335,6 +340,7 @@ def gptq_layerwise(
             model, checkpoint, batches, recipe, states=None, propagate="float", offload_dir=offload_dir,
             layers=layers, progress=progress, observation_weight=observation_weight, all_experts=all_experts,
             all_reduce=all_reduce, device=device, layer_step=run.layer_step, where="gptq_layerwise",
+            same_on_ranks=run.same_on_ranks,
         )  # fmt: skip
     except BaseException:
         run.remove_written()
