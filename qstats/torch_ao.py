@@ -18,6 +18,7 @@ from torch.ao.quantization import observer as ao
 from ._granularity import PerAxis, PerTensor
 from ._qparams import compute_qparams
 from ._spec import QuantSpec
+from .conventions.torch_ao import PER_CHANNEL_QSCHEMES
 from .observers.fixed import FixedQParamsState, fixed_qparams, placeholder
 from .observers.histogram import HistogramState, histogram, histogram_edges
 from .observers.minmax import MinMaxState, MovingAverageMinMaxState, memoryless_minmax, minmax, moving_average_minmax
@@ -120,6 +121,25 @@ def _probe(spec: Optional[QuantSpec], device=None) -> torch.Tensor:
     return torch.zeros((1,) * max(axis + 1, -axis, 1), device=device)
 
 
+def _refuse_disagreeing(fields: dict, spec: QuantSpec, given: dict) -> None:
+    """ValueError where torch.ao arguments given beside ``spec=`` (``FakeQuantize``'s ``quant_min``,
+    ``quant_max`` and ``dtype``; PT2E's ``QuantizationSpec``) differ from what ``spec`` quantizes to
+    (``fields``): they were dropped silently, and the module quantized as the spec says."""
+    per_channel = isinstance(spec.granularity, PerAxis)
+    ours = dict(fields, per_channel=per_channel)
+    qscheme, axis = given.pop("qscheme"), given.pop("ch_axis")
+    given["per_channel"] = None if qscheme is None else qscheme in PER_CHANNEL_QSCHEMES
+    if per_channel and axis is not None and (axis < 0) == (fields["ch_axis"] < 0):  # -1 against 1: the input decides
+        given["ch_axis"] = axis
+    differ = [f"{name} {value} (the spec: {ours[name]})" for name, value in given.items()
+              if value is not None and value != ours[name]]
+    if differ:
+        raise ValueError(
+            f"QstatsObserver: {', '.join(differ)} given beside spec={spec}, which does not quantize to them; "
+            "drop those arguments or make them agree with the spec"
+        )
+
+
 class QstatsObserver(ao.ObserverBase):
     """A qstats observer as a torch.ao observer module (eager ``prepare``/``convert``, FX
     ``prepare_fx``/``convert_fx`` through a ``QConfig`` or ``QConfigMapping``).
@@ -133,7 +153,9 @@ class QstatsObserver(ao.ObserverBase):
         used when ``spec`` is None (a float ``dtype`` builds no spec: placeholders only, whose
         ``qscheme`` is None, so that FX's convert skips them as torch.ao's placeholders). With
         ``spec``, a plain integer ``dtype`` holding its range (PT2E's ``torch.int16``) is kept as
-        the observer's dtype.
+        the observer's dtype; a ``dtype``, ``quant_min``, ``quant_max``, per-tensor/per-channel
+        ``qscheme`` or ``ch_axis`` given that the spec does not quantize to is a ValueError
+        (``FakeQuantize.with_args(quant_min=0, quant_max=15)`` around a uint8 spec).
       is_dynamic: torch.ao's flag for dynamic quantization placeholders.
       method: ``compute_qparams(state, spec, method=...)`` (histograms: ``"l2"``, ``"mse"``, ...).
       factory_kwargs: torch.ao's ``{"device": ...}`` for the buffers (torch.ao's QAT modules pass it).
@@ -159,12 +181,12 @@ class QstatsObserver(ao.ObserverBase):
         spec: Optional[QuantSpec] = None,
         *,
         dtype=None,
-        qscheme=torch.per_tensor_affine,
+        qscheme=None,
         reduce_range: bool = False,
         quant_min: Optional[int] = None,
         quant_max: Optional[int] = None,
         eps: float = _FLOAT32_EPS,
-        ch_axis: int = 0,
+        ch_axis: Optional[int] = None,
         is_dynamic: bool = False,
         method: Optional[str] = None,
         factory_kwargs: Optional[dict] = None,
@@ -180,6 +202,8 @@ class QstatsObserver(ao.ObserverBase):
                              "QuantSpec(reduce_range=True) instead")
         if spec is None:
             dtype = torch.quint8 if dtype is None else dtype  # torch.ao's default
+            qscheme = torch.per_tensor_affine if qscheme is None else qscheme  # torch.ao's defaults
+            ch_axis = 0 if ch_axis is None else ch_axis
             if dtype in _FLOAT_DTYPES:
                 qscheme = None  # torch.ao's get_qparam_dict skips it, as a PlaceholderObserver
             else:
@@ -191,6 +215,8 @@ class QstatsObserver(ao.ObserverBase):
             fields, reduce_range = torch_ao_fields(spec), spec.reduce_range
             if _holds(dtype, spec.qrange):  # a plain integer dtype given beside spec= (PT2E's torch.int16)
                 fields["dtype"] = dtype
+            _refuse_disagreeing(fields, spec, dict(dtype=dtype, quant_min=quant_min, quant_max=quant_max,
+                                                   qscheme=qscheme, ch_axis=ch_axis))
         for name, value in dict(fields, is_dynamic=is_dynamic, reduce_range=reduce_range).items():
             setattr(self, name, value)
         self.spec, self.method = spec, method
@@ -291,6 +317,17 @@ class QstatsObserver(ao.ObserverBase):
             if new.dtype != old.dtype:
                 setattr(self, name, old.to(new.device))
         return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """A per-tensor min/max state before any data is saved as the state of no data (``min_val``
+        Inf, ``max_val`` -Inf, zero counts; shape ``()``), not as empty buffers: torch.ao's per-tensor
+        observers hold those, so the checkpoint loads into them (a size mismatch before)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.spec is None or not isinstance(self.spec.granularity, PerTensor) or self.state is not None \
+                or not set(self._fields) <= _EXTREMES_FIELDS:
+            return
+        nothing = self.observer.init(_probe(self.spec, next(self.buffers()).device))
+        destination.update({prefix + name: value for name, value in zip(self._fields, nothing)})
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
