@@ -92,15 +92,28 @@ def _check_finite_steps(scale, scale_t: torch.Tensor, zero_t: torch.Tensor, spec
     """As QuantSpec.eps: ``1 / scale`` finite (0 * Inf made fake_quantize NaN at zero), and the
     farthest code from the zero point times the scale finite (it dequantized to +-Inf)."""
     qmin, qmax = spec.qrange
-    if spec.zero_point_domain == "int":
-        farthest = torch.maximum(qmax - zero_t, zero_t - qmin).to(torch.float32)
-    else:
-        farthest = torch.tensor(float(max(abs(qmin), abs(qmax))))
+    # codes dequantize to (q - zero_point) * scale in both domains, and a float zero point may lie
+    # outside [qmin, qmax]: the farthest code is measured from it there too
+    farthest = torch.maximum(qmax - zero_t, zero_t - qmin).to(torch.float32)
     if not bool(torch.isfinite(1.0 / scale_t).all()) or not bool(torch.isfinite(scale_t * farthest).all()):
         raise ValueError(
             f"fixed_qparams: scale {scale!r} is out of range: 1 / scale and scale times the farthest code from the "
             f"zero point ({float(farthest.max()):g}) must be finite in float32"
         )
+
+
+def _constant(value, name: str, dtype=None) -> torch.Tensor:
+    """``value`` (a real number, a sequence of them or a real tensor) as a tensor detached from any
+    graph; TypeError naming ``name`` for anything else (a string, None, a bool, a complex number, an
+    int past int64), where torch's own error would not say which argument it was."""
+    try:
+        tensor = torch.as_tensor(value, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        tensor = None
+    if tensor is None or tensor.dtype == torch.bool or tensor.is_complex():
+        raise TypeError(f"fixed_qparams: {name} must be a real number (one torch holds) or a tensor of them, "
+                        f"got {value!r}")
+    return tensor.detach()
 
 
 def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
@@ -116,8 +129,8 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     tensor(0.0039)
     """
     _check_spec(spec, "fixed_qparams")
-    scale_t = torch.as_tensor(scale, dtype=torch.float32)
-    zero_t = torch.as_tensor(zero_point)
+    scale_t = _constant(scale, "scale", torch.float32)
+    zero_t = _constant(zero_point, "zero_point")
     if not bool(torch.isfinite(scale_t).all()) or not bool((scale_t > 0).all()):
         raise ValueError(f"fixed_qparams: scale must be positive and finite, got {scale!r}")
     qmin, qmax = spec.qrange

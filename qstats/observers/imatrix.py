@@ -9,6 +9,7 @@ difference from llm-compressor on per-tensor specs is in docs/differences.md.
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -148,6 +149,21 @@ def _normalised_importance(state: IMatrixState, weight_shape: tuple) -> torch.Te
     return imp.reshape(lead + (1,) * (len(weight_shape) - len(lead) - 1) + (channels,)).expand(weight_shape)
 
 
+def _checked_weight_shape(weight_shape) -> tuple:
+    """``weight_shape`` as a tuple of ints: ValueError unless two or more non-negative integers
+    (``int()`` truncated 64.5 to 64 and let -1 through to an expand that kept any size)."""
+    try:
+        given = tuple(weight_shape)
+        dims = tuple(operator.index(d) for d in given if not isinstance(d, bool))
+        ok = len(dims) == len(given) >= 2 and min(dims) >= 0
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"imatrix_mse: weight_shape must have at least two dimensions (out, in), each a "
+                         f"non-negative int, got {weight_shape!r}")
+    return dims
+
+
 def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixState] = None, maxshrink: float = 0.95,
                 grid: float = 20, norm: float = 3.0, expand: float = 1.0, **options) -> Observer:
     """Importance-weighted MSE search for a weight of ``weight_shape`` ``(out, in)``, as llm-compressor's
@@ -164,9 +180,7 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
     """
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"imatrix_mse: expected a QuantSpec, got {type(spec).__name__}")
-    weight_shape = tuple(int(d) for d in weight_shape)
-    if len(weight_shape) < 2:
-        raise ValueError(f"imatrix_mse: weight_shape must have at least two dimensions, got {weight_shape}")
+    weight_shape = _checked_weight_shape(weight_shape)
     weights = None
     if imatrix_state is not None:
         full = _normalised_importance(imatrix_state, weight_shape)

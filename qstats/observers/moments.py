@@ -75,6 +75,22 @@ class MomentsState(NamedTuple):
         return self.lp_max * (self.lp_sum / self._denominator()).pow(1.0 / self.lp_order)
 
 
+def _checked(state, where: str) -> MomentsState:
+    """``state`` after the checks of a `MomentsState`: its type, int64 ``count`` and ``nonfinite``,
+    float64 sums, every field of one shape. An update turned a float64 count into a float64 state and
+    broadcast fields of other shapes, or failed inside torch (``compute_qparams`` too)."""
+    check_state(state, MomentsState, where)
+    for name in MomentsState._fields:
+        value, dtype = getattr(state, name), torch.int64 if name in ("count", "nonfinite") else torch.float64
+        if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+            got = f"dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{where}: MomentsState.{name} must be a {dtype} tensor, got {got}")
+        if value.shape != state.count.shape:
+            raise ValueError(f"{where}: MomentsState fields do not line up: {name} has shape {tuple(value.shape)}, "
+                             f"count {tuple(state.count.shape)}")
+    return state
+
+
 def _batch_moments(x, weight, expected, spec: QuantSpec, power: float) -> MomentsState:
     """One batch's moments (a state of its own, for `_combine`)."""
     view = checked_view(x.detach(), spec.granularity, expected, "moments.update")
@@ -189,14 +205,13 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
                             order, count.clone())
 
     def update_fn(state: MomentsState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MomentsState:
-        check_state(state, MomentsState, "moments.update")
+        state = _checked(state, "moments.update")
         if x.numel() == 0:
             return state
         return _combine(state, _batch_moments(x, weight, state.count.shape, spec, power), None)
 
     def merge_fn(a: MomentsState, b: MomentsState) -> MomentsState:
-        check_state(a, MomentsState, "moments.merge")
-        check_state(b, MomentsState, "moments.merge")
+        a, b = _checked(a, "moments.merge"), _checked(b, "moments.merge")
         check_same_shapes(a, b, "moments.merge")
         return _combine(a, b, "moments.merge")
 
@@ -223,7 +238,8 @@ def _multiple(k: Optional[float], default: float) -> float:
 
 
 def mean_std_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None) -> Range:
-    """``"mean_std"`` (Brevitas' mean + k * sigma): ``[mean - k * std, mean + k * std]`` (``k=3``)."""
+    """``"mean_std"``: ``[mean - k * std, mean + k * std]`` (``k=3``; the population std of x, not Brevitas'
+    ``MeanSigmaStd`` of |x|)."""
     k = _multiple(k, 3.0)
     return _as_float32_range(state, state.mean - k * state.std, state.mean + k * state.std)
 
@@ -264,4 +280,4 @@ register_search("lp", lp_search, observer="moments")
 @register_range_rule(MomentsState)
 def _moments_rule(state: MomentsState, spec: QuantSpec, method: str = "mean_std", **options) -> Range:
     """The range of ``method`` (a search registered for ``"moments"``), with its options."""
-    return search(method, "moments")(state, spec, **options)
+    return search(method, "moments")(_checked(state, "compute_qparams"), spec, **options)
