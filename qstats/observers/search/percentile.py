@@ -8,7 +8,7 @@ import torch
 from ..._checks import is_real_number
 from ..._qparams import Range
 from ..._spec import QuantSpec
-from ._geometry import Moments, config, cumulative, is_symmetric, moments, search_octaves, window, within_extremes
+from ._geometry import Moments, config, cumulative, is_symmetric, moments, window, within_extremes
 
 __all__ = ["percentile_search"]
 
@@ -38,8 +38,10 @@ def _abs_quantile(state, p: float) -> torch.Tensor:
     """The value below which a fraction ``p`` of the ``|x|`` lie: ``F(t) - F(-t)`` is linear between
     bucket-edge magnitudes, so it is inverted there, at the buckets' own resolution.
     """
-    bins, low, _ = config(state)
-    edges, counts = window(state, bins, low, 24)
+    bins, low, high = config(state)
+    # every resolved octave (24 below the largest |x| folded a 99.9th percentile 2**27 below an
+    # outlier into one bucket at zero: 15 times too large)
+    edges, counts = window(state, bins, low, high - low)
     mom = moments(edges, counts)
     absmax = torch.maximum(-state.min_val, state.max_val).double().clamp(min=0).unsqueeze(-1)
     points = torch.cat([torch.zeros_like(edges[..., :1]), torch.minimum(edges.abs(), absmax), absmax], -1)
@@ -70,8 +72,8 @@ def percentile_search(state, spec: QuantSpec, percentile: float = 99.99) -> Rang
     if percentile <= 50:  # the upper percentile would fall below the lower one: an empty range, in silence
         raise ValueError(f"compute_qparams: an asymmetric mapping takes the {100 - percentile} and {percentile} "
                          f"percentiles of x: percentile must be in (50, 100], got {percentile!r}")
-    bins, low, _ = config(state)
-    edges, counts = window(state, bins, low, search_octaves(spec) + 8)
+    bins, low, high = config(state)
+    edges, counts = window(state, bins, low, high - low)  # every resolved octave, as above
     q = torch.tensor([1 - p, p], dtype=torch.float64, device=edges.device).expand(*counts.shape[:-1], 2)
     both = _quantile(moments(edges, counts), q.contiguous())
     return within_extremes(state, both[..., 0], both[..., 1])
