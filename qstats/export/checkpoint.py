@@ -18,7 +18,7 @@ from ..fused import fused_groups
 from ..recipe import Plan, Recipe, _matches, as_plan
 from .attention import attention_config, write_attention
 from .config import ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, ignored_modules
-from .experts import expert_entries, warn_mixed_experts
+from .experts import expert_entries, unpack_loaded_per_expert, warn_mixed_experts
 from .linear import linear_entry, write_linear
 from .._checkpoint_names import module_renamer, saved_tensors
 from .._warn import warn
@@ -213,6 +213,7 @@ class Writer:
                 self.schemes[entry.path] = scheme
                 if entry.experts is not None:
                     self.expert_projection[entry.path] = entry.experts
+        unpack_loaded_per_expert(self.model, state, tensors, dropped)
         for name, tensor in state.items():
             if name not in tensors and name not in dropped:
                 tensors[name] = tensor.detach()

@@ -21,11 +21,14 @@ from .linear import Entry
 from .scales import check_qparams, scale_dtype
 from .._warn import warn
 
-__all__ = ["EXPERT_SITES", "expert_entries", "warn_mixed_experts"]
+__all__ = ["EXPERT_SITES", "expert_entries", "unpack_loaded_per_expert", "warn_mixed_experts"]
 
 EXPERT_SITES = ("gate_up_proj", "up_proj", "down_proj", "input", "gate_up_proj.input", "up_proj.input",
                 "down_proj.input")
 _INPUT_SITES = ("input", "gate_up_proj.input", "up_proj.input", "down_proj.input")
+# experts that transformers swaps for per-expert Linears whenever it loads a compressed-tensors
+# checkpoint, quantized or not (its MODULES_TO_PATCH_FOR_QUANTIZATION: SequentialLlama4TextExperts)
+_LOADED_PER_EXPERT = ("Llama4TextExperts",)
 
 
 def fill_uncovered_experts(qp: Optional[QParams], spec: Optional[QuantSpec] = None) -> Optional[QParams]:
@@ -218,3 +221,22 @@ def warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
             "but no 'down_proj.input' site, or down_proj left unquantized); compressed-tensors and "
             "transformers load this, vLLM's fused-MoE loader requires one scheme per experts module",
         )
+
+
+def unpack_loaded_per_expert(model: torch.nn.Module, state: Mapping, tensors: dict, dropped: set) -> None:
+    """Into ``tensors``: the unquantized stacked weights in ``state`` of experts that transformers
+    loads per expert (Llama 4's ``gate_up_proj [E, in, 2I]`` and ``down_proj [E, I, in]``) as each
+    expert's ``gate_proj``/``up_proj``/``down_proj`` Linear weight, as llm-compressor writes them
+    (stacked, they loaded as freshly initialised experts); their stacked names go into ``dropped``."""
+    for path, module in model.named_modules():
+        names = (f"{path}.gate_up_proj", f"{path}.down_proj")
+        if type(module).__name__ not in _LOADED_PER_EXPERT or not all(name in state for name in names):
+            continue
+        if any(name in tensors or name in dropped for name in names):  # quantized: written per expert already
+            continue
+        gate_up, down = (state[name].detach() for name in names)
+        gate, up = gate_up.chunk(2, dim=-1)  # the module's own split
+        for expert in range(down.shape[0]):
+            for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+                tensors[f"{path}.{expert}.{name}.weight"] = weight[expert].T.contiguous()
+        dropped.update(names)
