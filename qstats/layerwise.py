@@ -737,7 +737,9 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
         if propagate not in ("float", "quantized"):
             raise ValueError(f"{where}: propagate must be 'float' or 'quantized', got {propagate!r}")
         if all_reduce and states is not None:
-            raise ValueError(f"{where}: all_reduce with resumed states would merge them once per rank")
+            raise ValueError(f"{where}: all_reduce cannot resume states (ranks' resumed states would be merged as "
+                             "new ones); resume without all_reduce (propagate='float') and merge the returned "
+                             "states with qstats.distributed.all_reduce")
         check_on_meta(model)
         execution = _execution_device(device, where)
         check_batches(batches, where)
