@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 import zlib
 from typing import Any
 
@@ -116,6 +117,8 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set, where: str) 
                 raise ValueError(
                     f"qstats.io: the checkpoint has no tensor {key!r} (needed at {where}); the file is incomplete"
                 )
+            if key in used:  # save writes one tensor per leaf: a shared key would alias two leaves
+                raise _malformed(where, node)
             used.add(key)
             return tensors[key]
         if kind == "namedtuple":
@@ -143,6 +146,8 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set, where: str) 
             return None
         if kind == "dict":
             keys = [key for key, _ in node["items"]]
+            if not all(isinstance(key, str) for key in keys):
+                raise _malformed(where, node)
             if len(set(keys)) != len(keys):
                 duplicates = sorted({key for key in keys if keys.count(key) > 1})
                 raise ValueError(f"qstats.io: malformed checkpoint structure at {where}: duplicate keys {duplicates[:5]}")
@@ -226,14 +231,44 @@ def _dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_storable(tensors: dict[str, torch.Tensor]) -> None:
     storable = getattr(safetensors.torch, "_SIZE", None)  # the dtypes safetensors writes (private: may go)
     for key, tensor in tensors.items():
+        if not key.isascii() and not _is_utf8(key):  # the structure metadata escapes it; tensor names are UTF-8
+            raise ValueError(
+                f"qstats.io: the tree path {key!r} is not valid Unicode text (a lone surrogate, as os.fsdecode "
+                "gives for undecodable bytes); a safetensors file holds tensor names as UTF-8"
+            )
         if tensor.is_quantized or (storable is not None and tensor.dtype not in storable):
             raise TypeError(
                 f"qstats.io: tensor {key!r} has dtype {tensor.dtype}, which a safetensors file cannot hold "
                 "(dequantize it, or save its int_repr() and qparams)"
             )
+
+
+_FOREIGN_MAGIC = (  # the first bytes of other files a checkpoint path may name by mistake
+    (b"\x93NUM", "a NumPy .npy file"),
+    (b"PK\x03\x04", "a zip archive (a NumPy .npz file?)"),
+    (b"GGUF", "a GGUF file (llama.cpp)"),
+    (b"\x89HDF", "an HDF5 file"),
+)
+
+
+def _zip_holds_pickle(source: str) -> bool:
+    """A torch.save zip holds ``<name>/data.pkl``; other zips (numpy's .npz) do not."""
+    try:
+        with zipfile.ZipFile(source) as archive:
+            return any(name.endswith("data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def _describe_foreign(source: str) -> str:
@@ -243,12 +278,25 @@ def _describe_foreign(source: str) -> str:
             head = handle.read(4)
     except OSError:
         return ""
-    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+    if (head.startswith(b"PK\x03\x04") and _zip_holds_pickle(source)) or head[:1] == b"\x80":
         return (
             "; it looks like a torch.save file: read it with torch.load (and qstats.io.from_state_dict "
             "for a to_state_dict file)"
         )
+    for magic, kind in _FOREIGN_MAGIC:
+        if head.startswith(magic):
+            return f"; it looks like {kind}"
     return ""
+
+
+def _header_too_large(target: str, count: int) -> ValueError:
+    """safetensors refuses a header (tensor names, structure, checksums) over 100 MB: some 300 000
+    tensors, the per-expert states of a large MoE model's Linear modules."""
+    return ValueError(
+        f"qstats.io: {target} not written: the tree's {count} tensor names, structure and checksums exceed "
+        "the 100 MB header a safetensors file may have; save it in parts (one file per layer), stack "
+        "experts' states (qstats.tree.stack), or torch.save(qstats.io.to_state_dict(tree), path)"
+    )
 
 
 def save(path: str | os.PathLike, tree: Any) -> None:
@@ -284,9 +332,22 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     try:
         save_file(tensors, target, metadata=metadata)
     except SafetensorError as error:  # the writer's I/O failures, as open() and torch.save raise them
+        if "header too large" in str(error).lower():
+            raise _header_too_large(target, len(tensors)) from None
         folder = os.path.dirname(target) or "."
         kind = FileNotFoundError if not os.path.isdir(folder) else OSError
         raise kind(f"qstats.io: could not write {target} ({error})") from None
+
+
+def _check_available(device: torch.device) -> None:
+    """ValueError for a device this process cannot put tensors on (no CUDA, a GPU index it lacks),
+    before the file is read (``Tensor.to`` raised an AssertionError after reading it)."""
+    if device.type in ("cpu", "meta"):
+        return
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:
+        raise ValueError(f"qstats.io.load: device {str(device)!r} is not available here ({error})") from None
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
@@ -296,12 +357,17 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
       ValueError: a corrupt, truncated, foreign or unknown-version file, a missing tensor, a checksum
         mismatch or an unknown state type (the message says which).
       TypeError: ``device`` is no device (``None``, a ``map_location`` dict), before the file is read.
+      ValueError: ``device`` is not available here (no CUDA, a GPU index beyond the last), also before.
+      FileNotFoundError, IsADirectoryError: no file at ``path``.
     """
     try:  # before the file is read: torch.device(None) is a TypeError
         device = torch.device(device)
     except (TypeError, RuntimeError) as error:
         raise TypeError(f"qstats.io.load: device must be a torch.device or its name, got {device!r} ({error})") from None
+    _check_available(device)
     source = os.fspath(path)
+    if os.path.isdir(source):  # safetensors reports "No such device (os error 19)"
+        raise IsADirectoryError(f"qstats.io: {source} is a directory, not a checkpoint file")
     try:
         with safe_open(source, framework="pt", device="cpu") as handle:
             metadata = handle.metadata() or {}

@@ -7,6 +7,7 @@ flattens it. `stack` gives one tree with a new leading dimension, ready for ``to
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Sequence
 
 import optree
@@ -45,7 +46,7 @@ def _leaf_description(leaf: Any) -> str:
 def _same_value(a: Any, b: Any) -> bool:
     """Equality of two non-tensor leaves of one type: NaN equals NaN, and an elementwise ``==``
     (numpy arrays) must hold everywhere, on equal shapes."""
-    if isinstance(a, float) and a != a:
+    if isinstance(a, numbers.Number) and a != a:  # NaN: Python, complex and NumPy scalars
         return b != b
     if getattr(a, "shape", None) != getattr(b, "shape", None):
         return False
@@ -127,7 +128,8 @@ def stack(trees: Sequence[Any]) -> Any:
       One tree of the same structure whose leaves have shape ``(len(trees), *leaf.shape)``.
 
     Raises:
-      ValueError: for an empty sequence, or naming the path of the first mismatch.
+      ValueError: for an empty sequence, or naming the path of the first mismatch (structure, shape,
+        dtype, or leaves on different devices).
     """
     trees = list(trees)
     if not trees:
@@ -141,7 +143,12 @@ def stack(trees: Sequence[Any]) -> Any:
     treespec = optree.tree_structure(first)
     # leaves in the first tree's order, matched by key: OrderedDicts flatten in their own key order
     leaves_per_tree = [treespec.flatten_up_to(tree) for tree in trees]
-    stacked = [torch.stack(column) for column in zip(*leaves_per_tree)]
+    columns = list(zip(*leaves_per_tree))
+    for (path, _), column in zip(leaves_with_paths(first, "trees[0]"), columns):
+        devices = sorted({str(leaf.device) for leaf in column})
+        if len(devices) > 1:  # torch.stack's own error names neither the leaf nor the tree
+            raise ValueError(f"tree.stack: leaf {path} is on devices {devices} across the trees; move them to one")
+    stacked = [torch.stack(column) for column in columns]
     return optree.tree_unflatten(treespec, stacked)
 
 
