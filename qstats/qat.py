@@ -169,6 +169,15 @@ class QATState(NamedTuple):
     batchnorm: Dict[str, BatchNormState]
 
 
+def _check_extra(state, phase) -> None:
+    """The rewritten forward's ``qat_state`` and ``qat_phase`` (None unless given: a bare AttributeError)."""
+    if not isinstance(state, QATState):
+        raise TypeError(f"QATModel.module: qat_state must be a QATState (qat.init(x)), got {type(state).__name__}; "
+                        "call qat.apply(params, state, x, phase=...)")
+    if not isinstance(phase, QATPhase):
+        raise TypeError(f"QATModel.module: qat_phase must be a QATPhase, got {type(phase).__name__}")
+
+
 class _FakeQuantPoint(nn.Module):
     """Graph node: observe and fake-quantize one tensor, reading and returning its state."""
 
@@ -179,6 +188,7 @@ class _FakeQuantPoint(nn.Module):
     def forward(self, x, state: QATState, phase: QATPhase, ranges, previous=None):
         # previous: the state returned by this layer's earlier call in the same pass (a module
         # called more than once), so that every call observes into one chained state.
+        _check_extra(state, phase)
         current = getattr(state, self.kind).get(self.key)
         if current is None:  # QATModel.init: size the state on the example input
             return x, self.observer.init(x) if previous is None else previous
@@ -196,6 +206,7 @@ class _BatchNormPoint(nn.Module):
 
     def forward(self, x, weight, bias, running_mean, running_var, num_batches_tracked, state: QATState, phase,
                 previous=None):
+        _check_extra(state, phase)
         current = state.batchnorm.get(self.key)
         if current is None:  # QATModel.init (a later call of the same layer keeps the first call's state)
             return x, previous or BatchNormState(running_mean.detach().clone(), running_var.detach().clone(),
@@ -218,7 +229,8 @@ class _BatchNormPoint(nn.Module):
         if x.numel() == 0:
             return BatchNormState(current.running_mean, current.running_var, count)
         # in float32, float64 for float64 models, as nn.BatchNorm's CPU kernel; its reductions and update
-        # round otherwise, so the statistics can differ from it in their last bit (docs/qat.md)
+        # round otherwise, so the statistics can differ from it in their last bit (in bfloat16, where it rounds
+        # every operation, by a few ulps after many steps: docs/qat.md)
         compute = torch.promote_types(torch.promote_types(x.dtype, current.running_mean.dtype), torch.float32)
         dims = [0] + list(range(2, x.ndim))
         batch_var, batch_mean = torch.var_mean(x.detach().to(compute), dim=dims, correction=1)
@@ -248,15 +260,18 @@ class QATModel:
       layers: names of the quantized layers; ``batchnorm_layers``: names of batch-norm layers.
     """
 
-    def __init__(self, module, weight_observer, activation_observer, layers, batchnorm_layers):
+    def __init__(self, module, weight_observer, activation_observer, layers, batchnorm_layers, aliases=None):
         self.module = module
         self.weight_observer = weight_observer
         self.activation_observer = activation_observer
         self.layers = tuple(layers)
         self.batchnorm_layers = tuple(batchnorm_layers)
+        # the model's names of a module registered several times, which ``module`` lacks -> the name it has
+        self._aliases = dict(aliases or {})
         # names `apply` takes: parameters (tied ones under every name) and buffers
         self._names = frozenset(name for named in (module.named_parameters(remove_duplicate=False),
                                                    module.named_buffers(remove_duplicate=False)) for name, _ in named)
+        self._names |= frozenset(self._aliases)
 
     def params(self) -> Dict[str, torch.Tensor]:
         """The model's parameters by name (the tensors themselves)."""
@@ -284,6 +299,7 @@ class QATModel:
         if not isinstance(phase, QATPhase):  # a batch norm read phase.freeze_batchnorm: a bare AttributeError
             raise TypeError(f"QATModel.apply: phase must be a QATPhase (schedule(step)), got {type(phase).__name__}")
         self._check_ranges(ranges)
+        params = self._canonical(params, "QATModel.apply")
         output, states = torch.func.functional_call(self.module, params, inputs, _extra(state, phase, ranges))
         return output, QATState(**states)
 
@@ -294,16 +310,34 @@ class QATModel:
         ``state.batchnorm`` (the model's own buffers never change). Modules and buffers the forward
         never uses are left out (``module`` lacks them): load with ``strict=False`` then."""
         self._check_inputs(params, state, "QATModel.state_dict")
-        given = {}  # a parameter -> the value given under its first name in params (tied ones have several)
+        params = self._canonical(params, "QATModel.state_dict")
+        given = {}  # a tensor -> the value given under its first name in params (tied ones have several)
         for name, tensor in self.module.named_parameters(remove_duplicate=False):
             if name in params:
                 given.setdefault(id(tensor), params[name])
+        buffers = dict(self.module.named_buffers())
+        for key, statistics in state.batchnorm.items():  # every name of a shared batch norm's buffers
+            for field, value in statistics._asdict().items():
+                if f"{key}.{field}" in buffers:
+                    given[id(buffers[f"{key}.{field}"])] = value
         result = {name: given.get(id(tensor), params.get(name, tensor)).detach()
                   for name, tensor in self.module.state_dict(keep_vars=True).items()}
-        for key, statistics in state.batchnorm.items():
-            for field, value in statistics._asdict().items():
-                if f"{key}.{field}" in result:
-                    result[f"{key}.{field}"] = value.detach()
+        result.update((alias, result[name]) for alias, name in self._aliases.items() if name in result)
+        return result
+
+    def _canonical(self, params, where: str) -> Dict[str, Any]:
+        """``params`` with a shared module's other names (`_aliases`) under the name ``module`` has. They are
+        not handed to ``functional_call``: it would set the one module's attribute once per name, and restore
+        it so, leaving the value given in the model."""
+        if not any(name in self._aliases for name in params):
+            return params
+        result, given_as = {}, {}
+        for name, value in params.items():
+            target = self._aliases.get(name, name)
+            if target in result and result[target] is not value:
+                raise ValueError(f"{where}: params gives {name!r} and {given_as[target]!r}, names of one tensor "
+                                 "(a module registered under several names), different values")
+            result[target], given_as[target] = value, name
         return result
 
     def _check_inputs(self, params, state, where: str) -> None:
@@ -448,7 +482,23 @@ def prepare(
     _warn_float_layers(model, layers, rewriter, hidden)
     if not rewriter.quantized:
         raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}")
-    return QATModel(rewriter.finish(), weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms)
+    module = rewriter.finish()
+    return QATModel(module, weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms,
+                    _aliases(model, module))
+
+
+def _aliases(model: nn.Module, module: nn.Module) -> Dict[str, str]:
+    """The names of ``model``'s parameters and buffers that ``module`` lacks, each mapped to the name its
+    tensor has in ``module``: a module registered several times (``nn.ModuleList([block] * n)``) is kept by
+    torch.fx under its first name only."""
+    def named(m):
+        return [*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False)]
+
+    first = {}
+    for name, tensor in named(module):
+        first.setdefault(id(tensor), name)
+    kept = {name for name, _ in named(module)}
+    return {name: first[id(tensor)] for name, tensor in named(model) if name not in kept and id(tensor) in first}
 
 
 def _refuse_stacked_experts(model: nn.Module) -> None:
