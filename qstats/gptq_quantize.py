@@ -162,7 +162,9 @@ def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: tor
     diagonal = torch.diagonal(hessian, dim1=-2, dim2=-1)  # written in place: `_gptq_core`'s own tensor
     dead = diagonal == 0
     diagonal.add_(dead.to(hessian.dtype))
-    diagonal.add_(dampening * torch.mean(diagonal, dim=-1, keepdim=True))
+    # the mean of a contiguous copy, as llm-compressor's torch.mean(torch.diag(H)): a mean over the
+    # strided view sums in another order and may differ in its last bit (and so may a code)
+    diagonal.add_(dampening * torch.mean(diagonal.contiguous(), dim=-1, keepdim=True))
     lower, info = torch.linalg.cholesky_ex(hessian, check_errors=False)
     factored = (usable & (info == 0))[..., None, None]
     # LAPACK's factors are column-major: the identity is taken in that layout (eye.mT) so that the
