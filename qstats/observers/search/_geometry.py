@@ -182,10 +182,7 @@ def _lean_grid(lo, hi, spec: QuantSpec, straddles_zero: bool, qrange):
     tiny = torch.finfo(torch.float32).eps
     if spec.mapping == "asymmetric":
         scale = ((hi - lo) / float(qmax - qmin)).clamp(min=tiny)
-        if spec.zero_point_domain == "float":
-            zero_point = -lo / scale
-        else:
-            zero_point = (qmin - torch.floor(lo / scale + 0.5)).clamp(qmin, qmax)  # ties: search only
+        zero_point = (qmin - torch.floor(lo / scale + 0.5)).clamp(qmin, qmax)  # ties: search only
     else:
         if spec.mapping == "symmetric_no_clipping_err":
             scale = torch.maximum(lo / float(qmin), hi / float(qmax))
@@ -198,6 +195,20 @@ def _lean_grid(lo, hi, spec: QuantSpec, straddles_zero: bool, qrange):
     return scale, zero_point, (qmin - zero_point) * scale, (qmax - zero_point) * scale
 
 
+def _float_zero_point_grid(qp, spec: QuantSpec, qrange):
+    """Step, zero point in codes and clipping points of float zero points, read from the convention's
+    own values of the end codes: torchao keeps its zero point in the input's units
+    (``(q - mid) * scale + zero_point``), compressed-tensors rounds it to an integer, torch.ao keeps
+    it fractional in codes (reading it as codes fits torch.ao's alone)."""
+    qmin, qmax = qrange
+    ends = torch.tensor([qmin, qmax], dtype=torch.float32, device=qp.scale.device).expand(*qp.scale.shape, 2)
+    values = spec.convention.dequantize(ends, qp.scale.unsqueeze(-1), qp.zero_point.unsqueeze(-1), spec)
+    clip_lo, clip_hi = values.double().unbind(-1)
+    scale = (clip_hi - clip_lo) / float(qmax - qmin)
+    scale = torch.where(scale > 0, scale, qp.scale.double())  # ends rounded together (bf16/fp16 compute)
+    return scale, qmin - clip_lo / scale, clip_lo, clip_hi
+
+
 def grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False, qrange=None):
     """Element step, zero point and clipping points of candidate ranges ``(lo, hi)`` with the
     spec's own arithmetic. ``straddles_zero``: the caller knows ``lo <= 0 <= hi``; ``qrange``:
@@ -206,11 +217,14 @@ def grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False, qrange=None):
     # an asymmetric zero point of domain "none" is the convention's to keep (compressed-tensors
     # does) or drop: the spec's own qparams say which
     keeps_domain = spec.zero_point_domain != "none" or spec.mapping != "asymmetric"
-    if not spec.is_float and spec.scale_dtype == "float32" and spec.convention.ranges_map_like_torch_ao and keeps_domain:
+    lean = spec.scale_dtype == "float32" and spec.convention.ranges_map_like_torch_ao and keeps_domain
+    if not spec.is_float and spec.zero_point_domain != "float" and lean:
         return _lean_grid(lo, hi, spec, straddles_zero, qrange)
     calibrated = torch.ones(lo.shape, dtype=torch.bool, device=lo.device)
     qp = qparams_from_minmax(lo.float(), hi.float(), spec, calibrated=calibrated)
     qmin, qmax = qrange
+    if spec.zero_point_domain == "float" and not spec.is_float:
+        return _float_zero_point_grid(qp, spec, qrange)
     # the element step: a two-level (NVFP4) block scale under its global scale
     scale = effective_scale(qp.scale.double(), qp.global_scale.double(), spec)
     zero_point = qp.zero_point.double()  # the one fake quantization uses

@@ -91,10 +91,12 @@ def entropy_amax(hist: torch.Tensor, bin_edges: torch.Tensor, num_bits: int = 8,
 
     Args:
       hist: counts, shape ``(*P, nbins)``.
-      bin_edges: edges, shape ``(*P, nbins + 1)`` (or ``(nbins + 1,)``).
+      bin_edges: edges, shape ``(*P, nbins + 1)`` (or ``(nbins + 1,)``); tensors or numpy arrays
+        (ModelOpt's ``np.histogram`` ones, ``torch_hist=False``).
 
     Raises ValueError naming a bad argument (``start_bin`` in ``[1, nbins]``, at least 2 bins).
     """
+    hist, bin_edges = torch.as_tensor(hist), torch.as_tensor(bin_edges)
     _check_entropy_args(hist, bin_edges, num_bits, start_bin, stride)
     hist = hist.double()
     hist = torch.cat([hist[..., 1:2], hist[..., 1:]], -1)
@@ -135,7 +137,7 @@ def entropy_search(state, spec: QuantSpec, num_bits=None, start_bin: int = 128, 
     ``num_bits`` (default: the spec's) and ModelOpt's ``start_bin`` and ``stride``."""
     check_int("num_linear", num_linear, 2, 1 << 16)
     if num_bits is not None:
-        check_int("num_bits", num_bits, 1, 16)
+        check_int("num_bits", num_bits, 1, 32)  # every spec's width (levels past the bins cost nothing)
     check_int("start_bin", start_bin, 1, num_linear)
     check_int("stride", stride, 1, num_linear)
     hist, linear_edges = _abs_linear_histogram(state, num_linear)
