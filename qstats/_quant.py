@@ -127,20 +127,20 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
 
 
 def fake_quantize_passing(x: torch.Tensor, qparams: QParams, spec: QuantSpec, straight_through) -> torch.Tensor:
-    """`fake_quantize` with its straight-through term added where ``straight_through`` is True,
-    left out where False, and where ``x`` requires grad for None (`fake_quantize`). Inside
-    ``torch.vmap`` tensors report ``requires_grad=False``: a caller vmapping a tensor that needs a
-    gradient passes True (autograd records through the vmap)."""
+    """`fake_quantize` with its straight-through term, left out where ``straight_through`` is False
+    (a caller that knows no gradient is wanted). It is added whether or not ``x`` reports
+    ``requires_grad``: inside ``torch.vmap`` a tensor that needs a gradient reports False."""
     view = canonical_view(check_floating(x, "fake_quantize"), spec.granularity)
     scale, zero_point = _params(qparams, view)
     zero_point = _checked_zero_point(zero_point, spec, "fake_quantize")
     unclamped, codes = _codes_float(view.detach(), scale, zero_point, spec, qparams.global_scale)
     out = _cap(_dequantize_view(codes, scale, zero_point, spec, qparams.global_scale), x.dtype)
-    if view.requires_grad if straight_through is None else straight_through:
-        # reverse mode; forward mode (jvp) gets no straight-through tangent (docs/qat.md)
+    if straight_through is not False:
+        # +0 with derivative 1 (reverse and forward mode), subtracted as (detached - x) so that a
+        # -0.0 output keeps its sign
         lo, hi = spec.convention.gradient_range(spec)
         inside = (unclamped >= lo) & (unclamped <= hi)
-        passthrough = view.float() - view.float().detach()
-        out = torch.where(inside, out + passthrough, out)
+        passthrough = view.float().detach() - view.float()
+        out = torch.where(inside, out - passthrough, out)
     out = from_canonical_view(out, spec.granularity, x.shape)
     return _to_output(out, x.dtype)

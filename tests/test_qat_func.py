@@ -420,8 +420,6 @@ def test_observer_updates_under_no_grad_equal_those_of_a_grad_step():
     assert not any(t.requires_grad for t in tree_leaves(grad_observed))
 
 
-@pytest.mark.xfail(strict=True, reason="fake_quantize adds the straight-through term only where view.requires_grad "
-                   "(inference pays nothing), which forward-mode AD does not set: jvp/jacfwd give a zero tangent")
 def test_forward_mode_tangent_equals_the_reverse_mode_straight_through_gradient():
     observer = qstats.minmax(A_SPEC)
     calibration = torch.tensor([-1.0, 3.0])
