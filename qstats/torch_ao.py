@@ -18,6 +18,7 @@ from torch.ao.quantization import observer as ao
 from ._granularity import PerAxis, PerTensor
 from ._qparams import compute_qparams
 from ._spec import QuantSpec
+from .conventions import TorchaoConvention, lookup
 from .conventions.torch_ao import PER_CHANNEL_QSCHEMES
 from .observers.fixed import FixedQParamsState, fixed_qparams, placeholder
 from .observers.histogram import HistogramState, histogram, histogram_edges
@@ -66,6 +67,12 @@ def torch_ao_fields(spec: QuantSpec) -> dict:
     if spec.zero_point_domain == "float":
         if per_tensor:
             raise ValueError("QstatsObserver: float zero points are per channel in torch.ao")
+        if isinstance(lookup(spec.convention), TorchaoConvention):
+            raise ValueError(
+                "QstatsObserver: spec has torchao's float zero point (ZeroPointDomain.FLOAT, in the input's units); "
+                "torch.ao's per_channel_affine_float_qparams take it in code units: use QuantSpec.from_torch_ao("
+                "torch.quint8, torch.per_channel_affine_float_qparams, ...) instead"
+            )
         qscheme = torch.per_channel_affine_float_qparams
         dtype = torch.quint4x2 if qmax <= 15 and qmin >= 0 else torch.quint8
     else:

@@ -31,7 +31,8 @@ class QstatsPT2EObserver(QstatsObserver, _TorchAOObserverBase):
     ``with_args`` here (default 0), or use `QstatsPT2EPerChannelObserver`. With ``spec=``, the
     ``QuantizationSpec``'s dtype, range, per-tensor/per-channel qscheme and ``ch_axis`` must agree
     with the spec (ValueError otherwise: the converted graph would quantize as the spec says, not as
-    the quantizer annotated)."""
+    the quantizer annotated); a torchao ``ZeroPointDomain.FLOAT`` spec is refused, as by
+    `QstatsObserver` (its zero point is in the input's units, the graph's in code units)."""
 
     with_args = classmethod(_with_args)
     with_callable_args = classmethod(_with_callable_args)

@@ -147,6 +147,8 @@ def from_torchao(cls, target_dtype, kwargs):
         # with block scales only, unless a static (calibrated) scale is given: per_tensor_scale=True
         dynamic = getattr(target_dtype, "use_dynamic_per_tensor_scale", True) if nvfp4_config else True
         return _nvfp4_spec(cls, kwargs.pop("per_tensor_scale", dynamic), kwargs, overrides)
+    if kind == "QuantizeTensorToInt8Kwargs":  # Int8Tensor's (Int8DynamicActivationInt8WeightConfig's activations)
+        return _int8_tensor_spec(cls, target_dtype, kwargs, overrides)
     if kind == "QuantizeTensorToFloat8Kwargs":  # Float8Tensor's (and its activations') arguments
         for name in ("granularity", "hp_value_lb", "hp_value_ub"):
             kwargs.setdefault(name, getattr(target_dtype, name))
@@ -212,6 +214,26 @@ def _nvfp4_spec(cls, per_tensor_scale, kwargs, overrides):
         global_scale_formula="amax_over_range",
         eps=_NVFP4_BLOCK_SCALE_EPS,
     )
+
+
+def _int8_tensor_spec(cls, config, kwargs, overrides):
+    """``Int8Tensor.from_hp``'s ``choose_qparams_affine`` arguments for ``config``'s granularity and
+    mapping: int8 codes in [-128, 127] (halved by ``reduce_range``), float32 scales, int8 zero points
+    and float32's eps, whatever the input dtype (``input_dtype=``, the only other argument)."""
+    input_dtype = kwargs.pop("input_dtype", torch.float32)
+    _reject_unknown(kwargs)
+    qmin, qmax = (-64, 63) if getattr(config, "reduce_range", False) else (-128, 127)
+    arguments = dict(
+        granularity=config.granularity,
+        mapping_type=config.mapping_type,
+        input_dtype=input_dtype,
+        quant_min=qmin,
+        quant_max=qmax,
+        scale_dtype=torch.float32,
+        zero_point_dtype=torch.int8,
+        eps=torch.finfo(torch.float32).eps,
+    )
+    return _affine_spec(cls, torch.int8, arguments, overrides)
 
 
 def _float8_spec(cls, float8_dtype, kwargs, overrides):
