@@ -195,6 +195,17 @@ def weight_of(x: torch.Tensor, weight: torch.Tensor, flattened: bool = False) ->
     return (weight.reshape(-1) if flattened else weight).to(x.device)
 
 
+def autocast_off(device: torch.device):
+    """A context disabling autocast on ``device`` where it is enabled (a model calibrated inside
+    ``torch.autocast``): the hooks' observer updates (``hessian``'s ``X^T X``) then compute in their
+    own dtypes, as outside autocast, not in the autocast dtype."""
+    try:
+        enabled = torch.is_autocast_enabled(device.type)
+    except RuntimeError:  # a device type autocast does not know
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False) if enabled else contextlib.nullcontext()
+
+
 class _Calibration:
     """What the hooks of one `calibrate` call share: the plan, the states tree the call builds and
     the current batch's observation weight (None between batches)."""
@@ -223,10 +234,11 @@ class _Calibration:
         observer = self.plan.sites[path][site].observer
         keys = self.plan.state_keys(path, site)
         try:
-            previous = self.states.get(keys[0][0], {}).get(keys[0][1])
-            if previous is None:
-                previous = observer.init(x if like is None else like)
-            updated = observer.update(previous, x, weight)
+            with autocast_off(x.device):  # a model run under autocast: the observer's own precision
+                previous = self.states.get(keys[0][0], {}).get(keys[0][1])
+                if previous is None:
+                    previous = observer.init(x if like is None else like)
+                updated = observer.update(previous, x, weight)
         except (ValueError, TypeError) as error:
             raise_renamed(error, f"calibrate: module {path!r} site {site!r}")
         for key_path, key_site in keys:

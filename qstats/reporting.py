@@ -25,9 +25,10 @@ from ._quant import _codes_float, fake_quantize
 from ._sites import observe_tensor, run_model
 from .calibration import batch_weight, check_batches, runtime_qparams, runtime_spec, warn_training_mode
 from .experts import rows_by_expert
-from .observation import (ExpertCallHooks, capture_call, kept_rows, parameter_value, stop_capture,
-                          unrecognised_sites_error, weight_of)
+from .observation import (ExpertCallHooks, capture_call, kept_rows, parameter_value, raise_renamed,
+                          stop_capture, unrecognised_sites_error, weight_of)
 from .recipe import Plan, Recipe, as_plan
+from ._warn import warn
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
 
@@ -355,36 +356,43 @@ def _measure_parameters(plan: Plan, qparams: Mapping, errors: dict) -> None:
             value = parameter_value(plan, path, site, "report")
             parts = [(value[e], experts_qparams(qp, e)) for e in range(found.num_experts)] or [(value, qp)]
             for part, part_qp in parts:
-                error.add(*tensor_error(part, part_qp, found.spec))
+                _add_error(error, part, part_qp, found, where=f"report: module {path!r} parameter {site!r}")
 
 
-def _add_error(error: _Error, x: torch.Tensor, qp, found, keep: Optional[torch.Tensor] = None) -> None:
-    """Adds to ``error`` the error of fake-quantizing the activation ``x`` under ``qp`` (each
-    tensor's own scales for a site whose scales come at run time, as `fake_quantized` applies them);
-    ``keep`` (broadcast over ``x``) leaves padding out of the measured numbers."""
+def _add_error(
+    error: _Error, x: torch.Tensor, qp, found, keep: Optional[torch.Tensor] = None, where: str = "report"
+) -> None:
+    """Adds to ``error`` the error of fake-quantizing ``x`` under ``qp`` (each tensor's own scales
+    for an activation site whose scales come at run time, as `fake_quantized` applies them);
+    ``keep`` (broadcast over ``x``) leaves padding out of the measured numbers. A ValueError or
+    TypeError (QParams of another shape than the tensor's) names ``where`` (module and site)."""
     spec = found.spec
-    if found.runtime:
-        spec = runtime_spec(x, spec)
-        qp = runtime_qparams(x, spec, qp)
-    error.add(*tensor_error(x, qp, spec, keep))
+    try:
+        if found.kind != "parameter" and found.runtime:
+            spec = runtime_spec(x, spec)
+            qp = runtime_qparams(x, spec, qp)
+        error.add(*tensor_error(x, qp, spec, keep))
+    except (ValueError, TypeError) as failure:
+        raise_renamed(failure, where)
 
 
 class _ActivationError:
     """The hook measuring one activation site of `report`: the error of each tensor it sees under
     the site's qparams (each tensor's own scales for a site whose scales come at run time)."""
 
-    def __init__(self, found, qparams, error: _Error, current_weight: list):
+    def __init__(self, found, qparams, error: _Error, current_weight: list, where: str = "report"):
         self.found, self.qparams, self.error, self.current_weight = found, qparams, error, current_weight
+        self.where = where  # "report: module 'path' site 'site'", for errors
 
     def __call__(self, x) -> None:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         weight = self.current_weight[0]
-        weight = None if weight is None else weight_of(x, weight)  # as calibrate takes it
+        weight = None if weight is None else _fitted(self.current_weight, weight_of(x, weight))  # as calibrate
         # padding is left out of every measured number (zero is not representable with a float
         # zero point, and its code may fall outside the range)
         keep = None if weight is None else weight.reshape(weight.shape + (1,) * (x.ndim - weight.ndim)) != 0
-        _add_error(self.error, x, self.qparams, self.found, keep)
+        _add_error(self.error, x, self.qparams, self.found, keep, self.where)
 
 
 class _ExpertErrors(ExpertCallHooks):
@@ -411,7 +419,8 @@ class _ExpertErrors(ExpertCallHooks):
             return
         weight = self.current_weight[0] if tokens is not None else None
         if weight is not None:  # calibrate's fit: one weight per token of the experts' input
-            weight = weight_of(tokens.reshape(-1, tokens.shape[-1]), weight, flattened=True)
+            rows = tokens.reshape(-1, tokens.shape[-1])
+            weight = _fitted(self.current_weight, weight_of(rows, weight, flattened=True))
         measured: set = set()
         for name, calls in capture.rows.items():
             for site in ("input", f"{name}.input"):  # both where both exist, as `fake_quantized` applies them
@@ -440,14 +449,32 @@ class _ExpertErrors(ExpertCallHooks):
                 keep = keep.to(rows.device) != 0
             for expert, chosen in rows_by_expert(ids, found.num_experts):  # each under its own QParams
                 part_keep = None if keep is None else keep[chosen][:, None]
-                _add_error(error, rows[chosen], experts_qparams(qp, expert), found, part_keep)
+                _add_error(error, rows[chosen], experts_qparams(qp, expert), found, part_keep, named)
+
+
+def _fitted(current_weight: list, weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Counts an activation offered the batch's weight (and whether it fitted); returns ``weight``."""
+    current_weight[1] += 1
+    current_weight[2] += weight is not None
+    return weight
+
+
+def _warn_unfitted(current_weight: list) -> None:
+    """Warns, as `qstats.observing` does, when a batch's observation weight fitted no measured activation."""
+    weight, offered, fitted = current_weight
+    if weight is not None and offered and not fitted:
+        warn(
+            f"report: the observation weight of shape {tuple(weight.shape)} fits no measured activation (it must "
+            "be a prefix of their shapes with features after it, e.g. (batch, tokens)), so nothing was left out",
+            UserWarning,
+        )
 
 
 def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weight, errors: dict) -> None:
     """The error of every activation site of ``qparams`` over ``batches``, run once through the
     float model with the hooks `qstats.calibrate` observes through (`_ExpertErrors` for the
     per-expert sites of stacked experts)."""
-    current_weight: list = [None]
+    current_weight: list = [None, 0, 0]  # the batch's weight, activations offered it, those it fitted
     handles = []
     try:
         for path, entry in qparams.items():
@@ -460,13 +487,16 @@ def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weig
                 if found.num_experts:
                     expert_sites[site] = (qp, found, error)
                 else:
-                    handles.append(observe_tensor(plan, path, site, _ActivationError(found, qp, error, current_weight)))
+                    where = f"report: module {path!r} site {site!r}"
+                    measure = _ActivationError(found, qp, error, current_weight, where)
+                    handles.append(observe_tensor(plan, path, site, measure))
             if expert_sites:
                 handles.extend(_ExpertErrors(plan.modules[path], path, expert_sites, current_weight).attach())
         with torch.no_grad():
             for batch in batches:
-                current_weight[0] = batch_weight(observation_weight, batch, "report")
+                current_weight[:] = [batch_weight(observation_weight, batch, "report"), 0, 0]
                 run_model(plan.model, batch)
+                _warn_unfitted(current_weight)
     finally:
         for handle in handles:
             handle.remove()

@@ -143,15 +143,12 @@ def test_plot_of_a_float_zero_point_draws_torchaos_dequantized_ends():
         torch.uint8, mapping_type=mapping, block_size=(1, 64), shape=(1, 64), zero_point_domain=domain,
         quant_min=0, quant_max=15, preserve_zero=False, zero_point_dtype=torch.float32,
     )
-    scale, zero_point = quant_primitives._choose_qparams_affine_tinygemm(
-        x, mapping, (1, 64), torch.uint8, 0, 15, zero_point_dtype=torch.float32
-    )
-    ends = quant_primitives._dequantize_affine_tinygemm(
-        torch.tensor([[0, 15]], dtype=torch.uint8), (1, 2), scale.reshape(1, 1), zero_point.reshape(1, 1),
-        torch.uint8, 0, 15,
-    )
     state = _histogram(spec, x)
-    qparams = qstats.compute_qparams(state, spec)
+    qparams = qstats.compute_qparams(state, spec)  # the l2 search's range (it clips the tails)
+    ends = quant_primitives._dequantize_affine_tinygemm(
+        torch.tensor([[0, 15]], dtype=torch.uint8), (1, 2), qparams.scale.reshape(1, 1),
+        qparams.zero_point.reshape(1, 1), torch.uint8, 0, 15,
+    )
     assert _lines(qstats.plot.histogram(state, qparams, spec)) == pytest.approx(ends[0].tolist(), rel=1e-6)
 
 
