@@ -13,6 +13,7 @@ extremes (llm-compressor's ``"minmax"``, constant ``observer_kwargs["averaging_c
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import inspect
 import os
@@ -174,9 +175,12 @@ def _rule(Rule, targets, args, site: str, observed_dtype):
                          "q, k and v as the outputs of q_proj/k_proj/v_proj, [batch, seq, heads * head_dim], not split "
                          "into heads (and compressed-tensors refuses it on Linear weights and activations); use 'tensor'")
     overrides = {} if observed_dtype is None else {"observed_dtype": observed_dtype}
-    spec = QuantSpec.from_compressed_tensors(args, **overrides)
     if site != "weight" and args.dynamic is True:  # scales at run time: llm-compressor observes nothing
+        # the Rule says so (dynamic=True): the spec of the args read as static, which does not warn
+        # that it alone does not (a per-tensor dynamic strategy)
+        spec = QuantSpec.from_compressed_tensors(args.model_copy(update={"dynamic": False}), **overrides)
         return Rule(targets, sites=(site,), observer="memoryless_minmax", spec=spec, dynamic=True)
+    spec = QuantSpec.from_compressed_tensors(args, **overrides)
     observers = _weight_observer if site == "weight" else _activation_observer
     observer, observer_kwargs, qparams_kwargs = observers(args)
     return Rule(targets, sites=(site,), observer=observer, spec=spec, observer_kwargs=observer_kwargs,
@@ -502,7 +506,7 @@ def _modifier_config(config: Any) -> Any:
         except ImportError as error:
             raise ImportError("reading an llm-compressor recipe needs llm-compressor: pip install llmcompressor "
                               f"({error})") from None
-        recipe = config if hasattr(config, "modifiers") else LLMCompressorRecipe.create_instance(config)
+        recipe = config if hasattr(config, "modifiers") else _llm_compressor_recipe(LLMCompressorRecipe, config)
         quantizing = [m for m in recipe.modifiers if hasattr(m, "resolve_quantization_config")]
         others = [type(m).__name__ for m in recipe.modifiers if not hasattr(m, "resolve_quantization_config")]
         if others or len(quantizing) != 1:
@@ -521,6 +525,55 @@ def _modifier_config(config: Any) -> Any:
              f"its algorithm options {algorithm} are not part of it (qstats.gptq takes GPTQ's: docs/gptq.md)",
              UserWarning)
     return config.resolve_quantization_config()
+
+
+def _llm_compressor_recipe(LLMCompressorRecipe, config):
+    """llm-compressor's ``Recipe.create_instance(config)``; YAML text or a file holding
+    compressed-tensors enums as Python tags (``type: !!python/object/apply:compressed_tensors...
+    QuantizationType [int]``), which llm-compressor's ``recipe.yaml`` writes for args built with
+    enums (``QuantizationArgs()``'s default ``type``) but its own safe loader refuses, read with
+    those tags as the enums (`_enum_loader`)."""
+    import yaml
+
+    try:
+        return LLMCompressorRecipe.create_instance(config)
+    except (yaml.constructor.ConstructorError, ValueError) as error:  # text: a ValueError from the yaml error
+        cause = error
+        while cause is not None and not isinstance(cause, yaml.constructor.ConstructorError):
+            cause = cause.__cause__
+        if cause is None or not isinstance(config, str):
+            raise
+        from llmcompressor.recipe.utils import filter_dict
+
+        text = config
+        if os.path.isfile(config):
+            with open(config) as file:
+                text = file.read()
+        return LLMCompressorRecipe.from_dict(filter_dict(yaml.load(text, Loader=_enum_loader(yaml))))
+
+
+def _enum_loader(yaml):
+    """yaml's SafeLoader that also reads ``!!python/object/apply:<class> [value]`` where the class is
+    an Enum of compressed-tensors (any other Python tag is refused, as SafeLoader refuses it)."""
+
+    def construct(loader, suffix: str, node):
+        module, _, name = suffix.rpartition(".")
+        found = None
+        if module.split(".")[0] == "compressed_tensors" and isinstance(node, yaml.SequenceNode):
+            try:
+                found = getattr(importlib.import_module(module), name, None)
+            except ImportError:
+                pass
+        if not (isinstance(found, type) and issubclass(found, enum.Enum)):
+            raise yaml.constructor.ConstructorError(None, None, f"could not determine a constructor for the tag "
+                                                    f"'python/object/apply:{suffix}'", node.start_mark)
+        return found(*loader.construct_sequence(node))
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/object/apply:", construct)
+    return Loader
 
 
 def _check_recipe_text(text: str) -> None:
