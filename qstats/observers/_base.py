@@ -92,6 +92,7 @@ def register_state(cls: type) -> type:
     """
     if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
         raise TypeError(f"register_state expects a NamedTuple class, got {cls!r}")
+    _check_field_annotations(cls)
     if cls.__name__ in _RESERVED_NAMES:
         raise ValueError(
             f"register_state: {cls.__name__!r} is the name of a qstats type that checkpoints store by "
@@ -111,6 +112,22 @@ def register_state(cls: type) -> type:
     return cls
 
 
+_PYTHON_SCALARS = (int, float, bool, str, "int", "float", "bool", "str")
+
+
+def _check_field_annotations(cls: type) -> None:
+    """TypeError for a field annotated as a Python number or string: states hold tensors only (a count
+    is a 0-d int64 tensor), which checkpoints, ``all_reduce``, ``vmap`` and ``torch.compile`` need."""
+    for field, annotation in getattr(cls, "__annotations__", {}).items():
+        annotation = getattr(annotation, "__forward_arg__", annotation)  # NamedTuple turns "int" into ForwardRef
+        if any(annotation is scalar or annotation == scalar for scalar in _PYTHON_SCALARS):
+            shown = getattr(annotation, "__name__", annotation)
+            raise TypeError(
+                f"register_state: field {field!r} of {cls.__name__} is annotated {shown}; states hold tensors "
+                "only (keep a count as an int64 tensor, torch.zeros((), dtype=torch.int64))"
+            )
+
+
 def state_types() -> dict[str, type]:
     """A copy of the registry: state class name -> class."""
     return dict(_STATE_TYPES)
@@ -124,12 +141,21 @@ def check_state(state: Any, cls: type, where: str) -> None:
 
 def check_same_shapes(a: Any, b: Any, where: str) -> None:
     """Raises ValueError naming both shapes when two states' fields differ in shape (or dtype), and
-    TypeError when they are not NamedTuple states of one type or a field is not a tensor."""
+    TypeError when they are not NamedTuple states of one type or a field is not a tensor. A
+    NamedTuple nested in a state is checked field by field (named ``outer.inner``)."""
+    _check_same_fields(a, b, where, "")
+
+
+def _check_same_fields(a: Any, b: Any, where: str, prefix: str) -> None:
     if not hasattr(type(a), "_fields"):
         raise TypeError(f"{where}: expected NamedTuple states, got {type(a).__name__}")
     if type(a) is not type(b):
         raise TypeError(f"{where}: the states differ in type: {type(a).__name__} and {type(b).__name__}")
-    for name, left, right in zip(a._fields, a, b):
+    for field, left, right in zip(a._fields, a, b):
+        name = f"{prefix}{field}"
+        if isinstance(left, tuple) and hasattr(type(left), "_fields"):  # a nested NamedTuple state
+            _check_same_fields(left, right, where, f"{name}.")
+            continue
         for which, value in (("first", left), ("second", right)):
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"{where}: field {name!r} of the {which} state is a {type(value).__name__}; "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ._base import Observer
 from .fixed import fixed_qparams, noop, placeholder, recording, sigmoid_qparams, tanh_qparams
 from .histogram import histogram
 from .imatrix import imatrix, imatrix_mse
@@ -35,6 +36,9 @@ def register(name: str, factory: Callable, *, replace: bool = False) -> Callable
     """
     if not (isinstance(name, str) and name):
         raise TypeError(f"observers.register: name must be a non-empty string, got {name!r}")
+    if isinstance(factory, Observer):  # the factory's result, not the factory
+        raise TypeError(f"observers.register: {name!r} got an Observer ({factory.name}); register the factory "
+                        "that builds it, factory(spec, **kwargs) -> Observer")
     if not callable(factory):
         raise TypeError(f"observers.register: factory must be callable, got {type(factory).__name__}")
     if name in _FACTORIES and not replace and _FACTORIES[name] is not factory:

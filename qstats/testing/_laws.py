@@ -482,7 +482,8 @@ def _check_state_leaves(state, name: str) -> None:
 
 def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> None:
     """Law 5: ``update`` and ``merge`` return exactly the structure, NamedTuple type, shapes and
-    dtypes that ``init`` returned, for float32 and for bfloat16/float16/float64 inputs; an empty batch
+    dtypes that ``init`` returned, for the batches and for them cast to each other float dtype (float32,
+    bfloat16, float16, float64) when they are floats; an empty batch
     leaves the state unchanged (bit for bit); the state type is registered, its leaves are tensors,
     floats are float32 or wider, integers int64."""
     xs = _need(xs, 1, "check_stability")
@@ -509,9 +510,9 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
     # an empty batch (a loader's short last batch, an expert given no token) leaves the state as it is
     emptied = _attempt(f"{name}: stability: {what}", obs.update, state, empty)
     assert_states_equal(emptied, state, approx_fields=(), message=f"{name}: stability: {what} changed the state")
-    if xs[0].dtype == torch.float32:
-        # the state's dtypes do not follow the input's, narrower or wider
-        for dtype in (torch.bfloat16, torch.float16, torch.float64):
+    if xs[0].is_floating_point():
+        # the state's dtypes do not follow the input's, narrower or wider (whatever the batches' dtype)
+        for dtype in [d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64) if d != xs[0].dtype]:
             same(f"init of a {dtype} tensor", obs.init, xs[0].to(dtype))
             same(f"update with a {dtype} tensor", obs.update, state, xs[0].to(dtype))
 
@@ -591,7 +592,7 @@ def _check_slice_weights(obs, x: torch.Tensor, mask: torch.Tensor, check, batch_
 def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_fields=None,
                batch_dims: int = 0) -> None:
     """Law 6: ``torch.func.vmap`` of ``update`` (with and without ``weight``), ``merge``, ``compute_qparams``
-    and ``fake_quantize`` over stacked states equals the per-slice loop (bit for bit except
+    and ``fake_quantize`` (of float batches) over stacked states equals the per-slice loop (bit for bit except
     ``approx_fields`` in ``update`` and ``merge``). With ``batch_dims``, ``compute_qparams`` and
     ``fake_quantize`` are also vmapped over those dimensions, and each of their slices must be observed
     alike and independently of the others (see the module docstring).
@@ -626,7 +627,8 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
     qparams_of = _per_slice(lambda s: compute_qparams(s, spec), batch_dims)
     quantize = _per_slice(lambda x, qp: fake_quantize(x, qp, spec), batch_dims)
     qparams = vmap_vs_loop("compute_qparams", qparams_of, qtree.unstack(merged), approx=())
-    vmap_vs_loop("fake_quantize", quantize, xs, qtree.unstack(qparams), approx=())
+    if xs[0].is_floating_point():  # fake_quantize takes floats; observers also take integer tensors
+        vmap_vs_loop("fake_quantize", quantize, xs, qtree.unstack(qparams), approx=())
 
 
 def check_compile(obs, xs: Sequence[torch.Tensor], *, backend: str = "inductor", approx_fields=None) -> None:
@@ -651,16 +653,24 @@ def check_distributed(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) ->
     """Law 8: a state type declared elementwise (`qstats.distributed.register_reduce_ops`) merges as
     its declared field ops, which `qstats.distributed.all_reduce` applies instead of ``merge``; for
     states folded over three groups of ``xs`` (bit-exact except ``approx_fields``). States that fold
-    (the default) pass."""
+    (the default) pass where ``all_reduce`` takes them: every field a dense tensor (no nested NamedTuple)."""
     xs = _need(xs, 1, "check_distributed")
     name = _name(obs)
     init = obs.init(xs[0])
     a, b, c = (_fold(obs, init, group) for group in _groups(xs, 3))
     ops = _attempt(f"{name}: distributed: qstats.distributed.reduce_ops", distributed.reduce_ops, a)
+    # the checks all_reduce makes of every tree, without its collectives (a process group may be up): a
+    # field that is no dense tensor (a nested NamedTuple, a Python number) is refused there
+    _attempt(f"{name}: distributed: qstats.distributed.all_reduce", distributed._flatten, {"state": a}, obs)
     if ops == "fold":
         return
+
+    def reduce(left, right):
+        return type(left)(*(_REDUCE[ops[field]](u, v) for field, u, v in zip(left._fields, left, right)))
+
     for left, right in ((init, a), (a, b), (obs.merge(a, b), c)):
-        reduced = type(left)(*(_REDUCE[ops[field]](u, v) for field, u, v in zip(left._fields, left, right)))
+        reduced = _attempt(f"{name}: distributed: the reduce ops declared for {type(left).__name__} ({ops})",
+                           reduce, left, right)
         assert_states_equal(reduced, obs.merge(left, right), approx_fields=approx_fields, magnitudes=(left, right),
                             message=f"{name}: distributed: the reduce ops declared for {type(left).__name__} "
                             f"({ops}), which qstats.distributed.all_reduce applies, vs merge")
