@@ -123,3 +123,18 @@ def test_llama4_unquantized_experts_load_into_transformers(tmp_path, single_thre
                 "down_proj": stacked.down_proj[expert].T}
         for name, weight in want.items():  # llm-compressor's loads; qstats' left them random before
             assert all(torch.equal(getattr(experts[expert], name).weight, weight) for experts in loaded.values())
+
+
+def test_llama4_exported_with_nothing_quantized_keeps_its_stacked_experts(tmp_path, single_thread_quiet):
+    """A recipe that quantizes nothing writes no quantization_config (the float model): transformers
+    then loads Llama 4's experts stacked, so they are written as save_pretrained writes them."""
+    folder, ours = str(tmp_path / "float"), str(tmp_path / "ours")
+    _llama4().save_pretrained(folder)
+    cls = transformers.Llama4ForConditionalGeneration
+    model = cls.from_pretrained(folder).eval()
+    with pytest.warns(UserWarning, match="no module is quantized"):
+        qstats.export.compressed_tensors(model, {}, ours, qstats.Recipe([]))
+    path = next(name for name, _ in model.named_modules() if name.endswith("layers.0.feed_forward.experts"))
+    original, loaded = _loaded_experts(cls, folder, path), _loaded_experts(cls, ours, path)
+    assert torch.equal(loaded.gate_up_proj, original.gate_up_proj)
+    assert torch.equal(loaded.down_proj, original.down_proj)

@@ -213,7 +213,8 @@ class Writer:
                 self.schemes[entry.path] = scheme
                 if entry.experts is not None:
                     self.expert_projection[entry.path] = entry.experts
-        unpack_loaded_per_expert(self.model, state, tensors, dropped)
+        if self.specs:  # else config.json gets no quantization_config: transformers loads the stacks as saved
+            unpack_loaded_per_expert(self.model, state, tensors, dropped)
         for name, tensor in state.items():
             if name not in tensors and name not in dropped:
                 tensors[name] = tensor.detach()
