@@ -123,24 +123,17 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
       ValueError: an integer zero point outside ``spec.qrange`` (as torch's fake-quant ops).
       TypeError: ``x`` is not a floating-point tensor.
     """
-    return fake_quantize_passing(x, qparams, spec, None)
-
-
-def fake_quantize_passing(x: torch.Tensor, qparams: QParams, spec: QuantSpec, straight_through) -> torch.Tensor:
-    """`fake_quantize` with its straight-through term, left out where ``straight_through`` is False
-    (a caller that knows no gradient is wanted). It is added whether or not ``x`` reports
-    ``requires_grad``: inside ``torch.vmap`` a tensor that needs a gradient reports False."""
     view = canonical_view(check_floating(x, "fake_quantize"), spec.granularity)
     scale, zero_point = _params(qparams, view)
     zero_point = _checked_zero_point(zero_point, spec, "fake_quantize")
     unclamped, codes = _codes_float(view.detach(), scale, zero_point, spec, qparams.global_scale)
     out = _cap(_dequantize_view(codes, scale, zero_point, spec, qparams.global_scale), x.dtype)
-    if straight_through is not False:
-        # +0 with derivative 1 (reverse and forward mode), subtracted as (detached - x) so that a
-        # -0.0 output keeps its sign
-        lo, hi = spec.convention.gradient_range(spec)
-        inside = (unclamped >= lo) & (unclamped <= hi)
-        passthrough = view.float().detach() - view.float()
-        out = torch.where(inside, out - passthrough, out)
+    # the straight-through term, +0 with derivative 1 inside the range, in every mode (requires_grad
+    # reads False inside vmap, so it is always added); subtracted as (detached - x) so that a -0.0
+    # output keeps its sign, in float64 for float64 input (a float32 copy of 1e39 is Inf: Inf - Inf)
+    lo, hi = spec.convention.gradient_range(spec)
+    inside = (unclamped >= lo) & (unclamped <= hi)
+    exact = view if view.dtype == torch.float64 else view.float()
+    out = torch.where(inside, out - (exact.detach() - exact), out)
     out = from_canonical_view(out, spec.granularity, x.shape)
     return _to_output(out, x.dtype)

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from ._formats import COMPUTE_DTYPE_NAMES, global_scale_from_amax
 from ._granularity import PerGroup, PerRow, PerToken, TensorGroup
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams
-from ._quant import fake_quantize, fake_quantize_passing
+from ._quant import fake_quantize
 from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
 from .experts import rows_by_expert, stacked_qparams
 from .fused import fused_amax
@@ -302,8 +302,7 @@ class _FakeQuantParametrization(torch.nn.Module):
     def forward(self, value: torch.Tensor) -> torch.Tensor:
         try:
             if self.num_experts:
-                tracked = _needs_gradient(value)
-                return torch.vmap(lambda w, qp: fake_quantize_passing(w, qp, self.spec, tracked))(value, self.qparams)
+                return torch.vmap(lambda w, qp: fake_quantize(w, qp, self.spec))(value, self.qparams)
             return fake_quantize(value, self.qparams, self.spec)
         except (ValueError, TypeError) as error:  # QParams of another shape or spec: named by site
             raise_renamed(error, f"fake_quantized: {self.where}")
@@ -364,29 +363,21 @@ def _parameter_order(module: torch.nn.Module) -> list:
     return [key for key in module.state_dict(keep_vars=True) if "." not in key]
 
 
-def _needs_gradient(x: torch.Tensor) -> bool:
-    """Whether a tensor about to be vmapped needs the straight-through term (it requires grad,
-    grad enabled): inside ``torch.vmap`` it reports ``requires_grad=False`` (`fake_quantize_passing`);
-    inference keeps the plain, bit-exact path."""
-    return torch.is_grad_enabled() and x.requires_grad
-
-
-def _fake_quantize_activation(x, qparams: Optional[QParams], spec, runtime: bool, where: str, straight_through=None):
+def _fake_quantize_activation(x, qparams: Optional[QParams], spec, runtime: bool, where: str):
     """Fake-quantizes an activation site's floating-point tensor ``x`` (others pass unchanged); for
-    a site whose scales come at run time, under the scales of ``x`` (`runtime_qparams`);
-    ``straight_through`` as in `fake_quantize_passing`."""
+    a site whose scales come at run time, under the scales of ``x`` (`runtime_qparams`)."""
     if not is_float_tensor(x):
         return x
     if not runtime:
         try:
-            return fake_quantize_passing(x, qparams, spec, straight_through)
+            return fake_quantize(x, qparams, spec)
         except (ValueError, TypeError) as error:  # QParams of another shape or spec
             raise_renamed(error, where)
     check_runtime_group(x.shape, spec, where)
     if not x.numel():  # no values (an expert no token is routed to): no scale to compute
         return x
     applied = runtime_spec(x, spec)
-    return fake_quantize_passing(x, runtime_qparams(x, applied, qparams), applied, straight_through)
+    return fake_quantize(x, runtime_qparams(x, applied, qparams), applied)
 
 
 @contextlib.contextmanager
@@ -541,10 +532,8 @@ class _ExpertInputs(ExpertCallHooks):
             return rows
         per_row = experts_qparams(qp, ids.clamp(0, found.num_experts - 1))
 
-        tracked = _needs_gradient(rows)
-
         def of_row(row: torch.Tensor, q) -> torch.Tensor:
-            return _fake_quantize_activation(row[None], q, found.spec, found.runtime, where, tracked)[0]
+            return _fake_quantize_activation(row[None], q, found.spec, found.runtime, where)[0]
 
         quantized = torch.vmap(of_row, in_dims=(0, None if qp is None else 0))(rows, per_row)
         return torch.where(inside[:, None], quantized, rows)

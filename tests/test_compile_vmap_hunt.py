@@ -207,3 +207,29 @@ def test_qat_ensemble_gradient_of_the_vmapped_step_equals_the_loop():
     grads = torch.func.grad(lambda p: torch.vmap(loss_fn)(p, states)[0].sum())(params)
     for name in params:
         torch.testing.assert_close(grads[name], looped[name], rtol=1e-5, atol=1e-7)
+
+
+def test_float64_input_past_float32_keeps_torchs_fake_quantized_values():
+    """The straight-through term of a float64 input is formed in float64: a float32 copy of 1e39 is
+    Inf, and Inf - Inf made the output NaN where torch's per-channel fake quant gives the values."""
+    spec = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric, False, None, None, 2**-23, 0)
+    x = torch.tensor([[1e39, -5e38], [1e30, 3.0]], dtype=torch.float64)
+    scale, zero_point = torch.tensor([1e37, 1e37]), torch.zeros(2, dtype=torch.int32)
+    obs = qstats.minmax(spec)
+    qparams = qstats.compute_qparams(obs.update(obs.init(x), x), spec)._replace(scale=scale, zero_point=zero_point)
+    want = torch.fake_quantize_per_channel_affine(x, scale, zero_point, 0, -128, 127)
+    assert torch.equal(qstats.fake_quantize(x, qparams, spec), want)
+
+
+def test_fake_quantize_vmapped_over_experts_differentiates_in_forward_mode_and_around_vmap():
+    """fake_quantized's stacked-expert weights vmap fake_quantize over the experts: jvp, and grad of a
+    vmap around that, get the straight-through derivative."""
+    spec, w, qparams = _stacked_weight_qparams()
+    w = w * 1.5
+    want = _torch_ste_grad(w, qparams, spec)
+
+    def stacked(v):
+        return torch.vmap(lambda x, qp: qstats.fake_quantize(x, qp, spec))(v, qparams)
+
+    assert torch.equal(torch.func.jvp(stacked, (w,), (torch.ones_like(w),))[1], want)
+    assert torch.equal(torch.func.grad(lambda v: torch.vmap(stacked)(v).sum())(w[None])[0], want)
