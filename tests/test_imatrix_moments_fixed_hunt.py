@@ -27,7 +27,7 @@ def test_a_float_zero_point_whose_codes_dequantize_past_float32_is_refused(scale
     # independently: a code's value (q - zero_point) * scale is not finite in float32
     ends = (torch.tensor([qmin, qmax], dtype=torch.float32) - zero_point) * torch.tensor(scale, dtype=torch.float32)
     assert not torch.isfinite(ends).all()
-    with pytest.raises(ValueError, match="farthest code from the zero point"):
+    with pytest.raises(ValueError, match="values of the end codes"):
         qstats.fixed_qparams(spec, scale, zero_point)
 
 
@@ -132,3 +132,20 @@ def test_corrupt_moments_states_raise_naming_the_field(field, change):
     data = x.double().numpy()
     np.testing.assert_allclose(state.mean.numpy(), data.mean(1), rtol=1e-12)
     np.testing.assert_allclose(state.variance.numpy(), data.var(1), rtol=1e-10)
+
+
+def test_a_torchao_float_zero_point_is_checked_in_the_input_units():
+    """torchao's float zero point is a value in the input's units (``(q - mid) * scale + zero_point``):
+    constants whose codes dequantize to finite values are accepted (they were refused by the code-unit
+    bound), and ones whose ends overflow are refused."""
+    quant_primitives = pytest.importorskip("torchao.quantization.quant_primitives")
+    spec = qstats.QuantSpec(dtype="uint4", mapping="asymmetric", zero_point_domain="float", convention="torchao")
+    for scale, zero_point in ((1e37, 50.0), (2.0, 3e38)):
+        ends = quant_primitives._dequantize_affine_tinygemm(
+            torch.tensor([[0, 15]], dtype=torch.uint8), (1, 2), torch.tensor([[scale]]), torch.tensor([[zero_point]]),
+            torch.uint8, 0, 15)
+        assert torch.isfinite(ends).all()
+        qp = qstats.compute_qparams(qstats.fixed_qparams(spec, scale, zero_point).init(torch.zeros(4)), spec)
+        assert torch.equal(qstats.dequantize(torch.tensor([0, 15], dtype=torch.uint8), qp, spec), ends[0])
+    with pytest.raises(ValueError, match="values of the end codes"):
+        qstats.fixed_qparams(spec, 1e37, 3.4e38)

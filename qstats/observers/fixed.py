@@ -89,16 +89,16 @@ def _check_held(scale, scale_t: torch.Tensor, spec: QuantSpec) -> None:
 
 
 def _check_finite_steps(scale, scale_t: torch.Tensor, zero_t: torch.Tensor, spec: QuantSpec) -> None:
-    """As QuantSpec.eps: ``1 / scale`` finite (0 * Inf made fake_quantize NaN at zero), and the
-    farthest code from the zero point times the scale finite (it dequantized to +-Inf)."""
+    """As QuantSpec.eps: ``1 / scale`` finite (0 * Inf made fake_quantize NaN at zero), and the values
+    the convention gives the end codes finite (they dequantized to +-Inf): ``(q - zero_point) * scale``,
+    or torchao's float zero point in the input's units."""
     qmin, qmax = spec.qrange
-    # codes dequantize to (q - zero_point) * scale in both domains, and a float zero point may lie
-    # outside [qmin, qmax]: the farthest code is measured from it there too
-    farthest = torch.maximum(qmax - zero_t, zero_t - qmin).to(torch.float32)
-    if not bool(torch.isfinite(1.0 / scale_t).all()) or not bool(torch.isfinite(scale_t * farthest).all()):
+    ends = torch.tensor([qmin, qmax], dtype=torch.float32)
+    values = spec.convention.dequantize(ends, scale_t.float().unsqueeze(-1), zero_t.unsqueeze(-1), spec)
+    if not bool(torch.isfinite(1.0 / scale_t).all()) or not bool(torch.isfinite(values.float()).all()):
         raise ValueError(
-            f"fixed_qparams: scale {scale!r} is out of range: 1 / scale and scale times the farthest code from the "
-            f"zero point ({float(farthest.max()):g}) must be finite in float32"
+            f"fixed_qparams: scale {scale!r} is out of range: 1 / scale and the values of the end codes {qmin} and "
+            f"{qmax} (zero point {zero_t.tolist()}) must be finite in float32"
         )
 
 
