@@ -143,7 +143,8 @@ def _refuse_disagreeing(fields: dict, spec: QuantSpec, given: dict) -> None:
     if differ:
         raise ValueError(
             f"QstatsObserver: {', '.join(differ)} given beside spec={spec}, which does not quantize to them; "
-            "drop those arguments or make them agree with the spec"
+            "make them agree with the spec (PT2E: the QuantizationSpec's dtype, quant_min/quant_max, qscheme "
+            "and ch_axis), or drop them"
         )
 
 

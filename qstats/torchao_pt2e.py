@@ -16,7 +16,6 @@ from __future__ import annotations
 from torchao.quantization.pt2e import ObserverBase as _TorchAOObserverBase
 from torchao.quantization.pt2e.observer import _with_args, _with_callable_args
 
-from .conventions.torch_ao import PER_CHANNEL_QSCHEMES
 from .observers.minmax import minmax
 from .torch_ao import QstatsObserver
 
@@ -30,17 +29,12 @@ class QstatsPT2EObserver(QstatsObserver, _TorchAOObserverBase):
     passes ``ch_axis`` only to classes named ``PerChannel...``, so give ``ch_axis`` to
     ``with_args`` here (default 0), or use `QstatsPT2EPerChannelObserver`. With ``spec=``, the
     ``QuantizationSpec``'s dtype, range, per-tensor/per-channel qscheme and ``ch_axis`` must agree
-    with the spec (ValueError otherwise: the converted graph would quantize as the spec says, not as
-    the quantizer annotated); a torchao ``ZeroPointDomain.FLOAT`` spec is refused, as by
+    with the spec (`QstatsObserver`'s ValueError otherwise: the converted graph would quantize as the
+    spec says, not as the quantizer annotated); a torchao ``ZeroPointDomain.FLOAT`` spec is refused, as by
     `QstatsObserver` (its zero point is in the input's units, the graph's in code units)."""
 
     with_args = classmethod(_with_args)
     with_callable_args = classmethod(_with_callable_args)
-
-    def __init__(self, observer=minmax, spec=None, **kwargs) -> None:
-        super().__init__(observer, spec, **kwargs)
-        if spec is not None:
-            _check_agrees(self, kwargs)
 
 
 class QstatsPT2EPerChannelObserver(QstatsPT2EObserver):
@@ -52,22 +46,3 @@ class QstatsPT2EPerChannelObserver(QstatsPT2EObserver):
     def __init__(self, observer=minmax, spec=None, *, ch_axis=None, **kwargs) -> None:
         # a per-tensor QuantizationSpec passes ch_axis=None
         super().__init__(observer, spec, **kwargs, **({} if ch_axis is None else dict(ch_axis=ch_axis)))
-
-
-def _check_agrees(module: QstatsPT2EObserver, given: dict) -> None:
-    """ValueError where the ``QuantizationSpec``'s arguments (``given``) differ from what the
-    spec's observer ``module`` writes into the converted graph."""
-    ours = dict(dtype=module.dtype, quant_min=module.quant_min, quant_max=module.quant_max,
-                per_channel=module.qscheme in PER_CHANNEL_QSCHEMES)
-    theirs = {name: given.get(name) for name in ("dtype", "quant_min", "quant_max")}
-    theirs["per_channel"] = None if given.get("qscheme") is None else given["qscheme"] in PER_CHANNEL_QSCHEMES
-    if ours["per_channel"] and module.ch_axis >= 0:
-        ours["ch_axis"], theirs["ch_axis"] = module.ch_axis, given.get("ch_axis")
-    differ = {name: (value, ours[name]) for name, value in theirs.items() if value is not None and value != ours[name]}
-    if differ:
-        described = ", ".join(f"{name} {value} (the spec: {mine})" for name, (value, mine) in differ.items())
-        raise ValueError(
-            f"QstatsPT2EObserver: the QuantizationSpec gives {described}, which spec={module.spec} does not "
-            "quantize to; make the QuantizationSpec's dtype, quant_min/quant_max, qscheme and ch_axis agree "
-            "with the spec"
-        )
