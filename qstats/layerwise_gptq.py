@@ -230,7 +230,9 @@ class _GPTQRun:
     def same_on_ranks(self) -> dict:
         """The options every rank must pass alike (another split of the experts runs other broadcasts),
         read after `layer_step` checked them."""
-        return {"experts_at_once": self.experts_at_once, **self.options, "dampening": float(self.options["dampening"])}
+        actorder = "static" if self.options["actorder"] == "weight" else self.options["actorder"]  # synonyms
+        return {"experts_at_once": self.experts_at_once, **self.options, "dampening": float(self.options["dampening"]),
+                "actorder": actorder}
 
     def step(self, layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> tuple:
         """GPTQ of the layer's targets, each weight replaced by its GPTQ'd value in the loaded layer
