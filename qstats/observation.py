@@ -206,6 +206,17 @@ def autocast_off(device: torch.device):
     return torch.autocast(device.type, enabled=False) if enabled else contextlib.nullcontext()
 
 
+def warn_unfitted(where: str, weight: Optional[torch.Tensor], offered: int, fitted: int) -> None:
+    """Warns when a batch's observation ``weight`` was offered to ``offered`` activations and fitted
+    none of them: nothing was left out."""
+    if weight is not None and offered and not fitted:
+        warn(
+            f"{where}: the observation weight of shape {tuple(weight.shape)} fits no observed activation (it must "
+            "be a prefix of their shapes with features after it, e.g. (batch, tokens)), so nothing was left out",
+            UserWarning,
+        )
+
+
 class _Calibration:
     """What the hooks of one `calibrate` call share: the plan, the states tree the call builds and
     the current batch's observation weight (None between batches)."""
@@ -648,13 +659,7 @@ class Observing:
         finally:
             offered, fitted = self._run.weight_use
             self._run.weight, self._run.weight_use = previous, previous_use
-            if offered and not fitted:
-                warn(
-                    f"observing: the observation weight of shape {tuple(weight.shape)} fits no observed activation "
-                    "(it must be a prefix of their shapes with features after it, e.g. (batch, tokens)), so nothing "
-                    "was left out",
-                    UserWarning,
-                )
+            warn_unfitted("observing", weight, offered, fitted)
 
     def _count(self, module, args) -> None:
         if not recomputing():

@@ -26,9 +26,8 @@ from ._sites import observe_tensor, run_model
 from .calibration import batch_weight, check_batches, runtime_qparams, runtime_spec, warn_training_mode
 from .experts import rows_by_expert
 from .observation import (ExpertCallHooks, capture_call, kept_rows, parameter_value, raise_renamed,
-                          stop_capture, unrecognised_sites_error, weight_of)
+                          stop_capture, unrecognised_sites_error, warn_unfitted, weight_of)
 from .recipe import Plan, Recipe, as_plan
-from ._warn import warn
 
 __all__ = ["LayerReport", "Report", "report", "tensor_error"]
 
@@ -459,17 +458,6 @@ def _fitted(current_weight: list, weight: Optional[torch.Tensor]) -> Optional[to
     return weight
 
 
-def _warn_unfitted(current_weight: list) -> None:
-    """Warns, as `qstats.observing` does, when a batch's observation weight fitted no measured activation."""
-    weight, offered, fitted = current_weight
-    if weight is not None and offered and not fitted:
-        warn(
-            f"report: the observation weight of shape {tuple(weight.shape)} fits no measured activation (it must "
-            "be a prefix of their shapes with features after it, e.g. (batch, tokens)), so nothing was left out",
-            UserWarning,
-        )
-
-
 def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weight, errors: dict) -> None:
     """The error of every activation site of ``qparams`` over ``batches``, run once through the
     float model with the hooks `qstats.calibrate` observes through (`_ExpertErrors` for the
@@ -496,7 +484,7 @@ def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weig
             for batch in batches:
                 current_weight[:] = [batch_weight(observation_weight, batch, "report"), 0, 0]
                 run_model(plan.model, batch)
-                _warn_unfitted(current_weight)
+                warn_unfitted("report", *current_weight)
     finally:
         for handle in handles:
             handle.remove()
