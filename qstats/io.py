@@ -118,7 +118,8 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set, where: str) 
                     f"qstats.io: the checkpoint has no tensor {key!r} (needed at {where}); the file is incomplete"
                 )
             if key in used:  # save writes one tensor per leaf: a shared key would alias two leaves
-                raise _malformed(where, node)
+                raise ValueError(f"qstats.io: malformed checkpoint structure at {where}: tensor {key!r} is used by two "
+                                 "leaves (qstats.save writes one per leaf)")
             used.add(key)
             return tensors[key]
         if kind == "namedtuple":
@@ -147,7 +148,9 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set, where: str) 
         if kind == "dict":
             keys = [key for key, _ in node["items"]]
             if not all(isinstance(key, str) for key in keys):
-                raise _malformed(where, node)
+                bad = next(key for key in keys if not isinstance(key, str))
+                raise ValueError(f"qstats.io: malformed checkpoint structure at {where}: dict key {bad!r} is not a "
+                                 "string (qstats.save writes string keys only)")
             if len(set(keys)) != len(keys):
                 duplicates = sorted({key for key in keys if keys.count(key) > 1})
                 raise ValueError(f"qstats.io: malformed checkpoint structure at {where}: duplicate keys {duplicates[:5]}")
