@@ -166,6 +166,9 @@ class Rule:
                 object.__setattr__(self, "observer", observer_registry.get(self.observer))
             except ValueError as error:
                 raise ValueError(f"Rule.observer: {error}") from None
+        if isinstance(self.observer, Observer):  # the factory's result, not the factory
+            raise TypeError(f"Rule.observer got an Observer ({self.observer.name}); give the factory that builds it, "
+                            "factory(spec, **observer_kwargs), or a registered name")
         if not callable(self.observer):
             raise TypeError(f"Rule.observer must be an observer factory or a registered name, got {self.observer!r}")
         if not isinstance(self.spec, QuantSpec):

@@ -241,3 +241,9 @@ def test_verbose_and_stacked_flag_ignore_regexes_read_as_compressed_tensors(llam
     assert _ours(llama, qstats.Recipe.from_compressed_tensors(config)) == theirs
     scheme = qstats.Recipe.from_scheme({"targets": ["Linear"], "weights": W8}, ignore=config["ignore"])
     assert _ours(llama, scheme) == theirs
+
+
+def test_a_rule_given_an_observer_instead_of_its_factory_names_the_mistake():
+    spec = qstats.QuantSpec(dtype="int8")
+    with pytest.raises(TypeError, match=r"Rule.observer got an Observer \(minmax\); give the factory"):
+        qstats.Rule("Linear", sites=("weight",), observer=qstats.minmax(spec), spec=spec)
