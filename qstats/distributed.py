@@ -51,12 +51,15 @@ def register_reduce_ops(state_cls: Union[type, str], ops: Any) -> None:
 
     Args:
       state_cls: the state NamedTuple class, or its class name (registered by name).
-      ops: ``{field: "min" | "max" | "sum"}`` when ``obs.merge`` is that field by field; a callable
-        ``fields -> mapping`` (e.g. `extremes_and_sums`); or ``"fold"`` to gather and fold ``obs.merge``.
+      ops: ``{field: "min" | "max" | "sum"}`` when ``obs.merge`` is that field by field (a field of a
+        NamedTuple nested in the state is named by its dotted path, ``"ext.low"``; the nested NamedTuple
+        itself takes no op); a callable ``fields -> mapping`` (given the dotted names, e.g.
+        `extremes_and_sums`); or ``"fold"`` to gather and fold ``obs.merge``.
 
     Raises:
       TypeError: ``state_cls`` is neither a NamedTuple class nor a name.
-      ValueError: an unknown op, or field names that differ from the class's.
+      ValueError: an unknown op, or field names that differ from the class's (checked again, nested
+        fields included, on the first state `reduce_ops` sees).
     """
     if isinstance(state_cls, str):
         name, fields = state_cls, None
@@ -73,11 +76,53 @@ def register_reduce_ops(state_cls: Union[type, str], ops: Any) -> None:
     bad = {field: op for field, op in ops.items() if op not in REDUCE_OPS}
     if bad:
         raise ValueError(f"register_reduce_ops({name}): unknown ops {bad}; use one of {REDUCE_OPS} or 'fold'")
-    if fields is not None and set(ops) != set(fields):
+    if fields is not None and {field.split(".")[0] for field in ops} != set(fields):
         raise ValueError(
             f"register_reduce_ops({name}): ops name fields {sorted(ops)} but the state has fields {sorted(fields)}"
         )
     _REGISTRY[name] = ops
+
+
+def _is_named_tuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _state_fields(state: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``[(name, value), ...]``: the fields of ``state`` in order, those of a NamedTuple nested in it
+    walked and named by their dotted path (``"ext.low"``)."""
+    fields = []
+    for field, value in zip(state._fields, state):
+        if _is_named_tuple(value):
+            fields += _state_fields(value, f"{prefix}{field}.")
+        else:
+            fields.append((f"{prefix}{field}", value))
+    return fields
+
+
+def _values(state: Any) -> list:
+    """The field values of ``state``, nested NamedTuples walked, in `_state_fields` order."""
+    return [leaf for value in state for leaf in (_values(value) if _is_named_tuple(value) else (value,))]
+
+
+def _nested_names(state: Any, prefix: str = "") -> dict[str, str]:
+    """``{dotted name: class name}`` of the NamedTuples nested in ``state``."""
+    names = {}
+    for field, value in zip(state._fields, state):
+        if _is_named_tuple(value):
+            names[f"{prefix}{field}"] = type(value).__name__
+            names.update(_nested_names(value, f"{prefix}{field}."))
+    return names
+
+
+def _rebuild(template: Any, values) -> Any:
+    """A state of ``template``'s types (nested ones too) holding the next of ``values`` (an iterator)."""
+    return type(template)(*(_rebuild(v, values) if _is_named_tuple(v) else next(values) for v in template))
+
+
+def _structure(state: Any) -> str:
+    """The state's types and field names, nested NamedTuples included: ``S(ext=Ext(low,high),count)``."""
+    inner = ",".join(f"{f}={_structure(v)}" if _is_named_tuple(v) else f for f, v in zip(state._fields, state))
+    return f"{type(state).__name__}({inner})"
 
 
 def reduce_ops(state: Any) -> Union[dict[str, str], str]:
@@ -85,18 +130,29 @@ def reduce_ops(state: Any) -> Union[dict[str, str], str]:
     types nobody declared)."""
     for cls in type(state).__mro__:
         ops = _REGISTRY.get(cls.__name__)
-        if ops is not None:
-            if callable(ops):
-                ops = dict(ops(tuple(state._fields)))
-                bad = {field: op for field, op in ops.items() if op not in REDUCE_OPS}
-                if bad:
-                    raise ValueError(f"all_reduce: unknown reduce ops {bad} for {type(state).__name__}")
-            if ops != _FOLD and set(ops) != set(state._fields):
-                raise ValueError(
-                    f"all_reduce: the reduce ops declared for {type(state).__name__} name fields {sorted(ops)}, "
-                    f"but the state has fields {sorted(state._fields)}"
-                )
+        if ops is None:
+            continue
+        names = [name for name, _ in _state_fields(state)]
+        if callable(ops):
+            ops = dict(ops(tuple(names)))
+            bad = {field: op for field, op in ops.items() if op not in REDUCE_OPS}
+            if bad:
+                raise ValueError(f"all_reduce: unknown reduce ops {bad} for {type(state).__name__}")
+        if ops == _FOLD:
             return ops
+        nested = {name: cls_name for name, cls_name in _nested_names(state).items() if name in ops}
+        if nested:
+            name, cls_name = next(iter(nested.items()))
+            raise ValueError(
+                f"all_reduce: the reduce ops declared for {type(state).__name__} name {name!r}, a nested "
+                f"{cls_name}; name its fields instead: {[n for n in names if n.startswith(name + '.')]}"
+            )
+        if set(ops) != set(names):
+            raise ValueError(
+                f"all_reduce: the reduce ops declared for {type(state).__name__} name fields {sorted(ops)}, "
+                f"but the state has fields {sorted(names)}"
+            )
+        return ops
     return _FOLD
 
 
@@ -133,7 +189,7 @@ def _flatten(tree: Any, observers: Any):
         where = _where(path)
         if not _is_state(state):
             raise TypeError(f"all_reduce: the leaf at {where!r} is a {type(state).__name__}, not an observer state")
-        for field, value in zip(state._fields, state):
+        for field, value in _state_fields(state):
             if not isinstance(value, torch.Tensor):
                 problem = f"{type(value).__name__}, not a tensor"
             elif value.layout != torch.strided:  # the flat buckets and byte views need dense tensors
@@ -174,9 +230,9 @@ def _plan(states, exact: bool):
     plan = []
     for state in states:
         ops = reduce_ops(state)
-        folds = ops == _FOLD or any(v.dtype not in _REDUCIBLE for v in state)
+        folds = ops == _FOLD or any(v.dtype not in _REDUCIBLE for v in _values(state))
         if not folds and exact:
-            folds = any(ops[f] == "sum" and v.is_floating_point() for f, v in zip(state._fields, state))
+            folds = any(ops[f] == "sum" and v.is_floating_point() for f, v in _state_fields(state))
         plan.append(None if folds else ops)
     return plan
 
@@ -189,7 +245,7 @@ def _check_values(paths, states, plan) -> None:
         (path, state, field, value)
         for path, state, ops in zip(paths, states, plan)
         if ops is not None
-        for field, value in zip(state._fields, state)
+        for field, value in _state_fields(state)
         if ops[field] != "sum" and value.is_floating_point() and value.numel() and value.device.type != "meta"
     ]
     flat: dict[torch.device, list[torch.Tensor]] = {}
@@ -201,7 +257,7 @@ def _check_values(paths, states, plan) -> None:
             f"all_reduce: field {field!r} of the {type(state).__name__} at {_where(path)!r} "
             "holds NaN; observers leave NaN out of their extremes (counted in nonfinite), so the state is corrupt"
         )
-    devices = {v.device for state, ops in zip(states, plan) if ops is None for v in state if v.numel() > 0}
+    devices = {v.device for state, ops in zip(states, plan) if ops is None for v in _values(state) if v.numel() > 0}
     if len(devices) > 1:
         raise ValueError(f"all_reduce: states to fold live on several devices {sorted(map(str, devices))}")
 
@@ -211,7 +267,7 @@ def _device_numbers(states) -> dict[torch.device, int]:
     devices of other indices (cuda:0 and cuda:8 on one rank, cuda:1 and cuda:9 on the next)."""
     devices: dict[torch.device, int] = {}
     for state in states:
-        for value in state:
+        for value in _values(state):
             devices.setdefault(value.device, len(devices))
     return devices
 
@@ -237,11 +293,11 @@ def _fingerprint(treespec, states, plan, leaf_observers) -> int:
     digest = hashlib.sha256(str(treespec).encode())
     devices = _device_numbers(states)
     for state, ops, obs in zip(states, plan, leaf_observers):
-        digest.update(type(state).__name__.encode())
+        digest.update(_structure(state).encode())  # nested NamedTuples' types and fields too
         digest.update(repr(ops).encode())
         if ops is None:  # folded with this rank's obs.merge: another observer raises on its rank only
             digest.update(str(obs.name).encode())
-        for value in state:
+        for value in _values(state):
             digest.update(f"{tuple(value.shape)}{value.dtype}{(value.device.type, devices[value.device])}".encode())
     return int.from_bytes(digest.digest()[:8], "little") >> 2  # 62 bits: -h never overflows
 
@@ -270,8 +326,9 @@ def all_reduce(
     for bit, as do folded ones; floating sums equal it up to rounding unless ``exact=True``.
 
     Args:
-      tree: nested dict/list/tuple of observer states, alike on every rank (a rank without data passes
-        ``obs.init`` states). Pass activation sites only: weight states would be counted ``world`` times.
+      tree: nested dict/list/tuple of observer states (NamedTuples of tensors, or of NamedTuples of
+        tensors), alike on every rank (a rank without data passes ``obs.init`` states). Pass activation
+        sites only: weight states would be counted ``world`` times.
       observers: a tree of `qstats.Observer` whose structure is a prefix of ``tree``'s, or one Observer;
         every state must be one its observer's ``merge`` accepts (else ValueError on every rank).
       group: the process group (default: the world).
@@ -303,30 +360,31 @@ def all_reduce(
         # torch's collectives
         return tree
 
-    results: list[list[Optional[torch.Tensor]]] = [[None] * len(s) for s in states]
+    results: list[list[Optional[torch.Tensor]]] = [[None] * len(_values(s)) for s in states]
     _reduce_elementwise(states, plan, group, results)
     _gather_and_fold(states, plan, leaf_observers, group, world, results)
-    new_states = [type(state)(*fields) for state, fields in zip(states, results)]
+    new_states = [_rebuild(state, iter(fields)) for state, fields in zip(states, results)]
     return optree.tree_unflatten(treespec, new_states)
 
 
 def _reduce_elementwise(states, plan, group, results) -> None:
     """One flat bucket per (op, dtype, device), one all_reduce each, into ``results``."""
     buckets: dict[tuple, list[tuple[int, int, bool]]] = {}
+    leaves = [_values(state) for state in states]
     for i, (state, ops) in enumerate(zip(states, plan)):
         if ops is None:
             continue
-        for j, (field, value) in enumerate(zip(state._fields, state)):
+        for j, (field, value) in enumerate(_state_fields(state)):
             key, negate = _bucket_key(ops[field], value)
             buckets.setdefault(key, []).append((i, j, negate))
     for key in _bucket_order(buckets, _device_numbers(states)):
         members = buckets[key]
-        parts = [states[i][j].reshape(-1) for i, j, _ in members]
+        parts = [leaves[i][j].reshape(-1) for i, j, _ in members]
         flat = torch.cat([-part if negate else part for part, (_, _, negate) in zip(parts, members)])
         dist.all_reduce(flat, op=getattr(dist.ReduceOp, _TORCH_OPS[key[0]]), group=group)
-        pieces = flat.split([states[i][j].numel() for i, j, _ in members])
+        pieces = flat.split([leaves[i][j].numel() for i, j, _ in members])
         for (i, j, negate), piece in zip(members, pieces):
-            piece = piece.reshape(states[i][j].shape)
+            piece = piece.reshape(leaves[i][j].shape)
             results[i][j] = -piece if negate else piece
 
 
@@ -349,7 +407,7 @@ def _gather_and_fold(states, plan, leaf_observers, group, world: int, results) -
     per_rank = [_unpack(buffer, [states[i] for i in folded]) for buffer in gathered]
     for k, i in enumerate(folded):  # in rank order
         merged = functools.reduce(leaf_observers[i].merge, [rank_states[k] for rank_states in per_rank])
-        results[i] = list(merged)
+        results[i] = _values(merged)
 
 
 def check_same_arguments(arguments: Mapping[str, Any], where: str, group=None) -> None:
@@ -394,9 +452,9 @@ def _probe_device(group) -> torch.device:
 
 
 def _pack(states) -> torch.Tensor:
-    parts = [_flat(value).view(torch.uint8) for state in states for value in state if value.numel() > 0]
+    parts = [_flat(value).view(torch.uint8) for state in states for value in _values(state) if value.numel() > 0]
     if not parts:
-        device = next((v.device for s in states for v in s), torch.device("cpu"))
+        device = next((v.device for s in states for v in _values(s)), torch.device("cpu"))
         return torch.zeros(0, dtype=torch.uint8, device=device)
     return torch.cat(parts)
 
@@ -410,9 +468,9 @@ def _flat(value: torch.Tensor) -> torch.Tensor:
 
 def _unpack(buffer: torch.Tensor, templates):
     """The states ``templates`` (shapes, dtypes) from a buffer that `_pack` made of them."""
-    sizes = [value.numel() * value.element_size() for state in templates for value in state]
+    sizes = [value.numel() * value.element_size() for state in templates for value in _values(state)]
     raws = iter(buffer.split(sizes))
     return [
-        type(state)(*(next(raws).clone().view(value.dtype).reshape(value.shape) for value in state))
+        _rebuild(state, iter([next(raws).clone().view(value.dtype).reshape(value.shape) for value in _values(state)]))
         for state in templates
     ]

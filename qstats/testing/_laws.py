@@ -653,20 +653,23 @@ def check_distributed(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) ->
     """Law 8: a state type declared elementwise (`qstats.distributed.register_reduce_ops`) merges as
     its declared field ops, which `qstats.distributed.all_reduce` applies instead of ``merge``; for
     states folded over three groups of ``xs`` (bit-exact except ``approx_fields``). States that fold
-    (the default) pass where ``all_reduce`` takes them: every field a dense tensor (no nested NamedTuple)."""
+    (the default) pass where ``all_reduce`` takes them: every field a dense tensor, nested NamedTuples walked
+    (their fields declared by dotted names, ``"ext.low"``)."""
     xs = _need(xs, 1, "check_distributed")
     name = _name(obs)
     init = obs.init(xs[0])
     a, b, c = (_fold(obs, init, group) for group in _groups(xs, 3))
     ops = _attempt(f"{name}: distributed: qstats.distributed.reduce_ops", distributed.reduce_ops, a)
     # the checks all_reduce makes of every tree, without its collectives (a process group may be up): a
-    # field that is no dense tensor (a nested NamedTuple, a Python number) is refused there
+    # field that is no dense tensor (a Python number, a list) is refused there; nested NamedTuples are walked
     _attempt(f"{name}: distributed: qstats.distributed.all_reduce", distributed._flatten, {"state": a}, obs)
     if ops == "fold":
         return
 
-    def reduce(left, right):
-        return type(left)(*(_REDUCE[ops[field]](u, v) for field, u, v in zip(left._fields, left, right)))
+    def reduce(left, right):  # field by field, nested NamedTuples walked (fields named "ext.low")
+        reduced = [_REDUCE[ops[field]](u, v) for (field, u), v in
+                   zip(distributed._state_fields(left), distributed._values(right))]
+        return distributed._rebuild(left, iter(reduced))
 
     for left, right in ((init, a), (a, b), (obs.merge(a, b), c)):
         reduced = _attempt(f"{name}: distributed: the reduce ops declared for {type(left).__name__} ({ops})",
