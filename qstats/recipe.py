@@ -289,6 +289,17 @@ def _make_site(rule: Rule, spec: QuantSpec, kind: str, stacked: int) -> Site:
     return Site(rule, observer, spec, stacked, runtime, kind)
 
 
+def _refuse_conv_hessian(path: str, module: torch.nn.Module, site: Site) -> None:
+    """ValueError for `qstats.hessian` on a convolution's input: it would reduce over the input's
+    last dimension (image width), where a conv's GPTQ Hessian is over its unfolded patches
+    (``in_channels * kernel`` features), and `qstats.gptq` takes Linear weights only."""
+    if site.kind == "input" and site.observer.name == "hessian" and isinstance(module, torch.nn.modules.conv._ConvNd):
+        raise ValueError(
+            f"Recipe: qstats.hessian on the input of {path!r} ({type(module).__name__}): only the inputs of Linear "
+            "layers (and stacked experts) are supported; a convolution's GPTQ Hessian is over its unfolded patches"
+        )
+
+
 def _gate_up_halves(spec: QuantSpec, site: str, module: torch.nn.Module, params: dict) -> QuantSpec:
     """A per-tensor spec of fused experts' ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows)
     made per projection, ``PerBlock((I, H))``: gate and up are two matrices, each with its own scale
@@ -584,6 +595,7 @@ class Recipe:
                 if kind is not None:
                     spec = _gate_up_halves(rule.spec, site, module, params) if kind[1] else rule.spec
                     entry[site] = _make_site(rule, spec, *kind)
+                    _refuse_conv_hessian(path, module, entry[site])
                 if site in entry:  # taken here or by an earlier rule
                     found[index].add(site)
         return entry
