@@ -32,6 +32,8 @@ import qstats
 
 warnings.filterwarnings("ignore")
 
+MIN_IDENTICAL_CODES = 0.999  # bench/README.md: 100%, 99.9995% on the routed run of its last machine
+
 
 def make_inputs(experts: int, out: int, features: int, group: int, every_token: bool = False):
     from compressed_tensors.quantization import QuantizationArgs
@@ -90,7 +92,8 @@ def main(argv=None) -> None:
     _, codes, _ = ours()
     reference = torch.cat(llmc_loop())
     same = (torch.vmap(lambda w, q: qstats.quantize(w, q, spec))(reference, qparams) == codes)
-    print(f"codes identical to llm-compressor's: {same.float().mean().item():.6f}")
+    identical = same.float().mean().item()
+    print(f"codes identical to llm-compressor's: {identical:.6f}")
     assert torch.equal(ours_vmap()[1], codes)
     rows = {"qstats.gptq of the stack": ours, "torch.vmap(qstats.gptq) of one expert": ours_vmap,
             "llm-compressor quantize_weight per expert": llmc_loop, "llm-compressor quantize_weight batched": llmc_batched}
@@ -107,6 +110,9 @@ def main(argv=None) -> None:
     for name, values in times.items():
         ratios = [v / b for v, b in zip(values, base)]
         print(f"  {name:45s} best {min(values):7.3f} s   time / qstats: {min(ratios):.2f}-{max(ratios):.2f}x")
+    assert identical >= MIN_IDENTICAL_CODES, (
+        f"codes identical to llm-compressor's: {identical:.6f} (at least {MIN_IDENTICAL_CODES})")
+
 
 if __name__ == "__main__":
     main()

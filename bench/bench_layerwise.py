@@ -168,6 +168,7 @@ def llmcompressor_sequential(directory: str, sequences: int, tokens: int) -> dic
 
 
 MOE_IGNORE = ["lm_head", "re:.*mlp.gate$"]
+MIN_EQUAL_CODES = 0.99  # bench/README.md: 99.52% of layer 0's q/k/v codes equal to llm-compressor's
 
 
 def _batches(vocab_size: int, sequences: int, tokens: int) -> list:
@@ -263,7 +264,8 @@ def same_codes(directory: str, names: list) -> float:
     return same / total
 
 
-def _gptq_rows(args, size: int, result: dict, reference) -> None:
+def _gptq_rows(args, size: int, result: dict, reference) -> float | None:
+    """Prints the GPTQ table; the fraction of equal codes of layer 0's q/k/v (None without reference)."""
     gib = 1024**3
     print(f"| GPTQ W4A16 (all experts, {args.sequences} x {args.tokens} tokens) | qstats `gptq_layerwise` + "
           f"`compressed_tensors_layerwise` | llm-compressor sequential `GPTQModifier` + `save_pretrained` |")
@@ -279,7 +281,10 @@ def _gptq_rows(args, size: int, result: dict, reference) -> None:
         total = reference["loading"] + reference["seconds"] + reference["export"]
         print(f"| qstats time / llm-compressor time | {(result['seconds'] + result['export']) / total:.2f} | |")
         names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
-        print(f"| equal codes, layer 0 q/k/v | {same_codes(args.dir, names):.4%} | |")
+        equal = same_codes(args.dir, names)
+        print(f"| equal codes, layer 0 q/k/v | {equal:.4%} | |")
+        return equal
+    return None
 
 
 def _child(args, which: str, ranks: int = 1) -> dict:
@@ -324,13 +329,15 @@ def main(argv=None) -> None:
         result = _child(args, ours)
         reference = _child(args, theirs) if args.llmcompressor else None
         if args.gptq:
-            _gptq_rows(args, size, result, reference)
+            equal = _gptq_rows(args, size, result, reference)
             if args.ranks > 1:
                 shutil.rmtree(args.dir + "_qstats_w4a16")
                 ranked = _child(args, ours, args.ranks)
                 print(f"| {args.ranks} ranks, one thread each: calibrate and GPTQ | {ranked['seconds']:.1f} s "
                       f"({ranked['seconds'] / result['seconds']:.2f}x the one process's {result['seconds']:.1f} s); "
                       f"rank 0 peak RSS {ranked['peak_rss'] / 1024**3:.2f} GiB | |")
+            assert equal is None or equal >= MIN_EQUAL_CODES, (
+                f"layer 0 q/k/v codes equal to llm-compressor's: {equal:.4%} (at least {MIN_EQUAL_CODES:.0%})")
             return
     finally:
         for folder in ("", "_qstats_w4a16", "_llmcompressor_w4a16"):

@@ -59,6 +59,7 @@ def main():
     print("| --- | --- | --- | --- |")
     print(f"| qstats.mse vs memoryless_mse, no early stop (same choice: {same}) | {t_ref * 1e3:.0f} ms | {t_ours * 1e3:.0f} ms | {t_ref / t_ours:.2f}x |")
     print(f"| qstats.mse vs memoryless_mse, patience 5 | {t_ref_patience * 1e3:.0f} ms | {t_ours * 1e3:.0f} ms | {t_ref_patience / t_ours:.2f}x |")
+    assert same, "qstats.mse chose other scales than llm-compressor's memoryless_mse"
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ def main() -> None:
         f"| NVFP4 qparams + fake-quant {args.size}x{args.size} (CPU, {torch.get_num_threads()} threads) "
         f"| {t_qstats * 1e3:.1f} | {t_torchao * 1e3:.1f} | {t_qstats / t_torchao:.2f} | {same} |"
     )
+    assert same, "qstats' NVFP4 fake-quantized weight is not bit-identical to torchao's"
 
 
 if __name__ == "__main__":
