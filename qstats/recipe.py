@@ -290,13 +290,16 @@ def _make_site(rule: Rule, spec: QuantSpec, kind: str, stacked: int) -> Site:
 
 
 def _refuse_conv_hessian(path: str, module: torch.nn.Module, site: Site) -> None:
-    """ValueError for `qstats.hessian` on a convolution's input: it would reduce over the input's
-    last dimension (image width), where a conv's GPTQ Hessian is over its unfolded patches
-    (``in_channels * kernel`` features), and `qstats.gptq` takes Linear weights only."""
-    if site.kind == "input" and site.observer.name == "hessian" and isinstance(module, torch.nn.modules.conv._ConvNd):
+    """ValueError for `qstats.hessian` or `qstats.imatrix` on a convolution's input: they reduce over
+    the input's last dimension (image width), where a conv's GPTQ Hessian is over its unfolded patches
+    (``in_channels * kernel`` features) and its importance over input channels (llm-compressor's
+    imatrix observes modules with ``in_features`` only); `qstats.gptq` takes Linear weights only."""
+    per_feature = site.observer.name in ("hessian", "imatrix")
+    if site.kind == "input" and per_feature and isinstance(module, torch.nn.modules.conv._ConvNd):
         raise ValueError(
-            f"Recipe: qstats.hessian on the input of {path!r} ({type(module).__name__}): only the inputs of Linear "
-            "layers (and stacked experts) are supported; a convolution's GPTQ Hessian is over its unfolded patches"
+            f"Recipe: qstats.{site.observer.name} on the input of {path!r} ({type(module).__name__}): only the "
+            "inputs of Linear layers (and stacked experts) are supported; a convolution's input features are its "
+            "unfolded patches, not the input's last dimension"
         )
 
 

@@ -66,3 +66,13 @@ def test_a_linear_beside_a_conv_is_observed_as_llm_compressor_does():
     spec = qstats.QuantSpec(dtype="int8")
     plan = qstats.Recipe([qstats.Rule("Conv2d", sites=("input",), spec=spec)]).resolve(model)
     assert set(plan.sites["conv"]) == {"input"}
+
+
+def test_imatrix_on_a_conv_input_is_refused_as_llm_compressor_observes_in_features_only():
+    """qstats.imatrix reduced a conv input over its last dimension (image width: 7 'channels' of a
+    3-channel conv); llm-compressor's imatrix observer hooks only modules with ``in_features``."""
+    model = _ConvNet()
+    assert not hasattr(model.conv, "in_features") and hasattr(model.head, "in_features")
+    with pytest.raises(ValueError, match=r"qstats.imatrix on the input of 'conv' \(Conv2d\)"):
+        qstats.Recipe([qstats.Rule("re:.*", sites=("input",), observer="imatrix")]).resolve(model)
+    qstats.Recipe([qstats.Rule("Linear", sites=("input",), observer="imatrix")]).resolve(model)
