@@ -8,12 +8,14 @@ runs eagerly, at run time of a ``torch.compile`` graph (the op stays in the grap
 from __future__ import annotations
 
 import numbers
+import operator
+from typing import Optional
 
 import torch
 
 from ._ops import op, register_fake, register_vmap
 
-__all__ = ["check_floating", "is_integer", "is_real_number", "require", "require_calibrated"]
+__all__ = ["as_index", "check_floating", "is_integer", "is_real_number", "require", "require_calibrated"]
 
 
 def is_real_number(value) -> bool:
@@ -25,6 +27,17 @@ def is_real_number(value) -> bool:
 def is_integer(value) -> bool:
     """A Python or numpy integer, not a bool: how qstats recognises integer options (bins, ranges)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def as_index(value) -> Optional[int]:
+    """``value`` as a Python int where it is an integer (``operator.index``: int, numpy or one-element
+    integer tensors), not a bool (Python, numpy or torch); None otherwise, for the caller's error."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def check_floating(x, where: str) -> torch.Tensor:

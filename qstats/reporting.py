@@ -13,11 +13,11 @@ import dataclasses
 import io
 import json
 import math
-import operator
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
+from ._checks import as_index
 from ._formats import effective_scale
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view
 from ._qparams import QParams, experts_qparams
@@ -67,11 +67,7 @@ def _format(value: Any) -> str:
 def _row_count(count: Any) -> int:
     """``count`` as a Python int: any integral (``operator.index``: int, numpy or one-element torch
     integers), not a bool (Python, numpy or torch), float or string; ValueError unless non-negative."""
-    is_bool = isinstance(count, bool) or (isinstance(count, torch.Tensor) and count.dtype == torch.bool)
-    try:
-        index = None if is_bool else operator.index(count)
-    except TypeError:
-        index = None
+    index = as_index(count)
     if index is None or index < 0:
         raise ValueError(f"worst: count must be a non-negative int, got {count!r}")
     return index

@@ -7,11 +7,11 @@ per-observer registration. `stacked_qparams` is ``torch.vmap`` of `compute_qpara
 
 from __future__ import annotations
 
-import operator
 from typing import Optional
 
 import torch
 
+from ._checks import as_index
 from ._qparams import compute_qparams
 from .observers._base import Observer
 
@@ -42,11 +42,7 @@ def _check_stacked_state(state, num_experts: int) -> None:
 def _expert_count(num_experts) -> int:
     """``num_experts`` as a Python int: any integer (``operator.index``: numpy ints, a one-element
     integer tensor), not a bool; ValueError naming it otherwise."""
-    is_bool = isinstance(num_experts, bool) or (isinstance(num_experts, torch.Tensor) and num_experts.dtype == torch.bool)
-    try:
-        count = None if is_bool else operator.index(num_experts)
-    except TypeError:
-        count = None
+    count = as_index(num_experts)
     if count is None or count < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     return count
