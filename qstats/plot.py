@@ -9,11 +9,11 @@ pyplot and the process's backend are left alone.
 
 from __future__ import annotations
 
-import operator
 from typing import Mapping, Optional, Union
 
 import torch
 
+from ._checks import as_index
 from ._qparams import QParams
 from ._quant import _dequantize_view
 from ._spec import QuantSpec
@@ -60,12 +60,8 @@ def _one_histogram(state: HistogramState, index) -> tuple[HistogramState, tuple]
 
 def _component(i, size: int) -> bool:
     """Whether ``i`` is an integer (Python, numpy or one-element torch; not a bool) within ``size``."""
-    if isinstance(i, bool) or (isinstance(i, torch.Tensor) and i.dtype == torch.bool):
-        return False
-    try:
-        return -size <= operator.index(i) < size
-    except TypeError:
-        return False
+    index = as_index(i)
+    return index is not None and -size <= index < size
 
 
 def _clip_range(label, qp, index: tuple, spec: QuantSpec) -> tuple:
