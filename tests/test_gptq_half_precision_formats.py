@@ -26,6 +26,19 @@ def _data(dtype, seed=0, out=32, columns=256, rows=200):
     return weight, hessian().update(hessian().init(x), x)
 
 
+def _llm_compressor_and_ours(weight, state, args, spec):
+    """llm-compressor's min/max qparams of ``weight`` and its ``quantize_weight`` under them, and
+    qstats' min/max qparams of the same weight under ``spec``."""
+    obs = llmc_observers.Observer.load_from_registry("memoryless_minmax", base_name="weight",
+                                                     args=args.model_copy(deep=True))
+    obs(weight)
+    found = obs.get_qparams()
+    want, _, _ = llmc_gptq.quantize_weight(weight.clone()[None], gptq_hessian(state)[None], found["scale"][None],
+                                           found["zero_point"][None], None, args)
+    minmax = qstats.minmax(spec)
+    return found, want, qstats.compute_qparams(minmax.update(minmax.init(weight), weight), spec)
+
+
 @pytest.mark.parametrize("actorder", [None, "weight"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mxfp4_half_precision_weight_equals_llm_compressor(dtype, actorder):
@@ -35,14 +48,7 @@ def test_mxfp4_half_precision_weight_equals_llm_compressor(dtype, actorder):
     args = preset_name_to_scheme("MXFP4", ["Linear"]).weights.model_copy(update={"actorder": actorder})
     weight, state = _data(dtype)
     spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
-    obs = llmc_observers.Observer.load_from_registry("memoryless_minmax", base_name="weight",
-                                                     args=args.model_copy(deep=True))
-    obs(weight)
-    found = obs.get_qparams()
-    want, _, _ = llmc_gptq.quantize_weight(weight.clone()[None], gptq_hessian(state)[None], found["scale"][None],
-                                           found["zero_point"][None], None, args)
-    minmax = qstats.minmax(spec)
-    qparams = qstats.compute_qparams(minmax.update(minmax.init(weight), weight), spec)
+    found, want, qparams = _llm_compressor_and_ours(weight, state, args, spec)
     assert torch.equal(qparams.scale, found["scale"].float())  # the same scales: the difference is GPTQ's
     got, codes, _ = gptq(weight, state, spec, actorder=actorder and "static", qparams=qparams)
     assert got.dtype == want.dtype == dtype
@@ -58,14 +64,7 @@ def test_per_axis_minus_two_is_per_row_as_llm_compressor_channel():
     args = QuantizationArgs(num_bits=4, symmetric=True, strategy="channel", actorder="weight")
     weight, state = _data(torch.float32, seed=3)
     spec = qstats.QuantSpec.from_compressed_tensors(args).replace(granularity=qstats.PerAxis(-2))
-    obs = llmc_observers.Observer.load_from_registry("memoryless_minmax", base_name="weight",
-                                                     args=args.model_copy(deep=True))
-    obs(weight)
-    found = obs.get_qparams()
-    want, _, _ = llmc_gptq.quantize_weight(weight.clone()[None], gptq_hessian(state)[None], found["scale"][None],
-                                           found["zero_point"][None], None, args)
-    minmax = qstats.minmax(spec)
-    qparams = qstats.compute_qparams(minmax.update(minmax.init(weight), weight), spec)
+    found, want, qparams = _llm_compressor_and_ours(weight, state, args, spec)
     got, _, _ = gptq(weight, state, spec, actorder="static", qparams=qparams)
     assert torch.equal(got, want[0])
 
