@@ -15,7 +15,7 @@ import torch
 
 from ._ops import op, register_fake, register_vmap
 
-__all__ = ["as_index", "check_floating", "is_integer", "is_real_number", "require", "require_calibrated"]
+__all__ = ["as_index", "check_available", "check_floating", "is_integer", "is_real_number", "require", "require_calibrated"]
 
 
 def is_real_number(value) -> bool:
@@ -38,6 +38,16 @@ def as_index(value) -> Optional[int]:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def check_available(device: torch.device, where: str) -> None:
+    """ValueError naming ``device`` where this process cannot put tensors on it (no CUDA, a GPU
+    index it lacks), before any work that would fail there."""
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:  # AssertionError: torch built without CUDA
+        raise ValueError(f"{where}: device {str(device)!r} is not available here, it cannot hold tensors "
+                         f"({error})") from None
 
 
 def check_floating(x, where: str) -> torch.Tensor:

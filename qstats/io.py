@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ._checks import check_available
 from ._qparams import QParams
 from .lsq import LSQParams
 from .observers._base import state_types
@@ -342,17 +343,6 @@ def save(path: str | os.PathLike, tree: Any) -> None:
         raise kind(f"qstats.io: could not write {target} ({error})") from None
 
 
-def _check_available(device: torch.device) -> None:
-    """ValueError for a device this process cannot put tensors on (no CUDA, a GPU index it lacks),
-    before the file is read (``Tensor.to`` raised an AssertionError after reading it)."""
-    if device.type in ("cpu", "meta"):
-        return
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as error:
-        raise ValueError(f"qstats.io.load: device {str(device)!r} is not available here ({error})") from None
-
-
 def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
     """Reads a tree written by `save`; tensors are put on ``device``. Bit-exact.
 
@@ -367,7 +357,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
         device = torch.device(device)
     except (TypeError, RuntimeError) as error:
         raise TypeError(f"qstats.io.load: device must be a torch.device or its name, got {device!r} ({error})") from None
-    _check_available(device)
+    if device.type not in ("cpu", "meta"):
+        check_available(device, "qstats.io.load")
     source = os.fspath(path)
     if os.path.isdir(source):  # safetensors reports "No such device (os error 19)"
         raise IsADirectoryError(f"qstats.io: {source} is a directory, not a checkpoint file")

@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import distributed
+from ._checks import check_available
 from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, release_modules
 from .calibration import calibrate, check_batches, compute_qparams_tree, fake_quantized
 from .observation import check_experts_layout, check_resumed
@@ -128,9 +129,9 @@ def _execution_device(device, where: str) -> Optional[torch.device]:
         return None
     try:
         device = torch.device(device)
-        torch.empty(0, device=device)
-    except (RuntimeError, TypeError, AssertionError) as error:
+    except (RuntimeError, TypeError) as error:
         raise ValueError(f"{where}: device={device!r} cannot hold tensors here: {error}") from None
+    check_available(device, where)
     if device.type == "meta":
         raise ValueError(f"{where}: device='meta' holds no data; name the device the layers run on")
     return device
