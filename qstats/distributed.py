@@ -299,7 +299,7 @@ def _fingerprint(treespec, states, plan, leaf_observers) -> int:
             digest.update(str(obs.name).encode())
         for value in _values(state):
             digest.update(f"{tuple(value.shape)}{value.dtype}{(value.device.type, devices[value.device])}".encode())
-    return int.from_bytes(digest.digest()[:8], "little") >> 2  # 62 bits: -h never overflows
+    return _as_int(digest.digest())
 
 
 def _bucket_key(op: str, value: torch.Tensor):
@@ -410,14 +410,28 @@ def _gather_and_fold(states, plan, leaf_observers, group, world: int, results) -
         results[i] = _values(merged)
 
 
+def _as_int(digest: bytes) -> int:
+    """62 bits of a digest: its negation never overflows int64 (`_min_over_ranks` takes min and -max)."""
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
+def _min_over_ranks(values: list, group) -> list:
+    """The elementwise minimum of ``values`` (int64) over the ranks of ``group``: one small collective."""
+    probe = torch.tensor(values, dtype=torch.int64, device=_probe_device(group))
+    dist.all_reduce(probe, op=dist.ReduceOp.MIN, group=group)
+    return probe.tolist()
+
+
+def _same_on_every_rank(probe: list, value: int) -> bool:
+    """Whether every rank held ``value``: the minimum of it and the minimum of its negation agree."""
+    return probe[0] == value and -probe[1] == value
+
+
 def check_same_arguments(arguments: Mapping[str, Any], where: str, group=None) -> None:
     """ValueError on every rank unless every rank of ``group`` passed the same ``arguments`` (compared
     by their repr): arguments that decide which collectives run would otherwise leave ranks waiting."""
-    digest = hashlib.sha256(repr(sorted(arguments.items())).encode()).digest()
-    value = int.from_bytes(digest[:8], "little") >> 2  # 62 bits: -value never overflows
-    probe = torch.tensor([value, -value], dtype=torch.int64, device=_probe_device(group))
-    dist.all_reduce(probe, op=dist.ReduceOp.MIN, group=group)
-    if int(probe[0]) != value or int(-probe[1]) != value:
+    value = _as_int(hashlib.sha256(repr(sorted(arguments.items())).encode()).digest())
+    if not _same_on_every_rank(_min_over_ranks([value, -value], group), value):
         listed = ", ".join(f"{name}={given!r}" for name, given in arguments.items())
         raise ValueError(f"{where}: the ranks passed different arguments (this rank: {listed}); every rank "
                          "passes the same ones but its batches")
@@ -427,14 +441,13 @@ def _check_same_trees(fingerprint: int, local_error, group, states, treespec) ->
     """One 24-byte collective: every rank learns whether all ranks passed the same valid tree,
     so that every rank raises ValueError (none waits for a rank that raised before it)."""
     failed = 1 if local_error is not None else 0
-    probe = torch.tensor([fingerprint, -fingerprint, -failed], dtype=torch.int64, device=_probe_device(group))
-    dist.all_reduce(probe, op=dist.ReduceOp.MIN, group=group)
+    probe = _min_over_ranks([fingerprint, -fingerprint, -failed], group)
     if local_error is not None:
         detail = local_error if isinstance(local_error, (TypeError, ValueError)) else repr(local_error)
         raise ValueError(f"all_reduce: this rank's tree is not valid: {detail}") from local_error
-    if int(probe[2]) != 0:
+    if probe[2] != 0:
         raise ValueError("all_reduce: another rank's tree failed its local checks (see the error on that rank)")
-    if int(probe[0]) != fingerprint or int(-probe[1]) != fingerprint:
+    if not _same_on_every_rank(probe, fingerprint):
         hint = "" if states else (
             " (no states here: a rank that calibrated no batch has no activation states; give every rank "
             "at least one batch, or pass each missing site's observer init state)"
