@@ -1,4 +1,4 @@
-"""Fused NVFP4 global scales (qstats/fused.py) where a hunt found them wrong: ``float_range`` in a
+"""Fused NVFP4 global scales (qstats/fused.py) on the edges of the fused groups: ``float_range`` in a
 fused group (compute_qparams takes it, the fused amax raised), and a group whose members are one
 module under two names (``v_proj = k_proj``), against compressed-tensors' ``generate_gparam`` and
 llm-compressor's ``fuse_weight_observers``."""

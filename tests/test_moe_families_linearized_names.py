@@ -1,4 +1,4 @@
-"""Hunt over transformers 5.17's MoE families against llm-compressor 0.14 (tiny random models, hidden
+"""transformers 5.17's MoE families against llm-compressor 0.14 (tiny random models, hidden
 32-64, 4-8 experts): the per-expert Linear names qstats takes llm-compressor's ``linearize_moe`` to
 make (``qstats.experts.linearized_experts``, which recipes match and ``ignore`` lists name) are the
 modules it really makes, for Llama 4 (its registered ``Llama4LinearExperts``, on the multimodal model

@@ -1,4 +1,4 @@
-"""Hunt over the ModelOpt-style range searches (``"entropy"``, ``"mse"`` and the grid they share):
+"""The ModelOpt-style range searches (``"entropy"``, ``"mse"`` and the grid they share):
 what a migrating user tries beyond tests/test_modelopt.py, each against the reference library.
 
 - Float zero points: the searches' grid read a float zero point as codes, but torchao's

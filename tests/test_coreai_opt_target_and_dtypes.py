@@ -1,4 +1,4 @@
-"""coreai_opt hunt: `QuantSpec.from_coreai_opt`'s ``target`` and ``input_dtype`` arguments.
+"""coreai_opt: `QuantSpec.from_coreai_opt`'s ``target`` and ``input_dtype`` arguments.
 
 Reference: Apple coreai_opt 0.4.0's ``QuantizationComponentFactory.create_qparams_calculator``
 with its own ``CompressionTargetTensor`` and ``PerBlockGranularity.get_block_size``.

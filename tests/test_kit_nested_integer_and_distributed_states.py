@@ -20,7 +20,7 @@ def _int_batches(generator):
 
 
 @kit.register_state
-class KitHuntSquareState(NamedTuple):
+class KitEdgeSquareState(NamedTuple):
     approx_fields = ("square_total",)
 
     square_total: torch.Tensor  # float64
@@ -32,7 +32,7 @@ def _squares(dtype_of_state=lambda x: torch.float64):
 
     def init_fn(x):
         shape = kit.qparam_shape(x.shape, SPEC.granularity)
-        return KitHuntSquareState(torch.zeros(shape, dtype=dtype_of_state(x), device=x.device),
+        return KitEdgeSquareState(torch.zeros(shape, dtype=dtype_of_state(x), device=x.device),
                                   torch.zeros(shape, dtype=torch.int64, device=x.device))
 
     def update_fn(state, x, weight=None):
@@ -44,16 +44,16 @@ def _squares(dtype_of_state=lambda x: torch.float64):
         if mask is not None:
             keep = keep & (mask != 0)
         total = state.square_total + torch.where(keep, view * view, 0.0).sum(dim=(0, -1))
-        return KitHuntSquareState(total.to(state.square_total.dtype), state.count + keep.sum(dim=(0, -1)))
+        return KitEdgeSquareState(total.to(state.square_total.dtype), state.count + keep.sum(dim=(0, -1)))
 
     def merge_fn(a, b):
         kit.check_same_shapes(a, b, "squares.merge")
-        return KitHuntSquareState(a.square_total + b.square_total, a.count + b.count)
+        return KitEdgeSquareState(a.square_total + b.square_total, a.count + b.count)
 
     return kit.Observer(init_fn, update_fn, merge_fn, exact=True, spec=SPEC, name="squares")
 
 
-@kit.register_range_rule(KitHuntSquareState)
+@kit.register_range_rule(KitEdgeSquareState)
 def _squares_rule(state, spec):
     rms = (state.square_total / state.count.clamp(min=1)).sqrt().float()
     return kit.Range(-4 * rms, 4 * rms, state.count)
@@ -84,14 +84,14 @@ def test_stability_catches_a_state_that_follows_the_input_dtype_whatever_the_bat
 
 
 @kit.register_state
-class KitHuntExtremes(NamedTuple):
+class KitEdgeExtremes(NamedTuple):
     low: torch.Tensor
     high: torch.Tensor
 
 
 @kit.register_state
-class KitHuntNestedState(NamedTuple):
-    ext: KitHuntExtremes
+class KitEdgeNestedState(NamedTuple):
+    ext: KitEdgeExtremes
     count: torch.Tensor
 
 
@@ -99,36 +99,36 @@ def _nested():
     spec = qstats.QuantSpec()
 
     def init_fn(x):
-        return KitHuntNestedState(KitHuntExtremes(torch.full((), torch.inf), torch.full((), -torch.inf)),
+        return KitEdgeNestedState(KitEdgeExtremes(torch.full((), torch.inf), torch.full((), -torch.inf)),
                                   torch.zeros((), dtype=torch.int64))
 
     def update_fn(state, x, weight=None):
         low, high, count, _ = kit.observe_extremes(x, weight, spec, (), "nested.update")
-        return KitHuntNestedState(KitHuntExtremes(torch.minimum(state.ext.low, low),
+        return KitEdgeNestedState(KitEdgeExtremes(torch.minimum(state.ext.low, low),
                                                   torch.maximum(state.ext.high, high)), state.count + count)
 
     def merge_fn(a, b):
         kit.check_same_shapes(a, b, "nested.merge")
-        return KitHuntNestedState(KitHuntExtremes(torch.minimum(a.ext.low, b.ext.low),
+        return KitEdgeNestedState(KitEdgeExtremes(torch.minimum(a.ext.low, b.ext.low),
                                                   torch.maximum(a.ext.high, b.ext.high)), a.count + b.count)
 
     return kit.Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="nested")
 
 
-@kit.register_range_rule(KitHuntNestedState)
+@kit.register_range_rule(KitEdgeNestedState)
 def _nested_rule(state, spec):
     return kit.Range(state.ext.low, state.ext.high, state.count)
 
 
 def test_check_same_shapes_walks_a_nested_state():
-    """It refused every nested state ("field 'ext' ... is a KitHuntExtremes; states hold tensors only"),
+    """It refused every nested state ("field 'ext' ... is a KitEdgeExtremes; states hold tensors only"),
     so a merge written with it, as the page shows, failed on states the page allows."""
     obs = _nested()
     x, y = torch.randn(4, 8), torch.randn(5, 8)
     merged = obs.merge(obs.update(obs.init(x), x), obs.update(obs.init(y), y))
     both = torch.cat([x, y])
     assert torch.equal(merged.ext.low, both.amin()) and torch.equal(merged.ext.high, both.amax())  # torch
-    wider = KitHuntNestedState(KitHuntExtremes(torch.zeros(3), torch.zeros(())), torch.zeros((), dtype=torch.int64))
+    wider = KitEdgeNestedState(KitEdgeExtremes(torch.zeros(3), torch.zeros(())), torch.zeros((), dtype=torch.int64))
     with pytest.raises(ValueError, match=r"field 'ext.low' has shape \(\) in the first state and \(3,\)"):
         kit.check_same_shapes(merged, wider, "nested.merge")
     with pytest.raises(TypeError, match="field 'ext.high' of the second state is a float"):
@@ -151,16 +151,16 @@ def test_distributed_law_names_itself_when_the_declared_ops_cannot_apply():
     """Reduce ops declared on a field that is not a tensor: the law's own reduction raised a bare
     TypeError naming no law."""
 
-    class KitHuntDeclaredNested(KitHuntNestedState):
+    class KitEdgeDeclaredNested(KitEdgeNestedState):
         pass
 
-    kit.register_state(KitHuntDeclaredNested)
-    qstats.distributed.register_reduce_ops(KitHuntDeclaredNested, {"ext": "min", "count": "sum"})
+    kit.register_state(KitEdgeDeclaredNested)
+    qstats.distributed.register_reduce_ops(KitEdgeDeclaredNested, {"ext": "min", "count": "sum"})
     x = [torch.randn(4, 8) for _ in range(3)]
     base = _nested()
-    obs = base._replace(init=lambda t: KitHuntDeclaredNested(*base.init(t)),
-                        update=lambda s, t, w=None: KitHuntDeclaredNested(*base.update(s, t, w)),
-                        merge=lambda a, b: KitHuntDeclaredNested(*base.merge(a, b)))
+    obs = base._replace(init=lambda t: KitEdgeDeclaredNested(*base.init(t)),
+                        update=lambda s, t, w=None: KitEdgeDeclaredNested(*base.update(s, t, w)),
+                        merge=lambda a, b: KitEdgeDeclaredNested(*base.merge(a, b)))
     with pytest.raises(AssertionError, match="nested: distributed: "):
         testing.check_distributed(obs, x)
 
@@ -169,21 +169,21 @@ def test_register_state_refuses_a_field_annotated_as_a_python_number():
     """A state keeping ``n: int`` registered, calibrated, and failed only later: qstats.save ("cannot save
     a int"), all_reduce, stacked_observer (a vmap error about init_fn's outputs)."""
 
-    class KitHuntPythonCount(NamedTuple):
+    class KitEdgePythonCount(NamedTuple):
         total: torch.Tensor
         n: int
 
-    class KitHuntStringAnnotated(NamedTuple):
+    class KitEdgeStringAnnotated(NamedTuple):
         total: "torch.Tensor"
         seen: "float"
 
-    with pytest.raises(TypeError, match="field 'n' of KitHuntPythonCount is annotated int; states hold tensors"):
-        kit.register_state(KitHuntPythonCount)
-    with pytest.raises(TypeError, match="field 'seen' of KitHuntStringAnnotated is annotated float"):
-        kit.register_state(KitHuntStringAnnotated)
-    assert "KitHuntPythonCount" not in state_types()
+    with pytest.raises(TypeError, match="field 'n' of KitEdgePythonCount is annotated int; states hold tensors"):
+        kit.register_state(KitEdgePythonCount)
+    with pytest.raises(TypeError, match="field 'seen' of KitEdgeStringAnnotated is annotated float"):
+        kit.register_state(KitEdgeStringAnnotated)
+    assert "KitEdgePythonCount" not in state_types()
     # what the early refusal spares: the state cannot be stacked over experts
-    obs = kit.Observer(lambda x: KitHuntPythonCount(torch.zeros(()), 0), None, None, exact=True)
+    obs = kit.Observer(lambda x: KitEdgePythonCount(torch.zeros(()), 0), None, None, exact=True)
     with pytest.raises(ValueError, match="must only return Tensors"):
         qstats.stacked_observer(obs, 2).init(torch.zeros(2, 3))
 
@@ -191,11 +191,11 @@ def test_register_state_refuses_a_field_annotated_as_a_python_number():
 def test_registering_an_observer_instead_of_its_factory_says_so():
     """``register("mine", mine(spec))`` said "factory must be callable, got Observer": the name of the
     mix-up was left to guess (a Rule calls the factory with its spec)."""
-    with pytest.raises(TypeError, match="'kit_hunt_instance' got an Observer \\(squares\\); register the factory"):
-        qstats.observers.register("kit_hunt_instance", _squares())
-    assert "kit_hunt_instance" not in qstats.observers.registered()
-    qstats.observers.register("kit_hunt_squares", lambda spec: _squares(), replace=True)
-    rule = qstats.Rule("Linear", sites=("weight",), observer="kit_hunt_squares", spec=SPEC)
+    with pytest.raises(TypeError, match="'kit_edge_instance' got an Observer \\(squares\\); register the factory"):
+        qstats.observers.register("kit_edge_instance", _squares())
+    assert "kit_edge_instance" not in qstats.observers.registered()
+    qstats.observers.register("kit_edge_squares", lambda spec: _squares(), replace=True)
+    rule = qstats.Rule("Linear", sites=("weight",), observer="kit_edge_squares", spec=SPEC)
     w = torch.randn(4, 8)
     obs = rule.make_observer()
     state = obs.update(obs.init(w), w)

@@ -1,4 +1,4 @@
-"""Checkpoints of states (qstats.save / load / resume) and trees: the edges a second hunt found.
+"""Checkpoints of states (qstats.save / load / resume) and trees: the edges a user meets.
 
 Each test compares with an independent authority: safetensors' own writer and limits, ``open()``,
 ``torch.empty`` on the device, NumPy's writers, ``math.isnan``, or one uninterrupted calibration.

@@ -1,4 +1,4 @@
-"""Hunt over calibrate / observing / report: a model calibrated inside torch.autocast, and report's
+"""calibrate / observing / report: a model calibrated inside torch.autocast, and report's
 errors for QParams that do not fit a tensor. Statistics are compared with llm-compressor's own
 Hessian accumulation (float32, outside autocast)."""
 

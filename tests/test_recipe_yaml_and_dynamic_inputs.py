@@ -90,7 +90,7 @@ def llama(tmp_path_factory):
         vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)  # fmt: skip
     torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("hunt_llama"))
+    path = str(tmp_path_factory.mktemp("oneshot_llama"))
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     generator = torch.Generator().manual_seed(1)
     return path, [torch.randint(1, 64, (12,), generator=generator) for _ in range(3)]

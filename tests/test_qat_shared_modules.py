@@ -1,4 +1,4 @@
-"""QAT hunt: shared modules under several names, bf16 models, several optimizer steps.
+"""QAT: shared modules under several names, bf16 models, several optimizer steps.
 
 References: ``nn.BatchNorm1d`` in train mode, ``torch.nn.Module.load_state_dict`` (strict) and
 ``torch.func.functional_call`` of the float model.

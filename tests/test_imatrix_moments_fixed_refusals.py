@@ -1,4 +1,4 @@
-"""Hunt findings in imatrix / moments / fixed qparams, each against a reference: torch.ao's
+"""Edges of imatrix / moments / fixed qparams, each against a reference: torch.ao's
 FixedQParamsObserver and float-qparams fake-quant kernel, llm-compressor 0.14's imatrix_mse
 observer, or an independent float computation."""
 

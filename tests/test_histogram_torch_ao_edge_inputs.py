@@ -1,5 +1,5 @@
 """qstats.histogram against torch.ao's HistogramObserver and torch.quantile on edge inputs a
-migrating user tries (found correct by the s38 hunt; kept as regression checks)."""
+migrating user tries."""
 
 import warnings
 
