@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from ._checks import require
 from ._granularity import TensorGroup
 from ._torch_features import bitcast
 
@@ -97,11 +98,23 @@ def encode(x: torch.Tensor, fmt) -> torch.Tensor:
 
 
 def decode(codes: torch.Tensor, fmt) -> torch.Tensor:
-    """float32 values of codes made by `encode` (inverse of `encode` on the format's grid)."""
+    """float32 values of codes made by `encode` (inverse of `encode` on the format's grid).
+
+    Raises:
+      ValueError: a code outside ``[0, 2**bits)`` (packed bytes, or signed bytes), whose bits past
+        the format's width would otherwise be dropped (torchao's decoders read them as exponent bits).
+    """
     if fmt.torch_dtype is not None and codes.dtype == fmt.torch_dtype:
         return codes.float()
     codes = codes.to(torch.int32)
     mbits, ebits = fmt.mantissa_bits, fmt.exponent_bits
+    top = 1 << (1 + ebits + mbits)
+    inside = require(
+        (codes >= 0) & (codes < top),
+        f"dequantize: {fmt.name} bit codes lie in [0, {top - 1}] (one unpacked code per element); got codes "
+        "outside it: unpack packed bytes (two fp4 codes per byte) first",
+    )
+    codes = torch.where(inside, codes, torch.zeros_like(codes))  # threads the check
     sign = torch.bitwise_and(torch.bitwise_right_shift(codes, ebits + mbits), 1)
     exponent_field = torch.bitwise_and(torch.bitwise_right_shift(codes, mbits), (1 << ebits) - 1)
     mantissa = torch.bitwise_and(codes, (1 << mbits) - 1)
