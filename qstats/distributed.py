@@ -289,16 +289,29 @@ def _check_merges(paths, states, plan, leaf_observers) -> None:
             ) from error
 
 
-def _fingerprint(treespec, states, plan, leaf_observers) -> int:
-    digest = hashlib.sha256(str(treespec).encode())
+def _records(paths, states, plan, leaf_observers) -> list[tuple[str, str, str]]:
+    """Per state ``(path, key, description)``: the key holds what must agree across ranks (types and
+    fields, nested ones too, the reduction, a folding observer's name, shapes, dtypes and devices
+    numbered by first use); the description says it in words, with this rank's device names."""
     devices = _device_numbers(states)
-    for state, ops, obs in zip(states, plan, leaf_observers):
-        digest.update(_structure(state).encode())  # nested NamedTuples' types and fields too
-        digest.update(repr(ops).encode())
-        if ops is None:  # folded with this rank's obs.merge: another observer raises on its rank only
-            digest.update(str(obs.name).encode())
-        for value in _values(state):
-            digest.update(f"{tuple(value.shape)}{value.dtype}{(value.device.type, devices[value.device])}".encode())
+    records = []
+    for path, state, ops, obs in zip(paths, states, plan, leaf_observers):
+        fields = _state_fields(state)
+        # folded with this rank's obs.merge: another observer raises on its rank only
+        key = _structure(state) + repr(ops) + (str(obs.name) if ops is None else "") + "".join(
+            f"{tuple(v.shape)}{v.dtype}{(v.device.type, devices[v.device])}" for _, v in fields
+        )
+        merged = f"folded by {obs.name}.merge" if ops is None else "reduced elementwise"
+        described = ", ".join(f"{name} {tuple(v.shape)} {str(v.dtype).replace('torch.', '')} on {v.device}"
+                              for name, v in fields)
+        records.append((_where(path), key, f"a {type(state).__name__} ({merged}; {described})"))
+    return records
+
+
+def _fingerprint(treespec, records) -> int:
+    digest = hashlib.sha256(str(treespec).encode())
+    for _, key, _ in records:
+        digest.update(key.encode())
     return _as_int(digest.digest())
 
 
@@ -351,8 +364,10 @@ def all_reduce(
     except Exception as error:  # any local failure (a user's reduce-ops callable, say) raises on every rank
         local_error = error
     if world > 1 and check:
-        fingerprint = -1 if local_error is not None else _fingerprint(treespec, states, plan, leaf_observers)
-        _check_same_trees(fingerprint, local_error, group, states, treespec)
+        records = None if local_error is not None else _records(paths, states, plan, leaf_observers)
+        fingerprint = -1 if records is None else _fingerprint(treespec, records)
+        _check_same_trees(fingerprint, local_error, group, {"exact": exact, "treespec": str(treespec),
+                                                            "records": records})
     elif local_error is not None:  # without the check every rank must pass a valid tree
         raise local_error
     if world <= 1 or not states:
@@ -437,25 +452,58 @@ def check_same_arguments(arguments: Mapping[str, Any], where: str, group=None) -
                          "passes the same ones but its batches")
 
 
-def _check_same_trees(fingerprint: int, local_error, group, states, treespec) -> None:
+def _check_same_trees(fingerprint: int, local_error, group, report: dict) -> None:
     """One 24-byte collective: every rank learns whether all ranks passed the same valid tree,
-    so that every rank raises ValueError (none waits for a rank that raised before it)."""
+    so that every rank raises ValueError (none waits for a rank that raised before it). Where they
+    did not, one more collective gathers every rank's error or tree, so that each rank's message
+    names the rank, the tree path and what differs there."""
     failed = 1 if local_error is not None else 0
     probe = _min_over_ranks([fingerprint, -fingerprint, -failed], group)
+    if probe[2] == 0 and _same_on_every_rank(probe, fingerprint):
+        return
+    detail = local_error if isinstance(local_error, (TypeError, ValueError)) else repr(local_error)
     if local_error is not None:
-        detail = local_error if isinstance(local_error, (TypeError, ValueError)) else repr(local_error)
+        report = {"error": str(detail)}
+    reports = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, report, group=group)  # every rank is here: the probe told them all
+    ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(len(reports))]
+    if local_error is not None:
         raise ValueError(f"all_reduce: this rank's tree is not valid: {detail}") from local_error
     if probe[2] != 0:
-        raise ValueError("all_reduce: another rank's tree failed its local checks (see the error on that rank)")
-    if not _same_on_every_rank(probe, fingerprint):
-        hint = "" if states else (
-            " (no states here: a rank that calibrated no batch has no activation states; give every rank "
-            "at least one batch, or pass each missing site's observer init state)"
-        )
-        raise ValueError(
-            "all_reduce: the ranks passed different state trees (structure, state types, folding observers, "
-            f"field shapes, dtypes or devices differ); this rank's tree is {treespec} with {len(states)} states{hint}"
-        )
+        errors = "; ".join(f"rank {rank}: {r['error']}" for rank, r in zip(ranks, reports) if "error" in r)
+        raise ValueError(f"all_reduce: another rank's tree failed its local checks ({errors[:2000]})")
+    exacts = {r["exact"]: rank for rank, r in reversed(list(zip(ranks, reports)))}  # each value's first rank
+    if len(exacts) > 1:  # exact=True folds the float sums that exact=False reduces elementwise
+        listed = " and ".join(f"exact={value} on rank {rank}" for value, rank in sorted(exacts.items()))
+        raise ValueError(f"all_reduce: the ranks passed different arguments: {listed}; every rank passes the same "
+                         "exact=")
+    hint = "" if report["records"] else (
+        " (no states here: a rank that calibrated no batch has no activation states; give every rank "
+        "at least one batch, or pass each missing site's observer init state)"
+    )
+    raise ValueError(
+        f"all_reduce: the ranks passed different state trees: {_first_difference(reports, ranks)}; this rank's "
+        f"tree is {report['treespec'][:1000]} with {len(report['records'])} states{hint}"
+    )
+
+
+def _first_difference(reports: list, ranks: list) -> str:
+    """Where the first rank whose tree differs from the first rank's differs from it, in words."""
+    first = {path: (key, text) for path, key, text in reports[0]["records"]}
+    for rank, report in zip(ranks[1:], reports[1:]):
+        here = {path: (key, text) for path, key, text in report["records"]}
+        for path, (key, text) in first.items():
+            if path not in here:
+                return f"rank {ranks[0]} holds {text} at {path!r}, rank {rank} holds nothing at {path!r}"
+            if here[path][0] != key:
+                return f"at {path!r} rank {ranks[0]} holds {text}, rank {rank} holds {here[path][1]}"
+        for path, (key, text) in here.items():
+            if path not in first:
+                return f"rank {rank} holds {text} at {path!r}, rank {ranks[0]} holds nothing at {path!r}"
+        if report["treespec"] != reports[0]["treespec"]:
+            return (f"the containers differ: rank {ranks[0]} has {reports[0]['treespec'][:500]}, rank {rank} has "
+                    f"{report['treespec'][:500]}")
+    return "(structure, state types, folding observers, field shapes, dtypes or devices differ)"
 
 
 def _probe_device(group) -> torch.device:
