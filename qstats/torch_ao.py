@@ -136,6 +136,8 @@ def _refuse_disagreeing(fields: dict, spec: QuantSpec, given: dict) -> None:
     ours = dict(fields, per_channel=per_channel)
     qscheme, axis = given.pop("qscheme"), given.pop("ch_axis")
     given["per_channel"] = None if qscheme is None else qscheme in PER_CHANNEL_QSCHEMES
+    if given["per_channel"] == per_channel:  # symmetric against affine, float qparams: the qscheme itself
+        given["qscheme"] = qscheme
     if per_channel and axis is not None and (axis < 0) == (fields["ch_axis"] < 0):  # -1 against 1: the input decides
         given["ch_axis"] = axis
     differ = [f"{name} {value} (the spec: {ours[name]})" for name, value in given.items()
@@ -161,8 +163,8 @@ class QstatsObserver(ao.ObserverBase):
         used when ``spec`` is None (a float ``dtype`` builds no spec: placeholders only, whose
         ``qscheme`` is None, so that FX's convert skips them as torch.ao's placeholders). With
         ``spec``, a plain integer ``dtype`` holding its range (PT2E's ``torch.int16``) is kept as
-        the observer's dtype; a ``dtype``, ``quant_min``, ``quant_max``, per-tensor/per-channel
-        ``qscheme`` or ``ch_axis`` given that the spec does not quantize to is a ValueError
+        the observer's dtype; a ``dtype``, ``quant_min``, ``quant_max``, ``qscheme`` (per tensor or
+        channel, symmetric or affine) or ``ch_axis`` given that the spec does not quantize to is a ValueError
         (``FakeQuantize.with_args(quant_min=0, quant_max=15)`` around a uint8 spec).
       is_dynamic: torch.ao's flag for dynamic quantization placeholders.
       method: ``compute_qparams(state, spec, method=...)`` (histograms: ``"l2"``, ``"mse"``, ...).

@@ -147,3 +147,27 @@ def test_prepared_model_with_an_unused_observer_loads_into_torch_ao():
     theirs.load_state_dict(ours.state_dict(), strict=False)
     x = torch.randn(3, 6)
     assert torch.equal(tq.convert(theirs)(x), tq.convert(direct)(x))
+
+
+@pytest.mark.parametrize("spec_qscheme, given", [
+    (torch.per_tensor_affine, torch.per_tensor_symmetric),
+    (torch.per_channel_symmetric, torch.per_channel_affine),
+    (torch.per_channel_affine_float_qparams, torch.per_channel_affine),
+])
+def test_a_symmetric_or_affine_qscheme_beside_a_spec_must_agree(spec_qscheme, given):
+    """``qscheme=per_tensor_symmetric`` beside an affine spec was dropped: the observer gave the
+    spec's affine qparams where torch.ao's observer with that qscheme gives others. Now refused;
+    the agreeing qscheme gives torch.ao's qparams."""
+    per_channel = given in (torch.per_channel_affine, torch.per_channel_symmetric)
+    spec = qstats.QuantSpec.from_torch_ao(torch.quint8, spec_qscheme)
+    Reference = tq.PerChannelMinMaxObserver if per_channel else tq.MinMaxObserver
+    batch = next(iter(_batches())) + 0.5  # off-centre, so symmetric and affine qparams differ
+    disagreeing, agreeing = Reference(qscheme=given), Reference(qscheme=spec_qscheme)
+    disagreeing(batch), agreeing(batch)
+    assert not all(torch.equal(a, b) for a, b in zip(disagreeing.calculate_qparams(), agreeing.calculate_qparams()))
+    with pytest.raises(ValueError, match=f"qscheme {given}"):
+        torch_ao.QstatsObserver(spec=spec, qscheme=given)
+    ours = torch_ao.QstatsObserver(spec=spec, qscheme=spec_qscheme)
+    ours(batch)
+    for mine, theirs in zip(ours.calculate_qparams(), agreeing.calculate_qparams()):
+        assert torch.equal(mine, theirs)
