@@ -83,8 +83,11 @@ def test_per_channel_observer_takes_the_quantization_specs_ch_axis(ch_axis):
         (qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_channel_affine), _weight_args(0), "dtype torch.int8"),
         (qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric, quant_min=-127, quant_max=127,
                                         ch_axis=0), _weight_args(1), "ch_axis 1"),
+        # the quantizer annotates symmetric weights (a backend reads it); the spec's zero points are not 0
+        (qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_affine, quant_min=-127, quant_max=127,
+                                        ch_axis=0), _weight_args(0), "qscheme torch.per_channel_symmetric"),
     ],
-    ids=("range", "qscheme", "dtype", "ch_axis"),
+    ids=("range", "qscheme", "dtype", "ch_axis", "symmetric"),
 )
 def test_spec_that_disagrees_with_the_quantization_spec_is_refused(spec, weight_args, named):
     reference = _convert(pt2e.MinMaxObserver, pt2e.PerChannelMinMaxObserver, weight_args)
