@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import importlib
 import inspect
+import json
 import os
 import re
 from typing import Any, Mapping
@@ -510,7 +511,9 @@ def _modifier_config(config: Any) -> Any:
         quantizing = [m for m in recipe.modifiers if hasattr(m, "resolve_quantization_config")]
         others = [type(m).__name__ for m in recipe.modifiers if not hasattr(m, "resolve_quantization_config")]
         if others or len(quantizing) != 1:
-            what = others or ("several quantization modifiers" if quantizing else "no quantization modifier")
+            what = others or ("several quantization modifiers" if quantizing else "no quantization modifier: "
+                              "llm-compressor reads modifiers only under '<name>_stage:' and then '<group>_modifiers:' "
+                              "keys, e.g. 'quant_stage: {quant_modifiers: {QuantizationModifier: {...}}}'")
             raise ValueError(f"an llm-compressor recipe reads as a qstats Recipe when it holds one quantization modifier "
                              f"and nothing else; it holds {[type(m).__name__ for m in recipe.modifiers]} ({what})")
         config = quantizing[0]
@@ -582,9 +585,22 @@ def _check_recipe_text(text: str) -> None:
 
     if is_preset_scheme(text):
         raise ValueError(f"{text!r} is a compressed-tensors preset scheme: use Recipe.from_scheme({text!r})")
-    if text.endswith(".json"):
+    if text.endswith(".json") and not _is_json_recipe(text):
         raise ValueError(f"{text!r}: a config.json is read as a dict: pass "
                          "json.load(open(path))['quantization_config']")
+
+
+def _is_json_recipe(path: str) -> bool:
+    """Whether ``path`` is a JSON file of an llm-compressor recipe (which ``Recipe.create_instance``
+    reads), not a checkpoint's ``config.json`` or a quantization config (``config_groups``)."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path) as file:
+            data = json.load(file)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, Mapping) and not {"quantization_config", "config_groups"} & set(data)
 
 
 def _config_group(name: Any, group: Any):
