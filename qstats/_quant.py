@@ -96,8 +96,12 @@ def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=tor
     it (torch.ao's per-channel integer targets).
 
     Raises:
-      TypeError: integer codes of an fp8 format (its codes are the torch float8 dtype).
+      TypeError: integer codes of an fp8 format (its codes are the torch float8 dtype), or a
+        ``dtype`` that is not a floating-point torch dtype (values cast to an integer dtype would be
+        truncated; torchao's ``dequantize_affine`` refuses them too).
     """
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dequantize: dtype must be a floating-point torch dtype (torch.float32, ...), got {dtype!r}")
     if spec.is_float and not _formats.is_emulated(spec) and not codes.is_floating_point():
         raise TypeError(
             f"dequantize: codes of {spec.dtype!r} must be {spec.float_format.torch_dtype} (or its float values), "
