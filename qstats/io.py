@@ -1,8 +1,8 @@
 """Checkpoints of states: one safetensors file, versioned, rebuilt by type name.
 
 `save(path, tree)` writes a tree of dicts, lists, tuples, registered states, `QParams`, tensors and
-None (a run-time site's qparams) bit-exactly, with format version, nesting, type names and a CRC-32
-per tensor in the metadata; `load(path)` rebuilds it by looking state types up by name, so nothing
+None (a run-time site's qparams) bit-exactly, with format version, nesting, type names, a CRC-32
+per tensor and one over the structure and the tensors' names, dtypes and shapes in the metadata; `load(path)` rebuilds it by looking state types up by name, so nothing
 is pickled. `to_state_dict` / `from_state_dict` give plain containers for ``torch.save``. Bad files
 raise ValueError naming the problem. See docs/distributed.md.
 """
@@ -226,6 +226,13 @@ def _checksum(tensor: torch.Tensor) -> str:
     return f"{zlib.crc32(data):08x}"
 
 
+def _layout_checksum(structure: str, checksums: str, tensors: dict[str, torch.Tensor]) -> str:
+    """CRC-32 of what the per-tensor checksums leave out: the tree's structure (nesting, keys, state
+    types), the checksums themselves and each tensor's name, dtype and shape in the safetensors header."""
+    layout = sorted((key, str(tensor.dtype), list(tensor.shape)) for key, tensor in tensors.items())
+    return f"{zlib.crc32(json.dumps([structure, checksums, layout]).encode()):08x}"
+
+
 def _dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU tensor with unit strides of its own. ``contiguous()`` keeps a one-element view's stride
     (``x[:1, 0]`` of a (5, 3) tensor has stride 3), which the byte view refuses."""
@@ -332,6 +339,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
         "structure": state_dict["structure"],
         "checksums": json.dumps({key: _checksum(t) for key, t in tensors.items()}),
     }
+    metadata["layout_checksum"] = _layout_checksum(metadata["structure"], metadata["checksums"], tensors)
     target = os.fspath(path)
     try:
         save_file(tensors, target, metadata=metadata)
@@ -393,7 +401,11 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
             raise ValueError(f"qstats.io: {source} has no checksum for tensor {key!r} (corrupt checkpoint)")
         if _checksum(tensor) != expected:
             raise ValueError(f"qstats.io: {source} is corrupt: tensor {key!r} fails its checksum")
-    tree = _rebuild(metadata["structure"], tensors, source)
+    tree = _rebuild(metadata["structure"], tensors, source)  # its own errors name what is malformed
+    layout = metadata.get("layout_checksum")  # files written before it was added have none
+    if layout is not None and _layout_checksum(metadata["structure"], metadata["checksums"], tensors) != layout:
+        raise ValueError(f"qstats.io: {source} is corrupt: its structure or its tensors' names, dtypes or shapes "
+                         "fail their checksum")
     if device.type != "cpu":
         tree = optree.tree_map(lambda t: t.to(device), tree)
     return tree
