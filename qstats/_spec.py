@@ -88,6 +88,10 @@ _TORCH_DTYPE_NAMES = {
 }
 if torch_dtype("float4_e2m1fn_x2") is not None:  # torch >= 2.8; the name "fp4_e2m1" works on any torch
     _TORCH_DTYPE_NAMES[torch_dtype("float4_e2m1fn_x2")] = "fp4_e2m1"
+# torch's sub-byte integer dtypes (torch.int4, torch.uint4, ...: torchao's and coreai_opt's targets)
+_TORCH_DTYPE_NAMES.update(
+    {torch_dtype(name): name for bits in range(1, 8) for name in (f"int{bits}", f"uint{bits}") if torch_dtype(name)}
+)
 
 _INT_RE = re.compile(r"^(u?)int([1-9][0-9]*)$")  # ASCII digits, no leading zero: one name per target
 
