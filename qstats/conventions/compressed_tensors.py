@@ -63,6 +63,35 @@ def _enum_value(value):
     return getattr(value, "value", value)
 
 
+_TRUE = ("1", "true", "t", "yes", "y", "on")
+_FALSE = ("0", "false", "f", "no", "n", "off")
+
+
+def _bool_field(args, name, default):
+    """A bool field read as QuantizationArgs (pydantic) parses it: ``"false"``, ``"0"`` or ``0``
+    are False (``bool("false")`` is True); ValueError naming the field for anything else."""
+    value = _field(args, name, default)
+    text = str(value).strip().lower() if isinstance(value, (str, int, float)) else None
+    if isinstance(value, bool) or text in _TRUE + _FALSE:
+        return value if isinstance(value, bool) else text in _TRUE
+    raise ValueError(f"from_compressed_tensors: {name} must be a bool, got {value!r}")
+
+
+def _int_field(args, name, default):
+    """An integer field (``num_bits``, ``group_size``) as QuantizationArgs parses it (``4``, ``4.0``,
+    ``"4"``); ValueError naming the field for a fraction (``int(4.5)`` was 4) or anything else."""
+    value = _field(args, name, default)
+    if value is None or isinstance(value, bool):
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not number.is_integer():
+        raise ValueError(f"from_compressed_tensors: {name} must be an integer, got {value!r}")
+    return int(number)
+
+
 _DTYPE_NAMES = {
     **COMPUTE_DTYPE_NAMES,
     torch.float8_e4m3fn: "float8_e4m3fn",
@@ -74,10 +103,10 @@ def from_compressed_tensors(cls, args, overrides):
     """The ``cls`` (QuantSpec) whose `compute_qparams` equals compressed-tensors'
     ``calculate_qparams`` for ``args`` (see `QuantSpec.from_compressed_tensors`)."""
     args = _checked_args(args)
-    num_bits = int(_field(args, "num_bits", 8))
+    num_bits = _int_field(args, "num_bits", 8)
     qtype = str(_enum_value(_field(args, "type", "int"))).lower()
-    symmetric = bool(_field(args, "symmetric", True))
-    group_size = _field(args, "group_size", None)
+    symmetric = _bool_field(args, "symmetric", True)
+    group_size = _int_field(args, "group_size", None)
     strategy = _enum_value(_field(args, "strategy", None))
     if strategy is None:
         # QuantizationArgs' own inference (a dict of fields has not been through it)
@@ -96,6 +125,7 @@ def from_compressed_tensors(cls, args, overrides):
     needs = {"group": "group_size", "tensor_group": "group_size", "block": "block_structure"}.get(strategy)
     if needs is not None and _field(args, needs, None) is None:  # QuantizationArgs refuses it too
         raise ValueError(f"from_compressed_tensors: strategy {strategy!r} needs {needs}")
+    _check_unused_fields(args, strategy, group_size)
     granularity = _GRANULARITIES[strategy](args, group_size)
     scale_dtype = _dtype_field(args, "scale_dtype")
     if scale_dtype is not None and scale_dtype not in _DTYPE_NAMES:
@@ -149,6 +179,16 @@ _GRANULARITIES = {
 
 # strategies whose activation specs take their scales at run time (`qstats.recipe.runtime_scaled`)
 _RUNTIME_STRATEGIES = ("token", "group", "tensor_group")
+
+
+def _check_unused_fields(args, strategy, group_size):
+    """ValueError for a ``group_size`` or ``block_structure`` the strategy would ignore (a dict of fields
+    ``{"strategy": "channel", "group_size": 128}`` gave per-channel scales); QuantizationArgs refuses them."""
+    if group_size is not None and group_size > 0 and strategy not in ("group", "tensor_group"):
+        raise ValueError(f"from_compressed_tensors: group_size {group_size} needs strategy 'group' or "
+                         f"'tensor_group', got strategy {strategy!r}")
+    if _field(args, "block_structure", None) is not None and strategy != "block":
+        raise ValueError(f"from_compressed_tensors: block_structure needs strategy 'block', got strategy {strategy!r}")
 
 
 def _warn_dynamic_static(args, strategy):
