@@ -14,7 +14,7 @@ from typing import NamedTuple, Union
 
 import torch
 
-from ._checks import check_floating, is_real_number
+from ._checks import check_floating, is_real_number, require
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams, _with_minval_of_codes, compute_qparams
 from ._spec import QuantSpec
@@ -98,6 +98,10 @@ def lsq_qparams(params: LSQParams, spec: QuantSpec) -> QParams:
     float32 as learned with ``zero_point_domain="float"``); symmetric specs take their fixed zero point.
     Scales stay float32 (not rounded to ``spec.scale_dtype``).
 
+    Raises:
+      ValueError: where a scale, or a zero point the spec learns, is NaN or Inf (a diverged
+        training step); torch.ao's module returns them as they are (a NaN zero point as int64's minimum).
+
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(dtype="uint8", mapping="asymmetric")
     >>> qstats.lsq.lsq_qparams(qstats.LSQParams(torch.tensor(-0.5), torch.tensor(260.4)), spec)[:2]
@@ -110,6 +114,10 @@ def lsq_qparams(params: LSQParams, spec: QuantSpec) -> QParams:
         raise ValueError(f"lsq_qparams: params.scale has shape {tuple(params.scale.shape)}, params.zero_point "
                          f"{tuple(params.zero_point.shape)}; they must be equal")
     scale, zero_point = _forward_values(params, spec)
+    finite = require(torch.isfinite(scale) & torch.isfinite(zero_point),
+                     "lsq_qparams: params holds a NaN or Inf scale or zero point (a diverged training step); "
+                     "there is no range to quantize with")
+    scale = torch.where(finite, scale, torch.ones_like(scale))  # threads the check
     float_zero_point = _learns_zero_point(spec) and spec.zero_point_domain == "float"
     zero_point = zero_point.clone() if float_zero_point else zero_point.to(torch.int32)
     calibrated = torch.ones_like(scale, dtype=torch.bool)
@@ -135,8 +143,11 @@ def _forward_values(params: LSQParams, spec: QuantSpec) -> tuple:
 
 
 def _zero_gradient(t: torch.Tensor) -> torch.Tensor:
-    """0 in value, with gradient 1 with respect to ``t``."""
-    return t - t.detach()
+    """0 in value, with gradient 1 with respect to ``t`` where it is finite (0 where it is infinite:
+    ``inf - inf`` would make the forward NaN where it reads a -Inf scale as eps, an infinite zero
+    point as the range's end, as torch's kernels)."""
+    value = t.detach()
+    return torch.where(torch.isfinite(value), t - value, torch.zeros_like(value))
 
 
 def _checked_view(x: torch.Tensor, params, spec) -> torch.Tensor:
