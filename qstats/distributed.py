@@ -354,7 +354,7 @@ def all_reduce(
       A new tree of the same structure; ``tree`` itself without a process group, with one rank, or on a
       rank outside ``group``.
     """
-    states = treespec = plan = local_error = None
+    states = treespec = plan = records = local_error = None
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if distributed else 1
     try:  # validated locally, but raised only after every rank has joined the check
@@ -363,11 +363,11 @@ def all_reduce(
         if world > 1:  # what the collectives would get wrong (one process: the tree comes back as it is)
             _check_values(paths, states, plan)
             _check_merges(paths, states, plan, leaf_observers)
+            records = _records(paths, states, plan, leaf_observers)
     except Exception as error:  # any local failure (a user's reduce-ops callable, say) raises on every rank
         local_error = error
     if world > 1 and check:
-        records = None if local_error is not None else _records(paths, states, plan, leaf_observers)
-        fingerprint = -1 if records is None else _fingerprint(treespec, records)
+        fingerprint = -1 if local_error is not None else _fingerprint(treespec, records)
         _check_same_trees(fingerprint, local_error, group, {"exact": exact, "treespec": str(treespec),
                                                             "records": records})
     elif local_error is not None:  # without the check every rank must pass a valid tree
