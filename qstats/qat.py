@@ -49,14 +49,19 @@ _FUNCTIONAL_LAYERS = {function: layer for layer, function in _LAYER_FUNCTIONS.it
 
 def _select(flag, if_true, if_false):
     """``if_true if flag else if_false`` for a Python bool, elementwise ``torch.where`` for a bool
-    tensor (tensors, or NamedTuples of tensors with the same structure)."""
+    tensor (tensors, or NamedTuples of the same structure: observer states, those with NamedTuples
+    nested in them included)."""
     if isinstance(flag, bool):
         return if_true if flag else if_false
     if not isinstance(flag, torch.Tensor) or flag.dtype != torch.bool:
         raise TypeError(f"QATPhase flags must be Python bools or bool tensors, got {flag!r}")
+    return _where(flag, if_true, if_false)
+
+
+def _where(flag: torch.Tensor, if_true, if_false):
     if isinstance(if_true, torch.Tensor):
         return torch.where(flag, if_true, if_false)
-    return type(if_true)(*(torch.where(flag, a, b) for a, b in zip(if_true, if_false)))
+    return type(if_true)(*(_where(flag, a, b) for a, b in zip(if_true, if_false)))
 
 
 def _check_ste(ste: str) -> None:
