@@ -72,7 +72,7 @@ class _Store:
             self.records[index] = record
         else:
             fields = {field.name: getattr(record, field.name) for field in dataclasses.fields(record)}
-            torch.save(fields, self.records[index])  # a shallow dict: asdict would copy every tensor
+            torch.save(_compact(fields), self.records[index])  # a shallow dict: asdict would copy every tensor
 
     def append(self, record: _Inputs) -> None:
         name = f"batch_{len(self):07d}.pt"
@@ -81,6 +81,30 @@ class _Store:
 
     def __iter__(self) -> Iterator[_Inputs]:
         return (self[index] for index in range(len(self)))
+
+
+def _each_tensor(value: Any, change: Callable[[torch.Tensor], torch.Tensor], seen: dict) -> Any:
+    """``value`` with ``change`` applied to every tensor in it (in tuples, lists and mappings); a
+    tensor found several times in it (one mask for several layers) is changed once (``seen``:
+    ``{id: changed}`` of the call), so the result shares it as ``value`` did."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in seen:
+            seen[id(value)] = change(value)
+        return seen[id(value)]
+    if isinstance(value, (tuple, list)):
+        items = [_each_tensor(item, change, seen) for item in value]  # a NamedTuple takes them by field
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, Mapping):
+        return {key: _each_tensor(item, change, seen) for key, item in value.items()}
+    return value
+
+
+def _compact(value: Any) -> Any:
+    """``value`` with every tensor that views part of a larger storage (a batch sliced from a
+    tokenized data set) copied to its own: ``torch.save`` writes a tensor's whole storage, so each
+    offloaded batch would hold the whole data set, written again after every layer."""
+    spans_more = lambda tensor: tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()  # noqa: E731
+    return _each_tensor(value, lambda tensor: tensor.clone() if spans_more(tensor) else tensor, {})
 
 
 class _Stop(Exception):
@@ -99,23 +123,10 @@ def _call(model: torch.nn.Module, batch) -> Any:
     return model(batch)
 
 
-def _moved(value: Any, device: Optional[torch.device], seen: Optional[dict] = None) -> Any:
-    """``value`` with every tensor in it (in tuples, lists and mappings) on ``device``; None: as is.
-    A tensor found several times in it (one mask for several layers) is moved once (``seen``:
-    ``{id: moved}`` of the call)."""
-    if device is None:
-        return value
-    seen = {} if seen is None else seen
-    if isinstance(value, torch.Tensor):
-        if id(value) not in seen:
-            seen[id(value)] = value.to(device)
-        return seen[id(value)]
-    if isinstance(value, (tuple, list)):
-        items = [_moved(item, device, seen) for item in value]  # a NamedTuple takes them by field
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, Mapping):
-        return {key: _moved(item, device, seen) for key, item in value.items()}
-    return value
+def _moved(value: Any, device: Optional[torch.device]) -> Any:
+    """``value`` with every tensor in it (in tuples, lists and mappings) on ``device``, each moved
+    once; None: as is."""
+    return value if device is None else _each_tensor(value, lambda tensor: tensor.to(device), {})
 
 
 def _offloaded(value: Any, device: Optional[torch.device]) -> Any:

@@ -1,0 +1,109 @@
+"""qstats.calibrate_layerwise's offloaded batches and its reading of a checkpoint into a base model.
+
+- ``offload_dir``: batches sliced from one tokenized data set are views of its storage, which
+  ``torch.save`` writes whole; each offloaded batch must hold its own tensors, not the data set.
+  The files are measured while the second layer runs, against the size of the data set.
+- A task model's checkpoint (``LlamaForCausalLM``, keys ``model.layers.*``) read into its base
+  model (``AutoModel``: ``LlamaModel``, keys ``layers.*``) and a base model's checkpoint read into
+  the task model with tied embeddings, as transformers' ``from_pretrained`` adds or strips
+  ``base_model_prefix``: the states are those of `qstats.calibrate` on ``from_pretrained``'s model.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import qstats
+
+transformers = pytest.importorskip("transformers")
+
+SPEC_W = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+SPEC_A = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
+RECIPE = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=SPEC_A),
+                        qstats.Rule("Linear", sites=("weight",), spec=SPEC_W)])  # fmt: skip
+
+
+def _config(**options):
+    return transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    **options)  # fmt: skip
+
+
+def _saved(directory, model) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(directory, max_shard_size="20KB")
+    return str(directory)
+
+
+def _batches() -> list:
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for index in range(3):
+        ids = torch.randint(0, 96, (2, 5 + index), generator=generator)
+        mask = torch.ones_like(ids)
+        mask[1, : 1 + index] = 0  # left padding
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def _weight(batch):
+    return batch["attention_mask"]
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for path in want:
+        assert set(got[path]) == set(want[path]), path
+        for site in want[path]:
+            for a, b in zip(got[path][site], want[path][site], strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b), (path, site)
+
+
+def test_offloaded_batches_sliced_from_one_data_set_do_not_hold_all_of_it(tmp_path):
+    torch.manual_seed(0)
+    checkpoint = _saved(tmp_path / "checkpoint", transformers.AutoModelForCausalLM.from_config(_config()))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config()).eval()
+    data = torch.randint(0, 96, (4096, 16), generator=torch.Generator().manual_seed(1))  # 512 KiB of tokens
+    mask = torch.ones_like(data)
+    batches = [{"input_ids": data[start : start + 2], "attention_mask": mask[start : start + 2]}
+               for start in range(0, 8, 2)]  # fmt: skip
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    held: list = []
+
+    def measure(module, args, kwargs):  # every batch's inputs of layer 1 are on disk by now
+        held.append(sum(entry.stat().st_size for folder in spill.iterdir() for entry in os.scandir(folder)))
+
+    with model.model.layers[1].register_forward_pre_hook(measure, with_kwargs=True):
+        offloaded = qstats.calibrate_layerwise(model, checkpoint, batches, RECIPE, progress=False,
+                                               offload_dir=spill, observation_weight=_weight)  # fmt: skip
+    assert held and max(held) < data.nbytes  # the old files held both data tensors per batch: 4 MiB
+    in_memory = qstats.calibrate_layerwise(model, checkpoint, batches, RECIPE, progress=False,
+                                           observation_weight=_weight)  # fmt: skip
+    _assert_equal(offloaded, in_memory)
+
+
+@pytest.mark.parametrize("direction", ["task checkpoint into base model", "base checkpoint into task model"])
+def test_a_checkpoint_reads_into_the_base_or_task_model_as_from_pretrained(tmp_path, direction):
+    torch.manual_seed(0)
+    config = _config(tie_word_embeddings=True)
+    task = transformers.AutoModelForCausalLM.from_config(config)
+    into_base = direction == "task checkpoint into base model"
+    checkpoint = _saved(tmp_path / "checkpoint", task if into_base else task.model)
+    auto = transformers.AutoModel if into_base else transformers.AutoModelForCausalLM
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = auto.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.device("meta"):
+        model = auto.from_config(config).eval()
+    batches = _batches()
+    want = qstats.calibrate(loaded, batches, RECIPE, progress=False, observation_weight=_weight)
+    got = qstats.calibrate_layerwise(model, checkpoint, batches, RECIPE, progress=False, observation_weight=_weight)
+    _assert_equal(got, want)
+    assert ("lm_head" in got) != into_base
