@@ -24,6 +24,7 @@ __all__ = [
     "ATTENTION_SITES",
     "COMPRESSED_TENSORS_VERSION",
     "ignored_modules",
+    "llm_compressor_observer",
     "llm_compressor_observers",
     "FORMATS",
     "allowed_formats",
@@ -234,24 +235,55 @@ def default_format(weights, inputs) -> str:
     return "float-quantized" if inputs is not None else "naive-quantized"
 
 
-# llm-compressor's name of a qstats observer, of weights (observed once) and of activations
-_WEIGHT_OBSERVERS = {"minmax": "memoryless_minmax", "memoryless_minmax": "memoryless_minmax",
-                     "mse": "memoryless_mse"}
+# llm-compressor's name of a qstats min-max observer, of weights (observed once) and of activations
+_WEIGHT_OBSERVERS = {"minmax": "memoryless_minmax", "memoryless_minmax": "memoryless_minmax"}
 _ACTIVATION_OBSERVERS = {"minmax": "static_minmax", "moving_average_minmax": "minmax",
-                         "memoryless_minmax": "memoryless_minmax", "mse": "mse"}
+                         "memoryless_minmax": "memoryless_minmax"}
+# the options of qstats.mse that llm-compressor's mse observers take under the same names, and
+# llm-compressor's defaults of the ones qstats writes only when they differ
+_MSE_SEARCH = ("maxshrink", "grid", "norm", "expand")
+_PATIENCE, _AVERAGING_CONSTANT = 5, 0.01
 
 
-def llm_compressor_observers(plan) -> dict:
-    """``{path: {site: name}}``: the llm-compressor observer name equivalent to each site's
-    qstats observer (what llm-compressor writes into the args' ``observer``): weights observed
-    once by min-max are ``"memoryless_minmax"``, by the MSE search ``"memoryless_mse"``;
-    activations: ``"static_minmax"`` (`qstats.minmax`), ``"minmax"`` (its moving average),
-    ``"memoryless_minmax"``, ``"mse"``; None for the others and for dynamic sites."""
+def llm_compressor_observer(found) -> tuple:
+    """``(name, observer_kwargs)``: llm-compressor's observer equivalent to a plan site's qstats observer
+    and its options (what llm-compressor writes into the args' ``observer`` and ``observer_kwargs``, and
+    `qstats.Recipe.from_compressed_tensors` reads back into the same observer): weights observed once by
+    min-max are ``"memoryless_minmax"``, by the MSE search ``"memoryless_mse"`` (its ``patience`` from
+    ``qparams_kwargs``); activations: ``"static_minmax"`` (`qstats.minmax`), ``"minmax"`` (its moving
+    average, with its ``averaging_constant``), ``"memoryless_minmax"``, ``"mse"`` / ``"memoryless_mse"``
+    (`qstats.mse` in ``mode="moving_average"``, averaging constant 1 for the memoryless one); ``(None, {})``
+    for the others (`qstats.mse` in its default accumulating mode too)."""
+    name = registry.name_of(found.rule.observer)
+    options = dict(found.rule.observer_kwargs)
+    weight = found.kind == "parameter"
+    if name != "mse":
+        written = (_WEIGHT_OBSERVERS if weight else _ACTIVATION_OBSERVERS).get(name)
+        constant = options.get("averaging_constant", _AVERAGING_CONSTANT)
+        if written == "minmax" and constant != _AVERAGING_CONSTANT:  # the moving average of activations
+            return written, {"averaging_constant": constant}
+        return written, {}
+    moving = options.get("mode", "accumulate") == "moving_average"
+    if set(options) - {*_MSE_SEARCH, "mode", "averaging_constant", "patience"} or not (weight or moving):
+        return None, {}  # options llm-compressor has no name for (reference, importance, steps)
+    kwargs = {key: options[key] for key in _MSE_SEARCH if key in options}
+    patience = options.get("patience", _PATIENCE) if moving else dict(found.rule.qparams_kwargs).get("patience")
+    if patience != _PATIENCE:
+        kwargs["patience"] = patience
+    constant = options.get("averaging_constant", _AVERAGING_CONSTANT)
+    if weight or constant == 1.0:
+        return "memoryless_mse", kwargs
+    return "mse", kwargs if constant == _AVERAGING_CONSTANT else {**kwargs, "averaging_constant": constant}
+
+
+def llm_compressor_observers(plan, with_kwargs: bool = False) -> dict:
+    """``{path: {site: name}}``: the llm-compressor observer name equivalent to each site's qstats
+    observer (`llm_compressor_observer`); ``{path: {site: (name, observer_kwargs)}}`` ``with_kwargs``."""
     names: dict = {}
     for path, sites in plan.sites.items():
         for site, found in sites.items():
-            table = _WEIGHT_OBSERVERS if found.kind == "parameter" else _ACTIVATION_OBSERVERS
-            names.setdefault(path, {})[site] = table.get(registry.name_of(found.rule.observer))
+            observer = llm_compressor_observer(found)
+            names.setdefault(path, {})[site] = observer if with_kwargs else observer[0]
     return names
 
 
@@ -283,18 +315,19 @@ def vllm_module_type(module: torch.nn.Module) -> str:
     return name
 
 
-def _observer_of(observers: dict, module_path: str, site: str, expert_projection: dict):
-    """The observer name of ``site`` of a Linear, or of an unpacked expert's projection (from
-    its experts module's sites of that kind, when they agree)."""
+def _observer_of(observers: dict, module_path: str, site: str, expert_projection: dict) -> tuple:
+    """``(name, observer_kwargs)`` of ``site`` of a Linear, or of an unpacked expert's projection
+    (from its experts module's sites of that kind, when they agree)."""
     if module_path not in expert_projection:
-        return observers.get(module_path, {}).get(site)
+        return observers.get(module_path, {}).get(site, (None, {}))
     experts_path, projection = expert_projection[module_path]
     entry = observers.get(experts_path, {})
     if site == "weight":
-        names = {name for key, name in entry.items() if key != "input" and not key.endswith(".input")}
+        found = [observer for key, observer in entry.items() if key != "input" and not key.endswith(".input")]
     else:
-        names = {entry.get(f"{projection}.input", entry.get("input"))}
-    return names.pop() if len(names) == 1 else None
+        found = [entry.get(f"{projection}.input", entry.get("input", (None, {})))]
+    distinct = {json.dumps(observer, sort_keys=True, default=str): observer for observer in found}
+    return distinct.popitem()[1] if len(distinct) == 1 else (None, {})
 
 
 def _with_observers(scheme: dict, module_path: str, observers: Optional[dict], expert_projection: dict) -> dict:
@@ -303,7 +336,8 @@ def _with_observers(scheme: dict, module_path: str, observers: Optional[dict], e
     out = {}
     for site, args in scheme.items():
         if args is not None and args.get("dynamic") is not True:
-            args = {**args, "observer": _observer_of(observers, module_path, site, expert_projection)}
+            name, kwargs = _observer_of(observers, module_path, site, expert_projection)
+            args = {**args, "observer": name, "observer_kwargs": kwargs}
         out[site] = args
     return out
 
@@ -336,11 +370,11 @@ def config_groups(schemes: dict, expert_projection: dict, format: Optional[str],
     """One config group per distinct (weights, input, output, format) combination, targeting the
     exact module paths, and one regex per projection of unpacked experts; keyed by that
     combination (insertion order). With the model's ``modules``, a single group of Linear
-    modules targets ``["Linear"]`` instead. With the recipe's ``plan``, the args' ``observer`` is
-    llm-compressor's name of the site's observer (`llm_compressor_observers`). ``rename``: a module
+    modules targets ``["Linear"]`` instead. With the recipe's ``plan``, the args' ``observer`` and
+    ``observer_kwargs`` are llm-compressor's of the site's observer (`llm_compressor_observer`). ``rename``: a module
     path's checkpoint name (`names.module_renamer`), for the targets."""
     rename = rename or (lambda name: name)
-    observers = llm_compressor_observers(plan) if plan is not None else None
+    observers = llm_compressor_observers(plan, with_kwargs=True) if plan is not None else None
     groups: dict[str, dict] = {}
     for module_path, scheme in schemes.items():
         scheme = _with_observers(scheme, module_path, observers, expert_projection)

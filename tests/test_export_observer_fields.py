@@ -1,0 +1,119 @@
+"""The ``observer`` and ``observer_kwargs`` fields of the exported ``quantization_config``: equal to what
+llm-compressor 0.14's ``oneshot`` writes for the same scheme, and read back by
+`qstats.Recipe.from_compressed_tensors` into the observers that calibrated the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import qstats
+from _shared import llm_compressor_oneshot
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("llmcompressor")
+from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
+
+VOCAB = 64
+
+
+def _int8(strategy, symmetric=True, **observer):
+    return dict(num_bits=8, type="int", symmetric=symmetric, strategy=strategy, **observer)
+
+
+# schemes whose observers take options (llm-compressor's names and observer_kwargs)
+SCHEMES = {
+    "mse-weights-memoryless-mse-inputs": {
+        "weights": _int8("channel", observer="memoryless_mse", observer_kwargs={"maxshrink": 0.3, "grid": 50}),
+        "input_activations": _int8("tensor", False, observer="memoryless_mse", observer_kwargs={"maxshrink": 0.3}),
+    },
+    "moving-average-minmax-inputs": {
+        "weights": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
+        "input_activations": _int8("tensor", observer="minmax", observer_kwargs={"averaging_constant": 0.5}),
+    },
+    "mse-inputs-with-patience": {
+        "weights": _int8("channel", observer="memoryless_mse", observer_kwargs={"patience": 7}),
+        "input_activations": _int8("tensor", observer="mse",
+                                   observer_kwargs={"averaging_constant": 0.2, "patience": 3, "norm": 2.0}),
+    },
+}
+
+
+def _llama(path):
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
+def _load(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
+
+
+def _samples():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(1, VOCAB, (12,), generator=generator) for _ in range(2)]
+
+
+def _export(model, recipe, folder) -> dict:
+    plan = recipe.resolve(model)
+    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in _samples()], plan, progress=False)
+    return qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), folder, plan)
+
+
+@pytest.mark.parametrize("case", sorted(SCHEMES))
+def test_observer_fields_equal_llm_compressor_oneshot(tmp_path, case):
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    scheme = SCHEMES[case]
+    base, theirs = str(tmp_path / "base"), str(tmp_path / "theirs")
+    _llama(base)
+    modifier = QuantizationModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], **scheme)},
+                                    ignore=["lm_head"])
+    llm_compressor_oneshot(_load(base), _samples(), modifier, theirs)
+    with open(os.path.join(theirs, "config.json")) as file:
+        (their_group,) = json.load(file)["quantization_config"]["config_groups"].values()
+
+    model = _load(base)
+    model.set_attn_implementation("eager")
+    recipe = qstats.Recipe.from_scheme(scheme, targets=["Linear"], ignore=["lm_head"])
+    (our_group,) = _export(model, recipe, str(tmp_path / "ours"))["config_groups"].values()
+    for site in ("weights", "input_activations"):
+        assert (our_group[site]["observer"], our_group[site]["observer_kwargs"]) == (
+            their_group[site]["observer"], their_group[site]["observer_kwargs"]), site
+    assert json.loads(json.dumps(our_group)) == their_group
+
+
+def _observers(recipe) -> dict:
+    return {rule.sites: (rule.observer, rule.observer_kwargs, rule.qparams_kwargs) for rule in recipe.rules}
+
+
+@pytest.mark.parametrize("case", sorted(SCHEMES))
+def test_the_exported_config_reads_back_into_the_observers_that_calibrated_it(tmp_path, case):
+    base = str(tmp_path / "base")
+    _llama(base)
+    recipe = qstats.Recipe.from_scheme(SCHEMES[case], targets=["Linear"], ignore=["lm_head"])
+    written = _export(_load(base), recipe, str(tmp_path / "ours"))
+    assert _observers(qstats.Recipe.from_compressed_tensors(written)) == _observers(recipe)
+
+
+def test_qstats_observers_without_an_llm_compressor_equivalent_write_none(tmp_path):
+    # qstats.mse accumulates every batch's losses (its default mode): llm-compressor's mse is a moving
+    # average of per-batch searches, which a reader of the config would run instead
+    base = str(tmp_path / "base")
+    _llama(base)
+    spec = qstats.QuantSpec.from_compressed_tensors(_int8("tensor"))
+    recipe = qstats.Recipe([
+        qstats.Rule("Linear", sites=("weight",), spec=qstats.QuantSpec.from_compressed_tensors(_int8("channel")),
+                    observer="mse", qparams_kwargs={"patience": 2}),
+        qstats.Rule("Linear", sites=("input",), spec=spec, observer="mse"),
+    ], ignore=["lm_head"])
+    (group,) = _export(_load(base), recipe, str(tmp_path / "ours"))["config_groups"].values()
+    assert (group["input_activations"]["observer"], group["input_activations"]["observer_kwargs"]) == (None, {})
+    assert (group["weights"]["observer"], group["weights"]["observer_kwargs"]) == ("memoryless_mse", {"patience": 2})
