@@ -165,13 +165,29 @@ def _checkpoint_names(model: torch.nn.Module) -> Callable[[str], list]:
     return names
 
 
+def _base_model_names(model: torch.nn.Module) -> Callable[[str], list]:
+    """``name -> [names]`` a tensor may also be stored under in the checkpoint of the base model or
+    of a task model around it, as ``from_pretrained`` adds or strips ``base_model_prefix``: a
+    ``LlamaModel`` reads ``model.layers.*`` of a ``LlamaForCausalLM`` checkpoint, and the reverse."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not prefix or not isinstance(prefix, str):
+        return lambda name: []
+    if isinstance(getattr(model, prefix, None), torch.nn.Module):  # a task model: its base is `prefix`
+        return lambda name: [name[len(prefix) + 1 :]] if name.startswith(prefix + ".") else []
+    return lambda name: [f"{prefix}.{name}"]
+
+
 def _aliases(model: torch.nn.Module, stored: Callable[[str], list]) -> dict:
     """``{id(tensor): [names]}`` of every parameter and buffer, tied ones under all their names, each
-    followed by its checkpoint names (``stored``, `_checkpoint_names`)."""
+    followed by its checkpoint names (``stored``, `_checkpoint_names`), then by those names in a
+    base or task model's checkpoint (`_base_model_names`)."""
     names: dict = {}
+    other = _base_model_names(model)
     for name, value in itertools.chain(model.named_parameters(remove_duplicate=False),
                                        model.named_buffers(remove_duplicate=False)):
         names.setdefault(id(value), []).extend(key for key in stored(name) if key not in names.get(id(value), ()))
+    for keys in names.values():
+        keys.extend(dict.fromkeys(key for known in list(keys) for key in other(known) if key not in keys))
     return names
 
 
