@@ -64,20 +64,24 @@ def _min_normal_exponent(fmt) -> int:
 
 
 def round_to_format(x: torch.Tensor, fmt) -> torch.Tensor:
-    """``x`` (float32) saturated to ``[-fmt.max, fmt.max]`` and rounded to nearest even on the
-    format's grid, subnormals included. Returns float32 values on the grid (NaN stays NaN)."""
-    x = x.float()
+    """``x`` (float32, or float64) saturated to ``[-fmt.max, fmt.max]`` and rounded to nearest even on
+    the format's grid, subnormals included. Returns float32 values on the grid (NaN stays NaN).
+    Emulated formats (fp6, fp4) round float64 ``x`` once, in float64, as compressed-tensors'
+    ``cast_to_fp4`` (rounding it to float32 first moved values just past a tie onto it, then to even);
+    fp8 formats cast as torch does."""
+    x = x if x.dtype == torch.float64 and fmt.torch_dtype is None else x.float()
     if fmt.torch_dtype is not None:
         return x.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).float()
     magnitude = x.abs().clamp(max=fmt.max)
     # The grid step of each value's binade, 2 ** (max(exponent, min normal exponent) - mantissa
-    # bits), built directly in the float32 exponent field (three passes instead of seven).
-    exponent_bits = torch.bitwise_and(bitcast(magnitude, torch.int32), 0x7F800000)
+    # bits), built directly in the float32 exponent field (three passes instead of seven); a float64
+    # magnitude rounded up to the next binade's power of two lies on both binades' grids
+    exponent_bits = torch.bitwise_and(bitcast(magnitude.float(), torch.int32), 0x7F800000)
     min_normal_bits = (_min_normal_exponent(fmt) + _F32_BIAS) << _F32_MANTISSA
     quantum_bits = torch.clamp(exponent_bits, min=min_normal_bits) - (fmt.mantissa_bits << _F32_MANTISSA)
-    quantum = bitcast(quantum_bits, torch.float32)
+    quantum = bitcast(quantum_bits, torch.float32).to(x.dtype)
     rounded = torch.round(magnitude / quantum) * quantum
-    return torch.copysign(rounded, x)
+    return torch.copysign(rounded, x).float()
 
 
 def encode(x: torch.Tensor, fmt) -> torch.Tensor:
@@ -316,24 +320,30 @@ def _block_input(view: torch.Tensor) -> torch.Tensor:
     """``view`` in its own dtype where float32 holds it exactly and promotes it (bf16, fp16,
     float32), so that a convention dividing in a narrower compute dtype divides in the promotion of
     the input's dtype with it (compressed-tensors: float32 inputs by a bf16 scale in float32), while
-    one dividing by float32 scales gets the same float32 arithmetic as before; float32 otherwise."""
-    return view if torch.promote_types(view.dtype, torch.float32) == torch.float32 else view.float()
+    one dividing by float32 scales gets the same float32 arithmetic as before; float64 stays float64
+    (compressed-tensors divides it in float64); float32 otherwise."""
+    return view if torch.promote_types(view.dtype, torch.float32) in (torch.float32, torch.float64) else view.float()
+
+
+def _working(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64 where it is float64 (its codes are rounded once, from float64), else float32."""
+    return t if t.dtype == torch.float64 else t.float()
 
 
 def codes(view: torch.Tensor, scale: torch.Tensor, global_scale, spec):
-    """``(unclamped, grid_values)`` as float32 tensors of ``view`` (any float dtype) under broadcast
-    float32 ``scale``: the scaled values before saturation, and the saturated values rounded to the
-    element grid. One level of scales divides as the spec's convention divides
-    (`Convention.block_scaled`, given the input in its own dtype: `_block_input`)."""
+    """``(unclamped, grid_values)`` of ``view`` (any float dtype) under broadcast float32 ``scale``:
+    the scaled values before saturation (float32; float64 for float64 ``view``), and the saturated
+    values rounded to the element grid (float32). One level of scales divides as the spec's
+    convention divides (`Convention.block_scaled`, given the input in its own dtype: `_block_input`)."""
     fmax = spec.float_format.max
     if not isinstance(spec.granularity, TensorGroup):
-        scaled = spec.convention.block_scaled(_block_input(view), scale, spec).float()
+        scaled = _working(spec.convention.block_scaled(_block_input(view), scale, spec))
     elif spec.global_scale_formula == "range_over_amax":
-        view = view.float()
+        view = _working(view)
         # + 0: compressed-tensors adds its zero point (0), which makes -0.0 +0
         scaled = view / (scale / global_scale) + 0.0
     else:
-        scaled = _two_level_scaled(view.float(), scale, global_scale)
+        scaled = _two_level_scaled(_working(view), scale, global_scale)
     return scaled, round_to_format(scaled.clamp(-fmax, fmax), spec.float_format)
 
 

@@ -457,13 +457,13 @@ class CompressedTensorsConvention(Convention):
         return product.to(compute).float()
 
     def block_scaled(self, view, scale, spec):
-        """As compressed-tensors divides ``view`` (bf16, fp16 or float32) by its scale held in the
-        observed (compute) dtype: in their type promotion (a float32 input by a bf16 scale in
-        float32, a bf16 one in bf16), then adds its zero point (0), which makes -0.0 +0 (a tiny
-        negative value still rounds to -0)."""
+        """As compressed-tensors divides ``view`` (bf16, fp16, float32 or float64) by its scale held in
+        the observed (compute) dtype: in their type promotion (a float32 input by a bf16 scale in
+        float32, a bf16 one in bf16, a float64 one in float64), then adds its zero point (0), which
+        makes -0.0 +0 (a tiny negative value still rounds to -0)."""
         compute = getattr(torch, spec.compute_dtype)
         work = torch.promote_types(view.dtype, compute)
-        return (view.to(work) / scale.to(compute).to(work) + 0.0).float()
+        return view.to(work) / scale.to(compute).to(work) + 0.0
 
     def e8m0_scale(self, amax, spec):
         """compressed-tensors holds the scale in the observed dtype, and replaces one that

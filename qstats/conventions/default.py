@@ -143,8 +143,8 @@ class Convention:
     # ----------------------------------------------------------------------------------------
     # block formats (qstats/_formats.py)
     def block_scaled(self, view: torch.Tensor, scale: torch.Tensor, spec) -> torch.Tensor:
-        """float32 ``view`` divided by its block scales (e8m0 or one level of fp8 scales; emulated
-        fp6/fp4 elements), before saturation and rounding to the element format."""
+        """``view`` (bf16, fp16, float32 or float64) divided by its block scales (e8m0 or one level of
+        fp8 scales; emulated fp6/fp4 elements), before saturation and rounding to the element format."""
         return view / scale
 
     def e8m0_scale(self, amax: torch.Tensor, spec) -> torch.Tensor:
