@@ -2,8 +2,8 @@
 
 `calibrate_layerwise` takes a model built on the meta device and a directory of safetensors
 shards. It runs the model up to its first decoder layer once per batch to capture that layer's
-inputs (through every layer, standing in for each, when the layers are of several kinds and each
-gets its own mask), then loads each layer from the checkpoint, calibrates it (`qstats.calibrate` on the layer,
+inputs (through every layer, standing in for each, when each layer gets its own arguments: layers
+of several kinds, each with its mask), then loads each layer from the checkpoint, calibrates it (`qstats.calibrate` on the layer,
 under the part of the recipe's `Plan` inside it, so the states keep their full module paths) over
 every stored input, keeps its outputs as the next layer's inputs and puts the layer back on the
 meta device. The modules outside the layers (embeddings, final norm, ``lm_head``) are observed
@@ -274,16 +274,18 @@ class _Recorder(_StandIn):
 
 
 class _Walker(_StandIn):
-    """Stands in for decoder layer ``index`` in `_check_call_order`: records the call and passes the
-    hidden states on; a second call of a layer stops the forward."""
+    """Stands in for decoder layer ``index`` in `_check_call_order`: records the call (its index in
+    ``order``, its arguments in ``calls``) and passes the hidden states on; a second call of a layer
+    stops the forward."""
 
-    def __init__(self, layer: torch.nn.Module, index: int, order: list):
+    def __init__(self, layer: torch.nn.Module, index: int, order: list, calls: list):
         super().__init__(layer)
-        self.index, self.order = index, order
+        self.index, self.order, self.calls = index, order, calls
 
     def forward(self, *args, **kwargs):
         called_before = self.index in self.order
         self.order.append(self.index)
+        self.calls.append((args, kwargs))
         if called_before:
             raise _Stop(args, kwargs)
         return args[0] if args else kwargs.get("hidden_states")
@@ -307,12 +309,15 @@ def _stop(module, args, kwargs):
     raise _Stop(args, kwargs)
 
 
-def _check_call_order(model: torch.nn.Module, container, container_path: str, batch, where: str) -> None:
+def _check_call_order(model: torch.nn.Module, container, container_path: str, batch, where: str) -> bool:
     """Runs the model's forward on ``batch`` through stand-ins of its layers and refuses a forward
     that calls a layer twice (one layer shared across depths, as ALBERT's) or out of list order:
-    each layer is calibrated once, its outputs feeding the next in the list."""
+    each layer is calibrated once, its outputs feeding the next in the list. Returns whether the
+    layers get other arguments than the first one's (GraniteSWA's NoPE layers get no rotary
+    embeddings): then each layer's own are captured."""
     order: list = []
-    walk = lambda index, layer: _Walker(layer, index, order)  # noqa: E731
+    calls: list = []
+    walk = lambda index, layer: _Walker(layer, index, order, calls)  # noqa: E731
     # _Stop at a second call; any other error the capture that follows reports
     with _stood_in(container, walk), contextlib.suppress(Exception):
         _call(model, batch)
@@ -323,6 +328,26 @@ def _check_call_order(model: torch.nn.Module, container, container_path: str, ba
             "depths, as ALBERT's, or layers run out of order); layer-by-layer calibration runs each layer once, "
             "in list order: calibrate the loaded model with qstats.calibrate"
         )
+    own = _own_arguments(calls)
+    return any(not _same(arguments, own[0]) for arguments in own[1:])
+
+
+def _same(one: Any, other: Any) -> bool:
+    """Whether two layers' arguments are the same: the same tensors (the same objects: equal values
+    on one batch, as two masks whose window exceeds it, need not be equal on the next), in the same
+    containers, and equal other values."""
+    if isinstance(one, torch.Tensor) or isinstance(other, torch.Tensor):
+        return one is other
+    if isinstance(one, (tuple, list)) and isinstance(other, (tuple, list)):
+        return type(one) is type(other) and len(one) == len(other) and all(map(_same, one, other))
+    if isinstance(one, Mapping) and isinstance(other, Mapping):
+        return one.keys() == other.keys() and all(_same(one[key], other[key]) for key in one)
+    if one is other:
+        return True
+    try:
+        return type(one) is type(other) and bool(one == other)
+    except Exception:  # noqa: BLE001 - a value without a plain equality is taken as another
+        return False
 
 
 def _check_passed_on(run: "_Run", container, container_path: str, batch, where: str) -> None:
@@ -369,17 +394,18 @@ def _own_arguments(calls: list) -> tuple:
 
 
 def _capture(model, container, batches, observation_weight, store: _Store, device: Optional[torch.device],
-             each_layer: bool, checked: Callable[[Any], None]) -> None:
+             each_layer: bool, checked: Callable[[Any], bool]) -> None:
     """Runs ``model`` on each batch (on ``device``) up to its first decoder layer and stores that
-    layer's inputs (on the CPU); with ``each_layer``, up to the last, through stand-ins, keeping
-    every layer's own arguments (`_Inputs.layers`). ``checked(batch)`` runs first, on the first batch."""
+    layer's inputs (on the CPU); with ``each_layer``, or when ``checked(batch)`` (run first, on the
+    first batch) returns True, up to the last, through stand-ins, keeping every layer's own
+    arguments (`_Inputs.layers`)."""
 
     calls: list = []
     last = len(container) - 1
     with contextlib.ExitStack() as installed, torch.no_grad():
         for number, batch in enumerate(batches):
             if number == 0:  # the stand-ins or the hook after the checks, which run layers of their own
-                checked(_moved(batch, device))
+                each_layer = checked(_moved(batch, device)) or each_layer
                 if each_layer:
                     record = lambda index, layer: _Recorder(layer, calls, index == last)  # noqa: E731
                     installed.enter_context(_stood_in(container, record))
@@ -794,9 +820,10 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
     def capture() -> None:
         saved.extend(_outer_loaded(run, container_path))
         each_layer = len(_layer_kinds(run.model, container_path)) > 1
-        def checked(batch) -> None:
-            _check_call_order(run.model, container, container_path, batch, where)
+        def checked(batch) -> bool:
+            own_arguments = _check_call_order(run.model, container, container_path, batch, where)
             _check_passed_on(run, container, container_path, batch, where)
+            return own_arguments
 
         _capture(run.model, container, batches, observation_weight, run.store, run.device, each_layer, checked)
 

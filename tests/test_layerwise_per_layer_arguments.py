@@ -1,0 +1,102 @@
+"""qstats.calibrate_layerwise on models whose forward gives each decoder layer its own arguments
+though their layers are all of one kind, against `qstats.calibrate` on the loaded model.
+
+- GraniteSWA with ``layer_types`` all full attention and per-layer ``layer_rope_theta``: a layer of
+  theta 0 (NoPE) gets ``position_embeddings=None``, the others the rotary embeddings of their theta.
+- A plain ``nn.Module`` whose forward passes each layer its index (``layer_idx=``).
+
+Replaying the first layer's arguments to every layer gives other states from the second layer on.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import qstats
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import save_file  # noqa: E402
+
+SPEC_W = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+SPEC_A = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
+RECIPE = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=SPEC_A),
+                        qstats.Rule("Linear", sites=("weight",), spec=SPEC_W)])  # fmt: skip
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for path in want:
+        assert set(got[path]) == set(want[path]), path
+        for site in want[path]:
+            for a, b in zip(got[path][site], want[path][site], strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b), (path, site)
+
+
+def _batches() -> list:
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for index in range(3):
+        ids = torch.randint(0, 96, (2, 5 + index), generator=generator)
+        mask = torch.ones_like(ids)
+        mask[1, : 1 + index] = 0  # left padding
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def test_granite_swa_nope_and_per_layer_rope_thetas_equal_the_full_model(tmp_path):
+    config = transformers.GraniteSWAConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, layer_types=["full_attention"] * 3,
+        layer_rope_theta=[10000.0, 0, 500.0],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, max_shard_size="20KB")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    weight = lambda batch: batch["attention_mask"]  # noqa: E731
+    want = qstats.calibrate(loaded, _batches(), RECIPE, progress=False, observation_weight=weight)
+    got = qstats.calibrate_layerwise(model, str(tmp_path), _batches(), RECIPE, progress=False,
+                                     observation_weight=weight)  # fmt: skip
+    _assert_equal(got, want)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden, scale, layer_idx):
+        return self.proj(hidden * scale) * (layer_idx + 1)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(_Layer() for _ in range(3))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, ids):
+        hidden, scale = self.embed(ids), torch.full((1,), 0.5)
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, scale, layer_idx=index)
+        return self.head(hidden)
+
+
+def test_a_layer_index_passed_by_the_forward_reaches_each_layer(tmp_path):
+    torch.manual_seed(0)
+    loaded = _Model().eval()
+    save_file({name: value.contiguous() for name, value in loaded.state_dict().items()},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    with torch.device("meta"):
+        model = _Model().eval()
+    batches = [torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
+    want = qstats.calibrate(loaded, batches, RECIPE, progress=False)
+    got = qstats.calibrate_layerwise(model, str(tmp_path), batches, RECIPE, progress=False)
+    _assert_equal(got, want)
