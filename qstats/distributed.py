@@ -446,12 +446,29 @@ def _same_on_every_rank(probe: list, value: int) -> bool:
 
 def check_same_arguments(arguments: Mapping[str, Any], where: str, group=None) -> None:
     """ValueError on every rank unless every rank of ``group`` passed the same ``arguments`` (compared
-    by their repr): arguments that decide which collectives run would otherwise leave ranks waiting."""
-    value = _as_int(hashlib.sha256(repr(sorted(arguments.items())).encode()).digest())
-    if not _same_on_every_rank(_min_over_ranks([value, -value], group), value):
-        listed = ", ".join(f"{name}={given!r}" for name, given in arguments.items())
-        raise ValueError(f"{where}: the ranks passed different arguments (this rank: {listed}); every rank "
-                         "passes the same ones but its batches")
+    by their repr): arguments that decide which collectives run would otherwise leave ranks waiting.
+    The message names each argument that differs and its value on every rank."""
+    given = {name: repr(value) for name, value in arguments.items()}
+    value = _as_int(hashlib.sha256(repr(sorted(given.items())).encode()).digest())
+    if _same_on_every_rank(_min_over_ranks([value, -value], group), value):
+        return
+    ranks, reports = _gather_from_ranks(given, group)
+    names = list(dict.fromkeys(name for report in reports for name in report))
+    listed = "; ".join(
+        ", ".join(f"{name}={report.get(name, '<none>')} on rank {rank}" for rank, report in zip(ranks, reports))
+        for name in names if len({report.get(name) for report in reports}) > 1
+    )
+    raise ValueError(f"{where}: the ranks passed different arguments ({listed[:2000]}); every rank passes the same "
+                     "ones but its batches")
+
+
+def _gather_from_ranks(report: Any, group) -> tuple[list, list]:
+    """``(ranks, reports)``: every rank's ``report`` (plain Python data) with its rank in the world, in
+    the order of the ranks of ``group``; one all_gather_object, for the messages of failed checks."""
+    reports = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, report, group=group)
+    ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(len(reports))]
+    return ranks, reports
 
 
 def _check_same_trees(fingerprint: int, local_error, group, report: dict) -> None:
@@ -466,9 +483,7 @@ def _check_same_trees(fingerprint: int, local_error, group, report: dict) -> Non
     detail = local_error if isinstance(local_error, (TypeError, ValueError)) else repr(local_error)
     if local_error is not None:
         report = {"error": str(detail)}
-    reports = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, report, group=group)  # every rank is here: the probe told them all
-    ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(len(reports))]
+    ranks, reports = _gather_from_ranks(report, group)  # every rank is here: the probe told them all
     if local_error is not None:
         raise ValueError(f"all_reduce: this rank's tree is not valid: {detail}") from local_error
     if probe[2] != 0:

@@ -67,6 +67,12 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
                 results[name] = optree.tree_leaves(merged)
             except Exception as error:  # noqa: BLE001 - the test reads the message
                 results[name] = {"error": f"{type(error).__name__}: {error}"}
+        arguments = {"propagate": "quantized" if rank == world - 1 else "float", "layers": "model.layers"}
+        try:
+            qstats.distributed.check_same_arguments(arguments, "calibrate_layerwise")
+            results["arguments"] = "no error"
+        except Exception as error:  # noqa: BLE001
+            results["arguments"] = {"error": f"{type(error).__name__}: {error}"}
         members = subgroup(world)
         group = dist.new_group(members)  # every rank creates it, members or not
         tree, observers, _ = scenarios(rank, world)["other_shape"]

@@ -105,6 +105,17 @@ def test_a_sub_group_names_its_members_by_their_ranks_in_the_world(ranks):
         assert f"at 'layers/1' rank {members[0]} holds" in error and f"rank {world - 1} holds" in error, (rank, error)
 
 
+def test_other_arguments_on_one_rank_are_named_with_every_rank_s_value(ranks):
+    """The layer-by-layer argument check said only "this rank: propagate='float', layers=...", so
+    the log of a rank that agreed with the majority did not say which argument to change."""
+    odd = len(ranks) - 1
+    for rank, result in enumerate(ranks):
+        error = result["arguments"]["error"]
+        assert error.startswith("ValueError: calibrate_layerwise: the ranks passed different arguments"), error
+        assert f"propagate='quantized' on rank {odd}" in error and "propagate='float' on rank 0" in error, error
+        assert "layers=" not in error, error  # the same on every rank
+
+
 def test_the_group_stays_in_step_and_merges_as_a_sequential_merge(ranks):
     world = len(ranks)
     states = [worker.scenarios(rank, world)["after"][0]["layers"] for rank in range(world)]
