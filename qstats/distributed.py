@@ -311,7 +311,7 @@ def _records(paths, states, plan, leaf_observers) -> list[tuple[str, str, str]]:
 def _fingerprint(treespec, records) -> int:
     digest = hashlib.sha256(str(treespec).encode())
     for _, key, _ in records:
-        digest.update(key.encode())
+        digest.update(key.encode() + b"\0")  # one state's key cannot run into the next's
     return _as_int(digest.digest())
 
 
