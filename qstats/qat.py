@@ -17,6 +17,7 @@ from torch import nn
 
 from . import distributed
 from ._checks import check_floating
+from ._granularity import PerToken
 from ._qparams import compute_qparams
 from ._quant import fake_quantize
 from ._spec import QuantSpec
@@ -198,8 +199,16 @@ class _FakeQuantPoint(nn.Module):
         if current is None:  # QATModel.init: size the state on the example input
             return x, self.observer.init(x) if previous is None else previous
         learned = (ranges or {}).get(self.kind, {}).get(self.key)
+        if _dynamic(self.kind, self.observer):  # the batch's own range, whatever the phase
+            current, previous, phase = self.observer.init(x), None, phase._replace(observe=True)
         return observe_fake_quantize(x, current if previous is None else previous, self.observer, phase,
                                      ste=self.ste, learned=learned, grad_scale=self.grad_scale)
+
+
+def _dynamic(kind: str, observer: Observer) -> bool:
+    """Per-token activation ranges are dynamic (torchao's per-token fake quant): each call observes its
+    own input into a fresh state, so the state's shape follows the batch's and frozen phases do not apply."""
+    return kind == "activations" and isinstance(getattr(observer.spec, "granularity", None), PerToken)
 
 
 class _BatchNormPoint(nn.Module):
@@ -388,13 +397,16 @@ class QATModel:
         """Merges the activation observer states across the ranks of ``group`` (one
         `qstats.distributed.all_reduce`), so every rank fake-quantizes with and freezes the same ranges.
         Call it on every rank where ``schedule.sync_at(step)``; weight states too with ``weights=True``;
-        batch norm is not synchronised. Without a process group the state is returned unchanged.
+        batch norm and per-token (dynamic) activation states are not synchronised. Without a process group
+        the state is returned unchanged.
         Which collectives it calls depends on the model only, never on ``state``: a rank whose state is
         not a `QATState` of the model's layers raises its error, and every other rank a ValueError,
         instead of leaving them waiting.
         """
         observers = {"activations": self.activation_observer, "weights": self.weight_observer if weights else None}
-        observers = {kind: observer for kind, observer in observers.items() if observer is not None}
+        # per-token (dynamic) states hold one batch's ranges, which no other rank's batch shares
+        observers = {kind: observer for kind, observer in observers.items()
+                     if observer is not None and not _dynamic(kind, observer)}
         try:
             self._check_inputs({}, state, "QATModel.sync")
         except (TypeError, ValueError) as error:
