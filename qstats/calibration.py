@@ -451,12 +451,17 @@ def _fake_quantize_site(
                 "cannot be fake-quantized through a parametrization; load the model without offloading"
             )
         if original is not None:  # torch would ``original.set_(original)``: a new grad accumulator, which
-            # drops the hooks on the old one (DistributedDataParallel's gradient all-reduce): register a
-            # stand-in sharing its storage, then put the Parameter itself (and its hooks) in its place
-            module._parameters[site] = torch.nn.Parameter(original.detach(), original.requires_grad)
-        parametrize.register_parametrization(module, site, parametrization, unsafe=True)
-        if original is not None:
-            module.parametrizations[site]._parameters["original"] = original
+            # drops the hooks on the old one (DistributedDataParallel's gradient all-reduce), and inside a
+            # torch.func transform (grad, jvp) a mutation of a captured tensor, which it refuses: register an
+            # empty stand-in, then put the Parameter itself (and its hooks) in its place
+            module._parameters[site] = torch.nn.Parameter(original.new_empty(0), original.requires_grad)
+        try:
+            parametrize.register_parametrization(module, site, parametrization, unsafe=True)
+        finally:
+            if original is not None and parametrize.is_parametrized(module, site):
+                module.parametrizations[site]._parameters["original"] = original
+            elif original is not None:  # registration failed: the stand-in never stays
+                module._parameters[site] = original
         parametrized.append((module, site, before, order))
         return
     if found.num_experts:  # per-expert activations: inside the experts' own forward
