@@ -151,7 +151,8 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec", dynamic: 
         "actorder": None,
         "observer": None,
         "observer_kwargs": {},
-        "scale_dtype": None,
+        # half-precision scales: compressed-tensors rounds dynamic scales to it at run time (float32: none)
+        "scale_dtype": None if spec.scale_dtype == "float32" else f"torch.{spec.scale_dtype}",
         "zp_dtype": None,  # compressed-tensors serializes it for asymmetric args only
     }
     if not symmetric:
