@@ -127,10 +127,19 @@ def split_observer_kwargs(factory, options: Mapping, where: str, weight: bool = 
     return own, rest
 
 
+def _observer_name(args):
+    """``args.observer`` as llm-compressor's registry looks it up (compressed-tensors'
+    ``standardize_lookup_name``: case, ``-``, ``_`` and spaces alike: ``"MSE"`` is ``"mse"``,
+    ``"static-minmax"`` is ``"static_minmax"``), spelt as llm-compressor registers it; None stays None."""
+    if args.observer is None:
+        return None
+    return args.observer.replace("-", "_").replace(" ", "_").lower()
+
+
 def _qstats_observer(args, weight: bool) -> tuple:
     """``(observer name, observer_kwargs, qparams_kwargs)`` of a ``qstats_*`` observer, its
     ``observer_kwargs`` split as `qstats.llmcompressor` splits them (`split_observer_kwargs`)."""
-    name = _QSTATS_OBSERVERS[args.observer]
+    name = _QSTATS_OBSERVERS[_observer_name(args)]
     factory, qparams = split_observer_kwargs(registry.get(name), dict(args.observer_kwargs or {}),
                                              f"observer {args.observer!r}", weight)
     if weight and name in ("moving_average_minmax", "memoryless_minmax"):
@@ -141,13 +150,14 @@ def _qstats_observer(args, weight: bool) -> tuple:
 def _weight_observer(args) -> tuple:
     """``(observer name, observer_kwargs, qparams_kwargs)`` llm-compressor uses for weights."""
     kwargs = dict(args.observer_kwargs or {})
-    if args.observer in _QSTATS_OBSERVERS:
+    observer = _observer_name(args)
+    if observer in _QSTATS_OBSERVERS:
         return _qstats_observer(args, weight=True)
-    if args.observer in _WEIGHT_MINMAX:
+    if observer in _WEIGHT_MINMAX:
         return "minmax", {}, {}
-    if args.observer in ("nvfp4_expanded_mse", "fouroversix"):
+    if observer in ("nvfp4_expanded_mse", "fouroversix"):
         kwargs = {**_EXPANDED_MSE, **kwargs}
-    elif args.observer not in _WEIGHT_MSE:
+    elif observer not in _WEIGHT_MSE:
         known = [name for name in _WEIGHT_MINMAX if name] + [*_WEIGHT_MSE, "nvfp4_expanded_mse", *_QSTATS_OBSERVERS]
         raise ValueError(f"weights observer {args.observer!r}: no qstats equivalent of this llm-compressor observer; "
                          f"known: {known}")
@@ -157,12 +167,12 @@ def _weight_observer(args) -> tuple:
 
 def _activation_observer(args) -> tuple:
     """``(observer name, observer_kwargs, qparams_kwargs)`` llm-compressor uses for static activations."""
-    if args.observer in _QSTATS_OBSERVERS:
+    name = _observer_name(args) or "minmax"
+    if name in _QSTATS_OBSERVERS:
         return _qstats_observer(args, weight=False)
-    name = args.observer or "minmax"
     if name not in _ACTIVATION_OBSERVERS:
         raise ValueError(
-            f"activation observer {name!r}: no qstats equivalent of this llm-compressor observer; "
+            f"activation observer {args.observer!r}: no qstats equivalent of this llm-compressor observer; "
             f"known: {sorted(_ACTIVATION_OBSERVERS) + list(_QSTATS_OBSERVERS)}"
         )
     ours, taken, defaults = _ACTIVATION_OBSERVERS[name]
