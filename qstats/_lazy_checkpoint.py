@@ -17,11 +17,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 from typing import Callable, Optional
 
 import torch
 
 from ._checkpoint_names import module_renamer
+from ._warn import warn
 
 __all__ = ["LazyCheckpoint", "Overlay", "check_covers", "load_modules", "release_modules"]
 
@@ -211,6 +213,32 @@ def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint) -> None:
         if "" not in per_expert:
             missing = next((key for key in per_expert if key), stored(name)[-1])
             raise _no_tensor(checkpoint, missing, name)
+    _warn_unused(model, checkpoint, aliases)
+
+
+# the checkpoint tensors transformers ignores beside the model's own patterns (`_adjust_missing_and_unexpected_keys`)
+_IGNORED_UNUSED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
+
+
+def _warn_unused(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: dict) -> None:
+    """Warns of the checkpoint's tensors that no tensor of ``model`` is read from, as ``from_pretrained``
+    reports them UNEXPECTED (a config of fewer layers than the checkpoint's calibrates part of it),
+    but for those transformers ignores (``_keys_to_ignore_on_load_unexpected``: DeepSeek-V3's
+    multi-token-prediction layer)."""
+    used = {key for keys in aliases.values() for key in keys if key in checkpoint}
+    for value in itertools.chain(model.parameters(), model.buffers()):
+        for found in (_per_expert(checkpoint, key) for key in aliases[id(value)] if value.ndim == 3):
+            if found is not None:
+                prefix, sources = found
+                experts = range(value.shape[0])
+                used.update(f"{prefix}.{expert}.{source}.weight" for expert in experts for source in sources)
+    ignored = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), *_IGNORED_UNUSED]
+    unused = [key for key in checkpoint.files if key not in used and not any(re.search(at, key) for at in ignored)]
+    if unused:
+        more = " ..." if len(unused) > 3 else ""
+        warn(f"{checkpoint.where}: the checkpoint holds {len(unused)} tensor(s) the model has no tensor for, which are "
+             f"not read: {', '.join(unused[:3])}{more} (a model built from another config, of fewer layers than the "
+             "checkpoint's?)", UserWarning)
 
 
 def _per_expert(checkpoint, key: str) -> Optional[tuple]:

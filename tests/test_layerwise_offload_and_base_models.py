@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
@@ -107,3 +108,27 @@ def test_a_checkpoint_reads_into_the_base_or_task_model_as_from_pretrained(tmp_p
     got = qstats.calibrate_layerwise(model, checkpoint, batches, RECIPE, progress=False, observation_weight=_weight)
     _assert_equal(got, want)
     assert ("lm_head" in got) != into_base
+
+
+def test_checkpoint_tensors_the_model_does_not_read_are_named_as_from_pretrained_reports_them(tmp_path):
+    """A model built from a config of fewer layers than the checkpoint's calibrates part of it: a
+    warning names the checkpoint's tensors of the layer left out (per expert, as stored), which
+    ``from_pretrained`` reports unexpected too."""
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    checkpoint = _saved(tmp_path, transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**shape)))
+    smaller = transformers.Qwen3MoeConfig(**{**shape, "num_hidden_layers": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, info = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, config=smaller, output_loading_info=True)
+    assert info["unexpected_keys"] and all(key.startswith("model.layers.2.") for key in info["unexpected_keys"])
+    with open(os.path.join(checkpoint, "model.safetensors.index.json")) as file:
+        left_out = {key for key in json.load(file)["weight_map"] if key.startswith("model.layers.2.")}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(smaller).eval()
+    with pytest.warns(UserWarning, match=f"holds {len(left_out)} tensor\\(s\\) the model has no tensor for") as caught:
+        qstats.calibrate_layerwise(model, checkpoint, _batches(), RECIPE, progress=False)
+    message = next(str(w.message) for w in caught if "has no tensor for" in str(w.message))
+    named = message.split("not read: ")[1].split(" (")[0].removesuffix(" ...").split(", ")
+    assert len(named) == 3 and set(named) <= left_out
