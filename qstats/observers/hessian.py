@@ -52,11 +52,18 @@ def checked_hessian_state(state, where: str, values: bool = True) -> HessianStat
     with ``values`` a ValueError where one of them is negative (eagerly, under vmap and compile; the
     check is threaded through ``count``). ``update`` and ``merge`` skip the values, a host read."""
     check_state(state, HessianState, where)
+    total = state.total
+    if not isinstance(total, torch.Tensor) or total.ndim < 2 or total.shape[-1] != total.shape[-2]:
+        got = tuple(total.shape) if isinstance(total, torch.Tensor) else type(total).__name__
+        raise ValueError(f"{where}: HessianState.total must be a square [..., in, in] tensor, got {got}")
     for name in ("count", "nonfinite"):
         value = getattr(state, name)
         if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:
             got = f"dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"{where}: HessianState.{name} must be an int64 tensor (a number of rows), got {got}")
+        if value.shape != total.shape[:-2]:  # one count per sum: a stack's [E], else a scalar (it broadcast)
+            raise ValueError(f"{where}: HessianState.{name} of shape {tuple(value.shape)} does not fit a total of "
+                             f"shape {tuple(total.shape)} (expected {tuple(total.shape[:-2])})")
     if not values:
         return state
     ok = require((state.count >= 0) & (state.nonfinite >= 0),
