@@ -6,12 +6,13 @@ never a mean, so merges are sums: exact up to float rounding, counts exact.
 
 llm-compressor keeps a running ``H = 2/n * sum x^T x`` (0.14: ``H += 2 x^T x`` then ``H / n`` before
 GPTQ; older releases: ``H *= n/(n+m); H += 2/(n+m) x^T x``), where ``n`` counts the *samples* (the
-leading dimension of each input, one per sequence), not the rows. Its ``H`` is ``2 / n *
-state.total``; `gptq_hessian` gives ``2 / rows * total``. GPTQ's result does not depend on a
+leading dimension of each 3-D or wider input, one per sequence; a 2-D ``[tokens, in]`` input, as an
+MoE expert's routed tokens, counts as one), not the rows. Its ``H`` is ``2 / n * state.total``;
+`gptq_hessian` gives ``2 / rows * total``. GPTQ's result does not depend on a
 positive factor of ``H`` (dampening is relative to its mean diagonal), so the two agree up to float
 rounding whatever ``n`` counts, except where ``H`` has dead columns (zero diagonal): llm-compressor
 sets their diagonal to 1 before taking the mean, a value that does not scale with ``H``, so with
-3-D inputs (samples fewer than rows) its codes may differ by several percent; given
+fewer samples than rows (unless each sample is one row) its codes may differ by several percent; given
 ``gptq_hessian(state)`` they are qstats'.
 
 A Hessian has no range: `compute_qparams` on a `HessianState` raises TypeError (use `qstats.gptq`).
@@ -144,7 +145,8 @@ def normalized_hessian(total: torch.Tensor, count: torch.Tensor, dtype=torch.flo
 
 def gptq_hessian(state: HessianState) -> torch.Tensor:
     """``2 / rows * total`` in float32: llm-compressor's normalised Hessian when its sample count
-    equals the row count (2-D inputs). Zeros where no row was seen. A stacked state (`qstats.stacked_observer`)
+    equals the row count (one row per sample, as inputs ``[rows, 1, in]``; a 2-D input is one sample
+    there). Zeros where no row was seen. A stacked state (`qstats.stacked_observer`)
     gives ``[E, in, in]``, each expert divided by its own row count."""
     state = checked_hessian_state(state, "gptq_hessian")
     return normalized_hessian(state.total, state.count)
