@@ -469,8 +469,8 @@ def _group_rules(Rule, groups: list, observed_dtype, ignore=()) -> list:
 def _kv_rule(Rule, kv_cache_scheme, observed_dtype):
     from compressed_tensors.quantization import QuantizationScheme
 
-    args = _args(kv_cache_scheme)
     try:  # checked as compressed-tensors checks the scheme it makes of it: no channel or block strategy
+        args = _args(kv_cache_scheme)
         QuantizationScheme(targets=["re:.*"], input_activations=args)
     except (ValueError, NotImplementedError) as error:
         raise ValueError(f"kv_cache_scheme: {error}") from None
