@@ -423,8 +423,14 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
         if x.numel() == 0:
             return state
         view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
-        # the batch's range becomes the reference where none is set yet and the batch saw values
-        from_batch = ~(state.min_val <= state.max_val) & (count > 0)
+        # the batch's range becomes the reference where none is set yet and the batch saw values, and
+        # (no reference given) where the first batches were all zeros: every candidate of a zero
+        # reference is the zero range, which clipped all later data to zero (their losses, of zeros, are
+        # equal for every candidate, so the choice does not change)
+        unset = ~(state.min_val <= state.max_val)
+        if reference is None:
+            unset = unset | ((state.min_val == 0) & (state.max_val == 0))
+        from_batch = unset & (count > 0)
         ref_lo = torch.where(from_batch, lo, state.min_val)
         ref_hi = torch.where(from_batch, hi, state.max_val)
         safe_lo, safe_hi = (torch.where(ref_lo <= ref_hi, t, torch.zeros_like(t)) for t in (ref_lo, ref_hi))
