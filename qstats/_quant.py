@@ -38,14 +38,20 @@ def _params(qparams: QParams, view: torch.Tensor):
 
 def _checked_zero_point(zero_point: torch.Tensor, spec: QuantSpec, where: str) -> torch.Tensor:
     """``zero_point``, after ValueError (eagerly, compiled and under vmap) where an integer zero
-    point lies outside the spec's range, whose codes would land off the grid (torch's fake-quant
-    ops refuse them too)."""
+    point lies outside the spec's range, or a floating one is not a whole number, whose codes would
+    land off the grid (torch's fake-quant ops refuse the former, truncate the latter). Integer zero
+    points are compared as int64: a narrower dtype wraps a bound it lacks (int8 3 <= 255 reads False)."""
     if spec.is_float or spec.zero_point_domain != "int":
         return zero_point
     qmin, qmax = spec.qrange
+    wide = zero_point if zero_point.is_floating_point() else zero_point.to(torch.int64)
+    valid = (wide >= qmin) & (wide <= qmax)
+    if zero_point.is_floating_point():
+        valid = valid & (wide == torch.round(wide))
     inside = require(
-        (zero_point >= qmin) & (zero_point <= qmax),
-        f"{where}: integer zero points must lie in the spec's range [quant_min, quant_max] = [{qmin}, {qmax}]",
+        valid,
+        f"{where}: integer zero points must lie in the spec's range [quant_min, quant_max] = [{qmin}, {qmax}] "
+        "and be whole numbers",
     )
     return torch.where(inside, zero_point, torch.full_like(zero_point, qmin))  # threads the check
 
@@ -96,16 +102,24 @@ def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=tor
     it (torch.ao's per-channel integer targets).
 
     Raises:
-      TypeError: integer codes of an fp8 format (its codes are the torch float8 dtype), or a
+      TypeError: integer codes of an fp8 format (its codes are the torch float8 dtype) or codes of
+        another 8-bit float format, or a
         ``dtype`` that is not a floating-point torch dtype (values cast to an integer dtype would be
         truncated; torchao's ``dequantize_affine`` refuses them too).
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dequantize: dtype must be a floating-point torch dtype (torch.float32, ...), got {dtype!r}")
-    if spec.is_float and not _formats.is_emulated(spec) and not codes.is_floating_point():
+    own = spec.float_format.torch_dtype if spec.is_float else None
+    if own is not None and not codes.is_floating_point():
         raise TypeError(
-            f"dequantize: codes of {spec.dtype!r} must be {spec.float_format.torch_dtype} (or its float values), "
-            f"got {codes.dtype}; view fp8 bytes with codes.view({spec.float_format.torch_dtype})"
+            f"dequantize: codes of {spec.dtype!r} must be {own} (or its float values), "
+            f"got {codes.dtype}; view fp8 bytes with codes.view({own})"
+        )
+    if own is not None and codes.element_size() == 1 and codes.dtype != own:
+        # another 8-bit float format's codes (e4m3fnuz read as e4m3fn is off by a factor of 2)
+        raise TypeError(
+            f"dequantize: codes of {spec.dtype!r} must be {own} (or its float values), got codes of another "
+            f"format, {codes.dtype}; pass codes.float() where they are meant as values"
         )
     view = canonical_view(codes, spec.granularity)
     if dtype == torch.float64 and not spec.is_float:
