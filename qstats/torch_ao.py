@@ -329,15 +329,24 @@ class QstatsObserver(ao.ObserverBase):
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        """A per-tensor min/max state before any data is saved as the state of no data (``min_val``
-        Inf, ``max_val`` -Inf, zero counts; shape ``()``), not as empty buffers: torch.ao's per-tensor
-        observers hold those, so the checkpoint loads into them (a size mismatch before)."""
+        """A per-tensor min/max or histogram state before any data is saved as the state of no data
+        (``min_val`` Inf, ``max_val`` -Inf, zero counts; shape ``()``), not as empty buffers: torch.ao's
+        per-tensor observers hold those, so the checkpoint loads into them (a size mismatch before,
+        and a ``HistogramObserver`` that failed on its next input). A per-tensor histogram also saves
+        torch.ao's ``histogram`` entry (`_torch_ao_bins`), so that a ``HistogramObserver(bins=2048)``
+        loading it keeps the counts (it kept an empty histogram)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.spec is None or not isinstance(self.spec.granularity, PerTensor) or self.state is not None \
-                or not set(self._fields) <= _EXTREMES_FIELDS:
+        if self.spec is None or not isinstance(self.spec.granularity, PerTensor):
             return
-        nothing = self.observer.init(_probe(self.spec, next(self.buffers()).device))
-        destination.update({prefix + name: value for name, value in zip(self._fields, nothing)})
+        is_histogram = self._state_type is HistogramState
+        if not (is_histogram or set(self._fields) <= _EXTREMES_FIELDS):
+            return
+        state = self.state
+        if state is None:
+            state = self.observer.init(_probe(self.spec, next(self.buffers()).device))
+            destination.update({prefix + name: value for name, value in zip(self._fields, state)})
+        if is_histogram:
+            destination[prefix + "histogram"] = _torch_ao_bins(state, _TORCH_AO_BINS)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -376,6 +385,8 @@ def _state_dict_of_torch_ao(module: QstatsObserver, state_dict, prefix: str, err
         return _fixed_state_dict_of_torch_ao(module, state_dict, prefix, error_msgs)
     keys = {name: prefix + name for name in module._fields}
     if any(key in state_dict for name, key in keys.items() if name not in ("min_val", "max_val")):
+        if module._state_type is HistogramState:  # torch.ao's bins saved beside qstats' own buckets
+            return {key: value for key, value in state_dict.items() if key != prefix + "histogram"}
         return state_dict  # qstats' own fields
     ao_keys = [prefix + name for name in ("min_val", "max_val", "histogram", "eps")]
     extremes = set(module._fields) <= _EXTREMES_FIELDS and {"min_val", "max_val"} <= set(module._fields)
@@ -484,6 +495,34 @@ def _extremes_state(fields, lo, hi) -> list:
     seen = (lo <= hi).to(torch.int64)
     values = dict(min_val=lo, max_val=hi, count=seen, batches=seen.clone(), nonfinite=torch.zeros_like(seen))
     return [values[name] for name in fields]
+
+
+_TORCH_AO_BINS = 2048  # torch.ao's HistogramObserver default
+
+
+def _torch_ao_bins(state: HistogramState, bins: int) -> torch.Tensor:
+    """A per-tensor histogram state as torch.ao's ``bins`` linear bins over ``[min_val, max_val]``
+    (float32): each qstats bucket's count spread evenly over it, the rounded cumulative count at
+    every bin edge (integer counts, the total kept; the inverse of `_histogram_state`). One repeated
+    value lands in the middle bin, as torch.ao's ``histc`` puts it; no data gives zeros."""
+    edges, counts = histogram_edges(state)  # (2K + 1,), (2K,): ascending by value
+    lo, hi = state.min_val.double().reshape(()), state.max_val.double().reshape(())
+    total = counts.sum()
+    if counts.device.type == "meta":  # no values to read
+        return torch.zeros(bins, device=counts.device)
+    if not bool(lo <= hi):  # no finite data
+        return torch.zeros(bins, device=counts.device)
+    if bool(lo == hi):  # torch.ao's histc widens [v, v] to [v - 1, v + 1]
+        return torch.zeros(bins, device=counts.device).index_fill(0, torch.tensor([bins // 2], device=counts.device),
+                                                                  float(total))
+    targets = lo + (hi - lo) * torch.arange(bins + 1, dtype=torch.float64, device=counts.device) / bins
+    before = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).double()
+    index = (torch.searchsorted(edges, targets, right=True) - 1).clamp(0, counts.numel() - 1)
+    width = edges[index + 1] - edges[index]
+    fraction = torch.where(width > 0, (targets - edges[index]) / torch.where(width > 0, width, 1.0), 1.0)
+    below = before[index] + counts[index].double() * fraction.clamp(0, 1)
+    below = torch.where(targets >= hi, before[-1], torch.where(targets <= lo, 0.0, below))
+    return torch.round(below).diff().float()
 
 
 def _histogram_state(obs, observer) -> HistogramState:
