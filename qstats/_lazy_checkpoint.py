@@ -233,7 +233,8 @@ def _warn_unused(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: di
                 experts = range(value.shape[0])
                 used.update(f"{prefix}.{expert}.{source}.weight" for expert in experts for source in sources)
     ignored = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), *_IGNORED_UNUSED]
-    unused = [key for key in checkpoint.files if key not in used and not any(re.search(at, key) for at in ignored)]
+    files = checkpoint.base.files if isinstance(checkpoint, Overlay) else checkpoint.files  # the export checks weights=
+    unused = [key for key in files if key not in used and not any(re.search(at, key) for at in ignored)]
     if unused:
         more = " ..." if len(unused) > 3 else ""
         warn(f"{checkpoint.where}: the checkpoint holds {len(unused)} tensor(s) the model has no tensor for, which are "
