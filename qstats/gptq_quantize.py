@@ -413,8 +413,9 @@ def check_options(block_size, dampening, actorder, where: str) -> None:
         number = float("nan")
     if not 0 <= number < float("inf"):
         raise ValueError(f"{where}: dampening must be a finite non-negative number, got {dampening!r}")
-    if actorder == "group":
-        raise ValueError(f"{where}: actorder='group' (groups in activation order with a g_idx) was removed from "
+    # 'group', its alias 'dynamic' (any case) and True (once 'group'), as compressed-tensors refuses them
+    if actorder is True or (isinstance(actorder, str) and actorder.lower() in ("group", "dynamic")):
+        raise ValueError(f"{where}: actorder={actorder!r} (groups in activation order with a g_idx) was removed from "
                          "compressed-tensors 0.19 and llm-compressor 0.14; use 'static' (= 'weight') or None")
     if actorder not in _ACTORDERS:
-        raise ValueError(f"{where}: actorder must be one of {_ACTORDERS} or 'group', got {actorder!r}")
+        raise ValueError(f"{where}: actorder must be one of {_ACTORDERS}, got {actorder!r}")
