@@ -185,11 +185,20 @@ def _reject_unknown(kwargs):
         raise ValueError(f"from_torchao: unexpected arguments {sorted(kwargs)}")
 
 
+def _drop_layout(kwargs):
+    """``is_swizzled_scales`` (``to_mx``, ``NVFP4Tensor.to_nvfp4``) arranges the same scales for a
+    kernel: accepted (a bool) and ignored, as ``keepdim`` is."""
+    swizzled = kwargs.pop("is_swizzled_scales", False)
+    if not isinstance(swizzled, bool):
+        raise ValueError(f"from_torchao: is_swizzled_scales must be a bool, got {swizzled!r}")
+
+
 def _mx_spec(cls, elem_dtype, block_size, scaling_mode, kwargs, overrides):
     if elem_dtype not in _MX_ELEMENTS:
         raise ValueError(f"from_torchao: MX elem_dtype must be one of {list(_MX_ELEMENTS)}, got {elem_dtype!r}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"from_torchao: MX block_size must be a positive int, got {block_size!r}")
+    _drop_layout(kwargs)
     _reject_unknown(kwargs)
     return _spec(
         cls,
@@ -203,6 +212,7 @@ def _mx_spec(cls, elem_dtype, block_size, scaling_mode, kwargs, overrides):
 
 
 def _nvfp4_spec(cls, per_tensor_scale, kwargs, overrides):
+    _drop_layout(kwargs)
     _reject_unknown(kwargs)
     return _spec(
         cls,
