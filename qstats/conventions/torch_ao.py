@@ -65,9 +65,36 @@ def _torch_ao_range(dtype, quant_min, quant_max, reduce_range):
     return custom, lo, hi
 
 
+# torch.ao observers' arguments that configure the observer, not the target (qstats' observer
+# factories take them)
+_OBSERVER_ARGUMENTS = ("averaging_constant", "bins", "upsample_rate")
+
+
+def _drop_observer_arguments(overrides):
+    """``overrides`` without torch.ao's observer-only arguments: ``factory_kwargs`` (its buffers'
+    device) and ``is_dynamic=False`` are ignored; ``is_dynamic=True`` and the observers' own settings
+    raise ValueError naming them and where they go (they read as unknown QuantSpec fields)."""
+    overrides = dict(overrides)
+    overrides.pop("factory_kwargs", None)
+    if overrides.pop("is_dynamic", False) is not False:
+        raise ValueError(
+            "from_torch_ao: is_dynamic=True: a QuantSpec says how scales are computed, not when; declare "
+            "the site dynamic with qstats.Rule(..., dynamic=True)"
+        )
+    given = sorted(set(overrides) & set(_OBSERVER_ARGUMENTS))
+    if given:
+        raise ValueError(
+            f"from_torch_ao: {', '.join(given)}: arguments of torch.ao's observers, not of the quantization "
+            "target; give them to qstats' observer (qstats.moving_average_minmax(spec, averaging_constant=...), "
+            "qstats.histogram(spec, ...): docs/migrating_torch_ao.md)"
+        )
+    return overrides
+
+
 def from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis, overrides):
     """The ``cls`` (QuantSpec) whose `compute_qparams` equals torch.ao's observers'
     ``calculate_qparams`` (see `QuantSpec.from_torch_ao`)."""
+    overrides = _drop_observer_arguments(overrides)
     if dtype not in _ALLOWED_DTYPES:
         raise ValueError(f"from_torch_ao: dtype {dtype} is not accepted by torch.ao observers ({_ALLOWED_DTYPES})")
     if qscheme not in _PER_TENSOR + PER_CHANNEL_QSCHEMES:
