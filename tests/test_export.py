@@ -566,7 +566,8 @@ def test_kv_cache_and_attention_scales_load_with_compressed_tensors(tmp_path, si
     with pytest.warns(UserWarning, match="before the rotary embedding"):
         written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
     config = QuantizationConfig.model_validate(written)
-    assert config.kv_cache_scheme == KV_FP8
+    # the args name the observer that calibrated k/v (qstats.minmax: llm-compressor's static_minmax)
+    assert config.kv_cache_scheme == KV_FP8.model_copy(update={"observer": "static_minmax"})
     attention_groups = [g for g in config.config_groups.values() if g.weights is None]
     assert len(attention_groups) == ("q" in sites)
     ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))

@@ -117,3 +117,35 @@ def test_qstats_observers_without_an_llm_compressor_equivalent_write_none(tmp_pa
     (group,) = _export(_load(base), recipe, str(tmp_path / "ours"))["config_groups"].values()
     assert (group["input_activations"]["observer"], group["input_activations"]["observer_kwargs"]) == (None, {})
     assert (group["weights"]["observer"], group["weights"]["observer_kwargs"]) == ("memoryless_mse", {"patience": 2})
+
+
+KV_CACHE_SCHEMES = {
+    "static-minmax": dict(num_bits=8, type="float", symmetric=True, strategy="tensor", observer="static_minmax"),
+    "moving-average-minmax-constant": dict(num_bits=8, type="float", symmetric=True, strategy="tensor",
+                                           observer="minmax", observer_kwargs={"averaging_constant": 0.5}),
+    "default": dict(num_bits=8, type="float", symmetric=True, strategy="tensor"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KV_CACHE_SCHEMES))
+def test_kv_cache_scheme_observer_equals_oneshot_and_reads_back(tmp_path, case):
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    kv_cache_scheme = KV_CACHE_SCHEMES[case]
+    base, theirs = str(tmp_path / "base"), str(tmp_path / "theirs")
+    _llama(base)
+    modifier = QuantizationModifier(scheme="FP8_DYNAMIC", targets=["Linear"], ignore=["lm_head"],
+                                    kv_cache_scheme=kv_cache_scheme)
+    llm_compressor_oneshot(_load(base), _samples(), modifier, theirs)
+    with open(os.path.join(theirs, "config.json")) as file:
+        their_scheme = json.load(file)["quantization_config"]["kv_cache_scheme"]
+
+    model = _load(base)
+    model.set_attn_implementation("eager")
+    recipe = qstats.Recipe.from_scheme("FP8_DYNAMIC", targets=["Linear"], ignore=["lm_head"],
+                                       kv_cache_scheme=kv_cache_scheme)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*before the rotary embedding", UserWarning)
+        written = _export(model, recipe, str(tmp_path / "ours"))
+    assert written["kv_cache_scheme"] == their_scheme
+    assert _observers(qstats.Recipe.from_compressed_tensors(written)) == _observers(recipe)

@@ -97,12 +97,15 @@ def _is_kv_cache_module(module: torch.nn.Module) -> bool:
     return _forward_takes(module, "past_key_value", "past_key_values")
 
 
-def attention_config(attention: dict, groups: dict, modules: Optional[Mapping] = None, rename=None) -> Optional[dict]:
+def attention_config(attention: dict, groups: dict, modules: Optional[Mapping] = None, rename=None,
+                     observers: Optional[Mapping] = None) -> Optional[dict]:
     """The ``kv_cache_scheme`` (k/v sites, one for the whole model) and, for q sites, a config group
     targeting the attention modules (compressed-tensors' attention quantization, whose
     ``input_activations`` quantize q, k and v), added to ``groups``. With the model's ``modules``,
     refuses a scheme that leaves some of compressed-tensors' kv-cache modules without k/v scales.
-    ``rename``: a module path's checkpoint name (`_checkpoint_names.module_renamer`), for the targets."""
+    ``rename``: a module path's checkpoint name (`_checkpoint_names.module_renamer`), for the targets.
+    ``observers``: ``{path: {site: (name, observer_kwargs)}}`` (`config.llm_compressor_observers`), the
+    observer the args name when every q/k/v site has the same (`_shared_observer`)."""
     if not attention:
         return None
     uncovered = [path for path, module in (modules or {}).items() if path not in attention and _is_kv_cache_module(module)]
@@ -116,6 +119,7 @@ def attention_config(attention: dict, groups: dict, modules: Optional[Mapping] =
         fail("kv_cache_scheme", "compressed-tensors holds one kv-cache scheme per model; the attention "
              f"modules {sorted(attention)} have different q/k/v specs")
     args = next(iter(next(iter(attention.values())).values()))
+    name, kwargs = _shared_observer(attention, observers or {})
     query = [path for path, sites in attention.items() if "q" in sites]
     if query:
         if len(query) != len(attention):
@@ -123,8 +127,18 @@ def attention_config(attention: dict, groups: dict, modules: Optional[Mapping] =
         groups["attention"] = {
             "targets": [rename(path) for path in query] if rename else query,
             "weights": None,
-            "input_activations": args,
+            "input_activations": {**args, "observer": name, "observer_kwargs": kwargs},
             "output_activations": None,
             "format": "dense",  # as compressed-tensors infers it for a group without weights (oneshot writes it)
         }
-    return dict(args)
+    if (name, kwargs) == ("minmax", {}):  # llm-compressor's default for static activations: oneshot writes none
+        name = None
+    return {**args, "observer": name, "observer_kwargs": kwargs}
+
+
+def _shared_observer(attention: dict, observers: Mapping) -> tuple:
+    """``(name, observer_kwargs)`` of llm-compressor's observer of every q/k/v site, or ``(None, {})``
+    when the sites have none or different ones (compressed-tensors holds one scheme for all)."""
+    found = {json.dumps(observers.get(path, {}).get(site, (None, {})), sort_keys=True, default=str):
+             observers.get(path, {}).get(site, (None, {})) for path, sites in attention.items() for site in sites}
+    return tuple(found.popitem()[1]) if len(found) == 1 else (None, {})

@@ -17,7 +17,8 @@ from ..experts import UncalibratedWarning, expert_count
 from ..fused import fused_groups
 from ..recipe import Plan, Recipe, _matches, as_plan
 from .attention import attention_config, write_attention
-from .config import ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, ignored_modules
+from .config import (ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, ignored_modules,
+                     llm_compressor_observers)
 from .experts import expert_entries, unpack_loaded_per_expert, warn_mixed_experts
 from .linear import linear_entry, write_linear
 from .._checkpoint_names import module_renamer, saved_tensors
@@ -311,7 +312,8 @@ def _quantization_config(schemes: dict, expert_projection: dict, attention: dict
     # as compressed-tensors' infer_model_format: dense groups (activations only) do not count
     formats = {group["format"] for group in groups.values()} - {"dense"}
     top_format = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
-    kv_cache_scheme = attention_config(attention, groups, modules, rename)
+    observers = llm_compressor_observers(plan, with_kwargs=True) if plan is not None else None
+    kv_cache_scheme = attention_config(attention, groups, modules, rename, observers)
     ignore = ignored_modules(modules, schemes, rename)
     return {
         "quant_method": "compressed-tensors",
