@@ -6,7 +6,6 @@ spec in ``QstatsPT2EObserver`` (its zero point is in the input's units, the grap
 and torchao's ``AffineQuantizedMinMaxObserver`` over several batches.
 """
 
-import copy
 import warnings
 
 import pytest
