@@ -5,7 +5,8 @@ A rule is a dict of `Rule` fields whose ``observer`` is a registered name
 ``{"dtype": "int8", "granularity": {"PerAxis": {"axis": 0}}, ...}`` (`QuantSpec` fields; a
 granularity without arguments may be its bare name, ``"PerTensor"``),
 ``{"preset": "nvfp4", ...overrides}`` (`qstats.preset`) or
-``{"compressed_tensors": {...QuantizationArgs fields}}`` (`QuantSpec.from_compressed_tensors`).
+``{"compressed_tensors": {...QuantizationArgs fields}}`` (`QuantSpec.from_compressed_tensors`; its
+``observed_dtype`` by name, ``"bfloat16"``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Mapping
 
 from . import _granularity
 from ._spec import QuantSpec, preset
+from ._torch_features import torch_dtype
 
 __all__ = ["recipe_fields", "spec_from_data"]
 
@@ -48,6 +50,9 @@ def spec_from_data(data: Any) -> QuantSpec:
     if "granularity" in fields:
         fields["granularity"] = _granularity_from_data(fields["granularity"])
     if "compressed_tensors" in fields:
+        observed = fields.get("observed_dtype")
+        if isinstance(observed, str):  # plain data names it, as the scheme form reads it: "bfloat16"
+            fields["observed_dtype"] = torch_dtype(observed.removeprefix("torch.")) or observed
         return QuantSpec.from_compressed_tensors(fields.pop("compressed_tensors"), **fields)
     if "preset" in fields:
         return preset(fields.pop("preset"), **fields)
