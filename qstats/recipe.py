@@ -571,9 +571,10 @@ class Recipe:
     def resolve(self, model: torch.nn.Module) -> Plan:
         """The `Plan` of this recipe on ``model``: every observed site, the modules by path and
         the fused groups, computed once. A rule that selects no site, and an ``ignore`` entry that
-        matches no module, warn, naming it."""
+        matches no module, warn, naming it. A compiled model resolves as the module it wraps."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Recipe.resolve expects an nn.Module, got {type(model).__name__}")
+        model = uncompiled(model)
         modules = dict(model.named_modules())
         resolved: dict = {}
         found = [set() for _ in self.rules]  # per rule: the sites it resolved (or that an earlier rule took)

@@ -179,3 +179,26 @@ def test_a_compiled_wrapper_run_before_calibrate_is_refused_and_reset_calibrates
         observer(x)
     assert torch.equal(states["0"]["input"].min_val, observer.min_val)
     assert torch.equal(states["0"]["input"].max_val, observer.max_val)
+
+
+def test_a_plan_resolved_on_the_compiled_wrapper_calibrates_it_as_torch_ao():
+    # Recipe.resolve(torch.compile(model)) named the sites "_orig_mod.0", and calibrate refused that
+    # Plan with the same wrapper ("resolved on another model"); both now see the model's own paths
+    model = _mlp()
+    batches = [torch.randn(3, 6, generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    torch.compiler.reset()
+    try:
+        compiled = torch.compile(model, backend="eager")
+        plan = _recipe().resolve(compiled)
+        states = qstats.calibrate(compiled, batches, plan, progress=False)
+    finally:
+        torch.compiler.reset()
+    assert sorted(states) == ["0", "2"]
+    weights = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+    weights(model[0].weight.detach())
+    inputs = MinMaxObserver(dtype=torch.quint8)
+    for x in batches:
+        inputs(x)
+    assert torch.equal(states["0"]["weight"].max_val, weights.max_val)
+    assert torch.equal(states["0"]["input"].min_val, inputs.min_val)
+    assert torch.equal(states["0"]["input"].max_val, inputs.max_val)
