@@ -439,3 +439,14 @@ def test_inputs_that_require_grad_give_the_state_of_their_detached_values():
         assert not b.requires_grad, name
         assert torch.equal(a, b), name
     assert torch.equal(qstats.compute_qparams(got, spec).scale, qstats.compute_qparams(expected, spec).scale)
+
+
+def test_options_given_to_compute_qparams_of_a_moving_average_state_name_the_factory():
+    """llm-compressor's ``mse`` takes ``patience`` in ``observer_kwargs``; qstats' moving average
+    takes it in the factory (the search runs per batch), and compute_qparams says so."""
+    spec = qstats.QuantSpec(dtype="int8")
+    obs = qstats.mse(spec, mode="moving_average", patience=3)
+    x = torch.randn(4, 16)
+    state = obs.update(obs.init(x), x)
+    with pytest.raises(TypeError, match=r"mode='moving_average'.*patience="):
+        qstats.compute_qparams(state, spec, patience=3)

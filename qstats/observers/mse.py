@@ -519,5 +519,10 @@ def _mse_rule(state: MSEState, spec: QuantSpec, patience: Optional[int] = None) 
 
 
 @register_range_rule(MovingAverageMSEState)
-def _moving_average_mse_rule(state: MovingAverageMSEState, spec: QuantSpec) -> Range:
+def _moving_average_mse_rule(state: MovingAverageMSEState, spec: QuantSpec, **options) -> Range:
+    if options:  # the search ran in each update: its options belong to the factory
+        raise TypeError(
+            f"compute_qparams: a MovingAverageMSEState takes no options, got {sorted(options)}; its search runs "
+            "in update, so pass them to qstats.mse(spec, mode='moving_average', ...) (patience=, maxshrink=, grid=)"
+        )
     return Range(state.min_val, state.max_val, state.count > 0)
