@@ -280,8 +280,25 @@ def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor) -> Option
                 f"{checkpoint.where}: checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
                 f"the model's {tuple(like.shape)}"
             )
+        _check_tied(checkpoint, name, value, names)
         return _in_dtype_of(checkpoint, name, value, like)
     return None
+
+
+def _check_tied(checkpoint, name: str, value: torch.Tensor, names: list) -> None:
+    """ValueError where the checkpoint holds a tensor the model ties (``lm_head`` to the embeddings)
+    under another of its ``names`` too, with other values: ``from_pretrained`` then unties them, and
+    reading one for both would calibrate a head the checkpoint does not have."""
+    if isinstance(checkpoint, Overlay):  # GPTQ'd weights replace their float values on purpose
+        return
+    for other in (key for key in names if key != name and key in checkpoint):
+        stored = checkpoint.tensor(other)
+        if stored.shape != value.shape or not torch.equal(stored, value.to(stored.dtype)):
+            raise ValueError(
+                f"{checkpoint.where}: the model ties {name!r} and {other!r} (one tensor), but the checkpoint holds "
+                "them with different values: build the model with tie_word_embeddings=False, as from_pretrained "
+                "unties them"
+            )
 
 
 _CASTABLE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

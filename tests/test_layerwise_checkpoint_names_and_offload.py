@@ -1,4 +1,4 @@
-"""qstats.calibrate_layerwise's offloaded batches and its reading of a checkpoint into a base model.
+"""qstats.calibrate_layerwise's offloaded batches and how it reads checkpoints, against from_pretrained.
 
 - ``offload_dir``: batches sliced from one tokenized data set are views of its storage, which
   ``torch.save`` writes whole; each offloaded batch must hold its own tensors, not the data set.
@@ -132,3 +132,29 @@ def test_checkpoint_tensors_the_model_does_not_read_are_named_as_from_pretrained
     message = next(str(w.message) for w in caught if "has no tensor for" in str(w.message))
     named = message.split("not read: ")[1].split(" (")[0].removesuffix(" ...").split(", ")
     assert len(named) == 3 and set(named) <= left_out
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_checkpoint_holding_both_tied_tensors_reads_as_from_pretrained_ties_them(tmp_path, same):
+    """A config tying ``lm_head`` to the embeddings over a checkpoint holding both: ``from_pretrained``
+    ties them when their values are equal, and unties them (its model has another head) when not;
+    the tied model built on meta then cannot hold that head, and the error says so."""
+    torch.manual_seed(0)
+    untied = transformers.AutoModelForCausalLM.from_config(_config(tie_word_embeddings=False))
+    if same:
+        untied.lm_head.weight.data.copy_(untied.model.embed_tokens.weight.data)
+    checkpoint = _saved(tmp_path, untied)
+    tied = _config(tie_word_embeddings=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, config=tied, dtype=torch.float32).eval()
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == same
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(tied).eval()
+    if not same:
+        with pytest.raises(ValueError, match="'model.embed_tokens.weight' and 'lm_head.weight'.*different values"):
+            qstats.calibrate_layerwise(model, checkpoint, _batches(), RECIPE, progress=False)
+        assert all(p.device.type == "meta" for p in model.parameters())
+        return
+    want = qstats.calibrate(loaded, _batches(), RECIPE, progress=False)
+    _assert_equal(qstats.calibrate_layerwise(model, checkpoint, _batches(), RECIPE, progress=False), want)
