@@ -754,7 +754,8 @@ def calibrate_layerwise(
 
     Raises:
       ValueError: a model with parameters off the meta device, a tensor the checkpoint lacks (or of
-        another shape: the model's tensors are back on meta after), a forward that never calls
+        another shape, or tied in the model but held twice with different values: the model's
+        tensors are back on meta after), a forward that never calls
         its first layer, or calls a layer twice (ALBERT's shared layers) or out of list order, or
         passes a layer a tensor the previous one returned beside its hidden states (T5's position
         bias), a bad ``propagate``.
