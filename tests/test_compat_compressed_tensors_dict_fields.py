@@ -19,6 +19,9 @@ PARSED = [
     {"num_bits": 8, "symmetric": "true"},
     {"num_bits": "4", "symmetric": 1},
     {"num_bits": 4.0, "strategy": "group", "group_size": 64.0},
+    {"num_bits": 8, "symmetric": 1.0},
+    {"num_bits": 8, "symmetric": 0.0},
+    {"num_bits": 8, "symmetric": "TRUE"},
 ]
 
 # dicts QuantizationArgs refuses, whose group_size, block_structure or num_bits qstats dropped
@@ -29,6 +32,9 @@ REFUSED = [
     {"num_bits": 8, "type": "float", "strategy": "tensor", "block_structure": [128, 128]},
     {"num_bits": 4.5},
     {"num_bits": 8, "symmetric": "maybe"},
+    {"num_bits": 8, "symmetric": " true"},
+    {"num_bits": 8, "symmetric": 2},
+    {"num_bits": 8, "symmetric": 0.5},
 ]
 
 

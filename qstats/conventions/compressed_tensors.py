@@ -71,9 +71,12 @@ def _bool_field(args, name, default):
     """A bool field read as QuantizationArgs (pydantic) parses it: ``"false"``, ``"0"`` or ``0``
     are False (``bool("false")`` is True); ValueError naming the field for anything else."""
     value = _field(args, name, default)
-    text = str(value).strip().lower() if isinstance(value, (str, int, float)) else None
-    if isinstance(value, bool) or text in _TRUE + _FALSE:
-        return value if isinstance(value, bool) else text in _TRUE
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):  # 1.0 too, not 2 or 0.5
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE + _FALSE:  # " true" is refused, as pydantic does
+        return value.lower() in _TRUE
     raise ValueError(f"from_compressed_tensors: {name} must be a bool, got {value!r}")
 
 
@@ -81,8 +84,8 @@ def _int_field(args, name, default):
     """An integer field (``num_bits``, ``group_size``) as QuantizationArgs parses it (``4``, ``4.0``,
     ``"4"``); ValueError naming the field for a fraction (``int(4.5)`` was 4) or anything else."""
     value = _field(args, name, default)
-    if value is None or isinstance(value, bool):
-        return value
+    if value is None or isinstance(value, bool):  # pydantic reads True as 1
+        return value if value is None else int(value)
     try:
         number = float(value)
     except (TypeError, ValueError):
