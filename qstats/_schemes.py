@@ -602,7 +602,8 @@ def _check_recipe_text(text: str) -> None:
 
 def _is_json_recipe(path: str) -> bool:
     """Whether ``path`` is a JSON file of an llm-compressor recipe (which ``Recipe.create_instance``
-    reads), not a checkpoint's ``config.json`` or a quantization config (``config_groups``)."""
+    reads: its keys name stages, modifier groups or modifiers), not a checkpoint's ``config.json``
+    or a quantization config (``config_groups``)."""
     if not os.path.isfile(path):
         return False
     try:
@@ -610,7 +611,7 @@ def _is_json_recipe(path: str) -> bool:
             data = json.load(file)
     except (OSError, ValueError):
         return False
-    return isinstance(data, Mapping) and not {"quantization_config", "config_groups"} & set(data)
+    return isinstance(data, Mapping) and any(str(key).endswith(("_stage", "_modifiers", "Modifier")) for key in data)
 
 
 def _config_group(name: Any, group: Any):

@@ -43,7 +43,8 @@ def test_a_recipe_file_reads_as_the_modifier_llm_compressor_reads_from_it(tmp_pa
 
 
 @pytest.mark.parametrize("data", [{"quantization_config": {"config_groups": {}}, "architectures": ["X"]},
-                                  {"config_groups": {"group_0": {"targets": ["Linear"]}}}])
+                                  {"config_groups": {"group_0": {"targets": ["Linear"]}}},
+                                  {"architectures": ["LlamaForCausalLM"], "hidden_size": 64}])
 def test_a_json_file_of_a_checkpoint_config_still_says_to_pass_the_dict(tmp_path, data):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(data))
