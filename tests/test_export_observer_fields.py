@@ -149,3 +149,24 @@ def test_kv_cache_scheme_observer_equals_oneshot_and_reads_back(tmp_path, case):
         written = _export(model, recipe, str(tmp_path / "ours"))
     assert written["kv_cache_scheme"] == their_scheme
     assert _observers(qstats.Recipe.from_compressed_tensors(written)) == _observers(recipe)
+
+
+def test_weights_searched_over_every_candidate_write_a_patience_llm_compressor_runs_to_the_same_scales(tmp_path):
+    # qstats.mse on weights without a patience searches every candidate; the config said
+    # {"patience": None}, on which llm-compressor's memoryless_mse raised a TypeError
+    from llmcompressor import observers as llmc_observers
+    from compressed_tensors.quantization import QuantizationArgs
+
+    base = str(tmp_path / "base")
+    _llama(base)
+    spec = qstats.QuantSpec.from_compressed_tensors(_int8("channel"))
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=spec, observer="mse")], ignore=["lm_head"])
+    (group,) = _export(_load(base), recipe, str(tmp_path / "ours"))["config_groups"].values()
+    args = QuantizationArgs(**group["weights"])
+    assert (args.observer, args.observer_kwargs) == ("memoryless_mse", {"patience": 20})
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 3.0, 64)
+    observer = llmc_observers.Observer.load_from_registry(args.observer, base_name="weight", args=args)
+    observer(weight)
+    obs = qstats.mse(spec)
+    ours = qstats.compute_qparams(obs.update(obs.init(weight), weight), spec)
+    assert torch.equal(observer.get_qparams()["scale"].reshape(-1), ours.scale.reshape(-1))

@@ -244,6 +244,7 @@ _ACTIVATION_OBSERVERS = {"minmax": "static_minmax", "moving_average_minmax": "mi
 # llm-compressor's defaults of the ones qstats writes only when they differ
 _MSE_SEARCH = ("maxshrink", "grid", "norm", "expand")
 _PATIENCE, _AVERAGING_CONSTANT = 5, 0.01
+_MAXSHRINK, _GRID = 0.2, 100  # the search's defaults, the same in both libraries
 
 
 def llm_compressor_observer(found) -> tuple:
@@ -251,7 +252,7 @@ def llm_compressor_observer(found) -> tuple:
     and its options (what llm-compressor writes into the args' ``observer`` and ``observer_kwargs``, and
     `qstats.Recipe.from_compressed_tensors` reads back into the same observer): weights observed once by
     min-max are ``"memoryless_minmax"``, by the MSE search ``"memoryless_mse"`` (its ``patience`` from
-    ``qparams_kwargs``); activations: ``"static_minmax"`` (`qstats.minmax`), ``"minmax"`` (its moving
+    ``qparams_kwargs``, none: every candidate); activations: ``"static_minmax"`` (`qstats.minmax`), ``"minmax"`` (its moving
     average, with its ``averaging_constant``), ``"memoryless_minmax"``, ``"mse"`` / ``"memoryless_mse"``
     (`qstats.mse` in ``mode="moving_average"``, averaging constant 1 for the memoryless one); ``(None, {})``
     for the others (`qstats.mse` in its default accumulating mode too)."""
@@ -269,6 +270,8 @@ def llm_compressor_observer(found) -> tuple:
         return None, {}  # options llm-compressor has no name for (reference, importance, steps)
     kwargs = {key: options[key] for key in _MSE_SEARCH if key in options}
     patience = options.get("patience", _PATIENCE) if moving else dict(found.rule.qparams_kwargs).get("patience")
+    if patience is None:  # no early stop: llm-compressor's patience takes an int, as many as the candidates
+        patience = int(options.get("maxshrink", _MAXSHRINK) * options.get("grid", _GRID))
     if patience != _PATIENCE:
         kwargs["patience"] = patience
     constant = options.get("averaging_constant", _AVERAGING_CONSTANT)
