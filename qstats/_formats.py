@@ -325,8 +325,9 @@ def _block_input(view: torch.Tensor) -> torch.Tensor:
     return view if torch.promote_types(view.dtype, torch.float32) in (torch.float32, torch.float64) else view.float()
 
 
-def _working(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in float64 where it is float64 (its codes are rounded once, from float64), else float32."""
+def working(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the dtype codes are computed in: float64 where it is float64 (rounded once, from
+    float64), else float32."""
     return t if t.dtype == torch.float64 else t.float()
 
 
@@ -337,13 +338,13 @@ def codes(view: torch.Tensor, scale: torch.Tensor, global_scale, spec):
     convention divides (`Convention.block_scaled`, given the input in its own dtype: `_block_input`)."""
     fmax = spec.float_format.max
     if not isinstance(spec.granularity, TensorGroup):
-        scaled = _working(spec.convention.block_scaled(_block_input(view), scale, spec))
+        scaled = working(spec.convention.block_scaled(_block_input(view), scale, spec))
     elif spec.global_scale_formula == "range_over_amax":
-        view = _working(view)
+        view = working(view)
         # + 0: compressed-tensors adds its zero point (0), which makes -0.0 +0
         scaled = view / (scale / global_scale) + 0.0
     else:
-        scaled = _two_level_scaled(_working(view), scale, global_scale)
+        scaled = _two_level_scaled(working(view), scale, global_scale)
     return scaled, round_to_format(scaled.clamp(-fmax, fmax), spec.float_format)
 
 

@@ -151,7 +151,7 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
     # output keeps its sign, in float64 for float64 input (a float32 copy of 1e39 is Inf: Inf - Inf)
     lo, hi = spec.convention.gradient_range(spec)
     inside = (unclamped >= lo) & (unclamped <= hi)
-    exact = view if view.dtype == torch.float64 else view.float()
+    exact = _formats.working(view)
     out = torch.where(inside, out - (exact.detach() - exact), out)
     out = from_canonical_view(out, spec.granularity, x.shape)
     return _to_output(out, x.dtype)

@@ -14,7 +14,6 @@ from .. import _formats
 
 __all__ = [
     "Convention",
-    "integer_working",
     "check_float_mapping",
     "check_float_zero_point",
     "check_preserve_zero",
@@ -119,7 +118,7 @@ class Convention:
             fmax = spec.float_format.max
             scaled = view.float() / scale
             return scaled, scaled.clamp(-fmax, fmax).to(spec.float_format.torch_dtype).float()
-        v = integer_working(view)
+        v = _formats.working(view)
         if spec.zero_point_domain == "float":
             unclamped = torch.round(v * (1.0 / scale) + zero_point)
         else:
@@ -131,7 +130,7 @@ class Convention:
         float64 for float64 integer codes (as torch's per-channel fake-quant kernel)."""
         if spec.is_float:
             return codes.float() * scale
-        codes = integer_working(codes)
+        codes = _formats.working(codes)
         return (codes - zero_point.to(codes.dtype)) * scale
 
     def gradient_range(self, spec) -> tuple:
@@ -150,11 +149,6 @@ class Convention:
     def e8m0_scale(self, amax: torch.Tensor, spec) -> torch.Tensor:
         """Power-of-two (MX) scales of blocks of absolute maximum ``amax`` (float32)."""
         return _formats.e8m0_scale(amax, spec)
-
-
-def integer_working(t: torch.Tensor) -> torch.Tensor:
-    """The dtype integer codes are computed in: float64 for float64 tensors, float32 otherwise."""
-    return t if t.dtype == torch.float64 else t.float()
 
 
 def _round_scale(scale: torch.Tensor, spec) -> torch.Tensor:
