@@ -374,7 +374,7 @@ class QuantSpec:
         Accepts exactly what torch.ao's MinMax/MovingAverage/Histogram/PerChannel observers accept
         (what any of them accepts) and raises ValueError for every combination they all refuse
         (``qstats/conventions/torch_ao.py``); ``factory_kwargs`` and ``is_dynamic=False`` are ignored,
-        and the observers' own settings (``averaging_constant``, ``bins``) are refused: they go to
+        and the observers' own settings (``averaging_constant``, ``bins``, ``upsample_rate``) are refused: they go to
         qstats' observer factories.
         """
         return torch_ao.from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis, overrides)
