@@ -402,7 +402,8 @@ def _reduce_elementwise(states, plan, group, results) -> None:
         pieces = flat.split([leaves[i][j].numel() for i, j, _ in members])
         for (i, j, negate), piece in zip(members, pieces):
             piece = piece.reshape(leaves[i][j].shape)
-            results[i][j] = -piece if negate else piece
+            # a field of its own, not a view of the bucket (which torch.save would write whole)
+            results[i][j] = -piece if negate else piece.clone()
 
 
 def _bucket_order(keys, devices: dict) -> list:

@@ -59,8 +59,9 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=30))
-        merged = qstats.distributed.all_reduce({"a": rank_state(rank)}, seen_observer())
-        result = {"leaves": list(merged["a"])}
+        merged = qstats.distributed.all_reduce({"a": rank_state(rank), "b": rank_state(rank)}, seen_observer())
+        result = {"leaves": list(merged["a"]),
+                  "storage_bytes": [leaf.untyped_storage().nbytes() for state in merged.values() for leaf in state]}
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         result = {"crash": traceback.format_exc()}

@@ -1,7 +1,7 @@
 """A bool field declared ``"sum"`` (torch adds bools as a logical or) all-reduced on 3 gloo ranks
 (tests/_distributed_bool_worker.py) equals a sequential ``obs.merge`` bit for bit. gloo's SUM of
 bools adds their bytes: it left 3 in the byte of a flag set on 3 ranks (torch writes 1), and would
-wrap a flag set on 256 ranks to False."""
+wrap a flag set on 256 ranks to False. Each merged field owns its memory (not a view of the bucket)."""
 
 from __future__ import annotations
 
@@ -42,3 +42,6 @@ def test_a_bool_sum_field_merges_as_torch_adds_bools(tmp_path):
     for rank, result in enumerate(results):
         for got, want in zip(result["leaves"], expected):
             assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want)), (rank, got, want)
+        # each merged field owns its memory: the counts of "a" and "b" shared one all-reduced bucket,
+        # whose whole storage torch.save wrote with either and a live field kept alive
+        assert result["storage_bytes"] == [t.numel() * t.element_size() for t in (*expected, *expected)], rank
