@@ -96,7 +96,7 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
       index: which histogram to draw when the state holds several (per-channel, stacked): one
         component per dimension of ``state.min_val`` (an int when it has one), expert first.
       title: the figure title.
-      plot_bins: linear bins drawn between the observed extremes.
+      plot_bins: linear bins drawn between the observed extremes (a positive int).
 
     Returns:
       the matplotlib Figure.
@@ -114,6 +114,9 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
             f"got {type(qparams).__name__}"
         )
     qparams = dict(qparams or {})
+    bins_drawn = as_index(plot_bins)
+    if bins_drawn is None or bins_drawn < 1:  # 0 or fewer drew an empty figure; a float failed in linspace
+        raise ValueError(f"qstats.plot.histogram: plot_bins must be a positive int, got {plot_bins!r}")
     state, index = _one_histogram(state, index)
     total = int(state.counts.sum() + state.underflow.sum() + state.overflow.sum())
     if total == 0:
@@ -123,7 +126,7 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     edges, window_counts = geometry.window(state, bins, low, 24)
     mom = geometry.moments(edges, window_counts)
     span = max(hi - lo, 1e-12)
-    grid = torch.linspace(lo - 0.02 * span, hi + 0.02 * span, plot_bins + 1, dtype=torch.float64)
+    grid = torch.linspace(lo - 0.02 * span, hi + 0.02 * span, bins_drawn + 1, dtype=torch.float64)
     cumulative, _, _ = geometry.cumulative(mom, grid)
     density = cumulative.diff().clamp(min=0)
 
