@@ -198,8 +198,9 @@ def _energy(values: torch.Tensor, keep: torch.Tensor) -> float:
 def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = None) -> tuple:
     """``(signal energy, noise energy, clipped count, finite count, non-finite count)`` of
     fake-quantizing ``x`` in its own dtype (as `fake_quantized` does: bf16/fp16 outputs are rounded
-    to that dtype), measured in float32; a value is clipped when its unclamped code (in ``x``'s
-    dtype, as `fake_quantize` computes it) is outside the spec's range.
+    to that dtype), measured in float32; a value is clipped when saturation changes its code: its
+    rounded integer code (in ``x``'s dtype, as `fake_quantize` computes it) is outside the spec's
+    range, or its scaled value rounds past a float format's maximum (`_clipped`).
     Non-finite values (NaN, +-Inf) are left out of the first four numbers and counted in the last,
     as observers leave them out of their statistics; ``mask`` leaves entries (padding) out of all
     five, though they are still quantized with the rest.
@@ -211,14 +212,28 @@ def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = 
     scale = broadcast_to_view(qparams.scale.float())
     zero_point = broadcast_to_view(qparams.zero_point)
     unclamped, _ = _codes_float(view, scale, zero_point, spec, global_scale=qparams.global_scale)
-    qmin, qmax = spec.qrange  # (-max, max) for a float format
-    outside = (unclamped < qmin) | (unclamped > qmax)
+    outside = _clipped(unclamped, spec)
     finite = torch.isfinite(x)
     counted = torch.ones_like(finite) if mask is None else (mask != 0).to(x.device).expand(x.shape)
     keep, left_out = finite & counted, ~finite & counted
     signal, noise = _energy(x, keep), _energy(x - quantized, keep)
     clipped = int((outside & canonical_view(keep, spec.granularity)).sum())
     return signal, noise, clipped, int(keep.sum()), int(left_out.sum())
+
+
+def _clipped(unclamped: torch.Tensor, spec) -> torch.Tensor:
+    """Where saturation changes a value's code: an integer code (rounded) outside the spec's range;
+    a float format's unrounded scaled value past the point where rounding on its grid, continued
+    one step above the maximum, would leave the maximum (``max + step / 2``, a tie clipped where it
+    rounds up to even): a scaled 448.0001 quantizes to fp8's 448 with or without the clamp."""
+    fmt = spec.float_format
+    if fmt is None:
+        qmin, qmax = spec.qrange
+        return (unclamped < qmin) | (unclamped > qmax)
+    step = 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits)  # the top binade's spacing
+    limit, magnitude = fmt.max + step / 2, unclamped.abs()
+    ties_up = round(fmt.max / step) % 2 == 1  # an odd top mantissa rounds a tie to the next binade
+    return (magnitude > limit) | ((magnitude == limit) & ties_up)
 
 
 def _extreme(state, name: str, reduce) -> Optional[float]:
