@@ -90,7 +90,8 @@ def _require_calibrated(calibrated: torch.Tensor, where: str) -> torch.Tensor:
     if missing:
         raise ValueError(
             f"{where}: {missing} of {calibrated.numel()} quantization parameter(s) saw no finite data "
-            "(uncalibrated); observe more data or use QuantSpec(on_uncalibrated='fallback') to get scale 1 "
+            "(uncalibrated; so does a reversed range, min_val > max_val, or a float64 end past the float32 "
+            "range); observe more data or use QuantSpec(on_uncalibrated='fallback') to get scale 1 "
             "and zero point 0 with a coverage mask in QParams.calibrated"
         )
     return calibrated.clone()

@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from . import _formats
-from ._checks import is_real_number, require, require_calibrated
+from ._checks import is_real_number, require_calibrated
 from ._spec import QuantSpec
 
 __all__ = [
@@ -228,8 +228,6 @@ def qparams_from_minmax(
     ``calibrated`` may also be integer counts (calibrated where positive).
     """
     _check_range_tensors(min_val, max_val)
-    if check_uncalibrated and spec.on_uncalibrated == "raise":
-        _require_ordered_float32(min_val, max_val, calibrated)
     min_val, max_val = min_val.float(), max_val.float()
     # min <= max with both finite: given min <= max, half the span is finite exactly when both
     # are (halving keeps finite extremes from overflowing); NaN fails every compare
@@ -261,23 +259,6 @@ def _check_range_tensors(min_val, max_val) -> None:
         if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or value.is_complex():
             got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
             raise TypeError(f"qparams_from_minmax: {name} must be a real tensor, got {got}")
-
-
-def _require_ordered_float32(min_val: torch.Tensor, max_val: torch.Tensor, calibrated) -> None:
-    """ValueError naming the problem (raise policy) for finite ranges that read as uncalibrated
-    otherwise: ``min_val > max_val`` (torch.ao asserts ``min_val <= max_val``), or a float64 end
-    past float32's range (the ranges are mapped in float32)."""
-    given = None if calibrated is None else calibrated_mask(calibrated)
-    for name, end in (("min_val", min_val), ("max_val", max_val)):
-        if end.dtype == torch.float64:
-            beyond = end.isfinite() & (end.abs() > _FLOAT32_MAX)
-            beyond = beyond if given is None else beyond & given
-            require(~beyond, f"qparams_from_minmax: {name} holds a float64 value past the float32 range "
-                    f"(+-{_FLOAT32_MAX:.4g}); ranges are mapped in float32: clamp them first")
-    reversed_range = min_val.isfinite() & max_val.isfinite() & (min_val > max_val)
-    reversed_range = reversed_range if given is None else reversed_range & given
-    require(~reversed_range, "qparams_from_minmax: some entries have min_val > max_val (a reversed range); "
-            "a range needs min_val <= max_val, as torch.ao's observers assert")
 
 
 def _clipped(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec):

@@ -1,6 +1,7 @@
 """qparams_from_minmax / compute_qparams on ranges that are not ranges: a reversed range, a float64
-end past float32, a Python number. Each raises an error naming the problem (torch.ao's observers
-assert ``min_val <= max_val``) instead of reading as "saw no finite data"."""
+end past float32, a Python number. Each raises an error that names the problem (torch.ao's observers
+assert ``min_val <= max_val``); the range checks share the one check of uncalibrated entries (one
+host read, reported rather than raised under vmap)."""
 
 import pytest
 import torch
@@ -56,3 +57,14 @@ def test_float64_ends_past_float32_are_named_and_others_equal_float32():
 def test_ends_that_are_not_real_tensors_raise_type_error_naming_them(ends):
     with pytest.raises(TypeError, match="(min_val|max_val) must be a real tensor"):
         qstats.qparams_from_minmax(*ends, qstats.QuantSpec(dtype="int8"))
+
+
+def test_under_vmap_a_reversed_range_is_reported_not_raised():
+    # stacked experts: an expert's bad range is reported in QParams.calibrated (stacked_qparams
+    # equals torch.vmap(compute_qparams)); the eager call on the same entry raises
+    spec = qstats.QuantSpec(dtype="int8")
+    lo, hi = torch.tensor([-1.0, 2.0]), torch.tensor([1.0, 1.0])
+    qp = torch.vmap(lambda a, b: qstats.qparams_from_minmax(a, b, spec))(lo, hi)
+    assert qp.calibrated.tolist() == [True, False]
+    reference = MinMaxObserver(dtype=torch.qint8)._calculate_qparams(lo[:1], hi[:1])
+    assert torch.equal(qp.scale[:1], reference[0])
