@@ -9,6 +9,7 @@ pyplot and the process's backend are left alone.
 
 from __future__ import annotations
 
+import os
 from typing import Mapping, Optional, Union
 
 import torch
@@ -92,7 +93,8 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
       state: a `qstats.HistogramState`.
       qparams: one QParams, a mapping ``{label: QParams}`` (e.g. one per method), or None.
       spec: the QuantSpec the qparams were computed for (its range gives the clipping points).
-      path: where to save a PNG (optional).
+      path: where to save the figure (optional): in the format its suffix names (``.png``,
+        ``.pdf``, ``.svg``, ...), as matplotlib's ``savefig``; else PNG.
       index: which histogram to draw when the state holds several (per-channel, stacked): one
         component per dimension of ``state.min_val`` (an int when it has one), expert first.
       title: the figure title.
@@ -145,5 +147,15 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     axes.set_title(title or f"{total} values, {spec.dtype} {spec.mapping}")
     figure.tight_layout()
     if path is not None:
-        figure.savefig(path, format="png", dpi=100)
+        figure.savefig(path, format=_file_format(figure, path), dpi=100)
     return figure
+
+
+def _file_format(figure, path) -> str:
+    """The format ``path``'s suffix names where matplotlib writes it, as its ``savefig`` reads it (a
+    PNG written to "h.pdf" would not open as one); else PNG (no suffix, a file object, or a dotted
+    name such as "model.layers.0.mlp" whose last part names no format)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return "png"
+    suffix = os.path.splitext(os.fsdecode(path))[1][1:].lower()
+    return suffix if suffix in figure.canvas.get_supported_filetypes() else "png"
