@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from . import _granularity
 from ._spec import QuantSpec, preset
-from ._torch_features import torch_dtype
+from ._torch_features import dtype_named
 
 __all__ = ["recipe_fields", "spec_from_data"]
 
@@ -50,9 +50,8 @@ def spec_from_data(data: Any) -> QuantSpec:
     if "granularity" in fields:
         fields["granularity"] = _granularity_from_data(fields["granularity"])
     if "compressed_tensors" in fields:
-        observed = fields.get("observed_dtype")
-        if isinstance(observed, str):  # plain data names it, as the scheme form reads it: "bfloat16"
-            fields["observed_dtype"] = torch_dtype(observed.removeprefix("torch.")) or observed
+        if "observed_dtype" in fields:  # plain data names it, as the scheme form reads it: "bfloat16"
+            fields["observed_dtype"] = dtype_named(fields["observed_dtype"])
         return QuantSpec.from_compressed_tensors(fields.pop("compressed_tensors"), **fields)
     if "preset" in fields:
         return preset(fields.pop("preset"), **fields)

@@ -24,6 +24,12 @@ def torch_dtype(name: str) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
+def dtype_named(value):
+    """``value`` as a torch dtype where it names one as plain data does (``"bfloat16"``, or
+    ``"torch.float16"`` as compressed-tensors serialises it), else ``value`` (for the caller's check)."""
+    return (torch_dtype(value.removeprefix("torch.")) or value) if isinstance(value, str) else value
+
+
 # torch 2.13 added the batching rule of ``aten::view.dtype``
 _VIEW_DTYPE_BATCHES = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
 

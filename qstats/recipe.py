@@ -19,7 +19,7 @@ from ._granularity import PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
 from ._rule_data import recipe_fields
 from ._schemes import PROJECTION_NAMES, compressed_tensors_ignore, config_rules, scheme_rules
 from ._spec import QuantSpec
-from ._torch_features import torch_dtype, uncompiled
+from ._torch_features import dtype_named, uncompiled
 from .experts import (expert_count, is_stacked_parameter, linearized_experts, own_parameters, parameter_input_site,
                       stacked_observer)
 from .fused import fused_groups
@@ -553,9 +553,7 @@ class Recipe:
                                  "experts"}
             if extra:
                 raise ValueError(f"Recipe.from_dict: unknown keys {sorted(extra)} beside 'scheme'")
-            observed = data.get("observed_dtype")
-            if isinstance(observed, str):  # plain data names it: "bfloat16"
-                observed = torch_dtype(observed.removeprefix("torch.")) or observed
+            observed = dtype_named(data.get("observed_dtype"))  # plain data names it: "bfloat16"
             return cls.from_scheme(data["scheme"], data.get("targets"), data.get("ignore") or (), observed_dtype=observed,
                                    shared=data.get("shared"), experts=data.get("experts"),
                                    kv_cache_scheme=data.get("kv_cache_scheme"))

@@ -15,6 +15,7 @@ import torch
 
 from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name
 from .._granularity import PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
+from .._torch_features import dtype_named
 from .default import Convention, check_preserve_zero, check_range_within_dtype, check_symmetric_zero_point
 from .._warn import warn
 
@@ -51,12 +52,7 @@ def _field(args, name, default=None):
 def _dtype_field(args, name):
     """A dtype field; in a dict of fields, also as compressed-tensors serialises it
     (``"torch.float8_e4m3fn"``), which QuantizationArgs parses."""
-    value = _field(args, name, None)
-    if isinstance(value, str):
-        parsed = getattr(torch, value.removeprefix("torch."), None)
-        if isinstance(parsed, torch.dtype):
-            return parsed
-    return value
+    return dtype_named(_field(args, name, None))
 
 
 def _enum_value(value):
