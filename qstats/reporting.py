@@ -272,6 +272,11 @@ def report(
         raise TypeError("report expects the states and qparams trees {path: {site: ...}}")
     if not isinstance(recipe, Plan) and (model is None) != (recipe is None):
         raise ValueError("report: give both model and recipe (to measure errors), or neither")
+    if batches is not None and recipe is None:  # nothing would run them: every activation row unmeasured
+        raise ValueError("report: batches are measured through the model: give model and recipe (or a Plan) too")
+    if observation_weight is not None and not callable(observation_weight):
+        got = type(observation_weight).__name__
+        raise TypeError(f"report: observation_weight must be a callable(batch) -> tensor or None, got {got}")
     plan = as_plan(recipe, model, "report") if recipe is not None else None
     if batches is not None:
         check_batches(batches, "report")  # one batch would run the model on its rows or keys

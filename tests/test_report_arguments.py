@@ -1,0 +1,33 @@
+"""qstats.report names bad arguments: batches without the model and recipe that would run them,
+and an observation_weight that is not a callable."""
+
+import pytest
+import torch
+
+import qstats
+
+
+def _calibrated():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8)).eval()
+    recipe = qstats.Recipe.from_scheme("W8A8")
+    batches = [torch.randn(2, 16)]
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    return model, recipe, batches, states, qstats.compute_qparams_tree(states, recipe, model)
+
+
+def test_batches_without_model_and_recipe_are_refused():
+    """They were ignored: every activation row came back unmeasured, with no word why."""
+    _, _, batches, states, qparams = _calibrated()
+    with pytest.raises(ValueError, match="batches are measured through the model"):
+        qstats.report(states, qparams, batches=batches)
+
+
+def test_an_observation_weight_that_is_not_callable_is_refused_by_name():
+    """An attention mask passed itself (not a function of the batch) failed with a bare
+    "'Tensor' object is not callable" from inside the forward loop."""
+    model, recipe, batches, states, qparams = _calibrated()
+    with pytest.raises(TypeError, match="observation_weight must be a callable"):
+        qstats.report(states, qparams, model, recipe, batches, observation_weight=torch.ones(2))
+    rows = qstats.report(states, qparams, model, recipe, batches, observation_weight=lambda batch: torch.ones(2))
+    assert all(row.sqnr_db is not None for row in rows)
