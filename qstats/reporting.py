@@ -300,7 +300,8 @@ def report(
 
 def _check_qparams(qparams: Mapping, plan: Optional[Plan], activations: bool) -> None:
     """TypeError for an entry that is neither QParams nor None (the states tree passed as qparams),
-    ValueError for a None entry of a site the plan measures (parameters; activations too where
+    ValueError for a site the plan does not observe (qparams of another model: its row would go
+    unmeasured), and for a None entry of a site the plan measures (parameters; activations too where
     ``activations``) whose spec needs QParams (its scales do not come at run time), as
     `fake_quantized` refuses them."""
     for path, entry in qparams.items():
@@ -314,6 +315,8 @@ def _check_qparams(qparams: Mapping, plan: Optional[Plan], activations: bool) ->
                     "pass qstats.compute_qparams_tree(states, recipe, model), not the states"
                 )
             found = plan.site(path, site) if plan is not None else None
+            if plan is not None and found is None:  # as compute_qparams_tree and fake_quantized refuse it
+                raise ValueError(f"report: the recipe observes no site {site!r} of module {path!r}")
             measured = found is not None and (activations or found.kind == "parameter")
             if qp is None and measured and not found.runtime:
                 raise ValueError(f"report: qparams[{path!r}][{site!r}] is None; its spec needs QParams")

@@ -31,3 +31,15 @@ def test_an_observation_weight_that_is_not_callable_is_refused_by_name():
         qstats.report(states, qparams, model, recipe, batches, observation_weight=torch.ones(2))
     rows = qstats.report(states, qparams, model, recipe, batches, observation_weight=lambda batch: torch.ones(2))
     assert all(row.sqnr_db is not None for row in rows)
+
+
+def test_qparams_of_a_site_the_recipe_does_not_observe_on_this_model_are_refused():
+    """States of another model (module "0" here a ReLU) gave rows with no measurement and no word
+    why; compute_qparams_tree and fake_quantized refuse the same trees."""
+    model, recipe, batches, states, qparams = _calibrated()
+    other = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(16, 8)).eval()
+    with pytest.raises(ValueError, match="observes no site 'weight' of module '0'"):
+        qstats.report(states, qparams, other, recipe, batches)
+    with pytest.raises(ValueError, match="observes no site 'weight' of module '0'"):
+        with qstats.fake_quantized(other, qparams, recipe):
+            pass
