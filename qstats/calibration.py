@@ -30,9 +30,13 @@ from ._warn import warn
 __all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "runtime_qparams", "runtime_spec"]
 
 
-def check_batches(batches, caller: str) -> None:
+def check_batches(batches, caller: str, observation_weight=None) -> None:
     """TypeError when ``batches`` is one batch (a Tensor, a mapping or a string) rather than an
-    iterable of batches: iterating it would run the model on its rows, its keys or its characters."""
+    iterable of batches: iterating it would run the model on its rows, its keys or its characters;
+    or when ``observation_weight`` is neither None nor a callable."""
+    if observation_weight is not None and not callable(observation_weight):
+        got = type(observation_weight).__name__
+        raise TypeError(f"{caller}: observation_weight must be a callable(batch) -> tensor or None, got {got}")
     if isinstance(batches, torch.Tensor):
         got = "Tensor"
     elif isinstance(batches, Mapping):
@@ -155,7 +159,7 @@ def calibrate(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"calibrate expects an nn.Module, got {type(model).__name__}")
-    check_batches(batches, "calibrate")
+    check_batches(batches, "calibrate", observation_weight)
     plan = as_plan(recipe, model, "calibrate")
     warn_training_mode(plan.model, "calibrate")
     with observing(model, plan, states, all_experts=all_experts) as session:

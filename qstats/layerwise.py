@@ -781,7 +781,7 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
                              "states with qstats.distributed.all_reduce")
         check_on_meta(model)
         execution = _execution_device(device, where)
-        check_batches(batches, where)
+        check_batches(batches, where, observation_weight)
         plan = as_plan(recipe, model, where)
         check_resumed(states or {}, plan, where)
         check_experts_layout(plan, where, warns=False)  # shapes only: before the first layer is read

@@ -274,12 +274,9 @@ def report(
         raise ValueError("report: give both model and recipe (to measure errors), or neither")
     if batches is not None and recipe is None:  # nothing would run them: every activation row unmeasured
         raise ValueError("report: batches are measured through the model: give model and recipe (or a Plan) too")
-    if observation_weight is not None and not callable(observation_weight):
-        got = type(observation_weight).__name__
-        raise TypeError(f"report: observation_weight must be a callable(batch) -> tensor or None, got {got}")
     plan = as_plan(recipe, model, "report") if recipe is not None else None
     if batches is not None:
-        check_batches(batches, "report")  # one batch would run the model on its rows or keys
+        check_batches(batches, "report", observation_weight)  # one batch would run the model on its rows or keys
         if plan is not None:
             warn_training_mode(plan.model, "report")  # dropout would be measured as error
     _check_qparams(qparams, plan, batches is not None)

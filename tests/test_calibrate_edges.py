@@ -158,3 +158,12 @@ def test_functional_attention_dropout_in_training_mode_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qstats.calibrate(model, [ids], recipe, progress=False)
+
+
+@pytest.mark.parametrize("weight", [torch.ones(2, 4), 1.0], ids=["tensor", "number"])
+def test_an_observation_weight_that_is_not_callable_is_named(weight):
+    # an attention mask given itself, not a function of the batch: "'Tensor' object is not callable"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",))])
+    with pytest.raises(TypeError, match="calibrate: observation_weight must be a callable"):
+        qstats.calibrate(model, [torch.randn(2, 4)], recipe, progress=False, observation_weight=weight)
