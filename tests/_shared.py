@@ -102,6 +102,29 @@ def qwen3_moe_config(**overrides):
     return transformers.Qwen3MoeConfig(**fields)
 
 
+def assert_site_states_equal(got: dict, want: dict) -> None:
+    """Two ``{path: {site: state}}`` trees with the same paths and sites, every field of the same dtype
+    and values (``torch.equal``)."""
+    assert set(got) == set(want)
+    for path in want:
+        assert set(got[path]) == set(want[path]), path
+        for site in want[path]:
+            for a, b in zip(got[path][site], want[path][site], strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b), (path, site)
+
+
+def left_padded_id_batches(vocab: int = 96) -> list:
+    """Three batches of two token sequences (5, 6, 7 tokens), the second left-padded by 1, 2, 3."""
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for index in range(3):
+        ids = torch.randint(0, vocab, (2, 5 + index), generator=generator)
+        mask = torch.ones_like(ids)
+        mask[1, : 1 + index] = 0  # left padding
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bits (float values compared through their integer views)."""
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)

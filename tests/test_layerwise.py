@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import fork_ranks, gloo_group
+from _shared import assert_site_states_equal, fork_ranks, gloo_group
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,15 +86,6 @@ def _meta(name: str) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(_configs()[name]).eval()
 
 
-def _assert_equal(got: dict, want: dict) -> None:
-    assert set(got) == set(want)
-    for path in want:
-        assert set(got[path]) == set(want[path]), path
-        for site in want[path]:
-            for a, b in zip(got[path][site], want[path][site], strict=True):
-                assert a.dtype == b.dtype and torch.equal(a, b), (path, site)
-
-
 def _attention_mask(batch):
     return batch["attention_mask"]
 
@@ -111,7 +102,7 @@ def test_float_equals_full_model(saved, name, all_experts):
         meta = _meta(name)
         got = qstats.calibrate_layerwise(meta, directory, batches, recipe, progress=False,
                                          observation_weight=_attention_mask, all_experts=all_experts)  # fmt: skip
-    _assert_equal(got, want)
+    assert_site_states_equal(got, want)
     assert "lm_head" in got and f"model.layers.{LAYERS - 1}.mlp" + (".experts" if name == "qwen3_moe" else ".down_proj") in got
     # the model is left on the meta device, its ties intact
     assert all(p.device.type == "meta" for p in meta.parameters())
@@ -143,8 +134,8 @@ def test_offload_and_resume(saved, tmp_path):
         qstats.save(path, qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, first, recipe, progress=False))
         resumed = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, second, recipe, progress=False,
                                              states=qstats.load(path))  # fmt: skip
-    _assert_equal(offloaded, want)
-    _assert_equal(resumed, want)
+    assert_site_states_equal(offloaded, want)
+    assert_site_states_equal(resumed, want)
 
 
 def _quantized_reference(loaded, batches, recipe) -> dict:
@@ -171,9 +162,9 @@ def test_quantized_propagation(saved, name):
         got = qstats.calibrate_layerwise(_meta(name), directory, batches, recipe, progress=False, propagate="quantized")
         floated = qstats.calibrate_layerwise(_meta(name), directory, batches, recipe, progress=False)
         want = _quantized_reference(loaded, batches, recipe)
-    _assert_equal(got, want)
+    assert_site_states_equal(got, want)
     assert not torch.equal(got["lm_head"]["input"].max_val, floated["lm_head"]["input"].max_val)
-    _assert_equal({p: e for p, e in got.items() if p.startswith("model.layers.0.")},
+    assert_site_states_equal({p: e for p, e in got.items() if p.startswith("model.layers.0.")},
                   {p: e for p, e in floated.items() if p.startswith("model.layers.0.")})  # fmt: skip
 
 
@@ -189,13 +180,13 @@ def test_execution_device_moves_everything_and_changes_nothing(saved, propagate,
         warnings.simplefilter("ignore", qstats.UncalibratedWarning)
         want = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, first + second, recipe, **options)
         got = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, first + second, recipe, device="cpu", **options)
-        _assert_equal(got, want)
+        assert_site_states_equal(got, want)
         if propagate == "float":  # resumed states move too (quantized propagation is not resumable bit for bit)
             path = tmp_path / "states.safetensors"
             qstats.save(path, qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, first, recipe, **options))
             resumed = qstats.calibrate_layerwise(_meta("qwen3_moe"), directory, second, recipe,
                                                  device=torch.device("cpu"), states=qstats.load(path), **options)
-            _assert_equal(resumed, want)
+            assert_site_states_equal(resumed, want)
     for device in ("tpu9", "meta") + (() if torch.cuda.is_available() else ("cuda",)):
         with pytest.raises(ValueError, match="cannot hold tensors|holds no data"):
             qstats.calibrate_layerwise(_meta("llama"), saved["llama"][0], first, _recipe("llama"), device=device)
@@ -242,7 +233,7 @@ def test_all_reduce_two_ranks(saved, tmp_path):
     finally:
         torch.set_num_threads(threads)
     for rank in range(2):
-        _assert_equal(qstats.load(tmp_path / f"rank{rank}.safetensors"), want)
+        assert_site_states_equal(qstats.load(tmp_path / f"rank{rank}.safetensors"), want)
 
 
 def test_missing_tensor_or_loaded_model_raise_and_leave_the_model_on_meta(saved, tmp_path):
@@ -371,7 +362,7 @@ def test_default_layers_are_the_outer_list_not_the_experts_inside(tmp_path):
     with torch.device("meta"):
         model = _ExpertModel().eval()
     got = qstats.calibrate_layerwise(model, tmp_path, batches, recipe, progress=False)
-    _assert_equal(got, qstats.calibrate(loaded, batches, recipe, progress=False))
+    assert_site_states_equal(got, qstats.calibrate(loaded, batches, recipe, progress=False))
 
 
 class _RoutedBlock(torch.nn.Module):
@@ -459,7 +450,7 @@ def test_all_reduce_with_a_module_only_some_ranks_call(tmp_path, gptq, world):
         else:
             got = qstats.load(out / f"rank{rank}.safetensors")
             assert "layers.1.b" in got
-            _assert_equal(got, want)
+            assert_site_states_equal(got, want)
 
 
 def _bad_option_rank(rank: int, port: int, directory: str, out: str) -> None:
@@ -641,7 +632,7 @@ def test_checkpoint_names_transformers_renames_on_load(tmp_path, name):
             meta = transformers.AutoModelForCausalLM.from_config(config).eval()
         got = qstats.calibrate_layerwise(meta, tmp_path, batches, recipe, progress=False,
                                          observation_weight=_attention_mask, all_experts=True)  # fmt: skip
-    _assert_equal(got, want)
+    assert_site_states_equal(got, want)
     prefix = "model.layers.1." + ("mlp" if name == "mixtral" else "block_sparse_moe")
     assert {f"{prefix}.experts", f"{prefix}.{'gate' if name == 'mixtral' else 'router'}"} <= set(got)
     assert all(p.device.type == "meta" for p in meta.parameters())

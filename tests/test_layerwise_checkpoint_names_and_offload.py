@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import qstats
+from _shared import assert_site_states_equal, left_padded_id_batches
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,28 +42,8 @@ def _saved(directory, model) -> str:
     return str(directory)
 
 
-def _batches() -> list:
-    generator = torch.Generator().manual_seed(0)
-    out = []
-    for index in range(3):
-        ids = torch.randint(0, 96, (2, 5 + index), generator=generator)
-        mask = torch.ones_like(ids)
-        mask[1, : 1 + index] = 0  # left padding
-        out.append({"input_ids": ids, "attention_mask": mask})
-    return out
-
-
 def _weight(batch):
     return batch["attention_mask"]
-
-
-def _assert_equal(got: dict, want: dict) -> None:
-    assert set(got) == set(want)
-    for path in want:
-        assert set(got[path]) == set(want[path]), path
-        for site in want[path]:
-            for a, b in zip(got[path][site], want[path][site], strict=True):
-                assert a.dtype == b.dtype and torch.equal(a, b), (path, site)
 
 
 def test_offloaded_batches_sliced_from_one_data_set_do_not_hold_all_of_it(tmp_path):
@@ -87,7 +68,7 @@ def test_offloaded_batches_sliced_from_one_data_set_do_not_hold_all_of_it(tmp_pa
     assert held and max(held) < data.nbytes  # the old files held both data tensors per batch: 4 MiB
     in_memory = qstats.calibrate_layerwise(model, checkpoint, batches, RECIPE, progress=False,
                                            observation_weight=_weight)  # fmt: skip
-    _assert_equal(offloaded, in_memory)
+    assert_site_states_equal(offloaded, in_memory)
 
 
 @pytest.mark.parametrize("direction", ["task checkpoint into base model", "base checkpoint into task model"])
@@ -103,10 +84,10 @@ def test_a_checkpoint_reads_into_the_base_or_task_model_as_from_pretrained(tmp_p
         loaded = auto.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.device("meta"):
         model = auto.from_config(config).eval()
-    batches = _batches()
+    batches = left_padded_id_batches()
     want = qstats.calibrate(loaded, batches, RECIPE, progress=False, observation_weight=_weight)
     got = qstats.calibrate_layerwise(model, checkpoint, batches, RECIPE, progress=False, observation_weight=_weight)
-    _assert_equal(got, want)
+    assert_site_states_equal(got, want)
     assert ("lm_head" in got) != into_base
 
 
@@ -128,7 +109,7 @@ def test_checkpoint_tensors_the_model_does_not_read_are_named_as_from_pretrained
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(smaller).eval()
     with pytest.warns(UserWarning, match=f"holds {len(left_out)} tensor\\(s\\) the model has no tensor for") as caught:
-        qstats.calibrate_layerwise(model, checkpoint, _batches(), RECIPE, progress=False)
+        qstats.calibrate_layerwise(model, checkpoint, left_padded_id_batches(), RECIPE, progress=False)
     message = next(str(w.message) for w in caught if "has no tensor for" in str(w.message))
     named = message.split("not read: ")[1].split(" (")[0].removesuffix(" ...").split(", ")
     assert len(named) == 3 and set(named) <= left_out
@@ -153,8 +134,8 @@ def test_a_checkpoint_holding_both_tied_tensors_reads_as_from_pretrained_ties_th
         model = transformers.AutoModelForCausalLM.from_config(tied).eval()
     if not same:
         with pytest.raises(ValueError, match="'model.embed_tokens.weight' and 'lm_head.weight'.*different values"):
-            qstats.calibrate_layerwise(model, checkpoint, _batches(), RECIPE, progress=False)
+            qstats.calibrate_layerwise(model, checkpoint, left_padded_id_batches(), RECIPE, progress=False)
         assert all(p.device.type == "meta" for p in model.parameters())
         return
-    want = qstats.calibrate(loaded, _batches(), RECIPE, progress=False)
-    _assert_equal(qstats.calibrate_layerwise(model, checkpoint, _batches(), RECIPE, progress=False), want)
+    want = qstats.calibrate(loaded, left_padded_id_batches(), RECIPE, progress=False)
+    assert_site_states_equal(qstats.calibrate_layerwise(model, checkpoint, left_padded_id_batches(), RECIPE, progress=False), want)

@@ -21,6 +21,7 @@ import qstats
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
+from _shared import assert_site_states_equal  # noqa: E402
 
 SPEC_W = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
 SPEC_A = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
@@ -49,15 +50,6 @@ def _meta(directory: str, **options) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config, **options).eval()
 
 
-def _assert_equal(got: dict, want: dict) -> None:
-    assert set(got) == set(want)
-    for path in want:
-        assert set(got[path]) == set(want[path]), path
-        for site in want[path]:
-            for a, b in zip(got[path][site], want[path][site], strict=True):
-                assert a.dtype == b.dtype and torch.equal(a, b), (path, site)
-
-
 def _saved(tmp_path, config, dtype=torch.float32) -> str:
     directory = str(tmp_path / "checkpoint")
     torch.manual_seed(0)
@@ -81,7 +73,7 @@ def test_a_moe_whose_config_outputs_router_logits_equals_the_full_model(tmp_path
     want = qstats.calibrate(loaded, batches, RECIPE, progress=False, observation_weight=_weight)
     got = qstats.calibrate_layerwise(_meta(directory), directory, batches, RECIPE, progress=False,
                                      observation_weight=_weight)  # fmt: skip
-    _assert_equal(got, want)
+    assert_site_states_equal(got, want)
     assert "lm_head" in got
 
 
@@ -108,7 +100,7 @@ def test_a_checkpoint_mixing_dtypes_reads_as_from_pretrained_casts_it(tmp_path):
         want = qstats.calibrate(loaded, batches, RECIPE, progress=False, observation_weight=_weight)
         got = qstats.calibrate_layerwise(_meta(directory, **options), directory, batches, RECIPE, progress=False,
                                          observation_weight=_weight)  # fmt: skip
-        _assert_equal(got, want)
+        assert_site_states_equal(got, want)
     assert got["model.layers.0.mlp.down_proj"]["input"].min_val.dtype == torch.float32
 
 
@@ -173,12 +165,12 @@ def test_layers_of_several_kinds_get_their_own_masks(tmp_path, name):
     want = qstats.calibrate(loaded, batches, RECIPE, progress=False, observation_weight=_weight)
     got = qstats.calibrate_layerwise(_meta(directory), directory, batches, RECIPE, progress=False,
                                      observation_weight=_weight)  # fmt: skip
-    _assert_equal(got, want)
+    assert_site_states_equal(got, want)
     spill = tmp_path / "spill"
     spill.mkdir()
     got = qstats.calibrate_layerwise(_meta(directory), directory, batches, RECIPE, progress=False, device="cpu",
                                      observation_weight=_weight, propagate="quantized", offload_dir=spill)  # fmt: skip
-    _assert_equal(got, _quantized_reference(loaded, batches, "model.layers.", 3))
+    assert_site_states_equal(got, _quantized_reference(loaded, batches, "model.layers.", 3))
 
 
 def test_a_multimodal_model_whose_text_layers_mix_attention_kinds(tmp_path):
@@ -208,7 +200,7 @@ def test_a_multimodal_model_whose_text_layers_mix_attention_kinds(tmp_path):
             meta = transformers.AutoModelForImageTextToText.from_config(config).eval()
         got = qstats.calibrate_layerwise(meta, directory, batches, RECIPE, progress=False, layers=layers,
                                          observation_weight=_weight)  # fmt: skip
-        _assert_equal(got, want)
+        assert_site_states_equal(got, want)
 
 
 def test_modernbert_reads_its_layers_attention_type_through_the_stand_ins(tmp_path):
@@ -229,7 +221,7 @@ def test_modernbert_reads_its_layers_attention_type_through_the_stand_ins(tmp_pa
     with torch.device("meta"):
         meta = transformers.AutoModel.from_config(config).eval()
     got = qstats.calibrate_layerwise(meta, directory, batches, RECIPE, progress=False, observation_weight=_weight)
-    _assert_equal(got, want)
+    assert_site_states_equal(got, want)
 
 
 def test_a_float8_tensor_in_the_checkpoint_is_named_not_upcast(tmp_path):

@@ -19,31 +19,12 @@ import qstats
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
+from _shared import assert_site_states_equal, left_padded_id_batches  # noqa: E402
 
 SPEC_W = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
 SPEC_A = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
 RECIPE = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=SPEC_A),
                         qstats.Rule("Linear", sites=("weight",), spec=SPEC_W)])  # fmt: skip
-
-
-def _assert_equal(got: dict, want: dict) -> None:
-    assert set(got) == set(want)
-    for path in want:
-        assert set(got[path]) == set(want[path]), path
-        for site in want[path]:
-            for a, b in zip(got[path][site], want[path][site], strict=True):
-                assert a.dtype == b.dtype and torch.equal(a, b), (path, site)
-
-
-def _batches() -> list:
-    generator = torch.Generator().manual_seed(0)
-    out = []
-    for index in range(3):
-        ids = torch.randint(0, 96, (2, 5 + index), generator=generator)
-        mask = torch.ones_like(ids)
-        mask[1, : 1 + index] = 0  # left padding
-        out.append({"input_ids": ids, "attention_mask": mask})
-    return out
 
 
 def test_granite_swa_nope_and_per_layer_rope_thetas_equal_the_full_model(tmp_path):
@@ -60,10 +41,10 @@ def test_granite_swa_nope_and_per_layer_rope_thetas_equal_the_full_model(tmp_pat
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
     weight = lambda batch: batch["attention_mask"]  # noqa: E731
-    want = qstats.calibrate(loaded, _batches(), RECIPE, progress=False, observation_weight=weight)
-    got = qstats.calibrate_layerwise(model, str(tmp_path), _batches(), RECIPE, progress=False,
+    want = qstats.calibrate(loaded, left_padded_id_batches(), RECIPE, progress=False, observation_weight=weight)
+    got = qstats.calibrate_layerwise(model, str(tmp_path), left_padded_id_batches(), RECIPE, progress=False,
                                      observation_weight=weight)  # fmt: skip
-    _assert_equal(got, want)
+    assert_site_states_equal(got, want)
 
 
 class _Layer(torch.nn.Module):
@@ -99,4 +80,4 @@ def test_a_layer_index_passed_by_the_forward_reaches_each_layer(tmp_path):
     batches = [torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
     want = qstats.calibrate(loaded, batches, RECIPE, progress=False)
     got = qstats.calibrate_layerwise(model, str(tmp_path), batches, RECIPE, progress=False)
-    _assert_equal(got, want)
+    assert_site_states_equal(got, want)
