@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import stat
 import zipfile
 import zlib
 from typing import Any
@@ -314,7 +316,9 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     """Writes ``tree`` to one safetensors file at ``path`` (tensors copied to the CPU).
 
     Args:
-      path: file to write (overwritten).
+      path: file to write. It is replaced whole: the file is written beside it and renamed over it, so a
+        failure midway (a full disk, a killed process) keeps the previous file; a symlink's target is
+        replaced, with its mode.
       tree: dicts with string keys, lists, tuples, registered states, QParams, tensors and None.
 
     Raises:
@@ -341,14 +345,57 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     }
     metadata["layout_checksum"] = _layout_checksum(metadata["structure"], metadata["checksums"], tensors)
     target = os.fspath(path)
+    real = os.path.realpath(target)  # a symlink's target is replaced, as open() writes through it
+    if os.path.isdir(real):
+        raise IsADirectoryError(f"qstats.io: could not write {target} (it is a directory)")
     try:
-        save_file(tensors, target, metadata=metadata)
+        _write_replacing(tensors, metadata, real)
     except SafetensorError as error:  # the writer's I/O failures, as open() and torch.save raise them
         if "header too large" in str(error).lower():
             raise _header_too_large(target, len(tensors)) from None
-        folder = os.path.dirname(target) or "."
-        kind = FileNotFoundError if not os.path.isdir(folder) else OSError
-        raise kind(f"qstats.io: could not write {target} ({error})") from None
+        raise _not_written(target, error) from None
+    except OSError as error:
+        raise _not_written(target, error) from None
+
+
+def _not_written(target: str, error: Exception) -> OSError:
+    folder = os.path.dirname(os.path.realpath(target)) or "."
+    kind = FileNotFoundError if not os.path.isdir(folder) else OSError
+    return kind(f"qstats.io: could not write {target} ({error})")
+
+
+def _write_replacing(tensors: dict[str, torch.Tensor], metadata: dict, target: str) -> None:
+    """Writes the file beside ``target`` and renames it over ``target`` once complete and on disk, so
+    that a failure midway (a full disk, a killed process) leaves the previous file whole and no
+    partial one. The file gets the mode of the one it replaces, or ``open``'s (0o666 less the umask)."""
+    temporary, mode = _new_file_beside(target)
+    try:
+        if os.path.isfile(target):
+            mode = stat.S_IMODE(os.stat(target).st_mode)
+        save_file(tensors, temporary, metadata=metadata)
+        os.chmod(temporary, mode)  # the writer may have made it 0o600 (safetensors 0.8 renames its own)
+        with open(temporary, "r+b") as handle:  # on disk before the rename makes it the checkpoint
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        if os.path.lexists(temporary):
+            os.remove(temporary)
+        raise
+
+
+def _new_file_beside(target: str) -> tuple[str, int]:
+    """An empty file of a new, unguessable name in ``target``'s folder, and the mode ``open`` gives."""
+    folder, name = os.path.split(target)
+    for _ in range(100):
+        candidate = os.path.join(folder, f".{name[:180]}.{secrets.token_hex(8)}.tmp")
+        try:
+            descriptor = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        mode = stat.S_IMODE(os.fstat(descriptor).st_mode)
+        os.close(descriptor)
+        return candidate, mode
+    raise FileExistsError(f"no free temporary file name beside {target}")
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:

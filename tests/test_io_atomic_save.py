@@ -1,0 +1,123 @@
+"""qstats.save replaces its file whole: a write that fails midway keeps the previous checkpoint, and
+the new file is written where and with the mode that Python's ``open(path, "wb")`` would give."""
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+import qstats
+from qstats import io as qio
+
+
+def _state(values):
+    obs = qstats.minmax(qstats.QuantSpec())
+    x = torch.tensor(values)
+    return {"layer": obs.update(obs.init(x), x)}
+
+
+def _assert_holds(path, values):
+    loaded = qstats.load(path)["layer"]
+    assert torch.equal(loaded.min_val, torch.tensor(min(values)))
+    assert torch.equal(loaded.max_val, torch.tensor(max(values)))
+
+
+def _writer_failing_midway(exception):
+    """safetensors' save_file as releases before 0.8 wrote: the target opened with truncation, then
+    the bytes, here cut off halfway by ``exception`` (a full disk, an interrupt)."""
+
+    def save_file(tensors, filename, metadata=None):
+        data = safetensors.torch.save(tensors, metadata=metadata)
+        with open(filename, "wb") as handle:
+            handle.write(data[: len(data) // 2])
+        raise exception
+
+    return save_file
+
+
+@pytest.mark.parametrize("exception", [
+    safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+    KeyboardInterrupt(),
+])
+def test_a_write_failing_midway_keeps_the_previous_file_and_leaves_no_partial_one(tmp_path, monkeypatch, exception):
+    path = tmp_path / "stats.safetensors"
+    qstats.save(path, _state([-1.0, 2.0]))
+    monkeypatch.setattr(qio, "save_file", _writer_failing_midway(exception))
+    with pytest.raises((OSError, KeyboardInterrupt)):
+        qstats.save(path, _state([-3.0, 4.0]))
+    _assert_holds(path, [-1.0, 2.0])
+    assert os.listdir(tmp_path) == ["stats.safetensors"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE and SIGXFSZ")
+def test_the_real_writer_stopped_by_a_file_size_limit_keeps_the_previous_file(tmp_path):
+    """The operating system refuses the write past 64 KiB (EFBIG), as a full disk refuses it."""
+    path = tmp_path / "stats.safetensors"
+    qstats.save(path, _state([-1.0, 2.0]))
+    script = textwrap.dedent(f"""
+        import resource, signal, torch, qstats
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))
+        try:
+            qstats.save({str(path)!r}, {{"layer": torch.zeros(1 << 16)}})
+        except OSError as error:
+            print("refused:", error)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "refused:" in run.stdout and "could not write" in run.stdout
+    _assert_holds(path, [-1.0, 2.0])
+    assert os.listdir(tmp_path) == ["stats.safetensors"]
+
+
+def _mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_a_new_file_gets_the_mode_open_gives_and_a_replaced_file_keeps_its_own(tmp_path):
+    """safetensors 0.8 writes 0o600 files whatever the umask: a teammate could not read the checkpoint
+    that open() and torch.save would have made 0o644."""
+    reference = tmp_path / "reference"
+    open(reference, "wb").close()
+    path = tmp_path / "stats.safetensors"
+    qstats.save(path, _state([-1.0, 2.0]))
+    assert _mode(path) == _mode(reference)
+    os.chmod(path, 0o640)
+    os.chmod(reference, 0o640)
+    open(reference, "wb").close()  # the reference: writing over a file keeps its mode
+    qstats.save(path, _state([-3.0, 4.0]))
+    assert _mode(path) == _mode(reference) == 0o640
+    _assert_holds(path, [-3.0, 4.0])
+
+
+def test_saving_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
+    """As open(link, "wb") writes through the link (a ``latest.safetensors`` pointing at a run's file);
+    the link was replaced by a file and its target kept the old states."""
+    (tmp_path / "run").mkdir()
+    real = tmp_path / "run" / "stats.safetensors"
+    qstats.save(real, _state([-1.0, 2.0]))
+    link = tmp_path / "latest.safetensors"
+    os.symlink(real, link)
+    qstats.save(link, _state([-3.0, 4.0]))
+    assert link.is_symlink() and os.path.realpath(link) == os.path.realpath(real)
+    _assert_holds(real, [-3.0, 4.0])
+    assert sorted(os.listdir(tmp_path / "run")) == ["stats.safetensors"]
+
+
+def test_a_refused_tree_or_folder_writes_nothing(tmp_path):
+    path = tmp_path / "stats.safetensors"
+    qstats.save(path, _state([-1.0, 2.0]))
+    with pytest.raises(TypeError):
+        qstats.save(path, {"layer": torch.zeros(2, dtype=torch.complex32)})
+    with pytest.raises(FileNotFoundError, match="could not write"):
+        qstats.save(tmp_path / "missing" / "stats.safetensors", _state([0.0]))
+    with pytest.raises(OSError, match="could not write"):
+        qstats.save(tmp_path, _state([0.0]))
+    _assert_holds(path, [-1.0, 2.0])
+    assert os.listdir(tmp_path) == ["stats.safetensors"]
