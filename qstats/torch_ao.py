@@ -128,13 +128,23 @@ def _probe(spec: Optional[QuantSpec], device=None) -> torch.Tensor:
     return torch.zeros((1,) * max(axis + 1, -axis, 1), device=device)
 
 
+def _float32(value) -> float:
+    """``value`` rounded to float32 (a non-number as it is, to be named in the error)."""
+    try:
+        return float(torch.tensor(float(value), dtype=torch.float32))
+    except (TypeError, ValueError):
+        return value
+
+
 def _refuse_disagreeing(fields: dict, spec: QuantSpec, given: dict) -> None:
     """ValueError where torch.ao arguments given beside ``spec=`` (``FakeQuantize``'s ``quant_min``,
-    ``quant_max`` and ``dtype``; PT2E's ``QuantizationSpec``) differ from what ``spec`` quantizes to
+    ``quant_max``, ``dtype`` and ``eps``; PT2E's ``QuantizationSpec``) differ from what ``spec`` quantizes to
     (``fields``): they were dropped silently, and the module quantized as the spec says."""
     per_channel = isinstance(spec.granularity, PerAxis)
-    ours = dict(fields, per_channel=per_channel)
-    qscheme, axis = given.pop("qscheme"), given.pop("ch_axis")
+    ours = dict(fields, per_channel=per_channel)  # eps: the spec's, compared in float32 below
+    qscheme, axis, eps = given.pop("qscheme"), given.pop("ch_axis"), given.pop("eps", None)
+    if eps is not None and _float32(eps) != _float32(spec.eps):  # torch.ao keeps eps as a float32 buffer
+        given["eps"] = eps
     given["per_channel"] = None if qscheme is None else qscheme in PER_CHANNEL_QSCHEMES
     if given["per_channel"] == per_channel:  # symmetric against affine, float qparams: the qscheme itself
         given["qscheme"] = qscheme
@@ -165,10 +175,14 @@ class QstatsObserver(ao.ObserverBase):
         ``spec``, a plain integer ``dtype`` holding its range (PT2E's ``torch.int16``) is kept as
         the observer's dtype; a ``dtype``, ``quant_min``, ``quant_max``, ``qscheme`` (per tensor or
         channel, symmetric or affine) or ``ch_axis`` given that the spec does not quantize to is a ValueError
-        (``FakeQuantize.with_args(quant_min=0, quant_max=15)`` around a uint8 spec).
+        (``FakeQuantize.with_args(quant_min=0, quant_max=15)`` around a uint8 spec), and so is an ``eps``
+        other than the spec's (compared in float32, as torch.ao keeps it).
       is_dynamic: torch.ao's flag for dynamic quantization placeholders.
       method: ``compute_qparams(state, spec, method=...)`` (histograms: ``"l2"``, ``"mse"``, ...).
       factory_kwargs: torch.ao's ``{"device": ...}`` for the buffers (torch.ao's QAT modules pass it).
+      torch_ao_bins: histograms only: the number of linear bins of the ``histogram`` entry saved for
+        torch.ao (default 2048), so that the checkpoint loads into ``HistogramObserver(bins=torch_ao_bins)``;
+        qstats' own buckets are the factory's ``buckets_per_octave``.
       **options: passed to the factory (``averaging_constant``, ``buckets_per_octave``, ...).
 
     The state is one buffer per state field (empty until the first ``forward``), so
@@ -195,11 +209,12 @@ class QstatsObserver(ao.ObserverBase):
         reduce_range: bool = False,
         quant_min: Optional[int] = None,
         quant_max: Optional[int] = None,
-        eps: float = _FLOAT32_EPS,
+        eps: Optional[float] = None,
         ch_axis: Optional[int] = None,
         is_dynamic: bool = False,
         method: Optional[str] = None,
         factory_kwargs: Optional[dict] = None,
+        torch_ao_bins: Optional[int] = None,
         **options: Any,
     ) -> None:
         torch.nn.Module.__init__(self)  # not ObserverBase.__init__: subclasses may add torchao's base
@@ -214,6 +229,7 @@ class QstatsObserver(ao.ObserverBase):
             dtype = torch.quint8 if dtype is None else dtype  # torch.ao's default
             qscheme = torch.per_tensor_affine if qscheme is None else qscheme  # torch.ao's defaults
             ch_axis = 0 if ch_axis is None else ch_axis
+            eps = _FLOAT32_EPS if eps is None else eps  # torch.ao's default
             if dtype in _FLOAT_DTYPES:
                 qscheme = None  # torch.ao's get_qparam_dict skips it, as a PlaceholderObserver
             else:
@@ -226,7 +242,7 @@ class QstatsObserver(ao.ObserverBase):
             if _holds(dtype, spec.qrange):  # a plain integer dtype given beside spec= (PT2E's torch.int16)
                 fields["dtype"] = dtype
             _refuse_disagreeing(fields, spec, dict(dtype=dtype, quant_min=quant_min, quant_max=quant_max,
-                                                   qscheme=qscheme, ch_axis=ch_axis))
+                                                   qscheme=qscheme, ch_axis=ch_axis, eps=eps))
         for name, value in dict(fields, is_dynamic=is_dynamic, reduce_range=reduce_range).items():
             setattr(self, name, value)
         self.spec, self.method = spec, method
@@ -245,6 +261,7 @@ class QstatsObserver(ao.ObserverBase):
                 "integer dtype or spec=, or use observer=placeholder"
             ) from error
         self._fields = self._state_type._fields
+        self.torch_ao_bins = _check_torch_ao_bins(torch_ao_bins, self._state_type)
         # torch.ao's factory_kwargs (its QAT modules and FakeQuantize pass them): the buffers' device
         device = (factory_kwargs or {}).get("device")
         for name in self._fields:
@@ -333,8 +350,8 @@ class QstatsObserver(ao.ObserverBase):
         (``min_val`` Inf, ``max_val`` -Inf, zero counts; shape ``()``), not as empty buffers: torch.ao's
         per-tensor observers hold those, so the checkpoint loads into them (a size mismatch before,
         and a ``HistogramObserver`` that failed on its next input). A per-tensor histogram also saves
-        torch.ao's ``histogram`` entry (`_torch_ao_bins`), so that a ``HistogramObserver(bins=2048)``
-        loading it keeps the counts (it kept an empty histogram)."""
+        torch.ao's ``histogram`` entry (`_torch_ao_bins`: ``torch_ao_bins`` bins), so that a
+        ``HistogramObserver(bins=torch_ao_bins)`` loading it keeps the counts (it kept an empty histogram)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.spec is None or not isinstance(self.spec.granularity, PerTensor):
             return
@@ -346,7 +363,7 @@ class QstatsObserver(ao.ObserverBase):
             state = self.observer.init(_probe(self.spec, next(self.buffers()).device))
             destination.update({prefix + name: value for name, value in zip(self._fields, state)})
         if is_histogram:
-            destination[prefix + "histogram"] = _torch_ao_bins(state, _TORCH_AO_BINS)
+            destination[prefix + "histogram"] = _torch_ao_bins(state, self.torch_ao_bins)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -371,6 +388,22 @@ class QstatsObserver(ao.ObserverBase):
     def extra_repr(self) -> str:
         name = getattr(self._factory, "__name__", type(self._factory).__name__)
         return f"observer={name}, dtype={self.dtype}, qscheme={self.qscheme}, spec={self.spec}"
+
+
+def _check_torch_ao_bins(bins, state_type) -> Optional[int]:
+    """``bins`` (default torch.ao's 2048) for a histogram drop-in; ValueError for another count than a
+    positive int, or for an observer whose state saves no torch.ao histogram."""
+    if state_type is not HistogramState:
+        if bins is not None:
+            raise ValueError(f"QstatsObserver: torch_ao_bins={bins!r} applies to histogram observers "
+                             f"(qstats.histogram), not to a {state_type.__name__}")
+        return None
+    if bins is None:
+        return _TORCH_AO_BINS
+    if not (isinstance(bins, int) and not isinstance(bins, bool) and bins >= 1):
+        raise ValueError(f"QstatsObserver: torch_ao_bins must be a positive int (torch.ao's HistogramObserver "
+                         f"bins), got {bins!r}")
+    return bins
 
 
 _EXTREMES_FIELDS = {"min_val", "max_val", "count", "batches", "nonfinite"}
