@@ -17,7 +17,7 @@ from torch import nn
 
 from . import distributed
 from ._checks import check_floating
-from ._granularity import PerToken
+from ._granularity import PerBlock, PerGroup, PerRow, PerToken
 from ._qparams import compute_qparams
 from ._quant import fake_quantize
 from ._spec import QuantSpec
@@ -205,10 +205,15 @@ class _FakeQuantPoint(nn.Module):
                                      ste=self.ste, learned=learned, grad_scale=self.grad_scale)
 
 
+# activation granularities whose parameters are indexed by the batch's own rows (tokens)
+_ROW_GRANULARITIES = (PerToken, PerRow, PerGroup, PerBlock)
+
+
 def _dynamic(kind: str, observer: Observer) -> bool:
-    """Per-token activation ranges are dynamic (torchao's per-token fake quant): each call observes its
-    own input into a fresh state, so the state's shape follows the batch's and frozen phases do not apply."""
-    return kind == "activations" and isinstance(getattr(observer.spec, "granularity", None), PerToken)
+    """Activation ranges per token, row, group or block are dynamic (torchao's fake quantizers): each call
+    observes its own input into a fresh state, so the state's shape follows the batch's and frozen phases
+    do not apply (no other batch has the same rows)."""
+    return kind == "activations" and isinstance(getattr(observer.spec, "granularity", None), _ROW_GRANULARITIES)
 
 
 class _BatchNormPoint(nn.Module):
@@ -397,14 +402,14 @@ class QATModel:
         """Merges the activation observer states across the ranks of ``group`` (one
         `qstats.distributed.all_reduce`), so every rank fake-quantizes with and freezes the same ranges.
         Call it on every rank where ``schedule.sync_at(step)``; weight states too with ``weights=True``;
-        batch norm and per-token (dynamic) activation states are not synchronised. Without a process group
-        the state is returned unchanged.
+        batch norm and dynamic (per-token, -row, -group, -block) activation states are not synchronised.
+        Without a process group the state is returned unchanged.
         Which collectives it calls depends on the model only, never on ``state``: a rank whose state is
         not a `QATState` of the model's layers raises its error, and every other rank a ValueError,
         instead of leaving them waiting.
         """
         observers = {"activations": self.activation_observer, "weights": self.weight_observer if weights else None}
-        # per-token (dynamic) states hold one batch's ranges, which no other rank's batch shares
+        # dynamic states hold one batch's ranges, which no other rank's batch shares
         observers = {kind: observer for kind, observer in observers.items()
                      if observer is not None and not _dynamic(kind, observer)}
         try:
