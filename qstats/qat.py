@@ -209,6 +209,11 @@ class _FakeQuantPoint(nn.Module):
 _ROW_GRANULARITIES = (PerToken, PerRow, PerGroup, PerBlock)
 
 
+# torchao refuses range learning with is_dynamic: a range learned per row of one batch means nothing to another's
+_NO_RANGE_TO_LEARN = ("the activation ranges are dynamic (per token, row, group or block: each batch's own), so there is "
+                      "no range to learn (torchao refuses range_learning with is_dynamic)")
+
+
 def _dynamic(kind: str, observer: Observer) -> bool:
     """Activation ranges per token, row, group or block are dynamic (torchao's fake quantizers): each call
     observes its own input into a fresh state, so the state's shape follows the batch's and frozen phases
@@ -391,6 +396,8 @@ class QATModel:
                     f"QATModel.apply: ranges[{kind!r}] names {unknown}, but the model fake-quantizes the {kind} of "
                     f"{sorted(expected)}"
                 )
+            if given and _dynamic(kind, self.activation_observer):
+                raise ValueError(f"QATModel.apply: ranges[{kind!r}] gives learned ranges, but {_NO_RANGE_TO_LEARN}")
 
     def _state_keys(self) -> Dict[str, tuple]:
         """`QATState` field -> the layers it holds (none for a kind without observer)."""
@@ -427,9 +434,12 @@ class QATModel:
 
     def learnable_ranges(self, state: QATState, weights: bool = False, activations: bool = True):
         """LSQ/LSQ+ ranges initialised from the observer states (detached float32 copies with
-        ``requires_grad=True``), in the ``ranges`` format of `apply`."""
+        ``requires_grad=True``), in the ``ranges`` format of `apply`. Dynamic activation ranges (per token,
+        row, group or block) have none: ValueError unless ``activations=False``."""
         kinds = (("weights", weights, self.weight_observer),
                  ("activations", activations, self.activation_observer))
+        if activations and self.activation_observer is not None and _dynamic("activations", self.activation_observer):
+            raise ValueError(f"QATModel.learnable_ranges: {_NO_RANGE_TO_LEARN}; pass activations=False")
         return {kind: {key: _learnable(value, observer.spec, f"the {kind[:-1]} of {key!r}")
                        for key, value in getattr(state, kind).items()}
                 for kind, wanted, observer in kinds if wanted and observer is not None}

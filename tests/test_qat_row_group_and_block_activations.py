@@ -112,3 +112,24 @@ def test_per_tensor_and_per_channel_activation_ranges_stay_static():
     assert torch.equal(frozen.activations["0"].max_val, state.activations["0"].max_val)
     _, moved = qat.apply(qat.params(), state, torch.full((3, 64), 5.0))
     assert float(moved.activations["0"].max_val) == 3.0  # 1 + 0.5 * (5 - 1)
+
+
+@pytest.mark.parametrize("granularity", [qstats.PerToken(), qstats.PerRow(), qstats.PerGroup(16)], ids=str)
+def test_dynamic_activation_ranges_have_no_range_to_learn(granularity):
+    # torchao refuses range learning on dynamic fake quantizers; a learned range per row of one batch
+    # would be read against the rows of every other batch
+    with pytest.raises(ValueError, match="is_dynamic"):
+        IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False, range_learning=True)
+    spec = qstats.QuantSpec("int8", "asymmetric", granularity=granularity)
+    weight_spec = qstats.QuantSpec("int8", granularity=qstats.PerAxis(0))
+    qat = qstats.qat.prepare(_mlp(), qstats.minmax(weight_spec), qstats.memoryless_minmax(spec))
+    x = torch.randn(4, 64)
+    _, state = qat.apply(qat.params(), qat.init(x), x)
+    with pytest.raises(ValueError, match="dynamic.*activations=False"):
+        qat.learnable_ranges(state, weights=True)
+    learned = qat.learnable_ranges(state, weights=True, activations=False)
+    assert set(learned) == {"weights"}
+    qat.apply(qat.params(), state, x, ranges=learned)
+    ranges = {"activations": {"0": qstats.lsq_init(state.activations["0"], spec)}}
+    with pytest.raises(ValueError, match="dynamic"):
+        qat.apply(qat.params(), state, x, ranges=ranges)
