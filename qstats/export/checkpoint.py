@@ -4,6 +4,7 @@ attention parts and the ``quantization_config`` of `qstats.export` (see its docs
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 from typing import Any, Mapping, Optional, Union
@@ -71,7 +72,7 @@ def compressed_tensors(
     tensors = without_tied_copies(model, writer.part(qparams, model.state_dict()))
     quantization_config = writer.finish()
     _write_shards(path, tensors, max_bytes)
-    write_config(path, model, quantization_config)
+    write_config(path, model, quantization_config, retied=writer.retied)
     return quantization_config
 
 
@@ -199,6 +200,7 @@ class Writer:
         self.schemes: dict = {}
         self.expert_projection: dict = {}  # unpacked expert path -> (experts module path, projection)
         self.attention: dict = {}
+        self.retied = False  # the output embeddings equal the input ones: written once, tied (`retied_copies`)
 
     def part(self, qparams: Mapping, state: Mapping) -> dict:
         """The tensors to write for ``qparams`` (some modules') and ``state`` (those modules'
@@ -219,7 +221,10 @@ class Writer:
         for name, tensor in state.items():
             if name not in tensors and name not in dropped:
                 tensors[name] = tensor.detach()
-        return saved_tensors(self.model, tensors)
+        tensors = saved_tensors(self.model, tensors)
+        copies = retied_copies(self.model, tensors)
+        self.retied = self.retied or bool(copies)
+        return {name: tensor for name, tensor in tensors.items() if name not in copies}
 
     def finish(self) -> dict:
         _warn_log(self.log)
@@ -420,6 +425,48 @@ def without_tied_copies(model: torch.nn.Module, tensors: dict) -> dict:
     return {name: tensor for name, tensor in tensors.items() if name not in drop}
 
 
+def _embeddings(model: torch.nn.Module) -> list:
+    """``[input, output]`` embedding modules of a transformers model (``get_input_embeddings`` and
+    ``get_output_embeddings``); fewer where it has none."""
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        with contextlib.suppress(AttributeError, NotImplementedError):
+            module = getattr(model, getter)()
+            if isinstance(module, torch.nn.Module):
+                found.append(module)
+    return found
+
+
+def retied_copies(model: torch.nn.Module, tensors: dict) -> set:
+    """The names of the output embeddings' tensors (``lm_head.*``) in ``tensors`` when they equal the input
+    embeddings' one for one (the same names under each module, dtypes, shapes and values; e.g. both quantized
+    alike by a recipe on ``Linear`` and ``Embedding``), else none. llm-compressor's save re-ties such
+    embeddings (its ``_retie_embeddings``): it writes the input embeddings' tensors alone, with
+    ``tie_word_embeddings`` true."""
+    embeddings = _embeddings(model)
+    if len(embeddings) != 2 or embeddings[0] is embeddings[1]:
+        return set()
+    paths: dict = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), path)
+    if not all(id(module) in paths and paths[id(module)] for module in embeddings):
+        return set()
+    rename = module_renamer(model)
+    source, target = (_own_tensors(tensors, rename(paths[id(module)])) for module in embeddings)
+    if not source or source.keys() != target.keys() or not all(
+            source[name].dtype == target[name].dtype and source[name].shape == target[name].shape
+            and torch.equal(source[name], target[name]) for name in source):
+        return set()
+    return {f"{rename(paths[id(embeddings[1])])}.{name}" for name in target}
+
+
+def _own_tensors(tensors: dict, prefix: str) -> dict:
+    """``{name: tensor}`` of the tensors ``<prefix>.<name>`` of one module (not of its children)."""
+    start = len(prefix) + 1
+    return {key[start:]: tensor for key, tensor in tensors.items()
+            if key.startswith(f"{prefix}.") and "." not in key[start:]}
+
+
 def write_tensors(path: str, tensors: dict, filename: str) -> None:
     from safetensors.torch import save_file
 
@@ -529,9 +576,20 @@ def write_generation_config(path: str, model: torch.nn.Module) -> None:
              "with model.generation_config.save_pretrained(path)")
 
 
-def write_config(path: str, model: torch.nn.Module, quantization_config: dict) -> None:
+def _tied_config(model_config: Any) -> Any:
+    """A copy of the model's config whose text config ties the word embeddings, as llm-compressor's
+    re-tie sets it (the model's own config is left alone)."""
+    tied = copy.deepcopy(model_config)
+    get_text_config = getattr(tied, "get_text_config", None)
+    text_config = get_text_config(decoder=True) if callable(get_text_config) else tied
+    text_config.tie_word_embeddings = True
+    return tied
+
+
+def write_config(path: str, model: torch.nn.Module, quantization_config: dict, retied: bool = False) -> None:
     """``path/config.json``: an existing one, updated with the model's config and ``quantization_config``
-    (and ``path/generation_config.json`` of a model that generates)."""
+    (and ``path/generation_config.json`` of a model that generates). ``retied``: the output embeddings
+    were written as the input ones (`retied_copies`), so the config ties them."""
     os.makedirs(path, exist_ok=True)
     config_path = os.path.join(path, "config.json")
     config: dict = {}
@@ -539,12 +597,14 @@ def write_config(path: str, model: torch.nn.Module, quantization_config: dict) -
         with open(config_path) as file:
             config = json.load(file)
     model_config = getattr(model, "config", None)
+    if retied and model_config is not None:
+        model_config = _tied_config(model_config)
     if model_config is not None and hasattr(model_config, "to_dict"):
         # what differs from the config class's defaults, as transformers' save_pretrained (and so
         # llm-compressor) writes it: no local _name_or_path
         config.update(getattr(model_config, "to_diff_dict", model_config.to_dict)())
         config.update(_saved_model_fields(model))
-    if _quantizes_a_tied_weight(model, quantization_config):
+    if not retied and _quantizes_a_tied_weight(model, quantization_config):
         # the checkpoint holds the tied modules' own tensors (one of them quantized): a loader that ties them
         # would replace one by the other (transformers fails, vLLM drops the quantized lm_head), so untie
         # them, as llm-compressor does (untie_word_embeddings)

@@ -142,7 +142,7 @@ def compressed_tensors_layerwise(
                              f"of the model: {', '.join(unused[:6])}")
         quantization_config = writer.finish()  # its refusals (a kv-cache scheme, ...) too leave no shard
         shards.close()
-        write_config(path, model, quantization_config)
+        write_config(path, model, quantization_config, retied=writer.retied)
     except BaseException:  # no half-written checkpoint left (check_new_folder found no shard there before)
         remove_shards(path, shards.files)
         raise
