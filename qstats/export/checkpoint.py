@@ -37,6 +37,7 @@ def compressed_tensors(
     *,
     format: Optional[str] = None,
     max_shard_size: Optional[Union[int, str]] = None,
+    actorder: Optional[str] = None,
 ) -> dict:
     """Writes ``model`` with ``qparams`` as a compressed-tensors checkpoint in folder ``path``.
 
@@ -53,6 +54,9 @@ def compressed_tensors(
         ``save_pretrained`` reads it (``"5GB"``: units KB, MB, GB, TB of powers of 1000): the tensors are
         split in order into ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``,
         as ``save_pretrained(max_shard_size=...)`` splits them (a tensor larger than it gets a shard of its own).
+      actorder: the column order GPTQ quantized the weights in (`qstats.gptq_layerwise`'s ``actorder``),
+        written into every group's weights args as ``oneshot(GPTQModifier(actorder=...))`` writes it: None
+        (default; also False, which compressed-tensors reads as None), ``"static"`` or ``"weight"``.
 
     Returns:
       The ``quantization_config`` dict written into ``config.json`` (not written when it quantizes
@@ -68,7 +72,7 @@ def compressed_tensors(
     _check_materialized(model)
     max_bytes = shard_bytes(max_shard_size)
     check_new_folder(path, None, "export.compressed_tensors", "path")
-    writer = Writer(specs_or_recipe, qparams, model, format)
+    writer = Writer(specs_or_recipe, qparams, model, format, actorder)
     tensors = without_tied_copies(model, writer.part(qparams, model.state_dict()))
     quantization_config = writer.finish()
     _write_shards(path, tensors, max_bytes)
@@ -193,7 +197,9 @@ class Writer:
     (the model's tensors of those modules present), `finish` the warnings and the
     ``quantization_config`` of every part written."""
 
-    def __init__(self, specs_or_recipe, qparams: Mapping, model: torch.nn.Module, format: Optional[str]):
+    def __init__(self, specs_or_recipe, qparams: Mapping, model: torch.nn.Module, format: Optional[str],
+                 actorder: Optional[str] = None):
+        self.actorder = weight_actorder(actorder)
         self.specs, self.groups, self.modules, self.dynamic, self.plan = _resolve(specs_or_recipe, qparams, model)
         self.qparams, self.format, self.model = qparams, format, model
         self.log: dict = {"uncalibrated": [], "rounded": [], "rotary": [], "compute_dtype": []}
@@ -233,11 +239,28 @@ class Writer:
         _warn_unshared_global_scales(self.groups, self.qparams, self.specs)
         config = _quantization_config(self.schemes, self.expert_projection, self.attention, self.modules,
                                       self.format, self.plan, module_renamer(self.model))
+        for group in config["config_groups"].values():
+            if group["weights"] is not None:
+                group["weights"]["actorder"] = self.actorder
         if _quantizes_nothing(config):
             warn("export.compressed_tensors: no module is quantized (no config group and no kv-cache scheme; "
                  "e.g. a recipe on 'Linear' of a model of Conv1D layers, such as GPT-2); config.json gets no "
                  "quantization_config, as llm-compressor writes none: the checkpoint is the float model")
         return config
+
+
+def weight_actorder(actorder) -> Optional[str]:
+    """The weights' ``actorder`` as compressed-tensors' ``QuantizationArgs`` reads it: False is None;
+    ``"static"`` and ``"weight"`` (its alias) are kept; ``"group"`` / ``"dynamic"`` and True (removed from
+    compressed-tensors 0.19) and any other value raise a ValueError naming it."""
+    if actorder is None or actorder is False:
+        return None
+    if actorder is True or (isinstance(actorder, str) and actorder.lower() in ("group", "dynamic")):
+        raise ValueError(f"export.compressed_tensors: actorder={actorder!r} (groups in activation order with a "
+                         "g_idx) was removed from compressed-tensors; use 'static' (= 'weight') or None")
+    if actorder not in ("static", "weight"):
+        raise ValueError(f"export.compressed_tensors: actorder must be None, 'static' or 'weight', got {actorder!r}")
+    return actorder
 
 
 def _check_arguments(model, qparams, format) -> None:

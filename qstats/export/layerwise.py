@@ -94,6 +94,7 @@ def compressed_tensors_layerwise(
     format: Optional[str] = None,
     max_shard_size: Optional[Union[int, str]] = None,
     progress: bool = True,
+    actorder: Optional[str] = None,
 ) -> dict:
     """`compressed_tensors` of a model built on the meta device, its tensors read from ``checkpoint``.
 
@@ -114,6 +115,7 @@ def compressed_tensors_layerwise(
         are split in order as ``save_pretrained(max_shard_size=...)`` splits them (one shard:
         ``model.safetensors``, no index). The shard being filled is kept in memory.
       progress: a progress bar over the parts (the decoder layers and the rest).
+      actorder: as in `compressed_tensors` (`gptq_layerwise`'s, written into the weights' args).
 
     Returns:
       The ``quantization_config`` written into ``config.json``.
@@ -130,7 +132,7 @@ def compressed_tensors_layerwise(
     source = LazyCheckpoint(checkpoint, _WHERE)
     source = source if weights is None else Overlay(weights, source)
     check_covers(model, source)
-    writer = Writer(recipe, qparams, model, format)
+    writer = Writer(recipe, qparams, model, format, actorder)
     parts = _parts(model, layers)
     shards = _Shards(path, max_bytes)
     try:
