@@ -22,8 +22,8 @@ from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor,
 from .experts import rows_by_expert, stacked_qparams
 from .fused import fused_amax
 from .observers import memoryless_minmax
-from .observation import (ExpertCallHooks, Observing, capture_call, check_runtime_group, observing, raise_renamed,
-                          stop_capture, unrecognised_sites_error)
+from .observation import (ExpertCallHooks, Observing, capture_call, check_observation_weight, check_runtime_group,
+                          observing, raise_renamed, stop_capture, unrecognised_sites_error)
 from .recipe import Plan, Recipe, as_plan
 from ._warn import warn
 
@@ -74,11 +74,13 @@ def warn_training_mode(model: torch.nn.Module, caller: str) -> None:
 
 def batch_weight(observation_weight: Optional[Callable], batch, caller: str) -> Optional[torch.Tensor]:
     """``observation_weight(batch)`` (None without one); TypeError, after ``caller``, where it
-    returns something else than a tensor or None."""
+    returns something else than a tensor or None, ValueError where it holds a negative, NaN or
+    infinite value (`check_observation_weight`)."""
     weight = observation_weight(batch) if observation_weight is not None else None
     if weight is not None and not isinstance(weight, torch.Tensor):
         got = type(weight).__name__
         raise TypeError(f"{caller}: observation_weight(batch) must return a tensor or None, got {got}")
+    check_observation_weight(weight, f"{caller}: observation_weight(batch)")
     return weight
 
 

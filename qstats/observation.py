@@ -195,6 +195,29 @@ def weight_of(x: torch.Tensor, weight: torch.Tensor, flattened: bool = False) ->
     return (weight.reshape(-1) if flattened else weight).to(x.device)
 
 
+def check_observation_weight(weight, caller: str) -> None:
+    """TypeError, after ``caller``, for an observation weight that is neither a tensor nor None; ValueError
+    for one holding a negative, NaN or infinite value. A weight is a mask (0 leaves a row out, any other
+    value keeps it once), so such values, which every observer would keep as rows, are refused by name."""
+    if weight is None:
+        return
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{caller}: the observation weight must be a tensor or None, got {type(weight).__name__}")
+    if weight.dtype == torch.bool:
+        return
+    if weight.is_complex():
+        raise TypeError(f"{caller}: the observation weight must be a real (or bool) tensor, got {weight.dtype}")
+    bad = weight < 0
+    if weight.is_floating_point():
+        bad = bad | ~torch.isfinite(weight)
+    count = int(bad.sum())
+    if count:
+        raise ValueError(
+            f"{caller}: the observation weight of shape {tuple(weight.shape)} holds {count} negative, NaN or "
+            "infinite value(s); it is a mask: 0 leaves a row out, a positive value keeps it (once, whatever its size)"
+        )
+
+
 def autocast_off(device: torch.device):
     """A context disabling autocast on ``device`` where it is enabled (a model calibrated inside
     ``torch.autocast``): the hooks' observer updates (``hessian``'s ``X^T X``) then compute in their
@@ -650,8 +673,7 @@ class Observing:
     def weighted(self, weight: Optional[torch.Tensor]) -> Iterator[None]:
         """Forwards run inside use ``weight`` (e.g. the attention mask) as the observation weight
         of activation updates whose tensor starts with its dimensions: padding is not observed."""
-        if weight is not None and not isinstance(weight, torch.Tensor):
-            raise TypeError(f"observing: the observation weight must be a tensor or None, got {type(weight).__name__}")
+        check_observation_weight(weight, "observing")
         previous, previous_use = self._run.weight, self._run.weight_use  # a nested `weighted` keeps the outer's
         self._run.weight, self._run.weight_use = weight, [0, 0]
         try:

@@ -175,7 +175,9 @@ def _check_same_fields(a: Any, b: Any, where: str, prefix: str) -> None:
 def row_mask(x: torch.Tensor, weight: Optional[torch.Tensor], where: str) -> Optional[torch.Tensor]:
     """The per-row keep mask ``[rows]`` of a row ``weight`` (shape a prefix of ``x.shape[:-1]``;
     zero leaves a row out) over ``x`` flattened to ``[rows, features]``, or None; ``where`` names
-    the caller in the errors."""
+    the caller in the errors. The weight is a mask, as in every observer (``weight_view``): any
+    nonzero value keeps its row once, NaN and negative values too (checking them would read the
+    host in ``update``); `qstats.calibrate` and `qstats.observing` refuse such observation weights."""
     if weight is None:
         return None
     if not isinstance(weight, torch.Tensor):
