@@ -38,6 +38,7 @@ __all__ = [
     "own_parameters",
     "dispatch",
     "routing_mask",
+    "routed_slots",
     "stacked_observer",
     "stacked_qparams",
     "takes_routing",
@@ -212,6 +213,21 @@ def routing_mask(args: tuple, kwargs: dict, num_experts: int, tokens: int) -> Op
     """
     index, _ = _routing_tensors(args, kwargs, tokens)
     return None if index is None else _scatter_mask(index.transpose(0, 1), num_experts)
+
+
+def routed_slots(args: tuple, kwargs: dict, num_experts: int, tokens: int) -> Optional[torch.Tensor]:
+    """``[E, k * tokens]``: the routing of a call (`routing_mask`) over its slots, row ``j * tokens + t``
+    being token ``t`` in slot ``j``, when some token lists one expert in two slots (DeepSeek-V4's hash
+    routing: its experts' forward then runs that token twice through the expert); None otherwise (a
+    host read: whether any such repeat exists)."""
+    index, _ = _routing_tensors(args, kwargs, tokens)
+    if index is None or index.shape[1] < 2:
+        return None
+    ids = index.long().sort(dim=1).values
+    repeated = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0) & (ids[:, 1:] < num_experts)
+    if not bool(repeated.any()):
+        return None
+    return _scatter_mask(index.transpose(0, 1).reshape(1, -1), num_experts)
 
 
 def all_experts_calls(args: tuple, kwargs: dict, num_experts: int, tokens: int) -> Optional[list]:

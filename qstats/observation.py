@@ -33,6 +33,7 @@ from .experts import (
     ids_mask,
     own_parameters,
     parameter_input_site,
+    routed_slots,
     routing_mask,
     takes_routing,
     unstacked_parameter_problem,
@@ -378,9 +379,13 @@ class _RoutedInputSite(_RoutedSite):
                 "not be tokens (Llama 4 passes [E * tokens, hidden]): where every expert runs on the same "
                 "tokens, observe the input of the module that calls it (one state for all experts)"
             )
+        extra = self.run.weight_for(tokens, flattened=True)
+        slots = None if self.run.all_experts else routed_slots(args, kwargs, self.found.num_experts, tokens.shape[0])
         if self.run.all_experts:  # every token observed by every expert
             mask = torch.ones_like(mask)
-        extra = self.run.weight_for(tokens, flattened=True)
+        elif slots is not None:  # a token listing an expert twice is two rows of its matmul: one per slot
+            tokens, mask = tokens.repeat(slots.shape[1] // tokens.shape[0], 1), slots
+            extra = None if extra is None else extra.repeat(slots.shape[1] // extra.shape[0])
         if extra is not None:
             mask = mask * (extra != 0).to(mask.dtype)
         self.observe_rows(tokens, mask)
