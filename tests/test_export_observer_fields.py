@@ -151,6 +151,35 @@ def test_kv_cache_scheme_observer_equals_oneshot_and_reads_back(tmp_path, case):
     assert _observers(qstats.Recipe.from_compressed_tensors(written)) == _observers(recipe)
 
 
+
+def test_attention_group_kv_cache_scheme_names_the_observer_oneshot_names(tmp_path):
+    """A config group on the attention modules (static fp8 q/k/v inputs, observer left to llm-compressor's
+    default): oneshot fills ``"minmax"`` into the group's args, and compressed-tensors' kv_cache_scheme
+    is those args; the export wrote ``observer: null`` there (as for a bare kv-cache scheme)."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    fp8 = dict(num_bits=8, type="float", symmetric=True, strategy="tensor")
+    groups = {"attention": {"targets": ["re:.*self_attn$"], "input_activations": fp8},
+              "linear": {"targets": ["Linear"], "weights": {**fp8, "strategy": "channel"},
+                         "input_activations": {**fp8, "strategy": "token", "dynamic": True}}}
+    base, theirs = str(tmp_path / "base"), str(tmp_path / "theirs")
+    _llama(base)
+    llm_compressor_oneshot(_load(base), _samples(), QuantizationModifier(config_groups=groups, ignore=["lm_head"]),
+                           theirs)
+    with open(os.path.join(theirs, "config.json")) as file:
+        their_config = json.load(file)["quantization_config"]
+    model = _load(base)
+    model.set_attn_implementation("eager")
+    recipe = qstats.Recipe.from_compressed_tensors({"config_groups": groups, "ignore": ["lm_head"]})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*rotary embedding", UserWarning)
+        written = _export(model, recipe, str(tmp_path / "ours"))
+    their_attention = next(g for g in their_config["config_groups"].values() if g["weights"] is None)
+    our_attention = next(g for g in written["config_groups"].values() if g["weights"] is None)
+    assert their_config["kv_cache_scheme"]["observer"] == "minmax"
+    assert written["kv_cache_scheme"] == their_config["kv_cache_scheme"] == their_attention["input_activations"]
+    assert our_attention["input_activations"] == their_attention["input_activations"]
+
 def test_weights_searched_over_every_candidate_write_a_patience_llm_compressor_runs_to_the_same_scales(tmp_path):
     # qstats.mse on weights without a patience searches every candidate; the config said
     # {"patience": None}, on which llm-compressor's memoryless_mse raised a TypeError

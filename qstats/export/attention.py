@@ -131,7 +131,9 @@ def attention_config(attention: dict, groups: dict, modules: Optional[Mapping] =
             "output_activations": None,
             "format": "dense",  # as compressed-tensors infers it for a group without weights (oneshot writes it)
         }
-    if (name, kwargs) == ("minmax", {}):  # llm-compressor's default for static activations: oneshot writes none
+    if not query and (name, kwargs) == ("minmax", {}):
+        # llm-compressor's default for static activations: oneshot writes none for a kv-cache scheme, but the
+        # attention group's args it fills in (compressed-tensors' kv_cache_scheme is those args then)
         name = None
     return {**args, "observer": name, "observer_kwargs": kwargs}
 
