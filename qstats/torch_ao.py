@@ -9,6 +9,7 @@ docs/migrating_torch_ao.md.
 from __future__ import annotations
 
 import inspect
+import sys
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
@@ -519,7 +520,11 @@ def _spec_of(obs) -> QuantSpec:
     )
 
 
-_MINMAX_CLASSES = (ao.MinMaxObserver, ao.PerChannelMinMaxObserver)  # the moving averages derive from them
+def _classes(*names: str) -> tuple:
+    """torch.ao's observer classes of these ``names``, and torchao's PT2E copies of them (not
+    subclasses) where torchao is loaded: one of its observers exists only then."""
+    modules = [ao, sys.modules.get("torchao.quantization.pt2e.observer")]
+    return tuple(getattr(module, name) for module in modules if module is not None for name in names)
 
 
 def _extremes_state(fields, lo, hi) -> list:
@@ -589,7 +594,8 @@ def _histogram_state(obs, observer) -> HistogramState:
 
 
 def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 48):
-    """A calibrated torch.ao observer as ``(observer, spec, state)`` of qstats.
+    """A calibrated torch.ao observer (or torchao PT2E's copy of one) as ``(observer, spec, state)``
+    of qstats.
 
     The min-max and moving-average min-max observers (per tensor and per channel) convert
     exactly: further ``observer.update`` calls give torch.ao's qparams bit for bit; ``count`` is 1
@@ -599,13 +605,15 @@ def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 
     """
     if isinstance(obs, QstatsObserver):
         return obs.observer, obs.spec, obs.state
-    if not isinstance(obs, _MINMAX_CLASSES + (ao.HistogramObserver,)):
+    # the moving averages derive from the min-max classes
+    if not isinstance(obs, _classes("MinMaxObserver", "PerChannelMinMaxObserver", "HistogramObserver")):
         raise TypeError(
-            f"from_observer: cannot import a {type(obs).__name__}; expected a MinMaxObserver, "
-            "PerChannelMinMaxObserver, MovingAverage(PerChannel)MinMaxObserver or HistogramObserver"
+            f"from_observer: cannot import a {type(obs).__module__}.{type(obs).__name__}; expected torch.ao's "
+            "(or torchao PT2E's) MinMaxObserver, PerChannelMinMaxObserver, MovingAverage(PerChannel)MinMaxObserver "
+            "or HistogramObserver"
         )
     spec = _spec_of(obs)
-    if isinstance(obs, ao.HistogramObserver):
+    if isinstance(obs, _classes("HistogramObserver")):
         per_octave = buckets_per_octave_for_bins(obs.bins) if buckets_per_octave is None else buckets_per_octave
         observer = histogram(spec, per_octave, octaves)
         return observer, spec, _histogram_state(obs, observer)
@@ -615,7 +623,7 @@ def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 
             f"from_observer: the {type(obs).__name__} has seen no data (empty min_val); build the qstats state "
             "with observer.init(x) instead"
         )
-    moving = isinstance(obs, (ao.MovingAverageMinMaxObserver, ao.MovingAveragePerChannelMinMaxObserver))
+    moving = isinstance(obs, _classes("MovingAverageMinMaxObserver", "MovingAveragePerChannelMinMaxObserver"))
     observer = moving_average_minmax(spec, obs.averaging_constant) if moving else minmax(spec)
     state_type = MovingAverageMinMaxState if moving else MinMaxState
     return observer, spec, state_type._make(_extremes_state(state_type._fields, lo, hi))
