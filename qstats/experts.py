@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -261,7 +262,8 @@ def dispatch(tokens: torch.Tensor, mask: torch.Tensor, capacity: Optional[int] =
     weight 0. ``capacity`` ``C`` defaults to the largest token count (a host read; pass
     ``tokens.shape[0]`` to avoid it). With ``C`` at least every count, the statistics equal those of
     ``tokens`` weighted by ``mask``; a smaller ``C`` drops each expert's later tokens, as a
-    capacity-limited router does (``C = 0`` keeps none).
+    capacity-limited router does (``C = 0`` keeps none). ``C`` is any integer: a Python or numpy one,
+    or a 0-d integer tensor.
     """
     if mask.ndim != 2 or mask.shape[1] != tokens.shape[0]:
         raise ValueError(
@@ -269,11 +271,25 @@ def dispatch(tokens: torch.Tensor, mask: torch.Tensor, capacity: Optional[int] =
         )
     if capacity is None:
         capacity = max(1, int((mask != 0).sum(dim=1).max()) if mask.numel() else 1)
-    elif isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-        raise ValueError(f"dispatch: capacity must be an int >= 0 (rows kept per expert), got {capacity!r}")
+    else:
+        capacity = _capacity(capacity)
     capacity = min(capacity, tokens.shape[0])
     order = torch.argsort((mask != 0).to(torch.int8), dim=1, descending=True, stable=True)[:, :capacity]
     return tokens[order], torch.gather(mask, 1, order)
+
+
+def _capacity(capacity) -> int:
+    """``capacity`` as a Python int: any integer (a numpy integer, a 0-d integer tensor such as a
+    token count read from a mask) >= 0; ValueError for a bool, a float or a negative one."""
+    if isinstance(capacity, bool) or (isinstance(capacity, torch.Tensor) and (capacity.dtype == torch.bool or capacity.ndim)):
+        raise ValueError(f"dispatch: capacity must be an int >= 0 (rows kept per expert), got {capacity!r}")
+    try:
+        value = operator.index(capacity)
+    except TypeError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"dispatch: capacity must be an int >= 0 (rows kept per expert), got {capacity!r}")
+    return value
 
 
 def uncovered_experts(state) -> Optional[list]:

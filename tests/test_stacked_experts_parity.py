@@ -148,3 +148,19 @@ def test_dispatch_capacity_keeps_each_experts_first_tokens_against_torch_ao():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=r"dispatch: capacity must be an int >= 0"):
             qstats.experts.dispatch(tokens, mask, bad)
+
+
+def test_dispatch_capacity_takes_numpy_and_tensor_integers_as_the_python_int():
+    # a capacity read from a mask (a 0-d int64 tensor) or numpy was refused as "not an int"
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randn(9, 6, generator=g)
+    mask = (torch.rand(E, 9, generator=g) > 0.4).float()
+    for capacity in (np.int64(3), torch.tensor(3), (mask != 0).sum(dim=1).max()):
+        x, weight = qstats.experts.dispatch(tokens, mask, capacity)
+        kept = int(capacity)
+        for expert in range(E):  # each expert's first `kept` routed tokens, gathered by hand
+            first = tokens[mask[expert] != 0][:kept]
+            assert torch.equal(x[expert][weight[expert] != 0], first)
+    for bad in (torch.tensor(2.0), torch.tensor([2]), torch.tensor(True), np.float64(2.0), torch.tensor(-1)):
+        with pytest.raises(ValueError, match=r"dispatch: capacity must be an int >= 0"):
+            qstats.experts.dispatch(tokens, mask, bad)
