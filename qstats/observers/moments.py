@@ -218,17 +218,14 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="moments")
 
 
-def _as_float32_range(state: MomentsState, lo: torch.Tensor, hi: torch.Tensor, keep_zero: bool = True) -> Range:
-    """``[min(lo, 0), max(hi, 0)]`` in float32 (``[lo, hi]`` with ``keep_zero=False``: a
-    ``preserve_zero=False`` spec's range need not hold zero); calibrated where the state counted
-    values. ``k`` standard deviations may reach past float32 (float64 moments): the largest float32
-    there, not an infinite range that would read as uncalibrated."""
-    if keep_zero:
-        zero = torch.zeros_like(lo)
-        lo, hi = torch.minimum(lo, zero), torch.maximum(hi, zero)
+def _as_float32_range(state: MomentsState, lo: torch.Tensor, hi: torch.Tensor) -> Range:
+    """``[min(lo, 0), max(hi, 0)]`` in float32; calibrated where the state counted values. ``k``
+    standard deviations may reach past float32 (float64 moments): the largest float32 there, not
+    an infinite range that would read as uncalibrated."""
+    zero = torch.zeros_like(lo)
     largest = torch.finfo(torch.float32).max
-    lo = lo.clamp(min=-largest, max=largest).float()
-    hi = hi.clamp(min=-largest, max=largest).float()
+    lo = torch.minimum(lo, zero).clamp(min=-largest).float()
+    hi = torch.maximum(hi, zero).clamp(max=largest).float()
     return Range(lo, hi, state.count > 0)
 
 
@@ -244,7 +241,7 @@ def mean_std_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = N
     """``"mean_std"``: ``[mean - k * std, mean + k * std]`` (``k=3``; the population std of x, not Brevitas'
     ``MeanSigmaStd`` of |x|)."""
     k = _multiple(k, 3.0)
-    return _as_float32_range(state, state.mean - k * state.std, state.mean + k * state.std, spec.preserve_zero)
+    return _as_float32_range(state, state.mean - k * state.std, state.mean + k * state.std)
 
 
 def rms_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None) -> Range:

@@ -44,16 +44,10 @@ def check_int(name: str, value, low: int = 1, high: int = 1 << 20, where: str = 
         raise ValueError(f"{where}: {name} must be an int in [{low}, {high}], got {value!r}")
 
 
-def within_extremes(state, lo: torch.Tensor, hi: torch.Tensor, keep_zero: bool = True) -> Range:
-    """The searched range clamped into ``[min(min_val, 0), 0]`` and ``[0, max(max_val, 0)]`` (float32),
-    or with ``keep_zero=False`` (a ``preserve_zero=False`` spec, whose range need not hold zero) both
-    ends into ``[min_val, max_val]``; the extremes themselves where nothing was counted (they start at
-    +-inf: uncalibrated)."""
+def within_extremes(state, lo: torch.Tensor, hi: torch.Tensor) -> Range:
+    """The searched range clamped into ``[min(min_val, 0), 0]`` and ``[0, max(max_val, 0)]`` (float32);
+    the extremes themselves where nothing was counted (they start at +-inf: uncalibrated)."""
     calibrated = state.min_val <= state.max_val
-    if not keep_zero:
-        lo = torch.where(calibrated, torch.clamp(lo.float(), state.min_val, state.max_val), state.min_val)
-        hi = torch.where(calibrated, torch.clamp(hi.float(), state.min_val, state.max_val), state.max_val)
-        return Range(lo, hi, calibrated)
     zero = torch.zeros_like(state.min_val)
     lo = torch.where(calibrated, torch.clamp(lo.float(), torch.minimum(state.min_val, zero), zero), state.min_val)
     hi = torch.where(calibrated, torch.clamp(hi.float(), zero, torch.maximum(state.max_val, zero)), state.max_val)
