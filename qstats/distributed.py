@@ -1,9 +1,9 @@
 """Merging observer states across ``torch.distributed`` ranks with few collectives (docs/distributed.md).
 
 `all_reduce(tree, observers, group)` returns, on every rank, the merge of all ranks' states. States
-whose merge is elementwise (`register_reduce_ops`: min, max, sum) are packed into one flat bucket per
-``(op, dtype, device)`` and all-reduced; the others are gathered once and folded with ``obs.merge``
-in rank order. A 24-byte check first makes ranks passing different trees raise instead of hang.
+whose merge is elementwise (`register_reduce_ops`: min, max, sum) are packed into flat buckets per
+``(op, dtype, device)`` of at most 64 MiB and all-reduced; the others are gathered once and folded
+with ``obs.merge`` in rank order. A 24-byte check first makes ranks passing different trees raise instead of hang.
 
 >>> import torch, qstats
 >>> obs = qstats.minmax(qstats.QuantSpec())
@@ -336,8 +336,9 @@ def all_reduce(
 ) -> Any:
     """Merges the states in ``tree`` across all ranks of ``group``; every rank gets the result.
 
-    Costs 1 check + one ``all_reduce`` per elementwise bucket + one ``all_gather`` if some state folds
-    (minmax states: 1 + 2). Min/max/integer-sum states equal ``reduce(obs.merge, [s_rank0, ...])`` bit
+    Costs 1 check + one ``all_reduce`` per elementwise bucket (of at most 64 MiB, a larger field alone)
+    + one ``all_gather`` if some state folds (minmax states: 1 + 2). Memory: the states, their results
+    and one bucket (plus every rank's copy of the folded states). Min/max/integer-sum states equal ``reduce(obs.merge, [s_rank0, ...])`` bit
     for bit, as do folded ones; floating sums equal it up to rounding unless ``exact=True``.
 
     Args:
@@ -384,8 +385,15 @@ def all_reduce(
     return optree.tree_unflatten(treespec, new_states)
 
 
+# The most bytes one all_reduce packs several fields into: the result's fields own their memory, so
+# each is copied out of the reduced buffer, which (this size at most) lives beside them meanwhile. A
+# field as large alone is reduced in a buffer of its own that becomes the result: no copy.
+BUCKET_BYTES = 64 << 20
+
+
 def _reduce_elementwise(states, plan, group, results) -> None:
-    """One flat bucket per (op, dtype, device), one all_reduce each, into ``results``."""
+    """One all_reduce per (op, dtype, device) bucket of at most `BUCKET_BYTES` (a larger field
+    alone), into ``results``: the peak is the states, their results and one bucket."""
     buckets: dict[tuple, list[tuple[int, int, bool]]] = {}
     leaves = [_values(state) for state in states]
     for i, (state, ops) in enumerate(zip(states, plan)):
@@ -395,15 +403,33 @@ def _reduce_elementwise(states, plan, group, results) -> None:
             key, negate = _bucket_key(ops[field], value)
             buckets.setdefault(key, []).append((i, j, negate))
     for key in _bucket_order(buckets, _device_numbers(states)):
-        members = buckets[key]
-        parts = [leaves[i][j].reshape(-1) for i, j, _ in members]
-        flat = torch.cat([-part if negate else part for part, (_, _, negate) in zip(parts, members)])
-        dist.all_reduce(flat, op=getattr(dist.ReduceOp, _TORCH_OPS[key[0]]), group=group)
-        pieces = flat.split([leaves[i][j].numel() for i, j, _ in members])
-        for (i, j, negate), piece in zip(members, pieces):
-            piece = piece.reshape(leaves[i][j].shape)
-            # a field of its own, not a view of the bucket (which torch.save would write whole)
-            results[i][j] = -piece if negate else piece.clone()
+        for members in _bounded(buckets[key], leaves):
+            flat = torch.cat([leaves[i][j].reshape(-1) for i, j, _ in members])  # a copy: inputs stay as they are
+            sizes = [leaves[i][j].numel() for i, j, _ in members]
+            for (_, _, negate), piece in zip(members, flat.split(sizes)):
+                if negate:
+                    piece.neg_()  # max(x) == -min(-x), exactly
+            dist.all_reduce(flat, op=getattr(dist.ReduceOp, _TORCH_OPS[key[0]]), group=group)
+            for (i, j, negate), piece in zip(members, flat.split(sizes)):
+                # a field of its own, not a view of a shared buffer (which torch.save would write whole)
+                owned = piece if len(members) == 1 else piece.clone()
+                results[i][j] = (owned.neg_() if negate else owned).reshape(leaves[i][j].shape)
+
+
+def _bounded(members: list, leaves: list) -> list[list]:
+    """``members`` in consecutive runs of at most `BUCKET_BYTES` (a larger one alone); the same runs
+    on every rank, whose fields have the same shapes and dtypes (the check compares them)."""
+    runs: list[list] = []
+    size = 0
+    for member in members:
+        value = leaves[member[0]][member[1]]
+        nbytes = value.numel() * value.element_size()
+        if not runs or size + nbytes > BUCKET_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append(member)
+        size += nbytes
+    return runs
 
 
 def _bucket_order(keys, devices: dict) -> list:
@@ -422,7 +448,11 @@ def _gather_and_fold(states, plan, leaf_observers, group, world: int, results) -
     local = _pack([states[i] for i in folded])
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local, group=group)
-    per_rank = [_unpack(buffer, [states[i] for i in folded]) for buffer in gathered]
+    del local
+    per_rank = []
+    for rank in range(world):  # each buffer freed once copied into its states
+        per_rank.append(_unpack(gathered[rank], [states[i] for i in folded]))
+        gathered[rank] = None
     for k, i in enumerate(folded):  # in rank order
         merged = functools.reduce(leaf_observers[i].merge, [rank_states[k] for rank_states in per_rank])
         results[i] = _values(merged)
