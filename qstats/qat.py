@@ -187,9 +187,10 @@ def _check_extra(state, phase) -> None:
 class _FakeQuantPoint(nn.Module):
     """Graph node: observe and fake-quantize one tensor, reading and returning its state."""
 
-    def __init__(self, kind: str, key: str, observer: Observer, ste: str, grad_scale):
+    def __init__(self, kind: str, key: str, observer: Observer, ste: str, grad_scale, dynamic: bool):
         super().__init__()
         self.kind, self.key, self.observer, self.ste, self.grad_scale = kind, key, observer, ste, grad_scale
+        self.dynamic = dynamic  # the batch's own range, whatever the phase (`_dynamic`)
 
     def forward(self, x, state: QATState, phase: QATPhase, ranges, previous=None):
         # previous: the state returned by this layer's earlier call in the same pass (a module
@@ -199,7 +200,7 @@ class _FakeQuantPoint(nn.Module):
         if current is None:  # QATModel.init: size the state on the example input
             return x, self.observer.init(x) if previous is None else previous
         learned = (ranges or {}).get(self.kind, {}).get(self.key)
-        if _dynamic(self.kind, self.observer):  # the batch's own range, whatever the phase
+        if self.dynamic:
             current, previous, phase = self.observer.init(x), None, phase._replace(observe=True)
         return observe_fake_quantize(x, current if previous is None else previous, self.observer, phase,
                                      ste=self.ste, learned=learned, grad_scale=self.grad_scale)
@@ -210,15 +211,19 @@ _ROW_GRANULARITIES = (PerToken, PerRow, PerGroup, PerBlock)
 
 
 # torchao refuses range learning with is_dynamic: a range learned per row of one batch means nothing to another's
-_NO_RANGE_TO_LEARN = ("the activation ranges are dynamic (per token, row, group or block: each batch's own), so there is "
-                      "no range to learn (torchao refuses range_learning with is_dynamic)")
+_NO_RANGE_TO_LEARN = ("the activation ranges are dynamic (each batch's own: per token, row, group or block, or "
+                      "dynamic_activations=True), so there is no range to learn (torchao refuses range_learning "
+                      "with is_dynamic)")
 
 
-def _dynamic(kind: str, observer: Observer) -> bool:
-    """Activation ranges per token, row, group or block are dynamic (torchao's fake quantizers): each call
-    observes its own input into a fresh state, so the state's shape follows the batch's and frozen phases
-    do not apply (no other batch has the same rows)."""
-    return kind == "activations" and isinstance(getattr(observer.spec, "granularity", None), _ROW_GRANULARITIES)
+def _dynamic(kind: str, observer: Optional[Observer], dynamic_activations: bool) -> bool:
+    """Whether the points of ``kind`` are dynamic: each call observes its own input into a fresh state,
+    whatever the phase, so the state's shape follows the batch's. Activation ranges per token, row, group
+    or block always are (torchao's fake quantizers: no other batch has the same rows), every activation
+    range with ``dynamic_activations`` (coreai_opt's "dynamic" calculators, compressed-tensors' dynamic)."""
+    if kind != "activations" or observer is None:
+        return False
+    return dynamic_activations or isinstance(getattr(observer.spec, "granularity", None), _ROW_GRANULARITIES)
 
 
 class _BatchNormPoint(nn.Module):
@@ -282,12 +287,16 @@ class QATModel:
         returns ``(output, new_state_dict)``. It shares the original model's parameters and names.
       weight_observer, activation_observer: the observers (their specs are the targets).
       layers: names of the quantized layers; ``batchnorm_layers``: names of batch-norm layers.
+      dynamic_activations: whether every activation range is each batch's own (`prepare`).
     """
 
-    def __init__(self, module, weight_observer, activation_observer, layers, batchnorm_layers, aliases=None):
+    def __init__(self, module, weight_observer, activation_observer, layers, batchnorm_layers, aliases=None,
+                 dynamic_activations: bool = False):
         self.module = module
         self.weight_observer = weight_observer
         self.activation_observer = activation_observer
+        # whether the activation points are dynamic (`_dynamic`: the granularity's, or prepare's flag)
+        self.dynamic_activations = _dynamic("activations", activation_observer, dynamic_activations)
         self.layers = tuple(layers)
         self.batchnorm_layers = tuple(batchnorm_layers)
         # the model's names of a module registered several times, which ``module`` lacks -> the name it has
@@ -396,7 +405,7 @@ class QATModel:
                     f"QATModel.apply: ranges[{kind!r}] names {unknown}, but the model fake-quantizes the {kind} of "
                     f"{sorted(expected)}"
                 )
-            if given and _dynamic(kind, self.activation_observer):
+            if given and kind == "activations" and self.dynamic_activations:
                 raise ValueError(f"QATModel.apply: ranges[{kind!r}] gives learned ranges, but {_NO_RANGE_TO_LEARN}")
 
     def _state_keys(self) -> Dict[str, tuple]:
@@ -418,7 +427,7 @@ class QATModel:
         observers = {"activations": self.activation_observer, "weights": self.weight_observer if weights else None}
         # dynamic states hold one batch's ranges, which no other rank's batch shares
         observers = {kind: observer for kind, observer in observers.items()
-                     if observer is not None and not _dynamic(kind, observer)}
+                     if observer is not None and not (kind == "activations" and self.dynamic_activations)}
         try:
             self._check_inputs({}, state, "QATModel.sync")
         except (TypeError, ValueError) as error:
@@ -438,7 +447,7 @@ class QATModel:
         row, group or block) have none: ValueError unless ``activations=False``."""
         kinds = (("weights", weights, self.weight_observer),
                  ("activations", activations, self.activation_observer))
-        if activations and self.activation_observer is not None and _dynamic("activations", self.activation_observer):
+        if activations and self.dynamic_activations:
             raise ValueError(f"QATModel.learnable_ranges: {_NO_RANGE_TO_LEARN}; pass activations=False")
         return {kind: {key: _learnable(value, observer.spec, f"the {kind[:-1]} of {key!r}")
                        for key, value in getattr(state, kind).items()}
@@ -462,13 +471,16 @@ def prepare(
     layers: Tuple[type, ...] = _DEFAULT_LAYERS,
     ste: str = "clipped",
     grad_scale="torch_ao",
+    dynamic_activations: bool = False,
 ) -> QATModel:
     """Rewrites ``model`` (with ``torch.fx.symbolic_trace``) for pure QAT; ``model`` is not modified.
 
     The weight of every layer of a type in ``layers`` (Linear, Conv1d/2d/3d by default) goes through
     ``weight_observer`` and its input through ``activation_observer`` (None: leave that kind in float).
     Batch-norm layers become pure functions of a `BatchNormState`. A layer called several times per
-    forward keeps one state per kind (docs/qat.md).
+    forward keeps one state per kind (docs/qat.md). Activation ranges per token, row, group or block are
+    each batch's own, whatever the phase; ``dynamic_activations=True`` makes every activation range so
+    (coreai_opt's "dynamic" calculators), per tensor and per channel too.
 
     >>> import torch, qstats
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
@@ -489,12 +501,15 @@ def prepare(
             raise TypeError(f"qstats.qat.prepare: {name} must be a qstats Observer or None, got {type(observer).__name__}")
     _check_ste(ste)
     check_grad_scale(grad_scale)
+    if not isinstance(dynamic_activations, bool):
+        raise TypeError(f"qstats.qat.prepare: dynamic_activations must be True or False, got {dynamic_activations!r}")
     if isinstance(layers, (type, list)):  # one type, or a list of them
         layers = (layers,) if isinstance(layers, type) else tuple(layers)
     if not (isinstance(layers, tuple) and layers and all(isinstance(t, type) and issubclass(t, nn.Module) for t in layers)):
         raise TypeError(f"qstats.qat.prepare: layers must be nn.Module subclasses (Linear, Conv1d/2d/3d), got {layers!r}")
     _refuse_stacked_experts(model)
-    rewriter = _Rewriter(_trace(model, layers), weight_observer, activation_observer, ste, grad_scale)
+    rewriter = _Rewriter(_trace(model, layers), weight_observer, activation_observer, ste, grad_scale,
+                         _dynamic("activations", activation_observer, dynamic_activations))
     hidden = {}  # layers inside modules that torch.fx keeps whole (torch.nn's Transformer layers)
     for node in list(rewriter.graph.nodes):
         if node.op == "call_function" and node.target in _FUNCTIONAL_LAYERS:
@@ -516,7 +531,7 @@ def prepare(
         raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}")
     module = rewriter.finish()
     return QATModel(module, weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms,
-                    _aliases(model, module))
+                    _aliases(model, module), dynamic_activations)
 
 
 def _aliases(model: nn.Module, module: nn.Module) -> Dict[str, str]:
@@ -634,10 +649,10 @@ class _Rewriter:
     pure points that take the QAT state, phase and ranges (new placeholders) and return the new
     state, which the graph's output carries beside the model's."""
 
-    def __init__(self, gm, weight_observer, activation_observer, ste, grad_scale):
+    def __init__(self, gm, weight_observer, activation_observer, ste, grad_scale, dynamic_activations: bool):
         self.gm, self.graph = gm, gm.graph
         self.observers = {"weights": weight_observer, "activations": activation_observer}
-        self.ste, self.grad_scale = ste, grad_scale
+        self.ste, self.grad_scale, self.dynamic_activations = ste, grad_scale, dynamic_activations
         placeholders = [node for node in self.graph.nodes if node.op == "placeholder"]
         if not placeholders:
             raise ValueError("qstats.qat.prepare: the model's forward takes no inputs")
@@ -669,7 +684,8 @@ class _Rewriter:
         observer = self.observers[kind]
         if observer is None:
             return value
-        point = _FakeQuantPoint(kind, key, observer, self.ste, self.grad_scale)
+        point = _FakeQuantPoint(kind, key, observer, self.ste, self.grad_scale,
+                                kind == "activations" and self.dynamic_activations)
         return self._point(kind, key, point, (value, self.state, self.phase, self.ranges))
 
     def _quantized_inputs(self, node, key: str, x, weight):

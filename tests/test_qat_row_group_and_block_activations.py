@@ -4,6 +4,7 @@ they are dynamic: each batch observes its own, over batches of any shape and in 
 torchao's fake quantizers (qstats sized the state on the first batch: a batch of another shape raised
 a shape error, and a frozen phase would have kept another batch's rows)."""
 
+import copy
 import warnings
 
 import pytest
@@ -133,3 +134,46 @@ def test_dynamic_activation_ranges_have_no_range_to_learn(granularity):
     ranges = {"activations": {"0": qstats.lsq_init(state.activations["0"], spec)}}
     with pytest.raises(ValueError, match="dynamic"):
         qat.apply(qat.params(), state, x, ranges=ranges)
+
+
+def test_dynamic_per_tensor_activations_keep_observing_after_the_freeze_as_coreai_opts():
+    # coreai_opt's "dynamic" calculators recompute every forward and ignore disable_observer; its
+    # "static" weight calculator freezes (qstats froze both: no way to keep per-tensor ones dynamic)
+    pytest.importorskip("coreai_opt")
+    from coreai_opt.quantization import ExecutionMode, ModuleQuantizerConfig, Quantizer, QuantizerConfig
+    from coreai_opt.quantization.config import QATSchedule
+    from coreai_opt.quantization.config.quantization_config import OpQuantizerConfig
+    from coreai_opt.quantization.spec.spec import QuantizationSpec
+
+    activation = QuantizationSpec(dtype=torch.int8, qscheme="asymmetric", qparam_calculator_cls="dynamic")
+    weight = QuantizationSpec(dtype=torch.int8, qscheme="symmetric", granularity={"type": "per_channel", "axis": 0},
+                              qparam_calculator_cls="static")
+    linear = OpQuantizerConfig(op_input_spec={0: activation}, op_state_spec={"weight": weight}, op_output_spec={0: None})
+    schedule = QATSchedule(enable_observer=0, enable_fake_quant=0, disable_observer=2)
+    config = QuantizerConfig(global_config=ModuleQuantizerConfig(op_type_config={"linear": linear}, qat_schedule=schedule),
+                             execution_mode=ExecutionMode.EAGER)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    quantizer = Quantizer(copy.deepcopy(model), config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = quantizer.prepare((torch.randn(2, 8),))
+    activation_spec = qstats.QuantSpec.from_coreai_opt(activation, target="activation")
+    weight_spec = qstats.QuantSpec.from_coreai_opt(weight, shape=(4, 8))
+    qat = qstats.qat.prepare(model, qstats.memoryless_minmax(weight_spec), qstats.memoryless_minmax(activation_spec),
+                             dynamic_activations=True)
+    ours = qstats.QATSchedule(0, 0, 2)
+    state = qat.init(torch.zeros(2, 8))
+    g = torch.Generator().manual_seed(1)
+    with quantizer.training_mode(), torch.no_grad():
+        for step in range(5):
+            x = torch.randn(3, 8, generator=g) * (step + 1)
+            out, new_state = qat.apply(qat.params(), state, x, phase=ours(step))
+            assert torch.equal(out, reference(x))
+            if step >= 2:  # the weights' range is frozen, the activations' the batch's own
+                assert torch.equal(new_state.weights["0"].max_val, state.weights["0"].max_val)
+                assert torch.equal(new_state.activations["0"].max_val, x.max())
+            state = new_state
+            quantizer.step()
+    with pytest.raises(TypeError, match="dynamic_activations"):
+        qstats.qat.prepare(model, None, qstats.memoryless_minmax(activation_spec), dynamic_activations=None)
