@@ -265,6 +265,11 @@ def _check_storable(tensors: dict[str, torch.Tensor]) -> None:
                 f"qstats.io: tensor {key!r} has dtype {tensor.dtype}, which a safetensors file cannot hold "
                 "(dequantize it, or save its int_repr() and qparams)"
             )
+        if tensor.dim() == 0 and tensor.dtype == getattr(torch, "float4_e2m1fn_x2", None):
+            raise TypeError(
+                f"qstats.io: tensor {key!r} is a 0-dimensional {tensor.dtype}, which a safetensors file cannot "
+                "hold (it stores the two 4-bit values of each byte along the last dimension): save it reshaped to (1,)"
+            )
 
 
 _FOREIGN_MAGIC = (  # the first bytes of other files a checkpoint path may name by mistake

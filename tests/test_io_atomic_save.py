@@ -121,3 +121,21 @@ def test_a_refused_tree_or_folder_writes_nothing(tmp_path):
         qstats.save(tmp_path, _state([0.0]))
     _assert_holds(path, [-1.0, 2.0])
     assert os.listdir(tmp_path) == ["stats.safetensors"]
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="torch without float4_e2m1fn_x2")
+def test_a_0_dimensional_float4_pair_is_named_before_writing(tmp_path):
+    """safetensors cannot write it (a sub-byte slice off a byte boundary): save called that a failed
+    write (OSError "could not write"), sending the user to look at the disk."""
+    pair = torch.tensor(0x21, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    with pytest.raises(safetensors.SafetensorError, match="byte boundary"):  # the reference refuses it too
+        safetensors.torch.save_file({"t": pair}, str(tmp_path / "raw"))
+    path = tmp_path / "stats.safetensors"
+    qstats.save(path, _state([-1.0, 2.0]))
+    with pytest.raises(TypeError, match="0-dimensional torch.float4_e2m1fn_x2"):
+        qstats.save(path, {"t": pair})
+    _assert_holds(path, [-1.0, 2.0])
+    reshaped = pair.reshape(1)  # the way out the message names
+    qstats.save(path, {"t": reshaped})
+    loaded = qstats.load(path)["t"]
+    assert loaded.shape == (1,) and torch.equal(loaded.view(torch.uint8), reshaped.view(torch.uint8))
