@@ -370,6 +370,8 @@ class QstatsObserver(ao.ObserverBase):
                               error_msgs):
         # a torch.ao observer's entries (min_val/max_val or histogram, eps) become this state's fields
         state_dict = _state_dict_of_torch_ao(self, state_dict, prefix, error_msgs)
+        if _per_channel_into_per_tensor(self, state_dict, prefix, error_msgs):
+            return  # left as it was, as torch.ao leaves a buffer of another size
         # the buffers take the shapes and dtypes of the loaded state (empty before the first forward)
         for name in self._fields:
             key = prefix + name
@@ -405,6 +407,25 @@ def _check_torch_ao_bins(bins, state_type) -> Optional[int]:
         raise ValueError(f"QstatsObserver: torch_ao_bins must be a positive int (torch.ao's HistogramObserver "
                          f"bins), got {bins!r}")
     return bins
+
+
+def _per_channel_into_per_tensor(module: QstatsObserver, state_dict, prefix: str, error_msgs: list) -> bool:
+    """True, with an error, where ``state_dict`` holds extremes with a channel dimension (torch.ao's
+    ``PerChannelMinMaxObserver``, a per-channel drop-in) for a per-tensor ``module``: they loaded,
+    and its per-tensor qscheme returned one scale per channel (torch.ao's ``MinMaxObserver``
+    refuses the size)."""
+    if module.spec is None or not isinstance(module.spec.granularity, PerTensor):
+        return False
+    for name in [name for name in module._fields if name in ("min_val", "max_val")]:
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 0:
+            error_msgs.append(
+                f"QstatsObserver: {prefix}{name} of shape {tuple(value.shape)} is a per-channel state; this observer "
+                f"quantizes per tensor ({module.qscheme}): load it into a per-channel one (qscheme="
+                "torch.per_channel_affine or per_channel_symmetric, and its ch_axis)"
+            )
+            return True
+    return False
 
 
 _EXTREMES_FIELDS = {"min_val", "max_val", "count", "batches", "nonfinite"}
