@@ -224,8 +224,26 @@ def from_state_dict(state_dict: dict) -> Any:
 
 
 def _checksum(tensor: torch.Tensor) -> str:
-    data = _dense_cpu(tensor).reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = _dense_cpu(tensor).reshape(-1).view(torch.uint8).numpy()  # read in place, not copied to bytes
     return f"{zlib.crc32(data):08x}"
+
+
+def _unshared_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Dense CPU tensors, none sharing storage with another (safetensors refuses that): a CPU tensor
+    that spans its storage alone is written as it is, the others are copied (not the whole tree, which
+    would double the memory a save takes)."""
+    out = {}
+    owners: set = set()
+    for key, tensor in tensors.items():
+        dense = _dense_cpu(tensor)
+        storage = dense.untyped_storage()
+        whole = dense.storage_offset() == 0 and storage.nbytes() == dense.numel() * dense.element_size()
+        if not whole or storage.data_ptr() in owners:  # a view into more, or a storage already written
+            dense = dense.clone()
+        elif storage.nbytes():
+            owners.add(storage.data_ptr())
+        out[key] = dense
+    return out
 
 
 def _layout_checksum(structure: str, checksums: str, tensors: dict[str, torch.Tensor]) -> str:
@@ -340,8 +358,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     """
     state_dict = to_state_dict(tree)
     _check_storable(state_dict["tensors"])
-    # Own contiguous CPU copies: safetensors refuses tensors that share storage.
-    tensors = {key: _dense_cpu(t).clone() for key, t in state_dict["tensors"].items()}
+    tensors = _unshared_cpu(state_dict["tensors"])
     metadata = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
