@@ -94,3 +94,22 @@ def test_asymmetric_weight_ranges_keep_their_zero_point_where_torchao_truncates_
     ours = qstats.fake_quantize(w, qp, spec)
     steps = qp.scale.repeat_interleave(w.shape[1] // qp.scale.shape[-1], -1) if group else qp.scale[:, None]
     assert ((ours - w).abs() <= steps / 2 * (1 + 1e-6)).all()  # nothing clipped: half a step at most
+
+
+def test_a_negative_learned_scale_is_read_as_eps_where_torchao_mirrors_the_grid():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 64, generator=g)
+    config = IntxFakeQuantizeConfig(torch.int4, group_size=32, is_dynamic=False, range_learning=True)
+    quantizer = IntxFakeQuantizer(config)
+    quantizer._initialized = True
+    quantizer(w)  # initialises the learned scale from w
+    scale = quantizer.scale.detach().clone()
+    with torch.no_grad():
+        quantizer.scale.neg_()  # as a large optimizer step leaves it
+    theirs = quantizer(w).detach()
+    step = -scale.repeat_interleave(32, 1)
+    assert torch.equal(theirs, torch.clamp(torch.round(w * (1.0 / step)), -8, 7) * step)  # the raw negative scale
+    assert theirs.max() > 7 * -step.min()  # codes -8..7 of a negative scale: the grid mirrored, up to 8 |s|
+    spec = qstats.QuantSpec.from_torchao(torch.int4, mapping_type=MappingType.SYMMETRIC, granularity=PerGroup(32))
+    ours = qstats.lsq_fake_quantize(w, qstats.LSQParams(-scale, torch.zeros_like(scale)), spec)
+    assert (ours.abs() <= 8 * spec.eps).all()  # as torch.ao's _LearnableFakeQuantize, which clamps to eps
