@@ -113,3 +113,20 @@ def test_a_negative_learned_scale_is_read_as_eps_where_torchao_mirrors_the_grid(
     spec = qstats.QuantSpec.from_torchao(torch.int4, mapping_type=MappingType.SYMMETRIC, granularity=PerGroup(32))
     ours = qstats.lsq_fake_quantize(w, qstats.LSQParams(-scale, torch.zeros_like(scale)), spec)
     assert (ours.abs() <= 8 * spec.eps).all()  # as torch.ao's _LearnableFakeQuantize, which clamps to eps
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_non_finite_value_leaves_the_rest_of_its_token_finite_where_torchaos_row_is_nan(value):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=g)
+    x[1, 5] = value
+    config = IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False)
+    theirs = IntxFakeQuantizer(config)(x)
+    assert torch.isnan(theirs[1]).all() and torch.isfinite(theirs[[0, 2, 3]]).all()
+    spec = qstats.QuantSpec.from_torchao(torch.int8, mapping_type=MappingType.ASYMMETRIC, granularity=PerToken())
+    ours, _ = _ours(x, spec, torch.ones_like(x))
+    assert torch.equal(ours[[0, 2, 3]], theirs[[0, 2, 3]])
+    others = torch.ones(64, dtype=torch.bool)
+    others[5] = False
+    assert torch.isfinite(ours[1, others]).all()  # the row's range is that of its finite values
+    assert torch.isnan(ours[1, 5]) if value != value else ours[1, 5] == ours[1].max()  # Inf saturates
