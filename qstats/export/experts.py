@@ -60,6 +60,14 @@ def fill_uncovered_experts(qp: Optional[QParams], spec: Optional[QuantSpec] = No
     return qp._replace(**{name: fill(getattr(qp, name)) for name in filled})
 
 
+def _per_expert_global_scale(qp: Optional[QParams], num_experts: int) -> Optional[QParams]:
+    """``qp`` with one global scale per expert: a single one (compressed-tensors' shape ``(1,)``, or a
+    scalar, as `qstats.fused_global_scale` gives one over the experts) is shared by every expert."""
+    if qp is None or qp.global_scale is None or qp.global_scale.numel() != 1:
+        return qp
+    return qp._replace(global_scale=qp.global_scale.reshape(1).expand(num_experts))
+
+
 def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) -> QParams:
     """The qparams of rows ``start:stop`` of a weight whose qparams are ``qp`` (one expert)."""
     granularity = spec.granularity
@@ -126,6 +134,9 @@ def _stacked_parameters(path: str, module: torch.nn.Module, sites: Mapping, num_
             if qp.scale.dim() < 1 or qp.scale.shape[0] != num_experts:
                 fail(f"{path}/{site}", f"stacked qparams need a leading expert dimension {num_experts}, "
                      f"got scale of shape {tuple(qp.scale.shape)}")
+            if qp.global_scale is not None and qp.global_scale.numel() not in (1, num_experts):
+                fail(f"{path}/{site}", f"global_scale of shape {tuple(qp.global_scale.shape)} is neither one value "
+                     f"shared by the experts nor one per expert ([{num_experts}])")
     return first, up.detach(), down.detach()
 
 
@@ -149,6 +160,7 @@ def expert_entries(
     input_dynamic = (
         input_spec is not None and quantization_args(input_spec, "input", path, input_name in dynamic)["dynamic"] is True
     )
+    sites = {site: _per_expert_global_scale(qp, num_experts) for site, qp in sites.items()}
     sites = {site: fill_uncovered_experts(qp, specs.get(site)) if site in _INPUT_SITES else qp
              for site, qp in sites.items()}
 
