@@ -404,7 +404,8 @@ def _reduce_elementwise(states, plan, group, results) -> None:
             buckets.setdefault(key, []).append((i, j, negate))
     for key in _bucket_order(buckets, _device_numbers(states)):
         for members in _bounded(buckets[key], leaves):
-            flat = torch.cat([leaves[i][j].reshape(-1) for i, j, _ in members])  # a copy: inputs stay as they are
+            # a copy (inputs stay as they are), without autograd history: the collective is not differentiable
+            flat = torch.cat([leaves[i][j].detach().reshape(-1) for i, j, _ in members])
             sizes = [leaves[i][j].numel() for i, j, _ in members]
             for (_, _, negate), piece in zip(members, flat.split(sizes)):
                 if negate:

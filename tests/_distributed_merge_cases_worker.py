@@ -71,6 +71,17 @@ def empty_states(rank: int) -> dict:
     return {"minmax": (minmax.update(minmax.init(x), x), minmax), "moving": (moving.update(moving.init(x), x), moving)}
 
 
+def learnable_states(rank: int) -> dict:
+    """States whose float fields require grad (an observer that does not detach its input)."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    minmax, histogram = qstats.minmax(qstats.QuantSpec()), qstats.histogram(qstats.QuantSpec(), octaves=8)
+    out = {}
+    for name, obs in (("minmax", minmax), ("histogram", histogram)):
+        state = obs.update(obs.init(x), x)
+        out[name] = (type(state)(*(v.clone().requires_grad_(True) if v.is_floating_point() else v for v in state)), obs)
+    return out
+
+
 def bad_trees(rank: int) -> dict:
     """name -> (tree, observers): one rank's input is bad; every rank must raise, none wait."""
     obs = qstats.minmax(qstats.QuantSpec(granularity=qstats.PerAxis(0)))
@@ -97,6 +108,9 @@ def _merge_all(rank: int, results: dict) -> None:
     for exact in (False, True):
         merged = qstats.distributed.all_reduce(states, observers, exact=exact)
         results[f"cases/exact={exact}"] = {name: _leaves(state) for name, state in merged.items()}
+    grad = learnable_states(rank)
+    merged = qstats.distributed.all_reduce({k: s for k, (s, _) in grad.items()}, {k: o for k, (_, o) in grad.items()})
+    results["learnable"] = {name: _leaves(state) for name, state in merged.items()}
     empty = empty_states(rank)
     merged = qstats.distributed.all_reduce({k: s for k, (s, _) in empty.items()}, {k: o for k, (_, o) in empty.items()})
     results["empty"] = {name: _leaves(state) for name, state in merged.items()}

@@ -79,6 +79,10 @@ def _assert_equal_to_sequential(got: dict, bit_exact: bool):
 def test_every_observer_plain_and_stacked_equals_the_sequential_merge(ranks, exact):
     for result in ranks:
         _assert_equal_to_sequential(result[f"cases/exact={exact}"], bit_exact=exact)
+    for result in ranks[1:]:  # every rank gets the same result, float sums included
+        for name, leaves in result[f"cases/exact={exact}"].items():
+            for a, b in zip(leaves, ranks[0][f"cases/exact={exact}"][name]):
+                assert torch.equal(_bits(a), _bits(b)), name
 
 
 def test_buckets_split_into_small_all_reduces_equal_the_sequential_merge(ranks):
@@ -102,12 +106,16 @@ def test_a_field_larger_than_a_bucket_is_reduced_alone_in_the_buffer_that_become
                     assert (size, address) in buffers, (name, size)
 
 
-def test_states_without_elements_merge(ranks):
-    per_rank = [worker.empty_states(rank) for rank in range(worker.WORLD)]
+@pytest.mark.parametrize("kind", ["empty", "learnable"])
+def test_states_without_elements_or_with_fields_requiring_grad_merge(ranks, kind):
+    """States of zero channels; states whose fields require grad (negating a max field in place in
+    the reduced buffer refused those)."""
+    make = worker.empty_states if kind == "empty" else worker.learnable_states
+    per_rank = [make(rank) for rank in range(worker.WORLD)]
     for name, (_, obs) in per_rank[0].items():
         want = optree.tree_leaves(functools.reduce(obs.merge, [states[name][0] for states in per_rank]))
         for result in ranks:
-            got = result["empty"][name]
+            got = result[kind][name]
             assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want], name
             assert all(torch.equal(a, b) for a, b in zip(got, want)), name
 
