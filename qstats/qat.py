@@ -216,12 +216,12 @@ _NO_RANGE_TO_LEARN = ("the activation ranges are dynamic (each batch's own: per 
                       "with is_dynamic)")
 
 
-def _dynamic(kind: str, observer: Optional[Observer], dynamic_activations: bool) -> bool:
-    """Whether the points of ``kind`` are dynamic: each call observes its own input into a fresh state,
-    whatever the phase, so the state's shape follows the batch's. Activation ranges per token, row, group
-    or block always are (torchao's fake quantizers: no other batch has the same rows), every activation
-    range with ``dynamic_activations`` (coreai_opt's "dynamic" calculators, compressed-tensors' dynamic)."""
-    if kind != "activations" or observer is None:
+def _dynamic(observer: Optional[Observer], dynamic_activations: bool) -> bool:
+    """Whether the activation points are dynamic: each call observes its own input into a fresh state,
+    whatever the phase, so the state's shape follows the batch's. Ranges per token, row, group or block
+    always are (torchao's fake quantizers: no other batch has the same rows), every range with
+    ``dynamic_activations`` (coreai_opt's "dynamic" calculators, compressed-tensors' dynamic)."""
+    if observer is None:
         return False
     return dynamic_activations or isinstance(getattr(observer.spec, "granularity", None), _ROW_GRANULARITIES)
 
@@ -287,7 +287,7 @@ class QATModel:
         returns ``(output, new_state_dict)``. It shares the original model's parameters and names.
       weight_observer, activation_observer: the observers (their specs are the targets).
       layers: names of the quantized layers; ``batchnorm_layers``: names of batch-norm layers.
-      dynamic_activations: whether every activation range is each batch's own (`prepare`).
+      dynamic_activations: whether the activation ranges are each batch's own (`prepare`).
     """
 
     def __init__(self, module, weight_observer, activation_observer, layers, batchnorm_layers, aliases=None,
@@ -296,7 +296,7 @@ class QATModel:
         self.weight_observer = weight_observer
         self.activation_observer = activation_observer
         # whether the activation points are dynamic (`_dynamic`: the granularity's, or prepare's flag)
-        self.dynamic_activations = _dynamic("activations", activation_observer, dynamic_activations)
+        self.dynamic_activations = _dynamic(activation_observer, dynamic_activations)
         self.layers = tuple(layers)
         self.batchnorm_layers = tuple(batchnorm_layers)
         # the model's names of a module registered several times, which ``module`` lacks -> the name it has
@@ -418,7 +418,7 @@ class QATModel:
         """Merges the activation observer states across the ranks of ``group`` (one
         `qstats.distributed.all_reduce`), so every rank fake-quantizes with and freezes the same ranges.
         Call it on every rank where ``schedule.sync_at(step)``; weight states too with ``weights=True``;
-        batch norm and dynamic (per-token, -row, -group, -block) activation states are not synchronised.
+        batch norm and dynamic activation states (`prepare`) are not synchronised.
         Without a process group the state is returned unchanged.
         Which collectives it calls depends on the model only, never on ``state``: a rank whose state is
         not a `QATState` of the model's layers raises its error, and every other rank a ValueError,
@@ -443,8 +443,8 @@ class QATModel:
 
     def learnable_ranges(self, state: QATState, weights: bool = False, activations: bool = True):
         """LSQ/LSQ+ ranges initialised from the observer states (detached float32 copies with
-        ``requires_grad=True``), in the ``ranges`` format of `apply`. Dynamic activation ranges (per token,
-        row, group or block) have none: ValueError unless ``activations=False``."""
+        ``requires_grad=True``), in the ``ranges`` format of `apply`. Dynamic activation ranges (`prepare`)
+        have none: ValueError unless ``activations=False``."""
         kinds = (("weights", weights, self.weight_observer),
                  ("activations", activations, self.activation_observer))
         if activations and self.dynamic_activations:
@@ -509,7 +509,7 @@ def prepare(
         raise TypeError(f"qstats.qat.prepare: layers must be nn.Module subclasses (Linear, Conv1d/2d/3d), got {layers!r}")
     _refuse_stacked_experts(model)
     rewriter = _Rewriter(_trace(model, layers), weight_observer, activation_observer, ste, grad_scale,
-                         _dynamic("activations", activation_observer, dynamic_activations))
+                         _dynamic(activation_observer, dynamic_activations))
     hidden = {}  # layers inside modules that torch.fx keeps whole (torch.nn's Transformer layers)
     for node in list(rewriter.graph.nodes):
         if node.op == "call_function" and node.target in _FUNCTIONAL_LAYERS:
