@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.ao.quantization as tq
-from torch.ao.quantization.quantize_fx import convert_to_reference_fx, prepare_fx
+from torch.ao.quantization.quantize_fx import convert_fx, convert_to_reference_fx, prepare_fx
 
 from qstats import torch_ao
 
@@ -37,3 +37,37 @@ def test_per_channel_conv_transpose_weights_quantize_along_ch_axis(ch_axis):
     expected = torch.fake_quantize_per_channel_affine(weight, scale, zero_point.int(), ch_axis, -128, 127)
     assert int(reference.get_submodule("0").weight_axis) == ch_axis
     assert torch.equal(reference.get_submodule("0").get_weight(), expected)
+
+
+@pytest.fixture
+def engine():
+    """Sets torch.ao's quantized engine for the test, and restores it."""
+    before = torch.backends.quantized.engine
+
+    def use(name):
+        if name not in torch.backends.quantized.supported_engines:
+            pytest.skip(f"no {name} engine")
+        torch.backends.quantized.engine = name
+
+    yield use
+    torch.backends.quantized.engine = before
+
+
+def test_native_kernels_on_per_channel_conv_transpose_weights(engine):
+    """qnnpack's kernel takes per-channel weights along the output channels (ch_axis 1, groups 1) and
+    agrees with the reference model to one output step (integer against float accumulation, as for
+    its per-tensor weights); fbgemm's refuses them."""
+    arguments = dict(dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=1)
+    x = torch.randn(2, 4, 5, 5, generator=torch.Generator().manual_seed(1))
+    engine("qnnpack")
+    prepared, _ = _prepared(torch_ao.QstatsObserver.with_args(**arguments), torch_ao.default_observer)
+    prepared(x)
+    native = convert_fx(copy.deepcopy(prepared))(x)
+    difference = (native - convert_to_reference_fx(copy.deepcopy(prepared))(x)).abs().max()
+    output_scale = float(prepared.activation_post_process_1.calculate_qparams()[0])
+    assert float(difference) <= output_scale * (1 + 1e-5)
+    engine("fbgemm")
+    prepared, _ = _prepared(torch_ao.QstatsObserver.with_args(**arguments), torch_ao.default_observer)
+    prepared(x)
+    with pytest.raises(RuntimeError, match="Per Channel Quantization is currently disabled"):
+        convert_fx(prepared)(x)
