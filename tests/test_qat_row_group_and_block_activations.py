@@ -115,7 +115,8 @@ def test_per_tensor_and_per_channel_activation_ranges_stay_static():
     assert float(moved.activations["0"].max_val) == 3.0  # 1 + 0.5 * (5 - 1)
 
 
-@pytest.mark.parametrize("granularity", [qstats.PerToken(), qstats.PerRow(), qstats.PerGroup(16)], ids=str)
+@pytest.mark.parametrize("granularity", [qstats.PerToken(), qstats.PerRow(), qstats.PerGroup(16), qstats.PerBlock((1, 16))],
+                         ids=str)
 def test_dynamic_activation_ranges_have_no_range_to_learn(granularity):
     # torchao refuses range learning on dynamic fake quantizers; a learned range per row of one batch
     # would be read against the rows of every other batch
