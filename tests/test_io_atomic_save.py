@@ -167,3 +167,15 @@ def test_a_cpu_tree_is_written_without_a_copy_and_shared_storage_still_round_tri
         assert loaded[key].shape == tree[key].shape and torch.equal(loaded[key], tree[key]), key
     assert [t.shape for t in loaded["empty"]] == [(0,), (0, 3)]
     assert torch.equal(base, torch.arange(10.0))  # the tree is left as it was
+
+
+def test_a_loaded_tree_saved_back_over_its_own_file_round_trips(tmp_path):
+    """The loaded tensors may be read from the file itself while it is written: writing in place
+    would read back what it had just overwritten (safetensors#762 zero-filled such files)."""
+    tree = {"a": torch.randn(1000, 100), "b": torch.arange(7)}
+    path = tmp_path / "stats.safetensors"
+    qstats.save(path, tree)
+    loaded = qstats.load(path)
+    qstats.save(path, loaded)
+    again = qstats.load(path)
+    assert all(torch.equal(again[key], tree[key]) and torch.equal(loaded[key], tree[key]) for key in tree)
