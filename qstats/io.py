@@ -409,7 +409,7 @@ def _new_file_beside(target: str) -> tuple[str, int]:
     """An empty file of a new, unguessable name in ``target``'s folder, and the mode ``open`` gives."""
     folder, name = os.path.split(target)
     for _ in range(100):
-        candidate = os.path.join(folder, f".{name[:180]}.{secrets.token_hex(8)}.tmp")
+        candidate = os.path.join(folder, f".{name[:40]}.{secrets.token_hex(8)}.tmp")  # under 255 bytes in UTF-8
         try:
             descriptor = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:

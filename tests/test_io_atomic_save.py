@@ -179,3 +179,14 @@ def test_a_loaded_tree_saved_back_over_its_own_file_round_trips(tmp_path):
     qstats.save(path, loaded)
     again = qstats.load(path)
     assert all(torch.equal(again[key], tree[key]) and torch.equal(loaded[key], tree[key]) for key in tree)
+
+
+def test_a_long_file_name_that_open_accepts_is_written(tmp_path):
+    """80 three-byte characters: a 243-byte name, under the 255 bytes a file name may have, that the
+    file written beside it must not push over."""
+    path = tmp_path / ("\u65e5" * 80 + ".st")
+    open(path, "wb").close()  # the reference: the name is valid
+    os.remove(path)
+    qstats.save(path, _state([-1.0, 2.0]))
+    _assert_holds(path, [-1.0, 2.0])
+    assert os.listdir(tmp_path) == [path.name]
