@@ -487,10 +487,13 @@ def _fixed_state_dict_of_torch_ao(module: QstatsObserver, state_dict, prefix: st
 
 def buckets_per_octave_for_bins(bins: int = 2048) -> int:
     """The ``buckets_per_octave`` of `qstats.histogram` that resolves at least what torch.ao's
-    ``HistogramObserver(bins=bins)`` resolves where its range search clips.
+    ``HistogramObserver(bins=bins)`` resolves, where the data's range includes zero.
 
-    Buckets of the largest magnitude's octave are at most ``|m| / buckets_per_octave`` wide and
-    narrower below, so ``bins`` rounded up to a power of two (at most 4096) is never coarser.
+    Buckets of the largest magnitude ``|m|``'s octave are at most ``|m| / buckets_per_octave`` wide
+    and narrower below, and torch.ao's bins are ``(max - min) / bins >= |m| / bins`` wide when
+    ``[min, max]`` includes zero, so ``bins`` rounded up to a power of two (at most 4096) is never
+    coarser there. Data of one sign (``[10, 11]``) has narrower torch.ao bins, by up to
+    ``|m| / (max - min)``.
     """
     if not (isinstance(bins, int) and not isinstance(bins, bool) and bins >= 1):
         raise ValueError(f"buckets_per_octave_for_bins: bins must be a positive int, got {bins!r}")
