@@ -204,15 +204,48 @@ _EXPERT_SITES = {"weight": ("gate_up_proj", "down_proj"), "input": ("input", "do
 _LINEARIZED_SITES = {**_EXPERT_SITES, "weight": ("gate_up_proj", "up_proj", "down_proj")}
 
 
-def _expert_rules(rules: list, experts) -> list:
+@dataclasses.dataclass(frozen=True)
+class ExpertsMatch:
+    """`Rule.matcher` of ``from_scheme(experts=...)``: the stacked-experts modules ``targets`` names
+    (class names, paths or regexes, in qstats' syntax), less the sites whose per-expert Linears
+    (`qstats.experts.linearized_experts`) the ``ignore`` list (compressed-tensors' syntax) names, as
+    llm-compressor leaves those Linears unquantized; ValueError where it names only some of them."""
+
+    targets: tuple
+    ignore: tuple = ()
+
+    def __call__(self, path: str, module) -> bool:
+        from .recipe import _matches
+
+        return _matches(self.targets, path, module)
+
+    def sites_on(self, path: str, module, sites: tuple) -> tuple:
+        if not self(path, module):
+            return ()
+        kept = []
+        for site in sites:
+            names = linearized_experts(path, module, site)
+            ignored = _ignored(names, self.ignore)
+            if ignored and len(ignored) != len(names):
+                raise ValueError(f"Recipe: the ignore list names {len(ignored)} of the {len(names)} per-expert Linears "
+                                 f"behind {site!r} of the stacked experts {path!r} (e.g. {sorted(ignored)[0]!r}); qstats "
+                                 "observes a stacked site with one scheme for every expert: ignore all of them or none")
+            if not ignored:
+                kept.append(site)
+        return tuple(kept)
+
+
+def _expert_rules(rules: list, experts, ignore: tuple) -> list:
     """Rules quantizing stacked-experts modules ``experts`` (class names, paths or regexes, in
-    qstats' syntax) as llm-compressor quantizes their linearized ``gate_proj``/``up_proj``/``down_proj``."""
+    qstats' syntax) as llm-compressor quantizes their linearized ``gate_proj``/``up_proj``/``down_proj``,
+    less those the config's ``ignore`` names (`ExpertsMatch`)."""
     out = []
     for rule in rules:
         (site,) = rule.sites
         if site not in _EXPERT_SITES:
             raise ValueError(f"from_scheme: experts: {site} activations of stacked experts are not supported")
-        out.append(dataclasses.replace(rule, targets=experts, sites=_EXPERT_SITES[site], matcher=None))
+        matcher = ExpertsMatch(tuple(_list(experts, "experts")), tuple(ignore))
+        out.append(dataclasses.replace(rule, targets=experts, sites=_EXPERT_SITES[site], matcher=matcher))
     return out
 
 
@@ -496,7 +529,7 @@ def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None, experts=None, 
         if len(groups) != 1:
             raise ValueError("from_scheme: experts= takes one scheme, not a mapping of several presets")
         # every rule here has a GroupMatch; an attention group's q/k/v rule has no expert sites
-        rules = _expert_rules([r for r in rules if not r.matcher.attention], experts) + rules
+        rules = _expert_rules([r for r in rules if not r.matcher.attention], experts, _strings(ignore)) + rules
     if kv_cache_scheme is not None:
         rules.append(_kv_rule(Rule, kv_cache_scheme, observed_dtype))
     return rules
