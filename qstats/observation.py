@@ -251,6 +251,7 @@ class _Calibration:
         self.all_experts = all_experts
         self.weight: Optional[torch.Tensor] = None
         self.weight_use = [0, 0]  # activations offered the current weight, and those it fitted
+        self.discarded = 0  # extra experts calls of all_experts in progress: no other site observes inside them
 
     def weight_for(self, x: torch.Tensor, flattened: bool) -> Optional[torch.Tensor]:
         """The batch's observation weight as the weight of ``x`` (`weight_of`)."""
@@ -336,7 +337,7 @@ class _ActivationSite(_SiteHook):
         return [observe_tensor(self.run.plan, self.path, self.site, eager(self.observe))]  # module docstring
 
     def observe(self, x) -> None:
-        if not is_float_tensor(x) or recomputing():
+        if not is_float_tensor(x) or recomputing() or self.run.discarded:
             return
         x = x.detach()
         self.check_runtime_shape(x.shape)
@@ -420,7 +421,7 @@ class _ExpertSites(ExpertCallHooks):
         """(capture, parametrization hooks, tokens, observation weight) of the call; with
         all_experts, (None, args, kwargs): observed from extra calls once the call is done; ()
         for a call that observes nothing (no such sites, or a recomputation in backward)."""
-        if recomputing():
+        if recomputing() or self.run.discarded:
             return ()
         if self.routed_input is not None:
             self.routed_input.observe(args, kwargs)
@@ -464,10 +465,12 @@ class _ExpertSites(ExpertCallHooks):
         found: dict = {}  # site -> [(rows, mask)] of every call: each expert is in one call only
         for call_args, call_kwargs in calls:
             capture, handles, tokens, weight = self._start(module, x)
+            self.run.discarded += 1  # the sites of its children observe the model's own forward only
             try:
                 with torch.no_grad():  # no hooks of the module: only the capture watches it
                     module.forward(*call_args, **call_kwargs)
             finally:
+                self.run.discarded -= 1
                 stop_capture(capture, handles)
             for site, rows_mask in self._rows(module, capture, tokens, weight, as_rows).items():
                 found.setdefault(site, []).append(rows_mask)
