@@ -289,8 +289,13 @@ def _check_tied(checkpoint, name: str, value: torch.Tensor, names: list) -> None
     """ValueError where the checkpoint holds a tensor the model ties (``lm_head`` to the embeddings)
     under another of its ``names`` too, with other values: ``from_pretrained`` then unties them, and
     reading one for both would calibrate a head the checkpoint does not have."""
-    if isinstance(checkpoint, Overlay):  # GPTQ'd weights replace their float values on purpose
-        return
+    if isinstance(checkpoint, Overlay):  # GPTQ'd weights replace their float values on purpose: the base's copies
+        names = [key for key in names if key not in checkpoint.weights and key in checkpoint.base]
+        checkpoint = checkpoint.base
+        if name not in names:
+            if len(names) < 2:
+                return
+            name, value = names[0], checkpoint.tensor(names[0])
     for other in (key for key in names if key != name and key in checkpoint):
         stored = checkpoint.tensor(other)
         if stored.shape != value.shape or not torch.equal(stored, value.to(stored.dtype)):
@@ -340,25 +345,48 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
                         if value is None or value.device.type != "meta":
                             continue
                         full = f"{owner_path}.{name}" if owner_path else name
-                        loaded = loaded_by_id.get(id(value))
-                        if loaded is None:
-                            loaded = _read(checkpoint, aliases.get(id(value), [full]), value)
-                        if loaded is None and kind == "_buffers" and hasattr(model, "_init_weights"):
+                        tied = loaded_by_id.get(id(value))  # read already under another name
+                        loaded = tied if tied is not None else _read(checkpoint, aliases.get(id(value), [full]), value)
+                        empty = loaded is None and kind == "_buffers" and hasattr(model, "_init_weights")
+                        if empty:
                             loaded, recompute = torch.empty_like(value, device=device or "cpu"), True
                         if loaded is None:
                             raise _no_tensor(checkpoint, stored(full)[-1], full)
                         loaded = loaded if device is None else loaded.to(device)
                         if kind == "_parameters" and not isinstance(loaded, torch.nn.Parameter):
-                            loaded = torch.nn.Parameter(loaded, requires_grad=False)
+                            # the meta parameter's requires_grad, as from_pretrained keeps it: a linear layer
+                            # whose weight requires none runs another CPU kernel, which rounds otherwise
+                            loaded = torch.nn.Parameter(loaded, requires_grad=value.requires_grad)
+                        elif not empty and tied is None:
+                            loaded = loaded.detach()  # a buffer: our own tensor object, flagged below
+                        if not empty and tied is None:  # transformers' init functions leave it as it is
+                            loaded._is_hf_initialized = True
                         loaded_by_id[id(value)] = loaded
                         saved.append((owner, kind, name, value))
                         getattr(owner, kind)[name] = loaded
                     if recompute:
-                        model._init_weights(owner)
+                        _recompute_buffers(model, owner_path)
     except BaseException:  # a missing tensor: the modules loaded so far go back to meta
         release_modules(saved)
         raise
     return saved
+
+
+def _recompute_buffers(model: torch.nn.Module, owner_path: str) -> None:
+    """Runs transformers' ``_init_weights`` on the module at ``owner_path`` and then on each module
+    holding it, up to ``model``, as ``from_pretrained`` initialises every module (children first,
+    each under the nearest enclosing model's ``_init_weights``): a buffer may be set by a module
+    above its own (FalconH1Model fills its layers' ``mup_vector``). The tensors read from the
+    checkpoint carry ``_is_hf_initialized``, which transformers' init functions leave as they are;
+    those still on the meta device take no values."""
+    parts = owner_path.split(".") if owner_path else []
+    chain = [model.get_submodule(".".join(parts[:count])) for count in range(len(parts) + 1)]
+    initialise, steps = model._init_weights, []
+    for module in chain:
+        initialise = getattr(module, "_init_weights", None) or initialise
+        steps.append((initialise, module))
+    for initialise, module in reversed(steps):
+        initialise(module)
 
 
 def release_modules(saved: list) -> None:

@@ -1,0 +1,100 @@
+"""The tensors calibrate_layerwise and the layer-by-layer export read from a checkpoint, against
+those of the model transformers' ``from_pretrained`` loads from it.
+
+- Parameters require gradients as ``from_pretrained``'s do: torch's CPU linear runs another kernel
+  for a weight that requires none, whose results differ in the last bits (Jamba's Mamba ``x_proj``
+  on two threads), so the states would not be the loaded model's bit for bit.
+- A model tying ``lm_head`` to the embeddings over a checkpoint holding both with different values
+  is refused by the export given ``weights=`` too, as without it (``from_pretrained`` unties them).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import qstats
+
+transformers = pytest.importorskip("transformers")
+from _shared import left_padded_id_batches  # noqa: E402
+
+SPEC_W = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+RECIPE = qstats.Recipe([qstats.Rule("Linear", sites=("weight", "input"), spec=SPEC_W)])
+
+
+def _config(**options):
+    return transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    **options)  # fmt: skip
+
+
+def _saved(directory, model) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(directory, max_shard_size="20KB")
+    return str(directory)
+
+
+def _requires_grad_seen(model: torch.nn.Module, run) -> dict:
+    """``{path: requires_grad of its weight}`` of every Linear, as its forward sees it during ``run()``."""
+    seen: dict = {}
+
+    def keep(module, args) -> None:
+        seen.setdefault(paths[module], module.weight.requires_grad)
+
+    paths = {module: path for path, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    hooks = [module.register_forward_pre_hook(keep) for module in paths]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_layers_run_with_parameters_requiring_grad_as_from_pretrained_loads_them(tmp_path, requires_grad):
+    torch.manual_seed(0)
+    checkpoint = _saved(tmp_path, transformers.AutoModelForCausalLM.from_config(_config()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config()).eval()
+    loaded.requires_grad_(requires_grad)
+    model.requires_grad_(requires_grad)
+    want = _requires_grad_seen(loaded, lambda: qstats.calibrate(loaded, left_padded_id_batches(), RECIPE,
+                                                                progress=False))
+    got = _requires_grad_seen(model, lambda: qstats.calibrate_layerwise(model, checkpoint, left_padded_id_batches(),
+                                                                        RECIPE, progress=False))
+    assert got == want and set(want.values()) == {requires_grad} and len(want) == 15
+    assert all(p.device.type == "meta" and p.requires_grad == requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("as_folder", [False, True])
+def test_the_export_given_weights_refuses_a_tied_model_over_untied_checkpoint_tensors(tmp_path, as_folder):
+    torch.manual_seed(0)
+    untied = transformers.AutoModelForCausalLM.from_config(_config(tie_word_embeddings=False))
+    checkpoint = _saved(tmp_path / "float", untied)
+    recipe = qstats.Recipe([qstats.Rule("re:model[.]layers[.].*proj", sites=("weight",), spec=SPEC_W)])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config(tie_word_embeddings=True)).eval()
+        as_saved = transformers.AutoModelForCausalLM.from_config(_config(tie_word_embeddings=False)).eval()
+    states = qstats.calibrate_layerwise(as_saved, checkpoint, left_padded_id_batches()[:1], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, as_saved)  # the layers' qparams: no tie in them
+    name = "model.layers.0.mlp.down_proj.weight"
+    weights = {name: untied.get_parameter(name).detach().clone()}
+    if as_folder:
+        from safetensors.torch import save_file
+
+        (tmp_path / "gptq").mkdir()
+        save_file(weights, str(tmp_path / "gptq" / "model.safetensors"))
+        weights = str(tmp_path / "gptq")
+    for given in (None, weights):
+        with pytest.raises(ValueError, match="'model.embed_tokens.weight' and 'lm_head.weight'.*different values"):
+            qstats.export.compressed_tensors_layerwise(model, checkpoint, qparams, str(tmp_path / "out"), recipe,
+                                                       weights=given, progress=False)  # fmt: skip
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert all(p.device.type == "meta" for p in model.parameters())
