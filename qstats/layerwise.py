@@ -155,7 +155,9 @@ def inside(path: str, prefix: str) -> bool:
 
 def decoder_layers(model: torch.nn.Module, layers: Optional[str], where: str = "calibrate_layerwise") -> tuple:
     """``(path, container)`` of the decoder layers: ``layers`` when given, else the longest
-    ``nn.ModuleList`` whose children are all of one class, outside any other such list."""
+    ``nn.ModuleList`` whose children are all of one class, or all of the layer classes the model
+    declares in ``_no_split_modules`` (hybrid models: Jamba's attention and Mamba layers), outside
+    any other such list."""
     if layers is not None:
         try:
             container = model.get_submodule(layers)
@@ -164,10 +166,16 @@ def decoder_layers(model: torch.nn.Module, layers: Optional[str], where: str = "
         if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)) or not len(container):
             raise ValueError(f"{where}: layers={layers!r} is not a non-empty nn.ModuleList")
         return layers, container
+    declared = set(getattr(model, "_no_split_modules", None) or ())  # transformers' decoder-layer classes
+
+    def of_layers(module: torch.nn.Module) -> bool:
+        kinds = {type(item) for item in module}
+        return len(kinds) == 1 or all(kind.__name__ in declared for kind in kinds)
+
     lists = [
         (len(module), path, module)
         for path, module in model.named_modules()
-        if isinstance(module, torch.nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1
+        if isinstance(module, torch.nn.ModuleList) and len(module) and of_layers(module)
     ]
     # not a list inside another's items (experts inside a decoder layer may outnumber the layers)
     found = [item for item in lists if not any(item[1].startswith(other[1] + ".") for other in lists)]
@@ -258,29 +266,41 @@ class _Replay(_StandIn):
         return self.shared["output"]
 
 
+def _passed_on(args: tuple, kwargs: dict, like: Any) -> Any:
+    """A stand-in's output: the hidden states it was given, in the structure of ``like`` (what the
+    first layer returned, None if unknown): in place of the first item of a tuple or list (Bamba's
+    layers return ``(hidden_states, attention_weights)``, which its forward unpacks)."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if isinstance(like, (tuple, list)) and like and isinstance(like[0], torch.Tensor):
+        items = [hidden, *like[1:]]
+        return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
+    return hidden
+
+
 class _Recorder(_StandIn):
     """Stands in for a decoder layer while the inputs are captured, for layers of several kinds:
-    keeps the layer's arguments and passes its hidden states on; the last one stops the forward."""
+    keeps the layer's arguments and passes its hidden states on (as ``like``, `_passed_on`); the
+    last one stops the forward."""
 
-    def __init__(self, layer: torch.nn.Module, calls: list, last: bool):
+    def __init__(self, layer: torch.nn.Module, calls: list, last: bool, like: Any):
         super().__init__(layer)
-        self.calls, self.last = calls, last
+        self.calls, self.last, self.like = calls, last, like
 
     def forward(self, *args, **kwargs):
         self.calls.append((args, kwargs))
         if self.last:
             raise _Stop(*self.calls[0])
-        return args[0] if args else kwargs.get("hidden_states")
+        return _passed_on(args, kwargs, self.like)
 
 
 class _Walker(_StandIn):
     """Stands in for decoder layer ``index`` in `_check_call_order`: records the call (its index in
-    ``order``, its arguments in ``calls``) and passes the hidden states on; a second call of a layer
-    stops the forward."""
+    ``order``, its arguments in ``calls``) and passes the hidden states on (as ``like``,
+    `_passed_on`); a second call of a layer stops the forward."""
 
-    def __init__(self, layer: torch.nn.Module, index: int, order: list, calls: list):
+    def __init__(self, layer: torch.nn.Module, index: int, order: list, calls: list, like: Any):
         super().__init__(layer)
-        self.index, self.order, self.calls = index, order, calls
+        self.index, self.order, self.calls, self.like = index, order, calls, like
 
     def forward(self, *args, **kwargs):
         called_before = self.index in self.order
@@ -288,7 +308,7 @@ class _Walker(_StandIn):
         self.calls.append((args, kwargs))
         if called_before:
             raise _Stop(args, kwargs)
-        return args[0] if args else kwargs.get("hidden_states")
+        return _passed_on(args, kwargs, self.like)
 
 
 @contextlib.contextmanager
@@ -309,15 +329,17 @@ def _stop(module, args, kwargs):
     raise _Stop(args, kwargs)
 
 
-def _check_call_order(model: torch.nn.Module, container, container_path: str, batch, where: str) -> bool:
-    """Runs the model's forward on ``batch`` through stand-ins of its layers and refuses a forward
+def _check_call_order(model: torch.nn.Module, container, container_path: str, batch, where: str,
+                      like: Any) -> bool:
+    """Runs the model's forward on ``batch`` through stand-ins of its layers (each returning its
+    hidden states as ``like``, the first layer's output, `_passed_on`) and refuses a forward
     that calls a layer twice (one layer shared across depths, as ALBERT's) or out of list order:
     each layer is calibrated once, its outputs feeding the next in the list. Returns whether the
     layers get other arguments than the first one's (GraniteSWA's NoPE layers get no rotary
     embeddings): then each layer's own are captured."""
     order: list = []
     calls: list = []
-    walk = lambda index, layer: _Walker(layer, index, order, calls)  # noqa: E731
+    walk = lambda index, layer: _Walker(layer, index, order, calls, like)  # noqa: E731
     # _Stop at a second call; any other error the capture that follows reports
     with _stood_in(container, walk), contextlib.suppress(Exception):
         _call(model, batch)
@@ -350,13 +372,14 @@ def _same(one: Any, other: Any) -> bool:
         return False
 
 
-def _check_passed_on(run: "_Run", container, container_path: str, batch, where: str) -> None:
+def _check_passed_on(run: "_Run", container, container_path: str, batch, where: str) -> Any:
     """Runs the model's forward on ``batch`` through its first layer (read from the checkpoint) up
     to the second, and refuses a forward that passes the second layer a tensor the first returned
     beside its hidden states (T5's position bias, computed by the first block alone): layer by layer,
-    only the hidden states go from one layer to the next."""
+    only the hidden states go from one layer to the next. Returns the first layer's output (None
+    if unknown), whose structure the stand-ins return."""
     if len(container) < 2:
-        return
+        return None
     outputs: list = []
 
     def keep(module, args, kwargs, output):
@@ -385,6 +408,7 @@ def _check_passed_on(run: "_Run", container, container_path: str, batch, where: 
             "calibration passes only the hidden states from one layer to the next: calibrate the loaded model "
             "with qstats.calibrate"
         )
+    return output
 
 
 def _own_arguments(calls: list) -> tuple:
@@ -394,20 +418,21 @@ def _own_arguments(calls: list) -> tuple:
 
 
 def _capture(model, container, batches, observation_weight, store: _Store, device: Optional[torch.device],
-             each_layer: bool, checked: Callable[[Any], bool]) -> None:
+             each_layer: bool, checked: Callable[[Any], tuple]) -> None:
     """Runs ``model`` on each batch (on ``device``) up to its first decoder layer and stores that
     layer's inputs (on the CPU); with ``each_layer``, or when ``checked(batch)`` (run first, on the
-    first batch) returns True, up to the last, through stand-ins, keeping every layer's own
-    arguments (`_Inputs.layers`)."""
+    first batch: ``(whether each layer gets its own arguments, the first layer's output)``) says
+    so, up to the last, through stand-ins, keeping every layer's own arguments (`_Inputs.layers`)."""
 
     calls: list = []
     last = len(container) - 1
     with contextlib.ExitStack() as installed, torch.no_grad():
         for number, batch in enumerate(batches):
             if number == 0:  # the stand-ins or the hook after the checks, which run layers of their own
-                each_layer = checked(_moved(batch, device)) or each_layer
+                own_arguments, like = checked(_moved(batch, device))
+                each_layer = own_arguments or each_layer
                 if each_layer:
-                    record = lambda index, layer: _Recorder(layer, calls, index == last)  # noqa: E731
+                    record = lambda index, layer: _Recorder(layer, calls, index == last, like)  # noqa: E731
                     installed.enter_context(_stood_in(container, record))
                 else:
                     installed.enter_context(container[0].register_forward_pre_hook(_stop, with_kwargs=True))
@@ -821,10 +846,9 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
     def capture() -> None:
         saved.extend(_outer_loaded(run, container_path))
         each_layer = len(_layer_kinds(run.model, container_path)) > 1
-        def checked(batch) -> bool:
-            own_arguments = _check_call_order(run.model, container, container_path, batch, where)
-            _check_passed_on(run, container, container_path, batch, where)
-            return own_arguments
+        def checked(batch) -> tuple:
+            like = _check_passed_on(run, container, container_path, batch, where)
+            return _check_call_order(run.model, container, container_path, batch, where, like), like
 
         _capture(run.model, container, batches, observation_weight, run.store, run.device, each_layer, checked)
 
