@@ -267,13 +267,11 @@ def _abs_sum_observer(spec):
         return ContractTestAbsSumState(torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.int64))
 
     def update_fn(state, x, weight=None):
-        values = x.float().abs()
+        keep = torch.isfinite(x)  # NaN and Inf are left out
         if weight is not None:
-            values = values * (weight != 0).reshape(weight.shape + (1,) * (x.ndim - weight.ndim))
-            count = (weight != 0).sum() * (x.numel() // max(weight.numel(), 1))
-        else:
-            count = torch.tensor(x.numel(), dtype=torch.int64)
-        return ContractTestAbsSumState(state.abs_sum + values.sum(), state.count + count)
+            keep = keep & (weight != 0).reshape(weight.shape + (1,) * (x.ndim - weight.ndim))
+        values = torch.where(keep, x.float().abs(), 0.0)
+        return ContractTestAbsSumState(state.abs_sum + values.sum(), state.count + keep.sum())
 
     def merge_fn(a, b):
         return ContractTestAbsSumState(a.abs_sum + b.abs_sum, a.count + b.count)

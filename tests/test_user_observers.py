@@ -42,7 +42,8 @@ def _envelope(copy: bool):
             return state
         if tuple(x.shape) != SHAPE:
             raise ValueError(f"envelope: expected inputs of shape {SHAPE}, got {tuple(x.shape)}")
-        values = x.float().clone() if copy else x.float()
+        # the copying envelope also leaves NaN/Inf out (as unobserved, -inf)
+        values = torch.where(torch.isfinite(x), x.float(), -torch.inf) if copy else x.float()
         if weight is not None:
             keep = kit.weight_view(x, weight, qstats.PerTensor()).reshape(x.shape) != 0
             values = torch.where(keep, values, -torch.inf)

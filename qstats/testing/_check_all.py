@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -29,7 +30,8 @@ def check_all(
 
     Args:
       obs: the Observer to check.
-      make_x: ``make_x(generator) -> tensor`` of a fixed shape (hypothesis draws seed, count, magnitude).
+      make_x: ``make_x(generator) -> tensor`` of a fixed shape (hypothesis draws seed, count, magnitude,
+        and whether one float batch holds a NaN, a +inf and a -inf, unless ``update`` refuses them).
       exact: whether the homomorphism law applies and associativity is bit-exact (default ``obs.exact``).
       laws: a subset of `LAWS` to run (or the name of one).
       max_examples: hypothesis examples per call.
@@ -66,6 +68,9 @@ def check_all(
     @given(data=st.data())
     def run(data):
         xs = data.draw(strategies.batches(make_x), label="xs")
+        if data.draw(st.booleans(), label="with NaN and ±inf"):
+            xs = _with_nonfinite(obs, xs, data.draw(st.integers(0, len(xs) - 1), label="dirty batch"),
+                                 data.draw(st.integers(0, 2**31 - 1), label="dirty position"))
         # purity and stability first: a state written in place or holding a non-tensor breaks the
         # other laws too, whose messages would point at merge instead
         if "purity" in laws:
@@ -92,3 +97,20 @@ def check_all(
     if compile:
         generator = torch.Generator().manual_seed(0)
         _laws.check_compile(obs, [make_x(generator) for _ in range(2)], approx_fields=approx_fields)
+
+
+def _with_nonfinite(obs, xs: list, index: int, position: int) -> list:
+    """``xs`` with NaN, +inf and -inf written into three consecutive values of ``xs[index]`` (from
+    ``position`` modulo its size), so that the laws also see the non-finite values an observer leaves
+    out and counts; ``xs`` itself for integer batches and for observers that refuse them (``"raise"``)."""
+    x = xs[index]
+    if not x.is_floating_point() or x.numel() < 3:
+        return xs
+    dirty = x.clone(memory_format=torch.contiguous_format)
+    start = position % (x.numel() - 2)
+    dirty.view(-1)[start : start + 3] = torch.tensor([math.nan, math.inf, -math.inf], dtype=x.dtype, device=x.device)
+    try:
+        obs.update(obs.init(dirty), dirty)
+    except Exception:  # the raise policy: the laws run on finite batches
+        return xs
+    return [*xs[:index], dirty, *xs[index + 1 :]]

@@ -272,6 +272,9 @@ def check_homomorphism(
     - Weighted, at every granularity: ``update(init, a, 0) == init`` and, for complementary 0/1 row
       weights, ``merge(update(s, a, w), update(init, a, 1 - w)) == update(s, a)`` (from ``init`` only
       with ``accumulates=False``).
+    - Token weights, for batches of three or more dims (``[batch, tokens, features]``): a 0/1 weight over
+      the first two (an attention mask) splits the values as a row weight does, and one leaving out the
+      first token equals the batch without it, where that batch keeps the parameter shape.
     """
     xs = _need(xs, 2, "check_homomorphism")
     init = obs.init(xs[0])
@@ -299,6 +302,7 @@ def check_homomorphism(
         _check_concatenation(obs, a, b, dim, init, states, check, batch_dims)
     # an observer keeping only the latest batch keeps a seen state's parameters that a batch leaves out
     _check_weight_split(obs, a, init, states if accumulates else states[:1], check, batch_dims)
+    _check_token_weight(obs, a, init, states if accumulates else states[:1], check, batch_dims)
 
 
 def _check_concatenation(obs, a: torch.Tensor, b: torch.Tensor, dim: int, init, states, check,
@@ -339,6 +343,38 @@ def _check_weight_split(obs, x: torch.Tensor, init, states, check, batch_dims: i
               "merge(update(s, x, w), update(init, x, 1 - w)) == update(s, x) "
               f"(complementary 0/1 row weights split the rows) with s = {label}",
               (state, kept, left_out))
+
+
+def _check_token_weight(obs, x: torch.Tensor, init, states, check, batch_dims: int) -> None:
+    """`check_homomorphism`'s token weight forms: a weight of ``x.shape[:batch_dims + 2]`` (an attention
+    mask ``[batch, tokens]`` of ``[batch, tokens, features]`` activations) reaches every token, not only
+    the rows: complementary 0/1 token weights split the values, and a weight leaving out token 0 equals
+    ``x`` without it (where that keeps the parameter shape and ``update`` takes it)."""
+    tokens = batch_dims + 1
+    if x.ndim < batch_dims + 3 or x.shape[tokens] < 2:
+        return
+    grid = torch.arange(x.shape[batch_dims], device=x.device).reshape(-1, 1) + torch.arange(x.shape[tokens],
+                                                                                        device=x.device)
+    checkerboard = (grid % 2 == 0).to(torch.float32).expand(x.shape[:tokens + 1]).contiguous()
+    for label, state in states:
+        kept, left_out = obs.update(state, x, checkerboard), obs.update(init, x, 1 - checkerboard)
+        check(obs.merge(kept, left_out), obs.update(state, x),
+              "merge(update(s, x, w), update(init, x, 1 - w)) == update(s, x) for complementary 0/1 weights "
+              f"of shape {tuple(checkerboard.shape)} over rows and tokens (an attention mask) with s = {label}",
+              (state, kept, left_out))
+    rest = x.narrow(tokens, 1, x.shape[tokens] - 1)
+    try:
+        qtree.assert_same_structure(init, obs.init(rest))
+        obs.update(obs.init(rest), rest)
+    except Exception:  # per-token parameters, or an observer bound to one shape: no such batch
+        return
+    weight = torch.ones(x.shape[:tokens + 1], device=x.device)
+    weight.narrow(tokens, 0, 1).zero_()
+    for label, state in states:
+        check(obs.update(state, x, weight), obs.update(state, rest),
+              f"update(s, x, w) == update(s, x[:, 1:]) for a weight of shape {tuple(weight.shape)} that leaves "
+              f"out token 0 of every row (an attention mask) with s = {label}",
+              (state, obs.update(init, rest)))
 
 
 def _map_tensors(tree, fn):
@@ -474,6 +510,9 @@ def _check_state_leaves(state, name: str) -> None:
     for path, leaf in fields:
         if not isinstance(leaf, torch.Tensor):
             raise AssertionError(f"{name}: stability: {path} is a {type(leaf).__name__}; states hold tensors only")
+        if leaf.is_complex() and leaf.dtype != torch.complex64:
+            raise AssertionError(f"{name}: stability: {path} has dtype {leaf.dtype}, which qstats.save cannot hold "
+                                 "(a safetensors file holds complex64)")
         if leaf.is_floating_point() and leaf.dtype not in (torch.float32, torch.float64):
             raise AssertionError(f"{name}: stability: {path} has dtype {leaf.dtype}; accumulate in float32 or wider")
         if not leaf.is_floating_point() and leaf.dtype not in (torch.int64, torch.bool) and not leaf.is_complex():
@@ -483,9 +522,11 @@ def _check_state_leaves(state, name: str) -> None:
 def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> None:
     """Law 5: ``update`` and ``merge`` return exactly the structure, NamedTuple type, shapes and
     dtypes that ``init`` returned, for the batches and for them cast to each other float dtype (float32,
-    bfloat16, float16, float64) when they are floats; an empty batch
-    leaves the state unchanged (bit for bit); the state type is registered, its leaves are tensors,
-    floats are float32 or wider, integers int64."""
+    bfloat16, float16, float64) when they are floats; an empty batch, with or without its row weight,
+    leaves the state unchanged (bit for bit); NaN and ±inf in a batch are refused with a ValueError or
+    left out (no non-finite value where the clean batch's state is finite); a bool or int64 0/1 row
+    weight observes as the float32 one, and a zero one leaves ``init`` unchanged for every input dtype;
+    the state type is registered, its leaves are tensors, floats are float32 or wider, integers int64."""
     xs = _need(xs, 1, "check_stability")
     name = _name(obs)
     init = obs.init(xs[0])
@@ -502,6 +543,9 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
 
     state = init
     for x in xs:
+        seen = same("update(init, x)", obs.update, init, x)
+        # merges of two states that have seen data too: a merge may take another path than with init
+        same("merge(s, t) of two states that have seen data", obs.merge, state, seen)
         state = same("update", obs.update, state, x)
         same("merge(s, init)", obs.merge, state, init)
         same("merge(init, s)", obs.merge, init, state)
@@ -510,11 +554,73 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
     # an empty batch (a loader's short last batch, an expert given no token) leaves the state as it is
     emptied = _attempt(f"{name}: stability: {what}", obs.update, state, empty)
     assert_states_equal(emptied, state, approx_fields=(), message=f"{name}: stability: {what} changed the state")
+    # with its (empty) row weight too: an expert given no token under a routing mask
+    weight = torch.ones(empty.shape[: batch_dims + 1], device=empty.device)
+    what = f"update with an empty tensor of shape {tuple(empty.shape)} and weight of shape {tuple(weight.shape)}"
+    emptied = _attempt(f"{name}: stability: {what}", obs.update, state, empty, weight)
+    assert_states_equal(emptied, state, approx_fields=(), message=f"{name}: stability: {what} changed the state")
+    _check_nonfinite_left_out(obs, xs[0], state, name)
     if xs[0].is_floating_point():
         # the state's dtypes do not follow the input's, narrower or wider (whatever the batches' dtype)
         for dtype in [d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64) if d != xs[0].dtype]:
             same(f"init of a {dtype} tensor", obs.init, xs[0].to(dtype))
             same(f"update with a {dtype} tensor", obs.update, state, xs[0].to(dtype))
+    _check_weight_dtypes(obs, xs[0], state, name, batch_dims)
+
+
+def _check_weight_dtypes(obs, x: torch.Tensor, state, name: str, batch_dims: int) -> None:
+    """A 0/1 row weight observes alike whatever its dtype and the batch's: a bool or int64 one (an
+    attention mask) gives the state of the float32 one, and a zero weight leaves ``init`` unchanged
+    for the batch cast to each float dtype."""
+    mask = _row_mask(x, batch_dims)
+    if mask is None:
+        return
+    expected = obs.update(state, x, mask)
+    for dtype in (torch.bool, torch.int64):
+        what = f"update with a {dtype} weight"
+        got = _attempt(f"{name}: stability: {what}", obs.update, state, x, mask.to(dtype))
+        assert_states_equal(got, expected, approx_fields=(),
+                            message=f"{name}: stability: {what} vs the same 0/1 weight in float32")
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64) if x.is_floating_point() else (x.dtype,)
+    for dtype in dtypes:
+        init = obs.init(x.to(dtype))
+        what = f"update(init, x, weight=0) of a {dtype} x"
+        got = _attempt(f"{name}: stability: {what}", obs.update, init, x.to(dtype), torch.zeros_like(mask))
+        assert_states_equal(got, init, approx_fields=(),
+                            message=f"{name}: stability: {what} changed init (a zero row weight leaves every row out)")
+
+
+def _check_nonfinite_left_out(obs, x: torch.Tensor, state, name: str) -> None:
+    """A batch holding NaN, +inf and -inf (a diverged activation) is refused with a ValueError
+    (``nonfinite="raise"``) or its non-finite values are left out (``"ignore"``): where the state of
+    the clean batch is finite, that of the dirty batch is finite too (no NaN or infinite scale), or
+    holds ``init``'s value (an element that saw only non-finite values stays unobserved)."""
+    if not x.is_floating_point() or x.numel() < 3:
+        return
+    dirty = x.clone(memory_format=torch.contiguous_format)
+    dirty.view(-1)[:3] = torch.tensor([math.nan, math.inf, -math.inf], dtype=x.dtype, device=x.device)
+    try:
+        got = obs.update(state, dirty)
+    except ValueError:  # the raise policy: non-finite values refused with a clear error
+        return
+    except AssertionError:
+        raise
+    except Exception as error:
+        raise AssertionError(f"{name}: stability: update with a batch holding NaN and ±inf failed: "
+                             f"{type(error).__name__}: {error}; leave non-finite values out and count them, or "
+                             "refuse them with a ValueError") from error
+    clean = dict(qtree.leaves_with_paths(obs.update(state, x), "state"))
+    unobserved = dict(qtree.leaves_with_paths(obs.init(x), "state"))
+    for path, leaf in qtree.leaves_with_paths(got, "state"):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            init = unobserved[path]
+            as_init = (leaf == init) | (torch.isnan(leaf) & torch.isnan(init))
+            spoiled = ~torch.isfinite(leaf) & torch.isfinite(clean[path]) & ~as_init
+            if bool(spoiled.any()):
+                raise AssertionError(
+                    f"{name}: stability: update with a batch holding NaN and ±inf put {int(spoiled.sum())} "
+                    f"non-finite value(s) into {path} (finite for the batch without them): leave non-finite "
+                    f"values out and count them, or refuse them with a ValueError\n  got: {leaf}")
 
 
 def _attempt(what: str, fn, *args):
