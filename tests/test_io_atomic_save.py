@@ -128,7 +128,8 @@ def test_a_0_dimensional_float4_pair_is_named_before_writing(tmp_path):
     """safetensors cannot write it (a sub-byte slice off a byte boundary): save called that a failed
     write (OSError "could not write"), sending the user to look at the disk."""
     pair = torch.tensor(0x21, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
-    with pytest.raises(safetensors.SafetensorError, match="byte boundary"):  # the reference refuses it too
+    # the reference refuses it too (safetensors 0.8: "byte boundary"; 0.7 panics, a BaseException)
+    with pytest.raises(BaseException, match="byte boundary|index out of bounds"):
         safetensors.torch.save_file({"t": pair}, str(tmp_path / "raw"))
     path = tmp_path / "stats.safetensors"
     qstats.save(path, _state([-1.0, 2.0]))
