@@ -192,11 +192,21 @@ def _sub_plan(plan: Plan, keep: Callable[[str], bool], root: torch.nn.Module) ->
     return Plan(plan.recipe, MappingProxyType(sites), MappingProxyType({"": root, **modules}), groups)
 
 
-def _without_cache(kwargs: dict) -> dict:
-    """The layer's keyword arguments without the KV cache (a calibration batch is a whole
-    sequence: the cache would only grow with every layer of every stored batch)."""
+def _is_cache(value: Any) -> bool:
+    """Whether ``value`` is a transformers KV cache (a ``transformers.cache_utils.Cache``)."""
+    return any(kind.__name__ == "Cache" and kind.__module__.startswith("transformers.") for kind in type(value).__mro__)
+
+
+def _without_cache(args: tuple, kwargs: dict) -> tuple:
+    """The layer's ``(arguments, keyword arguments)`` without the KV cache, by keyword or by position
+    (GPT-2's blocks get it second, GPT-NeoX's, Falcon's and Bloom's as ``layer_past=``): a calibration
+    batch is a whole sequence, and a layer run twice on a batch (quantized propagation, GPTQ) would
+    attend to the keys its first run cached."""
     cleared = {"past_key_values": None, "use_cache": False}
-    return {key: cleared[key] if key in cleared else value for key, value in kwargs.items()}
+    args = tuple(None if _is_cache(value) else value for value in args)
+    kwargs = {key: cleared[key] if key in cleared else None if _is_cache(value) else value
+              for key, value in kwargs.items()}  # fmt: skip
+    return args, kwargs
 
 
 def _next_inputs(record: _Inputs, output, following: int) -> _Inputs:
@@ -413,7 +423,7 @@ def _check_passed_on(run: "_Run", container, container_path: str, batch, where: 
 
 def _own_arguments(calls: list) -> tuple:
     """Each layer's ``(arguments after the hidden states, keyword arguments without them)``."""
-    return tuple((tuple(args[1:]), _without_cache({k: v for k, v in kwargs.items() if k != "hidden_states"}))
+    return tuple(_without_cache(tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "hidden_states"})
                  for args, kwargs in calls)  # fmt: skip
 
 
@@ -445,7 +455,8 @@ def _capture(model, container, batches, observation_weight, store: _Store, devic
             else:
                 raise ValueError("calibrate_layerwise: the model's forward never called its first decoder layer")
             own = _own_arguments(each) if each_layer else None
-            store.append(_Inputs(batch, weight, tuple(args), _without_cache(kwargs), layers=own))
+            args, kwargs = _without_cache(tuple(args), kwargs)
+            store.append(_Inputs(batch, weight, args, kwargs, layers=own))
 
 
 def _select(states: dict, keep: Callable[[str, str], bool]) -> dict:
