@@ -39,6 +39,11 @@ class Granularity:
     def validate(self) -> None:
         pass
 
+    def row_wise(self) -> bool:
+        """Whether each row (token) of an activation has its own parameters: a batch's scales are
+        then its own, taken at run time (dynamic), since no other batch has the same rows."""
+        return False
+
 
 @dataclasses.dataclass(frozen=True)
 class PerTensor(Granularity):
@@ -67,6 +72,9 @@ class PerHead(PerAxis):
 class PerToken(Granularity):
     """One set per row of the last dimension (per token of an activation; dynamic)."""
 
+    def row_wise(self) -> bool:
+        return True
+
 
 @dataclasses.dataclass(frozen=True)
 class PerRow(Granularity):
@@ -80,6 +88,9 @@ class PerRow(Granularity):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool):
             raise ValueError(f"PerRow.dim must be an int, got {self.dim!r}")
 
+    def row_wise(self) -> bool:
+        return self.dim == -1
+
 
 @dataclasses.dataclass(frozen=True)
 class PerGroup(Granularity):
@@ -90,6 +101,9 @@ class PerGroup(Granularity):
     def validate(self) -> None:
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 1:
             raise ValueError(f"{type(self).__name__}.group_size must be a positive int, got {self.group_size!r}")
+
+    def row_wise(self) -> bool:
+        return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +142,10 @@ class PerBlock(Granularity):
             raise ValueError(f"PerBlock.block_shape must be two or more positive ints, got {self.block_shape!r}")
         if not isinstance(self.partial, bool):
             raise ValueError(f"PerBlock.partial must be a bool, got {self.partial!r}")
+
+    def row_wise(self) -> bool:
+        """Blocks one row tall (torchao's ``(1, 128)`` activations)."""
+        return all(b == 1 for b in self.block_shape[:-1])
 
 
 def _normalize_axis(axis: int, shape, what: str = "PerAxis(axis") -> int:

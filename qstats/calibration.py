@@ -15,7 +15,7 @@ from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
 from ._formats import COMPUTE_DTYPE_NAMES, global_scale_from_amax
-from ._granularity import PerGroup, PerRow, PerToken, TensorGroup
+from ._granularity import TensorGroup
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams
 from ._quant import fake_quantize
 from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
@@ -533,7 +533,7 @@ class _ExpertInputs(ExpertCallHooks):
 
         if isinstance(ids, int):
             return of_expert(ids, rows)
-        if found.runtime and not _row_wise(found.spec.granularity):  # scales from each expert's rows
+        if found.runtime and not found.spec.granularity.row_wise():  # scales from each expert's rows
             out = rows.clone()  # rows of no expert (expert-parallel sentinels) stay
             for expert, chosen in rows_by_expert(ids, found.num_experts):
                 out[chosen] = of_expert(expert, rows[chosen])
@@ -549,8 +549,3 @@ class _ExpertInputs(ExpertCallHooks):
         quantized = torch.vmap(of_row, in_dims=(0, None if qp is None else 0))(rows, per_row)
         return torch.where(inside[:, None], quantized, rows)
 
-
-def _row_wise(granularity) -> bool:
-    """Whether run-time scales of ``granularity`` come from each row alone (per token, per group
-    of a row): then the rows of several experts are quantized one row at a time."""
-    return isinstance(granularity, (PerToken, PerGroup)) or granularity == PerRow(-1)

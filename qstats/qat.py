@@ -17,7 +17,6 @@ from torch import nn
 
 from . import distributed
 from ._checks import check_floating
-from ._granularity import PerBlock, PerGroup, PerRow, PerToken
 from ._qparams import compute_qparams
 from ._quant import fake_quantize
 from ._spec import QuantSpec
@@ -206,24 +205,21 @@ class _FakeQuantPoint(nn.Module):
                                      ste=self.ste, learned=learned, grad_scale=self.grad_scale)
 
 
-# activation granularities whose parameters are indexed by the batch's own rows (tokens)
-_ROW_GRANULARITIES = (PerToken, PerRow, PerGroup, PerBlock)
-
-
 # torchao refuses range learning with is_dynamic: a range learned per row of one batch means nothing to another's
-_NO_RANGE_TO_LEARN = ("the activation ranges are dynamic (each batch's own: per token, row, group or block, or "
+_NO_RANGE_TO_LEARN = ("the activation ranges are dynamic (each batch's own: per row, token or group, or "
                       "dynamic_activations=True), so there is no range to learn (torchao refuses range_learning "
                       "with is_dynamic)")
 
 
 def _dynamic(observer: Optional[Observer], dynamic_activations: bool) -> bool:
     """Whether the activation points are dynamic: each call observes its own input into a fresh state,
-    whatever the phase, so the state's shape follows the batch's. Ranges per token, row, group or block
+    whatever the phase, so the state's shape follows the batch's. Ranges per row (`Granularity.row_wise`)
     always are (torchao's fake quantizers: no other batch has the same rows), every range with
     ``dynamic_activations`` (coreai_opt's "dynamic" calculators, compressed-tensors' dynamic)."""
     if observer is None:
         return False
-    return dynamic_activations or isinstance(getattr(observer.spec, "granularity", None), _ROW_GRANULARITIES)
+    granularity = getattr(observer.spec, "granularity", None)
+    return dynamic_activations or (granularity is not None and granularity.row_wise())
 
 
 class _BatchNormPoint(nn.Module):
@@ -478,7 +474,7 @@ def prepare(
     The weight of every layer of a type in ``layers`` (Linear, Conv1d/2d/3d by default) goes through
     ``weight_observer`` and its input through ``activation_observer`` (None: leave that kind in float).
     Batch-norm layers become pure functions of a `BatchNormState`. A layer called several times per
-    forward keeps one state per kind (docs/qat.md). Activation ranges per token, row, group or block are
+    forward keeps one state per kind (docs/qat.md). Activation ranges per row (per token, group, ...) are
     each batch's own, whatever the phase; ``dynamic_activations=True`` makes every activation range so
     (coreai_opt's "dynamic" calculators), per tensor and per channel too.
 

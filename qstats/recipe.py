@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
-from ._granularity import PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
+from ._granularity import PerBlock, PerGroup, PerTensor, TensorGroup
 from ._rule_data import recipe_fields
 from ._schemes import PROJECTION_NAMES, compressed_tensors_ignore, config_rules, scheme_rules
 from ._spec import QuantSpec
@@ -228,10 +228,10 @@ class Site(NamedTuple):
 
 def runtime_scaled(spec: QuantSpec) -> bool:
     """Whether an activation site under ``spec`` gets its scales at run time, from each tensor:
-    per-token and per-group specs, and two-level (NVFP4) specs, whose global scale alone is
-    calibrated. Such sites are observed per tensor, since a per-token state would be shaped by
-    the first batch's length."""
-    return isinstance(spec.granularity, (PerToken, PerGroup, TensorGroup))
+    specs with parameters per row (`Granularity.row_wise`: per token, per group, ``PerRow(-1)``,
+    blocks one row tall) and two-level (NVFP4) specs, whose global scale alone is calibrated.
+    Such sites are observed per tensor, since a per-row state would be shaped by the first batch."""
+    return spec.granularity.row_wise()
 
 
 def _child_projection(module: torch.nn.Module, site: str) -> Optional[torch.nn.Module]:
