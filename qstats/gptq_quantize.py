@@ -413,7 +413,12 @@ def check_options(block_size, dampening, actorder, where: str) -> None:
         number = float("nan")
     if not 0 <= number < float("inf"):
         raise ValueError(f"{where}: dampening must be a finite non-negative number, got {dampening!r}")
-    # 'group', its alias 'dynamic' (any case) and True (once 'group'), as compressed-tensors refuses them
+    check_actorder(actorder, where)
+
+
+def check_actorder(actorder, where: str) -> None:
+    """ValueError for an ``actorder`` other than None, ``"static"`` and ``"weight"``: ``"group"``, its alias
+    ``"dynamic"`` (any case) and True (once ``"group"``) are named, as compressed-tensors refuses them."""
     if actorder is True or (isinstance(actorder, str) and actorder.lower() in ("group", "dynamic")):
         raise ValueError(f"{where}: actorder={actorder!r} (groups in activation order with a g_idx) was removed from "
                          "compressed-tensors 0.19 and llm-compressor 0.14; use 'static' (= 'weight') or None")

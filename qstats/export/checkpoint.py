@@ -16,6 +16,7 @@ from .._qparams import QParams
 from .._spec import QuantSpec
 from ..experts import UncalibratedWarning, expert_count
 from ..fused import fused_groups
+from ..gptq_quantize import check_actorder
 from ..recipe import Plan, Recipe, _matches, as_plan
 from .attention import attention_config, write_attention
 from .config import (ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, ignored_modules,
@@ -251,15 +252,10 @@ class Writer:
 
 def weight_actorder(actorder) -> Optional[str]:
     """The weights' ``actorder`` as compressed-tensors' ``QuantizationArgs`` reads it: False is None;
-    ``"static"`` and ``"weight"`` (its alias) are kept; ``"group"`` / ``"dynamic"`` and True (removed from
-    compressed-tensors 0.19) and any other value raise a ValueError naming it."""
-    if actorder is None or actorder is False:
+    None, ``"static"`` and ``"weight"`` (its alias) are kept; other values raise (`check_actorder`)."""
+    if actorder is False:
         return None
-    if actorder is True or (isinstance(actorder, str) and actorder.lower() in ("group", "dynamic")):
-        raise ValueError(f"export.compressed_tensors: actorder={actorder!r} (groups in activation order with a "
-                         "g_idx) was removed from compressed-tensors; use 'static' (= 'weight') or None")
-    if actorder not in ("static", "weight"):
-        raise ValueError(f"export.compressed_tensors: actorder must be None, 'static' or 'weight', got {actorder!r}")
+    check_actorder(actorder, "export.compressed_tensors")
     return actorder
 
 
