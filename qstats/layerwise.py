@@ -382,12 +382,13 @@ def _same(one: Any, other: Any) -> bool:
         return False
 
 
-def _check_passed_on(run: "_Run", container, container_path: str, batch, where: str) -> Any:
+def _check_passed_on(run: "_Run", container, container_path: str, batch, where: str, loaded: list) -> Any:
     """Runs the model's forward on ``batch`` through its first layer (read from the checkpoint) up
     to the second, and refuses a forward that passes the second layer a tensor the first returned
     beside its hidden states (T5's position bias, computed by the first block alone): layer by layer,
     only the hidden states go from one layer to the next. Returns the first layer's output (None
-    if unknown), whose structure the stand-ins return."""
+    if unknown), whose structure the stand-ins return. The first layer stays loaded (its
+    `release_modules` list added to ``loaded``), so that its own run reads it no more."""
     if len(container) < 2:
         return None
     outputs: list = []
@@ -395,7 +396,7 @@ def _check_passed_on(run: "_Run", container, container_path: str, batch, where: 
     def keep(module, args, kwargs, output):
         outputs.append((output, [*args, *kwargs.values()]))
 
-    saved = load_modules(run.model, [f"{container_path}.0"], run.checkpoint, device=run.device)
+    loaded.extend(load_modules(run.model, [f"{container_path}.0"], run.checkpoint, device=run.device))
     received: list = []
     try:
         with container[0].register_forward_hook(keep, with_kwargs=True), \
@@ -405,8 +406,6 @@ def _check_passed_on(run: "_Run", container, container_path: str, batch, where: 
         received = [*stopped.layer_args, *stopped.layer_kwargs.values()]
     except Exception:  # noqa: BLE001 - the capture and the layer's own run report the model's errors
         pass
-    finally:
-        release_modules(saved)
     output, given = outputs[0] if outputs else (None, [])
     extras = output[1:] if isinstance(output, (tuple, list)) else ()
     # a tensor the first layer was given too (the same for every layer) is no output passed on
@@ -852,25 +851,31 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
 def _calibrate_all(run: _Run, container_path: str, container, batches, observation_weight, progress: bool,
                    where: str) -> dict:
     found: dict = {}
-    saved: list = []
+    saved: list = []  # the modules outside the layers, for the capture
+    first: list = []  # the first layer, read by the checks and kept for its own run
 
     def capture() -> None:
         saved.extend(_outer_loaded(run, container_path))
         each_layer = len(_layer_kinds(run.model, container_path)) > 1
         def checked(batch) -> tuple:
-            like = _check_passed_on(run, container, container_path, batch, where)
+            like = _check_passed_on(run, container, container_path, batch, where, first)
             return _check_call_order(run.model, container, container_path, batch, where, like), like
 
         _capture(run.model, container, batches, observation_weight, run.store, run.device, each_layer, checked)
 
     try:
-        run.agreed(capture)
-    finally:
-        release_modules(saved)
-    with tqdm(total=len(container) + 1, unit="layer", desc=f"qstats.{where}", disable=not progress) as bar:
-        for index, layer in enumerate(container):
-            found.update(_run_layer(run, f"{container_path}.{index}", layer, index + 1))
+        try:
+            run.agreed(capture)
+        finally:
+            release_modules(saved)
+        with tqdm(total=len(container) + 1, unit="layer", desc=f"qstats.{where}", disable=not progress) as bar:
+            for index, layer in enumerate(container):
+                found.update(_run_layer(run, f"{container_path}.{index}", layer, index + 1))
+                release_modules(first)
+                first.clear()
+                bar.update(1)
+            found.update(_run_outside(run, container_path, container, observation_weight))
             bar.update(1)
-        found.update(_run_outside(run, container_path, container, observation_weight))
-        bar.update(1)
+    finally:
+        release_modules(first)
     return found

@@ -6,6 +6,8 @@ those of the model transformers' ``from_pretrained`` loads from it.
   on two threads), so the states would not be the loaded model's bit for bit.
 - A model tying ``lm_head`` to the embeddings over a checkpoint holding both with different values
   is refused by the export given ``weights=`` too, as without it (``from_pretrained`` unties them).
+- Each tensor of the decoder layers is read from the checkpoint once (the first layer, which the
+  checks of the forward run, was read again for its own run).
 """
 
 from __future__ import annotations
@@ -97,4 +99,20 @@ def test_the_export_given_weights_refuses_a_tied_model_over_untied_checkpoint_te
             qstats.export.compressed_tensors_layerwise(model, checkpoint, qparams, str(tmp_path / "out"), recipe,
                                                        weights=given, progress=False)  # fmt: skip
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_each_layer_tensor_is_read_from_the_checkpoint_once(tmp_path, monkeypatch):
+    from qstats._lazy_checkpoint import LazyCheckpoint
+
+    torch.manual_seed(0)
+    checkpoint = _saved(tmp_path, transformers.AutoModelForCausalLM.from_config(_config()))
+    reads: list = []
+    read = LazyCheckpoint.tensor
+    monkeypatch.setattr(LazyCheckpoint, "tensor", lambda self, key: reads.append(key) or read(self, key))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config()).eval()
+    qstats.calibrate_layerwise(model, checkpoint, left_padded_id_batches(), RECIPE, progress=False)
+    in_layers = [key for key in reads if key.startswith("model.layers.")]
+    assert len(in_layers) == len(set(in_layers)) == 2 * 9
     assert all(p.device.type == "meta" for p in model.parameters())
