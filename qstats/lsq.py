@@ -212,7 +212,7 @@ def lsq_fake_quantize(
     # Gradient coefficients (values, detached), torch.ao's kernel term by term. A NaN value counts as
     # clipped below, as torch's backward (its NaN code would make the range gradients NaN even where the
     # value is selected away and its upstream gradient is 0).
-    clipped = torch.where(torch.isnan(v_value), torch.full_like(codes, qmin), codes)
+    clipped = codes.nan_to_num(nan=qmin)  # NaN codes: NaN values (or a NaN range, its output NaN anyway)
     scale_coefficient = torch.where(inside, (out - v_value) * inv_scale, clipped - zero_point_value) * factor
     passthrough = torch.where(inside, _zero_gradient(v), torch.zeros_like(v_value))
     out = out + passthrough + _zero_gradient(broadcast_to_view(params.scale.float())) * scale_coefficient
