@@ -200,7 +200,8 @@ class Writer:
 
     def __init__(self, specs_or_recipe, qparams: Mapping, model: torch.nn.Module, format: Optional[str],
                  actorder: Optional[str] = None):
-        self.actorder = weight_actorder(actorder)
+        self.actorder = None if actorder is False else actorder  # False: None, as compressed-tensors reads it
+        check_actorder(self.actorder, "export.compressed_tensors")
         self.specs, self.groups, self.modules, self.dynamic, self.plan = _resolve(specs_or_recipe, qparams, model)
         self.qparams, self.format, self.model = qparams, format, model
         self.log: dict = {"uncalibrated": [], "rounded": [], "rotary": [], "compute_dtype": []}
@@ -248,15 +249,6 @@ class Writer:
                  "e.g. a recipe on 'Linear' of a model of Conv1D layers, such as GPT-2); config.json gets no "
                  "quantization_config, as llm-compressor writes none: the checkpoint is the float model")
         return config
-
-
-def weight_actorder(actorder) -> Optional[str]:
-    """The weights' ``actorder`` as compressed-tensors' ``QuantizationArgs`` reads it: False is None;
-    None, ``"static"`` and ``"weight"`` (its alias) are kept; other values raise (`check_actorder`)."""
-    if actorder is False:
-        return None
-    check_actorder(actorder, "export.compressed_tensors")
-    return actorder
 
 
 def _check_arguments(model, qparams, format) -> None:
