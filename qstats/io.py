@@ -408,16 +408,11 @@ def _write_replacing(tensors: dict[str, torch.Tensor], metadata: dict, target: s
 def _new_file_beside(target: str) -> tuple[str, int]:
     """An empty file of a new, unguessable name in ``target``'s folder, and the mode ``open`` gives."""
     folder, name = os.path.split(target)
-    for _ in range(100):
-        candidate = os.path.join(folder, f".{name[:40]}.{secrets.token_hex(8)}.tmp")  # under 255 bytes in UTF-8
-        try:
-            descriptor = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            continue
-        mode = stat.S_IMODE(os.fstat(descriptor).st_mode)
-        os.close(descriptor)
-        return candidate, mode
-    raise FileExistsError(f"no free temporary file name beside {target}")
+    candidate = os.path.join(folder, f".{name[:40]}.{secrets.token_hex(8)}.tmp")  # under 255 bytes in UTF-8
+    descriptor = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # 64 random bits: no clash
+    mode = stat.S_IMODE(os.fstat(descriptor).st_mode)
+    os.close(descriptor)
+    return candidate, mode
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
