@@ -423,8 +423,7 @@ def _bounded(members: list, leaves: list) -> list[list]:
     runs: list[list] = []
     size = 0
     for member in members:
-        value = leaves[member[0]][member[1]]
-        nbytes = value.numel() * value.element_size()
+        nbytes = leaves[member[0]][member[1]].nbytes
         if not runs or size + nbytes > BUCKET_BYTES:
             runs.append([])
             size = 0
@@ -450,10 +449,7 @@ def _gather_and_fold(states, plan, leaf_observers, group, world: int, results) -
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local, group=group)
     del local
-    per_rank = []
-    for rank in range(world):  # each buffer freed once copied into its states
-        per_rank.append(_unpack(gathered[rank], [states[i] for i in folded]))
-        gathered[rank] = None
+    per_rank = [_unpack(gathered.pop(0), [states[i] for i in folded]) for _ in range(world)]  # each freed once read
     for k, i in enumerate(folded):  # in rank order
         merged = functools.reduce(leaf_observers[i].merge, [rank_states[k] for rank_states in per_rank])
         results[i] = _values(merged)
