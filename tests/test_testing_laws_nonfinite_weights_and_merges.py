@@ -263,3 +263,23 @@ def test_stability_catches_an_update_that_crashes_on_non_finite_values():
     with pytest.raises(AssertionError, match="buckets: stability: update with a batch holding NaN and ±inf failed: "
                                              "RuntimeError.*refuse them with a ValueError"):
         testing.check_stability(obs, XS)
+
+
+def test_stability_catches_squares_taken_in_float16():
+    """Squares of a float16 batch taken in float16 overflow past 256 (an autocast model's activations)."""
+
+    def update(state, x, weight=None):
+        if x.numel() == 0:
+            return state
+        view = kit.checked_view(x, qstats.PerAxis(0), state.count.shape, "half_squares.update")
+        squares = torch.where(torch.isfinite(view), view * view, 0).sum(dim=(0, -1)).double()  # in x's dtype
+        return LawsSquareSumState(state.square_total + squares, state.count + torch.isfinite(view).sum(dim=(0, -1)))
+
+    correct = _square_sum(qstats.QuantSpec(granularity=qstats.PerAxis(0)))
+    broken = correct._replace(update=update, name="half_squares")
+    xs = [x * 256 for x in XS]
+    assert torch.isinf(broken.update(broken.init(xs[0]), xs[0].half()).square_total).any()  # independent check
+    testing.check_stability(correct, xs)
+    with pytest.raises(AssertionError, match=r"half_squares: stability: update with a torch.float16 tensor put \d+ "
+                                             r"non-finite value\(s\) into state.square_total"):
+        testing.check_stability(broken, xs)

@@ -522,11 +522,12 @@ def _check_state_leaves(state, name: str) -> None:
 def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> None:
     """Law 5: ``update`` and ``merge`` return exactly the structure, NamedTuple type, shapes and
     dtypes that ``init`` returned, for the batches and for them cast to each other float dtype (float32,
-    bfloat16, float16, float64) when they are floats; an empty batch, with or without its row weight,
-    leaves the state unchanged (bit for bit); NaN and ±inf in a batch are refused with a ValueError or
-    left out (no non-finite value where the clean batch's state is finite); a bool or int64 0/1 row
-    weight observes as the float32 one, and a zero one leaves ``init`` unchanged for every input dtype;
-    the state type is registered, its leaves are tensors, floats are float32 or wider, integers int64."""
+    bfloat16, float16, float64) when they are floats (finite wherever the state of the uncast batch is);
+    an empty batch, with or without its row weight, leaves the state unchanged (bit for bit); NaN and
+    ±inf in a batch are refused with a ValueError or left out (no non-finite value where the clean
+    batch's state is finite); a bool or int64 0/1 row weight observes as the float32 one, and a zero one
+    leaves ``init`` unchanged for every input dtype; the state type is registered, its leaves are
+    tensors, floats are float32 or wider, integers int64."""
     xs = _need(xs, 1, "check_stability")
     name = _name(obs)
     init = obs.init(xs[0])
@@ -564,7 +565,13 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
         # the state's dtypes do not follow the input's, narrower or wider (whatever the batches' dtype)
         for dtype in [d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64) if d != xs[0].dtype]:
             same(f"init of a {dtype} tensor", obs.init, xs[0].to(dtype))
-            same(f"update with a {dtype} tensor", obs.update, state, xs[0].to(dtype))
+            cast = xs[0].to(dtype)
+            updated = same(f"update with a {dtype} tensor", obs.update, state, cast)
+            # squares or sums taken in float16 overflow where float32 ones do not (unless the cast itself does)
+            if torch.equal(torch.isfinite(cast), torch.isfinite(xs[0])):
+                _check_no_new_nonfinite(updated, obs.update(state, xs[0]), init,
+                                        f"{name}: stability: update with a {dtype} tensor", f"the {xs[0].dtype} batch",
+                                        "compute in float32 or wider whatever the input dtype")
     _check_weight_dtypes(obs, xs[0], state, name, batch_dims)
 
 
@@ -609,18 +616,24 @@ def _check_nonfinite_left_out(obs, x: torch.Tensor, state, name: str) -> None:
         raise AssertionError(f"{name}: stability: update with a batch holding NaN and ±inf failed: "
                              f"{type(error).__name__}: {error}; leave non-finite values out and count them, or "
                              "refuse them with a ValueError") from error
-    clean = dict(qtree.leaves_with_paths(obs.update(state, x), "state"))
-    unobserved = dict(qtree.leaves_with_paths(obs.init(x), "state"))
+    _check_no_new_nonfinite(got, obs.update(state, x), obs.init(x), f"{name}: stability: update with a batch "
+                            "holding NaN and ±inf", "the batch without them", "leave non-finite values out and count "
+                            "them, or refuse them with a ValueError")
+
+
+def _check_no_new_nonfinite(got, clean, init, what: str, reference: str, advice: str) -> None:
+    """``got`` is finite wherever ``clean`` (the state of ``reference``) is, or holds ``init``'s value
+    there (an element left unobserved)."""
+    clean_leaves = dict(qtree.leaves_with_paths(clean, "state"))
+    init_leaves = dict(qtree.leaves_with_paths(init, "state"))
     for path, leaf in qtree.leaves_with_paths(got, "state"):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            init = unobserved[path]
-            as_init = (leaf == init) | (torch.isnan(leaf) & torch.isnan(init))
-            spoiled = ~torch.isfinite(leaf) & torch.isfinite(clean[path]) & ~as_init
+            unobserved = init_leaves[path]
+            as_init = (leaf == unobserved) | (torch.isnan(leaf) & torch.isnan(unobserved))
+            spoiled = ~torch.isfinite(leaf) & torch.isfinite(clean_leaves[path]) & ~as_init
             if bool(spoiled.any()):
-                raise AssertionError(
-                    f"{name}: stability: update with a batch holding NaN and ±inf put {int(spoiled.sum())} "
-                    f"non-finite value(s) into {path} (finite for the batch without them): leave non-finite "
-                    f"values out and count them, or refuse them with a ValueError\n  got: {leaf}")
+                raise AssertionError(f"{what} put {int(spoiled.sum())} non-finite value(s) into {path} (finite for "
+                                     f"{reference}): {advice}\n  got: {leaf}")
 
 
 def _attempt(what: str, fn, *args):
