@@ -9,6 +9,7 @@ the experts' forward (``down_proj``). See docs/calibrate_api.md.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import operator
@@ -271,9 +272,7 @@ def dispatch(tokens: torch.Tensor, mask: torch.Tensor, capacity: Optional[int] =
         )
     if capacity is None:
         capacity = max(1, int((mask != 0).sum(dim=1).max()) if mask.numel() else 1)
-    else:
-        capacity = _capacity(capacity)
-    capacity = min(capacity, tokens.shape[0])
+    capacity = min(_capacity(capacity), tokens.shape[0])
     order = torch.argsort((mask != 0).to(torch.int8), dim=1, descending=True, stable=True)[:, :capacity]
     return tokens[order], torch.gather(mask, 1, order)
 
@@ -281,12 +280,11 @@ def dispatch(tokens: torch.Tensor, mask: torch.Tensor, capacity: Optional[int] =
 def _capacity(capacity) -> int:
     """``capacity`` as a Python int: any integer (a numpy integer, a 0-d integer tensor such as a
     token count read from a mask) >= 0; ValueError for a bool, a float or a negative one."""
-    if isinstance(capacity, bool) or (isinstance(capacity, torch.Tensor) and (capacity.dtype == torch.bool or capacity.ndim)):
-        raise ValueError(f"dispatch: capacity must be an int >= 0 (rows kept per expert), got {capacity!r}")
-    try:
-        value = operator.index(capacity)
-    except TypeError:
-        value = -1
+    value = -1
+    if not isinstance(capacity, bool) and not (isinstance(capacity, torch.Tensor)
+                                               and (capacity.dtype == torch.bool or capacity.ndim)):
+        with contextlib.suppress(TypeError):
+            value = operator.index(capacity)
     if value < 0:
         raise ValueError(f"dispatch: capacity must be an int >= 0 (rows kept per expert), got {capacity!r}")
     return value
