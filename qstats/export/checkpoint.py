@@ -529,11 +529,8 @@ def _quantizes_a_tied_weight(model: torch.nn.Module, quantization_config: dict) 
     tied = {path for paths in owners.values() if len(paths) > 1 for path in paths}
     modules = dict(model.named_modules(remove_duplicate=False))
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        embeddings = []
-        for getter in ("get_input_embeddings", "get_output_embeddings"):
-            with contextlib.suppress(AttributeError, NotImplementedError):
-                embeddings.append(getattr(model, getter)())
-        tied.update(path for path, module in modules.items() if any(module is e for e in embeddings if e is not None))
+        embeddings = _embeddings(model)
+        tied.update(path for path, module in modules.items() if any(module is e for e in embeddings))
     if not tied:
         return False
     ignore = set(quantization_config.get("ignore") or ())
