@@ -372,18 +372,11 @@ def save(path: str | os.PathLike, tree: Any) -> None:
         raise IsADirectoryError(f"qstats.io: could not write {target} (it is a directory)")
     try:
         _write_replacing(tensors, metadata, real)
-    except SafetensorError as error:  # the writer's I/O failures, as open() and torch.save raise them
-        if "header too large" in str(error).lower():
+    except (SafetensorError, OSError) as error:  # the writer's I/O failures, as open() and torch.save raise them
+        if isinstance(error, SafetensorError) and "header too large" in str(error).lower():
             raise _header_too_large(target, len(tensors)) from None
-        raise _not_written(target, error) from None
-    except OSError as error:
-        raise _not_written(target, error) from None
-
-
-def _not_written(target: str, error: Exception) -> OSError:
-    folder = os.path.dirname(os.path.realpath(target)) or "."
-    kind = FileNotFoundError if not os.path.isdir(folder) else OSError
-    return kind(f"qstats.io: could not write {target} ({error})")
+        kind = FileNotFoundError if not os.path.isdir(os.path.dirname(real)) else OSError
+        raise kind(f"qstats.io: could not write {target} ({error})") from None
 
 
 def _write_replacing(tensors: dict[str, torch.Tensor], metadata: dict, target: str) -> None:
