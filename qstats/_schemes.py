@@ -204,6 +204,25 @@ _EXPERT_SITES = {"weight": ("gate_up_proj", "down_proj"), "input": ("input", "do
 _LINEARIZED_SITES = {**_EXPERT_SITES, "weight": ("gate_up_proj", "up_proj", "down_proj")}
 
 
+def _matches(targets: tuple, path: str, module) -> bool:
+    """Whether a module at ``path`` is one of ``targets``: a ``re:`` full match of the path, the path, or a class name."""
+    for target in targets:
+        if target.startswith("re:"):
+            if re.fullmatch(target[3:], path):
+                return True
+        elif target == path or (module is not None and _is_class_name(module, target)):
+            return True
+    return False
+
+
+def _is_class_name(module: torch.nn.Module, target: str) -> bool:
+    """The module's class or one of its ``nn.Module`` base classes is named ``target`` (as
+    compressed-tensors matches: ``"Linear"`` also matches subclasses of ``nn.Linear``)."""
+    return any(
+        issubclass(cls, torch.nn.Module) and cls.__name__ == target for cls in type(module).__mro__
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertsMatch:
     """`Rule.matcher` of ``from_scheme(experts=...)``: the stacked-experts modules ``targets`` names
@@ -215,8 +234,6 @@ class ExpertsMatch:
     ignore: tuple = ()
 
     def __call__(self, path: str, module) -> bool:
-        from .recipe import _matches
-
         return _matches(self.targets, path, module)
 
     def sites_on(self, path: str, module, sites: tuple) -> tuple:

@@ -17,7 +17,7 @@ import torch
 
 from ._granularity import PerBlock, PerGroup, PerTensor, TensorGroup
 from ._rule_data import recipe_fields
-from ._schemes import PROJECTION_NAMES, compressed_tensors_ignore, config_rules, scheme_rules
+from ._schemes import PROJECTION_NAMES, _matches, compressed_tensors_ignore, config_rules, scheme_rules
 from ._spec import QuantSpec
 from ._torch_features import dtype_named, uncompiled
 from .experts import (expert_count, is_stacked_parameter, linearized_experts, own_parameters, parameter_input_site,
@@ -66,16 +66,6 @@ def _targets(targets, what: str) -> tuple:
     return targets
 
 
-def _matches(targets: tuple, path: str, module: Optional[torch.nn.Module]) -> bool:
-    for target in targets:
-        if target.startswith("re:"):
-            if re.fullmatch(target[3:], path):
-                return True
-        elif target == path or (module is not None and _is_class_name(module, target)):
-            return True
-    return False
-
-
 def _ignore_hits(target: str, paths, classes) -> bool:
     """Whether an ``ignore`` entry matches one of ``paths`` (``re:`` full match, or exact) or names
     one of ``classes``."""
@@ -106,14 +96,6 @@ def _group_of(rule: "Rule") -> Optional[tuple]:
     (its `GroupMatch`), else None."""
     group = getattr(rule.matcher, "group", None)
     return None if group is None else (rule.matcher.groups, group)
-
-
-def _is_class_name(module: torch.nn.Module, target: str) -> bool:
-    """The module's class or one of its ``nn.Module`` base classes is named ``target`` (as
-    compressed-tensors matches: ``"Linear"`` also matches subclasses of ``nn.Linear``)."""
-    return any(
-        issubclass(cls, torch.nn.Module) and cls.__name__ == target for cls in type(module).__mro__
-    )
 
 
 @dataclasses.dataclass(frozen=True)
