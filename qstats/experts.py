@@ -9,10 +9,8 @@ the experts' forward (``down_proj``). See docs/calibrate_api.md.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
-import operator
 from typing import Optional
 
 import torch
@@ -20,6 +18,7 @@ from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._checks import as_index
 from .stacked import stacked_observer, stacked_qparams
 from ._warn import warn
 
@@ -272,22 +271,12 @@ def dispatch(tokens: torch.Tensor, mask: torch.Tensor, capacity: Optional[int] =
         )
     if capacity is None:
         capacity = max(1, int((mask != 0).sum(dim=1).max()) if mask.numel() else 1)
-    capacity = min(_capacity(capacity), tokens.shape[0])
+    value = None if isinstance(capacity, torch.Tensor) and capacity.ndim else as_index(capacity)
+    if value is None or value < 0:
+        raise ValueError(f"dispatch: capacity must be an int >= 0 (rows kept per expert), got {capacity!r}")
+    capacity = min(value, tokens.shape[0])
     order = torch.argsort((mask != 0).to(torch.int8), dim=1, descending=True, stable=True)[:, :capacity]
     return tokens[order], torch.gather(mask, 1, order)
-
-
-def _capacity(capacity) -> int:
-    """``capacity`` as a Python int: any integer (a numpy integer, a 0-d integer tensor such as a
-    token count read from a mask) >= 0; ValueError for a bool, a float or a negative one."""
-    value = -1
-    if not isinstance(capacity, bool) and not (isinstance(capacity, torch.Tensor)
-                                               and (capacity.dtype == torch.bool or capacity.ndim)):
-        with contextlib.suppress(TypeError):
-            value = operator.index(capacity)
-    if value < 0:
-        raise ValueError(f"dispatch: capacity must be an int >= 0 (rows kept per expert), got {capacity!r}")
-    return value
 
 
 def uncovered_experts(state) -> Optional[list]:
