@@ -204,14 +204,9 @@ def check_observation_weight(weight, caller: str) -> None:
         return
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"{caller}: the observation weight must be a tensor or None, got {type(weight).__name__}")
-    if weight.dtype == torch.bool:
-        return
     if weight.is_complex():
         raise TypeError(f"{caller}: the observation weight must be a real (or bool) tensor, got {weight.dtype}")
-    bad = weight < 0
-    if weight.is_floating_point():
-        bad = bad | ~torch.isfinite(weight)
-    count = int(bad.sum())
+    count = int(((weight < 0) | ~torch.isfinite(weight)).sum())  # integers and bools are finite
     if count:
         raise ValueError(
             f"{caller}: the observation weight of shape {tuple(weight.shape)} holds {count} negative, NaN or "
