@@ -457,18 +457,16 @@ def retied_copies(model: torch.nn.Module, tensors: dict) -> set:
     embeddings = _embeddings(model)
     if len(embeddings) != 2 or embeddings[0] is embeddings[1]:
         return set()
-    paths: dict = {}
-    for path, module in model.named_modules(remove_duplicate=False):
-        paths.setdefault(id(module), path)
-    if not all(id(module) in paths and paths[id(module)] for module in embeddings):
+    paths = {id(module): path for path, module in model.named_modules()}  # each module's first path
+    names = [paths.get(id(module)) for module in embeddings]
+    if not all(names):
         return set()
     rename = module_renamer(model)
-    source, target = (_own_tensors(tensors, rename(paths[id(module)])) for module in embeddings)
-    if not source or source.keys() != target.keys() or not all(
-            source[name].dtype == target[name].dtype and source[name].shape == target[name].shape
-            and torch.equal(source[name], target[name]) for name in source):
+    source, target = (_own_tensors(tensors, rename(name)) for name in names)
+    if not source or source.keys() != target.keys() or not all(  # torch.equal compares the shapes too
+            source[name].dtype == target[name].dtype and torch.equal(source[name], target[name]) for name in source):
         return set()
-    return {f"{rename(paths[id(embeddings[1])])}.{name}" for name in target}
+    return {f"{rename(names[1])}.{name}" for name in target}
 
 
 def _own_tensors(tensors: dict, prefix: str) -> dict:
