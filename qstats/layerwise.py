@@ -15,6 +15,7 @@ memory at a time; the activations stay in memory or, with ``offload_dir``, on di
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import math
@@ -198,15 +199,21 @@ def _is_cache(value: Any) -> bool:
 
 
 def _without_cache(args: tuple, kwargs: dict) -> tuple:
-    """The layer's ``(arguments, keyword arguments)`` without the KV cache, by keyword or by position
-    (GPT-2's blocks get it second, GPT-NeoX's, Falcon's and Bloom's as ``layer_past=``): a calibration
-    batch is a whole sequence, and a layer run twice on a batch (quantized propagation, GPTQ) would
-    attend to the keys its first run cached."""
+    """The layer's ``(arguments, keyword arguments)`` without ``past_key_values`` and with
+    ``use_cache=False``: a calibration batch is a whole sequence. A cache passed another way (by
+    position: GPT-2; as ``layer_past=``: GPT-NeoX, Falcon, Bloom, GPT-J), which the layers fill
+    whatever ``use_cache`` says, stays as the forward made it (empty: no layer has run) and each
+    call of a layer gets a copy of it (`_fresh_caches`)."""
     cleared = {"past_key_values": None, "use_cache": False}
-    args = tuple(None if _is_cache(value) else value for value in args)
-    kwargs = {key: cleared[key] if key in cleared else None if _is_cache(value) else value
-              for key, value in kwargs.items()}  # fmt: skip
-    return args, kwargs
+    return tuple(args), {key: cleared[key] if key in cleared else value for key, value in kwargs.items()}
+
+
+def _fresh_caches(args: tuple, kwargs: dict) -> tuple:
+    """``(args, kwargs)`` with a copy of every KV cache in them: a layer run twice on a batch
+    (quantized propagation, GPTQ) would attend to the keys its first run cached, and one cache
+    kept for every layer would hold the keys of the whole calibration set."""
+    fresh = lambda value: copy.deepcopy(value) if _is_cache(value) else value  # noqa: E731
+    return tuple(map(fresh, args)), {key: fresh(value) for key, value in kwargs.items()}
 
 
 def _next_inputs(record: _Inputs, output, following: int) -> _Inputs:
@@ -239,7 +246,8 @@ class _LayerRun(torch.nn.Module):
 
     def forward(self, index: int):
         record = self.store[index]
-        output = self.layer(*_moved(record.args, self.device), **_moved(record.kwargs, self.device))
+        args, kwargs = _fresh_caches(_moved(record.args, self.device), _moved(record.kwargs, self.device))
+        output = self.layer(*args, **kwargs)
         if self.write:
             self.store[index] = _next_inputs(record, _offloaded(output, self.device), self.following)
         return output
