@@ -66,13 +66,16 @@ def fused_groups(model: torch.nn.Module) -> list:
     return groups
 
 
-def _amax_of(state, spec: QuantSpec, **options) -> torch.Tensor:
-    # the range compute_qparams maps: the rule's, with ``float_range`` pinned as there
+def _amax_of(state, spec: QuantSpec, where=None, **options) -> torch.Tensor:
+    # the range compute_qparams maps: the rule's, with ``float_range`` pinned as there; with ``where``,
+    # the spec's ``on_uncalibrated`` policy applied to it as compute_qparams applies it
     result = _range_of(state, spec, options, "fused")
     if isinstance(result, QParams):
         raise TypeError(f"fused: {type(state).__name__}'s range rule returns QParams, not a range")
     min_val, max_val = result.min_val.float(), result.max_val.float()
     calibrated = calibrated_mask(result.calibrated) & torch.isfinite(min_val) & torch.isfinite(max_val)
+    if where is not None:
+        calibrated = check_calibrated(calibrated, spec, where)
     amax = torch.where(calibrated, torch.max(-min_val, max_val), 0.0)
     return torch.clamp(amax, min=0).amax() if amax.numel() else amax.new_zeros(())
 
@@ -111,12 +114,24 @@ def fused_amax(states, spec: QuantSpec, **options) -> torch.Tensor:
 
 def fused_global_scale(states, spec: QuantSpec, **options) -> torch.Tensor:
     """The global scale (float32 scalar) shared by the group, in ``spec.global_scale_formula``'s
-    convention. Pure; vmappable over a stacked group of groups."""
-    _check_spec(spec, "fused_global_scale")
+    convention. Pure; vmappable over a stacked group of groups.
+
+    Under ``spec.on_uncalibrated="raise"`` an entry of a member that saw no data raises a ValueError
+    naming the member, as `compute_qparams` raises for that state (under ``vmap`` such a slice is
+    reported, not raised, as there); under ``"fallback"`` it does not contribute, and a group with
+    no calibrated entry gets global scale 1, `compute_qparams`' fallback."""
+    return _global_scale(states, spec, "fused_global_scale", **options)
+
+
+def _global_scale(states, spec: QuantSpec, where: str, **options) -> torch.Tensor:
+    _check_spec(spec, where)
     if not isinstance(spec.granularity, TensorGroup):
-        raise ValueError(f"fused_global_scale: only two-level specs (TensorGroup, NVFP4) have a global scale; "
+        raise ValueError(f"{where}: only two-level specs (TensorGroup, NVFP4) have a global scale; "
                          f"spec has granularity {spec.granularity!r}")
-    return _formats.global_scale_from_amax(fused_amax(states, spec, **options), spec)
+    states = _as_states(states)
+    amax = [_amax_of(s, spec, f"{where}: member {i} of the fused group of {len(states)}", **options)
+            for i, s in enumerate(states)]
+    return _formats.global_scale_from_amax(torch.stack(amax).amax(), spec)
 
 
 def _check_spec(spec, where: str) -> None:
@@ -151,7 +166,8 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
     group = [states] if stacked else _as_states(states)  # read an iterator once
     shared = {}
     if isinstance(spec.granularity, TensorGroup):  # the same range method as the scales
-        shared["global_scale"] = fused_global_scale(group, spec, **options)
+        where = "fused_qparams(stacked=True)" if stacked else "fused_qparams"
+        shared["global_scale"] = _global_scale(group, spec, where, **options)
 
     def qparams(state):
         return compute_qparams(state, spec, **shared, **options)
