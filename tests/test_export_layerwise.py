@@ -217,7 +217,7 @@ def test_a_failed_export_leaves_no_shard_and_bad_arguments_are_named(llama, samp
     with pytest.raises(ValueError, match="name no tensor"):
         qstats.export.compressed_tensors_layerwise(model, llama, qparams, str(out), plan,
                                                    weights={"model.no_such.weight": torch.zeros(2)}, progress=False)
-    assert [name for name in os.listdir(out) if name.endswith(".safetensors")] == []
+    assert not out.exists()  # nor the folder the export created
     qstats.export.compressed_tensors_layerwise(model, llama, qparams, str(out), plan, progress=False)  # a rerun works
     # a refusal of the quantization config (k/v qparams on layer 0's attention only) comes after the
     # shards are written: they are removed too
@@ -229,7 +229,7 @@ def test_a_failed_export_leaves_no_shard_and_bad_arguments_are_named(llama, samp
         qstats.calibrate_layerwise(model, llama, _batches(samples[:1]), kv, progress=False), kv)
     with pytest.raises(ValueError, match="kv_cache_scheme"):
         qstats.export.compressed_tensors_layerwise(model, llama, kv_qparams, str(tmp_path / "kv"), kv, progress=False)
-    assert [name for name in os.listdir(tmp_path / "kv") if "safetensors" in name] == []
+    assert not (tmp_path / "kv").exists()
     with pytest.raises(ValueError, match="weights='.*no_such_folder' is neither"):
         qstats.export.compressed_tensors_layerwise(model, llama, qparams, str(tmp_path / "b"), plan,
                                                    weights=str(tmp_path / "no_such_folder"), progress=False)

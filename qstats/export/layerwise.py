@@ -5,6 +5,7 @@ per layer (the modules outside the layers in a last shard), or in shards of ``ma
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Mapping, Optional, Union
 
@@ -135,6 +136,7 @@ def compressed_tensors_layerwise(
     writer = Writer(recipe, qparams, model, format, actorder)
     parts = _parts(model, layers)
     shards = _Shards(path, max_bytes)
+    created = not os.path.exists(path)  # a folder the shards create is removed on failure, as never made
     try:
         for part in tqdm(parts, desc="qstats.export", disable=not progress):
             _part_tensors(model, source, writer, part, shards)
@@ -147,5 +149,8 @@ def compressed_tensors_layerwise(
         write_config(path, model, quantization_config, retied=writer.retied)
     except BaseException:  # no half-written checkpoint left (check_new_folder found no shard there before)
         remove_shards(path, shards.files)
+        if created:  # as compressed_tensors, whose refusals come before it writes: no folder left
+            with contextlib.suppress(OSError):  # not emptied (another writer's files): kept
+                os.rmdir(path)
         raise
     return quantization_config
