@@ -412,6 +412,19 @@ def _ignored(names: list, ignore: tuple) -> set:
     return {name for name in names if name in exact or any(pattern.match(name) for pattern in patterns)}
 
 
+def with_checkpoint_ignore(matcher, path: str, module, rename) -> Any:
+    """``matcher`` (`GroupMatch`, `ExpertsMatch`) with its ``ignore`` also naming, by model name, the
+    per-expert Linears of the stacked experts at ``path`` that it names by checkpoint name
+    (``rename``, `_checkpoint_names.module_renamer`): llm-compressor's config names them so (Mixtral's
+    ``block_sparse_moe.experts.0.down_proj`` for ``mlp.experts.0.down_proj``). Any other matcher,
+    or none named so, as it is."""
+    if not isinstance(matcher, (GroupMatch, ExpertsMatch)) or not matcher.ignore:
+        return matcher
+    names = linearized_experts(path, module)
+    extra = tuple(name for name in names if rename(name) != name and _ignored([rename(name)], matcher.ignore))
+    return dataclasses.replace(matcher, ignore=matcher.ignore + extra) if extra else matcher
+
+
 def _listed_groups(groups: dict) -> str:
     return "; ".join(f"{'no group' if group is None else f'group {group}'}: {names[0]}"
                      + (f" and {len(names) - 1} more" if len(names) > 1 else "") for group, names in groups.items())

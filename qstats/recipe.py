@@ -15,9 +15,11 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
+from ._checkpoint_names import module_renamer
 from ._granularity import PerBlock, PerGroup, PerTensor, TensorGroup
 from ._rule_data import recipe_fields
-from ._schemes import PROJECTION_NAMES, _matches, compressed_tensors_ignore, config_rules, scheme_rules
+from ._schemes import (PROJECTION_NAMES, _matches, compressed_tensors_ignore, config_rules, scheme_rules,
+                       with_checkpoint_ignore)
 from ._spec import QuantSpec
 from ._torch_features import dtype_named, uncompiled
 from .experts import (expert_count, is_stacked_parameter, linearized_experts, own_parameters, parameter_input_site,
@@ -74,18 +76,31 @@ def _ignore_hits(target: str, paths, classes) -> bool:
     return target in paths or target in classes
 
 
-def _unmatched_ignore(ignore: tuple, modules: dict) -> list:
-    """The ``ignore`` entries that match no module of ``modules`` and no per-expert Linear name
-    (`linearized_experts`, which compressed-tensors' ignore lists name)."""
+def _ignored_module(ignore: tuple, path: str, module: torch.nn.Module, rename: Callable[[str], str]) -> bool:
+    """Whether ``ignore`` names the module at ``path`` by its path or by its checkpoint name
+    (``rename``, `_checkpoint_names.module_renamer`): compressed-tensors writes a checkpoint's
+    ``ignore`` list under the names ``save_pretrained`` gives (Mixtral's ``block_sparse_moe.gate``
+    for the model's ``mlp.gate``)."""
+    return _matches(ignore, path, module) or _matches(ignore, rename(path), module)
+
+
+def _unmatched_ignore(ignore: tuple, modules: dict, rename: Callable[[str], str]) -> list:
+    """The ``ignore`` entries that match no module of ``modules`` (by path or checkpoint name,
+    `_ignored_module`) and no per-expert Linear name (`linearized_experts`, which compressed-tensors'
+    ignore lists name). Only modules holding parameters count by checkpoint name: the checkpoint
+    names tensors, so a parameterless child (an activation) there names nothing llm-compressor wrote."""
     classes = {cls.__name__ for module in modules.values() for cls in type(module).__mro__
                if issubclass(cls, torch.nn.Module)}
+    paths = set(modules) | {rename(path) for path, module in modules.items()
+                            if next(module.parameters(), None) is not None}
     names = None
     unmatched = []
     for target in ignore:
-        if _ignore_hits(target, modules, classes):
+        if _ignore_hits(target, paths, classes):
             continue
-        if names is None:
+        if names is None:  # by model name and by checkpoint name (`with_checkpoint_ignore`)
             names = {name for path, module in modules.items() for name in linearized_experts(path, module)}
+            names |= {rename(name) for name in names}
         if not _ignore_hits(target, names, {"Linear"} if names else ()):  # per-expert Linears
             unmatched.append(target)
     return unmatched
@@ -459,7 +474,8 @@ class Recipe:
     """An ordered list of rules and an ignore list.
 
     For each module and site, the first rule whose targets match the module and whose ``sites``
-    contain the site wins; modules matching ``ignore`` (``Rule.targets`` syntax) are skipped. A site
+    contain the site wins; modules matching ``ignore`` (``Rule.targets`` syntax) by their path or
+    their checkpoint name (the name transformers' ``save_pretrained`` writes) are skipped. A site
     applies only to modules that have it: a parameter owned directly, a ``q``/``k``/``v`` child
     projection, a stacked parameter for ``"<parameter>.input"``. ``shared`` maps
     ``"<path>:<site>"`` to the ``"<owner path>:<owner site>"`` whose state it shares.
@@ -556,25 +572,29 @@ class Recipe:
             raise TypeError(f"Recipe.resolve expects an nn.Module, got {type(model).__name__}")
         model = uncompiled(model)
         modules = dict(model.named_modules())
+        rename = module_renamer(model)
         resolved: dict = {}
         found = [set() for _ in self.rules]  # per rule: the sites it resolved (or that an earlier rule took)
         for path, module in modules.items():
-            if _matches(self.ignore, path, module):
+            if _ignored_module(self.ignore, path, module, rename):
                 continue
-            entry = self._module_sites(path, module, found)
+            entry = self._module_sites(path, module, found, rename)
             if entry:
                 resolved[path] = MappingProxyType(entry)
-        self._warn_unmatched(found, modules, model)
+        self._warn_unmatched(found, modules, model, rename)
         shared = MappingProxyType(_resolve_shared(self.shared, resolved))
         return Plan(self, MappingProxyType(resolved), MappingProxyType(modules), tuple(fused_groups(model)), shared)
 
-    def _module_sites(self, path: str, module: torch.nn.Module, found: list) -> dict:
-        """``{site: Site}`` of one module; records in ``found`` which rule took which site."""
+    def _module_sites(self, path: str, module: torch.nn.Module, found: list, rename: Callable[[str], str]) -> dict:
+        """``{site: Site}`` of one module; records in ``found`` which rule took which site. The
+        config's ignore list names per-expert Linears by model or checkpoint name (``rename``)."""
         params = own_parameters(module)  # parametrized ones too (inside `qstats.fake_quantized`)
         num_experts = expert_count(module)
         entry: dict = {}
         for index, rule in enumerate(self.rules):
-            for site in rule.sites_on(path, module):
+            matcher = with_checkpoint_ignore(rule.matcher, path, module, rename)
+            picked = rule if matcher is rule.matcher else dataclasses.replace(rule, matcher=matcher)
+            for site in picked.sites_on(path, module):
                 kind = None if site in entry else _site_kind(module, params, num_experts, site)
                 if kind is not None:
                     spec = _gate_up_halves(rule.spec, site, module, params) if kind[1] else rule.spec
@@ -584,7 +604,7 @@ class Recipe:
                     found[index].add(site)
         return entry
 
-    def _warn_unmatched(self, found: list, modules: dict, model: torch.nn.Module) -> None:
+    def _warn_unmatched(self, found: list, modules: dict, model: torch.nn.Module, rename: Callable[[str], str]) -> None:
         # config groups whose q/k/v rule took attention modules: their other rules need not select any
         attention = {_group_of(rule) for rule, sites in zip(self.rules, found)
                      if sites and getattr(rule.matcher, "attention", False)}
@@ -599,10 +619,10 @@ class Recipe:
                     f"{type(model).__name__} (no module it matches has such a parameter, input or projection)",
                     UserWarning,
                 )
-        for target in _unmatched_ignore(self.ignore, modules):  # a misspelt ignore would quantize it, silently
+        for target in _unmatched_ignore(self.ignore, modules, rename):  # a misspelt ignore would quantize it, silently
             warn(
                 f"Recipe: the ignore entry {target!r} matches no module in this {type(model).__name__} "
-                "(by path, class name or 're:' full match of a path), so it ignores nothing",
+                "(by path, checkpoint name, class name or 're:' full match of either), so it ignores nothing",
                 UserWarning,
             )
 
