@@ -512,7 +512,8 @@ class Recipe:
             ``QuantizationScheme``, a dict of its fields, or a dict mapping preset names to their
             targets (``{"W4A16": ["Linear"], "W8A16": ["re:.*down_proj"]}``).
           targets: default: the scheme's own ``targets``, else ``"Linear"``.
-          observed_dtype: the weights' dtype when bfloat16/float16 (qparams are computed in it).
+          observed_dtype: the weights' dtype when bfloat16/float16 (qparams are computed in it), or its
+            name (``"bfloat16"``, ``"torch.float16"``).
           experts: targets of stacked-experts modules (``"Qwen3MoeExperts"``, in qstats' syntax),
             quantized as llm-compressor quantizes them once linearized.
           kv_cache_scheme: ``QuantizationArgs`` (or a dict of them) of the k/v sites of every
@@ -524,7 +525,7 @@ class Recipe:
         [('weight',)]
         """
 
-        rules = scheme_rules(Rule, scheme, targets, observed_dtype, experts, kv_cache_scheme, ignore)
+        rules = scheme_rules(Rule, scheme, targets, dtype_named(observed_dtype), experts, kv_cache_scheme, ignore)
         return cls(_refuse_static_groups(rules, "Recipe.from_scheme"), ignore=compressed_tensors_ignore(ignore),
                    shared=shared)
 
@@ -537,7 +538,7 @@ class Recipe:
         selecting the modules compressed-tensors gives that group (`from_scheme`), and its
         ``ignore`` list, with llm-compressor's observers."""
 
-        rules, ignore = config_rules(Rule, config, observed_dtype)
+        rules, ignore = config_rules(Rule, config, dtype_named(observed_dtype))
         return cls(_refuse_static_groups(rules, "Recipe.from_compressed_tensors"), ignore=ignore)
 
     @classmethod
@@ -551,8 +552,8 @@ class Recipe:
                                  "experts"}
             if extra:
                 raise ValueError(f"Recipe.from_dict: unknown keys {sorted(extra)} beside 'scheme'")
-            observed = dtype_named(data.get("observed_dtype"))  # plain data names it: "bfloat16"
-            return cls.from_scheme(data["scheme"], data.get("targets"), data.get("ignore") or (), observed_dtype=observed,
+            return cls.from_scheme(data["scheme"], data.get("targets"), data.get("ignore") or (),
+                                   observed_dtype=data.get("observed_dtype"),
                                    shared=data.get("shared"), experts=data.get("experts"),
                                    kv_cache_scheme=data.get("kv_cache_scheme"))
         rules, ignore, shared = recipe_fields(Rule, data)
