@@ -125,6 +125,23 @@ def left_padded_id_batches(vocab: int = 96) -> list:
     return out
 
 
+def saved_loaded_and_meta(folder, config) -> tuple:
+    """A random-weight causal LM of ``config`` (seed 0) saved in 20 KB shards to ``folder``: the model
+    loaded back in float32 and the same model built on the meta device (for layer-by-layer runs)."""
+    import warnings
+
+    import transformers
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="20KB")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    return loaded, model
+
+
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bits (float values compared through their integer views)."""
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)

@@ -14,12 +14,11 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 
 import qstats
 
 transformers = pytest.importorskip("transformers")
-from _shared import assert_site_states_equal, left_padded_id_batches  # noqa: E402
+from _shared import assert_site_states_equal, left_padded_id_batches, saved_loaded_and_meta  # noqa: E402
 
 SPEC_W = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
 SPEC_A = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
@@ -47,13 +46,7 @@ def _configs() -> dict:
 @pytest.mark.parametrize("name", ["jamba", "zamba2", "falcon_h1", "bamba"])
 def test_hybrid_models_equal_the_full_model_without_naming_their_layers(tmp_path, name):
     config = _configs()[name]
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, max_shard_size="20KB")
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    loaded, model = saved_loaded_and_meta(tmp_path, config)
     weight = lambda batch: batch["attention_mask"]  # noqa: E731
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the state-space kernels' torch fallbacks

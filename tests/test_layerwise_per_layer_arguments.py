@@ -10,7 +10,6 @@ Replaying the first layer's arguments to every layer gives other states from the
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import qstats
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
-from _shared import assert_site_states_equal, left_padded_id_batches  # noqa: E402
+from _shared import assert_site_states_equal, left_padded_id_batches, saved_loaded_and_meta  # noqa: E402
 
 SPEC_W = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
 SPEC_A = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
@@ -33,13 +32,7 @@ def test_granite_swa_nope_and_per_layer_rope_thetas_equal_the_full_model(tmp_pat
         num_key_value_heads=2, max_position_embeddings=64, layer_types=["full_attention"] * 3,
         layer_rope_theta=[10000.0, 0, 500.0],
     )  # fmt: skip
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, max_shard_size="20KB")
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    loaded, model = saved_loaded_and_meta(tmp_path, config)
     weight = lambda batch: batch["attention_mask"]  # noqa: E731
     want = qstats.calibrate(loaded, left_padded_id_batches(), RECIPE, progress=False, observation_weight=weight)
     got = qstats.calibrate_layerwise(model, str(tmp_path), left_padded_id_batches(), RECIPE, progress=False,

@@ -13,7 +13,6 @@ bits without one, so float propagation equals `qstats.calibrate` of the loaded m
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import torch
 import qstats
 
 transformers = pytest.importorskip("transformers")
-from _shared import assert_site_states_equal  # noqa: E402
+from _shared import assert_site_states_equal, saved_loaded_and_meta  # noqa: E402
 
 SPEC_W = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
 SPEC_A = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
@@ -83,21 +82,12 @@ def _restore(undo: list) -> None:
             item.remove()
 
 
-def _saved_and_meta(tmp_path, config) -> tuple:
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, max_shard_size="20KB")
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    return loaded, model
 
 
 @pytest.mark.parametrize("name", ["gpt2", "gpt_neox", "falcon", "gptj"])
 def test_float_propagation_equals_the_full_model_where_the_cache_is_passed_by_position_or_as_layer_past(
         tmp_path, name):
-    loaded, model = _saved_and_meta(tmp_path, _configs()[name][0])
+    loaded, model = saved_loaded_and_meta(tmp_path, _configs()[name][0])
     weight = lambda batch: batch["attention_mask"]  # noqa: E731
     want = qstats.calibrate(loaded, _batches(padded=True), RECIPE, progress=False, observation_weight=weight)
     got = qstats.calibrate_layerwise(model, str(tmp_path), _batches(padded=True), RECIPE, progress=False,
@@ -108,7 +98,7 @@ def test_float_propagation_equals_the_full_model_where_the_cache_is_passed_by_po
 @pytest.mark.parametrize("name", ["gpt2", "gpt_neox", "falcon", "gptj"])
 def test_quantized_propagation_equals_a_loop_where_the_cache_is_passed_by_position_or_as_layer_past(tmp_path, name):
     config, layers = _configs()[name]
-    loaded, model = _saved_and_meta(tmp_path, config)
+    loaded, model = saved_loaded_and_meta(tmp_path, config)
     got = qstats.calibrate_layerwise(model, str(tmp_path), _batches(), RECIPE, progress=False, propagate="quantized")
     qparams = qstats.compute_qparams_tree(got, RECIPE, loaded)
     layer_of = lambda path: int(path[len(layers) + 1 :].split(".")[0]) if path.startswith(layers + ".") else LAYERS  # noqa: E731
