@@ -125,6 +125,25 @@ def left_padded_id_batches(vocab: int = 96) -> list:
     return out
 
 
+def tiny_llama_config(**options):
+    """A two-layer Llama configuration of hidden size 32 (``options`` override its fields)."""
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    **options)  # fmt: skip
+
+
+def save_sharded(directory, model) -> str:
+    """``model.save_pretrained(directory)`` in 20 KB shards, its warnings silenced; the folder as a str."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(directory, max_shard_size="20KB")
+    return str(directory)
+
+
 def saved_loaded_and_meta(folder, config) -> tuple:
     """A random-weight causal LM of ``config`` (seed 0) saved in 20 KB shards to ``folder``: the model
     loaded back in float32 and the same model built on the meta device (for layer-by-layer runs)."""

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import assert_site_states_equal, left_padded_id_batches
+from _shared import assert_site_states_equal, left_padded_id_batches, save_sharded, tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,28 +29,15 @@ RECIPE = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=SPEC_A),
                         qstats.Rule("Linear", sites=("weight",), spec=SPEC_W)])  # fmt: skip
 
 
-def _config(**options):
-    return transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                    **options)  # fmt: skip
-
-
-def _saved(directory, model) -> str:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(directory, max_shard_size="20KB")
-    return str(directory)
-
-
 def _weight(batch):
     return batch["attention_mask"]
 
 
 def test_offloaded_batches_sliced_from_one_data_set_do_not_hold_all_of_it(tmp_path):
     torch.manual_seed(0)
-    checkpoint = _saved(tmp_path / "checkpoint", transformers.AutoModelForCausalLM.from_config(_config()))
+    checkpoint = save_sharded(tmp_path / "checkpoint", transformers.AutoModelForCausalLM.from_config(tiny_llama_config()))
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(_config()).eval()
+        model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config()).eval()
     data = torch.randint(0, 96, (4096, 16), generator=torch.Generator().manual_seed(1))  # 512 KiB of tokens
     mask = torch.ones_like(data)
     batches = [{"input_ids": data[start : start + 2], "attention_mask": mask[start : start + 2]}
@@ -74,10 +61,10 @@ def test_offloaded_batches_sliced_from_one_data_set_do_not_hold_all_of_it(tmp_pa
 @pytest.mark.parametrize("direction", ["task checkpoint into base model", "base checkpoint into task model"])
 def test_a_checkpoint_reads_into_the_base_or_task_model_as_from_pretrained(tmp_path, direction):
     torch.manual_seed(0)
-    config = _config(tie_word_embeddings=True)
+    config = tiny_llama_config(tie_word_embeddings=True)
     task = transformers.AutoModelForCausalLM.from_config(config)
     into_base = direction == "task checkpoint into base model"
-    checkpoint = _saved(tmp_path / "checkpoint", task if into_base else task.model)
+    checkpoint = save_sharded(tmp_path / "checkpoint", task if into_base else task.model)
     auto = transformers.AutoModel if into_base else transformers.AutoModelForCausalLM
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -98,7 +85,7 @@ def test_checkpoint_tensors_the_model_does_not_read_are_named_as_from_pretrained
     shape = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)
     torch.manual_seed(0)
-    checkpoint = _saved(tmp_path, transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**shape)))
+    checkpoint = save_sharded(tmp_path, transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**shape)))
     smaller = transformers.Qwen3MoeConfig(**{**shape, "num_hidden_layers": 2})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -121,11 +108,11 @@ def test_a_checkpoint_holding_both_tied_tensors_reads_as_from_pretrained_ties_th
     ties them when their values are equal, and unties them (its model has another head) when not;
     the tied model built on meta then cannot hold that head, and the error says so."""
     torch.manual_seed(0)
-    untied = transformers.AutoModelForCausalLM.from_config(_config(tie_word_embeddings=False))
+    untied = transformers.AutoModelForCausalLM.from_config(tiny_llama_config(tie_word_embeddings=False))
     if same:
         untied.lm_head.weight.data.copy_(untied.model.embed_tokens.weight.data)
-    checkpoint = _saved(tmp_path, untied)
-    tied = _config(tie_word_embeddings=True)
+    checkpoint = save_sharded(tmp_path, untied)
+    tied = tiny_llama_config(tie_word_embeddings=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loaded = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, config=tied, dtype=torch.float32).eval()

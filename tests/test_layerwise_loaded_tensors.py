@@ -20,23 +20,10 @@ import torch
 import qstats
 
 transformers = pytest.importorskip("transformers")
-from _shared import left_padded_id_batches  # noqa: E402
+from _shared import left_padded_id_batches, save_sharded, tiny_llama_config  # noqa: E402
 
 SPEC_W = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
 RECIPE = qstats.Recipe([qstats.Rule("Linear", sites=("weight", "input"), spec=SPEC_W)])
-
-
-def _config(**options):
-    return transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                    **options)  # fmt: skip
-
-
-def _saved(directory, model) -> str:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(directory, max_shard_size="20KB")
-    return str(directory)
 
 
 def _requires_grad_seen(model: torch.nn.Module, run) -> dict:
@@ -59,12 +46,12 @@ def _requires_grad_seen(model: torch.nn.Module, run) -> dict:
 @pytest.mark.parametrize("requires_grad", [True, False])
 def test_layers_run_with_parameters_requiring_grad_as_from_pretrained_loads_them(tmp_path, requires_grad):
     torch.manual_seed(0)
-    checkpoint = _saved(tmp_path, transformers.AutoModelForCausalLM.from_config(_config()))
+    checkpoint = save_sharded(tmp_path, transformers.AutoModelForCausalLM.from_config(tiny_llama_config()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loaded = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(_config()).eval()
+        model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config()).eval()
     loaded.requires_grad_(requires_grad)
     model.requires_grad_(requires_grad)
     want = _requires_grad_seen(loaded, lambda: qstats.calibrate(loaded, left_padded_id_batches(), RECIPE,
@@ -78,12 +65,12 @@ def test_layers_run_with_parameters_requiring_grad_as_from_pretrained_loads_them
 @pytest.mark.parametrize("as_folder", [False, True])
 def test_the_export_given_weights_refuses_a_tied_model_over_untied_checkpoint_tensors(tmp_path, as_folder):
     torch.manual_seed(0)
-    untied = transformers.AutoModelForCausalLM.from_config(_config(tie_word_embeddings=False))
-    checkpoint = _saved(tmp_path / "float", untied)
+    untied = transformers.AutoModelForCausalLM.from_config(tiny_llama_config(tie_word_embeddings=False))
+    checkpoint = save_sharded(tmp_path / "float", untied)
     recipe = qstats.Recipe([qstats.Rule("re:model[.]layers[.].*proj", sites=("weight",), spec=SPEC_W)])
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(_config(tie_word_embeddings=True)).eval()
-        as_saved = transformers.AutoModelForCausalLM.from_config(_config(tie_word_embeddings=False)).eval()
+        model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config(tie_word_embeddings=True)).eval()
+        as_saved = transformers.AutoModelForCausalLM.from_config(tiny_llama_config(tie_word_embeddings=False)).eval()
     states = qstats.calibrate_layerwise(as_saved, checkpoint, left_padded_id_batches()[:1], recipe, progress=False)
     qparams = qstats.compute_qparams_tree(states, recipe, as_saved)  # the layers' qparams: no tie in them
     name = "model.layers.0.mlp.down_proj.weight"
@@ -106,12 +93,12 @@ def test_each_layer_tensor_is_read_from_the_checkpoint_once(tmp_path, monkeypatc
     from qstats._lazy_checkpoint import LazyCheckpoint
 
     torch.manual_seed(0)
-    checkpoint = _saved(tmp_path, transformers.AutoModelForCausalLM.from_config(_config()))
+    checkpoint = save_sharded(tmp_path, transformers.AutoModelForCausalLM.from_config(tiny_llama_config()))
     reads: list = []
     read = LazyCheckpoint.tensor
     monkeypatch.setattr(LazyCheckpoint, "tensor", lambda self, key: reads.append(key) or read(self, key))
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(_config()).eval()
+        model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config()).eval()
     qstats.calibrate_layerwise(model, checkpoint, left_padded_id_batches(), RECIPE, progress=False)
     in_layers = [key for key in reads if key.startswith("model.layers.")]
     assert len(in_layers) == len(set(in_layers)) == 2 * 9
