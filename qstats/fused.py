@@ -22,6 +22,7 @@ over all experts, which neither vLLM nor llm-compressor needs. See docs/formats.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Optional
 
 import torch
 
@@ -109,7 +110,14 @@ def fused_amax(states, spec: QuantSpec, **options) -> torch.Tensor:
     """Absolute maximum (float32 scalar) over all calibrated entries of ``states``: a sequence of
     states, or one state stacked along a leading dimension (all experts of a layer). ``options``
     go to the states' range rule (a histogram's ``method=``)."""
-    return torch.stack([_amax_of(s, spec, **options) for s in _as_states(states)]).amax()
+    return _fused_amax(states, spec, None, **options)
+
+
+def _fused_amax(states, spec: QuantSpec, where: Optional[str], **options) -> torch.Tensor:
+    """`fused_amax`; with ``where``, each member under the spec's ``on_uncalibrated`` policy (`_amax_of`)."""
+    states = _as_states(states)
+    member = lambda i: None if where is None else f"{where}: member {i} of the fused group of {len(states)}"  # noqa: E731
+    return torch.stack([_amax_of(s, spec, member(i), **options) for i, s in enumerate(states)]).amax()
 
 
 def fused_global_scale(states, spec: QuantSpec, **options) -> torch.Tensor:
@@ -128,10 +136,7 @@ def _global_scale(states, spec: QuantSpec, where: str, **options) -> torch.Tenso
     if not isinstance(spec.granularity, TensorGroup):
         raise ValueError(f"{where}: only two-level specs (TensorGroup, NVFP4) have a global scale; "
                          f"spec has granularity {spec.granularity!r}")
-    states = _as_states(states)
-    amax = [_amax_of(s, spec, f"{where}: member {i} of the fused group of {len(states)}", **options)
-            for i, s in enumerate(states)]
-    return _formats.global_scale_from_amax(torch.stack(amax).amax(), spec)
+    return _formats.global_scale_from_amax(_fused_amax(states, spec, where, **options), spec)
 
 
 def _check_spec(spec, where: str) -> None:
