@@ -6,7 +6,6 @@ buckets split into many small all_reduces, states with no element, and one rank'
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import sys
 
@@ -18,30 +17,17 @@ from qstats import distributed
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _distributed_merge_cases_worker as worker  # noqa: E402
-from _shared import free_port  # noqa: E402
+from _shared import fork_ranks  # noqa: E402
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
 
 
-def _wait(proc, timeout):
-    proc.join(timeout)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    return proc.exitcode
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("merge")
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    port = free_port()
-    procs = [context.Process(target=worker.run_rank, args=(rank, port, str(out))) for rank in range(worker.WORLD)]
-    for p in procs:
-        p.start()
-    codes = [_wait(p, 300) for p in procs]
+    codes = fork_ranks(worker.run_rank, str(out), world=worker.WORLD, timeout=300)
     files = [out / f"merge{rank}.pt" for rank in range(worker.WORLD)]
     results = [torch.load(f, weights_only=False) if f.exists() else {"crash": "no results"} for f in files]
     assert codes == [0] * worker.WORLD and not any("crash" in r for r in results), (codes, results)
