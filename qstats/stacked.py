@@ -31,12 +31,9 @@ def _check_stack(x, num_experts: int, what: str) -> None:
 def _check_stacked_state(state, num_experts: int) -> None:
     if not (isinstance(state, tuple) and hasattr(type(state), "_fields")):
         raise TypeError(f"stacked_observer: expected a state (a NamedTuple of tensors), got {type(state).__name__}")
-    for name, field in zip(getattr(state, "_fields", ()), state):
-        if isinstance(field, torch.Tensor) and (field.ndim < 1 or field.shape[0] != num_experts):
-            raise ValueError(
-                f"stacked_observer: state field {name!r} of shape {tuple(field.shape)} does not have the "
-                f"leading expert dimension {num_experts}"
-            )
+    for name, field in zip(state._fields, state):
+        if isinstance(field, torch.Tensor):
+            _check_stack(field, num_experts, f"state field {name!r}")
 
 
 def _expert_count(num_experts) -> int:
@@ -67,9 +64,8 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
         raise TypeError(f"stacked_observer expects an Observer, got {type(observer).__name__}")
     num_experts = _expert_count(num_experts)
     batched_init = torch.vmap(observer.init)
-    update_with_weight = torch.vmap(observer.update)
+    batched_update = torch.vmap(observer.update)
     update_shared = torch.vmap(observer.update, in_dims=(0, None, 0))
-    update_without_weight = torch.vmap(lambda state, x: observer.update(state, x))
     batched_merge = torch.vmap(observer.merge)
 
     def init_fn(x: torch.Tensor):
@@ -80,11 +76,11 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
         _check_stack(x, num_experts, "x")
         _check_stacked_state(state, num_experts)
         if weight is None:
-            return update_without_weight(state, x)
+            return batched_update(state, x)
         _check_stack(weight, num_experts, "weight")
         if x.stride(0) == 0:  # one tensor shared by every expert (x.expand(E, ...)): observe it once
             return update_shared(state, x[0], weight)
-        return update_with_weight(state, x, weight)
+        return batched_update(state, x, weight)
 
     def merge_fn(a, b):
         _check_stacked_state(a, num_experts)
@@ -116,7 +112,7 @@ def stacked_qparams(state, spec, **options):
             f"stacked_qparams: expected a stacked state (every field with the same leading dimension), "
             f"got {type(state).__name__} with field shapes {shapes}"
         )
-    global_scale = options.pop("global_scale", None)
+    global_scale = options.get("global_scale")
     if isinstance(global_scale, torch.Tensor) and global_scale.numel() != 1:
         num_experts = fields[0].shape[0]
         if global_scale.shape[0] != num_experts or global_scale.numel() != num_experts:
@@ -125,7 +121,6 @@ def stacked_qparams(state, spec, **options):
                 f"by the experts nor one per expert ([{num_experts}])"
             )
         per_expert = global_scale.reshape(num_experts)
+        options.pop("global_scale")
         return torch.vmap(lambda one, scale: compute_qparams(one, spec, global_scale=scale, **options))(state, per_expert)
-    if global_scale is not None:
-        options["global_scale"] = global_scale
     return torch.vmap(lambda one: compute_qparams(one, spec, **options))(state)
