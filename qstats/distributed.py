@@ -87,31 +87,24 @@ def _is_named_tuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
-def _state_fields(state: Any, prefix: str = "") -> list[tuple[str, Any]]:
+def _walk(state: Any, prefix: str = ""):
+    """``(name, value)`` of every field of ``state`` in order, each NamedTuple nested in it followed
+    by its own fields, named by their dotted path (``"ext"``, ``"ext.low"``, ``"ext.high"``)."""
+    for field, value in zip(state._fields, state):
+        yield f"{prefix}{field}", value
+        if _is_named_tuple(value):
+            yield from _walk(value, f"{prefix}{field}.")
+
+
+def _state_fields(state: Any) -> list[tuple[str, Any]]:
     """``[(name, value), ...]``: the fields of ``state`` in order, those of a NamedTuple nested in it
     walked and named by their dotted path (``"ext.low"``)."""
-    fields = []
-    for field, value in zip(state._fields, state):
-        if _is_named_tuple(value):
-            fields += _state_fields(value, f"{prefix}{field}.")
-        else:
-            fields.append((f"{prefix}{field}", value))
-    return fields
+    return [(name, value) for name, value in _walk(state) if not _is_named_tuple(value)]
 
 
 def _values(state: Any) -> list:
     """The field values of ``state``, nested NamedTuples walked, in `_state_fields` order."""
-    return [leaf for value in state for leaf in (_values(value) if _is_named_tuple(value) else (value,))]
-
-
-def _nested_names(state: Any, prefix: str = "") -> dict[str, str]:
-    """``{dotted name: class name}`` of the NamedTuples nested in ``state``."""
-    names = {}
-    for field, value in zip(state._fields, state):
-        if _is_named_tuple(value):
-            names[f"{prefix}{field}"] = type(value).__name__
-            names.update(_nested_names(value, f"{prefix}{field}."))
-    return names
+    return [value for _, value in _state_fields(state)]
 
 
 def _rebuild(template: Any, values) -> Any:
@@ -140,12 +133,12 @@ def reduce_ops(state: Any) -> Union[dict[str, str], str]:
                 raise ValueError(f"all_reduce: unknown reduce ops {bad} for {type(state).__name__}")
         if ops == _FOLD:
             return ops
-        nested = {name: cls_name for name, cls_name in _nested_names(state).items() if name in ops}
+        nested = [(name, value) for name, value in _walk(state) if name in ops and _is_named_tuple(value)]
         if nested:
-            name, cls_name = next(iter(nested.items()))
+            name, value = nested[0]
             raise ValueError(
                 f"all_reduce: the reduce ops declared for {type(state).__name__} name {name!r}, a nested "
-                f"{cls_name}; name its fields instead: {[n for n in names if n.startswith(name + '.')]}"
+                f"{type(value).__name__}; name its fields instead: {[n for n in names if n.startswith(name + '.')]}"
             )
         if set(ops) != set(names):
             raise ValueError(

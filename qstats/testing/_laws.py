@@ -485,29 +485,14 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
         same(qparams, qparams_of(merged), "compute_qparams gave different results twice")
 
 
-def _state_parts(state, path: str) -> tuple[list, list]:
-    """``([(path, class), ...], [(path, value), ...])``: the NamedTuple classes of a state (its own and
-    those nested in its fields) and its fields, nested NamedTuples walked: a None or a container field
-    has no leaf for `qtree.leaves_with_paths` to report, but is no tensor."""
-    classes, fields = [(path, type(state))], []
-    for field, value in zip(state._fields, state):
-        if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-            inner_classes, inner_fields = _state_parts(value, f"{path}.{field}")
-            classes += inner_classes
-            fields += inner_fields
-        else:
-            fields.append((f"{path}.{field}", value))
-    return classes, fields
-
-
 def _check_state_leaves(state, name: str) -> None:
-    classes, fields = _state_parts(state, "state")
+    parts = [("state", state), *distributed._walk(state, "state.")]
     # nested NamedTuples too: qstats.save and torch.load rebuild every one of them by name
-    for path, cls in classes:
+    for path, cls in [(path, type(value)) for path, value in parts if distributed._is_named_tuple(value)]:
         if state_types().get(cls.__name__) is not cls:
             raise AssertionError(f"{name}: stability: state type {cls.__name__} (at {path}) is not registered; "
                                  "decorate it with qstats.register_state")
-    for path, leaf in fields:
+    for path, leaf in [(path, value) for path, value in parts if not distributed._is_named_tuple(value)]:
         if not isinstance(leaf, torch.Tensor):
             raise AssertionError(f"{name}: stability: {path} is a {type(leaf).__name__}; states hold tensors only")
         if leaf.is_complex() and leaf.dtype != torch.complex64:
