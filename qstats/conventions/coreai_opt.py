@@ -148,7 +148,15 @@ def _granularity(granularity, shape, target):
         raise ValueError(f"from_coreai_opt: unknown granularity {granularity!r}")
     if shape is None:
         raise ValueError("from_coreai_opt: a per-block granularity needs the tensor shape (shape=...)")
-    return _block_size_granularity(block_size(granularity, shape, target), tuple(int(s) for s in shape))
+    shape = tuple(int(s) for s in shape)
+    sizes = block_size(granularity, shape, target)  # checked against the shape given
+    if target == "activation":
+        # an activation's shape changes between calls (coreai_opt's "dynamic" calculator): read the
+        # blocks at a shape whose size-1 dimensions are 2, where a whole dimension (-1) and one
+        # block per index (1) differ, so that one token or batch 1 does not read as per tensor
+        shape = tuple(max(s, 2) for s in shape)
+        sizes = block_size(granularity, shape, target)
+    return _block_size_granularity(sizes, shape)
 
 
 def spec_from_coreai_opt(
