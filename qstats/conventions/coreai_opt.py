@@ -33,6 +33,14 @@ _AXIS_NONE = " (coreai_opt resolves axis None per module type in Quantizer.prepa
 # coreai_opt's QuantizationSpec.SUPPORTED_DTYPES (its validator refuses every other dtype)
 _INT_TARGETS = ("int2", "int4", "int6", "int8", "uint2", "uint4", "uint6", "uint8")
 _ALIASES = {"float4_e2m1fn": "float4_e2m1fn_x2", "float8_e4m3": "float8_e4m3fn", "float8_e8m0": "float8_e8m0fnu"}
+# coreai_opt's own components, by registry key and class name (a user's registered ones compute otherwise)
+_COMPONENTS = {
+    "qparam_calculator_cls": ({"default", "static", "moving_average", "global_minmax", "dynamic"},
+                              {"_DefaultQParamsCalculator", "StaticQParamsCalculator", "MovingAverageQParamsCalculator",
+                               "GlobalMinMaxQParamsCalculator", "DynamicQParamsCalculator"}),
+    "range_calculator_cls": ({"minmax"}, {"MinMaxRangeCalculator"}),
+    "fake_quantize_cls": ({"default"}, {"_DefaultFakeQuantizeImpl"}),
+}
 
 
 class CoreaiOptConvention(TorchaoConvention):
@@ -84,6 +92,23 @@ def _field(source, name: str, default=None):
 def _dtype_name(dtype) -> str:
     name = str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else str(dtype)
     return _ALIASES.get(name, name)
+
+
+def _check_components(source: dict) -> None:
+    """ValueError for a calculator or fake quantizer that is not coreai_opt's own (a class a user
+    registered, or an unknown key): qstats reproduces coreai_opt's min/max components only."""
+    for field, (keys, classes) in _COMPONENTS.items():
+        value = source.get(field)
+        if value is None:
+            continue
+        own = value in keys if isinstance(value, str) else (
+            isinstance(value, type) and value.__name__ in classes
+            and str(getattr(value, "__module__", "")).startswith("coreai_opt."))
+        if not own:
+            name = value if isinstance(value, str) else getattr(value, "__name__", repr(value))
+            raise ValueError(
+                f"from_coreai_opt: {field} {name!r} is not coreai_opt's own ({', '.join(sorted(keys))}): qstats "
+                f"reproduces those only; leave it out and pick the qstats observer or function that computes yours")
 
 
 def _target(target) -> str:
@@ -174,10 +199,11 @@ def spec_from_coreai_opt(
     target = _target(target)
     input_compute = compute_dtype_name(input_dtype, "from_coreai_opt: input_dtype")  # float64 has no qstats path
     source = {**({} if spec is None else (dict(spec) if isinstance(spec, dict) else {
-        name: _field(spec, name) for name in ("dtype", "qscheme", "granularity", "scale_dtype")})), **fields}
+        name: _field(spec, name) for name in ("dtype", "qscheme", "granularity", "scale_dtype", *_COMPONENTS)})), **fields}
     unknown = sorted(set(source) - set(_SPEC_FIELDS))
     if unknown:
         raise ValueError(f"from_coreai_opt: unknown QuantizationSpec field(s) {unknown}; known: {', '.join(_SPEC_FIELDS)}")
+    _check_components(source)
     dtype = _dtype_name(source.get("dtype") or torch.int8)
     if dtype not in _INT_TARGETS and dtype not in _FLOAT_TARGETS:
         raise ValueError(f"from_coreai_opt: dtype {dtype!r} is not one of coreai_opt's: "
