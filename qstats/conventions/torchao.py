@@ -146,7 +146,7 @@ def from_torchao(cls, target_dtype, kwargs):
         # the kwargs object's use_dynamic_per_tensor_scale=False (its default): torchao quantizes
         # with block scales only, unless a static (calibrated) scale is given: per_tensor_scale=True
         dynamic = getattr(target_dtype, "use_dynamic_per_tensor_scale", True) if nvfp4_config else True
-        return _nvfp4_spec(cls, kwargs.pop("per_tensor_scale", dynamic), kwargs, overrides)
+        return _nvfp4_spec(cls, _per_tensor_scale(kwargs.pop("per_tensor_scale", dynamic)), kwargs, overrides)
     if kind == "QuantizeTensorToInt8Kwargs":  # Int8Tensor's (Int8DynamicActivationInt8WeightConfig's activations)
         return _int8_tensor_spec(cls, target_dtype, kwargs, overrides)
     if kind == "QuantizeTensorToFloat8Kwargs":  # Float8Tensor's (and its activations') arguments
@@ -208,6 +208,20 @@ def _mx_spec(cls, elem_dtype, block_size, scaling_mode, kwargs, overrides):
         scale_dtype="e8m0",
         scale_rounding=_enum_name(scaling_mode, _SCALE_MODES, "scaling_mode"),
         zero_point_domain="none",
+    )
+
+
+def _per_tensor_scale(value) -> bool:
+    """NVFP4's ``per_tensor_scale=``: True (a global scale computed from the observed amax, as
+    ``per_tensor_amax_to_scale``), False or None (block scales only). torchao's ``to_nvfp4`` takes
+    the scale itself, a tensor, which a static spec cannot hold: it goes to `compute_qparams`."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise ValueError(
+        f"from_torchao: NVFP4 per_tensor_scale must be True (a global scale amax / (448 * 6) of the observed "
+        f"data), False or None (block scales only), got {value!r}; to quantize with a given global scale "
+        "(torchao's to_nvfp4(per_tensor_scale=tensor)), pass per_tensor_scale=True here and the tensor to "
+        "compute_qparams(state, spec, global_scale=...)"
     )
 
 
