@@ -353,11 +353,12 @@ class GroupMatch:
         return {target: index for index, targets in enumerate(self.groups) for target in targets}
 
     def sites_on(self, path: str, module, sites: tuple) -> tuple:
-        """The ``sites`` of the module at ``path`` this group quantizes; on stacked experts, those of
-        their sites (`_EXPERT_SITES`) whose per-expert Linears (`qstats.experts.linearized_experts`)
-        take this group; ValueError where they take several groups."""
+        """The ``sites`` of the module at ``path`` this group quantizes, but an Embedding's input (its
+        integer token ids, which compressed-tensors would quantize: docs/differences.md); on stacked
+        experts, those of their sites (`_EXPERT_SITES`) whose per-expert Linears
+        (`qstats.experts.linearized_experts`) take this group; ValueError where they take several groups."""
         if self(path, module):
-            return sites
+            return tuple(site for site in sites if site != "input") if isinstance(module, torch.nn.Embedding) else sites
         if self.attention or not linearized_experts(path, module):
             return ()
         if "output" in sites and self._takes_experts(path, module, None):
