@@ -4,9 +4,10 @@ Engines (vLLM) run q/k/v, gate/up and DeepSeek's q_a/kv_a projections as one mat
 global scale. The group is a tuple of states (or one stacked state), and the shared scale comes from
 the absolute maximum over every calibrated entry: for compressed-tensors' ``448 * 6 / amax`` it
 equals llm-compressor's minimum over the group's global scales (its ``FusionHandler``). Entries that
-saw no data do not contribute. vLLM's fused MoE keeps one global scale per expert (gate and up equal
-within it, as a stacked ``gate_up_proj``'s per-expert qparams have them); ``stacked=True`` shares one
-over all experts, which neither vLLM nor llm-compressor needs. See docs/formats.md.
+saw no data (a reversed or non-finite range, as `compute_qparams` reads them) do not contribute.
+vLLM's fused MoE keeps one global scale per expert (gate and up equal within it, as a stacked
+``gate_up_proj``'s per-expert qparams have them); ``stacked=True`` shares one over all experts,
+which neither vLLM nor llm-compressor needs. See docs/formats.md.
 
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(dtype="fp4_e2m1", granularity=qstats.TensorGroup(16),
@@ -74,7 +75,9 @@ def _amax_of(state, spec: QuantSpec, where=None, **options) -> torch.Tensor:
     if isinstance(result, QParams):
         raise TypeError(f"fused: {type(state).__name__}'s range rule returns QParams, not a range")
     min_val, max_val = result.min_val.float(), result.max_val.float()
-    calibrated = calibrated_mask(result.calibrated) & torch.isfinite(min_val) & torch.isfinite(max_val)
+    # as `qparams_from_minmax`: a reversed range (min > max) or a non-finite end saw no data
+    valid = (min_val <= max_val) & torch.isfinite(min_val) & torch.isfinite(max_val)
+    calibrated = valid if result.calibrated is None else calibrated_mask(result.calibrated) & valid
     if where is not None:
         calibrated = check_calibrated(calibrated, spec, where)
     amax = torch.where(calibrated, torch.max(-min_val, max_val), 0.0)
