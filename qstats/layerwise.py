@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from . import distributed
 from ._checks import check_available
 from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, release_modules
+from ._sites import run_model
 from .calibration import calibrate, check_batches, compute_qparams_tree, fake_quantized
 from .observation import check_experts_layout, check_resumed
 from .recipe import Plan, Recipe, as_plan
@@ -114,14 +115,6 @@ class _Stop(Exception):
     def __init__(self, args: tuple, kwargs: dict):
         super().__init__("first decoder layer reached")
         self.layer_args, self.layer_kwargs = args, kwargs
-
-
-def _call(model: torch.nn.Module, batch) -> Any:
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 def _moved(value: Any, device: Optional[torch.device]) -> Any:
@@ -296,36 +289,19 @@ def _passed_on(args: tuple, kwargs: dict, like: Any) -> Any:
 
 
 class _Recorder(_StandIn):
-    """Stands in for a decoder layer while the inputs are captured, for layers of several kinds:
-    keeps the layer's arguments and passes its hidden states on (as ``like``, `_passed_on`); the
-    last one stops the forward."""
+    """Stands in for decoder layer ``index``: records its call (``(index, args, kwargs)`` in ``calls``)
+    and passes its hidden states on (as ``like``, `_passed_on`); stops the forward, with the first
+    call's arguments, at a layer called a second time or at layer ``last``."""
 
-    def __init__(self, layer: torch.nn.Module, calls: list, last: bool, like: Any):
+    def __init__(self, layer: torch.nn.Module, index: int, calls: list, like: Any, last: Optional[int] = None):
         super().__init__(layer)
-        self.calls, self.last, self.like = calls, last, like
+        self.index, self.calls, self.like, self.last = index, calls, like, last
 
     def forward(self, *args, **kwargs):
-        self.calls.append((args, kwargs))
-        if self.last:
-            raise _Stop(*self.calls[0])
-        return _passed_on(args, kwargs, self.like)
-
-
-class _Walker(_StandIn):
-    """Stands in for decoder layer ``index`` in `_check_call_order`: records the call (its index in
-    ``order``, its arguments in ``calls``) and passes the hidden states on (as ``like``,
-    `_passed_on`); a second call of a layer stops the forward."""
-
-    def __init__(self, layer: torch.nn.Module, index: int, order: list, calls: list, like: Any):
-        super().__init__(layer)
-        self.index, self.order, self.calls, self.like = index, order, calls, like
-
-    def forward(self, *args, **kwargs):
-        called_before = self.index in self.order
-        self.order.append(self.index)
-        self.calls.append((args, kwargs))
-        if called_before:
-            raise _Stop(args, kwargs)
+        called_before = any(index == self.index for index, _, _ in self.calls)
+        self.calls.append((self.index, args, kwargs))
+        if called_before or self.index == self.last:
+            raise _Stop(*self.calls[0][1:])
         return _passed_on(args, kwargs, self.like)
 
 
@@ -355,12 +331,12 @@ def _check_call_order(model: torch.nn.Module, container, container_path: str, ba
     each layer is calibrated once, its outputs feeding the next in the list. Returns whether the
     layers get other arguments than the first one's (GraniteSWA's NoPE layers get no rotary
     embeddings): then each layer's own are captured."""
-    order: list = []
     calls: list = []
-    walk = lambda index, layer: _Walker(layer, index, order, calls, like)  # noqa: E731
+    walk = lambda index, layer: _Recorder(layer, index, calls, like)  # noqa: E731
     # _Stop at a second call; any other error the capture that follows reports
     with _stood_in(container, walk), contextlib.suppress(Exception):
-        _call(model, batch)
+        run_model(model, batch)
+    order = [index for index, _, _ in calls]
     if order != list(range(len(order))):
         raise ValueError(
             f"{where}: the model's forward calls its decoder layers {container_path!r} in the order "
@@ -409,7 +385,7 @@ def _check_passed_on(run: "_Run", container, container_path: str, batch, where: 
     try:
         with container[0].register_forward_hook(keep, with_kwargs=True), \
                 container[1].register_forward_pre_hook(_stop, with_kwargs=True):
-            _call(run.model, batch)
+            run_model(run.model, batch)
     except _Stop as stopped:
         received = [*stopped.layer_args, *stopped.layer_kwargs.values()]
     except Exception:  # noqa: BLE001 - the capture and the layer's own run report the model's errors
@@ -429,9 +405,10 @@ def _check_passed_on(run: "_Run", container, container_path: str, batch, where: 
 
 
 def _own_arguments(calls: list) -> tuple:
-    """Each layer's ``(arguments after the hidden states, keyword arguments without them)``."""
+    """Each layer call `_Recorder` recorded as ``(arguments after the hidden states, keyword
+    arguments without them)``."""
     return tuple(_without_cache(tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "hidden_states"})
-                 for args, kwargs in calls)  # fmt: skip
+                 for _, args, kwargs in calls)  # fmt: skip
 
 
 def _capture(model, container, batches, observation_weight, store: _Store, device: Optional[torch.device],
@@ -449,14 +426,14 @@ def _capture(model, container, batches, observation_weight, store: _Store, devic
                 own_arguments, like = checked(_moved(batch, device))
                 each_layer = own_arguments or each_layer
                 if each_layer:
-                    record = lambda index, layer: _Recorder(layer, calls, index == last, like)  # noqa: E731
+                    record = lambda index, layer: _Recorder(layer, index, calls, like, last)  # noqa: E731
                     installed.enter_context(_stood_in(container, record))
                 else:
                     installed.enter_context(container[0].register_forward_pre_hook(_stop, with_kwargs=True))
             weight = observation_weight(batch) if observation_weight is not None else None
             calls.clear()
             try:
-                _call(model, _moved(batch, device))
+                run_model(model, _moved(batch, device))
             except _Stop as stopped:
                 args, kwargs, each = _offloaded((stopped.layer_args, stopped.layer_kwargs, calls), device)
             else:
