@@ -104,7 +104,7 @@ def _state_fields(state: Any) -> list[tuple[str, Any]]:
 
 def _values(state: Any) -> list:
     """The field values of ``state``, nested NamedTuples walked, in `_state_fields` order."""
-    return [value for _, value in _state_fields(state)]
+    return [leaf for value in state for leaf in (_values(value) if _is_named_tuple(value) else (value,))]
 
 
 def _rebuild(template: Any, values) -> Any:
@@ -559,9 +559,10 @@ def _pack(states) -> torch.Tensor:
 
 
 def _flat(value: torch.Tensor) -> torch.Tensor:
-    """``value`` as a 1-D unit-stride tensor. ``contiguous()`` keeps a one-element view's stride
+    """``value`` as a 1-D unit-stride tensor of its own values (conjugate and negative bits resolved),
+    for a byte view (here and in `qstats.io`). ``contiguous()`` keeps a one-element view's stride
     (``x[:1, 0]`` of a (5, 3) tensor has stride 3), which the byte view refuses."""
-    flat = value.detach().reshape(-1)
+    flat = value.detach().resolve_conj().resolve_neg().reshape(-1)
     return flat if flat.stride(0) == 1 else flat.clone(memory_format=torch.contiguous_format)
 
 

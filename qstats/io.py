@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from ._checks import check_available
 from ._qparams import QParams
+from .distributed import _flat
 from .lsq import LSQParams
 from .observers._base import state_types
 from .qat import BatchNormState, QATState
@@ -224,7 +225,7 @@ def from_state_dict(state_dict: dict) -> Any:
 
 
 def _checksum(tensor: torch.Tensor) -> str:
-    data = _dense_cpu(tensor).reshape(-1).view(torch.uint8).numpy()  # read in place, not copied to bytes
+    data = _flat(tensor.to("cpu")).view(torch.uint8).numpy()  # read in place, not copied to bytes
     return f"{zlib.crc32(data):08x}"
 
 
@@ -235,7 +236,7 @@ def _unshared_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     owners: set = set()
     for key, tensor in tensors.items():
-        dense = _dense_cpu(tensor)
+        dense = _flat(tensor.to("cpu")).reshape(tensor.shape)  # unit strides of its own
         storage = dense.untyped_storage()
         whole = dense.storage_offset() == 0 and storage.nbytes() == dense.numel() * dense.element_size()
         if not whole or storage.data_ptr() in owners:  # a view into more, or a storage already written
@@ -251,15 +252,6 @@ def _layout_checksum(structure: str, checksums: str, tensors: dict[str, torch.Te
     types), the checksums themselves and each tensor's name, dtype and shape in the safetensors header."""
     layout = sorted((key, str(tensor.dtype), list(tensor.shape)) for key, tensor in tensors.items())
     return f"{zlib.crc32(json.dumps([structure, checksums, layout]).encode()):08x}"
-
-
-def _dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor with unit strides of its own. ``contiguous()`` keeps a one-element view's stride
-    (``x[:1, 0]`` of a (5, 3) tensor has stride 3), which the byte view refuses."""
-    tensor = tensor.detach().to("cpu").resolve_conj().resolve_neg()
-    if tensor.is_contiguous() and (tensor.dim() == 0 or tensor.stride(-1) == 1):
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def _is_utf8(text: str) -> bool:
