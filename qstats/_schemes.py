@@ -289,7 +289,12 @@ def _scheme_groups(scheme: Any, targets) -> list:
         return [scheme if targets is None else scheme.model_copy(update={"targets": _list(targets, "targets")})]
     if not isinstance(scheme, Mapping):
         raise TypeError(f"expected a scheme name, QuantizationScheme or dict, got {type(scheme).__name__}")
-    if scheme and all(isinstance(key, str) and is_preset_scheme(key) for key in scheme):
+    presets = [isinstance(key, str) and is_preset_scheme(key) for key in scheme]
+    if any(presets) and not all(presets):  # a mapping of presets with a misspelt one
+        unknown = [key for key, known in zip(scheme, presets) if not known]
+        raise ValueError(f"unknown compressed-tensors scheme(s) {unknown} in a mapping of preset names to their "
+                         f"targets; presets: {', '.join(PRESET_SCHEMES)}")
+    if scheme and all(presets):
         if targets is not None:  # llm-compressor drops them silently
             raise ValueError(f"targets={targets!r} with a scheme mapping presets to their targets ({scheme!r}): "
                              "name each preset's targets in the mapping")
