@@ -562,36 +562,41 @@ def _extremes_state(fields, lo, hi) -> list:
 _TORCH_AO_BINS = 2048  # torch.ao's HistogramObserver default
 
 
+def _rebinned(edges: torch.Tensor, counts: torch.Tensor, points: torch.Tensor, lo, hi) -> torch.Tensor:
+    """The counts between consecutive ``points`` of a histogram of ``counts`` (float64) over ascending
+    ``edges``, each bin's count spread evenly over it: the cumulative count at every point (0 at or
+    below ``lo``, the total at or above ``hi``), rounded, then differenced (integer counts, the
+    total kept). Zero-width bins hold their count at their edge."""
+    before = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    index = (torch.searchsorted(edges, points, right=True) - 1).clamp(0, counts.numel() - 1)
+    width = edges[index + 1] - edges[index]
+    fraction = torch.where(width > 0, (points - edges[index]) / torch.where(width > 0, width, 1.0), 1.0)
+    below = before[index] + counts[index] * fraction.clamp(0, 1)
+    below = torch.where(points >= hi, before[-1], torch.where(points <= lo, 0.0, below))
+    return torch.round(below).diff()
+
+
 def _torch_ao_bins(state: HistogramState, bins: int) -> torch.Tensor:
     """A per-tensor histogram state as torch.ao's ``bins`` linear bins over ``[min_val, max_val]``
     (float32): each qstats bucket's count spread evenly over it, the rounded cumulative count at
-    every bin edge (integer counts, the total kept; the inverse of `_histogram_state`). One repeated
-    value lands in the middle bin, as torch.ao's ``histc`` puts it; no data gives zeros."""
+    every bin edge (`_rebinned`; the inverse of `_histogram_state`). One repeated value lands in
+    the middle bin, as torch.ao's ``histc`` puts it; no data gives zeros."""
     edges, counts = histogram_edges(state)  # (2K + 1,), (2K,): ascending by value
     lo, hi = state.min_val.double().reshape(()), state.max_val.double().reshape(())
-    total = counts.sum()
-    if counts.device.type == "meta":  # no values to read
-        return torch.zeros(bins, device=counts.device)
-    if not bool(lo <= hi):  # no finite data
+    if counts.device.type == "meta" or not bool(lo <= hi):  # no values to read, or no finite data
         return torch.zeros(bins, device=counts.device)
     if bool(lo == hi):  # torch.ao's histc widens [v, v] to [v - 1, v + 1]
         return torch.zeros(bins, device=counts.device).index_fill(0, torch.tensor([bins // 2], device=counts.device),
-                                                                  float(total))
+                                                                  float(counts.sum()))
     targets = lo + (hi - lo) * torch.arange(bins + 1, dtype=torch.float64, device=counts.device) / bins
-    before = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).double()
-    index = (torch.searchsorted(edges, targets, right=True) - 1).clamp(0, counts.numel() - 1)
-    width = edges[index + 1] - edges[index]
-    fraction = torch.where(width > 0, (targets - edges[index]) / torch.where(width > 0, width, 1.0), 1.0)
-    below = before[index] + counts[index].double() * fraction.clamp(0, 1)
-    below = torch.where(targets >= hi, before[-1], torch.where(targets <= lo, 0.0, below))
-    return torch.round(below).diff().float()
+    return _rebinned(edges, counts.double(), targets, lo, hi).float()
 
 
 def _histogram_state(obs, observer) -> HistogramState:
     """torch.ao's linear bins (``obs``: its ``histogram``, ``min_val``, ``max_val``) re-bucketed
     into the qstats histogram ``observer``'s: the values torch.ao's own search assumes (each bin's
     count spread evenly over it) counted into qstats' buckets, through the rounded cumulative count
-    at every bucket edge (integer counts, the total kept, exact extremes)."""
+    at every bucket edge (`_rebinned`: integer counts, the total kept, exact extremes)."""
     counts = obs.histogram.detach().double()
     empty = observer.init(counts[:1])
     lo, hi = obs.min_val.detach().float().reshape(()), obs.max_val.detach().float().reshape(())
@@ -603,14 +608,9 @@ def _histogram_state(obs, observer) -> HistogramState:
         return one._replace(counts=one.counts * total, underflow=one.underflow * total, overflow=one.overflow * total)
     state = empty._replace(min_val=lo.clone(), max_val=hi.clone())
     edges, _ = histogram_edges(state)  # (2K + 1,) ascending: negative buckets flipped, then positive
-    bins = counts.numel()
-    width = (hi.double() - lo.double()) / bins
-    before = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    position = torch.where(width > 0, (edges - lo.double()) / torch.where(width > 0, width, 1.0), bins * (edges >= hi))
-    index = position.floor().clamp(0, bins - 1).to(torch.int64)
-    below = before[index] + counts[index] * (position - index).clamp(0, 1)
-    below = torch.where(edges >= hi.double(), before[-1], below)
-    flat = torch.round(below).to(torch.int64).diff()  # (2K,): negative magnitudes descending, positive ascending
+    lo, hi, bins = lo.double(), hi.double(), counts.numel()
+    linear = lo + (hi - lo) * torch.arange(bins + 1, dtype=torch.float64, device=counts.device) / bins  # torch.ao's
+    flat = _rebinned(linear, counts, edges, lo, hi).to(torch.int64)  # (2K,): negative magnitudes, then positive
     half = flat.numel() // 2
     per_sign = torch.stack([flat[:half].flip(0), flat[half:]])  # (2, K): underflow, buckets, overflow
     return state._replace(counts=per_sign[:, 1:-1].reshape(state.counts.shape),
