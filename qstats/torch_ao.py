@@ -20,6 +20,7 @@ from ._granularity import PerAxis, PerTensor
 from ._qparams import compute_qparams
 from ._spec import QuantSpec
 from .conventions import TorchaoConvention, lookup
+from .conventions.default import integer_dtype_holds
 from .conventions.torch_ao import PER_CHANNEL_QSCHEMES
 from .observers.fixed import FixedQParamsState, fixed_qparams, placeholder
 from .observers.histogram import HistogramState, histogram, histogram_edges
@@ -89,15 +90,6 @@ def torch_ao_fields(spec: QuantSpec) -> dict:
             dtype = torch.qint32
     ch_axis = 0 if per_tensor else spec.granularity.axis
     return dict(dtype=dtype, qscheme=qscheme, quant_min=int(qmin), quant_max=int(qmax), ch_axis=ch_axis, eps=spec.eps)
-
-
-def _holds(dtype, qrange) -> bool:
-    """True for a plain (not quantized) torch integer dtype whose range holds ``qrange``."""
-    if not isinstance(dtype, torch.dtype) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool \
-            or dtype in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4):
-        return False
-    info = torch.iinfo(dtype)
-    return info.min <= qrange[0] and qrange[1] <= info.max
 
 
 def _factory_option(factory: Callable, options: dict, name: str):
@@ -240,7 +232,7 @@ class QstatsObserver(ao.ObserverBase):
                           ch_axis=ch_axis, eps=eps)
         else:
             fields, reduce_range = torch_ao_fields(spec), spec.reduce_range
-            if _holds(dtype, spec.qrange):  # a plain integer dtype given beside spec= (PT2E's torch.int16)
+            if integer_dtype_holds(dtype, spec.qrange):  # a plain integer dtype given beside spec= (PT2E's torch.int16)
                 fields["dtype"] = dtype
             _refuse_disagreeing(fields, spec, dict(dtype=dtype, quant_min=quant_min, quant_max=quant_max,
                                                    qscheme=qscheme, ch_axis=ch_axis, eps=eps))

@@ -16,7 +16,8 @@ import torch
 from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name
 from .._granularity import PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import dtype_named
-from .default import Convention, check_preserve_zero, check_range_within_dtype, check_symmetric_zero_point
+from .default import (Convention, check_preserve_zero, check_range_within_dtype, check_symmetric_zero_point,
+                      integer_dtype_holds)
 from .._warn import warn
 
 __all__ = ["CompressedTensorsConvention", "from_compressed_tensors"]
@@ -228,14 +229,7 @@ def _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype)
         if qtype == "float":
             ok = zp_dtype == torch.float8_e4m3fn
         else:
-            ok = (
-                isinstance(zp_dtype, torch.dtype)
-                and not zp_dtype.is_floating_point
-                and not zp_dtype.is_complex
-                and zp_dtype != torch.bool
-                and torch.iinfo(zp_dtype).min <= -(2 ** (num_bits - 1))
-                and torch.iinfo(zp_dtype).max >= 2 ** (num_bits - 1) - 1
-            )
+            ok = integer_dtype_holds(zp_dtype, (-(2 ** (num_bits - 1)), 2 ** (num_bits - 1) - 1))
         if not ok:
             raise ValueError(
                 f"from_compressed_tensors: zp_dtype {zp_dtype!r} is not supported for asymmetric "

@@ -19,6 +19,7 @@ __all__ = [
     "check_preserve_zero",
     "check_range_within_dtype",
     "check_symmetric_zero_point",
+    "integer_dtype_holds",
 ]
 
 
@@ -224,3 +225,12 @@ def check_symmetric_zero_point(spec, fixed: tuple = ()) -> None:
     lo, hi = spec.qrange
     if not (lo <= zero <= hi or zero in fixed):
         raise ValueError(f"QuantSpec.symmetric_zero_point {zero} lies outside the range [{lo}, {hi}]")
+
+
+def integer_dtype_holds(dtype, qrange) -> bool:
+    """True for a plain (not quantized) torch integer dtype whose range holds ``qrange``."""
+    if not isinstance(dtype, torch.dtype) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool \
+            or dtype in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+        return False
+    info = torch.iinfo(dtype)
+    return info.min <= qrange[0] and qrange[1] <= info.max
