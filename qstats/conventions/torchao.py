@@ -75,6 +75,12 @@ def _granularity(kwargs) -> Granularity:
     granularity = kwargs.pop("granularity", None)
     block_size = kwargs.pop("block_size", None)
     shape = kwargs.pop("shape", None)
+    if granularity is not None and block_size is not None:
+        # either one alone chooses the blocks; block_size was dropped, whatever it said
+        raise ValueError(
+            f"from_torchao: pass granularity= ({granularity!r}) or block_size= ({tuple(block_size)!r}) with shape=, "
+            "not both"
+        )
     if isinstance(granularity, Granularity):
         return granularity
     if granularity is not None:
