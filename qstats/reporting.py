@@ -279,6 +279,9 @@ def report(
         check_batches(batches, "report", observation_weight)  # one batch would run the model on its rows or keys
         if plan is not None:
             warn_training_mode(plan.model, "report")  # dropout would be measured as error
+    for path, entry in states.items():  # checked before the measurement, which may run the model
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"report: states[{path!r}] must be a mapping {{site: state}}, got {type(entry).__name__}")
     _check_qparams(qparams, plan, batches is not None)
     errors: dict = {}
     if plan is not None:
