@@ -184,6 +184,19 @@ def _granularity(granularity, shape, target):
     return _block_size_granularity(sizes, shape)
 
 
+def _source(spec, fields: dict) -> dict:
+    """The fields of ``spec`` (a QuantizationSpec or a dict of its fields) updated by ``fields``,
+    checked: ValueError for a name coreai_opt does not have, or a component not its own."""
+    read = ("dtype", "qscheme", "granularity", "scale_dtype", "float_range", *_COMPONENTS)
+    source = {**({} if spec is None else (dict(spec) if isinstance(spec, dict) else {
+        name: _field(spec, name) for name in read})), **fields}
+    unknown = sorted(set(source) - set(_SPEC_FIELDS))
+    if unknown:
+        raise ValueError(f"from_coreai_opt: unknown QuantizationSpec field(s) {unknown}; known: {', '.join(_SPEC_FIELDS)}")
+    _check_components(source)
+    return source
+
+
 def spec_from_coreai_opt(
     cls, spec: Any = None, *, shape=None, target="weight", input_dtype: torch.dtype = torch.float32, **fields
 ):
@@ -194,16 +207,17 @@ def spec_from_coreai_opt(
     ``shape`` (the tensor's) is needed for per-block granularities, ``target`` (``"weight"``,
     ``"activation"`` or coreai_opt's ``CompressionTargetTensor``) decides their single-axis block
     as in coreai_opt; ``input_dtype`` is the observed tensor's dtype, which coreai_opt takes the
-    range (a pinned float_range end included) and minval in, and computes integer and fp8 scales in.
+    range (a pinned float_range end included) and minval in, and computes integer and fp8 scales in,
+    unless ``spec``'s ``float_range`` pins both ends (coreai_opt computes those in float32).
     """
     target = _target(target)
     input_compute = compute_dtype_name(input_dtype, "from_coreai_opt: input_dtype")  # float64 has no qstats path
-    source = {**({} if spec is None else (dict(spec) if isinstance(spec, dict) else {
-        name: _field(spec, name) for name in ("dtype", "qscheme", "granularity", "scale_dtype", *_COMPONENTS)})), **fields}
-    unknown = sorted(set(source) - set(_SPEC_FIELDS))
-    if unknown:
-        raise ValueError(f"from_coreai_opt: unknown QuantizationSpec field(s) {unknown}; known: {', '.join(_SPEC_FIELDS)}")
-    _check_components(source)
+    source = _source(spec, fields)
+    float_range = source.get("float_range")
+    if isinstance(float_range, (list, tuple)) and len(float_range) == 2 and None not in float_range:
+        # both ends pinned: coreai_opt builds the range as float32 tensors and computes its
+        # qparams in float32, whatever the input's dtype
+        input_dtype, input_compute = torch.float32, "float32"
     dtype = _dtype_name(source.get("dtype") or torch.int8)
     if dtype not in _INT_TARGETS and dtype not in _FLOAT_TARGETS:
         raise ValueError(f"from_coreai_opt: dtype {dtype!r} is not one of coreai_opt's: "
