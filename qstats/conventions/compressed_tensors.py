@@ -238,15 +238,6 @@ def _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype)
             )
 
 
-def _code_range(spec) -> tuple:
-    """compressed-tensors' code range (``calculate_range``): the float format's, or the signed
-    ``bits``-bit range (the spec's own: `check_compressed_tensors_range` refuses any other)."""
-    if spec.is_float:
-        return -spec.float_format.max, spec.float_format.max
-    half = 2.0 ** (spec.bits - 1)
-    return -half, half - 1
-
-
 def check_compressed_tensors_range(spec) -> None:
     """ValueError for a spec whose codes compressed-tensors cannot express: it clamps codes to the signed
     ``[-2**(b-1), 2**(b-1) - 1]`` (or float) range with a symmetric zero point of 0.
@@ -263,8 +254,8 @@ def check_compressed_tensors_range(spec) -> None:
         )
     if spec.reduce_range:
         raise ValueError("QuantSpec.reduce_range: compressed-tensors has no reduced range; use convention='torch_ao'")
-    if spec.quant_min is not None and tuple(spec.qrange) != _code_range(spec):
-        lo, hi = (int(b) if not spec.is_float else b for b in _code_range(spec))
+    if spec.quant_min is not None and tuple(spec.qrange) != spec.dtype_range:  # (float targets have no quant_min)
+        lo, hi = spec.dtype_range
         raise ValueError(
             f"QuantSpec.quant_min/quant_max [{spec.quant_min}, {spec.quant_max}]: compressed-tensors' codes "
             f"always span [{lo}, {hi}] for {spec.dtype!r}; use convention='torch_ao' or 'torchao' for a "
@@ -392,7 +383,9 @@ class CompressedTensorsConvention(Convention):
         arithmetic would overflow to an infinite scale, the range is clipped to the largest finite scale.
         """
         compute = getattr(torch, spec.compute_dtype)
-        bit_min, bit_max = (torch.tensor(b, device=min_val.device) for b in _code_range(spec))
+        # compressed-tensors' calculate_range: the float format's, or the signed range (the spec's own, as
+        # `check_compressed_tensors_range` refuses any other), as float tensors
+        bit_min, bit_max = (torch.tensor(float(b), device=min_val.device) for b in spec.qrange)
         bit_range = bit_max - bit_min
         min_vals, max_vals = _range_in(compute, min_val, max_val, spec, bit_range)
         if spec.mapping == "asymmetric":
@@ -430,7 +423,7 @@ class CompressedTensorsConvention(Convention):
         work = torch.promote_types(view.dtype, compute)
         scaled = view.to(work) / scale.to(compute).to(work)
         scaled = scaled + zero_point.to(view.dtype).to(work)
-        qmin, qmax = _code_range(spec)
+        qmin, qmax = spec.qrange
         if spec.is_float:
             quantized = scaled.clamp(qmin, qmax).to(spec.float_format.torch_dtype).to(work)
             return scaled.float(), quantized.float()
