@@ -15,20 +15,20 @@ __all__ = ["run_model", "observe_tensor", "first_tensor", "input_tensor", "repla
 
 
 def first_tensor(value) -> Optional[torch.Tensor]:
+    """The first tensor in ``value``, depth first through tuples, lists, mappings and transformers'
+    ``ModelOutput``; None when it holds none."""
     if isinstance(value, torch.Tensor):
         return value
-    if isinstance(value, (tuple, list)):
-        for item in value:
-            found = first_tensor(item)
-            if found is not None:
-                return found
     if isinstance(value, Mapping):
-        for item in value.values():
-            found = first_tensor(item)
-            if found is not None:
-                return found
-    if hasattr(value, "to_tuple"):  # transformers ModelOutput
-        return first_tensor(value.to_tuple())
+        value = tuple(value.values())
+    elif hasattr(value, "to_tuple"):  # transformers ModelOutput
+        value = value.to_tuple()
+    if not isinstance(value, (tuple, list)):
+        return None
+    for item in value:
+        found = first_tensor(item)
+        if found is not None:
+            return found
     return None
 
 
@@ -37,12 +37,6 @@ def replace_first_tensor(value, fn: Callable[[torch.Tensor], torch.Tensor]):
     ``(value, False)`` when there is none, else ``(new_value, True)``."""
     if isinstance(value, torch.Tensor):
         return fn(value), True
-    if hasattr(value, "to_tuple") and isinstance(value, Mapping):  # transformers ModelOutput
-        for key, item in value.items():
-            new, done = replace_first_tensor(item, fn)
-            if done:
-                return type(value)(**{**dict(value.items()), key: new}), True
-        return value, False
     if isinstance(value, (tuple, list)):
         for index, item in enumerate(value):
             new, done = replace_first_tensor(item, fn)
@@ -52,13 +46,17 @@ def replace_first_tensor(value, fn: Callable[[torch.Tensor], torch.Tensor]):
                     return items, True
                 return (type(value)(*items) if hasattr(value, "_fields") else tuple(items)), True
         return value, False
-    if isinstance(value, Mapping):
+    if isinstance(value, Mapping):  # a transformers ModelOutput is rebuilt as its own type, others as a dict
         for key, item in value.items():
             new, done = replace_first_tensor(item, fn)
             if done:
-                return {**dict(value.items()), key: new}, True
-        return value, False
+                items = {**dict(value.items()), key: new}
+                return (type(value)(**items) if hasattr(value, "to_tuple") else items), True
     return value, False
+
+
+# the keyword arguments a module's input is looked for under, in this order, when none is positional
+_INPUT_NAMES = ("hidden_states", "input", "x", "inputs_embeds")
 
 
 def replace_input_tensor(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.Tensor]):
@@ -66,7 +64,7 @@ def replace_input_tensor(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor],
     if args:
         first, _ = replace_first_tensor(args[0], fn)
         return (first,) + tuple(args[1:]), kwargs
-    for name in ("hidden_states", "input", "x", "inputs_embeds"):
+    for name in _INPUT_NAMES:
         if isinstance(kwargs.get(name), torch.Tensor):
             return args, {**kwargs, name: fn(kwargs[name])}
     new, _ = replace_first_tensor(dict(kwargs), fn)
@@ -76,7 +74,7 @@ def replace_input_tensor(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor],
 def input_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     if args:
         return first_tensor(args[0])
-    for name in ("hidden_states", "input", "x", "inputs_embeds"):
+    for name in _INPUT_NAMES:
         if isinstance(kwargs.get(name), torch.Tensor):
             return kwargs[name]
     return first_tensor(kwargs)
