@@ -56,8 +56,7 @@ def _plain_extremes(view: torch.Tensor):
 def _masked_extremes(view: torch.Tensor, mask: Optional[torch.Tensor]):
     dims = (0, view.ndim - 1)
     included = torch.isfinite(view)
-    if mask is not None:
-        mask = mask.expand(view.shape)
+    if mask is not None:  # of the view's shape: finite_aminmax and the vmap rule expand it
         included = included & mask
     lo = _reduce(torch.where(included, view, torch.inf), torch.amin)
     hi = _reduce(torch.where(included, view, -torch.inf), torch.amax)
