@@ -33,6 +33,11 @@ _AXIS_NONE = " (coreai_opt resolves axis None per module type in Quantizer.prepa
 # coreai_opt's QuantizationSpec.SUPPORTED_DTYPES (its validator refuses every other dtype)
 _INT_TARGETS = ("int2", "int4", "int6", "int8", "uint2", "uint4", "uint6", "uint8")
 _ALIASES = {"float4_e2m1fn": "float4_e2m1fn_x2", "float8_e4m3": "float8_e4m3fn", "float8_e8m0": "float8_e8m0fnu"}
+# coreai_opt's granularity kinds (registry keys, by class name too) and the keys of their dicts
+_GRANULARITY_KINDS = {"PerTensorGranularity": "per_tensor", "PerChannelGranularity": "per_channel",
+                      "PerBlockGranularity": "per_block"}
+_GRANULARITY_KEYS = {"per_tensor": ("type", "axis"), "per_channel": ("type", "axis"),
+                     "per_block": ("type", "axis", "block_size")}
 # coreai_opt's own components, by registry key and class name (a user's registered ones compute otherwise)
 _COMPONENTS = {
     "qparam_calculator_cls": ({"default", "static", "moving_average", "global_minmax", "dynamic"},
@@ -134,13 +139,31 @@ def block_size(granularity, shape, target="weight") -> tuple:
     return sizes
 
 
-def _block_sizes(granularity, shape: list, target: str) -> tuple:
-    kind = _field(granularity, "type") or type(granularity).__name__
-    axis, size = _field(granularity, "axis"), _field(granularity, "block_size")
-    if kind in ("per_tensor", "PerTensorGranularity"):
-        return tuple(shape)
-    if kind not in ("per_channel", "PerChannelGranularity", "per_block", "PerBlockGranularity"):
+def _kind(granularity) -> str:
+    """``"per_tensor"``, ``"per_channel"`` or ``"per_block"``: the kind of a coreai_opt granularity or
+    its dict, after ValueError for what coreai_opt's models refuse (an unknown type, a key its kind
+    does not take, a per-tensor axis, a per-block granularity without ``block_size``)."""
+    name = _field(granularity, "type") or type(granularity).__name__
+    kind = _GRANULARITY_KINDS.get(name, name)
+    if kind not in _GRANULARITY_KEYS:
         raise ValueError(f"from_coreai_opt: unknown granularity {granularity!r}")
+    extra = sorted(set(granularity) - set(_GRANULARITY_KEYS[kind])) if isinstance(granularity, dict) else []
+    if extra:
+        raise ValueError(f"from_coreai_opt: granularity {granularity!r} has key(s) {extra} that coreai_opt's {kind} "
+                         f"granularity does not take (its keys: {', '.join(_GRANULARITY_KEYS[kind])})")
+    if kind == "per_tensor" and _field(granularity, "axis") is not None:
+        raise ValueError(f"from_coreai_opt: a per_tensor granularity takes no axis, got {granularity!r}")
+    if kind == "per_block" and _field(granularity, "block_size") is None:
+        raise ValueError(f"from_coreai_opt: a per_block granularity needs block_size (an int along axis, or one "
+                         f"entry per dimension), got {granularity!r}")
+    return kind
+
+
+def _block_sizes(granularity, shape: list, target: str) -> tuple:
+    kind = _kind(granularity)
+    axis, size = _field(granularity, "axis"), _field(granularity, "block_size")
+    if kind == "per_tensor":
+        return tuple(shape)
     if isinstance(size, (tuple, list)):
         if axis is not None or len(size) != len(shape):
             raise ValueError(f"from_coreai_opt: per-block block_size {size} needs axis None and one entry per dim of {shape}")
@@ -157,10 +180,10 @@ def _block_sizes(granularity, shape: list, target: str) -> tuple:
 
 
 def _granularity(granularity, shape, target):
-    kind = _field(granularity, "type") or type(granularity).__name__
-    if granularity is None or kind in ("per_tensor", "PerTensorGranularity"):
+    kind = "per_tensor" if granularity is None else _kind(granularity)
+    if kind == "per_tensor":
         return PerTensor()
-    if kind in ("per_channel", "PerChannelGranularity"):
+    if kind == "per_channel":
         axis = _field(granularity, "axis")
         if not isinstance(axis, int):
             raise ValueError(f"from_coreai_opt: per-channel granularity needs an int axis, got {axis!r}"
@@ -169,8 +192,6 @@ def _granularity(granularity, shape, target):
             block_size(granularity, shape, target)  # checks the axis against the shape
             axis %= len(shape)
         return PerAxis(axis)
-    if kind not in ("per_block", "PerBlockGranularity"):
-        raise ValueError(f"from_coreai_opt: unknown granularity {granularity!r}")
     if shape is None:
         raise ValueError("from_coreai_opt: a per-block granularity needs the tensor shape (shape=...)")
     shape = tuple(int(s) for s in shape)
