@@ -103,6 +103,11 @@ class QstatsObserver(LLMCompressorObserver):
         """Fold ``observed`` into the state (weights: once, as llm-compressor's observers)."""
         if observed.numel() == 0 or (self.is_weight_obs and self.has_statistics):
             return self
+        if not observed.is_floating_point():  # an Embedding's input: compressed-tensors would quantize the ids
+            raise ValueError(
+                f"{type(self).__name__} ({self.base_name}): observed a {observed.dtype} tensor, not floating point: "
+                "an Embedding's token ids? compressed-tensors' forward cannot quantize them (the checkpoint would not "
+                "run: docs/differences.md); give Embedding modules a config group without input activations")
         # llm-compressor's view: refuses strategies the site cannot take; its middle dims are
         # the shape llm-compressor's modules hold the qparams in
         self.qparam_shape = flatten_for_calibration(observed, self.base_name, self.args).shape[1:-1]
