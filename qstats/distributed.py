@@ -149,20 +149,17 @@ def reduce_ops(state: Any) -> Union[dict[str, str], str]:
     return _FOLD
 
 
-# Running and memoryless extremes merge elementwise; moving averages do not (weighted means).
-for _name in ("MinMaxState", "MemorylessMinMaxState"):
-    register_reduce_ops(_name, {"min_val": "min", "max_val": "max", "count": "sum", "nonfinite": "sum"})
-register_reduce_ops("MovingAverageMinMaxState", _FOLD)
-# Histograms: integer bucket counts (and under/overflow counts) add, extremes min/max: bit-exact in
-# any order.
-register_reduce_ops("HistogramState", extremes_and_sums)
-# Importance matrix: a float64 sum of squares and integer counts (exact=True folds it in rank order).
-register_reduce_ops("IMatrixState", {"square_total": "sum", "count": "sum", "nonfinite": "sum"})
-register_reduce_ops("HessianState", {"total": "sum", "count": "sum", "nonfinite": "sum"})  # GPTQ's sum of x^T x
-register_reduce_ops("PlaceholderState", {"count": "sum"})
-# Not elementwise: Chan's variance merge, the MSE search's widest-range pick, moving averages,
-# bounded samples, constants kept from the first operand.
-for _name in ("MomentsState", "MSEState", "MovingAverageMSEState", "RecordingState", "FixedQParamsState"):
+# Elementwise: extremes min/max and every other field summed. Running and memoryless extremes with
+# their counts; histograms (integer bucket and under/overflow counts: bit-exact in any order); the
+# importance matrix (a float64 sum of squares: exact=True folds it in rank order); GPTQ's sum of
+# x^T x; placeholders' counts. (Law 8 of qstats.testing checks each against its observer's merge.)
+for _name in ("MinMaxState", "MemorylessMinMaxState", "HistogramState", "IMatrixState", "HessianState",
+              "PlaceholderState"):
+    register_reduce_ops(_name, extremes_and_sums)
+# Not elementwise: moving averages (weighted means), Chan's variance merge, the MSE search's
+# widest-range pick, bounded samples, constants kept from the first operand.
+for _name in ("MovingAverageMinMaxState", "MomentsState", "MSEState", "MovingAverageMSEState", "RecordingState",
+              "FixedQParamsState"):
     register_reduce_ops(_name, _FOLD)
 
 
