@@ -29,7 +29,7 @@ import torch
 
 from . import _formats
 from ._granularity import TensorGroup
-from ._qparams import QParams, _range_of, calibrated_mask, check_calibrated, compute_qparams
+from ._qparams import QParams, _range_of, _rule_for, calibrated_mask, check_calibrated, compute_qparams
 from ._spec import QuantSpec
 
 __all__ = ["FUSED_LAYER_NAMES", "fused_amax", "fused_global_scale", "fused_groups", "fused_qparams"]
@@ -88,8 +88,17 @@ def _is_state(states) -> bool:
     return isinstance(states, tuple) and hasattr(states, "_fields")
 
 
+def _is_named_group(states) -> bool:
+    """A NamedTuple of states (``QKV(q=..., k=..., v=...)``) with no range rule of its own: a group."""
+    try:
+        _rule_for(states)
+    except TypeError:
+        return len(states) > 0 and all(_is_state(member) for member in states)
+    return False
+
+
 def _as_states(states) -> list:
-    if _is_state(states):
+    if _is_state(states) and not _is_named_group(states):
         return [states]  # one (stacked) state
     if isinstance(states, Mapping):
         raise TypeError("fused: the group must be a sequence of states (q, k, v), got a mapping; pass "
@@ -151,7 +160,8 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
     """QParams of every state of the group, all under the group's shared global scale.
 
     Args:
-      states: a sequence of states (q/k/v, gate/up) or, with ``stacked=True``, one stacked state.
+      states: a sequence of states (q/k/v, gate/up; a list, tuple or NamedTuple of them) or, with
+        ``stacked=True``, one stacked state.
       spec: a two-level spec (`TensorGroup`); other specs get their usual qparams.
       stacked: compute per-slice qparams with ``torch.func.vmap`` over the leading dimension;
         ``spec.on_uncalibrated="raise"`` raises for a slice that saw no data, as the list form does.
@@ -162,7 +172,7 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
     """
     if not isinstance(stacked, bool):
         raise TypeError(f"fused_qparams: stacked must be True or False, got {stacked!r}")
-    if stacked and not _is_state(states):
+    if stacked and (not _is_state(states) or _is_named_group(states)):
         raise TypeError(
             f"fused_qparams(stacked=True): states must be one state stacked along a leading dimension, "
             f"got a {type(states).__name__} (pass stacked=False for a sequence of states)"
