@@ -18,8 +18,8 @@ import torch
 from ._checkpoint_names import module_renamer
 from ._granularity import PerBlock, PerGroup, PerTensor, TensorGroup
 from ._rule_data import recipe_fields
-from ._schemes import (PROJECTION_NAMES, _matches, compressed_tensors_ignore, config_rules, scheme_rules,
-                       with_checkpoint_ignore)
+from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, _matches, compressed_tensors_ignore, config_rules,
+                       scheme_rules, with_checkpoint_ignore)
 from ._spec import QuantSpec
 from ._torch_features import dtype_named, uncompiled
 from .experts import (expert_count, is_stacked_parameter, linearized_experts, own_parameters, parameter_input_site,
@@ -312,6 +312,24 @@ def _gate_up_halves(spec: QuantSpec, site: str, module: torch.nn.Module, params:
     return spec.replace(granularity=PerBlock((param.shape[1] // 2, param.shape[2])))
 
 
+def _refuse_straddling_blocks(path: str, spec: QuantSpec, site: str, params: dict) -> None:
+    """ValueError for a compressed-tensors block spec on fused experts' ``gate_up_proj`` ``[E, 2I, H]``
+    whose block rows do not divide ``I``: llm-compressor blocks its linearized ``gate_proj`` and
+    ``up_proj`` apart (each with partial edge blocks), where a block of the stack would hold rows of
+    both (the export refused it, after the calibration)."""
+    param, down = params.get(site), params.get("down_proj")
+    granularity = spec.granularity
+    if site != "gate_up_proj" or not isinstance(granularity, PerBlock) or down is None or param.ndim != 3:
+        return
+    rows, intermediate = granularity.block_shape[-2], param.shape[1] // 2
+    if param.shape[1] == 2 * down.shape[-1] and intermediate % rows:
+        raise ValueError(
+            f"Recipe: {path}:gate_up_proj ({tuple(param.shape)}, gate rows then up rows) under blocks of "
+            f"{granularity.block_shape}: the {rows}-row blocks straddle the gate and up halves of {intermediate} "
+            "rows each, which llm-compressor blocks apart as two Linears; not supported: ignore these experts' "
+            "gate/up projections or choose a block height that divides the intermediate size")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
     """A `Recipe` resolved on one model (`Recipe.resolve`), computed once, so that every consumer
@@ -599,6 +617,8 @@ class Recipe:
                 kind = None if site in entry else _site_kind(module, params, num_experts, site)
                 if kind is not None:
                     spec = _gate_up_halves(rule.spec, site, module, params) if kind[1] else rule.spec
+                    if kind[1] and isinstance(rule.matcher, (GroupMatch, ExpertsMatch)):
+                        _refuse_straddling_blocks(path, spec, site, params)
                     entry[site] = _make_site(rule, spec, *kind)
                     _refuse_conv_hessian(path, module, entry[site])
                 if site in entry:  # taken here or by an earlier rule
