@@ -227,9 +227,8 @@ def _site_qparams(state, found, where: str, options: dict) -> Optional[QParams]:
         return None  # scales at run time: nothing calibrated
     try:
         qparams = (stacked_qparams if found.num_experts else compute_qparams)(state, found.spec, **kwargs)
-    except (ValueError, TypeError) as error:  # named by module and site, the same exception
-        error.args = (f"{where}: {error}", *error.args[1:])
-        raise
+    except (ValueError, TypeError) as error:  # named by module and site
+        raise_renamed(error, where)
     if found.num_experts:
         check_calibrated(qparams.calibrated, found.spec, where=where)
     return qparams
