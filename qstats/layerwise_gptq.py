@@ -4,9 +4,10 @@
 layer it observes the recipe's sites and, beside them, the `qstats.hessian` of the input of every
 weight the recipe quantizes (a Linear's ``weight``, a stacked-experts parameter; integer, FP8,
 MX or NVFP4); replaces each such weight by `qstats.gptq` of it under the qparams of the recipe's
-weight state; then computes the layer's outputs with the GPTQ'd weights (activations in float, as
-llm-compressor 0.14's pipeline runs with quantization disabled) for the next one. A layer's Hessians
-are released with it.
+weight state, each Hessian divided by llm-compressor's sample count (one per sequence) rather than
+by its rows, so that dead input columns dampen as there; then computes the layer's outputs with the
+GPTQ'd weights (activations in float, as llm-compressor 0.14's pipeline runs with quantization
+disabled) for the next one. A layer's Hessians are released with it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .gptq_quantize import check_options, gptq
 from . import distributed
 from .layerwise import _agreed, _layerwise, group_up
 from ._qparams import QParams
+from .observers._base import Observer, register_state, row_mask
 from .observers.hessian import HessianState, hessian
 from .recipe import Plan, Recipe, Rule
 from ._warn import warn
@@ -86,12 +88,65 @@ def _warn_compute_dtype(plan: Plan, targets: dict) -> None:
              "(Recipe.from_scheme) for GPTQ's scales and codes to be llm-compressor's", UserWarning)
 
 
+@register_state
+class GPTQInputsState(NamedTuple):
+    """`qstats.hessian`'s fields of a weight's inputs and ``samples``: the int64 number of samples
+    llm-compressor counts in them (its GPTQ Hessian is the sum divided by it, not by the rows)."""
+
+    approx_fields = ("total",)  # a float sum: the laws compare it to tolerance
+
+    total: torch.Tensor
+    count: torch.Tensor
+    nonfinite: torch.Tensor
+    samples: torch.Tensor
+
+
+distributed.register_reduce_ops(GPTQInputsState, distributed.extremes_and_sums)
+
+
+def _samples(x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """llm-compressor's ``accumulate_hessian`` count of an input: its leading dimension when it has
+    three or more, else one (a 2-D ``[tokens, in]`` input, an expert's); here only the samples
+    with a row the mask keeps (none for an empty input)."""
+    leading = x.shape[0] if x.ndim >= 3 else 1
+    keep = row_mask(x, weight, "gptq_layerwise")
+    if x.numel() == 0 or keep is None:
+        return torch.tensor(leading if x.numel() else 0, dtype=torch.int64, device=x.device)
+    return keep.reshape(leading, -1).any(dim=1).sum()
+
+
+def _gptq_inputs(spec=None) -> Observer:
+    """`qstats.hessian` of a weight's inputs, counting llm-compressor's samples beside its rows."""
+    base = hessian(spec)
+
+    def init_fn(x):
+        state = base.init(x)
+        return GPTQInputsState(*state, torch.zeros_like(state.count))
+
+    def update_fn(state, x, weight=None):
+        updated = base.update(HessianState(*state[:3]), x, weight)
+        return GPTQInputsState(*updated, state.samples + _samples(x, weight))
+
+    def merge_fn(a, b):
+        return GPTQInputsState(*base.merge(HessianState(*a[:3]), HessianState(*b[:3])), a.samples + b.samples)
+
+    # not exact: a 2-D input is one sample however many rows it has (llm-compressor counts per call)
+    return Observer(init_fn, update_fn, merge_fn, exact=False, name="gptq_inputs", shared_rows=True)
+
+
+def _per_sample(state: GPTQInputsState) -> HessianState:
+    """The Hessian state `qstats.gptq` divides by llm-compressor's sample count (the same GPTQ up to
+    float rounding, except with dead input columns: docs/gptq.md); no row: still none."""
+    samples = torch.where(state.count > 0, state.samples, torch.zeros_like(state.samples))
+    return HessianState(state.total, samples, state.nonfinite)
+
+
 def _hessian_plan(plan: Plan, targets: dict) -> Plan:
-    """The plan observing the Hessian site of every target."""
+    """The plan observing the Hessian site of every target (with llm-compressor's sample counts)."""
     by_site: dict = {}
     for (path, _), site in targets.items():
         by_site.setdefault(site, []).append(path)
-    rules = [Rule(tuple(paths), sites=(site,), observer=hessian) for site, paths in by_site.items()]
+    rules = [Rule(tuple(paths), sites=(site,), observer=_gptq_inputs) for site, paths in by_site.items()]
     return Recipe(rules).resolve(plan.model)
 
 
@@ -194,7 +249,7 @@ def _layer_jobs(plan: Plan, targets: dict, states: dict, hessians: dict) -> tupl
         if hessian_site not in hessians.get(path, {}):  # never called: llm-compressor rounds it to nearest too
             missing.append(f"{path}.{site}")
             continue
-        jobs[(path, site)] = _Job(getattr(plan.modules[path], site), hessians[path].pop(hessian_site),
+        jobs[(path, site)] = _Job(getattr(plan.modules[path], site), _per_sample(hessians[path].pop(hessian_site)),
                                   plan.site(path, site).spec, qparams[path][site])
     return jobs, missing
 

@@ -10,10 +10,11 @@ leading dimension of each 3-D or wider input, one per sequence; a 2-D ``[tokens,
 MoE expert's routed tokens, counts as one), not the rows. Its ``H`` is ``2 / n * state.total``;
 `gptq_hessian` gives ``2 / rows * total``. GPTQ's result does not depend on a
 positive factor of ``H`` (dampening is relative to its mean diagonal), so the two agree up to float
-rounding whatever ``n`` counts, except where ``H`` has dead columns (zero diagonal): llm-compressor
-sets their diagonal to 1 before taking the mean, a value that does not scale with ``H``, so with
-fewer samples than rows (unless each sample is one row) its codes may differ by several percent; given
-``gptq_hessian(state)`` they are qstats'.
+rounding whatever ``n`` counts, except where ``H`` has dead columns (zero diagonal): both set their
+diagonal to 1 before taking the mean, a value that does not scale with ``H``, so with fewer
+samples than rows (unless each sample is one row) and small activations its codes may differ by
+several percent; given ``gptq_hessian(state)`` they are qstats', and given
+``state._replace(count=samples)`` `qstats.gptq` gives llm-compressor's (docs/gptq.md).
 
 A Hessian has no range: `compute_qparams` on a `HessianState` raises TypeError (use `qstats.gptq`).
 """
