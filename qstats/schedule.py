@@ -119,9 +119,7 @@ class QATSchedule:
         observing step before ``freeze_ranges_at``."""
         if not _is_int(step):
             raise TypeError(f"QATSchedule.sync_at: step must be an int, got {type(step).__name__}")
-        if self.freeze_ranges_at is not None and step == self.freeze_ranges_at - 1 and step >= self.observe_at:
-            return True
-        observing = step >= self.observe_at and (self.freeze_ranges_at is None or step < self.freeze_ranges_at)
-        every = self.sync_every
-        return every is not None and observing and (step - self.observe_at + 1) % every == 0
+        last = self.freeze_ranges_at is not None and step == self.freeze_ranges_at - 1
+        every = self.sync_every is not None and (step - self.observe_at + 1) % self.sync_every == 0
+        return self(step).observe and (last or every)
 
