@@ -298,9 +298,7 @@ class QATModel:
         # the model's names of a module registered several times, which ``module`` lacks -> the name it has
         self._aliases = dict(aliases or {})
         # names `apply` takes: parameters (tied ones under every name) and buffers
-        self._names = frozenset(name for named in (module.named_parameters(remove_duplicate=False),
-                                                   module.named_buffers(remove_duplicate=False)) for name, _ in named)
-        self._names |= frozenset(self._aliases)
+        self._names = frozenset(name for name, _ in _named_tensors(module)) | frozenset(self._aliases)
 
     def params(self) -> Dict[str, torch.Tensor]:
         """The model's parameters by name (the tensors themselves)."""
@@ -534,14 +532,16 @@ def _aliases(model: nn.Module, module: nn.Module) -> Dict[str, str]:
     """The names of ``model``'s parameters and buffers that ``module`` lacks, each mapped to the name its
     tensor has in ``module``: a module registered several times (``nn.ModuleList([block] * n)``) is kept by
     torch.fx under its first name only."""
-    def named(m):
-        return [*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False)]
-
     first = {}
-    for name, tensor in named(module):
+    for name, tensor in _named_tensors(module):
         first.setdefault(id(tensor), name)
-    kept = {name for name, _ in named(module)}
-    return {name: first[id(tensor)] for name, tensor in named(model) if name not in kept and id(tensor) in first}
+    kept = {name for name, _ in _named_tensors(module)}
+    return {name: first[id(tensor)] for name, tensor in _named_tensors(model) if name not in kept and id(tensor) in first}
+
+
+def _named_tensors(module: nn.Module) -> list:
+    """``(name, tensor)`` of ``module``'s parameters and buffers, a shared one under each of its names."""
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
 
 
 def _refuse_stacked_experts(model: nn.Module) -> None:
