@@ -535,16 +535,15 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
         state = same("update", obs.update, state, x)
         same("merge(s, init)", obs.merge, state, init)
         same("merge(init, s)", obs.merge, init, state)
-    empty = _empty_batch(xs[0], batch_dims)
-    what = f"update with an empty tensor of shape {tuple(empty.shape)}"
-    # an empty batch (a loader's short last batch, an expert given no token) leaves the state as it is
-    emptied = _attempt(f"{name}: stability: {what}", obs.update, state, empty)
-    assert_states_equal(emptied, state, approx_fields=(), message=f"{name}: stability: {what} changed the state")
+    # an empty batch (a loader's short last batch, an expert given no token) leaves the state as it is,
     # with its (empty) row weight too: an expert given no token under a routing mask
+    empty = _empty_batch(xs[0], batch_dims)
     weight = torch.ones(empty.shape[: batch_dims + 1], device=empty.device)
-    what = f"update with an empty tensor of shape {tuple(empty.shape)} and weight of shape {tuple(weight.shape)}"
-    emptied = _attempt(f"{name}: stability: {what}", obs.update, state, empty, weight)
-    assert_states_equal(emptied, state, approx_fields=(), message=f"{name}: stability: {what} changed the state")
+    for extra in ((), (weight,)):
+        what = f"update with an empty tensor of shape {tuple(empty.shape)}"
+        what += f" and weight of shape {tuple(weight.shape)}" if extra else ""
+        emptied = _attempt(f"{name}: stability: {what}", obs.update, state, empty, *extra)
+        assert_states_equal(emptied, state, approx_fields=(), message=f"{name}: stability: {what} changed the state")
     _check_nonfinite_left_out(obs, xs[0], state, name)
     if xs[0].is_floating_point():
         # the state's dtypes do not follow the input's, narrower or wider (whatever the batches' dtype)
