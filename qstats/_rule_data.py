@@ -64,6 +64,9 @@ def recipe_fields(Rule, data: Mapping) -> tuple:
     if not isinstance(data, Mapping):
         raise TypeError(f"Recipe.from_dict expects a mapping, got {type(data).__name__}")
     extra = set(data) - {"rules", "ignore", "shared"}
+    if extra & {"config_groups", "quantization_config"}:  # compressed-tensors' config, or a config.json
+        raise ValueError(f"Recipe.from_dict: keys {sorted(extra)}: a compressed-tensors quantization config (or a "
+                         "checkpoint's config.json) reads with Recipe.from_compressed_tensors")
     if extra:
         raise ValueError(f"Recipe.from_dict: unknown keys {sorted(extra)}; expected 'rules', 'ignore', 'shared'")
     if not isinstance(data.get("rules") or (), (list, tuple)):

@@ -722,6 +722,9 @@ def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
         config = config.model_dump()
     if not isinstance(config, Mapping):
         raise TypeError(f"expected a QuantizationConfig, QuantizationModifier or a dict, got {type(config).__name__}")
+    if "quantization_config" in config and "config_groups" not in config:  # a whole config.json
+        raise ValueError("quantization config: this is a checkpoint's config.json; pass its "
+                         "['quantization_config'] dict")
     groups = config.get("config_groups")
     if not isinstance(groups, Mapping) or not (groups or config.get("kv_cache_scheme") is not None):
         # a kv-cache-only checkpoint writes "config_groups": {} (QuantizationConfig.from_pretrained)
