@@ -667,6 +667,9 @@ def _check_recipe_text(text: str) -> None:
     if text.endswith(".json") and not _is_json_recipe(text):
         raise ValueError(f"{text!r}: a config.json is read as a dict: pass "
                          "json.load(open(path))['quantization_config']")
+    if os.path.isdir(text):  # a checkpoint's folder: its config.json, or the recipe.yaml oneshot saves there
+        raise ValueError(f"{text!r} is a folder: pass json.load(open(<folder>/config.json))['quantization_config'], "
+                         "or the path of the recipe.yaml llm-compressor's oneshot saves in it")
 
 
 def _is_json_recipe(path: str) -> bool:

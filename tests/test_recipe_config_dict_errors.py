@@ -1,5 +1,5 @@
-"""A compressed-tensors quantization config handed to the wrong reader, or a whole ``config.json``
-handed to `Recipe.from_compressed_tensors`, is refused saying what to pass (the errors named
+"""A compressed-tensors quantization config handed to the wrong reader, or a whole ``config.json`` (or
+a checkpoint folder) handed to `Recipe.from_compressed_tensors`, is refused saying what to pass (the errors named
 'config_groups' as missing, or listed the keys as unknown)."""
 
 import pytest
@@ -30,3 +30,18 @@ def test_a_whole_config_json_says_to_pass_its_quantization_config():
         qstats.Recipe.from_compressed_tensors({"architectures": ["LlamaForCausalLM"], "quantization_config": CONFIG})
     with pytest.raises(ValueError, match=r"reads with Recipe.from_compressed_tensors"):
         qstats.Recipe.from_dict({"architectures": ["LlamaForCausalLM"], "quantization_config": CONFIG})
+
+
+def test_a_checkpoint_folder_says_what_to_pass(tmp_path):
+    """llm-compressor's reader takes the folder's path for recipe text and says the path does not exist."""
+    pytest.importorskip("llmcompressor")
+    import json
+
+    from llmcompressor.recipe import Recipe as LLMCompressorRecipe
+
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": CONFIG}))
+    with pytest.raises(ValueError, match="Could not parse recipe"):
+        LLMCompressorRecipe.create_instance(str(tmp_path))
+    for folder in (str(tmp_path), tmp_path):
+        with pytest.raises(ValueError, match=r"is a folder: pass json.load\(open\(<folder>/config.json\)\)"):
+            qstats.Recipe.from_compressed_tensors(folder)
