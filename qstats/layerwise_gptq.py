@@ -27,7 +27,7 @@ from .gptq_quantize import check_options, gptq
 from . import distributed
 from .layerwise import _agreed, _layerwise, group_up
 from ._qparams import QParams
-from .observers._base import Observer, register_state, row_mask
+from .observers._base import Observer, row_mask
 from .observers.hessian import HessianState, hessian
 from .recipe import Plan, Recipe, Rule
 from ._warn import warn
@@ -88,10 +88,10 @@ def _warn_compute_dtype(plan: Plan, targets: dict) -> None:
              "(Recipe.from_scheme) for GPTQ's scales and codes to be llm-compressor's", UserWarning)
 
 
-@register_state
 class GPTQInputsState(NamedTuple):
     """`qstats.hessian`'s fields of a weight's inputs and ``samples``: the int64 number of samples
-    llm-compressor counts in them (its GPTQ Hessian is the sum divided by it, not by the rows)."""
+    llm-compressor counts in them (its GPTQ Hessian is the sum divided by it, not by the rows).
+    Private to `gptq_layerwise`, which releases it with its layer: not a checkpoint type."""
 
     approx_fields = ("total",)  # a float sum: the laws compare it to tolerance
 
