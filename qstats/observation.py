@@ -405,10 +405,9 @@ class _ExpertSites(ExpertCallHooks):
         """Enters a capture for one forward of the experts over the tokens ``x``."""
         tokens = x.numel() // x.shape[-1] if isinstance(x, torch.Tensor) and x.ndim and x.shape[-1] else 0
         weight = self.run.weight_for(x.reshape(-1, x.shape[-1]), flattened=True) if tokens else None
-        params = own_parameters(module)
         names = set(self.parameters.values())
         if weight is not None:  # trace the tokens of the rows: through every stacked parameter
-            names |= {name for name, p in params.items() if p.ndim >= 3}
+            names |= set(_stacked_names(module))
         capture, handles = expert_capture(module, names, x if weight is not None and x.ndim >= 2 else None)
         return capture, handles, tokens, weight
 
@@ -516,12 +515,16 @@ def unrecognised_sites_error(caller: str, missing: list, path: str, module: torc
     """The ValueError of ``caller`` (`fake_quantized`, `report`) for input sites ``missing`` of the
     experts module at ``path`` whose per-expert matmul its forward did not make recognisably, with
     the cause where the stacked parameters' layout rules every form out (`unrecognisable_slices_cause`)."""
-    stacked = [name for name, p in own_parameters(module).items() if p.ndim >= 3]
     return ValueError(
         f"{caller}: site(s) {missing} of the experts module {path!r} ({type(module).__name__}): no per-expert "
         f"matmul taking that input was found in its forward (recognised calls: {recognised})"
-        + unrecognisable_slices_cause(module, stacked)
+        + unrecognisable_slices_cause(module, _stacked_names(module))
     )
+
+
+def _stacked_names(module: torch.nn.Module) -> list:
+    """The names of the parameters ``module`` owns of 3+ dimensions: its stacked experts' weights."""
+    return [name for name, p in own_parameters(module).items() if p.ndim >= 3]
 
 
 def unrecognisable_slices_cause(module: torch.nn.Module, names) -> str:
@@ -584,8 +587,7 @@ def capture_call(module: torch.nn.Module, args, kwargs, replace=None) -> tuple:
     ``tokens``, the call's float input ``[..., hidden]`` (None where it has none)."""
     x = input_tensor(args, kwargs)
     tokens = x if is_float_tensor(x) and x.ndim >= 2 and x.numel() else None
-    stacked = [name for name, p in own_parameters(module).items() if p.ndim >= 3]
-    return (*expert_capture(module, stacked, tokens, replace), tokens)
+    return (*expert_capture(module, _stacked_names(module), tokens, replace), tokens)
 
 
 def stop_capture(capture: ExpertInputCapture, handles: list) -> None:
