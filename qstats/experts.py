@@ -294,10 +294,9 @@ def uncovered_experts(state) -> Optional[list]:
     return [int(i) for i in torch.arange(seen.shape[0])[~seen]]
 
 
-def warn_uncovered(states: dict, sites: dict) -> dict:
+def warn_uncovered(states: dict, sites: dict) -> None:
     """Warns (`UncalibratedWarning`) naming, per stacked activation site, the experts that
-    received no token; returns ``{path: {site: [expert indices]}}`` of those sites."""
-    missing: dict = {}
+    received no token."""
     lines = []
     for path, entry in sites.items():
         for site, found in entry.items():
@@ -305,7 +304,6 @@ def warn_uncovered(states: dict, sites: dict) -> dict:
                 continue
             experts = uncovered_experts(states[path][site])
             if experts:
-                missing.setdefault(path, {})[site] = experts
                 lines.append(f"{path}.{site}: experts {experts} ({len(experts)} of {found.num_experts})")
     if lines:
         warn(
@@ -314,7 +312,6 @@ def warn_uncovered(states: dict, sites: dict) -> dict:
             + "; ".join(lines),
             UncalibratedWarning,
         )
-    return missing
 
 
 PARAMETER_INPUT_SUFFIX = ".input"
