@@ -80,3 +80,24 @@ def test_moving_average_with_both_ends_pinned():
         state = obs.update(state, x)
         qp = qstats.compute_qparams(state, spec, float_range=(-0.3, 1.9999999))
         assert torch.equal(qp.scale.reshape(scale.shape), scale) and torch.equal(qp.minval.reshape(minval.shape), minval)
+
+
+@pytest.mark.parametrize("qscheme", ["symmetric", "asymmetric"])
+def test_float64_input_with_both_ends_pinned(qscheme):
+    """coreai_opt's float64 scales come from a float64 range; with both ends pinned its range, and
+    so its qparams, are float32: qstats' float32 spec gives them and coreai_opt's fake quantization."""
+    coreai_spec = QuantizationSpec(dtype=torch.int8, qscheme=qscheme, float_range=[-2.0, 3.0], qparam_calculator_cls="static",
+                                   granularity={"type": "per_channel", "axis": 0})
+    fake_quantizer = QuantizationComponentFactory.create_fake_quantizer(coreai_spec, CompressionTargetTensor.WEIGHT)
+    x = torch.randn(16, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 2
+    expected = fake_quantizer(x)
+    scale, zero_point, minval = fake_quantizer.calculate_qparams()
+    with pytest.raises(ValueError, match="input_dtype"):
+        qstats.QuantSpec.from_coreai_opt(coreai_spec, input_dtype=torch.float64)
+    spec = qstats.QuantSpec.from_coreai_opt(coreai_spec)
+    obs = qstats.memoryless_minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec, float_range=(-2.0, 3.0))
+    assert scale.dtype == torch.float32 and torch.equal(qp.scale, scale.reshape(-1))
+    assert torch.equal(qp.zero_point, zero_point.reshape(-1)) and torch.equal(qp.minval, minval.reshape(-1))
+    ours = qstats.fake_quantize(x, qp, spec)
+    assert ours.dtype == torch.float64 and torch.equal(ours, expected)
