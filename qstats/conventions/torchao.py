@@ -56,7 +56,9 @@ def _int_target(dtype) -> str:
         return name
     raise ValueError(
         f"from_torchao: target_dtype {dtype!r} is not a target of torchao's choose_qparams_affine "
-        "(torch.int1...int8, uint1...uint8, int16, int32; torchao raises 'Unsupported dtype')"
+        "(torch.int1...int8, uint1...uint8, int16, int32; torchao raises 'Unsupported dtype'); float8 targets "
+        "are torch.float8_* dtypes, MX elements (fp4, fp6, fp8) take elem_dtype= and scaling_mode= (to_mx), "
+        "NVFP4 nvfp4=True"
     )
 
 
