@@ -332,7 +332,8 @@ class _GPTQRun:
         outside = [name for name in outside if name not in done]
         if outside:
             warn(f"gptq_layerwise: {len(outside)} weight(s) outside the decoder layers are rounded to "
-                 f"nearest, not GPTQ'd: {', '.join(outside[:6])}", UncalibratedWarning)
+                 f"nearest, not GPTQ'd (llm-compressor's oneshot GPTQs them; ignore them in the recipe for "
+                 f"its checkpoint): {', '.join(outside[:6])}", UncalibratedWarning)
         if self.weights_dir is None:
             return LayerwiseGPTQ(states, self.weights)
         # every rank returns once rank 0 has written the index, and raises if that failed
@@ -365,8 +366,9 @@ def gptq_layerwise(
     Each layer is loaded, calibrated (the recipe's states and the Hessians of the quantized
     weights' inputs), GPTQ'd (`qstats.gptq` with the qparams of the recipe's weight states),
     run with its GPTQ'd weights and float activations over every batch to give the next layer's
-    inputs (llm-compressor 0.14 runs its pipeline with quantization disabled), and released. Weights outside the decoder layers are not GPTQ'd (llm-compressor's ``ignore``
-    usually holds ``lm_head``): their states are returned as `calibrate_layerwise` returns them.
+    inputs (llm-compressor 0.14 runs its pipeline with quantization disabled), and released. Weights
+    outside the decoder layers are not GPTQ'd, where llm-compressor GPTQs them (its ``ignore`` usually
+    holds ``lm_head``): their states are returned as `calibrate_layerwise` returns them.
 
     Args:
       model, checkpoint, batches, recipe, offload_dir, layers, progress, observation_weight,
