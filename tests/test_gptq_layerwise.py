@@ -264,7 +264,7 @@ class _Net(torch.nn.Module):
 def test_weights_without_a_hessian_are_named_and_left_to_rounding(tmp_path):
     """A Linear never called (no Hessian, as an expert without tokens in llm-compressor) and one
     outside the decoder layers are not GPTQ'd; warnings name them; the others are GPTQ'd, equal to
-    `qstats.gptq` on the Hessian of their inputs."""
+    `qstats.gptq` on the Hessian of their inputs divided by their 4 samples."""
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
@@ -283,6 +283,7 @@ def test_weights_without_a_hessian_are_named_and_left_to_rounding(tmp_path):
     assert "outside the decoder layers" in messages and "head.weight" in messages
     assert sorted(result.weights) == ["layers.0.used.weight", "layers.1.used.weight"]
     state = qstats.hessian().update(qstats.hessian().init(x), x)
+    state = state._replace(count=torch.tensor(x.shape[0]))  # divided by llm-compressor's samples, not the rows
     weight = net.layers[0].used.weight.detach()
     qparams = qstats.compute_qparams(qstats.minmax(spec).update(qstats.minmax(spec).init(weight), weight), spec)
     expected = qstats.gptq(weight, state, spec, qparams=qparams, actorder="static")[0]
