@@ -192,7 +192,7 @@ def _block_qparam_shape(shape: tuple, granularity: PerBlock) -> tuple:
     lead = len(shape) - len(block)
     if not granularity.partial:
         names = ("PerBlock block rows", "PerBlock block cols") if len(block) == 2 else None
-        hint = " (PerBlock(..., partial=True) takes smaller edge blocks, as compressed-tensors does)"
+        hint = " (compressed-tensors' convention takes smaller edge blocks with PerBlock(..., partial=True); torchao's has none)"
         for i, b in enumerate(block):
             what = names[i] if names else f"PerBlock block size {block} along dimension {lead + i}:"
             _check_divisible(shape[lead + i], b, what, shape, hint)
