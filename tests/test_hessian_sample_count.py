@@ -62,3 +62,28 @@ def test_dead_columns_with_two_dimensional_inputs_make_llm_compressor_depend_on_
 
     assert torch.equal(codes, llmc_codes(gptq_hessian(state)))
     assert (codes != llmc_codes(per_call)).float().mean() > 0.01
+
+
+def test_gptq_layerwise_counts_the_samples_accumulate_hessian_counts():
+    """`gptq_layerwise`'s Hessian observer counts llm-compressor's samples beside the rows: a 3-D or
+    4-D input's leading dimension, one per 2-D input; under a stacked observer each expert counts
+    the calls that routed it a token."""
+    from qstats.layerwise_gptq import _gptq_inputs
+
+    obs = _gptq_inputs()
+    layer = torch.nn.Linear(IN, OUT, bias=False)
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randn(3, 5, IN, generator=gen), torch.randn(7, IN, generator=gen),
+               torch.randn(2, 3, 4, IN, generator=gen)]
+    state = obs.init(batches[0])
+    own, samples = llmc_helpers.make_empty_hessian(layer), torch.zeros(())
+    for batch in batches:
+        state = obs.update(state, batch)
+        own, samples = llmc_helpers.accumulate_hessian(batch, layer, own, samples)
+    assert int(state.samples) == int(samples) == 3 + 1 + 2 and int(state.count) == 15 + 7 + 24
+    torch.testing.assert_close(2 * state.total, own, rtol=1e-5, atol=1e-4)
+    stacked = qstats.stacked_observer(_gptq_inputs(), 3)
+    tokens = torch.randn(6, IN, generator=gen).expand(3, 6, IN)
+    route = torch.tensor([[1.0] * 6, [1.0, 0, 0, 0, 0, 0], [0.0] * 6])
+    expert_state = stacked.update(stacked.update(stacked.init(tokens), tokens, route), tokens, route)
+    assert expert_state.samples.tolist() == [2, 2, 0] and expert_state.count.tolist() == [12, 2, 0]
