@@ -33,7 +33,7 @@ from ._checks import check_available
 from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, release_modules
 from ._sites import run_model
 from .calibration import calibrate, check_batches, compute_qparams_tree, fake_quantized
-from .observation import check_experts_layout, check_resumed
+from .observation import check_experts_layout, check_resumed, copy_states
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["calibrate_layerwise"]
@@ -803,7 +803,8 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
         execution = _execution_device(device, where)
         check_batches(batches, where, observation_weight)
         plan = as_plan(recipe, model, where)
-        check_resumed(states or {}, plan, where)
+        resumed = copy_states(states, where)
+        check_resumed(resumed, plan, where)
         check_experts_layout(plan, where, warns=False)  # shapes only: before the first layer is read
         container_path, container = decoder_layers(model, layers, where)
         side_plan, after_layer = (None, None) if layer_step is None else layer_step(plan)
@@ -813,7 +814,7 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
             raise ValueError(f"{where}: offload_dir={os.fspath(offload_dir)!r} is not a directory")
         directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)
         made.append(directory)  # removed at the end, whatever fails after this
-        run = _Run(model, source, plan, _Store(directory), dict(states or {}),
+        run = _Run(model, source, plan, _Store(directory), resumed,
                    bool(all_experts), propagate, bool(all_reduce), execution, side_plan, after_layer)
         return run, container_path, container
 

@@ -46,15 +46,17 @@ from ._warn import warn
 __all__ = ["observing", "Observing"]
 
 
-def _copy_tree(states: Optional[Mapping]) -> dict:
+def copy_states(states: Optional[Mapping], caller: str) -> dict:
+    """A copy (of the tree, not of its states) of resumed ``states``; TypeError, after ``caller``,
+    where they are no ``{path: {site: state}}`` tree or None."""
     if states is None:
         return {}
     if not isinstance(states, Mapping):
-        raise TypeError(f"states must be a dict {{path: {{site: state}}}} or None, got {type(states).__name__}")
+        raise TypeError(f"{caller}: states must be a dict {{path: {{site: state}}}} or None, got {type(states).__name__}")
     copied = {}
     for path, entry in states.items():
         if not isinstance(entry, Mapping):
-            raise TypeError(f"states[{path!r}] must be a dict {{site: state}}, got {type(entry).__name__}")
+            raise TypeError(f"{caller}: states[{path!r}] must be a dict {{site: state}}, got {type(entry).__name__}")
         copied[path] = dict(entry)
     return copied
 
@@ -721,7 +723,7 @@ def observing(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"observing expects an nn.Module, got {type(model).__name__}")
     plan = as_plan(recipe, model, "observing")
-    run = _Calibration(plan, plan.share_states(_copy_tree(states)), all_experts=bool(all_experts))
+    run = _Calibration(plan, plan.share_states(copy_states(states, "observing")), all_experts=bool(all_experts))
     check_resumed(run.states, plan)
     check_experts_layout(plan)
     _observe_parameters(run)
