@@ -33,7 +33,7 @@ from ._checks import check_available
 from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, release_modules
 from ._sites import run_model
 from .calibration import calibrate, check_batches, compute_qparams_tree, fake_quantized
-from .observation import check_experts_layout, check_resumed, copy_states
+from .observation import check_experts_layout, resumed_states
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["calibrate_layerwise"]
@@ -803,8 +803,7 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
         execution = _execution_device(device, where)
         check_batches(batches, where, observation_weight)
         plan = as_plan(recipe, model, where)
-        resumed = copy_states(states, where)
-        check_resumed(resumed, plan, where)
+        resumed = resumed_states(states, plan, where)
         check_experts_layout(plan, where, warns=False)  # shapes only: before the first layer is read
         container_path, container = decoder_layers(model, layers, where)
         side_plan, after_layer = (None, None) if layer_step is None else layer_step(plan)

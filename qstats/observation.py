@@ -46,9 +46,10 @@ from ._warn import warn
 __all__ = ["observing", "Observing"]
 
 
-def copy_states(states: Optional[Mapping], caller: str) -> dict:
+def resumed_states(states: Optional[Mapping], plan: Plan, caller: str) -> dict:
     """A copy (of the tree, not of its states) of resumed ``states``; TypeError, after ``caller``,
-    where they are no ``{path: {site: state}}`` tree or None."""
+    where they are no ``{path: {site: state}}`` tree or None, ValueError naming the first site
+    that ``plan`` does not observe."""
     if states is None:
         return {}
     if not isinstance(states, Mapping):
@@ -57,6 +58,12 @@ def copy_states(states: Optional[Mapping], caller: str) -> dict:
     for path, entry in states.items():
         if not isinstance(entry, Mapping):
             raise TypeError(f"{caller}: states[{path!r}] must be a dict {{site: state}}, got {type(entry).__name__}")
+        for site in entry:
+            if plan.site(path, site) is None:
+                raise ValueError(
+                    f"{caller}: the given states hold site {site!r} of module {path!r}, which this recipe "
+                    "does not observe in this model"
+                )
         copied[path] = dict(entry)
     return copied
 
@@ -91,17 +98,6 @@ def raise_renamed(error: Exception, where: str):
     except Exception:
         raise error from None
     raise renamed from error
-
-
-def check_resumed(states: Mapping, plan: Plan, caller: str = "calibrate") -> None:
-    """ValueError naming the first site of resumed ``states`` that ``plan`` does not observe."""
-    for path, entry in states.items():
-        for site in entry:
-            if plan.site(path, site) is None:
-                raise ValueError(
-                    f"{caller}: the given states hold site {site!r} of module {path!r}, which this recipe "
-                    "does not observe in this model"
-                )
 
 
 def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
@@ -723,8 +719,8 @@ def observing(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"observing expects an nn.Module, got {type(model).__name__}")
     plan = as_plan(recipe, model, "observing")
-    run = _Calibration(plan, plan.share_states(copy_states(states, "observing")), all_experts=bool(all_experts))
-    check_resumed(run.states, plan)
+    resumed = resumed_states(states, plan, "calibrate")
+    run = _Calibration(plan, plan.share_states(resumed), all_experts=bool(all_experts))
     check_experts_layout(plan)
     _observe_parameters(run)
     session = Observing(run)

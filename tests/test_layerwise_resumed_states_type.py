@@ -23,5 +23,11 @@ def test_layerwise_states_that_are_no_tree_raise_a_type_error_naming_them(states
 
 
 def test_calibrate_states_that_are_no_tree_raise_a_type_error_naming_them():
-    with pytest.raises(TypeError, match=r"observing: states must be a dict .* got list"):
+    with pytest.raises(TypeError, match=r"calibrate: states must be a dict .* got list"):
         qstats.calibrate(torch.nn.Linear(2, 2), [torch.zeros(1, 2)], RECIPE, states=[1], progress=False)
+
+
+def test_calibrate_states_of_a_site_the_recipe_does_not_observe_raise_naming_it():
+    with pytest.raises(ValueError, match=r"calibrate: the given states hold site 'input' of module 'other'"):
+        qstats.calibrate(torch.nn.Linear(2, 2), [torch.zeros(1, 2)], RECIPE, states={"other": {"input": None}},
+                         progress=False)
