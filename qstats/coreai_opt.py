@@ -32,8 +32,7 @@ from typing import Any
 import torch
 
 from ._checks import check_floating
-from ._torch_features import bitcast
-from .conventions.coreai_opt import block_size
+from .conventions.coreai_opt import block_size, rounded_to_half
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
 from ._quant import fake_quantize
@@ -72,7 +71,7 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
             return constant * batch + (1 - constant) * average
         # coreai_opt's running range is held in the input's dtype: each product and the sum round
         def rounded(t):
-            return _rounded_to_half(t, observed_dtype)
+            return rounded_to_half(t, observed_dtype)
 
         return rounded(rounded(constant * batch) + rounded((1 - constant) * average))
 
@@ -82,22 +81,6 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
     update_fn = moving_extremes_update(spec, step, "coreai_opt.moving_average_minmax.update", contain_zero)
     return Observer(extremes_init(MovingAverageMinMaxState, spec), update_fn, base.merge,
                     exact=False, spec=spec, name="coreai_opt_moving_average_minmax")
-
-
-def _rounded_to_half(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 ``t`` rounded to nearest even in ``dtype`` (bfloat16 or float16), as float32: what
-    ``t.to(dtype).float()`` gives eagerly, in arithmetic torch.compile keeps (its fused kernels stay
-    in float32 between ops, so that cast pair vanished). bfloat16 rounds the bits; float16 rounds
-    to the grid step of each value's binade, subnormals included, and overflows to Inf."""
-    t = t.float().contiguous()
-    bits = bitcast(t, torch.int32)
-    if dtype == torch.bfloat16:
-        halfway = 0x7FFF + torch.bitwise_and(torch.bitwise_right_shift(bits, 16), 1)
-        return bitcast(torch.bitwise_and(bits + halfway, -65536), torch.float32)
-    exponent = torch.bitwise_and(torch.bitwise_right_shift(bits, 23), 0xFF) - 127
-    step = bitcast(torch.bitwise_left_shift(exponent.clamp(min=-14) - 10 + 127, 23), torch.float32)
-    rounded = torch.round(t / step) * step
-    return torch.where(rounded.abs() > torch.finfo(torch.float16).max, rounded * float("inf"), rounded)
 
 
 def fake_quantize_minval(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor:

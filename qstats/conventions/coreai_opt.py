@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._formats import compute_dtype_name
+from .._torch_features import bitcast
 from .._granularity import PerAxis, PerTensor
 from .default import Convention
 from .torchao import TorchaoConvention, _block_size_granularity
@@ -85,7 +86,23 @@ def _in_input_dtype(spec, *tensors):
     if compute == torch.float32:
         return tensors
     limit = torch.finfo(compute).max
-    return tuple(t.float().clamp(-limit, limit).to(compute).float() for t in tensors)
+    return tuple(rounded_to_half(t.float().clamp(-limit, limit), compute) for t in tensors)
+
+
+def rounded_to_half(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``t`` rounded to nearest even in ``dtype`` (bfloat16 or float16), as float32: what
+    ``t.to(dtype).float()`` gives eagerly, in arithmetic torch.compile keeps (its fused kernels stay
+    in float32 between ops, so that cast pair vanished). bfloat16 rounds the bits; float16 rounds
+    to the grid step of each value's binade, subnormals included, and overflows to Inf."""
+    t = t.float().contiguous()
+    bits = bitcast(t, torch.int32)
+    if dtype == torch.bfloat16:
+        halfway = 0x7FFF + torch.bitwise_and(torch.bitwise_right_shift(bits, 16), 1)
+        return bitcast(torch.bitwise_and(bits + halfway, -65536), torch.float32)
+    exponent = torch.bitwise_and(torch.bitwise_right_shift(bits, 23), 0xFF) - 127
+    step = bitcast(torch.bitwise_left_shift(exponent.clamp(min=-14) - 10 + 127, 23), torch.float32)
+    rounded = torch.round(t / step) * step
+    return torch.where(rounded.abs() > torch.finfo(torch.float16).max, rounded * float("inf"), rounded)
 
 
 def _field(source, name: str, default=None):
