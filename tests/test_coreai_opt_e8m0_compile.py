@@ -4,7 +4,7 @@
 Reference: Apple coreai_opt 0.4.0's ``StaticQParamsCalculator`` (the pinned end cast to the input's
 dtype before ``_compute_e8m0_scale``: 1.9999999 becomes 2.0 in bf16, one exponent up), and the
 same ``compute_qparams`` run eagerly. torch.compile keeps float32 between fused ops, so a rounding
-written as a cast pair vanished from the compiled scale (every channel's scale was 2**-6 too small).
+written as a cast pair vanished from the compiled scale (half coreai_opt's where the end rounds up to a power of two).
 """
 
 import warnings
