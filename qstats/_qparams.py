@@ -61,8 +61,30 @@ class Range(NamedTuple):
 
 def experts_qparams(qp: Optional[QParams], index) -> Optional[QParams]:
     """The QParams of the experts ``index`` (an int, or a tensor of expert ids: one set per id)
-    of a stacked site's ``qp``, whose fields lead with the expert dimension (None stays None)."""
-    return None if qp is None else type(qp)(*(None if field is None else field[index] for field in qp))
+    of a stacked site's ``qp``, whose fields lead with the expert dimension (None stays None); a
+    global scale shared by the experts is every expert's (`per_expert_qparams`)."""
+    if qp is None:
+        return None
+    qp = per_expert_qparams(qp, qp.scale.shape[0] if qp.scale.dim() else 0)
+    return type(qp)(*(None if field is None else field[index] for field in qp))
+
+
+def per_expert_qparams(qp: Optional[QParams], num_experts: int) -> Optional[QParams]:
+    """A stacked site's ``qp`` with one global scale per expert: a single one (compressed-tensors' shape
+    ``(1,)``, or a scalar, as `qstats.fused_global_scale` gives over the experts) is shared by every
+    expert; ValueError naming the shapes for a scale or global scale without ``num_experts`` entries."""
+    if qp is None:
+        return None
+    if qp.scale.dim() < 1 or qp.scale.shape[0] != num_experts:
+        raise ValueError(f"stacked qparams need a leading expert dimension {num_experts}, got scale of shape "
+                         f"{tuple(qp.scale.shape)}")
+    global_scale = qp.global_scale
+    if global_scale is None or (global_scale.dim() >= 1 and global_scale.shape[0] == num_experts):
+        return qp
+    if global_scale.numel() != 1:
+        raise ValueError(f"stacked qparams: global_scale of shape {tuple(global_scale.shape)} is neither one value "
+                         f"shared by the experts nor one per expert ([{num_experts}])")
+    return qp._replace(global_scale=global_scale.reshape(1).expand(num_experts))
 
 
 def calibrated_mask(calibrated):
