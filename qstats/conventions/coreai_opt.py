@@ -222,10 +222,28 @@ def _granularity(granularity, shape, target):
     return _block_size_granularity(sizes, shape)
 
 
+def _check_formulation_and_calculator(source: dict, target: str, float_target: bool, qscheme: str) -> None:
+    """ValueError for what coreai_opt's QuantizationSpec and factory refuse: a qformulation other
+    than "zp" or "minval", "minval" for float targets or e8m0 scales, and a "dynamic" calculator
+    for weights, with ``symmetric_with_clipping`` or with a pinned ``float_range``."""
+    formulation = str(getattr(source.get("qformulation"), "value", source.get("qformulation") or "zp"))
+    if formulation not in ("zp", "minval") or (formulation == "minval" and float_target):
+        raise ValueError(f"from_coreai_opt: qformulation must be 'zp' or 'minval' ('zp' for float targets and e8m0 "
+                         f"scales), got {formulation!r}")
+    calculator = source.get("qparam_calculator_cls")
+    if getattr(calculator, "__name__", calculator) not in ("dynamic", "DynamicQParamsCalculator"):
+        return
+    float_range = source.get("float_range") or (None, None)
+    if target != "activation" or qscheme == "symmetric_with_clipping" or any(end is not None for end in float_range):
+        raise ValueError(f"from_coreai_opt: coreai_opt's 'dynamic' calculator takes activations only, without "
+                         f"symmetric_with_clipping or a float_range; got target {target!r}, qscheme {qscheme!r}, "
+                         f"float_range {list(float_range)}")
+
+
 def _source(spec, fields: dict) -> dict:
     """The fields of ``spec`` (a QuantizationSpec or a dict of its fields) updated by ``fields``,
     checked: ValueError for a name coreai_opt does not have, or a component not its own."""
-    read = ("dtype", "qscheme", "granularity", "scale_dtype", "float_range", *_COMPONENTS)
+    read = ("dtype", "qscheme", "qformulation", "granularity", "scale_dtype", "float_range", *_COMPONENTS)
     source = {**({} if spec is None else (dict(spec) if isinstance(spec, dict) else {
         name: _field(spec, name) for name in read})), **fields}
     unknown = sorted(set(source) - set(_SPEC_FIELDS))
@@ -271,6 +289,7 @@ def spec_from_coreai_opt(
         raise ValueError(f"from_coreai_opt: an e8m0 scale_dtype needs dtype int8 or a float target, got {dtype}")
     if (dtype in _FLOAT_TARGETS or e8m0) and qscheme != "symmetric":
         raise ValueError(f"from_coreai_opt: {dtype} (or an e8m0 scale) needs qscheme 'symmetric', got {qscheme!r}")
+    _check_formulation_and_calculator(source, target, float_target=dtype in _FLOAT_TARGETS or e8m0, qscheme=qscheme)
     granularity = _granularity(source.get("granularity"), shape, target)
     if dtype in _FLOAT_TARGETS or e8m0:
         float_target = dtype in _FLOAT_TARGETS
