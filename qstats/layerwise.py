@@ -32,7 +32,7 @@ from . import distributed
 from ._checks import check_available
 from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, release_modules
 from ._sites import run_model
-from .calibration import calibrate, check_batches, compute_qparams_tree, fake_quantized
+from .calibration import batch_weight, calibrate, check_batches, compute_qparams_tree, fake_quantized
 from .observation import check_experts_layout, resumed_states
 from .recipe import Plan, Recipe, as_plan
 
@@ -412,7 +412,7 @@ def _own_arguments(calls: list) -> tuple:
 
 
 def _capture(model, container, batches, observation_weight, store: _Store, device: Optional[torch.device],
-             each_layer: bool, checked: Callable[[Any], tuple]) -> None:
+             each_layer: bool, checked: Callable[[Any], tuple], where: str) -> None:
     """Runs ``model`` on each batch (on ``device``) up to its first decoder layer and stores that
     layer's inputs (on the CPU); with ``each_layer``, or when ``checked(batch)`` (run first, on the
     first batch: ``(whether each layer gets its own arguments, the first layer's output)``) says
@@ -430,14 +430,14 @@ def _capture(model, container, batches, observation_weight, store: _Store, devic
                     installed.enter_context(_stood_in(container, record))
                 else:
                     installed.enter_context(container[0].register_forward_pre_hook(_stop, with_kwargs=True))
-            weight = observation_weight(batch) if observation_weight is not None else None
+            weight = batch_weight(observation_weight, batch, where)
             calls.clear()
             try:
                 run_model(model, _moved(batch, device))
             except _Stop as stopped:
                 args, kwargs, each = _offloaded((stopped.layer_args, stopped.layer_kwargs, calls), device)
             else:
-                raise ValueError("calibrate_layerwise: the model's forward never called its first decoder layer")
+                raise ValueError(f"{where}: the model's forward never called its first decoder layer")
             own = _own_arguments(each) if each_layer else None
             args, kwargs = _without_cache(tuple(args), kwargs)
             store.append(_Inputs(batch, weight, args, kwargs, layers=own))
@@ -846,7 +846,7 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
             like = _check_passed_on(run, container, container_path, batch, where, first)
             return _check_call_order(run.model, container, container_path, batch, where, like), like
 
-        _capture(run.model, container, batches, observation_weight, run.store, run.device, each_layer, checked)
+        _capture(run.model, container, batches, observation_weight, run.store, run.device, each_layer, checked, where)
 
     try:
         try:
