@@ -78,6 +78,7 @@ def test_a_custom_component_is_refused_naming_it(field, cls, key):
 def test_coreai_opts_own_components_are_accepted_by_name_and_class(field, names):
     for name in names:
         coreai_spec = QuantizationSpec(**{field: name})
-        expected = qstats.QuantSpec.from_coreai_opt(dtype=torch.int8)
+        target = "activation" if name == "dynamic" else "weight"  # coreai_opt's dynamic calculator: activations only
+        expected = qstats.QuantSpec.from_coreai_opt(dtype=torch.int8, target=target)
         for given in (coreai_spec, coreai_spec.model_dump(), {field: name}, {field: getattr(coreai_spec, field)}):
-            assert qstats.QuantSpec.from_coreai_opt(given) == expected
+            assert qstats.QuantSpec.from_coreai_opt(given, target=target) == expected
