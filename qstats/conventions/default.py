@@ -19,6 +19,7 @@ __all__ = [
     "check_preserve_zero",
     "check_range_within_dtype",
     "check_symmetric_zero_point",
+    "check_zero_point_kept",
     "integer_dtype_holds",
 ]
 
@@ -61,6 +62,7 @@ class Convention:
         check_float_zero_point(spec, self.name)
         check_symmetric_zero_point(spec)
         check_preserve_zero(spec, self)
+        check_zero_point_kept(spec, self.name)
 
     def check_lsq(self, spec) -> None:
         """ValueError where learnable ranges (`qstats.lsq`, torch.ao's arithmetic: codes
@@ -197,6 +199,23 @@ def check_float_zero_point(spec, name: str) -> None:
             f"minimum at code 0, so the range [{qmin}, {qmax}] of {spec.dtype!r} would clip the data above "
             f"min + {qmax} steps; use an unsigned target or quant_min=0 (torch.ao and torchao take float "
             "zero points with unsigned targets), or convention='compressed_tensors'"
+        )
+
+
+def check_zero_point_kept(spec, name: str, unsigned_symmetric: bool = False) -> None:
+    """``zero_point_domain="none"`` (every zero point 0) only where the mapping's zero point is 0: an
+    asymmetric integer scale spans ``max - min`` over ``qmax - qmin`` steps, so zero point 0 clips up to
+    half the range (int8 over [0, 10]: everything above 5); with ``unsigned_symmetric``, also a symmetric
+    mapping onto an unsigned range (uint8: zero point 128; 0 clips every negative value)."""
+    if spec.is_float or spec.zero_point_domain != "none":
+        return
+    if spec.mapping == "asymmetric" or (unsigned_symmetric and spec.zero_point_of_symmetric != 0):
+        needed = "an asymmetric mapping" if spec.mapping == "asymmetric" else (
+            f"the symmetric mapping of {spec.dtype!r} (zero point {spec.zero_point_of_symmetric})")
+        raise ValueError(
+            f"QuantSpec.zero_point_domain 'none': {needed} needs its zero point, and the {name} convention "
+            "would use 0, clipping part of the observed range; use zero_point_domain='int', or a symmetric "
+            "mapping onto a signed target"
         )
 
 

@@ -18,6 +18,7 @@ from .default import (
     check_float_zero_point,
     check_preserve_zero,
     check_symmetric_zero_point,
+    check_zero_point_kept,
 )
 
 __all__ = ["PER_CHANNEL_QSCHEMES", "TorchAOConvention", "from_torch_ao"]
@@ -175,6 +176,7 @@ class TorchAOConvention(Convention):
         check_float_zero_point(spec, self.name)
         check_symmetric_zero_point(spec, fixed=(128, 2**15))
         check_preserve_zero(spec, self)
+        check_zero_point_kept(spec, self.name, unsigned_symmetric=True)
 
     def codes(self, view, scale, zero_point, spec):
         """As `Convention.codes`; with the exact kernel arithmetic, float64 codes (exact for
