@@ -204,7 +204,7 @@ class Writer:
         check_actorder(self.actorder, "export.compressed_tensors")
         self.specs, self.groups, self.modules, self.dynamic, self.plan = _resolve(specs_or_recipe, qparams, model)
         self.qparams, self.format, self.model = qparams, format, model
-        self.log: dict = {"uncalibrated": [], "rounded": [], "rotary": [], "compute_dtype": []}
+        self.log: dict = {"uncalibrated": [], "rounded": [], "rotary": [], "compute_dtype": [], "float64": []}
         self.schemes: dict = {}
         self.expert_projection: dict = {}  # unpacked expert path -> (experts module path, projection)
         self.attention: dict = {}
@@ -352,11 +352,11 @@ def _listed(names: list, limit: int) -> str:
 
 
 def _warn_log(log: dict) -> None:
-    """The warnings of a written checkpoint: rounded scales, uncalibrated sites, q/k scales
-    observed before a rotary embedding."""
+    """The warnings of a written checkpoint: rounded scales, qparams computed in another dtype than
+    llm-compressor's, uncalibrated sites, q/k scales observed before a rotary embedding."""
     # gate_proj and up_proj of an expert share its input site: each site is named (and counted) once
-    rounded, sites, uncalibrated = (list(dict.fromkeys(log[key]))
-                                    for key in ("rounded", "compute_dtype", "uncalibrated"))
+    rounded, sites, uncalibrated, double = (list(dict.fromkeys(log[key]))
+                                            for key in ("rounded", "compute_dtype", "uncalibrated", "float64"))
     if rounded:
         warn(
             f"export.compressed_tensors: scales of {len(rounded)} site(s) were rounded to the model's dtype "
@@ -369,6 +369,14 @@ def _warn_log(log: dict) -> None:
             f"compressed-tensors specs computing in another dtype ({_listed(sites, 4)}); llm-compressor computes "
             "their qparams in the model's dtype, so this checkpoint differs from its: build the recipe with "
             "observed_dtype=<the model's dtype> (Recipe.from_scheme, QuantSpec.from_compressed_tensors)",
+        )
+    if double:
+        warn(
+            f"export.compressed_tensors: {len(double)} site(s) of a float64 model were calibrated with "
+            f"compressed-tensors specs ({_listed(double, 4)}); qstats computes their qparams in float32, "
+            "llm-compressor in the model's float64, so this checkpoint differs from its (scales in their last "
+            "bits, codes at rounding ties); it is self-consistent: its codes are quantized with the scales "
+            "written",
         )
     if uncalibrated:
         warn(
