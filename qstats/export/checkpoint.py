@@ -374,7 +374,7 @@ def _warn_log(log: dict) -> None:
         warn(
             f"export.compressed_tensors: {len(double)} site(s) of a float64 model were calibrated with "
             f"compressed-tensors specs ({_listed(double, 4)}); qstats computes their qparams in float32, "
-            "llm-compressor in the model's float64, so this checkpoint differs from its (scales in their last "
+            "llm-compressor in the model's float64, so this checkpoint can differ from its (scales in their last "
             "bits, codes at rounding ties); it is self-consistent: its codes are quantized with the scales "
             "written",
         )
