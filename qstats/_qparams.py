@@ -65,7 +65,9 @@ def experts_qparams(qp: Optional[QParams], index) -> Optional[QParams]:
     global scale shared by the experts is every expert's (`per_expert_qparams`)."""
     if qp is None:
         return None
-    qp = per_expert_qparams(qp, qp.scale.shape[0] if qp.scale.dim() else 0)
+    if qp.scale.dim() < 1:
+        raise ValueError("experts_qparams: the qparams have no leading expert dimension (scale of shape ())")
+    qp = per_expert_qparams(qp, qp.scale.shape[0])
     return type(qp)(*(None if field is None else field[index] for field in qp))
 
 
