@@ -103,22 +103,25 @@ def _chunk_slices(size: int, step: int) -> list:
 def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, norm: float):
     """``sum |fq(x) - x| ** norm`` over dims (0, -1) of a canonical view for every candidate range
     ``(p * lo, p * hi)``; returns float64 ``(*qparam_shape, C)``. ``mask`` (bool, False leaves a
-    value out) and ``importance`` (float) broadcast against the view. Non-finite values count as
-    zeros (which quantize without error). The view is processed in chunks of about 2**18 values."""
+    value out) and ``importance`` (float) broadcast against the view. Non-finite values (float64
+    ones past float32's range too, as `finite_aminmax` counts them) count as zeros (which quantize
+    without error). The view is processed in chunks of about 2**18 values."""
     v = view.detach()
     compute_dtype = v.dtype if v.dtype in (torch.float32, torch.float64) else torch.float32
     # bf16/fp16 inputs under a spec that computes in their dtype (compressed-tensors with
     # observed_dtype): quantized from their own values and dequantized to it, as compressed-tensors'
     # fake_quantize does. Other specs accumulate half-precision inputs in float32.
     native = v.dtype if _computes_natively(spec, v.dtype) else None
-    v = torch.nan_to_num(v.to(compute_dtype), nan=0.0, posinf=0.0, neginf=0.0)
+    # finite as the range reduction counts them (`finite_aminmax`): a float64 value past float32's
+    # range is left out and counted in ``nonfinite``, so its error must not decide the search either
+    finite = torch.isfinite(v.to(torch.float32))
+    v = torch.where(finite, v.to(compute_dtype), torch.zeros((), dtype=compute_dtype, device=v.device))
     if mask is not None:
         v = torch.where(mask, v, torch.zeros_like(v))
     # zero quantizes to itself unless the zero point is a float: only then mask the error, of the
     # masked-out values and of the non-finite ones (zeros above) alike
     error_mask = None
     if spec.zero_point_domain == "float":
-        finite = torch.isfinite(view.detach())
         error_mask = finite if mask is None else (mask & finite)
     params = tuple(v.shape[1:-1])
     observations, group = v.shape[0], v.shape[-1]
