@@ -238,8 +238,9 @@ def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observe
     """A bounded sample of observed values (torch.ao ``RecordingObserver``, without unbounded memory).
 
     Keeps the ``capacity`` finite values with the smallest hash keys: all of them while fewer were
-    seen, afterwards a fixed-size pseudo-random sample (equal values are kept or dropped together).
-    `recorded_values(state)` returns them. Laws: all exact.
+    seen, afterwards a fixed-size pseudo-random sample. Equal values share a key, so they are kept
+    or dropped together, except copies past the last kept slot (five 1.0s under ``capacity=3`` keep
+    three). `recorded_values(state)` returns them. Laws: all exact.
     """
     _check_spec(spec, "recording", optional=True)
     if not (isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 1):
