@@ -74,7 +74,7 @@ def compressed_tensors(
     max_bytes = shard_bytes(max_shard_size)
     check_new_folder(path, None, "export.compressed_tensors", "path")
     writer = Writer(specs_or_recipe, qparams, model, format, actorder)
-    tensors = without_tied_copies(model, writer.part(qparams, model.state_dict()))
+    tensors = without_tied_copies(model, writer.part(writer.qparams, model.state_dict()))
     quantization_config = writer.finish()
     _write_shards(path, tensors, max_bytes)
     write_config(path, model, quantization_config, retied=writer.retied)
@@ -202,7 +202,8 @@ class Writer:
                  actorder: Optional[str] = None):
         self.actorder = None if actorder is False else actorder  # False: None, as compressed-tensors reads it
         check_actorder(self.actorder, "export.compressed_tensors")
-        self.specs, self.groups, self.modules, self.dynamic, self.plan = _resolve(specs_or_recipe, qparams, model)
+        self.specs, self.groups, self.modules, self.dynamic, self.plan, qparams = _resolve(specs_or_recipe, qparams,
+                                                                                            model)
         self.qparams, self.format, self.model = qparams, format, model
         self.log: dict = {"uncalibrated": [], "rounded": [], "rotary": [], "compute_dtype": [], "float64": []}
         self.schemes: dict = {}
@@ -264,16 +265,18 @@ def _check_arguments(model, qparams, format) -> None:
 
 
 def _resolve(specs_or_recipe, qparams: Mapping, model: torch.nn.Module) -> tuple:
-    """``(specs, fused groups, {path: module}, {path: dynamic sites}, plan or None)`` from a recipe's plan, or from a
-    specs tree and the model (then per-token and per-group activations are the dynamic ones).
+    """``(specs, fused groups, {path: module}, {path: dynamic sites}, plan or None, qparams)`` from a recipe's plan
+    (``qparams`` with its sites that saw no data, `_with_unobserved_sites`), or from a specs tree and the model
+    (then per-token and per-group activations are the dynamic ones).
     """
     if isinstance(specs_or_recipe, (Recipe, Plan)):
         plan = as_plan(specs_or_recipe, model, "export.compressed_tensors")
+        qparams = _with_unobserved_sites(plan, qparams)
         specs = plan.specs(qparams)  # refuses sites the plan does not observe
         dynamic = {
             path: frozenset(site for site in sites if plan.site(path, site).runtime) for path, sites in qparams.items()
         }
-        return specs, plan.fused_groups, plan.modules, dynamic, plan
+        return specs, plan.fused_groups, plan.modules, dynamic, plan, qparams
     if hasattr(specs_or_recipe, "specs") and callable(specs_or_recipe.specs):  # a recipe-like object
         specs = specs_or_recipe.specs(qparams, model)
     elif isinstance(specs_or_recipe, Mapping):
@@ -283,7 +286,31 @@ def _resolve(specs_or_recipe, qparams: Mapping, model: torch.nn.Module) -> tuple
             "export.compressed_tensors: specs must be a qstats.Recipe or a {path: {site: QuantSpec}} tree, "
             f"got {type(specs_or_recipe).__name__}"
         )
-    return specs, fused_groups(model), dict(model.named_modules()), {}, None
+    return specs, fused_groups(model), dict(model.named_modules()), {}, None, qparams
+
+
+def _with_unobserved_sites(plan: Plan, qparams: Mapping) -> Mapping:
+    """``qparams`` with the plan's sites that a module with qparams lacks (their states saw no data, so
+    `qstats.compute_qparams_tree` has none: the calibration forward never reached the module): a site
+    whose scales come at run time needs none (None); one with calibrated scales (static, or NVFP4's
+    global scale) is refused, since writing the module without it would drop that quantization."""
+    completed = dict(qparams)
+    for path, sites in qparams.items():
+        if not isinstance(sites, Mapping) or not sites:  # refused or warned about later
+            continue
+        missing = {site: found for site, found in plan.sites.get(path, {}).items() if site not in sites}
+        calibrated = sorted(site for site, found in missing.items()
+                            if not found.runtime or isinstance(found.spec.granularity, TensorGroup))
+        if calibrated:
+            raise ValueError(
+                f"export.compressed_tensors: {path}: the recipe calibrates its site(s) {calibrated}, but qparams "
+                "holds none (their states saw no data: the calibration forward never reached them), and the "
+                "checkpoint would leave that quantization out; calibrate with data that reaches the module, or "
+                "leave it out of the recipe (ignore=)"
+            )
+        if missing:
+            completed[path] = {**sites, **dict.fromkeys(missing)}
+    return completed
 
 
 def _entries(modules: Mapping, qparams: Mapping, specs, dynamic: Mapping, tensors: dict, dropped: set, log: dict) -> tuple:
