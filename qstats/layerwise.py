@@ -601,31 +601,51 @@ def _split(found: dict, side: Plan) -> tuple:
     return _select(found, lambda path, site: not theirs(path, site)), _select(found, theirs)
 
 
-def _run_layer(run: _Run, path: str, layer: torch.nn.Module, following: int) -> dict:
+def _observed_and_stepped(run: _Run, label: str, module: torch.nn.Module, plan: Plan, side: Optional[Plan],
+                          over: Callable[[Plan, bool], dict], load: Callable[[], None]) -> tuple:
+    """``(states, sites done)`` of the modules ``plan`` covers (a decoder layer, or those outside the
+    layers): ``load()`` reads their weights, ``over(observed, final)`` returns this rank's states of
+    ``observed`` over every batch (``final``: the last pass), with ``side``'s sites observed beside
+    ``plan``'s (in one pass when no site is in both); the states are merged across ranks, then
+    ``run.after_layer(label, module, states, side_states)`` (if any) runs on the loaded modules."""
+    resumed = any(p in plan.sites for p in run.states)
+    merged = None if side is None or resumed else _merged(plan, side)
+
+    def observe() -> tuple:
+        load()
+        if merged is not None:
+            return _split(over(merged, True), side)
+        found = over(plan, side is None)
+        return found, {} if side is None else over(side, True)
+
+    found, side_found = run.agreed(observe)
+    found = run.reduce(found, plan)
+    if side is not None:
+        side_found = run.reduce(side_found, side, each=True)
+    done: set = set()
+    if run.after_layer is not None:
+        found, done = run.agreed(lambda: run.after_layer(label, module, found, side_found))
+    return found, done
+
+
+def _run_layer(run: _Run, path: str, layer: torch.nn.Module, following: int, last: bool = False) -> dict:
     """Loads, calibrates and releases one decoder layer; its outputs replace the stored inputs.
     With ``run.after_layer``, ``after_layer(path, layer, states, side_states)`` runs on the loaded
     layer before its outputs are computed; it may replace weights by quantized ones and returns
-    the states kept and the ``(path, site)`` parameter sites it quantized (not fake-quantized again)."""
+    the states kept and the ``(path, site)`` parameter sites it quantized (not fake-quantized again).
+    The ``last`` layer's outputs are then those it had before the step (with ``propagate="float"``):
+    llm-compressor's last subgraph holds the last layer and the modules after it, observed together
+    before any of them is quantized."""
     saved: list = []
     runner = _LayerRun(layer, run.store, run.device, following)
     in_layer = lambda p: inside(p, path)  # noqa: E731
     plan = _sub_plan(run.plan, in_layer, runner)
     side = None if run.side_plan is None else _sub_plan(run.side_plan, in_layer, runner)
-    float_outputs = run.propagate == "float" and run.after_layer is None
-    resumed = any(p in plan.sites for p in run.states)
-    merged = None if side is None or resumed else _merged(plan, side)
+    float_outputs = run.propagate == "float" and (run.after_layer is None or last)
 
-    def over_store(observed: Plan) -> dict:  # this rank's states of ``observed`` over every stored batch
+    def over_store(observed: Plan, final: bool) -> dict:  # this rank's states of ``observed`` over every stored batch
+        runner.write = float_outputs and final  # float outputs are stored once, by the last pass
         return run.calibrate(runner, observed, range(len(run.store)), lambda index: run.store[index].weight)
-
-    def observe() -> tuple:
-        saved.extend(load_modules(run.model, [path], run.checkpoint, device=run.device))
-        runner.write = float_outputs and (side is None or merged is not None)
-        if merged is not None:
-            return _split(over_store(merged), side)
-        found = over_store(plan)
-        runner.write = float_outputs
-        return found, {} if side is None else over_store(side)
 
     def propagate(found: dict, done: set) -> None:
         runner.write = True
@@ -639,13 +659,8 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module, following: int) -> 
                 runner(index)
 
     try:
-        found, side_found = run.agreed(observe)
-        found = run.reduce(found, plan)
-        if side is not None:
-            side_found = run.reduce(side_found, side, each=True)
-        done: set = set()
-        if run.after_layer is not None:
-            found, done = run.agreed(lambda: run.after_layer(path, layer, found, side_found))
+        load = lambda: saved.extend(load_modules(run.model, [path], run.checkpoint, device=run.device))  # noqa: E731
+        found, done = _observed_and_stepped(run, path, layer, plan, side, over_store, load)
         if not float_outputs:
             run.agreed(lambda: propagate(found, done))
         return found
@@ -672,26 +687,32 @@ def _without_router_logits(model: torch.nn.Module) -> contextlib.AbstractContext
 
 
 def _run_outside(run: _Run, container_path: str, container, observation_weight) -> dict:
-    """Observes the sites outside the decoder layers: the model's forward over the user's
-    batches, each layer replaced by a stub returning the last layer's stored outputs."""
-    shared: dict = {}
-    plan = _sub_plan(run.plan, lambda p: not inside(p, container_path), run.model)
+    """Observes the sites outside the decoder layers (and the side plan's there): the model's forward
+    over the user's batches, each layer replaced by a stub returning the last layer's stored outputs;
+    ``run.after_layer`` then runs on them as on a layer (GPTQ of an ``lm_head``, whose inputs are the
+    last layer's outputs)."""
+    outside = lambda p: not inside(p, container_path)  # noqa: E731
+    plan = _sub_plan(run.plan, outside, run.model)
+    side = None if run.side_plan is None else _sub_plan(run.side_plan, outside, run.model)
     saved: list = []
 
-    def batches() -> Iterator:  # each batch as the capture saw it (moved), its weight as computed there
-        for record in run.store:
-            shared["weight"] = record.weight
-            yield _moved(record.batch, run.device)
+    def over_batches(observed: Plan, final: bool) -> dict:
+        shared: dict = {}  # the stubs' current batch, from the first batch on each pass
 
-    def observe() -> dict:
-        saved.extend(_outer_loaded(run, container_path))
+        def batches() -> Iterator:  # each batch as the capture saw it (moved), its weight as computed there
+            for record in run.store:
+                shared["weight"] = record.weight
+                yield _moved(record.batch, run.device)
+
         weight = None if observation_weight is None else (lambda batch: shared["weight"])
         replay = lambda index, layer: _Replay(layer, run.store, index == 0, shared, run.device)  # noqa: E731
         with _stood_in(container, replay), _without_router_logits(run.model):
-            return run.calibrate(run.model, plan, batches(), weight)
+            return run.calibrate(run.model, observed, batches(), weight)
 
     try:
-        return run.reduce(run.agreed(observe), plan)
+        load = lambda: saved.extend(_outer_loaded(run, container_path))  # noqa: E731
+        label = f"the modules outside {container_path}"
+        return _observed_and_stepped(run, label, run.model, plan, side, over_batches, load)[0]
     finally:
         release_modules(saved)
 
@@ -855,7 +876,8 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
             release_modules(saved)
         with tqdm(total=len(container) + 1, unit="layer", desc=f"qstats.{where}", disable=not progress) as bar:
             for index, layer in enumerate(container):
-                found.update(_run_layer(run, f"{container_path}.{index}", layer, index + 1))
+                last = index + 1 == len(container)
+                found.update(_run_layer(run, f"{container_path}.{index}", layer, index + 1, last))
                 release_modules(first)
                 first.clear()
                 bar.update(1)

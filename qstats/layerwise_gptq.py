@@ -7,7 +7,9 @@ MX or NVFP4); replaces each such weight by `qstats.gptq` of it under the qparams
 weight state, each Hessian divided by llm-compressor's sample count (one per sequence) rather than
 by its rows, so that dead input columns dampen as there; then computes the layer's outputs with the
 GPTQ'd weights (activations in float, as llm-compressor 0.14's pipeline runs with quantization
-disabled) for the next one. A layer's Hessians are released with it.
+disabled) for the next one. A layer's Hessians are released with it. The weights outside the
+layers (a quantized ``lm_head``) get the same step last, their Hessians observed on the last
+layer's outputs with its float weights, as in llm-compressor's last subgraph.
 """
 
 from __future__ import annotations
@@ -71,6 +73,26 @@ def _targets(plan: Plan) -> dict:
     if not found:
         raise ValueError("gptq_layerwise: the recipe quantizes no Linear weight or stacked-experts parameter")
     return found
+
+
+def _check_untied(plan: Plan, targets: dict) -> None:
+    """Refuses a weight to GPTQ that the model ties to another name (an ``lm_head`` tied to the input
+    embeddings): llm-compressor unties them and GPTQs the ``lm_head`` alone, the embeddings staying
+    float, where a tied tensor is read and written once under both names (the layerwise export, a
+    ``load_state_dict`` of the weights into the tied model) and would lose the float embeddings."""
+    names: dict = {}
+    for name, parameter in plan.model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    for path, site in targets:
+        tied = names.get(id(getattr(plan.modules[path], site)), [])
+        if len(tied) > 1:
+            others = [name for name in tied if name != f"{path}.{site}"]
+            raise ValueError(
+                f"gptq_layerwise: {path}.{site} is tied to {', '.join(others)}: llm-compressor unties them and GPTQs "
+                f"{path}.{site} alone, the others staying float, where the GPTQ'd weight would be written under "
+                f"both names; save the checkpoint untied (config.tie_word_embeddings=False, the weight stored under "
+                f"{path}.{site}) and build the meta model from it for llm-compressor's codes, or leave {path} out "
+                "of the recipe (ignore it)")
 
 
 def _warn_compute_dtype(plan: Plan, targets: dict) -> None:
@@ -279,6 +301,7 @@ class _GPTQRun:
         if self.weights_dir is not None:
             check_new_folder(self.weights_dir, self.checkpoint, "gptq_layerwise", "weights_dir")
         self.plan, self.targets = plan, _targets(plan)
+        _check_untied(plan, self.targets)
         _warn_compute_dtype(plan, self.targets)
         return _hessian_plan(plan, self.targets), self.step
 
@@ -292,7 +315,8 @@ class _GPTQRun:
     def step(self, layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> tuple:
         """GPTQ of the layer's targets, each weight replaced by its GPTQ'd value in the loaded layer
         (which `calibrate_layerwise` then runs) and kept in ``weights`` (with ``weights_dir``:
-        written there, one shard per layer, and ``weights`` maps it to its shard)."""
+        written there, one shard per layer, and ``weights`` maps it to its shard). Runs on the
+        modules outside the layers too, last (``layer_path`` then names them)."""
         # rank-local work, then collectives: every rank learns whether one raised before the broadcasts
         jobs, missing = _agreed(self.share, lambda: _layer_jobs(self.plan, self.targets, states, hessians))
         keys, jobs = list(jobs), list(jobs.values())  # the list alone holds the Hessians (and the layer the weights)
@@ -326,14 +350,7 @@ class _GPTQRun:
                     os.remove(os.path.join(self.weights_dir, filename))
 
     def finish(self, states: dict) -> LayerwiseGPTQ:
-        """The result, once every layer is done; warns of the targets outside the decoder layers."""
-        done = set(self.weights) | set(self.uncalled)
-        outside = [f"{path}.{site}" for path, site in self.targets if path in states]
-        outside = [name for name in outside if name not in done]
-        if outside:
-            warn(f"gptq_layerwise: {len(outside)} weight(s) outside the decoder layers are rounded to "
-                 f"nearest, not GPTQ'd (llm-compressor's oneshot GPTQs them; ignore them in the recipe for "
-                 f"its checkpoint): {', '.join(outside[:6])}", UncalibratedWarning)
+        """The result, once every layer and the modules outside them are done."""
         if self.weights_dir is None:
             return LayerwiseGPTQ(states, self.weights)
         # every rank returns once rank 0 has written the index, and raises if that failed
@@ -366,9 +383,10 @@ def gptq_layerwise(
     Each layer is loaded, calibrated (the recipe's states and the Hessians of the quantized
     weights' inputs), GPTQ'd (`qstats.gptq` with the qparams of the recipe's weight states),
     run with its GPTQ'd weights and float activations over every batch to give the next layer's
-    inputs (llm-compressor 0.14 runs its pipeline with quantization disabled), and released. Weights
-    outside the decoder layers are not GPTQ'd, where llm-compressor GPTQs them (its ``ignore`` usually
-    holds ``lm_head``): their states are returned as `calibrate_layerwise` returns them.
+    inputs (llm-compressor 0.14 runs its pipeline with quantization disabled), and released. The
+    weights outside the decoder layers (a quantized ``lm_head``) are GPTQ'd last, on the last
+    layer's outputs with its float weights, as in llm-compressor's last subgraph (which holds the
+    last layer and the modules after it).
 
     Args:
       model, checkpoint, batches, recipe, offload_dir, layers, progress, observation_weight,
@@ -389,7 +407,9 @@ def gptq_layerwise(
       `LayerwiseGPTQ` ``(states, weights)``.
 
     Raises:
-      ValueError: as `calibrate_layerwise`; a recipe without Linear or expert weights.
+      ValueError: as `calibrate_layerwise`; a recipe without Linear or expert weights; a weight to
+        GPTQ that the model ties to another (an ``lm_head`` tied to the embeddings: save the checkpoint
+        untied, or ignore it).
     """
     options = {"block_size": block_size, "dampening": dampening, "actorder": actorder}
     weights_dir = None if weights_dir is None else os.fspath(weights_dir)

@@ -147,7 +147,9 @@ def _ours_rtn(path, samples, out, scheme):
 
 def _loop_gptq(path, samples, recipe):
     """The same algorithm as a plain loop over the loaded model: per layer, the Hessians of its
-    quantized weights (`qstats.calibrate` of the whole model), then `qstats.gptq` of each weight."""
+    quantized weights (`qstats.calibrate` of the whole model), then `qstats.gptq` of each weight,
+    each Hessian divided by llm-compressor's sample count (one per batch: every batch is one
+    sequence, and every expert sees each batch's tokens as one 2-D input)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     plan = recipe.resolve(model)
     weights = {}
@@ -167,6 +169,7 @@ def _loop_gptq(path, samples, recipe):
             for hessian_site, state in sites.items():
                 site = "weight" if hessian_site == "input" else hessian_site[: -len(".input")]
                 module = plan.modules[path_]
+                state = state._replace(count=torch.full_like(state.count, len(samples)))
                 quantized, _, _ = qstats.gptq(getattr(module, site), state, plan.site(path_, site).spec,
                                               qparams=qparams[path_][site], actorder="static")
                 with torch.no_grad():
@@ -262,9 +265,10 @@ class _Net(torch.nn.Module):
 
 
 def test_weights_without_a_hessian_are_named_and_left_to_rounding(tmp_path):
-    """A Linear never called (no Hessian, as an expert without tokens in llm-compressor) and one
-    outside the decoder layers are not GPTQ'd; warnings name them; the others are GPTQ'd, equal to
-    `qstats.gptq` on the Hessian of their inputs divided by their 4 samples."""
+    """A Linear never called (no Hessian, as an expert without tokens in llm-compressor) is not
+    GPTQ'd; a warning names it; the others are GPTQ'd, equal to `qstats.gptq` on the Hessian of
+    their inputs divided by their 4 samples: the one outside the decoder layers (``head``) on the
+    last layer's outputs with its float weights (llm-compressor's last subgraph)."""
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
@@ -280,14 +284,20 @@ def test_weights_without_a_hessian_are_named_and_left_to_rounding(tmp_path):
         result = qstats.gptq_layerwise(meta, str(tmp_path), [x], recipe, progress=False)
     messages = " ".join(str(w.message) for w in caught)
     assert "layers.0.unused.weight" in messages and "layers.1.unused.weight" in messages
-    assert "outside the decoder layers" in messages and "head.weight" in messages
-    assert sorted(result.weights) == ["layers.0.used.weight", "layers.1.used.weight"]
-    state = qstats.hessian().update(qstats.hessian().init(x), x)
-    state = state._replace(count=torch.tensor(x.shape[0]))  # divided by llm-compressor's samples, not the rows
-    weight = net.layers[0].used.weight.detach()
-    qparams = qstats.compute_qparams(qstats.minmax(spec).update(qstats.minmax(spec).init(weight), weight), spec)
-    expected = qstats.gptq(weight, state, spec, qparams=qparams, actorder="static")[0]
+    assert "head.weight" not in messages
+    assert sorted(result.weights) == ["head.weight", "layers.0.used.weight", "layers.1.used.weight"]
+
+    def gptq_of(weight, inputs):
+        state = qstats.hessian().update(qstats.hessian().init(inputs), inputs)
+        state = state._replace(count=torch.tensor(inputs.shape[0]))  # llm-compressor's samples, not the rows
+        qparams = qstats.compute_qparams(qstats.minmax(spec).update(qstats.minmax(spec).init(weight), weight), spec)
+        return qstats.gptq(weight.detach(), state, spec, qparams=qparams, actorder="static")[0]
+
+    expected = gptq_of(net.layers[0].used.weight, x)
     assert torch.equal(result.weights["layers.0.used.weight"], expected)
+    with torch.no_grad():
+        last_outputs = net.layers[1].used(torch.nn.functional.linear(x, expected, net.layers[0].used.bias))
+    assert torch.equal(result.weights["head.weight"], gptq_of(net.head.weight, last_outputs))
     with pytest.raises(ValueError, match="weights_dir"):
         qstats.gptq_layerwise(meta, str(tmp_path), [x], recipe, progress=False, weights_dir=str(tmp_path))
 
