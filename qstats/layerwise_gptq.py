@@ -291,6 +291,7 @@ class _GPTQRun:
     targets: dict = dataclasses.field(default_factory=dict)
     weights: dict = dataclasses.field(default_factory=dict)
     uncalled: list = dataclasses.field(default_factory=list)
+    ties_checked: bool = False  # `_check_untied`, at the first step: after the layers' own checks
 
     def layer_step(self, plan: Plan) -> tuple:
         """`_layerwise`'s ``layer_step``, run in its checks (one rank's bad argument stops all)."""
@@ -301,7 +302,6 @@ class _GPTQRun:
         if self.weights_dir is not None:
             check_new_folder(self.weights_dir, self.checkpoint, "gptq_layerwise", "weights_dir")
         self.plan, self.targets = plan, _targets(plan)
-        _check_untied(plan, self.targets)
         _warn_compute_dtype(plan, self.targets)
         return _hessian_plan(plan, self.targets), self.step
 
@@ -317,6 +317,9 @@ class _GPTQRun:
         (which `calibrate_layerwise` then runs) and kept in ``weights`` (with ``weights_dir``:
         written there, one shard per layer, and ``weights`` maps it to its shard). Runs on the
         modules outside the layers too, last (``layer_path`` then names them)."""
+        if not self.ties_checked:
+            self.ties_checked = True
+            _check_untied(self.plan, self.targets)
         # rank-local work, then collectives: every rank learns whether one raised before the broadcasts
         jobs, missing = _agreed(self.share, lambda: _layer_jobs(self.plan, self.targets, states, hessians))
         keys, jobs = list(jobs), list(jobs.values())  # the list alone holds the Hessians (and the layer the weights)
