@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from ._formats import COMPUTE_DTYPE_NAMES, global_scale_from_amax
 from ._granularity import TensorGroup
-from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams
+from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams, per_expert_qparams
 from ._quant import fake_quantize
 from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
 from .experts import rows_by_expert, stacked_qparams
@@ -307,7 +307,8 @@ class _FakeQuantParametrization(torch.nn.Module):
     def forward(self, value: torch.Tensor) -> torch.Tensor:
         try:
             if self.num_experts:
-                return torch.vmap(lambda w, qp: fake_quantize(w, qp, self.spec))(value, self.qparams)
+                qparams = per_expert_qparams(self.qparams, value.shape[0])  # a shared global scale: every expert's
+                return torch.vmap(lambda w, qp: fake_quantize(w, qp, self.spec))(value, qparams)
             return fake_quantize(value, self.qparams, self.spec)
         except (ValueError, TypeError) as error:  # QParams of another shape or spec: named by site
             raise_renamed(error, f"fake_quantized: {self.where}")
