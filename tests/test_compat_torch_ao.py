@@ -158,7 +158,18 @@ def _run(kind, ref_args, spec, batches, constant, ch_axis=0):
         state = obs.update(state, x)
     scale, zero_point = ref.calculate_qparams()
     qp = qstats.compute_qparams(state, spec)
-    return (scale, zero_point), qp
+    return (scale, _unwrapped_zero_point(ref, scale, zero_point)), qp
+
+
+def _unwrapped_zero_point(ref, scale, zero_point):
+    """torch.ao's affine zero point computed in int64: with int32-wide quant ranges its
+    ``round(min / scale).to(torch.int)`` wraps (an all-negative range's zero point 0, not quant_max),
+    which qstats does not reproduce (docs/differences.md)."""
+    affine = ref.qscheme in (torch.per_tensor_affine, torch.per_channel_affine)
+    if zero_point.is_floating_point() or not affine or ref.quant_max - ref.quant_min < 2**31:
+        return zero_point
+    codes = torch.round(torch.clamp(ref.min_val, max=0.0).reshape(scale.shape) / scale).to(torch.int64)
+    return torch.clamp(ref.quant_min - codes, ref.quant_min, ref.quant_max).to(zero_point.dtype)
 
 
 def _assert_bit_exact(reference, qp, context):

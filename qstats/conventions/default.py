@@ -96,8 +96,9 @@ class Convention:
         max_val_pos = max_val.clamp(min=0.0)
         if spec.mapping == "asymmetric":
             scale = ((max_val_pos - min_val_neg) / float(qmax - qmin)).clamp_min(eps)
-            zero_point = qmin - torch.round(min_val_neg / scale).to(torch.int32)
-            zero_point = torch.clamp(zero_point, qmin, qmax)
+            # in int64: an int32 target's codes span 2**32, past what int32 holds (torch.ao wraps)
+            zero_point = qmin - torch.round(min_val_neg / scale).to(torch.int64)
+            zero_point = torch.clamp(zero_point, qmin, qmax).to(torch.int32)
         else:
             if spec.mapping == "symmetric_no_clipping_err":
                 scale_from_min = min_val_neg / float(qmin)
