@@ -172,6 +172,18 @@ def moving_extremes_update(spec: QuantSpec, step: Callable, where: str, batch_ra
     return update_fn
 
 
+def merge_moving_extremes(a, b):
+    """The merge of two moving averages of extremes (fields ``min_val, max_val, batches, count,
+    nonfinite``, as `MovingAverageMinMaxState`): the extremes' batch-weighted means
+    (`batch_weighted_mean`), the batches and counts added. The caller checks the states."""
+
+    def mean(u, v):
+        return batch_weighted_mean(u, v, a.batches, b.batches)
+
+    return type(a)(mean(a.min_val, b.min_val), mean(a.max_val, b.max_val), a.batches + b.batches,
+                   a.count + b.count, a.nonfinite + b.nonfinite)
+
+
 def check_averaging_constant(averaging_constant, where: str) -> float:
     """``averaging_constant`` as a float in [0, 1] (0 keeps the first batch's range, as torch.ao's
     and llm-compressor's moving averages); ValueError naming it otherwise (bools, NaN included)."""
@@ -202,12 +214,7 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
 
     def merge_fn(a, b) -> MovingAverageMinMaxState:
         _check_merge(a, b, MovingAverageMinMaxState, "moving_average_minmax.merge")
-
-        def mean(u, v):
-            return batch_weighted_mean(u, v, a.batches, b.batches)
-
-        return MovingAverageMinMaxState(mean(a.min_val, b.min_val), mean(a.max_val, b.max_val),
-                                        a.batches + b.batches, a.count + b.count, a.nonfinite + b.nonfinite)
+        return merge_moving_extremes(a, b)
 
     return Observer(extremes_init(MovingAverageMinMaxState, spec), update_fn, merge_fn,
                     exact=False, spec=spec, name="moving_average_minmax", shared_rows=True)

@@ -23,8 +23,9 @@ from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
-from ._base import Observer, batch_weighted_mean, check_same_shapes, check_state, register_state
-from .minmax import check_averaging_constant
+from ._base import Observer, check_same_shapes, check_state, register_state
+from .kit import extremes_init
+from .minmax import check_averaging_constant, merge_moving_extremes
 
 __all__ = ["MSEState", "MovingAverageMSEState", "mse", "shrink_factors", "candidate_losses"]
 
@@ -467,12 +468,6 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
 
 
 def _moving_average(spec, factors, norm, constant, patience, observe):
-    def init_fn(x: torch.Tensor) -> MovingAverageMSEState:
-        shape = qparam_shape(x.shape, spec.granularity)
-        count = torch.zeros(shape, dtype=torch.int64, device=x.device)
-        lo = torch.full(shape, torch.inf, dtype=torch.float32, device=x.device)
-        return MovingAverageMSEState(lo, -lo, count, count.clone(), count.clone())
-
     def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MovingAverageMSEState:
         check_state(state, MovingAverageMSEState, "mse.update")
         if x.numel() == 0:
@@ -503,12 +498,9 @@ def _moving_average(spec, factors, norm, constant, patience, observe):
         check_state(a, MovingAverageMSEState, "mse.merge")
         check_state(b, MovingAverageMSEState, "mse.merge")
         check_same_shapes(a, b, "mse.merge")
-        def mean(u, v):
-            return batch_weighted_mean(u, v, a.batches, b.batches)
+        return merge_moving_extremes(a, b)
 
-        return MovingAverageMSEState(mean(a.min_val, b.min_val), mean(a.max_val, b.max_val), a.batches + b.batches,
-                                     a.count + b.count, a.nonfinite + b.nonfinite)
-
+    init_fn = extremes_init(MovingAverageMSEState, spec)  # +inf/-inf extremes, zero batches and counts
     return Observer(init_fn, update_fn, merge_fn, exact=False, spec=spec, name="mse")
 
 
