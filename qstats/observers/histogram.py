@@ -16,12 +16,13 @@ import torch
 
 from .._ops import op, register_fake, register_vmap
 from .._checks import is_integer
-from .._granularity import checked_view, qparam_shape, weight_view
+from .._granularity import qparam_shape
 from .._qparams import Range, register_range_rule
 from .._reductions import batch_inside, finite_aminmax
 from .._spec import QuantSpec
 from .._torch_features import bitcast
 from ._base import Observer, check_same_shapes, check_state, register_state
+from .kit import masked_view
 from .search import entropy_amax, register_search, search
 from .search._geometry import histogram_edges
 from .._warn import warn
@@ -261,10 +262,7 @@ def histogram(
             return state
         # bucketed and reduced as float32 (`bucket_counts`, `finite_aminmax`): a float64 value past
         # its range is a non-finite value for both
-        view = checked_view(x, spec.granularity, state.min_val.shape, "histogram.update")
-        mask = weight_view(x, weight, spec.granularity)
-        if mask is not None:
-            mask = (mask != 0).expand(view.shape)
+        view, mask = masked_view(x, weight, spec, state.min_val.shape, "histogram.update")
         lo, hi, _, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
         counts, _ = bucket_counts(view, mask, bins, (low, high))
         resolved = counts[..., 1:-1].unflatten(-1, (octaves, bins))

@@ -1,7 +1,8 @@
 """What an observer author needs, in one place (see docs/write_an_observer.md).
 
 - the canonical view of a tensor for a granularity (`canonical_view`, `checked_view`, which also
-  checks the state's parameter shape) and of a per-observation weight (`weight_view`);
+  checks the state's parameter shape) and of a per-observation weight (`weight_view`; both at
+  once, the weight as a bool mask: `masked_view`);
 - the shared finite reduction (`finite_aminmax`) and its row-first form for masked updates
   (`observe_extremes`);
 - state checks (`check_state`, `check_same_shapes`), a batch-weighted mean for merging moving
@@ -54,6 +55,7 @@ __all__ = [
     "checked_view",
     "extremes_init",
     "finite_aminmax",
+    "masked_view",
     "observe_extremes",
     "qparam_shape",
     "register_range_rule",
@@ -86,6 +88,15 @@ def extremes_init(cls: type, spec: QuantSpec) -> Callable[[torch.Tensor], tuple]
         )
 
     return init_fn
+
+
+def masked_view(x: torch.Tensor, weight: Optional[torch.Tensor], spec: QuantSpec, expected_shape: tuple, where: str):
+    """``(view, mask)``: `checked_view` of ``x`` for ``spec`` (its parameter shape checked against
+    ``expected_shape``) and the per-observation ``weight`` as a bool keep mask expanded to the view
+    (`weight_view`; None without a weight or padding), as `finite_aminmax` and the searches take them."""
+    view = checked_view(x, spec.granularity, expected_shape, where)
+    mask = weight_view(x, weight, spec.granularity)
+    return view, None if mask is None else (mask != 0).expand(view.shape)
 
 
 def _row_granularity(x: torch.Tensor, weight: torch.Tensor, granularity):

@@ -15,11 +15,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import is_real_number, require
-from .._granularity import checked_view, qparam_shape, weight_view
+from .._granularity import qparam_shape
 from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state
+from .kit import masked_view
 from .search import register_search, search
 
 __all__ = ["MomentsState", "moments"]
@@ -93,11 +94,10 @@ def _checked(state, where: str) -> MomentsState:
 
 def _batch_moments(x, weight, expected, spec: QuantSpec, power: float) -> MomentsState:
     """One batch's moments (a state of its own, for `_combine`)."""
-    view = checked_view(x.detach(), spec.granularity, expected, "moments.update")
+    view, mask = masked_view(x.detach(), weight, spec, expected, "moments.update")
     v = view.to(torch.float64)
     finite = torch.isfinite(v)
-    mask = weight_view(x, weight, spec.granularity)
-    included = finite if mask is None else (finite & (mask != 0))
+    included = finite if mask is None else (finite & mask)
     if spec.nonfinite == "raise":
         # the min/max reduction's check (and the same count): it raises in eager mode, under
         # vmap (its batching rule reads the whole batch) and inside a compiled graph (an
@@ -105,8 +105,7 @@ def _batch_moments(x, weight, expected, spec: QuantSpec, power: float) -> Moment
         # on the non-finite values alone: float64 values past float32's range are finite here
         nonfinite = finite_aminmax(torch.where(finite, torch.zeros_like(v), v), mask, "raise")[3]
     else:
-        excluded_nonfinite = (~finite) if mask is None else ((~finite) & (mask != 0))
-        nonfinite = excluded_nonfinite.sum(dim=(0, -1))
+        nonfinite = ((~finite) if mask is None else ((~finite) & mask)).sum(dim=(0, -1))
     dims = (0, -1)
     v = torch.where(included, v, torch.zeros_like(v))
     weight_f = included.to(torch.float64)

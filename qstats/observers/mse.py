@@ -17,14 +17,14 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._ops import op, register_fake, register_vmap
-from .._granularity import PerGroup, TensorGroup, checked_view, qparam_shape, weight_view
+from .._granularity import PerGroup, TensorGroup, qparam_shape
 from .._checks import is_real_number, require
 from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
 from ._base import Observer, check_same_shapes, check_state, register_state
-from .kit import extremes_init
+from .kit import extremes_init, masked_view
 from .minmax import check_averaging_constant, merge_moving_extremes
 
 __all__ = ["MSEState", "MovingAverageMSEState", "mse", "shrink_factors", "candidate_losses"]
@@ -329,10 +329,7 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     given, spec = spec, search_spec(spec)
 
     def observe(x, weight, expected, where):
-        view = checked_view(x.detach(), spec.granularity, expected, where)  # statistics have no gradient
-        mask = weight_view(x, weight, spec.granularity)
-        if mask is not None:
-            mask = (mask != 0).expand(view.shape)
+        view, mask = masked_view(x.detach(), weight, spec, expected, where)  # statistics have no gradient
         lo, hi, count, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
         lo, hi = _batch_range(lo, hi, expand, spec, x.dtype)
         return view, mask, _checked_importance(importance, view, where), lo, hi, count, nonfinite
