@@ -267,13 +267,13 @@ def test_static_inputs_without_down_proj_input_warn(tmp_path):
     QuantizationConfig.model_validate(written)
 
 
-def test_dynamic_expert_inputs_apply_to_down_proj(tmp_path):
-    """A dynamic (per-token) input spec needs no calibration: all three projections share it, so
-    the experts' scheme is one group, as for llm-compressor's FP8_DYNAMIC."""
+def test_dynamic_expert_inputs_with_down_proj_input_are_one_group(tmp_path):
+    """Dynamic (per-token) inputs on 'input' and 'down_proj.input' need no calibration: all three
+    projections share the scheme, one group, as for llm-compressor's FP8_DYNAMIC."""
     model = _model()
     weight_args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
     input_args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
-    recipe, qparams = _calibrate(model, weight_args, input_args, down_input=False)
+    recipe, qparams = _calibrate(model, weight_args, input_args, down_input=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
@@ -281,6 +281,24 @@ def test_dynamic_expert_inputs_apply_to_down_proj(tmp_path):
     assert group["input_activations"]["dynamic"] is True and len(group["targets"]) == 3
     ours = load_file(os.path.join(str(tmp_path), "model.safetensors"))
     assert not any(name.endswith("input_scale") for name in ours)
+
+
+def test_dynamic_expert_input_leaves_down_proj_input_float(tmp_path):
+    """A dynamic 'input' site without 'down_proj.input' quantizes the routed hidden states only, as
+    `qstats.fake_quantized` does: down_proj is written weights only (compressed-tensors quantizes a
+    Linear's input whenever its group has input args), and the export warns that vLLM's fused MoE
+    needs one scheme (the checkpoint wrote down_proj's input dynamic too, and its model differed)."""
+    model = _model()
+    weight_args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+    input_args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+    recipe, qparams = _calibrate(model, weight_args, input_args, down_input=False)
+    with pytest.warns(UserWarning, match="vLLM's fused-MoE loader"):
+        written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    down = [g for g in written["config_groups"].values() if any("down_proj" in t for t in g["targets"])]
+    up = [g for g in written["config_groups"].values() if any("up_proj" in t for t in g["targets"])]
+    assert len(down) == 1 and down[0]["input_activations"] is None
+    assert len(up) == 1 and up[0]["input_activations"]["dynamic"] is True
+    QuantizationConfig.model_validate(written)
 
 
 class _TransposedExperts(torch.nn.Module):

@@ -13,10 +13,10 @@ from typing import Mapping, Optional
 import torch
 
 from .._granularity import PerBlock, PerTensor, TensorGroup
-from .._qparams import QParams
+from .._qparams import QParams, per_expert_qparams
 from .._qparams import experts_qparams as _slice_qparams  # the name tests import
 from .._spec import QuantSpec
-from .config import fail, quantization_args
+from .config import fail
 from .linear import Entry
 from .scales import check_qparams, scale_dtype
 from .._warn import warn
@@ -58,14 +58,6 @@ def fill_uncovered_experts(qp: Optional[QParams], spec: Optional[QuantSpec] = No
     # minval follows the scale and zero point it goes with
     filled = ("scale", "zero_point", "global_scale", "minval")
     return qp._replace(**{name: fill(getattr(qp, name)) for name in filled})
-
-
-def _per_expert_global_scale(qp: Optional[QParams], num_experts: int) -> Optional[QParams]:
-    """``qp`` with one global scale per expert: a single one (compressed-tensors' shape ``(1,)``, or a
-    scalar, as `qstats.fused_global_scale` gives one over the experts) is shared by every expert."""
-    if qp is None or qp.global_scale is None or qp.global_scale.numel() != 1:
-        return qp
-    return qp._replace(global_scale=qp.global_scale.reshape(1).expand(num_experts))
 
 
 def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) -> QParams:
@@ -156,11 +148,8 @@ def expert_entries(
     dtype = scale_dtype(module, up)
     # the routed hidden states: "<first>.input" equals "input"
     input_name = f"{first}.input" if f"{first}.input" in sites else "input"
-    input_spec = specs.get(input_name)
-    input_dynamic = (
-        input_spec is not None and quantization_args(input_spec, "input", path, input_name in dynamic)["dynamic"] is True
-    )
-    sites = {site: _per_expert_global_scale(qp, num_experts) for site, qp in sites.items()}
+    # checked by `_stacked_parameters`: a shared global scale repeated per expert
+    sites = {site: per_expert_qparams(qp, num_experts) for site, qp in sites.items()}
     sites = {site: fill_uncovered_experts(qp, specs.get(site)) if site in _INPUT_SITES else qp
              for site, qp in sites.items()}
 
@@ -189,11 +178,11 @@ def expert_entries(
             projections.append((name, weight, {"weight": (qp, spec, where, False), **inputs}))
         if "down_proj" in sites:
             down_sites = {"weight": site("down_proj", expert)}
-            if "down_proj.input" in sites:  # the intermediate activation act(gate) * up
+            # the intermediate activation act(gate) * up, quantized only by its own site: the routed input's
+            # spec, dynamic or not, is not down_proj's (a checkpoint giving it down_proj too would quantize
+            # what the recipe and `qstats.fake_quantized` leave float; `warn_mixed_experts` names vLLM's need)
+            if "down_proj.input" in sites:
                 down_sites["input"] = site("down_proj.input", expert)
-            elif input_dynamic:  # run-time scales: the same dynamic activation quantization as gate/up
-                where = f"{path}/{input_name} (down_proj)"
-                down_sites["input"] = (None, input_spec, where, input_name in dynamic)
             projections.append(("down_proj", down[expert], down_sites))
         elif "down_proj.input" in sites:
             fail(f"{path}/down_proj.input",
