@@ -321,6 +321,21 @@ def _in_dtype_of(checkpoint, name: str, value: torch.Tensor, like: torch.Tensor)
     return value.to(like.dtype)
 
 
+def _read_as(checkpoint, names: list, value: torch.Tensor, full: str, stored: Callable[[str], list]) -> tuple:
+    """``(key, names)``: which load of the tensor ``value`` the name ``full`` shares, and the names to
+    read it under. A tensor tied under several names is read once for all, but where an `Overlay`
+    replaces it under some of them (a GPTQ'd ``lm_head`` tied to the embeddings): there it is read
+    from the overlay under those names alone, and the others keep the checkpoint's value (untied
+    while loaded, as llm-compressor unties a quantized ``lm_head`` from the embeddings)."""
+    replaced = [name for name in names if isinstance(checkpoint, Overlay) and name in checkpoint.weights]
+    if not replaced or len(replaced) == len(names):
+        return id(value), names
+    own = [name for name in replaced if name in stored(full)]
+    if own:
+        return (id(value), full), own
+    return id(value), [name for name in names if name not in replaced]
+
+
 def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint, recurse: bool = True,
                  device: Optional[torch.device] = None) -> list:
     """Puts every meta parameter and buffer of the modules at ``paths`` of ``model`` (their own
@@ -345,8 +360,9 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
                         if value is None or value.device.type != "meta":
                             continue
                         full = f"{owner_path}.{name}" if owner_path else name
-                        tied = loaded_by_id.get(id(value))  # read already under another name
-                        loaded = tied if tied is not None else _read(checkpoint, aliases.get(id(value), [full]), value)
+                        key, names = _read_as(checkpoint, aliases.get(id(value), [full]), value, full, stored)
+                        tied = loaded_by_id.get(key)  # read already under another name
+                        loaded = tied if tied is not None else _read(checkpoint, names, value)
                         empty = loaded is None and kind == "_buffers" and hasattr(model, "_init_weights")
                         if empty:
                             loaded, recompute = torch.empty_like(value, device=device or "cpu"), True
@@ -361,7 +377,7 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
                             loaded = loaded.detach()  # a buffer: our own tensor object, flagged below
                         if not empty and tied is None:  # transformers' init functions leave it as it is
                             loaded._is_hf_initialized = True
-                        loaded_by_id[id(value)] = loaded
+                        loaded_by_id[key] = loaded
                         saved.append((owner, kind, name, value))
                         getattr(owner, kind)[name] = loaded
                     if recompute:

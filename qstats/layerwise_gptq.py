@@ -23,7 +23,7 @@ import torch
 
 from ._formats import COMPUTE_DTYPE_NAMES
 from .calibration import compute_qparams_tree
-from .export.checkpoint import check_new_folder, write_index, write_tensors
+from .export.checkpoint import _embeddings, check_new_folder, write_index, write_tensors
 from .experts import UncalibratedWarning
 from .gptq_quantize import check_options, gptq
 from . import distributed
@@ -45,7 +45,9 @@ class LayerwiseGPTQ(NamedTuple):
         them; `compute_qparams_tree` of them gives the qparams GPTQ used.
       weights: ``{"<module_path>.<parameter>": GPTQ'd weight}`` in the checkpoint's dtype, or the
         folder holding them (``weights_dir``); `export.compressed_tensors_layerwise` takes either
-        as its ``weights``, ``model.load_state_dict(weights, strict=False)`` the dict.
+        as its ``weights``, ``model.load_state_dict(weights, strict=False)`` the dict (with
+        ``assign=True`` into a model whose ``lm_head`` is tied to the embeddings: a copy into the
+        shared tensor would overwrite the embeddings).
     """
 
     states: dict
@@ -76,23 +78,26 @@ def _targets(plan: Plan) -> dict:
 
 
 def _check_untied(plan: Plan, targets: dict) -> None:
-    """Refuses a weight to GPTQ that the model ties to another name (an ``lm_head`` tied to the input
-    embeddings): llm-compressor unties them and GPTQs the ``lm_head`` alone, the embeddings staying
-    float, where a tied tensor is read and written once under both names (the layerwise export, a
-    ``load_state_dict`` of the weights into the tied model) and would lose the float embeddings."""
+    """Refuses a weight to GPTQ that the model ties to another name, but an output embedding tied to
+    the input embeddings (an ``lm_head``): llm-compressor unties those alone, GPTQs the ``lm_head``
+    and keeps the embeddings float, as here (the step replaces the loaded ``lm_head``'s weight alone,
+    `export.compressed_tensors_layerwise` reads the GPTQ'd weight under its own name only). Another
+    tied weight would be GPTQ'd under one name and float under the others."""
     names: dict = {}
     for name, parameter in plan.model.named_parameters(remove_duplicate=False):
         names.setdefault(id(parameter), []).append(name)
+    embeddings = _embeddings(plan.model)  # [input, output] of a transformers model
     for path, site in targets:
-        tied = names.get(id(getattr(plan.modules[path], site)), [])
-        if len(tied) > 1:
-            others = [name for name in tied if name != f"{path}.{site}"]
-            raise ValueError(
-                f"gptq_layerwise: {path}.{site} is tied to {', '.join(others)}: llm-compressor unties them and GPTQs "
-                f"{path}.{site} alone, the others staying float, where the GPTQ'd weight would be written under "
-                f"both names; save the checkpoint untied (config.tie_word_embeddings=False, the weight stored under "
-                f"{path}.{site}) and build the meta model from it for llm-compressor's codes, or leave {path} out "
-                "of the recipe (ignore it)")
+        weight = getattr(plan.modules[path], site)
+        tied = names.get(id(weight), [])
+        if len(tied) < 2 or (len(embeddings) == 2 and plan.modules[path] is embeddings[1]
+                             and weight is getattr(embeddings[0], "weight", None)):
+            continue
+        others = [name for name in tied if name != f"{path}.{site}"]
+        raise ValueError(
+            f"gptq_layerwise: {path}.{site} is tied to {', '.join(others)}, which llm-compressor does not untie "
+            f"(it unties an lm_head from the input embeddings alone); save the checkpoint untied and build the meta "
+            f"model from it, or leave {path} out of the recipe (ignore it)")
 
 
 def _warn_compute_dtype(plan: Plan, targets: dict) -> None:
@@ -411,8 +416,8 @@ def gptq_layerwise(
 
     Raises:
       ValueError: as `calibrate_layerwise`; a recipe without Linear or expert weights; a weight to
-        GPTQ that the model ties to another (an ``lm_head`` tied to the embeddings: save the checkpoint
-        untied, or ignore it).
+        GPTQ that the model ties to another than the input embeddings (an ``lm_head`` tied to them is
+        GPTQ'd alone, as llm-compressor unties it, the embeddings staying float).
     """
     options = {"block_size": block_size, "dampening": dampening, "actorder": actorder}
     weights_dir = None if weights_dir is None else os.fspath(weights_dir)

@@ -109,7 +109,9 @@ def compressed_tensors_layerwise(
       qparams, path, format: as in `compressed_tensors`.
       recipe: the calibration `qstats.Recipe` or its `Plan` (resolved on ``model``).
       weights: tensors to write instead of the checkpoint's: ``{name: tensor}`` or a folder of
-        safetensors (`gptq_layerwise`'s GPTQ'd weights).
+        safetensors (`gptq_layerwise`'s GPTQ'd weights), each under its name only: a GPTQ'd ``lm_head``
+        tied to the embeddings is written alone, the embeddings float and ``config.json`` untied
+        (llm-compressor's checkpoint); the model stays tied.
       layers: the path of the decoder layers' ``nn.ModuleList`` (default: the longest one).
       max_shard_size: None (default): one shard per decoder layer and one for the rest; else the
         largest shard, as in `compressed_tensors` (``"5GB"``, or bytes): the tensors, layer after layer,
