@@ -24,6 +24,7 @@ __all__ = [
     "register_state",
     "state_types",
     "check_state",
+    "check_merge_states",
     "check_same_shapes",
     "row_mask",
     "batch_weighted_mean",
@@ -137,6 +138,13 @@ def check_state(state: Any, cls: type, where: str) -> None:
     """Raises TypeError unless ``state`` is an instance of ``cls`` (names both types)."""
     if not isinstance(state, cls):
         raise TypeError(f"{where}: expected a {cls.__name__}, got {type(state).__name__}")
+
+
+def check_merge_states(a: Any, b: Any, cls: type, where: str) -> None:
+    """The checks of a merge's two states: `check_state` on each, then `check_same_shapes`."""
+    check_state(a, cls, where)
+    check_state(b, cls, where)
+    check_same_shapes(a, b, where)
 
 
 def check_same_shapes(a: Any, b: Any, where: str) -> None:

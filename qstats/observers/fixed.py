@@ -17,7 +17,7 @@ from .._qparams import QParams, register_range_rule
 from .._spec import QuantSpec
 from .._checks import require
 from .._torch_features import bitcast
-from ._base import Observer, check_same_shapes, check_state, register_state
+from ._base import Observer, check_merge_states, check_state, register_state
 
 __all__ = [
     "FixedQParamsState",
@@ -169,9 +169,7 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
         return state._replace(count=state.count + _count(x, weight))
 
     def merge_fn(a, b) -> FixedQParamsState:
-        check_state(a, FixedQParamsState, "fixed_qparams.merge")
-        check_state(b, FixedQParamsState, "fixed_qparams.merge")
-        check_same_shapes(a, b, "fixed_qparams.merge")
+        check_merge_states(a, b, FixedQParamsState, "fixed_qparams.merge")
         same = require((a.scale == b.scale) & (a.zero_point == b.zero_point), "fixed_qparams.merge: the states hold "
                        "different constants (scale, zero_point): they come from different fixed_qparams observers")
         return a._replace(scale=torch.where(same, a.scale, b.scale), count=a.count + b.count)
@@ -202,8 +200,7 @@ def _placeholder(spec: Optional[QuantSpec], name: str) -> Observer:
         return PlaceholderState(state.count + _count(x, weight))
 
     def merge_fn(a, b) -> PlaceholderState:
-        check_state(a, PlaceholderState, f"{name}.merge")
-        check_state(b, PlaceholderState, f"{name}.merge")
+        check_merge_states(a, b, PlaceholderState, f"{name}.merge")
         return PlaceholderState(a.count + b.count)
 
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name=name)
@@ -273,9 +270,7 @@ def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observe
         return RecordingState(keys, values, state.count + include.sum())
 
     def merge_fn(a, b) -> RecordingState:
-        check_state(a, RecordingState, "recording.merge")
-        check_state(b, RecordingState, "recording.merge")
-        check_same_shapes(a, b, "recording.merge")
+        check_merge_states(a, b, RecordingState, "recording.merge")
         keys, values = keep_smallest(torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values]))
         return RecordingState(keys, values, a.count + b.count)
 

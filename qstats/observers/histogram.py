@@ -21,7 +21,7 @@ from .._qparams import Range, register_range_rule
 from .._reductions import batch_inside, finite_aminmax
 from .._spec import QuantSpec
 from .._torch_features import bitcast
-from ._base import Observer, check_same_shapes, check_state, register_state
+from ._base import Observer, check_merge_states, check_state, register_state
 from .kit import masked_view
 from .search import entropy_amax, register_search, search
 from .search._geometry import histogram_edges
@@ -269,9 +269,7 @@ def histogram(
         return _combine(state, HistogramState(resolved, counts[..., 0], counts[..., -1], lo, hi, nonfinite))
 
     def merge_fn(a: HistogramState, b: HistogramState) -> HistogramState:
-        check_state(a, HistogramState, "histogram.merge")
-        check_state(b, HistogramState, "histogram.merge")
-        check_same_shapes(a, b, "histogram.merge")
+        check_merge_states(a, b, HistogramState, "histogram.merge")
         return _combine(a, b)
 
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="histogram")

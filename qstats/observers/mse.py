@@ -23,7 +23,7 @@ from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
-from ._base import Observer, check_same_shapes, check_state, register_state
+from ._base import Observer, check_merge_states, check_state, register_state
 from .kit import extremes_init, masked_view
 from .minmax import check_averaging_constant, merge_moving_extremes
 
@@ -440,9 +440,7 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
                         state.nonfinite + nonfinite)
 
     def merge_fn(a: MSEState, b: MSEState) -> MSEState:
-        check_state(a, MSEState, "mse.merge")
-        check_state(b, MSEState, "mse.merge")
-        check_same_shapes(a, b, "mse.merge")
+        check_merge_states(a, b, MSEState, "mse.merge")
         # losses of different shrink factors cannot be added (states of two mse observers)
         same = require(a.factors == b.factors, "mse.merge: the states search different shrink factors: they come "
                        "from mse observers with other maxshrink/grid/steps")
@@ -492,9 +490,7 @@ def _moving_average(spec, factors, norm, constant, patience, observe):
                                      state.nonfinite + nonfinite)
 
     def merge_fn(a, b) -> MovingAverageMSEState:
-        check_state(a, MovingAverageMSEState, "mse.merge")
-        check_state(b, MovingAverageMSEState, "mse.merge")
-        check_same_shapes(a, b, "mse.merge")
+        check_merge_states(a, b, MovingAverageMSEState, "mse.merge")
         return merge_moving_extremes(a, b)
 
     init_fn = extremes_init(MovingAverageMSEState, spec)  # +inf/-inf extremes, zero batches and counts
