@@ -454,6 +454,13 @@ PROJECTION_NAMES = {
 }
 
 
+def child_projection(module, site: str):
+    """The child of an attention ``module`` whose output is its ``site`` (``"q"``, ``"k"``, ``"v"``:
+    `PROJECTION_NAMES`), or None."""
+    children = dict(module.named_children())
+    return next((children[name] for name in PROJECTION_NAMES[site] if name in children), None)
+
+
 def _kv_cache_sites(path: str, module) -> bool:
     """`Rule.matcher` of a ``kv_cache_scheme``: the attention modules compressed-tensors caches
     (`_kv_cache_module`), each with the k/v projections qstats observes (`_check_projections`)."""
@@ -467,8 +474,7 @@ def _check_projections(path: str, module, sites: tuple, what: str) -> None:
     """ValueError where the attention module at ``path``, which compressed-tensors quantizes,
     lacks a projection child of ``sites`` (qstats observes q/k/v as their outputs): a fused
     ``qkv_proj`` (Phi-3) or MLA's ``kv_b_proj`` would lose that quantization silently."""
-    children = dict(module.named_children())
-    missing = [site for site in sites if not any(name in children for name in PROJECTION_NAMES[site])]
+    missing = [site for site in sites if child_projection(module, site) is None]
     if missing:
         raise ValueError(f"Recipe: {what} applies to the attention module {path!r} ({type(module).__name__}), whose "
                          f"{'/'.join(sites)} compressed-tensors quantizes, but qstats observes them as the outputs of "

@@ -18,8 +18,8 @@ import torch
 from ._checkpoint_names import module_renamer
 from ._granularity import PerBlock, PerGroup, PerTensor, TensorGroup
 from ._rule_data import recipe_fields
-from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, _matches, compressed_tensors_ignore, config_rules,
-                       scheme_rules, with_checkpoint_ignore)
+from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, _matches, child_projection,
+                       compressed_tensors_ignore, config_rules, scheme_rules, with_checkpoint_ignore)
 from ._spec import QuantSpec
 from ._torch_features import dtype_named, uncompiled
 from .experts import (expert_count, is_stacked_parameter, linearized_experts, own_parameters, parameter_input_site,
@@ -231,18 +231,13 @@ def runtime_scaled(spec: QuantSpec) -> bool:
     return spec.granularity.row_wise()
 
 
-def _child_projection(module: torch.nn.Module, site: str) -> Optional[torch.nn.Module]:
-    children = dict(module.named_children())
-    return next((children[name] for name in PROJECTION_NAMES[site] if name in children), None)
-
-
 def _site_kind(module: torch.nn.Module, params: dict, num_experts: int, site: str) -> Optional[tuple]:
     """``(kind, stacked experts)`` of ``site`` on ``module`` (see `Site.kind`), or None when the
     module has no such site."""
     if site in params:
         return "parameter", num_experts if is_stacked_parameter(params[site], num_experts) else 0
     if site in PROJECTION_NAMES:
-        return ("projection", 0) if _child_projection(module, site) is not None else None
+        return ("projection", 0) if child_projection(module, site) is not None else None
     if site == "input":
         return "input", num_experts
     if site == "output":
@@ -376,7 +371,7 @@ class Plan:
         """The module whose forward carries an activation site's tensor: the child projection
         of a ``q``/``k``/``v`` site, the module itself otherwise."""
         module = self.modules[path]
-        return _child_projection(module, site) if self.sites[path][site].kind == "projection" else module
+        return child_projection(module, site) if self.sites[path][site].kind == "projection" else module
 
     def state_keys(self, path: str, site: str) -> tuple:
         """The ``(path, site)`` keys holding one shared state with ``site`` of ``path``: its
