@@ -26,11 +26,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import require
-from .._granularity import check_observable
 from .._gram import add_masked_gram
 from .._qparams import register_range_rule
 from .._spec import QuantSpec
-from ._base import Observer, check_same_shapes, check_state, register_state, row_mask
+from ._base import Observer, check_same_shapes, check_state, checked_rows, register_state
 
 __all__ = ["HessianState", "hessian", "gptq_hessian"]
 
@@ -113,13 +112,7 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
 
     def update_fn(state: HessianState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> HessianState:
         state = checked_hessian_state(state, "hessian.update", values=False)
-        check_observable(x, "hessian.update")
-        if x.ndim == 0 or x.shape[-1] != state.total.shape[-1]:
-            raise ValueError(
-                f"hessian.update: inputs of shape {tuple(x.shape)} have {x.shape[-1] if x.ndim else 0} features, "
-                f"but the state is {tuple(state.total.shape)}"
-            )
-        keep = row_mask(x, weight, "hessian.update")
+        keep = checked_rows(x, weight, state.total.shape[-1], "hessian.update")
         if x.numel() == 0:  # an empty batch leaves the state as it is (a shape test, not a value)
             return state
         rows = x.detach().reshape(-1, x.shape[-1]).to(state.total.dtype)

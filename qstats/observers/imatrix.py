@@ -14,9 +14,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import canonical_view, check_observable
+from .._granularity import canonical_view
 from .._spec import QuantSpec
-from ._base import Observer, check_same_shapes, check_state, register_state, row_mask
+from ._base import Observer, check_same_shapes, check_state, checked_rows, register_state
 from .mse import check_search_args, mse
 
 __all__ = ["IMatrixState", "imatrix", "importance", "imatrix_mse"]
@@ -78,13 +78,7 @@ def imatrix() -> Observer:
 
     def update_fn(state: IMatrixState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> IMatrixState:
         state = _checked(state, "imatrix.update")
-        check_observable(x, "imatrix.update")
-        if x.ndim == 0 or x.shape[-1] != state.square_total.shape[-1]:
-            raise ValueError(
-                f"imatrix.update: a tensor of shape {tuple(x.shape)} has {x.shape[-1] if x.ndim else 0} input "
-                f"channels, but the state has {state.square_total.shape[-1]}"
-            )
-        keep = row_mask(x, weight, "imatrix.update")  # checked on an empty batch too
+        keep = checked_rows(x, weight, state.square_total.shape[-1], "imatrix.update")  # on an empty batch too
         if x.numel() == 0:
             return state
         keep = None if keep is None else keep[:, None]  # [rows, 1] against the squares [rows, channels]
