@@ -205,7 +205,8 @@ class Writer:
         self.specs, self.groups, self.modules, self.dynamic, self.plan, qparams = _resolve(specs_or_recipe, qparams,
                                                                                             model)
         self.qparams, self.format, self.model = qparams, format, model
-        self.log: dict = {"uncalibrated": [], "rounded": [], "rotary": [], "compute_dtype": [], "float64": []}
+        self.log: dict = {"uncalibrated": [], "rounded": [], "rotary": [], "compute_dtype": [], "float64": [],
+                           "activation_rounding": []}
         self.schemes: dict = {}
         self.expert_projection: dict = {}  # unpacked expert path -> (experts module path, projection)
         self.attention: dict = {}
@@ -384,6 +385,7 @@ def _warn_log(log: dict) -> None:
     # gate_proj and up_proj of an expert share its input site: each site is named (and counted) once
     rounded, sites, uncalibrated, double = (list(dict.fromkeys(log[key]))
                                             for key in ("rounded", "compute_dtype", "uncalibrated", "float64"))
+    _warn_activation_rounding(list(dict.fromkeys(log.get("activation_rounding", ()))))
     if rounded:
         warn(
             f"export.compressed_tensors: scales of {len(rounded)} site(s) were rounded to the model's dtype "
@@ -416,6 +418,21 @@ def _warn_log(log: dict) -> None:
             f"({', '.join(log['rotary'][:4])}) were observed on the projection outputs, before the rotary "
             "embedding (and any q/k norm) the attention applies; compressed-tensors and vLLM quantize the "
             "rotated queries and keys, whose range can be wider",
+        )
+
+
+def _warn_activation_rounding(sites: list) -> None:
+    """Integer activations are quantized at run time by the loader (compressed-tensors, vLLM) as
+    ``round(x / scale)``; a spec of another convention (torch.ao's, qstats' default) rounds
+    ``x * (1 / scale)``, whose codes differ by one where ``x / scale`` falls near a rounding boundary:
+    `qstats.fake_quantized` then computes another model than the checkpoint's (logits 1e-3 apart on a
+    tiny Mixtral with per-tensor dynamic int8 inputs)."""
+    if sites:
+        warn(
+            f"export.compressed_tensors: {len(sites)} integer activation site(s) use a spec of another convention than "
+            f"compressed-tensors' ({_listed(sites, 4)}): the loaded checkpoint quantizes them as round(x / scale), "
+            "qstats.fake_quantized as round(x * (1 / scale)), so a few codes differ by one; build their specs with "
+            "QuantSpec.from_compressed_tensors (or Recipe.from_scheme) for the same model",
         )
 
 

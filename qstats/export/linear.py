@@ -81,6 +81,8 @@ def write_linear(entry: Entry, format: Optional[str], tensors: dict, dropped: se
             fail(where, f"group_size {group} of the input does not divide the layer's {weight.shape[1]} "
                  "input features")
         scheme[site] = args
+        if site != "weight" and not spec.is_float and spec.convention.name != "compressed_tensors":
+            log["activation_rounding"].append(where)
         if args["dynamic"] is True and site != "weight":
             continue  # dynamic activations: scales at run time, nothing written
         _log_compute_dtype(spec, entry.dtype, where, log)
