@@ -26,6 +26,7 @@ __all__ = [
     "register_state",
     "state_types",
     "check_state",
+    "check_field_dtype",
     "check_merge_states",
     "check_same_shapes",
     "row_mask",
@@ -141,6 +142,15 @@ def check_state(state: Any, cls: type, where: str) -> None:
     """Raises TypeError unless ``state`` is an instance of ``cls`` (names both types)."""
     if not isinstance(state, cls):
         raise TypeError(f"{where}: expected a {cls.__name__}, got {type(state).__name__}")
+
+
+def check_field_dtype(state: Any, name: str, dtype: torch.dtype, where: str, meaning: str = "") -> None:
+    """ValueError naming the field and what it holds unless ``state.<name>`` is a tensor of ``dtype``
+    (``meaning`` follows the dtype in the message, e.g. ``" (a number of rows)"``)."""
+    value = getattr(state, name)
+    if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+        got = f"dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{where}: {type(state).__name__}.{name} must be a {dtype} tensor{meaning}, got {got}")
 
 
 def check_merge_states(a: Any, b: Any, cls: type, where: str) -> None:

@@ -29,7 +29,7 @@ from .._checks import require
 from .._gram import add_masked_gram
 from .._qparams import register_range_rule
 from .._spec import QuantSpec
-from ._base import Observer, check_same_shapes, check_state, checked_rows, register_state
+from ._base import Observer, check_field_dtype, check_same_shapes, check_state, checked_rows, register_state
 
 __all__ = ["HessianState", "hessian", "gptq_hessian"]
 
@@ -58,10 +58,8 @@ def checked_hessian_state(state, where: str, values: bool = True) -> HessianStat
         got = tuple(total.shape) if isinstance(total, torch.Tensor) else type(total).__name__
         raise ValueError(f"{where}: HessianState.total must be a square [..., in, in] tensor, got {got}")
     for name in ("count", "nonfinite"):
+        check_field_dtype(state, name, torch.int64, where, " (a number of rows)")
         value = getattr(state, name)
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:
-            got = f"dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{where}: HessianState.{name} must be an int64 tensor (a number of rows), got {got}")
         if value.shape != total.shape[:-2]:  # one count per sum: a stack's [E], else a scalar (it broadcast)
             raise ValueError(f"{where}: HessianState.{name} of shape {tuple(value.shape)} does not fit a total of "
                              f"shape {tuple(total.shape)} (expected {tuple(total.shape[:-2])})")

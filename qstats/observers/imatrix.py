@@ -16,7 +16,7 @@ import torch
 
 from .._granularity import canonical_view
 from .._spec import QuantSpec
-from ._base import Observer, check_same_shapes, check_state, checked_rows, register_state
+from ._base import Observer, check_field_dtype, check_same_shapes, check_state, checked_rows, register_state
 from .mse import check_search_args, mse
 
 __all__ = ["IMatrixState", "imatrix", "importance", "imatrix_mse"]
@@ -40,10 +40,7 @@ def _checked(state, where: str) -> IMatrixState:
     per channel); a state of other dtypes or shapes would otherwise change them, or broadcast."""
     check_state(state, IMatrixState, where)
     for name, dtype in (("square_total", torch.float64), ("count", torch.int64), ("nonfinite", torch.int64)):
-        value = getattr(state, name)
-        if not isinstance(value, torch.Tensor) or value.dtype != dtype:
-            got = f"dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{where}: IMatrixState.{name} must be a {dtype} tensor, got {got}")
+        check_field_dtype(state, name, dtype, where)
     total = state.square_total
     if total.ndim == 0 or state.count.shape != total.shape[:-1] or state.nonfinite.shape != total.shape:
         raise ValueError(

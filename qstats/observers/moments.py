@@ -19,7 +19,7 @@ from .._granularity import qparam_shape
 from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
-from ._base import Observer, check_same_shapes, check_state, register_state
+from ._base import Observer, check_field_dtype, check_same_shapes, check_state, register_state
 from .kit import masked_view
 from .search import register_search, search
 
@@ -81,11 +81,8 @@ def _checked(state, where: str) -> MomentsState:
     float64 sums, every field of one shape. An update turned a float64 count into a float64 state and
     broadcast fields of other shapes, or failed inside torch (``compute_qparams`` too)."""
     check_state(state, MomentsState, where)
-    for name in MomentsState._fields:
-        value, dtype = getattr(state, name), torch.int64 if name in ("count", "nonfinite") else torch.float64
-        if not isinstance(value, torch.Tensor) or value.dtype != dtype:
-            got = f"dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{where}: MomentsState.{name} must be a {dtype} tensor, got {got}")
+    for name, value in zip(MomentsState._fields, state):
+        check_field_dtype(state, name, torch.int64 if name in ("count", "nonfinite") else torch.float64, where)
         if value.shape != state.count.shape:
             raise ValueError(f"{where}: MomentsState fields do not line up: {name} has shape {tuple(value.shape)}, "
                              f"count {tuple(state.count.shape)}")
