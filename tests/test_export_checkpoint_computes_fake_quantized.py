@@ -72,17 +72,18 @@ def _checkpoint_names_as_modules(text: str) -> str:
     return text.replace('.w1"', '.gate_proj"').replace('.w3"', '.up_proj"').replace('.w2"', '.down_proj"')
 
 
-def _loaded(family: str, folder: str):
+def _loaded(family: str, folder: str, dtype=torch.float32):
     """A fresh model (other float weights) holding the checkpoint, as compressed-tensors decompresses it."""
     from llmcompressor.modeling.moe.linearize import linearize_moe
 
-    fresh = _model(family)
+    fresh = _model(family).to(dtype)
     fresh.set_attn_implementation("eager")
     with torch.no_grad():
         for param in fresh.parameters():
             param.normal_()  # every weight must come from the checkpoint
     if family != "llama":
         linearize_moe(fresh)
+        fresh.to(dtype)  # its Linears are made in the default dtype
     with open(os.path.join(folder, "config.json")) as file:
         config = json.loads(_checkpoint_names_as_modules(file.read()))["quantization_config"]
     config = QuantizationConfig.model_validate(config)
@@ -96,9 +97,9 @@ def _loaded(family: str, folder: str):
     return fresh
 
 
-def _logits(family: str, recipe, folder: str) -> tuple:
+def _logits(family: str, recipe, folder: str, dtype=torch.float32) -> tuple:
     """``(fake_quantized logits, loaded checkpoint logits, float logits, export warnings)``."""
-    model = _model(family)
+    model = _model(family).to(dtype)
     model.set_attn_implementation("eager")
     generator = torch.Generator().manual_seed(1)
     batches = [{"input_ids": torch.randint(0, 96, (2, 8), generator=generator)} for _ in range(2)]
@@ -110,7 +111,7 @@ def _logits(family: str, recipe, folder: str) -> tuple:
         qstats.export.compressed_tensors(model, qparams, folder, plan)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        loaded = _loaded(family, folder)
+        loaded = _loaded(family, folder, dtype)
     x = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         with qstats.fake_quantized(model, qparams, plan):
@@ -143,6 +144,18 @@ def test_moe_checkpoint_logits_equal_fake_quantized(family, name, tmp_path, per_
     recipe = qstats.Recipe(RECIPES[name], ignore=["lm_head"])
     ours, theirs, float_logits, _ = _logits(family, recipe, str(tmp_path))
     assert (theirs - float_logits).abs().max() > 1e-5  # the quantization shows in the logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scheme", ["FP8", "FP8_DYNAMIC", "W8A8", "NVFP4", "MXFP4"])
+def test_bfloat16_qwen3_moe_preset_checkpoint_logits_equal_fake_quantized(scheme, tmp_path, per_row_dynamic_tokens,
+                                                                           single_thread_quiet):
+    """Presets on the Linears and the stacked experts of a bfloat16 model (compressed-tensors decompresses
+    NVFP4 and MX weights in bfloat16: a float32 model's would be rounded, docs/differences.md)."""
+    recipe = qstats.Recipe.from_scheme(scheme, ignore=["lm_head"], observed_dtype="bfloat16",
+                                       experts="Qwen3MoeExperts")
+    ours, theirs, float_logits, _ = _logits("qwen3_moe", recipe, str(tmp_path), torch.bfloat16)
+    assert (theirs - float_logits).abs().max() > 1e-3
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
