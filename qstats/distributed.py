@@ -83,38 +83,39 @@ def register_reduce_ops(state_cls: Union[type, str], ops: Any) -> None:
     _REGISTRY[name] = ops
 
 
-def _is_named_tuple(x: Any) -> bool:
+def is_named_tuple(x: Any) -> bool:
+    """Whether ``x`` is a NamedTuple (a state, or one nested in a state's fields)."""
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
-def _walk(state: Any, prefix: str = ""):
+def named_fields(state: Any, prefix: str = ""):
     """``(name, value)`` of every field of ``state`` in order, each NamedTuple nested in it followed
     by its own fields, named by their dotted path (``"ext"``, ``"ext.low"``, ``"ext.high"``)."""
     for field, value in zip(state._fields, state):
         yield f"{prefix}{field}", value
-        if _is_named_tuple(value):
-            yield from _walk(value, f"{prefix}{field}.")
+        if is_named_tuple(value):
+            yield from named_fields(value, f"{prefix}{field}.")
 
 
 def _state_fields(state: Any) -> list[tuple[str, Any]]:
     """``[(name, value), ...]``: the fields of ``state`` in order, those of a NamedTuple nested in it
     walked and named by their dotted path (``"ext.low"``)."""
-    return [(name, value) for name, value in _walk(state) if not _is_named_tuple(value)]
+    return [(name, value) for name, value in named_fields(state) if not is_named_tuple(value)]
 
 
 def _values(state: Any) -> list:
     """The field values of ``state``, nested NamedTuples walked, in `_state_fields` order."""
-    return [leaf for value in state for leaf in (_values(value) if _is_named_tuple(value) else (value,))]
+    return [leaf for value in state for leaf in (_values(value) if is_named_tuple(value) else (value,))]
 
 
 def _rebuild(template: Any, values) -> Any:
     """A state of ``template``'s types (nested ones too) holding the next of ``values`` (an iterator)."""
-    return type(template)(*(_rebuild(v, values) if _is_named_tuple(v) else next(values) for v in template))
+    return type(template)(*(_rebuild(v, values) if is_named_tuple(v) else next(values) for v in template))
 
 
 def _structure(state: Any) -> str:
     """The state's types and field names, nested NamedTuples included: ``S(ext=Ext(low,high),count)``."""
-    inner = ",".join(f"{f}={_structure(v)}" if _is_named_tuple(v) else f for f, v in zip(state._fields, state))
+    inner = ",".join(f"{f}={_structure(v)}" if is_named_tuple(v) else f for f, v in zip(state._fields, state))
     return f"{type(state).__name__}({inner})"
 
 
@@ -133,7 +134,7 @@ def reduce_ops(state: Any) -> Union[dict[str, str], str]:
                 raise ValueError(f"all_reduce: unknown reduce ops {bad} for {type(state).__name__}")
         if ops == _FOLD:
             return ops
-        nested = [(name, value) for name, value in _walk(state) if name in ops and _is_named_tuple(value)]
+        nested = [(name, value) for name, value in named_fields(state) if name in ops and is_named_tuple(value)]
         if nested:
             name, value = nested[0]
             raise ValueError(
@@ -548,14 +549,15 @@ def _probe_device(group) -> torch.device:
 
 
 def _pack(states) -> torch.Tensor:
-    parts = [_flat(value).view(torch.uint8) for state in states for value in _values(state) if value.numel() > 0]
+    parts = [flat_unit_stride(value).view(torch.uint8) for state in states for value in _values(state)
+             if value.numel() > 0]
     if not parts:
         device = next((v.device for s in states for v in _values(s)), torch.device("cpu"))
         return torch.zeros(0, dtype=torch.uint8, device=device)
     return torch.cat(parts)
 
 
-def _flat(value: torch.Tensor) -> torch.Tensor:
+def flat_unit_stride(value: torch.Tensor) -> torch.Tensor:
     """``value`` as a 1-D unit-stride tensor of its own values (conjugate and negative bits resolved),
     for a byte view (here and in `qstats.io`). ``contiguous()`` keeps a one-element view's stride
     (``x[:1, 0]`` of a (5, 3) tensor has stride 3), which the byte view refuses."""

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from ._checks import check_available
 from ._qparams import QParams
-from .distributed import _flat
+from .distributed import flat_unit_stride
 from .lsq import LSQParams
 from .observers._base import state_types
 from .qat import BatchNormState, QATState
@@ -225,7 +225,7 @@ def from_state_dict(state_dict: dict) -> Any:
 
 
 def _checksum(tensor: torch.Tensor) -> str:
-    data = _flat(tensor.to("cpu")).view(torch.uint8).numpy()  # read in place, not copied to bytes
+    data = flat_unit_stride(tensor.to("cpu")).view(torch.uint8).numpy()  # read in place, not copied to bytes
     return f"{zlib.crc32(data):08x}"
 
 
@@ -236,7 +236,7 @@ def _unshared_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     owners: set = set()
     for key, tensor in tensors.items():
-        dense = _flat(tensor.to("cpu")).reshape(tensor.shape)  # unit strides of its own
+        dense = flat_unit_stride(tensor.to("cpu")).reshape(tensor.shape)  # unit strides of its own
         storage = dense.untyped_storage()
         whole = dense.storage_offset() == 0 and storage.nbytes() == dense.numel() * dense.element_size()
         if not whole or storage.data_ptr() in owners:  # a view into more, or a storage already written

@@ -486,13 +486,13 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
 
 
 def _check_state_leaves(state, name: str) -> None:
-    parts = [("state", state), *distributed._walk(state, "state.")]
+    parts = [("state", state), *distributed.named_fields(state, "state.")]
     # nested NamedTuples too: qstats.save and torch.load rebuild every one of them by name
-    for path, cls in [(path, type(value)) for path, value in parts if distributed._is_named_tuple(value)]:
+    for path, cls in [(path, type(value)) for path, value in parts if distributed.is_named_tuple(value)]:
         if state_types().get(cls.__name__) is not cls:
             raise AssertionError(f"{name}: stability: state type {cls.__name__} (at {path}) is not registered; "
                                  "decorate it with qstats.register_state")
-    for path, leaf in [(path, value) for path, value in parts if not distributed._is_named_tuple(value)]:
+    for path, leaf in [(path, value) for path, value in parts if not distributed.is_named_tuple(value)]:
         if not isinstance(leaf, torch.Tensor):
             raise AssertionError(f"{name}: stability: {path} is a {type(leaf).__name__}; states hold tensors only")
         if leaf.is_complex() and leaf.dtype != torch.complex64:
