@@ -118,7 +118,8 @@ def register_range_rule(state_cls: type):
     return decorate
 
 
-def _rule_for(state) -> Callable[..., Any]:
+def range_rule_for(state) -> Callable[..., Any]:
+    """The range rule registered for ``state``'s class (or its nearest base); TypeError without one."""
     for cls in type(state).__mro__:
         rule = _RANGE_RULES.get(cls)
         if rule is not None:
@@ -158,7 +159,7 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     if isinstance(global_scale, torch.Tensor) and global_scale.numel() != 1:
         raise ValueError(f"compute_qparams: global_scale must be one value (a fused group's), got shape "
                          f"{tuple(global_scale.shape)}; stacked experts take one per expert in qstats.stacked_qparams")
-    result = _range_of(state, spec, options, "compute_qparams")
+    result = range_of(state, spec, options, "compute_qparams")
     if isinstance(result, QParams):
         return result if result.minval is not None else _with_minval_of_codes(result, spec)
     return qparams_from_minmax(
@@ -178,13 +179,13 @@ def compute_minval(state, spec: QuantSpec, **options) -> torch.Tensor:
     return compute_qparams(state, spec, **options).minval
 
 
-def _range_of(state, spec: QuantSpec, options: dict, where: str):
+def range_of(state, spec: QuantSpec, options: dict, where: str):
     """The state's rule result (Range or QParams), with ``float_range`` applied to a Range."""
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"{where}: spec must be a QuantSpec, got {type(spec).__name__}")
     float_range = options.pop("float_range", None)
     float_range = None if float_range is None else check_float_range(float_range, where)
-    result = _rule_for(state)(state, spec, **options)
+    result = range_rule_for(state)(state, spec, **options)
     if float_range is None:
         return result
     if isinstance(result, QParams):

@@ -29,7 +29,7 @@ import torch
 
 from . import _formats
 from ._granularity import TensorGroup
-from ._qparams import QParams, _range_of, _rule_for, calibrated_mask, check_calibrated, compute_qparams
+from ._qparams import QParams, calibrated_mask, check_calibrated, compute_qparams, range_of, range_rule_for
 from ._spec import QuantSpec
 
 __all__ = ["FUSED_LAYER_NAMES", "fused_amax", "fused_global_scale", "fused_groups", "fused_qparams"]
@@ -71,7 +71,7 @@ def fused_groups(model: torch.nn.Module) -> list:
 def _amax_of(state, spec: QuantSpec, where=None, **options) -> torch.Tensor:
     # the range compute_qparams maps: the rule's, with ``float_range`` pinned as there; with ``where``,
     # the spec's ``on_uncalibrated`` policy applied to it as compute_qparams applies it
-    result = _range_of(state, spec, options, "fused")
+    result = range_of(state, spec, options, "fused")
     if isinstance(result, QParams):
         raise TypeError(f"fused: {type(state).__name__}'s range rule returns QParams, not a range")
     min_val, max_val = result.min_val.float(), result.max_val.float()
@@ -91,7 +91,7 @@ def _is_state(states) -> bool:
 def _is_named_group(states) -> bool:
     """A NamedTuple of states (``QKV(q=..., k=..., v=...)``) with no range rule of its own: a group."""
     try:
-        _rule_for(states)
+        range_rule_for(states)
     except TypeError:
         return len(states) > 0 and all(_is_state(member) for member in states)
     return False
