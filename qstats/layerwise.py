@@ -484,7 +484,7 @@ class _Run:
         )  # fmt: skip
 
     def agreed(self, step: Callable[[], Any]) -> Any:
-        return _agreed(self.all_reduce, step)
+        return agreed(self.all_reduce, step)
 
     def reduce(self, found: dict, plan: Plan, each: bool = False) -> dict:
         """``found`` merged across ranks (with ``all_reduce``); ``each``: one state at a time, so
@@ -556,7 +556,7 @@ def group_up() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _agreed(all_reduce: bool, step: Callable[[], Any]) -> Any:
+def agreed(all_reduce: bool, step: Callable[[], Any]) -> Any:
     """``step()``; with ``all_reduce``, every rank then learns whether one rank's step raised, so
     that all raise instead of the others waiting for it in the next collective."""
     if not (all_reduce and group_up()):
@@ -801,14 +801,15 @@ def calibrate_layerwise(
         passes a layer a tensor the previous one returned beside its hidden states (T5's position
         bias), a bad ``propagate``.
     """
-    return _layerwise(model, checkpoint, batches, recipe, states=states, propagate=propagate, offload_dir=offload_dir,
-                      layers=layers, progress=progress, observation_weight=observation_weight,
-                      all_experts=all_experts, all_reduce=all_reduce, device=device)
+    return run_layerwise(model, checkpoint, batches, recipe, states=states, propagate=propagate,
+                         offload_dir=offload_dir, layers=layers, progress=progress,
+                         observation_weight=observation_weight, all_experts=all_experts, all_reduce=all_reduce,
+                         device=device)
 
 
-def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload_dir, layers, progress,
-               observation_weight, all_experts, all_reduce, device=None, layer_step=None, same_on_ranks=dict,
-               where="calibrate_layerwise"):
+def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload_dir, layers, progress,
+                  observation_weight, all_experts, all_reduce, device=None, layer_step=None, same_on_ranks=dict,
+                  where="calibrate_layerwise"):
     """`calibrate_layerwise`; ``layer_step(plan) -> (side_plan, after_layer)`` gives a plan observed
     beside the recipe's in each layer and a step run on each loaded layer (see `_run_layer`);
     ``same_on_ranks()``: more arguments every rank must pass alike, read once they are checked."""
@@ -840,7 +841,7 @@ def _layerwise(model, checkpoint, batches, recipe, *, states, propagate, offload
 
     made: list = []  # the offload folder, once made
     try:
-        run, container_path, container = _agreed(all_reduce, prepare)
+        run, container_path, container = agreed(all_reduce, prepare)
         if run.all_reduce and group_up():  # another propagate or experts split runs other collectives
             distributed.check_same_arguments({
                 "propagate": propagate, "all_experts": run.all_experts, "layers": container_path,

@@ -27,7 +27,7 @@ from .export.checkpoint import _embeddings, check_new_folder, write_index, write
 from .experts import UncalibratedWarning
 from .gptq_quantize import check_options, gptq
 from . import distributed
-from .layerwise import _agreed, _layerwise, group_up
+from .layerwise import agreed, group_up, run_layerwise
 from ._qparams import QParams
 from .observers._base import Observer, row_mask
 from .observers.hessian import HessianState, hessian
@@ -247,7 +247,7 @@ def _gptq_jobs(jobs: list, chunk: int, options: dict, share: bool, finished: Cal
                 if world == 1:
                     finished(index, results[index])
 
-    _agreed(world > 1, mine)
+    agreed(world > 1, mine)
     if world > 1:
         device = distributed._probe_device(None)
         for (index, take), owner in zip(parts, owners):
@@ -299,7 +299,7 @@ class _GPTQRun:
     ties_checked: bool = False  # `_check_untied`, at the first step: after the layers' own checks
 
     def layer_step(self, plan: Plan) -> tuple:
-        """`_layerwise`'s ``layer_step``, run in its checks (one rank's bad argument stops all)."""
+        """`run_layerwise`'s ``layer_step``, run in its checks (one rank's bad argument stops all)."""
         at_once = self.experts_at_once
         if not isinstance(at_once, int) or isinstance(at_once, bool) or at_once < 1:
             raise ValueError(f"gptq_layerwise: experts_at_once must be a positive int, got {at_once!r}")
@@ -326,7 +326,7 @@ class _GPTQRun:
             self.ties_checked = True
             _check_untied(self.plan, self.targets)
         # rank-local work, then collectives: every rank learns whether one raised before the broadcasts
-        jobs, missing = _agreed(self.share, lambda: _layer_jobs(self.plan, self.targets, states, hessians))
+        jobs, missing = agreed(self.share, lambda: _layer_jobs(self.plan, self.targets, states, hessians))
         keys, jobs = list(jobs), list(jobs.values())  # the list alone holds the Hessians (and the layer the weights)
         layer_weights = {}
 
@@ -362,7 +362,7 @@ class _GPTQRun:
         if self.weights_dir is None:
             return LayerwiseGPTQ(states, self.weights)
         # every rank returns once rank 0 has written the index, and raises if that failed
-        _agreed(self.share, lambda: write_index(self.weights_dir, self.weights) if _writes() else None)
+        agreed(self.share, lambda: write_index(self.weights_dir, self.weights) if _writes() else None)
         return LayerwiseGPTQ(states, self.weights_dir)
 
 
@@ -423,7 +423,7 @@ def gptq_layerwise(
     weights_dir = None if weights_dir is None else os.fspath(weights_dir)
     run = _GPTQRun(checkpoint, options, experts_at_once, weights_dir, all_reduce)
     try:
-        states = _layerwise(
+        states = run_layerwise(
             model, checkpoint, batches, recipe, states=None, propagate="float", offload_dir=offload_dir,
             layers=layers, progress=progress, observation_weight=observation_weight, all_experts=all_experts,
             all_reduce=all_reduce, device=device, layer_step=run.layer_step, where="gptq_layerwise",
