@@ -41,3 +41,19 @@ def moe_example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def per_row_dynamic_tokens(monkeypatch):
+    """compressed-tensors' dynamic ``"token"`` scales of a 2-D input, one per row (its 3-D case)."""
+    import compressed_tensors.quantization.lifecycle.forward as forward
+
+    original = forward.compute_dynamic_scales_and_zp
+
+    def per_row(value, args, module, global_scale=None):
+        if value.ndim != 2 or args.strategy != "token":
+            return original(value=value, args=args, module=module, global_scale=global_scale)
+        scale, zero_point = original(value=value[None], args=args, module=module, global_scale=global_scale)
+        return scale[0], None if zero_point is None else zero_point[0]
+
+    monkeypatch.setattr(forward, "compute_dynamic_scales_and_zp", per_row)

@@ -31,21 +31,6 @@ FP8_TOKEN = qstats.QuantSpec(dtype="fp8_e4m3fn", granularity=qstats.PerToken())
 INT8_TENSOR = qstats.QuantSpec.from_compressed_tensors(dict(num_bits=8, type="int", symmetric=True, strategy="tensor"))
 
 
-@pytest.fixture
-def per_row_dynamic_tokens(monkeypatch):
-    import compressed_tensors.quantization.lifecycle.forward as forward
-
-    original = forward.compute_dynamic_scales_and_zp
-
-    def per_row(value, args, module, global_scale=None):
-        if value.ndim != 2 or args.strategy != "token":
-            return original(value=value, args=args, module=module, global_scale=global_scale)
-        scale, zero_point = original(value=value[None], args=args, module=module, global_scale=global_scale)
-        return scale[0], None if zero_point is None else zero_point[0]
-
-    monkeypatch.setattr(forward, "compute_dynamic_scales_and_zp", per_row)
-
-
 def _model(family: str):
     torch.manual_seed(0)
     if family == "llama":

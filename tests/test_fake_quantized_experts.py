@@ -22,22 +22,6 @@ pytest.importorskip("llmcompressor")
 from test_export_moe_linearized import _load, _sample, _saved  # noqa: E402
 
 
-@pytest.fixture
-def per_row_dynamic_tokens(monkeypatch):
-    """compressed-tensors' dynamic ``"token"`` scales of a 2-D input, one per row (its 3-D case)."""
-    import compressed_tensors.quantization.lifecycle.forward as forward
-
-    original = forward.compute_dynamic_scales_and_zp
-
-    def per_row(value, args, module, global_scale=None):
-        if value.ndim != 2 or args.strategy != "token":
-            return original(value=value, args=args, module=module, global_scale=global_scale)
-        scale, zero_point = original(value=value[None], args=args, module=module, global_scale=global_scale)
-        return scale[0], None if zero_point is None else zero_point[0]
-
-    monkeypatch.setattr(forward, "compute_dynamic_scales_and_zp", per_row)
-
-
 def _logits(family: str, scheme: str, folder: str, implementation: str = "eager"):
     """``(ours, theirs, float)`` logits of held-out tokens: qstats' `fake_quantized` after
     calibrating every expert on one sample, llm-compressor's `oneshot` model, the float model."""
