@@ -10,7 +10,7 @@ import qstats
 from qstats._qparams import experts_qparams, per_expert_qparams
 
 transformers = pytest.importorskip("transformers")
-EXPERTS = "model.layers.0.mlp.experts"
+from test_export_experts_shared_global_scale import EXPERTS, _with_global_scales  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +26,6 @@ def calibrated():
     batches = [{"input_ids": torch.randint(1, 64, (1, 12), generator=torch.Generator().manual_seed(1))}]
     states = qstats.calibrate(model, batches, plan, progress=False, all_experts=True)
     return model, plan, batches, states, qstats.compute_qparams_tree(states, plan)
-
-
-def _with_global_scales(qparams, make):
-    """``qparams`` whose experts' sites take the global scale ``make(smallest per-expert global scale)``."""
-    changed = {path: dict(sites) for path, sites in qparams.items()}
-    for site, qp in qparams[EXPERTS].items():
-        changed[EXPERTS][site] = qp._replace(global_scale=make(qp.global_scale.amin()))
-    return changed
 
 
 def _repeated(g):
