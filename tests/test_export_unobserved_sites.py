@@ -1,8 +1,8 @@
 """Modules the calibration forward never reached (a head it does not run, a vision tower under text
 data): their weight states saw data, their activation states none, so `compute_qparams_tree` gives
 them weight qparams only. The export refuses a static (calibrated) activation site it has no qparams
-for, which it used to drop silently (an FP8 recipe wrote those modules weights-only), and writes a
-dynamic (per-token) one as a reached module's."""
+for (written without it, an FP8 recipe's module would be weights-only), and writes a dynamic
+(per-token) one as a reached module's."""
 
 from __future__ import annotations
 
