@@ -1,5 +1,5 @@
-"""`calibrate_layerwise` checks each batch's observation weight when it captures the batch, under
-its own name (it was checked only by the first layer's `calibrate`, under that name)."""
+"""`calibrate_layerwise` checks each batch's observation weight when it captures the batch, and its
+errors name `calibrate_layerwise` (not the `calibrate` it runs per layer)."""
 
 import pytest
 import torch

@@ -47,8 +47,8 @@ def test_qparams_of_a_site_the_recipe_does_not_observe_on_this_model_are_refused
 
 @pytest.mark.parametrize("entry", ["state", None])
 def test_a_states_entry_that_is_not_a_mapping_of_sites_is_named(entry):
-    """A module's state given in place of its ``{site: state}`` mapping (or None) failed with an
-    AttributeError ("'MinMaxState' object has no attribute 'items'") after every site was measured."""
+    """A module's state given in place of its ``{site: state}`` mapping (or None) raises a TypeError
+    naming the entry, before any site is measured."""
     model, recipe, _, states, qparams = _calibrated()
     bad = {**states, "0": states["0"]["weight"] if entry == "state" else None}
     got = "MinMaxState" if entry == "state" else "NoneType"
