@@ -1,6 +1,6 @@
 """A mapping of preset names to their targets with a misspelt preset among them is refused as
-llm-compressor's ``QuantizationModifier(scheme=...)`` refuses it, naming the unknown name (it was
-read as a dict of ``QuantizationScheme`` fields and named every key an extra field)."""
+llm-compressor's ``QuantizationModifier(scheme=...)`` refuses it, naming the unknown name (not every
+key as an extra ``QuantizationScheme`` field)."""
 
 import pytest
 

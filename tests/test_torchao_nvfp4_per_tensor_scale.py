@@ -1,8 +1,8 @@
 """from_torchao(nvfp4=True, per_tensor_scale=...) against torchao's ``NVFP4Tensor.to_nvfp4``.
 
 torchao's ``per_tensor_scale`` is a tensor (a calibrated global scale); from_torchao's is a flag. A
-tensor or number is refused (it was read by its truth value: its value ignored, a zero tensor
-silently meaning block scales only), and the route the error names, ``compute_qparams(...,
+tensor or number is refused (its truth value would ignore its value, a zero tensor meaning block
+scales only), and the route the error names, ``compute_qparams(...,
 global_scale=tensor)``, reproduces torchao with that tensor bit for bit.
 """
 
