@@ -106,7 +106,7 @@ def _logits(family: str, recipe, folder: str, dtype=torch.float32) -> tuple:
 
 
 RECIPES = {
-    # the routed hidden states only: down_proj's input stays float, in the checkpoint too (quantized there, logits 2e-4 apart)
+    # the routed hidden states only: down_proj's input stays float, in the checkpoint too
     "experts input dynamic": [qstats.Rule(EXPERTS, sites=("gate_up_proj", "down_proj"), spec=INT8_CHANNEL),
                               qstats.Rule(EXPERTS, sites=("input",), spec=FP8_TOKEN)],
     "experts inputs dynamic": [qstats.Rule(EXPERTS, sites=("gate_up_proj", "down_proj"), spec=INT8_CHANNEL),
