@@ -1,7 +1,7 @@
 """A fused group given as a NamedTuple of states (``QKV(q=..., k=..., v=...)``, a sequence as the
 docs ask for) is read as its members, as the list of them is: the shared global scale is
-compressed-tensors' ``generate_gparam`` over all of their values. It was taken for one stacked state
-and refused with "no range rule for QKV"."""
+compressed-tensors' ``generate_gparam`` over all of their values, not one stacked state (whose
+class would need a range rule)."""
 
 from typing import NamedTuple
 
