@@ -1,6 +1,6 @@
 """from_torchao's granularity arguments: ``granularity=`` or torchao's ``block_size=`` (with
 ``shape=``), each alone equal to torchao's ``choose_qparams_affine`` with that block size; both
-together are refused (``block_size`` was dropped silently, whatever blocks it named)."""
+together are refused (one of them would be ignored, whatever blocks it named)."""
 
 import warnings
 
