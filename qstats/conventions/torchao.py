@@ -78,7 +78,7 @@ def _granularity(kwargs) -> Granularity:
     block_size = kwargs.pop("block_size", None)
     shape = kwargs.pop("shape", None)
     if granularity is not None and block_size is not None:
-        # either one alone chooses the blocks; block_size was dropped, whatever it said
+        # either one alone chooses the blocks: with both, one of them would be ignored
         raise ValueError(
             f"from_torchao: pass granularity= ({granularity!r}) or block_size= ({tuple(block_size)!r}) with shape=, "
             "not both"
