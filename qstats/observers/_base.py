@@ -19,8 +19,6 @@ from typing import Any, Generic, NamedTuple, Optional, Protocol, TypeVar
 
 import torch
 
-from .._granularity import check_observable
-
 __all__ = [
     "Observer",
     "register_state",
@@ -30,7 +28,6 @@ __all__ = [
     "check_merge_states",
     "check_same_shapes",
     "row_mask",
-    "checked_rows",
     "batch_weighted_mean",
 ]
 
@@ -210,17 +207,6 @@ def row_mask(x: torch.Tensor, weight: Optional[torch.Tensor], where: str) -> Opt
         )
     keep = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - 1 - weight.ndim)) != 0
     return keep.expand(x.shape[:-1]).reshape(-1)
-
-
-def checked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], features: int, where: str) -> Optional[torch.Tensor]:
-    """`row_mask` of the input ``x`` of a layer whose last dimension holds the state's ``features``
-    (input channels), after TypeError for a tensor no observer reduces (`check_observable`) and
-    ValueError naming both when ``x``'s last dimension is not ``features``."""
-    check_observable(x, where)
-    if x.ndim == 0 or x.shape[-1] != features:
-        raise ValueError(f"{where}: inputs of shape {tuple(x.shape)} have {x.shape[-1] if x.ndim else 0} features "
-                         f"(input channels, the last dimension), but the state has {features}")
-    return row_mask(x, weight, where)
 
 
 def batch_weighted_mean(u: torch.Tensor, v: torch.Tensor, u_batches: torch.Tensor, v_batches: torch.Tensor):

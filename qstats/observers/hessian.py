@@ -29,7 +29,8 @@ from .._checks import require
 from .._gram import add_masked_gram
 from .._qparams import register_range_rule
 from .._spec import QuantSpec
-from ._base import Observer, check_field_dtype, check_same_shapes, check_state, checked_rows, register_state
+from ._base import Observer, check_field_dtype, check_same_shapes, check_state, register_state
+from .kit import checked_rows
 
 __all__ = ["HessianState", "hessian", "gptq_hessian"]
 

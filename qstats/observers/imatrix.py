@@ -16,7 +16,8 @@ import torch
 
 from .._granularity import canonical_view
 from .._spec import QuantSpec
-from ._base import Observer, check_field_dtype, check_same_shapes, check_state, checked_rows, register_state
+from ._base import Observer, check_field_dtype, check_same_shapes, check_state, register_state
+from .kit import checked_rows
 from .mse import check_search_args, mse
 
 __all__ = ["IMatrixState", "imatrix", "importance", "imatrix_mse"]

@@ -21,6 +21,7 @@ from .._granularity import (
     PerHead,
     PerTensor,
     canonical_view,
+    check_observable,
     checked_view,
     qparam_shape,
     weight_view,
@@ -38,6 +39,7 @@ from ._base import (
     check_same_shapes,
     check_state,
     register_state,
+    row_mask,
 )
 
 __all__ = [
@@ -97,6 +99,17 @@ def masked_view(x: torch.Tensor, weight: Optional[torch.Tensor], spec: QuantSpec
     view = checked_view(x, spec.granularity, expected_shape, where)
     mask = weight_view(x, weight, spec.granularity)
     return view, None if mask is None else (mask != 0).expand(view.shape)
+
+
+def checked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], features: int, where: str) -> Optional[torch.Tensor]:
+    """`row_mask` of the input ``x`` of a layer whose last dimension holds the state's ``features``
+    (input channels), after TypeError for a tensor no observer reduces (`check_observable`) and
+    ValueError naming both when ``x``'s last dimension is not ``features``."""
+    check_observable(x, where)
+    if x.ndim == 0 or x.shape[-1] != features:
+        raise ValueError(f"{where}: inputs of shape {tuple(x.shape)} have {x.shape[-1] if x.ndim else 0} features "
+                         f"(input channels, the last dimension), but the state has {features}")
+    return row_mask(x, weight, where)
 
 
 def _row_granularity(x: torch.Tensor, weight: torch.Tensor, granularity):
