@@ -585,7 +585,7 @@ def test_l2_with_extremes_on_bucket_edges(data, dtype, mapping):
     assert torch.equal(batched.scale[1], eager.scale) and torch.equal(batched.zero_point[1], eager.zero_point)
 
 
-# --- found in review: two-level (NVFP4) specs and compiled searches ----------------------------
+# --- two-level (NVFP4) specs and compiled searches ---------------------------------------------
 
 
 @pytest.mark.parametrize("method", ["l2", "mse", "entropy", "percentile", "minmax"])
@@ -722,7 +722,7 @@ def test_bins_is_the_former_name_of_buckets_per_octave():
         qstats.histogram(spec, buckets_per_octave=16, bins=16)
 
 
-# --- found in review: symmetric_no_clipping_err, float64 inputs past float32 ---------------------
+# --- symmetric_no_clipping_err, float64 inputs past float32 --------------------------------------
 
 
 @pytest.mark.parametrize("method", ["l2", "mse"])

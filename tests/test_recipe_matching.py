@@ -402,7 +402,7 @@ def test_a_native_recipe_ignore_names_module_paths_only():
     assert {path: sorted(entry) for path, entry in plan.sites.items()} == expected
 
 
-@pytest.mark.xfail(strict=True, reason="review-experts-match: an ignore naming the stacked experts module itself "
+@pytest.mark.xfail(strict=True, reason="an ignore naming the stacked experts module itself "
                    "ignores its stack in qstats; compressed-tensors matches ignore against the linearized Linears only "
                    "(the container becomes LinearExperts2D), so llm-compressor quantizes them")
 @pytest.mark.parametrize("ignore", ["model.layers.0.mlp.experts", "Qwen3MoeExperts", "re:.*experts$"])
