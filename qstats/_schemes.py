@@ -204,7 +204,7 @@ _EXPERT_SITES = {"weight": ("gate_up_proj", "down_proj"), "input": ("input", "do
 _LINEARIZED_SITES = {**_EXPERT_SITES, "weight": ("gate_up_proj", "up_proj", "down_proj")}
 
 
-def _matches(targets: tuple, path: str, module) -> bool:
+def matches_targets(targets: tuple, path: str, module) -> bool:
     """Whether a module at ``path`` is one of ``targets``: a ``re:`` full match of the path, the path, or a class name."""
     for target in targets:
         if target.startswith("re:"):
@@ -234,7 +234,7 @@ class ExpertsMatch:
     ignore: tuple = ()
 
     def __call__(self, path: str, module) -> bool:
-        return _matches(self.targets, path, module)
+        return matches_targets(self.targets, path, module)
 
     def sites_on(self, path: str, module, sites: tuple) -> tuple:
         if not self(path, module):

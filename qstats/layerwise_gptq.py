@@ -23,7 +23,7 @@ import torch
 
 from ._formats import COMPUTE_DTYPE_NAMES
 from .calibration import compute_qparams_tree
-from .export.checkpoint import _embeddings, check_new_folder, write_index, write_tensors
+from .export.checkpoint import check_new_folder, embedding_modules, write_index, write_tensors
 from .experts import UncalibratedWarning
 from .gptq_quantize import check_options, gptq
 from . import distributed
@@ -86,7 +86,7 @@ def _check_untied(plan: Plan, targets: dict) -> None:
     names: dict = {}
     for name, parameter in plan.model.named_parameters(remove_duplicate=False):
         names.setdefault(id(parameter), []).append(name)
-    embeddings = _embeddings(plan.model)  # [input, output] of a transformers model
+    embeddings = embedding_modules(plan.model)  # [input, output] of a transformers model
     for path, site in targets:
         weight = getattr(plan.modules[path], site)
         tied = names.get(id(weight), [])

@@ -18,8 +18,8 @@ import torch
 from ._checkpoint_names import module_renamer
 from ._granularity import PerBlock, PerGroup, PerTensor, TensorGroup
 from ._rule_data import recipe_fields
-from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, _matches, child_projection,
-                       compressed_tensors_ignore, config_rules, scheme_rules, with_checkpoint_ignore)
+from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, child_projection, compressed_tensors_ignore,
+                       config_rules, matches_targets, scheme_rules, with_checkpoint_ignore)
 from ._spec import QuantSpec
 from ._torch_features import dtype_named, uncompiled
 from .experts import (expert_count, is_stacked_parameter, linearized_experts, own_parameters, parameter_input_site,
@@ -81,7 +81,7 @@ def _ignored_module(ignore: tuple, path: str, module: torch.nn.Module, rename: C
     (``rename``, `_checkpoint_names.module_renamer`): compressed-tensors writes a checkpoint's
     ``ignore`` list under the names ``save_pretrained`` gives (Mixtral's ``block_sparse_moe.gate``
     for the model's ``mlp.gate``)."""
-    return _matches(ignore, path, module) or _matches(ignore, rename(path), module)
+    return matches_targets(ignore, path, module) or matches_targets(ignore, rename(path), module)
 
 
 def _unmatched_ignore(ignore: tuple, modules: dict, rename: Callable[[str], str]) -> list:
@@ -181,7 +181,7 @@ class Rule:
         """Whether this rule selects the module at ``path`` (its ``matcher``, else its ``targets``)."""
         if self.matcher is not None:
             return bool(self.matcher(path, module))
-        return _matches(self.targets, path, module)
+        return matches_targets(self.targets, path, module)
 
     def sites_on(self, path: str, module: Optional[torch.nn.Module]) -> tuple:
         """The sites of the module at ``path`` this rule covers: its ``sites`` where it `matches`,
@@ -574,7 +574,7 @@ class Recipe:
 
     def rule_for(self, path: str, site: str, module: Optional[torch.nn.Module] = None) -> Optional[Rule]:
         """The first rule covering ``site`` of the module at ``path`` (None when none, or ignored)."""
-        if _matches(self.ignore, path, module):
+        if matches_targets(self.ignore, path, module):
             return None
         return next((rule for rule in self.rules if site in rule.sites_on(path, module)), None)
 

@@ -13,11 +13,12 @@ import torch
 
 from .._granularity import TensorGroup
 from .._qparams import QParams
+from .._schemes import matches_targets
 from .._spec import QuantSpec
 from ..experts import UncalibratedWarning, expert_count
 from ..fused import fused_groups
 from ..gptq_quantize import check_actorder
-from ..recipe import Plan, Recipe, _matches, as_plan
+from ..recipe import Plan, Recipe, as_plan
 from .attention import attention_config, write_attention
 from .config import (ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, ignored_modules,
                      llm_compressor_observers)
@@ -488,7 +489,7 @@ def without_tied_copies(model: torch.nn.Module, tensors: dict) -> dict:
     return {name: tensor for name, tensor in tensors.items() if name not in drop}
 
 
-def _embeddings(model: torch.nn.Module) -> list:
+def embedding_modules(model: torch.nn.Module) -> list:
     """``[input, output]`` embedding modules of a transformers model (``get_input_embeddings`` and
     ``get_output_embeddings``); fewer where it has none."""
     found = []
@@ -506,7 +507,7 @@ def retied_copies(model: torch.nn.Module, tensors: dict) -> set:
     alike by a recipe on ``Linear`` and ``Embedding``), else none. llm-compressor's save re-ties such
     embeddings (its ``_retie_embeddings``): it writes the input embeddings' tensors alone, with
     ``tie_word_embeddings`` true."""
-    embeddings = _embeddings(model)
+    embeddings = embedding_modules(model)
     if len(embeddings) != 2 or embeddings[0] is embeddings[1]:
         return set()
     paths = {id(module): path for path, module in model.named_modules()}  # each module's first path
@@ -579,14 +580,15 @@ def _quantizes_a_tied_weight(model: torch.nn.Module, quantization_config: dict) 
     tied = {path for paths in owners.values() if len(paths) > 1 for path in paths}
     modules = dict(model.named_modules(remove_duplicate=False))
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        embeddings = _embeddings(model)
+        embeddings = embedding_modules(model)
         tied.update(path for path, module in modules.items() if any(module is e for e in embeddings))
     if not tied:
         return False
     ignore = set(quantization_config.get("ignore") or ())
     rename = module_renamer(model)  # the config names modules as the checkpoint does
     return any(
-        rename(path) not in ignore and _matches(tuple(group.get("targets") or ()), rename(path), modules.get(path))
+        rename(path) not in ignore
+        and matches_targets(tuple(group.get("targets") or ()), rename(path), modules.get(path))
         for group in quantization_config.get("config_groups", {}).values()
         if group.get("weights") is not None
         for path in tied
