@@ -377,7 +377,8 @@ def test_a_checkpoint_saved_before_qparams_had_minval_still_loads(tmp_path):
     """Files written with the four-field QParams load with ``minval`` None and every other field bit for
     bit; they fake-quantize, slice per expert and save again as before. A file missing a field without
     a default still raises."""
-    from qstats.export.experts import _slice_qparams, fill_uncovered_experts
+    from qstats._qparams import experts_qparams
+    from qstats.export.experts import fill_uncovered_experts
 
     spec = qstats.QuantSpec(dtype="int8", mapping="asymmetric", granularity=qstats.PerAxis(0))
     fields = {"scale": torch.tensor([[0.5, 0.25], [1.0, 0.125]]),
@@ -387,7 +388,7 @@ def test_a_checkpoint_saved_before_qparams_had_minval_still_loads(tmp_path):
     assert type(loaded) is qstats.QParams and loaded.minval is None
     for name, value in fields.items():
         assert torch.equal(getattr(loaded, name), value) and getattr(loaded, name).dtype == value.dtype
-    expert = _slice_qparams(loaded, 0)
+    expert = experts_qparams(loaded, 0)
     assert expert.minval is None and torch.equal(expert.scale, fields["scale"][0])
     codes = torch.tensor([[-128.0, 5.0], [127.0, 0.0]]).T  # rows are channels: x = (q - zp) * scale
     x = (codes - fields["zero_point"][0].float()) * fields["scale"][0]

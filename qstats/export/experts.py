@@ -13,8 +13,7 @@ from typing import Mapping, Optional
 import torch
 
 from .._granularity import PerBlock, PerTensor, TensorGroup
-from .._qparams import QParams, per_expert_qparams
-from .._qparams import experts_qparams as _slice_qparams  # the name tests import
+from .._qparams import QParams, experts_qparams, per_expert_qparams
 from .._spec import QuantSpec
 from .config import fail
 from .linear import Entry
@@ -155,7 +154,7 @@ def expert_entries(
 
     def site(name: str, expert: int, where: Optional[str] = None) -> tuple:
         """The entry site ``(QParams, spec, where, dynamic)`` of stacked site ``name`` cut to ``expert``."""
-        qp = _slice_qparams(sites.get(name), expert)
+        qp = experts_qparams(sites.get(name), expert)
         return qp, specs.get(name), where or f"{path}/{name}[{expert}]", name in dynamic
 
     entries = []
