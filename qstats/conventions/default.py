@@ -21,6 +21,7 @@ __all__ = [
     "check_symmetric_zero_point",
     "check_zero_point_kept",
     "integer_dtype_holds",
+    "round_scale",
 ]
 
 
@@ -91,7 +92,7 @@ class Convention:
         if spec.mapping == "asymmetric" and spec.zero_point_domain == "float":
             scale = (max_val - min_val) / float(qmax - qmin)
             scale = torch.where(scale > eps, scale, torch.ones_like(scale))
-            return _round_scale(scale, spec), -1 * min_val / scale
+            return round_scale(scale, getattr(torch, spec.scale_dtype)), -1 * min_val / scale
         min_val_neg = min_val.clamp(max=0.0)
         max_val_pos = max_val.clamp(min=0.0)
         if spec.mapping == "asymmetric":
@@ -110,7 +111,7 @@ class Convention:
             zero_point = torch.full_like(scale, spec.zero_point_of_symmetric, dtype=torch.int32)
         if spec.zero_point_domain == "none":
             zero_point = torch.zeros_like(scale, dtype=torch.int32)
-        return _round_scale(scale, spec), zero_point
+        return round_scale(scale, getattr(torch, spec.scale_dtype)), zero_point
 
     # ----------------------------------------------------------------------------------------
     # codes
@@ -155,10 +156,9 @@ class Convention:
         return _formats.e8m0_scale(amax, spec)
 
 
-def _round_scale(scale: torch.Tensor, spec) -> torch.Tensor:
-    """float32 ``scale`` rounded to ``spec.scale_dtype`` (held as float32)."""
-    dtype = getattr(torch, spec.scale_dtype)
-    if spec.scale_dtype in ("float8_e4m3fn", "float16", "bfloat16"):
+def round_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale`` rounded to the scale dtype ``dtype`` (held as float32)."""
+    if dtype in (torch.float8_e4m3fn, torch.float16, torch.bfloat16):
         # narrow exponent ranges: the largest finite scale instead of an overflow to Inf or NaN,
         # and the smallest positive one (a subnormal) instead of an underflow to zero (the eps
         # floor, applied in float32, lies below it for float8: 2**-9); bfloat16 rounds float32

@@ -15,7 +15,7 @@ from .._checks import is_real_number
 from .._formats import COMPUTE_DTYPE_NAMES, E8M0_MIN, compute_dtype_name, _largest_finite_exponent, e8m0_to_float
 from .._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import torch_dtype
-from .default import Convention
+from .default import Convention, round_scale
 
 __all__ = ["TorchaoConvention", "from_torchao"]
 
@@ -421,17 +421,6 @@ def _span_scale(low, high, levels: float, compute):
     return torch.where(torch.isfinite(scale), scale, _saturate(high / levels - low / levels, compute))
 
 
-def _to_scale_dtype(scale, scale_dtype):
-    """``scale`` rounded to ``scale_dtype``, as float32, saturated to that dtype's largest and smallest
-    positive values where torchao's would be Inf or 0.
-    """
-    scale = scale.float()
-    if scale_dtype in (torch.bfloat16, torch.float16):
-        finfo = torch.finfo(scale_dtype)
-        scale = scale.clamp(finfo.tiny * finfo.eps, finfo.max)
-    return scale.to(scale_dtype).float()
-
-
 def _affine_scale(min_val_neg, max_val_pos, spec, compute):
     """torchao's scale of a range (zero included or not) in ``compute``, before the eps floor and
     saturated where torchao's overflows (only int1/uint1 halve their symmetric divisor)."""
@@ -490,7 +479,7 @@ class TorchaoConvention(Convention):
         if spec.zero_point_domain == "float":
             scale = torch.clamp(_span_scale(min_val, max_val, float(qmax - qmin), compute), min=spec.eps)
             zero_point = _saturate(min_val + scale * ((qmax + qmin + 1) / 2), compute)
-            return _to_scale_dtype(scale, scale_dtype), zero_point.float()
+            return round_scale(scale.float(), scale_dtype), zero_point.float()
         if spec.preserve_zero:
             min_val = torch.min(min_val, torch.zeros_like(min_val))
             max_val = torch.max(max_val, torch.zeros_like(max_val))
@@ -504,7 +493,7 @@ class TorchaoConvention(Convention):
         zero_point = zero_point.to(torch.int32).clamp(qmin, qmax)
         if spec.zero_point_domain == "none":
             zero_point = torch.zeros_like(zero_point)
-        return _to_scale_dtype(scale, scale_dtype), zero_point
+        return round_scale(scale.float(), scale_dtype), zero_point
 
     def codes(self, view, scale, zero_point, spec):
         """torchao's ``_quantize_affine*_no_dtype_cast`` in its dtypes: the input in
