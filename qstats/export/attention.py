@@ -10,8 +10,9 @@ from typing import Mapping, Optional
 
 import torch
 
-from .config import code_offset, fail, quantization_args
-from .scales import check_qparams, check_scales, module_dtype, qparam_shape, zero_point
+from .config import fail, quantization_args
+from .linear import static_site, write_qparams
+from .scales import module_dtype
 
 __all__ = ["attention_config", "write_attention"]
 
@@ -31,20 +32,10 @@ def write_attention(
         spec = specs.get(site)
         if spec is None:
             raise ValueError(f"export.compressed_tensors: no spec for {where}")
-        args = quantization_args(spec, site, where, site in dynamic)  # refuses dynamic q/k/v
-        qp = check_qparams(qp, where)
-        offset = code_offset(spec, where)
-        if not bool(qp.calibrated.all()):
-            log["uncalibrated"].append(where)
-        stored = qp.scale.to(dtype)
-        check_scales(stored, where, f"{site} scales in {dtype}")
-        if not torch.equal(stored.float(), qp.scale.float()):
-            log["rounded"].append(where)
-        shape = qparam_shape(qp.scale, "tensor", where)
-        tensors[f"{prefix}{site}_scale"] = stored.reshape(shape).clone()
-        zero = zero_point(qp, args, offset, shape, where)
-        if zero is not None:
-            tensors[f"{prefix}{site}_zero_point"] = zero
+        # per tensor, static and in ``dtype``: quantization_args refuses other q/k/v specs
+        args = quantization_args(spec, site, where, site in dynamic)
+        stored = static_site(qp, spec, args, site, where, dtype, prefix, log)
+        write_qparams(stored, site, dtype, None, tensors, log)
         written[site] = args
     _check_attention_sites(path, written)
     # transformers' position_embeddings: rotary cos/sin applied to q and k after their projections

@@ -17,7 +17,7 @@ from .config import allowed_formats, code_offset, default_format, fail, quantiza
 from .packing import pack_fp4, pack_int32, signed_int8
 from .scales import check_qparams, check_scales, qparam_shape, scale_dtype, zero_point
 
-__all__ = ["Entry", "SITE_PREFIX", "linear_entry", "write_linear"]
+__all__ = ["Entry", "SITE_PREFIX", "linear_entry", "static_site", "write_linear", "write_qparams"]
 
 SITE_PREFIX = {"weight": "weight", "input": "input", "output": "output"}
 
@@ -83,18 +83,14 @@ def write_linear(entry: Entry, format: Optional[str], tensors: dict, dropped: se
         scheme[site] = args
         if site != "weight" and not spec.is_float and spec.convention.name != "compressed_tensors":
             log["activation_rounding"].append(where)
-        if args["dynamic"] is True and site != "weight":
-            continue  # dynamic activations: scales at run time, nothing written
+        if args["dynamic"] is True:
+            continue  # dynamic activations (weights never are): scales at run time, nothing written
         _log_compute_dtype(spec, entry.dtype, where, log)
-        qp = check_qparams(qp, where)
-        offset = code_offset(spec, where)
-        qp = _stored_scales(qp, args, entry.dtype, f"{site} scales", where, log)
-        written = _Site(qp, spec, args, where, offset, prefix)
+        written = static_site(qp, spec, args, site, where, entry.dtype, prefix, log)
         module_format = (format or default_format(args, input_args)) if site == "weight" else None
         if site == "weight":
             _write_weight(entry, written, module_format, tensors, dropped)
-        if args["dynamic"] is not True:
-            _write_qparams(written, site, entry.dtype, module_format, tensors, log)
+        write_qparams(written, site, entry.dtype, module_format, tensors, log)
     return scheme
 
 
@@ -111,18 +107,20 @@ def _log_compute_dtype(spec: QuantSpec, dtype: torch.dtype, where: str, log: dic
         log["compute_dtype"].append(where)
 
 
-def _stored_scales(qp: QParams, args: dict, dtype: torch.dtype, what: str, where: str, log: dict) -> QParams:
-    """Scales are stored in the module's dtype (as compressed-tensors does); codes are computed with
-    the stored scales so the checkpoint is self-consistent (a rounding is logged). Two-level, MX
-    and dynamic args keep theirs."""
-    if args["strategy"] == "tensor_group" or args["dynamic"] is True or args.get("scale_dtype") == "torch.uint8":
-        return qp
-    stored = qp.scale.to(dtype)
-    check_scales(stored, where, f"{what} in {dtype}")
-    if torch.equal(stored.float(), qp.scale.float()):
-        return qp
-    log["rounded"].append(where)
-    return qp._replace(scale=stored.float())
+def static_site(qp, spec: QuantSpec, args: dict, site: str, where: str, dtype: torch.dtype, prefix: str,
+                log: dict) -> _Site:
+    """A site whose scales the checkpoint holds, its QParams checked. Scales are stored in the
+    module's ``dtype`` (as compressed-tensors does); codes are computed with the stored scales so the
+    checkpoint is self-consistent (a rounding is logged). Two-level and MX args keep theirs."""
+    qp = check_qparams(qp, where)
+    offset = code_offset(spec, where)
+    if args["strategy"] != "tensor_group" and args.get("scale_dtype") != "torch.uint8":
+        stored = qp.scale.to(dtype)
+        check_scales(stored, where, f"{site} scales in {dtype}")
+        if not torch.equal(stored.float(), qp.scale.float()):
+            log["rounded"].append(where)
+            qp = qp._replace(scale=stored.float())
+    return _Site(qp, spec, args, where, offset, prefix)
 
 
 def _write_weight(entry: Entry, site: _Site, module_format: str, tensors: dict, dropped: set) -> None:
@@ -171,7 +169,7 @@ def _positive_zero(codes: torch.Tensor, weight: torch.Tensor, spec: QuantSpec) -
     return torch.where(negative_zero, torch.zeros_like(codes), codes)
 
 
-def _write_qparams(site: _Site, name: str, dtype, module_format, tensors: dict, log: dict) -> None:
+def write_qparams(site: _Site, name: str, dtype, module_format, tensors: dict, log: dict) -> None:
     """The scales (and zero points) of a static site: e8m0 exponents for MX, global and fp8 group
     scales for two-level specs (the global scale alone for a locally dynamic NVFP4 input), else
     scales in ``dtype`` and int8 (or packed) zero points."""
