@@ -17,7 +17,7 @@ from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name
 from .._granularity import PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import dtype_named
 from .default import (Convention, check_preserve_zero, check_range_within_dtype, check_symmetric_zero_point,
-                      integer_dtype_holds)
+                      integer_dtype_holds, saturate)
 from .._warn import warn
 
 __all__ = ["CompressedTensorsConvention", "from_compressed_tensors"]
@@ -437,10 +437,7 @@ class CompressedTensorsConvention(Convention):
         compute = getattr(torch, spec.compute_dtype)
         values = codes.float().to(compute) - zero_point.to(compute)
         product = values.float() * scale.to(compute).float()
-        if compute != torch.float32:
-            limit = torch.finfo(compute).max
-            product = product.clamp(-limit, limit)
-        return product.to(compute).float()
+        return saturate(product, compute).to(compute).float()
 
     def block_scaled(self, view, scale, spec):
         """As compressed-tensors divides ``view`` (bf16, fp16, float32 or float64) by its scale held in

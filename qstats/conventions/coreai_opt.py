@@ -17,7 +17,7 @@ import torch
 from .._formats import compute_dtype_name
 from .._torch_features import bitcast
 from .._granularity import PerAxis, PerTensor
-from .default import Convention
+from .default import Convention, saturate
 from .torchao import TorchaoConvention, _block_size_granularity
 
 __all__ = ["CoreaiOptConvention", "spec_from_coreai_opt", "block_size"]
@@ -85,8 +85,7 @@ def _in_input_dtype(spec, *tensors):
     compute = getattr(torch, spec.compute_dtype)
     if compute == torch.float32:
         return tensors
-    limit = torch.finfo(compute).max
-    return tuple(rounded_to_half(t.float().clamp(-limit, limit), compute) for t in tensors)
+    return tuple(rounded_to_half(saturate(t.float(), compute), compute) for t in tensors)
 
 
 def rounded_to_half(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

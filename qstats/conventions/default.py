@@ -22,6 +22,7 @@ __all__ = [
     "check_zero_point_kept",
     "integer_dtype_holds",
     "round_scale",
+    "saturate",
 ]
 
 
@@ -154,6 +155,12 @@ class Convention:
     def e8m0_scale(self, amax: torch.Tensor, spec) -> torch.Tensor:
         """Power-of-two (MX) scales of blocks of absolute maximum ``amax`` (float32)."""
         return _formats.e8m0_scale(amax, spec)
+
+
+def saturate(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float ``t`` clamped to ``dtype``'s finite range (unchanged where it lies within it)."""
+    limit = torch.finfo(dtype).max
+    return t if limit >= torch.finfo(t.dtype).max else t.clamp(-limit, limit)
 
 
 def round_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -15,7 +15,7 @@ from .._checks import is_real_number
 from .._formats import COMPUTE_DTYPE_NAMES, E8M0_MIN, compute_dtype_name, _largest_finite_exponent, e8m0_to_float
 from .._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import torch_dtype
-from .default import Convention, round_scale
+from .default import Convention, round_scale, saturate
 
 __all__ = ["TorchaoConvention", "from_torchao"]
 
@@ -408,17 +408,11 @@ def _own_arithmetic(spec) -> bool:
     )
 
 
-def _saturate(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` clamped to ``dtype``'s finite range (unchanged where it lies within it)."""
-    limit = torch.finfo(dtype).max
-    return t if limit >= torch.finfo(t.dtype).max else t.clamp(-limit, limit)
-
-
 def _span_scale(low, high, levels: float, compute):
     """``(high - low) / levels`` in ``compute``, as torchao; where the span overflows ``compute``
     (torchao: an Inf scale), ``high / levels - low / levels``, saturated."""
     scale = (high - low) / levels
-    return torch.where(torch.isfinite(scale), scale, _saturate(high / levels - low / levels, compute))
+    return torch.where(torch.isfinite(scale), scale, saturate(high / levels - low / levels, compute))
 
 
 def _affine_scale(min_val_neg, max_val_pos, spec, compute):
@@ -431,7 +425,7 @@ def _affine_scale(min_val_neg, max_val_pos, spec, compute):
         smin = min_val_neg / float(qmin)
         smax = max_val_pos / float(qmax)
         return torch.where(smin > smax, smin, smax)
-    return _saturate(torch.max(-min_val_neg, max_val_pos) / (float(qmax - qmin) / 2), compute)
+    return saturate(torch.max(-min_val_neg, max_val_pos) / (float(qmax - qmin) / 2), compute)
 
 
 class TorchaoConvention(Convention):
@@ -474,11 +468,11 @@ class TorchaoConvention(Convention):
         if spec.is_float:
             return super().qparams(min_val, max_val, spec)
         compute, scale_dtype = _dtypes(spec)
-        min_val, max_val = (_saturate(t, compute).to(compute) for t in (min_val, max_val))
+        min_val, max_val = (saturate(t, compute).to(compute) for t in (min_val, max_val))
         qmin, qmax = spec.qrange
         if spec.zero_point_domain == "float":
             scale = torch.clamp(_span_scale(min_val, max_val, float(qmax - qmin), compute), min=spec.eps)
-            zero_point = _saturate(min_val + scale * ((qmax + qmin + 1) / 2), compute)
+            zero_point = saturate(min_val + scale * ((qmax + qmin + 1) / 2), compute)
             return round_scale(scale.float(), scale_dtype), zero_point.float()
         if spec.preserve_zero:
             min_val = torch.min(min_val, torch.zeros_like(min_val))
@@ -508,10 +502,10 @@ class TorchaoConvention(Convention):
             unclamped = torch.copysign(unclamped, view.to(unclamped.dtype))
             return unclamped, unclamped.clamp(*spec.qrange)
         compute, scale_dtype = _dtypes(spec)
-        view, scale = _saturate(view.float(), compute).to(compute), scale.to(scale_dtype)
+        view, scale = saturate(view.float(), compute).to(compute), scale.to(scale_dtype)
         qmin, qmax = spec.qrange
         if spec.zero_point_domain == "float":
-            min_val = _saturate(zero_point.to(compute) - scale * ((qmax + qmin + 1) / 2), compute)
+            min_val = saturate(zero_point.to(compute) - scale * ((qmax + qmin + 1) / 2), compute)
             unclamped = torch.round((view - min_val) / scale)
         else:
             scaled = view * (1.0 / scale)
@@ -538,12 +532,12 @@ class TorchaoConvention(Convention):
         if spec.zero_point_domain == "float":
             qmin, qmax = spec.qrange
             dequant = (codes - (qmax + qmin + 1) / 2).to(compute)
-            dequant = _saturate(dequant.to(work) * scale, compute).to(compute)
+            dequant = saturate(dequant.to(work) * scale, compute).to(compute)
             # a sum in the compute dtype: PyTorch forms half sums in float32 and rounds them
-            return _saturate(dequant.float() + zero_point.to(compute).float(), compute).to(compute).float()
+            return saturate(dequant.float() + zero_point.to(compute).float(), compute).to(compute).float()
         if spec.zero_point_domain != "none":
             codes = codes - zero_point.to(compute)
-        return _saturate(codes.to(work) * scale, compute).to(compute).float()
+        return saturate(codes.to(work) * scale, compute).to(compute).float()
 
     def e8m0_scale(self, amax, spec):
         """Float8 ``float8_e8m0fnu`` scales (``"round"``) of bf16/fp16 inputs as torchao's
@@ -553,7 +547,7 @@ class TorchaoConvention(Convention):
         compute = getattr(torch, spec.compute_dtype)
         if not spec.is_float or spec.scale_rounding != "round" or compute == torch.float32:
             return super().e8m0_scale(amax, spec)
-        amax = _saturate(amax.float(), compute).to(compute)
+        amax = saturate(amax.float(), compute).to(compute)
         descale = amax / float(spec.float_format.max)
         # a nonzero amax whose quotient underflows to 0 (fp16 below 448 * 2**-25): torchao's scale
         # is 0 (NaN values); qstats' is the dtype's smallest subnormal, as for float32 scales
