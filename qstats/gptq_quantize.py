@@ -17,7 +17,8 @@ as the original GPTQ; other specs take the min/max of the weight itself.
 
 A weight whose Hessian saw no row falls back to round-to-nearest (`UncalibratedWarning`), as does
 one whose dampened Hessian is not positive definite (a UserWarning; llm-compressor records those
-modules). A NaN or Inf in the Hessian sum or the weight, or in ``qparams`` a NaN, Inf, zero or
+modules). A NaN or Inf in the Hessian sum or the weight (a float64 weight's values past float32's
+range too: GPTQ computes in float32), or in ``qparams`` a NaN, Inf, zero or
 negative scale or global scale or a NaN or Inf zero point, is a ValueError. Input columns that
 never saw a non-zero value (zero diagonal) quantize to zero, as llm-compressor. A Hessian past
 float32's Cholesky range (largest diagonal above 2^64 or below 2^-64) is scaled by a power of 4
@@ -59,10 +60,14 @@ def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor
     raises ValueError; a Hessian that saw no row warns (round-to-nearest). Returns the counts and
     whether a stack's Hessians are all equal (every expert on every token: factored once)."""
     scalar = count.ndim == 0
-    for name, value, dims in (("Hessian sum", total, 2), ("weight", weight, 2)):
-        bad = ~torch.isfinite(value).flatten(start_dim=value.ndim - dims).all(dim=-1)
+    # the weight as the column loop computes it, in float32: a float64 value past float32's range is
+    # Inf there (the Hessian sum is scaled into range first, `_factorable_hessian`)
+    for name, value, past in (("Hessian sum", total, ""),
+                              ("weight", weight.to(torch.float32), " (or float64 values past float32's range, "
+                               "in which GPTQ computes)")):
+        bad = ~torch.isfinite(value).flatten(start_dim=value.ndim - 2).all(dim=-1)
         if bad.any():
-            raise ValueError(f"qstats.gptq: the {name} of {_experts(bad, scalar)} holds NaN or Inf")
+            raise ValueError(f"qstats.gptq: the {name} of {_experts(bad, scalar)} holds NaN or Inf{past}")
     if (count == 0).any():
         warn(
             f"qstats.gptq: the Hessian of {_experts(count == 0, scalar)} saw no input row; those weights are "
