@@ -101,9 +101,10 @@ def _refuse_layout(path: str, module: torch.nn.Module, params: dict, first: str)
 
 
 def _stacked_parameters(path: str, module: torch.nn.Module, sites: Mapping, num_experts: int) -> tuple:
-    """``(first, up, down)``: the name of the first projection (``gate_up_proj [E, 2I, H]``, gate rows
-    first, or gate-less ``up_proj [E, I, H]``) and the stacks of an exportable experts module, after
-    checking its layout, its sites and the leading expert dimension of their qparams."""
+    """``(first, up, down, sites)``: the name of the first projection (``gate_up_proj [E, 2I, H]``, gate
+    rows first, or gate-less ``up_proj [E, I, H]``), the stacks of an exportable experts module and its
+    sites' qparams with one global scale per expert (`per_expert_qparams`), after checking its layout,
+    its sites and the leading expert dimension of their qparams."""
     params = dict(module.named_parameters(recurse=False))
     first = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
     up, down = params.get(first), params.get("down_proj")
@@ -119,16 +120,14 @@ def _stacked_parameters(path: str, module: torch.nn.Module, sites: Mapping, num_
     if up.shape[1] != rows or down.shape[1] != up.shape[2]:
         fail(path, f"{first} {tuple(up.shape)} and down_proj {tuple(down.shape)} are not the layout "
              f"[E, {'2I' if first == 'gate_up_proj' else 'I'}, H] / [E, H, I]")
+    stacked = dict(sites)
     for site, qp in sites.items():
         if qp is not None:
-            qp = check_qparams(qp, f"{path}/{site}")
-            if qp.scale.dim() < 1 or qp.scale.shape[0] != num_experts:
-                fail(f"{path}/{site}", f"stacked qparams need a leading expert dimension {num_experts}, "
-                     f"got scale of shape {tuple(qp.scale.shape)}")
-            if qp.global_scale is not None and qp.global_scale.numel() not in (1, num_experts):
-                fail(f"{path}/{site}", f"global_scale of shape {tuple(qp.global_scale.shape)} is neither one value "
-                     f"shared by the experts nor one per expert ([{num_experts}])")
-    return first, up.detach(), down.detach()
+            try:  # a leading expert dimension; a shared global scale is repeated per expert
+                stacked[site] = per_expert_qparams(check_qparams(qp, f"{path}/{site}"), num_experts)
+            except ValueError as error:
+                fail(f"{path}/{site}", str(error))
+    return first, up.detach(), down.detach(), stacked
 
 
 def expert_entries(
@@ -143,12 +142,10 @@ def expert_entries(
     """Per-expert Linear entries of a stacked experts module; a projection without qparams is written
     unquantized into ``tensors``. ``dynamic``: activation sites whose scales come at run time.
     """
-    first, up, down = _stacked_parameters(path, module, sites, num_experts)
+    first, up, down, sites = _stacked_parameters(path, module, sites, num_experts)
     dtype = scale_dtype(module, up)
     # the routed hidden states: "<first>.input" equals "input"
     input_name = f"{first}.input" if f"{first}.input" in sites else "input"
-    # checked by `_stacked_parameters`: a shared global scale repeated per expert
-    sites = {site: per_expert_qparams(qp, num_experts) for site, qp in sites.items()}
     sites = {site: fill_uncovered_experts(qp, specs.get(site)) if site in _INPUT_SITES else qp
              for site, qp in sites.items()}
 
