@@ -16,8 +16,7 @@ import torch
 from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name
 from .._granularity import PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import dtype_named
-from .default import (Convention, check_preserve_zero, check_range_within_dtype, check_symmetric_zero_point,
-                      integer_dtype_holds, saturate)
+from .default import Convention, check_preserve_zero, integer_dtype_holds, saturate
 from .._warn import warn
 
 __all__ = ["CompressedTensorsConvention", "from_compressed_tensors"]
@@ -242,6 +241,11 @@ def check_compressed_tensors_range(spec) -> None:
     """ValueError for a spec whose codes compressed-tensors cannot express: it clamps codes to the signed
     ``[-2**(b-1), 2**(b-1) - 1]`` (or float) range with a symmetric zero point of 0.
     """
+    if spec.symmetric_zero_point not in (None, 0):
+        raise ValueError(
+            f"QuantSpec.symmetric_zero_point {spec.symmetric_zero_point}: compressed-tensors' symmetric zero "
+            "point is 0"
+        )
     if spec.mapping not in ("symmetric", "asymmetric"):
         raise ValueError(
             f"QuantSpec.mapping {spec.mapping!r}: compressed-tensors computes 'symmetric' and 'asymmetric' "
@@ -260,11 +264,6 @@ def check_compressed_tensors_range(spec) -> None:
             f"QuantSpec.quant_min/quant_max [{spec.quant_min}, {spec.quant_max}]: compressed-tensors' codes "
             f"always span [{lo}, {hi}] for {spec.dtype!r}; use convention='torch_ao' or 'torchao' for a "
             "custom range"
-        )
-    if spec.symmetric_zero_point not in (None, 0):
-        raise ValueError(
-            f"QuantSpec.symmetric_zero_point {spec.symmetric_zero_point}: compressed-tensors' symmetric zero "
-            "point is 0"
         )
 
 
@@ -340,8 +339,7 @@ class CompressedTensorsConvention(Convention):
     computes_in_observed_dtype = True
 
     def validate(self, spec) -> None:
-        check_range_within_dtype(spec)
-        check_symmetric_zero_point(spec)
+        # the dtype's own range and zero point 0 only: the default range and zero point checks hold
         check_compressed_tensors_range(spec)
         check_preserve_zero(spec, self)
         if spec.scale_dtype == "float64":
