@@ -27,6 +27,7 @@ from .. import tree as qtree
 from .._qparams import compute_qparams
 from .._quant import fake_quantize
 from .._spec import QuantSpec
+from .._warn import warn
 from ..observers._base import state_types
 
 __all__ = [
@@ -386,6 +387,26 @@ def _spec_of(obs) -> Optional[QuantSpec]:
     return spec if isinstance(spec, QuantSpec) else None
 
 
+def qparams_spec(obs, state, law: str, batch_dims: int = 0) -> Optional[QuantSpec]:
+    """The spec that ``law`` checks ``compute_qparams`` and ``fake_quantize`` with: None when ``obs``
+    carries none, or when its ``state`` holds no quantization statistic, which ``compute_qparams``
+    refuses with TypeError (placeholder, noop and recording, as torch.ao's, carry a spec for the
+    modules that read it, or a state type with no range rule); a warning then says which checks were
+    left out and why. Other errors of ``compute_qparams`` are the law's to report."""
+    spec = _spec_of(obs)
+    if spec is None:
+        return None
+    try:
+        _per_slice(lambda s: compute_qparams(s, spec), batch_dims)(state)
+    except TypeError as error:
+        warn(f"{_name(obs)}: {law}: compute_qparams and fake_quantize not checked, as the state holds no "
+             f"quantization statistic (compute_qparams refused it: {error})")
+        return None
+    except Exception:
+        pass
+    return spec
+
+
 def _row_mask(x: torch.Tensor, batch_dims: int = 0, offset: int = 0, per_slice: bool = True) -> Optional[torch.Tensor]:
     """A 0/1 float32 weight ``x.shape[:batch_dims + 1]`` over the rows (dim ``batch_dims``) of ``x``
     keeping rows ``offset``, ``offset + 2``, ... of the first slice; with ``per_slice`` the next slice
@@ -477,8 +498,8 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
         same(right, right_copy, "merge modified its second argument")
         same(merged, again, "merge gave different results twice")
     same(init, init_copy, "update or merge modified the init state")
-    if spec is not None:
-        merged_copy = _map_tensors(merged, torch.clone)
+    merged_copy = _map_tensors(merged, torch.clone)
+    if qparams_spec(obs, merged, "purity", batch_dims) is not None:
         qparams_of = _per_slice(lambda s: compute_qparams(s, spec), batch_dims)
         qparams = qparams_of(merged)
         same(merged, merged_copy, "compute_qparams modified the state")
@@ -702,7 +723,6 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
     """
     xs = _need(xs, 2, "check_vmap")
     name = _name(obs)
-    spec = _spec_of(obs)
     init = obs.init(xs[0])
     states = [obs.update(init, x) for x in xs]
     if batch_dims:
@@ -724,6 +744,7 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
         vmap_vs_loop("update, weight", obs.update, states, nexts, masks, magnitudes=(stacked_states,))
     merged = vmap_vs_loop("merge", obs.merge, states, qtree.unstack(batched),
                           magnitudes=(stacked_states, batched))
+    spec = qparams_spec(obs, states[0], "vmap", batch_dims)
     if spec is None:
         return
     # a stacked observer's spec is each slice's: compute_qparams and fake_quantize map over the batch dims
