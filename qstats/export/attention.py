@@ -88,18 +88,17 @@ def _is_kv_cache_module(module: torch.nn.Module) -> bool:
     return _forward_takes(module, "past_key_value", "past_key_values")
 
 
-def attention_config(attention: dict, groups: dict, modules: Optional[Mapping] = None, rename=None,
-                     observers: Optional[Mapping] = None) -> Optional[dict]:
+def attention_config(attention: dict, groups: dict, modules: Mapping, rename, observers: Mapping) -> Optional[dict]:
     """The ``kv_cache_scheme`` (k/v sites, one for the whole model) and, for q sites, a config group
     targeting the attention modules (compressed-tensors' attention quantization, whose
-    ``input_activations`` quantize q, k and v), added to ``groups``. With the model's ``modules``,
-    refuses a scheme that leaves some of compressed-tensors' kv-cache modules without k/v scales.
+    ``input_activations`` quantize q, k and v), added to ``groups``. Refuses a scheme that leaves
+    some of compressed-tensors' kv-cache modules (of the model's ``modules``) without k/v scales.
     ``rename``: a module path's checkpoint name (`_checkpoint_names.module_renamer`), for the targets.
     ``observers``: ``{path: {site: (name, observer_kwargs)}}`` (`config.llm_compressor_observers`), the
     observer the args name when every q/k/v site has the same (`_shared_observer`)."""
     if not attention:
         return None
-    uncovered = [path for path, module in (modules or {}).items() if path not in attention and _is_kv_cache_module(module)]
+    uncovered = [path for path, module in modules.items() if path not in attention and _is_kv_cache_module(module)]
     if uncovered:
         shown = ", ".join(uncovered[:4]) + (f", and {len(uncovered) - 4} more" if len(uncovered) > 4 else "")
         fail("kv_cache_scheme", f"compressed-tensors applies the kv-cache scheme to every attention module, and "
@@ -110,13 +109,13 @@ def attention_config(attention: dict, groups: dict, modules: Optional[Mapping] =
         fail("kv_cache_scheme", "compressed-tensors holds one kv-cache scheme per model; the attention "
              f"modules {sorted(attention)} have different q/k/v specs")
     args = next(iter(next(iter(attention.values())).values()))
-    name, kwargs = _shared_observer(attention, observers or {})
+    name, kwargs = _shared_observer(attention, observers)
     query = [path for path, sites in attention.items() if "q" in sites]
     if query:
         if len(query) != len(attention):
             fail("kv_cache_scheme", f"q sites on {query} but not on every attention module with k/v sites")
         groups["attention"] = {
-            "targets": [rename(path) for path in query] if rename else query,
+            "targets": [rename(path) for path in query],
             "weights": None,
             "input_activations": {**args, "observer": name, "observer_kwargs": kwargs},
             "output_activations": None,

@@ -353,11 +353,11 @@ def _quantization_config(schemes: dict, expert_projection: dict, attention: dict
                          rename) -> dict:
     """The ``quantization_config`` of ``config.json``: config groups per scheme, the kv-cache scheme
     and the Linear modules left unquantized (``ignore``), modules under their checkpoint names."""
-    groups = config_groups(schemes, expert_projection, format, modules, plan, rename)
+    observers = llm_compressor_observers(plan, with_kwargs=True) if plan is not None else {}
+    groups = config_groups(schemes, expert_projection, format, modules, observers, rename)
     # as compressed-tensors' infer_model_format: dense groups (activations only) do not count
     formats = {group["format"] for group in groups.values()} - {"dense"}
     top_format = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
-    observers = llm_compressor_observers(plan, with_kwargs=True) if plan is not None else None
     kv_cache_scheme = attention_config(attention, groups, modules, rename, observers)
     ignore = ignored_modules(modules, schemes, rename)
     return {

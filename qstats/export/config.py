@@ -291,7 +291,7 @@ def llm_compressor_observers(plan, with_kwargs: bool = False) -> dict:
     return names
 
 
-def ignored_modules(modules: dict, schemes: dict, rename=None) -> list:
+def ignored_modules(modules: dict, schemes: dict, rename) -> list:
     """The ``ignore`` list, as compressed-tensors' ``QuantizationConfig.from_pretrained`` writes it:
     the unquantized modules of a type some quantized module has (MoE routers and gates count as
     Linear, as vLLM matches them; unpacked experts are Linear), grouped by type in order of first
@@ -299,7 +299,6 @@ def ignored_modules(modules: dict, schemes: dict, rename=None) -> list:
     `names.module_renamer`). A module the recipe's ``ignore`` names but no group could quantize (an
     embedding under Linear groups) is not listed. Stacked experts count as the Linear modules
     llm-compressor linearizes them into (`linearized_experts`): those left unquantized are listed."""
-    rename = rename or (lambda name: name)
     quantized = {vllm_module_type(modules[path]) if path in modules else "Linear" for path in schemes}
     by_type: dict = {}
     for path, module in modules.items():
@@ -334,7 +333,7 @@ def _observer_of(observers: dict, module_path: str, site: str, expert_projection
     return distinct.popitem()[1] if len(distinct) == 1 else (None, {})
 
 
-def _with_observers(scheme: dict, module_path: str, observers: Optional[dict], expert_projection: dict) -> dict:
+def _with_observers(scheme: dict, module_path: str, observers: dict, expert_projection: dict) -> dict:
     if not observers:
         return scheme
     out = {}
@@ -346,11 +345,11 @@ def _with_observers(scheme: dict, module_path: str, observers: Optional[dict], e
     return out
 
 
-def _class_targets(groups: dict, modules: Optional[dict], expert_projection: dict) -> None:
+def _class_targets(groups: dict, modules: dict, expert_projection: dict) -> None:
     """One group of Linear modules only targets ``["Linear"]`` (every other Linear is in the
     ignore list), as llm-compressor writes a one-scheme recipe on ``targets="Linear"``. Unpacked
     experts keep their regexes: transformers' ``get_experts_scheme`` looks for them."""
-    if modules is None or len(groups) != 1 or expert_projection:
+    if len(groups) != 1 or expert_projection:
         return
     (group,) = groups.values()
     paths = group["_paths"]
@@ -369,16 +368,14 @@ def _ignore_covers(modules: dict, paths: list) -> bool:
                for path, module in modules.items() if isinstance(module, torch.nn.Linear))
 
 
-def config_groups(schemes: dict, expert_projection: dict, format: Optional[str], modules: Optional[dict] = None,
-                  plan=None, rename=None) -> dict:
+def config_groups(schemes: dict, expert_projection: dict, format: Optional[str], modules: dict, observers: dict,
+                  rename) -> dict:
     """One config group per distinct (weights, input, output, format) combination, targeting the
     exact module paths, and one regex per projection of unpacked experts; keyed by that
-    combination (insertion order). With the model's ``modules``, a single group of Linear
-    modules targets ``["Linear"]`` instead. With the recipe's ``plan``, the args' ``observer`` and
-    ``observer_kwargs`` are llm-compressor's of the site's observer (`llm_compressor_observer`). ``rename``: a module
-    path's checkpoint name (`names.module_renamer`), for the targets."""
-    rename = rename or (lambda name: name)
-    observers = llm_compressor_observers(plan, with_kwargs=True) if plan is not None else None
+    combination (insertion order). A single group of Linear ``modules`` (the model's) targets
+    ``["Linear"]`` instead. ``observers``: ``{path: {site: (name, observer_kwargs)}}``
+    (`llm_compressor_observers`, none without a recipe), the args' ``observer`` and ``observer_kwargs``.
+    ``rename``: a module path's checkpoint name (`names.module_renamer`), for the targets."""
     groups: dict[str, dict] = {}
     for module_path, scheme in schemes.items():
         scheme = _with_observers(scheme, module_path, observers, expert_projection)
