@@ -100,22 +100,19 @@ class LazyCheckpoint:
     def stacked_experts(self, key: str) -> Optional[torch.Tensor]:
         """``[E, out, in]`` for a stacked-experts key (``...experts.gate_up_proj``) stored per
         expert, or None when the checkpoint has no such per-expert keys."""
-        found = _per_expert(self, key)
-        if found is None:
+        experts = _per_expert(self, key)
+        if experts is None:
             return None
-        prefix, sources = found
-        count = next(expert for expert in itertools.count()
-                     if f"{prefix}.{expert}.{sources[0]}.weight" not in self)
+        prefix = key.rpartition(".")[0]
         stacked = None  # filled expert by expert: never the per-expert copies and the stack at once
-        for expert in range(count):
-            names = [f"{prefix}.{expert}.{source}.weight" for source in sources]
+        for expert, names in enumerate(experts):
             parts = [self.tensor(name) for name in names]
             if len({part.shape[1:] for part in parts}) > 1:  # torch.cat would fail without naming them
                 raise ValueError(f"{self.where}: checkpoint expert {prefix}.{expert}'s tensors differ in their input "
                                  "width: " + ", ".join(f"{n!r} {tuple(t.shape)}" for n, t in zip(names, parts)))
             shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
             if stacked is None:
-                stacked = parts[0].new_empty((count, *shape))
+                stacked = parts[0].new_empty((len(experts), *shape))
             if shape != stacked.shape[1:]:
                 raise ValueError(f"{self.where}: checkpoint expert {prefix}.{expert} has shapes "
                                  f"{[tuple(part.shape) for part in parts]}, unlike expert 0's")
@@ -227,11 +224,8 @@ def _warn_unused(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: di
     multi-token-prediction layer)."""
     used = {key for keys in aliases.values() for key in keys if key in checkpoint}
     for value in itertools.chain(model.parameters(), model.buffers()):
-        for found in (_per_expert(checkpoint, key) for key in aliases[id(value)] if value.ndim == 3):
-            if found is not None:
-                prefix, sources = found
-                experts = range(value.shape[0])
-                used.update(f"{prefix}.{expert}.{source}.weight" for expert in experts for source in sources)
+        for experts in (_per_expert(checkpoint, key, value.shape[0]) for key in aliases[id(value)] if value.ndim == 3):
+            used.update(name for names in experts or () for name in names)
     ignored = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), *_IGNORED_UNUSED]
     files = checkpoint.base.files if isinstance(checkpoint, Overlay) else checkpoint.files  # the export checks weights=
     unused = [key for key in files if key not in used and not any(re.search(at, key) for at in ignored)]
@@ -242,25 +236,27 @@ def _warn_unused(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: di
              "checkpoint's?)", UserWarning)
 
 
-def _per_expert(checkpoint, key: str) -> Optional[tuple]:
-    """``(prefix, sources)`` of a stacked-experts key whose expert 0 the checkpoint holds per expert
-    (``<prefix>.0.<source>.weight``, `_EXPERT_SOURCES`), or None."""
+def _per_expert(checkpoint, key: str, count: Optional[int] = None) -> Optional[list]:
+    """The keys a stacked-experts key (``<prefix>.gate_up_proj``, `_EXPERT_SOURCES`) has per expert,
+    ``[[<prefix>.<e>.<source>.weight for each source] for each expert e]``, when the checkpoint holds
+    expert 0's, else None: ``count`` experts, or as many as the checkpoint holds from 0 on."""
     prefix, _, name = key.rpartition(".")
     for sources in _EXPERT_SOURCES.get(name, ()):
         if f"{prefix}.0.{sources[0]}.weight" in checkpoint:
-            return prefix, sources
+            keys = lambda expert: [f"{prefix}.{expert}.{source}.weight" for source in sources]  # noqa: E731
+            if count is None:
+                count = next(expert for expert in itertools.count() if keys(expert)[0] not in checkpoint)
+            return [keys(expert) for expert in range(count)]
     return None
 
 
 def _experts_missing(checkpoint: LazyCheckpoint, key: str, count: int) -> Optional[str]:
     """For a stacked-experts key: "" when the checkpoint holds its ``count`` experts per expert, the
     first per-expert key it lacks when it holds expert 0's, None when it holds none."""
-    found = _per_expert(checkpoint, key)
-    if found is None:
+    experts = _per_expert(checkpoint, key, count)
+    if experts is None:
         return None
-    prefix, sources = found
-    wanted = (f"{prefix}.{expert}.{source}.weight" for expert in range(count) for source in sources)
-    return next((want for want in wanted if want not in checkpoint), "")
+    return next((name for names in experts for name in names if name not in checkpoint), "")
 
 
 def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor) -> Optional[torch.Tensor]:
