@@ -18,8 +18,12 @@ from ._checks import check_floating, is_real_number, require
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams, _with_minval_of_codes, compute_qparams
 from ._spec import QuantSpec
+from .conventions import Convention
 
 __all__ = ["LSQParams", "lsq_init", "lsq_fake_quantize", "lsq_grad_factor", "lsq_qparams"]
+
+# the codes LSQ computes (`_check_spec`): the protocol's default, torch.ao's, whatever the spec's convention
+_TORCH_AO_ARITHMETIC = Convention()
 
 
 class LSQParams(NamedTuple):
@@ -201,11 +205,7 @@ def lsq_fake_quantize(
     v = view.float()
     v_value = v.detach()
     inv_scale = 1.0 / scale_value
-    if spec.zero_point_domain == "float":
-        unclamped = torch.round(v_value * inv_scale + zero_point_value)
-    else:
-        unclamped = torch.round(v_value * inv_scale) + zero_point_value
-    codes = unclamped.clamp(qmin, qmax)
+    unclamped, codes = _TORCH_AO_ARITHMETIC.codes(v_value, scale_value, zero_point_value, spec)
     inside = (unclamped >= qmin) & (unclamped <= qmax)
     out = (codes - zero_point_value) * scale_value
 
