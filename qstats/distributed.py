@@ -371,7 +371,7 @@ def all_reduce(
 
     results: list[list[Optional[torch.Tensor]]] = [[None] * len(_values(s)) for s in states]
     _reduce_elementwise(states, plan, group, results)
-    _gather_and_fold(states, plan, leaf_observers, group, world, results)
+    _gather_and_fold(paths, states, plan, leaf_observers, group, world, results)
     new_states = [_rebuild(state, iter(fields)) for state, fields in zip(states, results)]
     return optree.tree_unflatten(treespec, new_states)
 
@@ -431,8 +431,9 @@ def _bucket_order(keys, devices: dict) -> list:
     return sorted(keys, key=lambda k: (k[0], str(k[1]), devices[k[2]]))
 
 
-def _gather_and_fold(states, plan, leaf_observers, group, world: int, results) -> None:
-    """One all_gather of every folded state's raw bytes, then ``obs.merge`` in rank order."""
+def _gather_and_fold(paths, states, plan, leaf_observers, group, world: int, results) -> None:
+    """One all_gather of every folded state's raw bytes, then ``obs.merge`` in rank order (every
+    rank folds the same states: where a merge refuses one, every rank raises, naming it)."""
     folded = [i for i, ops in enumerate(plan) if ops is None]
     if not folded:
         return
@@ -442,8 +443,24 @@ def _gather_and_fold(states, plan, leaf_observers, group, world: int, results) -
     del local
     per_rank = [_unpack(gathered.pop(0), [states[i] for i in folded]) for _ in range(world)]  # each freed once read
     for k, i in enumerate(folded):  # in rank order
-        merged = functools.reduce(leaf_observers[i].merge, [rank_states[k] for rank_states in per_rank])
+        merge = functools.partial(_fold_step, leaf_observers[i], _where(paths[i]), group)
+        merged = functools.reduce(merge, enumerate(rank_states[k] for rank_states in per_rank))[1]
         results[i] = _values(merged)
+
+
+def _fold_step(obs: Observer, where: str, group, folded: tuple, rank_state: tuple) -> tuple:
+    """``(index, obs.merge(folded state, state of the rank at index))``, after ValueError naming the
+    ranks (in the world) and the tree path where ``obs.merge`` refuses the pair (the constants of two
+    ``fixed_qparams``, say: each rank's state passed its own checks)."""
+    (_, state), (index, other) = folded, rank_state
+    try:
+        return index, obs.merge(state, other)
+    except Exception as error:
+        ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(index + 1)]
+        raise ValueError(
+            f"all_reduce: {obs.name}.merge refuses the {type(other).__name__} of rank {ranks[-1]} at {where!r} "
+            f"merged into that of rank(s) {ranks[:-1]}: {error}"
+        ) from error
 
 
 def _as_int(digest: bytes) -> int:
