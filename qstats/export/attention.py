@@ -10,7 +10,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from .config import fail, quantization_args
+from .config import agreed_observer, fail, quantization_args
 from .linear import static_site, write_qparams
 from .scales import module_dtype
 
@@ -95,7 +95,8 @@ def attention_config(attention: dict, groups: dict, modules: Mapping, rename, ob
     some of compressed-tensors' kv-cache modules (of the model's ``modules``) without k/v scales.
     ``rename``: a module path's checkpoint name (`_checkpoint_names.module_renamer`), for the targets.
     ``observers``: ``{path: {site: (name, observer_kwargs)}}`` (`config.llm_compressor_observers`), the
-    observer the args name when every q/k/v site has the same (`_shared_observer`)."""
+    observer the args name when every q/k/v site has the same (`agreed_observer`: compressed-tensors
+    holds one scheme for all)."""
     if not attention:
         return None
     uncovered = [path for path, module in modules.items() if path not in attention and _is_kv_cache_module(module)]
@@ -109,7 +110,8 @@ def attention_config(attention: dict, groups: dict, modules: Mapping, rename, ob
         fail("kv_cache_scheme", "compressed-tensors holds one kv-cache scheme per model; the attention "
              f"modules {sorted(attention)} have different q/k/v specs")
     args = next(iter(next(iter(attention.values())).values()))
-    name, kwargs = _shared_observer(attention, observers)
+    name, kwargs = agreed_observer(observers.get(path, {}).get(site, (None, {}))
+                                   for path, sites in attention.items() for site in sites)
     query = [path for path, sites in attention.items() if "q" in sites]
     if query:
         if len(query) != len(attention):
@@ -126,11 +128,3 @@ def attention_config(attention: dict, groups: dict, modules: Mapping, rename, ob
         # attention group's args it fills in (compressed-tensors' kv_cache_scheme is those args then)
         name = None
     return {**args, "observer": name, "observer_kwargs": kwargs}
-
-
-def _shared_observer(attention: dict, observers: Mapping) -> tuple:
-    """``(name, observer_kwargs)`` of llm-compressor's observer of every q/k/v site, or ``(None, {})``
-    when the sites have none or different ones (compressed-tensors holds one scheme for all)."""
-    found = {json.dumps(observers.get(path, {}).get(site, (None, {})), sort_keys=True, default=str):
-             observers.get(path, {}).get(site, (None, {})) for path, sites in attention.items() for site in sites}
-    return tuple(found.popitem()[1]) if len(found) == 1 else (None, {})

@@ -27,6 +27,7 @@ __all__ = [
     "llm_compressor_observer",
     "llm_compressor_observers",
     "FORMATS",
+    "agreed_observer",
     "allowed_formats",
     "code_offset",
     "config_groups",
@@ -329,6 +330,12 @@ def _observer_of(observers: dict, module_path: str, site: str, expert_projection
         found = [observer for key, observer in entry.items() if key != "input" and not key.endswith(".input")]
     else:
         found = [entry.get(f"{projection}.input", entry.get("input", (None, {})))]
+    return agreed_observer(found)
+
+
+def agreed_observer(found) -> tuple:
+    """The ``(name, observer_kwargs)`` of the observers ``found`` when they are all the same, else
+    ``(None, {})`` (the args of several sites hold one observer)."""
     distinct = {json.dumps(observer, sort_keys=True, default=str): observer for observer in found}
     return distinct.popitem()[1] if len(distinct) == 1 else (None, {})
 
