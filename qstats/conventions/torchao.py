@@ -141,11 +141,10 @@ def from_torchao(cls, target_dtype, kwargs):
     """The ``cls`` (QuantSpec) whose `compute_qparams` and `quantize` equal torchao's for these
     arguments (see `QuantSpec.from_torchao`)."""
     kwargs = dict(kwargs)
-    overrides = kwargs.pop("overrides", {})
     kind = type(target_dtype).__name__
     if kind == "QuantizeTensorToMXKwargs":
         config = target_dtype
-        return _mx_spec(cls, config.elem_dtype, config.block_size, config.scaling_mode, kwargs, overrides)
+        return _mx_spec(cls, config.elem_dtype, config.block_size, config.scaling_mode, kwargs)
     nvfp4_config = kind == "QuantizeTensorToNVFP4Kwargs"
     if nvfp4_config or kwargs.pop("nvfp4", False):
         block_size = target_dtype.block_size if nvfp4_config else kwargs.pop("block_size", 16)
@@ -154,13 +153,13 @@ def from_torchao(cls, target_dtype, kwargs):
         # the kwargs object's use_dynamic_per_tensor_scale=False (its default): torchao quantizes
         # with block scales only, unless a static (calibrated) scale is given: per_tensor_scale=True
         dynamic = getattr(target_dtype, "use_dynamic_per_tensor_scale", True) if nvfp4_config else True
-        return _nvfp4_spec(cls, _per_tensor_scale(kwargs.pop("per_tensor_scale", dynamic)), kwargs, overrides)
+        return _nvfp4_spec(cls, _per_tensor_scale(kwargs.pop("per_tensor_scale", dynamic)), kwargs)
     if kind == "QuantizeTensorToInt8Kwargs":  # Int8Tensor's (Int8DynamicActivationInt8WeightConfig's activations)
-        return _int8_tensor_spec(cls, target_dtype, kwargs, overrides)
+        return _int8_tensor_spec(cls, target_dtype, kwargs)
     if kind == "QuantizeTensorToFloat8Kwargs":  # Float8Tensor's (and its activations') arguments
         for name in ("granularity", "hp_value_lb", "hp_value_ub"):
             kwargs.setdefault(name, getattr(target_dtype, name))
-        return _float8_spec(cls, target_dtype.float8_dtype, kwargs, overrides)
+        return _float8_spec(cls, target_dtype.float8_dtype, kwargs)
     if isinstance(target_dtype, torch.dtype) and target_dtype in _FLOAT8 and "scaling_mode" not in kwargs:
         if _AFFINE_ONLY.intersection(kwargs):
             raise ValueError(
@@ -169,13 +168,11 @@ def from_torchao(cls, target_dtype, kwargs):
                 "torchao rounds such float8 codes to integers, which qstats does not emulate; use "
                 f"from_torchao({target_dtype}, granularity=, scale_dtype=, input_dtype=) (_choose_scale_float8)"
             )
-        return _float8_spec(cls, target_dtype, kwargs, overrides)
+        return _float8_spec(cls, target_dtype, kwargs)
     if "scaling_mode" in kwargs or "elem_dtype" in kwargs:
         elem = kwargs.pop("elem_dtype", target_dtype)
-        return _mx_spec(
-            cls, elem, kwargs.pop("block_size", 32), kwargs.pop("scaling_mode", "FLOOR"), kwargs, overrides
-        )
-    return _affine_spec(cls, target_dtype, kwargs, overrides)
+        return _mx_spec(cls, elem, kwargs.pop("block_size", 32), kwargs.pop("scaling_mode", "FLOOR"), kwargs)
+    return _affine_spec(cls, target_dtype, kwargs)
 
 
 _AFFINE_ONLY = frozenset(
@@ -183,9 +180,9 @@ _AFFINE_ONLY = frozenset(
 )
 
 
-def _spec(cls, overrides, **fields):
-    """A torchao-convention ``cls`` (QuantSpec) of ``fields``, ``overrides`` replacing any of them."""
-    return cls(**{"convention": "torchao", "on_uncalibrated": "fallback", **fields, **overrides})
+def _spec(cls, **fields):
+    """A torchao-convention ``cls`` (QuantSpec) of ``fields``."""
+    return cls(**{"convention": "torchao", "on_uncalibrated": "fallback", **fields})
 
 
 def _reject_unknown(kwargs):
@@ -201,7 +198,7 @@ def _drop_layout(kwargs):
         raise ValueError(f"from_torchao: is_swizzled_scales must be a bool, got {swizzled!r}")
 
 
-def _mx_spec(cls, elem_dtype, block_size, scaling_mode, kwargs, overrides):
+def _mx_spec(cls, elem_dtype, block_size, scaling_mode, kwargs):
     if elem_dtype not in _MX_ELEMENTS:
         raise ValueError(f"from_torchao: MX elem_dtype must be one of {list(_MX_ELEMENTS)}, got {elem_dtype!r}")
     if not isinstance(block_size, int) or block_size < 1:
@@ -210,7 +207,6 @@ def _mx_spec(cls, elem_dtype, block_size, scaling_mode, kwargs, overrides):
     _reject_unknown(kwargs)
     return _spec(
         cls,
-        overrides,
         dtype=_MX_ELEMENTS[elem_dtype],
         granularity=PerGroup(block_size),
         scale_dtype="e8m0",
@@ -233,12 +229,11 @@ def _per_tensor_scale(value) -> bool:
     )
 
 
-def _nvfp4_spec(cls, per_tensor_scale, kwargs, overrides):
+def _nvfp4_spec(cls, per_tensor_scale, kwargs):
     _drop_layout(kwargs)
     _reject_unknown(kwargs)
     return _spec(
         cls,
-        overrides,
         dtype="fp4_e2m1",
         granularity=TensorGroup(16) if per_tensor_scale else PerGroup(16),
         scale_dtype="float8_e4m3fn",
@@ -248,7 +243,7 @@ def _nvfp4_spec(cls, per_tensor_scale, kwargs, overrides):
     )
 
 
-def _int8_tensor_spec(cls, config, kwargs, overrides):
+def _int8_tensor_spec(cls, config, kwargs):
     """``Int8Tensor.from_hp``'s ``choose_qparams_affine`` arguments for ``config``'s granularity and
     mapping: int8 codes in [-128, 127] (halved by ``reduce_range``), float32 scales, int8 zero points
     and float32's eps, whatever the input dtype (``input_dtype=``, the only other argument)."""
@@ -265,10 +260,10 @@ def _int8_tensor_spec(cls, config, kwargs, overrides):
         zero_point_dtype=torch.int8,
         eps=torch.finfo(torch.float32).eps,
     )
-    return _affine_spec(cls, torch.int8, arguments, overrides)
+    return _affine_spec(cls, torch.int8, arguments)
 
 
-def _float8_spec(cls, float8_dtype, kwargs, overrides):
+def _float8_spec(cls, float8_dtype, kwargs):
     granularity = _granularity(kwargs)
     scale_dtype = kwargs.pop("scale_dtype", torch.float32)
     input_dtype = kwargs.pop("input_dtype", torch.float32)
@@ -284,7 +279,6 @@ def _float8_spec(cls, float8_dtype, kwargs, overrides):
         scales = dict(scale_dtype="e8m0", scale_rounding="round")
     return _spec(
         cls,
-        overrides,
         dtype=_FLOAT8[float8_dtype],
         granularity=granularity,
         zero_point_domain="none",
@@ -294,7 +288,7 @@ def _float8_spec(cls, float8_dtype, kwargs, overrides):
     )
 
 
-def _affine_spec(cls, target_dtype, kwargs, overrides):
+def _affine_spec(cls, target_dtype, kwargs):
     domain = _enum_name(kwargs.pop("zero_point_domain", "INT"), _DOMAINS, "zero_point_domain")
     mapping = _enum_name(kwargs.pop("mapping_type", "SYMMETRIC"), _MAPPINGS, "mapping_type")
     granularity = _granularity(kwargs)
@@ -316,7 +310,6 @@ def _affine_spec(cls, target_dtype, kwargs, overrides):
     _check_zero_point_dtype(zero_point_dtype, domain, input_dtype, qmin, qmax)
     return _spec(
         cls,
-        overrides,
         dtype=dtype,
         mapping=mapping,
         granularity=granularity,
