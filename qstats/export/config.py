@@ -326,11 +326,10 @@ def _observer_of(observers: dict, module_path: str, site: str, expert_projection
         return observers.get(module_path, {}).get(site, (None, {}))
     experts_path, projection = expert_projection[module_path]
     entry = observers.get(experts_path, {})
-    if site == "weight":
-        found = [observer for key, observer in entry.items() if key != "input" and not key.endswith(".input")]
-    else:
-        found = [entry.get(f"{projection}.input", entry.get("input", (None, {})))]
-    return agreed_observer(found)
+    if site != "weight":
+        return entry.get(f"{projection}.input", entry.get("input", (None, {})))
+    return agreed_observer(observer for key, observer in entry.items()
+                           if key != "input" and not key.endswith(".input"))
 
 
 def agreed_observer(found) -> tuple:
