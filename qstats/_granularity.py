@@ -127,15 +127,12 @@ class PerBlock(Granularity):
     partial: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_shape, (tuple, list)):
-            raise ValueError(
-                f"PerBlock.block_shape must be two or more positive ints (rows, cols), got {self.block_shape!r}"
-            )
-        object.__setattr__(self, "block_shape", tuple(self.block_shape))
+        if isinstance(self.block_shape, (tuple, list)):
+            object.__setattr__(self, "block_shape", tuple(self.block_shape))
         self.validate()
 
     def validate(self) -> None:
-        ok = len(self.block_shape) >= 2 and all(
+        ok = isinstance(self.block_shape, tuple) and len(self.block_shape) >= 2 and all(
             isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in self.block_shape
         )
         if not ok:
