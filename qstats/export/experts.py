@@ -20,10 +20,8 @@ from .linear import Entry
 from .scales import check_qparams, scale_dtype
 from .._warn import warn
 
-__all__ = ["EXPERT_SITES", "expert_entries", "unpack_loaded_per_expert", "warn_mixed_experts"]
+__all__ = ["expert_entries", "unpack_loaded_per_expert", "warn_mixed_experts"]
 
-EXPERT_SITES = ("gate_up_proj", "up_proj", "down_proj", "input", "gate_up_proj.input", "up_proj.input",
-                "down_proj.input")
 _INPUT_SITES = ("input", "gate_up_proj.input", "up_proj.input", "down_proj.input")
 # experts that transformers swaps for per-expert Linears whenever it loads a compressed-tensors
 # checkpoint, quantized or not (its MODULES_TO_PATCH_FOR_QUANTIZATION: SequentialLlama4TextExperts)

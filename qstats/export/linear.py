@@ -17,9 +17,9 @@ from .config import allowed_formats, code_offset, default_format, fail, quantiza
 from .packing import pack_fp4, pack_int32, signed_int8
 from .scales import check_qparams, check_scales, qparam_shape, scale_dtype, zero_point
 
-__all__ = ["Entry", "SITE_PREFIX", "linear_entry", "static_site", "write_linear", "write_qparams"]
+__all__ = ["Entry", "linear_entry", "static_site", "write_linear", "write_qparams"]
 
-SITE_PREFIX = {"weight": "weight", "input": "input", "output": "output"}
+_LINEAR_SITES = ("weight", "input", "output")
 
 
 class Entry(NamedTuple):
@@ -58,7 +58,7 @@ def linear_entry(path: str, module: torch.nn.Module, sites: dict, specs: dict, d
     if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
         fail(path, f"a {type(module).__name__}; compressed-tensors quantizes Linear and Embedding modules")
     for site in sites:
-        if site not in SITE_PREFIX:
+        if site not in _LINEAR_SITES:
             fail(f"{path}/{site}", f"site {site!r} is not exportable (weight, input, output and q/k/v are)")
     entry_sites = {site: (qp, specs.get(site), f"{path}/{site}", site in dynamic)
                    for site, qp in sites.items()}
