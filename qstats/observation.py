@@ -89,15 +89,32 @@ def check_runtime_group(shape, spec, where: str) -> None:
 
 
 def raise_renamed(error: Exception, where: str):
-    """Raises ``error`` with ``where`` (the caller, module and site) in front of its message, once
-    (the error itself where its type is built from other arguments)."""
-    if str(error).startswith(where):
+    """Raises ``error`` with ``where`` (the caller, module and site) in front of its message, once.
+
+    An error its type rebuilds from that one message (``ValueError("...")``) is rebuilt, with the
+    original's attributes and traceback, from the original. Any other (``UnicodeDecodeError``, an
+    observer's own error taking other arguments) is raised itself, keeping its type and traceback,
+    with ``where`` as a note (Python 3.11) or, before 3.11, as the RuntimeError it is raised from.
+    """
+    if str(error).startswith(where) or where in getattr(error, "__notes__", ()):
         raise error
+    message = f"{where}: {error}"
     try:
-        renamed = type(error)(f"{where}: {error}")
+        renamed = type(error)(message)
     except Exception:
-        raise error from None
-    raise renamed from error
+        renamed = None
+    if renamed is not None and renamed.args == (message,) and str(renamed) == message and error.args == (str(error),):
+        renamed.__dict__.update(error.__dict__)
+        raise renamed.with_traceback(error.__traceback__) from error
+    if _HAS_NOTES:
+        error.add_note(where)
+    else:  # traceback prints the cause first: "RuntimeError: <where>", then the error itself
+        site = RuntimeError(f"{where} (where the error below was raised)")
+        site.__cause__, error.__cause__ = error.__cause__, site
+    raise error
+
+
+_HAS_NOTES = hasattr(BaseException, "add_note")  # Python 3.11
 
 
 def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
