@@ -32,7 +32,7 @@ def write_attention(
         spec = specs.get(site)
         if spec is None:
             raise ValueError(f"export.compressed_tensors: no spec for {where}")
-        # per tensor, static and in ``dtype``: quantization_args refuses other q/k/v specs
+        # per tensor and static: quantization_args refuses other q/k/v specs
         args = quantization_args(spec, site, where, site in dynamic)
         stored = static_site(qp, spec, args, site, where, dtype, prefix, log)
         write_qparams(stored, site, dtype, None, tensors, log)
