@@ -13,7 +13,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from . import _formats
-from ._checks import is_real_number, require_calibrated
+from ._checks import is_real_number, require, require_calibrated
+from ._granularity import TensorGroup
 from ._spec import QuantSpec
 
 __all__ = [
@@ -139,12 +140,14 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
       spec: the QuantSpec to map the observed range onto.
       **options: passed to the state's range rule (e.g. ``method="l2"`` for histograms), except
         ``float_range=(lo, hi)``: pins the range's ends, as coreai_opt's ``float_range`` (see
-        `pin_range`), whatever the rule.
+        `pin_range`), whatever the rule; and ``global_scale=`` (a one-value tensor): the global scale
+        of a two-level spec, imposed (torchao's ``per_tensor_scale``, a fused group's).
 
     Raises:
       ValueError: in eager mode, when ``spec.on_uncalibrated == "raise"`` and some parameter saw no
         data (names how many). Under vmap/compile the fallback is used and reported in
-        ``QParams.calibrated``. Also for a bad ``float_range``.
+        ``QParams.calibrated``. Also for a bad ``float_range``, and a ``global_scale`` that is NaN,
+        Inf, zero or negative, or given to a spec without two-level scales.
 
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(dtype="int8")
@@ -156,15 +159,35 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     tensor(0.0078)
     """
     global_scale = options.pop("global_scale", None)  # a fused group's (qstats.fused)
-    if isinstance(global_scale, torch.Tensor) and global_scale.numel() != 1:
-        raise ValueError(f"compute_qparams: global_scale must be one value (a fused group's), got shape "
-                         f"{tuple(global_scale.shape)}; stacked experts take one per expert in qstats.stacked_qparams")
     result = range_of(state, spec, options, "compute_qparams")
+    global_scale = _checked_global_scale(global_scale, spec)
     if isinstance(result, QParams):
         return result if result.minval is not None else _with_minval_of_codes(result, spec)
     return qparams_from_minmax(
         result.min_val, result.max_val, spec, calibrated=result.calibrated, global_scale=global_scale
     )
+
+
+def _checked_global_scale(global_scale, spec: QuantSpec) -> Optional[torch.Tensor]:
+    """A given two-level global scale (a fused group's, torchao's ``per_tensor_scale``), after
+    TypeError where it is no real tensor, ValueError where it is not one value, the spec has no
+    two-level scales (it would be ignored) or it is NaN, Inf, zero or negative (every scale NaN, or
+    every value dequantized to 0: torchao's ``to_nvfp4`` does that)."""
+    if global_scale is None:
+        return None
+    if not isinstance(global_scale, torch.Tensor) or global_scale.dtype == torch.bool or global_scale.is_complex():
+        got = f"a {global_scale.dtype} tensor" if isinstance(global_scale, torch.Tensor) else type(global_scale).__name__
+        raise TypeError(f"compute_qparams: global_scale must be a real tensor of one value, got {got}")
+    if global_scale.numel() != 1:
+        raise ValueError(f"compute_qparams: global_scale must be one value (a fused group's), got shape "
+                         f"{tuple(global_scale.shape)}; stacked experts take one per expert in qstats.stacked_qparams")
+    if not isinstance(spec.granularity, TensorGroup):
+        raise ValueError(f"compute_qparams: global_scale applies to two-level specs (TensorGroup, NVFP4); a spec of "
+                         f"granularity {spec.granularity!r} would ignore it")
+    positive = require(torch.isfinite(global_scale) & (global_scale > 0),
+                       "compute_qparams: global_scale must be finite and positive (a NaN, Inf, zero or negative "
+                       "one makes every scale NaN or every value dequantize to 0)")
+    return torch.where(positive, global_scale, torch.ones_like(global_scale))  # threads the check
 
 
 def compute_minval(state, spec: QuantSpec, **options) -> torch.Tensor:
