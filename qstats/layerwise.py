@@ -483,9 +483,6 @@ class _Run:
             observation_weight=observation_weight, all_experts=self.all_experts,
         )  # fmt: skip
 
-    def agreed(self, step: Callable[[], Any]) -> Any:
-        return agreed(self.all_reduce, step)
-
     def reduce(self, found: dict, plan: Plan, each: bool = False) -> dict:
         """``found`` merged across ranks (with ``all_reduce``); ``each``: one state at a time, so
         that every state owns its buffer and is freed on its own (a layer's Hessians, one by one)."""
@@ -618,13 +615,13 @@ def _observed_and_stepped(run: _Run, label: str, module: torch.nn.Module, plan: 
         found = over(plan, side is None)
         return found, {} if side is None else over(side, True)
 
-    found, side_found = run.agreed(observe)
+    found, side_found = agreed(run.all_reduce, observe)
     found = run.reduce(found, plan)
     if side is not None:
         side_found = run.reduce(side_found, side, each=True)
     done: set = set()
     if run.after_layer is not None:
-        found, done = run.agreed(lambda: run.after_layer(label, module, found, side_found))
+        found, done = agreed(run.all_reduce, lambda: run.after_layer(label, module, found, side_found))
     return found, done
 
 
@@ -662,7 +659,7 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module, following: int, las
         load = lambda: saved.extend(load_modules(run.model, [path], run.checkpoint, device=run.device))  # noqa: E731
         found, done = _observed_and_stepped(run, path, layer, plan, side, over_store, load)
         if not float_outputs:
-            run.agreed(lambda: propagate(found, done))
+            agreed(run.all_reduce, lambda: propagate(found, done))
         return found
     finally:
         release_modules(saved)
@@ -872,7 +869,7 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
 
     try:
         try:
-            run.agreed(capture)
+            agreed(run.all_reduce, capture)
         finally:
             release_modules(saved)
         with tqdm(total=len(container) + 1, unit="layer", desc=f"qstats.{where}", disable=not progress) as bar:
