@@ -196,11 +196,8 @@ def e8m0_exponent(amax: torch.Tensor, spec) -> torch.Tensor:
     rounding = spec.scale_rounding
     target = element_max(spec)
     if rounding in ("rceil", "round"):
-        descale = amax / target
         to_integer = torch.ceil if rounding == "rceil" else torch.round
-        exponent = torch.clamp(to_integer(torch.log2(descale)), min=-_F32_BIAS, max=_F32_BIAS)
-        exponent = torch.where(torch.isnan(exponent), torch.zeros_like(exponent), exponent)
-        return torch.clamp(exponent.to(torch.int32) + _F32_BIAS, max=_largest_finite_exponent(spec))
+        return biased_exponent(to_integer(torch.log2(amax / target)), spec)
     target_pow2 = int(math.floor(math.log2(target)))
     if rounding == "round_then_floor" and spec.compute_dtype == "float16":
         # compressed-tensors rounds a float16 amax's own bits: a subnormal one (below 2**-14)
@@ -217,6 +214,13 @@ def e8m0_exponent(amax: torch.Tensor, spec) -> torch.Tensor:
     if rounding == "ceil":
         exponent_field = exponent_field + (torch.bitwise_and(bits, 0x7FFFFF) > 0).to(torch.int32)
     return torch.clamp(exponent_field - target_pow2, 0, _largest_finite_exponent(spec)).to(torch.int32)
+
+
+def biased_exponent(exponent: torch.Tensor, spec) -> torch.Tensor:
+    """Integer-valued float ``exponent`` (NaN, from an all-zero block's ``log2(0 / 0)``, reads as 0) as
+    a biased e8m0 exponent (int32), saturated at the e8m0 range and `_largest_finite_exponent`."""
+    exponent = exponent.float().clamp(-_F32_BIAS, _F32_BIAS).nan_to_num(0.0)
+    return (exponent.to(torch.int32) + _F32_BIAS).clamp(max=_largest_finite_exponent(spec))
 
 
 def _largest_finite_exponent(spec) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import is_real_number
-from .._formats import COMPUTE_DTYPE_NAMES, E8M0_MIN, compute_dtype_name, _largest_finite_exponent, e8m0_to_float
+from .._formats import COMPUTE_DTYPE_NAMES, E8M0_MIN, biased_exponent, compute_dtype_name, e8m0_to_float
 from .._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import torch_dtype
 from .default import Convention, round_scale, saturate
@@ -546,9 +546,7 @@ class TorchaoConvention(Convention):
         # is 0 (NaN values); qstats' is the dtype's smallest subnormal, as for float32 scales
         smallest = torch.finfo(compute).tiny * torch.finfo(compute).eps
         descale = torch.where((amax > 0) & (descale == 0), torch.full_like(descale, smallest), descale)
-        exponent = torch.round(torch.log2(descale)).float().clamp(-127, 127).nan_to_num(0.0)
-        biased = (exponent.to(torch.int32) + 127).clamp(max=_largest_finite_exponent(spec))
-        return e8m0_to_float(biased)
+        return e8m0_to_float(biased_exponent(torch.round(torch.log2(descale)), spec))
 
     def block_scaled(self, view, scale, spec):
         """MX (``to_mx``): RCEIL multiplies by the reciprocal (1 for the smallest scale), the
