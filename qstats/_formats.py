@@ -139,12 +139,19 @@ def code_dtype(spec) -> torch.dtype:
     """The torch dtype that holds ``spec``'s codes (smallest integer type, or the fp8 dtype)."""
     if spec.is_float:
         return spec.float_format.torch_dtype or torch.uint8  # uint8 bit codes for fp6/fp4
-    qmin, qmax = spec.qrange
     for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32):
-        info = torch.iinfo(dtype)
-        if info.min <= qmin and qmax <= info.max:
+        if integer_dtype_holds(dtype, spec.qrange):
             return dtype
     return torch.int64
+
+
+def integer_dtype_holds(dtype, qrange) -> bool:
+    """True for a plain (not quantized) torch integer dtype whose range holds ``qrange``."""
+    if not isinstance(dtype, torch.dtype) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool \
+            or dtype in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+        return False
+    info = torch.iinfo(dtype)
+    return info.min <= qrange[0] and qrange[1] <= info.max
 
 
 def store_codes(values: torch.Tensor, spec) -> torch.Tensor:

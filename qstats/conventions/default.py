@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import _formats
+from .._formats import integer_dtype_holds  # re-exported: compressed-tensors' and qstats.torch_ao's checks
 
 __all__ = [
     "Convention",
@@ -252,12 +253,3 @@ def check_symmetric_zero_point(spec, fixed: tuple = ()) -> None:
     lo, hi = spec.qrange
     if not (lo <= zero <= hi or zero in fixed):
         raise ValueError(f"QuantSpec.symmetric_zero_point {zero} lies outside the range [{lo}, {hi}]")
-
-
-def integer_dtype_holds(dtype, qrange) -> bool:
-    """True for a plain (not quantized) torch integer dtype whose range holds ``qrange``."""
-    if not isinstance(dtype, torch.dtype) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool \
-            or dtype in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4):
-        return False
-    info = torch.iinfo(dtype)
-    return info.min <= qrange[0] and qrange[1] <= info.max
