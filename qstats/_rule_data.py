@@ -36,7 +36,6 @@ def _granularity_from_data(data: Any):
         raise ValueError(f"unknown granularity {name!r}; known: {', '.join(_GRANULARITIES)}")
     if not isinstance(arguments, Mapping):
         raise ValueError(f"granularity {name!r}: arguments must be a mapping ({{name: {{arguments}}}}), got {arguments!r}")
-    arguments = {key: tuple(value) if isinstance(value, list) else value for key, value in arguments.items()}
     return getattr(_granularity, name)(**arguments)
 
 
