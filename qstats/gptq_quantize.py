@@ -347,8 +347,8 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
     >>> codes.shape, qp.scale.shape
     (torch.Size([32, 64]), torch.Size([32, 2]))
     """
+    hessian_state = checked_hessian_state(hessian_state, "gptq")  # its type first: the shape checks read it
     _check_arguments(weight, hessian_state, spec, block_size, dampening, actorder)
-    hessian_state = checked_hessian_state(hessian_state, "gptq")
     _check_qparams(qparams, weight, spec)
     actorder = None if actorder is None else "static"
     count, same = _check_inputs(hessian_state.count, hessian_state.total, weight)
@@ -397,8 +397,6 @@ def _check_arguments(weight, state, spec, block_size, dampening, actorder) -> No
                          f"{getattr(weight, 'shape', type(weight).__name__)}")
     if weight.shape[-1] == 0:
         raise ValueError(f"gptq: a weight of shape {tuple(weight.shape)} has no input column (GPTQ runs over them)")
-    if not isinstance(state, HessianState):
-        raise TypeError(f"gptq: expected a HessianState (qstats.hessian), got {type(state).__name__}")
     expected = (*weight.shape[:-2], weight.shape[-1], weight.shape[-1])
     if tuple(state.total.shape) != expected:
         raise ValueError(f"gptq: a Hessian of shape {tuple(state.total.shape)} does not fit a weight of shape "
