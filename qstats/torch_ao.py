@@ -253,6 +253,9 @@ class QstatsObserver(ao.ObserverBase):
                 f"QstatsObserver: the float dtype {dtype} builds no QuantSpec, and {name} needs one: pass an "
                 "integer dtype or spec=, or use observer=placeholder"
             ) from error
+        if observer is histogram and "bins" in self._options:
+            # its former name warned above, once; the builds of every forward take the current name
+            self._options["buckets_per_octave"] = self._options.pop("bins")
         self._fields = self._state_type._fields
         self.torch_ao_bins = _check_torch_ao_bins(torch_ao_bins, self._state_type)
         # torch.ao's factory_kwargs (its QAT modules and FakeQuantize pass them): the buffers' device
