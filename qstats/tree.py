@@ -26,8 +26,14 @@ def _is_leaf(tree: Any) -> bool:
     return isinstance(tree, torch.Tensor) or optree.tree_is_leaf(tree)
 
 
-def _node_description(tree: Any) -> str:
+def _description(tree: Any) -> str:
+    """How mismatch messages name one side: a leaf by its type and value (a tensor by its shape and
+    dtype), a node by its kind and size."""
+    if isinstance(tree, torch.Tensor):
+        return f"tensor of shape {tuple(tree.shape)} and dtype {tree.dtype}"
     kind = type(tree).__name__
+    if _is_leaf(tree):
+        return f"{kind} {tree!r}"
     if hasattr(type(tree), "_fields"):
         return f"{kind} (a NamedTuple)"
     if isinstance(tree, dict):
@@ -35,12 +41,6 @@ def _node_description(tree: Any) -> str:
     if isinstance(tree, (list, tuple)):
         return f"{kind} of length {len(tree)}"
     return kind
-
-
-def _leaf_description(leaf: Any) -> str:
-    if isinstance(leaf, torch.Tensor):
-        return f"tensor of shape {tuple(leaf.shape)} and dtype {leaf.dtype}"
-    return f"{type(leaf).__name__} {leaf!r}"
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -58,29 +58,26 @@ def _compare(a: Any, b: Any, path: str, check_leaves: bool) -> None:
     a_leaf, b_leaf = _is_leaf(a), _is_leaf(b)
     if a_leaf or b_leaf:
         if not (a_leaf and b_leaf):
-            raise ValueError(
-                f"tree mismatch at {path}: {_leaf_description(a) if a_leaf else _node_description(a)} "
-                f"vs {_leaf_description(b) if b_leaf else _node_description(b)}"
-            )
+            raise ValueError(f"tree mismatch at {path}: {_description(a)} vs {_description(b)}")
         a_tensor, b_tensor = isinstance(a, torch.Tensor), isinstance(b, torch.Tensor)
         if a_tensor != b_tensor or (not a_tensor and (type(a) is not type(b) or not _same_value(a, b))):
-            raise ValueError(f"tree mismatch at {path}: {_leaf_description(a)} vs {_leaf_description(b)}")
+            raise ValueError(f"tree mismatch at {path}: {_description(a)} vs {_description(b)}")
         if check_leaves and a_tensor and (a.shape != b.shape or a.dtype != b.dtype):
-            raise ValueError(f"tree mismatch at {path}: {_leaf_description(a)} vs {_leaf_description(b)}")
+            raise ValueError(f"tree mismatch at {path}: {_description(a)} vs {_description(b)}")
         return
     if type(a) is not type(b):
-        raise ValueError(f"tree mismatch at {path}: {_node_description(a)} vs {_node_description(b)}")
+        raise ValueError(f"tree mismatch at {path}: {_description(a)} vs {_description(b)}")
     a_children, a_meta, a_entries, _ = optree.tree_flatten_one_level(a)
     b_children, b_meta, b_entries, _ = optree.tree_flatten_one_level(b)
     if isinstance(a, dict):
         if set(a_entries) != set(b_entries):
-            raise ValueError(f"tree mismatch at {path}: {_node_description(a)} vs {_node_description(b)}")
+            raise ValueError(f"tree mismatch at {path}: {_description(a)} vs {_description(b)}")
         b_by_key = dict(zip(b_entries, b_children))
         for entry, child in zip(a_entries, a_children):
             _compare(child, b_by_key[entry], _child_path(path, a, entry), check_leaves)
         return
     if len(a_children) != len(b_children) or a_entries != b_entries or a_meta != b_meta:
-        raise ValueError(f"tree mismatch at {path}: {_node_description(a)} vs {_node_description(b)}")
+        raise ValueError(f"tree mismatch at {path}: {_description(a)} vs {_description(b)}")
     for entry, a_child, b_child in zip(a_entries, a_children, b_children):
         _compare(a_child, b_child, _child_path(path, a, entry), check_leaves)
 
