@@ -31,6 +31,7 @@ from . import _formats
 from ._granularity import TensorGroup
 from ._qparams import QParams, calibrated_mask, check_calibrated, compute_qparams, range_of, range_rule_for
 from ._spec import QuantSpec
+from .distributed import is_named_tuple
 
 __all__ = ["FUSED_LAYER_NAMES", "fused_amax", "fused_global_scale", "fused_groups", "fused_qparams"]
 
@@ -84,21 +85,17 @@ def _amax_of(state, spec: QuantSpec, where=None, **options) -> torch.Tensor:
     return torch.clamp(amax, min=0).amax() if amax.numel() else amax.new_zeros(())
 
 
-def _is_state(states) -> bool:
-    return isinstance(states, tuple) and hasattr(states, "_fields")
-
-
 def _is_named_group(states) -> bool:
     """A NamedTuple of states (``QKV(q=..., k=..., v=...)``) with no range rule of its own: a group."""
     try:
         range_rule_for(states)
     except TypeError:
-        return len(states) > 0 and all(_is_state(member) for member in states)
+        return len(states) > 0 and all(is_named_tuple(member) for member in states)
     return False
 
 
 def _as_states(states) -> list:
-    if _is_state(states) and not _is_named_group(states):
+    if is_named_tuple(states) and not _is_named_group(states):
         return [states]  # one (stacked) state
     if isinstance(states, Mapping):
         raise TypeError("fused: the group must be a sequence of states (q, k, v), got a mapping; pass "
@@ -109,7 +106,7 @@ def _as_states(states) -> list:
     if not states:
         raise ValueError("fused: the group holds no states")
     for i, state in enumerate(states):
-        if not _is_state(state):  # None (an unquantized member), a tensor: not "mixes state types"
+        if not is_named_tuple(state):  # None (an unquantized member), a tensor: not "mixes state types"
             raise TypeError(f"fused: member {i} of the group is a {type(state).__name__}, not an observer state; "
                             "pass the states of the group's quantized members only")
     kinds = {type(s) for s in states}
@@ -172,7 +169,7 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
     """
     if not isinstance(stacked, bool):
         raise TypeError(f"fused_qparams: stacked must be True or False, got {stacked!r}")
-    if stacked and (not _is_state(states) or _is_named_group(states)):
+    if stacked and (not is_named_tuple(states) or _is_named_group(states)):
         raise TypeError(
             f"fused_qparams(stacked=True): states must be one state stacked along a leading dimension, "
             f"got a {type(states).__name__} (pass stacked=False for a sequence of states)"
