@@ -294,9 +294,7 @@ def from_canonical_view(view: torch.Tensor, granularity: Granularity, shape) -> 
         inverse = sorted(range(len(order)), key=order.__getitem__)
         blocks = view.reshape(*qshape, *block).permute(inverse)
         padded = blocks.reshape(*shape[:lead], *(n * b for n, b in zip(qshape[lead:], block)))
-        for i in range(k):  # the edge blocks' padding dropped (partial blocks)
-            padded = padded.narrow(lead + i, 0, shape[lead + i])
-        return padded
+        return padded[(..., *(slice(0, size) for size in shape[lead:]))]  # the edge blocks' padding dropped
     if isinstance(granularity, (PerToken, PerRow)):
         dim = _row_dim(granularity, shape)
         moved = shape[:dim] + shape[dim + 1 :] + (shape[dim],)
