@@ -45,8 +45,7 @@ def replace_first_tensor(value, fn: Callable[[torch.Tensor], torch.Tensor]):
                 if isinstance(value, list):
                     return items, True
                 return (type(value)(*items) if hasattr(value, "_fields") else tuple(items)), True
-        return value, False
-    if isinstance(value, Mapping):  # a transformers ModelOutput is rebuilt as its own type, others as a dict
+    elif isinstance(value, Mapping):  # a transformers ModelOutput is rebuilt as its own type, others as a dict
         for key, item in value.items():
             new, done = replace_first_tensor(item, fn)
             if done:
