@@ -314,14 +314,11 @@ def warn_uncovered(states: dict, sites: dict) -> None:
         )
 
 
-PARAMETER_INPUT_SUFFIX = ".input"
-
-
 def parameter_input_site(site: str) -> Optional[str]:
     """The parameter named by a per-expert parameter-input site (``"down_proj.input"`` ->
     ``"down_proj"``), or None for any other site."""
-    if isinstance(site, str) and site.endswith(PARAMETER_INPUT_SUFFIX) and len(site) > len(PARAMETER_INPUT_SUFFIX):
-        return site[: -len(PARAMETER_INPUT_SUFFIX)]
+    if isinstance(site, str) and site.endswith(".input") and site != ".input":
+        return site.removesuffix(".input")
     return None
 
 
