@@ -22,6 +22,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from ._spec import QuantSpec
 from .observers._base import Observer
 
 __all__ = [
@@ -282,21 +283,42 @@ def _check_merges(paths, states, plan, leaf_observers) -> None:
 
 def _records(paths, states, plan, leaf_observers) -> list[tuple[str, str, str]]:
     """Per state ``(path, key, description)``: the key holds what must agree across ranks (types and
-    fields, nested ones too, the reduction, a folding observer's name, shapes, dtypes and devices
-    numbered by first use); the description says it in words, with this rank's device names."""
+    fields, nested ones too, the reduction, a folding observer's name, the observer's QuantSpec,
+    shapes, dtypes and devices numbered by first use); the description says it in words, with this
+    rank's device names."""
     devices = _device_numbers(states)
     records = []
     for path, state, ops, obs in zip(paths, states, plan, leaf_observers):
         fields = _state_fields(state)
+        spec = _spec_key(obs.spec)
         # folded with this rank's obs.merge: another observer raises on its rank only
-        key = _structure(state) + repr(ops) + (str(obs.name) if ops is None else "") + "".join(
+        key = _structure(state) + repr(ops) + (str(obs.name) if ops is None else "") + spec + "".join(
             f"{tuple(v.shape)}{v.dtype}{(v.device.type, devices[v.device])}" for _, v in fields
         )
         merged = f"folded by {obs.name}.merge" if ops is None else "reduced elementwise"
         described = ", ".join(f"{name} {tuple(v.shape)} {str(v.dtype).replace('torch.', '')} on {v.device}"
                               for name, v in fields)
-        records.append((_where(path), key, f"a {type(state).__name__} ({merged}; {described})"))
+        observed = f"; observed for {_spec_words(obs.spec)}" if spec else ""
+        records.append((_where(path), key, f"a {type(state).__name__} ({merged}; {described}{observed})"))
     return records
+
+
+def _spec_key(spec: Any) -> str:
+    """The repr of an observer's QuantSpec, which every rank must share: states of one shape but
+    another granularity (per row and per column of a square weight) hold entries that mean other
+    things, and another target gives that rank other qparams from the merged state. Empty for
+    other specs, and for a repr naming a memory address (a granularity class of the user's
+    without a dataclass repr), which differs between processes."""
+    text = repr(spec) if isinstance(spec, QuantSpec) else ""
+    return "" if " at 0x" in text else text
+
+
+def _spec_words(spec: QuantSpec) -> str:
+    """The spec's fields that differ from ``QuantSpec()``'s, as its repr writes them."""
+    default = QuantSpec()
+    changed = [f"{name}={getattr(spec, name)!r}" for name in spec.__dataclass_fields__
+               if getattr(spec, name) != getattr(default, name)]
+    return f"QuantSpec({', '.join(changed)})"
 
 
 def _fingerprint(treespec, records) -> int:
@@ -337,7 +359,8 @@ def all_reduce(
         tensors), alike on every rank (a rank without data passes ``obs.init`` states). Pass activation
         sites only: weight states would be counted ``world`` times.
       observers: a tree of `qstats.Observer` whose structure is a prefix of ``tree``'s, or one Observer;
-        every state must be one its observer's ``merge`` accepts (else ValueError on every rank).
+        every state must be one its observer's ``merge`` accepts, and every rank's observers must have
+        the same QuantSpecs (else ValueError on every rank).
       group: the process group (default: the world).
       exact: fold states with floating ``sum`` fields in rank order, bit-identical to a sequential merge.
       check: first verify with one 24-byte collective that all ranks pass the same tree.
