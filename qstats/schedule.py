@@ -40,11 +40,6 @@ def _is_int(value, minimum=None) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
 
 
-def _check_step_number(name: str, value) -> None:
-    if not _is_int(value, 0):
-        raise ValueError(f"QATSchedule.{name} must be a non-negative int, got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class QATSchedule:
     """Milestones of quantization-aware training (steps at which each phase starts; the first three
@@ -80,7 +75,8 @@ class QATSchedule:
             value = getattr(self, name)
             if value is None and name.startswith("freeze"):
                 continue
-            _check_step_number(name, value)
+            if not _is_int(value, 0):
+                raise ValueError(f"QATSchedule.{name} must be a non-negative int, got {value!r}")
             if earlier is not None and value < getattr(self, earlier):
                 raise ValueError(
                     f"QATSchedule.{name} ({value}) must not come before {earlier} ({getattr(self, earlier)})"
