@@ -453,16 +453,18 @@ _EXPERT_MATMULS = frozenset((_LINEAR, _MATMUL, _BMM, _GROUPED))
 _OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 
 
+def with_argument(args: tuple, kwargs: dict, position: int, name: str, value) -> tuple:
+    """``(args, kwargs)`` of a call with ``value`` as its argument ``name``: at ``position`` where the
+    call passes that many positional arguments, else by keyword."""
+    if len(args) > position:
+        return (*args[:position], value, *args[position + 1:]), kwargs
+    return args, {**kwargs, name: value}
+
+
 def _putting(args: tuple, kwargs: dict, position: int, name: str, back):
     """``put(rows)``: ``(args, kwargs)`` of a call with ``back(rows)`` as its argument ``name``
-    (passed at ``position`` or by keyword)."""
-
-    def put(rows: torch.Tensor) -> tuple:
-        if len(args) > position:
-            return (*args[:position], back(rows), *args[position + 1:]), kwargs
-        return args, {**kwargs, name: back(rows)}
-
-    return put
+    (`with_argument`)."""
+    return lambda rows: with_argument(args, kwargs, position, name, back(rows))
 
 
 def _kind(func) -> Optional[int]:

@@ -33,6 +33,7 @@ from ._checks import check_available
 from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, release_modules
 from ._sites import run_model
 from .calibration import batch_weight, calibrate, check_batches, compute_qparams_tree, fake_quantized
+from .experts import with_argument
 from .observation import check_experts_layout, resumed_states
 from .recipe import Plan, Recipe, as_plan
 
@@ -676,9 +677,7 @@ def _without_router_logits(model: torch.nn.Module) -> contextlib.AbstractContext
     position = names.index("output_router_logits")
 
     def off(module, args, kwargs):
-        if len(args) > position:
-            return args[:position] + (False,) + args[position + 1 :], kwargs
-        return args, {**kwargs, "output_router_logits": False}
+        return with_argument(args, kwargs, position, "output_router_logits", False)
 
     return model.register_forward_pre_hook(off, with_kwargs=True)  # removed on leaving the with
 
