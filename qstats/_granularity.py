@@ -249,9 +249,8 @@ def checked_view(x: torch.Tensor, granularity: Granularity, expected_shape, wher
     """`canonical_view` of ``x`` for an update of a state whose parameters have shape
     ``expected_shape``; ValueError naming both shapes when they differ."""
     check_observable(x, where)
-    view = canonical_view(x, granularity)
-    _check_param_shape(tuple(x.shape), tuple(view.shape[1:-1]), expected_shape, where)
-    return view
+    check_shape(x.shape, granularity, expected_shape, where)
+    return canonical_view(x, granularity)
 
 
 def check_observable(x: torch.Tensor, where: str) -> None:
@@ -265,17 +264,14 @@ def check_observable(x: torch.Tensor, where: str) -> None:
 
 
 def check_shape(shape, granularity: Granularity, expected_shape, where: str) -> None:
-    """`checked_view`'s checks and errors for a tensor of ``shape``, from the shape alone (no
-    tensor op)."""
+    """ValueError naming both shapes where a tensor of ``shape`` gives quantization parameters of
+    another shape than ``expected_shape`` (and `canonical_view`'s errors for a shape it cannot view),
+    from the shape alone (no tensor op)."""
     shape = tuple(shape)
     if isinstance(granularity, PerAxis):  # canonical_view's error first
         params = (shape[_normalize_axis(granularity.axis, shape)],)
     else:
         params = qparam_shape(shape, granularity)
-    _check_param_shape(shape, params, expected_shape, where)
-
-
-def _check_param_shape(shape: tuple, params: tuple, expected_shape, where: str) -> None:
     if params != tuple(expected_shape):
         raise ValueError(
             f"{where}: a tensor of shape {shape} gives quantization parameters of shape {params}, "
