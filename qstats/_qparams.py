@@ -176,7 +176,8 @@ def _checked_global_scale(global_scale, spec: QuantSpec) -> Optional[torch.Tenso
     if global_scale is None:
         return None
     if not isinstance(global_scale, torch.Tensor) or global_scale.dtype == torch.bool or global_scale.is_complex():
-        got = f"a {global_scale.dtype} tensor" if isinstance(global_scale, torch.Tensor) else type(global_scale).__name__
+        tensor = isinstance(global_scale, torch.Tensor)
+        got = f"a {global_scale.dtype} tensor" if tensor else type(global_scale).__name__
         raise TypeError(f"compute_qparams: global_scale must be a real tensor of one value, got {got}")
     if global_scale.numel() != 1:
         raise ValueError(f"compute_qparams: global_scale must be one value (a fused group's), got shape "
