@@ -18,19 +18,38 @@ import torch
 from . import _formats
 from ._checks import check_floating, require
 from ._formats import code_dtype
-from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
+from ._granularity import TensorGroup, broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
 from ._spec import QuantSpec
 
 __all__ = ["quantize", "dequantize", "fake_quantize", "code_dtype"]
 
 
-def _params(qparams: QParams, view: torch.Tensor):
-    if qparams.scale.shape != view.shape[1:-1]:
+def _params(qparams: QParams, view: torch.Tensor, spec: QuantSpec, where: str):
+    """Scale and zero point broadcast against ``view``, after TypeError for qparams without scale and
+    zero point tensors, and ValueError for a scale of another shape than this tensor's parameters,
+    a zero point that does not broadcast to it (it would broadcast the result to another shape) or
+    a two-level spec's global scale of more than one value."""
+    for name in ("scale", "zero_point"):
+        if not isinstance(getattr(qparams, name, None), torch.Tensor):
+            got = (f"{type(getattr(qparams, name)).__name__} for its {name}" if hasattr(qparams, name)
+                   else type(qparams).__name__)
+            raise TypeError(f"{where}: qparams must be a QParams with scale and zero_point tensors "
+                            f"(qstats.compute_qparams), got {got}")
+    shape = tuple(view.shape[1:-1])
+    if qparams.scale.shape != shape:
         raise ValueError(
             f"qparams of shape {tuple(qparams.scale.shape)} do not match the quantization "
-            f"parameter shape {tuple(view.shape[1:-1])} of this tensor and granularity"
+            f"parameter shape {shape} of this tensor and granularity"
         )
+    zero_point_shape = tuple(qparams.zero_point.shape)
+    if len(zero_point_shape) > len(shape) or any(a not in (1, b) for a, b in zip(zero_point_shape[::-1], shape[::-1])):
+        raise ValueError(f"{where}: a zero point of shape {zero_point_shape} does not fit scales of shape {shape}")
+    global_scale = qparams.global_scale if hasattr(qparams, "global_scale") else None
+    if isinstance(spec.granularity, TensorGroup) and not (isinstance(global_scale, torch.Tensor)
+                                                          and global_scale.numel() == 1):
+        got = tuple(global_scale.shape) if isinstance(global_scale, torch.Tensor) else type(global_scale).__name__
+        raise ValueError(f"{where}: a two-level spec (TensorGroup) needs one global scale, got {got}")
     scale = broadcast_to_view(qparams.scale.float())
     zero_point = broadcast_to_view(qparams.zero_point)
     return scale, zero_point
@@ -89,7 +108,7 @@ def _to_output(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor:
     """Codes of ``x``: integers in ``[qmin, qmax]`` (dtype `code_dtype(spec)`) or fp8 values."""
     view = canonical_view(check_floating(x, "quantize"), spec.granularity)
-    scale, zero_point = _params(qparams, view)
+    scale, zero_point = _params(qparams, view, spec, "quantize")
     zero_point = _checked_zero_point(zero_point, spec, "quantize")
     _, codes = _codes_float(view, scale, zero_point, spec, qparams.global_scale)
     codes = from_canonical_view(codes, spec.granularity, x.shape)
@@ -124,7 +143,7 @@ def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=tor
     view = canonical_view(codes, spec.granularity)
     if dtype == torch.float64 and not spec.is_float:
         view = view.double()
-    scale, zero_point = _params(qparams, view)
+    scale, zero_point = _params(qparams, view, spec, "dequantize")
     out = _cap(_dequantize_view(view, scale, zero_point, spec, qparams.global_scale), dtype)
     return _to_output(from_canonical_view(out, spec.granularity, codes.shape), dtype)
 
@@ -142,7 +161,7 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
       TypeError: ``x`` is not a floating-point tensor.
     """
     view = canonical_view(check_floating(x, "fake_quantize"), spec.granularity)
-    scale, zero_point = _params(qparams, view)
+    scale, zero_point = _params(qparams, view, spec, "fake_quantize")
     zero_point = _checked_zero_point(zero_point, spec, "fake_quantize")
     unclamped, codes = _codes_float(view.detach(), scale, zero_point, spec, qparams.global_scale)
     out = _cap(_dequantize_view(codes, scale, zero_point, spec, qparams.global_scale), x.dtype)
