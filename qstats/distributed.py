@@ -481,8 +481,8 @@ def _fold_step(obs: Observer, where: str, group, folded: tuple, rank_state: tupl
     except Exception as error:
         ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(index + 1)]
         raise ValueError(
-            f"all_reduce: {obs.name}.merge refuses the {type(other).__name__} of rank {ranks[-1]} at {where!r} "
-            f"merged into that of rank(s) {ranks[:-1]}: {error}"
+            f"all_reduce: {obs.name}.merge raised merging the {type(other).__name__} of rank {ranks[-1]} at {where!r} "
+            f"into that of rank(s) {ranks[:-1]}: {error}"
         ) from error
 
 
