@@ -380,6 +380,13 @@ def _listed(names: list, limit: int) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def _warn_named(names: list, limit: int, message: str, category: type = UserWarning) -> None:
+    """Warns ``message`` when ``names`` is not empty, its ``{count}`` how many they are and its
+    ``{names}`` the first ``limit`` (`_listed`)."""
+    if names:
+        warn(message.format(count=len(names), names=_listed(names, limit)), category)
+
+
 def _warn_log(log: dict) -> None:
     """The warnings of a written checkpoint: rounded scales, qparams computed in another dtype than
     llm-compressor's, uncalibrated sites, q/k scales observed before a rotary embedding."""
@@ -387,32 +394,20 @@ def _warn_log(log: dict) -> None:
     rounded, sites, uncalibrated, double = (list(dict.fromkeys(log[key]))
                                             for key in ("rounded", "compute_dtype", "uncalibrated", "float64"))
     _warn_activation_rounding(list(dict.fromkeys(log.get("activation_rounding", ()))))
-    if rounded:
-        warn(
-            f"export.compressed_tensors: scales of {len(rounded)} site(s) were rounded to the model's dtype "
-            f"({_listed(rounded, 4)}); calibrate with a spec whose scale_dtype is that dtype to keep "
-            "qstats' and the checkpoint's quantization identical",
-        )
-    if sites:
-        warn(
-            f"export.compressed_tensors: {len(sites)} site(s) of a half-precision model were calibrated with "
-            f"compressed-tensors specs computing in another dtype ({_listed(sites, 4)}); llm-compressor computes "
-            "their qparams in the model's dtype, so this checkpoint differs from its: build the recipe with "
-            "observed_dtype=<the model's dtype> (Recipe.from_scheme, QuantSpec.from_compressed_tensors)",
-        )
-    if double:
-        warn(
-            f"export.compressed_tensors: {len(double)} site(s) of a float64 model were calibrated with "
-            f"compressed-tensors specs ({_listed(double, 4)}); qstats computes their qparams in float32, "
-            "llm-compressor in the model's float64, so this checkpoint can differ from its (scales in their last "
-            "bits, codes at rounding ties); it is self-consistent: its codes are quantized with the scales "
-            "written",
-        )
-    if uncalibrated:
-        warn(
-            f"export.compressed_tensors: {len(uncalibrated)} site(s) hold uncalibrated (fallback) qparams: "
-            + _listed(uncalibrated, 8),
-        )
+    _warn_named(rounded, 4, "export.compressed_tensors: scales of {count} site(s) were rounded to the model's dtype "
+                "({names}); calibrate with a spec whose scale_dtype is that dtype to keep "
+                "qstats' and the checkpoint's quantization identical")
+    _warn_named(sites, 4, "export.compressed_tensors: {count} site(s) of a half-precision model were calibrated with "
+                "compressed-tensors specs computing in another dtype ({names}); llm-compressor computes "
+                "their qparams in the model's dtype, so this checkpoint differs from its: build the recipe with "
+                "observed_dtype=<the model's dtype> (Recipe.from_scheme, QuantSpec.from_compressed_tensors)")
+    _warn_named(double, 4, "export.compressed_tensors: {count} site(s) of a float64 model were calibrated with "
+                "compressed-tensors specs ({names}); qstats computes their qparams in float32, "
+                "llm-compressor in the model's float64, so this checkpoint can differ from its (scales in their last "
+                "bits, codes at rounding ties); it is self-consistent: its codes are quantized with the scales "
+                "written")
+    _warn_named(uncalibrated, 8, "export.compressed_tensors: {count} site(s) hold uncalibrated (fallback) qparams: "
+                "{names}")
     if log["rotary"]:
         warn(
             f"export.compressed_tensors: the q/k scales of {len(log['rotary'])} attention module(s) "
@@ -428,13 +423,10 @@ def _warn_activation_rounding(sites: list) -> None:
     ``x * (1 / scale)``, whose codes differ by one where ``x / scale`` falls near a rounding boundary:
     `qstats.fake_quantized` then computes another model than the checkpoint's (logits 1e-3 apart on a
     tiny Mixtral with per-tensor dynamic int8 inputs)."""
-    if sites:
-        warn(
-            f"export.compressed_tensors: {len(sites)} integer activation site(s) use a spec of another convention than "
-            f"compressed-tensors' ({_listed(sites, 4)}): the loaded checkpoint quantizes them as round(x / scale), "
-            "qstats.fake_quantized as round(x * (1 / scale)), so a few codes differ by one; build their specs with "
-            "QuantSpec.from_compressed_tensors (or Recipe.from_scheme) for the same model",
-        )
+    _warn_named(sites, 4, "export.compressed_tensors: {count} integer activation site(s) use a spec of another "
+                "convention than compressed-tensors' ({names}): the loaded checkpoint quantizes them as "
+                "round(x / scale), qstats.fake_quantized as round(x * (1 / scale)), so a few codes differ by one; "
+                "build their specs with QuantSpec.from_compressed_tensors (or Recipe.from_scheme) for the same model")
 
 
 def _warn_missing_qparams(quantized: Any, qparams: Mapping) -> None:
@@ -443,13 +435,9 @@ def _warn_missing_qparams(quantized: Any, qparams: Mapping) -> None:
     if not isinstance(quantized, Mapping):
         return
     missing = [path for path, sites in quantized.items() if sites and not qparams.get(path)]
-    if missing:
-        warn(
-            f"export.compressed_tensors: {len(missing)} module(s) that the recipe (or specs tree) quantizes have no "
-            f"qparams and are written unquantized, in full precision ({_listed(missing, 6)}); pass the whole "
-            "qstats.compute_qparams_tree of the calibration states to quantize them",
-            UncalibratedWarning,
-        )
+    _warn_named(missing, 6, "export.compressed_tensors: {count} module(s) that the recipe (or specs tree) quantizes "
+                "have no qparams and are written unquantized, in full precision ({names}); pass the whole "
+                "qstats.compute_qparams_tree of the calibration states to quantize them", UncalibratedWarning)
 
 
 def _warn_unshared_global_scales(groups, qparams: Mapping, specs: Any) -> None:
