@@ -8,9 +8,13 @@ import sys
 import warnings
 
 import torch
+import typing_extensions
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_PASSED_THROUGH = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, contextlib.__file__)
+# torch's modules and hooks, contextlib's managers, and typing_extensions' ``deprecated`` wrapper (torch
+# wraps torch.ao's prepare and convert in it) sit between the user's line and qstats
+_PASSED_THROUGH = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, contextlib.__file__,
+                   typing_extensions.__file__)
 
 
 def warn(message: str, category: type = UserWarning) -> None:

@@ -50,4 +50,7 @@ def test_bins_warns_once_in_the_eager_prepare_calibrate_convert_flow():
         for _ in range(3):
             prepared(torch.randn(2, 8))
         torch.ao.quantization.convert(prepared)
-    assert len(_former_name_warnings(caught)) == 1, [(w.filename, w.lineno) for w in caught]
+    warned = _former_name_warnings(caught)
+    assert len(warned) == 1, [(w.filename, w.lineno) for w in caught]
+    # it points at the user's call of prepare, past torch's deprecation wrapper around prepare
+    assert warned[0].filename == __file__, warned[0].filename
