@@ -260,9 +260,9 @@ def llm_compressor_observer(found) -> tuple:
     name = registry.name_of(found.rule.observer)
     options = dict(found.rule.observer_kwargs)
     weight = found.kind == "parameter"
+    constant = options.get("averaging_constant", _AVERAGING_CONSTANT)
     if name != "mse":
         written = (_WEIGHT_OBSERVERS if weight else _ACTIVATION_OBSERVERS).get(name)
-        constant = options.get("averaging_constant", _AVERAGING_CONSTANT)
         if written == "minmax" and constant != _AVERAGING_CONSTANT:  # the moving average of activations
             return written, {"averaging_constant": constant}
         return written, {}
@@ -275,7 +275,6 @@ def llm_compressor_observer(found) -> tuple:
         patience = int(options.get("maxshrink", _MAXSHRINK) * options.get("grid", _GRID))
     if patience != _PATIENCE:
         kwargs["patience"] = patience
-    constant = options.get("averaging_constant", _AVERAGING_CONSTANT)
     if weight or constant == 1.0:
         return "memoryless_mse", kwargs
     return "mse", kwargs if constant == _AVERAGING_CONSTANT else {**kwargs, "averaging_constant": constant}
