@@ -141,7 +141,7 @@ def expert_entries(
     unquantized into ``tensors``. ``dynamic``: activation sites whose scales come at run time.
     """
     first, up, down, sites = _stacked_parameters(path, module, sites, num_experts)
-    dtype = scale_dtype(module, up)
+    dtype = scale_dtype(up)
     # the routed hidden states: "<first>.input" equals "input"
     input_name = f"{first}.input" if f"{first}.input" in sites else "input"
     sites = {site: fill_uncovered_experts(qp, specs.get(site)) if site in _INPUT_SITES else qp

@@ -62,7 +62,7 @@ def linear_entry(path: str, module: torch.nn.Module, sites: dict, specs: dict, d
             fail(f"{path}/{site}", f"site {site!r} is not exportable (weight, input, output and q/k/v are)")
     entry_sites = {site: (qp, specs.get(site), f"{path}/{site}", site in dynamic)
                    for site, qp in sites.items()}
-    return Entry(path, module.weight.detach(), scale_dtype(module), entry_sites)
+    return Entry(path, module.weight.detach(), scale_dtype(module.weight), entry_sites)
 
 
 def write_linear(entry: Entry, format: Optional[str], tensors: dict, dropped: set, log: dict) -> dict:

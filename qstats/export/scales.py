@@ -16,17 +16,16 @@ __all__ = ["check_qparams", "check_scales", "module_dtype", "qparam_shape", "sca
 _CT_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def scale_dtype(module: torch.nn.Module, weight: Optional[torch.Tensor] = None) -> torch.dtype:
-    """The dtype compressed-tensors gives a module's scales: its weight's (float16 for others)."""
-    weight = getattr(module, "weight", None) if weight is None else weight
-    dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
-    return dtype if dtype in _CT_SCALE_DTYPES else torch.float16
+def scale_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype compressed-tensors gives the scales of a module with this weight: the weight's
+    (float16 for other dtypes)."""
+    return weight.dtype if weight.dtype in _CT_SCALE_DTYPES else torch.float16
 
 
 def module_dtype(module: torch.nn.Module) -> torch.dtype:
     """The dtype of an attention module's scales: its first parameter's (float16 for others)."""
     first = next(module.parameters(), None)
-    return torch.float32 if first is None else scale_dtype(module, first)
+    return torch.float32 if first is None else scale_dtype(first)
 
 
 def check_qparams(qp: Any, where: str) -> QParams:
