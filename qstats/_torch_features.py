@@ -5,7 +5,10 @@
 - `torch_dtype`: ``torch.<name>`` or None for dtypes of recent releases (``float8_e8m0fnu``:
   torch 2.7, ``float4_e2m1fn_x2``: torch 2.8), so that tables of dtypes build on every release;
 - `recomputing`: whether a forward runs inside autograd's backward (activation checkpointing),
-  which torch tells only through a private call.
+  which torch tells only through a private call;
+- `rounded_to`: a tensor rounded to a half-precision dtype's values that ``torch.compile`` keeps
+  (inductor drops a ``x.to(half).float()`` pair of casts unless the process-wide
+  ``torch._inductor.config.emulate_precision_casts`` is set).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["bitcast", "eager", "recomputing", "torch_dtype", "uncompiled"]
+from ._ops import op, register_fake, register_vmap
+
+__all__ = ["bitcast", "eager", "recomputing", "rounded_to", "torch_dtype", "uncompiled"]
 
 
 def torch_dtype(name: str) -> Optional[torch.dtype]:
@@ -73,3 +78,23 @@ def recomputing() -> bool:
     recomputation (`torch.utils.checkpoint`, transformers' gradient checkpointing) of tensors
     already observed, not new data (torch's own ``ModuleTracker`` and FSDP tell backward apart so)."""
     return torch._C._current_graph_task_id() != -1
+
+
+@op("rounded_to")
+def _rounded_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype).to(x.dtype)
+
+
+@register_fake(_rounded_to)
+def _(x, dtype):
+    return torch.empty_like(x)
+
+
+register_vmap(_rounded_to, lambda info, in_dims, x, dtype: (_rounded_to(x, dtype), in_dims[0]))
+
+
+def rounded_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype).to(x.dtype)``: ``x`` rounded to ``dtype``'s values (bf16/fp16 arithmetic that a
+    reference library does in that dtype), eagerly, under ``vmap`` and under ``torch.compile``, where
+    inductor would drop the pair of casts and keep float32 values. One opaque op: no gradient."""
+    return _rounded_to(x, dtype)

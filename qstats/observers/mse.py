@@ -23,6 +23,7 @@ from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
+from .._torch_features import rounded_to
 from ._base import Observer, check_merge_states, check_state, register_state
 from .kit import extremes_init, masked_view
 from .minmax import check_averaging_constant, merge_moving_extremes
@@ -290,7 +291,7 @@ def _batch_range(lo: torch.Tensor, hi: torch.Tensor, expand: float, spec: QuantS
         return lo, hi
 
     def native(t):
-        rounded = t.to(dtype).float()
+        rounded = rounded_to(t, dtype)  # kept under torch.compile, which drops a plain pair of casts
         return torch.where(rounded.isfinite(), rounded, t)
 
     return native(lo), native(hi)
@@ -477,8 +478,8 @@ def _moving_average(spec, factors, norm, constant, patience, observe):
         # moving average's sum rounded to it
         natively = _computes_natively(spec, x.dtype)
 
-        def native(t):
-            return t.to(x.dtype).to(torch.float32) if natively else t
+        def native(t):  # rounded as llm-compressor's half arithmetic, under torch.compile too
+            return rounded_to(t, x.dtype) if natively else t
 
         def averaged(old, base):  # the first batch's range, or the moving average with it
             batch = native(native(base) * p)
