@@ -154,9 +154,12 @@ def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):
 # The observer
 
 
-def _check_config(spec, bins, octaves):
+def _check_config(spec, bins, octaves, max_state_bytes):
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"histogram: expected a QuantSpec, got {type(spec).__name__}")
+    # a float NaN bound refused nothing, None or a string failed only in init, inside a comparison
+    if not (is_integer(max_state_bytes) and max_state_bytes > 0):
+        raise ValueError(f"histogram: max_state_bytes must be a positive int (bytes), got {max_state_bytes!r}")
     _check_bins(bins, "histogram: buckets_per_octave",
                 " (for torch.ao's number of linear bins: qstats.torch_ao.buckets_per_octave_for_bins(bins))")
     if not isinstance(octaves, int) or isinstance(octaves, bool) or not 1 <= octaves <= 252:
@@ -196,7 +199,8 @@ def _check_state_size(shape: tuple, bins: int, octaves: int, max_state_bytes: in
     if size > max_state_bytes:
         raise ValueError(
             f"histogram: {math.prod(shape)} histograms of 2 x {octaves} octaves x {bins} buckets per octave would "
-            f"take {size / 2**30:.2f} GiB (max_state_bytes={max_state_bytes}); use fewer buckets_per_octave "
+            f"take {size / 2**30:.2f} GiB (max_state_bytes={max_state_bytes}, per expert of a stacked observer); "
+            "use fewer buckets_per_octave "
             "(buckets per power of two, not torch.ao's total bins) or octaves, a coarser granularity, or raise "
             "max_state_bytes"
         )
@@ -228,7 +232,10 @@ def histogram(
       spec: the QuantSpec; its granularity gives one histogram per quantization parameter.
       buckets_per_octave: buckets per power of two (a power of two, at most 4096); not torch.ao's ``bins``.
       octaves: powers of two resolved, centred on 1; smaller and larger magnitudes share end buckets.
-      max_state_bytes: the largest state ``init`` builds (default 256 MiB); larger ones are refused.
+      max_state_bytes: the largest counts ``init`` builds for one tensor (default 256 MiB); larger ones
+        are refused. Under `qstats.stacked_observer` (a recipe's fused experts too) it bounds each
+        expert's counts, so a stack of ``E`` experts may take ``E`` times as much: pass the whole
+        stack's budget divided by ``E``.
       bins: deprecated alias of ``buckets_per_octave`` (FutureWarning).
 
     Laws: identity, associativity, commutativity and homomorphism hold bit for bit, under ``vmap`` too;
@@ -245,7 +252,7 @@ def histogram(
     >>> qp = qstats.compute_qparams(state, spec, method="l2")
     """
     bins = _buckets_per_octave(buckets_per_octave, bins)
-    low, high = _check_config(spec, bins, octaves)
+    low, high = _check_config(spec, bins, octaves, max_state_bytes)
 
     def init_fn(x: torch.Tensor) -> HistogramState:
         shape = qparam_shape(x.shape, spec.granularity)
