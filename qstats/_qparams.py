@@ -276,7 +276,7 @@ def qparams_from_minmax(
     ``check_uncalibrated`` is False: the caller applies it, as for stacked experts).
     ``calibrated`` may also be integer counts (calibrated where positive).
     """
-    _check_range_tensors(min_val, max_val)
+    _check_range_tensors(min_val, max_val, calibrated)
     min_val, max_val = min_val.float(), max_val.float()
     # min <= max with both finite: given min <= max, half the span is finite exactly when both
     # are (halving keeps finite extremes from overflowing); NaN fails every compare
@@ -301,13 +301,23 @@ def qparams_from_minmax(
     return QParams(scale, zero_point, global_scale, calibrated, minval)
 
 
-def _check_range_tensors(min_val, max_val) -> None:
+def _check_range_tensors(min_val, max_val, calibrated=None) -> None:
     """TypeError unless both ends are real (not bool or complex) tensors (a Python float failed
-    with an AttributeError)."""
+    with an AttributeError); ValueError naming the shapes where the ends do not broadcast together,
+    or a ``calibrated`` mask would broadcast the qparams to a larger shape."""
     for name, value in (("min_val", min_val), ("max_val", max_val)):
         if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or value.is_complex():
             got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
             raise TypeError(f"qparams_from_minmax: {name} must be a real tensor, got {got}")
+    try:
+        shape = torch.broadcast_shapes(min_val.shape, max_val.shape)
+        grown = isinstance(calibrated, torch.Tensor) and torch.broadcast_shapes(shape, calibrated.shape) != shape
+    except RuntimeError:
+        grown = True
+    if grown:
+        mask = f" and calibrated {tuple(calibrated.shape)}" if isinstance(calibrated, torch.Tensor) else ""
+        raise ValueError(f"qparams_from_minmax: min_val of shape {tuple(min_val.shape)}, max_val {tuple(max_val.shape)}"
+                         f"{mask} do not give one shape of quantization parameters")
 
 
 def _clipped(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec):
