@@ -61,10 +61,12 @@ def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor
     whether a stack's Hessians are all equal (every expert on every token: factored once)."""
     scalar = count.ndim == 0
     # the weight as the column loop computes it, in float32: a float64 value past float32's range is
-    # Inf there (the Hessian sum is scaled into range first, `_factorable_hessian`)
+    # Inf there (narrower dtypes keep their finiteness, uncopied; the Hessian sum is scaled into range
+    # first, `_factorable_hessian`)
+    computed = weight.to(torch.float32) if weight.dtype == torch.float64 else weight
     for name, value, past in (("Hessian sum", total, ""),
-                              ("weight", weight.to(torch.float32), " (or float64 values past float32's range, "
-                               "in which GPTQ computes)")):
+                              ("weight", computed, " (or float64 values past float32's range, in which GPTQ "
+                               "computes)")):
         bad = ~torch.isfinite(value).flatten(start_dim=value.ndim - 2).all(dim=-1)
         if bad.any():
             raise ValueError(f"qstats.gptq: the {name} of {_experts(bad, scalar)} holds NaN or Inf{past}")
