@@ -221,12 +221,10 @@ class Writer:
         dropped: set[str] = set()
         entries, attention = _entries(self.modules, qparams, self.specs, self.dynamic, tensors, dropped, self.log)
         self.attention.update(attention)
-        for entry in entries:
-            scheme = write_linear(entry, self.format, tensors, dropped, self.log)
-            if scheme:
-                self.schemes[entry.path] = scheme
-                if entry.experts is not None:
-                    self.expert_projection[entry.path] = entry.experts
+        for entry in entries:  # each has a site: `_entries` makes none without
+            self.schemes[entry.path] = write_linear(entry, self.format, tensors, dropped, self.log)
+            if entry.experts is not None:
+                self.expert_projection[entry.path] = entry.experts
         if self.specs:  # else config.json gets no quantization_config: transformers loads the stacks as saved
             unpack_loaded_per_expert(self.model, state, tensors, dropped)
         for name, tensor in state.items():
