@@ -327,7 +327,7 @@ def _header_too_large(target: str, count: int) -> ValueError:
     )
 
 
-def save(path: str | os.PathLike, tree: Any) -> None:
+def save(path: str | bytes | os.PathLike, tree: Any) -> None:
     """Writes ``tree`` to one safetensors file at ``path`` (tensors copied to the CPU).
 
     Args:
@@ -358,7 +358,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
         "checksums": json.dumps({key: _checksum(t) for key, t in tensors.items()}),
     }
     metadata["layout_checksum"] = _layout_checksum(metadata["structure"], metadata["checksums"], tensors)
-    target = os.fspath(path)
+    target = os.fsdecode(path)  # a bytes path too, as open() takes
     real = os.path.realpath(target)  # a symlink's target is replaced, as open() writes through it
     if os.path.isdir(real):
         raise IsADirectoryError(f"qstats.io: could not write {target} (it is a directory)")
@@ -400,7 +400,7 @@ def _new_file_beside(target: str) -> tuple[str, int]:
     return candidate, mode
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
+def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") -> Any:
     """Reads a tree written by `save`; tensors are put on ``device``. Bit-exact.
 
     Raises:
@@ -416,7 +416,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Any:
         raise TypeError(f"qstats.io.load: device must be a torch.device or its name, got {device!r} ({error})") from None
     if device.type not in ("cpu", "meta"):
         check_available(device, "qstats.io.load")
-    source = os.fspath(path)
+    source = os.fsdecode(path)  # a bytes path too, as open() takes
     if os.path.isdir(source):  # safetensors reports "No such device (os error 19)"
         raise IsADirectoryError(f"qstats.io: {source} is a directory, not a checkpoint file")
     try:
