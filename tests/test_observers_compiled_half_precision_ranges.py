@@ -65,3 +65,20 @@ def test_stacked_moving_average_mse_on_fp16_experts_equals_the_loop():
             one = obs.update(one, x[expert][routed[expert] != 0])
         for field, value in zip(one._fields, one):
             assert torch.equal(getattr(state, field)[expert], value), (expert, field)
+
+
+def test_compiled_moving_average_minmax_keeps_the_eager_fp16_ranges():
+    # llm-compressor's moving average of fp16 extremes is fp16 arithmetic: lerp in the input's dtype
+    spec = _fp16_spec()
+    obs = qstats.moving_average_minmax(spec, averaging_constant=0.3)
+    compiled = torch.compile(obs.update, fullgraph=True)
+    eager = traced = obs.init(_batches()[0])
+    expected_lo = None
+    for x in _batches():
+        eager, traced = obs.update(eager, x), compiled(traced, x)
+        lo = x.amin()
+        expected_lo = lo if expected_lo is None else (expected_lo * (1 - 0.3)) + (lo * 0.3)  # fp16 ops
+    assert torch.equal(eager.min_val.reshape(()), expected_lo.float())
+    for field in ("min_val", "max_val"):
+        assert _holds_fp16_values(getattr(traced, field)), field
+        assert torch.equal(getattr(traced, field), getattr(eager, field)), field

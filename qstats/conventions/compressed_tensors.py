@@ -15,7 +15,7 @@ import torch
 
 from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name
 from .._granularity import PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
-from .._torch_features import dtype_named
+from .._torch_features import dtype_named, rounded_to
 from .default import Convention, check_preserve_zero, integer_dtype_holds, saturate
 from .._warn import warn
 
@@ -367,8 +367,8 @@ class CompressedTensorsConvention(Convention):
         keeps such inputs' extremes in their dtype); saturated at the float32 limit."""
         rounds = spec.compute_dtype == COMPUTE_DTYPE_NAMES.get(observed_dtype)
 
-        def native(t):
-            return t.to(observed_dtype).float() if rounds else t
+        def native(t):  # kept under torch.compile, which drops a plain pair of casts
+            return rounded_to(t, observed_dtype) if rounds else t
 
         moved = native(native(average * (1.0 - constant)) + native(batch * constant))
         limit = torch.finfo(torch.float32).max
