@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import optree
 import torch
@@ -281,12 +281,12 @@ def _check_merges(paths, states, plan, leaf_observers) -> None:
             ) from error
 
 
-def _records(paths, states, plan, leaf_observers) -> list[tuple[str, str, str]]:
+def _records(paths, states, plan, leaf_observers, devices: Optional[dict] = None) -> list[tuple[str, str, str]]:
     """Per state ``(path, key, description)``: the key holds what must agree across ranks (types and
     fields, nested ones too, the reduction, a folding observer's name, the observer's QuantSpec,
-    shapes, dtypes and devices numbered by first use); the description says it in words, with this
-    rank's device names."""
-    devices = _device_numbers(states)
+    shapes, dtypes and devices numbered by first use, or as ``devices`` numbers them); the
+    description says it in words, with this rank's device names."""
+    devices = _device_numbers(states) if devices is None else devices
     records = []
     for path, state, ops, obs in zip(paths, states, plan, leaf_observers):
         fields = _state_fields(state)
@@ -346,6 +346,7 @@ def all_reduce(
     *,
     exact: bool = False,
     check: bool = True,
+    partial: bool = False,
 ) -> Any:
     """Merges the states in ``tree`` across all ranks of ``group``; every rank gets the result.
 
@@ -364,14 +365,21 @@ def all_reduce(
       group: the process group (default: the world).
       exact: fold states with floating ``sum`` fields in rank order, bit-identical to a sequential merge.
       check: first verify with one 24-byte collective that all ranks pass the same tree.
+      partial: ranks may hold different subsets of the sites of a dict tree (a rank without batches,
+        an expert no token reached on a rank): a site only some ranks hold is merged from them with
+        ``obs.merge`` in rank order and returned on every rank (`merge_partial_sites`); needs ``check``.
+        ``observers`` may then hold every rank's sites.
 
     Returns:
-      A new tree of the same structure; ``tree`` itself without a process group, with one rank, or on a
-      rank outside ``group``.
+      A new tree of the same structure (with ``partial``, where the ranks' sites differ: nested dicts
+      of every rank's sites); ``tree`` itself without a process group, with one rank, or on a rank
+      outside ``group``.
     """
     states = treespec = plan = records = local_error = None
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if distributed else 1
+    if partial:
+        observers = _pruned(observers, tree)
     try:  # validated locally, but raised only after every rank has joined the check
         paths, states, leaf_observers, treespec = _flatten(tree, observers)
         plan = _plan(states, exact)
@@ -383,8 +391,10 @@ def all_reduce(
         local_error = error
     if world > 1 and check:
         fingerprint = -1 if local_error is not None else _fingerprint(treespec, records)
-        _check_same_trees(fingerprint, local_error, group, {"exact": exact, "treespec": str(treespec),
-                                                            "records": records})
+        report = {"exact": exact, "partial": partial, "treespec": str(treespec), "records": records}
+        if _check_same_trees(fingerprint, local_error, group, report, partial):
+            common, common_observers, merged = merge_partial_sites(tree, observers, group)
+            return _joined(all_reduce(common, common_observers, group, exact=exact), merged)
     elif local_error is not None:  # without the check every rank must pass a valid tree
         raise local_error
     if world <= 1 or not states:
@@ -530,15 +540,16 @@ def _gather_from_ranks(report: Any, group) -> tuple[list, list]:
     return ranks, reports
 
 
-def _check_same_trees(fingerprint: int, local_error, group, report: dict) -> None:
+def _check_same_trees(fingerprint: int, local_error, group, report: dict, partial: bool = False) -> bool:
     """One 24-byte collective: every rank learns whether all ranks passed the same valid tree,
     so that every rank raises ValueError (none waits for a rank that raised before it). Where they
     did not, one more collective gathers every rank's error or tree, so that each rank's message
-    names the rank, the tree path and what differs there."""
+    names the rank, the tree path and what differs there. With ``partial``, valid trees that differ
+    return True instead (on every rank): the caller merges them site by site."""
     failed = 1 if local_error is not None else 0
     probe = _min_over_ranks([fingerprint, -fingerprint, -failed], group)
     if probe[2] == 0 and _same_on_every_rank(probe, fingerprint):
-        return
+        return False
     detail = local_error if isinstance(local_error, (TypeError, ValueError)) else repr(local_error)
     if local_error is not None:
         report = {"error": str(detail)}
@@ -548,14 +559,17 @@ def _check_same_trees(fingerprint: int, local_error, group, report: dict) -> Non
     if probe[2] != 0:
         errors = "; ".join(f"rank {rank}: {r['error']}" for rank, r in zip(ranks, reports) if "error" in r)
         raise ValueError(f"all_reduce: another rank's tree failed its local checks ({errors[:2000]})")
-    exacts = {r["exact"]: rank for rank, r in reversed(list(zip(ranks, reports)))}  # each value's first rank
-    if len(exacts) > 1:  # exact=True folds the float sums that exact=False reduces elementwise
-        listed = " and ".join(f"exact={value} on rank {rank}" for value, rank in sorted(exacts.items()))
-        raise ValueError(f"all_reduce: the ranks passed different arguments: {listed}; every rank passes the same "
-                         "exact=")
+    for name in ("exact", "partial"):  # exact=True folds the float sums that exact=False reduces elementwise
+        values = {r.get(name, False): rank for rank, r in reversed(list(zip(ranks, reports)))}  # each one's first rank
+        if len(values) > 1:
+            listed = " and ".join(f"{name}={value} on rank {rank}" for value, rank in sorted(values.items()))
+            raise ValueError(f"all_reduce: the ranks passed different arguments: {listed}; every rank passes the "
+                             f"same {name}=")
+    if partial:
+        return True
     hint = "" if report["records"] else (
-        " (no states here: a rank that calibrated no batch has no activation states; give every rank "
-        "at least one batch, or pass each missing site's observer init state)"
+        " (no states here: a rank that calibrated no batch has no activation states; pass partial=True, "
+        "give every rank at least one batch, or pass each missing site's observer init state)"
     )
     raise ValueError(
         f"all_reduce: the ranks passed different state trees: {_first_difference(reports, ranks)}; this rank's "
@@ -613,3 +627,256 @@ def _unpack(buffer: torch.Tensor, templates):
         _rebuild(state, iter([next(raws).clone().view(value.dtype).reshape(value.shape) for value in _values(state)]))
         for state in templates
     ]
+
+
+# ---- trees whose ranks hold different subsets of a dict's sites ------------------------------
+def _units(tree: Any, prefix: tuple = ()):
+    """``(key path, subtree)`` of each part of ``tree`` reached through dicts only, in insertion
+    order: the parts a rank may lack (an expert no token reached on it, every activation site of a
+    rank without batches). A tree that is not a dict is one part, at ``()``."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _units(value, (*prefix, key))
+    else:
+        yield prefix, tree
+
+
+def _nested(units) -> Any:
+    """The nested dicts holding each ``(key path, subtree)`` of ``units`` (the subtree itself at ``()``)."""
+    root: dict = {}
+    for path, subtree in units:
+        if not path:
+            return subtree
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = subtree
+    return root
+
+
+def _joined(tree: Any, other: dict) -> Any:
+    """``tree`` with the parts of ``other`` (nested dicts at key paths ``tree`` lacks) added."""
+    if not other:
+        return tree
+    out = dict(tree)
+    for key, value in other.items():
+        out[key] = _joined(out[key], value) if key in out else value
+    return out
+
+
+def _pruned(observers: Any, tree: Any) -> Any:
+    """``observers`` without the dict keys ``tree`` lacks: one observers tree of every site serves a
+    rank that holds fewer of them."""
+    if isinstance(observers, dict) and isinstance(tree, dict):
+        return {key: _pruned(value, tree[key]) for key, value in observers.items() if key in tree}
+    return observers
+
+
+class _Part(NamedTuple):
+    """One part of a rank's tree (`_units`): its states and their observers in flattening order."""
+
+    path: tuple
+    subtree: Any
+    treespec: Any
+    states: list
+    observers: list
+    key: int  # what every rank holding the part must agree on, hashed
+    text: str  # the part in words, for the message where ranks disagree
+
+
+def _local_parts(tree: Any, observers: Any) -> list:
+    """This rank's `_Part`s of ``tree``; raises what `_flatten` raises for an invalid tree."""
+    paths, states, leaf_observers, _ = _flatten(tree, observers)
+    by_path = {tuple(path): (path, state, obs) for path, state, obs in zip(paths, states, leaf_observers)}
+    parts = []
+    for prefix, subtree in _units(tree):
+        inner, _, treespec = optree.tree_flatten_with_path(subtree, is_leaf=_is_state)
+        held = [by_path[(*prefix, *path)] for path in inner]
+        paths_, states_, observers_ = ([item[i] for item in held] for i in range(3))
+        # the device index is left out: a rank's devices are numbered by first use over the states it holds
+        records = _records(paths_, states_, _plan(states_, False), observers_,
+                           {v.device: 0 for state in states_ for v in _values(state)})
+        key = str(treespec) + "".join(key for _, key, _ in records)
+        text = "; ".join(text for _, _, text in records) or f"an empty {str(treespec)[:200]}"
+        parts.append(_Part(prefix, subtree, treespec, states_, observers_,
+                           _as_int(hashlib.sha256(key.encode()).digest()), text))
+    return parts
+
+
+def _first_conflict(union: list, held: list) -> Optional[tuple]:
+    """``(key path, why)`` of the first part that ranks hold differently (another key), or that one
+    rank holds where another holds a dict of parts; None when the ranks differ by missing parts only."""
+    every = set(union)
+    for path in union:
+        keys = {rank_held[path] for rank_held in held if path in rank_held}
+        if len(keys) > 1:
+            return path, "states"
+        below = next((path[:n] for n in range(len(path)) if path[:n] in every), None)
+        if below is not None:
+            return below, "dict"
+    return None
+
+
+def _conflict_error(path: tuple, parts: dict, group) -> ValueError:
+    """The ValueError every rank raises where ranks hold different things at ``path``: what each
+    holds there, named by rank (one all_gather_object, the message only)."""
+    if path in parts:
+        mine = parts[path].text
+    elif any(other[:len(path)] == path for other in parts):
+        mine = "a dict of states"
+    else:
+        mine = None
+    ranks, texts = _gather_from_ranks(mine, group)
+    holding = [(rank, text) for rank, text in zip(ranks, texts) if text is not None]
+    (first, text), others = holding[0], [(rank, other) for rank, other in holding[1:] if other != holding[0][1]]
+    rank, other = others[0] if others else holding[1]
+    return ValueError(f"all_reduce: the ranks passed different state trees: at {_where(path)!r} rank {first} holds "
+                      f"{text}, rank {rank} holds {other}")
+
+
+def merge_partial_sites(tree: Any, observers: Any, group: Optional[Any] = None, *,
+                        device: Optional[torch.device] = None) -> tuple:
+    """Splits ``tree`` into the parts every rank of ``group`` holds and merges those only some hold.
+
+    A part is what ``tree`` holds below dicts only (a site's state in ``{path: {site: state}}``).
+    A module that only some ranks' batches call (an expert no token reached on a rank) or a rank
+    without batches leaves parts on some ranks alone: each holder but the first sends its states
+    to the first (one broadcast per rank and 64 MiB), which merges them with ``obs.merge`` in rank
+    order and sends the result to every rank. Costs 2 all_gather_object, plus where parts are
+    missing a third, one small all_reduce and at most two broadcasts per rank.
+
+    Returns:
+      ``(common, common_observers, merged)``: the parts every rank holds (nested dicts, in one order
+      on every rank) and their observers, and the merged parts (nested dicts, alike on every rank, on
+      ``device``, default the device the group communicates through).
+
+    Raises:
+      ValueError: on every rank, where a rank's tree fails its local checks, ranks hold parts of other
+        state types, shapes, dtypes or specs at one key path, or ``obs.merge`` refuses a pair.
+    """
+    error = parts = None
+    try:
+        parts = {part.path: part for part in _local_parts(tree, observers)}
+    except Exception as caught:  # raised below, once every rank knows
+        error = caught
+    report = {"error": str(error)} if error is not None else [(path, part.key) for path, part in parts.items()]
+    ranks, reports = _gather_from_ranks(report, group)
+    failed = [(rank, r["error"]) for rank, r in zip(ranks, reports) if isinstance(r, dict)]
+    if error is not None:
+        raise ValueError(f"all_reduce: this rank's tree is not valid: {error}") from error
+    if failed:
+        listed = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
+        raise ValueError(f"all_reduce: another rank's tree failed its local checks ({listed[:2000]})")
+    held = [dict(r) for r in reports]
+    union = list(dict.fromkeys(path for r in reports for path, _ in r))
+    conflict = _first_conflict(union, held)
+    if conflict is not None:
+        raise _conflict_error(conflict[0], parts, group)
+    common = [path for path in union if all(path in rank_held for rank_held in held)]
+    partial = [(path, [i for i, rank_held in enumerate(held) if path in rank_held]) for path in union
+               if path not in common]
+    observed = _nested((path, optree.tree_unflatten(parts[path].treespec, parts[path].observers)) for path in common)
+    merged = _merged_parts(partial, parts, group, device or _probe_device(group)) if partial else {}
+    return _nested((path, parts[path].subtree) for path in common), observed, merged
+
+
+def _meta(subtree: Any) -> Any:
+    """``subtree`` with every state's tensors on the meta device: its types, shapes and dtypes, sent
+    to the ranks that lack the part."""
+    return optree.tree_map(lambda state: _rebuild(state, iter([v.detach().to("meta") for v in _values(state)])),
+                           subtree, is_leaf=_is_state)
+
+
+def _merged_parts(partial: list, parts: dict, group, device: torch.device) -> dict:
+    """The parts ``[(key path, holders), ...]`` merged from their holders in rank order, on every rank."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = {path: _meta(parts[path].subtree) for path, holders in partial if holders[0] == rank}
+    _, sent = _gather_from_ranks(mine, group)
+    templates = {path: optree.tree_flatten(sent[holders[0]][path], is_leaf=_is_state) for path, holders in partial}
+    first = {path: holders[0] for path, holders in partial}
+    received: dict = {}
+    for source in range(world):  # every holder but the first sends its states to the first
+        paths = [path for path, holders in partial if source in holders[1:]]
+        states = [state for path in paths for state in parts[path].states] if source == rank else None
+        shapes = [state for path in paths for state in templates[path][0]]
+        for path, part in _split(paths, templates, _broadcast_states(states, shapes, source, group, device)):
+            if first[path] == rank:
+                received.setdefault(path, []).append((source, part))
+    merged, error = {}, None
+    for path, holders in partial:
+        if holders[0] == rank and error is None:
+            try:
+                merged[path] = _merged_states(parts[path], received.get(path, []), rank, group)
+            except ValueError as caught:
+                error = caught
+    if _min_over_ranks([-int(error is not None)], group)[0] != 0:
+        ranks, errors = _gather_from_ranks(None if error is None else str(error), group)
+        if error is not None:
+            raise error
+        raise ValueError(f"all_reduce: another rank's merge failed ({[e for e in errors if e][0][:2000]})")
+    out = []
+    for source in range(world):  # each first holder sends the merged states to every rank
+        paths = [path for path, holders in partial if holders[0] == source]
+        states = [state for path in paths for state in merged[path]] if source == rank else None
+        shapes = [state for path in paths for state in templates[path][0]]
+        out += [(path, optree.tree_unflatten(templates[path][1], part))
+                for path, part in _split(paths, templates, _broadcast_states(states, shapes, source, group, device))]
+    order = {path: i for i, (path, _) in enumerate(partial)}
+    return _nested(sorted(out, key=lambda item: order[item[0]]))
+
+
+def _runs(sizes: list) -> list:
+    """The indexes of ``sizes`` in consecutive runs of at most `BUCKET_BYTES` in all (a larger one alone)."""
+    runs: list = []
+    total = 0
+    for index, size in enumerate(sizes):
+        if not runs or total + size > BUCKET_BYTES:
+            runs.append([])
+            total = 0
+        runs[-1].append(index)
+        total += size
+    return runs
+
+
+def _split(paths: list, templates: dict, states: list) -> list:
+    """``[(path, its states), ...]``: ``states`` cut into the parts at ``paths``, in order."""
+    out, start = [], 0
+    for path in paths:
+        count = len(templates[path][0])
+        out.append((path, states[start:start + count]))
+        start += count
+    return out
+
+
+def _merged_states(part: _Part, received: list, rank: int, group) -> list:
+    """The part's states merged with those ``received`` from the other holders, in rank order."""
+    merged = list(part.states)
+    for source, states in received:
+        for index, (obs, state) in enumerate(zip(part.observers, states)):
+            try:
+                merged[index] = obs.merge(merged[index], state)
+            except Exception as error:
+                ranks = [dist.get_global_rank(group, i) if group is not None else i for i in (rank, source)]
+                raise ValueError(
+                    f"all_reduce: {obs.name}.merge raised merging the {type(state).__name__} of rank {ranks[1]} at "
+                    f"{_where(part.path)!r} into that of rank {ranks[0]} and the holders before it: {error}"
+                ) from error
+    return merged
+
+
+def _broadcast_states(states: Optional[list], templates: list, source: int, group, device: torch.device) -> list:
+    """``source``'s ``states`` (None on the other ranks), shaped as ``templates``, on every rank on
+    ``device``: one broadcast of their bytes per run of at most `BUCKET_BYTES` (a larger state alone)."""
+    through = _probe_device(group)
+    src = dist.get_global_rank(group, source) if group is not None else source
+    sizes = [sum(v.numel() * v.element_size() for v in _values(state)) for state in templates]
+    out: list = []
+    for indexes in _runs(sizes):
+        if states is not None:
+            buffer = _pack([states[i] for i in indexes]).to(through)
+        else:
+            buffer = torch.empty(sum(sizes[i] for i in indexes), dtype=torch.uint8, device=through)
+        if buffer.numel():
+            dist.broadcast(buffer, src=src, group=group)
+        out += _unpack(buffer.to(device), [templates[i] for i in indexes])
+    return out
