@@ -18,7 +18,6 @@ import contextlib
 import copy
 import dataclasses
 import inspect
-import math
 import os
 import shutil
 import tempfile
@@ -489,64 +488,15 @@ class _Run:
         that every state owns its buffer and is freed on its own (a layer's Hessians, one by one)."""
         if not (self.all_reduce and group_up()):
             return found
-        found, partial = _merged_partial_sites(found, plan, self.device)
+        # sites only some ranks observed (routing to per-expert modules, a rank without batches)
+        found, _, partial = distributed.merge_partial_sites(found, plan.observers(found),
+                                                            device=self.device or torch.device("cpu"))
         if not each:
             found = _reduce(found, plan)
         else:
             found = {path: {site: _reduce({path: {site: state}}, plan)[path][site] for site, state in entry.items()}
                      for path, entry in found.items()}
         return {path: {**found.get(path, {}), **partial.get(path, {})} for path in [*found, *partial]}
-
-
-def _merged_partial_sites(found: dict, plan: Plan, device: Optional[torch.device]) -> tuple:
-    """``(found's states of the sites every rank observed, in one order on every rank; the merged
-    states of the sites only some ranks observed)``. A module that only some batches call (routing
-    to per-expert modules) has states on some ranks alone: each holder broadcasts its state in
-    turn, one state at a time, and every rank merges them in rank order, so that every rank goes
-    on with the same sites and collectives."""
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    keys: list = [None] * world
-    torch.distributed.all_gather_object(keys, [(path, site) for path, entry in found.items() for site in entry])
-    held = [set(rank_keys) for rank_keys in keys]
-    union = list(dict.fromkeys(key for rank_keys in keys for key in rank_keys))
-    partial = [key for key in union if not all(key in rank_keys for rank_keys in held)]
-    everywhere: dict = {}
-    for path, site in (key for key in union if key not in partial):
-        everywhere.setdefault(path, {})[site] = found[path][site]
-    if not partial:
-        return everywhere, {}
-    layouts: list = [None] * world  # (state type, field shapes and dtypes) of each state a rank holds
-    torch.distributed.all_gather_object(layouts, {key: _layout(found[key[0]][key[1]]) for key in partial
-                                                  if key in held[rank]})  # fmt: skip
-    merged: dict = {}
-    for path, site in partial:
-        state = None
-        for source in (r for r in range(world) if (path, site) in held[r]):
-            mine = found[path][site] if source == rank else None
-            received = _broadcast_state(mine, layouts[source][(path, site)], source, device)
-            state = received if state is None else plan.site(path, site).observer.merge(state, received)
-        merged.setdefault(path, {})[site] = state
-    return everywhere, merged
-
-
-def _layout(state) -> tuple:
-    return type(state), [(tuple(field.shape), field.dtype) for field in state]
-
-
-def _broadcast_state(state, layout: tuple, source: int, device: Optional[torch.device]):
-    """``source``'s state (``state`` there, None elsewhere) on every rank, on ``device`` (default the
-    CPU), field by field as bytes through the process group's device."""
-    kind, fields = layout
-    through = distributed._probe_device(None)
-    out = []
-    for index, (shape, dtype) in enumerate(fields):
-        if state is not None:
-            value = state[index].detach().to(through).contiguous().reshape(-1)
-        else:
-            value = torch.empty(math.prod(shape), dtype=dtype, device=through)
-        torch.distributed.broadcast(value.view(torch.uint8), src=source)
-        out.append(value.reshape(shape).to(device or "cpu"))
-    return kind(*out)
 
 
 def group_up() -> bool:
