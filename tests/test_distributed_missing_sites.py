@@ -8,11 +8,13 @@ refuses) raises on every rank, none waits."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import traceback
 import warnings
 from datetime import timedelta
+from typing import NamedTuple
 
 import optree
 import pytest
@@ -95,6 +97,11 @@ def _rank(rank: int, port: int, world: int, out: str) -> None:
             _record(results, "all-empty", lambda: distributed.all_reduce({}, observers, partial=True))
             for name, tree in _mismatches(rank, world).items():
                 _record(results, name, lambda: distributed.all_reduce(tree, qstats.minmax(ROWS), partial=True))
+            averages, average = _moving_averages(rank)
+            _record(results, "folded", lambda: distributed.all_reduce(averages, average, partial=True))
+            distributed.BUCKET_BYTES = 64  # this rank's process only: several broadcasts per rank
+            _record(results, "moe/small-buckets", lambda: distributed.all_reduce(local, observers, partial=True))
+            _record(results, "folded/small-buckets", lambda: distributed.all_reduce(averages, average, partial=True))
             fixed = _fixed_qparams(rank)
             _record(results, "refused", lambda: distributed.all_reduce(fixed[0], fixed[1], partial=True))
             _record(results, "after", lambda: distributed.all_reduce(local, observers, partial=True))
@@ -120,6 +127,41 @@ def _mismatches(rank: int, world: int) -> dict:
     shape = {"a": _minmax_state(torch.ones(5 if odd else 6, 1)), **extra}
     nested = {"a": _minmax_state(torch.ones(3, 1))} if odd else {"a": {"input": _minmax_state(torch.ones(3, 1))}}
     return {"other-shape": shape, "state-or-dict": {**nested, **extra}}
+
+
+class _DecayState(NamedTuple):
+    value: torch.Tensor
+    count: torch.Tensor
+
+
+def _decay_observer() -> qstats.Observer:
+    """A state whose merge depends on the order of its operands (``0.25 * a + b``), not declared
+    elementwise: all_reduce folds it with ``merge``, so the result shows the order of the fold."""
+    def init_fn(x):
+        return _DecayState(torch.zeros(x.shape[-1]), torch.zeros((), dtype=torch.int64))
+
+    def update_fn(state, x, weight=None):
+        return _DecayState(0.25 * state.value + x.float().sum(0), state.count + x.shape[0])
+
+    def merge_fn(a, b):
+        return _DecayState(0.25 * a.value + b.value, a.count + b.count)
+
+    return qstats.Observer(init_fn, update_fn, merge_fn, exact=False, name="decay_test")
+
+
+AVERAGE = _decay_observer()
+
+
+def _moving_averages(rank: int) -> tuple:
+    """Order-dependent states of every rank but the first, at a site ("m", a list of two states)
+    the first rank lacks, and of every rank at "all"."""
+    def state(seed: int):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed)) * (seed + 1)
+        return AVERAGE.update(AVERAGE.init(x), x)
+    tree = {"all": state(10 + rank)}
+    if rank > 0:
+        tree["m"] = [state(20 + rank), state(30 + rank)]
+    return tree, AVERAGE
 
 
 def _fixed_qparams(rank: int) -> tuple:
@@ -157,7 +199,7 @@ def test_the_ranks_hold_different_experts():
         assert all("experts.4" not in shard for shard in shards)
 
 
-@pytest.mark.parametrize("name", ["moe", "moe/all-observers", "no-batch", "after"])
+@pytest.mark.parametrize("name", ["moe", "moe/all-observers", "moe/small-buckets", "no-batch", "after"])
 def test_every_rank_gets_one_process_calibration_of_all_batches(ranks, name):
     model, batches = model_and_batches()
     world = len(ranks)
@@ -166,6 +208,22 @@ def test_every_rank_gets_one_process_calibration_of_all_batches(ranks, name):
     assert "experts.4" not in want
     for rank, results in enumerate(ranks):
         _assert_bit_equal(results[name], want, f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("name", ["folded", "folded/small-buckets"])
+def test_a_site_only_some_ranks_hold_is_their_merge_in_rank_order(ranks, name):
+    world = len(ranks)
+    trees = [_moving_averages(rank)[0] for rank in range(world)]
+    want = {
+        "all": functools.reduce(AVERAGE.merge, [tree["all"] for tree in trees]),
+        "m": [functools.reduce(AVERAGE.merge, [tree["m"][i] for tree in trees[1:]]) for i in range(2)],
+    }
+    for rank, results in enumerate(ranks):
+        got = results[name]
+        assert not isinstance(got, str) and set(got) == {"all", "m"}, (name, rank, got)
+        assert isinstance(got["m"], list) and len(got["m"]) == 2, (name, rank, got)
+        for got_state, want_state in zip([got["all"], *got["m"]], [want["all"], *want["m"]]):
+            assert all(torch.equal(a, b) for a, b in zip(got_state, want_state)), (name, rank)
 
 
 def test_ranks_without_any_site_get_an_empty_tree(ranks):
