@@ -4,6 +4,7 @@
 whose merge is elementwise (`register_reduce_ops`: min, max, sum) are packed into flat buckets per
 ``(op, dtype, device)`` of at most 64 MiB and all-reduced; the others are gathered once and folded
 with ``obs.merge`` in rank order. A 24-byte check first makes ranks passing different trees raise instead of hang.
+With ``partial=True``, ranks may hold different sites of a dict tree (`merge_partial_sites`).
 
 >>> import torch, qstats
 >>> obs = qstats.minmax(qstats.QuantSpec())

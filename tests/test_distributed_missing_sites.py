@@ -102,6 +102,9 @@ def _rank(rank: int, port: int, world: int, out: str) -> None:
             distributed.BUCKET_BYTES = 64  # this rank's process only: several broadcasts per rank
             _record(results, "moe/small-buckets", lambda: distributed.all_reduce(local, observers, partial=True))
             _record(results, "folded/small-buckets", lambda: distributed.all_reduce(averages, average, partial=True))
+            lone = {"a": _minmax_state(torch.ones(2, 1))} if rank == 0 else {}
+            _record(results, "partial-on-some-ranks",
+                    lambda: distributed.all_reduce(lone, qstats.minmax(ROWS), partial=rank > 0))
             fixed = _fixed_qparams(rank)
             _record(results, "refused", lambda: distributed.all_reduce(fixed[0], fixed[1], partial=True))
             _record(results, "after", lambda: distributed.all_reduce(local, observers, partial=True))
@@ -249,3 +252,10 @@ def test_a_site_held_differently_raises_on_every_rank(ranks, name, words):
         assert isinstance(error, str) and error.startswith("ValueError: all_reduce"), (name, rank, error)
         if name != "refused" or rank < 2:
             assert all(word in error for word in words), (name, rank, error)
+
+
+def test_ranks_passing_another_partial_raise_on_every_rank(ranks):
+    for rank, results in enumerate(ranks):
+        error = results["partial-on-some-ranks"]
+        assert isinstance(error, str) and "different arguments" in error, (rank, error)
+        assert "partial=False on rank 0" in error and "partial=True on rank 1" in error, (rank, error)
