@@ -309,6 +309,9 @@ def _check_range_tensors(min_val, max_val, calibrated=None) -> None:
         if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or value.is_complex():
             got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
             raise TypeError(f"qparams_from_minmax: {name} must be a real tensor, got {got}")
+    same_mask = not isinstance(calibrated, torch.Tensor) or calibrated.shape == min_val.shape
+    if min_val.shape == max_val.shape and same_mask:
+        return  # the usual case, without torch.broadcast_shapes' cost (tens of microseconds a call)
     try:
         shape = torch.broadcast_shapes(min_val.shape, max_val.shape)
         grown = isinstance(calibrated, torch.Tensor) and torch.broadcast_shapes(shape, calibrated.shape) != shape
