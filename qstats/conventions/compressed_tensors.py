@@ -16,7 +16,7 @@ import torch
 from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name
 from .._granularity import PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import dtype_named, rounded_to
-from .default import Convention, check_preserve_zero, exact_integers, in_dtype, integer_dtype_holds, saturate, value_in
+from .default import Convention, check_preserve_zero, integer_dtype_holds, saturate
 from .._warn import warn
 
 __all__ = ["CompressedTensorsConvention", "from_compressed_tensors"]
@@ -301,6 +301,24 @@ def _largest_in_both(first: torch.dtype, second: torch.dtype) -> float:
     return float(largest)
 
 
+def _in(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to ``dtype`` (one rounding per bf16/fp16 operation of compressed-tensors), held
+    as float32 where ``dtype`` is narrower; through `rounded_to`, which torch.compile keeps (inductor
+    fuses the operations in float32 and drops a plain pair of casts unless ``emulate_precision_casts``)."""
+    return t.to(dtype) if dtype.itemsize >= 4 else rounded_to(t.float(), dtype)
+
+
+def _exact_codes(spec, compute: torch.dtype) -> bool:
+    """Whether integer codes, zero points and their differences are values of ``compute`` (int8 in
+    bfloat16: up to 256), so that arithmetic on them needs no rounding."""
+    return not spec.is_float and spec.qrange[1] - spec.qrange[0] <= 2 / torch.finfo(compute).eps
+
+
+def _value_in(compute: torch.dtype, value: float) -> float:
+    """A Python number rounded to ``compute`` (a code bound or range: 32767 is 32768 in bfloat16)."""
+    return float(torch.tensor(value, dtype=torch.float64).to(compute))
+
+
 def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range: float):
     """The range with zero, as float32 holding ``compute``'s values; in bfloat16/float16 first
     clipped so that the scale stays finite (a symmetric peak, or an asymmetric span, wider than the
@@ -312,14 +330,14 @@ def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range: float):
             limit = peak_limit(compute, bit_range / 2)
         min_val = min_val.clamp(min=-limit)
         max_val = max_val.clamp(max=limit)
-    min_val = in_dtype(compute, min_val)
-    max_val = in_dtype(compute, max_val)
+    min_val = _in(compute, min_val)
+    max_val = _in(compute, max_val)
     min_vals = torch.min(min_val, torch.zeros_like(min_val))
     max_vals = torch.max(max_val, torch.zeros_like(max_val))
     if spec.mapping == "asymmetric" and compute != torch.float32:
         # a span wider than the dtype holds: both ends clipped at half its largest value there
         half = torch.finfo(compute).max / 2
-        wide = in_dtype(compute, max_vals - min_vals) == torch.inf
+        wide = _in(compute, max_vals - min_vals) == torch.inf
         min_vals = torch.where(wide, min_vals.clamp(min=-half), min_vals)
         max_vals = torch.where(wide, max_vals.clamp(max=half), max_vals)
     return min_vals, max_vals
@@ -385,21 +403,21 @@ class CompressedTensorsConvention(Convention):
         # compressed-tensors' calculate_range: the float format's, or the signed range (the spec's own, as
         # `check_compressed_tensors_range` refuses any other), in the compute dtype; every operation
         # below is float32 arithmetic rounded once to it (`_in`), as compressed-tensors' half kernels
-        bit_min, bit_max = (value_in(compute, b) for b in spec.qrange)
-        bit_range = value_in(compute, bit_max - bit_min)
+        bit_min, bit_max = (_value_in(compute, b) for b in spec.qrange)
+        bit_range = _value_in(compute, bit_max - bit_min)
         min_vals, max_vals = _range_in(compute, min_val, max_val, spec, bit_range)
         if spec.mapping == "asymmetric":
-            scales = in_dtype(compute, in_dtype(compute, max_vals - min_vals) / bit_range)
-            zero_points = in_dtype(compute, bit_min - in_dtype(compute, min_vals / scales))
+            scales = _in(compute, _in(compute, max_vals - min_vals) / bit_range)
+            zero_points = _in(compute, bit_min - _in(compute, min_vals / scales))
             zero_points = torch.clamp(zero_points, bit_min, bit_max)
         else:
             max_val_pos = torch.max(torch.abs(min_vals), torch.abs(max_vals))
-            scales = in_dtype(compute, max_val_pos / value_in(compute, bit_range / 2))
+            scales = _in(compute, max_val_pos / _value_in(compute, bit_range / 2))
             zero_points = torch.zeros_like(scales)
         if spec.scale_dtype != "float32":
             dtype = getattr(torch, spec.scale_dtype)
             limit = _largest_in_both(dtype, compute)  # saturated where the round trip would overflow
-            scales = in_dtype(compute, in_dtype(dtype, scales.clamp(-limit, limit)))
+            scales = _in(compute, _in(dtype, scales.clamp(-limit, limit)))
         eps = torch.tensor(_scale_eps(spec, compute), device=scales.device)  # a value of the compute dtype
         # where(scales == 0, eps, scales) by arithmetic (scales + 0 is exact; selects are slow on CPU)
         scales = scales + (scales == 0).float() * eps
@@ -420,11 +438,11 @@ class CompressedTensorsConvention(Convention):
         zero_point`` in the promoted dtype of ``view`` and the compute dtype, each step rounded to it."""
         compute = getattr(torch, spec.compute_dtype)
         work = torch.promote_types(view.dtype, compute)
-        scaled = in_dtype(work, view / in_dtype(compute, scale).to(work))
-        scaled = in_dtype(work, scaled + in_dtype(view.dtype, zero_point).to(scaled.dtype))
+        scaled = _in(work, view / _in(compute, scale).to(work))
+        scaled = _in(work, scaled + _in(view.dtype, zero_point).to(scaled.dtype))
         qmin, qmax = spec.qrange
         if spec.is_float:
-            quantized = in_dtype(spec.float_format.torch_dtype, scaled.clamp(qmin, qmax))
+            quantized = _in(spec.float_format.torch_dtype, scaled.clamp(qmin, qmax))
             return scaled.float(), quantized.float()
         unclamped = torch.round(scaled)
         return unclamped.float(), unclamped.clamp(qmin, qmax).float()
@@ -434,12 +452,12 @@ class CompressedTensorsConvention(Convention):
         the product (exact in float32 for bf16/fp16 operands) saturates at the compute dtype's
         largest value where compressed-tensors' overflows to +-Inf."""
         compute = getattr(torch, spec.compute_dtype)
-        if exact_integers(spec, compute):  # int8 codes in bf16: the difference is exact in float32
+        if _exact_codes(spec, compute):  # int8 codes in bf16: the difference is exact in float32
             values = codes.float() - zero_point.float()
         else:
-            values = in_dtype(compute, in_dtype(compute, codes) - in_dtype(compute, zero_point))
-        product = values * in_dtype(compute, scale)
-        return in_dtype(compute, saturate(product, compute))
+            values = _in(compute, _in(compute, codes) - _in(compute, zero_point))
+        product = values * _in(compute, scale)
+        return _in(compute, saturate(product, compute))
 
     def block_scaled(self, view, scale, spec):
         """As compressed-tensors divides ``view`` (bf16, fp16, float32 or float64) by its scale held in

@@ -12,7 +12,6 @@ import torch
 
 from .. import _formats
 from .._formats import integer_dtype_holds  # re-exported: compressed-tensors' and qstats.torch_ao's checks
-from .._torch_features import rounded_to
 
 __all__ = [
     "Convention",
@@ -22,12 +21,9 @@ __all__ = [
     "check_range_within_dtype",
     "check_symmetric_zero_point",
     "check_zero_point_kept",
-    "exact_integers",
-    "in_dtype",
     "integer_dtype_holds",
     "round_scale",
     "saturate",
-    "value_in",
 ]
 
 
@@ -168,25 +164,6 @@ def saturate(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if limit >= torch.finfo(t.dtype).max else t.clamp(-limit, limit)
 
 
-def in_dtype(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
-    """``t`` rounded once to ``dtype``, as one bf16/fp16 (or fp8) operation of a reference library,
-    held as float32 where ``dtype`` is narrower; through `rounded_to`, which torch.compile keeps
-    (inductor fuses operations in float32 and drops a plain pair of casts unless
-    ``emulate_precision_casts``). Float32 and float64: ``t`` in that dtype."""
-    return t.to(dtype) if dtype.itemsize >= 4 else rounded_to(t.float(), dtype)
-
-
-def value_in(dtype: torch.dtype, value: float) -> float:
-    """A Python number rounded to ``dtype`` (a code bound or range: 32767 is 32768 in bfloat16)."""
-    return float(torch.tensor(value, dtype=torch.float64).to(dtype))
-
-
-def exact_integers(spec, dtype: torch.dtype) -> bool:
-    """Whether ``spec``'s integer codes, zero points and their differences are values of ``dtype``
-    (int8 in bfloat16: up to 256), so that arithmetic on them needs no rounding."""
-    return not spec.is_float and spec.qrange[1] - spec.qrange[0] <= 2 / torch.finfo(dtype).eps
-
-
 def round_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``scale`` rounded to the scale dtype ``dtype`` (held as float32)."""
     if dtype in (torch.float8_e4m3fn, torch.float16, torch.bfloat16):
@@ -196,7 +173,7 @@ def round_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # scales past its largest value (a one-bit target's peak / 0.5 near 3.4e38) to Inf
         finfo = torch.finfo(dtype)
         scale = scale.clamp(finfo.tiny * finfo.eps, finfo.max)
-    return in_dtype(dtype, scale).float()
+    return scale.to(dtype).float()
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from .._checks import is_real_number
 from .._formats import COMPUTE_DTYPE_NAMES, E8M0_MIN, biased_exponent, compute_dtype_name, e8m0_to_float
 from .._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import torch_dtype
-from .default import Convention, exact_integers, in_dtype, round_scale, saturate, value_in
+from .default import Convention, round_scale, saturate
 
 __all__ = ["TorchaoConvention", "from_torchao"]
 
@@ -402,12 +402,10 @@ def _own_arithmetic(spec) -> bool:
 
 
 def _span_scale(low, high, levels: float, compute):
-    """``(high - low) / levels`` in ``compute``, as torchao (float32 holding ``compute``'s values, each
-    operation rounded to it); where the span overflows ``compute`` (torchao: an Inf scale),
-    ``high / levels - low / levels``, saturated."""
-    scale = in_dtype(compute, in_dtype(compute, high - low) / levels)
-    parts = in_dtype(compute, in_dtype(compute, high / levels) - in_dtype(compute, low / levels))
-    return torch.where(torch.isfinite(scale), scale, saturate(parts, compute))
+    """``(high - low) / levels`` in ``compute``, as torchao; where the span overflows ``compute``
+    (torchao: an Inf scale), ``high / levels - low / levels``, saturated."""
+    scale = (high - low) / levels
+    return torch.where(torch.isfinite(scale), scale, saturate(high / levels - low / levels, compute))
 
 
 def _affine_scale(min_val_neg, max_val_pos, spec, compute):
@@ -417,10 +415,10 @@ def _affine_scale(min_val_neg, max_val_pos, spec, compute):
     if spec.mapping == "asymmetric":
         return _span_scale(min_val_neg, max_val_pos, float(qmax - qmin), compute)
     if spec.mapping == "symmetric_no_clipping_err":
-        smin = in_dtype(compute, min_val_neg / float(qmin))
-        smax = in_dtype(compute, max_val_pos / float(qmax))
+        smin = min_val_neg / float(qmin)
+        smax = max_val_pos / float(qmax)
         return torch.where(smin > smax, smin, smax)
-    return saturate(in_dtype(compute, torch.max(-min_val_neg, max_val_pos) / (float(qmax - qmin) / 2)), compute)
+    return saturate(torch.max(-min_val_neg, max_val_pos) / (float(qmax - qmin) / 2), compute)
 
 
 class TorchaoConvention(Convention):
@@ -458,28 +456,23 @@ class TorchaoConvention(Convention):
     def qparams(self, min_val, max_val, spec):
         """``(scale, zero_point)`` as torchao's ``choose_qparams_affine`` (INT/NONE domains), its
         ``dont_preserve_zero`` or ``tinygemm`` (FLOAT domain) variants, operation by operation in
-        ``spec.compute_dtype`` (float32 arithmetic rounded to it after each operation, `in_dtype`);
-        float32 extremes past a bf16/fp16 compute dtype saturate to it.
+        ``spec.compute_dtype``; float32 extremes past a bf16/fp16 compute dtype saturate to it.
         """
         if spec.is_float:
             return super().qparams(min_val, max_val, spec)
         compute, scale_dtype = _dtypes(spec)
-        min_val, max_val = (in_dtype(compute, saturate(t, compute)) for t in (min_val, max_val))
+        min_val, max_val = (saturate(t, compute).to(compute) for t in (min_val, max_val))
         qmin, qmax = spec.qrange
-        eps = value_in(compute, spec.eps)  # torchao's clamp(min=eps) in the compute dtype
         if spec.zero_point_domain == "float":
-            scale = torch.clamp(_span_scale(min_val, max_val, float(qmax - qmin), compute), min=eps)
-            zero_point = in_dtype(compute, min_val + in_dtype(compute, scale * ((qmax + qmin + 1) / 2)))
-            return round_scale(scale, scale_dtype), saturate(zero_point, compute)
+            scale = torch.clamp(_span_scale(min_val, max_val, float(qmax - qmin), compute), min=spec.eps)
+            zero_point = saturate(min_val + scale * ((qmax + qmin + 1) / 2), compute)
+            return round_scale(scale.float(), scale_dtype), zero_point.float()
         if spec.preserve_zero:
             min_val = torch.min(min_val, torch.zeros_like(min_val))
             max_val = torch.max(max_val, torch.zeros_like(max_val))
-        scale = torch.clamp(_affine_scale(min_val, max_val, spec, compute), min=eps)
+        scale = torch.clamp(_affine_scale(min_val, max_val, spec, compute), min=spec.eps)
         if spec.mapping == "asymmetric":
-            zero_point = qmin - torch.round(in_dtype(compute, min_val / scale))
-            if not exact_integers(spec, compute):  # int16 codes in bf16 round
-                zero_point = in_dtype(compute, zero_point)
-            zero_point = torch.clamp(zero_point, value_in(compute, qmin), value_in(compute, qmax))
+            zero_point = torch.clamp(qmin - torch.round(min_val / scale), qmin, qmax)
         else:
             zero_point = torch.full_like(scale, spec.zero_point_of_symmetric)
         # clamped again as an integer: a bf16/fp16 clamp rounds a wide target's quant_max up (32767
@@ -487,7 +480,7 @@ class TorchaoConvention(Convention):
         zero_point = zero_point.to(torch.int32).clamp(qmin, qmax)
         if spec.zero_point_domain == "none":
             zero_point = torch.zeros_like(zero_point)
-        return round_scale(scale, scale_dtype), zero_point
+        return round_scale(scale.float(), scale_dtype), zero_point
 
     def codes(self, view, scale, zero_point, spec):
         """torchao's ``_quantize_affine*_no_dtype_cast`` in its dtypes: the input in
@@ -502,15 +495,13 @@ class TorchaoConvention(Convention):
             unclamped = torch.copysign(unclamped, view.to(unclamped.dtype))
             return unclamped, unclamped.clamp(*spec.qrange)
         compute, scale_dtype = _dtypes(spec)
-        work = torch.promote_types(compute, scale_dtype)  # of torchao's operations on both
-        view, scale = in_dtype(compute, saturate(view.float(), compute)), in_dtype(scale_dtype, scale)
+        view, scale = saturate(view.float(), compute).to(compute), scale.to(scale_dtype)
         qmin, qmax = spec.qrange
         if spec.zero_point_domain == "float":
-            mid = in_dtype(scale_dtype, scale * ((qmax + qmin + 1) / 2))
-            min_val = saturate(in_dtype(work, in_dtype(compute, zero_point) - mid), compute)
-            unclamped = torch.round(in_dtype(work, in_dtype(work, view - min_val) / scale))
+            min_val = saturate(zero_point.to(compute) - scale * ((qmax + qmin + 1) / 2), compute)
+            unclamped = torch.round((view - min_val) / scale)
         else:
-            scaled = in_dtype(work, view * in_dtype(scale_dtype, 1.0 / scale))
+            scaled = view * (1.0 / scale)
             if scale_dtype == torch.float16:
                 # a float16 scale below 2**-16 (torchao's float32 eps is one) has an infinite
                 # reciprocal: torchao's 0 * Inf is NaN there; qstats maps a zero to the zero point's
@@ -519,8 +510,6 @@ class TorchaoConvention(Convention):
             unclamped = torch.round(scaled)
             if spec.zero_point_domain != "none":
                 unclamped = unclamped + zero_point
-                if not exact_integers(spec, work):
-                    unclamped = in_dtype(work, unclamped)
         return unclamped.float(), unclamped.clamp(qmin, qmax).float()
 
     def dequantize(self, codes, scale, zero_point, spec):
@@ -531,18 +520,17 @@ class TorchaoConvention(Convention):
             return super().dequantize(codes, scale, zero_point, spec)
         compute, scale_dtype = _dtypes(spec)
         work = torch.promote_types(torch.float32, scale_dtype)
-        scale = in_dtype(scale_dtype, scale).to(work)
-        exact = exact_integers(spec, compute)  # codes and their differences need no rounding
-        codes = codes.float() if exact else in_dtype(compute, codes)
+        scale = scale.to(scale_dtype).to(work)
+        codes = codes.float().to(compute)
         if spec.zero_point_domain == "float":
             qmin, qmax = spec.qrange
-            dequant = in_dtype(compute, codes - (qmax + qmin + 1) / 2)
-            dequant = in_dtype(compute, saturate(dequant.to(work) * scale, compute))
+            dequant = (codes - (qmax + qmin + 1) / 2).to(compute)
+            dequant = saturate(dequant.to(work) * scale, compute).to(compute)
             # a sum in the compute dtype: PyTorch forms half sums in float32 and rounds them
-            return in_dtype(compute, saturate(dequant + in_dtype(compute, zero_point), compute)).float()
+            return saturate(dequant.float() + zero_point.to(compute).float(), compute).to(compute).float()
         if spec.zero_point_domain != "none":
-            codes = codes - zero_point.float() if exact else in_dtype(compute, codes - in_dtype(compute, zero_point))
-        return in_dtype(compute, saturate(codes.to(work) * scale, compute)).float()
+            codes = codes - zero_point.to(compute)
+        return saturate(codes.to(work) * scale, compute).to(compute).float()
 
     def e8m0_scale(self, amax, spec):
         """Float8 ``float8_e8m0fnu`` scales (``"round"``) of bf16/fp16 inputs as torchao's
@@ -552,13 +540,13 @@ class TorchaoConvention(Convention):
         compute = getattr(torch, spec.compute_dtype)
         if not spec.is_float or spec.scale_rounding != "round" or compute == torch.float32:
             return super().e8m0_scale(amax, spec)
-        amax = in_dtype(compute, saturate(amax.float(), compute))
-        descale = in_dtype(compute, amax / float(spec.float_format.max))
+        amax = saturate(amax.float(), compute).to(compute)
+        descale = amax / float(spec.float_format.max)
         # a nonzero amax whose quotient underflows to 0 (fp16 below 448 * 2**-25): torchao's scale
         # is 0 (NaN values); qstats' is the dtype's smallest subnormal, as for float32 scales
         smallest = torch.finfo(compute).tiny * torch.finfo(compute).eps
         descale = torch.where((amax > 0) & (descale == 0), torch.full_like(descale, smallest), descale)
-        return e8m0_to_float(biased_exponent(torch.round(in_dtype(compute, torch.log2(descale))), spec))
+        return e8m0_to_float(biased_exponent(torch.round(torch.log2(descale)), spec))
 
     def block_scaled(self, view, scale, spec):
         """MX (``to_mx``): RCEIL multiplies by the reciprocal (1 for the smallest scale), the
