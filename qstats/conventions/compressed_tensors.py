@@ -301,43 +301,24 @@ def _largest_in_both(first: torch.dtype, second: torch.dtype) -> float:
     return float(largest)
 
 
-def _in(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
-    """``t`` rounded to ``dtype`` (one rounding per bf16/fp16 operation of compressed-tensors), held
-    as float32 where ``dtype`` is narrower; through `rounded_to`, which torch.compile keeps (inductor
-    fuses the operations in float32 and drops a plain pair of casts unless ``emulate_precision_casts``)."""
-    return t.to(dtype) if dtype.itemsize >= 4 else rounded_to(t.float(), dtype)
-
-
-def _exact_codes(spec, compute: torch.dtype) -> bool:
-    """Whether integer codes, zero points and their differences are values of ``compute`` (int8 in
-    bfloat16: up to 256), so that arithmetic on them needs no rounding."""
-    return not spec.is_float and spec.qrange[1] - spec.qrange[0] <= 2 / torch.finfo(compute).eps
-
-
-def _value_in(compute: torch.dtype, value: float) -> float:
-    """A Python number rounded to ``compute`` (a code bound or range: 32767 is 32768 in bfloat16)."""
-    return float(torch.tensor(value, dtype=torch.float64).to(compute))
-
-
-def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range: float):
-    """The range with zero, as float32 holding ``compute``'s values; in bfloat16/float16 first
-    clipped so that the scale stays finite (a symmetric peak, or an asymmetric span, wider than the
-    dtype holds)."""
+def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range):
+    """The range with zero, in ``compute``; in bfloat16/float16 first clipped so that the scale
+    stays finite (a symmetric peak, or an asymmetric span, wider than the dtype holds)."""
     if compute != torch.float32:
         if spec.mapping == "asymmetric":
             limit = float(torch.tensor(torch.finfo(compute).max, dtype=torch.float32))
         else:
-            limit = peak_limit(compute, bit_range / 2)
+            limit = peak_limit(compute, float(bit_range.to(compute) / 2))
         min_val = min_val.clamp(min=-limit)
         max_val = max_val.clamp(max=limit)
-    min_val = _in(compute, min_val)
-    max_val = _in(compute, max_val)
+    min_val = min_val.to(compute)
+    max_val = max_val.to(compute)
     min_vals = torch.min(min_val, torch.zeros_like(min_val))
     max_vals = torch.max(max_val, torch.zeros_like(max_val))
     if spec.mapping == "asymmetric" and compute != torch.float32:
         # a span wider than the dtype holds: both ends clipped at half its largest value there
         half = torch.finfo(compute).max / 2
-        wide = _in(compute, max_vals - min_vals) == torch.inf
+        wide = (max_vals - min_vals) == torch.inf
         min_vals = torch.where(wide, min_vals.clamp(min=-half), min_vals)
         max_vals = torch.where(wide, max_vals.clamp(max=half), max_vals)
     return min_vals, max_vals
@@ -401,26 +382,27 @@ class CompressedTensorsConvention(Convention):
         """
         compute = getattr(torch, spec.compute_dtype)
         # compressed-tensors' calculate_range: the float format's, or the signed range (the spec's own, as
-        # `check_compressed_tensors_range` refuses any other), in the compute dtype; every operation
-        # below is float32 arithmetic rounded once to it (`_in`), as compressed-tensors' half kernels
-        bit_min, bit_max = (_value_in(compute, b) for b in spec.qrange)
-        bit_range = _value_in(compute, bit_max - bit_min)
+        # `check_compressed_tensors_range` refuses any other), as float tensors
+        bit_min, bit_max = (torch.tensor(float(b), device=min_val.device) for b in spec.qrange)
+        bit_range = bit_max - bit_min
         min_vals, max_vals = _range_in(compute, min_val, max_val, spec, bit_range)
         if spec.mapping == "asymmetric":
-            scales = _in(compute, _in(compute, max_vals - min_vals) / bit_range)
-            zero_points = _in(compute, bit_min - _in(compute, min_vals / scales))
-            zero_points = torch.clamp(zero_points, bit_min, bit_max)
+            scales = (max_vals - min_vals) / bit_range.to(compute)
+            # bit_min is exact in every compute dtype; casting it keeps 0-dim (per-tensor) operands in
+            # the compute dtype, as compressed-tensors' (1,)-shaped ones are
+            zero_points = bit_min.to(compute) - (min_vals / scales)
+            zero_points = torch.clamp(zero_points, bit_min.to(compute), bit_max.to(compute))
         else:
             max_val_pos = torch.max(torch.abs(min_vals), torch.abs(max_vals))
-            scales = _in(compute, max_val_pos / _value_in(compute, bit_range / 2))
-            zero_points = torch.zeros_like(scales)
+            scales = max_val_pos / (bit_range.to(compute) / 2)
+            zero_points = torch.zeros(scales.shape, device=scales.device, dtype=compute)
         if spec.scale_dtype != "float32":
             dtype = getattr(torch, spec.scale_dtype)
             limit = _largest_in_both(dtype, compute)  # saturated where the round trip would overflow
-            scales = _in(compute, _in(dtype, scales.clamp(-limit, limit)))
-        eps = torch.tensor(_scale_eps(spec, compute), device=scales.device)  # a value of the compute dtype
+            scales = scales.float().clamp(-limit, limit).to(dtype).to(compute)
+        eps = torch.tensor(_scale_eps(spec, compute), dtype=compute, device=scales.device)
         # where(scales == 0, eps, scales) by arithmetic (scales + 0 is exact; selects are slow on CPU)
-        scales = scales + (scales == 0).float() * eps
+        scales = scales + (scales == 0).to(compute) * eps
         # an all-zero asymmetric range gives 0 / 0: 0 here, for int8 as torch converts NaN, and for
         # float8 where compressed-tensors keeps NaN (docs/differences.md); infinities are clamped below
         zero_points = torch.nan_to_num(zero_points, nan=0.0)
@@ -431,18 +413,17 @@ class CompressedTensorsConvention(Convention):
         else:
             iinfo = torch.iinfo(zp_dtype)
             zero_points = torch.round(torch.clamp(zero_points, iinfo.min, iinfo.max)).to(zp_dtype).to(torch.int32)
-        return scales, zero_points
+        return scales.float(), zero_points
 
     def codes(self, view, scale, zero_point, spec):
-        """``(unclamped, codes)`` of ``view`` (any float dtype) as float32 tensors: ``view / scale +
-        zero_point`` in the promoted dtype of ``view`` and the compute dtype, each step rounded to it."""
+        """``(unclamped, codes)`` of ``view`` (any float dtype) as float32 tensors."""
         compute = getattr(torch, spec.compute_dtype)
         work = torch.promote_types(view.dtype, compute)
-        scaled = _in(work, view / _in(compute, scale).to(work))
-        scaled = _in(work, scaled + _in(view.dtype, zero_point).to(scaled.dtype))
+        scaled = view.to(work) / scale.to(compute).to(work)
+        scaled = scaled + zero_point.to(view.dtype).to(work)
         qmin, qmax = spec.qrange
         if spec.is_float:
-            quantized = _in(spec.float_format.torch_dtype, scaled.clamp(qmin, qmax))
+            quantized = scaled.clamp(qmin, qmax).to(spec.float_format.torch_dtype).to(work)
             return scaled.float(), quantized.float()
         unclamped = torch.round(scaled)
         return unclamped.float(), unclamped.clamp(qmin, qmax).float()
@@ -452,12 +433,9 @@ class CompressedTensorsConvention(Convention):
         the product (exact in float32 for bf16/fp16 operands) saturates at the compute dtype's
         largest value where compressed-tensors' overflows to +-Inf."""
         compute = getattr(torch, spec.compute_dtype)
-        if _exact_codes(spec, compute):  # int8 codes in bf16: the difference is exact in float32
-            values = codes.float() - zero_point.float()
-        else:
-            values = _in(compute, _in(compute, codes) - _in(compute, zero_point))
-        product = values * _in(compute, scale)
-        return _in(compute, saturate(product, compute))
+        values = codes.float().to(compute) - zero_point.to(compute)
+        product = values.float() * scale.to(compute).float()
+        return saturate(product, compute).to(compute).float()
 
     def block_scaled(self, view, scale, spec):
         """As compressed-tensors divides ``view`` (bf16, fp16, float32 or float64) by its scale held in
