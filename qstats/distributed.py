@@ -445,16 +445,8 @@ def _reduce_elementwise(states, plan, group, results) -> None:
 def _bounded(members: list, leaves: list) -> list[list]:
     """``members`` in consecutive runs of at most `BUCKET_BYTES` (a larger one alone); the same runs
     on every rank, whose fields have the same shapes and dtypes (the check compares them)."""
-    runs: list[list] = []
-    size = 0
-    for member in members:
-        nbytes = leaves[member[0]][member[1]].nbytes
-        if not runs or size + nbytes > BUCKET_BYTES:
-            runs.append([])
-            size = 0
-        runs[-1].append(member)
-        size += nbytes
-    return runs
+    sizes = [leaves[member[0]][member[1]].nbytes for member in members]
+    return [[members[index] for index in run] for run in _runs(sizes)]
 
 
 def _bucket_order(keys, devices: dict) -> list:
