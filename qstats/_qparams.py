@@ -119,13 +119,18 @@ def register_range_rule(state_cls: type):
     return decorate
 
 
+class NoStatistics(TypeError):
+    """``compute_qparams`` of a state that holds no quantization statistic: no range rule is
+    registered for its type, or its rule refuses (placeholder, noop and recording observers)."""
+
+
 def range_rule_for(state) -> Callable[..., Any]:
     """The range rule registered for ``state``'s class (or its nearest base); TypeError without one."""
     for cls in type(state).__mro__:
         rule = _RANGE_RULES.get(cls)
         if rule is not None:
             return rule
-    raise TypeError(
+    raise NoStatistics(
         f"compute_qparams: no range rule for {type(state).__name__}; register one with "
         "qstats.register_range_rule"
     )

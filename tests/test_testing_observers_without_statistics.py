@@ -102,3 +102,33 @@ def test_an_observer_whose_qparams_fail_otherwise_is_still_reported():
         qstats.compute_qparams(uncounted.update(uncounted.init(xs[0]), xs[0]), SPEC)
     with pytest.raises((ValueError, AssertionError)):
         testing.check_vmap(uncounted, xs)
+
+
+@kit.register_state
+class BuggyRuleState(NamedTuple):
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+
+
+@qstats.register_range_rule(BuggyRuleState)
+def _buggy_rule(state, spec, **options):
+    return qstats.qparams_from_minmax(state.min_val, spec)  # a bug: max_val left out (a TypeError)
+
+
+def test_a_range_rule_raising_a_typeerror_of_its_own_fails_the_law_instead_of_being_skipped():
+    # a user's rule with a bug is no state without statistics: the law reports it, no warning hides it
+    def init_fn(x):
+        return BuggyRuleState(torch.tensor(float("inf")), torch.tensor(float("-inf")))
+
+    def update_fn(state, x, weight=None):
+        return BuggyRuleState(torch.minimum(state.min_val, x.amin()), torch.maximum(state.max_val, x.amax()))
+
+    def merge_fn(a, b):
+        return BuggyRuleState(torch.minimum(a.min_val, b.min_val), torch.maximum(a.max_val, b.max_val))
+
+    obs = kit.Observer(init_fn, update_fn, merge_fn, exact=True, spec=SPEC, name="buggy_rule")
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "holds no quantization statistic" warning
+        with pytest.raises(TypeError):
+            testing.check_purity(obs, xs)

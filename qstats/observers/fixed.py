@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._granularity import PerTensor, check_observable, check_shape, qparam_shape, weight_view
-from .._qparams import QParams, register_range_rule
+from .._qparams import NoStatistics, QParams, register_range_rule
 from .._spec import QuantSpec
 from .._checks import require
 from .._torch_features import bitcast
@@ -292,7 +292,7 @@ def _fixed_rule(state: FixedQParamsState, spec: QuantSpec) -> QParams:
 
 
 def _refuse(state, spec, **options):
-    raise TypeError(
+    raise NoStatistics(
         f"compute_qparams: a {type(state).__name__} has no statistics to compute quantization parameters from "
         "(placeholder/noop/recording observers, as torch.ao's, do not calculate qparams)"
     )

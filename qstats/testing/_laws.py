@@ -24,7 +24,7 @@ import torch
 
 from .. import distributed
 from .. import tree as qtree
-from .._qparams import compute_qparams
+from .._qparams import NoStatistics, compute_qparams
 from .._quant import fake_quantize
 from .._spec import QuantSpec
 from .._warn import warn
@@ -390,15 +390,16 @@ def _spec_of(obs) -> Optional[QuantSpec]:
 def qparams_spec(obs, state, law: str, batch_dims: int = 0) -> Optional[QuantSpec]:
     """The spec that ``law`` checks ``compute_qparams`` and ``fake_quantize`` with: None when ``obs``
     carries none, or when its ``state`` holds no quantization statistic, which ``compute_qparams``
-    refuses with TypeError (placeholder, noop and recording, as torch.ao's, carry a spec for the
+    refuses with `NoStatistics` (placeholder, noop and recording, as torch.ao's, carry a spec for the
     modules that read it, or a state type with no range rule); a warning then says which checks were
-    left out and why. Other errors of ``compute_qparams`` are the law's to report."""
+    left out and why. Other errors of ``compute_qparams`` (a TypeError of a range rule's own) are the
+    law's to report."""
     spec = _spec_of(obs)
     if spec is None:
         return None
     try:
         _per_slice(lambda s: compute_qparams(s, spec), batch_dims)(state)
-    except TypeError as error:
+    except NoStatistics as error:
         warn(f"{_name(obs)}: {law}: compute_qparams and fake_quantize not checked, as the state holds no "
              f"quantization statistic (compute_qparams refused it: {error})")
         return None
