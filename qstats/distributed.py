@@ -475,18 +475,28 @@ def _gather_and_fold(paths, states, plan, leaf_observers, group, world: int, res
 
 
 def _fold_step(obs: Observer, where: str, group, folded: tuple, rank_state: tuple) -> tuple:
-    """``(index, obs.merge(folded state, state of the rank at index))``, after ValueError naming the
-    ranks (in the world) and the tree path where ``obs.merge`` refuses the pair (the constants of two
-    ``fixed_qparams``, say: each rank's state passed its own checks)."""
+    """``(index, obs.merge(folded state, state of the rank at index))`` (`_merge_named`)."""
     (_, state), (index, other) = folded, rank_state
+    return index, _merge_named(obs, where, group, state, other, range(index), index)
+
+
+def _merge_named(obs: Observer, where: str, group, state, other, into, source: int):
+    """``obs.merge(state, other)``, after ValueError naming the tree path and the ranks (in the world)
+    where ``obs.merge`` refuses the pair (the constants of two ``fixed_qparams``, say: each rank's
+    state passed its own checks): ``other`` is rank ``source``'s, ``state`` merges ranks ``into``'s."""
     try:
-        return index, obs.merge(state, other)
+        return obs.merge(state, other)
     except Exception as error:
-        ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(index + 1)]
+        ranks = [_world_rank(group, i) for i in (*into, source)]
         raise ValueError(
             f"all_reduce: {obs.name}.merge raised merging the {type(other).__name__} of rank {ranks[-1]} at {where!r} "
             f"into that of rank(s) {ranks[:-1]}: {error}"
         ) from error
+
+
+def _world_rank(group, rank: int) -> int:
+    """``rank`` of ``group`` as a rank of the world (messages name ranks so; broadcasts take them)."""
+    return dist.get_global_rank(group, rank) if group is not None else rank
 
 
 def _as_int(digest: bytes) -> int:
@@ -529,7 +539,7 @@ def _gather_from_ranks(report: Any, group) -> tuple[list, list]:
     the order of the ranks of ``group``; one all_gather_object, for the messages of failed checks."""
     reports = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, report, group=group)
-    ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(len(reports))]
+    ranks = [_world_rank(group, i) for i in range(len(reports))]
     return ranks, reports
 
 
@@ -799,7 +809,7 @@ def _merged_parts(partial: list, parts: dict, group, device: torch.device) -> di
     for path, holders in partial:
         if holders[0] == rank and error is None:
             try:
-                merged[path] = _merged_states(parts[path], received.get(path, []), rank, group)
+                merged[path] = _merged_states(parts[path], received.get(path, []), holders, group)
             except ValueError as caught:
                 error = caught
     if _min_over_ranks([-int(error is not None)], group)[0] != 0:
@@ -841,19 +851,13 @@ def _split(paths: list, templates: dict, states: list) -> list:
     return out
 
 
-def _merged_states(part: _Part, received: list, rank: int, group) -> list:
-    """The part's states merged with those ``received`` from the other holders, in rank order."""
+def _merged_states(part: _Part, received: list, holders: list, group) -> list:
+    """The part's states merged with those ``received`` from the other ``holders``, in rank order."""
     merged = list(part.states)
     for source, states in received:
-        for index, (obs, state) in enumerate(zip(part.observers, states)):
-            try:
-                merged[index] = obs.merge(merged[index], state)
-            except Exception as error:
-                ranks = [dist.get_global_rank(group, i) if group is not None else i for i in (rank, source)]
-                raise ValueError(
-                    f"all_reduce: {obs.name}.merge raised merging the {type(state).__name__} of rank {ranks[1]} at "
-                    f"{_where(part.path)!r} into that of rank {ranks[0]} and the holders before it: {error}"
-                ) from error
+        into = [holder for holder in holders if holder < source]
+        merged = [_merge_named(obs, _where(part.path), group, state, other, into, source)
+                  for obs, state, other in zip(part.observers, merged, states)]
     return merged
 
 
@@ -861,7 +865,7 @@ def _broadcast_states(states: Optional[list], templates: list, source: int, grou
     """``source``'s ``states`` (None on the other ranks), shaped as ``templates``, on every rank on
     ``device``: one broadcast of their bytes per run of at most `BUCKET_BYTES` (a larger state alone)."""
     through = _probe_device(group)
-    src = dist.get_global_rank(group, source) if group is not None else source
+    src = _world_rank(group, source)
     sizes = [sum(v.numel() * v.element_size() for v in _values(state)) for state in templates]
     out: list = []
     for indexes in _runs(sizes):
