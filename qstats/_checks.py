@@ -15,7 +15,8 @@ import torch
 
 from ._ops import op, register_fake, register_vmap
 
-__all__ = ["as_index", "check_available", "check_floating", "is_integer", "is_real_number", "require", "require_calibrated"]
+__all__ = ["as_index", "check_available", "check_floating", "check_real_tensor", "is_integer", "is_real_number", "require",
+           "require_calibrated"]
 
 
 def is_real_number(value) -> bool:
@@ -57,6 +58,15 @@ def check_floating(x, where: str) -> torch.Tensor:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{where}: x must be a floating-point tensor, got {got}")
     return x
+
+
+def check_real_tensor(value, message: str) -> torch.Tensor:
+    """``value``, after TypeError ``"<message>, got <what it is>"`` where it is no real tensor (a
+    Python number, a bool or complex tensor)."""
+    if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or value.is_complex():
+        got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(f"{message}, got {got}")
+    return value
 
 
 @op("require")

@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from . import _formats
-from ._checks import is_real_number, require, require_calibrated
+from ._checks import check_real_tensor, is_real_number, require, require_calibrated
 from ._granularity import TensorGroup
 from ._spec import QuantSpec
 
@@ -180,10 +180,7 @@ def _checked_global_scale(global_scale, spec: QuantSpec) -> Optional[torch.Tenso
     every value dequantized to 0: torchao's ``to_nvfp4`` does that)."""
     if global_scale is None:
         return None
-    if not isinstance(global_scale, torch.Tensor) or global_scale.dtype == torch.bool or global_scale.is_complex():
-        tensor = isinstance(global_scale, torch.Tensor)
-        got = f"a {global_scale.dtype} tensor" if tensor else type(global_scale).__name__
-        raise TypeError(f"compute_qparams: global_scale must be a real tensor of one value, got {got}")
+    check_real_tensor(global_scale, "compute_qparams: global_scale must be a real tensor of one value")
     if global_scale.numel() != 1:
         raise ValueError(f"compute_qparams: global_scale must be one value (a fused group's), got shape "
                          f"{tuple(global_scale.shape)}; stacked experts take one per expert in qstats.stacked_qparams")
@@ -311,9 +308,7 @@ def _check_range_tensors(min_val, max_val, calibrated=None) -> None:
     with an AttributeError); ValueError naming the shapes where the ends do not broadcast together,
     or a ``calibrated`` mask would broadcast the qparams to a larger shape."""
     for name, value in (("min_val", min_val), ("max_val", max_val)):
-        if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or value.is_complex():
-            got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise TypeError(f"qparams_from_minmax: {name} must be a real tensor, got {got}")
+        check_real_tensor(value, f"qparams_from_minmax: {name} must be a real tensor")
     same_mask = not isinstance(calibrated, torch.Tensor) or calibrated.shape == min_val.shape
     if min_val.shape == max_val.shape and same_mask:
         return  # the usual case, without torch.broadcast_shapes' cost (tens of microseconds a call)

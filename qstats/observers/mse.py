@@ -18,7 +18,7 @@ import torch
 
 from .._ops import op, register_fake, register_vmap
 from .._granularity import PerGroup, TensorGroup, qparam_shape
-from .._checks import is_real_number, require
+from .._checks import check_real_tensor, is_real_number, require
 from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
@@ -346,9 +346,7 @@ def _check_importance_type(importance) -> None:
     """TypeError unless ``importance`` is None or a real (not bool or complex) tensor."""
     if importance is None:
         return
-    if not isinstance(importance, torch.Tensor) or importance.dtype == torch.bool or importance.is_complex():
-        got = f"a {importance.dtype} tensor" if isinstance(importance, torch.Tensor) else type(importance).__name__
-        raise TypeError(f"mse: importance must be a real tensor or None, got {got}")
+    check_real_tensor(importance, "mse: importance must be a real tensor or None")
 
 
 def _checked_importance(importance, view: torch.Tensor, where: str):
