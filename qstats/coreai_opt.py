@@ -27,6 +27,7 @@ ulp or two.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -39,10 +40,11 @@ from ._quant import fake_quantize
 from ._spec import QuantSpec
 from .observers._base import Observer
 from .observers.kit import check_spec, extremes_init
+from .observers.minmax import memoryless_minmax, minmax
 from .observers.minmax import MovingAverageMinMaxState, moving_extremes_update
 from .observers.minmax import moving_average_minmax as _torch_ao_average
 
-__all__ = ["spec_from_coreai_opt", "moving_average_minmax", "fake_quantize_minval", "block_size"]
+__all__ = ["spec_from_coreai_opt", "moving_average_minmax", "fake_quantize_minval", "block_size", "recipe_from_coreai_opt"]
 
 
 def spec_from_coreai_opt(spec: Any = None, **kwargs) -> QuantSpec:
@@ -107,3 +109,216 @@ def fake_quantize_minval(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> 
     codes_at_qmin = qparams._replace(zero_point=torch.full_like(qparams.zero_point, spec.qrange[0]))
     values = canonical_view(fake_quantize(shifted, codes_at_qmin, spec), spec.granularity) + minval
     return from_canonical_view(values, spec.granularity, x.shape).to(x.dtype)
+
+
+# the modules whose forward is one op coreai_opt's eager quantizer registers, by that op's type
+_OP_TYPES = {
+    torch.nn.Linear: "linear", torch.nn.Conv1d: "conv1d", torch.nn.Conv2d: "conv2d", torch.nn.Conv3d: "conv3d",
+    torch.nn.ConvTranspose1d: "conv_transpose1d", torch.nn.ConvTranspose2d: "conv_transpose2d",
+    torch.nn.ConvTranspose3d: "conv_transpose3d", torch.nn.Embedding: "embedding",
+    torch.nn.MaxPool2d: "max_pool2d", torch.nn.AdaptiveAvgPool2d: "adaptive_avg_pool2d",
+}
+# registered ops a module's forward calls as functions: no module site holds their tensors
+_FUNCTIONAL_OPS = ("add", "sub", "mul", "matmul")
+# coreai_opt's default weight axes (per channel, single-axis per block), by the module's exact type
+_WEIGHT_AXES = {torch.nn.Linear: (0, 1), torch.nn.Embedding: (0, 1), torch.nn.Conv1d: (0, 1), torch.nn.Conv2d: (0, 1),
+                torch.nn.Conv3d: (0, 1), torch.nn.ConvTranspose1d: (1, 0), torch.nn.ConvTranspose2d: (1, 0),
+                torch.nn.ConvTranspose3d: (1, 0)}
+_MODULE_LEVEL = ("module_input_spec", "module_output_spec", "module_state_spec")
+
+
+def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=None):
+    """The `qstats.Recipe` of a coreai_opt ``QuantizerConfig`` on ``model``, as coreai_opt's eager
+    ``Quantizer(model, config).prepare`` places its quantizers: each module takes the config of
+    the last ``module_name_configs`` pattern fully matching its path or an ancestor's, else of the
+    last ``module_type_configs`` entry naming its (or an ancestor's) exact class, else
+    ``global_config`` (a None config disables); within it, ``op_type_config[op]`` else the
+    config's own ``op_state_spec`` / ``op_input_spec`` / ``op_output_spec`` give the ``weight``
+    (``bias``), ``input`` and ``output`` sites of Linear, Conv, ConvTranspose, Embedding, MaxPool2d
+    and AdaptiveAvgPool2d modules. Specs are `QuantSpec.from_coreai_opt`'s at each weight's shape
+    (axis None resolved per module type, as coreai_opt's prepare), observers its calculators'
+    (module docstring), ``float_range`` a ``qparams_kwargs`` entry.
+
+    ``observed_dtype``: the dtype coreai_opt computes each site's qparams in; default the module's
+    own floating-point parameters' (the model's first for modules without one).
+
+    Raises:
+      ValueError: naming an option a recipe cannot hold: ``op_name_config`` (its names count the
+        calls of a forward), module-level specs, ``kv_cache_quant_configs``, activation specs in
+        graph execution mode, ops called as functions (``add``, ``sub``, ``mul``, ``matmul``),
+        ``qformulation="minval"``, per-block activations, or a spec field qstats does not read.
+      TypeError: ``config`` is not a ``QuantizerConfig`` (a dict: ``QuantizerConfig.from_dict``).
+    """
+    from .recipe import Recipe, Rule
+
+    _check_config(config)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"recipe_from_coreai_opt: model must be an nn.Module, got {type(model).__name__}")
+    dtype_default = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    groups: dict = {}
+    for path, module, module_config in _module_configs(config, model):
+        op_type = _OP_TYPES.get(type(module)) or next(
+            (op for cls, op in _OP_TYPES.items() if isinstance(module, cls)), None)
+        if op_type is None:
+            continue
+        components = module_config.op_type_config.get(op_type, module_config)
+        for site, coreai_spec, target in _site_specs(module, components):
+            dtype = observed_dtype or next(
+                (p.dtype for p in module.parameters(recurse=False) if p.is_floating_point()), dtype_default)
+            key = (site, *_site_rule(path, module, site, coreai_spec, target, dtype))
+            groups.setdefault(key, []).append("re:" + re.escape(path))
+    return Recipe([Rule(tuple(paths), sites=(site,), observer=observer, spec=spec, observer_kwargs=observer_kwargs,
+                        qparams_kwargs=qparams_kwargs)
+                   for (site, observer, spec, observer_kwargs, qparams_kwargs), paths in groups.items()])
+
+
+def _refuse(what: str) -> None:
+    raise ValueError(f"recipe_from_coreai_opt: {what}")
+
+
+def _check_config(config) -> None:
+    """TypeError for what is not a QuantizerConfig, ValueError for options a Recipe cannot hold."""
+    if not all(hasattr(config, name) for name in ("global_config", "module_type_configs", "module_name_configs")):
+        raise TypeError(f"recipe_from_coreai_opt expects a coreai_opt QuantizerConfig, got {type(config).__name__} "
+                        "(a dict or YAML: QuantizerConfig.from_dict / from_yaml first)")
+    if getattr(config, "kv_cache_quant_configs", None):
+        _refuse(f"kv_cache_quant_configs {sorted(config.kv_cache_quant_configs)} quantize graph-mode cache "
+                "buffers, which no module site holds")
+    graph = str(getattr(config.execution_mode, "value", config.execution_mode)) == "graph"
+    scopes = [("global_config", config.global_config)]
+    scopes += [(f"module_type_configs[{k!r}]", c) for k, c in config.module_type_configs.items()]
+    scopes += [(f"module_name_configs[{k!r}]", c) for k, c in config.module_name_configs.items()]
+    for where, module_config in scopes:
+        if module_config.op_name_config:
+            _refuse(f"{where}.op_name_config {sorted(module_config.op_name_config)}: op names count the calls of "
+                    "a traced forward, which a recipe does not see; use module_name_configs")
+        for field in _MODULE_LEVEL:
+            if _active(getattr(module_config, field)):
+                _refuse(f"{where}.{field} quantizes tensors at a module's boundary wherever its forward sends "
+                        "them; use op_input_spec / op_output_spec / op_state_spec on the modules that take them")
+        for op in _FUNCTIONAL_OPS:
+            op_config = module_config.op_type_config.get(op)
+            if op_config is not None and any(_active(getattr(op_config, f"op_{kind}_spec"))
+                                             for kind in ("input", "output", "state")):
+                _refuse(f"{where}.op_type_config[{op!r}]: {op} is called as a function inside a forward; qstats "
+                        "observes module sites (weights, inputs, outputs) only")
+        if graph and _has_activations(module_config):
+            _refuse(f"{where} quantizes activations in graph execution mode, which places them on the exported "
+                    "graph (after fused patterns, one per edge); set execution_mode='eager' for module sites")
+
+
+def _active(spec_dict) -> bool:
+    return bool(spec_dict) and any(spec is not None for spec in spec_dict.values())
+
+
+def _has_activations(module_config) -> bool:
+    configs = [module_config, *module_config.op_type_config.values()]
+    return any(_active(c.op_input_spec) or _active(c.op_output_spec) for c in configs)
+
+
+def _module_configs(config, model: torch.nn.Module) -> list:
+    """``[(path, module, module config)]`` as coreai_opt's ``CompressionConfig`` assigns them:
+    name patterns (last first, full match of any name a module is registered under), then
+    exact types (last first), then the global config; a module's config passes to its
+    descendants that none of these gave one before."""
+    modules = dict(model.named_modules())
+    canonical = {id(module): path for path, module in modules.items()}
+    names: dict = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(canonical[id(module)], []).append(name)
+    assigned: dict = {}
+
+    def assign(path, module, module_config):
+        if path in assigned:
+            return
+        assigned[path] = module_config
+        for child in module.children():
+            assign(canonical[id(child)], child, module_config)
+
+    def fqn(module):
+        return f"{type(module).__module__}.{type(module).__qualname__}"
+
+    scopes = [(lambda path, module, p=pattern: any(re.fullmatch(p, n) for n in names[path]), c)
+              for pattern, c in reversed(config.module_name_configs.items())]
+    scopes += [(lambda path, module, t=key: fqn(module) == t, c) for key, c in reversed(config.module_type_configs.items())]
+    scopes.append((lambda path, module: True, config.global_config))
+    for matches, module_config in scopes:
+        for path, module in reversed(modules.items()):
+            if matches(path, module):
+                assign(path, module, module_config)
+    return [(path, module, assigned[path]) for path, module in modules.items()]
+
+
+def _site_specs(module: torch.nn.Module, components) -> list:
+    """``[(site, coreai_opt spec, target)]`` of one module under its op's components: its
+    parameters by name (``"*"`` for the others), its input and output as the op's tensor 0
+    (an Embedding's input is its indices, which coreai_opt leaves)."""
+    out = []
+    states = components.op_state_spec or {}
+    for name, param in module.named_parameters(recurse=False):
+        spec = states.get(name, states.get("*"))
+        if spec is not None and param.is_floating_point():
+            out.append((name, spec, "weight"))
+    for site, specs in (("input", components.op_input_spec), ("output", components.op_output_spec)):
+        spec = (specs or {}).get(0, (specs or {}).get("*"))
+        if spec is not None and not (site == "input" and isinstance(module, torch.nn.Embedding)):
+            out.append((site, spec, "activation"))
+    return out
+
+
+def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype) -> tuple:
+    """``(observer factory, QuantSpec, observer_kwargs, qparams_kwargs)`` of one site."""
+    where = f"module {path!r} {site}"
+    extra = dict(coreai_spec.get_extra_args()) if hasattr(coreai_spec, "get_extra_args") else {}
+    averaging = extra.pop("averaging_constant", 0.01)
+    if extra:
+        _refuse(f"{where}: spec field(s) {sorted(extra)} of {type(coreai_spec).__name__} are not coreai_opt's own; "
+                "qstats cannot know what they compute")
+    formulation = str(getattr(coreai_spec.qformulation, "value", coreai_spec.qformulation))
+    if formulation == "minval":
+        _refuse(f"{where}: qformulation 'minval' fake-quantizes on another grid than a recipe's (qparams: "
+                "QuantSpec.from_coreai_opt; values: qstats.coreai_opt.fake_quantize_minval)")
+    granularity = _resolved_granularity(coreai_spec.granularity, module, site, target, where)
+    shape = getattr(module, site).shape if target == "weight" else None
+    try:
+        spec = QuantSpec.from_coreai_opt(coreai_spec, granularity=granularity, shape=shape, target=target,
+                                         input_dtype=dtype)
+    except ValueError as error:
+        raise ValueError(f"recipe_from_coreai_opt: {where}: {error}") from None
+    calculator = coreai_spec.qparam_calculator_cls
+    calculator = getattr(calculator, "__name__", calculator)
+    if calculator in ("default", "_DefaultQParamsCalculator"):
+        calculator = "static" if target == "weight" else "moving_average"
+    float_range = tuple(coreai_spec.float_range or (None, None))
+    qparams_kwargs = (("float_range", float_range),) if any(end is not None for end in float_range) else ()
+    if calculator in ("moving_average", "MovingAverageQParamsCalculator"):
+        return moving_average_minmax, spec, (("averaging_constant", float(averaging)),), qparams_kwargs
+    if calculator in ("global_minmax", "GlobalMinMaxQParamsCalculator"):
+        return minmax, spec, (), qparams_kwargs
+    return memoryless_minmax, spec, (), qparams_kwargs  # static and dynamic: the latest tensor
+
+
+def _resolved_granularity(granularity, module, site: str, target: str, where: str) -> dict:
+    """``granularity`` as a dict, a weight's axis None resolved as coreai_opt's prepare does (the
+    output channel per channel, the input channel per block, by the module's exact type)."""
+    kind = _GRANULARITY_KIND.get(type(granularity).__name__, getattr(granularity, "type", None))
+    fields = {"type": kind, "axis": getattr(granularity, "axis", None)}
+    if kind == "per_block":
+        fields["block_size"] = granularity.block_size
+        if target == "activation":
+            _refuse(f"{where}: per-block activations take their blocks from each tensor's shape, which a recipe "
+                    "does not hold; use per_tensor or per_channel")
+    needs_axis = fields["axis"] is None and (kind == "per_channel" or isinstance(fields.get("block_size"), int))
+    if needs_axis and target == "weight":
+        axes = _WEIGHT_AXES.get(type(module)) if site == "weight" else None
+        if axes is None:
+            _refuse(f"{where}: granularity {kind} has axis None, which coreai_opt resolves for the weight of "
+                    f"{', '.join(cls.__name__ for cls in _WEIGHT_AXES)} only; give the axis")
+        fields["axis"] = axes[0] if kind == "per_channel" else axes[1]
+    if kind == "per_tensor":
+        del fields["axis"]
+    return fields
+
+
+_GRANULARITY_KIND = {"PerTensorGranularity": "per_tensor", "PerChannelGranularity": "per_channel",
+                     "PerBlockGranularity": "per_block"}

@@ -1,0 +1,157 @@
+"""`qstats.coreai_opt.recipe_from_coreai_opt` against coreai_opt's eager ``Quantizer``: the sites
+its ``prepare`` quantizes (by global, type and name configs, disabled ones left out) are the
+recipe's, and after ``prepare(example)`` and ``calibration_mode()`` over the same batches, its
+calculators' scales and zero points equal `compute_qparams_tree` of `qstats.calibrate` run the same
+way (the example on the float model, then the batches with the weights fake-quantized), bit for bit."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import qstats
+import qstats.coreai_opt
+
+pytest.importorskip("coreai_opt")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from coreai_opt.quantization import ExecutionMode, ModuleQuantizerConfig, Quantizer, QuantizerConfig
+    from coreai_opt.quantization.config.quantization_config import OpQuantizerConfig
+    from coreai_opt.quantization.spec.fake_quantize import FakeQuantizeImplBase
+    from coreai_opt.quantization.spec.spec import QuantizationSpec
+
+EAGER = ExecutionMode.EAGER
+WEIGHT_SITES = ("weight", "bias")
+
+
+def _coreai_opt_qparams(model, config, example, batches) -> dict:
+    """``{path: {site: (scale, zero_point)}}`` of coreai_opt's calculators after its prepare on
+    ``example`` and calibration on ``batches``."""
+    quantizer = Quantizer(copy.deepcopy(model), config)
+    prepared = quantizer.prepare((example,))
+    with quantizer.calibration_mode(), torch.no_grad():
+        for batch in batches:
+            prepared(batch)
+    out: dict = {}
+    for path, module in prepared.named_modules():
+        if ".parametrizations." in path:  # a weight's fake quantizer, read from its owner below
+            continue
+        for name, child in module.named_children():
+            if isinstance(child, FakeQuantizeImplBase):
+                site = "output" if "_quantize_output" in name else "input"
+                out.setdefault(path, {})[site] = child.qparams_calculator
+        for name, parametrizations in getattr(module, "parametrizations", {}).items():
+            for child in parametrizations:
+                if isinstance(child, FakeQuantizeImplBase):
+                    out.setdefault(path, {})[name] = child.qparams_calculator
+    return {path: {site: (c.scale, c.zero_point) for site, c in entry.items()} for path, entry in out.items()}
+
+
+def _qstats_qparams(model, recipe, example, batches) -> dict:
+    """`compute_qparams_tree` after the example on the float model and the batches inside
+    `qstats.fake_quantized` with the weights' qparams (coreai_opt's calibration_mode)."""
+    plan = recipe.resolve(model)
+    states = qstats.calibrate(model, [example], plan, progress=False)
+    weights = {path: {site: qp for site, qp in entry.items() if site in WEIGHT_SITES}
+               for path, entry in qstats.compute_qparams_tree(states, plan).items()}
+    with qstats.fake_quantized(model, weights, plan):
+        states = qstats.calibrate(model, batches, plan, states=states, progress=False)
+    return qstats.compute_qparams_tree(states, plan)
+
+
+def _compare(model, config, example, batches) -> tuple:
+    """(equal qparams, all qparams), after asserting both quantize the same sites."""
+    expected = _coreai_opt_qparams(model, config, example, batches)
+    recipe = qstats.coreai_opt.recipe_from_coreai_opt(config, model)
+    got = _qstats_qparams(model, recipe, example, batches)
+    assert {p: sorted(e) for p, e in got.items()} == {p: sorted(e) for p, e in expected.items()}
+    equal = total = 0
+    for path, entry in expected.items():
+        for site, (scale, zero_point) in entry.items():
+            qp = got[path][site]
+            assert scale.numel() == qp.scale.numel(), (path, site)
+            total += 2
+            equal += torch.equal(qp.scale, scale.reshape(qp.scale.shape).to(qp.scale.dtype))
+            equal += torch.equal(qp.zero_point, zero_point.reshape(qp.zero_point.shape).to(qp.zero_point.dtype))
+    return equal, total
+
+
+def _data(features, shape=(), count=4, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    example = torch.randn(2, features, *shape, generator=g).to(dtype)
+    return example, [(torch.randn(3, features, *shape, generator=g) * (i + 1)).to(dtype) for i in range(count)]
+
+
+def _linear_stack(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 4)).to(dtype).eval()
+
+
+def _spec(dtype=torch.int8, qscheme="symmetric", granularity=None, calculator="default", **fields):
+    return QuantizationSpec(dtype=dtype, qscheme=qscheme, granularity=granularity or {"type": "per_tensor"},
+                            qparam_calculator_cls=calculator, **fields)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_default_config_on_a_linear_stack(dtype, single_thread_quiet):
+    """coreai_opt's default config: int8 per-channel weights, int8 moving-average inputs and outputs."""
+    model = _linear_stack(dtype)
+    equal, total = _compare(model, QuantizerConfig(execution_mode=EAGER), *_data(16, dtype=dtype))
+    assert equal == total == 2 * 9
+
+
+def test_type_overrides_and_a_module_disabled_by_name_on_a_conv_stack(single_thread_quiet):
+    """Conv2d weights int4 per block (axis None: coreai_opt's input channel), Linear weights uint8
+    asymmetric per channel with global min-max inputs, the middle conv disabled by name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 1), nn.ReLU(), nn.Conv2d(8, 4, 3),
+                          nn.Flatten(), nn.Linear(4 * 2 * 2, 6)).eval()
+    conv = ModuleQuantizerConfig(
+        op_state_spec={"weight": _spec(torch.int4, granularity={"type": "per_block", "block_size": 4})},
+        op_input_spec={0: _spec(torch.uint8, "asymmetric", calculator="moving_average")}, op_output_spec=None)
+    linear = ModuleQuantizerConfig(
+        op_state_spec={"weight": _spec(torch.uint8, "asymmetric", {"type": "per_channel", "axis": 0})},
+        op_input_spec={"*": _spec(calculator="global_minmax")}, op_output_spec=None)
+    config = QuantizerConfig(global_config=None, execution_mode=EAGER,
+                             module_type_configs={nn.Conv2d: conv, nn.Linear: linear}, module_name_configs={"2": None})
+    equal, total = _compare(model, config, *_data(4, (6, 6)))
+    assert equal == total == 2 * 6  # weight and input of convs 0 and 4 and of the Linear
+
+
+@pytest.mark.parametrize("disabled_last", [False, True])
+def test_name_patterns_pass_to_children_and_the_last_wins(disabled_last, single_thread_quiet):
+    """A name pattern matching a container configures its children over their type config; of two
+    patterns naming one module the later applies, whichever is more specific."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    model = nn.Sequential(block, nn.ReLU(), copy.deepcopy(block), nn.Linear(16, 4)).eval()
+    int4 = ModuleQuantizerConfig(op_state_spec={"weight": _spec(torch.int4, granularity={"type": "per_channel"})},
+                                 op_input_spec=None, op_output_spec=None)
+    asymmetric = ModuleQuantizerConfig(
+        op_state_spec={"weight": _spec(torch.int8, "asymmetric", {"type": "per_channel", "axis": 0})},
+        op_input_spec={0: _spec(torch.uint8, "asymmetric")}, op_output_spec=None)
+    names = [("0|2", int4), ("2\\.2", None)] if disabled_last else [("2\\.2", None), ("0|2", int4)]
+    config = QuantizerConfig(execution_mode=EAGER, global_config=None, module_type_configs={nn.Linear: asymmetric},
+                             module_name_configs=dict(names))
+    recipe = qstats.coreai_opt.recipe_from_coreai_opt(config, model)
+    sites = {path: sorted(entry) for path, entry in recipe.sites(model).items()}
+    assert sites == {"0.0": ["weight"], "0.2": ["weight"], "2.0": ["weight"], "3": ["input", "weight"],
+                     **({} if disabled_last else {"2.2": ["weight"]})}
+    equal, total = _compare(model, config, *_data(16))
+    assert equal == total == 2 * (6 - disabled_last)
+
+
+def test_state_star_quantizes_bias_and_float_range_pins_an_end(single_thread_quiet):
+    """``op_state_spec={"*": ...}`` quantizes weight and bias (per tensor); an int4 asymmetric
+    weight with its maximum pinned by ``float_range``."""
+    model = _linear_stack()
+    pinned = _spec(torch.int4, "asymmetric", {"type": "per_channel", "axis": 0}, float_range=[None, 0.2])
+    linear = OpQuantizerConfig(op_state_spec={"weight": pinned, "*": _spec()}, op_input_spec=None, op_output_spec=None)
+    config = QuantizerConfig(execution_mode=EAGER, global_config=ModuleQuantizerConfig(
+        op_type_config={"linear": linear}, op_input_spec=None, op_output_spec=None, op_state_spec=None))
+    recipe = qstats.coreai_opt.recipe_from_coreai_opt(config, model)
+    assert {site for rule in recipe.rules for site in rule.sites} == {"weight", "bias"}
+    equal, total = _compare(model, config, *_data(16))
+    assert equal == total == 2 * 6
