@@ -49,9 +49,10 @@ __all__ = ["gptq"]
 _ACTORDERS = (None, "static", "weight")
 
 
-def _experts(flags: torch.Tensor, scalar: bool) -> str:
+def _experts(flags: torch.Tensor) -> str:
+    """Who ``flags`` names: the layer (a 0-d flag, a 2-D weight's), or the experts it marks."""
     where = flags.reshape(-1).nonzero().flatten().tolist()
-    return "the layer" if scalar else f"experts {where} ({len(where)} of {flags.numel()})"
+    return "the layer" if flags.ndim == 0 else f"experts {where} ({len(where)} of {flags.numel()})"
 
 
 @op("check_gptq_inputs")
@@ -59,7 +60,6 @@ def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor
     """Eager checks (one op, so they run under vmap and compile): a non-finite Hessian sum or weight
     raises ValueError; a Hessian that saw no row warns (round-to-nearest). Returns the counts and
     whether a stack's Hessians are all equal (every expert on every token: factored once)."""
-    scalar = count.ndim == 0
     # the weight as the column loop computes it, in float32: a float64 value past float32's range is
     # Inf there (narrower dtypes keep their finiteness, uncopied; the Hessian sum is scaled into range
     # first, `_factorable_hessian`)
@@ -69,10 +69,10 @@ def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor
                                "computes)")):
         bad = ~torch.isfinite(value).flatten(start_dim=value.ndim - 2).all(dim=-1)
         if bad.any():
-            raise ValueError(f"qstats.gptq: the {name} of {_experts(bad, scalar)} holds NaN or Inf{past}")
+            raise ValueError(f"qstats.gptq: the {name} of {_experts(bad)} holds NaN or Inf{past}")
     if (count == 0).any():
         warn(
-            f"qstats.gptq: the Hessian of {_experts(count == 0, scalar)} saw no input row; those weights are "
+            f"qstats.gptq: the Hessian of {_experts(count == 0)} saw no input row; those weights are "
             "quantized by round-to-nearest with their quantization parameters",
             UncalibratedWarning,
         )
@@ -100,7 +100,7 @@ def _warn_unfactored(failed: torch.Tensor) -> torch.Tensor:
     """Warns where a seen Hessian, dampened, is not positive definite (llm-compressor warns too)."""
     if failed.any():
         warn(
-            f"qstats.gptq: the dampened Hessian of {_experts(failed, failed.ndim == 0)} is not positive definite; "
+            f"qstats.gptq: the dampened Hessian of {_experts(failed)} is not positive definite; "
             "those weights are quantized by round-to-nearest (raise dampening, or calibrate on more rows)",
             UserWarning,
         )
