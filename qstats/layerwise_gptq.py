@@ -187,11 +187,11 @@ class _Job(NamedTuple):
 
 
 def _parts(job: _Job, chunk: int) -> list:
-    """The slices of ``job.weight`` GPTQ'd in one call: the whole weight, or stacked experts
-    ``chunk`` at a time (GPTQ's working memory, a few ``[in, in]`` matrices per expert, is bounded
-    by the chunk; each expert's result is its own)."""
+    """The indices of ``job.weight`` GPTQ'd in one call: the whole weight (``...``, which also takes the
+    whole of a 2-D weight's 0-d Hessian count), or stacked experts ``chunk`` at a time (GPTQ's working
+    memory, a few ``[in, in]`` matrices per expert, is bounded by the chunk; each expert's result is its own)."""
     if job.weight.ndim == 2 or job.weight.shape[0] <= chunk:
-        return [slice(None)]
+        return [...]
     return [slice(start, start + chunk) for start in range(0, job.weight.shape[0], chunk)]
 
 
@@ -205,9 +205,7 @@ def _owners(costs: list, world: int) -> list:
     return owners
 
 
-def _gptq_part(job: _Job, take: slice, options: dict) -> torch.Tensor:
-    if take == slice(None):
-        return gptq(job.weight, job.hessian, job.spec, qparams=job.qparams, **options)[0]
+def _gptq_part(job: _Job, take, options: dict) -> torch.Tensor:
     qparams = QParams(*(None if field is None else field[take] for field in job.qparams))
     return gptq(job.weight[take], HessianState(*(field[take] for field in job.hessian)), job.spec, qparams=qparams,
                 **options)[0]
