@@ -382,11 +382,6 @@ def _map_tensors(tree, fn):
     return optree.tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, tree)
 
 
-def _spec_of(obs) -> Optional[QuantSpec]:
-    spec = getattr(obs, "spec", None)
-    return spec if isinstance(spec, QuantSpec) else None
-
-
 def qparams_spec(obs, state, law: str, batch_dims: int = 0) -> Optional[QuantSpec]:
     """The spec that ``law`` checks ``compute_qparams`` and ``fake_quantize`` with: None when ``obs``
     carries none, or when its ``state`` holds no quantization statistic, which ``compute_qparams``
@@ -394,8 +389,8 @@ def qparams_spec(obs, state, law: str, batch_dims: int = 0) -> Optional[QuantSpe
     modules that read it, or a state type with no range rule); a warning then says which checks were
     left out and why. Other errors of ``compute_qparams`` (a TypeError of a range rule's own) are the
     law's to report."""
-    spec = _spec_of(obs)
-    if spec is None:
+    spec = getattr(obs, "spec", None)
+    if not isinstance(spec, QuantSpec):
         return None
     try:
         _per_slice(lambda s: compute_qparams(s, spec), batch_dims)(state)
@@ -463,7 +458,6 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
     """
     xs = _need(xs, 2, "check_purity")
     name = _name(obs)
-    spec = _spec_of(obs)
 
     def same(actual, expected, what):
         assert_states_equal(actual, expected, approx_fields=(), message=f"{name}: purity: {what}")
@@ -500,7 +494,8 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
         same(merged, again, "merge gave different results twice")
     same(init, init_copy, "update or merge modified the init state")
     merged_copy = _map_tensors(merged, torch.clone)
-    if qparams_spec(obs, merged, "purity", batch_dims) is not None:
+    spec = qparams_spec(obs, merged, "purity", batch_dims)
+    if spec is not None:
         qparams_of = _per_slice(lambda s: compute_qparams(s, spec), batch_dims)
         qparams = qparams_of(merged)
         same(merged, merged_copy, "compute_qparams modified the state")
