@@ -15,7 +15,6 @@ tensor(3.)
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from typing import Any, Mapping, NamedTuple, Optional, Union
 
@@ -468,16 +467,11 @@ def _gather_and_fold(paths, states, plan, leaf_observers, group, world: int, res
     dist.all_gather(gathered, local, group=group)
     del local
     per_rank = [_unpack(gathered.pop(0), [states[i] for i in folded]) for _ in range(world)]  # each freed once read
-    for k, i in enumerate(folded):  # in rank order
-        merge = functools.partial(_fold_step, leaf_observers[i], _where(paths[i]), group)
-        merged = functools.reduce(merge, enumerate(rank_states[k] for rank_states in per_rank))[1]
+    for k, i in enumerate(folded):
+        obs, where, merged = leaf_observers[i], _where(paths[i]), per_rank[0][k]
+        for rank in range(1, world):  # in rank order
+            merged = _merge_named(obs, where, group, merged, per_rank[rank][k], range(rank), rank)
         results[i] = _values(merged)
-
-
-def _fold_step(obs: Observer, where: str, group, folded: tuple, rank_state: tuple) -> tuple:
-    """``(index, obs.merge(folded state, state of the rank at index))`` (`_merge_named`)."""
-    (_, state), (index, other) = folded, rank_state
-    return index, _merge_named(obs, where, group, state, other, range(index), index)
 
 
 def _merge_named(obs: Observer, where: str, group, state, other, into, source: int):
