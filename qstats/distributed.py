@@ -693,10 +693,8 @@ def _local_parts(tree: Any, observers: Any) -> list:
         # the device index is left out: a rank's devices are numbered by first use over the states it holds
         records = _records(paths_, states_, _plan(states_, False), observers_,
                            {v.device: 0 for state in states_ for v in _values(state)})
-        key = str(treespec) + "".join(key for _, key, _ in records)
         text = "; ".join(text for _, _, text in records) or f"an empty {str(treespec)[:200]}"
-        parts.append(_Part(prefix, subtree, treespec, states_, observers_,
-                           _as_int(hashlib.sha256(key.encode()).digest()), text))
+        parts.append(_Part(prefix, subtree, treespec, states_, observers_, _fingerprint(treespec, records), text))
     return parts
 
 
