@@ -69,20 +69,24 @@ def in_chunks(function: Callable, candidates: tuple, per_candidate: int) -> torc
 # Bucket edges
 
 
+def bucket_edges(state, device) -> torch.Tensor:
+    """Magnitude edges of a state's flat buckets (`flat_counts`), float64 ``(K + 1,)``: 0, the lower
+    edge ``2**(low + j // bins) * (1 + j % bins / bins)`` of bucket ``j + 1`` for ``j < K - 1``, inf."""
+    bins, low, high = config(state)
+    j = torch.arange((high - low) * bins + 1, dtype=torch.float64, device=device)
+    octave = torch.floor(j / bins)
+    inner = torch.pow(2.0, octave + low) * (1.0 + (j - octave * bins) / bins)
+    return torch.cat([inner.new_zeros(1), inner, inner.new_full((1,), math.inf)])
+
+
 def histogram_edges(state):
     """Signed bucket edges and counts of a state, ascending by value.
 
     Returns ``(edges, counts)``: float64 ``(*qparam_shape, 2K + 1)`` and ``(*qparam_shape, 2K)``;
     the outermost edges are the exact extremes and inner edges are clamped to them.
     """
-    bins, low, _ = config(state)
     flat = flat_counts(state)
-    j = torch.arange(flat.shape[-1] - 1, dtype=torch.float64, device=flat.device)
-    octave = torch.floor(j / bins)
-    inner = torch.pow(2.0, octave + low) * (1.0 + (j - octave * bins) / bins)
-    zero = torch.zeros(1, dtype=torch.float64, device=flat.device)
-    top = torch.full((1,), math.inf, dtype=torch.float64, device=flat.device)
-    magnitude_edges = torch.cat([zero, inner, top])  # 0, the lower edge of bucket j >= 1, inf: K + 1
+    magnitude_edges = bucket_edges(state, flat.device)
     neg_edges = torch.minimum(magnitude_edges, (-state.min_val.double()).clamp(min=0).unsqueeze(-1))
     pos_edges = torch.minimum(magnitude_edges, state.max_val.double().clamp(min=0).unsqueeze(-1))
     edges = torch.cat([-neg_edges.flip(-1), pos_edges[..., 1:]], dim=-1)
@@ -112,11 +116,9 @@ def window(state, bins: int, low: int, octaves: int):
     above = padded.sum(-1) - below - kept.sum(-1)  # values beyond the window's last bucket (overflow)
     # fold "above" into the last kept bucket (it reaches the exact extreme below)
     kept = torch.cat([kept[..., :-1], (kept[..., -1] + above).unsqueeze(-1)], dim=-1)
-    # magnitude edges of the window: bucket ids j, possibly < 1 (then empty padding)
-    j = (index - width).double()
-    octave = torch.floor((j - 1) / bins)
-    lower = torch.pow(2.0, octave + low) * (1.0 + ((j - 1) - octave * bins) / bins)
-    lower = torch.where(j >= 1, lower, torch.zeros_like(lower)).clamp(min=0)
+    # magnitude edges of the window: the lower edge of each bucket, 0 for the empty padding in front
+    table = torch.nn.functional.pad(bucket_edges(state, counts.device), (width, 0))
+    lower = torch.gather(table.expand(*index.shape[:-1], table.shape[0]), -1, index)
     magnitude_edges = torch.cat([lower, torch.full_like(lower[..., :1], math.inf)], dim=-1)  # width + 1
     neg = torch.minimum(magnitude_edges, (-state.min_val.double()).clamp(min=0).unsqueeze(-1))
     pos = torch.minimum(magnitude_edges, state.max_val.double().clamp(min=0).unsqueeze(-1))

@@ -17,7 +17,7 @@ import torch
 from ..._qparams import Range
 from ..._spec import QuantSpec
 from ..._torch_features import bitcast
-from ._geometry import config, grid, in_chunks, is_symmetric, search_octaves, within_extremes
+from ._geometry import bucket_edges, config, flat_counts, grid, in_chunks, is_symmetric, search_octaves, within_extremes
 from .mse import mse_search
 
 __all__ = ["l2_search", "sign_windows", "sawtooth_error"]
@@ -49,15 +49,9 @@ def sign_windows(state, spec: QuantSpec, octaves: int) -> Windows:
     top = ((bitcast(anchor, torch.int32) >> (23 - m)) - (((low + 127) << m) - 1)).clamp(0, (high - low) * bins + 1)
     index = top.unsqueeze(-1) + torch.arange(1, width + 2, device=device)  # padded edge index (*P, 2 or 1, W + 1)
     lead = state.counts.shape[:-2]  # (*P, 2)
-    flat = torch.cat([state.counts.new_zeros((*lead, width)), state.underflow.unsqueeze(-1), state.counts.flatten(-2),
-                      state.overflow.unsqueeze(-1)], -1)
+    flat = torch.nn.functional.pad(flat_counts(state), (width, 0))  # `width` empty buckets in front
     counts = torch.gather(flat, -1, index[..., :-1].expand(*lead, width)).double()
-    # lower edges of the padded flat buckets: `width` + 1 zeros, each bucket's lower edge, inf
-    j = torch.arange((high - low) * bins + 1, dtype=torch.float64, device=device)
-    octave = torch.div(j, bins, rounding_mode="floor")
-    table = torch.cat([torch.zeros(width + 1, dtype=torch.float64, device=device),
-                       torch.pow(2.0, octave + low) * (1.0 + (j - octave * bins) / bins),
-                       torch.full((1,), math.inf, dtype=torch.float64, device=device)])
+    table = torch.nn.functional.pad(bucket_edges(state, device), (width, 0))  # their lower edges
     lower = torch.gather(table.expand(*index.shape[:-1], table.shape[0]), -1, index)
     edges = torch.minimum(lower, extent.double().unsqueeze(-1))
     cand = torch.minimum(lower, anchor.double().unsqueeze(-1)) if is_symmetric(spec) else edges
