@@ -789,12 +789,11 @@ def _merged_parts(partial: list, parts: dict, group, device: torch.device) -> di
     _, sent = _gather_from_ranks(mine, group)
     templates = {path: optree.tree_flatten(sent[holders[0]][path], is_leaf=_is_state) for path, holders in partial}
     first = {path: holders[0] for path, holders in partial}
+    local = {path: part.states for path, part in parts.items()}
     received: dict = {}
     for source in range(world):  # every holder but the first sends its states to the first
         paths = [path for path, holders in partial if source in holders[1:]]
-        states = [state for path in paths for state in parts[path].states] if source == rank else None
-        shapes = [state for path in paths for state in templates[path][0]]
-        for path, part in _split(paths, templates, _broadcast_states(states, shapes, source, group, device)):
+        for path, part in _broadcast_parts(paths, local, templates, source, group, device):
             if first[path] == rank:
                 received.setdefault(path, []).append((source, part))
     merged, error = {}, None
@@ -812,10 +811,8 @@ def _merged_parts(partial: list, parts: dict, group, device: torch.device) -> di
     out = []
     for source in range(world):  # each first holder sends the merged states to every rank
         paths = [path for path, holders in partial if holders[0] == source]
-        states = [state for path in paths for state in merged[path]] if source == rank else None
-        shapes = [state for path in paths for state in templates[path][0]]
         out += [(path, optree.tree_unflatten(templates[path][1], part))
-                for path, part in _split(paths, templates, _broadcast_states(states, shapes, source, group, device))]
+                for path, part in _broadcast_parts(paths, merged, templates, source, group, device)]
     order = {path: i for i, (path, _) in enumerate(partial)}
     return _nested(sorted(out, key=lambda item: order[item[0]]))
 
@@ -833,14 +830,13 @@ def _runs(sizes: list) -> list:
     return runs
 
 
-def _split(paths: list, templates: dict, states: list) -> list:
-    """``[(path, its states), ...]``: ``states`` cut into the parts at ``paths``, in order."""
-    out, start = [], 0
-    for path in paths:
-        count = len(templates[path][0])
-        out.append((path, states[start:start + count]))
-        start += count
-    return out
+def _broadcast_parts(paths: list, held: dict, templates: dict, source: int, group, device: torch.device) -> list:
+    """``[(path, its states), ...]`` of the parts at ``paths``, as rank ``source`` holds them in
+    ``held``, on every rank (`_broadcast_states`; ``templates`` give every rank their shapes)."""
+    states = [state for path in paths for state in held[path]] if source == dist.get_rank(group) else None
+    shapes = [state for path in paths for state in templates[path][0]]
+    received = iter(_broadcast_states(states, shapes, source, group, device))
+    return [(path, [next(received) for _ in templates[path][0]]) for path in paths]
 
 
 def _merged_states(part: _Part, received: list, holders: list, group) -> list:
