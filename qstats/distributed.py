@@ -537,6 +537,20 @@ def _gather_from_ranks(report: Any, group) -> tuple[list, list]:
     return ranks, reports
 
 
+def _gather_valid(report: Any, error: Optional[Exception], detail: Any, group) -> tuple[list, list]:
+    """`_gather_from_ranks` of this rank's ``report``, or of ``{"error": detail}`` where its tree
+    failed its local checks (raising ``error``); then ValueError on every rank where any rank's tree
+    failed them, naming each such rank and its error."""
+    ranks, reports = _gather_from_ranks(report if error is None else {"error": str(detail)}, group)
+    if error is not None:
+        raise ValueError(f"all_reduce: this rank's tree is not valid: {detail}") from error
+    failed = "; ".join(f"rank {rank}: {r['error']}" for rank, r in zip(ranks, reports)
+                       if isinstance(r, dict) and "error" in r)
+    if failed:
+        raise ValueError(f"all_reduce: another rank's tree failed its local checks ({failed[:2000]})")
+    return ranks, reports
+
+
 def _check_same_trees(fingerprint: int, local_error, group, report: dict, partial: bool = False) -> bool:
     """One 24-byte collective: every rank learns whether all ranks passed the same valid tree,
     so that every rank raises ValueError (none waits for a rank that raised before it). Where they
@@ -548,14 +562,7 @@ def _check_same_trees(fingerprint: int, local_error, group, report: dict, partia
     if probe[2] == 0 and _same_on_every_rank(probe, fingerprint):
         return False
     detail = local_error if isinstance(local_error, (TypeError, ValueError)) else repr(local_error)
-    if local_error is not None:
-        report = {"error": str(detail)}
-    ranks, reports = _gather_from_ranks(report, group)  # every rank is here: the probe told them all
-    if local_error is not None:
-        raise ValueError(f"all_reduce: this rank's tree is not valid: {detail}") from local_error
-    if probe[2] != 0:
-        errors = "; ".join(f"rank {rank}: {r['error']}" for rank, r in zip(ranks, reports) if "error" in r)
-        raise ValueError(f"all_reduce: another rank's tree failed its local checks ({errors[:2000]})")
+    ranks, reports = _gather_valid(report, local_error, detail, group)  # every rank is here: the probe told them all
     for name in ("exact", "partial"):  # exact=True folds the float sums that exact=False reduces elementwise
         values = {r.get(name, False): rank for rank, r in reversed(list(zip(ranks, reports)))}  # each one's first rank
         if len(values) > 1:
@@ -754,14 +761,8 @@ def merge_partial_sites(tree: Any, observers: Any, group: Optional[Any] = None, 
         parts = {part.path: part for part in _local_parts(tree, observers)}
     except Exception as caught:  # raised below, once every rank knows
         error = caught
-    report = {"error": str(error)} if error is not None else [(path, part.key) for path, part in parts.items()]
-    ranks, reports = _gather_from_ranks(report, group)
-    failed = [(rank, r["error"]) for rank, r in zip(ranks, reports) if isinstance(r, dict)]
-    if error is not None:
-        raise ValueError(f"all_reduce: this rank's tree is not valid: {error}") from error
-    if failed:
-        listed = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
-        raise ValueError(f"all_reduce: another rank's tree failed its local checks ({listed[:2000]})")
+    report = [(path, part.key) for path, part in parts.items()] if error is None else None
+    _, reports = _gather_valid(report, error, error, group)
     held = [dict(r) for r in reports]
     union = list(dict.fromkeys(path for r in reports for path, _ in r))
     conflict = _first_conflict(union, held)
