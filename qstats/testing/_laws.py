@@ -158,12 +158,6 @@ def _name(obs) -> str:
     return getattr(obs, "name", "observer")
 
 
-def _fold(obs, state, xs: Sequence[torch.Tensor]):
-    for x in xs:
-        state = obs.update(state, x)
-    return state
-
-
 def _need(xs: Sequence[torch.Tensor], count: int, law: str) -> list:
     xs = list(xs)
     if len(xs) < count:
@@ -206,7 +200,7 @@ def check_associative(obs, xs: Sequence[torch.Tensor], *, exact: Optional[bool] 
     xs = _need(xs, 1, "check_associative")
     exact = obs.exact if exact is None else exact
     init = obs.init(xs[0])
-    a, b, c = (_fold(obs, init, group) for group in _groups(xs, 3))
+    a, b, c = (functools.reduce(obs.update, group, init) for group in _groups(xs, 3))
     left = obs.merge(obs.merge(a, b), c)
     right = obs.merge(a, obs.merge(b, c))
     # not exact: every float field to tolerance
@@ -219,7 +213,7 @@ def check_commutative(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) ->
     over single batches. Bit-exact except ``approx_fields``."""
     xs = _need(xs, 2, "check_commutative")
     init = obs.init(xs[0])
-    first, second = (_fold(obs, init, group) for group in _groups(xs, 2))
+    first, second = (functools.reduce(obs.update, group, init) for group in _groups(xs, 2))
     pairs = [(first, second), (obs.update(init, xs[0]), obs.update(init, xs[-1]))]
     for a, b in pairs:
         assert_states_equal(
@@ -287,12 +281,12 @@ def check_homomorphism(
     # the states of single batches: the terms whose magnitudes scale the tolerance of float sums
     terms = [obs.update(init, x) for x in xs]
     if accumulates:
-        sequential = _fold(obs, init, xs)
+        sequential = functools.reduce(obs.update, xs, init)
         if splits is None:
             splits = [[i] for i in range(1, len(xs))] + [list(range(1, len(xs)))]
         for cuts in splits:
             bounds = [0, *sorted(set(int(c) for c in cuts if 0 < int(c) < len(xs))), len(xs)]
-            folds = [_fold(obs, init, xs[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
+            folds = [functools.reduce(obs.update, xs[lo:hi], init) for lo, hi in zip(bounds[:-1], bounds[1:])]
             check(functools.reduce(obs.merge, folds), sequential,
                   f"(merge of per-group states for split {list(cuts)} vs sequential updates)", terms + folds)
     a, b = (xs[1], xs[2]) if len(xs) >= 3 else (xs[0], xs[1])
@@ -778,7 +772,7 @@ def check_distributed(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) ->
     xs = _need(xs, 1, "check_distributed")
     name = _name(obs)
     init = obs.init(xs[0])
-    a, b, c = (_fold(obs, init, group) for group in _groups(xs, 3))
+    a, b, c = (functools.reduce(obs.update, group, init) for group in _groups(xs, 3))
     ops = _attempt(f"{name}: distributed: qstats.distributed.reduce_ops", distributed.reduce_ops, a)
     # the checks all_reduce makes of every tree, without its collectives (a process group may be up): a
     # field that is no dense tensor (a Python number, a list) is refused there; nested NamedTuples are walked
