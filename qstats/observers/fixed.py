@@ -18,6 +18,7 @@ from .._spec import QuantSpec
 from .._checks import require
 from .._torch_features import bitcast
 from ._base import Observer, check_merge_states, check_state, register_state
+from .kit import check_spec
 
 __all__ = [
     "FixedQParamsState",
@@ -62,8 +63,8 @@ class RecordingState(NamedTuple):
 
 
 def _check_spec(spec, where, optional=False):
-    if not (isinstance(spec, QuantSpec) or optional and spec is None):
-        raise TypeError(f"{where}: expected a QuantSpec, got {type(spec).__name__}")
+    if not (optional and spec is None):
+        check_spec(spec, where)
 
 
 _FLAT = PerTensor()

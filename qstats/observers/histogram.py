@@ -22,7 +22,7 @@ from .._reductions import batch_inside, finite_aminmax
 from .._spec import QuantSpec
 from .._torch_features import bitcast
 from ._base import Observer, check_merge_states, check_state, register_state
-from .kit import masked_view
+from .kit import check_spec, masked_view
 from .search import entropy_amax, register_search, search
 from .search._geometry import histogram_edges
 from .._warn import warn
@@ -155,8 +155,7 @@ def bucket_counts(view, mask=None, bins: int = 128, exponent_range=(-24, 24)):
 
 
 def _check_config(spec, bins, octaves, max_state_bytes):
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"histogram: expected a QuantSpec, got {type(spec).__name__}")
+    check_spec(spec, "histogram")
     # a float NaN bound refused nothing, None or a string failed only in init, inside a comparison
     if not (is_integer(max_state_bytes) and max_state_bytes > 0):
         raise ValueError(f"histogram: max_state_bytes must be a positive int (bytes), got {max_state_bytes!r}")

@@ -170,14 +170,13 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
     per expert) takes a ``weight_shape`` of ``(E, out, in)``: each expert's importance is its own, and
     an expert no token reached searches uniformly (llm-compressor's fallback for its Linear).
     """
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"imatrix_mse: expected a QuantSpec, got {type(spec).__name__}")
+    # the spec's TypeError, and a ValueError naming a bad option (before int() below truncates it)
+    check_search_args(spec, maxshrink, grid, norm, 1, "imatrix_mse")
     weight_shape = _checked_weight_shape(weight_shape)
     weights = None
     if imatrix_state is not None:
         full = _normalised_importance(imatrix_state, weight_shape)
         weights = canonical_view(full, spec.granularity)
-    check_search_args(spec, maxshrink, grid, norm, 1, "imatrix_mse")  # ValueError naming a bad option (not int()'s)
     steps = max(1, int(maxshrink * grid)) + 1
 
     def build(importance: torch.Tensor) -> Observer:

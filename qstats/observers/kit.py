@@ -66,10 +66,12 @@ __all__ = [
 ]
 
 
-def check_spec(spec) -> QuantSpec:
-    """``spec`` itself, or TypeError when it is not a QuantSpec."""
+def check_spec(spec, where: str = "") -> QuantSpec:
+    """``spec`` itself, or TypeError when it is not a QuantSpec (the message starts with ``where``,
+    the caller's name, when one is given)."""
     if not isinstance(spec, QuantSpec):
-        raise TypeError(f"expected a QuantSpec, got {type(spec).__name__}")
+        prefix = f"{where}: " if where else ""
+        raise TypeError(f"{prefix}expected a QuantSpec, got {type(spec).__name__}")
     return spec
 
 

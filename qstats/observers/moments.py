@@ -20,7 +20,7 @@ from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
 from ._base import Observer, check_field_dtype, check_same_shapes, check_state, register_state
-from .kit import masked_view
+from .kit import check_spec, masked_view
 from .search import register_search, search
 
 __all__ = ["MomentsState", "moments"]
@@ -186,8 +186,7 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
     >>> float(s.mean), float(s.std)
     (0.0, 2.23606797749979)
     """
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"moments: expected a QuantSpec, got {type(spec).__name__}")
+    check_spec(spec, "moments")
     if not (is_real_number(p) and p > 0 and p == p and p != float("inf")):
         raise ValueError(f"moments: p must be a positive finite number, got {p!r}")
     power = float(p)

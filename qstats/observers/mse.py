@@ -25,7 +25,7 @@ from .._reductions import finite_aminmax
 from .._spec import QuantSpec
 from .._torch_features import rounded_to
 from ._base import Observer, check_merge_states, check_state, register_state
-from .kit import extremes_init, masked_view
+from .kit import check_spec, extremes_init, masked_view
 from .minmax import check_averaging_constant, merge_moving_extremes
 
 __all__ = ["MSEState", "MovingAverageMSEState", "mse", "shrink_factors", "candidate_losses"]
@@ -81,8 +81,7 @@ def search_spec(spec: QuantSpec) -> QuantSpec:
 def check_search_args(spec, maxshrink, grid, norm, steps, where: str = "mse") -> None:
     """TypeError / ValueError naming a bad option of an MSE search (``steps`` None: the candidates
     ``int(maxshrink * grid)`` must be at least one)."""
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"{where}: expected a QuantSpec, got {type(spec).__name__}")
+    check_spec(spec, where)
     if not (is_real_number(maxshrink) and 0 <= maxshrink <= 1):
         raise ValueError(f"{where}: maxshrink must be in [0, 1], got {maxshrink!r}")
     for name, value in (("grid", grid), ("norm", norm)):
