@@ -14,6 +14,7 @@ import torch
 from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
+from ._attention import attention_sites, heads_first, heads_last, intercepted
 from ._formats import COMPUTE_DTYPE_NAMES, global_scale_from_amax
 from ._granularity import TensorGroup
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams, per_expert_qparams
@@ -401,17 +402,20 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
         raise TypeError("fake_quantized: qparams must be a tree {path: {site: QParams}} (compute_qparams_tree's)")
     handles: list = []
     parametrized: list = []
+    attention: dict = {}  # path -> {site: quantize} of transformers attention modules (`_AttentionQuantizer`)
     try:
         for path, entry in qparams.items():
             if path not in plan.modules:
                 raise ValueError(f"fake_quantized: the model has no module {path!r}")
             expert_sites: dict = {}
             for site, qp in entry.items():
-                _fake_quantize_site(plan, path, site, qp, handles, parametrized, expert_sites)
+                _fake_quantize_site(plan, path, site, qp, handles, parametrized, expert_sites, attention)
             if expert_sites:
                 handles.extend(_ExpertInputs(plan.modules[path], path, expert_sites).attach())
         handles.extend(_float_state_dict_hooks(parametrized))
-        yield model
+        hooks = {path: (plan.modules[path], _AttentionQuantizer(sites)) for path, sites in attention.items()}
+        with attention_sites(hooks, "fake_quantized"):
+            yield model
     finally:
         for handle in handles:
             handle.remove()
@@ -428,12 +432,13 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
 
 
 def _fake_quantize_site(
-    plan: Plan, path: str, site: str, qp, handles: list, parametrized: list, expert_sites: dict
+    plan: Plan, path: str, site: str, qp, handles: list, parametrized: list, expert_sites: dict, attention: dict
 ) -> None:
     """Applies one site of `fake_quantized`: a parametrization of a parameter site (recorded in
     ``parametrized`` with the number of parametrizations the tensor had before and the module's
     parameter order), a hook replacing an activation site's tensor (recorded in ``handles``); a
-    per-expert activation site goes to ``expert_sites`` (site -> (qp, found)), for `_ExpertInputs`."""
+    per-expert activation site goes to ``expert_sites`` (site -> (qp, found)), for `_ExpertInputs`,
+    a q/k/v site of a transformers attention module to ``attention`` (path -> {site: quantize})."""
     found = plan.site(path, site)
     if found is None:
         raise ValueError(f"fake_quantized: the recipe observes no site {site!r} of module {path!r}")
@@ -478,6 +483,9 @@ def _fake_quantize_site(
     def quantize(x):
         return _fake_quantize_activation(x, qp, found.spec, found.runtime, where)
 
+    if found.kind == "projection" and intercepted(module):  # its attention function's argument
+        attention.setdefault(path, {})[site] = quantize
+        return
     hooked = plan.hooked_module(path, site)
     if found.kind == "input":  # the tensor calibrate observed (`input_tensor`)
         hook = hooked.register_forward_pre_hook(
@@ -487,6 +495,21 @@ def _fake_quantize_site(
         # (`first_tensor`), also inside a tuple
         hook = hooked.register_forward_hook(lambda _, args, output: replace_first_tensor(output, quantize)[0])
     handles.append(hook)
+
+
+class _AttentionQuantizer:
+    """`fake_quantized`'s q/k/v sites of one transformers attention module: the query, key and value
+    its attention function receives, fake-quantized as ``[batch, tokens, heads * head_dim]`` (the
+    layout `calibrate` observes them in)."""
+
+    def __init__(self, sites: dict):
+        self.sites = sites  # site -> quantize(x)
+
+    def __call__(self, query, key, value):
+        out = []
+        for site, x in zip(("q", "k", "v"), (query, key, value)):
+            out.append(heads_first(self.sites[site](heads_last(x)), x) if site in self.sites and is_float_tensor(x) else x)
+        return tuple(out)
 
 
 class _ExpertInputs(ExpertCallHooks):

@@ -517,25 +517,27 @@ def _llama(**overrides):
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def _projection_outputs(model, batches):
-    """{attention path: {site: output of its q/k/v projection}} over the batches, by plain hooks."""
+def _attention_arguments(model, batches):
+    """{attention path: {site: query/key/value each attention module hands eager attention}} over
+    the batches, recorded by wrapping the modeling file's eager_attention_forward."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.eager_attention_forward
+    paths = {id(module): name for name, module in model.named_modules()}
     seen: dict = {}
-    handles = []
-    for name, module in model.named_modules():
-        if name.endswith("self_attn"):
-            for site in ("q", "k", "v"):
-                handles.append(
-                    getattr(module, f"{site}_proj").register_forward_hook(
-                        lambda m, a, out, name=name, site=site: seen.setdefault(name, {}).setdefault(site, []).append(
-                            out.detach()
-                        )
-                    )
-                )
-    with torch.no_grad():
-        for batch in batches:
-            model(batch)
-    for handle in handles:
-        handle.remove()
+
+    def recording(module, query, key, value, *args, **kwargs):
+        for site, x in zip(("q", "k", "v"), (query, key, value)):
+            seen.setdefault(paths[id(module)], {}).setdefault(site, []).append(x.detach())
+        return original(module, query, key, value, *args, **kwargs)
+
+    modeling_llama.eager_attention_forward = recording
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                model(batch)
+    finally:
+        modeling_llama.eager_attention_forward = original
     return {
         name: {site: torch.cat([out.reshape(-1) for out in outs]) for site, outs in entry.items()}
         for name, entry in seen.items()
@@ -549,8 +551,10 @@ KV_FP8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="te
 def test_kv_cache_and_attention_scales_load_with_compressed_tensors(tmp_path, sites):
     """k_scale / v_scale (kv_cache_scheme) and q_scale (attention group) on the attention modules:
     compressed-tensors registers exactly these parameters from our config and loads our file
-    strictly; the scales equal its calculate_qparams on the projection outputs (hooked separately)."""
+    strictly; the scales equal its calculate_qparams on the query/key/value eager attention receives
+    (after the rotary embedding; recorded separately)."""
     model = _llama()
+    model.set_attn_implementation("eager")
     weight_args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
     recipe = qstats.Recipe(
         [
@@ -563,7 +567,8 @@ def test_kv_cache_and_attention_scales_load_with_compressed_tensors(tmp_path, si
     batches = [torch.randint(0, 64, (2, 8), generator=generator) for _ in range(2)]
     states = qstats.calibrate(model, batches, recipe, progress=False)
     qparams = qstats.compute_qparams_tree(states, recipe, model)
-    with pytest.warns(UserWarning, match="before the rotary embedding"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the observed q/k follow the rotary embedding: no warning
         written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
     config = QuantizationConfig.model_validate(written)
     # the args name the observer that calibrated k/v (qstats.minmax: llm-compressor's static_minmax)
@@ -578,7 +583,7 @@ def test_kv_cache_and_attention_scales_load_with_compressed_tensors(tmp_path, si
     compressor = ModelCompressor(quantization_config=config)
     compressor.compress_model(fresh)
     fresh.load_state_dict(ours, strict=True)
-    outputs = _projection_outputs(model, batches)
+    outputs = _attention_arguments(model, batches)
     for layer in range(2):
         path = f"model.layers.{layer}.self_attn"
         attention = fresh.get_submodule(path)
@@ -903,7 +908,8 @@ def test_recipe_from_a_config_with_kv_cache_scheme_calibrates_and_exports_the_kv
         path = f"model.layers.{layer}.self_attn"
         for site in ("k", "v"):
             assert bit_equal(ours[path][site].scale, reference[path][site].scale)
-    with pytest.warns(UserWarning, match="before the rotary embedding"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the observed k follows the rotary embedding: no warning
         written = qstats.export.compressed_tensors(model, ours, str(tmp_path), recipe)
     assert QuantizationConfig.model_validate(written).kv_cache_scheme == KV_FP8
 

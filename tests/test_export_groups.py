@@ -80,7 +80,7 @@ CASES = {
     "ignore-names-an-embedding": (lambda: _modifier(
         {"g0": ("W8A8", ["Linear"]), "g1": ("W4A16", ["re:.*down_proj"])}, ["re:model.(embed_tokens|layers.1.mlp)"]),
         {"model.embed_tokens.weight": torch.float32, "lm_head.weight_scale": torch.float32}),
-    # k is observed before the rotary embedding (docs/export.md): k_scale differs, all else is equal
+    # k and v observed where compressed-tensors' kv cache quantizes them (after the rotary embedding)
     "kv-cache": (lambda: _modifier(
         {"g0": ("W4A16", ["Linear"]), "g1": ("FP8", ["re:.*mlp.*"])}, ["lm_head"], kv_cache_scheme=KV_FP8),
         {"model.layers.0.self_attn.v_scale": torch.float32, "model.layers.0.mlp.gate_proj.input_scale": torch.float32}),
@@ -128,15 +128,13 @@ def test_overlapping_groups_export_equals_llm_compressor_oneshot(float_llama, sa
     model.set_attn_implementation("eager")  # as llm-compressor calibrates
     plan = qstats.Recipe.from_compressed_tensors(recipe()).resolve(model)
     states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*before the rotary embedding", UserWarning)  # kv-cache case
-        qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
+    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
 
     their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
     our_tensors = load_file(os.path.join(ours, "model.safetensors"))
     assert sorted(our_tensors) == sorted(their_tensors)
     differing = [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]
-    assert differing == ([f"model.layers.{i}.self_attn.k_scale" for i in range(2)] if case == "kv-cache" else [])
+    assert differing == []
     assert {name: their_tensors[name].dtype for name in expected} == expected
 
     our_config, their_config = _quantization_config(ours), _quantization_config(theirs)

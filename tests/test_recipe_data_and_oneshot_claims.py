@@ -122,9 +122,11 @@ def test_the_docs_pure_w8a8_example_equals_oneshot_bit_for_bit_under_eager_atten
 
 def test_an_attention_groups_q_scale_is_calibrated_where_oneshot_leaves_it_uninitialized(docs_llama, tmp_path):
     """docs/recipes.md: an attention group (input args only, narrowly matching LlamaAttention) gives
-    q, k and v scales. v_scale equals oneshot's bit for bit; q_scale is the range of the q_proj
-    outputs (static min-max, fp8: amax / 448), which oneshot never observes."""
+    q, k and v scales. k_scale and v_scale equal oneshot's bit for bit; q_scale is the range of the
+    queries eager attention receives (after the rotary embedding; static min-max, fp8: amax / 448),
+    which oneshot never observes."""
     from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers.models.llama import modeling_llama
 
     path, samples = docs_llama
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False,
@@ -138,23 +140,24 @@ def test_an_attention_groups_q_scale_is_calibrated_where_oneshot_leaves_it_unini
     model = _load(path)
     model.set_attn_implementation("eager")
     q_amax = {}
+    original = modeling_llama.eager_attention_forward
 
-    def record(name):
-        def hook(module, args, output):
-            q_amax[name] = torch.maximum(q_amax.get(name, torch.zeros(())), output.detach().abs().amax())
-        return hook
+    def recording(module, query, *args, **kwargs):
+        q_amax[module.layer_idx] = torch.maximum(q_amax.get(module.layer_idx, torch.zeros(())), query.detach().abs().amax())
+        return original(module, query, *args, **kwargs)
 
-    for index, layer in enumerate(model.model.layers):
-        layer.self_attn.q_proj.register_forward_hook(record(index))
     plan = qstats.Recipe.from_compressed_tensors(modifier()).resolve(model)
-    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*rotary embedding", UserWarning)
-        qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
+    modeling_llama.eager_attention_forward = recording
+    try:
+        states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False)
+    finally:
+        modeling_llama.eager_attention_forward = original
+    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
     our_tensors = load_file(os.path.join(ours, "model.safetensors"))
     their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
     for index in range(2):
         prefix = f"model.layers.{index}.self_attn."
+        assert bit_equal(our_tensors[prefix + "k_scale"], their_tensors[prefix + "k_scale"])
         assert bit_equal(our_tensors[prefix + "v_scale"], their_tensors[prefix + "v_scale"])
         assert torch.equal(our_tensors[prefix + "q_scale"], (q_amax[index] / 448.0).reshape(1))
 

@@ -10,6 +10,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from .._attention import intercepted
 from .config import agreed_observer, fail, quantization_args
 from .linear import static_site, write_qparams
 from .scales import module_dtype
@@ -38,8 +39,9 @@ def write_attention(
         write_qparams(stored, site, dtype, None, tensors, log)
         written[site] = args
     _check_attention_sites(path, written)
-    # transformers' position_embeddings: rotary cos/sin applied to q and k after their projections
-    if ("q" in written or "k" in written) and _forward_takes(module, "position_embeddings"):
+    # transformers' position_embeddings: rotary cos/sin applied to q and k after their projections,
+    # whose outputs are the q/k sites of an attention module qstats does not intercept
+    if ("q" in written or "k" in written) and _forward_takes(module, "position_embeddings") and not intercepted(module):
         log["rotary"].append(path)
     return written
 

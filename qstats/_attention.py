@@ -1,0 +1,119 @@
+"""The ``q``/``k``/``v`` sites of transformers attention modules: the query, key and value their
+forward hands to its attention function (``AttentionInterface``), after the rotary embedding and
+q/k norms, as compressed-tensors' hooked attention and kv cache quantize them (llm-compressor
+observes them there). They come as ``[batch, heads, tokens, head_dim]`` and are observed as
+``[batch, tokens, heads * head_dim]`` (`heads_last`), the projections' output shape.
+
+`intercepted(module)` says whether a module's sites are those; `attention_sites(hooks, caller)`
+runs such modules, for the duration, under qstats' counterpart of their attention implementation
+(`qstats._attention_functions`), which hands each call's query, key and value to its module's hook.
+Other attention modules (no transformers config) keep their projections' outputs as sites.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from typing import Callable, Iterator, Mapping
+
+import torch
+
+from ._torch_features import eager
+
+__all__ = ["intercepted", "attention_sites", "heads_last", "heads_first"]
+
+
+def intercepted(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s q/k/v sites are its attention function's arguments: a transformers
+    attention module, which holds the config naming the implementation it calls."""
+    return hasattr(getattr(module, "config", None), "_attn_implementation")
+
+
+def heads_last(x: torch.Tensor) -> torch.Tensor:
+    """An attention function's ``[batch, heads, tokens, head_dim]`` as ``[batch, tokens, heads *
+    head_dim]``: the layout of the projections' outputs (a state's shape does not change), whose
+    prefix is an observation weight ``[batch, tokens]`` (padding), as llm-compressor flattens it."""
+    return x.transpose(1, 2).flatten(2) if x.ndim == 4 else x
+
+
+def heads_first(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`heads_last` undone: ``y`` back in the layout of ``like``."""
+    if like.ndim != 4:
+        return y
+    return y.unflatten(-1, (like.shape[1], like.shape[3])).transpose(1, 2)
+
+
+class _Call:
+    """One call of an attention module: its hook, and whether its attention function ran it."""
+
+    def __init__(self, hook: Callable):
+        self.hook, self.reached = hook, False
+
+    def __call__(self, query, key, value):
+        self.reached = True
+        return self.hook(query, key, value)
+
+
+def _switched(module, path: str, caller: str) -> tuple:
+    """``(config, implementation before)`` of the attention ``module``, whose config is to name
+    qstats' counterpart; ValueError naming the module where there is none, or where its forward
+    cannot pass the hooks on (no ``**kwargs``)."""
+    functions = importlib.import_module("qstats._attention_functions")  # registers them, once
+    config = module.config
+    name = config._attn_implementation
+    if isinstance(name, str) and name.startswith(functions.PREFIX):  # an enclosing context's
+        return config, name
+    if name not in functions.WRAPPED:
+        raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) runs attention "
+                         f"implementation {name!r}; qstats observes and quantizes q/k/v behind "
+                         f"{list(functions.WRAPPED)} only (model.set_attn_implementation('sdpa'))")
+    parameters = inspect.signature(module.forward).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) takes no **kwargs "
+                         "to pass on to its attention function, where qstats reads its q/k/v")
+    return config, name
+
+
+def _hooks(module, path: str, hook: Callable, caller: str) -> list:
+    """A pre-hook handing each call's `_Call` to the attention function by keyword (after those of
+    enclosing contexts: applied in that order), and a hook refusing a call that did not reach it."""
+    keyword = importlib.import_module("qstats._attention_functions").SITES_KEYWORD
+    calls: list = []
+
+    def pre_hook(module, args, kwargs):
+        calls.append(_Call(hook))
+        return args, {**kwargs, keyword: tuple(kwargs.get(keyword, ())) + (calls[-1],)}
+
+    def check(module, args, kwargs, output):
+        if calls and not calls.pop().reached and output is not None:
+            raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) did not call its "
+                             "attention function through transformers' AttentionInterface, where qstats reads "
+                             "its q/k/v: not supported")
+
+    return [module.register_forward_pre_hook(eager(pre_hook), with_kwargs=True),
+            module.register_forward_hook(eager(check), with_kwargs=True, always_call=True)]
+
+
+@contextlib.contextmanager
+def attention_sites(hooks: Mapping, caller: str) -> Iterator[None]:
+    """Context: each attention module of ``hooks`` (``{path: (module, hook)}``, ``hook(query, key,
+    value) -> (query, key, value)``) runs its attention function behind ``hook``. Their configs
+    name qstats' counterpart of their implementation inside, and the user's implementation again
+    on exit, also on error."""
+    switched: dict = {}  # id(config) -> (config, implementation before)
+    handles: list = []
+    try:
+        for path, (module, hook) in hooks.items():
+            config, name = _switched(module, path, caller)
+            switched.setdefault(id(config), (config, name))
+            handles += _hooks(module, path, hook, caller)
+        prefix = importlib.import_module("qstats._attention_functions").PREFIX if hooks else ""
+        for config, name in switched.values():
+            config._attn_implementation_internal = name if name.startswith(prefix) else prefix + name
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for config, name in switched.values():
+            config._attn_implementation_internal = name

@@ -1,0 +1,49 @@
+"""qstats' attention functions, registered in transformers' ``AttentionInterface`` once, when this
+module is imported (`qstats._attention` imports it on meeting a transformers attention module).
+
+``"qstats:<name>"`` runs the hooks its attention module's call hands it by keyword
+(`SITES_KEYWORD`: a tuple of ``hook(query, key, value) -> (query, key, value)``) on the
+query, key and value, then the implementation ``<name>`` the model was using; its attention mask
+is ``<name>``'s. compressed-tensors' ``ct_hooked_attention`` reads and quantizes the same tensors.
+"""
+
+from __future__ import annotations
+
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+__all__ = ["PREFIX", "SITES_KEYWORD", "WRAPPED"]
+
+PREFIX = "qstats:"
+SITES_KEYWORD = "qstats_attention_sites"
+# the implementations run behind a qstats counterpart: the flash kernels read the implementation's
+# name from the config (``module.config._attn_implementation``), which names the counterpart then
+WRAPPED = ("eager", "sdpa")
+
+
+def _original(module, name: str):
+    """The attention function ``module`` calls under ``name``: the registered one, or for
+    ``"eager"`` the model's own ``eager_attention_forward`` (its modeling file's, the default of
+    its ``ALL_ATTENTION_FUNCTIONS.get_interface``), which ``AttentionInterface`` does not hold."""
+    if name != "eager":
+        return ALL_ATTENTION_FUNCTIONS[name]
+    found = getattr(type(module).forward, "__globals__", {}).get("eager_attention_forward")
+    if found is None:
+        raise ValueError(f"qstats: the attention module {type(module).__name__} runs eager attention, but its "
+                         "modeling file defines no eager_attention_forward to run behind qstats' hooks")
+    return found
+
+
+def _attention_function(name: str):
+    def attention(module, query, key, value, *args, **kwargs):
+        for hook in kwargs.pop(SITES_KEYWORD, ()):
+            query, key, value = hook(query, key, value)
+        return _original(module, name)(module, query, key, value, *args, **kwargs)
+
+    attention.__name__ = attention.__qualname__ = f"qstats_{name}_attention"
+    return attention
+
+
+for _name in WRAPPED:
+    AttentionInterface.register(PREFIX + _name, _attention_function(_name))
+    AttentionMaskInterface.register(PREFIX + _name, ALL_MASK_ATTENTION_FUNCTIONS[_name])

@@ -1,0 +1,178 @@
+"""The q/k/v sites of transformers attention modules are the query, key and value after the rotary
+embedding and q/k norms (the attention function's arguments): k_scale, v_scale and q_scale equal
+llm-compressor's ``oneshot`` bit for bit on a Llama and on a Qwen3 (q/k norms), and
+`qstats.fake_quantized` computes the logits of the exported checkpoint loaded back."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import qstats
+from _shared import bit_equal, llm_compressor_oneshot
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("llmcompressor")
+from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+FP8 = dict(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
+INT8 = dict(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False)
+SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=32, tie_word_embeddings=False)
+MODELS = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+          "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}
+
+
+def _base(path, family):
+    make_config, make_model = MODELS[family]
+    torch.manual_seed(0)
+    model = make_model(make_config(**SMALL))
+    if family == "qwen3":  # q/k norms that change the range (their weights start at one)
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.data = torch.rand(norm.weight.shape) * 3
+    model.save_pretrained(path)
+
+
+def _load(path, **options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto", **options).eval()
+
+
+def _samples():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(1, 64, (length,), generator=generator) for length in (12, 7, 9)]
+
+
+def _modifier(args, query: bool):
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    if query:  # an attention group: q, k and v under its input args
+        return QuantizationModifier(config_groups={"attention": {"targets": ["re:.*self_attn$"],
+                                                                 "input_activations": args}})
+    return QuantizationModifier(config_groups={}, kv_cache_scheme=args)
+
+
+def _calibrated(base, modifier, samples, attention="eager"):
+    model = _load(base)
+    model.set_attn_implementation(attention)
+    plan = qstats.Recipe.from_compressed_tensors(modifier).resolve(model)
+    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False)
+    return model, plan, states
+
+
+CASES = {"fp8-kv-cache": (FP8, False), "int8-kv-cache": (INT8, False), "fp8-attention-group": (FP8, True),
+         "int8-attention-group": (INT8, True)}
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kv_and_q_scales_equal_llm_compressor_bit_for_bit(tmp_path, family, case):
+    """k_scale and v_scale equal ``oneshot``'s; every other tensor too but q_scale, which llm-compressor
+    0.14's oneshot leaves uninitialised (its calibration forces eager attention, so compressed-tensors'
+    hooked attention never hands it the query): q_scale equals llm-compressor's own observer of the
+    args fed, batch by batch, the queries eager attention receives."""
+    from llmcompressor.observers import Observer
+
+    args, query = CASES[case]
+    base, theirs, ours = (str(tmp_path / name) for name in ("base", "theirs", "ours"))
+    _base(base, family)
+    samples = _samples()
+    llm_compressor_oneshot(_load(base), samples, _modifier(args, query), theirs)
+    model, plan, states = _calibrated(base, _modifier(args, query), samples)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: no rotary embedding after the observed q/k
+        qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
+    our_tensors = load_file(os.path.join(ours, "model.safetensors"))
+    their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
+    # oneshot also saves zero q/k/v zero points of symmetric args, which a loaded checkpoint does not need
+    zero_points = [name for name in their_tensors if name.endswith(("q_zero_point", "k_zero_point", "v_zero_point"))]
+    assert all(not their_tensors.pop(name).any() for name in zero_points)
+    assert sorted(our_tensors) == sorted(their_tensors)
+    kv = [name for name in their_tensors if name.endswith(("k_scale", "v_scale"))]
+    assert len(kv) == 4 and all(bit_equal(our_tensors[name], their_tensors[name]) for name in kv)
+    differing = [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]
+    assert differing == [name for name in their_tensors if name.endswith("q_scale")]
+    if not query:
+        return
+    seen = _rotated(model, [s[None] for s in samples])
+    for path, entry in seen.items():
+        # llm-compressor's observer for static activations without one named: "minmax" (a moving average)
+        observer = Observer.load_from_registry("minmax", base_name="q", args=QuantizationArgs(**args))
+        for x in entry["q"]:
+            observer(x)
+        reference = observer.get_qparams()["scale"]
+        assert bit_equal(our_tensors[f"{path}.q_scale"], reference.reshape(1)), path
+
+
+def _rotated(model, batches) -> dict:
+    """{attention path: {site: [tensor]}}: the query, key and value each attention module hands to
+    eager attention, recorded by wrapping the modeling file's eager_attention_forward."""
+    module = __import__(type(model).__module__, fromlist=["eager_attention_forward"])
+    original = module.eager_attention_forward
+    seen: dict = {}
+    paths = {id(m): path for path, m in model.named_modules()}
+
+    def recording(attention, query, key, value, *args, **kwargs):
+        entry = seen.setdefault(paths[id(attention)], {})
+        for site, x in zip("qkv", (query, key, value)):
+            entry.setdefault(site, []).append(x.detach())
+        return original(attention, query, key, value, *args, **kwargs)
+
+    module.eager_attention_forward = recording
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                model(batch)
+    finally:
+        module.eager_attention_forward = original
+    return seen
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_observed_q_k_v_are_the_eager_attention_arguments(family, tmp_path):
+    """The states' extremes are those of the tensors eager attention receives, recorded by a
+    wrapper of the modeling file's function (not by qstats), and not those of the projections."""
+    base = str(tmp_path / "base")
+    _base(base, family)
+    static = {**FP8, "observer": "static_minmax"}
+    samples = _samples()
+    model, plan, states = _calibrated(base, _modifier(static, True), samples)
+    assert model.config._attn_implementation == "eager"  # the user's setting, back
+    seen = _rotated(model, [s[None] for s in samples])
+    for path, entry in seen.items():
+        for site, xs in entry.items():
+            state = states[path][site]
+            assert torch.equal(state.min_val, torch.stack([x.amin() for x in xs]).amin()), (path, site)
+            assert torch.equal(state.max_val, torch.stack([x.amax() for x in xs]).amax()), (path, site)
+    projection = model.model.layers[0].self_attn.k_proj(model.model.embed_tokens(samples[0][None]))
+    assert not torch.equal(states["model.layers.0.self_attn"]["k"].max_val, projection.amax())
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+@pytest.mark.parametrize("case", ["fp8-kv-cache", "fp8-attention-group"])
+def test_fake_quantized_logits_equal_the_checkpoint_loaded_back(tmp_path, family, case):
+    """compressed-tensors' hooked attention quantizes the loaded checkpoint's q/k/v; qstats'
+    fake-quantized model computes the same logits (both under sdpa)."""
+    args, query = CASES[case]
+    base, ours = str(tmp_path / "base"), str(tmp_path / "ours")
+    _base(base, family)
+    samples = _samples()
+    model, plan, states = _calibrated(base, _modifier(args, query), samples, attention="sdpa")
+    qparams = qstats.compute_qparams_tree(states, plan)
+    qstats.export.compressed_tensors(model, qparams, ours, plan)
+    loaded = _load(ours, attn_implementation="sdpa")
+    batch = samples[0][None]
+    with torch.no_grad():
+        float_logits = model(batch).logits
+        with qstats.fake_quantized(model, qparams, plan):
+            ours_logits = model(batch).logits
+        theirs_logits = loaded(batch).logits
+    assert model.config._attn_implementation == "sdpa"
+    assert not torch.equal(ours_logits, float_logits)  # the fake quantization changes them
+    assert torch.equal(ours_logits, theirs_logits), (ours_logits - theirs_logits).abs().max()
