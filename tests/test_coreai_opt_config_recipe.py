@@ -35,11 +35,16 @@ def _coreai_opt_qparams(model, config, example, batches) -> dict:
         for batch in batches:
             prepared(batch)
     out: dict = {}
+    for node in getattr(getattr(prepared, "graph", None), "nodes", ()):  # graph mode: weights' quantizers
+        module = prepared.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(module, FakeQuantizeImplBase) and node.args[0].op == "get_attr":
+            path, _, site = node.args[0].target.rpartition(".")
+            out.setdefault(path, {})[site] = module.qparams_calculator
     for path, module in prepared.named_modules():
         if ".parametrizations." in path:  # a weight's fake quantizer, read from its owner below
             continue
         for name, child in module.named_children():
-            if isinstance(child, FakeQuantizeImplBase):
+            if isinstance(child, FakeQuantizeImplBase) and "_quantize_" in name:  # eager: <op>_quantize_...
                 site = "output" if "_quantize_output" in name else "input"
                 out.setdefault(path, {})[site] = child.qparams_calculator
         for name, parametrizations in getattr(module, "parametrizations", {}).items():
@@ -66,15 +71,17 @@ def _compare(model, config, example, batches) -> tuple:
     expected = _coreai_opt_qparams(model, config, example, batches)
     recipe = qstats.coreai_opt.recipe_from_coreai_opt(config, model)
     got = _qstats_qparams(model, recipe, example, batches)
-    assert {p: sorted(e) for p, e in got.items()} == {p: sorted(e) for p, e in expected.items()}
+    assert expected and {p: sorted(e) for p, e in got.items()} == {p: sorted(e) for p, e in expected.items()}
     equal = total = 0
     for path, entry in expected.items():
         for site, (scale, zero_point) in entry.items():
             qp = got[path][site]
             assert scale.numel() == qp.scale.numel(), (path, site)
-            total += 2
             equal += torch.equal(qp.scale, scale.reshape(qp.scale.shape).to(qp.scale.dtype))
-            equal += torch.equal(qp.zero_point, zero_point.reshape(qp.zero_point.shape).to(qp.zero_point.dtype))
+            total += 1
+            if zero_point is not None:  # None: a float target's
+                equal += torch.equal(qp.zero_point, zero_point.reshape(qp.zero_point.shape).to(qp.zero_point.dtype))
+                total += 1
     return equal, total
 
 
@@ -155,3 +162,100 @@ def test_state_star_quantizes_bias_and_float_range_pins_an_end(single_thread_qui
     assert {site for rule in recipe.rules for site in rule.sites} == {"weight", "bias"}
     equal, total = _compare(model, config, *_data(16))
     assert equal == total == 2 * 6
+
+
+def test_graph_mode_weight_preset(single_thread_quiet):
+    """coreai_opt's weight-only preset w4_per_block (graph execution mode, axis None resolved to the
+    input channel)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64)).eval()
+    equal, total = _compare(model, QuantizerConfig.presets.w4_per_block(), *_data(64))
+    assert equal == total == 2 * 2
+
+
+class _EmbedUpPool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.up = nn.ConvTranspose1d(8, 4, 3)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, ids):
+        return self.pool(self.up(self.embed(ids).transpose(1, 2))[:, None])
+
+
+def test_embedding_conv_transpose_and_pooling(single_thread_quiet):
+    """Under the default config, an Embedding's weight and output (its indices are not quantized)
+    and a pooling module's input and output; a ConvTranspose1d's weight per channel with axis None
+    (preset w8), which coreai_opt resolves to its axis 1."""
+    torch.manual_seed(0)
+    model = _EmbedUpPool().eval()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 10, (3, 5), generator=g) for _ in range(4)]
+    config = QuantizerConfig(execution_mode=EAGER, module_type_configs={nn.ConvTranspose1d: ModuleQuantizerConfig.presets.w8()})
+    recipe = qstats.coreai_opt.recipe_from_coreai_opt(config, model)
+    assert recipe.sites(model)["up"]["weight"].spec.granularity == qstats.PerAxis(1)
+    equal, total = _compare(model, config, batches[0], batches[1:])
+    assert equal == total == 2 * 5  # embed weight and output, up weight, pool input and output
+
+
+SPECS = {
+    "per_channel_activations": (_spec(granularity={"type": "per_channel", "axis": 0}),
+                                _spec(granularity={"type": "per_channel", "axis": -1}, calculator="global_minmax")),
+    "int4_per_block_dynamic_activations": (_spec(torch.int4, granularity={"type": "per_block", "block_size": 16}),
+                                           _spec(torch.uint8, "asymmetric", calculator="dynamic")),
+    "fp8": (_spec(torch.float8_e4m3fn, granularity={"type": "per_channel", "axis": 0}), _spec(torch.float8_e4m3fn)),
+    "int8_e8m0_blocks": (_spec(granularity={"type": "per_block", "block_size": 32}, scale_dtype=torch.float8_e8m0fnu),
+                         None),
+    "symmetric_with_clipping": (_spec(qscheme="symmetric_with_clipping", granularity={"type": "per_channel"}),
+                                _spec(qscheme="symmetric_with_clipping")),
+}
+
+
+@pytest.mark.parametrize("case", list(SPECS))
+def test_weight_and_activation_specs(case, single_thread_quiet):
+    weight, activation = SPECS[case]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64)).eval()
+    config = QuantizerConfig(execution_mode=EAGER, global_config=ModuleQuantizerConfig(
+        op_state_spec={"weight": weight}, op_input_spec={0: activation}, op_output_spec={0: activation}))
+    equal, total = _compare(model, config, *_data(64))
+    assert equal == total
+
+
+def _refusals() -> dict:
+    from coreai_opt.quantization.config.quantization_config import KVCacheQuantConfig
+
+    weights = {"weight": _spec(granularity={"type": "per_channel", "axis": 0})}
+    linear = OpQuantizerConfig(op_state_spec=weights, op_input_spec=None, op_output_spec=None)
+    cache = KVCacheQuantConfig(op_quantizer_config=OpQuantizerConfig(op_input_spec={1: _spec()}, op_output_spec=None,
+                                                                     op_state_spec=None))
+
+    def eager(**fields):
+        return QuantizerConfig(execution_mode=EAGER, global_config=ModuleQuantizerConfig(**fields))
+
+    return {
+        "op_name_config": eager(op_name_config={"linear_0": linear}),
+        "module_state_spec": QuantizerConfig(execution_mode=EAGER, module_type_configs={
+            nn.Linear: ModuleQuantizerConfig(module_state_spec=weights)}),
+        "kv_cache_quant_configs": QuantizerConfig(kv_cache_quant_configs={"cache_update": cache},
+                                                  global_config=ModuleQuantizerConfig.presets.w8()),
+        "graph execution mode": QuantizerConfig(),
+        "'add'": eager(op_type_config={"add": OpQuantizerConfig()}),
+        "qformulation 'minval'": eager(op_state_spec={"weight": _spec(qformulation="minval")}),
+        "per-block activations": eager(op_input_spec={0: _spec(granularity={
+            "type": "per_block", "axis": -1, "block_size": 8})}),
+        "axis None": eager(op_state_spec={"*": _spec(granularity={"type": "per_channel"})}),
+    }
+
+
+@pytest.mark.parametrize("option", list(_refusals()))
+def test_options_a_recipe_cannot_hold_are_refused_by_name(option, single_thread_quiet):
+    model = _linear_stack()
+    with pytest.raises(ValueError, match=option):
+        qstats.coreai_opt.recipe_from_coreai_opt(_refusals()[option], model)
+
+
+def test_a_config_dict_is_refused():
+    with pytest.raises(TypeError, match="QuantizerConfig.from_dict"):
+        qstats.coreai_opt.recipe_from_coreai_opt({"quantization_config": {}}, _linear_stack())
