@@ -277,8 +277,7 @@ def report(
     plan = as_plan(recipe, model, "report") if recipe is not None else None
     if batches is not None:
         check_batches(batches, "report", observation_weight)  # one batch would run the model on its rows or keys
-        if plan is not None:
-            warn_training_mode(plan.model, "report")  # dropout would be measured as error
+        warn_training_mode(plan.model, "report")  # dropout would be measured as error
     for path, entry in states.items():  # checked before the measurement, which may run the model
         if not isinstance(entry, Mapping):
             raise TypeError(f"report: states[{path!r}] must be a mapping {{site: state}}, got {type(entry).__name__}")
