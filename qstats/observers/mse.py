@@ -325,7 +325,8 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     patience = _check_modes(mode, expand, averaging_constant, patience)
     factors = shrink_factors(maxshrink, grid, steps)
     norm, expand = float(norm), float(expand)
-    _check_importance_type(importance)
+    if importance is not None:
+        check_real_tensor(importance, "mse: importance must be a real tensor or None")
     given, spec = spec, search_spec(spec)
 
     def observe(x, weight, expected, where):
@@ -339,13 +340,6 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     else:
         observer = _accumulate(spec, factors, norm, expand, reference, observe)
     return observer._replace(spec=given)
-
-
-def _check_importance_type(importance) -> None:
-    """TypeError unless ``importance`` is None or a real (not bool or complex) tensor."""
-    if importance is None:
-        return
-    check_real_tensor(importance, "mse: importance must be a real tensor or None")
 
 
 def _checked_importance(importance, view: torch.Tensor, where: str):
