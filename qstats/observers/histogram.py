@@ -24,7 +24,7 @@ from .._torch_features import bitcast
 from ._base import Observer, check_merge_states, check_state, register_state
 from .kit import check_spec, masked_view
 from .search import entropy_amax, register_search, search
-from .search._geometry import histogram_edges
+from .search._geometry import check_int, histogram_edges
 from .._warn import warn
 
 __all__ = [
@@ -161,8 +161,7 @@ def _check_config(spec, bins, octaves, max_state_bytes):
         raise ValueError(f"histogram: max_state_bytes must be a positive int (bytes), got {max_state_bytes!r}")
     _check_bins(bins, "histogram: buckets_per_octave",
                 " (for torch.ao's number of linear bins: qstats.torch_ao.buckets_per_octave_for_bins(bins))")
-    if not isinstance(octaves, int) or isinstance(octaves, bool) or not 1 <= octaves <= 252:
-        raise ValueError(f"histogram: octaves must be an int in [1, 252], got {octaves!r}")
+    check_int("octaves", octaves, 1, 252, "histogram")
     low = -(octaves // 2)
     return low, low + octaves
 
