@@ -187,9 +187,7 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
     (0.0, 2.23606797749979)
     """
     check_spec(spec, "moments")
-    if not (is_real_number(p) and p > 0 and p == p and p != float("inf")):
-        raise ValueError(f"moments: p must be a positive finite number, got {p!r}")
-    power = float(p)
+    power = float(_positive_finite(p, "p", "moments"))
 
     def init_fn(x: torch.Tensor) -> MomentsState:
         shape = qparam_shape(x.shape, spec.granularity)
@@ -224,12 +222,16 @@ def _as_float32_range(state: MomentsState, lo: torch.Tensor, hi: torch.Tensor) -
     return Range(lo, hi, state.count > 0)
 
 
+def _positive_finite(value, name: str, where: str = "compute_qparams"):
+    """``value``, after ValueError naming ``name`` unless it is a positive finite real number."""
+    if not (is_real_number(value) and 0 < value < math.inf):
+        raise ValueError(f"{where}: {name} must be a positive finite number, got {value!r}")
+    return value
+
+
 def _multiple(k: Optional[float], default: float) -> float:
     """The method's ``k`` (``default`` when None): ValueError unless a positive finite number."""
-    k = default if k is None else k
-    if not (is_real_number(k) and 0 < k < math.inf):
-        raise ValueError(f"compute_qparams: k must be a positive finite number, got {k!r}")
-    return k
+    return _positive_finite(default if k is None else k, "k")
 
 
 def mean_std_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None) -> Range:
@@ -255,8 +257,8 @@ def lp_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None, p
     """``"lp"`` (AQT's Lp calibration): ``[-k * (E|x|**p)**(1/p), ...]`` (``k=1``) of the state's
     ``p``; a ``p`` given must be that order (ValueError otherwise)."""
     k = _multiple(k, 1.0)
-    if p is not None and not (is_real_number(p) and math.isfinite(p) and p > 0):
-        raise ValueError(f"compute_qparams: p must be a positive finite number, got {p!r}")
+    if p is not None:
+        _positive_finite(p, "p")
     # NaN orders: an update of this state by a moments observer of another p mixed two orders
     expected = state.lp_order == (state.lp_order if p is None else float(p))
     same = require(expected, f"compute_qparams: method 'lp' with p={p!r}, but the state holds the Lp sum of another "
