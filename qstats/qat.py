@@ -7,6 +7,7 @@ rewrites a model with ``torch.fx`` so that ``qat.apply(params, state, x, phase=.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
@@ -37,8 +38,15 @@ __all__ = [
 
 _STE_MODES = ("clipped", "identity")
 # the layers `prepare` can quantize, and the function each computes
-_LAYER_FUNCTIONS = {nn.Linear: F.linear, nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
-_DEFAULT_LAYERS = tuple(_LAYER_FUNCTIONS)
+_LAYER_FUNCTIONS = {
+    nn.Linear: F.linear, nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d,
+    nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
+    nn.ConvTranspose3d: F.conv_transpose3d, nn.Embedding: F.embedding, nn.EmbeddingBag: F.embedding_bag,
+}
+_DEFAULT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONV_TRANSPOSE = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+# weight-only layers: their inputs are integer ids, never observed (torch.ao's QAT Embedding/EmbeddingBag)
+_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 # forwards that `prepare` rewrites: a subclass that keeps one is the layer it subclasses
 _STOCK_FORWARDS = (*(layer.forward for layer in _LAYER_FUNCTIONS), nn.modules.batchnorm._BatchNorm.forward)
 _EXTRA_INPUTS = ("qat_state", "qat_phase", "qat_ranges")  # keyword arguments the rewritten forward takes
@@ -267,12 +275,81 @@ class _BatchNormPoint(nn.Module):
         return BatchNormState(mean, var, count)
 
 
-def _quantized_call(layer: nn.Module):
-    for cls, function in _LAYER_FUNCTIONS.items():
-        if isinstance(layer, cls):
-            extra = () if cls is nn.Linear else (layer.stride, layer.padding, layer.dilation, layer.groups)
-            return function, extra
-    raise TypeError(f"qstats.qat.prepare: cannot quantize a {type(layer).__name__}; supported: Linear, Conv1d/2d/3d")
+def _bound_inputs(layer: nn.Module, key: str, node) -> Dict[str, Any]:
+    """The call's arguments by the names of the layer's forward (``input``, ConvTranspose's ``output_size``,
+    EmbeddingBag's ``offsets`` and ``per_sample_weights``)."""
+    try:
+        return inspect.signature(type(layer).forward).bind(layer, *node.args, **node.kwargs).arguments
+    except TypeError as error:
+        raise ValueError(f"qstats.qat.prepare: layer {key!r} ({type(layer).__name__}) is called with arguments its "
+                         f"forward does not take: {error}") from error
+
+
+def _layer_call(layer: nn.Module, bias, given: Dict[str, Any], sparse: bool) -> Tuple[Any, tuple]:
+    """``(function, arguments after (input, weight))`` that compute ``layer`` as its stock forward does
+    (an embedding's gradient sparse if ``sparse``: `_dense_gradient`)."""
+    if isinstance(layer, nn.Embedding):
+        return _embedding, (layer.padding_idx, layer.max_norm, layer.norm_type, layer.scale_grad_by_freq, sparse)
+    if isinstance(layer, nn.EmbeddingBag):
+        return _embedding_bag, (given.get("offsets"), layer.max_norm, layer.norm_type, layer.scale_grad_by_freq,
+                                layer.mode, sparse, given.get("per_sample_weights"), layer.include_last_offset,
+                                layer.padding_idx)
+    if isinstance(layer, nn.Linear):
+        return F.linear, (bias,)
+    if isinstance(layer, _CONV_TRANSPOSE):
+        if given.get("output_size") is not None:
+            return _conv_transpose, (bias, layer.stride, layer.padding, layer.kernel_size, layer.groups,
+                                     layer.dilation, given["output_size"])
+        return _function(layer), (bias, layer.stride, layer.padding, layer.output_padding, layer.groups, layer.dilation)
+    return _function(layer), (bias, layer.stride, layer.padding, layer.dilation, layer.groups)
+
+
+def _function(layer: nn.Module):
+    return next(function for cls, function in _LAYER_FUNCTIONS.items() if isinstance(layer, cls))
+
+
+def _conv_transpose(x, weight, bias, stride, padding, kernel_size, groups, dilation, output_size):
+    """``F.conv_transposeNd`` with the output padding that gives ``output_size``, computed as
+    ``nn.ConvTransposeNd.forward`` does (its ``_output_padding``, which reads no attribute then)."""
+    dims = len(kernel_size)
+    output_padding = nn.modules.conv._ConvTransposeNd._output_padding(
+        None, x, output_size, stride, padding, kernel_size, dims, dilation)
+    function = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
+    return function(x, weight, bias, stride, padding, output_padding, groups, dilation)
+
+
+def _embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+    """``F.embedding``; with ``max_norm``, of a copy of ``weight``: F.embedding renorms the rows it looks
+    up in place, and ``weight`` is the parameter itself where nothing fake-quantizes it (torch.ao's QAT
+    Embedding renorms its fake-quantized copy; the parameter stays as given)."""
+    if max_norm is not None:
+        weight = weight.clone()
+    return F.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+
+
+def _embedding_bag(ids, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
+                   include_last_offset, padding_idx):
+    """``F.embedding_bag``, renorming a copy of ``weight`` as `_embedding`."""
+    if max_norm is not None:
+        weight = weight.clone()
+    return F.embedding_bag(ids, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
+                           per_sample_weights, include_last_offset, padding_idx)
+
+
+def _conv_layout(weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """A transposed convolution's weight ``[in, out/groups, *k]`` in the layout of a convolution's,
+    ``[out, in/groups, *k]`` (output channel ``g * out/groups + j`` is column ``j`` of group ``g``'s rows),
+    so that a weight spec reads as for Conv: ``PerAxis(0)`` is per output channel."""
+    in_channels, per_group, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
+    grouped = weight.reshape(groups, in_channels // groups, per_group, *kernel).transpose(1, 2)
+    return grouped.reshape(groups * per_group, in_channels // groups, *kernel)
+
+
+def _transposed_layout(weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of `_conv_layout`."""
+    out_channels, per_group, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
+    grouped = weight.reshape(groups, out_channels // groups, per_group, *kernel).transpose(1, 2)
+    return grouped.reshape(groups * per_group, out_channels // groups, *kernel)
 
 
 class QATModel:
@@ -282,18 +359,21 @@ class QATModel:
       module: the ``torch.fx.GraphModule``; ``forward(*inputs, qat_state=, qat_phase=, qat_ranges=)``
         returns ``(output, new_state_dict)``. It shares the original model's parameters and names.
       weight_observer, activation_observer: the observers (their specs are the targets).
-      layers: names of the quantized layers; ``batchnorm_layers``: names of batch-norm layers.
+      layers: names of the quantized layers; ``activation_layers``: those whose input is fake-quantized
+        (all but embeddings, whose inputs are integer ids); ``batchnorm_layers``: names of batch-norm layers.
       dynamic_activations: whether the activation ranges are each batch's own (`prepare`).
     """
 
     def __init__(self, module, weight_observer, activation_observer, layers, batchnorm_layers, aliases=None,
-                 dynamic_activations: bool = False):
+                 dynamic_activations: bool = False, weight_only_layers=()):
         self.module = module
         self.weight_observer = weight_observer
         self.activation_observer = activation_observer
         # whether the activation points are dynamic (`_dynamic`: the granularity's, or prepare's flag)
         self.dynamic_activations = _dynamic(activation_observer, dynamic_activations)
         self.layers = tuple(layers)
+        # the layers whose input is fake-quantized: all but the embeddings (integer ids)
+        self.activation_layers = tuple(name for name in self.layers if name not in tuple(weight_only_layers))
         self.batchnorm_layers = tuple(batchnorm_layers)
         # the model's names of a module registered several times, which ``module`` lacks -> the name it has
         self._aliases = dict(aliases or {})
@@ -405,7 +485,7 @@ class QATModel:
     def _state_keys(self) -> Dict[str, tuple]:
         """`QATState` field -> the layers it holds (none for a kind without observer)."""
         return {"weights": self.layers if self.weight_observer is not None else (),
-                "activations": self.layers if self.activation_observer is not None else (),
+                "activations": self.activation_layers if self.activation_observer is not None else (),
                 "batchnorm": self.batchnorm_layers}
 
     def sync(self, state: QATState, group=None, *, weights: bool = False) -> QATState:
@@ -509,7 +589,7 @@ def prepare(
         if node.op == "call_function" and node.target in _FUNCTIONAL_LAYERS:
             owner = _functional_owner(model, node, layers)
             if owner is not None:  # a traced-through forward passing a layer's own weight to F.linear/conv
-                rewriter.quantize_functional(node, owner)
+                rewriter.quantize_functional(node, owner, model.get_submodule(owner))
         if node.op != "call_module":
             continue
         layer = rewriter.gm.get_submodule(node.target)
@@ -523,9 +603,14 @@ def prepare(
     _warn_float_layers(model, layers, rewriter, hidden)
     if not rewriter.quantized:
         raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}")
+    if activation_observer is not None and len(rewriter.weight_only) == len(rewriter.quantized):
+        raise ValueError(
+            f"qstats.qat.prepare: an activation_observer is given, but the quantized layers {rewriter.weight_only} are "
+            "embeddings, whose inputs are integer ids: they are quantized weight-only (as torch.ao's QAT Embedding); "
+            "pass activation_observer=None")
     module = rewriter.finish()
     return QATModel(module, weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms,
-                    _aliases(model, module), dynamic_activations)
+                    _aliases(model, module), dynamic_activations, rewriter.weight_only)
 
 
 def _aliases(model: nn.Module, module: nn.Module) -> Dict[str, str]:
@@ -598,7 +683,7 @@ def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
             buffers.append(name or type(module).__name__)
     if floats:
         warn(f"qstats.qat.prepare: {floats} have their own forward, which does not pass self.weight as is to "
-             "F.linear/F.conv: they stay in float (quantize them with qstats.observe_fake_quantize)")
+             "F.linear/F.conv/F.conv_transpose/F.embedding: they stay in float (quantize them with qstats.observe_fake_quantize)")
     if buffers:
         warn(f"qstats.qat.prepare: batch norms {buffers} have their own forward: their running statistics stay "
              "buffers updated in place, outside the QAT state")
@@ -661,6 +746,7 @@ class _Rewriter:
         self.state, self.phase, self.ranges = placeholders[-3:]
         self.new_states = {"weights": {}, "activations": {}, "batchnorm": {}}  # layer -> its latest state node
         self.quantized, self.batchnorms = [], []
+        self.weight_only = []  # quantized layers without an activation point (embeddings: their inputs are ids)
         self.weights = {}  # layer -> its fake-quantized weight (a module called twice reuses it)
         self.points = 0  # numbers the submodules of the points
 
@@ -684,38 +770,69 @@ class _Rewriter:
                                 kind == "activations" and self.dynamic_activations)
         return self._point(kind, key, point, (value, self.state, self.phase, self.ranges))
 
-    def _quantized_inputs(self, node, key: str, x, weight):
+    def _quantized_inputs(self, node, key: str, layer: nn.Module, x, weight):
         """Fake-quantized (input, weight) nodes of one call of layer ``key``, inserted before ``node``;
-        ``weight()`` makes the weight's node the first time the layer is met."""
+        ``weight()`` makes the weight's node the first time the layer is met. An embedding's input (ids)
+        stays as it is."""
+        if self.observers["weights"] is not None and not layer.weight.is_floating_point():
+            raise TypeError(f"qstats.qat.prepare: layer {key!r} ({type(layer).__name__}) has a {layer.weight.dtype} "
+                            "weight; only floating-point weights can be fake-quantized")
         if key not in self.quantized:
             self.quantized.append(key)
+            if isinstance(layer, _EMBEDDINGS):
+                self.weight_only.append(key)
         with self.graph.inserting_before(node):
-            x = self._fake_quantized("activations", key, x)
+            if not isinstance(layer, _EMBEDDINGS):
+                x = self._fake_quantized("activations", key, x)
             if key not in self.weights:  # the same weight: observed once per pass
-                self.weights[key] = self._fake_quantized("weights", key, weight())
+                self.weights[key] = self._fake_quantized_weight(key, layer, weight())
         return x, self.weights[key]
+
+    def _fake_quantized_weight(self, key: str, layer: nn.Module, weight):
+        """A transposed convolution's weight is observed and fake-quantized in a convolution's layout
+        (`_conv_layout`), so that its per-channel ranges are per output channel."""
+        if not isinstance(layer, _CONV_TRANSPOSE) or self.observers["weights"] is None:
+            return self._fake_quantized("weights", key, weight)
+        conv = self.graph.call_function(_conv_layout, (weight, layer.groups))
+        return self.graph.call_function(_transposed_layout, (self._fake_quantized("weights", key, conv), layer.groups))
+
+    def _dense_gradient(self, key: str, layer: nn.Module, sparse) -> bool:
+        """Whether an embedding built with ``sparse=True`` computes a dense weight gradient: its weight is
+        fake-quantized, whose straight-through gradient is elementwise over the whole weight (torch.ao's
+        is sparse, of the same values)."""
+        dense = bool(sparse) and self.observers["weights"] is not None and isinstance(layer, _EMBEDDINGS)
+        if dense:
+            warn(f"qstats.qat.prepare: embedding {key!r} has sparse=True; the gradient of its fake-quantized weight "
+                 "is dense (the same values as torch.ao's sparse one)")
+        return dense
 
     def quantize_layer(self, node, layer) -> None:
         key = str(node.target)
-        function, extra = _quantized_call(layer)
-        if len(node.args) != 1 or node.kwargs:
-            raise ValueError(f"qstats.qat.prepare: layer {key!r} must be called with one input")
-        x, weight = self._quantized_inputs(node, key, node.args[0], lambda: self.graph.get_attr(f"{key}.weight"))
+        given = _bound_inputs(layer, key, node)
+        x, weight = self._quantized_inputs(node, key, layer, given["input"],
+                                           lambda: self.graph.get_attr(f"{key}.weight"))
+        sparse = getattr(layer, "sparse", False) and not self._dense_gradient(key, layer, getattr(layer, "sparse", False))
         with self.graph.inserting_before(node):
-            bias = self.graph.get_attr(f"{key}.bias") if layer.bias is not None else None
-            replacement = self.graph.call_function(function, (x, weight, bias, *extra))
+            bias = self.graph.get_attr(f"{key}.bias") if getattr(layer, "bias", None) is not None else None
+            function, rest = _layer_call(layer, bias, given, sparse)
+            replacement = self.graph.call_function(function, (x, weight, *rest))
         node.replace_all_uses_with(replacement)
         self.graph.erase_node(node)
 
-    def quantize_functional(self, node, key: str) -> None:
-        """An ``F.linear``/``F.convNd`` call reading layer ``key``'s weight (a traced-through forward)
-        takes the fake-quantized input and weight; its other arguments stay."""
+    def quantize_functional(self, node, key: str, layer: nn.Module) -> None:
+        """An ``F.linear``/``F.convNd``/``F.embedding``/... call reading layer ``key``'s weight (a
+        traced-through forward) takes the fake-quantized input and weight; its other arguments stay."""
         positions = {"input": 0, "weight": 1}
         given = {name: node.args[i] if len(node.args) > i else node.kwargs[name] for name, i in positions.items()}
-        x, weight = self._quantized_inputs(node, key, given["input"], lambda: given["weight"])
-        for (name, i), value in zip(positions.items(), (x, weight)):
-            if len(node.args) > i:
-                node.update_arg(i, value)
+        x, weight = self._quantized_inputs(node, key, layer, given["input"], lambda: given["weight"])
+        updates = {"input": x, "weight": weight}
+        if node.target in (F.embedding, F.embedding_bag):  # F.embedding's sparse is its 7th argument, embedding_bag's 8th
+            i = positions["sparse"] = 6 if node.target is F.embedding else 7
+            if self._dense_gradient(key, layer, node.args[i] if len(node.args) > i else node.kwargs.get("sparse", False)):
+                updates["sparse"] = False
+        for name, value in updates.items():
+            if len(node.args) > positions[name]:
+                node.update_arg(positions[name], value)
             else:
                 node.update_kwarg(name, value)
 
