@@ -27,6 +27,7 @@ import torch
 
 try:
     from compressed_tensors.quantization import QuantizationStrategy
+    from compressed_tensors.registry import standardize_lookup_name
     from llmcompressor.observers.base import Observer as LLMCompressorObserver
     from llmcompressor.observers.helpers import flatten_for_calibration
 except ImportError as error:  # llm-compressor is optional
@@ -198,7 +199,21 @@ class QstatsObserver(LLMCompressorObserver):
 def _observer_class(name: str, factory: Callable, doc: str) -> type:
     cls = type(f"Qstats{name.title().replace('_', '')}Observer", (QstatsObserver,),
                {"factory": staticmethod(factory), "__doc__": doc, "__module__": __name__})
-    return LLMCompressorObserver.register(f"qstats_{name}")(cls)
+    return _registered(f"qstats_{name}", cls)
+
+
+def _registered(name: str, cls: type) -> type:
+    """The class llm-compressor's registry holds as ``name``: ``cls``, registered now, or the class
+    an earlier import of this module registered (``importlib.reload``: compressed-tensors'
+    registry takes a name once). ImportError where another package holds the name."""
+    if standardize_lookup_name(name) not in LLMCompressorObserver.registered_names():
+        return LLMCompressorObserver.register(name)(cls)
+    held = LLMCompressorObserver.get_value_from_registry(name)
+    if getattr(held, "__module__", None) == __name__ and getattr(held, "__qualname__", None) == cls.__qualname__:
+        return held
+    raise ImportError(
+        f"qstats.llmcompressor: llm-compressor's observer registry already holds {name!r} as {held!r}, "
+        "registered by another package; qstats registers its observers under the qstats_* names")
 
 
 _DOCS = {
