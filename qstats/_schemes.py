@@ -183,8 +183,8 @@ def _activation_observer(args) -> tuple:
 def _rule(Rule, targets, args, site: str, observed_dtype):
     if args.strategy == "attn_head":  # compressed-tensors takes it for the heads of q, k, v only
         raise ValueError(f"the {site} args: strategy 'attn_head' (per-head scales) is not supported: qstats observes "
-                         "q, k and v as the outputs of q_proj/k_proj/v_proj, [batch, seq, heads * head_dim], not split "
-                         "into heads (and compressed-tensors refuses it on Linear weights and activations); use 'tensor'")
+                         "q, k and v per tensor, as [batch, seq, heads * head_dim], not split into heads (and "
+                         "compressed-tensors refuses it on Linear weights and activations); use 'tensor'")
     overrides = {} if observed_dtype is None else {"observed_dtype": observed_dtype}
     if site != "weight" and args.dynamic is True:  # scales at run time: llm-compressor observes nothing
         # the Rule says so (dynamic=True): the spec of the args read as static, which does not warn
@@ -472,12 +472,12 @@ def _kv_cache_sites(path: str, module) -> bool:
 
 def _check_projections(path: str, module, sites: tuple, what: str) -> None:
     """ValueError where the attention module at ``path``, which compressed-tensors quantizes,
-    lacks a projection child of ``sites`` (qstats observes q/k/v as their outputs): a fused
+    lacks a projection child of ``sites`` (a recipe finds q/k/v sites by them): a fused
     ``qkv_proj`` (Phi-3) or MLA's ``kv_b_proj`` would lose that quantization silently."""
     missing = [site for site in sites if child_projection(module, site) is None]
     if missing:
         raise ValueError(f"Recipe: {what} applies to the attention module {path!r} ({type(module).__name__}), whose "
-                         f"{'/'.join(sites)} compressed-tensors quantizes, but qstats observes them as the outputs of "
+                         f"{'/'.join(sites)} compressed-tensors quantizes, but qstats finds these sites by their "
                          f"{'/'.join(PROJECTION_NAMES[site][0] for site in missing)} children, which it has not (a "
                          "fused qkv_proj, MLA's kv_b_proj): not supported; ignore the module or drop that scheme")
 
