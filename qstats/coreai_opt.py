@@ -44,7 +44,8 @@ from .observers.minmax import memoryless_minmax, minmax
 from .observers.minmax import MovingAverageMinMaxState, moving_extremes_update
 from .observers.minmax import moving_average_minmax as _torch_ao_average
 
-__all__ = ["spec_from_coreai_opt", "moving_average_minmax", "fake_quantize_minval", "block_size", "recipe_from_coreai_opt"]
+__all__ = ["spec_from_coreai_opt", "moving_average_minmax", "fake_quantize_minval", "block_size", "recipe_from_coreai_opt",
+           "schedule_from_coreai_opt"]
 
 
 def spec_from_coreai_opt(spec: Any = None, **kwargs) -> QuantSpec:
@@ -156,15 +157,10 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
         raise TypeError(f"recipe_from_coreai_opt: model must be an nn.Module, got {type(model).__name__}")
     dtype_default = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     groups: dict = {}
-    for path, module, module_config in _module_configs(config, model):
-        op_type = _OP_TYPES.get(type(module)) or next(
-            (op for cls, op in _OP_TYPES.items() if isinstance(module, cls)), None)
-        if op_type is None:
-            continue
-        components = module_config.op_type_config.get(op_type, module_config)
-        for site, coreai_spec, target in _site_specs(module, components):
-            dtype = observed_dtype or next(
-                (p.dtype for p in module.parameters(recurse=False) if p.is_floating_point()), dtype_default)
+    for path, module, _, site_specs in _quantized_modules(config, model):
+        dtype = observed_dtype or next(
+            (p.dtype for p in module.parameters(recurse=False) if p.is_floating_point()), dtype_default)
+        for site, coreai_spec, target in site_specs:
             key = (site, *_site_rule(path, module, site, coreai_spec, target, dtype))
             groups.setdefault(key, []).append("re:" + re.escape(path))
     return Recipe([Rule(tuple(paths), sites=(site,), observer=observer, spec=spec, observer_kwargs=observer_kwargs,
@@ -172,18 +168,59 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
                    for (site, observer, spec, observer_kwargs, qparams_kwargs), paths in groups.items()])
 
 
-def _refuse(what: str) -> None:
-    raise ValueError(f"recipe_from_coreai_opt: {what}")
+def schedule_from_coreai_opt(config: Any, model: torch.nn.Module):
+    """The `qstats.QATSchedule` of a coreai_opt ``QuantizerConfig``'s ``qat_schedule`` on ``model``:
+    ``enable_observer``, ``enable_fake_quant`` and ``disable_observer`` as ``observe_at``,
+    ``fake_quantize_at`` and ``freeze_ranges_at``, with ``quantizer.step()`` after each training
+    step. A config without one observes and fake-quantizes from step 0, as coreai_opt does.
+
+    Raises:
+      ValueError: the modules ``recipe_from_coreai_opt`` quantizes have different schedules
+        (qstats' QAT runs one), naming two of them.
+    """
+    from .schedule import QATSchedule
+
+    _check_config(config, "schedule_from_coreai_opt")
+    found: dict = {}
+    for path, _, module_config, _ in _quantized_modules(config, model):
+        schedule = module_config.qat_schedule
+        milestones = (0, 0, None) if schedule is None else (
+            schedule.enable_observer, schedule.enable_fake_quant, schedule.disable_observer)
+        found.setdefault(milestones, path)
+    if len(found) > 1:
+        (first, one), (second, other) = list(found.items())[:2]
+        _refuse(f"modules {one!r} and {other!r} have different qat_schedule milestones (enable_observer, "
+                f"enable_fake_quant, disable_observer) {first} and {second}; qstats' QAT follows one schedule",
+                "schedule_from_coreai_opt")
+    observe, fake_quantize, freeze = next(iter(found), (0, 0, None))
+    return QATSchedule(observe_at=observe, fake_quantize_at=fake_quantize, freeze_ranges_at=freeze)
 
 
-def _check_config(config) -> None:
+def _quantized_modules(config, model: torch.nn.Module):
+    """``(path, module, module config, [(site, coreai_opt spec, target)])`` of each module of
+    ``model`` whose op the config quantizes."""
+    for path, module, module_config in _module_configs(config, model):
+        op_type = _OP_TYPES.get(type(module)) or next(
+            (op for cls, op in _OP_TYPES.items() if isinstance(module, cls)), None)
+        if op_type is None:
+            continue
+        site_specs = _site_specs(module, module_config.op_type_config.get(op_type, module_config))
+        if site_specs:
+            yield path, module, module_config, site_specs
+
+
+def _refuse(what: str, caller: str = "recipe_from_coreai_opt") -> None:
+    raise ValueError(f"{caller}: {what}")
+
+
+def _check_config(config, caller: str = "recipe_from_coreai_opt") -> None:
     """TypeError for what is not a QuantizerConfig, ValueError for options a Recipe cannot hold."""
     if not all(hasattr(config, name) for name in ("global_config", "module_type_configs", "module_name_configs")):
-        raise TypeError(f"recipe_from_coreai_opt expects a coreai_opt QuantizerConfig, got {type(config).__name__} "
+        raise TypeError(f"{caller} expects a coreai_opt QuantizerConfig, got {type(config).__name__} "
                         "(a dict or YAML: QuantizerConfig.from_dict / from_yaml first)")
     if getattr(config, "kv_cache_quant_configs", None):
         _refuse(f"kv_cache_quant_configs {sorted(config.kv_cache_quant_configs)} quantize graph-mode cache "
-                "buffers, which no module site holds")
+                "buffers, which no module site holds", caller)
     graph = str(getattr(config.execution_mode, "value", config.execution_mode)) == "graph"
     scopes = [("global_config", config.global_config)]
     scopes += [(f"module_type_configs[{k!r}]", c) for k, c in config.module_type_configs.items()]
@@ -191,20 +228,20 @@ def _check_config(config) -> None:
     for where, module_config in scopes:
         if module_config.op_name_config:
             _refuse(f"{where}.op_name_config {sorted(module_config.op_name_config)}: op names count the calls of "
-                    "a traced forward, which a recipe does not see; use module_name_configs")
+                    "a traced forward, which a recipe does not see; use module_name_configs", caller)
         for field in _MODULE_LEVEL:
             if _active(getattr(module_config, field)):
                 _refuse(f"{where}.{field} quantizes tensors at a module's boundary wherever its forward sends "
-                        "them; use op_input_spec / op_output_spec / op_state_spec on the modules that take them")
+                        "them; use op_input_spec / op_output_spec / op_state_spec on the modules that take them", caller)
         for op in _FUNCTIONAL_OPS:
             op_config = module_config.op_type_config.get(op)
             if op_config is not None and any(_active(getattr(op_config, f"op_{kind}_spec"))
                                              for kind in ("input", "output", "state")):
                 _refuse(f"{where}.op_type_config[{op!r}]: {op} is called as a function inside a forward; qstats "
-                        "observes module sites (weights, inputs, outputs) only")
+                        "observes module sites (weights, inputs, outputs) only", caller)
         if graph and _has_activations(module_config):
             _refuse(f"{where} quantizes activations in graph execution mode, which places them on the exported "
-                    "graph (after fused patterns, one per edge); set execution_mode='eager' for module sites")
+                    "graph (after fused patterns, one per edge); set execution_mode='eager' for module sites", caller)
 
 
 def _active(spec_dict) -> bool:

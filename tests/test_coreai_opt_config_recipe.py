@@ -259,3 +259,65 @@ def test_options_a_recipe_cannot_hold_are_refused_by_name(option, single_thread_
 def test_a_config_dict_is_refused():
     with pytest.raises(TypeError, match="QuantizerConfig.from_dict"):
         qstats.coreai_opt.recipe_from_coreai_opt({"quantization_config": {}}, _linear_stack())
+
+
+def _original(name: str) -> str:
+    """The float model's name of a parameter of coreai_opt's parametrized model."""
+    return name.replace("parametrizations.weight.original", "weight")
+
+
+def test_qat_with_the_converted_observers_and_schedule_equals_coreai_opts(single_thread_quiet):
+    """coreai_opt's eager QAT under a config with a ``QATSchedule``, against `qstats.qat.prepare`
+    with the observers of the recipe `recipe_from_coreai_opt` gives and the schedule
+    `schedule_from_coreai_opt` gives: forward and gradients bit for bit, step for step."""
+    from coreai_opt.quantization.config import QATSchedule
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    linear = OpQuantizerConfig(op_input_spec={0: _spec(torch.uint8, "asymmetric", calculator="moving_average")},
+                               op_state_spec={"weight": _spec(torch.int4, granularity={"type": "per_channel"})},
+                               op_output_spec={0: None})
+    config = QuantizerConfig(execution_mode=EAGER, global_config=ModuleQuantizerConfig(
+        op_type_config={"linear": linear}, qat_schedule=QATSchedule(enable_observer=0, enable_fake_quant=1,
+                                                                    disable_observer=3)))
+    weight_rule, input_rule = qstats.coreai_opt.recipe_from_coreai_opt(config, model).rules
+    assert (weight_rule.sites, input_rule.sites) == (("weight",), ("input",))
+    schedule = qstats.coreai_opt.schedule_from_coreai_opt(config, model)
+    assert schedule == qstats.QATSchedule(observe_at=0, fake_quantize_at=1, freeze_ranges_at=3)
+    quantizer = Quantizer(copy.deepcopy(model), config)
+    example = torch.randn(2, 16, generator=torch.Generator().manual_seed(1))
+    reference = quantizer.prepare((example,))
+    qat = qstats.qat.prepare(model, weight_rule.make_observer(), input_rule.make_observer())
+    _, state = qat.apply(qat.params(), qat.init(example), example, phase=qstats.QATPhase(fake_quantize=False))
+
+    def loss_fn(params, state, x, phase):
+        out, new_state = qat.apply(params, state, x, phase=phase)
+        return out.square().mean(), (new_state, out)
+
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    with quantizer.training_mode():
+        for step in range(5):
+            x = torch.randn(3, 16, generator=g) * (step + 1)
+            params = {_original(name): p.detach().clone() for name, p in reference.named_parameters()}
+            optimizer.zero_grad()
+            expected = reference(x)
+            expected.square().mean().backward()
+            grads, (state, out) = torch.func.grad(loss_fn, has_aux=True)(params, state, x, schedule(step))
+            assert torch.equal(out, expected.detach())
+            for name, p in reference.named_parameters():
+                assert torch.equal(grads[_original(name)], p.grad)
+            optimizer.step()
+            quantizer.step()
+
+
+def test_different_qat_schedules_are_refused_naming_the_modules():
+    from coreai_opt.quantization.config import QATSchedule
+
+    late = ModuleQuantizerConfig.presets.w8()
+    late.qat_schedule = QATSchedule(enable_observer=2, enable_fake_quant=2)
+    config = QuantizerConfig(execution_mode=EAGER, global_config=ModuleQuantizerConfig.presets.w8(),
+                             module_name_configs={"2": late})
+    assert qstats.coreai_opt.schedule_from_coreai_opt(config, nn.Sequential(nn.Linear(4, 4))) == qstats.QATSchedule()
+    with pytest.raises(ValueError, match="modules '0' and '2' have different qat_schedule"):
+        qstats.coreai_opt.schedule_from_coreai_opt(config, _linear_stack())
