@@ -336,9 +336,6 @@ def _bucket_key(op: str, value: torch.Tensor):
     return (op, value.dtype, value.device), False
 
 
-_TORCH_OPS = {"min": "MIN", "max": "MAX", "sum": "SUM"}
-
-
 def all_reduce(
     tree: Any,
     observers: Any,
@@ -434,7 +431,7 @@ def _reduce_elementwise(states, plan, group, results) -> None:
             for (_, _, negate), piece in zip(members, flat.split(sizes)):
                 if negate:
                     piece.neg_()  # max(x) == -min(-x), exactly
-            dist.all_reduce(flat, op=getattr(dist.ReduceOp, _TORCH_OPS[key[0]]), group=group)
+            dist.all_reduce(flat, op=getattr(dist.ReduceOp, key[0].upper()), group=group)
             for (i, j, negate), piece in zip(members, flat.split(sizes)):
                 # a field of its own, not a view of a shared buffer (which torch.save would write whole)
                 owned = piece if len(members) == 1 else piece.clone()
