@@ -159,18 +159,15 @@ def unstack(tree: Any) -> list[Any]:
     leaves, treespec = optree.tree_flatten(tree)
     if not leaves:
         raise ValueError("tree.unstack: the tree has no leaves")
-    size = None
-    size_path = None
+    first_path, first = paths[0]  # the loop checks it before reading its size
     for path, leaf in paths:
         if not isinstance(leaf, torch.Tensor):
             raise ValueError(f"tree.unstack: leaf {path} is a {type(leaf).__name__}, not a tensor")
         if leaf.ndim == 0:
             raise ValueError(f"tree.unstack: leaf {path} is 0-dimensional; it has no leading dimension to split")
-        if size is None:
-            size, size_path = leaf.shape[0], path
-        elif leaf.shape[0] != size:
+        if leaf.shape[0] != first.shape[0]:
             raise ValueError(
-                f"tree.unstack: leaf {path} has leading size {leaf.shape[0]} but {size_path} has {size}"
+                f"tree.unstack: leaf {path} has leading size {leaf.shape[0]} but {first_path} has {first.shape[0]}"
             )
     columns = [leaf.unbind(0) for leaf in leaves]
-    return [optree.tree_unflatten(treespec, [column[i] for column in columns]) for i in range(size)]
+    return [optree.tree_unflatten(treespec, [column[i] for column in columns]) for i in range(first.shape[0])]
