@@ -65,13 +65,11 @@ def _encode(tree: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> dic
     if isinstance(tree, torch.Tensor):
         if tree.device.type == "meta":
             raise ValueError(f"qstats.io: tensor at {where} is on the meta device and holds no data to save")
-        # escaped components hold "%" only as "%25" or "%2F": the two keys of an empty join (the
-        # root itself, or a single empty name) cannot collide with any other path
+        # escaped components hold "%" only as "%25" or "%2F", so distinct paths give distinct keys: the
+        # two keys of an empty join (the root itself, or a single empty name) collide with no other path
         key = "/".join(_escape(p) for p in path) or ("%root" if not path else "%empty")
         if key == "__metadata__":  # safetensors' own header entry: a tensor of that name made an unreadable file
             key = "%5F_metadata__"
-        if key in tensors:  # unreachable by construction; never overwrite a saved tensor
-            raise ValueError(f"qstats.io: two tensors of the tree map to the key {key!r} (the second at {where})")
         if tree.layout != torch.strided:
             raise TypeError(f"qstats.io: tensor at {where} has layout {tree.layout}; only dense tensors are saved")
         tensors[key] = tree
