@@ -149,10 +149,10 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set, where: str) 
             return None
         if kind == "dict":
             keys = [key for key, _ in node["items"]]
-            if not all(isinstance(key, str) for key in keys):
-                bad = next(key for key in keys if not isinstance(key, str))
-                raise ValueError(f"qstats.io: malformed checkpoint structure at {where}: dict key {bad!r} is not a "
-                                 "string (qstats.save writes string keys only)")
+            bad = [key for key in keys if not isinstance(key, str)]
+            if bad:
+                raise ValueError(f"qstats.io: malformed checkpoint structure at {where}: dict key {bad[0]!r} is "
+                                 "not a string (qstats.save writes string keys only)")
             if len(set(keys)) != len(keys):
                 duplicates = sorted({key for key in keys if keys.count(key) > 1})
                 raise ValueError(f"qstats.io: malformed checkpoint structure at {where}: duplicate keys {duplicates[:5]}")
