@@ -21,6 +21,8 @@ from ._formats import code_dtype
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
 from ._spec import QuantSpec
+# outputs saturated at their (fp16/bf16) dtype's largest value, where torch's fake-quant ops give +-Inf
+from .conventions.default import saturate as _cap
 
 __all__ = ["quantize", "dequantize", "fake_quantize", "code_dtype"]
 
@@ -87,16 +89,6 @@ def _dequantize_view(codes, scale, zero_point, spec, global_scale=None):
     if _formats.handles_codes(spec):
         return _formats.dequantize_values(_formats.load_codes(codes, spec), scale, global_scale, spec)
     return spec.convention.dequantize(codes, scale, zero_point, spec)
-
-
-def _cap(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``values`` saturated at ``dtype``'s largest finite magnitude where ``dtype`` is narrower
-    (fp16/bf16/fp8 outputs), so that every code dequantizes to a finite value (torch's fake-quant
-    ops return +-Inf there: code -128 times 513.76 for an fp16 tensor holding -65504)."""
-    if not dtype.is_floating_point or torch.finfo(dtype).max >= torch.finfo(values.dtype).max:
-        return values
-    limit = torch.finfo(dtype).max
-    return values.clamp(-limit, limit)
 
 
 def _to_output(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
