@@ -16,11 +16,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch.ao.quantization import observer as ao
 
+from ._formats import integer_dtype_holds
 from ._granularity import PerAxis, PerTensor
 from ._qparams import compute_qparams
 from ._spec import QuantSpec
 from .conventions import TorchaoConvention, lookup
-from .conventions.default import integer_dtype_holds
 from .conventions.torch_ao import PER_CHANNEL_QSCHEMES
 from .observers.fixed import FixedQParamsState, fixed_qparams, placeholder
 from .observers.histogram import HistogramState, histogram, histogram_edges

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 
 import torch
 
-from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name
+from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name, integer_dtype_holds
 from .._granularity import PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import dtype_named, rounded_to
-from .default import Convention, check_preserve_zero, integer_dtype_holds, saturate
+from .default import Convention, check_preserve_zero, saturate
 from .._warn import warn
 
 __all__ = ["CompressedTensorsConvention", "from_compressed_tensors"]

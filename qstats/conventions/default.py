@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from .. import _formats
-from .._formats import integer_dtype_holds  # re-exported: compressed-tensors' and qstats.torch_ao's checks
 
 __all__ = [
     "Convention",
@@ -21,7 +20,6 @@ __all__ = [
     "check_range_within_dtype",
     "check_symmetric_zero_point",
     "check_zero_point_kept",
-    "integer_dtype_holds",
     "round_scale",
     "saturate",
 ]
