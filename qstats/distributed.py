@@ -806,13 +806,12 @@ def _merged_parts(partial: list, parts: dict, group, device: torch.device) -> di
         if error is not None:
             raise error
         raise ValueError(f"all_reduce: another rank's merge failed ({[e for e in errors if e][0][:2000]})")
-    out = []
+    out = {}
     for source in range(world):  # each first holder sends the merged states to every rank
         paths = [path for path, holders in partial if holders[0] == source]
-        out += [(path, optree.tree_unflatten(templates[path][1], part))
-                for path, part in _broadcast_parts(paths, merged, templates, source, group, device)]
-    order = {path: i for i, (path, _) in enumerate(partial)}
-    return _nested(sorted(out, key=lambda item: order[item[0]]))
+        for path, part in _broadcast_parts(paths, merged, templates, source, group, device):
+            out[path] = optree.tree_unflatten(templates[path][1], part)
+    return _nested((path, out[path]) for path, _ in partial)
 
 
 def _runs(sizes: list) -> list:
