@@ -549,8 +549,10 @@ def prepare(
 ) -> QATModel:
     """Rewrites ``model`` (with ``torch.fx.symbolic_trace``) for pure QAT; ``model`` is not modified.
 
-    The weight of every layer of a type in ``layers`` (Linear, Conv1d/2d/3d by default) goes through
-    ``weight_observer`` and its input through ``activation_observer`` (None: leave that kind in float).
+    The weight of every layer of a type in ``layers`` (Linear, Conv1d/2d/3d by default; also Embedding,
+    EmbeddingBag, ConvTranspose1d/2d/3d) goes through ``weight_observer`` and its input through
+    ``activation_observer`` (None: leave that kind in float). Embeddings are weight-only (their inputs are
+    ids); a transposed convolution's weight is observed in a convolution's layout, ``[out, in/groups, *k]``.
     Batch-norm layers become pure functions of a `BatchNormState`. A layer called several times per
     forward keeps one state per kind (docs/qat.md). Activation ranges per row (per token, group, ...) are
     each batch's own, whatever the phase; ``dynamic_activations=True`` makes every activation range so
@@ -580,7 +582,8 @@ def prepare(
     if isinstance(layers, (type, list)):  # one type, or a list of them
         layers = (layers,) if isinstance(layers, type) else tuple(layers)
     if not (isinstance(layers, tuple) and layers and all(isinstance(t, type) and issubclass(t, nn.Module) for t in layers)):
-        raise TypeError(f"qstats.qat.prepare: layers must be nn.Module subclasses (Linear, Conv1d/2d/3d), got {layers!r}")
+        raise TypeError(f"qstats.qat.prepare: layers must be nn.Module subclasses (Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, "
+                        f"Embedding, EmbeddingBag), got {layers!r}")
     _refuse_stacked_experts(model)
     rewriter = _Rewriter(_trace(model, layers), weight_observer, activation_observer, ste, grad_scale,
                          _dynamic(activation_observer, dynamic_activations))
@@ -808,6 +811,9 @@ class _Rewriter:
 
     def quantize_layer(self, node, layer) -> None:
         key = str(node.target)
+        if not isinstance(layer, tuple(_LAYER_FUNCTIONS)):
+            raise TypeError(f"qstats.qat.prepare: cannot quantize a {type(layer).__name__}; supported: Linear, "
+                            "Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, EmbeddingBag")
         given = _bound_inputs(layer, key, node)
         x, weight = self._quantized_inputs(node, key, layer, given["input"],
                                            lambda: self.graph.get_attr(f"{key}.weight"))

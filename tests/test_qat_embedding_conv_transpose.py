@@ -462,3 +462,38 @@ def test_default_layers_leave_embeddings_and_transposed_convolutions_in_float():
     model = nn.Sequential(nn.ConvTranspose1d(4, 4, 3), nn.Flatten(), nn.Linear(28, 2))
     qat = qstats.qat.prepare(model, qstats.minmax(W_PER_CHANNEL))
     assert qat.layers == ("2",)
+
+
+def test_a_layer_type_prepare_cannot_quantize_is_refused():
+    with pytest.raises(TypeError, match="cannot quantize a GRU; supported: .*ConvTranspose1d/2d/3d, Embedding"):
+        qstats.qat.prepare(nn.Sequential(nn.GRU(4, 4)), qstats.minmax(W_PER_CHANNEL), layers=nn.GRU)
+
+
+class _ScaledEmbedding(nn.Embedding):
+    """Its own forward passes self.weight to F.embedding: traced through, quantized under its name."""
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight, self.padding_idx) * 2.0
+
+
+class _ScaledConvTranspose(nn.ConvTranspose1d):
+    def forward(self, x):
+        return F.conv_transpose1d(x, self.weight, self.bias, self.stride, groups=self.groups) * 2.0
+
+
+def test_traced_through_forwards_quantize_the_functional_call_as_torch_ao_fake_quantize():
+    torch.manual_seed(0)
+    embedding, conv = _ScaledEmbedding(12, 6, padding_idx=1), _ScaledConvTranspose(4, 6, 3, stride=2, groups=2)
+    emb_qat = qstats.qat.prepare(_Lookup(embedding), qstats.minmax(_embedding_observer(8).spec), layers=nn.Embedding)
+    conv_qat = qstats.qat.prepare(_Upsample(conv), qstats.minmax(W_PER_CHANNEL), layers=nn.ConvTranspose1d)
+    ids, x = _ids(0)[0], torch.randn(2, 4, 5)
+    emb_out, _ = emb_qat.apply(emb_qat.params(), emb_qat.init(ids), ids)
+    conv_out, _ = conv_qat.apply(conv_qat.params(), conv_qat.init(x), x)
+    rows = FakeQuantize(observer=torch.ao.quantization.PerChannelMinMaxObserver, quant_min=0, quant_max=255,
+                        dtype=torch.quint8, qscheme=torch.per_channel_affine_float_qparams, ch_axis=0)
+    torch.testing.assert_close(emb_out, F.embedding(ids, rows(embedding.weight), 1) * 2.0, rtol=0, atol=0)
+    per_group = [FakeQuantize(observer=torch.ao.quantization.PerChannelMinMaxObserver, quant_min=-128, quant_max=127,
+                              dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=1) for _ in range(2)]
+    weight = torch.cat([fq(chunk) for fq, chunk in zip(per_group, conv.weight.chunk(2))])
+    expected = F.relu(F.conv_transpose1d(x, weight, conv.bias, 2, groups=2) * 2.0)
+    torch.testing.assert_close(conv_out, expected, rtol=1e-6, atol=1e-6)
