@@ -164,10 +164,10 @@ def qparam_shape(shape, granularity: Granularity) -> tuple:
     shape = tuple(shape)
     if isinstance(granularity, PerTensor):
         return ()
-    if isinstance(granularity, (PerAxis, PerToken, PerRow, PerGroup)) and len(shape) == 0:
-        raise ValueError(f"{type(granularity).__name__} needs a tensor with at least one dimension, got shape ()")
-    if isinstance(granularity, PerAxis):
+    if isinstance(granularity, PerAxis):  # shape (): out of range, as in canonical_view
         return (shape[_normalize_axis(granularity.axis, shape)],)
+    if isinstance(granularity, (PerToken, PerRow, PerGroup)) and len(shape) == 0:
+        raise ValueError(f"{type(granularity).__name__} needs a tensor with at least one dimension, got shape ()")
     if isinstance(granularity, (PerToken, PerRow)):
         dim = _row_dim(granularity, shape)
         return shape[:dim] + shape[dim + 1 :]
@@ -268,10 +268,7 @@ def check_shape(shape, granularity: Granularity, expected_shape, where: str) -> 
     another shape than ``expected_shape`` (and `canonical_view`'s errors for a shape it cannot view),
     from the shape alone (no tensor op)."""
     shape = tuple(shape)
-    if isinstance(granularity, PerAxis):  # canonical_view's error first
-        params = (shape[_normalize_axis(granularity.axis, shape)],)
-    else:
-        params = qparam_shape(shape, granularity)
+    params = qparam_shape(shape, granularity)
     if params != tuple(expected_shape):
         raise ValueError(
             f"{where}: a tensor of shape {shape} gives quantization parameters of shape {params}, "
