@@ -64,15 +64,6 @@ def _format(value: Any) -> str:
     return str(value)
 
 
-def _row_count(count: Any) -> int:
-    """``count`` as a Python int: any integral (``operator.index``: int, numpy or one-element torch
-    integers), not a bool (Python, numpy or torch), float or string; ValueError unless non-negative."""
-    index = as_index(count)
-    if index is None or index < 0:
-        raise ValueError(f"worst: count must be a non-negative int, got {count!r}")
-    return index
-
-
 @dataclasses.dataclass(frozen=True)
 class Report:
     """A sequence of `LayerReport` rows (``len``, indexing, iteration) with text, CSV and JSON renderings;
@@ -102,11 +93,13 @@ class Report:
         """The ``count`` rows with the lowest SQNR estimate, lowest first (rows without one are
         left out; a NaN estimate, e.g. from a NaN scale, counts as the worst), as a Report:
         ``print(report.worst())`` prints their table."""
-        count = _row_count(count)
+        limit = as_index(count)  # any integer (numpy, a one-element tensor), not a bool, float or string
+        if limit is None or limit < 0:
+            raise ValueError(f"worst: count must be a non-negative int, got {count!r}")
         measured = [row for row in self.rows if row.sqnr_db is not None]
         # NaN compares false with everything: sorted() would leave such rows wherever they stood
         ordered = sorted(measured, key=lambda row: (not math.isnan(row.sqnr_db), row.sqnr_db))
-        return Report(tuple(ordered[:count]), worst_listed=0)
+        return Report(tuple(ordered[:limit]), worst_listed=0)
 
     def text(self, worst: Optional[int] = None) -> str:
         """A fixed-width table, followed by the ``worst`` rows by SQNR (default
