@@ -225,7 +225,6 @@ class QuantSpec:
                 raise ValueError(f"QuantSpec.{name} must be one of {choices}, got {value!r}")
         if not isinstance(self.granularity, Granularity):
             raise ValueError(f"QuantSpec.granularity must be a Granularity, got {self.granularity!r}")
-        self.granularity.validate()
         for name in ("reduce_range", "preserve_zero"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"QuantSpec.{name} must be a bool, got {getattr(self, name)!r}")
