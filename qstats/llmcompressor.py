@@ -44,6 +44,7 @@ from ._schemes import DROPIN_OBSERVERS, split_observer_kwargs
 from ._spec import QuantSpec
 from .fused import fused_amax
 from .observers import registry
+from .observers.mse import _checked_patience
 from .recipe import STATIC_GROUP_ACTIVATIONS, runtime_scaled
 
 __all__ = ["QstatsObserver", "OBSERVERS", "QstatsMinmaxObserver", "QstatsStaticMinmaxObserver",
@@ -71,8 +72,27 @@ class QstatsObserver(LLMCompressorObserver):
         self.factory_options, self.qparams_options = split_observer_kwargs(
             type(self).factory, dict(self.args.observer_kwargs), f"{type(self).__name__} ({base_name})",
             self.is_weight_obs)
+        self._check_options()
         self.spec: Optional[QuantSpec] = None
         self.qstats_observer = None
+
+    def _check_options(self) -> None:
+        """ValueError for bad ``observer_kwargs`` now, as the recipe is applied: an input's qparams
+        come after the whole calibration, which a bad ``patience`` found then lost. The factory is
+        built under the args' spec; ``averaging_constant`` on accumulating ``qstats_mse`` inputs
+        is refused (llm-compressor's ``mse`` averages with it; there it would be ignored)."""
+        where = f"{type(self).__name__} ({self.base_name})"
+        if type(self).factory is registry.get("mse") and not self.is_weight_obs and (
+                "averaging_constant" in self.factory_options and self.factory_options.get("mode", "accumulate") == "accumulate"):
+            raise ValueError(
+                f"{where}: observer_kwargs averaging_constant applies to mode='moving_average' (llm-compressor's mse); "
+                "qstats_mse sums the losses of all batches unless observer_kwargs give mode='moving_average'")
+        self.make_observer(QuantSpec.from_compressed_tensors(self.args))
+        if "bins" in self.factory_options and "buckets_per_octave" not in self.factory_options:
+            # a histogram's former option name, warned of once above: not again at each build
+            self.factory_options["buckets_per_octave"] = self.factory_options.pop("bins")
+        if "patience" in self.qparams_options:
+            _checked_patience(self.qparams_options["patience"], where)
 
     def __getstate__(self) -> dict:
         # the qstats Observer holds closures: pickled without it, rebuilt from the factory and spec
@@ -83,12 +103,12 @@ class QstatsObserver(LLMCompressorObserver):
         if self.spec is not None:
             self.qstats_observer = self.make_observer()
 
-    def make_observer(self):
-        """The qstats Observer of ``self.spec``. An activation whose scales come at run time
-        (NVFP4's ``dynamic="local"``: only the global scale is calibrated) is observed per tensor,
-        as `qstats.calibrate` observes it: a per-token state would take the first batch's length
-        and refuse a batch of another length."""
-        spec = self.spec
+    def make_observer(self, spec: Optional[QuantSpec] = None):
+        """The qstats Observer of ``spec`` (``self.spec`` by default). An activation whose scales come
+        at run time (NVFP4's ``dynamic="local"``: only the global scale is calibrated) is observed per
+        tensor, as `qstats.calibrate` observes it: a per-token state would take the first batch's
+        length and refuse a batch of another length."""
+        spec = self.spec if spec is None else spec
         if not self.is_weight_obs and runtime_scaled(spec):
             spec = spec.replace(granularity=PerTensor())
         return type(self).factory(spec, **self.factory_options)
