@@ -408,8 +408,7 @@ class CompressedTensorsConvention(Convention):
         zero_points = torch.nan_to_num(zero_points, nan=0.0)
         zp_dtype = _zero_point_dtype(spec)
         if zp_dtype.is_floating_point:
-            finfo = torch.finfo(zp_dtype)
-            zero_points = torch.clamp(zero_points, finfo.min, finfo.max).to(zp_dtype).float()
+            zero_points = saturate(zero_points, zp_dtype).to(zp_dtype).float()
         else:
             iinfo = torch.iinfo(zp_dtype)
             zero_points = torch.round(torch.clamp(zero_points, iinfo.min, iinfo.max)).to(zp_dtype).to(torch.int32)
