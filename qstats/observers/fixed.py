@@ -62,11 +62,6 @@ class RecordingState(NamedTuple):
     count: torch.Tensor
 
 
-def _check_spec(spec, where, optional=False):
-    if not (optional and spec is None):
-        check_spec(spec, where)
-
-
 _FLAT = PerTensor()
 
 
@@ -129,7 +124,7 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     >>> qstats.compute_qparams(obs.init(torch.zeros(3)), obs.spec).scale
     tensor(0.0039)
     """
-    _check_spec(spec, "fixed_qparams")
+    check_spec(spec, "fixed_qparams")
     scale_t = _constant(scale, "scale", torch.float32)
     zero_t = _constant(zero_point, "zero_point")
     if not bool(torch.isfinite(scale_t).all()) or not bool((scale_t > 0).all()):
@@ -191,7 +186,8 @@ def tanh_qparams(spec: Optional[QuantSpec] = None) -> Observer:
 
 
 def _placeholder(spec: Optional[QuantSpec], name: str) -> Observer:
-    _check_spec(spec, name, optional=True)
+    if spec is not None:
+        check_spec(spec, name)
 
     def init_fn(x: torch.Tensor) -> PlaceholderState:
         return PlaceholderState(torch.zeros((), dtype=torch.int64, device=x.device))
@@ -240,7 +236,8 @@ def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observe
     or dropped together, except copies past the last kept slot (five 1.0s under ``capacity=3`` keep
     three). `recorded_values(state)` returns them. Laws: all exact.
     """
-    _check_spec(spec, "recording", optional=True)
+    if spec is not None:
+        check_spec(spec, "recording")
     if not (isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 1):
         raise ValueError(f"recording: capacity must be a positive int, got {capacity!r}")
 
