@@ -16,7 +16,9 @@ coreai_opt ``qparam_calculator_cls``     qstats observer
 `spec_from_coreai_opt` (``QuantSpec.from_coreai_opt``) gives the spec, ``compute_qparams(state,
 spec, float_range=...)`` its ``float_range`` and ``minval``; `qstats.fake_quantize` under that spec is
 its fake quantizer (``qformulation="zp"``), `fake_quantize_minval` its ``"minval"`` formulation.
-coreai_opt is not imported: its specs and granularities are read by attribute (or dict key).
+`recipe_from_coreai_opt` turns a whole ``QuantizerConfig`` into the `qstats.Recipe` of a model, and
+`schedule_from_coreai_opt` its ``qat_schedule`` into a `qstats.QATSchedule`. coreai_opt is not
+imported: its configs, specs and granularities are read by attribute (or dict key).
 
 Known differences, kept on purpose: an e8m0 scale of an all-zero (or below ``2**(p - 126)``, ``p``
 the target's largest power of two: 6 for int8, 8 and 15 for fp8 e4m3 and e5m2, 2 for fp4) block is
@@ -28,16 +30,17 @@ ulp or two.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ._checks import check_floating
-from .conventions.coreai_opt import block_size, rounded_to_half
+from .conventions.coreai_opt import _block_sizes, block_size, rounded_to_half
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
 from ._quant import fake_quantize
 from ._spec import QuantSpec
+from ._warn import warn
 from .observers._base import Observer
 from .observers.kit import check_spec, extremes_init
 from .observers.minmax import memoryless_minmax, minmax
@@ -161,8 +164,9 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
         dtype = observed_dtype or next(
             (p.dtype for p in module.parameters(recurse=False) if p.is_floating_point()), dtype_default)
         for site, coreai_spec, target in site_specs:
-            key = (site, *_site_rule(path, module, site, coreai_spec, target, dtype))
-            groups.setdefault(key, []).append("re:" + re.escape(path))
+            rule = _site_rule(path, module, site, coreai_spec, target, dtype)
+            if rule is not None:
+                groups.setdefault((site, *rule), []).append("re:" + re.escape(path))
     return Recipe([Rule(tuple(paths), sites=(site,), observer=observer, spec=spec, observer_kwargs=observer_kwargs,
                         qparams_kwargs=qparams_kwargs)
                    for (site, observer, spec, observer_kwargs, qparams_kwargs), paths in groups.items()])
@@ -303,8 +307,9 @@ def _site_specs(module: torch.nn.Module, components) -> list:
     return out
 
 
-def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype) -> tuple:
-    """``(observer factory, QuantSpec, observer_kwargs, qparams_kwargs)`` of one site."""
+def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype) -> Optional[tuple]:
+    """``(observer factory, QuantSpec, observer_kwargs, qparams_kwargs)`` of one site, None for a
+    weight whose blocks do not divide it."""
     where = f"module {path!r} {site}"
     extra = dict(coreai_spec.get_extra_args()) if hasattr(coreai_spec, "get_extra_args") else {}
     averaging = extra.pop("averaging_constant", 0.01)
@@ -317,6 +322,11 @@ def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype) ->
                 "QuantSpec.from_coreai_opt; values: qstats.coreai_opt.fake_quantize_minval)")
     granularity = _resolved_granularity(coreai_spec.granularity, module, site, target, where)
     shape = getattr(module, site).shape if target == "weight" else None
+    if granularity["type"] == "per_block" and target == "weight" and _blocks_do_not_divide(granularity, shape):
+        # coreai_opt's prepare leaves such a tensor unquantized, with a warning
+        warn(f"recipe_from_coreai_opt: {where}: block size {granularity['block_size']} does not divide its shape "
+             f"{tuple(shape)}; left unquantized, as coreai_opt's prepare leaves it", UserWarning)
+        return None
     try:
         spec = QuantSpec.from_coreai_opt(coreai_spec, granularity=granularity, shape=shape, target=target,
                                          input_dtype=dtype)
@@ -333,6 +343,11 @@ def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype) ->
     if calculator in ("global_minmax", "GlobalMinMaxQParamsCalculator"):
         return minmax, spec, (), qparams_kwargs
     return memoryless_minmax, spec, (), qparams_kwargs  # static and dynamic: the latest tensor
+
+
+def _blocks_do_not_divide(granularity: dict, shape) -> bool:
+    sizes = _block_sizes(granularity, [int(s) for s in shape], "weight")
+    return any(b < 1 or s % b for b, s in zip(sizes, shape))
 
 
 def _resolved_granularity(granularity, module, site: str, target: str, where: str) -> dict:

@@ -321,3 +321,14 @@ def test_different_qat_schedules_are_refused_naming_the_modules():
     assert qstats.coreai_opt.schedule_from_coreai_opt(config, nn.Sequential(nn.Linear(4, 4))) == qstats.QATSchedule()
     with pytest.raises(ValueError, match="modules '0' and '2' have different qat_schedule"):
         qstats.coreai_opt.schedule_from_coreai_opt(config, _linear_stack())
+
+
+def test_a_weight_its_blocks_do_not_divide_is_left_unquantized_with_a_warning(single_thread_quiet):
+    """coreai_opt's prepare leaves a weight whose size along the block axis the block does not
+    divide unquantized (and logs it); the recipe leaves it out and warns, naming it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 5), nn.ReLU(), nn.Linear(5, 3)).eval()
+    config = QuantizerConfig.presets.w4_per_block(block_size=4, execution_mode=EAGER)
+    with pytest.warns(UserWarning, match="module '2' weight: block size 4 does not divide"):
+        equal, total = _compare(model, config, *_data(16))
+    assert equal == total == 2
