@@ -497,3 +497,78 @@ def test_traced_through_forwards_quantize_the_functional_call_as_torch_ao_fake_q
     weight = torch.cat([fq(chunk) for fq, chunk in zip(per_group, conv.weight.chunk(2))])
     expected = F.relu(F.conv_transpose1d(x, weight, conv.bias, 2, groups=2) * 2.0)
     torch.testing.assert_close(conv_out, expected, rtol=1e-6, atol=1e-6)
+
+
+def _unfused(config):
+    """An XNNPACK QAT config with torchao's FakeQuantize for its FusedMovingAvgObsFakeQuantize (same observers):
+    the fused kernel's symmetric scale is ``max(-min / 128, max / 127)``, its observers' (and qstats')
+    ``max(-min, max) / 127.5`` (docs/differences.md)."""
+    import dataclasses
+    from torchao.quantization.pt2e.fake_quantize import FakeQuantize as PT2EFakeQuantize
+    from torchao.quantization.pt2e.observer import MovingAverageMinMaxObserver as PT2EMovingAverage
+
+    def unfused(spec):
+        return dataclasses.replace(spec, observer_or_fake_quant_ctr=PT2EFakeQuantize.with_args(
+            observer=PT2EMovingAverage, eps=2**-12))
+    return dataclasses.replace(config, input_activation=unfused(config.input_activation),
+                               output_activation=unfused(config.output_activation), weight=unfused(config.weight))
+
+
+class _ConvTransposeRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1, output_padding=1)
+
+    def forward(self, x):
+        return F.relu(self.layer(x))
+
+
+def test_conv_transpose_training_matches_pt2e_qat_with_xnnpack_quantizer():
+    """torchao's PT2E QAT (``prepare_qat_pt2e``, its XNNPACK test quantizer's conv_transpose + relu, per-tensor
+    weights, unfused fake quant): fake quant of the input and the weight, and of the ReLU's output, which the
+    qstats loop fake-quantizes with `observe_fake_quantize` (prepare quantizes layer inputs only)."""
+    pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
+    xnnpack = pytest.importorskip("torchao.testing.pt2e._xnnpack_quantizer")
+    torch.manual_seed(0)
+    model = _ConvTransposeRelu()
+    x0 = torch.randn(2, 3, 5, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported = torch.export.export(copy.deepcopy(model), (x0,)).module()
+        quantizer = xnnpack.XNNPACKQuantizer().set_global(_unfused(xnnpack.get_symmetric_quantization_config(is_qat=True)))
+        reference = pt2e.prepare_qat_pt2e(exported, quantizer)
+    from torchao.quantization.pt2e.fake_quantize import FakeQuantizeBase
+    fake_quants = [m for m in reference.modules() if isinstance(m, FakeQuantizeBase)]
+    assert len(fake_quants) == 3  # input, weight, output
+    act = qstats.moving_average_minmax(qstats.QuantSpec.from_torch_ao(
+        torch.qint8, torch.per_tensor_affine, quant_min=-128, quant_max=127, eps=2**-12), 0.01)
+    weight = qstats.moving_average_minmax(qstats.QuantSpec.from_torch_ao(
+        torch.qint8, torch.per_tensor_symmetric, quant_min=-127, quant_max=127, eps=2**-12), 0.01)
+    qat = qstats.qat.prepare(model, weight, act, layers=nn.ConvTranspose2d)
+    params = {k: v.detach().clone() for k, v in qat.params().items()}
+    state = qat.init(x0)
+    out_state = act.init(torch.zeros(()))
+
+    def loss_fn(params, x, state, out_state, phase):
+        out, state = qat.apply(params, state, x, phase=phase)
+        out, out_state = qstats.observe_fake_quantize(out, out_state, act, phase)
+        return _loss(out), (out, state, out_state)
+
+    grad_fn = torch.func.grad(loss_fn, argnums=(0, 1), has_aux=True)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for step in range(STEPS):
+        phase = SCHEDULE(step)
+        x = torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(step)) * (1 + step)
+        _set_phase(fake_quants, phase)
+        optimizer.zero_grad()
+        x_ref = x.clone().requires_grad_(True)
+        expected = reference(x_ref)
+        _loss(expected).backward()
+        (grads, x_grad), (out, state, out_state) = grad_fn(params, x, state, out_state, phase)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, msg=f"output at step {step}")
+        torch.testing.assert_close(x_grad, x_ref.grad, rtol=1e-5, atol=1e-6, msg=f"input gradient at step {step}")
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-6, msg=name)
+        pass
+        optimizer.step()
+        params = {k: v - 0.05 * grads[k] for k, v in params.items()}
