@@ -141,7 +141,9 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
     (``bias``), ``input`` and ``output`` sites of Linear, Conv, ConvTranspose, Embedding, MaxPool2d
     and AdaptiveAvgPool2d modules. Specs are `QuantSpec.from_coreai_opt`'s at each weight's shape
     (axis None resolved per module type, as coreai_opt's prepare), observers its calculators'
-    (module docstring), ``float_range`` a ``qparams_kwargs`` entry.
+    (module docstring; ``"dynamic"`` ones give ``Rule(dynamic=True)``: scales of each tensor at
+    run time), ``float_range`` a ``qparams_kwargs`` entry. ``qat_schedule``:
+    `schedule_from_coreai_opt`.
 
     ``observed_dtype``: the dtype coreai_opt computes each site's qparams in; default the module's
     own floating-point parameters' (the model's first for modules without one).
@@ -168,8 +170,8 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
             if rule is not None:
                 groups.setdefault((site, *rule), []).append("re:" + re.escape(path))
     return Recipe([Rule(tuple(paths), sites=(site,), observer=observer, spec=spec, observer_kwargs=observer_kwargs,
-                        qparams_kwargs=qparams_kwargs)
-                   for (site, observer, spec, observer_kwargs, qparams_kwargs), paths in groups.items()])
+                        qparams_kwargs=qparams_kwargs, dynamic=dynamic)
+                   for (site, observer, spec, observer_kwargs, qparams_kwargs, dynamic), paths in groups.items()])
 
 
 def schedule_from_coreai_opt(config: Any, model: torch.nn.Module):
@@ -308,8 +310,8 @@ def _site_specs(module: torch.nn.Module, components) -> list:
 
 
 def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype) -> Optional[tuple]:
-    """``(observer factory, QuantSpec, observer_kwargs, qparams_kwargs)`` of one site, None for a
-    weight whose blocks do not divide it."""
+    """``(observer factory, QuantSpec, observer_kwargs, qparams_kwargs, dynamic)`` of one site, None
+    for a weight whose blocks do not divide it."""
     where = f"module {path!r} {site}"
     extra = dict(coreai_spec.get_extra_args()) if hasattr(coreai_spec, "get_extra_args") else {}
     averaging = extra.pop("averaging_constant", 0.01)
@@ -339,10 +341,11 @@ def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype) ->
     float_range = tuple(coreai_spec.float_range or (None, None))
     qparams_kwargs = (("float_range", float_range),) if any(end is not None for end in float_range) else ()
     if calculator in ("moving_average", "MovingAverageQParamsCalculator"):
-        return moving_average_minmax, spec, (("averaging_constant", float(averaging)),), qparams_kwargs
+        return moving_average_minmax, spec, (("averaging_constant", float(averaging)),), qparams_kwargs, False
     if calculator in ("global_minmax", "GlobalMinMaxQParamsCalculator"):
-        return minmax, spec, (), qparams_kwargs
-    return memoryless_minmax, spec, (), qparams_kwargs  # static and dynamic: the latest tensor
+        return minmax, spec, (), qparams_kwargs, False
+    # static: the latest tensor; dynamic: each tensor's own, at run time
+    return memoryless_minmax, spec, (), qparams_kwargs, calculator in ("dynamic", "DynamicQParamsCalculator")
 
 
 def _blocks_do_not_divide(granularity: dict, shape) -> bool:

@@ -26,9 +26,9 @@ EAGER = ExecutionMode.EAGER
 WEIGHT_SITES = ("weight", "bias")
 
 
-def _coreai_opt_qparams(model, config, example, batches) -> dict:
-    """``{path: {site: (scale, zero_point)}}`` of coreai_opt's calculators after its prepare on
-    ``example`` and calibration on ``batches``."""
+def _coreai_opt_calibrated(model, config, example, batches) -> tuple:
+    """coreai_opt's model after its prepare on ``example`` and calibration on ``batches``, and
+    ``{path: {site: calculator}}`` of its quantizers."""
     quantizer = Quantizer(copy.deepcopy(model), config)
     prepared = quantizer.prepare((example,))
     with quantizer.calibration_mode(), torch.no_grad():
@@ -51,13 +51,12 @@ def _coreai_opt_qparams(model, config, example, batches) -> dict:
             for child in parametrizations:
                 if isinstance(child, FakeQuantizeImplBase):
                     out.setdefault(path, {})[name] = child.qparams_calculator
-    return {path: {site: (c.scale, c.zero_point) for site, c in entry.items()} for path, entry in out.items()}
+    return prepared, out
 
 
-def _qstats_qparams(model, recipe, example, batches) -> dict:
+def _qstats_qparams(model, plan, example, batches) -> dict:
     """`compute_qparams_tree` after the example on the float model and the batches inside
     `qstats.fake_quantized` with the weights' qparams (coreai_opt's calibration_mode)."""
-    plan = recipe.resolve(model)
     states = qstats.calibrate(model, [example], plan, progress=False)
     weights = {path: {site: qp for site, qp in entry.items() if site in WEIGHT_SITES}
                for path, entry in qstats.compute_qparams_tree(states, plan).items()}
@@ -67,21 +66,29 @@ def _qstats_qparams(model, recipe, example, batches) -> dict:
 
 
 def _compare(model, config, example, batches) -> tuple:
-    """(equal qparams, all qparams), after asserting both quantize the same sites."""
-    expected = _coreai_opt_qparams(model, config, example, batches)
-    recipe = qstats.coreai_opt.recipe_from_coreai_opt(config, model)
-    got = _qstats_qparams(model, recipe, example, batches)
+    """(equal qparams, all qparams), after asserting both quantize the same sites and that the
+    model inside `qstats.fake_quantized` gives coreai_opt's prepared model's outputs on a new
+    batch. A ``"dynamic"`` activation has no calibrated qparams in qstats (None: each tensor's own)."""
+    prepared, expected = _coreai_opt_calibrated(model, config, example, batches)
+    plan = qstats.coreai_opt.recipe_from_coreai_opt(config, model).resolve(model)
+    got = _qstats_qparams(model, plan, example, batches)
     assert expected and {p: sorted(e) for p, e in got.items()} == {p: sorted(e) for p, e in expected.items()}
     equal = total = 0
     for path, entry in expected.items():
-        for site, (scale, zero_point) in entry.items():
-            qp = got[path][site]
+        for site, calculator in entry.items():
+            qp, scale, zero_point = got[path][site], calculator.scale, calculator.zero_point
+            if qp is None:
+                assert type(calculator).__name__ == "DynamicQParamsCalculator"
+                continue
             assert scale.numel() == qp.scale.numel(), (path, site)
             equal += torch.equal(qp.scale, scale.reshape(qp.scale.shape).to(qp.scale.dtype))
             total += 1
             if zero_point is not None:  # None: a float target's
                 equal += torch.equal(qp.zero_point, zero_point.reshape(qp.zero_point.shape).to(qp.zero_point.dtype))
                 total += 1
+    new_batch = batches[-1].flip(0)
+    with torch.no_grad(), qstats.fake_quantized(model, got, plan):
+        assert torch.equal(model(new_batch), prepared(new_batch))
     return equal, total
 
 
