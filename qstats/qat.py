@@ -339,17 +339,10 @@ def _embedding_bag(ids, weight, offsets, max_norm, norm_type, scale_grad_by_freq
 def _conv_layout(weight: torch.Tensor, groups: int) -> torch.Tensor:
     """A transposed convolution's weight ``[in, out/groups, *k]`` in the layout of a convolution's,
     ``[out, in/groups, *k]`` (output channel ``g * out/groups + j`` is column ``j`` of group ``g``'s rows),
-    so that a weight spec reads as for Conv: ``PerAxis(0)`` is per output channel."""
-    in_channels, per_group, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
-    grouped = weight.reshape(groups, in_channels // groups, per_group, *kernel).transpose(1, 2)
-    return grouped.reshape(groups * per_group, in_channels // groups, *kernel)
-
-
-def _transposed_layout(weight: torch.Tensor, groups: int) -> torch.Tensor:
-    """The inverse of `_conv_layout`."""
-    out_channels, per_group, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
-    grouped = weight.reshape(groups, out_channels // groups, per_group, *kernel).transpose(1, 2)
-    return grouped.reshape(groups * per_group, out_channels // groups, *kernel)
+    so that a weight spec reads as for Conv: ``PerAxis(0)`` is per output channel. Its own inverse."""
+    rows, columns, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
+    grouped = weight.reshape(groups, rows // groups, columns, *kernel).transpose(1, 2)
+    return grouped.reshape(groups * columns, rows // groups, *kernel)
 
 
 class QATModel:
@@ -797,7 +790,7 @@ class _Rewriter:
         if not isinstance(layer, _CONV_TRANSPOSE) or self.observers["weights"] is None:
             return self._fake_quantized("weights", key, weight)
         conv = self.graph.call_function(_conv_layout, (weight, layer.groups))
-        return self.graph.call_function(_transposed_layout, (self._fake_quantized("weights", key, conv), layer.groups))
+        return self.graph.call_function(_conv_layout, (self._fake_quantized("weights", key, conv), layer.groups))
 
     def _dense_gradient(self, key: str, layer: nn.Module, sparse) -> bool:
         """Whether an embedding built with ``sparse=True`` computes a dense weight gradient: its weight is
@@ -817,7 +810,8 @@ class _Rewriter:
         given = _bound_inputs(layer, key, node)
         x, weight = self._quantized_inputs(node, key, layer, given["input"],
                                            lambda: self.graph.get_attr(f"{key}.weight"))
-        sparse = getattr(layer, "sparse", False) and not self._dense_gradient(key, layer, getattr(layer, "sparse", False))
+        sparse = getattr(layer, "sparse", False)
+        sparse = sparse and not self._dense_gradient(key, layer, sparse)
         with self.graph.inserting_before(node):
             bias = self.graph.get_attr(f"{key}.bias") if getattr(layer, "bias", None) is not None else None
             function, rest = _layer_call(layer, bias, given, sparse)
