@@ -139,7 +139,8 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
     ``global_config`` (a None config disables); within it, ``op_type_config[op]`` else the
     config's own ``op_state_spec`` / ``op_input_spec`` / ``op_output_spec`` give the ``weight``
     (``bias``), ``input`` and ``output`` sites of Linear, Conv, ConvTranspose, Embedding, MaxPool2d
-    and AdaptiveAvgPool2d modules. Specs are `QuantSpec.from_coreai_opt`'s at each weight's shape
+    and AdaptiveAvgPool2d modules, under the ``module_*_spec`` of a config such a module matched
+    itself. Specs are `QuantSpec.from_coreai_opt`'s at each weight's shape
     (axis None resolved per module type, as coreai_opt's prepare), observers its calculators'
     (module docstring; ``"dynamic"`` ones give ``Rule(dynamic=True)``: scales of each tensor at
     run time), ``float_range`` a ``qparams_kwargs`` entry. ``qat_schedule``:
@@ -150,7 +151,7 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
 
     Raises:
       ValueError: naming an option a recipe cannot hold: ``op_name_config`` (its names count the
-        calls of a forward), module-level specs, ``kv_cache_quant_configs``, activation specs in
+        calls of a forward), module-level specs of other modules, ``kv_cache_quant_configs``, activation specs in
         graph execution mode, ops called as functions (``add``, ``sub``, ``mul``, ``matmul``),
         ``qformulation="minval"``, per-block activations, or a spec field qstats does not read.
       TypeError: ``config`` is not a ``QuantizerConfig`` (a dict: ``QuantizerConfig.from_dict``).
@@ -205,12 +206,17 @@ def schedule_from_coreai_opt(config: Any, model: torch.nn.Module):
 def _quantized_modules(config, model: torch.nn.Module):
     """``(path, module, module config, [(site, coreai_opt spec, target)])`` of each module of
     ``model`` whose op the config quantizes."""
-    for path, module, module_config in _module_configs(config, model):
+    for path, module, module_config, own in _module_configs(config, model):
         op_type = _OP_TYPES.get(type(module)) or next(
             (op for cls, op in _OP_TYPES.items() if isinstance(module, cls)), None)
+        boundary = module_config if own and any(_active(getattr(module_config, f)) for f in _MODULE_LEVEL) else None
         if op_type is None:
+            if boundary is not None:
+                _refuse(f"module {path!r} ({type(module).__name__}) has module-level specs, which quantize "
+                        "tensors at its boundary wherever its forward sends them; give them to the Linear, Conv, "
+                        "Embedding or pooling modules that take them")
             continue
-        site_specs = _site_specs(module, module_config.op_type_config.get(op_type, module_config))
+        site_specs = _site_specs(module, module_config.op_type_config.get(op_type, module_config), boundary)
         if site_specs:
             yield path, module, module_config, site_specs
 
@@ -235,10 +241,6 @@ def _check_config(config, caller: str = "recipe_from_coreai_opt") -> None:
         if module_config.op_name_config:
             _refuse(f"{where}.op_name_config {sorted(module_config.op_name_config)}: op names count the calls of "
                     "a traced forward, which a recipe does not see; use module_name_configs", caller)
-        for field in _MODULE_LEVEL:
-            if _active(getattr(module_config, field)):
-                _refuse(f"{where}.{field} quantizes tensors at a module's boundary wherever its forward sends "
-                        "them; use op_input_spec / op_output_spec / op_state_spec on the modules that take them", caller)
         for op in _FUNCTIONAL_OPS:
             op_config = module_config.op_type_config.get(op)
             if op_config is not None and any(_active(getattr(op_config, f"op_{kind}_spec"))
@@ -256,14 +258,15 @@ def _active(spec_dict) -> bool:
 
 def _has_activations(module_config) -> bool:
     configs = [module_config, *module_config.op_type_config.values()]
-    return any(_active(c.op_input_spec) or _active(c.op_output_spec) for c in configs)
+    return (any(_active(c.op_input_spec) or _active(c.op_output_spec) for c in configs)
+            or _active(module_config.module_input_spec) or _active(module_config.module_output_spec))
 
 
 def _module_configs(config, model: torch.nn.Module) -> list:
-    """``[(path, module, module config)]`` as coreai_opt's ``CompressionConfig`` assigns them:
+    """``[(path, module, module config, own)]`` as coreai_opt's ``CompressionConfig`` assigns them:
     name patterns (last first, full match of any name a module is registered under), then
     exact types (last first), then the global config; a module's config passes to its
-    descendants that none of these gave one before."""
+    descendants that none of these gave one before (``own`` False: without its module-level specs)."""
     modules = dict(model.named_modules())
     canonical = {id(module): path for path, module in modules.items()}
     names: dict = {}
@@ -271,12 +274,12 @@ def _module_configs(config, model: torch.nn.Module) -> list:
         names.setdefault(canonical[id(module)], []).append(name)
     assigned: dict = {}
 
-    def assign(path, module, module_config):
+    def assign(path, module, module_config, own=True):
         if path in assigned:
             return
-        assigned[path] = module_config
-        for child in module.children():
-            assign(canonical[id(child)], child, module_config)
+        assigned[path] = (module_config, own)
+        for child in module.children():  # without the module-level specs
+            assign(canonical[id(child)], child, module_config, False)
 
     def fqn(module):
         return f"{type(module).__module__}.{type(module).__qualname__}"
@@ -289,21 +292,32 @@ def _module_configs(config, model: torch.nn.Module) -> list:
         for path, module in reversed(modules.items()):
             if matches(path, module):
                 assign(path, module, module_config)
-    return [(path, module, assigned[path]) for path, module in modules.items()]
+    return [(path, module, *assigned[path]) for path, module in modules.items()]
 
 
-def _site_specs(module: torch.nn.Module, components) -> list:
+def _site_specs(module: torch.nn.Module, components, boundary=None) -> list:
     """``[(site, coreai_opt spec, target)]`` of one module under its op's components: its
     parameters by name (``"*"`` for the others), its input and output as the op's tensor 0
-    (an Embedding's input is its indices, which coreai_opt leaves)."""
+    (an Embedding's input is its indices, which coreai_opt leaves); the ``module_state_spec`` /
+    ``module_input_spec`` / ``module_output_spec`` of ``boundary`` (the config the module matched
+    itself) override them where they name the tensor."""
+    def pick(key, *spec_dicts):
+        for specs in spec_dicts:  # the first dict naming the tensor (or "*") decides, None included
+            for name in (key, "*"):
+                if specs and name in specs:
+                    return specs[name]
+        return None
+
+    def own(field):
+        return getattr(boundary, field, None) or {}
+
     out = []
-    states = components.op_state_spec or {}
     for name, param in module.named_parameters(recurse=False):
-        spec = states.get(name, states.get("*"))
+        spec = pick(name, own("module_state_spec"), components.op_state_spec)
         if spec is not None and param.is_floating_point():
             out.append((name, spec, "weight"))
-    for site, specs in (("input", components.op_input_spec), ("output", components.op_output_spec)):
-        spec = (specs or {}).get(0, (specs or {}).get("*"))
+    for site in ("input", "output"):
+        spec = pick(0, own(f"module_{site}_spec"), getattr(components, f"op_{site}_spec"))
         if spec is not None and not (site == "input" and isinstance(module, torch.nn.Embedding)):
             out.append((site, spec, "activation"))
     return out

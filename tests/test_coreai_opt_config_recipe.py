@@ -171,6 +171,22 @@ def test_state_star_quantizes_bias_and_float_range_pins_an_end(single_thread_qui
     assert equal == total == 2 * 6
 
 
+def test_module_level_specs_of_linear_modules_override_their_op_specs(single_thread_quiet):
+    """``module_state_spec`` / ``module_input_spec`` / ``module_output_spec`` of a Linear type
+    config apply to the Linears' weight, input and output over the op-level specs (a None one
+    disables); a container's are refused (see the refusals)."""
+    model = _linear_stack()
+    config = QuantizerConfig(execution_mode=EAGER, module_type_configs={nn.Linear: ModuleQuantizerConfig(
+        op_state_spec={"weight": _spec()}, op_output_spec={0: _spec()},
+        module_state_spec={"weight": _spec(torch.int4, "asymmetric", {"type": "per_channel", "axis": 0})},
+        module_input_spec={0: _spec(torch.uint8, "asymmetric", calculator="global_minmax")},
+        module_output_spec={"*": None})})
+    recipe = qstats.coreai_opt.recipe_from_coreai_opt(config, model)
+    assert {site: rule.spec.dtype for rule in recipe.rules for site in rule.sites} == {"weight": "int4", "input": "uint8"}
+    equal, total = _compare(model, config, *_data(16))
+    assert equal == total == 2 * 6
+
+
 def test_graph_mode_weight_preset(single_thread_quiet):
     """coreai_opt's weight-only preset w4_per_block (graph execution mode, axis None resolved to the
     input channel)."""
@@ -243,8 +259,8 @@ def _refusals() -> dict:
 
     return {
         "op_name_config": eager(op_name_config={"linear_0": linear}),
-        "module_state_spec": QuantizerConfig(execution_mode=EAGER, module_type_configs={
-            nn.Linear: ModuleQuantizerConfig(module_state_spec=weights)}),
+        "module '' .Sequential. has module-level specs": QuantizerConfig(
+            execution_mode=EAGER, module_type_configs={nn.Sequential: ModuleQuantizerConfig(module_state_spec=weights)}),
         "kv_cache_quant_configs": QuantizerConfig(kv_cache_quant_configs={"cache_update": cache},
                                                   global_config=ModuleQuantizerConfig.presets.w8()),
         "graph execution mode": QuantizerConfig(),
