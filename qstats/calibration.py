@@ -508,7 +508,8 @@ class _AttentionQuantizer:
     def __call__(self, query, key, value):
         out = []
         for site, x in zip(("q", "k", "v"), (query, key, value)):
-            out.append(heads_first(self.sites[site](heads_last(x)), x) if site in self.sites and is_float_tensor(x) else x)
+            quantize = self.sites.get(site)
+            out.append(heads_first(quantize(heads_last(x)), x) if quantize and is_float_tensor(x) else x)
         return tuple(out)
 
 

@@ -628,7 +628,7 @@ class _AttentionSites:
         return query, key, value
 
 
-def attention_observers(run: _Calibration) -> dict:
+def _attention_observers(run: _Calibration) -> dict:
     """``{path: (module, _AttentionSites)}`` of the plan's transformers attention modules with q/k/v
     sites (`_activation_hooks` leaves those sites to them)."""
     out = {}
@@ -642,7 +642,7 @@ def attention_observers(run: _Calibration) -> dict:
 def _activation_hooks(run: _Calibration) -> list:
     """One hook object per activation site of the plan (one per stacked-experts module for its
     per-expert sites), in ``named_modules`` order; the q/k/v sites of transformers attention modules
-    are `attention_observers`'."""
+    are `_attention_observers`'."""
     hooks: list = []
     for path, entry in run.plan.sites.items():
         matmul_inputs, routed_input = [], None
@@ -774,7 +774,7 @@ def observing(
     handles = [plan.model.register_forward_pre_hook(eager(session._count))]
     try:
         handles += [handle for hook in _activation_hooks(run) for handle in hook.attach()]
-        with attention_sites(attention_observers(run), "calibrate"):
+        with attention_sites(_attention_observers(run), "calibrate"):
             yield session
     finally:
         run.weight = None

@@ -176,7 +176,8 @@ def _loaded_back(base: str, ours: str, family: str):
         config = QuantizationConfig.model_validate(json.load(file)["quantization_config"])
     model = _load(base, attn_implementation="sdpa")
     apply_quantization_config(model, config)
-    scales = {name: t for name, t in load_file(os.path.join(ours, "model.safetensors")).items() if name.endswith("_scale")}
+    tensors = load_file(os.path.join(ours, "model.safetensors"))
+    scales = {name: tensor for name, tensor in tensors.items() if name.endswith("_scale")}
     missing, unexpected = model.load_state_dict(scales, strict=False)
     assert not unexpected and not [name for name in missing if name.endswith("_scale")]
     return model

@@ -44,7 +44,8 @@ def test_the_users_implementation_is_back_after_an_error():
     assert model.config._attn_implementation == "sdpa"
     states = qstats.calibrate(model, BATCHES, RECIPE, progress=False)
     assert model.config._attn_implementation == "sdpa"
-    with pytest.raises(IndexError), qstats.fake_quantized(model, qstats.compute_qparams_tree(states, RECIPE, model), RECIPE):
+    qparams = qstats.compute_qparams_tree(states, RECIPE, model)
+    with pytest.raises(IndexError), qstats.fake_quantized(model, qparams, RECIPE):
         model(torch.full((1, 4), 99))
     assert model.config._attn_implementation == "sdpa"
 

@@ -174,8 +174,8 @@ def test_an_llm_compressor_recipe_as_a_list_of_modifiers_or_a_path(llama, tmp_pa
 
 def test_an_attn_head_kv_cache_scheme_is_refused_not_observed_per_position(llama):
     """compressed-tensors gives ``attn_head`` k/v one scale per kv head, ``(heads, 1, 1)``; qstats
-    observes k/v as the k_proj/v_proj outputs ``[batch, seq, heads * head_dim]``, where that spec
-    read axis 1, the sequence. Before: accepted, calibrating one scale per position (and failing
+    observes k/v per tensor as ``[batch, seq, heads * head_dim]``, where that spec read axis 1, the
+    sequence. Before: accepted, calibrating one scale per position (and failing
     between batches of other lengths)."""
     kv = {**FP8, "strategy": "attn_head"}
     applied = _apply(llama, _config({"targets": ["Linear"]}, kv=kv))
