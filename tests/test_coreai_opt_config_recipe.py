@@ -355,3 +355,23 @@ def test_a_weight_its_blocks_do_not_divide_is_left_unquantized_with_a_warning(si
     with pytest.warns(UserWarning, match="module '2' weight: block size 4 does not divide"):
         equal, total = _compare(model, config, *_data(16))
     assert equal == total == 2
+
+
+def test_per_channel_activations_of_convs_and_pooling_and_pinned_3d_linear_inputs(single_thread_quiet):
+    """uint8 activations per channel (axis 1 of NCHW) on convs and a MaxPool2d; int8 per-feature
+    inputs of Linears on [batch, sequence, features] tensors with their minimum pinned."""
+    torch.manual_seed(0)
+    convs = nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 4, 1)).eval()
+    per_channel = _spec(torch.uint8, "asymmetric", {"type": "per_channel", "axis": 1}, calculator="moving_average")
+    config = QuantizerConfig(execution_mode=EAGER, global_config=ModuleQuantizerConfig(
+        op_input_spec={"*": per_channel}, op_output_spec={"*": per_channel}))
+    equal, total = _compare(convs, config, *_data(4, (6, 6)))
+    assert equal == total == 2 * 8  # both convs' weight, input and output, the pool's input and output
+    linears = nn.Sequential(nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 4)).eval()
+    pinned = _spec(granularity={"type": "per_channel", "axis": -1}, calculator="global_minmax", float_range=[-1.0, None])
+    config = QuantizerConfig(execution_mode=EAGER, global_config=ModuleQuantizerConfig(
+        op_input_spec={"*": pinned}, op_output_spec=None))
+    rules = qstats.coreai_opt.recipe_from_coreai_opt(config, linears).rules
+    assert next(rule for rule in rules if rule.sites == ("input",)).qparams_kwargs == (("float_range", (-1.0, None)),)
+    equal, total = _compare(linears, config, *_data(5, (16,)))
+    assert equal == total == 2 * 4
