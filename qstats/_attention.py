@@ -56,15 +56,16 @@ class _Call:
 
 
 def _switched(module, path: str, caller: str) -> tuple:
-    """``(config, implementation before)`` of the attention ``module``, whose config is to name
-    qstats' counterpart; ValueError naming the module where there is none, or where its forward
+    """``(config, implementation before, implementation inside)`` of the attention ``module``: qstats'
+    counterpart of its implementation (None, as transformers reads it: eager), or an enclosing
+    context's as it is; ValueError naming the module where there is none, or where its forward
     cannot pass the hooks on (no ``**kwargs``)."""
     functions = importlib.import_module("qstats._attention_functions")  # registers them, once
     config = module.config
     name = config._attn_implementation
     if isinstance(name, str) and name.startswith(functions.PREFIX):  # an enclosing context's
-        return config, name
-    if name not in functions.WRAPPED:
+        return config, name, name
+    if (name or "eager") not in functions.WRAPPED:
         raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) runs attention "
                          f"implementation {name!r}; qstats observes and quantizes q/k/v behind "
                          f"{list(functions.WRAPPED)} only (model.set_attn_implementation('sdpa'))")
@@ -72,7 +73,7 @@ def _switched(module, path: str, caller: str) -> tuple:
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) takes no **kwargs "
                          "to pass on to its attention function, where qstats reads its q/k/v")
-    return config, name
+    return config, name, functions.PREFIX + (name or "eager")
 
 
 def _hooks(module, path: str, hook: Callable, caller: str) -> list:
@@ -101,19 +102,18 @@ def attention_sites(hooks: Mapping, caller: str) -> Iterator[None]:
     value) -> (query, key, value)``) runs its attention function behind ``hook``. Their configs
     name qstats' counterpart of their implementation inside, and the user's implementation again
     on exit, also on error."""
-    switched: dict = {}  # id(config) -> (config, implementation before)
+    switched: dict = {}  # id(config) -> (config, implementation before, implementation inside)
     handles: list = []
     try:
         for path, (module, hook) in hooks.items():
-            config, name = _switched(module, path, caller)
-            switched.setdefault(id(config), (config, name))
+            found = _switched(module, path, caller)
+            switched.setdefault(id(found[0]), found)
             handles += _hooks(module, path, hook, caller)
-        prefix = importlib.import_module("qstats._attention_functions").PREFIX if hooks else ""
-        for config, name in switched.values():
-            config._attn_implementation_internal = name if name.startswith(prefix) else prefix + name
+        for config, _, inside in switched.values():
+            config._attn_implementation_internal = inside
         yield
     finally:
         for handle in handles:
             handle.remove()
-        for config, name in switched.values():
-            config._attn_implementation_internal = name
+        for config, before, _ in switched.values():
+            config._attn_implementation_internal = before

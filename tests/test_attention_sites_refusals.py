@@ -129,3 +129,28 @@ def test_calibrating_inside_fake_quantized_observes_the_fake_quantized_keys():
         assert torch.equal(state.max_val, seen[index][0].amax())
         assert torch.equal(state.min_val, seen[index][0].amin())
         assert not torch.equal(seen[index][0], float_keys[index][0])  # they were fake-quantized
+
+
+def test_a_standalone_attention_module_whose_config_names_no_implementation_runs_eager():
+    """transformers reads a config naming no implementation (None) as eager: so do calibrate and
+    fake_quantized, and the config names none again after."""
+    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation_internal = None
+    torch.manual_seed(0)
+    attention = modeling_llama.LlamaAttention(config, 0).eval()
+    x = torch.randn(1, 5, 32)
+    batch = (x, modeling_llama.LlamaRotaryEmbedding(config)(x, torch.arange(5)[None]), None)
+    keys = qstats.Recipe([qstats.Rule("LlamaAttention", sites=("k",), spec=SPEC)])
+    original, seen = modeling_llama.eager_attention_forward, []
+
+    def recording(module, query, key, *args, **kwargs):
+        seen.append(key.detach())
+        return original(module, query, key, *args, **kwargs)
+
+    modeling_llama.eager_attention_forward = recording
+    try:
+        states = qstats.calibrate(attention, [batch], keys, progress=False)
+    finally:
+        modeling_llama.eager_attention_forward = original
+    assert config._attn_implementation is None
+    assert len(seen) == 1 and torch.equal(states[""]["k"].max_val, seen[0].amax())
