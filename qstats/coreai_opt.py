@@ -140,21 +140,27 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
     config's own ``op_state_spec`` / ``op_input_spec`` / ``op_output_spec`` give the ``weight``
     (``bias``), ``input`` and ``output`` sites of Linear, Conv, ConvTranspose, Embedding, MaxPool2d
     and AdaptiveAvgPool2d modules, under the ``module_*_spec`` of a config such a module matched
-    itself. Specs are `QuantSpec.from_coreai_opt`'s at each weight's shape
-    (axis None resolved per module type, as coreai_opt's prepare), observers its calculators'
-    (module docstring; ``"dynamic"`` ones give ``Rule(dynamic=True)``: scales of each tensor at
-    run time), ``float_range`` a ``qparams_kwargs`` entry. ``qat_schedule``:
-    `schedule_from_coreai_opt`.
+    itself. Specs are `QuantSpec.from_coreai_opt`'s at each weight's shape (axis None resolved per
+    module type, as coreai_opt's prepare), observers its calculators' (module docstring;
+    ``"dynamic"`` ones give ``Rule(dynamic=True)``: each tensor's own scales at run time),
+    ``float_range`` a ``qparams_kwargs`` entry. ``qat_schedule``: `schedule_from_coreai_opt`.
 
     ``observed_dtype``: the dtype coreai_opt computes each site's qparams in; default the module's
     own floating-point parameters' (the model's first for modules without one).
 
     Raises:
       ValueError: naming an option a recipe cannot hold: ``op_name_config`` (its names count the
-        calls of a forward), module-level specs of other modules, ``kv_cache_quant_configs``, activation specs in
-        graph execution mode, ops called as functions (``add``, ``sub``, ``mul``, ``matmul``),
-        ``qformulation="minval"``, per-block activations, or a spec field qstats does not read.
+        calls of a forward), module-level specs of other modules, ``kv_cache_quant_configs``,
+        activation specs in graph execution mode, ops called as functions (``add``, ``sub``,
+        ``mul``, ``matmul``), ``qformulation="minval"``, per-block activations, or a spec field
+        qstats does not read.
       TypeError: ``config`` is not a ``QuantizerConfig`` (a dict: ``QuantizerConfig.from_dict``).
+
+    >>> import torch, qstats.coreai_opt
+    >>> from coreai_opt.quantization import QuantizerConfig
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    >>> [rule.sites for rule in qstats.coreai_opt.recipe_from_coreai_opt(QuantizerConfig.presets.w8(), model).rules]
+    [('weight',)]
     """
     from .recipe import Recipe, Rule
 
