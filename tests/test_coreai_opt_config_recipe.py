@@ -23,6 +23,17 @@ with warnings.catch_warnings():
     from coreai_opt.quantization.spec.spec import QuantizationSpec
 
 EAGER = ExecutionMode.EAGER
+
+
+class _Averaged(QuantizationSpec):
+    """A QuantizationSpec whose moving average steps by 0.25 (coreai_opt passes extra fields to its
+    calculator)."""
+
+    averaging_constant: float = 0.25
+
+
+class _Tempered(QuantizationSpec):
+    temperature: float = 2.0
 WEIGHT_SITES = ("weight", "bias")
 
 
@@ -269,6 +280,7 @@ def _refusals() -> dict:
         "per-block activations": eager(op_input_spec={0: _spec(granularity={
             "type": "per_block", "axis": -1, "block_size": 8})}),
         "axis None": eager(op_state_spec={"*": _spec(granularity={"type": "per_channel"})}),
+        "spec field.s. \\['temperature'\\] of _Tempered": eager(op_input_spec={0: _Tempered(dtype=torch.int8)}),
     }
 
 
@@ -375,3 +387,14 @@ def test_per_channel_activations_of_convs_and_pooling_and_pinned_3d_linear_input
     assert next(rule for rule in rules if rule.sites == ("input",)).qparams_kwargs == (("float_range", (-1.0, None)),)
     equal, total = _compare(linears, config, *_data(5, (16,)))
     assert equal == total == 2 * 4
+
+
+def test_a_spec_subclass_with_an_averaging_constant(single_thread_quiet):
+    model = _linear_stack()
+    averaged = _Averaged(dtype=torch.uint8, qscheme="asymmetric", qparam_calculator_cls="moving_average")
+    config = QuantizerConfig(execution_mode=EAGER, global_config=ModuleQuantizerConfig(
+        op_input_spec={0: averaged}, op_output_spec=None))
+    rules = qstats.coreai_opt.recipe_from_coreai_opt(config, model).rules
+    assert next(rule for rule in rules if rule.sites == ("input",)).observer_kwargs == (("averaging_constant", 0.25),)
+    equal, total = _compare(model, config, *_data(16))
+    assert equal == total == 2 * 6
