@@ -55,12 +55,18 @@ class _Call:
         return self.hook(query, key, value)
 
 
+def _functions():
+    """`qstats._attention_functions`, imported on first use (it imports transformers, and registers
+    qstats' attention functions with it when imported)."""
+    return importlib.import_module("qstats._attention_functions")
+
+
 def _switched(module, path: str, caller: str) -> tuple:
     """``(config, implementation before, implementation inside)`` of the attention ``module``: qstats'
     counterpart of its implementation (None, as transformers reads it: eager), or an enclosing
     context's as it is; ValueError naming the module where there is none, or where its forward
     cannot pass the hooks on (no ``**kwargs``)."""
-    functions = importlib.import_module("qstats._attention_functions")  # registers them, once
+    functions = _functions()
     config = module.config
     name = config._attn_implementation
     if isinstance(name, str) and name.startswith(functions.PREFIX):  # an enclosing context's
@@ -79,7 +85,7 @@ def _switched(module, path: str, caller: str) -> tuple:
 def _hooks(module, path: str, hook: Callable, caller: str) -> list:
     """A pre-hook handing each call's `_Call` to the attention function by keyword (after those of
     enclosing contexts: applied in that order), and a hook refusing a call that did not reach it."""
-    keyword = importlib.import_module("qstats._attention_functions").SITES_KEYWORD
+    keyword = _functions().SITES_KEYWORD
     calls: list = []
 
     def pre_hook(module, args, kwargs):

@@ -39,6 +39,8 @@ from .conventions.coreai_opt import _block_sizes, block_size, rounded_to_half
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
 from ._quant import fake_quantize
+from .recipe import Recipe, Rule
+from .schedule import QATSchedule
 from ._spec import QuantSpec
 from ._warn import warn
 from .observers._base import Observer
@@ -162,8 +164,6 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
     >>> [rule.sites for rule in qstats.coreai_opt.recipe_from_coreai_opt(QuantizerConfig.presets.w8(), model).rules]
     [('weight',)]
     """
-    from .recipe import Recipe, Rule
-
     _check_config(config)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"recipe_from_coreai_opt: model must be an nn.Module, got {type(model).__name__}")
@@ -191,8 +191,6 @@ def schedule_from_coreai_opt(config: Any, model: torch.nn.Module):
       ValueError: the modules ``recipe_from_coreai_opt`` quantizes have different schedules
         (qstats' QAT runs one), naming two of them.
     """
-    from .schedule import QATSchedule
-
     _check_config(config, "schedule_from_coreai_opt")
     found: dict = {}
     for path, _, module_config, _ in _quantized_modules(config, model):

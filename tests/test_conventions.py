@@ -123,6 +123,9 @@ def _imports(path, anywhere=False):
     tree = ast.parse((ROOT / "qstats" / path).read_text())
     found = set()
     for node in ast.walk(tree) if anywhere else tree.body:
+        if anywhere and _is_import_module_call(node):  # importlib.import_module("qstats.x" or ".x", __name__)
+            name = node.args[0].value
+            found.add(".".join(package) + name if name.startswith(".") else name)
         if isinstance(node, ast.ImportFrom) and node.level:
             base = package[: len(package) - node.level + 1]
             module = [*base, *(node.module.split(".") if node.module else [])]
@@ -130,6 +133,11 @@ def _imports(path, anywhere=False):
                 found.add(".".join(module))
             found.update(".".join([*module, alias.name]) for alias in node.names)
     return found
+
+
+def _is_import_module_call(node) -> bool:
+    return (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
+            and node.args and isinstance(node.args[0], ast.Constant))
 
 
 def _assert_acyclic(graph: dict) -> None:
@@ -157,15 +165,19 @@ def test_no_import_cycle_among_the_core_modules():
 
 
 def test_no_import_cycle_in_the_package_and_no_import_inside_a_function():
-    """Every module of the package, imports inside functions included; the one import inside a
-    function is `check_all`'s of the strategies, which need the optional hypothesis."""
+    """Every module of the package, imports inside functions included (``importlib`` ones too); the
+    imports inside a function are of modules that import an optional dependency on first use:
+    `check_all`'s and `qstats.testing`'s of the strategies (hypothesis), and the attention sites'
+    of the attention functions they register with transformers."""
     paths = [str(p.relative_to(ROOT / "qstats")) for p in sorted((ROOT / "qstats").rglob("*.py"))]
     modules = {_module_name(path): path for path in paths}
     graph = {module: (_imports(path, anywhere=True) & set(modules)) - {module} for module, path in modules.items()}
     inner = {module: sorted((_imports(path, anywhere=True) - _imports(path)) & set(modules))
              for module, path in modules.items()}
     assert {module: found for module, found in inner.items() if found} == {
-        "qstats.testing._check_all": ["qstats.testing.strategies"]}
+        "qstats.testing._check_all": ["qstats.testing.strategies"],
+        "qstats.testing": ["qstats.testing.strategies"],
+        "qstats._attention": ["qstats._attention_functions"]}
     _assert_acyclic(graph)
 
 
