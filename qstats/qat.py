@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.fx
@@ -351,22 +351,28 @@ class QATModel:
     Attributes:
       module: the ``torch.fx.GraphModule``; ``forward(*inputs, qat_state=, qat_phase=, qat_ranges=)``
         returns ``(output, new_state_dict)``. It shares the original model's parameters and names.
-      weight_observer, activation_observer: the observers (their specs are the targets).
+      weight_observer, activation_observer: the observers as given to `prepare` (one Observer, None, or a
+        mapping by layer type).
+      weight_observers, activation_observers: layer name -> the observer of its weight / input (their specs
+        are the targets); a layer left in float for that kind has none.
       layers: names of the quantized layers; ``activation_layers``: those whose input is fake-quantized
-        (all but embeddings, whose inputs are integer ids); ``batchnorm_layers``: names of batch-norm layers.
-      dynamic_activations: whether the activation ranges are each batch's own (`prepare`).
+        (never embeddings, whose inputs are integer ids); ``batchnorm_layers``: names of batch-norm layers.
+      dynamic_layers: the activation layers whose ranges are each batch's own (`prepare`);
+        ``dynamic_activations``: whether every activation layer's are (and there is one).
     """
 
     def __init__(self, module, weight_observer, activation_observer, layers, batchnorm_layers, aliases=None,
-                 dynamic_activations: bool = False, weight_only_layers=()):
+                 weight_observers=None, activation_observers=None, dynamic_layers=()):
         self.module = module
         self.weight_observer = weight_observer
         self.activation_observer = activation_observer
-        # whether the activation points are dynamic (`_dynamic`: the granularity's, or prepare's flag)
-        self.dynamic_activations = _dynamic(activation_observer, dynamic_activations)
+        self.weight_observers = dict(weight_observers or {})
+        self.activation_observers = dict(activation_observers or {})
         self.layers = tuple(layers)
-        # the layers whose input is fake-quantized: all but the embeddings (integer ids)
-        self.activation_layers = tuple(name for name in self.layers if name not in tuple(weight_only_layers))
+        self.activation_layers = tuple(self.activation_observers)
+        # the activation points that are dynamic (`_dynamic`: the granularity's, or prepare's flag)
+        self.dynamic_layers = tuple(dynamic_layers)
+        self.dynamic_activations = bool(self.dynamic_layers) and set(self.dynamic_layers) == set(self.activation_layers)
         self.batchnorm_layers = tuple(batchnorm_layers)
         # the model's names of a module registered several times, which ``module`` lacks -> the name it has
         self._aliases = dict(aliases or {})
@@ -472,13 +478,14 @@ class QATModel:
                     f"QATModel.apply: ranges[{kind!r}] names {unknown}, but the model fake-quantizes the {kind} of "
                     f"{sorted(expected)}"
                 )
-            if given and kind == "activations" and self.dynamic_activations:
-                raise ValueError(f"QATModel.apply: ranges[{kind!r}] gives learned ranges, but {_NO_RANGE_TO_LEARN}")
+            dynamic = sorted(set(given) & set(self.dynamic_layers)) if kind == "activations" else []
+            if dynamic:
+                raise ValueError(f"QATModel.apply: ranges[{kind!r}] gives learned ranges of {dynamic}, but "
+                                 f"{_NO_RANGE_TO_LEARN}")
 
     def _state_keys(self) -> Dict[str, tuple]:
         """`QATState` field -> the layers it holds (none for a kind without observer)."""
-        return {"weights": self.layers if self.weight_observer is not None else (),
-                "activations": self.activation_layers if self.activation_observer is not None else (),
+        return {"weights": tuple(self.weight_observers), "activations": self.activation_layers,
                 "batchnorm": self.batchnorm_layers}
 
     def sync(self, state: QATState, group=None, *, weights: bool = False) -> QATState:
@@ -491,34 +498,42 @@ class QATModel:
         not a `QATState` of the model's layers raises its error, and every other rank a ValueError,
         instead of leaving them waiting.
         """
-        observers = {"activations": self.activation_observer, "weights": self.weight_observer if weights else None}
-        # dynamic states hold one batch's ranges, which no other rank's batch shares
-        observers = {kind: observer for kind, observer in observers.items()
-                     if observer is not None and not (kind == "activations" and self.dynamic_activations)}
+        # layer -> observer of each kind to merge; dynamic states hold one batch's ranges, which no other
+        # rank's batch shares
+        observers = {"activations": {key: observer for key, observer in self.activation_observers.items()
+                                     if key not in self.dynamic_layers},
+                     "weights": self.weight_observers if weights else {}}
+        observers = {kind: by_layer for kind, by_layer in observers.items() if by_layer}
         try:
             self._check_inputs({}, state, "QATModel.sync")
         except (TypeError, ValueError) as error:
             if observers:  # join the first collective with a tree that fails its local check: the others raise
                 try:
-                    distributed.all_reduce([object()], next(iter(observers.values())), group)
+                    distributed.all_reduce([object()], next(iter(next(iter(observers.values())).values())), group)
                 except (TypeError, ValueError):
                     pass
             raise error
-        merged = {kind: distributed.all_reduce(getattr(state, kind), observer, group)
-                  for kind, observer in observers.items()}
+        merged = {}
+        for kind, by_layer in observers.items():
+            states = getattr(state, kind)
+            reduced = distributed.all_reduce({key: states[key] for key in by_layer}, by_layer, group)
+            merged[kind] = {key: reduced.get(key, value) for key, value in states.items()}
         return state._replace(**merged)
 
     def learnable_ranges(self, state: QATState, weights: bool = False, activations: bool = True):
         """LSQ/LSQ+ ranges initialised from the observer states (detached float32 copies with
-        ``requires_grad=True``), in the ``ranges`` format of `apply`. Dynamic activation ranges (`prepare`)
-        have none: ValueError unless ``activations=False``."""
-        kinds = (("weights", weights, self.weight_observer),
-                 ("activations", activations, self.activation_observer))
+        ``requires_grad=True``), in the ``ranges`` format of `apply`, each from its layer's observer's spec.
+        Dynamic activation ranges (`prepare`) have none: they are left out, and where every activation
+        range is dynamic, ValueError unless ``activations=False``."""
         if activations and self.dynamic_activations:
             raise ValueError(f"QATModel.learnable_ranges: {_NO_RANGE_TO_LEARN}; pass activations=False")
-        return {kind: {key: _learnable(value, observer.spec, f"the {kind[:-1]} of {key!r}")
-                       for key, value in getattr(state, kind).items()}
-                for kind, wanted, observer in kinds if wanted and observer is not None}
+        self._check_inputs({}, state, "QATModel.learnable_ranges")
+        kinds = (("weights", weights, self.weight_observers),
+                 ("activations", activations, {key: observer for key, observer in self.activation_observers.items()
+                                               if key not in self.dynamic_layers}))
+        return {kind: {key: _learnable(getattr(state, kind)[key], observer.spec, f"the {kind[:-1]} of {key!r}")
+                       for key, observer in observers.items()}
+                for kind, wanted, observers in kinds if wanted and observers}
 
 
 def _learnable(state, spec: QuantSpec, where: str) -> LSQParams:
@@ -532,8 +547,8 @@ def _learnable(state, spec: QuantSpec, where: str) -> LSQParams:
 
 def prepare(
     model: nn.Module,
-    weight_observer: Optional[Observer] = None,
-    activation_observer: Optional[Observer] = None,
+    weight_observer: Union[Observer, Mapping[type, Optional[Observer]], None] = None,
+    activation_observer: Union[Observer, Mapping[type, Optional[Observer]], None] = None,
     *,
     layers: Tuple[type, ...] = _DEFAULT_LAYERS,
     ste: str = "clipped",
@@ -544,12 +559,19 @@ def prepare(
 
     The weight of every layer of a type in ``layers`` (Linear, Conv1d/2d/3d by default; also Embedding,
     EmbeddingBag, ConvTranspose1d/2d/3d) goes through ``weight_observer`` and its input through
-    ``activation_observer`` (None: leave that kind in float). Embeddings are weight-only (their inputs are
-    ids); a transposed convolution's weight is observed in a convolution's layout, ``[out, in/groups, *k]``.
+    ``activation_observer`` (None: leave that kind in float). Each may also be a mapping ``{layer type:
+    Observer or None}`` (torch.ao's ``QConfigMapping.set_object_type``): a layer takes the observer of the
+    first type in the mapping's order that it is an instance of; a layer of no type in it stays in float
+    for that kind, as torch.ao gives it the global qconfig, None unless set (a last ``nn.Module: observer``
+    entry is ``set_global``). Embeddings are weight-only (their inputs are ids); a transposed convolution's weight is observed in a convolution's layout, ``[out, in/groups, *k]``.
     Batch-norm layers become pure functions of a `BatchNormState`. A layer called several times per
     forward keeps one state per kind (docs/qat.md). Activation ranges per row (per token, group, ...) are
     each batch's own, whatever the phase; ``dynamic_activations=True`` makes every activation range so
     (coreai_opt's "dynamic" calculators), per tensor and per channel too.
+
+    Raises:
+      ValueError: a mapping names a type that matches no type of ``layers``, names a type after one of its
+        base classes (that entry would never be used), or gives an embedding type an activation observer.
 
     >>> import torch, qstats
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
@@ -565,9 +587,6 @@ def prepare(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"qstats.qat.prepare: model must be an nn.Module, got {type(model).__name__}")
-    for name, observer in (("weight_observer", weight_observer), ("activation_observer", activation_observer)):
-        if observer is not None and not isinstance(observer, Observer):
-            raise TypeError(f"qstats.qat.prepare: {name} must be a qstats Observer or None, got {type(observer).__name__}")
     _check_ste(ste)
     check_grad_scale(grad_scale)
     if not isinstance(dynamic_activations, bool):
@@ -577,9 +596,12 @@ def prepare(
     if not (isinstance(layers, tuple) and layers and all(isinstance(t, type) and issubclass(t, nn.Module) for t in layers)):
         raise TypeError(f"qstats.qat.prepare: layers must be nn.Module subclasses (Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, "
                         f"Embedding, EmbeddingBag), got {layers!r}")
+    weight_entries = _observer_entries(weight_observer, layers, "weight_observer")
+    activation_entries = _observer_entries(activation_observer, layers, "activation_observer")
+    if isinstance(activation_observer, Mapping):
+        _refuse_embedding_activations(activation_entries)
     _refuse_stacked_experts(model)
-    rewriter = _Rewriter(_trace(model, layers), weight_observer, activation_observer, ste, grad_scale,
-                         _dynamic(activation_observer, dynamic_activations))
+    rewriter = _Rewriter(_trace(model, layers), weight_entries, activation_entries, ste, grad_scale, dynamic_activations)
     hidden = {}  # layers inside modules that torch.fx keeps whole (torch.nn's Transformer layers)
     for node in list(rewriter.graph.nodes):
         if node.op == "call_function" and node.target in _FUNCTIONAL_LAYERS:
@@ -599,14 +621,15 @@ def prepare(
     _warn_float_layers(model, layers, rewriter, hidden)
     if not rewriter.quantized:
         raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}")
-    if activation_observer is not None and len(rewriter.weight_only) == len(rewriter.quantized):
+    if isinstance(activation_observer, Observer) and len(rewriter.weight_only) == len(rewriter.quantized):
         raise ValueError(
             f"qstats.qat.prepare: an activation_observer is given, but the quantized layers {rewriter.weight_only} are "
             "embeddings, whose inputs are integer ids: they are quantized weight-only (as torch.ao's QAT Embedding); "
             "pass activation_observer=None")
     module = rewriter.finish()
     return QATModel(module, weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms,
-                    _aliases(model, module), dynamic_activations, rewriter.weight_only)
+                    _aliases(model, module), rewriter.observers["weights"], rewriter.observers["activations"],
+                    rewriter.dynamic)
 
 
 def _aliases(model: nn.Module, module: nn.Module) -> Dict[str, str]:
@@ -721,14 +744,65 @@ def _trace(model: nn.Module, layers: Tuple[type, ...]) -> torch.fx.GraphModule:
         ) from error
 
 
+def _observer_entries(given, layers: Tuple[type, ...], name: str) -> tuple:
+    """``given`` (one Observer, None, or a mapping ``{layer type: Observer or None}``) as
+    ``((layer type, observer), ...)`` in matching order; one Observer or None serves every layer.
+
+    Raises:
+      TypeError: a key that is no ``nn.Module`` subclass, a value that is no Observer or None.
+      ValueError: a key that is neither a type of ``layers`` (or a subclass of one) nor a base class of
+        one (it would match no layer it quantizes); a key after one of its base classes (the earlier key
+        matches every such layer first, so the entry would never be used).
+    """
+    if given is None or isinstance(given, Observer):
+        return ((nn.Module, given),)
+    if not isinstance(given, Mapping):
+        raise TypeError(f"qstats.qat.prepare: {name} must be a qstats Observer, None, or a mapping "
+                        f"{{layer type: Observer or None}}, got {type(given).__name__}")
+    entries = tuple(given.items())
+    for i, (key, observer) in enumerate(entries):
+        if not (isinstance(key, type) and issubclass(key, nn.Module)):
+            raise TypeError(f"qstats.qat.prepare: {name} has the key {key!r}; its keys must be layer types "
+                            "(nn.Linear, nn.Embedding, ...)")
+        if observer is not None and not isinstance(observer, Observer):
+            raise TypeError(f"qstats.qat.prepare: {name}[{key.__name__}] must be a qstats Observer or None, "
+                            f"got {type(observer).__name__}")
+        if not any(issubclass(key, t) or issubclass(t, key) for t in layers):
+            raise ValueError(f"qstats.qat.prepare: {name} names {key.__name__}, which is no type of layers="
+                             f"{[t.__name__ for t in layers]} nor a base class of one, so it would match no layer; "
+                             f"add {key.__name__} to layers= or remove it from {name}")
+        earlier = next((k for k, _ in entries[:i] if issubclass(key, k)), None)
+        if earlier is not None:
+            raise ValueError(f"qstats.qat.prepare: {name} names {key.__name__} after {earlier.__name__}: layers match "
+                             f"the first type they are an instance of, so every {key.__name__} would take "
+                             f"{earlier.__name__}'s observer; put {key.__name__} first")
+    return entries
+
+
+def _observer_of(entries: tuple, layer: nn.Module) -> Optional[Observer]:
+    """The observer of the first entry whose type ``layer`` is an instance of; None (float) if none is."""
+    return next((observer for key, observer in entries if isinstance(layer, key)), None)
+
+
+def _refuse_embedding_activations(entries: tuple) -> None:
+    """A mapping key that names an embedding type with an activation observer: its input is ids."""
+    named = [key.__name__ for key, observer in entries if observer is not None and issubclass(key, _EMBEDDINGS)]
+    if named:
+        raise ValueError(f"qstats.qat.prepare: activation_observer maps {named} to an observer, but embeddings are "
+                         "quantized weight-only (their inputs are integer ids, as torch.ao's QAT Embedding); map them "
+                         "to None or leave them out")
+
+
 class _Rewriter:
     """Rewrites a traced graph for `prepare`: quantized layers and batch norms become calls of
     pure points that take the QAT state, phase and ranges (new placeholders) and return the new
     state, which the graph's output carries beside the model's."""
 
-    def __init__(self, gm, weight_observer, activation_observer, ste, grad_scale, dynamic_activations: bool):
+    def __init__(self, gm, weight_entries, activation_entries, ste, grad_scale, dynamic_activations: bool):
         self.gm, self.graph = gm, gm.graph
-        self.observers = {"weights": weight_observer, "activations": activation_observer}
+        self.entries = {"weights": weight_entries, "activations": activation_entries}  # `_observer_entries`
+        self.observers = {"weights": {}, "activations": {}}  # layer -> the observer of its point of that kind
+        self.dynamic = []  # layers whose activation point is dynamic (`_dynamic`)
         self.ste, self.grad_scale, self.dynamic_activations = ste, grad_scale, dynamic_activations
         placeholders = [node for node in self.graph.nodes if node.op == "placeholder"]
         if not placeholders:
@@ -759,24 +833,34 @@ class _Rewriter:
         return value
 
     def _fake_quantized(self, kind: str, key: str, value):
-        observer = self.observers[kind]
+        observer = self.observers[kind].get(key)
         if observer is None:
             return value
-        point = _FakeQuantPoint(kind, key, observer, self.ste, self.grad_scale,
-                                kind == "activations" and self.dynamic_activations)
+        dynamic = kind == "activations" and _dynamic(observer, self.dynamic_activations)
+        if dynamic and key not in self.dynamic:
+            self.dynamic.append(key)
+        point = _FakeQuantPoint(kind, key, observer, self.ste, self.grad_scale, dynamic)
         return self._point(kind, key, point, (value, self.state, self.phase, self.ranges))
+
+    def _resolve(self, key: str, layer: nn.Module) -> None:
+        """Records layer ``key``'s observers (`_observer_of`); an embedding has no activation point."""
+        for kind, entries in self.entries.items():
+            observer = _observer_of(entries, layer)
+            if observer is not None and not (kind == "activations" and isinstance(layer, _EMBEDDINGS)):
+                self.observers[kind][key] = observer
 
     def _quantized_inputs(self, node, key: str, layer: nn.Module, x, weight):
         """Fake-quantized (input, weight) nodes of one call of layer ``key``, inserted before ``node``;
         ``weight()`` makes the weight's node the first time the layer is met. An embedding's input (ids)
         stays as it is."""
-        if self.observers["weights"] is not None and not layer.weight.is_floating_point():
-            raise TypeError(f"qstats.qat.prepare: layer {key!r} ({type(layer).__name__}) has a {layer.weight.dtype} "
-                            "weight; only floating-point weights can be fake-quantized")
         if key not in self.quantized:
+            self._resolve(key, layer)
             self.quantized.append(key)
             if isinstance(layer, _EMBEDDINGS):
                 self.weight_only.append(key)
+        if key in self.observers["weights"] and not layer.weight.is_floating_point():
+            raise TypeError(f"qstats.qat.prepare: layer {key!r} ({type(layer).__name__}) has a {layer.weight.dtype} "
+                            "weight; only floating-point weights can be fake-quantized")
         with self.graph.inserting_before(node):
             if not isinstance(layer, _EMBEDDINGS):
                 x = self._fake_quantized("activations", key, x)
@@ -787,7 +871,7 @@ class _Rewriter:
     def _fake_quantized_weight(self, key: str, layer: nn.Module, weight):
         """A transposed convolution's weight is observed and fake-quantized in a convolution's layout
         (`_conv_layout`), so that its per-channel ranges are per output channel."""
-        if not isinstance(layer, _CONV_TRANSPOSE) or self.observers["weights"] is None:
+        if not isinstance(layer, _CONV_TRANSPOSE) or key not in self.observers["weights"]:
             return self._fake_quantized("weights", key, weight)
         conv = self.graph.call_function(_conv_layout, (weight, layer.groups))
         return self.graph.call_function(_conv_layout, (self._fake_quantized("weights", key, conv), layer.groups))
@@ -796,7 +880,7 @@ class _Rewriter:
         """Whether an embedding built with ``sparse=True`` computes a dense weight gradient: its weight is
         fake-quantized, whose straight-through gradient is elementwise over the whole weight (torch.ao's
         is sparse, of the same values)."""
-        dense = bool(sparse) and self.observers["weights"] is not None and isinstance(layer, _EMBEDDINGS)
+        dense = bool(sparse) and key in self.observers["weights"] and isinstance(layer, _EMBEDDINGS)
         if dense:
             warn(f"qstats.qat.prepare: embedding {key!r} has sparse=True; the gradient of its fake-quantized weight "
                  "is dense (the same values as torch.ao's sparse one)")

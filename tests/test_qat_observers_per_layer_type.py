@@ -1,0 +1,155 @@
+"""`qstats.qat.prepare` with observers per layer type: ``{layer type: Observer or None}`` mappings.
+
+Reference: torch.ao's ``prepare_qat_fx`` with a ``QConfigMapping`` giving embeddings
+``default_embedding_qat_qconfig`` (weight-only, per-row float qparams) and every other layer a QAT
+qconfig (int8 weights per tensor or per channel, uint8 activations), trained side by side over several
+SGD steps: outputs, parameter gradients and the final qparams of every fake-quantized point.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.ao.quantization import (
+    FakeQuantize,
+    MovingAveragePerChannelMinMaxObserver,
+    QConfig,
+    QConfigMapping,
+    default_embedding_qat_qconfig,
+    default_qat_qconfig,
+)
+from torch.ao.quantization.quantize_fx import prepare_qat_fx
+
+import qstats
+from qstats import QATSchedule
+
+STEPS = 6
+SCHEDULE = QATSchedule(observe_at=0, fake_quantize_at=1, freeze_ranges_at=4)
+LR = 0.05
+# torch.ao's default_fake_quant (activations of default_qat_qconfig): reduced uint8 range, averaging 0.01
+ACT_OBSERVER = qstats.moving_average_minmax(
+    qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_affine, reduce_range=True, quant_min=0,
+                                   quant_max=255), 0.01)
+EMBEDDING_OBSERVER = qstats.moving_average_minmax(
+    qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_channel_affine_float_qparams, ch_axis=0), 1.0)
+PER_CHANNEL_QAT_QCONFIG = QConfig(
+    activation=default_qat_qconfig.activation,
+    weight=FakeQuantize.with_args(observer=MovingAveragePerChannelMinMaxObserver, quant_min=-128, quant_max=127,
+                                  dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0))
+WEIGHT_QCONFIGS = {  # name -> (torch.ao qconfig of the non-embedding layers, the qstats weight observer)
+    "per_tensor": (default_qat_qconfig, qstats.moving_average_minmax(
+        qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_tensor_symmetric), 0.01)),
+    "per_channel": (PER_CHANNEL_QAT_QCONFIG, qstats.moving_average_minmax(
+        qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric, ch_axis=0), 0.01)),
+}
+
+
+class _Tagger(nn.Module):
+    """ids ``[batch, 7]`` -> Embedding -> Conv1d (the 7 positions as channels) -> Linear -> ReLU -> Linear:
+    every layer takes the previous one's output as it is (torch.ao's FX gives a transpose's output its
+    input's fake quant, which would then observe twice per step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(20, 6)
+        self.conv = nn.Conv1d(7, 5, 3, padding=1)
+        self.hidden = nn.Linear(6, 8)
+        self.relu = nn.ReLU()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.relu(self.hidden(self.conv(self.embedding(ids)))))
+
+
+def _ids(step: int) -> torch.Tensor:
+    return torch.randint(0, 20, (4, 7), generator=torch.Generator().manual_seed(step))
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return (out * torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape)).sum()
+
+
+def _torch_ao_reference(model: nn.Module, qconfig) -> tuple:
+    """``(prepared model, {"kind.layer": FakeQuantize}, [other FakeQuantize])``: torch.ao's prepare_qat_fx with
+    embeddings on ``default_embedding_qat_qconfig`` and the rest on ``qconfig``. Its fake quants that feed a
+    layer are the layers' input points; the others (the model's output) are returned apart: qstats
+    fake-quantizes layer inputs only."""
+    mapping = QConfigMapping().set_global(qconfig).set_object_type(nn.Embedding, default_embedding_qat_qconfig)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = prepare_qat_fx(copy.deepcopy(model).train(), mapping, (_ids(0),))
+    points, others = {}, []
+    for node in reference.graph.nodes:
+        module = reference.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(module, FakeQuantize):
+            (user,) = node.users
+            if user.op == "call_module" and hasattr(reference.get_submodule(user.target), "weight_fake_quant"):
+                points[f"activations.{user.target}"] = module
+            else:
+                others.append(module)
+        elif module is not None:
+            points[f"weights.{node.target}"] = module.weight_fake_quant
+    # "relu" is fused into "hidden" (LinearReLU), whose output is "head"'s input: the model's output is the
+    # one point qstats lacks
+    assert len(others) == 1 and len(points) == 7 and len({id(fq) for fq in points.values()}) == 7
+    return reference, points, others
+
+
+def _qstats_observers(weight_observer) -> dict:
+    return dict(weight_observer={nn.Embedding: EMBEDDING_OBSERVER, nn.Module: weight_observer},
+                activation_observer={nn.Module: ACT_OBSERVER})
+
+
+@pytest.mark.parametrize("weights", sorted(WEIGHT_QCONFIGS))
+def test_embedding_linear_conv_with_their_own_observers_match_torch_ao_qconfig_mapping(weights):
+    qconfig, weight_observer = WEIGHT_QCONFIGS[weights]
+    torch.manual_seed(0)
+    model = _Tagger()
+    reference, points, others = _torch_ao_reference(model, qconfig)
+    qat = qstats.qat.prepare(model, layers=(nn.Embedding, nn.Linear, nn.Conv1d), **_qstats_observers(weight_observer))
+    assert qat.layers == ("embedding", "conv", "hidden", "head") and qat.activation_layers == ("conv", "hidden", "head")
+    assert qat.weight_observers["embedding"] is EMBEDDING_OBSERVER and qat.weight_observers["conv"] is weight_observer
+
+    params = {k: v.detach().clone() for k, v in qat.params().items()}
+    state = qat.init(_ids(0))
+
+    def loss_fn(params, state, ids, phase):
+        out, new_state = qat.apply(params, state, ids, phase=phase)
+        return _loss(out), (out, new_state)
+
+    grad_fn = torch.func.grad(loss_fn, has_aux=True)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(STEPS):
+        phase = SCHEDULE(step)
+        for fq in points.values():
+            fq.enable_observer(phase.observe)
+            fq.enable_fake_quant(phase.fake_quantize)
+        for fq in others:
+            fq.disable_observer()
+            fq.disable_fake_quant()
+        optimizer.zero_grad()
+        expected = reference(_ids(step))
+        _loss(expected).backward()
+        grads, (out, state) = grad_fn(params, state, _ids(step), phase)
+        torch.testing.assert_close(out, expected.detach(), rtol=1e-6, atol=1e-6, msg=f"output at step {step}")
+        assert set(grads) == {name for name, _ in reference.named_parameters()}
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-6,
+                                       msg=f"{name} at step {step}")
+        optimizer.step()
+        params = {k: v - LR * grads[k] for k, v in params.items()}
+
+    observers = {"weights": qat.weight_observers, "activations": qat.activation_observers}
+    for kind in observers:
+        assert set(getattr(state, kind)) == {name.split(".")[1] for name in points if name.startswith(kind)}
+        for layer, layer_state in getattr(state, kind).items():
+            qp = qstats.compute_qparams(layer_state, observers[kind][layer].spec)
+            fq = points[f"{kind}.{layer}"]
+            torch.testing.assert_close(qp.scale.reshape(-1), fq.scale.reshape(-1), rtol=1e-6, atol=0,
+                                       msg=f"{kind} of {layer}")
+            torch.testing.assert_close(qp.zero_point.reshape(-1).float(), fq.zero_point.reshape(-1).float(),
+                                       rtol=1e-6, atol=1e-6, msg=f"{kind} of {layer}")
