@@ -153,3 +153,80 @@ def test_embedding_linear_conv_with_their_own_observers_match_torch_ao_qconfig_m
                                        msg=f"{kind} of {layer}")
             torch.testing.assert_close(qp.zero_point.reshape(-1).float(), fq.zero_point.reshape(-1).float(),
                                        rtol=1e-6, atol=1e-6, msg=f"{kind} of {layer}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The mapping's rules
+
+
+W_SPEC = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric, ch_axis=0)
+ACT_SPEC = qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_affine)
+LAYERS = (nn.Embedding, nn.Linear, nn.Conv1d)
+
+
+class _OwnLinear(nn.Linear):
+    pass
+
+
+def test_one_observer_for_every_type_is_the_single_observer_form():
+    torch.manual_seed(0)
+    model = _Tagger()
+    weight, activation = qstats.minmax(W_SPEC), qstats.minmax(ACT_SPEC)
+    single = qstats.qat.prepare(model, weight, activation, layers=(nn.Linear, nn.Conv1d))
+    mapped = qstats.qat.prepare(model, {nn.Module: weight}, {nn.Module: activation}, layers=(nn.Linear, nn.Conv1d))
+    results = [qat.apply(qat.params(), qat.init(_ids(0)), _ids(1)) for qat in (single, mapped)]
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(torch.stack([s.min_val for s in results[0][1].activations.values()]),
+                       torch.stack([s.min_val for s in results[1][1].activations.values()]))
+    assert single.weight_observers == mapped.weight_observers == {"conv": weight, "hidden": weight, "head": weight}
+
+
+def test_types_without_an_entry_or_with_none_stay_in_float_as_torch_ao_without_a_global_qconfig():
+    # torch.ao's QConfigMapping gives a module whose type it does not name the global qconfig: None
+    # unless set_global, and then the module stays in float
+    torch.manual_seed(0)
+    model = _Tagger()
+    weight = qstats.minmax(W_SPEC)
+    for weights in ({nn.Linear: weight}, {nn.Conv1d: None, nn.Embedding: None, nn.Module: weight}):
+        qat = qstats.qat.prepare(model, weights, {nn.Conv1d: qstats.minmax(ACT_SPEC)}, layers=LAYERS)
+        ids = _ids(2)
+        out, state = qat.apply(qat.params(), qat.init(ids), ids)
+        assert set(state.weights) == {"hidden", "head"} and set(state.activations) == {"conv"}
+        # independently: torch.ao FakeQuantize modules at those points only
+        act_fq = FakeQuantize(observer=torch.ao.quantization.MinMaxObserver, quant_min=0, quant_max=255,
+                              dtype=torch.quint8, qscheme=torch.per_tensor_affine)
+        weight_fq = [FakeQuantize(observer=torch.ao.quantization.PerChannelMinMaxObserver, quant_min=-128,
+                                  quant_max=127, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+                     for _ in range(2)]
+        x = model.conv(act_fq(model.embedding(ids)))
+        x = torch.relu(torch.nn.functional.linear(x, weight_fq[0](model.hidden.weight), model.hidden.bias))
+        expected = torch.nn.functional.linear(x, weight_fq[1](model.head.weight), model.head.bias)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_layer_takes_the_first_type_it_is_an_instance_of():
+    model = nn.Sequential(_OwnLinear(4, 4), nn.Linear(4, 2))
+    own, other = qstats.minmax(W_SPEC), qstats.memoryless_minmax(W_SPEC)
+    qat = qstats.qat.prepare(model, {_OwnLinear: own, nn.Linear: other})
+    assert qat.weight_observers == {"0": own, "1": other} and qat.activation_observers == {}
+
+
+@pytest.mark.parametrize("weights, activations, error, match", [
+    ({nn.Linear: "W", _OwnLinear: "W"}, None, ValueError, "names _OwnLinear after Linear.*put _OwnLinear first"),
+    ({nn.BatchNorm1d: "W"}, None, ValueError, r"weight_observer names BatchNorm1d, which is no type of layers"),
+    ({nn.EmbeddingBag: "W", nn.Module: "W"}, None, ValueError, "names EmbeddingBag.*add EmbeddingBag to layers="),
+    ({"Linear": "W"}, None, TypeError, "weight_observer has the key 'Linear'; its keys must be layer types"),
+    ({nn.Linear: "minmax"}, None, TypeError, r"weight_observer\[Linear\] must be a qstats Observer or None, got str"),
+    (None, {nn.Embedding: "A", nn.Module: "A"}, ValueError, r"activation_observer maps \['Embedding'\] to an observer"),
+    (None, ["A"], TypeError, "activation_observer must be a qstats Observer, None, or a mapping"),
+])
+def test_bad_mappings_are_refused_naming_the_entry(weights, activations, error, match):
+    observers = {"W": qstats.minmax(W_SPEC), "A": qstats.minmax(ACT_SPEC)}
+
+    def resolved(given):
+        if isinstance(given, dict):
+            return {key: observers.get(value, value) for key, value in given.items()}
+        return [observers[value] for value in given] if isinstance(given, list) else given
+
+    with pytest.raises(error, match=match):
+        qstats.qat.prepare(_Tagger(), resolved(weights), resolved(activations), layers=LAYERS)
