@@ -121,7 +121,8 @@ class Rule:
       targets: a string or tuple of strings: ``"re:<regex>"`` (full match on the module path), a
         module class name (subclasses match too) or an exact module path.
       sites: ``"weight"`` or any parameter name (observed once), ``"input"``, ``"output"``,
-        ``"q"``/``"k"``/``"v"`` (outputs of an attention module's projections), and on
+        ``"q"``/``"k"``/``"v"`` (of a transformers attention module: the query, key and value its
+        attention function receives; of other modules: their projections' outputs), and on
         stacked-experts modules ``"<parameter>.input"`` (e.g. ``"down_proj.input"``: the input of
         each expert's down projection).
       observer: an observer factory, ``observer(spec, **observer_kwargs) -> Observer``, or its

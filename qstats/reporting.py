@@ -17,12 +17,14 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
+from ._attention import attention_sites, heads_last, intercepted
 from ._checks import as_index
 from ._formats import effective_scale
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view
 from ._qparams import QParams, experts_qparams
 from ._quant import _codes_float, fake_quantize
 from ._sites import observe_tensor, run_model
+from ._torch_features import eager
 from .calibration import batch_weight, check_batches, runtime_qparams, runtime_spec, warn_training_mode
 from .experts import rows_by_expert
 from .observation import (ExpertCallHooks, capture_call, kept_rows, parameter_value, raise_renamed,
@@ -405,6 +407,20 @@ class _ActivationError:
         _add_error(self.error, x, self.qparams, self.found, keep, self.where)
 
 
+class _AttentionErrors:
+    """The q/k/v sites of one transformers attention module in `report`: the query, key and value
+    its attention function receives (`qstats._attention`), measured as `calibrate` observes them."""
+
+    def __init__(self, sites: dict):
+        self.sites = sites  # site -> _ActivationError
+
+    def __call__(self, query, key, value):
+        for site, x in zip(("q", "k", "v"), (query, key, value)):
+            if site in self.sites:
+                self.sites[site](heads_last(x))
+        return query, key, value
+
+
 class _ExpertErrors(ExpertCallHooks):
     """The per-expert activation sites of one stacked-experts module in `report`: the input rows of
     each expert's matmul with a stacked parameter ``P``, measured under that expert's QParams of
@@ -475,6 +491,7 @@ def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weig
     per-expert sites of stacked experts)."""
     current_weight: list = [None, 0, 0]  # the batch's weight, activations offered it, those it fitted
     handles = []
+    attention: dict = {}  # path -> (module, _AttentionErrors): q/k/v of transformers attention modules
     try:
         for path, entry in qparams.items():
             expert_sites: dict = {}
@@ -488,10 +505,14 @@ def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weig
                 else:
                     where = f"report: module {path!r} site {site!r}"
                     measure = _ActivationError(found, qp, error, current_weight, where)
-                    handles.append(observe_tensor(plan, path, site, measure))
+                    if found.kind == "projection" and intercepted(plan.modules[path]):
+                        attention.setdefault(path, (plan.modules[path], _AttentionErrors({})))[1].sites[site] = measure
+                    else:
+                        handles.append(observe_tensor(plan, path, site, measure))
             if expert_sites:
                 handles.extend(_ExpertErrors(plan.modules[path], path, expert_sites, current_weight).attach())
-        with torch.no_grad():
+        with torch.no_grad(), attention_sites({path: (module, eager(hook)) for path, (module, hook) in attention.items()},
+                                              "report"):
             for batch in batches:
                 current_weight[:] = [batch_weight(observation_weight, batch, "report"), 0, 0]
                 run_model(plan.model, batch)
