@@ -25,6 +25,7 @@ from torch.ao.quantization import (
 from torch.ao.quantization.quantize_fx import prepare_qat_fx
 
 import qstats
+from _shared import exit_rank, fork_ranks, gloo_group
 from qstats import QATSchedule
 
 STEPS = 6
@@ -230,3 +231,107 @@ def test_bad_mappings_are_refused_naming_the_entry(weights, activations, error, 
 
     with pytest.raises(error, match=match):
         qstats.qat.prepare(_Tagger(), resolved(weights), resolved(activations), layers=LAYERS)
+
+
+# ------------------------------------------------------------------------------------------------
+# Downstream of prepare: sync, save/load, learnable ranges, compile, dynamic activations
+
+
+UINT4_SPEC = qstats.QuantSpec("uint4", "asymmetric")
+
+
+def _mixed_qat():
+    """Embedding (per-row float qparams), Conv1d and Linears with observers of other families and specs."""
+    torch.manual_seed(0)
+    weights = {nn.Embedding: EMBEDDING_OBSERVER, nn.Conv1d: qstats.minmax(W_SPEC), nn.Linear: qstats.memoryless_minmax(W_SPEC)}
+    activations = {nn.Conv1d: qstats.minmax(ACT_SPEC), nn.Linear: qstats.moving_average_minmax(UINT4_SPEC, 0.1)}
+    return qstats.qat.prepare(_Tagger(), weights, activations, layers=LAYERS)
+
+
+def _trained_state(qat, steps, first: int = 0):
+    state = qat.init(_ids(first))
+    for step in range(first, first + steps):
+        _, state = qat.apply(qat.params(), state, _ids(step))
+    return state
+
+
+def _sync_mixed_rank(rank, port):
+    """Exit 0 where every activation state after sync is the merge of both ranks' with its own observer
+    (computed here from both ranks' batches), and weight states stay this rank's."""
+    qat = _mixed_qat()
+    states = [_trained_state(qat, 2, first=10 * r) for r in range(2)]
+    with gloo_group(rank, port):
+        synced = qat.sync(states[rank])
+    ok = all(torch.equal(synced.weights[k].min_val, states[rank].weights[k].min_val) for k in synced.weights)
+    for layer, observer in qat.activation_observers.items():
+        expected = observer.merge(states[0].activations[layer], states[1].activations[layer])
+        ok = ok and all(torch.equal(a, b) for a, b in zip(synced.activations[layer], expected))
+    ok = ok and any(not torch.equal(states[0].activations[k].min_val, states[1].activations[k].min_val)
+                    for k in qat.activation_observers)  # the ranks' ranges differ before the merge
+    exit_rank(0 if ok else 1)
+
+
+def test_sync_merges_every_activation_state_with_its_own_observer_on_two_ranks():
+    # spawned: a rank forked after this process ran autograd (the tests above) can hang in torch's thread pools
+    assert fork_ranks(_sync_mixed_rank, timeout=120, start_method="spawn") == [0, 0]
+
+
+def test_saved_state_resumes_training_as_the_one_kept_in_memory(tmp_path):
+    qat = _mixed_qat()
+    state = _trained_state(qat, 2)
+    qstats.save(tmp_path / "state.safetensors", state)
+    loaded = qstats.load(tmp_path / "state.safetensors")
+    assert type(loaded) is qstats.QATState
+    for kind in ("weights", "activations"):
+        for layer, layer_state in getattr(state, kind).items():
+            assert type(getattr(loaded, kind)[layer]) is type(layer_state)
+    ids = _ids(7)
+    (out, resumed), (expected, kept) = (qat.apply(qat.params(), s, ids) for s in (loaded, state))
+    assert torch.equal(out, expected)
+    assert torch.equal(resumed.activations["head"].min_val, kept.activations["head"].min_val)
+
+
+def test_learnable_ranges_start_from_each_layers_own_spec_and_train():
+    qat = _mixed_qat()
+    state = _trained_state(qat, 2)
+    ranges = qat.learnable_ranges(state)
+    assert set(ranges) == {"activations"} and set(ranges["activations"]) == {"conv", "hidden", "head"}
+    for layer, learned in ranges["activations"].items():
+        spec = qat.activation_observers[layer].spec
+        expected = qstats.lsq_init(state.activations[layer], spec)
+        assert torch.equal(learned.scale, expected.scale) and torch.equal(learned.zero_point, expected.zero_point)
+    out, _ = qat.apply(qat.params(), state, _ids(3), ranges=ranges)
+    _loss(out).backward()
+    assert all(learned.scale.grad is not None for learned in ranges["activations"].values())
+
+
+def test_compiled_step_equals_eager_with_observers_per_layer():
+    qat = _mixed_qat()
+    state = _trained_state(qat, 1)
+    phase = qstats.QATPhase()
+
+    def step(params, state, ids):
+        return qat.apply(params, state, ids, phase=phase)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    (out, new_state), (expected, expected_state) = (f(qat.params(), state, _ids(4)) for f in (compiled, step))
+    assert torch.equal(out, expected)
+    for kind in ("weights", "activations"):
+        for layer, layer_state in getattr(expected_state, kind).items():
+            assert all(torch.equal(a, b) for a, b in zip(getattr(new_state, kind)[layer], layer_state))
+
+
+def test_dynamic_activation_ranges_of_some_types_beside_static_ones():
+    # per-token activation ranges are each batch's own (no range to learn, nothing to sync); the conv's
+    # per-tensor range stays static, learnable and synchronised
+    per_token = qstats.memoryless_minmax(qstats.QuantSpec("int8", "asymmetric", granularity=qstats.PerToken()))
+    qat = qstats.qat.prepare(_Tagger(), qstats.minmax(W_SPEC), {nn.Conv1d: qstats.minmax(ACT_SPEC), nn.Linear: per_token},
+                             layers=(nn.Linear, nn.Conv1d))
+    assert qat.dynamic_layers == ("hidden", "head") and not qat.dynamic_activations
+    state = _trained_state(qat, 1)
+    ranges = qat.learnable_ranges(state)
+    assert set(ranges["activations"]) == {"conv"}
+    with pytest.raises(ValueError, match=r"ranges\['activations'\] gives learned ranges of \['hidden'\]"):
+        qat.apply(qat.params(), state, _ids(1), ranges={"activations": {"hidden": ranges["activations"]["conv"]}})
+    out, _ = qat.apply(qat.params(), state, _ids(1), ranges=ranges)
+    assert out.shape == (4, 5, 3)
