@@ -355,8 +355,9 @@ class QATModel:
         mapping by layer type).
       weight_observers, activation_observers: layer name -> the observer of its weight / input (their specs
         are the targets); a layer left in float for that kind has none.
-      layers: names of the quantized layers; ``activation_layers``: those whose input is fake-quantized
-        (never embeddings, whose inputs are integer ids); ``batchnorm_layers``: names of batch-norm layers.
+      layers: names of the layers of the types `prepare` quantizes (one whose observers are both None
+        among them, in float); ``activation_layers``: those whose input is fake-quantized (never embeddings,
+        whose inputs are integer ids); ``batchnorm_layers``: names of batch-norm layers.
       dynamic_layers: the activation layers whose ranges are each batch's own (`prepare`);
         ``dynamic_activations``: whether every activation layer's are (and there is one).
     """
