@@ -1,0 +1,34 @@
+"""docs/migrating_coreai_opt.md: under ``torch.compile``, ``compute_qparams`` of a
+`QuantSpec.from_coreai_opt` integer spec with a bf16 ``input_dtype`` gives scales computed without
+coreai_opt's intermediate bf16 roundings (inductor keeps float32 between fused ops), so most of them
+differ from coreai_opt's 0.4.0 ``StaticQParamsCalculator``, which the eager call reproduces bit for bit."""
+
+import warnings
+
+import pytest
+import torch
+
+import qstats
+
+spec_lib = pytest.importorskip("coreai_opt.quantization.spec.spec")
+from coreai_opt.config.spec import CompressionTargetTensor  # noqa: E402
+from coreai_opt.quantization.spec.factory import QuantizationComponentFactory  # noqa: E402
+
+
+def test_compiled_bf16_integer_scales_are_not_coreai_opts_and_eager_ones_are():
+    coreai_spec = spec_lib.QuantizationSpec(dtype=torch.int8, qscheme="symmetric", qparam_calculator_cls="static",
+                                            granularity={"type": "per_channel", "axis": 0})
+    x = torch.randn(1024, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calculator = QuantizationComponentFactory.create_qparams_calculator(coreai_spec, CompressionTargetTensor.WEIGHT)
+        reference = calculator(x)[0].reshape(-1).float()
+    spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=x.shape, input_dtype=torch.bfloat16)
+    obs = qstats.memoryless_minmax(spec)
+    state = obs.update(obs.init(x), x)
+    eager = qstats.compute_qparams(state, spec).scale
+    torch.compiler.reset()
+    compiled = torch.compile(lambda s: qstats.compute_qparams(s, spec), fullgraph=True)(state).scale
+    assert torch.equal(eager, reference)
+    differing = int((compiled != reference).sum())
+    assert differing > reference.numel() // 2, differing
