@@ -82,8 +82,9 @@ class QstatsObserver(LLMCompressorObserver):
         built under the args' spec; ``averaging_constant`` on accumulating ``qstats_mse`` inputs
         is refused (llm-compressor's ``mse`` averages with it; there it would be ignored)."""
         where = f"{type(self).__name__} ({self.base_name})"
-        if type(self).factory is registry.get("mse") and not self.is_weight_obs and (
-                "averaging_constant" in self.factory_options and self.factory_options.get("mode", "accumulate") == "accumulate"):
+        accumulating = self.factory_options.get("mode", "accumulate") == "accumulate"
+        if (type(self).factory is registry.get("mse") and not self.is_weight_obs and accumulating
+                and "averaging_constant" in self.factory_options):
             raise ValueError(
                 f"{where}: observer_kwargs averaging_constant applies to mode='moving_average' (llm-compressor's mse); "
                 "qstats_mse sums the losses of all batches unless observer_kwargs give mode='moving_average'")
@@ -226,7 +227,8 @@ def _registered(name: str, cls: type) -> type:
     """The class llm-compressor's registry holds as ``name``: ``cls``, registered now, or the class
     an earlier import of this module registered (``importlib.reload``: compressed-tensors'
     registry takes a name once). ImportError where another package holds the name."""
-    if standardize_lookup_name(name) not in LLMCompressorObserver.registered_names():
+    held_names = LLMCompressorObserver.registered_names() + LLMCompressorObserver.registered_aliases()
+    if standardize_lookup_name(name) not in held_names:
         return LLMCompressorObserver.register(name)(cls)
     held = LLMCompressorObserver.get_value_from_registry(name)
     if getattr(held, "__module__", None) == __name__ and getattr(held, "__qualname__", None) == cls.__qualname__:

@@ -61,3 +61,19 @@ def test_a_name_another_package_registered_is_refused_naming_it():
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError") and "qstats_histogram" in last and "Theirs" in last, last
+
+
+def test_a_name_another_package_holds_as_an_alias_is_refused_naming_it():
+    result = _run("""
+        from llmcompressor.observers import Observer
+        from llmcompressor.observers.min_max import StaticMinMaxObserver
+
+        @Observer.register("their_minmax", alias="qstats_minmax")
+        class Theirs(StaticMinMaxObserver):
+            pass
+
+        import qstats.llmcompressor
+    """)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError") and "qstats_minmax" in last and "Theirs" in last, last
