@@ -32,3 +32,24 @@ def test_compiled_bf16_integer_scales_are_not_coreai_opts_and_eager_ones_are():
     assert torch.equal(eager, reference)
     differing = int((compiled != reference).sum())
     assert differing > reference.numel() // 2, differing
+
+
+def test_float64_input_scales_are_float32_a_last_bit_off_coreai_opts_in_places():
+    """A float64 64x64 weight under a float32 per-channel asymmetric int8 spec: qstats' float32
+    scales, coreai_opt's float64 ones; some channels differ, by a last float32 bit at most."""
+    coreai_spec = spec_lib.QuantizationSpec(dtype=torch.int8, qscheme="asymmetric", qparam_calculator_cls="static",
+                                            granularity={"type": "per_channel", "axis": 0})
+    x = torch.randn(64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calculator = QuantizationComponentFactory.create_qparams_calculator(coreai_spec, CompressionTargetTensor.WEIGHT)
+        reference = calculator(x)[0].reshape(-1)
+    spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=x.shape)
+    obs = qstats.memoryless_minmax(spec)
+    ours = qstats.compute_qparams(obs.update(obs.init(x), x), spec).scale
+    assert reference.dtype == torch.float64 and ours.dtype == torch.float32
+    rounded = reference.float()
+    differing = int((ours != rounded).sum())
+    assert 0 < differing < 64, differing
+    ulp = torch.nextafter(rounded, torch.full_like(rounded, float("inf"))) - rounded
+    assert bool(((ours - rounded).abs() <= ulp).all())
