@@ -546,6 +546,16 @@ def _learnable(state, spec: QuantSpec, where: str) -> LSQParams:
     return LSQParams(*(t.detach().clone().requires_grad_(True) for t in params))
 
 
+def _layer_types(layers) -> Tuple[type, ...]:
+    """`prepare`'s ``layers`` (one type, a list or a tuple of them) as a tuple of nn.Module subclasses."""
+    if isinstance(layers, (type, list)):
+        layers = (layers,) if isinstance(layers, type) else tuple(layers)
+    if not (isinstance(layers, tuple) and layers and all(isinstance(t, type) and issubclass(t, nn.Module) for t in layers)):
+        raise TypeError(f"qstats.qat.prepare: layers must be nn.Module subclasses (Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, "
+                        f"Embedding, EmbeddingBag), got {layers!r}")
+    return layers
+
+
 def prepare(
     model: nn.Module,
     weight_observer: Union[Observer, Mapping[type, Optional[Observer]], None] = None,
@@ -592,11 +602,7 @@ def prepare(
     check_grad_scale(grad_scale)
     if not isinstance(dynamic_activations, bool):
         raise TypeError(f"qstats.qat.prepare: dynamic_activations must be True or False, got {dynamic_activations!r}")
-    if isinstance(layers, (type, list)):  # one type, or a list of them
-        layers = (layers,) if isinstance(layers, type) else tuple(layers)
-    if not (isinstance(layers, tuple) and layers and all(isinstance(t, type) and issubclass(t, nn.Module) for t in layers)):
-        raise TypeError(f"qstats.qat.prepare: layers must be nn.Module subclasses (Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, "
-                        f"Embedding, EmbeddingBag), got {layers!r}")
+    layers = _layer_types(layers)
     weight_entries = _observer_entries(weight_observer, layers, "weight_observer")
     activation_entries = _observer_entries(activation_observer, layers, "activation_observer")
     if isinstance(activation_observer, Mapping):
