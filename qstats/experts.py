@@ -27,6 +27,9 @@ __all__ = [
     "ExpertInputCapture",
     "UncalibratedWarning",
     "declared_experts",
+    "dense_expert_rows",
+    "dense_ids",
+    "dense_rows_weight",
     "expert_count",
     "all_experts_calls",
     "copies_of_tokens",
@@ -238,7 +241,7 @@ def all_experts_calls(args: tuple, kwargs: dict, num_experts: int, tokens: int) 
     """
     index, weights = _routing_tensors(args, kwargs, tokens)
     if index is None:
-        return None
+        return _dense_all_experts_calls(args, kwargs, num_experts)
     if index.shape[1] == 0:
         raise ValueError("all_experts: the experts module's routing index has no slot per token (top-k 0), so no "
                          "call of it can route tokens to an expert")
@@ -252,6 +255,55 @@ def all_experts_calls(args: tuple, kwargs: dict, num_experts: int, tokens: int) 
             tuple(replace.get(id(value), value) for value in args),
             {name: replace.get(id(value), value) for name, value in kwargs.items()},
         ))
+    return calls
+
+
+def dense_expert_rows(args: tuple, kwargs: dict, num_experts: int) -> Optional[int]:
+    """``T`` when a call of a stacked-experts module passes its hidden states alone, as dense per-expert
+    rows ``[E * T, hidden]`` (no routing tensor, no other argument): row block ``e`` is expert ``e``'s
+    (Llama 4's ``Llama4TextMoe`` passes its tokens repeated per expert, each block scaled by that
+    expert's router score, zero where the router did not send the token); else None."""
+    values = list(args) + list(kwargs.values())
+    if len(values) != 1 or not isinstance(values[0], torch.Tensor) or not values[0].is_floating_point():
+        return None
+    rows = values[0].shape[0] if values[0].ndim == 2 else 0
+    if not num_experts or not rows or rows % num_experts:
+        return None
+    return rows // num_experts
+
+
+def dense_ids(num_experts: int, per_expert: int, device=None) -> torch.Tensor:
+    """The expert of each dense row ``[E * T]`` (`dense_expert_rows`): ``e`` for block ``e``."""
+    return torch.arange(num_experts, device=device).repeat_interleave(per_expert)
+
+
+def dense_rows_weight(rows: torch.Tensor, per_expert: int, token_weight: Optional[torch.Tensor] = None,
+                      routed: bool = True) -> Optional[torch.Tensor]:
+    """The observation weight ``[E * T]`` of dense expert rows ``[E * T, hidden]`` (`dense_expert_rows`):
+    the weight of each of the ``T`` tokens (``token_weight``, padding) in every expert's block, times,
+    when ``routed``, whether the row is nonzero: a zero row is a token the router did not send to that
+    expert (score 0), which it does not observe. None where neither applies."""
+    weight = None if token_weight is None else token_weight.reshape(-1).repeat(rows.shape[0] // per_expert)
+    if routed:
+        sent = rows.ne(0).any(dim=-1).to(torch.float32)
+        weight = sent if weight is None else weight.to(sent.device) * sent
+    return weight
+
+
+def _dense_all_experts_calls(args: tuple, kwargs: dict, num_experts: int) -> Optional[list]:
+    """`all_experts_calls` of a call passing dense rows (`dense_expert_rows`): ``E`` calls, call ``c``
+    holding block ``c`` once per expert, so that every expert runs on every row of the call (as
+    llm-compressor's ``Llama4LinearExperts`` under ``moe_calibrate_all_experts``), each needing the
+    memory of the routed forward. None when the call passes no dense rows."""
+    per_expert = dense_expert_rows(args, kwargs, num_experts)
+    if per_expert is None:
+        return None
+    name = next(iter(kwargs), None)
+    x = args[0] if args else kwargs[name]
+    calls = []
+    for block in x.split(per_expert):
+        rows = block.repeat(num_experts, 1)
+        calls.append(((rows,), {}) if args else ((), {name: rows}))
     return calls
 
 
@@ -509,6 +561,7 @@ class ExpertInputCapture(TorchFunctionMode):
         self._unclamped = WeakIdKeyDictionary()  # clamped integer tensor -> the ids before the clamp
         self._token_of = WeakIdKeyDictionary()  # tensor -> the token of each of its leading rows
         self._flat = WeakIdKeyDictionary()  # tokens [..., hidden] of more than 2 dimensions -> their flat rows' tokens
+        self._split = WeakIdKeyDictionary()  # [B, n, F] viewed from traced rows [B * n, F] -> each row's token
         if tokens is not None and tokens.ndim == 2:
             self._token_of[tokens] = torch.arange(tokens.shape[0], device=tokens.device)
         elif tokens is not None and tokens.ndim > 2:  # traced from their flattening to [tokens, hidden]
@@ -532,6 +585,8 @@ class ExpertInputCapture(TorchFunctionMode):
         """The token of each row of ``x.reshape(-1, x.shape[-1])``: its leading entries' tokens,
         each repeated ``rows_per_entry`` times (default: the rows of one entry); None when ``x``
         is not traced."""
+        if isinstance(x, torch.Tensor) and x in self._split:
+            return self._split[x]
         tokens = self._token_of.get(x) if isinstance(x, torch.Tensor) and x.ndim >= 2 else None
         if tokens is None:
             return None
@@ -593,7 +648,9 @@ class ExpertInputCapture(TorchFunctionMode):
             if _arg(args, kwargs, 1, "dim") != 0 or not isinstance(index, torch.Tensor):
                 return
             tokens = tokens[index.to(tokens.device)]
-        elif kind == _RESHAPE and out.shape[0] != x.shape[0]:  # the same leading rows only
+        elif kind == _RESHAPE and out.shape[0] != x.shape[0]:  # the same leading rows only, or
+            if x.ndim == 2 and out.ndim == 3 and out.shape[-1] == x.shape[-1] and out.shape[0] * out.shape[1] == x.shape[0]:
+                self._split[out] = tokens  # rows [B * n, F] split into [B, n, F] (dense expert rows)
             return
         elif kind == _UNSQUEEZE:
             dim = _arg(args, kwargs, 1, "dim")
@@ -618,6 +675,9 @@ class ExpertInputCapture(TorchFunctionMode):
         if kind == _MATMUL:
             return self._matmul_input(args, kwargs, a, b)
         if kind == _BMM and a.ndim == 3 and b.ndim == 3:
+            whole = next((name for name, stack in self.parameters.items() if _is_whole_stack(b, stack)), None)
+            if whole is not None and a.shape[0] == b.shape[0]:  # x [E, n, in] @ P: batch e is expert e's rows
+                return self._input_rows(args, kwargs, a, whole, dense_ids(a.shape[0], a.shape[1], a.device))
             if b in self._gathered:  # x [S, m, in] @ P[ids]
                 name, ids = self._gathered[b]
                 return self._input_rows(args, kwargs, a, name, ids.repeat_interleave(a.shape[1]))

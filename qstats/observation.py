@@ -30,6 +30,9 @@ from .experts import (
     all_experts_calls,
     copies_of_tokens,
     declared_experts,
+    dense_expert_rows,
+    dense_ids,
+    dense_rows_weight,
     dispatch,
     ids_mask,
     own_parameters,
@@ -273,6 +276,16 @@ class _Calibration:
         self.weight_use[1] += weight is not None
         return weight
 
+    def experts_weight(self, rows: torch.Tensor, per_expert: Optional[int]) -> Optional[torch.Tensor]:
+        """The observation weight of an experts call's input rows ``[N, F]``: the batch's weight per
+        token (`weight_for`), or for dense rows ``[E * T, F]`` (``per_expert`` ``T``,
+        `qstats.experts.dense_expert_rows`) `dense_rows_weight`, its zero rows left out but with
+        ``all_experts`` (every expert observes every row, as llm-compressor's calibration gives it)."""
+        if per_expert is None:
+            return self.weight_for(rows, flattened=True)
+        token_weight = self.weight_for(rows[:per_expert], flattened=True)
+        return dense_rows_weight(rows, per_expert, token_weight, routed=not self.all_experts)
+
     def update(self, path: str, site: str, x: torch.Tensor, weight=None, like: Optional[torch.Tensor] = None):
         """``states[path][site] = observer.update(previous, x, weight)``, ``previous`` starting as
         ``observer.init(like)`` (``like`` defaults to ``x``), written under every key of a shared
@@ -375,22 +388,18 @@ class _RoutedSite(_SiteHook):
 class _RoutedInputSite(_RoutedSite):
     """The ``"input"`` of stacked experts: the hidden states of each outermost call (`_ExpertSites`),
     each token observed by the experts the routing of the call (`routing_mask`) sends it to (by every
-    expert with ``all_experts``), and not where the batch's observation weight is 0."""
+    expert with ``all_experts``), and not where the batch's observation weight is 0; a call passing
+    dense per-expert rows instead of a routing (Llama 4) as `_observe_dense`."""
 
     def observe(self, args, kwargs) -> None:
         x = input_tensor(args, kwargs)
         if not is_float_tensor(x):
             return
         tokens = x.detach().reshape(-1, x.shape[-1])
-        # a call without routing (Llama 4's dense [E*T, H] rows) is refused with all_experts too
         mask = routing_mask(args, kwargs, self.found.num_experts, tokens.shape[0])
         if mask is None:
-            raise ValueError(
-                f"calibrate: cannot find the routing (an integer tensor [tokens, k] of selected experts) "
-                f"in the call of the experts module {self.path!r}; with all_experts too, as its rows need "
-                "not be tokens (Llama 4 passes [E * tokens, hidden]): where every expert runs on the same "
-                "tokens, observe the input of the module that calls it (one state for all experts)"
-            )
+            self._observe_dense(args, kwargs, tokens)
+            return
         extra = self.run.weight_for(tokens, flattened=True)
         slots = None if self.run.all_experts else routed_slots(args, kwargs, self.found.num_experts, tokens.shape[0])
         if self.run.all_experts:  # every token observed by every expert
@@ -401,6 +410,26 @@ class _RoutedInputSite(_RoutedSite):
         if extra is not None:
             mask = mask * (extra != 0).to(mask.dtype)
         self.observe_rows(tokens, mask)
+
+    def _observe_dense(self, args, kwargs, rows: torch.Tensor) -> None:
+        """A call without routing that passes dense per-expert rows ``[E * T, hidden]``
+        (`qstats.experts.dense_expert_rows`): expert ``e`` observes its block's nonzero rows (the
+        tokens routed to it, times their scores), with ``all_experts`` every row of the call."""
+        num_experts = self.found.num_experts
+        per_expert = dense_expert_rows(args, kwargs, num_experts)
+        if per_expert is None:
+            raise ValueError(
+                f"calibrate: cannot find the routing (an integer tensor [tokens, k] of selected experts) in the "
+                f"call of the experts module {self.path!r}, nor does it pass dense per-expert rows [E * tokens, "
+                "hidden] alone: where every expert runs on the same tokens, observe the input of the module that "
+                "calls it (one state for all experts)"
+            )
+        if self.run.all_experts:
+            mask = rows.new_ones(num_experts, rows.shape[0], dtype=torch.float32)
+        else:
+            mask = ids_mask(dense_ids(num_experts, per_expert, rows.device), num_experts)
+        weight = self.run.experts_weight(rows, per_expert)
+        self.observe_rows(rows, mask if weight is None else mask * (weight != 0).to(mask.dtype))
 
 
 class _ExpertSites(ExpertCallHooks):
@@ -417,10 +446,11 @@ class _ExpertSites(ExpertCallHooks):
         self.sites = {site: _RoutedSite(run, path, site) for site in sites}
         self.parameters = {site: parameter_input_site(site) for site in sites}
 
-    def _start(self, module, x) -> tuple:
-        """Enters a capture for one forward of the experts over the tokens ``x``."""
+    def _start(self, module, x, per_expert: Optional[int] = None) -> tuple:
+        """Enters a capture for one forward of the experts over the tokens ``x`` (dense per-expert rows,
+        ``per_expert`` rows each, where given: `qstats.experts.dense_expert_rows`)."""
         tokens = x.numel() // x.shape[-1] if isinstance(x, torch.Tensor) and x.ndim and x.shape[-1] else 0
-        weight = self.run.weight_for(x.reshape(-1, x.shape[-1]), flattened=True) if tokens else None
+        weight = self.run.experts_weight(x.reshape(-1, x.shape[-1]), per_expert) if tokens else None
         names = set(self.parameters.values())
         if weight is not None:  # trace the tokens of the rows: through every stacked parameter
             names |= set(_stacked_names(module))
@@ -439,7 +469,11 @@ class _ExpertSites(ExpertCallHooks):
             return ()
         if self.run.all_experts:
             return None, args, kwargs
-        return self._start(module, input_tensor(args, kwargs))
+        return self._start(module, input_tensor(args, kwargs), self._dense(args, kwargs))
+
+    def _dense(self, args: tuple, kwargs: dict) -> Optional[int]:
+        """`qstats.experts.dense_expert_rows` of a call of the module."""
+        return dense_expert_rows(args, kwargs, next(iter(self.sites.values())).found.num_experts)
 
     def finish(self, module, started: tuple, output) -> None:
         if not started:
@@ -474,7 +508,8 @@ class _ExpertSites(ExpertCallHooks):
 
         found: dict = {}  # site -> [(rows, mask)] of every call: each expert is in one call only
         for call_args, call_kwargs in calls:
-            capture, handles, tokens, weight = self._start(module, x)
+            call_x = input_tensor(call_args, call_kwargs)  # the tokens, or (dense rows) their blocks per expert
+            capture, handles, tokens, weight = self._start(module, call_x, self._dense(call_args, call_kwargs))
             self.run.discarded += 1  # the sites of its children observe the model's own forward only
             try:
                 with torch.no_grad():  # no hooks of the module: only the capture watches it

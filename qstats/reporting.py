@@ -26,7 +26,7 @@ from ._quant import _codes_float, fake_quantize
 from ._sites import observe_tensor, run_model
 from ._torch_features import eager
 from .calibration import batch_weight, check_batches, runtime_qparams, runtime_spec, warn_training_mode
-from .experts import rows_by_expert
+from .experts import dense_expert_rows, dense_rows_weight, rows_by_expert
 from .observation import (ExpertCallHooks, capture_call, kept_rows, parameter_value, raise_renamed,
                           stop_capture, unrecognised_sites_error, warn_unfitted, weight_of)
 from .recipe import Plan, Recipe, as_plan
@@ -428,7 +428,8 @@ class _ExpertErrors(ExpertCallHooks):
     `fake_quantized` quantizes (`qstats.calibration._ExpertInputs`), per call and expert (run-time
     scales from each expert's rows of a call, as there). The rows are captured during the float
     forward (`ExpertInputCapture`) and measured when it ends, leaving out those of tokens whose
-    observation weight is 0."""
+    observation weight is 0 (of dense per-expert rows, Llama 4's, also the rows of tokens not routed
+    to the expert: `qstats.experts.dense_rows_weight`)."""
 
     def __init__(self, module: torch.nn.Module, path: str, sites: dict, current_weight: list):
         super().__init__(module)
@@ -436,17 +437,21 @@ class _ExpertErrors(ExpertCallHooks):
         self.sites = sites  # site -> (QParams or None, found, _Error)
 
     def start(self, module, args, kwargs) -> tuple:
-        return capture_call(module, args, kwargs)
+        num_experts = next(iter(self.sites.values()))[1].num_experts
+        return (*capture_call(module, args, kwargs), dense_expert_rows(args, kwargs, num_experts))
 
     def finish(self, module, started: tuple, output) -> None:
-        capture, hooks, tokens = started
+        capture, hooks, tokens, per_expert = started
         stop_capture(capture, hooks)
         if output is None:  # the forward raised
             return
         weight = self.current_weight[0] if tokens is not None else None
+        rows = None if tokens is None else tokens.reshape(-1, tokens.shape[-1])
         if weight is not None:  # calibrate's fit: one weight per token of the experts' input
-            rows = tokens.reshape(-1, tokens.shape[-1])
-            weight = _fitted(self.current_weight, weight_of(rows, weight, flattened=True))
+            weight = _fitted(self.current_weight, weight_of(rows if per_expert is None else rows[:per_expert],
+                                                            weight, flattened=True))
+        if rows is not None and per_expert is not None:  # dense rows [E * T, F]: each expert's routed rows
+            weight = dense_rows_weight(rows, per_expert, weight)
         measured: set = set()
         for name, calls in capture.rows.items():
             for site in ("input", f"{name}.input"):  # both where both exist, as `fake_quantized` applies them
