@@ -223,3 +223,22 @@ def test_fake_quantized_and_report_take_each_experts_rows(single_thread_quiet):
                 total += part.numel()
             assert rows[(path, site)].sqnr_db == pytest.approx(10 * math.log10(signal / noise), rel=1e-5)
             assert clipped and rows[(path, site)].clipped_fraction == pytest.approx(clipped / total)
+
+
+@pytest.mark.parametrize("all_experts", [False, True])
+def test_layerwise_calibration_equals_calibrate(all_experts, tmp_path, single_thread_quiet):
+    """``calibrate_layerwise`` (float propagation) on the model built on meta, read from its checkpoint:
+    the states of ``calibrate`` on the loaded model, bit for bit."""
+    model = _model("llama4_text")
+    model.save_pretrained(str(tmp_path))
+    recipe = qstats.Recipe([qstats.Rule("Llama4TextExperts", sites=SITES, observer=qstats.minmax, spec=MINMAX)])
+    batches = _batches()
+    expected = qstats.calibrate(model, batches, recipe, progress=False, all_experts=all_experts)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        meta = type(model)(model.config).eval()
+    states = qstats.calibrate_layerwise(meta, str(tmp_path), batches, recipe, progress=False, all_experts=all_experts)
+    assert sorted(states) == sorted(expected) and len(states) == 2
+    for path, entry in expected.items():
+        for site, state in entry.items():
+            assert all(torch.equal(a, b) for a, b in zip(states[path][site], state)), (path, site)
