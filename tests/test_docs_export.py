@@ -87,3 +87,11 @@ def test_transformers_cpu_forward_of_fp4_and_mx_checkpoints_fails(tmp_path, sche
     loaded = _loaded(tmp_path / "quantized", run_compressed)
     with pytest.raises(RuntimeError, match="same dtype"), torch.no_grad():
         loaded(**batch)
+
+
+def test_a_model_cast_to_bfloat16_casts_its_rotary_frequencies_but_a_loaded_one_keeps_them_float32(tmp_path):
+    """Why the docs say to calibrate a half-precision model as ``from_pretrained`` loads it."""
+    loaded = _qwen3(torch.bfloat16, tmp_path)
+    cast = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).to(torch.bfloat16)
+    assert loaded.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert cast.model.rotary_emb.inv_freq.dtype == torch.bfloat16
