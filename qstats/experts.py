@@ -234,14 +234,16 @@ def routed_slots(args: tuple, kwargs: dict, num_experts: int, tokens: int) -> Op
     return _scatter_mask(index.transpose(0, 1).reshape(1, -1), num_experts)
 
 
-def all_experts_calls(args: tuple, kwargs: dict, num_experts: int, tokens: int) -> Optional[list]:
+def all_experts_calls(args: tuple, kwargs: dict, num_experts: int, tokens: int,
+                      module: Optional[torch.nn.Module] = None) -> Optional[list]:
     """The ``[(args, kwargs), ...]`` of ``ceil(E / k)`` calls of an experts module that together route every
     token to every expert with weight 1 (llm-compressor's ``moe_calibrate_all_experts``), each needing
-    the memory of one routed forward. None when the call has no routing tensor.
+    the memory of one routed forward; for a call of ``module`` passing dense rows, `_dense_all_experts_calls`.
+    None when the call has neither a routing tensor nor dense rows.
     """
     index, weights = _routing_tensors(args, kwargs, tokens)
     if index is None:
-        return _dense_all_experts_calls(args, kwargs, num_experts)
+        return None if module is None else _dense_all_experts_calls(module, args, kwargs)
     if index.shape[1] == 0:
         raise ValueError("all_experts: the experts module's routing index has no slot per token (top-k 0), so no "
                          "call of it can route tokens to an expert")
@@ -258,18 +260,33 @@ def all_experts_calls(args: tuple, kwargs: dict, num_experts: int, tokens: int) 
     return calls
 
 
-def dense_expert_rows(args: tuple, kwargs: dict, num_experts: int) -> Optional[int]:
-    """``T`` when a call of a stacked-experts module passes its hidden states alone, as dense per-expert
-    rows ``[E * T, hidden]`` (no routing tensor, no other argument): row block ``e`` is expert ``e``'s
-    (Llama 4's ``Llama4TextMoe`` passes its tokens repeated per expert, each block scaled by that
-    expert's router score, zero where the router did not send the token); else None."""
+def dense_expert_rows(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[int]:
+    """``T`` when a call of the stacked-experts ``module`` passes its hidden states alone, as dense
+    per-expert rows ``[E * T, hidden]``: row block ``e`` is expert ``e``'s (Llama 4's ``Llama4TextMoe``
+    passes its tokens repeated per expert, each block times that expert's router score, zero where the
+    router did not send the token). Such a module's forward takes that one argument, and it holds
+    nothing but its stacks ``[E, ...]`` (no router, no child with parameters); else None."""
+    num_experts = expert_count(module)
     values = list(args) + list(kwargs.values())
     if len(values) != 1 or not isinstance(values[0], torch.Tensor) or not values[0].is_floating_point():
         return None
     rows = values[0].shape[0] if values[0].ndim == 2 else 0
-    if not num_experts or not rows or rows % num_experts:
+    if not num_experts or not rows or rows % num_experts or not _holds_stacks_only(module, num_experts):
         return None
     return rows // num_experts
+
+
+def _holds_stacks_only(module: torch.nn.Module, num_experts: int) -> bool:
+    """True when ``module``'s forward takes one argument and its parameters are all its own (or its
+    parametrizations'), stacked over its ``num_experts`` experts (3+-D, leading dimension ``E``)."""
+    try:
+        names = [p for p in inspect.signature(module.forward).parameters.values()
+                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    children = [child for name, child in module.named_children() if name != "parametrizations"]  # not a router
+    return (len(names) == 1 and not any(True for child in children for _ in child.parameters())
+            and all(p.ndim >= 3 and p.shape[0] == num_experts for p in own_parameters(module).values()))
 
 
 def dense_ids(num_experts: int, per_expert: int, device=None) -> torch.Tensor:
@@ -290,14 +307,15 @@ def dense_rows_weight(rows: torch.Tensor, per_expert: int, token_weight: Optiona
     return weight
 
 
-def _dense_all_experts_calls(args: tuple, kwargs: dict, num_experts: int) -> Optional[list]:
+def _dense_all_experts_calls(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[list]:
     """`all_experts_calls` of a call passing dense rows (`dense_expert_rows`): ``E`` calls, call ``c``
     holding block ``c`` once per expert, so that every expert runs on every row of the call (as
     llm-compressor's ``Llama4LinearExperts`` under ``moe_calibrate_all_experts``), each needing the
     memory of the routed forward. None when the call passes no dense rows."""
-    per_expert = dense_expert_rows(args, kwargs, num_experts)
+    per_expert = dense_expert_rows(module, args, kwargs)
     if per_expert is None:
         return None
+    num_experts = expert_count(module)
     name = next(iter(kwargs), None)
     x = args[0] if args else kwargs[name]
     calls = []

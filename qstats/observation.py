@@ -416,7 +416,7 @@ class _RoutedInputSite(_RoutedSite):
         (`qstats.experts.dense_expert_rows`): expert ``e`` observes its block's nonzero rows (the
         tokens routed to it, times their scores), with ``all_experts`` every row of the call."""
         num_experts = self.found.num_experts
-        per_expert = dense_expert_rows(args, kwargs, num_experts)
+        per_expert = dense_expert_rows(self.run.plan.modules[self.path], args, kwargs)
         if per_expert is None:
             raise ValueError(
                 f"calibrate: cannot find the routing (an integer tensor [tokens, k] of selected experts) in the "
@@ -473,7 +473,7 @@ class _ExpertSites(ExpertCallHooks):
 
     def _dense(self, args: tuple, kwargs: dict) -> Optional[int]:
         """`qstats.experts.dense_expert_rows` of a call of the module."""
-        return dense_expert_rows(args, kwargs, next(iter(self.sites.values())).found.num_experts)
+        return dense_expert_rows(self.module, args, kwargs)
 
     def finish(self, module, started: tuple, output) -> None:
         if not started:
@@ -493,7 +493,7 @@ class _ExpertSites(ExpertCallHooks):
         if not is_float_tensor(x):
             return
         num_experts = next(iter(self.sites.values())).found.num_experts
-        calls = all_experts_calls(args, kwargs, num_experts, x.numel() // x.shape[-1])
+        calls = all_experts_calls(args, kwargs, num_experts, x.numel() // x.shape[-1], module)
         if calls is None:
             raise ValueError(
                 f"calibrate: all_experts: cannot find the routing (an integer tensor [tokens, k] of selected "

@@ -437,8 +437,7 @@ class _ExpertErrors(ExpertCallHooks):
         self.sites = sites  # site -> (QParams or None, found, _Error)
 
     def start(self, module, args, kwargs) -> tuple:
-        num_experts = next(iter(self.sites.values()))[1].num_experts
-        return (*capture_call(module, args, kwargs), dense_expert_rows(args, kwargs, num_experts))
+        return (*capture_call(module, args, kwargs), dense_expert_rows(module, args, kwargs))
 
     def finish(self, module, started: tuple, output) -> None:
         capture, hooks, tokens, per_expert = started

@@ -242,3 +242,27 @@ def test_layerwise_calibration_equals_calibrate(all_experts, tmp_path, single_th
     for path, entry in expected.items():
         for site, state in entry.items():
             assert all(torch.equal(a, b) for a, b in zip(states[path][site], state)), (path, site)
+
+
+class _BlockWithRouter(torch.nn.Module):
+    """A whole MoE block owning stacked experts and its router, called with the tokens alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts = 2
+        self.router = torch.nn.Linear(4, 2, bias=False)
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(2, 4, 6))
+
+    def forward(self, hidden_states):
+        expert = self.router(hidden_states).argmax(dim=-1)
+        return torch.stack([hidden_states[t] @ self.gate_up_proj[e] for t, e in enumerate(expert.tolist())])
+
+
+def test_a_block_with_its_router_is_not_read_as_dense_rows(single_thread_quiet):
+    """Its [T, hidden] tokens (T a multiple of E) are no per-expert blocks: ``input`` raises, naming it."""
+    block = _BlockWithRouter().eval()
+    recipe = qstats.Recipe([qstats.Rule("_BlockWithRouter", sites=("input",), observer=qstats.minmax, spec=MINMAX)])
+    assert qstats.experts.dense_expert_rows(block, (torch.randn(6, 4),), {}) is None
+    for all_experts in (False, True):
+        with pytest.raises(ValueError, match="experts module ''"):
+            qstats.calibrate(block, [torch.randn(6, 4)], recipe, progress=False, all_experts=all_experts)
