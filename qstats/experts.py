@@ -46,6 +46,7 @@ __all__ = [
     "stacked_observer",
     "stacked_qparams",
     "takes_routing",
+    "transposed_stacks",
     "unstacked_parameter_problem",
     "uncovered_experts",
     "warn_uncovered",
@@ -116,11 +117,17 @@ def linearized_experts(path: str, module: torch.nn.Module, site: Optional[str] =
     return [f"{path}.{expert}.{name}" for expert in range(down.shape[0]) for name in names]
 
 
+def transposed_stacks(module: torch.nn.Module) -> bool:
+    """True when ``module``'s stacked weights are stored transposed, ``[E, in, out]`` (transformers'
+    ``is_transposed`` experts, GPT-OSS; Llama 4's ``Llama4TextExperts``)."""
+    return bool(getattr(module, "is_transposed", False)) or type(module).__name__ == "Llama4TextExperts"
+
+
 def linearized_layout_problem(module: torch.nn.Module) -> Optional[str]:
     """Why qstats' stacked sites of ``module`` do not observe the per-expert Linears
     llm-compressor linearizes it into (weights stored transposed ``[E, in, out]``, gate and up
     interleaved column by column), or None."""
-    if getattr(module, "is_transposed", False) or type(module).__name__ == "Llama4TextExperts":
+    if transposed_stacks(module):
         return "its stacked weights are transposed ([E, in, out]): qstats would observe them along the wrong axis"
     if not getattr(module, "is_concatenated", True):
         return "its gate and up projections are interleaved column by column in gate_up_proj"

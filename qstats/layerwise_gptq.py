@@ -24,7 +24,7 @@ import torch
 from ._formats import COMPUTE_DTYPE_NAMES
 from .calibration import compute_qparams_tree
 from .export.checkpoint import check_new_folder, embedding_modules, write_index, write_tensors
-from .experts import UncalibratedWarning
+from .experts import UncalibratedWarning, transposed_stacks
 from .gptq_quantize import check_options, gptq
 from . import distributed
 from .layerwise import agreed, group_up, run_layerwise
@@ -63,6 +63,12 @@ def _targets(plan: Plan) -> dict:
         for site, observed in entry.items():
             if observed.kind != "parameter":
                 continue
+            if observed.num_experts and transposed_stacks(plan.modules[path]):  # GPTQ takes [E, out, in]
+                raise ValueError(
+                    f"gptq_layerwise: parameter {site!r} of the experts module {path!r} "
+                    f"({type(plan.modules[path]).__name__}) is stored transposed ([E, in, out]); GPTQ takes each "
+                    "expert's weight as [out, in] and would quantize it along the wrong axis"
+                )
             if observed.num_experts:
                 found[(path, site)] = f"{site}.input"
             elif site == "weight" and isinstance(plan.modules[path], torch.nn.Linear):
