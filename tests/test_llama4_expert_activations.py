@@ -165,8 +165,10 @@ def test_input_scales_equal_llm_compressor_oneshot(scheme, field, key, all_exper
 
 def _fake_quantize_by_hand(model, qparams, args):
     """A copy of ``model`` whose experts' forward runs expert by expert, each input and ``down_proj``
-    input fake-quantized by compressed-tensors under that expert's scale."""
+    input fake-quantized by compressed-tensors under that expert's static scale (or, for run-time
+    scales, its own rows' scales under that expert's global scale)."""
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
 
     reference = copy.deepcopy(model)
     for path, experts in _experts(reference).items():
@@ -175,8 +177,16 @@ def _fake_quantize_by_hand(model, qparams, args):
             out = []
             for e, rows in enumerate(x.view(num, -1, x.shape[-1])):
                 def quantized(value, site):
-                    scale = qparams[path][site].scale[e].reshape(1)
-                    return fake_quantize(value, scale, torch.zeros_like(scale), args)
+                    qp = qparams[path][site]
+                    global_scale = None if qp is None or qp.global_scale is None else qp.global_scale[e].reshape(1)
+                    if args.dynamic:  # [1, rows, in]: compressed-tensors' "token" scales a 2-D input as one
+                        # tensor (docs/differences.md); qstats, as vLLM, per row
+                        scale, zero = compute_dynamic_scales_and_zp(value[None], args, torch.nn.Module(), global_scale)
+                        scale, zero = scale[0], zero[0]
+                    else:
+                        scale = qp.scale[e].reshape(1)
+                        zero = torch.zeros_like(scale)
+                    return fake_quantize(value, scale, zero, args, global_scale=global_scale)
 
                 gate, up = (quantized(rows, "input") @ experts.gate_up_proj[e]).split(inter, dim=-1)
                 out.append(quantized(up * experts.act_fn(gate), "down_proj.input") @ experts.down_proj[e])
@@ -184,6 +194,24 @@ def _fake_quantize_by_hand(model, qparams, args):
 
         experts.forward = forward
     return reference
+
+
+@pytest.mark.parametrize("scheme", ["W8A8", "NVFP4"])
+def test_fake_quantized_run_time_scales_take_each_experts_rows(scheme, single_thread_quiet):
+    compressed = pytest.importorskip("compressed_tensors.quantization")
+    args = compressed.preset_name_to_scheme(scheme, ["Linear"]).input_activations
+    model = _model("llama4_text")
+    plan = _expert_input_recipe(scheme).resolve(model)
+    states = qstats.calibrate(model, _batches(), plan, progress=False)
+    qparams = qstats.compute_qparams_tree(states, plan)
+    held_out = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        with qstats.fake_quantized(model, qparams, plan):
+            ours = model(held_out).logits
+        expected = _fake_quantize_by_hand(model, qparams, args)(held_out).logits
+        plain = model(held_out).logits
+    assert torch.equal(ours, expected)
+    assert not torch.equal(ours, plain)
 
 
 def test_fake_quantized_and_report_take_each_experts_rows(single_thread_quiet):
