@@ -4,7 +4,9 @@ q/k norms, as compressed-tensors' hooked attention and kv cache quantize them (l
 observes them there). They come as ``[batch, heads, tokens, head_dim]`` and are observed as
 ``[batch, tokens, heads * head_dim]`` (`heads_last`), the projections' output shape.
 
-`intercepted(module)` says whether a module's sites are those; `attention_sites(hooks, caller)`
+`intercepted(module)` says whether a module's sites are those (`attention_module`: whether it has
+them without ``q_proj``/``k_proj``/``v_proj`` children, as Phi-3's fused ``qkv_proj`` or MLA's
+``kv_b_proj``); `attention_sites(hooks, caller)`
 runs such modules, for the duration, under qstats' counterpart of their attention implementation
 (`qstats._attention_functions`), which hands each call's query, key and value to its module's hook.
 Other attention modules (no transformers config) keep their projections' outputs as sites.
@@ -21,13 +23,21 @@ import torch
 
 from ._torch_features import eager
 
-__all__ = ["intercepted", "attention_sites", "heads_last", "heads_first"]
+__all__ = ["intercepted", "attention_module", "attention_sites", "heads_last", "heads_first"]
 
 
 def intercepted(module: torch.nn.Module) -> bool:
     """Whether ``module``'s q/k/v sites are its attention function's arguments: a transformers
     attention module, which holds the config naming the implementation it calls."""
     return hasattr(getattr(module, "config", None), "_attn_implementation")
+
+
+def attention_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has q/k/v sites whatever its children: an `intercepted` module whose class
+    name says attention, as compressed-tensors names attention modules (a model, decoder layer or
+    MLP holding the config is none). A forward that does not call its attention function through
+    transformers' ``AttentionInterface`` is refused at calibration, naming it."""
+    return intercepted(module) and "attention" in type(module).__name__.lower()
 
 
 def heads_last(x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ._attention import attention_module
 from ._spec import QuantSpec
 from .observers import registry
 from .observers.search import search
@@ -463,7 +464,7 @@ def child_projection(module, site: str):
 
 def _kv_cache_sites(path: str, module) -> bool:
     """`Rule.matcher` of a ``kv_cache_scheme``: the attention modules compressed-tensors caches
-    (`_kv_cache_module`), each with the k/v projections qstats observes (`_check_projections`)."""
+    (`_kv_cache_module`), each with k/v sites qstats observes (`_check_projections`)."""
     if not _kv_cache_module(path, module):
         return False
     _check_projections(path, module, ("k", "v"), "the kv_cache_scheme")
@@ -471,15 +472,18 @@ def _kv_cache_sites(path: str, module) -> bool:
 
 
 def _check_projections(path: str, module, sites: tuple, what: str) -> None:
-    """ValueError where the attention module at ``path``, which compressed-tensors quantizes,
-    lacks a projection child of ``sites`` (a recipe finds q/k/v sites by them): a fused
-    ``qkv_proj`` (Phi-3) or MLA's ``kv_b_proj`` would lose that quantization silently."""
-    missing = [site for site in sites if child_projection(module, site) is None]
+    """ValueError where the attention module at ``path``, which compressed-tensors quantizes, has no
+    q/k/v sites of ``sites``: a transformers attention module (`qstats._attention.attention_module`)
+    has them all (its attention function's arguments); another module has those of its projection
+    children only, so a fused ``qkv_proj`` there would lose that quantization silently."""
+    missing = [] if attention_module(module) else [site for site in sites if child_projection(module, site) is None]
     if missing:
         raise ValueError(f"Recipe: {what} applies to the attention module {path!r} ({type(module).__name__}), whose "
-                         f"{'/'.join(sites)} compressed-tensors quantizes, but qstats finds these sites by their "
-                         f"{'/'.join(PROJECTION_NAMES[site][0] for site in missing)} children, which it has not (a "
-                         "fused qkv_proj, MLA's kv_b_proj): not supported; ignore the module or drop that scheme")
+                         f"{'/'.join(sites)} compressed-tensors quantizes, but it is no transformers attention module "
+                         "(no config naming its attention implementation, read through AttentionInterface), where "
+                         f"qstats finds these sites by their {'/'.join(PROJECTION_NAMES[site][0] for site in missing)} "
+                         "children, which it has not (a fused qkv_proj): not supported; ignore the module or drop "
+                         "that scheme")
 
 
 def compressed_tensors_ignore(ignore) -> Any:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
+from ._attention import attention_module, intercepted
 from ._checkpoint_names import module_renamer
 from ._granularity import PerBlock, PerGroup, PerTensor, TensorGroup
 from ._rule_data import recipe_fields
@@ -122,7 +123,8 @@ class Rule:
         module class name (subclasses match too) or an exact module path.
       sites: ``"weight"`` or any parameter name (observed once), ``"input"``, ``"output"``,
         ``"q"``/``"k"``/``"v"`` (of a transformers attention module: the query, key and value its
-        attention function receives; of other modules: their projections' outputs), and on
+        attention function receives, with or without ``q_proj``/``k_proj``/``v_proj`` children, as
+        Phi-3's fused ``qkv_proj``; of other modules: their child projections' outputs), and on
         stacked-experts modules ``"<parameter>.input"`` (e.g. ``"down_proj.input"``: the input of
         each expert's down projection).
       observer: an observer factory, ``observer(spec, **observer_kwargs) -> Observer``, or its
@@ -237,8 +239,8 @@ def _site_kind(module: torch.nn.Module, params: dict, num_experts: int, site: st
     module has no such site."""
     if site in params:
         return "parameter", num_experts if is_stacked_parameter(params[site], num_experts) else 0
-    if site in PROJECTION_NAMES:
-        return ("projection", 0) if child_projection(module, site) is not None else None
+    if site in PROJECTION_NAMES:  # a transformers attention module's, or a child projection's output
+        return ("projection", 0) if attention_module(module) or child_projection(module, site) is not None else None
     if site == "input":
         return "input", num_experts
     if site == "output":
@@ -370,9 +372,11 @@ class Plan:
 
     def hooked_module(self, path: str, site: str) -> torch.nn.Module:
         """The module whose forward carries an activation site's tensor: the child projection
-        of a ``q``/``k``/``v`` site, the module itself otherwise."""
+        of a ``q``/``k``/``v`` site of a module that is not `intercepted`, the module itself otherwise
+        (a transformers attention module's attention function, inside its forward)."""
         module = self.modules[path]
-        return child_projection(module, site) if self.sites[path][site].kind == "projection" else module
+        child = self.sites[path][site].kind == "projection" and not intercepted(module)
+        return child_projection(module, site) if child else module
 
     def state_keys(self, path: str, site: str) -> tuple:
         """The ``(path, site)`` keys holding one shared state with ``site`` of ``path``: its
@@ -490,8 +494,8 @@ class Recipe:
     For each module and site, the first rule whose targets match the module and whose ``sites``
     contain the site wins; modules matching ``ignore`` (``Rule.targets`` syntax) by their path or
     their checkpoint name (the name transformers' ``save_pretrained`` writes) are skipped. A site
-    applies only to modules that have it: a parameter owned directly, a ``q``/``k``/``v`` child
-    projection, a stacked parameter for ``"<parameter>.input"``. ``shared`` maps
+    applies only to modules that have it: a parameter owned directly, ``q``/``k``/``v`` on a
+    transformers attention module or a child projection, a stacked parameter for ``"<parameter>.input"``. ``shared`` maps
     ``"<path>:<site>"`` to the ``"<owner path>:<owner site>"`` whose state it shares.
 
     >>> import torch, qstats
