@@ -87,7 +87,8 @@ def test_expert_sites_observe_each_experts_rows(all_experts, single_thread_quiet
             assert int(states[path]["input"].count.sum()) == 2 * sum(x.numel() // 8 for x, _ in calls[path])
 
 
-def test_tokens_of_weight_zero_are_left_out(single_thread_quiet):
+@pytest.mark.parametrize("all_experts", [False, True])
+def test_tokens_of_weight_zero_are_left_out(all_experts, single_thread_quiet):
     model = _model("llama4_text")
     recipe = qstats.Recipe([qstats.Rule("Llama4TextExperts", sites=SITES, observer=qstats.minmax, spec=MINMAX)])
     batches = _batches()
@@ -97,10 +98,11 @@ def test_tokens_of_weight_zero_are_left_out(single_thread_quiet):
     by_batch = {id(b): w for b, w in zip(batches, weights)}
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the weight fits every site
-        states = qstats.calibrate(model, batches, recipe, progress=False, observation_weight=lambda b: by_batch[id(b)])
+        states = qstats.calibrate(model, batches, recipe, progress=False, observation_weight=lambda b: by_batch[id(b)],
+                                  all_experts=all_experts)
     calls = _recorded_inputs(model, batches, weights)
     for path, experts in _experts(model).items():
-        for site, per_expert in _rows_by_hand(experts, calls[path], False).items():
+        for site, per_expert in _rows_by_hand(experts, calls[path], all_experts).items():
             for e, rows in enumerate(per_expert):
                 assert int(states[path][site].count[e]) == rows.numel()
                 assert torch.equal(states[path][site].max_val[e], rows.amax())
