@@ -23,7 +23,7 @@ import torch
 
 from ._torch_features import eager
 
-__all__ = ["intercepted", "attention_module", "attention_sites", "heads_last", "heads_first"]
+__all__ = ["intercepted", "attention_module", "latent_attention", "LATENT_CACHE", "attention_sites", "heads_last", "heads_first"]
 
 
 def intercepted(module: torch.nn.Module) -> bool:
@@ -38,6 +38,22 @@ def attention_module(module: torch.nn.Module) -> bool:
     MLP holding the config is none). A forward that does not call its attention function through
     transformers' ``AttentionInterface`` is refused at calibration, naming it."""
     return intercepted(module) and "attention" in type(module).__name__.lower()
+
+
+# why k/v of multi-head latent attention are refused where compressed-tensors' kv cache quantizes them
+LATENT_CACHE = (
+    "it is multi-head latent attention (a kv_b_proj child, no k_proj/v_proj): compressed-tensors' kv cache "
+    "quantizes the tensors the module hands its cache, which in transformers 5 are the compressed latent and the "
+    "rotary key for DeepSeek-V3 (k_scale/v_scale of those), where qstats' k/v sites are the key and value its "
+    "attention function receives; not supported: drop the kv-cache scheme or ignore these modules"
+)
+
+
+def latent_attention(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is multi-head latent attention (MLA) as compressed-tensors names it: a
+    ``kv_b_proj`` child and no ``k_proj``/``v_proj`` (`LATENT_CACHE`)."""
+    children = dict(module.named_children())
+    return "kv_b_proj" in children and not ({"k_proj", "v_proj"} & set(children))
 
 
 def heads_last(x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ._attention import attention_module
+from ._attention import LATENT_CACHE, attention_module, latent_attention
 from ._spec import QuantSpec
 from .observers import registry
 from .observers.search import search
@@ -475,7 +475,11 @@ def _check_projections(path: str, module, sites: tuple, what: str) -> None:
     """ValueError where the attention module at ``path``, which compressed-tensors quantizes, has no
     q/k/v sites of ``sites``: a transformers attention module (`qstats._attention.attention_module`)
     has them all (its attention function's arguments); another module has those of its projection
-    children only, so a fused ``qkv_proj`` there would lose that quantization silently."""
+    children only, so a fused ``qkv_proj`` there would lose that quantization silently. MLA's k/v
+    are not the tensors compressed-tensors quantizes (`qstats._attention.LATENT_CACHE`)."""
+    if latent_attention(module) and {"k", "v"} & set(sites):
+        raise ValueError(f"Recipe: {what} applies to the attention module {path!r} ({type(module).__name__}), whose "
+                         f"k/v compressed-tensors quantizes, but {LATENT_CACHE}")
     missing = [] if attention_module(module) else [site for site in sites if child_projection(module, site) is None]
     if missing:
         raise ValueError(f"Recipe: {what} applies to the attention module {path!r} ({type(module).__name__}), whose "

@@ -10,7 +10,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from .._attention import intercepted
+from .._attention import LATENT_CACHE, intercepted, latent_attention
 from .config import agreed_observer, fail, quantization_args
 from .linear import static_site, write_qparams
 from .scales import module_dtype
@@ -24,7 +24,7 @@ def write_attention(
     """``q_scale``/``k_scale``/``v_scale`` of an attention module into ``tensors`` (shape ``(1,)``
     for the tensor strategy, in the attention module's parameter dtype; zero points
     ``q_zero_point``... for asymmetric args); returns ``{site: QuantizationArgs fields}``."""
-    _check_cached_attention(path, module)
+    _check_cached_attention(path, module, sites)
     dtype = module_dtype(module)
     prefix = path + "." if path else ""
     written = {}
@@ -46,15 +46,18 @@ def write_attention(
     return written
 
 
-def _check_cached_attention(path: str, module: torch.nn.Module) -> None:
+def _check_cached_attention(path: str, module: torch.nn.Module, sites: Mapping) -> None:
     """Refuses q/k/v sites of a module that compressed-tensors does not quantize as attention (its
     ``is_cached_attention_module``): it registers no ``q_scale``/``k_scale``/``v_scale`` there, so a
-    loader drops them (transformers: UNEXPECTED keys) and the model runs unquantized."""
+    loader drops them (transformers: UNEXPECTED keys) and the model runs unquantized; and k/v sites
+    of multi-head latent attention, whose cache holds other tensors (`LATENT_CACHE`)."""
     if not _is_kv_cache_module(module):
         fail(path, f"q/k/v sites of a {type(module).__name__}, which compressed-tensors does not quantize as "
              "attention (it takes modules whose class name contains 'attention', with a k_proj, v_proj, qkv_proj "
              "or kv_b_proj child and a forward taking past_key_values): its q_scale/k_scale/v_scale would not "
              "load; drop these sites or ignore the module")
+    if latent_attention(module) and ("k" in sites or "v" in sites):
+        fail(path, f"k/v sites of a {type(module).__name__}: {LATENT_CACHE}")
 
 
 def _check_attention_sites(path: str, written: dict) -> None:
