@@ -208,26 +208,48 @@ def test_a_channel_kv_cache_scheme_is_refused_as_compressed_tensors_refuses_it(l
         qstats.Recipe.from_scheme("W8A16", kv_cache_scheme=kv)
 
 
-def test_kv_cache_of_an_attention_module_without_k_v_projections_is_refused_naming_it():
+def test_kv_cache_of_an_attention_module_without_k_v_projections_is_compressed_tensors():
     """Phi-3's attention (a fused qkv_proj) is a cached attention module: compressed-tensors gives it
-    k/v scales; qstats observes k/v as k_proj/v_proj outputs. Before: its kv quantization was
-    dropped with a 'selects no site' warning (the export refused it later)."""
+    k/v scales, and qstats its attention function's key and value. Before: its kv quantization was
+    dropped with a 'selects no site' warning, then refused at resolve."""
     config = transformers.Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, eos_token_id=0,
                                      bos_token_id=0)
     model = transformers.Phi3ForCausalLM(config).eval()
-    assert _theirs(model, _config({"targets": ["Linear"]}, kv=FP8)) == {
-        "model.layers.0.self_attn": {site: (qstats.QuantSpec.from_compressed_tensors(FP8), False) for site in "kv"}}
+    theirs = _theirs(model, _config({"targets": ["Linear"]}, kv=FP8))
+    assert theirs == {"model.layers.0.self_attn": {site: (qstats.QuantSpec.from_compressed_tensors(FP8), False)
+                                                   for site in "kv"}}
+    ours = _ours(model, qstats.Recipe.from_compressed_tensors(_config({"targets": ["Linear"]}, kv=FP8)))
+    assert ours == theirs
     recipe = qstats.Recipe.from_scheme({"targets": ["Linear"], "weights": W8}, kv_cache_scheme=FP8, ignore=["lm_head"])
-    with pytest.raises(ValueError, match=r"kv_cache_scheme applies to the attention module 'model.layers.0.self_attn' "
-                                         r"\(Phi3Attention\).*k_proj/v_proj children"):
+    assert sorted(recipe.resolve(model).sites["model.layers.0.self_attn"]) == ["k", "v"]
+    ignored = qstats.Recipe.from_scheme({"targets": ["Linear"], "weights": W8}, kv_cache_scheme=FP8,
+                                        ignore=["lm_head", "re:.*self_attn$"])
+    assert "model.layers.0.self_attn" not in ignored.resolve(model).sites
+
+
+def test_kv_cache_of_a_non_transformers_attention_module_without_k_v_projections_is_refused_naming_it():
+    """An attention module compressed-tensors caches (a qkv_proj child, a forward taking
+    past_key_values) that holds no transformers config: qstats finds its q/k/v by their child
+    projections, which it has not, and refuses rather than drop that quantization."""
+
+    class FusedAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj = torch.nn.Linear(8, 24)
+
+        def forward(self, x, past_key_values=None):
+            return self.qkv_proj(x)[..., :8]
+
+    model = torch.nn.ModuleDict({"layer": torch.nn.ModuleDict({"self_attn": FusedAttention()})})
+    assert is_cached_attention_module(model.layer.self_attn)
+    recipe = qstats.Recipe.from_scheme({"targets": ["Linear"], "weights": W8}, kv_cache_scheme=FP8)
+    with pytest.raises(ValueError, match=r"kv_cache_scheme applies to the attention module 'layer.self_attn' \(FusedAttention\).*"
+                                         r"no transformers attention module.*k_proj/v_proj children"):
         recipe.resolve(model)
     group = qstats.Recipe.from_compressed_tensors(_config({"targets": ["re:.*self_attn$"], "input_activations": FP8}))
     with pytest.raises(ValueError, match=r"config group 0 applies to the attention module .*q_proj/k_proj/v_proj"):
         group.resolve(model)
-    ignored = qstats.Recipe.from_scheme({"targets": ["Linear"], "weights": W8}, kv_cache_scheme=FP8,
-                                        ignore=["lm_head", "re:.*self_attn$"])
-    assert "model.layers.0.mlp.down_proj" in ignored.resolve(model).sites
 
 
 def test_verbose_and_stacked_flag_ignore_regexes_read_as_compressed_tensors(llama):
