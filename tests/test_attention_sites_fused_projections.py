@@ -201,3 +201,28 @@ def test_kv_of_latent_attention_is_refused_naming_it(tmp_path, case):
     with pytest.raises(ValueError, match=r"k/v sites of a DeepseekV3Attention: it is multi-head latent attention"):
         qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), str(tmp_path / "ours"),
                                          plan)
+
+
+def test_layer_by_layer_q_k_v_states_equal_the_full_model(tmp_path):
+    """Phi-3's q/k/v calibrated layer by layer (`qstats.calibrate_layerwise`, on a meta model) equal
+    a full-model `qstats.calibrate` bit for bit; each state counts every element of the attention
+    function's query (heads * head_dim per token) and key/value (kv heads * head_dim)."""
+    from _shared import assert_site_states_equal
+
+    base = str(tmp_path / "base")
+    _base(base, "phi3")
+    config = transformers.AutoConfig.from_pretrained(base)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+    recipe = qstats.Recipe.from_compressed_tensors(
+        {"config_groups": {"attention": {"targets": ["re:.*self_attn$"], "input_activations": FP8}},
+         "kv_cache_scheme": FP8})
+    batches = [{"input_ids": s[None]} for s in _samples()]
+    want = qstats.calibrate(_load(base), batches, recipe, progress=False)
+    got = qstats.calibrate_layerwise(meta, base, batches, recipe, progress=False)
+    assert_site_states_equal(got, want)
+    tokens, head_dim = sum(s.numel() for s in _samples()), SMALL["hidden_size"] // SMALL["num_attention_heads"]
+    for layer in range(2):
+        entry = want[f"model.layers.{layer}.self_attn"]
+        assert int(entry["q"].count) == tokens * SMALL["num_attention_heads"] * head_dim
+        assert int(entry["k"].count) == int(entry["v"].count) == tokens * SMALL["num_key_value_heads"] * head_dim
