@@ -9,6 +9,8 @@ is ``<name>``'s. compressed-tensors' ``ct_hooked_attention`` reads and quantizes
 
 from __future__ import annotations
 
+import inspect
+
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -27,7 +29,8 @@ def _original(module, name: str):
     its ``ALL_ATTENTION_FUNCTIONS.get_interface``), which ``AttentionInterface`` does not hold."""
     if name != "eager":
         return ALL_ATTENTION_FUNCTIONS[name]
-    found = getattr(type(module).forward, "__globals__", {}).get("eager_attention_forward")
+    # the modeling file's globals, under any decorator of forward (``@deprecate_kwarg``)
+    found = getattr(inspect.unwrap(type(module).forward), "__globals__", {}).get("eager_attention_forward")
     if found is None:
         raise ValueError(f"qstats: the attention module {type(module).__name__} runs eager attention, but its "
                          "modeling file defines no eager_attention_forward to run behind qstats' hooks")
