@@ -267,33 +267,26 @@ def all_experts_calls(args: tuple, kwargs: dict, num_experts: int, tokens: int,
     return calls
 
 
+# the stacked experts called with dense per-expert rows [E * T, hidden] and nothing else: Llama 4's
+# Llama4TextMoe passes its tokens repeated per expert, each block times that expert's router score
+_DENSE_ROWS_EXPERTS = ("Llama4TextExperts",)
+
+
 def dense_expert_rows(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[int]:
-    """``T`` when a call of the stacked-experts ``module`` passes its hidden states alone, as dense
-    per-expert rows ``[E * T, hidden]``: row block ``e`` is expert ``e``'s (Llama 4's ``Llama4TextMoe``
-    passes its tokens repeated per expert, each block times that expert's router score, zero where the
-    router did not send the token). Such a module's forward takes that one argument, and it holds
-    nothing but its stacks ``[E, ...]`` (no router, no child with parameters); else None."""
+    """``T`` when a call of the stacked-experts ``module`` passes dense per-expert rows
+    ``[E * T, hidden]``: row block ``e`` is expert ``e``'s, zero where the router did not send the
+    token. Only a class known to be called so (`_DENSE_ROWS_EXPERTS`): a shape alone cannot tell
+    dense rows from tokens; else None."""
+    if type(module).__name__ not in _DENSE_ROWS_EXPERTS:
+        return None
     num_experts = expert_count(module)
     values = list(args) + list(kwargs.values())
     if len(values) != 1 or not isinstance(values[0], torch.Tensor) or not values[0].is_floating_point():
         return None
     rows = values[0].shape[0] if values[0].ndim == 2 else 0
-    if not num_experts or not rows or rows % num_experts or not _holds_stacks_only(module, num_experts):
+    if not num_experts or not rows or rows % num_experts:
         return None
     return rows // num_experts
-
-
-def _holds_stacks_only(module: torch.nn.Module, num_experts: int) -> bool:
-    """True when ``module``'s forward takes one argument and its parameters are all its own (or its
-    parametrizations'), stacked over its ``num_experts`` experts (3+-D, leading dimension ``E``)."""
-    try:
-        names = [p for p in inspect.signature(module.forward).parameters.values()
-                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    except (TypeError, ValueError):
-        return False
-    children = [child for name, child in module.named_children() if name != "parametrizations"]  # not a router
-    return (len(names) == 1 and not any(True for child in children for _ in child.parameters())
-            and all(p.ndim >= 3 and p.shape[0] == num_experts for p in own_parameters(module).values()))
 
 
 def dense_ids(num_experts: int, per_expert: int, device=None) -> torch.Tensor:

@@ -311,3 +311,29 @@ def test_gptq_layerwise_refuses_transposed_stacks(tmp_path, single_thread_quiet)
         meta = type(model)(model.config).eval()
     with pytest.raises(ValueError, match="feed_forward.experts' .*transposed"):
         qstats.gptq_layerwise(meta, str(tmp_path), _batches(), recipe, progress=False)
+
+
+class _StacksOnly(torch.nn.Module):
+    """Stacked experts without routing that run every expert on every token: its [T, hidden] tokens
+    look like dense blocks when T is a multiple of E, but each expert sees all of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts = 2
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(2, 4, 6))
+        self.down_proj = torch.nn.Parameter(torch.randn(2, 6, 4))
+
+    def forward(self, x):
+        hidden = torch.bmm(x.expand(self.num_experts, *x.shape), self.gate_up_proj)
+        return torch.bmm(hidden, self.down_proj).sum(0)
+
+
+@pytest.mark.parametrize("tokens", [3, 4])
+def test_stacks_only_experts_of_another_class_are_not_read_as_dense_rows(tokens, single_thread_quiet):
+    """Only Llama 4's experts are called with dense per-expert rows; a shape alone cannot tell them
+    from tokens every expert sees (expert 1 would have been reported as receiving nothing)."""
+    experts = _StacksOnly().eval()
+    recipe = qstats.Recipe([qstats.Rule("_StacksOnly", sites=("input",), observer=qstats.minmax, spec=MINMAX)])
+    assert qstats.experts.dense_expert_rows(experts, (torch.randn(tokens, 4),), {}) is None
+    with pytest.raises(ValueError, match="experts module ''"):
+        qstats.calibrate(experts, [torch.randn(tokens, 4)], recipe, progress=False)
