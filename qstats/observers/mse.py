@@ -101,12 +101,14 @@ def _chunk_slices(size: int, step: int) -> list:
     return [slice(start, start + step) for start in range(0, size, step)]
 
 
-def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, norm: float):
+def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, norm: float,
+                     rounded: bool = False):
     """``sum |fq(x) - x| ** norm`` over dims (0, -1) of a canonical view for every candidate range
     ``(p * lo, p * hi)``; returns float64 ``(*qparam_shape, C)``. ``mask`` (bool, False leaves a
     value out) and ``importance`` (float) broadcast against the view. Non-finite values (float64
     ones past float32's range too, as `finite_aminmax` counts them) count as zeros (which quantize
-    without error). The view is processed in chunks of about 2**18 values."""
+    without error). ``rounded``: the candidates of bf16/fp16 inputs computed natively are rounded
+    to the input's dtype (`_candidate`). The view is processed in chunks of about 2**18 values."""
     v = view.detach()
     compute_dtype = v.dtype if v.dtype in (torch.float32, torch.float64) else torch.float32
     # bf16/fp16 inputs under a spec that computes in their dtype (compressed-tensors with
@@ -131,7 +133,8 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
     weights = None if importance is None else importance.expand(view.shape).reshape(observations, num_params, group)
     keep = None if error_mask is None else error_mask.expand(view.shape).reshape(observations, num_params, group)
     calibrated = torch.ones(lo.shape, dtype=torch.bool, device=lo.device)
-    candidates = [qparams_from_minmax(lo * p, hi * p, spec, calibrated=calibrated) for p in factors]
+    to = native if rounded else None
+    candidates = [qparams_from_minmax(*_candidate(lo, hi, p, to), spec, calibrated=calibrated) for p in factors]
     scales = [qp.scale.float().reshape(1, num_params, 1) for qp in candidates]
     zero_points = [qp.zero_point.reshape(1, num_params, 1) for qp in candidates]
     every = slice(None)
@@ -151,6 +154,15 @@ def candidate_losses(view, mask, importance, lo, hi, factors, spec: QuantSpec, n
         narrow = total.to(torch.float32).to(native)
         total = torch.where(narrow.isfinite(), narrow.to(torch.float64), total)
     return total.transpose(0, 1).reshape(*params, len(factors))
+
+
+def _candidate(lo: torch.Tensor, hi: torch.Tensor, p: float, dtype: Optional[torch.dtype]):
+    """The candidate range ``(lo * p, hi * p)``, rounded to ``dtype`` where given: llm-compressor's
+    ``mse`` forms a bf16/fp16 input's candidates in its dtype and keeps them so, and a candidate
+    rounded across an exponent boundary takes another MX (e8m0) scale than the unrounded one."""
+    if dtype is None:
+        return lo * p, hi * p
+    return rounded_to(lo * p, dtype), rounded_to(hi * p, dtype)  # rounded_to: kept under torch.compile
 
 
 def _computes_natively(spec: QuantSpec, dtype: torch.dtype) -> bool:
@@ -462,7 +474,8 @@ def _moving_average(spec, factors, norm, constant, patience, observe):
         view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
         seen = count > 0
         base_lo, base_hi = (torch.where(seen, t, torch.zeros_like(t)) for t in (lo, hi))
-        loss = candidate_losses(view, mask, imp, base_lo, base_hi, factors, spec, norm)
+        # the candidates scored as the state keeps them: rounded to a bf16/fp16 input's dtype
+        loss = candidate_losses(view, mask, imp, base_lo, base_hi, factors, spec, norm, rounded=True)
         p = _chosen_factor(loss, torch.tensor(factors, dtype=torch.float64, device=loss.device), patience)
         first = state.batches == 0
         # llm-compressor keeps a bf16/fp16 input's ranges in its dtype: every product and the
