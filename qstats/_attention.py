@@ -21,7 +21,6 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from ._torch_features import eager
 
 __all__ = ["intercepted", "attention_module", "latent_attention", "LATENT_CACHE", "attention_sites", "heads_last", "heads_first"]
 
@@ -124,8 +123,9 @@ def _hooks(module, path: str, hook: Callable, caller: str) -> list:
                              "attention function through transformers' AttentionInterface, where qstats reads "
                              "its q/k/v: not supported")
 
-    return [module.register_forward_pre_hook(eager(pre_hook), with_kwargs=True),
-            module.register_forward_hook(eager(check), with_kwargs=True, always_call=True)]
+    # traceable (a list and a keyword): a compiled model keeps one graph where ``hook`` does
+    return [module.register_forward_pre_hook(pre_hook, with_kwargs=True),
+            module.register_forward_hook(check, with_kwargs=True, always_call=True)]
 
 
 @contextlib.contextmanager
