@@ -69,6 +69,24 @@ def heads_first(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return y.unflatten(-1, (like.shape[1], like.shape[3])).transpose(1, 2)
 
 
+class SiteHooks:
+    """``hook(query, key, value) -> (query, key, value)`` of one attention module's sites: each
+    ``sites[site]`` (``"q"``, ``"k"``, ``"v"``) gets its floating-point tensor as ``[batch, tokens,
+    heads * head_dim]`` (`heads_last`) and returns its replacement in that layout, or None to keep it
+    (observing and measuring keep it; `fake_quantized` replaces it)."""
+
+    def __init__(self, sites: Mapping):
+        self.sites = sites  # site -> fn(x) -> Optional[tensor]
+
+    def __call__(self, query, key, value):
+        out = []
+        for site, x in zip(("q", "k", "v"), (query, key, value)):
+            fn = self.sites.get(site)
+            y = fn(heads_last(x)) if fn is not None and torch.is_tensor(x) and x.is_floating_point() else None
+            out.append(x if y is None else heads_first(y, x))
+        return tuple(out)
+
+
 class _Call:
     """One call of an attention module: its hook, and whether its attention function ran it."""
 

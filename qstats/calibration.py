@@ -14,7 +14,7 @@ import torch
 from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
-from ._attention import attention_sites, heads_first, heads_last, intercepted
+from ._attention import SiteHooks, attention_sites, intercepted
 from ._formats import COMPUTE_DTYPE_NAMES, global_scale_from_amax
 from ._granularity import TensorGroup
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams, per_expert_qparams
@@ -402,7 +402,7 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
         raise TypeError("fake_quantized: qparams must be a tree {path: {site: QParams}} (compute_qparams_tree's)")
     handles: list = []
     parametrized: list = []
-    attention: dict = {}  # path -> {site: quantize} of transformers attention modules (`_AttentionQuantizer`)
+    attention: dict = {}  # path -> {site: quantize} of transformers attention modules (`SiteHooks`)
     try:
         for path, entry in qparams.items():
             if path not in plan.modules:
@@ -413,7 +413,7 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
             if expert_sites:
                 handles.extend(_ExpertInputs(plan.modules[path], path, expert_sites).attach())
         handles.extend(_float_state_dict_hooks(parametrized))
-        hooks = {path: (plan.modules[path], _AttentionQuantizer(sites)) for path, sites in attention.items()}
+        hooks = {path: (plan.modules[path], SiteHooks(sites)) for path, sites in attention.items()}
         with attention_sites(hooks, "fake_quantized"):
             yield model
     finally:
@@ -495,22 +495,6 @@ def _fake_quantize_site(
         # (`first_tensor`), also inside a tuple
         hook = hooked.register_forward_hook(lambda _, args, output: replace_first_tensor(output, quantize)[0])
     handles.append(hook)
-
-
-class _AttentionQuantizer:
-    """`fake_quantized`'s q/k/v sites of one transformers attention module: the query, key and value
-    its attention function receives, fake-quantized as ``[batch, tokens, heads * head_dim]`` (the
-    layout `calibrate` observes them in)."""
-
-    def __init__(self, sites: dict):
-        self.sites = sites  # site -> quantize(x)
-
-    def __call__(self, query, key, value):
-        out = []
-        for site, x in zip(("q", "k", "v"), (query, key, value)):
-            quantize = self.sites.get(site)
-            out.append(heads_first(quantize(heads_last(x)), x) if quantize and is_float_tensor(x) else x)
-        return tuple(out)
 
 
 class _ExpertInputs(ExpertCallHooks):

@@ -20,7 +20,7 @@ from typing import Iterator, Mapping, Optional, Union
 import torch
 from torch.nn.utils import parametrize
 
-from ._attention import attention_sites, heads_last, intercepted
+from ._attention import SiteHooks, attention_sites, intercepted
 from ._granularity import PerGroup, qparam_shape
 from ._sites import input_tensor, is_float_tensor, observe_tensor
 from ._torch_features import eager, recomputing
@@ -355,7 +355,7 @@ class _SiteHook:
 
 class _ActivationSite(_SiteHook):
     """An ``input``/``output``/``q``/``k``/``v`` site of a module that is not stacked experts: the
-    tensor `observe_tensor` finds (or `_AttentionSites` hands it), weighted by the batch's observation weight."""
+    tensor `observe_tensor` finds (or `SiteHooks` hands it), weighted by the batch's observation weight."""
 
     def attach(self) -> list:
         return [observe_tensor(self.run.plan, self.path, self.site, eager(self.observe))]  # module docstring
@@ -648,29 +648,15 @@ def stop_capture(capture: ExpertInputCapture, handles: list) -> None:
         handle.remove()
 
 
-class _AttentionSites:
-    """The q/k/v sites of one transformers attention module (`qstats._attention.intercepted`): the
-    query, key and value its attention function receives, observed as ``[batch, tokens, heads *
-    head_dim]`` (`heads_last`) and passed on unchanged."""
-
-    def __init__(self, run: _Calibration, path: str, sites: list):
-        self.sites = {site: _ActivationSite(run, path, site) for site in sites}
-
-    def __call__(self, query, key, value):
-        for site, x in zip(("q", "k", "v"), (query, key, value)):
-            if site in self.sites:
-                self.sites[site].observe(heads_last(x) if is_float_tensor(x) else x)
-        return query, key, value
-
-
 def _attention_observers(run: _Calibration) -> dict:
-    """``{path: (module, _AttentionSites)}`` of the plan's transformers attention modules with q/k/v
+    """``{path: (module, SiteHooks)}`` of the plan's transformers attention modules with q/k/v
     sites (`_activation_hooks` leaves those sites to them)."""
     out = {}
     for path, entry in run.plan.sites.items():
         sites = [site for site, found in entry.items() if found.kind == "projection"]
         if sites and intercepted(run.plan.modules[path]):
-            out[path] = (run.plan.modules[path], eager(_AttentionSites(run, path, sites)))
+            observers = {site: _ActivationSite(run, path, site).observe for site in sites}
+            out[path] = (run.plan.modules[path], eager(SiteHooks(observers)))
     return out
 
 

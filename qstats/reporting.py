@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
-from ._attention import attention_sites, heads_last, intercepted
+from ._attention import SiteHooks, attention_sites, intercepted
 from ._checks import as_index
 from ._formats import effective_scale
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view
@@ -407,20 +407,6 @@ class _ActivationError:
         _add_error(self.error, x, self.qparams, self.found, keep, self.where)
 
 
-class _AttentionErrors:
-    """The q/k/v sites of one transformers attention module in `report`: the query, key and value
-    its attention function receives (`qstats._attention`), measured as `calibrate` observes them."""
-
-    def __init__(self, sites: dict):
-        self.sites = sites  # site -> _ActivationError
-
-    def __call__(self, query, key, value):
-        for site, x in zip(("q", "k", "v"), (query, key, value)):
-            if site in self.sites:
-                self.sites[site](heads_last(x))
-        return query, key, value
-
-
 class _ExpertErrors(ExpertCallHooks):
     """The per-expert activation sites of one stacked-experts module in `report`: the input rows of
     each expert's matmul with a stacked parameter ``P``, measured under that expert's QParams of
@@ -495,7 +481,7 @@ def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weig
     per-expert sites of stacked experts)."""
     current_weight: list = [None, 0, 0]  # the batch's weight, activations offered it, those it fitted
     handles = []
-    attention: dict = {}  # path -> (module, _AttentionErrors): q/k/v of transformers attention modules
+    attention: dict = {}  # path -> (module, {site: _ActivationError}): q/k/v of transformers attention modules
     try:
         for path, entry in qparams.items():
             expert_sites: dict = {}
@@ -510,13 +496,13 @@ def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weig
                     where = f"report: module {path!r} site {site!r}"
                     measure = _ActivationError(found, qp, error, current_weight, where)
                     if found.kind == "projection" and intercepted(plan.modules[path]):
-                        attention.setdefault(path, (plan.modules[path], _AttentionErrors({})))[1].sites[site] = measure
+                        attention.setdefault(path, (plan.modules[path], {}))[1][site] = measure
                     else:
                         handles.append(observe_tensor(plan, path, site, measure))
             if expert_sites:
                 handles.extend(_ExpertErrors(plan.modules[path], path, expert_sites, current_weight).attach())
-        with torch.no_grad(), attention_sites({path: (module, eager(hook)) for path, (module, hook) in attention.items()},
-                                              "report"):
+        hooks = {path: (module, eager(SiteHooks(sites))) for path, (module, sites) in attention.items()}
+        with torch.no_grad(), attention_sites(hooks, "report"):
             for batch in batches:
                 current_weight[:] = [batch_weight(observation_weight, batch, "report"), 0, 0]
                 run_model(plan.model, batch)
