@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from ._checks import check_floating
-from .conventions.coreai_opt import _block_sizes, block_size, rounded_to_half
+from .conventions.coreai_opt import block_sizes, block_size, rounded_to_half
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
 from ._quant import fake_quantize
@@ -367,7 +367,7 @@ def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype) ->
 
 
 def _blocks_do_not_divide(granularity: dict, shape) -> bool:
-    sizes = _block_sizes(granularity, [int(s) for s in shape], "weight")
+    sizes = block_sizes(granularity, [int(s) for s in shape], "weight")
     return any(b < 1 or s % b for b, s in zip(sizes, shape))
 
 

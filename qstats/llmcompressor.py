@@ -44,7 +44,7 @@ from ._schemes import DROPIN_OBSERVERS, split_observer_kwargs
 from ._spec import QuantSpec
 from .fused import fused_amax
 from .observers import registry
-from .observers.mse import _checked_patience
+from .observers.mse import checked_patience
 from .recipe import STATIC_GROUP_ACTIVATIONS, runtime_scaled
 
 __all__ = ["QstatsObserver", "OBSERVERS", "QstatsMinmaxObserver", "QstatsStaticMinmaxObserver",
@@ -93,7 +93,7 @@ class QstatsObserver(LLMCompressorObserver):
             # a histogram's former option name, warned of once above: not again at each build
             self.factory_options["buckets_per_octave"] = self.factory_options.pop("bins")
         if "patience" in self.qparams_options:
-            _checked_patience(self.qparams_options["patience"], where)
+            checked_patience(self.qparams_options["patience"], where)
 
     def __getstate__(self) -> dict:
         # the qstats Observer holds closures: pickled without it, rebuilt from the factory and spec

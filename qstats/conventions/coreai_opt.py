@@ -20,7 +20,7 @@ from .._granularity import PerAxis, PerTensor
 from .default import Convention, saturate
 from .torchao import TorchaoConvention, _block_size_granularity
 
-__all__ = ["CoreaiOptConvention", "spec_from_coreai_opt", "block_size"]
+__all__ = ["CoreaiOptConvention", "spec_from_coreai_opt", "block_size", "block_sizes"]
 
 _FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
 _FLOAT_TARGETS = {"float8_e4m3fn": "fp8_e4m3fn", "float8_e5m2": "fp8_e5m2", "float4_e2m1fn_x2": "fp4_e2m1"}
@@ -149,7 +149,7 @@ def block_size(granularity, shape, target="weight") -> tuple:
     dimension to 1. ``granularity``: a coreai_opt granularity or its dict (``{"type": ...}``);
     ``target``: ``"weight"``, ``"activation"`` or a ``CompressionTargetTensor``."""
     shape = [int(s) for s in shape]
-    sizes = _block_sizes(granularity, shape, _target(target))
+    sizes = block_sizes(granularity, shape, _target(target))
     if any(b < 1 or s % b for b, s in zip(sizes, shape)):
         raise ValueError(f"from_coreai_opt: block size {sizes} does not divide the shape {tuple(shape)}")
     return sizes
@@ -175,7 +175,8 @@ def _kind(granularity) -> str:
     return kind
 
 
-def _block_sizes(granularity, shape: list, target: str) -> tuple:
+def block_sizes(granularity, shape: list, target: str) -> tuple:
+    """`block_size` before its divisibility check (``target``: ``"weight"`` or ``"activation"``)."""
     kind = _kind(granularity)
     axis, size = _field(granularity, "axis"), _field(granularity, "block_size")
     if kind == "per_tensor":

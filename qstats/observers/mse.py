@@ -28,7 +28,7 @@ from ._base import Observer, check_merge_states, check_state, register_state
 from .kit import check_spec, extremes_init, masked_view
 from .minmax import check_averaging_constant, merge_moving_extremes
 
-__all__ = ["MSEState", "MovingAverageMSEState", "mse", "shrink_factors", "candidate_losses"]
+__all__ = ["MSEState", "MovingAverageMSEState", "mse", "shrink_factors", "candidate_losses", "checked_patience"]
 
 
 @register_state
@@ -387,10 +387,10 @@ def _check_modes(mode, expand, averaging_constant, patience):
         )
     if patience is _MOVING_AVERAGE_PATIENCE:
         return 5
-    return _checked_patience(patience, "mse")
+    return checked_patience(patience, "mse")
 
 
-def _checked_patience(patience, where: str):
+def checked_patience(patience, where: str):
     """``patience`` after ValueError unless it is None or a non-negative int (not a bool)."""
     ok = patience is None or (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 0)
     if not ok:
@@ -504,7 +504,7 @@ def _moving_average(spec, factors, norm, constant, patience, observe):
 
 @register_range_rule(MSEState)
 def _mse_rule(state: MSEState, spec: QuantSpec, patience: Optional[int] = None) -> Range:
-    p = _chosen_factor(state.loss, state.factors, _checked_patience(patience, "compute_qparams"))
+    p = _chosen_factor(state.loss, state.factors, checked_patience(patience, "compute_qparams"))
     calibrated = (state.count > 0) & (state.min_val <= state.max_val)
     lo = torch.where(calibrated, state.min_val * p, state.min_val)
     hi = torch.where(calibrated, state.max_val * p, state.max_val)
