@@ -14,7 +14,7 @@ import torch
 from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
-from ._attention import SiteHooks, attention_sites, intercepted
+from ._attention import SiteHooks, attention_sites
 from ._formats import COMPUTE_DTYPE_NAMES, global_scale_from_amax
 from ._granularity import TensorGroup
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams, per_expert_qparams
@@ -483,7 +483,7 @@ def _fake_quantize_site(
     def quantize(x):
         return _fake_quantize_activation(x, qp, found.spec, found.runtime, where)
 
-    if found.kind == "projection" and intercepted(module):  # its attention function's argument
+    if plan.attention_argument(path, site):
         attention.setdefault(path, {})[site] = quantize
         return
     hooked = plan.hooked_module(path, site)

@@ -20,7 +20,7 @@ from typing import Iterator, Mapping, Optional, Union
 import torch
 from torch.nn.utils import parametrize
 
-from ._attention import SiteHooks, attention_sites, intercepted
+from ._attention import SiteHooks, attention_sites
 from ._granularity import PerGroup, qparam_shape
 from ._sites import input_tensor, is_float_tensor, observe_tensor
 from ._torch_features import eager, recomputing
@@ -653,8 +653,8 @@ def _attention_observers(run: _Calibration) -> dict:
     sites (`_activation_hooks` leaves those sites to them)."""
     out = {}
     for path, entry in run.plan.sites.items():
-        sites = [site for site, found in entry.items() if found.kind == "projection"]
-        if sites and intercepted(run.plan.modules[path]):
+        sites = [site for site in entry if run.plan.attention_argument(path, site)]
+        if sites:
             observers = {site: _ActivationSite(run, path, site).observe for site in sites}
             out[path] = (run.plan.modules[path], eager(SiteHooks(observers)))
     return out
@@ -672,7 +672,7 @@ def _activation_hooks(run: _Calibration) -> list:
                 matmul_inputs.append(site)
             elif found.kind == "input" and found.num_experts:
                 routed_input = _RoutedInputSite(run, path, site)
-            elif found.kind == "projection" and intercepted(run.plan.modules[path]):
+            elif run.plan.attention_argument(path, site):
                 continue
             elif found.kind != "parameter":
                 hooks.append(_ActivationSite(run, path, site))

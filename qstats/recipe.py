@@ -370,12 +370,17 @@ class Plan:
         weights, as if they had replaced the float ones)."""
         return getattr(self.modules[path], site).detach()
 
+    def attention_argument(self, path: str, site: str) -> bool:
+        """Whether ``site`` of ``path`` is a ``q``/``k``/``v`` its transformers attention module hands
+        its attention function (`qstats._attention.intercepted`), read by `qstats._attention.SiteHooks`;
+        other ``q``/``k``/``v`` sites are their child projections' outputs."""
+        return self.sites[path][site].kind == "projection" and intercepted(self.modules[path])
+
     def hooked_module(self, path: str, site: str) -> torch.nn.Module:
         """The module whose forward carries an activation site's tensor: the child projection
-        of a ``q``/``k``/``v`` site of a module that is not `intercepted`, the module itself otherwise
-        (a transformers attention module's attention function, inside its forward)."""
+        of a ``q``/``k``/``v`` site that is no `attention_argument`, the module itself otherwise."""
         module = self.modules[path]
-        child = self.sites[path][site].kind == "projection" and not intercepted(module)
+        child = self.sites[path][site].kind == "projection" and not self.attention_argument(path, site)
         return child_projection(module, site) if child else module
 
     def state_keys(self, path: str, site: str) -> tuple:

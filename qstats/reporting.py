@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
-from ._attention import SiteHooks, attention_sites, intercepted
+from ._attention import SiteHooks, attention_sites
 from ._checks import as_index
 from ._formats import effective_scale
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view
@@ -495,7 +495,7 @@ def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weig
                 else:
                     where = f"report: module {path!r} site {site!r}"
                     measure = _ActivationError(found, qp, error, current_weight, where)
-                    if found.kind == "projection" and intercepted(plan.modules[path]):
+                    if plan.attention_argument(path, site):
                         attention.setdefault(path, (plan.modules[path], {}))[1][site] = measure
                     else:
                         handles.append(observe_tensor(plan, path, site, measure))
