@@ -21,8 +21,8 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-
-__all__ = ["intercepted", "attention_module", "latent_attention", "LATENT_CACHE", "attention_sites", "heads_last", "heads_first"]
+__all__ = ["intercepted", "attention_module", "latent_attention", "LATENT_CACHE", "attention_sites", "heads_last",
+           "heads_first", "SiteHooks"]
 
 
 def intercepted(module: torch.nn.Module) -> bool:

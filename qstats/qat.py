@@ -489,6 +489,10 @@ class QATModel:
         return {"weights": tuple(self.weight_observers), "activations": self.activation_layers,
                 "batchnorm": self.batchnorm_layers}
 
+    def _static_activation_observers(self) -> dict:
+        """layer -> activation observer of the layers whose ranges are not each batch's own."""
+        return {key: observer for key, observer in self.activation_observers.items() if key not in self.dynamic_layers}
+
     def sync(self, state: QATState, group=None, *, weights: bool = False) -> QATState:
         """Merges the activation observer states across the ranks of ``group`` (one
         `qstats.distributed.all_reduce`), so every rank fake-quantizes with and freezes the same ranges.
@@ -501,8 +505,7 @@ class QATModel:
         """
         # layer -> observer of each kind to merge; dynamic states hold one batch's ranges, which no other
         # rank's batch shares
-        observers = {"activations": {key: observer for key, observer in self.activation_observers.items()
-                                     if key not in self.dynamic_layers},
+        observers = {"activations": self._static_activation_observers(),
                      "weights": self.weight_observers if weights else {}}
         observers = {kind: by_layer for kind, by_layer in observers.items() if by_layer}
         try:
@@ -530,8 +533,7 @@ class QATModel:
             raise ValueError(f"QATModel.learnable_ranges: {_NO_RANGE_TO_LEARN}; pass activations=False")
         self._check_inputs({}, state, "QATModel.learnable_ranges")
         kinds = (("weights", weights, self.weight_observers),
-                 ("activations", activations, {key: observer for key, observer in self.activation_observers.items()
-                                               if key not in self.dynamic_layers}))
+                 ("activations", activations, self._static_activation_observers()))
         return {kind: {key: _learnable(getattr(state, kind)[key], observer.spec, f"the {kind[:-1]} of {key!r}")
                        for key, observer in observers.items()}
                 for kind, wanted, observers in kinds if wanted and observers}
