@@ -317,3 +317,28 @@ class ExpertsLayer(torch.nn.Module):
 
     def forward(self, x, index, weights):
         return self.experts(x, index, weights)
+
+
+def eager_attention_arguments(model, batches, modeling=None) -> dict:
+    """``{(attention module path, site): [tensor of each call]}``: the query (``"q"``), key (``"k"``)
+    and value (``"v"``) each attention module of ``model`` hands to eager attention over ``batches``,
+    recorded by wrapping ``modeling``'s ``eager_attention_forward`` (default: the module defining
+    ``model``'s class), not through qstats."""
+    modeling = modeling or sys.modules[type(model).__module__]
+    original = modeling.eager_attention_forward
+    paths = {id(module): path for path, module in model.named_modules()}
+    seen: dict = {}
+
+    def recording(attention, query, key, value, *args, **kwargs):
+        for site, x in zip("qkv", (query, key, value)):
+            seen.setdefault((paths[id(attention)], site), []).append(x.detach())
+        return original(attention, query, key, value, *args, **kwargs)
+
+    modeling.eager_attention_forward = recording
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                model(batch)
+    finally:
+        modeling.eager_attention_forward = original
+    return seen

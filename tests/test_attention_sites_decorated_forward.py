@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import qstats
+from _shared import eager_attention_arguments
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.mllama import modeling_mllama  # noqa: E402
@@ -33,22 +34,9 @@ def test_decorated_attention_forward_observes_the_eager_attention_arguments():
     recipe = qstats.Recipe([qstats.Rule("attn", sites=("k", "v"), observer=qstats.minmax, spec=qstats.QuantSpec("int8"))])
     states = qstats.calibrate(model, batches, recipe, progress=False)
 
-    seen: dict = {"k": [], "v": []}
-    original = modeling_mllama.eager_attention_forward
-
-    def recording(module, query, key, value, *args, **kwargs):
-        seen["k"].append(key)
-        seen["v"].append(value)
-        return original(module, query, key, value, *args, **kwargs)
-
-    modeling_mllama.eager_attention_forward = recording
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                model(batch)
-    finally:
-        modeling_mllama.eager_attention_forward = original
-    for site, xs in seen.items():
+    seen = eager_attention_arguments(model, batches, modeling_mllama)
+    for site in ("k", "v"):
+        xs = seen["attn", site]
         assert torch.equal(states["attn"][site].min_val, torch.stack([x.amin() for x in xs]).amin()), site
         assert torch.equal(states["attn"][site].max_val, torch.stack([x.amax() for x in xs]).amax()), site
     assert config._attn_implementation == "eager"

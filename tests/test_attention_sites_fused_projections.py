@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import bit_equal, llm_compressor_oneshot
+from _shared import bit_equal, eager_attention_arguments, llm_compressor_oneshot
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
@@ -118,29 +118,6 @@ def test_fake_quantized_logits_equal_the_checkpoint_loaded_back(tmp_path, family
     assert torch.equal(ours_logits, theirs_logits), (ours_logits - theirs_logits).abs().max()
 
 
-def _recorded(model, batches) -> dict:
-    """{(attention path, site): [tensor]}: the query, key and value each attention module hands to
-    eager attention, recorded by wrapping the modeling file's eager_attention_forward."""
-    module = __import__(type(model).__module__, fromlist=["eager_attention_forward"])
-    original = module.eager_attention_forward
-    seen: dict = {}
-    paths = {id(m): path for path, m in model.named_modules()}
-
-    def recording(attention, query, key, value, *args, **kwargs):
-        for site, x in zip("qkv", (query, key, value)):
-            seen.setdefault((paths[id(attention)], site), []).append(x.detach())
-        return original(attention, query, key, value, *args, **kwargs)
-
-    module.eager_attention_forward = recording
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                model(batch)
-    finally:
-        module.eager_attention_forward = original
-    return seen
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_report_sqnr_of_q_k_v_is_compressed_tensors_fake_quantization_error(tmp_path, family):
     """`report`'s SQNR of each q/k/v site is that of compressed-tensors' ``fake_quantize`` (the
@@ -156,7 +133,7 @@ def test_report_sqnr_of_q_k_v_is_compressed_tensors_fake_quantization_error(tmp_
     batches = [s[None] for s in samples]
     rows = {(row.module, row.site): row for row in qstats.report(states, qparams, model, plan, batches).rows
             if row.site in ("q", "k", "v")}
-    seen = _recorded(model, batches)
+    seen = eager_attention_arguments(model, batches)
     assert sorted(seen) == sorted(rows) and len(rows) == 6
     for (path, site), xs in seen.items():
         scale = qparams[path][site].scale

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import bit_equal, llm_compressor_oneshot
+from _shared import bit_equal, eager_attention_arguments, llm_compressor_oneshot
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
@@ -109,38 +109,16 @@ def test_kv_and_q_scales_equal_llm_compressor_bit_for_bit(tmp_path, family, case
     assert differing == [name for name in their_tensors if name.endswith("q_scale")]
     if not query:
         return
-    seen = _rotated(model, [s[None] for s in samples])
-    for path, entry in seen.items():
+    seen = eager_attention_arguments(model, [s[None] for s in samples])
+    for (path, site), xs in seen.items():
+        if site != "q":
+            continue
         # llm-compressor's observer for static activations without one named: "minmax" (a moving average)
         observer = Observer.load_from_registry("minmax", base_name="q", args=QuantizationArgs(**args))
-        for x in entry["q"]:
+        for x in xs:
             observer(x)
         reference = observer.get_qparams()["scale"]
         assert bit_equal(our_tensors[f"{path}.q_scale"], reference.reshape(1)), path
-
-
-def _rotated(model, batches) -> dict:
-    """{attention path: {site: [tensor]}}: the query, key and value each attention module hands to
-    eager attention, recorded by wrapping the modeling file's eager_attention_forward."""
-    module = __import__(type(model).__module__, fromlist=["eager_attention_forward"])
-    original = module.eager_attention_forward
-    seen: dict = {}
-    paths = {id(m): path for path, m in model.named_modules()}
-
-    def recording(attention, query, key, value, *args, **kwargs):
-        entry = seen.setdefault(paths[id(attention)], {})
-        for site, x in zip("qkv", (query, key, value)):
-            entry.setdefault(site, []).append(x.detach())
-        return original(attention, query, key, value, *args, **kwargs)
-
-    module.eager_attention_forward = recording
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                model(batch)
-    finally:
-        module.eager_attention_forward = original
-    return seen
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
@@ -153,12 +131,12 @@ def test_observed_q_k_v_are_the_eager_attention_arguments(family, tmp_path):
     samples = _samples()
     model, plan, states = _calibrated(base, _modifier(static, True), samples)
     assert model.config._attn_implementation == "eager"  # the user's setting, back
-    seen = _rotated(model, [s[None] for s in samples])
-    for path, entry in seen.items():
-        for site, xs in entry.items():
-            state = states[path][site]
-            assert torch.equal(state.min_val, torch.stack([x.amin() for x in xs]).amin()), (path, site)
-            assert torch.equal(state.max_val, torch.stack([x.amax() for x in xs]).amax()), (path, site)
+    seen = eager_attention_arguments(model, [s[None] for s in samples])
+    assert len(seen) == 3 * len(model.model.layers)
+    for (path, site), xs in seen.items():
+        state = states[path][site]
+        assert torch.equal(state.min_val, torch.stack([x.amin() for x in xs]).amin()), (path, site)
+        assert torch.equal(state.max_val, torch.stack([x.amax() for x in xs]).amax()), (path, site)
     projection = model.model.layers[0].self_attn.k_proj(model.model.embed_tokens(samples[0][None]))
     assert not torch.equal(states["model.layers.0.self_attn"]["k"].max_val, projection.amax())
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import qstats
+from _shared import eager_attention_arguments
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama import modeling_llama  # noqa: E402
@@ -96,24 +97,6 @@ def test_attention_without_a_transformers_config_observes_its_projections():
     assert torch.equal(states[""]["k"].max_val, model.k_proj(x).detach().amax())
 
 
-def _attention_arguments(model, batches) -> dict:
-    """{layer index: key tensors} eager attention receives, recorded by wrapping the modeling function."""
-    original, seen = modeling_llama.eager_attention_forward, {}
-
-    def recording(module, query, key, *args, **kwargs):
-        seen.setdefault(module.layer_idx, []).append(key.detach())
-        return original(module, query, key, *args, **kwargs)
-
-    modeling_llama.eager_attention_forward = recording
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                model(batch)
-    finally:
-        modeling_llama.eager_attention_forward = original
-    return seen
-
-
 def test_calibrating_inside_fake_quantized_observes_the_fake_quantized_keys():
     model = _llama()
     qparams = qstats.compute_qparams_tree(qstats.calibrate(model, BATCHES, RECIPE, progress=False), RECIPE, model)
@@ -121,14 +104,15 @@ def test_calibrating_inside_fake_quantized_observes_the_fake_quantized_keys():
     with qstats.fake_quantized(model, qparams, RECIPE):
         inner = qstats.calibrate(model, BATCHES, keys, progress=False)
         assert model.config._attn_implementation == "qstats:eager"  # the enclosing context's
-        seen = _attention_arguments(model, BATCHES)
+        seen = eager_attention_arguments(model, BATCHES)
     assert model.config._attn_implementation == "eager"
-    float_keys = _attention_arguments(model, BATCHES)
+    float_keys = eager_attention_arguments(model, BATCHES)
     for index in range(2):
-        state = inner[f"model.layers.{index}.self_attn"]["k"]
-        assert torch.equal(state.max_val, seen[index][0].amax())
-        assert torch.equal(state.min_val, seen[index][0].amin())
-        assert not torch.equal(seen[index][0], float_keys[index][0])  # they were fake-quantized
+        path = f"model.layers.{index}.self_attn"
+        state = inner[path]["k"]
+        assert torch.equal(state.max_val, seen[path, "k"][0].amax())
+        assert torch.equal(state.min_val, seen[path, "k"][0].amin())
+        assert not torch.equal(seen[path, "k"][0], float_keys[path, "k"][0])  # they were fake-quantized
 
 
 def test_a_standalone_attention_module_whose_config_names_no_implementation_runs_eager():

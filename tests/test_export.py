@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from _shared import bit_equal
+from _shared import bit_equal, eager_attention_arguments
 
 import qstats
 
@@ -519,29 +519,11 @@ def _llama(**overrides):
 
 def _attention_arguments(model, batches):
     """{attention path: {site: query/key/value each attention module hands eager attention}} over
-    the batches, recorded by wrapping the modeling file's eager_attention_forward."""
-    from transformers.models.llama import modeling_llama
-
-    original = modeling_llama.eager_attention_forward
-    paths = {id(module): name for name, module in model.named_modules()}
-    seen: dict = {}
-
-    def recording(module, query, key, value, *args, **kwargs):
-        for site, x in zip(("q", "k", "v"), (query, key, value)):
-            seen.setdefault(paths[id(module)], {}).setdefault(site, []).append(x.detach())
-        return original(module, query, key, value, *args, **kwargs)
-
-    modeling_llama.eager_attention_forward = recording
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                model(batch)
-    finally:
-        modeling_llama.eager_attention_forward = original
-    return {
-        name: {site: torch.cat([out.reshape(-1) for out in outs]) for site, outs in entry.items()}
-        for name, entry in seen.items()
-    }
+    the batches, flattened and concatenated (`eager_attention_arguments`)."""
+    out: dict = {}
+    for (path, site), xs in eager_attention_arguments(model, batches).items():
+        out.setdefault(path, {})[site] = torch.cat([x.reshape(-1) for x in xs])
+    return out
 
 
 KV_FP8 = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor")

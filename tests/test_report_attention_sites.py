@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import qstats
+from _shared import eager_attention_arguments
 
 transformers = pytest.importorskip("transformers")
-from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 
 
 def _model():
@@ -23,27 +23,6 @@ def _model():
     return transformers.Qwen3ForCausalLM(config).eval()
 
 
-def _recorded(model, batches) -> dict:
-    """{(attention path, site): [tensor]} of what eager attention receives."""
-    original = modeling_qwen3.eager_attention_forward
-    paths = {id(m): path for path, m in model.named_modules()}
-    seen: dict = {}
-
-    def recording(attention, query, key, value, *args, **kwargs):
-        for site, x in zip("qkv", (query, key, value)):
-            seen.setdefault((paths[id(attention)], site), []).append(x.detach())
-        return original(attention, query, key, value, *args, **kwargs)
-
-    modeling_qwen3.eager_attention_forward = recording
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                model(batch)
-    finally:
-        modeling_qwen3.eager_attention_forward = original
-    return seen
-
-
 def test_report_sqnr_of_q_k_v_is_measured_after_rotary_and_norms():
     model = _model()
     spec = qstats.QuantSpec("int8")
@@ -52,7 +31,7 @@ def test_report_sqnr_of_q_k_v_is_measured_after_rotary_and_norms():
     states = qstats.calibrate(model, batches, recipe, progress=False)
     qparams = qstats.compute_qparams_tree(states, recipe, model)
     rows = {(row.module, row.site): row for row in qstats.report(states, qparams, model, recipe, batches).rows}
-    seen = _recorded(model, batches)
+    seen = eager_attention_arguments(model, batches)
     assert sorted(seen) == sorted(rows)
     for (path, site), xs in seen.items():
         scale = float(qparams[path][site].scale)
