@@ -342,3 +342,15 @@ def eager_attention_arguments(model, batches, modeling=None) -> dict:
     finally:
         modeling.eager_attention_forward = original
     return seen
+
+
+def load_causal_lm(path, **options):
+    """``AutoModelForCausalLM.from_pretrained(path, dtype="auto")`` in eval mode, its loading
+    warnings (a random model's untied or unused weights) silenced."""
+    import warnings
+
+    import transformers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto", **options).eval()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import bit_equal, eager_attention_arguments, llm_compressor_oneshot
+from _shared import bit_equal, eager_attention_arguments, llm_compressor_oneshot, load_causal_lm
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
@@ -42,12 +42,6 @@ def _base(path, family):
         transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(path)
 
 
-def _load(path, **options):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto", **options).eval()
-
-
 def _samples():
     generator = torch.Generator().manual_seed(1)
     return [torch.randint(3, 64, (length,), generator=generator) for length in (12, 7, 9)]
@@ -65,7 +59,7 @@ def _modifier(case: str):
 
 
 def _calibrated(base, case, samples, attention="eager"):
-    model = _load(base)
+    model = load_causal_lm(base)
     model.set_attn_implementation(attention)
     plan = qstats.Recipe.from_compressed_tensors(_modifier(case)).resolve(model)
     states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False)
@@ -80,7 +74,7 @@ def test_kv_scales_equal_llm_compressor_bit_for_bit(tmp_path, family, case):
     base, theirs, ours = (str(tmp_path / name) for name in ("base", "theirs", "ours"))
     _base(base, family)
     samples = _samples()
-    llm_compressor_oneshot(_load(base), samples, _modifier(case), theirs)
+    llm_compressor_oneshot(load_causal_lm(base), samples, _modifier(case), theirs)
     model, plan, states = _calibrated(base, case, samples)
     qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
     our_tensors = load_file(os.path.join(ours, "model.safetensors"))
@@ -105,7 +99,7 @@ def test_fake_quantized_logits_equal_the_checkpoint_loaded_back(tmp_path, family
     model, plan, states = _calibrated(base, case, samples, attention="sdpa")
     qparams = qstats.compute_qparams_tree(states, plan)
     qstats.export.compressed_tensors(model, qparams, ours, plan)
-    loaded = _load(ours, attn_implementation="sdpa")
+    loaded = load_causal_lm(ours, attn_implementation="sdpa")
     assert all(hasattr(layer.self_attn, "kv_cache") for layer in loaded.model.layers)
     assert (loaded.config._attn_implementation == "ct_hooked_attention") == (case == "fp8-attention-group")
     batch = samples[0][None]
@@ -153,7 +147,7 @@ def test_kv_sites_are_those_of_the_modules_compressed_tensors_caches(tmp_path):
 
     base = str(tmp_path / "base")
     _base(base, "phi3")
-    model = _load(base)
+    model = load_causal_lm(base)
     spec = qstats.QuantSpec.from_compressed_tensors(FP8)
     plan = qstats.Recipe([qstats.Rule("re:.*", sites=("k", "v"), spec=spec)]).resolve(model)
     cached = [path for path, module in model.named_modules() if is_cached_attention_module(module)]
@@ -167,7 +161,7 @@ def test_kv_of_latent_attention_is_refused_naming_it(tmp_path, case):
     value its attention function receives: refused at resolve, and at export for a plain rule."""
     base = str(tmp_path / "base")
     _base(base, "deepseek_v3")
-    model = _load(base)
+    model = load_causal_lm(base)
     recipe = qstats.Recipe.from_compressed_tensors(_modifier(case))
     with pytest.raises(ValueError, match=r"'model.layers.0.self_attn' \(DeepseekV3Attention\).*multi-head latent "
                                          r"attention .*compressed latent"):
@@ -195,7 +189,7 @@ def test_layer_by_layer_q_k_v_states_equal_the_full_model(tmp_path):
         {"config_groups": {"attention": {"targets": ["re:.*self_attn$"], "input_activations": FP8}},
          "kv_cache_scheme": FP8})
     batches = [{"input_ids": s[None]} for s in _samples()]
-    want = qstats.calibrate(_load(base), batches, recipe, progress=False)
+    want = qstats.calibrate(load_causal_lm(base), batches, recipe, progress=False)
     got = qstats.calibrate_layerwise(meta, base, batches, recipe, progress=False)
     assert_site_states_equal(got, want)
     tokens, head_dim = sum(s.numel() for s in _samples()), SMALL["hidden_size"] // SMALL["num_attention_heads"]

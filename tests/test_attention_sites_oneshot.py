@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import bit_equal, eager_attention_arguments, llm_compressor_oneshot
+from _shared import bit_equal, eager_attention_arguments, llm_compressor_oneshot, load_causal_lm
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
@@ -47,12 +47,6 @@ def _base(path, family):
     model.save_pretrained(path)
 
 
-def _load(path, **options):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto", **options).eval()
-
-
 def _samples():
     generator = torch.Generator().manual_seed(1)
     return [torch.randint(1, 64, (length,), generator=generator) for length in (12, 7, 9)]
@@ -68,7 +62,7 @@ def _modifier(args, query: bool):
 
 
 def _calibrated(base, modifier, samples, attention="eager"):
-    model = _load(base)
+    model = load_causal_lm(base)
     model.set_attn_implementation(attention)
     plan = qstats.Recipe.from_compressed_tensors(modifier).resolve(model)
     states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False)
@@ -92,7 +86,7 @@ def test_kv_and_q_scales_equal_llm_compressor_bit_for_bit(tmp_path, family, case
     base, theirs, ours = (str(tmp_path / name) for name in ("base", "theirs", "ours"))
     _base(base, family)
     samples = _samples()
-    llm_compressor_oneshot(_load(base), samples, _modifier(args, query), theirs)
+    llm_compressor_oneshot(load_causal_lm(base), samples, _modifier(args, query), theirs)
     model, plan, states = _calibrated(base, _modifier(args, query), samples)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning: no rotary embedding after the observed q/k
@@ -147,12 +141,12 @@ def _loaded_back(base: str, ours: str, family: str):
     UNEXPECTED / MISSING keys) or not at all (a kv-cache-only one: IndexError in its get_experts_scheme),
     the float model with compressed-tensors' quantization config applied and the checkpoint's scales."""
     if family != "qwen3_moe":
-        return _load(ours, attn_implementation="sdpa")
+        return load_causal_lm(ours, attn_implementation="sdpa")
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 
     with open(os.path.join(ours, "config.json")) as file:
         config = QuantizationConfig.model_validate(json.load(file)["quantization_config"])
-    model = _load(base, attn_implementation="sdpa")
+    model = load_causal_lm(base, attn_implementation="sdpa")
     apply_quantization_config(model, config)
     tensors = load_file(os.path.join(ours, "model.safetensors"))
     scales = {name: tensor for name, tensor in tensors.items() if name.endswith("_scale")}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import bit_equal, llm_compressor_oneshot
+from _shared import bit_equal, llm_compressor_oneshot, load_causal_lm
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
@@ -28,15 +28,9 @@ def _llama(path, dtype):
     transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(path)
 
 
-def _load(path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
-
-
 def _export(base, samples, out):
     """qstats' W8A8 export of the checkpoint ``base``: ``(model, plan, qparams, export warnings)``."""
-    model = _load(base)
+    model = load_causal_lm(base)
     model.set_attn_implementation("eager")  # as llm-compressor calibrates
     plan = qstats.Recipe.from_scheme("W8A8", ignore=["lm_head"]).resolve(model)
     states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False)
@@ -54,7 +48,7 @@ def test_a_float64_export_warns_that_llm_compressor_computes_in_float64(tmp_path
     samples = [torch.randint(1, VOCAB, (12,), generator=generator) for _ in range(2)]
     base, theirs, ours = (str(tmp_path / name) for name in ("base", "theirs", "ours"))
     _llama(base, torch.float64)
-    llm_compressor_oneshot(_load(base), samples, QuantizationModifier(targets="Linear", scheme="W8A8",
+    llm_compressor_oneshot(load_causal_lm(base), samples, QuantizationModifier(targets="Linear", scheme="W8A8",
                                                                       ignore=["lm_head"]), theirs)
     model, plan, qparams, messages = _export(base, samples, ours)
     assert [message for message in messages if "float64 model" in message]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import llm_compressor_oneshot
+from _shared import llm_compressor_oneshot, load_causal_lm
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
@@ -50,12 +50,6 @@ def _llama(path):
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
-def _load(path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
-
-
 def _samples():
     generator = torch.Generator().manual_seed(1)
     return [torch.randint(1, VOCAB, (12,), generator=generator) for _ in range(2)]
@@ -76,11 +70,11 @@ def test_observer_fields_equal_llm_compressor_oneshot(tmp_path, case):
     _llama(base)
     modifier = QuantizationModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], **scheme)},
                                     ignore=["lm_head"])
-    llm_compressor_oneshot(_load(base), _samples(), modifier, theirs)
+    llm_compressor_oneshot(load_causal_lm(base), _samples(), modifier, theirs)
     with open(os.path.join(theirs, "config.json")) as file:
         (their_group,) = json.load(file)["quantization_config"]["config_groups"].values()
 
-    model = _load(base)
+    model = load_causal_lm(base)
     model.set_attn_implementation("eager")
     recipe = qstats.Recipe.from_scheme(scheme, targets=["Linear"], ignore=["lm_head"])
     (our_group,) = _export(model, recipe, str(tmp_path / "ours"))["config_groups"].values()
@@ -99,7 +93,7 @@ def test_the_exported_config_reads_back_into_the_observers_that_calibrated_it(tm
     base = str(tmp_path / "base")
     _llama(base)
     recipe = qstats.Recipe.from_scheme(SCHEMES[case], targets=["Linear"], ignore=["lm_head"])
-    written = _export(_load(base), recipe, str(tmp_path / "ours"))
+    written = _export(load_causal_lm(base), recipe, str(tmp_path / "ours"))
     assert _observers(qstats.Recipe.from_compressed_tensors(written)) == _observers(recipe)
 
 
@@ -114,7 +108,7 @@ def test_qstats_observers_without_an_llm_compressor_equivalent_write_none(tmp_pa
                     observer="mse", qparams_kwargs={"patience": 2}),
         qstats.Rule("Linear", sites=("input",), spec=spec, observer="mse"),
     ], ignore=["lm_head"])
-    (group,) = _export(_load(base), recipe, str(tmp_path / "ours"))["config_groups"].values()
+    (group,) = _export(load_causal_lm(base), recipe, str(tmp_path / "ours"))["config_groups"].values()
     assert (group["input_activations"]["observer"], group["input_activations"]["observer_kwargs"]) == (None, {})
     assert (group["weights"]["observer"], group["weights"]["observer_kwargs"]) == ("memoryless_mse", {"patience": 2})
 
@@ -136,11 +130,11 @@ def test_kv_cache_scheme_observer_equals_oneshot_and_reads_back(tmp_path, case):
     _llama(base)
     modifier = QuantizationModifier(scheme="FP8_DYNAMIC", targets=["Linear"], ignore=["lm_head"],
                                     kv_cache_scheme=kv_cache_scheme)
-    llm_compressor_oneshot(_load(base), _samples(), modifier, theirs)
+    llm_compressor_oneshot(load_causal_lm(base), _samples(), modifier, theirs)
     with open(os.path.join(theirs, "config.json")) as file:
         their_scheme = json.load(file)["quantization_config"]["kv_cache_scheme"]
 
-    model = _load(base)
+    model = load_causal_lm(base)
     model.set_attn_implementation("eager")
     recipe = qstats.Recipe.from_scheme("FP8_DYNAMIC", targets=["Linear"], ignore=["lm_head"],
                                        kv_cache_scheme=kv_cache_scheme)
@@ -164,11 +158,11 @@ def test_attention_group_kv_cache_scheme_names_the_observer_oneshot_names(tmp_pa
                          "input_activations": {**fp8, "strategy": "token", "dynamic": True}}}
     base, theirs = str(tmp_path / "base"), str(tmp_path / "theirs")
     _llama(base)
-    llm_compressor_oneshot(_load(base), _samples(), QuantizationModifier(config_groups=groups, ignore=["lm_head"]),
+    llm_compressor_oneshot(load_causal_lm(base), _samples(), QuantizationModifier(config_groups=groups, ignore=["lm_head"]),
                            theirs)
     with open(os.path.join(theirs, "config.json")) as file:
         their_config = json.load(file)["quantization_config"]
-    model = _load(base)
+    model = load_causal_lm(base)
     model.set_attn_implementation("eager")
     recipe = qstats.Recipe.from_compressed_tensors({"config_groups": groups, "ignore": ["lm_head"]})
     with warnings.catch_warnings():
@@ -190,7 +184,7 @@ def test_weights_searched_over_every_candidate_write_a_patience_llm_compressor_r
     _llama(base)
     spec = qstats.QuantSpec.from_compressed_tensors(_int8("channel"))
     recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=spec, observer="mse")], ignore=["lm_head"])
-    (group,) = _export(_load(base), recipe, str(tmp_path / "ours"))["config_groups"].values()
+    (group,) = _export(load_causal_lm(base), recipe, str(tmp_path / "ours"))["config_groups"].values()
     args = QuantizationArgs(**group["weights"])
     assert (args.observer, args.observer_kwargs) == ("memoryless_mse", {"patience": 20})
     weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 3.0, 64)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import bit_equal, llm_compressor_oneshot
+from _shared import bit_equal, llm_compressor_oneshot, load_causal_lm
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
@@ -44,12 +44,6 @@ def samples():
     return [torch.randint(1, VOCAB, (12,), generator=generator) for _ in range(2)]
 
 
-def _load(path, **options):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto", **options).eval()
-
-
 def _config(folder) -> dict:
     with open(os.path.join(folder, "config.json")) as file:
         return json.load(file)
@@ -69,8 +63,8 @@ def _both(tmp_path, samples, scheme, build, targets=("Linear",), ignore=("lm_hea
     writes, calibrated by ``oneshot`` and by qstats with the recipe of ``scheme``, both exported."""
     base, theirs, ours = (str(tmp_path / name) for name in ("base", "theirs", "ours"))
     build(base)
-    llm_compressor_oneshot(_load(base), samples, _modifier(scheme, list(targets), ignore), theirs)
-    model = _load(base)
+    llm_compressor_oneshot(load_causal_lm(base), samples, _modifier(scheme, list(targets), ignore), theirs)
+    model = load_causal_lm(base)
     model.set_attn_implementation("eager")  # as llm-compressor calibrates
     recipe = qstats.Recipe.from_scheme(scheme, targets=list(targets), ignore=ignore, observed_dtype=dtype)
     plan = recipe.resolve(model)
@@ -117,7 +111,7 @@ def test_preset_exports_equal_oneshot_and_decompress_to_our_dequantized_weights(
     assert our_config == their_config
 
     # transformers decompresses ours (compressed-tensors' decompressors) into qstats' dequantized weights
-    loaded = dict(_load(ours, quantization_config=CompressedTensorsConfig(run_compressed=False)).named_modules())
+    loaded = dict(load_causal_lm(ours, quantization_config=CompressedTensorsConfig(run_compressed=False)).named_modules())
     specs = plan.specs(qparams)
     for path, sites in qparams.items():
         weight = model.get_submodule(path).weight.detach()
@@ -140,7 +134,7 @@ def test_a_model_with_no_quantized_layer_writes_no_quantization_config_as_onesho
     assert all(bit_equal(our_tensors[name], their_tensors[name]) for name in their_tensors)
     batch = samples[0][None]
     with torch.no_grad():
-        assert bit_equal(_load(ours)(batch).logits, _load(str(tmp_path / "base"))(batch).logits)
+        assert bit_equal(load_causal_lm(ours)(batch).logits, load_causal_lm(str(tmp_path / "base"))(batch).logits)
 
 
 def test_the_attention_group_is_written_as_oneshot_writes_it(tmp_path, samples):
@@ -159,4 +153,4 @@ def test_the_attention_group_is_written_as_oneshot_writes_it(tmp_path, samples):
     their_group["input_activations"]["observer"] = our_group["input_activations"]["observer"]
     assert our_group == their_group
     with torch.no_grad():
-        assert _load(ours)(samples[0][None]).logits.isfinite().all()
+        assert load_causal_lm(ours)(samples[0][None]).logits.isfinite().all()
