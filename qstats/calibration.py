@@ -288,11 +288,15 @@ def runtime_qparams(x: torch.Tensor, spec, calibrated: Optional[QParams] = None)
 
 
 class _FakeQuantParametrization(torch.nn.Module):
-    def __init__(self, qparams: QParams, spec, num_experts: int, where: str = ""):
+    """Fake-quantizes a parameter site's value as the site observes it (`Site.canonical`: stacks as
+    the per-expert Linear weights ``[E, out, in]``) and gives it back as the parameter stores it."""
+
+    def __init__(self, qparams: QParams, found, where: str = ""):
         super().__init__()
         self.qparams = qparams
-        self.spec = spec
-        self.num_experts = num_experts
+        self.spec = found.spec
+        self.num_experts = found.num_experts
+        self.site = found
         self.where = where  # "module 'path' parameter 'site'", for errors
 
     def right_inverse(self, value: torch.Tensor) -> torch.Tensor:
@@ -306,10 +310,11 @@ class _FakeQuantParametrization(torch.nn.Module):
         )
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
+        value = self.site.canonical(value)
         try:
             if self.num_experts:
                 qparams = per_expert_qparams(self.qparams, value.shape[0])  # a shared global scale: every expert's
-                return torch.vmap(lambda w, qp: fake_quantize(w, qp, self.spec))(value, qparams)
+                return self.site.stored(torch.vmap(lambda w, qp: fake_quantize(w, qp, self.spec))(value, qparams))
             return fake_quantize(value, self.qparams, self.spec)
         except (ValueError, TypeError) as error:  # QParams of another shape or spec: named by site
             raise_renamed(error, f"fake_quantized: {self.where}")
@@ -452,7 +457,7 @@ def _fake_quantize_site(
     module = plan.modules[path]
     if found.kind == "parameter":
         where = f"module {path!r} parameter {site!r}"
-        parametrization = _FakeQuantParametrization(qp, found.spec, found.num_experts, where)
+        parametrization = _FakeQuantParametrization(qp, found, where)
         before = len(module.parametrizations[site]) if parametrize.is_parametrized(module, site) else 0
         order = _parameter_order(module)  # before registering: it takes the tensor out of the list
         original = module._parameters.get(site)

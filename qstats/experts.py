@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.nn.utils import parametrize
@@ -45,8 +45,9 @@ __all__ = [
     "routed_slots",
     "stacked_observer",
     "stacked_qparams",
+    "StackLayout",
+    "stack_layout",
     "takes_routing",
-    "transposed_stacks",
     "unstacked_parameter_problem",
     "uncovered_experts",
     "warn_uncovered",
@@ -117,18 +118,86 @@ def linearized_experts(path: str, module: torch.nn.Module, site: Optional[str] =
     return [f"{path}.{expert}.{name}" for expert in range(down.shape[0]) for name in names]
 
 
-def transposed_stacks(module: torch.nn.Module) -> bool:
-    """True when ``module``'s stacked weights are stored transposed, ``[E, in, out]`` (transformers'
-    ``is_transposed`` experts, GPT-OSS; Llama 4's ``Llama4TextExperts``)."""
-    return bool(getattr(module, "is_transposed", False)) or type(module).__name__ == "Llama4TextExperts"
+class StackLayout(NamedTuple):
+    """How a stacked weight is stored against the per-expert Linear weights llm-compressor's
+    ``linearize_moe`` makes of it, ``[E, out, in]`` with gate rows then up rows (its ``canonical``
+    view): ``transposed``, stored ``[E, in, out]``; ``interleaved``, gate and up alternating along
+    ``out`` (gate ``0::2``, up ``1::2``); ``bias``, the name of the module's parameter ``[E, out]``
+    holding the per-expert Linears' biases (stored in the same order along ``out``), or None.
+    Both maps act on the last two dimensions (a stack or one expert's slice) and are views or
+    reshapes, so gradients and vmap go through them.
+
+    >>> import torch, qstats
+    >>> layout = qstats.experts.StackLayout(transposed=True, interleaved=True)
+    >>> stored = torch.arange(8.0).reshape(1, 2, 4)  # [E, in, out]: columns gate, up, gate, up
+    >>> layout.canonical(stored)[0].tolist()  # [out, in]: gate rows, then up rows
+    [[0.0, 4.0], [2.0, 6.0], [1.0, 5.0], [3.0, 7.0]]
+    >>> torch.equal(layout.stored(layout.canonical(stored)), stored)
+    True
+    """
+
+    transposed: bool = False
+    interleaved: bool = False
+    bias: Optional[str] = None
+
+    def canonical(self, stored: torch.Tensor) -> torch.Tensor:
+        """The stored weights as the per-expert Linear weights ``[..., out, in]``."""
+        weight = stored.transpose(-1, -2) if self.transposed else stored
+        return _halves_first(weight, -2) if self.interleaved else weight
+
+    def stored(self, canonical: torch.Tensor) -> torch.Tensor:
+        """The inverse of `canonical`: per-expert Linear weights ``[..., out, in]`` as stored."""
+        weight = _alternating(canonical, -2) if self.interleaved else canonical
+        return weight.transpose(-1, -2) if self.transposed else weight
+
+    def canonical_bias(self, stored: torch.Tensor) -> torch.Tensor:
+        """A stored bias ``[..., out]`` in the per-expert Linears' order (gate, then up)."""
+        return _halves_first(stored, -1) if self.interleaved else stored
+
+    def canonical_shape(self, shape) -> tuple:
+        """The shape of `canonical` of a stored tensor of ``shape``."""
+        shape = tuple(shape)
+        return shape[:-2] + (shape[-1], shape[-2]) if self.transposed else shape
+
+
+def _halves_first(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with the entries ``0::2`` then ``1::2`` along ``dim`` (a de-interleave)."""
+    dim = dim % x.ndim
+    return x.unflatten(dim, (-1, 2)).transpose(dim, dim + 1).flatten(dim, dim + 1)
+
+
+def _alternating(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inverse of `_halves_first`: the two halves of ``x`` along ``dim`` interleaved."""
+    dim = dim % x.ndim
+    return x.unflatten(dim, (2, -1)).transpose(dim, dim + 1).flatten(dim, dim + 1)
+
+
+# experts whose stacks llm-compressor 0.14 linearizes from a stored layout other than [E, out, in], by its
+# registered classes: Llama4LinearExperts (halves of gate_up_proj [E, H, 2I]) and GptOssLinearExperts
+# (gate_up_proj [E, H, 2I] columns 0::2 and 1::2, biases copied into the Linears)
+_STORED_LAYOUTS = {
+    "Llama4TextExperts": {"gate_up_proj": StackLayout(transposed=True), "down_proj": StackLayout(transposed=True)},
+    "GptOssExperts": {"gate_up_proj": StackLayout(True, True, "gate_up_proj_bias"),
+                      "down_proj": StackLayout(True, False, "down_proj_bias")},
+}
+
+
+def stack_layout(module: torch.nn.Module, name: str) -> Optional[StackLayout]:
+    """The `StackLayout` of the stacked parameter ``name`` of the experts ``module`` when it is not
+    stored as the per-expert Linear weights ``[E, out, in]`` (Llama 4's and GPT-OSS' experts), else
+    None. Other transposed or interleaved experts are refused by `linearized_layout_problem`."""
+    return _STORED_LAYOUTS.get(type(module).__name__, {}).get(name)
 
 
 def linearized_layout_problem(module: torch.nn.Module) -> Optional[str]:
-    """Why qstats' stacked sites of ``module`` do not observe the per-expert Linears
-    llm-compressor linearizes it into (weights stored transposed ``[E, in, out]``, gate and up
-    interleaved column by column), or None."""
-    if transposed_stacks(module):
-        return "its stacked weights are transposed ([E, in, out]): qstats would observe them along the wrong axis"
+    """Why qstats' stacked sites of ``module`` cannot be read as the per-expert Linears
+    llm-compressor linearizes it into, or None: weights stored transposed ``[E, in, out]``, or gate
+    and up interleaved column by column, in experts other than those `stack_layout` maps."""
+    if type(module).__name__ in _STORED_LAYOUTS:
+        return None
+    if getattr(module, "is_transposed", False):
+        return ("its stacked weights are transposed ([E, in, out]) in a layout qstats does not map to "
+                "llm-compressor's per-expert Linears (only Llama 4's and GPT-OSS' experts)")
     if not getattr(module, "is_concatenated", True):
         return "its gate and up projections are interleaved column by column in gate_up_proj"
     return None

@@ -24,7 +24,7 @@ import torch
 from ._formats import COMPUTE_DTYPE_NAMES
 from .calibration import compute_qparams_tree
 from .export.checkpoint import check_new_folder, embedding_modules, write_index, write_tensors
-from .experts import UncalibratedWarning, transposed_stacks
+from .experts import UncalibratedWarning, linearized_layout_problem
 from .gptq_quantize import check_options, gptq
 from . import distributed
 from .layerwise import agreed, group_up, run_layerwise
@@ -63,12 +63,11 @@ def _targets(plan: Plan) -> dict:
         for site, observed in entry.items():
             if observed.kind != "parameter":
                 continue
-            if observed.num_experts and transposed_stacks(plan.modules[path]):  # GPTQ takes [E, out, in]
-                raise ValueError(
-                    f"gptq_layerwise: parameter {site!r} of the experts module {path!r} "
-                    f"({type(plan.modules[path]).__name__}) is stored transposed ([E, in, out]); GPTQ takes each "
-                    "expert's weight as [out, in] and would quantize it along the wrong axis"
-                )
+            problem = linearized_layout_problem(plan.modules[path]) if observed.num_experts else None
+            if problem:  # GPTQ takes [E, out, in] (`Site.canonical`), which this layout does not give
+                raise ValueError(f"gptq_layerwise: parameter {site!r} of the experts module {path!r} "
+                                 f"({type(plan.modules[path]).__name__}): {problem}; GPTQ takes each expert's weight "
+                                 "as [out, in] and would quantize it along the wrong axis")
             if observed.num_experts:
                 found[(path, site)] = f"{site}.input"
             elif site == "weight" and isinstance(plan.modules[path], torch.nn.Linear):
@@ -280,7 +279,8 @@ def _layer_jobs(plan: Plan, targets: dict, states: dict, hessians: dict) -> tupl
         if hessian_site not in hessians.get(path, {}):  # never called: llm-compressor rounds it to nearest too
             missing.append(f"{path}.{site}")
             continue
-        jobs[(path, site)] = _Job(getattr(plan.modules[path], site), _per_sample(hessians[path].pop(hessian_site)),
+        # the weight as the site observes it: stacks as [E, out, in] (`Site.canonical`)
+        jobs[(path, site)] = _Job(plan.parameter(path, site), _per_sample(hessians[path].pop(hessian_site)),
                                   plan.site(path, site).spec, qparams[path][site])
     return jobs, missing
 
@@ -336,6 +336,9 @@ class _GPTQRun:
 
         def finished(index: int, quantized: torch.Tensor) -> None:
             path, site = keys[index]
+            found = self.plan.site(path, site)
+            if found.layout is not None:  # back to the stored layout, which the model and checkpoint hold
+                quantized = found.stored(quantized).contiguous()
             self.plan.modules[path]._parameters[site] = torch.nn.Parameter(quantized, requires_grad=False)
             layer_weights[f"{path}.{site}"] = quantized.cpu()  # kept or written from the CPU, whatever the device
 

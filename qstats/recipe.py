@@ -23,8 +23,8 @@ from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, child_project
                        config_rules, matches_targets, scheme_rules, with_checkpoint_ignore)
 from ._spec import QuantSpec
 from ._torch_features import dtype_named, uncompiled
-from .experts import (expert_count, is_stacked_parameter, linearized_experts, own_parameters, parameter_input_site,
-                      stacked_observer)
+from .experts import (StackLayout, expert_count, is_stacked_parameter, linearized_experts, linearized_layout_problem,
+                      own_parameters, parameter_input_site, stack_layout, stacked_observer)
 from .fused import fused_groups
 from .observers import Observer
 from .observers import registry as observer_registry
@@ -216,6 +216,9 @@ class Site(NamedTuple):
       runtime: the site's scales come at run time (`runtime_scaled` spec or ``dynamic=True``).
       kind: ``"parameter"`` (observed once), ``"input"``, ``"output"``, ``"projection"``
         (``q``/``k``/``v``) or ``"parameter_input"`` (``"<parameter>.input"`` of stacked experts).
+      layout: of a stacked parameter stored otherwise than as the per-expert Linear weights
+        ``[E, out, in]`` (Llama 4's and GPT-OSS' transposed experts): its `StackLayout`, through
+        which every reader sees the stack as ``[E, out, in]`` (`Plan.parameter`); else None.
     """
 
     rule: Rule
@@ -224,6 +227,15 @@ class Site(NamedTuple):
     num_experts: int
     runtime: bool = False
     kind: str = "parameter"
+    layout: Optional[StackLayout] = None
+
+    def canonical(self, stored: torch.Tensor) -> torch.Tensor:
+        """The parameter's stored value as the site observes it (`layout`'s canonical view)."""
+        return stored if self.layout is None else self.layout.canonical(stored)
+
+    def stored(self, canonical: torch.Tensor) -> torch.Tensor:
+        """The inverse of `canonical`: a value of the observed view as the parameter stores it."""
+        return canonical if self.layout is None else self.layout.stored(canonical)
 
 
 def runtime_scaled(spec: QuantSpec) -> bool:
@@ -274,14 +286,24 @@ def _refuse_static_groups(rules: list, caller: str) -> list:
     return rules
 
 
-def _make_site(rule: Rule, spec: QuantSpec, kind: str, stacked: int) -> Site:
+def _make_site(rule: Rule, spec: QuantSpec, kind: str, stacked: int, layout: Optional[StackLayout] = None) -> Site:
     # an activation site whose scales are computed at run time from each tensor observes its
     # whole range: its state is the same for batches of any length
     runtime = kind != "parameter" and (rule.dynamic or runtime_scaled(spec))
     observer = rule.make_observer(spec.replace(granularity=PerTensor()) if runtime else spec)
     if stacked:
         observer = stacked_observer(observer, stacked)
-    return Site(rule, observer, spec, stacked, runtime, kind)
+    return Site(rule, observer, spec, stacked, runtime, kind, layout)
+
+
+def _stack_shapes(module: torch.nn.Module, params: dict) -> dict:
+    """``{name: shape}`` of ``params`` as the stacked sites observe them: ``[E, out, in]`` for
+    stacks stored otherwise (`stack_layout`)."""
+    shapes = {}
+    for name, param in params.items():
+        layout = stack_layout(module, name) if param.ndim == 3 else None
+        shapes[name] = tuple(param.shape) if layout is None else layout.canonical_shape(param.shape)
+    return shapes
 
 
 def _refuse_conv_hessian(path: str, module: torch.nn.Module, site: Site) -> None:
@@ -298,31 +320,31 @@ def _refuse_conv_hessian(path: str, module: torch.nn.Module, site: Site) -> None
         )
 
 
-def _gate_up_halves(spec: QuantSpec, site: str, module: torch.nn.Module, params: dict) -> QuantSpec:
-    """A per-tensor spec of fused experts' ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows)
-    made per projection, ``PerBlock((I, H))``: gate and up are two matrices, each with its own scale
-    (llm-compressor linearizes them into ``gate_proj`` and ``up_proj``; vLLM keeps both scales)."""
-    param, down = params.get(site), params.get("down_proj")
+def _gate_up_halves(spec: QuantSpec, site: str, shapes: dict) -> QuantSpec:
+    """A per-tensor spec of fused experts' ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows;
+    ``shapes`` from `_stack_shapes`) made per projection, ``PerBlock((I, H))``: gate and up are two
+    matrices, each with its own scale (llm-compressor linearizes them into ``gate_proj`` and
+    ``up_proj``; vLLM keeps both scales)."""
+    param, down = shapes.get(site), shapes.get("down_proj")
     if (site != "gate_up_proj" or not isinstance(spec.granularity, PerTensor) or down is None
-            or getattr(module, "is_transposed", False) or param.ndim != 3 or down.ndim != 3
-            or param.shape[1] != 2 * down.shape[2]):
+            or len(param) != 3 or len(down) != 3 or param[1] != 2 * down[2]):
         return spec
-    return spec.replace(granularity=PerBlock((param.shape[1] // 2, param.shape[2])))
+    return spec.replace(granularity=PerBlock((param[1] // 2, param[2])))
 
 
-def _refuse_straddling_blocks(path: str, spec: QuantSpec, site: str, params: dict) -> None:
+def _refuse_straddling_blocks(path: str, spec: QuantSpec, site: str, shapes: dict) -> None:
     """ValueError for a compressed-tensors block spec on fused experts' ``gate_up_proj`` ``[E, 2I, H]``
-    whose block rows do not divide ``I``: llm-compressor blocks its linearized ``gate_proj`` and
-    ``up_proj`` apart (each with partial edge blocks), where a block of the stack would hold rows of
-    both (the export refused it, after the calibration)."""
-    param, down = params.get(site), params.get("down_proj")
+    (``shapes`` from `_stack_shapes`) whose block rows do not divide ``I``: llm-compressor blocks its
+    linearized ``gate_proj`` and ``up_proj`` apart (each with partial edge blocks), where a block of
+    the stack would hold rows of both (the export refused it, after the calibration)."""
+    param, down = shapes.get(site), shapes.get("down_proj")
     granularity = spec.granularity
-    if site != "gate_up_proj" or not isinstance(granularity, PerBlock) or down is None or param.ndim != 3:
+    if site != "gate_up_proj" or not isinstance(granularity, PerBlock) or down is None or len(param) != 3:
         return
-    rows, intermediate = granularity.block_shape[-2], param.shape[1] // 2
-    if param.shape[1] == 2 * down.shape[-1] and intermediate % rows:
+    rows, intermediate = granularity.block_shape[-2], param[1] // 2
+    if param[1] == 2 * down[-1] and intermediate % rows:
         raise ValueError(
-            f"Recipe: {path}:gate_up_proj ({tuple(param.shape)}, gate rows then up rows) under blocks of "
+            f"Recipe: {path}:gate_up_proj ({param}, gate rows then up rows) under blocks of "
             f"{granularity.block_shape}: the {rows}-row blocks straddle the gate and up halves of {intermediate} "
             "rows each, which llm-compressor blocks apart as two Linears; not supported: ignore these experts' "
             "gate/up projections or choose a block height that divides the intermediate size")
@@ -365,10 +387,11 @@ class Plan:
         return self.sites.get(path, {}).get(site)
 
     def parameter(self, path: str, site: str) -> torch.Tensor:
-        """The current value (detached) of the parameter observed by a ``"parameter"`` site: a
+        """The current value (detached) of the parameter observed by a ``"parameter"`` site, as the
+        site sees it (`Site.canonical`: stacks as the per-expert Linear weights ``[E, out, in]``): a
         parametrized one's computed value (inside `qstats.fake_quantized`, the fake-quantized
         weights, as if they had replaced the float ones)."""
-        return getattr(self.modules[path], site).detach()
+        return self.sites[path][site].canonical(getattr(self.modules[path], site).detach())
 
     def attention_argument(self, path: str, site: str) -> bool:
         """Whether ``site`` of ``path`` is a ``q``/``k``/``v`` its transformers attention module hands
@@ -614,6 +637,8 @@ class Recipe:
         config's ignore list names per-expert Linears by model or checkpoint name (``rename``)."""
         params = own_parameters(module)  # parametrized ones too (inside `qstats.fake_quantized`)
         num_experts = expert_count(module)
+        # gate/up halves of stacks read as per-expert Linears only
+        shapes = _stack_shapes(module, params) if num_experts and linearized_layout_problem(module) is None else {}
         entry: dict = {}
         for index, rule in enumerate(self.rules):
             matcher = with_checkpoint_ignore(rule.matcher, path, module, rename)
@@ -621,10 +646,11 @@ class Recipe:
             for site in picked.sites_on(path, module):
                 kind = None if site in entry else _site_kind(module, params, num_experts, site)
                 if kind is not None:
-                    spec = _gate_up_halves(rule.spec, site, module, params) if kind[1] else rule.spec
+                    spec = _gate_up_halves(rule.spec, site, shapes) if kind[1] else rule.spec
                     if kind[1] and isinstance(rule.matcher, (GroupMatch, ExpertsMatch)):
-                        _refuse_straddling_blocks(path, spec, site, params)
-                    entry[site] = _make_site(rule, spec, *kind)
+                        _refuse_straddling_blocks(path, spec, site, shapes)
+                    layout = stack_layout(module, site) if kind == ("parameter", num_experts) and num_experts else None
+                    entry[site] = _make_site(rule, spec, *kind, layout)
                     _refuse_conv_hessian(path, module, entry[site])
                 if site in entry:  # taken here or by an earlier rule
                     found[index].add(site)

@@ -1,8 +1,10 @@
 """Stacked experts (3-D ``gate_up_proj [E, 2I, H]`` or gate-less ``up_proj [E, I, H]``, ``down_proj
 [E, H, I]``) unpacked into per-expert Linear entries ``<path>.<e>.gate_proj`` / ``up_proj`` /
-``down_proj``, as llm-compressor's ``LinearExperts2D`` unpacks them (``gate_up_proj[e, :I]`` is gate);
-transposed, interleaved or biased stacks are refused. So that vLLM's fused-MoE loader
-and transformers read them. See docs/export.md.
+``down_proj``, as llm-compressor's ``LinearExperts2D`` unpacks them (``gate_up_proj[e, :I]`` is gate).
+Llama 4's and GPT-OSS' stacks, stored transposed (GPT-OSS' gate and up interleaved, with biases), are
+read through their `qstats.experts.StackLayout`, as llm-compressor's registered linear experts read
+them; other transposed or interleaved stacks are refused. So that vLLM's fused-MoE loader and
+transformers read them. See docs/export.md.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from .._granularity import PerBlock, PerTensor, TensorGroup
 from .._qparams import QParams, experts_qparams, per_expert_qparams
 from .._spec import QuantSpec
+from ..experts import linearized_layout_problem, stack_layout
 from .config import fail
 from .linear import Entry
 from .scales import check_qparams, scale_dtype
@@ -83,29 +86,48 @@ def _whole_block(qp: QParams, spec: QuantSpec, shape: tuple) -> tuple:
 
 
 def _refuse_layout(path: str, module: torch.nn.Module, params: dict, first: str) -> None:
-    """ValueError naming ``path`` for experts whose per-expert Linears are not row slices of their
-    stacks: transposed (``[E, in, out]``, gpt-oss), gate and up interleaved column by column
-    (``is_concatenated=False``, gpt-oss), or with parameters beyond the stacked weights (biases)."""
-    problems = []
-    if getattr(module, "is_transposed", False):
-        problems.append("its stacked weights are transposed ([E, in, out]; qstats observes rows of [E, out, in])")
-    if getattr(module, "is_concatenated", True) is False:
-        problems.append("its gate and up projections are interleaved column by column in gate_up_proj")
-    others = sorted(name for name in params if name not in (first, "down_proj"))
+    """ValueError naming ``path`` for experts whose per-expert Linears qstats cannot cut from their
+    stacks (`linearized_layout_problem`: transposed or interleaved stacks of other experts than
+    Llama 4's and GPT-OSS'), or with parameters beyond the stacked weights and the biases their
+    `StackLayout` names."""
+    problem = linearized_layout_problem(module)
+    if problem:
+        fail(path, f"stacked experts are not exportable: {problem}")
+    biases = {getattr(stack_layout(module, name), "bias", None) for name in (first, "down_proj")}
+    others = sorted(name for name in params if name not in (first, "down_proj") and name not in biases)
     if others:  # they would be dropped with the fused parameters
-        problems.append(f"it has other parameters ({', '.join(others)}), e.g. biases, that no exported tensor holds")
-    if problems:
-        fail(path, "stacked experts are not exportable yet: " + "; ".join(problems))
+        fail(path, f"stacked experts are not exportable: it has other parameters ({', '.join(others)}), e.g. "
+             "biases, that no exported tensor holds")
+
+
+def _canonical(module: torch.nn.Module, params: dict, name: str) -> Optional[torch.Tensor]:
+    """Parameter ``name`` (detached) as the per-expert Linear weights ``[E, out, in]`` (`stack_layout`)."""
+    param, layout = params.get(name), stack_layout(module, name)
+    if param is None or param.dim() != 3 or layout is None:
+        return None if param is None else param.detach()
+    return layout.canonical(param.detach())
+
+
+def _canonical_biases(module: torch.nn.Module, params: dict, first: str) -> dict:
+    """``{stack name: bias [E, out]}`` of the stacks whose `StackLayout` names a bias (GPT-OSS), in
+    the order of the per-expert Linears' rows (gate, then up)."""
+    biases = {}
+    for name in (first, "down_proj"):
+        layout = stack_layout(module, name)
+        if layout is not None and layout.bias is not None and layout.bias in params:
+            biases[name] = layout.canonical_bias(params[layout.bias].detach())
+    return biases
 
 
 def _stacked_parameters(path: str, module: torch.nn.Module, sites: Mapping, num_experts: int) -> tuple:
-    """``(first, up, down, sites)``: the name of the first projection (``gate_up_proj [E, 2I, H]``, gate
-    rows first, or gate-less ``up_proj [E, I, H]``), the stacks of an exportable experts module and its
-    sites' qparams with one global scale per expert (`per_expert_qparams`), after checking its layout,
-    its sites and the leading expert dimension of their qparams."""
+    """``(first, up, down, biases, sites)``: the name of the first projection (``gate_up_proj [E, 2I, H]``,
+    gate rows first, or gate-less ``up_proj [E, I, H]``), the stacks of an exportable experts module
+    as the per-expert Linear weights (`_canonical`), their biases (`_canonical_biases`) and its sites'
+    qparams with one global scale per expert (`per_expert_qparams`), after checking its layout, its
+    sites and the leading expert dimension of their qparams."""
     params = dict(module.named_parameters(recurse=False))
     first = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
-    up, down = params.get(first), params.get("down_proj")
+    up, down = _canonical(module, params, first), _canonical(module, params, "down_proj")
     known = (first, "down_proj", "input", f"{first}.input", "down_proj.input")
     unknown = [site for site in sites if site not in known]
     if unknown:
@@ -116,8 +138,8 @@ def _stacked_parameters(path: str, module: torch.nn.Module, sites: Mapping, num_
     _refuse_layout(path, module, params, first)
     rows = 2 * down.shape[2] if first == "gate_up_proj" else down.shape[2]
     if up.shape[1] != rows or down.shape[1] != up.shape[2]:
-        fail(path, f"{first} {tuple(up.shape)} and down_proj {tuple(down.shape)} are not the layout "
-             f"[E, {'2I' if first == 'gate_up_proj' else 'I'}, H] / [E, H, I]")
+        fail(path, f"{first} {tuple(up.shape)} and down_proj {tuple(down.shape)} (as per-expert Linear weights) are "
+             f"not the layout [E, {'2I' if first == 'gate_up_proj' else 'I'}, H] / [E, H, I]")
     stacked = dict(sites)
     for site, qp in sites.items():
         if qp is not None:
@@ -125,7 +147,7 @@ def _stacked_parameters(path: str, module: torch.nn.Module, sites: Mapping, num_
                 stacked[site] = per_expert_qparams(check_qparams(qp, f"{path}/{site}"), num_experts)
             except ValueError as error:
                 fail(f"{path}/{site}", str(error))
-    return first, up.detach(), down.detach(), stacked
+    return first, up, down, _canonical_biases(module, params, first), stacked
 
 
 def expert_entries(
@@ -140,7 +162,7 @@ def expert_entries(
     """Per-expert Linear entries of a stacked experts module; a projection without qparams is written
     unquantized into ``tensors``. ``dynamic``: activation sites whose scales come at run time.
     """
-    first, up, down, sites = _stacked_parameters(path, module, sites, num_experts)
+    first, up, down, biases, sites = _stacked_parameters(path, module, sites, num_experts)
     dtype = scale_dtype(up)
     # the routed hidden states: "<first>.input" equals "input"
     input_name = f"{first}.input" if f"{first}.input" in sites else "input"
@@ -162,14 +184,18 @@ def expert_entries(
         projections = []
         for name, (start, stop) in _up_rows(first, down.shape[2]):
             weight = up[expert, start:stop]
+            if first in biases:  # as llm-compressor copies them into its Linears, never quantized
+                tensors[f"{prefix}.{name}.bias"] = biases[first][expert, start:stop].contiguous()
             if first not in sites:  # unquantized: the float weights, unpacked like the quantized ones
-                tensors[f"{prefix}.{name}.weight"] = weight
+                tensors[f"{prefix}.{name}.weight"] = weight.contiguous()
                 continue
             qp, spec, where, _ = site(first, expert, f"{path}/{first}[{expert}] ({name})")
             if spec is not None and first == "gate_up_proj":
                 qp = _row_slice(qp, spec, start, stop, where)
                 qp, spec = _whole_block(qp, spec, (stop - start, up.shape[2]))
             projections.append((name, weight, {"weight": (qp, spec, where, False), **inputs}))
+        if "down_proj" in biases:
+            tensors[f"{prefix}.down_proj.bias"] = biases["down_proj"][expert].contiguous()
         if "down_proj" in sites:
             down_sites = {"weight": site("down_proj", expert)}
             # the intermediate activation act(gate) * up, quantized only by its own site: the routed input's
@@ -182,7 +208,7 @@ def expert_entries(
             fail(f"{path}/down_proj.input",
                  "input scales of down_proj need the down_proj weights exported too")
         else:
-            tensors[f"{prefix}.down_proj.weight"] = down[expert]
+            tensors[f"{prefix}.down_proj.weight"] = down[expert].contiguous()
         entries += [Entry(f"{prefix}.{name}", weight, dtype, entry_sites, experts=(path, name))
                     for name, weight, entry_sites in projections]
     return entries
@@ -229,9 +255,10 @@ def unpack_loaded_per_expert(model: torch.nn.Module, state: Mapping, tensors: di
             continue
         if any(name in tensors or name in dropped for name in names):  # quantized: written per expert already
             continue
-        gate_up, down = (state[name].detach() for name in names)
-        gate, up = gate_up.chunk(2, dim=-1)  # the module's own split
+        gate_up, down = (stack_layout(module, name.rpartition(".")[2]).canonical(state[name].detach())
+                         for name in names)
+        gate, up = gate_up.chunk(2, dim=1)  # [E, 2I, H]: gate rows, then up rows
         for expert in range(down.shape[0]):
             for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-                tensors[f"{path}.{expert}.{name}.weight"] = weight[expert].T.contiguous()
+                tensors[f"{path}.{expert}.{name}.weight"] = weight[expert].contiguous()
         dropped.update(names)
