@@ -364,14 +364,18 @@ def all_reduce(
       check: first verify with one 24-byte collective that all ranks pass the same tree.
       partial: ranks may hold different subsets of the sites of a dict tree (a rank without batches,
         an expert no token reached on a rank): a site only some ranks hold is merged from them with
-        ``obs.merge`` in rank order and returned on every rank (`merge_partial_sites`); needs ``check``.
-        ``observers`` may then hold every rank's sites.
+        ``obs.merge`` in rank order and returned on every rank (`merge_partial_sites`); needs ``check``
+        (ValueError with ``check=False``). ``observers`` may then hold every rank's sites.
 
     Returns:
       A new tree of the same structure (with ``partial``, where the ranks' sites differ: nested dicts
       of every rank's sites); ``tree`` itself without a process group, with one rank, or on a rank
       outside ``group``.
     """
+    if partial and not check:  # the check finds the sites the ranks hold differently: without it their
+        # collectives would pair buffers of other sizes (gloo aborts the process) or other sites
+        raise ValueError("all_reduce: partial=True needs check=True: the check is the collective that finds the "
+                         "sites that only some ranks hold")
     states = treespec = plan = records = local_error = None
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if distributed else 1
