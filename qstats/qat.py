@@ -931,8 +931,11 @@ class _Rewriter:
 
     def pure_batchnorm(self, node, layer) -> None:
         key = str(node.target)
-        if not layer.track_running_stats or layer.running_mean is None:
-            raise ValueError(f"qstats.qat.prepare: batch norm {key!r} must track running statistics")
+        if not layer.track_running_stats:  # normalises with each batch's statistics and updates none: pure as it is
+            return
+        if layer.running_mean is None:
+            raise ValueError(f"qstats.qat.prepare: batch norm {key!r} tracks running statistics but has none "
+                             "(running_mean is None)")
         if key not in self.batchnorms:
             self.batchnorms.append(key)
         with self.graph.inserting_before(node):

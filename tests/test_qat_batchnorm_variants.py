@@ -1,0 +1,90 @@
+"""QAT models with normalisation layers other than a plain tracking ``nn.BatchNorm``.
+
+References: torch.ao ``FakeQuantize`` modules wired around the same layers (a batch norm without
+running statistics, ``track_running_stats=False``, normalises every batch with its own statistics in
+train and eval mode and updates nothing, so ``prepare`` keeps it as it is), and the buffers of the
+model's own ``InstanceNorm`` / ``SyncBatchNorm`` layers.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
+
+import qstats
+
+ACT_SPEC = qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_affine)
+W_SPEC = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric, ch_axis=0)
+
+
+def _act_fq():
+    return FakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255, dtype=torch.quint8,
+                        qscheme=torch.per_tensor_affine)
+
+
+def _weight_fq():
+    return FakeQuantize(observer=MovingAveragePerChannelMinMaxObserver, quant_min=-128, quant_max=127,
+                        dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
+
+
+def _model():
+    return nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(16, 3))
+
+
+class _Reference(nn.Module):
+    """``_model()`` with torch.ao FakeQuantize modules on each layer's input and weight."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.a_conv, self.a_linear, self.w_conv, self.w_linear = _act_fq(), _act_fq(), _weight_fq(), _weight_fq()
+
+    def forward(self, x):
+        conv, bn, linear = self.model[0], self.model[1], self.model[4]
+        h = F.conv2d(self.a_conv(x), self.w_conv(conv.weight), conv.bias)
+        h = F.relu(bn(h)).flatten(1)
+        return F.linear(self.a_linear(h), self.w_linear(linear.weight), linear.bias)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_batchnorm_without_running_statistics_trains_as_torch_ao_fake_quant_modules(training):
+    torch.manual_seed(0)
+    model, reference = _model(), _Reference(_model())
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 1.5)
+        model[1].bias.uniform_(-0.5, 0.5)
+    reference.model.load_state_dict(model.state_dict())
+    model.train(training), reference.train(training)
+    qat = qstats.qat.prepare(model, qstats.moving_average_minmax(W_SPEC, 0.01),
+                             qstats.moving_average_minmax(ACT_SPEC, 0.01))
+    assert qat.batchnorm_layers == ()
+    g = torch.Generator().manual_seed(1)
+    state = qat.init(torch.zeros(2, 2, 4, 4))
+    params = {name: p.detach().clone() for name, p in qat.params().items()}
+
+    def loss_fn(p, s, x, y):
+        out, new_state = qat.apply(p, s, x, phase=qstats.QATPhase())
+        return F.cross_entropy(out, y), new_state
+
+    grad_fn = torch.func.grad(loss_fn, has_aux=True)
+    for step in range(3):
+        x, y = torch.randn(5, 2, 4, 4, generator=g) * (step + 1), torch.randint(0, 3, (5,), generator=g)
+        reference.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        grads, state = grad_fn(params, state, x, y)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference.model.get_parameter(name).grad, rtol=1e-5, atol=1e-6, msg=name)
+        params = {name: p - 0.1 * grads[name] for name, p in params.items()}
+        with torch.no_grad():
+            for name, p in reference.model.named_parameters():
+                p -= 0.1 * p.grad
+    assert state.batchnorm == {}
+    for key, fq in (("0", reference.a_conv), ("4", reference.a_linear)):
+        qp = qstats.compute_qparams(state.activations[key], ACT_SPEC)
+        torch.testing.assert_close(qp.scale.reshape(-1), fq.scale.reshape(-1), rtol=1e-6, atol=0)
