@@ -612,6 +612,20 @@ def _histogram_state(obs, observer) -> HistogramState:
                           underflow=per_sign[:, 0].clone(), overflow=per_sign[:, -1].clone())
 
 
+def _drop_in_state(obs: QstatsObserver):
+    """The state of a drop-in; before any data, the state of no data where its shape needs no data
+    (per tensor, as torch.ao's per-tensor observers hold it), else the per-channel ValueError."""
+    state = obs.state
+    if state is not None:
+        return state
+    if obs.spec is not None and not isinstance(obs.spec.granularity, PerTensor):
+        raise ValueError(
+            f"from_observer: the QstatsObserver ({obs.spec.granularity}) has seen no data (empty buffers); build "
+            "the qstats state with observer.init(x) instead"
+        )
+    return obs.observer.init(_probe(obs.spec, next(obs.buffers()).device if obs._fields else None))
+
+
 def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 48):
     """A calibrated torch.ao observer (or torchao PT2E's copy of one) as ``(observer, spec, state)``
     of qstats.
@@ -620,10 +634,12 @@ def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 
     exactly: further ``observer.update`` calls give torch.ao's qparams bit for bit; ``count`` is 1
     per calibrated parameter (torch.ao keeps none). A ``HistogramObserver`` is re-bucketed into
     `qstats.histogram` (``buckets_per_octave`` default: `buckets_per_octave_for_bins`), values
-    moving at most one torch.ao bin (docs/migrating_torch_ao.md).
+    moving at most one torch.ao bin (docs/migrating_torch_ao.md). A `QstatsObserver` gives its own;
+    per tensor, one that saw no data gives the state of no data, as torch.ao's per-tensor observers
+    (per channel: ValueError, as torch.ao's, whose channel count comes from data).
     """
     if isinstance(obs, QstatsObserver):
-        return obs.observer, obs.spec, obs.state
+        return obs.observer, obs.spec, _drop_in_state(obs)
     # the moving averages derive from the min-max classes
     if not isinstance(obs, _classes("MinMaxObserver", "PerChannelMinMaxObserver", "HistogramObserver")):
         raise TypeError(
