@@ -697,24 +697,38 @@ def _functional_owner(model: nn.Module, node, layers) -> Optional[str]:
 def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
     """Names the layers `prepare` could not rewrite: those inside modules torch.fx keeps whole
     (``hidden``: name -> that module's type name), and subclasses with their own forward that torch.fx
-    traced through (a weight not passed as is to F.linear/F.convNd, a batch norm's hidden buffers)."""
+    traced through (a weight not passed as is to F.linear/F.convNd, a batch norm's hidden buffers); also
+    instance norms that track running statistics (buffers updated in place) and SyncBatchNorm layers
+    (rewritten to batch norms of each rank's own batch)."""
     if hidden:
         warn(f"qstats.qat.prepare: {sorted(hidden)} run inside {sorted(set(hidden.values()))}, which torch.fx "
              "does not trace into: they stay in float")
-    floats, buffers = [], []
+    floats, buffers, instance, synced = [], [], [], []
     for name, module in model.named_modules():
         if type(module).forward in _STOCK_FORWARDS or name in hidden or any(name.startswith(f"{h}.") for h in hidden):
             continue
+        tracked = getattr(module, "track_running_stats", False)
         if isinstance(module, layers) and name not in rewriter.quantized:
             floats.append(name or type(module).__name__)
-        elif isinstance(module, nn.modules.batchnorm._BatchNorm) and name not in rewriter.batchnorms:
+        elif isinstance(module, nn.SyncBatchNorm) and name in rewriter.batchnorms:
+            synced.append(name or type(module).__name__)
+        elif tracked and isinstance(module, nn.modules.batchnorm._BatchNorm) and name not in rewriter.batchnorms:
             buffers.append(name or type(module).__name__)
+        elif tracked and isinstance(module, nn.modules.instancenorm._InstanceNorm):
+            instance.append(name or type(module).__name__)
     if floats:
         warn(f"qstats.qat.prepare: {floats} have their own forward, which does not pass self.weight as is to "
              "F.linear/F.conv/F.conv_transpose/F.embedding: they stay in float (quantize them with qstats.observe_fake_quantize)")
     if buffers:
         warn(f"qstats.qat.prepare: batch norms {buffers} have their own forward: their running statistics stay "
              "buffers updated in place, outside the QAT state")
+    if instance:
+        warn(f"qstats.qat.prepare: instance norms {instance} track running statistics: they stay buffers updated "
+             "in place by every training-mode call, outside the QAT state")
+    if synced:
+        warn(f"qstats.qat.prepare: SyncBatchNorm layers {synced} become batch norms of each rank's own batch: they "
+             "normalise with its statistics and keep its running statistics (SyncBatchNorm's are all ranks'; "
+             "qat.sync does not merge them)")
 
 
 def _extra(state, phase, ranges) -> Dict[str, Any]:

@@ -88,3 +88,37 @@ def test_batchnorm_without_running_statistics_trains_as_torch_ao_fake_quant_modu
     for key, fq in (("0", reference.a_conv), ("4", reference.a_linear)):
         qp = qstats.compute_qparams(state.activations[key], ACT_SPEC)
         torch.testing.assert_close(qp.scale.reshape(-1), fq.scale.reshape(-1), rtol=1e-6, atol=0)
+
+
+def test_sync_batchnorm_is_named_in_a_warning_and_normalises_each_ranks_batch():
+    # SyncBatchNorm normalises with the statistics of every rank's batch (and refuses CPU tensors when
+    # several ranks run); the rewritten model computes each rank's own batch norm, which prepare says.
+    torch.manual_seed(0)
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4)))
+    reference = nn.BatchNorm2d(4)
+    reference.load_state_dict(model[1].state_dict())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        qat = qstats.qat.prepare(model, qstats.minmax(W_SPEC))
+    assert any("SyncBatchNorm layers ['1']" in str(w.message) for w in record)
+    x = torch.randn(3, 2, 5, 5)
+    out, state = qat.apply(qat.params(), qat.init(x), x, phase=qstats.QATPhase(False, False, False))
+    torch.testing.assert_close(out, reference(model[0](x)))
+    torch.testing.assert_close(state.batchnorm["1"].running_var, reference.running_var)
+
+
+@pytest.mark.parametrize("track_running_stats", [True, False])
+def test_instance_norm_that_tracks_running_statistics_is_named_in_a_warning(track_running_stats):
+    # its running statistics are buffers that every training-mode call updates in place, as the warning says
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.InstanceNorm2d(4, track_running_stats=track_running_stats))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        qat = qstats.qat.prepare(model, qstats.minmax(W_SPEC))
+    warned = [str(w.message) for w in record if "instance norms ['1']" in str(w.message)]
+    assert len(warned) == int(track_running_stats)
+    if track_running_stats:
+        x = torch.randn(3, 2, 5, 5)
+        before = model[1].running_mean.clone()
+        qat.apply(qat.params(), qat.init(x), x)
+        assert not torch.equal(model[1].running_mean, before)
