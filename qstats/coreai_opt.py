@@ -153,7 +153,9 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
     Raises:
       ValueError: naming an option a recipe cannot hold: ``op_name_config`` (its names count the
         calls of a forward), module-level specs of other modules, ``kv_cache_quant_configs``,
-        activation specs in graph execution mode, ops called as functions (``add``, ``sub``,
+        activation specs in graph execution mode, conv weights in graph execution mode where a
+        BatchNorm of their output channels may follow (coreai_opt folds it into the weight it
+        quantizes), ops called as functions (``add``, ``sub``,
         ``mul``, ``matmul``), ``qformulation="minval"``, per-block activations, or a spec field
         qstats does not read.
       TypeError: ``config`` is not a ``QuantizerConfig`` (a dict: ``QuantizerConfig.from_dict``).
@@ -168,8 +170,11 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"recipe_from_coreai_opt: model must be an nn.Module, got {type(model).__name__}")
     dtype_default = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    quantized = list(_quantized_modules(config, model))
+    if _execution_mode(config) == "graph":
+        _check_no_batchnorm_folding(quantized, model)
     groups: dict = {}
-    for path, module, _, site_specs in _quantized_modules(config, model):
+    for path, module, _, site_specs in quantized:
         dtype = observed_dtype or next(
             (p.dtype for p in module.parameters(recurse=False) if p.is_floating_point()), dtype_default)
         for site, coreai_spec, target in site_specs:
@@ -237,7 +242,7 @@ def _check_config(config, caller: str = "recipe_from_coreai_opt") -> None:
     if getattr(config, "kv_cache_quant_configs", None):
         _refuse(f"kv_cache_quant_configs {sorted(config.kv_cache_quant_configs)} quantize graph-mode cache "
                 "buffers, which no module site holds", caller)
-    graph = str(getattr(config.execution_mode, "value", config.execution_mode)) == "graph"
+    graph = _execution_mode(config) == "graph"
     scopes = [("global_config", config.global_config)]
     scopes += [(f"module_type_configs[{k!r}]", c) for k, c in config.module_type_configs.items()]
     scopes += [(f"module_name_configs[{k!r}]", c) for k, c in config.module_name_configs.items()]
@@ -254,6 +259,31 @@ def _check_config(config, caller: str = "recipe_from_coreai_opt") -> None:
         if graph and _has_activations(module_config):
             _refuse(f"{where} quantizes activations in graph execution mode, which places them on the exported "
                     "graph (after fused patterns, one per edge); set execution_mode='eager' for module sites", caller)
+
+
+def _execution_mode(config) -> str:
+    return str(getattr(config.execution_mode, "value", config.execution_mode))
+
+
+# the convs whose weight coreai_opt's graph prepare scales by a following BatchNorm's gamma / sqrt(var + eps)
+_BATCHNORM_FOLDED = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d)
+
+
+def _check_no_batchnorm_folding(quantized: list, model: torch.nn.Module) -> None:
+    """ValueError where graph execution mode may quantize a conv weight with a BatchNorm folded in:
+    coreai_opt's graph prepare rewrites conv -> batch_norm so that the weight quantizer observes
+    ``weight * gamma / sqrt(running_var + eps)``, which no module site holds. A BatchNorm counts when
+    its ``num_features`` equals the conv's ``out_channels`` (the recipe does not see the forward)."""
+    norms = {module.num_features: path for path, module in model.named_modules()
+             if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)}
+    for path, module, _, site_specs in quantized:
+        weighted = any(site == "weight" for site, _, _ in site_specs)
+        if weighted and isinstance(module, _BATCHNORM_FOLDED) and module.out_channels in norms:
+            _refuse(f"graph execution mode folds a BatchNorm that follows a conv into the weight it quantizes "
+                    f"(weight * gamma / sqrt(running_var + eps)), which no module site holds: module {path!r} "
+                    f"({type(module).__name__}, {module.out_channels} output channels) and BatchNorm "
+                    f"{norms[module.out_channels]!r}; fold the batch norms into the convs first "
+                    "(torch.nn.utils.fusion.fuse_conv_bn_eval) or set execution_mode='eager'")
 
 
 def _active(spec_dict) -> bool:
