@@ -530,12 +530,33 @@ def _attention_refusal(group) -> str:
     return ""
 
 
+def _check_format(group, index: int) -> None:
+    """ValueError naming a config group's ``format`` other than the one compressed-tensors infers for
+    its scheme (``infer_module_format``), which llm-compressor's checkpoint writes for that group (an
+    unpacked ``naive-quantized`` weight for W8A16, say): a Recipe holds no checkpoint format, and its
+    export would write the inferred one."""
+    if group.format is None:
+        return
+    from compressed_tensors.compressors.format import infer_module_format
+
+    given = getattr(group.format, "value", group.format)
+    inferred = infer_module_format(torch.nn.Linear, group.model_copy(update={"format": None})).value
+    if given != inferred:
+        raise ValueError(f"config group {index} (targets {list(group.targets)}): format {given!r} is not the "
+                         f"{inferred!r} compressed-tensors infers for its scheme, and a qstats Recipe holds no "
+                         "checkpoint format: leave 'format' out of the group and pass "
+                         f"format={given!r} to qstats.export.compressed_tensors (it applies to every group "
+                         "with weights)")
+
+
 def _group_rules(Rule, groups: list, observed_dtype, ignore=()) -> list:
     """One rule per site of each ``QuantizationScheme`` of ``groups`` (config order), each
-    selecting the modules compressed-tensors gives that group (`GroupMatch`)."""
+    selecting the modules compressed-tensors gives that group (`GroupMatch`); a group's ``format``
+    other than the inferred one is refused (`_check_format`)."""
     names = tuple(tuple(group.targets) for group in groups)
     rules = []
     for index, group in enumerate(groups):
+        _check_format(group, index)
         matcher = GroupMatch(names, index, ignore=_strings(ignore), refusal=_attention_refusal(group))
         for key, site in _SITES:
             args = getattr(group, key)
