@@ -336,7 +336,8 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
 
     Raises:
       TypeError: for anything else in the tree (names the path and the type).
-      OSError: the file cannot be written (FileNotFoundError when its folder does not exist).
+      OSError: the file cannot be written (FileNotFoundError when its folder does not exist,
+        PermissionError for a file this process may not write, which is kept), as ``open`` raises.
 
     >>> import torch, qstats, tempfile, os
     >>> obs = qstats.minmax(qstats.QuantSpec())
@@ -360,6 +361,8 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
     real = os.path.realpath(target)  # a symlink's target is replaced, as open() writes through it
     if os.path.isdir(real):
         raise IsADirectoryError(f"qstats.io: could not write {target} (it is a directory)")
+    if os.path.exists(real) and not os.access(real, os.W_OK):  # open() refuses it; the rename would replace it
+        raise PermissionError(f"qstats.io: could not write {target} (permission denied: the file is read-only)")
     try:
         _write_replacing(tensors, metadata, real)
     except (SafetensorError, OSError) as error:  # the writer's I/O failures, as open() and torch.save raise them
