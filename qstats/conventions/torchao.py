@@ -2,12 +2,16 @@
 
 `from_torchao` maps torchao's affine (``choose_qparams_affine`` and variants), MX (``to_mx``), float8
 (``_choose_scale_float8``, ``QuantizeTensorToFloat8Kwargs``) and NVFP4 (``NVFP4Tensor.to_nvfp4``)
-arguments onto a QuantSpec; the arguments accepted are listed in docs/formats.md. torchao is not
+arguments, and the weight-only ``quantize_`` configs (``Int8WeightOnlyConfig``,
+``Float8WeightOnlyConfig``, ``IntxWeightOnlyConfig``), onto a QuantSpec; the arguments accepted are
+listed in docs/formats.md. torchao is not
 imported: its enums are read by name. Where torchao's half-precision arithmetic gives an Inf, NaN or
 zero scale, qstats saturates (docs/differences.md).
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
@@ -142,6 +146,8 @@ def from_torchao(cls, target_dtype, kwargs):
     arguments (see `QuantSpec.from_torchao`)."""
     kwargs = dict(kwargs)
     kind = type(target_dtype).__name__
+    if kind.endswith("Config"):  # a quantize_ config (AOBaseConfig)
+        return _config_spec(cls, target_dtype, kwargs)
     if kind == "QuantizeTensorToMXKwargs":
         config = target_dtype
         return _mx_spec(cls, config.elem_dtype, config.block_size, config.scaling_mode, kwargs)
@@ -261,6 +267,66 @@ def _int8_tensor_spec(cls, config, kwargs):
         eps=torch.finfo(torch.float32).eps,
     )
     return _affine_spec(cls, torch.int8, arguments)
+
+
+def _config_spec(cls, config, kwargs):
+    """The weights' spec of a weight-only ``quantize_`` config: ``Int8WeightOnlyConfig`` and
+    ``Float8WeightOnlyConfig`` (``input_dtype=``), ``IntxWeightOnlyConfig`` (``shape=`` of the 2-d or
+    4-d weight, as its block size depends on it). Other configs raise, naming what to pass."""
+    kind = type(config).__name__
+    given = set(kwargs) - {"input_dtype", *(("shape",) if kind == "IntxWeightOnlyConfig" else ())}
+    if given:  # the config chooses them
+        raise ValueError(f"from_torchao: {kind} takes input_dtype= (IntxWeightOnlyConfig: and shape=), not {sorted(given)}")
+    if kind == "Int8WeightOnlyConfig":  # Int8Tensor.from_hp(weight, granularity), symmetric
+        arguments = SimpleNamespace(granularity=config.granularity, mapping_type="SYMMETRIC", reduce_range=False)
+        return _int8_tensor_spec(cls, arguments, kwargs)
+    if kind == "Float8WeightOnlyConfig":  # Float8Tensor.from_hp(weight, weight_dtype, granularity)
+        return _float8_spec(cls, config.weight_dtype, dict(kwargs, granularity=config.granularity))
+    if kind == "IntxWeightOnlyConfig":
+        return _intx_weight_only_spec(cls, config, kwargs)
+    hint = _CONFIG_HINTS.get(kind, "choose_qparams_affine's arguments of the tensor it builds")
+    raise ValueError(
+        f"from_torchao: {kind} quantizes activations and weights, or with its own kernels; from_torchao takes the "
+        f"weight-only configs Int8WeightOnlyConfig, Float8WeightOnlyConfig and IntxWeightOnlyConfig; for {kind} "
+        f"pass {hint}"
+    )
+
+
+_CONFIG_HINTS = {
+    "Int8DynamicActivationInt8WeightConfig": (
+        "QuantizeTensorToInt8Kwargs(granularity=, mapping_type=, reduce_range=) with input_dtype=: the weights' "
+        "(its weight granularity, MappingType.SYMMETRIC) and the activations' (its act granularity and act_mapping_type)"
+    ),
+    "Float8DynamicActivationFloat8WeightConfig": (
+        "QuantizeTensorToFloat8Kwargs(float8_dtype=, granularity=) with input_dtype=: the weights' (weight_dtype "
+        "and its weight granularity) and the activations' (activation_dtype and its activation granularity)"
+    ),
+}
+
+
+def _intx_weight_only_spec(cls, config, kwargs):
+    """``IntxWeightOnlyConfig``: ``IntxUnpackedToInt8Tensor.from_hp`` (int8 zero points) over blocks of one
+    group of input channels (2-d weights ``(1, group)``, 4-d conv weights ``(1, group, 1, 1)``), its scales
+    cast to ``scale_dtype`` and the codes quantized with them."""
+    shape = kwargs.pop("shape", None)
+    if shape is None or len(shape) not in (2, 4):
+        raise ValueError(f"from_torchao: IntxWeightOnlyConfig needs shape= of the 2-d or 4-d weight, got {shape!r}")
+    algorithm = getattr(config, "intx_choose_qparams_algorithm", "AFFINE")
+    if getattr(algorithm, "name", algorithm) != "AFFINE":
+        raise ValueError(f"from_torchao: IntxWeightOnlyConfig with {algorithm} is not supported (AFFINE only)")
+    granularity, input_dim = config.granularity, 1 if len(shape) == 4 else len(shape) - 1
+    if type(granularity).__name__ == "PerAxis" and granularity.axis == 0:
+        group = int(shape[input_dim])
+    elif type(granularity).__name__ == "PerGroup":
+        group = int(granularity.group_size)
+    else:
+        raise ValueError(f"from_torchao: IntxWeightOnlyConfig takes PerGroup or PerAxis(0), got {granularity!r}")
+    block_size = (1, group) if len(shape) == 2 else (1, group, 1, 1)
+    arguments = dict(kwargs, mapping_type=config.mapping_type, block_size=block_size, shape=shape,
+                     zero_point_dtype=torch.int8)
+    if config.scale_dtype is not None:
+        arguments["scale_dtype"] = config.scale_dtype
+    return _affine_spec(cls, config.weight_dtype, arguments)
 
 
 def _float8_spec(cls, float8_dtype, kwargs):

@@ -1,0 +1,105 @@
+"""`QuantSpec.from_torchao` of torchao's weight-only ``quantize_`` configs (``Int8WeightOnlyConfig``,
+``Float8WeightOnlyConfig``, ``IntxWeightOnlyConfig``) against the weights ``quantize_`` leaves on a
+Linear or Conv2d: scales, zero points, codes and dequantized values; other configs are refused,
+naming what to pass instead."""
+
+import warnings
+
+import pytest
+import torch
+
+import qstats
+
+warnings.filterwarnings("ignore")
+
+quant_api = pytest.importorskip("torchao.quantization")
+from torchao.quantization.granularity import PerAxis, PerGroup, PerRow, PerTensor  # noqa: E402
+from torchao.quantization.quant_primitives import MappingType  # noqa: E402
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _quantized(module, config, dtype):
+    """``module`` in ``dtype``, its float weight, and the tensor ``quantize_(module, config)`` left."""
+    module = module.to(dtype)
+    weight = module.weight.detach().clone()
+    quant_api.quantize_(module, config, filter_fn=lambda m, name: True)
+    return weight, module.weight
+
+
+def _qparams(spec, w):
+    observer = qstats.minmax(spec)
+    return qstats.compute_qparams(observer.update(observer.init(w), w), spec)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("granularity", (PerRow(), PerTensor(), PerGroup(32)), ids=repr)
+def test_int8_weight_only_config_matches_quantize(dtype, granularity):
+    torch.manual_seed(0)
+    config = quant_api.Int8WeightOnlyConfig(granularity=granularity)
+    w, reference = _quantized(torch.nn.Linear(64, 16), config, dtype)
+    spec = qstats.QuantSpec.from_torchao(config, input_dtype=dtype)
+    qp = _qparams(spec, w)
+    assert torch.equal(qp.scale.reshape(reference.scale.shape), reference.scale)
+    assert torch.equal(qstats.quantize(w, qp, spec).to(torch.int8), reference.qdata)
+    assert torch.equal(qstats.fake_quantize(w, qp, spec), reference.dequantize())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("float8_dtype", (torch.float8_e4m3fn, torch.float8_e5m2), ids=str)
+@pytest.mark.parametrize("granularity", (PerRow(), PerTensor(), PerGroup(32)), ids=repr)
+def test_float8_weight_only_config_matches_quantize(dtype, float8_dtype, granularity):
+    torch.manual_seed(1)
+    config = quant_api.Float8WeightOnlyConfig(weight_dtype=float8_dtype, granularity=granularity)
+    w, reference = _quantized(torch.nn.Linear(64, 16), config, dtype)
+    spec = qstats.QuantSpec.from_torchao(config, input_dtype=dtype)
+    qp = _qparams(spec, w)
+    assert torch.equal(qp.scale.reshape(reference.scale.shape), reference.scale)
+    assert torch.equal(qstats.quantize(w, qp, spec).view(torch.uint8), reference.qdata.view(torch.uint8))
+    assert torch.equal(qstats.fake_quantize(w, qp, spec), reference.dequantize())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("weight_dtype", (torch.int2, torch.int4, torch.int8), ids=str)
+@pytest.mark.parametrize("mapping", (MappingType.SYMMETRIC, MappingType.ASYMMETRIC), ids=lambda m: m.name)
+@pytest.mark.parametrize("granularity", (PerAxis(0), PerGroup(32)), ids=repr)
+@pytest.mark.parametrize("conv", (False, True), ids=("linear", "conv2d"))
+def test_intx_weight_only_config_matches_quantize(dtype, weight_dtype, mapping, granularity, conv):
+    torch.manual_seed(2)
+    config = quant_api.IntxWeightOnlyConfig(weight_dtype=weight_dtype, granularity=granularity, mapping_type=mapping)
+    module = torch.nn.Conv2d(64, 8, 3) if conv else torch.nn.Linear(64, 8)
+    w, reference = _quantized(module, config, dtype)
+    spec = qstats.QuantSpec.from_torchao(config, shape=w.shape, input_dtype=dtype)
+    qp = _qparams(spec, w)
+    assert torch.equal(qp.scale.reshape(reference.scale.shape), reference.scale)
+    assert torch.equal(qp.zero_point.reshape(reference.zero_point.shape).to(torch.int8), reference.zero_point)
+    assert torch.equal(qstats.quantize(w, qp, spec).to(torch.int8), reference.qdata)
+    assert torch.equal(qstats.fake_quantize(w, qp, spec), reference.dequantize())
+
+
+@pytest.mark.parametrize("scale_dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_intx_weight_only_config_scale_dtype(scale_dtype):
+    torch.manual_seed(3)
+    config = quant_api.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32), scale_dtype=scale_dtype)
+    w, reference = _quantized(torch.nn.Linear(64, 8), config, torch.float32)
+    spec = qstats.QuantSpec.from_torchao(config, shape=w.shape)
+    qp = _qparams(spec, w)
+    assert torch.equal(qp.scale.reshape(reference.scale.shape).to(scale_dtype), reference.scale)
+    assert torch.equal(qstats.quantize(w, qp, spec).to(torch.int8), reference.qdata)
+    assert torch.equal(qstats.fake_quantize(w, qp, spec), reference.dequantize())
+
+
+def test_configs_of_activations_and_weights_are_refused_naming_the_kwargs_objects():
+    with pytest.raises(ValueError, match="QuantizeTensorToInt8Kwargs"):
+        qstats.QuantSpec.from_torchao(quant_api.Int8DynamicActivationInt8WeightConfig())
+    with pytest.raises(ValueError, match="QuantizeTensorToFloat8Kwargs"):
+        qstats.QuantSpec.from_torchao(quant_api.Float8DynamicActivationFloat8WeightConfig())
+    with pytest.raises(ValueError, match="Int4WeightOnlyConfig"):
+        qstats.QuantSpec.from_torchao(quant_api.Int4WeightOnlyConfig())
+
+
+def test_config_arguments_are_not_overridden():
+    with pytest.raises(ValueError, match="granularity"):
+        qstats.QuantSpec.from_torchao(quant_api.Int8WeightOnlyConfig(), granularity=PerTensor())
+    with pytest.raises(ValueError, match="shape="):
+        qstats.QuantSpec.from_torchao(quant_api.IntxWeightOnlyConfig())
