@@ -884,12 +884,27 @@ class _Rewriter:
         if key in self.observers["weights"] and not layer.weight.is_floating_point():
             raise TypeError(f"qstats.qat.prepare: layer {key!r} ({type(layer).__name__}) has a {layer.weight.dtype} "
                             "weight; only floating-point weights can be fake-quantized")
+        if not isinstance(layer, _EMBEDDINGS):
+            x = self._fake_quantized_input(node, key, layer, x)
         with self.graph.inserting_before(node):
-            if not isinstance(layer, _EMBEDDINGS):
-                x = self._fake_quantized("activations", key, x)
             if key not in self.weights:  # the same weight: observed once per pass
                 self.weights[key] = self._fake_quantized_weight(key, layer, weight())
         return x, self.weights[key]
+
+    def _fake_quantized_input(self, node, key: str, layer: nn.Module, x):
+        """The fake-quantized input node of one call. A convolution padded otherwise than with zeros is
+        traced to ``F.pad`` then ``F.convNd``: its input is observed and fake-quantized before the padding,
+        as torch.ao observes the module's input (the padding copies values, so the codes are the same; an
+        observer that counts values, a histogram, sees each once)."""
+        padded = (isinstance(layer, nn.modules.conv._ConvNd) and getattr(layer, "padding_mode", "zeros") != "zeros"
+                  and isinstance(x, torch.fx.Node) and x.op == "call_function" and x.target is F.pad
+                  and len(x.users) == 1 and len(x.args) > 0)
+        with self.graph.inserting_before(x if padded else node):
+            quantized = self._fake_quantized("activations", key, x.args[0] if padded else x)
+        if not padded:
+            return quantized
+        x.update_arg(0, quantized)
+        return x
 
     def _fake_quantized_weight(self, key: str, layer: nn.Module, weight):
         """A transposed convolution's weight is observed and fake-quantized in a convolution's layout
