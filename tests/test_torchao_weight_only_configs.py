@@ -89,6 +89,17 @@ def test_intx_weight_only_config_scale_dtype(scale_dtype):
     assert torch.equal(qstats.fake_quantize(w, qp, spec), reference.dequantize())
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("dynamic", (True, False))
+def test_nvfp4_weight_only_config_matches_quantize(dtype, dynamic):
+    inference = pytest.importorskip("torchao.prototype.mx_formats.inference_workflow")
+    torch.manual_seed(4)
+    config = inference.NVFP4WeightOnlyConfig(use_dynamic_per_tensor_scale=dynamic)
+    w, reference = _quantized(torch.nn.Linear(64, 32), config, dtype)
+    spec = qstats.QuantSpec.from_torchao(config, input_dtype=dtype)
+    assert torch.equal(qstats.fake_quantize(w, _qparams(spec, w), spec), reference.dequantize(dtype))
+
+
 def test_configs_of_activations_and_weights_are_refused_naming_the_kwargs_objects():
     with pytest.raises(ValueError, match="QuantizeTensorToInt8Kwargs"):
         qstats.QuantSpec.from_torchao(quant_api.Int8DynamicActivationInt8WeightConfig())

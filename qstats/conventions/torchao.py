@@ -3,9 +3,9 @@
 `from_torchao` maps torchao's affine (``choose_qparams_affine`` and variants), MX (``to_mx``), float8
 (``_choose_scale_float8``, ``QuantizeTensorToFloat8Kwargs``) and NVFP4 (``NVFP4Tensor.to_nvfp4``)
 arguments, and the weight-only ``quantize_`` configs (``Int8WeightOnlyConfig``,
-``Float8WeightOnlyConfig``, ``IntxWeightOnlyConfig``), onto a QuantSpec; the arguments accepted are
-listed in docs/formats.md. torchao is not
-imported: its enums are read by name. Where torchao's half-precision arithmetic gives an Inf, NaN or
+``Float8WeightOnlyConfig``, ``NVFP4WeightOnlyConfig``, ``IntxWeightOnlyConfig``), onto a QuantSpec;
+the arguments accepted are listed in docs/formats.md. torchao is not imported: its enums are read
+by name. Where torchao's half-precision arithmetic gives an Inf, NaN or
 zero scale, qstats saturates (docs/differences.md).
 """
 
@@ -271,8 +271,9 @@ def _int8_tensor_spec(cls, config, kwargs):
 
 def _config_spec(cls, config, kwargs):
     """The weights' spec of a weight-only ``quantize_`` config: ``Int8WeightOnlyConfig`` and
-    ``Float8WeightOnlyConfig`` (``input_dtype=``), ``IntxWeightOnlyConfig`` (``shape=`` of the 2-d or
-    4-d weight, as its block size depends on it). Other configs raise, naming what to pass."""
+    ``Float8WeightOnlyConfig`` (``input_dtype=``), ``NVFP4WeightOnlyConfig``, ``IntxWeightOnlyConfig``
+    (``shape=`` of the 2-d or 4-d weight, as its block size depends on it). Other configs raise,
+    naming what to pass."""
     kind = type(config).__name__
     given = set(kwargs) - {"input_dtype", *(("shape",) if kind == "IntxWeightOnlyConfig" else ())}
     if given:  # the config chooses them
@@ -284,11 +285,14 @@ def _config_spec(cls, config, kwargs):
         return _float8_spec(cls, config.weight_dtype, dict(kwargs, granularity=config.granularity))
     if kind == "IntxWeightOnlyConfig":
         return _intx_weight_only_spec(cls, config, kwargs)
+    if kind == "NVFP4WeightOnlyConfig":  # NVFP4Tensor.to_nvfp4, a global scale of the weight's amax or none
+        compute_dtype_name(kwargs.pop("input_dtype", torch.float32), "from_torchao: input_dtype")  # float32 math
+        return _nvfp4_spec(cls, bool(config.use_dynamic_per_tensor_scale), kwargs)
     hint = _CONFIG_HINTS.get(kind, "choose_qparams_affine's arguments of the tensor it builds")
     raise ValueError(
         f"from_torchao: {kind} quantizes activations and weights, or with its own kernels; from_torchao takes the "
-        f"weight-only configs Int8WeightOnlyConfig, Float8WeightOnlyConfig and IntxWeightOnlyConfig; for {kind} "
-        f"pass {hint}"
+        "weight-only configs Int8WeightOnlyConfig, Float8WeightOnlyConfig, NVFP4WeightOnlyConfig and "
+        f"IntxWeightOnlyConfig; for {kind} pass {hint}"
     )
 
 
@@ -301,6 +305,8 @@ _CONFIG_HINTS = {
         "QuantizeTensorToFloat8Kwargs(float8_dtype=, granularity=) with input_dtype=: the weights' (weight_dtype "
         "and its weight granularity) and the activations' (activation_dtype and its activation granularity)"
     ),
+    "MXDynamicActivationMXWeightConfig": "QuantizeTensorToMXKwargs(elem_dtype=, block_size=, scaling_mode=)",
+    "NVFP4DynamicActivationNVFP4WeightConfig": "nvfp4=True (per_tensor_scale=) or a QuantizeTensorToNVFP4Kwargs",
 }
 
 
