@@ -1,15 +1,13 @@
 """``QuantizationModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])`` read by
 ``Recipe.from_compressed_tensors`` on each transformers MoE family of test_moe_families (tiny random
 models, one sample), against llm-compressor's ``oneshot``, which linearizes stacked experts into
-per-expert Linears (``linearize_moe``): same safetensors keys, tensors bit for bit, same ``ignore``.
-Families qstats cannot export (gpt-oss: transposed, interleaved, biased stacks) must refuse naming
-the module."""
+per-expert Linears (``linearize_moe``): same safetensors keys, tensors bit for bit, same ``ignore``
+(gpt-oss' transposed, interleaved, biased stacks too: tests/test_gpt_oss_expert_weights.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
 
 import pytest
@@ -28,7 +26,7 @@ from test_moe_families import _model  # noqa: E402
 # Not here: longcat_flash (its router.classifier, called through F.linear on its weight, is written by
 # qstats as a weight-only pack-quantized group, by llm-compressor in the W8A8 group; experts equal).
 SAME = ("qwen2_moe", "qwen3_moe", "mixtral", "granitemoe", "deepseek_v2", "deepseek_v3", "olmoe", "phimoe", "jamba",
-        "ernie4_5_moe", "glm4_moe", "hunyuan_v1_moe", "minimax", "jetmoe", "dbrx", "nemotron_h")
+        "ernie4_5_moe", "glm4_moe", "hunyuan_v1_moe", "minimax", "jetmoe", "dbrx", "nemotron_h", "gpt_oss")
 W8A8 = dict(targets="Linear", scheme="W8A8", ignore=["lm_head"])
 
 
@@ -110,20 +108,3 @@ def test_gate_less_experts_equal_llm_compressor_oneshot(tmp_path, single_thread_
     written = load_file(os.path.join(ours, "model.safetensors"))
     assert "backbone.layers.0.mixer.experts.7.up_proj.weight_scale" in written
     _assert_same_checkpoint(ours, theirs)
-
-
-@pytest.mark.parametrize("family,path,message", [
-    ("gpt_oss", "model.layers.0.mlp.experts", "transposed"),  # and interleaved, and biased: llm-compressor runs
-    # llm-compressor 0.14 fails too (Llama4LinearExperts reads config.text_config)
-    ("llama4_text", "model.layers.0.feed_forward.experts", "transposed"),
-])
-def test_experts_qstats_cannot_export_are_refused_naming_the_module(family, path, message, tmp_path,
-                                                                    single_thread_quiet):
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-
-    saved = str(tmp_path / "float")
-    _saved(family, saved)
-    with pytest.raises(ValueError, match=f"(?s)(?=.*{re.escape(path)})(?=.*{message})"):
-        _qstats_export(saved, str(tmp_path / "qstats"),
-                       qstats.Recipe.from_compressed_tensors(QuantizationModifier(**W8A8)))
-    assert not os.path.exists(tmp_path / "qstats" / "model.safetensors")

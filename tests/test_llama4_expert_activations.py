@@ -298,21 +298,6 @@ def test_a_block_with_its_router_is_not_read_as_dense_rows(single_thread_quiet):
             qstats.calibrate(block, [torch.randn(6, 4)], recipe, progress=False, all_experts=all_experts)
 
 
-def test_gptq_layerwise_refuses_transposed_stacks(tmp_path, single_thread_quiet):
-    """Llama 4's ``gate_up_proj [E, in, 2I]`` and ``down_proj [E, I, in]``: GPTQ takes each expert's
-    weight as ``[out, in]``, so it is refused naming the module (here ``down_proj``'s ``I == in``
-    would have fitted its Hessian along the wrong axis)."""
-    model = _model("llama4_text")
-    model.save_pretrained(str(tmp_path))
-    spec = qstats.QuantSpec(dtype="int8", mapping="symmetric", granularity=qstats.PerAxis(0))
-    recipe = qstats.Recipe([qstats.Rule("Llama4TextExperts", sites=("down_proj",), observer=qstats.minmax, spec=spec)])
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        meta = type(model)(model.config).eval()
-    with pytest.raises(ValueError, match="feed_forward.experts' .*transposed"):
-        qstats.gptq_layerwise(meta, str(tmp_path), _batches(), recipe, progress=False)
-
-
 class _StacksOnly(torch.nn.Module):
     """Stacked experts without routing that run every expert on every token: its [T, hidden] tokens
     look like dense blocks when T is a multiple of E, but each expert sees all of them."""

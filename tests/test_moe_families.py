@@ -3,7 +3,8 @@
 and ``down_proj.input``, routed and with ``all_experts``, in each experts implementation; against an
 independent reference: each expert's rows recomputed in plain torch from the experts' recorded calls
 (the routing read from the call's own argument names; under eager, also which tokens an expert
-really touches, found by zeroing its down projection) and plain amin/amax over each weight slice.
+really touches, found by zeroing its down projection) and plain amin/amax over each weight slice (as the
+per-expert Linear weights llm-compressor linearizes: GPT-OSS' transposed, interleaved stacks rearranged).
 Families whose experts qstats cannot observe per expert must raise naming the module."""
 
 import inspect
@@ -138,6 +139,17 @@ def _assert_site(state, rows, where):
             torch.testing.assert_close(state.max_val.reshape(E)[expert], r.max(), rtol=1e-5, atol=1e-6)
 
 
+def _per_expert_linear_weights(module, name):
+    """Stacked parameter ``name`` as llm-compressor's linearized per-expert Linear weights ``[E, out, in]``:
+    transposed stacks (GPT-OSS) swapped back, GPT-OSS' interleaved gate/up columns as gate rows then up rows."""
+    param = getattr(module, name).detach()
+    if module.is_transposed:
+        param = param.transpose(1, 2)
+    if name == "gate_up_proj" and not module.is_concatenated:
+        param = torch.cat([param[:, 0::2], param[:, 1::2]], dim=1)
+    return param
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stacked_experts_match_per_expert_reference(family, single_thread_quiet):
     model = _model(family)
@@ -157,7 +169,7 @@ def test_stacked_experts_match_per_expert_reference(family, single_thread_quiet)
             states = qstats.calibrate(model, batches, recipe, progress=False, all_experts=all_experts)
             for path, module in modules.items():
                 for name in stacked:
-                    param = getattr(module, name).detach()
+                    param = _per_expert_linear_weights(module, name)
                     assert torch.equal(states[path][name].min_val, param.amin(dim=-1))
                     assert torch.equal(states[path][name].max_val, param.amax(dim=-1))
                 check = implementation == "eager" and not all_experts and path == next(iter(modules))

@@ -411,20 +411,27 @@ def test_an_ignore_naming_the_experts_module_itself_reads_as_llm_compressor_read
     assert _ours(moe, qstats.Recipe.from_compressed_tensors(config)) == _theirs(moe, config)
 
 
-def test_transposed_stacked_experts_are_refused_naming_the_module():
+def test_transposed_stacked_experts_resolve_as_their_linears_or_are_refused_naming_the_module():
     """GPT-OSS stores its experts transposed (``gate_up_proj [E, H, 2I]``, gate and up interleaved):
-    its stacked sites are not the per-expert ``gate_proj``/``up_proj`` Linears llm-compressor
-    linearizes, so a group taking them is refused (it was quantized along the output axis); ignoring
-    them, as the message says, resolves."""
+    a group taking its per-expert Linears takes its stacked sites, read through their layout as those
+    Linears' ``[E, out, in]`` weights. The same stacks in another experts class, whose layout qstats
+    does not map, are refused naming the module; ignoring them, as the message says, resolves."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GptOssConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
                                        num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_local_experts=4,
                                        num_experts_per_tok=2, layer_types=["full_attention"], max_position_embeddings=64)
     model = transformers.GptOssForCausalLM(config).eval()
     ignore = ["lm_head", "re:.*router"]
+    recipe = qstats.Recipe.from_compressed_tensors(_config({"targets": ["Linear"], "weights": W8}, ignore=ignore))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sites = recipe.resolve(model).sites["model.layers.0.mlp.experts"]
+    assert sorted(sites) == ["down_proj", "gate_up_proj"]
+    assert sites["gate_up_proj"].layout == qstats.experts.StackLayout(True, True, "gate_up_proj_bias")
+    experts = model.model.layers[0].mlp.experts
+    experts.__class__ = type("OtherTransposedExperts", (type(experts),), {})
     with pytest.raises(ValueError, match="model.layers.0.mlp.experts.*transposed"):
-        _ours(model, qstats.Recipe.from_compressed_tensors(_config({"targets": ["Linear"], "weights": W8},
-                                                                    ignore=ignore)))
+        _ours(model, recipe)
     ignore.append("re:model.layers.0.mlp.experts\\..*")
     plan = _ours(model, qstats.Recipe.from_compressed_tensors(_config({"targets": ["Linear"], "weights": W8},
                                                                        ignore=ignore)))
