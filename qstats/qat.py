@@ -432,6 +432,29 @@ class QATModel:
         result.update((alias, result[name]) for alias, name in self._aliases.items() if name in result)
         return result
 
+    def observed_weight(self, params, layer: str) -> torch.Tensor:
+        """Layer ``layer``'s weight in ``params`` (the model's if not given; a tied one under any of its names)
+        as its weight point observes it: a transposed convolution's in a convolution's layout
+        ``[out, in/groups, *k]``, others as they are. After training, ``qat.weight_observers[layer].update(
+        state.weights[layer], qat.observed_weight(params, layer))`` observes the trained weight once more, as
+        torch.ao's ``convert_fx`` does (a transposed convolution's weight as given would be read per input
+        channel, silently where ``in == out / groups``).
+
+        Raises:
+          ValueError: ``layer`` has no weight observer.
+        """
+        if layer not in self.weight_observers:
+            raise ValueError(f"QATModel.observed_weight: layer {layer!r} has no weight observer; those with one: "
+                             f"{sorted(self.weight_observers)}")
+        if not isinstance(params, Mapping):
+            raise TypeError(f"QATModel.observed_weight: params must be a dict of tensors by parameter name, got "
+                            f"{type(params).__name__}")
+        params = self._canonical(params, "QATModel.observed_weight")
+        module = self.module.get_submodule(layer)
+        weight = next((params[name] for name, tensor in self.module.named_parameters(remove_duplicate=False)
+                       if tensor is module.weight and name in params), module.weight)
+        return _conv_layout(weight, module.groups) if isinstance(module, _CONV_TRANSPOSE) else weight
+
     def _canonical(self, params, where: str) -> Dict[str, Any]:
         """``params`` with a shared module's other names (`_aliases`) under the name ``module`` has. They are
         not handed to ``functional_call``: it would set the one module's attribute once per name, and restore
