@@ -100,6 +100,27 @@ def test_nvfp4_weight_only_config_matches_quantize(dtype, dynamic):
     assert torch.equal(qstats.fake_quantize(w, _qparams(spec, w), spec), reference.dequantize(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_int8_dynamic_activation_intx_weight_config_as_its_refusal_says(dtype):
+    """Int8DynamicActivationIntxWeightConfig is refused, naming the two specs that give its weights
+    (quantize_'s) and its activations (IntxUnpackedToInt8Tensor's per-token int8 quantization)."""
+    intx = pytest.importorskip("torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor")
+    torch.manual_seed(5)
+    config = quant_api.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32))
+    with pytest.raises(ValueError, match="IntxWeightOnlyConfig.*act_mapping_type, granularity=PerToken"):
+        qstats.QuantSpec.from_torchao(config)
+    w, reference = _quantized(torch.nn.Linear(64, 8), config, dtype)
+    weights = quant_api.IntxWeightOnlyConfig(weight_dtype=config.weight_dtype, granularity=config.weight_granularity,
+                                             mapping_type=config.weight_mapping_type, scale_dtype=config.weight_scale_dtype)
+    spec = qstats.QuantSpec.from_torchao(weights, shape=w.shape, input_dtype=dtype)
+    assert torch.equal(qstats.fake_quantize(w, _qparams(spec, w), spec), reference.dequantize())
+    x = torch.randn(2, 5, 64).to(dtype) * 3
+    spec = qstats.QuantSpec.from_torchao(torch.int8, mapping_type=config.act_mapping_type, granularity=quant_api.PerToken(),
+                                         zero_point_dtype=torch.int8, input_dtype=dtype)
+    expected = intx._apply_int8_act_asym_per_token_quant_dequant(x)
+    assert torch.equal(qstats.fake_quantize(x, _qparams(spec, x), spec), expected)
+
+
 def test_configs_of_activations_and_weights_are_refused_naming_the_kwargs_objects():
     with pytest.raises(ValueError, match="QuantizeTensorToInt8Kwargs"):
         qstats.QuantSpec.from_torchao(quant_api.Int8DynamicActivationInt8WeightConfig())

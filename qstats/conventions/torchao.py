@@ -305,6 +305,11 @@ _CONFIG_HINTS = {
         "QuantizeTensorToFloat8Kwargs(float8_dtype=, granularity=) with input_dtype=: the weights' (weight_dtype "
         "and its weight granularity) and the activations' (activation_dtype and its activation granularity)"
     ),
+    "Int8DynamicActivationIntxWeightConfig": (
+        "for its weights IntxWeightOnlyConfig(weight_dtype=, granularity=weight_granularity, mapping_type="
+        "weight_mapping_type, scale_dtype=weight_scale_dtype) with shape= and input_dtype=; for its activations "
+        "torch.int8 with mapping_type=act_mapping_type, granularity=PerToken(), zero_point_dtype=torch.int8, input_dtype="
+    ),
     "MXDynamicActivationMXWeightConfig": "QuantizeTensorToMXKwargs(elem_dtype=, block_size=, scaling_mode=)",
     "NVFP4DynamicActivationNVFP4WeightConfig": "nvfp4=True (per_tensor_scale=) or a QuantizeTensorToNVFP4Kwargs",
 }
