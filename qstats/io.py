@@ -331,7 +331,7 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
     Args:
       path: file to write. It is replaced whole: the file is written beside it and renamed over it, so a
         failure midway (a full disk, a killed process) keeps the previous file; a symlink's target is
-        replaced, with its mode.
+        replaced, with its mode. A device or FIFO (``/dev/null``) is written into, as ``open`` does.
       tree: dicts with string keys, lists, tuples, registered states, QParams, tensors and None.
 
     Raises:
@@ -364,12 +364,23 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
     if os.path.exists(real) and not os.access(real, os.W_OK):  # open() refuses it; the rename would replace it
         raise PermissionError(f"qstats.io: could not write {target} (permission denied: the file is read-only)")
     try:
-        _write_replacing(tensors, metadata, real)
+        if os.path.exists(real) and not os.path.isfile(real):  # a device or FIFO (/dev/null): open() writes
+            _write_through(tensors, metadata, real)  # into it, where a rename would put a file in its place
+        else:
+            _write_replacing(tensors, metadata, real)
     except (SafetensorError, OSError) as error:  # the writer's I/O failures, as open() and torch.save raise them
         if isinstance(error, SafetensorError) and "header too large" in str(error).lower():
             raise _header_too_large(target, len(tensors)) from None
         kind = FileNotFoundError if not os.path.isdir(os.path.dirname(real)) else OSError
         raise kind(f"qstats.io: could not write {target} ({error})") from None
+
+
+def _write_through(tensors: dict[str, torch.Tensor], metadata: dict, target: str) -> None:
+    """Writes the file's bytes into ``target``, a device or FIFO that is no regular file, as ``open``
+    does (the bytes are made in memory first: safetensors' writer takes a path it may replace)."""
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    with open(target, "wb") as handle:
+        handle.write(data)
 
 
 def _write_replacing(tensors: dict[str, torch.Tensor], metadata: dict, target: str) -> None:
