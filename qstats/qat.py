@@ -451,8 +451,9 @@ class QATModel:
                             f"{type(params).__name__}")
         params = self._canonical(params, "QATModel.observed_weight")
         module = self.module.get_submodule(layer)
-        weight = next((params[name] for name, tensor in self.module.named_parameters(remove_duplicate=False)
-                       if tensor is module.weight and name in params), module.weight)
+        # read through functional_call: tied parameters and parametrized weights (computed from theirs) as in apply
+        weight = torch.func.functional_call(_WeightOf(self.module, layer),
+                                            {f"model.{name}": value for name, value in params.items()}, ())
         return _conv_layout(weight, module.groups) if isinstance(module, _CONV_TRANSPOSE) else weight
 
     def _canonical(self, params, where: str) -> Dict[str, Any]:
@@ -560,6 +561,17 @@ class QATModel:
         return {kind: {key: _learnable(getattr(state, kind)[key], observer.spec, f"the {kind[:-1]} of {key!r}")
                        for key, observer in observers.items()}
                 for kind, wanted, observers in kinds if wanted and observers}
+
+
+class _WeightOf(nn.Module):
+    """``model``'s layer ``layer``'s weight as a forward (`QATModel.observed_weight` calls it functionally)."""
+
+    def __init__(self, model: nn.Module, layer: str):
+        super().__init__()
+        self.model, self.layer = model, layer
+
+    def forward(self) -> torch.Tensor:
+        return self.model.get_submodule(self.layer).weight
 
 
 def _learnable(state, spec: QuantSpec, where: str) -> LSQParams:

@@ -73,3 +73,22 @@ def test_observed_weight_takes_the_given_tensor_and_names_a_layer_without_weight
     assert torch.equal(qat.observed_weight({}, "0"), torch.cat([w.transpose(0, 1) for w in model[0].weight.chunk(2)]))
     with pytest.raises(ValueError, match="'1' has no weight observer"):
         qat.observed_weight({}, "1")
+
+
+def test_observed_weight_of_a_parametrized_or_tied_weight_is_that_of_the_given_parameters():
+    # apply computes a parametrized weight from the given parameters (weight_norm's g and v), and takes a
+    # tied weight under any of its names: the observed weight is the one the given parameters make
+    torch.manual_seed(0)
+    model = nn.Sequential(torch.nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)), nn.Linear(4, 4))
+    model[1].weight = model[0].parametrizations.weight.original1
+    qat = qstats.qat.prepare(model, qstats.minmax(SPEC))
+    original0 = model[0].parametrizations.weight.original0.detach() * 2
+    original1 = torch.randn(4, 4)
+    params = {"0.parametrizations.weight.original0": original0, "1.weight": original1}
+    reference = torch._weight_norm(original1, original0, dim=0)
+    torch.testing.assert_close(qat.observed_weight(params, "0"), reference, rtol=0, atol=0)
+    assert torch.equal(qat.observed_weight(params, "1"), original1)
+    x = torch.randn(3, 4)
+    _, state = qat.apply(params, qat.init(x), x)
+    for layer in ("0", "1"):
+        assert torch.equal(state.weights[layer].max_val, qat.observed_weight(params, layer).amax(1))
