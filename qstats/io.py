@@ -392,9 +392,11 @@ def _write_replacing(tensors: dict[str, torch.Tensor], metadata: dict, target: s
         if os.path.isfile(target):
             mode = stat.S_IMODE(os.stat(target).st_mode)
         save_file(tensors, temporary, metadata=metadata)
-        os.chmod(temporary, mode)  # the writer may have made it 0o600 (safetensors 0.8 renames its own)
         with open(temporary, "r+b") as handle:  # on disk before the rename makes it the checkpoint
             os.fsync(handle.fileno())
+        # after the fsync, which reopens it (a write-only mode would refuse that): the writer may have
+        # made it 0o600 (safetensors 0.8 renames its own)
+        os.chmod(temporary, mode)
         os.replace(temporary, target)
     except BaseException:
         if os.path.lexists(temporary):
