@@ -121,6 +121,26 @@ def test_int8_dynamic_activation_intx_weight_config_as_its_refusal_says(dtype):
     assert torch.equal(qstats.fake_quantize(x, _qparams(spec, x), spec), expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("granularity", (PerRow(), PerTensor()), ids=repr)
+def test_int8_dynamic_activation_int8_weight_config_as_its_refusal_says(dtype, granularity):
+    """Int8DynamicActivationInt8WeightConfig is refused; the QuantizeTensorToInt8Kwargs its refusal
+    names give quantize_'s weights and, as the weight's act_quant_kwargs, its activations."""
+    int8 = pytest.importorskip("torchao.quantization.quantize_.workflows.int8.int8_tensor")
+    torch.manual_seed(6)
+    config = quant_api.Int8DynamicActivationInt8WeightConfig(granularity=granularity)
+    with pytest.raises(ValueError, match="QuantizeTensorToInt8Kwargs"):
+        qstats.QuantSpec.from_torchao(config)
+    w, reference = _quantized(torch.nn.Linear(64, 8), config, dtype)
+    spec = qstats.QuantSpec.from_torchao(int8.QuantizeTensorToInt8Kwargs(granularity=granularity), input_dtype=dtype)
+    assert torch.equal(qstats.fake_quantize(w, _qparams(spec, w), spec), reference.dequantize())
+    x = torch.randn(2, 5, 64).to(dtype) * 3
+    kwargs = reference.act_quant_kwargs
+    spec = qstats.QuantSpec.from_torchao(kwargs, input_dtype=dtype)
+    expected = int8.Int8Tensor.from_hp(x, kwargs.granularity, mapping_type=kwargs.mapping_type).dequantize()
+    assert torch.equal(qstats.fake_quantize(x, _qparams(spec, x), spec), expected)
+
+
 def test_configs_of_activations_and_weights_are_refused_naming_the_kwargs_objects():
     with pytest.raises(ValueError, match="QuantizeTensorToInt8Kwargs"):
         qstats.QuantSpec.from_torchao(quant_api.Int8DynamicActivationInt8WeightConfig())
