@@ -141,6 +141,30 @@ def test_int8_dynamic_activation_int8_weight_config_as_its_refusal_says(dtype, g
     assert torch.equal(qstats.fake_quantize(x, _qparams(spec, x), spec), expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mapping", (MappingType.SYMMETRIC, MappingType.ASYMMETRIC), ids=lambda m: m.name)
+def test_int8_static_activation_config_as_its_refusal_says(dtype, mapping):
+    """Int8StaticActivationInt8WeightConfig is refused; the activation spec its refusal names
+    (get_act_quant_kwargs) calibrated over batches gives Int8Tensor's qparams of all of them."""
+    int8 = pytest.importorskip("torchao.quantization.quantize_.workflows.int8.int8_tensor")
+    config = quant_api.Int8StaticActivationInt8WeightConfig(
+        act_quant_scale=torch.ones(1), granularity=PerTensor(), act_mapping_type=mapping)
+    with pytest.raises(ValueError, match="get_act_quant_kwargs"):
+        qstats.QuantSpec.from_torchao(config)
+    kwargs = config.get_act_quant_kwargs()
+    spec = qstats.QuantSpec.from_torchao(kwargs, input_dtype=dtype)
+    batches = [(torch.randn(4, 64, generator=torch.Generator().manual_seed(i)) * (i + 1) + i).to(dtype) for i in range(3)]
+    observer = qstats.minmax(spec)
+    state = observer.init(batches[0])
+    for batch in batches:
+        state = observer.update(state, batch)
+    qp = qstats.compute_qparams(state, spec)
+    reference = int8.Int8Tensor.from_hp(torch.cat(batches), kwargs.granularity, mapping_type=mapping)
+    assert torch.equal(qp.scale.reshape(reference.scale.shape), reference.scale)
+    if mapping == MappingType.ASYMMETRIC:
+        assert torch.equal(qp.zero_point.reshape(reference.zero_point.shape).to(torch.int8), reference.zero_point)
+
+
 def test_configs_of_activations_and_weights_are_refused_naming_the_kwargs_objects():
     with pytest.raises(ValueError, match="QuantizeTensorToInt8Kwargs"):
         qstats.QuantSpec.from_torchao(quant_api.Int8DynamicActivationInt8WeightConfig())

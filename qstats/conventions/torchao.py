@@ -310,6 +310,11 @@ _CONFIG_HINTS = {
         "weight_mapping_type, scale_dtype=weight_scale_dtype) with shape= and input_dtype=; for its activations "
         "torch.int8 with mapping_type=act_mapping_type, granularity=PerToken(), zero_point_dtype=torch.int8, input_dtype="
     ),
+    "Int8StaticActivationInt8WeightConfig": (
+        "QuantizeTensorToInt8Kwargs(granularity=, reduce_range=) with input_dtype= for its weights, and "
+        "config.get_act_quant_kwargs() with input_dtype= for the activations whose calibrated scale (and zero "
+        "point) it takes as act_quant_scale (act_quant_zero_point)"
+    ),
     "MXDynamicActivationMXWeightConfig": "QuantizeTensorToMXKwargs(elem_dtype=, block_size=, scaling_mode=)",
     "NVFP4DynamicActivationNVFP4WeightConfig": "nvfp4=True (per_tensor_scale=) or a QuantizeTensorToNVFP4Kwargs",
 }
