@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import qstats
-from _shared import llm_compressor_oneshot
+from _shared import bit_equal, llm_compressor_oneshot
 
 IGNORE = {"llama4": ["lm_head", "re:.*vision.*", "re:.*multi_modal.*"], "gpt_oss": ["lm_head", "re:.*router"]}
 EXPERTS = {"llama4": "Llama4TextExperts", "gpt_oss": "GptOssExperts"}
@@ -146,8 +146,8 @@ def _codes(tensors: dict, name: str) -> torch.Tensor:
 def gptq_codes(family: str, directory: str) -> dict:
     """W4A16 GPTQ of the saved model by llm-compressor (``oneshot`` with a ``GPTQModifier``, basic
     pipeline, every expert calibrated on every token) and by ``gptq_layerwise`` on the model built on
-    meta, exported: ``{"experts" | "others": (Linears, fraction of equal codes)}`` of the first layer,
-    whose inputs do not depend on GPTQ."""
+    meta, exported (in memory and layer by layer, the same tensors): ``{"experts" | "others": (Linears,
+    fraction of equal codes)}`` of the first layer, whose inputs do not depend on GPTQ."""
     from llmcompressor.modifiers.gptq import GPTQModifier
     from safetensors.torch import load_file
 
@@ -167,6 +167,14 @@ def gptq_codes(family: str, directory: str) -> dict:
     qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(result.states, plan), ours, plan)
     our_tensors, their_tensors = (load_file(os.path.join(f, "model.safetensors")) for f in (ours, theirs))
     assert set(our_tensors) == set(their_tensors)
+    layerwise = os.path.join(directory, "layerwise")  # the export of the meta model, layer by layer: the same
+    meta_plan = gptq_recipe.resolve(meta)
+    qstats.export.compressed_tensors_layerwise(meta, folder, qstats.compute_qparams_tree(result.states, meta_plan),
+                                               layerwise, meta_plan, weights=result.weights, progress=False)
+    shards = [load_file(os.path.join(layerwise, f)) for f in os.listdir(layerwise) if f.endswith(".safetensors")]
+    layerwise_tensors = {name: tensor for shard in shards for name, tensor in shard.items()}
+    assert set(layerwise_tensors) == set(our_tensors)
+    assert all(bit_equal(layerwise_tensors[name], tensor) for name, tensor in our_tensors.items())
     names = sorted(name[: -len(".weight_packed")] for name in their_tensors
                    if name.endswith(".weight_packed") and ".layers.0." in name)
     out = {}
