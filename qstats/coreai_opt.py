@@ -142,7 +142,8 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
     config's own ``op_state_spec`` / ``op_input_spec`` / ``op_output_spec`` give the ``weight``
     (``bias``), ``input`` and ``output`` sites of Linear, Conv, ConvTranspose, Embedding, MaxPool2d
     and AdaptiveAvgPool2d modules, under the ``module_*_spec`` of a config such a module matched
-    itself. Specs are `QuantSpec.from_coreai_opt`'s at each weight's shape (axis None resolved per
+    itself; a weight several of them hold (tied) takes, in each, the spec coreai_opt gives its one
+    quantizer (`_shared_state_specs`). Specs are `QuantSpec.from_coreai_opt`'s at each weight's shape (axis None resolved per
     module type, as coreai_opt's prepare), observers its calculators' (module docstring;
     ``"dynamic"`` ones give ``Rule(dynamic=True)``: each tensor's own scales at run time),
     ``float_range`` a ``qparams_kwargs`` entry. ``qat_schedule``: `schedule_from_coreai_opt`.
@@ -212,10 +213,11 @@ def schedule_from_coreai_opt(config: Any, model: torch.nn.Module):
     return QATSchedule(observe_at=observe, fake_quantize_at=fake_quantize, freeze_ranges_at=freeze)
 
 
-def _quantized_modules(config, model: torch.nn.Module):
-    """``(path, module, module config, [(site, coreai_opt spec, target)])`` of each module of
+def _quantized_modules(config, model: torch.nn.Module) -> list:
+    """``[(path, module, module config, [(site, coreai_opt spec, target)])]`` of the modules of
     ``model`` whose op the config quantizes."""
-    for path, module, module_config, own in _module_configs(config, model):
+    ops = []  # (path, module, module config, op components, boundary), by coreai_opt's precedence
+    for path, module, module_config, own, _ in sorted(_module_configs(config, model), key=lambda entry: entry[4]):
         op_type = _OP_TYPES.get(type(module)) or next(
             (op for cls, op in _OP_TYPES.items() if isinstance(module, cls)), None)
         boundary = module_config if own and any(_active(getattr(module_config, f)) for f in _MODULE_LEVEL) else None
@@ -225,9 +227,40 @@ def _quantized_modules(config, model: torch.nn.Module):
                         "tensors at its boundary wherever its forward sends them; give them to the Linear, Conv, "
                         "Embedding or pooling modules that take them")
             continue
-        site_specs = _site_specs(module, module_config.op_type_config.get(op_type, module_config), boundary)
-        if site_specs:
-            yield path, module, module_config, site_specs
+        ops.append((path, module, module_config, module_config.op_type_config.get(op_type, module_config), boundary))
+    shared = _shared_state_specs(ops)
+    quantized = [(path, module, module_config, _site_specs(module, components, boundary, shared))
+                 for path, module, module_config, components, boundary in ops]
+    order = {path: index for index, (path, _) in enumerate(model.named_modules())}
+    return sorted([entry for entry in quantized if entry[3]], key=lambda entry: order[entry[0]])
+
+
+def _shared_state_specs(ops: list) -> dict:
+    """``{id(parameter): coreai_opt spec or None}`` for each parameter several of ``ops``' modules
+    hold (tied weights): coreai_opt quantizes such a tensor once, for every module that uses it,
+    under the ``module_state_spec`` of the first owner (in config precedence) whose own names it,
+    else the ``op_state_spec`` of the owner of highest precedence (``ops`` are in that order)."""
+    owners: dict = {}
+    for _, module, _, components, boundary in ops:
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((name, components, boundary))
+    shared = {}
+    for key, held in owners.items():
+        if len(held) > 1:
+            named = [_named_spec(name, getattr(boundary, "module_state_spec", None)) for name, _, boundary in held]
+            name, components, _ = held[0]
+            shared[key] = next((spec for found, spec in named if found),
+                               _named_spec(name, components.op_state_spec)[1])
+    return shared
+
+
+def _named_spec(key, specs) -> tuple:
+    """``(found, spec)``: the spec ``specs`` (a coreai_opt spec dict) gives tensor ``key``, or
+    its ``"*"`` entry; ``found`` False where it names neither."""
+    for name in (key, "*"):
+        if specs and name in specs:
+            return True, specs[name]
+    return False, None
 
 
 def _refuse(what: str, caller: str = "recipe_from_coreai_opt") -> None:
@@ -297,10 +330,11 @@ def _has_activations(module_config) -> bool:
 
 
 def _module_configs(config, model: torch.nn.Module) -> list:
-    """``[(path, module, module config, own)]`` as coreai_opt's ``CompressionConfig`` assigns them:
-    name patterns (last first, full match of any name a module is registered under), then
-    exact types (last first), then the global config; a module's config passes to its
-    descendants that none of these gave one before (``own`` False: without its module-level specs)."""
+    """``[(path, module, module config, own, precedence)]`` as coreai_opt's ``CompressionConfig``
+    assigns them: name patterns (last first, full match of any name a module is registered under),
+    then exact types (last first), then the global config; a module's config passes to its
+    descendants that none of these gave one before (``own`` False: without its module-level specs).
+    ``precedence``: the order of assignment, coreai_opt's module priority (0 first)."""
     modules = dict(model.named_modules())
     canonical = {id(module): path for path, module in modules.items()}
     names: dict = {}
@@ -326,20 +360,21 @@ def _module_configs(config, model: torch.nn.Module) -> list:
         for path, module in reversed(modules.items()):
             if matches(path, module):
                 assign(path, module, module_config)
-    return [(path, module, *assigned[path]) for path, module in modules.items()]
+    precedence = {path: index for index, path in enumerate(assigned)}  # coreai_opt's module priority
+    return [(path, module, *assigned[path], precedence[path]) for path, module in modules.items()]
 
 
-def _site_specs(module: torch.nn.Module, components, boundary=None) -> list:
+def _site_specs(module: torch.nn.Module, components, boundary=None, shared=None) -> list:
     """``[(site, coreai_opt spec, target)]`` of one module under its op's components: its
-    parameters by name (``"*"`` for the others), its input and output as the op's tensor 0
-    (an Embedding's input is its indices, which coreai_opt leaves); the ``module_state_spec`` /
-    ``module_input_spec`` / ``module_output_spec`` of ``boundary`` (the config the module matched
-    itself) override them where they name the tensor."""
+    parameters by name (``"*"`` for the others; ``shared[id(parameter)]`` for tied ones), its input
+    and output as the op's tensor 0 (an Embedding's input is its indices, which coreai_opt leaves);
+    the ``module_state_spec`` / ``module_input_spec`` / ``module_output_spec`` of ``boundary`` (the
+    config the module matched itself) override them where they name the tensor."""
     def pick(key, *spec_dicts):
         for specs in spec_dicts:  # the first dict naming the tensor (or "*") decides, None included
-            for name in (key, "*"):
-                if specs and name in specs:
-                    return specs[name]
+            found, spec = _named_spec(key, specs)
+            if found:
+                return spec
         return None
 
     def own(field):
@@ -347,7 +382,7 @@ def _site_specs(module: torch.nn.Module, components, boundary=None) -> list:
 
     out = []
     for name, param in module.named_parameters(recurse=False):
-        spec = pick(name, own("module_state_spec"), components.op_state_spec)
+        spec = (shared or {}).get(id(param), pick(name, own("module_state_spec"), components.op_state_spec))
         if spec is not None and param.is_floating_point():
             out.append((name, spec, "weight"))
     for site in ("input", "output"):
