@@ -331,7 +331,8 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
     Args:
       path: file to write. It is replaced whole: the file is written beside it and renamed over it, so a
         failure midway (a full disk, a killed process) keeps the previous file; a symlink's target is
-        replaced, with its mode. A device or FIFO (``/dev/null``) is written into, as ``open`` does.
+        replaced, with its mode. A device, FIFO or pipe (``/dev/null``, ``/dev/stdout``) is written into, as
+        ``open`` does.
       tree: dicts with string keys, lists, tuples, registered states, QParams, tensors and None.
 
     Raises:
@@ -361,11 +362,12 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
     real = os.path.realpath(target)  # a symlink's target is replaced, as open() writes through it
     if os.path.isdir(real):
         raise IsADirectoryError(f"qstats.io: could not write {target} (it is a directory)")
-    if os.path.exists(real) and not os.access(real, os.W_OK):  # open() refuses it; the rename would replace it
+    if os.path.exists(target) and not os.access(target, os.W_OK):  # open() refuses it; a rename would replace it
         raise PermissionError(f"qstats.io: could not write {target} (permission denied: the file is read-only)")
     try:
-        if os.path.exists(real) and not os.path.isfile(real):  # a device or FIFO (/dev/null): open() writes
-            _write_through(tensors, metadata, real)  # into it, where a rename would put a file in its place
+        # a device, FIFO or pipe (/dev/null; /dev/stdout, whose real path names no file): open() writes into it
+        if os.path.exists(target) and not os.path.isfile(target):
+            _write_through(tensors, metadata, target)
         else:
             _write_replacing(tensors, metadata, real)
     except (SafetensorError, OSError) as error:  # the writer's I/O failures, as open() and torch.save raise them
@@ -376,8 +378,8 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
 
 
 def _write_through(tensors: dict[str, torch.Tensor], metadata: dict, target: str) -> None:
-    """Writes the file's bytes into ``target``, a device or FIFO that is no regular file, as ``open``
-    does (the bytes are made in memory first: safetensors' writer takes a path it may replace)."""
+    """Writes the file's bytes into ``target``, a device, FIFO or pipe, as ``open`` does, where a rename
+    would put a file in its place (the bytes are made in memory: safetensors' writer takes a path)."""
     data = safetensors.torch.save(tensors, metadata=metadata)
     with open(target, "wb") as handle:
         handle.write(data)
