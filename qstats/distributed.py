@@ -41,10 +41,10 @@ _REGISTRY: dict[str, Any] = {}
 
 
 def extremes_and_sums(fields) -> dict[str, str]:
-    """The ops of a state whose merge is ``min_val`` min, ``max_val`` max and every other field
-    summed (running extremes with counts, histograms); usable as ``ops`` of `register_reduce_ops`
-    so the declaration follows the state's fields."""
-    return {field: {"min_val": "min", "max_val": "max"}.get(field, "sum") for field in fields}
+    """The ops of a state whose merge is ``min_val`` min, ``max_val`` max (a nested NamedTuple's too,
+    ``"ext.min_val"``) and every other field summed (running extremes with counts, histograms);
+    usable as ``ops`` of `register_reduce_ops` so the declaration follows the state's fields."""
+    return {field: {"min_val": "min", "max_val": "max"}.get(field.rsplit(".", 1)[-1], "sum") for field in fields}
 
 
 def register_reduce_ops(state_cls: Union[type, str], ops: Any) -> None:
