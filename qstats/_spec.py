@@ -398,7 +398,9 @@ class QuantSpec:
         ``input_dtype``; ``keepdim`` is accepted and ignored); float8 targets take ``granularity``,
         ``scale_dtype`` and ``input_dtype`` (scales in the input's dtype, as torchao computes them); MX
         takes ``to_mx``'s (``elem_dtype``, ``block_size``, ``scaling_mode``); NVFP4 takes ``nvfp4=True``
-        (and ``per_tensor_scale=True``). Targets torchao refuses raise ValueError. See
+        (and ``per_tensor_scale=True``); a weight-only ``quantize_`` config (``Int8WeightOnlyConfig``,
+        ``Float8WeightOnlyConfig``, ``NVFP4WeightOnlyConfig``, ``IntxWeightOnlyConfig`` with ``shape=``)
+        gives its weights' spec. Targets torchao refuses raise ValueError. See
         ``qstats/conventions/torchao.py``.
         """
         return torchao.from_torchao(cls, target_dtype, kwargs)
