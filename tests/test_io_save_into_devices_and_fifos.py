@@ -63,7 +63,10 @@ def test_a_fifo_is_written_into_as_open_and_torch_save_do(tmp_path):
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="making a device node needs root")
 def test_a_null_device_stays_a_device(tmp_path):
     null = tmp_path / "null"
-    os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # the node of /dev/null, in a folder of the test's
+    try:
+        os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # the node of /dev/null, in a folder of the test's
+    except PermissionError:  # a container without CAP_MKNOD
+        pytest.skip("this process may not make device nodes")
     torch.save(_tree(), null)  # the reference
     assert stat.S_ISCHR(os.stat(null).st_mode)
     qstats.save(null, _tree())
