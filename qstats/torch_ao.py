@@ -153,6 +153,20 @@ def _refuse_disagreeing(fields: dict, spec: QuantSpec, given: dict) -> None:
         )
 
 
+def _refuse_other_axis(given: Optional[int], spec: QuantSpec, x: torch.Tensor) -> None:
+    """ValueError where a ``ch_axis`` given beside a per-channel ``spec=`` names another axis of ``x``
+    than the spec's (``-1`` against ``0`` on a 2-d weight: `_refuse_disagreeing` cannot tell before the rank)."""
+    if given is None or x.dim() == 0:
+        return
+    axis = spec.granularity.axis
+    if -x.dim() <= given < x.dim() and -x.dim() <= axis < x.dim() and given % x.dim() != axis % x.dim():
+        raise ValueError(
+            f"QstatsObserver: ch_axis {given} given beside spec={spec} is axis {given % x.dim()} of this "
+            f"{x.dim()}-d input, where the spec quantizes along axis {axis % x.dim()}; make them agree "
+            "(PT2E: the QuantizationSpec's ch_axis), or drop ch_axis"
+        )
+
+
 class QstatsObserver(ao.ObserverBase):
     """A qstats observer as a torch.ao observer module (eager ``prepare``/``convert``, FX
     ``prepare_fx``/``convert_fx`` through a ``QConfig`` or ``QConfigMapping``).
@@ -239,6 +253,8 @@ class QstatsObserver(ao.ObserverBase):
         for name, value in dict(fields, is_dynamic=is_dynamic, reduce_range=reduce_range).items():
             setattr(self, name, value)
         self.spec, self.method = spec, method
+        # a ch_axis given beside spec= with the other sign (-1 against 1): the input's rank decides (forward)
+        self._given_ch_axis = ch_axis if spec is not None and isinstance(spec.granularity, PerAxis) else None
         self._factory, self._options = observer, dict(options)
         constant = _averaging_constant(observer, self._options)
         if constant is not None:
@@ -294,6 +310,7 @@ class QstatsObserver(ao.ObserverBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"QstatsObserver: expected a tensor, got {type(x).__name__}")
+        _refuse_other_axis(self._given_ch_axis, self.spec, x)
         observer = self.observer
         state = self.state
         data = x.detach()
