@@ -11,7 +11,7 @@ from typing import Mapping, Optional
 import torch
 
 from .._attention import LATENT_CACHE, intercepted, latent_attention
-from .config import agreed_observer, fail, quantization_args
+from .config import agreed_observer, fail, module_targets, quantization_args
 from .linear import static_site, write_qparams
 from .scales import module_dtype
 
@@ -122,7 +122,7 @@ def attention_config(attention: dict, groups: dict, modules: Mapping, rename, ob
         if len(query) != len(attention):
             fail("kv_cache_scheme", f"q sites on {query} but not on every attention module with k/v sites")
         groups["attention"] = {
-            "targets": [rename(path) for path in query],
+            "targets": [target for path in query for target in module_targets(path, rename)],
             "weights": None,
             "input_activations": {**args, "observer": name, "observer_kwargs": kwargs},
             "output_activations": None,

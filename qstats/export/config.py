@@ -24,6 +24,7 @@ __all__ = [
     "ATTENTION_SITES",
     "COMPRESSED_TENSORS_VERSION",
     "ignored_modules",
+    "module_targets",
     "llm_compressor_observer",
     "llm_compressor_observers",
     "FORMATS",
@@ -296,18 +297,37 @@ def ignored_modules(modules: dict, schemes: dict, rename) -> list:
     the unquantized modules of a type some quantized module has (MoE routers and gates count as
     Linear, as vLLM matches them; unpacked experts are Linear), grouped by type in order of first
     appearance, then in ``named_modules`` order, under their checkpoint names (``rename``,
-    `names.module_renamer`). A module the recipe's ``ignore`` names but no group could quantize (an
-    embedding under Linear groups) is not listed. Stacked experts count as the Linear modules
+    `names.module_renamer`); then the module paths of those saved under another name that
+    transformers' loading would quantize (Linear, Embedding: `module_targets`). A module the
+    recipe's ``ignore`` names but no group could quantize (an embedding under Linear groups) is not
+    listed. Stacked experts count as the Linear modules
     llm-compressor linearizes them into (`linearized_experts`): those left unquantized are listed."""
     quantized = {vllm_module_type(modules[path]) if path in modules else "Linear" for path in schemes}
     by_type: dict = {}
+    renamed = []  # module paths of ignored Linear / Embedding modules saved under another name
     for path, module in modules.items():
         linear = linearized_experts(path, module)
         kind = "Linear" if linear else vllm_module_type(module)
         unquantized = [name for name in linear or [path] if name not in schemes]
         if path and kind in quantized:
             by_type.setdefault(kind, []).extend(rename(name) for name in unquantized)
-    return [path for paths in by_type.values() for path in paths]
+            if not linear and unquantized and rename(path) != path and isinstance(module, _LOADED_CLASSES):
+                renamed.append(path)
+    return [path for paths in by_type.values() for path in paths] + renamed
+
+
+# the modules compressed-tensors quantizes when transformers loads a checkpoint: it matches the config's
+# targets and ignore list against the module paths of the model it builds, not the checkpoint's names
+_LOADED_CLASSES = (torch.nn.Linear, torch.nn.Embedding)
+
+
+def module_targets(path: str, rename) -> list:
+    """The targets naming the module at ``path``: its module path, which compressed-tensors matches when
+    transformers loads the checkpoint (``apply_quantization_config`` on the model it builds), and its
+    checkpoint name (``rename``) where that differs (a VLM's ``model.layers.0...`` for
+    ``model.language_model.layers.0...``), which vLLM maps to its own modules."""
+    name = rename(path)
+    return [path] if name == path else [path, name]
 
 
 def vllm_module_type(module: torch.nn.Module) -> str:
@@ -401,14 +421,13 @@ def config_groups(schemes: dict, expert_projection: dict, format: Optional[str],
             },
         )
         group["_paths"].append(module_path)
-        target = rename(module_path)
+        targets = module_targets(module_path, rename)
         if module_path in expert_projection:
             # every expert of a stacked module shares its scheme: one regex per projection of the
             # module (transformers' get_experts_scheme picks the group whose re: target names experts)
             experts_path, projection = expert_projection[module_path]
-            target = rf"re:^{re.escape(rename(experts_path))}\.\d+\.{projection}$"
-        if target not in group["targets"]:
-            group["targets"].append(target)
+            targets = [rf"re:^{re.escape(rename(experts_path))}\.\d+\.{projection}$"]
+        group["targets"].extend(target for target in targets if target not in group["targets"])
     _class_targets(groups, modules, expert_projection)
     for group in groups.values():
         group.pop("_paths", None)
