@@ -16,6 +16,7 @@ tensor(3.)
 from __future__ import annotations
 
 import hashlib
+import pickle
 from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import optree
@@ -788,7 +789,13 @@ def _merged_parts(partial: list, parts: dict, group, device: torch.device) -> di
     """The parts ``[(key path, holders), ...]`` merged from their holders in rank order, on every rank."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = {path: _meta(parts[path].subtree) for path, holders in partial if holders[0] == rank}
-    _, sent = _gather_from_ranks(mine, group)
+    try:  # before the gather, which would fail on this rank alone and leave the others waiting
+        pickle.dumps(mine)
+        error = None
+    except Exception as caught:
+        error = caught
+    _, sent = _gather_valid(mine, error, f"the states of parts only it holds cannot be sent to the other ranks "
+                                         f"(a state class pickle cannot import: {error})", group)
     templates = {path: optree.tree_flatten(sent[holders[0]][path], is_leaf=_is_state) for path, holders in partial}
     first = {path: holders[0] for path, holders in partial}
     local = {path: part.states for path, part in parts.items()}
