@@ -15,6 +15,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import prune
 
 from . import distributed
 from ._checks import check_floating
@@ -304,6 +305,22 @@ def _layer_call(layer: nn.Module, bias, given: Dict[str, Any], sparse: bool) -> 
     return _function(layer), (bias, layer.stride, layer.padding, layer.dilation, layer.groups)
 
 
+def _pruning(layer: nn.Module, name: str):
+    """torch.nn.utils.prune's hook that computes ``layer``'s ``name`` before each call, or None."""
+    return next((hook for hook in layer._forward_pre_hooks.values()
+                 if isinstance(hook, prune.BasePruningMethod) and hook._tensor_name == name), None)
+
+
+def _masked(orig: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A pruned tensor, as torch.nn.utils.prune's ``apply_mask`` computes it."""
+    return mask.to(dtype=orig.dtype) * orig
+
+
+def _layer_weight(layer: nn.Module) -> torch.Tensor:
+    """``layer``'s weight as its forward reads it (a pruned one from its ``weight_orig`` and mask)."""
+    return layer.weight if _pruning(layer, "weight") is None else _masked(layer.weight_orig, layer.weight_mask)
+
+
 def _function(layer: nn.Module):
     return next(function for cls, function in _LAYER_FUNCTIONS.items() if isinstance(layer, cls))
 
@@ -571,7 +588,7 @@ class _WeightOf(nn.Module):
         self.model, self.layer = model, layer
 
     def forward(self) -> torch.Tensor:
-        return self.model.get_submodule(self.layer).weight
+        return _layer_weight(self.model.get_submodule(self.layer))
 
 
 def _learnable(state, spec: QuantSpec, where: str) -> LSQParams:
@@ -733,11 +750,15 @@ def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
     """Names the layers `prepare` could not rewrite: those inside modules torch.fx keeps whole
     (``hidden``: name -> that module's type name), and subclasses with their own forward that torch.fx
     traced through (a weight not passed as is to F.linear/F.convNd, a batch norm's hidden buffers); also
-    instance norms that track running statistics (buffers updated in place) and SyncBatchNorm layers
-    (rewritten to batch norms of each rank's own batch)."""
+    rewritten layers with forward hooks (not run), instance norms that track running statistics (buffers
+    updated in place) and SyncBatchNorm layers (rewritten to batch norms of each rank's own batch)."""
     if hidden:
         warn(f"qstats.qat.prepare: {sorted(hidden)} run inside {sorted(set(hidden.values()))}, which torch.fx "
              "does not trace into: they stay in float")
+    if rewriter.hooked:
+        warn(f"qstats.qat.prepare: layers {rewriter.hooked} have forward or backward hooks, which the rewritten "
+             "model does not run (it computes them with F.linear, F.conv, F.batch_norm, ...; torch.nn.utils.prune's "
+             "masks are applied)")
     floats, buffers, instance, synced = [], [], [], []
     for name, module in model.named_modules():
         if type(module).forward in _STOCK_FORWARDS or name in hidden or any(name.startswith(f"{h}.") for h in hidden):
@@ -874,6 +895,7 @@ class _Rewriter:
         self.state, self.phase, self.ranges = placeholders[-3:]
         self.new_states = {"weights": {}, "activations": {}, "batchnorm": {}}  # layer -> its latest state node
         self.quantized, self.batchnorms = [], []
+        self.hooked = []  # replaced layers with forward hooks, which the rewritten model does not run (`_note_hooks`)
         self.weight_only = []  # quantized layers without an activation point (embeddings: their inputs are ids)
         self.weights = {}  # layer -> its fake-quantized weight (a module called twice reuses it)
         self.points = 0  # numbers the submodules of the points
@@ -965,16 +987,33 @@ class _Rewriter:
             raise TypeError(f"qstats.qat.prepare: cannot quantize a {type(layer).__name__}; supported: Linear, "
                             "Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, EmbeddingBag")
         given = _bound_inputs(layer, key, node)
-        x, weight = self._quantized_inputs(node, key, layer, given["input"],
-                                           lambda: self.graph.get_attr(f"{key}.weight"))
+        self._note_hooks(key, layer)
+        x, weight = self._quantized_inputs(node, key, layer, given["input"], lambda: self._parameter(key, layer, "weight"))
         sparse = getattr(layer, "sparse", False)
         sparse = sparse and not self._dense_gradient(key, layer, sparse)
         with self.graph.inserting_before(node):
-            bias = self.graph.get_attr(f"{key}.bias") if getattr(layer, "bias", None) is not None else None
+            bias = self._parameter(key, layer, "bias") if getattr(layer, "bias", None) is not None else None
             function, rest = _layer_call(layer, bias, given, sparse)
             replacement = self.graph.call_function(function, (x, weight, *rest))
         node.replace_all_uses_with(replacement)
         self.graph.erase_node(node)
+
+    def _parameter(self, key: str, layer: nn.Module, name: str):
+        """Node of layer ``key``'s ``name`` (weight, bias) as its forward reads it: where torch.nn.utils.prune's
+        hook computes it, ``name_orig * name_mask`` as the hook does (the rewritten call runs no hook; the
+        attribute holds the product of the last call's, with no gradient to ``name_orig``)."""
+        if _pruning(layer, name) is None:
+            return self.graph.get_attr(f"{key}.{name}")
+        orig, mask = (self.graph.get_attr(f"{key}.{name}_{part}") for part in ("orig", "mask"))
+        return self.graph.call_function(_masked, (orig, mask))
+
+    def _note_hooks(self, key: str, layer: nn.Module) -> None:
+        """Records a layer whose call the rewrite replaces and that has hooks other than pruning's
+        (`_parameter`): the rewritten model does not run them."""
+        pre_hooks = [h for h in layer._forward_pre_hooks.values() if not isinstance(h, prune.BasePruningMethod)]
+        hooks = pre_hooks or layer._forward_hooks or layer._backward_hooks or layer._backward_pre_hooks
+        if hooks and key not in self.hooked:
+            self.hooked.append(key)
 
     def quantize_functional(self, node, key: str, layer: nn.Module) -> None:
         """An ``F.linear``/``F.convNd``/``F.embedding``/... call reading layer ``key``'s weight (a
@@ -1002,6 +1041,7 @@ class _Rewriter:
                              "(running_mean is None)")
         if key not in self.batchnorms:
             self.batchnorms.append(key)
+        self._note_hooks(key, layer)
         with self.graph.inserting_before(node):
             args = [self.graph.get_attr(f"{key}.{name}") if getattr(layer, name) is not None else None
                     for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]

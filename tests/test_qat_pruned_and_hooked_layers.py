@@ -1,0 +1,114 @@
+"""QAT of layers pruned with ``torch.nn.utils.prune`` (a forward pre-hook computes ``weight`` from
+``weight_orig`` and ``weight_mask`` before each call), and of layers with other forward hooks.
+
+Reference: torch.ao ``FakeQuantize`` modules wired around the same layers, reading the pruned weight as
+prune's hook computes it (``weight_mask * weight_orig``): outputs and the gradients of every parameter,
+``weight_orig`` included, over training steps. (The rewritten call ran no hook: the layer read the
+product of the pruning-time call, the same whatever ``weight_orig`` was given, and ``weight_orig`` got
+no gradient.)
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
+from torch.nn.utils import prune
+
+import qstats
+
+ACT_SPEC = qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_affine)
+W_SPEC = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric, ch_axis=0)
+
+
+def _act_fq():
+    return FakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255, dtype=torch.quint8,
+                        qscheme=torch.per_tensor_affine)
+
+
+def _weight_fq():
+    return FakeQuantize(observer=MovingAveragePerChannelMinMaxObserver, quant_min=-128, quant_max=127,
+                        dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
+
+
+def _pruned_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16, 3))
+    prune.ln_structured(model[0], "weight", amount=0.25, n=2, dim=0)
+    prune.l1_unstructured(model[0], "weight", amount=0.3)  # a PruningContainer of two masks
+    prune.l1_unstructured(model[3], "weight", amount=0.5)
+    prune.random_unstructured(model[3], "bias", amount=0.3)
+    return model
+
+
+def _pruned(module, name):
+    return getattr(module, f"{name}_mask") * getattr(module, f"{name}_orig")
+
+
+class _Reference(nn.Module):
+    """The pruned model with torch.ao FakeQuantize modules on each layer's input and pruned weight."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.a_conv, self.a_linear, self.w_conv, self.w_linear = _act_fq(), _act_fq(), _weight_fq(), _weight_fq()
+
+    def forward(self, x):
+        conv, linear = self.model[0], self.model[3]
+        h = F.relu(F.conv2d(self.a_conv(x), self.w_conv(_pruned(conv, "weight")), conv.bias)).flatten(1)
+        return F.linear(self.a_linear(h), self.w_linear(_pruned(linear, "weight")), _pruned(linear, "bias"))
+
+
+def test_pruned_layers_train_with_their_masks_as_torch_ao_fake_quant_modules():
+    model, reference = _pruned_model(), _Reference(_pruned_model())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        qat = qstats.qat.prepare(model, qstats.moving_average_minmax(W_SPEC, 0.01),
+                                 qstats.moving_average_minmax(ACT_SPEC, 0.01))
+    assert not any("hooks" in str(w.message) for w in record)  # pruning's hooks are computed
+    params = {name: p.detach().clone() for name, p in qat.params().items()}
+    assert {"0.weight_orig", "3.weight_orig", "3.bias_orig"} <= set(params)
+    state = qat.init(torch.zeros(1, 2, 4, 4))
+    g = torch.Generator().manual_seed(1)
+
+    def loss_fn(p, s, x, y):
+        out, new_state = qat.apply(p, s, x)
+        return F.cross_entropy(out, y), new_state
+
+    grad_fn = torch.func.grad(loss_fn, has_aux=True)
+    for step in range(3):
+        x, y = torch.randn(5, 2, 4, 4, generator=g) * (step + 1), torch.randint(0, 3, (5,), generator=g)
+        reference.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        grads, state = grad_fn(params, state, x, y)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference.model.get_parameter(name).grad, rtol=1e-5, atol=1e-6, msg=name)
+        assert grads["3.weight_orig"].ne(0).sum() > 0
+        params = {name: p - 0.1 * grads[name] for name, p in params.items()}
+        with torch.no_grad():
+            for p in reference.model.parameters():
+                p -= 0.1 * p.grad
+    for layer, fq in (("0", reference.w_conv), ("3", reference.w_linear)):
+        qp = qstats.compute_qparams(state.weights[layer], W_SPEC)
+        torch.testing.assert_close(qp.scale, fq.scale, rtol=1e-6, atol=0)
+    observed = qat.observed_weight(params, "3")
+    torch.testing.assert_close(observed, model[3].weight_mask * params["3.weight_orig"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["forward_hook", "forward_pre_hook", "full_backward_hook", "full_backward_pre_hook"])
+def test_layers_whose_hooks_the_rewritten_model_does_not_run_are_named_in_a_warning(kind):
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    calls = []
+    getattr(model[2], f"register_{kind}")(lambda *args: calls.append(args) and None)
+    getattr(model[1], f"register_{kind}")(lambda *args: calls.append(args) and None)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        qat = qstats.qat.prepare(model, qstats.minmax(W_SPEC))
+    x = torch.randn(3, 4)
+    qat.apply(qat.params(), qat.init(x), x)
+    assert calls == []  # as the warning says
+    assert any("layers ['1', '2'] have forward or backward hooks" in str(w.message) for w in record)
