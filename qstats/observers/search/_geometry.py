@@ -174,6 +174,16 @@ def cumulative(mom: Moments, t: torch.Tensor):
 # The quantization grid of candidate ranges
 
 
+def _smallest_scale(spec: QuantSpec, device) -> torch.Tensor:
+    """The scale the spec's own arithmetic gives the narrowest range (+-float32's tiny), float64 0-dim:
+    torch.ao's ``max(scale, eps)`` floor is ``spec.eps``, compressed-tensors floors only a zero scale.
+    (A fixed float32 eps floor made every candidate below it one grid, and the first, tiny, won: data
+    of std 1e-8 quantized to zero under ``eps=1e-12`` or a compressed-tensors spec.)"""
+    tiny = torch.full((), torch.finfo(torch.float32).tiny, device=device)
+    calibrated = torch.ones((), dtype=torch.bool, device=device)
+    return qparams_from_minmax(-tiny, tiny, spec, calibrated=calibrated).scale.double()
+
+
 def _lean_grid(lo, hi, spec: QuantSpec, straddles_zero: bool, qrange):
     """torch.ao / compressed-tensors scale and zero point of candidate ranges in float64 (the
     chosen range goes through the spec's exact arithmetic afterwards)."""
@@ -181,7 +191,7 @@ def _lean_grid(lo, hi, spec: QuantSpec, straddles_zero: bool, qrange):
     if not straddles_zero:
         lo = torch.minimum(lo, torch.zeros_like(lo))
         hi = torch.maximum(hi, torch.zeros_like(hi))
-    tiny = torch.finfo(torch.float32).eps
+    tiny = _smallest_scale(spec, lo.device)
     if spec.mapping == "asymmetric":
         scale = ((hi - lo) / float(qmax - qmin)).clamp(min=tiny)
         zero_point = (qmin - torch.floor(lo / scale + 0.5)).clamp(qmin, qmax)  # ties: search only
