@@ -15,7 +15,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import prune
+from torch.nn.utils import parametrize, prune
 
 from . import distributed
 from ._checks import check_floating
@@ -1001,7 +1001,10 @@ class _Rewriter:
     def _parameter(self, key: str, layer: nn.Module, name: str):
         """Node of layer ``key``'s ``name`` (weight, bias) as its forward reads it: where torch.nn.utils.prune's
         hook computes it, ``name_orig * name_mask`` as the hook does (the rewritten call runs no hook; the
-        attribute holds the product of the last call's, with no gradient to ``name_orig``)."""
+        attribute holds the product of the last call's, with no gradient to ``name_orig``); a parametrized one
+        read from the layer (a get_attr of the property itself makes torch.fx warn of a missing reference)."""
+        if parametrize.is_parametrized(layer, name):  # a property computed from the parametrization's parameters
+            return self.graph.call_function(getattr, (self.graph.get_attr(key), name))
         if _pruning(layer, name) is None:
             return self.graph.get_attr(f"{key}.{name}")
         orig, mask = (self.graph.get_attr(f"{key}.{name}_{part}") for part in ("orig", "mask"))
