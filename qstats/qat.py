@@ -16,6 +16,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize, prune
+from torch.nn.utils.weight_norm import WeightNorm
 
 from . import distributed
 from ._checks import check_floating
@@ -305,10 +306,27 @@ def _layer_call(layer: nn.Module, bias, given: Dict[str, Any], sparse: bool) -> 
     return _function(layer), (bias, layer.stride, layer.padding, layer.dilation, layer.groups)
 
 
-def _pruning(layer: nn.Module, name: str):
-    """torch.nn.utils.prune's hook that computes ``layer``'s ``name`` before each call, or None."""
-    return next((hook for hook in layer._forward_pre_hooks.values()
-                 if isinstance(hook, prune.BasePruningMethod) and hook._tensor_name == name), None)
+# forward pre-hooks that compute a layer's parameter before each call from other attributes:
+# torch.nn.utils.prune's (``name_orig * name_mask``) and the deprecated torch.nn.utils.weight_norm's
+# (``name_g``, ``name_v``); the rewritten call runs no hook, so `_parameter` computes them as they do
+
+
+def _computing_hook(layer: nn.Module, name: str):
+    """The pruning or weight-norm hook that computes ``layer``'s ``name`` before each call, or None."""
+    return next((hook for hook in layer._forward_pre_hooks.values() if _computes(hook) == name), None)
+
+
+def _computes(hook) -> Optional[str]:
+    if isinstance(hook, prune.BasePruningMethod):
+        return hook._tensor_name
+    return hook.name if isinstance(hook, WeightNorm) else None
+
+
+def _hook_inputs(hook, name: str) -> Tuple[Any, Tuple[str, ...], tuple]:
+    """``(function, attribute names, constants)``: ``function(*attributes, *constants)`` is ``name``."""
+    if isinstance(hook, prune.BasePruningMethod):
+        return _masked, (f"{name}_orig", f"{name}_mask"), ()
+    return torch._weight_norm, (f"{name}_v", f"{name}_g"), (hook.dim,)
 
 
 def _masked(orig: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -317,8 +335,12 @@ def _masked(orig: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _layer_weight(layer: nn.Module) -> torch.Tensor:
-    """``layer``'s weight as its forward reads it (a pruned one from its ``weight_orig`` and mask)."""
-    return layer.weight if _pruning(layer, "weight") is None else _masked(layer.weight_orig, layer.weight_mask)
+    """``layer``'s weight as its forward reads it (computed as its pruning or weight-norm hook does)."""
+    hook = _computing_hook(layer, "weight")
+    if hook is None:
+        return layer.weight
+    function, attributes, constants = _hook_inputs(hook, "weight")
+    return function(*(getattr(layer, a) for a in attributes), *constants)
 
 
 def _function(layer: nn.Module):
@@ -999,21 +1021,22 @@ class _Rewriter:
         self.graph.erase_node(node)
 
     def _parameter(self, key: str, layer: nn.Module, name: str):
-        """Node of layer ``key``'s ``name`` (weight, bias) as its forward reads it: where torch.nn.utils.prune's
-        hook computes it, ``name_orig * name_mask`` as the hook does (the rewritten call runs no hook; the
-        attribute holds the product of the last call's, with no gradient to ``name_orig``); a parametrized one
-        read from the layer (a get_attr of the property itself makes torch.fx warn of a missing reference)."""
+        """Node of layer ``key``'s ``name`` (weight, bias) as its forward reads it: where a pruning or weight-norm
+        hook computes it (`_computing_hook`), computed as the hook does (the rewritten call runs no hook; the
+        attribute holds the last call's result, with no gradient to the hook's parameters); a parametrized
+        one read from the layer (a get_attr of the property itself makes torch.fx warn of a missing reference)."""
         if parametrize.is_parametrized(layer, name):  # a property computed from the parametrization's parameters
             return self.graph.call_function(getattr, (self.graph.get_attr(key), name))
-        if _pruning(layer, name) is None:
+        hook = _computing_hook(layer, name)
+        if hook is None:
             return self.graph.get_attr(f"{key}.{name}")
-        orig, mask = (self.graph.get_attr(f"{key}.{name}_{part}") for part in ("orig", "mask"))
-        return self.graph.call_function(_masked, (orig, mask))
+        function, attributes, constants = _hook_inputs(hook, name)
+        return self.graph.call_function(function, (*(self.graph.get_attr(f"{key}.{a}") for a in attributes), *constants))
 
     def _note_hooks(self, key: str, layer: nn.Module) -> None:
-        """Records a layer whose call the rewrite replaces and that has hooks other than pruning's
-        (`_parameter`): the rewritten model does not run them."""
-        pre_hooks = [h for h in layer._forward_pre_hooks.values() if not isinstance(h, prune.BasePruningMethod)]
+        """Records a layer whose call the rewrite replaces and that has hooks other than those `_parameter`
+        computes (pruning, weight norm): the rewritten model does not run them."""
+        pre_hooks = [h for h in layer._forward_pre_hooks.values() if _computes(h) is None]
         hooks = pre_hooks or layer._forward_hooks or layer._backward_hooks or layer._backward_pre_hooks
         if hooks and key not in self.hooked:
             self.hooked.append(key)

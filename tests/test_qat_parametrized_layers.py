@@ -76,3 +76,45 @@ def test_parametrized_weights_train_as_torch_ao_fake_quant_modules_without_warni
                 p -= 0.1 * p.grad
     for layer, fq in zip(("0", "2"), fake_quants):
         torch.testing.assert_close(qstats.compute_qparams(state.weights[layer], W_SPEC).scale, fq.scale, rtol=1e-6, atol=0)
+
+
+def test_deprecated_weight_norm_hook_trains_as_torch_ao_fake_quant_modules():
+    # torch.nn.utils.weight_norm (a forward pre-hook computing weight from weight_g and weight_v, as audio
+    # models' convolutions use it): the rewritten call ran no hook, so the layer read the weight of the
+    # last eager call, and weight_g / weight_v got no gradient
+    def model():
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its deprecation
+            return nn.Sequential(torch.nn.utils.weight_norm(nn.Conv1d(2, 4, 3), dim=0), nn.ReLU(), nn.Flatten(),
+                                 torch.nn.utils.weight_norm(nn.Linear(8, 3), dim=None))
+
+    ours, reference = model(), model()
+    fake_quants = [_weight_fq(), _weight_fq()]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        qat = qstats.qat.prepare(ours, qstats.moving_average_minmax(W_SPEC, 0.01))
+    assert [str(w.message) for w in record] == []
+    params = {name: p.detach().clone() for name, p in qat.params().items()}
+    params["0.weight_g"] = params["0.weight_g"] * 2  # trained copies, not the model's tensors
+    with torch.no_grad():
+        reference[0].weight_g.mul_(2)
+    state = qat.init(torch.zeros(1, 2, 4))
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x, y = torch.randn(5, 2, 4, generator=g) * (step + 1), torch.randn(5, 3, generator=g)
+        conv, linear = reference[0], reference[3]
+        weights = [torch._weight_norm(m.weight_v, m.weight_g, dim) for m, dim in ((conv, 0), (linear, -1))]
+        h = F.relu(F.conv1d(x, fake_quants[0](weights[0]), conv.bias)).flatten(1)
+        reference.zero_grad()
+        F.mse_loss(F.linear(h, fake_quants[1](weights[1]), linear.bias), y).backward()
+        grads, state = torch.func.grad(lambda p, s: (F.mse_loss((r := qat.apply(p, s, x))[0], y), r[1]),
+                                       has_aux=True)(params, state)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-6, msg=name)
+        params = {name: p - 0.1 * grads[name] for name, p in params.items()}
+        with torch.no_grad():
+            for p in reference.parameters():
+                p -= 0.1 * p.grad
+    torch.testing.assert_close(qat.observed_weight(params, "0"),
+                               torch._weight_norm(params["0.weight_v"], params["0.weight_g"], 0), rtol=0, atol=0)
