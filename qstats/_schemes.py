@@ -542,11 +542,14 @@ def _check_format(group, index: int) -> None:
     given = getattr(group.format, "value", group.format)
     inferred = infer_module_format(torch.nn.Linear, group.model_copy(update={"format": None})).value
     if given != inferred:
+        from .export.config import FORMATS
+
+        then = (f"pass format={given!r} to qstats.export.compressed_tensors (it applies to every group with "
+                "weights)" if given in FORMATS else f"qstats.export.compressed_tensors writes none of that format "
+                f"(it writes {', '.join(FORMATS)})")
         raise ValueError(f"config group {index} (targets {list(group.targets)}): format {given!r} is not the "
                          f"{inferred!r} compressed-tensors infers for its scheme, and a qstats Recipe holds no "
-                         "checkpoint format: leave 'format' out of the group and pass "
-                         f"format={given!r} to qstats.export.compressed_tensors (it applies to every group "
-                         "with weights)")
+                         f"checkpoint format: leave 'format' out of the group; {then}")
 
 
 def _group_rules(Rule, groups: list, observed_dtype, ignore=()) -> list:

@@ -101,3 +101,13 @@ def test_a_checkpoint_config_with_the_inferred_formats_reads_and_reproduces_it(l
     assert sorted(our_tensors) == sorted(their_tensors)
     assert all(bit_equal(our_tensors[name], their_tensors[name]) for name in their_tensors)
     assert _config(ours) == _config(theirs)
+
+
+def test_a_group_format_the_export_does_not_write_is_refused_saying_so():
+    """2:4-sparse W4A16 checkpoints name ``marlin-24``, a format compressed-tensors writes and the export does not."""
+    from compressed_tensors.config import CompressionFormat
+
+    assert CompressionFormat("marlin-24")  # a compressed-tensors format
+    group = {"weights": {**W8_GROUP, "num_bits": 4}, "format": "marlin-24"}
+    with pytest.raises(ValueError, match="format 'marlin-24' .* writes none of that format"):
+        qstats.Recipe.from_compressed_tensors(_groups(group))
