@@ -156,7 +156,8 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
         calls of a forward), module-level specs of other modules, ``kv_cache_quant_configs``,
         activation specs in graph execution mode, conv weights in graph execution mode where a
         BatchNorm of their output channels may follow (coreai_opt folds it into the weight it
-        quantizes), ops called as functions (``add``, ``sub``,
+        quantizes), parameters inside an ``nn.MultiheadAttention`` in graph execution mode (eager
+        mode leaves it float, and so does the recipe), ops called as functions (``add``, ``sub``,
         ``mul``, ``matmul``), ``qformulation="minval"``, per-block activations, or a spec field
         qstats does not read.
       TypeError: ``config`` is not a ``QuantizerConfig`` (a dict: ``QuantizerConfig.from_dict``).
@@ -217,15 +218,20 @@ def _quantized_modules(config, model: torch.nn.Module) -> list:
     """``[(path, module, module config, [(site, coreai_opt spec, target)])]`` of the modules of
     ``model`` whose op the config quantizes."""
     ops = []  # (path, module, module config, op components, boundary), by coreai_opt's precedence
+    attention = {inner: path for path, module in model.named_modules()
+                 if isinstance(module, torch.nn.MultiheadAttention) for inner, _ in module.named_modules(prefix=path)}
     for path, module, module_config, own, _ in sorted(_module_configs(config, model), key=lambda entry: entry[4]):
         op_type = _OP_TYPES.get(type(module)) or next(
             (op for cls, op in _OP_TYPES.items() if isinstance(module, cls)), None)
         boundary = module_config if own and any(_active(getattr(module_config, f)) for f in _MODULE_LEVEL) else None
+        if op_type is None and boundary is not None:
+            _refuse(f"module {path!r} ({type(module).__name__}) has module-level specs, which quantize "
+                    "tensors at its boundary wherever its forward sends them; give them to the Linear, Conv, "
+                    "Embedding or pooling modules that take them")
+        if path in attention:
+            _check_attention_parameters(config, path, module, module_config, attention[path])
+            continue
         if op_type is None:
-            if boundary is not None:
-                _refuse(f"module {path!r} ({type(module).__name__}) has module-level specs, which quantize "
-                        "tensors at its boundary wherever its forward sends them; give them to the Linear, Conv, "
-                        "Embedding or pooling modules that take them")
             continue
         ops.append((path, module, module_config, module_config.op_type_config.get(op_type, module_config), boundary))
     shared = _shared_state_specs(ops)
@@ -233,6 +239,23 @@ def _quantized_modules(config, model: torch.nn.Module) -> list:
                  for path, module, module_config, components, boundary in ops]
     order = {path: index for index, (path, _) in enumerate(model.named_modules())}
     return sorted([entry for entry in quantized if entry[3]], key=lambda entry: order[entry[0]])
+
+
+def _check_attention_parameters(config, path: str, module, module_config, attention: str) -> None:
+    """Nothing inside an ``nn.MultiheadAttention`` has a site: coreai_opt's eager handler sees its
+    forward as one op it does not register (its out_proj's forward never runs) and leaves it float.
+    Graph mode quantizes the parameters its decomposed linear ops take under the attention module's
+    config, which no module site holds: ValueError where the config quantizes any."""
+    if _execution_mode(config) != "graph":
+        return
+    components = module_config.op_type_config.get("linear", module_config)
+    names = [name for name, param in module.named_parameters(recurse=False)
+             if param.is_floating_point() and _named_spec(name, components.op_state_spec)[1] is not None]
+    if names:
+        _refuse(f"module {path!r} ({type(module).__name__}): graph execution mode quantizes {names} where the "
+                f"linear ops nn.MultiheadAttention {attention!r} decomposes into take them, under the attention "
+                f"module's config, which no module site holds; disable it (module_name_configs {{{attention!r}: "
+                "None}) or use execution_mode='eager', which leaves nn.MultiheadAttention float")
 
 
 def _shared_state_specs(ops: list) -> dict:
