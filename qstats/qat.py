@@ -833,6 +833,7 @@ class _Tracer(torch.fx.Tracer):
 
 
 def _trace(model: nn.Module, layers: Tuple[type, ...]) -> torch.fx.GraphModule:
+    attributes = {module: dict(vars(module)) for module in model.modules()}
     try:
         tracer = _Tracer(layers)
         graph = tracer.trace(model)
@@ -843,6 +844,21 @@ def _trace(model: nn.Module, layers: Tuple[type, ...]) -> torch.fx.GraphModule:
             f"{error}); make the traced part free of data-dependent control flow, or quantize it with "
             "qstats.observe_fake_quantize directly"
         ) from error
+    finally:
+        _restore_attributes(attributes)
+
+
+def _restore_attributes(attributes: Dict[nn.Module, Dict[str, Any]]) -> None:
+    """Undoes what tracing wrote into the model's modules: hooks of traced-through modules run on proxies
+    (torch.nn.utils.prune's sets ``module.weight`` to one), which left the model holding torch.fx Proxies
+    (``torch.save(model)`` failed, ``module.weight`` computed nothing) until its next call."""
+    for module, before in attributes.items():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.fx.Proxy):
+                if name in before:
+                    object.__setattr__(module, name, before[name])
+                else:
+                    delattr(module, name)
 
 
 def _observer_entries(given, layers: Tuple[type, ...], name: str) -> tuple:

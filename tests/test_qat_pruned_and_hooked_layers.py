@@ -112,3 +112,28 @@ def test_layers_whose_hooks_the_rewritten_model_does_not_run_are_named_in_a_warn
     qat.apply(qat.params(), qat.init(x), x)
     assert calls == []  # as the warning says
     assert any("layers ['1', '2'] have forward or backward hooks" in str(w.message) for w in record)
+
+
+class _Doubled(nn.Linear):
+    """A Linear with its own forward: torch.fx traces through it, running its hooks on proxies."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias) * 2
+
+
+def test_prepare_leaves_a_traced_through_pruned_layer_as_it_was(tmp_path):
+    # prune's hook sets module.weight; run on torch.fx's proxies it left a Proxy in the user's model
+    # (torch.save of the model raised, module.weight.sum() computed nothing)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Doubled(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    before = model[0].weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the layer's weight is not passed as is to F.linear: it stays in float
+        qat = qstats.qat.prepare(model, qstats.minmax(W_SPEC))
+    assert model[0].weight is before
+    torch.save(model, tmp_path / "model.pt")
+    x = torch.randn(3, 4)
+    out, state = qat.apply(qat.params(), qat.init(x), x)
+    weight = qstats.fake_quantize(model[2].weight, qstats.compute_qparams(state.weights["2"], W_SPEC), W_SPEC)
+    torch.testing.assert_close(out, F.linear(F.relu(model[0](x)), weight, model[2].bias), rtol=1e-6, atol=1e-6)
