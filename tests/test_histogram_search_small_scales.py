@@ -4,7 +4,7 @@ torch.ao's scale floor is the spec's ``eps`` (``QuantSpec.from_torch_ao(..., eps
 ``HistogramObserver(eps=1e-12)``); compressed-tensors floors only a zero scale. The searches rank
 their candidates with that floor, so a Gaussian of std 1e-8 keeps its resolution: the error of the
 chosen range is compared with torch.ao's own ``HistogramObserver`` and with compressed-tensors' own
-min/max qparams and fake quantization.
+min/max qparams and fake quantization (float32 and float16 computation).
 """
 
 import pytest
@@ -49,14 +49,17 @@ def test_l2_range_with_a_small_eps_quantizes_as_torch_ao_histogram_observer(std,
 
 @pytest.mark.parametrize("method", ["l2", "mse"])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_searched_range_of_a_compressed_tensors_spec_at_small_scale(method, symmetric):
+@pytest.mark.parametrize("dtype, std", [(torch.float32, 1e-8), (torch.float16, 1e-4), (torch.float16, 1e-2)])
+def test_searched_range_of_a_compressed_tensors_spec_at_small_scale(method, symmetric, dtype, std):
+    # float16 computes scales in float16, where the narrowest range's scale underflows to 0 and takes
+    # float16's eps: the searches must not read that as a floor of every scale
     args = QuantizationArgs(num_bits=8, symmetric=symmetric, strategy="tensor")
-    x = torch.randn(2000, generator=torch.Generator().manual_seed(1)) * 1e-8
+    x = (torch.randn(2000, generator=torch.Generator().manual_seed(1)) * std).to(dtype)
     # compressed-tensors' own qparams of the observed range, and its fake quantization
     ref_scale, ref_zero_point = calculate_qparams(x.min().reshape(1), x.max().reshape(1), args)
     ref_error = _relative_error(fake_quantize(x, ref_scale, ref_zero_point, args), x)
 
-    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype)
     qp = qstats.compute_qparams(_histogram_state(spec, x), spec, method=method)
     error = _relative_error(qstats.fake_quantize(x, qp, spec), x)
     assert ref_error < 0.02

@@ -5,6 +5,7 @@ candidate ranges and the final clamp to the observed extremes. Fixed shapes: vma
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, NamedTuple
 
@@ -175,10 +176,12 @@ def cumulative(mom: Moments, t: torch.Tensor):
 
 
 def _smallest_scale(spec: QuantSpec, device) -> torch.Tensor:
-    """The scale the spec's own arithmetic gives the narrowest range (+-float32's tiny), float64 0-dim:
-    torch.ao's ``max(scale, eps)`` floor is ``spec.eps``, compressed-tensors floors only a zero scale.
-    (A fixed float32 eps floor made every candidate below it one grid, and the first, tiny, won: data
-    of std 1e-8 quantized to zero under ``eps=1e-12`` or a compressed-tensors spec.)"""
+    """The scale the spec's own arithmetic gives the narrowest range (+-float32's tiny), in float32,
+    float64 0-dim: torch.ao's ``max(scale, eps)`` floor is ``spec.eps``, compressed-tensors floors only
+    a zero scale. (A fixed float32 eps floor made every candidate below it one grid, and the first,
+    tiny, won: data of std 1e-8 quantized to zero under ``eps=1e-12`` or a compressed-tensors spec.)"""
+    if spec.compute_dtype != "float32":  # in float16 that range's scale is 0, which takes float16's eps
+        spec = dataclasses.replace(spec, compute_dtype="float32")
     tiny = torch.full((), torch.finfo(torch.float32).tiny, device=device)
     calibrated = torch.ones((), dtype=torch.bool, device=device)
     return qparams_from_minmax(-tiny, tiny, spec, calibrated=calibrated).scale.double()
