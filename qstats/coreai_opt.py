@@ -173,14 +173,15 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
         raise TypeError(f"recipe_from_coreai_opt: model must be an nn.Module, got {type(model).__name__}")
     dtype_default = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     quantized = list(_quantized_modules(config, model))
-    if _execution_mode(config) == "graph":
+    graph = _execution_mode(config) == "graph"
+    if graph:
         _check_no_batchnorm_folding(quantized, model)
     groups: dict = {}
     for path, module, _, site_specs in quantized:
         dtype = observed_dtype or next(
             (p.dtype for p in module.parameters(recurse=False) if p.is_floating_point()), dtype_default)
         for site, coreai_spec, target in site_specs:
-            rule = _site_rule(path, module, site, coreai_spec, target, dtype)
+            rule = _site_rule(path, module, site, coreai_spec, target, dtype, graph)
             if rule is not None:
                 groups.setdefault((site, *rule), []).append("re:" + re.escape(path))
     return Recipe([Rule(tuple(paths), sites=(site,), observer=observer, spec=spec, observer_kwargs=observer_kwargs,
@@ -415,9 +416,9 @@ def _site_specs(module: torch.nn.Module, components, boundary=None, shared=None)
     return out
 
 
-def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype) -> Optional[tuple]:
+def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype, graph=False) -> Optional[tuple]:
     """``(observer factory, QuantSpec, observer_kwargs, qparams_kwargs, dynamic)`` of one site, None
-    for a weight whose blocks do not divide it."""
+    for a weight whose blocks do not divide it (``graph``: in graph execution mode)."""
     where = f"module {path!r} {site}"
     extra = dict(coreai_spec.get_extra_args()) if hasattr(coreai_spec, "get_extra_args") else {}
     averaging = extra.pop("averaging_constant", 0.01)
@@ -428,7 +429,7 @@ def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype) ->
     if formulation == "minval":
         _refuse(f"{where}: qformulation 'minval' fake-quantizes on another grid than a recipe's (qparams: "
                 "QuantSpec.from_coreai_opt; values: qstats.coreai_opt.fake_quantize_minval)")
-    granularity = _resolved_granularity(coreai_spec.granularity, module, site, target, where)
+    granularity = _resolved_granularity(coreai_spec.granularity, module, site, target, where, graph)
     shape = getattr(module, site).shape if target == "weight" else None
     if granularity["type"] == "per_block" and target == "weight" and _blocks_do_not_divide(granularity, shape):
         # coreai_opt's prepare leaves such a tensor unquantized, with a warning
@@ -459,9 +460,10 @@ def _blocks_do_not_divide(granularity: dict, shape) -> bool:
     return any(b < 1 or s % b for b, s in zip(sizes, shape))
 
 
-def _resolved_granularity(granularity, module, site: str, target: str, where: str) -> dict:
+def _resolved_granularity(granularity, module, site: str, target: str, where: str, graph=False) -> dict:
     """``granularity`` as a dict, a weight's axis None resolved as coreai_opt's prepare does (the
-    output channel per channel, the input channel per block, by the module's exact type)."""
+    output channel per channel, the input channel per block): by the module's exact type in eager
+    mode (its parametrized class's base), by the op its weight feeds in graph mode (a subclass's)."""
     kind = _GRANULARITY_KIND.get(type(granularity).__name__, getattr(granularity, "type", None))
     fields = {"type": kind, "axis": getattr(granularity, "axis", None)}
     if kind == "per_block":
@@ -471,7 +473,8 @@ def _resolved_granularity(granularity, module, site: str, target: str, where: st
                     "does not hold; use per_tensor or per_channel")
     needs_axis = fields["axis"] is None and (kind == "per_channel" or isinstance(fields.get("block_size"), int))
     if needs_axis and target == "weight":
-        axes = _WEIGHT_AXES.get(type(module)) if site == "weight" else None
+        axes = None if site != "weight" else _WEIGHT_AXES.get(type(module)) if not graph else next(
+            (axes for cls, axes in _WEIGHT_AXES.items() if isinstance(module, cls)), None)
         if axes is None:
             _refuse(f"{where}: granularity {kind} has axis None, which coreai_opt resolves for the weight of "
                     f"{', '.join(cls.__name__ for cls in _WEIGHT_AXES)} only; give the axis")
