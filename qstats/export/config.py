@@ -19,6 +19,7 @@ from .._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerTo
 from .._spec import QuantSpec
 from ..experts import linearized_experts
 from ..observers import registry
+from .._warn import warn
 
 __all__ = [
     "ATTENTION_SITES",
@@ -429,6 +430,27 @@ def config_groups(schemes: dict, expert_projection: dict, format: Optional[str],
             targets = [rf"re:^{re.escape(rename(experts_path))}\.\d+\.{projection}$"]
         group["targets"].extend(target for target in targets if target not in group["targets"])
     _class_targets(groups, modules, expert_projection)
+    _warn_packed_embeddings(groups, modules)
     for group in groups.values():
         group.pop("_paths", None)
     return groups
+
+
+# the formats whose compressors replace a module's ``weight`` by ``weight_packed``
+_PACKED_FORMATS = ("pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+
+
+def _warn_packed_embeddings(groups: dict, modules: dict) -> None:
+    """Warns, naming them, of Embedding modules written in a packed format: llm-compressor writes them
+    so too, but transformers cannot load them (its ``_init_weights`` reads the ``weight`` that
+    compressed-tensors' compressor replaced: "'Embedding' object has no attribute 'weight'")."""
+    packed = [(path, group["format"]) for group in groups.values() if group["format"] in _PACKED_FORMATS
+              for path in group["_paths"] if isinstance(modules.get(path), torch.nn.Embedding)]
+    if not packed:
+        return
+    integer = all(fmt == "pack-quantized" for _, fmt in packed)
+    instead = ("pass format='int-quantized' (or 'naive-quantized'), which keeps their weight unpacked" if integer
+               else "leave them out of the recipe (ignore=), or quantize them to int or fp8 weights")
+    warn(f"export.compressed_tensors: the Embedding module(s) {[path for path, _ in packed]} are written "
+         f"{sorted({fmt for _, fmt in packed})}, as llm-compressor writes them, but transformers cannot load a packed "
+         f"Embedding ('Embedding' object has no attribute 'weight'); {instead}", UserWarning)
