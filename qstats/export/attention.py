@@ -122,7 +122,7 @@ def attention_config(attention: dict, groups: dict, modules: Mapping, rename, ob
         if len(query) != len(attention):
             fail("kv_cache_scheme", f"q sites on {query} but not on every attention module with k/v sites")
         groups["attention"] = {
-            "targets": [target for path in query for target in module_targets(path, rename)],
+            "targets": [target for path in query for target in module_targets(path, rename, modules)],
             "weights": None,
             "input_activations": {**args, "observer": name, "observer_kwargs": kwargs},
             "output_activations": None,

@@ -322,13 +322,14 @@ def ignored_modules(modules: dict, schemes: dict, rename) -> list:
 _LOADED_CLASSES = (torch.nn.Linear, torch.nn.Embedding)
 
 
-def module_targets(path: str, rename) -> list:
+def module_targets(path: str, rename, modules: dict) -> list:
     """The targets naming the module at ``path``: its module path, which compressed-tensors matches when
     transformers loads the checkpoint (``apply_quantization_config`` on the model it builds), and its
     checkpoint name (``rename``) where that differs (a VLM's ``model.layers.0...`` for
-    ``model.language_model.layers.0...``), which vLLM maps to its own modules."""
+    ``model.language_model.layers.0...``), which vLLM maps to its own modules, unless that name is
+    another of the model's ``modules``' paths."""
     name = rename(path)
-    return [path] if name == path else [path, name]
+    return [path] if name == path or name in modules else [path, name]
 
 
 def vllm_module_type(module: torch.nn.Module) -> str:
@@ -422,7 +423,7 @@ def config_groups(schemes: dict, expert_projection: dict, format: Optional[str],
             },
         )
         group["_paths"].append(module_path)
-        targets = module_targets(module_path, rename)
+        targets = module_targets(module_path, rename, modules)
         if module_path in expert_projection:
             # every expert of a stacked module shares its scheme: one regex per projection of the
             # module (transformers' get_experts_scheme picks the group whose re: target names experts)
