@@ -345,7 +345,7 @@ class GroupMatch:
         matched = match_targets(path, module, owner)
         if not matched or owner[matched[0]] != self.group:
             return False
-        if _kv_cache_module(path, module) and self._narrow(path, module):
+        if kv_cache_module(path, module) and self._narrow(path, module):
             if self.refusal:  # compressed-tensors' `_validate_attention_scheme` raises: not quantized silently
                 raise ValueError(f"Recipe: config group {self.group} (targets {list(self.groups[self.group])}) narrowly "
                                  f"matches the attention module {path!r}, which compressed-tensors refuses: {self.refusal}")
@@ -437,7 +437,7 @@ def _listed_groups(groups: dict) -> str:
                      + (f" and {len(names) - 1} more" if len(names) > 1 else "") for group, names in groups.items())
 
 
-def _kv_cache_module(path: str, module) -> bool:
+def kv_cache_module(path: str, module) -> bool:
     """`Rule.matcher` of a ``kv_cache_scheme``: compressed-tensors' ``is_cached_attention_module``."""
     from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module
 
@@ -462,10 +462,10 @@ def child_projection(module, site: str):
     return next((children[name] for name in PROJECTION_NAMES[site] if name in children), None)
 
 
-def _kv_cache_sites(path: str, module) -> bool:
+def kv_cache_sites(path: str, module) -> bool:
     """`Rule.matcher` of a ``kv_cache_scheme``: the attention modules compressed-tensors caches
-    (`_kv_cache_module`), each with k/v sites qstats observes (`_check_projections`)."""
-    if not _kv_cache_module(path, module):
+    (`kv_cache_module`), each with k/v sites qstats observes (`_check_projections`)."""
+    if not kv_cache_module(path, module):
         return False
     _check_projections(path, module, ("k", "v"), "the kv_cache_scheme")
     return True
@@ -583,7 +583,7 @@ def _kv_rule(Rule, kv_cache_scheme, observed_dtype):
         raise ValueError(f"kv_cache_scheme: {error}") from None
     # its matcher selects the modules; its targets only name it (in warnings: "selects no site")
     kv = _rule(Rule, "kv_cache_scheme", args, "k", observed_dtype)
-    return dataclasses.replace(kv, sites=("k", "v"), matcher=_kv_cache_sites)
+    return dataclasses.replace(kv, sites=("k", "v"), matcher=kv_cache_sites)
 
 
 def _strings(ignore) -> tuple:

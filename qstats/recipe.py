@@ -20,7 +20,8 @@ from ._checkpoint_names import module_renamer
 from ._granularity import PerBlock, PerGroup, PerTensor, TensorGroup
 from ._rule_data import recipe_fields
 from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, child_projection, compressed_tensors_ignore,
-                       config_rules, matches_targets, scheme_rules, with_checkpoint_ignore)
+                       config_rules, kv_cache_module, kv_cache_sites, matches_targets, scheme_rules,
+                       with_checkpoint_ignore)
 from ._spec import QuantSpec
 from ._torch_features import dtype_named, uncompiled
 from .experts import (StackLayout, expert_count, is_stacked_parameter, linearized_experts, linearized_layout_problem,
@@ -83,6 +84,21 @@ def _ignored_module(ignore: tuple, path: str, module: torch.nn.Module, rename: C
     ``ignore`` list under the names ``save_pretrained`` gives (Mixtral's ``block_sparse_moe.gate``
     for the model's ``mlp.gate``)."""
     return matches_targets(ignore, path, module) or matches_targets(ignore, rename(path), module)
+
+
+def _refuse_ignored_kv_cache(rules: list, found: list, ignored: dict) -> None:
+    """ValueError where a ``kv_cache_scheme`` rule selects no site because ``ignore`` skips every
+    attention module compressed-tensors caches (``ignored``: path -> module): the checkpoint would
+    hold no kv-cache scheme, where llm-compressor's ``oneshot`` saves uncalibrated k/v scales."""
+    if not any(rule.matcher is kv_cache_sites and not sites for rule, sites in zip(rules, found)):
+        return
+    cached = [path for path, module in ignored.items() if kv_cache_module(path, module)]
+    if cached:
+        raise ValueError(
+            f"Recipe: the kv_cache_scheme quantizes the k/v cache of attention modules, and ignore skips every "
+            f"one ({cached[0]!r}" + (f" and {len(cached) - 1} more" if len(cached) > 1 else "") + "): llm-compressor "
+            "saves their k/v scales uncalibrated; drop the kv_cache_scheme or leave the attention modules out of ignore"
+        )
 
 
 def _unmatched_ignore(ignore: tuple, modules: dict, rename: Callable[[str], str]) -> list:
@@ -622,12 +638,15 @@ class Recipe:
         rename = module_renamer(model)
         resolved: dict = {}
         found = [set() for _ in self.rules]  # per rule: the sites it resolved (or that an earlier rule took)
+        ignored = []
         for path, module in modules.items():
             if _ignored_module(self.ignore, path, module, rename):
+                ignored.append(path)
                 continue
             entry = self._module_sites(path, module, found, rename)
             if entry:
                 resolved[path] = MappingProxyType(entry)
+        _refuse_ignored_kv_cache(self.rules, found, {path: modules[path] for path in ignored})
         self._warn_unmatched(found, modules, model, rename)
         shared = MappingProxyType(_resolve_shared(self.shared, resolved))
         return Plan(self, MappingProxyType(resolved), MappingProxyType(modules), tuple(fused_groups(model)), shared)
