@@ -14,22 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
 
 import qstats
-
-ACT_SPEC = qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_affine)
-W_SPEC = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric, ch_axis=0)
-
-
-def _act_fq():
-    return FakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255, dtype=torch.quint8,
-                        qscheme=torch.per_tensor_affine)
-
-
-def _weight_fq():
-    return FakeQuantize(observer=MovingAveragePerChannelMinMaxObserver, quant_min=-128, quant_max=127,
-                        dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
+from _qat_torch_ao_reference import ACT_SPEC, W_SPEC, activation_fake_quant, train_beside_reference, weight_fake_quant
 
 
 def _model():
@@ -43,7 +30,7 @@ class _Reference(nn.Module):
     def __init__(self, model):
         super().__init__()
         self.model = model
-        self.a_conv, self.a_linear, self.w_conv, self.w_linear = _act_fq(), _act_fq(), _weight_fq(), _weight_fq()
+        self.a_conv, self.a_linear, self.w_conv, self.w_linear = activation_fake_quant(), activation_fake_quant(), weight_fake_quant(), weight_fake_quant()
 
     def forward(self, x):
         conv, bn, linear = self.model[0], self.model[1], self.model[4]
@@ -67,23 +54,10 @@ def test_batchnorm_without_running_statistics_trains_as_torch_ao_fake_quant_modu
     g = torch.Generator().manual_seed(1)
     state = qat.init(torch.zeros(2, 2, 4, 4))
     params = {name: p.detach().clone() for name, p in qat.params().items()}
-
-    def loss_fn(p, s, x, y):
-        out, new_state = qat.apply(p, s, x, phase=qstats.QATPhase())
-        return F.cross_entropy(out, y), new_state
-
-    grad_fn = torch.func.grad(loss_fn, has_aux=True)
-    for step in range(3):
-        x, y = torch.randn(5, 2, 4, 4, generator=g) * (step + 1), torch.randint(0, 3, (5,), generator=g)
-        reference.zero_grad()
-        F.cross_entropy(reference(x), y).backward()
-        grads, state = grad_fn(params, state, x, y)
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, reference.model.get_parameter(name).grad, rtol=1e-5, atol=1e-6, msg=name)
-        params = {name: p - 0.1 * grads[name] for name, p in params.items()}
-        with torch.no_grad():
-            for name, p in reference.model.named_parameters():
-                p -= 0.1 * p.grad
+    batches = [(torch.randn(5, 2, 4, 4, generator=g) * (step + 1), torch.randint(0, 3, (5,), generator=g))
+               for step in range(3)]
+    params, state, _ = train_beside_reference(qat, params, state, reference, reference.model, batches,
+                                              F.cross_entropy, phase=qstats.QATPhase())
     assert state.batchnorm == {}
     for key, fq in (("0", reference.a_conv), ("4", reference.a_linear)):
         qp = qstats.compute_qparams(state.activations[key], ACT_SPEC)

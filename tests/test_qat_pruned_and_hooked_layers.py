@@ -16,23 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
 from torch.nn.utils import prune
 
 import qstats
-
-ACT_SPEC = qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_tensor_affine)
-W_SPEC = qstats.QuantSpec.from_torch_ao(torch.qint8, torch.per_channel_symmetric, ch_axis=0)
-
-
-def _act_fq():
-    return FakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255, dtype=torch.quint8,
-                        qscheme=torch.per_tensor_affine)
-
-
-def _weight_fq():
-    return FakeQuantize(observer=MovingAveragePerChannelMinMaxObserver, quant_min=-128, quant_max=127,
-                        dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
+from _qat_torch_ao_reference import ACT_SPEC, W_SPEC, activation_fake_quant, train_beside_reference, weight_fake_quant
 
 
 def _pruned_model():
@@ -55,7 +42,7 @@ class _Reference(nn.Module):
     def __init__(self, model):
         super().__init__()
         self.model = model
-        self.a_conv, self.a_linear, self.w_conv, self.w_linear = _act_fq(), _act_fq(), _weight_fq(), _weight_fq()
+        self.a_conv, self.a_linear, self.w_conv, self.w_linear = activation_fake_quant(), activation_fake_quant(), weight_fake_quant(), weight_fake_quant()
 
     def forward(self, x):
         conv, linear = self.model[0], self.model[3]
@@ -74,24 +61,11 @@ def test_pruned_layers_train_with_their_masks_as_torch_ao_fake_quant_modules():
     assert {"0.weight_orig", "3.weight_orig", "3.bias_orig"} <= set(params)
     state = qat.init(torch.zeros(1, 2, 4, 4))
     g = torch.Generator().manual_seed(1)
-
-    def loss_fn(p, s, x, y):
-        out, new_state = qat.apply(p, s, x)
-        return F.cross_entropy(out, y), new_state
-
-    grad_fn = torch.func.grad(loss_fn, has_aux=True)
-    for step in range(3):
-        x, y = torch.randn(5, 2, 4, 4, generator=g) * (step + 1), torch.randint(0, 3, (5,), generator=g)
-        reference.zero_grad()
-        F.cross_entropy(reference(x), y).backward()
-        grads, state = grad_fn(params, state, x, y)
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, reference.model.get_parameter(name).grad, rtol=1e-5, atol=1e-6, msg=name)
-        assert grads["3.weight_orig"].ne(0).sum() > 0
-        params = {name: p - 0.1 * grads[name] for name, p in params.items()}
-        with torch.no_grad():
-            for p in reference.model.parameters():
-                p -= 0.1 * p.grad
+    batches = [(torch.randn(5, 2, 4, 4, generator=g) * (step + 1), torch.randint(0, 3, (5,), generator=g))
+               for step in range(3)]
+    params, state, steps = train_beside_reference(qat, params, state, reference, reference.model, batches,
+                                                  F.cross_entropy)
+    assert all(grads["3.weight_orig"].ne(0).sum() > 0 for grads in steps)
     for layer, fq in (("0", reference.w_conv), ("3", reference.w_linear)):
         qp = qstats.compute_qparams(state.weights[layer], W_SPEC)
         torch.testing.assert_close(qp.scale, fq.scale, rtol=1e-6, atol=0)
