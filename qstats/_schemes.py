@@ -181,11 +181,21 @@ def _activation_observer(args) -> tuple:
     return ours, {**defaults, **{key: given[key] for key in taken if key in given}}, {}
 
 
+# why attn_head args of Linear modules are refused (`_rule`, `GroupMatch.linear_refusal`)
+ATTN_HEAD_LINEAR = (
+    "strategy 'attn_head' (one scale per attention head) is not supported on Linear weights and activations, as "
+    "compressed-tensors refuses it there: it quantizes the q, k and v of attention modules per head only (a "
+    "kv_cache_scheme, or the input_activations of a config group targeting attention modules)"
+)
+
+
+def _per_head(args) -> bool:
+    return args is not None and args.strategy == "attn_head"
+
+
 def _rule(Rule, targets, args, site: str, observed_dtype):
-    if args.strategy == "attn_head":  # compressed-tensors takes it for the heads of q, k, v only
-        raise ValueError(f"the {site} args: strategy 'attn_head' (per-head scales) is not supported: qstats observes "
-                         "q, k and v per tensor, as [batch, seq, heads * head_dim], not split into heads (and "
-                         "compressed-tensors refuses it on Linear weights and activations); use 'tensor'")
+    if _per_head(args) and site not in ("q", "k", "v"):  # PerHead(1) would read a Linear's second axis
+        raise ValueError(f"the {site} args: {ATTN_HEAD_LINEAR}")
     overrides = {} if observed_dtype is None else {"observed_dtype": observed_dtype}
     if site != "weight" and args.dynamic is True:  # scales at run time: llm-compressor observes nothing
         # the Rule says so (dynamic=True): the spec of the args read as static, which does not warn
@@ -333,6 +343,7 @@ class GroupMatch:
     attention: bool = False
     ignore: tuple = ()  # the config's ignore list (compressed-tensors syntax), for per-expert Linears
     refusal: str = ""  # why compressed-tensors refuses this group's scheme on an attention module (`_attention_refusal`)
+    linear_refusal: str = ""  # why it refuses the group's scheme on a Linear or Embedding it matches (attn_head)
 
     def __call__(self, path: str, module) -> bool:
         from compressed_tensors.utils import match_targets
@@ -352,7 +363,11 @@ class GroupMatch:
             if self.attention:
                 _check_projections(path, module, ("q", "k", "v"), f"config group {self.group}")
             return self.attention
-        return not self.attention and isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+        linear = isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+        if linear and self.linear_refusal:
+            raise ValueError(f"Recipe: config group {self.group} (targets {list(self.groups[self.group])}) matches the "
+                             f"{type(module).__name__} {path!r}: {self.linear_refusal}")
+        return not self.attention and linear
 
     def _owner(self) -> dict:
         """``{target: group}``: a target repeated in a later group belongs to the later one."""
@@ -561,15 +576,19 @@ def _group_rules(Rule, groups: list, observed_dtype, ignore=()) -> list:
     for index, group in enumerate(groups):
         _check_format(group, index)
         matcher = GroupMatch(names, index, ignore=_strings(ignore), refusal=_attention_refusal(group))
+        # an attention group (it may name attention modules): their q, k, v take the input args; per-head
+        # (attn_head) input args quantize those alone, and compressed-tensors refuses them on a Linear
+        attention = group.weights is None and group.input_activations is not None and set(group.targets) - _LINEAR_CLASSES
+        per_head = attention and _per_head(group.input_activations)
         for key, site in _SITES:
             args = getattr(group, key)
-            if args is not None:
+            if args is not None and not (per_head and site == "input"):
                 rule = _rule(Rule, tuple(group.targets), args, site, observed_dtype)
                 rules.append(dataclasses.replace(rule, matcher=matcher))
-        if group.weights is None and group.input_activations is not None and set(group.targets) - _LINEAR_CLASSES:
-            # an attention group (it may name attention modules): their q, k, v take the input args
+        if attention:
             rule = _rule(Rule, tuple(group.targets), group.input_activations, "q", observed_dtype)
-            rules.append(dataclasses.replace(rule, sites=("q", "k", "v"), matcher=GroupMatch(names, index, True)))
+            heads = GroupMatch(names, index, True, linear_refusal=ATTN_HEAD_LINEAR if per_head else "")
+            rules.append(dataclasses.replace(rule, sites=("q", "k", "v"), matcher=heads))
     return rules
 
 

@@ -418,7 +418,8 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
             if expert_sites:
                 handles.extend(_ExpertInputs(plan.modules[path], path, expert_sites).attach())
         handles.extend(_float_state_dict_hooks(parametrized))
-        hooks = {path: (plan.modules[path], SiteHooks(sites)) for path, sites in attention.items()}
+        hooks = {path: (plan.modules[path], SiteHooks(sites, {site: plan.site(path, site).spec for site in sites}))
+                 for path, sites in attention.items()}
         with attention_sites(hooks, "fake_quantized"):
             yield model
     finally:

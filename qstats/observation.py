@@ -20,7 +20,7 @@ from typing import Iterator, Mapping, Optional, Union
 import torch
 from torch.nn.utils import parametrize
 
-from ._attention import SiteHooks, attention_sites
+from ._attention import SiteHooks, attention_sites, site_weight
 from ._granularity import PerGroup, qparam_shape
 from ._sites import input_tensor, is_float_tensor, observe_tensor
 from ._torch_features import eager, recomputing
@@ -365,9 +365,21 @@ class _ActivationSite(_SiteHook):
             return
         x = x.detach()
         self.check_runtime_shape(x.shape)
-        weight = self.run.weight_for(x, flattened=False)
+        weight = self.weight_for(x)
         kept, weight = _drop_masked_rows(x, weight, self.found.observer.spec or self.found.spec)
         self.run.update(self.path, self.site, kept, weight, like=x)
+
+    def weight_for(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The batch's observation weight as the weight of ``x`` (`weight_of`)."""
+        return self.run.weight_for(x, flattened=False)
+
+
+class _AttentionSite(_ActivationSite):
+    """A q/k/v site of a transformers attention module: the tensor `SiteHooks` hands it in its spec's
+    layout (`qstats._attention.site_layout`), weighted by the batch's weight in that layout."""
+
+    def weight_for(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        return site_weight(x, self.found.spec, lambda view: self.run.weight_for(view, flattened=False))
 
 
 class _RoutedSite(_SiteHook):
@@ -655,8 +667,9 @@ def _attention_observers(run: _Calibration) -> dict:
     for path, entry in run.plan.sites.items():
         sites = [site for site in entry if run.plan.attention_argument(path, site)]
         if sites:
-            observers = {site: _ActivationSite(run, path, site).observe for site in sites}
-            out[path] = (run.plan.modules[path], eager(SiteHooks(observers)))
+            observers = {site: _AttentionSite(run, path, site).observe for site in sites}
+            specs = {site: entry[site].spec for site in sites}
+            out[path] = (run.plan.modules[path], eager(SiteHooks(observers, specs)))
     return out
 
 

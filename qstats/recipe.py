@@ -17,7 +17,7 @@ import torch
 
 from ._attention import attention_module, intercepted
 from ._checkpoint_names import module_renamer
-from ._granularity import PerBlock, PerGroup, PerTensor, TensorGroup
+from ._granularity import PerBlock, PerGroup, PerHead, PerTensor, TensorGroup
 from ._rule_data import recipe_fields
 from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, child_projection, compressed_tensors_ignore,
                        config_rules, kv_cache_module, kv_cache_sites, matches_targets, scheme_rules,
@@ -320,6 +320,23 @@ def _stack_shapes(module: torch.nn.Module, params: dict) -> dict:
         layout = stack_layout(module, name) if param.ndim == 3 else None
         shapes[name] = tuple(param.shape) if layout is None else layout.canonical_shape(param.shape)
     return shapes
+
+
+def _refuse_unsplit_heads(path: str, module: torch.nn.Module, site: str, found: Site) -> None:
+    """ValueError for a per-head q/k/v site (`PerHead`, compressed-tensors' ``attn_head``) qstats cannot
+    split into heads: a PerHead axis other than 1 (the heads of the attention function's ``[batch, heads,
+    tokens, head_dim]``), or an attention module with no transformers config, whose q/k/v sites are its
+    projections' ``[batch, tokens, heads * head_dim]`` outputs (`qstats._attention`)."""
+    granularity = found.spec.granularity
+    if found.kind != "projection" or not isinstance(granularity, PerHead):
+        return
+    if granularity.axis != 1:
+        raise ValueError(f"Recipe: site {site!r} of {path!r}: {granularity!r}; a q/k/v site is split into heads "
+                         "along axis 1 of [batch, heads, tokens, head_dim]: use PerHead(1)")
+    if not intercepted(module):
+        raise ValueError(f"Recipe: site {site!r} of {path!r} ({type(module).__name__}) is per head ({granularity!r}), "
+                         "but the module holds no transformers config, so its q/k/v are its projections' outputs "
+                         "[batch, tokens, heads * head_dim], not split into heads: use a per-tensor spec")
 
 
 def _refuse_conv_hessian(path: str, module: torch.nn.Module, site: Site) -> None:
@@ -671,6 +688,7 @@ class Recipe:
                     layout = stack_layout(module, site) if kind == ("parameter", num_experts) and num_experts else None
                     entry[site] = _make_site(rule, spec, *kind, layout)
                     _refuse_conv_hessian(path, module, entry[site])
+                    _refuse_unsplit_heads(path, module, site, entry[site])
                 if site in entry:  # taken here or by an earlier rule
                     found[index].add(site)
         return entry

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
-from ._attention import SiteHooks, attention_sites
+from ._attention import SiteHooks, attention_sites, site_weight
 from ._checks import as_index
 from ._formats import effective_scale
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view
@@ -392,15 +392,20 @@ class _ActivationError:
     """The hook measuring one activation site of `report`: the error of each tensor it sees under
     the site's qparams (each tensor's own scales for a site whose scales come at run time)."""
 
-    def __init__(self, found, qparams, error: _Error, current_weight: list, where: str = "report"):
+    def __init__(self, found, qparams, error: _Error, current_weight: list, where: str = "report",
+                 attention: bool = False):
         self.found, self.qparams, self.error, self.current_weight = found, qparams, error, current_weight
         self.where = where  # "report: module 'path' site 'site'", for errors
+        self.attention = attention  # a q/k/v `SiteHooks` hands in its spec's layout (`site_weight`)
 
     def __call__(self, x) -> None:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         weight = self.current_weight[0]
-        weight = None if weight is None else _fitted(self.current_weight, weight_of(x, weight))  # as calibrate
+        if weight is not None:  # as calibrate fits it
+            fitted = (site_weight(x, self.found.spec, lambda view: weight_of(view, weight)) if self.attention
+                      else weight_of(x, weight))
+            weight = _fitted(self.current_weight, fitted)
         # padding is left out of every measured number (zero is not representable with a float
         # zero point, and its code may fall outside the range)
         keep = None if weight is None else weight.reshape(weight.shape + (1,) * (x.ndim - weight.ndim)) != 0
@@ -494,14 +499,16 @@ def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weig
                     expert_sites[site] = (qp, found, error)
                 else:
                     where = f"report: module {path!r} site {site!r}"
-                    measure = _ActivationError(found, qp, error, current_weight, where)
-                    if plan.attention_argument(path, site):
+                    attending = plan.attention_argument(path, site)
+                    measure = _ActivationError(found, qp, error, current_weight, where, attending)
+                    if attending:
                         attention.setdefault(path, (plan.modules[path], {}))[1][site] = measure
                     else:
                         handles.append(observe_tensor(plan, path, site, measure))
             if expert_sites:
                 handles.extend(_ExpertErrors(plan.modules[path], path, expert_sites, current_weight).attach())
-        hooks = {path: (module, eager(SiteHooks(sites))) for path, (module, sites) in attention.items()}
+        hooks = {path: (module, eager(SiteHooks(sites, {site: measure.found.spec for site, measure in sites.items()})))
+                 for path, (module, sites) in attention.items()}
         with torch.no_grad(), attention_sites(hooks, "report"):
             for batch in batches:
                 current_weight[:] = [batch_weight(observation_weight, batch, "report"), 0, 0]

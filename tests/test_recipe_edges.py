@@ -172,19 +172,37 @@ def test_an_llm_compressor_recipe_as_a_list_of_modifiers_or_a_path(llama, tmp_pa
         qstats.Recipe.from_compressed_tensors([modifier, copy.deepcopy(modifier)])
 
 
-def test_an_attn_head_kv_cache_scheme_is_refused_not_observed_per_position(llama):
-    """compressed-tensors gives ``attn_head`` k/v one scale per kv head, ``(heads, 1, 1)``; qstats
-    observes k/v per tensor as ``[batch, seq, heads * head_dim]``, where that spec read axis 1, the
-    sequence. Before: accepted, calibrating one scale per position (and failing
-    between batches of other lengths)."""
-    kv = {**FP8, "strategy": "attn_head"}
-    applied = _apply(llama, _config({"targets": ["Linear"]}, kv=kv))
-    heads = llama.config.num_key_value_heads
-    assert tuple(applied.model.layers[0].self_attn.k_scale.shape) == (heads, 1, 1)
-    with pytest.raises(ValueError, match="strategy 'attn_head' .* not supported"):
-        qstats.Recipe.from_scheme({"targets": ["Linear"], "weights": W8}, kv_cache_scheme=kv)
-    with pytest.raises(ValueError, match="strategy 'attn_head' .* not supported"):
-        qstats.Recipe.from_compressed_tensors(_config({"targets": ["re:.*self_attn$"], "input_activations": kv}))
+@pytest.mark.parametrize("config", [
+    _config({"targets": ["Linear"]}, kv={**FP8, "strategy": "attn_head"}),
+    _config({"targets": ["re:.*self_attn$"], "input_activations": {**FP8, "strategy": "attn_head"}}),
+])
+def test_attn_head_q_k_v_args_resolve_as_compressed_tensors_applies_them_one_scale_per_head(llama, config):
+    """compressed-tensors gives ``attn_head`` k/v one scale per kv head, ``(heads, 1, 1)``, q one per
+    attention head: qstats' sites are per head (`PerHead(1)` of the attention function's ``[batch,
+    heads, tokens, head_dim]``). Before: refused ('strategy attn_head ... not supported')."""
+    theirs = _theirs(llama, config)
+    attention = _apply(llama, config).model.layers[0].self_attn
+    assert tuple(attention.k_scale.shape) == (llama.config.num_key_value_heads, 1, 1)
+    assert {spec.granularity for entry in theirs.values() for spec, _ in entry.values()} == {qstats.PerHead(1)}
+    assert _ours(llama, qstats.Recipe.from_compressed_tensors(config)) == theirs
+    if config["kv_cache_scheme"]:
+        scheme = qstats.Recipe.from_scheme({"targets": ["Linear"], "weights": W8}, kv_cache_scheme=config["kv_cache_scheme"])
+        ours = _ours(llama, scheme)
+        assert {path: ours[path] for path in theirs} == theirs
+
+
+def test_attn_head_input_args_of_a_group_matching_linear_modules_too_are_refused_as_compressed_tensors_refuses_them(
+        llama):
+    """A group quantizing attention modules per head whose targets also match a Linear: compressed-tensors
+    refuses its input args there; so does `Recipe.resolve`, naming the Linear."""
+    config = _config({"targets": ["re:.*self_attn$", "re:.*mlp.down_proj$"],
+                      "input_activations": {**FP8, "strategy": "attn_head"}})
+    with pytest.raises(ValueError, match="at least 3 observed dimensions"):
+        _apply(llama, config)
+    recipe = qstats.Recipe.from_compressed_tensors(config)
+    with pytest.raises(ValueError, match=r"matches the Linear 'model.layers.0.mlp.down_proj': strategy 'attn_head' .* "
+                                         "not supported on Linear"):
+        recipe.resolve(llama)
 
 
 @pytest.mark.parametrize("group", [

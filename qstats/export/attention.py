@@ -22,8 +22,8 @@ def write_attention(
     path: str, module, sites: Mapping, specs: Mapping, tensors: dict, log: dict, dynamic=frozenset()
 ) -> dict:
     """``q_scale``/``k_scale``/``v_scale`` of an attention module into ``tensors`` (shape ``(1,)``
-    for the tensor strategy, in the attention module's parameter dtype; zero points
-    ``q_zero_point``... for asymmetric args); returns ``{site: QuantizationArgs fields}``."""
+    for the tensor strategy, ``(heads, 1, 1)`` for attn_head, in the attention module's parameter
+    dtype; zero points ``q_zero_point``... for asymmetric args); returns ``{site: QuantizationArgs fields}``."""
     _check_cached_attention(path, module, sites)
     dtype = module_dtype(module)
     prefix = path + "." if path else ""
@@ -36,6 +36,8 @@ def write_attention(
         # per tensor and static: quantization_args refuses other q/k/v specs
         args = quantization_args(spec, site, where, site in dynamic)
         stored = static_site(qp, spec, args, site, where, dtype, prefix, log)
+        if args["strategy"] == "attn_head":
+            stored = stored._replace(qp=_per_head(stored.qp, module, site, where))
         write_qparams(stored, site, dtype, None, tensors, log)
         written[site] = args
     _check_attention_sites(path, written)
@@ -44,6 +46,21 @@ def write_attention(
     if ("q" in written or "k" in written) and _forward_takes(module, "position_embeddings") and not intercepted(module):
         log["rotary"].append(path)
     return written
+
+
+def _per_head(qp, module: torch.nn.Module, site: str, where: str):
+    """``qp`` of a per-head site with compressed-tensors' ``(heads, 1, 1)`` scales and zero points
+    (``initialize_qparams`` of ``attn_head``); ValueError where it holds another number of heads than
+    the module's config gives the site (``num_attention_heads`` for q, ``num_key_value_heads`` for k/v)."""
+    from compressed_tensors.utils import get_num_attn_heads, get_num_kv_heads
+
+    config = getattr(module, "config", None)
+    heads = None if config is None else (get_num_attn_heads if site == "q" else get_num_kv_heads)(config)
+    if qp.scale.ndim != 1 or (heads is not None and qp.scale.shape[0] != heads):
+        fail(where, f"per-head qparams of shape {tuple(qp.scale.shape)}; the module's config gives {site!r} "
+             f"{heads} heads, compressed-tensors' attn_head scales ({heads}, 1, 1)")
+    zero_point = None if qp.zero_point is None else qp.zero_point.reshape(-1, 1, 1)
+    return qp._replace(scale=qp.scale.reshape(-1, 1, 1), zero_point=zero_point)
 
 
 def _check_cached_attention(path: str, module: torch.nn.Module, sites: Mapping) -> None:

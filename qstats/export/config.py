@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from .._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
+from .._granularity import PerAxis, PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
 from .._spec import QuantSpec
 from ..experts import linearized_experts
 from ..observers import registry
@@ -100,10 +100,12 @@ def _is_symmetric(spec: QuantSpec, where: str) -> bool:
 
 def _strategy(granularity, site: str, where: str) -> dict:
     """The ``strategy`` (and ``group_size``, ``block_structure``, ``dynamic``) fields of a
-    granularity (the caller checks that q/k/v sites are per tensor): the weight strategies, and the
-    activation ones (per-token and per-group activations are dynamic)."""
+    granularity (the caller checks that q/k/v sites are per tensor or per head): ``attn_head``, the
+    weight strategies, and the activation ones (per-token and per-group activations are dynamic)."""
     if isinstance(granularity, PerTensor):
         return {"strategy": "tensor"}
+    if site in ATTENTION_SITES:  # PerHead(1): one scale per head of [batch, heads, tokens, head_dim]
+        return {"strategy": "attn_head"}
     if isinstance(granularity, PerRow) and granularity.dim != -1:
         fail(where, f"granularity {granularity!r}: compressed-tensors reduces along the last dimension only (dim=-1)")
     if site == "weight":
@@ -160,9 +162,9 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec", dynamic: 
     }
     if not symmetric:
         fields["zp_dtype"] = "torch.float8_e4m3fn" if qtype == "float" else "torch.int8"
-    if site in ATTENTION_SITES and not isinstance(spec.granularity, PerTensor):  # NVFP4 and MX too
-        fail(where, f"granularity {spec.granularity!r} of a {site!r} site: compressed-tensors' kv-cache and "
-             "attention scales are exported per tensor (PerTensor)")
+    if site in ATTENTION_SITES and not isinstance(spec.granularity, PerTensor) and spec.granularity != PerHead(1):
+        fail(where, f"granularity {spec.granularity!r} of a {site!r} site: compressed-tensors' kv-cache and "  # NVFP4, MX too
+             "attention scales are exported per tensor (PerTensor) or per head (PerHead(1), strategy 'attn_head')")
     if two_level or mx:
         # activations: group scales at run time, NVFP4's under the calibrated global scale ("local"),
         # MX ones on their own (compressed-tensors' MXFP4/MXFP8)
