@@ -245,3 +245,25 @@ def test_report_measures_per_head_q_k_v_under_each_heads_scale_padding_left_out(
             signal += float(kept.pow(2).sum())
             noise += float((kept - kept_fq).pow(2).sum())
         assert rows[path, site].sqnr_db == pytest.approx(10 * math.log10(signal / noise), rel=1e-4), (path, site)
+
+
+def test_per_head_q_k_v_of_an_attention_module_without_transformers_config_are_refused_naming_it():
+    """An attention module holding no transformers config has its projections' outputs ``[batch,
+    tokens, heads * head_dim]`` as q/k/v sites, not split into heads: `PerHead(1)` there would read
+    the tokens, so `resolve` refuses it, naming the module (a per-tensor spec resolves)."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            return self.q_proj(x) + self.k_proj(x) + self.v_proj(x)
+
+    model = torch.nn.ModuleDict({"self_attn": Attention()})
+    per_head = qstats.QuantSpec("int8", granularity=qstats.PerHead(1))
+    rule = qstats.Rule("re:self_attn", sites=("q", "k", "v"), observer=qstats.minmax, spec=per_head)
+    with pytest.raises(ValueError, match=r"site 'q' of 'self_attn' \(Attention\) is per head .* no transformers config"):
+        qstats.Recipe([rule]).resolve(model)
+    per_tensor = qstats.Rule("re:self_attn", sites=("q", "k", "v"), observer=qstats.minmax, spec=qstats.QuantSpec("int8"))
+    assert sorted(qstats.Recipe([per_tensor]).resolve(model).sites["self_attn"]) == ["k", "q", "v"]
