@@ -772,8 +772,9 @@ def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
     """Names the layers `prepare` could not rewrite: those inside modules torch.fx keeps whole
     (``hidden``: name -> that module's type name), and subclasses with their own forward that torch.fx
     traced through (a weight not passed as is to F.linear/F.convNd, a batch norm's hidden buffers); also
-    rewritten layers with forward hooks (not run), instance norms that track running statistics (buffers
-    updated in place) and SyncBatchNorm layers (rewritten to batch norms of each rank's own batch)."""
+    rewritten layers with hooks (not run; a traced-through layer's ran once on proxies), instance norms
+    that track running statistics (buffers updated in place) and SyncBatchNorm layers (rewritten to
+    batch norms of each rank's own batch)."""
     if hidden:
         warn(f"qstats.qat.prepare: {sorted(hidden)} run inside {sorted(set(hidden.values()))}, which torch.fx "
              "does not trace into: they stay in float")
@@ -781,6 +782,10 @@ def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
         warn(f"qstats.qat.prepare: layers {rewriter.hooked} have forward or backward hooks, which the rewritten "
              "model does not run (it computes them with F.linear, F.conv, F.batch_norm, ...; torch.nn.utils.prune's "
              "masks are applied)")
+    if rewriter.traced_hooked:
+        warn(f"qstats.qat.prepare: layers {rewriter.traced_hooked} have their own forward, which torch.fx traced "
+             "through, and hooks: they ran once while tracing, on torch.fx proxies (what a forward or pre-hook "
+             "returns is part of the rewritten model), and the rewritten model does not run them")
     floats, buffers, instance, synced = [], [], [], []
     for name, module in model.named_modules():
         if type(module).forward in _STOCK_FORWARDS or name in hidden or any(name.startswith(f"{h}.") for h in hidden):
@@ -934,6 +939,7 @@ class _Rewriter:
         self.new_states = {"weights": {}, "activations": {}, "batchnorm": {}}  # layer -> its latest state node
         self.quantized, self.batchnorms = [], []
         self.hooked = []  # replaced layers with forward hooks, which the rewritten model does not run (`_note_hooks`)
+        self.traced_hooked = []  # traced-through layers with hooks: run once on proxies while tracing, then never
         self.weight_only = []  # quantized layers without an activation point (embeddings: their inputs are ids)
         self.weights = {}  # layer -> its fake-quantized weight (a module called twice reuses it)
         self.points = 0  # numbers the submodules of the points
@@ -1049,19 +1055,22 @@ class _Rewriter:
         function, attributes, constants = _hook_inputs(hook, name)
         return self.graph.call_function(function, (*(self.graph.get_attr(f"{key}.{a}") for a in attributes), *constants))
 
-    def _note_hooks(self, key: str, layer: nn.Module) -> None:
-        """Records a layer whose call the rewrite replaces and that has hooks other than those `_parameter`
-        computes (pruning, weight norm): the rewritten model does not run them."""
+    def _note_hooks(self, key: str, layer: nn.Module, traced: bool = False) -> None:
+        """Records a layer whose call the rewrite replaces (``traced``: whose forward torch.fx traced
+        through) and that has hooks other than those `_parameter` computes (pruning, weight norm): the
+        rewritten model does not run them."""
         pre_hooks = [h for h in layer._forward_pre_hooks.values() if _computes(h) is None]
         hooks = pre_hooks or layer._forward_hooks or layer._backward_hooks or layer._backward_pre_hooks
-        if hooks and key not in self.hooked:
-            self.hooked.append(key)
+        noted = self.traced_hooked if traced else self.hooked
+        if hooks and key not in noted:
+            noted.append(key)
 
     def quantize_functional(self, node, key: str, layer: nn.Module) -> None:
         """An ``F.linear``/``F.convNd``/``F.embedding``/... call reading layer ``key``'s weight (a
         traced-through forward) takes the fake-quantized input and weight; its other arguments stay."""
         positions = {"input": 0, "weight": 1}
         given = {name: node.args[i] if len(node.args) > i else node.kwargs[name] for name, i in positions.items()}
+        self._note_hooks(key, layer, traced=True)
         x, weight = self._quantized_inputs(node, key, layer, given["input"], lambda: given["weight"])
         updates = {"input": x, "weight": weight}
         if node.target in (F.embedding, F.embedding_bag):  # F.embedding's sparse is its 7th argument, embedding_bag's 8th

@@ -111,3 +111,23 @@ def test_prepare_leaves_a_traced_through_pruned_layer_as_it_was(tmp_path):
     out, state = qat.apply(qat.params(), qat.init(x), x)
     weight = qstats.fake_quantize(model[2].weight, qstats.compute_qparams(state.weights["2"], W_SPEC), W_SPEC)
     torch.testing.assert_close(out, F.linear(F.relu(model[0](x)), weight, model[2].bias), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["forward_hook", "forward_pre_hook", "full_backward_hook", "full_backward_pre_hook"])
+def test_traced_through_layers_whose_hooks_the_rewritten_model_does_not_run_are_named_in_a_warning(kind):
+    # torch.fx traces through a layer with its own forward (its F.linear is fake-quantized): its hooks run
+    # once while tracing, on proxies, and never in the rewritten model; prepare said nothing of them
+    model = nn.Sequential(_Doubled(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    calls = []
+    getattr(model[0], f"register_{kind}")(lambda *args: calls.append(args) and None)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        qat = qstats.qat.prepare(model, qstats.minmax(W_SPEC))
+    assert "0" in qat.weight_observers  # traced through and quantized
+    traced = len(calls)
+    x = torch.randn(3, 4, requires_grad=True)
+    out, _ = qat.apply(qat.params(), qat.init(x), x)
+    out.sum().backward()
+    assert len(calls) == traced  # as the warning says
+    assert any("layers ['0'] have their own forward, which torch.fx traced through, and hooks" in str(w.message)
+               for w in record), [str(w.message) for w in record]
