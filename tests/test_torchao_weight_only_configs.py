@@ -61,7 +61,8 @@ def test_float8_weight_only_config_matches_quantize(dtype, float8_dtype, granula
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("weight_dtype", (torch.int2, torch.int4, torch.int8), ids=str)
-@pytest.mark.parametrize("mapping", (MappingType.SYMMETRIC, MappingType.ASYMMETRIC), ids=lambda m: m.name)
+@pytest.mark.parametrize("mapping", (MappingType.SYMMETRIC, MappingType.ASYMMETRIC, MappingType.SYMMETRIC_NO_CLIPPING_ERR),
+                         ids=lambda m: m.name)
 @pytest.mark.parametrize("granularity", (PerAxis(0), PerGroup(32)), ids=repr)
 @pytest.mark.parametrize("conv", (False, True), ids=("linear", "conv2d"))
 def test_intx_weight_only_config_matches_quantize(dtype, weight_dtype, mapping, granularity, conv):
@@ -179,3 +180,12 @@ def test_config_arguments_are_not_overridden():
         qstats.QuantSpec.from_torchao(quant_api.Int8WeightOnlyConfig(), granularity=PerTensor())
     with pytest.raises(ValueError, match="shape="):
         qstats.QuantSpec.from_torchao(quant_api.IntxWeightOnlyConfig())
+
+
+def test_intx_weight_only_config_of_another_qparams_algorithm_is_refused():
+    # HQQ_SCALE_ONLY chooses its scales by an optimisation over the weight, not choose_qparams_affine's range
+    intx = pytest.importorskip("torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm")
+    config = quant_api.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32),
+                                            intx_choose_qparams_algorithm=intx.IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY)
+    with pytest.raises(ValueError, match="HQQ_SCALE_ONLY is not supported"):
+        qstats.QuantSpec.from_torchao(config, shape=(8, 64))
