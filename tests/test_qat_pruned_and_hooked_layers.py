@@ -131,3 +131,27 @@ def test_traced_through_layers_whose_hooks_the_rewritten_model_does_not_run_are_
     assert len(calls) == traced  # as the warning says
     assert any("layers ['0'] have their own forward, which torch.fx traced through, and hooks" in str(w.message)
                for w in record), [str(w.message) for w in record]
+
+
+def _record_output(module, inputs, output):
+    module.last_output = output
+
+
+def test_prepare_leaves_a_traced_through_layer_recording_its_output_as_it_was(tmp_path):
+    # a forward hook that stores the output on the layer ran on torch.fx's proxies while tracing: the
+    # attribute it made is removed, one it replaced gets its earlier value back
+    model = nn.Sequential(_Doubled(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model[0].register_forward_hook(_record_output)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the hook, which the rewritten model does not run
+        qstats.qat.prepare(model, qstats.minmax(W_SPEC))
+    assert "last_output" not in vars(model[0])
+    torch.save(model, tmp_path / "model.pt")
+    x = torch.randn(3, 4)
+    model(x)
+    earlier = model[0].last_output
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qstats.qat.prepare(model, qstats.minmax(W_SPEC))
+    assert model[0].last_output is earlier
+    torch.testing.assert_close(earlier, model[0](x), rtol=0, atol=0)
