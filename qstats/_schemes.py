@@ -33,6 +33,17 @@ from ._warn import warn
 __all__ = ["scheme_rules", "config_rules", "preset_schemes", "compressed_tensors_ignore", "GroupMatch",
            "split_observer_kwargs", "DROPIN_OBSERVERS"]
 
+# the compressed-tensors checkpoint formats `qstats.export.compressed_tensors` writes
+FORMATS = (
+    "pack-quantized",
+    "int-quantized",
+    "float-quantized",
+    "naive-quantized",
+    "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
+    "mxfp8-quantized",
+)
+
 # llm-compressor's observer names for activations -> (qstats registered name, kwargs it takes,
 # llm-compressor's defaults): its mse searches per batch, then takes a moving average; its
 # memoryless_mse keeps the latest batch's search (a moving average with constant 1)
@@ -557,8 +568,6 @@ def _check_format(group, index: int) -> None:
     given = getattr(group.format, "value", group.format)
     inferred = infer_module_format(torch.nn.Linear, group.model_copy(update={"format": None})).value
     if given != inferred:
-        from .export.config import FORMATS
-
         then = (f"pass format={given!r} to qstats.export.compressed_tensors (it applies to every group with "
                 "weights)" if given in FORMATS else f"qstats.export.compressed_tensors writes none of that format "
                 f"(it writes {', '.join(FORMATS)})")

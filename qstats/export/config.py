@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .._granularity import PerAxis, PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
+from .._schemes import FORMATS
 from .._spec import QuantSpec
 from ..experts import linearized_experts
 from ..observers import registry
@@ -40,15 +41,6 @@ __all__ = [
 
 ATTENTION_SITES = ("q", "k", "v")
 COMPRESSED_TENSORS_VERSION = "0.19.0"  # the release whose checkpoint layout this export writes
-FORMATS = (
-    "pack-quantized",
-    "int-quantized",
-    "float-quantized",
-    "naive-quantized",
-    "nvfp4-pack-quantized",
-    "mxfp4-pack-quantized",
-    "mxfp8-quantized",
-)
 
 
 def fail(where: str, message: str):
