@@ -8,7 +8,9 @@ elementwise or reduces with fixed shapes: vmappable, and compiled without graph 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Optional
 
 import torch
 
@@ -30,6 +32,38 @@ SCALE_ROUNDINGS = ("floor", "ceil", "even", "rceil", "round_then_floor", "round"
 GLOBAL_SCALE_FORMULAS = ("amax_over_range", "range_over_amax")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 COMPUTE_DTYPE_NAMES = {getattr(torch, name): name for name in COMPUTE_DTYPES}  # torch dtype -> compute_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatFormat:
+    """A low-bit floating-point element format (finite maximum, smallest normal, mantissa bits)."""
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    max: float
+    min_normal: float
+    torch_dtype: Optional[torch.dtype]
+
+
+_FLOAT_FORMATS = {
+    "fp8_e4m3fn": FloatFormat("fp8_e4m3fn", 4, 3, 448.0, 2.0**-6, torch.float8_e4m3fn),
+    "fp8_e5m2": FloatFormat("fp8_e5m2", 5, 2, 57344.0, 2.0**-14, torch.float8_e5m2),
+    # low-bit formats (qstats/_formats.py rounds, encodes and decodes them)
+    "fp8_e4m3fnuz": FloatFormat("fp8_e4m3fnuz", 4, 3, 240.0, 2.0**-7, torch.float8_e4m3fnuz),
+    "fp8_e5m2fnuz": FloatFormat("fp8_e5m2fnuz", 5, 2, 57344.0, 2.0**-15, torch.float8_e5m2fnuz),
+    "fp6_e2m3": FloatFormat("fp6_e2m3", 2, 3, 7.5, 1.0, None),
+    "fp6_e3m2": FloatFormat("fp6_e3m2", 3, 2, 28.0, 0.25, None),
+    "fp4_e2m1": FloatFormat("fp4_e2m1", 2, 1, 6.0, 1.0, None),
+}
+
+
+def float_format(name: str) -> FloatFormat:
+    """The FloatFormat named ``name`` (ValueError for an unknown one)."""
+    try:
+        return _FLOAT_FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown float format {name!r}; known: {sorted(_FLOAT_FORMATS)}") from None
 
 
 def compute_dtype_name(dtype, what: str) -> str:
@@ -63,12 +97,31 @@ def _min_normal_exponent(fmt) -> int:
     return int(math.log2(fmt.min_normal))
 
 
+def _format_of(fmt, where: str) -> FloatFormat:
+    """``fmt`` as a FloatFormat: one already, a format name (``"fp4_e2m1"``, the names
+    ``QuantSpec.dtype`` takes) or a torch float8 dtype; ValueError for an unknown name or dtype,
+    TypeError for anything else."""
+    if isinstance(fmt, FloatFormat):
+        return fmt
+    if isinstance(fmt, torch.dtype):
+        named = [name for name, known in _FLOAT_FORMATS.items() if known.torch_dtype == fmt]
+        if not named:
+            raise ValueError(f"{where}: torch dtype {fmt} is not a float element format; known: {sorted(_FLOAT_FORMATS)}")
+        return _FLOAT_FORMATS[named[0]]
+    if isinstance(fmt, str):
+        return float_format(fmt)
+    raise TypeError(f"{where}: the format must be a name such as 'fp8_e4m3fn', a torch float8 dtype or a "
+                    f"FloatFormat, got {type(fmt).__name__}")
+
+
 def round_to_format(x: torch.Tensor, fmt) -> torch.Tensor:
     """``x`` (float32, or float64) saturated to ``[-fmt.max, fmt.max]`` and rounded to nearest even on
     the format's grid, subnormals included. Returns float32 values on the grid (NaN stays NaN).
+    ``fmt`` is a format name (``"fp4_e2m1"``), a torch float8 dtype or a FloatFormat.
     Emulated formats (fp6, fp4) round float64 ``x`` once, in float64, as compressed-tensors'
     ``cast_to_fp4`` (rounding it to float32 first moved values just past a tie onto it, then to even);
     fp8 formats cast as torch does."""
+    fmt = _format_of(fmt, "round_to_format")
     x = x if x.dtype == torch.float64 and fmt.torch_dtype is None else x.float()
     if fmt.torch_dtype is not None:
         return x.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).float()

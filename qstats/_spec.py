@@ -15,6 +15,8 @@ import torch
 from . import conventions
 from ._checks import is_real_number
 from ._formats import COMPUTE_DTYPES, GLOBAL_SCALE_FORMULAS, SCALE_ROUNDINGS, validate as validate_formats
+# the element formats' table lives in _formats (its round_to_format reads names); kept importable from here
+from ._formats import _FLOAT_FORMATS, FloatFormat, float_format
 from ._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerTensor, PerToken, TensorGroup
 from ._torch_features import torch_dtype
 from .conventions import Convention, compressed_tensors, coreai_opt, torch_ao, torchao
@@ -40,38 +42,6 @@ _CHOICES = {
     "global_scale_formula": GLOBAL_SCALE_FORMULAS,
     "compute_dtype": COMPUTE_DTYPES,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class FloatFormat:
-    """A low-bit floating-point element format (finite maximum, smallest normal, mantissa bits)."""
-
-    name: str
-    exponent_bits: int
-    mantissa_bits: int
-    max: float
-    min_normal: float
-    torch_dtype: Optional[torch.dtype]
-
-
-_FLOAT_FORMATS = {
-    "fp8_e4m3fn": FloatFormat("fp8_e4m3fn", 4, 3, 448.0, 2.0**-6, torch.float8_e4m3fn),
-    "fp8_e5m2": FloatFormat("fp8_e5m2", 5, 2, 57344.0, 2.0**-14, torch.float8_e5m2),
-    # low-bit formats (qstats/_formats.py rounds, encodes and decodes them)
-    "fp8_e4m3fnuz": FloatFormat("fp8_e4m3fnuz", 4, 3, 240.0, 2.0**-7, torch.float8_e4m3fnuz),
-    "fp8_e5m2fnuz": FloatFormat("fp8_e5m2fnuz", 5, 2, 57344.0, 2.0**-15, torch.float8_e5m2fnuz),
-    "fp6_e2m3": FloatFormat("fp6_e2m3", 2, 3, 7.5, 1.0, None),
-    "fp6_e3m2": FloatFormat("fp6_e3m2", 3, 2, 28.0, 0.25, None),
-    "fp4_e2m1": FloatFormat("fp4_e2m1", 2, 1, 6.0, 1.0, None),
-}
-
-
-def float_format(name: str) -> FloatFormat:
-    """The FloatFormat named ``name`` (ValueError for an unknown one)."""
-    try:
-        return _FLOAT_FORMATS[name]
-    except KeyError:
-        raise ValueError(f"unknown float format {name!r}; known: {sorted(_FLOAT_FORMATS)}") from None
 
 
 _TORCH_DTYPE_NAMES = {
