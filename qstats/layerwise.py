@@ -151,7 +151,7 @@ def decoder_layers(model: torch.nn.Module, layers: Optional[str], where: str = "
     """``(path, container)`` of the decoder layers: ``layers`` when given, else the longest
     ``nn.ModuleList`` whose children are all of one class, or all of the layer classes the model
     declares in ``_no_split_modules`` (hybrid models: Jamba's attention and Mamba layers), outside
-    any other such list."""
+    any other such list; inside the language model when one holds such a list (`_language_model_path`)."""
     if layers is not None:
         try:
             container = model.get_submodule(layers)
@@ -175,7 +175,23 @@ def decoder_layers(model: torch.nn.Module, layers: Optional[str], where: str = "
     found = [item for item in lists if not any(item[1].startswith(other[1] + ".") for other in lists)]
     if not found:
         raise ValueError(f"{where}: no nn.ModuleList of decoder layers found; name it with layers=")
-    return max(found, key=lambda item: item[0])[1:]
+    decoder = _language_model_path(model)
+    in_decoder = [item for item in found if decoder is not None and inside(item[1], decoder)]
+    return max(in_decoder or found, key=lambda item: item[0])[1:]
+
+
+def _language_model_path(model: torch.nn.Module) -> Optional[str]:
+    """The path of a decoder-only transformers model's language model (``get_decoder()``), whose
+    layers the text batches run: a multimodal model's vision encoder may have more blocks (Qwen2-VL's
+    32 against 28 decoder layers), which its text-only forward never calls. None when unknown or the
+    model is an encoder-decoder (its encoder's layers run first)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) or not hasattr(model, "get_decoder"):
+        return None
+    try:
+        decoder = model.get_decoder()
+    except Exception:  # noqa: BLE001 - transformers' lookup raises for models without a rule: no preference
+        return None
+    return next((path for path, module in model.named_modules() if module is decoder), None)
 
 
 def _sub_plan(plan: Plan, keep: Callable[[str], bool], root: torch.nn.Module) -> Plan:
