@@ -271,6 +271,11 @@ class ExpertsMatch:
                                  "observes a stacked site with one scheme for every expert: ignore all of them or none")
             if not ignored:
                 kept.append(site)
+        problem = linearized_layout_problem(module) if kept else None
+        if problem:  # the sites would be observed as stored, not as the per-expert Linears
+            raise ValueError(f"Recipe: from_scheme(experts=...) takes the stacked experts {path!r} as llm-compressor's "
+                             f"per-expert Linears, but {problem}; quantize them with a qstats Rule that states "
+                             "their layout, or leave them out of experts")
         return tuple(kept)
 
 

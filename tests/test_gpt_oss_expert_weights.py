@@ -110,6 +110,8 @@ def test_stacks_of_other_transposed_experts_are_refused_naming_the_module(tmp_pa
     assert not os.path.exists(tmp_path / "ours" / "model.safetensors")
     with pytest.raises(ValueError, match=rf"{EXPERTS.format(0)}.*transposed"):
         qstats.Recipe.from_scheme("W8A8", ignore=tiny.IGNORE["gpt_oss"]).resolve(model)
+    with pytest.raises(ValueError, match=rf"experts=.*{EXPERTS.format(0)}.*transposed"):
+        qstats.Recipe.from_scheme("W8A8", ignore=tiny.IGNORE["gpt_oss"], experts="OtherTransposedExperts").resolve(model)
     model.save_pretrained(str(tmp_path / "float"))
     with torch.device("meta"):
         meta = _other_transposed_experts(transformers.GptOssForCausalLM(model.config).eval())
