@@ -307,9 +307,10 @@ _CASTABLE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _in_dtype_of(checkpoint, name: str, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``value`` in the dtype of the model's tensor ``like``, as ``from_pretrained`` casts a checkpoint
-    to the model's dtype (float32 norms of a bfloat16 checkpoint); a float8 tensor (a quantized
-    checkpoint: the cast would drop its scales) is a ValueError."""
-    if value.dtype == like.dtype or not (value.is_floating_point() and like.is_floating_point()):
+    to the model's dtype (float32 norms of a bfloat16 checkpoint); a float8 or integer tensor for a
+    floating-point one (a quantized checkpoint, compressed-tensors' int8 weights: the cast would drop
+    its scales) is a ValueError."""
+    if value.dtype == like.dtype or not like.is_floating_point():
         return value
     if value.dtype not in _CASTABLE_FLOATS or like.dtype not in _CASTABLE_FLOATS:
         raise ValueError(f"{checkpoint.where}: checkpoint tensor {name!r} is stored as {value.dtype}, the model's "

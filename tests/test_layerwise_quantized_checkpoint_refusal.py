@@ -1,0 +1,70 @@
+"""qstats.calibrate_layerwise and compressed_tensors_layerwise given a quantized checkpoint.
+
+A compressed-tensors W8A8 checkpoint (the ``int-quantized`` format llm-compressor's ``oneshot``
+writes; here `qstats.export.compressed_tensors`, its checkpoint bit for bit) stores each Linear
+``weight`` as int8 beside its ``weight_scale``. Read as the float model's weight it loses the
+scales: both functions refuse it with a ValueError naming the tensor (as they refuse float8
+ones), and leave the model on the meta device.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import qstats
+
+transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
+
+RECIPE = qstats.Recipe([
+    qstats.Rule("Linear", sites=("input",), spec=qstats.QuantSpec(dtype="int8", mapping="asymmetric")),
+    qstats.Rule("Linear", sites=("weight",), spec=qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))),
+], ignore=("lm_head",))  # fmt: skip
+CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+BATCHES = [{"input_ids": torch.arange(14).reshape(2, 7) % 96}]
+
+
+@pytest.fixture
+def quantized(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    qparams = qstats.compute_qparams_tree(qstats.calibrate(model, BATCHES, RECIPE, progress=False), RECIPE, model)
+    folder = str(tmp_path / "w8a8")
+    qstats.export.compressed_tensors(model, qparams, folder, RECIPE)
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as file:
+        assert file.get_slice("model.layers.0.self_attn.q_proj.weight").get_dtype() == "I8"
+    return folder, qparams
+
+
+def _meta(requires_grad: bool) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    return model.requires_grad_(requires_grad)
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_calibrate_layerwise_names_an_int8_weight_of_a_quantized_checkpoint(quantized, requires_grad):
+    folder, _ = quantized
+    model = _meta(requires_grad)
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"'model\.layers\.0\..*weight' is stored as "
+                                                                      r"torch\.int8.*quantized checkpoint"):
+        warnings.simplefilter("ignore")  # the scales no tensor of the model reads
+        qstats.calibrate_layerwise(model, folder, BATCHES, RECIPE, progress=False)
+    assert all(value.device.type == "meta" for value in model.parameters())
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_the_export_names_an_int8_weight_of_a_quantized_checkpoint(quantized, tmp_path, requires_grad):
+    folder, qparams = quantized
+    model = _meta(requires_grad)
+    out = str(tmp_path / "again")
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"is stored as torch\.int8"):
+        warnings.simplefilter("ignore")
+        qstats.export.compressed_tensors_layerwise(model, folder, qparams, out, RECIPE, progress=False)
+    assert not os.path.exists(out)
+    assert all(value.device.type == "meta" for value in model.parameters())
