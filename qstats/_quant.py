@@ -77,6 +77,24 @@ def _checked_zero_point(zero_point: torch.Tensor, spec: QuantSpec, where: str) -
     return torch.where(inside, zero_point, torch.full_like(zero_point, qmin))  # threads the check
 
 
+def _checked_codes(codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``codes``, after ValueError (eagerly, compiled and under vmap) where integer-target codes lie
+    outside ``spec.qrange`` or are not whole numbers: packed bytes, another spec's codes, or signed
+    codes read as unsigned (int8 -56 viewed as uint8 is 200) dequantized to values off the grid
+    (torchao's ``dequantize_affine`` refuses codes of another dtype). Compared as int64 or float64."""
+    if spec.is_float:
+        return codes
+    qmin, qmax = spec.qrange
+    wide = codes.double() if codes.is_floating_point() else codes.to(torch.int64)
+    valid = (wide >= qmin) & (wide <= qmax)
+    if codes.is_floating_point():
+        valid = valid & (wide == torch.round(wide))
+    inside = require(valid, f"dequantize: codes of {spec.dtype!r} must be whole numbers in the spec's range "
+                            f"[quant_min, quant_max] = [{qmin}, {qmax}]; got codes outside it (packed codes, another "
+                            f"spec's codes, or signed codes read as unsigned): unpack them or view them in their own dtype")
+    return torch.where(inside, codes, torch.zeros_like(codes))  # threads the check
+
+
 def _codes_float(view, scale, zero_point, spec: QuantSpec, global_scale=None):
     """Unclamped and clamped codes as float tensors (integer-valued for int targets)."""
     if _formats.handles_codes(spec):  # fp6/fp4, e8m0 (MX) and two-level (NVFP4) scales
@@ -113,6 +131,8 @@ def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=tor
     it (torch.ao's per-channel integer targets).
 
     Raises:
+      ValueError: codes of an integer target outside ``spec.qrange`` or not whole (packed codes,
+        signed codes read as unsigned).
       TypeError: integer codes of an fp8 format (its codes are the torch float8 dtype) or codes of
         another 8-bit float format, or a
         ``dtype`` that is not a floating-point torch dtype (values cast to an integer dtype would be
@@ -132,7 +152,7 @@ def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=tor
             f"dequantize: codes of {spec.dtype!r} must be {own} (or its float values), got codes of another "
             f"format, {codes.dtype}; pass codes.float() where they are meant as values"
         )
-    view = canonical_view(codes, spec.granularity)
+    view = canonical_view(_checked_codes(codes, spec), spec.granularity)
     if dtype == torch.float64 and not spec.is_float:
         view = view.double()
     scale, zero_point = _params(qparams, view, spec, "dequantize")
