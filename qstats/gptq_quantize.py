@@ -22,7 +22,7 @@ range too: GPTQ computes in float32), or in ``qparams`` a NaN, Inf, zero or
 negative scale or global scale or a NaN or Inf zero point, is a ValueError. Input columns that
 never saw a non-zero value (zero diagonal) quantize to zero, as llm-compressor. A Hessian past
 float32's Cholesky range (largest diagonal above 2^64 or below 2^-64) is scaled by a power of 4
-first, which changes no code. Activation ordering ``"group"`` (groups in activation order, written
+first, a dead column's diagonal with it, which changes no code. Activation ordering ``"group"`` (groups in activation order, written
 with a ``g_idx``) was removed from compressed-tensors 0.19 and llm-compressor 0.14; it is refused.
 """
 
@@ -158,8 +158,10 @@ def _permute_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, -1, perm.unsqueeze(-2).expand(x.shape))
 
 
-def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: torch.Tensor, shared: int = 0):
-    """llm-compressor's ``factorize_hessian``: dead columns get diagonal 1, the diagonal gains
+def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: torch.Tensor, shared: int = 0,
+                            fill: Optional[torch.Tensor] = None):
+    """llm-compressor's ``factorize_hessian``: dead columns get diagonal ``fill`` (``[...]``; None: 1,
+    llm-compressor's, in the units of a Hessian `_factorable_hessian` scaled), the diagonal gains
     ``dampening * mean(diag)`` (both written into ``hessian``, a buffer of the caller's), then the
     upper Cholesky factor of the inverse. Where it fails or the Hessian is not ``usable``: the
     identity (round-to-nearest). ``shared`` > 0: ``hessian`` ``[1, in, in]`` stands for that many
@@ -168,7 +170,7 @@ def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: tor
     eye = torch.eye(columns, dtype=hessian.dtype, device=hessian.device)
     diagonal = torch.diagonal(hessian, dim1=-2, dim2=-1)  # written in place: `_gptq_core`'s own tensor
     dead = diagonal == 0
-    diagonal.add_(dead.to(hessian.dtype))
+    diagonal.add_(dead.to(hessian.dtype) if fill is None else torch.where(dead, fill[..., None], 0.0))
     # the mean of a contiguous copy, as llm-compressor's torch.mean(torch.diag(H)): a mean over the
     # strided view sums in another order and may differ in its last bit (and so may a code)
     diagonal.add_(dampening * torch.mean(diagonal.contiguous(), dim=-1, keepdim=True))
@@ -252,19 +254,29 @@ def _blocks(weight, inverse, scale, zero_point, index, global_scale, spec, block
             torch.stack(codes, dim=-2).transpose(-1, -2).contiguous(), running_qparams)
 
 
-def _factorable_hessian(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """`normalized_hessian` in float32, times a power of 4 where its largest diagonal lies outside
-    ``[2^-64, 2^64]`` (a float64 sum whose mean passes float32's range, or inputs of 1e-10 and
-    less), which brings it near 1: float32's Cholesky factors would overflow or underflow there.
-    GPTQ's result does not depend on that factor (the factors scale by its square root, exactly);
-    inside the range the Hessian is llm-compressor's, bit for bit."""
+def _factorable_hessian(total: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hessian, fill)``: `normalized_hessian` in float32, times a power of 4 where its largest
+    diagonal lies outside ``[2^-64, 2^64]`` (a float64 sum whose mean passes float32's range, or
+    inputs of 1e-10 and less), which brings it near 1: float32's Cholesky factors would overflow or
+    underflow there. ``fill`` ``[...]`` is that power of 4 (1 inside the range), the diagonal a dead
+    column gets: llm-compressor's 1 in the unscaled Hessian's units, so that the dampening (relative
+    to the mean diagonal, dead columns included) and so GPTQ's codes do not depend on the factor;
+    a dead column counts as a diagonal of 1 in choosing it. Inside the range the Hessian is
+    llm-compressor's, bit for bit."""
     mean = normalized_hessian(total, count, dtype=total.dtype)  # in the sum's dtype
-    peak = torch.diagonal(mean, dim1=-2, dim2=-1).amax(dim=-1).double()
+    diagonal = torch.diagonal(mean, dim1=-2, dim2=-1)
+    peak = torch.where((diagonal == 0).any(dim=-1), diagonal.amax(dim=-1).clamp(min=1.0), diagonal.amax(dim=-1))
+    peak = peak.double()
     outside = (peak > 2.0**64) | ((peak < 2.0**-64) & (peak > 0))
     _, exponent = torch.frexp(torch.where(outside, peak.clamp(max=2.0**1000), 1.0))  # 1 = 0.5 * 2^1
-    half = torch.ldexp(torch.ones_like(peak), -(exponent // 2)).to(mean.dtype)[..., None, None]  # exact
+    factor = torch.ldexp(torch.ones_like(peak), -(exponent // 2))  # exact
+    half = factor.to(mean.dtype)[..., None, None]
     mean = mean * half  # twice: the power of 4 itself may not be a float32 number
-    return (mean * half).to(torch.float32)
+    # with a dead column the factor is at most 1; a fill below float32's normal range (a Hessian of
+    # 1e20 and more) is negligible beside the diagonal either way, kept positive so that an
+    # undampened dead column still factors
+    fill = (factor * factor).clamp(min=torch.finfo(torch.float32).tiny, max=1.0).to(torch.float32)
+    return (mean * half).to(torch.float32), fill
 
 
 def _ordered_factor(total, count, dampening, actorder, shared: int):
@@ -272,12 +284,12 @@ def _ordered_factor(total, count, dampening, actorder, shared: int):
     ``shared`` > 0: the ``shared`` Hessians of a stack are equal and factored once (the same bits)."""
     if shared:
         total, count = total[:1], count[:1]
-    hessian = _factorable_hessian(total, count)
+    hessian, fill = _factorable_hessian(total, count)
     perm = None
     if actorder is not None:
         perm = torch.argsort(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, descending=True)
         hessian = _permute_columns(_permute_columns(hessian, perm).transpose(-1, -2), perm).transpose(-1, -2)
-    inverse, dead = _inverse_hessian_factor(hessian, dampening, count > 0, shared)
+    inverse, dead = _inverse_hessian_factor(hessian, dampening, count > 0, shared, fill)
     if shared:
         perm = None if perm is None else perm.expand(shared, -1)
         inverse, dead = inverse.expand(shared, -1, -1), dead.expand(shared, -1)
