@@ -462,6 +462,7 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
     same(x0, x0_copy, "init modified its input")
     init_copy = _map_tensors(init, torch.clone)
     state = obs.update(init, x0)
+    same(x0, x0_copy, "update modified the input tensor")
     same(init, init_copy, "update modified the state")
     state_copy = _map_tensors(state, torch.clone)
     if weight is None:
