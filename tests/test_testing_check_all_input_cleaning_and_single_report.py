@@ -71,3 +71,14 @@ def test_check_all_reports_one_assertion_error_when_examples_break_different_law
         testing.check_associative(broken, [torch.randn(4, 8) for _ in range(3)])
     with pytest.raises(AssertionError, match=r"twice_broken: (stability|associativity|homomorphism|purity)"):
         testing.check_all(broken, _make_x, laws=laws, max_examples=30)
+
+
+def test_purity_names_the_law_when_compute_qparams_refuses_the_merged_state():
+    broken = MINMAX._replace(update=_nan_on_nan, name="nan_range")
+    xs = _dirty_batches(0)
+    state = broken.update(broken.init(xs[0]), xs[0])
+    with pytest.raises(ValueError) as refusal:  # the premise: compute_qparams refuses a NaN range
+        qstats.compute_qparams(state, SPEC)
+    assert "purity" not in str(refusal.value)
+    with pytest.raises(ValueError, match="nan_range: purity: compute_qparams of a merged state: "):
+        testing.check_purity(broken, xs)

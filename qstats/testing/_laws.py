@@ -28,6 +28,7 @@ from .._qparams import NoStatistics, compute_qparams
 from .._quant import fake_quantize
 from .._spec import QuantSpec
 from .._warn import warn
+from ..observation import raise_renamed
 from ..observers._base import state_types
 
 __all__ = [
@@ -492,7 +493,10 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
     spec = qparams_spec(obs, merged, "purity", batch_dims)
     if spec is not None:
         qparams_of = _per_slice(lambda s: compute_qparams(s, spec), batch_dims)
-        qparams = qparams_of(merged)
+        try:
+            qparams = qparams_of(merged)
+        except Exception as error:  # keeps its type (a range rule's own TypeError) and names the law
+            raise_renamed(error, f"{name}: purity: compute_qparams of a merged state")
         same(merged, merged_copy, "compute_qparams modified the state")
         same(qparams, qparams_of(merged), "compute_qparams gave different results twice")
 
