@@ -77,22 +77,23 @@ def _checked_zero_point(zero_point: torch.Tensor, spec: QuantSpec, where: str) -
     return torch.where(inside, zero_point, torch.full_like(zero_point, qmin))  # threads the check
 
 
-def _checked_codes(codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """``codes``, after ValueError (eagerly, compiled and under vmap) where integer-target codes lie
-    outside ``spec.qrange`` or are not whole numbers: packed bytes, another spec's codes, or signed
-    codes read as unsigned (int8 -56 viewed as uint8 is 200) dequantized to values off the grid
-    (torchao's ``dequantize_affine`` refuses codes of another dtype). Compared as int64 or float64."""
-    if spec.is_float:
-        return codes
+def _codes_inside(codes: torch.Tensor, spec: QuantSpec):
+    """True (a bool tensor to thread into the result; None where nothing is checked), after
+    ValueError (eagerly, compiled and under vmap) where integer-target codes lie outside
+    ``spec.qrange`` or are not whole numbers: packed bytes, another spec's codes, or signed codes read
+    as unsigned (int8 -56 viewed as uint8 is 200) dequantized to values off the grid (torchao's
+    ``dequantize_affine`` refuses codes of another dtype). Reads only the extremes (and, for float
+    codes, whether they are whole), compared as int64 or float64."""
+    if spec.is_float or codes.numel() == 0:
+        return None
     qmin, qmax = spec.qrange
-    wide = codes.double() if codes.is_floating_point() else codes.to(torch.int64)
-    valid = (wide >= qmin) & (wide <= qmax)
+    wide = torch.float64 if codes.is_floating_point() else torch.int64
+    valid = (codes.min().to(wide) >= qmin) & (codes.max().to(wide) <= qmax)
     if codes.is_floating_point():
-        valid = valid & (wide == torch.round(wide))
-    inside = require(valid, f"dequantize: codes of {spec.dtype!r} must be whole numbers in the spec's range "
-                            f"[quant_min, quant_max] = [{qmin}, {qmax}]; got codes outside it (packed codes, another "
-                            f"spec's codes, or signed codes read as unsigned): unpack them or view them in their own dtype")
-    return torch.where(inside, codes, torch.zeros_like(codes))  # threads the check
+        valid = valid & (codes == torch.round(codes)).all()
+    return require(valid, f"dequantize: codes of {spec.dtype!r} must be whole numbers in the spec's range "
+                          f"[quant_min, quant_max] = [{qmin}, {qmax}]; got codes outside it (packed codes, another "
+                          f"spec's codes, or signed codes read as unsigned): unpack them or view them in their own dtype")
 
 
 def _codes_float(view, scale, zero_point, spec: QuantSpec, global_scale=None):
@@ -152,10 +153,13 @@ def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=tor
             f"dequantize: codes of {spec.dtype!r} must be {own} (or its float values), got codes of another "
             f"format, {codes.dtype}; pass codes.float() where they are meant as values"
         )
-    view = canonical_view(_checked_codes(codes, spec), spec.granularity)
+    inside = _codes_inside(codes, spec)
+    view = canonical_view(codes, spec.granularity)
     if dtype == torch.float64 and not spec.is_float:
         view = view.double()
     scale, zero_point = _params(qparams, view, spec, "dequantize")
+    if inside is not None:
+        scale = torch.where(inside, scale, torch.ones_like(scale))  # threads the check (a few scales)
     out = _cap(_dequantize_view(view, scale, zero_point, spec, qparams.global_scale), dtype)
     return _to_output(from_canonical_view(out, spec.granularity, codes.shape), dtype)
 
