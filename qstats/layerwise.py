@@ -427,8 +427,8 @@ def _own_arguments(calls: list) -> tuple:
                  for _, args, kwargs in calls)  # fmt: skip
 
 
-def _capture(model, container, batches, observation_weight, store: _Store, device: Optional[torch.device],
-             each_layer: bool, checked: Callable[[Any], tuple], where: str) -> None:
+def _capture(model, container, container_path: str, batches, observation_weight, store: _Store,
+             device: Optional[torch.device], each_layer: bool, checked: Callable[[Any], tuple], where: str) -> None:
     """Runs ``model`` on each batch (on ``device``) up to its first decoder layer and stores that
     layer's inputs (on the CPU); with ``each_layer``, or when ``checked(batch)`` (run first, on the
     first batch: ``(whether each layer gets its own arguments, the first layer's output)``) says
@@ -453,7 +453,8 @@ def _capture(model, container, batches, observation_weight, store: _Store, devic
             except _Stop as stopped:
                 args, kwargs, each = _offloaded((stopped.layer_args, stopped.layer_kwargs, calls), device)
             else:
-                raise ValueError(f"{where}: the model's forward never called its first decoder layer")
+                raise ValueError(f"{where}: the model's forward never called its first decoder layer, "
+                                 f"{container_path}.0; pass layers= naming the list of layers the forward runs")
             own = _own_arguments(each) if each_layer else None
             args, kwargs = _without_cache(tuple(args), kwargs)
             store.append(_Inputs(batch, weight, args, kwargs, layers=own))
@@ -830,7 +831,8 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
             like = _check_passed_on(run, container, container_path, batch, where, first)
             return _check_call_order(run.model, container, container_path, batch, where, like), like
 
-        _capture(run.model, container, batches, observation_weight, run.store, run.device, each_layer, checked, where)
+        _capture(run.model, container, container_path, batches, observation_weight, run.store, run.device, each_layer,
+                 checked, where)
 
     try:
         try:

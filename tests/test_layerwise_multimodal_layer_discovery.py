@@ -93,3 +93,11 @@ def test_the_export_writes_one_shard_per_text_layer(checkpoint, tmp_path):
         weight_map = json.load(file)["weight_map"]
     layer_shards = {weight_map[f"model.layers.{index}.mlp.down_proj.weight"] for index in range(2)}
     assert len(layer_shards) == 2 and len(set(weight_map.values())) == 3
+
+
+def test_layers_the_forward_never_calls_are_refused_naming_them(checkpoint):
+    """The vision blocks named as the decoder layers: a text-only forward never calls them, and the
+    error names the first of them and ``layers=``."""
+    with pytest.raises(ValueError, match=r"never called its first decoder layer, model\.visual\.blocks\.0; pass layers="):
+        qstats.calibrate_layerwise(_meta(checkpoint), checkpoint, _batches(), RECIPE, progress=False,
+                                   layers="model.visual.blocks")
