@@ -354,3 +354,17 @@ def load_causal_lm(path, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto", **options).eval()
+
+
+def assert_fake_quantized_logits_equal(model, qparams, plan, loaded, batch) -> None:
+    """``model``'s logits on ``batch`` under ``qstats.fake_quantized`` differ from its float logits
+    and equal (``torch.equal``) those of ``loaded``, a compressed-tensors checkpoint loaded back."""
+    import qstats
+
+    with torch.no_grad():
+        float_logits = model(batch).logits
+        with qstats.fake_quantized(model, qparams, plan):
+            ours = model(batch).logits
+        theirs = loaded(batch).logits
+    assert not torch.equal(ours, float_logits)  # the fake quantization changes them
+    assert torch.equal(ours, theirs), (ours - theirs).abs().max()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import bit_equal, eager_attention_arguments, llm_compressor_oneshot, load_causal_lm
+from _shared import assert_fake_quantized_logits_equal, bit_equal, eager_attention_arguments, llm_compressor_oneshot, load_causal_lm
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
@@ -102,14 +102,7 @@ def test_fake_quantized_logits_equal_the_checkpoint_loaded_back(tmp_path, family
     loaded = load_causal_lm(ours, attn_implementation="sdpa")
     assert all(hasattr(layer.self_attn, "kv_cache") for layer in loaded.model.layers)
     assert (loaded.config._attn_implementation == "ct_hooked_attention") == (case == "fp8-attention-group")
-    batch = samples[0][None]
-    with torch.no_grad():
-        float_logits = model(batch).logits
-        with qstats.fake_quantized(model, qparams, plan):
-            ours_logits = model(batch).logits
-        theirs_logits = loaded(batch).logits
-    assert not torch.equal(ours_logits, float_logits)  # the fake quantization changes them
-    assert torch.equal(ours_logits, theirs_logits), (ours_logits - theirs_logits).abs().max()
+    assert_fake_quantized_logits_equal(model, qparams, plan, loaded, samples[0][None])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

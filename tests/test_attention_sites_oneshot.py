@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import bit_equal, eager_attention_arguments, llm_compressor_oneshot, load_causal_lm
+from _shared import assert_fake_quantized_logits_equal, bit_equal, eager_attention_arguments, llm_compressor_oneshot, load_causal_lm
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
@@ -172,12 +172,5 @@ def test_fake_quantized_logits_equal_the_checkpoint_loaded_back(tmp_path, family
     # compressed-tensors' kv cache (k, v) and hooked attention (q) quantize the loaded model
     assert all(hasattr(layer.self_attn, "kv_cache") for layer in loaded.model.layers)
     assert (loaded.config._attn_implementation == "ct_hooked_attention") == query
-    batch = samples[0][None]
-    with torch.no_grad():
-        float_logits = model(batch).logits
-        with qstats.fake_quantized(model, qparams, plan):
-            ours_logits = model(batch).logits
-        theirs_logits = loaded(batch).logits
+    assert_fake_quantized_logits_equal(model, qparams, plan, loaded, samples[0][None])
     assert model.config._attn_implementation == "sdpa"
-    assert not torch.equal(ours_logits, float_logits)  # the fake quantization changes them
-    assert torch.equal(ours_logits, theirs_logits), (ours_logits - theirs_logits).abs().max()
