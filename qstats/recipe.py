@@ -655,15 +655,15 @@ class Recipe:
         rename = module_renamer(model)
         resolved: dict = {}
         found = [set() for _ in self.rules]  # per rule: the sites it resolved (or that an earlier rule took)
-        ignored = []
+        ignored = {}  # path -> module the ignore list skips
         for path, module in modules.items():
             if _ignored_module(self.ignore, path, module, rename):
-                ignored.append(path)
+                ignored[path] = module
                 continue
             entry = self._module_sites(path, module, found, rename)
             if entry:
                 resolved[path] = MappingProxyType(entry)
-        _refuse_ignored_kv_cache(self.rules, found, {path: modules[path] for path in ignored})
+        _refuse_ignored_kv_cache(self.rules, found, ignored)
         self._warn_unmatched(found, modules, model, rename)
         shared = MappingProxyType(_resolve_shared(self.shared, resolved))
         return Plan(self, MappingProxyType(resolved), MappingProxyType(modules), tuple(fused_groups(model)), shared)
