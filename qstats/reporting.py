@@ -182,10 +182,12 @@ class _Error:
 
 
 def _energy(values: torch.Tensor, keep: torch.Tensor) -> float:
-    """The sum of squares of the kept ``values``; in float64 where float32 overflows (finite values
-    above 1.8e19, which observers take in)."""
+    """The sum of squares of the kept ``values``; redone in float64 where float32's sum overflows
+    (finite values above 1.8e19, which observers take in) or may have lost its squares to underflow
+    (below 2^-64: values under 2^-63 square to float32 subnormals or 0, and a layer of weights near
+    1e-23 summed to 0 signal and 0 noise, an SQNR of inf however it was quantized)."""
     energy = float(torch.where(keep, values.pow(2), 0.0).sum())
-    if math.isinf(energy):
+    if values.dtype != torch.float64 and not 2.0**-64 <= energy < math.inf:
         energy = float(torch.where(keep, values.double().pow(2), 0.0).sum())
     return energy
 
@@ -193,7 +195,8 @@ def _energy(values: torch.Tensor, keep: torch.Tensor) -> float:
 def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = None) -> tuple:
     """``(signal energy, noise energy, clipped count, finite count, non-finite count)`` of
     fake-quantizing ``x`` in its own dtype (as `fake_quantized` does: bf16/fp16 outputs are rounded
-    to that dtype), measured in float32; a value is clipped when saturation changes its code: its
+    to that dtype), measured in float32 (float64 for a float64 ``x``, whose values past float32's
+    range are finite); a value is clipped when saturation changes its code: its
     rounded integer code (in ``x``'s dtype, as `fake_quantize` computes it) is outside the spec's
     range, or its scaled value rounds past a float format's maximum (`_clipped`).
     Non-finite values (NaN, +-Inf) are left out of the first four numbers and counted in the last,
@@ -201,9 +204,10 @@ def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = 
     five, though they are still quantized with the rest.
     """
     x = x.detach()
-    quantized = fake_quantize(x, qparams, spec).float()  # in x's dtype: a bf16 model's values round to bf16
+    wide = torch.promote_types(x.dtype, torch.float32)  # float64 kept: a float32 copy made 1e39 an Inf
+    quantized = fake_quantize(x, qparams, spec).to(wide)  # in x's dtype: a bf16 model's values round to bf16
     view = canonical_view(x, spec.granularity)
-    x = x.float()
+    x = x.to(wide)
     scale = broadcast_to_view(qparams.scale.float())
     zero_point = broadcast_to_view(qparams.zero_point)
     unclamped, _ = _codes_float(view, scale, zero_point, spec, global_scale=qparams.global_scale)
