@@ -1,10 +1,10 @@
 """Loading the weights of one module at a time from a directory of safetensors shards.
 
-`LazyCheckpoint` reads a checkpoint (``model.safetensors``, or shards and their
-``model.safetensors.index.json``) tensor by tensor with ``safetensors.safe_open``; `load_modules`
-puts a module's parameters and buffers (built on the meta device) on the CPU (or a device) in
-the meta tensor's dtype (as ``from_pretrained`` casts a checkpoint to the model's dtype) and
-returns what `release_modules` needs to put the meta tensors back.
+`LazyCheckpoint` reads a checkpoint (``model.safetensors``, else shards and their
+``model.safetensors.index.json``, as ``from_pretrained`` picks them) tensor by tensor with
+``safetensors.safe_open``; `load_modules` puts a module's parameters and buffers (built on the meta
+device) on the CPU (or a device) in the meta tensor's dtype (as ``from_pretrained`` casts a checkpoint
+to the model's dtype) and returns what `release_modules` needs to put the meta tensors back.
 Stacked experts (3-D ``gate_up_proj`` / ``down_proj``) are read from the per-expert keys
 transformers writes (``experts.<e>.gate_proj.weight`` ...) when the checkpoint has no stacked key.
 A tensor the checkpoint lacks under its in-memory name is looked up under the name transformers'
@@ -45,7 +45,12 @@ class LazyCheckpoint:
         if not os.path.isdir(self.directory):
             raise ValueError(f"{where}: checkpoint {self.directory!r} is not a directory")
         index = os.path.join(self.directory, "model.safetensors.index.json")
-        if os.path.exists(index):
+        # model.safetensors first, as from_pretrained reads it: save_pretrained writing one file over
+        # shards removes the shards but leaves their index behind
+        if os.path.exists(os.path.join(self.directory, "model.safetensors")):
+            with self._open("model.safetensors") as file:
+                self.files = {key: "model.safetensors" for key in file.keys()}
+        elif os.path.exists(index):
             try:
                 with open(index) as file:
                     self.files = dict(json.load(file)["weight_map"])
@@ -53,9 +58,6 @@ class LazyCheckpoint:
                 raise ValueError(f"{where}: {index!r} is not a safetensors index with a weight_map: "
                                  f"{type(error).__name__}: {error}") from None
             self._check_shards()
-        elif os.path.exists(os.path.join(self.directory, "model.safetensors")):
-            with self._open("model.safetensors") as file:
-                self.files = {key: "model.safetensors" for key in file.keys()}
         else:
             raise ValueError(f"{where}: {self.directory!r} holds neither model.safetensors nor "
                              "model.safetensors.index.json")
