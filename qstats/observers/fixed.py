@@ -8,6 +8,7 @@ NoopObserver, RecordingObserver).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -131,6 +132,10 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
         raise ValueError(f"fixed_qparams: scale must be positive and finite, got {scale!r}")
     qmin, qmax = spec.qrange
     _check_held(scale, scale_t, spec)
+    if spec.is_float and not bool((zero_t == 0).all()):
+        # float formats' codes have no zero point: quantize would ignore this one
+        raise ValueError(f"fixed_qparams: zero_point must be 0 for the float target {spec.dtype!r} (its codes have no "
+                         f"zero point), got {zero_point!r}")
     if spec.zero_point_domain == "float":
         zero_t = zero_t.to(torch.float32)
         if not bool(torch.isfinite(zero_t).all()):
@@ -173,16 +178,39 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="fixed_qparams")
 
 
-def sigmoid_qparams(spec: Optional[QuantSpec] = None) -> Observer:
-    """torch.ao's preset for outputs in ``[0, 1)``: scale ``1/256``, zero point 0, quint8 ``[0, 255]``."""
+def _preset(spec: Optional[QuantSpec], low: float, name: str) -> Observer:
+    """Constants mapping ``[low, 1)`` onto the spec's codes, as torch's quantized sigmoid and tanh
+    kernels choose them: quint8 ``1/256, 0`` and ``2/256, 128``; qint8 ``1/256, -128`` and ``2/256, 0``.
+    Integer codes with a zero point spread over the interval from ``qmin``; without one
+    (``zero_point_domain="none"``) the scale is ``1 / (qmax + 1)``; float formats take the power of
+    two that puts 1 below their largest value (fp8 e4m3: torch's ``1/256`` and ``2/256``)."""
     spec = spec if spec is not None else QuantSpec(dtype="uint8", mapping="asymmetric")
-    return fixed_qparams(spec, 1.0 / 256.0, 0)._replace(name="sigmoid_qparams")
+    check_spec(spec, name)
+    span = 1.0 - low
+    qmin, qmax = spec.qrange
+    if spec.is_float:
+        return fixed_qparams(spec, span * 2.0 ** -math.floor(math.log2(qmax)), 0)._replace(name=name)
+    if spec.zero_point_domain != "int":
+        if low < 0 <= qmin:
+            raise ValueError(f"{name}: the codes [{qmin}, {qmax}] of {spec.dtype!r} without a zero point hold no "
+                             f"negative value; use a signed target or zero_point_domain='int'")
+        return fixed_qparams(spec, 1.0 / (qmax + 1), 0)._replace(name=name)
+    levels = qmax - qmin + 1
+    return fixed_qparams(spec, span / levels, qmin + round(-low / span * levels))._replace(name=name)
+
+
+def sigmoid_qparams(spec: Optional[QuantSpec] = None) -> Observer:
+    """torch.ao's preset for outputs in ``[0, 1)``: scale ``1/256``, zero point 0, quint8 ``[0, 255]``.
+    A spec of other integer codes spreads them over ``[0, 1)``: int8 ``1/256, -128``, as torch's
+    quantized sigmoid gives qint8 tensors; uint4 ``1/16, 0``."""
+    return _preset(spec, 0.0, "sigmoid_qparams")
 
 
 def tanh_qparams(spec: Optional[QuantSpec] = None) -> Observer:
-    """torch.ao's preset for outputs in ``[-1, 1)``: scale ``2/256``, zero point 128, quint8 ``[0, 255]``."""
-    spec = spec if spec is not None else QuantSpec(dtype="uint8", mapping="asymmetric")
-    return fixed_qparams(spec, 2.0 / 256.0, 128)._replace(name="tanh_qparams")
+    """torch.ao's preset for outputs in ``[-1, 1)``: scale ``2/256``, zero point 128, quint8 ``[0, 255]``.
+    A spec of other integer codes spreads them over ``[-1, 1)``: int8 ``2/256, 0``, as torch's
+    quantized tanh gives qint8 tensors; uint4 ``2/16, 8``."""
+    return _preset(spec, -1.0, "tanh_qparams")
 
 
 def _placeholder(spec: Optional[QuantSpec], name: str) -> Observer:
