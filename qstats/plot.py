@@ -126,8 +126,10 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     lo, hi = float(state.min_val), float(state.max_val)
     bins, low, _ = geometry.config(state)
     edges, window_counts = geometry.window(state, bins, low, 24)
-    mom = geometry.moments(edges, window_counts)
-    span = max(hi - lo, 1e-12)
+    # each bucket's values spread over its part within the observed extremes: spread over the whole
+    # bucket, a constant tensor (0.7) drew ~1e-11 values per bin, an empty figure on the log scale
+    mom = geometry.moments(edges.clamp(lo, hi), window_counts)
+    span = max(hi - lo, 2.0**-30 * bins_drawn * max(abs(lo), abs(hi)), 1e-12)  # float64 splits it into bins
     grid = torch.linspace(lo - 0.02 * span, hi + 0.02 * span, bins_drawn + 1, dtype=torch.float64)
     cumulative, _, _ = geometry.cumulative(mom, grid)
     density = cumulative.diff().clamp(min=0)
