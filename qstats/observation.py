@@ -44,14 +44,15 @@ from .experts import (
     warn_uncovered,
 )
 from .recipe import Plan, Recipe, as_plan
-from .tree import assert_same_structure
+from .tree import assert_same_structure, leaves_with_paths
 from ._warn import warn
 
 __all__ = ["observing", "Observing"]
 
 
 def resumed_states(states: Optional[Mapping], plan: Plan, caller: str) -> dict:
-    """A copy (of the tree, not of its states) of resumed ``states``; TypeError, after ``caller``,
+    """A copy (of the tree, not of its states) of resumed ``states``, the equal copies of a shared
+    state made one again (`_rejoin_shared_copies`); TypeError, after ``caller``,
     where they are no ``{path: {site: state}}`` tree or None, ValueError naming the first site
     that ``plan`` does not observe."""
     if states is None:
@@ -69,7 +70,41 @@ def resumed_states(states: Optional[Mapping], plan: Plan, caller: str) -> dict:
                     "does not observe in this model"
                 )
         copied[path] = dict(entry)
+    _rejoin_shared_copies(copied, plan)
     return copied
+
+
+def _rejoin_shared_copies(states: dict, plan: Plan) -> None:
+    """Puts one object under every key of a shared group (`Plan.state_keys`) whose resumed states
+    are equal leaf for leaf: one state written under each key and saved (`qstats.save`) or merged
+    across ranks comes back as equal copies, which `Plan.share_states` would merge with each other,
+    counting every observation of the group twice (a histogram's counts, a hessian's sums)."""
+    for owner in dict.fromkeys(plan.shared.values()):
+        found = [states.get(path, {}).get(site) for path, site in plan.state_keys(*owner)]
+        present = [state for state in found if state is not None]
+        if len(present) > 1 and all(_equal_states(present[0], other) for other in present[1:]):
+            for path, site in plan.state_keys(*owner):
+                if site in states.get(path, {}):
+                    states[path][site] = present[0]
+
+
+def _equal_states(a, b) -> bool:
+    """Whether two states have one structure and equal tensor leaves (NaN equal to NaN)."""
+    try:
+        assert_same_structure(a, b, name="state")  # shapes and dtypes too
+    except ValueError:
+        return False
+    return all(_equal_leaves(x, y) for (_, x), (_, y) in zip(leaves_with_paths(a), leaves_with_paths(b)))
+
+
+def _equal_leaves(x, y) -> bool:
+    if not isinstance(x, torch.Tensor):  # other leaves: compared by `assert_same_structure`
+        return True
+    if x.device != y.device:
+        return False
+    if x.is_floating_point():
+        return bool(((x == y) | (x.isnan() & y.isnan())).all())
+    return torch.equal(x, y)
 
 
 COMPRESSED_TENSORS_PARTIAL_GROUPS = (
