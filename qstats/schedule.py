@@ -85,8 +85,11 @@ class QATSchedule:
             raise ValueError(f"QATSchedule.sync_every must be a positive int or None, got {self.sync_every!r}")
 
     @classmethod
-    def from_milestones(cls, milestones: Sequence[int], sync_every: Optional[int] = None) -> "QATSchedule":
-        """coremltools' ``milestones``: [observers on, fake quant on, observers off, batch norm frozen]."""
+    def from_milestones(cls, milestones: Optional[Sequence[int]], sync_every: Optional[int] = None) -> "QATSchedule":
+        """coremltools' ``milestones``: [observers on, fake quant on, observers off, batch norm frozen];
+        None (its default) observes and fake-quantizes from the first step and never freezes."""
+        if milestones is None:
+            return cls(sync_every=sync_every)
         milestones = list(milestones)
         if len(milestones) != 4:
             raise ValueError(f"QATSchedule.from_milestones expects 4 milestones, got {len(milestones)}")

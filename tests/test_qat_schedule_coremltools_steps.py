@@ -18,10 +18,13 @@ class _CoremltoolsQuantizer:
     def __init__(self, milestones):
         self.milestones, self.count = milestones, 0
         self.fake_quant, self.batchnorm = FakeQuantize(), nn.BatchNorm1d(2)
-        self.fake_quant.apply(disable_observer)
-        self.fake_quant.apply(disable_fake_quant)
+        if milestones is not None:  # None (the default): prepare leaves everything on, step does nothing
+            self.fake_quant.apply(disable_observer)
+            self.fake_quant.apply(disable_fake_quant)
 
     def step(self):
+        if self.milestones is None:
+            return
         switches = (enable_observer, enable_fake_quant, disable_observer, None)
         for milestone, switch in zip(self.milestones, switches):
             if self.count == milestone:
@@ -46,3 +49,12 @@ def test_schedule_is_coremltools_phase_after_step_plus_one_calls(milestones):
         assert schedule(step) == before.phase(), step
         assert one_later(step) == after.phase(), step  # quantizer.step() after it (coremltools' example)
         after.step()
+
+
+def test_coremltools_default_milestones_none_observe_and_fake_quantize_from_the_first_step():
+    """coremltools' ``milestones=None`` (its default) was a TypeError ('NoneType' is not iterable)."""
+    schedule = qstats.QATSchedule.from_milestones(None)
+    quantizer = _CoremltoolsQuantizer(None)
+    for step in range(5):
+        quantizer.step()
+        assert schedule(step) == quantizer.phase(), step
