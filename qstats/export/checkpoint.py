@@ -14,6 +14,7 @@ import torch
 from .._granularity import TensorGroup
 from .._qparams import QParams
 from .._schemes import matches_targets
+from .._torch_features import uncompiled
 from .._spec import QuantSpec
 from ..experts import UncalibratedWarning, expert_count
 from ..fused import fused_groups
@@ -44,7 +45,8 @@ def compressed_tensors(
     """Writes ``model`` with ``qparams`` as a compressed-tensors checkpoint in folder ``path``.
 
     Args:
-      model: the calibrated model (its float weights are quantized with ``qparams``).
+      model: the calibrated model (its float weights are quantized with ``qparams``), or the
+        ``torch.compile`` of it (the model it wraps is written).
       qparams: ``{module_path: {site: QParams}}`` (`qstats.compute_qparams_tree`); dynamic sites may be None.
       path: output folder for ``model.safetensors`` (or its shards), ``config.json`` and, for a transformers
         model that generates, ``generation_config.json``: new, or one without safetensors files or index (an
@@ -71,6 +73,7 @@ def compressed_tensors(
       TypeError: wrong argument types.
     """
     _check_arguments(model, qparams, format)
+    model = uncompiled(model)  # torch.compile's wrapper would prefix every tensor name with "_orig_mod."
     _check_materialized(model)
     max_bytes = shard_bytes(max_shard_size)
     check_new_folder(path, None, "export.compressed_tensors", "path")
