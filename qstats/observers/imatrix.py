@@ -51,9 +51,11 @@ def _checked(state, where: str) -> IMatrixState:
     return state
 
 
-def imatrix() -> Observer:
+def imatrix(spec: Optional[QuantSpec] = None) -> Observer:
     """Per-input-channel importance ``E[x**2]`` of a layer's input activations.
 
+    ``spec`` is accepted and unused (the importance depends on no quantization format), so that
+    ``Rule("Linear", sites=("input",), observer=qstats.imatrix)`` builds it as any observer.
     ``update(state, x, weight=None)`` reduces every dimension but the last (``weight`` of shape
     ``x.shape[:-1]``, or a prefix of it, masks rows out). NaN/Inf, and float64 values whose square
     overflows, are left out and counted.
@@ -65,6 +67,8 @@ def imatrix() -> Observer:
     >>> qstats.importance(obs.update(obs.init(x), x))
     tensor([5., 2.], dtype=torch.float64)
     """
+    if spec is not None and not isinstance(spec, QuantSpec):
+        raise TypeError(f"imatrix: spec must be a QuantSpec or None, got {type(spec).__name__}")
 
     def init_fn(x: torch.Tensor) -> IMatrixState:
         if x.ndim == 0:
