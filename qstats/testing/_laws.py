@@ -166,6 +166,13 @@ def _need(xs: Sequence[torch.Tensor], count: int, law: str) -> list:
     return xs
 
 
+def _batches_and_init(obs, xs: Sequence[torch.Tensor], count: int, law: str) -> tuple[list, Any]:
+    """``xs`` as a list of at least ``count`` batches (a ValueError naming ``law`` otherwise) and the
+    identity state ``obs.init(xs[0])`` that the law starts from."""
+    xs = _need(xs, count, law)
+    return xs, obs.init(xs[0])
+
+
 def _groups(xs: list, parts: int) -> list[list]:
     """Splits ``xs`` into ``parts`` (2 or 3) consecutive groups of near-equal size, the first ones one
     longer where ``len(xs)`` does not divide (some may be empty)."""
@@ -176,8 +183,7 @@ def _groups(xs: list, parts: int) -> list[list]:
 def check_identity(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) -> None:
     """Law 1: ``merge(init, s) == s == merge(s, init)`` for states built from ``xs``, and
     ``merge(init, init) == init``. Bit-exact, float sums included (adding zero is exact)."""
-    xs = _need(xs, 1, "check_identity")
-    init = obs.init(xs[0])
+    xs, init = _batches_and_init(obs, xs, 1, "check_identity")
     name = _name(obs)
     # init is the identity of every tensor like x: it reads the shape, dtype and device of x, never its
     # values (an init seeded with x0's extremes is the identity only of states that have seen x0)
@@ -198,9 +204,8 @@ def check_associative(obs, xs: Sequence[torch.Tensor], *, exact: Optional[bool] 
     """Law 2a: ``merge(merge(a, b), c) == merge(a, merge(b, c))`` for states folded over three consecutive
     groups of ``xs`` (an empty group gives ``init``); float fields to tolerance when not ``exact``.
     """
-    xs = _need(xs, 1, "check_associative")
+    xs, init = _batches_and_init(obs, xs, 1, "check_associative")
     exact = obs.exact if exact is None else exact
-    init = obs.init(xs[0])
     a, b, c = (functools.reduce(obs.update, group, init) for group in _groups(xs, 3))
     left = obs.merge(obs.merge(a, b), c)
     right = obs.merge(a, obs.merge(b, c))
@@ -212,8 +217,7 @@ def check_associative(obs, xs: Sequence[torch.Tensor], *, exact: Optional[bool] 
 def check_commutative(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) -> None:
     """Law 2b: ``merge(a, b) == merge(b, a)`` for states folded over two halves of ``xs`` and
     over single batches. Bit-exact except ``approx_fields``."""
-    xs = _need(xs, 2, "check_commutative")
-    init = obs.init(xs[0])
+    xs, init = _batches_and_init(obs, xs, 2, "check_commutative")
     first, second = (functools.reduce(obs.update, group, init) for group in _groups(xs, 2))
     pairs = [(first, second), (obs.update(init, xs[0]), obs.update(init, xs[-1]))]
     for a, b in pairs:
@@ -272,8 +276,7 @@ def check_homomorphism(
       the first two (an attention mask) splits the values as a row weight does, and one leaving out the
       first token equals the batch without it, where that batch keeps the parameter shape.
     """
-    xs = _need(xs, 2, "check_homomorphism")
-    init = obs.init(xs[0])
+    xs, init = _batches_and_init(obs, xs, 2, "check_homomorphism")
 
     def check(actual, expected, equation: str, magnitudes=(), approx=approx_fields):
         assert_states_equal(actual, expected, approx_fields=approx, magnitudes=magnitudes,
@@ -529,9 +532,8 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
     batch's state is finite); a bool or int64 0/1 row weight observes as the float32 one, and a zero one
     leaves ``init`` unchanged for every input dtype; the state type is registered, its leaves are
     tensors, floats are float32 or wider, integers int64."""
-    xs = _need(xs, 1, "check_stability")
+    xs, init = _batches_and_init(obs, xs, 1, "check_stability")
     name = _name(obs)
-    init = obs.init(xs[0])
     _check_state_leaves(init, name)
 
     def same(what, fn, *args):
@@ -716,9 +718,8 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
     ``fake_quantize`` are also vmapped over those dimensions, and each of their slices must be observed
     alike and independently of the others (see the module docstring).
     """
-    xs = _need(xs, 2, "check_vmap")
+    xs, init = _batches_and_init(obs, xs, 2, "check_vmap")
     name = _name(obs)
-    init = obs.init(xs[0])
     states = [obs.update(init, x) for x in xs]
     if batch_dims:
         _check_slices(obs, xs, states, weights, approx_fields, batch_dims)
@@ -753,10 +754,9 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
 def check_compile(obs, xs: Sequence[torch.Tensor], *, backend: str = "inductor", approx_fields=None) -> None:
     """Law 7: ``torch.compile(update, fullgraph=True)`` runs without graph breaks and equals eager
     (bit for bit except ``approx_fields``; inductor may reorder float sums)."""
-    xs = _need(xs, 1, "check_compile")
+    xs, state = _batches_and_init(obs, xs, 1, "check_compile")
     name = _name(obs)
     compiled = torch.compile(obs.update, fullgraph=True, backend=backend)
-    state = obs.init(xs[0])
     for x in xs[:2]:
         # graph breaks surface as torch._dynamo errors
         got = _attempt(f"{name}: torch.compile(update, fullgraph=True)", compiled, state, x)
@@ -774,9 +774,8 @@ def check_distributed(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) ->
     states folded over three groups of ``xs`` (bit-exact except ``approx_fields``). States that fold
     (the default) pass where ``all_reduce`` takes them: every field a dense tensor, nested NamedTuples walked
     (their fields declared by dotted names, ``"ext.low"``)."""
-    xs = _need(xs, 1, "check_distributed")
+    xs, init = _batches_and_init(obs, xs, 1, "check_distributed")
     name = _name(obs)
-    init = obs.init(xs[0])
     a, b, c = (functools.reduce(obs.update, group, init) for group in _groups(xs, 3))
     ops = _attempt(f"{name}: distributed: qstats.distributed.reduce_ops", distributed.reduce_ops, a)
     # the checks all_reduce makes of every tree, without its collectives (a process group may be up): a
