@@ -98,8 +98,9 @@ class QATSchedule:
     def __call__(self, step: Union[int, torch.Tensor]) -> QATPhase:
         """The phase of ``step`` (an int, or an integer tensor for bool-tensor flags)."""
         if isinstance(step, torch.Tensor):
-            if step.dtype.is_floating_point or step.dtype == torch.bool:
+            if step.dtype.is_floating_point or step.dtype.is_complex or step.dtype == torch.bool:
                 raise TypeError(f"QATSchedule: a tensor step must hold an integer, got dtype {step.dtype}")
+            step = step.long()  # compared in its own dtype, an int8 step wrapped milestone 300 to 44
         elif not _is_int(step):
             raise TypeError(f"QATSchedule: step must be an int or an integer tensor, got {type(step).__name__}")
         observing = step >= self.observe_at
