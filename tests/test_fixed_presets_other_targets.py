@@ -66,3 +66,23 @@ def test_fixed_qparams_refuses_a_zero_point_a_float_target_ignores():
         qstats.fixed_qparams(spec, 2.0 / 256.0, 100)
     qp = qstats.compute_qparams(qstats.fixed_qparams(spec, 2.0 / 256.0, 0).init(torch.zeros(3)), spec)
     assert int(qp.zero_point) == 0
+
+
+def test_fixed_qparams_takes_torch_ao_per_tensor_qparams_of_shape_one():
+    """torch.ao's FixedQParamsObserver holds its scale and zero point as tensors of shape [1], and
+    calculate_qparams returns them so: fixed_qparams refused both for a per-tensor spec (a parameter
+    shape of ()) when init met a tensor."""
+    from torch.ao.quantization.observer import default_fixed_qparams_range_neg1to1_observer
+
+    reference = default_fixed_qparams_range_neg1to1_observer()
+    spec = qstats.QuantSpec.from_torch_ao(reference.dtype, reference.qscheme, quant_min=reference.quant_min,
+                                          quant_max=reference.quant_max)
+    x = torch.linspace(-1.2, 1.2, 97).reshape(1, -1)
+    for scale, zero_point in ((reference.scale, reference.zero_point), reference.calculate_qparams()):
+        assert scale.shape == (1,)
+        obs = qstats.fixed_qparams(spec, scale, zero_point)
+        qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+        assert qp.scale.shape == ()
+        expected = torch.fake_quantize_per_tensor_affine(x, float(scale), int(zero_point), reference.quant_min,
+                                                         reference.quant_max)
+        assert torch.equal(qstats.fake_quantize(x, qp, spec), expected)

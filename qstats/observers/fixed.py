@@ -126,8 +126,11 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     tensor(0.0039)
     """
     check_spec(spec, "fixed_qparams")
+    # one-element tensors as scalars: torch.ao's per-tensor scale and zero point have shape [1]
     scale_t = _constant(scale, "scale", torch.float32)
+    scale_t = scale_t.reshape(()) if scale_t.numel() == 1 else scale_t
     zero_t = _constant(zero_point, "zero_point")
+    zero_t = zero_t.reshape(()) if zero_t.numel() == 1 else zero_t
     if not bool(torch.isfinite(scale_t).all()) or not bool((scale_t > 0).all()):
         raise ValueError(f"fixed_qparams: scale must be positive and finite, got {scale!r}")
     qmin, qmax = spec.qrange
