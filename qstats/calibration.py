@@ -7,6 +7,7 @@ tensors, ready for `qstats.save`, merges across ranks and `compute_qparams_tree`
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
@@ -23,8 +24,8 @@ from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor,
 from .experts import rows_by_expert, stacked_qparams
 from .fused import fused_amax
 from .observers import memoryless_minmax
-from .observation import (ExpertCallHooks, Observing, capture_call, check_observation_weight, check_runtime_group,
-                          observing, raise_renamed, stop_capture, unrecognised_sites_error)
+from .observation import (ExpertCallHooks, Observing, capture_call, check_flag, check_observation_weight,
+                          check_runtime_group, observing, raise_renamed, stop_capture, unrecognised_sites_error)
 from .recipe import Plan, Recipe, as_plan
 from ._warn import warn
 
@@ -44,9 +45,13 @@ def check_batches(batches, caller: str, observation_weight=None) -> None:
         got = "dict" if type(batches) is dict else f"dict ({type(batches).__name__})"
     elif isinstance(batches, (str, bytes)):  # iterated, the model would be called on each character
         got = type(batches).__name__
+    elif not isinstance(batches, collections.abc.Iterable) and not hasattr(type(batches), "__getitem__"):
+        # None, a number: Python's own error ("'NoneType' object is not iterable") names no argument
+        raise TypeError(f"{caller}: batches must be an iterable of batches, got {type(batches).__name__}")
     else:
         return
     raise TypeError(f"{caller}: batches must be an iterable of batches (got a single {got}); wrap one batch in a list")
+
 
 
 def _drops_out(module: torch.nn.Module) -> bool:
@@ -163,6 +168,7 @@ def calibrate(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"calibrate expects an nn.Module, got {type(model).__name__}")
     check_batches(batches, "calibrate", observation_weight)
+    check_flag(all_experts, "all_experts", "calibrate")
     plan = as_plan(recipe, model, "calibrate")
     warn_training_mode(plan.model, "calibrate")
     with observing(model, plan, states, all_experts=all_experts) as session:

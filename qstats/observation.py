@@ -268,6 +268,13 @@ def check_observation_weight(weight, caller: str) -> None:
         )
 
 
+def check_flag(value, name: str, caller: str) -> None:
+    """TypeError, after ``caller``, for a ``name`` argument that is not True or False: a string
+    ("no", "false") or another truthy object would switch the option on."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{caller}: {name} must be True or False, got {value!r}")
+
+
 def autocast_off(device: torch.device):
     """A context disabling autocast on ``device`` where it is enabled (a model calibrated inside
     ``torch.autocast``): the hooks' observer updates (``hessian``'s ``X^T X``) then compute in their
@@ -834,9 +841,10 @@ def observing(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"observing expects an nn.Module, got {type(model).__name__}")
+    check_flag(all_experts, "all_experts", "observing")
     plan = as_plan(recipe, model, "observing")
     resumed = resumed_states(states, plan, "calibrate")
-    run = _Calibration(plan, plan.share_states(resumed), all_experts=bool(all_experts))
+    run = _Calibration(plan, plan.share_states(resumed), all_experts=all_experts)
     check_experts_layout(plan)
     _observe_parameters(run)
     session = Observing(run)
