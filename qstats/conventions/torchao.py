@@ -330,9 +330,9 @@ def _intx_weight_only_spec(cls, config, kwargs):
     algorithm = getattr(config, "intx_choose_qparams_algorithm", "AFFINE")
     if getattr(algorithm, "name", algorithm) != "AFFINE":
         raise ValueError(f"from_torchao: IntxWeightOnlyConfig with {algorithm} is not supported (AFFINE only)")
-    granularity, input_dim = config.granularity, 1 if len(shape) == 4 else len(shape) - 1
+    granularity = config.granularity
     if type(granularity).__name__ == "PerAxis" and granularity.axis == 0:
-        group = int(shape[input_dim])
+        group = int(shape[1])  # every input channel: dimension 1 of 2-d and 4-d (conv) weights alike
     elif type(granularity).__name__ == "PerGroup":
         group = int(granularity.group_size)
     else:
