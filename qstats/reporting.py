@@ -203,6 +203,7 @@ def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = 
     as observers leave them out of their statistics; ``mask`` leaves entries (padding) out of all
     five, though they are still quantized with the rest.
     """
+    _check_mask(mask, x)
     x = x.detach()
     wide = torch.promote_types(x.dtype, torch.float32)  # float64 kept: a float32 copy made 1e39 an Inf
     quantized = fake_quantize(x, qparams, spec).to(wide)  # in x's dtype: a bf16 model's values round to bf16
@@ -218,6 +219,25 @@ def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = 
     signal, noise = _energy(x, keep), _energy(x - quantized, keep)
     clipped = int((outside & canonical_view(keep, spec.granularity)).sum())
     return signal, noise, clipped, int(keep.sum()), int(left_out.sum())
+
+
+def _check_mask(mask, x: torch.Tensor) -> None:
+    """ValueError naming both shapes for a ``mask`` that does not broadcast to ``x``'s shape (a
+    ``[batch, tokens]`` mask of ``[batch, tokens, features]`` values failed inside ``expand``)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"tensor_error: mask must be a tensor, got {type(mask).__name__}")
+    try:
+        fits = torch.broadcast_shapes(mask.shape, x.shape) == x.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"tensor_error: a mask of shape {tuple(mask.shape)} does not broadcast to the tensor's shape "
+            f"{tuple(x.shape)} (dimensions align from the last: a [batch, tokens] mask of "
+            "[batch, tokens, features] values takes shape [batch, tokens, 1])"
+        )
 
 
 def _clipped(unclamped: torch.Tensor, spec) -> torch.Tensor:
