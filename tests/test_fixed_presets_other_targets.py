@@ -38,14 +38,18 @@ def test_presets_match_torch_quantized_kernels(ours, kernel, dtype):
     dict(dtype="int4", granularity=qstats.PerAxis(0)),
     dict(dtype="uint8", mapping="asymmetric", reduce_range=True),
     dict(dtype="int8", zero_point_domain="none"),
+    dict(dtype="uint8", mapping="asymmetric", zero_point_domain="float"),
+    dict(dtype="uint8", mapping="asymmetric", zero_point_domain="float", convention="torchao"),
+    dict(dtype="int8", mapping="asymmetric", zero_point_domain="float", convention="compressed_tensors"),
     dict(dtype="fp8_e4m3fn"),
     dict(dtype="fp4_e2m1"),
     dict(dtype="fp6_e3m2"),
 ], ids=lambda k: "-".join(str(v) for v in k.values()))
 def test_presets_cover_their_interval_on_any_target(ours, low, kwargs):
     """Every value of [low, 1) fake-quantizes to its nearest grid value, none clipped: int4 and fp4
-    presets held torch.ao's quint8 1/256 and clipped sigmoid at 0.06 and 0.023, and a signed int8
-    sigmoid at 0.496."""
+    presets held torch.ao's quint8 1/256 and clipped sigmoid at 0.06 and 0.023, a signed int8
+    sigmoid at 0.496, and torchao's float zero point (in the input's units) read 128 as an offset
+    of 128.0."""
     spec = qstats.QuantSpec(**kwargs)
     x = torch.linspace(low, 0.999, 4001).reshape(1, -1).expand(4, -1)
     obs = ours(spec)

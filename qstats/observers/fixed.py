@@ -181,6 +181,15 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="fixed_qparams")
 
 
+def _zero_point_at(spec: QuantSpec, scale: float, low: float) -> float:
+    """The float zero point that dequantizes code ``qmin`` to ``low``, in the convention's units
+    (codes for torch.ao, the input's for torchao): dequantization is affine in the zero point."""
+    qmin = torch.tensor([float(spec.qrange[0])])
+    scale_t = torch.tensor([scale])
+    at_zero, at_one = (float(spec.convention.dequantize(qmin, scale_t, torch.tensor([z]), spec)) for z in (0.0, 1.0))
+    return (low - at_zero) / (at_one - at_zero) + 0.0  # + 0.0: no negative zero
+
+
 def _preset(spec: Optional[QuantSpec], low: float, name: str) -> Observer:
     """Constants mapping ``[low, 1)`` onto the spec's codes, as torch's quantized sigmoid and tanh
     kernels choose them: quint8 ``1/256, 0`` and ``2/256, 128``; qint8 ``1/256, -128`` and ``2/256, 0``.
@@ -193,13 +202,15 @@ def _preset(spec: Optional[QuantSpec], low: float, name: str) -> Observer:
     qmin, qmax = spec.qrange
     if spec.is_float:
         return fixed_qparams(spec, span * 2.0 ** -math.floor(math.log2(qmax)), 0)._replace(name=name)
-    if spec.zero_point_domain != "int":
+    if spec.zero_point_domain == "none":
         if low < 0 <= qmin:
             raise ValueError(f"{name}: the codes [{qmin}, {qmax}] of {spec.dtype!r} without a zero point hold no "
                              f"negative value; use a signed target or zero_point_domain='int'")
         return fixed_qparams(spec, 1.0 / (qmax + 1), 0)._replace(name=name)
-    levels = qmax - qmin + 1
-    return fixed_qparams(spec, span / levels, qmin + round(-low / span * levels))._replace(name=name)
+    scale = span / (qmax - qmin + 1)
+    if spec.zero_point_domain == "float":
+        return fixed_qparams(spec, scale, _zero_point_at(spec, scale, low))._replace(name=name)
+    return fixed_qparams(spec, scale, qmin + round(-low / scale))._replace(name=name)
 
 
 def sigmoid_qparams(spec: Optional[QuantSpec] = None) -> Observer:
