@@ -386,16 +386,17 @@ def _fake_quantize_activation(x, qparams: Optional[QParams], spec, runtime: bool
     a site whose scales come at run time, under the scales of ``x`` (`runtime_qparams`)."""
     if not is_float_tensor(x):
         return x
-    if not runtime:
-        try:
+    if runtime:
+        check_runtime_group(x.shape, spec, where)
+        if not x.numel():  # no values (an expert no token is routed to): no scale to compute
+            return x
+    try:  # QParams of another shape or spec; a run-time range the spec refuses (nonfinite="raise")
+        if not runtime:
             return fake_quantize(x, qparams, spec)
-        except (ValueError, TypeError) as error:  # QParams of another shape or spec
-            raise_renamed(error, where)
-    check_runtime_group(x.shape, spec, where)
-    if not x.numel():  # no values (an expert no token is routed to): no scale to compute
-        return x
-    applied = runtime_spec(x, spec)
-    return fake_quantize(x, runtime_qparams(x, applied, qparams), applied)
+        applied = runtime_spec(x, spec)
+        return fake_quantize(x, runtime_qparams(x, applied, qparams), applied)
+    except (ValueError, TypeError) as error:
+        raise_renamed(error, where)
 
 
 @contextlib.contextmanager
