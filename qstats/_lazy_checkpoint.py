@@ -193,8 +193,13 @@ def _aliases(model: torch.nn.Module, stored: Callable[[str], list]) -> dict:
 
 
 def _no_tensor(checkpoint, missing: str, name: str) -> ValueError:
-    """The error for a tensor ``name`` of the model the checkpoint lacks as ``missing``."""
+    """The error for a tensor ``name`` of the model the checkpoint lacks as ``missing``; one stored
+    packed (compressed-tensors' ``weight_packed``: int4 or fp4 codes) is named as a quantized checkpoint."""
     also = f" (the model's {name!r})" if missing != name else ""
+    packed = f"{missing}_packed"
+    if packed in checkpoint:
+        also += (f": it holds {packed!r}, the packed codes of a quantized checkpoint, which is not read here; "
+                 "give its float weights")
     return ValueError(f"{checkpoint.where}: the checkpoint has no tensor {missing!r}{also}")
 
 

@@ -4,7 +4,8 @@ A compressed-tensors W8A8 checkpoint (the ``int-quantized`` format llm-compresso
 writes; here `qstats.export.compressed_tensors`, its checkpoint bit for bit) stores each Linear
 ``weight`` as int8 beside its ``weight_scale``. Read as the float model's weight it loses the
 scales: both functions refuse it with a ValueError naming the tensor (as they refuse float8
-ones), and leave the model on the meta device.
+ones), and leave the model on the meta device. A packed checkpoint (int4 ``pack-quantized``,
+``nvfp4-pack-quantized``) has ``weight_packed`` in place of ``weight``: the error names it.
 """
 
 from __future__ import annotations
@@ -68,3 +69,33 @@ def test_the_export_names_an_int8_weight_of_a_quantized_checkpoint(quantized, tm
         qstats.export.compressed_tensors_layerwise(model, folder, qparams, out, RECIPE, progress=False)
     assert not os.path.exists(out)
     assert all(value.device.type == "meta" for value in model.parameters())
+
+
+@pytest.mark.parametrize("args", [dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=16),
+                                  dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
+                                       scale_dtype=torch.float8_e4m3fn)])
+def test_a_packed_weight_of_a_quantized_checkpoint_is_named_as_such(tmp_path, args):
+    """A ``pack-quantized`` (int4) or ``nvfp4-pack-quantized`` checkpoint holds ``weight_packed`` in
+    place of each ``weight``: the error names it as a quantized checkpoint's codes, not only the
+    missing float weight."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    spec = qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(**args))
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=spec)], ignore=("lm_head",))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    qparams = qstats.compute_qparams_tree(qstats.calibrate(model, BATCHES, recipe, progress=False), recipe, model)
+    folder = str(tmp_path / "packed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qstats.export.compressed_tensors(model, qparams, folder, recipe)
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as file:
+        assert "model.layers.0.self_attn.q_proj.weight_packed" in file.keys()
+        assert "model.layers.0.self_attn.q_proj.weight" not in file.keys()
+    message = r"no tensor 'model\.layers\.0\..*weight': it holds '.*weight_packed', the packed codes of a quantized"
+    with pytest.raises(ValueError, match=message):
+        qstats.calibrate_layerwise(_meta(True), folder, BATCHES, recipe, progress=False)
+    with pytest.raises(ValueError, match=message):
+        qstats.export.compressed_tensors_layerwise(_meta(True), folder, qparams, str(tmp_path / "again"), recipe,
+                                                   progress=False)  # fmt: skip
+    assert not os.path.exists(tmp_path / "again")
