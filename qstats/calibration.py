@@ -57,12 +57,15 @@ def check_batches(batches, caller: str, observation_weight=None) -> None:
 def _drops_out(module: torch.nn.Module) -> bool:
     """Whether ``module`` behaves differently in training mode: a dropout (p > 0) or batch norm,
     or an attention module applying a functional dropout of probability ``attention_dropout`` > 0
-    while training (transformers' Llama family), or ``dropout`` > 0 (torch's ``MultiheadAttention``)."""
+    while training (transformers' Llama family), or a torch module dropping out through its
+    ``dropout`` float: ``MultiheadAttention``, and a multi-layer ``RNN``/``LSTM``/``GRU`` (between layers)."""
     kinds = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
     if isinstance(module, kinds):
         return getattr(module, "p", 1.0) > 0
     if isinstance(module, torch.nn.MultiheadAttention):
         return module.dropout > 0
+    if isinstance(module, torch.nn.RNNBase):
+        return module.dropout > 0 and module.num_layers > 1
     rate = getattr(module, "attention_dropout", None)
     return isinstance(rate, float) and rate > 0
 

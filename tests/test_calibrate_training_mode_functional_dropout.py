@@ -1,6 +1,7 @@
 """torch's ``nn.MultiheadAttention`` drops attention weights out in training mode through its
-``dropout`` float (no ``nn.Dropout`` child): calibrating it in training mode warns, naming it, as
-for dropout modules, and in eval mode or with ``dropout=0`` it does not. (The recipes observe
+``dropout`` float (no ``nn.Dropout`` child), as multi-layer ``RNN``/``LSTM``/``GRU`` do between their
+layers: calibrating them in training mode warns, naming them, as for dropout modules, and in eval
+mode or without dropout it does not. (The recipes observe
 ``head`` only: the attention's functional forward reads ``out_proj``'s weights without calling it.)"""
 
 from __future__ import annotations
@@ -49,3 +50,34 @@ def test_multihead_attention_without_dropout_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qstats.calibrate(model, [x], qstats.Recipe([qstats.Rule("head", sites=("input",))]), progress=False)
+
+
+class Recurrent(torch.nn.Module):
+    def __init__(self, kind, num_layers: int):
+        super().__init__()
+        self.rnn = kind(16, 16, num_layers=num_layers, dropout=0.5, batch_first=True)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+@pytest.mark.parametrize("kind", [torch.nn.RNN, torch.nn.LSTM, torch.nn.GRU])
+def test_recurrent_dropout_between_layers_in_training_mode_warns(kind):
+    torch.manual_seed(0)
+    model = Recurrent(kind, num_layers=2)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():  # dropout between the layers in training mode, in torch itself
+        assert not torch.equal(model(x), model(x))
+    recipe = qstats.Recipe([qstats.Rule("head", sites=("input",))])
+    with pytest.warns(UserWarning, match=rf"module 'rnn' \({kind.__name__}\) is in training mode"):
+        qstats.calibrate(model, [x], recipe, progress=False)
+
+    with warnings.catch_warnings():  # one layer: torch applies no dropout (and warns itself at construction)
+        warnings.simplefilter("ignore")
+        single = Recurrent(kind, num_layers=1)
+    with torch.no_grad():
+        assert torch.equal(single(x), single(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qstats.calibrate(single, [x], recipe, progress=False)
