@@ -39,7 +39,7 @@ def compressed_tensors(
     specs_or_recipe: Any,
     *,
     format: Optional[str] = None,
-    max_shard_size: Optional[Union[int, str]] = "50GB",
+    max_shard_size: Optional[Union[int, str]] = "20GB",
     actorder: Optional[str] = None,
 ) -> dict:
     """Writes ``model`` with ``qparams`` as a compressed-tensors checkpoint in folder ``path``.
@@ -57,8 +57,8 @@ def compressed_tensors(
       max_shard_size: the largest shard, in bytes or as ``save_pretrained`` reads it (``"5GB"``: units KB,
         MB, GB, TB of powers of 1000): the tensors are split in order into ``model-0000i-of-0000n.safetensors``
         with ``model.safetensors.index.json``, as ``save_pretrained(max_shard_size=...)`` splits them (a tensor
-        larger than it gets a shard of its own); one shard is ``model.safetensors``. Default ``"50GB"``,
-        ``save_pretrained``'s (the Hugging Face Hub's largest file); None: one ``model.safetensors`` whatever its size.
+        larger than it gets a shard of its own); one shard is ``model.safetensors``. Default ``"20GB"``, as
+        llm-compressor's save (the Hugging Face Hub's recommended largest file); None: one file of any size.
       actorder: the column order GPTQ quantized the weights in (`qstats.gptq_layerwise`'s ``actorder``),
         written into every group's weights args as ``oneshot(GPTQModifier(actorder=...))`` writes it: None
         (default; also False, which compressed-tensors reads as None), ``"static"`` or ``"weight"``.
