@@ -51,6 +51,20 @@ __all__ = ["QstatsObserver", "OBSERVERS", "QstatsMinmaxObserver", "QstatsStaticM
            "QstatsMemorylessMinmaxObserver", "QstatsHistogramObserver", "QstatsMseObserver"]
 
 
+_MIXED_GROUP = ("its fusion group (q/k/v or gate/up weights sharing a global scale) mixes qstats and "
+                "llm-compressor observers; give every layer of the group a qstats observer")
+
+
+class _QstatsStatistics(dict):
+    """A qstats observer's statistics in its fusion group: its state, spec and qparams options. An
+    llm-compressor observer of the group reads ``min_vals``/``max_vals`` of every member for the
+    shared global scale; a qstats member has none, so that read raises the TypeError a qstats
+    member of the group raises (it was a KeyError inside llm-compressor)."""
+
+    def __missing__(self, key):
+        raise TypeError(f"{self['qstats_observer']} has no {key!r} for llm-compressor's observers: {_MIXED_GROUP}")
+
+
 class QstatsObserver(LLMCompressorObserver):
     """An llm-compressor observer whose statistics are one qstats state (``qstats_state``).
 
@@ -148,10 +162,7 @@ class QstatsObserver(LLMCompressorObserver):
             return None
         group = self.fusion_handler.get_fused_statistics()
         if any("qstats_state" not in stats for stats in group):
-            raise TypeError(
-                f"{type(self).__name__}: its fusion group (q/k/v or gate/up weights sharing a global scale) "
-                "mixes qstats and llm-compressor observers; give every layer of the group a qstats observer"
-            )
+            raise TypeError(f"{type(self).__name__}: {_MIXED_GROUP}")
         # each member's range under its own observer and options (llm-compressor fuses minmax and mse
         # members alike), one global scale over them, as compute_qparams_tree shares it
         amax = torch.stack([fused_amax([stats["qstats_state"]], stats["qstats_spec"], **stats["qstats_options"])
@@ -160,7 +171,8 @@ class QstatsObserver(LLMCompressorObserver):
 
     def get_statistics(self) -> dict:
         """The state, with the spec and qparams options its fusion group reads its range under."""
-        return {**super().get_statistics(), "qstats_spec": self.spec, "qstats_options": self.qparams_options}
+        return _QstatsStatistics(super().get_statistics(), qstats_spec=self.spec, qstats_options=self.qparams_options,
+                                 qstats_observer=type(self).__name__)
 
     @torch.no_grad
     def get_qparams(self) -> dict:
