@@ -95,6 +95,7 @@ def register_state(cls: type) -> type:
     if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
         raise TypeError(f"register_state expects a NamedTuple class, got {cls!r}")
     _check_field_annotations(cls)
+    _check_approx_fields(cls)
     if cls.__name__ in _RESERVED_NAMES:
         raise ValueError(
             f"register_state: {cls.__name__!r} is the name of a qstats type that checkpoints store by "
@@ -128,6 +129,21 @@ def _check_field_annotations(cls: type) -> None:
                 f"register_state: field {field!r} of {cls.__name__} is annotated {shown}; states hold tensors "
                 "only (keep a count as an int64 tensor, torch.zeros((), dtype=torch.int64))"
             )
+
+
+def _check_approx_fields(cls: type) -> None:
+    """TypeError unless a declared ``approx_fields`` is a collection of field names (``("total")``
+    without its comma is the string "total", whose letters the laws would read as the names), and
+    ValueError naming a name that is not a field of the class (the laws would compare it bit for bit)."""
+    declared = getattr(cls, "approx_fields", ())
+    names = tuple(declared) if isinstance(declared, (tuple, list, set, frozenset)) else None
+    if names is None or not all(isinstance(name, str) for name in names):
+        raise TypeError(f"register_state: {cls.__name__}.approx_fields must be a tuple of field names, got "
+                        f"{declared!r} (a one-name tuple needs its comma: ({declared!r},))")
+    unknown = sorted(set(names) - set(cls._fields) - {"*"})  # "*": every float field, as the laws read it
+    if unknown:
+        raise ValueError(f"register_state: {cls.__name__}.approx_fields names {unknown}, which are not fields of "
+                         f"{cls.__name__} {cls._fields}")
 
 
 def state_types() -> dict[str, type]:
