@@ -86,11 +86,12 @@ def _amax_of(state, spec: QuantSpec, where=None, **options) -> torch.Tensor:
 
 
 def _is_named_group(states) -> bool:
-    """A NamedTuple of states (``QKV(q=..., k=..., v=...)``) with no range rule of its own: a group."""
+    """A NamedTuple holding states (``QKV(q=..., k=..., v=...)``) with no range rule of its own: a
+    group, whose members that are not states (Gemma 4's ``v=None``) `_as_states` then names."""
     try:
         range_rule_for(states)
     except TypeError:
-        return len(states) > 0 and all(is_named_tuple(member) for member in states)
+        return any(is_named_tuple(member) for member in states)
     return False
 
 

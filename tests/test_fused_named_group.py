@@ -44,3 +44,14 @@ def test_a_named_tuple_of_states_is_not_one_stacked_state():
     spec, _, group = _group()
     with pytest.raises(TypeError, match=r"stacked=True\): states must be one state stacked .* got a QKV"):
         qstats.fused_qparams(group, spec, stacked=True)
+
+
+@pytest.mark.parametrize("function", [qstats.fused_global_scale, qstats.fused_qparams])
+def test_a_named_tuple_with_a_none_member_names_it_as_the_list_form_does(function):
+    """``QKV(q, k, v=None)`` (Gemma 4's ``attention_k_eq_v`` has no ``v_proj``): the member is named,
+    as in ``[q, k, None]``, rather than the NamedTuple taken for one state with no range rule."""
+    spec, _, group = _group()
+    with pytest.raises(TypeError, match="member 2 of the group is a NoneType"):
+        function(list(group[:2]) + [None], spec)
+    with pytest.raises(TypeError, match="member 2 of the group is a NoneType"):
+        function(group._replace(v=None), spec)
