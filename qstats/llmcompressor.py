@@ -59,7 +59,7 @@ class _QstatsStatistics(dict):
     """A qstats observer's statistics in its fusion group: its state, spec and qparams options. An
     llm-compressor observer of the group reads ``min_vals``/``max_vals`` of every member for the
     shared global scale; a qstats member has none, so that read raises the TypeError a qstats
-    member of the group raises (it was a KeyError inside llm-compressor)."""
+    member of the group raises, not a KeyError inside llm-compressor."""
 
     def __missing__(self, key):
         raise TypeError(f"{self['qstats_observer']} has no {key!r} for llm-compressor's observers: {_MIXED_GROUP}")
