@@ -57,11 +57,16 @@ def check_batches(batches, caller: str, observation_weight=None) -> None:
 def _drops_out(module: torch.nn.Module) -> bool:
     """Whether ``module`` behaves differently in training mode: a dropout (p > 0) or batch norm,
     or an attention module applying a functional dropout of probability ``attention_dropout`` > 0
-    while training (transformers' Llama family), or a torch module dropping out through its
-    ``dropout`` float: ``MultiheadAttention``, and a multi-layer ``RNN``/``LSTM``/``GRU`` (between layers)."""
+    while training (transformers' Llama family), a stochastic-depth module dropping residual branches
+    with probability ``drop_prob`` > 0 (transformers' ``*DropPath``, timm's ``DropPath``), or a torch
+    module dropping out through its ``dropout`` float: ``MultiheadAttention``, and a multi-layer
+    ``RNN``/``LSTM``/``GRU`` (between layers)."""
     kinds = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
     if isinstance(module, kinds):
         return getattr(module, "p", 1.0) > 0
+    drop_path = getattr(module, "drop_prob", None)
+    if isinstance(drop_path, float) and drop_path > 0:
+        return True
     if isinstance(module, torch.nn.MultiheadAttention):
         return module.dropout > 0
     if isinstance(module, torch.nn.RNNBase):

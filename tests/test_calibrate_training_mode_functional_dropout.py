@@ -1,7 +1,8 @@
 """torch's ``nn.MultiheadAttention`` drops attention weights out in training mode through its
 ``dropout`` float (no ``nn.Dropout`` child), as multi-layer ``RNN``/``LSTM``/``GRU`` do between their
-layers: calibrating them in training mode warns, naming them, as for dropout modules, and in eval
-mode or without dropout it does not. (The recipes observe
+layers, and stochastic-depth modules drop residual branches through ``drop_prob``: calibrating them
+in training mode warns, naming them, as for dropout modules, and in eval mode or without dropout it
+does not. (The recipes observe
 ``head`` only: the attention's functional forward reads ``out_proj``'s weights without calling it.)"""
 
 from __future__ import annotations
@@ -81,3 +82,24 @@ def test_recurrent_dropout_between_layers_in_training_mode_warns(kind):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qstats.calibrate(single, [x], recipe, progress=False)
+
+
+def test_stochastic_depth_in_training_mode_warns():
+    """transformers' DropPath modules (ConvNeXt, Swin, BEiT, ...) drop residual branches per sample
+    while training with probability ``drop_prob``: a model built from a config is in training mode."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ConvNextConfig(num_channels=3, patch_size=2, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1],
+                                         image_size=8, drop_path_rate=0.5)
+    model = transformers.ConvNextModel(config)
+    assert model.training and not any(isinstance(m, torch.nn.Dropout) for m in model.modules())
+    pixels = torch.randn(4, 3, 8, 8)
+    with torch.no_grad():  # random in training mode, in transformers itself
+        assert not torch.equal(model(pixels).last_hidden_state, model(pixels).last_hidden_state)
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",))])
+    with pytest.warns(UserWarning, match=r"\(ConvNextDropPath\) is in training mode"):
+        qstats.calibrate(model, [pixels], recipe, progress=False)
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qstats.calibrate(model, [pixels], recipe, progress=False)
