@@ -54,25 +54,24 @@ def check_batches(batches, caller: str, observation_weight=None) -> None:
 
 
 
+# float attributes by which modules drop out while training, with no dropout module: transformers'
+# attention (``attention_dropout``, Llama family), BART/Whisper/Marian layers (``dropout``,
+# ``activation_dropout``, ``layerdrop``: whole layers skipped), stochastic depth (``drop_prob``:
+# transformers' ``*DropPath``, timm's ``DropPath``) and torch's ``MultiheadAttention`` (``dropout``)
+_DROPOUT_RATES = ("dropout", "attention_dropout", "activation_dropout", "layerdrop", "drop_prob")
+
+
 def _drops_out(module: torch.nn.Module) -> bool:
-    """Whether ``module`` behaves differently in training mode: a dropout (p > 0) or batch norm,
-    or an attention module applying a functional dropout of probability ``attention_dropout`` > 0
-    while training (transformers' Llama family), a stochastic-depth module dropping residual branches
-    with probability ``drop_prob`` > 0 (transformers' ``*DropPath``, timm's ``DropPath``), or a torch
-    module dropping out through its ``dropout`` float: ``MultiheadAttention``, and a multi-layer
-    ``RNN``/``LSTM``/``GRU`` (between layers)."""
+    """Whether ``module`` behaves differently in training mode: a dropout (p > 0) or batch norm, a
+    multi-layer ``RNN``/``LSTM``/``GRU`` with dropout (between its layers), or a module holding one
+    of `_DROPOUT_RATES` as a float > 0."""
     kinds = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
     if isinstance(module, kinds):
         return getattr(module, "p", 1.0) > 0
-    drop_path = getattr(module, "drop_prob", None)
-    if isinstance(drop_path, float) and drop_path > 0:
-        return True
-    if isinstance(module, torch.nn.MultiheadAttention):
-        return module.dropout > 0
-    if isinstance(module, torch.nn.RNNBase):
+    if isinstance(module, torch.nn.RNNBase):  # one layer: torch applies no dropout
         return module.dropout > 0 and module.num_layers > 1
-    rate = getattr(module, "attention_dropout", None)
-    return isinstance(rate, float) and rate > 0
+    rates = [getattr(module, name, None) for name in _DROPOUT_RATES]
+    return any(isinstance(rate, float) and rate > 0 for rate in rates)
 
 
 def warn_training_mode(model: torch.nn.Module, caller: str) -> None:

@@ -1,6 +1,7 @@
 """torch's ``nn.MultiheadAttention`` drops attention weights out in training mode through its
 ``dropout`` float (no ``nn.Dropout`` child), as multi-layer ``RNN``/``LSTM``/``GRU`` do between their
-layers, and stochastic-depth modules drop residual branches through ``drop_prob``: calibrating them
+layers, stochastic-depth modules drop residual branches through ``drop_prob`` and BART-family layers
+drop out through ``dropout``/``activation_dropout`` floats: calibrating them
 in training mode warns, naming them, as for dropout modules, and in eval mode or without dropout it
 does not. (The recipes observe
 ``head`` only: the attention's functional forward reads ``out_proj``'s weights without calling it.)"""
@@ -103,3 +104,26 @@ def test_stochastic_depth_in_training_mode_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qstats.calibrate(model, [pixels], recipe, progress=False)
+
+
+def test_functional_dropout_and_layerdrop_of_bart_in_training_mode_warn():
+    """BART's layers (as Whisper's, Marian's, mBART's) drop out through float attributes
+    (``dropout``, ``activation_dropout``) and skip whole layers (``layerdrop``) while training, with
+    no ``nn.Dropout`` module: a model built from a config is in training mode."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                     decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.3)
+    model = transformers.BartModel(config)
+    assert model.training and not any(isinstance(m, torch.nn.Dropout) for m in model.modules())
+    ids = torch.randint(3, 64, (2, 6))
+    with torch.no_grad():  # random in training mode, in transformers itself
+        assert not torch.equal(model(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",))])
+    with pytest.warns(UserWarning, match=r"module 'encoder' \(BartEncoder\) is in training mode"):
+        qstats.calibrate(model, [ids], recipe, progress=False)
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qstats.calibrate(model, [ids], recipe, progress=False)
