@@ -636,8 +636,51 @@ def _tied_config(model_config: Any) -> Any:
     return tied
 
 
+# fields the export sets itself, which may differ from the config file the model was read from
+_PATCHED_FIELDS = frozenset({"_name_or_path", "transformers_version", "tie_word_embeddings", "dtype", "torch_dtype"})
+
+
+def _without_patched_fields(config: dict) -> dict:
+    return {key: _without_patched_fields(value) if isinstance(value, dict) else value
+            for key, value in config.items() if key not in _PATCHED_FIELDS}
+
+
+def _original_config(model_config: Any, dtype: Optional[str]) -> Optional[dict]:
+    """The ``config.json`` the model's config was read from (its ``_name_or_path``: a folder, or a Hub
+    model in the local cache), its text config's ``tie_word_embeddings`` and dtype set to the model's,
+    as llm-compressor's save writes it (its ``resave_config``): transformers' own serialization renames
+    fields (``rope_theta`` and ``rope_scaling`` become ``rope_parameters``) that readers running older
+    transformers (vLLM) would miss. None where there is no such file, it lacks those fields, or it
+    describes another config than the model's (a field changed after loading)."""
+    name = getattr(model_config, "_name_or_path", "") or ""
+    found = os.path.join(name, "config.json") if name else None
+    if found is not None and not os.path.isfile(found):
+        with contextlib.suppress(Exception):  # not a Hub model id
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(name, "config.json")
+    if not isinstance(found, str) or not os.path.isfile(found) or dtype is None:
+        return None
+    try:
+        with open(found) as file:
+            original = json.load(file)
+        read = type(model_config).from_dict(copy.deepcopy(original)).to_dict()  # it edits nested fields
+        text_config = model_config.get_text_config(decoder=True)
+    except Exception:  # not a config of this class: the model's own serialization is written
+        return None
+    if _without_patched_fields(read) != _without_patched_fields(model_config.to_dict()):
+        return None
+    text = original.get("text_config", original)
+    dtype_key = next((key for key in ("torch_dtype", "dtype") if key in text), None)
+    if dtype_key is None or "tie_word_embeddings" not in text:
+        return None
+    text[dtype_key], text["tie_word_embeddings"] = dtype, text_config.tie_word_embeddings
+    return original
+
+
 def write_config(path: str, model: torch.nn.Module, quantization_config: dict, retied: bool = False) -> None:
-    """``path/config.json``: an existing one, updated with the model's config and ``quantization_config``
+    """``path/config.json``: an existing one, updated with the model's config (the file it was read from,
+    `_original_config`, else transformers' serialization) and ``quantization_config``
     (and ``path/generation_config.json`` of a model that generates). ``retied``: the output embeddings
     were written as the input ones (`retied_copies`), so the config ties them."""
     os.makedirs(path, exist_ok=True)
@@ -650,10 +693,15 @@ def write_config(path: str, model: torch.nn.Module, quantization_config: dict, r
     if retied and model_config is not None:
         model_config = _tied_config(model_config)
     if model_config is not None and hasattr(model_config, "to_dict"):
-        # what differs from the config class's defaults, as transformers' save_pretrained (and so
-        # llm-compressor) writes it: no local _name_or_path
-        config.update(getattr(model_config, "to_diff_dict", model_config.to_dict)())
-        config.update(_saved_model_fields(model))
+        saved = _saved_model_fields(model)
+        original = _original_config(model_config, saved.get("dtype"))
+        if original is None:
+            # what differs from the config class's defaults, as transformers' save_pretrained writes it:
+            # no local _name_or_path
+            original = {**getattr(model_config, "to_diff_dict", model_config.to_dict)(), **saved}
+        config.update(original)
+        if saved:  # vLLM picks its implementation by them
+            config.setdefault("architectures", saved["architectures"])
     if not retied and _quantizes_a_tied_weight(model, quantization_config):
         # the checkpoint holds the tied modules' own tensors (one of them quantized): a loader that ties them
         # would replace one by the other (transformers fails, vLLM drops the quantized lm_head), so untie
