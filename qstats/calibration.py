@@ -53,7 +53,6 @@ def check_batches(batches, caller: str, observation_weight=None) -> None:
     raise TypeError(f"{caller}: batches must be an iterable of batches (got a single {got}); wrap one batch in a list")
 
 
-
 # float attributes by which modules drop out while training, with no dropout module: transformers'
 # attention (``attention_dropout``, Llama family), BART/Whisper/Marian layers (``dropout``,
 # ``activation_dropout``, ``layerdrop``: whole layers skipped), stochastic depth (``drop_prob``:
