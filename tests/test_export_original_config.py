@@ -6,7 +6,9 @@ older transformers (vLLM deployments) do not know, so they would run the default
 scaling. llm-compressor's save writes the model's original ``config.json`` instead (its
 ``resave_config``), with the text config's ``tie_word_embeddings`` and dtype set to the model's. The
 export writes the same file, in memory and layer by layer; a config changed after it was read (here
-fewer layers) is written as transformers serialises it, so it still describes the checkpoint.
+fewer layers) is written as transformers serialises it, so it still describes the checkpoint. Both
+copy the ``*.py`` files of the model's folder (a remote-code model's code, which
+``trust_remote_code`` loading reads beside the checkpoint).
 """
 
 from __future__ import annotations
@@ -50,7 +52,13 @@ def _base(folder) -> str:
         model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(folder))
         model.to(torch.bfloat16).save_pretrained(os.path.join(folder, "weights"))
     os.replace(os.path.join(folder, "weights", "model.safetensors"), os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "configuration_custom.py"), "w") as file:  # as a remote-code model ships
+        file.write("CUSTOM = True\n")
     return str(folder)
+
+
+def _python_files(folder) -> set:
+    return {name for name in os.listdir(folder) if name.endswith(".py")}
 
 
 def _qparams(model, recipe, samples):
@@ -76,8 +84,10 @@ def test_the_config_is_the_original_one_as_llm_compressor_writes_it(tmp_path):
         meta = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base),
                                                              dtype=torch.bfloat16)  # fmt: skip
     qstats.export.compressed_tensors_layerwise(meta, base, qparams, str(tmp_path / "layerwise"), recipe, progress=False)
+    assert _python_files(tmp_path / "theirs") == {"configuration_custom.py"}
     for folder in ("ours", "layerwise"):
         assert _config(tmp_path / folder) == theirs, folder
+        assert _python_files(tmp_path / folder) == _python_files(tmp_path / "theirs"), folder
 
 
 def test_a_config_changed_after_it_was_read_is_written_as_transformers_serialises_it(tmp_path):

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import json
 import os
+import shutil
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -645,24 +646,44 @@ def _without_patched_fields(config: dict) -> dict:
             for key, value in config.items() if key not in _PATCHED_FIELDS}
 
 
-def _original_config(model_config: Any, dtype: Optional[str]) -> Optional[dict]:
-    """The ``config.json`` the model's config was read from (its ``_name_or_path``: a folder, or a Hub
-    model in the local cache), its text config's ``tie_word_embeddings`` and dtype set to the model's,
-    as llm-compressor's save writes it (its ``resave_config``): transformers' own serialization renames
-    fields (``rope_theta`` and ``rope_scaling`` become ``rope_parameters``) that readers running older
+def _source_folder(model_config: Any) -> Optional[str]:
+    """The folder the model's config was read from (its ``_name_or_path``: a folder holding a
+    ``config.json``, or a Hub model's snapshot in the local cache), or None."""
+    name = getattr(model_config, "_name_or_path", "") or ""
+    if not isinstance(name, str) or not name:
+        return None
+    if os.path.isfile(os.path.join(name, "config.json")):
+        return name
+    with contextlib.suppress(Exception):  # not a Hub model id
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(name, "config.json")
+        if isinstance(found, str):
+            return os.path.dirname(found)
+    return None
+
+
+def _copy_python_files(source: Optional[str], path: str) -> None:
+    """The ``*.py`` files of ``source`` (a remote-code model's configuration and modeling code, which
+    ``trust_remote_code`` loading reads beside the checkpoint) copied into ``path``, as llm-compressor's
+    save copies them (``copy_python_files_from_model_cache``)."""
+    if source is None or os.path.abspath(source) == os.path.abspath(path):
+        return
+    for name in sorted(os.listdir(source)):
+        if name.endswith(".py") and os.path.isfile(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), path)
+
+
+def _original_config(source: Optional[str], model_config: Any, dtype: Optional[str]) -> Optional[dict]:
+    """The ``config.json`` in ``source``, the folder the model's config was read from (`_source_folder`),
+    its text config's ``tie_word_embeddings`` and dtype set to the model's, as llm-compressor's save
+    writes it (its ``resave_config``): transformers' own serialization renames fields (``rope_theta`` and ``rope_scaling`` become ``rope_parameters``) that readers running older
     transformers (vLLM) would miss. None where there is no such file, it lacks those fields, or it
     describes another config than the model's (a field changed after loading)."""
-    name = getattr(model_config, "_name_or_path", "") or ""
-    found = os.path.join(name, "config.json") if name else None
-    if found is not None and not os.path.isfile(found):
-        with contextlib.suppress(Exception):  # not a Hub model id
-            from huggingface_hub import try_to_load_from_cache
-
-            found = try_to_load_from_cache(name, "config.json")
-    if not isinstance(found, str) or not os.path.isfile(found) or dtype is None:
+    if source is None or dtype is None:
         return None
     try:
-        with open(found) as file:
+        with open(os.path.join(source, "config.json")) as file:
             original = json.load(file)
         read = type(model_config).from_dict(copy.deepcopy(original)).to_dict()  # it edits nested fields
         text_config = model_config.get_text_config(decoder=True)
@@ -694,7 +715,9 @@ def write_config(path: str, model: torch.nn.Module, quantization_config: dict, r
         model_config = _tied_config(model_config)
     if model_config is not None and hasattr(model_config, "to_dict"):
         saved = _saved_model_fields(model)
-        original = _original_config(model_config, saved.get("dtype"))
+        source = _source_folder(model_config)
+        _copy_python_files(source, path)
+        original = _original_config(source, model_config, saved.get("dtype"))
         if original is None:
             # what differs from the config class's defaults, as transformers' save_pretrained writes it:
             # no local _name_or_path
