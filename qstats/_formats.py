@@ -199,11 +199,14 @@ def code_dtype(spec) -> torch.dtype:
 
 
 def integer_dtype_holds(dtype, qrange) -> bool:
-    """True for a plain (not quantized) torch integer dtype whose range holds ``qrange``."""
+    """True for a plain (not quantized, not sub-byte) torch integer dtype whose range holds ``qrange``."""
     if not isinstance(dtype, torch.dtype) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool \
             or dtype in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4):
         return False
-    info = torch.iinfo(dtype)
+    try:
+        info = torch.iinfo(dtype)
+    except TypeError:  # torch.int1-int7 / uint1-uint7: no iinfo, no storage of their own
+        return False
     return info.min <= qrange[0] and qrange[1] <= info.max
 
 
