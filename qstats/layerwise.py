@@ -33,7 +33,7 @@ from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, releas
 from ._sites import run_model
 from .calibration import batch_weight, calibrate, check_batches, compute_qparams_tree, fake_quantized
 from .experts import with_argument
-from .observation import check_experts_layout, resumed_states
+from .observation import check_experts_layout, check_flag, resumed_states
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["calibrate_layerwise"]
@@ -778,6 +778,8 @@ def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offl
     ``same_on_ranks()``: more arguments every rank must pass alike, read once they are checked."""
 
     def prepare() -> tuple:  # every check here, so that with all_reduce a rank's bad argument stops all
+        check_flag(all_experts, "all_experts", where)
+        check_flag(all_reduce, "all_reduce", where)
         if propagate not in ("float", "quantized"):
             raise ValueError(f"{where}: propagate must be 'float' or 'quantized', got {propagate!r}")
         if all_reduce and states is not None:
@@ -799,7 +801,7 @@ def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offl
         directory = None if offload_dir is None else tempfile.mkdtemp(prefix="qstats_layerwise_", dir=offload_dir)
         made.append(directory)  # removed at the end, whatever fails after this
         run = _Run(model, source, plan, _Store(directory), resumed,
-                   bool(all_experts), propagate, bool(all_reduce), execution, side_plan, after_layer)
+                   all_experts, propagate, all_reduce, execution, side_plan, after_layer)
         return run, container_path, container
 
     made: list = []  # the offload folder, once made
