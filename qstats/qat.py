@@ -287,23 +287,27 @@ def _bound_inputs(layer: nn.Module, key: str, node) -> Dict[str, Any]:
                          f"forward does not take: {error}") from error
 
 
-def _layer_call(layer: nn.Module, bias, given: Dict[str, Any], sparse: bool) -> Tuple[Any, tuple]:
-    """``(function, arguments after (input, weight))`` that compute ``layer`` as its stock forward does
-    (an embedding's gradient sparse if ``sparse``: `_dense_gradient`)."""
-    if isinstance(layer, nn.Embedding):
-        return _embedding, (layer.padding_idx, layer.max_norm, layer.norm_type, layer.scale_grad_by_freq, sparse)
-    if isinstance(layer, nn.EmbeddingBag):
-        return _embedding_bag, (given.get("offsets"), layer.max_norm, layer.norm_type, layer.scale_grad_by_freq,
-                                layer.mode, sparse, given.get("per_sample_weights"), layer.include_last_offset,
-                                layer.padding_idx)
-    if isinstance(layer, nn.Linear):
-        return F.linear, (bias,)
-    if isinstance(layer, _CONV_TRANSPOSE):
-        if given.get("output_size") is not None:
-            return _conv_transpose, (bias, layer.stride, layer.padding, layer.kernel_size, layer.groups,
-                                     layer.dilation, given["output_size"])
-        return _function(layer), (bias, layer.stride, layer.padding, layer.output_padding, layer.groups, layer.dilation)
-    return _function(layer), (bias, layer.stride, layer.padding, layer.dilation, layer.groups)
+class _Substituted:
+    """``layer`` as its stock forward reads it, with some attributes replaced (the fake-quantized weight);
+    every other attribute and method is the layer's own, which stays as it is."""
+
+    def __init__(self, layer: nn.Module, weight, bias, sparse: bool):
+        self.layer, self.weight, self.bias, self.sparse = layer, weight, bias, sparse
+
+    def __getattr__(self, name: str):
+        return getattr(self.layer, name)
+
+
+def _stock_forward(layer: nn.Module, weight, bias, sparse: bool, arguments: Dict[str, Any]):
+    """``layer`` computed by the forward of the class of `_LAYER_FUNCTIONS` it is an instance of, with
+    ``weight``, ``bias`` and (an embedding's) ``sparse`` in place of its own, running no hook. With
+    ``max_norm``, an embedding renorms a copy of ``weight``: F.embedding renorms the rows it looks up in
+    place, and ``weight`` is the parameter itself where nothing fake-quantizes it (torch.ao's QAT Embedding
+    renorms its fake-quantized copy; the parameter stays as given)."""
+    if getattr(layer, "max_norm", None) is not None:
+        weight = weight.clone()
+    forward = next(cls.forward for cls in _LAYER_FUNCTIONS if isinstance(layer, cls))
+    return forward(_Substituted(layer, weight, bias, sparse), **arguments)
 
 
 # forward pre-hooks that compute a layer's parameter before each call from other attributes:
@@ -341,38 +345,6 @@ def _layer_weight(layer: nn.Module) -> torch.Tensor:
         return layer.weight
     function, attributes, constants = _hook_inputs(hook, "weight")
     return function(*(getattr(layer, a) for a in attributes), *constants)
-
-
-def _function(layer: nn.Module):
-    return next(function for cls, function in _LAYER_FUNCTIONS.items() if isinstance(layer, cls))
-
-
-def _conv_transpose(x, weight, bias, stride, padding, kernel_size, groups, dilation, output_size):
-    """``F.conv_transposeNd`` with the output padding that gives ``output_size``, computed as
-    ``nn.ConvTransposeNd.forward`` does (its ``_output_padding``, which reads no attribute then)."""
-    dims = len(kernel_size)
-    output_padding = nn.modules.conv._ConvTransposeNd._output_padding(
-        None, x, output_size, stride, padding, kernel_size, dims, dilation)
-    function = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
-    return function(x, weight, bias, stride, padding, output_padding, groups, dilation)
-
-
-def _embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
-    """``F.embedding``; with ``max_norm``, of a copy of ``weight``: F.embedding renorms the rows it looks
-    up in place, and ``weight`` is the parameter itself where nothing fake-quantizes it (torch.ao's QAT
-    Embedding renorms its fake-quantized copy; the parameter stays as given)."""
-    if max_norm is not None:
-        weight = weight.clone()
-    return F.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
-
-
-def _embedding_bag(ids, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights,
-                   include_last_offset, padding_idx):
-    """``F.embedding_bag``, renorming a copy of ``weight`` as `_embedding`."""
-    if max_norm is not None:
-        weight = weight.clone()
-    return F.embedding_bag(ids, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
-                           per_sample_weights, include_last_offset, padding_idx)
 
 
 def _conv_layout(weight: torch.Tensor, groups: int) -> torch.Tensor:
@@ -1037,8 +1009,9 @@ class _Rewriter:
         sparse = sparse and not self._dense_gradient(key, layer, sparse)
         with self.graph.inserting_before(node):
             bias = self._parameter(key, layer, "bias") if getattr(layer, "bias", None) is not None else None
-            function, rest = _layer_call(layer, bias, given, sparse)
-            replacement = self.graph.call_function(function, (x, weight, *rest))
+            arguments = {**{name: value for name, value in given.items() if name != "self"}, "input": x}
+            replacement = self.graph.call_function(_stock_forward, (self.graph.get_attr(key), weight, bias, sparse,
+                                                                    arguments))
         node.replace_all_uses_with(replacement)
         self.graph.erase_node(node)
 
