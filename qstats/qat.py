@@ -15,7 +15,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize, prune
+from torch.nn.utils import prune
 from torch.nn.utils.weight_norm import WeightNorm
 
 from . import distributed
@@ -288,31 +288,31 @@ def _bound_inputs(layer: nn.Module, key: str, node) -> Dict[str, Any]:
 
 
 class _Substituted:
-    """``layer`` as its stock forward reads it, with some attributes replaced (the fake-quantized weight);
-    every other attribute and method is the layer's own, which stays as it is."""
+    """``layer`` as its stock forward reads it: ``weight`` (the fake-quantized one) and ``sparse`` replaced,
+    every other attribute the layer's as `_layer_parameter` reads it; the layer stays as it is."""
 
-    def __init__(self, layer: nn.Module, weight, bias, sparse: bool):
-        self.layer, self.weight, self.bias, self.sparse = layer, weight, bias, sparse
+    def __init__(self, layer: nn.Module, weight, sparse: bool):
+        self.layer, self.weight, self.sparse = layer, weight, sparse
 
     def __getattr__(self, name: str):
-        return getattr(self.layer, name)
+        return _layer_parameter(self.layer, name)
 
 
-def _stock_forward(layer: nn.Module, weight, bias, sparse: bool, arguments: Dict[str, Any]):
+def _stock_forward(layer: nn.Module, weight, sparse: bool, arguments: Dict[str, Any]):
     """``layer`` computed by the forward of the class of `_LAYER_FUNCTIONS` it is an instance of, with
-    ``weight``, ``bias`` and (an embedding's) ``sparse`` in place of its own, running no hook. With
+    ``weight`` and (an embedding's) ``sparse`` in place of its own, running no hook. With
     ``max_norm``, an embedding renorms a copy of ``weight``: F.embedding renorms the rows it looks up in
     place, and ``weight`` is the parameter itself where nothing fake-quantizes it (torch.ao's QAT Embedding
     renorms its fake-quantized copy; the parameter stays as given)."""
     if getattr(layer, "max_norm", None) is not None:
         weight = weight.clone()
     forward = next(cls.forward for cls in _LAYER_FUNCTIONS if isinstance(layer, cls))
-    return forward(_Substituted(layer, weight, bias, sparse), **arguments)
+    return forward(_Substituted(layer, weight, sparse), **arguments)
 
 
 # forward pre-hooks that compute a layer's parameter before each call from other attributes:
 # torch.nn.utils.prune's (``name_orig * name_mask``) and the deprecated torch.nn.utils.weight_norm's
-# (``name_g``, ``name_v``); the rewritten call runs no hook, so `_parameter` computes them as they do
+# (``name_g``, ``name_v``); the rewritten call runs no hook, so `_layer_parameter` computes them as they do
 
 
 def _computing_hook(layer: nn.Module, name: str):
@@ -338,12 +338,14 @@ def _masked(orig: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mask.to(dtype=orig.dtype) * orig
 
 
-def _layer_weight(layer: nn.Module) -> torch.Tensor:
-    """``layer``'s weight as its forward reads it (computed as its pruning or weight-norm hook does)."""
-    hook = _computing_hook(layer, "weight")
+def _layer_parameter(layer: nn.Module, name: str):
+    """``layer``'s attribute ``name`` (weight, bias, ...) as its forward reads it: where a pruning or weight-norm
+    hook computes it (`_computing_hook`), computed as the hook does (the attribute holds the last call's result,
+    with no gradient to the hook's parameters); a parametrized one is computed from its parametrization."""
+    hook = _computing_hook(layer, name)
     if hook is None:
-        return layer.weight
-    function, attributes, constants = _hook_inputs(hook, "weight")
+        return getattr(layer, name)
+    function, attributes, constants = _hook_inputs(hook, name)
     return function(*(getattr(layer, a) for a in attributes), *constants)
 
 
@@ -582,7 +584,7 @@ class _WeightOf(nn.Module):
         self.model, self.layer = model, layer
 
     def forward(self) -> torch.Tensor:
-        return _layer_weight(self.model.get_submodule(self.layer))
+        return _layer_parameter(self.model.get_submodule(self.layer), "weight")
 
 
 def _learnable(state, spec: QuantSpec, where: str) -> LSQParams:
@@ -1004,33 +1006,21 @@ class _Rewriter:
                             "Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, EmbeddingBag")
         given = _bound_inputs(layer, key, node)
         self._note_hooks(key, layer)
-        x, weight = self._quantized_inputs(node, key, layer, given["input"], lambda: self._parameter(key, layer, "weight"))
+        with self.graph.inserting_before(node):  # the layer itself (functional_call swaps its tensors)
+            module = self.graph.get_attr(key)
+        x, weight = self._quantized_inputs(node, key, layer, given["input"],
+                                           lambda: self.graph.call_function(_layer_parameter, (module, "weight")))
         sparse = getattr(layer, "sparse", False)
         sparse = sparse and not self._dense_gradient(key, layer, sparse)
         with self.graph.inserting_before(node):
-            bias = self._parameter(key, layer, "bias") if getattr(layer, "bias", None) is not None else None
             arguments = {**{name: value for name, value in given.items() if name != "self"}, "input": x}
-            replacement = self.graph.call_function(_stock_forward, (self.graph.get_attr(key), weight, bias, sparse,
-                                                                    arguments))
+            replacement = self.graph.call_function(_stock_forward, (module, weight, sparse, arguments))
         node.replace_all_uses_with(replacement)
         self.graph.erase_node(node)
 
-    def _parameter(self, key: str, layer: nn.Module, name: str):
-        """Node of layer ``key``'s ``name`` (weight, bias) as its forward reads it: where a pruning or weight-norm
-        hook computes it (`_computing_hook`), computed as the hook does (the rewritten call runs no hook; the
-        attribute holds the last call's result, with no gradient to the hook's parameters); a parametrized
-        one read from the layer (a get_attr of the property itself makes torch.fx warn of a missing reference)."""
-        if parametrize.is_parametrized(layer, name):  # a property computed from the parametrization's parameters
-            return self.graph.call_function(getattr, (self.graph.get_attr(key), name))
-        hook = _computing_hook(layer, name)
-        if hook is None:
-            return self.graph.get_attr(f"{key}.{name}")
-        function, attributes, constants = _hook_inputs(hook, name)
-        return self.graph.call_function(function, (*(self.graph.get_attr(f"{key}.{a}") for a in attributes), *constants))
-
     def _note_hooks(self, key: str, layer: nn.Module, traced: bool = False) -> None:
         """Records a layer whose call the rewrite replaces (``traced``: whose forward torch.fx traced
-        through) and that has hooks other than those `_parameter` computes (pruning, weight norm): the
+        through) and that has hooks other than those `_layer_parameter` computes (pruning, weight norm): the
         rewritten model does not run them."""
         pre_hooks = [h for h in layer._forward_pre_hooks.values() if _computes(h) is None]
         hooks = pre_hooks or layer._forward_hooks or layer._backward_hooks or layer._backward_pre_hooks
