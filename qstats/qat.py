@@ -678,15 +678,16 @@ def prepare(
     _warn_float_layers(model, layers, rewriter, hidden)
     if not rewriter.quantized:
         raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}")
-    if isinstance(activation_observer, Observer) and len(rewriter.weight_only) == len(rewriter.quantized):
+    activation_observers = rewriter.observers["activations"]  # every quantized layer but embeddings, given one
+    if isinstance(activation_observer, Observer) and not activation_observers:
         raise ValueError(
-            f"qstats.qat.prepare: an activation_observer is given, but the quantized layers {rewriter.weight_only} are "
+            f"qstats.qat.prepare: an activation_observer is given, but the quantized layers {rewriter.quantized} are "
             "embeddings, whose inputs are integer ids: they are quantized weight-only (as torch.ao's QAT Embedding); "
             "pass activation_observer=None")
     module = rewriter.finish()
+    dynamic = [key for key, observer in activation_observers.items() if _dynamic(observer, dynamic_activations)]
     return QATModel(module, weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms,
-                    _aliases(model, module), rewriter.observers["weights"], rewriter.observers["activations"],
-                    rewriter.dynamic)
+                    _aliases(model, module), rewriter.observers["weights"], activation_observers, dynamic)
 
 
 def _aliases(model: nn.Module, module: nn.Module) -> Dict[str, str]:
@@ -898,7 +899,6 @@ class _Rewriter:
         self.gm, self.graph = gm, gm.graph
         self.entries = {"weights": weight_entries, "activations": activation_entries}  # `_observer_entries`
         self.observers = {"weights": {}, "activations": {}}  # layer -> the observer of its point of that kind
-        self.dynamic = []  # layers whose activation point is dynamic (`_dynamic`)
         self.ste, self.grad_scale, self.dynamic_activations = ste, grad_scale, dynamic_activations
         placeholders = [node for node in self.graph.nodes if node.op == "placeholder"]
         if not placeholders:
@@ -914,7 +914,6 @@ class _Rewriter:
         self.quantized, self.batchnorms = [], []
         self.hooked = []  # replaced layers with forward hooks, which the rewritten model does not run (`_note_hooks`)
         self.traced_hooked = []  # traced-through layers with hooks: run once on proxies while tracing, then never
-        self.weight_only = []  # quantized layers without an activation point (embeddings: their inputs are ids)
         self.weights = {}  # layer -> its fake-quantized weight (a module called twice reuses it)
         self.points = 0  # numbers the submodules of the points
 
@@ -935,8 +934,6 @@ class _Rewriter:
         if observer is None:
             return value
         dynamic = kind == "activations" and _dynamic(observer, self.dynamic_activations)
-        if dynamic and key not in self.dynamic:
-            self.dynamic.append(key)
         point = _FakeQuantPoint(kind, key, observer, self.ste, self.grad_scale, dynamic)
         return self._point(kind, key, point, (value, self.state, self.phase, self.ranges))
 
@@ -954,8 +951,6 @@ class _Rewriter:
         if key not in self.quantized:
             self._resolve(key, layer)
             self.quantized.append(key)
-            if isinstance(layer, _EMBEDDINGS):
-                self.weight_only.append(key)
         if key in self.observers["weights"] and not layer.weight.is_floating_point():
             raise TypeError(f"qstats.qat.prepare: layer {key!r} ({type(layer).__name__}) has a {layer.weight.dtype} "
                             "weight; only floating-point weights can be fake-quantized")
