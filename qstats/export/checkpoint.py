@@ -26,6 +26,7 @@ from .config import (ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, confi
                      llm_compressor_observers)
 from .experts import expert_entries, unpack_loaded_per_expert, warn_mixed_experts
 from .linear import linear_entry, write_linear
+from .mtp import MTP_IGNORE, copy_mtp_tensors
 from .._checkpoint_names import module_renamer, saved_tensors
 from .._warn import warn
 
@@ -713,10 +714,12 @@ def write_config(path: str, model: torch.nn.Module, quantization_config: dict, r
     model_config = getattr(model, "config", None)
     if retied and model_config is not None:
         model_config = _tied_config(model_config)
+    copied_mtp = False
     if model_config is not None and hasattr(model_config, "to_dict"):
         saved = _saved_model_fields(model)
         source = _source_folder(model_config)
         _copy_python_files(source, path)
+        copied_mtp = copy_mtp_tensors(source, path, model_config)
         original = _original_config(source, model_config, saved.get("dtype"))
         if original is None:
             # what differs from the config class's defaults, as transformers' save_pretrained writes it:
@@ -734,6 +737,8 @@ def write_config(path: str, model: torch.nn.Module, quantization_config: dict, r
     if not _quantizes_nothing(quantization_config):
         # transformers' compressed-tensors quantizer fails on a config without groups or kv-cache scheme
         # (its CompressedTensorsConfig keeps no QuantizationConfig then): a float checkpoint has none
+        if copied_mtp and MTP_IGNORE not in quantization_config.setdefault("ignore", []):
+            quantization_config["ignore"].append(MTP_IGNORE)  # kept float, as llm-compressor's save
         config["quantization_config"] = quantization_config
     with open(config_path, "w") as file:
         json.dump(config, file, indent=2, sort_keys=True, default=str)

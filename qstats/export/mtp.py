@@ -1,0 +1,71 @@
+"""Multi-token-prediction (MTP) tensors carried from the source checkpoint into the export.
+
+transformers does not load a model's MTP layers (``mtp.*`` tensors, kept for speculative decoding:
+Qwen3-Next, Qwen3.5), so the exported model lacks them; llm-compressor's save copies them as they
+are into ``model_mtp.safetensors``, adds them to the index and ignores ``re:^mtp.*`` in the
+quantization config. This module does the same, for a model whose text config declares MTP layers
+(``num_mtp_layers`` or ``mtp_num_hidden_layers``) and whose source folder holds such tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+from .._warn import warn
+
+__all__ = ["copy_mtp_tensors", "MTP_IGNORE"]
+
+PREFIX = "mtp"
+SHARD = "model_mtp.safetensors"
+MTP_IGNORE = f"re:^{PREFIX}.*"
+INDEX = "model.safetensors.index.json"
+
+
+def declares_mtp(model_config: Any) -> bool:
+    """Whether the model's text config declares MTP layers, as llm-compressor's save asks."""
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return bool(getattr(text_config, "num_mtp_layers", 0) or getattr(text_config, "mtp_num_hidden_layers", 0))
+
+
+def _weight_map(folder: str) -> dict:
+    """``{tensor name: file}`` of the safetensors checkpoint in ``folder`` (its index, else its one
+    ``model.safetensors``), as `from_pretrained` picks them; empty where there is neither."""
+    from safetensors import safe_open
+
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as file:
+            return dict.fromkeys(file.keys(), "model.safetensors")
+    if os.path.isfile(os.path.join(folder, INDEX)):
+        with open(os.path.join(folder, INDEX)) as file:
+            return dict(json.load(file)["weight_map"])
+    return {}
+
+
+def copy_mtp_tensors(source: Optional[str], path: str, model_config: Any) -> bool:
+    """Copies the ``mtp.*`` tensors of ``source`` (the folder the model was read from) into
+    ``path/model_mtp.safetensors`` and the index of ``path`` (made where there was one file), for a
+    model that declares MTP layers; True where it copied any (the caller ignores them in the
+    quantization config). A model that declares MTP layers whose source holds none is warned of."""
+    if source is None or os.path.abspath(source) == os.path.abspath(path) or not declares_mtp(model_config):
+        return False
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    found = {name: file for name, file in _weight_map(source).items() if name.startswith(PREFIX)}
+    if not found:
+        warn(f"export: the model's config declares MTP layers but {source!r} holds no '{PREFIX}.*' tensors; "
+             "the checkpoint has none (as llm-compressor's save)", UserWarning)
+        return False
+    tensors = {}
+    for name, file in sorted(found.items()):
+        with safe_open(os.path.join(source, file), framework="pt") as opened:
+            tensors[name] = opened.get_tensor(name)
+    save_file(tensors, os.path.join(path, SHARD), metadata={"format": "pt"})
+    weight_map = {**_weight_map(path), **dict.fromkeys(tensors, SHARD)}
+    size = sum(os.path.getsize(os.path.join(path, file)) for file in set(weight_map.values()))
+    with open(os.path.join(path, INDEX), "w") as file:
+        json.dump({"metadata": {"total_size": size}, "weight_map": weight_map}, file, indent=2, sort_keys=True)
+    return True

@@ -1,0 +1,121 @@
+"""Multi-token-prediction tensors (``mtp.*``, Qwen3-Next/Qwen3.5 speculative decoding) that transformers
+does not load are carried into the export as llm-compressor 0.14's save carries them: copied as they
+are into ``model_mtp.safetensors``, added to the index, ``re:^mtp.*`` ignored in the quantization
+config. Compared with `oneshot`'s saved folder, in memory and layer by layer."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import qstats
+from _shared import llm_compressor_oneshot, load_causal_lm
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("llmcompressor")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+VOCAB = 64
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": VOCAB,
+          "tie_word_embeddings": False, "torch_dtype": "bfloat16"}  # fmt: skip
+
+
+def _json(folder, name) -> dict:
+    with open(os.path.join(folder, name)) as file:
+        return json.load(file)
+
+
+def _base(folder, mtp_layers: int = 1, mtp_tensors: bool = True) -> str:
+    """Random weights saved by transformers, with MTP tensors beside them in the one file."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, "config.json"), "w") as file:
+        json.dump({**CONFIG, "mtp_num_hidden_layers": mtp_layers}, file)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(folder))
+    tensors = {name: tensor.to(torch.bfloat16).clone() for name, tensor in model.state_dict().items()}
+    if mtp_tensors:
+        tensors["mtp.fc.weight"] = torch.randn(32, 64).to(torch.bfloat16)
+        tensors["mtp.layers.0.mlp.up_proj.weight"] = torch.randn(64, 32).to(torch.bfloat16)
+        tensors["mtp.norm.weight"] = torch.ones(32, dtype=torch.bfloat16)
+    safetensors_torch.save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return str(folder)
+
+
+def _shard(folder) -> dict:
+    return safetensors_torch.load_file(os.path.join(folder, "model_mtp.safetensors"))
+
+
+def _export_both(base, tmp_path, recipe, samples) -> None:
+    model = load_causal_lm(base)
+    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path / "ours"), recipe)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base),
+                                                             dtype=torch.bfloat16)  # fmt: skip
+    qstats.export.compressed_tensors_layerwise(meta, base, qparams, str(tmp_path / "layerwise"), recipe, progress=False)
+
+
+def test_mtp_tensors_are_carried_as_llm_compressor_saves_them(tmp_path):
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    base = _base(tmp_path / "base")
+    samples = [torch.randint(1, VOCAB, (8,), generator=torch.Generator().manual_seed(1))]
+    modifier = QuantizationModifier(scheme="FP8_DYNAMIC", targets=["Linear"], ignore=["lm_head"])
+    llm_compressor_oneshot(load_causal_lm(base), samples, modifier, tmp_path / "theirs")
+    theirs = tmp_path / "theirs"
+    assert "re:^mtp.*" in _json(theirs, "config.json")["quantization_config"]["ignore"]
+
+    recipe = qstats.Recipe.from_scheme("FP8_DYNAMIC", ignore=["lm_head"], observed_dtype=torch.bfloat16)
+    _export_both(base, tmp_path, recipe, samples)
+    for folder in (tmp_path / "ours", tmp_path / "layerwise"):
+        assert _json(folder, "config.json") == _json(theirs, "config.json"), folder
+        index = _json(folder, "model.safetensors.index.json")
+        reference = _json(theirs, "model.safetensors.index.json")["weight_map"]
+        assert index["weight_map"].keys() == reference.keys(), folder  # layer by layer: shards of its own
+        assert {name: file for name, file in index["weight_map"].items() if name.startswith("mtp.")} == \
+            {name: file for name, file in reference.items() if name.startswith("mtp.")} != {}
+        if folder.name == "ours":
+            assert index["weight_map"] == reference
+        # as llm-compressor counts it: the files' sizes (headers included; theirs name other metadata)
+        files = set(index["weight_map"].values())
+        assert index["metadata"]["total_size"] == sum(os.path.getsize(folder / file) for file in files)
+        ours, reference = _shard(folder), _shard(theirs)
+        assert ours.keys() == reference.keys()
+        assert all(torch.equal(ours[name], reference[name]) and ours[name].dtype == reference[name].dtype
+                   for name in ours)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+        assert loaded.model.layers[0].mlp.up_proj.weight.dtype == torch.float8_e4m3fn
+
+
+def test_a_model_declaring_mtp_layers_without_mtp_tensors_is_warned_of(tmp_path):
+    base = _base(tmp_path / "base", mtp_tensors=False)
+    recipe = qstats.Recipe.from_scheme("FP8_DYNAMIC", ignore=["lm_head"])
+    model = load_causal_lm(base)
+    samples = [torch.randint(1, VOCAB, (8,))]
+    qparams = qstats.compute_qparams_tree(
+        qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], recipe, progress=False), recipe, model)
+    with pytest.warns(UserWarning, match="declares MTP layers but .* holds no 'mtp"):
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path / "ours"), recipe)
+    assert not os.path.exists(tmp_path / "ours" / "model_mtp.safetensors")
+    assert "re:^mtp.*" not in _json(tmp_path / "ours", "config.json")["quantization_config"]["ignore"]
+
+
+def test_a_model_declaring_no_mtp_layers_writes_no_mtp_shard(tmp_path):
+    base = _base(tmp_path / "base", mtp_layers=0)
+    recipe = qstats.Recipe.from_scheme("FP8_DYNAMIC", ignore=["lm_head"])
+    model = load_causal_lm(base)
+    samples = [torch.randint(1, VOCAB, (8,))]
+    qparams = qstats.compute_qparams_tree(
+        qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], recipe, progress=False), recipe, model)
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path / "ours"), recipe)
+    assert sorted(os.listdir(tmp_path / "ours")) == ["config.json", "generation_config.json", "model.safetensors"]
