@@ -18,7 +18,7 @@ import torch
 
 from .._ops import op, register_fake, register_vmap
 from .._granularity import PerGroup, TensorGroup, qparam_shape
-from .._checks import check_real_tensor, is_real_number, require
+from .._checks import check_real_tensor, is_integer, is_real_number, require
 from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
@@ -79,15 +79,20 @@ def search_spec(spec: QuantSpec) -> QuantSpec:
 
 
 def check_search_args(spec, maxshrink, grid, norm, steps, where: str = "mse") -> None:
-    """TypeError / ValueError naming a bad option of an MSE search (``steps`` None: the candidates
-    ``int(maxshrink * grid)`` must be at least one)."""
+    """TypeError / ValueError naming a bad option of an MSE search: ``steps`` a positive int or None,
+    and then the candidates ``int(maxshrink * grid)`` at least one."""
     check_spec(spec, where)
     if not (is_real_number(maxshrink) and 0 <= maxshrink <= 1):
         raise ValueError(f"{where}: maxshrink must be in [0, 1], got {maxshrink!r}")
     for name, value in (("grid", grid), ("norm", norm)):
         if not (is_real_number(value) and 0 < value < math.inf):
             raise ValueError(f"{where}: {name} must be a positive finite number, got {value!r}")
-    count = int(maxshrink * grid) if steps is None else steps
+    if steps is not None:
+        # True was one candidate and 2.5 a TypeError from range(); 0 blamed maxshrink * grid
+        if not (is_integer(steps) and steps >= 1):
+            raise ValueError(f"{where}: steps must be a positive int (the number of candidates) or None, got {steps!r}")
+        return
+    count = int(maxshrink * grid)
     if count < 1:
         raise ValueError(f"{where}: int(maxshrink * grid) must be at least 1 candidate, got {count} "
                          f"(maxshrink={maxshrink}, grid={grid})")
