@@ -275,6 +275,17 @@ def _reference_of(reference, shape, device):
         )
     if bool(lo.isnan().any() | hi.isnan().any()):  # a NaN bound would read as "no reference", in silence
         raise ValueError("mse: the reference range holds NaN")
+    # +inf/-inf (a MinMaxState's unobserved entry) is "no reference yet": the first batch sets it.
+    # Any other reversed or infinite range was dropped for the batch's in silence, or read as
+    # uncalibrated data in compute_qparams
+    unset = (lo == torch.inf) & (hi == -torch.inf)
+    bad = ~unset & ((lo > hi) | lo.isinf() | hi.isinf())
+    if bool(bad.any()):
+        raise ValueError(
+            f"mse: the reference range is reversed (min_val > max_val) or infinite (or a float64 bound past "
+            f"float32's range) in {int(bad.sum())} of {bad.numel()} entries; give finite (min_val, max_val) "
+            "with min_val <= max_val (+inf/-inf, an unobserved MinMaxState entry, is set by the first batch)"
+        )
     return lo, hi
 
 
@@ -330,6 +341,8 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
       patience: early stopping in ``"moving_average"`` mode (default 5); for ``"accumulate"`` pass it
         to ``compute_qparams`` (given here, it raises).
       reference: ``(min_val, max_val)`` tensors (or a MinMaxState) fixing the base range; merges are exact.
+        Finite with ``min_val <= max_val`` (ValueError otherwise); ``+inf``/``-inf`` entries are set by
+        the first batch.
       importance: a real tensor of finite, non-negative weights broadcastable to the canonical view
         ``(observations, *qparam_shape, group)``, weighting each element's error (ValueError otherwise).
       steps: number of candidates (overrides ``int(maxshrink * grid)``).
