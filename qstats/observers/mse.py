@@ -458,8 +458,13 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
         ref_hi = torch.where(from_batch, hi, state.max_val)
         safe_lo, safe_hi = (torch.where(ref_lo <= ref_hi, t, torch.zeros_like(t)) for t in (ref_lo, ref_hi))
         batch_loss = candidate_losses(view, mask, imp, safe_lo, safe_hi, factors, spec, norm)
-        return MSEState(ref_lo, ref_hi, state.loss + batch_loss, state.factors, state.count + count,
-                        state.nonfinite + nonfinite)
+        # a state of another observer with as many candidates (grid=50, maxshrink=0.4 against the
+        # defaults): this batch's losses went to its other shrink factors' columns in silence
+        table = torch.tensor(factors, dtype=state.factors.dtype, device=state.factors.device)
+        same = require(state.factors == table, "mse.update: the state searches other shrink factors than this "
+                       "observer: it comes from an mse observer with other maxshrink/grid/steps")
+        return MSEState(ref_lo, ref_hi, state.loss + batch_loss, torch.where(same, state.factors, table),
+                        state.count + count, state.nonfinite + nonfinite)
 
     def merge_fn(a: MSEState, b: MSEState) -> MSEState:
         check_merge_states(a, b, MSEState, "mse.merge")
