@@ -32,3 +32,11 @@ def test_an_unobserved_min_max_entry_is_set_by_the_first_batch():
     state = obs.update(obs.init(w), w)
     assert torch.equal(state.min_val, torch.stack([seen.min_val[0], w[1].min()]))
     assert torch.equal(state.max_val, torch.stack([seen.max_val[0], w[1].max()]))
+
+
+def test_a_reference_given_to_the_moving_average_raises_naming_the_mode():
+    """llm-compressor's mse searches each batch's own range: the moving average has no reference
+    (one given to it was ignored, and the search ran on each batch's range)."""
+    reference = (torch.tensor(-10.0), torch.tensor(10.0))
+    with pytest.raises(ValueError, match="reference applies to mode='accumulate'"):
+        qstats.mse(SPEC, mode="moving_average", reference=reference)

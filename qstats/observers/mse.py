@@ -340,7 +340,8 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
         the first batch's search, 1 the latest batch's).
       patience: early stopping in ``"moving_average"`` mode (default 5); for ``"accumulate"`` pass it
         to ``compute_qparams`` (given here, it raises).
-      reference: ``(min_val, max_val)`` tensors (or a MinMaxState) fixing the base range; merges are exact.
+      reference: ``(min_val, max_val)`` tensors (or a MinMaxState) fixing the base range; merges are exact
+        (``mode="accumulate"`` only: the moving average raises).
         Finite with ``min_val <= max_val`` (ValueError otherwise); ``+inf``/``-inf`` entries are set by
         the first batch.
       importance: a real tensor of finite, non-negative weights broadcastable to the canonical view
@@ -353,6 +354,9 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     """
     check_search_args(spec, maxshrink, grid, norm, steps)
     patience = _check_modes(mode, expand, averaging_constant, patience)
+    if mode == "moving_average" and reference is not None:  # it was ignored in silence
+        raise ValueError("mse: reference applies to mode='accumulate'; mode='moving_average' searches each "
+                         "batch's own range, as llm-compressor's mse")
     factors = shrink_factors(maxshrink, grid, steps)
     norm, expand = float(norm), float(expand)
     if importance is not None:
