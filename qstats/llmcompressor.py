@@ -94,14 +94,18 @@ class QstatsObserver(LLMCompressorObserver):
         """ValueError for bad ``observer_kwargs`` now, as the recipe is applied: an input's qparams
         come after the whole calibration, which a bad ``patience`` found then lost. The factory is
         built under the args' spec; ``averaging_constant`` on accumulating ``qstats_mse`` inputs
-        is refused (llm-compressor's ``mse`` averages with it; there it would be ignored)."""
+        is refused (llm-compressor's ``mse`` averages with it; there it would be ignored); on weights,
+        observed once, it is dropped, as llm-compressor's ``memoryless_mse`` ignores it."""
         where = f"{type(self).__name__} ({self.base_name})"
         accumulating = self.factory_options.get("mode", "accumulate") == "accumulate"
-        if (type(self).factory is registry.get("mse") and not self.is_weight_obs and accumulating
+        if (type(self).factory is registry.get("mse") and accumulating
                 and "averaging_constant" in self.factory_options):
-            raise ValueError(
-                f"{where}: observer_kwargs averaging_constant applies to mode='moving_average' (llm-compressor's mse); "
-                "qstats_mse sums the losses of all batches unless observer_kwargs give mode='moving_average'")
+            if self.is_weight_obs:
+                self.factory_options.pop("averaging_constant")
+            else:
+                raise ValueError(
+                    f"{where}: observer_kwargs averaging_constant applies to mode='moving_average' (llm-compressor's "
+                    "mse); qstats_mse sums the losses of all batches unless observer_kwargs give mode='moving_average'")
         self.make_observer(QuantSpec.from_compressed_tensors(self.args))
         if "bins" in self.factory_options and "buckets_per_octave" not in self.factory_options:
             # a histogram's former option name, warned of once above: not again at each build

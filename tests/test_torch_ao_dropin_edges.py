@@ -104,7 +104,9 @@ def test_averaging_constant_attribute_only_where_the_observer_averages():
         ao.MovingAverageMinMaxObserver().averaging_constant
     assert not tq.qconfig._activation_is_memoryless(tq.QConfig(activation=torch_ao.default_observer,
                                                                 weight=torch_ao.default_weight_observer))
-    assert not hasattr(torch_ao.QstatsObserver(observer=qstats.mse, averaging_constant=1.0), "averaging_constant")
+    assert not hasattr(torch_ao.QstatsObserver(observer=qstats.mse), "averaging_constant")
+    with pytest.raises(ValueError, match="averaging_constant applies to mode='moving_average'"):  # not ignored
+        torch_ao.QstatsObserver(observer=qstats.mse, averaging_constant=1.0)
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -300,6 +300,14 @@ class _DefaultPatience:
 _MOVING_AVERAGE_PATIENCE = _DefaultPatience()
 
 
+class _DefaultConstant(float):
+    """``mse``'s default ``averaging_constant``, llm-compressor's 0.01: used in ``mode="moving_average"``;
+    ``"accumulate"`` has none (any value given to the factory raises)."""
+
+
+_AVERAGING_CONSTANT = _DefaultConstant(0.01)
+
+
 def _expanded(lo: torch.Tensor, hi: torch.Tensor, expand: float):
     """``(lo * expand, hi * expand)``, a finite range kept within half the float32 range (where
     every range is clipped: a wide range times ``expand`` would overflow to an infinite one)."""
@@ -325,7 +333,7 @@ def _batch_range(lo: torch.Tensor, hi: torch.Tensor, expand: float, spec: QuantS
 
 
 def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float = 2.4, expand: float = 1.0,
-        mode: str = "accumulate", averaging_constant: float = 0.01, patience=_MOVING_AVERAGE_PATIENCE,
+        mode: str = "accumulate", averaging_constant: float = _AVERAGING_CONSTANT, patience=_MOVING_AVERAGE_PATIENCE,
         reference=None, importance: Optional[torch.Tensor] = None, steps: Optional[int] = None) -> Observer:
     """MSE grid search over shrink factors of the observed range, as a mergeable state.
 
@@ -336,8 +344,8 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
       norm: error exponent (2.4 as llm-compressor).
       expand: factor on the reference range before shrinking (llm-compressor's ``expand``).
       mode: ``"accumulate"`` (losses over all data) or ``"moving_average"`` (llm-compressor's ``mse``).
-      averaging_constant: the moving average's constant in [0, 1] (``mode="moving_average"``; 0 keeps
-        the first batch's search, 1 the latest batch's).
+      averaging_constant: the moving average's constant in [0, 1] (``mode="moving_average"``, default
+        0.01; 0 keeps the first batch's search, 1 the latest batch's; given in ``"accumulate"``, it raises).
       patience: early stopping in ``"moving_average"`` mode (default 5); for ``"accumulate"`` pass it
         to ``compute_qparams`` (given here, it raises).
       reference: ``(min_val, max_val)`` tensors (or a MinMaxState) fixing the base range; merges are exact
@@ -402,6 +410,9 @@ def _check_modes(mode, expand, averaging_constant, patience):
     if not (is_real_number(expand) and 1.0 <= expand < math.inf):
         raise ValueError(f"mse: expand must be a finite number of at least 1.0, got {expand!r}")
     check_averaging_constant(averaging_constant, "mse")
+    if mode == "accumulate" and averaging_constant is not _AVERAGING_CONSTANT:  # it was ignored in silence
+        raise ValueError("mse: averaging_constant applies to mode='moving_average'; mode='accumulate' sums the "
+                         "losses of all batches (pass mode='moving_average' for llm-compressor's moving average)")
     if mode == "accumulate" and patience is not _MOVING_AVERAGE_PATIENCE:
         raise ValueError(
             "mse: patience applies to mode='moving_average'; in mode='accumulate' the search runs in "
