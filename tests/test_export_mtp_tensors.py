@@ -119,3 +119,37 @@ def test_a_model_declaring_no_mtp_layers_writes_no_mtp_shard(tmp_path):
         qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], recipe, progress=False), recipe, model)
     qstats.export.compressed_tensors(model, qparams, str(tmp_path / "ours"), recipe)
     assert sorted(os.listdir(tmp_path / "ours")) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_failed_export_leaves_no_safetensors_file_and_the_folder_takes_the_next_export(tmp_path, monkeypatch,
+                                                                                        layerwise):
+    from qstats.export import checkpoint
+
+    base = _base(tmp_path / "base")
+    recipe = qstats.Recipe.from_scheme("FP8_DYNAMIC", ignore=["lm_head"], observed_dtype=torch.bfloat16)
+    model = load_causal_lm(base)
+    samples = [torch.randint(1, VOCAB, (8,))]
+    qparams = qstats.compute_qparams_tree(
+        qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], recipe, progress=False), recipe, model)
+    path = str(tmp_path / "ours")
+
+    def export():
+        if not layerwise:
+            return qstats.export.compressed_tensors(model, qparams, path, recipe)
+        with torch.device("meta"):
+            meta = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base),
+                                                                 dtype=torch.bfloat16)  # fmt: skip
+        return qstats.export.compressed_tensors_layerwise(meta, base, qparams, path, recipe, progress=False)
+
+    def interrupted(*args, **kwargs):  # the last step of write_config, after the MTP shard is written
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(checkpoint, "write_generation_config", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            export()
+    left = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    assert not [name for name in left if name.endswith((".safetensors", ".safetensors.index.json"))], left
+    export()
+    assert _shard(path).keys() == {"mtp.fc.weight", "mtp.layers.0.mlp.up_proj.weight", "mtp.norm.weight"}

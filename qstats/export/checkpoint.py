@@ -26,7 +26,7 @@ from .config import (ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, confi
                      llm_compressor_observers)
 from .experts import expert_entries, unpack_loaded_per_expert, warn_mixed_experts
 from .linear import linear_entry, write_linear
-from .mtp import MTP_IGNORE, copy_mtp_tensors
+from .mtp import MTP_IGNORE, SHARD as MTP_SHARD, copy_mtp_tensors
 from .._checkpoint_names import module_renamer, saved_tensors
 from .._warn import warn
 
@@ -83,8 +83,12 @@ def compressed_tensors(
     writer = Writer(specs_or_recipe, qparams, model, format, actorder)
     tensors = without_tied_copies(model, writer.part(writer.qparams, model.state_dict()))
     quantization_config = writer.finish()
-    _write_shards(path, tensors, max_bytes)
-    write_config(path, model, quantization_config, retied=writer.retied)
+    names = _write_shards(path, tensors, max_bytes)
+    try:
+        write_config(path, model, quantization_config, retied=writer.retied)
+    except BaseException:  # no checkpoint left without its config (the next export would refuse the folder)
+        remove_shards(path, names)
+        raise
     return quantization_config
 
 
@@ -120,9 +124,9 @@ def write_shard_index(path: str, names: list, shards: list) -> None:
 
 
 def remove_shards(path: str, filenames: list) -> None:
-    """Removes the shards ``filenames`` and the index a failed write may have left in ``path`` (the
-    next export would refuse the folder)."""
-    for filename in filenames + ["model.safetensors.index.json"]:
+    """Removes the shards ``filenames``, the index and the MTP shard (`copy_mtp_tensors`) a failed write
+    may have left in ``path`` (the next export would refuse the folder)."""
+    for filename in filenames + ["model.safetensors.index.json", MTP_SHARD]:
         with contextlib.suppress(OSError):
             os.remove(os.path.join(path, filename))
 
@@ -181,10 +185,10 @@ class ShardSplitter:
         return self.close() if self.open or not self.shards else None
 
 
-def _write_shards(path: str, tensors: dict, max_bytes: Optional[int]) -> None:
+def _write_shards(path: str, tensors: dict, max_bytes: Optional[int]) -> list:
     """``path/model.safetensors``, or (``max_bytes`` given and exceeded) numbered shards and their
-    index, as ``save_pretrained`` names them (split in order by a `ShardSplitter`); shards of a failed
-    write are removed."""
+    index, as ``save_pretrained`` names them (split in order by a `ShardSplitter`); the names of the
+    shards written. Shards of a failed write are removed."""
     splitter = ShardSplitter(max_bytes)
     for name, tensor in tensors.items():
         splitter.add(name, tensor_bytes(tensor))
@@ -198,6 +202,7 @@ def _write_shards(path: str, tensors: dict, max_bytes: Optional[int]) -> None:
     except BaseException:  # no partial checkpoint
         remove_shards(path, names)
         raise
+    return names
 
 
 class Writer:
