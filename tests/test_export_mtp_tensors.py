@@ -153,3 +153,16 @@ def test_a_failed_export_leaves_no_safetensors_file_and_the_folder_takes_the_nex
     assert not [name for name in left if name.endswith((".safetensors", ".safetensors.index.json"))], left
     export()
     assert _shard(path).keys() == {"mtp.fc.weight", "mtp.layers.0.mlp.up_proj.weight", "mtp.norm.weight"}
+
+
+def test_a_model_declaring_mtp_layers_whose_folder_is_not_found_is_warned_of(tmp_path):
+    base = _base(tmp_path / "base")
+    recipe = qstats.Recipe.from_scheme("FP8_DYNAMIC", ignore=["lm_head"])
+    model = load_causal_lm(base)
+    samples = [torch.randint(1, VOCAB, (8,))]
+    qparams = qstats.compute_qparams_tree(
+        qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], recipe, progress=False), recipe, model)
+    os.replace(base, tmp_path / "moved")  # no folder, and no Hub model of that name in the cache
+    with pytest.warns(UserWarning, match="declares MTP layers but the folder it was read from"):
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path / "ours"), recipe)
+    assert not os.path.exists(tmp_path / "ours" / "model_mtp.safetensors")

@@ -48,8 +48,16 @@ def copy_mtp_tensors(source: Optional[str], path: str, model_config: Any) -> boo
     """Copies the ``mtp.*`` tensors of ``source`` (the folder the model was read from) into
     ``path/model_mtp.safetensors`` and the index of ``path`` (made where there was one file), for a
     model that declares MTP layers; True where it copied any (the caller ignores them in the
-    quantization config). A model that declares MTP layers whose source holds none is warned of."""
-    if source is None or os.path.abspath(source) == os.path.abspath(path) or not declares_mtp(model_config):
+    quantization config). A model that declares MTP layers whose source is not found or holds none
+    is warned of: the checkpoint lacks them."""
+    if not declares_mtp(model_config):
+        return False
+    if source is None:
+        warn(f"export: the model's config declares MTP layers but the folder it was read from (_name_or_path "
+             f"{getattr(model_config, '_name_or_path', '')!r}) is not found (a folder with a config.json, or a Hub "
+             f"model in the local cache); the checkpoint has no '{PREFIX}.*' tensors", UserWarning)
+        return False
+    if os.path.abspath(source) == os.path.abspath(path):
         return False
     from safetensors import safe_open
     from safetensors.torch import save_file
