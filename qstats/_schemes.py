@@ -119,8 +119,8 @@ def _histogram_method_options(options: Mapping, where: str) -> set:
 def split_observer_kwargs(factory, options: Mapping, where: str, weight: bool = False) -> tuple:
     """``(factory options, compute_qparams options)`` of llm-compressor ``observer_kwargs`` for the
     qstats observer ``factory``: those it takes, and the others. `mse` in its accumulating mode
-    takes ``patience`` at compute_qparams (5 on a ``weight``, as ``memoryless_mse`` stops early);
-    its ``triton_error_buffer`` (read by llm-compressor's CUDA kernel only) is dropped. TypeError
+    takes ``patience`` at compute_qparams (5 on a ``weight``, as ``memoryless_mse`` stops early) and
+    drops a ``weight``'s ``averaging_constant`` (one observation); its ``triton_error_buffer`` (read by llm-compressor's CUDA kernel only) is dropped. TypeError
     naming options an observer's qparams do not take (any, for min/max observers; for a histogram,
     those its ``method``'s search does not take: `_histogram_method_options`)."""
     accepted = set(inspect.signature(factory).parameters) - {"spec"}
@@ -134,6 +134,8 @@ def split_observer_kwargs(factory, options: Mapping, where: str, weight: bool = 
             taken = {"patience"}
             if "patience" in own or weight:  # a search option there (mse's factory takes it for moving averages)
                 rest["patience"] = own.pop("patience", 5)
+            if weight:  # observed once: unused, as llm-compressor's memoryless_mse ignores it
+                own.pop("averaging_constant", None)
     if set(rest) - taken:
         raise TypeError(f"{where}: observer_kwargs {sorted(set(rest) - taken)} are not options of qstats.{name}")
     return own, rest

@@ -99,13 +99,10 @@ class QstatsObserver(LLMCompressorObserver):
         where = f"{type(self).__name__} ({self.base_name})"
         accumulating = self.factory_options.get("mode", "accumulate") == "accumulate"
         if (type(self).factory is registry.get("mse") and accumulating
-                and "averaging_constant" in self.factory_options):
-            if self.is_weight_obs:
-                self.factory_options.pop("averaging_constant")
-            else:
-                raise ValueError(
-                    f"{where}: observer_kwargs averaging_constant applies to mode='moving_average' (llm-compressor's "
-                    "mse); qstats_mse sums the losses of all batches unless observer_kwargs give mode='moving_average'")
+                and "averaging_constant" in self.factory_options):  # a weight's is dropped (split_observer_kwargs)
+            raise ValueError(
+                f"{where}: observer_kwargs averaging_constant applies to mode='moving_average' (llm-compressor's "
+                "mse); qstats_mse sums the losses of all batches unless observer_kwargs give mode='moving_average'")
         self.make_observer(QuantSpec.from_compressed_tensors(self.args))
         if "bins" in self.factory_options and "buckets_per_octave" not in self.factory_options:
             # a histogram's former option name, warned of once above: not again at each build

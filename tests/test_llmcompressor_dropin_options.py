@@ -78,3 +78,24 @@ def test_a_histograms_former_bins_option_warns_once():
         current(x)
     want = current.get_qparams()
     assert bit_equal(got["scale"], want["scale"]) and bit_equal(got["zero_point"], want["zero_point"])
+
+
+def test_a_config_with_qstats_mse_weights_given_averaging_constant_is_read_as_the_drop_in_reads_it():
+    """`Recipe.from_compressed_tensors` of a config the drop-in calibrated (``qstats_mse`` weights with
+    ``averaging_constant``, which the drop-in drops on weights) builds the same observer: the scales of
+    llm-compressor's ``memoryless_mse``, which ignores the constant."""
+    import qstats
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=8, symmetric=True, strategy="channel", observer="qstats_mse",
+                            observer_kwargs={"averaging_constant": 0.5})
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 16))
+    recipe = qstats.Recipe.from_compressed_tensors(config.model_dump())
+    states = qstats.calibrate(model, [torch.randn(2, 64)], recipe, progress=False)
+    got = qstats.compute_qparams_tree(states, recipe, model)["0"]["weight"]
+    reference = QuantizationArgs(num_bits=8, symmetric=True, strategy="channel")
+    want = Observer.load_from_registry("memoryless_mse", base_name="weight", args=reference)(
+        model[0].weight.detach()).get_qparams()
+    assert bit_equal(got.scale.reshape(want["scale"].shape), want["scale"])
