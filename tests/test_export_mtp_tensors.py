@@ -166,3 +166,32 @@ def test_a_model_declaring_mtp_layers_whose_folder_is_not_found_is_warned_of(tmp
     with pytest.warns(UserWarning, match="declares MTP layers but the folder it was read from"):
         qstats.export.compressed_tensors(model, qparams, str(tmp_path / "ours"), recipe)
     assert not os.path.exists(tmp_path / "ours" / "model_mtp.safetensors")
+
+
+def test_mtp_tensors_of_a_folder_laid_out_as_an_export_are_carried_as_compressed_tensors_reads_them(tmp_path):
+    """A source folder as llm-compressor's save (and this export) writes one: ``model.safetensors``
+    without the MTP tensors, ``model_mtp.safetensors`` with them and the index naming both. Reference:
+    the tensors compressed-tensors' MTP copy reads from it (``_fetch_and_save_prefix_tensors``)."""
+    from compressed_tensors.utils.safetensors_load import _fetch_and_save_prefix_tensors
+
+    base = _base(tmp_path / "base")
+    tensors = safetensors_torch.load_file(os.path.join(base, "model.safetensors"))
+    mtp = {name: tensor for name, tensor in tensors.items() if name.startswith("mtp.")}
+    rest = {name: tensor for name, tensor in tensors.items() if name not in mtp}
+    safetensors_torch.save_file(rest, os.path.join(base, "model.safetensors"), metadata={"format": "pt"})
+    safetensors_torch.save_file(mtp, os.path.join(base, "model_mtp.safetensors"), metadata={"format": "pt"})
+    weight_map = {**dict.fromkeys(rest, "model.safetensors"), **dict.fromkeys(mtp, "model_mtp.safetensors")}
+    with open(os.path.join(base, "model.safetensors.index.json"), "w") as file:
+        json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, file)
+    os.makedirs(tmp_path / "reference")
+    want = _fetch_and_save_prefix_tensors(base, "mtp", str(tmp_path / "reference"), "model_mtp.safetensors")
+    assert want.keys() == mtp.keys()
+
+    recipe = qstats.Recipe.from_scheme("FP8_DYNAMIC", ignore=["lm_head"], observed_dtype=torch.bfloat16)
+    samples = [torch.randint(1, VOCAB, (8,), generator=torch.Generator().manual_seed(1))]
+    _export_both(base, tmp_path, recipe, samples)
+    for folder in (tmp_path / "ours", tmp_path / "layerwise"):
+        got = _shard(folder)
+        assert got.keys() == want.keys(), folder
+        assert all(torch.equal(got[name], want[name]) for name in want), folder
+        assert "re:^mtp.*" in _json(folder, "config.json")["quantization_config"]["ignore"]

@@ -30,18 +30,22 @@ def declares_mtp(model_config: Any) -> bool:
 
 
 def _weight_map(folder: str) -> dict:
-    """``{tensor name: file}`` of the safetensors checkpoint in ``folder`` (its index, else its one
-    ``model.safetensors``), as `from_pretrained` picks them; empty where there is neither."""
+    """``{tensor name: file}`` of the safetensors checkpoint in ``folder``: its index's entries whose file
+    is there, then the tensors of its ``model.safetensors`` (which ``from_pretrained`` reads over an index,
+    one that may name removed shards); an export's ``model_mtp.safetensors`` beside ``model.safetensors``
+    is named by the index only. Empty where there is neither."""
     from safetensors import safe_open
 
+    found = {}
+    if os.path.isfile(os.path.join(folder, INDEX)):
+        with open(os.path.join(folder, INDEX)) as file:
+            found = {name: file_name for name, file_name in json.load(file)["weight_map"].items()
+                     if os.path.isfile(os.path.join(folder, file_name))}
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
         with safe_open(single, framework="pt") as file:
-            return dict.fromkeys(file.keys(), "model.safetensors")
-    if os.path.isfile(os.path.join(folder, INDEX)):
-        with open(os.path.join(folder, INDEX)) as file:
-            return dict(json.load(file)["weight_map"])
-    return {}
+            found.update(dict.fromkeys(file.keys(), "model.safetensors"))
+    return found
 
 
 def copy_mtp_tensors(source: Optional[str], path: str, model_config: Any) -> bool:
