@@ -683,8 +683,9 @@ def _copy_python_files(source: Optional[str], path: str) -> None:
 def _original_config(source: Optional[str], model_config: Any, dtype: Optional[str]) -> Optional[dict]:
     """The ``config.json`` in ``source``, the folder the model's config was read from (`_source_folder`),
     its text config's ``tie_word_embeddings`` and dtype set to the model's, as llm-compressor's save
-    writes it (its ``resave_config``): transformers' own serialization renames fields (``rope_theta`` and ``rope_scaling`` become ``rope_parameters``) that readers running older
-    transformers (vLLM) would miss. None where there is no such file, it lacks those fields, or it
+    writes it (its ``resave_config``): transformers' own serialization renames fields (``rope_theta``
+    and ``rope_scaling`` become ``rope_parameters``) that readers running older transformers (vLLM)
+    would miss. None where there is no such file, it lacks those fields, or it
     describes another config than the model's (a field changed after loading)."""
     if source is None or dtype is None:
         return None
@@ -708,8 +709,10 @@ def _original_config(source: Optional[str], model_config: Any, dtype: Optional[s
 def write_config(path: str, model: torch.nn.Module, quantization_config: dict, retied: bool = False) -> None:
     """``path/config.json``: an existing one, updated with the model's config (the file it was read from,
     `_original_config`, else transformers' serialization) and ``quantization_config``
-    (and ``path/generation_config.json`` of a model that generates). ``retied``: the output embeddings
-    were written as the input ones (`retied_copies`), so the config ties them."""
+    (and ``path/generation_config.json`` of a model that generates). What else llm-compressor's save
+    carries from the folder the model was read from comes with it: its ``*.py`` files and its MTP
+    tensors (`copy_mtp_tensors`, then ignored in ``quantization_config``). ``retied``: the output
+    embeddings were written as the input ones (`retied_copies`), so the config ties them."""
     os.makedirs(path, exist_ok=True)
     config_path = os.path.join(path, "config.json")
     config: dict = {}
