@@ -16,6 +16,20 @@ import torch
 import qstats
 
 
+def _calibrates_without_warning(model, batches, recipe) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qstats.calibrate(model, batches, recipe, progress=False)
+
+
+def _warns_in_training_mode_only(model, batches, recipe, match: str) -> None:
+    """calibrate warns (``match``) with the model in training mode, and not once it is in eval mode."""
+    with pytest.warns(UserWarning, match=match):
+        qstats.calibrate(model, batches, recipe, progress=False)
+    model.eval()
+    _calibrates_without_warning(model, batches, recipe)
+
+
 class SelfAttention(torch.nn.Module):
     def __init__(self, dropout: float):
         super().__init__()
@@ -34,12 +48,7 @@ def test_multihead_attention_dropout_in_training_mode_warns():
     with torch.no_grad():  # training mode is random in torch itself: the warning is due
         assert not torch.equal(model(x), model(x))
     recipe = qstats.Recipe([qstats.Rule("head", sites=("input",))])
-    with pytest.warns(UserWarning, match=r"module 'attention' \(MultiheadAttention\) is in training mode"):
-        qstats.calibrate(model, [x], recipe, progress=False)
-    model.eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        qstats.calibrate(model, [x], recipe, progress=False)
+    _warns_in_training_mode_only(model, [x], recipe, r"module 'attention' \(MultiheadAttention\) is in training mode")
 
 
 def test_multihead_attention_without_dropout_does_not_warn():
@@ -49,9 +58,7 @@ def test_multihead_attention_without_dropout_does_not_warn():
     with torch.no_grad():  # (eval mode runs torch's fused fast path: equal to the last bits)
         torch.testing.assert_close(model(x), model.eval()(x))
     model.train()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        qstats.calibrate(model, [x], qstats.Recipe([qstats.Rule("head", sites=("input",))]), progress=False)
+    _calibrates_without_warning(model, [x], qstats.Recipe([qstats.Rule("head", sites=("input",))]))
 
 
 class Recurrent(torch.nn.Module):
@@ -80,9 +87,7 @@ def test_recurrent_dropout_between_layers_in_training_mode_warns(kind):
         single = Recurrent(kind, num_layers=1)
     with torch.no_grad():
         assert torch.equal(single(x), single(x))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        qstats.calibrate(single, [x], recipe, progress=False)
+    _calibrates_without_warning(single, [x], recipe)
 
 
 def test_stochastic_depth_in_training_mode_warns():
@@ -98,12 +103,7 @@ def test_stochastic_depth_in_training_mode_warns():
     with torch.no_grad():  # random in training mode, in transformers itself
         assert not torch.equal(model(pixels).last_hidden_state, model(pixels).last_hidden_state)
     recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",))])
-    with pytest.warns(UserWarning, match=r"\(ConvNextDropPath\) is in training mode"):
-        qstats.calibrate(model, [pixels], recipe, progress=False)
-    model.eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        qstats.calibrate(model, [pixels], recipe, progress=False)
+    _warns_in_training_mode_only(model, [pixels], recipe, r"\(ConvNextDropPath\) is in training mode")
 
 
 def test_functional_dropout_and_layerdrop_of_bart_in_training_mode_warn():
@@ -121,9 +121,4 @@ def test_functional_dropout_and_layerdrop_of_bart_in_training_mode_warn():
     with torch.no_grad():  # random in training mode, in transformers itself
         assert not torch.equal(model(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
     recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",))])
-    with pytest.warns(UserWarning, match=r"module 'encoder' \(BartEncoder\) is in training mode"):
-        qstats.calibrate(model, [ids], recipe, progress=False)
-    model.eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        qstats.calibrate(model, [ids], recipe, progress=False)
+    _warns_in_training_mode_only(model, [ids], recipe, r"module 'encoder' \(BartEncoder\) is in training mode")
