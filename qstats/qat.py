@@ -7,6 +7,7 @@ rewrites a model with ``torch.fx`` so that ``qat.apply(params, state, x, phase=.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import operator
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple, Union
@@ -47,6 +48,8 @@ _LAYER_FUNCTIONS = {
 }
 _DEFAULT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONV_TRANSPOSE = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+# the batch norm a layer's output may feed, to fold (prepare's fold_batchnorm): torch.ao's QAT ConvBn1d/2d/3d, LinearBn1d
+_FOLDS = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d, nn.Linear: nn.BatchNorm1d}
 # weight-only layers: their inputs are integer ids, never observed (torch.ao's QAT Embedding/EmbeddingBag)
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 # forwards that `prepare` rewrites: a subclass that keeps one is the layer it subclasses
@@ -358,6 +361,33 @@ def _conv_layout(weight: torch.Tensor, groups: int) -> torch.Tensor:
     return grouped.reshape(groups * columns, rows // groups, *kernel)
 
 
+def _fold_factor(batchnorm: nn.modules.batchnorm._BatchNorm, state: QATState, key: str) -> torch.Tensor:
+    """``weight / sqrt(running_var + eps)`` of batch norm ``key``, from its running variance in ``state``
+    before this step's update (the module's own at `QATModel.init`), as torch.ao's QAT ConvBn scales the weight."""
+    _check_extra(state, QATPhase())
+    current = state.batchnorm.get(key)
+    running_var = batchnorm.running_var if current is None else current.running_var
+    gamma = batchnorm.weight if batchnorm.weight is not None else torch.ones_like(running_var)
+    return gamma / torch.sqrt(running_var + batchnorm.eps)
+
+
+def _folded_weight(weight: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """The weight scaled per output channel by the batch norm's `_fold_factor`."""
+    return weight * factor.reshape(-1, *[1] * (weight.ndim - 1))
+
+
+def _folded_call(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """The layer's output before its batch norm, computed from the fake-quantized folded ``weight`` as
+    torch.ao's QAT ConvBn/LinearBn1d (``_forward_approximate``): without bias, divided by the factor, plus
+    the layer's own bias."""
+    zero_bias = torch.zeros(weight.shape[0], dtype=x.dtype, device=weight.device)
+    y = F.linear(x, weight, zero_bias) if isinstance(layer, nn.Linear) else layer._conv_forward(x, weight, zero_bias)
+    shape = (1, -1, *[1] * (weight.ndim - 2))
+    y = y / factor.reshape(shape)
+    bias = _layer_parameter(layer, "bias")
+    return y if bias is None else y + bias.reshape(shape)
+
+
 class QATModel:
     """A model rewritten for pure QAT (built by `prepare`).
 
@@ -373,10 +403,12 @@ class QATModel:
         whose inputs are integer ids); ``batchnorm_layers``: names of batch-norm layers.
       dynamic_layers: the activation layers whose ranges are each batch's own (`prepare`);
         ``dynamic_activations``: whether every activation layer's are (and there is one).
+      folded_layers: layer name -> the batch norm whose running statistics scale its fake-quantized weight
+        (``prepare(..., fold_batchnorm=True)``).
     """
 
     def __init__(self, module, weight_observer, activation_observer, layers, batchnorm_layers, aliases=None,
-                 weight_observers=None, activation_observers=None, dynamic_layers=()):
+                 weight_observers=None, activation_observers=None, dynamic_layers=(), folded_layers=None):
         self.module = module
         self.weight_observer = weight_observer
         self.activation_observer = activation_observer
@@ -388,6 +420,7 @@ class QATModel:
         self.dynamic_layers = tuple(dynamic_layers)
         self.dynamic_activations = bool(self.dynamic_layers) and set(self.dynamic_layers) == set(self.activation_layers)
         self.batchnorm_layers = tuple(batchnorm_layers)
+        self.folded_layers = dict(folded_layers or {})  # layer -> the batch norm folded into its weight
         # the model's names of a module registered several times, which ``module`` lacks -> the name it has
         self._aliases = dict(aliases or {})
         # names `apply` takes: parameters (tied ones under every name) and buffers
@@ -445,16 +478,18 @@ class QATModel:
         result.update((alias, result[name]) for alias, name in self._aliases.items() if name in result)
         return result
 
-    def observed_weight(self, params, layer: str) -> torch.Tensor:
+    def observed_weight(self, params, layer: str, state: Optional[QATState] = None) -> torch.Tensor:
         """Layer ``layer``'s weight in ``params`` (the model's if not given; a tied one under any of its names)
         as its weight point observes it: a transposed convolution's in a convolution's layout
         ``[out, in/groups, *k]``, others as they are. After training, ``qat.weight_observers[layer].update(
         state.weights[layer], qat.observed_weight(params, layer))`` observes the trained weight once more, as
         torch.ao's ``convert_fx`` does (a transposed convolution's weight as given would be read per input
-        channel, silently where ``in == out / groups``).
+        channel, silently where ``in == out / groups``). A layer with a folded batch norm (`folded_layers`) gives
+        its weight scaled by that batch norm's ``weight`` in ``params`` and running variance in ``state`` (needed
+        then), the weight torch.ao's ``convert_fx`` folds and observes.
 
         Raises:
-          ValueError: ``layer`` has no weight observer.
+          ValueError: ``layer`` has no weight observer, or has a folded batch norm and ``state`` is no `QATState`.
         """
         if layer not in self.weight_observers:
             raise ValueError(f"QATModel.observed_weight: layer {layer!r} has no weight observer; those with one: "
@@ -462,11 +497,15 @@ class QATModel:
         if not isinstance(params, Mapping):
             raise TypeError(f"QATModel.observed_weight: params must be a dict of tensors by parameter name, got "
                             f"{type(params).__name__}")
+        if layer in self.folded_layers and not isinstance(state, QATState):
+            raise ValueError(f"QATModel.observed_weight: layer {layer!r} has the batch norm "
+                             f"{self.folded_layers[layer]!r} folded into its weight, whose running variance is in the "
+                             f"QAT state; pass state= (got {type(state).__name__})")
         params = self._canonical(params, "QATModel.observed_weight")
         module = self.module.get_submodule(layer)
         # read through functional_call: tied parameters and parametrized weights (computed from theirs) as in apply
-        weight = torch.func.functional_call(_WeightOf(self.module, layer),
-                                            {f"model.{name}": value for name, value in params.items()}, ())
+        weight = torch.func.functional_call(_WeightOf(self.module, layer, self.folded_layers.get(layer)),
+                                            {f"model.{name}": value for name, value in params.items()}, (state,))
         return _conv_layout(weight, module.groups) if isinstance(module, _CONV_TRANSPOSE) else weight
 
     def _canonical(self, params, where: str) -> Dict[str, Any]:
@@ -577,14 +616,18 @@ class QATModel:
 
 
 class _WeightOf(nn.Module):
-    """``model``'s layer ``layer``'s weight as a forward (`QATModel.observed_weight` calls it functionally)."""
+    """``model``'s layer ``layer``'s weight as a forward (`QATModel.observed_weight` calls it functionally),
+    scaled as `_folded_weight` where batch norm ``batchnorm`` is folded into it."""
 
-    def __init__(self, model: nn.Module, layer: str):
+    def __init__(self, model: nn.Module, layer: str, batchnorm: Optional[str] = None):
         super().__init__()
-        self.model, self.layer = model, layer
+        self.model, self.layer, self.batchnorm = model, layer, batchnorm
 
-    def forward(self) -> torch.Tensor:
-        return _layer_parameter(self.model.get_submodule(self.layer), "weight")
+    def forward(self, state: Optional[QATState]) -> torch.Tensor:
+        weight = _layer_parameter(self.model.get_submodule(self.layer), "weight")
+        if self.batchnorm is None:
+            return weight
+        return _folded_weight(weight, _fold_factor(self.model.get_submodule(self.batchnorm), state, self.batchnorm))
 
 
 def _learnable(state, spec: QuantSpec, where: str) -> LSQParams:
@@ -615,6 +658,7 @@ def prepare(
     ste: str = "clipped",
     grad_scale="torch_ao",
     dynamic_activations: bool = False,
+    fold_batchnorm: bool = False,
 ) -> QATModel:
     """Rewrites ``model`` (with ``torch.fx.symbolic_trace``) for pure QAT; ``model`` is not modified.
 
@@ -628,7 +672,9 @@ def prepare(
     Batch-norm layers become pure functions of a `BatchNormState`. A layer called several times per
     forward keeps one state per kind (docs/qat.md). Activation ranges per row (per token, group, ...) are
     each batch's own, whatever the phase; ``dynamic_activations=True`` makes every activation range so
-    (coreai_opt's "dynamic" calculators), per tensor and per channel too.
+    (coreai_opt's "dynamic" calculators), per tensor and per channel too. ``fold_batchnorm=True`` fake-quantizes
+    the weight of a Conv1d/2d/3d or Linear that feeds a batch norm scaled by the batch norm's running statistics,
+    as torch.ao's QAT ConvBn/LinearBn1d modules (``prepare_qat_fx`` fuses them); the parameters stay separate.
 
     Raises:
       ValueError: a mapping names a type that matches no type of ``layers``, names a type after one of its
@@ -650,32 +696,18 @@ def prepare(
         raise TypeError(f"qstats.qat.prepare: model must be an nn.Module, got {type(model).__name__}")
     _check_ste(ste)
     check_grad_scale(grad_scale)
-    if not isinstance(dynamic_activations, bool):
-        raise TypeError(f"qstats.qat.prepare: dynamic_activations must be True or False, got {dynamic_activations!r}")
+    for name, flag in (("dynamic_activations", dynamic_activations), ("fold_batchnorm", fold_batchnorm)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"qstats.qat.prepare: {name} must be True or False, got {flag!r}")
     layers = _layer_types(layers)
     weight_entries = _observer_entries(weight_observer, layers, "weight_observer")
     activation_entries = _observer_entries(activation_observer, layers, "activation_observer")
     if isinstance(activation_observer, Mapping):
         _refuse_embedding_activations(activation_entries)
     _refuse_stacked_experts(model)
-    rewriter = _Rewriter(_trace(model, layers), weight_entries, activation_entries, ste, grad_scale, dynamic_activations)
-    hidden = {}  # layers inside modules that torch.fx keeps whole (torch.nn's Transformer layers)
-    for node in list(rewriter.graph.nodes):
-        if node.op == "call_function" and node.target in _FUNCTIONAL_LAYERS:
-            owner = _functional_owner(model, node, layers)
-            if owner is not None:  # a traced-through forward passing a layer's own weight to F.linear/conv
-                rewriter.quantize_functional(node, owner, model.get_submodule(owner))
-        if node.op != "call_module":
-            continue
-        layer = rewriter.gm.get_submodule(node.target)
-        if isinstance(layer, layers):
-            rewriter.quantize_layer(node, layer)
-        elif isinstance(layer, nn.modules.batchnorm._BatchNorm):
-            rewriter.pure_batchnorm(node, layer)
-        else:
-            hidden.update((f"{node.target}.{name}", type(layer).__name__) for name, child in layer.named_modules()
-                          if name and isinstance(child, layers))
-    _warn_float_layers(model, layers, rewriter, hidden)
+    rewriter = _Rewriter(_trace(model, layers), weight_entries, activation_entries, ste, grad_scale, dynamic_activations,
+                         fold_batchnorm)
+    _warn_float_layers(model, layers, rewriter, rewriter.rewrite(model, layers))
     if not rewriter.quantized:
         raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}")
     activation_observers = rewriter.observers["activations"]  # every quantized layer but embeddings, given one
@@ -687,7 +719,8 @@ def prepare(
     module = rewriter.finish()
     dynamic = [key for key, observer in activation_observers.items() if _dynamic(observer, dynamic_activations)]
     return QATModel(module, weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms,
-                    _aliases(model, module), rewriter.observers["weights"], activation_observers, dynamic)
+                    _aliases(model, module), rewriter.observers["weights"], activation_observers, dynamic,
+                    rewriter.folded)
 
 
 def _aliases(model: nn.Module, module: nn.Module) -> Dict[str, str]:
@@ -895,8 +928,12 @@ class _Rewriter:
     pure points that take the QAT state, phase and ranges (new placeholders) and return the new
     state, which the graph's output carries beside the model's."""
 
-    def __init__(self, gm, weight_entries, activation_entries, ste, grad_scale, dynamic_activations: bool):
+    def __init__(self, gm, weight_entries, activation_entries, ste, grad_scale, dynamic_activations: bool,
+                 fold_batchnorm: bool = False):
         self.gm, self.graph = gm, gm.graph
+        self.fold_batchnorm = fold_batchnorm
+        self.folded = {}  # layer -> the batch norm folded into its weight (`_fold_partner`)
+        self.calls = collections.Counter(node.target for node in self.graph.nodes if node.op == "call_module")
         self.entries = {"weights": weight_entries, "activations": activation_entries}  # `_observer_entries`
         self.observers = {"weights": {}, "activations": {}}  # layer -> the observer of its point of that kind
         self.ste, self.grad_scale, self.dynamic_activations = ste, grad_scale, dynamic_activations
@@ -916,6 +953,28 @@ class _Rewriter:
         self.traced_hooked = []  # traced-through layers with hooks: run once on proxies while tracing, then never
         self.weights = {}  # layer -> its fake-quantized weight (a module called twice reuses it)
         self.points = 0  # numbers the submodules of the points
+
+    def rewrite(self, model: nn.Module, layers: Tuple[type, ...]) -> Dict[str, str]:
+        """Rewrites every call of a layer of ``layers`` (and every F.linear/conv/... of such a layer's own weight in
+        a traced-through forward) and of a batch norm; returns the layers inside modules that torch.fx keeps
+        whole (torch.nn's Transformer layers): name -> that module's type name."""
+        hidden = {}
+        for node in list(self.graph.nodes):
+            if node.op == "call_function" and node.target in _FUNCTIONAL_LAYERS:
+                owner = _functional_owner(model, node, layers)
+                if owner is not None:  # a traced-through forward passing a layer's own weight to F.linear/conv
+                    self.quantize_functional(node, owner, model.get_submodule(owner))
+            if node.op != "call_module":
+                continue
+            layer = self.gm.get_submodule(node.target)
+            if isinstance(layer, layers):
+                self.quantize_layer(node, layer)
+            elif isinstance(layer, nn.modules.batchnorm._BatchNorm):
+                self.pure_batchnorm(node, layer)
+            else:
+                hidden.update((f"{node.target}.{name}", type(layer).__name__) for name, child in layer.named_modules()
+                              if name and isinstance(child, layers))
+        return hidden
 
     def _point(self, kind: str, key: str, module: nn.Module, args: tuple):
         """Adds ``module`` as a submodule, calls it with ``args`` and the state layer ``key``'s earlier
@@ -1001,17 +1060,42 @@ class _Rewriter:
                             "Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, EmbeddingBag")
         given = _bound_inputs(layer, key, node)
         self._note_hooks(key, layer)
+        batchnorm = self._fold_partner(node, key, layer)
         with self.graph.inserting_before(node):  # the layer itself (functional_call swaps its tensors)
             module = self.graph.get_attr(key)
-        x, weight = self._quantized_inputs(node, key, layer, given["input"],
-                                           lambda: self.graph.call_function(_layer_parameter, (module, "weight")))
+            if batchnorm is not None:  # its weight scaled by the batch norm's factor, as torch.ao's QAT ConvBn
+                factor = self.graph.call_function(_fold_factor, (self.graph.get_attr(batchnorm), self.state, batchnorm))
+
+        def weight():
+            parameter = self.graph.call_function(_layer_parameter, (module, "weight"))
+            return parameter if batchnorm is None else self.graph.call_function(_folded_weight, (parameter, factor))
+
+        x, weight = self._quantized_inputs(node, key, layer, given["input"], weight)
         sparse = getattr(layer, "sparse", False)
         sparse = sparse and not self._dense_gradient(key, layer, sparse)
         with self.graph.inserting_before(node):
             arguments = {**{name: value for name, value in given.items() if name != "self"}, "input": x}
-            replacement = self.graph.call_function(_stock_forward, (module, weight, sparse, arguments))
+            replacement = (self.graph.call_function(_stock_forward, (module, weight, sparse, arguments))
+                           if batchnorm is None else self.graph.call_function(_folded_call, (module, x, weight, factor)))
         node.replace_all_uses_with(replacement)
         self.graph.erase_node(node)
+
+    def _fold_partner(self, node, key: str, layer: nn.Module) -> Optional[str]:
+        """The name of the batch norm to fold layer ``key`` into (``fold_batchnorm``), or None: a Conv1d/2d/3d or
+        Linear with a weight observer whose output feeds only a batch norm of its dimension (`_FOLDS`) that tracks
+        running statistics of its channels, both called once, as torch.ao's ``fuse_fx`` patterns."""
+        folds = [norm for cls, norm in _FOLDS.items() if isinstance(layer, cls)]
+        if not (self.fold_batchnorm and folds and _observer_of(self.entries["weights"], layer) is not None
+                and len(node.users) == 1 and self.calls[node.target] == 1):
+            return None
+        user = next(iter(node.users))
+        norm = self.gm.get_submodule(user.target) if user.op == "call_module" else None
+        if not (isinstance(norm, folds[0]) and type(norm).forward in _STOCK_FORWARDS and user.args[:1] == (node,)
+                and norm.track_running_stats and norm.running_var is not None and self.calls[user.target] == 1
+                and norm.num_features == layer.weight.shape[0]):
+            return None
+        self.folded[key] = str(user.target)
+        return self.folded[key]
 
     def _note_hooks(self, key: str, layer: nn.Module, traced: bool = False) -> None:
         """Records a layer whose call the rewrite replaces (``traced``: whose forward torch.fx traced
