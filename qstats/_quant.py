@@ -77,6 +77,9 @@ def _checked_zero_point(zero_point: torch.Tensor, spec: QuantSpec, where: str) -
     return torch.where(inside, zero_point, torch.full_like(zero_point, qmin))  # threads the check
 
 
+_UNSIGNED_WITHOUT_EXTREMES = (torch.uint16, torch.uint32, torch.uint64)
+
+
 def _codes_inside(codes: torch.Tensor, spec: QuantSpec):
     """True (a bool tensor to thread into the result; None where nothing is checked), after
     ValueError (eagerly, compiled and under vmap) where integer-target codes lie outside
@@ -87,6 +90,10 @@ def _codes_inside(codes: torch.Tensor, spec: QuantSpec):
     if spec.is_float or codes.numel() == 0:
         return None
     qmin, qmax = spec.qrange
+    if codes.dtype in _UNSIGNED_WITHOUT_EXTREMES:
+        # torch has no min/max of uint16/32/64; in float64 every code up to 2**53 is exact and larger
+        # ones stay larger than any range (int64 would wrap uint64 codes past 2**63 into it)
+        codes = codes.to(torch.float64)
     wide = torch.float64 if codes.is_floating_point() else torch.int64
     valid = (codes.min().to(wide) >= qmin) & (codes.max().to(wide) <= qmax)
     if codes.is_floating_point():
