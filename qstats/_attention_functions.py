@@ -25,16 +25,27 @@ WRAPPED = ("eager", "sdpa")
 
 def _original(module, name: str):
     """The attention function ``module`` calls under ``name``: the registered one, or for
-    ``"eager"`` the model's own ``eager_attention_forward`` (its modeling file's, the default of
-    its ``ALL_ATTENTION_FUNCTIONS.get_interface``), which ``AttentionInterface`` does not hold."""
+    ``"eager"`` the model's own (`_eager`), which ``AttentionInterface`` does not hold."""
     if name != "eager":
         return ALL_ATTENTION_FUNCTIONS[name]
-    # the modeling file's globals, under any decorator of forward (``@deprecate_kwarg``)
-    found = getattr(inspect.unwrap(type(module).forward), "__globals__", {}).get("eager_attention_forward")
+    found = _eager(module)
     if found is None:
         raise ValueError(f"qstats: the attention module {type(module).__name__} runs eager attention, but its "
                          "modeling file defines no eager_attention_forward to run behind qstats' hooks")
     return found
+
+
+def _eager(module):
+    """The eager attention function ``module``'s forward passes ``get_interface`` as its default: the
+    ``*eager_attention_forward`` of its modeling file that the forward names (Llama 4's vision
+    attention names ``vision_eager_attention_forward``, Phi-4-multimodal's ``simple_eager_attention_forward``),
+    else the file's ``eager_attention_forward``; None where there is none. Read under any decorator of
+    forward (``@deprecate_kwarg``)."""
+    forward = inspect.unwrap(type(module).forward)
+    functions = getattr(forward, "__globals__", {})
+    names = [name for name in getattr(getattr(forward, "__code__", None), "co_names", ())
+             if name.endswith("eager_attention_forward") and callable(functions.get(name))]
+    return functions.get(names[0] if len(names) == 1 else "eager_attention_forward")
 
 
 def _attention_function(name: str):
