@@ -202,13 +202,48 @@ ATTN_HEAD_LINEAR = (
 )
 
 
+# why compressed-tensors' static per-group activations are refused (`_static_activation_refusal`)
+STATIC_GROUP_ACTIVATIONS = (
+    "static per-group activations (compressed-tensors strategy 'group' or 'tensor_group' with dynamic=False, "
+    "not NVFP4's dynamic='local') are not supported end to end by llm-compressor 0.14 / compressed-tensors "
+    "0.19: llm-compressor calibrates one scale per group of the features, but compressed-tensors' forward (the model after oneshot, the reloaded checkpoint) "
+    "broadcasts those scales against the sequence dimension and fails (or quantizes token i with group i's "
+    "scale); use dynamic=True (per-group scales of each tensor at run time) or strategy 'tensor'"
+)
+# why static per-channel and per-block activations are refused (`_static_activation_refusal`)
+STATIC_ROW_ACTIVATIONS = (
+    "static per-channel and per-block activations (compressed-tensors strategy 'channel' or 'block', which "
+    "compressed-tensors takes for output_activations) are not supported, as llm-compressor 0.14's calibration "
+    "refuses them ('Channel quantization cannot be applied to activations'); use strategy 'tensor', or "
+    "'token' with dynamic=True"
+)
+
+
 def _per_head(args) -> bool:
     return args is not None and args.strategy == "attn_head"
 
 
-def _rule(Rule, targets, args, site: str, observed_dtype):
+def _static_activation_refusal(args, site: str) -> str:
+    """Why static activation ``args`` of ``site`` are refused, or "": per-group ones (``group``, and
+    ``tensor_group`` with ``dynamic=False``, not NVFP4's ``"local"``: `STATIC_GROUP_ACTIVATIONS`),
+    per-channel and per-block ones (`STATIC_ROW_ACTIVATIONS`). Their specs read per row, so a site
+    would otherwise be scaled at run time in silence (`qstats.recipe.runtime_scaled`) and exported
+    as dynamic."""
+    if site == "weight" or args.dynamic is not False:
+        return ""
+    if args.strategy in ("group", "tensor_group"):
+        return STATIC_GROUP_ACTIVATIONS
+    if args.strategy in ("channel", "block"):
+        return STATIC_ROW_ACTIVATIONS
+    return ""
+
+
+def _rule(Rule, targets, args, site: str, observed_dtype, caller: str):
     if _per_head(args) and site not in ("q", "k", "v"):  # PerHead(1) would read a Linear's second axis
         raise ValueError(f"the {site} args: {ATTN_HEAD_LINEAR}")
+    refusal = _static_activation_refusal(args, site)
+    if refusal:
+        raise ValueError(f"{caller}: the {site} args: {refusal}")
     overrides = {} if observed_dtype is None else {"observed_dtype": observed_dtype}
     if site != "weight" and args.dynamic is True:  # scales at run time: llm-compressor observes nothing
         # the Rule says so (dynamic=True): the spec of the args read as static, which does not warn
@@ -583,7 +618,7 @@ def _check_format(group, index: int) -> None:
                          f"checkpoint format: leave 'format' out of the group; {then}")
 
 
-def _group_rules(Rule, groups: list, observed_dtype, ignore=()) -> list:
+def _group_rules(Rule, groups: list, observed_dtype, ignore: tuple, caller: str) -> list:
     """One rule per site of each ``QuantizationScheme`` of ``groups`` (config order), each
     selecting the modules compressed-tensors gives that group (`GroupMatch`); a group's ``format``
     other than the inferred one is refused (`_check_format`)."""
@@ -599,16 +634,16 @@ def _group_rules(Rule, groups: list, observed_dtype, ignore=()) -> list:
         for key, site in _SITES:
             args = getattr(group, key)
             if args is not None and not (per_head and site == "input"):
-                rule = _rule(Rule, tuple(group.targets), args, site, observed_dtype)
+                rule = _rule(Rule, tuple(group.targets), args, site, observed_dtype, caller)
                 rules.append(dataclasses.replace(rule, matcher=matcher))
         if attention:
-            rule = _rule(Rule, tuple(group.targets), group.input_activations, "q", observed_dtype)
+            rule = _rule(Rule, tuple(group.targets), group.input_activations, "q", observed_dtype, caller)
             heads = GroupMatch(names, index, True, linear_refusal=ATTN_HEAD_LINEAR if per_head else "")
             rules.append(dataclasses.replace(rule, sites=("q", "k", "v"), matcher=heads))
     return rules
 
 
-def _kv_rule(Rule, kv_cache_scheme, observed_dtype):
+def _kv_rule(Rule, kv_cache_scheme, observed_dtype, caller: str):
     from compressed_tensors.quantization import QuantizationScheme
 
     try:  # checked as compressed-tensors checks the scheme it makes of it: no channel or block strategy
@@ -617,7 +652,7 @@ def _kv_rule(Rule, kv_cache_scheme, observed_dtype):
     except (ValueError, NotImplementedError) as error:
         raise ValueError(f"kv_cache_scheme: {error}") from None
     # its matcher selects the modules; its targets only name it (in warnings: "selects no site")
-    kv = _rule(Rule, "kv_cache_scheme", args, "k", observed_dtype)
+    kv = _rule(Rule, "kv_cache_scheme", args, "k", observed_dtype, caller)
     return dataclasses.replace(kv, sites=("k", "v"), matcher=kv_cache_sites)
 
 
@@ -633,14 +668,14 @@ def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None, experts=None, 
     (`_scheme_groups`); with ``experts``, rules for those stacked-experts modules first."""
     require_compressed_tensors("Recipe.from_scheme")
     groups = _scheme_groups(scheme, targets)
-    rules = _group_rules(Rule, groups, observed_dtype, ignore)
+    rules = _group_rules(Rule, groups, observed_dtype, ignore, "Recipe.from_scheme")
     if experts:
         if len(groups) != 1:
             raise ValueError("from_scheme: experts= takes one scheme, not a mapping of several presets")
         # every rule here has a GroupMatch; an attention group's q/k/v rule has no expert sites
         rules = _expert_rules([r for r in rules if not r.matcher.attention], experts, _strings(ignore)) + rules
     if kv_cache_scheme is not None:
-        rules.append(_kv_rule(Rule, kv_cache_scheme, observed_dtype))
+        rules.append(_kv_rule(Rule, kv_cache_scheme, observed_dtype, "Recipe.from_scheme"))
     return rules
 
 
@@ -808,7 +843,7 @@ def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
                          "'kv_cache_scheme' is given")
     _warn_dropped_configs(config)
     schemes = [_config_group(name, group) for name, group in groups.items()]
-    rules = _group_rules(Rule, schemes, observed_dtype, config.get("ignore") or ())
+    rules = _group_rules(Rule, schemes, observed_dtype, config.get("ignore") or (), "Recipe.from_compressed_tensors")
     if config.get("kv_cache_scheme") is not None:  # every attention module compressed-tensors caches
-        rules.append(_kv_rule(Rule, config["kv_cache_scheme"], observed_dtype))
+        rules.append(_kv_rule(Rule, config["kv_cache_scheme"], observed_dtype, "Recipe.from_compressed_tensors"))
     return rules, compressed_tensors_ignore(config.get("ignore") or ())  # Recipe checks it

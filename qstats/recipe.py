@@ -17,11 +17,11 @@ import torch
 
 from ._attention import attention_module, intercepted
 from ._checkpoint_names import module_renamer
-from ._granularity import PerBlock, PerGroup, PerHead, PerTensor, TensorGroup
+from ._granularity import PerBlock, PerHead, PerTensor
 from ._rule_data import recipe_fields
-from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, child_projection, compressed_tensors_ignore,
-                       config_rules, kv_cache_module, kv_cache_sites, matches_targets, scheme_rules,
-                       with_checkpoint_ignore)
+from ._schemes import (PROJECTION_NAMES, STATIC_GROUP_ACTIVATIONS, ExpertsMatch, GroupMatch, child_projection,
+                       compressed_tensors_ignore, config_rules, kv_cache_module, kv_cache_sites, matches_targets,
+                       scheme_rules, with_checkpoint_ignore)
 from ._spec import QuantSpec
 from ._torch_features import dtype_named, uncompiled
 from .experts import (StackLayout, expert_count, is_stacked_parameter, linearized_experts, linearized_layout_problem,
@@ -32,7 +32,8 @@ from .observers import registry as observer_registry
 from .observers.minmax import minmax
 from ._warn import warn
 
-__all__ = ["Rule", "Recipe", "Plan", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES", "as_plan", "runtime_scaled"]
+__all__ = ["Rule", "Recipe", "Plan", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES", "STATIC_GROUP_ACTIVATIONS", "as_plan",
+           "runtime_scaled"]
 
 ACTIVATION_SITES = ("input", "output", "q", "k", "v")
 
@@ -277,29 +278,6 @@ def _site_kind(module: torch.nn.Module, params: dict, num_experts: int, site: st
     if stack is not None and stack.ndim >= 3 and is_stacked_parameter(stack, num_experts):
         return "parameter_input", num_experts
     return None
-
-
-# why compressed-tensors' static per-group activations are refused (`_refuse_static_groups`)
-STATIC_GROUP_ACTIVATIONS = (
-    "static per-group activations (compressed-tensors strategy='group' with dynamic=False) are not supported "
-    "end to end by llm-compressor 0.14 / compressed-tensors 0.19: llm-compressor calibrates one scale per group "
-    "of the features, but compressed-tensors' forward (the model after oneshot, the reloaded checkpoint) "
-    "broadcasts those scales against the sequence dimension and fails (or quantizes token i with group i's "
-    "scale); use dynamic=True (per-group scales of each tensor at run time) or strategy 'tensor'"
-)
-
-
-def _refuse_static_groups(rules: list, caller: str) -> list:
-    """``rules`` (of compressed-tensors args), or ValueError for one of static per-group
-    activations (`STATIC_GROUP_ACTIVATIONS`): args with ``dynamic=True`` give ``Rule(dynamic=True)``
-    and ``dynamic="local"`` only exists for NVFP4's ``TensorGroup``, so a compressed-tensors
-    ``PerGroup`` activation rule left static came from ``dynamic=False``."""
-    for rule in rules:
-        granularity = rule.spec.granularity
-        if (not rule.dynamic and any(site in ACTIVATION_SITES or site.endswith(".input") for site in rule.sites)
-                and isinstance(granularity, PerGroup) and not isinstance(granularity, TensorGroup)):
-            raise ValueError(f"{caller}: the {'/'.join(rule.sites)} args: {STATIC_GROUP_ACTIVATIONS}")
-    return rules
 
 
 def _make_site(rule: Rule, spec: QuantSpec, kind: str, stacked: int, layout: Optional[StackLayout] = None) -> Site:
@@ -605,8 +583,7 @@ class Recipe:
         """
 
         rules = scheme_rules(Rule, scheme, targets, dtype_named(observed_dtype), experts, kv_cache_scheme, ignore)
-        return cls(_refuse_static_groups(rules, "Recipe.from_scheme"), ignore=compressed_tensors_ignore(ignore),
-                   shared=shared)
+        return cls(rules, ignore=compressed_tensors_ignore(ignore), shared=shared)
 
     @classmethod
     def from_compressed_tensors(cls, config, observed_dtype=None) -> "Recipe":
@@ -618,7 +595,7 @@ class Recipe:
         ``ignore`` list, with llm-compressor's observers."""
 
         rules, ignore = config_rules(Rule, config, dtype_named(observed_dtype))
-        return cls(_refuse_static_groups(rules, "Recipe.from_compressed_tensors"), ignore=ignore)
+        return cls(rules, ignore=ignore)
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Recipe":
