@@ -781,8 +781,9 @@ def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
     (``hidden``: name -> that module's type name), and subclasses with their own forward that torch.fx
     traced through (a weight not passed as is to F.linear/F.convNd, a batch norm's hidden buffers); also
     rewritten layers with hooks (not run; a traced-through layer's ran once on proxies), instance norms
-    that track running statistics (buffers updated in place) and SyncBatchNorm layers (rewritten to
-    batch norms of each rank's own batch)."""
+    that track running statistics (buffers updated in place), SyncBatchNorm layers (rewritten to
+    batch norms of each rank's own batch) and, with ``fold_batchnorm``, batch norms after a quantized layer that
+    were not folded into it."""
     if hidden:
         warn(f"qstats.qat.prepare: {sorted(hidden)} run inside {sorted(set(hidden.values()))}, which torch.fx "
              "does not trace into: they stay in float")
@@ -790,6 +791,10 @@ def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
         warn(f"qstats.qat.prepare: layers {rewriter.hooked} have forward or backward hooks, which the rewritten "
              "model does not run (it computes them with F.linear, F.conv, F.batch_norm, ...; torch.nn.utils.prune's "
              "masks are applied)")
+    if rewriter.unfolded:
+        warn(f"qstats.qat.prepare: fold_batchnorm=True, but batch norms {rewriter.unfolded} are not folded into the "
+             "layer before them (folded: a Conv1d/2d/3d padded with zeros or a Linear, with a weight observer, whose "
+             "output feeds only a batch norm of its dimension tracking running statistics, each called once)")
     if rewriter.traced_hooked:
         warn(f"qstats.qat.prepare: layers {rewriter.traced_hooked} have their own forward, which torch.fx traced "
              "through, and hooks: they ran once while tracing, on torch.fx proxies (what a forward or pre-hook "
@@ -933,6 +938,7 @@ class _Rewriter:
         self.gm, self.graph = gm, gm.graph
         self.fold_batchnorm = fold_batchnorm
         self.folded = {}  # layer -> the batch norm folded into its weight (`_fold_partner`)
+        self.unfolded = []  # batch norms after a quantized layer that could not be folded into it
         self.calls = collections.Counter(node.target for node in self.graph.nodes if node.op == "call_module")
         self.entries = {"weights": weight_entries, "activations": activation_entries}  # `_observer_entries`
         self.observers = {"weights": {}, "activations": {}}  # layer -> the observer of its point of that kind
@@ -1127,6 +1133,11 @@ class _Rewriter:
 
     def pure_batchnorm(self, node, layer) -> None:
         key = str(node.target)
+        source = node.args[0] if node.args else None  # a quantized layer's output it was not folded into: named
+        if (self.fold_batchnorm and key not in self.folded.values() and isinstance(source, torch.fx.Node)
+                and source.op == "call_function" and (source.target is _stock_forward or source.target in _FUNCTIONAL_LAYERS)
+                and key not in self.unfolded):
+            self.unfolded.append(key)
         if not layer.track_running_stats:  # normalises with each batch's statistics and updates none: pure as it is
             return
         if layer.running_mean is None:

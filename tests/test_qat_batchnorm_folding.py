@@ -122,14 +122,17 @@ class _Residual(nn.Module):
 def test_layers_that_cannot_fold_keep_their_own_weight():
     torch.manual_seed(0)
     observer = qstats.moving_average_minmax(W_SPEC, 0.01)
-    residual = qstats.qat.prepare(_Residual(), observer, fold_batchnorm=True)
-    # a conv whose weight stays in float has nothing to fold its batch norm into
-    unobserved = qstats.qat.prepare(nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4)), {nn.Conv2d: None},
-                                    fold_batchnorm=True)
-    assert residual.folded_layers == {} and unobserved.folded_layers == {}
+    # a conv whose weight stays in float has nothing to fold its batch norm into; a reflect-padded one (torch.ao
+    # folds it) is traced through to F.pad and F.conv2d
+    unobserved = (nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4)), {nn.Conv2d: None}, "1")
+    reflected = (nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"), nn.BatchNorm2d(4)), observer, "1")
+    for model, weight_observer, norm in [(_Residual(), observer, "norm"), unobserved, reflected]:
+        with pytest.warns(UserWarning, match=rf"batch norms \['{norm}'\] are not folded"):
+            assert qstats.qat.prepare(model, weight_observer, fold_batchnorm=True).folded_layers == {}
     model = _Residual()
     x = torch.randn(3, 4, 5, 5)
-    qat = qstats.qat.prepare(model, observer, fold_batchnorm=True)
+    with pytest.warns(UserWarning, match="not folded"):
+        qat = qstats.qat.prepare(model, observer, fold_batchnorm=True)
     out, _ = qat.apply(qat.params(), qat.init(x), x)
     fake_quant = weight_fake_quant()
     h = F.conv2d(x, fake_quant(model.conv.weight), model.conv.bias, padding=1)
