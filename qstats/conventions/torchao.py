@@ -514,6 +514,14 @@ class TorchaoConvention(Convention):
 
     def validate(self, spec) -> None:
         super().validate(spec)
+        if spec.zero_point_domain == "float" and spec.mapping != "asymmetric":
+            # tinygemm's qparams span [min, max] whatever the mapping: a signed target's codes start at
+            # quant_min, so they clipped the upper half of the range (int8: 128 steps off)
+            raise ValueError(
+                f"QuantSpec.zero_point_domain 'float' with convention={self.name!r} is torchao's tinygemm "
+                f"(ZeroPointDomain.FLOAT), which needs mapping 'asymmetric' (MappingType.ASYMMETRIC) and an "
+                f"unsigned target; got mapping {spec.mapping!r}"
+            )
         if isinstance(spec.granularity, PerBlock) and spec.granularity.partial:
             raise ValueError("convention='torchao': PerBlock(partial=True) is not torchao's: its block size must "
                              "divide the tensor (_get_reduction_params asserts it)")
