@@ -822,13 +822,23 @@ def _warn_dropped_configs(config: Mapping) -> None:
              "only: calibrating a model without them gives other scales than that checkpoint's", UserWarning)
 
 
+def _transformers_config(config: Any) -> Any:
+    """The dict of transformers' ``CompressedTensorsConfig`` (``model.config.quantization_config`` of
+    a model loaded from a compressed-tensors checkpoint; its ``to_dict()`` is the
+    ``QuantizationConfig``'s ``model_dump``); any other ``config`` as it is."""
+    if getattr(config, "quant_method", None) == "compressed-tensors" and hasattr(config, "to_dict"):
+        return config.to_dict()
+    return config
+
+
 def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
     """``(rules, ignore)`` of a compressed-tensors ``QuantizationConfig``, of the
-    ``quantization_config`` dict of a ``config.json`` (its config groups in order), or of an
+    ``quantization_config`` dict of a ``config.json`` (its config groups in order) or the
+    ``CompressedTensorsConfig`` transformers holds for it (`_transformers_config`), or of an
     llm-compressor ``QuantizationModifier`` / ``GPTQModifier`` (its ``resolve_quantization_config``)
     or recipe (`_modifier_config`)."""
     require_compressed_tensors("Recipe.from_compressed_tensors")
-    config = _modifier_config(config)
+    config = _transformers_config(_modifier_config(config))
     if hasattr(config, "model_dump"):
         config = config.model_dump()
     if not isinstance(config, Mapping):
