@@ -793,7 +793,7 @@ def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
              "masks are applied)")
     if rewriter.unfolded:
         warn(f"qstats.qat.prepare: fold_batchnorm=True, but batch norms {rewriter.unfolded} are not folded into the "
-             "layer before them (folded: a Conv1d/2d/3d padded with zeros or a Linear, with a weight observer, whose "
+             "layer before them (folded: a Conv1d/2d/3d or Linear of torch.nn's forward, with a weight observer, whose "
              "output feeds only a batch norm of its dimension tracking running statistics, each called once)")
     if rewriter.traced_hooked:
         warn(f"qstats.qat.prepare: layers {rewriter.traced_hooked} have their own forward, which torch.fx traced "
@@ -834,8 +834,7 @@ def _extra(state, phase, ranges) -> Dict[str, Any]:
 class _Tracer(torch.fx.Tracer):
     """torch.fx's tracer, with subclasses of the quantized layers and of batch norm that keep
     their stock forward as leaves (fx traces through modules defined outside torch.nn, which
-    left a subclassed Linear in float), and convolutions padded otherwise than with zeros traced
-    through."""
+    left a subclassed Linear in float)."""
 
     def __init__(self, layers: Tuple[type, ...]):
         super().__init__()
@@ -843,8 +842,6 @@ class _Tracer(torch.fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, self.layers):
-            if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.padding_mode != "zeros":
-                return False  # traced to F.pad and an F.convNd of self.weight, which `prepare` quantizes
             if type(m).forward in _STOCK_FORWARDS:
                 return True
         return super().is_leaf_module(m, module_qualified_name)
@@ -1027,8 +1024,9 @@ class _Rewriter:
         return x, self.weights[key]
 
     def _fake_quantized_input(self, node, key: str, layer: nn.Module, x):
-        """The fake-quantized input node of one call. A convolution padded otherwise than with zeros is
-        traced to ``F.pad`` then ``F.convNd``: its input is observed and fake-quantized before the padding,
+        """The fake-quantized input node of one call. A convolution padded otherwise than with zeros whose own
+        forward is traced through gives ``F.pad`` then ``F.convNd``: its input is observed and fake-quantized
+        before the padding, as a stock one's (whose forward pads the fake-quantized input),
         as torch.ao observes the module's input (the padding copies values, so the codes are the same; an
         observer that counts values, a histogram, sees each once)."""
         padded = (isinstance(layer, nn.modules.conv._ConvNd) and getattr(layer, "padding_mode", "zeros") != "zeros"

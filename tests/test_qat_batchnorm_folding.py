@@ -25,6 +25,8 @@ _QCONFIG = QConfig(activation=activation_fake_quant, weight=weight_fake_quant)
 _CASES = {
     "conv1d": (lambda bias: nn.Conv1d(2, 4, 3, bias=bias), nn.BatchNorm1d, nni.ConvBn1d, nniqat.ConvBn1d, (5, 2, 6), 16),
     "conv2d": (lambda bias: nn.Conv2d(2, 4, 3, bias=bias), nn.BatchNorm2d, nni.ConvBn2d, nniqat.ConvBn2d, (5, 2, 4, 4), 16),
+    "conv2d_reflect": (lambda bias: nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect", bias=bias), nn.BatchNorm2d,
+                       nni.ConvBn2d, nniqat.ConvBn2d, (5, 2, 4, 4), 64),
     "linear": (lambda bias: nn.Linear(6, 4, bias=bias), nn.BatchNorm1d, nni.LinearBn1d, nniqat.LinearBn1d, (5, 6), 4),
 }
 
@@ -122,11 +124,9 @@ class _Residual(nn.Module):
 def test_layers_that_cannot_fold_keep_their_own_weight():
     torch.manual_seed(0)
     observer = qstats.moving_average_minmax(W_SPEC, 0.01)
-    # a conv whose weight stays in float has nothing to fold its batch norm into; a reflect-padded one (torch.ao
-    # folds it) is traced through to F.pad and F.conv2d
+    # a conv whose weight stays in float has nothing to fold its batch norm into
     unobserved = (nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4)), {nn.Conv2d: None}, "1")
-    reflected = (nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"), nn.BatchNorm2d(4)), observer, "1")
-    for model, weight_observer, norm in [(_Residual(), observer, "norm"), unobserved, reflected]:
+    for model, weight_observer, norm in [(_Residual(), observer, "norm"), unobserved]:
         with pytest.warns(UserWarning, match=rf"batch norms \['{norm}'\] are not folded"):
             assert qstats.qat.prepare(model, weight_observer, fold_batchnorm=True).folded_layers == {}
     model = _Residual()

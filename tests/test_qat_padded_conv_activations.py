@@ -78,3 +78,27 @@ def test_padded_convolution_input_gradient_is_the_straight_through_one():
     qp = qstats.compute_qparams(state.activations["0"], SPEC)
     (expected,) = torch.autograd.grad(layer(qstats.fake_quantize(reference, qp, SPEC)).square().sum(), reference)
     torch.testing.assert_close(grad, expected)
+
+
+class _OwnForwardConv2d(nn.Conv2d):
+    """A convolution with its own forward, which torch.fx traces through to F.pad and F.conv2d."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("name", sorted(OBSERVERS))
+def test_traced_through_padded_convolution_observes_its_input_before_the_padding(name):
+    # torch.ao's prepare_qat_fx observes the padded tensor F.conv2d receives there; qstats the input, as for
+    # a plain padded convolution (each value counted once)
+    torch.manual_seed(0)
+    observer = OBSERVERS[name]
+    layer = _OwnForwardConv2d(2, 3, 3, padding=2, padding_mode="reflect")
+    x = torch.randn(2, 2, 6, 6) * 3
+    qat = qstats.qat.prepare(nn.Sequential(layer), None, observer)
+    out, state = qat.apply(qat.params(), qat.init(x), x)
+    expected = observer.update(observer.init(x), x)
+    for got, want in zip(torch.utils._pytree.tree_leaves(state.activations["0"]),
+                         torch.utils._pytree.tree_leaves(expected)):
+        assert torch.equal(got, want)
+    torch.testing.assert_close(out, layer(qstats.fake_quantize(x, qstats.compute_qparams(expected, SPEC), SPEC)))
