@@ -270,8 +270,12 @@ def _cost(weight: torch.Tensor) -> int:
 
 
 def _layer_jobs(plan: Plan, targets: dict, states: dict, hessians: dict) -> tuple:
-    """``({(path, site): _Job}, [names of the weights that have no Hessian])`` of one layer."""
-    qparams = compute_qparams_tree(states, plan)
+    """``({(path, site): _Job}, [names of the weights that have no Hessian])`` of one layer. Only
+    the weights' qparams are computed: an activation state of an expert that received no token
+    (uncalibrated under ``on_uncalibrated="raise"``) is the caller's to resolve, as after
+    `calibrate_layerwise`, and does not stop GPTQ."""
+    weights = {path: {site: entry[site] for site in entry if (path, site) in targets} for path, entry in states.items()}
+    qparams = compute_qparams_tree({path: entry for path, entry in weights.items() if entry}, plan)
     jobs, missing = {}, []
     for (path, site), hessian_site in targets.items():
         if path not in states:
