@@ -169,11 +169,27 @@ _GRANULARITIES = {
     "channel": lambda args, group_size: PerRow(),
     "group": lambda args, group_size: PerGroup(int(group_size)),
     "tensor_group": lambda args, group_size: TensorGroup(int(group_size)),
-    "block": lambda args, group_size: PerBlock(tuple(_field(args, "block_structure")), partial=True),
+    "block": lambda args, group_size: PerBlock(_block_structure(args), partial=True),
     "token": lambda args, group_size: PerToken(),
     # the attention view of (batch, heads, seq, head_dim): one scale per head
     "attn_head": lambda args, group_size: PerHead(1),
 }
+
+
+def _block_structure(args) -> tuple:
+    """``block_structure`` as QuantizationArgs parses it: ``[rows, cols]`` of positive ints, or the
+    ``"128x128"`` string older configs hold; ValueError naming the field for anything else."""
+    given = value = _field(args, "block_structure")
+    if isinstance(value, str):
+        try:
+            value = [int(part) for part in value.split("x")]
+        except ValueError:
+            value = None
+    if not (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ValueError(f"from_compressed_tensors: block_structure must be [rows, cols] of positive ints (or the "
+                         f"string 'RxC'), got {given!r}")
+    return tuple(value)
 
 
 # strategies whose activation specs take their scales at run time (`qstats.recipe.runtime_scaled`)
