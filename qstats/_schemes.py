@@ -651,6 +651,8 @@ def _kv_rule(Rule, kv_cache_scheme, observed_dtype, caller: str):
         QuantizationScheme(targets=["re:.*"], input_activations=args)
     except (ValueError, NotImplementedError) as error:
         raise ValueError(f"kv_cache_scheme: {error}") from None
+    except TypeError as error:  # a preset name ("FP8"): a whole scheme, not the args of the k/v
+        raise TypeError(f"kv_cache_scheme: {error}") from None
     # its matcher selects the modules; its targets only name it (in warnings: "selects no site")
     kv = _rule(Rule, "kv_cache_scheme", args, "k", observed_dtype, caller)
     return dataclasses.replace(kv, sites=("k", "v"), matcher=kv_cache_sites)
