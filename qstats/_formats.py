@@ -16,7 +16,7 @@ import torch
 
 from ._checks import require
 from ._granularity import TensorGroup
-from ._torch_features import bitcast
+from ._torch_features import bitcast, torch_dtype
 
 __all__ = [
     "round_to_format",
@@ -99,12 +99,15 @@ def _min_normal_exponent(fmt) -> int:
 
 def _format_of(fmt, where: str) -> FloatFormat:
     """``fmt`` as a FloatFormat: one already, a format name (``"fp4_e2m1"``, the names
-    ``QuantSpec.dtype`` takes) or a torch float8 dtype; ValueError for an unknown name or dtype,
+    ``QuantSpec.dtype`` takes), a torch float8 dtype or ``torch.float4_e2m1fn_x2`` (fp4, as
+    ``QuantSpec.dtype`` reads it); ValueError for an unknown name or dtype,
     TypeError for anything else."""
     if isinstance(fmt, FloatFormat):
         return fmt
     if isinstance(fmt, torch.dtype):
         named = [name for name, known in _FLOAT_FORMATS.items() if known.torch_dtype == fmt]
+        if fmt == torch_dtype("float4_e2m1fn_x2"):  # torch >= 2.8's packed fp4, read as QuantSpec.dtype reads it
+            named = ["fp4_e2m1"]
         if not named:
             raise ValueError(f"{where}: torch dtype {fmt} is not a float element format; known: {sorted(_FLOAT_FORMATS)}")
         return _FLOAT_FORMATS[named[0]]
@@ -117,7 +120,8 @@ def _format_of(fmt, where: str) -> FloatFormat:
 def round_to_format(x: torch.Tensor, fmt) -> torch.Tensor:
     """``x`` (float32, or float64) saturated to ``[-fmt.max, fmt.max]`` and rounded to nearest even on
     the format's grid, subnormals included. Returns float32 values on the grid (NaN stays NaN).
-    ``fmt`` is a format name (``"fp4_e2m1"``), a torch float8 dtype or a FloatFormat.
+    ``fmt`` is a format name (``"fp4_e2m1"``), a torch float8 dtype (or ``torch.float4_e2m1fn_x2``) or a
+    FloatFormat.
     Emulated formats (fp6, fp4) round float64 ``x`` once, in float64, as compressed-tensors'
     ``cast_to_fp4`` (rounding it to float32 first moved values just past a tie onto it, then to even);
     fp8 formats cast as torch does."""

@@ -61,3 +61,18 @@ def test_unknown_names_dtypes_and_types_are_refused_naming_them():
         qstats.round_to_format(x, torch.float32)
     with pytest.raises(TypeError, match="got int"):
         qstats.round_to_format(x, 8)
+
+
+def test_torch_fp4_dtype_rounds_as_torchao_and_compressed_tensors():
+    """``torch.float4_e2m1fn_x2`` names fp4 as ``QuantSpec.dtype`` reads it (torchao's MX ``elem_dtype``);
+    round_to_format refused it as no float element format."""
+    fp4 = getattr(torch, "float4_e2m1fn_x2", None)
+    if fp4 is None:
+        pytest.skip("torch < 2.8 has no float4_e2m1fn_x2")
+    fp4_utils = pytest.importorskip("compressed_tensors.quantization.utils.fp4_utils")
+    kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
+    x = _values()
+    ours = qstats.round_to_format(x, fp4)
+    assert torch.equal(ours, fp4_utils.cast_to_fp4(x.clone()))
+    assert torch.equal(ours, kernels.f4_unpacked_to_f32(kernels.f32_to_f4_unpacked(x.clone())))
+    assert qstats.QuantSpec(dtype=fp4).dtype == "fp4_e2m1"
