@@ -90,13 +90,13 @@ def _codes_inside(codes: torch.Tensor, spec: QuantSpec):
     if spec.is_float or codes.numel() == 0:
         return None
     qmin, qmax = spec.qrange
-    if codes.dtype in _UNSIGNED_WITHOUT_EXTREMES:
-        # torch has no min/max of uint16/32/64; in float64 every code up to 2**53 is exact and larger
-        # ones stay larger than any range (int64 would wrap uint64 codes past 2**63 into it)
-        codes = codes.to(torch.float64)
-    wide = torch.float64 if codes.is_floating_point() else torch.int64
-    valid = (codes.min().to(wide) >= qmin) & (codes.max().to(wide) <= qmax)
-    if codes.is_floating_point():
+    floating = codes.is_floating_point()
+    # torch has no min/max of uint16/32/64: their extremes are read in float64, where every code up
+    # to 2**53 is exact and larger ones stay past any range (int64 would wrap uint64 codes past 2**63)
+    extremes = codes.to(torch.float64) if codes.dtype in _UNSIGNED_WITHOUT_EXTREMES else codes
+    wide = torch.float64 if extremes.is_floating_point() else torch.int64
+    valid = (extremes.min().to(wide) >= qmin) & (extremes.max().to(wide) <= qmax)
+    if floating:
         valid = valid & (codes == torch.round(codes)).all()
     return require(valid, f"dequantize: codes of {spec.dtype!r} must be whole numbers in the spec's range "
                           f"[quant_min, quant_max] = [{qmin}, {qmax}]; got codes outside it (packed codes, another "
