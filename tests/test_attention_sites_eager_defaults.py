@@ -55,10 +55,13 @@ def _timesfm_attention():
 MODELS = {"llama4-vision": _llama4_vision, "timesfm-attention": _timesfm_attention}
 
 
+def _output(out):
+    return out if torch.is_tensor(out) else out.last_hidden_state
+
+
 def _run(model, batch):
     with torch.no_grad():
-        out = model(**batch) if isinstance(batch, dict) else model(batch)
-    return out if torch.is_tensor(out) else out.last_hidden_state
+        return _output(model(**batch) if isinstance(batch, dict) else model(batch))
 
 
 def _recipe():
@@ -95,10 +98,6 @@ def test_observed_q_k_v_are_what_the_modules_own_eager_function_receives(monkeyp
         state = states[path][site]
         assert torch.equal(state.min_val, torch.stack([x.min() for x in xs]).min()), (path, site)
         assert torch.equal(state.max_val, torch.stack([x.max() for x in xs]).max()), (path, site)
-
-
-def _output(out):
-    return out if torch.is_tensor(out) else out.last_hidden_state
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
