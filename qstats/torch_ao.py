@@ -22,7 +22,7 @@ from ._qparams import compute_qparams
 from ._spec import QuantSpec
 from .conventions import TorchaoConvention, lookup
 from .conventions.torch_ao import PER_CHANNEL_QSCHEMES
-from .observers.fixed import FixedQParamsState, fixed_qparams, placeholder
+from .observers.fixed import FixedQParamsState, PlaceholderState, RecordingState, fixed_qparams, placeholder
 from .observers.histogram import HistogramState, histogram, histogram_edges
 from .observers.minmax import MinMaxState, MovingAverageMinMaxState, memoryless_minmax, minmax, moving_average_minmax
 from ._warn import warn
@@ -441,16 +441,23 @@ def _per_channel_into_per_tensor(module: QstatsObserver, state_dict, prefix: str
 
 
 _EXTREMES_FIELDS = {"min_val", "max_val", "count", "batches", "nonfinite"}
+# states of observers whose torch.ao counterparts keep no buffers (placeholder, noop, recording)
+_NOTHING_SAVED_BY_TORCH_AO = (PlaceholderState, RecordingState)
 
 
 def _state_dict_of_torch_ao(module: QstatsObserver, state_dict, prefix: str, error_msgs: list):
     """``state_dict`` with a torch.ao observer's entries (a ``MinMaxObserver``'s, a moving
     average's, a per-channel one's or a ``HistogramObserver``'s) converted to ``module``'s state
     as `from_observer` converts them; its ``eps`` buffer is dropped where it equals ``module.eps``
-    (else an error). Other state dicts come back as they are."""
+    (else an error). For a placeholder, noop or recording drop-in, no entries at all (torch.ao's save
+    none) give the state before any data. Other state dicts come back as they are."""
     if module._state_type is FixedQParamsState:
         return _fixed_state_dict_of_torch_ao(module, state_dict, prefix, error_msgs)
     keys = {name: prefix + name for name in module._fields}
+    if module._state_type in _NOTHING_SAVED_BY_TORCH_AO and not any(key in state_dict for key in keys.values()):
+        # torch.ao's PlaceholderObserver, NoopObserver and RecordingObserver save no entries (a strict
+        # load of their checkpoint missed "count"): the state before any data, as they hold nothing
+        return dict(state_dict, **{key: torch.empty(0) for key in keys.values()})
     if any(key in state_dict for name, key in keys.items() if name not in ("min_val", "max_val")):
         if module._state_type is HistogramState:  # torch.ao's bins saved beside qstats' own buckets
             return {key: value for key, value in state_dict.items() if key != prefix + "histogram"}
