@@ -794,7 +794,8 @@ def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
     if rewriter.unfolded:
         warn(f"qstats.qat.prepare: fold_batchnorm=True, but batch norms {rewriter.unfolded} are not folded into the "
              "layer before them (folded: a Conv1d/2d/3d or Linear of torch.nn's forward, with a weight observer, whose "
-             "output feeds only a batch norm of its dimension tracking running statistics, each called once)")
+             "output feeds only a batch norm of its dimension tracking running statistics, each called once, and whose "
+             "batch norm weight holds no 0, which the folded output is divided by)")
     if rewriter.traced_hooked:
         warn(f"qstats.qat.prepare: layers {rewriter.traced_hooked} have their own forward, which torch.fx traced "
              "through, and hooks: they ran once while tracing, on torch.fx proxies (what a forward or pre-hook "
@@ -1087,7 +1088,9 @@ class _Rewriter:
     def _fold_partner(self, node, key: str, layer: nn.Module) -> Optional[str]:
         """The name of the batch norm to fold layer ``key`` into (``fold_batchnorm``), or None: a Conv1d/2d/3d or
         Linear with a weight observer whose output feeds only a batch norm of its dimension (`_FOLDS`) that tracks
-        running statistics of its channels, both called once, as torch.ao's ``fuse_fx`` patterns."""
+        running statistics of its channels, both called once, as torch.ao's ``fuse_fx`` patterns; unless the batch
+        norm's weight holds a 0 (``zero_init_residual``): the folded output is divided by it, NaN in torch.ao's
+        QAT ConvBn."""
         folds = [norm for cls, norm in _FOLDS.items() if isinstance(layer, cls)]
         if not (self.fold_batchnorm and folds and _observer_of(self.entries["weights"], layer) is not None
                 and len(node.users) == 1 and self.calls[node.target] == 1):
@@ -1097,6 +1100,8 @@ class _Rewriter:
         if not (isinstance(norm, folds[0]) and type(norm).forward in _STOCK_FORWARDS and user.args[:1] == (node,)
                 and norm.track_running_stats and norm.running_var is not None and self.calls[user.target] == 1
                 and norm.num_features == layer.weight.shape[0]):
+            return None
+        if norm.weight is not None and bool((norm.weight == 0).any()):  # the output is divided by it: NaN
             return None
         self.folded[key] = str(user.target)
         return self.folded[key]

@@ -9,6 +9,8 @@ their ``to_float()`` (the folded float layer ``convert_fx`` observes) for `QATMo
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.ao.nn.intrinsic as nni
@@ -142,3 +144,24 @@ def test_layers_that_cannot_fold_keep_their_own_weight():
 def test_fold_batchnorm_must_be_a_bool():
     with pytest.raises(TypeError, match="fold_batchnorm must be True or False"):
         qstats.qat.prepare(nn.Sequential(nn.Linear(2, 2)), fold_batchnorm="yes")
+
+
+def test_a_batchnorm_with_a_zero_weight_is_not_folded_where_torch_aos_fused_module_gives_nan():
+    # zero_init_residual (torchvision's ResNet) starts the last batch norm of a block at weight 0: folding divides
+    # the layer's output by that weight
+    torch.manual_seed(0)
+    model, reference = _models("conv2d", True)
+    with torch.no_grad():
+        model[1].weight[1] = 0.0
+    x = torch.randn(5, 2, 4, 4)
+    assert copy.deepcopy(reference)(activation_fake_quant()(x)).isnan().any()  # a copy: the model's buffers stay
+    with pytest.warns(UserWarning, match=r"batch norms \['1'\] are not folded"):
+        qat = qstats.qat.prepare(model, qstats.moving_average_minmax(W_SPEC, 0.01),
+                                 qstats.moving_average_minmax(ACT_SPEC, 0.01), fold_batchnorm=True)
+    assert qat.folded_layers == {}
+    out, _ = qat.apply(qat.params(), qat.init(x), x)
+    conv, norm = model[0], model[1]
+    expected = F.conv2d(activation_fake_quant()(x), weight_fake_quant()(conv.weight), conv.bias)
+    expected = F.linear(activation_fake_quant()(F.relu(norm(expected)).flatten(1)), weight_fake_quant()(model[4].weight),
+                        model[4].bias)
+    torch.testing.assert_close(out, expected)
