@@ -262,8 +262,8 @@ class QstatsObserver(ao.ObserverBase):
         try:
             self._state_type = type(self.observer.init(_probe(spec)))
         except TypeError as error:
-            if spec is not None:
-                raise
+            if spec is not None or _builds_without_spec(observer):
+                raise  # an option's error (placeholder's custom_op_name=), not the float dtype's missing spec
             name = getattr(observer, "__name__", type(observer).__name__)
             raise TypeError(
                 f"QstatsObserver: the float dtype {dtype} builds no QuantSpec, and {name} needs one: pass an "
@@ -403,6 +403,16 @@ class QstatsObserver(ao.ObserverBase):
     def extra_repr(self) -> str:
         name = getattr(self._factory, "__name__", type(self._factory).__name__)
         return f"observer={name}, dtype={self.dtype}, qscheme={self.qscheme}, spec={self.spec}"
+
+
+def _builds_without_spec(factory: Callable) -> bool:
+    """Whether ``factory(None)``, without options, builds an observer (the placeholders do): a
+    TypeError building it with a float dtype's missing spec then comes from an option."""
+    try:
+        factory(None)
+    except Exception:  # any failure: the factory needs a spec
+        return False
+    return True
 
 
 def _check_torch_ao_bins(bins, state_type) -> Optional[int]:
