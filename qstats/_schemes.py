@@ -206,9 +206,9 @@ ATTN_HEAD_LINEAR = (
 STATIC_GROUP_ACTIVATIONS = (
     "static per-group activations (compressed-tensors strategy 'group' or 'tensor_group' with dynamic=False, "
     "not NVFP4's dynamic='local') are not supported end to end by llm-compressor 0.14 / compressed-tensors "
-    "0.19: llm-compressor calibrates one scale per group of the features, but compressed-tensors' forward (the model after oneshot, the reloaded checkpoint) "
-    "broadcasts those scales against the sequence dimension and fails (or quantizes token i with group i's "
-    "scale); use dynamic=True (per-group scales of each tensor at run time) or strategy 'tensor'"
+    "0.19: llm-compressor calibrates one scale per group of the features, but compressed-tensors' forward (the "
+    "model after oneshot, the reloaded checkpoint) broadcasts those scales against the sequence dimension and "
+    "fails (or quantizes token i with group i's scale); use dynamic=True (per-group scales of each tensor at run time) or strategy 'tensor'"
 )
 # why static per-channel and per-block activations are refused (`_static_activation_refusal`)
 STATIC_ROW_ACTIVATIONS = (
@@ -216,6 +216,15 @@ STATIC_ROW_ACTIVATIONS = (
     "compressed-tensors takes for output_activations) are not supported, as llm-compressor 0.14's calibration "
     "refuses them ('Channel quantization cannot be applied to activations'); use strategy 'tensor', or "
     "'token' with dynamic=True"
+)
+
+# why q/k/v args of NVFP4's dynamic="local" groups are refused (`_kv_rule`, `_attention_refusal`)
+GROUPED_ATTENTION = (
+    "tensor_group args with dynamic='local' (NVFP4's per-group scales at run time under a calibrated global "
+    "scale) are not supported on the q, k and v of attention (a kv_cache_scheme, or the input_activations of "
+    "a config group targeting attention modules), as llm-compressor 0.14's calibration refuses them ('Group "
+    "quantization cannot be applied to attention'), and compressed-tensors' checkpoints take q/k/v scales "
+    "per tensor or per head (strategy 'tensor' or 'attn_head')"
 )
 
 
@@ -588,13 +597,16 @@ _LINEAR_CLASSES = {"Linear", "Embedding"}
 
 def _attention_refusal(group) -> str:
     """compressed-tensors' ``_validate_attention_scheme`` message for config group ``group`` applied to
-    an attention module it narrowly matches, or "" when it takes q, k and v."""
+    an attention module it narrowly matches (or `GROUPED_ATTENTION`, which llm-compressor's calibration
+    refuses), or "" when it takes q, k and v."""
     if group.weights is not None:
         return "cannot apply weight quantization to attention; target the (q|k|v)_proj submodule layers of attention"
     if group.input_activations is None:
         return "cannot apply attention quantization without specifying input activations"
     if group.output_activations is not None:
         return "cannot apply output quantization to attention"
+    if group.input_activations.dynamic == "local":  # llm-compressor's calibration refuses it
+        return GROUPED_ATTENTION
     return ""
 
 
@@ -653,6 +665,8 @@ def _kv_rule(Rule, kv_cache_scheme, observed_dtype, caller: str):
         raise ValueError(f"kv_cache_scheme: {error}") from None
     except TypeError as error:  # a preset name ("FP8"): a whole scheme, not the args of the k/v
         raise TypeError(f"kv_cache_scheme: {error}") from None
+    if args.dynamic == "local":
+        raise ValueError(f"{caller}: the kv_cache_scheme: {GROUPED_ATTENTION}")
     # its matcher selects the modules; its targets only name it (in warnings: "selects no site")
     kv = _rule(Rule, "kv_cache_scheme", args, "k", observed_dtype, caller)
     return dataclasses.replace(kv, sites=("k", "v"), matcher=kv_cache_sites)
