@@ -184,20 +184,33 @@ _STORED_LAYOUTS = {
 
 def stack_layout(module: torch.nn.Module, name: str) -> Optional[StackLayout]:
     """The `StackLayout` of the stacked parameter ``name`` of the experts ``module`` when it is not
-    stored as the per-expert Linear weights ``[E, out, in]`` (Llama 4's and GPT-OSS' experts), else
-    None. Other transposed or interleaved experts are refused by `linearized_layout_problem`."""
-    return _STORED_LAYOUTS.get(type(module).__name__, {}).get(name)
+    stored as the per-expert Linear weights ``[E, out, in]``, else None: Llama 4's and GPT-OSS'
+    experts, and transformers' other transposed experts with gate and up halves (built by its
+    ``use_experts_implementation(is_transposed=True)``, biases ``<name>_bias`` where ``has_bias``,
+    the OpenAI privacy filter's), which llm-compressor's generic ``LinearExperts2D`` reads the same
+    way. Interleaved experts of other classes are refused by `linearized_layout_problem`."""
+    if type(module).__name__ in _STORED_LAYOUTS:
+        return _STORED_LAYOUTS[type(module).__name__].get(name)
+    if name not in _LINEARIZED or not _transposed_halves(module):
+        return None
+    return StackLayout(transposed=True, bias=f"{name}_bias" if getattr(module, "has_bias", False) else None)
+
+
+def _transposed_halves(module: torch.nn.Module) -> bool:
+    """True for transformers' experts stored transposed ``[E, in, out]`` with gate and up halves
+    (``is_transposed``, not interleaved)."""
+    return getattr(module, "is_transposed", False) is True and getattr(module, "is_concatenated", True) is True
 
 
 def linearized_layout_problem(module: torch.nn.Module) -> Optional[str]:
     """Why qstats' stacked sites of ``module`` cannot be read as the per-expert Linears
     llm-compressor linearizes it into, or None: weights stored transposed ``[E, in, out]``, or gate
     and up interleaved column by column, in experts other than those `stack_layout` maps."""
-    if type(module).__name__ in _STORED_LAYOUTS:
+    if type(module).__name__ in _STORED_LAYOUTS or _transposed_halves(module):
         return None
     if getattr(module, "is_transposed", False):
-        return ("its stacked weights are transposed ([E, in, out]) in a layout qstats does not map to "
-                "llm-compressor's per-expert Linears (only Llama 4's and GPT-OSS' experts)")
+        return ("its stacked weights are transposed ([E, in, out]) with gate and up interleaved, a layout qstats "
+                "does not map to llm-compressor's per-expert Linears (only GPT-OSS' experts)")
     if not getattr(module, "is_concatenated", True):
         return "its gate and up projections are interleaved column by column in gate_up_proj"
     return None
