@@ -124,7 +124,8 @@ def attention_config(attention: dict, groups: dict, modules: Mapping, rename, ob
     uncovered = [path for path, module in modules.items() if path not in attention and _is_kv_cache_module(module)]
     if uncovered:
         shown = ", ".join(uncovered[:4]) + (f", and {len(uncovered) - 4} more" if len(uncovered) > 4 else "")
-        fail("kv_cache_scheme", f"compressed-tensors applies the kv-cache scheme to every attention module, and "
+        fail("kv_cache_scheme", f"k/v sites are written as compressed-tensors' kv_cache_scheme, which it applies to "
+             f"every attention module, and "
              f"{len(uncovered)} have no k/v qparams ({shown}): their k_scale/v_scale would be left uninitialised "
              "at load; calibrate the 'k' and 'v' sites of every attention module")
     distinct = {json.dumps(next(iter(sites.values())), sort_keys=True) for sites in attention.values()}

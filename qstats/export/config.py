@@ -171,8 +171,8 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec", dynamic: 
         _check_activation_range(spec, site, where)
         if dynamic:
             if site in ATTENTION_SITES:
-                fail(where, "dynamic q/k/v scales are not exportable: compressed-tensors' kv-cache and attention "
-                     "scales are calibrated (static)")
+                fail(where, "dynamic q/k/v scales are not exportable: the export writes calibrated (static) "
+                     "k_scale/v_scale/q_scale only; calibrate the q/k/v sites with a static spec")
             fields["dynamic"] = True  # scales from each tensor at run time (compute_dynamic_scales_and_zp)
     return fields
 
