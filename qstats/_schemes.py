@@ -46,20 +46,23 @@ FORMATS = (
 
 # llm-compressor's observer names for activations -> (qstats registered name, kwargs it takes,
 # llm-compressor's defaults): its mse searches per batch, then takes a moving average; its
-# memoryless_mse keeps the latest batch's search (a moving average with constant 1)
+# memoryless_mse keeps the latest batch's search (a moving average with constant 1), and so does
+# its nvfp4_expanded_mse (alias fouroversix), with these defaults
+_EXPANDED_MSE = {"expand": 1.8, "maxshrink": 1 - 0.8 / 1.8, "grid": 200.0, "patience": 1000}
+_MEMORYLESS_MSE = ("mse", ("maxshrink", "patience", "grid", "norm", "expand"),
+                   {"mode": "moving_average", "averaging_constant": 1.0})
 _ACTIVATION_OBSERVERS = {
     "minmax": ("moving_average_minmax", ("averaging_constant",), {"averaging_constant": 0.01}),
     "static_minmax": ("minmax", (), {}),
     "memoryless_minmax": ("memoryless_minmax", (), {}),
     "mse": ("mse", ("maxshrink", "patience", "grid", "norm", "expand", "averaging_constant"),
             {"mode": "moving_average", "averaging_constant": 0.01}),
-    "memoryless_mse": ("mse", ("maxshrink", "patience", "grid", "norm", "expand"),
-                       {"mode": "moving_average", "averaging_constant": 1.0}),
+    "memoryless_mse": _MEMORYLESS_MSE,
+    "nvfp4_expanded_mse": (*_MEMORYLESS_MSE[:2], {**_MEMORYLESS_MSE[2], **_EXPANDED_MSE}),
+    "fouroversix": (*_MEMORYLESS_MSE[:2], {**_MEMORYLESS_MSE[2], **_EXPANDED_MSE}),
 }
 _WEIGHT_MINMAX = (None, "minmax", "static_minmax", "memoryless_minmax")
 _WEIGHT_MSE = ("mse", "memoryless_mse")
-# llm-compressor's nvfp4_expanded_mse (alias fouroversix): memoryless_mse with these defaults
-_EXPANDED_MSE = {"expand": 1.8, "maxshrink": 1 - 0.8 / 1.8, "grid": 200.0, "patience": 1000}
 _MSE_SEARCH = ("maxshrink", "grid", "norm", "expand")
 _SITES = (("weights", "weight"), ("input_activations", "input"), ("output_activations", "output"))
 
