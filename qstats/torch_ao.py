@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
+from torch.ao.quantization import fake_quantize as ao_fake_quantize
 from torch.ao.quantization import observer as ao
 
 from ._formats import integer_dtype_holds
@@ -580,6 +581,13 @@ def _classes(*names: str) -> tuple:
     return tuple(getattr(module, name) for module in modules if module is not None for name in names)
 
 
+def _fake_quantize_classes() -> tuple:
+    """torch.ao's ``FakeQuantize`` (its fused and fixed-qparams kin derive from it) and torchao PT2E's
+    copy where torchao is loaded; not ``_LearnableFakeQuantize``, whose scale is learned, not observed."""
+    modules = [ao_fake_quantize, sys.modules.get("torchao.quantization.pt2e.fake_quantize")]
+    return tuple(module.FakeQuantize for module in modules if module is not None)
+
+
 def _extremes_state(fields, lo, hi) -> list:
     """The values of a min/max state's ``fields`` for torch.ao's extremes ``lo``/``hi`` (float32):
     ``count`` and ``batches`` are 1 per calibrated parameter (torch.ao keeps neither)."""
@@ -670,8 +678,11 @@ def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 
     `qstats.histogram` (``buckets_per_octave`` default: `buckets_per_octave_for_bins`), values
     moving at most one torch.ao bin (docs/migrating_torch_ao.md). A `QstatsObserver` gives its own;
     per tensor, one that saw no data gives the state of no data, as torch.ao's per-tensor observers
-    (per channel: ValueError, as torch.ao's, whose channel count comes from data).
+    (per channel: ValueError, as torch.ao's, whose channel count comes from data). A ``FakeQuantize``
+    (a QAT model's, ``FusedMovingAvgObsFakeQuantize`` too) gives its observer's.
     """
+    if isinstance(obs, _fake_quantize_classes()):  # its observer holds the statistics (the fused op's too)
+        obs = obs.activation_post_process
     if isinstance(obs, QstatsObserver):
         return obs.observer, obs.spec, _drop_in_state(obs)
     # the moving averages derive from the min-max classes
