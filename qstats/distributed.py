@@ -372,7 +372,13 @@ def all_reduce(
       A new tree of the same structure (with ``partial``, where the ranks' sites differ: nested dicts
       of every rank's sites); ``tree`` itself without a process group, with one rank, or on a rank
       outside ``group``.
+
+    Raises:
+      TypeError: ``exact``, ``check`` or ``partial`` is not True or False (before any collective).
     """
+    for name, flag in (("exact", exact), ("check", check), ("partial", partial)):
+        if not isinstance(flag, bool):  # a string ("False", "no") from a config would switch the option on
+            raise TypeError(f"all_reduce: {name} must be True or False, got {flag!r}")
     if partial and not check:  # the check finds the sites the ranks hold differently: without it their
         # collectives would pair buffers of other sizes (gloo aborts the process) or other sites
         raise ValueError("all_reduce: partial=True needs check=True: the check is the collective that finds the "
