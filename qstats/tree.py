@@ -152,6 +152,9 @@ def stack(trees: Sequence[Any]) -> Any:
 def unstack(tree: Any) -> list[Any]:
     """Inverse of `stack`: splits every leaf along its leading dimension.
 
+    Each piece owns its memory, as the trees given to `stack` did: a view of the stacked leaf would keep
+    all of it alive, and ``torch.save`` of one tree would write every tree's data.
+
     Raises:
       ValueError: a leaf that is not a tensor or is 0-dimensional, or differing leading sizes.
     """
@@ -169,5 +172,5 @@ def unstack(tree: Any) -> list[Any]:
             raise ValueError(
                 f"tree.unstack: leaf {path} has leading size {leaf.shape[0]} but {first_path} has {first.shape[0]}"
             )
-    columns = [leaf.unbind(0) for leaf in leaves]
+    columns = [[piece.clone() for piece in leaf.unbind(0)] for leaf in leaves]
     return [optree.tree_unflatten(treespec, [column[i] for column in columns]) for i in range(first.shape[0])]
