@@ -680,6 +680,46 @@ def _run_outside(run: _Run, container_path: str, container, observation_weight) 
         release_modules(saved)
 
 
+class _ToFirstLayer(torch.nn.Module):
+    """The root `_step_before_layers` runs: the model's forward on a stored batch (moved to
+    ``device``), stopped at its first decoder layer."""
+
+    def __init__(self, model: torch.nn.Module, first_layer: torch.nn.Module, store: _Store,
+                 device: Optional[torch.device]):
+        super().__init__()
+        self.__dict__.update(model=model, first_layer=first_layer)  # not submodules: the plan holds their paths
+        self.store, self.device = store, device
+
+    def forward(self, index: int) -> None:
+        with self.first_layer.register_forward_pre_hook(_stop, with_kwargs=True), contextlib.suppress(_Stop):
+            run_model(self.model, _moved(self.store[index].batch, self.device))
+
+
+def _step_before_layers(run: _Run, container_path: str, container) -> bool:
+    """``run.after_layer`` (GPTQ) on the modules the forward calls before the first decoder layer
+    (OPT's ``project_in``), observed over the stored batches: llm-compressor's first subgraph holds
+    them, quantized before the first layer runs on their outputs. Returns whether it changed a
+    weight (the first layer's inputs are then captured again). The recipe's states of those
+    modules are observed with the others outside the layers, last (on their float weights, as there)."""
+    outside = lambda p: not inside(p, container_path)  # noqa: E731
+    root = _ToFirstLayer(run.model, container[0], run.store, run.device)
+    side = _sub_plan(run.side_plan, outside, root)
+    if not side.sites:
+        return False
+    step = run.after_layer
+
+    def called(label, module, found, side_found):  # only the modules called: those after the layers are not
+        return step(label, module, {path: entry for path, entry in found.items() if path in side_found}, side_found)
+
+    def over(observed: Plan, final: bool) -> dict:
+        return run.calibrate(root, observed, range(len(run.store)), lambda index: run.store[index].weight)
+
+    before = dataclasses.replace(run, after_layer=called)
+    label = f"the modules before {container_path}.0"
+    plan = _sub_plan(run.plan, outside, root)
+    return bool(_observed_and_stepped(before, label, run.model, plan, side, over, lambda: None)[1])
+
+
 def _layer_kinds(model: torch.nn.Module, container_path: str) -> set:
     """The kinds in ``config.layer_types`` of the modules holding the decoder layers (a multimodal
     model keeps its text model's in ``text_config``, the config of its language model): layers of
@@ -826,19 +866,32 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
     saved: list = []  # the modules outside the layers, for the capture
     first: list = []  # the first layer, read by the checks and kept for its own run
 
-    def capture() -> None:
-        saved.extend(_outer_loaded(run, container_path))
-        each_layer = len(_layer_kinds(run.model, container_path)) > 1
-        def checked(batch) -> tuple:
-            like = _check_passed_on(run, container, container_path, batch, where, first)
-            return _check_call_order(run.model, container, container_path, batch, where, like), like
+    each_layer = len(_layer_kinds(run.model, container_path)) > 1
+    checks: list = []  # the checks' result on the first batch, which a second capture reuses
 
-        _capture(run.model, container, container_path, batches, observation_weight, run.store, run.device, each_layer,
+    def checked(batch) -> tuple:
+        if not checks:
+            like = _check_passed_on(run, container, container_path, batch, where, first)
+            checks.append((_check_call_order(run.model, container, container_path, batch, where, like), like))
+        return checks[0]
+
+    def capture(given) -> None:
+        _capture(run.model, container, container_path, given, observation_weight, run.store, run.device, each_layer,
                  checked, where)
+
+    def capture_first() -> None:
+        saved.extend(_outer_loaded(run, container_path))
+        capture(batches)
+
+    def capture_again() -> None:  # the first layer's inputs from the stepped modules before it
+        recorded, run.store = run.store, _Store(run.store.directory)  # rewritten file by file, each read first
+        capture(record.batch for record in recorded)
 
     try:
         try:
-            agreed(run.all_reduce, capture)
+            agreed(run.all_reduce, capture_first)
+            if run.after_layer is not None and _step_before_layers(run, container_path, container):
+                agreed(run.all_reduce, capture_again)
         finally:
             release_modules(saved)
         with tqdm(total=len(container) + 1, unit="layer", desc=f"qstats.{where}", disable=not progress) as bar:

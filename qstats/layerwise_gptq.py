@@ -9,7 +9,9 @@ by its rows, so that dead input columns dampen as there; then computes the layer
 GPTQ'd weights (activations in float, as llm-compressor 0.14's pipeline runs with quantization
 disabled) for the next one. A layer's Hessians are released with it. The weights outside the
 layers (a quantized ``lm_head``) get the same step last, their Hessians observed on the last
-layer's outputs with its float weights, as in llm-compressor's last subgraph.
+layer's outputs with its float weights, as in llm-compressor's last subgraph; those the forward
+calls before the first layer (OPT's ``project_in``) get it first, and the first layer's inputs are
+computed again from them, as in its first subgraph.
 """
 
 from __future__ import annotations
@@ -335,6 +337,8 @@ class _GPTQRun:
             _check_untied(self.plan, self.targets)
         # rank-local work, then collectives: every rank learns whether one raised before the broadcasts
         jobs, missing = agreed(self.share, lambda: _layer_jobs(self.plan, self.targets, states, hessians))
+        # the modules before the layers were GPTQ'd first (`layerwise._step_before_layers`): not again, last
+        jobs = {key: job for key, job in jobs.items() if f"{key[0]}.{key[1]}" not in self.weights}
         keys, jobs = list(jobs), list(jobs.values())  # the list alone holds the Hessians (and the layer the weights)
         layer_weights = {}
 
@@ -405,7 +409,8 @@ def gptq_layerwise(
     inputs (llm-compressor 0.14 runs its pipeline with quantization disabled), and released. The
     weights outside the decoder layers (a quantized ``lm_head``) are GPTQ'd last, on the last
     layer's outputs with its float weights, as in llm-compressor's last subgraph (which holds the
-    last layer and the modules after it).
+    last layer and the modules after it); those called before the first layer (OPT's
+    ``project_in``) first, before the first layer's inputs are computed from them.
 
     Args:
       model, checkpoint, batches, recipe, offload_dir, layers, progress, observation_weight,
