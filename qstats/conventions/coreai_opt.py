@@ -17,7 +17,7 @@ import torch
 from .._formats import compute_dtype_name
 from .._torch_features import bitcast
 from .._granularity import PerAxis, PerTensor
-from .default import Convention, saturate
+from .default import Convention, round_scale, saturate
 from .torchao import TorchaoConvention, _block_size_granularity
 
 __all__ = ["CoreaiOptConvention", "spec_from_coreai_opt", "block_size", "block_sizes"]
@@ -61,7 +61,18 @@ class CoreaiOptConvention(TorchaoConvention):
     def qparams(self, min_val, max_val, spec):
         # coreai_opt casts the range to the input's dtype (a pinned float_range end rounds to it)
         # before torchao's arithmetic; torchao's integer path does so itself, not its float targets'
-        return super().qparams(*_in_input_dtype(spec, min_val, max_val), spec)
+        min_val, max_val = _in_input_dtype(spec, min_val, max_val)
+        half = getattr(torch, spec.compute_dtype)
+        if half not in (torch.bfloat16, torch.float16) or spec.scale_dtype != spec.compute_dtype:
+            return super().qparams(min_val, max_val, spec)
+        if spec.is_float:
+            # torchao's one division, rounded to the input's dtype here too (torch.compile drops
+            # round_scale's cast pair)
+            scale, zero_point = super().qparams(min_val, max_val, spec)
+            return rounded_to_half(scale, half), zero_point
+        if spec.zero_point_domain != "int" or not spec.preserve_zero or spec.mapping not in ("symmetric", "asymmetric"):
+            return super().qparams(min_val, max_val, spec)
+        return _half_integer_qparams(min_val, max_val, spec, half)
 
     def e8m0_scale(self, amax, spec):
         # coreai_opt takes max(|min|, |max|) in the input's dtype, then the float32 exponent
@@ -77,6 +88,30 @@ class CoreaiOptConvention(TorchaoConvention):
         if spec.is_float:
             return super().dequantize(codes, scale, zero_point, spec)
         return Convention.dequantize(self, codes.float(), scale.float(), zero_point, spec)
+
+
+def _half_integer_qparams(min_val, max_val, spec, half):
+    """torchao's ``choose_qparams_affine_with_min_max`` of a bf16/fp16 range (float32 tensors
+    holding ``half`` values), each operation rounded to ``half`` by `rounded_to_half`, as torchao's
+    eager ops round: ``.to(half)`` would do the same eagerly, but torch.compile keeps float32
+    between fused ops (scales and zero points off coreai_opt's). Where the span overflows
+    ``half`` the scale saturates, as `TorchaoConvention`'s."""
+    def rounded(t):
+        return rounded_to_half(t, half)
+
+    qmin, qmax = spec.qrange
+    low, high = min_val.clamp(max=0.0), max_val.clamp(min=0.0)
+    if spec.mapping == "asymmetric":
+        levels = float(qmax - qmin)
+        scale = rounded(rounded(high - low) / levels)
+        overflowed = rounded(rounded(high / levels) - rounded(low / levels))
+        scale = torch.where(torch.isfinite(scale), scale, saturate(overflowed, half))
+        scale = scale.clamp(min=spec.eps)
+        zero_point = torch.clamp(rounded(qmin - torch.round(rounded(low / scale))), qmin, qmax)
+    else:
+        scale = saturate(rounded(torch.max(-low, high) / (float(qmax - qmin) / 2)), half).clamp(min=spec.eps)
+        zero_point = torch.full_like(scale, spec.zero_point_of_symmetric)
+    return round_scale(scale, half), zero_point.to(torch.int32).clamp(qmin, qmax)
 
 
 def _in_input_dtype(spec, *tensors):
