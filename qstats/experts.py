@@ -662,6 +662,7 @@ class ExpertInputCapture(TorchFunctionMode):
         self._token_of = WeakIdKeyDictionary()  # tensor -> the token of each of its leading rows
         self._flat = WeakIdKeyDictionary()  # tokens [..., hidden] of more than 2 dimensions -> their flat rows' tokens
         self._split = WeakIdKeyDictionary()  # [B, n, F] viewed from traced rows [B * n, F] -> each row's token
+        self._copies = WeakIdKeyDictionary()  # a copy of a slice P[e] (P[e].float() of a bf16 P) -> (name, e)
         if tokens is not None and tokens.ndim == 2:
             self._token_of[tokens] = torch.arange(tokens.shape[0], device=tokens.device)
         elif tokens is not None and tokens.ndim > 2:  # traced from their flattening to [tokens, hidden]
@@ -695,7 +696,10 @@ class ExpertInputCapture(TorchFunctionMode):
         return tokens if rows_per_entry == 1 else tokens.repeat_interleave(rows_per_entry)
 
     def _sliced(self, weight):
-        """``(name, e)`` when ``weight`` is a slice ``P[e]`` of a watched parameter."""
+        """``(name, e)`` when ``weight`` is a slice ``P[e]`` of a watched parameter, or a copy of one
+        (a cast or ``contiguous``: the OpenAI privacy filter's experts multiply by ``P[e].float()``)."""
+        if isinstance(weight, torch.Tensor) and weight in self._copies:
+            return self._copies[weight]
         for name, stack in self.parameters.items():
             expert = _expert_of_slice(weight, stack)
             if expert is not None:
@@ -720,8 +724,13 @@ class ExpertInputCapture(TorchFunctionMode):
         elif kind == _CLAMP:
             if args and _is_int(args[0]) and isinstance(out, torch.Tensor) and out is not args[0]:
                 self._unclamped[out] = self._unclamped.get(args[0], args[0])
-        elif (self._token_of or self._flat) and args:
-            self._follow(kind, args, kwargs, out)
+        else:
+            if kind == _SAME_ROWS and args and isinstance(out, torch.Tensor) and out is not args[0]:
+                found = self._sliced(args[0])
+                if found is not None:
+                    self._copies[out] = found
+            if (self._token_of or self._flat) and args:
+                self._follow(kind, args, kwargs, out)
         return out
 
     def _follow(self, kind: int, args: tuple, kwargs: dict, out) -> None:

@@ -133,3 +133,52 @@ def test_fp8_per_tensor_gate_and_up_equal_llm_compressor_oneshot(tmp_path, singl
     assert all(name.startswith(EXPERTS.format(1)) and name.endswith("down_proj.input_scale") for name in differing)
     for name in differing:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=0)
+
+
+def _routed_rows(model, batches) -> dict:
+    """``{experts path: [(input rows, down_proj input rows, expert)]}``: each expert's routed tokens and
+    ``act(gate) * up`` of them, recomputed in plain torch as the experts' forward computes them (in
+    float32 from the cast slices) from the calls a pre-hook records."""
+    calls, handles = {}, []
+    for path, module in model.named_modules():
+        if type(module).__name__ == "OpenAIPrivacyFilterExperts":
+            def hook(module, args, kwargs, path=path):
+                hidden, index = args[0], args[1] if len(args) > 1 else kwargs["router_indices"]
+                calls.setdefault(path, []).append((module, hidden.detach(), index))
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    with torch.no_grad():
+        for batch in batches:
+            model(batch)
+    for handle in handles:
+        handle.remove()
+    rows = {}
+    with torch.no_grad():
+        for path, seen in calls.items():
+            for module, hidden, index in seen:
+                for expert in range(E):
+                    x = hidden[(index == expert).any(dim=-1)]
+                    gate_up = x.float() @ module.gate_up_proj[expert].float() + module.gate_up_proj_bias[expert].float()
+                    rows.setdefault(path, []).append((x, module._apply_gate(gate_up), expert))
+    return rows
+
+
+def test_bf16_eager_experts_observe_the_rows_of_their_cast_slices(single_thread_quiet):
+    """The eager forward multiplies by ``gate_up_proj[e].float()``, a copy of the bf16 slice: each
+    expert's ``input`` and ``down_proj.input`` states hold the min/max of its routed rows (they were
+    refused, no matmul with a slice being found)."""
+    model = _model().to(torch.bfloat16)
+    model.set_experts_implementation("eager")
+    generator = torch.Generator().manual_seed(2)
+    batches = [torch.randint(1, 64, (1, 12), generator=generator) for _ in range(2)]
+    spec = qstats.QuantSpec(dtype="int8", on_uncalibrated="fallback")
+    recipe = qstats.Recipe([qstats.Rule("OpenAIPrivacyFilterExperts", sites=("input", "down_proj.input"), spec=spec)])
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    for path, seen in _routed_rows(model, batches).items():
+        for site, column in (("input", 0), ("down_proj.input", 1)):
+            state = states[path][site]
+            for expert in range(E):
+                values = torch.cat([entry[column].float().flatten() for entry in seen if entry[2] == expert])
+                assert int(state.count[expert]) == values.numel(), (path, site, expert)
+                if values.numel():
+                    assert float(state.min_val[expert]) == float(values.min()), (path, site, expert)
+                    assert float(state.max_val[expert]) == float(values.max()), (path, site, expert)
