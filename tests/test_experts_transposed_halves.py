@@ -182,3 +182,38 @@ def test_bf16_eager_experts_observe_the_rows_of_their_cast_slices(single_thread_
                 if values.numel():
                     assert float(state.min_val[expert]) == float(values.min()), (path, site, expert)
                     assert float(state.max_val[expert]) == float(values.max()), (path, site, expert)
+
+
+def test_gptq_layerwise_codes_equal_llm_compressor_oneshot(tmp_path, single_thread_quiet):
+    """W8A8 GPTQ (every expert on every token): the first layer's int8 codes, experts' included, equal those
+    of llm-compressor's GPTQModifier (basic pipeline), whose inputs do not depend on GPTQ's changes."""
+    from _shared import llm_compressor_oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    folder, theirs, ours = (str(tmp_path / name) for name in ("float", "llm_compressor", "qstats"))
+    _model().save_pretrained(folder)
+    generator = torch.Generator().manual_seed(1)
+    samples = [torch.randint(1, 64, (12,), generator=generator) for _ in range(3)]
+    model_class = transformers.AutoModelForTokenClassification
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm_compressor_oneshot(model_class.from_pretrained(folder).eval(), samples,
+                               GPTQModifier(targets="Linear", scheme="W8A8", ignore=IGNORE), theirs, "basic",
+                               moe_calibrate_all_experts=True)
+        with torch.device("meta"):
+            meta = model_class.from_config(transformers.AutoConfig.from_pretrained(folder)).eval()
+        model = model_class.from_pretrained(folder).eval()
+    for each in (meta, model):
+        each.set_attn_implementation("eager")
+    recipe = qstats.Recipe.from_scheme("W8A8", ignore=IGNORE)
+    result = qstats.gptq_layerwise(meta, folder, [{"input_ids": s[None]} for s in samples], recipe, progress=False,
+                                   all_experts=True)
+    model.load_state_dict(result.weights, strict=False)
+    plan = recipe.resolve(model)
+    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(result.states, plan), ours, plan)
+    our_tensors, their_tensors = (load_file(os.path.join(f, "model.safetensors")) for f in (ours, theirs))
+    assert sorted(our_tensors) == sorted(their_tensors)
+    codes = [name for name in their_tensors if name.startswith("model.layers.0.") and name.endswith(".weight")
+             and their_tensors[name].dtype == torch.int8]
+    assert len([name for name in codes if ".experts." in name]) == 3 * E
+    assert [name for name in codes if not torch.equal(our_tensors[name], their_tensors[name])] == []
