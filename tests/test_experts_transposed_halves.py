@@ -68,8 +68,20 @@ def test_stacks_read_as_llm_compressors_linear_experts():
         assert torch.equal(gate_up_bias[expert, :INTER], theirs.gate_proj.bias)
         assert torch.equal(gate_up_bias[expert, INTER:], theirs.up_proj.bias)
         assert torch.equal(down_bias[expert], theirs.down_proj.bias)
-    assert qstats.experts.linearized_experts(EXPERTS.format(0), experts, "down_proj") == [
-        f"{EXPERTS.format(0)}.{expert}.down_proj" for expert in range(E)]
+
+
+
+def test_linearized_names_are_llm_compressors_modules():
+    from llmcompressor.modeling.moe.linearize import linearize_moe
+
+    model, fresh = _model(), _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        linearize_moe(fresh)
+    theirs = [name for name, module in fresh.named_modules() if isinstance(module, torch.nn.Linear) and ".experts." in name]
+    ours = [name for layer in range(2) for name in qstats.experts.linearized_experts(
+        EXPERTS.format(layer), model.get_submodule(EXPERTS.format(layer)))]
+    assert ours == theirs and len(ours) == 2 * 3 * E
 
 
 def _their_and_our_checkpoints(tmp_path, scheme: str) -> tuple:
