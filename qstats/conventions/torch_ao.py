@@ -163,6 +163,15 @@ def _exact_kernel(spec) -> bool:
     return spec.zero_point_domain == "float" or max(-qmin, qmax) > _FLOAT32_EXACT_INTEGERS
 
 
+def _fixed_zero_points(spec) -> tuple:
+    """torch.ao's fixed symmetric zero points that may lie outside the range: 128 of quint8 with
+    ``reduce_range`` (codes 0-127), 2**15 of uint16 (whose custom range may be any within 16 bits)."""
+    if spec.is_float:
+        return ()
+    qmin, qmax = spec.qrange
+    return ((128,) if (qmin, qmax) == (0, 127) else ()) + ((2**15,) if qmax < 2**16 else ())
+
+
 class TorchAOConvention(Convention):
     """torch.ao's observers and fake-quant kernels, bit for bit. Custom ranges may exceed the dtype's own,
     and torch.ao's fixed symmetric zero points (128 for uint8, 2**15 for uint16) may lie outside the range.
@@ -174,7 +183,13 @@ class TorchAOConvention(Convention):
     def validate(self, spec) -> None:
         check_float_mapping(spec)
         check_float_zero_point(spec, self.name)
-        check_symmetric_zero_point(spec, fixed=(128, 2**15))
+        check_symmetric_zero_point(spec, fixed=_fixed_zero_points(spec))
+        if spec.compute_dtype != "float32":
+            raise ValueError(
+                f"QuantSpec.compute_dtype {spec.compute_dtype!r}: the torch_ao convention computes in float32, "
+                "as torch.ao's observers and kernels; compute_dtype applies to the torchao and compressed_tensors "
+                "conventions"
+            )
         check_preserve_zero(spec, self)
         check_zero_point_kept(spec, self.name, unsigned_symmetric=True)
 
