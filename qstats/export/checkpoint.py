@@ -17,7 +17,7 @@ from .._qparams import QParams
 from .._schemes import matches_targets
 from .._torch_features import uncompiled
 from .._spec import QuantSpec
-from ..experts import UncalibratedWarning, expert_count
+from ..experts import UncalibratedWarning, expert_count, own_parameters
 from ..fused import fused_groups
 from ..gptq_quantize import check_actorder
 from ..recipe import Plan, Recipe, as_plan
@@ -345,7 +345,7 @@ def _entries(modules: Mapping, qparams: Mapping, specs, dynamic: Mapping, tensor
                 expert_entries(module_path, module, sites, module_specs, num_experts, tensors, module_dynamic)
             )
             prefix = module_path + "." if module_path else ""
-            dropped.update(prefix + name for name, _ in module.named_parameters(recurse=False))
+            dropped.update(prefix + name for name in own_parameters(module))  # inside fake_quantized too
             continue
         kv_sites = {site: qp for site, qp in sites.items() if site in ATTENTION_SITES}
         if kv_sites:

@@ -17,7 +17,7 @@ import torch
 from .._granularity import PerBlock, PerTensor, TensorGroup
 from .._qparams import QParams, experts_qparams, per_expert_qparams
 from .._spec import QuantSpec
-from ..experts import linearized_layout_problem, stack_layout
+from ..experts import linearized_layout_problem, own_parameters, stack_layout
 from .config import fail
 from .linear import Entry
 from .scales import check_qparams, scale_dtype
@@ -124,8 +124,9 @@ def _stacked_parameters(path: str, module: torch.nn.Module, sites: Mapping, num_
     gate rows first, or gate-less ``up_proj [E, I, H]``), the stacks of an exportable experts module
     as the per-expert Linear weights (`_canonical`), their biases (`_canonical_biases`) and its sites'
     qparams with one global scale per expert (`per_expert_qparams`), after checking its layout, its
-    sites and the leading expert dimension of their qparams."""
-    params = dict(module.named_parameters(recurse=False))
+    sites and the leading expert dimension of their qparams. A parametrized stack (inside
+    `qstats.fake_quantized`) is read as its float original (`own_parameters`)."""
+    params = own_parameters(module)
     first = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
     up, down = _canonical(module, params, first), _canonical(module, params, "down_proj")
     known = (first, "down_proj", "input", f"{first}.input", "down_proj.input")
