@@ -58,6 +58,13 @@ class CoreaiOptConvention(TorchaoConvention):
 
     name = "coreai_opt"
 
+    def validate(self, spec) -> None:
+        super().validate(spec)
+        if spec.zero_point_domain == "float":
+            # its codes add the zero point in code units; torchao's float zero point is in input units
+            raise ValueError("QuantSpec.zero_point_domain 'float' with convention='coreai_opt': coreai_opt's zero "
+                             "points are integer codes; use zero_point_domain='int'")
+
     def qparams(self, min_val, max_val, spec):
         # coreai_opt casts the range to the input's dtype (a pinned float_range end rounds to it)
         # before torchao's arithmetic; torchao's integer path does so itself, not its float targets'
