@@ -18,6 +18,13 @@ def test_a_fixed_zero_point_outside_a_range_torch_ao_never_pairs_it_with_is_refu
         qstats.QuantSpec(dtype=dtype, symmetric_zero_point=128)
 
 
+@pytest.mark.parametrize("dtype", ["int4", "int8", "int16"])
+def test_uint16s_fixed_zero_point_on_a_signed_range_is_refused(dtype):
+    # torch.ao gives 2**15 to torch.uint16 only, whose ranges are unsigned; a signed target's is 0
+    with pytest.raises(ValueError, match=r"symmetric_zero_point 32768 lies outside the range"):
+        qstats.QuantSpec(dtype=dtype, symmetric_zero_point=2**15)
+
+
 def test_quint8_reduced_range_keeps_torch_ao_histogram_observer_zero_point_128():
     # codes 0-127 with zero point 128: HistogramObserver builds it (MinMaxObserver refuses it)
     theirs = HistogramObserver(dtype=torch.quint8, qscheme=torch.per_tensor_symmetric, reduce_range=True)

@@ -165,11 +165,12 @@ def _exact_kernel(spec) -> bool:
 
 def _fixed_zero_points(spec) -> tuple:
     """torch.ao's fixed symmetric zero points that may lie outside the range: 128 of quint8 with
-    ``reduce_range`` (codes 0-127), 2**15 of uint16 (whose custom range may be any within 16 bits)."""
+    ``reduce_range`` (codes 0-127), 2**15 of uint16 (whose custom range may be any unsigned one within
+    16 bits; a signed range never takes it)."""
     if spec.is_float:
         return ()
     qmin, qmax = spec.qrange
-    return ((128,) if (qmin, qmax) == (0, 127) else ()) + ((2**15,) if qmax < 2**16 else ())
+    return ((128,) if (qmin, qmax) == (0, 127) else ()) + ((2**15,) if 0 <= qmin and qmax < 2**16 else ())
 
 
 class TorchAOConvention(Convention):
