@@ -51,6 +51,7 @@ FORMATS = (
 _EXPANDED_MSE = {"expand": 1.8, "maxshrink": 1 - 0.8 / 1.8, "grid": 200.0, "patience": 1000}
 _MEMORYLESS_MSE = ("mse", ("maxshrink", "patience", "grid", "norm", "expand"),
                    {"mode": "moving_average", "averaging_constant": 1.0})
+_EXPANDED_MEMORYLESS_MSE = (*_MEMORYLESS_MSE[:2], {**_MEMORYLESS_MSE[2], **_EXPANDED_MSE})
 _ACTIVATION_OBSERVERS = {
     "minmax": ("moving_average_minmax", ("averaging_constant",), {"averaging_constant": 0.01}),
     "static_minmax": ("minmax", (), {}),
@@ -58,8 +59,8 @@ _ACTIVATION_OBSERVERS = {
     "mse": ("mse", ("maxshrink", "patience", "grid", "norm", "expand", "averaging_constant"),
             {"mode": "moving_average", "averaging_constant": 0.01}),
     "memoryless_mse": _MEMORYLESS_MSE,
-    "nvfp4_expanded_mse": (*_MEMORYLESS_MSE[:2], {**_MEMORYLESS_MSE[2], **_EXPANDED_MSE}),
-    "fouroversix": (*_MEMORYLESS_MSE[:2], {**_MEMORYLESS_MSE[2], **_EXPANDED_MSE}),
+    "nvfp4_expanded_mse": _EXPANDED_MEMORYLESS_MSE,
+    "fouroversix": _EXPANDED_MEMORYLESS_MSE,
 }
 _WEIGHT_MINMAX = (None, "minmax", "static_minmax", "memoryless_minmax")
 _WEIGHT_MSE = ("mse", "memoryless_mse")
