@@ -146,7 +146,7 @@ def _column_parameters(param: torch.Tensor, spec: QuantSpec, groups: Optional[li
         param = param.repeat_interleave(spec.granularity.block_shape[0], dim=-2)[..., :rows, :]
     if groups is None:  # per tensor, per row or per block of rows: one column of row parameters
         return param.reshape(*batch, -1, 1), [0] * columns
-    rows_param = param.reshape(*batch, rows, -1)
+    rows_param = param.reshape(*batch, rows, param.shape[-1])  # [..., rows, groups] (-1 is ambiguous for 0 rows)
     if perm is None:
         return rows_param, groups
     column_groups = torch.gather(torch.tensor(groups, device=perm.device).expand(perm.shape), -1, perm)

@@ -1,6 +1,6 @@
 """qstats.gptq on edge inputs, against llm-compressor 0.14's quantize_weight: Hessians whose
 float32 form over- or underflows (a float64 sum of huge rows, rows of 1e-20), a weight without
-input columns, and dead columns under llm-compressor's sample-count normalization."""
+input columns or output rows, and dead columns under llm-compressor's sample-count normalization."""
 
 from __future__ import annotations
 
@@ -65,6 +65,23 @@ def test_a_weight_without_input_columns_is_a_clear_error():
     spec = qstats.QuantSpec(dtype="int4", granularity=qstats.PerRow())
     with pytest.raises(ValueError, match="no input column"):  # before: RuntimeError from torch.stack
         gptq(torch.zeros(4, 0), state, spec)
+
+
+@pytest.mark.parametrize("granularity", [qstats.PerGroup(32), qstats.PerRow(), qstats.PerBlock((16, 16))], ids=repr)
+def test_a_weight_without_output_rows_takes_its_given_qparams_as_llm_compressor(granularity):
+    """A ``[0, in]`` weight with its (empty) qparams gives empty results, as llm-compressor's
+    quantize_weight of a ``[1, 0, in]`` batch does (a RuntimeError reshaping the group scales)."""
+    x = torch.randn(50, IN, generator=torch.Generator().manual_seed(2))
+    state = hessian().update(hessian().init(x), x)
+    spec = qstats.QuantSpec(dtype="int4", granularity=granularity)
+    weight = torch.zeros(0, IN)
+    qparams = _minmax_qparams(weight, spec)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
+    want, _, fallback = llmc_gptq.quantize_weight(weight[None], gptq_hessian(state)[None], torch.ones(1, 0, 2),
+                                                  torch.zeros(1, 0, 2, dtype=torch.int8), None, args)
+    fake_quantized, codes, used = gptq(weight, state, spec, qparams=qparams)
+    assert fake_quantized.shape == codes.shape == want[0].shape == (0, IN) and not bool(fallback[0])
+    assert codes.dtype == qstats.quantize(weight, qparams, spec).dtype and used is not None
 
 
 def test_dead_columns_make_llm_compressor_depend_on_its_sample_count():
