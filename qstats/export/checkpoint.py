@@ -406,8 +406,8 @@ def _warn_log(log: dict) -> None:
     _warn_named(rounded, 4, "export.compressed_tensors: scales of {count} site(s) were rounded to the model's dtype "
                 "({names}); calibrate with a spec whose scale_dtype is that dtype to keep "
                 "qstats' and the checkpoint's quantization identical")
-    _warn_named(sites, 4, "export.compressed_tensors: {count} site(s) of a half-precision model were calibrated with "
-                "compressed-tensors specs computing in another dtype ({names}); llm-compressor computes "
+    _warn_named(sites, 4, "export.compressed_tensors: {count} site(s) were calibrated with compressed-tensors specs "
+                "computing in another dtype than their module's ({names}); llm-compressor computes "
                 "their qparams in the model's dtype, so this checkpoint differs from its: build the recipe with "
                 "observed_dtype=<the model's dtype> (Recipe.from_scheme, QuantSpec.from_compressed_tensors)")
     _warn_named(double, 4, "export.compressed_tensors: {count} site(s) of a float64 model were calibrated with "

@@ -95,16 +95,18 @@ def write_linear(entry: Entry, format: Optional[str], tensors: dict, dropped: se
 
 
 def _log_compute_dtype(spec: QuantSpec, dtype: torch.dtype, where: str, log: dict) -> None:
-    """Logs a compressed-tensors spec computing its qparams in another dtype than a bfloat16 or
-    float16 module's, or any on a float64 module (qstats computes in float32 at most):
+    """Logs a compressed-tensors spec computing its qparams in another dtype than a float32,
+    bfloat16 or float16 module's (a recipe built with ``observed_dtype=torch.bfloat16`` on a model
+    loaded in float32 too), or any on a float64 module (qstats computes in float32 at most):
     llm-compressor computes them in the module's dtype, so the checkpoint differs from its (NVFP4
     scales too, with no rounding warning)."""
     if not spec.convention.computes_in_observed_dtype:
         return
     if dtype == torch.float64:
         log["float64"].append(where)
-    elif dtype in (torch.bfloat16, torch.float16) and spec.compute_dtype != str(dtype).removeprefix("torch."):
-        log["compute_dtype"].append(where)
+    elif dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if spec.compute_dtype != str(dtype).removeprefix("torch."):
+            log["compute_dtype"].append(where)
 
 
 def static_site(qp, spec: QuantSpec, args: dict, site: str, where: str, dtype: torch.dtype, prefix: str,
