@@ -70,7 +70,6 @@ def test_stacks_read_as_llm_compressors_linear_experts():
         assert torch.equal(down_bias[expert], theirs.down_proj.bias)
 
 
-
 def test_linearized_names_are_llm_compressors_modules():
     from llmcompressor.modeling.moe.linearize import linearize_moe
 
@@ -82,6 +81,9 @@ def test_linearized_names_are_llm_compressors_modules():
     ours = [name for layer in range(2) for name in qstats.experts.linearized_experts(
         EXPERTS.format(layer), model.get_submodule(EXPERTS.format(layer)))]
     assert ours == theirs and len(ours) == 2 * 3 * E
+    first = EXPERTS.format(0)  # with a site: only the Linears behind it
+    down = [name for name in theirs if name.startswith(first + ".") and name.endswith(".down_proj")]
+    assert qstats.experts.linearized_experts(first, model.get_submodule(first), "down_proj") == down and len(down) == E
 
 
 def _their_and_our_checkpoints(tmp_path, scheme: str) -> tuple:
