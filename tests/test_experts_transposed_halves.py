@@ -86,16 +86,22 @@ def test_linearized_names_are_llm_compressors_modules():
     assert qstats.experts.linearized_experts(first, model.get_submodule(first), "down_proj") == down and len(down) == E
 
 
+def _saved_model(tmp_path) -> tuple:
+    """The model saved to ``tmp_path/float``, the folders of llm-compressor's and qstats' checkpoints,
+    and three calibration samples: ``(float, llm_compressor, qstats, samples)``."""
+    folders = [str(tmp_path / name) for name in ("float", "llm_compressor", "qstats")]
+    _model().save_pretrained(folders[0])
+    generator = torch.Generator().manual_seed(1)
+    return (*folders, [torch.randint(1, 64, (12,), generator=generator) for _ in range(3)])
+
+
 def _their_and_our_checkpoints(tmp_path, scheme: str) -> tuple:
     """``oneshot``'s checkpoint of the model under ``scheme`` and qstats' (``Recipe.from_scheme`` with
     ``all_experts``, as oneshot calibrates every expert): ``(our tensors, theirs, our config, theirs)``."""
     from _shared import llm_compressor_oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    saved, theirs, ours = (str(tmp_path / name) for name in ("float", "llm_compressor", "qstats"))
-    _model().save_pretrained(saved)
-    generator = torch.Generator().manual_seed(1)
-    samples = [torch.randint(1, 64, (12,), generator=generator) for _ in range(3)]
+    saved, theirs, ours, samples = _saved_model(tmp_path)
     model_class = transformers.AutoModelForTokenClassification
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -204,10 +210,7 @@ def test_gptq_layerwise_codes_equal_llm_compressor_oneshot(tmp_path, single_thre
     from _shared import llm_compressor_oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
 
-    folder, theirs, ours = (str(tmp_path / name) for name in ("float", "llm_compressor", "qstats"))
-    _model().save_pretrained(folder)
-    generator = torch.Generator().manual_seed(1)
-    samples = [torch.randint(1, 64, (12,), generator=generator) for _ in range(3)]
+    folder, theirs, ours, samples = _saved_model(tmp_path)
     model_class = transformers.AutoModelForTokenClassification
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
