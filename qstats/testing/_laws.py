@@ -16,6 +16,7 @@ checks that each slice is observed independently of the others.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Any, Iterable, Optional, Sequence
 
@@ -159,7 +160,28 @@ def _name(obs) -> str:
     return getattr(obs, "name", "observer")
 
 
-def _need(xs: Sequence[torch.Tensor], count: int, law: str) -> list:
+_SIGNATURES = (("init", "init(x)", 1), ("update", "update(state, x, weight=None)", 3), ("merge", "merge(a, b)", 2))
+
+
+def _check_signatures(obs, law: str) -> None:
+    """AssertionError naming the function and the call the laws (and `qstats.calibrate`, which passes
+    the row weight) make, when ``init``, ``update`` or ``merge`` cannot take their positional arguments."""
+    for field, call, count in _SIGNATURES:
+        fn = getattr(obs, field, None)
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # a callable whose signature Python cannot read: called as it is
+            continue
+        try:
+            signature.bind(*(None,) * count)
+        except TypeError as error:
+            raise AssertionError(f"{_name(obs)}: {law}: {field}{signature} cannot be called as {call} "
+                                 f"({error})") from None
+
+
+def _need(xs: Sequence[torch.Tensor], count: int, law: str, obs=None) -> list:
+    if obs is not None:
+        _check_signatures(obs, law)
     xs = list(xs)
     if len(xs) < count:
         raise ValueError(f"{law} needs at least {count} batches, got {len(xs)}")
@@ -169,7 +191,7 @@ def _need(xs: Sequence[torch.Tensor], count: int, law: str) -> list:
 def _batches_and_init(obs, xs: Sequence[torch.Tensor], count: int, law: str) -> tuple[list, Any]:
     """``xs`` as a list of at least ``count`` batches (a ValueError naming ``law`` otherwise) and the
     identity state ``obs.init(xs[0])`` that the law starts from."""
-    xs = _need(xs, count, law)
+    xs = _need(xs, count, law, obs)
     return xs, obs.init(xs[0])
 
 
@@ -454,7 +476,7 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
     modify their inputs and are deterministic; ``merge`` gets two distinct states in both orders.
     ``weight`` defaults to a 0/1 row mask over ``xs[1]``.
     """
-    xs = _need(xs, 2, "check_purity")
+    xs = _need(xs, 2, "check_purity", obs)
     name = _name(obs)
 
     def same(actual, expected, what):
@@ -529,8 +551,9 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
     bfloat16, float16, float64) when they are floats (finite wherever the state of the uncast batch is);
     an empty batch, with or without its row weight, leaves the state unchanged (bit for bit); NaN and
     ±inf in a batch are refused with a ValueError or left out (no non-finite value where the clean
-    batch's state is finite); a bool or int64 0/1 row weight observes as the float32 one, and a zero one
-    leaves ``init`` unchanged for every input dtype; the state type is registered, its leaves are
+    batch's state is finite); a bool or int64 0/1 row weight observes as the float32 one, a zero one
+    leaves ``init`` unchanged for every input dtype, and a 0/1 weight observes as the rows (or tokens) it
+    keeps (`_check_weight_leaves_rows_out`, for order-dependent observers too); the state type is registered, its leaves are
     tensors, floats are float32 or wider, integers int64."""
     xs, init = _batches_and_init(obs, xs, 1, "check_stability")
     name = _name(obs)
@@ -575,6 +598,44 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
                                         f"{name}: stability: update with a {dtype} tensor", f"the {xs[0].dtype} batch",
                                         "compute in float32 or wider whatever the input dtype")
     _check_weight_dtypes(obs, xs[0], state, name, batch_dims)
+    _check_weight_leaves_rows_out(obs, xs[0], init, state, name, batch_dims)
+
+
+def _takes(obs, init, x: torch.Tensor) -> bool:
+    """Whether ``x`` gives ``init``'s structure and ``update`` takes it (an observer bound to one input
+    shape, or per-row parameters, do not take a batch with fewer rows or tokens)."""
+    try:
+        qtree.assert_same_structure(init, obs.init(x))
+        obs.update(obs.init(x), x)
+    except Exception:
+        return False
+    return True
+
+
+def _check_weight_leaves_rows_out(obs, x: torch.Tensor, init, state, name: str, batch_dims: int) -> None:
+    """A 0/1 weight observes as the batch without what it leaves out, for every observer (order-dependent
+    ones too: no merge is involved): a row weight equals the kept rows, ``update(s, x, w) ==
+    update(s, x[w != 0])``, and a ``[batch, tokens]`` weight leaving out token 0 equals ``x[:, 1:]``,
+    where those batches keep the parameter shape. A weight read along the wrong rows shows here."""
+    rows = batch_dims
+    mask = _row_mask(x, batch_dims, per_slice=False)
+    cases = []
+    if mask is not None:
+        kept = x.index_select(rows, torch.arange(0, x.shape[rows], 2, device=x.device))
+        cases.append((mask, kept, "x[w != 0] (a 0/1 row weight leaves rows out)"))
+    if x.ndim >= batch_dims + 3 and x.shape[rows + 1] >= 2:
+        weight = torch.ones(x.shape[: rows + 2], device=x.device)
+        weight.narrow(rows + 1, 0, 1).zero_()
+        cases.append((weight, x.narrow(rows + 1, 1, x.shape[rows + 1] - 1),
+                      f"x[:, 1:] (a weight of shape {tuple(weight.shape)} leaving out token 0)"))
+    for weight, without, what in cases:
+        if not _takes(obs, init, without):
+            continue
+        for label, start in (("init", init), ("a state that has seen data", state)):
+            got = _attempt(f"{name}: stability: update(s, x, w)", obs.update, start, x, weight)
+            # float sums (the state class's approx_fields) add the kept values in another order
+            assert_states_equal(got, obs.update(start, without), magnitudes=(start, obs.update(init, x)),
+                                message=f"{name}: stability: update(s, x, w) vs update(s, {what}) with s = {label}")
 
 
 def _check_weight_dtypes(obs, x: torch.Tensor, state, name: str, batch_dims: int) -> None:
