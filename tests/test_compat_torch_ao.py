@@ -207,6 +207,8 @@ def _unusable(make):
             return True
         if not zero_point.dtype.is_floating_point and not (-(2**31) <= zero_point.min() <= zero_point.max() < 2**31):
             return True
+        if not zero_point.dtype.is_floating_point and not (ref.quant_min <= zero_point.min() <= zero_point.max() <= ref.quant_max):
+            return True  # torch's fake quantization refuses such a zero point (uint16's 2**15 on a signed range)
         if zero_point.dtype.is_floating_point:
             # parameters that do not cover the data they were calibrated on: torch.ao's own fake
             # quantization moves a value of the observed range by more than half a step (a float
