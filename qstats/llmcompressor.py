@@ -40,12 +40,12 @@ from . import distributed
 from ._formats import global_scale_from_amax
 from ._granularity import PerTensor
 from ._qparams import compute_qparams
-from ._schemes import DROPIN_OBSERVERS, split_observer_kwargs
+from ._schemes import DROPIN_OBSERVERS, STATIC_GROUP_ACTIVATIONS, split_observer_kwargs
 from ._spec import QuantSpec
 from .fused import fused_amax
 from .observers import registry
 from .observers.mse import checked_patience
-from .recipe import STATIC_GROUP_ACTIVATIONS, runtime_scaled
+from .recipe import runtime_scaled
 
 __all__ = ["QstatsObserver", "OBSERVERS", "QstatsMinmaxObserver", "QstatsStaticMinmaxObserver",
            "QstatsMemorylessMinmaxObserver", "QstatsHistogramObserver", "QstatsMseObserver"]

@@ -19,7 +19,7 @@ from ._attention import attention_module, intercepted
 from ._checkpoint_names import module_renamer
 from ._granularity import PerBlock, PerHead, PerTensor
 from ._rule_data import recipe_fields
-from ._schemes import (PROJECTION_NAMES, STATIC_GROUP_ACTIVATIONS, ExpertsMatch, GroupMatch, child_projection,
+from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, child_projection,
                        compressed_tensors_ignore, config_rules, kv_cache_module, kv_cache_sites, matches_targets,
                        scheme_rules, with_checkpoint_ignore)
 from ._spec import QuantSpec
@@ -32,7 +32,7 @@ from .observers import registry as observer_registry
 from .observers.minmax import minmax
 from ._warn import warn
 
-__all__ = ["Rule", "Recipe", "Plan", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES", "STATIC_GROUP_ACTIVATIONS", "as_plan",
+__all__ = ["Rule", "Recipe", "Plan", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES", "as_plan",
            "runtime_scaled"]
 
 ACTIVATION_SITES = ("input", "output", "q", "k", "v")
