@@ -121,3 +121,17 @@ def test_observers_taking_keyword_options_and_callables_without_signatures_pass(
 
     testing.check_purity(obs._replace(update=update), XS)
     testing.check_identity(obs._replace(merge=torch.jit.ignore(obs.merge)), XS)
+
+
+def test_compile_law_compiles_the_weighted_update():
+    obs = qstats.minmax(SPEC)
+
+    def update(state, x, weight=None):
+        if weight is not None and bool(weight.sum() > 0):  # a host read on the weight breaks the graph
+            return obs.update(state, x, weight)
+        return obs.update(state, x, weight)
+
+    broken = obs._replace(update=update, name="minmax reading its weight on the host")
+    with pytest.raises(AssertionError, match=r"torch.compile\(update, fullgraph=True\) with a weight failed"):
+        testing.check_compile(broken, XS[:2], backend="eager")
+    testing.check_compile(obs, XS[:2], backend="eager")

@@ -813,17 +813,22 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
 
 
 def check_compile(obs, xs: Sequence[torch.Tensor], *, backend: str = "inductor", approx_fields=None) -> None:
-    """Law 7: ``torch.compile(update, fullgraph=True)`` runs without graph breaks and equals eager
-    (bit for bit except ``approx_fields``; inductor may reorder float sums)."""
+    """Law 7: ``torch.compile(update, fullgraph=True)``, with and without a row weight, runs without graph
+    breaks and equals eager (bit for bit except ``approx_fields``; inductor may reorder float sums)."""
     xs, state = _batches_and_init(obs, xs, 1, "check_compile")
     name = _name(obs)
     compiled = torch.compile(obs.update, fullgraph=True, backend=backend)
     for x in xs[:2]:
-        # graph breaks surface as torch._dynamo errors
-        got = _attempt(f"{name}: torch.compile(update, fullgraph=True)", compiled, state, x)
-        previous, state = state, obs.update(state, x)
-        assert_states_equal(got, state, approx_fields=approx_fields, message=f"{name}: compiled update vs eager",
-                            magnitudes=(previous, obs.update(obs.init(x), x)))
+        # with a row weight too (padding, routing): a host read on the weight breaks the graph there only
+        mask = _row_mask(x)
+        for extra in [()] if mask is None else [(), (mask,)]:
+            what = " with a weight" if extra else ""
+            # graph breaks surface as torch._dynamo errors
+            got = _attempt(f"{name}: torch.compile(update, fullgraph=True){what}", compiled, state, x, *extra)
+            assert_states_equal(got, obs.update(state, x, *extra), approx_fields=approx_fields,
+                                message=f"{name}: compiled update{what} vs eager",
+                                magnitudes=(state, obs.update(obs.init(x), x)))
+        state = obs.update(state, x)
 
 
 _REDUCE = {"min": torch.minimum, "max": torch.maximum, "sum": torch.add}
