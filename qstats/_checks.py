@@ -15,8 +15,15 @@ import torch
 
 from ._ops import op, register_fake, register_vmap
 
-__all__ = ["as_index", "check_available", "check_floating", "check_real_tensor", "is_integer", "is_real_number", "require",
-           "require_calibrated"]
+__all__ = ["as_index", "check_available", "check_flag", "check_floating", "check_real_tensor", "is_integer", "is_real_number",
+           "require", "require_calibrated"]
+
+
+def check_flag(value, name: str, caller: str) -> None:
+    """TypeError, after ``caller``, for a ``name`` argument that is not True or False: a string
+    ("no", "false") or another truthy object would switch the option on."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{caller}: {name} must be True or False, got {value!r}")
 
 
 def is_real_number(value) -> bool:

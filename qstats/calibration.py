@@ -16,6 +16,7 @@ from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
 from ._attention import SiteHooks, attention_sites
+from ._checks import check_flag
 from ._formats import COMPUTE_DTYPE_NAMES, global_scale_from_amax
 from ._granularity import TensorGroup
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams, per_expert_qparams
@@ -24,7 +25,7 @@ from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor,
 from .experts import rows_by_expert, stacked_qparams
 from .fused import fused_amax
 from .observers import memoryless_minmax
-from .observation import (ExpertCallHooks, Observing, capture_call, check_flag, check_observation_weight,
+from .observation import (ExpertCallHooks, Observing, capture_call, check_observation_weight,
                           check_runtime_group, observing, raise_renamed, stop_capture, unrecognised_sites_error)
 from .recipe import Plan, Recipe, as_plan
 from ._warn import warn
@@ -217,8 +218,7 @@ def compute_qparams_tree(
       TypeError: ``fuse`` that is not a bool.
     """
     plan = as_plan(recipe, model, "compute_qparams_tree")
-    if not isinstance(fuse, bool):  # "no" would fuse, None / [] not
-        raise TypeError(f"compute_qparams_tree: fuse must be True or False, got {fuse!r}")
+    check_flag(fuse, "fuse", "compute_qparams_tree")
     if not isinstance(states, Mapping) or not all(isinstance(entry, Mapping) for entry in states.values()):
         got = type(states).__name__ if not isinstance(states, Mapping) else "a module entry that is not a dict"
         raise TypeError(f"compute_qparams_tree: states must be a tree {{path: {{site: state}}}} (calibrate's), got {got}")

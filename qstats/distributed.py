@@ -23,6 +23,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from ._checks import check_flag
 from ._spec import QuantSpec
 from .observers._base import Observer
 
@@ -377,8 +378,7 @@ def all_reduce(
       TypeError: ``exact``, ``check`` or ``partial`` is not True or False (before any collective).
     """
     for name, flag in (("exact", exact), ("check", check), ("partial", partial)):
-        if not isinstance(flag, bool):  # a string ("False", "no") from a config would switch the option on
-            raise TypeError(f"all_reduce: {name} must be True or False, got {flag!r}")
+        check_flag(flag, name, "all_reduce")
     if partial and not check:  # the check finds the sites the ranks hold differently: without it their
         # collectives would pair buffers of other sizes (gloo aborts the process) or other sites
         raise ValueError("all_reduce: partial=True needs check=True: the check is the collective that finds the "

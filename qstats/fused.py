@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from . import _formats
+from ._checks import check_flag
 from ._granularity import TensorGroup
 from ._qparams import QParams, calibrated_mask, check_calibrated, compute_qparams, range_of, range_rule_for
 from ._spec import QuantSpec
@@ -168,8 +169,7 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
     Returns:
       A tuple of QParams (one per state), or one QParams with a leading dimension when stacked.
     """
-    if not isinstance(stacked, bool):
-        raise TypeError(f"fused_qparams: stacked must be True or False, got {stacked!r}")
+    check_flag(stacked, "stacked", "fused_qparams")
     if stacked and (not is_named_tuple(states) or _is_named_group(states)):
         raise TypeError(
             f"fused_qparams(stacked=True): states must be one state stacked along a leading dimension, "

@@ -28,12 +28,12 @@ import torch
 from tqdm.auto import tqdm
 
 from . import distributed
-from ._checks import check_available
+from ._checks import check_available, check_flag
 from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, release_modules
 from ._sites import run_model
 from .calibration import batch_weight, calibrate, check_batches, compute_qparams_tree, fake_quantized
 from .experts import with_argument
-from .observation import check_experts_layout, check_flag, resumed_states
+from .observation import check_experts_layout, resumed_states
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["calibrate_layerwise"]

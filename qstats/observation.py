@@ -21,6 +21,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from ._attention import SiteHooks, attention_sites, site_weight
+from ._checks import check_flag
 from ._granularity import PerGroup, qparam_shape
 from ._sites import input_tensor, is_float_tensor, observe_tensor
 from ._torch_features import eager, recomputing
@@ -266,13 +267,6 @@ def check_observation_weight(weight, caller: str) -> None:
             f"{caller}: the observation weight of shape {tuple(weight.shape)} holds {count} negative, NaN or "
             "infinite value(s); it is a mask: 0 leaves a row out, a positive value keeps it (once, whatever its size)"
         )
-
-
-def check_flag(value, name: str, caller: str) -> None:
-    """TypeError, after ``caller``, for a ``name`` argument that is not True or False: a string
-    ("no", "false") or another truthy object would switch the option on."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{caller}: {name} must be True or False, got {value!r}")
 
 
 def autocast_off(device: torch.device):

@@ -20,7 +20,7 @@ from torch.nn.utils import prune
 from torch.nn.utils.weight_norm import WeightNorm
 
 from . import distributed
-from ._checks import check_floating
+from ._checks import check_flag, check_floating
 from ._qparams import compute_qparams
 from ._quant import fake_quantize
 from ._spec import QuantSpec
@@ -697,8 +697,7 @@ def prepare(
     _check_ste(ste)
     check_grad_scale(grad_scale)
     for name, flag in (("dynamic_activations", dynamic_activations), ("fold_batchnorm", fold_batchnorm)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"qstats.qat.prepare: {name} must be True or False, got {flag!r}")
+        check_flag(flag, name, "qstats.qat.prepare")
     layers = _layer_types(layers)
     weight_entries = _observer_entries(weight_observer, layers, "weight_observer")
     activation_entries = _observer_entries(activation_observer, layers, "activation_observer")

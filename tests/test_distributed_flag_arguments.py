@@ -1,5 +1,5 @@
 """``qstats.distributed.all_reduce`` takes ``exact``, ``check`` and ``partial`` as True or False only,
-as the other options of qstats do (`qstats.observation.check_flag`): a string from a config
+as the other options of qstats do (`qstats._checks.check_flag`): a string from a config
 ("False", "no") is truthy and would switch the option on."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 import qstats
 from qstats import distributed
-from qstats.observation import check_flag
+from qstats._checks import check_flag
 
 
 def _tree():
