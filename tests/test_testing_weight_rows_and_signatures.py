@@ -135,3 +135,23 @@ def test_compile_law_compiles_the_weighted_update():
     with pytest.raises(AssertionError, match=r"torch.compile\(update, fullgraph=True\) with a weight failed"):
         testing.check_compile(broken, XS[:2], backend="eager")
     testing.check_compile(obs, XS[:2], backend="eager")
+
+
+def test_a_factory_given_for_its_observer_is_refused_naming_the_call():
+    with pytest.raises(TypeError, match=r"expected an Observer .* _absmax_mean is callable: pass the Observer it "
+                                        r"returns, _absmax_mean\(spec\)"):
+        testing.check_all(_absmax_mean, _make_x, max_examples=1)
+    with pytest.raises(TypeError, match="check_identity: expected an Observer"):
+        testing.check_identity(_absmax_mean, XS)
+
+
+def test_batches_that_are_not_a_list_of_tensors_are_refused():
+    obs = qstats.minmax(qstats.QuantSpec(granularity=qstats.PerAxis(0)))
+    # a tensor for xs: its rows, of shape (16,), would be checked as the batches (16 channels, not 8)
+    with pytest.raises(TypeError, match=r"check_identity: xs is a list of input batches, got a tensor of shape "
+                                        r"\(8, 16\) \(pass \[x\] for one batch\)"):
+        testing.check_identity(obs, XS[0])
+    with pytest.raises(TypeError, match="got items of type list"):
+        testing.check_purity(obs, [XS[0], [XS[1]]])
+    with pytest.raises(TypeError, match=r"make_x\(generator\) must return one input batch \(a tensor\), got list"):
+        testing.check_all(obs, lambda generator: [_make_x(generator)], max_examples=1)

@@ -55,13 +55,17 @@ def check_all(
     unknown = sorted(set(laws) - set(LAWS))
     if unknown:
         raise ValueError(f"check_all: unknown laws {unknown}; known: {LAWS}")
+    _laws.check_observer(obs, "check_all")
+    probe = make_x(torch.Generator().manual_seed(0))
+    if not isinstance(probe, torch.Tensor):
+        raise TypeError(f"check_all: make_x(generator) must return one input batch (a tensor), got "
+                        f"{type(probe).__name__}")
     exact = obs.exact if exact is None else exact
     if not isinstance(batch_dims, int) or isinstance(batch_dims, bool) or batch_dims < 0:
         raise ValueError(f"check_all: batch_dims must be a non-negative int, got {batch_dims!r}")
     if {"purity", "vmap"} & set(laws) and getattr(obs, "spec", None) is not None:
         # one warning, not one per example, when the state holds no quantization statistic
-        x = make_x(torch.Generator().manual_seed(0))
-        if _laws.qparams_spec(obs, obs.update(obs.init(x), x), "check_all", batch_dims) is None:
+        if _laws.qparams_spec(obs, obs.update(obs.init(probe), probe), "check_all", batch_dims) is None:
             obs = obs._replace(spec=None)
 
     @settings(

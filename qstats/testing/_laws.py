@@ -163,9 +163,20 @@ def _name(obs) -> str:
 _SIGNATURES = (("init", "init(x)", 1), ("update", "update(state, x, weight=None)", 3), ("merge", "merge(a, b)", 2))
 
 
+def check_observer(obs, law: str) -> None:
+    """TypeError unless ``obs`` has callable ``init``, ``update`` and ``merge`` and an ``exact`` flag (a
+    factory given for its Observer: ``rms_range`` for ``rms_range(spec)``)."""
+    missing = [field for field in ("init", "update", "merge") if not callable(getattr(obs, field, None))]
+    if missing or not hasattr(obs, "exact"):
+        hint = (f"; {getattr(obs, '__name__', 'it')} is callable: pass the Observer it returns, "
+                f"{getattr(obs, '__name__', 'factory')}(spec)" if callable(obs) else "")
+        raise TypeError(f"{law}: expected an Observer (init, update, merge, exact), got {type(obs).__name__}{hint}")
+
+
 def _check_signatures(obs, law: str) -> None:
     """AssertionError naming the function and the call the laws (and `qstats.calibrate`, which passes
     the row weight) make, when ``init``, ``update`` or ``merge`` cannot take their positional arguments."""
+    check_observer(obs, law)
     for field, call, count in _SIGNATURES:
         fn = getattr(obs, field, None)
         try:
@@ -182,7 +193,13 @@ def _check_signatures(obs, law: str) -> None:
 def _need(xs: Sequence[torch.Tensor], count: int, law: str, obs=None) -> list:
     if obs is not None:
         _check_signatures(obs, law)
+    if isinstance(xs, torch.Tensor):  # its rows would be the batches, of another shape than the tensor
+        raise TypeError(f"{law}: xs is a list of input batches, got a tensor of shape {tuple(xs.shape)} "
+                        "(pass [x] for one batch)")
     xs = list(xs)
+    strays = sorted({type(x).__name__ for x in xs if not isinstance(x, torch.Tensor)})
+    if strays:
+        raise TypeError(f"{law}: xs is a list of input batches (tensors), got items of type {', '.join(strays)}")
     if len(xs) < count:
         raise ValueError(f"{law} needs at least {count} batches, got {len(xs)}")
     return xs
