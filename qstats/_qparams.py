@@ -212,6 +212,9 @@ def range_of(state, spec: QuantSpec, options: dict, where: str):
     float_range = options.pop("float_range", None)
     float_range = None if float_range is None else check_float_range(float_range, where)
     result = range_rule_for(state)(state, spec, **options)
+    if not isinstance(result, (Range, QParams)):
+        raise TypeError(f"{where}: the range rule of {type(state).__name__} returned a {type(result).__name__}; a "
+                        "rule returns qstats.observers.kit.Range(min_val, max_val, calibrated) or QParams")
     if float_range is None:
         return result
     if isinstance(result, QParams):
