@@ -21,7 +21,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from . import distributed
 from ._checks import check_flag, check_floating
-from ._qparams import compute_qparams
+from ._qparams import check_calibrated, compute_qparams
 from ._quant import fake_quantize
 from ._spec import QuantSpec
 from ._warn import warn
@@ -123,7 +123,7 @@ def observe_fake_quantize(
 
     Raises:
       ValueError: in eager mode, fake-quantizing from a state that saw no data under
-        ``on_uncalibrated="raise"``.
+        ``on_uncalibrated="raise"`` (in a `prepare`d model, naming the layer).
 
     >>> import torch, qstats
     >>> obs = qstats.minmax(qstats.QuantSpec(dtype="int8"))
@@ -132,6 +132,12 @@ def observe_fake_quantize(
     >>> state.max_val
     tensor(2.)
     """
+    return _observe_fake_quantize(x, state, observer, phase, ste, learned, grad_scale, qparams_options,
+                                  "observe_fake_quantize")
+
+
+def _observe_fake_quantize(x, state, observer, phase, ste, learned, grad_scale, qparams_options, where: str):
+    """`observe_fake_quantize`; ``where`` begins the error of a state that saw no data (a layer's point)."""
     if not isinstance(observer, Observer):
         raise TypeError(f"observe_fake_quantize: observer must be a qstats Observer, got {type(observer).__name__}")
     if not isinstance(phase, QATPhase):
@@ -154,9 +160,11 @@ def observe_fake_quantize(
     if learned is not None:
         y = lsq_fake_quantize(x, learned, spec, grad_scale)
     else:
-        # a tensor flag computes qparams where it then keeps ``x``: a state that saw no data must not raise
-        qp_spec = spec if isinstance(phase.fake_quantize, bool) else spec.replace(on_uncalibrated="fallback")
-        qparams = compute_qparams(new_state, qp_spec, **(qparams_options or {}))
+        # computed with the fallback, then checked under ``where``; a tensor flag computes qparams where it
+        # then keeps ``x``: a state that saw no data must not raise there
+        qparams = compute_qparams(new_state, spec.replace(on_uncalibrated="fallback"), **(qparams_options or {}))
+        if isinstance(phase.fake_quantize, bool):
+            check_calibrated(qparams.calibrated, spec, where)
         y = fake_quantize_ste(x, qparams, spec, ste)
     return _select(phase.fake_quantize, y, x), new_state
 
@@ -214,8 +222,19 @@ class _FakeQuantPoint(nn.Module):
         learned = (ranges or {}).get(self.kind, {}).get(self.key)
         if self.dynamic:
             current, previous, phase = self.observer.init(x), None, phase._replace(observe=True)
-        return observe_fake_quantize(x, current if previous is None else previous, self.observer, phase,
-                                     ste=self.ste, learned=learned, grad_scale=self.grad_scale)
+        return _observe_fake_quantize(x, current if previous is None else previous, self.observer, phase, self.ste,
+                                      learned, self.grad_scale, None, _uncalibrated("QATModel.apply", self.kind, self.key))
+
+
+# what gives a layer's point data before it is fake-quantized or its range learned
+_OBSERVE_FIRST = ("observe it first: steps with phase.observe=True (QATSchedule's observe_at before fake_quantize_at), "
+                  "or qat.apply on calibration batches with QATPhase(fake_quantize=False)")
+
+
+def _uncalibrated(where: str, kind: str, key: str) -> str:
+    """The start of the error of layer ``key``'s point of ``kind`` whose state saw no data."""
+    point = "weight" if kind == "weights" else "input"
+    return f"{where}: the {point} of layer {key!r} is fake-quantized from a state that saw no data; {_OBSERVE_FIRST}"
 
 
 # torchao refuses range learning with is_dynamic: a range learned per row of one batch means nothing to another's
@@ -631,11 +650,13 @@ class _WeightOf(nn.Module):
 
 
 def _learnable(state, spec: QuantSpec, where: str) -> LSQParams:
-    """`lsq_init` of one point's state as trainable leaves; an uncalibrated state's error names the point."""
+    """`lsq_init` of one point's state as trainable leaves; an uncalibrated state's error names the point
+    and what gives it data."""
     try:
         params = lsq_init(state, spec)
     except ValueError as error:
-        raise ValueError(f"QATModel.learnable_ranges: {where}: {error}") from error
+        advice = f"; {_OBSERVE_FIRST}" if "uncalibrated" in str(error) else ""
+        raise ValueError(f"QATModel.learnable_ranges: {where}: {error}{advice}") from error
     return LSQParams(*(t.detach().clone().requires_grad_(True) for t in params))
 
 
