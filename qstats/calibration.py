@@ -62,12 +62,15 @@ _DROPOUT_RATES = ("dropout", "attention_dropout", "activation_dropout", "layerdr
 
 
 def _drops_out(module: torch.nn.Module) -> bool:
-    """Whether ``module`` behaves differently in training mode: a dropout (p > 0) or batch norm, a
-    multi-layer ``RNN``/``LSTM``/``GRU`` with dropout (between its layers), or a module holding one
-    of `_DROPOUT_RATES` as a float > 0."""
-    kinds = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+    """Whether ``module`` behaves differently in training mode: a dropout (p > 0) or batch norm, an
+    instance norm tracking running statistics (it updates them and normalises by each instance's),
+    ``RReLU`` (random negative slopes), a multi-layer ``RNN``/``LSTM``/``GRU`` with dropout (between
+    its layers), or a module holding one of `_DROPOUT_RATES` as a float > 0."""
+    kinds = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm, torch.nn.RReLU)
     if isinstance(module, kinds):
         return getattr(module, "p", 1.0) > 0
+    if isinstance(module, torch.nn.modules.instancenorm._InstanceNorm):
+        return bool(module.track_running_stats)
     if isinstance(module, torch.nn.RNNBase):  # one layer: torch applies no dropout
         return module.dropout > 0 and module.num_layers > 1
     rates = [getattr(module, name, None) for name in _DROPOUT_RATES]
@@ -76,12 +79,12 @@ def _drops_out(module: torch.nn.Module) -> bool:
 
 def warn_training_mode(model: torch.nn.Module, caller: str) -> None:
     """Warns naming the first module of `_drops_out` in training mode: calibration would observe
-    dropped-out activations (and update batch-norm running statistics)."""
+    dropped-out activations (and update batch- or instance-norm running statistics)."""
     for path, module in model.named_modules():
         if module.training and _drops_out(module):
             warn(
                 f"{caller}: module {path!r} ({type(module).__name__}) is in training mode, so the statistics "
-                "observe its training behaviour (dropout, batch statistics); call model.eval() first",
+                "observe its training behaviour (dropout, batch statistics, random slopes); call model.eval() first",
                 UserWarning,
             )
             return
