@@ -129,7 +129,9 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     # each bucket's values spread over its part within the observed extremes: spread over the whole
     # bucket, a constant tensor (0.7) drew ~1e-11 values per bin, an empty figure on the log scale
     mom = geometry.moments(edges.clamp(lo, hi), window_counts)
-    span = max(hi - lo, 2.0**-30 * bins_drawn * max(abs(lo), abs(hi)), 1e-12)  # float64 splits it into bins
+    # a window float64 splits into the bins, relative to the values (an absolute floor of 1e-12 drew
+    # values of 1e-20 in two bins); 1 around an all-zero tensor
+    span = max(hi - lo, 2.0**-30 * bins_drawn * max(abs(lo), abs(hi))) or 1.0
     grid = torch.linspace(lo - 0.02 * span, hi + 0.02 * span, bins_drawn + 1, dtype=torch.float64)
     cumulative, _, _ = geometry.cumulative(mom, grid)
     density = cumulative.diff().clamp(min=0)
