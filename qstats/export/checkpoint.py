@@ -241,6 +241,7 @@ class Writer:
         for name, tensor in state.items():
             if name not in tensors and name not in dropped:
                 tensors[name] = tensor.detach()
+        tensors = shared_module_copies(self.model, tensors)
         tensors = saved_tensors(self.model, tensors)
         copies = retied_copies(self.model, tensors)
         self.retied = self.retied or bool(copies)
@@ -484,6 +485,27 @@ def without_tied_copies(model: torch.nn.Module, tensors: dict) -> dict:
             and tensors[target].dtype == tensors[source].dtype and tensors[target].shape == tensors[source].shape
             and torch.equal(tensors[target], tensors[source])}
     return {name: tensor for name, tensor in tensors.items() if name not in drop}
+
+
+def shared_module_copies(model: torch.nn.Module, tensors: dict) -> dict:
+    """``tensors`` with each module that the model holds under several paths (one object, e.g.
+    ``self.b = self.a``) written under every path as under its first: ``state_dict`` lists a shared
+    module under each path, and compressed-tensors quantizes the object at load (its ``named_modules``
+    meets it once), so a loader expects the quantized tensors (``weight_packed``, ``weight_scale``)
+    under every path, as compressed-tensors' ``compress_model`` writes them, not the float weight."""
+    first: dict = {}
+    aliases = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        if first.setdefault(id(module), path) != path:
+            aliases.append((path, first[id(module)]))
+    if not aliases:
+        return tensors
+    tensors = dict(tensors)
+    for alias, source in aliases:
+        for name in _own_tensors(tensors, alias):
+            del tensors[f"{alias}.{name}"]
+        tensors.update({f"{alias}.{name}": tensor for name, tensor in _own_tensors(tensors, source).items()})
+    return tensors
 
 
 def embedding_modules(model: torch.nn.Module) -> list:
