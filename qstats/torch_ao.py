@@ -574,18 +574,11 @@ def _spec_of(obs) -> QuantSpec:
     )
 
 
-def _classes(*names: str) -> tuple:
-    """torch.ao's observer classes of these ``names``, and torchao's PT2E copies of them (not
-    subclasses) where torchao is loaded: one of its observers exists only then."""
-    modules = [ao, sys.modules.get("torchao.quantization.pt2e.observer")]
+def _classes(*names: str, module=ao) -> tuple:
+    """torch.ao's classes of these ``names`` in ``module`` (its observers by default), and torchao's PT2E
+    copies of them (not subclasses) where torchao is loaded: one of its observers exists only then."""
+    modules = [module, sys.modules.get(f"torchao.quantization.pt2e.{module.__name__.rpartition('.')[2]}")]
     return tuple(getattr(module, name) for module in modules if module is not None for name in names)
-
-
-def _fake_quantize_classes() -> tuple:
-    """torch.ao's ``FakeQuantize`` (its fused and fixed-qparams kin derive from it) and torchao PT2E's
-    copy where torchao is loaded; not ``_LearnableFakeQuantize``, whose scale is learned, not observed."""
-    modules = [ao_fake_quantize, sys.modules.get("torchao.quantization.pt2e.fake_quantize")]
-    return tuple(module.FakeQuantize for module in modules if module is not None)
 
 
 def _extremes_state(fields, lo, hi) -> list:
@@ -681,7 +674,9 @@ def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 
     (per channel: ValueError, as torch.ao's, whose channel count comes from data). A ``FakeQuantize``
     (a QAT model's, ``FusedMovingAvgObsFakeQuantize`` too) gives its observer's.
     """
-    if isinstance(obs, _fake_quantize_classes()):  # its observer holds the statistics (the fused op's too)
+    # FakeQuantize (its fused and fixed-qparams kin derive from it; not _LearnableFakeQuantize, whose scale is
+    # learned): its observer holds the statistics (the fused op's too)
+    if isinstance(obs, _classes("FakeQuantize", module=ao_fake_quantize)):
         obs = obs.activation_post_process
     if isinstance(obs, QstatsObserver):
         return obs.observer, obs.spec, _drop_in_state(obs)
