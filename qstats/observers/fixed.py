@@ -236,6 +236,8 @@ def _placeholder(spec: Optional[QuantSpec], name: str) -> Observer:
 
     def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> PlaceholderState:
         check_state(state, PlaceholderState, f"{name}.update")
+        if not isinstance(x, torch.Tensor):  # _count reads x.numel()
+            raise TypeError(f"{name}.update: expected a tensor, got {type(x).__name__}")
         return PlaceholderState(state.count + _count(x, weight))
 
     def merge_fn(a, b) -> PlaceholderState:
@@ -324,7 +326,9 @@ def recorded_values(state: RecordingState) -> torch.Tensor:
 
 
 @register_range_rule(FixedQParamsState)
-def _fixed_rule(state: FixedQParamsState, spec: QuantSpec) -> QParams:
+def _fixed_rule(state: FixedQParamsState, spec: QuantSpec, **options) -> QParams:
+    if options:  # constants: no method or k to choose (the rule's own TypeError named _fixed_rule())
+        raise TypeError(f"compute_qparams: a FixedQParamsState takes no options, got {sorted(options)}")
     calibrated = torch.ones(state.scale.shape, dtype=torch.bool, device=state.scale.device)
     global_scale = torch.ones((), dtype=torch.float32, device=state.scale.device)
     zero_point = state.zero_point if state.zero_point.is_floating_point() else state.zero_point.to(torch.int32)

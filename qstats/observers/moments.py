@@ -9,13 +9,14 @@ range rules (``compute_qparams(state, spec, method=..., k=...)``: ``"mean_std"``
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import NamedTuple, Optional
 
 import torch
 
 from .._checks import is_real_number, require
-from .._granularity import qparam_shape
+from .._granularity import check_observable, qparam_shape
 from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
@@ -199,6 +200,7 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
 
     def update_fn(state: MomentsState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MomentsState:
         state = _checked(state, "moments.update")
+        check_observable(x, "moments.update")  # on an empty batch too: a list or bool tensor is a mistake
         if x.numel() == 0:
             return state
         return _combine(state, _batch_moments(x, weight, state.count.shape, spec, power), None)
@@ -277,4 +279,18 @@ register_search("lp", lp_search, observer="moments")
 @register_range_rule(MomentsState)
 def _moments_rule(state: MomentsState, spec: QuantSpec, method: str = "mean_std", **options) -> Range:
     """The range of ``method`` (a search registered for ``"moments"``), with its options."""
-    return search(method, "moments")(_checked(state, "compute_qparams"), spec, **options)
+    found = search(method, "moments")
+    _check_options(found, method, options)
+    return found(_checked(state, "compute_qparams"), spec, **options)
+
+
+def _check_options(found, method: str, options: dict) -> None:
+    """TypeError naming the method and the options it takes for an option it does not take (the
+    search's own error named a private function, ``mean_std_search()``)."""
+    parameters = list(inspect.signature(found).parameters.values())[2:]  # after (state, spec)
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return
+    unknown = sorted(set(options) - {parameter.name for parameter in parameters})
+    if unknown:
+        known = [parameter.name for parameter in parameters]
+        raise TypeError(f"compute_qparams: moments method {method!r} takes the options {known}, got {unknown}")
