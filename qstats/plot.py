@@ -56,6 +56,7 @@ def _one_histogram(state: HistogramState, index) -> tuple[HistogramState, tuple]
             f"qstats.plot.histogram: index {index} must select one histogram of shape {shape} "
             f"({len(shape)} integer components within it)"
         )
+    index = tuple(as_index(i) for i in index)  # plain ints: a one-element tensor [1] kept a dimension
     return HistogramState(*(field[index] for field in state)), index
 
 
