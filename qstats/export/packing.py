@@ -23,11 +23,13 @@ def pack_int32(values: torch.Tensor, num_bits: int) -> torch.Tensor:
     unsigned = values.to(torch.int64) + (1 << (num_bits - 1))
     if 32 % num_bits:  # values straddle words: pack their bits (LSB first) as a stream of 1-bit values
         bits = (unsigned[..., None] >> torch.arange(num_bits, device=values.device)) & 1
-        unsigned, cols, num_bits = bits.reshape(rows, -1), cols * num_bits, 1
+        unsigned, cols, num_bits = bits.reshape(rows, cols * num_bits), cols * num_bits, 1
     per_word = 32 // num_bits  # whole values per word: value i of a word at bit i * num_bits
-    unsigned = torch.nn.functional.pad(unsigned, (0, -(-cols // per_word) * per_word - cols))
+    words_per_row = -(-cols // per_word)
+    unsigned = torch.nn.functional.pad(unsigned, (0, words_per_row * per_word - cols))
     shifts = torch.arange(per_word, device=values.device) * num_bits
-    words = (unsigned.reshape(rows, -1, per_word) << shifts).sum(-1)  # disjoint bits: the sum is an or
+    # sizes spelled out: -1 is ambiguous for a tensor of no rows (a Linear without outputs)
+    words = (unsigned.reshape(rows, words_per_row, per_word) << shifts).sum(-1)  # disjoint bits: the sum is an or
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
