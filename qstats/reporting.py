@@ -18,11 +18,12 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import torch
 
 from ._attention import SiteHooks, attention_sites, site_weight
-from ._checks import as_index
+from ._checks import as_index, check_floating
 from ._formats import effective_scale
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view
 from ._qparams import QParams, experts_qparams
 from ._quant import _codes_float, fake_quantize
+from ._spec import QuantSpec
 from ._sites import observe_tensor, run_model
 from ._torch_features import eager
 from .calibration import batch_weight, check_batches, runtime_qparams, runtime_spec, warn_training_mode
@@ -203,6 +204,11 @@ def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = 
     as observers leave them out of their statistics; ``mask`` leaves entries (padding) out of all
     five, though they are still quantized with the rest.
     """
+    check_floating(x, "tensor_error")  # a numpy array, an int tensor: named here, not deep in torch
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"tensor_error: spec must be a QuantSpec, got {type(spec).__name__}")
+    if not isinstance(qparams, QParams):
+        raise TypeError(f"tensor_error: qparams must be QParams (qstats.compute_qparams), got {type(qparams).__name__}")
     _check_mask(mask, x)
     x = x.detach()
     wide = torch.promote_types(x.dtype, torch.float32)  # float64 kept: a float32 copy made 1e39 an Inf
