@@ -154,6 +154,7 @@ def observe_extremes(
         and spec.nonfinite == "ignore"
         and weight.ndim > 0
         and weight.numel() > 0
+        and x.numel() > 0  # rows without values: reshaping them to [-1, ...] is ambiguous
         and tuple(weight.shape) == tuple(x.shape[: weight.ndim])
     ):
         row_granularity = _row_granularity(x, weight, spec.granularity)
