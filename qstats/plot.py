@@ -152,6 +152,8 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     axes.set_title(title or f"{total} values, {spec.dtype} {spec.mapping}")
     figure.tight_layout()
     if path is not None:
+        # a bytes path as its str: matplotlib reads no suffix from bytes ("h.pdf" held PNG bytes)
+        path = os.fsdecode(path) if isinstance(path, bytes) else path
         figure.savefig(path, format=_file_format(figure, path), dpi=100)
     return figure
 
