@@ -12,7 +12,7 @@ import torch
 
 from .._attention import LATENT_CACHE, intercepted, latent_attention
 from .config import agreed_observer, fail, module_targets, quantization_args
-from .linear import static_site, write_qparams
+from .linear import _log_compute_dtype, static_site, write_qparams
 from .scales import module_dtype
 
 __all__ = ["attention_config", "write_attention"]
@@ -35,6 +35,7 @@ def write_attention(
             raise ValueError(f"export.compressed_tensors: no spec for {where}")
         # per tensor and static: quantization_args refuses other q/k/v specs
         args = quantization_args(spec, site, where, site in dynamic)
+        _log_compute_dtype(spec, dtype, where, log)  # llm-compressor computes them in the module's dtype
         stored = static_site(qp, spec, args, site, where, dtype, prefix, log)
         if args["strategy"] == "attn_head":
             stored = stored._replace(qp=_per_head(stored.qp, module, site, where))
