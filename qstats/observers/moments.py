@@ -287,7 +287,10 @@ def _moments_rule(state: MomentsState, spec: QuantSpec, method: str = "mean_std"
 def _check_options(found, method: str, options: dict) -> None:
     """TypeError naming the method and the options it takes for an option it does not take (the
     search's own error named a private function, ``mean_std_search()``)."""
-    parameters = list(inspect.signature(found).parameters.values())[2:]  # after (state, spec)
+    try:
+        parameters = list(inspect.signature(found).parameters.values())[2:]  # after (state, spec)
+    except (TypeError, ValueError):  # a callable without a signature: its own error, if any
+        return
     if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
         return
     unknown = sorted(set(options) - {parameter.name for parameter in parameters})
