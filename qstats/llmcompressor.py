@@ -103,12 +103,27 @@ class QstatsObserver(LLMCompressorObserver):
             raise ValueError(
                 f"{where}: observer_kwargs averaging_constant applies to mode='moving_average' (llm-compressor's "
                 "mse); qstats_mse sums the losses of all batches unless observer_kwargs give mode='moving_average'")
-        self.make_observer(QuantSpec.from_compressed_tensors(self.args))
+        spec = QuantSpec.from_compressed_tensors(self.args)
+        self.make_observer(spec)
         if "bins" in self.factory_options and "buckets_per_octave" not in self.factory_options:
             # a histogram's former option name, warned of once above: not again at each build
             self.factory_options["buckets_per_octave"] = self.factory_options.pop("bins")
         if "patience" in self.qparams_options:
             checked_patience(self.qparams_options["patience"], where)
+        if set(self.qparams_options) - {"method", "patience"}:  # a histogram search's (percentile=120)
+            self._check_qparams_options(spec, where)
+
+    def _check_qparams_options(self, spec: QuantSpec, where: str) -> None:
+        """The ``compute_qparams`` options, tried on a small per-tensor sample: the searches check
+        their values (a histogram's ``percentile``, ``candidates``, ``start_bin``) only when they run,
+        which for an input is once calibration ends."""
+        spec = spec.replace(granularity=PerTensor())
+        sample = torch.linspace(-1.0, 1.0, 64)
+        observer = type(self).factory(spec, **self.factory_options)
+        try:
+            compute_qparams(observer.update(observer.init(sample), sample), spec, **self.qparams_options)
+        except (ValueError, TypeError) as error:
+            raise type(error)(f"{where}: observer_kwargs {error}") from None
 
     def __getstate__(self) -> dict:
         # the qstats Observer holds closures: pickled without it, rebuilt from the factory and spec
