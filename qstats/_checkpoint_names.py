@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["saved_tensors", "module_renamer"]
+__all__ = ["legacy_renamer", "saved_tensors", "module_renamer"]
 
 
 def _save_transforms(model: torch.nn.Module) -> list:
@@ -48,6 +48,31 @@ def module_renamer(model: torch.nn.Module) -> Callable[[str], str]:
     """``name -> checkpoint name`` of a module path, each reversed transform applied in turn, as
     compressed-tensors maps the ``ignore`` list of a checkpoint llm-compressor saves."""
     reversed_transforms = [t.reverse_transform() for t in reversed(_save_transforms(model))]
+
+    def rename(name: str) -> str:
+        for transform in reversed_transforms:
+            renamed, matched = transform.rename_source_key(name)
+            if matched is not None:
+                name = renamed
+        return name
+
+    return rename
+
+
+def legacy_renamer(model: torch.nn.Module) -> Callable[[str], str]:
+    """``name -> name`` a tensor of ``model`` may have in an old checkpoint, which ``from_pretrained``
+    renames on load (transformers' "legacy" conversions, applied to every model it loads): BERT's
+    ``LayerNorm.gamma`` / ``LayerNorm.beta`` (``bert-base-uncased``'s safetensors) for ``weight`` /
+    ``bias``, ``weight_g`` / ``weight_v`` of weight-normed layers for their parametrizations. The
+    name itself where none applies, and for models transformers does not load."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return lambda name: name
+    if not isinstance(model, PreTrainedModel):
+        return lambda name: name
+    reversed_transforms = [t.reverse_transform() for t in reversed(get_checkpoint_conversion_mapping("legacy") or ())]
 
     def rename(name: str) -> str:
         for transform in reversed_transforms:

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ._checkpoint_names import module_renamer
+from ._checkpoint_names import legacy_renamer, module_renamer
 from ._warn import warn
 
 __all__ = ["LazyCheckpoint", "Overlay", "check_covers", "load_modules", "release_modules"]
@@ -180,14 +180,16 @@ def _base_model_names(model: torch.nn.Module) -> Callable[[str], list]:
 
 def _aliases(model: torch.nn.Module, stored: Callable[[str], list]) -> dict:
     """``{id(tensor): [names]}`` of every parameter and buffer, tied ones under all their names, each
-    followed by its checkpoint names (``stored``, `_checkpoint_names`), then by those names in a
-    base or task model's checkpoint (`_base_model_names`)."""
+    followed by its checkpoint names (``stored``, `_checkpoint_names`), by the legacy names that
+    ``from_pretrained`` renames on load (`legacy_renamer`: BERT's ``LayerNorm.gamma``), then by those
+    names in a base or task model's checkpoint (`_base_model_names`)."""
     names: dict = {}
-    other = _base_model_names(model)
+    other, legacy = _base_model_names(model), legacy_renamer(model)
     for name, value in itertools.chain(model.named_parameters(remove_duplicate=False),
                                        model.named_buffers(remove_duplicate=False)):
         names.setdefault(id(value), []).extend(key for key in stored(name) if key not in names.get(id(value), ()))
     for keys in names.values():
+        keys.extend(dict.fromkeys(legacy(known) for known in list(keys) if legacy(known) not in keys))
         keys.extend(dict.fromkeys(key for known in list(keys) for key in other(known) if key not in keys))
     return names
 
