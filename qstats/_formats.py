@@ -16,7 +16,7 @@ import torch
 
 from ._checks import require
 from ._granularity import TensorGroup
-from ._torch_features import bitcast, torch_dtype
+from ._torch_features import bitcast, rounded_to, torch_dtype
 
 __all__ = [
     "round_to_format",
@@ -64,6 +64,13 @@ def float_format(name: str) -> FloatFormat:
         return _FLOAT_FORMATS[name]
     except KeyError:
         raise ValueError(f"unknown float format {name!r}; known: {sorted(_FLOAT_FORMATS)}") from None
+
+
+def rounded_in(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float ``t`` rounded to ``dtype``'s values where ``dtype`` is narrower, in ``t``'s dtype: the
+    result of one torch op in ``dtype`` (computed wider, then rounded), eagerly and under
+    ``torch.compile``, whose fused kernels keep the wider values between ops (`rounded_to`)."""
+    return rounded_to(t, dtype) if torch.finfo(dtype).bits < torch.finfo(t.dtype).bits else t
 
 
 def compute_dtype_name(dtype, what: str) -> str:

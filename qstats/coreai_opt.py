@@ -35,7 +35,8 @@ from typing import Any, Optional
 import torch
 
 from ._checks import check_floating
-from .conventions.coreai_opt import block_sizes, block_size, rounded_to_half
+from ._formats import rounded_in
+from .conventions.coreai_opt import block_sizes, block_size
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
 from ._quant import fake_quantize
@@ -79,7 +80,7 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
             return constant * batch + (1 - constant) * average
         # coreai_opt's running range is held in the input's dtype: each product and the sum round
         def rounded(t):
-            return rounded_to_half(t, observed_dtype)
+            return rounded_in(t, observed_dtype)
 
         return rounded(rounded(constant * batch) + rounded((1 - constant) * average))
 

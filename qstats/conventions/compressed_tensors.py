@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name, integer_dtype_holds
+from .._formats import COMPUTE_DTYPE_NAMES, compute_dtype_name, integer_dtype_holds, rounded_in
 from .._granularity import PerBlock, PerGroup, PerHead, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import dtype_named, rounded_to
 from .default import Convention, check_preserve_zero, saturate
@@ -318,8 +318,9 @@ def _largest_in_both(first: torch.dtype, second: torch.dtype) -> float:
 
 
 def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range):
-    """The range with zero, in ``compute``; in bfloat16/float16 first clipped so that the scale
-    stays finite (a symmetric peak, or an asymmetric span, wider than the dtype holds)."""
+    """The range with zero, rounded to ``compute`` (held as float32); in bfloat16/float16 first
+    clipped so that the scale stays finite (a symmetric peak, or an asymmetric span, wider than
+    the dtype holds)."""
     if compute != torch.float32:
         if spec.mapping == "asymmetric":
             limit = float(torch.tensor(torch.finfo(compute).max, dtype=torch.float32))
@@ -327,14 +328,14 @@ def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range):
             limit = peak_limit(compute, float(bit_range.to(compute) / 2))
         min_val = min_val.clamp(min=-limit)
         max_val = max_val.clamp(max=limit)
-    min_val = min_val.to(compute)
-    max_val = max_val.to(compute)
+    min_val = rounded_in(min_val.float(), compute)
+    max_val = rounded_in(max_val.float(), compute)
     min_vals = torch.min(min_val, torch.zeros_like(min_val))
     max_vals = torch.max(max_val, torch.zeros_like(max_val))
     if spec.mapping == "asymmetric" and compute != torch.float32:
         # a span wider than the dtype holds: both ends clipped at half its largest value there
         half = torch.finfo(compute).max / 2
-        wide = (max_vals - min_vals) == torch.inf
+        wide = rounded_in(max_vals - min_vals, compute) == torch.inf
         min_vals = torch.where(wide, min_vals.clamp(min=-half), min_vals)
         max_vals = torch.where(wide, max_vals.clamp(max=half), max_vals)
     return min_vals, max_vals
@@ -397,60 +398,66 @@ class CompressedTensorsConvention(Convention):
         arithmetic would overflow to an infinite scale, the range is clipped to the largest finite scale.
         """
         compute = getattr(torch, spec.compute_dtype)
+
+        def rounded(t):  # float32 arithmetic, each result rounded as compressed-tensors' ops in compute
+            return rounded_in(t, compute)
+
         # compressed-tensors' calculate_range: the float format's, or the signed range (the spec's own, as
         # `check_compressed_tensors_range` refuses any other), as float tensors
         bit_min, bit_max = (torch.tensor(float(b), device=min_val.device) for b in spec.qrange)
         bit_range = bit_max - bit_min
         min_vals, max_vals = _range_in(compute, min_val, max_val, spec, bit_range)
         if spec.mapping == "asymmetric":
-            scales = (max_vals - min_vals) / bit_range.to(compute)
-            # bit_min is exact in every compute dtype; casting it keeps 0-dim (per-tensor) operands in
-            # the compute dtype, as compressed-tensors' (1,)-shaped ones are
-            zero_points = bit_min.to(compute) - (min_vals / scales)
-            zero_points = torch.clamp(zero_points, bit_min.to(compute), bit_max.to(compute))
+            scales = rounded(rounded(max_vals - min_vals) / rounded(bit_range))
+            zero_points = rounded(rounded(bit_min) - rounded(min_vals / scales))
+            zero_points = torch.clamp(zero_points, rounded(bit_min), rounded(bit_max))
         else:
             max_val_pos = torch.max(torch.abs(min_vals), torch.abs(max_vals))
-            scales = max_val_pos / (bit_range.to(compute) / 2)
-            zero_points = torch.zeros(scales.shape, device=scales.device, dtype=compute)
+            scales = rounded(max_val_pos / rounded(rounded(bit_range) / 2))
+            zero_points = torch.zeros_like(scales)
         if spec.scale_dtype != "float32":
             dtype = getattr(torch, spec.scale_dtype)
             limit = _largest_in_both(dtype, compute)  # saturated where the round trip would overflow
-            scales = scales.float().clamp(-limit, limit).to(dtype).to(compute)
-        eps = torch.tensor(_scale_eps(spec, compute), dtype=compute, device=scales.device)
+            scales = rounded(rounded_in(scales.clamp(-limit, limit), dtype))
         # where(scales == 0, eps, scales) by arithmetic (scales + 0 is exact; selects are slow on CPU)
-        scales = scales + (scales == 0).to(compute) * eps
+        scales = scales + (scales == 0).float() * rounded(torch.tensor(_scale_eps(spec, compute), device=scales.device))
         # an all-zero asymmetric range gives 0 / 0: 0 here, for int8 as torch converts NaN, and for
         # float8 where compressed-tensors keeps NaN (docs/differences.md); infinities are clamped below
         zero_points = torch.nan_to_num(zero_points, nan=0.0)
         zp_dtype = _zero_point_dtype(spec)
         if zp_dtype.is_floating_point:
-            zero_points = saturate(zero_points, zp_dtype).to(zp_dtype).float()
+            zero_points = rounded_in(saturate(zero_points, zp_dtype), zp_dtype)
         else:
             iinfo = torch.iinfo(zp_dtype)
             zero_points = torch.round(torch.clamp(zero_points, iinfo.min, iinfo.max)).to(zp_dtype).to(torch.int32)
-        return scales.float(), zero_points
+        return scales, zero_points
 
     def codes(self, view, scale, zero_point, spec):
         """``(unclamped, codes)`` of ``view`` (any float dtype) as float32 tensors."""
         compute = getattr(torch, spec.compute_dtype)
-        work = torch.promote_types(view.dtype, compute)
-        scaled = view.to(work) / scale.to(compute).to(work)
-        scaled = scaled + zero_point.to(view.dtype).to(work)
+        work = torch.promote_types(view.dtype, compute)  # the dtype of compressed-tensors' results
+        wide = torch.promote_types(work, torch.float32)
+
+        def rounded(t):
+            return rounded_in(t, work)
+
+        scaled = rounded(view.to(wide) / rounded_in(scale.to(wide), compute))
+        scaled = rounded(scaled + rounded_in(zero_point.to(wide), view.dtype))
         qmin, qmax = spec.qrange
         if spec.is_float:
-            quantized = scaled.clamp(qmin, qmax).to(spec.float_format.torch_dtype).to(work)
+            quantized = rounded_in(scaled.clamp(qmin, qmax), spec.float_format.torch_dtype)
             return scaled.float(), quantized.float()
         unclamped = torch.round(scaled)
-        return unclamped.float(), unclamped.clamp(qmin, qmax).float()
+        return unclamped.float(), rounded(unclamped.clamp(qmin, qmax)).float()
 
     def dequantize(self, codes, scale, zero_point, spec):
         """float32 values of ``codes``: ``(q - zero_point) * scale`` in the scale's (compute) dtype;
         the product (exact in float32 for bf16/fp16 operands) saturates at the compute dtype's
         largest value where compressed-tensors' overflows to +-Inf."""
         compute = getattr(torch, spec.compute_dtype)
-        values = codes.float().to(compute) - zero_point.to(compute)
-        product = values.float() * scale.to(compute).float()
-        return saturate(product, compute).to(compute).float()
+        values = rounded_in(rounded_in(codes.float(), compute) - rounded_in(zero_point.float(), compute), compute)
+        product = values * rounded_in(scale.float(), compute)
+        return rounded_in(saturate(product, compute), compute)
 
     def block_scaled(self, view, scale, spec):
         """As compressed-tensors divides ``view`` (bf16, fp16, float32 or float64) by its scale held in

@@ -14,10 +14,9 @@ from typing import Any
 
 import torch
 
-from .._formats import compute_dtype_name
-from .._torch_features import bitcast
+from .._formats import compute_dtype_name, rounded_in
 from .._granularity import PerAxis, PerTensor
-from .default import Convention, round_scale, saturate
+from .default import Convention, saturate
 from .torchao import TorchaoConvention, _block_size_granularity
 
 __all__ = ["CoreaiOptConvention", "spec_from_coreai_opt", "block_size", "block_sizes"]
@@ -68,18 +67,7 @@ class CoreaiOptConvention(TorchaoConvention):
     def qparams(self, min_val, max_val, spec):
         # coreai_opt casts the range to the input's dtype (a pinned float_range end rounds to it)
         # before torchao's arithmetic; torchao's integer path does so itself, not its float targets'
-        min_val, max_val = _in_input_dtype(spec, min_val, max_val)
-        half = getattr(torch, spec.compute_dtype)
-        if half not in (torch.bfloat16, torch.float16) or spec.scale_dtype != spec.compute_dtype:
-            return super().qparams(min_val, max_val, spec)
-        if spec.is_float:
-            # torchao's one division, rounded to the input's dtype here too (torch.compile drops
-            # round_scale's cast pair)
-            scale, zero_point = super().qparams(min_val, max_val, spec)
-            return rounded_to_half(scale, half), zero_point
-        if spec.zero_point_domain != "int" or not spec.preserve_zero or spec.mapping not in ("symmetric", "asymmetric"):
-            return super().qparams(min_val, max_val, spec)
-        return _half_integer_qparams(min_val, max_val, spec, half)
+        return super().qparams(*_in_input_dtype(spec, min_val, max_val), spec)
 
     def e8m0_scale(self, amax, spec):
         # coreai_opt takes max(|min|, |max|) in the input's dtype, then the float32 exponent
@@ -97,53 +85,11 @@ class CoreaiOptConvention(TorchaoConvention):
         return Convention.dequantize(self, codes.float(), scale.float(), zero_point, spec)
 
 
-def _half_integer_qparams(min_val, max_val, spec, half):
-    """torchao's ``choose_qparams_affine_with_min_max`` of a bf16/fp16 range (float32 tensors
-    holding ``half`` values), each operation rounded to ``half`` by `rounded_to_half`, as torchao's
-    eager ops round: ``.to(half)`` would do the same eagerly, but torch.compile keeps float32
-    between fused ops (scales and zero points off coreai_opt's). Where the span overflows
-    ``half`` the scale saturates, as `TorchaoConvention`'s."""
-    def rounded(t):
-        return rounded_to_half(t, half)
-
-    qmin, qmax = spec.qrange
-    low, high = min_val.clamp(max=0.0), max_val.clamp(min=0.0)
-    if spec.mapping == "asymmetric":
-        levels = float(qmax - qmin)
-        scale = rounded(rounded(high - low) / levels)
-        overflowed = rounded(rounded(high / levels) - rounded(low / levels))
-        scale = torch.where(torch.isfinite(scale), scale, saturate(overflowed, half))
-        scale = scale.clamp(min=spec.eps)
-        zero_point = torch.clamp(rounded(qmin - torch.round(rounded(low / scale))), qmin, qmax)
-    else:
-        scale = saturate(rounded(torch.max(-low, high) / (float(qmax - qmin) / 2)), half).clamp(min=spec.eps)
-        zero_point = torch.full_like(scale, spec.zero_point_of_symmetric)
-    return round_scale(scale, half), zero_point.to(torch.int32).clamp(qmin, qmax)
-
-
 def _in_input_dtype(spec, *tensors):
     """``tensors`` rounded to ``spec.compute_dtype`` (the input's; saturated at its largest
     value, where coreai_opt's would be Inf), as float32."""
     compute = getattr(torch, spec.compute_dtype)
-    if compute == torch.float32:
-        return tensors
-    return tuple(rounded_to_half(saturate(t.float(), compute), compute) for t in tensors)
-
-
-def rounded_to_half(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 ``t`` rounded to nearest even in ``dtype`` (bfloat16 or float16), as float32: what
-    ``t.to(dtype).float()`` gives eagerly, in arithmetic torch.compile keeps (its fused kernels stay
-    in float32 between ops, so that cast pair vanished). bfloat16 rounds the bits; float16 rounds
-    to the grid step of each value's binade, subnormals included, and overflows to Inf."""
-    t = t.float().contiguous()
-    bits = bitcast(t, torch.int32)
-    if dtype == torch.bfloat16:
-        halfway = 0x7FFF + torch.bitwise_and(torch.bitwise_right_shift(bits, 16), 1)
-        return bitcast(torch.bitwise_and(bits + halfway, -65536), torch.float32)
-    exponent = torch.bitwise_and(torch.bitwise_right_shift(bits, 23), 0xFF) - 127
-    step = bitcast(torch.bitwise_left_shift(exponent.clamp(min=-14) - 10 + 127, 23), torch.float32)
-    rounded = torch.round(t / step) * step
-    return torch.where(rounded.abs() > torch.finfo(torch.float16).max, rounded * float("inf"), rounded)
+    return tuple(rounded_in(saturate(t.float(), compute), compute) for t in tensors)
 
 
 def _field(source, name: str, default=None):

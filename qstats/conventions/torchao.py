@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import torch
 
 from .._checks import is_real_number
-from .._formats import COMPUTE_DTYPE_NAMES, E8M0_MIN, biased_exponent, compute_dtype_name, e8m0_to_float
+from .._formats import (COMPUTE_DTYPE_NAMES, E8M0_MIN, biased_exponent, compute_dtype_name, e8m0_to_float,
+                        rounded_in)
 from .._granularity import Granularity, PerAxis, PerBlock, PerGroup, PerRow, PerTensor, PerToken, TensorGroup
 from .._torch_features import torch_dtype
 from .default import Convention, round_scale, saturate
@@ -486,8 +487,9 @@ def _own_arithmetic(spec) -> bool:
 def _span_scale(low, high, levels: float, compute):
     """``(high - low) / levels`` in ``compute``, as torchao; where the span overflows ``compute``
     (torchao: an Inf scale), ``high / levels - low / levels``, saturated."""
-    scale = (high - low) / levels
-    return torch.where(torch.isfinite(scale), scale, saturate(high / levels - low / levels, compute))
+    scale = rounded_in(rounded_in(high - low, compute) / levels, compute)
+    spread = rounded_in(high / levels, compute) - rounded_in(low / levels, compute)
+    return torch.where(torch.isfinite(scale), scale, saturate(rounded_in(spread, compute), compute))
 
 
 def _affine_scale(min_val_neg, max_val_pos, spec, compute):
@@ -497,10 +499,25 @@ def _affine_scale(min_val_neg, max_val_pos, spec, compute):
     if spec.mapping == "asymmetric":
         return _span_scale(min_val_neg, max_val_pos, float(qmax - qmin), compute)
     if spec.mapping == "symmetric_no_clipping_err":
-        smin = min_val_neg / float(qmin)
-        smax = max_val_pos / float(qmax)
+        smin = rounded_in(min_val_neg / float(qmin), compute)
+        smax = rounded_in(max_val_pos / float(qmax), compute)
         return torch.where(smin > smax, smin, smax)
-    return saturate(torch.max(-min_val_neg, max_val_pos) / (float(qmax - qmin) / 2), compute)
+    peak = torch.max(-min_val_neg, max_val_pos)
+    return saturate(rounded_in(peak / (float(qmax - qmin) / 2), compute), compute)
+
+
+def _kept_scale(scale, dtype):
+    """`round_scale` to the scale dtype, its rounding kept under torch.compile too."""
+    return rounded_in(round_scale(scale, dtype), dtype)
+
+
+def _in_dtypes(values, scale, compute, scale_dtype):
+    """``(values, scale, work)``: ``values`` rounded to ``compute`` (saturated to it) and ``scale``
+    to ``scale_dtype``, both held in ``work``, the float32 (float64 for float64 scales) that
+    torchao's ops in those dtypes compute in."""
+    work = torch.promote_types(torch.float32, scale_dtype)
+    values = rounded_in(saturate(values.to(work), compute), compute)
+    return values, rounded_in(scale.to(work), scale_dtype), work
 
 
 class TorchaoConvention(Convention):
@@ -548,29 +565,33 @@ class TorchaoConvention(Convention):
         ``dont_preserve_zero`` or ``tinygemm`` (FLOAT domain) variants, operation by operation in
         ``spec.compute_dtype``; float32 extremes past a bf16/fp16 compute dtype saturate to it.
         """
-        if spec.is_float:
-            return super().qparams(min_val, max_val, spec)
         compute, scale_dtype = _dtypes(spec)
-        min_val, max_val = (saturate(t, compute).to(compute) for t in (min_val, max_val))
+        if spec.is_float:  # _choose_scale_float8: amax / max in the input's dtype, held as scale_dtype
+            scale, zero_point = super().qparams(min_val, max_val, spec)
+            return rounded_in(scale, scale_dtype), zero_point
+        # float32 arithmetic, each result rounded to ``compute`` as torchao's ops in it round
+        min_val, max_val = (rounded_in(saturate(t, compute), compute) for t in (min_val, max_val))
         qmin, qmax = spec.qrange
         if spec.zero_point_domain == "float":
-            scale = torch.clamp(_span_scale(min_val, max_val, float(qmax - qmin), compute), min=spec.eps)
-            zero_point = saturate(min_val + scale * ((qmax + qmin + 1) / 2), compute)
-            return round_scale(scale.float(), scale_dtype), zero_point.float()
+            scale = rounded_in(torch.clamp(_span_scale(min_val, max_val, float(qmax - qmin), compute), min=spec.eps),
+                               compute)
+            zero_point = rounded_in(min_val + rounded_in(scale * ((qmax + qmin + 1) / 2), compute), compute)
+            return _kept_scale(scale, scale_dtype), saturate(zero_point, compute)
         if spec.preserve_zero:
             min_val = torch.min(min_val, torch.zeros_like(min_val))
             max_val = torch.max(max_val, torch.zeros_like(max_val))
-        scale = torch.clamp(_affine_scale(min_val, max_val, spec, compute), min=spec.eps)
+        scale = rounded_in(torch.clamp(_affine_scale(min_val, max_val, spec, compute), min=spec.eps), compute)
         if spec.mapping == "asymmetric":
-            zero_point = torch.clamp(qmin - torch.round(min_val / scale), qmin, qmax)
+            codes = torch.round(rounded_in(min_val / scale, compute))
+            zero_point = torch.clamp(rounded_in(qmin - codes, compute), qmin, qmax)
         else:
             zero_point = torch.full_like(scale, spec.zero_point_of_symmetric)
         # clamped again as an integer: a bf16/fp16 clamp rounds a wide target's quant_max up (32767
         # to 32768 in bfloat16), a zero point outside the range that quantize refuses
-        zero_point = zero_point.to(torch.int32).clamp(qmin, qmax)
+        zero_point = rounded_in(zero_point, compute).to(torch.int32).clamp(qmin, qmax)
         if spec.zero_point_domain == "none":
             zero_point = torch.zeros_like(zero_point)
-        return round_scale(scale.float(), scale_dtype), zero_point
+        return _kept_scale(scale, scale_dtype), zero_point
 
     def codes(self, view, scale, zero_point, spec):
         """torchao's ``_quantize_affine*_no_dtype_cast`` in its dtypes: the input in
@@ -585,13 +606,19 @@ class TorchaoConvention(Convention):
             unclamped = torch.copysign(unclamped, view.to(unclamped.dtype))
             return unclamped, unclamped.clamp(*spec.qrange)
         compute, scale_dtype = _dtypes(spec)
-        view, scale = saturate(view.float(), compute).to(compute), scale.to(scale_dtype)
+        view, scale, work = _in_dtypes(view, scale, compute, scale_dtype)
+        promoted = torch.promote_types(compute, scale_dtype)  # the dtype of torchao's results
+
+        def rounded(t):
+            return rounded_in(t, promoted)
+
         qmin, qmax = spec.qrange
         if spec.zero_point_domain == "float":
-            min_val = saturate(zero_point.to(compute) - scale * ((qmax + qmin + 1) / 2), compute)
-            unclamped = torch.round((view - min_val) / scale)
+            mid = rounded_in(scale * ((qmax + qmin + 1) / 2), scale_dtype)
+            min_val = saturate(rounded(rounded_in(zero_point.to(work), compute) - mid), compute)
+            unclamped = torch.round(rounded(rounded(view - min_val) / scale))
         else:
-            scaled = view * (1.0 / scale)
+            scaled = rounded(view * rounded_in(1.0 / scale, scale_dtype))
             if scale_dtype == torch.float16:
                 # a float16 scale below 2**-16 (torchao's float32 eps is one) has an infinite
                 # reciprocal: torchao's 0 * Inf is NaN there; qstats maps a zero to the zero point's
@@ -599,8 +626,8 @@ class TorchaoConvention(Convention):
                 scaled = torch.where(view == 0, view * 0, scaled)
             unclamped = torch.round(scaled)
             if spec.zero_point_domain != "none":
-                unclamped = unclamped + zero_point
-        return unclamped.float(), unclamped.clamp(qmin, qmax).float()
+                unclamped = rounded(unclamped + zero_point)
+        return unclamped.float(), rounded(unclamped.clamp(qmin, qmax)).float()
 
     def dequantize(self, codes, scale, zero_point, spec):
         """torchao's ``_dequantize_affine*`` with ``output_dtype = compute_dtype`` (as its fake quantization):
@@ -609,18 +636,19 @@ class TorchaoConvention(Convention):
         if not _own_arithmetic(spec):
             return super().dequantize(codes, scale, zero_point, spec)
         compute, scale_dtype = _dtypes(spec)
-        work = torch.promote_types(torch.float32, scale_dtype)
-        scale = scale.to(scale_dtype).to(work)
-        codes = codes.float().to(compute)
+        codes, scale, work = _in_dtypes(codes, scale, compute, scale_dtype)
+
+        def rounded(t):
+            return rounded_in(saturate(t, compute), compute)
+
         if spec.zero_point_domain == "float":
             qmin, qmax = spec.qrange
-            dequant = (codes - (qmax + qmin + 1) / 2).to(compute)
-            dequant = saturate(dequant.to(work) * scale, compute).to(compute)
+            dequant = rounded(rounded(codes - (qmax + qmin + 1) / 2) * scale)
             # a sum in the compute dtype: PyTorch forms half sums in float32 and rounds them
-            return saturate(dequant.float() + zero_point.to(compute).float(), compute).to(compute).float()
+            return rounded(dequant.float() + rounded_in(zero_point.float(), compute)).float()
         if spec.zero_point_domain != "none":
-            codes = codes - zero_point.to(compute)
-        return saturate(codes.to(work) * scale, compute).to(compute).float()
+            codes = rounded(codes - rounded_in(zero_point.to(work), compute))
+        return rounded(codes * scale).float()
 
     def e8m0_scale(self, amax, spec):
         """Float8 ``float8_e8m0fnu`` scales (``"round"``) of bf16/fp16 inputs as torchao's
