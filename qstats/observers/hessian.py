@@ -71,6 +71,15 @@ def checked_hessian_state(state, where: str, values: bool = True) -> HessianStat
     return state._replace(count=torch.where(ok, state.count, torch.zeros_like(state.count)))
 
 
+def _check_sum_dtype(state: HessianState, where: str) -> None:
+    """ValueError naming ``total``'s dtype unless float32 or float64: ``update`` sums in the state's
+    dtype, so a bfloat16 total (a state converted to save memory) rounded every sum to 8 bits and an
+    int64 one truncated the inputs to integers, silently."""
+    if state.total.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{where}: HessianState.total must be a float32 or float64 tensor (the sum is accumulated "
+                         f"in its dtype), got {state.total.dtype}")
+
+
 def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.float32) -> Observer:
     """Sum of ``x^T x`` over the rows of a linear layer's inputs (GPTQ's Hessian, unnormalised).
 
@@ -111,6 +120,7 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
 
     def update_fn(state: HessianState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> HessianState:
         state = checked_hessian_state(state, "hessian.update", values=False)
+        _check_sum_dtype(state, "hessian.update")
         keep = checked_rows(x, weight, state.total.shape[-1], "hessian.update")
         if x.numel() == 0:  # an empty batch leaves the state as it is (a shape test, not a value)
             return state
@@ -124,6 +134,7 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
 
     def merge_fn(a: HessianState, b: HessianState) -> HessianState:
         a, b = (checked_hessian_state(s, "hessian.merge", values=False) for s in (a, b))
+        _check_sum_dtype(a, "hessian.merge")
         check_same_shapes(a, b, "hessian.merge")
         return HessianState(a.total + b.total, a.count + b.count, a.nonfinite + b.nonfinite)
 
