@@ -72,13 +72,13 @@ def _clip_range(label, qp, index: tuple, spec: QuantSpec) -> tuple:
     scale is under its global scale; bf16/fp16 compute dtypes round the ends)."""
     if not isinstance(qp, QParams):
         raise TypeError(f"qstats.plot.histogram: qparams {label!r} is a {type(qp).__name__}, not QParams")
-    scale = _select(qp.scale, index)
+    scale = _select(qp.scale, index).cpu()  # drawn on the host, as the state (`histogram`)
     if scale.numel() != 1:
         raise ValueError(
             f"qstats.plot.histogram: qparams {label!r} of shape {tuple(qp.scale.shape)} do not give one scale "
             f"for index {index} (pass the QParams computed from this state)"
         )
-    zero_point, global_scale = _select(qp.zero_point, index), _select(qp.global_scale, index).reshape(())
+    zero_point, global_scale = _select(qp.zero_point, index).cpu(), _select(qp.global_scale, index).cpu().reshape(())
     codes = torch.tensor([spec.qrange], dtype=torch.float32)
     # float32 scales, as `qstats.fake_quantize` passes them
     ends = _dequantize_view(codes, scale.float().reshape(1, 1), zero_point.reshape(1, 1), spec, global_scale)
@@ -121,6 +121,8 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     if bins_drawn is None or bins_drawn < 1:  # 0 or fewer drew an empty figure; a float failed in linspace
         raise ValueError(f"qstats.plot.histogram: plot_bins must be a positive int, got {plot_bins!r}")
     state, index = _one_histogram(state, index)
+    # the histogram drawn is read on the host: a GPU state met the CPU grid in torch.searchsorted
+    state = HistogramState(*(field.cpu() for field in state))
     total = int(state.counts.sum() + state.underflow.sum() + state.overflow.sum())
     if total == 0:
         raise ValueError("qstats.plot.histogram: the state saw no data")
