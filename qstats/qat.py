@@ -195,13 +195,19 @@ class QATState(NamedTuple):
     batchnorm: Dict[str, BatchNormState]
 
 
-def _check_extra(state, phase) -> None:
-    """The rewritten forward's ``qat_state`` and ``qat_phase`` (None unless given: a bare AttributeError)."""
+def _check_extra(state, phase, key: Optional[str] = None) -> QATPhase:
+    """The rewritten forward's ``qat_state`` and ``qat_phase`` (None unless given: a bare AttributeError);
+    returns layer ``key``'s phase: ``qat_phase``, or its entry where it maps layers to phases
+    (`QATModel.apply`'s ``layer_phases``, resolved)."""
     if not isinstance(state, QATState):
         raise TypeError(f"QATModel.module: qat_state must be a QATState (qat.init(x)), got {type(state).__name__}; "
                         "call qat.apply(params, state, x, phase=...)")
+    if isinstance(phase, Mapping):
+        phase = phase.get(key)
     if not isinstance(phase, QATPhase):
-        raise TypeError(f"QATModel.module: qat_phase must be a QATPhase, got {type(phase).__name__}")
+        raise TypeError(f"QATModel.module: qat_phase must be a QATPhase, or a dict of them with an entry for layer "
+                        f"{key!r}; got {type(phase).__name__}")
+    return phase
 
 
 class _FakeQuantPoint(nn.Module):
@@ -215,7 +221,7 @@ class _FakeQuantPoint(nn.Module):
     def forward(self, x, state: QATState, phase: QATPhase, ranges, previous=None):
         # previous: the state returned by this layer's earlier call in the same pass (a module
         # called more than once), so that every call observes into one chained state.
-        _check_extra(state, phase)
+        phase = _check_extra(state, phase, self.key)
         current = getattr(state, self.kind).get(self.key)
         if current is None:  # QATModel.init: size the state on the example input
             return x, self.observer.init(x) if previous is None else previous
@@ -263,7 +269,7 @@ class _BatchNormPoint(nn.Module):
 
     def forward(self, x, weight, bias, running_mean, running_var, num_batches_tracked, state: QATState, phase,
                 previous=None):
-        _check_extra(state, phase)
+        phase = _check_extra(state, phase, self.key)
         current = state.batchnorm.get(self.key)
         if current is None:  # QATModel.init (a later call of the same layer keeps the first call's state)
             return x, previous or BatchNormState(running_mean.detach().clone(), running_var.detach().clone(),
@@ -457,7 +463,8 @@ class QATModel:
         _, states = self.module(*example_inputs, **_extra(empty, QATPhase(False, False, False), None))
         return QATState(**states)
 
-    def apply(self, params, state: QATState, *inputs, phase: QATPhase = QATPhase(), ranges=None):
+    def apply(self, params, state: QATState, *inputs, phase: QATPhase = QATPhase(), ranges=None,
+              layer_phases: Optional[Mapping[str, QATPhase]] = None):
         """``(output, new_state)`` of one QAT forward pass; ``params``, ``state`` and buffers are unchanged.
 
         Args:
@@ -466,14 +473,40 @@ class QATModel:
           *inputs: the model's inputs.
           phase: a `QATPhase` (from a `QATSchedule`).
           ranges: optional learned ranges ``{"weights": {layer: LSQParams}, "activations": {...}}``.
+          layer_phases: optional ``{module path: QATPhase}``: the phase of the quantized layers and batch
+            norms at or under that path (the longest matching path), as torch.ao's
+            ``model.get_submodule(path).apply(disable_fake_quant)`` (or ``disable_observer``, ...) switches
+            the fake quantization of one submodule; the other layers follow ``phase``.
         """
         self._check_inputs(params, state, "QATModel.apply")
         if not isinstance(phase, QATPhase):  # a batch norm read phase.freeze_batchnorm: a bare AttributeError
             raise TypeError(f"QATModel.apply: phase must be a QATPhase (schedule(step)), got {type(phase).__name__}")
         self._check_ranges(ranges)
         params = self._canonical(params, "QATModel.apply")
-        output, states = torch.func.functional_call(self.module, params, inputs, _extra(state, phase, ranges))
+        phases = phase if layer_phases is None else self._layer_phases(phase, layer_phases)
+        output, states = torch.func.functional_call(self.module, params, inputs, _extra(state, phases, ranges))
         return output, QATState(**states)
+
+    def _layer_phases(self, phase: QATPhase, layer_phases) -> Dict[str, QATPhase]:
+        """Every quantized layer's and batch norm's phase: that of the longest path of ``layer_phases``
+        naming it or a module above it (``""``: the whole model), else ``phase``. A path above no such
+        layer raises: it would switch nothing."""
+        if not isinstance(layer_phases, Mapping):
+            raise TypeError(f"QATModel.apply: layer_phases must be a dict {{module path: QATPhase}} or None, got "
+                            f"{type(layer_phases).__name__}")
+        keys = (*self.layers, *self.batchnorm_layers)
+        covered = lambda key, path: path == "" or key == path or key.startswith(path + ".")  # noqa: E731
+        for path, given in layer_phases.items():
+            if not isinstance(path, str) or not isinstance(given, QATPhase):
+                raise TypeError(f"QATModel.apply: layer_phases maps module paths (str) to QATPhase, got "
+                                f"{path!r}: {type(given).__name__}")
+            if not any(covered(key, path) for key in keys):
+                raise ValueError(f"QATModel.apply: layer_phases names {path!r}, which holds none of the quantized "
+                                 f"layers and batch norms {sorted(keys)}")
+        phases = dict.fromkeys(keys, phase)
+        for path in sorted(layer_phases, key=len):  # a longer path overrides the paths above it
+            phases.update((key, layer_phases[path]) for key in keys if covered(key, path))
+        return phases
 
     def state_dict(self, params, state: QATState) -> Dict[str, torch.Tensor]:
         """The float model's ``state_dict`` after training (detached tensors), to load into the model with
