@@ -9,6 +9,7 @@ NoopObserver, RecordingObserver).
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import NamedTuple, Optional
 
 import torch
@@ -193,7 +194,8 @@ def _zero_point_at(spec: QuantSpec, scale: float, low: float) -> float:
 def _preset(spec: Optional[QuantSpec], low: float, name: str) -> Observer:
     """Constants mapping ``[low, 1)`` onto the spec's codes, as torch's quantized sigmoid and tanh
     kernels choose them: quint8 ``1/256, 0`` and ``2/256, 128``; qint8 ``1/256, -128`` and ``2/256, 0``.
-    Integer codes with a zero point spread over the interval from ``qmin``; without one
+    Integer codes with a zero point spread over the interval from ``qmin`` (an odd number of codes, as
+    narrow int8's 255, centred on zero: ``2/255, 0``, half a step off at either end); without one
     (``zero_point_domain="none"``) the scale is ``1 / (qmax + 1)``; float formats take the power of
     two that puts 1 below their largest value (fp8 e4m3: torch's ``1/256`` and ``2/256``)."""
     spec = spec if spec is not None else QuantSpec(dtype="uint8", mapping="asymmetric")
@@ -210,7 +212,10 @@ def _preset(spec: Optional[QuantSpec], low: float, name: str) -> Observer:
     scale = span / (qmax - qmin + 1)
     if spec.zero_point_domain == "float":
         return fixed_qparams(spec, scale, _zero_point_at(spec, scale, low))._replace(name=name)
-    return fixed_qparams(spec, scale, qmin + round(-low / scale))._replace(name=name)
+    # the codes below zero, exactly: half of an odd count rounds down, so that [-1, 1) is clipped by half
+    # a step at either end (round() took 127.5 codes of narrow int8 to 128: 1.5 steps off at the top)
+    below_zero = math.floor(Fraction(-low) / Fraction(span) * (qmax - qmin + 1))
+    return fixed_qparams(spec, scale, qmin + below_zero)._replace(name=name)
 
 
 def sigmoid_qparams(spec: Optional[QuantSpec] = None) -> Observer:
