@@ -172,7 +172,8 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
       states: a sequence of states (q/k/v, gate/up; a list, tuple or NamedTuple of them) or, with
         ``stacked=True``, one stacked state.
       spec: a two-level spec (`TensorGroup`); other specs get their usual qparams.
-      stacked: compute per-slice qparams with ``torch.func.vmap`` over the leading dimension;
+      stacked: compute per-slice qparams (and the ranges the shared global scale is taken from)
+        with ``torch.func.vmap`` over the leading dimension, as the list form of the slices gives;
         ``spec.on_uncalibrated="raise"`` raises for a slice that saw no data, as the list form does.
       **options: passed to `compute_qparams`.
 
