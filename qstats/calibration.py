@@ -26,7 +26,7 @@ from .experts import rows_by_expert, stacked_qparams
 from .fused import fused_amax
 from .observers import memoryless_minmax
 from .observation import (ExpertCallHooks, Observing, capture_call, check_observation_weight,
-                          check_runtime_group, observing, raise_renamed, stop_capture, unrecognised_sites_error)
+                          check_runtime_group, observing_as, raise_renamed, stop_capture, unrecognised_sites_error)
 from .recipe import Plan, Recipe, as_plan
 from ._warn import warn
 
@@ -183,7 +183,7 @@ def calibrate(
     check_flag(all_experts, "all_experts", "calibrate")
     plan = as_plan(recipe, model, "calibrate")
     warn_training_mode(plan.model, "calibrate")
-    with observing(model, plan, states, all_experts=all_experts) as session:
+    with observing_as("calibrate", model, plan, states, all_experts) as session:
         ran = _run_batches(session, model, batches, progress, observation_weight)
         if ran and not session.calls:  # the model's own forward pre-hook never ran
             raise ValueError(

@@ -292,11 +292,13 @@ def warn_unfitted(where: str, weight: Optional[torch.Tensor], offered: int, fitt
 
 
 class _Calibration:
-    """What the hooks of one `calibrate` call share: the plan, the states tree the call builds and
-    the current batch's observation weight (None between batches)."""
+    """What the hooks of one `calibrate` call (or `observing` session: ``caller``, which names it in
+    errors and warnings) share: the plan, the states tree the call builds and the current batch's
+    observation weight (None between batches)."""
 
-    def __init__(self, plan: Plan, states: dict, all_experts: bool = False):
+    def __init__(self, plan: Plan, states: dict, all_experts: bool = False, caller: str = "calibrate"):
         self.plan = plan
+        self.caller = caller
         self.states = states
         self.all_experts = all_experts
         self.weight: Optional[torch.Tensor] = None
@@ -336,7 +338,7 @@ class _Calibration:
                     previous = observer.init(x if like is None else like)
                 updated = observer.update(previous, x, weight)
         except (ValueError, TypeError) as error:
-            raise_renamed(error, f"calibrate: module {path!r} site {site!r}")
+            raise_renamed(error, f"{self.caller}: module {path!r} site {site!r}")
         for key_path, key_site in keys:
             self.states.setdefault(key_path, {})[key_site] = updated
 
@@ -379,7 +381,7 @@ class _SiteHook:
     def __init__(self, run: _Calibration, path: str, site: str):
         self.run, self.path, self.site = run, path, site
         self.found = run.plan.sites[path][site]
-        self.where = f"calibrate: module {path!r} site {site!r}"
+        self.where = f"{run.caller}: module {path!r} site {site!r}"
 
     def check_runtime_shape(self, shape) -> None:
         """A site whose scales come at run time (`runtime_scaled`) is observed per tensor, so its
@@ -467,7 +469,7 @@ class _RoutedInputSite(_RoutedSite):
         per_expert = dense_expert_rows(self.run.plan.modules[self.path], args, kwargs)
         if per_expert is None:
             raise ValueError(
-                f"calibrate: cannot find the routing (an integer tensor [tokens, k] of selected experts) in the "
+                f"{self.run.caller}: cannot find the routing (an integer tensor [tokens, k] of selected experts) in the "
                 f"call of the experts module {self.path!r}, nor does it pass dense per-expert rows [E * tokens, "
                 "hidden] alone: where every expert runs on the same tokens, observe the input of the module that "
                 "calls it (one state for all experts)"
@@ -544,7 +546,7 @@ class _ExpertSites(ExpertCallHooks):
         calls = all_experts_calls(args, kwargs, num_experts, x.numel() // x.shape[-1], module)
         if calls is None:
             raise ValueError(
-                f"calibrate: all_experts: cannot find the routing (an integer tensor [tokens, k] of selected "
+                f"{self.run.caller}: all_experts: cannot find the routing (an integer tensor [tokens, k] of selected "
                 f"experts) in the call of the experts module {self.path!r}"
             )
         tokens_as: dict = {}  # dtype -> the call's tokens [T, F] in it: what each expert's copy is compared to
@@ -585,7 +587,7 @@ class _ExpertSites(ExpertCallHooks):
             if captured is None:
                 if tokens:
                     raise ValueError(
-                        f"calibrate: site {site!r} of the experts module {self.path!r} "
+                        f"{self.run.caller}: site {site!r} of the experts module {self.path!r} "
                         f"({type(module).__name__}): no per-expert matmul with the stacked parameter "
                         f"{name!r} was found in its forward (recognised: F.linear/matmul with a slice "
                         f"{name}[e], bmm with a gathered {name}[ids], grouped_mm over {name})"
@@ -603,7 +605,7 @@ class _ExpertSites(ExpertCallHooks):
                 kept = None if weight is None else weight != 0
             else:
                 mask = ids_mask(ids, num_experts)
-                named = f"calibrate: the rows of site {site!r} of the experts module {self.path!r}"
+                named = f"{self.run.caller}: the rows of site {site!r} of the experts module {self.path!r}"
                 kept = None if weight is None else kept_rows(capture, name, weight, named)
             out[site] = (rows, mask if kept is None else mask * kept.to(mask.dtype))
         return out
@@ -759,7 +761,7 @@ def _observe_parameters(run: _Calibration) -> None:
             for site, found in entry.items():
                 if found.kind != "parameter":
                     continue
-                value = parameter_value(run.plan, path, site, "calibrate")
+                value = parameter_value(run.plan, path, site, run.caller)
                 resumed = run.states.get(path, {}).get(site)
                 if resumed is None:
                     run.update(path, site, value)
@@ -768,7 +770,7 @@ def _observe_parameters(run: _Calibration) -> None:
                     assert_same_structure(resumed, found.observer.init(value), name="state")
                 except ValueError as error:
                     raise ValueError(
-                        f"calibrate: the given states[{path!r}][{site!r}] is not a {found.observer.name} "
+                        f"{run.caller}: the given states[{path!r}][{site!r}] is not a {found.observer.name} "
                         f"state of that parameter (shape {tuple(value.shape)}): {error}"
                     ) from None
 
@@ -793,7 +795,7 @@ class Observing:
     def weighted(self, weight: Optional[torch.Tensor]) -> Iterator[None]:
         """Forwards run inside use ``weight`` (e.g. the attention mask) as the observation weight
         of activation updates whose tensor starts with its dimensions: padding is not observed."""
-        check_observation_weight(weight, "observing")
+        check_observation_weight(weight, self._run.caller)
         previous, previous_use = self._run.weight, self._run.weight_use  # a nested `weighted` keeps the outer's
         self._run.weight, self._run.weight_use = weight, [0, 0]
         try:
@@ -801,7 +803,7 @@ class Observing:
         finally:
             offered, fitted = self._run.weight_use
             self._run.weight, self._run.weight_use = previous, previous_use
-            warn_unfitted("observing", weight, offered, fitted)
+            warn_unfitted(self._run.caller, weight, offered, fitted)
 
     def _count(self, module, args) -> None:
         if not recomputing():
@@ -833,19 +835,27 @@ def observing(
     >>> sorted(session.states["0"]), session.calls
     (['input', 'weight'], 3)
     """
+    with observing_as("observing", model, recipe, states, all_experts) as session:
+        yield session
+
+
+@contextlib.contextmanager
+def observing_as(caller: str, model: torch.nn.Module, recipe: Union[Recipe, Plan], states: Optional[Mapping],
+                 all_experts: bool) -> Iterator[Observing]:
+    """`observing`, its errors and warnings named after ``caller`` (``"calibrate"`` for `qstats.calibrate`)."""
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"observing expects an nn.Module, got {type(model).__name__}")
-    check_flag(all_experts, "all_experts", "observing")
-    plan = as_plan(recipe, model, "observing")
-    resumed = resumed_states(states, plan, "calibrate")
-    run = _Calibration(plan, plan.share_states(resumed), all_experts=all_experts)
-    check_experts_layout(plan)
+        raise TypeError(f"{caller} expects an nn.Module, got {type(model).__name__}")
+    check_flag(all_experts, "all_experts", caller)
+    plan = as_plan(recipe, model, caller)
+    resumed = resumed_states(states, plan, caller)
+    run = _Calibration(plan, plan.share_states(resumed), all_experts=all_experts, caller=caller)
+    check_experts_layout(plan, caller)
     _observe_parameters(run)
     session = Observing(run)
     handles = [plan.model.register_forward_pre_hook(eager(session._count))]
     try:
         handles += [handle for hook in _activation_hooks(run) for handle in hook.attach()]
-        with attention_sites(_attention_observers(run), "calibrate"):
+        with attention_sites(_attention_observers(run), caller):
             yield session
     finally:
         run.weight = None
