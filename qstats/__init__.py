@@ -60,6 +60,7 @@ from .observers.imatrix import imatrix as imatrix
 from .observers import imatrix_mse as imatrix_mse
 from .observers.hessian import HessianState as HessianState
 from .observers.hessian import hessian as hessian
+from .observers.hessian import gptq_hessian as gptq_hessian
 from .gptq_quantize import gptq as gptq
 from .observers import importance as importance
 from .observers import fixed_qparams as fixed_qparams
@@ -153,6 +154,7 @@ __all__ = [
     "imatrix_mse",
     "hessian",
     "HessianState",
+    "gptq_hessian",
     "gptq",
     "importance",
     "fixed_qparams",
