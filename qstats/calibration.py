@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import sys
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
@@ -109,6 +110,20 @@ COMPILED_BEFORE_HOOKS = (
 )
 
 
+FULLGRAPH_REFUSES_HOOKS = (
+    "a model compiled with fullgraph=True cannot call the observation hooks: they run eagerly "
+    "(torch.compiler.disable, a graph break at each observed site), and fullgraph refuses every graph break; "
+    "calibrate the model uncompiled (the module a torch.compile wrapper holds) or compiled without fullgraph=True"
+)
+
+
+def _refuses_eager_hooks(error: Exception) -> bool:
+    """Whether ``error`` is dynamo refusing to call a ``torch.compiler.disable``'d function (the
+    observation hooks) under ``fullgraph=True``; dynamo is loaded wherever a compiled model ran."""
+    exc = sys.modules.get("torch._dynamo.exc")
+    return exc is not None and isinstance(error, exc.Unsupported) and "torch.compiler.disable" in str(error)
+
+
 def _run_batches(session: Observing, model, batches: Iterable, progress: bool, observation_weight) -> int:
     """Runs ``model`` (the plan's model, or its compiled wrapper) over ``batches`` inside
     ``session``, with each one's observation weight; returns how many batches ran."""
@@ -116,15 +131,18 @@ def _run_batches(session: Observing, model, batches: Iterable, progress: bool, o
         total = len(batches)
     except TypeError:
         total = None
-    bar = tqdm(batches, total=total, unit="batch", desc="qstats.calibrate", disable=not progress)
     ran = 0
-    with torch.no_grad():
+    with torch.no_grad(), tqdm(batches, total=total, unit="batch", desc="qstats.calibrate", disable=not progress) as bar:
         for batch in bar:
             ran += 1
             weight = batch_weight(observation_weight, batch, "calibrate")
             with session.weighted(weight):
-                run_model(model, batch)
-    bar.close()
+                try:
+                    run_model(model, batch)
+                except Exception as error:
+                    if _refuses_eager_hooks(error):
+                        raise ValueError(f"calibrate: {FULLGRAPH_REFUSES_HOOKS}") from error
+                    raise
     return ran
 
 
