@@ -199,6 +199,7 @@ def calibrate(
         raise TypeError(f"calibrate expects an nn.Module, got {type(model).__name__}")
     check_batches(batches, "calibrate", observation_weight)
     check_flag(all_experts, "all_experts", "calibrate")
+    check_flag(progress, "progress", "calibrate")
     plan = as_plan(recipe, model, "calibrate")
     warn_training_mode(plan.model, "calibrate")
     with observing_as("calibrate", model, plan, states, all_experts) as session:

@@ -1,6 +1,7 @@
 """`calibrate` and `observing` refuse arguments of the wrong kind by name, before running anything:
-``batches`` that cannot be iterated (None, a number), and an ``all_experts`` that is not a bool (a
-string "no" from a config file or command line would switch every-expert calibration on)."""
+``batches`` that cannot be iterated (None, a number), and an ``all_experts`` or ``progress`` that is
+not a bool (a string "no" from a config file or command line would switch every-expert calibration,
+or the progress bar, on)."""
 
 from __future__ import annotations
 
@@ -59,4 +60,12 @@ def test_all_experts_must_be_a_bool(value):
     with pytest.raises(TypeError, match=r"observing: all_experts must be True or False"):
         with qstats.observing(model, recipe, all_experts=value):
             pass
+    assert _hook_count(model) == 0
+
+
+@pytest.mark.parametrize("value", ["no", "false", 0, None])
+def test_progress_must_be_a_bool(value):
+    model, recipe = _model_and_recipe()
+    with pytest.raises(TypeError, match=rf"calibrate: progress must be True or False, got {value!r}"):
+        qstats.calibrate(model, [torch.randn(4, 8)], recipe, progress=value)
     assert _hook_count(model) == 0
