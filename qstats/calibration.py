@@ -55,11 +55,14 @@ def check_batches(batches, caller: str, observation_weight=None) -> None:
     raise TypeError(f"{caller}: batches must be an iterable of batches (got a single {got}); wrap one batch in a list")
 
 
-# float attributes by which modules drop out while training, with no dropout module: transformers'
-# attention (``attention_dropout``, Llama family), BART/Whisper/Marian layers (``dropout``,
+# float attributes by which modules drop out (or add noise) while training, with no dropout module:
+# transformers' attention (``attention_dropout``, Llama family), BART/Whisper/Marian layers (``dropout``,
 # ``activation_dropout``, ``layerdrop``: whole layers skipped), stochastic depth (``drop_prob``:
-# transformers' ``*DropPath``, timm's ``DropPath``) and torch's ``MultiheadAttention`` (``dropout``)
-_DROPOUT_RATES = ("dropout", "attention_dropout", "activation_dropout", "layerdrop", "drop_prob")
+# transformers' ``*DropPath``, timm's ``DropPath``; LeViT's ``drop_rate``), torch's ``MultiheadAttention``
+# (``dropout``) and MoE blocks scaling their hidden states by uniform noise (``jitter_noise``: Mixtral,
+# MiniMax, Switch Transformers; ``input_jitter_noise``: PhiMoE; ``moe_jitter_eps``: DBRX's router)
+_DROPOUT_RATES = ("dropout", "attention_dropout", "activation_dropout", "layerdrop", "drop_prob", "drop_rate",
+                  "jitter_noise", "input_jitter_noise", "moe_jitter_eps")
 
 
 def _drops_out(module: torch.nn.Module) -> bool:
