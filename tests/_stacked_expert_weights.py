@@ -15,6 +15,7 @@ import torch
 import transformers
 
 import qstats
+from _packed import packed_codes
 from _shared import bit_equal, llm_compressor_oneshot
 
 IGNORE = {"llama4": ["lm_head", "re:.*vision.*", "re:.*multi_modal.*"], "gpt_oss": ["lm_head", "re:.*router"]}
@@ -137,12 +138,6 @@ def logits(loaded, model, plan, qparams) -> tuple:
         return ours, loaded(input_ids=held_out()).logits, model(input_ids=held_out()).logits
 
 
-def _codes(tensors: dict, name: str) -> torch.Tensor:
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
-    return unpack_from_int32(tensors[f"{name}.weight_packed"], 4, tuple(tensors[f"{name}.weight_shape"].tolist()))
-
-
 def gptq_codes(family: str, directory: str) -> dict:
     """W4A16 GPTQ of the saved model by llm-compressor (``oneshot`` with a ``GPTQModifier``, basic
     pipeline, every expert calibrated on every token) and by ``gptq_layerwise`` on the model built on
@@ -180,6 +175,6 @@ def gptq_codes(family: str, directory: str) -> dict:
     out = {}
     for kind in ("experts", "others"):
         chosen = [name for name in names if (".experts." in name) == (kind == "experts")]
-        same = sum(int((_codes(our_tensors, n) == _codes(their_tensors, n)).sum()) for n in chosen)
-        out[kind] = (len(chosen), same / sum(_codes(their_tensors, n).numel() for n in chosen))
+        same = sum(int((packed_codes(our_tensors, n) == packed_codes(their_tensors, n)).sum()) for n in chosen)
+        out[kind] = (len(chosen), same / sum(packed_codes(their_tensors, n).numel() for n in chosen))
     return out

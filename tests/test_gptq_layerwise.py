@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import qstats
+from _packed import packed_codes
 from _shared import fork_ranks, gloo_group, llm_compressor_oneshot, qwen3_moe_config
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("llmcompressor")
-from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 TOKENS = 16
@@ -77,14 +77,9 @@ def _ours(path, samples, out, recipe, **options):
     return result, load_file(f"{out}/model.safetensors")
 
 
-def _codes(tensors, name):
-    shape = tuple(tensors[f"{name}.weight_shape"].tolist())
-    return unpack_from_int32(tensors[f"{name}.weight_packed"], 4, shape)
-
-
 def _same_codes(ours, theirs, names):
-    same = sum(int((_codes(ours, name) == _codes(theirs, name)).sum()) for name in names)
-    return same / sum(_codes(theirs, name).numel() for name in names)
+    same = sum(int((packed_codes(ours, name) == packed_codes(theirs, name)).sum()) for name in names)
+    return same / sum(packed_codes(theirs, name).numel() for name in names)
 
 
 def _packed(tensors):
@@ -226,8 +221,8 @@ def test_llm_compressor_sequential_pipeline_attends_both_ways_on_qwen3_moe(moe, 
 
     causal = codes(torch.ones(1, TOKENS, dtype=torch.long))
     both_ways = codes(torch.ones(1, 1, TOKENS, TOKENS, dtype=torch.bool))
-    assert torch.equal(both_ways, _codes(theirs, o_proj))
-    assert not torch.equal(causal, _codes(theirs, o_proj))
+    assert torch.equal(both_ways, packed_codes(theirs, o_proj))
+    assert not torch.equal(causal, packed_codes(theirs, o_proj))
 
 
 def test_a_recipe_without_linear_weights_and_a_bad_chunk_are_refused(llama, samples):

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import qstats
+from _packed import packed_codes
 from _shared import llm_compressor_oneshot
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
-from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 TOKENS, DEAD = 16, 32
@@ -36,10 +36,6 @@ def relu_llama(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("relu_llama"))
     model.save_pretrained(path)
     return path
-
-
-def _codes(tensors, name):
-    return unpack_from_int32(tensors[f"{name}.weight_packed"], 4, tuple(tensors[f"{name}.weight_shape"].tolist()))
 
 
 def test_dead_columns_give_llm_compressor_codes(relu_llama, tmp_path):
@@ -73,9 +69,9 @@ def test_dead_columns_give_llm_compressor_codes(relu_llama, tmp_path):
     for name in names:
         assert torch.equal(ours[f"{name}.weight_scale"], theirs[f"{name}.weight_scale"]), name
     down = "model.layers.0.mlp.down_proj"
-    assert (_codes(theirs, down)[:, :DEAD] == 0).all()  # the dead columns
+    assert (packed_codes(theirs, down)[:, :DEAD] == 0).all()  # the dead columns
     for name in names:
         if name.startswith("model.layers.0."):
-            assert torch.equal(_codes(ours, name), _codes(theirs, name)), name
-    same = sum(int((_codes(ours, name) == _codes(theirs, name)).sum()) for name in names)
-    assert same / sum(_codes(theirs, name).numel() for name in names) >= 0.999
+            assert torch.equal(packed_codes(ours, name), packed_codes(theirs, name)), name
+    same = sum(int((packed_codes(ours, name) == packed_codes(theirs, name)).sum()) for name in names)
+    assert same / sum(packed_codes(theirs, name).numel() for name in names) >= 0.999

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import qstats
+from _packed import packed_codes
 from _shared import llm_compressor_oneshot
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
-from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 TOKENS = 16
@@ -67,7 +67,7 @@ def _ours(path, samples, recipe, out):
 def _codes(tensors, name):
     """int4 codes of ``name``: stored as int8 (W4A8's int-quantized format) or packed (W4A16's)."""
     if f"{name}.weight_packed" in tensors:
-        return unpack_from_int32(tensors[f"{name}.weight_packed"], 4, tuple(tensors[f"{name}.weight_shape"].tolist()))
+        return packed_codes(tensors, name)
     return tensors[f"{name}.weight"]
 
 

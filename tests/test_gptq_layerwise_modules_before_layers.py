@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import qstats
+from _packed import packed_codes
 from _shared import llm_compressor_oneshot
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
-from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 TOKENS = 16
@@ -63,8 +63,7 @@ def test_project_in_is_gptqd_before_the_first_layer_as_llm_compressor_sequential
     def same(module: str) -> float:
         assert torch.equal(theirs[f"{module}.weight_scale"], qparams[module]["weight"].scale)
         codes = qstats.quantize(result.weights[f"{module}.weight"], qparams[module]["weight"], plan.site(module, "weight").spec)
-        shape = tuple(theirs[f"{module}.weight_shape"].tolist())
-        return float((unpack_from_int32(theirs[f"{module}.weight_packed"], 4, shape) == codes).float().mean())
+        return float((packed_codes(theirs, module) == codes).float().mean())
 
     assert same("model.decoder.project_in") == 1.0
     first = [name[: -len(".weight")] for name in result.weights if name.startswith("model.decoder.layers.0.")]

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import qstats
+from _packed import packed_codes
 from _shared import llm_compressor_oneshot
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
-from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 TOKENS = 16
@@ -45,11 +45,6 @@ def _batches(samples) -> list:
 def _meta(path):
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path)).eval()
-
-
-def _codes(tensors, name):
-    shape = tuple(tensors[f"{name}.weight_shape"].tolist())
-    return unpack_from_int32(tensors[f"{name}.weight_packed"], 4, shape)
 
 
 def _theirs(path, samples, out, ignore=()):
@@ -91,9 +86,9 @@ def test_the_lm_head_is_gptqd_as_llm_compressor_sequential_oneshot_does(tmp_path
         weight = result.weights[f"{name}.weight"]
         ours = qstats.quantize(weight, qparams[name]["weight"], spec)
         assert torch.equal(qstats.dequantize(ours, qparams[name]["weight"], spec), weight), name  # on the grid
-        assert torch.equal(ours.to(torch.int8), _codes(theirs, name)), name
+        assert torch.equal(ours.to(torch.int8), packed_codes(theirs, name)), name
     nearest = qstats.quantize(head, qparams["lm_head"]["weight"], spec).to(torch.int8)
-    assert (_codes(theirs, "lm_head") != nearest).float().mean() > 0.05  # GPTQ, not round-to-nearest
+    assert (packed_codes(theirs, "lm_head") != nearest).float().mean() > 0.05  # GPTQ, not round-to-nearest
 
 
 def _saved(folder) -> tuple:
