@@ -56,9 +56,10 @@ def _experts(flags: torch.Tensor) -> str:
 
 
 @op("check_gptq_inputs")
-def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager checks (one op, so they run under vmap and compile): a non-finite Hessian sum or weight
-    raises ValueError; a Hessian that saw no row warns (round-to-nearest). Returns the counts."""
+    raises ValueError; a Hessian that saw no row warns (round-to-nearest). Returns the counts and
+    whether a stack's Hessians are all equal (every expert on every token: factored once)."""
     # the weight as the column loop computes it, in float32: a float64 value past float32's range is
     # Inf there (narrower dtypes keep their finiteness, uncopied; the Hessian sum is scaled into range
     # first, `_factorable_hessian`)
@@ -75,18 +76,20 @@ def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor
             "quantized by round-to-nearest with their quantization parameters",
             UncalibratedWarning,
         )
-    return count.clone()
+    shared = count.ndim == 1 and count.shape[0] > 1 and bool((count == count[:1]).all())
+    shared = shared and torch.equal(total, total[:1].expand_as(total))
+    return count.clone(), torch.tensor(shared)
 
 
 @register_fake(_check_inputs)
 def _(count, total, weight):
-    return torch.empty_like(count)
+    return torch.empty_like(count), torch.empty((), dtype=torch.bool)
 
 
 def _check_inputs_vmap(info, in_dims, count, total, weight):
     moved = [value.expand(info.batch_size, *value.shape) if dim is None else value.movedim(dim, 0)
              for value, dim in zip((count, total, weight), in_dims)]
-    return _check_inputs(*moved), 0  # one message naming every expert
+    return (_check_inputs(*moved)[0], torch.tensor(False)), (0, None)  # one message naming every expert
 
 
 register_vmap(_check_inputs, _check_inputs_vmap)
@@ -276,53 +279,14 @@ def _factorable_hessian(total: torch.Tensor, count: torch.Tensor) -> tuple[torch
     return (mean * half).to(torch.float32), fill
 
 
-def _factor_hessians(total, count, dampening: float, actorder: bool):
-    """`_ordered_factor` of Hessian sums ``[..., in, in]``; a stack's (``[E, in, in]``) through the op
-    `_factored`, which factors them once where they are all equal."""
-    if count.ndim != 1 or count.shape[0] < 2:
-        return _ordered_factor(total, count, dampening, actorder, 0)
-    perm, inverse, dead = _factored(total, count, dampening, actorder)
-    return perm if actorder else None, inverse, dead
-
-
-@op("factor_gptq_hessians")
-def _factored(total: torch.Tensor, count: torch.Tensor, dampening: float, actorder: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_ordered_factor` of a stack's Hessian sums, factored once where they are all equal (every expert on
-    every token): an op, opaque to the compiler, because it reads that on the host. Its outputs are
-    contiguous (the strides of its fake rule, whichever way it factored); the column order is empty without
-    ``actorder``."""
-    shared = bool((count == count[:1]).all()) and torch.equal(total, total[:1].expand_as(total))
-    perm, inverse, dead = _ordered_factor(total, count, dampening, actorder, count.shape[0] if shared else 0)
-    return count.new_empty(0) if perm is None else perm.contiguous(), inverse.contiguous(), dead.contiguous()
-
-
-@register_fake(_factored)
-def _(total, count, dampening, actorder):
-    rows = total.shape[:-1]
-    return (count.new_empty(rows if actorder else (0,)), total.new_empty(total.shape, dtype=torch.float32),
-            total.new_empty(rows, dtype=torch.bool))
-
-
-def _factored_vmap(info, in_dims, total, count, dampening, actorder):
-    """Under vmap (stacks of stacks), each stack factored as it is."""
-    total, count = (value.expand(info.batch_size, *value.shape) if dim is None else value.movedim(dim, 0)
-                    for value, dim in zip((total, count), in_dims[:2]))
-    perm, inverse, dead = _ordered_factor(total, count, dampening, actorder, 0)
-    return (count.new_empty(0) if perm is None else perm, inverse, dead), (0 if actorder else None, 0, 0)
-
-
-register_vmap(_factored, _factored_vmap)
-
-
-def _ordered_factor(total, count, dampening, actorder: bool, shared: int):
+def _ordered_factor(total, count, dampening, actorder, shared: int):
     """``(column order or None, inverse Hessian factor, dead columns)`` of Hessian sums ``[..., in, in]``.
     ``shared`` > 0: the ``shared`` Hessians of a stack are equal and factored once (the same bits)."""
     if shared:
         total, count = total[:1], count[:1]
     hessian, fill = _factorable_hessian(total, count)
     perm = None
-    if actorder:
+    if actorder is not None:
         perm = torch.argsort(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, descending=True)
         hessian = _permute_columns(_permute_columns(hessian, perm).transpose(-1, -2), perm).transpose(-1, -2)
     inverse, dead = _inverse_hessian_factor(hessian, dampening, count > 0, shared, fill)
@@ -332,10 +296,9 @@ def _ordered_factor(total, count, dampening, actorder: bool, shared: int):
     return perm, inverse, dead
 
 
-def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actorder):
+def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actorder, shared: int = 0):
     """GPTQ of ``[..., out, in]`` weights with ``[..., in, in]`` Hessian sums: one batched loop
-    over columns (host reads in its ops only; in-place writes on its own buffers only; runs under vmap
-    and compiles with ``fullgraph=True``)."""
+    over columns (no host reads; in-place writes on its own buffers only; runs under vmap)."""
     groups = _column_groups(spec, weight.shape)
     work = weight.to(torch.float32)
     running = None
@@ -344,7 +307,7 @@ def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actor
     elif qparams is None:
         one = lambda w: _minmax_qparams(w, spec)  # noqa: E731  (per expert: a per-tensor range is)
         qparams = torch.vmap(one)(work) if work.ndim == 3 else one(work)
-    perm, inverse, dead = _factor_hessians(total, count, dampening, actorder is not None)
+    perm, inverse, dead = _ordered_factor(total, count, dampening, actorder, shared)
     if perm is not None:
         work = _permute_columns(work, perm)
     work = torch.where(dead[..., None, :], torch.zeros_like(work), work)
@@ -402,12 +365,12 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
     _check_arguments(weight, hessian_state, spec, block_size, dampening, actorder)
     _check_qparams(qparams, weight, spec)
     actorder = None if actorder is None else "static"
-    count = _check_inputs(hessian_state.count, hessian_state.total, weight)
+    count, same = _check_inputs(hessian_state.count, hessian_state.total, weight)
 
     if qparams is not None:  # no autograd graph through the column loop (it would hold every column's tensors)
         qparams = _checked_scales(QParams(*(None if field is None else field.detach() for field in qparams)))
     return _gptq_core(weight.detach(), hessian_state.total.detach(), count, qparams, spec, block_size,
-                      float(dampening), actorder)
+                      float(dampening), actorder, weight.shape[0] if bool(same) else 0)
 
 
 def _check_qparams(qparams, weight, spec) -> None:
