@@ -325,7 +325,9 @@ def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range):
         if spec.mapping == "asymmetric":
             limit = float(torch.tensor(torch.finfo(compute).max, dtype=torch.float32))
         else:
-            limit = peak_limit(compute, float(bit_range.to(compute) / 2))
+            # on the host (a meta range cannot be read): the span of codes, rounded to ``compute``
+            span = torch.tensor(float(spec.qrange[1] - spec.qrange[0]), dtype=compute)
+            limit = peak_limit(compute, float(span / 2))
         min_val = min_val.clamp(min=-limit)
         max_val = max_val.clamp(max=limit)
     min_val = rounded_in(min_val.float(), compute)
