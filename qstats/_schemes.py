@@ -24,8 +24,11 @@ from typing import Any, Mapping
 import torch
 
 from ._attention import LATENT_CACHE, attention_module, latent_attention
+from ._granularity import PerTensor
+from ._qparams import compute_qparams
 from ._spec import QuantSpec
 from .observers import registry
+from .observers.mse import checked_patience
 from .observers.search import search
 from .experts import linearized_experts, linearized_layout_problem
 from ._warn import warn
@@ -145,6 +148,31 @@ def split_observer_kwargs(factory, options: Mapping, where: str, weight: bool = 
     return own, rest
 
 
+def check_observer_kwargs(factory, factory_options: Mapping, qparams_options: Mapping, spec: QuantSpec,
+                          where: str) -> None:
+    """ValueError or TypeError for bad ``observer_kwargs`` now, as the recipe is read: an input's qparams
+    come after the whole calibration. ``averaging_constant`` on an accumulating `mse` is refused
+    (llm-compressor's ``mse`` averages with it; there it would be ignored). The searches check their
+    values (a histogram's ``percentile``, ``candidates``, ``start_bin``) only when they run, so those
+    are tried on a small per-tensor sample."""
+    accumulating = factory_options.get("mode", "accumulate") == "accumulate"
+    if factory is registry.get("mse") and accumulating and "averaging_constant" in factory_options:
+        raise ValueError(  # a weight's is dropped (split_observer_kwargs)
+            f"{where}: observer_kwargs averaging_constant applies to mode='moving_average' (llm-compressor's "
+            "mse); qstats_mse sums the losses of all batches unless observer_kwargs give mode='moving_average'")
+    if "patience" in qparams_options:
+        checked_patience(qparams_options["patience"], where)
+    spec = spec.replace(granularity=PerTensor())
+    observer = factory(spec, **factory_options)  # its own options' errors
+    if not set(qparams_options) - {"method", "patience"}:
+        return
+    sample = torch.linspace(-1.0, 1.0, 64)
+    try:
+        compute_qparams(observer.update(observer.init(sample), sample), spec, **qparams_options)
+    except (ValueError, TypeError) as error:
+        raise type(error)(f"{where}: observer_kwargs {error}") from None
+
+
 def _observer_name(args):
     """``args.observer`` as llm-compressor's registry looks it up (compressed-tensors'
     ``standardize_lookup_name``: case, ``-``, ``_`` and spaces alike: ``"MSE"`` is ``"mse"``,
@@ -158,8 +186,9 @@ def _qstats_observer(args, weight: bool) -> tuple:
     """``(observer name, observer_kwargs, qparams_kwargs)`` of a ``qstats_*`` observer, its
     ``observer_kwargs`` split as `qstats.llmcompressor` splits them (`split_observer_kwargs`)."""
     name = _QSTATS_OBSERVERS[_observer_name(args)]
-    factory, qparams = split_observer_kwargs(registry.get(name), dict(args.observer_kwargs or {}),
-                                             f"observer {args.observer!r}", weight)
+    where = f"observer {args.observer!r}"
+    factory, qparams = split_observer_kwargs(registry.get(name), dict(args.observer_kwargs or {}), where, weight)
+    check_observer_kwargs(registry.get(name), factory, qparams, QuantSpec.from_compressed_tensors(args), where)
     if weight and name in ("moving_average_minmax", "memoryless_minmax"):
         name, factory = "minmax", {}  # a weight is observed once: its averaging constant is unused
     return name, factory, qparams

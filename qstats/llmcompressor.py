@@ -40,11 +40,10 @@ from . import distributed
 from ._formats import global_scale_from_amax
 from ._granularity import PerTensor
 from ._qparams import compute_qparams
-from ._schemes import DROPIN_OBSERVERS, STATIC_GROUP_ACTIVATIONS, split_observer_kwargs
+from ._schemes import DROPIN_OBSERVERS, STATIC_GROUP_ACTIVATIONS, check_observer_kwargs, split_observer_kwargs
 from ._spec import QuantSpec
 from .fused import fused_amax
 from .observers import registry
-from .observers.mse import checked_patience
 from .recipe import runtime_scaled
 
 __all__ = ["QstatsObserver", "OBSERVERS", "QstatsMinmaxObserver", "QstatsStaticMinmaxObserver",
@@ -91,39 +90,15 @@ class QstatsObserver(LLMCompressorObserver):
         self.qstats_observer = None
 
     def _check_options(self) -> None:
-        """ValueError for bad ``observer_kwargs`` now, as the recipe is applied: an input's qparams
-        come after the whole calibration, which a bad ``patience`` found then lost. The factory is
-        built under the args' spec; ``averaging_constant`` on accumulating ``qstats_mse`` inputs
-        is refused (llm-compressor's ``mse`` averages with it; there it would be ignored); on weights,
-        observed once, it is dropped, as llm-compressor's ``memoryless_mse`` ignores it."""
-        where = f"{type(self).__name__} ({self.base_name})"
-        accumulating = self.factory_options.get("mode", "accumulate") == "accumulate"
-        if (type(self).factory is registry.get("mse") and accumulating
-                and "averaging_constant" in self.factory_options):  # a weight's is dropped (split_observer_kwargs)
-            raise ValueError(
-                f"{where}: observer_kwargs averaging_constant applies to mode='moving_average' (llm-compressor's "
-                "mse); qstats_mse sums the losses of all batches unless observer_kwargs give mode='moving_average'")
+        """Errors for bad ``observer_kwargs`` now, as the recipe is applied (`check_observer_kwargs`):
+        an input's qparams come after the whole calibration."""
         spec = QuantSpec.from_compressed_tensors(self.args)
         self.make_observer(spec)
         if "bins" in self.factory_options and "buckets_per_octave" not in self.factory_options:
             # a histogram's former option name, warned of once above: not again at each build
             self.factory_options["buckets_per_octave"] = self.factory_options.pop("bins")
-        if "patience" in self.qparams_options:
-            checked_patience(self.qparams_options["patience"], where)
-        if set(self.qparams_options) - {"method", "patience"}:  # a histogram search's (percentile=120)
-            self._check_qparams_options(spec, where)
-
-    def _check_qparams_options(self, spec: QuantSpec, where: str) -> None:
-        """The ``compute_qparams`` options, tried on a small per-tensor sample: the searches check
-        their values (a histogram's ``percentile``, ``candidates``, ``start_bin``) only when they run,
-        which for an input is once calibration ends."""
-        spec = spec.replace(granularity=PerTensor())
-        sample = torch.linspace(-1.0, 1.0, 64)
-        observer = type(self).factory(spec, **self.factory_options)
-        try:
-            compute_qparams(observer.update(observer.init(sample), sample), spec, **self.qparams_options)
-        except (ValueError, TypeError) as error:
-            raise type(error)(f"{where}: observer_kwargs {error}") from None
+        check_observer_kwargs(type(self).factory, self.factory_options, self.qparams_options, spec,
+                              f"{type(self).__name__} ({self.base_name})")
 
     def __getstate__(self) -> dict:
         # the qstats Observer holds closures: pickled without it, rebuilt from the factory and spec
