@@ -1,0 +1,56 @@
+"""Signatures and options the docs name, checked against the code (and llm-compressor's registry)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import qstats
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def test_site_fields_are_the_ones_calibrate_api_lists():
+    """docs/calibrate_api.md: ``Site(rule, observer, spec, num_experts, runtime, kind, layout)``."""
+    (listed,) = re.findall(r"`Site\(([^)]*)\)`", (DOCS / "calibrate_api.md").read_text())
+    fields = list(qstats.recipe.Site._fields)
+    assert [name.strip() for name in listed.split(",")] == fields
+
+
+def test_from_dict_scheme_keys_are_from_schemes_arguments():
+    """docs/recipes.md: ``{"scheme": ...}`` takes ``targets``, ``ignore``, ``kv_cache_scheme``,
+    ``observed_dtype``, ``experts`` and ``shared``, as `Recipe.from_scheme` does; another key raises."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    shared = {"1:input": "0:input"}
+    data = {"scheme": "W8A8", "ignore": ["re:nothing"], "observed_dtype": torch.bfloat16, "experts": "re:none",
+            "shared": shared}
+    built = qstats.Recipe.from_dict(data)
+    direct = qstats.Recipe.from_scheme("W8A8", ignore=["re:nothing"], observed_dtype=torch.bfloat16,
+                                       experts="re:none", shared=shared)
+    assert built.rules == direct.rules and built.shared == direct.shared and built.ignore == direct.ignore
+    assert built.shared  # the sharing was kept, not dropped
+    assert sorted(built.resolve(model).sites) == ["0", "1"]
+    with pytest.raises(ValueError, match="bogus"):
+        qstats.Recipe.from_dict({"scheme": "W8A8", "bogus": 1})
+
+
+@pytest.mark.parametrize("kwargs", [{"method": "entropy", "stride": 0}, {"method": "entropy", "num_bits": 0},
+                                    {"method": "entropy", "num_bits": 33}, {"method": "entropy", "start_bin": 0},
+                                    {"method": "mse", "candidates": 0}])
+def test_histogram_drop_in_refuses_search_values_when_made(kwargs):
+    """docs/migrating_llmcompressor.md: values a histogram's search refuses raise a ValueError naming
+    the option when the ``qstats_histogram`` observer is made, not at ``get_qparams``."""
+    pytest.importorskip("llmcompressor")
+    importlib.import_module("qstats.llmcompressor")  # registers the qstats_* observers
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmcompressor.observers import Observer
+
+    args = QuantizationArgs(num_bits=8, symmetric=True, strategy="tensor", observer="qstats_histogram",
+                            observer_kwargs=kwargs)
+    option = next(name for name in kwargs if name != "method")
+    with pytest.raises(ValueError, match=option):
+        Observer.load_from_registry("qstats_histogram", base_name="input", args=args)
