@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ._checks import check_flag
 from ._spec import QuantSpec
-from .observers._base import Observer
+from .observers._base import Observer, state_types
 
 __all__ = [
     "REDUCE_OPS",
@@ -39,7 +39,11 @@ REDUCE_OPS = ("min", "max", "sum")
 """Field reductions an elementwise state may declare."""
 
 _FOLD = "fold"
-_REGISTRY: dict[str, Any] = {}
+# ops declared for a class, and for a class name (qstats' own states, a name given as a string): a name
+# covers a class of that name only where no other class is registered under it (`qstats.register_state`),
+# so that a user's class named as a qstats state (another ``MinMaxState``) is not merged by qstats' ops
+_BY_CLASS: dict[type, Any] = {}
+_BY_NAME: dict[str, Any] = {}
 
 
 def extremes_and_sums(fields) -> dict[str, str]:
@@ -53,7 +57,9 @@ def register_reduce_ops(state_cls: Union[type, str], ops: Any) -> None:
     """Declares how a state type's fields merge across ranks.
 
     Args:
-      state_cls: the state NamedTuple class, or its class name (registered by name).
+      state_cls: the state NamedTuple class (its subclasses too), or its class name: a name covers the
+        classes of that name but where another class is registered under it (`qstats.register_state`):
+        a user's class named as a qstats state is not merged by that state's ops.
       ops: ``{field: "min" | "max" | "sum"}`` when ``obs.merge`` is that field by field (a field of a
         NamedTuple nested in the state is named by its dotted path, ``"ext.low"``; the nested NamedTuple
         itself takes no op); a callable ``fields -> mapping`` (given the dotted names, e.g.
@@ -65,13 +71,13 @@ def register_reduce_ops(state_cls: Union[type, str], ops: Any) -> None:
         fields included, on the first state `reduce_ops` sees).
     """
     if isinstance(state_cls, str):
-        name, fields = state_cls, None
+        name, fields, registry, key = state_cls, None, _BY_NAME, state_cls
     elif isinstance(state_cls, type) and issubclass(state_cls, tuple) and hasattr(state_cls, "_fields"):
-        name, fields = state_cls.__name__, tuple(state_cls._fields)
+        name, fields, registry, key = state_cls.__name__, tuple(state_cls._fields), _BY_CLASS, state_cls
     else:
         raise TypeError(f"register_reduce_ops: expected a NamedTuple state class or its name, got {state_cls!r}")
     if callable(ops) or ops == _FOLD:
-        _REGISTRY[name] = ops
+        registry[key] = ops
         return
     if isinstance(ops, str):
         raise ValueError(f"register_reduce_ops({name}): ops must be a field mapping or 'fold', got {ops!r}")
@@ -83,7 +89,16 @@ def register_reduce_ops(state_cls: Union[type, str], ops: Any) -> None:
         raise ValueError(
             f"register_reduce_ops({name}): ops name fields {sorted(ops)} but the state has fields {sorted(fields)}"
         )
-    _REGISTRY[name] = ops
+    registry[key] = ops
+
+
+def _declared_ops(cls: type) -> Any:
+    """The ops declared for ``cls`` itself, or for its name where no other class is registered under it."""
+    if cls in _BY_CLASS:
+        return _BY_CLASS[cls]
+    if state_types().get(cls.__name__, cls) is not cls:  # qstats' state of that name, not this class
+        return None
+    return _BY_NAME.get(cls.__name__)
 
 
 def is_named_tuple(x: Any) -> bool:
@@ -126,7 +141,7 @@ def reduce_ops(state: Any) -> Union[dict[str, str], str]:
     """The declared reduction of ``state``'s type: a ``{field: op}`` dict, or ``"fold"`` (also for
     types nobody declared)."""
     for cls in type(state).__mro__:
-        ops = _REGISTRY.get(cls.__name__)
+        ops = _declared_ops(cls)
         if ops is None:
             continue
         names = [name for name, _ in _state_fields(state)]
