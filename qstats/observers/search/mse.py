@@ -74,6 +74,18 @@ def float_grid_error(edges, counts, lo, hi, spec: QuantSpec, points: int = 1) ->
     return (counts.repeat_interleave(points, -1).unsqueeze(-2) * error).sum(-1) / points
 
 
+def _scored(edges, counts, lo, hi, spec: QuantSpec, points: int) -> torch.Tensor:
+    """Expected squared error of the candidates ``(lo, hi)`` ``(*P, C)`` (`float_grid_error` at
+    ``points`` per bucket or `exact_error`), infinite for an empty range; in chunks of candidates."""
+    def error_fn(lo, hi):
+        if spec.is_float:
+            return float_grid_error(edges, counts, lo, hi, spec, points)
+        return exact_error(edges, counts, lo, hi, spec)
+
+    error = in_chunks(error_fn, (lo, hi), counts[..., :1].numel() * counts.shape[-1] * points)
+    return torch.where(hi - lo > 0, error, torch.full_like(error, math.inf))
+
+
 def mse_search(state, spec: QuantSpec, candidates: int = 128, per_octave: int = 32) -> Range:
     """The shrink factor ``2**(-k / per_octave)``, ``k < candidates``, of the observed range with
     the least expected squared error on ``spec``'s grid."""
@@ -88,16 +100,15 @@ def mse_search(state, spec: QuantSpec, candidates: int = 128, per_octave: int = 
     if is_symmetric(spec) and spec.mapping != "symmetric_no_clipping_err":  # that one scales by the binding side
         absmax = torch.maximum(-lo, hi)
         lo, hi = -absmax, absmax
-    # a float grid is scored at 64 points per octave: at the centres of 8 buckets per octave, as wide
-    # as fp8 e4m3's steps, its error aliased and the search lost up to 1.5 dB against the full range
+    error = _scored(edges, counts, lo, hi, spec, 1)
+    # floating-point grids: the best 8 and the full range scored again at 64 points per octave of
+    # the buckets (the centres of 8 buckets per octave, as wide as fp8 e4m3's steps, alias its grid:
+    # the search chose ranges up to 1.5 dB worse than the full range)
     points = max(1, 64 // bins) if spec.is_float else 1
-
-    def error_fn(lo, hi):
-        if spec.is_float:
-            return float_grid_error(edges, counts, lo, hi, spec, points)
-        return exact_error(edges, counts, lo, hi, spec)
-
-    error = in_chunks(error_fn, (lo, hi), counts[..., :1].numel() * counts.shape[-1] * points)
-    error = torch.where(hi - lo > 0, error, torch.full_like(error, math.inf))
+    if points > 1:
+        finalists = torch.cat([torch.topk(error, min(8, candidates), -1, largest=False).indices,
+                               torch.zeros_like(error[..., :1], dtype=torch.int64)], -1)
+        lo, hi = torch.gather(lo, -1, finalists), torch.gather(hi, -1, finalists)
+        error = _scored(edges, counts, lo, hi, spec, points)
     best = torch.argmin(error, -1, keepdim=True)
     return within_extremes(state, torch.gather(lo, -1, best).squeeze(-1), torch.gather(hi, -1, best).squeeze(-1))
