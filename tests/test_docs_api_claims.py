@@ -67,3 +67,21 @@ def test_every_public_name_is_named_by_a_page(module):
     exported = importlib.import_module(module).__all__
     unnamed = [name for name in exported if not re.search(rf"(?<![\w]){re.escape(name)}(?![\w])", text)]
     assert not unnamed, f"{module} exports {unnamed}, which no page of the docs names"
+
+
+def test_compute_qparams_tree_options_override_every_sites_qparams_kwargs():
+    """docs/calibrate_api.md: keyword options of `compute_qparams_tree` override the sites'
+    ``qparams_kwargs``: each site's QParams are then `compute_qparams` of its state under them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)).eval()
+    spec = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), observer=qstats.histogram, spec=spec,
+                                        qparams_kwargs={"method": "l2"})])
+    states = qstats.calibrate(model, [torch.randn(32, 16) * 3 for _ in range(3)], recipe, progress=False)
+    default = qstats.compute_qparams_tree(states, recipe, model)
+    overridden = qstats.compute_qparams_tree(states, recipe, model, method="minmax")
+    for path in ("0", "2"):
+        state = states[path]["input"]
+        assert torch.equal(default[path]["input"].scale, qstats.compute_qparams(state, spec, method="l2").scale)
+        assert torch.equal(overridden[path]["input"].scale, qstats.compute_qparams(state, spec, method="minmax").scale)
+    assert not torch.equal(overridden["0"]["input"].scale, default["0"]["input"].scale)  # the option took effect
