@@ -85,3 +85,22 @@ def test_compute_qparams_tree_options_override_every_sites_qparams_kwargs():
         assert torch.equal(default[path]["input"].scale, qstats.compute_qparams(state, spec, method="l2").scale)
         assert torch.equal(overridden[path]["input"].scale, qstats.compute_qparams(state, spec, method="minmax").scale)
     assert not torch.equal(overridden["0"]["input"].scale, default["0"]["input"].scale)  # the option took effect
+
+
+@pytest.mark.parametrize("kwargs", [{"progress": "no"}, {"all_experts": "yes"}])
+def test_calibrate_takes_bool_flags_only(kwargs):
+    """docs/calibrate_api.md: ``progress`` and ``all_experts`` take a bool only (a string from a
+    config file, truthy whatever it says, is a TypeError naming the argument)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",))])
+    with pytest.raises(TypeError, match=next(iter(kwargs))):
+        qstats.calibrate(model, [torch.randn(2, 8)], recipe, **{"progress": False, **kwargs})
+
+
+def test_calibrate_refuses_one_tensor_for_its_batches():
+    """docs/calibrate_api.md: a single tensor given for ``batches`` (which would be iterated row by
+    row) is a TypeError saying to wrap it in a list."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",))])
+    with pytest.raises(TypeError, match="wrap one batch in a list"):
+        qstats.calibrate(model, torch.randn(2, 8), recipe, progress=False)
