@@ -162,7 +162,8 @@ def _observe_fake_quantize(x, state, observer, phase, ste, learned, grad_scale, 
     else:
         # computed with the fallback, then checked under ``where``; a tensor flag computes qparams where it
         # then keeps ``x``: a state that saw no data must not raise there
-        qparams = compute_qparams(new_state, spec.replace(on_uncalibrated="fallback"), **(qparams_options or {}))
+        fallback = spec if spec.on_uncalibrated == "fallback" else spec.replace(on_uncalibrated="fallback")
+        qparams = compute_qparams(new_state, fallback, **(qparams_options or {}))
         if isinstance(phase.fake_quantize, bool):
             check_calibrated(qparams.calibrated, spec, where)
         y = fake_quantize_ste(x, qparams, spec, ste)
