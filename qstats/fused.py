@@ -150,16 +150,6 @@ def _global_scale(states, spec: QuantSpec, where: str, **options) -> torch.Tenso
     return _formats.global_scale_from_amax(_fused_amax(states, spec, where, **options), spec)
 
 
-def _stacked_global_scale(state, spec: QuantSpec, **options) -> torch.Tensor:
-    """The global scale over every slice of a stacked state, each slice's range read under
-    ``vmap`` as its scales are: a range rule need not take a leading dimension (mse's holds its
-    candidates per slice, and its ``patience`` stops each slice on its own, as llm-compressor
-    stops each expert's Linear). A slice that saw no data is left out here; `fused_qparams`
-    applies ``on_uncalibrated`` to the slices' qparams."""
-    amax = torch.func.vmap(lambda s: _amax_of(s, spec, **options))(state)
-    return _formats.global_scale_from_amax(amax.amax() if amax.numel() else amax.new_zeros(()), spec)
-
-
 def _check_spec(spec, where: str) -> None:
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"{where}: spec must be a QuantSpec, got {type(spec).__name__}")
@@ -172,8 +162,8 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
       states: a sequence of states (q/k/v, gate/up; a list, tuple or NamedTuple of them) or, with
         ``stacked=True``, one stacked state.
       spec: a two-level spec (`TensorGroup`); other specs get their usual qparams.
-      stacked: compute per-slice qparams (and the ranges the shared global scale is taken from)
-        with ``torch.func.vmap`` over the leading dimension, as the list form of the slices gives;
+      stacked: compute per-slice qparams with ``torch.func.vmap`` over the leading dimension, as
+        the list form of the slices gives (the shared global scale: over every slice's range);
         ``spec.on_uncalibrated="raise"`` raises for a slice that saw no data, as the list form does.
       **options: passed to `compute_qparams`.
 
@@ -192,10 +182,9 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
                         "takes global_scale= to impose one)")
     group = [states] if stacked else _as_states(states)  # read an iterator once
     shared = {}
-    if isinstance(spec.granularity, TensorGroup) and stacked:
-        shared["global_scale"] = _stacked_global_scale(states, spec, **options)
-    elif isinstance(spec.granularity, TensorGroup):  # the same range method as the scales
-        shared["global_scale"] = _global_scale(group, spec, "fused_qparams", **options)
+    if isinstance(spec.granularity, TensorGroup):  # the same range method as the scales
+        where = "fused_qparams(stacked=True)" if stacked else "fused_qparams"
+        shared["global_scale"] = _global_scale(group, spec, where, **options)
 
     def qparams(state):
         return compute_qparams(state, spec, **shared, **options)

@@ -246,21 +246,25 @@ def _chosen_factor(loss: torch.Tensor, factors: torch.Tensor, patience: Optional
     """The shrink factor of the chosen candidate per parameter, float32: the first minimum, optionally
     restricted to the candidates llm-compressor evaluates before its early stop (``patience``: it stops
     at the first step that improves no parameter once ``patience`` such steps ran in a row, so 0 stops
-    there as 1 does)."""
+    there as 1 does). ``factors`` is ``[*stack, C]``: a stacked state's experts each stop on their own."""
+    stack, steps = factors.shape[:-1], loss.shape[-1]
+    params = (1,) * (loss.ndim - factors.ndim)  # the parameter dims of ``loss``, between stack and C
     if patience is not None:
         patience = max(patience, 1)
-        steps = loss.shape[-1]
-        flat = loss.reshape(-1, steps)  # (params, C)
+        flat = loss.reshape(*stack, -1, steps)  # (*stack, params, C)
         running = torch.cummin(flat, dim=-1).values
-        previous = torch.cat([torch.full_like(running[:, :1], torch.finfo(torch.float64).max), running[:, :-1]], -1)
-        improved = (flat < previous).any(0)  # (C,)
-        positions = torch.arange(steps, device=loss.device)
-        last_improved = torch.cummax(torch.where(improved, positions, torch.full_like(positions, -1)), 0).values
+        previous = torch.cat([torch.full_like(running[..., :1], torch.finfo(torch.float64).max),
+                              running[..., :-1]], -1)
+        improved = (flat < previous).any(-2)  # (*stack, C)
+        order = torch.arange(steps, device=loss.device)
+        positions = order.expand_as(improved)
+        last_improved = torch.cummax(torch.where(improved, positions, torch.full_like(positions, -1)), -1).values
         stalled = (positions - last_improved) >= patience
-        stop = torch.where(stalled, positions, torch.full_like(positions, steps - 1)).amin()
-        loss = torch.where(positions <= stop, loss, torch.full_like(loss, torch.inf))
+        stop = torch.where(stalled, positions, torch.full_like(positions, steps - 1)).amin(-1)  # (*stack,)
+        loss = torch.where(order <= stop.reshape(*stack, *params, 1), loss, torch.full_like(loss, torch.inf))
     best = torch.argmin(loss, dim=-1)
     # a gather, not factors[best]: a 0-dim index would read its value on the host (a graph break)
+    factors = factors.reshape(*stack, *params, steps)
     return torch.gather(factors.expand(loss.shape), -1, best.unsqueeze(-1)).squeeze(-1).float()
 
 
