@@ -44,10 +44,9 @@ def saved_tensors(model: torch.nn.Module, tensors: dict) -> dict:
     return revert_weight_conversion(model, tensors)
 
 
-def module_renamer(model: torch.nn.Module) -> Callable[[str], str]:
-    """``name -> checkpoint name`` of a module path, each reversed transform applied in turn, as
-    compressed-tensors maps the ``ignore`` list of a checkpoint llm-compressor saves."""
-    reversed_transforms = [t.reverse_transform() for t in reversed(_save_transforms(model))]
+def _renamer(transforms) -> Callable[[str], str]:
+    """``name -> name`` with each of ``transforms`` reversed and applied in turn, last first."""
+    reversed_transforms = [t.reverse_transform() for t in reversed(list(transforms))]
 
     def rename(name: str) -> str:
         for transform in reversed_transforms:
@@ -57,6 +56,12 @@ def module_renamer(model: torch.nn.Module) -> Callable[[str], str]:
         return name
 
     return rename
+
+
+def module_renamer(model: torch.nn.Module) -> Callable[[str], str]:
+    """``name -> checkpoint name`` of a module path, each reversed transform applied in turn, as
+    compressed-tensors maps the ``ignore`` list of a checkpoint llm-compressor saves."""
+    return _renamer(_save_transforms(model))
 
 
 def legacy_renamer(model: torch.nn.Module) -> Callable[[str], str]:
@@ -72,13 +77,4 @@ def legacy_renamer(model: torch.nn.Module) -> Callable[[str], str]:
         return lambda name: name
     if not isinstance(model, PreTrainedModel):
         return lambda name: name
-    reversed_transforms = [t.reverse_transform() for t in reversed(get_checkpoint_conversion_mapping("legacy") or ())]
-
-    def rename(name: str) -> str:
-        for transform in reversed_transforms:
-            renamed, matched = transform.rename_source_key(name)
-            if matched is not None:
-                name = renamed
-        return name
-
-    return rename
+    return _renamer(get_checkpoint_conversion_mapping("legacy") or ())
