@@ -537,8 +537,8 @@ default_weight_observer = _with(observer=minmax, dtype=torch.qint8, qscheme=torc
 weight_observer_range_neg_127_to_127 = _with(
     observer=minmax, dtype=torch.qint8, qscheme=torch.per_tensor_symmetric, quant_min=-127, quant_max=127, eps=2**-12
 )
-# 128 buckets per octave, not 2048: the same qparams to 0.35% of squared error, much faster
-# (docs/migrating_torch_ao.md)
+# 128 buckets per octave, not 2048: squared errors within 1% of 2048's (0.72% at most measured), about
+# 20 times faster per update (docs/migrating_torch_ao.md)
 default_histogram_observer = _with(observer=histogram, quant_min=0, quant_max=127, buckets_per_octave=128)
 default_per_channel_weight_observer = _with(observer=minmax, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
 per_channel_weight_observer_range_neg_127_to_127 = _with(
