@@ -502,12 +502,9 @@ def shared_module_copies(model: torch.nn.Module, tensors: dict) -> dict:
         return tensors
     tensors = dict(tensors)
     for alias, source in aliases:
-        written = _own_tensors(tensors, source)
-        if not written:  # not among these tensors (a part of a layerwise export without it)
-            continue
         for name in _own_tensors(tensors, alias):
             del tensors[f"{alias}.{name}"]
-        tensors.update({f"{alias}.{name}": tensor for name, tensor in written.items()})
+        tensors.update({f"{alias}.{name}": tensor for name, tensor in _own_tensors(tensors, source).items()})
     return tensors
 
 
