@@ -496,7 +496,9 @@ class QATModel:
             raise TypeError(f"QATModel.apply: layer_phases must be a dict {{module path: QATPhase}} or None, got "
                             f"{type(layer_phases).__name__}")
         keys = (*self.layers, *self.batchnorm_layers)
-        covered = lambda key, path: path == "" or key == path or key.startswith(path + ".")  # noqa: E731
+        paths = self._module_paths(keys)
+        covered = lambda key, path: path == "" or any(  # noqa: E731
+            held == path or held.startswith(path + ".") for held in paths[key])
         for path, given in layer_phases.items():
             if not isinstance(path, str) or not isinstance(given, QATPhase):
                 raise TypeError(f"QATModel.apply: layer_phases maps module paths (str) to QATPhase, got "
@@ -508,6 +510,17 @@ class QATModel:
         for path in sorted(layer_phases, key=len):  # a longer path overrides the paths above it
             phases.update((key, layer_phases[path]) for key in keys if covered(key, path))
         return phases
+
+    def _module_paths(self, keys) -> Dict[str, set]:
+        """``{layer: its module paths in the model}``: its own, and the other names of a module the model
+        holds several times (`_aliases`, ``nn.ModuleList([block] * n)``), one object that torch.ao's
+        ``submodule.apply(...)`` switches through any of them."""
+        paths = {key: {key} for key in keys}
+        for alias, name in self._aliases.items():
+            layer, _, field = name.rpartition(".")
+            if layer in paths and alias.endswith(f".{field}"):
+                paths[layer].add(alias[: -len(field) - 1])
+        return paths
 
     def state_dict(self, params, state: QATState) -> Dict[str, torch.Tensor]:
         """The float model's ``state_dict`` after training (detached tensors), to load into the model with
