@@ -820,6 +820,7 @@ def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offl
     def prepare() -> tuple:  # every check here, so that with all_reduce a rank's bad argument stops all
         check_flag(all_experts, "all_experts", where)
         check_flag(all_reduce, "all_reduce", where)
+        check_flag(progress, "progress", where)
         if propagate not in ("float", "quantized"):
             raise ValueError(f"{where}: propagate must be 'float' or 'quantized', got {propagate!r}")
         if all_reduce and states is not None:

@@ -1,5 +1,6 @@
-"""``all_experts`` and ``all_reduce`` of `calibrate_layerwise` and `gptq_layerwise` are True or
-False, as `calibrate` takes ``all_experts``: a string ("no") would switch the option on."""
+"""``all_experts``, ``all_reduce`` and ``progress`` of `calibrate_layerwise`, `gptq_layerwise` and
+`compressed_tensors_layerwise` are True or False, as `calibrate` takes them: a string ("no") would
+switch the option on."""
 
 import pytest
 import torch
@@ -33,3 +34,17 @@ def test_gptq_layerwise_flags_that_are_not_bools_raise_naming_them(name):
 def test_calibrate_takes_all_experts_the_same_way():
     with pytest.raises(TypeError, match=r"calibrate: all_experts must be True or False, got 'no'"):
         qstats.calibrate(torch.nn.Linear(2, 2), [torch.zeros(1, 2)], RECIPE, progress=False, all_experts="no")
+
+
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_progress_that_is_not_a_bool_raises_naming_it_as_calibrate(value, tmp_path):
+    with pytest.raises(TypeError, match=rf"calibrate: progress must be True or False, got {value!r}"):
+        qstats.calibrate(torch.nn.Linear(2, 2), [torch.zeros(1, 2)], RECIPE, progress=value)
+    with pytest.raises(TypeError, match=rf"calibrate_layerwise: progress must be True or False, got {value!r}"):
+        qstats.calibrate_layerwise(_meta_model(), "no_checkpoint_needed", [torch.zeros(1, 2)], RECIPE, progress=value)
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=qstats.QuantSpec(dtype="int4"))])
+    with pytest.raises(TypeError, match=rf"gptq_layerwise: progress must be True or False, got {value!r}"):
+        qstats.gptq_layerwise(_meta_model(), "no_checkpoint_needed", [torch.zeros(1, 2)], recipe, progress=value)
+    with pytest.raises(TypeError, match=rf"compressed_tensors_layerwise: progress must be True or False, got {value!r}"):
+        qstats.export.compressed_tensors_layerwise(_meta_model(), str(tmp_path), {}, str(tmp_path / "out"), RECIPE,
+                                                   progress=value)

@@ -12,6 +12,7 @@ from typing import Mapping, Optional, Union
 import torch
 from tqdm.auto import tqdm
 
+from .._checks import check_flag
 from .._lazy_checkpoint import LazyCheckpoint, Overlay, check_covers, load_modules, release_modules
 from ..layerwise import check_on_meta, decoder_layers, inside, outer_paths
 from .checkpoint import (ShardSplitter, Writer, _check_arguments, check_new_folder, remove_shards, shard_bytes,
@@ -129,6 +130,7 @@ def compressed_tensors_layerwise(
         holding safetensors files or an index.
     """
     _check_arguments(model, qparams, format)
+    check_flag(progress, "progress", _WHERE)
     max_bytes = shard_bytes(max_shard_size, _WHERE)
     check_on_meta(model)
     check_new_folder(path, checkpoint, _WHERE, "path")
