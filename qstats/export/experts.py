@@ -61,7 +61,8 @@ def fill_uncovered_experts(qp: Optional[QParams], spec: Optional[QuantSpec] = No
 
 
 def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) -> QParams:
-    """The qparams of rows ``start:stop`` of a weight whose qparams are ``qp`` (one expert)."""
+    """The qparams of rows ``start:stop`` of a weight whose qparams are ``qp`` (one expert); its global
+    scale, one for the whole weight (``()`` or compressed-tensors' ``(1,)``), is every row's."""
     granularity = spec.granularity
     if isinstance(granularity, PerTensor):
         return qp
@@ -70,7 +71,8 @@ def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) 
         if start % rows or stop % rows:
             fail(where, f"rows {start}:{stop} of the fused weight do not fall on {granularity!r} block boundaries")
         start, stop = start // rows, stop // rows
-    return QParams(*(field[start:stop] if field is not None and field.dim() >= 1 else field for field in qp))
+    return QParams(*(field[start:stop] if field is not None and field.dim() >= 1 and name != "global_scale"
+                     else field for name, field in zip(qp._fields, qp)))
 
 
 def _whole_block(qp: QParams, spec: QuantSpec, shape: tuple) -> tuple:
