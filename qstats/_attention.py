@@ -167,11 +167,34 @@ def _switched(module, path: str, caller: str) -> tuple:
         raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) runs attention "
                          f"implementation {name!r}; qstats observes and quantizes q/k/v behind "
                          f"{list(functions.WRAPPED)} only (model.set_attn_implementation('sdpa'))")
+    if _compares_implementation(module, name or "eager"):
+        raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) compares its attention "
+                         f"implementation's name with {name or 'eager'!r} (a sparse-attention mask, an upcast path "
+                         "taken only then): under qstats' counterpart it would compute something else; not supported "
+                         f"under {name or 'eager'!r} (model.set_attn_implementation('sdpa' or 'eager'))")
     parameters = inspect.signature(module.forward).parameters.values()
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) takes no **kwargs "
                          "to pass on to its attention function, where qstats reads its q/k/v")
     return config, name, functions.PREFIX + (name or "eager")
+
+
+def _compares_implementation(module, name: str) -> bool:
+    """Whether ``module``'s forward reads ``config._attn_implementation`` and holds ``name`` as a
+    constant: it branches on the implementation's name (DeepSeek-V3.2's and MiniMax-M3's sparse
+    indexer masks ``if ... in ("eager", "sdpa")``, GPT-2's upcast path ``== "eager"``), which names
+    qstats' counterpart inside `attention_sites`. Read under any decorator of forward."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    names, constants, pending = set(), set(), [code] if code is not None else []
+    while pending:
+        code = pending.pop()
+        names.update(code.co_names)
+        for constant in code.co_consts:
+            if isinstance(constant, type(code)):
+                pending.append(constant)
+            else:
+                constants.update(constant if isinstance(constant, (tuple, frozenset)) else (constant,))
+    return "_attn_implementation" in names and name in constants
 
 
 def _hooks(module, path: str, hook: Callable, caller: str) -> list:
