@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from . import _granularity
+from ._schemes import recipe_keys
 from ._spec import QuantSpec, preset
 from ._torch_features import dtype_named
 
@@ -63,9 +64,10 @@ def recipe_fields(Rule, data: Mapping) -> tuple:
     if not isinstance(data, Mapping):
         raise TypeError(f"Recipe.from_dict expects a mapping, got {type(data).__name__}")
     extra = set(data) - {"rules", "ignore", "shared"}
-    if extra & {"config_groups", "quantization_config"}:  # compressed-tensors' config, or a config.json
+    if extra & {"config_groups", "quantization_config"} or recipe_keys(data):  # compressed-tensors' or
+        # llm-compressor's data (a config, a config.json, a parsed recipe.yaml)
         raise ValueError(f"Recipe.from_dict: keys {sorted(extra)}: a compressed-tensors quantization config (or a "
-                         "checkpoint's config.json) reads with Recipe.from_compressed_tensors")
+                         "checkpoint's config.json) or an llm-compressor recipe reads with Recipe.from_compressed_tensors")
     if extra:
         raise ValueError(f"Recipe.from_dict: unknown keys {sorted(extra)}; expected 'rules', 'ignore', 'shared'")
     if not isinstance(data.get("rules") or (), (list, tuple)):

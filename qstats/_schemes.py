@@ -12,6 +12,7 @@ extremes (llm-compressor's ``"minmax"``, constant ``observer_kwargs["averaging_c
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import importlib
@@ -737,13 +738,19 @@ def _modifier_config(config: Any) -> Any:
         config = os.fspath(config)
     if isinstance(config, str):
         _check_recipe_text(config)
-    if isinstance(config, (str, list)) or hasattr(config, "modifiers"):  # a list: of modifiers (oneshot's recipe=)
+    parsed = isinstance(config, Mapping) and recipe_keys(config)  # a recipe's YAML or JSON, parsed
+    if isinstance(config, (str, list)) or parsed or hasattr(config, "modifiers"):  # a list: of modifiers
         try:
             from llmcompressor.recipe import Recipe as LLMCompressorRecipe
         except ImportError as error:
             raise ImportError("reading an llm-compressor recipe needs llm-compressor: pip install llmcompressor "
                               f"({error})") from None
-        recipe = config if hasattr(config, "modifiers") else _llm_compressor_recipe(LLMCompressorRecipe, config)
+        if parsed:  # as llm-compressor reads the file's data (its from_dict; a copy: it is not ours to change)
+            recipe = LLMCompressorRecipe.from_dict(copy.deepcopy(dict(config)))
+        elif hasattr(config, "modifiers"):
+            recipe = config
+        else:
+            recipe = _llm_compressor_recipe(LLMCompressorRecipe, config)
         quantizing = [m for m in recipe.modifiers if hasattr(m, "resolve_quantization_config")]
         others = [type(m).__name__ for m in recipe.modifiers if not hasattr(m, "resolve_quantization_config")]
         if others or len(quantizing) != 1:
@@ -829,10 +836,16 @@ def _check_recipe_text(text: str) -> None:
                          "or the path of the recipe.yaml llm-compressor's oneshot saves in it")
 
 
+def recipe_keys(data: Mapping) -> bool:
+    """Whether the mapping ``data`` is an llm-compressor recipe (its keys name stages, modifier groups or
+    modifiers), not a quantization config (``config_groups``) or a checkpoint's ``config.json``."""
+    return "config_groups" not in data and any(str(key).endswith(("_stage", "_modifiers", "Modifier")) for key in data)
+
+
+
 def _is_json_recipe(path: str) -> bool:
     """Whether ``path`` is a JSON file of an llm-compressor recipe (which ``Recipe.create_instance``
-    reads: its keys name stages, modifier groups or modifiers), not a checkpoint's ``config.json``
-    or a quantization config (``config_groups``)."""
+    reads: `recipe_keys`), not a checkpoint's ``config.json`` or a quantization config."""
     if not os.path.isfile(path):
         return False
     try:
@@ -840,7 +853,7 @@ def _is_json_recipe(path: str) -> bool:
             data = json.load(file)
     except (OSError, ValueError):
         return False
-    return isinstance(data, Mapping) and any(str(key).endswith(("_stage", "_modifiers", "Modifier")) for key in data)
+    return isinstance(data, Mapping) and recipe_keys(data)
 
 
 def _config_group(name: Any, group: Any):
