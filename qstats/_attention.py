@@ -170,8 +170,8 @@ def _switched(module, path: str, caller: str) -> tuple:
     if _compares_implementation(module, name or "eager"):
         raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) compares its attention "
                          f"implementation's name with {name or 'eager'!r} (a sparse-attention mask, an upcast path "
-                         "taken only then): under qstats' counterpart it would compute something else; not supported "
-                         f"under {name or 'eager'!r} (model.set_attn_implementation('sdpa' or 'eager'))")
+                         "taken only then): under qstats' counterpart it would compute something else; not supported: "
+                         "run another implementation it does not compare with, or ignore the module's q/k/v")
     parameters = inspect.signature(module.forward).parameters.values()
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) takes no **kwargs "
