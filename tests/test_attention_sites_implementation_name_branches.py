@@ -7,6 +7,8 @@ modeling file, not through qstats."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -46,8 +48,8 @@ def test_the_sparse_mask_changes_the_keys_of_later_layers():
     model = _sparse_model()
     batch = torch.randint(1, 64, (1, 16), generator=torch.Generator().manual_seed(1))
     sparse = eager_attention_arguments(model, [batch], modeling)[("model.layers.1.self_attn", "k")][0]
-    model.config._attn_implementation_internal = "qstats:eager"  # qstats' counterpart's name, as inside calibrate
-    import qstats._attention_functions  # noqa: F401  (registers it)
+    importlib.import_module("qstats._attention_functions")  # registers qstats' counterparts
+    model.config._attn_implementation_internal = "qstats:eager"  # its name, as inside calibrate
     dense = eager_attention_arguments(model, [batch], modeling)[("model.layers.1.self_attn", "k")][0]
     assert not torch.equal(sparse, dense)
 
