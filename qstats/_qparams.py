@@ -363,7 +363,7 @@ def _minval(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec, calib
     # coreai_opt's minval is in the input's dtype (spec.compute_dtype): a pinned end rounds to it,
     # saturating where it is past that dtype's range (as the scale does)
     compute = getattr(torch, spec.compute_dtype)
-    minval = minval.clamp(min=torch.finfo(compute).min).to(compute).float()
+    minval = _formats.rounded_in(minval.clamp(min=torch.finfo(compute).min).float(), compute)  # compiled too
     return torch.where(calibrated, minval, torch.full_like(minval, float(spec.qmin)))
 
 

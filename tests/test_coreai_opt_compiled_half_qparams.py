@@ -59,3 +59,26 @@ def test_compiled_saturated_fp16_scale_is_the_eager_one():
     compiled, eager = _compiled_and_eager(spec, obs.update(obs.init(x), x), (None, None))
     assert bool(torch.isfinite(eager.scale).all())
     assert torch.equal(compiled.scale, eager.scale) and torch.equal(compiled.zero_point, eager.zero_point)
+
+
+@pytest.mark.parametrize("input_dtype,qscheme,float_range", [
+    (torch.bfloat16, "symmetric", (None, 1.9999999)),
+    (torch.float16, "symmetric", (-1e-5, None)),
+    (torch.bfloat16, "asymmetric", (-1.9999999, None)),
+], ids=str)
+def test_compiled_minval_rounds_a_pinned_end_as_coreai_opt(input_dtype, qscheme, float_range):
+    """A pinned ``float_range`` end the input's dtype does not hold (1.9999999 in bf16): coreai_opt's
+    ``minval`` holds it rounded to that dtype, compiled as eager (inductor dropped the cast pair)."""
+    coreai_spec = spec_lib.QuantizationSpec(dtype=torch.int8, qscheme=qscheme, granularity={"type": "per_channel", "axis": 0},
+                                            qparam_calculator_cls="static", float_range=list(float_range))
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(16, 64, generator=g) * 0.5).to(input_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calculator = QuantizationComponentFactory.create_qparams_calculator(coreai_spec, CompressionTargetTensor.WEIGHT)
+        _, _, minval = calculator(x)
+    spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=x.shape, input_dtype=input_dtype)
+    obs = qstats.memoryless_minmax(spec)
+    compiled, eager = _compiled_and_eager(spec, obs.update(obs.init(x), x), float_range)
+    for qp in (eager, compiled):
+        assert torch.equal(qp.minval, minval.reshape(qp.minval.shape).float())
