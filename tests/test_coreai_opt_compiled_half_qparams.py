@@ -24,6 +24,14 @@ CASES = [(torch.bfloat16, torch.int8, "asymmetric", {"type": "per_channel", "axi
          (torch.float16, torch.uint4, "asymmetric", {"type": "per_channel", "axis": 0})]
 
 
+def _coreai_qparams(coreai_spec, x):
+    """coreai_opt's ``(scale, zero_point, minval)`` of weight ``x`` under ``coreai_spec``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calculator = QuantizationComponentFactory.create_qparams_calculator(coreai_spec, CompressionTargetTensor.WEIGHT)
+        return calculator(x)
+
+
 def _compiled_and_eager(spec, state, float_range):
     torch.compiler.reset()
     compiled = torch.compile(lambda s: qstats.compute_qparams(s, spec, float_range=float_range), fullgraph=True)
@@ -37,10 +45,7 @@ def test_compiled_half_precision_qparams_are_coreai_opts(input_dtype, dtype, qsc
                                             qparam_calculator_cls="static", float_range=list(float_range))
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(256, 64, generator=g) * torch.rand(256, 1, generator=g) * 4).to(input_dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        calculator = QuantizationComponentFactory.create_qparams_calculator(coreai_spec, CompressionTargetTensor.WEIGHT)
-        scale, zero_point, _ = calculator(x)
+    scale, zero_point, _ = _coreai_qparams(coreai_spec, x)
     spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=x.shape, input_dtype=input_dtype)
     obs = qstats.memoryless_minmax(spec)
     compiled, eager = _compiled_and_eager(spec, obs.update(obs.init(x), x), float_range)
@@ -73,10 +78,7 @@ def test_compiled_minval_rounds_a_pinned_end_as_coreai_opt(input_dtype, qscheme,
                                             qparam_calculator_cls="static", float_range=list(float_range))
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(16, 64, generator=g) * 0.5).to(input_dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        calculator = QuantizationComponentFactory.create_qparams_calculator(coreai_spec, CompressionTargetTensor.WEIGHT)
-        _, _, minval = calculator(x)
+    _, _, minval = _coreai_qparams(coreai_spec, x)
     spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, shape=x.shape, input_dtype=input_dtype)
     obs = qstats.memoryless_minmax(spec)
     compiled, eager = _compiled_and_eager(spec, obs.update(obs.init(x), x), float_range)

@@ -317,7 +317,7 @@ def _largest_in_both(first: torch.dtype, second: torch.dtype) -> float:
     return float(largest)
 
 
-def _range_in(compute: torch.dtype, min_val, max_val, spec, bit_range):
+def _range_in(compute: torch.dtype, min_val, max_val, spec):
     """The range with zero, rounded to ``compute`` (held as float32); in bfloat16/float16 first
     clipped so that the scale stays finite (a symmetric peak, or an asymmetric span, wider than
     the dtype holds)."""
@@ -408,7 +408,7 @@ class CompressedTensorsConvention(Convention):
         # `check_compressed_tensors_range` refuses any other), as float tensors
         bit_min, bit_max = (torch.tensor(float(b), device=min_val.device) for b in spec.qrange)
         bit_range = bit_max - bit_min
-        min_vals, max_vals = _range_in(compute, min_val, max_val, spec, bit_range)
+        min_vals, max_vals = _range_in(compute, min_val, max_val, spec)
         if spec.mapping == "asymmetric":
             scales = rounded(rounded(max_vals - min_vals) / rounded(bit_range))
             zero_points = rounded(rounded(bit_min) - rounded(min_vals / scales))
