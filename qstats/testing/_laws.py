@@ -375,11 +375,16 @@ def _check_weight_split(obs, x: torch.Tensor, init, states, check, batch_dims: i
         return
     check(obs.update(init, x, torch.zeros_like(mask)), init,
           "update(init, x, weight=0) == init (a zero row weight leaves every row out)", approx=())
+    _check_complementary(obs, x, mask, init, states, check, "(complementary 0/1 row weights split the rows)")
+
+
+def _check_complementary(obs, x: torch.Tensor, weight: torch.Tensor, init, states, check, what: str) -> None:
+    """``merge(update(s, x, w), update(init, x, 1 - w)) == update(s, x)`` for each state ``s`` of
+    ``states``: complementary 0/1 weights split what ``x`` observes (``check``: the law's assertion)."""
     for label, state in states:
-        kept, left_out = obs.update(state, x, mask), obs.update(init, x, 1 - mask)
+        kept, left_out = obs.update(state, x, weight), obs.update(init, x, 1 - weight)
         check(obs.merge(kept, left_out), obs.update(state, x),
-              "merge(update(s, x, w), update(init, x, 1 - w)) == update(s, x) "
-              f"(complementary 0/1 row weights split the rows) with s = {label}",
+              f"merge(update(s, x, w), update(init, x, 1 - w)) == update(s, x) {what} with s = {label}",
               (state, kept, left_out))
 
 
@@ -394,17 +399,10 @@ def _check_token_weight(obs, x: torch.Tensor, init, states, check, batch_dims: i
     grid = torch.arange(x.shape[batch_dims], device=x.device).reshape(-1, 1) + torch.arange(x.shape[tokens],
                                                                                         device=x.device)
     checkerboard = (grid % 2 == 0).to(torch.float32).expand(x.shape[:tokens + 1]).contiguous()
-    for label, state in states:
-        kept, left_out = obs.update(state, x, checkerboard), obs.update(init, x, 1 - checkerboard)
-        check(obs.merge(kept, left_out), obs.update(state, x),
-              "merge(update(s, x, w), update(init, x, 1 - w)) == update(s, x) for complementary 0/1 weights "
-              f"of shape {tuple(checkerboard.shape)} over rows and tokens (an attention mask) with s = {label}",
-              (state, kept, left_out))
+    _check_complementary(obs, x, checkerboard, init, states, check, f"for complementary 0/1 weights of shape "
+                         f"{tuple(checkerboard.shape)} over rows and tokens (an attention mask)")
     rest = x.narrow(tokens, 1, x.shape[tokens] - 1)
-    try:
-        qtree.assert_same_structure(init, obs.init(rest))
-        obs.update(obs.init(rest), rest)
-    except Exception:  # per-token parameters, or an observer bound to one shape: no such batch
+    if not _takes(obs, init, rest):  # per-token parameters, or an observer bound to one shape: no such batch
         return
     weight = torch.ones(x.shape[:tokens + 1], device=x.device)
     weight.narrow(tokens, 0, 1).zero_()
