@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import enum
 import importlib
 import inspect
@@ -34,7 +35,7 @@ from .observers.search import search
 from .experts import linearized_experts, linearized_layout_problem
 from ._warn import warn
 
-__all__ = ["scheme_rules", "config_rules", "preset_schemes", "compressed_tensors_ignore", "GroupMatch",
+__all__ = ["scheme_rules", "config_rules", "preset_schemes", "compressed_tensors_ignore", "as_written", "GroupMatch",
            "split_observer_kwargs", "DROPIN_OBSERVERS"]
 
 # the compressed-tensors checkpoint formats `qstats.export.compressed_tensors` writes
@@ -614,6 +615,26 @@ def compressed_tensors_ignore(ignore) -> Any:
                  for target in ignore)
 
 
+class WrittenTarget(str):
+    """An ``ignore`` target in qstats' syntax (`_fullmatch_form`) that keeps the entry as the user
+    wrote it in compressed-tensors' syntax (``written``), which messages name."""
+
+    written: str
+
+    def __new__(cls, target: str, written: str) -> "WrittenTarget":
+        out = super().__new__(cls, target)
+        out.written = written
+        return out
+
+    def __getnewargs__(self) -> tuple:  # copy and pickle
+        return str(self), self.written
+
+
+def as_written(target: str) -> str:
+    """An ``ignore`` target as its user wrote it (`WrittenTarget.written`), else itself."""
+    return getattr(target, "written", target)
+
+
 def _fullmatch_form(target: str) -> str:
     pattern = target[3:]
     try:  # named as written, not in the rewritten form
@@ -623,7 +644,7 @@ def _fullmatch_form(target: str) -> str:
     flags = re.match(r"(?:\(\?[aiLmsux]+\))+", pattern)
     head = flags.group() if flags else ""
     end = "\n" if "x" in head else ""  # a verbose pattern's trailing comment ends at a newline
-    return f"re:{head}(?:{pattern[len(head):]}{end}).*"
+    return WrittenTarget(f"re:{head}(?:{pattern[len(head):]}{end}).*", target)
 
 
 _LINEAR_CLASSES = {"Linear", "Embedding"}
@@ -736,6 +757,7 @@ def _modifier_config(config: Any) -> Any:
     as it is."""
     if isinstance(config, os.PathLike):  # a recipe file
         config = os.fspath(config)
+        _check_recipe_file(config)
     if isinstance(config, str):
         _check_recipe_text(config)
     parsed = isinstance(config, Mapping) and recipe_keys(config)  # a recipe's YAML or JSON, parsed
@@ -828,12 +850,28 @@ def _check_recipe_text(text: str) -> None:
 
     if is_preset_scheme(text):
         raise ValueError(f"{text!r} is a compressed-tensors preset scheme: use Recipe.from_scheme({text!r})")
-    if text.endswith(".json") and not _is_json_recipe(text):
+    if "\n" not in text and text.strip().lower().endswith(_RECIPE_SUFFIXES):  # a file's path, not YAML text
+        _check_recipe_file(text)
+    if text.lower().endswith(".json") and not _is_json_recipe(text):  # as llm-compressor reads it: any case
         raise ValueError(f"{text!r}: a config.json is read as a dict: pass "
                          "json.load(open(path))['quantization_config']")
     if os.path.isdir(text):  # a checkpoint's folder: its config.json, or the recipe.yaml oneshot saves there
         raise ValueError(f"{text!r} is a folder: pass json.load(open(<folder>/config.json))['quantization_config'], "
                          "or the path of the recipe.yaml llm-compressor's oneshot saves in it")
+
+
+_RECIPE_SUFFIXES = (".yaml", ".yml", ".json", ".md")  # the files llm-compressor's Recipe reads
+
+
+def _check_recipe_file(path: str) -> None:
+    """ValueError naming ``path`` when no file is there (as llm-compressor's reader raises one, taking the
+    path for recipe text): a path is read as an llm-compressor recipe file, not as a checkpoint's
+    ``config.json`` (which a ``.json`` one was taken for)."""
+    if not os.path.exists(path):
+        raise ValueError(
+            f"{path!r}: no such file. A path is read as an llm-compressor recipe file (YAML or JSON: stages of "
+            "modifiers, as the recipe.yaml oneshot saves); a checkpoint's config.json is read as a dict: pass "
+            "json.load(open(path))['quantization_config']")
 
 
 def recipe_keys(data: Mapping) -> bool:
@@ -884,6 +922,30 @@ def _warn_dropped_configs(config: Mapping) -> None:
              "only: calibrating a model without them gives other scales than that checkpoint's", UserWarning)
 
 
+# what a checkpoint's quantization_config holds beside QuantizationConfig's fields: compressed-tensors'
+# sparsity and transform configs and version (``compressed_tensors.base``), transformers'
+# CompressedTensorsConfig options
+_CHECKPOINT_KEYS = ("sparsity_config", "transform_config", "version", "run_compressed", "dequantize",
+                    "use_optimized_inference")
+
+
+def _warn_unknown_keys(config: Mapping) -> None:
+    """Warns naming each top-level key of ``config`` that is no field of compressed-tensors'
+    ``QuantizationConfig`` (nor of a checkpoint's quantization_config), and the nearest one
+    (``difflib``): compressed-tensors drops such keys silently, so a misspelt ``ignores`` or
+    ``config_group`` would quantize what it meant to leave out, or nothing."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    known = (*QuantizationConfig.model_fields, *_CHECKPOINT_KEYS)
+    for key in config:
+        if key in known:
+            continue
+        nearest = difflib.get_close_matches(str(key), known, n=1)
+        hint = f"; did you mean {nearest[0]!r}?" if nearest else f"; known: {', '.join(known)}"
+        warn(f"Recipe.from_compressed_tensors: the quantization config's key {key!r} is none compressed-tensors "
+             f"reads, so it is ignored (as compressed-tensors ignores it){hint}", UserWarning)
+
+
 def _transformers_config(config: Any) -> Any:
     """The dict of transformers' ``CompressedTensorsConfig`` (``model.config.quantization_config`` of
     a model loaded from a compressed-tensors checkpoint; its ``to_dict()`` is the
@@ -908,6 +970,7 @@ def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
     if "quantization_config" in config and "config_groups" not in config:  # a whole config.json
         raise ValueError("quantization config: this is a checkpoint's config.json; pass its "
                          "['quantization_config'] dict")
+    _warn_unknown_keys(config)
     groups = config.get("config_groups")
     if not isinstance(groups, Mapping) or not (groups or config.get("kv_cache_scheme") is not None):
         # a kv-cache-only checkpoint writes "config_groups": {} (QuantizationConfig.from_pretrained)

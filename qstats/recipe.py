@@ -19,7 +19,7 @@ from ._attention import attention_module, intercepted
 from ._checkpoint_names import module_renamer
 from ._granularity import PerBlock, PerHead, PerTensor
 from ._rule_data import recipe_fields
-from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, child_projection,
+from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, as_written, child_projection,
                        compressed_tensors_ignore, config_rules, kv_cache_module, kv_cache_sites, matches_targets,
                        scheme_rules, with_checkpoint_ignore)
 from ._spec import QuantSpec
@@ -85,6 +85,19 @@ def _ignored_module(ignore: tuple, path: str, module: torch.nn.Module, rename: C
     ``ignore`` list under the names ``save_pretrained`` gives (Mixtral's ``block_sparse_moe.gate``
     for the model's ``mlp.gate``)."""
     return matches_targets(ignore, path, module) or matches_targets(ignore, rename(path), module)
+
+
+def _same_name(path: str) -> str:
+    return path
+
+
+def _checkpoint_rule(rule: "Rule", path: str, module: Optional[torch.nn.Module],
+                     rename: Callable[[str], str]) -> "Rule":
+    """``rule`` with its matcher's ``ignore`` also naming the per-expert Linears of the module at
+    ``path`` that it names by checkpoint name (`with_checkpoint_ignore`): how `Recipe.resolve` and
+    `Recipe.rule_for` read a rule there."""
+    matcher = with_checkpoint_ignore(rule.matcher, path, module, rename)
+    return rule if matcher is rule.matcher else dataclasses.replace(rule, matcher=matcher)
 
 
 def _refuse_ignored_kv_cache(rules: list, found: list, ignored: dict) -> None:
@@ -615,11 +628,26 @@ class Recipe:
         rules, ignore, shared = recipe_fields(Rule, data)
         return cls(rules, ignore=ignore, shared=shared)
 
-    def rule_for(self, path: str, site: str, module: Optional[torch.nn.Module] = None) -> Optional[Rule]:
-        """The first rule covering ``site`` of the module at ``path`` (None when none, or ignored)."""
-        if matches_targets(self.ignore, path, module):
+    def rule_for(self, path: str, site: str, module: Optional[torch.nn.Module] = None,
+                 model: Optional[torch.nn.Module] = None) -> Optional[Rule]:
+        """The first rule covering ``site`` of the module at ``path`` (None when none, or ignored).
+
+        ``model``: the model holding that module (its ``get_submodule(path)`` when ``module`` is not
+        given), whose checkpoint names the ``ignore`` list may use, as `resolve` reads them (a config
+        llm-compressor saved for Mixtral ignores ``block_sparse_moe.gate`` for ``mlp.gate``). Without
+        it, ``ignore`` is matched against ``path`` alone.
+        """
+        rename = _same_name
+        if model is not None:
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError(f"Recipe.rule_for: model must be an nn.Module, got {type(model).__name__}")
+            model = uncompiled(model)
+            rename = module_renamer(model)
+            module = model.get_submodule(path) if module is None else module
+        if _ignored_module(self.ignore, path, module, rename):
             return None
-        return next((rule for rule in self.rules if site in rule.sites_on(path, module)), None)
+        covering = (rule for rule in self.rules if site in _checkpoint_rule(rule, path, module, rename).sites_on(path, module))
+        return next(covering, None)
 
     def resolve(self, model: torch.nn.Module) -> Plan:
         """The `Plan` of this recipe on ``model``: every observed site, the modules by path and
@@ -654,9 +682,7 @@ class Recipe:
         shapes = _stack_shapes(module, params) if num_experts and linearized_layout_problem(module) is None else {}
         entry: dict = {}
         for index, rule in enumerate(self.rules):
-            matcher = with_checkpoint_ignore(rule.matcher, path, module, rename)
-            picked = rule if matcher is rule.matcher else dataclasses.replace(rule, matcher=matcher)
-            for site in picked.sites_on(path, module):
+            for site in _checkpoint_rule(rule, path, module, rename).sites_on(path, module):
                 kind = None if site in entry else _site_kind(module, params, num_experts, site)
                 if kind is not None:
                     spec = _gate_up_halves(rule.spec, site, shapes) if kind[1] else rule.spec
@@ -686,9 +712,11 @@ class Recipe:
                     UserWarning,
                 )
         for target in _unmatched_ignore(self.ignore, modules, rename):  # a misspelt ignore would quantize it, silently
+            written = as_written(target)  # as the user wrote it: compressed-tensors' re: matches from the start
+            how = "full match" if written == target else "match from the start"
             warn(
-                f"Recipe: the ignore entry {target!r} matches no module in this {type(model).__name__} "
-                "(by path, checkpoint name, class name or 're:' full match of either), so it ignores nothing",
+                f"Recipe: the ignore entry {written!r} matches no module in this {type(model).__name__} "
+                f"(by path, checkpoint name, class name or 're:' {how} of either), so it ignores nothing",
                 UserWarning,
             )
 
