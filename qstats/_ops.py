@@ -6,13 +6,16 @@ hints as ``torch.library.custom_op`` infers it, and its one kernel serves every 
 where it runs under ``torch.vmap``, a vmap rule, with `register_fake` / `register_vmap` below. No
 qstats op has a derivative (they read extremes, counts and checks; callers pass detached values),
 so none takes ``custom_op``'s Python autograd layer, which costs more per call than a small reduction.
+Nor has any a DTensor (sharding) rule: callers observe a DTensor's ``full_tensor()`` (`is_dtensor`).
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-__all__ = ["op", "register_fake", "register_vmap"]
+__all__ = ["is_dtensor", "op", "register_fake", "register_vmap"]
 
 # One library per op, filled at import: a module reloaded (``importlib.reload``, autoreload)
 # destroys its op's library, rules included, and defines the op again.
@@ -47,3 +50,11 @@ def register_fake(operator):
 def register_vmap(operator, rule) -> None:
     """The vmap rule of a qstats op, kept with its library."""
     torch.library.register_vmap(operator, rule, lib=_library(operator))
+
+
+def is_dtensor(x) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (the parameters of FSDP2's
+    ``fully_shard`` between forwards, tensor-parallel ones), which no qstats op takes. Imports
+    nothing: where ``torch.distributed.tensor`` was never imported, no tensor is one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ._ops import op, register_fake, register_vmap
+from ._ops import is_dtensor, op, register_fake, register_vmap
 
 __all__ = ["finite_aminmax"]
 
@@ -138,6 +138,13 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
     """
     if nonfinite not in ("ignore", "raise"):
         raise ValueError(f"finite_aminmax: nonfinite must be 'ignore' or 'raise', got {nonfinite!r}")
+    if is_dtensor(view):  # its shards' extremes would merge to the whole tensor's, but not the states
+        raise TypeError(
+            f"finite_aminmax: got a DTensor (placements {tuple(view.placements)}), a tensor sharded across ranks "
+            "(FSDP2's fully_shard parameters between forwards, tensor parallelism); observe x.full_tensor() for "
+            "the whole tensor's statistics (as qstats.calibrate does for parameter sites), or x.to_local() for "
+            "this rank's shard alone"
+        )
     if view.ndim < 2:  # a 1-d view is its own observation and group dim: every value counted twice
         raise ValueError(
             f"finite_aminmax: expected a canonical view (observations, *qparam_shape, group) of at least "

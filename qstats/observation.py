@@ -23,6 +23,7 @@ from torch.nn.utils import parametrize
 from ._attention import SiteHooks, attention_sites, site_weight
 from ._checks import check_flag
 from ._granularity import PerGroup, qparam_shape
+from ._ops import is_dtensor
 from ._sites import input_tensor, is_float_tensor, observe_tensor
 from ._torch_features import eager, recomputing
 from .experts import (
@@ -735,8 +736,12 @@ def _activation_hooks(run: _Calibration) -> list:
 def parameter_value(plan: Plan, path: str, site: str, caller: str) -> torch.Tensor:
     """The value of a parameter site, read onto its execution device where accelerate offloads it
     (``cpu_offload``, ``device_map`` with offloading: the module holds a meta tensor, its hook the
-    data); ValueError naming it where it is on the meta device with no data behind it."""
+    data); ValueError naming it where it is on the meta device with no data behind it. A DTensor (a
+    parameter of FSDP2's ``fully_shard`` between forwards, a tensor-parallel one) is read whole, with
+    ``full_tensor()``: a collective, so every rank of its mesh reads it, in the same order."""
     value = plan.parameter(path, site)
+    if is_dtensor(value):
+        return value.full_tensor()
     if value.device.type != "meta":
         return value
     module = plan.modules[path]
