@@ -1,0 +1,105 @@
+"""``F.linear``/``F.conv2d`` calls on weights held as plain parameters (no Linear or Conv module holds them).
+
+Reference: torch.ao's ``prepare_qat_fx`` with ``get_default_qat_qconfig_mapping`` fake-quantizes such a call's
+weight (a ``FakeQuantize`` reading the parameter) and input. `qstats.qat.prepare` quantizes layers, so it leaves
+them in float: it must say so, naming each call, instead of training them in float without a word (and a model
+made of such calls only must be refused naming them, not with "no layer")."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.ao.quantization import FakeQuantizeBase, get_default_qat_qconfig_mapping
+from torch.ao.quantization.quantize_fx import prepare_qat_fx
+
+import qstats
+from _qat_torch_ao_reference import ACT_SPEC, W_SPEC
+
+
+class _Functional(nn.Module):
+    """A conv and a linear as F.conv2d / F.linear of the module's own parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv_weight, self.conv_bias = nn.Parameter(torch.randn(4, 3, 3, 3) * 0.2), nn.Parameter(torch.zeros(4))
+        self.proj = nn.Parameter(torch.randn(5, 4) * 0.3)
+
+    def forward(self, x):
+        h = F.conv2d(x, self.conv_weight, self.conv_bias, padding=1).relu_()
+        return F.linear(h.mean((2, 3)), self.proj)
+
+
+class _WithHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = _Functional(), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+class _TiedOutput(nn.Module):
+    """A language-model head tied to its embedding: F.linear of the embedding's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding, self.mix = nn.Embedding(10, 6), nn.Linear(6, 6)
+
+    def forward(self, ids):
+        return F.linear(self.mix(self.embedding(ids)), self.embedding.weight)
+
+
+def _fake_quantized_parameters(model: nn.Module, example) -> set:
+    """The parameters whose value torch.ao's prepare_qat_fx (default x86 QAT mapping) fake-quantizes."""
+    prepared = prepare_qat_fx(copy.deepcopy(model).train(), get_default_qat_qconfig_mapping("x86"), (example,))
+    return {str(node.args[0].target) for node in prepared.graph.nodes
+            if node.op == "call_module" and isinstance(prepared.get_submodule(node.target), FakeQuantizeBase)
+            and node.args[0].op == "get_attr"}
+
+
+def _prepare(model, **kwargs):
+    return qstats.qat.prepare(model, qstats.moving_average_minmax(W_SPEC, 0.01),
+                              qstats.moving_average_minmax(ACT_SPEC, 0.01), **kwargs)
+
+
+def test_functional_calls_on_plain_parameters_are_named_where_they_stay_in_float():
+    torch.manual_seed(0)
+    model, x = _WithHead(), torch.randn(2, 3, 6, 6)
+    # torch.ao fake-quantizes both functional weights; qstats keeps them in float, so it must say so
+    assert {"body.conv_weight", "body.proj"} <= _fake_quantized_parameters(model, x)
+    with pytest.warns(UserWarning, match=r"F\.conv2d\(weight 'body\.conv_weight'\) in 'body'.*"
+                                         r"F\.linear\(weight 'body\.proj'\) in 'body'.*stay in float"):
+        qat = _prepare(model)
+    assert qat.layers == ("head",)
+    out, _ = qat.apply(qat.params(), qat.init(x), x, phase=qstats.QATPhase(observe=True, fake_quantize=False))
+    torch.testing.assert_close(out, model(x))
+
+
+def test_tied_output_projection_is_named_where_it_stays_in_float():
+    torch.manual_seed(0)
+    model, ids = _TiedOutput(), torch.randint(0, 10, (2, 5))
+    with pytest.warns(UserWarning, match=r"F\.linear\(weight 'embedding\.weight'\) in the model.*stay in float"):
+        qat = _prepare(model)
+    assert qat.layers == ("mix",)
+    out, _ = qat.apply(qat.params(), qat.init(ids), ids, phase=qstats.QATPhase(observe=True, fake_quantize=False))
+    torch.testing.assert_close(out, model(ids))
+
+
+def test_model_of_functional_calls_only_is_refused_naming_them():
+    torch.manual_seed(0)
+    model = _Functional()
+    assert {"conv_weight", "proj"} <= _fake_quantized_parameters(model, torch.randn(2, 3, 6, 6))
+    with pytest.raises(ValueError, match=r"no layer of the types.*F\.conv2d\(weight 'conv_weight'\) in the model.*"
+                                         r"F\.linear\(weight 'proj'\) in the model.*observe_fake_quantize"):
+        _prepare(model)
+
+
+def test_functional_calls_of_unquantized_kinds_are_not_named():
+    # layers=Linear: an F.conv2d is no call of a quantized kind, as an nn.Conv2d would stay in float unnamed
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"the calls F\.linear\(weight 'body\.proj'\) in 'body' read"):
+        _prepare(_WithHead(), layers=nn.Linear)
