@@ -20,6 +20,7 @@ from ._attention import SiteHooks, attention_sites
 from ._checks import check_flag
 from ._formats import COMPUTE_DTYPE_NAMES, global_scale_from_amax
 from ._granularity import TensorGroup
+from ._ops import is_dtensor
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams, per_expert_qparams
 from ._quant import fake_quantize
 from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
@@ -506,6 +507,13 @@ def _fake_quantize_site(
             raise ValueError(
                 f"fake_quantized: {where} is on the meta device (offloaded by accelerate, or never loaded), so it "
                 "cannot be fake-quantized through a parametrization; load the model without offloading"
+            )
+        if is_dtensor(original):  # FSDP2 swaps the module's parameters, which a parametrization hides from it
+            raise ValueError(
+                f"fake_quantized: {where} is a DTensor (sharded across ranks by FSDP2's fully_shard, or tensor "
+                "parallelism), which a parametrization would fake-quantize shard by shard, not the weight the forward "
+                "gathers; fake-quantize the model unwrapped, its full state dict loaded "
+                "(torch.distributed.checkpoint.state_dict.get_model_state_dict with full_state_dict=True)"
             )
         if original is not None:  # torch would ``original.set_(original)``: a new grad accumulator, which
             # drops the hooks on the old one (DistributedDataParallel's gradient all-reduce), and inside a

@@ -6,7 +6,9 @@ weights per channel, int8 inputs per tensor) and W4A16 (int4 weights per group o
 qparams. The data does not split evenly (5 batches): the rank with fewer pads its forwards (each
 one a collective under FSDP2) with a batch its observation weight (the attention mask) zeroes.
 The model's full state dict (``get_model_state_dict``) exports on rank 0 as the unwrapped model
-does, and an observer handed a DTensor itself says to observe its ``full_tensor()``."""
+does; an observer handed a DTensor itself says to observe its ``full_tensor()``, and
+`fake_quantized` refuses the sharded weights (a parametrization would see a shard), leaving the
+model as it was (the W4A16 calibration after it still equals one process's)."""
 
 from __future__ import annotations
 
@@ -91,6 +93,12 @@ def _calibrate_sharded(model, batches, rank: int, out: str) -> dict:
         weights, inputs = split(states)
         merged = qstats.distributed.all_reduce(inputs, recipe.observers(inputs, model)) if inputs else {}
         results[name] = optree.tree_map(torch.clone, joined(weights, merged))
+        if name == "w8a8":  # refused before any parametrization: the next calibration runs on the same model
+            try:
+                with qstats.fake_quantized(model, qstats.compute_qparams_tree(results[name], recipe, model), recipe):
+                    pass
+            except ValueError as error:
+                results["fake_quantized_error"] = str(error)
     weight = model.model.layers[0].self_attn.q_proj.weight
     try:  # a DTensor handed to an observer itself
         observer = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
@@ -178,3 +186,11 @@ def test_observer_given_a_dtensor_names_full_tensor(ranks):
     results, _ = ranks
     for result in results:
         assert "DTensor" in result["dtensor_error"] and "full_tensor()" in result["dtensor_error"]
+
+
+def test_fake_quantized_refuses_sharded_weights_naming_the_full_state_dict(ranks):
+    results, _ = ranks
+    for result in results:
+        error = result["fake_quantized_error"]
+        assert "'model.layers.0.self_attn.q_proj' parameter 'weight' is a DTensor" in error
+        assert "get_model_state_dict" in error
