@@ -933,6 +933,18 @@ class _Tracer(torch.fx.Tracer):
     def __init__(self, layers: Tuple[type, ...]):
         super().__init__()
         self.layers = tuple(layers) + (nn.modules.batchnorm._BatchNorm,)
+        self.failed_in = None  # the path of the innermost module whose forward raised while tracing (`_trace`)
+
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:  # the innermost module's handler runs first
+                try:
+                    self.failed_in = self.path_of_module(m)
+                except NameError:  # a module the model does not register (held in a plain list): unnamed
+                    self.failed_in = ""
+            raise
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, self.layers):
@@ -943,13 +955,16 @@ class _Tracer(torch.fx.Tracer):
 
 def _trace(model: nn.Module, layers: Tuple[type, ...]) -> torch.fx.GraphModule:
     attributes = {module: dict(vars(module)) for module in model.modules()}
+    tracer = _Tracer(layers)
     try:
-        tracer = _Tracer(layers)
         graph = tracer.trace(model)
         return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as error:  # data-dependent control flow, unsupported Python in forward
+        where = f"{type(model).__name__}.forward"
+        if tracer.failed_in:  # a submodule's forward: named, the root's alone would not say which
+            where += f", in the forward of {tracer.failed_in!r} ({type(model.get_submodule(tracer.failed_in)).__name__})"
         raise TypeError(
-            f"qstats.qat.prepare: torch.fx cannot trace {type(model).__name__}.forward ({type(error).__name__}: "
+            f"qstats.qat.prepare: torch.fx cannot trace {where} ({type(error).__name__}: "
             f"{error}); make the traced part free of data-dependent control flow, or quantize it with "
             "qstats.observe_fake_quantize directly"
         ) from error

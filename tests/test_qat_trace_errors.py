@@ -1,0 +1,59 @@
+"""A model that torch.fx cannot trace is refused naming the module whose forward failed, not only the root's
+class (torch.ao's ``prepare_qat_fx`` raises torch.fx's bare TraceError, naming no module)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.ao.quantization import get_default_qat_qconfig_mapping
+from torch.ao.quantization.quantize_fx import prepare_qat_fx
+
+import qstats
+
+
+class _Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum() > 0 else x  # data-dependent control flow
+
+
+class _Repeat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        for _ in range(int(x.shape[0])):  # int() of a proxy
+            x = self.fc(x)
+        return x
+
+
+class _Net(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), inner))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+@pytest.mark.parametrize("inner", [_Gate, _Repeat])
+def test_untraceable_submodule_is_named(inner):
+    model = _Net(inner())
+    with pytest.raises(Exception):  # the reference fails too
+        prepare_qat_fx(copy.deepcopy(model).train(), get_default_qat_qconfig_mapping("x86"), (torch.randn(2, 4),))
+    with pytest.raises(TypeError, match=rf"cannot trace _Net\.forward, in the forward of 'blocks\.1\.1' "
+                                        rf"\({inner.__name__}\)"):
+        qstats.qat.prepare(model, qstats.minmax(qstats.QuantSpec("int8")))
+
+
+def test_untraceable_root_forward_names_the_root_only():
+    with pytest.raises(TypeError, match=r"cannot trace _Repeat\.forward \(TypeError"):
+        qstats.qat.prepare(_Repeat(), qstats.minmax(qstats.QuantSpec("int8")))
