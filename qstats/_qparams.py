@@ -330,17 +330,18 @@ def _clipped(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec):
     """The finite float32 range clipped only where some code would dequantize past float32:
     symmetric integer peaks where the farthest code (int8: -128, 128 steps of ``amax / 127.5``)
     would, and asymmetric ranges whose span ``max(max, 0) - min(min, 0)`` overflows (clipped to
-    half of float32's range); one-sided wide asymmetric ranges and float targets (codes at most
-    ``amax``) keep their ends, as torch.ao, torchao and compressed-tensors map them, up to a
+    half of float32's range; compressed-tensors' asymmetric float8 too, whose scale
+    ``span / 896`` was Inf there and every value NaN); one-sided wide asymmetric ranges and
+    symmetric float targets (codes at most ``amax``) keep their ends, as torch.ao, torchao and compressed-tensors map them, up to a
     margin of 2**-20 at the limit (2**-7 more for a bf16/fp16 scale or compute dtype, which may round up)."""
     limit = _FLOAT32_MAX * (1.0 - 2.0**-20)
     min_val, max_val = min_val.clamp(min=-limit), max_val.clamp(max=limit)
-    if spec.is_float:
-        return min_val, max_val
-    if spec.mapping == "asymmetric":
+    if spec.mapping == "asymmetric":  # integer targets, and compressed-tensors' asymmetric float8
         half = _FLOAT32_MAX / 2
         wide = ~(max_val.clamp(min=0.0) - min_val.clamp(max=0.0) <= limit)
         return torch.where(wide, min_val.clamp(min=-half), min_val), torch.where(wide, max_val.clamp(max=half), max_val)
+    if spec.is_float:
+        return min_val, max_val
     # a bf16/fp16 scale, or a peak and scale computed in bf16/fp16 (torchao's input dtype), may round up
     half = {spec.scale_dtype, spec.compute_dtype} & {"bfloat16", "float16"}
     limit = limit * (1.0 - (2.0**-7 if half else 0.0))
