@@ -772,6 +772,7 @@ def prepare(
     if isinstance(activation_observer, Mapping):
         _refuse_embedding_activations(activation_entries)
     _refuse_stacked_experts(model)
+    _refuse_lazy(model)
     rewriter = _Rewriter(_trace(model, layers), weight_entries, activation_entries, ste, grad_scale, dynamic_activations,
                          fold_batchnorm)
     _warn_float_layers(model, layers, rewriter, rewriter.rewrite(model, layers))
@@ -820,6 +821,16 @@ def _refuse_stacked_experts(model: nn.Module) -> None:
             f"qstats.qat.prepare: {', '.join(stacked[:3])}{more} hold stacked experts, which prepare does not fake-quantize "
             "(they would train in float); train such a model with qstats.fake_quantized (per-expert qparams, "
             "straight-through gradients; docs/qat.md)")
+
+
+def _refuse_lazy(model: nn.Module) -> None:
+    """Lazy modules (``nn.LazyLinear``, ``nn.LazyConv2d``, ...) whose parameters are not yet materialized have no
+    shape to size states on: ValueError naming them (``QATModel.init`` failed later, naming none)."""
+    lazy = [f"{repr(name) if name else 'the model'} ({type(module).__name__})" for name, module in model.named_modules()
+            if any(nn.parameter.is_lazy(t) for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))]
+    if lazy:
+        raise ValueError(f"qstats.qat.prepare: {', '.join(lazy)} have uninitialized (lazy) parameters; run the model "
+                         "once on an example input first, which gives them their shapes")
 
 
 def _functional_owner(model: nn.Module, node, layers) -> Optional[str]:
@@ -1173,7 +1184,8 @@ class _Rewriter:
         key = str(node.target)
         if not isinstance(layer, tuple(_LAYER_FUNCTIONS)):
             raise TypeError(f"qstats.qat.prepare: cannot quantize a {type(layer).__name__}; supported: Linear, "
-                            "Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, EmbeddingBag")
+                            "Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, EmbeddingBag (layer "
+                            f"{key!r} is a {type(layer).__name__})")
         given = _bound_inputs(layer, key, node)
         self._note_hooks(key, layer)
         batchnorm = self._fold_partner(node, key, layer)

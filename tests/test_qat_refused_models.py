@@ -1,5 +1,6 @@
-"""A model that torch.fx cannot trace is refused naming the module whose forward failed, not only the root's
-class (torch.ao's ``prepare_qat_fx`` raises torch.fx's bare TraceError, naming no module)."""
+"""Models `qstats.qat.prepare` refuses, each with an error naming the module: one that torch.fx cannot trace (the
+module whose forward failed, not only the root's class; torch.ao's ``prepare_qat_fx`` raises torch.fx's bare
+TraceError, naming no module), lazy modules not yet materialized, a layer type it cannot quantize."""
 
 from __future__ import annotations
 
@@ -57,3 +58,23 @@ def test_untraceable_submodule_is_named(inner):
 def test_untraceable_root_forward_names_the_root_only():
     with pytest.raises(TypeError, match=r"cannot trace _Repeat\.forward \(TypeError"):
         qstats.qat.prepare(_Repeat(), qstats.minmax(qstats.QuantSpec("int8")))
+
+
+def test_lazy_modules_are_refused_naming_them_until_materialized():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Sequential(nn.LazyConv1d(3, 1)))
+    observer = qstats.minmax(qstats.QuantSpec("int8"))
+    with pytest.raises(ValueError, match=r"'0' \(LazyLinear\), '2\.0' \(LazyConv1d\) have uninitialized"):
+        qstats.qat.prepare(model, observer)
+    x = torch.randn(2, 4, 6)
+    expected = model(x)  # materializes them: Linear and Conv1d
+    qat = qstats.qat.prepare(model, observer)
+    assert qat.layers == ("0", "2.0")
+    out, _ = qat.apply(qat.params(), qat.init(x), x, phase=qstats.QATPhase(observe=True, fake_quantize=False))
+    torch.testing.assert_close(out, expected)
+
+
+def test_a_layer_type_prepare_cannot_quantize_is_named():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.GRU(4, 4)))
+    with pytest.raises(TypeError, match=r"cannot quantize a GRU.*\(layer '1\.0' is a GRU\)"):
+        qstats.qat.prepare(model, qstats.minmax(qstats.QuantSpec("int8")), layers=(nn.Linear, nn.GRU))
