@@ -138,7 +138,7 @@ def finite_aminmax(view: torch.Tensor, mask: Optional[torch.Tensor] = None, nonf
     """
     if nonfinite not in ("ignore", "raise"):
         raise ValueError(f"finite_aminmax: nonfinite must be 'ignore' or 'raise', got {nonfinite!r}")
-    if is_dtensor(view):  # its shards' extremes would merge to the whole tensor's, but not the states
+    if is_dtensor(view):  # no sharding rule: the caller says whether the whole tensor or this rank's shard
         raise TypeError(
             f"finite_aminmax: got a DTensor (placements {tuple(view.placements)}), a tensor sharded across ranks "
             "(FSDP2's fully_shard parameters between forwards, tensor parallelism); observe x.full_tensor() for "

@@ -5,7 +5,8 @@ process calibrating the unwrapped model over all the batches gets, bit for bit, 
 weights per channel, int8 inputs per tensor) and W4A16 (int4 weights per group of 16); so do their
 qparams. The data does not split evenly (5 batches): the rank with fewer pads its forwards (each
 one a collective under FSDP2) with a batch its observation weight (the attention mask) zeroes.
-The model's full state dict (``get_model_state_dict``) exports on rank 0 as the unwrapped model
+Weights that are DTensors sharded by rows (unevenly), by columns or replicated observe as
+the plain weight. The model's full state dict (``get_model_state_dict``) exports on rank 0 as the unwrapped model
 does; an observer handed a DTensor itself says to observe its ``full_tensor()``, and
 `fake_quantized` refuses the sharded weights (a parametrization would see a shard), leaving the
 model as it was (the W4A16 calibration after it still equals one process's)."""
@@ -99,6 +100,7 @@ def _calibrate_sharded(model, batches, rank: int, out: str) -> dict:
                     pass
             except ValueError as error:
                 results["fake_quantized_error"] = str(error)
+    results["tensor_parallel"] = _tensor_parallel_weights()
     weight = model.model.layers[0].self_attn.q_proj.weight
     try:  # a DTensor handed to an observer itself
         observer = qstats.minmax(qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))
@@ -116,6 +118,22 @@ def _calibrate_sharded(model, batches, rank: int, out: str) -> dict:
             warnings.simplefilter("ignore")
             qstats.export.compressed_tensors(unwrapped, qparams, os.path.join(out, "sharded_export"), recipe)
     return results
+
+
+def _tensor_parallel_weights() -> dict:
+    """The W4A16 weight states of Linear(32, 5)s whose weights are DTensors placed otherwise than
+    FSDP2 places them (uneven rows, columns, replicated), calibrated over no batch."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    states = {}
+    for placement in (Shard(0), Shard(1), Replicate()):
+        torch.manual_seed(2)
+        linear = torch.nn.Linear(32, 5)
+        linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [placement]))
+        weights = calibrated(linear, [], RECIPES["w4a16"])
+        states[str(placement)] = optree.tree_map(torch.clone, weights)
+    return states
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -180,6 +198,17 @@ def test_full_state_dict_exports_as_the_unwrapped_model(ranks, tmp_path):
     assert set(got) == set(want) and any(name.endswith("input_scale") for name in want)
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_weights_sharded_by_rows_columns_or_replicated_observe_whole(ranks):
+    results, _ = ranks
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(32, 5)
+    want = calibrated(linear, [], RECIPES["w4a16"])
+    for result in results:
+        assert sorted(result["tensor_parallel"]) == ["R", "S(0)", "S(1)"]
+        for got in result["tensor_parallel"].values():
+            assert_trees_bit_equal(got, want)
 
 
 def test_observer_given_a_dtensor_names_full_tensor(ranks):
