@@ -876,6 +876,35 @@ def _float_call(model: nn.Module, node, layers) -> Optional[str]:
     return f"F.{getattr(node.target, '__name__', node.target)}({read}) in {repr(caller) if caller else 'the model'}"
 
 
+# in-place operators a traced forward may apply to a buffer (``self.count += 1``); methods ending in one "_" too
+_IN_PLACE = (operator.iadd, operator.isub, operator.imul, operator.itruediv)
+# functions that update the running statistics they are given unless told not to: (position, keyword) of that flag
+_UPDATES_STATISTICS = {F.batch_norm: (5, "training"), F.instance_norm: (5, "use_input_stats")}
+
+
+def _buffer_writers(graph: torch.fx.Graph, buffers) -> list:
+    """The modules (by the path of the buffer's owner) whose traced forward writes one of ``buffers`` (names) in
+    place: ``F.batch_norm``/``F.instance_norm`` updating running statistics it reads from them (a norm module of
+    one's own), in-place methods and operators on them. Sorted, each once."""
+
+    def buffer(node) -> Optional[str]:
+        return str(node.target) if isinstance(node, torch.fx.Node) and node.op == "get_attr" \
+            and str(node.target) in buffers else None
+
+    written = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _UPDATES_STATISTICS:
+            position, keyword = _UPDATES_STATISTICS[node.target]
+            flag = node.args[position] if len(node.args) > position else node.kwargs.get(keyword, False)
+            statistics = node.args[1] if len(node.args) > 1 else node.kwargs.get("running_mean")
+            written.append(buffer(statistics) if flag is not False else None)
+        elif node.op == "call_function" and node.target in _IN_PLACE and node.args:
+            written.append(buffer(node.args[0]))
+        elif node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__") and node.args:
+            written.append(buffer(node.args[0]))
+    return sorted({name.rpartition(".")[0] for name in written if name is not None})
+
+
 def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
     """Names the layers `prepare` could not rewrite: those inside modules torch.fx keeps whole
     (``hidden``: name -> that module's type name), and subclasses with their own forward that torch.fx
@@ -904,6 +933,12 @@ def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
         warn(f"qstats.qat.prepare: layers {rewriter.traced_hooked} have their own forward, which torch.fx traced "
              "through, and hooks: they ran once while tracing, on torch.fx proxies (what a forward or pre-hook "
              "returns is part of the rewritten model), and the rewritten model does not run them")
+    writers = [name for name in _buffer_writers(rewriter.graph, {n for n, _ in rewriter.gm.named_buffers(remove_duplicate=False)})
+               if not isinstance(model.get_submodule(name), nn.modules.batchnorm._BatchNorm)]  # named below
+    if writers:
+        warn(f"qstats.qat.prepare: the forwards of {[name or type(model).__name__ for name in writers]} write their "
+             "buffers in place (F.batch_norm's running statistics, in-place ops): they stay buffers, outside the QAT "
+             "state, changed by every qat.init and qat.apply (use nn.BatchNorm, which prepare makes pure)")
     floats, buffers, instance, synced = [], [], [], []
     for name, module in model.named_modules():
         if type(module).forward in _STOCK_FORWARDS or name in hidden or any(name.startswith(f"{h}.") for h in hidden):
