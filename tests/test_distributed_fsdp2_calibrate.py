@@ -3,7 +3,8 @@
 their activation states with `qstats.distributed.all_reduce`: every rank then holds the states one
 process calibrating the unwrapped model over all the batches gets, bit for bit, for W8A8 (int8
 weights per channel, int8 inputs per tensor) and W4A16 (int4 weights per group of 16); so do their
-qparams. The data does not split evenly (5 batches): the rank with fewer pads its forwards (each
+qparams; so do a Qwen3-MoE's stacked experts (weights and per-expert inputs, merged with
+``partial=True``). The data does not split evenly (5 batches): the rank with fewer pads its forwards (each
 one a collective under FSDP2) with a batch its observation weight (the attention mask) zeroes.
 Weights that are DTensors sharded by rows (unevenly), by columns or replicated observe as
 the plain weight. The model's full state dict (``get_model_state_dict``) exports on rank 0 as the unwrapped model
@@ -27,7 +28,7 @@ from safetensors.torch import load_file
 import qstats
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _shared import exit_rank, fork_ranks, gloo_group, tiny_llama_config  # noqa: E402
+from _shared import exit_rank, fork_ranks, gloo_group, qwen3_moe_config, tiny_llama_config  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -46,6 +47,11 @@ RECIPES = {
     ]),
 }
 
+MOE_RECIPE = qstats.Recipe([
+    qstats.Rule("Qwen3MoeExperts", sites=("gate_up_proj", "down_proj", "gate_up_proj.input", "down_proj.input"),
+                observer=qstats.minmax, spec=qstats.QuantSpec(dtype="int8")),
+])
+
 
 def model_and_batches():
     torch.manual_seed(0)
@@ -56,6 +62,13 @@ def model_and_batches():
         ids = torch.randint(0, 96, (2, 4 + i), generator=generator)
         batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     return model, batches
+
+
+def moe_model_and_batches():
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(qwen3_moe_config()).eval()
+    generator = torch.Generator().manual_seed(1)
+    return model, [{"input_ids": torch.randint(0, 64, (2, 4 + i), generator=generator)} for i in range(4)]
 
 
 def rank_batches(batches: list, rank: int) -> list:
@@ -72,9 +85,13 @@ def calibrated(model, batches, recipe, **options) -> dict:
 
 
 def split(states: dict) -> tuple:
-    """``(weights, inputs)``: the parameter sites and the activation sites of a states tree."""
-    weights = {path: {"weight": sites["weight"]} for path, sites in states.items() if "weight" in sites}
-    inputs = {path: {"input": sites["input"]} for path, sites in states.items() if "input" in sites}
+    """``(weights, inputs)``: the parameter sites and the activation sites (``input``,
+    ``<parameter>.input``) of a states tree."""
+    def sites_of(entry: dict, inputs: bool) -> dict:
+        return {site: state for site, state in entry.items() if site.endswith("input") == inputs}
+
+    weights = {path: sites_of(entry, False) for path, entry in states.items() if sites_of(entry, False)}
+    inputs = {path: sites_of(entry, True) for path, entry in states.items() if sites_of(entry, True)}
     return weights, inputs
 
 
@@ -136,14 +153,27 @@ def _tensor_parallel_weights() -> dict:
     return states
 
 
+def sharded(model):
+    for layer in model.model.layers:
+        fsdp.fully_shard(layer)
+    return fsdp.fully_shard(model)
+
+
+def _stacked_experts(rank: int) -> dict:
+    """A Qwen3-MoE's stacked experts (weights ``[E, ...]`` sharded over E), its per-expert inputs
+    merged with ``partial=True`` (an expert no token of a rank reached has no state there)."""
+    model, batches = moe_model_and_batches()
+    weights, inputs = split(calibrated(sharded(model), batches[rank::2], MOE_RECIPE))
+    merged = qstats.distributed.all_reduce(inputs, MOE_RECIPE.observers(inputs, model), partial=True)
+    return optree.tree_map(torch.clone, joined(weights, merged))
+
+
 def _rank(rank: int, port: int, out: str) -> None:
     try:
         with gloo_group(rank, port, timeout=timedelta(seconds=60)):
             model, batches = model_and_batches()
-            for layer in model.model.layers:
-                fsdp.fully_shard(layer)
-            fsdp.fully_shard(model)
-            results = _calibrate_sharded(model, batches, rank, out)
+            results = _calibrate_sharded(sharded(model), batches, rank, out)
+            results["moe"] = _stacked_experts(rank)
     except Exception:
         results = {"crash": traceback.format_exc()}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
@@ -198,6 +228,16 @@ def test_full_state_dict_exports_as_the_unwrapped_model(ranks, tmp_path):
     assert set(got) == set(want) and any(name.endswith("input_scale") for name in want)
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_fully_shard_stacked_experts_merge_to_one_process_states(ranks):
+    results, _ = ranks
+    model, batches = moe_model_and_batches()
+    want = calibrated(model, batches, MOE_RECIPE)
+    assert {site for sites in want.values() for site in sites} == {"gate_up_proj", "down_proj", "gate_up_proj.input",
+                                                                   "down_proj.input"}
+    for result in results:
+        assert_trees_bit_equal(result["moe"], want)
 
 
 def test_weights_sharded_by_rows_columns_or_replicated_observe_whole(ranks):
