@@ -153,6 +153,7 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     _check_finite_steps(scale, scale_t, zero_t, spec)
 
     def init_fn(x: torch.Tensor) -> FixedQParamsState:
+        check_observable(x, "fixed_qparams.init")
         shape = qparam_shape(x.shape, spec.granularity)
         try:
             s = scale_t.to(x.device).expand(shape).clone()
@@ -237,6 +238,8 @@ def _placeholder(spec: Optional[QuantSpec], name: str) -> Observer:
         check_spec(spec, name)
 
     def init_fn(x: torch.Tensor) -> PlaceholderState:
+        if not isinstance(x, torch.Tensor):  # any tensor, as update counts any (a bool mask's values too)
+            raise TypeError(f"{name}.init: expected a tensor, got {type(x).__name__}")
         return PlaceholderState(torch.zeros((), dtype=torch.int64, device=x.device))
 
     def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> PlaceholderState:
@@ -291,6 +294,7 @@ def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observe
         raise ValueError(f"recording: capacity must be a positive int, got {capacity!r}")
 
     def init_fn(x: torch.Tensor) -> RecordingState:
+        check_observable(x, "recording.init")
         keys = torch.full((capacity,), _EMPTY_KEY, dtype=torch.int64, device=x.device)
         values = torch.zeros((capacity,), dtype=torch.float32, device=x.device)
         return RecordingState(keys, values, torch.zeros((), dtype=torch.int64, device=x.device))

@@ -27,6 +27,7 @@ import torch
 
 from .._checks import require
 from .._gram import add_masked_gram
+from .._granularity import check_observable
 from .._qparams import register_range_rule
 from .._spec import QuantSpec
 from ._base import Observer, check_field_dtype, check_same_shapes, check_state, register_state
@@ -83,8 +84,10 @@ def _check_sum_dtype(state: HessianState, where: str) -> None:
 def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.float32) -> Observer:
     """Sum of ``x^T x`` over the rows of a linear layer's inputs (GPTQ's Hessian, unnormalised).
 
-    ``spec`` is accepted and unused (a Hessian depends on no quantization format), so that
-    ``Rule("Linear", sites=("input",), observer=qstats.hessian)`` builds it as any observer.
+    ``spec`` is accepted so that ``Rule("Linear", sites=("input",), observer=qstats.hessian)`` builds
+    it as any observer; a Hessian depends on no quantization format, so only its ``nonfinite``
+    policy is read: ``"raise"`` makes ``update`` raise ValueError on a kept row holding a NaN or Inf
+    (or a square past ``dtype``) instead of leaving it out (llm-compressor's Hessian turns NaN there).
 
     ``update(state, x, weight=None)``: ``x`` of shape ``[..., in_features]``; every dimension but
     the last is a row. ``weight`` (shape a prefix of ``x.shape[:-1]``: padding or routing mask)
@@ -112,11 +115,14 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
         raise ValueError(f"hessian: dtype must be torch.float32 or torch.float64, got {dtype}")
 
     def init_fn(x: torch.Tensor) -> HessianState:
+        check_observable(x, "hessian.init")
         if x.ndim == 0:
             raise ValueError("hessian: inputs need at least one dimension (in_features), got shape ()")
         features = x.shape[-1]
         zero = torch.zeros((), dtype=torch.int64, device=x.device)
         return HessianState(torch.zeros(features, features, dtype=dtype, device=x.device), zero, zero.clone())
+
+    raise_on_nonfinite = spec is not None and spec.nonfinite == "raise"
 
     def update_fn(state: HessianState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> HessianState:
         state = checked_hessian_state(state, "hessian.update", values=False)
@@ -128,6 +134,10 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
         finite = torch.isfinite(rows * rows).all(dim=1)  # NaN, Inf, or a square past the dtype's range
         kept = finite if keep is None else finite & keep
         nonfinite = (~finite).sum() if keep is None else ((~finite) & keep).sum()
+        if raise_on_nonfinite:  # eagerly, under vmap and compile; threaded through the count
+            ok = require(nonfinite == 0, "hessian.update: the inputs hold a row with a NaN or Inf (or a value whose "
+                         "square overflows the Hessian's dtype) and the spec says nonfinite='raise'")
+            kept = kept & ok
         # total + where(kept, rows, 0).T @ rows; under vmap over experts, each expert's rows only
         total = add_masked_gram(state.total, rows, kept)
         return HessianState(total, state.count + kept.sum(), state.nonfinite + nonfinite)

@@ -16,14 +16,14 @@ import torch
 
 from .._ops import op, register_fake, register_vmap
 from .._checks import is_integer
-from .._granularity import qparam_shape
+from .._granularity import check_observable, qparam_shape
 from .._qparams import Range, register_range_rule
 from .._reductions import batch_inside, finite_aminmax
 from .._spec import QuantSpec
 from .._torch_features import bitcast
 from ._base import Observer, check_merge_states, check_state, register_state
 from .kit import check_spec, masked_view
-from .search import entropy_amax, register_search, search
+from .search import check_options, entropy_amax, register_search, search
 from .search._geometry import check_int, histogram_edges
 from .._warn import warn
 
@@ -166,12 +166,15 @@ def _check_config(spec, bins, octaves, max_state_bytes):
     return low, low + octaves
 
 
-def _buckets_per_octave(buckets_per_octave: int, bins: Optional[int]) -> int:
-    """``buckets_per_octave``, or the value of its former name ``bins`` (with a FutureWarning)."""
+def _buckets_per_octave(buckets_per_octave: Optional[int], bins: Optional[int]) -> int:
+    """``buckets_per_octave`` (128 where None), or the value of its former name ``bins`` (with a
+    FutureWarning); TypeError naming both where both are given (``buckets_per_octave=128, bins=64``
+    used 64 in silence: 128 was taken for the default)."""
     if bins is None:
-        return buckets_per_octave
-    if buckets_per_octave != 128:
-        raise TypeError("histogram: pass buckets_per_octave or its former name bins, not both")
+        return 128 if buckets_per_octave is None else buckets_per_octave
+    if buckets_per_octave is not None:
+        raise TypeError(f"histogram: pass buckets_per_octave or its former name bins, not both (got "
+                        f"buckets_per_octave={buckets_per_octave!r} and bins={bins!r})")
     warn(
         "histogram(bins=...) is now histogram(buckets_per_octave=...): buckets per power of two, not "
         "torch.ao HistogramObserver's total number of bins",
@@ -218,7 +221,7 @@ def _combine(a: HistogramState, b: HistogramState) -> HistogramState:
 
 def histogram(
     spec: QuantSpec,
-    buckets_per_octave: int = 128,
+    buckets_per_octave: Optional[int] = None,
     octaves: int = 48,
     max_state_bytes: int = 1 << 28,
     *,
@@ -228,13 +231,14 @@ def histogram(
 
     Args:
       spec: the QuantSpec; its granularity gives one histogram per quantization parameter.
-      buckets_per_octave: buckets per power of two (a power of two, at most 4096); not torch.ao's ``bins``.
+      buckets_per_octave: buckets per power of two (a power of two, at most 4096; None: 128); not
+        torch.ao's ``bins``.
       octaves: powers of two resolved, centred on 1; smaller and larger magnitudes share end buckets.
       max_state_bytes: the largest counts ``init`` builds for one tensor (default 256 MiB); larger ones
         are refused. Under `qstats.stacked_observer` (a recipe's fused experts too) it bounds each
         expert's counts, so a stack of ``E`` experts may take ``E`` times as much: pass the whole
         stack's budget divided by ``E``.
-      bins: deprecated alias of ``buckets_per_octave`` (FutureWarning).
+      bins: deprecated alias of ``buckets_per_octave`` (FutureWarning); both at once are a TypeError.
 
     Laws: identity, associativity, commutativity and homomorphism hold bit for bit, under ``vmap`` too;
     ``update`` has fixed shapes, no host sync and compiles without graph breaks. Inputs are bucketed
@@ -253,6 +257,7 @@ def histogram(
     low, high = _check_config(spec, bins, octaves, max_state_bytes)
 
     def init_fn(x: torch.Tensor) -> HistogramState:
+        check_observable(x, "histogram.init")
         shape = qparam_shape(x.shape, spec.granularity)
         _check_state_size(shape, bins, octaves, max_state_bytes)
         zeros = torch.zeros((*shape, 2), dtype=torch.int64, device=x.device)
@@ -263,6 +268,7 @@ def histogram(
     def update_fn(state: HistogramState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> HistogramState:
         check_state(state, HistogramState, "histogram.update")
         _check_counts(state, bins, octaves)
+        check_observable(x, "histogram.update")  # before x.numel(): None was an AttributeError
         if x.numel() == 0:
             return state
         # bucketed and reduced as float32 (`bucket_counts`, `finite_aminmax`): a float64 value past
@@ -298,4 +304,6 @@ def _histogram_range(state: HistogramState, spec: QuantSpec, method: str = "l2",
     extremes in float32, the dtype of the bucket keys (a float64 state, cast by a user, made
     ``"l2"`` give the eps scale)."""
     state = state._replace(min_val=state.min_val.float(), max_val=state.max_val.float())
-    return search(method, "histogram")(state, spec, **options)
+    found = search(method, "histogram")
+    check_options(found, method, options)
+    return found(state, spec, **options)

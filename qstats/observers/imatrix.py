@@ -14,7 +14,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._granularity import canonical_view
+from .._checks import require
+from .._granularity import canonical_view, check_observable
 from .._spec import QuantSpec
 from ._base import Observer, check_field_dtype, check_same_shapes, check_state, register_state
 from .kit import checked_rows
@@ -54,8 +55,10 @@ def _checked(state, where: str) -> IMatrixState:
 def imatrix(spec: Optional[QuantSpec] = None) -> Observer:
     """Per-input-channel importance ``E[x**2]`` of a layer's input activations.
 
-    ``spec`` is accepted and unused (the importance depends on no quantization format), so that
-    ``Rule("Linear", sites=("input",), observer=qstats.imatrix)`` builds it as any observer.
+    ``spec`` is accepted so that ``Rule("Linear", sites=("input",), observer=qstats.imatrix)`` builds
+    it as any observer; the importance depends on no quantization format, so only its ``nonfinite``
+    policy is read: ``"raise"`` makes ``update`` raise ValueError on a kept NaN or Inf (or a square
+    past float64) instead of leaving it out.
     ``update(state, x, weight=None)`` reduces every dimension but the last (``weight`` of shape
     ``x.shape[:-1]``, or a prefix of it, masks rows out). NaN/Inf, and float64 values whose square
     overflows, are left out and counted.
@@ -71,12 +74,15 @@ def imatrix(spec: Optional[QuantSpec] = None) -> Observer:
         raise TypeError(f"imatrix: spec must be a QuantSpec or None, got {type(spec).__name__}")
 
     def init_fn(x: torch.Tensor) -> IMatrixState:
+        check_observable(x, "imatrix.init")
         if x.ndim == 0:
             raise ValueError("imatrix: activations need at least one dimension (the input channels), got shape ()")
         channels = x.shape[-1]
         zeros = torch.zeros(channels, dtype=torch.float64, device=x.device)
         return IMatrixState(zeros, torch.zeros((), dtype=torch.int64, device=x.device),
                             torch.zeros(channels, dtype=torch.int64, device=x.device))
+
+    raise_on_nonfinite = spec is not None and spec.nonfinite == "raise"
 
     def update_fn(state: IMatrixState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> IMatrixState:
         state = _checked(state, "imatrix.update")
@@ -95,6 +101,10 @@ def imatrix(spec: Optional[QuantSpec] = None) -> Observer:
             included = finite & keep
         total = torch.where(included, squares, torch.zeros_like(squares)).sum(0)
         nonfinite = (~finite).sum(0) if keep is None else ((~finite) & keep).sum(0)
+        if raise_on_nonfinite:  # eagerly, under vmap and compile; threaded through the sum
+            ok = require(nonfinite == 0, "imatrix.update: the activations hold a NaN or Inf (or a value whose "
+                         "square overflows float64) and the spec says nonfinite='raise'")
+            total = torch.where(ok, total, torch.zeros_like(total))
         return IMatrixState(state.square_total + total, state.count + row_count, state.nonfinite + nonfinite)
 
     def merge_fn(a: IMatrixState, b: IMatrixState) -> IMatrixState:
@@ -160,6 +170,15 @@ def _checked_weight_shape(weight_shape) -> tuple:
     return dims
 
 
+def _check_own_options(options: dict) -> None:
+    """TypeError for an `qstats.mse` option that `imatrix_mse` sets itself (``mse()`` got multiple
+    values for it, an error that named neither imatrix_mse nor what to pass instead)."""
+    for name, instead in (("steps", "maxshrink and grid (steps = int(maxshrink * grid) + 1, as llm-compressor)"),
+                          ("importance", "imatrix_state, an IMatrixState of the layer's inputs")):
+        if name in options:
+            raise TypeError(f"imatrix_mse: {name} is set by imatrix_mse itself; pass {instead}")
+
+
 def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixState] = None, maxshrink: float = 0.95,
                 grid: float = 20, norm: float = 3.0, expand: float = 1.0, **options) -> Observer:
     """Importance-weighted MSE search for a weight of ``weight_shape`` ``(out, in)``, as llm-compressor's
@@ -176,6 +195,7 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
     """
     # the spec's TypeError, and a ValueError naming a bad option (before int() below truncates it)
     check_search_args(spec, maxshrink, grid, norm, 1, "imatrix_mse")
+    _check_own_options(options)
     weight_shape = _checked_weight_shape(weight_shape)
     weights = None
     if imatrix_state is not None:
@@ -193,14 +213,20 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
         # errors in their own dtype, as llm-compressor's plain mse observer does
         base = build(None)
 
+        def uniform_init(x: torch.Tensor):
+            check_observable(x, "imatrix_mse.init")
+            return base.init(x)
+
         def uniform_update(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
+            check_observable(x, "imatrix_mse.update")  # before x.device: None was an AttributeError
             return build(torch.ones((), dtype=torch.float32, device=x.device)).update(state, x, weight)
 
-        return base._replace(update=uniform_update)
+        return base._replace(init=uniform_init, update=uniform_update)
     base = build(weights)
 
     def check_weight_shape(x: torch.Tensor, where: str) -> None:
         # the importance is laid out for the weight's shape; an empty tensor leaves the state as it is
+        check_observable(x, where)
         if x.numel() != 0 and tuple(x.shape) != weight_shape:
             raise ValueError(
                 f"{where}: a tensor of shape {tuple(x.shape)} does not match the weight shape {weight_shape} "

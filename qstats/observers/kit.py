@@ -2,7 +2,8 @@
 
 - the canonical view of a tensor for a granularity (`canonical_view`, `checked_view`, which also
   checks the state's parameter shape) and of a per-observation weight (`weight_view`; both at
-  once, the weight as a bool mask: `masked_view`);
+  once, the weight as a bool mask: `masked_view`); the check of what ``init`` and ``update`` are
+  given (`check_observable`: a TypeError naming the caller for a non-tensor, a bool or complex one);
 - the shared finite reduction (`finite_aminmax`) and its row-first form for masked updates
   (`observe_extremes`);
 - state checks (`check_state`, `check_same_shapes`), a batch-weighted mean for merging moving
@@ -51,6 +52,7 @@ __all__ = [
     "Range",
     "batch_weighted_mean",
     "canonical_view",
+    "check_observable",
     "check_same_shapes",
     "check_spec",
     "check_state",
@@ -75,15 +77,19 @@ def check_spec(spec, where: str = "") -> QuantSpec:
     return spec
 
 
-def extremes_init(cls: type, spec: QuantSpec) -> Callable[[torch.Tensor], tuple]:
+def extremes_init(cls: type, spec: QuantSpec, name: str = "") -> Callable[[torch.Tensor], tuple]:
     """``init(x)`` for a state class whose first two fields are extremes (``+inf`` and ``-inf``,
-    float32) and whose other fields are int64 counts (zero), shaped like ``x``'s parameters."""
+    float32) and whose other fields are int64 counts (zero), shaped like ``x``'s parameters.
+    ``name`` (the observer's) starts the TypeError of an ``x`` that is no real tensor
+    (`check_observable`); without one the error names the state class."""
     spec = check_spec(spec)
     if not (isinstance(cls, type) and issubclass(cls, tuple) and len(getattr(cls, "_fields", ())) >= 2):
         raise TypeError(f"extremes_init expects a NamedTuple class with at least two fields (min, max), got {cls!r}")
     counters = len(cls._fields) - 2
+    where = f"{name}.init" if name else f"init of a {cls.__name__}"
 
     def init_fn(x: torch.Tensor):
+        check_observable(x, where)
         shape = qparam_shape(x.shape, spec.granularity)
         return cls(
             torch.full(shape, torch.inf, dtype=torch.float32, device=x.device),

@@ -9,7 +9,6 @@ range rules (``compute_qparams(state, spec, method=..., k=...)``: ``"mean_std"``
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import NamedTuple, Optional
 
@@ -22,7 +21,7 @@ from .._reductions import finite_aminmax
 from .._spec import QuantSpec
 from ._base import Observer, check_field_dtype, check_same_shapes, check_state, register_state
 from .kit import check_spec, masked_view
-from .search import register_search, search
+from .search import check_options, register_search, search
 
 __all__ = ["MomentsState", "moments"]
 
@@ -191,6 +190,7 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
     power = float(_positive_finite(p, "p", "moments"))
 
     def init_fn(x: torch.Tensor) -> MomentsState:
+        check_observable(x, "moments.init")
         shape = qparam_shape(x.shape, spec.granularity)
         zeros = torch.zeros(shape, dtype=torch.float64, device=x.device)
         count = torch.zeros(shape, dtype=torch.int64, device=x.device)
@@ -280,20 +280,5 @@ register_search("lp", lp_search, observer="moments")
 def _moments_rule(state: MomentsState, spec: QuantSpec, method: str = "mean_std", **options) -> Range:
     """The range of ``method`` (a search registered for ``"moments"``), with its options."""
     found = search(method, "moments")
-    _check_options(found, method, options)
+    check_options(found, method, options, "moments")
     return found(_checked(state, "compute_qparams"), spec, **options)
-
-
-def _check_options(found, method: str, options: dict) -> None:
-    """TypeError naming the method and the options it takes for an option it does not take (the
-    search's own error named a private function, ``mean_std_search()``)."""
-    try:
-        parameters = list(inspect.signature(found).parameters.values())[2:]  # after (state, spec)
-    except (TypeError, ValueError):  # a callable without a signature: its own error, if any
-        return
-    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
-        return
-    unknown = sorted(set(options) - {parameter.name for parameter in parameters})
-    if unknown:
-        known = [parameter.name for parameter in parameters]
-        raise TypeError(f"compute_qparams: moments method {method!r} takes the options {known}, got {unknown}")

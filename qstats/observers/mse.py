@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._ops import op, register_fake, register_vmap
-from .._granularity import PerGroup, TensorGroup, qparam_shape
+from .._granularity import PerGroup, TensorGroup, check_observable, qparam_shape
 from .._checks import check_real_tensor, is_integer, is_real_number, require
 from .._qparams import Range, qparams_from_minmax, register_range_rule
 from .._quant import _codes_float, _dequantize_view
@@ -449,6 +449,7 @@ def _check_candidates(state: MSEState, candidates: int) -> None:
 
 def _accumulate(spec, factors, norm, expand, reference, observe):
     def init_fn(x: torch.Tensor) -> MSEState:
+        check_observable(x, "mse.init")
         shape = qparam_shape(x.shape, spec.granularity)
         device = x.device
         fixed = _reference_of(reference, shape, device)
@@ -462,6 +463,7 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
     def update_fn(state: MSEState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MSEState:
         check_state(state, MSEState, "mse.update")
         _check_candidates(state, len(factors))
+        check_observable(x, "mse.update")  # before x.numel(): None was an AttributeError
         if x.numel() == 0:
             return state
         view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
@@ -511,6 +513,7 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
 def _moving_average(spec, factors, norm, constant, patience, observe):
     def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MovingAverageMSEState:
         check_state(state, MovingAverageMSEState, "mse.update")
+        check_observable(x, "mse.update")
         if x.numel() == 0:
             return state
         view, mask, imp, lo, hi, count, nonfinite = observe(x, weight, state.min_val.shape, "mse.update")
@@ -540,12 +543,15 @@ def _moving_average(spec, factors, norm, constant, patience, observe):
         check_merge_states(a, b, MovingAverageMSEState, "mse.merge")
         return merge_moving_extremes(a, b)
 
-    init_fn = extremes_init(MovingAverageMSEState, spec)  # +inf/-inf extremes, zero batches and counts
+    init_fn = extremes_init(MovingAverageMSEState, spec, "mse")  # +inf/-inf extremes, zero batches and counts
     return Observer(init_fn, update_fn, merge_fn, exact=False, spec=spec, name="mse")
 
 
 @register_range_rule(MSEState)
-def _mse_rule(state: MSEState, spec: QuantSpec, patience: Optional[int] = None) -> Range:
+def _mse_rule(state: MSEState, spec: QuantSpec, patience: Optional[int] = None, **options) -> Range:
+    if options:  # named a private function (``_mse_rule() got an unexpected keyword argument``)
+        raise TypeError(f"compute_qparams: an MSEState takes the option patience only, got {sorted(options)}; "
+                        "the search's other options (maxshrink=, grid=, norm=) belong to qstats.mse(spec, ...)")
     p = _chosen_factor(state.loss, state.factors, checked_patience(patience, "compute_qparams"))
     calibrated = (state.count > 0) & (state.min_val <= state.max_val)
     lo = torch.where(calibrated, state.min_val * p, state.min_val)

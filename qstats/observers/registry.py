@@ -69,11 +69,6 @@ def name_of(factory: Callable):
     return next((name for name, registered_factory in _FACTORIES.items() if registered_factory is factory), None)
 
 
-def _imatrix(spec=None):
-    """`imatrix` under the factory signature (it takes no spec: it watches the layer's input)."""
-    return imatrix()
-
-
 for _name, _factory in (
     ("minmax", minmax),
     ("memoryless_minmax", memoryless_minmax),
@@ -81,7 +76,7 @@ for _name, _factory in (
     ("histogram", histogram),
     ("mse", mse),
     ("moments", moments),
-    ("imatrix", _imatrix),
+    ("imatrix", imatrix),  # its spec gives only the nonfinite policy (it watches the layer's input)
     ("imatrix_mse", imatrix_mse),
     ("fixed_qparams", fixed_qparams),
     ("sigmoid_qparams", sigmoid_qparams),

@@ -8,6 +8,7 @@ observer); the moments observer registers its own. See docs/observers.md.
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 from .entropy import entropy_amax, entropy_search
@@ -15,7 +16,7 @@ from .l2 import l2_search
 from .mse import mse_search
 from .percentile import percentile_search
 
-__all__ = ["register_search", "search", "searches", "entropy_amax"]
+__all__ = ["register_search", "search", "searches", "check_options", "entropy_amax"]
 
 _SEARCHES: dict[tuple[str, str], Callable] = {}
 
@@ -44,6 +45,23 @@ def search(name: str, observer: str = "histogram") -> Callable:
             f"compute_qparams: unknown {observer} method {name!r}; known methods: {', '.join(searches(observer))}"
         )
     return found
+
+
+def check_options(found: Callable, method: str, options: dict, observer: str = "histogram") -> None:
+    """TypeError naming the method and the options it takes for an option the search ``found``
+    does not take (the search's own error named a private function, ``mean_std_search()``,
+    ``l2_search()``); a search taking ``**options`` checks its own."""
+    try:
+        parameters = list(inspect.signature(found).parameters.values())[2:]  # after (state, spec)
+    except (TypeError, ValueError):  # a callable without a signature: its own error, if any
+        return
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return
+    unknown = sorted(set(options) - {parameter.name for parameter in parameters})
+    if unknown:
+        known = [parameter.name for parameter in parameters]
+        takes = f"the options {known}" if known else "no options"
+        raise TypeError(f"compute_qparams: {observer} method {method!r} takes {takes}, got {unknown}")
 
 
 def searches(observer: str = "histogram") -> tuple[str, ...]:
