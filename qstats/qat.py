@@ -278,6 +278,13 @@ class _BatchNormPoint(nn.Module):
         if previous is not None:  # a later call of the same layer: chain its running statistics
             current = previous
         frozen = phase.freeze_batchnorm
+        if isinstance(frozen, torch.Tensor) and x.ndim > 1 and x.shape[0] * x.shape[2:].numel() == 1:
+            # a tensor flag computes both sides, and batch statistics of one value per channel are F.batch_norm's
+            # ValueError ("when training"), even where the flag freezes it
+            raise ValueError(f"QATModel.apply: batch norm {self.key!r} gets one value per channel (input "
+                             f"{list(x.shape)}), which only a frozen batch norm normalises, and phase.freeze_batchnorm "
+                             "is a tensor, for which both sides are computed; pass freeze_batchnorm=True as a Python "
+                             "bool (QATPhase(observe=False, fake_quantize=True, freeze_batchnorm=True))")
         y_eval = y_train = updated = None  # a bool flag computes one side only
         if frozen is not False:
             y_eval = F.batch_norm(x, current.running_mean, current.running_var, weight, bias, False, 0.0, self.eps)
