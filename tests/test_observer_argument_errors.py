@@ -200,13 +200,42 @@ def test_hessian_and_imatrix_raise_under_nonfinite_raise(factory):
     assert int(state.count) == 9 and int(state.nonfinite.sum()) == 0
 
 
-@pytest.mark.parametrize("factory", [qstats.hessian, qstats.imatrix], ids=["hessian", "imatrix"])
+_KEEP_NO_VALUES = ("fixed_qparams", "sigmoid_qparams", "tanh_qparams", "placeholder", "noop")
+
+
+@pytest.mark.parametrize("key", sorted(_FACTORIES))
+def test_every_observer_that_keeps_values_raises_under_nonfinite_raise(key):
+    """recording (as hessian and imatrix) left a NaN out in silence under nonfinite="raise"."""
+    name = key.split("/")[0]
+    spec = qstats.QuantSpec(dtype="int8", nonfinite="raise")
+    if key == "imatrix_mse/importance":
+        observer = qstats.imatrix_mse(spec, _SHAPE)
+    elif key == "hessian":
+        observer = qstats.hessian(spec)
+    else:
+        observer = registry.get(name)(spec, **_ARGUMENTS.get(name, {}))
+    x = torch.randn(_SHAPE, generator=torch.Generator().manual_seed(4))
+    observer.update(observer.init(x), x)  # finite values: no error
+    x[2, 5] = math.inf
+    assert not torch.isfinite(x).all()
+    if name in _KEEP_NO_VALUES:
+        observer.update(observer.init(x), x)
+        return
+    with pytest.raises(ValueError, match="nonfinite='raise'"):
+        observer.update(observer.init(x), x)
+    weight = torch.ones(_SHAPE[0])
+    weight[2] = 0  # the row holding it is not observed
+    observer.update(observer.init(x), x, weight)
+
+
+@pytest.mark.parametrize("factory", [qstats.hessian, qstats.imatrix, qstats.recording],
+                         ids=["hessian", "imatrix", "recording"])
 def test_nonfinite_raise_under_vmap_and_compile(factory):
     observer = factory(qstats.QuantSpec(nonfinite="raise"))
     stacked = qstats.stacked_observer(observer, 2)
     xs = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3))
     finite = stacked.update(stacked.init(xs), xs)
-    assert finite.count.tolist() == [5, 5]
+    assert finite.count.tolist() == ([40, 40] if factory is qstats.recording else [5, 5])
     xs[1, 0, 0] = math.inf
     with pytest.raises(ValueError, match="nonfinite='raise'"):
         stacked.update(stacked.init(xs), xs)

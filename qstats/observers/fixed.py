@@ -286,10 +286,12 @@ def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observe
     Keeps the ``capacity`` finite values with the smallest hash keys: all of them while fewer were
     seen, afterwards a fixed-size pseudo-random sample. Equal values share a key, so they are kept
     or dropped together, except copies past the last kept slot (five 1.0s under ``capacity=3`` keep
-    three). `recorded_values(state)` returns them. Laws: all exact.
+    three). `recorded_values(state)` returns them. NaN/Inf are left out, or raise ValueError under
+    ``spec.nonfinite="raise"`` (the only field of the optional spec it reads). Laws: all exact.
     """
     if spec is not None:
         check_spec(spec, "recording")
+    raise_on_nonfinite = spec is not None and spec.nonfinite == "raise"
     if not (isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 1):
         raise ValueError(f"recording: capacity must be a positive int, got {capacity!r}")
 
@@ -313,7 +315,12 @@ def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observe
         flat = torch.where(flat == 0, torch.zeros_like(flat), flat)
         include = torch.isfinite(flat)
         if weight is not None:
-            include = include & (weight_view(x, weight, _FLAT).reshape(-1) != 0)
+            kept = weight_view(x, weight, _FLAT).reshape(-1) != 0
+            include = include & kept
+        if raise_on_nonfinite:  # eagerly, under vmap and compile; threaded through the kept values
+            seen = torch.ones_like(include) if weight is None else kept
+            include = include & require(include | ~seen, "recording.update: the observed tensor holds a NaN or "
+                                        "Inf and the spec says nonfinite='raise'")
         keys = _hash_keys(bitcast(flat, torch.int32))
         keys = torch.where(include, keys, torch.full_like(keys, _EMPTY_KEY))
         keys, values = keep_smallest(torch.cat([state.keys, keys]), torch.cat([state.values, flat]))
