@@ -473,9 +473,12 @@ class CompressedTensorsConvention(Convention):
     def e8m0_scale(self, amax, spec):
         """compressed-tensors holds the scale in the observed dtype, and replaces one that
         underflows there (below 2**-24 in float16: an all-zero or tiny block) by 1, the eps of its
-        uint8 scale dtype."""
-        scale = super().e8m0_scale(amax, spec)
+        uint8 scale dtype. An amax past that dtype (a range rule's estimate, such as moments'
+        ``mean + 4 * std`` of an fp16 weight, or float32 values) saturates to its largest value
+        first: its scale was past the dtype too, Inf there, and every value came back 0 or NaN."""
         if spec.compute_dtype == "float32":
-            return scale
-        underflows = scale.to(getattr(torch, spec.compute_dtype)) == 0
+            return super().e8m0_scale(amax, spec)
+        compute = getattr(torch, spec.compute_dtype)
+        scale = super().e8m0_scale(amax.float().clamp(max=torch.finfo(compute).max), spec)
+        underflows = scale.to(compute) == 0
         return torch.where(underflows, torch.ones_like(scale), scale)
