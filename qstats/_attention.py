@@ -157,21 +157,21 @@ def _switched(module, path: str, caller: str) -> tuple:
     """``(config, implementation before, implementation inside)`` of the attention ``module``: qstats'
     counterpart of its implementation (None, as transformers reads it: eager), or an enclosing
     context's as it is; ValueError naming the module where there is none, or where its forward
-    cannot pass the hooks on (no ``**kwargs``)."""
+    cannot pass the hooks on (no ``**kwargs``). Modules whose config `_compared_configs` holds keep
+    their implementation (`_cache_hooks`)."""
     functions = _functions()
     config = module.config
     name = config._attn_implementation
     if isinstance(name, str) and name.startswith(functions.PREFIX):  # an enclosing context's
+        if _compares_implementation(module, name[len(functions.PREFIX):]):
+            raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) compares its "
+                             f"attention implementation's name, which an enclosing qstats context renamed {name!r}: "
+                             "it computes something else there; not supported")
         return config, name, name
     if (name or "eager") not in functions.WRAPPED:
         raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) runs attention "
                          f"implementation {name!r}; qstats observes and quantizes q/k/v behind "
                          f"{list(functions.WRAPPED)} only (model.set_attn_implementation('sdpa'))")
-    if _compares_implementation(module, name or "eager"):
-        raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) compares its attention "
-                         f"implementation's name with {name or 'eager'!r} (a sparse-attention mask, an upcast path "
-                         "taken only then): under qstats' counterpart it would compute something else; not supported: "
-                         "run another implementation it does not compare with, or ignore the module's q/k/v")
     parameters = inspect.signature(module.forward).parameters.values()
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) takes no **kwargs "
@@ -195,6 +195,94 @@ def _compares_implementation(module, name: str) -> bool:
             else:
                 constants.update(constant if isinstance(constant, (tuple, frozenset)) else (constant,))
     return "_attn_implementation" in names and name in constants
+
+
+def _compared_configs(hooks: Mapping) -> dict:
+    """``{id(config): path}`` of the configs of ``hooks``' modules of which one (at ``path``) compares
+    the name of the implementation it runs (`_compares_implementation`): renamed, they would compute
+    something else, so every module of such a config keeps its implementation (`_cache_hooks`)."""
+    compared: dict = {}
+    for path, (module, _) in hooks.items():
+        name = module.config._attn_implementation
+        counterpart = isinstance(name, str) and name.startswith(_functions().PREFIX)
+        if not counterpart and _compares_implementation(module, name or "eager"):
+            compared.setdefault(id(module.config), path)
+    return compared
+
+
+def _cache_hooks(module, path: str, hook: Callable, caller: str, compared: str) -> list:
+    """Hooks of an attention module that keeps its implementation (its config's is compared by name,
+    by the module at ``compared``): its key and value are read where compressed-tensors' kv cache
+    reads them, as the forward hands them to the cache it is called with (``past_key_values``), by
+    that cache's ``update`` for the call (`_CacheUpdate`); its query, which reaches no cache, is
+    refused. ValueError naming the module where a call hands none to a cache."""
+    sites = getattr(inspect.unwrap(hook), "sites", ("q",))  # a `SiteHooks`' (under `eager`), else any
+    who = "it" if compared == path else f"{compared!r}, which shares its config,"
+    why = (f"{who} compares the name of the attention implementation it runs (a sparse-attention mask, an upcast "
+           "path taken only then): under qstats' counterpart, which hands the query over, it would compute "
+           "something else, so qstats reads its key and value where compressed-tensors' kv cache does, at the "
+           "cache update")
+    if "q" in sites:
+        raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) has a q site, but {why}, "
+                         "and its query reaches no cache: not supported; ignore its q, or run an implementation "
+                         "it does not compare with")
+    calls: list = []
+
+    def pre_hook(module, args, kwargs):
+        cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
+        calls.append((_Call(hook), cache))
+        if cache is not None:
+            _CacheUpdate.attach(cache, calls[-1][0])
+
+    def check(module, args, kwargs, output):
+        if not calls:
+            return
+        call, cache = calls.pop()
+        if cache is not None:
+            _CacheUpdate.detach(cache, call)
+        if not call.reached and output is not None:
+            raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) handed no key and "
+                             f"value to a cache passed as past_key_values (use_cache=True), where qstats reads them: "
+                             f"{why}")
+
+    return [module.register_forward_pre_hook(pre_hook, with_kwargs=True),
+            module.register_forward_hook(check, with_kwargs=True, always_call=True)]
+
+
+class _CacheUpdate:
+    """A transformers cache's ``update`` for one attention module's call: its calls' hooks (of enclosing
+    contexts first) get ``(None, key, value)`` and return the key and value it then stores, as
+    compressed-tensors' ``QuantizedKVCache`` quantizes them. Set on the cache object while the call
+    runs; the cache is otherwise unchanged (its class, its other attributes)."""
+
+    def __init__(self, cache):
+        self.before = vars(cache).get("update")  # the cache's own attribute, put back after the call
+        self.update = cache.update
+        self.calls: list = []
+
+    def __call__(self, key, value, *args, **kwargs):
+        for call in self.calls:
+            _, key, value = call(None, key, value)
+        return self.update(key, value, *args, **kwargs)
+
+    @staticmethod
+    def attach(cache, call) -> None:
+        update = vars(cache).get("update")
+        if not isinstance(update, _CacheUpdate):
+            update = _CacheUpdate(cache)
+            cache.update = update
+        update.calls.append(call)
+
+    @staticmethod
+    def detach(cache, call) -> None:
+        update = vars(cache)["update"]
+        update.calls.remove(call)
+        if update.calls:
+            return
+        if update.before is None:
+            del cache.update
+        else:
+            cache.update = update.before
 
 
 def _hooks(module, path: str, hook: Callable, caller: str) -> list:
@@ -223,11 +311,16 @@ def attention_sites(hooks: Mapping, caller: str) -> Iterator[None]:
     """Context: each attention module of ``hooks`` (``{path: (module, hook)}``, ``hook(query, key,
     value) -> (query, key, value)``) runs its attention function behind ``hook``. Their configs
     name qstats' counterpart of their implementation inside, and the user's implementation again
-    on exit, also on error."""
+    on exit, also on error; those `_compared_configs` holds keep theirs, and their modules hand
+    ``hook`` their key and value at the cache update (`_cache_hooks`)."""
     switched: dict = {}  # id(config) -> (config, implementation before, implementation inside)
     handles: list = []
     try:
+        compared = _compared_configs(hooks) if hooks else {}
         for path, (module, hook) in hooks.items():
+            if id(module.config) in compared:
+                handles += _cache_hooks(module, path, hook, caller, compared[id(module.config)])
+                continue
             found = _switched(module, path, caller)
             switched.setdefault(id(found[0]), found)
             handles += _hooks(module, path, hook, caller)

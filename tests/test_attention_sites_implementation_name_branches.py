@@ -1,9 +1,10 @@
 """Attention modules whose forward branches on the name of their attention implementation
 (MiniMax-M3's sparse indexer mask is applied only ``if config._attn_implementation in ("eager",
 "sdpa")``): under qstats' counterpart (``"qstats:eager"``) they would compute dense attention, so
-`calibrate` would observe keys and values the user's model never produces. They are refused,
-naming the module; the keys such a model hands its attention function are recorded here from the
-modeling file, not through qstats."""
+`calibrate` would observe keys and values the user's model never produces. Their q sites are
+refused, naming the module (their k/v are read at the cache update:
+`test_attention_sites_cache_update`); the keys such a model hands its attention function are
+recorded here from the modeling file, not through qstats."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def _sparse_model():
 def _modifier():
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    return QuantizationModifier(config_groups={}, kv_cache_scheme=FP8)
+    # an attention group: q, k and v under its input args
+    return QuantizationModifier(config_groups={"attention": {"targets": ["re:.*self_attn$"], "input_activations": FP8}})
 
 
 def test_the_sparse_mask_changes_the_keys_of_later_layers():
