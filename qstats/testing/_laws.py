@@ -190,9 +190,8 @@ def _check_signatures(obs, law: str) -> None:
                                  f"({error})") from None
 
 
-def _need(xs: Sequence[torch.Tensor], count: int, law: str, obs=None) -> list:
-    if obs is not None:
-        _check_signatures(obs, law)
+def _need(xs: Sequence[torch.Tensor], count: int, law: str, obs) -> list:
+    _check_signatures(obs, law)
     if isinstance(xs, torch.Tensor):  # its rows would be the batches, of another shape than the tensor
         raise TypeError(f"{law}: xs is a list of input batches, got a tensor of shape {tuple(xs.shape)} "
                         "(pass [x] for one batch)")
