@@ -21,6 +21,7 @@ import re
 from typing import Callable, Optional
 
 import torch
+from safetensors import safe_open
 
 from ._checkpoint_names import legacy_renamer, module_renamer
 from ._warn import warn
@@ -64,8 +65,6 @@ class LazyCheckpoint:
 
     def _open(self, filename: str):
         """``safe_open`` of one of the checkpoint's files; a missing or unreadable file is a ValueError naming it."""
-        from safetensors import safe_open  # imported when used, as in qstats.io: not at `import qstats`
-
         path = os.path.join(self.directory, filename)
         if not os.path.isfile(path):
             raise ValueError(f"{self.where}: the checkpoint's file {path!r} is missing")
