@@ -137,12 +137,15 @@ class SiteHooks:
 
 
 class _Call:
-    """One call of an attention module: its hook, and whether its attention function ran it."""
+    """One call of an attention module: its hook, and whether its attention function ran it; a
+    second run is a ValueError saying ``again``, before the hook sees anything twice."""
 
-    def __init__(self, hook: Callable):
-        self.hook, self.reached = hook, False
+    def __init__(self, hook: Callable, again: str):
+        self.hook, self.reached, self.again = hook, False, again
 
     def __call__(self, query, key, value):
+        if self.reached:
+            raise ValueError(self.again)
         self.reached = True
         return self.hook(query, key, value)
 
@@ -230,7 +233,9 @@ def _cache_hooks(module, path: str, hook: Callable, caller: str, compared: str) 
 
     def pre_hook(module, args, kwargs):
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
-        calls.append((_Call(hook), cache))
+        calls.append((_Call(hook, f"{caller}: the attention module {path!r} ({type(module).__name__}) handed its "
+                                  f"cache a key and value twice in one call, where qstats reads them once: not "
+                                  "supported"), cache))
         if cache is not None:
             _CacheUpdate.attach(cache, calls[-1][0])
 
@@ -291,8 +296,13 @@ def _hooks(module, path: str, hook: Callable, caller: str) -> list:
     keyword = _functions().SITES_KEYWORD
     calls: list = []
 
+    again = (f"{caller}: the attention module {path!r} ({type(module).__name__}) called its attention function "
+             "twice in one call (DiffLlama's differential attention hands it each half of the value): qstats reads "
+             "q/k/v once a call, where compressed-tensors' kv cache reads the whole key and value at the cache "
+             "update; not supported: ignore the module's q/k/v")
+
     def pre_hook(module, args, kwargs):
-        calls.append(_Call(hook))
+        calls.append(_Call(hook, again))
         return args, {**kwargs, keyword: tuple(kwargs.get(keyword, ())) + (calls[-1],)}
 
     def check(module, args, kwargs, output):
