@@ -275,3 +275,39 @@ def test_an_mse_state_names_its_one_option():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qstats.compute_qparams(state, _SPEC, patience=5)
+
+
+# --- numpy integers are integers -------------------------------------------------------------------
+
+
+def _histogram_state(**options):
+    observer = qstats.histogram(_SPEC, **options)
+    x = torch.randn(256, generator=torch.Generator().manual_seed(5))
+    return observer.update(observer.init(x), x)
+
+
+def _mse_state():
+    observer = qstats.mse(_SPEC)
+    x = torch.randn(256, generator=torch.Generator().manual_seed(6))
+    return observer.update(observer.init(x), x)
+
+
+_NUMPY_INTEGER_OPTIONS = {
+    # each option was refused as "must be an int ..., got np.int64(n)" where a Python int was taken
+    "histogram octaves": lambda n: _histogram_state(buckets_per_octave=8, octaves=n),
+    "recording capacity": lambda n: qstats.recording(capacity=n).init(torch.ones(3)),
+    "mse patience": lambda n: qstats.compute_qparams(_mse_state(), _SPEC, patience=n),
+    "moving-average mse patience": lambda n: (lambda o, x: o.update(o.init(x), x))(
+        qstats.mse(_SPEC, mode="moving_average", patience=n), torch.randn(64, generator=torch.Generator().manual_seed(7))),
+    "entropy num_bits": lambda n: qstats.compute_qparams(_histogram_state(), _SPEC, method="entropy", num_bits=n),
+    "histogram mse candidates": lambda n: qstats.compute_qparams(_histogram_state(), _SPEC, method="mse", candidates=n),
+}
+
+
+@pytest.mark.parametrize("option", sorted(_NUMPY_INTEGER_OPTIONS))
+def test_a_numpy_integer_option_equals_the_python_int(option):
+    np = pytest.importorskip("numpy")
+    build = _NUMPY_INTEGER_OPTIONS[option]
+    from_numpy, from_int = build(np.int64(6)), build(6)
+    for a, b in zip(from_numpy, from_int):
+        assert torch.equal(a, b)

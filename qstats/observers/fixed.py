@@ -17,7 +17,7 @@ import torch
 from .._granularity import PerTensor, check_observable, check_shape, qparam_shape, weight_view
 from .._qparams import NoStatistics, QParams, register_range_rule
 from .._spec import QuantSpec
-from .._checks import require
+from .._checks import is_integer, require
 from .._torch_features import bitcast
 from ._base import Observer, check_merge_states, check_state, register_state
 from .kit import check_spec
@@ -292,8 +292,9 @@ def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observe
     if spec is not None:
         check_spec(spec, "recording")
     raise_on_nonfinite = spec is not None and spec.nonfinite == "raise"
-    if not (isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 1):
+    if not (is_integer(capacity) and capacity >= 1):
         raise ValueError(f"recording: capacity must be a positive int, got {capacity!r}")
+    capacity = int(capacity)  # np.int64(100) too
 
     def init_fn(x: torch.Tensor) -> RecordingState:
         check_observable(x, "recording.init")

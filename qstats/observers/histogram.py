@@ -161,7 +161,7 @@ def _check_config(spec, bins, octaves, max_state_bytes):
         raise ValueError(f"histogram: max_state_bytes must be a positive int (bytes), got {max_state_bytes!r}")
     _check_bins(bins, "histogram: buckets_per_octave",
                 " (for torch.ao's number of linear bins: qstats.torch_ao.buckets_per_octave_for_bins(bins))")
-    check_int("octaves", octaves, 1, 252, "histogram")
+    octaves = check_int("octaves", octaves, 1, 252, "histogram")
     low = -(octaves // 2)
     return low, low + octaves
 
@@ -255,6 +255,7 @@ def histogram(
     """
     bins = _buckets_per_octave(buckets_per_octave, bins)
     low, high = _check_config(spec, bins, octaves, max_state_bytes)
+    bins, octaves, max_state_bytes = int(bins), high - low, int(max_state_bytes)  # numpy ints as Python ints
 
     def init_fn(x: torch.Tensor) -> HistogramState:
         check_observable(x, "histogram.init")

@@ -428,11 +428,12 @@ def _check_modes(mode, expand, averaging_constant, patience):
 
 
 def checked_patience(patience, where: str):
-    """``patience`` after ValueError unless it is None or a non-negative int (not a bool)."""
-    ok = patience is None or (isinstance(patience, int) and not isinstance(patience, bool) and patience >= 0)
+    """``patience`` (a Python int, of a numpy one too) after ValueError unless it is None or a
+    non-negative int (not a bool)."""
+    ok = patience is None or (is_integer(patience) and patience >= 0)
     if not ok:
         raise ValueError(f"{where}: patience must be a non-negative int or None, got {patience!r}")
-    return patience
+    return None if patience is None else int(patience)
 
 
 def _check_candidates(state: MSEState, candidates: int) -> None:

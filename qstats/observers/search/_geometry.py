@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ..._checks import is_integer
 from ..._formats import effective_scale
 from ..._qparams import Range, qparams_from_minmax
 from ..._spec import QuantSpec
@@ -39,10 +40,13 @@ def search_octaves(spec: QuantSpec) -> int:
     return min(spec.bits, 16) + 8
 
 
-def check_int(name: str, value, low: int = 1, high: int = 1 << 20, where: str = "compute_qparams") -> None:
-    """A method option that must be an int in ``[low, high]``: ValueError naming it otherwise."""
-    if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high):
+def check_int(name: str, value, low: int = 1, high: int = 1 << 20, where: str = "compute_qparams") -> int:
+    """A method option that must be an int in ``[low, high]``, as a Python int (a numpy integer, as
+    ``np.int64(8)``, too: it was refused as "must be an int, got np.int64(8)"); ValueError naming it
+    otherwise."""
+    if not (is_integer(value) and low <= value <= high):
         raise ValueError(f"{where}: {name} must be an int in [{low}, {high}], got {value!r}")
+    return int(value)
 
 
 def within_extremes(state, lo: torch.Tensor, hi: torch.Tensor) -> Range:

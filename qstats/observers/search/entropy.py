@@ -75,9 +75,9 @@ def _check_entropy_args(hist, bin_edges, num_bits, start_bin: int, stride: int) 
     if tuple(bin_edges.shape) not in expected:
         raise ValueError(f"entropy_amax: bin_edges of shape {tuple(bin_edges.shape)} do not fit hist of shape "
                          f"{tuple(hist.shape)}: expected {' or '.join(map(str, dict.fromkeys(expected)))}")
-    check_int("num_bits", num_bits, 1, 64, "entropy_amax")
-    check_int("start_bin", start_bin, 1, nbins, "entropy_amax")
-    check_int("stride", stride, 1, 1 << 30, "entropy_amax")
+    num_bits = check_int("num_bits", num_bits, 1, 64, "entropy_amax")
+    start_bin = check_int("start_bin", start_bin, 1, nbins, "entropy_amax")
+    stride = check_int("stride", stride, 1, 1 << 30, "entropy_amax")
 
 
 def entropy_amax(hist: torch.Tensor, bin_edges: torch.Tensor, num_bits: int = 8, unsigned: bool = False,
@@ -135,11 +135,11 @@ def entropy_search(state, spec: QuantSpec, num_bits=None, start_bin: int = 128, 
                    num_linear: int = 2048) -> Range:
     """TensorRT / ModelOpt's KL calibration on a ``num_linear``-bin histogram of ``|x|``, with
     ``num_bits`` (default: the spec's) and ModelOpt's ``start_bin`` and ``stride``."""
-    check_int("num_linear", num_linear, 2, 1 << 16)
+    num_linear = check_int("num_linear", num_linear, 2, 1 << 16)
     if num_bits is not None:
-        check_int("num_bits", num_bits, 1, 32)  # every spec's width (levels past the bins cost nothing)
-    check_int("start_bin", start_bin, 1, num_linear)
-    check_int("stride", stride, 1, num_linear)
+        num_bits = check_int("num_bits", num_bits, 1, 32)  # every spec's width (levels past the bins cost nothing)
+    start_bin = check_int("start_bin", start_bin, 1, num_linear)
+    stride = check_int("stride", stride, 1, num_linear)
     hist, linear_edges = _abs_linear_histogram(state, num_linear)
     bits = spec.bits if num_bits is None else num_bits
     unsigned = (not spec.is_signed) and spec.mapping == "asymmetric"

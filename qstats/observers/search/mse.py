@@ -89,8 +89,8 @@ def _scored(edges, counts, lo, hi, spec: QuantSpec, points: int) -> torch.Tensor
 def mse_search(state, spec: QuantSpec, candidates: int = 128, per_octave: int = 32) -> Range:
     """The shrink factor ``2**(-k / per_octave)``, ``k < candidates``, of the observed range with
     the least expected squared error on ``spec``'s grid."""
-    check_int("candidates", candidates, 1, 1 << 16)
-    check_int("per_octave", per_octave, 1, 1 << 16)
+    candidates = check_int("candidates", candidates, 1, 1 << 16)
+    per_octave = check_int("per_octave", per_octave, 1, 1 << 16)
     bins, low, _ = config(state)
     edges, counts = window(state, bins, low, search_octaves(spec))
     steps = torch.arange(candidates, dtype=torch.float64, device=edges.device)
