@@ -27,8 +27,9 @@ transformers = pytest.importorskip("transformers")
 import test_moe_families as families  # noqa: E402
 
 # families with fused experts that test_moe_families and test_export_moe_linearized leave out
-MORE = ("afmoe", "cohere2_moe", "dots1", "exaone_moe", "flex_olmo", "granitemoeshared", "hy_v3", "kimi_linear",
-        "lfm2_moe", "mellum", "mimo_v2_flash", "minimax_m2")
+MORE = ("afmoe", "axk1", "cohere2_moe", "deepseek_v32", "dots1", "exaone_moe", "flex_olmo", "glm4_moe_lite",
+        "glm_moe_dsa", "granitemoe_swa", "granitemoeshared", "hy_v3", "hy_v4", "kimi_linear", "lfm2_moe", "mellum",
+        "mimo_v2_flash", "minimax_m2", "qwen3_5_moe_text", "qwen3_next", "solar_open", "zaya")
 RTOL = 2e-6  # a few float32 ulps
 
 
@@ -44,8 +45,10 @@ def _model(family):
     if isinstance(fields.get("mlp_layer_types"), list):
         chosen["mlp_layer_types"] = ["sparse"] * 2
     if isinstance(fields.get("layer_types"), list) or "layer_types" in fields:
-        kinds = [kind for kind in fields.get("layer_types") or () if "full" in kind] or ["full_attention"]
-        chosen["layer_types"] = kinds[:1] * 2
+        kinds = fields.get("layer_types") or ["full_attention"]
+        chosen["layer_types"] = ([kind for kind in kinds if "full" in kind] or kinds)[:1] * 2
+    if family == "zaya":  # one expert per token only
+        chosen["num_experts_per_tok"] = 1
     if "n_shared_experts" in fields:
         chosen["n_shared_experts"] = 1
     if "qk_rope_head_dim" in fields:  # multi-head latent attention: head_dim is the rope dimension, and
