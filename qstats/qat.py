@@ -784,9 +784,10 @@ def prepare(
                          fold_batchnorm)
     _warn_float_layers(model, layers, rewriter, rewriter.rewrite(model, layers))
     if not rewriter.quantized:
-        calls = (f"; its calls {', '.join(rewriter.float_calls)} read weights held outside such layers (torch.ao's "
+        named = _float_calls(model, layers, rewriter)
+        calls = (f"; its calls {', '.join(named)} read weights held outside such layers (torch.ao's "
                  "prepare_qat_fx fake-quantizes them): hold each weight in such a layer, or quantize it with "
-                 "qstats.observe_fake_quantize") if rewriter.float_calls else ""
+                 "qstats.observe_fake_quantize") if named else ""
         raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}{calls}")
     activation_observers = rewriter.observers["activations"]  # every quantized layer but embeddings, given one
     if isinstance(activation_observer, Observer) and not activation_observers:
@@ -864,23 +865,28 @@ def _functional_owner(model: nn.Module, node, layers) -> Optional[str]:
     return None
 
 
-def _float_call(model: nn.Module, node, layers) -> Optional[str]:
+def _float_call(node, layers) -> Optional[Tuple[str, str]]:
     """``node``, an ``F.linear``/``F.convNd``/... call (of a kind a type of ``layers`` computes) that reads no
-    quantized layer's own weight, described for `prepare`'s warning: ``"F.conv2d(weight 'w') in 'block'"``.
-    torch.ao's ``prepare_qat_fx`` fake-quantizes such a call's weight and input; `prepare` leaves it in float.
-    None for a call in the forward of a layer of ``layers`` (a traced-through subclass: warned as a layer)."""
+    quantized layer's own weight, as ``(the path of the module whose forward makes it, a description for
+    `prepare`'s warning: "F.conv2d(weight 'w') in 'block'")``. torch.ao's ``prepare_qat_fx`` fake-quantizes such a
+    call's weight and input; `prepare` leaves it in float."""
     kind = _FUNCTIONAL_LAYERS[node.target]
     if not any(issubclass(kind, t) or issubclass(t, kind) for t in layers):
         return None
     stack = [entry[0] if isinstance(entry, tuple) else key
              for key, entry in (node.meta.get("nn_module_stack") or {}).items()]
     caller = stack[-1] if stack else ""
-    if caller and isinstance(model.get_submodule(caller), layers):
-        return None
     weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
     read = (f"weight {str(weight.target)!r}" if isinstance(weight, torch.fx.Node) and weight.op == "get_attr"
             else "a computed weight")
-    return f"F.{getattr(node.target, '__name__', node.target)}({read}) in {repr(caller) if caller else 'the model'}"
+    return caller, f"F.{getattr(node.target, '__name__', node.target)}({read}) in {repr(caller) if caller else 'the model'}"
+
+
+def _float_calls(model: nn.Module, layers, rewriter) -> list:
+    """The descriptions of `_float_call`'s calls, but those in the forward of a layer that stays in float (a
+    traced-through subclass whose own weight it could not find: the layer is named instead)."""
+    return [text for caller, text in rewriter.float_calls
+            if not (caller and isinstance(model.get_submodule(caller), layers) and caller not in rewriter.quantized)]
 
 
 # in-place operators a traced forward may apply to a buffer (``self.count += 1``); methods ending in one "_" too
@@ -932,8 +938,9 @@ def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
              "layer before them (folded: a Conv1d/2d/3d or Linear of torch.nn's forward, with a weight observer, whose "
              "output feeds only a batch norm of its dimension tracking running statistics, each called once, and whose "
              "batch norm weight holds no 0, which the folded output is divided by)")
-    if rewriter.float_calls and rewriter.quantized:  # with no quantized layer, prepare's error names them
-        warn(f"qstats.qat.prepare: the calls {', '.join(rewriter.float_calls)} read weights held outside the layers it quantizes "
+    calls = _float_calls(model, layers, rewriter)
+    if calls and rewriter.quantized:  # with no quantized layer, prepare's error names them
+        warn(f"qstats.qat.prepare: the calls {', '.join(calls)} read weights held outside the layers it quantizes "
              f"({[t.__name__ for t in layers]}): they stay in float (torch.ao's prepare_qat_fx fake-quantizes such "
              "calls); hold the weight in such a layer, or quantize it with qstats.observe_fake_quantize")
     if rewriter.traced_hooked:
@@ -1098,7 +1105,7 @@ class _Rewriter:
         self.fold_batchnorm = fold_batchnorm
         self.folded = {}  # layer -> the batch norm folded into its weight (`_fold_partner`)
         self.unfolded = []  # batch norms after a quantized layer that could not be folded into it
-        self.float_calls = []  # F.linear/F.convNd/... calls of a weight no quantized layer holds (`_float_call`)
+        self.float_calls = []  # (caller, description) of F.linear/F.convNd/... calls of a weight no quantized layer holds
         self.calls = collections.Counter(node.target for node in self.graph.nodes if node.op == "call_module")
         self.entries = {"weights": weight_entries, "activations": activation_entries}  # `_observer_entries`
         self.observers = {"weights": {}, "activations": {}}  # layer -> the observer of its point of that kind
@@ -1131,7 +1138,7 @@ class _Rewriter:
                 if owner is not None:  # a traced-through forward passing a layer's own weight to F.linear/conv
                     self.quantize_functional(node, owner, model.get_submodule(owner))
                 else:
-                    self.float_calls.extend(filter(None, [_float_call(model, node, layers)]))
+                    self.float_calls.extend(filter(None, [_float_call(node, layers)]))
             if node.op != "call_module":
                 continue
             layer = self.gm.get_submodule(node.target)

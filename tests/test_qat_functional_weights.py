@@ -53,6 +53,17 @@ class _TiedOutput(nn.Module):
         return F.linear(self.mix(self.embedding(ids)), self.embedding.weight)
 
 
+class _LowRank(nn.Linear):
+    """A Linear subclass with a low-rank update held as plain parameters (LoRA without Linear modules)."""
+
+    def __init__(self, features: int, rank: int):
+        super().__init__(features, features)
+        self.lora_a, self.lora_b = nn.Parameter(torch.randn(rank, features) * 0.1), nn.Parameter(torch.zeros(features, rank))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_a), self.lora_b)
+
+
 def _fake_quantized_parameters(model: nn.Module, example) -> set:
     """The parameters whose value torch.ao's prepare_qat_fx (default x86 QAT mapping) fake-quantizes."""
     prepared = prepare_qat_fx(copy.deepcopy(model).train(), get_default_qat_qconfig_mapping("x86"), (example,))
@@ -103,3 +114,14 @@ def test_functional_calls_of_unquantized_kinds_are_not_named():
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match=r"the calls F\.linear\(weight 'body\.proj'\) in 'body' read"):
         _prepare(_WithHead(), layers=nn.Linear)
+
+
+def test_plain_parameters_in_a_quantized_layers_own_forward_are_named():
+    # the layer's own weight is quantized under its name; the low-rank parameters beside it stay in float
+    torch.manual_seed(0)
+    model = nn.Sequential(_LowRank(4, 2), nn.ReLU(), nn.Linear(4, 2))
+    assert {"0.lora_a", "0.lora_b", "0.weight"} <= _fake_quantized_parameters(model, torch.randn(3, 4))
+    with pytest.warns(UserWarning, match=r"the calls F\.linear\(weight '0\.lora_a'\) in '0', "
+                                         r"F\.linear\(weight '0\.lora_b'\) in '0' read"):
+        qat = _prepare(model)
+    assert qat.layers == ("0", "2")
