@@ -319,6 +319,23 @@ class ExpertsLayer(torch.nn.Module):
         return self.experts(x, index, weights)
 
 
+def tiny_minimax_m3_sparse():
+    """A tiny MiniMax-M3 (eval mode, eager attention) whose two layers both select key blocks with its
+    sparse indexer, whose mask its attention applies only under the implementation names it compares."""
+    transformers = pytest.importorskip("transformers")
+    modeling = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
+    config = transformers.MiniMaxM3VLTextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, dense_intermediate_size=32, shared_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rotary_dim=4,
+        num_local_experts=2, num_experts_per_tok=1, index_n_heads=2, index_head_dim=8, index_block_size=2,
+        index_topk_blocks=1, index_local_blocks=1, layer_types=["minimax_m3_sparse"] * 2,
+        mlp_layer_types=["dense"] * 2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = modeling.MiniMaxM3VLForCausalLM(config).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
 def eager_attention_arguments(model, batches, modeling=None) -> dict:
     """``{(attention module path, site): [tensor of each call]}``: the query (``"q"``), key (``"k"``)
     and value (``"v"``) each attention module of ``model`` hands to eager attention over ``batches``,

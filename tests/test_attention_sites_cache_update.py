@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import eager_attention_arguments
+from _shared import eager_attention_arguments, tiny_minimax_m3_sparse
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
@@ -154,20 +154,6 @@ def test_gpt2_without_a_cache_is_refused_naming_the_module():
         qstats.calibrate(model, [{"input_ids": _batches()[0]}], _recipe(), progress=False)
 
 
-def _minimax():
-    modeling = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
-    config = transformers.MiniMaxM3VLTextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=32, dense_intermediate_size=32, shared_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rotary_dim=4,
-        num_local_experts=2, num_experts_per_tok=1, index_n_heads=2, index_head_dim=8, index_block_size=2,
-        index_topk_blocks=1, index_local_blocks=1, layer_types=["minimax_m3_sparse"] * 2,
-        mlp_layer_types=["dense"] * 2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = modeling.MiniMaxM3VLForCausalLM(config).eval()
-    model.set_attn_implementation("eager")
-    return model
-
-
 def _cache_updates(monkeypatch, quantize=None) -> dict:
     """``{(module path, site): [tensor]}``: the key and value each layer hands ``DynamicCache.update``
     (recorded by wrapping it), replaced by ``quantize(path, site, x)`` first when given."""
@@ -197,8 +183,8 @@ def test_minimax_sparse_attention_kv_cache_observes_the_sparse_models_keys(monke
     """The keys of its second layer are those of the sparse model (the dense model's differ:
     `test_attention_sites_implementation_name_branches`), as compressed-tensors' kv cache sees them."""
     pytest.importorskip("llmcompressor")
-    model, batches = _minimax(), [torch.randint(1, 64, (1, n), generator=torch.Generator().manual_seed(1))
-                                  for n in (16, 12)]
+    model = tiny_minimax_m3_sparse()
+    batches = [torch.randint(1, 64, (1, n), generator=torch.Generator().manual_seed(1)) for n in (16, 12)]
     plan = _kv_cache_plan(model, {**FP8, "observer": "static_minmax"})
     states = qstats.calibrate(model, [{"input_ids": x} for x in batches], plan, progress=False)
     seen = _cache_updates(monkeypatch)
@@ -214,7 +200,7 @@ def test_minimax_fake_quantized_logits_equal_compressed_tensors_fake_quantize_at
     after ``update``, where the sparse indexer reads ``past_key_values.layers``): the reference is its
     ``fake_quantize`` applied where that cache applies it."""
     pytest.importorskip("llmcompressor")
-    model, batch = _minimax(), torch.randint(1, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    model, batch = tiny_minimax_m3_sparse(), torch.randint(1, 64, (1, 16), generator=torch.Generator().manual_seed(1))
     plan = _kv_cache_plan(model)
     qparams = qstats.compute_qparams_tree(qstats.calibrate(model, [{"input_ids": batch}], plan, progress=False), plan)
     with torch.no_grad():

@@ -14,26 +14,12 @@ import pytest
 import torch
 
 import qstats
-from _shared import eager_attention_arguments
+from _shared import eager_attention_arguments, tiny_minimax_m3_sparse
 
 transformers = pytest.importorskip("transformers")
 modeling = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
 
 FP8 = dict(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
-
-
-def _sparse_model():
-    """A tiny MiniMax-M3 whose layers all select key blocks with its sparse indexer."""
-    config = transformers.MiniMaxM3VLTextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=32, dense_intermediate_size=32, shared_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rotary_dim=4,
-        num_local_experts=2, num_experts_per_tok=1, index_n_heads=2, index_head_dim=8, index_block_size=2,
-        index_topk_blocks=1, index_local_blocks=1, layer_types=["minimax_m3_sparse"] * 2,
-        mlp_layer_types=["dense"] * 2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = modeling.MiniMaxM3VLForCausalLM(config).eval()
-    model.set_attn_implementation("eager")
-    return model
 
 
 def _modifier():
@@ -47,7 +33,7 @@ def test_the_sparse_mask_changes_the_keys_of_later_layers():
     """The premise: under another implementation name the model skips its sparse mask, and the
     keys its second layer's attention receives change."""
     pytest.importorskip("llmcompressor")
-    model = _sparse_model()
+    model = tiny_minimax_m3_sparse()
     batch = torch.randint(1, 64, (1, 16), generator=torch.Generator().manual_seed(1))
     sparse = eager_attention_arguments(model, [batch], modeling)[("model.layers.1.self_attn", "k")][0]
     importlib.import_module("qstats._attention_functions")  # registers qstats' counterparts
@@ -58,7 +44,7 @@ def test_the_sparse_mask_changes_the_keys_of_later_layers():
 
 def test_calibrating_q_k_v_of_a_module_branching_on_the_implementation_name_is_refused_naming_it():
     pytest.importorskip("llmcompressor")
-    model = _sparse_model()
+    model = tiny_minimax_m3_sparse()
     plan = qstats.Recipe.from_compressed_tensors(_modifier()).resolve(model)
     batches = [{"input_ids": torch.randint(1, 64, (1, 16), generator=torch.Generator().manual_seed(1))}]
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn.*MiniMaxM3VLAttention.*compares"):
@@ -74,4 +60,4 @@ def test_modules_that_do_not_branch_on_it_are_not_refused():
                                       num_attention_heads=4, num_key_value_heads=2)
     attention = transformers.LlamaForCausalLM(config).model.layers[0].self_attn
     assert not _compares_implementation(attention, "eager") and not _compares_implementation(attention, "sdpa")
-    assert _compares_implementation(_sparse_model().model.layers[0].self_attn, "eager")
+    assert _compares_implementation(tiny_minimax_m3_sparse().model.layers[0].self_attn, "eager")
