@@ -56,6 +56,7 @@ def test_a_kv_cache_scheme_is_refused_naming_the_module():
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     model = _model()
-    plan = qstats.Recipe.from_compressed_tensors(QuantizationModifier(config_groups={}, kv_cache_scheme=FP8)).resolve(model)
+    modifier = QuantizationModifier(config_groups={}, kv_cache_scheme=FP8)
+    plan = qstats.Recipe.from_compressed_tensors(modifier).resolve(model)
     with pytest.raises(ValueError, match=r"DiffLlamaAttention\) called its attention function twice"):
         qstats.calibrate(model, [{"input_ids": _batch()}], plan, progress=False)
