@@ -464,6 +464,14 @@ def validate(spec) -> None:
             f"scale); {spec.dtype!r} has the range {spec.qrange}"
         )
     if spec.scale_dtype == "e8m0":
+        if element_max(spec) <= 0:
+            # no code on one side of the zero point: the exponent of amax / 0 (math domain error for
+            # floor, the largest scale and every value 0 for rceil and round)
+            raise ValueError(
+                f"QuantSpec.scale_dtype 'e8m0' needs codes on both sides of the symmetric zero point; "
+                f"{spec.dtype!r} (codes {tuple(spec.qrange)}, zero point {spec.zero_point_of_symmetric}) has none "
+                "on one side; use two or more bits"
+            )
         if spec.mapping == "asymmetric":
             raise ValueError("QuantSpec.scale_dtype 'e8m0' (power-of-two scales) needs a symmetric mapping")
         if isinstance(spec.granularity, TensorGroup):

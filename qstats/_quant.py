@@ -21,8 +21,6 @@ from ._formats import code_dtype
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
 from ._spec import QuantSpec
-# outputs saturated at their (fp16/bf16) dtype's largest value, where torch's fake-quant ops give +-Inf
-from .conventions.default import saturate as _cap
 
 __all__ = ["quantize", "dequantize", "fake_quantize", "code_dtype"]
 
@@ -115,6 +113,14 @@ def _dequantize_view(codes, scale, zero_point, spec, global_scale=None):
     if _formats.handles_codes(spec):
         return _formats.dequantize_values(_formats.load_codes(codes, spec), scale, global_scale, spec)
     return spec.convention.dequantize(codes, scale, zero_point, spec)
+
+
+def _cap(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` saturated at the largest value of ``dtype`` and of their own dtype, where torch's
+    fake-quant ops give +-Inf: an fp16/bf16 output's edges, and float32 results whose bf16/fp16 scale
+    rounded up (torchao's int4 code -8 of a one-sided range at -3.4025e38 under a bfloat16 scale)."""
+    limit = min(torch.finfo(dtype).max, torch.finfo(values.dtype).max)
+    return values.clamp(-limit, limit)
 
 
 def _to_output(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
