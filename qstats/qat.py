@@ -993,17 +993,21 @@ class _Tracer(torch.fx.Tracer):
     def __init__(self, layers: Tuple[type, ...]):
         super().__init__()
         self.layers = tuple(layers) + (nn.modules.batchnorm._BatchNorm,)
-        self.failed_in = None  # the path of the innermost module whose forward raised while tracing (`_trace`)
+        # (the exception, the path of the innermost registered module whose forward raised it) for `_trace`; an
+        # exception a forward caught (an optional path tried) is replaced by the next one, so it names no module
+        self.failure = None
 
     def call_module(self, m: nn.Module, forward, args, kwargs):
         try:
             return super().call_module(m, forward, args, kwargs)
-        except Exception:
-            if self.failed_in is None:  # the innermost module's handler runs first
+        except Exception as error:
+            # the innermost module's handler sees an exception first; an outer one names it where that module is
+            # not registered (held in a plain list)
+            if self.failure is None or self.failure[0] is not error or self.failure[1] is None:
                 try:
-                    self.failed_in = self.path_of_module(m)
-                except NameError:  # a module the model does not register (held in a plain list): unnamed
-                    self.failed_in = ""
+                    self.failure = (error, self.path_of_module(m))
+                except NameError:
+                    self.failure = (error, None)
             raise
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
@@ -1021,8 +1025,9 @@ def _trace(model: nn.Module, layers: Tuple[type, ...]) -> torch.fx.GraphModule:
         return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as error:  # data-dependent control flow, unsupported Python in forward
         where = f"{type(model).__name__}.forward"
-        if tracer.failed_in:  # a submodule's forward: named, the root's alone would not say which
-            where += f", in the forward of {tracer.failed_in!r} ({type(model.get_submodule(tracer.failed_in)).__name__})"
+        failed_in = tracer.failure[1] if tracer.failure is not None and tracer.failure[0] is error else None
+        if failed_in:  # a submodule's forward: named, the root's alone would not say which
+            where += f", in the forward of {failed_in!r} ({type(model.get_submodule(failed_in)).__name__})"
         raise TypeError(
             f"qstats.qat.prepare: torch.fx cannot trace {where} ({type(error).__name__}: "
             f"{error}); make the traced part free of data-dependent control flow, or quantize it with "

@@ -55,6 +55,59 @@ def test_untraceable_submodule_is_named(inner):
         qstats.qat.prepare(model, qstats.minmax(qstats.QuantSpec("int8")))
 
 
+class _TriesFastPath(nn.Module):
+    """Tries a submodule that torch.fx cannot trace and falls back to its input where it raises (an optional
+    fast path), then runs ``inner``, which fails: the error names ``inner``, not the path it caught."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.fast, self.fc, self.inner = _Gate(), nn.Linear(4, 4), inner
+
+    def forward(self, x):
+        try:
+            x = self.fast(x)
+        except Exception:  # torch.fx's TraceError here: the model goes on without it
+            pass
+        return self.inner(self.fc(x))
+
+
+class _Unregistered(nn.Module):
+    """Holds a failing module in a plain list, which the model does not register: no path of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = [_Gate()]
+
+    def forward(self, x):
+        return self.held[0](x)
+
+
+def test_a_failure_a_forward_caught_is_not_the_one_named():
+    model = _TriesFastPath(_Repeat())
+    with pytest.raises(TypeError, match=r"cannot trace _TriesFastPath\.forward, in the forward of 'inner' \(_Repeat\)"):
+        qstats.qat.prepare(model, qstats.minmax(qstats.QuantSpec("int8")))
+
+
+class _TriesFastPathThenLoops(_TriesFastPath):
+    def forward(self, x):
+        x = super().forward(x)
+        for _ in range(int(x.shape[0])):  # int() of a proxy, in the root's own forward
+            x = self.fc(x)
+        return x
+
+
+def test_a_failure_a_forward_caught_is_not_named_for_the_roots_own():
+    model = _TriesFastPathThenLoops(nn.Identity())
+    with pytest.raises(TypeError, match=r"cannot trace _TriesFastPathThenLoops\.forward \(TypeError"):
+        qstats.qat.prepare(model, qstats.minmax(qstats.QuantSpec("int8")))
+
+
+def test_a_failure_in_an_unregistered_module_names_the_registered_one_holding_it():
+    model = _Net(_Unregistered())
+    with pytest.raises(TypeError, match=r"in the forward of 'blocks\.1\.1' \(_Unregistered\)"):
+        qstats.qat.prepare(model, qstats.minmax(qstats.QuantSpec("int8")))
+
+
 def test_untraceable_root_forward_names_the_root_only():
     with pytest.raises(TypeError, match=r"cannot trace _Repeat\.forward \(TypeError"):
         qstats.qat.prepare(_Repeat(), qstats.minmax(qstats.QuantSpec("int8")))
