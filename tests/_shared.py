@@ -385,3 +385,23 @@ def assert_fake_quantized_logits_equal(model, qparams, plan, loaded, batch) -> N
         theirs = loaded(batch).logits
     assert not torch.equal(ours, float_logits)  # the fake quantization changes them
     assert torch.equal(ours, theirs), (ours - theirs).abs().max()
+
+
+def exported_and_loaded(model, qparams, recipe, folder) -> tuple:
+    """``(loaded, loading info, {path: {site: fake-quantized parameter}})``: ``model`` exported with
+    ``qstats.export.compressed_tensors`` into ``folder``, loaded back by transformers'
+    ``AutoModelForCausalLM`` (its loading warnings silenced), and the parameters of ``qparams``' sites
+    as ``qstats.fake_quantized`` computes them."""
+    import warnings
+
+    import qstats
+    import transformers
+
+    qstats.export.compressed_tensors(model, qparams, str(folder), recipe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(folder), output_loading_info=True)
+    with qstats.fake_quantized(model, qparams, recipe):
+        expected = {path: {site: getattr(model.get_submodule(path), site).detach().clone() for site in entry}
+                    for path, entry in qparams.items()}
+    return loaded, info, expected

@@ -25,7 +25,7 @@ import warnings
 
 import pytest
 import torch
-from _shared import bit_equal, qwen3_moe_config
+from _shared import bit_equal, exported_and_loaded, qwen3_moe_config
 
 import qstats
 
@@ -587,13 +587,7 @@ def test_transformers_loads_the_unpacked_experts_of_other_architectures(tmp_path
     weights = qstats.QuantSpec.from_compressed_tensors(W4_GROUP[0])
     recipe = qstats.Recipe([qstats.Rule(name, sites=("gate_up_proj", "down_proj"), spec=weights)])
     qparams = qstats.compute_qparams_tree(qstats.calibrate(model, [], recipe, progress=False), recipe, model)
-    qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
-    with qstats.fake_quantized(model, qparams, recipe):
-        expected = {path: {site: getattr(model.get_submodule(path), site).detach().clone() for site in entry}
-                    for path, entry in qparams.items()}
+    loaded, info, expected = exported_and_loaded(model, qparams, recipe, tmp_path)
     for path, entry in expected.items():
         for site, stack in entry.items():
             assert torch.equal(getattr(loaded.get_submodule(path), site).detach(), stack), (path, site)

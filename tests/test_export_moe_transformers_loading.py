@@ -13,13 +13,12 @@ gets updated."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
 import qstats
+from _shared import exported_and_loaded
 
 transformers = pytest.importorskip("transformers")
 import test_moe_families as families  # noqa: E402
@@ -48,13 +47,7 @@ def test_transformers_loads_unpacked_experts(family, tmp_path, single_thread_qui
     spec = qstats.QuantSpec.from_compressed_tensors(W4_GROUP)
     recipe = qstats.Recipe([qstats.Rule(type(experts).__name__, sites=(first, "down_proj"), spec=spec)])
     qparams = qstats.compute_qparams_tree(qstats.calibrate(model, [], recipe, progress=False), recipe, model)
-    qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
-    with qstats.fake_quantized(model, qparams, recipe):
-        expected = {path: {site: getattr(model.get_submodule(path), site).detach().clone() for site in entry}
-                    for path, entry in qparams.items()}
+    loaded, info, expected = exported_and_loaded(model, qparams, recipe, tmp_path)
     assert expected  # the experts of every sparse layer
     assert not [key for key in info["missing_keys"] if ".experts." in key]
     for path, entry in expected.items():
