@@ -88,7 +88,8 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
         return lo.clamp(max=0.0), hi.clamp(min=0.0)
 
     update_fn = moving_extremes_update(spec, step, "coreai_opt.moving_average_minmax.update", contain_zero)
-    return Observer(extremes_init(MovingAverageMinMaxState, spec), update_fn, base.merge,
+    init_fn = extremes_init(MovingAverageMinMaxState, spec, "coreai_opt.moving_average_minmax")
+    return Observer(init_fn, update_fn, base.merge,
                     exact=False, spec=spec, name="coreai_opt_moving_average_minmax")
 
 

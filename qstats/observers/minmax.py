@@ -16,7 +16,7 @@ from .._checks import is_real_number
 from .._qparams import Range, register_range_rule
 from .._spec import QuantSpec
 from ._base import Observer, batch_weighted_mean, check_same_shapes, check_state, register_state
-from .kit import check_spec, extremes_init, observe_extremes
+from .kit import check_observable, check_spec, extremes_init, observe_extremes
 
 __all__ = [
     "MinMaxState",
@@ -112,13 +112,14 @@ def minmax(spec: QuantSpec) -> Observer:
 
     def update_fn(state: MinMaxState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MinMaxState:
         check_extremes_state(state, MinMaxState, "minmax.update")
+        check_observable(x, "minmax.update")
         if x.numel() == 0:
             return state
         lo, hi, count, nonfinite = observe_extremes(x, weight, spec, state.min_val.shape, "minmax.update")
         return MinMaxState(torch.minimum(state.min_val, lo), torch.maximum(state.max_val, hi),
                            state.count + count, state.nonfinite + nonfinite)
 
-    return Observer(extremes_init(MinMaxState, spec), update_fn, _merge_extremes(MinMaxState, "minmax"),
+    return Observer(extremes_init(MinMaxState, spec, "minmax"), update_fn, _merge_extremes(MinMaxState, "minmax"),
                     exact=True, spec=spec, name="minmax", shared_rows=True)
 
 
@@ -134,6 +135,7 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
 
     def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MemorylessMinMaxState:
         check_extremes_state(state, MemorylessMinMaxState, "memoryless_minmax.update")
+        check_observable(x, "memoryless_minmax.update")
         if x.numel() == 0:
             return state
         batch = observe_extremes(x, weight, spec, state.min_val.shape, "memoryless_minmax.update")
@@ -141,7 +143,7 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
         return MemorylessMinMaxState(*(torch.where(reached, new, old) for new, old in zip(batch, state)))
 
     merge_fn = _merge_extremes(MemorylessMinMaxState, "memoryless_minmax")
-    return Observer(extremes_init(MemorylessMinMaxState, spec), update_fn, merge_fn,
+    return Observer(extremes_init(MemorylessMinMaxState, spec, "memoryless_minmax"), update_fn, merge_fn,
                     exact=True, spec=spec, name="memoryless_minmax", shared_rows=True)
 
 
@@ -153,6 +155,7 @@ def moving_extremes_update(spec: QuantSpec, step: Callable, where: str, batch_ra
 
     def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MovingAverageMinMaxState:
         check_extremes_state(state, MovingAverageMinMaxState, where)
+        check_observable(x, where)
         if x.numel() == 0:
             return state
         lo, hi, count, nonfinite = observe_extremes(x, weight, spec, state.min_val.shape, where)
@@ -216,7 +219,7 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
         _check_merge(a, b, MovingAverageMinMaxState, "moving_average_minmax.merge")
         return merge_moving_extremes(a, b)
 
-    return Observer(extremes_init(MovingAverageMinMaxState, spec), update_fn, merge_fn,
+    return Observer(extremes_init(MovingAverageMinMaxState, spec, "moving_average_minmax"), update_fn, merge_fn,
                     exact=False, spec=spec, name="moving_average_minmax", shared_rows=True)
 
 
