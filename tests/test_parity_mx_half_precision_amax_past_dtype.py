@@ -46,3 +46,21 @@ def test_moments_amax_past_float16(scheme, k):
     theirs = ct_forward.fake_quantize(weight.float(), scale, zero_point, args).clamp(-FP16_MAX, FP16_MAX).half()
     assert torch.isfinite(ours).all() and (ours != 0).all()
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "ceil", "floor"])
+def test_power_of_two_scales_rounded_past_float16_are_its_largest(rounding):
+    """int2 (element maximum 1) under e8m0 scales held in float16: an amax of 65504 rounds up to
+    2**16 under rceil/ceil, past float16 (Inf there, every value 0 or NaN): the scale is float16's
+    largest power of two, 2**15, and every value stays finite."""
+    spec = qstats.QuantSpec(dtype="int2", scale_dtype="e8m0", scale_rounding=rounding, granularity=qstats.PerToken(),
+                            convention="compressed_tensors", compute_dtype="float16")
+    x = torch.tensor([[FP16_MAX, -1.0, 2.0, 0.5], [1e5, 3.0, -2.0, 1.0]])
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    exponent = torch.log2(torch.tensor(FP16_MAX))
+    exponent = torch.ceil(exponent) if rounding != "floor" else torch.floor(exponent)
+    expected = torch.exp2(exponent).clamp(max=2.0**15)  # OCP: 2**(round(log2 amax) - log2 1), held in float16
+    assert torch.equal(qp.scale, expected.expand(2))
+    for values in (qstats.fake_quantize(x, qp, spec), qstats.fake_quantize(x.half(), qp, spec)):
+        assert torch.isfinite(values).all() and (values[:, 0] != 0).all()

@@ -9,6 +9,7 @@ overflow, all-zero float8 ranges, dynamic activations, ``scale_dtype=float32``) 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -480,5 +481,7 @@ class CompressedTensorsConvention(Convention):
             return super().e8m0_scale(amax, spec)
         compute = getattr(torch, spec.compute_dtype)
         scale = super().e8m0_scale(amax.float().clamp(max=torch.finfo(compute).max), spec)
+        # a scale rounded up past the dtype (int2's rceil scale of 65504 is 2**16) is its largest power of two
+        scale = scale.clamp(max=2.0 ** math.floor(math.log2(torch.finfo(compute).max)))
         underflows = scale.to(compute) == 0
         return torch.where(underflows, torch.ones_like(scale), scale)
