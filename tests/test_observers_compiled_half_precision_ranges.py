@@ -3,10 +3,18 @@ dtype, as llm-compressor keeps such inputs' ranges) under ``torch.compile``: ind
 ``x.to(half).float()`` pair of casts, so a compiled update kept float32 values that are no fp16
 value and differed from the eager update."""
 
+import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
 import qstats
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each case traced afresh: the observers' update functions share code objects, so cases compiled
+    earlier in the same process would count towards dynamo's recompile limit (fullgraph fails there)."""
+    torch._dynamo.reset()
 
 
 def _fp16_spec():
