@@ -111,6 +111,29 @@ def _is_kv_cache_module(module: torch.nn.Module) -> bool:
     return _forward_takes(module, "past_key_value", "past_key_values")
 
 
+def _check_head_counts(model: Optional[torch.nn.Module]) -> None:
+    """Refuses q/k/v sites of a transformers model whose decoder config does not give compressed-tensors
+    the attention's head counts and size: its ``initialize_attn_qparams`` reads them with
+    ``get_num_attn_heads``, ``get_num_kv_heads`` and ``get_head_dim`` from
+    ``model.config.get_text_config(decoder=True)`` (``initialize_hooked_kv_cache``) and raises while loading
+    the checkpoint (OPT: no ``num_key_value_heads``), as llm-compressor's ``oneshot`` does calibrating it."""
+    config = getattr(model, "config", None)
+    if not callable(getattr(config, "get_text_config", None)):  # not a transformers model: no such config read
+        return
+    from compressed_tensors.utils import get_head_dim, get_num_attn_heads, get_num_kv_heads
+
+    text_config = config.get_text_config(decoder=True)
+    for read in (get_num_attn_heads, get_num_kv_heads, get_head_dim):
+        try:
+            read(text_config)
+        except ValueError as error:
+            reason = str(error).replace(str(text_config), "").strip()
+            fail("kv_cache_scheme", f"compressed-tensors cannot load the q/k/v scales of this {type(model).__name__}: "
+                 f"its {read.__name__} raises on the model's decoder config ({type(text_config).__name__}, "
+                 f"model_type {getattr(text_config, 'model_type', None)!r}): {reason}; drop the q/k/v sites "
+                 "(llm-compressor's oneshot fails alike on this model)")
+
+
 def attention_config(attention: dict, groups: dict, modules: Mapping, rename, observers: Mapping) -> Optional[dict]:
     """The ``kv_cache_scheme`` (k/v sites, one for the whole model) and, for q sites, a config group
     targeting the attention modules (compressed-tensors' attention quantization, whose
@@ -122,6 +145,7 @@ def attention_config(attention: dict, groups: dict, modules: Mapping, rename, ob
     holds one scheme for all)."""
     if not attention:
         return None
+    _check_head_counts(modules.get(""))
     uncovered = [path for path, module in modules.items() if path not in attention and _is_kv_cache_module(module)]
     if uncovered:
         shown = ", ".join(uncovered[:4]) + (f", and {len(uncovered) - 4} more" if len(uncovered) > 4 else "")

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from .._granularity import TensorGroup
+from .._ops import is_dtensor
 from .._qparams import QParams
 from .._schemes import matches_targets
 from .._torch_features import uncompiled
@@ -24,7 +25,7 @@ from ..recipe import Plan, Recipe, as_plan
 from .attention import attention_config, write_attention
 from .config import (ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, ignored_modules,
                      llm_compressor_observers)
-from .experts import expert_entries, unpack_loaded_per_expert, warn_mixed_experts
+from .experts import expert_entries, unpack_loaded_per_expert, warn_mixed_experts, warn_unloaded_experts
 from .linear import linear_entry, write_linear
 from .mtp import MTP_IGNORE, SHARD as MTP_SHARD, copy_mtp_tensors
 from .._checkpoint_names import module_renamer, saved_tensors
@@ -72,11 +73,13 @@ def compressed_tensors(
     Raises:
       ValueError: a site, spec or shape compressed-tensors cannot express (names it); ``path`` holding
         safetensors files or a safetensors index (a loader would read those stale tensors), or a file; a
-        bad ``max_shard_size``; a model on the meta device.
+        bad ``max_shard_size``; a model on the meta device, or one whose tensors are DTensors (FSDP2: export
+        the gathered full state dict loaded into the model unwrapped).
       TypeError: wrong argument types.
     """
     _check_arguments(model, qparams, format)
     model = uncompiled(model)  # torch.compile's wrapper would prefix every tensor name with "_orig_mod."
+    _check_not_sharded(model)
     _check_materialized(model)
     max_bytes = shard_bytes(max_shard_size)
     check_new_folder(path, None, "export.compressed_tensors", "path")
@@ -90,6 +93,20 @@ def compressed_tensors(
         remove_shards(path, names)
         raise
     return quantization_config
+
+
+def _check_not_sharded(model: torch.nn.Module) -> None:
+    """Refuses a model whose parameters or buffers are DTensors (FSDP2's ``fully_shard``, tensor
+    parallelism): each rank holds a shard, and the export needs the whole weights."""
+    sharded = [name for name, tensor in model.state_dict().items() if is_dtensor(tensor)]
+    if sharded:
+        raise ValueError(
+            f"export.compressed_tensors: {len(sharded)} tensor(s) of the model are DTensors "
+            f"({_listed(sharded, 3)}), each rank holding a shard (FSDP2's fully_shard, tensor parallelism); "
+            "gather the full state dict with torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+            "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on every rank, load it on rank 0 "
+            "into the model unwrapped (not sharded) and export that (docs/distributed.md)"
+        )
 
 
 def _check_materialized(model: torch.nn.Module) -> None:
@@ -251,9 +268,11 @@ class Writer:
         _warn_log(self.log)
         _warn_missing_qparams(self.plan.sites if self.plan is not None else self.specs, self.qparams)
         warn_mixed_experts(self.schemes, self.expert_projection)
+        rename = module_renamer(self.model)
+        warn_unloaded_experts(self.model, self.expert_projection, rename)
         _warn_unshared_global_scales(self.groups, self.qparams, self.specs)
         config = _quantization_config(self.schemes, self.expert_projection, self.attention, self.modules,
-                                      self.format, self.plan, module_renamer(self.model))
+                                      self.format, self.plan, rename)
         for group in config["config_groups"].values():
             if group["weights"] is not None:
                 group["weights"]["actorder"] = self.actorder

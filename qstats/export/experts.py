@@ -23,7 +23,7 @@ from .linear import Entry
 from .scales import check_qparams, scale_dtype
 from .._warn import warn
 
-__all__ = ["expert_entries", "unpack_loaded_per_expert", "warn_mixed_experts"]
+__all__ = ["expert_entries", "unpack_loaded_per_expert", "warn_mixed_experts", "warn_unloaded_experts"]
 
 _INPUT_SITES = ("input", "gate_up_proj.input", "up_proj.input", "down_proj.input")
 # experts that transformers swaps for per-expert Linears whenever it loads a compressed-tensors
@@ -244,6 +244,44 @@ def warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
             f"({', '.join(mixed[:4])}) have different schemes (e.g. static input scales for gate_proj/up_proj "
             "but no 'down_proj.input' site, or down_proj left unquantized); compressed-tensors and "
             "transformers load this, vLLM's fused-MoE loader requires one scheme per experts module",
+        )
+
+
+def warn_unloaded_experts(model: torch.nn.Module, expert_projection: Mapping, rename) -> None:
+    """Warns when transformers' ``from_pretrained`` would not load the unpacked experts back into the
+    model's 3-D experts: its own weight conversion for the model (``get_model_conversion_mapping``,
+    renamings then converters, as ``rename_source_key`` applies them on load) maps the per-expert
+    checkpoint names onto no parameter of the model (Mixtral, PhiMoE, MiniMax: it merges ``w1``/``w2``/``w3``
+    names only), so it reports them MISSING and leaves them randomly initialised. ``expert_projection``:
+    ``{unpacked path: (experts path, projection)}``; ``rename``: a module path's checkpoint name."""
+    modules = dict(model.named_modules())
+    names = [rename(path) + ".weight" for path, (experts_path, _) in expert_projection.items()
+             if type(modules[experts_path]).__name__ not in _LOADED_PER_EXPERT]  # loaded into per-expert Linears
+    if not names:
+        return
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # no transformers (5): no conversion to ask
+        return
+    if not isinstance(model, PreTrainedModel):
+        return
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    # the model's tensor names, a parametrized one's (inside `qstats.fake_quantized`) as its own
+    loadable = dict.fromkeys((name.replace("parametrizations.", "").removesuffix(".original")
+                              if ".parametrizations." in f".{name}" else name for name in model.state_dict()), True)
+    missing = [name for name in names
+               if rename_source_key(name, renamings, converters, model.base_model_prefix, loadable)[0] not in loadable]
+    if missing:
+        warn(
+            f"export.compressed_tensors: transformers does not load {len(missing)} of the {len(names)} unpacked "
+            f"expert projections of this {type(model).__name__} back (e.g. {missing[0]}): its weight conversion "
+            f"for model_type {model.config.model_type!r} merges no such per-expert name into the 3-D experts, so "
+            "from_pretrained reports them MISSING and leaves those experts randomly initialised; load the "
+            "checkpoint with vLLM or compressed-tensors (docs/export.md)",
         )
 
 
