@@ -19,14 +19,15 @@ from tqdm.auto import tqdm
 from ._attention import SiteHooks, attention_sites
 from ._checks import check_flag
 from ._formats import COMPUTE_DTYPE_NAMES, global_scale_from_amax
-from ._granularity import TensorGroup
+from ._granularity import TensorGroup, qparam_shape
 from ._ops import is_dtensor
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams, per_expert_qparams
 from ._quant import fake_quantize
 from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
-from .experts import rows_by_expert, stacked_qparams
+from .experts import linearized_layout_problem, rows_by_expert, stack_layout, stacked_qparams
 from .fused import fused_amax
 from .observers import memoryless_minmax
+from .observers.mse import MSEState, stopped_per_part
 from .observation import (ExpertCallHooks, Observing, capture_call, check_observation_weight,
                           check_runtime_group, observing_as, raise_renamed, stop_capture, unrecognised_sites_error)
 from .recipe import Plan, Recipe, as_plan
@@ -255,6 +256,7 @@ def compute_qparams_tree(
             found = plan.site(path, site)
             if found is None:
                 raise ValueError(f"compute_qparams_tree: the recipe observes no site {site!r} of module {path!r}")
+            state = _stopped_per_projection(state, plan, path, site)
             out[path][site] = _site_qparams(state, found, f"compute_qparams_tree[{path!r}][{site!r}]", options)
     if fuse:
         _share_global_scales(out, states, plan, options)
@@ -273,6 +275,27 @@ def _site_qparams(state, found, where: str, options: dict) -> Optional[QParams]:
     if found.num_experts:
         check_calibrated(qparams.calibrated, found.spec, where=where)
     return qparams
+
+
+def _stopped_per_projection(state, plan: Plan, path: str, site: str):
+    """An mse state of a stacked ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) whose
+    early stop (``patience``) runs per projection, as llm-compressor's observer on each Linear its
+    ``linearize_moe`` makes of it (`stopped_per_part`; one stop for both picked other scales); any
+    other state as it is, and one whose quantization parameters do not split into the halves' rows."""
+    found, module = plan.site(path, site), plan.modules[path]
+    if (site != "gate_up_proj" or found.kind != "parameter" or not found.num_experts or not isinstance(state, MSEState)
+            or linearized_layout_problem(module) is not None):
+        return state
+    down = getattr(module, "down_proj", None)
+    layout = stack_layout(module, "down_proj")
+    if not isinstance(down, torch.Tensor) or down.ndim != 3:
+        return state
+    intermediate = (down.shape if layout is None else layout.canonical_shape(down.shape))[2]
+    rows, columns = plan.parameter(path, site).shape[1:]
+    whole, half = (qparam_shape(shape, found.spec.granularity) for shape in ((rows, columns), (intermediate, columns)))
+    if rows != 2 * intermediate or not half or whole != (2 * half[0], *half[1:]):
+        return state
+    return stopped_per_part(state, 2)
 
 
 def _share_global_scales(out: dict, states: Mapping, plan: Plan, options: dict) -> None:

@@ -28,7 +28,8 @@ from ._base import Observer, check_merge_states, check_state, register_state
 from .kit import check_spec, extremes_init, masked_view
 from .minmax import check_averaging_constant, merge_moving_extremes
 
-__all__ = ["MSEState", "MovingAverageMSEState", "mse", "shrink_factors", "candidate_losses", "checked_patience"]
+__all__ = ["MSEState", "MovingAverageMSEState", "mse", "shrink_factors", "candidate_losses", "checked_patience",
+           "stopped_per_part"]
 
 
 @register_state
@@ -246,12 +247,13 @@ def _chosen_factor(loss: torch.Tensor, factors: torch.Tensor, patience: Optional
     """The shrink factor of the chosen candidate per parameter, float32: the first minimum, optionally
     restricted to the candidates llm-compressor evaluates before its early stop (``patience``: it stops
     at the first step that improves no parameter once ``patience`` such steps ran in a row, so 0 stops
-    there as 1 does). ``factors`` is ``[*stack, C]``: a stacked state's experts each stop on their own."""
+    there as 1 does). ``factors`` is ``[*stack, C]``: the parameters of ``loss`` (``[..., C]``, in order)
+    fall into ``prod(stack)`` equal parts, each stopping on its own: a stacked state's experts, and
+    the projections of a fused one (`stopped_per_part`)."""
     stack, steps = factors.shape[:-1], loss.shape[-1]
-    params = (1,) * (loss.ndim - factors.ndim)  # the parameter dims of ``loss``, between stack and C
+    flat = loss.reshape(*stack, -1, steps)  # (*stack, params, C)
     if patience is not None:
         patience = max(patience, 1)
-        flat = loss.reshape(*stack, -1, steps)  # (*stack, params, C)
         running = torch.cummin(flat, dim=-1).values
         previous = torch.cat([torch.full_like(running[..., :1], torch.finfo(torch.float64).max),
                               running[..., :-1]], -1)
@@ -261,11 +263,20 @@ def _chosen_factor(loss: torch.Tensor, factors: torch.Tensor, patience: Optional
         last_improved = torch.cummax(torch.where(improved, positions, torch.full_like(positions, -1)), -1).values
         stalled = (positions - last_improved) >= patience
         stop = torch.where(stalled, positions, torch.full_like(positions, steps - 1)).amin(-1)  # (*stack,)
-        loss = torch.where(order <= stop.reshape(*stack, *params, 1), loss, torch.full_like(loss, torch.inf))
-    best = torch.argmin(loss, dim=-1)
+        flat = torch.where(order <= stop.unsqueeze(-1).unsqueeze(-1), flat, torch.full_like(flat, torch.inf))
+    best = torch.argmin(flat, dim=-1, keepdim=True)
     # a gather, not factors[best]: a 0-dim index would read its value on the host (a graph break)
-    factors = factors.reshape(*stack, *params, steps)
-    return torch.gather(factors.expand(loss.shape), -1, best.unsqueeze(-1)).squeeze(-1).float()
+    chosen = torch.gather(factors.unsqueeze(-2).expand(flat.shape), -1, best)
+    return chosen.reshape(loss.shape[:-1]).float()
+
+
+def stopped_per_part(state: MSEState, parts: int) -> MSEState:
+    """``state`` whose search (`compute_qparams`' ``patience``) stops on its own in each of ``parts``
+    equal parts of its parameters' leading dimension (the gate and up halves of a stacked
+    ``gate_up_proj``, which llm-compressor searches as two Linears); the state of a stack stays one
+    per expert. Its losses, ranges and merges are unchanged."""
+    factors = state.factors
+    return state._replace(factors=factors.unsqueeze(-2).expand(*factors.shape[:-1], parts, factors.shape[-1]))
 
 
 def _reference_of(reference, shape, device):
