@@ -115,11 +115,17 @@ def _dequantize_view(codes, scale, zero_point, spec, global_scale=None):
     return spec.convention.dequantize(codes, scale, zero_point, spec)
 
 
-def _cap(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``values`` saturated at the largest value of ``dtype`` and of their own dtype, where torch's
-    fake-quant ops give +-Inf: an fp16/bf16 output's edges, and float32 results whose bf16/fp16 scale
-    rounded up (torchao's int4 code -8 of a one-sided range at -3.4025e38 under a bfloat16 scale)."""
+_HALF_NAMES = {"bfloat16", "float16"}
+
+
+def _cap(values: torch.Tensor, dtype: torch.dtype, spec: QuantSpec) -> torch.Tensor:
+    """``values`` saturated where torch's fake-quant ops give +-Inf: at an fp16/bf16 output's largest
+    value, and at float32's where a bf16/fp16 scale or compute dtype may round a code's value up past
+    it (torchao's int4 code -8 of a one-sided range at -3.4025e38 under a bfloat16 scale). Other
+    float32 results are left as they are (an Inf scale a caller passed stays visible)."""
     limit = min(torch.finfo(dtype).max, torch.finfo(values.dtype).max)
+    if limit == torch.finfo(values.dtype).max and not {spec.scale_dtype, spec.compute_dtype} & _HALF_NAMES:
+        return values
     return values.clamp(-limit, limit)
 
 
@@ -173,7 +179,7 @@ def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=tor
     scale, zero_point = _params(qparams, view, spec, "dequantize")
     if inside is not None:
         scale = torch.where(inside, scale, torch.ones_like(scale))  # threads the check (a few scales)
-    out = _cap(_dequantize_view(view, scale, zero_point, spec, qparams.global_scale), dtype)
+    out = _cap(_dequantize_view(view, scale, zero_point, spec, qparams.global_scale), dtype, spec)
     return _to_output(from_canonical_view(out, spec.granularity, codes.shape), dtype)
 
 
@@ -193,7 +199,7 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
     scale, zero_point = _params(qparams, view, spec, "fake_quantize")
     zero_point = _checked_zero_point(zero_point, spec, "fake_quantize")
     unclamped, codes = _codes_float(view.detach(), scale, zero_point, spec, qparams.global_scale)
-    out = _cap(_dequantize_view(codes, scale, zero_point, spec, qparams.global_scale), x.dtype)
+    out = _cap(_dequantize_view(codes, scale, zero_point, spec, qparams.global_scale), x.dtype, spec)
     # the straight-through term, +0 with derivative 1 inside the range, in every mode (requires_grad
     # reads False inside vmap, so it is always added); subtracted as (detached - x) so that a -0.0
     # output keeps its sign, in float64 for float64 input (a float32 copy of 1e39 is Inf: Inf - Inf)

@@ -327,7 +327,7 @@ def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actor
     if running_qparams is not None:
         qparams = running_qparams
     # saturated at the weight dtype's largest finite value (fp16/bf16 edges), as fake_quantize
-    return _cap(quantized, weight.dtype).to(weight.dtype), store_codes(codes, spec), qparams
+    return _cap(quantized, weight.dtype, spec).to(weight.dtype), store_codes(codes, spec), qparams
 
 
 def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, block_size: int = 128,

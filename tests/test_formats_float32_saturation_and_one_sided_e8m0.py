@@ -65,3 +65,14 @@ def test_e8m0_scales_of_two_bit_targets_are_the_ocp_floor():
     qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
     expected = torch.exp2(torch.floor(torch.log2(x.abs().amax(-1, keepdim=True))))
     assert torch.equal(qp.scale, expected)
+
+
+def test_an_infinite_float32_scale_stays_visible_in_dequantized_values():
+    """Saturation is for half-precision outputs and scales that round up past float32; a float32 scale
+    a caller made Inf gives Inf values, as ``(codes - zero_point) * scale`` does in plain torch."""
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+    codes = torch.tensor([[-3, 5], [7, -1]], dtype=torch.int8)
+    scale = torch.tensor([float("inf"), 0.5])
+    qparams = qstats.QParams(scale, torch.zeros(2, dtype=torch.int32), torch.ones(()), torch.ones(2, dtype=torch.bool))
+    expected = (codes.float() - 0.0) * scale[:, None]
+    assert torch.equal(qstats.dequantize(codes, qparams, spec), expected)
