@@ -395,7 +395,8 @@ def test_experts_that_call_themselves_are_observed_once_per_outer_call(all_exper
     """A moving average counts each batch once: the module's calls on halves of its tokens, from
     inside its own forward, are part of the outer call (they were observed again, 3 batches per
     batch, 5 with ``all_experts``). Reference: torch.ao's moving-average observer per expert, fed
-    that expert's routed tokens (every token with ``all_experts``) and its own intermediates."""
+    that expert's routed tokens (every token with ``all_experts``) and its own intermediates, computed
+    per half as the module computes them."""
     from torch.ao.quantization.observer import MovingAverageMinMaxObserver
 
     torch.manual_seed(0)
@@ -410,10 +411,13 @@ def test_experts_that_call_themselves_are_observed_once_per_outer_call(all_exper
         refs = {site: MovingAverageMinMaxObserver(averaging_constant=0.5) for site in states}
         with torch.no_grad():
             for x, index, _ in batches:
-                rows = x if all_experts else x[index[:, 0] == e]
-                gate, up = torch.nn.functional.linear(rows, experts.gate_up_proj[e]).chunk(2, dim=-1)
-                refs["input"](rows)
-                refs["down_proj.input"](torch.nn.functional.silu(gate) * up)
+                # each half's rows multiplied on their own, as the module does (a matmul's last bits
+                # may depend on its row count)
+                halves = [x[part] if all_experts else x[part][index[part][:, 0] == e]
+                          for part in (slice(None, 4), slice(4, None))]
+                gate_up = [torch.nn.functional.linear(rows, experts.gate_up_proj[e]).chunk(2, dim=-1) for rows in halves]
+                refs["input"](torch.cat(halves))
+                refs["down_proj.input"](torch.cat([torch.nn.functional.silu(gate) * up for gate, up in gate_up]))
         for site, ref in refs.items():
             assert int(states[site].batches[e]) == 3, site
             torch.testing.assert_close(states[site].min_val[e], ref.min_val, rtol=0, atol=0)
