@@ -291,7 +291,8 @@ def _stopped_per_projection(state, plan: Plan, path: str, site: str):
     if not isinstance(down, torch.Tensor) or down.ndim != 3:
         return state
     intermediate = (down.shape if layout is None else layout.canonical_shape(down.shape))[2]
-    rows, columns = plan.parameter(path, site).shape[1:]
+    stored, stored_layout = getattr(module, site), stack_layout(module, site)  # the shape alone: no copy
+    rows, columns = (stored.shape if stored_layout is None else stored_layout.canonical_shape(stored.shape))[1:]
     whole, half = (qparam_shape(shape, found.spec.granularity) for shape in ((rows, columns), (intermediate, columns)))
     if rows != 2 * intermediate or not half or whole != (2 * half[0], *half[1:]):
         return state

@@ -30,8 +30,11 @@ _NOT_MERGED = (
     "they load MISSING (randomly initialised), as llm-compressor's checkpoints of it do"
 )
 LOADED = ("qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe", "jamba", "nemotron_h",
-          "afmoe", "cohere2_moe", "dots1", "exaone_moe", "flex_olmo", "hy_v3", "mellum", "mimo_v2_flash")
-NOT_MERGED = ("granitemoeshared", "kimi_linear", "lfm2_moe", "minimax", "minimax_m2", "phimoe", "gpt_oss")
+          "afmoe", "cohere2_moe", "dots1", "exaone_moe", "flex_olmo", "hy_v3", "mellum", "mimo_v2_flash",
+          "axk1", "deepseek_v2", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "qwen3_5_moe_text", "qwen3_next",
+          "solar_open")
+NOT_MERGED = ("granitemoeshared", "kimi_linear", "lfm2_moe", "minimax", "minimax_m2", "phimoe", "gpt_oss",
+              "granitemoe_swa", "hy_v4", "zaya")
 
 
 def _model(family):

@@ -8,6 +8,7 @@ is asked of compressed-tensors' own ``get_num_attn_heads``/``get_num_kv_heads``/
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 import warnings
 from datetime import timedelta
@@ -137,3 +138,21 @@ def test_kv_cache_of_a_config_without_head_counts_is_refused(tmp_path, build, at
         assert part in message, (part, message)
     assert len(message) < 800  # the config itself is not dumped into it
     assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_kv_cache_exports_without_compressed_tensors_installed(tmp_path, monkeypatch):
+    """compressed-tensors is an optional dependency: without it the head-count check has no loader to
+    ask, and a Llama's k/v sites export as before (kv_cache_scheme written)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = _llama().eval()
+    recipe = qstats.Recipe([qstats.Rule("LlamaAttention", sites=("k", "v"), observer=qstats.minmax,
+                                        spec=qstats.QuantSpec(dtype="int8"))])
+    batches = [{"input_ids": torch.randint(1, 64, (1, 9), generator=torch.Generator().manual_seed(1))}]
+    qparams = qstats.compute_qparams_tree(qstats.calibrate(model, batches, recipe, progress=False), recipe, model)
+    for name in ("compressed_tensors", "compressed_tensors.utils"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe)
+    assert config["kv_cache_scheme"] is not None

@@ -120,7 +120,10 @@ def _check_head_counts(model: Optional[torch.nn.Module]) -> None:
     config = getattr(model, "config", None)
     if not callable(getattr(config, "get_text_config", None)):  # not a transformers model: no such config read
         return
-    from compressed_tensors.utils import get_head_dim, get_num_attn_heads, get_num_kv_heads
+    try:  # compressed-tensors is optional (the `calibrate` extra): without it there is no loader to ask
+        from compressed_tensors.utils import get_head_dim, get_num_attn_heads, get_num_kv_heads
+    except ImportError:
+        return
 
     text_config = config.get_text_config(decoder=True)
     for read in (get_num_attn_heads, get_num_kv_heads, get_head_dim):
