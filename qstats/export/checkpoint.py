@@ -79,8 +79,7 @@ def compressed_tensors(
     """
     _check_arguments(model, qparams, format)
     model = uncompiled(model)  # torch.compile's wrapper would prefix every tensor name with "_orig_mod."
-    _check_not_sharded(model)
-    _check_materialized(model)
+    _check_whole_tensors(model)
     max_bytes = shard_bytes(max_shard_size)
     check_new_folder(path, None, "export.compressed_tensors", "path")
     writer = Writer(specs_or_recipe, qparams, model, format, actorder)
@@ -95,10 +94,12 @@ def compressed_tensors(
     return quantization_config
 
 
-def _check_not_sharded(model: torch.nn.Module) -> None:
+def _check_whole_tensors(model: torch.nn.Module) -> None:
     """Refuses a model whose parameters or buffers are DTensors (FSDP2's ``fully_shard``, tensor
-    parallelism): each rank holds a shard, and the export needs the whole weights."""
-    sharded = [name for name, tensor in model.state_dict().items() if is_dtensor(tensor)]
+    parallelism: each rank holds a shard, and the export needs the whole weights) or on the meta
+    device (no values to write)."""
+    tensors = model.state_dict()
+    sharded = [name for name, tensor in tensors.items() if is_dtensor(tensor)]
     if sharded:
         raise ValueError(
             f"export.compressed_tensors: {len(sharded)} tensor(s) of the model are DTensors "
@@ -107,11 +108,7 @@ def _check_not_sharded(model: torch.nn.Module) -> None:
             "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on every rank, load it on rank 0 "
             "into the model unwrapped (not sharded) and export that (docs/distributed.md)"
         )
-
-
-def _check_materialized(model: torch.nn.Module) -> None:
-    """Refuses a model whose parameters or buffers are on the meta device (no values to write)."""
-    on_meta = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
+    on_meta = [name for name, tensor in tensors.items() if tensor.is_meta]
     if on_meta:
         raise ValueError(
             f"export.compressed_tensors: {len(on_meta)} tensor(s) of the model are on the meta device "
