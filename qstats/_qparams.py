@@ -343,14 +343,19 @@ def _clipped(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec):
     if spec.is_float:
         return min_val, max_val
     # a bf16/fp16 scale, or a peak and scale computed in bf16/fp16 (torchao's input dtype), may round up
-    half = {spec.scale_dtype, spec.compute_dtype} & {"bfloat16", "float16"}
-    limit = limit * (1.0 - (2.0**-7 if half else 0.0))
+    limit = limit * (1.0 - (2.0**-7 if rounds_in_half_precision(spec) else 0.0))
     if spec.mapping == "symmetric_no_clipping_err":  # scale max(-min / -qmin, max / qmax): each end
         farthest = max(spec.qmax, -spec.qmin)  # the scale's farthest code
         return min_val.clamp(min=-limit * -spec.qmin / farthest), max_val.clamp(max=limit * spec.qmax / farthest)
     steps = (spec.qmax - spec.qmin) / 2  # the scale's divisor; the farthest code lies ceil(steps) away
     peak = limit * steps / math.ceil(steps)
     return min_val.clamp(min=-peak), max_val.clamp(max=peak)
+
+
+def rounds_in_half_precision(spec: QuantSpec) -> bool:
+    """Whether ``spec``'s scale or compute dtype is bf16/fp16, which may round a scale, and a code's
+    value under it, up past float32's largest value (`_clipped`, `qstats._quant`'s saturation)."""
+    return bool({spec.scale_dtype, spec.compute_dtype} & {"bfloat16", "float16"})
 
 
 def _minval(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec, calibrated: torch.Tensor) -> torch.Tensor:

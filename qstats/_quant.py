@@ -19,7 +19,7 @@ from . import _formats
 from ._checks import check_floating, require
 from ._formats import code_dtype
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view, from_canonical_view
-from ._qparams import QParams
+from ._qparams import QParams, rounds_in_half_precision
 from ._spec import QuantSpec
 
 __all__ = ["quantize", "dequantize", "fake_quantize", "code_dtype"]
@@ -115,16 +115,13 @@ def _dequantize_view(codes, scale, zero_point, spec, global_scale=None):
     return spec.convention.dequantize(codes, scale, zero_point, spec)
 
 
-_HALF_NAMES = {"bfloat16", "float16"}
-
-
 def _cap(values: torch.Tensor, dtype: torch.dtype, spec: QuantSpec) -> torch.Tensor:
     """``values`` saturated where torch's fake-quant ops give +-Inf: at an fp16/bf16 output's largest
     value, and at float32's where a bf16/fp16 scale or compute dtype may round a code's value up past
     it (torchao's int4 code -8 of a one-sided range at -3.4025e38 under a bfloat16 scale). Other
     float32 results are left as they are (an Inf scale a caller passed stays visible)."""
     limit = min(torch.finfo(dtype).max, torch.finfo(values.dtype).max)
-    if limit == torch.finfo(values.dtype).max and not {spec.scale_dtype, spec.compute_dtype} & _HALF_NAMES:
+    if limit == torch.finfo(values.dtype).max and not rounds_in_half_precision(spec):
         return values
     return values.clamp(-limit, limit)
 
