@@ -41,15 +41,22 @@ def _model(family):
     return more._model(family) if family in more.MORE else families._model(family)
 
 
-@pytest.mark.parametrize("family", LOADED + tuple(
-    pytest.param(family, marks=pytest.mark.xfail(strict=True, reason=_NOT_MERGED)) for family in NOT_MERGED))
-def test_transformers_loads_unpacked_experts(family, tmp_path, single_thread_quiet):
+def w4_experts(family) -> tuple:
+    """``(model, qparams, recipe)``: ``family``'s tiny model with its stacked experts' weights (gate/up and
+    down) under int4 groups of 16, their qparams computed from the weights alone."""
     model = _model(family)
     experts = next(m for m in model.modules() if qstats.experts.expert_count(m))
     first = "gate_up_proj" if hasattr(experts, "gate_up_proj") else "up_proj"
     spec = qstats.QuantSpec.from_compressed_tensors(W4_GROUP)
     recipe = qstats.Recipe([qstats.Rule(type(experts).__name__, sites=(first, "down_proj"), spec=spec)])
     qparams = qstats.compute_qparams_tree(qstats.calibrate(model, [], recipe, progress=False), recipe, model)
+    return model, qparams, recipe
+
+
+@pytest.mark.parametrize("family", LOADED + tuple(
+    pytest.param(family, marks=pytest.mark.xfail(strict=True, reason=_NOT_MERGED)) for family in NOT_MERGED))
+def test_transformers_loads_unpacked_experts(family, tmp_path, single_thread_quiet):
+    model, qparams, recipe = w4_experts(family)
     loaded, info, expected = exported_and_loaded(model, qparams, recipe, tmp_path)
     assert expected  # the experts of every sparse layer
     assert not [key for key in info["missing_keys"] if ".experts." in key]

@@ -9,27 +9,19 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from compressed_tensors.quantization import QuantizationArgs
 
-import qstats
 from _shared import exported_and_loaded
 
 transformers = pytest.importorskip("transformers")
-from test_export_moe_transformers_loading import _model  # noqa: E402
+from test_export_moe_transformers_loading import w4_experts  # noqa: E402
 
-W4_GROUP = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=16)
 WARNING = "leaves those experts randomly initialised"
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "cohere2_moe", "mixtral", "granitemoe", "phimoe", "minimax_m2",
                                     "gpt_oss"])
 def test_warns_exactly_where_transformers_leaves_the_experts_missing(family, tmp_path, single_thread_quiet):
-    model = _model(family)
-    experts = next(m for m in model.modules() if qstats.experts.expert_count(m))
-    first = "gate_up_proj" if hasattr(experts, "gate_up_proj") else "up_proj"
-    spec = qstats.QuantSpec.from_compressed_tensors(W4_GROUP)
-    recipe = qstats.Recipe([qstats.Rule(type(experts).__name__, sites=(first, "down_proj"), spec=spec)])
-    qparams = qstats.compute_qparams_tree(qstats.calibrate(model, [], recipe, progress=False), recipe, model)
+    model, qparams, recipe = w4_experts(family)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, info, _ = exported_and_loaded(model, qparams, recipe, tmp_path)
