@@ -22,22 +22,9 @@ from ..experts import linearized_experts
 from ..observers import registry
 from .._warn import warn
 
-__all__ = [
-    "ATTENTION_SITES",
-    "COMPRESSED_TENSORS_VERSION",
-    "ignored_modules",
-    "module_targets",
-    "llm_compressor_observer",
-    "llm_compressor_observers",
-    "FORMATS",
-    "agreed_observer",
-    "allowed_formats",
-    "code_offset",
-    "config_groups",
-    "default_format",
-    "fail",
-    "quantization_args",
-]
+__all__ = ["ATTENTION_SITES", "COMPRESSED_TENSORS_VERSION", "ignored_modules", "module_targets",
+           "llm_compressor_observer", "llm_compressor_observers", "FORMATS", "agreed_observer",
+           "allowed_formats", "code_offset", "config_groups", "default_format", "fail", "quantization_args"]
 
 ATTENTION_SITES = ("q", "k", "v")
 COMPRESSED_TENSORS_VERSION = "0.19.0"  # the release whose checkpoint layout this export writes
@@ -55,23 +42,17 @@ def _element_type(spec: QuantSpec, where: str) -> str:
         # MXFP4 / MXFP8: fp4 or fp8 elements in groups of 32 under power-of-two (e8m0) scales, stored
         # as uint8 biased exponents (compressed_tensors/compressors/mx_utils.py)
         if spec.dtype not in ("fp4_e2m1", "fp8_e4m3fn") or spec.granularity != PerGroup(32):
-            fail(
-                where,
-                f"e8m0 (MX) scales export as MXFP4 / MXFP8 only: dtype 'fp4_e2m1' or 'fp8_e4m3fn' with "
-                f"PerGroup(32), got dtype {spec.dtype!r} and {spec.granularity!r}",
-            )
+            fail(where, f"e8m0 (MX) scales export as MXFP4 / MXFP8 only: dtype 'fp4_e2m1' or 'fp8_e4m3fn' "
+                 f"with PerGroup(32), got dtype {spec.dtype!r} and {spec.granularity!r}")
         return "float"
     if isinstance(spec.granularity, TensorGroup):
         # NVFP4: fp4 elements in groups, fp8 group scales under one float32 global scale.
         if spec.dtype != "fp4_e2m1" or spec.scale_dtype != "float8_e4m3fn":
             fail(where, "TensorGroup exports as NVFP4 only: dtype 'fp4_e2m1' with scale_dtype 'float8_e4m3fn'")
         if spec.global_scale_formula != "range_over_amax":
-            fail(
-                where,
-                f"global_scale_formula {spec.global_scale_formula!r}: compressed-tensors' global scale is "
-                "range / amax; use qstats.Recipe.from_scheme('NVFP4') (or QuantSpec.from_compressed_tensors), or "
-                "spec.replace(global_scale_formula='range_over_amax')",
-            )
+            fail(where, f"global_scale_formula {spec.global_scale_formula!r}: compressed-tensors' global scale "
+                 "is range / amax; use qstats.Recipe.from_scheme('NVFP4') (or "
+                 "QuantSpec.from_compressed_tensors), or spec.replace(global_scale_formula='range_over_amax')")
         return "float"
     if spec.is_float:
         if spec.dtype != "fp8_e4m3fn":
@@ -405,17 +386,8 @@ def config_groups(schemes: dict, expert_projection: dict, format: Optional[str],
         # fail on it (naive_quantized compress: 'NoneType' object has no attribute 'strategy')
         group_format = format if format is not None and weights is not None else default_format(weights, inputs)
         key = json.dumps([weights, inputs, outputs, group_format], sort_keys=True)
-        group = groups.setdefault(
-            key,
-            {
-                "targets": [],
-                "weights": weights,
-                "input_activations": inputs,
-                "output_activations": outputs,
-                "format": group_format,
-                "_paths": [],
-            },
-        )
+        group = groups.setdefault(key, {"targets": [], "weights": weights, "input_activations": inputs,
+                                        "output_activations": outputs, "format": group_format, "_paths": []})
         group["_paths"].append(module_path)
         targets = module_targets(module_path, rename, modules)
         if module_path in expert_projection:
