@@ -101,20 +101,18 @@ def _check_whole_tensors(model: torch.nn.Module) -> None:
     tensors = model.state_dict()
     sharded = [name for name, tensor in tensors.items() if is_dtensor(tensor)]
     if sharded:
-        raise ValueError(
-            f"export.compressed_tensors: {len(sharded)} tensor(s) of the model are DTensors "
-            f"({_listed(sharded, 3)}), each rank holding a shard (FSDP2's fully_shard, tensor parallelism); "
-            "gather the full state dict with torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
-            "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on every rank, load it on rank 0 "
-            "into the model unwrapped (not sharded) and export that (docs/distributed.md)"
-        )
+        raise ValueError(f"export.compressed_tensors: {len(sharded)} tensor(s) of the model are DTensors "
+                         f"({_listed(sharded, 3)}), each rank holding a shard (FSDP2's fully_shard, tensor "
+                         "parallelism); gather the full state dict with "
+                         "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+                         "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on every rank, "
+                         "load it on rank 0 into the model unwrapped (not sharded) and export that "
+                         "(docs/distributed.md)")
     on_meta = [name for name, tensor in tensors.items() if tensor.is_meta]
     if on_meta:
-        raise ValueError(
-            f"export.compressed_tensors: {len(on_meta)} tensor(s) of the model are on the meta device "
-            f"({_listed(on_meta, 3)}) and hold no values; load them, or export a meta model from its "
-            "checkpoint with qstats.export.compressed_tensors_layerwise"
-        )
+        raise ValueError(f"export.compressed_tensors: {len(on_meta)} tensor(s) of the model are on the meta "
+                         f"device ({_listed(on_meta, 3)}) and hold no values; load them, or export a meta "
+                         "model from its checkpoint with qstats.export.compressed_tensors_layerwise")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -284,10 +282,8 @@ def _check_arguments(model, qparams, format) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"export.compressed_tensors: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(qparams, Mapping):
-        raise TypeError(
-            "export.compressed_tensors: qparams must be a {path: {site: QParams}} dict, "
-            f"got {type(qparams).__name__}"
-        )
+        raise TypeError("export.compressed_tensors: qparams must be a {path: {site: QParams}} dict, "
+                        f"got {type(qparams).__name__}")
     if format is not None and format not in FORMATS:
         raise ValueError(f"export.compressed_tensors: format must be one of {FORMATS}, got {format!r}")
 
@@ -301,19 +297,16 @@ def _resolve(specs_or_recipe, qparams: Mapping, model: torch.nn.Module) -> tuple
         plan = as_plan(specs_or_recipe, model, "export.compressed_tensors")
         qparams = _with_unobserved_sites(plan, qparams)
         specs = plan.specs(qparams)  # refuses sites the plan does not observe
-        dynamic = {
-            path: frozenset(site for site in sites if plan.site(path, site).runtime) for path, sites in qparams.items()
-        }
+        dynamic = {path: frozenset(site for site in sites if plan.site(path, site).runtime)
+                   for path, sites in qparams.items()}
         return specs, plan.fused_groups, plan.modules, dynamic, plan, qparams
     if hasattr(specs_or_recipe, "specs") and callable(specs_or_recipe.specs):  # a recipe-like object
         specs = specs_or_recipe.specs(qparams, model)
     elif isinstance(specs_or_recipe, Mapping):
         specs = specs_or_recipe
     else:
-        raise TypeError(
-            "export.compressed_tensors: specs must be a qstats.Recipe or a {path: {site: QuantSpec}} tree, "
-            f"got {type(specs_or_recipe).__name__}"
-        )
+        raise TypeError("export.compressed_tensors: specs must be a qstats.Recipe or a "
+                        f"{{path: {{site: QuantSpec}}}} tree, got {type(specs_or_recipe).__name__}")
     return specs, fused_groups(model), dict(model.named_modules()), {}, None, qparams
 
 
@@ -330,12 +323,11 @@ def _with_unobserved_sites(plan: Plan, qparams: Mapping) -> Mapping:
         calibrated = sorted(site for site, found in missing.items()
                             if not found.runtime or isinstance(found.spec.granularity, TensorGroup))
         if calibrated:
-            raise ValueError(
-                f"export.compressed_tensors: {path}: the recipe calibrates its site(s) {calibrated}, but qparams "
-                "holds none (their states saw no data: the calibration forward never reached them), and the "
-                "checkpoint would leave that quantization out; calibrate with data that reaches the module, or "
-                "leave it out of the recipe (ignore=)"
-            )
+            raise ValueError(f"export.compressed_tensors: {path}: the recipe calibrates its site(s) "
+                             f"{calibrated}, but qparams holds none (their states saw no data: the "
+                             "calibration forward never reached them), and the checkpoint would leave that "
+                             "quantization out; calibrate with data that reaches the module, or leave it out "
+                             "of the recipe (ignore=)")
         if missing:
             completed[path] = {**sites, **dict.fromkeys(missing)}
     return completed
@@ -358,17 +350,15 @@ def _entries(modules: Mapping, qparams: Mapping, specs, dynamic: Mapping, tensor
         num_experts = expert_count(module)
         module_dynamic = dynamic.get(module_path, frozenset())
         if num_experts:
-            entries.extend(
-                expert_entries(module_path, module, sites, module_specs, num_experts, tensors, module_dynamic)
-            )
+            entries.extend(expert_entries(module_path, module, sites, module_specs, num_experts, tensors,
+                                          module_dynamic))
             prefix = module_path + "." if module_path else ""
             dropped.update(prefix + name for name in own_parameters(module))  # inside fake_quantized too
             continue
         kv_sites = {site: qp for site, qp in sites.items() if site in ATTENTION_SITES}
         if kv_sites:
-            attention[module_path] = write_attention(
-                module_path, module, kv_sites, module_specs, tensors, log, module_dynamic
-            )
+            attention[module_path] = write_attention(module_path, module, kv_sites, module_specs, tensors,
+                                                     log, module_dynamic)
         linear_sites = {site: qp for site, qp in sites.items() if site not in ATTENTION_SITES}
         if linear_sites:
             entries.append(linear_entry(module_path, module, linear_sites, module_specs, module_dynamic))
@@ -385,13 +375,12 @@ def _quantization_config(schemes: dict, expert_projection: dict, attention: dict
     formats = {group["format"] for group in groups.values()} - {"dense"}
     top_format = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
     kv_cache_scheme = attention_config(attention, groups, modules, rename, observers)
-    ignore = ignored_modules(modules, schemes, rename)
     return {
         "quant_method": "compressed-tensors",
         "format": top_format,
         "quantization_status": "compressed",
         "config_groups": {f"group_{i}": group for i, group in enumerate(groups.values())},
-        "ignore": ignore,
+        "ignore": ignored_modules(modules, schemes, rename),
         "kv_cache_scheme": kv_cache_scheme,
         "global_compression_ratio": None,
         "sparsity_config": {},
@@ -417,9 +406,16 @@ def _warn_log(log: dict) -> None:
     """The warnings of a written checkpoint: rounded scales, qparams computed in another dtype than
     llm-compressor's, uncalibrated sites, q/k scales observed before a rotary embedding."""
     # gate_proj and up_proj of an expert share its input site: each site is named (and counted) once
-    rounded, sites, uncalibrated, double = (list(dict.fromkeys(log[key]))
-                                            for key in ("rounded", "compute_dtype", "uncalibrated", "float64"))
-    _warn_activation_rounding(list(dict.fromkeys(log.get("activation_rounding", ()))))
+    keys = ("activation_rounding", "rounded", "compute_dtype", "uncalibrated", "float64")
+    rounding, rounded, sites, uncalibrated, double = (list(dict.fromkeys(log[key])) for key in keys)
+    # Integer activations are quantized at run time by the loader (compressed-tensors, vLLM) as round(x / scale);
+    # a spec of another convention (torch.ao's, qstats' default) rounds x * (1 / scale), whose codes differ by one
+    # where x / scale falls near a rounding boundary: `qstats.fake_quantized` then computes another model than the
+    # checkpoint's (logits 1e-3 apart on a tiny Mixtral with per-tensor dynamic int8 inputs).
+    _warn_named(rounding, 4, "export.compressed_tensors: {count} integer activation site(s) use a spec of another "
+                "convention than compressed-tensors' ({names}): the loaded checkpoint quantizes them as "
+                "round(x / scale), qstats.fake_quantized as round(x * (1 / scale)), so a few codes differ by one; "
+                "build their specs with QuantSpec.from_compressed_tensors (or Recipe.from_scheme) for the same model")
     _warn_named(rounded, 4, "export.compressed_tensors: scales of {count} site(s) were rounded to the model's dtype "
                 "({names}); calibrate with a spec whose scale_dtype is that dtype to keep "
                 "qstats' and the checkpoint's quantization identical")
@@ -435,24 +431,10 @@ def _warn_log(log: dict) -> None:
     _warn_named(uncalibrated, 8, "export.compressed_tensors: {count} site(s) hold uncalibrated (fallback) qparams: "
                 "{names}")
     if log["rotary"]:
-        warn(
-            f"export.compressed_tensors: the q/k scales of {len(log['rotary'])} attention module(s) "
-            f"({', '.join(log['rotary'][:4])}) were observed on the projection outputs, before the rotary "
-            "embedding (and any q/k norm) the attention applies; compressed-tensors and vLLM quantize the "
-            "rotated queries and keys, whose range can be wider",
-        )
-
-
-def _warn_activation_rounding(sites: list) -> None:
-    """Integer activations are quantized at run time by the loader (compressed-tensors, vLLM) as
-    ``round(x / scale)``; a spec of another convention (torch.ao's, qstats' default) rounds
-    ``x * (1 / scale)``, whose codes differ by one where ``x / scale`` falls near a rounding boundary:
-    `qstats.fake_quantized` then computes another model than the checkpoint's (logits 1e-3 apart on a
-    tiny Mixtral with per-tensor dynamic int8 inputs)."""
-    _warn_named(sites, 4, "export.compressed_tensors: {count} integer activation site(s) use a spec of another "
-                "convention than compressed-tensors' ({names}): the loaded checkpoint quantizes them as "
-                "round(x / scale), qstats.fake_quantized as round(x * (1 / scale)), so a few codes differ by one; "
-                "build their specs with QuantSpec.from_compressed_tensors (or Recipe.from_scheme) for the same model")
+        warn(f"export.compressed_tensors: the q/k scales of {len(log['rotary'])} attention module(s) "
+             f"({', '.join(log['rotary'][:4])}) were observed on the projection outputs, before the rotary "
+             "embedding (and any q/k norm) the attention applies; compressed-tensors and vLLM quantize the "
+             "rotated queries and keys, whose range can be wider")
 
 
 def _warn_missing_qparams(quantized: Any, qparams: Mapping) -> None:
@@ -484,12 +466,10 @@ def _warn_unshared_global_scales(groups, qparams: Mapping, specs: Any) -> None:
         if len(scales) > 1 and not all(torch.equal(scales[0], other) for other in scales[1:]):
             unshared.append("/".join(path.rsplit(".", 1)[-1] for path in group) + f" of {group[0].rsplit('.', 1)[0]!r}")
     if unshared:
-        warn(
-            f"export.compressed_tensors: {len(unshared)} fused group(s) hold NVFP4 weights under different global "
-            f"scales ({', '.join(unshared[:4])}); vLLM runs each group as one matmul with one global scale, which "
-            "misreads the others' weights. qstats.compute_qparams_tree shares them (fuse=True, its default); "
-            "qstats.fused_qparams does it for a group",
-        )
+        warn(f"export.compressed_tensors: {len(unshared)} fused group(s) hold NVFP4 weights under different "
+             f"global scales ({', '.join(unshared[:4])}); vLLM runs each group as one matmul with one global "
+             "scale, which misreads the others' weights. qstats.compute_qparams_tree shares them (fuse=True, "
+             "its default); qstats.fused_qparams does it for a group")
 
 
 def without_tied_copies(model: torch.nn.Module, tensors: dict) -> dict:
@@ -594,10 +574,9 @@ def check_new_folder(folder: str, checkpoint, where: str, what: str) -> None:
         raise ValueError(f"{where}: {what} {folder!r} is the checkpoint being read")
     stale = sorted(name for name in os.listdir(folder) if name.endswith((".safetensors", ".safetensors.index.json")))
     if stale:
-        raise ValueError(
-            f"{where}: {what} {folder!r} already holds safetensors files or an index ({_listed(stale, 3)}), which a "
-            "loader would read beside the new checkpoint; give an empty or new folder"
-        )
+        raise ValueError(f"{where}: {what} {folder!r} already holds safetensors files or an index "
+                         f"({_listed(stale, 3)}), which a loader would read beside the new checkpoint; give "
+                         "an empty or new folder")
 
 
 def _quantizes_nothing(quantization_config: dict) -> bool:
@@ -766,12 +745,10 @@ def write_config(path: str, model: torch.nn.Module, quantization_config: dict, r
         source = _source_folder(model_config)
         _copy_python_files(source, path)
         copied_mtp = copy_mtp_tensors(source, path, model_config)
-        original = _original_config(source, model_config, saved.get("dtype"))
-        if original is None:
-            # what differs from the config class's defaults, as transformers' save_pretrained writes it:
-            # no local _name_or_path
-            original = {**getattr(model_config, "to_diff_dict", model_config.to_dict)(), **saved}
-        config.update(original)
+        # the config file the model was read from, else what differs from the config class's defaults, as
+        # transformers' save_pretrained writes it: no local _name_or_path
+        config.update(_original_config(source, model_config, saved.get("dtype"))
+                      or {**getattr(model_config, "to_diff_dict", model_config.to_dict)(), **saved})
         if saved:  # vLLM picks its implementation by them
             config.setdefault("architectures", saved["architectures"])
     if not retied and _quantizes_a_tied_weight(model, quantization_config):
