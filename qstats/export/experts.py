@@ -153,15 +153,8 @@ def _stacked_parameters(path: str, module: torch.nn.Module, sites: Mapping, num_
     return first, up, down, _canonical_biases(module, params, first), stacked
 
 
-def expert_entries(
-    path: str,
-    module: torch.nn.Module,
-    sites: Mapping,
-    specs: Mapping,
-    num_experts: int,
-    tensors: dict,
-    dynamic=frozenset(),
-) -> list:
+def expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: Mapping, num_experts: int,
+                   tensors: dict, dynamic=frozenset()) -> list:
     """Per-expert Linear entries of a stacked experts module; a projection without qparams is written
     unquantized into ``tensors``. ``dynamic``: activation sites whose scales come at run time.
     """
@@ -234,17 +227,14 @@ def warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
         by_module.setdefault(experts_path, {})[projection] = json.dumps(schemes[path], sort_keys=True)
     # a projection without qparams (written unquantized) has no scheme: mixed too (gate_proj comes with
     # up_proj, from one gate_up_proj; gate-less experts have none)
-    mixed = [
-        path for path, projections in by_module.items()
-        if len(set(projections.values())) > 1 or not {"up_proj", "down_proj"} <= projections.keys()
-    ]
+    mixed = [path for path, projections in by_module.items()
+             if len(set(projections.values())) > 1 or not {"up_proj", "down_proj"} <= projections.keys()]
     if mixed:
-        warn(
-            f"export.compressed_tensors: gate_proj/up_proj and down_proj of {len(mixed)} experts module(s) "
-            f"({', '.join(mixed[:4])}) have different schemes (e.g. static input scales for gate_proj/up_proj "
-            "but no 'down_proj.input' site, or down_proj left unquantized); compressed-tensors and "
-            "transformers load this, vLLM's fused-MoE loader requires one scheme per experts module",
-        )
+        warn(f"export.compressed_tensors: gate_proj/up_proj and down_proj of {len(mixed)} experts module(s) "
+             f"({', '.join(mixed[:4])}) have different schemes (e.g. static input scales for "
+             "gate_proj/up_proj but no 'down_proj.input' site, or down_proj left unquantized); "
+             "compressed-tensors and transformers load this, vLLM's fused-MoE loader requires one scheme per "
+             "experts module")
 
 
 def warn_unloaded_experts(model: torch.nn.Module, expert_projection: Mapping, rename) -> None:
@@ -276,13 +266,11 @@ def warn_unloaded_experts(model: torch.nn.Module, expert_projection: Mapping, re
     missing = [name for name in names
                if rename_source_key(name, renamings, converters, model.base_model_prefix, loadable)[0] not in loadable]
     if missing:
-        warn(
-            f"export.compressed_tensors: transformers does not load {len(missing)} of the {len(names)} unpacked "
-            f"expert projections of this {type(model).__name__} back (e.g. {missing[0]}): its weight conversion "
-            f"for model_type {model.config.model_type!r} merges no such per-expert name into the 3-D experts, so "
-            "from_pretrained reports them MISSING and leaves those experts randomly initialised; load the "
-            "checkpoint with vLLM or compressed-tensors (docs/export.md)",
-        )
+        warn(f"export.compressed_tensors: transformers does not load {len(missing)} of the {len(names)} "
+             f"unpacked expert projections of this {type(model).__name__} back (e.g. {missing[0]}): its "
+             f"weight conversion for model_type {model.config.model_type!r} merges no such per-expert name "
+             "into the 3-D experts, so from_pretrained reports them MISSING and leaves those experts randomly "
+             "initialised; load the checkpoint with vLLM or compressed-tensors (docs/export.md)")
 
 
 def unpack_loaded_per_expert(model: torch.nn.Module, state: Mapping, tensors: dict, dropped: set) -> None:

@@ -41,12 +41,9 @@ def check_scales(values: torch.Tensor, where: str, what: str = "scales") -> None
     bad = ~(torch.isfinite(values) & (values > 0))
     if bool(bad.any()):
         sample = values[bad].flatten()[:4].tolist()
-        fail(
-            where,
-            f"{int(bad.sum())} of {values.numel()} {what} are NaN, infinite, zero or negative as stored "
-            f"(e.g. {sample}); a checkpoint needs finite positive scales (a spec eps below the smallest "
-            "positive value of the model's dtype underflows to 0)",
-        )
+        fail(where, f"{int(bad.sum())} of {values.numel()} {what} are NaN, infinite, zero or negative as "
+             f"stored (e.g. {sample}); a checkpoint needs finite positive scales (a spec eps below the "
+             "smallest positive value of the model's dtype underflows to 0)")
 
 
 def qparam_shape(scale: torch.Tensor, strategy: str, where: str) -> tuple:
