@@ -80,10 +80,8 @@ def _encode(tree: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> dic
         name = type(tree).__name__
         known = _named_types().get(name)
         if known is not type(tree):
-            raise TypeError(
-                f"qstats.io: {name} at {where} is not a registered state type; decorate it with "
-                "qstats.register_state"
-            )
+            raise TypeError(f"qstats.io: {name} at {where} is not a registered state type; decorate it with "
+                            "qstats.register_state")
         fields = [[field, _encode(value, path + [field], tensors)] for field, value in zip(tree._fields, tree)]
         return {"t": "namedtuple", "type": name, "fields": fields}
     if isinstance(tree, dict):
@@ -98,10 +96,8 @@ def _encode(tree: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> dic
         if type(tree) not in (list, tuple):
             raise TypeError(f"qstats.io: unsupported container {type(tree).__name__} at {where}")
         return {"t": kind, "items": [_encode(value, path + [str(i)], tensors) for i, value in enumerate(tree)]}
-    raise TypeError(
-        f"qstats.io: cannot save a {type(tree).__name__} at {where}; a checkpoint holds dicts, lists, tuples, "
-        "registered states, QParams, tensors and None"
-    )
+    raise TypeError(f"qstats.io: cannot save a {type(tree).__name__} at {where}; a checkpoint holds dicts, "
+                    "lists, tuples, registered states, QParams, tensors and None")
 
 
 def _malformed(where: str, node: Any) -> ValueError:
@@ -116,9 +112,8 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set, where: str) 
         if kind == "tensor":
             key = node["key"]
             if key not in tensors:
-                raise ValueError(
-                    f"qstats.io: the checkpoint has no tensor {key!r} (needed at {where}); the file is incomplete"
-                )
+                raise ValueError(f"qstats.io: the checkpoint has no tensor {key!r} (needed at {where}); the "
+                                 "file is incomplete")
             if key in used:  # save writes one tensor per leaf: a shared key would alias two leaves
                 raise ValueError(f"qstats.io: malformed checkpoint structure at {where}: tensor {key!r} is used by two "
                                  "leaves (qstats.save writes one per leaf)")
@@ -129,21 +124,16 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set, where: str) 
             types = _named_types()
             cls = types.get(name)
             if cls is None:
-                raise ValueError(
-                    f"qstats.io: unknown state type {name!r} at {where}; import the module that defines it "
-                    f"(registered: {sorted(types)})"
-                )
+                raise ValueError(f"qstats.io: unknown state type {name!r} at {where}; import the module that "
+                                 f"defines it (registered: {sorted(types)})")
             names = [field for field, _ in node["fields"]]
             # a checkpoint from before trailing fields with defaults were added (QParams.minval) loads
             # with those defaults
-            older = tuple(names) == cls._fields[: len(names)] and set(cls._fields[len(names) :]) <= set(
-                cls._field_defaults
-            )
+            older = tuple(names) == cls._fields[: len(names)] and set(cls._fields[len(names):]) <= set(
+                cls._field_defaults)
             if tuple(names) != tuple(cls._fields) and not older:
-                raise ValueError(
-                    f"qstats.io: state {name} at {where} was saved with fields {names}, but {name} now has "
-                    f"fields {list(cls._fields)}"
-                )
+                raise ValueError(f"qstats.io: state {name} at {where} was saved with fields {names}, but "
+                                 f"{name} now has fields {list(cls._fields)}")
             return cls(*[_decode(value, tensors, used, f"{where}.{field}") for field, value in node["fields"]])
         if kind == "none":
             return None
@@ -171,9 +161,8 @@ def _check_header(format_name: Any, version: Any, source: str) -> None:
     if format_name != FORMAT:
         raise ValueError(f"qstats.io: {source} is not a qstats checkpoint (format {format_name!r})")
     if str(version) != str(FORMAT_VERSION):
-        raise ValueError(
-            f"qstats.io: {source} has format version {version!r}; this qstats reads version {FORMAT_VERSION}"
-        )
+        raise ValueError(f"qstats.io: {source} has format version {version!r}; this qstats reads version "
+                         f"{FORMAT_VERSION}")
 
 
 def _rebuild(structure: Any, tensors: dict[str, torch.Tensor], source: str) -> Any:
@@ -200,12 +189,8 @@ def to_state_dict(tree: Any) -> dict:
     """
     tensors: dict[str, torch.Tensor] = {}
     structure = _encode(tree, [], tensors)
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "structure": json.dumps(structure),
-        "tensors": tensors,
-    }
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "structure": json.dumps(structure),
+            "tensors": tensors}
 
 
 def from_state_dict(state_dict: dict) -> Any:
@@ -264,20 +249,16 @@ def _check_storable(tensors: dict[str, torch.Tensor]) -> None:
     storable = getattr(safetensors.torch, "_SIZE", None)  # the dtypes safetensors writes (private: may go)
     for key, tensor in tensors.items():
         if not key.isascii() and not _is_utf8(key):  # the structure metadata escapes it; tensor names are UTF-8
-            raise ValueError(
-                f"qstats.io: the tree path {key!r} is not valid Unicode text (a lone surrogate, as os.fsdecode "
-                "gives for undecodable bytes); a safetensors file holds tensor names as UTF-8"
-            )
+            raise ValueError(f"qstats.io: the tree path {key!r} is not valid Unicode text (a lone surrogate, "
+                             "as os.fsdecode gives for undecodable bytes); a safetensors file holds tensor "
+                             "names as UTF-8")
         if tensor.is_quantized or (storable is not None and tensor.dtype not in storable):
-            raise TypeError(
-                f"qstats.io: tensor {key!r} has dtype {tensor.dtype}, which a safetensors file cannot hold "
-                "(dequantize it, or save its int_repr() and qparams)"
-            )
+            raise TypeError(f"qstats.io: tensor {key!r} has dtype {tensor.dtype}, which a safetensors file "
+                            "cannot hold (dequantize it, or save its int_repr() and qparams)")
         if tensor.dim() == 0 and tensor.dtype == getattr(torch, "float4_e2m1fn_x2", None):
-            raise TypeError(
-                f"qstats.io: tensor {key!r} is a 0-dimensional {tensor.dtype}, which a safetensors file cannot "
-                "hold (it stores the two 4-bit values of each byte along the last dimension): save it reshaped to (1,)"
-            )
+            raise TypeError(f"qstats.io: tensor {key!r} is a 0-dimensional {tensor.dtype}, which a "
+                            "safetensors file cannot hold (it stores the two 4-bit values of each byte along "
+                            "the last dimension): save it reshaped to (1,)")
 
 
 _FOREIGN_MAGIC = (  # the first bytes of other files a checkpoint path may name by mistake
@@ -305,10 +286,8 @@ def _describe_foreign(source: str) -> str:
     except OSError:
         return ""
     if (head.startswith(b"PK\x03\x04") and _zip_holds_pickle(source)) or head[:1] == b"\x80":
-        return (
-            "; it looks like a torch.save file: read it with torch.load (and qstats.io.from_state_dict "
-            "for a to_state_dict file)"
-        )
+        return ("; it looks like a torch.save file: read it with torch.load (and qstats.io.from_state_dict "
+                "for a to_state_dict file)")
     for magic, kind in _FOREIGN_MAGIC:
         if head.startswith(magic):
             return f"; it looks like {kind}"
@@ -318,11 +297,10 @@ def _describe_foreign(source: str) -> str:
 def _header_too_large(target: str, count: int) -> ValueError:
     """safetensors refuses a header (tensor names, structure, checksums) over 100 MB: some 300 000
     tensors, the per-expert states of a large MoE model's Linear modules."""
-    return ValueError(
-        f"qstats.io: {target} not written: the tree's {count} tensor names, structure and checksums exceed "
-        "the 100 MB header a safetensors file may have; save it in parts (one file per layer), stack "
-        "experts' states (qstats.tree.stack), or torch.save(qstats.io.to_state_dict(tree), path)"
-    )
+    return ValueError(f"qstats.io: {target} not written: the tree's {count} tensor names, structure and "
+                      "checksums exceed the 100 MB header a safetensors file may have; save it in parts (one "
+                      "file per layer), stack experts' states (qstats.tree.stack), or "
+                      "torch.save(qstats.io.to_state_dict(tree), path)")
 
 
 def save(path: str | bytes | os.PathLike, tree: Any) -> None:
@@ -440,10 +418,8 @@ def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") ->
             metadata = handle.metadata() or {}
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     except SafetensorError as error:
-        raise ValueError(
-            f"qstats.io: {source} is corrupt or truncated (not a readable safetensors file: {error})"
-            + _describe_foreign(source)
-        ) from None
+        raise ValueError(f"qstats.io: {source} is corrupt or truncated (not a readable safetensors file: "
+                         f"{error}){_describe_foreign(source)}") from None
     except (OSError, RuntimeError) as error:
         if isinstance(error, FileNotFoundError):
             raise
