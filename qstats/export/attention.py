@@ -11,16 +11,15 @@ from typing import Mapping, Optional
 import torch
 
 from .._attention import LATENT_CACHE, intercepted, latent_attention
-from .config import agreed_observer, fail, module_targets, quantization_args
+from .config import agreed_observer, fail, listed, module_targets, quantization_args
 from .linear import _log_compute_dtype, static_site, write_qparams
 from .scales import module_dtype
 
 __all__ = ["attention_config", "write_attention"]
 
 
-def write_attention(
-    path: str, module, sites: Mapping, specs: Mapping, tensors: dict, log: dict, dynamic=frozenset()
-) -> dict:
+def write_attention(path: str, module, sites: Mapping, specs: Mapping, tensors: dict, log: dict,
+                    dynamic=frozenset()) -> dict:
     """``q_scale``/``k_scale``/``v_scale`` of an attention module into ``tensors`` (shape ``(1,)``
     for the tensor strategy, ``(heads, 1, 1)`` for attn_head, in the attention module's parameter
     dtype; zero points ``q_zero_point``... for asymmetric args); returns ``{site: QuantizationArgs fields}``."""
@@ -151,11 +150,10 @@ def attention_config(attention: dict, groups: dict, modules: Mapping, rename, ob
     _check_head_counts(modules.get(""))
     uncovered = [path for path, module in modules.items() if path not in attention and _is_kv_cache_module(module)]
     if uncovered:
-        shown = ", ".join(uncovered[:4]) + (f", and {len(uncovered) - 4} more" if len(uncovered) > 4 else "")
-        fail("kv_cache_scheme", f"k/v sites are written as compressed-tensors' kv_cache_scheme, which it applies to "
-             f"every attention module, and "
-             f"{len(uncovered)} have no k/v qparams ({shown}): their k_scale/v_scale would be left uninitialised "
-             "at load; calibrate the 'k' and 'v' sites of every attention module")
+        fail("kv_cache_scheme", "k/v sites are written as compressed-tensors' kv_cache_scheme, which it "
+             f"applies to every attention module, and {len(uncovered)} have no k/v qparams "
+             f"({listed(uncovered, 4)}): their k_scale/v_scale would be left uninitialised at load; "
+             "calibrate the 'k' and 'v' sites of every attention module")
     distinct = {json.dumps(next(iter(sites.values())), sort_keys=True) for sites in attention.values()}
     if len(distinct) > 1:
         fail("kv_cache_scheme", "compressed-tensors holds one kv-cache scheme per model; the attention "
@@ -169,8 +167,7 @@ def attention_config(attention: dict, groups: dict, modules: Mapping, rename, ob
             fail("kv_cache_scheme", f"q sites on {query} but not on every attention module with k/v sites")
         groups["attention"] = {
             "targets": [target for path in query for target in module_targets(path, rename, modules)],
-            "weights": None,
-            "input_activations": {**args, "observer": name, "observer_kwargs": kwargs},
+            "weights": None, "input_activations": {**args, "observer": name, "observer_kwargs": kwargs},
             "output_activations": None,
             "format": "dense",  # as compressed-tensors infers it for a group without weights (oneshot writes it)
         }

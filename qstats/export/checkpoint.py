@@ -24,7 +24,7 @@ from ..gptq_quantize import check_actorder
 from ..recipe import Plan, Recipe, as_plan
 from .attention import attention_config, write_attention
 from .config import (ATTENTION_SITES, COMPRESSED_TENSORS_VERSION, FORMATS, config_groups, ignored_modules,
-                     llm_compressor_observers)
+                     listed, llm_compressor_observers)
 from .experts import expert_entries, unpack_loaded_per_expert, warn_mixed_experts, warn_unloaded_experts
 from .linear import linear_entry, write_linear
 from .mtp import MTP_IGNORE, SHARD as MTP_SHARD, copy_mtp_tensors
@@ -35,16 +35,10 @@ __all__ = ["compressed_tensors", "Writer", "check_new_folder", "shard_bytes", "w
            "write_tensors"]
 
 
-def compressed_tensors(
-    model: torch.nn.Module,
-    qparams: Mapping[str, Mapping[str, QParams]],
-    path: str,
-    specs_or_recipe: Any,
-    *,
-    format: Optional[str] = None,
-    max_shard_size: Optional[Union[int, str]] = "20GB",
-    actorder: Optional[str] = None,
-) -> dict:
+def compressed_tensors(model: torch.nn.Module, qparams: Mapping[str, Mapping[str, QParams]], path: str,
+                       specs_or_recipe: Any, *, format: Optional[str] = None,
+                       max_shard_size: Optional[Union[int, str]] = "20GB",
+                       actorder: Optional[str] = None) -> dict:
     """Writes ``model`` with ``qparams`` as a compressed-tensors checkpoint in folder ``path``.
 
     Args:
@@ -102,7 +96,7 @@ def _check_whole_tensors(model: torch.nn.Module) -> None:
     sharded = [name for name, tensor in tensors.items() if is_dtensor(tensor)]
     if sharded:
         raise ValueError(f"export.compressed_tensors: {len(sharded)} tensor(s) of the model are DTensors "
-                         f"({_listed(sharded, 3)}), each rank holding a shard (FSDP2's fully_shard, tensor "
+                         f"({listed(sharded, 3)}), each rank holding a shard (FSDP2's fully_shard, tensor "
                          "parallelism); gather the full state dict with "
                          "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
                          "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on every rank, "
@@ -111,7 +105,7 @@ def _check_whole_tensors(model: torch.nn.Module) -> None:
     on_meta = [name for name, tensor in tensors.items() if tensor.is_meta]
     if on_meta:
         raise ValueError(f"export.compressed_tensors: {len(on_meta)} tensor(s) of the model are on the meta "
-                         f"device ({_listed(on_meta, 3)}) and hold no values; load them, or export a meta "
+                         f"device ({listed(on_meta, 3)}) and hold no values; load them, or export a meta "
                          "model from its checkpoint with qstats.export.compressed_tensors_layerwise")
 
 
@@ -375,31 +369,18 @@ def _quantization_config(schemes: dict, expert_projection: dict, attention: dict
     formats = {group["format"] for group in groups.values()} - {"dense"}
     top_format = formats.pop() if len(formats) == 1 else ("mixed-precision" if formats else "dense")
     kv_cache_scheme = attention_config(attention, groups, modules, rename, observers)
-    return {
-        "quant_method": "compressed-tensors",
-        "format": top_format,
-        "quantization_status": "compressed",
-        "config_groups": {f"group_{i}": group for i, group in enumerate(groups.values())},
-        "ignore": ignored_modules(modules, schemes, rename),
-        "kv_cache_scheme": kv_cache_scheme,
-        "global_compression_ratio": None,
-        "sparsity_config": {},
-        "transform_config": {},
-        "version": COMPRESSED_TENSORS_VERSION,
-    }
-
-
-def _listed(names: list, limit: int) -> str:
-    """The first ``limit`` names, and how many more there are."""
-    more = f", and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
+    return {"quant_method": "compressed-tensors", "format": top_format, "quantization_status": "compressed",
+            "config_groups": {f"group_{i}": group for i, group in enumerate(groups.values())},
+            "ignore": ignored_modules(modules, schemes, rename), "kv_cache_scheme": kv_cache_scheme,
+            "global_compression_ratio": None, "sparsity_config": {}, "transform_config": {},
+            "version": COMPRESSED_TENSORS_VERSION}
 
 
 def _warn_named(names: list, limit: int, message: str, category: type = UserWarning) -> None:
     """Warns ``message`` when ``names`` is not empty, its ``{count}`` how many they are and its
-    ``{names}`` the first ``limit`` (`_listed`)."""
+    ``{names}`` the first ``limit`` (`listed`)."""
     if names:
-        warn(message.format(count=len(names), names=_listed(names, limit)), category)
+        warn(message.format(count=len(names), names=listed(names, limit)), category)
 
 
 def _warn_log(log: dict) -> None:
@@ -575,7 +556,7 @@ def check_new_folder(folder: str, checkpoint, where: str, what: str) -> None:
     stale = sorted(name for name in os.listdir(folder) if name.endswith((".safetensors", ".safetensors.index.json")))
     if stale:
         raise ValueError(f"{where}: {what} {folder!r} already holds safetensors files or an index "
-                         f"({_listed(stale, 3)}), which a loader would read beside the new checkpoint; give "
+                         f"({listed(stale, 3)}), which a loader would read beside the new checkpoint; give "
                          "an empty or new folder")
 
 
@@ -600,13 +581,10 @@ def _quantizes_a_tied_weight(model: torch.nn.Module, quantization_config: dict) 
         return False
     ignore = set(quantization_config.get("ignore") or ())
     rename = module_renamer(model)  # the config names modules as the checkpoint does
-    return any(
-        rename(path) not in ignore
-        and matches_targets(tuple(group.get("targets") or ()), rename(path), modules.get(path))
-        for group in quantization_config.get("config_groups", {}).values()
-        if group.get("weights") is not None
-        for path in tied
-    )
+    return any(rename(path) not in ignore
+               and matches_targets(tuple(group.get("targets") or ()), rename(path), modules.get(path))
+               for group in quantization_config.get("config_groups", {}).values()
+               if group.get("weights") is not None for path in tied)
 
 
 def _untie(config: dict, model_config: Any) -> None:

@@ -22,7 +22,7 @@ from ..experts import linearized_experts
 from ..observers import registry
 from .._warn import warn
 
-__all__ = ["ATTENTION_SITES", "COMPRESSED_TENSORS_VERSION", "ignored_modules", "module_targets",
+__all__ = ["ATTENTION_SITES", "COMPRESSED_TENSORS_VERSION", "ignored_modules", "listed", "module_targets",
            "llm_compressor_observer", "llm_compressor_observers", "FORMATS", "agreed_observer",
            "allowed_formats", "code_offset", "config_groups", "default_format", "fail", "quantization_args"]
 
@@ -33,6 +33,12 @@ COMPRESSED_TENSORS_VERSION = "0.19.0"  # the release whose checkpoint layout thi
 def fail(where: str, message: str):
     """Raises the export's ValueError, naming the site (``where``) it is about."""
     raise ValueError(f"export.compressed_tensors: {where}: {message}")
+
+
+def listed(names: list, limit: int) -> str:
+    """The first ``limit`` names, and how many more there are."""
+    more = f", and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
 
 
 def _element_type(spec: QuantSpec, where: str) -> str:
@@ -119,22 +125,13 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec", dynamic: 
     if spec.scale_dtype not in ("float32", "bfloat16", "float16") and not (two_level or mx):
         fail(where, f"scale_dtype {spec.scale_dtype!r} is not supported by this export yet")
     fields: dict[str, Any] = {
-        "num_bits": spec.bits,
-        "type": qtype,
-        "symmetric": symmetric,
-        "group_size": None,
-        "strategy": None,
-        "block_structure": None,
-        "dynamic": False,
-        "actorder": None,
-        "observer": None,
-        "observer_kwargs": {},
+        "num_bits": spec.bits, "type": qtype, "symmetric": symmetric, "group_size": None, "strategy": None,
+        "block_structure": None, "dynamic": False, "actorder": None, "observer": None, "observer_kwargs": {},
         # half-precision scales: compressed-tensors rounds dynamic scales to it at run time (float32: none)
         "scale_dtype": None if spec.scale_dtype == "float32" else f"torch.{spec.scale_dtype}",
-        "zp_dtype": None,  # compressed-tensors serializes it for asymmetric args only
+        # compressed-tensors serializes it for asymmetric args only
+        "zp_dtype": None if symmetric else ("torch.float8_e4m3fn" if qtype == "float" else "torch.int8"),
     }
-    if not symmetric:
-        fields["zp_dtype"] = "torch.float8_e4m3fn" if qtype == "float" else "torch.int8"
     if site in ATTENTION_SITES and not isinstance(spec.granularity, PerTensor) and spec.granularity != PerHead(1):
         fail(where, f"granularity {spec.granularity!r} of a {site!r} site: compressed-tensors' kv-cache and "  # NVFP4, MX too
              "attention scales are exported per tensor (PerTensor) or per head (PerHead(1), strategy 'attn_head')")
