@@ -29,7 +29,7 @@ from .kit import check_spec, extremes_init, masked_view
 from .minmax import check_averaging_constant, merge_moving_extremes
 
 __all__ = ["MSEState", "MovingAverageMSEState", "mse", "shrink_factors", "candidate_losses", "checked_patience",
-           "stopped_per_part"]
+           "stopped_per_part", "searched_per_part"]
 
 
 @register_state
@@ -277,6 +277,51 @@ def stopped_per_part(state: MSEState, parts: int) -> MSEState:
     per expert. Its losses, ranges and merges are unchanged."""
     factors = state.factors
     return state._replace(factors=factors.unsqueeze(-2).expand(*factors.shape[:-1], parts, factors.shape[-1]))
+
+
+def searched_per_part(observer: Observer, parts: int) -> Observer:
+    """``observer`` whose moving-average search (``mse(spec, mode="moving_average")``, which chooses each
+    batch's range in ``update``, early stop included) runs on its own in each of ``parts`` equal parts of
+    the input's rows (dimension 0) and of the state's parameters: the gate and up halves of a stacked
+    ``gate_up_proj``'s ``[2I, H]`` per expert (wrap it before `qstats.stacked_observer`), which
+    llm-compressor searches as two Linears, each with its own ``patience`` stop. Other states are updated
+    by ``observer`` as they are (an accumulating `MSEState` stops per part in ``compute_qparams``: see
+    `stopped_per_part`); ``init`` and ``merge`` are ``observer``'s. ValueError where the rows or the
+    parameters do not split into ``parts`` (a granularity whose parameters do not follow the rows)."""
+    if not isinstance(observer, Observer):
+        raise TypeError(f"searched_per_part expects an Observer, got {type(observer).__name__}")
+    if not (is_integer(parts) and parts >= 1):
+        raise ValueError(f"searched_per_part: parts must be a positive int, got {parts!r}")
+    parts = int(parts)
+
+    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
+        check_observable(x, "mse.update")
+        if parts == 1 or not isinstance(state, MovingAverageMSEState) or x.numel() == 0:  # an empty batch: no search
+            return observer.update(state, x, weight)
+        _check_parts(state, x, weight, parts, observer.spec)
+        weights = [None] * parts if weight is None else weight.chunk(parts)
+        halves = [observer.update(MovingAverageMSEState(*(field.chunk(parts)[i] for field in state)), rows, part)
+                  for i, (rows, part) in enumerate(zip(x.chunk(parts), weights))]
+        return MovingAverageMSEState(*(torch.cat(fields) for fields in zip(*halves)))
+
+    return observer._replace(update=update_fn)
+
+
+def _check_parts(state: MovingAverageMSEState, x: torch.Tensor, weight, parts: int, spec: QuantSpec) -> None:
+    """ValueError unless ``x``'s rows (and a row ``weight``'s) split into ``parts`` equal parts whose
+    parameters (`qparam_shape`) are the state's, split along its leading dimension."""
+    shape = tuple(state.min_val.shape)
+    rows = x.shape[0] if x.ndim else 0
+    part = (rows // parts, *x.shape[1:])
+    expected = (shape[0] // parts, *shape[1:]) if shape and shape[0] % parts == 0 else None
+    if rows % parts or expected is None or qparam_shape(part, spec.granularity) != expected:
+        raise ValueError(
+            f"searched_per_part: inputs of shape {tuple(x.shape)} do not split into {parts} parts of rows whose "
+            f"quantization parameters ({spec.granularity!r}) split the state's {shape} along its first dimension"
+        )
+    if weight is not None and (weight.ndim == 0 or weight.shape[0] != rows):
+        raise ValueError(f"searched_per_part: weight of shape {tuple(weight.shape)} does not follow the inputs' "
+                         f"{rows} rows, which are split into {parts} parts")
 
 
 def _reference_of(reference, shape, device):
