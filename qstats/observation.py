@@ -26,25 +26,10 @@ from ._granularity import PerGroup, qparam_shape
 from ._ops import is_dtensor
 from ._sites import input_tensor, is_float_tensor, observe_tensor
 from ._torch_features import eager, recomputing
-from .experts import (
-    ExpertInputCapture,
-    UncalibratedWarning,
-    all_experts_calls,
-    copies_of_tokens,
-    declared_experts,
-    dense_expert_rows,
-    dense_ids,
-    dense_rows_weight,
-    dispatch,
-    ids_mask,
-    own_parameters,
-    parameter_input_site,
-    routed_slots,
-    routing_mask,
-    takes_routing,
-    unstacked_parameter_problem,
-    warn_uncovered,
-)
+from .experts import (ExpertInputCapture, UncalibratedWarning, all_experts_calls, copies_of_tokens,
+                      declared_experts, dense_expert_rows, dense_ids, dense_rows_weight, dispatch, ids_mask,
+                      own_parameters, parameter_input_site, routed_slots, routing_mask, takes_routing,
+                      unstacked_parameter_problem, warn_uncovered)
 from .recipe import Plan, Recipe, as_plan
 from .tree import assert_same_structure, leaves_with_paths
 from ._warn import warn
@@ -67,10 +52,8 @@ def resumed_states(states: Optional[Mapping], plan: Plan, caller: str) -> dict:
             raise TypeError(f"{caller}: states[{path!r}] must be a dict {{site: state}}, got {type(entry).__name__}")
         for site in entry:
             if plan.site(path, site) is None:
-                raise ValueError(
-                    f"{caller}: the given states hold site {site!r} of module {path!r}, which this recipe "
-                    "does not observe in this model"
-                )
+                raise ValueError(f"{caller}: the given states hold site {site!r} of module {path!r}, which "
+                                 "this recipe does not observe in this model")
         copied[path] = dict(entry)
     _rejoin_shared_copies(copied, plan)
     return copied
@@ -147,15 +130,12 @@ def raise_renamed(error: Exception, where: str):
     if renamed is not None and renamed.args == (message,) and str(renamed) == message and error.args == (str(error),):
         renamed.__dict__.update(error.__dict__)
         raise renamed.with_traceback(error.__traceback__) from error
-    if _HAS_NOTES:
+    if hasattr(BaseException, "add_note"):  # Python 3.11
         error.add_note(where)
     else:  # traceback prints the cause first: "RuntimeError: <where>", then the error itself
         site = RuntimeError(f"{where} (where the error below was raised)")
         site.__cause__, error.__cause__ = error.__cause__, site
     raise error
-
-
-_HAS_NOTES = hasattr(BaseException, "add_note")  # Python 3.11
 
 
 def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
@@ -198,17 +178,13 @@ def _unstacked_experts_problem(module: torch.nn.Module, site: str, found) -> Opt
     attribute, declared = declared_experts(module)
     experts = f"{declared} experts ({attribute})" if declared else "experts"
     if takes_routing(module):  # DBRX's DbrxExperts: the weights in a child
-        return (
-            f"its forward takes the routing, but it owns no parameter stacked over its {experts} as [E, ...], "
-            "so its 'input' would be one state over every expert's tokens, not per expert (for one shared "
-            "state, observe the input of the MoE block that calls it)"
-        )
+        return (f"its forward takes the routing, but it owns no parameter stacked over its {experts} as [E, "
+                "...], so its 'input' would be one state over every expert's tokens, not per expert (for one "
+                "shared state, observe the input of the MoE block that calls it)")
     flat = [name for name in own_parameters(module) if declared and unstacked_parameter_problem(module, name)]
     if flat:  # DBRX's DbrxExpertGLU: called once per expert with slices of its flat parameters
-        return (
-            f"its parameters {flat} hold its {experts} unstacked, so its 'input' would be one state over "
-            "every expert's rows, not per expert"
-        )
+        return (f"its parameters {flat} hold its {experts} unstacked, so its 'input' would be one state over "
+                "every expert's rows, not per expert")
     return None
 
 
@@ -226,13 +202,10 @@ def check_experts_layout(plan: Plan, caller: str = "calibrate", warns: bool = Tr
                 continue
             value = own_parameters(module)[site]
             if value.ndim >= 3 and not isinstance(module, torch.nn.modules.conv._ConvNd):
-                warn(
-                    f"{caller}: parameter {site!r} of shape {tuple(value.shape)} of module {path!r} "
-                    f"({type(module).__name__}) is observed as one tensor: if it stacks experts, give the "
-                    "module an int num_experts attribute equal to its leading dimension to observe it per "
-                    "expert",
-                    UserWarning,
-                )
+                warn(f"{caller}: parameter {site!r} of shape {tuple(value.shape)} of module {path!r} "
+                     f"({type(module).__name__}) is observed as one tensor: if it stacks experts, give the "
+                     "module an int num_experts attribute equal to its leading dimension to observe it per "
+                     "expert")
 
 
 def weight_of(x: torch.Tensor, weight: torch.Tensor, flattened: bool = False) -> Optional[torch.Tensor]:
@@ -264,10 +237,9 @@ def check_observation_weight(weight, caller: str) -> None:
         raise TypeError(f"{caller}: the observation weight must be a real (or bool) tensor, got {weight.dtype}")
     count = int(((weight < 0) | ~torch.isfinite(weight)).sum())  # integers and bools are finite
     if count:
-        raise ValueError(
-            f"{caller}: the observation weight of shape {tuple(weight.shape)} holds {count} negative, NaN or "
-            "infinite value(s); it is a mask: 0 leaves a row out, a positive value keeps it (once, whatever its size)"
-        )
+        raise ValueError(f"{caller}: the observation weight of shape {tuple(weight.shape)} holds {count} "
+                         "negative, NaN or infinite value(s); it is a mask: 0 leaves a row out, a positive "
+                         "value keeps it (once, whatever its size)")
 
 
 def autocast_off(device: torch.device):
@@ -285,11 +257,9 @@ def warn_unfitted(where: str, weight: Optional[torch.Tensor], offered: int, fitt
     """Warns when a batch's observation ``weight`` was offered to ``offered`` activations and fitted
     none of them: nothing was left out."""
     if weight is not None and offered and not fitted:
-        warn(
-            f"{where}: the observation weight of shape {tuple(weight.shape)} fits no observed activation (it must "
-            "be a prefix of their shapes with features after it, e.g. (batch, tokens)), so nothing was left out",
-            UserWarning,
-        )
+        warn(f"{where}: the observation weight of shape {tuple(weight.shape)} fits no observed activation "
+             "(it must be a prefix of their shapes with features after it, e.g. (batch, tokens)), so nothing "
+             "was left out")
 
 
 class _Calibration:
@@ -355,10 +325,8 @@ class ExpertCallHooks:
         self.active: list = []  # per call in progress: what `start` returned, None for a nested call
 
     def attach(self) -> list:
-        return [
-            self.module.register_forward_pre_hook(eager(self._enter), with_kwargs=True),
-            self.module.register_forward_hook(eager(self._leave), with_kwargs=True, always_call=True),
-        ]
+        return [self.module.register_forward_pre_hook(eager(self._enter), with_kwargs=True),
+                self.module.register_forward_hook(eager(self._leave), with_kwargs=True, always_call=True)]
 
     def _enter(self, module, args, kwargs) -> None:
         self.active.append(None if self.active else self.start(module, args, kwargs or {}))
@@ -469,12 +437,11 @@ class _RoutedInputSite(_RoutedSite):
         num_experts = self.found.num_experts
         per_expert = dense_expert_rows(self.run.plan.modules[self.path], args, kwargs)
         if per_expert is None:
-            raise ValueError(
-                f"{self.run.caller}: cannot find the routing (an integer tensor [tokens, k] of selected experts) in the "
-                f"call of the experts module {self.path!r}, nor does it pass dense per-expert rows [E * tokens, "
-                "hidden] alone: where every expert runs on the same tokens, observe the input of the module that "
-                "calls it (one state for all experts)"
-            )
+            raise ValueError(f"{self.run.caller}: cannot find the routing (an integer tensor [tokens, k] of "
+                             f"selected experts) in the call of the experts module {self.path!r}, nor does "
+                             "it pass dense per-expert rows [E * tokens, hidden] alone: where every expert "
+                             "runs on the same tokens, observe the input of the module that calls it (one "
+                             "state for all experts)")
         if self.run.all_experts:
             mask = rows.new_ones(num_experts, rows.shape[0], dtype=torch.float32)
         else:
@@ -520,11 +487,7 @@ class _ExpertSites(ExpertCallHooks):
             return ()
         if self.run.all_experts:
             return None, args, kwargs
-        return self._start(module, input_tensor(args, kwargs), self._dense(args, kwargs))
-
-    def _dense(self, args: tuple, kwargs: dict) -> Optional[int]:
-        """`qstats.experts.dense_expert_rows` of a call of the module."""
-        return dense_expert_rows(self.module, args, kwargs)
+        return self._start(module, input_tensor(args, kwargs), dense_expert_rows(module, args, kwargs))
 
     def finish(self, module, started: tuple, output) -> None:
         if not started:
@@ -546,10 +509,9 @@ class _ExpertSites(ExpertCallHooks):
         num_experts = next(iter(self.sites.values())).found.num_experts
         calls = all_experts_calls(args, kwargs, num_experts, x.numel() // x.shape[-1], module)
         if calls is None:
-            raise ValueError(
-                f"{self.run.caller}: all_experts: cannot find the routing (an integer tensor [tokens, k] of selected "
-                f"experts) in the call of the experts module {self.path!r}"
-            )
+            raise ValueError(f"{self.run.caller}: all_experts: cannot find the routing (an integer tensor "
+                             "[tokens, k] of selected experts) in the call of the experts module "
+                             f"{self.path!r}")
         tokens_as: dict = {}  # dtype -> the call's tokens [T, F] in it: what each expert's copy is compared to
 
         def as_rows(dtype: torch.dtype) -> torch.Tensor:  # converted once per dtype, not per call and site
@@ -560,7 +522,8 @@ class _ExpertSites(ExpertCallHooks):
         found: dict = {}  # site -> [(rows, mask)] of every call: each expert is in one call only
         for call_args, call_kwargs in calls:
             call_x = input_tensor(call_args, call_kwargs)  # the tokens, or (dense rows) their blocks per expert
-            capture, handles, tokens, weight = self._start(module, call_x, self._dense(call_args, call_kwargs))
+            per_expert = dense_expert_rows(module, call_args, call_kwargs)
+            capture, handles, tokens, weight = self._start(module, call_x, per_expert)
             self.run.discarded += 1  # the sites of its children observe the model's own forward only
             try:
                 with torch.no_grad():  # no hooks of the module: only the capture watches it
@@ -638,17 +601,14 @@ def unrecognisable_slices_cause(module: torch.nn.Module, names) -> str:
     shared = [name for name in names if name in params and params[name].ndim
               and params[name].shape[0] > 1 and params[name].stride(0) == 0]
     if shared:
-        return (
-            f"; the cause: the experts of {shared} share one memory (stride 0 over the expert dimension, as "
-            "expand() makes), so no slice of them can be told apart as one expert's; give each expert its own "
-            "copy (e.g. torch.nn.Parameter(p.contiguous()))"
-        )
+        return (f"; the cause: the experts of {shared} share one memory (stride 0 over the expert dimension, "
+                "as expand() makes), so no slice of them can be told apart as one expert's; give each expert "
+                "its own copy (e.g. torch.nn.Parameter(p.contiguous()))")
     offloaded = [name for name in names if name in params and params[name].device.type == "meta"]
     if offloaded and getattr(module, "_hf_hook", None) is not None:
-        return (
-            f"; the cause: {offloaded} are offloaded by accelerate (meta tensors the hook replaces by other "
-            "tensors inside each call), so their slices cannot be recognised; load the experts without offloading"
-        )
+        return (f"; the cause: {offloaded} are offloaded by accelerate (meta tensors the hook replaces by "
+                "other tensors inside each call), so their slices cannot be recognised; load the experts "
+                "without offloading")
     return ""
 
 
@@ -658,11 +618,8 @@ def kept_rows(capture: ExpertInputCapture, name: str, weight: torch.Tensor, rows
     traced to their tokens."""
     tokens = capture.row_tokens(name)
     if tokens is None:
-        warn(
-            f"{rows_named} could not be traced back to the tokens they come from, so the observation weight "
-            "(padding) is not applied to them",
-            UserWarning,
-        )
+        warn(f"{rows_named} could not be traced back to the tokens they come from, so the observation weight "
+             "(padding) is not applied to them")
         rows = capture.rows[name]
         return torch.ones(sum(r.shape[0] for r in rows), dtype=torch.bool, device=rows[0].device)
     return weight.reshape(-1).to(tokens.device)[tokens] != 0
@@ -751,10 +708,9 @@ def parameter_value(plan: Plan, path: str, site: str, caller: str) -> torch.Tens
         with align_module_device(module):
             value = plan.parameter(path, site)  # keeps the onloaded data once the hook offloads again
     if value.device.type == "meta":
-        raise ValueError(
-            f"{caller}: parameter {site!r} of module {path!r} is on the meta device and holds no data "
-            "(load the weights first, or use qstats.layerwise for a model built on meta)"
-        )
+        raise ValueError(f"{caller}: parameter {site!r} of module {path!r} is on the meta device and holds "
+                         "no data (load the weights first, or use qstats.layerwise for a model built on "
+                         "meta)")
     return value
 
 
@@ -774,10 +730,9 @@ def _observe_parameters(run: _Calibration) -> None:
                 try:
                     assert_same_structure(resumed, found.observer.init(value), name="state")
                 except ValueError as error:
-                    raise ValueError(
-                        f"{run.caller}: the given states[{path!r}][{site!r}] is not a {found.observer.name} "
-                        f"state of that parameter (shape {tuple(value.shape)}): {error}"
-                    ) from None
+                    raise ValueError(f"{run.caller}: the given states[{path!r}][{site!r}] is not a "
+                                     f"{found.observer.name} state of that parameter (shape "
+                                     f"{tuple(value.shape)}): {error}") from None
 
 
 class Observing:
@@ -816,13 +771,8 @@ class Observing:
 
 
 @contextlib.contextmanager
-def observing(
-    model: torch.nn.Module,
-    recipe: Union[Recipe, Plan],
-    states: Optional[Mapping] = None,
-    *,
-    all_experts: bool = False,
-) -> Iterator[Observing]:
+def observing(model: torch.nn.Module, recipe: Union[Recipe, Plan], states: Optional[Mapping] = None, *,
+              all_experts: bool = False) -> Iterator[Observing]:
     """Context manager: every forward of ``model`` run inside updates the recipe's states.
 
     For users who drive the forward themselves (their own loop, a sequential pipeline);
@@ -874,25 +824,15 @@ def _warn_unobserved(states: dict, plan: Plan, seen_batches: int, compiled: bool
     """Warns (`qstats.UncalibratedWarning`) naming the activation sites the recipe selects that hold
     no state after calibration: `compute_qparams_tree` and `fake_quantized` would leave them out.
     For a ``compiled`` wrapper whose forwards were not seen, it names the graph compiled before the hooks."""
-    missing = [
-        f"{path}.{site}"
-        for path, entry in plan.sites.items()
-        for site, found in entry.items()
-        if site not in states.get(path, {}) and found.kind != "parameter"
-    ]
+    missing = [f"{path}.{site}" for path, entry in plan.sites.items() for site, found in entry.items()
+               if site not in states.get(path, {}) and found.kind != "parameter"]
     if not missing:
         return
-    why = (
-        "the model was not run"
-        if seen_batches == 0
-        else "their modules were not called, or not with a floating-point tensor"
-    )
+    why = ("the model was not run" if seen_batches == 0
+           else "their modules were not called, or not with a floating-point tensor")
     if seen_batches == 0 and compiled:
         why += ("; or, if it was, a torch.compile'd model that ran before the hooks were registered runs a graph "
                 "calling no hook added later: call torch.compiler.reset() first")
-    warn(
-        f"qstats: {len(missing)} site(s) of the recipe saw no data ({why}) and have no state; "
-        f"compute_qparams_tree and fake_quantized leave them out: " + ", ".join(missing),
-        UncalibratedWarning,
-    )
-
+    warn(f"qstats: {len(missing)} site(s) of the recipe saw no data ({why}) and have no state; "
+         f"compute_qparams_tree and fake_quantized leave them out: " + ", ".join(missing),
+         UncalibratedWarning)
