@@ -88,11 +88,9 @@ def warn_training_mode(model: torch.nn.Module, caller: str) -> None:
     dropped-out activations (and update batch- or instance-norm running statistics)."""
     for path, module in model.named_modules():
         if module.training and _drops_out(module):
-            warn(
-                f"{caller}: module {path!r} ({type(module).__name__}) is in training mode, so the statistics "
-                "observe its training behaviour (dropout, batch statistics, random slopes); call model.eval() first",
-                UserWarning,
-            )
+            warn(f"{caller}: module {path!r} ({type(module).__name__}) is in training mode, so the "
+                 "statistics observe its training behaviour (dropout, batch statistics, random slopes); call "
+                 "model.eval() first")
             return
 
 
@@ -151,15 +149,10 @@ def _run_batches(session: Observing, model, batches: Iterable, progress: bool, o
     return ran
 
 
-def calibrate(
-    model: torch.nn.Module,
-    batches: Iterable,
-    recipe: Union[Recipe, Plan],
-    states: Optional[Mapping] = None,
-    progress: bool = True,
-    observation_weight: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
-    all_experts: bool = False,
-) -> dict:
+def calibrate(model: torch.nn.Module, batches: Iterable, recipe: Union[Recipe, Plan],
+              states: Optional[Mapping] = None, progress: bool = True,
+              observation_weight: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
+              all_experts: bool = False) -> dict:
     """Observer states of ``model`` over ``batches``, per module path and site.
 
     Args:
@@ -210,20 +203,13 @@ def calibrate(
     with observing_as("calibrate", model, plan, states, all_experts) as session:
         ran = _run_batches(session, model, batches, progress, observation_weight)
         if ran and not session.calls:  # the model's own forward pre-hook never ran
-            raise ValueError(
-                f"calibrate: the model ran {ran} batch(es) but none of its hooks ran: {COMPILED_BEFORE_HOOKS}"
-            )
+            raise ValueError(f"calibrate: the model ran {ran} batch(es) but none of its hooks ran: "
+                             f"{COMPILED_BEFORE_HOOKS}")
     return session.states
 
 
-def compute_qparams_tree(
-    states: Mapping,
-    recipe: Union[Recipe, Plan],
-    model: Optional[torch.nn.Module] = None,
-    *,
-    fuse: bool = True,
-    **options,
-) -> dict:
+def compute_qparams_tree(states: Mapping, recipe: Union[Recipe, Plan],
+                         model: Optional[torch.nn.Module] = None, *, fuse: bool = True, **options) -> dict:
     """``{path: {site: QParams}}`` for a states tree, with each site's spec and ``qparams_kwargs``.
 
     Args:
@@ -256,7 +242,7 @@ def compute_qparams_tree(
             found = plan.site(path, site)
             if found is None:
                 raise ValueError(f"compute_qparams_tree: the recipe observes no site {site!r} of module {path!r}")
-            state = _stopped_per_projection(state, plan, path, site)
+            state = _stopped_per_projection(state, found, plan.modules[path], site)
             out[path][site] = _site_qparams(state, found, f"compute_qparams_tree[{path!r}][{site!r}]", options)
     if fuse:
         _share_global_scales(out, states, plan, options)
@@ -277,12 +263,11 @@ def _site_qparams(state, found, where: str, options: dict) -> Optional[QParams]:
     return qparams
 
 
-def _stopped_per_projection(state, plan: Plan, path: str, site: str):
+def _stopped_per_projection(state, found, module: torch.nn.Module, site: str):
     """An mse state of a stacked ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) whose
     early stop (``patience``) runs per projection, as llm-compressor's observer on each Linear its
     ``linearize_moe`` makes of it (`stopped_per_part`; one stop for both picked other scales); any
     other state as it is, and one whose quantization parameters do not split into the halves' rows."""
-    found, module = plan.site(path, site), plan.modules[path]
     if (site != "gate_up_proj" or found.kind != "parameter" or not found.num_experts or not isinstance(state, MSEState)
             or linearized_layout_problem(module) is not None):
         return state
@@ -311,11 +296,9 @@ def _share_global_scales(out: dict, states: Mapping, plan: Plan, options: dict) 
             continue
         kinds = {(f.spec, f.num_experts) for f in found if f is not None}  # observers may differ
         if not (all(two_level) and all(observed) and len(kinds) == 1 and not found[0].num_experts):
-            warn(
-                f"compute_qparams_tree: {', '.join(group)} run as one matmul in inference engines (vLLM), which "
-                "need one NVFP4 (two-level) scheme on all of their weights and one global scale; these are not all "
-                "observed under one such spec, so each keeps its own global scale",
-            )
+            warn(f"compute_qparams_tree: {', '.join(group)} run as one matmul in inference engines (vLLM), "
+                 "which need one NVFP4 (two-level) scheme on all of their weights and one global scale; "
+                 "these are not all observed under one such spec, so each keeps its own global scale")
             continue
         # each member's range under its own observer and qparams_kwargs, one global scale over them
         # (llm-compressor fuses q/k/v under minmax and mse observers alike)
@@ -359,7 +342,6 @@ class _FakeQuantParametrization(torch.nn.Module):
         super().__init__()
         self.qparams = qparams
         self.spec = found.spec
-        self.num_experts = found.num_experts
         self.site = found
         self.where = where  # "module 'path' parameter 'site'", for errors
 
@@ -376,7 +358,7 @@ class _FakeQuantParametrization(torch.nn.Module):
     def forward(self, value: torch.Tensor) -> torch.Tensor:
         value = self.site.canonical(value)
         try:
-            if self.num_experts:
+            if self.site.num_experts:
                 qparams = per_expert_qparams(self.qparams, value.shape[0])  # a shared global scale: every expert's
                 return self.site.stored(torch.vmap(lambda w, qp: fake_quantize(w, qp, self.spec))(value, qparams))
             return fake_quantize(value, self.qparams, self.spec)
@@ -394,19 +376,17 @@ def _float_state_dict_hooks(parametrized: list) -> list:
         if not before:
             sites.setdefault(module, []).append(site)
             orders.setdefault(module, order)  # a module's first registration: its float order
-    handles = []
-    for module, names in sites.items():
-        renamed = {name: f"parametrizations.{name}.original" for name in names}
-        handles.append(module.register_state_dict_post_hook(_saving_float_keys(renamed, orders[module])))
-        handles.append(module.register_load_state_dict_pre_hook(_loading_float_keys(renamed)))
-    return handles
+    return [handle for module, names in sites.items()
+            for handle in _float_key_hooks(module, names, orders[module])]
 
 
-def _saving_float_keys(renamed: dict, order: list) -> Callable:
-    """A ``state_dict`` post-hook: the module's parametrized entries under their float names, its
-    parameters in their float order."""
+def _float_key_hooks(module: torch.nn.Module, names: list, order: list) -> list:
+    """The handles of a ``state_dict`` post-hook giving ``module``'s parametrized entries ``names``
+    under their float names, its parameters in their float ``order``, and of a ``load_state_dict``
+    pre-hook taking the float names as the parametrized entries they are."""
+    renamed = {name: f"parametrizations.{name}.original" for name in names}
 
-    def hook(module, state_dict, prefix, local_metadata) -> None:
+    def save(module, state_dict, prefix, local_metadata) -> None:
         # this module's entries are the last ones (own tensors, then its children's)
         own = {key: state_dict.pop(key) for key in [key for key in state_dict if key.startswith(prefix)]}
         for name, key in renamed.items():
@@ -416,18 +396,12 @@ def _saving_float_keys(renamed: dict, order: list) -> Callable:
         state_dict.update((key, own.pop(key)) for key in parameters)
         state_dict.update(own)
 
-    return hook
-
-
-def _loading_float_keys(renamed: dict) -> Callable:
-    """A ``load_state_dict`` pre-hook: float names taken as the parametrized entries they are."""
-
-    def hook(module, state_dict, prefix, *_) -> None:
+    def load(module, state_dict, prefix, *_) -> None:
         for name, key in renamed.items():
             if prefix + name in state_dict:
                 state_dict[prefix + key] = state_dict.pop(prefix + name)
 
-    return hook
+    return [module.register_state_dict_post_hook(save), module.register_load_state_dict_pre_hook(load)]
 
 
 def _parameter_order(module: torch.nn.Module) -> list:
@@ -502,9 +476,8 @@ def fake_quantized(model: torch.nn.Module, qparams: Mapping, recipe: Union[Recip
                     module._parameters[name] = module._parameters.pop(name)
 
 
-def _fake_quantize_site(
-    plan: Plan, path: str, site: str, qp, handles: list, parametrized: list, expert_sites: dict, attention: dict
-) -> None:
+def _fake_quantize_site(plan: Plan, path: str, site: str, qp, handles: list, parametrized: list,
+                        expert_sites: dict, attention: dict) -> None:
     """Applies one site of `fake_quantized`: a parametrization of a parameter site (recorded in
     ``parametrized`` with the number of parametrizations the tensor had before and the module's
     parameter order), a hook replacing an activation site's tensor (recorded in ``handles``); a
@@ -516,10 +489,8 @@ def _fake_quantize_site(
     if qp is None and not found.runtime:
         raise ValueError(f"fake_quantized: qparams[{path!r}][{site!r}] is None; its spec needs QParams")
     if qp is not None and not isinstance(qp, QParams):  # e.g. the states tree instead of its qparams
-        raise TypeError(
-            f"fake_quantized: qparams[{path!r}][{site!r}] is a {type(qp).__name__}, not QParams; "
-            "pass qstats.compute_qparams_tree(states, recipe, model), not the states"
-        )
+        raise TypeError(f"fake_quantized: qparams[{path!r}][{site!r}] is a {type(qp).__name__}, not QParams; "
+                        "pass qstats.compute_qparams_tree(states, recipe, model), not the states")
     module = plan.modules[path]
     if found.kind == "parameter":
         where = f"module {path!r} parameter {site!r}"
@@ -528,10 +499,9 @@ def _fake_quantize_site(
         order = _parameter_order(module)  # before registering: it takes the tensor out of the list
         original = module._parameters.get(site)
         if original is not None and original.device.type == "meta":  # the parametrization would compute on it
-            raise ValueError(
-                f"fake_quantized: {where} is on the meta device (offloaded by accelerate, or never loaded), so it "
-                "cannot be fake-quantized through a parametrization; load the model without offloading"
-            )
+            raise ValueError(f"fake_quantized: {where} is on the meta device (offloaded by accelerate, or "
+                             "never loaded), so it cannot be fake-quantized through a parametrization; load "
+                             "the model without offloading")
         if is_dtensor(original):  # FSDP2 swaps the module's parameters, which a parametrization hides from it
             raise ValueError(
                 f"fake_quantized: {where} is a DTensor (sharded across ranks by FSDP2's fully_shard, or tensor "
