@@ -71,25 +71,22 @@ def register_reduce_ops(state_cls: Union[type, str], ops: Any) -> None:
         fields included, on the first state `reduce_ops` sees).
     """
     if isinstance(state_cls, str):
-        name, fields, registry, key = state_cls, None, _BY_NAME, state_cls
+        name, fields, registry = state_cls, None, _BY_NAME
     elif isinstance(state_cls, type) and issubclass(state_cls, tuple) and hasattr(state_cls, "_fields"):
-        name, fields, registry, key = state_cls.__name__, tuple(state_cls._fields), _BY_CLASS, state_cls
+        name, fields, registry = state_cls.__name__, state_cls._fields, _BY_CLASS
     else:
         raise TypeError(f"register_reduce_ops: expected a NamedTuple state class or its name, got {state_cls!r}")
-    if callable(ops) or ops == _FOLD:
-        registry[key] = ops
-        return
-    if isinstance(ops, str):
-        raise ValueError(f"register_reduce_ops({name}): ops must be a field mapping or 'fold', got {ops!r}")
-    ops = dict(ops)
-    bad = {field: op for field, op in ops.items() if op not in REDUCE_OPS}
-    if bad:
-        raise ValueError(f"register_reduce_ops({name}): unknown ops {bad}; use one of {REDUCE_OPS} or 'fold'")
-    if fields is not None and {field.split(".")[0] for field in ops} != set(fields):
-        raise ValueError(
-            f"register_reduce_ops({name}): ops name fields {sorted(ops)} but the state has fields {sorted(fields)}"
-        )
-    registry[key] = ops
+    if not (callable(ops) or ops == _FOLD):
+        if isinstance(ops, str):
+            raise ValueError(f"register_reduce_ops({name}): ops must be a field mapping or 'fold', got {ops!r}")
+        ops = dict(ops)
+        bad = {field: op for field, op in ops.items() if op not in REDUCE_OPS}
+        if bad:
+            raise ValueError(f"register_reduce_ops({name}): unknown ops {bad}; use one of {REDUCE_OPS} or 'fold'")
+        if fields is not None and {field.split(".")[0] for field in ops} != set(fields):
+            raise ValueError(f"register_reduce_ops({name}): ops name fields {sorted(ops)} but the state has fields "
+                             f"{sorted(fields)}")
+    registry[state_cls] = ops
 
 
 def _declared_ops(cls: type) -> Any:
@@ -185,7 +182,7 @@ for _name in ("MovingAverageMinMaxState", "MomentsState", "MSEState", "MovingAve
 
 # --------------------------------------------------------------------------------------------
 def _is_state(x: Any) -> bool:
-    return isinstance(x, tuple) and hasattr(type(x), "_fields") and not isinstance(x, Observer)
+    return is_named_tuple(x) and not isinstance(x, Observer)
 
 
 def _where(path) -> str:
@@ -206,9 +203,8 @@ def _flatten(tree: Any, observers: Any):
                 problem = f"{value.layout} tensor, not a dense (strided) one"
             else:
                 continue
-            raise TypeError(
-                f"all_reduce: field {field!r} of the {type(state).__name__} at {where!r} is a {problem}"
-            )
+            raise TypeError(f"all_reduce: field {field!r} of the {type(state).__name__} at {where!r} is a "
+                            f"{problem}")
     if isinstance(observers, Observer):
         leaf_observers = [observers] * len(states)
     else:
@@ -400,8 +396,7 @@ def all_reduce(
         raise ValueError("all_reduce: partial=True needs check=True: the check is the collective that finds the "
                          "sites that only some ranks hold")
     states = treespec = plan = records = local_error = None
-    distributed = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size(group) if distributed else 1
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     if partial:
         observers = _pruned(observers, tree)
     try:  # validated locally, but raised only after every rank has joined the check
@@ -451,7 +446,9 @@ def _reduce_elementwise(states, plan, group, results) -> None:
             key, negate = _bucket_key(ops[field], value)
             buckets.setdefault(key, []).append((i, j, negate))
     for key in _bucket_order(buckets, _device_numbers(states)):
-        for members in _bounded(buckets[key], leaves):
+        # runs of at most BUCKET_BYTES, alike on every rank (the check compares shapes and dtypes)
+        for run in _runs([leaves[i][j].nbytes for i, j, _ in buckets[key]]):
+            members = [buckets[key][index] for index in run]
             # a copy (inputs stay as they are), without autograd history: the collective is not differentiable
             flat = torch.cat([leaves[i][j].detach().reshape(-1) for i, j, _ in members])
             sizes = [leaves[i][j].numel() for i, j, _ in members]
@@ -463,13 +460,6 @@ def _reduce_elementwise(states, plan, group, results) -> None:
                 # a field of its own, not a view of a shared buffer (which torch.save would write whole)
                 owned = piece if len(members) == 1 else piece.clone()
                 results[i][j] = (owned.neg_() if negate else owned).reshape(leaves[i][j].shape)
-
-
-def _bounded(members: list, leaves: list) -> list[list]:
-    """``members`` in consecutive runs of at most `BUCKET_BYTES` (a larger one alone); the same runs
-    on every rank, whose fields have the same shapes and dtypes (the check compares them)."""
-    sizes = [leaves[member[0]][member[1]].nbytes for member in members]
-    return [[members[index] for index in run] for run in _runs(sizes)]
 
 
 def _bucket_order(keys, devices: dict) -> list:
@@ -746,12 +736,8 @@ def _first_conflict(union: list, held: list) -> Optional[tuple]:
 def _conflict_error(path: tuple, parts: dict, group) -> ValueError:
     """The ValueError every rank raises where ranks hold different things at ``path``: what each
     holds there, named by rank (one all_gather_object, the message only)."""
-    if path in parts:
-        mine = parts[path].text
-    elif any(other[:len(path)] == path for other in parts):
-        mine = "a dict of states"
-    else:
-        mine = None
+    below = any(other[:len(path)] == path for other in parts)
+    mine = parts[path].text if path in parts else "a dict of states" if below else None
     ranks, texts = _gather_from_ranks(mine, group)
     holding = [(rank, text) for rank, text in zip(ranks, texts) if text is not None]
     (first, text), others = holding[0], [(rank, other) for rank, other in holding[1:] if other != holding[0][1]]
@@ -883,7 +869,6 @@ def _broadcast_states(states: Optional[list], templates: list, source: int, grou
     """``source``'s ``states`` (None on the other ranks), shaped as ``templates``, on every rank on
     ``device``: one broadcast of their bytes per run of at most `BUCKET_BYTES` (a larger state alone)."""
     through = _probe_device(group)
-    src = _world_rank(group, source)
     sizes = [sum(v.numel() * v.element_size() for v in _values(state)) for state in templates]
     out: list = []
     for indexes in _runs(sizes):
@@ -892,6 +877,6 @@ def _broadcast_states(states: Optional[list], templates: list, source: int, grou
         else:
             buffer = torch.empty(sum(sizes[i] for i in indexes), dtype=torch.uint8, device=through)
         if buffer.numel():
-            dist.broadcast(buffer, src=src, group=group)
+            dist.broadcast(buffer, src=_world_rank(group, source), group=group)
         out += _unpack(buffer.to(device), [templates[i] for i in indexes])
     return out
