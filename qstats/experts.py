@@ -143,16 +143,16 @@ class StackLayout(NamedTuple):
     def canonical(self, stored: torch.Tensor) -> torch.Tensor:
         """The stored weights as the per-expert Linear weights ``[..., out, in]``."""
         weight = stored.transpose(-1, -2) if self.transposed else stored
-        return _halves_first(weight, -2) if self.interleaved else weight
+        return _regrouped(weight, -2, (-1, 2)) if self.interleaved else weight
 
     def stored(self, canonical: torch.Tensor) -> torch.Tensor:
         """The inverse of `canonical`: per-expert Linear weights ``[..., out, in]`` as stored."""
-        weight = _alternating(canonical, -2) if self.interleaved else canonical
+        weight = _regrouped(canonical, -2, (2, -1)) if self.interleaved else canonical
         return weight.transpose(-1, -2) if self.transposed else weight
 
     def canonical_bias(self, stored: torch.Tensor) -> torch.Tensor:
         """A stored bias ``[..., out]`` in the per-expert Linears' order (gate, then up)."""
-        return _halves_first(stored, -1) if self.interleaved else stored
+        return _regrouped(stored, -1, (-1, 2)) if self.interleaved else stored
 
     def canonical_shape(self, shape) -> tuple:
         """The shape of `canonical` of a stored tensor of ``shape``."""
@@ -160,16 +160,11 @@ class StackLayout(NamedTuple):
         return shape[:-2] + (shape[-1], shape[-2]) if self.transposed else shape
 
 
-def _halves_first(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` with the entries ``0::2`` then ``1::2`` along ``dim`` (a de-interleave)."""
+def _regrouped(x: torch.Tensor, dim: int, groups: tuple) -> torch.Tensor:
+    """``x`` with ``dim`` split into ``groups``, the two transposed and flattened back: ``(-1, 2)``
+    takes the entries ``0::2`` then ``1::2`` (a de-interleave), ``(2, -1)`` interleaves the two halves."""
     dim = dim % x.ndim
-    return x.unflatten(dim, (-1, 2)).transpose(dim, dim + 1).flatten(dim, dim + 1)
-
-
-def _alternating(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """The inverse of `_halves_first`: the two halves of ``x`` along ``dim`` interleaved."""
-    dim = dim % x.ndim
-    return x.unflatten(dim, (2, -1)).transpose(dim, dim + 1).flatten(dim, dim + 1)
+    return x.unflatten(dim, groups).transpose(dim, dim + 1).flatten(dim, dim + 1)
 
 
 # experts whose stacks llm-compressor 0.14 linearizes from a stored layout other than [E, out, in], by its
@@ -400,11 +395,7 @@ def _dense_all_experts_calls(module: torch.nn.Module, args: tuple, kwargs: dict)
     num_experts = expert_count(module)
     name = next(iter(kwargs), None)
     x = args[0] if args else kwargs[name]
-    calls = []
-    for block in x.split(per_expert):
-        rows = block.repeat(num_experts, 1)
-        calls.append(((rows,), {}) if args else ((), {name: rows}))
-    return calls
+    return [with_argument(args, kwargs, 0, name, block.repeat(num_experts, 1)) for block in x.split(per_expert)]
 
 
 def dispatch(tokens: torch.Tensor, mask: torch.Tensor, capacity: Optional[int] = None):
@@ -783,8 +774,8 @@ class ExpertInputCapture(TorchFunctionMode):
         a, b = args[:2]
         if kind == _MATMUL:
             return self._matmul_input(args, kwargs, a, b)
+        whole = next((name for name, stack in self.parameters.items() if _is_whole_stack(b, stack)), None)
         if kind == _BMM and a.ndim == 3 and b.ndim == 3:
-            whole = next((name for name, stack in self.parameters.items() if _is_whole_stack(b, stack)), None)
             if whole is not None and a.shape[0] == b.shape[0]:  # x [E, n, in] @ P: batch e is expert e's rows
                 return self._input_rows(args, kwargs, a, whole, dense_ids(a.shape[0], a.shape[1], a.device))
             if b in self._gathered:  # x [S, m, in] @ P[ids]
@@ -798,11 +789,10 @@ class ExpertInputCapture(TorchFunctionMode):
                         self._rows_tokens(b, b.shape[2]), put)
         if kind == _GROUPED:
             offs = _arg(args, kwargs, 2, "offs")
-            name = next((name for name, stack in self.parameters.items() if _is_whole_stack(b, stack)), None)
-            if name is not None and a.ndim == 2 and isinstance(offs, torch.Tensor):  # row r: first e with r < offs[e]
+            if whole is not None and a.ndim == 2 and isinstance(offs, torch.Tensor):  # row r: first e with r < offs[e]
                 positions = torch.arange(a.shape[0], device=offs.device, dtype=torch.int64)
                 ids = torch.searchsorted(offs.to(torch.int64).contiguous(), positions, right=True)
-                return self._input_rows(args, kwargs, a, name, ids)
+                return self._input_rows(args, kwargs, a, whole, ids)
         return None
 
     def _input_rows(self, args: tuple, kwargs: dict, x: torch.Tensor, name: str, ids) -> tuple:
