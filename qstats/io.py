@@ -329,12 +329,8 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
     state_dict = to_state_dict(tree)
     _check_storable(state_dict["tensors"])
     tensors = _unshared_cpu(state_dict["tensors"])
-    metadata = {
-        "format": FORMAT,
-        "format_version": str(FORMAT_VERSION),
-        "structure": state_dict["structure"],
-        "checksums": json.dumps({key: _checksum(t) for key, t in tensors.items()}),
-    }
+    metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "structure": state_dict["structure"],
+                "checksums": json.dumps({key: _checksum(t) for key, t in tensors.items()})}
     metadata["layout_checksum"] = _layout_checksum(metadata["structure"], metadata["checksums"], tensors)
     target = os.fsdecode(path)  # a bytes path too, as open() takes
     real = os.path.realpath(target)  # a symlink's target is replaced, as open() writes through it
