@@ -247,8 +247,7 @@ class Writer:
         for name, tensor in state.items():
             if name not in tensors and name not in dropped:
                 tensors[name] = tensor.detach()
-        tensors = shared_module_copies(self.model, tensors)
-        tensors = saved_tensors(self.model, tensors)
+        tensors = saved_tensors(self.model, shared_module_copies(self.model, tensors))
         copies = retied_copies(self.model, tensors)
         self.retied = self.retied or bool(copies)
         return {name: tensor for name, tensor in tensors.items() if name not in copies}
