@@ -565,6 +565,16 @@ class Recipe:
         self.ignore = _targets(ignore, "Recipe.ignore")
         self.shared = _shared_sites(shared)
 
+    def __eq__(self, other) -> bool:
+        """Recipes are equal when their rules, ignore lists and shared sites are (a copy, a pickled
+        and loaded one, or one read again from the same config)."""
+        if not isinstance(other, Recipe):
+            return NotImplemented
+        return (self.rules, self.ignore, self.shared) == (other.rules, other.ignore, other.shared)
+
+    def __hash__(self) -> int:
+        return hash((self.rules, self.ignore, tuple(self.shared.items())))
+
     def __repr__(self) -> str:
         shared = f", shared={self.shared!r}" if self.shared else ""
         return f"Recipe(rules={list(self.rules)!r}, ignore={list(self.ignore)!r}{shared})"
