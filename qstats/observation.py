@@ -130,12 +130,15 @@ def raise_renamed(error: Exception, where: str):
     if renamed is not None and renamed.args == (message,) and str(renamed) == message and error.args == (str(error),):
         renamed.__dict__.update(error.__dict__)
         raise renamed.with_traceback(error.__traceback__) from error
-    if hasattr(BaseException, "add_note"):  # Python 3.11
+    if _HAS_NOTES:
         error.add_note(where)
     else:  # traceback prints the cause first: "RuntimeError: <where>", then the error itself
         site = RuntimeError(f"{where} (where the error below was raised)")
         site.__cause__, error.__cause__ = error.__cause__, site
     raise error
+
+
+_HAS_NOTES = hasattr(BaseException, "add_note")  # Python 3.11
 
 
 def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
