@@ -68,9 +68,7 @@ def heads_last(x: torch.Tensor) -> torch.Tensor:
 
 def heads_first(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`heads_last` undone: ``y`` back in the layout of ``like``."""
-    if like.ndim != 4:
-        return y
-    return y.unflatten(-1, (like.shape[1], like.shape[3])).transpose(1, 2)
+    return y.unflatten(-1, (like.shape[1], like.shape[3])).transpose(1, 2) if like.ndim == 4 else y
 
 
 def _same(x: torch.Tensor, like: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -326,7 +324,7 @@ def attention_sites(hooks: Mapping, caller: str) -> Iterator[None]:
     switched: dict = {}  # id(config) -> (config, implementation before, implementation inside)
     handles: list = []
     try:
-        compared = _compared_configs(hooks) if hooks else {}
+        compared = _compared_configs(hooks)
         for path, (module, hook) in hooks.items():
             if id(module.config) in compared:
                 handles += _cache_hooks(module, path, hook, caller, compared[id(module.config)])
