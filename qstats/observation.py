@@ -181,9 +181,9 @@ def _unstacked_experts_problem(module: torch.nn.Module, site: str, found) -> Opt
     attribute, declared = declared_experts(module)
     experts = f"{declared} experts ({attribute})" if declared else "experts"
     if takes_routing(module):  # DBRX's DbrxExperts: the weights in a child
-        return (f"its forward takes the routing, but it owns no parameter stacked over its {experts} as [E, "
-                "...], so its 'input' would be one state over every expert's tokens, not per expert (for one "
-                "shared state, observe the input of the MoE block that calls it)")
+        return (f"its forward takes the routing, but it owns no parameter stacked over its {experts} as "
+                "[E, ...], so its 'input' would be one state over every expert's tokens, not per expert (for "
+                "one shared state, observe the input of the MoE block that calls it)")
     flat = [name for name in own_parameters(module) if declared and unstacked_parameter_problem(module, name)]
     if flat:  # DBRX's DbrxExpertGLU: called once per expert with slices of its flat parameters
         return (f"its parameters {flat} hold its {experts} unstacked, so its 'input' would be one state over "
