@@ -138,32 +138,26 @@ def _structure(state: Any) -> str:
 def reduce_ops(state: Any) -> Union[dict[str, str], str]:
     """The declared reduction of ``state``'s type: a ``{field: op}`` dict, or ``"fold"`` (also for
     types nobody declared)."""
-    for cls in type(state).__mro__:
-        ops = _declared_ops(cls)
-        if ops is None:
-            continue
-        names = [name for name, _ in _state_fields(state)]
-        if callable(ops):
-            ops = dict(ops(tuple(names)))
-            bad = {field: op for field, op in ops.items() if op not in REDUCE_OPS}
-            if bad:
-                raise ValueError(f"all_reduce: unknown reduce ops {bad} for {type(state).__name__}")
-        if ops == _FOLD:
-            return ops
-        nested = [(name, value) for name, value in named_fields(state) if name in ops and is_named_tuple(value)]
-        if nested:
-            name, value = nested[0]
-            raise ValueError(
-                f"all_reduce: the reduce ops declared for {type(state).__name__} name {name!r}, a nested "
-                f"{type(value).__name__}; name its fields instead: {[n for n in names if n.startswith(name + '.')]}"
-            )
-        if set(ops) != set(names):
-            raise ValueError(
-                f"all_reduce: the reduce ops declared for {type(state).__name__} name fields {sorted(ops)}, "
-                f"but the state has fields {sorted(names)}"
-            )
+    ops = next((ops for ops in map(_declared_ops, type(state).__mro__) if ops is not None), _FOLD)
+    if ops == _FOLD:  # declared so, or by nobody
         return ops
-    return _FOLD
+    names = [name for name, _ in _state_fields(state)]
+    if callable(ops):
+        ops = dict(ops(tuple(names)))
+        bad = {field: op for field, op in ops.items() if op not in REDUCE_OPS}
+        if bad:
+            raise ValueError(f"all_reduce: unknown reduce ops {bad} for {type(state).__name__}")
+    nested = [(name, value) for name, value in named_fields(state) if name in ops and is_named_tuple(value)]
+    if nested:
+        name, value = nested[0]
+        raise ValueError(
+            f"all_reduce: the reduce ops declared for {type(state).__name__} name {name!r}, a nested "
+            f"{type(value).__name__}; name its fields instead: {[n for n in names if n.startswith(name + '.')]}"
+        )
+    if set(ops) != set(names):
+        raise ValueError(f"all_reduce: the reduce ops declared for {type(state).__name__} name fields "
+                         f"{sorted(ops)}, but the state has fields {sorted(names)}")
+    return ops
 
 
 # Elementwise: extremes min/max and every other field summed. Running and memoryless extremes with
@@ -271,11 +265,7 @@ def _check_values(paths, states, plan) -> None:
 def _device_numbers(states) -> dict[torch.device, int]:
     """Each device of ``states`` numbered by first use, alike on ranks that pass the same tree on
     devices of other indices (cuda:0 and cuda:8 on one rank, cuda:1 and cuda:9 on the next)."""
-    devices: dict[torch.device, int] = {}
-    for state in states:
-        for value in _values(state):
-            devices.setdefault(value.device, len(devices))
-    return devices
+    return {device: n for n, device in enumerate(dict.fromkeys(v.device for s in states for v in _values(s)))}
 
 
 def _check_merges(paths, states, plan, leaf_observers) -> None:
@@ -547,8 +537,7 @@ def _gather_from_ranks(report: Any, group) -> tuple[list, list]:
     the order of the ranks of ``group``; one all_gather_object, for the messages of failed checks."""
     reports = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, report, group=group)
-    ranks = [_world_rank(group, i) for i in range(len(reports))]
-    return ranks, reports
+    return [_world_rank(group, i) for i in range(len(reports))], reports
 
 
 def _gather_valid(report: Any, error: Optional[Exception], detail: Any, group) -> tuple[list, list]:
