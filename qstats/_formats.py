@@ -330,7 +330,9 @@ def handles_qparams(spec) -> bool:
 def global_scale_from_amax(amax_t: torch.Tensor, spec) -> torch.Tensor:
     """The global (per-tensor) scale for a tensor of absolute maximum ``amax_t`` (float32)."""
     amax_t = amax_t.float()
-    scale_max = float(torch.finfo(torch.float8_e4m3fn).max) if spec.scale_dtype == "float8_e4m3fn" else 1.0
+    # compressed-tensors' generate_gparam takes the float8 maximum also for unrounded float32 group scales
+    fp8_range = spec.scale_dtype == "float8_e4m3fn" or spec.global_scale_formula == "range_over_amax"
+    scale_max = float(torch.finfo(torch.float8_e4m3fn).max) if fp8_range else 1.0
     full_range = scale_max * element_max(spec)
     if spec.global_scale_formula == "range_over_amax":
         # compressed-tensors divides in the observed dtype (``compute_dtype``; the extremes of a

@@ -227,17 +227,8 @@ def _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype)
     if qtype == "float" and num_bits == 4 and not symmetric:
         # calculate_qparams raises NotImplementedError for them
         raise ValueError("from_compressed_tensors: symmetric=False is not supported for float 4-bit targets")
-    if strategy == "tensor_group" and not (
-        qtype == "float" and num_bits == 4 and scale_dtype == torch.float8_e4m3fn
-    ):
-        # generate_gparam scales by 448 * 6 (the FP8 and FP4 maxima) whatever the element and
-        # scale formats (also for unrounded float32 block scales, scale_dtype=None); qstats'
-        # two-level scales follow the spec's own formats (NVFP4 only)
-        raise ValueError(
-            "from_compressed_tensors: strategy 'tensor_group' is reproduced for NVFP4 only: "
-            f"type='float', num_bits=4, scale_dtype=torch.float8_e4m3fn (got type={qtype!r}, "
-            f"num_bits={num_bits}, scale_dtype={scale_dtype!r})"
-        )
+    if strategy == "tensor_group":
+        _check_tensor_group(args, num_bits, qtype, scale_dtype)
     zp_dtype = _dtype_field(args, "zp_dtype")
     if zp_dtype is not None and not symmetric:
         # calculate_qparams rounds the zero point to zp_dtype: a float one keeps it fractional, an
@@ -252,6 +243,31 @@ def _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype)
                 f"{qtype}{num_bits} targets: use a signed integer dtype holding the target's range "
                 "(float8_e4m3fn for float targets)"
             )
+
+
+def _check_tensor_group(args, num_bits, qtype, scale_dtype):
+    """ValueError for ``tensor_group`` args other than NVFP4's: fp4 elements under float8_e4m3fn
+    group scales, or, for ``dynamic="local"`` activations, unrounded ones (``scale_dtype=None``:
+    llm-compressor's ``recipe_nvfp4_fp8_mixed.yaml``; the same global scale, ``generate_gparam``,
+    and the run-time group scales kept in float32, as ``calculate_qparams`` rounds none)."""
+    if qtype == "float" and num_bits == 4 and scale_dtype == torch.float8_e4m3fn:
+        return
+    if qtype == "float" and num_bits == 4 and scale_dtype is None:
+        if _enum_value(_field(args, "dynamic", False)) == "local":
+            return
+        raise ValueError(
+            "from_compressed_tensors: strategy 'tensor_group' fp4 args without scale_dtype are reproduced for "
+            "dynamic='local' activations only: compressed-tensors fake-quantizes such weights with unrounded "
+            "group scales, but its NVFP4 checkpoint stores those scales cast to float8_e4m3fn, which the "
+            "packed codes were not computed with; give scale_dtype=torch.float8_e4m3fn (NVFP4)"
+        )
+    # generate_gparam scales by 448 * 6 (the FP8 and FP4 maxima) whatever the element and scale
+    # formats; qstats' two-level scales follow the spec's own formats (NVFP4 only)
+    raise ValueError(
+        "from_compressed_tensors: strategy 'tensor_group' is reproduced for NVFP4 only: "
+        f"type='float', num_bits=4, scale_dtype=torch.float8_e4m3fn (got type={qtype!r}, "
+        f"num_bits={num_bits}, scale_dtype={scale_dtype!r})"
+    )
 
 
 def check_compressed_tensors_range(spec) -> None:
