@@ -801,11 +801,16 @@ def _modifier_config(config: Any) -> Any:
 
     algorithm = {name: getattr(config, name) for name in type(config).model_fields
                  if name not in QuantizationModifier.model_fields}
+    resolved = config.resolve_quantization_config()
+    if "actorder" in algorithm:  # as GPTQ applies it: the config groups' (its own is a "static" sentinel)
+        orders = {getattr(group.weights.actorder, "value", group.weights.actorder)
+                  for group in resolved.config_groups.values() if group.weights is not None}
+        algorithm["actorder"] = orders.pop() if len(orders) == 1 else sorted(map(str, orders))
     if algorithm:  # GPTQModifier's block_size, dampening_frac, actorder, ...
         warn(f"{type(config).__name__}: the qstats Recipe holds its quantization config (observers and specs); "
              f"its algorithm options {algorithm} are not part of it (qstats.gptq takes GPTQ's: docs/gptq.md)",
              UserWarning)
-    return config.resolve_quantization_config()
+    return resolved
 
 
 def _llm_compressor_recipe(LLMCompressorRecipe, config):
