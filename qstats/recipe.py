@@ -572,8 +572,8 @@ class Recipe:
             return NotImplemented
         return (self.rules, self.ignore, self.shared) == (other.rules, other.ignore, other.shared)
 
-    def __hash__(self) -> int:
-        return hash((self.rules, self.ignore, tuple(self.shared.items())))
+    def __hash__(self) -> int:  # of fields always hashable (observer_kwargs may hold lists)
+        return hash((tuple((rule.targets, rule.sites) for rule in self.rules), self.ignore, tuple(self.shared.items())))
 
     def __repr__(self) -> str:
         shared = f", shared={self.shared!r}" if self.shared else ""

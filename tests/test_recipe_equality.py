@@ -45,3 +45,13 @@ def test_recipes_that_differ_compare_unequal():
     unshared = qstats.Recipe(base[2].rules, ignore=["0"])
     assert unshared != base[2]
     assert base[0] != "a recipe" and base[0] != base[0].rules
+
+
+def test_a_recipe_whose_observer_kwargs_hold_a_list_hashes():
+    """Its rules are unhashable (a list among the observer_kwargs); the recipe still hashes, as before."""
+    rule = qstats.Rule("Linear", sites=("input",), observer="histogram", observer_kwargs={"bins": 64},
+                       qparams_kwargs={"method": "percentile", "percentile": 99.9, "extra": [1, 2]})
+    with pytest.raises(TypeError):
+        hash(rule)
+    recipe = qstats.Recipe([rule])
+    assert hash(recipe) == hash(copy.deepcopy(recipe)) and recipe == copy.deepcopy(recipe)
