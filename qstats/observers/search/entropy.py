@@ -58,10 +58,13 @@ def _divergences(hist, cand, levels: int):
     out_term = torch.where((outliers > 0) & ((last <= 0) | (q_last <= 0)), torch.full_like(out_term, -math.inf), out_term)
     n_q = torch.gather(c_count, -1, ci)
     kl = (sum_p_log_p - (s_log_q + out_term)) / total - torch.log(total) + torch.log(n_q)
-    # no outliers and a level per bin (i <= levels): Q is P, KL exactly 0 as ModelOpt's (not rounding
-    # noise of the closed form, which would pick among such ties other than the last)
-    kl = torch.where((outliers == 0) & (ci <= levels), torch.zeros_like(kl), kl)
-    return torch.where(n_q > 0, kl, torch.full_like(kl, math.inf))
+    # Q is P (up to its total), KL exactly 0 as ModelOpt's, not rounding noise of the closed form (-4e-16 beat
+    # a later exact 0, which the last minimum picks: amax 1.6 where ModelOpt's was 8.0): no outliers and a
+    # level per bin (i <= levels), or outliers whose bin i - 1 holds the only count below i
+    alone = (outliers > 0) & (last > 0) & (torch.gather(c_nonzero, -1, ci - 1) == 0)
+    kl = torch.where(((outliers == 0) & (ci <= levels)) | alone, torch.zeros_like(kl), kl)
+    # a divergence is never negative: the noise of other near-zero ones is not a smaller minimum either
+    return torch.where(n_q > 0, kl.clamp(min=0), torch.full_like(kl, math.inf))
 
 
 def _check_entropy_args(hist, bin_edges, num_bits, start_bin: int, stride: int) -> None:
