@@ -205,9 +205,11 @@ def _unusable(make):
             return True
         if not torch.isfinite(scale).all() or (scale == 0).any():
             return True
-        if not zero_point.dtype.is_floating_point and not (-(2**31) <= zero_point.min() <= zero_point.max() < 2**31):
+        # compared as Python ints: an int32 tensor compared with 2**31 wraps it to -2**31 (every zero point failed)
+        low, high = (int(zero_point.min()), int(zero_point.max())) if zero_point.numel() else (0, 0)
+        if not zero_point.dtype.is_floating_point and not -(2**31) <= low <= high < 2**31:
             return True
-        if not zero_point.dtype.is_floating_point and not (ref.quant_min <= zero_point.min() <= zero_point.max() <= ref.quant_max):
+        if not zero_point.dtype.is_floating_point and not ref.quant_min <= low <= high <= ref.quant_max:
             return True  # torch's fake quantization refuses such a zero point (uint16's 2**15 on a signed range)
         if zero_point.dtype.is_floating_point:
             # parameters that do not cover the data they were calibrated on: torch.ao's own fake

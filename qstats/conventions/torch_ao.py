@@ -109,7 +109,9 @@ def from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, 
     if dtype in (torch.quint8, torch.uint8):
         symmetric_zero_point = (lo + hi) // 2 if custom else 128
     elif dtype == torch.uint16:
-        symmetric_zero_point = 2**15
+        # torch.ao's fixed 2**15; its affine observers take a signed custom range too, where an affine
+        # spec reads no symmetric zero point and 2**15 would lie outside the range (a ValueError before)
+        symmetric_zero_point = 2**15 if lo >= 0 or qscheme in _SYMMETRIC else None
     else:
         symmetric_zero_point = 0
 
