@@ -8,6 +8,7 @@ rewrites a model with ``torch.fx`` so that ``qat.apply(params, state, x, phase=.
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import operator
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple, Union
@@ -146,11 +147,9 @@ def _observe_fake_quantize(x, state, observer, phase, ste, learned, grad_scale, 
     spec = observer.spec
     if phase.fake_quantize is not False:
         if not isinstance(spec, QuantSpec):
-            raise TypeError(
-                f"observe_fake_quantize: the {observer.name} observer has no QuantSpec to fake-quantize to "
-                f"(spec={spec!r}); use it with phase.fake_quantize=False, or pass an observer built from a "
-                "QuantSpec"
-            )
+            raise TypeError(f"observe_fake_quantize: the {observer.name} observer has no QuantSpec to fake-quantize "
+                            f"to (spec={spec!r}); use it with phase.fake_quantize=False, or pass an observer built "
+                            "from a QuantSpec")
         check_floating(x, "observe_fake_quantize")
     new_state = state
     if phase.observe is not False:
@@ -250,13 +249,11 @@ _NO_RANGE_TO_LEARN = ("the activation ranges are dynamic (each batch's own: per 
                       "with is_dynamic)")
 
 
-def _dynamic(observer: Optional[Observer], dynamic_activations: bool) -> bool:
+def _dynamic(observer: Observer, dynamic_activations: bool) -> bool:
     """Whether the activation points are dynamic: each call observes its own input into a fresh state,
     whatever the phase, so the state's shape follows the batch's. Ranges per row (`Granularity.row_wise`)
     always are (torchao's fake quantizers: no other batch has the same rows), every range with
     ``dynamic_activations`` (coreai_opt's "dynamic" calculators, compressed-tensors' dynamic)."""
-    if observer is None:
-        return False
     granularity = getattr(observer.spec, "granularity", None)
     return dynamic_activations or (granularity is not None and granularity.row_wise())
 
@@ -362,27 +359,19 @@ def _computes(hook) -> Optional[str]:
     return hook.name if isinstance(hook, WeightNorm) else None
 
 
-def _hook_inputs(hook, name: str) -> Tuple[Any, Tuple[str, ...], tuple]:
-    """``(function, attribute names, constants)``: ``function(*attributes, *constants)`` is ``name``."""
-    if isinstance(hook, prune.BasePruningMethod):
-        return _masked, (f"{name}_orig", f"{name}_mask"), ()
-    return torch._weight_norm, (f"{name}_v", f"{name}_g"), (hook.dim,)
-
-
-def _masked(orig: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A pruned tensor, as torch.nn.utils.prune's ``apply_mask`` computes it."""
-    return mask.to(dtype=orig.dtype) * orig
-
-
 def _layer_parameter(layer: nn.Module, name: str):
     """``layer``'s attribute ``name`` (weight, bias, ...) as its forward reads it: where a pruning or weight-norm
     hook computes it (`_computing_hook`), computed as the hook does (the attribute holds the last call's result,
-    with no gradient to the hook's parameters); a parametrized one is computed from its parametrization."""
+    with no gradient to the hook's parameters): a pruned one as torch.nn.utils.prune's ``apply_mask``
+    (``mask * orig``), a weight-normed one with ``torch._weight_norm(v, g, dim)``; a parametrized one is
+    computed from its parametrization."""
     hook = _computing_hook(layer, name)
     if hook is None:
         return getattr(layer, name)
-    function, attributes, constants = _hook_inputs(hook, name)
-    return function(*(getattr(layer, a) for a in attributes), *constants)
+    if isinstance(hook, prune.BasePruningMethod):
+        orig = getattr(layer, f"{name}_orig")
+        return getattr(layer, f"{name}_mask").to(dtype=orig.dtype) * orig
+    return torch._weight_norm(getattr(layer, f"{name}_v"), getattr(layer, f"{name}_g"), hook.dim)
 
 
 def _conv_layout(weight: torch.Tensor, groups: int) -> torch.Tensor:
@@ -624,10 +613,8 @@ class QATModel:
             expected = self._state_keys()[kind]
             unknown = sorted(set(given) - set(expected))
             if unknown:
-                raise ValueError(
-                    f"QATModel.apply: ranges[{kind!r}] names {unknown}, but the model fake-quantizes the {kind} of "
-                    f"{sorted(expected)}"
-                )
+                raise ValueError(f"QATModel.apply: ranges[{kind!r}] names {unknown}, but the model fake-quantizes "
+                                 f"the {kind} of {sorted(expected)}")
             dynamic = sorted(set(given) & set(self.dynamic_layers)) if kind == "activations" else []
             if dynamic:
                 raise ValueError(f"QATModel.apply: ranges[{kind!r}] gives learned ranges of {dynamic}, but "
@@ -661,10 +648,8 @@ class QATModel:
             self._check_inputs({}, state, "QATModel.sync")
         except (TypeError, ValueError) as error:
             if observers:  # join the first collective with a tree that fails its local check: the others raise
-                try:
+                with contextlib.suppress(TypeError, ValueError):
                     distributed.all_reduce([object()], next(iter(next(iter(observers.values())).values())), group)
-                except (TypeError, ValueError):
-                    pass
             raise error
         merged = {}
         for kind, by_layer in observers.items():
@@ -776,8 +761,7 @@ def prepare(
     layers = _layer_types(layers)
     weight_entries = _observer_entries(weight_observer, layers, "weight_observer")
     activation_entries = _observer_entries(activation_observer, layers, "activation_observer")
-    if isinstance(activation_observer, Mapping):
-        _refuse_embedding_activations(activation_entries)
+    _refuse_embedding_activations(activation_entries)  # a single observer or None names no embedding type
     _refuse_stacked_experts(model)
     _refuse_lazy(model)
     rewriter = _Rewriter(_trace(model, layers), weight_entries, activation_entries, ste, grad_scale, dynamic_activations,
@@ -806,9 +790,7 @@ def _aliases(model: nn.Module, module: nn.Module) -> Dict[str, str]:
     """The names of ``model``'s parameters and buffers that ``module`` lacks, each mapped to the name its
     tensor has in ``module``: a module registered several times (``nn.ModuleList([block] * n)``) is kept by
     torch.fx under its first name only."""
-    first = {}
-    for name, tensor in _named_tensors(module):
-        first.setdefault(id(tensor), name)
+    first = {id(tensor): name for name, tensor in reversed(_named_tensors(module))}  # reversed: the first name wins
     kept = {name for name, _ in _named_tensors(module)}
     return {name: first[id(tensor)] for name, tensor in _named_tensors(model) if name not in kept and id(tensor) in first}
 
@@ -911,9 +893,8 @@ def _buffer_writers(graph: torch.fx.Graph, buffers) -> list:
             flag = node.args[position] if len(node.args) > position else node.kwargs.get(keyword, False)
             statistics = node.args[1] if len(node.args) > 1 else node.kwargs.get("running_mean")
             written.append(buffer(statistics) if flag is not False else None)
-        elif node.op == "call_function" and node.target in _IN_PLACE and node.args:
-            written.append(buffer(node.args[0]))
-        elif node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__") and node.args:
+        elif node.args and (node.op == "call_function" and node.target in _IN_PLACE or node.op == "call_method"
+                            and node.target.endswith("_") and not node.target.endswith("__")):
             written.append(buffer(node.args[0]))
     return sorted({name.rpartition(".")[0] for name in written if name is not None})
 
@@ -1011,9 +992,8 @@ class _Tracer(torch.fx.Tracer):
             raise
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, self.layers):
-            if type(m).forward in _STOCK_FORWARDS:
-                return True
+        if isinstance(m, self.layers) and type(m).forward in _STOCK_FORWARDS:
+            return True
         return super().is_leaf_module(m, module_qualified_name)
 
 
@@ -1028,11 +1008,9 @@ def _trace(model: nn.Module, layers: Tuple[type, ...]) -> torch.fx.GraphModule:
         failed_in = tracer.failure[1] if tracer.failure is not None and tracer.failure[0] is error else None
         if failed_in:  # a submodule's forward: named, the root's alone would not say which
             where += f", in the forward of {failed_in!r} ({type(model.get_submodule(failed_in)).__name__})"
-        raise TypeError(
-            f"qstats.qat.prepare: torch.fx cannot trace {where} ({type(error).__name__}: "
-            f"{error}); make the traced part free of data-dependent control flow, or quantize it with "
-            "qstats.observe_fake_quantize directly"
-        ) from error
+        raise TypeError(f"qstats.qat.prepare: torch.fx cannot trace {where} ({type(error).__name__}: {error}); make "
+                        "the traced part free of data-dependent control flow, or quantize it with "
+                        "qstats.observe_fake_quantize directly") from error
     finally:
         _restore_attributes(attributes)
 
