@@ -54,11 +54,9 @@ _ALL_FLOAT = "*"
 
 def _declared_approx_fields(tree: Any) -> set:
     """Union of the ``approx_fields`` declared by the NamedTuple classes inside ``tree``."""
-    found: set = set()
     if isinstance(tree, torch.Tensor) or optree.tree_is_leaf(tree):
-        return found
-    if hasattr(type(tree), "_fields"):
-        found.update(getattr(type(tree), "approx_fields", ()))
+        return set()
+    found = set(getattr(type(tree), "approx_fields", ())) if hasattr(type(tree), "_fields") else set()
     for child in optree.tree_flatten_one_level(tree)[0]:
         found |= _declared_approx_fields(child)
     return found
@@ -66,10 +64,8 @@ def _declared_approx_fields(tree: Any) -> set:
 
 def _approx_set(state: Any, approx_fields: Optional[Iterable[str]]) -> frozenset:
     if approx_fields is None:
-        approx_fields = _declared_approx_fields(state)
-    if isinstance(approx_fields, str):
-        approx_fields = (approx_fields,)
-    return frozenset(approx_fields)
+        return frozenset(_declared_approx_fields(state))
+    return frozenset((approx_fields,) if isinstance(approx_fields, str) else approx_fields)
 
 
 def _finite_magnitude(terms: list) -> float:
@@ -111,15 +107,9 @@ def _leaf_difference(actual: torch.Tensor, expected: torch.Tensor, approx: bool,
     return None if torch.equal(actual, expected) else "not equal"
 
 
-def assert_states_equal(
-    actual: Any,
-    expected: Any,
-    *,
-    approx_fields: Optional[Iterable[str]] = None,
-    rtol: float = DEFAULT_RTOL,
-    message: str = "",
-    magnitudes: Sequence[Any] = (),
-) -> None:
+def assert_states_equal(actual: Any, expected: Any, *, approx_fields: Optional[Iterable[str]] = None,
+                        rtol: float = DEFAULT_RTOL, message: str = "",
+                        magnitudes: Sequence[Any] = ()) -> None:
     """Asserts two trees of tensors (states, QParams, ...) are equal under the module's policy.
 
     Args:
@@ -149,8 +139,7 @@ def assert_states_equal(
             continue
         field_approx = _ALL_FLOAT in approx or path.rsplit(".", 1)[-1] in approx
         # only float sums compare to a tolerance that these magnitudes scale
-        terms = [leaves.get(path) for leaves in magnitude_leaves] if field_approx else []
-        magnitude = _finite_magnitude(terms)
+        magnitude = _finite_magnitude([leaves.get(path) for leaves in magnitude_leaves if field_approx])
         problem = _leaf_difference(leaf, other, field_approx, rtol, magnitude, hint)
         if problem is not None:
             raise AssertionError(f"{prefix}{path} {problem}\n  got:      {leaf}\n  expected: {other}")
@@ -257,12 +246,9 @@ def check_commutative(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) ->
     over single batches. Bit-exact except ``approx_fields``."""
     xs, init = _batches_and_init(obs, xs, 2, "check_commutative")
     first, second = (functools.reduce(obs.update, group, init) for group in _groups(xs, 2))
-    pairs = [(first, second), (obs.update(init, xs[0]), obs.update(init, xs[-1]))]
-    for a, b in pairs:
-        assert_states_equal(
-            obs.merge(a, b), obs.merge(b, a), approx_fields=approx_fields, message=f"{_name(obs)}: commutativity",
-            magnitudes=(a, b),
-        )
+    for a, b in [(first, second), (obs.update(init, xs[0]), obs.update(init, xs[-1]))]:
+        assert_states_equal(obs.merge(a, b), obs.merge(b, a), approx_fields=approx_fields,
+                            message=f"{_name(obs)}: commutativity", magnitudes=(a, b))
 
 
 def _concat_dim(obs, a: torch.Tensor, b: torch.Tensor, batch_dims: int = 0) -> Optional[int]:
@@ -289,15 +275,8 @@ def _concat_dim(obs, a: torch.Tensor, b: torch.Tensor, batch_dims: int = 0) -> O
     return None
 
 
-def check_homomorphism(
-    obs,
-    xs: Sequence[torch.Tensor],
-    splits: Optional[Sequence[Sequence[int]]] = None,
-    *,
-    accumulates: bool = True,
-    approx_fields=None,
-    batch_dims: int = 0,
-) -> None:
+def check_homomorphism(obs, xs: Sequence[torch.Tensor], splits: Optional[Sequence[Sequence[int]]] = None, *,
+                       accumulates: bool = True, approx_fields=None, batch_dims: int = 0) -> None:
     """Law 3, for exact observers: splitting the data never changes the result (bit-exact except
     ``approx_fields``).
 
