@@ -73,8 +73,7 @@ class _Store:
         if self.directory is None:
             self.records[index] = record
         else:
-            fields = {field.name: getattr(record, field.name) for field in dataclasses.fields(record)}
-            torch.save(_compact(fields), self.records[index])  # a shallow dict: asdict would copy every tensor
+            torch.save(_compact(vars(record)), self.records[index])  # a shallow dict: asdict would copy every tensor
 
     def append(self, record: _Inputs) -> None:
         name = f"batch_{len(self):07d}.pt"
@@ -456,7 +455,7 @@ def _capture(model, container, container_path: str, batches, observation_weight,
                 raise ValueError(f"{where}: the model's forward never called its first decoder layer, "
                                  f"{container_path}.0; pass layers= naming the list of layers the forward runs")
             own = _own_arguments(each) if each_layer else None
-            args, kwargs = _without_cache(tuple(args), kwargs)
+            args, kwargs = _without_cache(args, kwargs)
             store.append(_Inputs(batch, weight, args, kwargs, layers=own))
 
 
@@ -493,12 +492,9 @@ class _Run:
 
     def calibrate(self, root, plan: Plan, batches, observation_weight) -> dict:
         """This rank's states of ``plan`` over ``batches``, resumed from its sites in ``self.states``."""
-        resumed = _select(self.states, lambda path, site: plan.site(path, site) is not None)
-        resumed = _moved(resumed, self.device)
-        return calibrate(
-            root, batches, plan, states=resumed or None, progress=False,
-            observation_weight=observation_weight, all_experts=self.all_experts,
-        )  # fmt: skip
+        resumed = _moved(_select(self.states, lambda path, site: plan.site(path, site) is not None), self.device)
+        return calibrate(root, batches, plan, states=resumed or None, progress=False,
+                         observation_weight=observation_weight, all_experts=self.all_experts)
 
     def reduce(self, found: dict, plan: Plan, each: bool = False) -> dict:
         """``found`` merged across ranks (with ``all_reduce``); ``each``: one state at a time, so

@@ -29,7 +29,7 @@ from .export.checkpoint import check_new_folder, embedding_modules, write_index,
 from .experts import UncalibratedWarning, linearized_layout_problem
 from .gptq_quantize import check_options, gptq
 from . import distributed
-from .layerwise import agreed, group_up, run_layerwise
+from .layerwise import _select, agreed, group_up, run_layerwise
 from ._qparams import QParams
 from .observers._base import Observer, row_mask
 from .observers.hessian import HessianState, hessian
@@ -276,8 +276,7 @@ def _layer_jobs(plan: Plan, targets: dict, states: dict, hessians: dict) -> tupl
     the weights' qparams are computed: an activation state of an expert that received no token
     (uncalibrated under ``on_uncalibrated="raise"``) is the caller's to resolve, as after
     `calibrate_layerwise`, and does not stop GPTQ."""
-    weights = {path: {site: entry[site] for site in entry if (path, site) in targets} for path, entry in states.items()}
-    qparams = compute_qparams_tree({path: entry for path, entry in weights.items() if entry}, plan)
+    qparams = compute_qparams_tree(_select(states, lambda path, site: (path, site) in targets), plan)
     jobs, missing = {}, []
     for (path, site), hessian_site in targets.items():
         if path not in states:
