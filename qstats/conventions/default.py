@@ -133,11 +133,12 @@ class Convention:
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec) -> torch.Tensor:
         """Values of ``codes`` (those `quantize` stores, or `codes`' float ones): float32, or
         float64 for float64 integer codes (as torch's per-channel fake-quant kernel). Float codes
-        times their scale saturate at float32's largest value: a bf16/fp16 scale rounded up (fp8
-        e4m3fnuz's 240 * bfloat16(3.39e38 / 240)) put the largest code past it, an Inf."""
+        times their float32 scale, unsaturated, as torchao's ``_dequantize_affine_float8`` and
+        compressed-tensors' ``dequantize``: an Inf scale, or one whose largest code overflows float32,
+        gives +-Inf (NaN at code 0), as there (`qstats.dequantize` saturates only where a bf16/fp16
+        scale rounded up past float32's largest value)."""
         if spec.is_float:
-            limit = torch.finfo(torch.float32).max
-            return (codes.float() * scale).clamp(-limit, limit)
+            return codes.float() * scale
         codes = _formats.working(codes)
         return (codes - zero_point.to(codes.dtype)) * scale
 
