@@ -22,10 +22,8 @@ def _check_stack(x, num_experts: int, what: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"stacked_observer: {what} must be a tensor, got {type(x).__name__}")
     if x.ndim < 1 or x.shape[0] != num_experts:
-        raise ValueError(
-            f"stacked_observer: {what} of shape {tuple(x.shape)} does not have the leading expert "
-            f"dimension {num_experts}"
-        )
+        raise ValueError(f"stacked_observer: {what} of shape {tuple(x.shape)} does not have the leading "
+                         f"expert dimension {num_experts}")
 
 
 def _check_stacked_state(state, num_experts: int) -> None:
@@ -107,20 +105,16 @@ def stacked_qparams(state, spec, **options):
     """
     fields = [t for t in state if isinstance(t, torch.Tensor)] if isinstance(state, tuple) else []
     if not fields or any(t.ndim < 1 or t.shape[0] != fields[0].shape[0] for t in fields):
-        shapes = [tuple(t.shape) for t in fields]
-        raise ValueError(
-            f"stacked_qparams: expected a stacked state (every field with the same leading dimension), "
-            f"got {type(state).__name__} with field shapes {shapes}"
-        )
+        raise ValueError(f"stacked_qparams: expected a stacked state (every field with the same leading "
+                         f"dimension), got {type(state).__name__} with field shapes "
+                         f"{[tuple(t.shape) for t in fields]}")
     global_scale = options.get("global_scale")
     if isinstance(global_scale, torch.Tensor) and global_scale.numel() != 1:
         num_experts = fields[0].shape[0]
         if global_scale.shape[0] != num_experts or global_scale.numel() != num_experts:
-            raise ValueError(
-                f"stacked_qparams: global_scale of shape {tuple(global_scale.shape)} is neither one value shared "
-                f"by the experts nor one per expert ([{num_experts}])"
-            )
-        per_expert = global_scale.reshape(num_experts)
+            raise ValueError(f"stacked_qparams: global_scale of shape {tuple(global_scale.shape)} is neither "
+                             f"one value shared by the experts nor one per expert ([{num_experts}])")
         options.pop("global_scale")
-        return torch.vmap(lambda one, scale: compute_qparams(one, spec, global_scale=scale, **options))(state, per_expert)
+        return torch.vmap(lambda one, scale: compute_qparams(one, spec, global_scale=scale, **options))(
+            state, global_scale.reshape(num_experts))
     return torch.vmap(lambda one: compute_qparams(one, spec, **options))(state)
