@@ -27,13 +27,7 @@ from ._checks import check_flag
 from ._spec import QuantSpec
 from .observers._base import Observer, state_types
 
-__all__ = [
-    "REDUCE_OPS",
-    "all_reduce",
-    "extremes_and_sums",
-    "reduce_ops",
-    "register_reduce_ops",
-]
+__all__ = ["REDUCE_OPS", "all_reduce", "extremes_and_sums", "reduce_ops", "register_reduce_ops"]
 
 REDUCE_OPS = ("min", "max", "sum")
 """Field reductions an elementwise state may declare."""
@@ -150,10 +144,9 @@ def reduce_ops(state: Any) -> Union[dict[str, str], str]:
     nested = [(name, value) for name, value in named_fields(state) if name in ops and is_named_tuple(value)]
     if nested:
         name, value = nested[0]
-        raise ValueError(
-            f"all_reduce: the reduce ops declared for {type(state).__name__} name {name!r}, a nested "
-            f"{type(value).__name__}; name its fields instead: {[n for n in names if n.startswith(name + '.')]}"
-        )
+        raise ValueError(f"all_reduce: the reduce ops declared for {type(state).__name__} name {name!r}, a "
+                         f"nested {type(value).__name__}; name its fields instead: "
+                         f"{[n for n in names if n.startswith(name + '.')]}")
     if set(ops) != set(names):
         raise ValueError(f"all_reduce: the reduce ops declared for {type(state).__name__} name fields "
                          f"{sorted(ops)}, but the state has fields {sorted(names)}")
@@ -206,16 +199,13 @@ def _flatten(tree: Any, observers: Any):
         try:
             broadcast = optree.tree_broadcast_prefix(observers, tree, is_leaf=is_node_leaf)
         except (ValueError, TypeError) as error:
-            raise ValueError(
-                f"all_reduce: the observers tree is not a prefix of the states tree {treespec}: {str(error)[:300]}"
-            ) from None
+            raise ValueError(f"all_reduce: the observers tree is not a prefix of the states tree {treespec}: "
+                             f"{str(error)[:300]}") from None
         leaf_observers = optree.tree_leaves(broadcast, is_leaf=is_node_leaf)
         for path, obs in zip(paths, leaf_observers):
             if not isinstance(obs, Observer):
-                raise TypeError(
-                    f"all_reduce: the observer for {_where(path)!r} is a {type(obs).__name__}, "
-                    "not a qstats.Observer"
-                )
+                raise TypeError(f"all_reduce: the observer for {_where(path)!r} is a {type(obs).__name__}, "
+                                "not a qstats.Observer")
     return paths, states, leaf_observers, treespec
 
 
@@ -253,10 +243,9 @@ def _check_values(paths, states, plan) -> None:
         flat.setdefault(value.device, []).append(value.reshape(-1))
     if any(bool(torch.cat(parts).isnan().any()) for parts in flat.values()):  # one sync per device
         path, state, field, _ = next(e for e in extremes if bool(torch.isnan(e[3]).any()))
-        raise ValueError(
-            f"all_reduce: field {field!r} of the {type(state).__name__} at {_where(path)!r} "
-            "holds NaN; observers leave NaN out of their extremes (counted in nonfinite), so the state is corrupt"
-        )
+        raise ValueError(f"all_reduce: field {field!r} of the {type(state).__name__} at {_where(path)!r} "
+                         "holds NaN; observers leave NaN out of their extremes (counted in nonfinite), so "
+                         "the state is corrupt")
     devices = {v.device for state, ops in zip(states, plan) if ops is None for v in _values(state) if v.numel() > 0}
     if len(devices) > 1:
         raise ValueError(f"all_reduce: states to fold live on several devices {sorted(map(str, devices))}")
@@ -279,10 +268,8 @@ def _check_merges(paths, states, plan, leaf_observers) -> None:
         try:
             obs.merge(state, state)
         except Exception as error:
-            raise ValueError(
-                f"all_reduce: {obs.name}.merge refuses the {type(state).__name__} at {_where(path)!r}: "
-                f"{error}"
-            ) from error
+            raise ValueError(f"all_reduce: {obs.name}.merge refuses the {type(state).__name__} at "
+                             f"{_where(path)!r}: {error}") from error
 
 
 def _records(paths, states, plan, leaf_observers, devices: Optional[dict] = None) -> list[tuple[str, str, str]]:
@@ -486,10 +473,8 @@ def _merge_named(obs: Observer, where: str, group, state, other, into, source: i
         return obs.merge(state, other)
     except Exception as error:
         ranks = [_world_rank(group, i) for i in (*into, source)]
-        raise ValueError(
-            f"all_reduce: {obs.name}.merge raised merging the {type(other).__name__} of rank {ranks[-1]} at {where!r} "
-            f"into that of rank(s) {ranks[:-1]}: {error}"
-        ) from error
+        raise ValueError(f"all_reduce: {obs.name}.merge raised merging the {type(other).__name__} of rank "
+                         f"{ranks[-1]} at {where!r} into that of rank(s) {ranks[:-1]}: {error}") from error
 
 
 def _world_rank(group, rank: int) -> int:
@@ -576,8 +561,7 @@ def _check_same_trees(fingerprint: int, local_error, group, report: dict, partia
         return True
     hint = "" if report["records"] else (
         " (no states here: a rank that calibrated no batch has no activation states; pass partial=True, "
-        "give every rank at least one batch, or pass each missing site's observer init state)"
-    )
+        "give every rank at least one batch, or pass each missing site's observer init state)")
     raise ValueError(
         f"all_reduce: the ranks passed different state trees: {_first_difference(reports, ranks)}; this rank's "
         f"tree is {report['treespec'][:1000]} with {len(report['records'])} states{hint}"

@@ -23,34 +23,12 @@ from .stacked import stacked_observer, stacked_qparams
 from ._warn import warn
 
 __all__ = [
-    "EXPERT_COUNT_NAMES",
-    "ExpertInputCapture",
-    "UncalibratedWarning",
-    "declared_experts",
-    "dense_expert_rows",
-    "dense_ids",
-    "dense_rows_weight",
-    "expert_count",
-    "all_experts_calls",
-    "copies_of_tokens",
-    "ids_mask",
-    "rows_by_expert",
-    "parameter_input_site",
-    "is_stacked_parameter",
-    "linearized_experts",
-    "linearized_layout_problem",
-    "own_parameters",
-    "dispatch",
-    "routing_mask",
-    "routed_slots",
-    "stacked_observer",
-    "stacked_qparams",
-    "StackLayout",
-    "stack_layout",
-    "takes_routing",
-    "unstacked_parameter_problem",
-    "uncovered_experts",
-    "warn_uncovered",
+    "EXPERT_COUNT_NAMES", "ExpertInputCapture", "UncalibratedWarning", "declared_experts",
+    "dense_expert_rows", "dense_ids", "dense_rows_weight", "expert_count", "all_experts_calls",
+    "copies_of_tokens", "ids_mask", "rows_by_expert", "parameter_input_site", "is_stacked_parameter",
+    "linearized_experts", "linearized_layout_problem", "own_parameters", "dispatch", "routing_mask",
+    "routed_slots", "stacked_observer", "stacked_qparams", "StackLayout", "stack_layout", "takes_routing",
+    "unstacked_parameter_problem", "uncovered_experts", "warn_uncovered"
 ]
 
 
@@ -233,16 +211,13 @@ def unstacked_parameter_problem(module: torch.nn.Module, name: str) -> Optional[
         return None
     shape = tuple(param.shape)
     if param.ndim >= 3:
-        return (
-            f"its parameter {name!r} of shape {shape} is stacked but its leading dimension {shape[0]} is not "
-            f"the module's {declared} experts ({attribute}), so qstats cannot observe it per expert"
-        )
+        return (f"its parameter {name!r} of shape {shape} is stacked but its leading dimension {shape[0]} is "
+                f"not the module's {declared} experts ({attribute}), so qstats cannot observe it per expert")
     if shape[0] > declared and shape[0] % declared == 0:
-        return (
-            f"its parameter {name!r} of shape {shape} holds its {declared} experts ({attribute}) flattened "
-            f"along dim 0 ([E * rows, columns]); qstats observes per expert only parameters stacked as "
-            f"[E, out, in], and one state would share scales (and mix channels) across the experts"
-        )
+        return (f"its parameter {name!r} of shape {shape} holds its {declared} experts ({attribute}) "
+                f"flattened along dim 0 ([E * rows, columns]); qstats observes per expert only parameters "
+                f"stacked as [E, out, in], and one state would share scales (and mix channels) across the "
+                f"experts")
     return None
 
 
@@ -409,9 +384,8 @@ def dispatch(tokens: torch.Tensor, mask: torch.Tensor, capacity: Optional[int] =
     or a 0-d integer tensor.
     """
     if mask.ndim != 2 or mask.shape[1] != tokens.shape[0]:
-        raise ValueError(
-            f"dispatch: mask of shape {tuple(mask.shape)} does not match {tokens.shape[0]} tokens ([E, tokens])"
-        )
+        raise ValueError(f"dispatch: mask of shape {tuple(mask.shape)} does not match {tokens.shape[0]} "
+                         "tokens ([E, tokens])")
     if capacity is None:
         capacity = max(1, int((mask != 0).sum(dim=1).max()) if mask.numel() else 1)
     value = None if isinstance(capacity, torch.Tensor) and capacity.ndim else as_index(capacity)
@@ -449,12 +423,9 @@ def warn_uncovered(states: dict, sites: dict) -> None:
             if experts:
                 lines.append(f"{path}.{site}: experts {experts} ({len(experts)} of {found.num_experts})")
     if lines:
-        warn(
-            "qstats.calibrate: some experts received no calibration token; their quantization "
-            "parameters follow the spec's on_uncalibrated policy (QParams.calibrated is False there): "
-            + "; ".join(lines),
-            UncalibratedWarning,
-        )
+        warn("qstats.calibrate: some experts received no calibration token; their quantization parameters "
+             "follow the spec's on_uncalibrated policy (QParams.calibrated is False there): "
+             + "; ".join(lines), UncalibratedWarning)
 
 
 def parameter_input_site(site: str) -> Optional[str]:
@@ -557,14 +528,9 @@ def _expert_of_slice(weight, stack: torch.Tensor) -> Optional[int]:
 
 def _is_whole_stack(weight, stack: torch.Tensor) -> bool:
     """True when ``weight`` is ``stack`` itself or a permuted view of it (``P.transpose(-2, -1)``)."""
-    return (
-        isinstance(weight, torch.Tensor)
-        and weight.ndim == stack.ndim
-        and weight.shape[0] == stack.shape[0]
-        and _same_storage(weight, stack)
-        and weight.storage_offset() == stack.storage_offset()
-        and _layout(weight) == _layout(stack)
-    )
+    return (isinstance(weight, torch.Tensor) and weight.ndim == stack.ndim and weight.shape[0] == stack.shape[0]
+            and _same_storage(weight, stack) and weight.storage_offset() == stack.storage_offset()
+            and _layout(weight) == _layout(stack))
 
 
 _LINEAR, _MATMUL, _BMM, _GATHER, _GROUPED, _REPEAT, _SELECT, _SAME_ROWS, _UNSQUEEZE, _CLAMP, _RESHAPE = range(11)
@@ -843,13 +809,8 @@ class ExpertInputCapture(TorchFunctionMode):
             experts = torch.tensor(ids, dtype=torch.int64, device=device)
             counts = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64, device=device)
             return torch.repeat_interleave(experts, counts, output_size=sum(r.shape[0] for r in rows))
-        ids = [
-            torch.full((r.shape[0],), i, dtype=torch.int64, device=device)
-            if isinstance(i, int)
-            else i.to(device=device, dtype=torch.int64)
-            for r, i in zip(rows, ids)
-        ]
-        return torch.cat(ids)
+        return torch.cat([torch.full((r.shape[0],), i, dtype=torch.int64, device=device) if isinstance(i, int)
+                          else i.to(device=device, dtype=torch.int64) for r, i in zip(rows, ids)])
 
     def row_tokens(self, name: str) -> Optional[torch.Tensor]:
         """The token (row of ``tokens``) of every captured row of ``name``, in call order; None when not
