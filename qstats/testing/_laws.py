@@ -167,9 +167,8 @@ def _check_signatures(obs, law: str) -> None:
     the row weight) make, when ``init``, ``update`` or ``merge`` cannot take their positional arguments."""
     check_observer(obs, law)
     for field, call, count in _SIGNATURES:
-        fn = getattr(obs, field, None)
         try:
-            signature = inspect.signature(fn)
+            signature = inspect.signature(getattr(obs, field))
         except (TypeError, ValueError):  # a callable whose signature Python cannot read: called as it is
             continue
         try:
