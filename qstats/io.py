@@ -9,6 +9,7 @@ raise ValueError naming the problem. See docs/distributed.md.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -309,14 +310,18 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
     Args:
       path: file to write. It is replaced whole: the file is written beside it and renamed over it, so a
         failure midway (a full disk, a killed process) keeps the previous file; a symlink's target is
-        replaced, with its mode. A device, FIFO or pipe (``/dev/null``, ``/dev/stdout``) is written into, as
-        ``open`` does.
+        replaced, with its mode. A hard link is not written through: ``path`` names the new file and the
+        old file's other names keep the previous checkpoint (as a rename, ``rsync`` and safetensors' own
+        writer replace files; writing into it would lose the previous file on a failure midway). A device,
+        FIFO or pipe (``/dev/null``, ``/dev/stdout``) is written into, as ``open`` does.
       tree: dicts with string keys, lists, tuples, registered states, QParams, tensors and None.
 
     Raises:
       TypeError: for anything else in the tree (names the path and the type).
-      OSError: the file cannot be written (FileNotFoundError when its folder does not exist,
-        PermissionError for a file this process may not write, which is kept), as ``open`` raises.
+      OSError: the file cannot be written (FileNotFoundError when its folder does not exist or the path
+        is empty, NotADirectoryError when a folder in it is a file, IsADirectoryError for a directory or
+        a path ending in a separator, PermissionError for a file this process may not write, which is
+        kept, OSError ELOOP for a symlink loop), as ``open`` raises, before anything is written.
 
     >>> import torch, qstats, tempfile, os
     >>> obs = qstats.minmax(qstats.QuantSpec())
@@ -333,6 +338,7 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
                 "checksums": json.dumps({key: _checksum(t) for key, t in tensors.items()})}
     metadata["layout_checksum"] = _layout_checksum(metadata["structure"], metadata["checksums"], tensors)
     target = os.fsdecode(path)  # a bytes path too, as open() takes
+    _check_target(target)
     real = os.path.realpath(target)  # a symlink's target is replaced, as open() writes through it
     if os.path.isdir(real):
         raise IsADirectoryError(f"qstats.io: could not write {target} (it is a directory)")
@@ -347,8 +353,27 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
     except (SafetensorError, OSError) as error:  # the writer's I/O failures, as open() and torch.save raise them
         if isinstance(error, SafetensorError) and "header too large" in str(error).lower():
             raise _header_too_large(target, len(tensors)) from None
-        kind = FileNotFoundError if not os.path.isdir(os.path.dirname(real)) else OSError
-        raise kind(f"qstats.io: could not write {target} ({error})") from None
+        message = f"qstats.io: could not write {target} ({error})"
+        if not os.path.isdir(os.path.dirname(real)):
+            raise FileNotFoundError(errno.ENOENT, message) from None
+        code = getattr(error, "errno", None)  # the OSError subclass open() raises (the writer's have none)
+        raise (OSError(code, message) if isinstance(code, int) else OSError(message)) from None
+
+
+def _check_target(target: str) -> None:
+    """The OSError ``open(target, "wb")`` raises for a path that names no file it could write, before
+    anything is written: an empty path, one ending in a separator (a directory), a symlink loop (which
+    the rename would have replaced by a file), a folder component that is a file."""
+    if not target:
+        raise FileNotFoundError(errno.ENOENT, "qstats.io: could not write '' (an empty path names no file)")
+    if target.endswith(("/", os.sep)):
+        raise IsADirectoryError(errno.EISDIR, f"qstats.io: could not write {target} (a path ending in a "
+                                              "separator names a directory)")
+    try:
+        os.stat(target)
+    except OSError as error:
+        if error.errno != errno.ENOENT:  # ELOOP, ENOTDIR, EACCES: the subclass open() raises
+            raise OSError(error.errno, f"qstats.io: could not write {target} ({error.strerror})") from None
 
 
 def _write_through(tensors: dict[str, torch.Tensor], metadata: dict, target: str) -> None:
