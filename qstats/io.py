@@ -423,7 +423,8 @@ def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") ->
         mismatch or an unknown state type (the message says which).
       TypeError: ``device`` is no device (``None``, a ``map_location`` dict), before the file is read.
       ValueError: ``device`` is not available here (no CUDA, a GPU index beyond the last), also before.
-      FileNotFoundError, IsADirectoryError: no file at ``path``.
+      OSError: no file at ``path``, as ``open`` raises (FileNotFoundError, IsADirectoryError,
+        NotADirectoryError when a folder in it is a file, OSError ELOOP for a symlink loop).
     """
     try:  # before the file is read: torch.device(None) is a TypeError
         device = torch.device(device)
@@ -434,6 +435,10 @@ def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") ->
     source = os.fsdecode(path)  # a bytes path too, as open() takes
     if os.path.isdir(source):  # safetensors reports "No such device (os error 19)"
         raise IsADirectoryError(f"qstats.io: {source} is a directory, not a checkpoint file")
+    try:  # safetensors reports a symlink loop or a file used as a folder as "No such file or directory"
+        os.stat(source)
+    except OSError as error:
+        raise OSError(error.errno, f"qstats.io: could not read {source} ({error.strerror})") from None
     try:
         with safe_open(source, framework="pt", device="cpu") as handle:
             metadata = handle.metadata() or {}

@@ -85,3 +85,24 @@ def test_a_dangling_symlink_creates_its_target_and_stays_a_link(tmp_path):
     qstats.save(link, _tree(3.0))
     assert link.is_symlink() and target.is_file()
     assert torch.equal(qstats.load(target)["layer"]["max_val"], torch.tensor([3.0]))
+
+
+def _same_load_error_as_open(path):
+    with pytest.raises(OSError) as expected:
+        with open(path, "rb"):
+            pass
+    with pytest.raises(OSError) as info:
+        qstats.load(path)
+    assert type(info.value) is type(expected.value) and info.value.errno == expected.value.errno
+    assert "qstats.io" in str(info.value)
+
+
+def test_load_raises_what_open_raises_for_a_loop_a_file_used_as_a_folder_and_a_missing_file(tmp_path):
+    """safetensors said "No such file or directory" for the first two (FileNotFoundError)."""
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    os.symlink(second, first)
+    os.symlink(first, second)
+    file = tmp_path / "stats.safetensors"
+    qstats.save(file, _tree(1.0))
+    for path in (first, file / "inner.safetensors", str(file) + "/", tmp_path / "absent.safetensors", ""):
+        _same_load_error_as_open(path)
