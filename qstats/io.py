@@ -162,8 +162,10 @@ def _check_header(format_name: Any, version: Any, source: str) -> None:
     if format_name != FORMAT:
         raise ValueError(f"qstats.io: {source} is not a qstats checkpoint (format {format_name!r})")
     if str(version) != str(FORMAT_VERSION):
+        newer = str(version).isdigit() and int(version) > FORMAT_VERSION
+        hint = ": it was written by a newer qstats; upgrade qstats to read it" if newer else ""
         raise ValueError(f"qstats.io: {source} has format version {version!r}; this qstats reads version "
-                         f"{FORMAT_VERSION}")
+                         f"{FORMAT_VERSION}{hint}")
 
 
 def _rebuild(structure: Any, tensors: dict[str, torch.Tensor], source: str) -> Any:
