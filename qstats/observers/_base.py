@@ -27,6 +27,7 @@ __all__ = [
     "check_field_dtype",
     "check_merge_states",
     "check_same_shapes",
+    "kept_dtypes",
     "row_mask",
     "batch_weighted_mean",
 ]
@@ -204,6 +205,19 @@ def _check_same_fields(a: Any, b: Any, where: str, prefix: str) -> None:
                 f"{where}: field {name!r} has dtype {left.dtype} in the first state and "
                 f"{right.dtype} in the second"
             )
+
+
+def kept_dtypes(state: Any, updated: Any, where: str) -> Any:
+    """``updated``, after ValueError naming the field where it holds another dtype than ``state``, the
+    state an update was given: a state converted after ``init`` (bfloat16 extremes, int32 counts) came
+    back promoted (float32, int64), and then no longer merged with the state it was updated from."""
+    for name, before, after in zip(state._fields, state, updated):
+        if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype != after.dtype:
+            raise ValueError(
+                f"{where}: the state's {name} is a {before.dtype} tensor, which this update does not keep (it "
+                f"computes {after.dtype}); use the dtypes init gives (or convert the state back to them)"
+            )
+    return updated
 
 
 def row_mask(x: torch.Tensor, weight: Optional[torch.Tensor], where: str) -> Optional[torch.Tensor]:

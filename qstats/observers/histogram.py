@@ -21,7 +21,7 @@ from .._qparams import Range, register_range_rule
 from .._reductions import batch_inside, finite_aminmax
 from .._spec import QuantSpec
 from .._torch_features import bitcast
-from ._base import Observer, check_merge_states, check_state, register_state
+from ._base import Observer, check_merge_states, check_state, kept_dtypes, register_state
 from .kit import check_spec, masked_view
 from .search import check_options, entropy_amax, register_search, search
 from .search._geometry import check_int, histogram_edges
@@ -278,7 +278,8 @@ def histogram(
         lo, hi, _, nonfinite = finite_aminmax(view, mask, spec.nonfinite)
         counts, _ = bucket_counts(view, mask, bins, (low, high))
         resolved = counts[..., 1:-1].unflatten(-1, (octaves, bins))
-        return _combine(state, HistogramState(resolved, counts[..., 0], counts[..., -1], lo, hi, nonfinite))
+        updated = _combine(state, HistogramState(resolved, counts[..., 0], counts[..., -1], lo, hi, nonfinite))
+        return kept_dtypes(state, updated, "histogram.update")
 
     def merge_fn(a: HistogramState, b: HistogramState) -> HistogramState:
         check_merge_states(a, b, HistogramState, "histogram.merge")

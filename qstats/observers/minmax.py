@@ -15,7 +15,7 @@ import torch
 from .._checks import is_real_number
 from .._qparams import Range, register_range_rule
 from .._spec import QuantSpec
-from ._base import Observer, batch_weighted_mean, check_same_shapes, check_state, register_state
+from ._base import Observer, batch_weighted_mean, check_same_shapes, check_state, kept_dtypes, register_state
 from .kit import check_observable, check_spec, extremes_init, observe_extremes
 
 __all__ = [
@@ -116,8 +116,8 @@ def minmax(spec: QuantSpec) -> Observer:
         if x.numel() == 0:
             return state
         lo, hi, count, nonfinite = observe_extremes(x, weight, spec, state.min_val.shape, "minmax.update")
-        return MinMaxState(torch.minimum(state.min_val, lo), torch.maximum(state.max_val, hi),
-                           state.count + count, state.nonfinite + nonfinite)
+        return kept_dtypes(state, MinMaxState(torch.minimum(state.min_val, lo), torch.maximum(state.max_val, hi),
+                                              state.count + count, state.nonfinite + nonfinite), "minmax.update")
 
     return Observer(extremes_init(MinMaxState, spec, "minmax"), update_fn, _merge_extremes(MinMaxState, "minmax"),
                     exact=True, spec=spec, name="minmax", shared_rows=True)
@@ -140,7 +140,8 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
             return state
         batch = observe_extremes(x, weight, spec, state.min_val.shape, "memoryless_minmax.update")
         reached = (batch[2] + batch[3]) > 0  # a parameter the batch does not reach keeps its state
-        return MemorylessMinMaxState(*(torch.where(reached, new, old) for new, old in zip(batch, state)))
+        updated = MemorylessMinMaxState(*(torch.where(reached, new, old) for new, old in zip(batch, state)))
+        return kept_dtypes(state, updated, "memoryless_minmax.update")
 
     merge_fn = _merge_extremes(MemorylessMinMaxState, "memoryless_minmax")
     return Observer(extremes_init(MemorylessMinMaxState, spec, "memoryless_minmax"), update_fn, merge_fn,
@@ -164,13 +165,13 @@ def moving_extremes_update(spec: QuantSpec, step: Callable, where: str, batch_ra
         first, seen = state.batches == 0, count > 0
         min_val = torch.where(first, lo, step(state.min_val, lo, x.dtype))
         max_val = torch.where(first, hi, step(state.max_val, hi, x.dtype))
-        return MovingAverageMinMaxState(
+        return kept_dtypes(state, MovingAverageMinMaxState(
             torch.where(seen, min_val, state.min_val),
             torch.where(seen, max_val, state.max_val),
             state.batches + seen.to(torch.int64),
             state.count + count,
             state.nonfinite + nonfinite,
-        )
+        ), where)
 
     return update_fn
 

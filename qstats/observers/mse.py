@@ -24,7 +24,7 @@ from .._quant import _codes_float, _dequantize_view
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
 from .._torch_features import rounded_to
-from ._base import Observer, check_merge_states, check_state, register_state
+from ._base import Observer, check_merge_states, check_state, kept_dtypes, register_state
 from .kit import check_spec, extremes_init, masked_view
 from .minmax import check_averaging_constant, merge_moving_extremes
 
@@ -541,8 +541,8 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
         table = torch.tensor(factors, dtype=state.factors.dtype, device=state.factors.device)
         same = require(state.factors == table, "mse.update: the state searches other shrink factors than this "
                        "observer: it comes from an mse observer with other maxshrink/grid/steps")
-        return MSEState(ref_lo, ref_hi, state.loss + batch_loss, torch.where(same, state.factors, table),
-                        state.count + count, state.nonfinite + nonfinite)
+        return kept_dtypes(state, MSEState(ref_lo, ref_hi, state.loss + batch_loss, torch.where(same, state.factors, table),
+                                           state.count + count, state.nonfinite + nonfinite), "mse.update")
 
     def merge_fn(a: MSEState, b: MSEState) -> MSEState:
         check_merge_states(a, b, MSEState, "mse.merge")
@@ -592,9 +592,9 @@ def _moving_average(spec, factors, norm, constant, patience, observe):
             moved = native(native(old * (1.0 - constant)) + native(batch * constant))
             return torch.where(seen, torch.where(first, batch, moved), old)
 
-        return MovingAverageMSEState(averaged(state.min_val, base_lo), averaged(state.max_val, base_hi),
-                                     state.batches + seen.to(torch.int64), state.count + count,
-                                     state.nonfinite + nonfinite)
+        return kept_dtypes(state, MovingAverageMSEState(
+            averaged(state.min_val, base_lo), averaged(state.max_val, base_hi), state.batches + seen.to(torch.int64),
+            state.count + count, state.nonfinite + nonfinite), "mse.update")
 
     def merge_fn(a, b) -> MovingAverageMSEState:
         check_merge_states(a, b, MovingAverageMSEState, "mse.merge")
