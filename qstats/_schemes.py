@@ -226,12 +226,7 @@ def _activation_observer(args) -> tuple:
         )
     ours, taken, defaults = _ACTIVATION_OBSERVERS[name]
     given = dict(args.observer_kwargs or {})
-    kwargs = {**defaults, **{key: given[key] for key in taken if key in given}}
-    memoryless = ours == "moving_average_minmax" and kwargs["averaging_constant"] == 1.0
-    if ours in ("moving_average_minmax", "mse") and args.strategy == "tensor_group" and not memoryless:
-        named = repr(args.observer) if args.observer else "None ('minmax', llm-compressor's default)"
-        warn(f"activation observer {named} on strategy 'tensor_group' activations: {GROUPED_AVERAGES}", UserWarning)
-    return ours, kwargs, {}
+    return ours, {**defaults, **{key: given[key] for key in taken if key in given}}, {}
 
 
 # why attn_head args of Linear modules are refused (`_rule`, `GroupMatch.linear_refusal`)
@@ -256,14 +251,6 @@ STATIC_ROW_ACTIVATIONS = (
     "compressed-tensors takes for output_activations) are not supported, as llm-compressor 0.14's calibration "
     "refuses them ('Channel quantization cannot be applied to activations'); use strategy 'tensor', or "
     "'token' with dynamic=True"
-)
-
-# why averaging observers of NVFP4 activations warn (`_activation_observer`; docs/recipes.md)
-GROUPED_AVERAGES = (
-    "llm-compressor 0.14 averages (or searches) the extremes of each group of the features over the batches and "
-    "takes its global scale from the largest, where qstats observes a site scaled at run time as one tensor (its "
-    "average or search of the tensor's extremes): the global scale differs from oneshot's once the batches differ "
-    "(docs/recipes.md); observer 'static_minmax' (NVFP4's preset) or 'memoryless_minmax' gives oneshot's bit for bit"
 )
 
 # why q/k/v args of NVFP4's dynamic="local" groups are refused (`_kv_rule`, `_attention_refusal`)

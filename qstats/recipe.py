@@ -17,7 +17,7 @@ import torch
 
 from ._attention import attention_module, intercepted
 from ._checkpoint_names import module_renamer
-from ._granularity import PerBlock, PerHead, PerTensor
+from ._granularity import PerAxis, PerBlock, PerHead, PerTensor, TensorGroup
 from ._rule_data import recipe_fields
 from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, as_written, child_projection,
                        compressed_tensors_ignore, config_rules, kv_cache_module, kv_cache_sites, matches_targets,
@@ -29,6 +29,7 @@ from .experts import (StackLayout, expert_count, is_stacked_parameter, linearize
 from .fused import fused_groups
 from .observers import Observer
 from .observers import registry as observer_registry
+from .observers.column_groups import column_groups
 from .observers.minmax import minmax
 from ._warn import warn
 
@@ -240,7 +241,8 @@ class Site(NamedTuple):
     Attributes:
       rule: the Rule that matched.
       observer: the Observer for this state; for stacked experts already vmapped over the
-        leading expert dimension. A `runtime` site observes each whole tensor, per tensor.
+        leading expert dimension. A `runtime` site observes each whole tensor, per tensor (a
+        two-level one under a moving average: per group of features, `_averages_feature_groups`).
       spec: the spec of one tensor (one expert's tensor for stacked experts).
       num_experts: the leading expert dimension of the state, 0 when not stacked.
       runtime: the site's scales come at run time (`runtime_scaled` spec or ``dynamic=True``).
@@ -276,6 +278,19 @@ def runtime_scaled(spec: QuantSpec) -> bool:
     return spec.granularity.row_wise()
 
 
+def _averages_feature_groups(rule: Rule, spec: QuantSpec) -> bool:
+    """Whether a two-level (`TensorGroup`, NVFP4) activation site scaled at run time observes each group of
+    features over the batches (`column_groups`), as llm-compressor 0.14's ``minmax`` and ``mse`` observers
+    do: under a moving average of extremes (`qstats.moving_average_minmax`) or of searched ranges
+    (`qstats.mse` in ``mode="moving_average"``), whose per-group averages and searches differ from the
+    whole tensor's. Other observers see the whole tensor (running and latest extremes: the same maximum)."""
+    if not isinstance(spec.granularity, TensorGroup):
+        return False
+    name = observer_registry.name_of(rule.observer)
+    options = dict(rule.observer_kwargs)
+    return name == "moving_average_minmax" or (name == "mse" and options.get("mode") == "moving_average")
+
+
 def _site_kind(module: torch.nn.Module, params: dict, num_experts: int, site: str) -> Optional[tuple]:
     """``(kind, stacked experts)`` of ``site`` on ``module`` (see `Site.kind`), or None when the
     module has no such site."""
@@ -297,7 +312,13 @@ def _make_site(rule: Rule, spec: QuantSpec, kind: str, stacked: int, layout: Opt
     # an activation site whose scales are computed at run time from each tensor observes its
     # whole range: its state is the same for batches of any length
     runtime = kind != "parameter" and (rule.dynamic or runtime_scaled(spec))
-    observer = rule.make_observer(spec.replace(granularity=PerTensor()) if runtime else spec)
+    if runtime and _averages_feature_groups(rule, spec):
+        # one state entry per group of features (llm-compressor's view), the global scale from the largest
+        # range; the candidates of a search have unrounded float32 group scales, as llm-compressor's
+        grouped = spec.replace(granularity=PerAxis(1), scale_dtype="float32")
+        observer = column_groups(rule.make_observer(grouped), spec.granularity.group_size)
+    else:
+        observer = rule.make_observer(spec.replace(granularity=PerTensor()) if runtime else spec)
     if stacked:
         observer = stacked_observer(observer, stacked)
     return Site(rule, observer, spec, stacked, runtime, kind, layout)

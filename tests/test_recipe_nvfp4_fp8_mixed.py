@@ -5,9 +5,10 @@ projections, NVFP4 attention and gate/up projections whose fp4 ``input_activatio
 compressed-tensors 0.19 leaves such args' ``scale_dtype`` None: ``generate_gparam`` gives the
 same global scale as NVFP4's (448 * 6 / amax), and the run-time group scales are not rounded to
 float8 (``calculate_qparams`` rounds only to a given ``scale_dtype``); qstats reads them as
-unrounded float32 group scales. Its default input observer ``minmax`` averages each group's
-extremes, which qstats does not (a warning, docs/recipes.md); with ``static_minmax`` every scale
-and the fake-quantized logits are oneshot's bit for bit."""
+unrounded float32 group scales. Its default input observer ``minmax`` averages each group of 16
+features' extremes over the batches (``mse`` searches each group's range), and qstats observes such
+inputs per group too (`qstats.observers.column_groups`): under these and ``static_minmax`` every
+scale and the fake-quantized logits are oneshot's bit for bit."""
 
 from __future__ import annotations
 
@@ -138,12 +139,14 @@ def test_fp4_weights_without_scale_dtype_are_refused():
         qstats.QuantSpec.from_compressed_tensors(args.model_copy(update={"num_bits": 8}))
 
 
-def test_the_recipe_as_written_warns_that_its_minmax_inputs_average_per_group(llama, tmp_path):
-    """Its inputs give no observer: llm-compressor's ``minmax`` averages each group's extremes and
-    takes the largest (computed here from the recorded inputs), not the tensor's average: qstats
-    reads the recipe, warning so; every other scale is oneshot's."""
+def test_the_recipe_as_written_averages_each_group_as_oneshot(llama, tmp_path):
+    """Its inputs give no observer: llm-compressor's ``minmax`` averages each group's extremes over the
+    batches and takes the largest (computed here from the recorded inputs, in its arithmetic
+    ``average * (1 - c) + batch * c``), not the whole tensor's average; qstats reads the recipe without
+    a warning and observes those inputs per group of features, giving oneshot's global scale."""
     path, samples = llama
-    with pytest.warns(UserWarning, match="averages \\(or searches\\) the extremes of each group"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         recipe = qstats.Recipe.from_compressed_tensors(AS_WRITTEN)
     _, saved = _oneshot(path, samples, AS_WRITTEN, tmp_path / "oneshot")
     model = _load(path)
@@ -152,35 +155,40 @@ def test_the_recipe_as_written_warns_that_its_minmax_inputs_average_per_group(ll
     with torch.no_grad():
         for sample in samples:
             model(sample[None])
-    low = high = None
+    low = high = whole_low = whole_high = None
     for x in inputs:  # llm-compressor's minmax: a moving average (0.01) of each group's extremes
         groups = x.flatten(0, 1).unflatten(-1, (-1, 16))
         lo, hi = groups.amin(dim=(0, -1)), groups.amax(dim=(0, -1))
-        low, high = (lo, hi) if low is None else (torch.lerp(low, lo, 0.01), torch.lerp(high, hi, 0.01))
+        low, high = (lo, hi) if low is None else (low * 0.99 + lo * 0.01, high * 0.99 + hi * 0.01)
+        lo, hi = x.min(), x.max()  # the whole tensor's
+        whole_low, whole_high = (lo, hi) if whole_low is None else (whole_low * 0.99 + lo * 0.01,
+                                                                    whole_high * 0.99 + hi * 0.01)
     amax = torch.max(-low.min(), high.max()).reshape(1)
-    assert bit_equal(saved["model.layers.0.mlp.up_proj.input_global_scale"], generate_gparam(-amax, amax))
+    whole = torch.max(-whole_low, whole_high).reshape(1)
+    theirs = saved["model.layers.0.mlp.up_proj.input_global_scale"]
+    assert bit_equal(theirs, generate_gparam(-amax, amax))
+    assert not torch.equal(theirs, generate_gparam(-whole, whole))  # the grouping matters on these batches
     qparams, _ = _qstats(path, samples, recipe)
-    ours = qparams["model.layers.0.mlp.up_proj"]["input"].global_scale.reshape(1)
-    assert not torch.equal(ours, saved["model.layers.0.mlp.up_proj.input_global_scale"])
-    for name, tensor in saved.items():  # weights' scales and every layer's: oneshot's
-        module, _, key = name.rpartition(".")
-        if key in ("weight_scale", "weight_global_scale"):
-            q = qparams[module]["weight"]
-            ours = q.scale if key == "weight_scale" else q.global_scale.reshape(1)
-            assert bit_equal(ours.reshape(tensor.shape).to(tensor.dtype), tensor), name
+    assert bit_equal(qparams["model.layers.0.mlp.up_proj"]["input"].global_scale.reshape(1), theirs)
 
 
-def test_the_recipe_with_static_minmax_inputs_is_oneshots_bit_for_bit(llama, tmp_path):
+@pytest.mark.parametrize("observer", ["", "\n            observer: static_minmax", "\n            observer: mse",
+                                      "\n            observer: memoryless_mse"],
+                         ids=["as_written", "static_minmax", "mse", "memoryless_mse"])
+def test_the_recipe_is_oneshots_bit_for_bit(llama, tmp_path, observer):
     """Every scale oneshot writes (FP8 channel scales, NVFP4 float8 block scales, weight and input
     global scales) and the logits of oneshot's fake-quantized model (unrounded fp4 input group
-    scales) are qstats'. Without scale_dtype the config oneshot writes keeps it null."""
+    scales) are qstats', under the moving-average ``minmax`` the recipe implies, ``static_minmax``
+    and the (moving-average or latest) per-group ``mse`` searches. Without scale_dtype the config
+    oneshot writes keeps it null."""
     import json
 
     path, samples = llama
+    text = RECIPE % observer
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        recipe = qstats.Recipe.from_compressed_tensors(STATIC)
-    their_logits, saved = _oneshot(path, samples, STATIC, tmp_path / "oneshot")
+        recipe = qstats.Recipe.from_compressed_tensors(text)
+    their_logits, saved = _oneshot(path, samples, text, tmp_path / "oneshot")
     with open(tmp_path / "oneshot" / "config.json") as file:
         groups = json.load(file)["quantization_config"]["config_groups"]
     assert [group["input_activations"]["scale_dtype"] for group in groups.values()] == [None, None]
@@ -193,3 +201,30 @@ def test_the_recipe_with_static_minmax_inputs_is_oneshots_bit_for_bit(llama, tmp
         ours = q.global_scale.reshape(1) if key.endswith("global_scale") else q.scale
         assert bit_equal(ours.reshape(tensor.shape).to(tensor.dtype), tensor), name
     assert torch.equal(our_logits, their_logits)
+
+
+def test_column_groups_are_llm_compressors_group_statistics():
+    """`column_groups` keeps llm-compressor's ``minmax`` statistics of a tensor_group input (each group's
+    moving-average extremes over batches of any length); a padding mask leaves its rows out, and an
+    input whose features the group does not divide, or a weight that is no prefix of its shape, is refused."""
+    from llmcompressor.observers import Observer
+    from qstats.observers.column_groups import column_groups
+
+    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, dynamic="local")
+    spec = qstats.QuantSpec.from_compressed_tensors(args).replace(granularity=qstats.PerAxis(1))
+    ours = column_groups(qstats.moving_average_minmax(spec), 16)
+    theirs = Observer.load_from_registry("minmax", base_name="input", args=args)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(2, tokens, 64, generator=g) * s for tokens, s in ((5, 1.0), (9, 3.0), (3, 2.0))]
+    state = ours.init(batches[0])
+    for x in batches:
+        theirs(x)
+        state = ours.update(state, x)
+    assert bit_equal(state.min_val, theirs.min_vals) and bit_equal(state.max_val, theirs.max_vals)
+    x, keep = batches[1], torch.rand(2, 9, generator=g) > 0.5
+    masked = ours.update(ours.init(x), x, keep)
+    assert torch.equal(masked.max_val, x[keep].unflatten(-1, (4, 16)).amax(dim=(0, 2)))
+    with pytest.raises(ValueError, match="groups of 16 features need a last dimension that 16 divides"):
+        ours.update(state, torch.randn(3, 40))
+    with pytest.raises(ValueError, match="must weight the rows"):
+        ours.update(state, x, torch.ones(9))
