@@ -41,8 +41,8 @@ def listed(names: list, limit: int) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def _element_type(spec: QuantSpec, where: str) -> str:
-    """compressed-tensors' ``type`` of the elements (``"int"`` or ``"float"``); refuses the
+def _element_type(spec: QuantSpec, where: str, site: str) -> str:
+    """compressed-tensors' ``type`` of the elements (``"int"`` or ``"float"``) at ``site``; refuses the
     element formats and two-level or MX specs it has no compressor for."""
     if spec.scale_dtype == "e8m0":
         # MXFP4 / MXFP8: fp4 or fp8 elements in groups of 32 under power-of-two (e8m0) scales, stored
@@ -52,9 +52,14 @@ def _element_type(spec: QuantSpec, where: str) -> str:
                  f"with PerGroup(32), got dtype {spec.dtype!r} and {spec.granularity!r}")
         return "float"
     if isinstance(spec.granularity, TensorGroup):
-        # NVFP4: fp4 elements in groups, fp8 group scales under one float32 global scale.
-        if spec.dtype != "fp4_e2m1" or spec.scale_dtype != "float8_e4m3fn":
-            fail(where, "TensorGroup exports as NVFP4 only: dtype 'fp4_e2m1' with scale_dtype 'float8_e4m3fn'")
+        # NVFP4: fp4 elements in groups, fp8 group scales under one float32 global scale; activations
+        # (dynamic='local': their group scales come at run time) may keep them unrounded, float32
+        # (compressed-tensors' args without scale_dtype: llm-compressor's recipe_nvfp4_fp8_mixed.yaml)
+        unrounded = spec.scale_dtype == "float32" and site != "weight"
+        if spec.dtype != "fp4_e2m1" or not (spec.scale_dtype == "float8_e4m3fn" or unrounded):
+            fail(where, "TensorGroup exports as NVFP4 only: dtype 'fp4_e2m1' with scale_dtype 'float8_e4m3fn', or "
+                 f"'float32' (unrounded run-time group scales) for activations; got dtype {spec.dtype!r} and "
+                 f"scale_dtype {spec.scale_dtype!r} at a {site!r} site")
         if spec.global_scale_formula != "range_over_amax":
             fail(where, f"global_scale_formula {spec.global_scale_formula!r}: compressed-tensors' global scale "
                  "is range / amax; use qstats.Recipe.from_scheme('NVFP4') (or "
@@ -118,7 +123,7 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec", dynamic: 
         raise TypeError(f"export.compressed_tensors: {where}: expected a QuantSpec, got {type(spec).__name__}")
     two_level = isinstance(spec.granularity, TensorGroup)
     mx = spec.scale_dtype == "e8m0"
-    qtype = _element_type(spec, where)
+    qtype = _element_type(spec, where, site)
     symmetric = _is_symmetric(spec, where)
     if spec.zero_point_domain == "float":
         fail(where, "zero_point_domain 'float' has no compressed-tensors equivalent")
@@ -137,10 +142,12 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec", dynamic: 
              "attention scales are exported per tensor (PerTensor) or per head (PerHead(1), strategy 'attn_head')")
     if two_level or mx:
         # activations: group scales at run time, NVFP4's under the calibrated global scale ("local"),
-        # MX ones on their own (compressed-tensors' MXFP4/MXFP8)
+        # MX ones on their own (compressed-tensors' MXFP4/MXFP8); float32 (unrounded) group scales of
+        # two-level activations are compressed-tensors' args without scale_dtype (None)
+        two_level_scales = "torch.float8_e4m3fn" if spec.scale_dtype == "float8_e4m3fn" else None
         fields.update(strategy="tensor_group" if two_level else "group",
                       group_size=spec.granularity.group_size,  # 32 for MX (`_element_type`)
-                      scale_dtype="torch.float8_e4m3fn" if two_level else "torch.uint8")
+                      scale_dtype=two_level_scales if two_level else "torch.uint8")
         if site != "weight":
             fields["dynamic"] = "local" if two_level else True
         return fields
