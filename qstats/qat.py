@@ -272,8 +272,7 @@ class _BatchNormPoint(nn.Module):
         if current is None:  # QATModel.init (a later call of the same layer keeps the first call's state)
             return x, previous or BatchNormState(running_mean.detach().clone(), running_var.detach().clone(),
                                                  num_batches_tracked.clone())
-        if previous is not None:  # a later call of the same layer: chain its running statistics
-            current = previous
+        current = current if previous is None else previous  # a later call of the same layer: chain its statistics
         frozen = phase.freeze_batchnorm
         if isinstance(frozen, torch.Tensor) and x.ndim > 1 and x.shape[0] * x.shape[2:].numel() == 1:
             # a tensor flag computes both sides, and batch statistics of one value per channel are F.batch_norm's
@@ -526,10 +525,9 @@ class QATModel:
         never uses are left out (``module`` lacks them): load with ``strict=False`` then."""
         self._check_inputs(params, state, "QATModel.state_dict")
         params = self._canonical(params, "QATModel.state_dict")
-        given = {}  # a tensor -> the value given under its first name in params (tied ones have several)
-        for name, tensor in self.module.named_parameters(remove_duplicate=False):
-            if name in params:
-                given.setdefault(id(tensor), params[name])
+        # a tensor -> the value given under its first name in params (tied ones have several; reversed: the first wins)
+        named = reversed(list(self.module.named_parameters(remove_duplicate=False)))
+        given = {id(tensor): params[name] for name, tensor in named if name in params}
         buffers = dict(self.module.named_buffers())
         for key, statistics in state.batchnorm.items():  # every name of a shared batch norm's buffers
             for field, value in statistics._asdict().items():
