@@ -119,6 +119,8 @@ def main(batches: int = 4, tokens: int = 64, verbose: bool = True, all_experts: 
         print(f"and int8 per-expert inputs (input, down_proj.input): relative output error {error:.2e}")
         print()
         print(qstats.report(states, qparams, model, plan, batches=[x]).text())  # activations too, per expert
+        print("\n(the weights' clipped_fraction: torch.ao's symmetric int8 scale, amax / 127.5, can round a row's "
+              "positive extreme to code 128, clamped to 127 as torch.ao clamps it)")
     return model, states, qparams, caught
 
 

@@ -14,7 +14,7 @@ model embeds a 12-character context and applies three Linear layers. On held-out
 - with ``--lsq``, LSQ/LSQ+ fine-tuning of the weight and activation ranges, initialised from the
   frozen observer states.
 
-Run: ``python examples/qat_charlm.py`` (under a minute of CPU). Prints a markdown table. The figures
+Run: ``python examples/qat_charlm.py`` (about a minute of CPU, one thread). Prints a markdown table. The figures
 depend on the Python version whose source is read.
 """
 
@@ -182,6 +182,7 @@ def main():
     train_ids, test_ids = load_text()
     test = all_windows(test_ids)
     model = CharModel()
+    print(f"training the float model ({FLOAT_STEPS} + {QAT_STEPS} steps), then PTQ and QAT per row ...", flush=True)
     train_float(model, train_ids, FLOAT_STEPS, torch.Generator().manual_seed(SEED))
     with torch.no_grad():
         float_accuracy = accuracy(model(test[0]), test)

@@ -9,7 +9,7 @@ embeddings to the float model's on held-out sentences, and by calibration time.
 
 Run:  python examples/quantize_minilm.py [--out DIR]   (prints the table; writes quantize_minilm.png
       and quantize_minilm_report.csv into DIR, by default the current directory; --no-progress
-      silences the progress bars of calibration and evaluation)
+      silences the progress bars of calibration and evaluation; about 5 minutes of CPU time)
 """
 
 from __future__ import annotations
@@ -161,11 +161,9 @@ VARIANTS = {
     "moving_average_minmax c=0.1 (per-channel W)": w8a8(
         WEIGHT_PER_CHANNEL, qstats.moving_average_minmax, averaging_constant=0.1
     ),
+    # a histogram of the inputs, its range searched for the least expected squared error
+    "histogram, mse range (per-channel W)": w8a8(WEIGHT_PER_CHANNEL, qstats.histogram, qparams_kwargs={"method": "mse"}),
 }
-if hasattr(qstats, "histogram"):  # histogram observer with an MSE range search for the inputs
-    VARIANTS["histogram, mse range (per-channel W)"] = w8a8(
-        WEIGHT_PER_CHANNEL, qstats.histogram, qparams_kwargs={"method": "mse"}
-    )
 
 
 def cosine_stats(reference: torch.Tensor, quantized: torch.Tensor) -> tuple[float, float]:
