@@ -29,7 +29,7 @@ from .experts import (StackLayout, expert_count, is_stacked_parameter, linearize
 from .fused import fused_groups
 from .observers import Observer
 from .observers import registry as observer_registry
-from .observers.column_groups import column_groups
+from .observers._column_groups import column_groups
 from .observers.minmax import minmax
 from ._warn import warn
 

@@ -2,7 +2,7 @@
 their global scale only, which equals llm-compressor's observer of the same name bit for bit: under
 ``static_minmax`` and ``memoryless_minmax`` (the whole tensor's extremes), and under ``minmax``,
 ``mse`` and ``memoryless_mse``, which average (or search) each group of 16 features over the batches
-and take the largest, as qstats then observes them (`qstats.observers.column_groups`)."""
+and take the largest, as qstats then observes them (per group of features)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ same global scale as NVFP4's (448 * 6 / amax), and the run-time group scales are
 float8 (``calculate_qparams`` rounds only to a given ``scale_dtype``); qstats reads them as
 unrounded float32 group scales. Its default input observer ``minmax`` averages each group of 16
 features' extremes over the batches (``mse`` searches each group's range), and qstats observes such
-inputs per group too (`qstats.observers.column_groups`): under these and ``static_minmax`` every
+inputs per group too (`column_groups`): under these and ``static_minmax`` every
 scale and the fake-quantized logits are oneshot's bit for bit."""
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def test_column_groups_are_llm_compressors_group_statistics():
     moving-average extremes over batches of any length); a padding mask leaves its rows out, and an
     input whose features the group does not divide, or a weight that is no prefix of its shape, is refused."""
     from llmcompressor.observers import Observer
-    from qstats.observers.column_groups import column_groups
+    from qstats.observers._column_groups import column_groups
 
     args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, dynamic="local")
     spec = qstats.QuantSpec.from_compressed_tensors(args).replace(granularity=qstats.PerAxis(1))

@@ -29,7 +29,7 @@ def column_groups(observer: Observer, group_size: int) -> Observer:
     shape, as `qstats.calibrate`'s padding masks) masks the rows it covers.
 
     >>> import torch, qstats
-    >>> from qstats.observers.column_groups import column_groups
+    >>> from qstats.observers._column_groups import column_groups
     >>> spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(1))
     >>> obs = column_groups(qstats.minmax(spec), 2)
     >>> x = torch.tensor([[[1.0, -2.0, 3.0, 0.5]], [[0.0, 4.0, -1.0, 0.0]]])  # [batch, tokens, features]
