@@ -59,6 +59,11 @@ _EXTRA_INPUTS = ("qat_state", "qat_phase", "qat_ranges")  # keyword arguments th
 # functional calls a traced-through forward makes (a subclass's own forward, `super().forward`): the
 # layer type whose ``weight`` they may read, as torch.ao's prepare_qat_fx quantizes functional linear/conv
 _FUNCTIONAL_LAYERS = {function: layer for layer, function in _LAYER_FUNCTIONS.items()}
+# functional calls that read a parameter of the model no quantized layer's own forward passes (plain parameters,
+# a weight tied to a layer's): fake-quantized by the observers of the layer type computing the same function
+# (torch.ao's prepare_qat_fx fake-quantizes their weight and input); torch.matmul is none (torch.ao gives its
+# operands no weight observer)
+_PARAMETER_CALLS = {F.linear: nn.Linear, F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d}
 
 
 def _select(flag, if_true, if_false):
@@ -426,10 +431,14 @@ class QATModel:
         ``dynamic_activations``: whether every activation layer's are (and there is one).
       folded_layers: layer name -> the batch norm whose running statistics scale its fake-quantized weight
         (``prepare(..., fold_batchnorm=True)``).
+      parameter_layers: the points of ``F.linear``/``F.conv1d/2d/3d`` calls of a parameter outside its layer's
+        own forward (`prepare`), each named after the parameter (``"block.proj"``), among ``layers``: parameter
+        name -> the layer type whose observers it takes (``nn.Linear`` for ``F.linear``).
     """
 
     def __init__(self, module, weight_observer, activation_observer, layers, batchnorm_layers, aliases=None,
-                 weight_observers=None, activation_observers=None, dynamic_layers=(), folded_layers=None):
+                 weight_observers=None, activation_observers=None, dynamic_layers=(), folded_layers=None,
+                 parameter_layers=None):
         self.module = module
         self.weight_observer = weight_observer
         self.activation_observer = activation_observer
@@ -442,6 +451,7 @@ class QATModel:
         self.dynamic_activations = bool(self.dynamic_layers) and set(self.dynamic_layers) == set(self.activation_layers)
         self.batchnorm_layers = tuple(batchnorm_layers)
         self.folded_layers = dict(folded_layers or {})  # layer -> the batch norm folded into its weight
+        self.parameter_layers = dict(parameter_layers or {})  # parameter -> the layer type of its F.linear/conv calls
         # the model's names of a module registered several times, which ``module`` lacks -> the name it has
         self._aliases = dict(aliases or {})
         # names `apply` takes: parameters (tied ones under every name) and buffers
@@ -562,10 +572,12 @@ class QATModel:
                              f"{self.folded_layers[layer]!r} folded into its weight, whose running variance is in the "
                              f"QAT state; pass state= (got {type(state).__name__})")
         params = self._canonical(params, "QATModel.observed_weight")
-        module = self.module.get_submodule(layer)
         # read through functional_call: tied parameters and parametrized weights (computed from theirs) as in apply
-        weight = torch.func.functional_call(_WeightOf(self.module, layer, self.folded_layers.get(layer)),
-                                            {f"model.{name}": value for name, value in params.items()}, (state,))
+        reader = _WeightOf(self.module, layer, self.folded_layers.get(layer), layer in self.parameter_layers)
+        weight = torch.func.functional_call(reader, {f"model.{name}": value for name, value in params.items()}, (state,))
+        if layer in self.parameter_layers:  # an F.linear/conv call's parameter (no transposed convolution's)
+            return weight
+        module = self.module.get_submodule(layer)
         return _conv_layout(weight, module.groups) if isinstance(module, _CONV_TRANSPOSE) else weight
 
     def _canonical(self, params, where: str) -> Dict[str, Any]:
@@ -672,15 +684,17 @@ class QATModel:
 
 
 class _WeightOf(nn.Module):
-    """``model``'s layer ``layer``'s weight as a forward (`QATModel.observed_weight` calls it functionally),
-    scaled as `_folded_weight` where batch norm ``batchnorm`` is folded into it."""
+    """``model``'s layer ``layer``'s weight (``parameter``: its parameter ``layer``) as a forward
+    (`QATModel.observed_weight` calls it functionally), scaled as `_folded_weight` where batch norm ``batchnorm``
+    is folded into it."""
 
-    def __init__(self, model: nn.Module, layer: str, batchnorm: Optional[str] = None):
+    def __init__(self, model: nn.Module, layer: str, batchnorm: Optional[str] = None, parameter: bool = False):
         super().__init__()
-        self.model, self.layer, self.batchnorm = model, layer, batchnorm
+        self.model, self.layer, self.batchnorm, self.parameter = model, layer, batchnorm, parameter
 
     def forward(self, state: Optional[QATState]) -> torch.Tensor:
-        weight = _layer_parameter(self.model.get_submodule(self.layer), "weight")
+        owner, _, name = self.layer.rpartition(".") if self.parameter else (self.layer, "", "weight")
+        weight = _layer_parameter(self.model.get_submodule(owner), name)
         if self.batchnorm is None:
             return weight
         return _folded_weight(weight, _fold_factor(self.model.get_submodule(self.batchnorm), state, self.batchnorm))
@@ -767,9 +781,10 @@ def prepare(
     _warn_float_layers(model, layers, rewriter, rewriter.rewrite(model, layers))
     if not rewriter.quantized:
         named = _float_calls(model, layers, rewriter)
-        calls = (f"; its calls {', '.join(named)} read weights held outside such layers (torch.ao's "
-                 "prepare_qat_fx fake-quantizes them): hold each weight in such a layer, or quantize it with "
-                 "qstats.observe_fake_quantize") if named else ""
+        calls = (f"; its calls {', '.join(named)} read weights held outside such layers that it does not "
+                 "fake-quantize (buffers, computed weights; torch.ao's prepare_qat_fx fake-quantizes them): hold each "
+                 "weight in such a layer or as a parameter given as it is to F.linear/F.conv1d/2d/3d, or quantize it "
+                 "with qstats.observe_fake_quantize") if named else ""
         raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}{calls}")
     activation_observers = rewriter.observers["activations"]  # every quantized layer but embeddings, given one
     if isinstance(activation_observer, Observer) and not activation_observers:
@@ -781,7 +796,7 @@ def prepare(
     dynamic = [key for key, observer in activation_observers.items() if _dynamic(observer, dynamic_activations)]
     return QATModel(module, weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms,
                     _aliases(model, module), rewriter.observers["weights"], activation_observers, dynamic,
-                    rewriter.folded)
+                    rewriter.folded, rewriter.parameter_calls)
 
 
 def _aliases(model: nn.Module, module: nn.Module) -> Dict[str, str]:
@@ -823,8 +838,9 @@ def _refuse_lazy(model: nn.Module) -> None:
 
 def _functional_owner(model: nn.Module, node, layers) -> Optional[str]:
     """The name of the layer (of a type in ``layers`` and of the kind the function computes) whose own
-    ``weight`` parameter ``node`` (an ``F.linear``/``F.convNd`` call) reads, or None. The module whose
-    forward makes the call is preferred: torch.fx names a tied weight after its first owner."""
+    ``weight`` parameter ``node`` (an ``F.linear``/``F.convNd`` call) reads in that layer's own forward
+    (traced through), or None: a call elsewhere (``F.linear(h, self.head.weight)``) is one of its own, with its
+    own points (`_parameter_call`), as torch.ao's prepare_qat_fx gives it fake quants apart from the layer's."""
     weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
     if not isinstance(weight, torch.fx.Node) or weight.op != "get_attr":
         return None
@@ -834,7 +850,7 @@ def _functional_owner(model: nn.Module, node, layers) -> Optional[str]:
         return None
     stack = [entry[0] if isinstance(entry, tuple) else key
              for key, entry in (node.meta.get("nn_module_stack") or {}).items()]
-    for name in list(reversed(stack)) + [str(weight.target).rpartition(".")[0]]:
+    for name in reversed(stack):
         try:
             module = model.get_submodule(name)
         except AttributeError:
@@ -843,6 +859,22 @@ def _functional_owner(model: nn.Module, node, layers) -> Optional[str]:
                 and getattr(module, "weight", None) is tensor):
             return name
     return None
+
+
+def _parameter_call(model: nn.Module, node, layers) -> Optional[str]:
+    """The name of the parameter that ``node``, an ``F.linear``/``F.conv1d/2d/3d`` call no layer's own forward
+    makes with its weight (`_functional_owner`), reads as its weight, where the layer type computing that function
+    is (a subclass of) a type of ``layers``; None for another call (a buffer's or a computed weight stays in float)."""
+    kind = _PARAMETER_CALLS.get(node.target)
+    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    if kind is None or not any(issubclass(kind, t) for t in layers) or not isinstance(weight, torch.fx.Node) \
+            or weight.op != "get_attr":
+        return None
+    try:
+        model.get_parameter(str(weight.target))
+    except AttributeError:  # a buffer or a plain attribute
+        return None
+    return str(weight.target)
 
 
 def _float_call(node, layers) -> Optional[Tuple[str, str]]:
@@ -920,8 +952,10 @@ def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
     calls = _float_calls(model, layers, rewriter)
     if calls and rewriter.quantized:  # with no quantized layer, prepare's error names them
         warn(f"qstats.qat.prepare: the calls {', '.join(calls)} read weights held outside the layers it quantizes "
-             f"({[t.__name__ for t in layers]}): they stay in float (torch.ao's prepare_qat_fx fake-quantizes such "
-             "calls); hold the weight in such a layer, or quantize it with qstats.observe_fake_quantize")
+             f"({[t.__name__ for t in layers]}) that it does not fake-quantize (buffers, computed weights, parameters "
+             "given to F.conv_transpose/F.embedding): they stay in float (torch.ao's prepare_qat_fx fake-quantizes such "
+             "calls); hold the weight in such a layer or as a parameter given as it is to F.linear/F.conv1d/2d/3d, or "
+             "quantize it with qstats.observe_fake_quantize")
     if rewriter.traced_hooked:
         warn(f"qstats.qat.prepare: layers {rewriter.traced_hooked} have their own forward, which torch.fx traced "
              "through, and hooks: they ran once while tracing, on torch.fx proxies (what a forward or pre-hook "
@@ -1106,6 +1140,7 @@ class _Rewriter:
         self.hooked = []  # replaced layers with forward hooks, which the rewritten model does not run (`_note_hooks`)
         self.traced_hooked = []  # traced-through layers with hooks: run once on proxies while tracing, then never
         self.weights = {}  # layer -> its fake-quantized weight (a module called twice reuses it)
+        self.parameter_calls = {}  # parameter -> the layer type of the F.linear/conv calls reading it
         self.points = 0  # numbers the submodules of the points
 
     def rewrite(self, model: nn.Module, layers: Tuple[type, ...]) -> Dict[str, str]:
@@ -1116,8 +1151,11 @@ class _Rewriter:
         for node in list(self.graph.nodes):
             if node.op == "call_function" and node.target in _FUNCTIONAL_LAYERS:
                 owner = _functional_owner(model, node, layers)
+                parameter = _parameter_call(model, node, layers) if owner is None else None
                 if owner is not None:  # a traced-through forward passing a layer's own weight to F.linear/conv
                     self.quantize_functional(node, owner, model.get_submodule(owner))
+                elif parameter is not None:  # a parameter of the model's own, or one tied to a layer's weight
+                    self.quantize_parameter_call(node, parameter, _PARAMETER_CALLS[node.target])
                 else:
                     self.float_calls.extend(filter(None, [_float_call(node, layers)]))
             if node.op != "call_module":
@@ -1284,6 +1322,29 @@ class _Rewriter:
         for name, value in updates.items():
             if len(node.args) > positions[name]:
                 node.update_arg(positions[name], value)
+            else:
+                node.update_kwarg(name, value)
+
+    def quantize_parameter_call(self, node, key: str, kind: type) -> None:
+        """An ``F.linear``/``F.conv1d/2d/3d`` call of parameter ``key`` (`_parameter_call`) takes its input and
+        weight fake-quantized by the observers of layer type ``kind`` (the mapping's first entry that ``kind`` is
+        a subclass of), in points of its own named ``key``; its other arguments stay. Calls of one parameter share
+        its points, as a layer called twice."""
+        if key not in self.quantized:
+            for point, entries in self.entries.items():
+                observer = next((observer for t, observer in entries if issubclass(kind, t)), None)
+                if observer is not None:
+                    self.observers[point][key] = observer
+            self.quantized.append(key)
+            self.parameter_calls[key] = kind
+        given = [node.args[i] if len(node.args) > i else node.kwargs[name] for i, name in enumerate(("input", "weight"))]
+        with self.graph.inserting_before(node):
+            x = self._fake_quantized("activations", key, given[0])
+            if key not in self.weights:  # the same weight: observed once per pass
+                self.weights[key] = self._fake_quantized("weights", key, given[1])
+        for i, (name, value) in enumerate((("input", x), ("weight", self.weights[key]))):
+            if len(node.args) > i:
+                node.update_arg(i, value)
             else:
                 node.update_kwarg(name, value)
 

@@ -1,13 +1,15 @@
 """``F.linear``/``F.conv2d`` calls on weights held as plain parameters (no Linear or Conv module holds them).
 
 Reference: torch.ao's ``prepare_qat_fx`` with ``get_default_qat_qconfig_mapping`` fake-quantizes such a call's
-weight (a ``FakeQuantize`` reading the parameter) and input. `qstats.qat.prepare` quantizes layers, so it leaves
-them in float: it must say so, naming each call, instead of training them in float without a word (and a model
-made of such calls only must be refused naming them, not with "no layer")."""
+weight (a ``FakeQuantize`` reading the parameter) and input. `qstats.qat.prepare` fake-quantizes the same
+parameters (tests/test_qat_functional_parameters.py trains them beside torch.ao); a call it leaves in float (a
+buffer's weight) must be named, instead of training in float without a word (and a model made of such calls only
+must be refused naming them, not with "no layer")."""
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -66,7 +68,9 @@ class _LowRank(nn.Linear):
 
 def _fake_quantized_parameters(model: nn.Module, example) -> set:
     """The parameters whose value torch.ao's prepare_qat_fx (default x86 QAT mapping) fake-quantizes."""
-    prepared = prepare_qat_fx(copy.deepcopy(model).train(), get_default_qat_qconfig_mapping("x86"), (example,))
+    # embeddings (default QAT qconfig: per-channel symmetric weights, which torch.ao refuses for them) in float
+    mapping = get_default_qat_qconfig_mapping("x86").set_object_type(nn.Embedding, None)
+    prepared = prepare_qat_fx(copy.deepcopy(model).train(), mapping, (example,))
     return {str(node.args[0].target) for node in prepared.graph.nodes
             if node.op == "call_module" and isinstance(prepared.get_submodule(node.target), FakeQuantizeBase)
             and node.args[0].op == "get_attr"}
@@ -77,51 +81,71 @@ def _prepare(model, **kwargs):
                               qstats.moving_average_minmax(ACT_SPEC, 0.01), **kwargs)
 
 
-def test_functional_calls_on_plain_parameters_are_named_where_they_stay_in_float():
+def test_functional_calls_on_plain_parameters_are_fake_quantized_as_in_torch_ao():
+    # they stayed in float, named in a warning
     torch.manual_seed(0)
     model, x = _WithHead(), torch.randn(2, 3, 6, 6)
-    # torch.ao fake-quantizes both functional weights; qstats keeps them in float, so it must say so
-    assert {"body.conv_weight", "body.proj"} <= _fake_quantized_parameters(model, x)
-    with pytest.warns(UserWarning, match=r"F\.conv2d\(weight 'body\.conv_weight'\) in 'body'.*"
-                                         r"F\.linear\(weight 'body\.proj'\) in 'body'.*stay in float"):
+    expected = _fake_quantized_parameters(model, x)
+    assert {"body.conv_weight", "body.proj"} <= expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         qat = _prepare(model)
-    assert qat.layers == ("head",)
+    assert qat.layers == ("body.conv_weight", "body.proj", "head")
+    assert set(qat.parameter_layers) == expected == {"body.conv_weight", "body.proj"}  # head's is its QAT Linear's
     out, _ = qat.apply(qat.params(), qat.init(x), x, phase=qstats.QATPhase(observe=True, fake_quantize=False))
     torch.testing.assert_close(out, model(x))
 
 
-def test_tied_output_projection_is_named_where_it_stays_in_float():
+def test_tied_output_projection_is_fake_quantized_as_a_linear():
+    # F.linear of the embedding's weight takes Linear's observers, as torch.ao gives that F.linear a weight fake quant
     torch.manual_seed(0)
     model, ids = _TiedOutput(), torch.randint(0, 10, (2, 5))
-    with pytest.warns(UserWarning, match=r"F\.linear\(weight 'embedding\.weight'\) in the model.*stay in float"):
+    assert "embedding.weight" in _fake_quantized_parameters(model, ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         qat = _prepare(model)
-    assert qat.layers == ("mix",)
+    assert qat.layers == ("mix", "embedding.weight") and qat.parameter_layers == {"embedding.weight": nn.Linear}
     out, _ = qat.apply(qat.params(), qat.init(ids), ids, phase=qstats.QATPhase(observe=True, fake_quantize=False))
     torch.testing.assert_close(out, model(ids))
 
 
-def test_model_of_functional_calls_only_is_refused_naming_them():
+class _Buffers(nn.Module):
+    """F.conv2d / F.linear of buffers: weights no parameter holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("conv_weight", torch.randn(4, 3, 3, 3) * 0.2)
+        self.register_buffer("proj", torch.randn(5, 4) * 0.3)
+
+    def forward(self, x):
+        return F.linear(F.conv2d(x, self.conv_weight, padding=1).mean((2, 3)), self.proj)
+
+
+def test_model_of_functional_calls_of_buffers_only_is_refused_naming_them():
     torch.manual_seed(0)
-    model = _Functional()
+    model = _Buffers()
     assert {"conv_weight", "proj"} <= _fake_quantized_parameters(model, torch.randn(2, 3, 6, 6))
     with pytest.raises(ValueError, match=r"no layer of the types.*F\.conv2d\(weight 'conv_weight'\) in the model.*"
                                          r"F\.linear\(weight 'proj'\) in the model.*observe_fake_quantize"):
         _prepare(model)
 
 
-def test_functional_calls_of_unquantized_kinds_are_not_named():
+def test_functional_calls_of_unquantized_kinds_are_neither_quantized_nor_named():
     # layers=Linear: an F.conv2d is no call of a quantized kind, as an nn.Conv2d would stay in float unnamed
     torch.manual_seed(0)
-    with pytest.warns(UserWarning, match=r"the calls F\.linear\(weight 'body\.proj'\) in 'body' read"):
-        _prepare(_WithHead(), layers=nn.Linear)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qat = _prepare(_WithHead(), layers=nn.Linear)
+    assert qat.layers == ("body.proj", "head")
 
 
-def test_plain_parameters_in_a_quantized_layers_own_forward_are_named():
-    # the layer's own weight is quantized under its name; the low-rank parameters beside it stay in float
+def test_plain_parameters_in_a_quantized_layers_own_forward_are_fake_quantized():
+    # the layer's own weight is quantized under its name, the low-rank parameters beside it under theirs
+    # (they stayed in float, named in a warning)
     torch.manual_seed(0)
     model = nn.Sequential(_LowRank(4, 2), nn.ReLU(), nn.Linear(4, 2))
     assert {"0.lora_a", "0.lora_b", "0.weight"} <= _fake_quantized_parameters(model, torch.randn(3, 4))
-    with pytest.warns(UserWarning, match=r"the calls F\.linear\(weight '0\.lora_a'\) in '0', "
-                                         r"F\.linear\(weight '0\.lora_b'\) in '0' read"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         qat = _prepare(model)
-    assert qat.layers == ("0", "2")
+    assert qat.layers == ("0", "0.lora_a", "0.lora_b", "2")
