@@ -736,7 +736,10 @@ def prepare(
 
     The weight of every layer of a type in ``layers`` (Linear, Conv1d/2d/3d by default; also Embedding,
     EmbeddingBag, ConvTranspose1d/2d/3d) goes through ``weight_observer`` and its input through
-    ``activation_observer`` (None: leave that kind in float). Each may also be a mapping ``{layer type:
+    ``activation_observer`` (None: leave that kind in float). So do those of an ``F.linear``/``F.conv1d/2d/3d``
+    call given a parameter of the model as its weight outside that layer's own forward (a custom block's
+    ``F.linear(x, self.proj)``, a head tied to an embedding), with the observers of Linear/Conv1d/2d/3d, in
+    points named after the parameter (``qat.parameter_layers``), as torch.ao's ``prepare_qat_fx``. Each may also be a mapping ``{layer type:
     Observer or None}`` (torch.ao's ``QConfigMapping.set_object_type``): a layer takes the observer of the
     first type in the mapping's order that it is an instance of; a layer of no type in it stays in float
     for that kind, as torch.ao gives it the global qconfig, None unless set (a last ``nn.Module: observer``
@@ -864,17 +867,18 @@ def _functional_owner(model: nn.Module, node, layers) -> Optional[str]:
 def _parameter_call(model: nn.Module, node, layers) -> Optional[str]:
     """The name of the parameter that ``node``, an ``F.linear``/``F.conv1d/2d/3d`` call no layer's own forward
     makes with its weight (`_functional_owner`), reads as its weight, where the layer type computing that function
-    is (a subclass of) a type of ``layers``; None for another call (a buffer's or a computed weight stays in float)."""
+    is (a subclass of) a type of ``layers``; None for another call (a buffer's, a computed or an integer weight stays
+    in float)."""
     kind = _PARAMETER_CALLS.get(node.target)
     weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
     if kind is None or not any(issubclass(kind, t) for t in layers) or not isinstance(weight, torch.fx.Node) \
             or weight.op != "get_attr":
         return None
     try:
-        model.get_parameter(str(weight.target))
+        parameter = model.get_parameter(str(weight.target))
     except AttributeError:  # a buffer or a plain attribute
         return None
-    return str(weight.target)
+    return str(weight.target) if parameter.is_floating_point() else None
 
 
 def _float_call(node, layers) -> Optional[Tuple[str, str]]:
