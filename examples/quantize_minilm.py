@@ -8,7 +8,7 @@ several observer choices are compared by the cosine similarity of the quantized 
 embeddings to the float model's on held-out sentences, and by calibration time.
 
 Run:  python examples/quantize_minilm.py [--out DIR]   (prints the table; writes quantize_minilm.png
-      and quantize_minilm_report.csv into DIR, by default the current directory; --no-progress
+      and quantize_minilm_report.csv into DIR, by default ./out; --no-progress
       silences the progress bars of calibration and evaluation; about 5 minutes of CPU time)
 """
 
@@ -208,7 +208,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--heldout", type=int, default=256, help="held-out evaluation sentences")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=".", help="folder for the PNG plot and CSV report (default: the current one)")
+    parser.add_argument("--out", default="out", help="folder for the PNG plot and CSV report (default: ./out)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="progress bars of calibration and evaluation (default: on)")
