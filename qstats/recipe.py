@@ -17,7 +17,7 @@ import torch
 
 from ._attention import attention_module, intercepted
 from ._checkpoint_names import module_renamer
-from ._granularity import PerAxis, PerBlock, PerHead, PerTensor, TensorGroup
+from ._granularity import PerAxis, PerBlock, PerHead, PerTensor, TensorGroup, qparam_shape
 from ._rule_data import recipe_fields
 from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, as_written, child_projection,
                        compressed_tensors_ignore, config_rules, kv_cache_module, kv_cache_sites, matches_targets,
@@ -31,6 +31,7 @@ from .observers import Observer
 from .observers import registry as observer_registry
 from .observers._column_groups import column_groups
 from .observers.minmax import minmax
+from .observers.mse import searched_per_part
 from ._warn import warn
 
 __all__ = ["Rule", "Recipe", "Plan", "Site", "ACTIVATION_SITES", "PROJECTION_NAMES", "as_plan",
@@ -242,7 +243,7 @@ class Site(NamedTuple):
       rule: the Rule that matched.
       observer: the Observer for this state; for stacked experts already vmapped over the
         leading expert dimension. A `runtime` site observes each whole tensor, per tensor (a
-        two-level one under a moving average: per group of features, `_averages_feature_groups`).
+        two-level one under a moving average: per group of features, `averages_feature_groups`).
       spec: the spec of one tensor (one expert's tensor for stacked experts).
       num_experts: the leading expert dimension of the state, 0 when not stacked.
       runtime: the site's scales come at run time (`runtime_scaled` spec or ``dynamic=True``).
@@ -278,17 +279,30 @@ def runtime_scaled(spec: QuantSpec) -> bool:
     return spec.granularity.row_wise()
 
 
-def _averages_feature_groups(rule: Rule, spec: QuantSpec) -> bool:
-    """Whether a two-level (`TensorGroup`, NVFP4) activation site scaled at run time observes each group of
-    features over the batches (`column_groups`), as llm-compressor 0.14's ``minmax`` and ``mse`` observers
-    do: under a moving average of extremes (`qstats.moving_average_minmax`) or of searched ranges
-    (`qstats.mse` in ``mode="moving_average"``), whose per-group averages and searches differ from the
-    whole tensor's. Other observers see the whole tensor (running and latest extremes: the same maximum)."""
+def averages_feature_groups(factory: Callable, options: Mapping, spec: QuantSpec) -> bool:
+    """Whether a two-level (`TensorGroup`, NVFP4) activation site scaled at run time, observed by
+    ``factory(spec, **options)``, observes each group of features over the batches (`feature_grouped`), as
+    llm-compressor 0.14's ``minmax`` and ``mse`` observers do: under a moving average of extremes
+    (`qstats.moving_average_minmax`) or of searched ranges (`qstats.mse` in ``mode="moving_average"``), whose
+    per-group averages and searches differ from the whole tensor's. Other observers see the whole tensor
+    (running and latest extremes: the same maximum). `Recipe` sites and `qstats.llmcompressor`'s drop-ins."""
     if not isinstance(spec.granularity, TensorGroup):
         return False
-    name = observer_registry.name_of(rule.observer)
-    options = dict(rule.observer_kwargs)
-    return name == "moving_average_minmax" or (name == "mse" and options.get("mode") == "moving_average")
+    return observer_registry.name_of(factory) == "moving_average_minmax" or _moving_average_mse(factory, options)
+
+
+def _moving_average_mse(factory: Callable, options: Mapping) -> bool:
+    """Whether ``factory(spec, **options)`` is `qstats.mse` in ``mode="moving_average"``."""
+    return observer_registry.name_of(factory) == "mse" and dict(options).get("mode") == "moving_average"
+
+
+def feature_grouped(make: Callable[[QuantSpec], Observer], spec: QuantSpec) -> Observer:
+    """The observer of a two-level activation site scaled at run time that `averages_feature_groups`:
+    ``make(grouped spec)`` seeing each group of ``spec``'s features (`column_groups`), one state entry per
+    group (llm-compressor's view), the global scale from the largest range; the candidates of a search
+    have unrounded float32 group scales, as llm-compressor's."""
+    grouped = spec.replace(granularity=PerAxis(1), scale_dtype="float32")
+    return column_groups(make(grouped), spec.granularity.group_size)
 
 
 def _site_kind(module: torch.nn.Module, params: dict, num_experts: int, site: str) -> Optional[tuple]:
@@ -308,20 +322,40 @@ def _site_kind(module: torch.nn.Module, params: dict, num_experts: int, site: st
     return None
 
 
-def _make_site(rule: Rule, spec: QuantSpec, kind: str, stacked: int, layout: Optional[StackLayout] = None) -> Site:
+def _make_site(rule: Rule, spec: QuantSpec, kind: str, stacked: int, layout: Optional[StackLayout] = None,
+               parts: int = 1) -> Site:
+    """The Site of ``rule`` on one site; ``parts`` (`_searched_parts`): the parts of a stacked parameter's rows
+    whose moving-average search runs on its own (`searched_per_part`)."""
     # an activation site whose scales are computed at run time from each tensor observes its
     # whole range: its state is the same for batches of any length
     runtime = kind != "parameter" and (rule.dynamic or runtime_scaled(spec))
-    if runtime and _averages_feature_groups(rule, spec):
-        # one state entry per group of features (llm-compressor's view), the global scale from the largest
-        # range; the candidates of a search have unrounded float32 group scales, as llm-compressor's
-        grouped = spec.replace(granularity=PerAxis(1), scale_dtype="float32")
-        observer = column_groups(rule.make_observer(grouped), spec.granularity.group_size)
+    if runtime and averages_feature_groups(rule.observer, rule.observer_kwargs, spec):
+        observer = feature_grouped(rule.make_observer, spec)
     else:
         observer = rule.make_observer(spec.replace(granularity=PerTensor()) if runtime else spec)
+    if parts > 1:
+        observer = searched_per_part(observer, parts)
     if stacked:
         observer = stacked_observer(observer, stacked)
     return Site(rule, observer, spec, stacked, runtime, kind, layout)
+
+
+def _searched_parts(rule: Rule, spec: QuantSpec, site: str, kind: tuple, shapes: dict) -> int:
+    """2 for a stacked ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows; ``shapes`` from
+    `_stack_shapes`, empty where the stack does not read as per-expert Linears) under `qstats.mse` in
+    ``mode="moving_average"`` whose quantization parameters split into the halves' rows: llm-compressor's
+    ``linearize_moe`` makes two Linears of it, each searched with its own early stop (the condition
+    `compute_qparams_tree` stops an accumulating search per projection under); else 1."""
+    param, down = shapes.get(site), shapes.get("down_proj")
+    if (site != "gate_up_proj" or kind[0] != "parameter" or not kind[1] or param is None or down is None
+            or len(param) != 3 or len(down) != 3 or not _moving_average_mse(rule.observer, rule.observer_kwargs)):
+        return 1
+    rows, columns = param[1:]
+    intermediate = down[2]
+    whole, half = (qparam_shape(shape, spec.granularity) for shape in ((rows, columns), (intermediate, columns)))
+    if rows != 2 * intermediate or not half or whole != (2 * half[0], *half[1:]):
+        return 1
+    return 2
 
 
 def _stack_shapes(module: torch.nn.Module, params: dict) -> dict:
@@ -720,7 +754,8 @@ class Recipe:
                     if kind[1] and isinstance(rule.matcher, (GroupMatch, ExpertsMatch)):
                         _refuse_straddling_blocks(path, spec, site, shapes)
                     layout = stack_layout(module, site) if kind == ("parameter", num_experts) and num_experts else None
-                    entry[site] = _make_site(rule, spec, *kind, layout)
+                    parts = _searched_parts(rule, spec, site, kind, shapes)
+                    entry[site] = _make_site(rule, spec, *kind, layout, parts)
                     _refuse_conv_hessian(path, module, entry[site])
                     _refuse_unsplit_heads(path, module, site, entry[site])
                 if site in entry:  # taken here or by an earlier rule
