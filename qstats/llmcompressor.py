@@ -44,7 +44,7 @@ from ._schemes import DROPIN_OBSERVERS, STATIC_GROUP_ACTIVATIONS, check_observer
 from ._spec import QuantSpec
 from .fused import fused_amax
 from .observers import registry
-from .recipe import runtime_scaled
+from .recipe import averages_feature_groups, feature_grouped, runtime_scaled
 
 __all__ = ["QstatsObserver", "OBSERVERS", "QstatsMinmaxObserver", "QstatsStaticMinmaxObserver",
            "QstatsMemorylessMinmaxObserver", "QstatsHistogramObserver", "QstatsMseObserver"]
@@ -111,13 +111,18 @@ class QstatsObserver(LLMCompressorObserver):
 
     def make_observer(self, spec: Optional[QuantSpec] = None):
         """The qstats Observer of ``spec`` (``self.spec`` by default). An activation whose scales come
-        at run time (NVFP4's ``dynamic="local"``: only the global scale is calibrated) is observed per
-        tensor, as `qstats.calibrate` observes it: a per-token state would take the first batch's
-        length and refuse a batch of another length."""
+        at run time (NVFP4's ``dynamic="local"``: only the global scale is calibrated) is observed as
+        `qstats.calibrate` observes it: under a moving average (``qstats_minmax``, ``qstats_mse`` with
+        ``mode="moving_average"``) per group of features, as llm-compressor's ``minmax`` and ``mse``
+        (`averages_feature_groups`); else per tensor (a per-token state would take the first batch's
+        length and refuse a batch of another length)."""
         spec = self.spec if spec is None else spec
+        factory, options = type(self).factory, self.factory_options
         if not self.is_weight_obs and runtime_scaled(spec):
+            if averages_feature_groups(factory, options, spec):
+                return feature_grouped(lambda grouped: factory(grouped, **options), spec)
             spec = spec.replace(granularity=PerTensor())
-        return type(self).factory(spec, **self.factory_options)
+        return factory(spec, **options)
 
     def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
         raise NotImplementedError(
