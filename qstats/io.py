@@ -343,9 +343,10 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
     _check_target(target)
     real = os.path.realpath(target)  # a symlink's target is replaced, as open() writes through it
     if os.path.isdir(real):
-        raise IsADirectoryError(f"qstats.io: could not write {target} (it is a directory)")
+        raise IsADirectoryError(errno.EISDIR, f"qstats.io: could not write {target} (it is a directory)")
     if os.path.exists(target) and not os.access(target, os.W_OK):  # open() refuses it; a rename would replace it
-        raise PermissionError(f"qstats.io: could not write {target} (permission denied: the file is read-only)")
+        raise PermissionError(errno.EACCES, f"qstats.io: could not write {target} (permission denied: the file is "
+                                            "read-only)")
     try:
         # a device, FIFO or pipe (/dev/null; /dev/stdout, whose real path names no file): open() writes into it
         if os.path.exists(target) and not os.path.isfile(target):
@@ -436,7 +437,7 @@ def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") ->
         check_available(device, "qstats.io.load")
     source = os.fsdecode(path)  # a bytes path too, as open() takes
     if os.path.isdir(source):  # safetensors reports "No such device (os error 19)"
-        raise IsADirectoryError(f"qstats.io: {source} is a directory, not a checkpoint file")
+        raise IsADirectoryError(errno.EISDIR, f"qstats.io: {source} is a directory, not a checkpoint file")
     try:  # safetensors reports a symlink loop or a file used as a folder as "No such file or directory"
         os.stat(source)
     except OSError as error:
