@@ -23,7 +23,8 @@ E, I, H = 8, 64, 128
 
 def _args(strategy: str):
     group = {"group_size": 32} if strategy == "group" else {}
-    return QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy=strategy, observer="mse",
+    bits = 8 if strategy == "tensor" else 4
+    return QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, observer="mse",
                             observer_kwargs={"patience": 1}, **group)
 
 
@@ -50,16 +51,17 @@ def _differing(model, experts, args):
     weight = experts.gate_up_proj.detach()
     differing = []
     for expert in range(E):
-        for name, rows in (("gate_proj", slice(0, I)), ("up_proj", slice(I, 2 * I))):
+        for half, (name, rows) in enumerate((("gate_proj", slice(0, I)), ("up_proj", slice(I, 2 * I)))):
             observer = llmc_observers.Observer.load_from_registry("mse", base_name="weight", args=args)
             observer(weight[expert, rows])
             theirs = observer.get_qparams()["scale"]
-            if not torch.equal(scale[expert, rows].reshape(theirs.shape), theirs):
+            ours = scale[expert, half] if args.strategy == "tensor" else scale[expert, rows]  # tensor: [E, 2, 1]
+            if not torch.equal(ours.reshape(theirs.shape), theirs):
                 differing.append(f"{expert}.{name}")
     return differing
 
 
-@pytest.mark.parametrize("strategy", ["group", "channel"])
+@pytest.mark.parametrize("strategy", ["group", "channel", "tensor"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_each_half_searched_as_its_linear(single_thread_quiet, strategy, seed):
     model, experts = _model(seed)
