@@ -19,7 +19,7 @@ from .._qparams import NoStatistics, QParams, register_range_rule
 from .._spec import QuantSpec
 from .._checks import is_integer, require
 from .._torch_features import bitcast
-from ._base import Observer, check_merge_states, check_state, register_state
+from ._base import Observer, check_merge_states, check_state, kept_dtypes, register_state
 from .kit import check_spec
 
 __all__ = [
@@ -172,7 +172,7 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
             return state
         # the constants do not depend on x, but a tensor they could not quantize is a mistake
         check_shape(x.shape, spec.granularity, state.scale.shape, "fixed_qparams.update")
-        return state._replace(count=state.count + _count(x, weight))
+        return kept_dtypes(state, state._replace(count=state.count + _count(x, weight)), "fixed_qparams.update")
 
     def merge_fn(a, b) -> FixedQParamsState:
         check_merge_states(a, b, FixedQParamsState, "fixed_qparams.merge")
@@ -246,7 +246,7 @@ def _placeholder(spec: Optional[QuantSpec], name: str) -> Observer:
         check_state(state, PlaceholderState, f"{name}.update")
         if not isinstance(x, torch.Tensor):  # _count reads x.numel()
             raise TypeError(f"{name}.update: expected a tensor, got {type(x).__name__}")
-        return PlaceholderState(state.count + _count(x, weight))
+        return kept_dtypes(state, PlaceholderState(state.count + _count(x, weight)), f"{name}.update")
 
     def merge_fn(a, b) -> PlaceholderState:
         check_merge_states(a, b, PlaceholderState, f"{name}.merge")
@@ -326,7 +326,7 @@ def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observe
         keys = torch.where(include, keys, torch.full_like(keys, _EMPTY_KEY))
         keys, values = keep_smallest(torch.cat([state.keys, keys]), torch.cat([state.values, flat]))
         values = torch.where(keys == _EMPTY_KEY, torch.zeros_like(values), values)
-        return RecordingState(keys, values, state.count + include.sum())
+        return kept_dtypes(state, RecordingState(keys, values, state.count + include.sum()), "recording.update")
 
     def merge_fn(a, b) -> RecordingState:
         check_merge_states(a, b, RecordingState, "recording.merge")
