@@ -146,6 +146,18 @@ def _group_of(rule: "Rule") -> Optional[tuple]:
     return None if group is None else (rule.matcher.groups, group)
 
 
+def _same(a: Any, b: Any) -> bool:
+    """``a == b`` through tuples, lists and mappings, tensors compared by dtype, shape and values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
+    return bool(a == b)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """One line of a recipe.
@@ -625,10 +637,13 @@ class Recipe:
         and loaded one, or one read again from the same config)."""
         if not isinstance(other, Recipe):
             return NotImplemented
-        return (self.rules, self.ignore, self.shared) == (other.rules, other.ignore, other.shared)
+        rules = [[getattr(rule, f.name) for f in dataclasses.fields(rule)] for rule in self.rules]
+        others = [[getattr(rule, f.name) for f in dataclasses.fields(rule)] for rule in other.rules]
+        return _same((rules, self.ignore, self.shared), (others, other.ignore, other.shared))
 
     def __hash__(self) -> int:  # of fields always hashable (observer_kwargs may hold lists)
-        return hash((tuple((rule.targets, rule.sites) for rule in self.rules), self.ignore, tuple(self.shared.items())))
+        return hash((tuple((rule.targets, rule.sites) for rule in self.rules), self.ignore,
+                     frozenset(self.shared.items())))
 
     def __repr__(self) -> str:
         shared = f", shared={self.shared!r}" if self.shared else ""
