@@ -19,18 +19,18 @@ from tqdm.auto import tqdm
 from ._attention import SiteHooks, attention_sites
 from ._checks import check_flag
 from ._formats import COMPUTE_DTYPE_NAMES, global_scale_from_amax
-from ._granularity import TensorGroup, qparam_shape
+from ._granularity import TensorGroup
 from ._ops import is_dtensor
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams, per_expert_qparams
 from ._quant import fake_quantize
 from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
-from .experts import linearized_layout_problem, rows_by_expert, stack_layout, stacked_qparams
+from .experts import linearized_layout_problem, rows_by_expert, stacked_qparams
 from .fused import fused_amax
 from .observers import memoryless_minmax
 from .observers.mse import MSEState, stopped_per_part
 from .observation import (ExpertCallHooks, Observing, capture_call, check_observation_weight,
                           check_runtime_group, observing_as, raise_renamed, stop_capture, unrecognised_sites_error)
-from .recipe import Plan, Recipe, as_plan
+from .recipe import Plan, Recipe, as_plan, gate_up_halves, stack_shapes
 from ._warn import warn
 
 __all__ = ["calibrate", "compute_qparams_tree", "fake_quantized", "runtime_qparams", "runtime_spec"]
@@ -271,17 +271,10 @@ def _stopped_per_projection(state, found, module: torch.nn.Module, site: str):
     if (site != "gate_up_proj" or found.kind != "parameter" or not found.num_experts or not isinstance(state, MSEState)
             or linearized_layout_problem(module) is not None):
         return state
-    down = getattr(module, "down_proj", None)
-    layout = stack_layout(module, "down_proj")
-    if not isinstance(down, torch.Tensor) or down.ndim != 3:
+    params = {name: getattr(module, name, None) for name in (site, "down_proj")}  # the shapes alone: no copy
+    if not all(isinstance(param, torch.Tensor) and param.ndim == 3 for param in params.values()):
         return state
-    intermediate = (down.shape if layout is None else layout.canonical_shape(down.shape))[2]
-    stored, stored_layout = getattr(module, site), stack_layout(module, site)  # the shape alone: no copy
-    rows, columns = (stored.shape if stored_layout is None else stored_layout.canonical_shape(stored.shape))[1:]
-    whole, half = (qparam_shape(shape, found.spec.granularity) for shape in ((rows, columns), (intermediate, columns)))
-    if rows != 2 * intermediate or not half or whole != (2 * half[0], *half[1:]):
-        return state
-    return stopped_per_part(state, 2)
+    return stopped_per_part(state, 2) if gate_up_halves(stack_shapes(module, params), found.spec.granularity) else state
 
 
 def _share_global_scales(out: dict, states: Mapping, plan: Plan, options: dict) -> None:

@@ -353,24 +353,27 @@ def _make_site(rule: Rule, spec: QuantSpec, kind: str, stacked: int, layout: Opt
 
 
 def _searched_parts(rule: Rule, spec: QuantSpec, site: str, kind: tuple, shapes: dict) -> int:
-    """2 for a stacked ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows; ``shapes`` from
-    `_stack_shapes`, empty where the stack does not read as per-expert Linears) under `qstats.mse` in
-    ``mode="moving_average"`` whose quantization parameters split into the halves' rows: llm-compressor's
-    ``linearize_moe`` makes two Linears of it, each searched with its own early stop (the condition
-    `compute_qparams_tree` stops an accumulating search per projection under); else 1."""
-    param, down = shapes.get(site), shapes.get("down_proj")
-    if (site != "gate_up_proj" or kind[0] != "parameter" or not kind[1] or param is None or down is None
-            or len(param) != 3 or len(down) != 3 or not _moving_average_mse(rule.observer, rule.observer_kwargs)):
-        return 1
+    """2 for a stacked ``gate_up_proj`` (`gate_up_halves`) under `qstats.mse` in ``mode="moving_average"``:
+    llm-compressor's ``linearize_moe`` makes two Linears of it, each searched with its own early stop
+    (the condition `compute_qparams_tree` stops an accumulating search per projection under); else 1."""
+    halves = (site == "gate_up_proj" and kind[0] == "parameter" and kind[1]
+              and _moving_average_mse(rule.observer, rule.observer_kwargs) and gate_up_halves(shapes, spec.granularity))
+    return 2 if halves else 1
+
+
+def gate_up_halves(shapes: dict, granularity) -> bool:
+    """Whether a stacked ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows; ``shapes`` from
+    `stack_shapes`, empty where the stack does not read as per-expert Linears) has quantization
+    parameters that split into the two halves' rows, as its linearized gate and up Linears have."""
+    param, down = shapes.get("gate_up_proj"), shapes.get("down_proj")
+    if param is None or down is None or len(param) != 3 or len(down) != 3:
+        return False
     rows, columns = param[1:]
-    intermediate = down[2]
-    whole, half = (qparam_shape(shape, spec.granularity) for shape in ((rows, columns), (intermediate, columns)))
-    if rows != 2 * intermediate or not half or whole != (2 * half[0], *half[1:]):
-        return 1
-    return 2
+    whole, half = (qparam_shape(shape, granularity) for shape in ((rows, columns), (down[2], columns)))
+    return rows == 2 * down[2] and bool(half) and whole == (2 * half[0], *half[1:])
 
 
-def _stack_shapes(module: torch.nn.Module, params: dict) -> dict:
+def stack_shapes(module: torch.nn.Module, params: dict) -> dict:
     """``{name: shape}`` of ``params`` as the stacked sites observe them: ``[E, out, in]`` for
     stacks stored otherwise (`stack_layout`)."""
     shapes = {}
@@ -413,7 +416,7 @@ def _refuse_conv_hessian(path: str, module: torch.nn.Module, site: Site) -> None
 
 def _gate_up_halves(spec: QuantSpec, site: str, shapes: dict) -> QuantSpec:
     """A per-tensor spec of fused experts' ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows;
-    ``shapes`` from `_stack_shapes`) made per projection, ``PerBlock((I, H))``: gate and up are two
+    ``shapes`` from `stack_shapes`) made per projection, ``PerBlock((I, H))``: gate and up are two
     matrices, each with its own scale (llm-compressor linearizes them into ``gate_proj`` and
     ``up_proj``; vLLM keeps both scales)."""
     param, down = shapes.get(site), shapes.get("down_proj")
@@ -425,7 +428,7 @@ def _gate_up_halves(spec: QuantSpec, site: str, shapes: dict) -> QuantSpec:
 
 def _refuse_straddling_blocks(path: str, spec: QuantSpec, site: str, shapes: dict) -> None:
     """ValueError for a compressed-tensors block spec on fused experts' ``gate_up_proj`` ``[E, 2I, H]``
-    (``shapes`` from `_stack_shapes`) whose block rows do not divide ``I``: llm-compressor blocks its
+    (``shapes`` from `stack_shapes`) whose block rows do not divide ``I``: llm-compressor blocks its
     linearized ``gate_proj`` and ``up_proj`` apart (each with partial edge blocks), where a block of
     the stack would hold rows of both (the export refused it, after the calibration)."""
     param, down = shapes.get(site), shapes.get("down_proj")
@@ -759,7 +762,7 @@ class Recipe:
         params = own_parameters(module)  # parametrized ones too (inside `qstats.fake_quantized`)
         num_experts = expert_count(module)
         # gate/up halves of stacks read as per-expert Linears only
-        shapes = _stack_shapes(module, params) if num_experts and linearized_layout_problem(module) is None else {}
+        shapes = stack_shapes(module, params) if num_experts and linearized_layout_problem(module) is None else {}
         entry: dict = {}
         for index, rule in enumerate(self.rules):
             for site in _checkpoint_rule(rule, path, module, rename).sites_on(path, module):
