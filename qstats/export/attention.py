@@ -36,7 +36,8 @@ def write_attention(path: str, module, sites: Mapping, specs: Mapping, tensors: 
         args = quantization_args(spec, site, where, site in dynamic)
         _log_compute_dtype(spec, dtype, where, log)  # llm-compressor computes them in the module's dtype
         stored = static_site(qp, spec, args, site, where, dtype, prefix, log)
-        if args["strategy"] == "attn_head":
+        if args["strategy"] == "attn_head":  # its head counts read from the config before compressed-tensors is asked
+            _check_head_counts(module, "attn_head", where)
             stored = stored._replace(qp=_per_head(stored.qp, module, site, where))
         write_qparams(stored, site, dtype, None, tensors, log)
         written[site] = args
@@ -110,12 +111,15 @@ def _is_kv_cache_module(module: torch.nn.Module) -> bool:
     return _forward_takes(module, "past_key_value", "past_key_values")
 
 
-def _check_head_counts(model: Optional[torch.nn.Module]) -> None:
-    """Refuses q/k/v sites of a transformers model whose decoder config does not give compressed-tensors
-    the attention's head counts and size: its ``initialize_attn_qparams`` reads them with
+def _check_head_counts(model: Optional[torch.nn.Module], strategy: str = "tensor",
+                       where: str = "kv_cache_scheme") -> None:
+    """Refuses q/k/v sites of a transformers model (or attention module) whose decoder config does not give
+    compressed-tensors the attention's head counts and size: its ``initialize_attn_qparams`` reads them with
     ``get_num_attn_heads``, ``get_num_kv_heads`` and ``get_head_dim`` from
     ``model.config.get_text_config(decoder=True)`` (``initialize_hooked_kv_cache``) and raises while loading
-    the checkpoint (OPT: no ``num_key_value_heads``), as llm-compressor's ``oneshot`` does calibrating it."""
+    the checkpoint (OPT: no ``num_key_value_heads``), as llm-compressor's ``oneshot`` does calibrating it.
+    The message names the model's class and family (its config's class and ``model_type``) and the
+    sites' ``strategy`` (``tensor``, or ``attn_head``: one scale per head)."""
     config = getattr(model, "config", None)
     if not callable(getattr(config, "get_text_config", None)):  # not a transformers model: no such config read
         return
@@ -130,7 +134,8 @@ def _check_head_counts(model: Optional[torch.nn.Module]) -> None:
             read(text_config)
         except ValueError as error:
             reason = str(error).replace(str(text_config), "").strip()
-            fail("kv_cache_scheme", f"compressed-tensors cannot load the q/k/v scales of this {type(model).__name__}: "
+            fail(where, f"compressed-tensors cannot load the q/k/v scales (strategy {strategy!r}) of this "
+                 f"{type(model).__name__}: "
                  f"its {read.__name__} raises on the model's decoder config ({type(text_config).__name__}, "
                  f"model_type {getattr(text_config, 'model_type', None)!r}): {reason}; drop the q/k/v sites "
                  "(llm-compressor's oneshot fails alike on this model)")
@@ -147,7 +152,7 @@ def attention_config(attention: dict, groups: dict, modules: Mapping, rename, ob
     holds one scheme for all)."""
     if not attention:
         return None
-    _check_head_counts(modules.get(""))
+    _check_head_counts(modules.get(""), next(iter(next(iter(attention.values())).values()))["strategy"])
     uncovered = [path for path, module in modules.items() if path not in attention and _is_kv_cache_module(module)]
     if uncovered:
         fail("kv_cache_scheme", "k/v sites are written as compressed-tensors' kv_cache_scheme, which it "

@@ -30,6 +30,7 @@ from .linear import linear_entry, write_linear
 from .mtp import MTP_IGNORE, SHARD as MTP_SHARD, copy_mtp_tensors
 from .._checkpoint_names import module_renamer, saved_tensors
 from .._warn import warn
+from ._categories import ExportWarning
 
 __all__ = ["compressed_tensors", "Writer", "check_new_folder", "shard_bytes", "write_config", "write_index",
            "write_tensors"]
@@ -72,20 +73,55 @@ def compressed_tensors(model: torch.nn.Module, qparams: Mapping[str, Mapping[str
       TypeError: wrong argument types.
     """
     _check_arguments(model, qparams, format)
-    model = uncompiled(model)  # torch.compile's wrapper would prefix every tensor name with "_orig_mod."
+    model = _bare_model(model, qparams)  # a wrapper would prefix every tensor name ("module.", "_orig_mod.")
     _check_whole_tensors(model)
     max_bytes = shard_bytes(max_shard_size)
     check_new_folder(path, None, "export.compressed_tensors", "path")
     writer = Writer(specs_or_recipe, qparams, model, format, actorder)
     tensors = without_tied_copies(model, writer.part(writer.qparams, model.state_dict()))
     quantization_config = writer.finish()
-    names = _write_shards(path, tensors, max_bytes)
+    names = _write_shards(path, tensors, max_bytes, parameter_count(model, tensors))
     try:
         write_config(path, model, quantization_config, retied=writer.retied)
     except BaseException:  # no checkpoint left without its config (the next export would refuse the folder)
         remove_shards(path, names)
         raise
     return quantization_config
+
+
+def _bare_model(model: torch.nn.Module, qparams: Mapping) -> torch.nn.Module:
+    """The model that ``torch.compile`` (``_orig_mod``), ``DistributedDataParallel`` and ``DataParallel``
+    (``module``) wrap, however nested, as ``save_pretrained`` and ``oneshot`` take it; ValueError where
+    ``qparams`` name modules by the wrapper's paths (a recipe resolved on the wrapper: its targets and
+    ignore entries matched other paths than the bare model's)."""
+    bare = model
+    while True:
+        inner = uncompiled(bare)
+        if isinstance(inner, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            inner = inner.module
+        if inner is bare:
+            break
+        bare = inner
+    if bare is model:
+        return model
+    paths = dict(bare.named_modules())
+    wrapped = [path for path in qparams if path not in paths and path in dict(model.named_modules())]
+    if wrapped:
+        raise ValueError(f"export.compressed_tensors: the model is a {type(model).__name__} wrapping a "
+                         f"{type(bare).__name__}, which the export writes (names without the wrapper's prefix), but "
+                         f"qparams name {len(wrapped)} module(s) by the wrapper's paths ({listed(wrapped, 3)}); "
+                         "calibrate and compute the qparams on the bare model (model.module of "
+                         "DistributedDataParallel, model._orig_mod of torch.compile) and export that")
+    return bare
+
+
+def parameter_count(model: torch.nn.Module, tensors: Mapping) -> int:
+    """The elements of the checkpoint's ``tensors`` that are parameters (transformers'
+    ``num_parameters`` of the model loaded from it, which ``save_pretrained`` writes into the index as
+    ``total_parameters``): every tensor but the model's persistent buffers, written as they are."""
+    buffers = {id(buffer) for _, buffer in model.named_buffers(remove_duplicate=False)}
+    buffer_elements = sum(tensor.numel() for tensor in model.state_dict(keep_vars=True).values() if id(tensor) in buffers)
+    return sum(tensor.numel() for tensor in tensors.values()) - buffer_elements
 
 
 def _check_whole_tensors(model: torch.nn.Module) -> None:
@@ -121,12 +157,13 @@ def shard_names(count: int, single: bool = True) -> list:
     return [f"model-{number:05d}-of-{count:05d}.safetensors" for number in range(1, count + 1)]
 
 
-def write_shard_index(path: str, names: list, shards: list) -> None:
+def write_shard_index(path: str, names: list, shards: list, parameters: Optional[int] = None) -> None:
     """The index of ``shards`` (``{tensor name: bytes}`` each) written as files ``names``, with their
-    ``total_size``; none for one file."""
+    ``total_size`` and (given) ``total_parameters``, as transformers 5's ``save_pretrained`` writes
+    them; none for one file."""
     if len(names) > 1:
         weight_map = {tensor: name for name, shard in zip(names, shards) for tensor in shard}
-        write_index(path, weight_map, sum(sum(shard.values()) for shard in shards))
+        write_index(path, weight_map, sum(sum(shard.values()) for shard in shards), parameters)
 
 
 def remove_shards(path: str, filenames: list) -> None:
@@ -191,10 +228,10 @@ class ShardSplitter:
         return self.close() if self.open or not self.shards else None
 
 
-def _write_shards(path: str, tensors: dict, max_bytes: Optional[int]) -> list:
+def _write_shards(path: str, tensors: dict, max_bytes: Optional[int], parameters: Optional[int] = None) -> list:
     """``path/model.safetensors``, or (``max_bytes`` given and exceeded) numbered shards and their
-    index, as ``save_pretrained`` names them (split in order by a `ShardSplitter`); the names of the
-    shards written. Shards of a failed write are removed."""
+    index (with ``parameters`` as its ``total_parameters``), as ``save_pretrained`` names them (split
+    in order by a `ShardSplitter`); the names of the shards written. Shards of a failed write are removed."""
     splitter = ShardSplitter(max_bytes)
     for name, tensor in tensors.items():
         splitter.add(name, tensor_bytes(tensor))
@@ -204,7 +241,7 @@ def _write_shards(path: str, tensors: dict, max_bytes: Optional[int]) -> list:
     try:
         for filename, shard in zip(names, shards):
             write_tensors(path, {name: tensors[name] for name in shard}, filename)
-        write_shard_index(path, names, shards)
+        write_shard_index(path, names, shards, parameters)
     except BaseException:  # no partial checkpoint
         remove_shards(path, names)
         raise
@@ -267,7 +304,7 @@ class Writer:
         if _quantizes_nothing(config):
             warn("export.compressed_tensors: no module is quantized (no config group and no kv-cache scheme; "
                  "e.g. a recipe on 'Linear' of a model of Conv1D layers, such as GPT-2); config.json gets no "
-                 "quantization_config, as llm-compressor writes none: the checkpoint is the float model")
+                 "quantization_config, as llm-compressor writes none: the checkpoint is the float model", ExportWarning)
         return config
 
 
@@ -375,7 +412,7 @@ def _quantization_config(schemes: dict, expert_projection: dict, attention: dict
             "version": COMPRESSED_TENSORS_VERSION}
 
 
-def _warn_named(names: list, limit: int, message: str, category: type = UserWarning) -> None:
+def _warn_named(names: list, limit: int, message: str, category: type = ExportWarning) -> None:
     """Warns ``message`` when ``names`` is not empty, its ``{count}`` how many they are and its
     ``{names}`` the first ``limit`` (`listed`)."""
     if names:
@@ -414,7 +451,7 @@ def _warn_log(log: dict) -> None:
         warn(f"export.compressed_tensors: the q/k scales of {len(log['rotary'])} attention module(s) "
              f"({', '.join(log['rotary'][:4])}) were observed on the projection outputs, before the rotary "
              "embedding (and any q/k norm) the attention applies; compressed-tensors and vLLM quantize the "
-             "rotated queries and keys, whose range can be wider")
+             "rotated queries and keys, whose range can be wider", ExportWarning)
 
 
 def _warn_missing_qparams(quantized: Any, qparams: Mapping) -> None:
@@ -449,7 +486,7 @@ def _warn_unshared_global_scales(groups, qparams: Mapping, specs: Any) -> None:
         warn(f"export.compressed_tensors: {len(unshared)} fused group(s) hold NVFP4 weights under different "
              f"global scales ({', '.join(unshared[:4])}); vLLM runs each group as one matmul with one global "
              "scale, which misreads the others' weights. qstats.compute_qparams_tree shares them (fuse=True, "
-             "its default); qstats.fused_qparams does it for a group")
+             "its default); qstats.fused_qparams does it for a group", ExportWarning)
 
 
 def without_tied_copies(model: torch.nn.Module, tensors: dict) -> dict:
@@ -533,9 +570,12 @@ def write_tensors(path: str, tensors: dict, filename: str) -> None:
     save_file(owned, os.path.join(path, filename), metadata={"format": "pt"})
 
 
-def write_index(path: str, weight_map: dict, size: Optional[int] = None) -> None:
-    """``path/model.safetensors.index.json``: which shard holds each tensor (and their bytes, when given)."""
+def write_index(path: str, weight_map: dict, size: Optional[int] = None, parameters: Optional[int] = None) -> None:
+    """``path/model.safetensors.index.json``: which shard holds each tensor (and their bytes and parameter
+    elements, when given)."""
     metadata = {} if size is None else {"total_size": size}
+    if parameters is not None:
+        metadata = {"total_parameters": parameters, **metadata}
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as file:
         json.dump({"metadata": metadata, "weight_map": weight_map}, file, indent=2, sort_keys=True)
 
@@ -624,7 +664,7 @@ def write_generation_config(path: str, model: torch.nn.Module) -> None:
         reasons = [line.strip() for line in str(error).splitlines() if line.strip().startswith("- ")]
         warn(f"export.compressed_tensors: generation_config.json was not written: transformers refuses to save the "
              f"model's generation config ({' '.join(reasons) or error}); fix model.generation_config and save it "
-             "with model.generation_config.save_pretrained(path)")
+             "with model.generation_config.save_pretrained(path)", ExportWarning)
 
 
 def _tied_config(model_config: Any) -> Any:

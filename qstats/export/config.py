@@ -21,6 +21,7 @@ from .._spec import QuantSpec
 from ..experts import linearized_experts
 from ..observers import registry
 from .._warn import warn
+from ._categories import ExportWarning
 
 __all__ = ["ATTENTION_SITES", "COMPRESSED_TENSORS_VERSION", "ignored_modules", "listed", "module_targets",
            "llm_compressor_observer", "llm_compressor_observers", "FORMATS", "agreed_observer",
@@ -424,4 +425,4 @@ def _warn_packed_embeddings(groups: dict, modules: dict) -> None:
                else "leave them out of the recipe (ignore=), or quantize them to int or fp8 weights")
     warn(f"export.compressed_tensors: the Embedding module(s) {[path for path, _ in packed]} are written "
          f"{sorted({fmt for _, fmt in packed})}, as llm-compressor writes them, but transformers cannot load a packed "
-         f"Embedding ('Embedding' object has no attribute 'weight'); {instead}", UserWarning)
+         f"Embedding ('Embedding' object has no attribute 'weight'); {instead}", ExportWarning)

@@ -22,6 +22,7 @@ from .config import fail
 from .linear import Entry
 from .scales import check_qparams, scale_dtype
 from .._warn import warn
+from ._categories import ExportWarning, UnloadedExpertsWarning
 
 __all__ = ["expert_entries", "unpack_loaded_per_expert", "warn_mixed_experts", "warn_unloaded_experts"]
 
@@ -234,7 +235,7 @@ def warn_mixed_experts(schemes: dict, expert_projection: dict) -> None:
              f"({', '.join(mixed[:4])}) have different schemes (e.g. static input scales for "
              "gate_proj/up_proj but no 'down_proj.input' site, or down_proj left unquantized); "
              "compressed-tensors and transformers load this, vLLM's fused-MoE loader requires one scheme per "
-             "experts module")
+             "experts module", ExportWarning)
 
 
 def warn_unloaded_experts(model: torch.nn.Module, expert_projection: Mapping, rename) -> None:
@@ -270,7 +271,7 @@ def warn_unloaded_experts(model: torch.nn.Module, expert_projection: Mapping, re
              f"unpacked expert projections of this {type(model).__name__} back (e.g. {missing[0]}): its "
              f"weight conversion for model_type {model.config.model_type!r} merges no such per-expert name "
              "into the 3-D experts, so from_pretrained reports them MISSING and leaves those experts randomly "
-             "initialised; load the checkpoint with vLLM or compressed-tensors (docs/export.md)")
+             "initialised; load the checkpoint with vLLM or compressed-tensors (docs/export.md)", UnloadedExpertsWarning)
 
 
 def unpack_loaded_per_expert(model: torch.nn.Module, state: Mapping, tensors: dict, dropped: set) -> None:

@@ -14,6 +14,7 @@ import os
 from typing import Any, Optional
 
 from .._warn import warn
+from ._categories import ExportWarning
 
 __all__ = ["copy_mtp_tensors", "MTP_IGNORE"]
 
@@ -59,7 +60,7 @@ def copy_mtp_tensors(source: Optional[str], path: str, model_config: Any) -> boo
     if source is None:
         warn(f"export: the model's config declares MTP layers but the folder it was read from (_name_or_path "
              f"{getattr(model_config, '_name_or_path', '')!r}) is not found (a folder with a config.json, or a Hub "
-             f"model in the local cache); the checkpoint has no '{PREFIX}.*' tensors", UserWarning)
+             f"model in the local cache); the checkpoint has no '{PREFIX}.*' tensors", ExportWarning)
         return False
     if os.path.abspath(source) == os.path.abspath(path):
         return False
@@ -69,7 +70,7 @@ def copy_mtp_tensors(source: Optional[str], path: str, model_config: Any) -> boo
     found = {name: file for name, file in _weight_map(source).items() if name.startswith(PREFIX)}
     if not found:
         warn(f"export: the model's config declares MTP layers but {source!r} holds no '{PREFIX}.*' tensors; "
-             "the checkpoint has none (as llm-compressor's save)", UserWarning)
+             "the checkpoint has none (as llm-compressor's save)", ExportWarning)
         return False
     tensors = {}
     for name, file in sorted(found.items()):

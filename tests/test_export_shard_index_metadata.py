@@ -1,0 +1,70 @@
+"""The shard index (``model.safetensors.index.json``) of a sharded export holds the ``metadata`` that
+transformers 5's ``save_pretrained`` writes into it (``total_parameters``: its ``num_parameters`` of the
+model saved; ``total_size``: the tensors' bytes), compared with llm-compressor's ``oneshot`` save of the
+same model and scheme (whose compressed model's parameters are the checkpoint's tensors, packed int4
+codes counted as the int32 elements written) and with ``save_pretrained`` of the float model."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import qstats
+from _shared import llm_compressor_oneshot
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("llmcompressor")
+
+SHARD = "40KB"
+
+
+def _index(folder) -> dict:
+    with open(os.path.join(folder, "model.safetensors.index.json")) as file:
+        return json.load(file)
+
+
+def _saved(folder) -> str:
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
+    return str(folder)
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W8A8"])
+def test_the_index_metadata_is_oneshots_save(tmp_path, scheme, single_thread_quiet):
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    source = _saved(tmp_path / "source")
+    samples = [torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    llm_compressor_oneshot(reference, samples, QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"]))
+    reference.save_pretrained(str(tmp_path / "oneshot"), save_compressed=True, max_shard_size=SHARD)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    recipe = qstats.Recipe.from_scheme(scheme, ignore=["lm_head"], observed_dtype=torch.float32)
+    batches = [{"input_ids": sample[None]} for sample in samples]
+    qparams = qstats.compute_qparams_tree(qstats.calibrate(model, batches, recipe, progress=False), recipe, model)
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path / "ours"), recipe, max_shard_size=SHARD)
+
+    ours, theirs = _index(tmp_path / "ours"), _index(tmp_path / "oneshot")
+    assert len(set(theirs["weight_map"].values())) > 1  # sharded
+    assert ours["metadata"] == theirs["metadata"]
+    assert set(theirs["metadata"]) == {"total_parameters", "total_size"}
+
+
+def test_the_index_metadata_of_a_float_export_is_save_pretrained(tmp_path):
+    """A recipe that quantizes nothing writes the float model: its index is ``save_pretrained``'s."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(_saved(tmp_path / "source")).eval()
+    model.save_pretrained(str(tmp_path / "saved"), max_shard_size=SHARD)
+    recipe = qstats.Recipe.from_scheme("W8A8", targets=["Conv1d"])  # no such module
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qstats.export.compressed_tensors(model, {}, str(tmp_path / "ours"), recipe, max_shard_size=SHARD)
+    ours, theirs = _index(tmp_path / "ours"), _index(tmp_path / "saved")
+    assert ours["metadata"] == theirs["metadata"] and ours["metadata"]["total_parameters"] == model.num_parameters()
+    assert ours["weight_map"].keys() == theirs["weight_map"].keys()
