@@ -61,7 +61,7 @@ class LazyCheckpoint:
             self._check_shards()
         else:
             raise ValueError(f"{where}: {self.directory!r} holds neither model.safetensors nor "
-                             "model.safetensors.index.json")
+                             f"model.safetensors.index.json{_other_formats(self.directory)}")
 
     def _open(self, filename: str):
         """``safe_open`` of one of the checkpoint's files; a missing or unreadable file is a ValueError naming it."""
@@ -119,6 +119,20 @@ class LazyCheckpoint:
                                  f"{[tuple(part.shape) for part in parts]}, unlike expert 0's")
             stacked[expert] = torch.cat(parts)
         return stacked
+
+
+def _other_formats(directory: str) -> str:
+    """What a checkpoint folder without safetensors' files holds instead, for the error: pytorch
+    ``.bin`` weights (which ``torch.load`` unpickles whole) or safetensors shards without their index."""
+    names = sorted(os.listdir(directory))
+    pickled = [name for name in names if name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json"))]
+    if pickled:
+        return (f", but {', '.join(pickled[:2])}: pytorch .bin weights are not read here; save the model as safetensors "
+                "(from_pretrained, then save_pretrained)")
+    shards = [name for name in names if name.endswith(".safetensors")]
+    if shards:
+        return f", but {', '.join(shards[:2])}: safetensors files without model.safetensors.index.json naming their tensors"
+    return ""
 
 
 class Overlay:
@@ -347,8 +361,9 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
     only, without ``recurse``) on ``device`` (default the CPU), read from ``checkpoint`` (floating-point
     tensors cast to the meta tensor's dtype); a tensor tied under several names is read once and
     stays tied. Returns ``[(owner, kind, name, meta tensor)]``
-    for `release_modules`. A meta buffer the checkpoint lacks (rotary frequencies) is recomputed by
-    the model's ``_init_weights`` (transformers models); anything else missing is a ValueError,
+    for `release_modules`. A meta buffer the checkpoint lacks, or a non-persistent one (rotary
+    frequencies, `_recomputed`), is recomputed by the model's ``_init_weights`` (transformers models),
+    as ``from_pretrained`` computes it; anything else missing is a ValueError,
     after the tensors loaded before it are put back on meta."""
     stored = _checkpoint_names(model)
     aliases = _aliases(model, stored)
@@ -367,7 +382,8 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
                         full = f"{owner_path}.{name}" if owner_path else name
                         key, names = _read_as(checkpoint, aliases.get(id(value), [full]), value, full, stored)
                         tied = loaded_by_id.get(key)  # read already under another name
-                        loaded = tied if tied is not None else _read(checkpoint, names, value)
+                        recomputed = _recomputed(model, owner, kind, name)
+                        loaded = tied if tied is not None or recomputed else _read(checkpoint, names, value)
                         empty = loaded is None and kind == "_buffers" and hasattr(model, "_init_weights")
                         if empty:
                             loaded, recompute = torch.empty_like(value, device=device or "cpu"), True
@@ -391,6 +407,13 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
         release_modules(saved)
         raise
     return saved
+
+
+def _recomputed(model: torch.nn.Module, owner: torch.nn.Module, kind: str, name: str) -> bool:
+    """Whether the tensor ``name`` of ``owner`` is computed, never read from the checkpoint: a
+    non-persistent buffer of a transformers model (rotary ``inv_freq``), which is no part of its state
+    dict, so ``from_pretrained`` leaves a checkpoint's copy (an old save, in bfloat16) unread."""
+    return kind == "_buffers" and name in owner._non_persistent_buffers_set and hasattr(model, "_init_weights")
 
 
 def _recompute_buffers(model: torch.nn.Module, owner_path: str) -> None:

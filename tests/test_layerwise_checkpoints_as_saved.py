@@ -1,0 +1,88 @@
+"""`calibrate_layerwise` on checkpoints as users have them: copies of non-persistent buffers an older
+``save_pretrained`` wrote (rotary ``inv_freq``, GPT-Neo's causal mask) are not read, as
+``from_pretrained`` leaves them unread, so the states equal a full-model `calibrate` of the loaded
+model; a folder of pytorch ``.bin`` weights, or shards without their index, is refused naming them."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import qstats
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+W8 = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+A8 = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
+RECIPE = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=A8), qstats.Rule("Linear", sites=("weight",), spec=W8)])
+
+
+def _llama():
+    return transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def _gpt_neo():
+    return transformers.GPTNeoConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16,
+                                     attention_types=[[["global", "local"], 1]], window_size=4)
+
+
+def _old_buffers(model) -> dict:
+    """The non-persistent buffers an older transformers saved: ``inv_freq`` in bfloat16 of another
+    base (a config edited since), causal masks as uint8."""
+    saved = {}
+    for name, value in model.named_buffers():
+        if name.endswith("inv_freq"):
+            saved[name] = (value * 1.5).to(torch.bfloat16)
+        elif name.endswith("attention.bias"):
+            saved[name] = torch.ones_like(value, dtype=torch.uint8)  # no causal mask at all
+    assert saved and not set(saved) & set(model.state_dict())  # non-persistent, as transformers 5 declares them
+    return saved
+
+
+@pytest.mark.parametrize("config", [_llama, _gpt_neo])
+def test_non_persistent_buffers_in_the_checkpoint_are_computed_as_from_pretrained_does(tmp_path, config):
+    config = config()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    file = os.path.join(tmp_path, "model.safetensors")
+    save_file({**load_file(file), **_old_buffers(model)}, file, metadata={"format": "pt"})
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(0, 96, (2, 8), generator=generator)} for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        states = qstats.calibrate_layerwise(meta, tmp_path, batches, RECIPE, progress=False)
+    full = qstats.calibrate(loaded, batches, RECIPE, progress=False)
+    assert set(states) == set(full)
+    for path in full:
+        for site in full[path]:
+            assert all(torch.equal(a, b) for a, b in zip(full[path][site], states[path][site])), (path, site)
+
+
+def test_pytorch_bin_weights_or_shards_without_their_index_are_refused_naming_them(tmp_path):
+    config = _llama()
+    state = transformers.AutoModelForCausalLM.from_config(config).state_dict()
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+    batches = [{"input_ids": torch.zeros(1, 4, dtype=torch.long)}]
+    pickled = tmp_path / "bin"
+    pickled.mkdir()
+    torch.save(state, pickled / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin: pytorch \.bin weights are not read"):
+        qstats.calibrate_layerwise(meta, pickled, batches, RECIPE, progress=False)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    save_file({key: value.contiguous() for key, value in state.items()}, shards / "model-00001-of-00001.safetensors")
+    with pytest.raises(ValueError, match=r"model-00001-of-00001\.safetensors: safetensors files without "):
+        qstats.export.compressed_tensors_layerwise(meta, shards, {}, str(tmp_path / "out"), RECIPE, progress=False)
