@@ -54,7 +54,7 @@ class LazyCheckpoint:
         elif os.path.exists(index):
             try:
                 with open(index) as file:
-                    self.files = dict(json.load(file)["weight_map"])
+                    self.files = _weight_map(json.load(file))
             except (ValueError, KeyError, TypeError) as error:  # not JSON, or no {name: file} weight_map
                 raise ValueError(f"{where}: {index!r} is not a safetensors index with a weight_map: "
                                  f"{type(error).__name__}: {error}") from None
@@ -81,7 +81,12 @@ class LazyCheckpoint:
         for key, filename in self.files.items():
             by_file.setdefault(filename, []).append(key)
         for filename, keys in by_file.items():
-            with self._open(filename) as file:
+            try:
+                file = self._open(filename)
+            except ValueError as error:  # which tensors the index puts there: the download that failed
+                more = " ..." if len(keys) > 3 else ""
+                raise ValueError(f"{error} (the index puts {len(keys)} tensor(s) there: {', '.join(keys[:3])}{more})") from None
+            with file:
                 held = set(file.keys())
             absent = [key for key in keys if key not in held]
             if absent:
@@ -119,6 +124,17 @@ class LazyCheckpoint:
                                  f"{[tuple(part.shape) for part in parts]}, unlike expert 0's")
             stacked[expert] = torch.cat(parts)
         return stacked
+
+
+def _weight_map(index) -> dict:
+    """The ``{tensor name: file name}`` ``weight_map`` of a parsed safetensors index (TypeError or KeyError otherwise)."""
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise TypeError(f"its weight_map is a {type(weight_map).__name__}, not a {{tensor name: file name}} object")
+    odd = next((key for key, name in weight_map.items() if not isinstance(name, str) or not name), None)
+    if odd is not None:
+        raise TypeError(f"its weight_map puts {odd!r} in {weight_map[odd]!r}, not a file name")
+    return dict(weight_map)
 
 
 def _other_formats(directory: str) -> str:

@@ -5,7 +5,9 @@ model; a folder of pytorch ``.bin`` weights, or shards without their index, is r
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import warnings
 
 import pytest
@@ -86,3 +88,44 @@ def test_pytorch_bin_weights_or_shards_without_their_index_are_refused_naming_th
     save_file({key: value.contiguous() for key, value in state.items()}, shards / "model-00001-of-00001.safetensors")
     with pytest.raises(ValueError, match=r"model-00001-of-00001\.safetensors: safetensors files without "):
         qstats.export.compressed_tensors_layerwise(meta, shards, {}, str(tmp_path / "out"), RECIPE, progress=False)
+
+
+def _sharded(folder):
+    config = _llama()
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="10KB")
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("weight_map, message", [
+    ({"lm_head.weight": 3}, r"puts 'lm_head.weight' in 3, not a file name"),
+    ({"lm_head.weight": None}, r"puts 'lm_head.weight' in None, not a file name"),
+    ([["lm_head.weight", "model.safetensors"]], r"weight_map is a list"),
+])
+def test_an_index_whose_weight_map_is_no_map_of_file_names_is_refused_naming_it(tmp_path, weight_map, message):
+    meta = _sharded(tmp_path)
+    index = tmp_path / "model.safetensors.index.json"
+    with open(index, "w") as file:
+        json.dump({"weight_map": weight_map}, file)
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json' is not a safetensors index .*" + message):
+        qstats.calibrate_layerwise(meta, tmp_path, [{"input_ids": torch.zeros(1, 4, dtype=torch.long)}], RECIPE,
+                                   progress=False)
+
+
+@pytest.mark.parametrize("how", ["missing", "truncated"])
+def test_a_missing_or_broken_shard_is_named_with_the_tensors_the_index_puts_there(tmp_path, how):
+    meta = _sharded(tmp_path)
+    with open(tmp_path / "model.safetensors.index.json") as file:
+        weight_map = json.load(file)["weight_map"]
+    shard = weight_map["lm_head.weight"]
+    held = [key for key, name in weight_map.items() if name == shard]
+    if how == "missing":
+        os.remove(tmp_path / shard)
+    else:
+        with open(tmp_path / shard, "r+b") as file:
+            file.truncate(100)
+    with pytest.raises(ValueError, match=re.escape(shard) + rf".*the index puts {len(held)} tensor\(s\) there: "
+                       + re.escape(held[0])):
+        qstats.calibrate_layerwise(meta, tmp_path, [{"input_ids": torch.zeros(1, 4, dtype=torch.long)}], RECIPE,
+                                   progress=False)
