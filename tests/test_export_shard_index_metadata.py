@@ -68,3 +68,42 @@ def test_the_index_metadata_of_a_float_export_is_save_pretrained(tmp_path):
     ours, theirs = _index(tmp_path / "ours"), _index(tmp_path / "saved")
     assert ours["metadata"] == theirs["metadata"] and ours["metadata"]["total_parameters"] == model.num_parameters()
     assert ours["weight_map"].keys() == theirs["weight_map"].keys()
+
+
+class _Shared(torch.nn.Module):
+    """A module under two paths (``self.b = self.a``: written under both, one parameter set) and a
+    BatchNorm's persistent buffers (written, no parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(32, 32)
+        self.b = self.a
+        self.norm = torch.nn.BatchNorm1d(32)
+        self.c = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.c(self.norm(self.b(self.a(x))))
+
+
+def test_total_parameters_is_the_compressed_models_parameter_count(tmp_path):
+    """The reference: compressed-tensors' ``compress_model`` of the model with our scales, whose
+    parameters (each once, as ``num_parameters`` counts them) are what ``oneshot``'s save counts."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, apply_quantization_config
+
+    torch.manual_seed(0)
+    model = _Shared().eval()
+    spec = qstats.QuantSpec.from_compressed_tensors(
+        QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=16))
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=spec)])
+    qparams = qstats.compute_qparams_tree(qstats.calibrate(model, [], recipe, progress=False), recipe, model)
+    written = qstats.export.compressed_tensors(model, qparams, str(tmp_path), recipe, max_shard_size=600)
+    reference = _Shared().eval()
+    reference.load_state_dict(model.state_dict())
+    config = QuantizationConfig.model_validate(written)
+    apply_quantization_config(reference, config)
+    ModelCompressor(quantization_config=config).compress_model(reference)
+    index = _index(tmp_path)
+    assert len(set(index["weight_map"].values())) > 1
+    assert sorted(index["weight_map"]) == sorted(reference.state_dict())
+    assert index["metadata"]["total_parameters"] == sum(p.numel() for p in reference.parameters())

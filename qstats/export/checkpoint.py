@@ -116,12 +116,23 @@ def _bare_model(model: torch.nn.Module, qparams: Mapping) -> torch.nn.Module:
 
 
 def parameter_count(model: torch.nn.Module, tensors: Mapping) -> int:
-    """The elements of the checkpoint's ``tensors`` that are parameters (transformers'
-    ``num_parameters`` of the model loaded from it, which ``save_pretrained`` writes into the index as
-    ``total_parameters``): every tensor but the model's persistent buffers, written as they are."""
+    """The elements of the checkpoint's ``tensors`` that are parameters of the compressed model, counted
+    once (transformers' ``num_parameters``, which ``save_pretrained`` writes into the index as
+    ``total_parameters``; compressed-tensors' ``compress_model`` makes every quantized tensor a
+    parameter): every tensor but the model's persistent buffers (written as they are) and the copies
+    written under the later paths of a module the model holds under several (`shared_module_copies`)."""
     buffers = {id(buffer) for _, buffer in model.named_buffers(remove_duplicate=False)}
-    buffer_elements = sum(tensor.numel() for tensor in model.state_dict(keep_vars=True).values() if id(tensor) in buffers)
-    return sum(tensor.numel() for tensor in tensors.values()) - buffer_elements
+    state = model.state_dict(keep_vars=True)
+    elements = sum(tensor.numel() for tensor in tensors.values())
+    elements -= sum(tensor.numel() for tensor in state.values() if id(tensor) in buffers)
+    first: dict = {}
+    rename = module_renamer(model)
+    for path, module in model.named_modules(remove_duplicate=False):
+        if first.setdefault(id(module), path) != path:
+            copies = _own_tensors(tensors, rename(path))
+            own_buffers = {name for name, _ in module.named_buffers(recurse=False)}
+            elements -= sum(tensor.numel() for name, tensor in copies.items() if name not in own_buffers)
+    return elements
 
 
 def _check_whole_tensors(model: torch.nn.Module) -> None:
