@@ -403,6 +403,7 @@ def _check_passed_on(run: "_Run", container, container_path: str, batch, where: 
             run_model(run.model, batch)
     except _Stop as stopped:
         received = [*stopped.layer_args, *stopped.layer_kwargs.values()]
+        _check_hidden_states(outputs, stopped.layer_args, stopped.layer_kwargs, container_path, where)
     except Exception:  # noqa: BLE001 - the capture and the layer's own run report the model's errors
         pass
     output, given = outputs[0] if outputs else (None, [])
@@ -417,6 +418,33 @@ def _check_passed_on(run: "_Run", container, container_path: str, batch, where: 
             "with qstats.calibrate"
         )
     return output
+
+
+def _check_hidden_states(outputs: list, args: tuple, kwargs: dict, container_path: str, where: str) -> None:
+    """Refuses a forward that passes the second layer other hidden states than the first layer
+    returned (DeBERTa-v2's convolution after its first layer), or those in another argument too
+    (Funnel's decoder layers take them as query, key and value): layer by layer, each layer's output
+    goes to the next as it is, as its hidden states alone."""
+    if len(outputs) != 1:  # the first layer called several times: `_check_call_order` names it
+        return
+    output = outputs[0][0]
+    hidden = output[0] if isinstance(output, (tuple, list)) and output else output
+    passed = args[0] if args else kwargs.get("hidden_states")
+    others = [*args[1:], *(value for key, value in kwargs.items() if args or key != "hidden_states")]
+    if isinstance(hidden, torch.Tensor) and any(value is hidden for value in others):
+        raise ValueError(
+            f"{where}: the model's forward passes {container_path}.1 the hidden states {container_path}.0 returns in "
+            "another argument too (as Funnel's decoder its query, key and value); layer-by-layer calibration passes "
+            "them as the hidden states alone: calibrate the loaded model with qstats.calibrate"
+        )
+    if not isinstance(hidden, torch.Tensor) or not isinstance(passed, torch.Tensor) or passed is hidden:
+        return
+    if passed.shape != hidden.shape or passed.dtype != hidden.dtype or not torch.equal(passed, hidden):
+        raise ValueError(
+            f"{where}: the model's forward changes the hidden states {container_path}.0 returns before passing them "
+            f"to {container_path}.1 (as DeBERTa-v2's convolution after its first layer); layer-by-layer calibration "
+            "passes each layer's output to the next as it is: calibrate the loaded model with qstats.calibrate"
+        )
 
 
 def _own_arguments(calls: list) -> tuple:

@@ -129,3 +129,42 @@ def test_a_missing_or_broken_shard_is_named_with_the_tensors_the_index_puts_ther
                        + re.escape(held[0])):
         qstats.calibrate_layerwise(meta, tmp_path, [{"input_ids": torch.zeros(1, 4, dtype=torch.long)}], RECIPE,
                                    progress=False)
+
+
+def _deberta_v2():  # DebertaV2Encoder: `output_states = self.conv(hidden_states, output_states, input_mask)` after layer 0
+    return transformers.DebertaV2Model, transformers.DebertaV2Config(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=40, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"],
+        conv_kernel_size=3, norm_rel_ebd="layer_norm")  # fmt: skip
+
+
+def _funnel():  # FunnelDecoder: `layer(hidden, hidden, hidden, attention_inputs)`, query, key and value
+    return transformers.FunnelModel, transformers.FunnelConfig(vocab_size=96, d_model=32, n_head=4, d_head=8, d_inner=48,
+                                                               block_sizes=[1, 1])
+
+
+@pytest.mark.parametrize("family, message", [
+    (_deberta_v2, r"changes the hidden states encoder\.layer\.0 returns before passing them to encoder\.layer\.1"),
+    (_funnel, r"passes decoder\.layers\.1 the hidden states decoder\.layers\.0 returns in another argument too"),
+])
+def test_a_forward_that_changes_or_repeats_the_hidden_states_between_layers_is_refused(tmp_path, family, message):
+    cls, config = family()
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = cls.from_pretrained(tmp_path).eval()
+    generator = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(3, 90, (2, 8), generator=generator)} for _ in range(2)]
+    full = qstats.calibrate(loaded, batches, RECIPE, progress=False)
+    with torch.device("meta"):
+        meta = cls(config).eval()
+    try:  # what it gave before: other states from the second layer on, in silence
+        states = qstats.calibrate_layerwise(meta, tmp_path, batches, RECIPE, progress=False)
+    except ValueError as error:
+        assert re.search(message, str(error)), error
+    else:
+        assert set(states) == set(full)
+        differ = [(path, site) for path in full for site in full[path]
+                  if not all(torch.equal(a, b) for a, b in zip(full[path][site], states[path][site]))]
+        pytest.fail(f"calibrated, not refused; differing from the full model at {differ[:3]}")
