@@ -9,11 +9,11 @@ plain ``nn.Module``s) keep their in-memory names.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["legacy_renamer", "saved_tensors", "module_renamer"]
+__all__ = ["legacy_renamer", "load_transposes", "saved_tensors", "module_renamer"]
 
 
 def _save_transforms(model: torch.nn.Module) -> list:
@@ -78,3 +78,23 @@ def legacy_renamer(model: torch.nn.Module) -> Callable[[str], str]:
     if not isinstance(model, PreTrainedModel):
         return lambda name: name
     return _renamer(get_checkpoint_conversion_mapping("legacy") or ())
+
+
+def load_transposes(model: torch.nn.Module) -> Callable[[str], Optional[tuple]]:
+    """``name -> (dim0, dim1)`` of the transpose ``from_pretrained`` applies to the stored tensor
+    ``name`` where its shape is not the model's (transformers' ``Transpose(check_dims=True)``:
+    Qwen3-VL-MoE's stacked experts, stored ``[experts, in, out]`` in its released checkpoints), None
+    where it applies none. Patterns with wildcards are not matched (none of these converters has one)."""
+    try:
+        from transformers.core_model_loading import Transpose, WeightConverter
+    except ImportError:
+        return lambda name: None
+    found = [(pattern, converter.operations[0]) for converter in _save_transforms(model)
+             if isinstance(converter, WeightConverter) and len(converter.operations) == 1
+             and isinstance(converter.operations[0], Transpose) and converter.operations[0].check_dims
+             for pattern in converter.target_patterns if "*" not in pattern]  # fmt: skip
+
+    def dims(name: str) -> Optional[tuple]:
+        return next(((op.dim0, op.dim1) for pattern, op in found if name.endswith(pattern)), None)
+
+    return dims

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 from safetensors import safe_open
 
-from ._checkpoint_names import legacy_renamer, module_renamer
+from ._checkpoint_names import legacy_renamer, load_transposes, module_renamer
 from ._warn import warn
 
 __all__ = ["LazyCheckpoint", "Overlay", "check_covers", "load_modules", "release_modules"]
@@ -297,9 +297,11 @@ def _experts_missing(checkpoint: LazyCheckpoint, key: str, count: int) -> Option
     return next((name for names in experts for name in names if name not in checkpoint), "")
 
 
-def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor) -> Optional[torch.Tensor]:
+def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor,
+          transposes: Callable[[str], Optional[tuple]] = lambda name: None) -> Optional[torch.Tensor]:
     """The checkpoint's value of a tensor known under ``names`` (tied tensors have several; an
-    `Overlay`'s own names first)."""
+    `Overlay`'s own names first), transposed where ``from_pretrained`` transposes it (``transposes``,
+    `_checkpoint_names.load_transposes`: only where its shape is not the model's)."""
     if isinstance(checkpoint, Overlay):
         names = sorted(names, key=lambda name: name not in checkpoint.weights)
     for name in names:
@@ -309,6 +311,9 @@ def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor) -> Option
             value = checkpoint.stacked_experts(name) if like.ndim == 3 else None
             if value is None:
                 continue
+        dims = transposes(name) if tuple(value.shape) != tuple(like.shape) else None
+        if dims is not None and tuple(value.transpose(*dims).shape) == tuple(like.shape):
+            value = value.transpose(*dims).contiguous()
         if tuple(value.shape) != tuple(like.shape):
             raise ValueError(
                 f"{checkpoint.where}: checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
@@ -383,6 +388,7 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
     after the tensors loaded before it are put back on meta."""
     stored = _checkpoint_names(model)
     aliases = _aliases(model, stored)
+    transposes = load_transposes(model)
     loaded_by_id: dict = {}
     saved: list = []
     try:
@@ -399,7 +405,7 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
                         key, names = _read_as(checkpoint, aliases.get(id(value), [full]), value, full, stored)
                         tied = loaded_by_id.get(key)  # read already under another name
                         recomputed = _recomputed(model, owner, kind, name)
-                        loaded = tied if tied is not None or recomputed else _read(checkpoint, names, value)
+                        loaded = tied if tied is not None or recomputed else _read(checkpoint, names, value, transposes)
                         empty = loaded is None and kind == "_buffers" and hasattr(model, "_init_weights")
                         if empty:
                             loaded, recompute = torch.empty_like(value, device=device or "cpu"), True

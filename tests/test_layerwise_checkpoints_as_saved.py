@@ -168,3 +168,60 @@ def test_a_forward_that_changes_or_repeats_the_hidden_states_between_layers_is_r
         differ = [(path, site) for path in full for site in full[path]
                   if not all(torch.equal(a, b) for a, b in zip(full[path][site], states[path][site]))]
         pytest.fail(f"calibrated, not refused; differing from the full model at {differ[:3]}")
+
+
+def _qwen3_vl_moe():
+    text = dict(vocab_size=160, hidden_size=32, intermediate_size=48, moe_intermediate_size=8, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                max_position_embeddings=64)  # fmt: skip
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2, spatial_merge_size=1,
+                  temporal_patch_size=1, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=150,
+                                         video_token_id=151, vision_start_token_id=152)  # fmt: skip
+
+
+def _tensors(folder) -> dict:
+    tensors: dict = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(folder, name)))
+    return tensors
+
+
+def test_stacked_experts_stored_transposed_read_as_from_pretrained_transposes_them(tmp_path):
+    """Qwen3-VL-MoE's released checkpoints store the stacked experts ``[experts, in, out]``;
+    transformers transposes them on load where their shape is not the model's (its
+    ``Transpose(check_dims=True)``). Before: a ValueError on the shape."""
+    cls, config = transformers.Qwen3VLMoeForConditionalGeneration, _qwen3_vl_moe()
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "checkpoint"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cls(config).save_pretrained(checkpoint)
+    file = os.path.join(checkpoint, "model.safetensors")
+    stacked = ("experts.gate_up_proj", "experts.down_proj")
+    save_file({key: value.transpose(1, 2).contiguous() if key.endswith(stacked) else value
+               for key, value in load_file(file).items()}, file, metadata={"format": "pt"})  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = cls.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.device("meta"):
+        meta = cls(config).eval()
+    recipe = qstats.Recipe.from_scheme("W8A8", ignore=["lm_head", "re:.*visual.*"])
+    generator = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(0, 140, (2, 6), generator=generator)} for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = qstats.calibrate(loaded, batches, recipe, progress=False)
+        states = qstats.calibrate_layerwise(meta, checkpoint, batches, recipe, progress=False)
+        assert set(states) == set(full)
+        for path in full:
+            for site in full[path]:
+                assert all(torch.equal(a, b) for a, b in zip(full[path][site], states[path][site])), (path, site)
+        qparams = qstats.compute_qparams_tree(full, recipe, loaded)
+        qstats.export.compressed_tensors(loaded, qparams, str(tmp_path / "in_memory"), recipe)
+        qstats.export.compressed_tensors_layerwise(meta, checkpoint, qparams, str(tmp_path / "layerwise"), recipe,
+                                                   progress=False)
+    want, got = _tensors(tmp_path / "in_memory"), _tensors(tmp_path / "layerwise")
+    assert set(got) == set(want)
+    assert all(got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]) for key in want)
