@@ -26,7 +26,9 @@ def column_groups(observer: Observer, group_size: int) -> Observer:
     """``observer`` seeing each tensor ``x`` (``[..., features]``) as ``[rows, features // group_size,
     group_size]``, its rows all the leading dimensions; build ``observer`` for ``PerAxis(1)`` of that
     view (one state entry per group of features). A per-observation ``weight`` (a prefix of ``x``'s
-    shape, as `qstats.calibrate`'s padding masks) masks the rows it covers.
+    shape, as `qstats.calibrate`'s padding masks) masks the rows it covers. The observer's ``spec`` is
+    None: its state holds statistics of groups of features, whose qparams under ``observer.spec`` (per
+    group of the view) are no quantization parameters of ``x`` (the site's spec reads them).
 
     >>> import torch, qstats
     >>> from qstats.observers._column_groups import column_groups
@@ -69,4 +71,4 @@ def column_groups(observer: Observer, group_size: int) -> Observer:
         where = f"{name}.update"
         return observer.update(state, view(x, where), rows(x, weight, where))
 
-    return observer._replace(init=init_fn, update=update_fn)
+    return observer._replace(init=init_fn, update=update_fn, spec=None)
