@@ -26,9 +26,9 @@ OBSERVERS = {"moving_average_minmax": (qstats.moving_average_minmax, {}),
              "mse": (qstats.mse, {"mode": "moving_average"})}  # fmt: skip
 
 
-def _recipe(observer: str, targets=("Linear",), sites=("input",)) -> qstats.Recipe:
+def _recipe(observer: str, targets=("Linear",), sites=("input",), spec=NVFP4) -> qstats.Recipe:
     factory, options = OBSERVERS[observer]
-    return qstats.Recipe([qstats.Rule(targets, sites=sites, observer=factory, observer_kwargs=options, spec=NVFP4)])
+    return qstats.Recipe([qstats.Rule(targets, sites=sites, observer=factory, observer_kwargs=options, spec=spec)])
 
 
 def _equal_trees(got: dict, want: dict) -> None:
@@ -232,3 +232,27 @@ def test_features_that_16_does_not_divide_are_refused_naming_the_site(observer):
     with pytest.raises(ValueError, match=r"observing: module '0' site 'input'.* 16 does not divide dimension 40"):
         with qstats.observing(model, _recipe(observer)), torch.no_grad():
             model(torch.randn(2, 40))
+
+
+@pytest.mark.parametrize("observer", list(OBSERVERS))
+def test_report_measures_the_run_time_groups_under_the_calibrated_global_scale(observer):
+    """`qstats.report` of such a site: its range is the groups' widest and its SQNR on a batch is that
+    of compressed-tensors' fake quantization (run-time group scales under the calibrated global scale)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, dynamic="local",
+                            scale_dtype=torch.float8_e4m3fn)  # fmt: skip
+    recipe, model = _recipe(observer, spec=qstats.QuantSpec.from_compressed_tensors(args)), _mlp()
+    states = qstats.calibrate(model, _batches(), recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe.resolve(model))
+    x = _batches()[0]
+    row = next(r for r in qstats.report(states, qparams, model, recipe, [x]).rows if r.module == "0")
+    state = states["0"]["input"]
+    assert row.min == pytest.approx(float(state.min_val.min())) and row.max == pytest.approx(float(state.max_val.max()))
+    global_scale = qparams["0"]["input"].global_scale.reshape(1)
+    scales, zero_points = compute_dynamic_scales_and_zp(x, args, None, global_scale=global_scale)
+    noise = (fake_quantize(x, scales, zero_points, args, global_scale=global_scale) - x).double().square().sum()
+    assert row.sqnr_db == pytest.approx(float(10 * torch.log10(x.double().square().sum() / noise)), abs=0.01)
