@@ -522,6 +522,8 @@ class QATModel:
         ``submodule.apply(...)`` switches through any of them."""
         paths = {key: {key} for key in keys}
         for alias, name in self._aliases.items():
+            if name in self.parameter_layers:  # an F.linear/conv call's parameter: its point is named after it
+                paths[name].add(alias)
             layer, _, field = name.rpartition(".")
             if layer in paths and alias.endswith(f".{field}"):
                 paths[layer].add(alias[: -len(field) - 1])

@@ -236,3 +236,38 @@ def test_buffers_and_computed_weights_still_stay_in_float_named():
                                          r"in the model read weights.*stay in float"):
         qat = _prepare(_Buffered())
     assert qat.layers == ("head",)
+
+
+class _OwnProjection(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Parameter(torch.randn(4, 4) * 0.5)
+
+    def forward(self, x):
+        return F.linear(x, self.proj)
+
+
+def test_layer_phases_switch_a_parameter_call_through_every_path_of_a_shared_block():
+    """A block held under two paths (``nn.ModuleList([block, block])``) is one object, switched through either
+    path (as a shared Linear is, tests/test_qat_layer_phases_shared_modules.py): its F.linear call's point is named
+    after the first path's parameter, and ``layer_phases={"blocks.1": off}`` switched nothing but raised that the
+    path held no quantized layer. Reference: the float model (no point observes or fake-quantizes)."""
+    torch.manual_seed(0)
+    block = _OwnProjection()
+
+    class _Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([block, block])
+
+        def forward(self, x):
+            return self.blocks[1](self.blocks[0](x))
+
+    shared = _Shared()
+    qat = _prepare(shared)
+    x = torch.randn(3, 4)
+    state = qat.init(x)
+    off = qstats.QATPhase(observe=False, fake_quantize=False)
+    for path in ("blocks.0", "blocks.1"):
+        out, new_state = qat.apply(qat.params(), state, x, layer_phases={path: off})
+        torch.testing.assert_close(out, shared(x), rtol=0, atol=0, msg=path)
