@@ -147,7 +147,10 @@ def _group_of(rule: "Rule") -> Optional[tuple]:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """``a == b`` through tuples, lists and mappings, tensors compared by dtype, shape and values."""
+    """``a == b`` through tuples, lists and mappings, tensors compared by dtype, shape and values; an
+    object is the same as itself (as in Python's own container comparisons: a NaN, an array)."""
+    if a is b:
+        return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
                 and torch.equal(a, b))
@@ -156,6 +159,10 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
     return bool(a == b)
+
+
+def _fields(rule: "Rule") -> list:
+    return [getattr(rule, field.name) for field in dataclasses.fields(rule)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +205,16 @@ class Rule:
     qparams_kwargs: Any = ()
     dynamic: bool = False
     matcher: Optional[Callable[[str, Optional[torch.nn.Module]], bool]] = None
+
+    def __eq__(self, other) -> bool:
+        """Field by field, tensors of ``observer_kwargs`` (``qstats.mse``'s ``reference``) by dtype and values
+        (`_same`): a copy of a rule is equal to it."""
+        if not isinstance(other, Rule):
+            return NotImplemented
+        return _same(_fields(self), _fields(other))
+
+    def __hash__(self) -> int:  # of fields always hashable (observer_kwargs may hold lists or tensors)
+        return hash((self.targets, self.sites))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "targets", _targets(self.targets, "Rule.targets"))
@@ -640,8 +657,7 @@ class Recipe:
         and loaded one, or one read again from the same config)."""
         if not isinstance(other, Recipe):
             return NotImplemented
-        rules = [[getattr(rule, f.name) for f in dataclasses.fields(rule)] for rule in self.rules]
-        others = [[getattr(rule, f.name) for f in dataclasses.fields(rule)] for rule in other.rules]
+        rules, others = [_fields(rule) for rule in self.rules], [_fields(rule) for rule in other.rules]
         return _same((rules, self.ignore, self.shared), (others, other.ignore, other.shared))
 
     def __hash__(self) -> int:  # of fields always hashable (observer_kwargs may hold lists)

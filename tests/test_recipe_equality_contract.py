@@ -36,3 +36,28 @@ def test_a_copy_of_a_recipe_whose_observer_kwargs_hold_tensors_compares_equal():
     other = qstats.Recipe([qstats.Rule(targets="Linear", sites=("weight",), spec=spec, observer=qstats.mse,
                                        observer_kwargs={"reference": (-torch.ones(4), 2 * torch.ones(4))})])
     assert recipe != other
+
+
+def test_a_copy_of_a_rule_whose_observer_kwargs_hold_tensors_compares_and_hashes_equal():
+    """`Rule` (public, a frozen dataclass) compared its fields as a tuple: a rule and its deepcopy raised
+    'Boolean value of Tensor is ambiguous', and hashing one whose observer_kwargs hold a list raised TypeError.
+    Reference: the tensors' own values (torch.equal) and Python's equality of the other fields."""
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+    rule = qstats.Rule(targets="Linear", sites=("weight",), spec=spec, observer=qstats.mse,
+                       observer_kwargs={"reference": (-torch.ones(4), torch.ones(4))})
+    copied = copy.deepcopy(rule)
+    assert rule == copied and hash(rule) == hash(copied) and len({rule, copied}) == 1
+    assert rule != qstats.Rule(targets="Linear", sites=("weight",), spec=spec, observer=qstats.mse,
+                               observer_kwargs={"reference": (-torch.ones(4), 2 * torch.ones(4))})
+    listed = qstats.Rule(targets="Linear", observer_kwargs={"grid": [1, 2]})
+    assert hash(listed) == hash(copy.deepcopy(listed))
+
+
+def test_a_recipe_is_equal_to_itself_and_its_shallow_copy_as_python_containers_are():
+    """Python's containers compare an object with itself as equal (``[x] == [x]`` for a NaN): a recipe
+    holding a NaN reference compared unequal to itself."""
+    nan = (torch.full((4,), float("nan")), torch.ones(4))
+    recipe = qstats.Recipe([qstats.Rule(targets="Linear", sites=("weight",), observer=qstats.mse,
+                                        observer_kwargs={"reference": nan})])
+    assert [nan] == [nan]  # the reference semantics
+    assert recipe == recipe and recipe == copy.copy(recipe)
