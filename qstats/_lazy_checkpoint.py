@@ -234,10 +234,11 @@ def _no_tensor(checkpoint, missing: str, name: str) -> ValueError:
     return ValueError(f"{checkpoint.where}: the checkpoint has no tensor {missing!r}{also}")
 
 
-def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint) -> None:
+def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint, category: type = UserWarning) -> None:
     """ValueError naming a meta parameter of ``model`` that ``checkpoint`` holds under none of its
     names (in memory or as saved; nor, for stacked experts, per expert). Names only, before any
-    layer is read: a checkpoint of another model, or one missing a tensor, fails before any batch runs."""
+    layer is read: a checkpoint of another model, or one missing a tensor, fails before any batch runs.
+    The checkpoint's tensors the model does not read are a warning of ``category``."""
     stored = _checkpoint_names(model)
     aliases = _aliases(model, stored)
     for name, value in model.named_parameters():  # each tensor once, under its first name
@@ -248,14 +249,14 @@ def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint) -> None:
         if "" not in per_expert:
             missing = next((key for key in per_expert if key), stored(name)[-1])
             raise _no_tensor(checkpoint, missing, name)
-    _warn_unused(model, checkpoint, aliases)
+    _warn_unused(model, checkpoint, aliases, category)
 
 
 # the checkpoint tensors transformers ignores beside the model's own patterns (`_adjust_missing_and_unexpected_keys`)
 _IGNORED_UNUSED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
 
 
-def _warn_unused(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: dict) -> None:
+def _warn_unused(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: dict, category: type) -> None:
     """Warns of the checkpoint's tensors that no tensor of ``model`` is read from, as ``from_pretrained``
     reports them UNEXPECTED (a config of fewer layers than the checkpoint's calibrates part of it),
     but for those transformers ignores (``_keys_to_ignore_on_load_unexpected``: DeepSeek-V3's
@@ -271,7 +272,7 @@ def _warn_unused(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: di
         more = " ..." if len(unused) > 3 else ""
         warn(f"{checkpoint.where}: the checkpoint holds {len(unused)} tensor(s) the model has no tensor for, which are "
              f"not read: {', '.join(unused[:3])}{more} (a model built from another config, of fewer layers than the "
-             "checkpoint's?)", UserWarning)
+             "checkpoint's?)", category)
 
 
 def _per_expert(checkpoint, key: str, count: Optional[int] = None) -> Optional[list]:

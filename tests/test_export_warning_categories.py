@@ -54,3 +54,33 @@ def test_every_export_warning_is_an_export_warning(tmp_path):
         [(c.category, str(c.message)[:80]) for c in shown]
     ignored = _exported(tmp_path, "ignored", ("ignore", qstats.export.ExportWarning))
     assert [str(c.message) for c in ignored] == ["export: a warning of the model's rounding"]  # the test's own, before the filter
+
+
+def test_the_layerwise_exports_unread_checkpoint_tensors_warning_is_an_export_warning(tmp_path):
+    """``compressed_tensors_layerwise`` of a model built from a config of fewer layers than its checkpoint
+    warns naming the tensors it does not read (those ``from_pretrained`` reports unexpected, the reference);
+    that warning was a plain UserWarning, which ``simplefilter("ignore", ExportWarning)`` left shown."""
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    checkpoint = str(tmp_path / "checkpoint")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
+    smaller = transformers.LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, info = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, config=smaller, output_loading_info=True)
+    assert info["unexpected_keys"]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(smaller).eval()
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",),
+                                        spec=qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0)))])
+    states = qstats.calibrate_layerwise(model, checkpoint, [{"input_ids": torch.zeros(1, 4, dtype=torch.long)}],
+                                        recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe.resolve(model))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qstats.export.compressed_tensors_layerwise(model, checkpoint, qparams, str(tmp_path / "ours"), recipe,
+                                                   progress=False)
+    unread = [c for c in caught if "has no tensor for" in str(c.message)]
+    assert len(unread) == 1 and issubclass(unread[0].category, qstats.export.ExportWarning)
+    assert str(len(info["unexpected_keys"])) in str(unread[0].message)

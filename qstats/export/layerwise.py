@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from .._checks import check_flag
 from .._lazy_checkpoint import LazyCheckpoint, Overlay, check_covers, load_modules, release_modules
 from ..layerwise import check_on_meta, decoder_layers, inside, outer_paths
+from ._categories import ExportWarning
 from .checkpoint import (ShardSplitter, Writer, _check_arguments, check_new_folder, remove_shards, shard_bytes,
                          shard_names, tensor_bytes, without_tied_copies, write_config, write_shard_index, write_tensors)
 
@@ -136,7 +137,7 @@ def compressed_tensors_layerwise(
     check_new_folder(path, checkpoint, _WHERE, "path")
     source = LazyCheckpoint(checkpoint, _WHERE)
     source = source if weights is None else Overlay(weights, source)
-    check_covers(model, source)
+    check_covers(model, source, ExportWarning)
     writer = Writer(recipe, qparams, model, format, actorder)
     parts = _parts(model, layers)
     shards = _Shards(path, max_bytes)
