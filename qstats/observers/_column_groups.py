@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ._base import Observer
+from ._base import Observer, row_mask
 from .kit import check_observable
 
 __all__ = ["column_groups"]
@@ -26,7 +26,8 @@ def column_groups(observer: Observer, group_size: int) -> Observer:
     """``observer`` seeing each tensor ``x`` (``[..., features]``) as ``[rows, features // group_size,
     group_size]``, its rows all the leading dimensions; build ``observer`` for ``PerAxis(1)`` of that
     view (one state entry per group of features). A per-observation ``weight`` (a prefix of ``x``'s
-    shape, as `qstats.calibrate`'s padding masks) masks the rows it covers. The observer's ``spec`` is
+    shape, as `qstats.calibrate`'s padding masks) masks the rows it covers (`row_mask`: the wrapped
+    observer reads it as a keep mask, as every observer reads its weight). The observer's ``spec`` is
     None: its state holds statistics of groups of features, whose qparams under ``observer.spec`` (per
     group of the view) are no quantization parameters of ``x`` (the site's spec reads them).
 
@@ -41,6 +42,7 @@ def column_groups(observer: Observer, group_size: int) -> Observer:
     Raises:
       ValueError: ``group_size`` is not a positive int, or does not divide the features of ``x``;
         a ``weight`` that is not a prefix of ``x``'s shape.
+      TypeError: ``observer`` is not an Observer; a ``weight`` that is not a tensor (`row_mask`).
     """
     if not isinstance(observer, Observer):
         raise TypeError(f"column_groups: expected an Observer, got {type(observer).__name__}")
@@ -55,20 +57,11 @@ def column_groups(observer: Observer, group_size: int) -> Observer:
                              f"last dimension that {group_size} divides")
         return x.reshape(math.prod(x.shape[:-1]), x.shape[-1] // group_size, group_size)
 
-    def rows(x: torch.Tensor, weight: Optional[torch.Tensor], where: str) -> Optional[torch.Tensor]:
-        if weight is None:
-            return None
-        if not isinstance(weight, torch.Tensor) or weight.ndim >= x.ndim or weight.shape != x.shape[: weight.ndim]:
-            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-            raise ValueError(f"{where}: weight {got} must weight the rows of inputs of shape {tuple(x.shape)} "
-                             "(a prefix of their leading dimensions)")
-        return weight.reshape(*weight.shape, *(1,) * (x.ndim - 1 - weight.ndim)).expand(x.shape[:-1]).reshape(-1)
-
     def init_fn(x: torch.Tensor):
         return observer.init(view(x, f"{name}.init"))
 
     def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
         where = f"{name}.update"
-        return observer.update(state, view(x, where), rows(x, weight, where))
+        return observer.update(state, view(x, where), row_mask(x, weight, where))
 
     return observer._replace(init=init_fn, update=update_fn, spec=None)
