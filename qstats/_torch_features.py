@@ -20,7 +20,7 @@ import torch
 
 from ._ops import op, register_fake, register_vmap
 
-__all__ = ["bitcast", "eager", "recomputing", "rounded_to", "torch_dtype", "uncompiled"]
+__all__ = ["bitcast", "eager", "recomputing", "rounded_to", "torch_dtype", "unwrapped"]
 
 
 def torch_dtype(name: str) -> Optional[torch.dtype]:
@@ -53,14 +53,20 @@ def bitcast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return functorch._add_batch_dim(bitcast(inner, dtype), dim, level)
 
 
-def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
-    """The module ``torch.compile(model)`` wraps (``OptimizedModule._orig_mod``), else ``model``:
-    recipes resolve on it, so a compiled model's sites are named (and targeted, and ignored) by
-    the model's own paths rather than ``"_orig_mod.<path>"``."""
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that ``torch.compile`` (``OptimizedModule._orig_mod``), ``DistributedDataParallel``
+    and ``DataParallel`` (``module``) wrap, however nested, else ``model``: recipes resolve on it, so a
+    wrapped model's sites are named (and targeted, and ignored) by the bare model's paths rather than
+    ``"_orig_mod.<path>"`` or ``"module.<path>"``, as ``save_pretrained(model.module)`` names them."""
     dynamo = sys.modules.get("torch._dynamo")  # imported by torch.compile; importing it costs seconds
-    while dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
-        model = model._orig_mod
-    return model
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    while True:
+        if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, wrappers):
+            model = model.module
+        else:
+            return model
 
 
 def eager(hook):

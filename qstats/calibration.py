@@ -158,9 +158,10 @@ def calibrate(model: torch.nn.Module, batches: Iterable, recipe: Union[Recipe, P
     Args:
       model: an ``nn.Module``, run as is (call ``model.eval()`` first: dropout or batch norm in
         training mode warns), under ``torch.no_grad()``;
-        a compiled one (``torch.compile(model)``) runs compiled, its sites named by the paths of
-        the module it wraps, each update the eager one (on the compiled activations, which can
-        differ from eager's in the last bits).
+        a compiled one (``torch.compile(model)``) runs compiled, each update the eager one (on the
+        compiled activations, which can differ from eager's in the last bits). The sites of a
+        wrapped model (``torch.compile``, ``DistributedDataParallel``, ``DataParallel``) are named
+        by the paths of the bare model it wraps.
       batches: an iterable of batches: a tensor (``model(batch)``), a tuple or list
         (``model(*batch)``) or a mapping (``model(**batch)``).
       recipe: a `Recipe` saying which observer and spec watch which module and site, or its

@@ -23,7 +23,7 @@ from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, as_written, c
                        compressed_tensors_ignore, config_rules, kv_cache_module, kv_cache_sites, matches_targets,
                        scheme_rules, with_checkpoint_ignore)
 from ._spec import QuantSpec
-from ._torch_features import dtype_named, uncompiled
+from ._torch_features import dtype_named, unwrapped
 from .experts import (StackLayout, expert_count, is_stacked_parameter, linearized_experts, linearized_layout_problem,
                       own_parameters, parameter_input_site, stack_layout, stacked_observer)
 from .fused import fused_groups
@@ -610,9 +610,9 @@ def _resolve_shared(shared: dict, resolved: dict) -> dict:
 def as_plan(recipe, model: Optional[torch.nn.Module], caller: str) -> Plan:
     """``recipe`` itself when it is a `Plan` (of ``model``, when one is given), else
     ``recipe.resolve(model)``: how every consumer resolves its argument, once, at its entry. A
-    compiled model (``torch.compile(model)``) resolves as the module it wraps: its sites keep the
-    model's own paths."""
-    model = None if model is None else uncompiled(model)
+    wrapped model (``torch.compile``, ``DistributedDataParallel``, ``DataParallel``) resolves as the
+    module it wraps: its sites keep the bare model's paths."""
+    model = None if model is None else unwrapped(model)
     if isinstance(recipe, Plan):
         if model is not None and model is not recipe.model:
             raise ValueError(f"{caller}: the Plan was resolved on another model than the one given")
@@ -740,7 +740,7 @@ class Recipe:
         if model is not None:
             if not isinstance(model, torch.nn.Module):
                 raise TypeError(f"Recipe.rule_for: model must be an nn.Module, got {type(model).__name__}")
-            model = uncompiled(model)
+            model = unwrapped(model)
             rename = module_renamer(model)
             module = model.get_submodule(path) if module is None else module
         if _ignored_module(self.ignore, path, module, rename):
@@ -751,10 +751,11 @@ class Recipe:
     def resolve(self, model: torch.nn.Module) -> Plan:
         """The `Plan` of this recipe on ``model``: every observed site, the modules by path and
         the fused groups, computed once. A rule that selects no site, and an ``ignore`` entry that
-        matches no module, warn, naming it. A compiled model resolves as the module it wraps."""
+        matches no module, warn, naming it. A wrapped model (``torch.compile``, ``DistributedDataParallel``,
+        ``DataParallel``) resolves as the module it wraps."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Recipe.resolve expects an nn.Module, got {type(model).__name__}")
-        model = uncompiled(model)
+        model = unwrapped(model)
         modules = dict(model.named_modules())
         rename = module_renamer(model)
         resolved: dict = {}

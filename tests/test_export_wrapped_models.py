@@ -2,8 +2,9 @@
 ``torch.compile``, either way round) writes the bare model, as ``oneshot`` users pass it and
 ``save_pretrained(model.module)`` writes it: the same tensor names (no ``module.`` prefix), values and
 ``config.json`` as the export of the bare model, which transformers loads with no missing or
-unexpected key. qparams named by the wrapper's paths (a recipe resolved on the wrapper) are refused,
-naming ``model.module``. The process group is a one-rank gloo group in a forked process."""
+unexpected key. qparams named by the wrapper's paths (``module.<path>``; calibrate names a wrapper's
+sites by the bare model's) are refused, naming ``model.module``. The process group is a one-rank gloo
+group in a forked process."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _wrap(model, wrapping):
 
 def _export_wrapped(rank: int, port: int, out: str) -> None:
     """One gloo rank: each wrapping of the calibrated model exported into ``out/<wrapping>``; then the
-    export of the wrapper with qparams calibrated on the wrapper, its error into ``out/error.txt``."""
+    export of the wrapper with qparams named by its paths, its error into ``out/error.txt``."""
     try:
         with gloo_group(rank, port, world=1, timeout=timedelta(seconds=60)):
             model = _model()
@@ -56,7 +57,7 @@ def _export_wrapped(rank: int, port: int, out: str) -> None:
                 for wrapping in WRAPPINGS:
                     qstats.export.compressed_tensors(_wrap(model, wrapping), qparams, os.path.join(out, wrapping), RECIPE)
                 wrapper = _wrap(model, "ddp")
-                wrapper_qparams = _qparams(wrapper)
+                wrapper_qparams = {f"module.{path}": entry for path, entry in qparams.items()}
                 try:
                     qstats.export.compressed_tensors(wrapper, wrapper_qparams, os.path.join(out, "refused"), RECIPE)
                 except ValueError as error:

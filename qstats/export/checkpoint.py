@@ -16,7 +16,7 @@ from .._granularity import TensorGroup
 from .._ops import is_dtensor
 from .._qparams import QParams
 from .._schemes import matches_targets
-from .._torch_features import uncompiled
+from .._torch_features import unwrapped
 from .._spec import QuantSpec
 from ..experts import UncalibratedWarning, expert_count, own_parameters
 from ..fused import fused_groups
@@ -92,16 +92,9 @@ def compressed_tensors(model: torch.nn.Module, qparams: Mapping[str, Mapping[str
 def _bare_model(model: torch.nn.Module, qparams: Mapping) -> torch.nn.Module:
     """The model that ``torch.compile`` (``_orig_mod``), ``DistributedDataParallel`` and ``DataParallel``
     (``module``) wrap, however nested, as ``save_pretrained`` and ``oneshot`` take it; ValueError where
-    ``qparams`` name modules by the wrapper's paths (a recipe resolved on the wrapper: its targets and
-    ignore entries matched other paths than the bare model's)."""
-    bare = model
-    while True:
-        inner = uncompiled(bare)
-        if isinstance(inner, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-            inner = inner.module
-        if inner is bare:
-            break
-        bare = inner
+    ``qparams`` name modules by the wrapper's paths (``"module.<path>"``; `qstats.calibrate` and
+    `compute_qparams_tree` name a wrapped model's sites by the bare model's paths)."""
+    bare = unwrapped(model)
     if bare is model:
         return model
     paths = dict(bare.named_modules())
@@ -110,8 +103,8 @@ def _bare_model(model: torch.nn.Module, qparams: Mapping) -> torch.nn.Module:
         raise ValueError(f"export.compressed_tensors: the model is a {type(model).__name__} wrapping a "
                          f"{type(bare).__name__}, which the export writes (names without the wrapper's prefix), but "
                          f"qparams name {len(wrapped)} module(s) by the wrapper's paths ({listed(wrapped, 3)}); "
-                         "calibrate and compute the qparams on the bare model (model.module of "
-                         "DistributedDataParallel, model._orig_mod of torch.compile) and export that")
+                         "name them by the bare model's paths (model.module of DistributedDataParallel, "
+                         "model._orig_mod of torch.compile), as qstats.calibrate and compute_qparams_tree name them")
     return bare
 
 
