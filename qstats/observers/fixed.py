@@ -70,8 +70,7 @@ _FLAT = PerTensor()
 def _count(x, weight):
     if weight is None:
         return torch.tensor(x.numel(), dtype=torch.int64, device=x.device)
-    mask = weight_view(x, weight, _FLAT)
-    return (mask != 0).sum()
+    return (weight_view(x, weight, _FLAT) != 0).sum()
 
 
 def _check_held(scale, scale_t: torch.Tensor, spec: QuantSpec) -> None:
@@ -102,8 +101,9 @@ def _check_finite_steps(scale, scale_t: torch.Tensor, zero_t: torch.Tensor, spec
 
 def _constant(value, name: str, dtype=None) -> torch.Tensor:
     """``value`` (a real number, a sequence of them or a real tensor) as a tensor detached from any
-    graph; TypeError naming ``name`` for anything else (a string, None, a bool, a complex number, an
-    int past int64), where torch's own error would not say which argument it was."""
+    graph, a one-element one as a scalar (torch.ao's per-tensor scale and zero point have shape
+    [1]); TypeError naming ``name`` for anything else (a string, None, a bool, a complex number,
+    an int past int64), where torch's own error would not say which argument it was."""
     try:
         tensor = torch.as_tensor(value, dtype=dtype)
     except (TypeError, ValueError, RuntimeError, OverflowError):
@@ -111,7 +111,7 @@ def _constant(value, name: str, dtype=None) -> torch.Tensor:
     if tensor is None or tensor.dtype == torch.bool or tensor.is_complex():
         raise TypeError(f"fixed_qparams: {name} must be a real number (one torch holds) or a tensor of them, "
                         f"got {value!r}")
-    return tensor.detach()
+    return (tensor.reshape(()) if tensor.numel() == 1 else tensor).detach()
 
 
 def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
@@ -127,11 +127,9 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
     tensor(0.0039)
     """
     check_spec(spec, "fixed_qparams")
-    # one-element tensors as scalars: torch.ao's per-tensor scale and zero point have shape [1]
+    # one-element tensors as scalars (`_constant`): torch.ao's per-tensor ones have shape [1]
     scale_t = _constant(scale, "scale", torch.float32)
-    scale_t = scale_t.reshape(()) if scale_t.numel() == 1 else scale_t
     zero_t = _constant(zero_point, "zero_point")
-    zero_t = zero_t.reshape(()) if zero_t.numel() == 1 else zero_t
     if not bool(torch.isfinite(scale_t).all()) or not bool((scale_t > 0).all()):
         raise ValueError(f"fixed_qparams: scale must be positive and finite, got {scale!r}")
     qmin, qmax = spec.qrange
