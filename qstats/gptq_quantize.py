@@ -40,6 +40,7 @@ from ._formats import store_codes
 from ._spec import QuantSpec
 from .experts import UncalibratedWarning
 from .observers.hessian import HessianState, checked_hessian_state, normalized_hessian
+from .observers.kit import check_spec
 from .observers.minmax import minmax
 from ._warn import warn
 from ._checks import require
@@ -415,8 +416,7 @@ def _check_arguments(weight, state, spec, block_size, dampening, actorder) -> No
     if tuple(state.total.shape) != expected:
         raise ValueError(f"gptq: a Hessian of shape {tuple(state.total.shape)} does not fit a weight of shape "
                          f"{tuple(weight.shape)} (expected {expected})")
-    if not isinstance(spec, QuantSpec):
-        raise TypeError(f"gptq: expected a QuantSpec, got {type(spec).__name__}")
+    check_spec(spec, "gptq")
     check_options(block_size, dampening, actorder, "gptq")
 
 
