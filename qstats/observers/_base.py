@@ -167,10 +167,12 @@ def check_field_dtype(state: Any, name: str, dtype: torch.dtype, where: str, mea
         raise ValueError(f"{where}: {type(state).__name__}.{name} must be a {dtype} tensor{meaning}, got {got}")
 
 
-def check_merge_states(a: Any, b: Any, cls: type, where: str) -> None:
-    """The checks of a merge's two states: `check_state` on each, then `check_same_shapes`."""
-    check_state(a, cls, where)
-    check_state(b, cls, where)
+def check_merge_states(a: Any, b: Any, cls: type, where: str, check=None) -> None:
+    """The checks of a merge's two states: ``check(state, cls, where)`` on each (`check_state` by
+    default), then `check_same_shapes`."""
+    check = check_state if check is None else check
+    check(a, cls, where)
+    check(b, cls, where)
     check_same_shapes(a, b, where)
 
 

@@ -15,7 +15,8 @@ import torch
 from .._checks import is_real_number
 from .._qparams import Range, register_range_rule
 from .._spec import QuantSpec
-from ._base import Observer, batch_weighted_mean, check_same_shapes, check_state, kept_dtypes, register_state
+from ._base import (Observer, batch_weighted_mean, check_merge_states, check_state, kept_dtypes,
+                    register_state)
 from .kit import check_observable, check_spec, extremes_init, observe_extremes
 
 __all__ = [
@@ -79,15 +80,9 @@ def check_extremes_state(state, cls, where: str) -> None:
             raise ValueError(f"{where}: field {name!r} of the {cls.__name__} has dtype {value.dtype}, expected {want}")
 
 
-def _check_merge(a, b, cls, where: str) -> None:
-    check_extremes_state(a, cls, where)
-    check_extremes_state(b, cls, where)
-    check_same_shapes(a, b, where)
-
-
 def _merge_extremes(cls, name: str):
     def merge_fn(a, b):
-        _check_merge(a, b, cls, f"{name}.merge")
+        check_merge_states(a, b, cls, f"{name}.merge", check_extremes_state)
         return cls(torch.minimum(a.min_val, b.min_val), torch.maximum(a.max_val, b.max_val),
                    a.count + b.count, a.nonfinite + b.nonfinite)
 
@@ -217,7 +212,8 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
     update_fn = moving_extremes_update(spec, step, "moving_average_minmax.update")
 
     def merge_fn(a, b) -> MovingAverageMinMaxState:
-        _check_merge(a, b, MovingAverageMinMaxState, "moving_average_minmax.merge")
+        check_merge_states(a, b, MovingAverageMinMaxState, "moving_average_minmax.merge",
+                           check_extremes_state)
         return merge_moving_extremes(a, b)
 
     return Observer(extremes_init(MovingAverageMinMaxState, spec, "moving_average_minmax"), update_fn, merge_fn,
