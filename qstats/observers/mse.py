@@ -486,8 +486,7 @@ def _check_modes(mode, expand, averaging_constant, patience):
 def checked_patience(patience, where: str):
     """``patience`` (a Python int, of a numpy one too) after ValueError unless it is None or a
     non-negative int (not a bool)."""
-    ok = patience is None or (is_integer(patience) and patience >= 0)
-    if not ok:
+    if not (patience is None or (is_integer(patience) and patience >= 0)):
         raise ValueError(f"{where}: patience must be a non-negative int or None, got {patience!r}")
     return None if patience is None else int(patience)
 
