@@ -16,8 +16,9 @@ from .._checks import check_flag
 from .._lazy_checkpoint import LazyCheckpoint, Overlay, check_covers, load_modules, release_modules
 from ..layerwise import check_on_meta, decoder_layers, inside, outer_paths
 from ._categories import ExportWarning
-from .checkpoint import (ShardSplitter, Writer, _check_arguments, check_new_folder, remove_shards, shard_bytes,
-                         shard_names, tensor_bytes, without_tied_copies, write_config, write_shard_index, write_tensors)
+from .checkpoint import (ShardSplitter, Writer, _check_arguments, check_new_folder, parameter_count, remove_shards,
+                         shard_bytes, shard_names, tensor_bytes, without_tied_copies, write_config, write_shard_index,
+                         write_tensors)
 
 __all__ = ["compressed_tensors_layerwise"]
 
@@ -36,16 +37,19 @@ class _Shards:
     """The shards of one export, written as the parts come (`add`) under temporary names, named as
     ``save_pretrained`` names them once their count is known (`close`). A `checkpoint.ShardSplitter`
     splits the tensors (as `compressed_tensors` does); without ``max_bytes`` each part is a shard. Only
-    the open shard's tensors are kept (copied) from one part to the next."""
+    the open shard's tensors are kept (copied) from one part to the next, and every tensor's shape
+    (``written``: meta tensors, counted into the index's ``total_parameters``)."""
 
     def __init__(self, path: str, max_bytes: Optional[int]):
         self.path, self.max_bytes = path, max_bytes
         self.splitter = ShardSplitter(max_bytes)
         self.files: list = []  # every file written (temporary names, then final ones): removed on failure
         self.open: dict = {}  # copies of the open shard's tensors of earlier parts
+        self.written: dict = {}  # name -> a meta tensor of its shape and dtype, for every tensor added
 
     def add(self, tensors: dict) -> None:
         """Writes the shards that one part's ``tensors`` close, and copies those left in the open shard."""
+        self.written.update((name, tensor.to("meta")) for name, tensor in tensors.items())
         for name, tensor in tensors.items():
             for shard in self.splitter.add(name, tensor_bytes(tensor)):
                 self._write(shard, tensors)
@@ -59,9 +63,10 @@ class _Shards:
         self.files.append(f"model-{len(self.splitter.shards):05d}.safetensors.partial")
         write_tensors(self.path, tensors, self.files[-1])
 
-    def close(self) -> None:
+    def close(self, model: torch.nn.Module) -> None:
         """The open shard written; the files renamed: ``model.safetensors`` when ``max_bytes`` leaves
-        one, else ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``."""
+        one, else ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json`` (its
+        ``total_parameters``: `checkpoint.parameter_count` of ``model`` and the tensors written)."""
         last = self.splitter.finish()
         if last is not None:
             self._write(last, {})
@@ -69,7 +74,7 @@ class _Shards:
         for partial, name in zip(list(self.files), names):
             os.replace(os.path.join(self.path, partial), os.path.join(self.path, name))
             self.files.append(name)
-        write_shard_index(self.path, names, self.splitter.shards)
+        write_shard_index(self.path, names, self.splitter.shards, parameter_count(model, self.written))
 
 
 def _part_tensors(model: torch.nn.Module, source, writer: Writer, part: tuple, shards: _Shards) -> None:
@@ -150,7 +155,7 @@ def compressed_tensors_layerwise(
             raise ValueError(f"{_WHERE}: {len(unused)} tensor(s) of weights= name no tensor "
                              f"of the model: {', '.join(unused[:6])}")
         quantization_config = writer.finish()  # its refusals (a kv-cache scheme, ...) too leave no shard
-        shards.close()
+        shards.close(model)
         write_config(path, model, quantization_config, retied=writer.retied)
     except BaseException:  # no half-written checkpoint left (check_new_folder found no shard there before)
         remove_shards(path, shards.files)
