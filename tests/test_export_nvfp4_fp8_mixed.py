@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import warnings
 
 import pytest
 import torch
+from _oneshot import calibrated_qparams, load_eager, random_llama, token_samples
 from _shared import assert_fake_quantized_logits_equal, bit_equal, llm_compressor_oneshot, load_causal_lm
 
 import qstats
@@ -30,17 +30,12 @@ from test_recipe_nvfp4_fp8_mixed import AS_WRITTEN, STATIC  # noqa: E402
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """``{dtype: folder}`` of one tiny random Llama saved in float32 and in bfloat16, and the batches."""
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = random_llama()
     paths = {}
     for dtype in (torch.float32, torch.bfloat16):
         paths[dtype] = str(tmp_path_factory.mktemp(f"mixed_llama_{str(dtype)[6:]}"))
         model.to(dtype).save_pretrained(paths[dtype])
-    generator = torch.Generator().manual_seed(2)
-    return paths, [torch.randint(1, 64, (12,), generator=generator) for _ in range(3)]
+    return paths, token_samples(3, seed=2)
 
 
 def _quantization_config(folder) -> dict:
@@ -76,16 +71,11 @@ def test_export_equals_oneshots_checkpoint(llama, tmp_path, text, dtype):
     model's checkpoint, oneshot's too, fails its forward: float != BFloat16) and computes qstats'
     fake-quantized logits."""
     paths, samples = llama
-    model = llm_compressor_oneshot(load_causal_lm(paths[dtype]), samples, text)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(str(tmp_path / "oneshot"), save_compressed=True)
+    llm_compressor_oneshot(load_causal_lm(paths[dtype]), samples, text, tmp_path / "oneshot")
     recipe = qstats.Recipe.from_compressed_tensors(text, observed_dtype=dtype)
-    model = load_causal_lm(paths[dtype])
-    model.set_attn_implementation("eager")
+    model = load_eager(paths[dtype])
     plan = recipe.resolve(model)
-    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False)
-    qparams = qstats.compute_qparams_tree(states, plan)
+    qparams = calibrated_qparams(model, samples, plan)
     written = qstats.export.compressed_tensors(model, qparams, str(tmp_path / "ours"), recipe)
 
     theirs = _quantization_config(tmp_path / "oneshot")
@@ -104,8 +94,7 @@ def test_export_equals_oneshots_checkpoint(llama, tmp_path, text, dtype):
         assert bit_equal(_as_bytes(ours), _as_bytes(tensor)), name
 
     if dtype == torch.bfloat16:
-        loaded = load_causal_lm(str(tmp_path / "ours"))
-        loaded.set_attn_implementation("eager")
+        loaded = load_eager(str(tmp_path / "ours"))
         assert_fake_quantized_logits_equal(model, qparams, plan, loaded, samples[0][None])
 
 

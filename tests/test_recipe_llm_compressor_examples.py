@@ -6,18 +6,17 @@ beside the quantization, and recipes of several stages, are refused naming what 
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
 import torch
-from _shared import bit_equal, llm_compressor_oneshot
+from _oneshot import load_eager, oneshot_logits_and_tensors, qparams_and_fake_quantized_logits, saved_llama, token_samples
+from _shared import bit_equal
 
 import qstats
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
-from safetensors.torch import load_file  # noqa: E402
 
 FP8_BLOCK = """
 quant_stage:
@@ -79,42 +78,18 @@ mlp_stage:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)  # fmt: skip
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("examples_llama"))
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    generator = torch.Generator().manual_seed(1)
-    return path, [torch.randint(1, 64, (12,), generator=generator) for _ in range(3)]
-
-
-def _load(path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    model.set_attn_implementation("eager")
-    return model
+    return saved_llama(tmp_path_factory, "examples_llama"), token_samples(3)
 
 
 def _both(llama, text, out):
     """(oneshot's logits, the scales it saved, qstats' qparams, qstats' fake-quantized logits)."""
     path, samples = llama
-    model = llm_compressor_oneshot(_load(path), samples, text)
-    with torch.no_grad():
-        their_logits = model(samples[0][None]).logits
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(str(out), save_compressed=True)
-    saved = load_file(os.path.join(out, "model.safetensors"))
-    model = _load(path)
+    their_logits, saved = oneshot_logits_and_tensors(path, samples, text, out)
+    model = load_eager(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the ignore entry "re:.*mlp.gate$" names no Llama module
         plan = qstats.Recipe.from_compressed_tensors(text).resolve(model)
-    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False)
-    qparams = qstats.compute_qparams_tree(states, plan)
-    with torch.no_grad(), qstats.fake_quantized(model, qparams, plan):
-        our_logits = model(samples[0][None]).logits
+    qparams, our_logits = qparams_and_fake_quantized_logits(model, samples, plan)
     return their_logits, {k: v for k, v in saved.items() if k.endswith("scale")}, qparams, our_logits
 
 

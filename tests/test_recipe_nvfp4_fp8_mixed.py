@@ -12,12 +12,12 @@ scale and the fake-quantized logits are oneshot's bit for bit."""
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
 import torch
-from _shared import bit_equal, llm_compressor_oneshot
+from _oneshot import load_eager, oneshot_logits_and_tensors, qparams_and_fake_quantized_logits, saved_llama, token_samples
+from _shared import bit_equal
 
 import qstats
 
@@ -26,7 +26,6 @@ pytest.importorskip("llmcompressor")
 from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize  # noqa: E402
 from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp, generate_gparam  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 
 # tests/e2e/vLLM/recipes/non_uniform/recipe_nvfp4_fp8_mixed.yaml of llm-compressor
 RECIPE = r"""
@@ -65,43 +64,12 @@ STATIC = RECIPE % "\n            observer: static_minmax"
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)  # fmt: skip
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("mixed_llama"))
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    generator = torch.Generator().manual_seed(1)
-    return path, [torch.randint(1, 64, (12,), generator=generator) for _ in range(3)]
-
-
-def _load(path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    model.set_attn_implementation("eager")
-    return model
-
-
-def _oneshot(path, samples, recipe, out):
-    """oneshot's model, its logits on the first sample, and the tensors it saved."""
-    model = llm_compressor_oneshot(_load(path), samples, recipe)
-    with torch.no_grad():
-        logits = model(samples[0][None]).logits
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(str(out), save_compressed=True)
-    return logits, load_file(os.path.join(out, "model.safetensors"))
+    return saved_llama(tmp_path_factory, "mixed_llama"), token_samples(3)
 
 
 def _qstats(path, samples, recipe):
-    model = _load(path)
-    plan = recipe.resolve(model)
-    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False)
-    qparams = qstats.compute_qparams_tree(states, plan)
-    with torch.no_grad(), qstats.fake_quantized(model, qparams, plan):
-        logits = model(samples[0][None]).logits
-    return qparams, logits
+    model = load_eager(path)
+    return qparams_and_fake_quantized_logits(model, samples, recipe.resolve(model))
 
 
 def test_fp4_local_inputs_without_scale_dtype_fake_quantize_as_compressed_tensors():
@@ -148,8 +116,8 @@ def test_the_recipe_as_written_averages_each_group_as_oneshot(llama, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         recipe = qstats.Recipe.from_compressed_tensors(AS_WRITTEN)
-    _, saved = _oneshot(path, samples, AS_WRITTEN, tmp_path / "oneshot")
-    model = _load(path)
+    _, saved = oneshot_logits_and_tensors(path, samples, AS_WRITTEN, tmp_path / "oneshot")
+    model = load_eager(path)
     inputs = []
     model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, args, out: inputs.append(args[0]))
     with torch.no_grad():
@@ -188,7 +156,7 @@ def test_the_recipe_is_oneshots_bit_for_bit(llama, tmp_path, observer):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         recipe = qstats.Recipe.from_compressed_tensors(text)
-    their_logits, saved = _oneshot(path, samples, text, tmp_path / "oneshot")
+    their_logits, saved = oneshot_logits_and_tensors(path, samples, text, tmp_path / "oneshot")
     with open(tmp_path / "oneshot" / "config.json") as file:
         groups = json.load(file)["quantization_config"]["config_groups"]
     assert [group["input_activations"]["scale_dtype"] for group in groups.values()] == [None, None]

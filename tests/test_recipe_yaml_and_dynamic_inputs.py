@@ -9,8 +9,8 @@ import os
 import warnings
 
 import pytest
-import torch
-from _shared import bit_equal, llm_compressor_oneshot
+from _oneshot import calibrated_qparams, load_eager, saved_llama, token_samples
+from _shared import bit_equal, llm_compressor_oneshot, load_causal_lm
 
 import qstats
 
@@ -86,20 +86,7 @@ def test_only_compressed_tensors_enum_tags_are_read(tag):
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)  # fmt: skip
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("oneshot_llama"))
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    generator = torch.Generator().manual_seed(1)
-    return path, [torch.randint(1, 64, (12,), generator=generator) for _ in range(3)]
-
-
-def _load(path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    return saved_llama(tmp_path_factory, "oneshot_llama"), token_samples(3)
 
 
 DYNAMIC_TENSOR = {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
@@ -113,17 +100,15 @@ def test_dynamic_per_tensor_inputs_read_without_a_warning_and_equal_oneshot(llam
     path, samples = llama
     modifier = lambda: QuantizationModifier(config_groups=DYNAMIC_TENSOR, ignore=["lm_head"])  # noqa: E731
     theirs, ours = tmp_path / "llm_compressor", tmp_path / "qstats"
-    llm_compressor_oneshot(_load(path), samples, modifier(), theirs)
+    llm_compressor_oneshot(load_causal_lm(path), samples, modifier(), theirs)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         recipe = qstats.Recipe.from_compressed_tensors(modifier())
         kv = qstats.Recipe.from_scheme("W4A16", kv_cache_scheme={"num_bits": 8, "type": "float", "dynamic": True})
     assert [rule.dynamic for rule in recipe.rules] == [False, True] and kv.rules[-1].dynamic
-    model = _load(path)
-    model.set_attn_implementation("eager")
+    model = load_eager(path)
     plan = recipe.resolve(model)
-    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False)
-    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), str(ours), plan)
+    qstats.export.compressed_tensors(model, calibrated_qparams(model, samples, plan), str(ours), plan)
     their_tensors, our_tensors = (load_file(os.path.join(folder, "model.safetensors")) for folder in (theirs, ours))
     assert sorted(our_tensors) == sorted(their_tensors)
     assert all(bit_equal(our_tensors[name], their_tensors[name]) for name in their_tensors)
