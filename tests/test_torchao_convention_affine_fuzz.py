@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+from _torchao_affine import torchao_affine
 
 import qstats
 
@@ -31,29 +32,6 @@ CASES = [  # (mapping, zero-point domain, preserve_zero)
 ]
 INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 SCALES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _torchao(x, target, mapping, domain, preserve_zero, block_size, kwargs):
-    """torchao's scale, zero point (None for NONE), integer codes and values in ``x.dtype``."""
-    if domain == "FLOAT":
-        choose = qp_lib._choose_qparams_affine_tinygemm
-    elif not preserve_zero:
-        choose = qp_lib._choose_qparams_affine_dont_preserve_zero
-    else:
-        choose = qp_lib.choose_qparams_affine
-    scale, zero_point = choose(x, mapping, block_size, target, **kwargs)
-    qmin, qmax = qp_lib._get_and_check_qmin_qmax(target, kwargs.get("quant_min"), kwargs.get("quant_max"))
-    if domain == "NONE":
-        zero_point = None
-        quantize = qp_lib._quantize_affine_no_zero_point_no_dtype_cast
-        dequantize = qp_lib._dequantize_affine_no_zero_point_no_dtype_check
-    elif domain == "FLOAT":
-        quantize = qp_lib._quantize_affine_tinygemm_no_dtype_cast
-        dequantize = qp_lib._dequantize_affine_tinygemm_no_dtype_check
-    else:
-        quantize, dequantize = qp_lib._quantize_affine_no_dtype_cast, qp_lib._dequantize_affine_no_dtype_check
-    codes = quantize(x, block_size, scale, zero_point, qmin, qmax)
-    return scale, zero_point, codes, dequantize(codes, block_size, scale, zero_point, qmin, qmax, x.dtype)
 
 
 def _rows(rng, seed, dtype):
@@ -117,7 +95,8 @@ def test_affine_paths_match_torchao_on_random_cases(seed):
         per_row = rng.random() < 0.5
         block_size = [1, x.shape[1]] if per_row else list(x.shape)
         try:
-            scale, zero_point, codes, values = _torchao(x, target, mapping, domain, preserve_zero, block_size, kwargs)
+            scale, zero_point, codes, values = torchao_affine(x, target, mapping, domain, block_size, preserve_zero,
+                                                           **kwargs)
         except (AssertionError, RuntimeError, ValueError):
             continue  # torchao refuses (a range past the input's dtype)
         if _documented(scale, values):

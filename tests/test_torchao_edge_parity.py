@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from _torchao_affine import torchao_affine
 
 import qstats
 
@@ -29,32 +30,8 @@ def _observe(spec, x):
     return qstats.compute_qparams(obs.update(obs.init(x), x), spec)
 
 
-def _torchao(x, target, mapping, domain, block_size, preserve_zero=True, **kwargs):
-    """torchao's scale, zero point (None for NONE), integer codes and values in ``x.dtype``."""
-    if not preserve_zero:
-        choose = qp_lib._choose_qparams_affine_dont_preserve_zero
-    elif domain == "FLOAT":
-        choose = qp_lib._choose_qparams_affine_tinygemm
-    else:
-        choose = qp_lib.choose_qparams_affine
-    scale, zero_point = choose(x, mapping, block_size, target, **kwargs)
-    qmin, qmax = qp_lib._get_and_check_qmin_qmax(target, kwargs.get("quant_min"), kwargs.get("quant_max"))
-    if domain == "NONE":
-        zero_point = None
-        quantize = qp_lib._quantize_affine_no_zero_point_no_dtype_cast
-        dequantize = qp_lib._dequantize_affine_no_zero_point_no_dtype_check
-    elif domain == "FLOAT":
-        quantize = qp_lib._quantize_affine_tinygemm_no_dtype_cast
-        dequantize = qp_lib._dequantize_affine_tinygemm_no_dtype_check
-    else:
-        quantize, dequantize = qp_lib._quantize_affine_no_dtype_cast, qp_lib._dequantize_affine_no_dtype_check
-    codes = quantize(x, block_size, scale, zero_point, qmin, qmax)
-    values = dequantize(codes, block_size, scale, zero_point, qmin, qmax, x.dtype)
-    return scale, zero_point, codes, values
-
-
 def _assert_matches(spec, x, target, mapping, domain, block_size, preserve_zero=True, **kwargs):
-    scale, zero_point, codes, values = _torchao(x, target, mapping, domain, block_size, preserve_zero, **kwargs)
+    scale, zero_point, codes, values = torchao_affine(x, target, mapping, domain, block_size, preserve_zero, **kwargs)
     qp = _observe(spec, x)
     assert torch.equal(qp.scale.reshape(scale.shape), scale.float())
     if zero_point is not None:
