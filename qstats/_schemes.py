@@ -263,10 +263,6 @@ GROUPED_ATTENTION = (
 )
 
 
-def _per_head(args) -> bool:
-    return args is not None and args.strategy == "attn_head"
-
-
 def _static_activation_refusal(args, site: str) -> str:
     """Why static activation ``args`` of ``site`` are refused, or "": per-group ones (``group``, and
     ``tensor_group`` with ``dynamic=False``, not NVFP4's ``"local"``: `STATIC_GROUP_ACTIVATIONS`),
@@ -283,7 +279,8 @@ def _static_activation_refusal(args, site: str) -> str:
 
 
 def _rule(Rule, targets, args, site: str, observed_dtype, caller: str):
-    if _per_head(args) and site not in ("q", "k", "v"):  # PerHead(1) would read a Linear's second axis
+    # PerHead(1) would read a Linear's second axis
+    if args.strategy == "attn_head" and site not in ("q", "k", "v"):
         raise ValueError(f"the {site} args: {ATTN_HEAD_LINEAR}")
     refusal = _static_activation_refusal(args, site)
     if refusal:
@@ -295,8 +292,8 @@ def _rule(Rule, targets, args, site: str, observed_dtype, caller: str):
         spec = QuantSpec.from_compressed_tensors(args.model_copy(update={"dynamic": False}), **overrides)
         return Rule(targets, sites=(site,), observer="memoryless_minmax", spec=spec, dynamic=True)
     spec = QuantSpec.from_compressed_tensors(args, **overrides)
-    observers = _weight_observer if site == "weight" else _activation_observer
-    observer, observer_kwargs, qparams_kwargs = observers(args)
+    observer, observer_kwargs, qparams_kwargs = (
+        _weight_observer if site == "weight" else _activation_observer)(args)
     return Rule(targets, sites=(site,), observer=observer, spec=spec, observer_kwargs=observer_kwargs,
                 qparams_kwargs=qparams_kwargs)
 
@@ -309,13 +306,9 @@ _LINEARIZED_SITES = {**_EXPERT_SITES, "weight": ("gate_up_proj", "up_proj", "dow
 
 def matches_targets(targets: tuple, path: str, module) -> bool:
     """Whether a module at ``path`` is one of ``targets``: a ``re:`` full match of the path, the path, or a class name."""
-    for target in targets:
-        if target.startswith("re:"):
-            if re.fullmatch(target[3:], path):
-                return True
-        elif target == path or (module is not None and _is_class_name(module, target)):
-            return True
-    return False
+    return any(re.fullmatch(target[3:], path) if target.startswith("re:")
+               else target == path or (module is not None and _is_class_name(module, target))
+               for target in targets)
 
 
 def _is_class_name(module: torch.nn.Module, target: str) -> bool:
@@ -539,8 +532,8 @@ def with_checkpoint_ignore(matcher, path: str, module, rename) -> Any:
     or none named so, as it is."""
     if not isinstance(matcher, (GroupMatch, ExpertsMatch)) or not matcher.ignore:
         return matcher
-    names = linearized_experts(path, module)
-    extra = tuple(name for name in names if rename(name) != name and _ignored([rename(name)], matcher.ignore))
+    extra = tuple(name for name in linearized_experts(path, module)
+                  if rename(name) != name and _ignored([rename(name)], matcher.ignore))
     return dataclasses.replace(matcher, ignore=matcher.ignore + extra) if extra else matcher
 
 
@@ -697,7 +690,7 @@ def _group_rules(Rule, groups: list, observed_dtype, ignore: tuple, caller: str)
         # an attention group (it may name attention modules): their q, k, v take the input args; per-head
         # (attn_head) input args quantize those alone, and compressed-tensors refuses them on a Linear
         attention = group.weights is None and group.input_activations is not None and set(group.targets) - _LINEAR_CLASSES
-        per_head = attention and _per_head(group.input_activations)
+        per_head = attention and group.input_activations.strategy == "attn_head"
         for key, site in _SITES:
             args = getattr(group, key)
             if args is not None and not (per_head and site == "input"):
@@ -723,8 +716,8 @@ def _kv_rule(Rule, kv_cache_scheme, observed_dtype, caller: str):
     if args.dynamic == "local":
         raise ValueError(f"{caller}: the kv_cache_scheme: {GROUPED_ATTENTION}")
     # its matcher selects the modules; its targets only name it (in warnings: "selects no site")
-    kv = _rule(Rule, "kv_cache_scheme", args, "k", observed_dtype, caller)
-    return dataclasses.replace(kv, sites=("k", "v"), matcher=kv_cache_sites)
+    return dataclasses.replace(_rule(Rule, "kv_cache_scheme", args, "k", observed_dtype, caller),
+                               sites=("k", "v"), matcher=kv_cache_sites)
 
 
 def _strings(ignore) -> tuple:
@@ -942,9 +935,7 @@ def _warn_unknown_keys(config: Mapping) -> None:
     from compressed_tensors.quantization import QuantizationConfig
 
     known = (*QuantizationConfig.model_fields, *_CHECKPOINT_KEYS)
-    for key in config:
-        if key in known:
-            continue
+    for key in [key for key in config if key not in known]:
         nearest = difflib.get_close_matches(str(key), known, n=1)
         hint = f"; did you mean {nearest[0]!r}?" if nearest else f"; known: {', '.join(known)}"
         warn(f"Recipe.from_compressed_tensors: the quantization config's key {key!r} is none compressed-tensors "
