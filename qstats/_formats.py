@@ -203,10 +203,8 @@ def code_dtype(spec) -> torch.dtype:
     """The torch dtype that holds ``spec``'s codes (smallest integer type, or the fp8 dtype)."""
     if spec.is_float:
         return spec.float_format.torch_dtype or torch.uint8  # uint8 bit codes for fp6/fp4
-    for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32):
-        if integer_dtype_holds(dtype, spec.qrange):
-            return dtype
-    return torch.int64
+    return next((dtype for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32)
+                 if integer_dtype_holds(dtype, spec.qrange)), torch.int64)
 
 
 def integer_dtype_holds(dtype, qrange) -> bool:
@@ -302,10 +300,8 @@ def _largest_finite_exponent(spec) -> int:
     when dequantized: rounding a range near half the float32 range up to a power of two could
     otherwise put the farthest code (-128 for int8, beyond ``element_max``'s 127) past it."""
     farthest = _code_distance(spec, max)
-    biased = 254
-    while biased > 0 and farthest * 2.0 ** (biased - _F32_BIAS) > torch.finfo(torch.float32).max:
-        biased -= 1
-    return biased
+    return next((biased for biased in range(254, 0, -1)
+                 if not farthest * 2.0 ** (biased - _F32_BIAS) > torch.finfo(torch.float32).max), 0)
 
 
 def e8m0_to_float(biased: torch.Tensor) -> torch.Tensor:
