@@ -293,10 +293,7 @@ class QuantSpec:
         if self.is_float:
             fmax = _FLOAT_FORMATS[self.dtype].max
             return -fmax, fmax
-        if self.quant_min is not None:
-            lo, hi = self.quant_min, self.quant_max
-        else:
-            lo, hi = self.dtype_range
+        lo, hi = self.dtype_range if self.quant_min is None else (self.quant_min, self.quant_max)
         if self.reduce_range:  # the dtype's own range halved is one bit fewer (one-bit dtypes are refused)
             lo, hi = lo // 2, hi // 2
         if self.mapping == "narrow":
@@ -318,8 +315,7 @@ class QuantSpec:
             return self.symmetric_zero_point
         if self.is_signed:
             return 0
-        lo, hi = self.qrange
-        return (lo + hi + 1) // 2
+        return (sum(self.qrange) + 1) // 2
 
     def replace(self, **changes) -> "QuantSpec":
         """A copy with some fields changed (validated again)."""
