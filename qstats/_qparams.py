@@ -126,14 +126,13 @@ class NoStatistics(TypeError):
 
 def range_rule_for(state) -> Callable[..., Any]:
     """The range rule registered for ``state``'s class (or its nearest base); TypeError without one."""
-    for cls in type(state).__mro__:
-        rule = _RANGE_RULES.get(cls)
-        if rule is not None:
-            return rule
-    raise NoStatistics(
-        f"compute_qparams: no range rule for {type(state).__name__}; register one with "
-        "qstats.register_range_rule"
-    )
+    rule = next((_RANGE_RULES[cls] for cls in type(state).__mro__ if cls in _RANGE_RULES), None)
+    if rule is None:
+        raise NoStatistics(
+            f"compute_qparams: no range rule for {type(state).__name__}; register one with "
+            "qstats.register_range_rule"
+        )
+    return rule
 
 
 def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
@@ -252,8 +251,8 @@ def pin_range(observed: Range, float_range: tuple) -> Range:
     max_val = observed.max_val.float()
     min_val = (min_val if lo is None else torch.full_like(min_val, lo)).clamp(max=0.0)
     max_val = (max_val if hi is None else torch.full_like(max_val, hi)).clamp(min=0.0)
-    pinned = lo is not None and hi is not None  # both ends: calibrated everywhere
-    calibrated = torch.ones_like(min_val, dtype=torch.bool) if pinned else observed.calibrated
+    calibrated = (torch.ones_like(min_val, dtype=torch.bool) if lo is not None and hi is not None
+                  else observed.calibrated)  # both ends pinned: calibrated everywhere
     return Range(min_val, max_val, calibrated)
 
 
@@ -362,10 +361,8 @@ def _minval(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec, calib
     """coreai_opt's ``minval`` of a float32 range (see `QParams`): entries that saw no data take
     ``quant_min``, i.e. ``(quant_min - 0) * 1`` under the fallback scale 1 and zero point 0, so
     both formulations dequantize alike there."""
-    if spec.mapping == "asymmetric":
-        minval = torch.min(min_val, torch.zeros_like(min_val))
-    else:
-        minval = -torch.max(min_val.abs(), max_val.abs())
+    minval = (torch.min(min_val, torch.zeros_like(min_val)) if spec.mapping == "asymmetric"
+              else -torch.max(min_val.abs(), max_val.abs()))
     # coreai_opt's minval is in the input's dtype (spec.compute_dtype): a pinned end rounds to it,
     # saturating where it is past that dtype's range (as the scale does)
     compute = getattr(torch, spec.compute_dtype)
