@@ -208,8 +208,7 @@ def _padded(x: torch.Tensor, block: tuple) -> torch.Tensor:
     shortfalls = _shortfalls(x.shape, block)
     if not any(shortfalls):
         return x
-    pads = [n for short in reversed(shortfalls) for n in (0, short)]
-    return torch.nn.functional.pad(x, pads)
+    return torch.nn.functional.pad(x, [n for short in reversed(shortfalls) for n in (0, short)])
 
 
 def _row_dim(granularity, shape) -> int:
@@ -321,8 +320,8 @@ def weight_view(x: torch.Tensor, weight, granularity: Granularity):
 def _padding_mask(x: torch.Tensor, granularity: Granularity):
     """None, or for a partial PerBlock whose edge blocks are padded, the bool canonical view that
     is False on the padding: observers reduce an edge block over its real values only."""
-    if not isinstance(granularity, PerBlock) or not granularity.partial or x.ndim < len(granularity.block_shape):
-        return None
-    if not any(_shortfalls(x.shape, granularity.block_shape)):
+    if (not isinstance(granularity, PerBlock) or not granularity.partial
+            or x.ndim < len(granularity.block_shape)
+            or not any(_shortfalls(x.shape, granularity.block_shape))):
         return None
     return canonical_view(torch.ones(x.shape, dtype=torch.bool, device=x.device), granularity)
