@@ -29,8 +29,8 @@ def _save_transforms(model: torch.nn.Module) -> list:
         return []
     transforms = getattr(model, "_weight_conversions", None)
     if transforms is None:
-        transforms = get_model_conversion_mapping(model, add_legacy=False)
-        transforms = [t for t in transforms if not isinstance(t, PrefixChange)]
+        transforms = [t for t in get_model_conversion_mapping(model, add_legacy=False)
+                      if not isinstance(t, PrefixChange)]
     return list(transforms or ())
 
 
