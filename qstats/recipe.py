@@ -61,7 +61,6 @@ def _targets(targets, what: str) -> tuple:
         targets = (targets,)
     if not isinstance(targets, (tuple, list)):
         raise TypeError(f"{what} must be a string or a tuple of strings, got {type(targets).__name__}")
-    targets = tuple(targets)
     for target in targets:
         if not isinstance(target, str) or not target:
             raise TypeError(f"{what} must be non-empty strings, got {target!r}")
@@ -70,7 +69,7 @@ def _targets(targets, what: str) -> tuple:
                 re.compile(target[3:])
             except re.error as error:
                 raise ValueError(f"{what}: invalid regular expression {target[3:]!r}: {error}") from None
-    return targets
+    return tuple(targets)
 
 
 def _ignore_hits(target: str, paths, classes) -> bool:
@@ -315,9 +314,9 @@ def averages_feature_groups(factory: Callable, options: Mapping, spec: QuantSpec
     (`qstats.moving_average_minmax`) or of searched ranges (`qstats.mse` in ``mode="moving_average"``), whose
     per-group averages and searches differ from the whole tensor's. Other observers see the whole tensor
     (running and latest extremes: the same maximum). `Recipe` sites and `qstats.llmcompressor`'s drop-ins."""
-    if not isinstance(spec.granularity, TensorGroup):
-        return False
-    return observer_registry.name_of(factory) == "moving_average_minmax" or _moving_average_mse(factory, options)
+    return isinstance(spec.granularity, TensorGroup) and (
+        observer_registry.name_of(factory) == "moving_average_minmax"
+        or _moving_average_mse(factory, options))
 
 
 def _moving_average_mse(factory: Callable, options: Mapping) -> bool:
@@ -745,8 +744,8 @@ class Recipe:
             module = model.get_submodule(path) if module is None else module
         if _ignored_module(self.ignore, path, module, rename):
             return None
-        covering = (rule for rule in self.rules if site in _checkpoint_rule(rule, path, module, rename).sites_on(path, module))
-        return next(covering, None)
+        return next((rule for rule in self.rules if site in
+                     _checkpoint_rule(rule, path, module, rename).sites_on(path, module)), None)
 
     def resolve(self, model: torch.nn.Module) -> Plan:
         """The `Plan` of this recipe on ``model``: every observed site, the modules by path and
