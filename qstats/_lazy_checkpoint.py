@@ -45,6 +45,7 @@ class LazyCheckpoint:
         self.where = where  # the public function named in errors
         if not os.path.isdir(self.directory):
             raise ValueError(f"{where}: checkpoint {self.directory!r} is not a directory")
+        _check_float_weights(self.directory, where)
         index = os.path.join(self.directory, "model.safetensors.index.json")
         # model.safetensors first, as from_pretrained reads it: save_pretrained writing one file over
         # shards removes the shards but leaves their index behind
@@ -124,6 +125,45 @@ class LazyCheckpoint:
                                  f"{[tuple(part.shape) for part in parts]}, unlike expert 0's")
             stacked[expert] = torch.cat(parts)
         return stacked
+
+
+# compressed-tensors formats whose weights are stored as floats ("fakequant": QuantizationConfig's default)
+_FLOAT_FORMATS = {None, "dense", "fakequant"}
+
+
+def _quantization_config(directory: str) -> Optional[dict]:
+    """The ``quantization_config`` of the checkpoint's ``config.json``, else None (no such file or key,
+    or a file that is not a JSON object: the model was built from its config, not read here)."""
+    try:
+        with open(os.path.join(directory, "config.json")) as file:
+            config = json.load(file)
+    except (OSError, ValueError):
+        return None
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    return quantization if isinstance(quantization, dict) else None
+
+
+def _check_float_weights(directory: str, where: str) -> None:
+    """ValueError naming the ``quantization_config`` of a checkpoint whose weights are stored quantized
+    (compressed-tensors' int8, float8 or packed codes beside their scales; another library's quantized
+    weights), before any tensor is read: cast to the model's dtype they would lose their scales. A
+    compressed-tensors config whose weights are stored as floats (format ``dense``: activations or the
+    kv cache quantized only, or saved with ``save_compressed=False``) is read as a float checkpoint."""
+    config = _quantization_config(directory)
+    if config is None:
+        return
+    groups = config.get("config_groups")
+    sparsity = config.get("sparsity_config")
+    formats = {config.get("format"), sparsity.get("format") if isinstance(sparsity, dict) else None}
+    formats |= {group.get("format") for group in (groups.values() if isinstance(groups, dict) else ())
+                if isinstance(group, dict)}
+    if config.get("quant_method") == "compressed-tensors" and formats <= _FLOAT_FORMATS:
+        return
+    named = ", ".join(f"{key}={config[key]!r}" for key in ("quant_method", "format", "quantization_status")
+                      if key in config) or f"keys {sorted(config)}"
+    raise ValueError(f"{where}: checkpoint {directory!r} is quantized: its config.json holds a quantization_config "
+                     f"({named}) whose weights are stored quantized, which is not read here (cast to the model's "
+                     "dtype they would lose their scales); give the float checkpoint it was quantized from")
 
 
 def _weight_map(index) -> dict:

@@ -1,4 +1,6 @@
-"""qstats.calibrate_layerwise and compressed_tensors_layerwise given a quantized checkpoint.
+"""qstats.calibrate_layerwise and compressed_tensors_layerwise given a quantized checkpoint whose
+config.json lost its ``quantization_config`` (with it, both refuse the checkpoint up front, naming the
+config: tests/test_layerwise_quantized_checkpoint_config.py).
 
 A compressed-tensors W8A8 checkpoint (the ``int-quantized`` format llm-compressor's ``oneshot``
 writes; here `qstats.export.compressed_tensors`, its checkpoint bit for bit) stores each Linear
@@ -10,6 +12,7 @@ ones), and leave the model on the meta device. A packed checkpoint (int4 ``pack-
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
@@ -30,6 +33,14 @@ CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_la
 BATCHES = [{"input_ids": torch.arange(14).reshape(2, 7) % 96}]
 
 
+def _without_quantization_config(folder: str) -> None:
+    with open(os.path.join(folder, "config.json")) as file:
+        config = json.load(file)
+    del config["quantization_config"]
+    with open(os.path.join(folder, "config.json"), "w") as file:
+        json.dump(config, file)
+
+
 @pytest.fixture
 def quantized(tmp_path):
     torch.manual_seed(0)
@@ -37,6 +48,7 @@ def quantized(tmp_path):
     qparams = qstats.compute_qparams_tree(qstats.calibrate(model, BATCHES, RECIPE, progress=False), RECIPE, model)
     folder = str(tmp_path / "w8a8")
     qstats.export.compressed_tensors(model, qparams, folder, RECIPE)
+    _without_quantization_config(folder)
     with safe_open(os.path.join(folder, "model.safetensors"), "pt") as file:
         assert file.get_slice("model.layers.0.self_attn.q_proj.weight").get_dtype() == "I8"
     return folder, qparams
@@ -89,6 +101,7 @@ def test_a_packed_weight_of_a_quantized_checkpoint_is_named_as_such(tmp_path, ar
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         qstats.export.compressed_tensors(model, qparams, folder, recipe)
+    _without_quantization_config(folder)
     with safe_open(os.path.join(folder, "model.safetensors"), "pt") as file:
         assert "model.layers.0.self_attn.q_proj.weight_packed" in file.keys()
         assert "model.layers.0.self_attn.q_proj.weight" not in file.keys()
