@@ -103,6 +103,23 @@ def _toy_calibrated():
     return experts, recipe, batch, qstats.compute_qparams_tree(states, recipe, experts)
 
 
+def _toy_by_hand(experts, entry, x, index):
+    """`_Experts`' output recomputed in plain torch (one expert a token, routing weights of 1): each
+    expert's rows of its ``"input"`` and ``"down_proj.input"`` fake-quantized with
+    torch.fake_quantize_per_tensor_affine (int8 symmetric) under that expert's scale of ``entry``."""
+    out = torch.zeros_like(x)
+    for e in range(2):
+        token = torch.where(index[:, 0] == e)[0]
+
+        def quantize(t, site):
+            return torch.fake_quantize_per_tensor_affine(t, float(entry[site].scale[e]), 0, -128, 127)
+
+        gate, up = (quantize(x[token], "input") @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
+        y = quantize(torch.nn.functional.silu(gate) * up, "down_proj.input") @ experts.down_proj[e].T
+        out = out.index_add(0, token, y)
+    return out
+
+
 def test_each_expert_input_under_its_own_scale():
     """Against the module recomputed in plain torch: each expert's rows fake-quantized with
     torch.fake_quantize_per_tensor_affine under that expert's scale."""
@@ -111,16 +128,7 @@ def test_each_expert_input_under_its_own_scale():
     with torch.no_grad():
         with qstats.fake_quantized(experts, qparams, recipe):
             ours = experts(x, index, weights)
-        expected = torch.zeros_like(x)
-        for e in range(2):
-            token = torch.where(index[:, 0] == e)[0]
-
-            def quantize(t, site):
-                return torch.fake_quantize_per_tensor_affine(t, float(entry[site].scale[e]), 0, -128, 127)
-
-            h = quantize(x[token], "input") @ experts.gate_up_proj[e].T
-            gate, up = h.chunk(2, dim=-1)
-            expected[token] = quantize(torch.nn.functional.silu(gate) * up, "down_proj.input") @ experts.down_proj[e].T
+        expected = _toy_by_hand(experts, entry, x, index)
     assert not torch.equal(entry["input"].scale[0], entry["input"].scale[1])
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
 
@@ -269,15 +277,7 @@ def test_a_nested_call_of_the_experts_is_quantized_once():
     with torch.no_grad():
         with qstats.fake_quantized(experts, qparams, recipe):
             ours = experts(x, index, weights)
-        expected = torch.zeros_like(x)
-        for e in range(2):
-            token = torch.where(index[:, 0] == e)[0]
-
-            def quantize(t, site):
-                return torch.fake_quantize_per_tensor_affine(t, float(qparams[""][site].scale[e]), 0, -128, 127)
-
-            gate, up = (quantize(x[token], "input") @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
-            expected[token] = quantize(torch.nn.functional.silu(gate) * up, "down_proj.input") @ experts.down_proj[e].T
+        expected = _toy_by_hand(experts, qparams[""], x, index)
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
 
 
@@ -325,20 +325,7 @@ def test_gradients_equal_torch_straight_through_per_expert():
         with qstats.fake_quantized(experts, qparams, recipe):
             return experts(leaf, index, weights)
 
-    def by_hand(leaf):
-        out = torch.zeros_like(leaf)
-        for e in range(2):
-            token = torch.where(index[:, 0] == e)[0]
-
-            def quantize(t, site):
-                return torch.fake_quantize_per_tensor_affine(t, float(entry[site].scale[e]), 0, -128, 127)
-
-            gate, up = (quantize(leaf[token], "input") @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
-            y = quantize(torch.nn.functional.silu(gate) * up, "down_proj.input") @ experts.down_proj[e].T
-            out = out.index_add(0, token, y)
-        return out
-
-    got, expected = gradients(ours), gradients(by_hand)
+    got, expected = gradients(ours), gradients(lambda leaf: _toy_by_hand(experts, entry, leaf, index))
     assert (got[0] == 0).any() and (got[0] != 0).any()
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
