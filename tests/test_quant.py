@@ -16,25 +16,12 @@ import itertools
 
 import pytest
 import torch
+from test_compat_torch_ao import ALLOWED_DTYPES as DTYPES  # every dtype torch.ao's observers accept
+from test_compat_torch_ao import PER_CHANNEL, PER_TENSOR
 from torch.ao.quantization import observer as ao
 
 import qstats
 
-PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
-PER_CHANNEL = (torch.per_channel_affine, torch.per_channel_symmetric, torch.per_channel_affine_float_qparams)
-DTYPES = (
-    torch.qint8,
-    torch.quint8,
-    torch.quint4x2,
-    torch.qint32,
-    torch.int8,
-    torch.uint8,
-    torch.int16,
-    torch.int32,
-    torch.float8_e5m2,
-    torch.float8_e4m3fn,
-    torch.uint16,
-)
 RANGES = ((None, None), (0, 15), (-8, 7), (-3, 4), (0, 1000), (-(2**15), 2**15 - 1), (-(2**31), 2**31 - 1))
 HALF_AND_SINGLE = (torch.float32, torch.bfloat16, torch.float16)
 # float64: torch computes x * inv_scale in float64 and the per-channel product (code - zero point) * scale
