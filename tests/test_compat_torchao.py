@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from _torchao_affine import NO_CAST, torchao_qparams
 
 import qstats
 
@@ -69,15 +70,11 @@ def _check(spec, x, block_size, target_dtype, mapping, domain, scale_dtype=torch
     qmin, qmax = spec.qrange
     if domain == "INT":
         assert torch.equal(qp.zero_point.reshape(zero_point.shape).to(zero_point.dtype), zero_point)
-        quantize, dequantize = qp_lib._quantize_affine_no_dtype_cast, qp_lib._dequantize_affine_no_dtype_check
     elif domain == "NONE":
         zero_point = None
-        quantize = qp_lib._quantize_affine_no_zero_point_no_dtype_cast
-        dequantize = qp_lib._dequantize_affine_no_zero_point_no_dtype_check
     else:
         assert torch.equal(qp.zero_point.reshape(zero_point.shape), zero_point)
-        quantize = qp_lib._quantize_affine_tinygemm_no_dtype_cast
-        dequantize = qp_lib._dequantize_affine_tinygemm_no_dtype_check
+    quantize, dequantize = NO_CAST[domain]
     codes = quantize(x, block_size, scale, zero_point, qmin, qmax)
     values = dequantize(codes, block_size, scale, zero_point, qmin, qmax, torch.float32)
     ours = qstats.quantize(x, qp, spec)
@@ -544,11 +541,6 @@ _TORCHAO_QUANTIZE = {
     "NONE": (qp_lib._quantize_affine_no_zero_point, qp_lib._dequantize_affine_no_zero_point),
     "FLOAT": (qp_lib._quantize_affine_tinygemm, qp_lib._dequantize_affine_tinygemm),
 }
-_TORCHAO_NO_CAST = {
-    "INT": (qp_lib._quantize_affine_no_dtype_cast, qp_lib._dequantize_affine_no_dtype_check),
-    "NONE": (qp_lib._quantize_affine_no_zero_point_no_dtype_cast, qp_lib._dequantize_affine_no_zero_point_no_dtype_check),
-    "FLOAT": (qp_lib._quantize_affine_tinygemm_no_dtype_cast, qp_lib._dequantize_affine_tinygemm_no_dtype_check),
-}
 TORCHAO_TARGETS = SIGNED + UNSIGNED + [torch.int16, torch.int32]
 AFFINE_CASES = [  # (mapping, zero-point domain, preserve_zero)
     (MappingType.SYMMETRIC, "INT", True), (MappingType.ASYMMETRIC, "INT", True),
@@ -561,17 +553,10 @@ def _torchao_affine(x, target, mapping, domain, block_size, preserve_zero=True, 
     """torchao's qparams, its arithmetic's codes before the final dtype cast, its stored codes
     and its values in ``x``'s dtype, each from its own functions (the stored codes and values
     from the public ones where torch can hold the target: int1..int7 have no copy kernel)."""
-    if not preserve_zero:
-        choose = qp_lib._choose_qparams_affine_dont_preserve_zero
-    elif domain == "FLOAT":
-        choose = qp_lib._choose_qparams_affine_tinygemm
-    else:
-        choose = qp_lib.choose_qparams_affine
-    scale, zero_point = choose(x, mapping, block_size, target, **kwargs)
-    zero_point = None if domain == "NONE" else zero_point
+    scale, zero_point = torchao_qparams(x, target, mapping, domain, block_size, preserve_zero, **kwargs)
     qrange = (kwargs.get("quant_min"), kwargs.get("quant_max"))
     qmin, qmax = qp_lib._get_and_check_qmin_qmax(target, *qrange)
-    quantize_no_cast, dequantize_no_check = _TORCHAO_NO_CAST[domain]
+    quantize_no_cast, dequantize_no_check = NO_CAST[domain]
     uncast = quantize_no_cast(x, block_size, scale, zero_point, qmin, qmax)
     quantize, dequantize = _TORCHAO_QUANTIZE[domain]
     try:
