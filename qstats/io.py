@@ -426,8 +426,9 @@ def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") ->
         mismatch or an unknown state type (the message says which).
       TypeError: ``device`` is no device (``None``, a ``map_location`` dict), before the file is read.
       ValueError: ``device`` is not available here (no CUDA, a GPU index beyond the last), also before.
-      OSError: no file at ``path``, as ``open`` raises (FileNotFoundError, IsADirectoryError,
-        NotADirectoryError when a folder in it is a file, OSError ELOOP for a symlink loop).
+      OSError: no file at ``path``, as ``open`` raises (FileNotFoundError, for an empty path too, saying
+        so; IsADirectoryError, NotADirectoryError when a folder in it is a file, OSError ELOOP for a
+        symlink loop).
     """
     try:  # before the file is read: torch.device(None) is a TypeError
         device = torch.device(device)
@@ -436,6 +437,8 @@ def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") ->
     if device.type not in ("cpu", "meta"):
         check_available(device, "qstats.io.load")
     source = os.fsdecode(path)  # a bytes path too, as open() takes
+    if not source:  # open("") raises FileNotFoundError too, naming no file
+        raise FileNotFoundError(errno.ENOENT, "qstats.io: could not read '' (an empty path names no file)")
     if os.path.isdir(source):  # safetensors reports "No such device (os error 19)"
         raise IsADirectoryError(errno.EISDIR, f"qstats.io: {source} is a directory, not a checkpoint file")
     try:  # safetensors reports a symlink loop or a file used as a folder as "No such file or directory"
