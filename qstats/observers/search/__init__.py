@@ -69,7 +69,6 @@ def searches(observer: str = "histogram") -> tuple[str, ...]:
     return tuple(sorted(name for family, name in _SEARCHES if family == observer))
 
 
-register_search("l2", l2_search)
-register_search("mse", mse_search)
-register_search("entropy", entropy_search)
-register_search("percentile", percentile_search)
+for _name, _search in (("l2", l2_search), ("mse", mse_search), ("entropy", entropy_search),
+                       ("percentile", percentile_search)):
+    register_search(_name, _search)

@@ -151,10 +151,8 @@ def moments(edges, counts) -> Moments:
     s1 = counts * (a + b) / 2
     s2 = counts * (a * a + a * b + b * b) / 3
     zero = torch.zeros_like(counts[..., :1])
-    c0 = torch.cat([zero, counts.cumsum(-1)], -1)
-    c1 = torch.cat([zero, s1.cumsum(-1)], -1)
-    c2 = torch.cat([zero, s2.cumsum(-1)], -1)
-    return Moments(edges, counts, c0, c1, c2)
+    prefixes = (torch.cat([zero, terms.cumsum(-1)], -1) for terms in (counts, s1, s2))
+    return Moments(edges, counts, *prefixes)
 
 
 def cumulative(mom: Moments, t: torch.Tensor):

@@ -23,10 +23,10 @@ def _divergences(hist, cand, levels: int):
     lead = hist.shape[:-1]
     total = hist.sum(-1, keepdim=True)
     zero = torch.zeros_like(hist[..., :1])
-    c_count = torch.cat([zero, hist.cumsum(-1)], -1)  # prefix sums
-    c_nonzero = torch.cat([zero, (hist > 0).double().cumsum(-1)], -1)
     plogp = torch.where(hist > 0, hist * torch.log(torch.where(hist > 0, hist, torch.ones_like(hist))), zero)
-    c_plogp = torch.cat([zero, plogp.cumsum(-1)], -1)
+    # prefix sums of the counts, of the non-empty bins and of p log p
+    c_count, c_nonzero, c_plogp = (torch.cat([zero, terms.cumsum(-1)], -1)
+                                   for terms in (hist, (hist > 0).double(), plogp))
     # chunk boundaries: np.linspace(0, i, levels + 1) is k * (i / levels), the last point i;
     # np.digitize puts bin j in chunk c when space[c] <= j < space[c + 1]
     k = torch.arange(levels + 1, device=hist.device, dtype=torch.float64)
