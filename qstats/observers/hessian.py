@@ -139,8 +139,8 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
                          "square overflows the Hessian's dtype) and the spec says nonfinite='raise'")
             kept = kept & ok
         # total + where(kept, rows, 0).T @ rows; under vmap over experts, each expert's rows only
-        total = add_masked_gram(state.total, rows, kept)
-        return HessianState(total, state.count + kept.sum(), state.nonfinite + nonfinite)
+        return HessianState(add_masked_gram(state.total, rows, kept), state.count + kept.sum(),
+                            state.nonfinite + nonfinite)
 
     def merge_fn(a: HessianState, b: HessianState) -> HessianState:
         a, b = (checked_hessian_state(s, "hessian.merge", values=False) for s in (a, b))

@@ -105,11 +105,10 @@ def _batch_moments(x, weight, expected, spec: QuantSpec, power: float) -> Moment
         nonfinite = ((~finite) if mask is None else ((~finite) & mask)).sum(dim=(0, -1))
     dims = (0, -1)
     v = torch.where(included, v, torch.zeros_like(v))
-    weight_f = included.to(torch.float64)
     count = included.sum(dim=dims)
     total = v.sum(dim=dims)
     mean = total / count.clamp(min=1).to(torch.float64)
-    centred = (v - mean.unsqueeze(0).unsqueeze(-1)) * weight_f
+    centred = (v - mean.unsqueeze(0).unsqueeze(-1)) * included.to(torch.float64)
     m2 = (centred * centred).sum(dim=dims)
     magnitude = v.abs()  # 0 where left out
     largest = magnitude.amax(dim=dims)
@@ -262,18 +261,18 @@ def lp_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None, p
     if p is not None:
         _positive_finite(p, "p")
     # NaN orders: an update of this state by a moments observer of another p mixed two orders
-    expected = state.lp_order == (state.lp_order if p is None else float(p))
-    same = require(expected, f"compute_qparams: method 'lp' with p={p!r}, but the state holds the Lp sum of another "
-                   "order, or of mixed orders (NaN; state.lp_order is the p its moments observer was built with)")
+    same = require(state.lp_order == (state.lp_order if p is None else float(p)),
+                   f"compute_qparams: method 'lp' with p={p!r}, but the state holds the Lp sum of "
+                   "another order, or of mixed orders (NaN; state.lp_order is the p its moments "
+                   "observer was built with)")
     state = state._replace(lp_order=torch.where(same, state.lp_order, state.lp_order))
     amax = k * state.lp_norm
     return _as_float32_range(state, -amax, amax)
 
 
-register_search("mean_std", mean_std_search, observer="moments")
-register_search("rms", rms_search, observer="moments")
-register_search("abs_mean", abs_mean_search, observer="moments")
-register_search("lp", lp_search, observer="moments")
+for _name, _search in (("mean_std", mean_std_search), ("rms", rms_search),
+                       ("abs_mean", abs_mean_search), ("lp", lp_search)):
+    register_search(_name, _search, observer="moments")
 
 
 @register_range_rule(MomentsState)

@@ -513,8 +513,8 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
         lo, hi = (inf, -inf) if fixed is None else _expanded(*fixed, expand)
         count = torch.zeros(shape, dtype=torch.int64, device=device)
         loss = torch.zeros((*shape, len(factors)), dtype=torch.float64, device=device)
-        table = torch.tensor(factors, dtype=torch.float64, device=device)
-        return MSEState(lo, hi, loss, table, count, count.clone())
+        return MSEState(lo, hi, loss, torch.tensor(factors, dtype=torch.float64, device=device),
+                        count, count.clone())
 
     def update_fn(state: MSEState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MSEState:
         check_state(state, MSEState, "mse.update")
@@ -599,8 +599,9 @@ def _moving_average(spec, factors, norm, constant, patience, observe):
         check_merge_states(a, b, MovingAverageMSEState, "mse.merge")
         return merge_moving_extremes(a, b)
 
-    init_fn = extremes_init(MovingAverageMSEState, spec, "mse")  # +inf/-inf extremes, zero batches and counts
-    return Observer(init_fn, update_fn, merge_fn, exact=False, spec=spec, name="mse")
+    # init: +inf/-inf extremes, zero batches and counts
+    return Observer(extremes_init(MovingAverageMSEState, spec, "mse"), update_fn, merge_fn,
+                    exact=False, spec=spec, name="mse")
 
 
 @register_range_rule(MSEState)
@@ -610,9 +611,8 @@ def _mse_rule(state: MSEState, spec: QuantSpec, patience: Optional[int] = None, 
                         "the search's other options (maxshrink=, grid=, norm=) belong to qstats.mse(spec, ...)")
     p = _chosen_factor(state.loss, state.factors, checked_patience(patience, "compute_qparams"))
     calibrated = (state.count > 0) & (state.min_val <= state.max_val)
-    lo = torch.where(calibrated, state.min_val * p, state.min_val)
-    hi = torch.where(calibrated, state.max_val * p, state.max_val)
-    return Range(lo, hi, calibrated)
+    return Range(torch.where(calibrated, state.min_val * p, state.min_val),
+                 torch.where(calibrated, state.max_val * p, state.max_val), calibrated)
 
 
 @register_range_rule(MovingAverageMSEState)
