@@ -310,8 +310,7 @@ def check_homomorphism(obs, xs: Sequence[torch.Tensor], splits: Optional[Sequenc
             check(functools.reduce(obs.merge, folds), sequential,
                   f"(merge of per-group states for split {list(cuts)} vs sequential updates)", terms + folds)
     a, b = (xs[1], xs[2]) if len(xs) >= 3 else (xs[0], xs[1])
-    seen = obs.update(init, xs[0])
-    states = (("init", init), ("a state that has seen data", seen))
+    states = (("init", init), ("a state that has seen data", obs.update(init, xs[0])))
     dim = _concat_dim(obs, a, b, batch_dims)
     if dim is not None:
         _check_concatenation(obs, a, b, dim, init, states, check, batch_dims)
@@ -727,8 +726,8 @@ def _check_slices(obs, xs: Sequence[torch.Tensor], states, weights: bool, approx
               "observed alike)", (state, updated))
         check(obs.merge(roll(state), roll(seen)), roll(merged),
               f"merge of slices rolled along dim {dim} vs the rolled merge", (state, seen))
-    mixed = _first_slice_of(x, other, batch_dims)
-    _check_first_slice(check, obs.update(state, mixed, *extra), updated, batch_dims, "data")
+    _check_first_slice(check, obs.update(state, _first_slice_of(x, other, batch_dims), *extra),
+                       updated, batch_dims, "data")
     if mask is not None:
         _check_slice_weights(obs, x, mask, check, batch_dims)
 
@@ -755,7 +754,7 @@ def _check_slice_weights(obs, x: torch.Tensor, mask: torch.Tensor, check, batch_
     as its materialized copy."""
     state = obs.init(x)  # from init: a state that has seen x would hide the weight of min/max observers
     updated = obs.update(state, x, mask)
-    mixed = _first_slice_of(mask, 1 - mask, batch_dims)
+    mixed = _first_slice_of(mask, 1 - mask, batch_dims)  # the other slices' weights changed
     _check_first_slice(check, obs.update(state, x, mixed), updated, batch_dims, "weights")
     shared = x[(0,) * batch_dims].expand(x.shape)
     check(obs.update(state, shared, mask), obs.update(state, shared.contiguous(), mask),

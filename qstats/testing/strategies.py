@@ -90,5 +90,5 @@ def splits(count: int, min_cuts: int = 0) -> st.SearchStrategy[list]:
     into ``xs[:1], xs[1:3], xs[3:]``); at least ``min_cuts`` of them where ``count`` allows."""
     if count < 2:
         return st.just([])
-    least = min(min_cuts, count - 1)
-    return st.lists(st.integers(1, count - 1), unique=True, min_size=least, max_size=count - 1).map(sorted)
+    return st.lists(st.integers(1, count - 1), unique=True, min_size=min(min_cuts, count - 1),
+                    max_size=count - 1).map(sorted)
