@@ -167,8 +167,7 @@ def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: tor
     upper Cholesky factor of the inverse. Where it fails or the Hessian is not ``usable``: the
     identity (round-to-nearest). ``shared`` > 0: ``hessian`` ``[1, in, in]`` stands for that many
     experts (the warning names them all)."""
-    columns = hessian.shape[-1]
-    eye = torch.eye(columns, dtype=hessian.dtype, device=hessian.device)
+    eye = torch.eye(hessian.shape[-1], dtype=hessian.dtype, device=hessian.device)
     diagonal = torch.diagonal(hessian, dim1=-2, dim2=-1)  # written in place: `_gptq_core`'s own tensor
     dead = diagonal == 0
     diagonal.add_(dead.to(hessian.dtype) if fill is None else torch.where(dead, fill[..., None], 0.0))

@@ -215,15 +215,13 @@ def tensor_error(x: torch.Tensor, qparams, spec, mask: Optional[torch.Tensor] = 
     quantized = fake_quantize(x, qparams, spec).to(wide)  # in x's dtype: a bf16 model's values round to bf16
     view = canonical_view(x, spec.granularity)
     x = x.to(wide)
-    scale = broadcast_to_view(qparams.scale.float())
-    zero_point = broadcast_to_view(qparams.zero_point)
-    unclamped, _ = _codes_float(view, scale, zero_point, spec, global_scale=qparams.global_scale)
-    outside = _clipped(unclamped, spec)
+    unclamped, _ = _codes_float(view, broadcast_to_view(qparams.scale.float()),
+                                broadcast_to_view(qparams.zero_point), spec, qparams.global_scale)
     finite = torch.isfinite(x)
     counted = torch.ones_like(finite) if mask is None else (mask != 0).to(x.device).expand(x.shape)
     keep, left_out = finite & counted, ~finite & counted
     signal, noise = _energy(x, keep), _energy(x - quantized, keep)
-    clipped = int((outside & canonical_view(keep, spec.granularity)).sum())
+    clipped = int((_clipped(unclamped, spec) & canonical_view(keep, spec.granularity)).sum())
     return signal, noise, clipped, int(keep.sum()), int(left_out.sum())
 
 
@@ -330,8 +328,8 @@ def _check_qparams(qparams: Mapping, plan: Optional[Plan], activations: bool) ->
     `fake_quantized` refuses them."""
     for path, entry in qparams.items():
         if not isinstance(entry, Mapping):
-            got = type(entry).__name__
-            raise TypeError(f"report: qparams[{path!r}] must be a mapping {{site: QParams}}, got {got}")
+            raise TypeError(f"report: qparams[{path!r}] must be a mapping {{site: QParams}}, "
+                            f"got {type(entry).__name__}")
         for site, qp in entry.items():
             if qp is not None and not isinstance(qp, QParams):
                 raise TypeError(
