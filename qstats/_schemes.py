@@ -157,8 +157,8 @@ def check_observer_kwargs(factory, factory_options: Mapping, qparams_options: Ma
     (llm-compressor's ``mse`` averages with it; there it would be ignored). The searches check their
     values (a histogram's ``percentile``, ``candidates``, ``start_bin``) only when they run, so those
     are tried on a small per-tensor sample."""
-    accumulating = factory_options.get("mode", "accumulate") == "accumulate"
-    if factory is registry.get("mse") and accumulating and "averaging_constant" in factory_options:
+    if (factory is registry.get("mse") and factory_options.get("mode", "accumulate") == "accumulate"
+            and "averaging_constant" in factory_options):
         raise ValueError(  # a weight's is dropped (split_observer_kwargs)
             f"{where}: observer_kwargs averaging_constant applies to mode='moving_average' (llm-compressor's "
             "mse); qstats_mse sums the losses of all batches unless observer_kwargs give mode='moving_average'")
@@ -698,8 +698,8 @@ def _group_rules(Rule, groups: list, observed_dtype, ignore: tuple, caller: str)
                 rules.append(dataclasses.replace(rule, matcher=matcher))
         if attention:
             rule = _rule(Rule, tuple(group.targets), group.input_activations, "q", observed_dtype, caller)
-            heads = GroupMatch(names, index, True, linear_refusal=ATTN_HEAD_LINEAR if per_head else "")
-            rules.append(dataclasses.replace(rule, sites=("q", "k", "v"), matcher=heads))
+            rules.append(dataclasses.replace(rule, sites=("q", "k", "v"), matcher=GroupMatch(
+                names, index, True, linear_refusal=ATTN_HEAD_LINEAR if per_head else "")))
     return rules
 
 
