@@ -372,8 +372,8 @@ def qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec, global_scale=Non
     computed from the absolute maximum over all of ``min_val``/``max_val`` (the whole tensor).
     """
     amax = torch.max(min_val.clamp(max=0.0).abs(), max_val.clamp(min=0.0).abs())
-    symmetric_zero_point = 0 if (spec.is_float or spec.zero_point_domain == "none") else spec.zero_point_of_symmetric
-    zero_point = torch.full_like(amax, symmetric_zero_point, dtype=torch.int32)
+    zero_point = torch.full_like(amax, 0 if (spec.is_float or spec.zero_point_domain == "none")
+                                 else spec.zero_point_of_symmetric, dtype=torch.int32)
     if isinstance(spec.granularity, TensorGroup):
         if global_scale is None:
             global_scale = global_scale_from_amax(amax.amax() if amax.numel() else amax.new_zeros(()), spec)
