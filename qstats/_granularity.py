@@ -289,8 +289,7 @@ def from_canonical_view(view: torch.Tensor, granularity: Granularity, shape) -> 
         return padded[(..., *(slice(0, size) for size in shape[lead:]))]  # the edge blocks' padding dropped
     if isinstance(granularity, (PerToken, PerRow)):
         dim = _row_dim(granularity, shape)
-        moved = shape[:dim] + shape[dim + 1 :] + (shape[dim],)
-        return view.reshape(moved).movedim(-1, dim)
+        return view.reshape(shape[:dim] + shape[dim + 1 :] + (shape[dim],)).movedim(-1, dim)
     return view.reshape(shape)
 
 
