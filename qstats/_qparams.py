@@ -374,5 +374,5 @@ def _with_minval_of_codes(qparams: QParams, spec: QuantSpec) -> QParams:
     """``qparams`` from a rule that gives them directly (fixed qparams, no range), with ``minval`` the
     value of code ``quant_min``, ``(quant_min - zero_point) * scale``: what makes the MINVAL
     formulation dequantize as the zero-point one."""
-    minval = (float(spec.qmin) - qparams.zero_point.float()) * qparams.scale.float()
-    return qparams._replace(minval=minval)
+    return qparams._replace(
+        minval=(float(spec.qmin) - qparams.zero_point.float()) * qparams.scale.float())
