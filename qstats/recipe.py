@@ -329,8 +329,8 @@ def feature_grouped(make: Callable[[QuantSpec], Observer], spec: QuantSpec) -> O
     ``make(grouped spec)`` seeing each group of ``spec``'s features (`column_groups`), one state entry per
     group (llm-compressor's view), the global scale from the largest range; the candidates of a search
     have unrounded float32 group scales, as llm-compressor's."""
-    grouped = spec.replace(granularity=PerAxis(1), scale_dtype="float32")
-    return column_groups(make(grouped), spec.granularity.group_size)
+    return column_groups(make(spec.replace(granularity=PerAxis(1), scale_dtype="float32")),
+                         spec.granularity.group_size)
 
 
 def _site_kind(module: torch.nn.Module, params: dict, num_experts: int, site: str) -> Optional[tuple]:
@@ -530,8 +530,8 @@ class Plan:
         out = {path: dict(entry) for path, entry in states.items()}
         for owner in dict.fromkeys(self.shared.values()):
             keys = self.state_keys(*owner)
-            found = [out.get(path, {}).get(site) for path, site in keys]
-            present = [state for state in found if state is not None]
+            present = [state for state in (out.get(path, {}).get(site) for path, site in keys)
+                       if state is not None]
             if not present or all(state is present[0] for state in present):
                 continue
             merged = functools.reduce(self.sites[owner[0]][owner[1]].observer.merge, present)
@@ -693,8 +693,9 @@ class Recipe:
         [('weight',)]
         """
 
-        rules = scheme_rules(Rule, scheme, targets, dtype_named(observed_dtype), experts, kv_cache_scheme, ignore)
-        return cls(rules, ignore=compressed_tensors_ignore(ignore), shared=shared)
+        return cls(scheme_rules(Rule, scheme, targets, dtype_named(observed_dtype), experts,
+                                kv_cache_scheme, ignore),
+                   ignore=compressed_tensors_ignore(ignore), shared=shared)
 
     @classmethod
     def from_compressed_tensors(cls, config, observed_dtype=None) -> "Recipe":
@@ -705,8 +706,7 @@ class Recipe:
         selecting the modules compressed-tensors gives that group (`from_scheme`), and its
         ``ignore`` list, with llm-compressor's observers."""
 
-        rules, ignore = config_rules(Rule, config, dtype_named(observed_dtype))
-        return cls(rules, ignore=ignore)
+        return cls(*config_rules(Rule, config, dtype_named(observed_dtype)))  # (rules, ignore)
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Recipe":
@@ -723,8 +723,7 @@ class Recipe:
                                    observed_dtype=data.get("observed_dtype"),
                                    shared=data.get("shared"), experts=data.get("experts"),
                                    kv_cache_scheme=data.get("kv_cache_scheme"))
-        rules, ignore, shared = recipe_fields(Rule, data)
-        return cls(rules, ignore=ignore, shared=shared)
+        return cls(*recipe_fields(Rule, data))  # (rules, ignore, shared)
 
     def rule_for(self, path: str, site: str, module: Optional[torch.nn.Module] = None,
                  model: Optional[torch.nn.Module] = None) -> Optional[Rule]:
