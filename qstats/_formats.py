@@ -335,8 +335,7 @@ def global_scale_from_amax(amax_t: torch.Tensor, spec) -> torch.Tensor:
         # bf16/fp16 tensor convert to it exactly), then stores the global scale as float32
         compute = getattr(torch, spec.compute_dtype)
         clamped = torch.clamp(_in_compute_dtype(amax_t, compute), min=torch.finfo(compute).tiny)
-        scale = (full_range / clamped).float()
-        return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0)
+        return torch.nan_to_num((full_range / clamped).float(), nan=1.0, posinf=1.0, neginf=1.0)
     scale = amax_t / full_range  # floored at the smallest normal float32, so that 1 / scale is finite
     return torch.where(scale > 0, scale.clamp(min=torch.finfo(torch.float32).tiny), torch.ones_like(scale))
 
@@ -378,8 +377,7 @@ def qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec, global_scale=Non
         if global_scale is None:
             global_scale = global_scale_from_amax(amax.amax() if amax.numel() else amax.new_zeros(()), spec)
         global_scale = global_scale.float().reshape(())
-        scale = _two_level_local(amax, global_scale, spec)
-        return scale, zero_point, global_scale
+        return _two_level_local(amax, global_scale, spec), zero_point, global_scale
     scale = spec.convention.e8m0_scale(amax, spec)
     return scale, zero_point, torch.ones((), dtype=torch.float32, device=amax.device)
 
