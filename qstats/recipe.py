@@ -372,9 +372,9 @@ def _searched_parts(rule: Rule, spec: QuantSpec, site: str, kind: tuple, shapes:
     """2 for a stacked ``gate_up_proj`` (`gate_up_halves`) under `qstats.mse` in ``mode="moving_average"``:
     llm-compressor's ``linearize_moe`` makes two Linears of it, each searched with its own early stop
     (the condition `compute_qparams_tree` stops an accumulating search per projection under); else 1."""
-    halves = (site == "gate_up_proj" and kind[0] == "parameter" and kind[1]
-              and _moving_average_mse(rule.observer, rule.observer_kwargs) and gate_up_halves(shapes, spec.granularity))
-    return 2 if halves else 1
+    return 2 if (site == "gate_up_proj" and kind[0] == "parameter" and kind[1]
+                 and _moving_average_mse(rule.observer, rule.observer_kwargs)
+                 and gate_up_halves(shapes, spec.granularity)) else 1
 
 
 def gate_up_halves(shapes: dict, granularity) -> bool:
