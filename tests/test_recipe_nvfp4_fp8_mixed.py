@@ -196,3 +196,5 @@ def test_column_groups_are_llm_compressors_group_statistics():
         ours.update(state, torch.randn(3, 40))
     with pytest.raises(ValueError, match=r"does not match the leading \(row\) dimensions"):
         ours.update(state, x, torch.ones(9))
+    with pytest.raises(TypeError, match="weight must be a tensor or None, got list"):  # as every observer's
+        ours.update(state, x, [1.0] * 2)
