@@ -1,7 +1,7 @@
-"""A tiny random-weight Llama saved to disk (llm-compressor's ``oneshot`` reads its model from a folder),
-token-id samples for it, llm-compressor 0.14's ``oneshot`` of a recipe over them (its logits and the
-tensors it saves) and qstats' calibration of the same model (its qparams and fake-quantized logits).
-Shared by the tests that compare a recipe's scales and logits with oneshot's."""
+"""Tiny random-weight models saved to disk (llm-compressor's ``oneshot`` reads its model from a folder),
+token-id samples for them, llm-compressor 0.14's ``oneshot`` of a recipe over a Llama (its logits and
+the tensors it saves) and qstats' calibration of the same model (its qparams and fake-quantized
+logits). Shared by the tests that compare a recipe's scales and logits with oneshot's."""
 
 from __future__ import annotations
 
@@ -25,6 +25,15 @@ def random_llama(**overrides):
     config = transformers.LlamaConfig(**LLAMA_FIELDS | overrides)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
+
+
+def saved_random_model(tmp_path_factory, name: str, model_class, config) -> str:
+    """``model_class(config)`` with random weights drawn after ``torch.manual_seed(0)``, saved to a new
+    temporary folder named after ``name``; the folder as a str."""
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp(name))
+    model_class(config).save_pretrained(path)
+    return path
 
 
 def saved_llama(tmp_path_factory, name: str, **overrides) -> str:

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from _oneshot import saved_random_model, token_samples
 from _shared import bit_equal, fork_ranks, llm_compressor_oneshot, word_tokenizer
 
 import qstats
@@ -138,13 +139,8 @@ def saved(tmp_path_factory):
     """A tiny random Llama on disk, calibration samples (token ids) and a stand-in tokenizer."""
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("tiny_llama"))
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    generator = torch.Generator().manual_seed(1)
-    samples = [torch.randint(1, 64, (TOKENS,), generator=generator) for _ in range(4)]
-    tokenizer = word_tokenizer()
-    return path, samples, tokenizer
+    path = saved_random_model(tmp_path_factory, "tiny_llama", transformers.LlamaForCausalLM, config)
+    return path, token_samples(4, TOKENS), word_tokenizer()
 
 
 def _oneshot(saved, out, pipeline="basic", scheme=None, preset=None, count=4, **observers) -> str:

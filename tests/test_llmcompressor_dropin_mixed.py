@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from _oneshot import saved_random_model, token_samples
 from _shared import bit_equal, llm_compressor_oneshot, word_tokenizer
 
 pytest.importorskip("llmcompressor")
@@ -18,11 +19,8 @@ from safetensors.torch import load_file  # noqa: E402
 def saved(tmp_path_factory):
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("tiny_llama"))
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    generator = torch.Generator().manual_seed(1)
-    return path, [torch.randint(1, 64, (12,), generator=generator) for _ in range(4)]
+    path = saved_random_model(tmp_path_factory, "tiny_llama", transformers.LlamaForCausalLM, config)
+    return path, token_samples(4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

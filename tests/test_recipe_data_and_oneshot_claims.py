@@ -11,7 +11,8 @@ import warnings
 
 import pytest
 import torch
-from _shared import bit_equal, llm_compressor_oneshot
+from _oneshot import load_eager, saved_random_model, token_samples
+from _shared import bit_equal, llm_compressor_oneshot, load_causal_lm
 
 import qstats
 
@@ -77,17 +78,8 @@ def docs_llama(tmp_path_factory):
     """The tiny Llama of docs/migrating_llmcompressor.md's pure-function example, saved."""
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("docs_llama"))
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    generator = torch.Generator().manual_seed(0)
-    return path, [torch.randint(1, 64, (12,), generator=generator) for _ in range(4)]
-
-
-def _load(path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    path = saved_random_model(tmp_path_factory, "docs_llama", transformers.LlamaForCausalLM, config)
+    return path, token_samples(4, seed=0)
 
 
 WEIGHTS = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
@@ -102,10 +94,9 @@ def test_the_docs_pure_w8a8_example_equals_oneshot_bit_for_bit_under_eager_atten
     path, samples = docs_llama
     scheme = {"targets": ["Linear"], "weights": WEIGHTS.model_dump(), "input_activations": INPUTS.model_dump()}
     theirs, ours = tmp_path / "theirs", str(tmp_path / "ours")
-    llm_compressor_oneshot(_load(path), samples, QuantizationModifier(config_groups={"group_0": scheme},
-                                                                      ignore=["lm_head"]), theirs)
-    model = _load(path)
-    model.set_attn_implementation("eager")
+    llm_compressor_oneshot(load_causal_lm(path), samples, QuantizationModifier(config_groups={"group_0": scheme},
+                                                                               ignore=["lm_head"]), theirs)
+    model = load_eager(path)
     recipe = qstats.Recipe([
         qstats.Rule("Linear", sites=("weight",), spec=qstats.QuantSpec.from_compressed_tensors(WEIGHTS)),
         qstats.Rule("Linear", sites=("input",), spec=qstats.QuantSpec.from_compressed_tensors(INPUTS),
@@ -136,9 +127,8 @@ def test_an_attention_groups_q_scale_is_calibrated_where_oneshot_leaves_it_unini
         return QuantizationModifier(config_groups={"attention": {"targets": ["LlamaAttention"], "input_activations": fp8}})
 
     theirs, ours = tmp_path / "theirs", str(tmp_path / "ours")
-    llm_compressor_oneshot(_load(path), samples, modifier(), theirs)
-    model = _load(path)
-    model.set_attn_implementation("eager")
+    llm_compressor_oneshot(load_causal_lm(path), samples, modifier(), theirs)
+    model = load_eager(path)
     q_amax = {}
     original = modeling_llama.eager_attention_forward
 
@@ -175,7 +165,7 @@ def test_a_checkpoint_config_with_transforms_warns_that_the_recipe_drops_them(do
                                              "group_size": 16}}
     recipe = [QuIPModifier(transform_type="random-hadamard"),
               QuantizationModifier(config_groups={"group_0": w4}, ignore=["lm_head"])]
-    llm_compressor_oneshot(_load(path), samples[:1], recipe, tmp_path / "quip")
+    llm_compressor_oneshot(load_causal_lm(path), samples[:1], recipe, tmp_path / "quip")
     with open(tmp_path / "quip" / "config.json") as file:
         config = json.load(file)["quantization_config"]
     assert config["transform_config"]["config_groups"]  # what oneshot wrote

@@ -6,7 +6,8 @@ import os
 
 import pytest
 import torch
-from _shared import bit_equal, llm_compressor_oneshot, qwen3_moe_config
+from _oneshot import saved_random_model, token_samples
+from _shared import bit_equal, llm_compressor_oneshot, load_causal_lm, qwen3_moe_config
 
 import qstats
 
@@ -22,15 +23,8 @@ def moe(tmp_path_factory):
     """A tiny random Qwen3-MoE (stacked experts) saved to disk, and samples."""
     config = qwen3_moe_config(num_experts=4, num_experts_per_tok=2, hidden_size=32, moe_intermediate_size=16,
                               head_dim=16)
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("qwen3_moe"))
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
-    generator = torch.Generator().manual_seed(1)
-    return path, [torch.randint(1, 64, (12,), generator=generator) for _ in range(2)]
-
-
-def _load(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    path = saved_random_model(tmp_path_factory, "qwen3_moe", transformers.Qwen3MoeForCausalLM, config)
+    return path, token_samples(2)
 
 
 def test_ignored_expert_projections_stay_in_full_precision_as_oneshot_writes_them(moe, tmp_path):
@@ -38,9 +32,9 @@ def test_ignored_expert_projections_stay_in_full_precision_as_oneshot_writes_the
 
     path, samples = moe
     theirs, ours = str(tmp_path / "llm_compressor"), str(tmp_path / "qstats")
-    llm_compressor_oneshot(_load(path), samples, QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC",
-                                                                      ignore=IGNORE), theirs)
-    model = _load(path)
+    llm_compressor_oneshot(load_causal_lm(path), samples, QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC",
+                                                                               ignore=IGNORE), theirs)
+    model = load_causal_lm(path)
     plan = qstats.Recipe.from_scheme("FP8_DYNAMIC", ignore=IGNORE, experts="Qwen3MoeExperts").resolve(model)
     assert sorted(plan.sites["model.layers.0.mlp.experts"]) == ["gate_up_proj", "input"]
     states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False, all_experts=True)
@@ -56,4 +50,4 @@ def test_ignoring_some_experts_of_a_stack_is_refused_by_name(moe):
     recipe = qstats.Recipe.from_scheme("FP8_DYNAMIC", ignore=["lm_head", r"re:.*experts\.1\.down_proj"],
                                        experts="Qwen3MoeExperts")
     with pytest.raises(ValueError, match=r"names 1 of the 4 per-expert Linears behind 'down_proj'"):
-        recipe.resolve(_load(moe[0]))
+        recipe.resolve(load_causal_lm(moe[0]))

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import pytest
 import torch
+from _oneshot import calibrated_qparams, load_eager, saved_random_model, token_samples
+from _shared import bit_equal, llm_compressor_oneshot, load_causal_lm
 
 import qstats
-from _shared import bit_equal, llm_compressor_oneshot
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
@@ -28,21 +28,7 @@ def llama(tmp_path_factory):
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                       tie_word_embeddings=False)
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("format_llama"))
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
-
-def _samples():
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(1, 64, (12,), generator=generator) for _ in range(2)]
-
-
-def _load(path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    return saved_random_model(tmp_path_factory, "format_llama", transformers.LlamaForCausalLM, config)
 
 
 def _config(folder) -> dict:
@@ -61,17 +47,15 @@ def _modifier(group: dict):
 
 
 def _export(path, recipe, folder, **options) -> None:
-    model = _load(path)
-    model.set_attn_implementation("eager")
+    model = load_eager(path)
     plan = recipe.resolve(model)
-    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in _samples()], plan, progress=False)
-    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), folder, plan, **options)
+    qstats.export.compressed_tensors(model, calibrated_qparams(model, token_samples(2), plan), folder, plan, **options)
 
 
 def test_a_group_format_other_than_the_inferred_one_is_refused_and_format_reproduces_it(llama, tmp_path):
     group = {"weights": W8_GROUP, "format": "naive-quantized"}
     theirs, ours = str(tmp_path / "llm_compressor"), str(tmp_path / "qstats")
-    llm_compressor_oneshot(_load(llama), _samples(), _modifier(group), theirs)
+    llm_compressor_oneshot(load_causal_lm(llama), token_samples(2), _modifier(group), theirs)
     their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
     assert their_tensors["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8  # unpacked, as the group says
     for config in (_modifier(group), _groups(group), _config(theirs)):
@@ -94,7 +78,7 @@ def test_a_checkpoint_config_with_the_inferred_formats_reads_and_reproduces_it(l
     """Every group of llm-compressor's ``config.json`` names its format: the one compressed-tensors
     infers, so the config reads back and the export writes the same checkpoint."""
     theirs, ours = str(tmp_path / "llm_compressor"), str(tmp_path / "qstats")
-    llm_compressor_oneshot(_load(llama), _samples(), _modifier(group), theirs)
+    llm_compressor_oneshot(load_causal_lm(llama), token_samples(2), _modifier(group), theirs)
     assert _config(theirs)["config_groups"]["group_0"]["format"] is not None
     _export(llama, qstats.Recipe.from_compressed_tensors(_config(theirs)), ours)
     their_tensors, our_tensors = (load_file(os.path.join(folder, "model.safetensors")) for folder in (theirs, ours))
