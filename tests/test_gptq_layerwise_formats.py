@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import qstats
+from _oneshot import saved_random_model, token_samples
 from _shared import fork_ranks, gloo_group, llm_compressor_oneshot, qwen3_moe_config
 
 transformers = pytest.importorskip("transformers")
@@ -28,18 +29,14 @@ CAUSAL = torch.ones(1, TOKENS, dtype=torch.long)
 
 @pytest.fixture(scope="module")
 def samples():
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(1, 64, (TOKENS,), generator=generator) for _ in range(4)]
+    return token_samples(4, TOKENS)
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     config = qwen3_moe_config(hidden_size=128, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
                               head_dim=32, num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("gptq_formats_qwen3_moe"))
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
-    return path
+    return saved_random_model(tmp_path_factory, "gptq_formats_qwen3_moe", transformers.Qwen3MoeForCausalLM, config)
 
 
 def _batches(samples, mask=CAUSAL):

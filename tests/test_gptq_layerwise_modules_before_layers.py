@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import qstats
+from _oneshot import saved_random_model, token_samples
 from _packed import packed_codes
 from _shared import llm_compressor_oneshot
 
@@ -27,15 +28,11 @@ TOKENS = 16
 def opt(tmp_path_factory):
     config = transformers.OPTConfig(vocab_size=64, hidden_size=256, word_embed_proj_dim=128, ffn_dim=256,
                                     num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("opt_project_in"))
-    transformers.OPTForCausalLM(config).save_pretrained(path)
-    return path
+    return saved_random_model(tmp_path_factory, "opt_project_in", transformers.OPTForCausalLM, config)
 
 
 def _samples() -> list:
-    generator = torch.Generator().manual_seed(1)  # 384 rows: more than the 256 features (full-rank Hessians)
-    return [torch.randint(1, 64, (TOKENS,), generator=generator) for _ in range(24)]
+    return token_samples(24, TOKENS)  # 384 rows: more than the 256 features (full-rank Hessians)
 
 
 def _meta(path):
