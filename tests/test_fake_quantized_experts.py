@@ -196,13 +196,22 @@ def test_sentinel_expert_ids_are_quantized_by_no_expert(implementation, single_t
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
 
 
+def _runtime_int8(t, *where):
+    """``t`` fake-quantized under the scale torch.ao's MinMaxObserver (qint8, per-tensor symmetric)
+    takes of ``t`` itself: a dynamic input's run-time scale (``where``, the site and expert, unused)."""
+    from torch.ao.quantization.observer import MinMaxObserver
+
+    observer = MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
+    observer(t)
+    scale, zero_point = observer.calculate_qparams()
+    return torch.fake_quantize_per_tensor_affine(t, float(scale), int(zero_point), -128, 127)
+
+
 @pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
 def test_runtime_per_tensor_scales_of_each_experts_rows(implementation, single_thread_quiet):
     """Dynamic per-tensor inputs where the rows of several experts come in one call (one expert id
     per row): each expert's rows of the call under their own run-time scale, as llm-compressor's
     linearized per-expert Linears compute it, against torch.ao's MinMaxObserver of those rows."""
-    from torch.ao.quantization.observer import MinMaxObserver
-
     layer = _qwen3_experts(implementation)
     generator = torch.Generator().manual_seed(2)
     hidden, index = torch.randn(6, 16, generator=generator), torch.tensor([[0, 1], [1, 2], [2, 3], [3, 4], [5, 6], [7, 0]])
@@ -213,16 +222,10 @@ def test_runtime_per_tensor_scales_of_each_experts_rows(implementation, single_t
     qparams = qstats.compute_qparams_tree(
         qstats.calibrate(layer, [(hidden, index, weights)], recipe, progress=False), recipe, layer)
 
-    def quantize(t, site, expert):
-        observer = MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
-        observer(t)
-        scale, zero_point = observer.calculate_qparams()
-        return torch.fake_quantize_per_tensor_affine(t, float(scale), int(zero_point), -128, 127)
-
     with torch.no_grad():
         with qstats.fake_quantized(layer, qparams, recipe):
             ours = layer(hidden, index, weights)
-        expected = _by_hand(layer.experts, quantize, hidden, index, weights)
+        expected = _by_hand(layer.experts, _runtime_int8, hidden, index, weights)
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
 
 
@@ -230,8 +233,6 @@ def test_runtime_per_tensor_scales_of_an_expert_without_tokens():
     """Dynamic per-tensor inputs, every token routed to expert 0: the toy's forward still multiplies
     expert 1's (empty) rows, whose run-time scale used to raise 'saw no finite data'. Expert 0's
     rows against torch.ao's MinMaxObserver of those rows."""
-    from torch.ao.quantization.observer import MinMaxObserver
-
     torch.manual_seed(0)
     experts = _Experts()
     spec = qstats.QuantSpec(dtype="int8", mapping="symmetric")
@@ -240,17 +241,11 @@ def test_runtime_per_tensor_scales_of_an_expert_without_tokens():
     qparams = qstats.compute_qparams_tree(qstats.calibrate(experts, [(x, index, weights)], recipe, progress=False),
                                           recipe, experts)
 
-    def quantize(t):
-        observer = MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
-        observer(t)
-        scale, zero_point = observer.calculate_qparams()
-        return torch.fake_quantize_per_tensor_affine(t, float(scale), int(zero_point), -128, 127)
-
     with torch.no_grad():
         with qstats.fake_quantized(experts, qparams, recipe):
             ours = experts(x, index, weights)
-        gate, up = (quantize(x) @ experts.gate_up_proj[0].T).chunk(2, dim=-1)
-        expected = quantize(torch.nn.functional.silu(gate) * up) @ experts.down_proj[0].T
+        gate, up = (_runtime_int8(x) @ experts.gate_up_proj[0].T).chunk(2, dim=-1)
+        expected = _runtime_int8(torch.nn.functional.silu(gate) * up) @ experts.down_proj[0].T
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
 
 

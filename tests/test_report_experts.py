@@ -87,6 +87,19 @@ def _rows(rep):
     return {row.site: row for row in rep.rows}
 
 
+def _assert_measured_as_by_hand(rows, experts, qparams, x, index, sites=SITES, weight=None) -> None:
+    """Each site's SQNR and clipped fraction in ``rows`` are `_expected`'s of the rows computed by hand,
+    each expert's under its own static scale (the rows of tokens whose ``weight`` is 0 left out)."""
+    by_hand, tokens = _rows_by_hand(experts, x, index)
+    for site in sites:
+        parts = by_hand[site]
+        if weight is not None:
+            parts = [rows_e[weight[token] != 0] for rows_e, token in zip(parts, tokens)]
+        sqnr, clipped = _expected(parts, [float(qparams[""][site].scale[e]) for e in range(2)])
+        assert rows[site].sqnr_db == pytest.approx(sqnr, rel=1e-5)
+        assert rows[site].clipped_fraction == pytest.approx(clipped)
+
+
 def test_static_expert_inputs_under_each_experts_scale():
     """Held-out rows larger than the calibration's: each expert's rows under its own scale, some clipped."""
     experts, recipe, states, qparams, (x, index, weights) = _setup(STATIC)
@@ -132,12 +145,7 @@ def test_padding_tokens_are_left_out_of_each_site():
         warnings.simplefilter("error", UserWarning)  # every row traced to its token
         rows = _rows(qstats.report(states, qparams, experts, recipe, [(x, index, weights)],
                                    observation_weight=lambda batch: weight))
-    by_hand, tokens = _rows_by_hand(experts, x, index)
-    for site in SITES:
-        parts = [rows_e[weight[token] != 0] for rows_e, token in zip(by_hand[site], tokens)]
-        sqnr, clipped = _expected(parts, [float(qparams[""][site].scale[e]) for e in range(2)])
-        assert rows[site].sqnr_db == pytest.approx(sqnr, rel=1e-5)
-        assert rows[site].clipped_fraction == pytest.approx(clipped)
+    _assert_measured_as_by_hand(rows, experts, qparams, x, index, weight=weight)
 
 
 def test_untraced_rows_warn_and_are_all_measured():
@@ -147,10 +155,7 @@ def test_untraced_rows_warn_and_are_all_measured():
     with pytest.warns(UserWarning, match="could not be traced"):
         rep = qstats.report(states, qparams, experts, recipe, [(x, index, weights)],
                             observation_weight=lambda batch: torch.ones(12))
-    by_hand, _ = _rows_by_hand(experts, x, index)
-    sqnr, clipped = _expected(by_hand[sites[0]], [float(qparams[""][sites[0]].scale[e]) for e in range(2)])
-    assert _rows(rep)[sites[0]].sqnr_db == pytest.approx(sqnr, rel=1e-5)
-    assert _rows(rep)[sites[0]].clipped_fraction == pytest.approx(clipped)
+    _assert_measured_as_by_hand(_rows(rep), experts, qparams, x, index, sites)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
@@ -188,11 +193,7 @@ def test_input_and_gate_up_proj_input_are_both_measured():
     sites = ("input", "gate_up_proj.input")
     experts, recipe, states, qparams, (x, index, weights) = _setup(STATIC, sites=sites)
     rows = _rows(qstats.report(states, qparams, experts, recipe, [(x, index, weights)]))
-    by_hand, _ = _rows_by_hand(experts, x, index)
-    for site in sites:
-        sqnr, clipped = _expected(by_hand[site], [float(qparams[""][site].scale[e]) for e in range(2)])
-        assert rows[site].sqnr_db == pytest.approx(sqnr, rel=1e-5)
-        assert rows[site].clipped_fraction == pytest.approx(clipped)
+    _assert_measured_as_by_hand(rows, experts, qparams, x, index, sites)
 
 
 @pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
@@ -259,9 +260,4 @@ def test_a_nested_call_is_measured_once_with_its_padding_left_out():
     weight[[1, 8]] = 0
     rows = _rows(qstats.report(states, qparams, experts, recipe, [(x, index, torch.ones(12, 1))],
                                observation_weight=lambda batch: weight))
-    by_hand, tokens = _rows_by_hand(experts, x, index)
-    for site in SITES:
-        parts = [rows_e[weight[token] != 0] for rows_e, token in zip(by_hand[site], tokens)]
-        sqnr, clipped = _expected(parts, [float(qparams[""][site].scale[e]) for e in range(2)])
-        assert rows[site].sqnr_db == pytest.approx(sqnr, rel=1e-5)
-        assert rows[site].clipped_fraction == pytest.approx(clipped)
+    _assert_measured_as_by_hand(rows, experts, qparams, x, index, weight=weight)
