@@ -405,3 +405,22 @@ def exported_and_loaded(model, qparams, recipe, folder) -> tuple:
         expected = {path: {site: getattr(model.get_submodule(path), site).detach().clone() for site in entry}
                     for path, entry in qparams.items()}
     return loaded, info, expected
+
+
+def routed_calls(model, batches, class_name: str) -> dict:
+    """``{path: [(hidden states, top_k_index) of each call]}`` of ``model``'s experts modules of class
+    ``class_name`` over ``batches`` (each ``model(batch)``, without gradients), taken by a plain pre-hook."""
+    seen = {}
+    handles = [
+        module.register_forward_pre_hook(
+            lambda m, args, name=name: seen.setdefault(name, []).append((args[0].detach(), args[1].detach()))
+        )
+        for name, module in model.named_modules()
+        if type(module).__name__ == class_name
+    ]
+    with torch.no_grad():
+        for batch in batches:
+            model(batch)
+    for handle in handles:
+        handle.remove()
+    return seen

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from _shared import qwen3_moe_config
+from _shared import qwen3_moe_config, routed_calls
 from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
 
 import qstats
@@ -62,24 +62,6 @@ def _qwen3_moe(num_experts=8, top_k=2):
     return transformers.Qwen3MoeForCausalLM(config).eval()
 
 
-def _routed_inputs(model, batches):
-    """(hidden states, top_k_index) per experts call, captured by a plain hook."""
-    seen = {}
-    handles = [
-        module.register_forward_pre_hook(
-            lambda m, args, name=name: seen.setdefault(name, []).append((args[0].detach(), args[1].detach()))
-        )
-        for name, module in model.named_modules()
-        if type(module).__name__ == "Qwen3MoeExperts"
-    ]
-    with torch.no_grad():
-        for batch in batches:
-            model(batch)
-    for handle in handles:
-        handle.remove()
-    return seen
-
-
 def _recipe(inputs=INPUTS):
     return qstats.Recipe(
         [
@@ -98,7 +80,7 @@ def test_qwen3_moe_experts_match_per_expert_torch_ao():
         warnings.simplefilter("ignore", qstats.UncalibratedWarning)
         states = qstats.calibrate(model, batches, recipe, progress=False)
     qparams = qstats.compute_qparams_tree(states, recipe, model)
-    routed = _routed_inputs(model, batches)
+    routed = routed_calls(model, batches, "Qwen3MoeExperts")
     assert sorted(states) == sorted(routed) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     for path, calls in routed.items():
         experts = model.get_submodule(path)
@@ -128,7 +110,7 @@ def test_qwen3_moe_experts_match_per_expert_torch_ao():
 def test_uncovered_experts_are_warned_and_fall_back():
     model = _qwen3_moe(num_experts=8, top_k=1)
     batches = [torch.tensor([[1, 2, 3]])]  # 3 tokens, top-1: at least 5 experts get nothing
-    routed = _routed_inputs(model, batches)
+    routed = routed_calls(model, batches, "Qwen3MoeExperts")
     recipe = _recipe(INPUTS.replace(on_uncalibrated="fallback"))
     with pytest.warns(qstats.UncalibratedWarning) as caught:
         states = qstats.calibrate(model, batches, recipe, progress=False)

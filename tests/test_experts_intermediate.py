@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from _shared import qwen3_moe_config
+from _shared import qwen3_moe_config, routed_calls
 
 import qstats
 
@@ -36,24 +36,6 @@ def _batches():
     # 2 x 4 + 1 x 3 tokens, top-1 routing over 8 experts: some experts get no token
     generator = torch.Generator().manual_seed(5)
     return [torch.randint(0, 64, (2, 4), generator=generator), torch.randint(0, 64, (1, 3), generator=generator)]
-
-
-def _routed_calls(model, batches, class_name):
-    """(hidden states, top_k_index) of every experts call, taken by a plain pre-hook."""
-    seen = {}
-    handles = [
-        module.register_forward_pre_hook(
-            lambda m, args, name=name: seen.setdefault(name, []).append((args[0].detach(), args[1].detach()))
-        )
-        for name, module in model.named_modules()
-        if type(module).__name__ == class_name
-    ]
-    with torch.no_grad():
-        for batch in batches:
-            model(batch)
-    for handle in handles:
-        handle.remove()
-    return seen
 
 
 def _linear(rows, weight):
@@ -98,7 +80,7 @@ def test_qwen3_moe_intermediate_equals_the_forward_by_hand(qwen3_moe, implementa
     assert sorted(sites) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     states, caught = _calibrate(model, batches, recipe)
     qparams = qstats.compute_qparams_tree(states, recipe, model)
-    calls = _routed_calls(model, batches, "Qwen3MoeExperts")
+    calls = routed_calls(model, batches, "Qwen3MoeExperts")
     for path, routed in calls.items():
         experts = model.get_submodule(path)
         intermediates = _by_hand(experts, routed, experts.act_fn, UP_PROJECTION[implementation])
@@ -158,7 +140,7 @@ def test_qwen3_moe_intermediate_scales_match_llmcompressor_static_minmax(qwen3_m
     batches = _batches()
     states, _ = _calibrate(model, batches, recipe)
     qparams = qstats.compute_qparams_tree(states, recipe, model)
-    calls = _routed_calls(model, batches, "Qwen3MoeExperts")
+    calls = routed_calls(model, batches, "Qwen3MoeExperts")
     checked = 0
     for path, routed in calls.items():
         experts = model.get_submodule(path)
@@ -272,7 +254,7 @@ def test_plain_torch_moe_example_intermediate(moe_example):
     assert any("0.experts.down_proj.input: experts [14, 15]" in str(w.message) for w in caught)
     generator = torch.Generator().manual_seed(1)  # the example's calibration data
     data = [torch.randn(16, 32, generator=generator) for _ in range(2)]
-    calls = _routed_calls(model, data, "StackedExperts")
+    calls = routed_calls(model, data, "StackedExperts")
     for path, routed in calls.items():
         experts = model.get_submodule(path)
         intermediates = _by_hand(experts, routed, torch.nn.functional.silu)
@@ -287,15 +269,19 @@ def test_plain_torch_moe_example_intermediate(moe_example):
         assert bool((qparams[path]["down_proj.input"].scale[14:] == 1).all())
 
 
-class _EinsumExperts(torch.nn.Module):
-    """Computes every expert on every token with one einsum over the whole stack: no per-expert
-    matmul the capture can recognise."""
+class _RandomStack(torch.nn.Module):
+    """Stacked SwiGLU experts' parameters (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), random."""
 
     def __init__(self, num_experts=4, hidden=6, intermediate=5):
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = torch.nn.Parameter(torch.randn(num_experts, 2 * intermediate, hidden))
         self.down_proj = torch.nn.Parameter(torch.randn(num_experts, hidden, intermediate))
+
+
+class _EinsumExperts(_RandomStack):
+    """Computes every expert on every token with one einsum over the whole stack: no per-expert
+    matmul the capture can recognise."""
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         gate, up = torch.einsum("th,eoh->eto", hidden_states, self.gate_up_proj).chunk(2, dim=-1)
@@ -423,15 +409,9 @@ def test_padding_is_left_out_of_the_plain_torch_moe_intermediate(moe_example):
     _assert_states_close(padded, unpadded)
 
 
-class _CopyingExperts(torch.nn.Module):
+class _CopyingExperts(_RandomStack):
     """Computes each expert's tokens from a copy of the hidden states the capture cannot follow
     (``hidden_states * 1``): its rows cannot be traced back to their tokens."""
-
-    def __init__(self, num_experts=4, hidden=6, intermediate=5):
-        super().__init__()
-        self.num_experts = num_experts
-        self.gate_up_proj = torch.nn.Parameter(torch.randn(num_experts, 2 * intermediate, hidden))
-        self.down_proj = torch.nn.Parameter(torch.randn(num_experts, hidden, intermediate))
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         copied = hidden_states * 1
@@ -478,7 +458,7 @@ def test_all_experts_observes_every_token_for_every_expert(qwen3_moe, implementa
     finally:
         handle.remove()
     assert torch.equal(outputs[0], expected_logits)
-    calls = _routed_calls(model, [ids], "Qwen3MoeExperts")  # right padding: the kept tokens are the same
+    calls = routed_calls(model, [ids], "Qwen3MoeExperts")  # right padding: the kept tokens are the same
     kept = mask.reshape(-1) != 0
     for path, ((hidden, _),) in calls.items():
         experts = model.get_submodule(path)
