@@ -9,6 +9,7 @@ qstats observes on the same model made non-causal."""
 
 import pytest
 import torch
+from _oneshot import saved_random_model, token_samples
 from _shared import llm_compressor_oneshot, qwen3_moe_config, word_tokenizer
 
 import qstats
@@ -26,13 +27,8 @@ def saved(tmp_path_factory):
     """A tiny random Qwen3-MoE saved to disk (llm-compressor reads its config from there), the
     calibration samples and a stand-in tokenizer (the samples are token ids already)."""
     config = qwen3_moe_config(num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=16)
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("tiny_qwen3_moe"))
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
-    generator = torch.Generator().manual_seed(1)
-    samples = [torch.randint(1, 64, (TOKENS,), generator=generator) for _ in range(4)]
-    tokenizer = word_tokenizer()
-    return path, samples, tokenizer
+    path = saved_random_model(tmp_path_factory, "tiny_qwen3_moe", transformers.Qwen3MoeForCausalLM, config)
+    return path, token_samples(4, TOKENS), word_tokenizer()
 
 
 def _load(path):

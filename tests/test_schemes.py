@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from _oneshot import saved_random_model, token_samples
 from _shared import bit_equal, llm_compressor_oneshot, qwen3_moe_config, word_tokenizer
 
 import qstats
@@ -27,22 +28,15 @@ def saved(tmp_path_factory):
         vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("tiny_llama"))
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    generator = torch.Generator().manual_seed(1)
-    samples = [torch.randint(1, 64, (TOKENS,), generator=generator) for _ in range(3)]
-    tokenizer = word_tokenizer()
-    return path, samples, tokenizer
+    path = saved_random_model(tmp_path_factory, "tiny_llama", transformers.LlamaForCausalLM, config)
+    return path, token_samples(3, TOKENS), word_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def saved_moe(tmp_path_factory, saved):
     """A tiny random Qwen3-MoE (stacked experts, TopK routers) saved to disk, with the samples."""
     config = qwen3_moe_config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("tiny_qwen3_moe"))
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    path = saved_random_model(tmp_path_factory, "tiny_qwen3_moe", transformers.Qwen3MoeForCausalLM, config)
     return path, saved[1], saved[2]
 
 
