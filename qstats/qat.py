@@ -59,11 +59,14 @@ _EXTRA_INPUTS = ("qat_state", "qat_phase", "qat_ranges")  # keyword arguments th
 # functional calls a traced-through forward makes (a subclass's own forward, `super().forward`): the
 # layer type whose ``weight`` they may read, as torch.ao's prepare_qat_fx quantizes functional linear/conv
 _FUNCTIONAL_LAYERS = {function: layer for layer, function in _LAYER_FUNCTIONS.items()}
-# functional calls that read a parameter of the model no quantized layer's own forward passes (plain parameters,
-# a weight tied to a layer's): fake-quantized by the observers of the layer type computing the same function
-# (torch.ao's prepare_qat_fx fake-quantizes their weight and input); torch.matmul is none (torch.ao gives its
-# operands no weight observer)
-_PARAMETER_CALLS = {F.linear: nn.Linear, F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d}
+# functional calls that read a parameter or buffer of the model no quantized layer's own forward passes (plain
+# parameters, a weight tied to a layer's, a buffer): fake-quantized by the observers of the layer type computing the
+# same function (torch.ao's prepare_qat_fx fake-quantizes their weight and input); torch.matmul is none (torch.ao
+# gives its operands no weight observer), nor F.embedding (torch.ao's default backend config quantizes the
+# nn.Embedding module only: the call stays in float there, whatever the qconfig)
+_PARAMETER_CALLS = {F.linear: nn.Linear, F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d,
+                    F.conv_transpose1d: nn.ConvTranspose1d, F.conv_transpose2d: nn.ConvTranspose2d,
+                    F.conv_transpose3d: nn.ConvTranspose3d}
 
 
 def _select(flag, if_true, if_false):
@@ -139,11 +142,13 @@ def observe_fake_quantize(
     tensor(2.)
     """
     return _observe_fake_quantize(x, state, observer, phase, ste, learned, grad_scale, qparams_options,
-                                  "observe_fake_quantize")
+                                  "observe_fake_quantize", "observe_fake_quantize")
 
 
-def _observe_fake_quantize(x, state, observer, phase, ste, learned, grad_scale, qparams_options, where: str):
-    """`observe_fake_quantize`; ``where`` begins the error of a state that saw no data (a layer's point)."""
+def _observe_fake_quantize(x, state, observer, phase, ste, learned, grad_scale, qparams_options, where: str,
+                           point: str):
+    """`observe_fake_quantize`; ``where`` begins the error of a state that saw no data, ``point`` that of an ``x``
+    that is no floating-point tensor (a layer's point names the layer)."""
     if not isinstance(observer, Observer):
         raise TypeError(f"observe_fake_quantize: observer must be a qstats Observer, got {type(observer).__name__}")
     if not isinstance(phase, QATPhase):
@@ -155,7 +160,7 @@ def _observe_fake_quantize(x, state, observer, phase, ste, learned, grad_scale, 
             raise TypeError(f"observe_fake_quantize: the {observer.name} observer has no QuantSpec to fake-quantize "
                             f"to (spec={spec!r}); use it with phase.fake_quantize=False, or pass an observer built "
                             "from a QuantSpec")
-        check_floating(x, "observe_fake_quantize")
+        check_floating(x, point)
     new_state = state
     if phase.observe is not False:
         new_state = _select(phase.observe, observer.update(state, x.detach()), state)
@@ -233,8 +238,10 @@ class _FakeQuantPoint(nn.Module):
         learned = (ranges or {}).get(self.kind, {}).get(self.key)
         if self.dynamic:
             current, previous, phase = self.observer.init(x), None, phase._replace(observe=True)
+        point = f"QATModel.apply: the {'weight' if self.kind == 'weights' else 'input'} of layer {self.key!r}"
+        uncalibrated = _uncalibrated("QATModel.apply", self.kind, self.key)
         return _observe_fake_quantize(x, current if previous is None else previous, self.observer, phase, self.ste,
-                                      learned, self.grad_scale, None, _uncalibrated("QATModel.apply", self.kind, self.key))
+                                      learned, self.grad_scale, None, uncalibrated, f"{point} (fake-quantized)")
 
 
 # what gives a layer's point data before it is fake-quantized or its range learned
@@ -431,14 +438,15 @@ class QATModel:
         ``dynamic_activations``: whether every activation layer's are (and there is one).
       folded_layers: layer name -> the batch norm whose running statistics scale its fake-quantized weight
         (``prepare(..., fold_batchnorm=True)``).
-      parameter_layers: the points of ``F.linear``/``F.conv1d/2d/3d`` calls of a parameter outside its layer's
-        own forward (`prepare`), each named after the parameter (``"block.proj"``), among ``layers``: parameter
-        name -> the layer type whose observers it takes (``nn.Linear`` for ``F.linear``).
+      parameter_layers: the points of ``F.linear``/``F.conv1d/2d/3d``/``F.conv_transpose1d/2d/3d`` calls of a
+        parameter or buffer outside its layer's own forward (`prepare`), each named after the parameter or buffer
+        (``"block.proj"``), and of calls of computed weights, each named after its call (``"block.linear_1"``),
+        among ``layers``: name -> the layer type whose observers it takes (``nn.Linear`` for ``F.linear``).
     """
 
     def __init__(self, module, weight_observer, activation_observer, layers, batchnorm_layers, aliases=None,
                  weight_observers=None, activation_observers=None, dynamic_layers=(), folded_layers=None,
-                 parameter_layers=None):
+                 parameter_layers=None, parameter_groups=None, computed_weights=None):
         self.module = module
         self.weight_observer = weight_observer
         self.activation_observer = activation_observer
@@ -452,6 +460,9 @@ class QATModel:
         self.batchnorm_layers = tuple(batchnorm_layers)
         self.folded_layers = dict(folded_layers or {})  # layer -> the batch norm folded into its weight
         self.parameter_layers = dict(parameter_layers or {})  # parameter -> the layer type of its F.linear/conv calls
+        self._parameter_groups = dict(parameter_groups or {})  # parameter -> groups of its F.conv_transposeNd calls
+        # point of a call of a computed weight -> a GraphModule computing it (None: it reads the forward's inputs)
+        self._computed_weights = dict(computed_weights or {})
         # the model's names of a module registered several times, which ``module`` lacks -> the name it has
         self._aliases = dict(aliases or {})
         # names `apply` takes: parameters (tied ones under every name) and buffers
@@ -574,13 +585,27 @@ class QATModel:
                              f"{self.folded_layers[layer]!r} folded into its weight, whose running variance is in the "
                              f"QAT state; pass state= (got {type(state).__name__})")
         params = self._canonical(params, "QATModel.observed_weight")
+        if layer in self._computed_weights:
+            return self._computed_weight(params, layer)
         # read through functional_call: tied parameters and parametrized weights (computed from theirs) as in apply
         reader = _WeightOf(self.module, layer, self.folded_layers.get(layer), layer in self.parameter_layers)
         weight = torch.func.functional_call(reader, {f"model.{name}": value for name, value in params.items()}, (state,))
-        if layer in self.parameter_layers:  # an F.linear/conv call's parameter (no transposed convolution's)
-            return weight
+        if layer in self.parameter_layers:  # an F.linear/conv/conv_transpose call's parameter
+            groups = self._parameter_groups.get(layer)
+            return weight if groups is None else _conv_layout(weight, groups)
         module = self.module.get_submodule(layer)
         return _conv_layout(weight, module.groups) if isinstance(module, _CONV_TRANSPOSE) else weight
+
+    def _computed_weight(self, params, layer: str) -> torch.Tensor:
+        """The weight of the call of a computed weight ``layer`` from ``params`` (and the model's own tensors)."""
+        graph = self._computed_weights[layer]
+        if graph is None:
+            raise ValueError(f"QATModel.observed_weight: the weight of {layer!r} is computed from the forward's inputs: "
+                             "it has no value outside a forward pass")
+        names = {name for name, _ in _named_tensors(graph)}
+        weight = torch.func.functional_call(graph, {name: value for name, value in params.items() if name in names}, ())
+        groups = self._parameter_groups.get(layer)
+        return weight if groups is None else _conv_layout(weight, groups)
 
     def _canonical(self, params, where: str) -> Dict[str, Any]:
         """``params`` with a shared module's other names (`_aliases`) under the name ``module`` has. They are
@@ -739,10 +764,13 @@ def prepare(
     The weight of every layer of a type in ``layers`` (Linear, Conv1d/2d/3d by default; also Embedding,
     EmbeddingBag, ConvTranspose1d/2d/3d) goes through ``weight_observer`` and its input through
     ``activation_observer`` (None: leave that kind in float). So do those of an ``F.linear``/``F.conv1d/2d/3d``
-    call given a parameter of the model as its weight outside that layer's own forward (a custom block's
-    ``F.linear(x, self.proj)``, a head tied to an embedding), with the observers of Linear/Conv1d/2d/3d, in
-    points named after the parameter (``qat.parameter_layers``), as torch.ao's ``prepare_qat_fx``. Each may also be a mapping ``{layer type:
-    Observer or None}`` (torch.ao's ``QConfigMapping.set_object_type``): a layer takes the observer of the
+    (``F.conv_transpose1d/2d/3d`` where ``layers`` has ConvTranspose) call given a parameter or buffer of the model
+    as its weight outside that layer's own forward (a custom block's ``F.linear(x, self.proj)``, a head tied to an
+    embedding), with the observers of the layer type computing that function, in points named after the parameter
+    (``qat.parameter_layers``), as torch.ao's ``prepare_qat_fx``; and those of such a call given a weight computed
+    in the forward (``F.linear(x, self.a @ self.b)``), in points named after the call's node under the module
+    making it (``"block.linear_1"``). F.embedding calls stay in float, as in torch.ao. Each observer may also be a
+    mapping ``{layer type: Observer or None}`` (torch.ao's ``QConfigMapping.set_object_type``): a layer takes the observer of the
     first type in the mapping's order that it is an instance of; a layer of no type in it stays in float
     for that kind, as torch.ao gives it the global qconfig, None unless set (a last ``nn.Module: observer``
     entry is ``set_global``). Embeddings are weight-only (their inputs are ids); a transposed convolution's weight is observed in a convolution's layout, ``[out, in/groups, *k]``.
@@ -787,9 +815,8 @@ def prepare(
     if not rewriter.quantized:
         named = _float_calls(model, layers, rewriter)
         calls = (f"; its calls {', '.join(named)} read weights held outside such layers that it does not "
-                 "fake-quantize (buffers, computed weights; torch.ao's prepare_qat_fx fake-quantizes them): hold each "
-                 "weight in such a layer or as a parameter given as it is to F.linear/F.conv1d/2d/3d, or quantize it "
-                 "with qstats.observe_fake_quantize") if named else ""
+                 f"fake-quantize ({_FLOAT_CALLS}): hold each weight in such a layer or as a parameter given as it is to "
+                 "F.linear/F.conv1d/2d/3d, or quantize it with qstats.observe_fake_quantize") if named else ""
         raise ValueError(f"qstats.qat.prepare: the model has no layer of the types {[t.__name__ for t in layers]}{calls}")
     activation_observers = rewriter.observers["activations"]  # every quantized layer but embeddings, given one
     if isinstance(activation_observer, Observer) and not activation_observers:
@@ -801,7 +828,7 @@ def prepare(
     dynamic = [key for key, observer in activation_observers.items() if _dynamic(observer, dynamic_activations)]
     return QATModel(module, weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms,
                     _aliases(model, module), rewriter.observers["weights"], activation_observers, dynamic,
-                    rewriter.folded, rewriter.parameter_calls)
+                    rewriter.folded, rewriter.parameter_calls, rewriter.parameter_groups, rewriter.computed)
 
 
 def _aliases(model: nn.Module, module: nn.Module) -> Dict[str, str]:
@@ -853,9 +880,7 @@ def _functional_owner(model: nn.Module, node, layers) -> Optional[str]:
         tensor = model.get_parameter(str(weight.target))
     except AttributeError:  # a buffer or a plain attribute
         return None
-    stack = [entry[0] if isinstance(entry, tuple) else key
-             for key, entry in (node.meta.get("nn_module_stack") or {}).items()]
-    for name in reversed(stack):
+    for name in reversed(_module_stack(node)):
         try:
             module = model.get_submodule(name)
         except AttributeError:
@@ -867,20 +892,83 @@ def _functional_owner(model: nn.Module, node, layers) -> Optional[str]:
 
 
 def _parameter_call(model: nn.Module, node, layers) -> Optional[str]:
-    """The name of the parameter that ``node``, an ``F.linear``/``F.conv1d/2d/3d`` call no layer's own forward
-    makes with its weight (`_functional_owner`), reads as its weight, where the layer type computing that function
-    is (a subclass of) a type of ``layers``; None for another call (a buffer's, a computed or an integer weight stays
-    in float)."""
+    """The name of the parameter or buffer that ``node``, an ``F.linear``/``F.convNd``/``F.conv_transposeNd`` call
+    no layer's own forward makes with its weight (`_functional_owner`), reads as its weight, where the layer type
+    computing that function is (a subclass of) a type of ``layers`` and, for a transposed convolution, ``groups`` is
+    a Python int (`_call_groups`); None for another call (a computed weight, a plain attribute's or an integer one
+    stays in float)."""
+    weight = _call_weight(node)
+    if _call_kind(node, layers) is None or weight.op != "get_attr":
+        return None
+    tensor = dict(_named_tensors(model)).get(str(weight.target))  # None: a plain attribute (a tensor constant)
+    return str(weight.target) if tensor is not None and tensor.is_floating_point() else None
+
+
+def _call_weight(node):
+    """The ``weight`` argument of ``node``, an ``F.linear``/``F.convNd``/... call."""
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+
+
+def _call_kind(node, layers) -> Optional[type]:
+    """The layer type computing the function of ``node`` (`_PARAMETER_CALLS`), where it is (a subclass of) a type of
+    ``layers``, the call's weight is a node of the graph and a transposed convolution's ``groups`` a Python int;
+    else None."""
     kind = _PARAMETER_CALLS.get(node.target)
-    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-    if kind is None or not any(issubclass(kind, t) for t in layers) or not isinstance(weight, torch.fx.Node) \
-            or weight.op != "get_attr":
+    if kind is None or not any(issubclass(kind, t) for t in layers) or not isinstance(_call_weight(node), torch.fx.Node):
         return None
-    try:
-        parameter = model.get_parameter(str(weight.target))
-    except AttributeError:  # a buffer or a plain attribute
+    return None if issubclass(kind, _CONV_TRANSPOSE) and _call_groups(node) is None else kind
+
+
+def _module_stack(node) -> list:
+    """The paths of the modules whose forwards make ``node``'s call, outermost first."""
+    return [entry[0] if isinstance(entry, tuple) else key
+            for key, entry in (node.meta.get("nn_module_stack") or {}).items()]
+
+
+def _computed_key(model: nn.Module, node, taken) -> str:
+    """The name of the points of ``node``, a call of a computed weight: its node's name in the traced graph under
+    the path of the module whose forward makes it (``"block.linear_1"``).
+
+    Raises:
+      ValueError: that name is a module, parameter or buffer of ``model`` or in ``taken`` (other points).
+    """
+    stack = _module_stack(node)
+    key = f"{stack[-1]}.{node.name}" if stack and stack[-1] else node.name
+    if key in taken or key in dict(model.named_modules()) or key in dict(_named_tensors(model)):
+        raise ValueError(f"qstats.qat.prepare: the points of the {node.target.__name__} call of a computed weight would "
+                         f"be named {key!r}, a name the model already uses; rename that module or tensor")
+    return key
+
+
+def _weight_graph(gm: torch.fx.GraphModule, weight) -> Optional[torch.fx.GraphModule]:
+    """A GraphModule computing the node ``weight`` from ``gm``'s parameters and buffers (`QATModel.observed_weight`
+    calls it), or None where it reads an input of the forward."""
+    needed, pending = set(), [weight]
+    while pending:
+        node = pending.pop()
+        if node not in needed:
+            needed.add(node)
+            pending.extend(node.all_input_nodes)
+    if any(node.op == "placeholder" for node in needed):
         return None
-    return str(weight.target) if parameter.is_floating_point() else None
+    graph, copies = torch.fx.Graph(), {}
+    for node in gm.graph.nodes:
+        if node in needed:
+            copies[node] = graph.node_copy(node, copies.__getitem__)
+    graph.output(copies[weight])
+    return torch.fx.GraphModule(gm, graph, "ComputedWeight")
+
+
+def _call_groups(node) -> Optional[int]:
+    """``groups`` of ``node``, an ``F.conv_transposeNd`` call (its 7th argument), where it is a Python int."""
+    groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+    return groups if isinstance(groups, int) and not isinstance(groups, bool) else None
+
+
+# the functional calls `prepare` leaves in float, and what torch.ao's prepare_qat_fx does with them
+_FLOAT_CALLS = ("F.embedding/F.embedding_bag calls, which torch.ao's prepare_qat_fx leaves in float too; integer "
+                "weights, tensor attributes that are no parameter or buffer, transposed convolutions whose groups is "
+                "no Python int")
 
 
 def _float_call(node, layers) -> Optional[Tuple[str, str]]:
@@ -891,8 +979,7 @@ def _float_call(node, layers) -> Optional[Tuple[str, str]]:
     kind = _FUNCTIONAL_LAYERS[node.target]
     if not any(issubclass(kind, t) or issubclass(t, kind) for t in layers):
         return None
-    stack = [entry[0] if isinstance(entry, tuple) else key
-             for key, entry in (node.meta.get("nn_module_stack") or {}).items()]
+    stack = _module_stack(node)
     caller = stack[-1] if stack else ""
     weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
     read = (f"weight {str(weight.target)!r}" if isinstance(weight, torch.fx.Node) and weight.op == "get_attr"
@@ -958,9 +1045,8 @@ def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
     calls = _float_calls(model, layers, rewriter)
     if calls and rewriter.quantized:  # with no quantized layer, prepare's error names them
         warn(f"qstats.qat.prepare: the calls {', '.join(calls)} read weights held outside the layers it quantizes "
-             f"({[t.__name__ for t in layers]}) that it does not fake-quantize (buffers, computed weights, parameters "
-             "given to F.conv_transpose/F.embedding): they stay in float (torch.ao's prepare_qat_fx fake-quantizes such "
-             "calls); hold the weight in such a layer or as a parameter given as it is to F.linear/F.conv1d/2d/3d, or "
+             f"({[t.__name__ for t in layers]}) that it does not fake-quantize ({_FLOAT_CALLS}): they stay in float; "
+             "hold the weight in such a layer or as a parameter given as it is to F.linear/F.conv1d/2d/3d, or "
              "quantize it with qstats.observe_fake_quantize")
     if rewriter.traced_hooked:
         warn(f"qstats.qat.prepare: layers {rewriter.traced_hooked} have their own forward, which torch.fx traced "
@@ -977,7 +1063,7 @@ def _warn_float_layers(model: nn.Module, layers, rewriter, hidden) -> None:
         if type(module).forward in _STOCK_FORWARDS or name in hidden or any(name.startswith(f"{h}.") for h in hidden):
             continue
         tracked = getattr(module, "track_running_stats", False)
-        if isinstance(module, layers) and name not in rewriter.quantized:
+        if isinstance(module, layers) and name not in rewriter.quantized and name not in rewriter.computed_callers:
             floats.append(name or type(module).__name__)
         elif isinstance(module, nn.SyncBatchNorm) and name in rewriter.batchnorms:
             synced.append(name or type(module).__name__)
@@ -1147,6 +1233,9 @@ class _Rewriter:
         self.traced_hooked = []  # traced-through layers with hooks: run once on proxies while tracing, then never
         self.weights = {}  # layer -> its fake-quantized weight (a module called twice reuses it)
         self.parameter_calls = {}  # parameter -> the layer type of the F.linear/conv calls reading it
+        self.parameter_groups = {}  # parameter -> groups of the F.conv_transposeNd calls reading it
+        self.computed = {}  # point of a call of a computed weight -> `_weight_graph` of that weight
+        self.computed_callers = set()  # the modules whose forwards make them
         self.points = 0  # numbers the submodules of the points
 
     def rewrite(self, model: nn.Module, layers: Tuple[type, ...]) -> Dict[str, str]:
@@ -1160,8 +1249,13 @@ class _Rewriter:
                 parameter = _parameter_call(model, node, layers) if owner is None else None
                 if owner is not None:  # a traced-through forward passing a layer's own weight to F.linear/conv
                     self.quantize_functional(node, owner, model.get_submodule(owner))
-                elif parameter is not None:  # a parameter of the model's own, or one tied to a layer's weight
+                elif parameter is not None:  # a parameter or buffer, one tied to a layer's weight
                     self.quantize_parameter_call(node, parameter, _PARAMETER_CALLS[node.target])
+                elif _call_kind(node, layers) is not None:  # a computed weight
+                    key = _computed_key(model, node, self.quantized)
+                    self.computed[key] = _weight_graph(self.gm, _call_weight(node))
+                    self.computed_callers.add(key.rpartition(".")[0])
+                    self.quantize_parameter_call(node, key, _PARAMETER_CALLS[node.target])
                 else:
                     self.float_calls.extend(filter(None, [_float_call(node, layers)]))
             if node.op != "call_module":
@@ -1239,10 +1333,16 @@ class _Rewriter:
     def _fake_quantized_weight(self, key: str, layer: nn.Module, weight):
         """A transposed convolution's weight is observed and fake-quantized in a convolution's layout
         (`_conv_layout`), so that its per-channel ranges are per output channel."""
-        if not isinstance(layer, _CONV_TRANSPOSE) or key not in self.observers["weights"]:
+        if not isinstance(layer, _CONV_TRANSPOSE):
             return self._fake_quantized("weights", key, weight)
-        conv = self.graph.call_function(_conv_layout, (weight, layer.groups))
-        return self.graph.call_function(_conv_layout, (self._fake_quantized("weights", key, conv), layer.groups))
+        return self._fake_quantized_transposed(key, weight, layer.groups)
+
+    def _fake_quantized_transposed(self, key: str, weight, groups: int):
+        """Transposed convolution weight ``weight`` fake-quantized in a convolution's layout, returned in its own."""
+        if key not in self.observers["weights"]:
+            return weight
+        conv = self.graph.call_function(_conv_layout, (weight, groups))
+        return self.graph.call_function(_conv_layout, (self._fake_quantized("weights", key, conv), groups))
 
     def _dense_gradient(self, key: str, layer: nn.Module, sparse) -> bool:
         """Whether an embedding built with ``sparse=True`` computes a dense weight gradient: its weight is
@@ -1332,10 +1432,12 @@ class _Rewriter:
                 node.update_kwarg(name, value)
 
     def quantize_parameter_call(self, node, key: str, kind: type) -> None:
-        """An ``F.linear``/``F.conv1d/2d/3d`` call of parameter ``key`` (`_parameter_call`) takes its input and
-        weight fake-quantized by the observers of layer type ``kind`` (the mapping's first entry that ``kind`` is
-        a subclass of), in points of its own named ``key``; its other arguments stay. Calls of one parameter share
-        its points, as a layer called twice."""
+        """An ``F.linear``/``F.convNd``/``F.conv_transposeNd`` call of parameter or buffer ``key``
+        (`_parameter_call`) takes its input and weight fake-quantized by the observers of layer type ``kind`` (the
+        mapping's first entry that ``kind`` is a subclass of), in points of its own named ``key``; its other
+        arguments stay. A transposed convolution's weight is observed in a convolution's layout (`_conv_layout`,
+        with the first call's ``groups``), as a ConvTranspose layer's. Calls of one parameter share its points, as
+        a layer called twice."""
         if key not in self.quantized:
             for point, entries in self.entries.items():
                 observer = next((observer for t, observer in entries if issubclass(kind, t)), None)
@@ -1343,11 +1445,15 @@ class _Rewriter:
                     self.observers[point][key] = observer
             self.quantized.append(key)
             self.parameter_calls[key] = kind
+            if issubclass(kind, _CONV_TRANSPOSE):
+                self.parameter_groups[key] = _call_groups(node)
         given = [node.args[i] if len(node.args) > i else node.kwargs[name] for i, name in enumerate(("input", "weight"))]
         with self.graph.inserting_before(node):
             x = self._fake_quantized("activations", key, given[0])
             if key not in self.weights:  # the same weight: observed once per pass
-                self.weights[key] = self._fake_quantized("weights", key, given[1])
+                groups = self.parameter_groups.get(key)
+                self.weights[key] = (self._fake_quantized("weights", key, given[1]) if groups is None
+                                     else self._fake_quantized_transposed(key, given[1], groups))
         for i, (name, value) in enumerate((("input", x), ("weight", self.weights[key]))):
             if len(node.args) > i:
                 node.update_arg(i, value)

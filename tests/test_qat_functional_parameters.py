@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import warnings
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -231,11 +230,17 @@ class _Buffered(nn.Module):
         return self.head(F.linear(F.linear(x, self.frozen), self.scaled * 0.5))
 
 
-def test_buffers_and_computed_weights_still_stay_in_float_named():
-    with pytest.warns(UserWarning, match=r"F\.linear\(weight 'frozen'\) in the model, F\.linear\(a computed weight\) "
-                                         r"in the model read weights.*stay in float"):
-        qat = _prepare(_Buffered())
-    assert qat.layers == ("head",)
+def test_buffers_and_computed_weights_are_fake_quantized_as_in_torch_ao():
+    # they stayed in float, named in a warning; torch.ao fake-quantizes both calls' weights and inputs
+    # (trained beside it: tests/test_qat_functional_transposed_and_buffer_weights.py)
+    torch.manual_seed(0)
+    model, x = _Buffered(), torch.randn(3, 4)
+    _, points, _ = _reference(model, x)
+    assert {"weights.frozen", "activations.frozen", "weights.head", "activations.head"} <= set(points)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qat = _prepare(model)
+    assert qat.layers == ("frozen", "linear_1", "head")  # linear_1: the call of self.scaled * 0.5
 
 
 class _OwnProjection(nn.Module):

@@ -2,9 +2,9 @@
 
 Reference: torch.ao's ``prepare_qat_fx`` with ``get_default_qat_qconfig_mapping`` fake-quantizes such a call's
 weight (a ``FakeQuantize`` reading the parameter) and input. `qstats.qat.prepare` fake-quantizes the same
-parameters (tests/test_qat_functional_parameters.py trains them beside torch.ao); a call it leaves in float (a
-buffer's weight) must be named, instead of training in float without a word (and a model made of such calls only
-must be refused naming them, not with "no layer")."""
+parameters and buffers (tests/test_qat_functional_parameters.py trains them beside torch.ao); a call it leaves in
+float (an F.embedding of a parameter, as torch.ao does) must be named, instead of training in float without a word
+(and a model made of such calls only must be refused naming them, not with "no layer")."""
 
 from __future__ import annotations
 
@@ -121,13 +121,32 @@ class _Buffers(nn.Module):
         return F.linear(F.conv2d(x, self.conv_weight, padding=1).mean((2, 3)), self.proj)
 
 
-def test_model_of_functional_calls_of_buffers_only_is_refused_naming_them():
+def test_model_of_functional_calls_of_buffers_only_is_fake_quantized_as_in_torch_ao():
+    # it was refused ("no layer"), naming the calls as left in float
     torch.manual_seed(0)
     model = _Buffers()
     assert {"conv_weight", "proj"} <= _fake_quantized_parameters(model, torch.randn(2, 3, 6, 6))
-    with pytest.raises(ValueError, match=r"no layer of the types.*F\.conv2d\(weight 'conv_weight'\) in the model.*"
-                                         r"F\.linear\(weight 'proj'\) in the model.*observe_fake_quantize"):
-        _prepare(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qat = _prepare(model)
+    assert qat.layers == ("conv_weight", "proj")
+    assert qat.parameter_layers == {"conv_weight": nn.Conv2d, "proj": nn.Linear}
+
+
+class _Lookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, ids):
+        return F.embedding(ids, self.table)
+
+
+def test_model_of_functional_calls_left_in_float_only_is_refused_naming_them():
+    # torch.ao's prepare_qat_fx leaves F.embedding in float too (its backend config quantizes Embedding modules)
+    with pytest.raises(ValueError, match=r"no layer of the types.*F\.embedding\(weight 'table'\) in the model.*"
+                                         r"observe_fake_quantize"):
+        qstats.qat.prepare(_Lookup(), qstats.minmax(W_SPEC), layers=nn.Embedding)
 
 
 def test_functional_calls_of_unquantized_kinds_are_neither_quantized_nor_named():

@@ -103,14 +103,20 @@ def test_prepare_leaves_a_traced_through_pruned_layer_as_it_was(tmp_path):
     prune.l1_unstructured(model[0], "weight", amount=0.5)
     before = model[0].weight
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the layer's weight is not passed as is to F.linear: it stays in float
+        warnings.simplefilter("ignore")  # the hook ran on proxies: the layer's F.linear reads weight_orig * mask
         qat = qstats.qat.prepare(model, qstats.minmax(W_SPEC))
     assert model[0].weight is before
     torch.save(model, tmp_path / "model.pt")
     x = torch.randn(3, 4)
     out, state = qat.apply(qat.params(), qat.init(x), x)
-    weight = qstats.fake_quantize(model[2].weight, qstats.compute_qparams(state.weights["2"], W_SPEC), W_SPEC)
-    torch.testing.assert_close(out, F.linear(F.relu(model[0](x)), weight, model[2].bias), rtol=1e-6, atol=1e-6)
+    assert qat.layers == ("0.linear", "2")  # a call of a computed weight, fake-quantized as torch.ao's prepare_qat_fx
+
+    def fake_quantized(weight, key):
+        return qstats.fake_quantize(weight, qstats.compute_qparams(state.weights[key], W_SPEC), W_SPEC)
+
+    hidden = F.linear(x, fake_quantized(model[0].weight_orig * model[0].weight_mask, "0.linear"), model[0].bias) * 2
+    torch.testing.assert_close(out, F.linear(F.relu(hidden), fake_quantized(model[2].weight, "2"), model[2].bias),
+                               rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["forward_hook", "forward_pre_hook", "full_backward_hook", "full_backward_pre_hook"])
