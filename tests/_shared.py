@@ -424,3 +424,14 @@ def routed_calls(model, batches, class_name: str) -> dict:
     for handle in handles:
         handle.remove()
     return seen
+
+
+def checkpoint_tensors(folder) -> dict:
+    """Every tensor of the checkpoint in ``folder``: its one ``.safetensors`` file or all its shards."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(folder, name)))
+    return tensors

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 import qstats
-from _shared import bit_equal, llm_compressor_oneshot, qwen3_moe_config
+from _shared import bit_equal, checkpoint_tensors, llm_compressor_oneshot, qwen3_moe_config
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
-from safetensors.torch import load_file  # noqa: E402
 
 TOKENS = 16
 
@@ -62,15 +61,6 @@ def _meta(path):
     return model
 
 
-def _tensors(folder):
-    """Every tensor of a checkpoint folder, one file or shards."""
-    tensors = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(folder, name)))
-    return tensors
-
-
 def _config(folder):
     with open(os.path.join(folder, "config.json")) as file:
         return json.load(file)["quantization_config"]
@@ -97,7 +87,7 @@ def test_w8a8_layer_by_layer_equals_llm_compressor_oneshot(llama, samples, tmp_p
     config = qstats.export.compressed_tensors_layerwise(model, llama, qstats.compute_qparams_tree(states, plan), ours,
                                                         plan, progress=False)
     assert config == _config(ours) == _config(theirs)
-    their_tensors, our_tensors = _tensors(theirs), _tensors(ours)
+    their_tensors, our_tensors = checkpoint_tensors(theirs), checkpoint_tensors(ours)
     assert sorted(our_tensors) == sorted(their_tensors)
     assert not [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]
     with open(os.path.join(ours, "model.safetensors.index.json")) as file:
@@ -116,7 +106,7 @@ def test_gptq_moe_export_from_disk_equals_the_in_memory_export_and_loads(moe, sa
     on_disk = qstats.gptq_layerwise(model, moe, _batches(samples), recipe, weights_dir=folder, progress=False)
     assert on_disk.weights == folder
     in_memory = qstats.gptq_layerwise(model, moe, _batches(samples), recipe, progress=False)
-    assert sorted(_tensors(folder)) == sorted(in_memory.weights)
+    assert sorted(checkpoint_tensors(folder)) == sorted(in_memory.weights)
     plan = recipe.resolve(model)
     streamed = str(tmp_path / "streamed")
     qstats.export.compressed_tensors_layerwise(model, moe, qstats.compute_qparams_tree(on_disk.states, plan), streamed,
@@ -129,7 +119,7 @@ def test_gptq_moe_export_from_disk_equals_the_in_memory_export_and_loads(moe, sa
     qstats.export.compressed_tensors(loaded, qstats.compute_qparams_tree(in_memory.states, loaded_plan), whole,
                                      loaded_plan)
     assert _config(streamed) == _config(whole)
-    streamed_tensors, whole_tensors = _tensors(streamed), _tensors(whole)
+    streamed_tensors, whole_tensors = checkpoint_tensors(streamed), checkpoint_tensors(whole)
     assert sorted(streamed_tensors) == sorted(whole_tensors)
     assert not [name for name in whole_tensors if not bit_equal(streamed_tensors[name], whole_tensors[name])]
 
@@ -193,7 +183,7 @@ def test_tied_embeddings_and_weights_given_as_a_dict(tmp_path, samples):
     loaded.load_state_dict({name: replaced}, strict=False)
     whole = str(tmp_path / "whole")
     qstats.export.compressed_tensors(loaded, qparams, whole, recipe.resolve(loaded))
-    ours, reference = _tensors(streamed), _tensors(whole)
+    ours, reference = checkpoint_tensors(streamed), checkpoint_tensors(whole)
     # the float lm_head tied to the embeddings is written once, as save_pretrained writes it
     assert "lm_head.weight" not in reference and sorted(ours) == sorted(reference)
     assert not [key for key in reference if not bit_equal(ours[key], reference[key])]

@@ -7,13 +7,12 @@ import os
 
 import pytest
 import torch
-from _shared import bit_equal, llm_compressor_oneshot
+from _shared import bit_equal, checkpoint_tensors, llm_compressor_oneshot
 
 import qstats
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
-from safetensors.torch import load_file  # noqa: E402
 
 TOKENS = 12
 
@@ -33,14 +32,6 @@ def tied(tmp_path_factory):
 
 def _load(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-
-
-def _tensors(folder):
-    tensors = {}
-    for name in os.listdir(folder):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(folder, name)))
-    return tensors
 
 
 def _config(folder):
@@ -77,11 +68,11 @@ def test_embeddings_quantized_alike_are_written_once_and_tied_as_llm_compressor_
     _llm_compressor(tied, scheme, theirs)
     _qstats(tied, scheme, ours)
     _qstats(tied, scheme, streamed, layerwise=True)
-    their_tensors = _tensors(theirs)
+    their_tensors = checkpoint_tensors(theirs)
     assert not [name for name in their_tensors if name.startswith("lm_head.")]
     assert their_tensors["model.embed_tokens.weight_packed"].dtype == torch.int32
     for folder in (ours, streamed):
-        our_tensors = _tensors(folder)
+        our_tensors = checkpoint_tensors(folder)
         assert sorted(our_tensors) == sorted(their_tensors)
         assert not [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])]
         assert _config(folder)["tie_word_embeddings"] is True is _config(theirs)["tie_word_embeddings"]
@@ -101,7 +92,7 @@ def test_embeddings_quantized_differently_stay_untied(tied, tmp_path):
     qparams = qstats.compute_qparams_tree(
         qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False), plan)
     qstats.export.compressed_tensors(model, qparams, ours, plan)
-    our_tensors, their_tensors = _tensors(ours), _tensors(theirs)
+    our_tensors, their_tensors = checkpoint_tensors(ours), checkpoint_tensors(theirs)
     assert "lm_head.weight_packed" in our_tensors and "model.embed_tokens.weight" in our_tensors
     assert sorted(our_tensors) == sorted(their_tensors)
     assert _config(ours)["tie_word_embeddings"] is False is _config(theirs)["tie_word_embeddings"]

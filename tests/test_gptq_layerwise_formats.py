@@ -13,11 +13,10 @@ import torch
 
 import qstats
 from _oneshot import saved_random_model, token_samples
-from _shared import fork_ranks, gloo_group, llm_compressor_oneshot, qwen3_moe_config
+from _shared import checkpoint_tensors, fork_ranks, gloo_group, llm_compressor_oneshot, qwen3_moe_config
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
-from safetensors.torch import load_file  # noqa: E402
 
 TOKENS = 16
 IGNORE = ["lm_head", "re:.*mlp.gate$"]
@@ -73,15 +72,7 @@ def _export(path, result, scheme, out):
                                                                                        .resolve(meta)),
                                                f"{out}/layerwise", _recipe(scheme), weights=result.weights,
                                                progress=False)
-    return _tensors(f"{out}/loaded"), _tensors(f"{out}/layerwise")
-
-
-def _tensors(folder):
-    tensors = {}
-    for name in os.listdir(folder):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(folder, name)))
-    return tensors
+    return checkpoint_tensors(f"{out}/loaded"), checkpoint_tensors(f"{out}/layerwise")
 
 
 def _theirs(path, samples, scheme, pipeline, out):
@@ -89,7 +80,7 @@ def _theirs(path, samples, scheme, pipeline, out):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     llm_compressor_oneshot(model, samples, GPTQModifier(targets="Linear", scheme=scheme, ignore=IGNORE), out, pipeline)
-    return _tensors(out)
+    return checkpoint_tensors(out)
 
 
 def _codes(tensors, name):
@@ -182,7 +173,7 @@ def test_fp8_block_experts_export_as_llm_compressor(moe, samples, tmp_path, sing
     """FP8_BLOCK on experts whose gate_proj and up_proj are one 128x128 block each: the checkpoint's
     names, dtypes and shapes are llm-compressor's."""
     ours, _ = _export(moe, _gptq(moe, _batches(samples[:1]), "FP8_BLOCK"), "FP8_BLOCK", str(tmp_path / "ours"))
-    theirs = _tensors(_rtn_theirs(moe, samples[:1], str(tmp_path / "theirs")))
+    theirs = checkpoint_tensors(_rtn_theirs(moe, samples[:1], str(tmp_path / "theirs")))
     assert sorted(ours) == sorted(theirs)
     assert all((ours[name].dtype, ours[name].shape) == (theirs[name].dtype, theirs[name].shape) for name in theirs)
 
@@ -254,4 +245,4 @@ def test_bf16_first_layer_equals_llm_compressor_with_observed_dtype_and_eager_at
         plan = recipe.resolve(model)
         out = str(tmp_path / f"ours_{observed}")
         qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(result.states, plan), out, plan)
-        assert least <= _same_codes(_tensors(out), theirs, first) <= most
+        assert least <= _same_codes(checkpoint_tensors(out), theirs, first) <= most

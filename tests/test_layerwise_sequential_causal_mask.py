@@ -10,18 +10,16 @@ ways), and the first ``o_proj`` input scale of the causal model is another (docs
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
 import torch
 
 import qstats
-from _shared import bit_equal, llm_compressor_oneshot
+from _shared import bit_equal, checkpoint_tensors, llm_compressor_oneshot
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llmcompressor")
-from safetensors.torch import load_file  # noqa: E402
 
 TOKENS = 12
 
@@ -35,14 +33,6 @@ def _modifier():
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     return QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"])
-
-
-def _tensors(folder: str) -> dict:
-    out = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, name)))
-    return out
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral"])
@@ -65,7 +55,7 @@ def oneshot(request, tmp_path_factory):
             llm_compressor_oneshot(model, _samples(), _modifier(), out=theirs, pipeline="sequential")
     finally:
         torch.set_num_threads(threads)
-    return family, saved, _tensors(theirs)
+    return family, saved, checkpoint_tensors(theirs)
 
 
 def _ours(saved: str, out: str, both_ways: bool) -> dict:
@@ -80,7 +70,7 @@ def _ours(saved: str, out: str, both_ways: bool) -> dict:
     states = qstats.calibrate_layerwise(model, saved, batches, plan, progress=False)
     qstats.export.compressed_tensors_layerwise(model, saved, qstats.compute_qparams_tree(states, plan), out, plan,
                                                progress=False)  # fmt: skip
-    return _tensors(out)
+    return checkpoint_tensors(out)
 
 
 def test_sequential_pipeline_keeps_llamas_causal_mask_and_drops_mistrals(oneshot, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import qstats
-from _shared import bit_equal
+from _shared import bit_equal, checkpoint_tensors
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
@@ -46,14 +46,6 @@ def calibrated(llama):
     return model, plan, qstats.compute_qparams_tree(states, plan)
 
 
-def _tensors(folder) -> dict:
-    tensors: dict = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(folder, name)))
-    return tensors
-
-
 def _loaded_logits(folder):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -73,7 +65,7 @@ def test_max_shard_size_shards_as_save_pretrained_and_loads_as_the_in_memory_exp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert qstats.export.compressed_tensors(loaded, qparams, str(whole), recipe_plan(loaded)) == written
-    ours, reference = _tensors(sharded), _tensors(whole)
+    ours, reference = checkpoint_tensors(sharded), checkpoint_tensors(whole)
     assert sorted(ours) == sorted(reference) and all(bit_equal(ours[name], reference[name]) for name in ours)
 
     with open(sharded / "model.safetensors.index.json") as file:
@@ -173,7 +165,7 @@ def test_a_max_shard_size_holding_everything_writes_one_model_safetensors(llama,
     assert sorted(name for name in os.listdir(tmp_path / "one") if "safetensors" in name) == ["model.safetensors"]
     default = tmp_path / "default"
     qstats.export.compressed_tensors_layerwise(model, llama, qparams, str(default), plan, progress=False)
-    ours, reference = _tensors(tmp_path / "one"), _tensors(default)
+    ours, reference = checkpoint_tensors(tmp_path / "one"), checkpoint_tensors(default)
     assert sorted(ours) == sorted(reference) and all(bit_equal(ours[name], reference[name]) for name in ours)
 
 
