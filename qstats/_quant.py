@@ -45,14 +45,12 @@ def _params(qparams: QParams, view: torch.Tensor, spec: QuantSpec, where: str):
     zero_point_shape = tuple(qparams.zero_point.shape)
     if len(zero_point_shape) > len(shape) or any(a not in (1, b) for a, b in zip(zero_point_shape[::-1], shape[::-1])):
         raise ValueError(f"{where}: a zero point of shape {zero_point_shape} does not fit scales of shape {shape}")
-    global_scale = qparams.global_scale if hasattr(qparams, "global_scale") else None
+    global_scale = getattr(qparams, "global_scale", None)
     if isinstance(spec.granularity, TensorGroup) and not (isinstance(global_scale, torch.Tensor)
                                                           and global_scale.numel() == 1):
         got = tuple(global_scale.shape) if isinstance(global_scale, torch.Tensor) else type(global_scale).__name__
         raise ValueError(f"{where}: a two-level spec (TensorGroup) needs one global scale, got {got}")
-    scale = broadcast_to_view(qparams.scale.float())
-    zero_point = broadcast_to_view(qparams.zero_point)
-    return scale, zero_point
+    return broadcast_to_view(qparams.scale.float()), broadcast_to_view(qparams.zero_point)
 
 
 def _checked_zero_point(zero_point: torch.Tensor, spec: QuantSpec, where: str) -> torch.Tensor:
@@ -88,13 +86,12 @@ def _codes_inside(codes: torch.Tensor, spec: QuantSpec):
     if spec.is_float or codes.numel() == 0:
         return None
     qmin, qmax = spec.qrange
-    floating = codes.is_floating_point()
     # torch has no min/max of uint16/32/64: their extremes are read in float64, where every code up
     # to 2**53 is exact and larger ones stay past any range (int64 would wrap uint64 codes past 2**63)
     extremes = codes.to(torch.float64) if codes.dtype in _UNSIGNED_WITHOUT_EXTREMES else codes
     wide = torch.float64 if extremes.is_floating_point() else torch.int64
     valid = (extremes.min().to(wide) >= qmin) & (extremes.max().to(wide) <= qmax)
-    if floating:
+    if codes.is_floating_point():
         valid = valid & (codes == torch.round(codes)).all()
     return require(valid, f"dequantize: codes of {spec.dtype!r} must be whole numbers in the spec's range "
                           f"[quant_min, quant_max] = [{qmin}, {qmax}]; got codes outside it (packed codes, another "
@@ -138,8 +135,7 @@ def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor
     scale, zero_point = _params(qparams, view, spec, "quantize")
     zero_point = _checked_zero_point(zero_point, spec, "quantize")
     _, codes = _codes_float(view, scale, zero_point, spec, qparams.global_scale)
-    codes = from_canonical_view(codes, spec.granularity, x.shape)
-    return _formats.store_codes(codes, spec)
+    return _formats.store_codes(from_canonical_view(codes, spec.granularity, x.shape), spec)
 
 
 def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=torch.float32) -> torch.Tensor:
@@ -204,5 +200,4 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
     inside = (unclamped >= lo) & (unclamped <= hi)
     exact = _formats.working(view)
     out = torch.where(inside, out - (exact.detach() - exact), out)
-    out = from_canonical_view(out, spec.granularity, x.shape)
-    return _to_output(out, x.dtype)
+    return _to_output(from_canonical_view(out, spec.granularity, x.shape), x.dtype)
