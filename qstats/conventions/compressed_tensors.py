@@ -50,12 +50,6 @@ def _field(args, name, default=None):
     return getattr(args, name, default)
 
 
-def _dtype_field(args, name):
-    """A dtype field; in a dict of fields, also as compressed-tensors serialises it
-    (``"torch.float8_e4m3fn"``), which QuantizationArgs parses."""
-    return dtype_named(_field(args, name, None))
-
-
 def _enum_value(value):
     return getattr(value, "value", value)
 
@@ -127,7 +121,9 @@ def from_compressed_tensors(cls, args, overrides):
         raise ValueError(f"from_compressed_tensors: strategy {strategy!r} needs {needs}")
     _check_unused_fields(args, strategy, group_size)
     granularity = _GRANULARITIES[strategy](args, group_size)
-    scale_dtype = _dtype_field(args, "scale_dtype")
+    # a dtype field; in a dict of fields, also as compressed-tensors serialises it
+    # ("torch.float8_e4m3fn"), which QuantizationArgs parses
+    scale_dtype = dtype_named(_field(args, "scale_dtype"))
     if scale_dtype is not None and scale_dtype not in _DTYPE_NAMES:
         raise ValueError(
             f"from_compressed_tensors: scale_dtype must be None or one of {sorted(map(str, _DTYPE_NAMES))}, "
@@ -136,11 +132,10 @@ def from_compressed_tensors(cls, args, overrides):
     _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype)
     _warn_dynamic_static(args, strategy)
     observed_dtype = overrides.pop("observed_dtype", None)
-    compute_dtype = "float32"
-    if observed_dtype is not None:
-        # llm-compressor observes the weight in its own dtype and compressed-tensors computes the
-        # qparams (and stores the scale) in it
-        compute_dtype = compute_dtype_name(observed_dtype, "from_compressed_tensors: observed_dtype")
+    # llm-compressor observes the weight in its own dtype and compressed-tensors computes the
+    # qparams (and stores the scale) in it
+    compute_dtype = "float32" if observed_dtype is None else compute_dtype_name(
+        observed_dtype, "from_compressed_tensors: observed_dtype")
     fields = dict(
         dtype=dtype,
         mapping="symmetric" if symmetric else "asymmetric",
@@ -229,7 +224,7 @@ def _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype)
         raise ValueError("from_compressed_tensors: symmetric=False is not supported for float 4-bit targets")
     if strategy == "tensor_group":
         _check_tensor_group(args, num_bits, qtype, scale_dtype)
-    zp_dtype = _dtype_field(args, "zp_dtype")
+    zp_dtype = dtype_named(_field(args, "zp_dtype"))
     if zp_dtype is not None and not symmetric:
         # calculate_qparams rounds the zero point to zp_dtype: a float one keeps it fractional, an
         # unsigned or narrow one clips it; qstats rounds it to the target's signed range
@@ -339,12 +334,12 @@ def _range_in(compute: torch.dtype, min_val, max_val, spec):
     clipped so that the scale stays finite (a symmetric peak, or an asymmetric span, wider than
     the dtype holds)."""
     if compute != torch.float32:
-        if spec.mapping == "asymmetric":
-            limit = float(torch.tensor(torch.finfo(compute).max, dtype=torch.float32))
-        else:
-            # on the host (a meta range cannot be read): the span of codes, rounded to ``compute``
-            span = torch.tensor(float(spec.qrange[1] - spec.qrange[0]), dtype=compute)
-            limit = peak_limit(compute, float(span / 2))
+        # an asymmetric span up to the dtype's largest value (half_range 1); a symmetric peak's
+        # half range is half the span of codes, rounded to ``compute`` on the host (a meta range
+        # cannot be read)
+        half_range = 1.0 if spec.mapping == "asymmetric" else float(
+            torch.tensor(float(spec.qrange[1] - spec.qrange[0]), dtype=compute) / 2)
+        limit = peak_limit(compute, half_range)
         min_val = min_val.clamp(min=-limit)
         max_val = max_val.clamp(max=limit)
     min_val = rounded_in(min_val.float(), compute)
@@ -499,5 +494,4 @@ class CompressedTensorsConvention(Convention):
         scale = super().e8m0_scale(amax.float().clamp(max=torch.finfo(compute).max), spec)
         # a scale rounded up past the dtype (int2's rceil scale of 65504 is 2**16) is its largest power of two
         scale = scale.clamp(max=2.0 ** math.floor(math.log2(torch.finfo(compute).max)))
-        underflows = scale.to(compute) == 0
-        return torch.where(underflows, torch.ones_like(scale), scale)
+        return torch.where(scale.to(compute) == 0, torch.ones_like(scale), scale)  # underflows
