@@ -197,12 +197,14 @@ def _reject_unknown(kwargs):
         raise ValueError(f"from_torchao: unexpected arguments {sorted(kwargs)}")
 
 
-def _drop_layout(kwargs):
-    """``is_swizzled_scales`` (``to_mx``, ``NVFP4Tensor.to_nvfp4``) arranges the same scales for a
-    kernel: accepted (a bool) and ignored, as ``keepdim`` is."""
+def _reject_unknown_but_layout(kwargs):
+    """`_reject_unknown`, after dropping ``is_swizzled_scales`` (``to_mx``,
+    ``NVFP4Tensor.to_nvfp4``), which arranges the same scales for a kernel: accepted (a bool) and
+    ignored, as ``keepdim`` is."""
     swizzled = kwargs.pop("is_swizzled_scales", False)
     if not isinstance(swizzled, bool):
         raise ValueError(f"from_torchao: is_swizzled_scales must be a bool, got {swizzled!r}")
+    _reject_unknown(kwargs)
 
 
 def _mx_spec(cls, elem_dtype, block_size, scaling_mode, kwargs):
@@ -210,8 +212,7 @@ def _mx_spec(cls, elem_dtype, block_size, scaling_mode, kwargs):
         raise ValueError(f"from_torchao: MX elem_dtype must be one of {list(_MX_ELEMENTS)}, got {elem_dtype!r}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"from_torchao: MX block_size must be a positive int, got {block_size!r}")
-    _drop_layout(kwargs)
-    _reject_unknown(kwargs)
+    _reject_unknown_but_layout(kwargs)
     return _spec(
         cls,
         dtype=_MX_ELEMENTS[elem_dtype],
@@ -237,8 +238,7 @@ def _per_tensor_scale(value) -> bool:
 
 
 def _nvfp4_spec(cls, per_tensor_scale, kwargs):
-    _drop_layout(kwargs)
-    _reject_unknown(kwargs)
+    _reject_unknown_but_layout(kwargs)
     return _spec(
         cls,
         dtype="fp4_e2m1",
@@ -357,9 +357,8 @@ def _float8_spec(cls, float8_dtype, kwargs):
         raise ValueError(f"from_torchao: float8 scale_dtype must be float32 or float8_e8m0fnu, got {scale_dtype}")
     compute = compute_dtype_name(input_dtype, "from_torchao: input_dtype")
     # torchao divides amax / max in the input's dtype, then widens the scale to float32
-    scales = dict(scale_dtype=compute)
-    if scale_dtype == _E8M0:
-        scales = dict(scale_dtype="e8m0", scale_rounding="round")
+    e8m0 = dict(scale_dtype="e8m0", scale_rounding="round")
+    scales = e8m0 if scale_dtype == _E8M0 else dict(scale_dtype=compute)
     return _spec(
         cls,
         dtype=_FLOAT8[float8_dtype],
