@@ -36,7 +36,7 @@ import torch
 
 from ._checks import check_floating
 from ._formats import rounded_in
-from .conventions.coreai_opt import block_sizes, block_size
+from .conventions.coreai_opt import _GRANULARITY_KINDS, block_sizes, block_size
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
 from ._quant import fake_quantize
@@ -466,7 +466,7 @@ def _resolved_granularity(granularity, module, site: str, target: str, where: st
     """``granularity`` as a dict, a weight's axis None resolved as coreai_opt's prepare does (the
     output channel per channel, the input channel per block): by the module's exact type in eager
     mode (its parametrized class's base), by the op its weight feeds in graph mode (a subclass's)."""
-    kind = _GRANULARITY_KIND.get(type(granularity).__name__, getattr(granularity, "type", None))
+    kind = _GRANULARITY_KINDS.get(type(granularity).__name__, getattr(granularity, "type", None))
     fields = {"type": kind, "axis": getattr(granularity, "axis", None)}
     if kind == "per_block":
         fields["block_size"] = granularity.block_size
@@ -484,7 +484,3 @@ def _resolved_granularity(granularity, module, site: str, target: str, where: st
     if kind == "per_tensor":
         del fields["axis"]
     return fields
-
-
-_GRANULARITY_KIND = {"PerTensorGranularity": "per_tensor", "PerChannelGranularity": "per_channel",
-                     "PerBlockGranularity": "per_block"}

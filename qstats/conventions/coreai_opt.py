@@ -293,8 +293,7 @@ def spec_from_coreai_opt(
     qmin, qmax = cls(dtype=dtype).dtype_range
     if qscheme == "symmetric_with_clipping" and qmin < 0:
         qmin = -qmax
-    spec = cls.from_torchao(
+    return cls.from_torchao(
         dtype, mapping_type="ASYMMETRIC" if qscheme == "asymmetric" else "SYMMETRIC", granularity=granularity,
         quant_min=qmin, quant_max=qmax, eps=_FLOAT32_EPS, input_dtype=input_dtype, zero_point_dtype=torch.int32,
-    )
-    return spec.replace(convention="coreai_opt")
+    ).replace(convention="coreai_opt")
