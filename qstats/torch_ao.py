@@ -21,7 +21,7 @@ from ._formats import integer_dtype_holds
 from ._granularity import PerAxis, PerTensor
 from ._qparams import compute_qparams
 from ._spec import QuantSpec
-from .conventions import TorchaoConvention, lookup
+from .conventions import TorchaoConvention
 from .conventions.torch_ao import PER_CHANNEL_QSCHEMES
 from .observers.fixed import FixedQParamsState, PlaceholderState, RecordingState, fixed_qparams, placeholder
 from .observers.histogram import HistogramState, histogram, histogram_edges
@@ -70,7 +70,7 @@ def torch_ao_fields(spec: QuantSpec) -> dict:
     if spec.zero_point_domain == "float":
         if per_tensor:
             raise ValueError("QstatsObserver: float zero points are per channel in torch.ao")
-        if isinstance(lookup(spec.convention), TorchaoConvention):
+        if isinstance(spec.convention, TorchaoConvention):
             raise ValueError(
                 "QstatsObserver: spec has torchao's float zero point (ZeroPointDomain.FLOAT, in the input's units); "
                 "torch.ao's per_channel_affine_float_qparams take it in code units: use QuantSpec.from_torch_ao("
