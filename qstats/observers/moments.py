@@ -193,9 +193,9 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
         shape = qparam_shape(x.shape, spec.granularity)
         zeros = torch.zeros(shape, dtype=torch.float64, device=x.device)
         count = torch.zeros(shape, dtype=torch.int64, device=x.device)
-        order = torch.full(shape, power, dtype=torch.float64, device=x.device)
         return MomentsState(count, zeros, zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(),
-                            order, count.clone())
+                            torch.full(shape, power, dtype=torch.float64, device=x.device),
+                            count.clone())
 
     def update_fn(state: MomentsState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> MomentsState:
         state = _checked(state, "moments.update")

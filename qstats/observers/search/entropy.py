@@ -144,9 +144,9 @@ def entropy_search(state, spec: QuantSpec, num_bits=None, start_bin: int = 128, 
     start_bin = check_int("start_bin", start_bin, 1, num_linear)
     stride = check_int("stride", stride, 1, num_linear)
     hist, linear_edges = _abs_linear_histogram(state, num_linear)
-    bits = spec.bits if num_bits is None else num_bits
     unsigned = (not spec.is_signed) and spec.mapping == "asymmetric"
-    amax = entropy_amax(hist, linear_edges, bits, unsigned, start_bin, stride)
+    amax = entropy_amax(hist, linear_edges, spec.bits if num_bits is None else num_bits, unsigned,
+                        start_bin, stride)
     if spec.mapping == "asymmetric":
         return within_extremes(state, torch.maximum(state.min_val.double(), -amax),
                                torch.minimum(state.max_val.double(), amax))
