@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import itertools
 import operator
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple, Union
 
@@ -927,17 +928,13 @@ def _module_stack(node) -> list:
 
 def _computed_key(model: nn.Module, node, taken) -> str:
     """The name of the points of ``node``, a call of a computed weight: its node's name in the traced graph under
-    the path of the module whose forward makes it (``"block.linear_1"``).
-
-    Raises:
-      ValueError: that name is a module, parameter or buffer of ``model`` or in ``taken`` (other points).
-    """
+    the path of the module whose forward makes it (``"block.linear_1"``), with ``_1``, ``_2``, ... appended where
+    that name is a module, parameter or buffer of ``model`` or in ``taken`` (other points): a module ``linear``
+    whose masked weight its parent's forward passes to ``F.linear`` gives the call's points ``"linear_1"``."""
     stack = _module_stack(node)
     key = f"{stack[-1]}.{node.name}" if stack and stack[-1] else node.name
-    if key in taken or key in dict(model.named_modules()) or key in dict(_named_tensors(model)):
-        raise ValueError(f"qstats.qat.prepare: the points of the {node.target.__name__} call of a computed weight would "
-                         f"be named {key!r}, a name the model already uses; rename that module or tensor")
-    return key
+    used = {*taken, *dict(model.named_modules()), *dict(_named_tensors(model))}
+    return next(name for name in itertools.chain([key], (f"{key}_{i}" for i in itertools.count(1))) if name not in used)
 
 
 def _weight_graph(gm: torch.fx.GraphModule, weight) -> Optional[torch.fx.GraphModule]:

@@ -352,3 +352,30 @@ def test_calls_of_one_parameter_share_one_weight_point_and_one_input_state():
     torch.testing.assert_close(state.activations["w"].min_val, sequential.min_val, rtol=1e-6, atol=1e-7)
     for fq in inputs:  # torch.ao's: each input's own range
         assert not torch.allclose(state.activations["w"].max_val, fq.activation_post_process.max_val)
+
+
+class _MaskedChild(nn.Module):
+    """The forward passes a child Linear's masked weight to F.linear; the child itself is never called, so the call's
+    node in the traced graph is named ``linear``, the child's own name."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.register_buffer("mask", (torch.rand(3, 4) > 0.3).float())
+
+    def forward(self, x):
+        return F.linear(x, self.linear.weight * self.mask, self.linear.bias)
+
+
+def test_a_computed_call_named_as_a_module_of_the_model_takes_the_next_free_name():
+    # prepare raised a ValueError asking to rename the module (a checkpoint's names cannot be changed)
+    torch.manual_seed(0)
+    model = _MaskedChild()
+    qat = qstats.qat.prepare(model, qstats.moving_average_minmax(W_SPEC, 0.01),
+                             qstats.moving_average_minmax(ACT_SPEC, 0.01))
+    assert qat.layers == ("linear_1",)
+    g = torch.Generator().manual_seed(5)
+    params = _train_beside_torch_ao(model, qat, [torch.randn(3, 4, generator=g) * (1 + step / 3) for step in range(7)],
+                                    computed={"linear": "linear_1"})
+    torch.testing.assert_close(qat.observed_weight(params, "linear_1"), params["linear.weight"] * model.mask,
+                               rtol=0, atol=0)
