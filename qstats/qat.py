@@ -539,6 +539,10 @@ class QATModel:
             layer, _, field = name.rpartition(".")
             if layer in paths and alias.endswith(f".{field}"):
                 paths[layer].add(alias[: -len(field) - 1])
+            # a computed weight's call, named under the module making it: under that module's other names too
+            held, other = _differing_prefixes(name, alias)
+            paths.update((key, {*paths[key], other + key[len(held):]}) for key in self._computed_weights
+                         if held and key.startswith(f"{held}."))
         return paths
 
     def state_dict(self, params, state: QATState) -> Dict[str, torch.Tensor]:
@@ -830,6 +834,15 @@ def prepare(
     return QATModel(module, weight_observer, activation_observer, rewriter.quantized, rewriter.batchnorms,
                     _aliases(model, module), rewriter.observers["weights"], activation_observers, dynamic,
                     rewriter.folded, rewriter.parameter_calls, rewriter.parameter_groups, rewriter.computed)
+
+
+def _differing_prefixes(name: str, alias: str) -> Tuple[str, str]:
+    """The module paths of ``name`` and ``alias``, two names of one tensor, before the parts they end in
+    alike: ``("layers.0", "layers.1")`` for ``"layers.0.sub.w"`` and ``"layers.1.sub.w"``."""
+    first, second = name.split("."), alias.split(".")
+    while first and second and first[-1] == second[-1]:
+        first, second = first[:-1], second[:-1]
+    return ".".join(first), ".".join(second)
 
 
 def _aliases(model: nn.Module, module: nn.Module) -> Dict[str, str]:
