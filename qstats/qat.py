@@ -462,7 +462,7 @@ class QATModel:
         self.folded_layers = dict(folded_layers or {})  # layer -> the batch norm folded into its weight
         self.parameter_layers = dict(parameter_layers or {})  # parameter -> the layer type of its F.linear/conv calls
         self._parameter_groups = dict(parameter_groups or {})  # parameter -> groups of its F.conv_transposeNd calls
-        # point of a call of a computed weight -> a GraphModule computing it (None: it reads the forward's inputs)
+        # point of a call of a computed weight -> a GraphModule computing it, or what else it reads (`_weight_graph`)
         self._computed_weights = dict(computed_weights or {})
         # the model's names of a module registered several times, which ``module`` lacks -> the name it has
         self._aliases = dict(aliases or {})
@@ -604,8 +604,8 @@ class QATModel:
     def _computed_weight(self, params, layer: str) -> torch.Tensor:
         """The weight of the call of a computed weight ``layer`` from ``params`` (and the model's own tensors)."""
         graph = self._computed_weights[layer]
-        if graph is None:
-            raise ValueError(f"QATModel.observed_weight: the weight of {layer!r} is computed from the forward's inputs: "
+        if isinstance(graph, str):
+            raise ValueError(f"QATModel.observed_weight: the weight of {layer!r} is computed from {graph}: "
                              "it has no value outside a forward pass")
         names = {name for name, _ in _named_tensors(graph)}
         weight = torch.func.functional_call(graph, {name: value for name, value in params.items() if name in names}, ())
@@ -950,17 +950,21 @@ def _computed_key(model: nn.Module, node, taken) -> str:
     return next(name for name in itertools.chain([key], (f"{key}_{i}" for i in itertools.count(1))) if name not in used)
 
 
-def _weight_graph(gm: torch.fx.GraphModule, weight) -> Optional[torch.fx.GraphModule]:
+def _weight_graph(gm: torch.fx.GraphModule, weight) -> Union[torch.fx.GraphModule, str]:
     """A GraphModule computing the node ``weight`` from ``gm``'s parameters and buffers (`QATModel.observed_weight`
-    calls it), or None where it reads an input of the forward."""
+    calls it), or what else it reads, for its error: an input of the forward, or the QAT state and phase of a
+    fake-quantized layer whose output it is computed from."""
     needed, pending = set(), [weight]
     while pending:
         node = pending.pop()
         if node not in needed:
             needed.add(node)
             pending.extend(node.all_input_nodes)
-    if any(node.op == "placeholder" for node in needed):
-        return None
+    inputs = {node.target for node in needed if node.op == "placeholder"}
+    if inputs - set(_EXTRA_INPUTS):
+        return "the forward's inputs"
+    if inputs:
+        return "the output of a fake-quantized layer (of the QAT state and phase)"
     graph, copies = torch.fx.Graph(), {}
     for node in gm.graph.nodes:
         if node in needed:

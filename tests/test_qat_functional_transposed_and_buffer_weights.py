@@ -379,3 +379,23 @@ def test_a_computed_call_named_as_a_module_of_the_model_takes_the_next_free_name
                                     computed={"linear": "linear_1"})
     torch.testing.assert_close(qat.observed_weight(params, "linear_1"), params["linear.weight"] * model.mask,
                                rtol=0, atol=0)
+
+
+class _ThroughLayer(nn.Module):
+    """A weight computed by a quantized Linear from a parameter: no input of the forward reaches it."""
+
+    def __init__(self):
+        super().__init__()
+        self.make, self.seed = nn.Linear(4, 12), nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return F.linear(x, self.make(self.seed).view(3, 4))
+
+
+def test_a_weight_computed_by_a_fake_quantized_layer_has_no_observed_weight_naming_that():
+    # the error said the weight was computed from the forward's inputs, which it never reads
+    qat = qstats.qat.prepare(_ThroughLayer(), qstats.minmax(W_SPEC), qstats.minmax(ACT_SPEC))
+    assert qat.layers == ("make", "linear")
+    with pytest.raises(ValueError, match=r"the weight of 'linear' is computed from the output of a fake-quantized "
+                                         r"layer \(of the QAT state and phase\)"):
+        qat.observed_weight(qat.params(), "linear")
