@@ -399,3 +399,42 @@ def test_a_weight_computed_by_a_fake_quantized_layer_has_no_observed_weight_nami
     with pytest.raises(ValueError, match=r"the weight of 'linear' is computed from the output of a fake-quantized "
                                          r"layer \(of the QAT state and phase\)"):
         qat.observed_weight(qat.params(), "linear")
+
+
+class _Modulated(nn.Module):
+    """StyleGAN2's modulated convolution: a weight per sample, the batch's samples convolved as groups."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight, self.affine = nn.Parameter(torch.randn(8, 4, 3, 3)), nn.Linear(6, 4)
+
+    def forward(self, x, style):
+        b, h = x.shape[0], x.shape[2]
+        w = (self.weight[None] * self.affine(style)[:, None, :, None, None]).reshape(b * 8, 4, 3, 3)
+        return F.conv2d(x.reshape(1, b * 4, h, h), w, padding=1, groups=b).reshape(b, 8, h, h)
+
+
+def test_a_per_sample_weight_needs_its_init_batch_size_per_channel_as_torch_ao():
+    # such a call stayed in float before its computed weight was fake-quantized; docs/qat.md says what to do
+    torch.manual_seed(0)
+    model, two, three = _Modulated(), (torch.randn(2, 4, 5, 5), torch.randn(2, 6)), (torch.randn(3, 4, 5, 5),
+                                                                                      torch.randn(3, 6))
+    qat = qstats.qat.prepare(model, qstats.moving_average_minmax(W_SPEC, 0.01),
+                             qstats.moving_average_minmax(ACT_SPEC, 0.01))
+    assert qat.layers == ("affine", "conv2d")
+    state = qat.init(*two)
+    with pytest.raises(ValueError, match=r"gives quantization parameters of shape \(24,\), but the state has shape "
+                                         r"\(16,\)"):
+        qat.apply(qat.params(), state, *three)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = prepare_qat_fx(copy.deepcopy(model).train(), get_default_qat_qconfig_mapping("x86"), two)
+    reference(*two)
+    with pytest.raises(RuntimeError, match="dimensions of scale and zero-point are not consistent"):
+        reference(*three)
+    off = qstats.QATPhase(observe=False, fake_quantize=False)
+    _, after = qat.apply(qat.params(), state, *three, layer_phases={"conv2d": off})  # the Linear observed
+    assert torch.equal(after.weights["conv2d"].max_val, state.weights["conv2d"].max_val)
+    assert not torch.equal(after.activations["affine"].max_val, state.activations["affine"].max_val)
+    out, _ = qat.apply(qat.params(), state, *three, phase=off, layer_phases={"conv2d": off})
+    torch.testing.assert_close(out, model(*three), rtol=0, atol=0)  # in float, as the model computes it
