@@ -99,6 +99,6 @@ def test_bf16_mx_first_layer_equals_llm_compressor_oneshot(scheme, tmp_path, sin
     plan = recipe.resolve(model)
     out = str(tmp_path / "ours")
     qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(result.states, plan), out, plan)
-    from test_gptq_layerwise_formats import _tensors
+    from _shared import checkpoint_tensors
 
-    assert _same_codes(_tensors(out), theirs, _first_layer(_quantized(theirs))) >= 0.999
+    assert _same_codes(checkpoint_tensors(out), theirs, _first_layer(_quantized(theirs))) >= 0.999
