@@ -179,25 +179,6 @@ def _check_own_options(options: dict) -> None:
             raise TypeError(f"imatrix_mse: {name} is set by imatrix_mse itself; pass {instead}")
 
 
-def _as_imatrix_mse(observer: Observer) -> Observer:
-    """``observer`` (`qstats.mse` under imatrix_mse's name) whose errors name ``imatrix_mse.init``,
-    ``.update`` and ``.merge`` where mse's name ``mse.init``, ``mse.update`` and ``mse.merge``."""
-
-    def named(function, verb: str):
-        def renamed(*args, **kwargs):
-            try:
-                return function(*args, **kwargs)
-            except (ValueError, TypeError) as error:
-                message = str(error)
-                if not message.startswith(f"mse.{verb}") or error.args != (message,):
-                    raise
-                raise type(error)(f"imatrix_{message}").with_traceback(error.__traceback__) from None
-        return renamed
-
-    return observer._replace(init=named(observer.init, "init"), update=named(observer.update, "update"),
-                             merge=named(observer.merge, "merge"))
-
-
 def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixState] = None, maxshrink: float = 0.95,
                 grid: float = 20, norm: float = 3.0, expand: float = 1.0, **options) -> Observer:
     """Importance-weighted MSE search for a weight of ``weight_shape`` ``(out, in)``, as llm-compressor's
@@ -240,7 +221,7 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
             check_observable(x, "imatrix_mse.update")  # before x.device: None was an AttributeError
             return build(torch.ones((), dtype=torch.float32, device=x.device)).update(state, x, weight)
 
-        return _as_imatrix_mse(base._replace(init=uniform_init, update=uniform_update))
+        return base._replace(init=uniform_init, update=uniform_update)
     base = build(weights)
 
     def check_weight_shape(x: torch.Tensor, where: str) -> None:
@@ -260,4 +241,4 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
         check_weight_shape(x, "imatrix_mse.update")
         return base.update(state, x, weight)
 
-    return _as_imatrix_mse(base._replace(init=init_fn, update=update_fn))
+    return base._replace(init=init_fn, update=update_fn)
