@@ -51,3 +51,42 @@ def train_beside_reference(qat, params: dict, state, reference_forward, referenc
             for p in reference_parameters.parameters():
                 p -= 0.1 * p.grad
     return params, state, steps
+
+
+def train_beside_prepared(qat, reference: torch.nn.Module, points: dict, others: list, batches, schedule,
+                          lr: float, steps: int = 6) -> dict:
+    """SGD steps of ``qat.apply`` and of torch.ao's prepared ``reference`` (``prepare_qat_fx``) on ``batches[1:]``
+    (``qat.init`` sizes on ``batches[0]``) through ``schedule``'s phases, torch.ao's fake quants in ``others``
+    (which qstats has not: outputs) kept off. Outputs and gradients are compared every step, and at the end the
+    ranges of every point ``{"kind.key": FakeQuantize}`` with its qstats state. Returns qstats' parameters."""
+    state = qat.init(batches[0])
+    params = {name: value.detach().clone() for name, value in qat.params().items()}
+    optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+
+    def loss_fn(p, s, x):
+        out, new_state = qat.apply(p, s, x, phase=phase)
+        return out.pow(2).sum(), (out, new_state)
+
+    for step in range(steps):
+        x, phase = batches[step + 1], schedule(step)
+        for fq in reference.modules():
+            if isinstance(fq, FakeQuantize):
+                fq.enable_observer(phase.observe and fq not in others)
+                fq.enable_fake_quant(phase.fake_quantize and fq not in others)
+        optimizer.zero_grad()
+        expected = reference(x)
+        expected.pow(2).sum().backward()
+        grads, (out, state) = torch.func.grad(loss_fn, has_aux=True)(params, state, x)
+        torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}")
+        assert set(grads) == {name for name, _ in reference.named_parameters()}
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-5,
+                                       msg=f"step {step}: {name}")
+        optimizer.step()
+        params = {name: value - lr * grads[name] for name, value in params.items()}
+    for point, fq in points.items():
+        kind, key = point.split(".", 1)
+        ranges, observer = getattr(state, kind)[key], fq.activation_post_process
+        torch.testing.assert_close(ranges.min_val, observer.min_val, rtol=1e-6, atol=1e-7, msg=point)
+        torch.testing.assert_close(ranges.max_val, observer.max_val, rtol=1e-6, atol=1e-7, msg=point)
+    return params

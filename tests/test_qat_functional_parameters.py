@@ -27,7 +27,7 @@ from torch.ao.quantization import (
 from torch.ao.quantization.quantize_fx import prepare_qat_fx
 
 import qstats
-from _qat_torch_ao_reference import ACT_SPEC, W_SPEC
+from _qat_torch_ao_reference import ACT_SPEC, W_SPEC, train_beside_prepared
 from qstats import QATSchedule
 
 QCONFIG = QConfig(  # _qat_torch_ao_reference's fake quants, of ACT_SPEC and W_SPEC
@@ -119,37 +119,8 @@ def _train_beside_torch_ao(model: nn.Module, qat, make_batch, expected_points: s
     assert set(points) == expected_points
     assert {f"{kind}.{key}" for kind, keys in (("weights", qat.weight_observers), ("activations", qat.activation_layers))
             for key in keys} == expected_points
-    state = qat.init(make_batch(0))
-    params = {name: value.detach().clone() for name, value in qat.params().items()}
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-
-    def loss_fn(p, s, x):
-        out, new_state = qat.apply(p, s, x, phase=phase)
-        return out.pow(2).sum(), (out, new_state)
-
-    for step in range(6):
-        x, phase = make_batch(step + 1), SCHEDULE(step)
-        for fq in reference.modules():
-            if isinstance(fq, FakeQuantize):
-                fq.enable_observer(phase.observe and fq not in others)
-                fq.enable_fake_quant(phase.fake_quantize and fq not in others)
-        optimizer.zero_grad()
-        expected = reference(x)
-        expected.pow(2).sum().backward()
-        grads, (out, state) = torch.func.grad(loss_fn, has_aux=True)(params, state, x)
-        torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}")
-        assert set(grads) == {name for name, _ in reference.named_parameters()}
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-5,
-                                       msg=f"step {step}: {name}")
-        optimizer.step()
-        params = {name: value - LR * grads[name] for name, value in params.items()}
-    for point, fq in points.items():
-        kind, key = point.split(".", 1)
-        ranges = getattr(state, kind)[key]
-        observer = fq.activation_post_process
-        torch.testing.assert_close(ranges.min_val, observer.min_val, rtol=1e-6, atol=1e-7, msg=point)
-        torch.testing.assert_close(ranges.max_val, observer.max_val, rtol=1e-6, atol=1e-7, msg=point)
+    batches = [make_batch(step) for step in range(7)]  # drawn after the reference's example, as they were
+    train_beside_prepared(qat, reference, points, others, batches, SCHEDULE, LR)
 
 
 def test_functional_conv_and_linear_of_a_blocks_own_parameters_train_as_torch_ao_prepare_qat_fx():

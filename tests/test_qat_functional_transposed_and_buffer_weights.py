@@ -34,7 +34,7 @@ from torch.ao.quantization import (
 from torch.ao.quantization.quantize_fx import prepare_qat_fx
 
 import qstats
-from _qat_torch_ao_reference import ACT_SPEC, W_SPEC
+from _qat_torch_ao_reference import ACT_SPEC, W_SPEC, train_beside_prepared
 from qstats import QATSchedule
 
 SCHEDULE = QATSchedule(observe_at=0, fake_quantize_at=1, freeze_ranges_at=4)
@@ -176,37 +176,7 @@ def _train_beside_torch_ao(model, qat, batches, per_channel=True, computed=None)
     outputs and gradients every step, the ranges of every point at the end; returns qstats' parameters."""
     reference, points, others = _reference(model, batches[0], per_channel, computed)
     assert set(points) == {f"{kind}.{key}" for kind in ("weights", "activations") for key in qat.layers}
-    state = qat.init(batches[0])
-    params = {name: value.detach().clone() for name, value in qat.params().items()}
-    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-
-    def loss_fn(p, s, x):
-        out, new_state = qat.apply(p, s, x, phase=phase)
-        return out.pow(2).sum(), (out, new_state)
-
-    for step in range(6):
-        x, phase = batches[step + 1], SCHEDULE(step)
-        for fq in reference.modules():
-            if isinstance(fq, FakeQuantize):
-                fq.enable_observer(phase.observe and fq not in others)
-                fq.enable_fake_quant(phase.fake_quantize and fq not in others)
-        optimizer.zero_grad()
-        expected = reference(x)
-        expected.pow(2).sum().backward()
-        grads, (out, state) = torch.func.grad(loss_fn, has_aux=True)(params, state, x)
-        torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-6, msg=f"step {step}")
-        assert set(grads) == {name for name, _ in reference.named_parameters()}
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-5,
-                                       msg=f"step {step}: {name}")
-        optimizer.step()
-        params = {name: value - LR * grads[name] for name, value in params.items()}
-    for point, fq in points.items():
-        kind, key = point.split(".", 1)
-        observer = fq.activation_post_process
-        torch.testing.assert_close(getattr(state, kind)[key].min_val, observer.min_val, rtol=1e-6, atol=1e-7, msg=point)
-        torch.testing.assert_close(getattr(state, kind)[key].max_val, observer.max_val, rtol=1e-6, atol=1e-7, msg=point)
-    return params
+    return train_beside_prepared(qat, reference, points, others, batches, SCHEDULE, LR)
 
 
 @pytest.mark.parametrize("per_channel, groups", [(True, 1), (False, 2)], ids=["per_channel", "per_tensor_groups"])
