@@ -914,8 +914,18 @@ def _parameter_call(model: nn.Module, node, layers) -> Optional[str]:
     weight = _call_weight(node)
     if _call_kind(node, layers) is None or weight.op != "get_attr":
         return None
-    tensor = dict(_named_tensors(model)).get(str(weight.target))  # None: a plain attribute (a tensor constant)
+    tensor = _model_tensor(model, str(weight.target))  # None: a plain attribute (a tensor constant)
     return str(weight.target) if tensor is not None and tensor.is_floating_point() else None
+
+
+def _model_tensor(model: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """``model``'s parameter or buffer ``name``, or None where ``name`` is neither (a plain attribute)."""
+    for get in (model.get_parameter, model.get_buffer):
+        try:
+            return get(name)
+        except AttributeError:  # no such module or attribute, or another kind of attribute
+            continue
+    return None
 
 
 def _call_weight(node):
