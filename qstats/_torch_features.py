@@ -20,7 +20,7 @@ import torch
 
 from ._ops import op, register_fake, register_vmap
 
-__all__ = ["bitcast", "eager", "recomputing", "rounded_to", "torch_dtype", "unwrapped"]
+__all__ = ["bitcast", "compiled", "eager", "recomputing", "rounded_to", "torch_dtype", "unwrapped"]
 
 
 def torch_dtype(name: str) -> Optional[torch.dtype]:
@@ -53,20 +53,33 @@ def bitcast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return functorch._add_batch_dim(bitcast(inner, dtype), dim, level)
 
 
-def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The module that ``torch.compile`` (``OptimizedModule._orig_mod``), ``DistributedDataParallel``
-    and ``DataParallel`` (``module``) wrap, however nested, else ``model``: recipes resolve on it, so a
-    wrapped model's sites are named (and targeted, and ignored) by the bare model's paths rather than
-    ``"_orig_mod.<path>"`` or ``"module.<path>"``, as ``save_pretrained(model.module)`` names them."""
+def _wrappers(model: torch.nn.Module):
+    """``model`` and each module it wraps in turn (see `unwrapped`), outermost first."""
     dynamo = sys.modules.get("torch._dynamo")  # imported by torch.compile; importing it costs seconds
     wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
     while True:
+        yield model
         if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
             model = model._orig_mod
         elif isinstance(model, wrappers):
             model = model.module
         else:
-            return model
+            return
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that ``torch.compile`` (``OptimizedModule._orig_mod``), ``DistributedDataParallel``
+    and ``DataParallel`` (``module``) wrap, however nested, else ``model``: recipes resolve on it, so a
+    wrapped model's sites are named (and targeted, and ignored) by the bare model's paths rather than
+    ``"_orig_mod.<path>"`` or ``"module.<path>"``, as ``save_pretrained(model.module)`` names them."""
+    *_, model = _wrappers(model)
+    return model
+
+
+def compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is, or wraps (under DDP or DataParallel), a ``torch.compile``'d module."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo is not None and any(isinstance(m, dynamo.eval_frame.OptimizedModule) for m in _wrappers(model))
 
 
 def eager(hook):

@@ -25,7 +25,7 @@ from ._checks import check_flag
 from ._granularity import PerGroup, qparam_shape
 from ._ops import is_dtensor
 from ._sites import input_tensor, is_float_tensor, observe_tensor
-from ._torch_features import eager, recomputing
+from ._torch_features import compiled, eager, recomputing
 from .experts import (ExpertInputCapture, UncalibratedWarning, all_experts_calls, copies_of_tokens,
                       declared_experts, dense_expert_rows, dense_ids, dense_rows_weight, dispatch, ids_mask,
                       own_parameters, parameter_input_site, routed_slots, routing_mask, takes_routing,
@@ -819,7 +819,7 @@ def observing_as(caller: str, model: torch.nn.Module, recipe: Union[Recipe, Plan
         run.weight = None
         for handle in handles:
             handle.remove()
-    _warn_unobserved(run.states, plan, session.calls, compiled=model is not plan.model)
+    _warn_unobserved(run.states, plan, session.calls, compiled=compiled(model))
     warn_uncovered(run.states, plan.sites)
 
 

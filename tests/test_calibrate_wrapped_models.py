@@ -99,3 +99,24 @@ def test_a_data_parallel_model_is_calibrated_as_the_bare_model():
     assert sorted(RECIPE.resolve(wrapper).sites) == ["body.0", "body.2"]
     assert RECIPE.rule_for("head", "weight", model=wrapper) is None  # ignored by its bare path
     assert RECIPE.rule_for("body.0", "weight", model=wrapper) is RECIPE.rules[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="DataParallel of a CPU model needs no GPU to be visible")
+def test_a_wrapped_model_that_ran_no_batch_gets_the_compile_hint_only_when_compiled():
+    # the hint names a graph compiled before the hooks: a DataParallel of an eager model has none
+    # (the bare model's warning is the reference), a compiled one inside DataParallel has
+    def warning_of(model):
+        with pytest.warns(qstats.UncalibratedWarning) as caught:
+            with qstats.observing(model, RECIPE):
+                pass
+        return [str(w.message) for w in caught if issubclass(w.category, qstats.UncalibratedWarning)]
+
+    bare = warning_of(_model())
+    assert warning_of(torch.nn.DataParallel(_model())) == bare
+    assert "torch.compiler.reset()" not in bare[0]
+    torch.compiler.reset()
+    try:
+        hinted = warning_of(torch.nn.DataParallel(torch.compile(_model(), backend="eager")))
+    finally:
+        torch.compiler.reset()
+    assert "call torch.compiler.reset() first" in hinted[0]
