@@ -949,15 +949,21 @@ def _module_stack(node) -> list:
             for key, entry in (node.meta.get("nn_module_stack") or {}).items()]
 
 
-def _computed_key(model: nn.Module, node, taken) -> str:
+def _model_names(model: nn.Module) -> frozenset:
+    """The names of ``model``'s modules, parameters and buffers (`_computed_key` names no point after one)."""
+    return frozenset({*dict(model.named_modules()), *dict(_named_tensors(model))})
+
+
+def _computed_key(node, taken, names: frozenset) -> str:
     """The name of the points of ``node``, a call of a computed weight: its node's name in the traced graph under
     the path of the module whose forward makes it (``"block.linear_1"``), with ``_1``, ``_2``, ... appended where
-    that name is a module, parameter or buffer of ``model`` or in ``taken`` (other points): a module ``linear``
-    whose masked weight its parent's forward passes to ``F.linear`` gives the call's points ``"linear_1"``."""
+    that name is in ``names`` (the model's modules, parameters and buffers: `_model_names`) or in ``taken`` (other
+    points): a module ``linear`` whose masked weight its parent's forward passes to ``F.linear`` gives the call's
+    points ``"linear_1"``."""
     stack = _module_stack(node)
     key = f"{stack[-1]}.{node.name}" if stack and stack[-1] else node.name
-    used = {*taken, *dict(model.named_modules()), *dict(_named_tensors(model))}
-    return next(name for name in itertools.chain([key], (f"{key}_{i}" for i in itertools.count(1))) if name not in used)
+    candidates = itertools.chain([key], (f"{key}_{i}" for i in itertools.count(1)))
+    return next(name for name in candidates if name not in names and name not in taken)
 
 
 def _weight_graph(gm: torch.fx.GraphModule, weight) -> Union[torch.fx.GraphModule, str]:
@@ -1266,7 +1272,7 @@ class _Rewriter:
         """Rewrites every call of a layer of ``layers`` (and every F.linear/conv/... of such a layer's own weight in
         a traced-through forward) and of a batch norm; returns the layers inside modules that torch.fx keeps
         whole (torch.nn's Transformer layers): name -> that module's type name."""
-        hidden = {}
+        hidden, names = {}, _model_names(model)  # the names a computed weight's points must not take
         for node in list(self.graph.nodes):
             if node.op == "call_function" and node.target in _FUNCTIONAL_LAYERS:
                 owner = _functional_owner(model, node, layers)
@@ -1276,7 +1282,7 @@ class _Rewriter:
                 elif parameter is not None:  # a parameter or buffer, one tied to a layer's weight
                     self.quantize_parameter_call(node, parameter, _PARAMETER_CALLS[node.target])
                 elif _call_kind(node, layers) is not None:  # a computed weight
-                    key = _computed_key(model, node, self.quantized)
+                    key = _computed_key(node, self.quantized, names)
                     self.computed[key] = _weight_graph(self.gm, _call_weight(node))
                     self.computed_callers.add(key.rpartition(".")[0])
                     self.quantize_parameter_call(node, key, _PARAMETER_CALLS[node.target])
