@@ -468,6 +468,8 @@ class QATModel:
         self._aliases = dict(aliases or {})
         # names `apply` takes: parameters (tied ones under every name) and buffers
         self._names = frozenset(name for name, _ in _named_tensors(module)) | frozenset(self._aliases)
+        # quantized layer or batch norm -> its module paths in the model (`_module_paths`), which layer_phases name
+        self._paths = self._module_paths((*self.layers, *self.batchnorm_layers))
 
     def params(self) -> Dict[str, torch.Tensor]:
         """The model's parameters by name (the tensors themselves)."""
@@ -513,9 +515,8 @@ class QATModel:
             raise TypeError(f"QATModel.apply: layer_phases must be a dict {{module path: QATPhase}} or None, got "
                             f"{type(layer_phases).__name__}")
         keys = (*self.layers, *self.batchnorm_layers)
-        paths = self._module_paths(keys)
         covered = lambda key, path: path == "" or any(  # noqa: E731
-            held == path or held.startswith(path + ".") for held in paths[key])
+            held == path or held.startswith(path + ".") for held in self._paths[key])
         for path, given in layer_phases.items():
             if not isinstance(path, str) or not isinstance(given, QATPhase):
                 raise TypeError(f"QATModel.apply: layer_phases maps module paths (str) to QATPhase, got "
