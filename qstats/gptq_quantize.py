@@ -17,8 +17,10 @@ as the original GPTQ; other specs take the min/max of the weight itself.
 
 A weight whose Hessian saw no row falls back to round-to-nearest (`UncalibratedWarning`), as does
 one whose dampened Hessian is not positive definite (a UserWarning; llm-compressor records those
-modules). A NaN or Inf in the Hessian sum or the weight (a float64 weight's values past float32's
-range too: GPTQ computes in float32), or in ``qparams`` a NaN, Inf, zero or
+modules) or whose inverse's Cholesky factor fails in float32 (the same warning; llm-compressor raises
+there). A Hessian that left rows out as non-finite (`HessianState.nonfinite`) warns, naming them.
+A NaN or Inf in the Hessian sum or the weight (a float64 weight's values past float32's range too:
+GPTQ computes in float32), or in ``qparams`` a NaN, Inf, zero or
 negative scale or global scale or a NaN or Inf zero point, is a ValueError. Input columns that
 never saw a non-zero value (zero diagonal) quantize to zero, as llm-compressor. A Hessian past
 float32's Cholesky range (largest diagonal above 2^64 or below 2^-64) is scaled by a power of 4
@@ -57,39 +59,62 @@ def _experts(flags: torch.Tensor) -> str:
 
 
 @op("check_gptq_inputs")
-def _check_inputs(count: torch.Tensor, total: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_inputs(count: torch.Tensor, nonfinite: torch.Tensor, total: torch.Tensor,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager checks (one op, so they run under vmap and compile): a non-finite Hessian sum or weight
-    raises ValueError; a Hessian that saw no row warns (round-to-nearest). Returns the counts and
-    whether a stack's Hessians are all equal (every expert on every token: factored once)."""
+    raises ValueError; a Hessian that saw no row warns (round-to-nearest), and one that left rows
+    out (``nonfinite``) warns naming them. Returns the counts and whether a stack's Hessians are
+    all equal (every expert on every token: factored once)."""
     # the weight as the column loop computes it, in float32: a float64 value past float32's range is
     # Inf there (narrower dtypes keep their finiteness, uncopied; the Hessian sum is scaled into range
     # first, `_factorable_hessian`)
     computed = weight.to(torch.float32) if weight.dtype == torch.float64 else weight
-    for name, value, past in (("Hessian sum", total, ""),
+    for name, value, past in (("Hessian sum", total, f" (a {total.dtype} sum past its range: observe the inputs with "
+                                                     "qstats.hessian(dtype=torch.float64))"),
                               ("weight", computed, " (or float64 values past float32's range, in which GPTQ "
                                "computes)")):
         bad = ~torch.isfinite(value).flatten(start_dim=value.ndim - 2).all(dim=-1)
         if bad.any():
             raise ValueError(f"qstats.gptq: the {name} of {_experts(bad)} holds NaN or Inf{past}")
-    if (count == 0).any():
-        warn(
-            f"qstats.gptq: the Hessian of {_experts(count == 0)} saw no input row; those weights are "
-            "quantized by round-to-nearest with their quantization parameters",
-            UncalibratedWarning,
-        )
+    _warn_left_out(count, nonfinite)
     shared = count.ndim == 1 and count.shape[0] > 1 and bool((count == count[:1]).all())
     shared = shared and torch.equal(total, total[:1].expand_as(total))
     return count.clone(), torch.tensor(shared)
 
 
+def _left_out(rows: int) -> str:
+    return (f"{rows} row{'s' * (rows != 1)} holding a NaN or Inf, or a value whose square passes the Hessian's dtype "
+            "(|x| above 1.8e19 in float32: observe with qstats.hessian(dtype=torch.float64))")
+
+
+def _warn_left_out(count: torch.Tensor, nonfinite: torch.Tensor) -> None:
+    """Warns where a Hessian saw no row (round-to-nearest, `UncalibratedWarning`), and where it left
+    rows out as non-finite (llm-compressor's Hessian turns NaN there and its GPTQ rounds to nearest)."""
+    if (count == 0).any():
+        unseen = (count == 0) & (nonfinite > 0)
+        why = f" (it left out {_left_out(int(nonfinite[unseen].sum()))})" if unseen.any() else ""
+        warn(
+            f"qstats.gptq: the Hessian of {_experts(count == 0)} saw no input row{why}; those weights are "
+            "quantized by round-to-nearest with their quantization parameters",
+            UncalibratedWarning,
+        )
+    partly = (count > 0) & (nonfinite > 0)
+    if partly.any():
+        warn(
+            f"qstats.gptq: the Hessian of {_experts(partly)} left out {_left_out(int(nonfinite[partly].sum()))}; "
+            "GPTQ uses the other rows",
+            UserWarning,
+        )
+
+
 @register_fake(_check_inputs)
-def _(count, total, weight):
+def _(count, nonfinite, total, weight):
     return torch.empty_like(count), torch.empty((), dtype=torch.bool)
 
 
-def _check_inputs_vmap(info, in_dims, count, total, weight):
+def _check_inputs_vmap(info, in_dims, count, nonfinite, total, weight):
     moved = [value.expand(info.batch_size, *value.shape) if dim is None else value.movedim(dim, 0)
-             for value, dim in zip((count, total, weight), in_dims)]
+             for value, dim in zip((count, nonfinite, total, weight), in_dims)]
     return (_check_inputs(*moved)[0], torch.tensor(False)), (0, None)  # one message naming every expert
 
 
@@ -98,11 +123,13 @@ register_vmap(_check_inputs, _check_inputs_vmap)
 
 @op("warn_unfactored_hessian")
 def _warn_unfactored(failed: torch.Tensor) -> torch.Tensor:
-    """Warns where a seen Hessian, dampened, is not positive definite (llm-compressor warns too)."""
+    """Warns where a seen Hessian, dampened, is not positive definite, or its inverse is not in
+    float32's Cholesky (llm-compressor records the first and raises torch's LinAlgError on the second)."""
     if failed.any():
         warn(
-            f"qstats.gptq: the dampened Hessian of {_experts(failed)} is not positive definite; "
-            "those weights are quantized by round-to-nearest (raise dampening, or calibrate on more rows)",
+            f"qstats.gptq: the dampened Hessian of {_experts(failed)} is not positive definite, or too "
+            "ill-conditioned to invert, in float32; those weights are quantized by round-to-nearest (raise "
+            "dampening, or calibrate on more rows)",
             UserWarning,
         )
     return failed.clone()
@@ -365,7 +392,7 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
     _check_arguments(weight, hessian_state, spec, block_size, dampening, actorder)
     _check_qparams(qparams, weight, spec)
     actorder = None if actorder is None else "static"
-    count, same = _check_inputs(hessian_state.count, hessian_state.total, weight)
+    count, same = _check_inputs(hessian_state.count, hessian_state.nonfinite, hessian_state.total, weight)
 
     if qparams is not None:  # no autograd graph through the column loop (it would hold every column's tensors)
         qparams = _checked_scales(QParams(*(None if field is None else field.detach() for field in qparams)))

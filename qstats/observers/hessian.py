@@ -93,7 +93,8 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
     the last is a row. ``weight`` (shape a prefix of ``x.shape[:-1]``: padding or routing mask)
     leaves out the rows where it is zero and keeps every other row once (a mask: a routing
     probability of 0.3 does not scale its row's ``x^T x``, and ``count`` adds 1). Rows holding a NaN or Inf, or a value whose square
-    overflows ``dtype`` (|x| above 1.8e19 in float32), are left out and counted in ``nonfinite``.
+    overflows ``dtype`` (|x| above 1.8e19 in float32), are left out and counted in ``nonfinite``
+    (`qstats.gptq` warns, naming them).
     Accumulates in ``dtype`` (float32 or float64) whatever the input dtype; a sum of many rows that
     passes float32's range is Inf (`qstats.gptq` refuses it): use ``dtype=torch.float64`` there
     (`qstats.gptq` scales a mean past float32's range by a power of 4, which changes no code).

@@ -1,0 +1,105 @@
+"""qstats.gptq on Hessians that left input rows out (`HessianState.nonfinite`): a NaN row, and rows
+whose square passes float32 (|x| above 1.8e19). llm-compressor 0.14's ``accumulate_hessian`` turns
+its Hessian NaN (then ``quantize_weight`` rounds the layer to nearest) or Inf; qstats' Hessian leaves
+those rows out, and gptq says so, naming them, instead of quantizing silently on the other rows (or
+calling an overflowed layer one that "saw no input row")."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import qstats
+from qstats.observers.hessian import HessianState, hessian
+
+llmc_gptq = pytest.importorskip("llmcompressor.modifiers.gptq.gptq_quantize")
+llmc_helpers = pytest.importorskip("llmcompressor.modifiers.gptq.helpers")
+from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
+
+ARGS = QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=16)
+SPEC = qstats.QuantSpec.from_compressed_tensors(ARGS)
+
+
+def _data(seed=0, out=32, columns=64, rows=200):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(out, columns, generator=gen) * 0.05, torch.randn(rows, columns, generator=gen)
+
+
+def _qparams(weight):
+    observer = qstats.minmax(SPEC)
+    return qstats.compute_qparams(observer.update(observer.init(weight), weight), SPEC)
+
+
+def _llm_compressor(weight, x, qparams):
+    """llm-compressor's Hessian of ``x`` (one sample per row) and its quantize_weight."""
+    layer = torch.nn.Linear(x.shape[1], weight.shape[0], bias=False)
+    total, samples = llmc_helpers.make_empty_hessian(layer), torch.zeros(())
+    total, samples = llmc_helpers.accumulate_hessian(x[:, None], layer, total, samples)
+    quantized, _, fallback = llmc_gptq.quantize_weight(weight.clone()[None], (total / samples)[None],
+                                                       qparams.scale[None], qparams.zero_point[None], None, ARGS)
+    return quantized[0], bool(fallback[0])
+
+
+def test_a_nan_row_is_left_out_with_a_warning_where_llm_compressor_rounds_the_layer():
+    weight, x = _data()
+    qparams = _qparams(weight)
+    poisoned = x.clone()
+    poisoned[3, 5] = float("nan")
+    rounded, fallback = _llm_compressor(weight, poisoned, qparams)
+    assert fallback and torch.equal(rounded, qstats.fake_quantize(weight, qparams, SPEC))  # its NaN Hessian
+    state = hessian().update(hessian().init(poisoned), poisoned)
+    with pytest.warns(UserWarning, match=r"Hessian of the layer left out 1 row holding a NaN or Inf.*other rows"):
+        got, codes, _ = qstats.gptq(weight, state, SPEC, qparams=qparams)
+    # GPTQ on the other rows: llm-compressor's on the finite rows
+    want, fallback = _llm_compressor(weight, torch.cat([x[:3], x[4:]]), qparams)
+    assert not fallback
+    assert (codes == qstats.quantize(want, qparams, SPEC)).float().mean() == 1.0
+
+
+def test_an_expert_with_a_nan_row_is_named():
+    weight, x = _data(1, out=8, columns=16, rows=30)
+    x = x.expand(3, 30, 16).clone()
+    x[2, 7, 0] = float("inf")
+    observer = qstats.stacked_observer(hessian(), 3)
+    state = observer.update(observer.init(x), x)
+    with pytest.warns(UserWarning, match=r"experts \[2\] \(1 of 3\) left out 1 row holding"):
+        qstats.gptq(weight.expand(3, 8, 16), state, SPEC)
+
+
+def test_rows_past_float32_squares_name_the_float64_hessian_which_gives_llm_compressor_codes():
+    """Inputs of 2^65 (3.7e19): every square passes float32, so a float32 Hessian keeps no row;
+    gptq names them and the float64 Hessian. Its codes are llm-compressor's on the same rows times
+    2^-64 (an exact scaling; llm-compressor's own float32 Hessian is Inf there)."""
+    weight, x = _data(2)
+    qparams = _qparams(weight)
+    large = x * 2.0**65
+    state = hessian().update(hessian().init(large), large)
+    assert int(state.count) == 0 and int(state.nonfinite) == x.shape[0]
+    with pytest.warns(qstats.UncalibratedWarning, match=r"saw no input row \(it left out 200 rows.*float64"):
+        qstats.gptq(weight, state, SPEC, qparams=qparams)
+    wide = hessian(dtype=torch.float64)
+    _, codes, _ = qstats.gptq(weight, wide.update(wide.init(large), large), SPEC, qparams=qparams)
+    want, fallback = _llm_compressor(weight, x * 2.0, qparams)
+    assert not fallback
+    assert (codes == qstats.quantize(want, qparams, SPEC)).float().mean() == 1.0
+
+
+def test_a_float32_sum_past_its_range_names_the_float64_hessian():
+    weight, x = _data(3)
+    large = x * 4e18  # each square finite, their sum Inf
+    state = hessian().update(hessian().init(large), large)
+    assert int(state.nonfinite) == 0
+    with pytest.raises(ValueError, match=r"Hessian sum of the layer holds NaN or Inf.*dtype=torch.float64"):
+        qstats.gptq(weight, state, SPEC)
+
+
+def test_a_hand_built_state_without_left_out_rows_does_not_warn():
+    weight, x = _data(4, out=8, columns=16, rows=30)
+    state = hessian().update(hessian().init(x), x)
+    with pytest.warns(UserWarning, match="left out 5 rows"):
+        qstats.gptq(weight, state._replace(nonfinite=torch.tensor(5)), SPEC)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qstats.gptq(weight, HessianState(state.total, state.count, torch.tensor(0)), SPEC)
