@@ -137,3 +137,24 @@ def test_stacked_experts_with_no_token_or_one_token():
     zeroed, _, fallback = llmc_gptq.quantize_weight(weights[:1].clone(), (total / samples)[None], qparams.scale[:1],
                                                     qparams.zero_point[:1], None, args)
     assert int(samples) == 1 and not fallback[0] and torch.equal(zeroed[0], torch.zeros(out, columns))
+
+
+@pytest.mark.parametrize("routes", ["every token (one shared Hessian)", "each expert its tokens"])
+def test_stacked_experts_with_tied_diagonals_take_llm_compressors_order(routes):
+    experts, out, columns = 3, 16, 64
+    gen = torch.Generator().manual_seed(1)
+    weights = torch.randn(experts, out, columns, generator=gen) * 0.05
+    x = _tied(torch.randn(120, columns, generator=gen))
+    route = torch.ones(experts, 120)
+    if routes.startswith("each"):
+        route[0, :30] = route[1, 30:70] = route[2, 100:] = 0
+    stacked = qstats.stacked_observer(hessian(), experts)
+    state = stacked.update(stacked.init(x.expand(experts, -1, -1)), x.expand(experts, -1, -1), route)
+    args = _args(group=16, symmetric=False, actorder="static")
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    weight_observer = qstats.stacked_observer(qstats.minmax(spec), experts)
+    qparams = qstats.stacked_qparams(weight_observer.update(weight_observer.init(weights), weights), spec)
+    got, _, _ = qstats.gptq(weights, state, spec, actorder="static", qparams=qparams)
+    want, _, fallback = llmc_gptq.quantize_weight(weights.clone(), gptq_hessian(state), qparams.scale,
+                                                  qparams.zero_point, None, args)
+    assert not fallback.any() and torch.equal(got, want)
