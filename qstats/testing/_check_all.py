@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from functools import partial
 from typing import Callable, Iterable, Optional
@@ -57,10 +58,7 @@ def check_all(
     if unknown:
         raise ValueError(f"check_all: unknown laws {unknown}; known: {LAWS}")
     _laws.check_observer(obs, "check_all")
-    probe = make_x(torch.Generator().manual_seed(0))
-    if not isinstance(probe, torch.Tensor):
-        raise TypeError(f"check_all: make_x(generator) must return one input batch (a tensor), got "
-                        f"{type(probe).__name__}")
+    probe = _probe(make_x)
     exact = obs.exact if exact is None else exact
     if not isinstance(batch_dims, int) or isinstance(batch_dims, bool) or batch_dims < 0:
         raise ValueError(f"check_all: batch_dims must be a non-negative int, got {batch_dims!r}")
@@ -129,3 +127,28 @@ def _with_nonfinite(obs, xs: list, index: int, position: int) -> list:
     except Exception:  # the raise policy: the laws run on finite batches
         return xs
     return [*xs[:index], dirty, *xs[index + 1 :]]
+
+
+def _probe(make_x) -> torch.Tensor:
+    """``make_x``'s batch for seed 0, after checking that it takes the generator, returns a tensor and
+    draws from the generator: hypothesis replays a failing example from its seed, and a batch drawn
+    from the global generator instead would fail as hypothesis' ``FlakyFailure``, naming no law."""
+    try:
+        inspect.signature(make_x).bind(torch.Generator())
+    except TypeError:
+        raise TypeError(f"check_all: make_x must take one argument, a torch.Generator seeded by hypothesis, and "
+                        f"draw its batch from it: lambda generator: torch.randn(4, 8, generator=generator) (got "
+                        f"{getattr(make_x, '__name__', type(make_x).__name__)}{inspect.signature(make_x)})") from None
+    except ValueError:  # no signature to read (a builtin): let the call speak
+        pass
+    probe, again = (make_x(torch.Generator().manual_seed(0)) for _ in range(2))
+    if not isinstance(probe, torch.Tensor):
+        raise TypeError(f"check_all: make_x(generator) must return one input batch (a tensor), got "
+                        f"{type(probe).__name__}")
+    same = (isinstance(again, torch.Tensor) and again.shape == probe.shape and again.dtype == probe.dtype
+            and bool(((again == probe) | (again != again) & (probe != probe)).all()))
+    if not same:
+        raise ValueError("check_all: make_x(generator) returned different batches for the same seed: draw them from "
+                         "the generator it is given (torch.randn(..., generator=generator)), so that hypothesis can "
+                         "replay and shrink a failing example")
+    return probe

@@ -208,7 +208,8 @@ def _groups(xs: list, parts: int) -> list[list]:
 
 def check_identity(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) -> None:
     """Law 1: ``merge(init, s) == s == merge(s, init)`` for states built from ``xs``, and
-    ``merge(init, init) == init``. Bit-exact, float sums included (adding zero is exact)."""
+    ``merge(init, init) == init``. Bit-exact except the ``approx_fields`` (a sum plus zero is exact, but
+    a mean merged as ``(mean * n + 0) / n``, Chan's textbook form, rounds), which compare to tolerance."""
     xs, init = _batches_and_init(obs, xs, 1, "check_identity")
     name = _name(obs)
     # init is the identity of every tensor like x: it reads the shape, dtype and device of x, never its
@@ -222,8 +223,8 @@ def check_identity(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) -> No
     state = init
     for x in xs:
         state = obs.update(state, x)
-        assert_states_equal(obs.merge(init, state), state, approx_fields=(), message=f"{name}: identity merge(init, s)")
-        assert_states_equal(obs.merge(state, init), state, approx_fields=(), message=f"{name}: identity merge(s, init)")
+        for what, merged in (("merge(init, s)", obs.merge(init, state)), ("merge(s, init)", obs.merge(state, init))):
+            assert_states_equal(merged, state, approx_fields=approx_fields, message=f"{name}: identity {what}")
 
 
 def check_associative(obs, xs: Sequence[torch.Tensor], *, exact: Optional[bool] = None, approx_fields=None) -> None:
@@ -542,7 +543,9 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
     bfloat16, float16, float64) when they are floats (finite wherever the state of the uncast batch is);
     an empty batch, with or without its row weight, leaves the state unchanged (bit for bit); NaN and
     ±inf in a batch are refused with a ValueError or left out (no non-finite value where the clean
-    batch's state is finite); a bool or int64 0/1 row weight observes as the float32 one, a zero one
+    batch's state is finite, and the quantization parameters of the clean batch weighted 0 on those
+    elements: `_check_nonfinite_as_masked`); a weight in (0, 1] observes as the 0/1 one that is nonzero at
+    the same rows (weights are masks); a bool or int64 0/1 row weight observes as the float32 one, a zero one
     leaves ``init`` unchanged for every input dtype, and a 0/1 weight observes as the rows (or tokens) it
     keeps (`_check_weight_leaves_rows_out`, for order-dependent observers too); the state type is registered, its leaves are
     tensors, floats are float32 or wider, integers int64."""
@@ -590,6 +593,7 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
                                         "compute in float32 or wider whatever the input dtype")
     _check_weight_dtypes(obs, xs[0], state, name, batch_dims)
     _check_weight_leaves_rows_out(obs, xs[0], init, state, name, batch_dims)
+    _check_nonfinite_as_masked(obs, xs[0], state, name, batch_dims)
 
 
 def _takes(obs, init, x: torch.Tensor) -> bool:
@@ -637,6 +641,7 @@ def _check_weight_dtypes(obs, x: torch.Tensor, state, name: str, batch_dims: int
     if mask is None:
         return
     expected = obs.update(state, x, mask)
+    _check_weight_is_a_mask(obs, x, mask, state, name)
     for dtype in (torch.bool, torch.int64):
         what = f"update with a {dtype} weight"
         got = _attempt(f"{name}: stability: {what}", obs.update, state, x, mask.to(dtype))
@@ -651,6 +656,20 @@ def _check_weight_dtypes(obs, x: torch.Tensor, state, name: str, batch_dims: int
                             message=f"{name}: stability: {what} changed init (a zero row weight leaves every row out)")
 
 
+def _check_weight_is_a_mask(obs, x: torch.Tensor, mask: torch.Tensor, state, name: str) -> None:
+    """Weights are masks, not frequencies or scales: a weight in (0, 1] (routing probabilities) keeps
+    each of its rows once, as the 0/1 weight that is nonzero at the same rows, from ``init`` and from
+    ``state``."""
+    fractions = torch.linspace(0.125, 1.0, mask.numel(), device=mask.device).reshape(mask.shape)
+    what = "update with a weight in (0, 1] (routing probabilities)"
+    for label, start in (("init", obs.init(x)), ("a state that has seen data", state)):
+        got = _attempt(f"{name}: stability: {what}", obs.update, start, x, mask * fractions)
+        assert_states_equal(got, obs.update(start, x, mask), approx_fields=(),
+                            message=f"{name}: stability: {what} vs the same weight as 0/1, from {label} (a nonzero "
+                                    "weight keeps its row once, whatever its value: weights are masks, not "
+                                    "frequencies or scales)")
+
+
 def _check_nonfinite_left_out(obs, x: torch.Tensor, state, name: str) -> None:
     """A batch holding NaN, +inf and -inf (a diverged activation) is refused with a ValueError
     (``nonfinite="raise"``) or its non-finite values are left out (``"ignore"``): where the state of
@@ -658,8 +677,7 @@ def _check_nonfinite_left_out(obs, x: torch.Tensor, state, name: str) -> None:
     holds ``init``'s value (an element that saw only non-finite values stays unobserved)."""
     if not x.is_floating_point() or x.numel() < 3:
         return
-    dirty = x.clone(memory_format=torch.contiguous_format)
-    dirty.view(-1)[:3] = torch.tensor([math.nan, math.inf, -math.inf], dtype=x.dtype, device=x.device)
+    dirty = _dirty(x)
     try:
         got = obs.update(state, dirty)
     except ValueError:  # the raise policy: non-finite values refused with a clear error
@@ -673,6 +691,37 @@ def _check_nonfinite_left_out(obs, x: torch.Tensor, state, name: str) -> None:
     _check_no_new_nonfinite(got, obs.update(state, x), obs.init(x), f"{name}: stability: update with a batch "
                             "holding NaN and ±inf", "the batch without them", "leave non-finite values out and count "
                             "them, or refuse them with a ValueError")
+
+
+def _dirty(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its first three elements NaN, +inf and -inf."""
+    dirty = x.clone(memory_format=torch.contiguous_format)
+    dirty.view(-1)[:3] = torch.tensor([math.nan, math.inf, -math.inf], dtype=x.dtype, device=x.device)
+    return dirty
+
+
+def _check_nonfinite_as_masked(obs, x: torch.Tensor, state, name: str, batch_dims: int) -> None:
+    """Left out means left out: the quantization parameters of the batch holding NaN and ±inf equal
+    those of the clean batch under a weight of the batch's shape that is 0 on those elements (a
+    ``nan_to_num`` that turns +inf into the largest float, or counts NaN as 0, gives another range).
+    Skipped where the observer takes no such weight, holds no statistic, or the masked batch leaves a
+    parameter unobserved."""
+    spec = getattr(obs, "spec", None)
+    if not isinstance(spec, QuantSpec) or not x.is_floating_point() or x.numel() < 3:
+        return
+    dirty = _dirty(x)
+    try:
+        got = obs.update(state, dirty)
+        compute = _per_slice(lambda s: compute_qparams(s, spec), batch_dims)
+        expected = compute(obs.update(state, x, torch.isfinite(dirty).to(torch.float32)))
+    except Exception:  # refused (nonfinite="raise"), no element weights, no statistic, or a parameter unobserved
+        return
+    qparams = _attempt(f"{name}: stability: compute_qparams of the state updated with a batch holding NaN and ±inf",
+                       compute, got)
+    assert_states_equal(qparams, expected, approx_fields=_ALL_FLOAT,
+                        message=f"{name}: stability: compute_qparams of update(s, x holding NaN and ±inf) vs of "
+                                "update(s, x, weight 0 on those elements): non-finite values must be left out (not "
+                                "clamped to the largest float, not counted as zeros) or refused with a ValueError")
 
 
 def _check_no_new_nonfinite(got, clean, init, what: str, reference: str, advice: str) -> None:
