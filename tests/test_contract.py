@@ -264,7 +264,8 @@ def _abs_sum_rule(state, spec):
 
 def _abs_sum_observer(spec):
     def init_fn(x):
-        return ContractTestAbsSumState(torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.int64))
+        return ContractTestAbsSumState(torch.zeros((), dtype=torch.float32, device=x.device),
+                                       torch.zeros((), dtype=torch.int64, device=x.device))
 
     def update_fn(state, x, weight=None):
         keep = torch.isfinite(x)  # NaN and Inf are left out

@@ -192,3 +192,19 @@ def test_check_all_names_a_make_x_that_ignores_or_does_not_take_its_generator():
         testing.check_all(broken, lambda generator: torch.randn(4, 16), laws="homomorphism", max_examples=20)
     with pytest.raises(TypeError, match=r"make_x must take one argument, a torch.Generator"):
         testing.check_all(broken, lambda: torch.randn(4, 16), max_examples=1)
+
+
+def test_identity_catches_an_init_that_allocates_on_the_default_device():
+    def init_on_cpu(x):  # the mistake: no device=x.device, which only a GPU input would show
+        shape = kit.qparam_shape(x.shape, SPEC.granularity)
+        return AuthoringAbsMaxState(torch.zeros(shape), torch.zeros(shape, dtype=torch.int64))
+
+    broken = _absmax()._replace(init=init_on_cpu, name="cpu_init")
+    meta = torch.empty(6, 4, 16, device="meta")
+    assert broken.init(meta).amax.device.type == "cpu" and _absmax().init(meta).amax.device.type == "meta"
+    testing.check_identity(_absmax(), [_make_x(torch.Generator().manual_seed(0))])
+    with pytest.raises(AssertionError, match=r"cpu_init: identity: init of a tensor on the meta device put state.amax on cpu"):
+        testing.check_all(broken, _make_x, laws="identity", max_examples=2)
+    with pytest.raises(AssertionError, match=r"stacked\(cpu_init\): identity: .*meta device"):
+        testing.check_all(qstats.stacked_observer(broken, 2), lambda generator: torch.randn(2, 4, 16, generator=generator),
+                          laws="identity", batch_dims=1, max_examples=2)

@@ -208,7 +208,8 @@ def _groups(xs: list, parts: int) -> list[list]:
 
 def check_identity(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) -> None:
     """Law 1: ``merge(init, s) == s == merge(s, init)`` for states built from ``xs``, and
-    ``merge(init, init) == init``. Bit-exact except the ``approx_fields`` (a sum plus zero is exact, but
+    ``merge(init, init) == init``; ``init`` reads only the shape, dtype and device of ``x`` and allocates
+    on that device. Bit-exact except the ``approx_fields`` (a sum plus zero is exact, but
     a mean merged as ``(mean * n + 0) / n``, Chan's textbook form, rounds), which compare to tolerance."""
     xs, init = _batches_and_init(obs, xs, 1, "check_identity")
     name = _name(obs)
@@ -219,12 +220,28 @@ def check_identity(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) -> No
             assert_states_equal(obs.init(other), init, approx_fields=(),
                                 message=f"{name}: identity: init(x) depends on the values of x (it may read only "
                                 "their shape, dtype and device)")
+    _check_init_follows_device(obs, xs[0], name)
     assert_states_equal(obs.merge(init, init), init, approx_fields=(), message=f"{name}: identity merge(init, init)")
     state = init
     for x in xs:
         state = obs.update(state, x)
         for what, merged in (("merge(init, s)", obs.merge(init, state)), ("merge(s, init)", obs.merge(state, init))):
             assert_states_equal(merged, state, approx_fields=approx_fields, message=f"{name}: identity {what}")
+
+
+def _check_init_follows_device(obs, x: torch.Tensor, name: str) -> None:
+    """``init`` allocates its state on the device of ``x``: checked on the meta device, which every
+    machine has, so that ``torch.zeros(shape)`` without ``device=x.device`` fails here rather than on
+    the first GPU batch. An ``init`` that cannot run on meta tensors (one reading a value) is not checked."""
+    try:
+        state = obs.init(x.to("meta"))
+    except Exception:
+        return
+    for path, leaf in qtree.leaves_with_paths(state, "state"):
+        if isinstance(leaf, torch.Tensor) and leaf.device != x.to("meta").device:
+            raise AssertionError(f"{name}: identity: init of a tensor on the meta device put {path} on {leaf.device}: "
+                                 "allocate the state on the input's device (torch.zeros(shape, device=x.device)), "
+                                 "or update fails on the first batch on a GPU")
 
 
 def check_associative(obs, xs: Sequence[torch.Tensor], *, exact: Optional[bool] = None, approx_fields=None) -> None:
