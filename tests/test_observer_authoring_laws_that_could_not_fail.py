@@ -208,3 +208,19 @@ def test_identity_catches_an_init_that_allocates_on_the_default_device():
     with pytest.raises(AssertionError, match=r"stacked\(cpu_init\): identity: .*meta device"):
         testing.check_all(qstats.stacked_observer(broken, 2), lambda generator: torch.randn(2, 4, 16, generator=generator),
                           laws="identity", batch_dims=1, max_examples=2)
+
+
+def test_check_all_names_an_update_that_returns_a_plain_tuple():
+    obs = _absmax()
+    as_tuple = obs._replace(update=lambda state, x, weight=None: tuple(obs.update(state, x, weight)), name="as_tuple")
+    assert type(as_tuple.update(obs.init(torch.ones(2, 16)), torch.ones(2, 16))) is tuple
+    with pytest.raises(AssertionError, match=r"as_tuple: check_all: update returned a tuple where init returned a "
+                                             r"AuthoringAbsMaxState"):
+        testing.check_all(as_tuple, _make_x, max_examples=1)
+
+
+def test_check_all_refuses_approx_fields_that_name_no_float_field():
+    with pytest.raises(ValueError, match=r"approx_fields \['m_2'\] name no float field of AuthoringWelfordState; its "
+                                         r"float fields: \['m2', 'mean'\]"):
+        testing.check_all(_welford(), _make_x, approx_fields=("mean", "m_2"), max_examples=1)
+    testing.check_all(_welford(), _make_x, approx_fields=("mean", "m2"), laws="identity", max_examples=1)

@@ -9,6 +9,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from .. import tree as qtree
 from . import _laws
 
 __all__ = ["check_all", "LAWS"]
@@ -62,9 +63,10 @@ def check_all(
     exact = obs.exact if exact is None else exact
     if not isinstance(batch_dims, int) or isinstance(batch_dims, bool) or batch_dims < 0:
         raise ValueError(f"check_all: batch_dims must be a non-negative int, got {batch_dims!r}")
-    if {"purity", "vmap"} & set(laws) and getattr(obs, "spec", None) is not None:
+    seen = _first_update(obs, probe, approx_fields)
+    if {"purity", "vmap"} & set(laws) and getattr(obs, "spec", None) is not None and seen is not None:
         # one warning, not one per example, when the state holds no quantization statistic
-        if _laws.qparams_spec(obs, obs.update(obs.init(probe), probe), "check_all", batch_dims) is None:
+        if _laws.qparams_spec(obs, seen, "check_all", batch_dims) is None:
             obs = obs._replace(spec=None)
     # purity and stability first: a state written in place or holding a non-tensor breaks the other
     # laws too, whose messages would point at merge instead; homomorphism runs between the tables
@@ -152,3 +154,30 @@ def _probe(make_x) -> torch.Tensor:
                          "the generator it is given (torch.randn(..., generator=generator)), so that hypothesis can "
                          "replay and shrink a failing example")
     return probe
+
+
+def _first_update(obs, probe: torch.Tensor, approx_fields):
+    """``update(init(probe), probe)``, after checking that it returns ``init``'s state type (a plain
+    tuple would otherwise show as a state with no range rule) and that ``approx_fields`` names float
+    fields of that state (a misspelt name would leave the field it meant bit for bit). None where
+    ``init`` or ``update`` raises: the laws report that, naming the call."""
+    try:
+        init = obs.init(probe)
+        seen = obs.update(init, probe)
+    except Exception:
+        return None
+    name = getattr(obs, "name", "observer")
+    if type(seen) is not type(init):
+        raise AssertionError(f"{name}: check_all: update returned a {type(seen).__name__} where init returned a "
+                             f"{type(init).__name__}: return the state type (state._replace(...) or "
+                             f"{type(init).__name__}(...)), which qstats.save, compute_qparams and merge read")
+    if approx_fields is None or approx_fields == _laws._ALL_FLOAT:
+        return seen
+    names = (approx_fields,) if isinstance(approx_fields, str) else tuple(approx_fields)
+    floats = {path.rsplit(".", 1)[-1] for path, leaf in qtree.leaves_with_paths(seen, "state")
+              if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
+    unknown = [field for field in names if field not in floats]
+    if unknown:
+        raise ValueError(f"check_all: approx_fields {unknown} name no float field of {type(seen).__name__}; its float "
+                         f"fields: {sorted(floats)}")
+    return seen
