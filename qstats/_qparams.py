@@ -104,15 +104,19 @@ def calibrated_mask(calibrated):
 _RANGE_RULES: dict[type, Callable[..., Any]] = {}
 
 
-def register_range_rule(state_cls: type):
+def register_range_rule(state_cls: type, *, replace: bool = False):
     """Decorator: ``rule(state, spec, **options) -> Range | QParams`` for ``state_cls`` (a
-    NamedTuple state class; TypeError naming what it got otherwise, or for a rule that is not callable)."""
+    NamedTuple state class; TypeError naming what it got otherwise, or for a rule that is not callable).
+    Another rule for a class that has one is a ValueError unless ``replace`` (as `observers.register`)."""
     if not (isinstance(state_cls, type) and issubclass(state_cls, tuple) and hasattr(state_cls, "_fields")):
         raise TypeError(f"register_range_rule expects a NamedTuple state class, got {state_cls!r}")
 
     def decorate(rule):
         if not callable(rule):
             raise TypeError(f"register_range_rule({state_cls.__name__}): the rule must be callable, got {rule!r}")
+        if _RANGE_RULES.get(state_cls, rule) is not rule and not replace:
+            raise ValueError(f"register_range_rule: {state_cls.__name__} has a range rule already "
+                             f"({_RANGE_RULES[state_cls].__qualname__}); pass replace=True to replace it")
         _RANGE_RULES[state_cls] = rule
         return rule
 
