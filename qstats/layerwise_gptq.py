@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
@@ -185,12 +186,13 @@ def _hessian_plan(plan: Plan, targets: dict) -> Plan:
 
 
 class _Job(NamedTuple):
-    """One weight to GPTQ: its parameter, the Hessian of its inputs, its spec and qparams."""
+    """One weight to GPTQ: its parameter, the Hessian of its inputs, its spec and qparams, and its name."""
 
     weight: torch.Tensor
     hessian: HessianState
     spec: Any
     qparams: QParams
+    name: str
 
 
 def _parts(job: _Job, chunk: int) -> list:
@@ -213,9 +215,18 @@ def _owners(costs: list, world: int) -> list:
 
 
 def _gptq_part(job: _Job, take, options: dict) -> torch.Tensor:
+    """GPTQ of ``job.weight[take]``; its warnings (a Hessian that left rows out or saw none, one not positive
+    definite) name the weight, and the experts of a chunk: `gptq` sees one weight, "the layer", and
+    numbers a chunk's experts from 0, and Python shows one warning of a text, whichever weight it was."""
     qparams = QParams(*(None if field is None else field[take] for field in job.qparams))
-    return gptq(job.weight[take], HessianState(*(field[take] for field in job.hessian)), job.spec, qparams=qparams,
-                **options)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = gptq(job.weight[take], HessianState(*(field[take] for field in job.hessian)), job.spec,
+                      qparams=qparams, **options)[0]
+    part = "" if take is ... else f"[{take.start}:{min(take.stop, job.weight.shape[0])}] (its experts from 0)"
+    for caught_warning in caught:
+        warn(f"gptq_layerwise: {job.name}{part}: {caught_warning.message}", caught_warning.category)
+    return result
 
 
 def _sharing() -> tuple:
@@ -286,7 +297,7 @@ def _layer_jobs(plan: Plan, targets: dict, states: dict, hessians: dict) -> tupl
             continue
         # the weight as the site observes it: stacks as [E, out, in] (`Site.canonical`)
         jobs[(path, site)] = _Job(plan.parameter(path, site), _per_sample(hessians[path].pop(hessian_site)),
-                                  plan.site(path, site).spec, qparams[path][site])
+                                  plan.site(path, site).spec, qparams[path][site], f"{path}.{site}")
     return jobs, missing
 
 

@@ -103,3 +103,54 @@ def test_a_hand_built_state_without_left_out_rows_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qstats.gptq(weight, HessianState(state.total, state.count, torch.tensor(0)), SPEC)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.head = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_gptq_layerwise_names_each_weight_whose_hessian_left_rows_out(tmp_path):
+    """gptq names no weight ("the Hessian of the layer"): gptq_layerwise's warning names each, and
+    Python, which shows one warning of a text per line, shows one per weight."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    net = _Net().eval()
+    save_file(net.state_dict(), str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        meta = _Net().eval()
+    x = torch.randn(4, 8, 32)
+    x[1, 2, 5] = float("nan")
+    # the float model's Linears whose inputs hold a non-finite row (the NaN runs through every layer)
+    dirty = set()
+    hooks = [module.register_forward_hook(lambda m, args, out, name=name: dirty.add(name) if not
+                                          bool(torch.isfinite(args[0]).all()) else None)
+             for name, module in net.named_modules() if isinstance(module, torch.nn.Linear)]
+    with torch.no_grad():
+        net(x)
+    for hook in hooks:
+        hook.remove()
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=SPEC)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's: one warning of a text from a line
+        qstats.gptq_layerwise(meta, str(tmp_path), [x], recipe, progress=False)
+    named = {str(w.message).split(": ")[1] for w in caught if "left out 1 row" in str(w.message)}
+    assert dirty == {"layers.0.used", "layers.1.used", "head"}
+    assert named == {f"{name}.weight" for name in dirty}
