@@ -224,3 +224,11 @@ def test_check_all_refuses_approx_fields_that_name_no_float_field():
                                          r"float fields: \['m2', 'mean'\]"):
         testing.check_all(_welford(), _make_x, approx_fields=("mean", "m_2"), max_examples=1)
     testing.check_all(_welford(), _make_x, approx_fields=("mean", "m2"), laws="identity", max_examples=1)
+
+
+def test_check_all_takes_every_float_field_in_a_list_as_assert_states_equal_does():
+    a = AuthoringWelfordState(torch.tensor([3]), torch.tensor([1.0], dtype=torch.float64),
+                              torch.tensor([2.0], dtype=torch.float64))
+    b = a._replace(mean=torch.tensor([1.0 + 1e-7], dtype=torch.float64))
+    testing.assert_states_equal(b, a, approx_fields=["*"])  # "*" in a list: every float field
+    testing.check_all(_welford(), _make_x, approx_fields=["*"], laws="identity", max_examples=1)

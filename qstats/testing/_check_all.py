@@ -171,9 +171,9 @@ def _first_update(obs, probe: torch.Tensor, approx_fields):
         raise AssertionError(f"{name}: check_all: update returned a {type(seen).__name__} where init returned a "
                              f"{type(init).__name__}: return the state type (state._replace(...) or "
                              f"{type(init).__name__}(...)), which qstats.save, compute_qparams and merge read")
-    if approx_fields is None or approx_fields == _laws._ALL_FLOAT:
+    names = () if approx_fields is None else (approx_fields,) if isinstance(approx_fields, str) else tuple(approx_fields)
+    if _laws._ALL_FLOAT in names:  # every float field, as assert_states_equal reads "*" in a list too
         return seen
-    names = (approx_fields,) if isinstance(approx_fields, str) else tuple(approx_fields)
     floats = {path.rsplit(".", 1)[-1] for path, leaf in qtree.leaves_with_paths(seen, "state")
               if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
     unknown = [field for field in names if field not in floats]
