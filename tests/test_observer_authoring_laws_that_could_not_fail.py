@@ -93,7 +93,7 @@ def _chan(count_a, mean_a, m2_a, count_b, mean_b, m2_b, weighted_mean=True):
     return AuthoringWelfordState(count, mean, m2)
 
 
-def _welford():
+def _welford(rows_out=False):
     def init_fn(x):
         kit.check_observable(x, "welford.init")
         shape = kit.qparam_shape(x.shape, SPEC.granularity)
@@ -106,6 +106,8 @@ def _welford():
         view, mask = kit.masked_view(x, weight, SPEC, state.count.shape, "welford.update")
         view = view.double()
         keep = torch.isfinite(view) if mask is None else torch.isfinite(view) & mask
+        if rows_out:  # a token (row of the view) holding a NaN or Inf is left out whole, as qstats.hessian's rows
+            keep = keep & torch.isfinite(view).all(dim=tuple(range(1, view.ndim)), keepdim=True)
         count = keep.sum(dim=(0, -1))
         mean = torch.where(keep, view, 0.0).sum(dim=(0, -1)) / count.double().clamp(min=1)
         deviation = torch.where(keep, view - mean.unsqueeze(0).unsqueeze(-1), 0.0)
@@ -232,3 +234,17 @@ def test_check_all_takes_every_float_field_in_a_list_as_assert_states_equal_does
     b = a._replace(mean=torch.tensor([1.0 + 1e-7], dtype=torch.float64))
     testing.assert_states_equal(b, a, approx_fields=["*"])  # "*" in a list: every float field
     testing.check_all(_welford(), _make_x, approx_fields=["*"], laws="identity", max_examples=1)
+
+
+def test_stability_takes_an_update_that_leaves_out_the_rows_holding_infinities():
+    # qstats.hessian's policy (a row's x^T x holds each of its values), for a per-channel mean and variance
+    rows_out = _welford(rows_out=True)
+    x = _make_x(torch.Generator().manual_seed(0))
+    dirty = x.clone()
+    dirty[0, 1, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    tokens = dirty.reshape(-1, 16).double().numpy()
+    finite = tokens[np.isfinite(tokens).all(axis=1)]  # numpy: the tokens holding no NaN or Inf
+    state = rows_out.update(rows_out.init(x), dirty)
+    np.testing.assert_allclose(state.mean.numpy(), finite.mean(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(state.m2.numpy(), finite.var(axis=0) * len(finite), rtol=1e-12)
+    testing.check_all(rows_out, _make_x, laws="stability", max_examples=3)

@@ -561,7 +561,7 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
     an empty batch, with or without its row weight, leaves the state unchanged (bit for bit); NaN and
     ±inf in a batch are refused with a ValueError or left out (no non-finite value where the clean
     batch's state is finite, and the quantization parameters of the clean batch weighted 0 on those
-    elements: `_check_nonfinite_as_masked`); a weight in (0, 1] observes as the 0/1 one that is nonzero at
+    elements, or on the rows holding them: `_check_nonfinite_as_masked`); a weight in (0, 1] observes as the 0/1 one that is nonzero at
     the same rows (weights are masks); a bool or int64 0/1 row weight observes as the float32 one, a zero one
     leaves ``init`` unchanged for every input dtype, and a 0/1 weight observes as the rows (or tokens) it
     keeps (`_check_weight_leaves_rows_out`, for order-dependent observers too); the state type is registered, its leaves are
@@ -719,10 +719,11 @@ def _dirty(x: torch.Tensor) -> torch.Tensor:
 
 def _check_nonfinite_as_masked(obs, x: torch.Tensor, state, name: str, batch_dims: int) -> None:
     """Left out means left out: the quantization parameters of the batch holding NaN and ±inf equal
-    those of the clean batch under a weight of the batch's shape that is 0 on those elements (a
-    ``nan_to_num`` that turns +inf into the largest float, or counts NaN as 0, gives another range).
-    Skipped where the observer takes no such weight, holds no statistic, or the masked batch leaves a
-    parameter unobserved."""
+    those of the clean batch under a weight of the batch's shape that is 0 on those elements, or under
+    a weight of ``x.shape[:-1]`` that is 0 on the rows holding them (the Hessian's policy: a row's
+    ``x^T x`` holds each of its values); a ``nan_to_num`` that turns +inf into the largest float, or
+    counts NaN as 0, gives another range. Skipped where the observer takes no such weight, holds no
+    statistic, or the masked batch leaves a parameter unobserved."""
     spec = getattr(obs, "spec", None)
     if not isinstance(spec, QuantSpec) or not x.is_floating_point() or x.numel() < 3:
         return
@@ -735,10 +736,28 @@ def _check_nonfinite_as_masked(obs, x: torch.Tensor, state, name: str, batch_dim
         return
     qparams = _attempt(f"{name}: stability: compute_qparams of the state updated with a batch holding NaN and ±inf",
                        compute, got)
-    assert_states_equal(qparams, expected, approx_fields=_ALL_FLOAT,
-                        message=f"{name}: stability: compute_qparams of update(s, x holding NaN and ±inf) vs of "
-                                "update(s, x, weight 0 on those elements): non-finite values must be left out (not "
-                                "clamped to the largest float, not counted as zeros) or refused with a ValueError")
+    try:
+        assert_states_equal(qparams, expected, approx_fields=_ALL_FLOAT,
+                            message=f"{name}: stability: compute_qparams of update(s, x holding NaN and ±inf) vs of "
+                                    "update(s, x, weight 0 on those elements, or on the rows holding them): non-finite "
+                                    "values must be left out (not clamped to the largest float, not counted as zeros) "
+                                    "or refused with a ValueError")
+    except AssertionError:
+        if not _rows_left_out(obs, state, x, dirty, compute, qparams):
+            raise
+
+
+def _rows_left_out(obs, state, x: torch.Tensor, dirty: torch.Tensor, compute, qparams) -> bool:
+    """Whether ``qparams`` are those of ``x`` under a weight of ``x.shape[:-1]`` that is 0 on the rows of
+    ``dirty`` holding a non-finite value (an observer that leaves such rows out, as `qstats.hessian`)."""
+    if x.ndim < 2:
+        return False
+    try:
+        rows = compute(obs.update(state, x, torch.isfinite(dirty).all(-1).to(torch.float32)))
+        assert_states_equal(qparams, rows, approx_fields=_ALL_FLOAT)
+    except Exception:  # another state, or no such weight taken
+        return False
+    return True
 
 
 def _check_no_new_nonfinite(got, clean, init, what: str, reference: str, advice: str) -> None:
