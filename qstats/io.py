@@ -240,18 +240,11 @@ def _layout_checksum(structure: str, checksums: str, tensors: dict[str, torch.Te
     return f"{zlib.crc32(json.dumps([structure, checksums, layout]).encode()):08x}"
 
 
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _check_storable(tensors: dict[str, torch.Tensor]) -> None:
     storable = getattr(safetensors.torch, "_SIZE", None)  # the dtypes safetensors writes (private: may go)
     for key, tensor in tensors.items():
-        if not key.isascii() and not _is_utf8(key):  # the structure metadata escapes it; tensor names are UTF-8
+        # the structure metadata escapes it; tensor names are UTF-8, which holds no surrogate code point
+        if not key.isascii() and any("\ud800" <= char <= "\udfff" for char in key):
             raise ValueError(f"qstats.io: the tree path {key!r} is not valid Unicode text (a lone surrogate, "
                              "as os.fsdecode gives for undecodable bytes); a safetensors file holds tensor "
                              "names as UTF-8")
