@@ -423,34 +423,39 @@ def _warn_named(names: list, limit: int, message: str, category: type = ExportWa
         warn(message.format(count=len(names), names=listed(names, limit)), category)
 
 
+# (log key, names listed, warning) of `_warn_log`, in the order it warns.
+# Integer activations are quantized at run time by the loader (compressed-tensors, vLLM) as round(x / scale);
+# a spec of another convention (torch.ao's, qstats' default) rounds x * (1 / scale), whose codes differ by one
+# where x / scale falls near a rounding boundary: `qstats.fake_quantized` then computes another model than the
+# checkpoint's (logits 1e-3 apart on a tiny Mixtral with per-tensor dynamic int8 inputs).
+_LOG_WARNINGS = (
+    ("activation_rounding", 4, "export.compressed_tensors: {count} integer activation site(s) use a spec of another "
+     "convention than compressed-tensors' ({names}): the loaded checkpoint quantizes them as "
+     "round(x / scale), qstats.fake_quantized as round(x * (1 / scale)), so a few codes differ by one; "
+     "build their specs with QuantSpec.from_compressed_tensors (or Recipe.from_scheme) for the same model"),
+    ("rounded", 4, "export.compressed_tensors: scales of {count} site(s) were rounded to the model's dtype "
+     "({names}); calibrate with a spec whose scale_dtype is that dtype to keep "
+     "qstats' and the checkpoint's quantization identical"),
+    ("compute_dtype", 4, "export.compressed_tensors: {count} site(s) were calibrated with compressed-tensors specs "
+     "computing in another dtype than their module's ({names}); llm-compressor computes "
+     "their qparams in the model's dtype, so this checkpoint differs from its: build the recipe with "
+     "observed_dtype=<the model's dtype> (Recipe.from_scheme, QuantSpec.from_compressed_tensors)"),
+    ("float64", 4, "export.compressed_tensors: {count} site(s) of a float64 model were calibrated with "
+     "compressed-tensors specs ({names}); qstats computes their qparams in float32, "
+     "llm-compressor in the model's float64, so this checkpoint can differ from its (scales in their last "
+     "bits, codes at rounding ties); it is self-consistent: its codes are quantized with the scales "
+     "written"),
+    ("uncalibrated", 8, "export.compressed_tensors: {count} site(s) hold uncalibrated (fallback) qparams: "
+     "{names}"),
+)
+
+
 def _warn_log(log: dict) -> None:
     """The warnings of a written checkpoint: rounded scales, qparams computed in another dtype than
     llm-compressor's, uncalibrated sites, q/k scales observed before a rotary embedding."""
-    # gate_proj and up_proj of an expert share its input site: each site is named (and counted) once
-    keys = ("activation_rounding", "rounded", "compute_dtype", "uncalibrated", "float64")
-    rounding, rounded, sites, uncalibrated, double = (list(dict.fromkeys(log[key])) for key in keys)
-    # Integer activations are quantized at run time by the loader (compressed-tensors, vLLM) as round(x / scale);
-    # a spec of another convention (torch.ao's, qstats' default) rounds x * (1 / scale), whose codes differ by one
-    # where x / scale falls near a rounding boundary: `qstats.fake_quantized` then computes another model than the
-    # checkpoint's (logits 1e-3 apart on a tiny Mixtral with per-tensor dynamic int8 inputs).
-    _warn_named(rounding, 4, "export.compressed_tensors: {count} integer activation site(s) use a spec of another "
-                "convention than compressed-tensors' ({names}): the loaded checkpoint quantizes them as "
-                "round(x / scale), qstats.fake_quantized as round(x * (1 / scale)), so a few codes differ by one; "
-                "build their specs with QuantSpec.from_compressed_tensors (or Recipe.from_scheme) for the same model")
-    _warn_named(rounded, 4, "export.compressed_tensors: scales of {count} site(s) were rounded to the model's dtype "
-                "({names}); calibrate with a spec whose scale_dtype is that dtype to keep "
-                "qstats' and the checkpoint's quantization identical")
-    _warn_named(sites, 4, "export.compressed_tensors: {count} site(s) were calibrated with compressed-tensors specs "
-                "computing in another dtype than their module's ({names}); llm-compressor computes "
-                "their qparams in the model's dtype, so this checkpoint differs from its: build the recipe with "
-                "observed_dtype=<the model's dtype> (Recipe.from_scheme, QuantSpec.from_compressed_tensors)")
-    _warn_named(double, 4, "export.compressed_tensors: {count} site(s) of a float64 model were calibrated with "
-                "compressed-tensors specs ({names}); qstats computes their qparams in float32, "
-                "llm-compressor in the model's float64, so this checkpoint can differ from its (scales in their last "
-                "bits, codes at rounding ties); it is self-consistent: its codes are quantized with the scales "
-                "written")
-    _warn_named(uncalibrated, 8, "export.compressed_tensors: {count} site(s) hold uncalibrated (fallback) qparams: "
-                "{names}")
+    for key, limit, message in _LOG_WARNINGS:
+        # gate_proj and up_proj of an expert share its input site: each site is named (and counted) once
+        _warn_named(list(dict.fromkeys(log[key])), limit, message)
     if log["rotary"]:
         warn(f"export.compressed_tensors: the q/k scales of {len(log['rotary'])} attention module(s) "
              f"({', '.join(log['rotary'][:4])}) were observed on the projection outputs, before the rotary "
