@@ -87,10 +87,9 @@ def _declared_ops(cls: type) -> Any:
     """The ops declared for ``cls`` itself, or for its name where no other class is registered under it."""
     if cls in _BY_CLASS:
         return _BY_CLASS[cls]
-    ops = _BY_NAME.get(cls.__name__)
-    if ops is None or state_types().get(cls.__name__, cls) is not cls:  # qstats' state of that name, not cls
+    if state_types().get(cls.__name__, cls) is not cls:  # qstats' state of that name, not cls
         return None
-    return ops
+    return _BY_NAME.get(cls.__name__)
 
 
 def is_named_tuple(x: Any) -> bool:
