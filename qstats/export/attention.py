@@ -104,11 +104,9 @@ def _forward_takes(module: torch.nn.Module, *names: str) -> bool:
 def _is_kv_cache_module(module: torch.nn.Module) -> bool:
     """compressed-tensors' ``is_cached_attention_module``: the modules its ``kv_cache_scheme`` gives
     ``k_scale``/``v_scale``, every one of the model's."""
-    if "attention" not in type(module).__name__.lower():
-        return False
-    if not any(hasattr(module, name) for name in ("k_proj", "v_proj", "qkv_proj", "kv_b_proj")):
-        return False
-    return _forward_takes(module, "past_key_value", "past_key_values")
+    return ("attention" in type(module).__name__.lower()
+            and any(hasattr(module, name) for name in ("k_proj", "v_proj", "qkv_proj", "kv_b_proj"))
+            and _forward_takes(module, "past_key_value", "past_key_values"))
 
 
 def _check_head_counts(model: Optional[torch.nn.Module], strategy: str = "tensor",

@@ -104,9 +104,9 @@ def _log_compute_dtype(spec: QuantSpec, dtype: torch.dtype, where: str, log: dic
         return
     if dtype == torch.float64:
         log["float64"].append(where)
-    elif dtype in (torch.float32, torch.bfloat16, torch.float16):
-        if spec.compute_dtype != str(dtype).removeprefix("torch."):
-            log["compute_dtype"].append(where)
+    elif (dtype in (torch.float32, torch.bfloat16, torch.float16)
+          and spec.compute_dtype != str(dtype).removeprefix("torch.")):
+        log["compute_dtype"].append(where)
 
 
 def static_site(qp, spec: QuantSpec, args: dict, site: str, where: str, dtype: torch.dtype, prefix: str,
