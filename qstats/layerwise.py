@@ -842,9 +842,8 @@ def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offl
     ``same_on_ranks()``: more arguments every rank must pass alike, read once they are checked."""
 
     def prepare() -> tuple:  # every check here, so that with all_reduce a rank's bad argument stops all
-        check_flag(all_experts, "all_experts", where)
-        check_flag(all_reduce, "all_reduce", where)
-        check_flag(progress, "progress", where)
+        for name, flag in (("all_experts", all_experts), ("all_reduce", all_reduce), ("progress", progress)):
+            check_flag(flag, name, where)
         if propagate not in ("float", "quantized"):
             raise ValueError(f"{where}: propagate must be 'float' or 'quantized', got {propagate!r}")
         if all_reduce and states is not None:
