@@ -61,14 +61,11 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
     if not isinstance(observer, Observer):
         raise TypeError(f"stacked_observer expects an Observer, got {type(observer).__name__}")
     num_experts = _expert_count(num_experts)
-    batched_init = torch.vmap(observer.init)
     batched_update = torch.vmap(observer.update)
-    update_shared = torch.vmap(observer.update, in_dims=(0, None, 0))
-    batched_merge = torch.vmap(observer.merge)
 
     def init_fn(x: torch.Tensor):
         _check_stack(x, num_experts, "x")
-        return batched_init(x)
+        return torch.vmap(observer.init)(x)
 
     def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
         _check_stack(x, num_experts, "x")
@@ -77,13 +74,13 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
             return batched_update(state, x)
         _check_stack(weight, num_experts, "weight")
         if x.stride(0) == 0:  # one tensor shared by every expert (x.expand(E, ...)): observe it once
-            return update_shared(state, x[0], weight)
+            return torch.vmap(observer.update, in_dims=(0, None, 0))(state, x[0], weight)
         return batched_update(state, x, weight)
 
     def merge_fn(a, b):
         _check_stacked_state(a, num_experts)
         _check_stacked_state(b, num_experts)
-        return batched_merge(a, b)
+        return torch.vmap(observer.merge)(a, b)
 
     return Observer(init_fn, update_fn, merge_fn, exact=observer.exact, spec=observer.spec,
                     name=f"stacked({observer.name})", shared_rows=observer.shared_rows)
