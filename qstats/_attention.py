@@ -106,8 +106,7 @@ def site_weight(x: torch.Tensor, spec, fit: Callable) -> Optional[torch.Tensor]:
     tensor a site of ``spec`` sees: ``fit(view)`` fits it to the layout's ``tokens_first`` view of
     ``x`` (`qstats.observation.weight_of`: None where it does not), then it is put in ``x``'s layout,
     repeated over the heads, so padding is left out of every head as out of a per-tensor site."""
-    layout = site_layout(spec)
-    view = layout.tokens_first(x)
+    view = site_layout(spec).tokens_first(x)
     weight = fit(view)
     if weight is None or view is x or weight.ndim < 2:
         return weight

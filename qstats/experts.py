@@ -483,8 +483,7 @@ def _scatter_mask(index: torch.Tensor, num_experts: int) -> torch.Tensor:
     outside ``[0, E)`` go to a spare row that is dropped. (A scatter into a fresh buffer: a
     fraction of the cost of a one-hot encoding.)"""
     index = index.long()
-    outside = (index < 0) | (index >= num_experts)
-    index = index.masked_fill(outside, num_experts)
+    index = index.masked_fill((index < 0) | (index >= num_experts), num_experts)
     mask = torch.zeros(num_experts + 1, index.shape[1], dtype=torch.float32, device=index.device)
     return mask.scatter_(0, index, 1.0)[:num_experts]
 
