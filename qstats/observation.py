@@ -147,9 +147,8 @@ def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
     fast path); the statistics are the same as with the mask as ``weight``. Elsewhere (accelerators,
     where selecting rows would synchronise the host, or granularities indexed by rows) the mask is
     passed on as the update's ``weight``."""
-    if weight is None or x.device.type != "cpu":
-        return x, weight
-    if weight.dtype != torch.bool and not bool(((weight == 0) | (weight == 1)).all()):
+    if weight is None or x.device.type != "cpu" or (
+            weight.dtype != torch.bool and not bool(((weight == 0) | (weight == 1)).all())):
         return x, weight
     # Selecting rows flattens the masked leading dimensions into one: only valid when the
     # quantization parameters do not depend on those dimensions (they are reduced over), which
@@ -633,12 +632,11 @@ def expert_capture(module: torch.nn.Module, names, tokens: Optional[torch.Tensor
     (``tokens`` and ``replace`` as there) and the hooks feeding it; leave with `_stop`."""
     params = own_parameters(module)
     capture = ExpertInputCapture({name: params[name] for name in names}, tokens=tokens, replace=replace)
-    handles = []
-    if parametrize.is_parametrized(module):  # inside `qstats.fake_quantized`: each value the
-        # forward computes (and slices) is watched, as the parameter's
-        for name in set(names) & set(module.parametrizations):
-            handles.append(module.parametrizations[name].register_forward_hook(
-                lambda _, args, value, name=name: capture.watch(name, value)))
+    # inside `qstats.fake_quantized`: each value the forward computes (and slices) is watched, as
+    # the parameter's
+    found = set(names) & set(module.parametrizations) if parametrize.is_parametrized(module) else ()
+    handles = [module.parametrizations[name].register_forward_hook(
+        lambda _, args, value, name=name: capture.watch(name, value)) for name in found]
     capture.__enter__()
     return capture, handles
 
