@@ -136,14 +136,12 @@ def stack(trees: Sequence[Any]) -> Any:
             raise ValueError(f"tree.stack: leaf {path} is a {type(leaf).__name__}, not a tensor")
     treespec = optree.tree_structure(first)
     # leaves in the first tree's order, matched by key: OrderedDicts flatten in their own key order
-    leaves_per_tree = [treespec.flatten_up_to(tree) for tree in trees]
-    columns = list(zip(*leaves_per_tree))
+    columns = list(zip(*(treespec.flatten_up_to(tree) for tree in trees)))
     for (path, _), column in zip(leaves_with_paths(first, "trees[0]"), columns):
         devices = sorted({str(leaf.device) for leaf in column})
         if len(devices) > 1:  # torch.stack's own error names neither the leaf nor the tree
             raise ValueError(f"tree.stack: leaf {path} is on devices {devices} across the trees; move them to one")
-    stacked = [torch.stack(column) for column in columns]
-    return optree.tree_unflatten(treespec, stacked)
+    return optree.tree_unflatten(treespec, [torch.stack(column) for column in columns])
 
 
 def unstack(tree: Any) -> list[Any]:
