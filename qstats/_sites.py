@@ -25,11 +25,7 @@ def first_tensor(value) -> Optional[torch.Tensor]:
         value = value.to_tuple()
     if not isinstance(value, (tuple, list)):
         return None
-    for item in value:
-        found = first_tensor(item)
-        if found is not None:
-            return found
-    return None
+    return next((found for found in map(first_tensor, value) if found is not None), None)
 
 
 def replace_first_tensor(value, fn: Callable[[torch.Tensor], torch.Tensor]):
