@@ -318,8 +318,8 @@ class _Calibration:
 
 class ExpertCallHooks:
     """Hooks around each outermost forward of a stacked-experts module: ``start(module, args,
-    kwargs)`` (a subclass's) opens what the call needs, ``finish(module, started, output)`` gets it
-    back at the end (``output`` None where the forward raised). Calls from inside the module's own
+    kwargs)`` opens what the call needs, ``finish(module, started, output)`` gets it back at the
+    end (``output`` None where the forward raised); a subclass defines both. Calls from inside the module's own
     forward are left to the outer call, whose capture sees their matmuls."""
 
     def __init__(self, module: torch.nn.Module):
@@ -341,9 +341,6 @@ class ExpertCallHooks:
                 self.finish(module, self.active[-1], output)
         finally:
             self.active.pop()
-
-    def finish(self, module, started, output) -> None:
-        """Nothing to finish, by default."""
 
 
 class _SiteHook:
