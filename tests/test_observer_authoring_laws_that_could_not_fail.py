@@ -248,3 +248,47 @@ def test_stability_takes_an_update_that_leaves_out_the_rows_holding_infinities()
     np.testing.assert_allclose(state.mean.numpy(), finite.mean(axis=0), rtol=1e-12)
     np.testing.assert_allclose(state.m2.numpy(), finite.var(axis=0) * len(finite), rtol=1e-12)
     testing.check_all(rows_out, _make_x, laws="stability", max_examples=3)
+
+
+def _row_absmax(nonfinite_out=True):
+    """A per-feature abs max that takes row weights only (``x.shape[:-1]`` or a prefix, as qstats.hessian):
+    it leaves out the rows holding a NaN or Inf, or (the mistake) reads them through nan_to_num."""
+    name = "row_absmax" if nonfinite_out else "row_nan_to_num"
+
+    def init_fn(x):
+        kit.check_observable(x, f"{name}.init")
+        return AuthoringAbsMaxState(torch.zeros(x.shape[-1], device=x.device),
+                                    torch.zeros(x.shape[-1], dtype=torch.int64, device=x.device))
+
+    def update_fn(state, x, weight: Optional[torch.Tensor] = None):
+        if x.numel() == 0:
+            return state
+        rows = x.reshape(-1, x.shape[-1]).float()
+        keep = kit.row_mask(x, weight, f"{name}.update")
+        keep = torch.ones(rows.shape[0], dtype=torch.bool, device=x.device) if keep is None else keep
+        if nonfinite_out:
+            keep = keep & torch.isfinite(rows).all(-1)
+        else:
+            rows = torch.nan_to_num(rows)
+        values = torch.where(keep[:, None], rows.abs(), 0.0)
+        return AuthoringAbsMaxState(torch.maximum(state.amax, values.amax(0)), state.count + keep.sum())
+
+    def merge_fn(a, b):
+        kit.check_same_shapes(a, b, f"{name}.merge")
+        return AuthoringAbsMaxState(torch.maximum(a.amax, b.amax), a.count + b.count)
+
+    return kit.Observer(init_fn, update_fn, merge_fn, exact=True, spec=SPEC, name=name)
+
+
+def test_stability_catches_nan_to_num_in_an_observer_that_takes_row_weights_only():
+    # the check compared with an element weight only, which such an observer refuses: it was skipped
+    x = _make_x(torch.Generator().manual_seed(0))
+    dirty = x.clone()
+    dirty[0, 1, :2] = torch.tensor([float("nan"), float("inf")])
+    rows = np.abs(dirty.reshape(-1, 16).numpy())
+    finite_rows = rows[np.isfinite(rows).all(axis=1)]  # numpy: the rows holding no NaN or Inf
+    np.testing.assert_array_equal(_row_absmax().update(_row_absmax().init(x), dirty).amax.numpy(),
+                                  finite_rows.max(axis=0))
+    testing.check_all(_row_absmax(), _make_x, laws="stability", max_examples=2)
+    with pytest.raises(AssertionError, match=r"row_nan_to_num: stability: compute_qparams of update\(s, x holding NaN"):
+        testing.check_all(_row_absmax(nonfinite_out=False), _make_x, laws="stability", max_examples=2)
