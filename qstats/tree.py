@@ -56,13 +56,11 @@ def _same_value(a: Any, b: Any) -> bool:
 
 def _compare(a: Any, b: Any, path: str, check_leaves: bool) -> None:
     a_leaf, b_leaf = _is_leaf(a), _is_leaf(b)
-    if a_leaf or b_leaf:
-        if not (a_leaf and b_leaf):
-            raise ValueError(f"tree mismatch at {path}: {_description(a)} vs {_description(b)}")
+    if a_leaf or b_leaf:  # both leaves, both tensors or of one type and value, shapes and dtypes
         a_tensor, b_tensor = isinstance(a, torch.Tensor), isinstance(b, torch.Tensor)
-        if a_tensor != b_tensor or (not a_tensor and (type(a) is not type(b) or not _same_value(a, b))):
-            raise ValueError(f"tree mismatch at {path}: {_description(a)} vs {_description(b)}")
-        if check_leaves and a_tensor and (a.shape != b.shape or a.dtype != b.dtype):
+        if (not (a_leaf and b_leaf) or a_tensor != b_tensor
+                or (not a_tensor and (type(a) is not type(b) or not _same_value(a, b)))
+                or (check_leaves and a_tensor and (a.shape != b.shape or a.dtype != b.dtype))):
             raise ValueError(f"tree mismatch at {path}: {_description(a)} vs {_description(b)}")
         return
     if type(a) is not type(b):
