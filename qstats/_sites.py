@@ -57,13 +57,11 @@ _INPUT_NAMES = ("hidden_states", "input", "x", "inputs_embeds")
 def replace_input_tensor(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.Tensor]):
     """``(args, kwargs)`` with the tensor `input_tensor` finds replaced by ``fn(tensor)``."""
     if args:
-        first, _ = replace_first_tensor(args[0], fn)
-        return (first,) + tuple(args[1:]), kwargs
+        return (replace_first_tensor(args[0], fn)[0],) + tuple(args[1:]), kwargs
     for name in _INPUT_NAMES:
         if isinstance(kwargs.get(name), torch.Tensor):
             return args, {**kwargs, name: fn(kwargs[name])}
-    new, _ = replace_first_tensor(dict(kwargs), fn)
-    return args, new
+    return args, replace_first_tensor(dict(kwargs), fn)[0]
 
 
 def input_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
