@@ -58,9 +58,7 @@ def fused_groups(model: torch.nn.Module) -> list:
     groups = []
     for path, module in model.named_modules():
         for names in FUSED_LAYER_NAMES:
-            if not all(hasattr(module, name) for name in names):
-                continue
-            members = [getattr(module, name) for name in names]
+            members = [getattr(module, name, False) for name in names]  # False: no such attribute
             if not all(m is None or isinstance(m, torch.nn.Module) for m in members):
                 continue
             paths = {id(m): path_of.get(id(m), f"{path}.{name}" if path else name)  # in the group's order
