@@ -160,14 +160,13 @@ def _switched(module, path: str, caller: str) -> tuple:
     cannot pass the hooks on (no ``**kwargs``). Modules whose config `_compared_configs` holds keep
     their implementation (`_cache_hooks`)."""
     functions = _functions()
-    config = module.config
-    name = config._attn_implementation
+    name = module.config._attn_implementation
     if isinstance(name, str) and name.startswith(functions.PREFIX):  # an enclosing context's
         if _compares_implementation(module, name[len(functions.PREFIX):]):
             raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) compares its "
                              f"attention implementation's name, which an enclosing qstats context renamed {name!r}: "
                              "it computes something else there; not supported")
-        return config, name, name
+        return module.config, name, name
     if (name or "eager") not in functions.WRAPPED:
         raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) runs attention "
                          f"implementation {name!r}; qstats observes and quantizes q/k/v behind "
@@ -176,7 +175,7 @@ def _switched(module, path: str, caller: str) -> tuple:
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) takes no **kwargs "
                          "to pass on to its attention function, where qstats reads its q/k/v")
-    return config, name, functions.PREFIX + (name or "eager")
+    return module.config, name, functions.PREFIX + (name or "eager")
 
 
 def _compares_implementation(module, name: str) -> bool:
