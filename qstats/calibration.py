@@ -283,10 +283,9 @@ def _share_global_scales(out: dict, states: Mapping, plan: Plan, options: dict) 
     for group in plan.fused_groups:
         found = [plan.site(path, "weight") for path in group]
         two_level = [f is not None and isinstance(f.spec.granularity, TensorGroup) for f in found]
-        if not any(two_level):
-            continue
         observed = [path in states and "weight" in states[path] for path in group]
-        if not any(observed):  # a tree without this group's weights (one layer's, activations only)
+        # no two-level member, or a tree without this group's weights (one layer's, activations only)
+        if not any(two_level) or not any(observed):
             continue
         kinds = {(f.spec, f.num_experts) for f in found if f is not None}  # observers may differ
         if not (all(two_level) and all(observed) and len(kinds) == 1 and not found[0].num_experts):
