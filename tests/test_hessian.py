@@ -8,7 +8,6 @@ a real 2-rank gloo all_reduce against the sequential merge.
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 
 import qstats
 from qstats.observers.hessian import HessianState, gptq_hessian, hessian
-from _shared import free_port
+from _shared import fork_ranks
 
 
 def _gram(rows: torch.Tensor) -> torch.Tensor:
@@ -212,7 +211,7 @@ def _rank_state(rank: int) -> HessianState:
     return obs.update(obs.init(x), x)
 
 
-def _run_rank(rank: int, world: int, port: int, out: str) -> None:
+def _run_rank(rank: int, port: int, world: int, out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -227,14 +226,7 @@ def _run_rank(rank: int, world: int, port: int, out: str) -> None:
 
 def test_distributed_all_reduce_sums_and_exact_folds(tmp_path):
     world = 2
-    port = free_port()
-    context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_run_rank, args=(r, world, port, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    assert fork_ranks(_run_rank, world, str(tmp_path), world=world, timeout=60) == [0] * world
     sequential = functools.reduce(hessian().merge, [_rank_state(r) for r in range(world)])
     for rank in range(world):
         result = torch.load(tmp_path / f"rank{rank}.pt")

@@ -6,7 +6,6 @@ float64 product of the same half-precision values and llm-compressor 0.14's ``ac
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 import qstats
 from qstats.observers.hessian import HessianState, hessian
-from _shared import free_port
+from _shared import fork_ranks
 
 llmc_helpers = pytest.importorskip("llmcompressor.modifiers.gptq.helpers")
 
@@ -58,7 +57,7 @@ def _rank_state(rank: int) -> HessianState:
     return hessian().update(hessian().init(x.bfloat16()), x.bfloat16())
 
 
-def _run_rank(rank: int, world: int, port: int, out: str) -> None:
+def _run_rank(rank: int, port: int, world: int, out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -70,14 +69,8 @@ def _run_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_distributed_exact_all_reduce_of_bfloat16_inputs_is_the_sequential_merge(tmp_path):
-    world, port = 2, free_port()
-    context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_run_rank, args=(r, world, port, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    world = 2
+    assert fork_ranks(_run_rank, world, str(tmp_path), world=world, timeout=60) == [0] * world
     sequential = functools.reduce(hessian().merge, [_rank_state(r) for r in range(world)])
     for rank in range(world):
         result = torch.load(tmp_path / f"rank{rank}.pt")
