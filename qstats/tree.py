@@ -70,7 +70,8 @@ def _compare(a: Any, b: Any, path: str, check_leaves: bool) -> None:
     if isinstance(a, dict):
         if set(a_entries) != set(b_entries):
             raise ValueError(f"tree mismatch at {path}: {_description(a)} vs {_description(b)}")
-        b_children = [dict(zip(b_entries, b_children))[entry] for entry in a_entries]  # b by a's keys
+        b_by_key = dict(zip(b_entries, b_children))
+        b_children = [b_by_key[entry] for entry in a_entries]  # b by a's keys
     elif len(a_children) != len(b_children) or a_entries != b_entries or a_meta != b_meta:
         raise ValueError(f"tree mismatch at {path}: {_description(a)} vs {_description(b)}")
     for entry, a_child, b_child in zip(a_entries, a_children, b_children):
