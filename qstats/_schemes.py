@@ -262,6 +262,9 @@ GROUPED_ATTENTION = (
     "per tensor or per head (strategy 'tensor' or 'attn_head')"
 )
 
+_STATIC_REFUSALS = {"group": STATIC_GROUP_ACTIVATIONS, "tensor_group": STATIC_GROUP_ACTIVATIONS,
+                    "channel": STATIC_ROW_ACTIVATIONS, "block": STATIC_ROW_ACTIVATIONS}
+
 
 def _static_activation_refusal(args, site: str) -> str:
     """Why static activation ``args`` of ``site`` are refused, or "": per-group ones (``group``, and
@@ -271,11 +274,7 @@ def _static_activation_refusal(args, site: str) -> str:
     as dynamic."""
     if site == "weight" or args.dynamic is not False:
         return ""
-    if args.strategy in ("group", "tensor_group"):
-        return STATIC_GROUP_ACTIVATIONS
-    if args.strategy in ("channel", "block"):
-        return STATIC_ROW_ACTIVATIONS
-    return ""
+    return _STATIC_REFUSALS.get(args.strategy, "")
 
 
 def _rule(Rule, targets, args, site: str, observed_dtype, caller: str):
@@ -904,8 +903,8 @@ def _config_group(name: Any, group: Any):
     if not isinstance(group, Mapping):
         raise TypeError(f"quantization config: config_groups[{name!r}] must be a mapping of scheme fields (or, "
                         f"under a preset name, its targets), got {type(group).__name__}")
-    targets = group.get("targets")
-    targets = _list(["Linear"] if targets is None else targets, f"config_groups[{name!r}].targets")
+    targets = _list(["Linear"] if group.get("targets") is None else group["targets"],
+                    f"config_groups[{name!r}].targets")
     return _validated(group, targets, f"quantization config: config_groups[{name!r}]")
 
 
@@ -942,23 +941,17 @@ def _warn_unknown_keys(config: Mapping) -> None:
              f"reads, so it is ignored (as compressed-tensors ignores it){hint}", UserWarning)
 
 
-def _transformers_config(config: Any) -> Any:
-    """The dict of transformers' ``CompressedTensorsConfig`` (``model.config.quantization_config`` of
-    a model loaded from a compressed-tensors checkpoint; its ``to_dict()`` is the
-    ``QuantizationConfig``'s ``model_dump``); any other ``config`` as it is."""
-    if getattr(config, "quant_method", None) == "compressed-tensors" and hasattr(config, "to_dict"):
-        return config.to_dict()
-    return config
-
-
 def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
     """``(rules, ignore)`` of a compressed-tensors ``QuantizationConfig``, of the
     ``quantization_config`` dict of a ``config.json`` (its config groups in order) or the
-    ``CompressedTensorsConfig`` transformers holds for it (`_transformers_config`), or of an
-    llm-compressor ``QuantizationModifier`` / ``GPTQModifier`` (its ``resolve_quantization_config``)
-    or recipe (`_modifier_config`)."""
+    ``CompressedTensorsConfig`` transformers holds for it (``model.config.quantization_config`` of a
+    model loaded from a compressed-tensors checkpoint: its ``to_dict()`` is the
+    ``QuantizationConfig``'s ``model_dump``), or of an llm-compressor ``QuantizationModifier`` /
+    ``GPTQModifier`` (its ``resolve_quantization_config``) or recipe (`_modifier_config`)."""
     require_compressed_tensors("Recipe.from_compressed_tensors")
-    config = _transformers_config(_modifier_config(config))
+    config = _modifier_config(config)
+    if getattr(config, "quant_method", None) == "compressed-tensors" and hasattr(config, "to_dict"):
+        config = config.to_dict()
     if hasattr(config, "model_dump"):
         config = config.model_dump()
     if not isinstance(config, Mapping):
