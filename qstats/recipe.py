@@ -88,10 +88,6 @@ def _ignored_module(ignore: tuple, path: str, module: torch.nn.Module, rename: C
     return matches_targets(ignore, path, module) or matches_targets(ignore, rename(path), module)
 
 
-def _same_name(path: str) -> str:
-    return path
-
-
 def _checkpoint_rule(rule: "Rule", path: str, module: Optional[torch.nn.Module],
                      rename: Callable[[str], str]) -> "Rule":
     """``rule`` with its matcher's ``ignore`` also naming the per-expert Linears of the module at
@@ -734,7 +730,7 @@ class Recipe:
         llm-compressor saved for Mixtral ignores ``block_sparse_moe.gate`` for ``mlp.gate``). Without
         it, ``ignore`` is matched against ``path`` alone.
         """
-        rename = _same_name
+        rename = str  # each path as it is: a path has no other (checkpoint) name here
         if model is not None:
             if not isinstance(model, torch.nn.Module):
                 raise TypeError(f"Recipe.rule_for: model must be an nn.Module, got {type(model).__name__}")
