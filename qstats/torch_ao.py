@@ -83,12 +83,8 @@ def torch_ao_fields(spec: QuantSpec) -> dict:
         qscheme = {(True, True): torch.per_tensor_symmetric, (True, False): torch.per_tensor_affine,
                    (False, True): torch.per_channel_symmetric, (False, False): torch.per_channel_affine}[
             (per_tensor, symmetric)]
-        if qmin >= 0 and qmax <= 255:
-            dtype = torch.quint8
-        elif -128 <= qmin and qmax <= 127:
-            dtype = torch.qint8
-        else:
-            dtype = torch.qint32
+        dtype = (torch.quint8 if qmin >= 0 and qmax <= 255
+                 else torch.qint8 if -128 <= qmin and qmax <= 127 else torch.qint32)
     ch_axis = 0 if per_tensor else spec.granularity.axis
     return dict(dtype=dtype, qscheme=qscheme, quant_min=int(qmin), quant_max=int(qmax), ch_axis=ch_axis, eps=spec.eps)
 
