@@ -228,10 +228,8 @@ def _check_reproducible(args, num_bits, qtype, symmetric, strategy, scale_dtype)
     if zp_dtype is not None and not symmetric:
         # calculate_qparams rounds the zero point to zp_dtype: a float one keeps it fractional, an
         # unsigned or narrow one clips it; qstats rounds it to the target's signed range
-        if qtype == "float":
-            ok = zp_dtype == torch.float8_e4m3fn
-        else:
-            ok = integer_dtype_holds(zp_dtype, (-(2 ** (num_bits - 1)), 2 ** (num_bits - 1) - 1))
+        signed = (-(2 ** (num_bits - 1)), 2 ** (num_bits - 1) - 1)
+        ok = zp_dtype == torch.float8_e4m3fn if qtype == "float" else integer_dtype_holds(zp_dtype, signed)
         if not ok:
             raise ValueError(
                 f"from_compressed_tensors: zp_dtype {zp_dtype!r} is not supported for asymmetric "
