@@ -52,15 +52,19 @@ __all__ = ["gptq"]
 _ACTORDERS = (None, "static", "weight")
 
 
-def _experts(flags: torch.Tensor) -> str:
-    """Who ``flags`` names: the layer (a 0-d flag, a 2-D weight's), or the experts it marks."""
-    where = flags.reshape(-1).nonzero().flatten().tolist()
-    return "the layer" if flags.ndim == 0 else f"experts {where} ({len(where)} of {flags.numel()})"
+def _experts(flags: torch.Tensor, name: str, first: int) -> str:
+    """Who ``flags`` names: the weight ``name`` (a 0-d flag, a 2-D weight's), or the experts it marks,
+    numbered from ``first`` (a chunk of a stack: ``name[first:first + E]``)."""
+    if flags.ndim == 0:
+        return name
+    where = [first + expert for expert in flags.reshape(-1).nonzero().flatten().tolist()]
+    among = f"{flags.numel()}" if first == 0 else f"experts {first}-{first + flags.numel() - 1}"
+    return f"{'' if name == 'the layer' else name + ' '}experts {where} ({len(where)} of {among})"
 
 
 @op("check_gptq_inputs")
 def _check_inputs(count: torch.Tensor, nonfinite: torch.Tensor, total: torch.Tensor,
-                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  weight: torch.Tensor, name: str, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager checks (one op, so they run under vmap and compile): a non-finite Hessian sum or weight
     raises ValueError; a Hessian that saw no row warns (round-to-nearest), and one that left rows
     out (``nonfinite``) warns naming them. Returns the counts and whether a stack's Hessians are
@@ -69,14 +73,14 @@ def _check_inputs(count: torch.Tensor, nonfinite: torch.Tensor, total: torch.Ten
     # Inf there (narrower dtypes keep their finiteness, uncopied; the Hessian sum is scaled into range
     # first, `_factorable_hessian`)
     computed = weight.to(torch.float32) if weight.dtype == torch.float64 else weight
-    for name, value, past in (("Hessian sum", total, f" (a {total.dtype} sum past its range: observe the inputs with "
+    for what, value, past in (("Hessian sum", total, f" (a {total.dtype} sum past its range: observe the inputs with "
                                                      "qstats.hessian(dtype=torch.float64))"),
                               ("weight", computed, " (or float64 values past float32's range, in which GPTQ "
                                "computes)")):
         bad = ~torch.isfinite(value).flatten(start_dim=value.ndim - 2).all(dim=-1)
         if bad.any():
-            raise ValueError(f"qstats.gptq: the {name} of {_experts(bad)} holds NaN or Inf{past}")
-    _warn_left_out(count, nonfinite)
+            raise ValueError(f"qstats.gptq: the {what} of {_experts(bad, name, first)} holds NaN or Inf{past}")
+    _warn_left_out(count, nonfinite, name, first)
     shared = count.ndim == 1 and count.shape[0] > 1 and bool((count == count[:1]).all())
     shared = shared and torch.equal(total, total[:1].expand_as(total))
     return count.clone(), torch.tensor(shared)
@@ -87,47 +91,47 @@ def _left_out(rows: int) -> str:
             "(|x| above 1.8e19 in float32: observe with qstats.hessian(dtype=torch.float64))")
 
 
-def _warn_left_out(count: torch.Tensor, nonfinite: torch.Tensor) -> None:
+def _warn_left_out(count: torch.Tensor, nonfinite: torch.Tensor, name: str, first: int) -> None:
     """Warns where a Hessian saw no row (round-to-nearest, `UncalibratedWarning`), and where it left
     rows out as non-finite (llm-compressor's Hessian turns NaN there and its GPTQ rounds to nearest)."""
     if (count == 0).any():
         unseen = (count == 0) & (nonfinite > 0)
         why = f" (it left out {_left_out(int(nonfinite[unseen].sum()))})" if unseen.any() else ""
         warn(
-            f"qstats.gptq: the Hessian of {_experts(count == 0)} saw no input row{why}; those weights are "
+            f"qstats.gptq: the Hessian of {_experts(count == 0, name, first)} saw no input row{why}; those weights are "
             "quantized by round-to-nearest with their quantization parameters",
             UncalibratedWarning,
         )
     partly = (count > 0) & (nonfinite > 0)
     if partly.any():
         warn(
-            f"qstats.gptq: the Hessian of {_experts(partly)} left out {_left_out(int(nonfinite[partly].sum()))}; "
+            f"qstats.gptq: the Hessian of {_experts(partly, name, first)} left out {_left_out(int(nonfinite[partly].sum()))}; "
             "GPTQ uses the other rows",
             UserWarning,
         )
 
 
 @register_fake(_check_inputs)
-def _(count, nonfinite, total, weight):
+def _(count, nonfinite, total, weight, name, first):
     return torch.empty_like(count), torch.empty((), dtype=torch.bool)
 
 
-def _check_inputs_vmap(info, in_dims, count, nonfinite, total, weight):
+def _check_inputs_vmap(info, in_dims, count, nonfinite, total, weight, name, first):
     moved = [value.expand(info.batch_size, *value.shape) if dim is None else value.movedim(dim, 0)
              for value, dim in zip((count, nonfinite, total, weight), in_dims)]
-    return (_check_inputs(*moved)[0], torch.tensor(False)), (0, None)  # one message naming every expert
+    return (_check_inputs(*moved, name, first)[0], torch.tensor(False)), (0, None)  # one message naming every expert
 
 
 register_vmap(_check_inputs, _check_inputs_vmap)
 
 
 @op("warn_unfactored_hessian")
-def _warn_unfactored(failed: torch.Tensor) -> torch.Tensor:
+def _warn_unfactored(failed: torch.Tensor, name: str, first: int) -> torch.Tensor:
     """Warns where a seen Hessian, dampened, is not positive definite, or its inverse is not in
     float32's Cholesky (llm-compressor records the first and raises torch's LinAlgError on the second)."""
     if failed.any():
         warn(
-            f"qstats.gptq: the dampened Hessian of {_experts(failed)} is not positive definite, or too "
+            f"qstats.gptq: the dampened Hessian of {_experts(failed, name, first)} is not positive definite, or too "
             "ill-conditioned to invert, in float32; those weights are quantized by round-to-nearest (raise "
             "dampening, or calibrate on more rows)",
             UserWarning,
@@ -136,11 +140,12 @@ def _warn_unfactored(failed: torch.Tensor) -> torch.Tensor:
 
 
 @register_fake(_warn_unfactored)
-def _(failed):
+def _(failed, name, first):
     return torch.empty_like(failed)
 
 
-register_vmap(_warn_unfactored, lambda info, in_dims, failed: (_warn_unfactored(failed.movedim(in_dims[0], 0)), 0))
+register_vmap(_warn_unfactored, lambda info, in_dims, failed, name, first:
+              (_warn_unfactored(failed.movedim(in_dims[0], 0), name, first), 0))
 
 
 def _column_groups(spec: QuantSpec, shape) -> Optional[list]:
@@ -187,13 +192,13 @@ def _permute_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: torch.Tensor, shared: int = 0,
-                            fill: Optional[torch.Tensor] = None):
+                            fill: Optional[torch.Tensor] = None, label: tuple = ("the layer", 0)):
     """llm-compressor's ``factorize_hessian``: dead columns get diagonal ``fill`` (``[...]``; None: 1,
     llm-compressor's, in the units of a Hessian `_factorable_hessian` scaled), the diagonal gains
     ``dampening * mean(diag)`` (both written into ``hessian``, a buffer of the caller's), then the
     upper Cholesky factor of the inverse. Where it fails or the Hessian is not ``usable``: the
     identity (round-to-nearest). ``shared`` > 0: ``hessian`` ``[1, in, in]`` stands for that many
-    experts (the warning names them all)."""
+    experts (the warning names them all, as ``label``: `_experts`' name and first expert)."""
     eye = torch.eye(hessian.shape[-1], dtype=hessian.dtype, device=hessian.device)
     diagonal = torch.diagonal(hessian, dim1=-2, dim2=-1)  # written in place: `_gptq_core`'s own tensor
     dead = diagonal == 0
@@ -209,7 +214,7 @@ def _inverse_hessian_factor(hessian: torch.Tensor, dampening: float, usable: tor
     upper, info = torch.linalg.cholesky_ex(inverse, upper=True, check_errors=False)
     factored = factored & (info == 0)[..., None, None]
     failed = usable & ~factored[..., 0, 0]
-    _warn_unfactored(failed.expand(shared) if shared else failed)
+    _warn_unfactored(failed.expand(shared) if shared else failed, *label)
     return torch.where(factored, upper, eye.mT).contiguous(), dead & usable[..., None]
 
 
@@ -306,7 +311,7 @@ def _factorable_hessian(total: torch.Tensor, count: torch.Tensor) -> tuple[torch
     return (mean * half).to(torch.float32), fill
 
 
-def _ordered_factor(total, count, dampening, actorder, shared: int):
+def _ordered_factor(total, count, dampening, actorder, shared: int, label: tuple):
     """``(column order or None, inverse Hessian factor, dead columns)`` of Hessian sums ``[..., in, in]``.
     ``shared`` > 0: the ``shared`` Hessians of a stack are equal and factored once (the same bits)."""
     if shared:
@@ -316,14 +321,14 @@ def _ordered_factor(total, count, dampening, actorder, shared: int):
     if actorder is not None:
         perm = torch.argsort(torch.diagonal(hessian, dim1=-2, dim2=-1), dim=-1, descending=True)
         hessian = _permute_columns(_permute_columns(hessian, perm).transpose(-1, -2), perm).transpose(-1, -2)
-    inverse, dead = _inverse_hessian_factor(hessian, dampening, count > 0, shared, fill)
+    inverse, dead = _inverse_hessian_factor(hessian, dampening, count > 0, shared, fill, label)
     if shared:
         perm = None if perm is None else perm.expand(shared, -1)
         inverse, dead = inverse.expand(shared, -1, -1), dead.expand(shared, -1)
     return perm, inverse, dead
 
 
-def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actorder, shared: int = 0):
+def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actorder, shared: int, label: tuple):
     """GPTQ of ``[..., out, in]`` weights with ``[..., in, in]`` Hessian sums: one batched loop
     over columns (no host reads; in-place writes on its own buffers only; runs under vmap)."""
     groups = _column_groups(spec, weight.shape)
@@ -334,7 +339,7 @@ def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actor
     elif qparams is None:
         one = lambda w: _minmax_qparams(w, spec)  # noqa: E731  (per expert: a per-tensor range is)
         qparams = torch.vmap(one)(work) if work.ndim == 3 else one(work)
-    perm, inverse, dead = _ordered_factor(total, count, dampening, actorder, shared)
+    perm, inverse, dead = _ordered_factor(total, count, dampening, actorder, shared, label)
     if perm is not None:
         work = _permute_columns(work, perm)
     work = torch.where(dead[..., None, :], torch.zeros_like(work), work)
@@ -358,7 +363,8 @@ def _gptq_core(weight, total, count, qparams, spec, block_size, dampening, actor
 
 
 def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, block_size: int = 128,
-         dampening: float = 0.01, actorder: Optional[str] = None, qparams: Optional[QParams] = None):
+         dampening: float = 0.01, actorder: Optional[str] = None, qparams: Optional[QParams] = None, *,
+         name: Optional[str] = None, first_expert: int = 0):
     """GPTQ of a linear weight given the `qstats.hessian` state of its inputs.
 
     Args:
@@ -374,6 +380,8 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
       actorder: None, or ``"static"`` (= ``"weight"``): columns in decreasing Hessian diagonal,
         quantization parameters unchanged (llm-compressor 0.14's only activation ordering).
       qparams: the weight's quantization parameters; None: see the module docstring.
+      name: what the warnings and errors call the weight (its parameter's name); None: "the layer".
+      first_expert: the number of ``weight[0]``'s expert in the warnings and errors (a slice of a stack).
 
     Returns:
       ``(fake_quantized, codes, qparams)``: the GPTQ'd weight in ``weight``'s dtype (no gradient:
@@ -392,12 +400,25 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
     _check_arguments(weight, hessian_state, spec, block_size, dampening, actorder)
     _check_qparams(qparams, weight, spec)
     actorder = None if actorder is None else "static"
-    count, same = _check_inputs(hessian_state.count, hessian_state.nonfinite, hessian_state.total, weight)
+    label = ("the layer" if name is None else _checked_name(name), _checked_first(first_expert))
+    count, same = _check_inputs(hessian_state.count, hessian_state.nonfinite, hessian_state.total, weight, *label)
 
     if qparams is not None:  # no autograd graph through the column loop (it would hold every column's tensors)
         qparams = _checked_scales(QParams(*(None if field is None else field.detach() for field in qparams)))
     return _gptq_core(weight.detach(), hessian_state.total.detach(), count, qparams, spec, block_size,
-                      float(dampening), actorder, weight.shape[0] if bool(same) else 0)
+                      float(dampening), actorder, weight.shape[0] if bool(same) else 0, label)
+
+
+def _checked_name(name) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"gptq: name must be a non-empty str, got {name!r}")
+    return name
+
+
+def _checked_first(first) -> int:
+    if type(first) is not int or first < 0:
+        raise TypeError(f"gptq: first_expert must be an int >= 0, got {first!r}")
+    return first
 
 
 def _check_qparams(qparams, weight, spec) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import warnings
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
@@ -215,18 +214,11 @@ def _owners(costs: list, world: int) -> list:
 
 
 def _gptq_part(job: _Job, take, options: dict) -> torch.Tensor:
-    """GPTQ of ``job.weight[take]``; its warnings (a Hessian that left rows out or saw none, one not positive
-    definite) name the weight, and the experts of a chunk: `gptq` sees one weight, "the layer", and
-    numbers a chunk's experts from 0, and Python shows one warning of a text, whichever weight it was."""
+    """GPTQ of ``job.weight[take]``; its warnings and errors name the weight, and a chunk's experts by
+    their number in the whole stack."""
     qparams = QParams(*(None if field is None else field[take] for field in job.qparams))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = gptq(job.weight[take], HessianState(*(field[take] for field in job.hessian)), job.spec,
-                      qparams=qparams, **options)[0]
-    part = "" if take is ... else f"[{take.start}:{min(take.stop, job.weight.shape[0])}] (its experts from 0)"
-    for caught_warning in caught:
-        warn(f"gptq_layerwise: {job.name}{part}: {caught_warning.message}", caught_warning.category)
-    return result
+    return gptq(job.weight[take], HessianState(*(field[take] for field in job.hessian)), job.spec, qparams=qparams,
+                name=job.name, first_expert=0 if take is ... else take.start, **options)[0]
 
 
 def _sharing() -> tuple:

@@ -6,6 +6,7 @@ calling an overflowed layer one that "saw no input row")."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -56,6 +57,28 @@ def test_a_nan_row_is_left_out_with_a_warning_where_llm_compressor_rounds_the_la
     want, fallback = _llm_compressor(weight, torch.cat([x[:3], x[4:]]), qparams)
     assert not fallback
     assert (codes == qstats.quantize(want, qparams, SPEC)).float().mean() == 1.0
+
+
+def test_a_slice_of_a_stack_names_the_weight_and_its_experts_by_their_number_in_the_stack():
+    """``name`` and ``first_expert`` (gptq_layerwise's chunks of experts): experts 4-7 of a stack of 8,
+    expert 6 with an Inf row and expert 5 with no row, are named as 6 and 5 of the stack."""
+    weight, x = _data(1, out=8, columns=16, rows=30)
+    x = x.expand(8, 30, 16).clone()
+    x[6, 7, 0] = float("inf")
+    observer = qstats.stacked_observer(hessian(), 8)
+    mask = torch.ones(8, 30)
+    mask[5] = 0.0
+    state = observer.update(observer.init(x), x, weight=mask)
+    chunk = type(state)(*(field[4:8] for field in state))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qstats.gptq(weight.expand(4, 8, 16), chunk, SPEC, name="mlp.experts.down_proj", first_expert=4)
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 2
+    assert "Hessian of mlp.experts.down_proj experts [5] (1 of experts 4-7) saw no input row" in messages[0]
+    assert "Hessian of mlp.experts.down_proj experts [6] (1 of experts 4-7) left out 1 row" in messages[1]
+    with pytest.raises(TypeError, match="first_expert must be an int >= 0, got -1"):
+        qstats.gptq(weight, hessian().update(hessian().init(x[0]), x[0]), SPEC, first_expert=-1)
 
 
 def test_an_expert_with_a_nan_row_is_named():
@@ -151,6 +174,7 @@ def test_gptq_layerwise_names_each_weight_whose_hessian_left_rows_out(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")  # Python's: one warning of a text from a line
         qstats.gptq_layerwise(meta, str(tmp_path), [x], recipe, progress=False)
-    named = {str(w.message).split(": ")[1] for w in caught if "left out 1 row" in str(w.message)}
+    named = {re.search(r"Hessian of (\S+) left out 1 row", str(w.message)).group(1) for w in caught
+             if "left out 1 row" in str(w.message)}
     assert dirty == {"layers.0.used", "layers.1.used", "head"}
     assert named == {f"{name}.weight" for name in dirty}
