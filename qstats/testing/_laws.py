@@ -596,7 +596,7 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
         what += f" and weight of shape {tuple(weight.shape)}" if extra else ""
         emptied = _attempt(f"{name}: stability: {what}", obs.update, state, empty, *extra)
         assert_states_equal(emptied, state, approx_fields=(), message=f"{name}: stability: {what} changed the state")
-    _check_nonfinite_left_out(obs, xs[0], state, name)
+    dirty = _check_nonfinite_left_out(obs, xs[0], state, name)
     if xs[0].is_floating_point():
         # the state's dtypes do not follow the input's, narrower or wider (whatever the batches' dtype)
         for dtype in [d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64) if d != xs[0].dtype]:
@@ -610,7 +610,7 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
                                         "compute in float32 or wider whatever the input dtype")
     _check_weight_dtypes(obs, xs[0], state, name, batch_dims)
     _check_weight_leaves_rows_out(obs, xs[0], init, state, name, batch_dims)
-    _check_nonfinite_as_masked(obs, xs[0], state, name, batch_dims)
+    _check_nonfinite_as_masked(obs, xs[0], state, dirty, name, batch_dims)
 
 
 def _takes(obs, init, x: torch.Tensor) -> bool:
@@ -687,18 +687,20 @@ def _check_weight_is_a_mask(obs, x: torch.Tensor, mask: torch.Tensor, state, nam
                                     "frequencies or scales)")
 
 
-def _check_nonfinite_left_out(obs, x: torch.Tensor, state, name: str) -> None:
+def _check_nonfinite_left_out(obs, x: torch.Tensor, state, name: str) -> Optional[tuple]:
     """A batch holding NaN, +inf and -inf (a diverged activation) is refused with a ValueError
     (``nonfinite="raise"``) or its non-finite values are left out (``"ignore"``): where the state of
     the clean batch is finite, that of the dirty batch is finite too (no NaN or infinite scale), or
-    holds ``init``'s value (an element that saw only non-finite values stays unobserved)."""
+    holds ``init``'s value (an element that saw only non-finite values stays unobserved). Returns that
+    batch and ``update(state, batch)`` for `_check_nonfinite_as_masked` (None where none was observed),
+    so that ``update`` runs once on it."""
     if not x.is_floating_point() or x.numel() < 3:
-        return
+        return None
     dirty = _dirty(x)
     try:
         got = obs.update(state, dirty)
     except ValueError:  # the raise policy: non-finite values refused with a clear error
-        return
+        return None
     except AssertionError:
         raise
     except Exception as error:
@@ -708,6 +710,7 @@ def _check_nonfinite_left_out(obs, x: torch.Tensor, state, name: str) -> None:
     _check_no_new_nonfinite(got, obs.update(state, x), obs.init(x), f"{name}: stability: update with a batch "
                             "holding NaN and ±inf", "the batch without them", "leave non-finite values out and count "
                             "them, or refuse them with a ValueError")
+    return dirty, got
 
 
 def _dirty(x: torch.Tensor) -> torch.Tensor:
@@ -717,23 +720,21 @@ def _dirty(x: torch.Tensor) -> torch.Tensor:
     return dirty
 
 
-def _check_nonfinite_as_masked(obs, x: torch.Tensor, state, name: str, batch_dims: int) -> None:
+def _check_nonfinite_as_masked(obs, x: torch.Tensor, state, dirty: Optional[tuple], name: str,
+                               batch_dims: int) -> None:
     """Left out means left out: the quantization parameters of the batch holding NaN and ±inf equal
     those of the clean batch under a weight of the batch's shape that is 0 on those elements, or under
     a weight of ``x.shape[:-1]`` that is 0 on the rows holding them (the Hessian's policy: a row's
     ``x^T x`` holds each of its values); a ``nan_to_num`` that turns +inf into the largest float, or
-    counts NaN as 0, gives another range. Skipped where the observer takes no such weight, holds no
-    statistic, or the masked batch leaves a parameter unobserved."""
+    counts NaN as 0, gives another range. ``dirty``: `_check_nonfinite_left_out`'s batch and state.
+    Skipped where the observer refused the batch, takes no such weight, holds no statistic, or the
+    masked batch leaves a parameter unobserved."""
     spec = getattr(obs, "spec", None)
-    if not isinstance(spec, QuantSpec) or not x.is_floating_point() or x.numel() < 3:
+    if not isinstance(spec, QuantSpec) or dirty is None:  # not a float batch, or refused: nonfinite="raise"
         return
-    dirty = _dirty(x)
+    batch, got = dirty
     compute = _per_slice(lambda s: compute_qparams(s, spec), batch_dims)
-    try:
-        got = obs.update(state, dirty)
-    except Exception:  # refused: nonfinite="raise"
-        return
-    finite = torch.isfinite(dirty)
+    finite = torch.isfinite(batch)
     weights = (finite, finite.all(-1)) if x.ndim >= 2 else (finite,)
     expected = [found for found in (_masked_qparams(obs, state, x, w, compute) for w in weights) if found is not None]
     if not expected:  # no such weight taken, no statistic, or a parameter left unobserved
