@@ -92,6 +92,7 @@ def check_all(
     @given(data=st.data())
     def run(data):
         xs = data.draw(strategies.batches(make_x), label="xs")
+        _check_like_probe(probe, xs)
         if data.draw(st.booleans(), label="with NaN and ±inf"):
             xs = _with_nonfinite(obs, xs, data.draw(st.integers(0, len(xs) - 1), label="dirty batch"),
                                  data.draw(st.integers(0, 2**31 - 1), label="dirty position"))
@@ -147,6 +148,11 @@ def _probe(make_x) -> torch.Tensor:
     if not isinstance(probe, torch.Tensor):
         raise TypeError(f"check_all: make_x(generator) must return one input batch (a tensor), got "
                         f"{type(probe).__name__}")
+    if probe.is_meta:  # the laws compare values, which a meta tensor lacks
+        raise ValueError("check_all: make_x(generator) returned a tensor on the meta device, which holds no values: "
+                         "the laws compare the states of batches; return it on the device to check (cpu, cuda)")
+    if isinstance(again, torch.Tensor):
+        _check_like_probe(probe, [again])
     same = (isinstance(again, torch.Tensor) and again.shape == probe.shape and again.dtype == probe.dtype
             and bool(((again == probe) | (again != again) & (probe != probe)).all()))
     if not same:
@@ -154,6 +160,19 @@ def _probe(make_x) -> torch.Tensor:
                          "the generator it is given (torch.randn(..., generator=generator)), so that hypothesis can "
                          "replay and shrink a failing example")
     return probe
+
+
+def _check_like_probe(probe: torch.Tensor, xs: list) -> None:
+    """A ValueError naming ``make_x`` where a batch of ``xs`` lies on another device, or has another
+    shape or dtype, than ``probe`` (the laws concatenate, stack and merge the batches and their states,
+    which would fail there with an error naming no law)."""
+    for x in xs:
+        for what, got, expected in (("on different devices", x.device, probe.device),
+                                    ("of different shapes", tuple(x.shape), tuple(probe.shape)),
+                                    ("of different dtypes", x.dtype, probe.dtype)):
+            if got != expected:
+                raise ValueError(f"check_all: make_x(generator) returned batches {what} ({expected}, then {got}): "
+                                 "return batches of one shape and dtype, on one device")
 
 
 def _first_update(obs, probe: torch.Tensor, approx_fields):
