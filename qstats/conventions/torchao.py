@@ -131,9 +131,7 @@ def _block_size_granularity(block_size: tuple, shape: tuple) -> Granularity:
     if block_size == shape:
         return PerTensor()
     if all(b == 1 for b in block_size[:-1]):
-        if block_size[-1] == shape[-1]:
-            return PerToken()
-        return PerGroup(block_size[-1])
+        return PerToken() if block_size[-1] == shape[-1] else PerGroup(block_size[-1])
     if len(shape) >= 2 and all(b == 1 for b in block_size[:-2]):
         return PerBlock(block_size[-2:])
     full = [i for i, (b, s) in enumerate(zip(block_size, shape)) if b == 1 and s != 1]
@@ -150,8 +148,8 @@ def from_torchao(cls, target_dtype, kwargs):
     if kind.endswith("Config"):  # a quantize_ config (AOBaseConfig)
         return _config_spec(cls, target_dtype, kwargs)
     if kind == "QuantizeTensorToMXKwargs":
-        config = target_dtype
-        return _mx_spec(cls, config.elem_dtype, config.block_size, config.scaling_mode, kwargs)
+        return _mx_spec(cls, target_dtype.elem_dtype, target_dtype.block_size, target_dtype.scaling_mode,
+                        kwargs)
     nvfp4_config = kind == "QuantizeTensorToNVFP4Kwargs"
     if nvfp4_config or kwargs.pop("nvfp4", False):
         block_size = target_dtype.block_size if nvfp4_config else kwargs.pop("block_size", 16)
@@ -257,7 +255,7 @@ def _int8_tensor_spec(cls, config, kwargs):
     input_dtype = kwargs.pop("input_dtype", torch.float32)
     _reject_unknown(kwargs)
     qmin, qmax = (-64, 63) if getattr(config, "reduce_range", False) else (-128, 127)
-    arguments = dict(
+    return _affine_spec(cls, torch.int8, dict(
         granularity=config.granularity,
         mapping_type=config.mapping_type,
         input_dtype=input_dtype,
@@ -266,8 +264,7 @@ def _int8_tensor_spec(cls, config, kwargs):
         scale_dtype=torch.float32,
         zero_point_dtype=torch.int8,
         eps=torch.finfo(torch.float32).eps,
-    )
-    return _affine_spec(cls, torch.int8, arguments)
+    ))
 
 
 def _config_spec(cls, config, kwargs):
@@ -338,9 +335,8 @@ def _intx_weight_only_spec(cls, config, kwargs):
         group = int(granularity.group_size)
     else:
         raise ValueError(f"from_torchao: IntxWeightOnlyConfig takes PerGroup or PerAxis(0), got {granularity!r}")
-    block_size = (1, group) if len(shape) == 2 else (1, group, 1, 1)
-    arguments = dict(kwargs, mapping_type=config.mapping_type, block_size=block_size, shape=shape,
-                     zero_point_dtype=torch.int8)
+    arguments = dict(kwargs, mapping_type=config.mapping_type, shape=shape, zero_point_dtype=torch.int8,
+                     block_size=(1, group) if len(shape) == 2 else (1, group, 1, 1))
     if config.scale_dtype is not None:
         arguments["scale_dtype"] = config.scale_dtype
     return _affine_spec(cls, config.weight_dtype, arguments)
@@ -357,8 +353,8 @@ def _float8_spec(cls, float8_dtype, kwargs):
         raise ValueError(f"from_torchao: float8 scale_dtype must be float32 or float8_e8m0fnu, got {scale_dtype}")
     compute = compute_dtype_name(input_dtype, "from_torchao: input_dtype")
     # torchao divides amax / max in the input's dtype, then widens the scale to float32
-    e8m0 = dict(scale_dtype="e8m0", scale_rounding="round")
-    scales = e8m0 if scale_dtype == _E8M0 else dict(scale_dtype=compute)
+    scales = (dict(scale_dtype="e8m0", scale_rounding="round") if scale_dtype == _E8M0
+              else dict(scale_dtype=compute))
     return _spec(
         cls,
         dtype=_FLOAT8[float8_dtype],
