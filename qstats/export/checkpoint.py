@@ -44,7 +44,8 @@ def compressed_tensors(model: torch.nn.Module, qparams: Mapping[str, Mapping[str
 
     Args:
       model: the calibrated model (its float weights are quantized with ``qparams``), or the
-        ``torch.compile`` of it (the model it wraps is written).
+        ``torch.compile`` of it (the model it wraps is written); a model accelerate offloads is onloaded to
+        the CPU for the export (all of it at once) and offloaded again after.
       qparams: ``{module_path: {site: QParams}}`` (`qstats.compute_qparams_tree`); dynamic sites may be None.
       path: output folder for ``model.safetensors`` (or its shards), ``config.json`` and, for a transformers
         model that generates, ``generation_config.json``: new, or one without safetensors files or index (an
@@ -74,18 +75,19 @@ def compressed_tensors(model: torch.nn.Module, qparams: Mapping[str, Mapping[str
     """
     _check_arguments(model, qparams, format)
     model = _bare_model(model, qparams)  # a wrapper would prefix every tensor name ("module.", "_orig_mod.")
-    _check_whole_tensors(model)
-    max_bytes = shard_bytes(max_shard_size)
-    check_new_folder(path, None, "export.compressed_tensors", "path")
-    writer = Writer(specs_or_recipe, qparams, model, format, actorder)
-    tensors = without_tied_copies(model, writer.part(writer.qparams, model.state_dict()))
-    quantization_config = writer.finish()
-    names = _write_shards(path, tensors, max_bytes, parameter_count(model, tensors))
-    try:
-        write_config(path, model, quantization_config, retied=writer.retied)
-    except BaseException:  # no checkpoint left without its config (the next export would refuse the folder)
-        remove_shards(path, names)
-        raise
+    with onloaded(model):  # an accelerate-offloaded model's tensors, read as save_pretrained reads them
+        _check_whole_tensors(model)
+        max_bytes = shard_bytes(max_shard_size)
+        check_new_folder(path, None, "export.compressed_tensors", "path")
+        writer = Writer(specs_or_recipe, qparams, model, format, actorder)
+        tensors = without_tied_copies(model, writer.part(writer.qparams, model.state_dict()))
+        quantization_config = writer.finish()
+        names = _write_shards(path, tensors, max_bytes, parameter_count(model, tensors))
+        try:
+            write_config(path, model, quantization_config, retied=writer.retied)
+        except BaseException:  # no checkpoint left without its config (the next export would refuse the folder)
+            remove_shards(path, names)
+            raise
     return quantization_config
 
 
@@ -126,6 +128,25 @@ def parameter_count(model: torch.nn.Module, tensors: Mapping) -> int:
             own_buffers = {name for name, _ in module.named_buffers(recurse=False)}
             elements -= sum(tensor.numel() for name, tensor in copies.items() if name not in own_buffers)
     return elements
+
+
+@contextlib.contextmanager
+def onloaded(model: torch.nn.Module):
+    """The tensors of ``model``'s modules that accelerate offloads (``from_pretrained(device_map=...)``
+    with CPU or disk offloading, ``cpu_offload``, ``disk_offload``: meta tensors in the module, the data
+    in its hook's ``weights_map``) onloaded to the CPU for the duration, as ``save_pretrained`` reads
+    them, and offloaded again after (the hooks' own ``pre_forward`` / ``post_forward``)."""
+    hooked = [module for module in model.modules() if getattr(module, "_hf_hook", None) is not None]
+    if not hooked:
+        yield
+        return
+    from accelerate.utils import align_module_device, has_offloaded_params
+
+    with contextlib.ExitStack() as stack:
+        for module in hooked:
+            if has_offloaded_params(module):
+                stack.enter_context(align_module_device(module, execution_device=torch.device("cpu")))
+        yield
 
 
 def _check_whole_tensors(model: torch.nn.Module) -> None:

@@ -1,0 +1,79 @@
+"""``qstats.export.compressed_tensors`` of a model accelerate offloads (``from_pretrained(device_map=...,
+offload_folder=...)``: meta tensors in the modules, the data in their hooks), as a user calibrates a
+model too large for its device: the checkpoint equals llm-compressor 0.14's ``oneshot`` + ``save_pretrained``
+of the same model, recipe and batches, every tensor bit for bit and ``config.json``, and the model is left
+offloaded as it was (the export used to refuse it: "tensor(s) of the model are on the meta device")."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from _oneshot import random_llama, token_samples
+from _shared import bit_equal, llm_compressor_oneshot
+
+import qstats
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("llmcompressor")
+from llmcompressor.modifiers.quantization import QuantizationModifier  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+DISK = {"": "disk"}
+CPU_AND_DISK = {"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "disk", "model.rotary_emb": "disk",
+                "lm_head": "disk"}
+
+
+def _offloaded(path, device_map, folder, dtype):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
+                                                              offload_folder=str(folder)).eval()
+    model.set_attn_implementation("eager")  # as llm-compressor calibrates
+    return model
+
+
+def _whole(path, dtype):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
+def _config(folder) -> dict:
+    with open(os.path.join(folder, "config.json")) as file:
+        config = json.load(file)
+    config.pop("transformers_version", None)
+    return config
+
+
+@pytest.mark.parametrize("scheme, dtype, device_map, tied", [
+    ("W8A8", torch.float32, DISK, False),
+    ("W4A16_ASYM", torch.float32, CPU_AND_DISK, False),
+    ("NVFP4", torch.bfloat16, DISK, True),  # quantized lm_head tied to the embeddings: re-tied as oneshot's
+], ids=["w8a8-disk", "w4a16-asym-cpu-and-disk", "nvfp4-bf16-disk-tied"])
+def test_offloaded_model_exports_oneshots_checkpoint(tmp_path, scheme, dtype, device_map, tied):
+    base = str(tmp_path / "float")
+    random_llama(tie_word_embeddings=tied).to(dtype).save_pretrained(base)
+    samples = token_samples(2)
+    ignore = [] if tied else ["lm_head"]
+    # the reference: oneshot of the model loaded whole (oneshot of a disk-offloaded tied model fails in
+    # compressed-tensors' disk cache, a KeyError)
+    llm_compressor_oneshot(_whole(base, dtype), samples, QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore),
+                           tmp_path / "theirs")
+
+    model = _offloaded(base, device_map, tmp_path / "offload", dtype)
+    assert any(parameter.is_meta for parameter in model.parameters())
+    plan = qstats.Recipe.from_scheme(scheme, ignore=ignore, observed_dtype=dtype).resolve(model)
+    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False)
+    devices = {name: parameter.device for name, parameter in model.named_parameters()}
+    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), str(tmp_path / "ours"), plan)
+    assert {name: parameter.device for name, parameter in model.named_parameters()} == devices  # offloaded again
+
+    ours = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "theirs" / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    assert [name for name in theirs if not bit_equal(ours[name], theirs[name])] == []
+    assert _config(tmp_path / "ours") == _config(tmp_path / "theirs")
+    with torch.no_grad():  # its hooks still run it, on the data they hold
+        assert bit_equal(model(samples[0][None]).logits, _whole(base, dtype)(samples[0][None]).logits)
