@@ -153,8 +153,7 @@ def from_compressed_tensors(cls, args, overrides):
         fields["scale_rounding"] = "round_then_floor"
     if isinstance(granularity, TensorGroup):
         fields["global_scale_formula"] = "range_over_amax"  # NVFP4 (generate_gparam: 448 * 6 / amax)
-    fields.update(overrides)
-    return cls(**fields)
+    return cls(**{**fields, **overrides})  # the overrides win
 
 
 # granularities of compressed-tensors strategies, as llm-compressor views the tensor: f(args, group_size)

@@ -146,8 +146,7 @@ def from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, 
         symmetric_zero_point=symmetric_zero_point,
         on_uncalibrated="fallback",
     )
-    fields.update(overrides)
-    return cls(**fields)
+    return cls(**{**fields, **overrides})  # the overrides win
 
 
 # --------------------------------------------------------------------------------------------
