@@ -77,3 +77,22 @@ def test_offloaded_model_exports_oneshots_checkpoint(tmp_path, scheme, dtype, de
     assert _config(tmp_path / "ours") == _config(tmp_path / "theirs")
     with torch.no_grad():  # its hooks still run it, on the data they hold
         assert bit_equal(model(samples[0][None]).logits, _whole(base, dtype)(samples[0][None]).logits)
+
+
+def test_layerwise_export_of_a_partly_offloaded_model_names_itself_and_compressed_tensors(tmp_path):
+    """``compressed_tensors_layerwise`` reads a meta model's tensors from the checkpoint: a model accelerate
+    offloads in part (its embeddings loaded on the CPU) is refused under the export's own name, pointing to
+    `compressed_tensors`, which exports it (the refusal named calibrate_layerwise)."""
+    base = str(tmp_path / "float")
+    random_llama().save_pretrained(base)
+    model = _offloaded(base, CPU_AND_DISK, tmp_path / "offload", torch.float32)
+    plan = qstats.Recipe.from_scheme("W8A8", ignore=["lm_head"]).resolve(model)
+    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in token_samples(1)], plan, progress=False)
+    qparams = qstats.compute_qparams_tree(states, plan)
+    with pytest.raises(ValueError, match=r"^export\.compressed_tensors_layerwise: the model's parameters "
+                                         r"\['model\.embed_tokens\.weight'\].*qstats\.export\.compressed_tensors$"):
+        qstats.export.compressed_tensors_layerwise(model, base, qparams, str(tmp_path / "layerwise"), plan,
+                                                   progress=False)
+    assert not os.path.exists(tmp_path / "layerwise")
+    qstats.export.compressed_tensors(model, qparams, str(tmp_path / "ours"), plan)
+    assert os.path.exists(tmp_path / "ours" / "model.safetensors")
