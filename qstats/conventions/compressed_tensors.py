@@ -45,9 +45,7 @@ def _checked_args(args):
 
 
 def _field(args, name, default=None):
-    if isinstance(args, Mapping):
-        return args.get(name, default)
-    return getattr(args, name, default)
+    return args.get(name, default) if isinstance(args, Mapping) else getattr(args, name, default)
 
 
 def _enum_value(value):

@@ -93,9 +93,7 @@ def _in_input_dtype(spec, *tensors):
 
 
 def _field(source, name: str, default=None):
-    if isinstance(source, dict):
-        return source.get(name, default)
-    return getattr(source, name, default)
+    return source.get(name, default) if isinstance(source, dict) else getattr(source, name, default)
 
 
 def _dtype_name(dtype) -> str:

@@ -144,9 +144,7 @@ class Convention:
 
     def gradient_range(self, spec) -> tuple:
         """The bounds inside which `fake_quantize` passes the gradient (unclamped codes)."""
-        if spec.is_float:
-            return -spec.float_format.max, spec.float_format.max
-        return spec.qrange
+        return (-spec.float_format.max, spec.float_format.max) if spec.is_float else spec.qrange
 
     # ----------------------------------------------------------------------------------------
     # block formats (qstats/_formats.py)
