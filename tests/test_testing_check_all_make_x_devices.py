@@ -1,6 +1,9 @@
 """qstats.testing.check_all names a ``make_x`` that returns meta tensors, or batches on another device,
 of another shape or dtype from call to call, instead of failing inside its probe or a law with an
-error naming neither."""
+error naming neither; and takes an object with the Observer's fields whose state holds no statistic
+(it failed on ``obs._replace``)."""
+
+import types
 
 import pytest
 import torch
@@ -44,3 +47,13 @@ def test_check_all_names_a_make_x_whose_shape_follows_the_seed():
     obs = qstats.minmax(qstats.QuantSpec(granularity=qstats.PerAxis(-1)))
     with pytest.raises(ValueError, match=r"check_all: make_x\(generator\) returned batches of different shapes"):
         testing.check_all(obs, make_x, laws="vmap", max_examples=5)
+
+
+def test_check_all_takes_an_object_with_the_observer_s_fields_whose_state_holds_no_statistic():
+    placeholder = qstats.placeholder(qstats.QuantSpec())
+    with pytest.raises(TypeError, match="no statistics|no range rule"):  # an independent check: no statistic
+        qstats.compute_qparams(placeholder.init(torch.ones(2)), placeholder.spec)
+    duck = types.SimpleNamespace(init=placeholder.init, update=placeholder.update, merge=placeholder.merge,
+                                 exact=placeholder.exact, spec=placeholder.spec, name="duck")
+    with pytest.warns(UserWarning, match="duck: purity: compute_qparams and fake_quantize not checked"):
+        testing.check_all(duck, _make_x, laws=("identity", "purity"), max_examples=2)

@@ -10,6 +10,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .. import tree as qtree
+from ..observers._base import Observer
 from . import _laws
 
 __all__ = ["check_all", "LAWS"]
@@ -65,8 +66,9 @@ def check_all(
         raise ValueError(f"check_all: batch_dims must be a non-negative int, got {batch_dims!r}")
     seen = _first_update(obs, probe, approx_fields)
     if {"purity", "vmap"} & set(laws) and getattr(obs, "spec", None) is not None and seen is not None:
-        # one warning, not one per example, when the state holds no quantization statistic
-        if _laws.qparams_spec(obs, seen, "check_all", batch_dims) is None:
+        # one warning, not one per example, when the state holds no quantization statistic (an object
+        # with the Observer's fields but not its _replace warns in each example instead)
+        if _laws.qparams_spec(obs, seen, "check_all", batch_dims) is None and isinstance(obs, Observer):
             obs = obs._replace(spec=None)
     # purity and stability first: a state written in place or holding a non-tensor breaks the other
     # laws too, whose messages would point at merge instead; homomorphism runs between the tables
