@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import math
 from functools import partial
 from typing import Callable, Iterable, Optional
 
@@ -123,9 +122,7 @@ def _with_nonfinite(obs, xs: list, index: int, position: int) -> list:
     x = xs[index]
     if not x.is_floating_point() or x.numel() < 3:
         return xs
-    dirty = x.clone(memory_format=torch.contiguous_format)
-    start = position % (x.numel() - 2)
-    dirty.view(-1)[start : start + 3] = torch.tensor([math.nan, math.inf, -math.inf], dtype=x.dtype, device=x.device)
+    dirty = _laws._dirty(x, position % (x.numel() - 2))
     try:  # on a copy: an update that cleans its input in place would clean the batch the laws see
         probe = dirty.clone()
         obs.update(obs.init(probe), probe)

@@ -713,10 +713,10 @@ def _check_nonfinite_left_out(obs, x: torch.Tensor, state, name: str) -> Optiona
     return dirty, got
 
 
-def _dirty(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with its first three elements NaN, +inf and -inf."""
+def _dirty(x: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """``x`` with its elements ``start`` to ``start + 2`` (flat, in C order) NaN, +inf and -inf."""
     dirty = x.clone(memory_format=torch.contiguous_format)
-    dirty.view(-1)[:3] = torch.tensor([math.nan, math.inf, -math.inf], dtype=x.dtype, device=x.device)
+    dirty.view(-1)[start : start + 3] = torch.tensor([math.nan, math.inf, -math.inf], dtype=x.dtype, device=x.device)
     return dirty
 
 
