@@ -251,11 +251,10 @@ def check_associative(obs, xs: Sequence[torch.Tensor], *, exact: Optional[bool] 
     xs, init = _batches_and_init(obs, xs, 1, "check_associative")
     exact = obs.exact if exact is None else exact
     a, b, c = (functools.reduce(obs.update, group, init) for group in _groups(xs, 3))
-    left = obs.merge(obs.merge(a, b), c)
-    right = obs.merge(a, obs.merge(b, c))
     # not exact: every float field to tolerance
-    approx = approx_fields if exact else _ALL_FLOAT
-    assert_states_equal(left, right, approx_fields=approx, message=f"{_name(obs)}: associativity", magnitudes=(a, b, c))
+    assert_states_equal(obs.merge(obs.merge(a, b), c), obs.merge(a, obs.merge(b, c)),
+                        approx_fields=approx_fields if exact else _ALL_FLOAT, message=f"{_name(obs)}: associativity",
+                        magnitudes=(a, b, c))
 
 
 def check_commutative(obs, xs: Sequence[torch.Tensor], *, approx_fields=None) -> None:
@@ -283,12 +282,9 @@ def _concat_dim(obs, a: torch.Tensor, b: torch.Tensor, batch_dims: int = 0) -> O
             qtree.assert_same_structure(structure, obs.init(joined))
         except ValueError:  # other errors of init are the observer's: they propagate
             continue
-        try:
-            # an observer bound to one input shape (a weight's) need not take the concatenation
-            obs.update(obs.init(joined), joined)
-        except Exception:
-            continue
-        return dim
+        # an observer bound to one input shape (a weight's) need not take the concatenation
+        if _takes(obs, structure, joined):
+            return dim
     return None
 
 
@@ -348,15 +344,14 @@ def _check_concatenation(obs, a: torch.Tensor, b: torch.Tensor, dim: int, init, 
               f"along dim {dim} with s = {label}",
               (state, left, right))
     # at least one row kept and one left out; the same rows of every slice, so that they form a tensor
-    mask = _row_mask(a, batch_dims, per_slice=False) if dim == batch_dims else None
-    if mask is None:
-        return
-    kept = a.index_select(batch_dims, torch.arange(0, a.shape[batch_dims], 2, device=a.device))
-    for label, state in states:
-        check(obs.update(state, a, mask), obs.update(state, kept),
-              "update(s, x, mask) == update(s, x[mask != 0]) (a 0/1 row weight "
-              f"leaves rows out) with s = {label}",
-              (state, obs.update(init, kept)))
+    for kind, mask, kept in _left_out(a, batch_dims) if dim == batch_dims else ():
+        if kind != "rows":
+            continue
+        for label, state in states:
+            check(obs.update(state, a, mask), obs.update(state, kept),
+                  "update(s, x, mask) == update(s, x[mask != 0]) (a 0/1 row weight "
+                  f"leaves rows out) with s = {label}",
+                  (state, obs.update(init, kept)))
 
 
 def _check_weight_split(obs, x: torch.Tensor, init, states, check, batch_dims: int) -> None:
@@ -395,16 +390,15 @@ def _check_token_weight(obs, x: torch.Tensor, init, states, check, batch_dims: i
     checkerboard = (grid % 2 == 0).to(torch.float32).expand(x.shape[:tokens + 1]).contiguous()
     _check_complementary(obs, x, checkerboard, init, states, check, f"for complementary 0/1 weights of shape "
                          f"{tuple(checkerboard.shape)} over rows and tokens (an attention mask)")
-    rest = x.narrow(tokens, 1, x.shape[tokens] - 1)
-    if not _takes(obs, init, rest):  # per-token parameters, or an observer bound to one shape: no such batch
-        return
-    weight = torch.ones(x.shape[:tokens + 1], device=x.device)
-    weight.narrow(tokens, 0, 1).zero_()
-    for label, state in states:
-        check(obs.update(state, x, weight), obs.update(state, rest),
-              f"update(s, x, w) == update(s, x[:, 1:]) for a weight of shape {tuple(weight.shape)} that leaves "
-              f"out token 0 of every row (an attention mask) with s = {label}",
-              (state, obs.update(init, rest)))
+    for kind, weight, rest in _left_out(x, batch_dims):
+        # per-token parameters, or an observer bound to one shape: no such batch
+        if kind != "tokens" or not _takes(obs, init, rest):
+            continue
+        for label, state in states:
+            check(obs.update(state, x, weight), obs.update(state, rest),
+                  f"update(s, x, w) == update(s, x[:, 1:]) for a weight of shape {tuple(weight.shape)} that "
+                  f"leaves out token 0 of every row (an attention mask) with s = {label}",
+                  (state, obs.update(init, rest)))
 
 
 def _map_tensors(tree, fn):
@@ -629,25 +623,31 @@ def _check_weight_leaves_rows_out(obs, x: torch.Tensor, init, state, name: str, 
     ones too: no merge is involved): a row weight equals the kept rows, ``update(s, x, w) ==
     update(s, x[w != 0])``, and a ``[batch, tokens]`` weight leaving out token 0 equals ``x[:, 1:]``,
     where those batches keep the parameter shape. A weight read along the wrong rows shows here."""
-    rows = batch_dims
-    mask = _row_mask(x, batch_dims, per_slice=False)
-    cases = []
-    if mask is not None:
-        kept = x.index_select(rows, torch.arange(0, x.shape[rows], 2, device=x.device))
-        cases.append((mask, kept, "x[w != 0] (a 0/1 row weight leaves rows out)"))
-    if x.ndim >= batch_dims + 3 and x.shape[rows + 1] >= 2:
-        weight = torch.ones(x.shape[: rows + 2], device=x.device)
-        weight.narrow(rows + 1, 0, 1).zero_()
-        cases.append((weight, x.narrow(rows + 1, 1, x.shape[rows + 1] - 1),
-                      f"x[:, 1:] (a weight of shape {tuple(weight.shape)} leaving out token 0)"))
-    for weight, without, what in cases:
+    for kind, weight, without in _left_out(x, batch_dims):
         if not _takes(obs, init, without):
             continue
+        what = ("x[w != 0] (a 0/1 row weight leaves rows out)" if kind == "rows" else
+                f"x[:, 1:] (a weight of shape {tuple(weight.shape)} leaving out token 0)")
         for label, start in (("init", init), ("a state that has seen data", state)):
             got = _attempt(f"{name}: stability: update(s, x, w)", obs.update, start, x, weight)
             # float sums (the state class's approx_fields) add the kept values in another order
             assert_states_equal(got, obs.update(start, without), magnitudes=(start, obs.update(init, x)),
                                 message=f"{name}: stability: update(s, x, w) vs update(s, {what}) with s = {label}")
+
+
+def _left_out(x: torch.Tensor, batch_dims: int):
+    """The 0/1 weights that leave part of ``x`` out, with ``x`` without it: ``("rows", w, x[w != 0])``
+    for a row weight keeping every other row, the same rows of every slice (where ``x`` has two rows),
+    and ``("tokens", w, x[:, 1:])`` for a ``[batch, tokens]`` weight leaving out token 0 (where ``x``
+    has three dims or more after the ``batch_dims`` and two tokens)."""
+    mask = _row_mask(x, batch_dims, per_slice=False)
+    if mask is not None:
+        yield "rows", mask, x.index_select(batch_dims, torch.arange(0, x.shape[batch_dims], 2, device=x.device))
+    tokens = batch_dims + 1
+    if x.ndim >= batch_dims + 3 and x.shape[tokens] >= 2:
+        weight = torch.ones(x.shape[: tokens + 1], device=x.device)
+        weight.narrow(tokens, 0, 1).zero_()
+        yield "tokens", weight, x.narrow(tokens, 1, x.shape[tokens] - 1)
 
 
 def _check_weight_dtypes(obs, x: torch.Tensor, state, name: str, batch_dims: int) -> None:
