@@ -96,3 +96,27 @@ def test_layerwise_export_of_a_partly_offloaded_model_names_itself_and_compresse
     assert not os.path.exists(tmp_path / "layerwise")
     qstats.export.compressed_tensors(model, qparams, str(tmp_path / "ours"), plan)
     assert os.path.exists(tmp_path / "ours" / "model.safetensors")
+
+
+def test_offloaded_stacked_experts_export_oneshots_checkpoint(tmp_path):
+    """A disk-offloaded Qwen3-MoE, NVFP4A16 on its Linears and stacked experts (read from the experts'
+    own parameters, not the state dict): unpacked per expert as oneshot's linearized experts, bit for bit."""
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=128, intermediate_size=128,
+                                         moe_intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2,
+                                         decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=32)
+    torch.manual_seed(0)
+    base = str(tmp_path / "float")
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(base)
+    samples = token_samples(2)
+    ignore = ["lm_head", "re:.*mlp.gate$"]
+    llm_compressor_oneshot(_whole(base, torch.float32), samples,
+                           QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=ignore), tmp_path / "theirs")
+    model = _offloaded(base, DISK, tmp_path / "offload", torch.float32)
+    plan = qstats.Recipe.from_scheme("NVFP4A16", ignore=ignore, experts="Qwen3MoeExperts").resolve(model)
+    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False, all_experts=True)
+    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), str(tmp_path / "ours"), plan)
+    ours = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "theirs" / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    assert [name for name in theirs if not bit_equal(ours[name], theirs[name])] == []
