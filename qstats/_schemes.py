@@ -966,9 +966,8 @@ def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
         raise ValueError("quantization config: 'config_groups' must be a mapping of schemes, non-empty unless a "
                          "'kv_cache_scheme' is given")
     _warn_dropped_configs(config)
-    rules = _group_rules(Rule, [_config_group(name, group) for name, group in groups.items()],
-                         observed_dtype, config.get("ignore") or (),
-                         "Recipe.from_compressed_tensors")
+    schemes = [_config_group(name, group) for name, group in groups.items()]
+    rules = _group_rules(Rule, schemes, observed_dtype, config.get("ignore") or (), "Recipe.from_compressed_tensors")
     if config.get("kv_cache_scheme") is not None:  # every attention module compressed-tensors caches
         rules.append(_kv_rule(Rule, config["kv_cache_scheme"], observed_dtype, "Recipe.from_compressed_tensors"))
     return rules, compressed_tensors_ignore(config.get("ignore") or ())  # Recipe checks it

@@ -417,8 +417,8 @@ def _refuse_conv_hessian(path: str, module: torch.nn.Module, site: Site) -> None
     the input's last dimension (image width), where a conv's GPTQ Hessian is over its unfolded patches
     (``in_channels * kernel`` features) and its importance over input channels (llm-compressor's
     imatrix observes modules with ``in_features`` only); `qstats.gptq` takes Linear weights only."""
-    if (site.kind == "input" and site.observer.name in ("hessian", "imatrix")
-            and isinstance(module, torch.nn.modules.conv._ConvNd)):
+    per_feature = site.observer.name in ("hessian", "imatrix")
+    if site.kind == "input" and per_feature and isinstance(module, torch.nn.modules.conv._ConvNd):
         raise ValueError(
             f"Recipe: qstats.{site.observer.name} on the input of {path!r} ({type(module).__name__}): only the "
             "inputs of Linear layers (and stacked experts) are supported; a convolution's input features are its "
@@ -783,8 +783,8 @@ class Recipe:
                     if kind[1] and isinstance(rule.matcher, (GroupMatch, ExpertsMatch)):
                         _refuse_straddling_blocks(path, spec, site, shapes)
                     layout = stack_layout(module, site) if kind == ("parameter", num_experts) and num_experts else None
-                    entry[site] = _make_site(rule, spec, *kind, layout,
-                                             _searched_parts(rule, spec, site, kind, shapes))
+                    parts = _searched_parts(rule, spec, site, kind, shapes)
+                    entry[site] = _make_site(rule, spec, *kind, layout, parts)
                     _refuse_conv_hessian(path, module, entry[site])
                     _refuse_unsplit_heads(path, module, site, entry[site])
                 if site in entry:  # taken here or by an earlier rule

@@ -99,9 +99,9 @@ class Report:
         limit = as_index(count)  # any integer (numpy, a one-element tensor), not a bool, float or string
         if limit is None or limit < 0:
             raise ValueError(f"worst: count must be a non-negative int, got {count!r}")
+        measured = [row for row in self.rows if row.sqnr_db is not None]
         # NaN compares false with everything: sorted() would leave such rows wherever they stood
-        ordered = sorted((row for row in self.rows if row.sqnr_db is not None),
-                         key=lambda row: (not math.isnan(row.sqnr_db), row.sqnr_db))
+        ordered = sorted(measured, key=lambda row: (not math.isnan(row.sqnr_db), row.sqnr_db))
         return Report(tuple(ordered[:limit]), worst_listed=0)
 
     def text(self, worst: Optional[int] = None) -> str:

@@ -79,13 +79,14 @@ def torch_ao_fields(spec: QuantSpec) -> dict:
         qscheme = torch.per_channel_affine_float_qparams
         dtype = torch.quint4x2 if qmax <= 15 and qmin >= 0 else torch.quint8
     else:
+        symmetric = spec.mapping != "asymmetric"
         qscheme = {(True, True): torch.per_tensor_symmetric, (True, False): torch.per_tensor_affine,
                    (False, True): torch.per_channel_symmetric, (False, False): torch.per_channel_affine}[
-            (per_tensor, spec.mapping != "asymmetric")]
+            (per_tensor, symmetric)]
         dtype = (torch.quint8 if qmin >= 0 and qmax <= 255
                  else torch.qint8 if -128 <= qmin and qmax <= 127 else torch.qint32)
-    return dict(dtype=dtype, qscheme=qscheme, quant_min=int(qmin), quant_max=int(qmax),
-                ch_axis=0 if per_tensor else spec.granularity.axis, eps=spec.eps)
+    ch_axis = 0 if per_tensor else spec.granularity.axis
+    return dict(dtype=dtype, qscheme=qscheme, quant_min=int(qmin), quant_max=int(qmax), ch_axis=ch_axis, eps=spec.eps)
 
 
 def _factory_option(factory: Callable, options: dict, name: str):

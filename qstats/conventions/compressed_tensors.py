@@ -370,8 +370,8 @@ class CompressedTensorsConvention(Convention):
         check_preserve_zero(spec, self)
         if spec.scale_dtype == "float64":
             raise ValueError("QuantSpec.scale_dtype 'float64' is not reproduced for compressed-tensors")
-        if (not spec.is_float and spec.compute_dtype == "float16"
-                and 2.0**spec.bits - 1 > torch.finfo(torch.float16).max):
+        steps = 2.0**spec.bits - 1
+        if not spec.is_float and spec.compute_dtype == "float16" and steps > torch.finfo(torch.float16).max:
             # calculate_qparams divides by the code range 2**bits - 1 in float16, where 65535 is Inf:
             # every scale is 0, replaced by float16's eps, whatever the data
             raise ValueError(

@@ -175,8 +175,8 @@ def from_torchao(cls, target_dtype, kwargs):
             )
         return _float8_spec(cls, target_dtype, kwargs)
     if "scaling_mode" in kwargs or "elem_dtype" in kwargs:
-        return _mx_spec(cls, kwargs.pop("elem_dtype", target_dtype), kwargs.pop("block_size", 32),
-                        kwargs.pop("scaling_mode", "FLOOR"), kwargs)
+        elem = kwargs.pop("elem_dtype", target_dtype)
+        return _mx_spec(cls, elem, kwargs.pop("block_size", 32), kwargs.pop("scaling_mode", "FLOOR"), kwargs)
     return _affine_spec(cls, target_dtype, kwargs)
 
 
@@ -277,8 +277,8 @@ def _config_spec(cls, config, kwargs):
     if given:  # the config chooses them
         raise ValueError(f"from_torchao: {kind} takes input_dtype= (IntxWeightOnlyConfig: and shape=), not {sorted(given)}")
     if kind == "Int8WeightOnlyConfig":  # Int8Tensor.from_hp(weight, granularity), symmetric
-        return _int8_tensor_spec(cls, SimpleNamespace(granularity=config.granularity, mapping_type="SYMMETRIC",
-                                                      reduce_range=False), kwargs)
+        arguments = SimpleNamespace(granularity=config.granularity, mapping_type="SYMMETRIC", reduce_range=False)
+        return _int8_tensor_spec(cls, arguments, kwargs)
     if kind == "Float8WeightOnlyConfig":  # Float8Tensor.from_hp(weight, weight_dtype, granularity)
         return _float8_spec(cls, config.weight_dtype, dict(kwargs, granularity=config.granularity))
     if kind == "IntxWeightOnlyConfig":
@@ -353,6 +353,8 @@ def _float8_spec(cls, float8_dtype, kwargs):
         raise ValueError(f"from_torchao: float8 scale_dtype must be float32 or float8_e8m0fnu, got {scale_dtype}")
     compute = compute_dtype_name(input_dtype, "from_torchao: input_dtype")
     # torchao divides amax / max in the input's dtype, then widens the scale to float32
+    scales = (dict(scale_dtype="e8m0", scale_rounding="round") if scale_dtype == _E8M0
+              else dict(scale_dtype=compute))
     return _spec(
         cls,
         dtype=_FLOAT8[float8_dtype],
@@ -360,8 +362,7 @@ def _float8_spec(cls, float8_dtype, kwargs):
         zero_point_domain="none",
         eps=float(torch.finfo(torch.float32).tiny),
         compute_dtype=compute,
-        **(dict(scale_dtype="e8m0", scale_rounding="round") if scale_dtype == _E8M0
-           else dict(scale_dtype=compute)),
+        **scales,
     )
 
 
