@@ -17,6 +17,7 @@ from test_export_roundtrip import _config, _llama
 import qstats
 
 pytest.importorskip("llmcompressor")
+from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from llmcompressor.modifiers.quantization import QuantizationModifier  # noqa: E402
 from transformers.utils.quantization_config import CompressedTensorsConfig  # noqa: E402
@@ -24,7 +25,15 @@ from transformers.utils.quantization_config import CompressedTensorsConfig  # no
 FP8_HEADS = dict(num_bits=8, type="float", symmetric=True, strategy="attn_head", dynamic=False)
 INT8_ASYMMETRIC = dict(num_bits=8, type="int", symmetric=False, strategy="tensor", dynamic=False)
 
-# case: (scheme, model dtype, Llama overrides, ignore, kv_cache_scheme)
+ODD_WIDTHS = {"hidden_size": 100, "head_dim": 24, "intermediate_size": 196, "vocab_size": 61}
+
+
+def _channel(bits: int) -> dict:
+    """One config group's fields: asymmetric int weights of ``bits`` bits per channel."""
+    return {"weights": dict(num_bits=bits, type="int", symmetric=False, strategy="channel")}
+
+
+# case: (scheme: a preset's name or one group's fields, model dtype, Llama overrides, ignore, kv_cache_scheme)
 CASES = {
     "MXFP4-bf16": ("MXFP4", torch.bfloat16, {}, ("lm_head",), None),
     "MXFP8-bf16": ("MXFP8", torch.bfloat16, {}, ("lm_head",), None),
@@ -40,6 +49,9 @@ CASES = {
                                                                           "tie_word_embeddings": True}, (), None),
     "W4A16-int8-asymmetric-kv": ("W4A16", torch.float32, {}, ("lm_head",), INT8_ASYMMETRIC),
     "FP8-per-head-kv-bf16": ("FP8", torch.bfloat16, {}, ("lm_head",), FP8_HEADS),
+    # 100 and 196 columns: int32 words of codes padded at the end of each row; lm_head's 61 rows of zero points
+    "W4-channel-asymmetric-odd-widths": (_channel(4), torch.float32, ODD_WIDTHS, (), None),
+    "W2-channel-asymmetric-odd-widths-fp16": (_channel(2), torch.float16, ODD_WIDTHS, (), None),
 }
 
 
@@ -54,8 +66,12 @@ def _both(tmp_path, samples, scheme, dtype, overrides, ignore, kv) -> tuple:
     ``(our folder, their folder)``."""
     base, theirs, ours = (str(tmp_path / name) for name in ("base", "theirs", "ours"))
     _llama(base, dtype, **overrides)
-    llm_compressor_oneshot(load_causal_lm(base), samples, QuantizationModifier(
-        scheme=scheme, targets=["Linear"], ignore=list(ignore), kv_cache_scheme=kv), theirs)
+    if isinstance(scheme, dict):  # fields of one config group
+        modifier = QuantizationModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], **scheme)},
+                                        ignore=list(ignore), kv_cache_scheme=kv)
+    else:
+        modifier = QuantizationModifier(scheme=scheme, targets=["Linear"], ignore=list(ignore), kv_cache_scheme=kv)
+    llm_compressor_oneshot(load_causal_lm(base), samples, modifier, theirs)
     model = load_causal_lm(base)
     model.set_attn_implementation("eager")  # as llm-compressor calibrates
     recipe = qstats.Recipe.from_scheme(scheme, ignore=ignore, kv_cache_scheme=kv,
