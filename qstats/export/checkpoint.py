@@ -379,13 +379,25 @@ def _with_unobserved_sites(plan: Plan, qparams: Mapping) -> Mapping:
                             if not found.runtime or isinstance(found.spec.granularity, TensorGroup))
         if calibrated:
             raise ValueError(f"export.compressed_tensors: {path}: the recipe calibrates its site(s) "
-                             f"{calibrated}, but qparams holds none (their states saw no data: the "
-                             "calibration forward never reached them), and the checkpoint would leave that "
-                             "quantization out; calibrate with data that reaches the module, or leave it out "
-                             "of the recipe (ignore=)")
+                             f"{calibrated}, but qparams holds none: {_why_missing(missing, calibrated)}")
         if missing:
             completed[path] = {**sites, **dict.fromkeys(missing)}
     return completed
+
+
+def _why_missing(missing: Mapping, calibrated: list) -> str:
+    """Why a module's qparams lack the sites ``calibrated``, and the remedy: an activation's states saw no
+    data; a parameter is observed before the first batch, so only a states or qparams tree without the site
+    (of another recipe, or edited) lacks it."""
+    parameters = [site for site in calibrated if missing[site].kind == "parameter"]
+    if not parameters:
+        return ("their states saw no data (the calibration forward never reached them), and the checkpoint would "
+                "leave that quantization out; calibrate with data that reaches the module, or leave it out of the "
+                "recipe (ignore=)")
+    return (f"{', '.join(map(repr, parameters))} {'is a parameter' if len(parameters) == 1 else 'are parameters'}, "
+            "observed before the first batch, so the states or qparams tree lacks the site (computed with another "
+            "recipe, loaded from a file of one, or edited), and the checkpoint would leave that quantization out; "
+            "compute the qparams with this recipe from its states")
 
 
 def _entries(modules: Mapping, qparams: Mapping, specs, dynamic: Mapping, tensors: dict, dropped: set, log: dict) -> tuple:
