@@ -129,7 +129,17 @@ def _observe_fake_quantize(x, state, observer, phase, ste, learned, grad_scale, 
         if isinstance(phase.fake_quantize, bool):
             check_calibrated(qparams.calibrated, spec, where)
         y = fake_quantize_ste(x, qparams, spec, ste)
-    return _select(phase.fake_quantize, y, x), new_state
+    return _select(phase.fake_quantize, _in_layout_of(x, y), x), new_state
+
+
+def _in_layout_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y`` (fake-quantized ``x``, computed in a contiguous view) in ``x``'s memory layout, as torch's fake-quant
+    ops keep it: a convolution given a channels_last weight or input in the contiguous layout runs in that layout,
+    rounding its output and gradients otherwise (and more slowly) than torch.ao's. A contiguous ``x`` (the usual
+    case, and the only one ``vmap`` reports) takes no copy."""
+    if x.is_contiguous() or x.shape != y.shape:
+        return y
+    return torch.empty_like(x).copy_(y)
 
 
 
@@ -203,7 +213,8 @@ _OBSERVE_FIRST = ("observe it first: steps with phase.observe=True (QATSchedule'
 def _uncalibrated(where: str, kind: str, key: str) -> str:
     """The start of the error of layer ``key``'s point of ``kind`` whose state saw no data."""
     point = "weight" if kind == "weights" else "input"
-    return f"{where}: the {point} of layer {key!r} is fake-quantized from a state that saw no data; {_OBSERVE_FIRST}"
+    return (f"{where}: the {point} of layer {key!r} is fake-quantized from a state that saw no data (no finite "
+            f"value: observers leave NaN and +-Inf out, counting them in the state's nonfinite); {_OBSERVE_FIRST}")
 
 
 def _dynamic(observer: Observer, dynamic_activations: bool) -> bool:
