@@ -97,6 +97,24 @@ class LazyCheckpoint:
     def __contains__(self, key: str) -> bool:
         return key in self.files
 
+    def file_of(self, key: str) -> str:
+        """The path of the file holding the tensor ``key`` (named in errors about it)."""
+        return os.path.join(self.directory, self.files[key])
+
+    def headers(self, keys: list) -> dict:
+        """``{key: (shape, dtype)}`` of the tensors ``keys`` from their files' headers (no tensor is
+        read; each file opened once); the dtype as torch's where it has one, else safetensors' name."""
+        by_file: dict = {}
+        for key in keys:
+            by_file.setdefault(self.files[key], []).append(key)
+        found = {}
+        for filename, held in by_file.items():
+            with self._open(filename) as file:
+                for key in held:
+                    view = file.get_slice(key)
+                    found[key] = (tuple(view.get_shape()), _ST_DTYPES.get(view.get_dtype(), view.get_dtype()))
+        return found
+
     def tensor(self, key: str) -> torch.Tensor:
         """The tensor ``key``, read from its shard onto the CPU in its stored dtype."""
         if key not in self.files:
@@ -125,6 +143,12 @@ class LazyCheckpoint:
                                  f"{[tuple(part.shape) for part in parts]}, unlike expert 0's")
             stacked[expert] = torch.cat(parts)
         return stacked
+
+
+# safetensors' dtype names (`safe_open(...).get_slice(key).get_dtype()`) as torch's
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 # compressed-tensors formats whose weights are stored as floats ("fakequant": QuantizationConfig's default)
@@ -211,6 +235,18 @@ class Overlay:
     def __contains__(self, key: str) -> bool:
         return key in self.weights or key in self.base
 
+    def file_of(self, key: str) -> str:
+        if key not in self.weights:
+            return self.base.file_of(key)
+        return "weights=" if isinstance(self.weights, dict) else self.weights.file_of(key)
+
+    def headers(self, keys: list) -> dict:
+        own = [key for key in keys if key in self.weights]
+        found = self.base.headers([key for key in keys if key not in self.weights])
+        if isinstance(self.weights, dict):
+            return {**found, **{key: (tuple(self.weights[key].shape), self.weights[key].dtype) for key in own}}
+        return {**found, **self.weights.headers(own)}
+
     def tensor(self, key: str) -> torch.Tensor:
         if key not in self.weights:
             return self.base.tensor(key)
@@ -271,13 +307,15 @@ def _no_tensor(checkpoint, missing: str, name: str) -> ValueError:
     if packed in checkpoint:
         also += (f": it holds {packed!r}, the packed codes of a quantized checkpoint, which is not read here; "
                  "give its float weights")
-    return ValueError(f"{checkpoint.where}: the checkpoint has no tensor {missing!r}{also}")
+    directory = (checkpoint.base if isinstance(checkpoint, Overlay) else checkpoint).directory
+    return ValueError(f"{checkpoint.where}: the checkpoint {directory!r} has no tensor {missing!r}{also}")
 
 
 def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint, category: type = UserWarning) -> None:
     """ValueError naming a meta parameter of ``model`` that ``checkpoint`` holds under none of its
-    names (in memory or as saved; nor, for stacked experts, per expert). Names only, before any
-    layer is read: a checkpoint of another model, or one missing a tensor, fails before any batch runs.
+    names (in memory or as saved; nor, for stacked experts, per expert), or holds with another shape
+    or a dtype it does not cast (`_check_headers`). Names and headers only, before any layer is read:
+    a checkpoint of another model, or one missing a tensor, fails before any batch runs.
     The checkpoint's tensors the model does not read are a warning of ``category``."""
     stored = _checkpoint_names(model)
     aliases = _aliases(model, stored)
@@ -289,7 +327,36 @@ def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint, category: t
         if "" not in per_expert:
             missing = next((key for key in per_expert if key), stored(name)[-1])
             raise _no_tensor(checkpoint, missing, name)
+    _check_headers(model, checkpoint, aliases)
     _warn_unused(model, checkpoint, aliases, category)
+
+
+def _check_headers(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: dict) -> None:
+    """The ValueError `_read` raises for a tensor of another shape than the model's meta parameter, or
+    of a dtype it does not cast (float8, integers), found from the files' headers before any layer is
+    read: a bad tensor of the last layer fails before the first one runs. Stacked experts stored per
+    expert are checked as they are read."""
+    transposes = load_transposes(model)
+    read = {}  # the key each meta parameter is read from (its first name the checkpoint holds), as `_read` picks
+    for value in model.parameters():
+        names = aliases[id(value)]
+        if isinstance(checkpoint, Overlay):
+            names = sorted(names, key=lambda name: name not in checkpoint.weights)
+        key = next((name for name in names if name in checkpoint), None)
+        if value.device.type == "meta" and key is not None:
+            read.setdefault(key, value)
+    headers = checkpoint.headers(list(read))
+    for key, like in read.items():
+        shape, dtype = headers[key]
+        dims = transposes(key) if shape != tuple(like.shape) else None
+        if dims is not None:
+            shape = list(shape)
+            shape[dims[0]], shape[dims[1]] = shape[dims[1]], shape[dims[0]]
+        if tuple(shape) != tuple(like.shape):
+            raise _shape_error(checkpoint, key, headers[key][0], like)
+        if like.is_floating_point() and dtype != like.dtype and not (
+                dtype in _CASTABLE_FLOATS and like.dtype in _CASTABLE_FLOATS):
+            raise _dtype_error(checkpoint, key, dtype, like)
 
 
 # the checkpoint tensors transformers ignores beside the model's own patterns (`_adjust_missing_and_unexpected_keys`)
@@ -356,13 +423,19 @@ def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor,
         if dims is not None and tuple(value.transpose(*dims).shape) == tuple(like.shape):
             value = value.transpose(*dims).contiguous()
         if tuple(value.shape) != tuple(like.shape):
-            raise ValueError(
-                f"{checkpoint.where}: checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
-                f"the model's {tuple(like.shape)}"
-            )
+            raise _shape_error(checkpoint, name, tuple(value.shape), like)
         _check_tied(checkpoint, name, value, names)
         return _in_dtype_of(checkpoint, name, value, like)
     return None
+
+
+def _stored_in(checkpoint, name: str) -> str:
+    """`` (in '<file>')``: the file(s) of the checkpoint holding the tensor ``name``, or for stacked
+    experts stored per expert, those of their per-expert tensors."""
+    names = [name] if name in checkpoint else [key for keys in _per_expert(checkpoint, name) or () for key in keys]
+    files = list(dict.fromkeys(checkpoint.file_of(key) for key in names))
+    more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+    return f" (in {', '.join(map(repr, files[:3]))}{more})" if files else ""
 
 
 def _check_tied(checkpoint, name: str, value: torch.Tensor, names: list) -> None:
@@ -397,9 +470,19 @@ def _in_dtype_of(checkpoint, name: str, value: torch.Tensor, like: torch.Tensor)
     if value.dtype == like.dtype or not like.is_floating_point():
         return value
     if value.dtype not in _CASTABLE_FLOATS or like.dtype not in _CASTABLE_FLOATS:
-        raise ValueError(f"{checkpoint.where}: checkpoint tensor {name!r} is stored as {value.dtype}, the model's "
-                         f"is {like.dtype}: a quantized checkpoint is not read here; give its float weights")
+        raise _dtype_error(checkpoint, name, value.dtype, like)
     return value.to(like.dtype)
+
+
+def _shape_error(checkpoint, name: str, shape: tuple, like: torch.Tensor) -> ValueError:
+    return ValueError(f"{checkpoint.where}: checkpoint tensor {name!r} has shape {shape}, the model's "
+                      f"{tuple(like.shape)}{_stored_in(checkpoint, name)}")
+
+
+def _dtype_error(checkpoint, name: str, dtype, like: torch.Tensor) -> ValueError:
+    return ValueError(f"{checkpoint.where}: checkpoint tensor {name!r} is stored as {dtype}, the model's is "
+                      f"{like.dtype}: a quantized checkpoint is not read here; give its float weights"
+                      f"{_stored_in(checkpoint, name)}")
 
 
 def _read_as(checkpoint, names: list, value: torch.Tensor, full: str, stored: Callable[[str], list]) -> tuple:
