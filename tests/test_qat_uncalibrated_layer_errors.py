@@ -36,14 +36,6 @@ def test_unobserved_weight_names_its_nested_layer():
         qat.apply(qat.params(), state, x, phase=FAKE_QUANTIZE_ONLY)
 
 
-def test_empty_batch_of_a_dynamic_point_names_its_layer():
-    """A dynamic point observes each batch afresh: an empty batch leaves its per-tensor range empty."""
-    qat = qstats.qat.prepare(nn.Sequential(nn.Linear(4, 2)), None, qstats.minmax(A_SPEC), dynamic_activations=True)
-    x = torch.randn(3, 4)
-    with pytest.raises(ValueError, match=r"the input of layer '0'"):
-        qat.apply(qat.params(), qat.init(x), torch.randn(0, 4))
-
-
 def test_uncalibrated_learned_range_names_its_layer_and_what_to_do():
     qat = qstats.qat.prepare(_nested_model(), qstats.minmax(W_SPEC), qstats.minmax(A_SPEC))
     with pytest.raises(ValueError, match=r"the activation of '0': .*uncalibrated.*phase.observe=True"):
