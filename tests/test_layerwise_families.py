@@ -148,3 +148,55 @@ def test_stacked_experts_states_equal_a_loop_over_the_experts(family):
             assert torch.equal(state[site].min_val.reshape(-1)[routed], low[row, routed]), (number, site)
             assert torch.equal(state[site].max_val.reshape(-1)[routed], high[row, routed]), (number, site)
         assert torch.equal(state["input"].count.reshape(-1), seen)
+
+
+def _vision_language(family):
+    """(model class, config, image batches) of a tiny Llava (CLIP and Llama) or Gemma3 (SigLIP, whose
+    image tokens attend to each other both ways: ``token_type_ids``): 4 image tokens a picture."""
+    if family == "llava":
+        vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                               num_attention_heads=4, image_size=16, patch_size=8, projection_dim=32)
+        config = transformers.LlavaConfig(vision_config=vision, text_config=transformers.LlamaConfig(**SMALL),
+                                          image_token_index=95, vision_feature_layer=-2)
+        model_class = transformers.LlavaForConditionalGeneration
+    else:
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                                 num_attention_heads=4, image_size=16, patch_size=4)
+        text = transformers.Gemma3TextConfig(**SMALL, sliding_window=4, sliding_window_pattern=2)
+        config = transformers.Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=4,
+                                           image_token_index=95, boi_token_index=93, eoi_token_index=94)
+        model_class = transformers.Gemma3ForConditionalGeneration
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(0, 90, (2, 12), generator=generator)
+        ids[:, 2:6] = 95
+        batch = {"input_ids": ids, "pixel_values": torch.randn(2, 3, 16, 16, generator=generator),
+                 "attention_mask": torch.ones(2, 12, dtype=torch.long)}
+        if family == "gemma3":
+            batch["token_type_ids"] = (ids == 95).long()
+        batches.append(batch)
+    return model_class, config, batches
+
+
+@pytest.mark.parametrize("skip_vision", [True, False], ids=["vision tower skipped", "vision tower calibrated"])
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_a_vision_language_model_calibrated_on_images_equals_a_full_calibrate(family, skip_vision):
+    model_class, config, batches = _vision_language(family)
+    folder = tempfile.mkdtemp()
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(folder, max_shard_size="20KB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = model_class.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.device("meta"):
+        meta = model_class(config).eval()
+    ignore = ["re:.*vision_tower.*", "re:.*multi_modal_projector.*", "lm_head"] if skip_vision else []
+    recipe = qstats.Recipe.from_scheme("W8A8", ignore=ignore)
+    states = qstats.calibrate_layerwise(meta, folder, batches, recipe, progress=False)
+    full = qstats.calibrate(loaded, batches, recipe, progress=False)
+    assert set(states) == set(full)
+    assert any("vision_tower" in path for path in full) != skip_vision
+    for path in full:
+        for site in full[path]:
+            assert all(torch.equal(a, b) for a, b in zip(full[path][site], states[path][site])), (path, site)
