@@ -155,7 +155,7 @@ def test_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.qstats.error_sum.default, (view, weights, mask, 2.4, False))
     rows, keep = torch.randn(1, 6, 4), torch.rand(1, 2, 6) < 0.5
     torch.library.opcheck(torch.ops.qstats.add_masked_grams.default, (torch.zeros(1, 2, 4, 4), rows, keep))
-    torch.library.opcheck(torch.ops.qstats.warn_unfactored_hessian.default, (torch.tensor([False]),))
+    torch.library.opcheck(torch.ops.qstats.warn_unfactored_hessian.default, (torch.tensor([False]), "w", 0))
 
 
 def test_every_qstats_op_is_pt2_compliant():
