@@ -131,6 +131,9 @@ class NoStatistics(TypeError):
 def range_rule_for(state) -> Callable[..., Any]:
     """The range rule registered for ``state``'s class (or its nearest base); TypeError without one."""
     rule = next((_RANGE_RULES[cls] for cls in type(state).__mro__ if cls in _RANGE_RULES), None)
+    if rule is None and isinstance(state, QParams):
+        raise TypeError("compute_qparams: got QParams (quantization parameters), where an observer's state "
+                        "(what calibrate or observer.update returns) is expected")
     if rule is None:
         raise NoStatistics(
             f"compute_qparams: no range rule for {type(state).__name__}; register one with "

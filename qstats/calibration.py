@@ -255,6 +255,7 @@ def _site_qparams(state, found, where: str, options: dict) -> Optional[QParams]:
     kwargs = {**dict(found.rule.qparams_kwargs), **options}
     if found.runtime and not isinstance(found.spec.granularity, TensorGroup):
         return None  # scales at run time: nothing calibrated
+    _check_state_type(state, found, where)
     try:
         qparams = (stacked_qparams if found.num_experts else compute_qparams)(state, found.spec, **kwargs)
     except (ValueError, TypeError) as error:  # named by module and site
@@ -262,6 +263,18 @@ def _site_qparams(state, found, where: str, options: dict) -> Optional[QParams]:
     if found.num_experts:
         check_calibrated(qparams.calibrated, found.spec, where=where)
     return qparams
+
+
+def _check_state_type(state, found, where: str) -> None:
+    """TypeError where ``state`` is QParams, or not of the class the site's observer makes (states
+    calibrated under another recipe would give that observer's quantization parameters silently)."""
+    expected = found.observer.state_type
+    if isinstance(state, QParams):
+        raise TypeError(f"{where}: got QParams where a state is expected: pass the states tree calibrate returns")
+    if expected is not None and not isinstance(state, expected):
+        raise TypeError(f"{where}: the recipe observes this site with {found.observer.name} (states of type "
+                        f"{expected.__name__}), got a {type(state).__name__}: compute the quantization parameters "
+                        "with the recipe the states were calibrated with")
 
 
 def _stopped_per_projection(state, found, module: torch.nn.Module, site: str):

@@ -165,7 +165,8 @@ def _gptq_inputs(spec=None) -> Observer:
         return GPTQInputsState(*base.merge(HessianState(*a[:3]), HessianState(*b[:3])), a.samples + b.samples)
 
     # not exact: a 2-D input is one sample however many rows it has (llm-compressor counts per call)
-    return Observer(init_fn, update_fn, merge_fn, exact=False, name="gptq_inputs", shared_rows=True)
+    return Observer(init_fn, update_fn, merge_fn, exact=False, name="gptq_inputs", shared_rows=True,
+                    state_type=GPTQInputsState)
 
 
 def _per_sample(state: GPTQInputsState) -> HessianState:

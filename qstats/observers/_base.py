@@ -68,6 +68,9 @@ class Observer(NamedTuple, *_GENERIC_OBSERVER):
         `qstats.stacked_observer` costs what each expert's own rows cost (min/max reduce each row
         once, the Hessian gathers each expert's rows), so `qstats.calibrate` passes routed rows
         with the routing mask instead of dispatching them to each expert first.
+      state_type: the class of ``init``'s states, or None (not declared): `compute_qparams_tree`
+        refuses a state of another class at a site this observer observes (states calibrated under
+        another recipe would otherwise give that observer's quantization parameters silently).
     """
 
     init: InitFn[State]
@@ -77,6 +80,7 @@ class Observer(NamedTuple, *_GENERIC_OBSERVER):
     spec: Any = None
     name: str = "observer"
     shared_rows: bool = False
+    state_type: Optional[type] = None
 
 
 _STATE_TYPES: dict[str, type] = {}

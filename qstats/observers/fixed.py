@@ -178,7 +178,8 @@ def fixed_qparams(spec: QuantSpec, scale, zero_point=0) -> Observer:
                        "different constants (scale, zero_point): they come from different fixed_qparams observers")
         return a._replace(scale=torch.where(same, a.scale, b.scale), count=a.count + b.count)
 
-    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="fixed_qparams")
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="fixed_qparams",
+                    state_type=FixedQParamsState)
 
 
 def _zero_point_at(spec: QuantSpec, scale: float, low: float) -> float:
@@ -250,7 +251,7 @@ def _placeholder(spec: Optional[QuantSpec], name: str) -> Observer:
         check_merge_states(a, b, PlaceholderState, f"{name}.merge")
         return PlaceholderState(a.count + b.count)
 
-    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name=name)
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name=name, state_type=PlaceholderState)
 
 
 def placeholder(spec: Optional[QuantSpec] = None) -> Observer:
@@ -331,7 +332,7 @@ def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observe
         keys, values = keep_smallest(torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values]))
         return RecordingState(keys, values, a.count + b.count)
 
-    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="recording")
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="recording", state_type=RecordingState)
 
 
 def recorded_values(state: RecordingState) -> torch.Tensor:

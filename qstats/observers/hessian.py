@@ -149,7 +149,8 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
         check_same_shapes(a, b, "hessian.merge")
         return HessianState(a.total + b.total, a.count + b.count, a.nonfinite + b.nonfinite)
 
-    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=None, name="hessian", shared_rows=True)
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=None, name="hessian", shared_rows=True,
+                    state_type=HessianState)
 
 
 def normalized_hessian(total: torch.Tensor, count: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

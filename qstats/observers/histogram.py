@@ -285,7 +285,7 @@ def histogram(
         check_merge_states(a, b, HistogramState, "histogram.merge")
         return _combine(a, b)
 
-    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="histogram")
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="histogram", state_type=HistogramState)
 
 
 # ---------------------------------------------------------------------------------------------

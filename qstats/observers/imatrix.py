@@ -112,7 +112,7 @@ def imatrix(spec: Optional[QuantSpec] = None) -> Observer:
         check_same_shapes(a, b, "imatrix.merge")
         return IMatrixState(a.square_total + b.square_total, a.count + b.count, a.nonfinite + b.nonfinite)
 
-    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=None, name="imatrix")
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=None, name="imatrix", state_type=IMatrixState)
 
 
 def importance(state: IMatrixState) -> torch.Tensor:

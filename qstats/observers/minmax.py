@@ -115,7 +115,7 @@ def minmax(spec: QuantSpec) -> Observer:
                                               state.count + count, state.nonfinite + nonfinite), "minmax.update")
 
     return Observer(extremes_init(MinMaxState, spec, "minmax"), update_fn, _merge_extremes(MinMaxState, "minmax"),
-                    exact=True, spec=spec, name="minmax", shared_rows=True)
+                    exact=True, spec=spec, name="minmax", shared_rows=True, state_type=MinMaxState)
 
 
 def memoryless_minmax(spec: QuantSpec) -> Observer:
@@ -140,7 +140,8 @@ def memoryless_minmax(spec: QuantSpec) -> Observer:
 
     merge_fn = _merge_extremes(MemorylessMinMaxState, "memoryless_minmax")
     return Observer(extremes_init(MemorylessMinMaxState, spec, "memoryless_minmax"), update_fn, merge_fn,
-                    exact=True, spec=spec, name="memoryless_minmax", shared_rows=True)
+                    exact=True, spec=spec, name="memoryless_minmax", shared_rows=True,
+                    state_type=MemorylessMinMaxState)
 
 
 def moving_extremes_update(spec: QuantSpec, step: Callable, where: str, batch_range: Optional[Callable] = None):
@@ -217,7 +218,8 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
         return merge_moving_extremes(a, b)
 
     return Observer(extremes_init(MovingAverageMinMaxState, spec, "moving_average_minmax"), update_fn, merge_fn,
-                    exact=False, spec=spec, name="moving_average_minmax", shared_rows=True)
+                    exact=False, spec=spec, name="moving_average_minmax", shared_rows=True,
+                    state_type=MovingAverageMinMaxState)
 
 
 def _extremes_rule(state, spec: QuantSpec, **options) -> Range:

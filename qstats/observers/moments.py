@@ -209,7 +209,7 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
         check_same_shapes(a, b, "moments.merge")
         return _combine(a, b, "moments.merge")
 
-    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="moments")
+    return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="moments", state_type=MomentsState)
 
 
 def _as_float32_range(state: MomentsState, lo: torch.Tensor, hi: torch.Tensor) -> Range:

@@ -563,7 +563,7 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
     # bf16/fp16 compressed-tensors specs round each update's error sums to the input's dtype, as
     # llm-compressor forms one batch's: sums of rounded batches are not the rounded sum of all
     exact = reference is not None and spec.compute_dtype == "float32"
-    return Observer(init_fn, update_fn, merge_fn, exact=exact, spec=spec, name="mse")
+    return Observer(init_fn, update_fn, merge_fn, exact=exact, spec=spec, name="mse", state_type=MSEState)
 
 
 def _moving_average(spec, factors, norm, constant, patience, observe):
@@ -601,7 +601,7 @@ def _moving_average(spec, factors, norm, constant, patience, observe):
 
     # init: +inf/-inf extremes, zero batches and counts
     return Observer(extremes_init(MovingAverageMSEState, spec, "mse"), update_fn, merge_fn,
-                    exact=False, spec=spec, name="mse")
+                    exact=False, spec=spec, name="mse", state_type=MovingAverageMSEState)
 
 
 @register_range_rule(MSEState)
