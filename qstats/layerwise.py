@@ -86,18 +86,21 @@ class _Store:
 
 def _each_tensor(value: Any, change: Callable[[torch.Tensor], torch.Tensor], seen: dict) -> Any:
     """``value`` with ``change`` applied to every tensor in it (in tuples, lists and mappings); a
-    tensor found several times in it (one mask for several layers) is changed once (``seen``:
-    ``{id: changed}`` of the call), so the result shares it as ``value`` did."""
-    if isinstance(value, torch.Tensor):
-        if id(value) not in seen:
-            seen[id(value)] = change(value)
+    tensor or container found several times in it (one mask for several layers; Gemma3n's
+    ``shared_kv_states``, one dict every layer gets, which a layer fills for later ones) is changed
+    once (``seen``: ``{id: changed}`` of the call), so the result shares it as ``value`` did."""
+    if id(value) in seen:
         return seen[id(value)]
-    if isinstance(value, (tuple, list)):
+    if isinstance(value, torch.Tensor):
+        seen[id(value)] = change(value)
+    elif isinstance(value, (tuple, list)):
         items = [_each_tensor(item, change, seen) for item in value]  # a NamedTuple takes them by field
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, Mapping):
-        return {key: _each_tensor(item, change, seen) for key, item in value.items()}
-    return value
+        seen[id(value)] = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    elif isinstance(value, Mapping):
+        seen[id(value)] = {key: _each_tensor(item, change, seen) for key, item in value.items()}
+    else:
+        return value
+    return seen[id(value)]
 
 
 def _compact(value: Any) -> Any:
@@ -254,10 +257,16 @@ class _LayerRun(torch.nn.Module):
 
     def forward(self, index: int):
         record = self.store[index]
-        args, kwargs = _fresh_caches(_moved(record.args, self.device), _moved(record.kwargs, self.device))
-        output = self.layer(*args, **kwargs)
+        # the layer's arguments and every later layer's own, moved as one: what they share (Gemma3n's
+        # shared_kv_states, which this layer fills for the later ones) stays shared on the device
+        args, kwargs, layers = _moved((record.args, record.kwargs, record.layers), self.device)
+        fresh_args, fresh_kwargs = _fresh_caches(args, kwargs)
+        output = self.layer(*fresh_args, **fresh_kwargs)
         if self.write:
-            self.store[index] = _next_inputs(record, _offloaded(output, self.device), self.following)
+            record = _next_inputs(dataclasses.replace(record, args=args, kwargs=kwargs, layers=layers), output,
+                                  self.following)
+            args, kwargs, layers, kept = _offloaded((record.args, record.kwargs, record.layers, record.output), self.device)
+            self.store[index] = dataclasses.replace(record, args=args, kwargs=kwargs, layers=layers, output=kept)
         return output
 
 
