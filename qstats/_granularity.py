@@ -293,6 +293,16 @@ def from_canonical_view(view: torch.Tensor, granularity: Granularity, shape) -> 
     return view.reshape(shape)
 
 
+def in_layout_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y`` (computed from ``x`` in a canonical view) in ``x``'s memory layout, as torch's fake-quant ops
+    keep it: a convolution given a channels_last weight or input in the contiguous layout runs in that layout,
+    rounding its output and gradients otherwise (and more slowly). A contiguous ``x`` (the usual case, and
+    the only one ``vmap`` reports) takes no copy."""
+    if x.is_contiguous():
+        return y
+    return torch.empty_like(x).copy_(y)
+
+
 def broadcast_to_view(param: torch.Tensor) -> torch.Tensor:
     """Adds the observation and group dimensions to a ``qparam_shape`` tensor."""
     return param.unsqueeze(0).unsqueeze(-1)

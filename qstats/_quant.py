@@ -18,7 +18,7 @@ import torch
 from . import _formats
 from ._checks import check_floating, require
 from ._formats import code_dtype
-from ._granularity import TensorGroup, broadcast_to_view, canonical_view, from_canonical_view
+from ._granularity import TensorGroup, broadcast_to_view, canonical_view, from_canonical_view, in_layout_of
 from ._qparams import QParams, rounds_in_half_precision
 from ._spec import QuantSpec
 
@@ -182,7 +182,8 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
     The gradient with respect to ``x`` is 1 inside the representable range (the convention's
     `gradient_range`) and 0 where the value was clipped. Composes with ``torch.func.grad``,
     ``vmap`` and ``torch.compile``. Values past ``x``'s dtype (fp16/bf16 edges) saturate at its
-    largest finite value, where torch's fake-quant ops return +-Inf (docs/differences.md).
+    largest finite value, where torch's fake-quant ops return +-Inf (docs/differences.md). The
+    result has ``x``'s memory layout (channels_last, transposed), as torch's fake-quant ops give.
 
     Raises:
       ValueError: an integer zero point outside ``spec.qrange`` (as torch's fake-quant ops).
@@ -200,4 +201,4 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
     inside = (unclamped >= lo) & (unclamped <= hi)
     exact = _formats.working(view)
     out = torch.where(inside, out - (exact.detach() - exact), out)
-    return _to_output(from_canonical_view(out, spec.granularity, x.shape), x.dtype)
+    return in_layout_of(x, _to_output(from_canonical_view(out, spec.granularity, x.shape), x.dtype))

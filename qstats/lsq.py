@@ -15,7 +15,7 @@ from typing import NamedTuple, Union
 import torch
 
 from ._checks import check_floating, is_real_number, require
-from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
+from ._granularity import broadcast_to_view, canonical_view, from_canonical_view, in_layout_of
 from ._qparams import QParams, _with_minval_of_codes, compute_qparams
 from ._spec import QuantSpec
 from .conventions import Convention
@@ -188,7 +188,7 @@ def lsq_fake_quantize(
       grad_scale: see `lsq_grad_factor`.
 
     Returns:
-      The fake-quantized tensor, shape and dtype of ``x``.
+      The fake-quantized tensor, shape, dtype and memory layout of ``x``.
 
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(dtype="int4")
@@ -219,5 +219,4 @@ def lsq_fake_quantize(
     if _learns_zero_point(spec):
         zero_point_coefficient = torch.where(inside, torch.zeros_like(scale_value), -scale_value) * factor
         out = out + _zero_gradient(broadcast_to_view(params.zero_point.float())) * zero_point_coefficient
-    out = from_canonical_view(out, spec.granularity, x.shape)
-    return out.to(x.dtype)
+    return in_layout_of(x, from_canonical_view(out, spec.granularity, x.shape).to(x.dtype))

@@ -130,17 +130,7 @@ def _observe_fake_quantize(x, state, observer, phase, ste, learned, grad_scale, 
         if isinstance(phase.fake_quantize, bool) and x.numel() > 0:
             check_calibrated(qparams.calibrated, spec, where)
         y = fake_quantize_ste(x, qparams, spec, ste)
-    return _select(phase.fake_quantize, _in_layout_of(x, y), x), new_state
-
-
-def _in_layout_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``y`` (fake-quantized ``x``, computed in a contiguous view) in ``x``'s memory layout, as torch's fake-quant
-    ops keep it: a convolution given a channels_last weight or input in the contiguous layout runs in that layout,
-    rounding its output and gradients otherwise (and more slowly) than torch.ao's. A contiguous ``x`` (the usual
-    case, and the only one ``vmap`` reports) takes no copy."""
-    if x.is_contiguous() or x.shape != y.shape:
-        return y
-    return torch.empty_like(x).copy_(y)
+    return _select(phase.fake_quantize, y, x), new_state
 
 
 
