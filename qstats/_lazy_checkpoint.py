@@ -346,16 +346,10 @@ def _check_headers(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: 
         if value.device.type == "meta" and key is not None:
             read.setdefault(key, value)
     headers = checkpoint.headers(list(read))
-    for key, like in read.items():
+    for key, like in read.items():  # in the model's order, as the layers read them
         shape, dtype = headers[key]
-        dims = transposes(key) if shape != tuple(like.shape) else None
-        if dims is not None:
-            shape = list(shape)
-            shape[dims[0]], shape[dims[1]] = shape[dims[1]], shape[dims[0]]
-        if tuple(shape) != tuple(like.shape):
-            raise _shape_error(checkpoint, key, headers[key][0], like)
-        if like.is_floating_point() and dtype != like.dtype and not (
-                dtype in _CASTABLE_FLOATS and like.dtype in _CASTABLE_FLOATS):
+        _loaded_transpose(checkpoint, key, shape, like, transposes)
+        if _uncastable(dtype, like):
             raise _dtype_error(checkpoint, key, dtype, like)
 
 
@@ -419,14 +413,28 @@ def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor,
             value = checkpoint.stacked_experts(name) if like.ndim == 3 else None
             if value is None:
                 continue
-        dims = transposes(name) if tuple(value.shape) != tuple(like.shape) else None
-        if dims is not None and tuple(value.transpose(*dims).shape) == tuple(like.shape):
+        dims = _loaded_transpose(checkpoint, name, tuple(value.shape), like, transposes)
+        if dims is not None:
             value = value.transpose(*dims).contiguous()
-        if tuple(value.shape) != tuple(like.shape):
-            raise _shape_error(checkpoint, name, tuple(value.shape), like)
         _check_tied(checkpoint, name, value, names)
         return _in_dtype_of(checkpoint, name, value, like)
     return None
+
+
+def _loaded_transpose(checkpoint, name: str, shape: tuple, like: torch.Tensor,
+                      transposes: Callable[[str], Optional[tuple]]) -> Optional[tuple]:
+    """The dims ``from_pretrained`` swaps in the stored tensor ``name`` of ``shape`` to give the model's
+    tensor ``like`` its shape (``transposes``, only where the shapes differ), or None; ValueError where
+    the stored shape, swapped or not, is not the model's."""
+    if shape == tuple(like.shape):
+        return None
+    dims = transposes(name)
+    if dims is not None:
+        swapped = list(shape)
+        swapped[dims[0]], swapped[dims[1]] = swapped[dims[1]], swapped[dims[0]]
+        if tuple(swapped) == tuple(like.shape):
+            return dims
+    raise _shape_error(checkpoint, name, shape, like)
 
 
 def _stored_in(checkpoint, name: str) -> str:
@@ -467,11 +475,16 @@ def _in_dtype_of(checkpoint, name: str, value: torch.Tensor, like: torch.Tensor)
     to the model's dtype (float32 norms of a bfloat16 checkpoint); a float8 or integer tensor for a
     floating-point one (a quantized checkpoint, compressed-tensors' int8 weights: the cast would drop
     its scales) is a ValueError."""
-    if value.dtype == like.dtype or not like.is_floating_point():
-        return value
-    if value.dtype not in _CASTABLE_FLOATS or like.dtype not in _CASTABLE_FLOATS:
+    if _uncastable(value.dtype, like):
         raise _dtype_error(checkpoint, name, value.dtype, like)
-    return value.to(like.dtype)
+    return value if value.dtype == like.dtype or not like.is_floating_point() else value.to(like.dtype)
+
+
+def _uncastable(dtype, like: torch.Tensor) -> bool:
+    """Whether a stored tensor of ``dtype`` (torch's, or safetensors' name of one torch lacks) is not
+    cast to the floating-point model tensor ``like``'s dtype: float8, integers (a quantized checkpoint)."""
+    return (like.is_floating_point() and dtype != like.dtype
+            and not (dtype in _CASTABLE_FLOATS and like.dtype in _CASTABLE_FLOATS))
 
 
 def _shape_error(checkpoint, name: str, shape: tuple, like: torch.Tensor) -> ValueError:
