@@ -762,13 +762,16 @@ def _layer_kinds(model: torch.nn.Module, container_path: str) -> set:
     return {kind for owner in owners for kind in getattr(getattr(owner, "config", None), "layer_types", None) or ()}
 
 
-def check_on_meta(model: torch.nn.Module) -> None:
+def check_on_meta(model: torch.nn.Module, where: str = "calibrate_layerwise",
+                  why: str = "they would be used instead of the checkpoint's and never released",
+                  otherwise: str = "") -> None:
+    """ValueError naming the parameters of ``model`` off the meta device: ``why`` they may not be, and
+    ``otherwise`` (what to do with a loaded model) after building it on meta."""
     loaded = [name for name, value in model.named_parameters() if value.device.type != "meta"]
     if loaded:
         raise ValueError(
-            f"calibrate_layerwise: the model's parameters {loaded[:3]} ({len(loaded)} in all) are not on the meta "
-            "device: they would be used instead of the checkpoint's and never released; build the model under "
-            'torch.device("meta")'
+            f"{where}: the model's parameters {loaded[:3]} ({len(loaded)} in all) are not on the meta "
+            f'device: {why}; build the model under torch.device("meta"){otherwise}'
         )
 
 

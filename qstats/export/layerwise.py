@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from .._checks import check_flag
 from .._lazy_checkpoint import LazyCheckpoint, Overlay, check_covers, load_modules, release_modules
-from ..layerwise import decoder_layers, inside, outer_paths
+from ..layerwise import check_on_meta, decoder_layers, inside, outer_paths
 from ._categories import ExportWarning
 from .checkpoint import (ShardSplitter, Writer, _check_arguments, check_new_folder, parameter_count, remove_shards,
                          shard_bytes, shard_names, tensor_bytes, without_tied_copies, write_config, write_shard_index,
@@ -90,17 +90,6 @@ def _part_tensors(model: torch.nn.Module, source, writer: Writer, part: tuple, s
         release_modules(saved)
 
 
-def _check_on_meta(model: torch.nn.Module) -> None:
-    """Refuses a model with parameters off the meta device (a loaded model, one accelerate offloads in part):
-    their values would be written instead of the checkpoint's, and kept in memory throughout."""
-    loaded = [name for name, value in model.named_parameters() if value.device.type != "meta"]
-    if loaded:
-        raise ValueError(f"{_WHERE}: the model's parameters {loaded[:3]} ({len(loaded)} in all) are not on the meta "
-                         "device: their values would be written instead of the checkpoint's; build the model under "
-                         'torch.device("meta"), or export a loaded model (one accelerate offloads too) with '
-                         "qstats.export.compressed_tensors")
-
-
 def compressed_tensors_layerwise(
     model: torch.nn.Module,
     checkpoint: Union[str, os.PathLike],
@@ -149,7 +138,9 @@ def compressed_tensors_layerwise(
     _check_arguments(model, qparams, format)
     check_flag(progress, "progress", _WHERE)
     max_bytes = shard_bytes(max_shard_size, _WHERE)
-    _check_on_meta(model)
+    # a loaded model, or one accelerate offloads in part
+    check_on_meta(model, _WHERE, "their values would be written instead of the checkpoint's",
+                  ", or export a loaded model (one accelerate offloads too) with qstats.export.compressed_tensors")
     check_new_folder(path, checkpoint, _WHERE, "path")
     source = LazyCheckpoint(checkpoint, _WHERE)
     source = source if weights is None else Overlay(weights, source)
