@@ -6,19 +6,17 @@ and the logits of both checkpoints loaded by transformers (its compressed-tensor
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
 import torch
 from _shared import bit_equal, llm_compressor_oneshot, load_causal_lm
-from test_export_roundtrip import _config, _llama
+from test_export_roundtrip import _llama, assert_same_checkpoint
 
 import qstats
 
 pytest.importorskip("llmcompressor")
 from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 from llmcompressor.modifiers.quantization import QuantizationModifier  # noqa: E402
 from transformers.utils.quantization_config import CompressedTensorsConfig  # noqa: E402
 
@@ -95,11 +93,5 @@ def _logits(folder, batch):
 def test_preset_export_equals_oneshots_checkpoint(tmp_path, samples, case):
     scheme, dtype, overrides, ignore, kv = CASES[case]
     ours, theirs = _both(tmp_path, samples, scheme, dtype, overrides, ignore, kv)
-    our_tensors = load_file(os.path.join(ours, "model.safetensors"))
-    their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
-    assert sorted(our_tensors) == sorted(their_tensors)
-    assert [name for name in their_tensors if not bit_equal(our_tensors[name], their_tensors[name])] == []
-    our_config, their_config = _config(ours), _config(theirs)
-    our_config.pop("transformers_version", None), their_config.pop("transformers_version", None)
-    assert our_config == their_config
+    assert_same_checkpoint(ours, theirs)
     assert bit_equal(_logits(ours, samples[1][None]), _logits(theirs, samples[1][None]))

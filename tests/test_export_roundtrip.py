@@ -95,13 +95,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_preset_exports_equal_oneshot_and_decompress_to_our_dequantized_weights(tmp_path, samples, case):
-    scheme, dtype, overrides = CASES[case]
-    ignore = ("lm_head", "re:.*down_proj") if overrides.get("intermediate_size") == 200 else ("lm_head",)
-    model, plan, qparams, ours, theirs = _both(
-        tmp_path, samples, scheme, lambda path: _llama(path, dtype, **overrides), ignore=ignore,
-        dtype=None if dtype == torch.float32 else dtype)
+def assert_same_checkpoint(ours: str, theirs: str) -> None:
+    """The two folders hold the same tensors, bit for bit, and the same config.json (but the
+    transformers version)."""
     our_tensors = load_file(os.path.join(ours, "model.safetensors"))
     their_tensors = load_file(os.path.join(theirs, "model.safetensors"))
     assert sorted(our_tensors) == sorted(their_tensors)
@@ -109,6 +105,16 @@ def test_preset_exports_equal_oneshot_and_decompress_to_our_dequantized_weights(
     our_config, their_config = _config(ours), _config(theirs)
     our_config.pop("transformers_version", None), their_config.pop("transformers_version", None)
     assert our_config == their_config
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_preset_exports_equal_oneshot_and_decompress_to_our_dequantized_weights(tmp_path, samples, case):
+    scheme, dtype, overrides = CASES[case]
+    ignore = ("lm_head", "re:.*down_proj") if overrides.get("intermediate_size") == 200 else ("lm_head",)
+    model, plan, qparams, ours, theirs = _both(
+        tmp_path, samples, scheme, lambda path: _llama(path, dtype, **overrides), ignore=ignore,
+        dtype=None if dtype == torch.float32 else dtype)
+    assert_same_checkpoint(ours, theirs)
 
     # transformers decompresses ours (compressed-tensors' decompressors) into qstats' dequantized weights
     loaded = dict(load_causal_lm(ours, quantization_config=CompressedTensorsConfig(run_compressed=False)).named_modules())
