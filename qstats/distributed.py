@@ -227,27 +227,35 @@ def _plan(states, exact: bool):
 
 
 def _check_values(paths, states, plan) -> None:
-    """Raises ValueError where the collectives would go wrong on this rank alone: a NaN in a field
-    reduced by min/max (the backends drop it where ``obs.merge`` keeps it, so the result would depend
-    on the rank order; observers leave NaN out of their extremes), or folded states on several devices."""
-    extremes = [
-        (path, state, field, value)
-        for path, state, ops in zip(paths, states, plan)
-        if ops is not None
-        for field, value in _state_fields(state)
-        if ops[field] != "sum" and value.is_floating_point() and value.numel() and value.device.type != "meta"
-    ]
-    flat: dict[torch.device, list[torch.Tensor]] = {}
-    for *_, value in extremes:
-        flat.setdefault(value.device, []).append(value.reshape(-1))
-    if any(bool(torch.cat(parts).isnan().any()) for parts in flat.values()):  # one sync per device
-        path, state, field, _ = next(e for e in extremes if bool(torch.isnan(e[3]).any()))
+    """Raises ValueError where a state is corrupt or the collectives would go wrong on this rank alone:
+    a NaN (`_no_nan_fields`), or folded states on several devices."""
+    checked = _no_nan_fields(paths, states, plan)
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for *_, value in checked:  # a flag per field, not a copy of it (a Hessian is as large as its layer)
+        flags.setdefault(value.device, []).append(value.isnan().any())
+    if any(bool(torch.stack(parts).any()) for parts in flags.values()):  # one sync per device
+        path, state, field, _ = next(e for e in checked if bool(torch.isnan(e[3]).any()))
         raise ValueError(f"all_reduce: field {field!r} of the {type(state).__name__} at {_where(path)!r} "
-                         "holds NaN; observers leave NaN out of their extremes (counted in nonfinite), so "
+                         "holds NaN; observers leave NaN out of their states (counted in nonfinite), so "
                          "the state is corrupt")
     devices = {v.device for state, ops in zip(states, plan) if ops is None for v in _values(state) if v.numel() > 0}
     if len(devices) > 1:
         raise ValueError(f"all_reduce: states to fold live on several devices {sorted(map(str, devices))}")
+
+
+def _no_nan_fields(paths, states, plan) -> list:
+    """``(path, state, field, value)`` of the floating fields that hold no NaN unless the state is
+    corrupt: every one of a state that counts the values it left out (a ``nonfinite`` field, as
+    qstats' observers keep: a NaN in a sum spread to every rank in silence, one in a folded
+    ``MSEState``'s range was dropped by the merge), and any field reduced by min/max (the backends
+    drop a NaN where ``obs.merge`` keeps it, so the result would depend on the rank order)."""
+    return [
+        (path, state, field, value)
+        for path, state, ops in zip(paths, states, plan)
+        for field, value in _state_fields(state)
+        if value.is_floating_point() and value.numel() and value.device.type != "meta"
+        and ("nonfinite" in state._fields or (ops is not None and ops[field] != "sum"))
+    ]
 
 
 def _device_numbers(states) -> dict[torch.device, int]:
@@ -529,8 +537,9 @@ def _gather_valid(report: Any, error: Optional[Exception], detail: Any, group) -
     failed its local checks (raising ``error``); then ValueError on every rank where any rank's tree
     failed them, naming each such rank and its error."""
     ranks, reports = _gather_from_ranks(report if error is None else {"error": str(detail)}, group)
-    if error is not None:
-        raise ValueError(f"all_reduce: this rank's tree is not valid: {detail}") from error
+    if error is not None:  # named by its rank too, as the other ranks' messages name it
+        raise ValueError(f"all_reduce: this rank's tree is not valid (rank {ranks[dist.get_rank(group)]}): "
+                         f"{detail}") from error
     failed = "; ".join(f"rank {rank}: {r['error']}" for rank, r in zip(ranks, reports)
                        if isinstance(r, dict) and "error" in r)
     if failed:
