@@ -246,9 +246,9 @@ def _check_values(paths, states, plan) -> None:
 def _no_nan_fields(paths, states, plan) -> list:
     """``(path, state, field, value)`` of the floating fields that hold no NaN unless the state is
     corrupt: every one of a state that counts the values it left out (a ``nonfinite`` field, as
-    qstats' observers keep: a NaN in a sum spread to every rank in silence, one in a folded
-    ``MSEState``'s range was dropped by the merge), and any field reduced by min/max (the backends
-    drop a NaN where ``obs.merge`` keeps it, so the result would depend on the rank order)."""
+    qstats' observers keep; a NaN in a sum would reach every rank, and the mse merge would drop one
+    in a range), and any field reduced by min/max (the backends drop a NaN where ``obs.merge`` keeps
+    it, so the result would depend on the rank order)."""
     return [
         (path, state, field, value)
         for path, state, ops in zip(paths, states, plan)
