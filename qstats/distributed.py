@@ -371,19 +371,26 @@ def all_reduce(
       outside ``group``.
 
     Raises:
-      TypeError: ``exact``, ``check`` or ``partial`` is not True or False (before any collective).
+      TypeError: ``exact``, ``check`` or ``partial`` is not True or False, before any collective; with
+        a process group and ``check=True``, an ``exact`` or ``partial`` that is not raises ValueError
+        on every rank instead, after the check (the other ranks would wait in it).
     """
-    for name, flag in (("exact", exact), ("check", check), ("partial", partial)):
-        check_flag(flag, name, "all_reduce")
-    if partial and not check:  # the check finds the sites the ranks hold differently: without it their
-        # collectives would pair buffers of other sizes (gloo aborts the process) or other sites
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    check_flag(check, "check", "all_reduce")  # whether this rank joins the check: refused on this rank alone
+    flag_error = _flag_error(exact, partial)
+    if flag_error is not None and not (world > 1 and check):
+        raise flag_error
+    if flag_error is None and partial and not check:  # the check finds the sites the ranks hold
+        # differently: without it their collectives would pair buffers of other sizes (gloo aborts the
+        # process) or other sites
         raise ValueError("all_reduce: partial=True needs check=True: the check is the collective that finds the "
                          "sites that only some ranks hold")
     states = treespec = plan = records = local_error = None
-    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    if partial:
+    if partial is True:
         observers = _pruned(observers, tree)
     try:  # validated locally, but raised only after every rank has joined the check
+        if flag_error is not None:
+            raise flag_error
         paths, states, leaf_observers, treespec = _flatten(tree, observers)
         plan = _plan(states, exact)
         if world > 1:  # what the collectives would get wrong (one process: the tree comes back as it is)
@@ -410,6 +417,16 @@ def all_reduce(
     _gather_and_fold(paths, states, plan, leaf_observers, group, world, results)
     new_states = [_rebuild(state, iter(fields)) for state, fields in zip(states, results)]
     return optree.tree_unflatten(treespec, new_states)
+
+
+def _flag_error(exact: Any, partial: Any) -> Optional[TypeError]:
+    """`check_flag`'s TypeError for the first of ``exact`` and ``partial`` that is not True or False."""
+    for name, flag in (("exact", exact), ("partial", partial)):
+        try:
+            check_flag(flag, name, "all_reduce")
+        except TypeError as error:
+            return error
+    return None
 
 
 # The most bytes one all_reduce packs several fields into: the result's fields own their memory, so
