@@ -480,13 +480,15 @@ class CompressedTensorsConvention(Convention):
     def e8m0_scale(self, amax, spec):
         """compressed-tensors holds the scale in the observed dtype, and replaces one that
         underflows there (below 2**-24 in float16: an all-zero or tiny block) by 1, the eps of its
-        uint8 scale dtype. An amax past that dtype (a range rule's estimate, such as moments'
-        ``mean + 4 * std`` of an fp16 weight, or float32 values) saturates to its largest value
-        first: its scale was past the dtype too, Inf there, and every value came back 0 or NaN."""
+        uint8 scale dtype. An amax that is no value of that dtype (a range rule's estimate, such as
+        moments' ``mean + 4 * std``, or a pinned ``float_range`` end) is rounded to it first, as
+        llm-compressor holds the range in it and as `_range_in` rounds the ranges of the other
+        formats; one past the dtype saturates to its largest value: its scale was past the dtype
+        too, Inf there, and every value came back 0 or NaN."""
         if spec.compute_dtype == "float32":
             return super().e8m0_scale(amax, spec)
         compute = getattr(torch, spec.compute_dtype)
-        scale = super().e8m0_scale(amax.float().clamp(max=torch.finfo(compute).max), spec)
+        scale = super().e8m0_scale(rounded_in(amax.float().clamp(max=torch.finfo(compute).max), compute), spec)
         # a scale rounded up past the dtype (int2's rceil scale of 65504 is 2**16) is its largest power of two
         scale = scale.clamp(max=2.0 ** math.floor(math.log2(torch.finfo(compute).max)))
         return torch.where(scale.to(compute) == 0, torch.ones_like(scale), scale)  # underflows
