@@ -702,6 +702,18 @@ def _group_rules(Rule, groups: list, observed_dtype, ignore: tuple, caller: str)
     return rules
 
 
+def _warn_quantizes_nothing(rules: list, groups: list, caller: str) -> None:
+    """Warns where no config group of ``groups`` has weights, input or output args and there is no
+    kv-cache scheme (no ``rules``): compressed-tensors gives the targeted modules a scheme that quantizes
+    nothing, silently (an llm-compressor modifier with ``targets`` or ``ignore`` but no ``scheme``)."""
+    if rules:
+        return
+    targets = [list(group.targets) for group in groups]
+    warn(f"{caller}: no config group has weights, input_activations or output_activations args and there is no "
+         f"kv_cache_scheme (groups' targets: {targets}), so the Recipe quantizes nothing; a scheme= or "
+         "config_groups= missing?", UserWarning)
+
+
 def _kv_rule(Rule, kv_cache_scheme, observed_dtype, caller: str):
     from compressed_tensors.quantization import QuantizationScheme
 
@@ -739,6 +751,7 @@ def scheme_rules(Rule, scheme: Any, targets, observed_dtype=None, experts=None, 
         rules = _expert_rules([r for r in rules if not r.matcher.attention], experts, _strings(ignore)) + rules
     if kv_cache_scheme is not None:
         rules.append(_kv_rule(Rule, kv_cache_scheme, observed_dtype, "Recipe.from_scheme"))
+    _warn_quantizes_nothing(rules, groups, "Recipe.from_scheme")
     return rules
 
 
@@ -776,6 +789,7 @@ def _modifier_config(config: Any) -> Any:
         config = quantizing[0]
     if not hasattr(config, "resolve_quantization_config"):
         return config
+    _check_has_config(config)
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     algorithm = {name: getattr(config, name) for name in type(config).model_fields
@@ -790,6 +804,20 @@ def _modifier_config(config: Any) -> Any:
              f"its algorithm options {algorithm} are not part of it (qstats.gptq takes GPTQ's: docs/gptq.md)",
              UserWarning)
     return resolved
+
+
+def _check_has_config(modifier) -> None:
+    """ValueError for an llm-compressor quantization modifier that specifies no quantization (no
+    ``scheme``, ``config_groups`` or ``kv_cache_scheme``; ``targets`` and ``ignore`` at their defaults:
+    its ``has_config()`` is False): llm-compressor's ``QuantizationModifier`` refuses it when it is
+    initialized, and its ``GPTQModifier`` when calibration starts (it finds no module to quantize); read
+    here it would be a Recipe without rules, observing nothing."""
+    if modifier.has_config():
+        return
+    raise ValueError(
+        f"{type(modifier).__name__} specifies no quantization: give it scheme= (a preset such as 'W4A16'), "
+        "config_groups= or kv_cache_scheme=; llm-compressor refuses it too ('QuantizationModifier requires that "
+        "quantization fields be specified', 'GPTQModifier was unable to find any modules to quantize')")
 
 
 def _llm_compressor_recipe(LLMCompressorRecipe, config):
@@ -970,4 +998,5 @@ def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
     rules = _group_rules(Rule, schemes, observed_dtype, config.get("ignore") or (), "Recipe.from_compressed_tensors")
     if config.get("kv_cache_scheme") is not None:  # every attention module compressed-tensors caches
         rules.append(_kv_rule(Rule, config["kv_cache_scheme"], observed_dtype, "Recipe.from_compressed_tensors"))
+    _warn_quantizes_nothing(rules, schemes, "Recipe.from_compressed_tensors")
     return rules, compressed_tensors_ignore(config.get("ignore") or ())  # Recipe checks it
