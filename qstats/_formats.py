@@ -152,7 +152,8 @@ def encode(x: torch.Tensor, fmt) -> torch.Tensor:
     """Bit codes of ``x`` in ``fmt``: the torch fp8 dtype where one exists, else unpacked uint8
     codes (sign bit at position ``exponent_bits + mantissa_bits``), as torchao's
     ``f32_to_f4_unpacked`` / ``f32_to_f6_*_unpacked``. Rounds to nearest even and saturates;
-    fp6/fp4 have no NaN code (NaN inputs give an unspecified code)."""
+    fp6/fp4 have no NaN code (NaN inputs give an unspecified code). ``fmt`` as `round_to_format` takes it."""
+    fmt = _format_of(fmt, "encode")
     values = round_to_format(x, fmt)
     if fmt.torch_dtype is not None:
         return values.to(fmt.torch_dtype)
@@ -166,12 +167,14 @@ def encode(x: torch.Tensor, fmt) -> torch.Tensor:
 
 
 def decode(codes: torch.Tensor, fmt) -> torch.Tensor:
-    """float32 values of codes made by `encode` (inverse of `encode` on the format's grid).
+    """float32 values of codes made by `encode` (inverse of `encode` on the format's grid); ``fmt`` as
+    `round_to_format` takes it.
 
     Raises:
       ValueError: a code outside ``[0, 2**bits)`` (packed bytes, or signed bytes), whose bits past
         the format's width would otherwise be dropped (torchao's decoders read them as exponent bits).
     """
+    fmt = _format_of(fmt, "decode")
     if fmt.torch_dtype is not None and codes.dtype == fmt.torch_dtype:
         return codes.float()
     codes = codes.to(torch.int32)
