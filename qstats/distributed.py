@@ -243,6 +243,10 @@ def _check_values(paths, states, plan) -> None:
         raise ValueError(f"all_reduce: states to fold live on several devices {sorted(map(str, devices))}")
 
 
+# the float dtypes observers keep; float8/float4 fields (of user states, which fold) are not checked for NaN
+_NAN_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _no_nan_fields(paths, states, plan) -> list:
     """``(path, state, field, value)`` of the floating fields that hold no NaN unless the state is
     corrupt: every one of a state that counts the values it left out (a ``nonfinite`` field, as
@@ -253,7 +257,7 @@ def _no_nan_fields(paths, states, plan) -> list:
         (path, state, field, value)
         for path, state, ops in zip(paths, states, plan)
         for field, value in _state_fields(state)
-        if value.is_floating_point() and value.numel() and value.device.type != "meta"
+        if value.dtype in _NAN_CHECKED and value.numel() and value.device.type != "meta"
         and ("nonfinite" in state._fields or (ops is not None and ops[field] != "sum"))
     ]
 
