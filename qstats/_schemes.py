@@ -196,6 +196,28 @@ def _qstats_observer(args, weight: bool) -> tuple:
     return name, factory, qparams
 
 
+# the observer_kwargs llm-compressor 0.14's observers read (llmcompressor.observers.min_max, .mse); they
+# ignore any other key
+_MSE_OPTIONS = ("maxshrink", "patience", "grid", "norm", "triton_error_buffer", "expand")
+_READ_OPTIONS = {"minmax": ("averaging_constant",), "static_minmax": (), "memoryless_minmax": (),
+                 "mse": ("averaging_constant", *_MSE_OPTIONS), "memoryless_mse": _MSE_OPTIONS,
+                 "nvfp4_expanded_mse": _MSE_OPTIONS, "fouroversix": _MSE_OPTIONS}
+
+
+def _warn_unread_options(args, name: str, site: str) -> None:
+    """Warns naming the ``observer_kwargs`` of ``args`` that llm-compressor's observer ``name`` does not
+    read (a misspelt ``averging_constant``, ``maxshrnk``): it ignores them silently, and so does the
+    Recipe, which takes that observer's defaults."""
+    read = _READ_OPTIONS[name]
+    unread = sorted(key for key in (args.observer_kwargs or {}) if key not in read)
+    if not unread:
+        return
+    nearest = {key: difflib.get_close_matches(str(key), read, n=1) for key in unread}
+    hint = "".join(f"; {key!r}: did you mean {near[0]!r}?" for key, near in nearest.items() if near)
+    warn(f"the {site} observer {name!r}: observer_kwargs {unread} are none that llm-compressor's {name!r} observer "
+         f"reads (it reads {list(read) or 'none'}), so it ignores them, and so does the Recipe{hint}", UserWarning)
+
+
 def _weight_observer(args) -> tuple:
     """``(observer name, observer_kwargs, qparams_kwargs)`` llm-compressor uses for weights."""
     kwargs = dict(args.observer_kwargs or {})
@@ -203,6 +225,7 @@ def _weight_observer(args) -> tuple:
     if observer in _QSTATS_OBSERVERS:
         return _qstats_observer(args, weight=True)
     if observer in _WEIGHT_MINMAX:
+        _warn_unread_options(args, observer or "memoryless_minmax", "weights")
         return "minmax", {}, {}
     if observer in ("nvfp4_expanded_mse", "fouroversix"):
         kwargs = {**_EXPANDED_MSE, **kwargs}
@@ -210,6 +233,7 @@ def _weight_observer(args) -> tuple:
         known = [name for name in _WEIGHT_MINMAX if name] + [*_WEIGHT_MSE, "nvfp4_expanded_mse", *_QSTATS_OBSERVERS]
         raise ValueError(f"weights observer {args.observer!r}: no qstats equivalent of this llm-compressor observer; "
                          f"known: {known}")
+    _warn_unread_options(args, observer, "weights")
     # llm-compressor's memoryless_mse: one search over the weight
     return "mse", {k: kwargs[k] for k in _MSE_SEARCH if k in kwargs}, {"patience": kwargs.get("patience", 5)}
 
@@ -224,6 +248,7 @@ def _activation_observer(args) -> tuple:
             f"activation observer {args.observer!r}: no qstats equivalent of this llm-compressor observer; "
             f"known: {sorted(_ACTIVATION_OBSERVERS) + list(_QSTATS_OBSERVERS)}"
         )
+    _warn_unread_options(args, name, "activations")
     ours, taken, defaults = _ACTIVATION_OBSERVERS[name]
     given = dict(args.observer_kwargs or {})
     return ours, {**defaults, **{key: given[key] for key in taken if key in given}}, {}
