@@ -134,6 +134,18 @@ def _unmatched_ignore(ignore: tuple, modules: dict, rename: Callable[[str], str]
     return unmatched
 
 
+# characters of a regular expression that no module path or class name holds
+_REGEX_SIGNS = re.compile(r"[*+?^$|()\[\]{}\\]")
+
+
+def _regex_hint(target: str) -> str:
+    """A hint for a target or ignore entry that reads as a regular expression but lacks ``re:`` (``".*mlp.gate$"``),
+    which qstats and compressed-tensors read as a module path or class name: it matches nothing; else ""."""
+    if target.startswith("re:") or not _REGEX_SIGNS.search(target):
+        return ""
+    return f"; {target!r} has no 're:' prefix, so it is read as a module path or class name: did you mean 're:{target}'?"
+
+
 def _group_of(rule: "Rule") -> Optional[tuple]:
     """``(config groups, group index)`` of a rule read from a compressed-tensors config group
     (its `GroupMatch`), else None."""
@@ -803,7 +815,8 @@ class Recipe:
             if unmatched:  # a misspelt target or site would otherwise select nothing, silently
                 warn(
                     f"Recipe: the rule for targets {list(rule.targets)!r} selects no site {unmatched} in this "
-                    f"{type(model).__name__} (no module it matches has such a parameter, input or projection)",
+                    f"{type(model).__name__} (no module it matches has such a parameter, input or projection)"
+                    + "".join(_regex_hint(target) for target in rule.targets),
                     UserWarning,
                 )
         for target in _unmatched_ignore(self.ignore, modules, rename):  # a misspelt ignore would quantize it, silently
@@ -811,7 +824,8 @@ class Recipe:
             how = "full match" if written == target else "match from the start"
             warn(
                 f"Recipe: the ignore entry {written!r} matches no module in this {type(model).__name__} "
-                f"(by path, checkpoint name, class name or 're:' {how} of either), so it ignores nothing",
+                f"(by path, checkpoint name, class name or 're:' {how} of either), so it ignores nothing"
+                + _regex_hint(written),
                 UserWarning,
             )
 
