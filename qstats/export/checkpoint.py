@@ -37,7 +37,7 @@ __all__ = ["compressed_tensors", "Writer", "check_new_folder", "shard_bytes", "w
 
 
 def compressed_tensors(model: torch.nn.Module, qparams: Mapping[str, Mapping[str, QParams]], path: str,
-                       specs_or_recipe: Any, *, format: Optional[str] = None,
+                       recipe: Any, *, format: Optional[str] = None,
                        max_shard_size: Optional[Union[int, str]] = "20GB",
                        actorder: Optional[str] = None) -> dict:
     """Writes ``model`` with ``qparams`` as a compressed-tensors checkpoint in folder ``path``.
@@ -50,7 +50,8 @@ def compressed_tensors(model: torch.nn.Module, qparams: Mapping[str, Mapping[str
       path: output folder for ``model.safetensors`` (or its shards), ``config.json`` and, for a transformers
         model that generates, ``generation_config.json``: new, or one without safetensors files or index (an
         existing ``config.json`` there is extended).
-      specs_or_recipe: the calibration `qstats.Recipe` (or its Plan), or a ``{path: {site: QuantSpec}}`` tree.
+      recipe: the calibration `qstats.Recipe` (or its Plan), or a ``{path: {site: QuantSpec}}`` tree (named
+        ``recipe`` as in `compressed_tensors_layerwise`, `qstats.fake_quantized` and `qstats.report`).
       format: one compressed-tensors format for every Linear group with quantized weights (groups without
         are dense); default: what it infers per group.
       max_shard_size: the largest shard, in bytes or as ``save_pretrained`` reads it (``"5GB"``: units KB,
@@ -79,7 +80,7 @@ def compressed_tensors(model: torch.nn.Module, qparams: Mapping[str, Mapping[str
         _check_whole_tensors(model)
         max_bytes = shard_bytes(max_shard_size)
         check_new_folder(path, None, "export.compressed_tensors", "path")
-        writer = Writer(specs_or_recipe, qparams, model, format, actorder)
+        writer = Writer(recipe, qparams, model, format, actorder)
         tensors = without_tied_copies(model, writer.part(writer.qparams, model.state_dict()))
         quantization_config = writer.finish()
         names = _write_shards(path, tensors, max_bytes, parameter_count(model, tensors))
