@@ -114,3 +114,17 @@ def _streamed_state(spec, batches):
     for batch in batches:
         state = observer.update(state, batch)
     return state
+
+
+@pytest.mark.parametrize("norm", [2.4, 8.0])
+def test_a_batch_far_past_a_tiny_first_range_leaves_no_nan_loss(norm):
+    # values 1e60 times wider than the first batch: the carried losses grow past float64 at norm 8
+    # (0 * inf gave NaN losses); the range is the wide batch's shrunk, not the first one's
+    spec = qstats.QuantSpec(dtype="int8", eps=1.2e-38)
+    generator = torch.Generator().manual_seed(8)
+    small, large = (torch.randn(100, generator=generator) * magnitude for magnitude in (1e-30, 1e30))
+    observer = qstats.mse(spec, norm=norm)
+    state = observer.update(observer.update(observer.init(small), small), large)
+    assert not state.loss.isnan().any()
+    amax = float(qstats.compute_qparams(state, spec).scale.double()) * 127.5
+    assert 0.8 * float(large.abs().max()) * 0.99 <= amax <= float(large.abs().max()) * 1.01

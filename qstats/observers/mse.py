@@ -528,7 +528,8 @@ def _rereferenced(loss, count, old_lo, old_hi, new_lo, new_hi, factors: list, sp
     at_full = loss[..., :1]
     cap = count.double().unsqueeze(-1) * old.unsqueeze(-1) ** norm
     growth = 0.0 if spec.is_float else norm  # a float grid's error is relative: no growth with the scale
-    carried = torch.minimum(at_full * q.clamp(min=1.0) ** growth, cap)
+    # where no error was seen at the full range, none is carried (0 * inf overflowed to NaN at norm 4 and beyond)
+    carried = torch.where(at_full > 0, torch.minimum(at_full * q.clamp(min=1.0) ** growth, cap), at_full)
     if len(factors) > 1:
         ascending, ascending_loss = table.flip(0), loss.flip(-1)
         j = (torch.searchsorted(ascending, q.contiguous(), right=True) - 1).clamp(0, len(factors) - 2)
