@@ -24,7 +24,7 @@ from ._ops import is_dtensor
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams, per_expert_qparams
 from ._quant import fake_quantize
 from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
-from .experts import linearized_layout_problem, rows_by_expert, stacked_qparams
+from .experts import UncalibratedWarning, linearized_layout_problem, rows_by_expert, stacked_qparams
 from .fused import fused_amax
 from .observers import memoryless_minmax
 from .observers.mse import MSEState, stopped_per_part
@@ -247,7 +247,23 @@ def compute_qparams_tree(states: Mapping, recipe: Union[Recipe, Plan],
             out[path][site] = _site_qparams(state, found, f"compute_qparams_tree[{path!r}][{site!r}]", options)
     if fuse:
         _share_global_scales(out, states, plan, options)
+    _warn_uncalibrated(out, plan)
     return out
+
+
+def _warn_uncalibrated(out: dict, plan: Plan) -> None:
+    """Warns (`UncalibratedWarning`) naming the sites whose QParams hold entries that saw no data (scale
+    1 under ``on_uncalibrated="fallback"``): every activation left out by the observation weight, or only
+    NaN/Inf values. Stacked experts aside: `calibrate` names those."""
+    names = [f"{path}.{site}" for path, entry in out.items() for site, qparams in entry.items()
+             if isinstance(qparams, QParams) and isinstance(qparams.calibrated, torch.Tensor)
+             and not plan.site(path, site).num_experts and not bool(qparams.calibrated.all())]
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        warn(f"compute_qparams_tree: {len(names)} site(s) saw no calibration data (their observation weight was "
+             f"zero everywhere, or their values NaN/Inf only): {shown}; their "
+             "quantization parameters follow the spec's on_uncalibrated policy (scale 1, zero point 0, "
+             "QParams.calibrated False there)", UncalibratedWarning)
 
 
 def _site_qparams(state, found, where: str, options: dict) -> Optional[QParams]:
