@@ -600,6 +600,28 @@ def kv_cache_sites(path: str, module) -> bool:
     return True
 
 
+def head_count_problem(model) -> "str | None":
+    """Why compressed-tensors cannot load q/k/v scales of ``model``: its ``get_num_attn_heads``,
+    ``get_num_kv_heads`` or ``get_head_dim`` raises on the model's decoder config (OPT's has no
+    ``num_key_value_heads``); None where they read it, or where ``model`` has no transformers config."""
+    config = getattr(model, "config", None)
+    if not callable(getattr(config, "get_text_config", None)):  # not a transformers model: no such config read
+        return None
+    try:  # compressed-tensors is optional (the `calibrate` extra): without it there is no loader to ask
+        from compressed_tensors.utils import get_head_dim, get_num_attn_heads, get_num_kv_heads
+    except ImportError:
+        return None
+    text_config = config.get_text_config(decoder=True)
+    for read in (get_num_attn_heads, get_num_kv_heads, get_head_dim):
+        try:
+            read(text_config)
+        except ValueError as error:
+            reason = str(error).replace(str(text_config), "").strip()
+            return (f"its {read.__name__} raises on the model's decoder config ({type(text_config).__name__}, "
+                    f"model_type {getattr(text_config, 'model_type', None)!r}): {reason}")
+    return None
+
+
 def _check_projections(path: str, module, sites: tuple, what: str) -> None:
     """ValueError where the attention module at ``path``, which compressed-tensors quantizes, has no
     q/k/v sites of ``sites``: a transformers attention module (`qstats._attention.attention_module`)

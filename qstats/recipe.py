@@ -20,8 +20,8 @@ from ._checkpoint_names import module_renamer
 from ._granularity import PerAxis, PerBlock, PerHead, PerTensor, TensorGroup, qparam_shape
 from ._rule_data import recipe_fields
 from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, as_written, child_projection,
-                       compressed_tensors_ignore, config_rules, kv_cache_module, kv_cache_sites, matches_targets,
-                       scheme_rules, with_checkpoint_ignore)
+                       compressed_tensors_ignore, config_rules, head_count_problem, kv_cache_module, kv_cache_sites,
+                       matches_targets, scheme_rules, with_checkpoint_ignore)
 from ._spec import QuantSpec
 from ._torch_features import dtype_named, unwrapped
 from .experts import (StackLayout, expert_count, is_stacked_parameter, linearized_experts, linearized_layout_problem,
@@ -110,6 +110,20 @@ def _refuse_ignored_kv_cache(rules: list, found: list, ignored: dict) -> None:
             f"one ({cached[0]!r}" + (f" and {len(cached) - 1} more" if len(cached) > 1 else "") + "): llm-compressor "
             "saves their k/v scales uncalibrated; drop the kv_cache_scheme or leave the attention modules out of ignore"
         )
+
+
+def _refuse_unloadable_heads(rules: list, found: list, model: torch.nn.Module) -> None:
+    """ValueError where a ``kv_cache_scheme`` or a config group's attention rule selects q/k/v sites of a
+    model whose scales compressed-tensors cannot load (`head_count_problem`): llm-compressor's ``oneshot``
+    refuses the model as it starts, where the export would refuse it only after calibrating."""
+    if not any(sites and (rule.matcher is kv_cache_sites or getattr(rule.matcher, "attention", False))
+               for rule, sites in zip(rules, found)):
+        return
+    problem = head_count_problem(model)
+    if problem is not None:
+        raise ValueError(f"Recipe: the recipe quantizes the q/k/v of attention modules of this {type(model).__name__} "
+                         f"(a kv_cache_scheme or an attention config group), whose scales compressed-tensors cannot "
+                         f"load: {problem}; drop them (llm-compressor's oneshot refuses this model too)")
 
 
 def _unmatched_ignore(ignore: tuple, modules: dict, rename: Callable[[str], str]) -> list:
@@ -775,6 +789,7 @@ class Recipe:
             if entry:
                 resolved[path] = MappingProxyType(entry)
         _refuse_ignored_kv_cache(self.rules, found, ignored)
+        _refuse_unloadable_heads(self.rules, found, model)
         self._warn_unmatched(found, modules, model, rename)
         shared = MappingProxyType(_resolve_shared(self.shared, resolved))
         return Plan(self, MappingProxyType(resolved), MappingProxyType(modules), tuple(fused_groups(model)), shared)

@@ -11,6 +11,7 @@ from typing import Mapping, Optional
 import torch
 
 from .._attention import LATENT_CACHE, intercepted, latent_attention
+from .._schemes import head_count_problem
 from .config import agreed_observer, fail, listed, module_targets, quantization_args
 from .linear import _log_compute_dtype, static_site, write_qparams
 from .scales import module_dtype
@@ -112,31 +113,13 @@ def _is_kv_cache_module(module: torch.nn.Module) -> bool:
 def _check_head_counts(model: Optional[torch.nn.Module], strategy: str = "tensor",
                        where: str = "kv_cache_scheme") -> None:
     """Refuses q/k/v sites of a transformers model (or attention module) whose decoder config does not give
-    compressed-tensors the attention's head counts and size: its ``initialize_attn_qparams`` reads them with
-    ``get_num_attn_heads``, ``get_num_kv_heads`` and ``get_head_dim`` from
-    ``model.config.get_text_config(decoder=True)`` (``initialize_hooked_kv_cache``) and raises while loading
-    the checkpoint (OPT: no ``num_key_value_heads``), as llm-compressor's ``oneshot`` does calibrating it.
-    The message names the model's class and family (its config's class and ``model_type``) and the
-    sites' ``strategy`` (``tensor``, or ``attn_head``: one scale per head)."""
-    config = getattr(model, "config", None)
-    if not callable(getattr(config, "get_text_config", None)):  # not a transformers model: no such config read
-        return
-    try:  # compressed-tensors is optional (the `calibrate` extra): without it there is no loader to ask
-        from compressed_tensors.utils import get_head_dim, get_num_attn_heads, get_num_kv_heads
-    except ImportError:
-        return
-
-    text_config = config.get_text_config(decoder=True)
-    for read in (get_num_attn_heads, get_num_kv_heads, get_head_dim):
-        try:
-            read(text_config)
-        except ValueError as error:
-            reason = str(error).replace(str(text_config), "").strip()
-            fail(where, f"compressed-tensors cannot load the q/k/v scales (strategy {strategy!r}) of this "
-                 f"{type(model).__name__}: "
-                 f"its {read.__name__} raises on the model's decoder config ({type(text_config).__name__}, "
-                 f"model_type {getattr(text_config, 'model_type', None)!r}): {reason}; drop the q/k/v sites "
-                 "(llm-compressor's oneshot fails alike on this model)")
+    compressed-tensors the attention's head counts and size (`head_count_problem`): it would raise loading the
+    checkpoint, as llm-compressor's ``oneshot`` does calibrating it. The message names the sites' ``strategy``
+    (``tensor``, or ``attn_head``: one scale per head)."""
+    problem = head_count_problem(model)
+    if problem is not None:
+        fail(where, f"compressed-tensors cannot load the q/k/v scales (strategy {strategy!r}) of this "
+             f"{type(model).__name__}: {problem}; drop the q/k/v sites (llm-compressor's oneshot fails alike on this model)")
 
 
 def attention_config(attention: dict, groups: dict, modules: Mapping, rename, observers: Mapping) -> Optional[dict]:
