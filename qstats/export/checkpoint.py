@@ -392,9 +392,10 @@ def _why_missing(missing: Mapping, calibrated: list) -> str:
     (of another recipe, or edited) lacks it."""
     parameters = [site for site in calibrated if missing[site].kind == "parameter"]
     if not parameters:
-        return ("their states saw no data (the calibration forward never reached them), and the checkpoint would "
-                "leave that quantization out; calibrate with data that reaches the module, or leave it out of the "
-                "recipe (ignore=)")
+        return ("their states saw no data (the calibration forward never reached them), or the qparams tree lacks "
+                "them (computed with another recipe, or loaded from a file of one), and the checkpoint would leave "
+                "that quantization out; calibrate with data that reaches the module, leave it out of the recipe "
+                "(ignore=), or compute the qparams with this recipe from its states")
     return (f"{', '.join(map(repr, parameters))} {'is a parameter' if len(parameters) == 1 else 'are parameters'}, "
             "observed before the first batch, so the states or qparams tree lacks the site (computed with another "
             "recipe, loaded from a file of one, or edited), and the checkpoint would leave that quantization out; "
