@@ -1,11 +1,12 @@
-"""Routed calibration of a tiny random Qwen3-MoE over batches with left padding, one-token batches and
+"""Routed calibration of a tiny random Qwen3-MoE (float32 and bfloat16) over batches with left padding, one-token batches and
 a batch whose tokens are all padding but one (so experts miss whole batches):
 
 - a moving average (llm-compressor's ``minmax``) on the experts' ``input`` and ``down_proj.input``
   against llm-compressor 0.14's own ``minmax`` observer fed, call by call, what its linearized experts
   (``moe_calibrate_all_experts=False``) compute for each expert: the routed tokens through ``F.linear``
   (an expert with no token is fed nothing: its observer skips an empty tensor), padding left out;
-  scales and zero points bit for bit under transformers' ``eager`` and ``grouped_mm`` experts (the
+  scales and zero points bit for bit (in bfloat16 in the activations' dtype, as llm-compressor
+  computes them: ``from_compressed_tensors(args, observed_dtype=)``) under transformers' ``eager`` and ``grouped_mm`` experts (the
   moving average moves once per call that reaches the expert, never on a call that does not);
 - per-channel (``PerAxis(-1)``) and per-tensor states of the same sites, routed and ``all_experts``,
   against each expert's amin/amax over exactly the tokens routed to it (or every token), padding out.
@@ -25,11 +26,11 @@ E = 8
 SITES = ("input", "down_proj.input")
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def model(request):
     torch.manual_seed(0)
-    return transformers.Qwen3MoeForCausalLM(qwen3_moe_config(num_experts=E, hidden_size=32,
-                                                             moe_intermediate_size=16, head_dim=16)).eval()
+    return transformers.Qwen3MoeForCausalLM(qwen3_moe_config(num_experts=E, hidden_size=32, moe_intermediate_size=16,
+                                                             head_dim=16)).eval().to(request.param)
 
 
 def _batches():
@@ -85,7 +86,9 @@ def test_routed_moving_average_equals_llm_compressor_minmax_per_call(model, impl
 
     model.set_experts_implementation(implementation)
     args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="tensor", observer="minmax")
-    spec = qstats.QuantSpec.from_compressed_tensors(args).replace(on_uncalibrated="fallback")
+    # the scales in the activations' dtype, as llm-compressor computes them (scale_dtype None)
+    dtype = model.model.embed_tokens.weight.dtype
+    spec = qstats.QuantSpec.from_compressed_tensors(args, observed_dtype=dtype).replace(on_uncalibrated="fallback")
     recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=SITES, spec=spec,
                                         observer=lambda s: qstats.moving_average_minmax(s, 0.01))])
     batches = _batches()
