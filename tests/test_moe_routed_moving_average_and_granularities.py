@@ -3,8 +3,9 @@ a batch whose tokens are all padding but one (so experts miss whole batches):
 
 - a moving average (llm-compressor's ``minmax``) on the experts' ``input`` and ``down_proj.input``
   against llm-compressor 0.14's own ``minmax`` observer fed, call by call, what its linearized experts
-  (``moe_calibrate_all_experts=False``) compute for each expert: the routed tokens through ``F.linear``
-  (an expert with no token is fed nothing: its observer skips an empty tensor), padding left out;
+  compute for each expert: with ``moe_calibrate_all_experts=False`` the routed tokens through
+  ``F.linear`` (an expert with no token is fed nothing: its observer skips an empty tensor), with
+  ``True`` (``all_experts``) every token; padding left out;
   scales and zero points bit for bit (in bfloat16 in the activations' dtype, as llm-compressor
   computes them: ``from_compressed_tensors(args, observed_dtype=)``) under transformers' ``eager`` and ``grouped_mm`` experts (the
   moving average moves once per call that reaches the expert, never on a call that does not);
@@ -79,8 +80,9 @@ def _calibrate(model, batches, recipe, all_experts=False):
                                 observation_weight=lambda batch: batch["attention_mask"])
 
 
-@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
-def test_routed_moving_average_equals_llm_compressor_minmax_per_call(model, implementation):
+@pytest.mark.parametrize("implementation, all_experts", [("eager", False), ("grouped_mm", False), ("eager", True)],
+                         ids=["eager-routed", "grouped_mm-routed", "eager-all_experts"])
+def test_moving_average_equals_llm_compressor_minmax_per_call(model, implementation, all_experts):
     observers = pytest.importorskip("llmcompressor.observers")
     from compressed_tensors.quantization import QuantizationArgs
 
@@ -92,7 +94,7 @@ def test_routed_moving_average_equals_llm_compressor_minmax_per_call(model, impl
     recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=SITES, spec=spec,
                                         observer=lambda s: qstats.moving_average_minmax(s, 0.01))])
     batches = _batches()
-    qparams = qstats.compute_qparams_tree(_calibrate(model, batches, recipe), recipe, model)
+    qparams = qstats.compute_qparams_tree(_calibrate(model, batches, recipe, all_experts), recipe, model)
     calls = _calls(model, batches)
     checked = 0
     for path in sorted({call[0] for call in calls}):
@@ -103,7 +105,7 @@ def test_routed_moving_average_equals_llm_compressor_minmax_per_call(model, impl
         fed = dict.fromkeys(reference, False)
         for called, x, index, kept in calls:
             for expert in range(E) if called == path else ():
-                for site, rows in _per_expert_rows(experts, x, index, kept, expert).items():
+                for site, rows in _per_expert_rows(experts, x, index, kept, expert, all_experts).items():
                     reference[site, expert](rows)  # an empty tensor is skipped by llm-compressor
                     fed[site, expert] |= rows.numel() > 0
         for (site, expert), observer in reference.items():
