@@ -1,5 +1,5 @@
-"""Routed calibration of a tiny random Qwen3-MoE (float32 and bfloat16) over batches with left padding, one-token batches and
-a batch whose tokens are all padding but one (so experts miss whole batches):
+"""Routed calibration of a tiny random Qwen3-MoE (float32 and bfloat16) over batches with left padding, one-token batches, a
+batch of padding only (the first) and one whose tokens are all padding but one (experts miss whole batches):
 
 - a moving average (llm-compressor's ``minmax``) on the experts' ``input`` and ``down_proj.input``
   against llm-compressor 0.14's own ``minmax`` observer fed, call by call, what its linearized experts
@@ -43,6 +43,8 @@ def _batches():
         if index == 2:  # all padding but one token
             mask[:] = 0
             mask[0, 0] = 1
+        if index == 0:  # all padding: no expert observes the first batch
+            mask[:] = 0
         batches.append({"input_ids": torch.randint(1, 64, (2, length), generator=generator), "attention_mask": mask})
     return batches
 
