@@ -518,8 +518,7 @@ def _rereferenced(loss, count, old_lo, old_hi, new_lo, new_hi, factors: list, sp
     columns; past the old range (``q > 1``), where the values seen are no longer clipped, it grows as
     rounding error, ``loss(1) * q ** norm`` (float targets: ``loss(1)``, their error is relative), up to
     ``count * extent ** norm`` (every value rounded to zero). Unchanged (bit for bit) where ``r`` is 1 or
-    the old reference is unset or zero. The first batch's range, kept before, clipped every later
-    value past it (a thousand batches of 3 values: 10.4 dB where one search over all gives 41.3)."""
+    the old reference is unset or zero."""
     old, new = _extent(old_lo, old_hi, spec), _extent(new_lo, new_hi, spec)
     moved = (old > 0) & (new > old)
     ratio = torch.where(moved, new / torch.where(old > 0, old, torch.ones_like(old)), torch.ones_like(old))
