@@ -521,7 +521,7 @@ def _rereferenced(loss, count, old_lo, old_hi, new_lo, new_hi, factors: list, sp
     the old reference is unset or zero."""
     old, new = _extent(old_lo, old_hi, spec), _extent(new_lo, new_hi, spec)
     moved = (old > 0) & (new > old)
-    ratio = torch.where(moved, new / torch.where(old > 0, old, torch.ones_like(old)), torch.ones_like(old))
+    ratio = torch.where(moved, new / old, torch.ones_like(old))  # 0 / 0 where not moved: not taken
     table = torch.tensor(factors, dtype=torch.float64, device=loss.device)  # descending, table[0] == 1
     q = table * ratio.unsqueeze(-1)  # (*P, C)
     at_full = loss[..., :1]
@@ -534,8 +534,7 @@ def _rereferenced(loss, count, old_lo, old_hi, new_lo, new_hi, factors: list, sp
         j = (torch.searchsorted(ascending, q.contiguous(), right=True) - 1).clamp(0, len(factors) - 2)
         left, right = ascending[j], ascending[j + 1]
         width = right - left
-        t = torch.where(width > 0, (q - left) / torch.where(width > 0, width, torch.ones_like(width)),
-                        torch.zeros_like(q)).clamp(0, 1)
+        t = torch.where(width > 0, (q - left) / width, torch.zeros_like(q)).clamp(0, 1)  # width 0: repeated factors 0
         below, above = torch.gather(ascending_loss, -1, j), torch.gather(ascending_loss, -1, j + 1)
         carried = torch.where(q > 1, carried, below + t * (above - below))
     return torch.where(moved.unsqueeze(-1), carried, loss)
