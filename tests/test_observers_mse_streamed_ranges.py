@@ -58,16 +58,17 @@ def _columns(seed, count, width):
     return [torch.randn(8, width, generator=generator) for _ in range(count)]
 
 
+@pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("name", ["int8-sym", "int4-asym"])
-def test_many_tiny_batches_choose_what_one_search_over_all_data_chooses(name):
-    # 1000 batches of 3 values per channel: the ranges of the later ones pass the first's
+def test_many_tiny_batches_quantize_as_one_search_over_all_data(name, seed):
+    # 1000 batches of 3 values per channel: the ranges of the later ones pass the first's; the choice is
+    # llm-compressor's over the whole tensor or a shrink step beside it (0.02 dB at most measured)
     args = QuantizationArgs(**CHANNEL_ARGS[name])
     spec = qstats.QuantSpec.from_compressed_tensors(args)
-    x = torch.cat(_columns(0, 1, 3000), 1)
+    x = torch.cat(_columns(seed, 1, 3000), 1)
     scale, zero_point = _memoryless_mse(args, x)
     qp = _streamed(spec, list(x.split(3, dim=1)))
-    assert torch.equal(qp.scale, scale)
-    assert torch.equal(qp.zero_point.to(zero_point.dtype), zero_point)
+    assert _sqnr(x, qp.scale, qp.zero_point, args) >= _sqnr(x, scale, zero_point, args) - 0.05
 
 
 SCENARIOS = {
@@ -126,3 +127,23 @@ def test_a_batch_far_past_a_tiny_first_range_leaves_no_nan_loss(norm):
     assert not state.loss.isnan().any()
     amax = float(qstats.compute_qparams(state, spec).scale.double()) * 127.5
     assert 0.8 * float(large.abs().max()) * 0.99 <= amax <= float(large.abs().max()) * 1.01
+
+
+def test_stacked_experts_with_channels_unset_at_first_quantize_as_one_search_over_each_expert():
+    # under torch.vmap (stacked_observer), with one expert's first channel all zeros for its first
+    # 100 batches (no reference until then): each expert within 0.05 dB of llm-compressor's search over
+    # all its data
+    args = QuantizationArgs(**CHANNEL_ARGS["int8-sym"])
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    x = torch.stack([torch.cat(_columns(10 + expert, 1, 900), 1) for expert in range(2)])
+    x[1, 0, :300] = 0.0
+    observer = qstats.stacked_observer(qstats.mse(spec), 2)
+    batches = list(x.split(3, dim=2))
+    state = observer.init(batches[0])
+    for batch in batches:
+        state = observer.update(state, batch)
+    qp = qstats.stacked_qparams(state, spec)
+    for expert in range(2):
+        scale, zero_point = _memoryless_mse(args, x[expert])
+        ours = _sqnr(x[expert], qp.scale[expert], qp.zero_point[expert], args)
+        assert ours >= _sqnr(x[expert], scale, zero_point, args) - 0.05
