@@ -129,9 +129,9 @@ def tiny_llama_config(**options):
     """A two-layer Llama configuration of hidden size 32 (``options`` override its fields)."""
     import transformers
 
-    return transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                    **options)  # fmt: skip
+    fields = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaConfig(**{**fields, **options})
 
 
 def save_sharded(directory, model) -> str:
