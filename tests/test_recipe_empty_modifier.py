@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import qstats
+from _shared import tiny_llama_config
 
 pytest.importorskip("llmcompressor")
 transformers = pytest.importorskip("transformers")
@@ -23,8 +24,7 @@ KV = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "s
 
 @pytest.fixture(scope="module")
 def llama():
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = tiny_llama_config(vocab_size=64, intermediate_size=64, num_hidden_layers=1)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
 
