@@ -47,7 +47,7 @@ from ._warn import warn
 from .observers._base import Observer
 from .observers.kit import check_spec, extremes_init
 from .observers.minmax import memoryless_minmax, minmax
-from .observers.minmax import MovingAverageMinMaxState, moving_extremes_update
+from .observers.minmax import MovingAverageMinMaxState, check_averaging_constant, moving_extremes_update
 from .observers.minmax import moving_average_minmax as _torch_ao_average
 
 __all__ = ["spec_from_coreai_opt", "moving_average_minmax", "fake_quantize_minval", "block_size", "recipe_from_coreai_opt",
@@ -160,8 +160,9 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
         BatchNorm of their output channels may follow (coreai_opt folds it into the weight it
         quantizes), parameters inside an ``nn.MultiheadAttention`` in graph execution mode (eager
         mode leaves it float, and so does the recipe), ops called as functions (``add``, ``sub``,
-        ``mul``, ``matmul``), ``qformulation="minval"``, per-block activations, or a spec field
-        qstats does not read.
+        ``mul``, ``matmul``), ``qformulation="minval"``, per-block activations, a spec field
+        qstats does not read, or a moving average's ``averaging_constant`` outside [0, 1]
+        (coreai_opt extrapolates with it).
       TypeError: ``config`` is not a ``QuantizerConfig`` (a dict: ``QuantizerConfig.from_dict``).
 
     >>> import torch, qstats.coreai_opt
@@ -450,7 +451,9 @@ def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype, gr
     float_range = tuple(coreai_spec.float_range or (None, None))
     qparams_kwargs = (("float_range", float_range),) if any(end is not None for end in float_range) else ()
     if calculator in ("moving_average", "MovingAverageQParamsCalculator"):
-        return moving_average_minmax, spec, (("averaging_constant", float(averaging)),), qparams_kwargs, False
+        # coreai_opt steps c * batch + (1 - c) * average with any c; qstats' average needs c in [0, 1]
+        constant = check_averaging_constant(averaging, f"recipe_from_coreai_opt: {where} ({type(coreai_spec).__name__})")
+        return moving_average_minmax, spec, (("averaging_constant", constant),), qparams_kwargs, False
     if calculator in ("global_minmax", "GlobalMinMaxQParamsCalculator"):
         return minmax, spec, (), qparams_kwargs, False
     # static: the latest tensor; dynamic: each tensor's own, at run time
