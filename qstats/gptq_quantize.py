@@ -5,7 +5,9 @@ modifies its inputs. It follows llm-compressor 0.14's ``quantize_weight`` operat
 (float32, dead columns zeroed, relative dampening, Cholesky factor of the inverse Hessian, column
 blocks with lazy error propagation, activation ordering ``"static"`` = ``"weight"``), so that on the
 same weights, Hessians and quantization parameters its codes equal llm-compressor's up to float32
-rounding. It is written for one ``[out, in]`` weight in plain torch ops and runs under
+rounding. A bfloat16/float16 weight needs a spec computing in its dtype for that
+(``observed_dtype=weight.dtype``: llm-compressor's scales and dequantization are in it); a compressed-tensors
+spec computing in another dtype warns. It is written for one ``[out, in]`` weight in plain torch ops and runs under
 ``torch.vmap``; a stacked ``[E, out, in]`` weight with a stacked state (`qstats.stacked_observer`)
 is vmapped over its experts.
 
@@ -38,7 +40,7 @@ from ._ops import op, register_fake, register_vmap
 from ._granularity import PerAxis, PerBlock, PerGroup, PerRow, PerTensor, qparam_shape
 from ._qparams import QParams, compute_qparams
 from ._quant import _cap, _checked_zero_point, _codes_float, _dequantize_view
-from ._formats import store_codes
+from ._formats import COMPUTE_DTYPE_NAMES, store_codes
 from ._spec import QuantSpec
 from .experts import UncalibratedWarning
 from .observers.hessian import HessianState, checked_hessian_state, normalized_hessian
@@ -396,6 +398,16 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
     >>> codes.shape, qp.scale.shape
     (torch.Size([32, 64]), torch.Size([32, 2]))
     """
+    result = gptq_checked(weight, hessian_state, spec, block_size, dampening, actorder, qparams, name=name,
+                          first_expert=first_expert)
+    _warn_compute_dtype(weight, spec)  # after the checks: ``spec`` is a QuantSpec and ``weight`` a tensor
+    return result
+
+
+def gptq_checked(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, block_size: int = 128,
+                 dampening: float = 0.01, actorder: Optional[str] = None, qparams: Optional[QParams] = None, *,
+                 name: Optional[str] = None, first_expert: int = 0):
+    """`gptq` without its compute-dtype warning (`gptq_layerwise` warns once for all its weights)."""
     hessian_state = checked_hessian_state(hessian_state, "gptq")  # its type first: the shape checks read it
     _check_arguments(weight, hessian_state, spec, block_size, dampening, actorder)
     _check_qparams(qparams, weight, spec)
@@ -407,6 +419,20 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
         qparams = _checked_scales(QParams(*(None if field is None else field.detach() for field in qparams)))
     return _gptq_core(weight.detach(), hessian_state.total.detach(), count, qparams, spec, block_size,
                       float(dampening), actorder, weight.shape[0] if bool(same) else 0, label)
+
+
+def _warn_compute_dtype(weight: torch.Tensor, spec: QuantSpec) -> None:
+    """Warns where a bfloat16/float16 weight's compressed-tensors spec computes in another dtype:
+    llm-compressor's observer computes its scales in the weight's dtype and its GPTQ dequantizes each
+    column in the scales' dtype, so on the same scale values the codes drift from its (a fifth of
+    int8 codes, a few in a hundred of int4 ones) unless the spec has ``observed_dtype=weight.dtype``."""
+    if not spec.convention.computes_in_observed_dtype or weight.dtype not in (torch.bfloat16, torch.float16):
+        return
+    wanted = COMPUTE_DTYPE_NAMES[weight.dtype]
+    if spec.compute_dtype != wanted:
+        warn(f"qstats.gptq: a {wanted} weight under a compressed-tensors spec that computes in {spec.compute_dtype}: "
+             f"llm-compressor computes its scales and dequantizes GPTQ's columns in {wanted}; for its codes pass "
+             f"QuantSpec.from_compressed_tensors(args, observed_dtype=torch.{wanted})", UserWarning)
 
 
 def _checked_name(name) -> str:
