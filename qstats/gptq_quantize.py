@@ -398,15 +398,15 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
     >>> codes.shape, qp.scale.shape
     (torch.Size([32, 64]), torch.Size([32, 2]))
     """
-    result = gptq_checked(weight, hessian_state, spec, block_size, dampening, actorder, qparams, name=name,
+    result = gptq_unwarned(weight, hessian_state, spec, block_size, dampening, actorder, qparams, name=name,
                           first_expert=first_expert)
     _warn_compute_dtype(weight, spec)  # after the checks: ``spec`` is a QuantSpec and ``weight`` a tensor
     return result
 
 
-def gptq_checked(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, block_size: int = 128,
-                 dampening: float = 0.01, actorder: Optional[str] = None, qparams: Optional[QParams] = None, *,
-                 name: Optional[str] = None, first_expert: int = 0):
+def gptq_unwarned(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, block_size: int = 128,
+                  dampening: float = 0.01, actorder: Optional[str] = None, qparams: Optional[QParams] = None, *,
+                  name: Optional[str] = None, first_expert: int = 0):
     """`gptq` without its compute-dtype warning (`gptq_layerwise` warns once for all its weights)."""
     hessian_state = checked_hessian_state(hessian_state, "gptq")  # its type first: the shape checks read it
     _check_arguments(weight, hessian_state, spec, block_size, dampening, actorder)

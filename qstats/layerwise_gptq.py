@@ -27,7 +27,7 @@ from ._formats import COMPUTE_DTYPE_NAMES
 from .calibration import compute_qparams_tree
 from .export.checkpoint import check_new_folder, embedding_modules, write_index, write_tensors
 from .experts import UncalibratedWarning, linearized_layout_problem
-from .gptq_quantize import check_options, gptq_checked
+from .gptq_quantize import check_options, gptq_unwarned
 from . import distributed
 from .layerwise import _select, agreed, group_up, run_layerwise
 from ._qparams import QParams
@@ -218,8 +218,9 @@ def _gptq_part(job: _Job, take, options: dict) -> torch.Tensor:
     """GPTQ of ``job.weight[take]``; its warnings and errors name the weight, and a chunk's experts by
     their number in the whole stack."""
     qparams = QParams(*(None if field is None else field[take] for field in job.qparams))
-    return gptq_checked(job.weight[take], HessianState(*(field[take] for field in job.hessian)), job.spec, qparams=qparams,
-                name=job.name, first_expert=0 if take is ... else take.start, **options)[0]
+    hessian = HessianState(*(field[take] for field in job.hessian))
+    return gptq_unwarned(job.weight[take], hessian, job.spec, qparams=qparams, name=job.name,
+                         first_expert=0 if take is ... else take.start, **options)[0]
 
 
 def _sharing() -> tuple:
