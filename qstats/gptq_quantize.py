@@ -399,7 +399,7 @@ def gptq(weight: torch.Tensor, hessian_state: HessianState, spec: QuantSpec, blo
     (torch.Size([32, 64]), torch.Size([32, 2]))
     """
     result = gptq_unwarned(weight, hessian_state, spec, block_size, dampening, actorder, qparams, name=name,
-                          first_expert=first_expert)
+                           first_expert=first_expert)
     _warn_compute_dtype(weight, spec)  # after the checks: ``spec`` is a QuantSpec and ``weight`` a tensor
     return result
 

@@ -351,7 +351,7 @@ def test_a_recipe_observing_the_hessian_site_observes_it_in_a_second_pass(llama,
 
 def _shared_gptq_rank(rank: int, port: int, moe: str, samples: list, out: str, fail_rank=None) -> None:
     """One rank of `test_two_ranks_share_the_gptq_work`: half the batches; saves its weights and
-    the experts it GPTQ'd (counted by wrapping `qstats.gptq`, which raises on ``fail_rank``)."""
+    the experts it GPTQ'd (counted by wrapping the GPTQ it calls, which raises on ``fail_rank``)."""
     import sys
 
     module = sys.modules["qstats.layerwise_gptq"]
@@ -361,9 +361,9 @@ def _shared_gptq_rank(rank: int, port: int, moe: str, samples: list, out: str, f
         done.append(weight.shape[0] if weight.ndim == 3 else 1)
         if rank == fail_rank:
             raise ValueError("this rank's GPTQ failed")
-        return qstats.gptq(weight, *args, **kwargs)
+        return real(weight, *args, **kwargs)
 
-    module.gptq = counted
+    real, module.gptq_unwarned = module.gptq_unwarned, counted
     with gloo_group(rank, port):
         config = transformers.AutoConfig.from_pretrained(moe)
         with torch.device("meta"):
@@ -448,7 +448,7 @@ def test_a_failed_run_leaves_no_weights_in_weights_dir(tmp_path, monkeypatch):
     save_file(_Net().state_dict(), str(tmp_path / "model.safetensors"))
     with torch.device("meta"):
         meta = _Net().eval()
-    real, calls = qstats.layerwise_gptq.gptq, []
+    real, calls = qstats.layerwise_gptq.gptq_unwarned, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -456,7 +456,7 @@ def test_a_failed_run_leaves_no_weights_in_weights_dir(tmp_path, monkeypatch):
             raise RuntimeError("GPTQ failed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(qstats.layerwise_gptq, "gptq", failing)
+    monkeypatch.setattr(qstats.layerwise_gptq, "gptq_unwarned", failing)
     weights_dir = tmp_path / "weights"
     batches = [torch.randn(2, 8, 32)]
     with warnings.catch_warnings():
@@ -464,7 +464,7 @@ def test_a_failed_run_leaves_no_weights_in_weights_dir(tmp_path, monkeypatch):
         with pytest.raises(RuntimeError, match="GPTQ failed"):
             qstats.gptq_layerwise(meta, str(tmp_path), batches, _net_recipe(), progress=False, weights_dir=weights_dir)
         assert len(calls) == 2 and [name for name in os.listdir(weights_dir) if name.endswith(".safetensors")] == []
-        monkeypatch.setattr(qstats.layerwise_gptq, "gptq", real)
+        monkeypatch.setattr(qstats.layerwise_gptq, "gptq_unwarned", real)
         result = qstats.gptq_layerwise(meta, str(tmp_path), batches, _net_recipe(), progress=False,
                                        weights_dir=weights_dir)  # fmt: skip
     assert result.weights == str(weights_dir)
