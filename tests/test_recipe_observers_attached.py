@@ -77,8 +77,9 @@ def _ours(found):
     return name, {key: options[key] for key in ("averaging_constant",) if key in options}
 
 
-def _theirs_attached(model, modifier) -> dict:
-    """``{path: {site: (qstats name, options) or None}}`` of llm-compressor's own observers."""
+def started_copy(model, modifier):
+    """A copy of ``model`` as llm-compressor's ``modifier`` (copied too) leaves it at the start of
+    calibration: experts linearized where it linearizes them, schemes and observers attached."""
     model = copy.deepcopy(model)
     modifier = copy.deepcopy(modifier)
     with warnings.catch_warnings():
@@ -89,6 +90,12 @@ def _theirs_attached(model, modifier) -> dict:
             linearize_moe(model)
         modifier.initialize_quantization(model)
         modifier.start_calibration(model)
+    return model
+
+
+def _theirs_attached(model, modifier) -> dict:
+    """``{path: {site: (qstats name, options) or None}}`` of llm-compressor's own observers."""
+    model = started_copy(model, modifier)
     out: dict = {}
     for path, module in model.named_modules():
         scheme = getattr(module, "quantization_scheme", None)

@@ -17,7 +17,7 @@ import torch
 
 import qstats
 from _shared import qwen3_moe_config
-from test_recipe_observers_attached import _STACKED, _llm_compressors, _ours
+from test_recipe_observers_attached import _STACKED, _llm_compressors, _ours, started_copy
 
 pytest.importorskip("llmcompressor")
 transformers = pytest.importorskip("transformers")
@@ -68,15 +68,7 @@ def _configs(seed: int, count: int) -> list:
 def _theirs(model, modifier) -> dict:
     """``{path: {site: (spec, dynamic, observer)}}`` as llm-compressor gives them (uncalibrated kv-cache
     sites of ignored attention modules left out)."""
-    model = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if any(qstats.experts.linearized_experts(path, m) for path, m in model.named_modules()):
-            from llmcompressor.modeling.moe.linearize import linearize_moe
-
-            linearize_moe(model)
-        modifier.initialize_quantization(model)
-        modifier.start_calibration(model)
+    model = started_copy(model, modifier)
     out: dict = {}
     for path, module in model.named_modules():
         scheme = getattr(module, "quantization_scheme", None)
