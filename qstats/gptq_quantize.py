@@ -421,15 +421,19 @@ def gptq_unwarned(weight: torch.Tensor, hessian_state: HessianState, spec: Quant
                       float(dampening), actorder, weight.shape[0] if bool(same) else 0, label)
 
 
+def computes_off_dtype(spec: QuantSpec, dtype: torch.dtype) -> bool:
+    """Whether ``spec`` computes the qparams of a bfloat16/float16 weight in another dtype than the
+    weight's, where llm-compressor computes them (and GPTQ dequantizes) in the weight's."""
+    return dtype in (torch.bfloat16, torch.float16) and spec.compute_dtype != COMPUTE_DTYPE_NAMES[dtype]
+
+
 def _warn_compute_dtype(weight: torch.Tensor, spec: QuantSpec) -> None:
     """Warns where a bfloat16/float16 weight's compressed-tensors spec computes in another dtype:
     llm-compressor's observer computes its scales in the weight's dtype and its GPTQ dequantizes each
     column in the scales' dtype, so on the same scale values the codes drift from its (a fifth of
     int8 codes, a few in a hundred of int4 ones) unless the spec has ``observed_dtype=weight.dtype``."""
-    if not spec.convention.computes_in_observed_dtype or weight.dtype not in (torch.bfloat16, torch.float16):
-        return
-    wanted = COMPUTE_DTYPE_NAMES[weight.dtype]
-    if spec.compute_dtype != wanted:
+    if spec.convention.computes_in_observed_dtype and computes_off_dtype(spec, weight.dtype):
+        wanted = COMPUTE_DTYPE_NAMES[weight.dtype]
         warn(f"qstats.gptq: a {wanted} weight under a compressed-tensors spec that computes in {spec.compute_dtype}: "
              f"llm-compressor computes its scales and dequantizes GPTQ's columns in {wanted}; for its codes pass "
              f"QuantSpec.from_compressed_tensors(args, observed_dtype=torch.{wanted})", UserWarning)

@@ -23,11 +23,10 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from ._formats import COMPUTE_DTYPE_NAMES
 from .calibration import compute_qparams_tree
 from .export.checkpoint import check_new_folder, embedding_modules, write_index, write_tensors
 from .experts import UncalibratedWarning, linearized_layout_problem
-from .gptq_quantize import check_options, gptq_unwarned
+from .gptq_quantize import check_options, computes_off_dtype, gptq_unwarned
 from . import distributed
 from .layerwise import _select, agreed, group_up, run_layerwise
 from ._qparams import QParams
@@ -113,8 +112,7 @@ def _warn_compute_dtype(plan: Plan, targets: dict) -> None:
     drift from llm-compressor's, which computes qparams and dequantizes in the weight's dtype."""
     off = []
     for path, site in targets:
-        dtype = getattr(plan.modules[path], site).dtype
-        if dtype in (torch.bfloat16, torch.float16) and plan.site(path, site).spec.compute_dtype != COMPUTE_DTYPE_NAMES[dtype]:
+        if computes_off_dtype(plan.site(path, site).spec, getattr(plan.modules[path], site).dtype):
             off.append(f"{path}.{site}")
     if off:
         warn(f"gptq_layerwise: {len(off)} weight(s) are bfloat16/float16 but their specs compute qparams in "
