@@ -994,6 +994,18 @@ def _warn_dropped_configs(config: Mapping) -> None:
              "only: calibrating a model without them gives other scales than that checkpoint's", UserWarning)
 
 
+def _warn_gptq_order(schemes: list) -> None:
+    """Warns where a config's weights args carry GPTQ's ``actorder`` (a checkpoint llm-compressor's
+    GPTQModifier wrote): the column order GPTQ quantized in, which a Recipe (observers and specs)
+    does not hold and calibrating does not apply; `qstats.gptq_layerwise` takes it."""
+    orders = {str(getattr(s.weights.actorder, "value", s.weights.actorder)) for s in schemes
+              if s.weights is not None and s.weights.actorder is not None}
+    if orders:
+        warn(f"Recipe.from_compressed_tensors: the config's weights args have actorder {sorted(orders)}, GPTQ's column "
+             "order: a qstats Recipe holds observers and specs only, so calibrating with it rounds to nearest; "
+             "qstats.gptq_layerwise(..., actorder=...) runs GPTQ (docs/gptq.md)", UserWarning)
+
+
 # what a checkpoint's quantization_config holds beside QuantizationConfig's fields: compressed-tensors'
 # sparsity and transform configs and version (``compressed_tensors.base``), transformers'
 # CompressedTensorsConfig options
@@ -1024,7 +1036,8 @@ def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
     ``QuantizationConfig``'s ``model_dump``), or of an llm-compressor ``QuantizationModifier`` /
     ``GPTQModifier`` (its ``resolve_quantization_config``) or recipe (`_modifier_config`)."""
     require_compressed_tensors("Recipe.from_compressed_tensors")
-    config = _modifier_config(config)
+    read = _modifier_config(config)
+    from_modifier, config = read is not config, read  # a modifier warned of its algorithm options
     if getattr(config, "quant_method", None) == "compressed-tensors" and hasattr(config, "to_dict"):
         config = config.to_dict()
     if hasattr(config, "model_dump"):
@@ -1042,6 +1055,8 @@ def config_rules(Rule, config: Any, observed_dtype=None) -> tuple:
                          "'kv_cache_scheme' is given")
     _warn_dropped_configs(config)
     schemes = [_config_group(name, group) for name, group in groups.items()]
+    if not from_modifier:
+        _warn_gptq_order(schemes)
     rules = _group_rules(Rule, schemes, observed_dtype, config.get("ignore") or (), "Recipe.from_compressed_tensors")
     if config.get("kv_cache_scheme") is not None:  # every attention module compressed-tensors caches
         rules.append(_kv_rule(Rule, config["kv_cache_scheme"], observed_dtype, "Recipe.from_compressed_tensors"))
