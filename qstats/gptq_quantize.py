@@ -423,8 +423,10 @@ def gptq_unwarned(weight: torch.Tensor, hessian_state: HessianState, spec: Quant
 
 def computes_off_dtype(spec: QuantSpec, dtype: torch.dtype) -> bool:
     """Whether ``spec`` computes the qparams of a bfloat16/float16 weight in another dtype than the
-    weight's, where llm-compressor computes them (and GPTQ dequantizes) in the weight's."""
-    return dtype in (torch.bfloat16, torch.float16) and spec.compute_dtype != COMPUTE_DTYPE_NAMES[dtype]
+    weight's, where llm-compressor computes them (and GPTQ dequantizes) in the weight's. MX (e8m0)
+    scales are powers of two: the same, and dequantized exactly, in either dtype."""
+    return (dtype in (torch.bfloat16, torch.float16) and spec.compute_dtype != COMPUTE_DTYPE_NAMES[dtype]
+            and spec.scale_dtype != "e8m0")
 
 
 def _warn_compute_dtype(weight: torch.Tensor, spec: QuantSpec) -> None:

@@ -67,3 +67,18 @@ def test_a_half_precision_weight_under_a_float32_spec_warns_and_observed_dtype_g
         qstats.gptq(weight.float(), state, plain)  # a float32 weight under a float32 spec: nothing to warn
         qstats.gptq(weight, state, qstats.QuantSpec(dtype="int4", granularity=qstats.PerGroup(32)))  # not compressed-tensors'
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mx_scales_give_llm_compressor_codes_in_any_compute_dtype_without_a_warning(dtype):
+    """MXFP4's e8m0 scales are powers of two, the same in either dtype and exact when dequantized: the
+    float32-computing spec gives llm-compressor's codes, so nothing to warn of."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    args = preset_name_to_scheme("MXFP4", ["Linear"]).weights
+    weight, state = _data(dtype)
+    found, want = _llmc(args, weight, state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _gptq(args, weight, state, found, qstats.QuantSpec.from_compressed_tensors(args))
+    assert torch.equal(got, want)
