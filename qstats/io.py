@@ -179,6 +179,8 @@ def _rebuild(structure: Any, tensors: dict[str, torch.Tensor], source: str) -> A
         tree = _decode(structure, tensors, used, "tree")
     except RecursionError:
         raise ValueError(f"qstats.io: {source} has structure metadata nested too deeply (corrupt checkpoint)") from None
+    except ValueError as error:  # a state type or fields of other code, a missing tensor: name the file too
+        raise ValueError(f"qstats.io: {source}: {str(error).removeprefix('qstats.io: ')}") from None
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(f"qstats.io: {source} holds tensors that its structure does not mention: {extra[:5]}")
@@ -467,11 +469,19 @@ def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") ->
             raise ValueError(f"qstats.io: {source} has no checksum for tensor {key!r} (corrupt checkpoint)")
         if _checksum(tensor) != expected:
             raise ValueError(f"qstats.io: {source} is corrupt: tensor {key!r} fails its checksum")
-    tree = _rebuild(metadata["structure"], tensors, source)  # its own errors name what is malformed
     layout = metadata.get("layout_checksum")  # files written before it was added have none
-    if layout is not None and _layout_checksum(metadata["structure"], metadata["checksums"], tensors) != layout:
-        raise ValueError(f"qstats.io: {source} is corrupt: its structure or its tensors' names, dtypes or shapes "
-                         "fail their checksum")
+    damaged = layout is not None and _layout_checksum(metadata["structure"], metadata["checksums"], tensors) != layout
+    corrupt = (f"qstats.io: {source} is corrupt: its structure or its tensors' names, dtypes or shapes fail their "
+               "checksum")
+    try:
+        tree = _rebuild(metadata["structure"], tensors, source)  # its own errors name what is malformed
+    except ValueError as error:
+        if not damaged:  # a file of other code: a state type it lacks, fields that changed
+            raise
+        # a damaged type or field name is damage, not a state type of other code to import
+        raise ValueError(f"{corrupt} (read as it is: {str(error).removeprefix(f'qstats.io: {source}: ')})") from None
+    if damaged:
+        raise ValueError(corrupt)
     if device.type != "cpu":
         tree = optree.tree_map(lambda t: t.to(device), tree)
     return tree
