@@ -410,7 +410,8 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
         to ``compute_qparams`` (given here, it raises).
       reference: ``(min_val, max_val)`` tensors (or a MinMaxState) fixing the base range; merges are exact
         (``mode="accumulate"`` only: the moving average raises). Without one, the range of the batches
-        seen: a batch past it widens it, and the earlier losses are carried to the wider candidates.
+        seen: a batch past it widens it, and the earlier losses are carried to the wider candidates;
+        merged states carry both losses to the union of their ranges, in any order alike (`_scaled`).
         Finite with ``min_val <= max_val`` (ValueError otherwise); ``+inf``/``-inf`` entries are set by
         the first batch.
       importance: a real tensor of finite, non-negative weights broadcastable to the canonical view
@@ -441,7 +442,7 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
     if mode == "moving_average":
         observer = _moving_average(spec, factors, norm, averaging_constant, patience, observe)
     else:
-        observer = _accumulate(spec, factors, norm, expand, reference, observe)
+        observer = _accumulate(spec, factors, norm, expand, reference, observe, grid)
     return observer._replace(spec=given)
 
 
@@ -540,7 +541,78 @@ def _rereferenced(loss, count, old_lo, old_hi, new_lo, new_hi, factors: list, sp
     return torch.where(moved.unsqueeze(-1), carried, loss)
 
 
-def _accumulate(spec, factors, norm, expand, reference, observe):
+class _Carry(NamedTuple):
+    """The static tables of `_scaled` for one observer's candidates (``C`` shrink factors ``p``):
+    ``sizes`` the positions ``grid * p`` (0 for a zero range), ``growth`` the rounding error's exponent
+    (``norm``; 0 for float targets), ``baseline`` ``g(size) / g(size of p = 1)`` with
+    ``g(n) = Gamma(n + growth) / Gamma(n)``, ``log_coefficients[i][k]`` ``log C(sizes[i] + k - 1, k)``."""
+
+    sizes: tuple
+    growth: float
+    norm: float
+    baseline: tuple
+    log_coefficients: tuple
+
+
+def _carry_tables(factors: list, grid: float, spec: QuantSpec, norm: float) -> _Carry:
+    """`_Carry` of the candidates ``factors`` (``max(1 - i / grid, 0)``) of an observer of ``spec``."""
+    sizes = tuple(max(grid - i, 0.0) if p > 0 else 0.0 for i, p in enumerate(factors))
+    growth = 0.0 if spec.is_float else norm
+
+    def log_g(n):
+        return math.lgamma(n + growth) - math.lgamma(n)
+
+    top = sizes[0]
+    baseline = tuple(math.exp(log_g(n) - log_g(top)) if n > 0 else 0.0 for n in sizes)
+    coefficients = tuple(tuple(math.lgamma(n + k) - math.lgamma(n) - math.lgamma(k + 1) if n > 0 else 0.0
+                               for k in range(len(sizes))) for n in sizes)
+    return _Carry(sizes, growth, float(norm), baseline, coefficients)
+
+
+def _scaled(loss, count, old_lo, old_hi, new_lo, new_hi, spec: QuantSpec, carry: _Carry):
+    """``loss`` (``(*P, C)``, the candidates ``p * (old_lo, old_hi)``) carried to the candidates of the
+    wider reference ``(new_lo, new_hi)``, by a linear semigroup: carried by a ratio ``r`` and then ``s``
+    it equals carried by ``r * s`` (to rounding), so merges of states of any references add in any order.
+
+    Candidate ``p`` of the new reference is ``q = p * r`` of the old one (``r`` the ratio of their
+    `_extent`). The table at positions ``n = grid * p`` moves as a Yule process (``n`` grows at rate
+    ``n``, a negative binomial after a time ``log r``, mean ``n * r``), whose eigenfunction
+    ``g(n) = Gamma(n + norm) / Gamma(n)`` (eigenvalue ``norm``, about ``n ** norm``) models the loss past
+    the old range, where the values seen are no longer clipped: rounding error grows as
+    ``q ** norm`` (float targets: constant, their error is relative). So the loss above that model
+    moves with the process and leaves past ``p = 1``, and the model itself is multiplied by
+    ``r ** norm``. As `_rereferenced`, at most ``count * extent ** norm`` (every value rounded to zero:
+    the one step that is not linear, reached only by a range below about ``1 / qmax`` of the union's).
+    Unchanged (bit for bit) where ``r`` is 1 or the old reference is unset or zero."""
+    old, new = _extent(old_lo, old_hi, spec), _extent(new_lo, new_hi, spec)
+    moved = (old > 0) & (new > old)
+    log_r = torch.where(moved, torch.log(new) - torch.log(old), torch.zeros_like(old)).unsqueeze(-1)  # (*P, 1)
+    log_stay = -log_r  # log(1 / r): the chance that n has not moved is (1 / r) ** n
+    log_move = torch.log(-torch.expm1(-log_r))  # log(1 - 1 / r); -inf where r is 1 (no step taken)
+    device = loss.device
+    sizes = torch.tensor(carry.sizes, dtype=torch.float64, device=device)
+    baseline = torch.tensor(carry.baseline, dtype=torch.float64, device=device)
+    at_full = loss[..., :1]
+    model = at_full * baseline  # (*P, C): the growth model through the loss at p = 1
+    scale = torch.exp(carry.growth * log_r)  # r ** growth; inf past float64, where it is taken only by a positive model
+    grown = torch.where(model > 0, model * scale, torch.zeros_like(model))
+    above = loss - model  # 0 at p = 1 (exactly: loss[..., 0] - loss[..., 0] * 1.0)
+    steps = len(carry.sizes)
+    moved_rows = [grown[..., :1]]
+    for i in range(1, steps):
+        k = torch.arange(i, device=device, dtype=torch.float64)  # jumps: row i reads rows i, i - 1, ..., 1
+        coefficient = torch.tensor(carry.log_coefficients[i][:i], dtype=torch.float64, device=device)
+        log_chance = coefficient + sizes[i] * log_stay + torch.where(k > 0, k * log_move, torch.zeros_like(log_move))
+        sources = above[..., 1:i + 1].flip(-1)  # rows i, i - 1, ..., 1
+        moved_rows.append((torch.exp(log_chance) * sources).sum(-1, keepdim=True) + grown[..., i:i + 1])
+    carried = torch.cat(moved_rows, -1)
+    carried = torch.where(sizes > 0, carried, loss)  # a zero range loses the same at every reference
+    cap = count.double().unsqueeze(-1) * old.unsqueeze(-1) ** carry.norm
+    carried = torch.minimum(carried, cap)
+    return torch.where(moved.unsqueeze(-1), carried, loss)
+
+
+def _accumulate(spec, factors, norm, expand, reference, observe, grid):
     def init_fn(x: torch.Tensor) -> MSEState:
         check_observable(x, "mse.init")
         shape = qparam_shape(x.shape, spec.granularity)
@@ -591,19 +663,16 @@ def _accumulate(spec, factors, norm, expand, reference, observe):
         # losses of different shrink factors cannot be added (states of two mse observers)
         same = require(a.factors == b.factors, "mse.merge: the states search different shrink factors: they come "
                        "from mse observers with other maxshrink/grid/steps")
-        # the wider reference range is kept (-1: none set); the losses of equal shrink factors are added
-        # (carried to a union of the ranges, as update does, they no longer merged associatively: two
-        # interpolations of a loss table are not one)
-        a_span, b_span = (torch.where(s.min_val <= s.max_val, s.max_val - s.min_val, -1.0) for s in (a, b))
-        take_b = (b_span > a_span) | ((b_span == a_span) & (b.min_val < a.min_val))
-        return MSEState(
-            torch.where(take_b, b.min_val, a.min_val),
-            torch.where(take_b, b.max_val, a.max_val),
-            a.loss + b.loss,
-            torch.where(same, a.factors, b.factors),
-            a.count + b.count,
-            a.nonfinite + b.nonfinite,
-        )
+        # the reference is the union of both (+inf/-inf, none set, is the identity of min/max), and each
+        # state's losses are carried to its candidates (`_scaled`, a semigroup: carried in one step or in
+        # several, by any merge order, they agree to rounding) before they are added
+        lo, hi = torch.minimum(a.min_val, b.min_val), torch.maximum(a.max_val, b.max_val)
+        loss = (_scaled(a.loss, a.count, a.min_val, a.max_val, lo, hi, spec, carry)
+                + _scaled(b.loss, b.count, b.min_val, b.max_val, lo, hi, spec, carry))
+        return MSEState(lo, hi, loss, torch.where(same, a.factors, b.factors), a.count + b.count,
+                        a.nonfinite + b.nonfinite)
+
+    carry = _carry_tables(factors, grid, spec, norm)
 
     # bf16/fp16 compressed-tensors specs round each update's error sums to the input's dtype, as
     # llm-compressor forms one batch's: sums of rounded batches are not the rounded sum of all
