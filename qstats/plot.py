@@ -1,4 +1,4 @@
-"""Plots of observer states (matplotlib is an optional dependency: ``pip install matplotlib``).
+"""Plots of observer states (matplotlib is an optional dependency: ``pip install 'qstats[plot]'``).
 
 `histogram(state, qparams, spec, path=...)` draws a `HistogramState`'s distribution (log scale) with
 the clipping range of each set of qparams given: the values codes ``qmin`` and ``qmax`` dequantize to
@@ -29,8 +29,9 @@ def _figure():
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError("qstats.plot needs matplotlib: pip install matplotlib") from error
+    except ImportError as error:
+        raise ImportError("qstats.plot needs matplotlib, which qstats' 'plot' extra installs: "
+                          "pip install 'qstats[plot]' (or pip install matplotlib)") from error
     figure = Figure(figsize=(8, 4.5))
     FigureCanvasAgg(figure)
     return figure
