@@ -63,7 +63,9 @@ def _format(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:.4g}"  # "inf", "-inf" and "nan" as they are
+        text = f"{value:.4g}"  # "inf", "-inf" and "nan" as they are
+        # a coverage or clipped fraction just under 1 (one uncalibrated channel in 20 000) is not "1"
+        return repr(value) if text == "1" and value != 1.0 else text
     return str(value)
 
 
@@ -359,7 +361,7 @@ def _row(path: str, site: str, state, qp, found, error: Optional[_Error]) -> Lay
         mean_scale=_mean_scale(qp, found) if qp is not None and not runtime else None,
         clipped_fraction=error.clipped_fraction() if error is not None else None,
         sqnr_db=error.sqnr_db() if error is not None else None,
-        coverage=float(qp.calibrated.float().mean()) if qp is not None else None,
+        coverage=float(qp.calibrated.double().mean()) if qp is not None else None,  # 19999/20000 exactly
         # None where the site saw no value at all (no batch reached it), as the other measured fields
         nonfinite=error.nonfinite if error is not None and (error.total or error.nonfinite) else None,
     )
