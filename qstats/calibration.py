@@ -233,6 +233,15 @@ def compute_qparams_tree(states: Mapping, recipe: Union[Recipe, Plan],
     """
     plan = as_plan(recipe, model, "compute_qparams_tree")
     check_flag(fuse, "fuse", "compute_qparams_tree")
+    out = qparams_unwarned(states, plan, fuse, options)
+    _warn_uncalibrated(out, plan)
+    return out
+
+
+def qparams_unwarned(states: Mapping, plan: Plan, fuse: bool = True, options: Optional[dict] = None) -> dict:
+    """`compute_qparams_tree` without its warning of sites that saw no data: for layer-by-layer runs,
+    whose user's own call on the whole tree warns once (not once per layer)."""
+    options = options or {}
     if not isinstance(states, Mapping) or not all(isinstance(entry, Mapping) for entry in states.values()):
         got = type(states).__name__ if not isinstance(states, Mapping) else "a module entry that is not a dict"
         raise TypeError(f"compute_qparams_tree: states must be a tree {{path: {{site: state}}}} (calibrate's), got {got}")
@@ -247,7 +256,6 @@ def compute_qparams_tree(states: Mapping, recipe: Union[Recipe, Plan],
             out[path][site] = _site_qparams(state, found, f"compute_qparams_tree[{path!r}][{site!r}]", options)
     if fuse:
         _share_global_scales(out, states, plan, options)
-    _warn_uncalibrated(out, plan)
     return out
 
 

@@ -31,7 +31,7 @@ from . import distributed
 from ._checks import check_available, check_flag
 from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, release_modules
 from ._sites import run_model
-from .calibration import batch_weight, calibrate, check_batches, compute_qparams_tree, fake_quantized
+from .calibration import batch_weight, calibrate, check_batches, fake_quantized, qparams_unwarned
 from .experts import with_argument
 from .observation import check_experts_layout, resumed_states
 from .recipe import Plan, Recipe, as_plan
@@ -650,7 +650,7 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module, following: int, las
         quantized = contextlib.nullcontext()
         if run.propagate == "quantized":
             qparams = {p: {s: q for s, q in entry.items() if (p, s) not in done}
-                       for p, entry in compute_qparams_tree(found, plan).items()}
+                       for p, entry in qparams_unwarned(found, plan).items()}
             quantized = fake_quantized(runner, qparams, plan)
         with quantized, torch.no_grad():
             for index in range(len(run.store)):

@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from .calibration import compute_qparams_tree
+from .calibration import qparams_unwarned
 from .export.checkpoint import check_new_folder, embedding_modules, write_index, write_tensors
 from .experts import UncalibratedWarning, linearized_layout_problem
 from .gptq_quantize import check_options, computes_off_dtype, gptq_unwarned
@@ -279,7 +279,7 @@ def _layer_jobs(plan: Plan, targets: dict, states: dict, hessians: dict) -> tupl
     the weights' qparams are computed: an activation state of an expert that received no token
     (uncalibrated under ``on_uncalibrated="raise"``) is the caller's to resolve, as after
     `calibrate_layerwise`, and does not stop GPTQ."""
-    qparams = compute_qparams_tree(_select(states, lambda path, site: (path, site) in targets), plan)
+    qparams = qparams_unwarned(_select(states, lambda path, site: (path, site) in targets), plan)
     jobs, missing = {}, []
     for (path, site), hessian_site in targets.items():
         if path not in states:
