@@ -413,6 +413,30 @@ def _new_file_beside(target: str) -> tuple[str, int]:
     return candidate, mode
 
 
+_MAX_HEADER = 100_000_000  # safetensors' own limit on a header's size
+
+
+def _read_stream(source: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(metadata, tensors)`` of the safetensors file that ``source``, a FIFO, pipe or device, yields:
+    the header's length, the header, then as many bytes as its tensors span (no more: ``/dev/zero``
+    never ends), parsed by safetensors. SafetensorError for what is no such file."""
+    with open(source, "rb") as handle:
+        head = handle.read(8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else 0
+        if size > _MAX_HEADER:
+            raise SafetensorError(f"header too large ({size} bytes)")
+        header = handle.read(size)
+        try:
+            entries = json.loads(header)
+            spans = [entry["data_offsets"][1] for key, entry in entries.items() if key != "__metadata__"]
+            length = max([0] + [int(end) for end in spans])
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            entries, length = {}, 0  # safetensors names what is wrong with the header
+        data = head + header + handle.read(length)
+    tensors = safetensors.torch.load(data)
+    return (entries.get("__metadata__") or {}), tensors
+
+
 def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") -> Any:
     """Reads a tree written by `save`; tensors are put on ``device``. Bit-exact.
 
@@ -424,6 +448,9 @@ def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") ->
       OSError: no file at ``path``, as ``open`` raises (FileNotFoundError, for an empty path too, saying
         so; IsADirectoryError, NotADirectoryError when a folder in it is a file, OSError ELOOP for a
         symlink loop).
+
+    A FIFO, pipe or device (``/dev/stdin``, a FIFO `save` writes into) is read as ``open`` reads it
+    (a FIFO waits for its writer), up to the end of the file's last tensor.
     """
     try:  # before the file is read: torch.device(None) is a TypeError
         device = torch.device(device)
@@ -441,12 +468,15 @@ def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") ->
     except OSError as error:
         raise OSError(error.errno, f"qstats.io: could not read {source} ({error.strerror})") from None
     try:
-        with safe_open(source, framework="pt", device="cpu") as handle:
-            metadata = handle.metadata() or {}
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        if os.path.isfile(source):
+            with safe_open(source, framework="pt", device="cpu") as handle:
+                metadata = handle.metadata() or {}
+                tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        else:  # a FIFO, pipe or device (/dev/stdin), which save writes into: safe_open maps files in memory
+            metadata, tensors = _read_stream(source)
     except SafetensorError as error:
         raise ValueError(f"qstats.io: {source} is corrupt or truncated (not a readable safetensors file: "
-                         f"{error}){_describe_foreign(source)}") from None
+                         f"{error}){_describe_foreign(source) if os.path.isfile(source) else ''}") from None
     except (OSError, RuntimeError) as error:
         if isinstance(error, FileNotFoundError):
             raise
