@@ -667,12 +667,12 @@ def _accumulate(spec, factors, norm, expand, reference, observe, grid):
         # state's losses are carried to its candidates (`_scaled`, a semigroup: carried in one step or in
         # several, by any merge order, they agree to rounding) before they are added
         lo, hi = torch.minimum(a.min_val, b.min_val), torch.maximum(a.max_val, b.max_val)
+        # the tables, from the options (as the closure holds them: what all_reduce compares across ranks)
+        carry = _carry_tables(factors, grid, spec, norm)
         loss = (_scaled(a.loss, a.count, a.min_val, a.max_val, lo, hi, spec, carry)
                 + _scaled(b.loss, b.count, b.min_val, b.max_val, lo, hi, spec, carry))
         return MSEState(lo, hi, loss, torch.where(same, a.factors, b.factors), a.count + b.count,
                         a.nonfinite + b.nonfinite)
-
-    carry = _carry_tables(factors, grid, spec, norm)
 
     # bf16/fp16 compressed-tensors specs round each update's error sums to the input's dtype, as
     # llm-compressor forms one batch's: sums of rounded batches are not the rounded sum of all

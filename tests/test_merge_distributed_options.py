@@ -1,0 +1,134 @@
+"""`qstats.distributed.all_reduce` of states whose observers differ on one rank in an option the state
+does not hold (a moving average's averaging constant, an mse search's norm or expand): such states were
+merged in silence into statistics no single observer computes (a sequential ``obs.merge`` cannot tell
+either). Now every rank raises ValueError naming the option, its value on each rank and the ranks, on 2
+and 3 gloo ranks, none waits, and the group stays in step (a good merge afterwards equals a sequential
+``obs.merge``)."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+import optree
+import pytest
+import torch
+
+import qstats
+from qstats.distributed import observer_options
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _shared import free_port  # noqa: E402
+
+SPEC = qstats.QuantSpec(granularity=qstats.PerAxis(0))
+
+
+def _data(rank: int) -> torch.Tensor:
+    return torch.randn(3, 16, generator=torch.Generator().manual_seed(40 + rank)) * (rank + 1)
+
+
+def _observers(odd: bool) -> dict:
+    """name -> (observer on this rank, the option named where the last rank's differs)."""
+    return {
+        "averaging constant": (qstats.moving_average_minmax(SPEC, 0.5 if odd else 0.1), "constant"),
+        "mse norm": (qstats.mse(SPEC, norm=3.0 if odd else 2.4), "norm"),
+        "mse expand": (qstats.mse(SPEC, expand=1.5 if odd else 1.0), "expand"),
+        "moving average mse": (qstats.mse(SPEC, mode="moving_average", averaging_constant=0.2 if odd else 0.01),
+                               "constant"),
+        "stacked moving average": (qstats.stacked_observer(qstats.moving_average_minmax(SPEC, 0.5 if odd else 0.1),
+                                                           2), "constant"),
+    }
+
+
+def _state(observer, x):
+    return observer.update(observer.init(x), x)
+
+
+def run_rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    results: dict = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=30))
+        x = _data(rank)
+        for name, (observer, _) in _observers(rank == world - 1).items():
+            data = torch.stack([x, x * 2]) if name.startswith("stacked") else x
+            try:
+                merged = qstats.distributed.all_reduce({"layer": {"input": _state(observer, data)}}, observer)
+                results[name] = optree.tree_leaves(merged)
+            except Exception as error:  # noqa: BLE001 - the test reads the message
+                results[name] = {"error": f"{type(error).__name__}: {error}"}
+        good = _observers(False)["averaging constant"][0]
+        results["after"] = optree.tree_leaves(qstats.distributed.all_reduce({"layer": _state(good, x)}, good))
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        results["crash"] = traceback.format_exc()
+    torch.save(results, f"{out}/options{rank}.pt")
+
+
+def _wait(proc, timeout):
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    return proc.exitcode
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int, out: str) -> list:
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    port = free_port()
+    procs = [context.Process(target=run_rank, args=(rank, world, port, out)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    codes = [_wait(p, 240) for p in procs]
+    files = [os.path.join(out, f"options{rank}.pt") for rank in range(world)]
+    results = [torch.load(f, weights_only=False) if os.path.exists(f) else {"crash": "no results"} for f in files]
+    assert codes == [0] * world and not any("crash" in r for r in results), (codes, results)
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def ranks(request, tmp_path_factory):
+    return _results(request.param, str(tmp_path_factory.mktemp(f"options{request.param}")))
+
+
+@pytest.mark.parametrize("name", list(_observers(False)))
+def test_an_option_the_state_does_not_hold_raises_on_every_rank_naming_it(ranks, name):
+    odd = len(ranks) - 1
+    option = _observers(False)[name][1]
+    for rank, result in enumerate(ranks):
+        assert isinstance(result[name], dict), (name, rank, "merged in silence")
+        error = result[name]["error"]
+        assert error.startswith("ValueError: all_reduce"), (rank, error)
+        assert f"{option}=" in error and f"on rank {odd}" in error and "on rank 0" in error, (rank, error)
+        assert "'layer/input'" in error and "options" in error, (rank, error)
+
+
+def test_the_group_stays_in_step_and_merges_as_a_sequential_merge(ranks):
+    observer = _observers(False)["averaging constant"][0]
+    expected = _state(observer, _data(0))
+    for rank in range(1, len(ranks)):
+        expected = observer.merge(expected, _state(observer, _data(rank)))
+    for result in ranks:
+        assert all(torch.equal(a, b) for a, b in zip(result["after"], expected))
+
+
+def test_options_name_what_the_factory_closed_over():
+    # the same factory and options give the same options; another value of one option differs there only
+    assert observer_options(qstats.mse(SPEC)) == observer_options(qstats.mse(SPEC))
+    for make, option in [(lambda v: qstats.moving_average_minmax(SPEC, v), "constant"),
+                         (lambda v: qstats.mse(SPEC, norm=v), "norm"),
+                         (lambda v: qstats.moments(SPEC, p=v), "power")]:
+        a, b = observer_options(make(2.0 if option != "constant" else 0.1)), observer_options(make(3.0 if option != "constant" else 0.2))
+        assert [name for name in a if a[name] != b.get(name)] == [option], (a, b)
+    # tensors by shape and dtype (a reference range may differ by rank), devices and specs not at all
+    ones = torch.ones(3)
+    a = observer_options(qstats.mse(SPEC, reference=(-ones, ones)))
+    b = observer_options(qstats.mse(SPEC, reference=(-2 * ones, 2 * ones)))
+    assert a == b and "tensor of shape (3,) float32" in a["reference"]
