@@ -247,6 +247,10 @@ class QstatsObserver(ao.ObserverBase):
                 fields["dtype"] = dtype
             _refuse_disagreeing(fields, spec, dict(dtype=dtype, quant_min=quant_min, quant_max=quant_max,
                                                    qscheme=qscheme, ch_axis=ch_axis, eps=eps))
+        if spec is None or not isinstance(spec.granularity, PerAxis):
+            # torch.ao's per-tensor and placeholder observers have no ch_axis: FakeQuantize reads its absence
+            # as -1 (its ch_axis and repr), where a ch_axis of 0 read as axis 0
+            fields.pop("ch_axis")
         for name, value in dict(fields, is_dynamic=is_dynamic, reduce_range=reduce_range).items():
             setattr(self, name, value)
         self.spec, self.method = spec, method
