@@ -598,14 +598,20 @@ def _scaled(loss, count, old_lo, old_hi, new_lo, new_hi, spec: QuantSpec, carry:
     grown = torch.where(model > 0, model * scale, torch.zeros_like(model))
     above = loss - model  # 0 at p = 1 (exactly: loss[..., 0] - loss[..., 0] * 1.0)
     steps = len(carry.sizes)
-    moved_rows = [grown[..., :1]]
-    for i in range(1, steps):
-        k = torch.arange(i, device=device, dtype=torch.float64)  # jumps: row i reads rows i, i - 1, ..., 1
-        coefficient = torch.tensor(carry.log_coefficients[i][:i], dtype=torch.float64, device=device)
-        log_chance = coefficient + sizes[i] * log_stay + torch.where(k > 0, k * log_move, torch.zeros_like(log_move))
-        sources = above[..., 1:i + 1].flip(-1)  # rows i, i - 1, ..., 1
-        moved_rows.append((torch.exp(log_chance) * sources).sum(-1, keepdim=True) + grown[..., i:i + 1])
-    carried = torch.cat(moved_rows, -1)
+    # row i reads rows i - k (k jumps, 0 <= k < i) with chance C(n_i + k - 1, k) (1/r) ** n_i (1 - 1/r) ** k;
+    # each k adds to every row it reaches at once; the binomials are multiplied in where they fit float64
+    coefficients = torch.tensor(carry.log_coefficients, dtype=torch.float64, device=device)  # [i][k]
+    fits = max(max(row) for row in carry.log_coefficients) < 600.0
+    stay = torch.exp(sizes * log_stay)  # (*P, C): (1/r) ** n_i
+    binomials = torch.exp(coefficients) if fits else None
+    carried = grown.clone()
+    for k in range(steps - 1):
+        move = torch.exp(k * log_move) if k else torch.ones_like(log_move)  # (1 - 1/r) ** k, (*P, 1)
+        if fits:
+            chance = stay[..., k + 1:] * binomials[k + 1:, k] * move
+        else:
+            chance = torch.exp(coefficients[k + 1:, k] + sizes[k + 1:] * log_stay + (k * log_move if k else 0.0))
+        carried[..., k + 1:] += chance * above[..., 1:steps - k]
     carried = torch.where(sizes > 0, carried, loss)  # a zero range loses the same at every reference
     cap = count.double().unsqueeze(-1) * old.unsqueeze(-1) ** carry.norm
     carried = torch.minimum(carried, cap)
