@@ -15,6 +15,8 @@ tensor(3.)
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import pickle
 from typing import Any, Mapping, NamedTuple, Optional, Union
@@ -374,8 +376,19 @@ def _option_text(value: Any, depth: int) -> Optional[str]:
         return "{" + ", ".join(f"{k!r}: {_option_text(v, depth + 1)}" for k, v in value.items()) + "}"
     if callable(value) and hasattr(value, "__qualname__"):
         return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
-    text = repr(value)
+    if not isinstance(value, _PLAIN) and not dataclasses.is_dataclass(value):
+        # a module, a tensor subclass's owner, a lock: its type only (its repr may be a model's whole
+        # structure, or name a memory address that differs between processes)
+        return type(value).__qualname__
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a repr that fails says nothing to compare
+        return type(value).__qualname__
     return type(value).__qualname__ if " at 0x" in text else text
+
+
+# values written by their repr: numbers, strings, dtypes, enums (dataclasses too, a granularity)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, enum.Enum, tuple)
 
 
 def _options_words(options: dict) -> str:
