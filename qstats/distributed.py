@@ -15,8 +15,6 @@ tensor(3.)
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import hashlib
 import pickle
 from typing import Any, Mapping, NamedTuple, Optional, Union
@@ -285,15 +283,13 @@ def _check_merges(paths, states, plan, leaf_observers) -> None:
                              f"{_where(path)!r}: {error}") from error
 
 
-def _records(paths, states, plan, leaf_observers, devices: Optional[dict] = None) -> list[tuple]:
-    """Per state ``(path, key, description, options)``: the key holds what must agree across ranks (types
-    and fields, nested ones too, the reduction, a folding observer's name, the observer's QuantSpec,
-    shapes, dtypes and devices numbered by first use, or as ``devices`` numbers them, then the
-    observer's `observer_options`); the description says it in words, with this rank's device names;
-    ``options`` is the `observer_options` dict, which names the options where only they differ."""
+def _records(paths, states, plan, leaf_observers, devices: Optional[dict] = None) -> list[tuple[str, str, str]]:
+    """Per state ``(path, key, description)``: the key holds what must agree across ranks (types and
+    fields, nested ones too, the reduction, a folding observer's name, the observer's QuantSpec,
+    shapes, dtypes and devices numbered by first use, or as ``devices`` numbers them); the
+    description says it in words, with this rank's device names."""
     devices = _device_numbers(states) if devices is None else devices
     records = []
-    options_of: dict[int, dict] = {}  # observers shared by many states are read once per call
     for path, state, ops, obs in zip(paths, states, plan, leaf_observers):
         fields = _state_fields(state)
         spec = _spec_key(obs.spec)
@@ -301,103 +297,12 @@ def _records(paths, states, plan, leaf_observers, devices: Optional[dict] = None
         key = _structure(state) + repr(ops) + (str(obs.name) if ops is None else "") + spec + "".join(
             f"{tuple(v.shape)}{v.dtype}{(v.device.type, devices[v.device])}" for _, v in fields
         )
-        if id(obs) not in options_of:
-            options_of[id(obs)] = observer_options(obs)
-        options = options_of[id(obs)]
-        # the options a state does not hold (an averaging constant, an mse norm, histogram buckets of one
-        # count in other octaves): states of such observers merged in silence into meaningless statistics
-        digest = hashlib.sha256(repr(sorted(options.items())).encode()).hexdigest()
         merged = f"folded by {obs.name}.merge" if ops is None else "reduced elementwise"
         described = ", ".join(f"{name} {tuple(v.shape)} {str(v.dtype).replace('torch.', '')} on {v.device}"
                               for name, v in fields)
         observed = f"; observed for {_spec_words(obs.spec)}" if spec else ""
-        records.append((_where(path), f"{key}|options {digest}",
-                        f"a {type(state).__name__} ({merged}; {described}{observed})", options))
+        records.append((_where(path), key, f"a {type(state).__name__} ({merged}; {described}{observed})"))
     return records
-
-
-_OPTION_DEPTH = 4  # closures within closures read (an observer wrapping another's functions)
-
-
-def observer_options(obs: Observer) -> dict[str, str]:
-    """The static configuration an observer's factory closed over (DESIGN: configuration is static and
-    closed over by the factory, never a leaf of the state), as ``{name: text}``: the variables of the
-    closures of ``init``, ``update`` and ``merge`` (and of the functions and observers they hold), named
-    as the factory names them (``constant``, ``norm``, ``bins``). Tensors count by shape and dtype (a
-    reference range may differ by rank), devices not at all, objects whose repr names a memory address
-    by their type. Two observers of one factory and other options differ here where their states may
-    not (`all_reduce` compares them across ranks)."""
-    options: dict[str, str] = {}
-    seen: set = set()
-    for function in (obs.init, obs.update, obs.merge):
-        _closure_options(function, "", options, seen, 0)
-    return options
-
-
-def _closure_options(function: Any, prefix: str, options: dict, seen: set, depth: int) -> None:
-    if id(function) in seen or depth > _OPTION_DEPTH:
-        return
-    seen.add(id(function))
-    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None)
-    if code is None or cells is None:
-        return
-    for name, cell in zip(code.co_freevars, cells):
-        try:
-            value = cell.cell_contents
-        except ValueError:  # a cell not filled yet (a name assigned after the function was made)
-            continue
-        if isinstance(value, Observer):
-            options.setdefault(f"{prefix}{name}", f"{value.name} observer (exact={value.exact})")
-            for inner in (value.init, value.update, value.merge):
-                _closure_options(inner, f"{prefix}{name}.", options, seen, depth + 1)
-            continue
-        if callable(value) and hasattr(value, "__code__"):
-            options.setdefault(f"{prefix}{name}", f"function {value.__qualname__}")
-            _closure_options(value, prefix, options, seen, depth + 1)
-            continue
-        text = _option_text(value, depth)
-        if text is None:
-            continue
-        if options.get(f"{prefix}{name}", text) != text:  # one name, two values in two functions
-            name = f"{getattr(function, '__name__', 'fn')}.{name}"
-        options.setdefault(f"{prefix}{name}", text)
-
-
-def _option_text(value: Any, depth: int) -> Optional[str]:
-    """A value as every process writes it alike; None for what legitimately differs by rank (devices)."""
-    if isinstance(value, torch.Tensor):
-        return f"tensor of shape {tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
-    if isinstance(value, (torch.device, QuantSpec)):  # a QuantSpec: compared on its own (`_spec_key`)
-        return None
-    if isinstance(value, (list, tuple)) and not hasattr(type(value), "_fields") and depth < _OPTION_DEPTH:
-        inner = [_option_text(item, depth + 1) for item in value]
-        return f"[{', '.join('?' if t is None else t for t in inner)}]"
-    if isinstance(value, dict) and depth < _OPTION_DEPTH:
-        return "{" + ", ".join(f"{k!r}: {_option_text(v, depth + 1)}" for k, v in value.items()) + "}"
-    if callable(value) and hasattr(value, "__qualname__"):
-        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
-    if not isinstance(value, _PLAIN) and not dataclasses.is_dataclass(value):
-        # a module, a tensor subclass's owner, a lock: its type only (its repr may be a model's whole
-        # structure, or name a memory address that differs between processes)
-        return type(value).__qualname__
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001 - a repr that fails says nothing to compare
-        return type(value).__qualname__
-    return type(value).__qualname__ if " at 0x" in text else text
-
-
-# values written by their repr: numbers, strings, dtypes, enums (dataclasses too, a granularity)
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, enum.Enum, tuple)
-
-
-def _options_words(options: dict) -> str:
-    """`observer_options` in words, each value shortened, for messages naming what a rank holds."""
-    return f" built with {', '.join(f'{name}={_short(text, 40)}' for name, text in options.items())}" if options else ""
-
-
-def _short(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} characters)"
 
 
 def _spec_key(spec: Any) -> str:
@@ -420,7 +325,7 @@ def _spec_words(spec: QuantSpec) -> str:
 
 def _fingerprint(treespec, records) -> int:
     digest = hashlib.sha256(str(treespec).encode())
-    for _, key, *_ in records:
+    for _, key, _ in records:
         digest.update(key.encode() + b"\0")  # one state's key cannot run into the next's
     return _as_int(digest.digest())
 
@@ -455,7 +360,7 @@ def all_reduce(
         sites only: weight states would be counted ``world`` times.
       observers: a tree of `qstats.Observer` whose structure is a prefix of ``tree``'s, or one Observer;
         every state must be one its observer's ``merge`` accepts, and every rank's observers must have
-        the same QuantSpecs and options (`observer_options`; else ValueError on every rank).
+        the same QuantSpecs (else ValueError on every rank).
       group: the process group (default: the world).
       exact: fold states with floating ``sum`` fields in rank order, bit-identical to a sequential merge.
       check: first verify with one 24-byte collective that all ranks pass the same tree.
@@ -694,36 +599,21 @@ def _check_same_trees(fingerprint: int, local_error, group, report: dict, partia
 
 def _first_difference(reports: list, ranks: list) -> str:
     """Where the first rank whose tree differs from the first rank's differs from it, in words."""
-    first = {path: (key, text, options) for path, key, text, options in reports[0]["records"]}
+    first = {path: (key, text) for path, key, text in reports[0]["records"]}
     for rank, report in zip(ranks[1:], reports[1:]):
-        here = {path: (key, text, options) for path, key, text, options in report["records"]}
-        for path, (key, text, options) in first.items():
+        here = {path: (key, text) for path, key, text in report["records"]}
+        for path, (key, text) in first.items():
             if path not in here:
                 return f"rank {ranks[0]} holds {text} at {path!r}, rank {rank} holds nothing at {path!r}"
             if here[path][0] != key:
-                if here[path][0].rsplit("|options ", 1)[0] == key.rsplit("|options ", 1)[0]:
-                    return _options_difference(path, options, here[path][2], ranks[0], rank, text)
                 return f"at {path!r} rank {ranks[0]} holds {text}, rank {rank} holds {here[path][1]}"
-        for path, (key, text, _) in here.items():
+        for path, (key, text) in here.items():
             if path not in first:
                 return f"rank {rank} holds {text} at {path!r}, rank {ranks[0]} holds nothing at {path!r}"
         if report["treespec"] != reports[0]["treespec"]:
             return (f"the containers differ: rank {ranks[0]} has {reports[0]['treespec'][:500]}, rank {rank} has "
                     f"{report['treespec'][:500]}")
     return "(structure, state types, folding observers, field shapes, dtypes or devices differ)"
-
-
-def _options_difference(path: str, mine: dict, theirs: dict, first: int, rank: int, text: str) -> str:
-    """The options (`observer_options`) in which two ranks' observers at ``path`` differ, in words,
-    the shortest values first (a constant before a table derived from it)."""
-    names = sorted((name for name in dict.fromkeys([*mine, *theirs]) if mine.get(name) != theirs.get(name)),
-                   key=lambda name: len(mine.get(name, "")) + len(theirs.get(name, "")))
-    listed = "; ".join(f"{name}={_short(mine.get(name, '<none>'))} on rank {first}, "
-                       f"{_short(theirs.get(name, '<none>'))} on rank {rank}" for name in names[:3])
-    more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
-    return (f"at {path!r} both hold {text}, but their observers were built with other options, which the "
-            f"state does not hold: {listed}{more}; such states cannot be merged meaningfully: build every "
-            "rank's observers with the same options")
 
 
 def _probe_device(group) -> torch.device:
@@ -826,8 +716,7 @@ def _local_parts(tree: Any, observers: Any) -> list:
         # the device index is left out: a rank's devices are numbered by first use over the states it holds
         records = _records(paths_, states_, _plan(states_, False), observers_,
                            {v.device: 0 for state in states_ for v in _values(state)})
-        text = "; ".join(f"{text}{_options_words(options)}" for _, _, text, options in records) or (
-            f"an empty {str(treespec)[:200]}")
+        text = "; ".join(text for _, _, text in records) or f"an empty {str(treespec)[:200]}"
         parts.append(_Part(prefix, subtree, treespec, states_, observers_, _fingerprint(treespec, records), text))
     return parts
 
