@@ -7,6 +7,29 @@ import warnings
 import pytest
 import torch
 
+try:
+    from hypothesis import Phase, settings
+except ImportError:  # the tests that need hypothesis skip without it
+    settings = None
+else:
+    # A failing example is not shrunk: the tests that expect a law check to fail match the law its
+    # message names, which the first failing example names as well as the smallest one, and shrinking
+    # ran hundreds of examples (a 5-case test took 400 s with it, 5 s without). Hypothesis still stops
+    # at its first failing example and replays it. QSTATS_TEST_SHRINK=1 shrinks, to read a failure.
+    UNSHRUNK = "qstats-unshrunk"
+    settings.register_profile(UNSHRUNK, phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target))
+    settings.load_profile("default" if os.environ.get("QSTATS_TEST_SHRINK") else UNSHRUNK)
+
+
+@pytest.fixture
+def hypothesis_shrinks():
+    """Hypothesis's default settings for the test, shrinking included: a test of what happens while
+    hypothesis shrinks (where it meets other failures than the first) needs it."""
+    before = settings._current_profile
+    settings.load_profile("default")
+    yield
+    settings.load_profile(before)
+
 
 @pytest.fixture
 def single_thread_quiet():
