@@ -90,7 +90,8 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
     update_fn = moving_extremes_update(spec, step, "coreai_opt.moving_average_minmax.update", contain_zero)
     init_fn = extremes_init(MovingAverageMinMaxState, spec, "coreai_opt.moving_average_minmax")
     return Observer(init_fn, update_fn, base.merge,
-                    exact=False, spec=spec, name="coreai_opt_moving_average_minmax", state_type=base.state_type)
+                    exact=False, spec=spec, name="coreai_opt_moving_average_minmax", state_type=base.state_type,
+                    options=(("averaging_constant", constant),))
 
 
 def fake_quantize_minval(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor:

@@ -285,22 +285,25 @@ def _check_merges(paths, states, plan, leaf_observers) -> None:
 
 def _records(paths, states, plan, leaf_observers, devices: Optional[dict] = None) -> list[tuple[str, str, str]]:
     """Per state ``(path, key, description)``: the key holds what must agree across ranks (types and
-    fields, nested ones too, the reduction, a folding observer's name, the observer's QuantSpec,
-    shapes, dtypes and devices numbered by first use, or as ``devices`` numbers them); the
-    description says it in words, with this rank's device names."""
+    fields, nested ones too, the reduction, a folding observer's name, the observer's QuantSpec and
+    ``options``, shapes, dtypes and devices numbered by first use, or as ``devices`` numbers them);
+    the description says it in words, with this rank's device names."""
     devices = _device_numbers(states) if devices is None else devices
     records = []
     for path, state, ops, obs in zip(paths, states, plan, leaf_observers):
         fields = _state_fields(state)
         spec = _spec_key(obs.spec)
         # folded with this rank's obs.merge: another observer raises on its rank only
-        key = _structure(state) + repr(ops) + (str(obs.name) if ops is None else "") + spec + "".join(
+        # an option the state does not hold (an averaging constant) would merge into what no observer computes
+        options = ", ".join(f"{name}={value!r}" for name, value in getattr(obs, "options", ()))
+        key = _structure(state) + repr(ops) + (str(obs.name) if ops is None else "") + spec + options + "".join(
             f"{tuple(v.shape)}{v.dtype}{(v.device.type, devices[v.device])}" for _, v in fields
         )
         merged = f"folded by {obs.name}.merge" if ops is None else "reduced elementwise"
         described = ", ".join(f"{name} {tuple(v.shape)} {str(v.dtype).replace('torch.', '')} on {v.device}"
                               for name, v in fields)
-        observed = f"; observed for {_spec_words(obs.spec)}" if spec else ""
+        observed = (f"; observed for {_spec_words(obs.spec)}" if spec else "") + (
+            f"; built with {options}" if options else "")
         records.append((_where(path), key, f"a {type(state).__name__} ({merged}; {described}{observed})"))
     return records
 

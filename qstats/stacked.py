@@ -83,7 +83,8 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
         return torch.vmap(observer.merge)(a, b)
 
     return Observer(init_fn, update_fn, merge_fn, exact=observer.exact, spec=observer.spec,
-                    name=f"stacked({observer.name})", shared_rows=observer.shared_rows, state_type=observer.state_type)
+                    name=f"stacked({observer.name})", shared_rows=observer.shared_rows, state_type=observer.state_type,
+                    options=observer.options)
 
 
 def stacked_qparams(state, spec, **options):

@@ -71,6 +71,8 @@ class Observer(NamedTuple, *_GENERIC_OBSERVER):
       state_type: the class of ``init``'s states, or None (not declared): `compute_qparams_tree`
         refuses a state of another class at a site this observer observes (states calibrated under
         another recipe would otherwise give that observer's quantization parameters silently).
+      options: ``((name, value), ...)``, the factory's options that its states do not hold (an
+        averaging constant, a norm); `qstats.distributed.all_reduce` refuses ranks that differ in them.
     """
 
     init: InitFn[State]
@@ -81,6 +83,7 @@ class Observer(NamedTuple, *_GENERIC_OBSERVER):
     name: str = "observer"
     shared_rows: bool = False
     state_type: Optional[type] = None
+    options: tuple = ()
 
 
 _STATE_TYPES: dict[str, type] = {}

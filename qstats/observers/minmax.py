@@ -219,7 +219,7 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
 
     return Observer(extremes_init(MovingAverageMinMaxState, spec, "moving_average_minmax"), update_fn, merge_fn,
                     exact=False, spec=spec, name="moving_average_minmax", shared_rows=True,
-                    state_type=MovingAverageMinMaxState)
+                    state_type=MovingAverageMinMaxState, options=(("averaging_constant", constant),))
 
 
 def _extremes_rule(state, spec: QuantSpec, **options) -> Range:

@@ -683,7 +683,8 @@ def _accumulate(spec, factors, norm, expand, reference, observe, grid):
     # bf16/fp16 compressed-tensors specs round each update's error sums to the input's dtype, as
     # llm-compressor forms one batch's: sums of rounded batches are not the rounded sum of all
     exact = reference is not None and spec.compute_dtype == "float32"
-    return Observer(init_fn, update_fn, merge_fn, exact=exact, spec=spec, name="mse", state_type=MSEState)
+    return Observer(init_fn, update_fn, merge_fn, exact=exact, spec=spec, name="mse", state_type=MSEState,
+                    options=(("norm", norm), ("expand", expand)))
 
 
 def _moving_average(spec, factors, norm, constant, patience, observe):
@@ -721,7 +722,8 @@ def _moving_average(spec, factors, norm, constant, patience, observe):
 
     # init: +inf/-inf extremes, zero batches and counts
     return Observer(extremes_init(MovingAverageMSEState, spec, "mse"), update_fn, merge_fn,
-                    exact=False, spec=spec, name="mse", state_type=MovingAverageMSEState)
+                    exact=False, spec=spec, name="mse", state_type=MovingAverageMSEState,
+                    options=(("norm", norm), ("averaging_constant", constant), ("patience", patience)))
 
 
 @register_range_rule(MSEState)
