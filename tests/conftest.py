@@ -14,8 +14,9 @@ except ImportError:  # the tests that need hypothesis skip without it
 else:
     # A failing example is not shrunk: the tests that expect a law check to fail match the law its
     # message names, which the first failing example names as well as the smallest one, and shrinking
-    # ran hundreds of examples (a 5-case test took 400 s with it, 5 s without). Hypothesis still stops
-    # at its first failing example and replays it. QSTATS_TEST_SHRINK=1 shrinks, to read a failure.
+    # ran hundreds of examples (the 26 files that use hypothesis: 266 s with it, 89 s without; one
+    # file 88 s -> 4 s). Hypothesis still stops at its first failing example and replays it.
+    # QSTATS_TEST_SHRINK=1 shrinks, to read a failure.
     UNSHRUNK = "qstats-unshrunk"
     settings.register_profile(UNSHRUNK, phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target))
     settings.load_profile("default" if os.environ.get("QSTATS_TEST_SHRINK") else UNSHRUNK)
@@ -25,6 +26,8 @@ else:
 def hypothesis_shrinks():
     """Hypothesis's default settings for the test, shrinking included: a test of what happens while
     hypothesis shrinks (where it meets other failures than the first) needs it."""
+    if settings is None:
+        pytest.skip("needs hypothesis")
     before = settings._current_profile
     settings.load_profile("default")
     yield
