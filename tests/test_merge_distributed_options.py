@@ -56,7 +56,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
     results: dict = {}
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=30))
+                                timeout=timedelta(seconds=120))  # a loaded machine starts 3 ranks slowly
         x = _data(rank)
         for name, (observer, _) in _observers(rank == world - 1).items():
             data = torch.stack([x, x * 2]) if name.startswith("stacked") else x

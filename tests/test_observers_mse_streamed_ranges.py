@@ -86,7 +86,7 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_batches_past_the_first_range_quantize_as_one_search_over_all_data(scenario, name):
     # the streamed choice is llm-compressor's over the whole tensor, or within 0.25 dB of its SQNR
-    # (the losses of earlier batches at the wider candidates are interpolated or modelled)
+    # (the losses of earlier batches at the wider candidates are modelled)
     args = QuantizationArgs(**CHANNEL_ARGS[name])
     spec = qstats.QuantSpec.from_compressed_tensors(args)
     batches = SCENARIOS[scenario]()

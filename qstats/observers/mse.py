@@ -410,8 +410,8 @@ def mse(spec: QuantSpec, maxshrink: float = 0.2, grid: float = 100, norm: float 
         to ``compute_qparams`` (given here, it raises).
       reference: ``(min_val, max_val)`` tensors (or a MinMaxState) fixing the base range; merges are exact
         (``mode="accumulate"`` only: the moving average raises). Without one, the range of the batches
-        seen: a batch past it widens it, and the earlier losses are carried to the wider candidates;
-        merged states carry both losses to the union of their ranges, in any order alike (`_scaled`).
+        seen: a batch past it widens it, and the earlier losses are carried to the wider candidates
+        (`_scaled`); merged states carry both losses to the union of their ranges, in any order alike.
         Finite with ``min_val <= max_val`` (ValueError otherwise); ``+inf``/``-inf`` entries are set by
         the first batch.
       importance: a real tensor of finite, non-negative weights broadcastable to the canonical view
@@ -512,35 +512,6 @@ def _extent(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> torch.Tensor
     return hi - lo if spec.mapping == "asymmetric" else torch.maximum(-lo, hi)
 
 
-def _rereferenced(loss, count, old_lo, old_hi, new_lo, new_hi, factors: list, spec: QuantSpec, norm: float):
-    """``loss`` (``(*P, C)``, the candidates ``p * (old_lo, old_hi)``) carried to the candidates of the
-    wider reference ``(new_lo, new_hi)``: candidate ``p`` of the new reference is candidate ``q = p * r``
-    of the old one (``r`` the ratio of their `_extent`), whose loss is interpolated between the table's
-    columns; past the old range (``q > 1``), where the values seen are no longer clipped, it grows as
-    rounding error, ``loss(1) * q ** norm`` (float targets: ``loss(1)``, their error is relative), up to
-    ``count * extent ** norm`` (every value rounded to zero). Unchanged (bit for bit) where ``r`` is 1 or
-    the old reference is unset or zero."""
-    old, new = _extent(old_lo, old_hi, spec), _extent(new_lo, new_hi, spec)
-    moved = (old > 0) & (new > old)
-    ratio = torch.where(moved, new / old, torch.ones_like(old))  # 0 / 0 where not moved: not taken
-    table = torch.tensor(factors, dtype=torch.float64, device=loss.device)  # descending, table[0] == 1
-    q = table * ratio.unsqueeze(-1)  # (*P, C)
-    at_full = loss[..., :1]
-    cap = count.double().unsqueeze(-1) * old.unsqueeze(-1) ** norm
-    growth = 0.0 if spec.is_float else norm  # a float grid's error is relative: no growth with the scale
-    # where no error was seen at the full range, none is carried (0 * inf overflowed to NaN at norm 4 and beyond)
-    carried = torch.where(at_full > 0, torch.minimum(at_full * q.clamp(min=1.0) ** growth, cap), at_full)
-    if len(factors) > 1:
-        ascending, ascending_loss = table.flip(0), loss.flip(-1)
-        j = (torch.searchsorted(ascending, q.contiguous(), right=True) - 1).clamp(0, len(factors) - 2)
-        left, right = ascending[j], ascending[j + 1]
-        width = right - left
-        t = torch.where(width > 0, (q - left) / width, torch.zeros_like(q)).clamp(0, 1)  # width 0: repeated factors 0
-        below, above = torch.gather(ascending_loss, -1, j), torch.gather(ascending_loss, -1, j + 1)
-        carried = torch.where(q > 1, carried, below + t * (above - below))
-    return torch.where(moved.unsqueeze(-1), carried, loss)
-
-
 class _Carry(NamedTuple):
     """The static tables of `_scaled` for one observer's candidates (``C`` shrink factors ``p``):
     ``sizes`` the positions ``grid * p`` (0 for a zero range), ``growth`` the rounding error's exponent
@@ -581,7 +552,7 @@ def _scaled(loss, count, old_lo, old_hi, new_lo, new_hi, spec: QuantSpec, carry:
     the old range, where the values seen are no longer clipped: rounding error grows as
     ``q ** norm`` (float targets: constant, their error is relative). So the loss above that model
     moves with the process and leaves past ``p = 1``, and the model itself is multiplied by
-    ``r ** norm``. As `_rereferenced`, at most ``count * extent ** norm`` (every value rounded to zero:
+    ``r ** norm``. At most ``count * extent ** norm`` (every value rounded to zero:
     the one step that is not linear, reached only by a range below about ``1 / qmax`` of the union's).
     Unchanged (bit for bit) where ``r`` is 1 or the old reference is unset or zero."""
     old, new = _extent(old_lo, old_hi, spec), _extent(new_lo, new_hi, spec)
@@ -619,6 +590,8 @@ def _scaled(loss, count, old_lo, old_hi, new_lo, new_hi, spec: QuantSpec, carry:
 
 
 def _accumulate(spec, factors, norm, expand, reference, observe, grid):
+    carry = _carry_tables(factors, grid, spec, norm)  # how losses move to a wider reference (`_scaled`)
+
     def init_fn(x: torch.Tensor) -> MSEState:
         check_observable(x, "mse.init")
         shape = qparam_shape(x.shape, spec.granularity)
@@ -653,7 +626,7 @@ def _accumulate(spec, factors, norm, expand, reference, observe, grid):
             wider = ~unset & (count > 0)
             ref_lo = torch.where(wider, torch.minimum(ref_lo, lo), ref_lo)
             ref_hi = torch.where(wider, torch.maximum(ref_hi, hi), ref_hi)
-            loss = _rereferenced(loss, state.count, state.min_val, state.max_val, ref_lo, ref_hi, factors, spec, norm)
+            loss = _scaled(loss, state.count, state.min_val, state.max_val, ref_lo, ref_hi, spec, carry)
         safe_lo, safe_hi = (torch.where(ref_lo <= ref_hi, t, torch.zeros_like(t)) for t in (ref_lo, ref_hi))
         batch_loss = candidate_losses(view, mask, imp, safe_lo, safe_hi, factors, spec, norm)
         # a state of another observer with as many candidates (grid=50, maxshrink=0.4 against the
@@ -673,8 +646,6 @@ def _accumulate(spec, factors, norm, expand, reference, observe, grid):
         # state's losses are carried to its candidates (`_scaled`, a semigroup: carried in one step or in
         # several, by any merge order, they agree to rounding) before they are added
         lo, hi = torch.minimum(a.min_val, b.min_val), torch.maximum(a.max_val, b.max_val)
-        # the tables, from the options (as the closure holds them: what all_reduce compares across ranks)
-        carry = _carry_tables(factors, grid, spec, norm)
         loss = (_scaled(a.loss, a.count, a.min_val, a.max_val, lo, hi, spec, carry)
                 + _scaled(b.loss, b.count, b.min_val, b.max_val, lo, hi, spec, carry))
         return MSEState(lo, hi, loss, torch.where(same, a.factors, b.factors), a.count + b.count,
