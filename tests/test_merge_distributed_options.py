@@ -53,6 +53,7 @@ def _state(observer, x):
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # a forked child must not use the OpenMP pool its parent started: it hangs
     results: dict = {}
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
