@@ -437,6 +437,24 @@ def _read_stream(source: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return (entries.get("__metadata__") or {}), tensors
 
 
+def _read_safetensors(source: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(metadata, tensors)`` of the safetensors file at ``source`` (a FIFO, pipe or device too:
+    `_read_stream`); ValueError naming what it is where safetensors cannot read it."""
+    regular = os.path.isfile(source)
+    try:
+        if not regular:  # a FIFO, pipe or device (/dev/stdin), which save writes into: safe_open maps files in memory
+            return _read_stream(source)
+        with safe_open(source, framework="pt", device="cpu") as handle:
+            return handle.metadata() or {}, {key: handle.get_tensor(key) for key in handle.keys()}
+    except SafetensorError as error:
+        raise ValueError(f"qstats.io: {source} is corrupt or truncated (not a readable safetensors file: "
+                         f"{error}){_describe_foreign(source) if regular else ''}") from None
+    except (OSError, RuntimeError) as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        raise ValueError(f"qstats.io: {source} could not be read as a safetensors file: {error}") from None
+
+
 def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") -> Any:
     """Reads a tree written by `save`; tensors are put on ``device``. Bit-exact.
 
@@ -467,20 +485,7 @@ def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") ->
         os.stat(source)
     except OSError as error:
         raise OSError(error.errno, f"qstats.io: could not read {source} ({error.strerror})") from None
-    try:
-        if os.path.isfile(source):
-            with safe_open(source, framework="pt", device="cpu") as handle:
-                metadata = handle.metadata() or {}
-                tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-        else:  # a FIFO, pipe or device (/dev/stdin), which save writes into: safe_open maps files in memory
-            metadata, tensors = _read_stream(source)
-    except SafetensorError as error:
-        raise ValueError(f"qstats.io: {source} is corrupt or truncated (not a readable safetensors file: "
-                         f"{error}){_describe_foreign(source) if os.path.isfile(source) else ''}") from None
-    except (OSError, RuntimeError) as error:
-        if isinstance(error, FileNotFoundError):
-            raise
-        raise ValueError(f"qstats.io: {source} could not be read as a safetensors file: {error}") from None
+    metadata, tensors = _read_safetensors(source)
     if "format" not in metadata:
         raise ValueError(f"qstats.io: {source} is a safetensors file without qstats metadata (not a qstats checkpoint)")
     _check_header(metadata.get("format"), metadata.get("format_version"), source)
