@@ -8,11 +8,9 @@ and 3 gloo ranks, none waits, and the group stays in step (a good merge afterwar
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import sys
 import traceback
-from datetime import timedelta
 
 import optree
 import pytest
@@ -22,7 +20,7 @@ import qstats
 from qstats import coreai_opt
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _shared import free_port  # noqa: E402
+from _shared import fork_ranks, gloo_group  # noqa: E402
 
 SPEC = qstats.QuantSpec(granularity=qstats.PerAxis(0))
 
@@ -50,46 +48,28 @@ def _state(observer, x):
     return observer.update(observer.init(x), x)
 
 
-def run_rank(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # a forked child must not use the OpenMP pool its parent started: it hangs
+def run_rank(rank: int, port: int, world: int, out: str) -> None:
     results: dict = {}
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))  # a loaded machine starts 3 ranks slowly
-        x = _data(rank)
-        for name, (observer, _) in _observers(rank == world - 1).items():
-            data = torch.stack([x, x * 2]) if name.startswith("stacked") else x
-            try:
-                merged = qstats.distributed.all_reduce({"layer": {"input": _state(observer, data)}}, observer)
-                results[name] = optree.tree_leaves(merged)
-            except Exception as error:  # noqa: BLE001 - the test reads the message
-                results[name] = {"error": f"{type(error).__name__}: {error}"}
-        good = _observers(False)["averaging constant"][0]
-        results["after"] = optree.tree_leaves(qstats.distributed.all_reduce({"layer": _state(good, x)}, good))
-        dist.destroy_process_group()
+        with gloo_group(rank, port, world):  # one thread: a forked child must not use its parent's OpenMP pool
+            x = _data(rank)
+            for name, (observer, _) in _observers(rank == world - 1).items():
+                data = torch.stack([x, x * 2]) if name.startswith("stacked") else x
+                try:
+                    merged = qstats.distributed.all_reduce({"layer": {"input": _state(observer, data)}}, observer)
+                    results[name] = optree.tree_leaves(merged)
+                except Exception as error:  # noqa: BLE001 - the test reads the message
+                    results[name] = {"error": f"{type(error).__name__}: {error}"}
+            good = _observers(False)["averaging constant"][0]
+            results["after"] = optree.tree_leaves(qstats.distributed.all_reduce({"layer": _state(good, x)}, good))
     except Exception:  # noqa: BLE001
         results["crash"] = traceback.format_exc()
     torch.save(results, f"{out}/options{rank}.pt")
 
 
-def _wait(proc, timeout):
-    proc.join(timeout)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    return proc.exitcode
-
-
 @functools.lru_cache(maxsize=None)
 def _results(world: int, out: str) -> list:
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    port = free_port()
-    procs = [context.Process(target=run_rank, args=(rank, world, port, out)) for rank in range(world)]
-    for p in procs:
-        p.start()
-    codes = [_wait(p, 240) for p in procs]
+    codes = fork_ranks(run_rank, world, out, world=world, timeout=240)
     files = [os.path.join(out, f"options{rank}.pt") for rank in range(world)]
     results = [torch.load(f, weights_only=False) if os.path.exists(f) else {"crash": "no results"} for f in files]
     assert codes == [0] * world and not any("crash" in r for r in results), (codes, results)

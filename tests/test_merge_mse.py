@@ -16,20 +16,10 @@ import qstats
 
 llmc_observers = pytest.importorskip("llmcompressor.observers")
 from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
-from compressed_tensors.quantization.lifecycle import fake_quantize  # noqa: E402
+# the same data, search and measure as the streamed-update test (one reference for both)
+from test_observers_mse_streamed_ranges import CHANNEL_ARGS, _columns, _memoryless_mse, _sqnr  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread_quiet")
-
-CHANNEL_ARGS = {
-    "int8-sym": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
-    "int4-asym": dict(num_bits=4, type="int", symmetric=False, strategy="channel"),
-    "fp8": dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
-}
-
-
-def _columns(seed, count, width):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(8, width, generator=generator) for _ in range(count)]
 
 
 # three shards (one per rank) of 8 channels each
@@ -40,20 +30,6 @@ SHARDS = {
     "narrow first": lambda: [b * (1e-3 if i == 0 else 1.0) for i, b in enumerate(_columns(3, 3, 500))],
     "one distribution": lambda: _columns(14, 3, 900),
 }
-
-
-def _memoryless_mse(args, x):
-    """llm-compressor's search over all of ``x`` at once (no early stop, as qstats' accumulated argmin)."""
-    args = args.model_copy(update={"observer": "memoryless_mse", "observer_kwargs": {"patience": 10**6}})
-    observer = llmc_observers.Observer.load_from_registry("memoryless_mse", base_name="weight", args=args)
-    observer(x)
-    qparams = observer.get_qparams()
-    return qparams["scale"].reshape(-1), qparams["zero_point"].reshape(-1)
-
-
-def _sqnr(x, scale, zero_point, args):
-    fq = fake_quantize(x, scale.reshape(-1, 1), zero_point.reshape(-1, 1).to(torch.int8), args)
-    return float(10 * torch.log10(x.pow(2).sum() / (fq - x).pow(2).sum()))
 
 
 def _state(observer, batches):
