@@ -412,7 +412,11 @@ def gptq_unwarned(weight: torch.Tensor, hessian_state: HessianState, spec: Quant
     _check_arguments(weight, hessian_state, spec, block_size, dampening, actorder)
     _check_qparams(qparams, weight, spec)
     actorder = None if actorder is None else "static"
-    label = ("the layer" if name is None else _checked_name(name), _checked_first(first_expert))
+    if name is not None and (not isinstance(name, str) or not name):
+        raise TypeError(f"gptq: name must be a non-empty str, got {name!r}")
+    if type(first_expert) is not int or first_expert < 0:
+        raise TypeError(f"gptq: first_expert must be an int >= 0, got {first_expert!r}")
+    label = ("the layer" if name is None else name, first_expert)
     count, same = _check_inputs(hessian_state.count, hessian_state.nonfinite, hessian_state.total, weight, *label)
 
     if qparams is not None:  # no autograd graph through the column loop (it would hold every column's tensors)
@@ -439,18 +443,6 @@ def _warn_compute_dtype(weight: torch.Tensor, spec: QuantSpec) -> None:
         warn(f"qstats.gptq: a {wanted} weight under a compressed-tensors spec that computes in {spec.compute_dtype}: "
              f"llm-compressor computes its scales and dequantizes GPTQ's columns in {wanted}; for its codes pass "
              f"QuantSpec.from_compressed_tensors(args, observed_dtype=torch.{wanted})", UserWarning)
-
-
-def _checked_name(name) -> str:
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"gptq: name must be a non-empty str, got {name!r}")
-    return name
-
-
-def _checked_first(first) -> int:
-    if type(first) is not int or first < 0:
-        raise TypeError(f"gptq: first_expert must be an int >= 0, got {first!r}")
-    return first
 
 
 def _check_qparams(qparams, weight, spec) -> None:
