@@ -121,14 +121,19 @@ def parameter_count(model: torch.nn.Module, tensors: Mapping) -> int:
     state = model.state_dict(keep_vars=True)
     elements = sum(tensor.numel() for tensor in tensors.values())
     elements -= sum(tensor.numel() for tensor in state.values() if id(tensor) in buffers)
-    first: dict = {}
     rename = module_renamer(model)
-    for path, module in model.named_modules(remove_duplicate=False):
-        if first.setdefault(id(module), path) != path:
-            copies = _own_tensors(tensors, rename(path))
-            own_buffers = {name for name, _ in module.named_buffers(recurse=False)}
-            elements -= sum(tensor.numel() for name, tensor in copies.items() if name not in own_buffers)
+    for path, module, _ in _later_paths(model):
+        copies = _own_tensors(tensors, rename(path))
+        own_buffers = {name for name, _ in module.named_buffers(recurse=False)}
+        elements -= sum(tensor.numel() for name, tensor in copies.items() if name not in own_buffers)
     return elements
+
+
+def _later_paths(model: torch.nn.Module) -> list:
+    """``(path, module, its first path)`` of each later path of a module the model holds under several."""
+    first: dict = {}
+    return [(path, module, first[id(module)]) for path, module in model.named_modules(remove_duplicate=False)
+            if first.setdefault(id(module), path) != path]
 
 
 @contextlib.contextmanager
@@ -550,11 +555,7 @@ def shared_module_copies(model: torch.nn.Module, tensors: dict) -> dict:
     module under each path, and compressed-tensors quantizes the object at load (its ``named_modules``
     meets it once), so a loader expects the quantized tensors (``weight_packed``, ``weight_scale``)
     under every path, as compressed-tensors' ``compress_model`` writes them, not the float weight."""
-    first: dict = {}
-    aliases = []
-    for path, module in model.named_modules(remove_duplicate=False):
-        if first.setdefault(id(module), path) != path:
-            aliases.append((path, first[id(module)]))
+    aliases = [(path, source) for path, _, source in _later_paths(model)]
     if not aliases:
         return tensors
     tensors = dict(tensors)
