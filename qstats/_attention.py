@@ -2,7 +2,7 @@
 forward hands to its attention function (``AttentionInterface``), after the rotary embedding and
 q/k norms, as compressed-tensors' hooked attention and kv cache quantize them (llm-compressor
 observes them there). They come as ``[batch, heads, tokens, head_dim]``; a site sees them in the
-layout its spec reads (`site_layout`): as ``[batch, tokens, heads * head_dim]`` (`heads_last`), the
+layout its spec reads (`per_head`): as ``[batch, tokens, heads * head_dim]`` (`heads_last`), the
 projections' output shape, or, for one scale per head (`PerHead`, compressed-tensors' ``attn_head``),
 as they come.
 
@@ -19,14 +19,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-from typing import Callable, Iterator, Mapping, NamedTuple, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
 from ._granularity import PerHead
 
 __all__ = ["intercepted", "attention_module", "latent_attention", "LATENT_CACHE", "attention_sites", "heads_last",
-           "heads_first", "SiteLayout", "site_layout", "site_weight", "SiteHooks"]
+           "heads_first", "per_head", "site_weight", "SiteHooks"]
 
 
 def intercepted(module: torch.nn.Module) -> bool:
@@ -71,42 +71,20 @@ def heads_first(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return y.unflatten(-1, (like.shape[1], like.shape[3])).transpose(1, 2) if like.ndim == 4 else y
 
 
-def _same(x: torch.Tensor, like: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return x
-
-
-def _tokens_first(x: torch.Tensor) -> torch.Tensor:
-    """``[batch, heads, tokens, head_dim]`` as ``[batch, tokens, heads, head_dim]`` (a view)."""
-    return x.transpose(1, 2) if x.ndim == 4 else x
-
-
-class SiteLayout(NamedTuple):
-    """How a q/k/v site sees its attention function's ``[batch, heads, tokens, head_dim]`` tensor:
-    ``to_site(x)`` gives the site's tensor, ``from_site(y, x)`` puts a replacement back in ``x``'s
-    layout, ``tokens_first(y)`` views a site's tensor as one starting ``[batch, tokens]`` (where a
-    batch's observation weight fits it)."""
-
-    to_site: Callable
-    from_site: Callable
-    tokens_first: Callable
-
-
-HEADS_LAST = SiteLayout(heads_last, heads_first, _same)  # one tensor of the projections' output shape
-HEADS_FIRST = SiteLayout(_same, _same, _tokens_first)  # as the attention function takes it: one scale a head
-
-
-def site_layout(spec) -> SiteLayout:
-    """The layout of a q/k/v site of ``spec``: `HEADS_FIRST` for one scale per head (`PerHead`, whose
-    axis 1 is then the heads, compressed-tensors' ``attn_head``), `HEADS_LAST` otherwise."""
-    return HEADS_FIRST if isinstance(spec.granularity, PerHead) else HEADS_LAST
+def per_head(spec) -> bool:
+    """Whether a q/k/v site of ``spec`` sees its tensor as the attention function takes it, ``[batch,
+    heads, tokens, head_dim]``, for one scale per head (`PerHead`, whose axis 1 is then the heads,
+    compressed-tensors' ``attn_head``); other sites see it as one tensor of the projections' output
+    shape (`heads_last`)."""
+    return isinstance(spec.granularity, PerHead)
 
 
 def site_weight(x: torch.Tensor, spec, fit: Callable) -> Optional[torch.Tensor]:
     """The batch's observation weight (``[batch, tokens]``, padding 0) as the weight of ``x``, the
-    tensor a site of ``spec`` sees: ``fit(view)`` fits it to the layout's ``tokens_first`` view of
-    ``x`` (`qstats.observation.weight_of`: None where it does not), then it is put in ``x``'s layout,
-    repeated over the heads, so padding is left out of every head as out of a per-tensor site."""
-    view = site_layout(spec).tokens_first(x)
+    tensor a site of ``spec`` sees: ``fit(view)`` fits it to ``x`` viewed as starting ``[batch,
+    tokens]`` (`qstats.observation.weight_of`: None where it does not), then it is put in ``x``'s
+    layout, repeated over the heads, so padding is left out of every head as out of a per-tensor site."""
+    view = x.transpose(1, 2) if per_head(spec) and x.ndim == 4 else x
     weight = fit(view)
     if weight is None or view is x or weight.ndim < 2:
         return weight
@@ -117,19 +95,21 @@ def site_weight(x: torch.Tensor, spec, fit: Callable) -> Optional[torch.Tensor]:
 class SiteHooks:
     """``hook(query, key, value) -> (query, key, value)`` of one attention module's sites: each
     ``sites[site]`` (``"q"``, ``"k"``, ``"v"``) gets its floating-point tensor in the layout of its
-    spec ``specs[site]`` (`site_layout`, decided here once) and returns its replacement in that
+    spec ``specs[site]`` (`per_head`, decided here once) and returns its replacement in that
     layout, or None to keep it (observing and measuring keep it; `fake_quantized` replaces it)."""
 
     def __init__(self, sites: Mapping, specs: Mapping):
         self.sites = sites  # site -> fn(x) -> Optional[tensor]
-        self.layouts = {site: site_layout(specs[site]) for site in sites}
+        self.flattened = {site: not per_head(specs[site]) for site in sites}  # seen as `heads_last`
 
     def __call__(self, query, key, value):
         out = []
         for site, x in zip(("q", "k", "v"), (query, key, value)):
-            fn, layout = self.sites.get(site), self.layouts.get(site)
-            y = fn(layout.to_site(x)) if fn is not None and torch.is_tensor(x) and x.is_floating_point() else None
-            out.append(x if y is None else layout.from_site(y, x))
+            fn, flattened = self.sites.get(site), self.flattened.get(site)
+            y = None
+            if fn is not None and torch.is_tensor(x) and x.is_floating_point():
+                y = fn(heads_last(x) if flattened else x)
+            out.append(x if y is None else heads_first(y, x) if flattened else y)
         return tuple(out)
 
 

@@ -382,7 +382,7 @@ class _ActivationSite(_SiteHook):
 
 class _AttentionSite(_ActivationSite):
     """A q/k/v site of a transformers attention module: the tensor `SiteHooks` hands it in its spec's
-    layout (`qstats._attention.site_layout`), weighted by the batch's weight in that layout."""
+    layout (`qstats._attention.per_head`), weighted by the batch's weight in that layout."""
 
     def weight_for(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         return site_weight(x, self.found.spec, lambda view: self.run.weight_for(view, flattened=False))
