@@ -31,7 +31,7 @@ from .._granularity import check_observable
 from .._qparams import register_range_rule
 from .._spec import QuantSpec
 from ._base import Observer, check_field_dtype, check_same_shapes, check_state, register_state
-from .kit import checked_rows
+from .kit import checked_rows, raises_on_nonfinite
 
 __all__ = ["HessianState", "hessian", "gptq_hessian"]
 
@@ -110,8 +110,7 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
     tensor([[10.,  2.],
             [ 2.,  4.]])
     """
-    if spec is not None and not isinstance(spec, QuantSpec):
-        raise TypeError(f"hessian: spec must be a QuantSpec or None, got {type(spec).__name__}")
+    raise_on_nonfinite = raises_on_nonfinite(spec, "hessian")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"hessian: dtype must be torch.float32 or torch.float64, got {dtype}")
 
@@ -122,8 +121,6 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
         features = x.shape[-1]
         zero = torch.zeros((), dtype=torch.int64, device=x.device)
         return HessianState(torch.zeros(features, features, dtype=dtype, device=x.device), zero, zero.clone())
-
-    raise_on_nonfinite = spec is not None and spec.nonfinite == "raise"
 
     def update_fn(state: HessianState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> HessianState:
         state = checked_hessian_state(state, "hessian.update", values=False)

@@ -18,7 +18,7 @@ from .._checks import require
 from .._granularity import canonical_view, check_observable
 from .._spec import QuantSpec
 from ._base import Observer, check_field_dtype, check_same_shapes, check_state, register_state
-from .kit import checked_rows
+from .kit import checked_rows, raises_on_nonfinite
 from .mse import check_search_args, mse
 
 __all__ = ["IMatrixState", "imatrix", "importance", "imatrix_mse"]
@@ -70,8 +70,7 @@ def imatrix(spec: Optional[QuantSpec] = None) -> Observer:
     >>> qstats.importance(obs.update(obs.init(x), x))
     tensor([5., 2.], dtype=torch.float64)
     """
-    if spec is not None and not isinstance(spec, QuantSpec):
-        raise TypeError(f"imatrix: spec must be a QuantSpec or None, got {type(spec).__name__}")
+    raise_on_nonfinite = raises_on_nonfinite(spec, "imatrix")
 
     def init_fn(x: torch.Tensor) -> IMatrixState:
         check_observable(x, "imatrix.init")
@@ -82,30 +81,24 @@ def imatrix(spec: Optional[QuantSpec] = None) -> Observer:
         return IMatrixState(zeros, torch.zeros((), dtype=torch.int64, device=x.device),
                             torch.zeros(channels, dtype=torch.int64, device=x.device))
 
-    raise_on_nonfinite = spec is not None and spec.nonfinite == "raise"
-
     def update_fn(state: IMatrixState, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> IMatrixState:
         state = _checked(state, "imatrix.update")
         keep = checked_rows(x, weight, state.square_total.shape[-1], "imatrix.update")  # on an empty batch too
         if x.numel() == 0:
             return state
-        keep = None if keep is None else keep[:, None]  # [rows, 1] against the squares [rows, channels]
         rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+        if keep is None:  # every row
+            keep = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+        keep = keep[:, None]  # [rows, 1] against the squares [rows, channels]
         squares = rows * rows
         finite = torch.isfinite(squares)  # NaN, Inf, or a float64 value whose square overflows
-        if keep is None:
-            row_count = torch.tensor(rows.shape[0], dtype=torch.int64, device=rows.device)
-            included = finite
-        else:
-            row_count = keep.sum()
-            included = finite & keep
-        total = torch.where(included, squares, torch.zeros_like(squares)).sum(0)
-        nonfinite = (~finite).sum(0) if keep is None else ((~finite) & keep).sum(0)
+        total = torch.where(finite & keep, squares, torch.zeros_like(squares)).sum(0)
+        nonfinite = ((~finite) & keep).sum(0)
         if raise_on_nonfinite:  # eagerly, under vmap and compile; threaded through the sum
             ok = require(nonfinite == 0, "imatrix.update: the activations hold a NaN or Inf (or a value whose "
                          "square overflows float64) and the spec says nonfinite='raise'")
             total = torch.where(ok, total, torch.zeros_like(total))
-        return IMatrixState(state.square_total + total, state.count + row_count, state.nonfinite + nonfinite)
+        return IMatrixState(state.square_total + total, state.count + keep.sum(), state.nonfinite + nonfinite)
 
     def merge_fn(a: IMatrixState, b: IMatrixState) -> IMatrixState:
         a, b = _checked(a, "imatrix.merge"), _checked(b, "imatrix.merge")
@@ -207,38 +200,28 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
         return mse(spec, maxshrink=maxshrink, grid=grid, norm=norm, expand=expand, importance=importance,
                    steps=steps, **options)._replace(name="imatrix_mse")
 
-    if weights is None:
-        # llm-compressor's imatrix search forms every error in float32, with importance data or
-        # without: a unit importance (on the tensor's device) keeps qstats.mse from forming bf16/fp16
-        # errors in their own dtype, as llm-compressor's plain mse observer does
-        base = build(None)
-
-        def uniform_init(x: torch.Tensor):
-            check_observable(x, "imatrix_mse.init")
-            return base.init(x)
-
-        def uniform_update(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
-            check_observable(x, "imatrix_mse.update")  # before x.device: None was an AttributeError
-            return build(torch.ones((), dtype=torch.float32, device=x.device)).update(state, x, weight)
-
-        return base._replace(init=uniform_init, update=uniform_update)
     base = build(weights)
 
-    def check_weight_shape(x: torch.Tensor, where: str) -> None:
+    def check_input(x: torch.Tensor, where: str) -> None:
+        check_observable(x, where)  # before x.device: None was an AttributeError
         # the importance is laid out for the weight's shape; an empty tensor leaves the state as it is
-        check_observable(x, where)
-        if x.numel() != 0 and tuple(x.shape) != weight_shape:
+        if weights is not None and x.numel() != 0 and tuple(x.shape) != weight_shape:
             raise ValueError(
                 f"{where}: a tensor of shape {tuple(x.shape)} does not match the weight shape {weight_shape} "
                 "the importance was given for"
             )
 
     def init_fn(x: torch.Tensor):
-        check_weight_shape(x, "imatrix_mse.init")
+        check_input(x, "imatrix_mse.init")
         return base.init(x)
 
     def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
-        check_weight_shape(x, "imatrix_mse.update")
-        return base.update(state, x, weight)
+        check_input(x, "imatrix_mse.update")
+        if weights is not None:
+            return base.update(state, x, weight)
+        # llm-compressor's imatrix search forms every error in float32, with importance data or
+        # without: a unit importance (on the tensor's device) keeps qstats.mse from forming bf16/fp16
+        # errors in their own dtype, as llm-compressor's plain mse observer does
+        return build(torch.ones((), dtype=torch.float32, device=x.device)).update(state, x, weight)
 
     return base._replace(init=init_fn, update=update_fn)

@@ -77,6 +77,15 @@ def check_spec(spec, where: str = "") -> QuantSpec:
     return spec
 
 
+def raises_on_nonfinite(spec, where: str) -> bool:
+    """Whether the optional ``spec`` of an observer that depends on no quantization format (None, or a
+    QuantSpec of which only ``nonfinite`` is read) says ``nonfinite="raise"``; TypeError naming
+    ``where`` for anything else."""
+    if spec is not None and not isinstance(spec, QuantSpec):
+        raise TypeError(f"{where}: spec must be a QuantSpec or None, got {type(spec).__name__}")
+    return spec is not None and spec.nonfinite == "raise"
+
+
 def extremes_init(cls: type, spec: QuantSpec, name: str = "") -> Callable[[torch.Tensor], tuple]:
     """``init(x)`` for a state class whose first two fields are extremes (``+inf`` and ``-inf``,
     float32) and whose other fields are int64 counts (zero), shaped like ``x``'s parameters.
