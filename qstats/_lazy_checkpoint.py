@@ -417,7 +417,12 @@ def _read(checkpoint: LazyCheckpoint, names: list, like: torch.Tensor,
         if dims is not None:
             value = value.transpose(*dims).contiguous()
         _check_tied(checkpoint, name, value, names)
-        return _in_dtype_of(checkpoint, name, value, like)
+        # in the model tensor's dtype, as from_pretrained casts a checkpoint (float32 norms of a bfloat16
+        # checkpoint); a float8 or integer tensor for a floating-point one (a quantized checkpoint) would
+        # lose its scales
+        if _uncastable(value.dtype, like):
+            raise _dtype_error(checkpoint, name, value.dtype, like)
+        return value if value.dtype == like.dtype or not like.is_floating_point() else value.to(like.dtype)
     return None
 
 
@@ -434,7 +439,8 @@ def _loaded_transpose(checkpoint, name: str, shape: tuple, like: torch.Tensor,
         swapped[dims[0]], swapped[dims[1]] = swapped[dims[1]], swapped[dims[0]]
         if tuple(swapped) == tuple(like.shape):
             return dims
-    raise _shape_error(checkpoint, name, shape, like)
+    raise ValueError(f"{checkpoint.where}: checkpoint tensor {name!r} has shape {shape}, the model's "
+                     f"{tuple(like.shape)}{_stored_in(checkpoint, name)}")
 
 
 def _stored_in(checkpoint, name: str) -> str:
@@ -470,26 +476,11 @@ def _check_tied(checkpoint, name: str, value: torch.Tensor, names: list) -> None
 _CASTABLE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _in_dtype_of(checkpoint, name: str, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``value`` in the dtype of the model's tensor ``like``, as ``from_pretrained`` casts a checkpoint
-    to the model's dtype (float32 norms of a bfloat16 checkpoint); a float8 or integer tensor for a
-    floating-point one (a quantized checkpoint, compressed-tensors' int8 weights: the cast would drop
-    its scales) is a ValueError."""
-    if _uncastable(value.dtype, like):
-        raise _dtype_error(checkpoint, name, value.dtype, like)
-    return value if value.dtype == like.dtype or not like.is_floating_point() else value.to(like.dtype)
-
-
 def _uncastable(dtype, like: torch.Tensor) -> bool:
     """Whether a stored tensor of ``dtype`` (torch's, or safetensors' name of one torch lacks) is not
     cast to the floating-point model tensor ``like``'s dtype: float8, integers (a quantized checkpoint)."""
     return (like.is_floating_point() and dtype != like.dtype
             and not (dtype in _CASTABLE_FLOATS and like.dtype in _CASTABLE_FLOATS))
-
-
-def _shape_error(checkpoint, name: str, shape: tuple, like: torch.Tensor) -> ValueError:
-    return ValueError(f"{checkpoint.where}: checkpoint tensor {name!r} has shape {shape}, the model's "
-                      f"{tuple(like.shape)}{_stored_in(checkpoint, name)}")
 
 
 def _dtype_error(checkpoint, name: str, dtype, like: torch.Tensor) -> ValueError:
