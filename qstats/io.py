@@ -55,10 +55,6 @@ def safe_globals() -> list[type]:
     return list(_named_types().values())
 
 
-def _escape(component: str) -> str:
-    return component.replace("%", "%25").replace("/", "%2F")
-
-
 def _encode(tree: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> dict:
     where = "/".join(path) or "<root>"
     if len(path) > MAX_DEPTH:
@@ -68,7 +64,7 @@ def _encode(tree: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> dic
             raise ValueError(f"qstats.io: tensor at {where} is on the meta device and holds no data to save")
         # escaped components hold "%" only as "%25" or "%2F", so distinct paths give distinct keys: the
         # two keys of an empty join (the root itself, or a single empty name) collide with no other path
-        key = "/".join(_escape(p) for p in path) or ("%root" if not path else "%empty")
+        key = "/".join(p.replace("%", "%25").replace("/", "%2F") for p in path) or ("%root" if not path else "%empty")
         if key == "__metadata__":  # safetensors' own header entry: a tensor of that name made an unreadable file
             key = "%5F_metadata__"
         if tree.layout != torch.strided:
