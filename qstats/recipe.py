@@ -399,16 +399,24 @@ def _searched_parts(rule: Rule, spec: QuantSpec, site: str, kind: tuple, shapes:
                  and gate_up_halves(shapes, spec.granularity)) else 1
 
 
-def gate_up_halves(shapes: dict, granularity) -> bool:
-    """Whether a stacked ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows; ``shapes`` from
-    `stack_shapes`, empty where the stack does not read as per-expert Linears) has quantization
-    parameters that split into the two halves' rows, as its linearized gate and up Linears have."""
+def _halves(shapes: dict) -> Optional[tuple]:
+    """``(I, H)``, the shape of each half of a stacked ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then
+    up rows) beside a ``down_proj`` ``[E, H, I]`` (``shapes`` from `stack_shapes`, empty where the
+    stack does not read as per-expert Linears), or None."""
     param, down = shapes.get("gate_up_proj"), shapes.get("down_proj")
-    if param is None or down is None or len(param) != 3 or len(down) != 3:
+    if param is None or down is None or len(param) != 3 or len(down) != 3 or param[1] != 2 * down[2]:
+        return None
+    return down[2], param[2]
+
+
+def gate_up_halves(shapes: dict, granularity) -> bool:
+    """Whether a stacked ``gate_up_proj`` (`_halves`) has quantization parameters that split into the
+    two halves' rows, as its linearized gate and up Linears have."""
+    halves = _halves(shapes)
+    if halves is None:
         return False
-    rows, columns = param[1:]
-    whole, half = (qparam_shape(shape, granularity) for shape in ((rows, columns), (down[2], columns)))
-    return rows == 2 * down[2] and bool(half) and whole == (2 * half[0], *half[1:])
+    whole, half = (qparam_shape(shape, granularity) for shape in ((2 * halves[0], halves[1]), halves))
+    return bool(half) and whole == (2 * half[0], *half[1:])
 
 
 def stack_shapes(module: torch.nn.Module, params: dict) -> dict:
@@ -452,34 +460,25 @@ def _refuse_conv_hessian(path: str, module: torch.nn.Module, site: Site) -> None
         )
 
 
-def _gate_up_halves(spec: QuantSpec, site: str, shapes: dict) -> QuantSpec:
-    """A per-tensor spec of fused experts' ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows;
-    ``shapes`` from `stack_shapes`) made per projection, ``PerBlock((I, H))``: gate and up are two
-    matrices, each with its own scale (llm-compressor linearizes them into ``gate_proj`` and
-    ``up_proj``; vLLM keeps both scales)."""
-    param, down = shapes.get(site), shapes.get("down_proj")
-    if (site != "gate_up_proj" or not isinstance(spec.granularity, PerTensor) or down is None
-            or len(param) != 3 or len(down) != 3 or param[1] != 2 * down[2]):
-        return spec
-    return spec.replace(granularity=PerBlock((param[1] // 2, param[2])))
-
-
-def _refuse_straddling_blocks(path: str, spec: QuantSpec, site: str, shapes: dict) -> None:
-    """ValueError for a compressed-tensors block spec on fused experts' ``gate_up_proj`` ``[E, 2I, H]``
-    (``shapes`` from `stack_shapes`) whose block rows do not divide ``I``: llm-compressor blocks its
-    linearized ``gate_proj`` and ``up_proj`` apart (each with partial edge blocks), where a block of
-    the stack would hold rows of both (the export refused it, after the calibration)."""
-    param, down = shapes.get(site), shapes.get("down_proj")
-    granularity = spec.granularity
-    if site != "gate_up_proj" or not isinstance(granularity, PerBlock) or down is None or len(param) != 3:
-        return
-    rows, intermediate = granularity.block_shape[-2], param[1] // 2
-    if param[1] == 2 * down[-1] and intermediate % rows:
+def _stacked_spec(path: str, rule: Rule, site: str, shapes: dict) -> QuantSpec:
+    """The spec of a stacked site under ``rule``: its own, but on fused experts' ``gate_up_proj``
+    ``[E, 2I, H]`` (`_halves`), whose gate and up are two matrices (llm-compressor linearizes them
+    into ``gate_proj`` and ``up_proj``; vLLM keeps both scales): a per-tensor spec is made per
+    projection, ``PerBlock((I, H))``, and a compressed-tensors block spec (a `GroupMatch` or
+    `ExpertsMatch` rule) whose block rows do not divide ``I`` is refused (ValueError): llm-compressor
+    blocks its linearized ``gate_proj`` and ``up_proj`` apart (each with partial edge blocks), where a
+    block of the stack would hold rows of both (the export refused it, after the calibration)."""
+    granularity, halves = rule.spec.granularity, _halves(shapes) if site == "gate_up_proj" else None
+    if halves is not None and isinstance(granularity, PerTensor):
+        return rule.spec.replace(granularity=PerBlock(halves))
+    if (halves is not None and isinstance(granularity, PerBlock) and isinstance(rule.matcher, (GroupMatch, ExpertsMatch))
+            and halves[0] % granularity.block_shape[-2]):
         raise ValueError(
-            f"Recipe: {path}:gate_up_proj ({param}, gate rows then up rows) under blocks of "
-            f"{granularity.block_shape}: the {rows}-row blocks straddle the gate and up halves of {intermediate} "
-            "rows each, which llm-compressor blocks apart as two Linears; not supported: ignore these experts' "
-            "gate/up projections or choose a block height that divides the intermediate size")
+            f"Recipe: {path}:gate_up_proj ({shapes[site]}, gate rows then up rows) under blocks of "
+            f"{granularity.block_shape}: the {granularity.block_shape[-2]}-row blocks straddle the gate and up "
+            f"halves of {halves[0]} rows each, which llm-compressor blocks apart as two Linears; not supported: "
+            "ignore these experts' gate/up projections or choose a block height that divides the intermediate size")
+    return rule.spec
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -806,9 +805,7 @@ class Recipe:
             for site in _checkpoint_rule(rule, path, module, rename).sites_on(path, module):
                 kind = None if site in entry else _site_kind(module, params, num_experts, site)
                 if kind is not None:
-                    spec = _gate_up_halves(rule.spec, site, shapes) if kind[1] else rule.spec
-                    if kind[1] and isinstance(rule.matcher, (GroupMatch, ExpertsMatch)):
-                        _refuse_straddling_blocks(path, spec, site, shapes)
+                    spec = _stacked_spec(path, rule, site, shapes) if kind[1] else rule.spec
                     layout = stack_layout(module, site) if kind == ("parameter", num_experts) and num_experts else None
                     parts = _searched_parts(rule, spec, site, kind, shapes)
                     entry[site] = _make_site(rule, spec, *kind, layout, parts)
