@@ -35,7 +35,7 @@ from .observers.search import search
 from .experts import linearized_experts, linearized_layout_problem
 from ._warn import warn
 
-__all__ = ["scheme_rules", "config_rules", "preset_schemes", "compressed_tensors_ignore", "as_written", "GroupMatch",
+__all__ = ["scheme_rules", "config_rules", "compressed_tensors_ignore", "as_written", "GroupMatch",
            "split_observer_kwargs", "DROPIN_OBSERVERS"]
 
 # the compressed-tensors checkpoint formats `qstats.export.compressed_tensors` writes
@@ -80,15 +80,6 @@ def require_compressed_tensors(caller: str) -> None:
         importlib.import_module("compressed_tensors")
     except ImportError as error:
         raise ImportError(f"{caller} needs compressed-tensors: pip install 'qstats[calibrate]' ({error})") from None
-
-
-def preset_schemes() -> tuple:
-    """The names of compressed-tensors' preset schemes (``PRESET_SCHEMES``) of the installed
-    compressed-tensors."""
-    require_compressed_tensors("preset_schemes")
-    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
-
-    return tuple(PRESET_SCHEMES)
 
 
 def _args(args):
@@ -262,7 +253,7 @@ ATTN_HEAD_LINEAR = (
 )
 
 
-# why compressed-tensors' static per-group activations are refused (`_static_activation_refusal`)
+# why compressed-tensors' static per-group activations are refused (`_STATIC_REFUSALS`)
 STATIC_GROUP_ACTIVATIONS = (
     "static per-group activations (compressed-tensors strategy 'group' or 'tensor_group' with dynamic=False, "
     "not NVFP4's dynamic='local') are not supported end to end by llm-compressor 0.14 / compressed-tensors "
@@ -270,7 +261,7 @@ STATIC_GROUP_ACTIVATIONS = (
     "model after oneshot, the reloaded checkpoint) broadcasts those scales against the sequence dimension and "
     "fails (or quantizes token i with group i's scale); use dynamic=True (per-group scales of each tensor at run time) or strategy 'tensor'"
 )
-# why static per-channel and per-block activations are refused (`_static_activation_refusal`)
+# why static per-channel and per-block activations are refused (`_STATIC_REFUSALS`)
 STATIC_ROW_ACTIVATIONS = (
     "static per-channel and per-block activations (compressed-tensors strategy 'channel' or 'block', which "
     "compressed-tensors takes for output_activations) are not supported, as llm-compressor 0.14's calibration "
@@ -287,28 +278,20 @@ GROUPED_ATTENTION = (
     "per tensor or per head (strategy 'tensor' or 'attn_head')"
 )
 
+# why static activation args are refused, by strategy: per-group ones (``group``, and ``tensor_group``
+# with ``dynamic=False``, not NVFP4's ``"local"``), per-channel and per-block ones. Their specs read per
+# row, so a site would otherwise be scaled at run time in silence (`qstats.recipe.runtime_scaled`) and
+# exported as dynamic.
 _STATIC_REFUSALS = {"group": STATIC_GROUP_ACTIVATIONS, "tensor_group": STATIC_GROUP_ACTIVATIONS,
                     "channel": STATIC_ROW_ACTIVATIONS, "block": STATIC_ROW_ACTIVATIONS}
-
-
-def _static_activation_refusal(args, site: str) -> str:
-    """Why static activation ``args`` of ``site`` are refused, or "": per-group ones (``group``, and
-    ``tensor_group`` with ``dynamic=False``, not NVFP4's ``"local"``: `STATIC_GROUP_ACTIVATIONS`),
-    per-channel and per-block ones (`STATIC_ROW_ACTIVATIONS`). Their specs read per row, so a site
-    would otherwise be scaled at run time in silence (`qstats.recipe.runtime_scaled`) and exported
-    as dynamic."""
-    if site == "weight" or args.dynamic is not False:
-        return ""
-    return _STATIC_REFUSALS.get(args.strategy, "")
 
 
 def _rule(Rule, targets, args, site: str, observed_dtype, caller: str):
     # PerHead(1) would read a Linear's second axis
     if args.strategy == "attn_head" and site not in ("q", "k", "v"):
         raise ValueError(f"the {site} args: {ATTN_HEAD_LINEAR}")
-    refusal = _static_activation_refusal(args, site)
-    if refusal:
-        raise ValueError(f"{caller}: the {site} args: {refusal}")
+    if site != "weight" and args.dynamic is False and args.strategy in _STATIC_REFUSALS:
+        raise ValueError(f"{caller}: the {site} args: {_STATIC_REFUSALS[args.strategy]}")
     overrides = {} if observed_dtype is None else {"observed_dtype": observed_dtype}
     if site != "weight" and args.dynamic is True:  # scales at run time: llm-compressor observes nothing
         # the Rule says so (dynamic=True): the spec of the args read as static, which does not warn
