@@ -341,7 +341,9 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
     try:
         # a device, FIFO or pipe (/dev/null; /dev/stdout, whose real path names no file): open() writes into it
         if os.path.exists(target) and not os.path.isfile(target):
-            _write_through(tensors, metadata, target)
+            data = safetensors.torch.save(tensors, metadata=metadata)  # in memory: safetensors' writer takes a path
+            with open(target, "wb") as handle:
+                handle.write(data)
         else:
             _write_replacing(tensors, metadata, real)
     except (SafetensorError, OSError) as error:  # the writer's I/O failures, as open() and torch.save raise them
@@ -368,14 +370,6 @@ def _check_target(target: str) -> None:
     except OSError as error:
         if error.errno != errno.ENOENT:  # ELOOP, ENOTDIR, EACCES: the subclass open() raises
             raise OSError(error.errno, f"qstats.io: could not write {target} ({error.strerror})") from None
-
-
-def _write_through(tensors: dict[str, torch.Tensor], metadata: dict, target: str) -> None:
-    """Writes the file's bytes into ``target``, a device, FIFO or pipe, as ``open`` does, where a rename
-    would put a file in its place (the bytes are made in memory: safetensors' writer takes a path)."""
-    data = safetensors.torch.save(tensors, metadata=metadata)
-    with open(target, "wb") as handle:
-        handle.write(data)
 
 
 def _write_replacing(tensors: dict[str, torch.Tensor], metadata: dict, target: str) -> None:
