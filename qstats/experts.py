@@ -65,8 +65,6 @@ def declared_experts(module: torch.nn.Module) -> tuple:
     return None, 0
 
 
-# experts classes llm-compressor 0.14 linearizes by registration (LinearExperts2D._registry)
-_REGISTERED_EXPERTS = ("GptOssExperts", "Llama4TextExperts")
 # the Linear modules llm-compressor's ``linearize_moe`` makes of each expert's slice of a stack
 _LINEARIZED = {"gate_up_proj": ("up_proj", "gate_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
 
@@ -78,8 +76,9 @@ def linearized_experts(path: str, module: torch.nn.Module, site: Optional[str] =
     ``down_proj``, in its module order. With ``site`` (a stacked parameter, ``"<parameter>.input"``,
     or ``"input"``: the first projection's input) only the modules behind it. [] for any other
     module or site, and for experts llm-compressor does not linearize (neither built by
-    transformers' ``use_experts_implementation``, which sets ``is_transposed``, nor registered)."""
-    if not hasattr(module, "is_transposed") and type(module).__name__ not in _REGISTERED_EXPERTS:
+    transformers' ``use_experts_implementation``, which sets ``is_transposed``, nor registered:
+    `_STORED_LAYOUTS`)."""
+    if not hasattr(module, "is_transposed") and type(module).__name__ not in _STORED_LAYOUTS:
         return []
     params = own_parameters(module)
     first = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
@@ -145,9 +144,9 @@ def _regrouped(x: torch.Tensor, dim: int, groups: tuple) -> torch.Tensor:
     return x.unflatten(dim, groups).transpose(dim, dim + 1).flatten(dim, dim + 1)
 
 
-# experts whose stacks llm-compressor 0.14 linearizes from a stored layout other than [E, out, in], by its
-# registered classes: Llama4LinearExperts (halves of gate_up_proj [E, H, 2I]) and GptOssLinearExperts
-# (gate_up_proj [E, H, 2I] columns 0::2 and 1::2, biases copied into the Linears)
+# the experts classes llm-compressor 0.14 linearizes by registration (LinearExperts2D._registry), each
+# from a stored layout other than [E, out, in]: Llama4LinearExperts (halves of gate_up_proj [E, H, 2I])
+# and GptOssLinearExperts (gate_up_proj [E, H, 2I] columns 0::2 and 1::2, biases copied into the Linears)
 _STORED_LAYOUTS = {
     "Llama4TextExperts": {"gate_up_proj": StackLayout(transposed=True), "down_proj": StackLayout(transposed=True)},
     "GptOssExperts": {"gate_up_proj": StackLayout(True, True, "gate_up_proj_bias"),
