@@ -36,6 +36,19 @@ def _bound_inputs(layer: nn.Module, key: str, node) -> Dict[str, Any]:
                          f"forward does not take: {error}") from error
 
 
+def _call_argument(node, position: int, name: str):
+    """Argument ``name`` of the call ``node``: positional at ``position`` or a keyword."""
+    return node.args[position] if len(node.args) > position else node.kwargs[name]
+
+
+def _set_call_argument(node, position: int, name: str, value) -> None:
+    """Replaces argument ``name`` of the call ``node`` where it was given: at ``position`` or as a keyword."""
+    if len(node.args) > position:
+        node.update_arg(position, value)
+    else:
+        node.update_kwarg(name, value)
+
+
 def _observer_of(entries: tuple, layer: nn.Module) -> Optional[Observer]:
     """The observer of the first entry whose type ``layer`` is an instance of; None (float) if none is."""
     return next((observer for key, observer in entries if isinstance(layer, key)), None)
@@ -256,20 +269,15 @@ class _Rewriter:
     def quantize_functional(self, node, key: str, layer: nn.Module) -> None:
         """An ``F.linear``/``F.convNd``/``F.embedding``/... call reading layer ``key``'s weight (a
         traced-through forward) takes the fake-quantized input and weight; its other arguments stay."""
-        positions = {"input": 0, "weight": 1}
-        given = {name: node.args[i] if len(node.args) > i else node.kwargs[name] for name, i in positions.items()}
+        given = _call_argument(node, 1, "weight")
         self._note_hooks(key, layer, traced=True)
-        x, weight = self._quantized_inputs(node, key, layer, given["input"], lambda: given["weight"])
-        updates = {"input": x, "weight": weight}
+        x, weight = self._quantized_inputs(node, key, layer, _call_argument(node, 0, "input"), lambda: given)
+        _set_call_argument(node, 0, "input", x)
+        _set_call_argument(node, 1, "weight", weight)
         if node.target in (F.embedding, F.embedding_bag):  # F.embedding's sparse is its 7th argument, embedding_bag's 8th
-            i = positions["sparse"] = 6 if node.target is F.embedding else 7
+            i = 6 if node.target is F.embedding else 7
             if self._dense_gradient(key, layer, node.args[i] if len(node.args) > i else node.kwargs.get("sparse", False)):
-                updates["sparse"] = False
-        for name, value in updates.items():
-            if len(node.args) > positions[name]:
-                node.update_arg(positions[name], value)
-            else:
-                node.update_kwarg(name, value)
+                _set_call_argument(node, i, "sparse", False)
 
     def quantize_parameter_call(self, node, key: str, kind: type) -> None:
         """An ``F.linear``/``F.convNd``/``F.conv_transposeNd`` call of parameter or buffer ``key``
@@ -287,18 +295,15 @@ class _Rewriter:
             self.parameter_calls[key] = kind
             if issubclass(kind, _CONV_TRANSPOSE):
                 self.parameter_groups[key] = _call_groups(node)
-        given = [node.args[i] if len(node.args) > i else node.kwargs[name] for i, name in enumerate(("input", "weight"))]
+        weight = _call_argument(node, 1, "weight")
         with self.graph.inserting_before(node):
-            x = self._fake_quantized("activations", key, given[0])
+            x = self._fake_quantized("activations", key, _call_argument(node, 0, "input"))
             if key not in self.weights:  # the same weight: observed once per pass
                 groups = self.parameter_groups.get(key)
-                self.weights[key] = (self._fake_quantized("weights", key, given[1]) if groups is None
-                                     else self._fake_quantized_transposed(key, given[1], groups))
-        for i, (name, value) in enumerate((("input", x), ("weight", self.weights[key]))):
-            if len(node.args) > i:
-                node.update_arg(i, value)
-            else:
-                node.update_kwarg(name, value)
+                self.weights[key] = (self._fake_quantized("weights", key, weight) if groups is None
+                                     else self._fake_quantized_transposed(key, weight, groups))
+        _set_call_argument(node, 0, "input", x)
+        _set_call_argument(node, 1, "weight", self.weights[key])
 
     def pure_batchnorm(self, node, layer) -> None:
         key = str(node.target)

@@ -24,7 +24,7 @@ def _functional_owner(model: nn.Module, node, layers) -> Optional[str]:
     ``weight`` parameter ``node`` (an ``F.linear``/``F.convNd`` call) reads in that layer's own forward
     (traced through), or None: a call elsewhere (``F.linear(h, self.head.weight)``) is one of its own, with its
     own points (`_parameter_call`), as torch.ao's prepare_qat_fx gives it fake quants apart from the layer's."""
-    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    weight = _call_weight(node)
     if not isinstance(weight, torch.fx.Node) or weight.op != "get_attr":
         return None
     try:
