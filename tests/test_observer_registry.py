@@ -185,7 +185,7 @@ def test_an_alias_of_a_builtin_factory_keeps_its_name_for_export():
         qstats.observers.register("absmax", qstats.minmax)
         assert qstats.observers.get("absmax") is qstats.minmax
         assert registry.name_of(qstats.minmax) == "minmax"
-        assert llm_compressor_observers(plan) == {"fc": {"input": "static_minmax"}}
+        assert llm_compressor_observers(plan) == {"fc": {"input": ("static_minmax", {})}}
     finally:
         registry._FACTORIES.pop("absmax", None)
 

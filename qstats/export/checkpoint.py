@@ -443,7 +443,7 @@ def _quantization_config(schemes: dict, expert_projection: dict, attention: dict
                          rename) -> dict:
     """The ``quantization_config`` of ``config.json``: config groups per scheme, the kv-cache scheme
     and the Linear modules left unquantized (``ignore``), modules under their checkpoint names."""
-    observers = llm_compressor_observers(plan, with_kwargs=True) if plan is not None else {}
+    observers = llm_compressor_observers(plan) if plan is not None else {}
     groups = config_groups(schemes, expert_projection, format, modules, observers, rename)
     # as compressed-tensors' infer_model_format: dense groups (activations only) do not count
     formats = {group["format"] for group in groups.values()} - {"dense"}

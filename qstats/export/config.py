@@ -262,15 +262,11 @@ def llm_compressor_observer(found) -> tuple:
     return "mse", kwargs if constant == _AVERAGING_CONSTANT else {**kwargs, "averaging_constant": constant}
 
 
-def llm_compressor_observers(plan, with_kwargs: bool = False) -> dict:
-    """``{path: {site: name}}``: the llm-compressor observer name equivalent to each site's qstats
-    observer (`llm_compressor_observer`); ``{path: {site: (name, observer_kwargs)}}`` ``with_kwargs``."""
-    names: dict = {}
-    for path, sites in plan.sites.items():
-        for site, found in sites.items():
-            observer = llm_compressor_observer(found)
-            names.setdefault(path, {})[site] = observer if with_kwargs else observer[0]
-    return names
+def llm_compressor_observers(plan) -> dict:
+    """``{path: {site: (name, observer_kwargs)}}``: the llm-compressor observer equivalent to each site's
+    qstats observer (`llm_compressor_observer`)."""
+    return {path: {site: llm_compressor_observer(found) for site, found in sites.items()}
+            for path, sites in plan.sites.items()}
 
 
 def ignored_modules(modules: dict, schemes: dict, rename) -> list:
