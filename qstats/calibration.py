@@ -614,24 +614,21 @@ class _ExpertInputs(ExpertCallHooks):
         qp, found = self.sites[site]
         where = f"fake_quantized: module {self.path!r} site {site!r}"
 
-        def of_expert(expert: int, part: torch.Tensor) -> torch.Tensor:
-            return _fake_quantize_activation(part, experts_qparams(qp, expert), found.spec, found.runtime, where)
+        def quantize(x: torch.Tensor, qparams) -> torch.Tensor:
+            return _fake_quantize_activation(x, qparams, found.spec, found.runtime, where)
 
         if isinstance(ids, int):
-            return of_expert(ids, rows)
+            return quantize(rows, experts_qparams(qp, ids))
         if found.runtime and not found.spec.granularity.row_wise():  # scales from each expert's rows
             out = rows.clone()  # rows of no expert (expert-parallel sentinels) stay
             for expert, chosen in rows_by_expert(ids, found.num_experts):
-                out[chosen] = of_expert(expert, rows[chosen])
+                out[chosen] = quantize(rows[chosen], experts_qparams(qp, expert))
             return out
         inside = (ids >= 0) & (ids < found.num_experts)  # expert-parallel sentinels: no expert's rows
         if not rows.shape[0]:
             return rows
         per_row = experts_qparams(qp, ids.clamp(0, found.num_experts - 1))
-
-        def of_row(row: torch.Tensor, q) -> torch.Tensor:
-            return _fake_quantize_activation(row[None], q, found.spec, found.runtime, where)[0]
-
-        quantized = torch.vmap(of_row, in_dims=(0, None if qp is None else 0))(rows, per_row)
+        quantized = torch.vmap(lambda row, q: quantize(row[None], q)[0], in_dims=(0, None if qp is None else 0))(
+            rows, per_row)
         return torch.where(inside[:, None], quantized, rows)
 
