@@ -226,10 +226,24 @@ def _plan(states, exact: bool):
     return plan
 
 
+# the float dtypes observers keep; float8/float4 fields (of user states, which fold) are not checked for NaN
+_NAN_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _check_values(paths, states, plan) -> None:
     """Raises ValueError where a state is corrupt or the collectives would go wrong on this rank alone:
-    a NaN (`_no_nan_fields`), or folded states on several devices."""
-    checked = _no_nan_fields(paths, states, plan)
+    a NaN in a floating field that holds none unless the state is corrupt, or folded states on several
+    devices. Such fields are every one of a state that counts the values it left out (a ``nonfinite``
+    field, as qstats' observers keep; a NaN in a sum would reach every rank, and the mse merge would
+    drop one in a range), and any field reduced by min/max (the backends drop a NaN where ``obs.merge``
+    keeps it, so the result would depend on the rank order)."""
+    checked = [
+        (path, state, field, value)
+        for path, state, ops in zip(paths, states, plan)
+        for field, value in _state_fields(state)
+        if value.dtype in _NAN_CHECKED and value.numel() and value.device.type != "meta"
+        and ("nonfinite" in state._fields or (ops is not None and ops[field] != "sum"))
+    ]
     flags: dict[torch.device, list[torch.Tensor]] = {}
     for *_, value in checked:  # a flag per field, not a copy of it (a Hessian is as large as its layer)
         flags.setdefault(value.device, []).append(value.isnan().any())
@@ -241,25 +255,6 @@ def _check_values(paths, states, plan) -> None:
     devices = {v.device for state, ops in zip(states, plan) if ops is None for v in _values(state) if v.numel() > 0}
     if len(devices) > 1:
         raise ValueError(f"all_reduce: states to fold live on several devices {sorted(map(str, devices))}")
-
-
-# the float dtypes observers keep; float8/float4 fields (of user states, which fold) are not checked for NaN
-_NAN_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _no_nan_fields(paths, states, plan) -> list:
-    """``(path, state, field, value)`` of the floating fields that hold no NaN unless the state is
-    corrupt: every one of a state that counts the values it left out (a ``nonfinite`` field, as
-    qstats' observers keep; a NaN in a sum would reach every rank, and the mse merge would drop one
-    in a range), and any field reduced by min/max (the backends drop a NaN where ``obs.merge`` keeps
-    it, so the result would depend on the rank order)."""
-    return [
-        (path, state, field, value)
-        for path, state, ops in zip(paths, states, plan)
-        for field, value in _state_fields(state)
-        if value.dtype in _NAN_CHECKED and value.numel() and value.device.type != "meta"
-        and ("nonfinite" in state._fields or (ops is not None and ops[field] != "sum"))
-    ]
 
 
 def _device_numbers(states) -> dict[torch.device, int]:
