@@ -20,7 +20,7 @@ from .._spec import QuantSpec
 from .._checks import is_integer, require
 from .._torch_features import bitcast
 from ._base import Observer, check_merge_states, check_state, kept_dtypes, register_state
-from .kit import check_spec
+from .kit import check_spec, raises_on_nonfinite
 
 __all__ = [
     "FixedQParamsState",
@@ -288,9 +288,7 @@ def recording(spec: Optional[QuantSpec] = None, capacity: int = 4096) -> Observe
     three). `recorded_values(state)` returns them. NaN/Inf are left out, or raise ValueError under
     ``spec.nonfinite="raise"`` (the only field of the optional spec it reads). Laws: all exact.
     """
-    if spec is not None:
-        check_spec(spec, "recording")
-    raise_on_nonfinite = spec is not None and spec.nonfinite == "raise"
+    raise_on_nonfinite = raises_on_nonfinite(spec, "recording")
     if not (is_integer(capacity) and capacity >= 1):
         raise ValueError(f"recording: capacity must be a positive int, got {capacity!r}")
     capacity = int(capacity)  # np.int64(100) too
