@@ -133,7 +133,8 @@ def attention_config(attention: dict, groups: dict, modules: Mapping, rename, ob
     holds one scheme for all)."""
     if not attention:
         return None
-    _check_head_counts(modules.get(""), next(iter(next(iter(attention.values())).values()))["strategy"])
+    args = next(iter(next(iter(attention.values())).values()))  # every module's, once the checks below pass
+    _check_head_counts(modules.get(""), args["strategy"])
     uncovered = [path for path, module in modules.items() if path not in attention and _is_kv_cache_module(module)]
     if uncovered:
         fail("kv_cache_scheme", "k/v sites are written as compressed-tensors' kv_cache_scheme, which it "
@@ -144,7 +145,6 @@ def attention_config(attention: dict, groups: dict, modules: Mapping, rename, ob
     if len(distinct) > 1:
         fail("kv_cache_scheme", "compressed-tensors holds one kv-cache scheme per model; the attention "
              f"modules {sorted(attention)} have different q/k/v specs")
-    args = next(iter(next(iter(attention.values())).values()))
     name, kwargs = agreed_observer(observers.get(path, {}).get(site, (None, {}))
                                    for path, sites in attention.items() for site in sites)
     query = [path for path, sites in attention.items() if "q" in sites]
