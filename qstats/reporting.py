@@ -391,8 +391,8 @@ def _measure_parameters(plan: Plan, qparams: Mapping, errors: dict) -> None:
     """The error of fake-quantizing every parameter site of ``qparams`` (per expert for stacks)."""
     for path, entry in qparams.items():
         for site, qp in entry.items():
-            found = plan.site(path, site)
-            if found is None or found.kind != "parameter":
+            found = plan.site(path, site)  # never None: `_check_qparams` refused sites the plan does not observe
+            if found.kind != "parameter":
                 continue
             error = errors[(path, site)] = _Error()
             value = parameter_value(plan, path, site, "report")
@@ -521,8 +521,8 @@ def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weig
         for path, entry in qparams.items():
             expert_sites: dict = {}
             for site, qp in entry.items():
-                found = plan.site(path, site)
-                if found is None or found.kind not in ("input", "output", "projection", "parameter_input"):
+                found = plan.site(path, site)  # never None (`_check_qparams`)
+                if found.kind not in ("input", "output", "projection", "parameter_input"):
                     continue
                 error = errors.setdefault((path, site), _Error())
                 if found.num_experts:
