@@ -164,7 +164,8 @@ class _Rewriter:
             x = self._fake_quantized_input(node, key, layer, x)
         with self.graph.inserting_before(node):
             if key not in self.weights:  # the same weight: observed once per pass
-                self.weights[key] = self._fake_quantized_weight(key, layer, weight())
+                groups = layer.groups if isinstance(layer, _CONV_TRANSPOSE) else None
+                self.weights[key] = self._fake_quantized_weight(key, weight(), groups)
         return x, self.weights[key]
 
     def _fake_quantized_input(self, node, key: str, layer: nn.Module, x):
@@ -183,17 +184,12 @@ class _Rewriter:
         x.update_arg(0, quantized)
         return x
 
-    def _fake_quantized_weight(self, key: str, layer: nn.Module, weight):
-        """A transposed convolution's weight is observed and fake-quantized in a convolution's layout
-        (`_conv_layout`), so that its per-channel ranges are per output channel."""
-        if not isinstance(layer, _CONV_TRANSPOSE):
+    def _fake_quantized_weight(self, key: str, weight, groups: Optional[int]):
+        """The fake-quantized weight node of layer (or parameter) ``key``. A transposed convolution's weight
+        (``groups``: its groups; None for other layers) is observed and fake-quantized in a convolution's layout
+        (`_conv_layout`), so that its per-channel ranges are per output channel, and returned in its own."""
+        if groups is None or key not in self.observers["weights"]:
             return self._fake_quantized("weights", key, weight)
-        return self._fake_quantized_transposed(key, weight, layer.groups)
-
-    def _fake_quantized_transposed(self, key: str, weight, groups: int):
-        """Transposed convolution weight ``weight`` fake-quantized in a convolution's layout, returned in its own."""
-        if key not in self.observers["weights"]:
-            return weight
         conv = self.graph.call_function(_conv_layout, (weight, groups))
         return self.graph.call_function(_conv_layout, (self._fake_quantized("weights", key, conv), groups))
 
@@ -299,9 +295,7 @@ class _Rewriter:
         with self.graph.inserting_before(node):
             x = self._fake_quantized("activations", key, _call_argument(node, 0, "input"))
             if key not in self.weights:  # the same weight: observed once per pass
-                groups = self.parameter_groups.get(key)
-                self.weights[key] = (self._fake_quantized("weights", key, weight) if groups is None
-                                     else self._fake_quantized_transposed(key, weight, groups))
+                self.weights[key] = self._fake_quantized_weight(key, weight, self.parameter_groups.get(key))
         _set_call_argument(node, 0, "input", x)
         _set_call_argument(node, 1, "weight", self.weights[key])
 
