@@ -606,8 +606,7 @@ def _observed_and_stepped(run: _Run, label: str, module: torch.nn.Module, plan: 
     ``observed`` over every batch (``final``: the last pass), with ``side``'s sites observed beside
     ``plan``'s (in one pass when no site is in both); the states are merged across ranks, then
     ``run.after_layer(label, module, states, side_states)`` (if any) runs on the loaded modules."""
-    resumed = any(p in plan.sites for p in run.states)
-    merged = None if side is None or resumed else _merged(plan, side)
+    merged = None if side is None else _merged(plan, side)
 
     def observe() -> tuple:
         load()
