@@ -49,9 +49,10 @@ def _set_call_argument(node, position: int, name: str, value) -> None:
         node.update_kwarg(name, value)
 
 
-def _observer_of(entries: tuple, layer: nn.Module) -> Optional[Observer]:
-    """The observer of the first entry whose type ``layer`` is an instance of; None (float) if none is."""
-    return next((observer for key, observer in entries if isinstance(layer, key)), None)
+def _observer_of(entries: tuple, kind: type) -> Optional[Observer]:
+    """The observer of the first entry whose type the layer type ``kind`` is (a subclass of); None (float) if
+    none is."""
+    return next((observer for key, observer in entries if issubclass(kind, key)), None)
 
 
 class _Rewriter:
@@ -143,20 +144,21 @@ class _Rewriter:
         point = _FakeQuantPoint(kind, key, observer, self.ste, self.grad_scale, dynamic)
         return self._point(kind, key, point, (value, self.state, self.phase, self.ranges))
 
-    def _resolve(self, key: str, layer: nn.Module) -> None:
-        """Records layer ``key``'s observers (`_observer_of`); an embedding has no activation point."""
-        for kind, entries in self.entries.items():
-            observer = _observer_of(entries, layer)
-            if observer is not None and not (kind == "activations" and isinstance(layer, _EMBEDDINGS)):
-                self.observers[kind][key] = observer
+    def _resolve(self, key: str, kind: type) -> None:
+        """Records ``key`` as quantized, with the observers of layer type ``kind`` (`_observer_of`); an embedding
+        has no activation point."""
+        self.quantized.append(key)
+        for point, entries in self.entries.items():
+            observer = _observer_of(entries, kind)
+            if observer is not None and not (point == "activations" and issubclass(kind, _EMBEDDINGS)):
+                self.observers[point][key] = observer
 
     def _quantized_inputs(self, node, key: str, layer: nn.Module, x, weight):
         """Fake-quantized (input, weight) nodes of one call of layer ``key``, inserted before ``node``;
         ``weight()`` makes the weight's node the first time the layer is met. An embedding's input (ids)
         stays as it is."""
         if key not in self.quantized:
-            self._resolve(key, layer)
-            self.quantized.append(key)
+            self._resolve(key, type(layer))
         if key in self.observers["weights"] and not layer.weight.is_floating_point():
             raise TypeError(f"qstats.qat.prepare: layer {key!r} ({type(layer).__name__}) has a {layer.weight.dtype} "
                             "weight; only floating-point weights can be fake-quantized")
@@ -238,7 +240,7 @@ class _Rewriter:
         norm's weight holds a 0 (``zero_init_residual``): the folded output is divided by it, NaN in torch.ao's
         QAT ConvBn."""
         folds = [norm for cls, norm in _FOLDS.items() if isinstance(layer, cls)]
-        if not (self.fold_batchnorm and folds and _observer_of(self.entries["weights"], layer) is not None
+        if not (self.fold_batchnorm and folds and _observer_of(self.entries["weights"], type(layer)) is not None
                 and len(node.users) == 1 and self.calls[node.target] == 1):
             return None
         user = next(iter(node.users))
@@ -283,11 +285,7 @@ class _Rewriter:
         with the first call's ``groups``), as a ConvTranspose layer's. Calls of one parameter share its points, as
         a layer called twice."""
         if key not in self.quantized:
-            for point, entries in self.entries.items():
-                observer = next((observer for t, observer in entries if issubclass(kind, t)), None)
-                if observer is not None:
-                    self.observers[point][key] = observer
-            self.quantized.append(key)
+            self._resolve(key, kind)
             self.parameter_calls[key] = kind
             if issubclass(kind, _CONV_TRANSPOSE):
                 self.parameter_groups[key] = _call_groups(node)
