@@ -148,7 +148,7 @@ def _float_call(node, layers) -> Optional[Tuple[str, str]]:
         return None
     stack = _module_stack(node)
     caller = stack[-1] if stack else ""
-    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    weight = _call_weight(node)
     read = (f"weight {str(weight.target)!r}" if isinstance(weight, torch.fx.Node) and weight.op == "get_attr"
             else "a computed weight")
     return caller, f"F.{getattr(node.target, '__name__', node.target)}({read}) in {repr(caller) if caller else 'the model'}"
