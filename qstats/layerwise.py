@@ -629,10 +629,10 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module, following: int, las
     """Loads, calibrates and releases one decoder layer; its outputs replace the stored inputs.
     With ``run.after_layer``, ``after_layer(path, layer, states, side_states)`` runs on the loaded
     layer before its outputs are computed; it may replace weights by quantized ones and returns
-    the states kept and the ``(path, site)`` parameter sites it quantized (not fake-quantized again).
-    The ``last`` layer's outputs are then those it had before the step (with ``propagate="float"``):
-    llm-compressor's last subgraph holds the last layer and the modules after it, observed together
-    before any of them is quantized."""
+    the states kept and the ``(path, site)`` parameter sites it quantized; the layer's outputs then
+    come from those weights and float activations (a step runs with ``propagate="float"`` only). The
+    ``last`` layer's outputs are those it had before the step: llm-compressor's last subgraph holds the
+    last layer and the modules after it, observed together before any of them is quantized."""
     saved: list = []
     runner = _LayerRun(layer, run.store, run.device, following)
     in_layer = lambda p: inside(p, path)  # noqa: E731
@@ -644,22 +644,20 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module, following: int, las
         runner.write = float_outputs and final  # float outputs are stored once, by the last pass
         return run.calibrate(runner, observed, range(len(run.store)), lambda index: run.store[index].weight)
 
-    def propagate(found: dict, done: set) -> None:
+    def propagate(found: dict) -> None:  # "quantized": fake-quantized by found's qparams (no step runs then)
         runner.write = True
         quantized = contextlib.nullcontext()
         if run.propagate == "quantized":
-            qparams = {p: {s: q for s, q in entry.items() if (p, s) not in done}
-                       for p, entry in qparams_unwarned(found, plan).items()}
-            quantized = fake_quantized(runner, qparams, plan)
+            quantized = fake_quantized(runner, qparams_unwarned(found, plan), plan)
         with quantized, torch.no_grad():
             for index in range(len(run.store)):
                 runner(index)
 
     try:
         load = lambda: saved.extend(load_modules(run.model, [path], run.checkpoint, device=run.device))  # noqa: E731
-        found, done = _observed_and_stepped(run, path, layer, plan, side, over_store, load)
+        found = _observed_and_stepped(run, path, layer, plan, side, over_store, load)[0]
         if not float_outputs:
-            agreed(run.all_reduce, lambda: propagate(found, done))
+            agreed(run.all_reduce, lambda: propagate(found))
         return found
     finally:
         release_modules(saved)
