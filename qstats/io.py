@@ -64,7 +64,8 @@ def _encode(tree: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> dic
             raise ValueError(f"qstats.io: tensor at {where} is on the meta device and holds no data to save")
         # escaped components hold "%" only as "%25" or "%2F", so distinct paths give distinct keys: the
         # two keys of an empty join (the root itself, or a single empty name) collide with no other path
-        key = "/".join(p.replace("%", "%25").replace("/", "%2F") for p in path) or ("%root" if not path else "%empty")
+        key = "/".join(part.replace("%", "%25").replace("/", "%2F") for part in path)
+        key = key or ("%root" if not path else "%empty")
         if key == "__metadata__":  # safetensors' own header entry: a tensor of that name made an unreadable file
             key = "%5F_metadata__"
         if tree.layout != torch.strided:
