@@ -67,19 +67,26 @@ def _component(i, size: int) -> bool:
     return index is not None and -size <= index < size
 
 
-def _clip_range(label, qp, index: tuple, spec: QuantSpec) -> tuple:
+def _clip_range(label, qp, index: tuple, spec: QuantSpec, shape: tuple) -> tuple:
     """The values codes ``qmin`` and ``qmax`` dequantize to under the selected entry of ``qp``, in
     the spec's convention (torchao's float zero point offsets the grid's middle; a two-level block
-    scale is under its global scale; bf16/fp16 compute dtypes round the ends)."""
+    scale is under its global scale; bf16/fp16 compute dtypes round the ends). ``qp`` must hold one
+    scale per histogram of the state (``shape``) and one global scale, shared or per leading entry."""
     if not isinstance(qp, QParams):
         raise TypeError(f"qstats.plot.histogram: qparams {label!r} is a {type(qp).__name__}, not QParams")
-    scale = _select(qp.scale, index).cpu()  # drawn on the host, as the state (`histogram`)
-    if scale.numel() != 1:
+    global_shape = tuple(qp.global_scale.shape)
+    if (tuple(qp.scale.shape) != shape or tuple(qp.zero_point.shape) != shape
+            or (qp.global_scale.numel() != 1 and global_shape != shape[:len(global_shape)])):
+        # another state's qparams (another expert count, channels, per-tensor) drew another range
         raise ValueError(
-            f"qstats.plot.histogram: qparams {label!r} of shape {tuple(qp.scale.shape)} do not give one scale "
-            f"for index {index} (pass the QParams computed from this state)"
+            f"qstats.plot.histogram: qparams {label!r} of scale shape {tuple(qp.scale.shape)} (zero point "
+            f"{tuple(qp.zero_point.shape)}, global scale {global_shape}) do not fit the state's histograms of shape "
+            f"{shape} (pass the QParams computed from this state)"
         )
-    zero_point, global_scale = _select(qp.zero_point, index).cpu(), _select(qp.global_scale, index).cpu().reshape(())
+    scale = _select(qp.scale, index).cpu()  # drawn on the host, as the state (`histogram`)
+    shared = qp.global_scale.numel() == 1  # one global scale for every histogram, in any shape
+    global_scale = (qp.global_scale if shared else _select(qp.global_scale, index)).cpu().reshape(())
+    zero_point = _select(qp.zero_point, index).cpu()
     codes = torch.tensor([spec.qrange], dtype=torch.float32)
     # float32 scales, as `qstats.fake_quantize` passes them
     ends = _dequantize_view(codes, scale.float().reshape(1, 1), zero_point.reshape(1, 1), spec, global_scale)
@@ -121,6 +128,7 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     bins_drawn = as_index(plot_bins)
     if bins_drawn is None or bins_drawn < 1:  # 0 or fewer drew an empty figure; a float failed in linspace
         raise ValueError(f"qstats.plot.histogram: plot_bins must be a positive int, got {plot_bins!r}")
+    shape = tuple(state.min_val.shape)
     state, index = _one_histogram(state, index)
     # the histogram drawn is read on the host: a GPU state met the CPU grid in torch.searchsorted
     state = HistogramState(*(field.cpu() for field in state))
@@ -146,7 +154,7 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     axes.fill_between(centres, density.numpy(), step="mid", color="0.6", alpha=0.8, label="values")
     axes.set(yscale="log", xlabel="value", ylabel="count per bin")
     for i, (label, qp) in enumerate(qparams.items()):
-        clip_lo, clip_hi = _clip_range(label, qp, index, spec)
+        clip_lo, clip_hi = _clip_range(label, qp, index, spec, shape)
         colour = f"C{i % 10}"  # the property cycle's colours
         axes.axvline(clip_lo, color=colour, linestyle="--", linewidth=1.2)
         axes.axvline(clip_hi, color=colour, linestyle="--", linewidth=1.2,
