@@ -521,37 +521,8 @@ def _fake_quantize_site(plan: Plan, path: str, site: str, qp, handles: list, par
     if qp is not None and not isinstance(qp, QParams):  # e.g. the states tree instead of its qparams
         raise TypeError(f"fake_quantized: qparams[{path!r}][{site!r}] is a {type(qp).__name__}, not QParams; "
                         "pass qstats.compute_qparams_tree(states, recipe, model), not the states")
-    module = plan.modules[path]
     if found.kind == "parameter":
-        where = f"module {path!r} parameter {site!r}"
-        parametrization = _FakeQuantParametrization(qp, found, where)
-        before = len(module.parametrizations[site]) if parametrize.is_parametrized(module, site) else 0
-        order = _parameter_order(module)  # before registering: it takes the tensor out of the list
-        original = module._parameters.get(site)
-        if original is not None and original.device.type == "meta":  # the parametrization would compute on it
-            raise ValueError(f"fake_quantized: {where} is on the meta device (offloaded by accelerate, or "
-                             "never loaded), so it cannot be fake-quantized through a parametrization; load "
-                             "the model without offloading")
-        if is_dtensor(original):  # FSDP2 swaps the module's parameters, which a parametrization hides from it
-            raise ValueError(
-                f"fake_quantized: {where} is a DTensor (sharded across ranks by FSDP2's fully_shard, or tensor "
-                "parallelism), which a parametrization would fake-quantize shard by shard, not the weight the forward "
-                "gathers; fake-quantize the model unwrapped, its full state dict loaded "
-                "(torch.distributed.checkpoint.state_dict.get_model_state_dict with full_state_dict=True)"
-            )
-        if original is not None:  # torch would ``original.set_(original)``: a new grad accumulator, which
-            # drops the hooks on the old one (DistributedDataParallel's gradient all-reduce), and inside a
-            # torch.func transform (grad, jvp) a mutation of a captured tensor, which it refuses: register an
-            # empty stand-in, then put the Parameter itself (and its hooks) in its place
-            module._parameters[site] = torch.nn.Parameter(original.new_empty(0), original.requires_grad)
-        try:
-            parametrize.register_parametrization(module, site, parametrization, unsafe=True)
-        finally:
-            if original is not None and parametrize.is_parametrized(module, site):
-                module.parametrizations[site]._parameters["original"] = original
-            elif original is not None:  # registration failed: the stand-in never stays
-                module._parameters[site] = original
-        parametrized.append((module, site, before, order))
+        parametrized.append(_parametrized(plan.modules[path], site, qp, found, f"module {path!r} parameter {site!r}"))
         return
     if found.num_experts:  # per-expert activations: inside the experts' own forward
         expert_sites[site] = (qp, found)
@@ -573,6 +544,40 @@ def _fake_quantize_site(plan: Plan, path: str, site: str, qp, handles: list, par
         # (`first_tensor`), also inside a tuple
         hook = hooked.register_forward_hook(lambda _, args, output: replace_first_tensor(output, quantize)[0])
     handles.append(hook)
+
+
+def _parametrized(module: torch.nn.Module, site: str, qp, found, where: str) -> tuple:
+    """``(module, site, before, order)`` of a parameter site of `fake_quantized` made a parametrization
+    (`_FakeQuantParametrization`): the number of parametrizations the tensor had before, and the
+    module's parameter order (`_parameter_order`). The Parameter itself stays the original."""
+    parametrization = _FakeQuantParametrization(qp, found, where)
+    before = len(module.parametrizations[site]) if parametrize.is_parametrized(module, site) else 0
+    order = _parameter_order(module)  # before registering: it takes the tensor out of the list
+    original = module._parameters.get(site)
+    if original is not None and original.device.type == "meta":  # the parametrization would compute on it
+        raise ValueError(f"fake_quantized: {where} is on the meta device (offloaded by accelerate, or "
+                         "never loaded), so it cannot be fake-quantized through a parametrization; load "
+                         "the model without offloading")
+    if is_dtensor(original):  # FSDP2 swaps the module's parameters, which a parametrization hides from it
+        raise ValueError(
+            f"fake_quantized: {where} is a DTensor (sharded across ranks by FSDP2's fully_shard, or tensor "
+            "parallelism), which a parametrization would fake-quantize shard by shard, not the weight the forward "
+            "gathers; fake-quantize the model unwrapped, its full state dict loaded "
+            "(torch.distributed.checkpoint.state_dict.get_model_state_dict with full_state_dict=True)"
+        )
+    if original is not None:  # torch would ``original.set_(original)``: a new grad accumulator, which
+        # drops the hooks on the old one (DistributedDataParallel's gradient all-reduce), and inside a
+        # torch.func transform (grad, jvp) a mutation of a captured tensor, which it refuses: register an
+        # empty stand-in, then put the Parameter itself (and its hooks) in its place
+        module._parameters[site] = torch.nn.Parameter(original.new_empty(0), original.requires_grad)
+    try:
+        parametrize.register_parametrization(module, site, parametrization, unsafe=True)
+    finally:
+        if original is not None and parametrize.is_parametrized(module, site):
+            module.parametrizations[site]._parameters["original"] = original
+        elif original is not None:  # registration failed: the stand-in never stays
+            module._parameters[site] = original
+    return module, site, before, order
 
 
 class _ExpertInputs(ExpertCallHooks):
