@@ -106,9 +106,12 @@ def stacked_qparams(state, spec, **options):
         raise ValueError(f"stacked_qparams: expected a stacked state (every field with the same leading "
                          f"dimension), got {type(state).__name__} with field shapes "
                          f"{[tuple(t.shape) for t in fields]}")
+    num_experts = fields[0].shape[0]
+    if num_experts == 0:  # torch.vmap gave empty QParams; stacked_observer takes no 0-expert stack either
+        raise ValueError(f"stacked_qparams: the state holds 0 experts (field shapes {[tuple(t.shape) for t in fields]}); "
+                         "there are no qparams to compute")
     global_scale = options.get("global_scale")
     if isinstance(global_scale, torch.Tensor) and global_scale.numel() != 1:
-        num_experts = fields[0].shape[0]
         if global_scale.shape[0] != num_experts or global_scale.numel() != num_experts:
             raise ValueError(f"stacked_qparams: global_scale of shape {tuple(global_scale.shape)} is neither "
                              f"one value shared by the experts nor one per expert ([{num_experts}])")

@@ -30,3 +30,17 @@ def test_stacked_observer_takes_any_integer(count):
 def test_stacked_observer_refuses_other_counts(count):
     with pytest.raises(ValueError, match="num_experts must be a positive int"):
         qstats.stacked_observer(qstats.minmax(qstats.QuantSpec()), count)
+
+
+def test_stacked_qparams_refuses_a_state_of_zero_experts():
+    """A state of 0 experts (an empty slice of a stack) has no qparams: stacked_observer takes no
+    0-expert stack, and stacked_qparams gave empty QParams (global scale of shape (0,)) in silence."""
+    spec = qstats.QuantSpec(granularity=qstats.PerAxis(0))
+    obs = qstats.stacked_observer(qstats.minmax(spec), 2)
+    x = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0))
+    state = obs.update(obs.init(x), x)
+    per_expert = [qstats.compute_qparams(type(state)(*(field[e] for field in state)), spec) for e in range(2)]
+    stacked = qstats.stacked_qparams(state, spec)
+    assert all(torch.equal(stacked.scale[e], per_expert[e].scale) for e in range(2))
+    with pytest.raises(ValueError, match="0 experts"):
+        qstats.stacked_qparams(type(state)(*(field[:0] for field in state)), spec)
