@@ -578,10 +578,15 @@ def outer_paths(model: torch.nn.Module, container_path: str) -> list:
     return [path for path, _ in model.named_modules() if not inside(path, container_path)]
 
 
-def _outer_loaded(run: _Run, container_path: str) -> list:
-    """Loads every module outside the decoder layers (their own tensors); `release_modules` list."""
-    return load_modules(run.model, outer_paths(run.model, container_path), run.checkpoint, recurse=False,
-                        device=run.device)
+@contextlib.contextmanager
+def _loading(run: _Run, paths: list, recurse: bool = True) -> Iterator[Callable[[], None]]:
+    """A ``load()`` that reads the modules at ``paths`` (their own tensors only, without ``recurse``)
+    from the checkpoint onto ``run.device``; what it read goes back on the meta device when the with ends."""
+    saved: list = []
+    try:
+        yield lambda: saved.extend(load_modules(run.model, paths, run.checkpoint, recurse=recurse, device=run.device))
+    finally:
+        release_modules(saved)
 
 
 def _merged(plan: Plan, side: Plan) -> Optional[Plan]:
@@ -633,7 +638,6 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module, following: int, las
     come from those weights and float activations (a step runs with ``propagate="float"`` only). The
     ``last`` layer's outputs are those it had before the step: llm-compressor's last subgraph holds the
     last layer and the modules after it, observed together before any of them is quantized."""
-    saved: list = []
     runner = _LayerRun(layer, run.store, run.device, following)
     in_layer = lambda p: inside(p, path)  # noqa: E731
     plan = _sub_plan(run.plan, in_layer, runner)
@@ -653,14 +657,11 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module, following: int, las
             for index in range(len(run.store)):
                 runner(index)
 
-    try:
-        load = lambda: saved.extend(load_modules(run.model, [path], run.checkpoint, device=run.device))  # noqa: E731
+    with _loading(run, [path]) as load:
         found = _observed_and_stepped(run, path, layer, plan, side, over_store, load)[0]
         if not float_outputs:
             agreed(run.all_reduce, lambda: propagate(found))
         return found
-    finally:
-        release_modules(saved)
 
 
 def _without_router_logits(model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -687,7 +688,6 @@ def _run_outside(run: _Run, container_path: str, container, observation_weight) 
     outside = lambda p: not inside(p, container_path)  # noqa: E731
     plan = _sub_plan(run.plan, outside, run.model)
     side = None if run.side_plan is None else _sub_plan(run.side_plan, outside, run.model)
-    saved: list = []
 
     def over_batches(observed: Plan, final: bool) -> dict:
         shared: dict = {}  # the stubs' current batch, from the first batch on each pass
@@ -702,12 +702,9 @@ def _run_outside(run: _Run, container_path: str, container, observation_weight) 
         with _stood_in(container, replay), _without_router_logits(run.model):
             return run.calibrate(run.model, observed, batches(), weight)
 
-    try:
-        load = lambda: saved.extend(_outer_loaded(run, container_path))  # noqa: E731
-        label = f"the modules outside {container_path}"
+    label = f"the modules outside {container_path}"
+    with _loading(run, outer_paths(run.model, container_path), recurse=False) as load:
         return _observed_and_stepped(run, label, run.model, plan, side, over_batches, load)[0]
-    finally:
-        release_modules(saved)
 
 
 class _ToFirstLayer(torch.nn.Module):
@@ -896,7 +893,6 @@ def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offl
 def _calibrate_all(run: _Run, container_path: str, container, batches, observation_weight, progress: bool,
                    where: str) -> dict:
     found: dict = {}
-    saved: list = []  # the modules outside the layers, for the capture
     first: list = []  # the first layer, read by the checks and kept for its own run
 
     each_layer = len(_layer_kinds(run.model, container_path)) > 1
@@ -912,8 +908,8 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
         _capture(run.model, container, container_path, given, observation_weight, run.store, run.device, each_layer,
                  checked, where)
 
-    def capture_first() -> None:
-        saved.extend(_outer_loaded(run, container_path))
+    def capture_first(load_outer: Callable[[], None]) -> None:
+        load_outer()  # the modules outside the layers, for the capture
         capture(batches)
 
     def capture_again() -> None:  # the first layer's inputs from the stepped modules before it
@@ -921,12 +917,10 @@ def _calibrate_all(run: _Run, container_path: str, container, batches, observati
         capture(record.batch for record in recorded)
 
     try:
-        try:
-            agreed(run.all_reduce, capture_first)
+        with _loading(run, outer_paths(run.model, container_path), recurse=False) as load_outer:
+            agreed(run.all_reduce, lambda: capture_first(load_outer))
             if run.after_layer is not None and _step_before_layers(run, container_path, container):
                 agreed(run.all_reduce, capture_again)
-        finally:
-            release_modules(saved)
         with tqdm(total=len(container) + 1, unit="layer", desc=f"qstats.{where}", disable=not progress) as bar:
             for index, layer in enumerate(container):
                 last = index + 1 == len(container)
