@@ -49,20 +49,21 @@ FORMATS = (
     "mxfp8-quantized",
 )
 
-# llm-compressor's observer names for activations -> (qstats registered name, kwargs it takes,
-# llm-compressor's defaults): its mse searches per batch, then takes a moving average; its
-# memoryless_mse keeps the latest batch's search (a moving average with constant 1), and so does
-# its nvfp4_expanded_mse (alias fouroversix), with these defaults
+# llm-compressor's observer names for activations -> (qstats registered name, the observer_kwargs
+# llm-compressor 0.14's observer reads (llmcompressor.observers.min_max, .mse: it ignores any other key;
+# qstats' observer takes them all but the mse observers' triton_error_buffer, read by llm-compressor's
+# CUDA kernel only), llm-compressor's defaults): its mse searches per batch, then takes a moving
+# average; its memoryless_mse keeps the latest batch's search (a moving average with constant 1), and
+# so does its nvfp4_expanded_mse (alias fouroversix), with these defaults
 _EXPANDED_MSE = {"expand": 1.8, "maxshrink": 1 - 0.8 / 1.8, "grid": 200.0, "patience": 1000}
-_MEMORYLESS_MSE = ("mse", ("maxshrink", "patience", "grid", "norm", "expand"),
-                   {"mode": "moving_average", "averaging_constant": 1.0})
+_MSE_OPTIONS = ("maxshrink", "patience", "grid", "norm", "triton_error_buffer", "expand")
+_MEMORYLESS_MSE = ("mse", _MSE_OPTIONS, {"mode": "moving_average", "averaging_constant": 1.0})
 _EXPANDED_MEMORYLESS_MSE = (*_MEMORYLESS_MSE[:2], {**_MEMORYLESS_MSE[2], **_EXPANDED_MSE})
 _ACTIVATION_OBSERVERS = {
     "minmax": ("moving_average_minmax", ("averaging_constant",), {"averaging_constant": 0.01}),
     "static_minmax": ("minmax", (), {}),
     "memoryless_minmax": ("memoryless_minmax", (), {}),
-    "mse": ("mse", ("maxshrink", "patience", "grid", "norm", "expand", "averaging_constant"),
-            {"mode": "moving_average", "averaging_constant": 0.01}),
+    "mse": ("mse", ("averaging_constant", *_MSE_OPTIONS), {"mode": "moving_average", "averaging_constant": 0.01}),
     "memoryless_mse": _MEMORYLESS_MSE,
     "nvfp4_expanded_mse": _EXPANDED_MEMORYLESS_MSE,
     "fouroversix": _EXPANDED_MEMORYLESS_MSE,
@@ -187,19 +188,11 @@ def _qstats_observer(args, weight: bool) -> tuple:
     return name, factory, qparams
 
 
-# the observer_kwargs llm-compressor 0.14's observers read (llmcompressor.observers.min_max, .mse); they
-# ignore any other key
-_MSE_OPTIONS = ("maxshrink", "patience", "grid", "norm", "triton_error_buffer", "expand")
-_READ_OPTIONS = {"minmax": ("averaging_constant",), "static_minmax": (), "memoryless_minmax": (),
-                 "mse": ("averaging_constant", *_MSE_OPTIONS), "memoryless_mse": _MSE_OPTIONS,
-                 "nvfp4_expanded_mse": _MSE_OPTIONS, "fouroversix": _MSE_OPTIONS}
-
-
 def _warn_unread_options(args, name: str, site: str) -> None:
     """Warns naming the ``observer_kwargs`` of ``args`` that llm-compressor's observer ``name`` does not
     read (a misspelt ``averging_constant``, ``maxshrnk``): it ignores them silently, and so does the
     Recipe, which takes that observer's defaults."""
-    read = _READ_OPTIONS[name]
+    read = _ACTIVATION_OBSERVERS[name][1]
     unread = sorted(key for key in (args.observer_kwargs or {}) if key not in read)
     if not unread:
         return
@@ -240,9 +233,10 @@ def _activation_observer(args) -> tuple:
             f"known: {sorted(_ACTIVATION_OBSERVERS) + list(_QSTATS_OBSERVERS)}"
         )
     _warn_unread_options(args, name, "activations")
-    ours, taken, defaults = _ACTIVATION_OBSERVERS[name]
-    given = dict(args.observer_kwargs or {})
-    return ours, {**defaults, **{key: given[key] for key in taken if key in given}}, {}
+    ours, read, defaults = _ACTIVATION_OBSERVERS[name]
+    taken = {key: value for key, value in (args.observer_kwargs or {}).items() if key in read}
+    taken.pop("triton_error_buffer", None)  # llm-compressor's CUDA kernel's
+    return ours, {**defaults, **taken}, {}
 
 
 # why attn_head args of Linear modules are refused (`_rule`, `GroupMatch.linear_refusal`)
