@@ -332,7 +332,10 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
                 "checksums": json.dumps({key: _checksum(t) for key, t in tensors.items()})}
     metadata["layout_checksum"] = _layout_checksum(metadata["structure"], metadata["checksums"], tensors)
     target = os.fsdecode(path)  # a bytes path too, as open() takes
-    _check_target(target)
+    if target.endswith(("/", os.sep)):
+        raise IsADirectoryError(errno.EISDIR, f"qstats.io: could not write {target} (a path ending in a "
+                                              "separator names a directory)")
+    _check_path(target, "write")
     real = os.path.realpath(target)  # a symlink's target is replaced, as open() writes through it
     if os.path.isdir(real):
         raise IsADirectoryError(errno.EISDIR, f"qstats.io: could not write {target} (it is a directory)")
@@ -357,20 +360,18 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
         raise (OSError(code, message) if isinstance(code, int) else OSError(message)) from None
 
 
-def _check_target(target: str) -> None:
-    """The OSError ``open(target, "wb")`` raises for a path that names no file it could write, before
-    anything is written: an empty path, one ending in a separator (a directory), a symlink loop (which
-    the rename would have replaced by a file), a folder component that is a file."""
-    if not target:
-        raise FileNotFoundError(errno.ENOENT, "qstats.io: could not write '' (an empty path names no file)")
-    if target.endswith(("/", os.sep)):
-        raise IsADirectoryError(errno.EISDIR, f"qstats.io: could not write {target} (a path ending in a "
-                                              "separator names a directory)")
+def _check_path(path: str, verb: str) -> None:
+    """The OSError ``open`` raises to ``verb`` (``"read"`` or ``"write"``) ``path`` where it names no file,
+    raised before anything is read or written: an empty path, a symlink loop (which a rename would
+    replace by a file; safetensors reads it as "No such file or directory"), a folder in it that is a
+    file (ELOOP, ENOTDIR, EACCES: the subclass ``open`` raises) and, to read, a path naming nothing."""
+    if not path:  # open("") raises FileNotFoundError too, naming no file
+        raise FileNotFoundError(errno.ENOENT, f"qstats.io: could not {verb} '' (an empty path names no file)")
     try:
-        os.stat(target)
+        os.stat(path)
     except OSError as error:
-        if error.errno != errno.ENOENT:  # ELOOP, ENOTDIR, EACCES: the subclass open() raises
-            raise OSError(error.errno, f"qstats.io: could not write {target} ({error.strerror})") from None
+        if verb == "read" or error.errno != errno.ENOENT:  # a file to write may be new
+            raise OSError(error.errno, f"qstats.io: could not {verb} {path} ({error.strerror})") from None
 
 
 def _write_replacing(tensors: dict[str, torch.Tensor], metadata: dict, target: str) -> None:
@@ -468,14 +469,9 @@ def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") ->
     if device.type not in ("cpu", "meta"):
         check_available(device, "qstats.io.load")
     source = os.fsdecode(path)  # a bytes path too, as open() takes
-    if not source:  # open("") raises FileNotFoundError too, naming no file
-        raise FileNotFoundError(errno.ENOENT, "qstats.io: could not read '' (an empty path names no file)")
+    _check_path(source, "read")
     if os.path.isdir(source):  # safetensors reports "No such device (os error 19)"
         raise IsADirectoryError(errno.EISDIR, f"qstats.io: {source} is a directory, not a checkpoint file")
-    try:  # safetensors reports a symlink loop or a file used as a folder as "No such file or directory"
-        os.stat(source)
-    except OSError as error:
-        raise OSError(error.errno, f"qstats.io: could not read {source} ({error.strerror})") from None
     metadata, tensors = _read_safetensors(source)
     if "format" not in metadata:
         raise ValueError(f"qstats.io: {source} is a safetensors file without qstats metadata (not a qstats checkpoint)")
