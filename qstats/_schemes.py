@@ -68,8 +68,6 @@ _ACTIVATION_OBSERVERS = {
     "nvfp4_expanded_mse": _EXPANDED_MEMORYLESS_MSE,
     "fouroversix": _EXPANDED_MEMORYLESS_MSE,
 }
-_WEIGHT_MINMAX = (None, "minmax", "static_minmax", "memoryless_minmax")
-_WEIGHT_MSE = ("mse", "memoryless_mse")
 _MSE_SEARCH = ("maxshrink", "grid", "norm", "expand")
 _SITES = (("weights", "weight"), ("input_activations", "input"), ("output_activations", "output"))
 
@@ -203,22 +201,21 @@ def _warn_unread_options(args, name: str, site: str) -> None:
 
 
 def _weight_observer(args) -> tuple:
-    """``(observer name, observer_kwargs, qparams_kwargs)`` llm-compressor uses for weights."""
-    kwargs = dict(args.observer_kwargs or {})
-    observer = _observer_name(args)
-    if observer in _QSTATS_OBSERVERS:
+    """``(observer name, observer_kwargs, qparams_kwargs)`` llm-compressor uses for weights, observed
+    once: the min-max of its min-max observers (and of none named), one search for its mse observers
+    (``memoryless_mse``'s, with the named observer's defaults)."""
+    name = _observer_name(args)
+    name = "memoryless_minmax" if name is None else name
+    if name in _QSTATS_OBSERVERS:
         return _qstats_observer(args, weight=True)
-    if observer in _WEIGHT_MINMAX:
-        _warn_unread_options(args, observer or "memoryless_minmax", "weights")
-        return "minmax", {}, {}
-    if observer in ("nvfp4_expanded_mse", "fouroversix"):
-        kwargs = {**_EXPANDED_MSE, **kwargs}
-    elif observer not in _WEIGHT_MSE:
-        known = [name for name in _WEIGHT_MINMAX if name] + [*_WEIGHT_MSE, "nvfp4_expanded_mse", *_QSTATS_OBSERVERS]
+    if name not in _ACTIVATION_OBSERVERS:
         raise ValueError(f"weights observer {args.observer!r}: no qstats equivalent of this llm-compressor observer; "
-                         f"known: {known}")
-    _warn_unread_options(args, observer, "weights")
-    # llm-compressor's memoryless_mse: one search over the weight
+                         f"known: {list(_ACTIVATION_OBSERVERS) + list(_QSTATS_OBSERVERS)}")
+    _warn_unread_options(args, name, "weights")
+    ours, _, defaults = _ACTIVATION_OBSERVERS[name]
+    if ours != "mse":
+        return "minmax", {}, {}
+    kwargs = {**defaults, **dict(args.observer_kwargs or {})}
     return "mse", {k: kwargs[k] for k in _MSE_SEARCH if k in kwargs}, {"patience": kwargs.get("patience", 5)}
 
 
