@@ -672,8 +672,10 @@ def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 
     `qstats.histogram` (``buckets_per_octave`` default: `buckets_per_octave_for_bins`), values
     moving at most one torch.ao bin (docs/migrating_torch_ao.md). A `QstatsObserver` gives its own;
     per tensor, one that saw no data gives the state of no data, as torch.ao's per-tensor observers
-    (per channel: ValueError, as torch.ao's, whose channel count comes from data). A ``FakeQuantize``
-    (a QAT model's, ``FusedMovingAvgObsFakeQuantize`` too) gives its observer's.
+    (per channel: ValueError, as torch.ao's, whose channel count comes from data). A
+    ``FixedQParamsObserver`` gives `qstats.fixed_qparams` of its constants, before any data. A
+    ``FakeQuantize`` (a QAT model's, ``FusedMovingAvgObsFakeQuantize`` and
+    ``FixedQParamsFakeQuantize`` too) gives its observer's.
     """
     # FakeQuantize (its fused and fixed-qparams kin derive from it; not _LearnableFakeQuantize, whose scale is
     # learned): its observer holds the statistics (the fused op's too)
@@ -681,12 +683,16 @@ def from_observer(obs, buckets_per_octave: Optional[int] = None, octaves: int = 
         obs = obs.activation_post_process
     if isinstance(obs, QstatsObserver):
         return obs.observer, obs.spec, _drop_in_state(obs)
+    if isinstance(obs, _classes("FixedQParamsObserver")):  # its constants; it counts nothing
+        spec = QuantSpec.from_torch_ao(obs.dtype, obs.qscheme, False, obs.quant_min, obs.quant_max, _FLOAT32_EPS)
+        observer = fixed_qparams(spec, obs.scale.detach().cpu(), obs.zero_point.detach().cpu())
+        return observer, spec, observer.init(_probe(spec, obs.scale.device))
     # the moving averages derive from the min-max classes
     if not isinstance(obs, _classes("MinMaxObserver", "PerChannelMinMaxObserver", "HistogramObserver")):
         raise TypeError(
             f"from_observer: cannot import a {type(obs).__module__}.{type(obs).__name__}; expected torch.ao's "
-            "(or torchao PT2E's) MinMaxObserver, PerChannelMinMaxObserver, MovingAverage(PerChannel)MinMaxObserver "
-            "or HistogramObserver"
+            "(or torchao PT2E's) MinMaxObserver, PerChannelMinMaxObserver, MovingAverage(PerChannel)MinMaxObserver, "
+            "HistogramObserver or FixedQParamsObserver"
         )
     spec = _spec_of(obs)
     if isinstance(obs, _classes("HistogramObserver")):

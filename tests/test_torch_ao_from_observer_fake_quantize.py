@@ -64,3 +64,27 @@ def test_learnable_fake_quantize_is_still_refused():
     learnable = _LearnableFakeQuantize(observer=tq.MovingAverageMinMaxObserver, quant_min=0, quant_max=255)
     with pytest.raises(TypeError, match="cannot import a .*_LearnableFakeQuantize"):
         torch_ao.from_observer(learnable)
+
+
+@pytest.mark.parametrize("make", [
+    tq.default_fixed_qparams_range_0to1_fake_quant,
+    tq.default_fixed_qparams_range_neg1to1_fake_quant,
+    lambda: tq.FixedQParamsObserver(scale=1.0 / 128, zero_point=0, dtype=torch.qint8,
+                                    qscheme=torch.per_tensor_symmetric, quant_min=-128, quant_max=127),
+], ids=["sigmoid_fake_quant", "tanh_fake_quant", "qint8_symmetric_observer"])
+def test_fixed_qparams_import_as_fixed_qparams(make):
+    """A QAT model's sigmoid/tanh outputs carry FixedQParamsFakeQuantize: from_observer gives
+    qstats.fixed_qparams of the same constants, whose fake-quantized values are torch.ao's (it raised
+    'cannot import a FixedQParamsObserver')."""
+    module = make()
+    observer, spec, state = torch_ao.from_observer(module)
+    x = torch.linspace(-1.5, 1.5, 301)
+    state = observer.update(state, x)
+    qp = qstats.compute_qparams(state, spec)
+    fixed = module.activation_post_process if isinstance(module, tq.FakeQuantize) else module
+    scale, zero_point = fixed.calculate_qparams()
+    assert torch.equal(qp.scale.reshape(scale.shape), scale)
+    assert torch.equal(qp.zero_point.reshape(zero_point.shape).to(zero_point.dtype), zero_point)
+    expected = torch.fake_quantize_per_tensor_affine(x, float(scale), int(zero_point), fixed.quant_min, fixed.quant_max)
+    assert torch.equal(qstats.fake_quantize(x, qp, spec), expected)
+    assert int(state.count) == x.numel()  # torch.ao counts nothing: the import is the state before any data
