@@ -13,7 +13,7 @@ import torch
 from .._attention import LATENT_CACHE, intercepted, latent_attention
 from .._schemes import head_count_problem
 from .config import agreed_observer, fail, listed, module_targets, quantization_args
-from .linear import _log_compute_dtype, static_site, write_qparams
+from .linear import static_site, write_qparams
 from .scales import module_dtype
 
 __all__ = ["attention_config", "write_attention"]
@@ -35,7 +35,6 @@ def write_attention(path: str, module, sites: Mapping, specs: Mapping, tensors: 
             raise ValueError(f"export.compressed_tensors: no spec for {where}")
         # per tensor and static: quantization_args refuses other q/k/v specs
         args = quantization_args(spec, site, where, site in dynamic)
-        _log_compute_dtype(spec, dtype, where, log)  # llm-compressor computes them in the module's dtype
         stored = static_site(qp, spec, args, site, where, dtype, prefix, log)
         if args["strategy"] == "attn_head":  # its head counts read from the config before compressed-tensors is asked
             _check_head_counts(module, "attn_head", where)

@@ -85,7 +85,6 @@ def write_linear(entry: Entry, format: Optional[str], tensors: dict, dropped: se
             log["activation_rounding"].append(where)
         if args["dynamic"] is True:
             continue  # dynamic activations (weights never are): scales at run time, nothing written
-        _log_compute_dtype(spec, entry.dtype, where, log)
         written = static_site(qp, spec, args, site, where, entry.dtype, prefix, log)
         module_format = (format or default_format(args, input_args)) if site == "weight" else None
         if site == "weight":
@@ -113,7 +112,9 @@ def static_site(qp, spec: QuantSpec, args: dict, site: str, where: str, dtype: t
                 log: dict) -> _Site:
     """A site whose scales the checkpoint holds, its QParams checked. Scales are stored in the
     module's ``dtype`` (as compressed-tensors does); codes are computed with the stored scales so the
-    checkpoint is self-consistent (a rounding is logged). Two-level and MX args keep theirs."""
+    checkpoint is self-consistent (a rounding is logged). Two-level and MX args keep theirs. A spec
+    computing in another dtype than llm-compressor (the module's) is logged (`_log_compute_dtype`)."""
+    _log_compute_dtype(spec, dtype, where, log)
     qp = check_qparams(qp, where)
     offset = code_offset(spec, where)
     if args["strategy"] != "tensor_group" and args.get("scale_dtype") != "torch.uint8":
