@@ -49,12 +49,13 @@ FORMATS = (
     "mxfp8-quantized",
 )
 
-# llm-compressor's observer names for activations -> (qstats registered name, the observer_kwargs
-# llm-compressor 0.14's observer reads (llmcompressor.observers.min_max, .mse: it ignores any other key;
-# qstats' observer takes them all but the mse observers' triton_error_buffer, read by llm-compressor's
-# CUDA kernel only), llm-compressor's defaults): its mse searches per batch, then takes a moving
-# average; its memoryless_mse keeps the latest batch's search (a moving average with constant 1), and
-# so does its nvfp4_expanded_mse (alias fouroversix), with these defaults
+# llm-compressor's observer names (of activations; of weights: `_weight_observer`) -> (qstats
+# registered name, the observer_kwargs llm-compressor 0.14's observer reads (llmcompressor.observers
+# .min_max, .mse: it ignores any other key; qstats' observer takes them all but the mse observers'
+# triton_error_buffer, read by llm-compressor's CUDA kernel only), llm-compressor's defaults): its mse
+# searches per batch, then takes a moving average; its memoryless_mse keeps the latest batch's search
+# (a moving average with constant 1), and so does its nvfp4_expanded_mse (alias fouroversix), with
+# these defaults
 _EXPANDED_MSE = {"expand": 1.8, "maxshrink": 1 - 0.8 / 1.8, "grid": 200.0, "patience": 1000}
 _MSE_OPTIONS = ("maxshrink", "patience", "grid", "norm", "triton_error_buffer", "expand")
 _MEMORYLESS_MSE = ("mse", _MSE_OPTIONS, {"mode": "moving_average", "averaging_constant": 1.0})
