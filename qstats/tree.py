@@ -7,6 +7,7 @@ flattens it. `stack` gives one tree with a new leading dimension, ready for ``to
 
 from __future__ import annotations
 
+import collections
 import numbers
 from typing import Any, Sequence
 
@@ -36,10 +37,13 @@ def _description(tree: Any) -> str:
         return f"{kind} {tree!r}"
     if hasattr(type(tree), "_fields"):
         return f"{kind} (a NamedTuple)"
+    if isinstance(tree, collections.defaultdict):
+        kind = f"{kind}({getattr(tree.default_factory, '__name__', tree.default_factory)})"
     if isinstance(tree, dict):
         return f"{kind} with keys {sorted(map(repr, tree))}"
-    if isinstance(tree, (list, tuple)):
-        return f"{kind} of length {len(tree)}"
+    if isinstance(tree, (list, tuple, collections.deque)):
+        maxlen = f" (maxlen {tree.maxlen})" if isinstance(tree, collections.deque) else ""
+        return f"{kind} of length {len(tree)}{maxlen}"
     return kind
 
 
@@ -67,8 +71,9 @@ def _compare(a: Any, b: Any, path: str, check_leaves: bool) -> None:
         raise ValueError(f"tree mismatch at {path}: {_description(a)} vs {_description(b)}")
     a_children, a_meta, a_entries, _ = optree.tree_flatten_one_level(a)
     b_children, b_meta, b_entries, _ = optree.tree_flatten_one_level(b)
-    if isinstance(a, dict):
-        if set(a_entries) != set(b_entries):
+    if isinstance(a, dict):  # keys in any order; a defaultdict's factory is part of its node, as in optree
+        factories = getattr(a, "default_factory", None), getattr(b, "default_factory", None)
+        if set(a_entries) != set(b_entries) or factories[0] != factories[1]:
             raise ValueError(f"tree mismatch at {path}: {_description(a)} vs {_description(b)}")
         b_by_key = dict(zip(b_entries, b_children))
         b_children = [b_by_key[entry] for entry in a_entries]  # b by a's keys

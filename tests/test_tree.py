@@ -130,3 +130,25 @@ def test_stack_matches_ordered_dicts_by_key():
     for key in ("a", "b"):
         assert torch.equal(stacked[key], torch.stack([first[key], second[key]]))
     assert torch.equal(stacked["c"]["x"], torch.stack([first["c"]["x"], second["c"]["x"]]))
+
+
+def test_a_defaultdicts_factory_is_part_of_its_structure_as_in_optree():
+    """optree's structures of two defaultdicts differ by their factories; assert_same_structure and
+    stack took them as the same (stack kept the first tree's factory in silence). A deque's maxlen
+    (optree's node data too) is named in the message."""
+    import collections
+
+    import optree
+
+    a = collections.defaultdict(list, w=torch.zeros(2))
+    b = collections.defaultdict(dict, w=torch.ones(2))
+    assert optree.tree_structure(a) != optree.tree_structure(b)
+    with pytest.raises(ValueError, match=r"tree mismatch at tree: defaultdict\(list\).*vs defaultdict\(dict\)"):
+        tree.assert_same_structure(a, b)
+    with pytest.raises(ValueError, match=r"trees\[1\]: defaultdict\(list\)"):
+        tree.stack([a, b])
+    same = collections.defaultdict(list, w=torch.ones(2))
+    assert optree.tree_structure(a) == optree.tree_structure(same)
+    assert torch.equal(tree.stack([a, same])["w"], torch.stack([a["w"], same["w"]]))
+    with pytest.raises(ValueError, match=r"deque of length 1 \(maxlen None\) vs deque of length 1 \(maxlen 3\)"):
+        tree.assert_same_structure(collections.deque([torch.zeros(1)]), collections.deque([torch.zeros(1)], maxlen=3))
