@@ -55,7 +55,9 @@ def _same_value(a: Any, b: Any) -> bool:
     if getattr(a, "shape", None) != getattr(b, "shape", None):
         return False
     equal = a == b
-    return equal if isinstance(equal, bool) else bool(equal.all())
+    if isinstance(equal, bool):
+        return equal
+    return bool((equal | ((a != a) & (b != b))).all())  # NaN equals NaN in arrays too
 
 
 def _compare(a: Any, b: Any, path: str, check_leaves: bool) -> None:

@@ -152,3 +152,18 @@ def test_a_defaultdicts_factory_is_part_of_its_structure_as_in_optree():
     assert torch.equal(tree.stack([a, same])["w"], torch.stack([a["w"], same["w"]]))
     with pytest.raises(ValueError, match=r"deque of length 1 \(maxlen None\) vs deque of length 1 \(maxlen 3\)"):
         tree.assert_same_structure(collections.deque([torch.zeros(1)]), collections.deque([torch.zeros(1)], maxlen=3))
+
+
+@pytest.mark.parametrize("values", [[float("nan")], [1.0, float("nan"), 3.0], [[float("nan"), 2.0]]], ids=str)
+def test_numpy_leaves_holding_nan_compare_as_numpy_array_equal_with_equal_nan(values):
+    """NaN equals NaN in numpy leaves as in float ones (numpy.array_equal(..., equal_nan=True)): equal
+    arrays holding a NaN were a mismatch whose message showed the same array on both sides."""
+    import numpy as np
+
+    a, b = np.array(values), np.array(values)
+    assert np.array_equal(a, b, equal_nan=True)
+    tree.assert_same_structure({"a": a}, {"a": b})
+    other = np.nan_to_num(b, nan=5.0)
+    assert not np.array_equal(a, other, equal_nan=True)
+    with pytest.raises(ValueError, match=r"tree mismatch at tree\['a'\]"):
+        tree.assert_same_structure({"a": a}, {"a": other})
