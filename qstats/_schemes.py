@@ -789,17 +789,7 @@ def _modifier_config(config: Any) -> Any:
         _check_recipe_text(config)
     parsed = isinstance(config, Mapping) and recipe_keys(config)  # a recipe's YAML or JSON, parsed
     if isinstance(config, (str, list)) or parsed or hasattr(config, "modifiers"):  # a list: of modifiers
-        try:
-            from llmcompressor.recipe import Recipe as LLMCompressorRecipe
-        except ImportError as error:
-            raise ImportError("reading an llm-compressor recipe needs llm-compressor: pip install llmcompressor "
-                              f"({error})") from None
-        if parsed:  # as llm-compressor reads the file's data (its from_dict; a copy: it is not ours to change)
-            recipe = LLMCompressorRecipe.from_dict(copy.deepcopy(dict(config)))
-        elif hasattr(config, "modifiers"):
-            recipe = config
-        else:
-            recipe = _llm_compressor_recipe(LLMCompressorRecipe, config)
+        recipe = config if hasattr(config, "modifiers") else _llm_compressor_recipe(config, parsed)
         quantizing = [m for m in recipe.modifiers if hasattr(m, "resolve_quantization_config")]
         others = [type(m).__name__ for m in recipe.modifiers if not hasattr(m, "resolve_quantization_config")]
         if others or len(quantizing) != 1:
@@ -842,12 +832,20 @@ def _check_has_config(modifier) -> None:
         "quantization fields be specified', 'GPTQModifier was unable to find any modules to quantize')")
 
 
-def _llm_compressor_recipe(LLMCompressorRecipe, config):
-    """llm-compressor's ``Recipe.create_instance(config)``; YAML text or a file holding
-    compressed-tensors enums as Python tags (``type: !!python/object/apply:compressed_tensors...
-    QuantizationType [int]``), which llm-compressor's ``recipe.yaml`` writes for args built with
-    enums (``QuantizationArgs()``'s default ``type``) but its own safe loader refuses, read with
-    those tags as the enums (`_enum_loader`)."""
+def _llm_compressor_recipe(config, parsed: bool):
+    """llm-compressor's ``Recipe`` of ``config``: of a recipe's ``parsed`` data as llm-compressor reads
+    a file's data (its ``from_dict``, of a copy: the data is not ours to change), else its
+    ``Recipe.create_instance(config)``; YAML text or a file holding compressed-tensors enums as Python
+    tags (``type: !!python/object/apply:compressed_tensors...QuantizationType [int]``), which
+    llm-compressor's ``recipe.yaml`` writes for args built with enums (``QuantizationArgs()``'s default
+    ``type``) but its own safe loader refuses, read with those tags as the enums (`_enum_loader`)."""
+    try:
+        from llmcompressor.recipe import Recipe as LLMCompressorRecipe
+    except ImportError as error:
+        raise ImportError("reading an llm-compressor recipe needs llm-compressor: pip install llmcompressor "
+                          f"({error})") from None
+    if parsed:
+        return LLMCompressorRecipe.from_dict(copy.deepcopy(dict(config)))
     import yaml
 
     try:
