@@ -15,6 +15,7 @@ import torch
 __all__ = ["QATPhase", "QATSchedule"]
 
 Flag = Union[bool, torch.Tensor]
+_INT64_MAX = torch.iinfo(torch.int64).max
 
 
 class QATPhase(NamedTuple):
@@ -103,15 +104,19 @@ class QATSchedule:
             step = step.long()  # compared in its own dtype, an int8 step wrapped milestone 300 to 44
         elif not _is_int(step):
             raise TypeError(f"QATSchedule: step must be an int or an integer tensor, got {type(step).__name__}")
-        observing = step >= self.observe_at
-        if self.freeze_ranges_at is not None:
-            observing = observing & (step < self.freeze_ranges_at)
-        fake_quantize = step >= self.fake_quantize_at
-        if self.freeze_batchnorm_at is None:
-            frozen_bn = torch.zeros_like(step, dtype=torch.bool) if isinstance(step, torch.Tensor) else False
-        else:
-            frozen_bn = step >= self.freeze_batchnorm_at
-        return QATPhase(observing, fake_quantize, frozen_bn)
+
+        def reached(milestone):
+            # step >= milestone; None: never, nor a milestone past int64 for a tensor step (not converted to it)
+            if not isinstance(step, torch.Tensor):
+                return milestone is not None and step >= milestone
+            if milestone is None or milestone > _INT64_MAX:
+                return torch.zeros_like(step, dtype=torch.bool)
+            return step >= milestone
+
+        frozen_ranges = reached(self.freeze_ranges_at)
+        not_frozen = ~frozen_ranges if isinstance(step, torch.Tensor) else not frozen_ranges
+        return QATPhase(reached(self.observe_at) & not_frozen, reached(self.fake_quantize_at),
+                        reached(self.freeze_batchnorm_at))
 
     def sync_at(self, step: int) -> bool:
         """True when activation states should be merged across ranks *after* ``step`` (a host-side

@@ -33,3 +33,17 @@ def test_tensor_steps_of_every_integer_dtype_compare_as_integers(dtype):
 def test_tensor_steps_that_are_not_integers_are_refused(dtype):
     with pytest.raises(TypeError, match="must hold an integer"):
         qstats.QATSchedule()(torch.zeros((), dtype=dtype))
+
+
+@pytest.mark.parametrize("milestones", [(0, 5, 10**20, 2**63), (2**63, 2**64, 2**64, None), (0, 0, 2**63 - 1, 10**30)])
+def test_milestones_past_int64_are_never_reached_by_a_tensor_step(milestones):
+    """A milestone past int64's range ("never", as a Python int step reads it) raised OverflowError
+    ('int too big to convert') for every tensor step: expected from Python's own comparisons."""
+    schedule = qstats.QATSchedule(*milestones)
+    observe_at, fake_quantize_at, freeze_ranges_at, freeze_batchnorm_at = milestones
+    steps = [0, 3, 7, 12, 2**62, 2**63 - 1]
+    expected = [(observe_at <= step < freeze_ranges_at, step >= fake_quantize_at,
+                 freeze_batchnorm_at is not None and step >= freeze_batchnorm_at) for step in steps]
+    phase = schedule(torch.tensor(steps))
+    assert list(zip(*(flag.tolist() for flag in phase))) == expected
+    assert [tuple(schedule(step)) for step in steps] == expected
