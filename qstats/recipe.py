@@ -740,10 +740,7 @@ class Recipe:
                                  "experts"}
             if extra:
                 raise ValueError(f"Recipe.from_dict: unknown keys {sorted(extra)} beside 'scheme'")
-            return cls.from_scheme(data["scheme"], data.get("targets"), data.get("ignore") or (),
-                                   observed_dtype=data.get("observed_dtype"),
-                                   shared=data.get("shared"), experts=data.get("experts"),
-                                   kv_cache_scheme=data.get("kv_cache_scheme"))
+            return cls.from_scheme(**{**data, "ignore": data.get("ignore") or ()})  # its keys: from_scheme's arguments
         return cls(*recipe_fields(Rule, data))  # (rules, ignore, shared)
 
     def rule_for(self, path: str, site: str, module: Optional[torch.nn.Module] = None,
