@@ -45,13 +45,12 @@ def _select(t: torch.Tensor, index: tuple):
 
 def _one_histogram(state: HistogramState, index) -> tuple[HistogramState, tuple]:
     shape = tuple(state.min_val.shape)
-    if not shape:
-        return state, ()
-    if index is None:
+    if index is None and shape:
         raise ValueError(
             f"qstats.plot.histogram: the state holds histograms of shape {shape}; choose one with index=(...)"
         )
-    index = index if isinstance(index, tuple) else (index,)
+    # a state of one histogram takes no index (or ()): an index there selected nothing, in silence
+    index = () if index is None else index if isinstance(index, tuple) else (index,)
     if len(index) != len(shape) or not all(_component(i, n) for i, n in zip(index, shape)):
         raise ValueError(
             f"qstats.plot.histogram: index {index} must select one histogram of shape {shape} "

@@ -1,7 +1,8 @@
 """`qstats.plot.histogram` draws the clipping range of QParams computed from the state drawn: QParams of
 another state (another expert count, other channels, per-tensor QParams of a per-channel state) are
 refused naming both shapes. They used to be indexed as far as they went, drawing another expert's or
-channel's range (or a bare IndexError where the index ran past them)."""
+channel's range (or a bare IndexError where the index ran past them). A state of one histogram
+refuses an index, which it ignored."""
 
 import re
 
@@ -69,3 +70,16 @@ def test_a_global_scale_of_one_element_in_any_shape_is_shared():
     reshaped = qp._replace(global_scale=qp.global_scale.reshape(1))  # compressed-tensors' shape (1,)
     again = [line.get_xdata()[0] for line in qstats.plot.histogram(state, reshaped, spec, index=(1, 1)).axes[0].get_lines()]
     assert lines == again
+
+
+@pytest.mark.parametrize("index", [0, 3, (0,), (1, 2)], ids=str)
+def test_a_state_of_one_histogram_refuses_an_index(index):
+    """A per-tensor state holds one histogram: an index selected nothing and was ignored in silence."""
+    state, spec = _tensor_state()
+    qp = qstats.compute_qparams(state, spec)
+    for no_index in (None, ()):
+        lines = [line.get_xdata()[0] for line in qstats.plot.histogram(state, qp, spec, index=no_index).axes[0].get_lines()]
+        scale = float(qp.scale)  # the symmetric int8 grid: codes -128 and 127 around zero point 0
+        assert lines == [pytest.approx(-128 * scale), pytest.approx(127 * scale)]
+    with pytest.raises(ValueError, match=r"must select one histogram of shape \(\)"):
+        qstats.plot.histogram(state, qp, spec, index=index)
