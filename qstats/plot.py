@@ -99,12 +99,14 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
 
     Args:
       state: a `qstats.HistogramState`.
-      qparams: one QParams, a mapping ``{label: QParams}`` (e.g. one per method), or None.
+      qparams: one QParams, a mapping ``{label: QParams}`` (e.g. one per method), or None; each
+        computed from ``state`` (a scale per histogram; else a ValueError naming both shapes).
       spec: the QuantSpec the qparams were computed for (its range gives the clipping points).
       path: where to save the figure (optional): in the format its suffix names (``.png``,
         ``.pdf``, ``.svg``, ...), as matplotlib's ``savefig``; else PNG.
       index: which histogram to draw when the state holds several (per-channel, stacked): one
-        component per dimension of ``state.min_val`` (an int when it has one), expert first.
+        component per dimension of ``state.min_val`` (an int when it has one), expert first;
+        None (or ``()``) for a state of one histogram.
       title: the figure title.
       plot_bins: linear bins drawn between the observed extremes (a positive int).
 
