@@ -42,6 +42,8 @@ from ._granularity import PerTensor
 from ._qparams import compute_qparams
 from ._schemes import DROPIN_OBSERVERS, STATIC_GROUP_ACTIVATIONS, check_observer_kwargs, split_observer_kwargs
 from ._spec import QuantSpec
+from ._warn import warn
+from .experts import UncalibratedWarning
 from .fused import fused_amax
 from .observers import registry
 from .recipe import averages_feature_groups, feature_grouped, runtime_scaled
@@ -181,6 +183,11 @@ class QstatsObserver(LLMCompressorObserver):
             options["global_scale"] = global_scale.reshape(())
         qparams = compute_qparams(self.qstats_state, self.spec, **options)
         self.delete_statistics()
+        uncalibrated = int((~qparams.calibrated).sum()) if isinstance(qparams.calibrated, torch.Tensor) else 0
+        if uncalibrated:  # llm-compressor's own observers give NaN scales there
+            warn(f"qstats.llmcompressor: {uncalibrated} of {qparams.calibrated.numel()} {self.base_name} "
+                 "quantization parameter(s) saw only NaN/Inf values; they get scale 1 and zero point 0",
+                 UncalibratedWarning)
         # compressed-tensors' dtypes: scales in the observed dtype (float32 under a global scale,
         # which promotes them), zero points in zp_dtype
         scale_dtype = torch.float32 if global_scale is not None else getattr(torch, self.spec.compute_dtype)

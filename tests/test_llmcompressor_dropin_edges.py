@@ -157,3 +157,29 @@ def test_triton_error_buffer_is_taken_and_unknown_mse_options_fail_at_constructi
         with pytest.raises(TypeError, match="no_such_option"):
             Observer.load_from_registry("qstats_mse", base_name="input",
                                         args=QuantizationArgs(num_bits=8, observer_kwargs=kwargs))
+
+
+@pytest.mark.parametrize("name", ["static_minmax", "memoryless_minmax", "minmax"])
+def test_channels_of_only_nan_warn_and_the_others_equal_llmcompressor(name):
+    """A weight channel holding only NaN/Inf: llm-compressor's own observer gives it a NaN scale, the
+    drop-in scale 1 and zero point 0 with an UncalibratedWarning naming the count (it was silent);
+    every other channel's scale equals llm-compressor's bit for bit."""
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    weight = torch.randn(6, 32, generator=torch.Generator().manual_seed(0))
+    weight[2] = float("nan")
+    weight[4] = float("inf")
+    want = _qparams(name, args, weight)
+    with pytest.warns(qstats.UncalibratedWarning, match="2 of 6 weight quantization parameter"):
+        got = _qparams(f"qstats_{name}", args, weight)
+    finite = torch.tensor([True, True, False, True, False, True])
+    assert not torch.isfinite(want["scale"].reshape(-1)[~finite]).any()
+    assert bit_equal(got["scale"].reshape(-1)[finite], want["scale"].reshape(-1)[finite])
+    assert torch.equal(got["scale"].reshape(-1)[~finite], torch.ones(2))
+    assert torch.equal(got["zero_point"].reshape(-1)[~finite], torch.zeros(2, dtype=got["zero_point"].dtype))
+
+
+def test_calibrated_weights_do_not_warn():
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qstats.UncalibratedWarning)
+        _qparams("qstats_static_minmax", args, torch.randn(6, 32))
