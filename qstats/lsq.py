@@ -2,7 +2,8 @@
 
 `lsq_fake_quantize(x, params, spec)` fake-quantizes ``x`` with a scale and zero point that are
 ordinary tensors, trained by the same optimizer as the weights. Forward and gradients equal torch.ao's
-``_LearnableFakeQuantize`` kernels, in plain differentiable torch ops (vmap, grad and compile work).
+``_LearnableFakeQuantize`` kernels, in plain differentiable torch ops (vmap, grad and compile work);
+the forward is computed in the spec's convention, as `fake_quantize` (torch.ao's for ``"torch_ao"``).
 Gradients and refused specs: docs/qat.md. The gradient of a per-tensor zero point uses the forward's
 rounding where torch's backward differs: docs/differences.md.
 """
@@ -18,12 +19,8 @@ from ._checks import check_floating, is_real_number, require
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view, in_layout_of
 from ._qparams import QParams, _with_minval_of_codes, compute_qparams
 from ._spec import QuantSpec
-from .conventions import Convention
 
 __all__ = ["LSQParams", "lsq_init", "lsq_fake_quantize", "lsq_grad_factor", "lsq_qparams"]
-
-# the codes LSQ computes (`_check_spec`): the protocol's default, torch.ao's, whatever the spec's convention
-_TORCH_AO_ARITHMETIC = Convention()
 
 
 class LSQParams(NamedTuple):
@@ -54,10 +51,10 @@ def _check_spec(spec) -> None:
         raise TypeError(f"expected a QuantSpec, got {type(spec).__name__}")
     if spec.is_float:
         raise ValueError(f"lsq: learnable ranges need an integer target, got spec.dtype={spec.dtype!r}")
-    # LSQ computes torch.ao's arithmetic, codes clamp(round(x * (1 / scale)) + zero_point, *spec.qrange)
-    # in float32 with the zero point in code units, whatever the convention (other conventions' order
-    # of operations and compute dtypes only change ties). Specs whose parameters mean something else
-    # are refused: `lsq_init` would hand LSQ a range it reads differently.
+    # LSQ's gradients are torch.ao's, for codes clamp(round(x * (1 / scale)) + zero_point, *spec.qrange), the
+    # zero point in code units; its forward is the convention's (`fake_quantize`'s: its order of operations,
+    # compute and scale dtypes). Specs whose parameters mean something else are refused: `lsq_init` would
+    # hand LSQ a range it reads differently.
     spec.convention.check_lsq(spec)
 
 
@@ -205,9 +202,9 @@ def lsq_fake_quantize(
     v = view.float()
     v_value = v.detach()
     inv_scale = 1.0 / scale_value
-    unclamped, codes = _TORCH_AO_ARITHMETIC.codes(v_value, scale_value, zero_point_value, spec)
+    unclamped, codes = spec.convention.codes(view.detach(), scale_value, zero_point_value, spec)  # as fake_quantize
     inside = (unclamped >= qmin) & (unclamped <= qmax)
-    out = (codes - zero_point_value) * scale_value
+    out = spec.convention.dequantize(codes, scale_value, zero_point_value, spec)
 
     # Gradient coefficients (values, detached), torch.ao's kernel term by term. A NaN value counts as
     # clipped below, as torch's backward (its NaN code would make the range gradients NaN even where the
