@@ -78,10 +78,7 @@ class LazyCheckpoint:
     def _check_shards(self) -> None:
         """Every shard the index names exists, reads as safetensors and holds the tensors the index
         puts there (headers only): a bad checkpoint fails before any batch runs, naming the file."""
-        by_file: dict = {}
-        for key, filename in self.files.items():
-            by_file.setdefault(filename, []).append(key)
-        for filename, keys in by_file.items():
+        for filename, keys in self._by_file(self.files).items():
             try:
                 file = self._open(filename)
             except ValueError as error:  # which tensors the index puts there: the download that failed
@@ -94,6 +91,13 @@ class LazyCheckpoint:
                 raise ValueError(f"{self.where}: the index puts {len(absent)} tensor(s) in {filename!r}, which lacks "
                                  f"them: {', '.join(absent[:3])}")
 
+    def _by_file(self, keys) -> dict:
+        """``{file name: [its keys]}`` of the tensors ``keys``, in their order."""
+        by_file: dict = {}
+        for key in keys:
+            by_file.setdefault(self.files[key], []).append(key)
+        return by_file
+
     def __contains__(self, key: str) -> bool:
         return key in self.files
 
@@ -104,11 +108,8 @@ class LazyCheckpoint:
     def headers(self, keys: list) -> dict:
         """``{key: (shape, dtype)}`` of the tensors ``keys`` from their files' headers (no tensor is
         read; each file opened once); the dtype as torch's where it has one, else safetensors' name."""
-        by_file: dict = {}
-        for key in keys:
-            by_file.setdefault(self.files[key], []).append(key)
         found = {}
-        for filename, held in by_file.items():
+        for filename, held in self._by_file(keys).items():
             with self._open(filename) as file:
                 for key in held:
                     view = file.get_slice(key)
