@@ -24,7 +24,7 @@ from ._ops import is_dtensor
 from ._qparams import QParams, check_calibrated, compute_qparams, experts_qparams, per_expert_qparams
 from ._quant import fake_quantize
 from ._sites import is_float_tensor, replace_first_tensor, replace_input_tensor, run_model
-from .experts import UncalibratedWarning, linearized_layout_problem, rows_by_expert, stacked_qparams
+from .experts import UncalibratedWarning, linearized_layout_problem, own_parameters, rows_by_expert, stacked_qparams
 from .fused import fused_amax
 from .observers import memoryless_minmax
 from .observers.mse import MSEState, stopped_per_part
@@ -309,10 +309,8 @@ def _stopped_per_projection(state, found, module: torch.nn.Module, site: str):
     if (site != "gate_up_proj" or found.kind != "parameter" or not found.num_experts or not isinstance(state, MSEState)
             or linearized_layout_problem(module) is not None):
         return state
-    params = {name: getattr(module, name, None) for name in (site, "down_proj")}  # the shapes alone: no copy
-    if not all(isinstance(param, torch.Tensor) and param.ndim == 3 for param in params.values()):
-        return state
-    return stopped_per_part(state, 2) if gate_up_halves(stack_shapes(module, params), found.spec.granularity) else state
+    shapes = stack_shapes(module, own_parameters(module))  # a parametrized one's original: no copy
+    return stopped_per_part(state, 2) if gate_up_halves(shapes, found.spec.granularity) else state
 
 
 def _share_global_scales(out: dict, states: Mapping, plan: Plan, options: dict) -> None:
