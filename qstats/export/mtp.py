@@ -67,8 +67,6 @@ def copy_mtp_tensors(source: Optional[str], path: str, model_config: Any) -> boo
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from .checkpoint import write_index  # the writer imports this module
-
     found = {name: file for name, file in _weight_map(source).items() if name.startswith(PREFIX)}
     if not found:
         warn(f"export: the model's config declares MTP layers but {source!r} holds no '{PREFIX}.*' tensors; "
@@ -81,5 +79,6 @@ def copy_mtp_tensors(source: Optional[str], path: str, model_config: Any) -> boo
     save_file(tensors, os.path.join(path, SHARD), metadata={"format": "pt"})
     weight_map = {**_weight_map(path), **dict.fromkeys(tensors, SHARD)}
     size = sum(os.path.getsize(os.path.join(path, file)) for file in set(weight_map.values()))
-    write_index(path, weight_map, size)
+    with open(os.path.join(path, INDEX), "w") as file:
+        json.dump({"metadata": {"total_size": size}, "weight_map": weight_map}, file, indent=2, sort_keys=True)
     return True
