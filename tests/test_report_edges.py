@@ -192,7 +192,7 @@ def test_plot_refuses_a_bad_index_and_bad_qparams_by_name():
     with pytest.raises(TypeError, match="got HistogramState"):
         qstats.plot.histogram(state, state, spec, index=0)
     whole = _histogram(qstats.QuantSpec(), torch.randn(300))
-    with pytest.raises(ValueError, match="do not give one scale"):
+    with pytest.raises(ValueError, match=r"scale shape \(3,\).*do not fit the state.s histograms of shape \(\)"):
         qstats.plot.histogram(whole, qparams, qstats.QuantSpec())
 
 
