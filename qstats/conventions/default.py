@@ -66,7 +66,7 @@ class Convention:
         check_zero_point_kept(spec, self.name)
 
     def check_lsq(self, spec) -> None:
-        """ValueError where learnable ranges (`qstats.lsq`, torch.ao's arithmetic: codes
+        """ValueError where learnable ranges (`qstats.lsq`: torch.ao's gradients, for codes
         ``clamp(round(x * (1 / scale)) + zero_point, *spec.qrange)``, the zero point in code units)
         would read this convention's qparams otherwise."""
 
