@@ -281,7 +281,8 @@ def report(
 
     Args:
       states: the states tree from `qstats.calibrate`.
-      qparams: the matching QParams tree (`qstats.compute_qparams_tree`).
+      qparams: the matching QParams tree (`qstats.compute_qparams_tree`); a site it holds that
+        ``states`` lacks gets a row too, measured, with None for what its state would give.
       model, recipe: give both (or a `Plan` as ``recipe``) to measure clipping and SQNR on parameters.
       batches: with model and recipe, also measure activation sites on one float forward (those of
         stacked experts per expert, on the rows `fake_quantized` quantizes, in one row per site).
@@ -312,13 +313,19 @@ def report(
         _measure_parameters(plan, qparams, errors)
         if batches is not None:
             _measure_activations(plan, qparams, batches, observation_weight, errors)
-    rows = []
     for path, entry in states.items():
-        for site, state in entry.items():
+        for site in entry:
             if path not in qparams or site not in qparams[path]:
                 raise ValueError(f"report: qparams has no entry for module {path!r} site {site!r}")
-            found = plan.site(path, site) if plan is not None else None
-            rows.append(_row(path, site, state, qparams[path][site], found, errors.get((path, site))))
+    # a row per site of either tree: the states' first, then qparams' sites that have no state (measured
+    # all the same; their state's fields are None)
+    sites = [(path, site) for path, entry in states.items() for site in entry]
+    sites += [(path, site) for path, entry in qparams.items() for site in entry if site not in states.get(path, {})]
+    rows = []
+    for path, site in sites:
+        found = plan.site(path, site) if plan is not None else None
+        state = states.get(path, {}).get(site)
+        rows.append(_row(path, site, state, qparams[path][site], found, errors.get((path, site))))
     return Report(tuple(rows))
 
 
@@ -354,7 +361,7 @@ def _row(path: str, site: str, state, qp, found, error: Optional[_Error]) -> Lay
     return LayerReport(
         module=path,
         site=site,
-        observer=found.observer.name if found is not None else type(state).__name__,
+        observer=found.observer.name if found is not None else type(state).__name__ if state is not None else "-",
         experts=found.num_experts if found is not None else 0,
         min=_extreme(state, "min_val", torch.min),
         max=_extreme(state, "max_val", torch.max),

@@ -54,3 +54,28 @@ def test_a_states_entry_that_is_not_a_mapping_of_sites_is_named(entry):
     got = "MinMaxState" if entry == "state" else "NoneType"
     with pytest.raises(TypeError, match=rf"report: states\['0'\] must be a mapping \{{site: state\}}, got {got}"):
         qstats.report(bad, qparams, model, recipe)
+
+
+def test_sites_with_qparams_and_no_state_get_a_measured_row():
+    """A states tree holding only the weight, beside the qparams of weight and input: the input
+    was measured (one forward) and then dropped, with no row and no word. Its row now comes after the
+    states' rows, with the SQNR of the values the forward feeds it, computed here from torch's own
+    fake-quantize kernel; what only its state gives (min, max) is None."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8)).eval()
+    spec = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("weight", "input"), observer=qstats.minmax, spec=spec)])
+    batches = [torch.randn(2, 16)]
+    states = qstats.calibrate(model, batches, recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    weights_only = {"0": {"weight": states["0"]["weight"]}}
+    rows = qstats.report(weights_only, qparams, model, recipe, batches)
+    assert [(row.module, row.site) for row in rows] == [("0", "weight"), ("0", "input")]
+    assert rows[1].observer == "minmax" and rows[1].min is None and rows[1].max is None
+    qp, x = qparams["0"]["input"], batches[0]
+    expected = torch.fake_quantize_per_tensor_affine(x, float(qp.scale), int(qp.zero_point), *spec.qrange)
+    sqnr = 10 * torch.log10((x.double() ** 2).sum() / ((x.double() - expected.double()) ** 2).sum())
+    assert abs(rows[1].sqnr_db - float(sqnr)) < 1e-3
+    # without model and recipe: the row holds what the qparams give
+    bare = qstats.report(weights_only, qparams)
+    assert (bare[1].module, bare[1].site, bare[1].observer, bare[1].coverage) == ("0", "input", "-", 1.0)
