@@ -153,7 +153,8 @@ def decoder_layers(model: torch.nn.Module, layers: Optional[str], where: str = "
     """``(path, container)`` of the decoder layers: ``layers`` when given, else the longest
     ``nn.ModuleList`` whose children are all of one class, or all of the layer classes the model
     declares in ``_no_split_modules`` (hybrid models: Jamba's attention and Mamba layers), outside
-    any other such list; inside the language model when one holds such a list (`_language_model_path`)."""
+    any other such list; inside the language model when one holds such a list (`_language_model_path`);
+    a list of declared layer classes rather than a longer one of other modules."""
     if layers is not None:
         try:
             container = model.get_submodule(layers)
@@ -178,8 +179,10 @@ def decoder_layers(model: torch.nn.Module, layers: Optional[str], where: str = "
     if not found:
         raise ValueError(f"{where}: no nn.ModuleList of decoder layers found; name it with layers=")
     decoder = _language_model_path(model)
-    in_decoder = [item for item in found if decoder is not None and inside(item[1], decoder)]
-    return max(in_decoder or found, key=lambda item: item[0])[1:]
+    found = [item for item in found if decoder is not None and inside(item[1], decoder)] or found
+    # lists of the declared layer classes first, however short (a two-layer Gemma3n's three altup_projections)
+    named = [item for item in found if all(type(layer).__name__ in declared for layer in item[2])]
+    return max(named or found, key=lambda item: item[0])[1:]
 
 
 def _language_model_path(model: torch.nn.Module) -> Optional[str]:
