@@ -315,15 +315,18 @@ def _no_tensor(checkpoint, missing: str, name: str) -> ValueError:
 def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint, category: type = UserWarning) -> None:
     """ValueError naming a meta parameter of ``model`` that ``checkpoint`` holds under none of its
     names (in memory or as saved; nor, for stacked experts, per expert), or holds with another shape
-    or a dtype it does not cast (`_check_headers`). Names and headers only, before any layer is read:
+    or a dtype it does not cast (`_check_headers`); the same for a meta buffer it reads (of a model
+    without ``_init_weights`` to recompute a missing one: a plain ``nn.Module``'s). Names and headers only, before any layer is read:
     a checkpoint of another model, or one missing a tensor, fails before any batch runs.
     The checkpoint's tensors the model does not read are a warning of ``category``."""
     stored = _checkpoint_names(model)
     aliases = _aliases(model, stored)
-    for name, value in model.named_parameters():  # each tensor once, under its first name
+    for name, value in _read_tensors(model):  # each tensor under its first name
         keys = aliases[id(value)]
         if value.device.type != "meta" or any(key in checkpoint for key in keys):
             continue
+        if not isinstance(value, torch.nn.Parameter) and hasattr(model, "_init_weights"):
+            continue  # a buffer the checkpoint lacks, which `load_modules` recomputes
         per_expert = [_experts_missing(checkpoint, key, value.shape[0]) for key in keys] if value.ndim == 3 else []
         if "" not in per_expert:
             missing = next((key for key in per_expert if key), stored(name)[-1])
@@ -332,14 +335,23 @@ def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint, category: t
     _warn_unused(model, checkpoint, aliases, category)
 
 
+def _read_tensors(model: torch.nn.Module) -> list:
+    """``[(name, tensor)]`` of the parameters of ``model``, then of the buffers `load_modules` reads
+    from the checkpoint (those not `_recomputed`): the tensors `check_covers` checks."""
+    buffers = [(f"{path}.{name}" if path else name, value) for path, owner in model.named_modules()
+               for name, value in owner._buffers.items()
+               if value is not None and not _recomputed(model, owner, "_buffers", name)]
+    return [*model.named_parameters(), *buffers]
+
+
 def _check_headers(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: dict) -> None:
-    """The ValueError `_read` raises for a tensor of another shape than the model's meta parameter, or
+    """The ValueError `_read` raises for a tensor of another shape than the model's meta tensor, or
     of a dtype it does not cast (float8, integers), found from the files' headers before any layer is
     read: a bad tensor of the last layer fails before the first one runs. Stacked experts stored per
     expert are checked as they are read."""
     transposes = load_transposes(model)
-    read = {}  # the key each meta parameter is read from (its first name the checkpoint holds), as `_read` picks
-    for value in model.parameters():
+    read = {}  # the key each meta tensor is read from (its first name the checkpoint holds), as `_read` picks
+    for _, value in _read_tensors(model):
         names = aliases[id(value)]
         if isinstance(checkpoint, Overlay):
             names = sorted(names, key=lambda name: name not in checkpoint.weights)
