@@ -115,15 +115,27 @@ class SiteHooks:
 
 class _Call:
     """One call of an attention module: its hook, and whether its attention function ran it; a
-    second run is a ValueError saying ``again``, before the hook sees anything twice."""
+    second run is a ValueError saying ``again``, before the hook sees anything twice. Where the call
+    handed its cache a key and value first (`at_update`), the hook had them there, and the attention
+    function's run hands it the query only."""
 
     def __init__(self, hook: Callable, again: str):
-        self.hook, self.reached, self.again = hook, False, again
+        self.hook, self.reached, self.again, self.updated = hook, False, again, False
 
     def __call__(self, query, key, value):
         if self.reached:
             raise ValueError(self.again)
         self.reached = True
+        if self.updated:
+            return self.hook(query, None, None)[0], key, value
+        return self.hook(query, key, value)
+
+    def at_update(self, query, key, value):
+        """The hook on the key and value the call hands its cache (`_CacheUpdate`), once: those
+        compressed-tensors' kv cache reads, where the attention function receives the whole cache."""
+        if self.updated:
+            raise ValueError(self.again)
+        self.updated = True
         return self.hook(query, key, value)
 
 
@@ -268,7 +280,10 @@ class _CacheUpdate:
 
 def _hooks(module, path: str, hook: Callable, caller: str) -> list:
     """A pre-hook handing each call's `_Call` to the attention function by keyword (after those of
-    enclosing contexts: applied in that order), and a hook refusing a call that did not reach it."""
+    enclosing contexts: applied in that order), and to the cache the call is given (``past_key_values``,
+    `_CacheUpdate`): a decode step's attention function receives every cached key and value, where
+    compressed-tensors' kv cache reads the new ones at the update; and a hook refusing a call that
+    did not reach its attention function."""
     keyword = _functions().SITES_KEYWORD
     calls: list = []
 
@@ -278,11 +293,19 @@ def _hooks(module, path: str, hook: Callable, caller: str) -> list:
              "update; not supported: ignore the module's q/k/v")
 
     def pre_hook(module, args, kwargs):
-        calls.append(_Call(hook, again))
-        return args, {**kwargs, keyword: tuple(kwargs.get(keyword, ())) + (calls[-1],)}
+        cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
+        calls.append((_Call(hook, again), cache if callable(getattr(cache, "update", None)) else None))
+        if calls[-1][1] is not None:
+            _CacheUpdate.attach(calls[-1][1], calls[-1][0].at_update)
+        return args, {**kwargs, keyword: tuple(kwargs.get(keyword, ())) + (calls[-1][0],)}
 
     def check(module, args, kwargs, output):
-        if calls and not calls.pop().reached and output is not None:
+        if not calls:
+            return
+        call, cache = calls.pop()
+        if cache is not None:
+            _CacheUpdate.detach(cache, call.at_update)
+        if not call.reached and output is not None:
             raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) did not call its "
                              "attention function through transformers' AttentionInterface, where qstats reads "
                              "its q/k/v: not supported")
