@@ -300,9 +300,14 @@ def _aliases(model: torch.nn.Module, stored: Callable[[str], list]) -> dict:
     return names
 
 
-def _no_tensor(checkpoint, missing: str, name: str) -> ValueError:
+def _no_tensor(checkpoint, missing: str, name: str, non_persistent: bool = False) -> ValueError:
     """The error for a tensor ``name`` of the model the checkpoint lacks as ``missing``; one stored
-    packed (compressed-tensors' ``weight_packed``: int4 or fp4 codes) is named as a quantized checkpoint."""
+    packed (compressed-tensors' ``weight_packed``: int4 or fp4 codes) is named as a quantized checkpoint,
+    a ``non_persistent`` buffer (of a model without ``_init_weights`` to compute it) as one no checkpoint holds."""
+    if non_persistent:
+        return ValueError(f"{checkpoint.where}: {name!r} is a non-persistent buffer, which no checkpoint holds (the "
+                          "model's state_dict leaves it out) and which has no values on the meta device: give the "
+                          "model its values (register_buffer(..., persistent=False) on the CPU) before the call")
     also = f" (the model's {name!r})" if missing != name else ""
     packed = f"{missing}_packed"
     if packed in checkpoint:
@@ -316,8 +321,9 @@ def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint, category: t
     """ValueError naming a meta parameter of ``model`` that ``checkpoint`` holds under none of its
     names (in memory or as saved; nor, for stacked experts, per expert), or holds with another shape
     or a dtype it does not cast (`_check_headers`); the same for a meta buffer it reads (of a model
-    without ``_init_weights`` to recompute a missing one: a plain ``nn.Module``'s). Names and headers only, before any layer is read:
-    a checkpoint of another model, or one missing a tensor, fails before any batch runs.
+    without ``_init_weights`` to recompute a missing one: a plain ``nn.Module``'s). Names and headers
+    only, before any layer is read: a checkpoint of another model, or one missing a tensor, fails
+    before any batch runs.
     The checkpoint's tensors the model does not read are a warning of ``category``."""
     stored = _checkpoint_names(model)
     aliases = _aliases(model, stored)
@@ -330,7 +336,8 @@ def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint, category: t
         per_expert = [_experts_missing(checkpoint, key, value.shape[0]) for key in keys] if value.ndim == 3 else []
         if "" not in per_expert:
             missing = next((key for key in per_expert if key), stored(name)[-1])
-            raise _no_tensor(checkpoint, missing, name)
+            owner, _, leaf = name.rpartition(".")
+            raise _no_tensor(checkpoint, missing, name, leaf in model.get_submodule(owner)._non_persistent_buffers_set)
     _check_headers(model, checkpoint, aliases)
     _warn_unused(model, checkpoint, aliases, category)
 
@@ -551,7 +558,7 @@ def load_modules(model: torch.nn.Module, paths: list, checkpoint: LazyCheckpoint
                         if empty:
                             loaded, recompute = torch.empty_like(value, device=device or "cpu"), True
                         if loaded is None:
-                            raise _no_tensor(checkpoint, stored(full)[-1], full)
+                            raise _no_tensor(checkpoint, stored(full)[-1], full, name in owner._non_persistent_buffers_set)
                         loaded = loaded if device is None else loaded.to(device)
                         if kind == "_parameters" and not isinstance(loaded, torch.nn.Parameter):
                             # the meta parameter's requires_grad, as from_pretrained keeps it: a linear layer

@@ -93,3 +93,41 @@ def test_a_checkpoint_holding_its_buffers_calibrates_as_the_loaded_model(tmp_pat
     full = qstats.calibrate(loaded, list(_batches([])), RECIPE, progress=False)
     assert set(states) == set(full)
     assert all(torch.equal(a, b) for path in full for a, b in zip(full[path]["input"], states[path]["input"]))
+
+
+class _Scaled(torch.nn.Module):
+    """A layer scaling by a non-persistent buffer (as a rotary embedding's frequencies): no state dict
+    holds it, so no checkpoint does, and built on the meta device it has no values."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8), persistent=False)
+
+    def forward(self, hidden):
+        return hidden + self.linear(hidden) * self.scale
+
+
+def _scaled_net() -> torch.nn.Module:
+    net = _Net()
+    net.layers = torch.nn.ModuleList([_Scaled() for _ in range(3)])
+    return net
+
+
+def test_a_non_persistent_buffer_is_named_as_such_and_calibrates_once_set(tmp_path):
+    torch.manual_seed(0)
+    loaded = _scaled_net().eval()
+    assert "layers.0.scale" not in loaded.state_dict()  # torch saves no non-persistent buffer
+    save_file(loaded.state_dict(), os.path.join(tmp_path, "model.safetensors"))
+    with torch.device("meta"):
+        model = _scaled_net().eval()
+    drawn: list = []
+    with pytest.raises(ValueError, match="'layers.0.scale' is a non-persistent buffer"):
+        qstats.calibrate_layerwise(model, str(tmp_path), _batches(drawn), RECIPE, progress=False)
+    assert drawn == []
+    for layer in model.layers:  # what the message says to do: give it its values before the call
+        layer.register_buffer("scale", torch.linspace(0.5, 1.5, 8), persistent=False)
+    states = qstats.calibrate_layerwise(model, str(tmp_path), list(_batches([])), RECIPE, progress=False)
+    full = qstats.calibrate(loaded, list(_batches([])), RECIPE, progress=False)
+    assert set(states) == set(full)
+    assert all(torch.equal(a, b) for path in full for a, b in zip(full[path]["input"], states[path]["input"]))
