@@ -282,10 +282,11 @@ def _hooks(module, path: str, hook: Callable, caller: str) -> list:
     """A pre-hook handing each call's `_Call` to the attention function by keyword (after those of
     enclosing contexts: applied in that order), and to the cache the call is given (``past_key_values``,
     `_CacheUpdate`): a decode step's attention function receives every cached key and value, where
-    compressed-tensors' kv cache reads the new ones at the update; and a hook refusing a call that
-    did not reach its attention function."""
+    compressed-tensors' kv cache reads the new ones at the update (but multi-head latent attention,
+    which caches its latent); and a hook refusing a call that did not reach its attention function."""
     keyword = _functions().SITES_KEYWORD
     calls: list = []
+    latent = latent_attention(module)
 
     again = (f"{caller}: the attention module {path!r} ({type(module).__name__}) called its attention function "
              "twice in one call (DiffLlama's differential attention hands it each half of the value): qstats reads "
@@ -294,7 +295,9 @@ def _hooks(module, path: str, hook: Callable, caller: str) -> list:
 
     def pre_hook(module, args, kwargs):
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
-        calls.append((_Call(hook, again), cache if callable(getattr(cache, "update", None)) else None))
+        # multi-head latent attention caches its latent (`LATENT_CACHE`): its k/v stay the attention function's
+        reads_cache = callable(getattr(cache, "update", None)) and not latent
+        calls.append((_Call(hook, again), cache if reads_cache else None))
         if calls[-1][1] is not None:
             _CacheUpdate.attach(calls[-1][1], calls[-1][0].at_update)
         return args, {**kwargs, keyword: tuple(kwargs.get(keyword, ())) + (calls[-1][0],)}

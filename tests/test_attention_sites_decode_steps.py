@@ -83,3 +83,24 @@ def test_decode_steps_observe_each_new_key_and_value_once(monkeypatch, implement
             if not args["symmetric"]:
                 assert torch.equal(ours.zero_point.reshape(-1).to(torch.int8),
                                    reference["zero_point"].reshape(-1).to(torch.int8)), (layer, site)
+
+
+def test_latent_attention_k_v_stay_the_attention_functions_with_a_cache(tmp_path):
+    """DeepSeek-V3 hands its cache the compressed latent (`qstats._attention.LATENT_CACHE`): its k/v sites
+    stay the key and value its attention function receives, a cache passed or not (recorded by a wrapper
+    of the modeling file's eager function, not by qstats)."""
+    from _shared import eager_attention_arguments
+    from test_attention_sites_fused_projections import _base, _samples
+
+    _base(str(tmp_path), "deepseek_v3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    model.set_attn_implementation("eager")
+    spec = qstats.QuantSpec("int8", granularity=qstats.PerHead(1))
+    plan = qstats.Recipe([qstats.Rule("re:.*self_attn$", sites=("k", "v"), observer=qstats.minmax,
+                                      spec=spec)]).resolve(model)
+    samples = [s[None] for s in _samples()]
+    seen = eager_attention_arguments(model, samples)
+    states = qstats.calibrate(model, samples, plan, progress=False)  # use_cache: a DynamicCache each batch
+    for (path, site), xs in seen.items():
+        if site in states[path]:
+            assert torch.equal(states[path][site].max_val, torch.stack([x.amax(dim=(0, 2, 3)) for x in xs]).amax(0))
