@@ -67,8 +67,9 @@ def _per_head(qp, module: torch.nn.Module, site: str, where: str):
 def _check_cached_attention(path: str, module: torch.nn.Module, sites: Mapping) -> None:
     """Refuses q/k/v sites of a module that compressed-tensors does not quantize as attention (its
     ``is_cached_attention_module``): it registers no ``q_scale``/``k_scale``/``v_scale`` there, so a
-    loader drops them (transformers: UNEXPECTED keys) and the model runs unquantized; and k/v sites
-    of multi-head latent attention, whose cache holds other tensors (`LATENT_CACHE`)."""
+    loader drops them (transformers: UNEXPECTED keys) and the model runs unquantized; k/v sites
+    of multi-head latent attention, whose cache holds other tensors (`LATENT_CACHE`), and of
+    cross-attention whose cache compressed-tensors does not quantize (`_reads_cross_attention_cache`)."""
     if not _is_kv_cache_module(module):
         fail(path, f"q/k/v sites of a {type(module).__name__}, which compressed-tensors does not quantize as "
              "attention (it takes modules whose class name contains 'attention', with a k_proj, v_proj, qkv_proj "
@@ -76,6 +77,11 @@ def _check_cached_attention(path: str, module: torch.nn.Module, sites: Mapping) 
              "load; drop these sites or ignore the module")
     if latent_attention(module) and ("k" in sites or "v" in sites):
         fail(path, f"k/v sites of a {type(module).__name__}: {LATENT_CACHE}")
+    if _reads_cross_attention_cache(module) and ("k" in sites or "v" in sites):
+        fail(path, f"k/v sites of a {type(module).__name__}, a cross-attention that hands its key and value to an "
+             "EncoderDecoderCache's cross_attention_cache: compressed-tensors' kv cache passes that through to the "
+             "real cache unquantized (and fails without a cache), so its k_scale/v_scale would load unused and the "
+             "loaded model compute other logits than qstats.fake_quantized; not supported: drop the kv-cache scheme")
 
 
 def _check_attention_sites(path: str, written: dict) -> None:
@@ -90,6 +96,14 @@ def _check_attention_sites(path: str, written: dict) -> None:
     if len(distinct) > 1:
         fail(path, "compressed-tensors quantizes q, k and v of a model with one set of QuantizationArgs; "
              f"the specs of {sorted(written)} differ")
+
+
+def _reads_cross_attention_cache(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward reads ``cross_attention_cache`` (an ``EncoderDecoderCache``'s, as
+    T5Gemma's, Whisper's and BART's cross-attention do), which compressed-tensors' ``QuantizedKVCache``
+    hands over from the real cache, whose ``update`` then quantizes nothing. Read under any decorator."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    return code is not None and "cross_attention_cache" in code.co_names
 
 
 def _forward_takes(module: torch.nn.Module, *names: str) -> bool:
