@@ -296,7 +296,7 @@ def _hooks(module, path: str, hook: Callable, caller: str) -> list:
     def pre_hook(module, args, kwargs):
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
         # multi-head latent attention caches its latent (`LATENT_CACHE`): its k/v stay the attention function's
-        reads_cache = callable(getattr(cache, "update", None)) and not latent
+        reads_cache = hasattr(cache, "__dict__") and callable(getattr(cache, "update", None)) and not latent  # no dict
         calls.append((_Call(hook, again), cache if reads_cache else None))
         if calls[-1][1] is not None:
             _CacheUpdate.attach(calls[-1][1], calls[-1][0].at_update)
