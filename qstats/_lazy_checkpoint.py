@@ -133,17 +133,29 @@ class LazyCheckpoint:
         stacked = None  # filled expert by expert: never the per-expert copies and the stack at once
         for expert, names in enumerate(experts):
             parts = [self.tensor(name) for name in names]
-            if len({part.shape[1:] for part in parts}) > 1:  # torch.cat would fail without naming them
-                raise ValueError(f"{self.where}: checkpoint expert {prefix}.{expert}'s tensors differ in their input "
-                                 "width: " + ", ".join(f"{n!r} {tuple(t.shape)}" for n, t in zip(names, parts)))
-            shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
+            first = None if stacked is None else tuple(stacked.shape[1:])
+            shape = _expert_shape(self, f"{prefix}.{expert}", names, [tuple(part.shape) for part in parts], first)
             if stacked is None:
                 stacked = parts[0].new_empty((len(experts), *shape))
-            if shape != stacked.shape[1:]:
-                raise ValueError(f"{self.where}: checkpoint expert {prefix}.{expert} has shapes "
-                                 f"{[tuple(part.shape) for part in parts]}, unlike expert 0's")
             stacked[expert] = torch.cat(parts)
         return stacked
+
+
+def _expert_shape(checkpoint, expert: str, names: list, shapes: list, first: Optional[tuple]) -> tuple:
+    """The shape of one expert's tensors ``names`` (of ``shapes``) concatenated along their output
+    dimension, as `LazyCheckpoint.stacked_experts` stacks them; ValueError naming them and their files
+    where they differ in input width (torch.cat would fail without naming them) or the result differs
+    from expert 0's (``first``; None for expert 0)."""
+    listed = ", ".join(f"{name!r} {tuple(shape)}" for name, shape in zip(names, shapes))
+    files = ", ".join(map(repr, dict.fromkeys(checkpoint.file_of(name) for name in names)))
+    if len({tuple(shape[1:]) for shape in shapes}) > 1:
+        raise ValueError(f"{checkpoint.where}: checkpoint expert {expert}'s tensors differ in their input width: "
+                         f"{listed} (in {files})")
+    shape = (sum(shape[0] for shape in shapes), *shapes[0][1:])
+    if first is not None and shape != first:
+        raise ValueError(f"{checkpoint.where}: checkpoint expert {expert}'s tensors {listed} stack to {shape}, unlike "
+                         f"expert 0's {first} (in {files})")
+    return shape
 
 
 # safetensors' dtype names (`safe_open(...).get_slice(key).get_dtype()`) as torch's
@@ -354,23 +366,48 @@ def _read_tensors(model: torch.nn.Module) -> list:
 def _check_headers(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: dict) -> None:
     """The ValueError `_read` raises for a tensor of another shape than the model's meta tensor, or
     of a dtype it does not cast (float8, integers), found from the files' headers before any layer is
-    read: a bad tensor of the last layer fails before the first one runs. Stacked experts stored per
-    expert are checked as they are read."""
+    read: a bad tensor of the last layer fails before the first one runs; stacked experts stored per
+    expert too, expert by expert (`_stacked_header`)."""
     transposes = load_transposes(model)
     read = {}  # the key each meta tensor is read from (its first name the checkpoint holds), as `_read` picks
+    experts: dict = {}  # {stacked key: per-expert keys} of stacked experts stored per expert, as `_read` stacks them
     for _, value in _read_tensors(model):
         names = aliases[id(value)]
         if isinstance(checkpoint, Overlay):
             names = sorted(names, key=lambda name: name not in checkpoint.weights)
         key = next((name for name in names if name in checkpoint), None)
+        if key is None and value.ndim == 3:
+            key = next((name for name in names if _per_expert(checkpoint, name)), None)
+            if key is not None:
+                experts[key] = _per_expert(checkpoint, key)
         if value.device.type == "meta" and key is not None:
             read.setdefault(key, value)
-    headers = checkpoint.headers(list(read))
+    each = [name for keys in experts.values() for names in keys for name in names]
+    headers = checkpoint.headers([key for key in read if key not in experts] + each)
     for key, like in read.items():  # in the model's order, as the layers read them
-        shape, dtype = headers[key]
+        if key in experts:
+            shape, dtype = _stacked_header(checkpoint, key, experts[key], headers, like)
+        else:
+            shape, dtype = headers[key]
         _loaded_transpose(checkpoint, key, shape, like, transposes)
         if _uncastable(dtype, like):
             raise _dtype_error(checkpoint, key, dtype, like)
+
+
+def _stacked_header(checkpoint, key: str, experts: list, headers: dict, like: torch.Tensor) -> tuple:
+    """``(shape, dtype)`` of the stack `LazyCheckpoint.stacked_experts` reads for ``key`` from the
+    per-expert tensors ``experts`` (`_per_expert`), from their ``headers``: ValueError naming a tensor
+    of a dtype `_read` does not cast to ``like``'s (each expert's, not only the first's, which the
+    stack takes), or an expert whose tensors do not stack (`_expert_shape`)."""
+    first = None
+    for expert, names in enumerate(experts):
+        for name in names:
+            if _uncastable(headers[name][1], like):
+                raise _dtype_error(checkpoint, name, headers[name][1], like)
+        shape = _expert_shape(checkpoint, f"{key.rpartition('.')[0]}.{expert}", names,
+                              [headers[name][0] for name in names], first)
+        first = first or shape
+    return (len(experts), *first), like.dtype
 
 
 # the checkpoint tensors transformers ignores beside the model's own patterns (`_adjust_missing_and_unexpected_keys`)
