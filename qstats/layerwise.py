@@ -55,11 +55,17 @@ class _Inputs:
 
 
 class _Store:
-    """The batches' `_Inputs`: in a list, or one ``torch.save`` file per batch under ``directory``."""
+    """The batches' `_Inputs`: in a list, or one ``torch.save`` file per batch under ``directory``;
+    each batch's observation weight (one value per token at most) in memory too, read by `weight`
+    without loading the batch's file."""
 
     def __init__(self, directory: Optional[str]):
         self.directory = directory
         self.records: list = []  # the `_Inputs`, or with a directory the file holding each
+        self.weights: list = []  # each record's weight
+
+    def weight(self, index: int) -> Optional[torch.Tensor]:
+        return self.weights[index]
 
     def __len__(self) -> int:
         return len(self.records)
@@ -70,6 +76,7 @@ class _Store:
         return _Inputs(**torch.load(self.records[index], weights_only=False))
 
     def __setitem__(self, index: int, record: _Inputs) -> None:
+        self.weights[index] = record.weight
         if self.directory is None:
             self.records[index] = record
         else:
@@ -78,6 +85,7 @@ class _Store:
     def append(self, record: _Inputs) -> None:
         name = f"batch_{len(self):07d}.pt"
         self.records.append(None if self.directory is None else os.path.join(self.directory, name))
+        self.weights.append(None)
         self[len(self) - 1] = record
 
     def __iter__(self) -> Iterator[_Inputs]:
@@ -290,17 +298,16 @@ class _StandIn(torch.nn.Module):
 
 class _Replay(_StandIn):
     """Stands in for a decoder layer after the last one has run: returns the stored output of
-    the last layer for the current batch (the first stub moves to the next batch)."""
+    the last layer for the current batch (``shared["stored"]``, which the first stub moves to
+    ``device`` for every stub of the batch)."""
 
-    def __init__(self, layer: torch.nn.Module, store: _Store, first: bool, shared: dict,
-                 device: Optional[torch.device]):
+    def __init__(self, layer: torch.nn.Module, first: bool, shared: dict, device: Optional[torch.device]):
         super().__init__(layer)
-        self.store, self.first, self.shared, self.device = store, first, shared, device
+        self.first, self.shared, self.device = first, shared, device
 
     def forward(self, *args, **kwargs):
         if self.first:
-            self.shared["index"] = self.shared.get("index", -1) + 1
-            self.shared["output"] = _moved(self.store[self.shared["index"]].output, self.device)
+            self.shared["output"] = _moved(self.shared["stored"], self.device)
         return self.shared["output"]
 
 
@@ -649,7 +656,7 @@ def _run_layer(run: _Run, path: str, layer: torch.nn.Module, following: int, las
 
     def over_store(observed: Plan, final: bool) -> dict:  # this rank's states of ``observed`` over every stored batch
         runner.write = float_outputs and final  # float outputs are stored once, by the last pass
-        return run.calibrate(runner, observed, range(len(run.store)), lambda index: run.store[index].weight)
+        return run.calibrate(runner, observed, range(len(run.store)), run.store.weight)
 
     def propagate(found: dict) -> None:  # "quantized": fake-quantized by found's qparams (no step runs then)
         runner.write = True
@@ -693,15 +700,15 @@ def _run_outside(run: _Run, container_path: str, container, observation_weight) 
     side = None if run.side_plan is None else _sub_plan(run.side_plan, outside, run.model)
 
     def over_batches(observed: Plan, final: bool) -> dict:
-        shared: dict = {}  # the stubs' current batch, from the first batch on each pass
+        shared: dict = {}  # the current batch's weight and last layer's output (each record read once)
 
         def batches() -> Iterator:  # each batch as the capture saw it (moved), its weight as computed there
             for record in run.store:
-                shared["weight"] = record.weight
+                shared["weight"], shared["stored"] = record.weight, record.output
                 yield _moved(record.batch, run.device)
 
         weight = None if observation_weight is None else (lambda batch: shared["weight"])
-        replay = lambda index, layer: _Replay(layer, run.store, index == 0, shared, run.device)  # noqa: E731
+        replay = lambda index, layer: _Replay(layer, index == 0, shared, run.device)  # noqa: E731
         with _stood_in(container, replay), _without_router_logits(run.model):
             return run.calibrate(run.model, observed, batches(), weight)
 
@@ -742,7 +749,7 @@ def _step_before_layers(run: _Run, container_path: str, container) -> bool:
         return step(label, module, {path: entry for path, entry in found.items() if path in side_found}, side_found)
 
     def over(observed: Plan, final: bool) -> dict:
-        return run.calibrate(root, observed, range(len(run.store)), lambda index: run.store[index].weight)
+        return run.calibrate(root, observed, range(len(run.store)), run.store.weight)
 
     before = dataclasses.replace(run, after_layer=called)
     label = f"the modules before {container_path}.0"
