@@ -131,10 +131,8 @@ class _Call:
         return self.hook(query, key, value)
 
     def at_update(self, query, key, value):
-        """The hook on the key and value the call hands its cache (`_CacheUpdate`), once: those
-        compressed-tensors' kv cache reads, where the attention function receives the whole cache."""
-        if self.updated:
-            raise ValueError(self.again)
+        """The hook on the key and value the call hands its cache (`_CacheUpdate`), at each update as
+        compressed-tensors' kv cache reads them, where the attention function receives the whole cache."""
         self.updated = True
         return self.hook(query, key, value)
 
