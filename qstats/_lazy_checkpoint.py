@@ -523,10 +523,11 @@ def _check_tied(checkpoint, name: str, value: torch.Tensor, names: list) -> None
     for other in (key for key in names if key != name and key in checkpoint):
         stored = checkpoint.tensor(other)
         if stored.shape != value.shape or not torch.equal(stored, value.to(stored.dtype)):
+            files = " and ".join(map(repr, dict.fromkeys(checkpoint.file_of(key) for key in (name, other) if key in checkpoint)))
             raise ValueError(
                 f"{checkpoint.where}: the model ties {name!r} and {other!r} (one tensor), but the checkpoint holds "
-                "them with different values: build the model with tie_word_embeddings=False, as from_pretrained "
-                "unties them"
+                f"them with different values (in {files}): build the model with tie_word_embeddings=False, as "
+                "from_pretrained unties them"
             )
 
 
