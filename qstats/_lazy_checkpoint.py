@@ -147,14 +147,13 @@ def _expert_shape(checkpoint, expert: str, names: list, shapes: list, first: Opt
     where they differ in input width (torch.cat would fail without naming them) or the result differs
     from expert 0's (``first``; None for expert 0)."""
     listed = ", ".join(f"{name!r} {tuple(shape)}" for name, shape in zip(names, shapes))
-    files = ", ".join(map(repr, dict.fromkeys(checkpoint.file_of(name) for name in names)))
     if len({tuple(shape[1:]) for shape in shapes}) > 1:
         raise ValueError(f"{checkpoint.where}: checkpoint expert {expert}'s tensors differ in their input width: "
-                         f"{listed} (in {files})")
+                         f"{listed}{_stored_in(checkpoint, *names)}")
     shape = (sum(shape[0] for shape in shapes), *shapes[0][1:])
     if first is not None and shape != first:
         raise ValueError(f"{checkpoint.where}: checkpoint expert {expert}'s tensors {listed} stack to {shape}, unlike "
-                         f"expert 0's {first} (in {files})")
+                         f"expert 0's {first}{_stored_in(checkpoint, *names)}")
     return shape
 
 
@@ -500,11 +499,13 @@ def _loaded_transpose(checkpoint, name: str, shape: tuple, like: torch.Tensor,
                      f"{tuple(like.shape)}{_stored_in(checkpoint, name)}")
 
 
-def _stored_in(checkpoint, name: str) -> str:
-    """`` (in '<file>')``: the file(s) of the checkpoint holding the tensor ``name``, or for stacked
-    experts stored per expert, those of their per-expert tensors."""
-    names = [name] if name in checkpoint else [key for keys in _per_expert(checkpoint, name) or () for key in keys]
-    files = list(dict.fromkeys(checkpoint.file_of(key) for key in names))
+def _stored_in(checkpoint, *names: str) -> str:
+    """`` (in '<file>', ...)``: the files of the checkpoint holding the tensors ``names`` (for stacked
+    experts stored per expert, those of their per-expert tensors), three at most named."""
+    keys = [key for name in names
+            for key in ([name] if name in checkpoint else
+                        [key for keys in _per_expert(checkpoint, name) or () for key in keys])]
+    files = list(dict.fromkeys(checkpoint.file_of(key) for key in keys))
     more = f" and {len(files) - 3} more" if len(files) > 3 else ""
     return f" (in {', '.join(map(repr, files[:3]))}{more})" if files else ""
 
@@ -523,11 +524,10 @@ def _check_tied(checkpoint, name: str, value: torch.Tensor, names: list) -> None
     for other in (key for key in names if key != name and key in checkpoint):
         stored = checkpoint.tensor(other)
         if stored.shape != value.shape or not torch.equal(stored, value.to(stored.dtype)):
-            files = " and ".join(map(repr, dict.fromkeys(checkpoint.file_of(key) for key in (name, other) if key in checkpoint)))
             raise ValueError(
                 f"{checkpoint.where}: the model ties {name!r} and {other!r} (one tensor), but the checkpoint holds "
-                f"them with different values (in {files}): build the model with tie_word_embeddings=False, as "
-                "from_pretrained unties them"
+                f"them with different values{_stored_in(checkpoint, name, other)}: build the model with "
+                "tie_word_embeddings=False, as from_pretrained unties them"
             )
 
 
