@@ -295,10 +295,11 @@ def _hooks(module, path: str, hook: Callable, caller: str) -> list:
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
         # multi-head latent attention caches its latent (`LATENT_CACHE`): its k/v stay the attention function's
         reads_cache = hasattr(cache, "__dict__") and callable(getattr(cache, "update", None)) and not latent  # no dict
-        calls.append((_Call(hook, again), cache if reads_cache else None))
-        if calls[-1][1] is not None:
-            _CacheUpdate.attach(calls[-1][1], calls[-1][0].at_update)
-        return args, {**kwargs, keyword: tuple(kwargs.get(keyword, ())) + (calls[-1][0],)}
+        call, cache = _Call(hook, again), cache if reads_cache else None
+        calls.append((call, cache))
+        if cache is not None:
+            _CacheUpdate.attach(cache, call.at_update)
+        return args, {**kwargs, keyword: tuple(kwargs.get(keyword, ())) + (call,)}
 
     def check(module, args, kwargs, output):
         if not calls:
