@@ -158,7 +158,7 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
       ValueError: in eager mode, when ``spec.on_uncalibrated == "raise"`` and some parameter saw no
         data (names how many). Under vmap/compile the fallback is used and reported in
         ``QParams.calibrated``. Also for a bad ``float_range``, and a ``global_scale`` that is NaN,
-        Inf, zero or negative, or given to a spec without two-level scales.
+        Inf, zero, negative or subnormal, or given to a spec without two-level scales.
 
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(dtype="int8")
@@ -182,8 +182,8 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
 def _checked_global_scale(global_scale, spec: QuantSpec) -> Optional[torch.Tensor]:
     """A given two-level global scale (a fused group's, torchao's ``per_tensor_scale``), after
     TypeError where it is no real tensor, ValueError where it is not one value, the spec has no
-    two-level scales (it would be ignored) or it is NaN, Inf, zero or negative (every scale NaN, or
-    every value dequantized to 0: torchao's ``to_nvfp4`` does that)."""
+    two-level scales (it would be ignored) or it is NaN, Inf, zero, negative or subnormal (every scale
+    NaN, or every value dequantized to 0 or NaN: torchao's ``to_nvfp4`` does that)."""
     if global_scale is None:
         return None
     check_real_tensor(global_scale, "compute_qparams: global_scale must be a real tensor of one value")
@@ -193,9 +193,13 @@ def _checked_global_scale(global_scale, spec: QuantSpec) -> Optional[torch.Tenso
     if not isinstance(spec.granularity, TensorGroup):
         raise ValueError(f"compute_qparams: global_scale applies to two-level specs (TensorGroup, NVFP4); a spec of "
                          f"granularity {spec.granularity!r} would ignore it")
-    positive = require(torch.isfinite(global_scale) & (global_scale > 0),
-                       "compute_qparams: global_scale must be finite and positive (a NaN, Inf, zero or negative "
-                       "one makes every scale NaN or every value dequantize to 0)")
+    # a subnormal one too: its reciprocal (torchao's product) or the block scale over it (compressed-tensors')
+    # overflows, so zeros came back NaN (torchao's own to_nvfp4 gives them nonzero values)
+    tiny = torch.finfo(torch.float32).tiny
+    positive = require(torch.isfinite(global_scale) & (global_scale >= tiny),
+                       "compute_qparams: global_scale must be finite and positive, at least the smallest normal "
+                       f"float32 ({tiny:.4g}); a NaN, Inf, zero, negative or subnormal one makes every scale NaN "
+                       "or every value dequantize to 0 or NaN")
     return torch.where(positive, global_scale, torch.ones_like(global_scale))  # threads the check
 
 

@@ -60,3 +60,26 @@ def test_a_valid_global_scale_gives_torchao_s_nvfp4_values():
     qparams = qstats.compute_qparams(_state(weight), SPEC, global_scale=global_scale)
     expected = nvfp4.NVFP4Tensor.to_nvfp4(weight, per_tensor_scale=global_scale).dequantize(torch.float32)
     assert torch.equal(qstats.fake_quantize(weight, qparams, SPEC), expected)
+
+
+@pytest.mark.parametrize("formula", ["amax_over_range", "range_over_amax"])
+@pytest.mark.parametrize("subnormal", [1e-45, 1e-39])
+def test_a_subnormal_global_scale_is_refused_where_torchao_loses_the_zeros(subnormal, formula):
+    """1 / global overflows float32: zeros came back NaN (torchao's ``to_nvfp4`` gives them
+    nonzero values, compressed-tensors' block scale over it is Inf, every value NaN)."""
+    nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    weight = _weight()
+    weight[0, :4] = 0.0
+    global_scale = torch.tensor(subnormal)
+    theirs = nvfp4.NVFP4Tensor.to_nvfp4(weight, per_tensor_scale=global_scale).dequantize(torch.float32)
+    assert (theirs[0, :4] != 0).all() or torch.isnan(theirs[0, :4]).all()
+    spec = SPEC.replace(global_scale_formula=formula)
+    with pytest.raises(ValueError, match="global_scale must be finite and positive, at least the smallest normal"):
+        qstats.compute_qparams(_state(weight), spec, global_scale=global_scale)
+
+
+def test_the_smallest_normal_global_scale_keeps_the_zeros():
+    weight = _weight()
+    weight[0, :4] = 0.0
+    qparams = qstats.compute_qparams(_state(weight), SPEC, global_scale=torch.tensor(torch.finfo(torch.float32).tiny))
+    assert torch.equal(qstats.fake_quantize(weight, qparams, SPEC)[0, :4], torch.zeros(4))
