@@ -433,6 +433,7 @@ class GroupMatch:
     ignore: tuple = ()  # the config's ignore list (compressed-tensors syntax), for per-expert Linears
     refusal: str = ""  # why compressed-tensors refuses this group's scheme on an attention module (`_attention_refusal`)
     linear_refusal: str = ""  # why it refuses the group's scheme on a Linear or Embedding it matches (attn_head)
+    renamed: tuple = ()  # (model name, checkpoint name) of per-expert Linears (`with_checkpoint_names`)
 
     def __call__(self, path: str, module) -> bool:
         from compressed_tensors.utils import match_targets
@@ -490,9 +491,11 @@ class GroupMatch:
         linear = torch.nn.Linear(1, 1, bias=False, device="meta")  # what linearize_moe makes of each
         names = linearized_experts(path, module, site)
         ignored = _ignored(names, self.ignore)
+        saved = dict(self.renamed)
         groups: dict = {}
-        for name in names:
-            matched = None if name in ignored else match_targets(name, linear, owner)
+        for name in names:  # by model name, else by the checkpoint name a checkpoint's config targets
+            matched = None if name in ignored else (match_targets(name, linear, owner)
+                                                    or match_targets(saved.get(name, name), linear, owner))
             groups.setdefault(owner[matched[0]] if matched else None, []).append(name)
         if self.group in groups and len(groups) > 1:
             raise ValueError(
@@ -523,17 +526,23 @@ def _ignored(names: list, ignore: tuple) -> set:
     return {name for name in names if name in exact or any(pattern.match(name) for pattern in patterns)}
 
 
-def with_checkpoint_ignore(matcher, path: str, module, rename) -> Any:
-    """``matcher`` (`GroupMatch`, `ExpertsMatch`) with its ``ignore`` also naming, by model name, the
-    per-expert Linears of the stacked experts at ``path`` that it names by checkpoint name
-    (``rename``, `_checkpoint_names.module_renamer`): llm-compressor's config names them so (Mixtral's
-    ``block_sparse_moe.experts.0.down_proj`` for ``mlp.experts.0.down_proj``). Any other matcher,
-    or none named so, as it is."""
-    if not isinstance(matcher, (GroupMatch, ExpertsMatch)) or not matcher.ignore:
+def with_checkpoint_names(matcher, path: str, module, rename) -> Any:
+    """``matcher`` (`GroupMatch`, `ExpertsMatch`) reading the per-expert Linears of the stacked experts
+    at ``path`` by their checkpoint names too (``rename``, `_checkpoint_names.module_renamer`), as
+    compressed-tensors reads a checkpoint's config: its ``ignore`` also naming, by model name, those it
+    names by checkpoint name (Mixtral's ``block_sparse_moe.experts.0.down_proj`` for
+    ``mlp.experts.0.down_proj``), and a `GroupMatch` matching their checkpoint names against its
+    groups' targets (the export writes them so). Any other matcher, or experts not renamed, as it is."""
+    if not isinstance(matcher, (GroupMatch, ExpertsMatch)):
         return matcher
-    extra = tuple(name for name in linearized_experts(path, module)
-                  if rename(name) != name and _ignored([rename(name)], matcher.ignore))
-    return dataclasses.replace(matcher, ignore=matcher.ignore + extra) if extra else matcher
+    renamed = tuple((name, rename(name)) for name in linearized_experts(path, module) if rename(name) != name)
+    if not renamed:
+        return matcher
+    changes: dict = {"renamed": renamed} if isinstance(matcher, GroupMatch) else {}
+    extra = tuple(name for name, saved in renamed if _ignored([saved], matcher.ignore))
+    if extra:
+        changes["ignore"] = matcher.ignore + extra
+    return dataclasses.replace(matcher, **changes) if changes else matcher
 
 
 def _listed_groups(groups: dict) -> str:

@@ -21,7 +21,7 @@ from ._granularity import PerAxis, PerBlock, PerHead, PerTensor, TensorGroup, qp
 from ._rule_data import recipe_fields
 from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, as_written, child_projection,
                        compressed_tensors_ignore, config_rules, head_count_problem, kv_cache_module, kv_cache_sites,
-                       matches_targets, scheme_rules, with_checkpoint_ignore)
+                       matches_targets, scheme_rules, with_checkpoint_names)
 from ._spec import QuantSpec
 from ._torch_features import dtype_named, unwrapped
 from .experts import (StackLayout, expert_count, is_stacked_parameter, linearized_experts, linearized_layout_problem,
@@ -90,10 +90,10 @@ def _ignored_module(ignore: tuple, path: str, module: torch.nn.Module, rename: C
 
 def _checkpoint_rule(rule: "Rule", path: str, module: Optional[torch.nn.Module],
                      rename: Callable[[str], str]) -> "Rule":
-    """``rule`` with its matcher's ``ignore`` also naming the per-expert Linears of the module at
-    ``path`` that it names by checkpoint name (`with_checkpoint_ignore`): how `Recipe.resolve` and
-    `Recipe.rule_for` read a rule there."""
-    matcher = with_checkpoint_ignore(rule.matcher, path, module, rename)
+    """``rule`` with its matcher reading the per-expert Linears of the module at ``path`` by their
+    checkpoint names too (`with_checkpoint_names`): how `Recipe.resolve` and `Recipe.rule_for` read a
+    rule there."""
+    matcher = with_checkpoint_names(rule.matcher, path, module, rename)
     return rule if matcher is rule.matcher else dataclasses.replace(rule, matcher=matcher)
 
 
@@ -140,7 +140,7 @@ def _unmatched_ignore(ignore: tuple, modules: dict, rename: Callable[[str], str]
     for target in ignore:
         if _ignore_hits(target, paths, classes):
             continue
-        if names is None:  # by model name and by checkpoint name (`with_checkpoint_ignore`)
+        if names is None:  # by model name and by checkpoint name (`with_checkpoint_names`)
             names = {name for path, module in modules.items() for name in linearized_experts(path, module)}
             names |= {rename(name) for name in names}
         if not _ignore_hits(target, names, {"Linear"} if names else ()):  # per-expert Linears
