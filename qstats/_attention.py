@@ -25,8 +25,8 @@ import torch
 
 from ._granularity import PerHead
 
-__all__ = ["intercepted", "attention_module", "latent_attention", "LATENT_CACHE", "attention_sites", "heads_last",
-           "heads_first", "per_head", "site_weight", "SiteHooks"]
+__all__ = ["intercepted", "attention_module", "latent_attention", "LATENT_CACHE", "CROSS_STATES", "cross_attention",
+           "attention_sites", "heads_last", "heads_first", "per_head", "site_weight", "SiteHooks"]
 
 
 def intercepted(module: torch.nn.Module) -> bool:
@@ -57,6 +57,33 @@ def latent_attention(module: torch.nn.Module) -> bool:
     ``kv_b_proj`` child and no ``k_proj``/``v_proj`` (`LATENT_CACHE`)."""
     children = dict(module.named_children())
     return "kv_b_proj" in children and not ({"k_proj", "v_proj"} & set(children))
+
+
+# the arguments by which transformers hands an attention module the states its key and value come from in a
+# cross-attention call: T5's, BART's and Whisper's key_value_states, Mllama's cross_attention_states,
+# BERT's, GPT-2's and T5Gemma's encoder_hidden_states
+CROSS_STATES = ("key_value_states", "cross_attention_states", "encoder_hidden_states")
+
+
+def cross_attention(module: torch.nn.Module) -> Callable[[tuple, dict], bool]:
+    """``crosses(args, kwargs)``: whether a call of the attention ``module`` is cross-attention, its
+    key and value those of other tokens than its query's (the image's, the encoder's), which the
+    batch's observation weight does not describe: every call of a module whose class name says so
+    (Mllama's ``MllamaTextCrossAttention``, also in a decode step reading its key and value from the
+    cache) or that sets ``is_cross_attention`` (GPT-2's), else a call handing it a tensor as one of
+    `CROSS_STATES` its forward declares."""
+    if "crossattention" in type(module).__name__.lower() or getattr(module, "is_cross_attention", False) is True:
+        return lambda args, kwargs: True
+    try:
+        parameters = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        parameters = []
+    declared = {name: parameters.index(name) for name in CROSS_STATES if name in parameters}
+
+    def crosses(args: tuple, kwargs: dict) -> bool:
+        return any(torch.is_tensor(args[at] if at < len(args) else kwargs.get(name)) for name, at in declared.items())
+
+    return crosses
 
 
 def heads_last(x: torch.Tensor) -> torch.Tensor:
@@ -93,19 +120,25 @@ def site_weight(x: torch.Tensor, spec, fit: Callable) -> Optional[torch.Tensor]:
 
 
 class SiteHooks:
-    """``hook(query, key, value) -> (query, key, value)`` of one attention module's sites: each
+    """``hook(query, key, value, cross) -> (query, key, value)`` of one attention module's sites: each
     ``sites[site]`` (``"q"``, ``"k"``, ``"v"``) gets its floating-point tensor in the layout of its
     spec ``specs[site]`` (`per_head`, decided here once) and returns its replacement in that
-    layout, or None to keep it (observing and measuring keep it; `fake_quantized` replaces it)."""
+    layout, or None to keep it (observing and measuring keep it; `fake_quantized` replaces it).
+    In a ``cross`` call (`cross_attention`), whose key and value are other tokens than the batch's,
+    ``"k"`` and ``"v"`` go to ``other_tokens[site]`` where given (an observer leaving the batch's
+    observation weight out), else to ``sites[site]``."""
 
-    def __init__(self, sites: Mapping, specs: Mapping):
+    def __init__(self, sites: Mapping, specs: Mapping, other_tokens: Optional[Mapping] = None):
         self.sites = sites  # site -> fn(x) -> Optional[tensor]
+        self.other_tokens = other_tokens or {}
         self.flattened = {site: not per_head(specs[site]) for site in sites}  # seen as `heads_last`
 
-    def __call__(self, query, key, value):
+    def __call__(self, query, key, value, cross: bool = False):
         out = []
         for site, x in zip(("q", "k", "v"), (query, key, value)):
             fn, flattened = self.sites.get(site), self.flattened.get(site)
+            if cross and site != "q":
+                fn = self.other_tokens.get(site, fn)
             y = None
             if fn is not None and torch.is_tensor(x) and x.is_floating_point():
                 y = fn(heads_last(x) if flattened else x)
@@ -117,24 +150,25 @@ class _Call:
     """One call of an attention module: its hook, and whether its attention function ran it; a
     second run is a ValueError saying ``again``, before the hook sees anything twice. Where the call
     handed its cache a key and value first (`at_update`), the hook had them there, and the attention
-    function's run hands it the query only."""
+    function's run hands it the query only. ``cross``: whether it is cross-attention (`cross_attention`),
+    which the hook is told."""
 
-    def __init__(self, hook: Callable, again: str):
-        self.hook, self.reached, self.again, self.updated = hook, False, again, False
+    def __init__(self, hook: Callable, again: str, cross: bool):
+        self.hook, self.reached, self.again, self.updated, self.cross = hook, False, again, False, cross
 
     def __call__(self, query, key, value):
         if self.reached:
             raise ValueError(self.again)
         self.reached = True
         if self.updated:
-            return self.hook(query, None, None)[0], key, value
-        return self.hook(query, key, value)
+            return self.hook(query, None, None, self.cross)[0], key, value
+        return self.hook(query, key, value, self.cross)
 
     def at_update(self, query, key, value):
         """The hook on the key and value the call hands its cache (`_CacheUpdate`), at each update as
         compressed-tensors' kv cache reads them, where the attention function receives the whole cache."""
         self.updated = True
-        return self.hook(query, key, value)
+        return self.hook(query, key, value, self.cross)
 
 
 def _functions():
@@ -216,12 +250,13 @@ def _cache_hooks(module, path: str, hook: Callable, caller: str, compared: str) 
                          "and its query reaches no cache: not supported; ignore its q, or run an implementation "
                          "it does not compare with")
     calls: list = []
+    crosses = cross_attention(module)
 
     def pre_hook(module, args, kwargs):
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
         calls.append((_Call(hook, f"{caller}: the attention module {path!r} ({type(module).__name__}) handed its "
                                   f"cache a key and value twice in one call, where qstats reads them once: not "
-                                  "supported"), cache))
+                                  "supported", crosses(args, kwargs)), cache))
         if cache is not None:
             _CacheUpdate.attach(cache, calls[-1][0])
 
@@ -284,7 +319,7 @@ def _hooks(module, path: str, hook: Callable, caller: str) -> list:
     which caches its latent); and a hook refusing a call that did not reach its attention function."""
     keyword = _functions().SITES_KEYWORD
     calls: list = []
-    latent = latent_attention(module)
+    latent, crosses = latent_attention(module), cross_attention(module)
 
     again = (f"{caller}: the attention module {path!r} ({type(module).__name__}) called its attention function "
              "twice in one call (DiffLlama's differential attention hands it each half of the value): qstats reads "
@@ -295,7 +330,7 @@ def _hooks(module, path: str, hook: Callable, caller: str) -> list:
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
         # multi-head latent attention caches its latent (`LATENT_CACHE`): its k/v stay the attention function's
         reads_cache = hasattr(cache, "__dict__") and callable(getattr(cache, "update", None)) and not latent  # no dict
-        call, cache = _Call(hook, again), cache if reads_cache else None
+        call, cache = _Call(hook, again, crosses(args, kwargs)), cache if reads_cache else None
         calls.append((call, cache))
         if cache is not None:
             _CacheUpdate.attach(cache, call.at_update)
@@ -320,7 +355,8 @@ def _hooks(module, path: str, hook: Callable, caller: str) -> list:
 @contextlib.contextmanager
 def attention_sites(hooks: Mapping, caller: str) -> Iterator[None]:
     """Context: each attention module of ``hooks`` (``{path: (module, hook)}``, ``hook(query, key,
-    value) -> (query, key, value)``) runs its attention function behind ``hook``. Their configs
+    value, cross) -> (query, key, value)``, ``cross`` whether the call is cross-attention:
+    `cross_attention`) runs its attention function behind ``hook``. Their configs
     name qstats' counterpart of their implementation inside, and the user's implementation again
     on exit, also on error; those `_compared_configs` holds keep theirs, and their modules hand
     ``hook`` their key and value at the cache update (`_cache_hooks`)."""

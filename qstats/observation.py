@@ -15,6 +15,7 @@ before calibrating it; importing qstats does not import dynamo.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, Mapping, Optional, Union
 
 import torch
@@ -366,12 +367,14 @@ class _ActivationSite(_SiteHook):
     def attach(self) -> list:
         return [observe_tensor(self.run.plan, self.path, self.site, eager(self.observe))]  # module docstring
 
-    def observe(self, x) -> None:
+    def observe(self, x, weighted: bool = True) -> None:
+        """Updates the state with ``x``, weighted by the batch's observation weight where ``weighted``
+        (not: the key and value of a cross-attention call, other tokens than the batch's)."""
         if not is_float_tensor(x) or recomputing() or self.run.discarded:
             return
         x = x.detach()
         self.check_runtime_shape(x.shape)
-        weight = self.weight_for(x)
+        weight = self.weight_for(x) if weighted else None
         kept, weight = _drop_masked_rows(x, weight, self.found.observer.spec or self.found.spec)
         self.run.update(self.path, self.site, kept, weight, like=x)
 
@@ -656,14 +659,16 @@ def stop_capture(capture: ExpertInputCapture, handles: list) -> None:
 
 def _attention_observers(run: _Calibration) -> dict:
     """``{path: (module, SiteHooks)}`` of the plan's transformers attention modules with q/k/v
-    sites (`_activation_hooks` leaves those sites to them)."""
+    sites (`_activation_hooks` leaves those sites to them); the key and value of a cross-attention
+    call are observed without the batch's observation weight, which describes the query's tokens."""
     out = {}
     for path, entry in run.plan.sites.items():
-        sites = [site for site in entry if run.plan.attention_argument(path, site)]
+        sites = {site: _AttentionSite(run, path, site) for site in entry if run.plan.attention_argument(path, site)}
         if sites:
-            observers = {site: _AttentionSite(run, path, site).observe for site in sites}
+            observers = {site: hook.observe for site, hook in sites.items()}
+            other_tokens = {site: functools.partial(hook.observe, weighted=False) for site, hook in sites.items()}
             specs = {site: entry[site].spec for site in sites}
-            out[path] = (run.plan.modules[path], eager(SiteHooks(observers, specs)))
+            out[path] = (run.plan.modules[path], eager(SiteHooks(observers, specs, other_tokens)))
     return out
 
 

@@ -1,0 +1,126 @@
+"""The batch's observation weight (the text's padding mask, ``[batch, tokens]``) describes the tokens
+of an attention call's query; in a cross-attention call the key and value come from other tokens (the
+image's in Mllama, the encoder's in BART), which it does not describe, even where their
+count equals the text's. Their k/v sites observe every key and value the layer computes from those
+states, as llm-compressor 0.14's kv-cache observers see them; the query and self-attention k/v keep
+the mask. Reference: the extremes of the query, key and value the modeling file's eager attention
+receives (recorded by wrapping it), the padded tokens' rows left out of the query and self-attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qstats
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.mllama import modeling_mllama  # noqa: E402
+
+TOKENS = 6
+
+
+def _mllama():
+    torch.manual_seed(0)
+    config = transformers.MllamaTextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, cross_attention_layers=[1],
+                                           max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.MllamaForCausalLM(config).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(1)
+    mask = torch.ones(2, TOKENS, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    vision = torch.randn(2, TOKENS, 32, generator=generator) * 3  # as many image tokens as text tokens
+    vision[0, :4] *= 4  # the image tokens at the text's padding hold the largest keys and values
+    return {"input_ids": torch.randint(3, 64, (2, TOKENS), generator=generator), "attention_mask": mask,
+            "cross_attention_states": vision}
+
+
+def _eager_arguments(model, batch, modeling=modeling_mllama) -> dict:
+    """``{(path, site): tensor}`` the modeling file's eager attention receives in one forward."""
+    original, seen = modeling.eager_attention_forward, {}
+    paths = {id(module): path for path, module in model.named_modules()}
+
+    def recording(module, query, key, value, *args, **kwargs):
+        for site, x in zip("qkv", (query, key, value)):
+            seen[paths[id(module)], site] = x.detach()
+        return original(module, query, key, value, *args, **kwargs)
+
+    modeling.eager_attention_forward = recording
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        modeling.eager_attention_forward = original
+    return seen
+
+
+def _extremes(x: torch.Tensor, mask=None, heads: bool = False):
+    """min/max of ``[batch, heads, tokens, head_dim]`` over the tokens ``mask`` keeps (all without one),
+    per head with ``heads``."""
+    keep = torch.ones(x.shape[0], x.shape[2], dtype=torch.bool) if mask is None else mask.bool()
+    rows = x.transpose(1, 2)[keep]  # [kept tokens, heads, head_dim]
+    if heads:
+        return rows.amin(dim=(0, 2)), rows.amax(dim=(0, 2))
+    return rows.amin(), rows.amax()
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_mllama_cross_attention_kv_ignore_the_text_padding_mask(granularity):
+    model, batch = _mllama(), _batch()
+    spec = qstats.QuantSpec("int8", granularity=qstats.PerHead(1)) if granularity == "head" else qstats.QuantSpec("int8")
+    recipe = qstats.Recipe([qstats.Rule(("MllamaTextSelfAttention", "MllamaTextCrossAttention"), sites=("q", "k", "v"),
+                                        observer=qstats.minmax, spec=spec)])
+    states = qstats.calibrate(model, [batch], recipe, observation_weight=lambda b: b["attention_mask"], progress=False)
+
+    seen = _eager_arguments(model, batch)
+    heads = granularity == "head"
+    cross, self_attention = "model.layers.1.cross_attn", "model.layers.0.self_attn"
+    expected = {(cross, "q"): batch["attention_mask"], (cross, "k"): None, (cross, "v"): None,
+                **{(self_attention, site): batch["attention_mask"] for site in "qkv"}}
+    for (path, site), mask in expected.items():
+        low, high = _extremes(seen[path, site], mask, heads)
+        state = states[path][site]
+        assert torch.equal(state.min_val.reshape(low.shape), low), (path, site)
+        assert torch.equal(state.max_val.reshape(high.shape), high), (path, site)
+    # the check can fail: the padding's image tokens hold the cross-attention's extremes
+    k, v = seen[cross, "k"], seen[cross, "v"]
+    assert _extremes(v, batch["attention_mask"])[1].amax() < _extremes(v)[1].amax()
+    assert _extremes(k, batch["attention_mask"])[1].amax() < _extremes(k)[1].amax()
+
+
+def test_bart_decoder_cross_attention_kv_ignore_the_decoder_padding_mask():
+    """BART's decoder calls one attention class for self- and cross-attention, the latter handed
+    ``key_value_states`` (the encoder's output, as many tokens as the decoder's here)."""
+    from transformers.models.bart import modeling_bart
+
+    torch.manual_seed(0)
+    config = transformers.BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                     decoder_ffn_dim=32, max_position_embeddings=64)
+    model = transformers.BartForConditionalGeneration(config).eval()
+    model.set_attn_implementation("eager")
+    generator = torch.Generator().manual_seed(1)
+    mask = torch.ones(2, TOKENS, dtype=torch.long)
+    mask[1, 3:] = 0  # the decoder's right padding
+    batch = {"input_ids": torch.randint(3, 64, (2, TOKENS), generator=generator),
+             "decoder_input_ids": torch.randint(3, 64, (2, TOKENS), generator=generator), "decoder_attention_mask": mask}
+    recipe = qstats.Recipe([qstats.Rule("re:model[.]decoder.*(self_attn|encoder_attn)$", sites=("q", "k", "v"),
+                                        observer=qstats.minmax, spec=qstats.QuantSpec("int8"))])
+    states = qstats.calibrate(model, [batch], recipe, observation_weight=lambda b: b["decoder_attention_mask"],
+                              progress=False)
+
+    seen = _eager_arguments(model, batch, modeling_bart)
+    cross, self_attention = "model.decoder.layers.0.encoder_attn", "model.decoder.layers.0.self_attn"
+    expected = {(cross, "q"): mask, (cross, "k"): None, (cross, "v"): None,
+                **{(self_attention, site): mask for site in "qkv"}}
+    for (path, site), kept in expected.items():
+        low, high = _extremes(seen[path, site], kept)
+        assert torch.equal(states[path][site].min_val, low), (path, site)
+        assert torch.equal(states[path][site].max_val, high), (path, site)
+    k, v = seen[cross, "k"], seen[cross, "v"]  # the check can fail: the padding's encoder tokens matter
+    assert not (torch.equal(_extremes(k, mask)[0], _extremes(k)[0]) and torch.equal(_extremes(k, mask)[1], _extremes(k)[1])
+                and torch.equal(_extremes(v, mask)[0], _extremes(v)[0]) and torch.equal(_extremes(v, mask)[1], _extremes(v)[1]))
