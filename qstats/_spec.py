@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import conventions
-from ._checks import is_real_number
+from ._checks import is_integer, is_real_number
 from ._formats import COMPUTE_DTYPES, GLOBAL_SCALE_FORMULAS, SCALE_ROUNDINGS, validate as validate_formats
 # the element formats' table lives in _formats (its round_to_format reads names); kept importable from here
 from ._formats import _FLOAT_FORMATS, FloatFormat, float_format
@@ -175,6 +175,11 @@ class QuantSpec:
     preserve_zero: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("quant_min", "quant_max", "symmetric_zero_point"):
+            # a numpy integer (a range read from an array or a config) as the Python int it holds, as
+            # torch.ao's observers take it; it was refused as "must be an int, got np.int64(-8)"
+            if is_integer(getattr(self, name)):
+                object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
         object.__setattr__(self, "scale_dtype", _scale_dtype_name(self.scale_dtype))
         try:

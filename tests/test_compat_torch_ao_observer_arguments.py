@@ -40,3 +40,24 @@ def test_observer_settings_are_refused_naming_them(observer, arguments):
     observer(dtype=torch.quint8, **arguments)  # torch.ao takes them
     with pytest.raises(ValueError, match=sorted(arguments)[0]):
         qstats.QuantSpec.from_torch_ao(torch.quint8, **arguments)
+
+
+@pytest.mark.parametrize("qscheme", [torch.per_tensor_affine, torch.per_channel_symmetric])
+def test_numpy_integer_ranges_are_taken_as_torch_ao_takes_them(qscheme):
+    # a custom range read from numpy (a config, an array): torch.ao's observers take it; it was
+    # refused as "QuantSpec.quant_min must be an int, got np.int64(-8)"
+    np = pytest.importorskip("numpy")
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)) * 3
+    kind = ao.PerChannelMinMaxObserver if qscheme == torch.per_channel_symmetric else ao.MinMaxObserver
+    torch_ao = kind(dtype=torch.qint8, qscheme=qscheme, quant_min=np.int64(-8), quant_max=np.int64(7))
+    torch_ao(x)
+    scale, zero_point = torch_ao.calculate_qparams()
+    spec = qstats.QuantSpec.from_torch_ao(torch.qint8, qscheme, quant_min=np.int64(-8), quant_max=np.int64(7))
+    assert spec == qstats.QuantSpec.from_torch_ao(torch.qint8, qscheme, quant_min=-8, quant_max=7)
+    assert type(spec.quant_min) is int and type(spec.quant_max) is int
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    assert torch.equal(qp.scale.reshape(scale.shape), scale)
+    assert torch.equal(qp.zero_point.reshape(zero_point.shape).to(zero_point.dtype), zero_point)
+    uint8 = qstats.QuantSpec(dtype="uint8", symmetric_zero_point=np.int32(100))
+    assert uint8.zero_point_of_symmetric == 100 and type(uint8.symmetric_zero_point) is int
