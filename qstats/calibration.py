@@ -62,9 +62,11 @@ def check_batches(batches, caller: str, observation_weight=None) -> None:
 # ``activation_dropout``, ``layerdrop``: whole layers skipped), stochastic depth (``drop_prob``:
 # transformers' ``*DropPath``, timm's ``DropPath``; LeViT's ``drop_rate``), torch's ``MultiheadAttention``
 # (``dropout``) and MoE blocks scaling their hidden states by uniform noise (``jitter_noise``: Mixtral,
-# MiniMax, Switch Transformers; ``input_jitter_noise``: PhiMoE; ``moe_jitter_eps``: DBRX's router)
+# MiniMax, Switch Transformers; ``input_jitter_noise``: PhiMoE; ``moe_jitter_eps``: DBRX's router) or
+# sampling their experts (``router_jitter_noise``: PhiMoE's router, whose sparsemixer draws each token's
+# experts among those within twice that of its best while training)
 _DROPOUT_RATES = ("dropout", "attention_dropout", "activation_dropout", "layerdrop", "drop_prob", "drop_rate",
-                  "jitter_noise", "input_jitter_noise", "moe_jitter_eps")
+                  "jitter_noise", "input_jitter_noise", "moe_jitter_eps", "router_jitter_noise")
 
 
 def _drops_out(module: torch.nn.Module) -> bool:
