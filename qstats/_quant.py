@@ -25,6 +25,15 @@ from ._spec import QuantSpec
 __all__ = ["quantize", "dequantize", "fake_quantize", "code_dtype"]
 
 
+def _checked_spec(spec, where: str) -> QuantSpec:
+    """``spec``, after TypeError where it is no QuantSpec (None, or a preset's name: it failed as
+    "'NoneType' object has no attribute 'granularity'"), as `compute_qparams` refuses it."""
+    if not isinstance(spec, QuantSpec):
+        hint = f" (qstats.preset({spec!r}) for a preset)" if isinstance(spec, str) else ""
+        raise TypeError(f"{where}: spec must be a QuantSpec{hint}, got {type(spec).__name__}")
+    return spec
+
+
 def _params(qparams: QParams, view: torch.Tensor, spec: QuantSpec, where: str):
     """Scale and zero point broadcast against ``view``, after TypeError for qparams without scale and
     zero point tensors, and ValueError for a scale of another shape than this tensor's parameters,
@@ -131,6 +140,7 @@ def _to_output(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor:
     """Codes of ``x``: integers in ``[qmin, qmax]`` (dtype `code_dtype(spec)`) or fp8 values."""
+    spec = _checked_spec(spec, "quantize")
     view = canonical_view(check_floating(x, "quantize"), spec.granularity)
     scale, zero_point = _params(qparams, view, spec, "quantize")
     zero_point = _checked_zero_point(zero_point, spec, "quantize")
@@ -151,6 +161,9 @@ def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=tor
         ``dtype`` that is not a floating-point torch dtype (values cast to an integer dtype would be
         truncated; torchao's ``dequantize_affine`` refuses them too).
     """
+    spec = _checked_spec(spec, "dequantize")
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"dequantize: codes must be a tensor (qstats.quantize's), got {type(codes).__name__}")
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dequantize: dtype must be a floating-point torch dtype (torch.float32, ...), got {dtype!r}")
     own = spec.float_format.torch_dtype if spec.is_float else None
@@ -187,8 +200,9 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
 
     Raises:
       ValueError: an integer zero point outside ``spec.qrange`` (as torch's fake-quant ops).
-      TypeError: ``x`` is not a floating-point tensor.
+      TypeError: ``x`` is not a floating-point tensor, or ``spec`` no QuantSpec.
     """
+    spec = _checked_spec(spec, "fake_quantize")
     view = canonical_view(check_floating(x, "fake_quantize"), spec.granularity)
     scale, zero_point = _params(qparams, view, spec, "fake_quantize")
     zero_point = _checked_zero_point(zero_point, spec, "fake_quantize")

@@ -356,3 +356,30 @@ def test_integer_input_is_refused_as_torch_refuses_it(dtype):
     for function in (qstats.fake_quantize, qstats.quantize):
         with pytest.raises(TypeError, match="floating-point"):
             function(x, qp, spec)
+
+
+@pytest.mark.parametrize("spec", [None, "nvfp4", qstats.PerTensor()], ids=["None", "preset-name", "granularity"])
+def test_a_spec_that_is_no_quantspec_is_a_type_error_naming_it(spec):
+    """quantize / dequantize / fake_quantize failed with "'NoneType' object has no attribute
+    'granularity'" (AttributeError) where compute_qparams names the argument."""
+    x = torch.randn(4, 32)
+    good = qstats.QuantSpec()
+    qp = qstats.compute_qparams(qstats.minmax(good).update(qstats.minmax(good).init(x), x), good)
+    with pytest.raises(TypeError, match="compute_qparams: spec must be a QuantSpec"):
+        qstats.compute_qparams(qstats.minmax(good).update(qstats.minmax(good).init(x), x), spec)
+    codes = qstats.quantize(x, qp, good)
+    for where, call in (("quantize", lambda: qstats.quantize(x, qp, spec)),
+                        ("dequantize", lambda: qstats.dequantize(codes, qp, spec)),
+                        ("fake_quantize", lambda: qstats.fake_quantize(x, qp, spec))):
+        with pytest.raises(TypeError, match=f"{where}: spec must be a QuantSpec"):
+            call()
+    if spec == "nvfp4":
+        with pytest.raises(TypeError, match=r"qstats.preset\('nvfp4'\)"):
+            qstats.fake_quantize(x, qp, spec)
+
+
+def test_dequantize_codes_that_are_no_tensor_is_a_type_error_naming_them():
+    spec = qstats.QuantSpec()
+    qp = qstats.QParams(torch.tensor(0.5), torch.tensor(0, dtype=torch.int32), torch.tensor(1.0), torch.tensor(True))
+    with pytest.raises(TypeError, match="dequantize: codes must be a tensor"):
+        qstats.dequantize([1, 2, 3], qp, spec)
