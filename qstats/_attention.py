@@ -151,16 +151,18 @@ class _Call:
     second run is a ValueError saying ``again``, before the hook sees anything twice. Where the call
     handed its cache a key and value first (`at_update`), the hook had them there, and the attention
     function's run hands it the query only. ``cross``: whether it is cross-attention (`cross_attention`),
-    which the hook is told."""
+    which the hook is told; such a call given a cache (``cached``) that it hands nothing reads its key
+    and value back from it (BART's, Mllama's decode steps), read at the update that stored them."""
 
-    def __init__(self, hook: Callable, again: str, cross: bool):
+    def __init__(self, hook: Callable, again: str, cross: bool, cached: bool = False):
         self.hook, self.reached, self.again, self.updated, self.cross = hook, False, again, False, cross
+        self.cached = cached
 
     def __call__(self, query, key, value):
         if self.reached:
             raise ValueError(self.again)
         self.reached = True
-        if self.updated:
+        if self.updated or (self.cross and self.cached):
             return self.hook(query, None, None, self.cross)[0], key, value
         return self.hook(query, key, value, self.cross)
 
@@ -169,6 +171,16 @@ class _Call:
         compressed-tensors' kv cache reads them, where the attention function receives the whole cache."""
         self.updated = True
         return self.hook(query, key, value, self.cross)
+
+
+def _handed_caches(cache) -> tuple:
+    """The caches whose ``update`` an attention module given ``cache`` (``past_key_values``) hands
+    its key and value: an ``EncoderDecoderCache``'s self- and cross-attention caches, which BART's,
+    Whisper's and T5's modules update (itself too), else ``cache``; none that cannot be given an
+    ``update`` attribute (no ``__dict__``) or has none."""
+    inner = (getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache"))
+    return tuple(each for each in (cache, *inner)
+                 if hasattr(each, "__dict__") and callable(getattr(each, "update", None)))
 
 
 def _functions():
@@ -253,20 +265,21 @@ def _cache_hooks(module, path: str, hook: Callable, caller: str, compared: str) 
     crosses = cross_attention(module)
 
     def pre_hook(module, args, kwargs):
-        cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
+        caches = _handed_caches(kwargs.get("past_key_values", kwargs.get("past_key_value")))
         calls.append((_Call(hook, f"{caller}: the attention module {path!r} ({type(module).__name__}) handed its "
                                   f"cache a key and value twice in one call, where qstats reads them once: not "
-                                  "supported", crosses(args, kwargs)), cache))
-        if cache is not None:
+                                  "supported", crosses(args, kwargs), bool(caches)), caches))
+        for cache in caches:
             _CacheUpdate.attach(cache, calls[-1][0])
 
     def check(module, args, kwargs, output):
         if not calls:
             return
-        call, cache = calls.pop()
-        if cache is not None:
+        call, caches = calls.pop()
+        for cache in caches:
             _CacheUpdate.detach(cache, call)
-        if not call.reached and output is not None:
+        # a cross-attention call reading its key and value back from the cache: read at the earlier update
+        if not call.reached and not (call.cross and caches) and output is not None:
             raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) handed no key and "
                              f"value to a cache passed as past_key_values (use_cache=True), where qstats reads them: "
                              f"{why}")
@@ -313,8 +326,9 @@ class _CacheUpdate:
 
 def _hooks(module, path: str, hook: Callable, caller: str) -> list:
     """A pre-hook handing each call's `_Call` to the attention function by keyword (after those of
-    enclosing contexts: applied in that order), and to the cache the call is given (``past_key_values``,
-    `_CacheUpdate`): a decode step's attention function receives every cached key and value, where
+    enclosing contexts: applied in that order), and to the caches the call hands its key and value
+    (`_handed_caches` of ``past_key_values``, `_CacheUpdate`): a decode step's attention function
+    receives every cached key and value, where
     compressed-tensors' kv cache reads the new ones at the update (but multi-head latent attention,
     which caches its latent); and a hook refusing a call that did not reach its attention function."""
     keyword = _functions().SITES_KEYWORD
@@ -327,20 +341,19 @@ def _hooks(module, path: str, hook: Callable, caller: str) -> list:
              "update; not supported: ignore the module's q/k/v")
 
     def pre_hook(module, args, kwargs):
-        cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
         # multi-head latent attention caches its latent (`LATENT_CACHE`): its k/v stay the attention function's
-        reads_cache = hasattr(cache, "__dict__") and callable(getattr(cache, "update", None)) and not latent  # no dict
-        call, cache = _Call(hook, again, crosses(args, kwargs)), cache if reads_cache else None
-        calls.append((call, cache))
-        if cache is not None:
+        caches = () if latent else _handed_caches(kwargs.get("past_key_values", kwargs.get("past_key_value")))
+        call = _Call(hook, again, crosses(args, kwargs), bool(caches))
+        calls.append((call, caches))
+        for cache in caches:
             _CacheUpdate.attach(cache, call.at_update)
         return args, {**kwargs, keyword: tuple(kwargs.get(keyword, ())) + (call,)}
 
     def check(module, args, kwargs, output):
         if not calls:
             return
-        call, cache = calls.pop()
-        if cache is not None:
+        call, caches = calls.pop()
+        for cache in caches:
             _CacheUpdate.detach(cache, call.at_update)
         if not call.reached and output is not None:
             raise ValueError(f"{caller}: the attention module {path!r} ({type(module).__name__}) did not call its "

@@ -124,3 +124,54 @@ def test_bart_decoder_cross_attention_kv_ignore_the_decoder_padding_mask():
     k, v = seen[cross, "k"], seen[cross, "v"]  # the check can fail: the padding's encoder tokens matter
     assert not (torch.equal(_extremes(k, mask)[0], _extremes(k)[0]) and torch.equal(_extremes(k, mask)[1], _extremes(k)[1])
                 and torch.equal(_extremes(v, mask)[0], _extremes(v)[0]) and torch.equal(_extremes(v, mask)[1], _extremes(v)[1]))
+
+
+def test_mllama_decode_steps_observe_the_cross_attention_kv_once(monkeypatch):
+    """With a cache, Mllama's cross-attention hands the image's key and value to the cache's ``update``
+    at the prompt and reads them back from the cache at each decode step: its k/v sites observe them once,
+    where they are handed over, as llm-compressor's static observer (``minmax``, a moving average) fed the
+    keys and values each call hands ``DynamicCache.update`` (recorded by wrapping it, not by qstats)."""
+    pytest.importorskip("llmcompressor")
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmcompressor.observers import Observer
+
+    model, batch = _mllama(), _batch()
+
+    def decode(steps=3):
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            out = model(**batch, past_key_values=cache, use_cache=True)
+            mask = batch["attention_mask"]
+            for _ in range(steps):
+                mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+                out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask, past_key_values=cache,
+                            use_cache=True)
+
+    handed: dict = {}
+    update = transformers.DynamicCache.update
+
+    def recording(cache, key, value, layer_idx, *args, **kwargs):
+        handed.setdefault(layer_idx, []).append((key.clone(), value.clone()))
+        return update(cache, key, value, layer_idx, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.DynamicCache, "update", recording)
+        decode()
+    assert [len(handed[layer]) for layer in (0, 1)] == [4, 1]  # the image's key and value once
+
+    args = dict(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False)
+    recipe = qstats.Recipe([qstats.Rule(("MllamaTextSelfAttention", "MllamaTextCrossAttention"), sites=("k", "v"),
+                                        observer=qstats.moving_average_minmax,
+                                        spec=qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(**args)))])
+    plan = recipe.resolve(model)
+    with qstats.observing(model, plan) as session:
+        decode()
+    qparams = qstats.compute_qparams_tree(session.states, plan)
+    for layer, path in enumerate(("model.layers.0.self_attn", "model.layers.1.cross_attn")):
+        for index, site in enumerate("kv"):
+            observer = Observer.load_from_registry("minmax", base_name=site, args=QuantizationArgs(**args))
+            for call in handed[layer]:
+                observer(call[index])
+            assert torch.equal(qparams[path][site].scale.reshape(-1), observer.get_qparams()["scale"].reshape(-1)), \
+                (path, site)
+            assert int(session.states[path][site].batches) == len(handed[layer]), (path, site)
