@@ -149,3 +149,17 @@ def test_a_torchao_float_zero_point_is_checked_in_the_input_units():
         assert torch.equal(qstats.dequantize(torch.tensor([0, 15], dtype=torch.uint8), qp, spec), ends[0])
     with pytest.raises(ValueError, match="values of the end codes"):
         qstats.fixed_qparams(spec, 1e37, 3.4e38)
+
+
+def test_qparams_of_an_imatrix_state_name_imatrix_mse_not_a_range_rule_to_register():
+    """An imatrix state holds the importance of a layer's input channels, not a range: its qparams
+    said "no range rule for IMatrixState; register one with qstats.register_range_rule", where the
+    way on is the weight search it feeds (as a hessian state's error names qstats.gptq)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3)).eval()
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), observer=qstats.imatrix)])
+    states = qstats.calibrate(model, [torch.randn(5, 4)], recipe, progress=False)
+    with pytest.raises(TypeError, match=r"'0'.*'input'.*IMatrixState has no range.*qstats\.imatrix_mse") as caught:
+        qstats.compute_qparams_tree(states, recipe, model)
+    assert "register_range_rule" not in str(caught.value)
+    with pytest.raises(TypeError, match=r"IMatrixState has no range.*qstats\.imatrix_mse"):
+        qstats.compute_qparams(states["0"]["input"], qstats.QuantSpec(dtype="int8"))

@@ -16,6 +16,7 @@ import torch
 
 from .._checks import require
 from .._granularity import canonical_view, check_observable
+from .._qparams import NoStatistics, register_range_rule
 from .._spec import QuantSpec
 from ._base import Observer, check_field_dtype, check_same_shapes, check_state, register_state
 from .kit import checked_rows, raises_on_nonfinite
@@ -117,6 +118,14 @@ def importance(state: IMatrixState) -> torch.Tensor:
     # the row count is per state (per expert when stacked): it lines up with the channels' leading dims
     rows = state.count.unsqueeze(-1) - state.nonfinite
     return state.square_total / rows.clamp(min=1).to(torch.float64)
+
+
+@register_range_rule(IMatrixState)
+def _no_range(state, spec, **options):
+    raise NoStatistics(
+        "compute_qparams: an IMatrixState has no range (it is the importance of a layer's input channels); "
+        "search the layer's weight with it: qstats.imatrix_mse(spec, weight.shape, state)"
+    )
 
 
 def _normalised_importance(state: IMatrixState, weight_shape: tuple) -> torch.Tensor:
