@@ -268,7 +268,7 @@ def _cache_hooks(module, path: str, hook: Callable, caller: str, compared: str) 
         caches = _handed_caches(kwargs.get("past_key_values", kwargs.get("past_key_value")))
         calls.append((_Call(hook, f"{caller}: the attention module {path!r} ({type(module).__name__}) handed its "
                                   f"cache a key and value twice in one call, where qstats reads them once: not "
-                                  "supported", crosses(args, kwargs), bool(caches)), caches))
+                                  "supported", crosses(args, kwargs)), caches))  # called by the updates only
         for cache in caches:
             _CacheUpdate.attach(cache, calls[-1][0])
 

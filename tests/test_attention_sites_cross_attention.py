@@ -8,6 +8,8 @@ receives (recorded by wrapping it), the padded tokens' rows left out of the quer
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -175,3 +177,57 @@ def test_mllama_decode_steps_observe_the_cross_attention_kv_once(monkeypatch):
             assert torch.equal(qparams[path][site].scale.reshape(-1), observer.get_qparams()["scale"].reshape(-1)), \
                 (path, site)
             assert int(session.states[path][site].batches) == len(handed[layer]), (path, site)
+
+
+def test_gpt2_cross_attention_kv_at_the_cross_attention_cache_update(monkeypatch):
+    """GPT-2's attention compares the name of its implementation, so qstats reads its k/v at the cache
+    update (`qstats._attention._cache_hooks`); with ``add_cross_attention`` its modules update an
+    ``EncoderDecoderCache``'s self- and cross-attention caches, and at decode steps its cross-attention
+    reads the encoder's key and value back from the cache. Its k/v sites equal the extremes of the keys
+    and values handed to ``DynamicCache.update`` (recorded by wrapping it), the text's padding left out
+    of the self-attention's only, the cross-attention's counted once."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32,
+                                     add_cross_attention=True, bos_token_id=1, eos_token_id=2)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.set_attn_implementation("eager")
+    batch = _batch()
+    batch["encoder_hidden_states"] = batch.pop("cross_attention_states")
+
+    def decode(prompt_weighted=contextlib.nullcontext, steps=2):
+        with torch.no_grad():
+            with prompt_weighted():
+                out = model(**batch, use_cache=True)
+            mask = batch["attention_mask"]
+            for _ in range(steps):
+                mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+                out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask, use_cache=True,
+                            encoder_hidden_states=batch["encoder_hidden_states"], past_key_values=out.past_key_values)
+
+    handed: list = []
+    update = transformers.DynamicCache.update
+
+    def recording(cache, key, value, *args, **kwargs):
+        handed.append((id(cache), key.clone(), value.clone()))
+        return update(cache, key, value, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.DynamicCache, "update", recording)
+        decode()
+    caches = list(dict.fromkeys(cache for cache, _, _ in handed))  # the self-attention's first
+    assert [sum(cache == each for each, _, _ in handed) for cache in caches] == [3, 1]
+
+    recipe = qstats.Recipe([qstats.Rule("GPT2Attention", sites=("k", "v"), observer=qstats.minmax,
+                                        spec=qstats.QuantSpec("int8"))])
+    with qstats.observing(model, recipe) as session:
+        decode(lambda: session.weighted(batch["attention_mask"]))  # the prompt's padding left out
+    states = session.states
+    prompt = batch["attention_mask"].bool()
+    for path, cache in (("transformer.h.0.attn", caches[0]), ("transformer.h.0.crossattention", caches[1])):
+        for index, site in enumerate("kv"):
+            rows = [call[1 + index].transpose(1, 2).flatten(2) for call in handed if call[0] == cache]
+            kept = rows[0][prompt] if "cross" not in path else rows[0].flatten(0, 1)  # the prompt's
+            seen = torch.cat([kept] + [x.flatten(0, 1) for x in rows[1:]])
+            assert torch.equal(states[path][site].min_val, seen.amin()), (path, site)
+            assert torch.equal(states[path][site].max_val, seen.amax()), (path, site)
+            assert int(states[path][site].count) == seen.numel(), (path, site)
