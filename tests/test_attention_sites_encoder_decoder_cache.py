@@ -1,4 +1,4 @@
-"""Decode steps of encoder-decoder models (BART, Whisper, T5) given an ``EncoderDecoderCache``, as
+"""Decode steps of encoder-decoder models (BART, Whisper, T5, T5Gemma) given an ``EncoderDecoderCache``, as
 ``generate`` runs them: their attention modules hand the new key and value to its
 ``self_attention_cache`` (each step) and ``cross_attention_cache`` (the encoder's, once) and read the
 cross-attention's back at later steps. The k/v sites observe each key and value once, where they are
@@ -20,6 +20,8 @@ from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
 
 INT8 = dict(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False)
 SIZES = dict(vocab_size=64, decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+T5GEMMA = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=16, max_position_embeddings=32)
 # family: (model, its encoder's inputs, decoder self-attention path, decoder cross-attention path)
 FAMILIES = {
     "bart": (lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(
@@ -37,6 +39,11 @@ FAMILIES = {
         d_model=32, d_kv=16, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2, **SIZES)),
         lambda generator: {"input_ids": torch.randint(3, 64, (2, 7), generator=generator)},
         "decoder.block.0.layer.0.SelfAttention", "decoder.block.0.layer.1.EncDecAttention"),
+    "t5gemma": (lambda: transformers.T5GemmaForConditionalGeneration(transformers.T5GemmaConfig(
+        encoder=transformers.T5GemmaModuleConfig(**T5GEMMA), decoder=transformers.T5GemmaModuleConfig(**T5GEMMA),
+        **SIZES)),
+        lambda generator: {"input_ids": torch.randint(3, 64, (2, 7), generator=generator)},
+        "model.decoder.layers.0.self_attn", "model.decoder.layers.0.cross_attn"),
 }
 
 
