@@ -386,11 +386,15 @@ class _FakeQuantParametrization(torch.nn.Module):
         )
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
+        stored = value
         value = self.site.canonical(value)
         try:
             if self.site.num_experts:
                 qparams = per_expert_qparams(self.qparams, value.shape[0])  # a shared global scale: every expert's
-                return self.site.stored(torch.vmap(lambda w, qp: fake_quantize(w, qp, self.spec))(value, qparams))
+                quantized = self.site.stored(torch.vmap(lambda w, qp: fake_quantize(w, qp, self.spec))(value, qparams))
+                # in the parameter's memory layout: a transposed view of a stack stored [E, in, out] (GPT-OSS,
+                # Llama 4) made the experts' matmuls round otherwise than the model holding those weights
+                return quantized.contiguous() if stored.is_contiguous() else quantized
             return fake_quantize(value, self.qparams, self.spec)
         except (ValueError, TypeError) as error:  # QParams of another shape or spec: named by site
             raise_renamed(error, f"fake_quantized: {self.where}")

@@ -118,3 +118,54 @@ def test_q_site_of_a_projection_returning_a_tuple_is_fake_quantized():
             got = model(x)
     assert not torch.equal(expected, activation)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _gpt_oss_replaced(model, qparams):
+    """A copy of the GPT-OSS ``model`` whose stacked expert weights hold their fake-quantized values, put
+    back by hand in its stored layout: ``gate_up_proj [E, H, 2I]`` (the per-expert gate_proj Linear its
+    columns ``0::2``, up_proj ``1::2``), ``down_proj [E, I, H]``, each the transpose of the Linear weights."""
+    replaced = copy.deepcopy(model)
+    with torch.no_grad():
+        for path, entry in qparams.items():
+            module = replaced.get_submodule(path)
+            for site, qp in entry.items():
+                stored = getattr(module, site)
+                linear = stored.transpose(1, 2)  # [E, out, in]
+                if site == "gate_up_proj":  # gate rows, then up rows
+                    linear = torch.cat([linear[:, 0::2], linear[:, 1::2]], dim=1)
+                values = torch.stack([qstats.fake_quantize(linear[e], type(qp)(*(f[e] for f in qp)), WEIGHTS)
+                                      for e in range(linear.shape[0])])
+                if site == "gate_up_proj":
+                    half = values.shape[1] // 2
+                    values = torch.stack([values[:, :half], values[:, half:]], dim=2).flatten(1, 2)
+                stored.copy_(values.transpose(1, 2))
+    return replaced
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_transposed_gpt_oss_stacks_inside_fake_quantized_equal_replaced_weights(implementation, single_thread_quiet):
+    """GPT-OSS stores its stacks transposed ([E, in, out]): the parametrization gave back a transposed
+    view, whose matmuls round otherwise than those of the model holding the same weights (its
+    down_proj.input and every later site differed by float32 ulps, and so did the logits)."""
+    from test_moe_families import _batches, _model
+
+    model = _model("gpt_oss")
+    model.set_experts_implementation(implementation)
+    weight_plan = qstats.Recipe([qstats.Rule("GptOssExperts", sites=("gate_up_proj", "down_proj"),
+                                             spec=WEIGHTS)]).resolve(model)
+    weight_qparams = qstats.compute_qparams_tree(qstats.calibrate(model, [], weight_plan, progress=False), weight_plan)
+    recipe = qstats.Recipe([qstats.Rule("GptOssExperts", sites=("input", "down_proj.input"), spec=INPUTS),
+                            qstats.Rule("Linear", sites=("input",), spec=INPUTS)], ignore=["lm_head"])
+    batches = _batches()
+    replaced = _gpt_oss_replaced(model, weight_qparams)
+    expected = qstats.calibrate(replaced, batches, recipe, progress=False)
+    with qstats.fake_quantized(model, weight_qparams, weight_plan), torch.no_grad():
+        states = qstats.calibrate(model, batches, recipe, progress=False)
+        logits = model(batches[0]).logits
+    with torch.no_grad():
+        assert torch.equal(logits, replaced(batches[0]).logits)
+    assert states.keys() == expected.keys()
+    for path, entry in expected.items():
+        for site, state in entry.items():
+            for field, ours, theirs in zip(state._fields, states[path][site], state):
+                assert torch.equal(ours, theirs), (path, site, field)
