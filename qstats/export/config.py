@@ -126,6 +126,10 @@ def quantization_args(spec: QuantSpec, site: str, where: str = "spec", dynamic: 
     mx = spec.scale_dtype == "e8m0"
     qtype = _element_type(spec, where, site)
     symmetric = _is_symmetric(spec, where)
+    if symmetric and qtype == "int" and spec.zero_point_of_symmetric + code_offset(spec, where) != 0:
+        fail(where, f"symmetric_zero_point {spec.zero_point_of_symmetric} of dtype {spec.dtype!r}: compressed-tensors' "
+             "symmetric args quantize around zero (code 0 of its signed range); use mapping='asymmetric', or the "
+             "default symmetric zero point")
     if spec.zero_point_domain == "float":
         fail(where, "zero_point_domain 'float' has no compressed-tensors equivalent")
     if spec.scale_dtype not in ("float32", "bfloat16", "float16") and not (two_level or mx):
