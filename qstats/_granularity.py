@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from ._checks import is_integer
+
 __all__ = [
     "Granularity",
     "PerTensor",
@@ -34,7 +36,18 @@ class Granularity:
     """Base class of granularities: frozen, hashable configuration, checked at construction."""
 
     def __post_init__(self) -> None:
+        self._take_integers()
         self.validate()
+
+    def _take_integers(self) -> None:
+        """A numpy integer field (``np.int64(128)``, read from an array or a config) as the Python int it
+        holds, as `QuantSpec` takes its ranges: equal and hashing equal to the spec built with ints."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if is_integer(value):
+                object.__setattr__(self, field.name, int(value))
+            elif isinstance(value, (tuple, list)):
+                object.__setattr__(self, field.name, type(value)(int(v) if is_integer(v) else v for v in value))
 
     def validate(self) -> None:
         pass
@@ -129,7 +142,7 @@ class PerBlock(Granularity):
     def __post_init__(self) -> None:
         if isinstance(self.block_shape, (tuple, list)):
             object.__setattr__(self, "block_shape", tuple(self.block_shape))
-        self.validate()
+        super().__post_init__()
 
     def validate(self) -> None:
         ok = isinstance(self.block_shape, tuple) and len(self.block_shape) >= 2 and all(
