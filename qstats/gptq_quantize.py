@@ -297,7 +297,7 @@ def _factorable_hessian(total: torch.Tensor, count: torch.Tensor) -> tuple[torch
     to the mean diagonal, dead columns included) and so GPTQ's codes do not depend on the factor;
     a dead column counts as a diagonal of 1 in choosing it. Inside the range the Hessian is
     llm-compressor's, bit for bit."""
-    mean = normalized_hessian(total, count, dtype=total.dtype)  # in the sum's dtype
+    mean = normalized_hessian(total, count, dtype=torch.promote_types(total.dtype, torch.float32))  # float64 kept
     diagonal = torch.diagonal(mean, dim1=-2, dim2=-1)
     peak = torch.where((diagonal == 0).any(dim=-1), diagonal.amax(dim=-1).clamp(min=1.0), diagonal.amax(dim=-1))
     peak = peak.double()

@@ -153,8 +153,11 @@ def hessian(spec: Optional[QuantSpec] = None, *, dtype: torch.dtype = torch.floa
 def normalized_hessian(total: torch.Tensor, count: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """``2 / count * total`` in ``dtype``, ``total`` ``[..., in, in]`` and ``count`` ``[...]`` (one per
     expert of a stack); zeros where ``count`` is 0. Divided before the (exact) doubling, so that a
-    finite float32 sum past half of float32's range does not overflow to Inf."""
-    return (2.0 * (total / count.clamp(min=1).to(total.dtype)[..., None, None])).to(dtype)
+    finite float32 sum past half of float32's range does not overflow to Inf; in float32 at least,
+    so that a state converted to float16/bfloat16 is divided by its count as llm-compressor's float32
+    Hessian is (a count past float16's 65504 was Inf there: a Hessian of zeros, every weight zero)."""
+    wide = torch.promote_types(total.dtype, torch.float32)
+    return (2.0 * (total.to(wide) / count.clamp(min=1).to(wide)[..., None, None])).to(dtype)
 
 
 def gptq_hessian(state: HessianState) -> torch.Tensor:
