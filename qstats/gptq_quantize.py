@@ -47,7 +47,7 @@ from .observers.hessian import HessianState, checked_hessian_state, normalized_h
 from .observers.kit import check_spec
 from .observers.minmax import minmax
 from ._warn import warn
-from ._checks import require
+from ._checks import is_integer, require
 
 __all__ = ["gptq"]
 
@@ -421,7 +421,7 @@ def gptq_unwarned(weight: torch.Tensor, hessian_state: HessianState, spec: Quant
 
     if qparams is not None:  # no autograd graph through the column loop (it would hold every column's tensors)
         qparams = _checked_scales(QParams(*(None if field is None else field.detach() for field in qparams)))
-    return _gptq_core(weight.detach(), hessian_state.total.detach(), count, qparams, spec, block_size,
+    return _gptq_core(weight.detach(), hessian_state.total.detach(), count, qparams, spec, int(block_size),
                       float(dampening), actorder, weight.shape[0] if bool(same) else 0, label)
 
 
@@ -493,7 +493,7 @@ def _check_arguments(weight, state, spec, block_size, dampening, actorder) -> No
 
 def check_options(block_size, dampening, actorder, where: str) -> None:
     """ValueError for a GPTQ option out of its domain (``gptq_layerwise`` checks them up front)."""
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+    if not is_integer(block_size) or block_size < 1:  # a numpy integer too, as llm-compressor's range() takes it
         raise ValueError(f"{where}: block_size must be a positive int, got {block_size!r}")
     try:
         number = float(dampening)  # a Python, numpy or 0-d torch number

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -123,3 +124,23 @@ def test_a_bad_given_global_scale_raises(value):
     assert torch.isfinite(gptq(weight, state, spec, qparams=qparams)[0]).all()
     with pytest.raises(ValueError, match="global scale"):
         gptq(weight, state, spec, qparams=qparams._replace(global_scale=torch.tensor(value)))
+
+
+@pytest.mark.parametrize("block_size", [np.int64(24), np.int32(200)])
+def test_a_numpy_block_size_is_the_int_it_holds_as_llm_compressor_takes_it(block_size):
+    """A block size read from an array or a config (``np.int64(24)``) was refused as 'must be a
+    positive int'; llm-compressor's ``range(0, columns, blocksize)`` takes it."""
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(200, IN, generator=gen), torch.randn(OUT, IN, generator=gen) * 0.05
+    state = hessian().update(hessian().init(x), x)
+    args = QuantizationArgs(num_bits=4, symmetric=False, strategy="group", group_size=16)
+    spec = qstats.QuantSpec.from_compressed_tensors(args)
+    qparams = _minmax_qparams(weight, spec)
+    scale, zero_point = qparams.scale.reshape(OUT, -1), qparams.zero_point.reshape(OUT, -1)
+    want, _, _ = llmc_gptq.quantize_weight(weight.clone()[None], gptq_hessian(state)[None], scale[None],
+                                           zero_point[None], None, args, blocksize=block_size)
+    got, codes, _ = gptq(weight, state, spec, block_size=block_size, qparams=qparams)
+    assert (codes == qstats.quantize(want[0], qparams, spec)).float().mean() >= 0.999
+    assert torch.equal(got, gptq(weight, state, spec, block_size=int(block_size), qparams=qparams)[0])
+    with pytest.raises(ValueError, match="block_size"):
+        gptq(weight, state, spec, block_size=np.int64(0))
