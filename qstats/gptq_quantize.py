@@ -422,7 +422,7 @@ def gptq_unwarned(weight: torch.Tensor, hessian_state: HessianState, spec: Quant
     if qparams is not None:  # no autograd graph through the column loop (it would hold every column's tensors)
         qparams = _checked_scales(QParams(*(None if field is None else field.detach() for field in qparams)))
     return _gptq_core(weight.detach(), hessian_state.total.detach(), count, qparams, spec, int(block_size),
-                      float(dampening), actorder, weight.shape[0] if bool(same) else 0, label)
+                      float(dampening), actorder, weight.shape[0] if weight.ndim == 3 and bool(same) else 0, label)
 
 
 def computes_off_dtype(spec: QuantSpec, dtype: torch.dtype) -> bool:

@@ -144,3 +144,18 @@ def test_a_numpy_block_size_is_the_int_it_holds_as_llm_compressor_takes_it(block
     assert torch.equal(got, gptq(weight, state, spec, block_size=int(block_size), qparams=qparams)[0])
     with pytest.raises(ValueError, match="block_size"):
         gptq(weight, state, spec, block_size=np.int64(0))
+
+
+@pytest.mark.parametrize("actorder", [None, "static"])
+def test_a_meta_weight_and_state_give_meta_results_of_the_shapes_and_dtypes_on_the_cpu(actorder):
+    """Sizing a model's GPTQ on the meta device (as compressed-tensors' qparams on meta): a 2-D
+    weight took the stacked path of experts with equal Hessians there (its meta 'all equal' flag
+    read as true) and raised IndexError 'slice() cannot be applied to a 0-dim tensor'."""
+    gen = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(100, IN, generator=gen), torch.randn(OUT, IN, generator=gen)
+    state = hessian().update(hessian().init(x), x)
+    spec = qstats.QuantSpec.from_compressed_tensors(QuantizationArgs(num_bits=4, strategy="group", group_size=16))
+    on_cpu = gptq(weight, state, spec, actorder=actorder)
+    on_meta = gptq(weight.to("meta"), type(state)(*(field.to("meta") for field in state)), spec, actorder=actorder)
+    for cpu, meta in zip((*on_cpu[:2], *on_cpu[2]), (*on_meta[:2], *on_meta[2])):
+        assert meta.device.type == "meta" and (meta.shape, meta.dtype) == (cpu.shape, cpu.dtype)
