@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -435,10 +436,12 @@ class _ActivationError:
         self.where = where  # "report: module 'path' site 'site'", for errors
         self.attention = attention  # a q/k/v `SiteHooks` hands in its spec's layout (`site_weight`)
 
-    def __call__(self, x) -> None:
+    def __call__(self, x, weighted: bool = True) -> None:
+        """Measures ``x``, leaving out the batch's padding where ``weighted`` (not: the key and value
+        of a cross-attention call, other tokens than the batch's, as `calibrate` observes them)."""
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
-        weight = self.current_weight[0]
+        weight = self.current_weight[0] if weighted else None
         if weight is not None:  # as calibrate fits it
             fitted = (site_weight(x, self.found.spec, lambda view: weight_of(view, weight)) if self.attention
                       else weight_of(x, weight))
@@ -544,7 +547,9 @@ def _measure_activations(plan: Plan, qparams: Mapping, batches, observation_weig
                         handles.append(observe_tensor(plan, path, site, measure))
             if expert_sites:
                 handles.extend(_ExpertErrors(plan.modules[path], path, expert_sites, current_weight).attach())
-        hooks = {path: (module, eager(SiteHooks(sites, {site: measure.found.spec for site, measure in sites.items()})))
+        hooks = {path: (module, eager(SiteHooks(sites, {site: measure.found.spec for site, measure in sites.items()},
+                                                {site: functools.partial(measure, weighted=False)
+                                                 for site, measure in sites.items()})))
                  for path, (module, sites) in attention.items()}
         with torch.no_grad(), attention_sites(hooks, "report"):
             for batch in batches:

@@ -231,3 +231,36 @@ def test_gpt2_cross_attention_kv_at_the_cross_attention_cache_update(monkeypatch
             assert torch.equal(states[path][site].min_val, seen.amin()), (path, site)
             assert torch.equal(states[path][site].max_val, seen.amax()), (path, site)
             assert int(states[path][site].count) == seen.numel(), (path, site)
+
+
+def _sqnr_db(x: torch.Tensor, qparams, spec, mask=None) -> float:
+    """SQNR of ``x`` ``[batch, heads, tokens, head_dim]`` under per-tensor ``qparams``, by torch's own
+    fake quantization, over the tokens ``mask`` keeps (all without one)."""
+    keep = torch.ones(x.shape[0], x.shape[2], dtype=torch.bool) if mask is None else mask.bool()
+    rows = x.transpose(1, 2)[keep].double()
+    fake = torch.fake_quantize_per_tensor_affine(rows.float(), float(qparams.scale), int(qparams.zero_point),
+                                                 spec.qmin, spec.qmax).double()
+    return float(10 * torch.log10(rows.square().sum() / (rows - fake).square().sum()))
+
+
+def test_report_measures_cross_attention_kv_over_every_image_token():
+    """`report` leaves the batch's padding out of what it measures as `calibrate` leaves it out of what
+    it observes: of the query and self-attention's k/v, not of the cross-attention's key and value."""
+    model, batch = _mllama(), _batch()
+    spec = qstats.QuantSpec("int8")
+    recipe = qstats.Recipe([qstats.Rule(("MllamaTextSelfAttention", "MllamaTextCrossAttention"), sites=("q", "k", "v"),
+                                        observer=qstats.minmax, spec=spec)])
+    weight = lambda b: b["attention_mask"]  # noqa: E731
+    states = qstats.calibrate(model, [batch], recipe, observation_weight=weight, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe.resolve(model))
+    rows = {(row.module, row.site): row for row in qstats.report(states, qparams, model, recipe, [batch],
+                                                                 observation_weight=weight).rows}
+    seen = _eager_arguments(model, batch)
+    cross, self_attention = "model.layers.1.cross_attn", "model.layers.0.self_attn"
+    mask = batch["attention_mask"]
+    for path, site, kept in [(cross, "k", None), (cross, "v", None), (cross, "q", mask), (self_attention, "k", mask)]:
+        expected = _sqnr_db(seen[path, site], qparams[path][site], spec, kept)
+        assert rows[path, site].sqnr_db == pytest.approx(expected, abs=1e-3), (path, site)
+    # the check can fail: measured without the padding's image tokens, the cross-attention's v reads otherwise
+    v = seen[cross, "v"]
+    assert abs(_sqnr_db(v, qparams[cross]["v"], spec, mask) - _sqnr_db(v, qparams[cross]["v"], spec)) > 0.1
