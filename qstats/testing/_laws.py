@@ -605,6 +605,30 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
     _check_weight_dtypes(obs, xs[0], state, name, batch_dims)
     _check_weight_leaves_rows_out(obs, xs[0], init, state, name, batch_dims)
     _check_nonfinite_as_masked(obs, xs[0], state, dirty, name, batch_dims)
+    _check_zero_batch(obs, xs[0], init, name, batch_dims)
+
+
+def _check_zero_batch(obs, x: torch.Tensor, init, name: str, batch_dims: int) -> None:
+    """An all-zero batch (padding, a dead channel, a zero-initialized weight) is calibrated wherever
+    ``x`` is: ``compute_qparams`` of ``update(init, zeros)`` gives a finite positive scale there, not a
+    range of 0/0 left uncalibrated (or refused). Skipped where ``compute_qparams`` of ``x``'s state fails
+    (no statistic, no spec, ``x`` left a parameter unobserved under ``on_uncalibrated="error"``)."""
+    spec = getattr(obs, "spec", None)
+    if not isinstance(spec, QuantSpec) or x.numel() == 0:
+        return
+    compute = _per_slice(lambda s: compute_qparams(s, spec), batch_dims)
+    try:
+        reference = compute(obs.update(init, x))
+    except Exception:
+        return
+    what = f"{name}: stability: compute_qparams of update(init, an all-zero batch)"
+    zero = _attempt(what, compute, obs.update(init, torch.zeros_like(x)))
+    expected = reference.calibrated.expand(zero.scale.shape)
+    bad = expected & ~(zero.calibrated.expand(zero.scale.shape) & torch.isfinite(zero.scale) & (zero.scale > 0))
+    if bool(bad.any()):
+        raise AssertionError(f"{what} left {int(bad.sum())} parameter(s) uncalibrated, or with a zero or non-finite "
+                             "scale, that a batch of data calibrates: a zero range maps to the smallest scale (a range "
+                             f"rule dividing by the range gives 0/0)\n  got: {zero}")
 
 
 def _takes(obs, init, x: torch.Tensor) -> bool:
