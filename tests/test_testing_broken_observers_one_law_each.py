@@ -101,3 +101,19 @@ def test_stability_catches_a_range_rule_that_leaves_an_all_zero_batch_uncalibrat
     assert torch.aminmax(zeros) == (0, 0)
     with pytest.raises(AssertionError, match="stability: .*all-zero batch"):
         testing.check_all(obs, make_x, max_examples=3)
+
+
+@pytest.mark.parametrize("factory", [qstats.minmax, plain_minmax])
+def test_batches_that_are_all_nan_pass_every_law(factory):
+    # the reference: torch.aminmax of the finite values of an all-NaN batch is empty, so nothing is
+    # observed; compute_qparams raising its documented uncalibrated error (on_uncalibrated="raise") is the
+    # spec's policy, not a law broken
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+    nan = torch.full((4, 8), torch.nan)
+    assert torch.isfinite(nan).sum() == 0
+    obs = factory(spec)
+    state = obs.update(obs.init(nan), nan)
+    with pytest.raises(ValueError, match="saw no finite data"):
+        qstats.compute_qparams(state, spec)
+    testing.check_all(obs, lambda generator: torch.full((4, 8), torch.nan) + torch.randn(4, 8, generator=generator),
+                      max_examples=3)

@@ -426,6 +426,14 @@ def qparams_spec(obs, state, law: str, batch_dims: int = 0) -> Optional[QuantSpe
     return spec
 
 
+def _unseen_allowed(spec: Optional[QuantSpec], xs: Sequence[torch.Tensor]) -> Optional[QuantSpec]:
+    """``spec`` with ``on_uncalibrated="fallback"`` where no batch of ``xs`` holds a finite value (all NaN
+    or ±inf): compute_qparams then refuses the state by the spec's policy, not by a broken law."""
+    if spec is None or any(bool(torch.isfinite(x).any()) for x in xs):  # integers are finite, empty ones not
+        return spec
+    return spec.replace(on_uncalibrated="fallback")
+
+
 def _row_mask(x: torch.Tensor, batch_dims: int = 0, offset: int = 0, per_slice: bool = True) -> Optional[torch.Tensor]:
     """A 0/1 float32 weight ``x.shape[:batch_dims + 1]`` over the rows (dim ``batch_dims``) of ``x``
     keeping rows ``offset``, ``offset + 2``, ... of the first slice; with ``per_slice`` the next slice
@@ -518,7 +526,7 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
         same(merged, again, "merge gave different results twice")
     same(init, init_copy, "update or merge modified the init state")
     merged_copy = _map_tensors(merged, torch.clone)
-    spec = qparams_spec(obs, merged, "purity", batch_dims)
+    spec = _unseen_allowed(qparams_spec(obs, merged, "purity", batch_dims), xs[:2])
     if spec is not None:
         qparams_of = _per_slice(lambda s: compute_qparams(s, spec), batch_dims)
         try:
@@ -907,7 +915,7 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
         vmap_vs_loop("update, weight", obs.update, states, nexts, masks, magnitudes=(stacked_states,))
     merged = vmap_vs_loop("merge", obs.merge, states, qtree.unstack(batched),
                           magnitudes=(stacked_states, batched))
-    spec = qparams_spec(obs, states[0], "vmap", batch_dims)
+    spec = _unseen_allowed(qparams_spec(obs, states[0], "vmap", batch_dims), xs)
     if spec is None:
         return
     # a stacked observer's spec is each slice's: compute_qparams and fake_quantize map over the batch dims
