@@ -117,3 +117,52 @@ def test_batches_that_are_all_nan_pass_every_law(factory):
         qstats.compute_qparams(state, spec)
     testing.check_all(obs, lambda generator: torch.full((4, 8), torch.nan) + torch.randn(4, 8, generator=generator),
                       max_examples=3)
+
+
+def _broken(defect):
+    """The plain min/max with one defect (the plain one passes every law, above)."""
+    obs = plain_minmax(SPEC)
+    update, merge = obs.update, obs.merge
+    if defect == "merge_not_commutative":  # the second state's minimum wins: associative, init its identity
+        return obs._replace(merge=lambda a, b: merge(a, b)._replace(
+            min_val=torch.where(b.count > 0, b.min_val, a.min_val)))
+    if defect == "merge_mean_of_extremes":  # the midpoint of two states' extremes: neither associative nor exact
+        def mean_merge(a, b):
+            both = (a.count > 0) & (b.count > 0)
+            merged = merge(a, b)
+            return merged._replace(max_val=torch.where(both, (a.max_val + b.max_val) / 2, merged.max_val))
+        return obs._replace(merge=mean_merge)
+    if defect == "update_writes_its_state":
+        def writes(state, x, weight=None):
+            new = update(state, x, weight)
+            state.count.copy_(new.count)
+            return new
+        return obs._replace(update=writes)
+    if defect == "update_writes_its_batch":
+        def cleans(state, x, weight=None):
+            x.abs_()
+            return update(state, x, weight)
+        return obs._replace(update=cleans)
+    if defect == "update_ignores_weight":
+        return obs._replace(update=lambda state, x, weight=None: update(state, x))
+    if defect == "merge_lets_nan_in":  # update leaves NaN out, merge adds a NaN count marker
+        return obs._replace(merge=lambda a, b: merge(a, b)._replace(
+            max_val=torch.where(a.count + b.count > 0, torch.maximum(a.max_val, b.max_val), torch.nan)))
+    if defect == "update_branches_on_a_value":
+        return obs._replace(update=lambda state, x, weight=None:
+                            state if x.numel() and bool((x.abs() > 1e30).any()) else update(state, x, weight))
+    raise AssertionError(defect)
+
+
+@pytest.mark.parametrize("defect, law", [
+    ("merge_not_commutative", "commutativity|homomorphism"),
+    ("merge_mean_of_extremes", "associativity|homomorphism"),
+    ("update_writes_its_state", "purity"),
+    ("update_writes_its_batch", "purity"),
+    ("update_ignores_weight", "stability|homomorphism"),
+    ("merge_lets_nan_in", "identity"),
+    ("update_branches_on_a_value", "vmap"),
+])
+def test_check_all_fails_each_broken_observer_naming_its_law(defect, law):
+    with pytest.raises(AssertionError, match=f"plain_minmax: ({law})"):
+        testing.check_all(_broken(defect), make_x, max_examples=5)
