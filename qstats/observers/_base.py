@@ -232,10 +232,9 @@ def kept_dtypes(state: Any, updated: Any, where: str) -> Any:
 def row_mask(x: torch.Tensor, weight: Optional[torch.Tensor], where: str) -> Optional[torch.Tensor]:
     """The per-row keep mask ``[rows]`` of a row ``weight`` (shape a prefix of ``x.shape[:-1]``;
     zero leaves a row out) over ``x`` flattened to ``[rows, features]``, or None; ``where`` names
-    the caller in the errors. The weight is a mask: any nonzero value keeps its row once; a NaN,
-    infinite or negative value is refused with a ValueError naming ``where``, as `qstats.calibrate`
-    refuses such observation weights (one op, `kit.row_keep`, which ``vmap`` and ``torch.compile`` take;
-    its check reads the host once per call)."""
+    the caller in the errors. The weight is a mask, as in every observer (``weight_view``): any
+    nonzero value keeps its row once, NaN and negative values too (checking them would read the
+    host in ``update``); `qstats.calibrate` and `qstats.observing` refuse such observation weights."""
     if weight is None:
         return None
     if not isinstance(weight, torch.Tensor):
@@ -245,11 +244,8 @@ def row_mask(x: torch.Tensor, weight: Optional[torch.Tensor], where: str) -> Opt
             f"{where}: weight of shape {tuple(weight.shape)} does not match the leading (row) "
             f"dimensions of the inputs of shape {tuple(x.shape)}"
         )
-    from .kit import row_keep  # the op lives in the kit: this module imports no qstats module (Python 3.10 test)
-
-    keep = row_keep(weight, where).reshape(tuple(weight.shape) + (1,) * (x.ndim - 1 - weight.ndim))
+    keep = weight.reshape(tuple(weight.shape) + (1,) * (x.ndim - 1 - weight.ndim)) != 0
     return keep.expand(x.shape[:-1]).reshape(-1)
-
 
 
 def batch_weighted_mean(u: torch.Tensor, v: torch.Tensor, u_batches: torch.Tensor, v_batches: torch.Tensor):

@@ -27,7 +27,6 @@ from .._granularity import (
     qparam_shape,
     weight_view,
 )
-from .._ops import op, register_fake, register_vmap
 from .._qparams import Range, register_range_rule
 from .._reductions import finite_aminmax
 from .._spec import QuantSpec
@@ -177,27 +176,3 @@ def observe_extremes(
         if row_granularity is not None:
             return _masked_rows(x, weight, row_granularity)
     return finite_aminmax(view, weight_view(x, weight, spec.granularity), spec.nonfinite)
-
-
-@op("row_keep")
-def row_keep(weight: torch.Tensor, where: str) -> torch.Tensor:
-    """``weight != 0``, after ValueError naming ``where`` for a NaN, infinite or negative weight."""
-    if weight.dtype != torch.bool:
-        count = int(((weight < 0) | ~torch.isfinite(weight)).sum())
-        if count:
-            raise ValueError(f"{where}: the weight of shape {tuple(weight.shape)} holds {count} negative, NaN or "
-                             "infinite value(s); it is a mask: 0 leaves a row out, a positive value keeps it (once, "
-                             "whatever its size)")
-    return weight != 0
-
-
-@register_fake(row_keep)
-def _(weight, where):
-    return torch.empty_like(weight, dtype=torch.bool)
-
-
-def _row_keep_vmap(info, in_dims, weight, where):
-    return row_keep(weight, where), in_dims[0]
-
-
-register_vmap(row_keep, _row_keep_vmap)
