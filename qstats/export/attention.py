@@ -99,11 +99,13 @@ def _check_attention_sites(path: str, written: dict) -> None:
 
 
 def _reads_cross_attention_cache(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s forward reads ``cross_attention_cache`` (an ``EncoderDecoderCache``'s, as
-    T5Gemma's, Whisper's and BART's cross-attention do), which compressed-tensors' ``QuantizedKVCache``
-    hands over from the real cache, whose ``update`` then quantizes nothing. Read under any decorator."""
+    """Whether ``module``'s forward takes ``cross_attention_cache`` from whatever cache it is handed (T5Gemma's
+    cross-attention): compressed-tensors' ``QuantizedKVCache`` hands over the real cache's by attribute, whose
+    ``update`` then quantizes nothing. A forward that takes it only from an ``EncoderDecoderCache`` (BART's and
+    Whisper's ``isinstance`` check, which compressed-tensors' wrapper fails) updates the wrapper, which
+    quantizes: compressed-tensors quantizes their self- and cross-attention k/v alike. Read under any decorator."""
     code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
-    return code is not None and "cross_attention_cache" in code.co_names
+    return code is not None and "cross_attention_cache" in code.co_names and "EncoderDecoderCache" not in code.co_names
 
 
 def _forward_takes(module: torch.nn.Module, *names: str) -> bool:
