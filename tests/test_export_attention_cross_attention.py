@@ -103,8 +103,7 @@ def test_cross_attention_refused_whatever_its_forward_code_names(tmp_path):
 
     plan = qstats.Recipe.from_compressed_tensors({"config_groups": {}, "kv_cache_scheme": FP8}).resolve(model)
     states = qstats.calibrate(model, [BATCH], plan, progress=False)
-    # after calibrating: qstats' eager hooks look for the function its forward names
-    cross.__class__ = LoggedCrossAttention
+    cross.__class__ = LoggedCrossAttention  # after calibrating: qstats' eager hooks look for the function its forward names
     with pytest.raises(ValueError, match=r"model.decoder.layers.0.cross_attn.*cross_attention_cache"):
         qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), str(tmp_path / "ours"), plan)
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import inspect
 import json
-import warnings
 from typing import Mapping, Optional
 
 import torch
 
 from .._attention import CROSS_STATES, LATENT_CACHE, intercepted, latent_attention
 from .._schemes import head_count_problem
-from ._categories import ExportWarning
 from .config import agreed_observer, fail, listed, module_targets, quantization_args
 from .linear import static_site, write_qparams
 from .scales import module_dtype
@@ -71,9 +69,7 @@ def _check_cached_attention(path: str, module: torch.nn.Module, sites: Mapping) 
     ``is_cached_attention_module``): it registers no ``q_scale``/``k_scale``/``v_scale`` there, so a
     loader drops them (transformers: UNEXPECTED keys) and the model runs unquantized; k/v sites
     of multi-head latent attention, whose cache holds other tensors (`LATENT_CACHE`), and of
-    cross-attention whose cache compressed-tensors does not quantize (`_cross_attention_cache_use`). Warns
-    an `ExportWarning` where compressed-tensors' kv cache raises in a call given an ``EncoderDecoderCache``,
-    the cache of an encoder-decoder model's (``config.is_encoder_decoder``) generate (not Mllama's)."""
+    cross-attention whose cache compressed-tensors does not quantize (`_reads_cross_attention_cache`)."""
     if not _is_kv_cache_module(module):
         fail(path, f"q/k/v sites of a {type(module).__name__}, which compressed-tensors does not quantize as "
              "attention (it takes modules whose class name contains 'attention', with a k_proj, v_proj, qkv_proj "
@@ -81,14 +77,7 @@ def _check_cached_attention(path: str, module: torch.nn.Module, sites: Mapping) 
              "load; drop these sites or ignore the module")
     if latent_attention(module) and ("k" in sites or "v" in sites):
         fail(path, f"k/v sites of a {type(module).__name__}: {LATENT_CACHE}")
-    cache_use = _cross_attention_cache_use(module) if "k" in sites or "v" in sites else None
-    if cache_use == "failed" and getattr(getattr(module, "config", None), "is_encoder_decoder", False):
-        warnings.warn(f"k/v scales of {type(module).__name__} modules: transformers with compressed-tensors 0.19 "
-                      "quantizes their key and value in a forward without a cache, but raises in one given an "
-                      "EncoderDecoderCache (generate's): its QuantizedKVCache, failing their isinstance check, hands "
-                      "them to the EncoderDecoderCache's own update, which it has not; run it with use_cache=False",
-                      ExportWarning, stacklevel=2)
-    if cache_use == "bypassed":
+    if _reads_cross_attention_cache(module) and ("k" in sites or "v" in sites):
         fail(path, f"k/v sites of a {type(module).__name__}, a cross-attention that hands its key and value to an "
              "EncoderDecoderCache's cross_attention_cache: compressed-tensors' kv cache passes that through to the "
              "real cache unquantized (and fails without a cache), so its k_scale/v_scale would load unused and the "
@@ -109,29 +98,25 @@ def _check_attention_sites(path: str, written: dict) -> None:
              f"the specs of {sorted(written)} differ")
 
 
-def _cross_attention_cache_use(module: torch.nn.Module) -> Optional[str]:
-    """``"bypassed"`` where a cross-attention call of ``module`` hands its key and value to the
-    ``cross_attention_cache`` of the ``EncoderDecoderCache`` it is given wrapped in compressed-tensors'
-    ``QuantizedKVCache`` (which hands that attribute over from the real cache), bypassing the wrapper's
-    quantizing ``update``: T5Gemma's cross-attention, which reads it from any cache. ``"failed"`` where
-    the call updates the wrapper, which quantizes, and then raises: BART's and Whisper's read it only
-    from an ``EncoderDecoderCache`` (``isinstance``), which the wrapper is not, so the wrapper hands their
-    key and value to the real cache's own ``update``, which it has not. Found by running the module's
-    forward (in eval mode) once on a token of zeros, as compressed-tensors calls it; None where it
-    updates the wrapper without failing, for a module whose forward takes no cross-attention states
-    (`CROSS_STATES`), no cache or no ``q_proj``/``k_proj`` Linear, or fails before updating either
-    cache, and without compressed-tensors."""
+def _reads_cross_attention_cache(module: torch.nn.Module) -> bool:
+    """Whether a cross-attention call of ``module`` hands its key and value to the ``cross_attention_cache``
+    of the ``EncoderDecoderCache`` it is given wrapped in compressed-tensors' ``QuantizedKVCache`` (which
+    hands that attribute over from the real cache), bypassing the wrapper's quantizing ``update``: T5Gemma's
+    cross-attention, which reads it from any cache. BART's and Whisper's read it only from an
+    ``EncoderDecoderCache`` (``isinstance``), which the wrapper is not: they update the wrapper, which quantizes.
+    Found by running the module's forward (in eval mode) once on a token of zeros, as compressed-tensors calls
+    it; False for a module whose forward takes no cross-attention states (`CROSS_STATES`), no cache or no
+    ``q_proj``/``k_proj`` Linear, or fails before updating either cache, and without compressed-tensors."""
     try:
         from compressed_tensors.modeling.kvcache import QuantizedKVCache
         from transformers import DynamicCache, EncoderDecoderCache
         parameters = inspect.signature(module.forward).parameters
     except (ImportError, TypeError, ValueError):
-        return None
+        return False
     cross = [name for name in CROSS_STATES if name in parameters]
     cache_name = next((name for name in ("past_key_values", "past_key_value") if name in parameters), None)
-    linear = all(isinstance(getattr(module, name, None), torch.nn.Linear) for name in ("q_proj", "k_proj"))
-    if not cross or cache_name is None or not linear:
-        return None
+    if not cross or cache_name is None or not all(isinstance(getattr(module, name, None), torch.nn.Linear) for name in ("q_proj", "k_proj")):
+        return False
     real = EncoderDecoderCache(DynamicCache(), DynamicCache())
     wrapper, reached = QuantizedKVCache(None, module), []
     wrapper.add_past_key_values(real)
@@ -139,18 +124,16 @@ def _cross_attention_cache_use(module: torch.nn.Module) -> Optional[str]:
     zeros = module.k_proj.weight.new_zeros
     kwargs = {cross[0]: zeros(1, 1, module.k_proj.in_features), cache_name: wrapper,
               **({"attention_mask": None} if "attention_mask" in parameters else {})}
-    modes, failed = {submodule: submodule.training for submodule in module.modules()}, False
+    modes = {submodule: submodule.training for submodule in module.modules()}
     try:
         with torch.no_grad():
             module.eval().forward(zeros(1, 1, module.q_proj.in_features), **kwargs)
     except Exception:  # BART's and Whisper's: the wrapper, reached, fails updating the real cache
-        failed = True
+        pass
     finally:
         for submodule, training in modes.items():
             submodule.training = training
-    if not reached:
-        return "bypassed" if len(real.cross_attention_cache.layers) > 0 else None
-    return "failed" if failed else None
+    return not reached and len(real.cross_attention_cache.layers) > 0
 
 
 def _forward_takes(module: torch.nn.Module, *names: str) -> bool:
