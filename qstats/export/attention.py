@@ -10,7 +10,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from .._attention import CROSS_STATES, LATENT_CACHE, intercepted, latent_attention
+from .._attention import LATENT_CACHE, intercepted, latent_attention
 from .._schemes import head_count_problem
 from .config import agreed_observer, fail, listed, module_targets, quantization_args
 from .linear import static_site, write_qparams
@@ -99,41 +99,13 @@ def _check_attention_sites(path: str, written: dict) -> None:
 
 
 def _reads_cross_attention_cache(module: torch.nn.Module) -> bool:
-    """Whether a cross-attention call of ``module`` hands its key and value to the ``cross_attention_cache``
-    of the ``EncoderDecoderCache`` it is given wrapped in compressed-tensors' ``QuantizedKVCache`` (which
-    hands that attribute over from the real cache), bypassing the wrapper's quantizing ``update``: T5Gemma's
-    cross-attention, which reads it from any cache. BART's and Whisper's read it only from an
-    ``EncoderDecoderCache`` (``isinstance``), which the wrapper is not: they update the wrapper, which quantizes.
-    Found by running the module's forward (in eval mode) once on a token of zeros, as compressed-tensors calls
-    it; False for a module whose forward takes no cross-attention states (`CROSS_STATES`), no cache or no
-    ``q_proj``/``k_proj`` Linear, or fails before updating either cache, and without compressed-tensors."""
-    try:
-        from compressed_tensors.modeling.kvcache import QuantizedKVCache
-        from transformers import DynamicCache, EncoderDecoderCache
-        parameters = inspect.signature(module.forward).parameters
-    except (ImportError, TypeError, ValueError):
-        return False
-    cross = [name for name in CROSS_STATES if name in parameters]
-    cache_name = next((name for name in ("past_key_values", "past_key_value") if name in parameters), None)
-    if not cross or cache_name is None or not all(isinstance(getattr(module, name, None), torch.nn.Linear) for name in ("q_proj", "k_proj")):
-        return False
-    real = EncoderDecoderCache(DynamicCache(), DynamicCache())
-    wrapper, reached = QuantizedKVCache(None, module), []
-    wrapper.add_past_key_values(real)
-    wrapper.register_forward_pre_hook(lambda *args: reached.append(True))
-    zeros = module.k_proj.weight.new_zeros
-    kwargs = {cross[0]: zeros(1, 1, module.k_proj.in_features), cache_name: wrapper,
-              **({"attention_mask": None} if "attention_mask" in parameters else {})}
-    modes = {submodule: submodule.training for submodule in module.modules()}
-    try:
-        with torch.no_grad():
-            module.eval().forward(zeros(1, 1, module.q_proj.in_features), **kwargs)
-    except Exception:  # BART's and Whisper's: the wrapper, reached, fails updating the real cache
-        pass
-    finally:
-        for submodule, training in modes.items():
-            submodule.training = training
-    return not reached and len(real.cross_attention_cache.layers) > 0
+    """Whether ``module``'s forward takes ``cross_attention_cache`` from whatever cache it is handed (T5Gemma's
+    cross-attention): compressed-tensors' ``QuantizedKVCache`` hands over the real cache's by attribute, whose
+    ``update`` then quantizes nothing. A forward that takes it only from an ``EncoderDecoderCache`` (BART's and
+    Whisper's ``isinstance`` check, which compressed-tensors' wrapper fails) updates the wrapper, which
+    quantizes: compressed-tensors quantizes their self- and cross-attention k/v alike. Read under any decorator."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    return code is not None and "cross_attention_cache" in code.co_names and "EncoderDecoderCache" not in code.co_names
 
 
 def _forward_takes(module: torch.nn.Module, *names: str) -> bool:
