@@ -82,8 +82,7 @@ def _loaded(model, folder: str):
 
 
 @pytest.mark.parametrize("family", ["bart", "whisper"])
-def test_self_and_cross_attention_kv_export_as_compressed_tensors_quantizes_them(family, tmp_path):
-    torch.set_num_threads(1)
+def test_self_and_cross_attention_kv_export_as_compressed_tensors_quantizes_them(family, tmp_path, single_thread_quiet):
     model = _model(family)
     plan = qstats.Recipe.from_compressed_tensors({"config_groups": {}, "kv_cache_scheme": INT8}).resolve(model)
     states = qstats.calibrate(model, [_batch(family, 0)], plan, progress=False)

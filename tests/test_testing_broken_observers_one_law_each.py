@@ -13,8 +13,6 @@ import qstats
 from qstats import testing
 from qstats.observers import kit
 
-torch.set_num_threads(1)
-
 
 @kit.register_state
 class BrokenLawMinMax(NamedTuple):
