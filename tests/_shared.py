@@ -440,3 +440,41 @@ def checkpoint_tensors(folder) -> dict:
         if name.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(folder, name)))
     return tensors
+
+
+def compressed_tensors_applied(model, folder: str):
+    """A copy of ``model`` with the ``quantization_config`` of the checkpoint in ``folder`` applied by
+    compressed-tensors (its modules' scales not loaded)."""
+    import copy
+    import json
+    import warnings
+
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    with open(os.path.join(folder, "config.json")) as file:
+        config = QuantizationConfig.model_validate(json.load(file)["quantization_config"])
+    applied = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_quantization_config(applied, config)
+    return applied
+
+
+@contextlib.contextmanager
+def kv_quantized(model):
+    """The set of ``(module path, "k" or "v")`` whose key or value compressed-tensors' kv cache
+    quantizes in the forwards of ``model`` run in the body (its ``forward_quantize`` calls recorded)."""
+    import compressed_tensors.modeling.kvcache as kvcache
+
+    paths = {id(module): path for path, module in model.named_modules()}
+    quantized, original = set(), kvcache.forward_quantize
+
+    def recording(module, x, base_name, args):
+        quantized.add((paths[id(module)], base_name))
+        return original(module, x, base_name, args)
+
+    kvcache.forward_quantize = recording
+    try:
+        yield quantized
+    finally:
+        kvcache.forward_quantize = original

@@ -7,7 +7,6 @@ compressed-tensors quantizes, export."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 import qstats
+from _shared import compressed_tensors_applied, kv_quantized
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
@@ -32,32 +32,6 @@ def _model():
     model = transformers.T5GemmaForConditionalGeneration(config).eval()
     model.set_attn_implementation("eager")
     return model
-
-
-def _compressed_tensors_quantized(model, folder) -> set:
-    """The attention modules whose k/v compressed-tensors quantizes, the checkpoint in ``folder`` applied
-    to a copy of ``model`` (its ``forward_quantize`` calls recorded, with a cache as ``generate`` runs)."""
-    import compressed_tensors.modeling.kvcache as kvcache
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-
-    with open(os.path.join(folder, "config.json")) as file:
-        config = QuantizationConfig.model_validate(json.load(file)["quantization_config"])
-    loaded = copy.deepcopy(model)
-    apply_quantization_config(loaded, config)
-    paths = {id(module): path for path, module in loaded.named_modules()}
-    quantized, original = set(), kvcache.forward_quantize
-
-    def recording(module, x, base_name, args):
-        quantized.add((paths[id(module)], base_name))
-        return original(module, x, base_name, args)
-
-    kvcache.forward_quantize = recording
-    try:
-        with torch.no_grad():
-            loaded(**BATCH, use_cache=True)
-    finally:
-        kvcache.forward_quantize = original
-    return quantized
 
 
 def test_cross_attention_k_v_are_refused_naming_the_module(tmp_path):
@@ -84,6 +58,8 @@ def test_cross_attention_k_v_are_refused_naming_the_module(tmp_path):
     os.makedirs(folder)
     with open(os.path.join(folder, "config.json"), "w") as file:
         json.dump({"quantization_config": config.model_dump(mode="json")}, file)
-    quantized = _compressed_tensors_quantized(model, folder)
+    loaded = compressed_tensors_applied(model, folder)  # its forward with a cache, as generate runs it
+    with kv_quantized(loaded) as quantized, torch.no_grad():
+        loaded(**BATCH, use_cache=True)
     assert quantized == {("model.encoder.layers.0.self_attn", "k"), ("model.encoder.layers.0.self_attn", "v"),
                          ("model.decoder.layers.0.self_attn", "k"), ("model.decoder.layers.0.self_attn", "v")}

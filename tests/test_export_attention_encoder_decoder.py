@@ -14,19 +14,16 @@ none (AttributeError)."""
 
 from __future__ import annotations
 
-import copy
-import json
 import os
-import warnings
 
 import pytest
 import torch
 
 import qstats
+from _shared import compressed_tensors_applied, kv_quantized
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
-from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 INT8 = dict(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False)
@@ -59,26 +56,11 @@ def _batch(family: str, seed: int) -> dict:
 
 def _loaded(model, folder: str):
     """A copy of ``model`` with the checkpoint's ``quantization_config`` applied by compressed-tensors and its
-    tensors loaded; ``(model, {(module path, "k" or "v")} it quantizes in a forward)``."""
-    import compressed_tensors.modeling.kvcache as kvcache
-
-    with open(os.path.join(folder, "config.json")) as file:
-        config = QuantizationConfig.model_validate(json.load(file)["quantization_config"])
-    loaded = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        apply_quantization_config(loaded, config)
+    tensors loaded."""
+    loaded = compressed_tensors_applied(model, folder)
     missing, unexpected = loaded.load_state_dict(load_file(os.path.join(folder, "model.safetensors")), strict=False)
     assert unexpected == [] and not [name for name in missing if name.endswith(("k_scale", "v_scale"))]
-    paths = {id(module): path for path, module in loaded.named_modules()}
-    quantized, original = set(), kvcache.forward_quantize
-
-    def recording(module, x, base_name, args):
-        quantized.add((paths[id(module)], base_name))
-        return original(module, x, base_name, args)
-
-    kvcache.forward_quantize = recording
-    return loaded, quantized, lambda: setattr(kvcache, "forward_quantize", original)
+    return loaded
 
 
 @pytest.mark.parametrize("family", ["bart", "whisper"])
@@ -91,17 +73,14 @@ def test_self_and_cross_attention_kv_export_as_compressed_tensors_quantizes_them
     qstats.export.compressed_tensors(model, qparams, folder, plan)
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     assert {name.rsplit(".", 1)[0] for name in tensors if name.endswith(("k_scale", "v_scale"))} == ATTENTION
-    loaded, quantized, restore = _loaded(model, folder)
+    loaded = _loaded(model, folder)
     batch = _batch(family, 1)
-    try:
-        with torch.no_grad():
-            theirs = loaded(**batch, use_cache=False).logits
-            assert quantized == {(path, site) for path in ATTENTION for site in ("k", "v")}
-            with pytest.raises(AttributeError):  # compressed-tensors' wrapper cannot update an EncoderDecoderCache
-                loaded(**batch, past_key_values=transformers.EncoderDecoderCache(
-                    transformers.DynamicCache(), transformers.DynamicCache()), use_cache=True)
-    finally:
-        restore()
+    with kv_quantized(loaded) as quantized, torch.no_grad():
+        theirs = loaded(**batch, use_cache=False).logits
+        assert quantized == {(path, site) for path in ATTENTION for site in ("k", "v")}
+        with pytest.raises(AttributeError):  # compressed-tensors' wrapper cannot update an EncoderDecoderCache
+            loaded(**batch, past_key_values=transformers.EncoderDecoderCache(
+                transformers.DynamicCache(), transformers.DynamicCache()), use_cache=True)
     with torch.no_grad():
         with qstats.fake_quantized(model, qparams, plan):
             ours = model(**batch, use_cache=False).logits
