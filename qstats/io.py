@@ -68,6 +68,9 @@ def _encode(tree: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> dic
         key = key or ("%root" if not path else "%empty")
         if key == "__metadata__":  # safetensors' own header entry: a tensor of that name made an unreadable file
             key = "%5F_metadata__"
+        if tree.is_nested:  # strided nested tensors too: rows of uneven lengths, which safetensors cannot hold
+            raise TypeError(f"qstats.io: tensor at {where} is a nested tensor (layout {tree.layout}); only dense "
+                            "tensors are saved")
         if tree.layout != torch.strided:
             raise TypeError(f"qstats.io: tensor at {where} has layout {tree.layout}; only dense tensors are saved")
         tensors[key] = tree
