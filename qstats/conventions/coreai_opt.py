@@ -252,11 +252,15 @@ def spec_from_coreai_opt(
     range (a pinned float_range end included) and minval in, and computes integer and fp8 scales in,
     unless ``spec``'s ``float_range`` pins both ends (coreai_opt computes those in float32).
     """
+    from .._qparams import check_float_range  # (_qparams imports the spec, which imports conventions)
+
     target = _target(target)
     input_compute = compute_dtype_name(input_dtype, "from_coreai_opt: input_dtype")  # float64 has no qstats path
     source = _source(spec, fields)
+    # coreai_opt's QuantizationSpec validates a dict's or keywords' float_range as compute_qparams does
     float_range = source.get("float_range")
-    if isinstance(float_range, (list, tuple)) and len(float_range) == 2 and None not in float_range:
+    float_range = (None, None) if float_range is None else check_float_range(float_range, "from_coreai_opt")
+    if None not in float_range:
         # both ends pinned: coreai_opt builds the range as float32 tensors and computes its
         # qparams in float32, whatever the input's dtype
         input_dtype, input_compute = torch.float32, "float32"

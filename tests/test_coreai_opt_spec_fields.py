@@ -1,0 +1,39 @@
+"""`QuantSpec.from_coreai_opt` reads every field of a coreai_opt spec given as a dict or keywords,
+or refuses it by name, as coreai_opt's own ``QuantizationSpec`` validates it.
+
+Reference: Apple coreai_opt 0.4.0's ``QuantizationSpec`` (its ``float_range`` validator).
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import qstats
+
+warnings.filterwarnings("ignore")
+
+spec_lib = pytest.importorskip("coreai_opt.quantization.spec.spec")
+QuantizationSpec = spec_lib.QuantizationSpec
+
+BAD_FLOAT_RANGES = [[], [-1.0, 0.0, 1.0], [0.5, None], [None, -0.5], [-1.0, -2.0], [-1.0, -1.0], [True, None],
+                    "[-1, 1]", [-1.0, "1"]]
+
+
+@pytest.mark.parametrize("float_range", BAD_FLOAT_RANGES, ids=str)
+def test_a_float_range_coreai_opt_refuses_is_refused_in_a_dict_or_keywords(float_range):
+    with pytest.raises(ValueError, match="float_range"):
+        QuantizationSpec(dtype=torch.int8, float_range=float_range)
+    with pytest.raises(ValueError, match="float_range"):
+        qstats.QuantSpec.from_coreai_opt({"dtype": torch.int8, "float_range": float_range})
+    with pytest.raises(ValueError, match="float_range"):
+        qstats.QuantSpec.from_coreai_opt(dtype=torch.int8, float_range=float_range)
+
+
+@pytest.mark.parametrize("float_range", [(-1, 2), [-1.5, None], (None, 0), [None, None]], ids=str)
+def test_a_float_range_coreai_opt_accepts_gives_the_specs_own(float_range):
+    fields = {"dtype": torch.int4, "qscheme": "asymmetric", "float_range": float_range}
+    coreai_spec = QuantizationSpec(**fields)
+    for input_dtype in (torch.float32, torch.bfloat16):
+        ours = qstats.QuantSpec.from_coreai_opt(fields, input_dtype=input_dtype)
+        assert ours == qstats.QuantSpec.from_coreai_opt(coreai_spec, input_dtype=input_dtype)
