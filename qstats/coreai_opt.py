@@ -424,11 +424,8 @@ def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype, gr
     """``(observer factory, QuantSpec, observer_kwargs, qparams_kwargs, dynamic)`` of one site, None
     for a weight whose blocks do not divide it (``graph``: in graph execution mode)."""
     where = f"module {path!r} {site}"
-    extra = dict(coreai_spec.get_extra_args()) if hasattr(coreai_spec, "get_extra_args") else {}
-    averaging = extra.pop("averaging_constant", 0.01)
-    if extra:
-        _refuse(f"{where}: spec field(s) {sorted(extra)} of {type(coreai_spec).__name__} are not coreai_opt's own; "
-                "qstats cannot know what they compute")
+    # a spec subclass's averaging_constant (from_coreai_opt refuses its other fields)
+    averaging = getattr(coreai_spec, "averaging_constant", 0.01)
     formulation = str(getattr(coreai_spec.qformulation, "value", coreai_spec.qformulation))
     if formulation == "minval":
         _refuse(f"{where}: qformulation 'minval' fake-quantizes on another grid than a recipe's (qparams: "

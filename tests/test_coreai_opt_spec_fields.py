@@ -37,3 +37,30 @@ def test_a_float_range_coreai_opt_accepts_gives_the_specs_own(float_range):
     for input_dtype in (torch.float32, torch.bfloat16):
         ours = qstats.QuantSpec.from_coreai_opt(fields, input_dtype=input_dtype)
         assert ours == qstats.QuantSpec.from_coreai_opt(coreai_spec, input_dtype=input_dtype)
+
+
+class _EpsSpec(QuantizationSpec):
+    eps: float = 0.1
+
+
+class _AveragingSpec(QuantizationSpec):
+    averaging_constant: float = 0.5
+
+
+def test_a_spec_subclass_field_is_refused_by_name():
+    # coreai_opt's factory passes a subclass's fields to the components it builds (get_extra_args)
+    coreai_spec = _EpsSpec(dtype=torch.int8)
+    assert coreai_spec.get_extra_args() == {"eps": 0.1}
+    with pytest.raises(ValueError, match=r"\['eps'\].*_EpsSpec"):
+        qstats.QuantSpec.from_coreai_opt(coreai_spec)
+
+
+def test_a_spec_subclass_averaging_constant_is_the_moving_averages():
+    from coreai_opt.config.spec import CompressionTargetTensor
+    from coreai_opt.quantization.spec.factory import QuantizationComponentFactory
+
+    coreai_spec = _AveragingSpec(dtype=torch.int8, qparam_calculator_cls="moving_average")
+    calculator = QuantizationComponentFactory.create_qparams_calculator(coreai_spec, CompressionTargetTensor.ACTIVATION)
+    assert calculator.averaging_constant == 0.5
+    spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, target="activation")
+    assert spec == qstats.QuantSpec.from_coreai_opt(dtype=torch.int8, target="activation")

@@ -226,9 +226,22 @@ def _check_formulation_and_calculator(source: dict, target: str, float_target: b
                          f"float_range {list(float_range)}")
 
 
+def _check_subclass_fields(spec) -> None:
+    """ValueError for the fields of a ``QuantizationSpec`` subclass (its ``get_extra_args``, which
+    coreai_opt's factory passes to the components it builds) other than ``averaging_constant``, the
+    moving average's (`qstats.coreai_opt.moving_average_minmax` takes it, as its calculator)."""
+    extra = dict(spec.get_extra_args()) if hasattr(spec, "get_extra_args") else {}
+    extra.pop("averaging_constant", None)
+    if extra:
+        raise ValueError(f"from_coreai_opt: spec field(s) {sorted(extra)} of {type(spec).__name__} are not coreai_opt's "
+                         "own; qstats cannot know what they compute")
+
+
 def _source(spec, fields: dict) -> dict:
     """The fields of ``spec`` (a QuantizationSpec or a dict of its fields) updated by ``fields``,
     checked: ValueError for a name coreai_opt does not have, or a component not its own."""
+    if spec is not None and not isinstance(spec, dict):
+        _check_subclass_fields(spec)
     read = ("dtype", "qscheme", "qformulation", "granularity", "scale_dtype", "float_range", *_COMPONENTS)
     source = {**({} if spec is None else (dict(spec) if isinstance(spec, dict) else {
         name: _field(spec, name) for name in read})), **fields}
