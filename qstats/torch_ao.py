@@ -315,7 +315,18 @@ class QstatsObserver(ao.ObserverBase):
         observer = self.observer
         state = self.state
         data = x.detach()
-        self.set_state(observer.update(observer.init(data) if state is None else state, data))
+        if not torch.compiler.is_exporting():
+            self.set_state(observer.update(observer.init(data) if state is None else state, data))
+            return x
+        # torch.export keeps in-place writes into buffers, as torch.ao's observers make them (it left the new
+        # attributes of set_state out of the exported graph, whose module then observed nothing)
+        if state is None and self._state_type is PlaceholderState:  # counts only, which torch.ao keeps none of
+            return x
+        if state is None:  # the graph would start from no data on every call (torch.ao's per-channel observers do)
+            raise RuntimeError("QstatsObserver: torch.export of an observer that has seen no data would restart "
+                               "from no data on every call of the exported program; run it on a batch first")
+        for buffer, value in zip(state, observer.update(state, data)):
+            buffer.copy_(value)  # same shapes and dtypes: update keeps them
         return x
 
     def calculate_qparams(self):
