@@ -4,6 +4,7 @@ or refuses it by name, as coreai_opt's own ``QuantizationSpec`` validates it.
 Reference: Apple coreai_opt 0.4.0's ``QuantizationSpec`` (its ``float_range`` validator).
 """
 
+import re
 import warnings
 
 import pytest
@@ -64,3 +65,21 @@ def test_a_spec_subclass_averaging_constant_is_the_moving_averages():
     assert calculator.averaging_constant == 0.5
     spec = qstats.QuantSpec.from_coreai_opt(coreai_spec, target="activation")
     assert spec == qstats.QuantSpec.from_coreai_opt(dtype=torch.int8, target="activation")
+
+
+DUMPED = [(torch.int4, "symmetric_with_clipping"), (torch.uint2, "asymmetric"), (torch.int8, "symmetric"),
+          (torch.uint8, "symmetric_with_clipping"), (torch.float8_e5m2, "symmetric"), (torch.float4_e2m1fn_x2, "symmetric")]
+
+
+@pytest.mark.parametrize("dtype,qscheme", DUMPED, ids=str)
+def test_a_model_dump_round_trips_and_a_derived_field_it_contradicts_is_refused(dtype, qscheme):
+    coreai_spec = QuantizationSpec(dtype=dtype, qscheme=qscheme, granularity={"type": "per_channel", "axis": 0})
+    dumped = coreai_spec.model_dump()  # holds the fields coreai_opt derives: n_bits, target_dtype, quant_min, ...
+    assert qstats.QuantSpec.from_coreai_opt(dumped) == qstats.QuantSpec.from_coreai_opt(coreai_spec)
+    qmin, qmax = coreai_spec.quant_min, coreai_spec.quant_max
+    for field, wrong in [("quant_min", qmin + 1), ("quant_max", qmax - 1), ("_quant_range", (qmin, qmax - 1)),
+                         ("n_bits", coreai_spec.n_bits + 1), ("target_dtype", torch.int16)]:
+        # coreai_opt drops these keys and derives them again: a dict asking for another range is a mistake
+        assert getattr(QuantizationSpec(**{**dumped, field: wrong}), field) == dumped[field]
+        with pytest.raises(ValueError, match=f"{field}.*{re.escape(repr(dumped[field]))}"):
+            qstats.QuantSpec.from_coreai_opt({**dumped, field: wrong})
