@@ -312,16 +312,17 @@ class QstatsObserver(ao.ObserverBase):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"QstatsObserver: expected a tensor, got {type(x).__name__}")
         _refuse_other_axis(self._given_ch_axis, self.spec, x)
+        exporting = torch.compiler.is_exporting()
+        if exporting and self._state_type in (PlaceholderState, FixedQParamsState):
+            return x  # counts only, which torch.ao's keep none of (building fixed_qparams' checks failed there)
         observer = self.observer
         state = self.state
         data = x.detach()
-        if not torch.compiler.is_exporting():
+        if not exporting:
             self.set_state(observer.update(observer.init(data) if state is None else state, data))
             return x
         # torch.export keeps in-place writes into buffers, as torch.ao's observers make them (it left the new
         # attributes of set_state out of the exported graph, whose module then observed nothing)
-        if state is None and self._state_type is PlaceholderState:  # counts only, which torch.ao keeps none of
-            return x
         if state is None:  # the graph would start from no data on every call (torch.ao's per-channel observers do)
             raise RuntimeError("QstatsObserver: torch.export of an observer that has seen no data would restart "
                                "from no data on every call of the exported program; run it on a batch first")

@@ -129,3 +129,19 @@ def test_a_placeholder_exports_before_any_data_as_torch_aos():
     for observer in (torch_ao.default_dynamic_quant_observer(), tq.default_dynamic_quant_observer()):
         x = torch.randn(4, 6)
         assert torch.equal(_saved_and_loaded(_Observed(observer), x)(x), x * 2)
+
+
+@pytest.mark.parametrize("calibrated", (True, False))
+def test_a_fixed_qparams_observer_exports_as_torch_aos(calibrated):
+    """A sigmoid's fixed qparams: torch.ao's FixedQParamsObserver exports (its forward reads nothing);
+    the drop-in failed in torch.export on its constants' checks (a data-dependent guard)."""
+    qparams = []
+    for observer in (torch_ao.default_fixed_qparams_range_0to1_observer(),
+                     tq.default_fixed_qparams_range_0to1_observer()):
+        x = torch.rand(4, 6)
+        if calibrated:
+            observer(x)
+        loaded = _saved_and_loaded(_Observed(observer), x)
+        assert torch.equal(loaded(x), x * 2)
+        qparams.append(observer.calculate_qparams())
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(*qparams))
