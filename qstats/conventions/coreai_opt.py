@@ -10,6 +10,8 @@ coreai_opt is not imported: its specs and granularities are read by attribute (o
 
 from __future__ import annotations
 
+import numbers
+import re
 from typing import Any
 
 import torch
@@ -164,13 +166,13 @@ def _kind(granularity) -> str:
 def block_sizes(granularity, shape: list, target: str) -> tuple:
     """`block_size` before its divisibility check (``target``: ``"weight"`` or ``"activation"``)."""
     kind = _kind(granularity)
-    axis, size = _field(granularity, "axis"), _field(granularity, "block_size")
+    axis, size = _axis_and_block_size(granularity)
     if kind == "per_tensor":
         return tuple(shape)
     if isinstance(size, (tuple, list)):
         if axis is not None or len(size) != len(shape):
             raise ValueError(f"from_coreai_opt: per-block block_size {size} needs axis None and one entry per dim of {shape}")
-        return tuple(s if b == -1 else int(b) for b, s in zip(size, shape))
+        return tuple(s if b == -1 else b for b, s in zip(size, shape))
     if axis is None or not -len(shape) <= axis < len(shape):
         raise ValueError(f"from_coreai_opt: granularity {granularity!r} needs an axis within the shape {tuple(shape)}"
                          + (_AXIS_NONE if axis is None else ""))
@@ -178,8 +180,26 @@ def block_sizes(granularity, shape: list, target: str) -> tuple:
     if size is None:  # per channel
         return tuple(1 if i == axis else s for i, s in enumerate(shape))
     if target == "weight":
-        return tuple(int(size) if i == axis else (1 if i < 2 else s) for i, s in enumerate(shape))
-    return tuple(int(size) if i == axis else 1 for i in range(len(shape)))
+        return tuple(size if i == axis else (1 if i < 2 else s) for i, s in enumerate(shape))
+    return tuple(size if i == axis else 1 for i in range(len(shape)))
+
+
+def _axis_and_block_size(granularity) -> tuple:
+    """A granularity's ``axis`` and ``block_size`` (an int or a tuple of them; None where absent) as
+    coreai_opt's integer fields read them: ints, whole floats (``8.0``) and strings of an int
+    (``"8"``); ValueError naming the field for anything else (``4.5`` is no block size)."""
+    def integer(value, name):
+        if value is None or isinstance(value, numbers.Integral):
+            return None if value is None else int(value)
+        if isinstance(value, numbers.Real) and float(value).is_integer():
+            return int(value)
+        if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            return int(value)
+        raise ValueError(f"from_coreai_opt: granularity {name} must be an integer, got {value!r}")
+
+    size = _field(granularity, "block_size")
+    sizes = tuple(integer(b, "block_size") for b in size) if isinstance(size, (tuple, list)) else integer(size, "block_size")
+    return integer(_field(granularity, "axis"), "axis"), sizes
 
 
 def _granularity(granularity, shape, target):
@@ -187,10 +207,9 @@ def _granularity(granularity, shape, target):
     if kind == "per_tensor":
         return PerTensor()
     if kind == "per_channel":
-        axis = _field(granularity, "axis")
-        if not isinstance(axis, int):
-            raise ValueError(f"from_coreai_opt: per-channel granularity needs an int axis, got {axis!r}"
-                             + (_AXIS_NONE if axis is None else ""))
+        axis, _ = _axis_and_block_size(granularity)
+        if axis is None:
+            raise ValueError("from_coreai_opt: per-channel granularity needs an int axis, got None" + _AXIS_NONE)
         if shape is not None:
             block_size(granularity, shape, target)  # checks the axis against the shape
             axis %= len(shape)
