@@ -83,3 +83,22 @@ def test_a_model_dump_round_trips_and_a_derived_field_it_contradicts_is_refused(
         assert getattr(QuantizationSpec(**{**dumped, field: wrong}), field) == dumped[field]
         with pytest.raises(ValueError, match=f"{field}.*{re.escape(repr(dumped[field]))}"):
             qstats.QuantSpec.from_coreai_opt({**dumped, field: wrong})
+
+
+@pytest.mark.parametrize("field", ["dtype", "qscheme", "qformulation", "granularity", "fake_quantize_cls",
+                                   "qparam_calculator_cls", "range_calculator_cls", "float_range"])
+def test_a_field_given_as_none_that_coreai_opt_refuses_is_refused_not_defaulted(field):
+    with pytest.raises(ValueError, match=field):
+        QuantizationSpec(**{field: None})
+    for given in ({field: None}, {"dtype": torch.uint4, field: None}):
+        with pytest.raises(ValueError, match=f"{field} None"):
+            qstats.QuantSpec.from_coreai_opt(given)
+    with pytest.raises(ValueError, match=f"{field} None"):
+        qstats.QuantSpec.from_coreai_opt(**{field: None})
+
+
+def test_scale_dtype_none_is_coreai_opts_default():
+    coreai_spec = QuantizationSpec(dtype=torch.float4_e2m1fn_x2, scale_dtype=None)  # fp4: None means e8m0
+    assert coreai_spec.scale_dtype == torch.float8_e8m0fnu
+    ours = qstats.QuantSpec.from_coreai_opt(dtype=torch.float4_e2m1fn_x2, scale_dtype=None)
+    assert ours == qstats.QuantSpec.from_coreai_opt(coreai_spec) and ours.scale_dtype == "e8m0"

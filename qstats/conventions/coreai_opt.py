@@ -25,11 +25,11 @@ __all__ = ["CoreaiOptConvention", "spec_from_coreai_opt", "block_size", "block_s
 
 _FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
 _FLOAT_TARGETS = {"float8_e4m3fn": "fp8_e4m3fn", "float8_e5m2": "fp8_e5m2", "float4_e2m1fn_x2": "fp4_e2m1"}
-# coreai_opt's QuantizationSpec fields, then those its model_dump derives from them (a dict or
-# keywords naming others is a typo)
-_SPEC_FIELDS = ("dtype", "qscheme", "qformulation", "granularity", "fake_quantize_cls", "qparam_calculator_cls",
-                "range_calculator_cls", "float_range", "scale_dtype",
-                "n_bits", "target_dtype", "_quant_range", "quant_min", "quant_max")
+# coreai_opt's QuantizationSpec fields (all but scale_dtype refuse None), then those its model_dump
+# derives from them (a dict or keywords naming others is a typo)
+_NOT_NONE_FIELDS = ("dtype", "qscheme", "qformulation", "granularity", "fake_quantize_cls", "qparam_calculator_cls",
+                    "range_calculator_cls", "float_range")
+_SPEC_FIELDS = (*_NOT_NONE_FIELDS, "scale_dtype", "n_bits", "target_dtype", "_quant_range", "quant_min", "quant_max")
 # coreai_opt's presets leave the axis None: its Quantizer.prepare resolves it per module type
 _AXIS_NONE = " (coreai_opt resolves axis None per module type in Quantizer.prepare: give it, e.g. 0 for a Linear weight)"
 # coreai_opt's QuantizationSpec.SUPPORTED_DTYPES (its validator refuses every other dtype)
@@ -294,9 +294,13 @@ def _source(spec, fields: dict) -> dict:
     checked: ValueError for a name coreai_opt does not have, or a component not its own."""
     if spec is not None and not isinstance(spec, dict):
         _check_subclass_fields(spec)
+    given = {**(spec if isinstance(spec, dict) else {}), **fields}
+    for name, value in given.items():
+        if value is None and name in _NOT_NONE_FIELDS:
+            raise ValueError(f"from_coreai_opt: {name} None, which coreai_opt's QuantizationSpec refuses; leave the "
+                             "field out for its default")
     read = ("dtype", "qscheme", "qformulation", "granularity", "scale_dtype", "float_range", *_COMPONENTS)
-    source = {**({} if spec is None else (dict(spec) if isinstance(spec, dict) else {
-        name: _field(spec, name) for name in read})), **fields}
+    source = {**({} if spec is None or isinstance(spec, dict) else {name: _field(spec, name) for name in read}), **given}
     unknown = sorted(set(source) - set(_SPEC_FIELDS))
     if unknown:
         raise ValueError(f"from_coreai_opt: unknown QuantizationSpec field(s) {unknown}; known: {', '.join(_SPEC_FIELDS)}")
