@@ -195,3 +195,37 @@ def test_mtp_tensors_of_a_folder_laid_out_as_an_export_are_carried_as_compressed
         assert got.keys() == want.keys(), folder
         assert all(torch.equal(got[name], want[name]) for name in want), folder
         assert "re:^mtp.*" in _json(folder, "config.json")["quantization_config"]["ignore"]
+
+
+def test_layerwise_export_of_a_config_built_in_memory_carries_the_checkpoints_mtp_tensors(tmp_path):
+    """`compressed_tensors_layerwise` of a meta model whose config names no folder (built in memory, as
+    docs/layerwise.md builds it) writes what llm-compressor's save of the model loaded from that
+    checkpoint writes: the MTP tensors and the checkpoint's config.json (it warned that the folder was
+    not found and wrote neither: no ``model_mtp.safetensors``, transformers' own serialization of the
+    config). The config's ``_name_or_path`` is left as it was."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    base = _base(tmp_path / "base")
+    samples = [torch.randint(1, VOCAB, (8,), generator=torch.Generator().manual_seed(1))]
+    modifier = QuantizationModifier(scheme="FP8_DYNAMIC", targets=["Linear"], ignore=["lm_head"])
+    llm_compressor_oneshot(load_causal_lm(base), samples, modifier, tmp_path / "theirs")
+    theirs = tmp_path / "theirs"
+
+    recipe = qstats.Recipe.from_scheme("FP8_DYNAMIC", ignore=["lm_head"], observed_dtype=torch.bfloat16)
+    model = load_causal_lm(base)
+    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], recipe, progress=False)
+    qparams = qstats.compute_qparams_tree(states, recipe, model)
+    config = transformers.LlamaConfig.from_dict(_json(base, "config.json"))
+    assert config._name_or_path == ""
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    folder = tmp_path / "layerwise"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qstats.export.ExportWarning)
+        warnings.filterwarnings("ignore", "export.compressed_tensors_layerwise: the checkpoint holds 3 tensor")
+        qstats.export.compressed_tensors_layerwise(meta, base, qparams, str(folder), recipe, progress=False)
+    assert meta.config._name_or_path == ""
+    assert _json(folder, "config.json") == _json(theirs, "config.json")
+    ours, reference = _shard(folder), _shard(theirs)
+    assert ours.keys() == reference.keys() != set()
+    assert all(torch.equal(ours[name], reference[name]) and ours[name].dtype == reference[name].dtype for name in ours)

@@ -16,9 +16,9 @@ from .._checks import check_flag
 from .._lazy_checkpoint import LazyCheckpoint, Overlay, check_covers, load_modules, release_modules
 from ..layerwise import check_on_meta, decoder_layers, inside, outer_paths
 from ._categories import ExportWarning
-from .checkpoint import (ShardSplitter, Writer, _check_arguments, check_new_folder, parameter_count, remove_shards,
-                         shard_bytes, shard_names, tensor_bytes, without_tied_copies, write_config, write_shard_index,
-                         write_tensors)
+from .checkpoint import (ShardSplitter, Writer, _check_arguments, _source_folder, check_new_folder, parameter_count,
+                         remove_shards, shard_bytes, shard_names, tensor_bytes, without_tied_copies, write_config,
+                         write_shard_index, write_tensors)
 
 __all__ = ["compressed_tensors_layerwise"]
 
@@ -75,6 +75,23 @@ class _Shards:
             os.replace(os.path.join(self.path, partial), os.path.join(self.path, name))
             self.files.append(name)
         write_shard_index(self.path, names, self.splitter.shards, parameter_count(model, self.written))
+
+
+@contextlib.contextmanager
+def _read_from(model: torch.nn.Module, checkpoint: Union[str, os.PathLike]):
+    """The model's config names ``checkpoint`` as the folder it was read from (its ``_name_or_path``) while
+    the config is written, where it names no folder (a config built in memory, ``from_dict``): the
+    folder whose ``config.json``, ``*.py`` files and MTP tensors `compressed_tensors` carries from the
+    folder a loaded model was read from (`checkpoint.write_config`)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_name_or_path") or _source_folder(config) is not None:
+        yield
+        return
+    saved, config._name_or_path = config._name_or_path, os.fspath(checkpoint)
+    try:
+        yield
+    finally:
+        config._name_or_path = saved
 
 
 def _part_tensors(model: torch.nn.Module, source, writer: Writer, part: tuple, shards: _Shards) -> None:
@@ -158,7 +175,8 @@ def compressed_tensors_layerwise(
                              f"of the model: {', '.join(unused[:6])}")
         quantization_config = writer.finish()  # its refusals (a kv-cache scheme, ...) too leave no shard
         shards.close(model)
-        write_config(path, model, quantization_config, retied=writer.retied)
+        with _read_from(model, checkpoint):  # as from_pretrained(checkpoint) names it
+            write_config(path, model, quantization_config, retied=writer.retied)
     except BaseException:  # no half-written checkpoint left (check_new_folder found no shard there before)
         remove_shards(path, shards.files)
         if created:  # as compressed_tensors, whose refusals come before it writes: no folder left
