@@ -314,7 +314,8 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
       tree: dicts with string keys, lists, tuples, registered states, QParams, tensors and None.
 
     Raises:
-      TypeError: for anything else in the tree (names the path and the type).
+      TypeError: for anything else in the tree (names the path and the type); the arguments in
+        ``torch.save``'s order (a tree, then a path).
       OSError: the file cannot be written (FileNotFoundError when its folder does not exist or the path
         is empty, NotADirectoryError when a folder in it is a file, IsADirectoryError for a directory or
         a path ending in a separator, PermissionError for a file this process may not write, which is
@@ -328,6 +329,9 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
     >>> qstats.load(path)["layer0"].max_val
     tensor(2.)
     """
+    if isinstance(tree, (str, bytes, os.PathLike)) and not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"qstats.save(path, tree) takes the path first (torch.save(obj, f) takes it last): got a "
+                        f"{type(path).__name__} as the path and {os.fsdecode(tree)!r} as the tree")
     state_dict = to_state_dict(tree)
     _check_storable(state_dict["tensors"])
     tensors = _unshared_cpu(state_dict["tensors"])
