@@ -1,0 +1,54 @@
+"""The drop-ins on NVFP4 input activations (``tensor_group``, ``dynamic="local"``: only the global scale is
+calibrated) observing 2-D ``(tokens, features)`` inputs, as llm-compressor's linearized MoE experts pass their
+routed rows, against llm-compressor 0.14's own observers on the same batches. llm-compressor's view of a 2-D
+input (``flatten_for_calibration``) has no group dimension, so its ``minmax`` and ``mse`` average (or search)
+the tensor's range, not each group's as they do for 3-D inputs; the drop-ins averaged each group of 16
+features there too (global scales up to 32% off on these batches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _shared import bit_equal
+
+pytest.importorskip("llmcompressor")
+import qstats.llmcompressor  # noqa: E402,F401  (registers the qstats_* observers)
+from compressed_tensors.quantization.quant_scheme import NVFP4  # noqa: E402
+from llmcompressor.observers import Observer  # noqa: E402
+
+
+def _batches(seed: int, rows: bool) -> list:
+    """Batches of different lengths whose groups of 16 features have different ranges from batch to batch:
+    ``(tokens, 64)`` rows, or the same values as ``(1, tokens, 64)`` sequences."""
+    g = torch.Generator().manual_seed(seed)
+    batches = [torch.randn(5 + i, 64, generator=g) * torch.rand(4, generator=g).repeat_interleave(16) * 4
+               for i in range(6)]
+    return batches if rows else [x.unsqueeze(0) for x in batches]
+
+
+def _global_scale(name: str, kwargs: dict, batches: list) -> torch.Tensor:
+    args = NVFP4["input_activations"].model_copy(update={"observer_kwargs": kwargs}, deep=True)
+    observer = Observer.load_from_registry(name, base_name="input", args=args)
+    for x in batches:
+        observer(x)
+    return observer.get_qparams()["global_scale"]
+
+
+CASES = [  # (llm-compressor's observer, its kwargs, the drop-in, its kwargs)
+    ("minmax", {}, "qstats_minmax", {}),
+    ("minmax", {"averaging_constant": 0.3}, "qstats_minmax", {"averaging_constant": 0.3}),
+    ("mse", {"averaging_constant": 0.3}, "qstats_mse", {"mode": "moving_average", "averaging_constant": 0.3}),
+    ("memoryless_mse", {}, "qstats_mse", {"mode": "moving_average", "averaging_constant": 1.0}),
+    ("static_minmax", {}, "qstats_static_minmax", {}),
+    ("memoryless_minmax", {}, "qstats_memoryless_minmax", {}),
+]
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["2d", "3d"])
+@pytest.mark.parametrize("theirs, their_kwargs, ours, our_kwargs", CASES, ids=lambda v: str(v) if v else "-")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_nvfp4_input_global_scale_of_rows_equals_llmcompressor(theirs, their_kwargs, ours, our_kwargs, seed, rows):
+    batches = _batches(seed, rows)
+    want = _global_scale(theirs, their_kwargs, batches)
+    got = _global_scale(ours, our_kwargs, batches)
+    assert got.shape == want.shape and bit_equal(got, want), (got, want)
