@@ -346,6 +346,9 @@ def save(path: str | bytes | os.PathLike, tree: Any) -> None:
     real = os.path.realpath(target)  # a symlink's target is replaced, as open() writes through it
     if os.path.isdir(real):
         raise IsADirectoryError(errno.EISDIR, f"qstats.io: could not write {target} (it is a directory)")
+    if not os.path.isdir(os.path.dirname(real)):  # as torch.save names it (the writer named its temporary file)
+        raise FileNotFoundError(errno.ENOENT, f"qstats.io: could not write {target} (its folder "
+                                              f"{os.path.dirname(real)} does not exist)")
     if os.path.exists(target) and not os.access(target, os.W_OK):  # open() refuses it; a rename would replace it
         raise PermissionError(errno.EACCES, f"qstats.io: could not write {target} (permission denied: the file is "
                                             "read-only)")
