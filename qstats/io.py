@@ -447,7 +447,9 @@ def _read_safetensors(source: str) -> tuple[dict, dict[str, torch.Tensor]]:
         if not regular:  # a FIFO, pipe or device (/dev/stdin), which save writes into: safe_open maps files in memory
             return _read_stream(source)
         with safe_open(source, framework="pt", device="cpu") as handle:
-            return handle.metadata() or {}, {key: handle.get_tensor(key) for key in handle.keys()}
+            # copies, as torch.load gives: get_tensor's tensors map the file, so a later write into it (torch.save
+            # to the path, open(path, "wb")) changed the loaded tensors (0 -> NaN) or killed the process (SIGBUS)
+            return handle.metadata() or {}, {key: handle.get_tensor(key).clone() for key in handle.keys()}
     except SafetensorError as error:
         raise ValueError(f"qstats.io: {source} is corrupt or truncated (not a readable safetensors file: "
                          f"{error}){_describe_foreign(source) if regular else ''}") from None
