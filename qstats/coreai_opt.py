@@ -37,6 +37,7 @@ import torch
 from ._checks import check_floating
 from ._formats import rounded_in
 from .conventions.coreai_opt import _GRANULARITY_KINDS, block_sizes, block_size
+from .conventions.default import saturate
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
 from ._quant import fake_quantize
@@ -69,7 +70,8 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
     `qstats.MovingAverageMinMaxState`, so `compute_qparams`, `qstats.compute_minval` and ``merge``
     are `qstats.moving_average_minmax`'s; only the update differs (qstats' averages the raw
     extremes in the spec convention's arithmetic). bf16/fp16 batches step in their dtype, as
-    coreai_opt's running range does. ``exact=False`` (order-dependent).
+    coreai_opt's running range does, saturated at its largest value (coreai_opt's rounds past it
+    to Inf). ``exact=False`` (order-dependent).
     """
     spec = check_spec(spec)
     base = _torch_ao_average(spec, averaging_constant)
@@ -77,12 +79,14 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
 
     def step(average, batch, observed_dtype):
         if observed_dtype not in (torch.bfloat16, torch.float16):
-            return constant * batch + (1 - constant) * average
+            return saturate(constant * batch + (1 - constant) * average, torch.float32)
         # coreai_opt's running range is held in the input's dtype: each product and the sum round
         def rounded(t):
             return rounded_in(t, observed_dtype)
 
-        return rounded(rounded(constant * batch) + rounded((1 - constant) * average))
+        # saturated where the rounded sum of two finite extremes passes the dtype's largest value
+        # (coreai_opt's becomes Inf: bf16 at its largest value with c = 0.9, fp16 with c = 1/3)
+        return saturate(rounded(rounded(constant * batch) + rounded((1 - constant) * average)), observed_dtype)
 
     def contain_zero(lo, hi):
         return lo.clamp(max=0.0), hi.clamp(min=0.0)
