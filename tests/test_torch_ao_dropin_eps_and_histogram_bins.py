@@ -82,3 +82,14 @@ def test_histogram_checkpoint_loads_into_torch_ao_with_its_bins(bins):
 def test_torch_ao_bins_refusals_name_it(observer, bins, match):
     with pytest.raises(ValueError, match=match):
         torch_ao.QstatsObserver(observer, torch_ao_bins=bins)
+
+
+@pytest.mark.parametrize("eps", (1e-50, 1e-40))
+def test_an_eps_that_float32_rounds_out_of_the_normal_range_is_named_as_given(eps):
+    """torch.ao keeps eps as a float32 buffer: 1e-50 becomes 0 there, and a constant input gets scale 0,
+    silently. The drop-in refuses it, naming the eps given (it named only the rounded value, 0.0)."""
+    reference = tq.MinMaxObserver(eps=eps)
+    reference(torch.zeros(4))
+    assert float(reference.calculate_qparams()[0]) < torch.finfo(torch.float32).tiny
+    with pytest.raises(ValueError, match=f"eps {eps!r} is .* in float32"):
+        torch_ao.QstatsObserver(qstats.minmax, eps=eps)

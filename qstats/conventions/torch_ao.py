@@ -92,6 +92,22 @@ def _drop_observer_arguments(overrides):
     return overrides
 
 
+def _float32_eps(eps):
+    """``eps`` rounded to float32, as torch.ao keeps it; ValueError naming the ``eps`` given where the
+    rounded value is 0, subnormal or Inf (torch.ao's scale of constant data is then 0, or its inverse
+    Inf; QuantSpec named only the rounded value)."""
+    try:
+        rounded = float(torch.tensor(eps, dtype=torch.float32))
+    except (TypeError, ValueError, RuntimeError):
+        return eps  # not a number: QuantSpec names it
+    tiny = torch.finfo(torch.float32).tiny
+    if eps > 0 and not tiny <= rounded < float("inf"):
+        raise ValueError(f"from_torch_ao: eps {eps!r} is {rounded} in float32, as torch.ao keeps it; give one from "
+                         f"{tiny:.4g} (the smallest normal float32, so that 1 / scale stays finite) to "
+                         f"{torch.finfo(torch.float32).max:.4g}")
+    return rounded
+
+
 def from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, ch_axis, overrides):
     """The ``cls`` (QuantSpec) whose `compute_qparams` equals torch.ao's observers'
     ``calculate_qparams`` (see `QuantSpec.from_torch_ao`)."""
@@ -141,7 +157,7 @@ def from_torch_ao(cls, dtype, qscheme, reduce_range, quant_min, quant_max, eps, 
         quant_min=lo,
         quant_max=hi,
         reduce_range=False,
-        eps=float(torch.tensor(eps, dtype=torch.float32)),
+        eps=_float32_eps(eps),
         convention="torch_ao",
         symmetric_zero_point=symmetric_zero_point,
         on_uncalibrated="fallback",
