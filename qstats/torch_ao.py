@@ -311,6 +311,8 @@ class QstatsObserver(ao.ObserverBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"QstatsObserver: expected a tensor, got {type(x).__name__}")
+        if x.numel() == 0:  # nothing to observe: torch.ao's observers return it untouched, whatever its shape
+            return x
         _refuse_other_axis(self._given_ch_axis, self.spec, x)
         exporting = torch.compiler.is_exporting()
         if exporting and self._state_type in (PlaceholderState, FixedQParamsState):

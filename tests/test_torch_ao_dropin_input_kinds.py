@@ -47,3 +47,16 @@ def test_integer_input_to_the_histogram_counts_its_values(dtype):
     reference = tq.default_histogram_observer()
     reference(values.float())
     assert torch.equal(ours.state.min_val, reference.min_val) and torch.equal(ours.state.max_val, reference.max_val)
+
+
+@pytest.mark.parametrize("empty", (torch.empty(0), torch.empty(0, 5), torch.empty(4, 0)))
+def test_an_empty_tensor_of_another_rank_is_skipped_as_torch_ao_skips_it(empty):
+    """torch.ao's observers return an empty input untouched; the per-channel drop-in along axis 1 raised
+    on a 1-d empty tensor (its axis out of range) before observing nothing."""
+    x = torch.randn(4, 5)
+    ours = torch_ao.QstatsObserver(qstats.minmax, qscheme=torch.per_channel_affine, ch_axis=1)
+    reference = tq.PerChannelMinMaxObserver(qscheme=torch.per_channel_affine, ch_axis=1)
+    for observer in (ours, reference):
+        for batch in (empty, x, empty, 3 * x):
+            observer(batch)
+    assert all(torch.equal(a, b) for a, b in zip(ours.calculate_qparams(), reference.calculate_qparams()))
