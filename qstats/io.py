@@ -449,7 +449,7 @@ def _read_safetensors(source: str) -> tuple[dict, dict[str, torch.Tensor]]:
         with safe_open(source, framework="pt", device="cpu") as handle:
             # copies, as torch.load gives: get_tensor's tensors map the file, so a later write into it (torch.save
             # to the path, open(path, "wb")) changed the loaded tensors (0 -> NaN) or killed the process (SIGBUS)
-            return handle.metadata() or {}, {key: handle.get_tensor(key).clone() for key in handle.keys()}
+            return handle.metadata() or {}, {key: _byte_copy(handle.get_tensor(key)) for key in handle.keys()}
     except SafetensorError as error:
         raise ValueError(f"qstats.io: {source} is corrupt or truncated (not a readable safetensors file: "
                          f"{error}){_describe_foreign(source) if regular else ''}") from None
@@ -457,6 +457,11 @@ def _read_safetensors(source: str) -> tuple[dict, dict[str, torch.Tensor]]:
         if isinstance(error, FileNotFoundError):
             raise
         raise ValueError(f"qstats.io: {source} could not be read as a safetensors file: {error}") from None
+
+
+def _byte_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``'s bytes as they are (``clone`` makes a bool byte 0x11 a 1, past its checksum)."""
+    return tensor.reshape(-1).view(torch.uint8).clone().view(tensor.dtype).reshape(tensor.shape)
 
 
 def load(path: str | bytes | os.PathLike, device: str | torch.device = "cpu") -> Any:
