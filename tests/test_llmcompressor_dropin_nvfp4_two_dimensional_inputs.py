@@ -11,8 +11,7 @@ import pytest
 import torch
 from _shared import bit_equal
 
-pytest.importorskip("llmcompressor")
-import qstats.llmcompressor  # noqa: E402,F401  (registers the qstats_* observers)
+pytest.importorskip("qstats.llmcompressor")  # registers the qstats_* observers
 from compressed_tensors.quantization.quant_scheme import NVFP4  # noqa: E402
 from llmcompressor.observers import Observer  # noqa: E402
 
