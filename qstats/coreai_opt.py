@@ -101,8 +101,9 @@ def moving_average_minmax(spec: QuantSpec, averaging_constant: float = 0.01) -> 
 def fake_quantize_minval(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor:
     """coreai_opt's fake quantization under ``qformulation="minval"``: codes
     ``clamp(round((x - minval) / scale) + quant_min, quant_min, quant_max)``, values
-    ``(q - quant_min) * scale + minval`` (float32, then ``x``'s dtype), with `qstats.fake_quantize`'s
-    straight-through gradient. `qstats.fake_quantize` is its ``"zp"`` formulation (the default).
+    ``(q - quant_min) * scale + minval`` (float32, then ``x``'s dtype, saturated at its largest value
+    where coreai_opt's is Inf), with `qstats.fake_quantize`'s straight-through gradient.
+    `qstats.fake_quantize` is its ``"zp"`` formulation (the default).
 
     Raises:
       ValueError: a float target or an e8m0 scale (coreai_opt allows ``"minval"`` for integers
@@ -121,6 +122,10 @@ def fake_quantize_minval(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> 
     shifted = from_canonical_view(view - minval, spec.granularity, x.shape)
     codes_at_qmin = qparams._replace(zero_point=torch.full_like(qparams.zero_point, spec.qrange[0]))
     values = canonical_view(fake_quantize(shifted, codes_at_qmin, spec), spec.granularity) + minval
+    # the top code of a range reaching an fp16/bf16 input's largest value lies past it (coreai_opt's
+    # +Inf): saturated there, as qstats.fake_quantize, keeping the straight-through gradient (and
+    # the sign of a -0.0)
+    values = values - (values - saturate(values, x.dtype)).detach()
     return from_canonical_view(values, spec.granularity, x.shape).to(x.dtype)
 
 

@@ -115,6 +115,24 @@ def test_fake_quantize_minval_is_coreai_opts_minval_formulation(dtype, qscheme, 
     assert torch.equal(our_grad, ref_grad)
 
 
+@pytest.mark.parametrize("dtype,qscheme", [(torch.int8, "symmetric"), (torch.uint4, "symmetric"),
+                                          (torch.int4, "symmetric_with_clipping")], ids=str)
+def test_fake_quantize_minval_saturates_at_a_half_precision_inputs_largest_value(dtype, qscheme):
+    """An fp16 row reaching 65504: the minval grid's top code lies past it (``minval + (quant_max -
+    quant_min) * scale``), which coreai_opt casts to +Inf; qstats saturates at 65504, as
+    `qstats.fake_quantize` does, with coreai_opt's values elsewhere and its gradient."""
+    granularity, shape, target = GRANULARITIES["per_channel"]
+    coreai_spec, fq = _fake_quantizer(dtype, qscheme, granularity, target, qformulation="minval")
+    x = _input(shape, torch.float16, seed=3)
+    x[0, :4] = torch.tensor([65504.0, -65504.0, 1.0, 0.0])
+    ref, ref_grad = _forward_and_grad(fq, x)
+    assert ref.isinf().any()
+    spec, qp = _ours(coreai_spec, x, target, (None, None))
+    ours, our_grad = _forward_and_grad(lambda t: qstats.coreai_opt.fake_quantize_minval(t, qp, spec), x)
+    assert ours.dtype == ref.dtype and torch.equal(ours, ref.clamp(-65504, 65504))
+    assert torch.equal(our_grad, ref_grad)
+
+
 def test_fake_quantize_minval_refuses_float_targets_and_old_qparams():
     spec = qstats.QuantSpec.from_coreai_opt(dtype=torch.float8_e4m3fn)
     x = torch.randn(4, 8)
