@@ -314,7 +314,7 @@ class QstatsObserver(ao.ObserverBase):
         if x.numel() == 0:  # nothing to observe: torch.ao's observers return it untouched, whatever its shape
             return x
         _refuse_other_axis(self._given_ch_axis, self.spec, x)
-        exporting = torch.compiler.is_exporting()
+        exporting = torch.compiler.is_exporting() or torch.jit.is_tracing()
         if exporting and self._state_type in (PlaceholderState, FixedQParamsState):
             return x  # counts only, which torch.ao's keep none of (building fixed_qparams' checks failed there)
         observer = self.observer
@@ -323,8 +323,8 @@ class QstatsObserver(ao.ObserverBase):
         if not exporting:
             self.set_state(observer.update(observer.init(data) if state is None else state, data))
             return x
-        # torch.export keeps in-place writes into buffers, as torch.ao's observers make them (it left the new
-        # attributes of set_state out of the exported graph, whose module then observed nothing)
+        # torch.export and torch.jit.trace keep in-place writes into buffers, as torch.ao's observers make them
+        # (they left the new attributes of set_state out of the graph, whose module then observed nothing)
         if state is None:  # the graph would start from no data on every call (torch.ao's per-channel observers do)
             raise RuntimeError("QstatsObserver: torch.export of an observer that has seen no data would restart "
                                "from no data on every call of the exported program; run it on a batch first")

@@ -145,3 +145,19 @@ def test_a_fixed_qparams_observer_exports_as_torch_aos(calibrated):
         assert torch.equal(loaded(x), x * 2)
         qparams.append(observer.calculate_qparams())
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(*qparams))
+
+
+def test_a_jit_traced_model_calibrates_on_as_torch_aos():
+    """torch.jit.trace records torch.ao's in-place writes as torch.export does: the traced module of a
+    calibrated per-tensor observer calibrates on (the drop-in's observed nothing)."""
+    torch.manual_seed(0)
+    batches = [torch.randn(4, 6), torch.randn(4, 6) * 50]
+    extremes = []
+    for observer in _PER_TENSOR[0](), _PER_TENSOR[1]():
+        model = _Observed(observer)
+        model(batches[0])
+        traced = torch.jit.trace(model, (batches[0],))
+        traced(batches[1])
+        extremes.append([traced.observer.min_val, traced.observer.max_val])
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(*extremes))
+    assert float(extremes[1][1]) == float(torch.cat(batches).max())
