@@ -119,9 +119,17 @@ def fake_quantize_minval(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> 
                          f"{'None' if qparams.minval is None else 'given'}")
     minval = broadcast_to_view(qparams.minval.float())
     view = canonical_view(x, spec.granularity).float()
-    shifted = from_canonical_view(view - minval, spec.granularity, x.shape)
-    codes_at_qmin = qparams._replace(zero_point=torch.full_like(qparams.zero_point, spec.qrange[0]))
-    values = canonical_view(fake_quantize(shifted, codes_at_qmin, spec), spec.granularity) + minval
+    # an entry whose top code lies past half of float32's largest value (peaks beyond 1.7e38) may put
+    # x - minval or (q - quant_min) * scale past it (coreai_opt's values are Inf or NaN there): its
+    # grid is computed on x / 2 - minval / 2 with scale / 2, then doubled (exact halvings: the same
+    # codes and values where both fit)
+    top = (spec.qrange[1] - spec.qrange[0]) * qparams.scale.float()
+    step = torch.where(top <= torch.finfo(torch.float32).max / 2, 1.0, 2.0)
+    codes_at_qmin = qparams._replace(scale=qparams.scale / step,
+                                     zero_point=torch.full_like(qparams.zero_point, spec.qrange[0]))
+    step, minval = broadcast_to_view(step), minval / broadcast_to_view(step)
+    shifted = from_canonical_view(view / step - minval, spec.granularity, x.shape)
+    values = (canonical_view(fake_quantize(shifted, codes_at_qmin, spec), spec.granularity) + minval) * step
     # the top code of a range reaching an fp16/bf16 input's largest value lies past it (coreai_opt's
     # +Inf): saturated there, as qstats.fake_quantize, keeping the straight-through gradient (and
     # the sign of a -0.0)

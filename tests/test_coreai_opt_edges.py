@@ -133,6 +133,34 @@ def test_fake_quantize_minval_saturates_at_a_half_precision_inputs_largest_value
     assert torch.equal(our_grad, ref_grad)
 
 
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype,qscheme", [(torch.int8, "symmetric"), (torch.uint8, "asymmetric"),
+                                          (torch.int4, "symmetric_with_clipping")], ids=str)
+def test_fake_quantize_minval_of_a_range_spanning_past_float32(dtype, qscheme, input_dtype):
+    """Rows whose range spans more than float32's largest value (peaks near 3e38): ``x - minval`` and
+    the top codes' ``(q - quant_min) * scale`` pass it, where coreai_opt's values are Inf or NaN
+    (its scales are too). qstats' are the formula's on its qparams, in float64, in ``x``'s dtype
+    (bf16; float32: to float32's roundings of the two-term sum); they were finite but wrong
+    (3.39e38 fake-quantized to 1.3e36)."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.rand(4, 64, generator=g) * 2 - 1) * torch.tensor([[3.3e38], [3.0e38], [1.8e38], [1.0]])
+    x = x.to(input_dtype)
+    coreai_spec = QuantizationSpec(dtype=dtype, qscheme=qscheme, granularity={"type": "per_channel", "axis": 0},
+                                   qformulation="minval")
+    spec, qp = _ours(coreai_spec, x, "weight", (None, None))
+    ours = qstats.coreai_opt.fake_quantize_minval(x, qp, spec)
+    qmin, qmax = spec.qrange
+    scale, minval = qp.scale.double()[:, None], qp.minval.double()[:, None]
+    codes = (torch.round((x.double() - minval) / scale) + qmin).clamp(qmin, qmax)
+    expected = ((codes - qmin) * scale + minval).clamp(-torch.finfo(input_dtype).max, torch.finfo(input_dtype).max)
+    if input_dtype == torch.bfloat16:
+        assert torch.equal(ours, expected.to(input_dtype))
+    else:  # coreai_opt's float32 product and sum round twice
+        assert ((ours.double() - expected).abs() <= 2 ** -22 * (expected.abs() + minval.abs())).all()
+    assert torch.equal(ours[3], qstats.coreai_opt.fake_quantize_minval(x[3:], _ours(coreai_spec, x[3:], "weight",
+                                                                                    (None, None))[1], spec)[0])
+
+
 def test_fake_quantize_minval_refuses_float_targets_and_old_qparams():
     spec = qstats.QuantSpec.from_coreai_opt(dtype=torch.float8_e4m3fn)
     x = torch.randn(4, 8)
