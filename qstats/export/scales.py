@@ -74,4 +74,22 @@ def zero_point(qp: QParams, args: dict, offset: int, shape: tuple, where: str) -
         if not torch.equal(stored.float(), value):
             fail(where, "zero points of float args are stored as float8_e4m3fn; these are not representable")
         return stored
-    return signed_int8(qp.zero_point.reshape(shape), offset)
+    value = qp.zero_point.reshape(shape)
+    _check_integer_zero_points(value, offset, args["num_bits"], where)
+    return signed_int8(value, offset)
+
+
+def _check_integer_zero_points(value: torch.Tensor, offset: int, num_bits: int, where: str) -> None:
+    """Refuses zero points that are not whole numbers of the args' range ``[-2**(b-1), 2**(b-1) - 1]``
+    once moved by ``offset``: compressed-tensors' ``calculate_qparams`` rounds and clamps its own to it,
+    and the int8 cast (or the int32 packing of ``num_bits`` values) would wrap, truncate or keep a zero
+    point its codes cannot reach (107 of int4 args). A weight's were checked by `quantize` (against
+    the spec's range); an activation's (static input, kv cache) come here unchecked. Zero points are
+    few: checked in float64, no copy of codes."""
+    lo, hi = -(2 ** (num_bits - 1)), 2 ** (num_bits - 1) - 1
+    moved = value.to(torch.float64) + offset  # a NaN fails every comparison
+    bad = ~((moved == moved.round()) & (moved >= lo) & (moved <= hi))
+    if bool(bad.any()):
+        fail(where, f"{int(bad.sum())} of {value.numel()} zero points are not whole numbers in compressed-tensors' "
+             f"{num_bits}-bit range [{lo}, {hi}] once moved by {offset} (e.g. {value[bad][:4].tolist()}); "
+             "compressed-tensors' calculate_qparams gives zero points in the args' range")
