@@ -294,11 +294,16 @@ class QstatsObserver(ao.ObserverBase):
         return self._state_type._make(buffers)
 
     def set_state(self, state) -> None:
-        """Replaces the buffers by ``state``'s fields (a state of this observer's type)."""
+        """Replaces the buffers by ``state``'s fields (a state of this observer's type); under
+        ``torch.inference_mode`` by normal copies of them, as torch.ao's buffers stay (torch.export and
+        torch.jit.trace write into them in place, which inference tensors refuse)."""
         if tuple(getattr(state, "_fields", ())) != tuple(self._fields):
             raise TypeError(
                 f"QstatsObserver.set_state: expected a state with fields {self._fields}, got {type(state).__name__}"
             )
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                state = [value.clone() for value in state]
         for name, value in zip(self._fields, state):
             setattr(self, name, value)
 

@@ -64,6 +64,25 @@ def test_an_exported_and_loaded_model_calibrates_on_as_torch_aos(ours, reference
     assert torch.equal(scale, reference_scale) and torch.equal(zero_point, reference_zero_point)
 
 
+@pytest.mark.parametrize("ours, reference", [_PER_TENSOR, _PER_CHANNEL], ids=("per_tensor", "per_channel"))
+def test_a_model_calibrated_under_inference_mode_exports_and_calibrates_on_as_torch_aos(ours, reference):
+    """Calibrated under torch.inference_mode (torch.ao's buffers stay normal tensors, written in place):
+    the drop-in's buffers were inference tensors, which torch.export could not write in place."""
+    torch.manual_seed(0)
+    batches = [torch.randn(4, 6) * scale for scale in (1.0, 5.0)]
+    qparams = []
+    for make in (ours, reference):
+        model = _Observed(make())
+        with torch.inference_mode():
+            model(batches[0])
+        loaded = _saved_and_loaded(model, batches[0])
+        loaded(batches[1])
+        fresh = _Observed(make())
+        _copy_buffers(loaded, fresh)
+        qparams.append(fresh.observer.calculate_qparams())
+    assert all(torch.equal(a, b) for a, b in zip(*qparams))
+
+
 def test_exporting_before_any_data_is_refused_by_name():
     """Before any data the drop-in's state is empty, so the exported graph would build it from every
     call's input alone (torch.ao's per-channel observers do: their loaded module does not hold the
