@@ -222,10 +222,44 @@ def test_layerwise_export_of_a_config_built_in_memory_carries_the_checkpoints_mt
     folder = tmp_path / "layerwise"
     with warnings.catch_warnings():
         warnings.simplefilter("error", qstats.export.ExportWarning)
-        warnings.filterwarnings("ignore", "export.compressed_tensors_layerwise: the checkpoint holds 3 tensor")
         qstats.export.compressed_tensors_layerwise(meta, base, qparams, str(folder), recipe, progress=False)
     assert meta.config._name_or_path == ""
     assert _json(folder, "config.json") == _json(theirs, "config.json")
     ours, reference = _shard(folder), _shard(theirs)
     assert ours.keys() == reference.keys() != set()
     assert all(torch.equal(ours[name], reference[name]) and ours[name].dtype == reference[name].dtype for name in ours)
+
+
+@pytest.mark.parametrize("mtp_layers", [1, 0])
+def test_layerwise_export_warns_of_the_checkpoints_mtp_tensors_only_where_it_does_not_copy_them(tmp_path, mtp_layers):
+    """The checkpoint's ``mtp.*`` tensors, which the model has no tensor for, are warned of as not read
+    only where the export leaves them out (a config declaring no MTP layers: llm-compressor's save
+    writes none, and from_pretrained reports them unexpected); where it copies them, as llm-compressor's
+    save of the loaded model does, nothing is said (it warned they were 'not read (a model built from
+    another config...?)'). Reference: the MTP shard of the export, equal to the checkpoint's tensors."""
+    base = _base(tmp_path / "base", mtp_layers=mtp_layers)
+    recipe = qstats.Recipe.from_scheme("FP8_DYNAMIC", ignore=["lm_head"])
+    model = load_causal_lm(base)
+    samples = [torch.randint(1, VOCAB, (8,), generator=torch.Generator().manual_seed(1))]
+    qparams = qstats.compute_qparams_tree(
+        qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], recipe, progress=False), recipe, model)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base),
+                                                             dtype=torch.bfloat16)  # fmt: skip
+    folder = tmp_path / "layerwise"
+    ignored = getattr(meta, "_keys_to_ignore_on_load_unexpected", None)
+    ignored = ignored if ignored is None else type(ignored)(ignored)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qstats.export.compressed_tensors_layerwise(meta, base, qparams, str(folder), recipe, progress=False)
+    unused = [str(w.message) for w in caught if "not read" in str(w.message)]
+    checkpoint = safetensors_torch.load_file(os.path.join(base, "model.safetensors"))
+    mtp = {name: tensor for name, tensor in checkpoint.items() if name.startswith("mtp.")}
+    if mtp_layers:
+        assert unused == []
+        copied = _shard(folder)
+        assert copied.keys() == mtp.keys() and all(torch.equal(copied[name], mtp[name]) for name in mtp)
+    else:
+        assert not os.path.exists(folder / "model_mtp.safetensors")
+        assert len(unused) == 1 and "holds 3 tensor(s)" in unused[0] and "mtp.fc.weight" in unused[0]
+    assert getattr(meta, "_keys_to_ignore_on_load_unexpected", None) == ignored  # left as it was

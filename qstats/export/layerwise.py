@@ -19,6 +19,7 @@ from ._categories import ExportWarning
 from .checkpoint import (ShardSplitter, Writer, _check_arguments, _source_folder, check_new_folder, parameter_count,
                          remove_shards, shard_bytes, shard_names, tensor_bytes, without_tied_copies, write_config,
                          write_shard_index, write_tensors)
+from .mtp import PREFIX as MTP_PREFIX, declares_mtp
 
 __all__ = ["compressed_tensors_layerwise"]
 
@@ -94,6 +95,33 @@ def _read_from(model: torch.nn.Module, checkpoint: Union[str, os.PathLike]):
         config._name_or_path = saved
 
 
+@contextlib.contextmanager
+def _copied_mtp_ignored(model: torch.nn.Module, checkpoint: Union[str, os.PathLike]):
+    """The checkpoint's ``mtp.*`` tensors among those the model ignores when loading (its
+    ``_keys_to_ignore_on_load_unexpected``, restored after) where the export copies them: a config
+    declaring MTP layers read from ``checkpoint`` (or naming no folder, `_read_from`), as
+    `copy_mtp_tensors` decides. `check_covers` does not warn of them as not read then."""
+    config = getattr(model, "config", None)
+    source = None if config is None else _source_folder(config)
+    if config is None or not declares_mtp(config) or (source is not None and not _same_folder(source, checkpoint)):
+        yield
+        return
+    had, saved = "_keys_to_ignore_on_load_unexpected" in vars(model), vars(model).get("_keys_to_ignore_on_load_unexpected")
+    model._keys_to_ignore_on_load_unexpected = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()),
+                                                f"^{MTP_PREFIX}"]
+    try:
+        yield
+    finally:
+        if had:
+            model._keys_to_ignore_on_load_unexpected = saved
+        else:
+            del model._keys_to_ignore_on_load_unexpected
+
+
+def _same_folder(first, second) -> bool:
+    return os.path.abspath(os.fspath(first)) == os.path.abspath(os.fspath(second))
+
+
 def _part_tensors(model: torch.nn.Module, source, writer: Writer, part: tuple, shards: _Shards) -> None:
     """Loads the modules of one part (a `_parts` entry), adds their tensors to ``shards`` and puts
     them back on meta."""
@@ -161,7 +189,8 @@ def compressed_tensors_layerwise(
     check_new_folder(path, checkpoint, _WHERE, "path")
     source = LazyCheckpoint(checkpoint, _WHERE)
     source = source if weights is None else Overlay(weights, source)
-    check_covers(model, source, ExportWarning)
+    with _copied_mtp_ignored(model, checkpoint):  # copied by write_config: read
+        check_covers(model, source, ExportWarning)
     writer = Writer(recipe, qparams, model, format, actorder)
     parts = _parts(model, layers)
     shards = _Shards(path, max_bytes)
