@@ -6,6 +6,8 @@
   torch 2.7, ``float4_e2m1fn_x2``: torch 2.8), so that tables of dtypes build on every release;
 - `recomputing`: whether a forward runs inside autograd's backward (activation checkpointing),
   which torch tells only through a private call;
+- `capturing_graph`: whether ``torch.export`` or ``torch.jit.trace`` is recording a forward (the
+  torch.ao drop-in modules write into their buffers in place there, as torch.ao's observers do);
 - `rounded_to`: a tensor rounded to a half-precision dtype's values that ``torch.compile`` keeps
   (inductor drops a ``x.to(half).float()`` pair of casts unless the process-wide
   ``torch._inductor.config.emulate_precision_casts`` is set).
@@ -20,7 +22,7 @@ import torch
 
 from ._ops import op, register_fake, register_vmap
 
-__all__ = ["bitcast", "compiled", "eager", "recomputing", "rounded_to", "torch_dtype", "unwrapped"]
+__all__ = ["bitcast", "capturing_graph", "compiled", "eager", "recomputing", "rounded_to", "torch_dtype", "unwrapped"]
 
 
 def torch_dtype(name: str) -> Optional[torch.dtype]:
@@ -97,6 +99,12 @@ def recomputing() -> bool:
     recomputation (`torch.utils.checkpoint`, transformers' gradient checkpointing) of tensors
     already observed, not new data (torch's own ``ModuleTracker`` and FSDP tell backward apart so)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def capturing_graph() -> bool:
+    """Whether ``torch.export`` or ``torch.jit.trace`` is recording the running forward: both keep
+    in-place writes into a module's buffers and drop attributes it assigns anew."""
+    return torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
 @op("rounded_to")

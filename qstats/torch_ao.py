@@ -20,6 +20,7 @@ from torch.ao.quantization import observer as ao
 from ._formats import integer_dtype_holds
 from ._granularity import PerAxis, PerTensor
 from ._qparams import compute_qparams
+from ._torch_features import capturing_graph
 from ._spec import QuantSpec
 from .conventions import TorchaoConvention
 from .conventions.torch_ao import PER_CHANNEL_QSCHEMES
@@ -319,7 +320,7 @@ class QstatsObserver(ao.ObserverBase):
         if x.numel() == 0:  # nothing to observe: torch.ao's observers return it untouched, whatever its shape
             return x
         _refuse_other_axis(self._given_ch_axis, self.spec, x)
-        exporting = torch.compiler.is_exporting() or torch.jit.is_tracing()
+        exporting = capturing_graph()
         if exporting and self._state_type in (PlaceholderState, FixedQParamsState):
             return x  # counts only, which torch.ao's keep none of (building fixed_qparams' checks failed there)
         observer = self.observer
