@@ -350,9 +350,21 @@ def feature_grouped(make: Callable[[QuantSpec], Observer], spec: QuantSpec) -> O
     """The observer of a two-level activation site scaled at run time that `averages_feature_groups`:
     ``make(grouped spec)`` seeing each group of ``spec``'s features (`column_groups`), one state entry per
     group (llm-compressor's view), the global scale from the largest range; the candidates of a search
-    have unrounded float32 group scales, as llm-compressor's."""
-    return column_groups(make(spec.replace(granularity=PerAxis(1), scale_dtype="float32")),
-                         spec.granularity.group_size)
+    have unrounded float32 group scales, as llm-compressor's. A 2-D ``[rows, features]`` input (a
+    linearized or stacked expert's routed rows, Qwen2-MoE's shared expert) is observed per tensor
+    (``make(per-tensor spec)``), as llm-compressor 0.14's ``flatten_for_calibration`` gives it no group
+    dimension: its ``minmax`` averages (its ``mse`` searches) the whole tensor's range there."""
+    float32 = spec.replace(scale_dtype="float32")
+    grouped = column_groups(make(float32.replace(granularity=PerAxis(1))), spec.granularity.group_size)
+    whole = make(float32.replace(granularity=PerTensor()))
+
+    def init_fn(x: torch.Tensor):
+        return (whole if x.ndim == 2 else grouped).init(x)
+
+    def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
+        return (whole if x.ndim == 2 else grouped).update(state, x, weight)
+
+    return grouped._replace(init=init_fn, update=update_fn)
 
 
 def _site_kind(module: torch.nn.Module, params: dict, num_experts: int, site: str) -> Optional[tuple]:

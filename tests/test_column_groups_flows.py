@@ -82,8 +82,9 @@ def moe_checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("observer", list(OBSERVERS))
 def test_layerwise_and_routed_experts_equal_calibrate(moe_checkpoint, observer):
     """`calibrate_layerwise` on the meta model gives `qstats.calibrate`'s states on the loaded model
-    bit for bit, the stacked experts' inputs (rows routed by a mask) observed per group of features:
-    one entry per group for each expert, each expert's equal to calibrating its own routed rows."""
+    bit for bit, the stacked experts' inputs (2-D rows routed by a mask) observed per tensor, as
+    llm-compressor's linearized experts: one entry for each expert, each expert's equal to calibrating its
+    own routed rows."""
     recipe = _moe_recipe(observer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -94,8 +95,8 @@ def test_layerwise_and_routed_experts_equal_calibrate(moe_checkpoint, observer):
         got = qstats.calibrate_layerwise(meta, moe_checkpoint, _moe_batches(), recipe, progress=False)
     _equal_trees(got, want)
     experts = want["model.layers.0.mlp.experts"]
-    assert experts["input"].max_val.shape == (4, 2) and experts["down_proj.input"].max_val.shape == (4, 1)
-    # expert 0's rows, recorded: the per-group statistics of the experts' own observer over them
+    assert experts["input"].max_val.shape == (4,) and experts["down_proj.input"].max_val.shape == (4,)
+    # expert 0's rows, recorded: the statistics of the experts' own observer over them
     rows, gates = [], model.model.layers[0].mlp.gate
     handle = gates.register_forward_hook(lambda m, args, out: rows.append((args[0].reshape(-1, 32), out)))
     with torch.no_grad():

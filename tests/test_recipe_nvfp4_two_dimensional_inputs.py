@@ -1,0 +1,71 @@
+"""NVFP4 input global scales under a moving average (llm-compressor's ``minmax``, ``mse``), read by
+``Recipe.from_compressed_tensors`` and calibrated by ``qstats.calibrate(all_experts=True)``, against
+llm-compressor 0.14's ``oneshot`` (``moe_calibrate_all_experts=True``) on tiny random MoE models: the
+same checkpoint bit for bit. llm-compressor's ``flatten_for_calibration`` views a 3-D ``[batch, tokens,
+features]`` input as groups of 16 features (each group's extremes averaged, its range searched), but a
+2-D ``[rows, features]`` input, as its linearized experts and Qwen2-MoE's shared expert get, with no
+group dimension: its range averaged (searched) per tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qstats
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("llmcompressor")
+
+from compressed_tensors.quantization.quant_scheme import NVFP4  # noqa: E402
+from test_export_moe_linearized import _assert_same_checkpoint, _load  # noqa: E402
+from test_moe_families import _model  # noqa: E402
+
+from _shared import llm_compressor_oneshot  # noqa: E402
+
+OBSERVERS = {  # llm-compressor's input observer and its kwargs
+    "minmax": ("minmax", {"averaging_constant": 0.3}),
+    "mse": ("mse", {"averaging_constant": 0.3}),
+    "memoryless_mse": ("memoryless_mse", {}),
+}
+
+
+def _saved(family: str, folder: str) -> None:
+    """test_moe_families' tiny model with one layer: the next layer's inputs would differ in their last bits
+    (llm-compressor multiplies by the unpacked gate and up Linears, transformers by the fused stack)."""
+    config = _model(family).config
+    config.num_hidden_layers = 1
+    for name in ("layer_types", "mlp_layer_types"):
+        if isinstance(getattr(config, name, None), list):
+            setattr(config, name, getattr(config, name)[:1])
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+
+
+def _samples():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(1, 128, (length,), generator=generator) for length in (12, 7, 9)]
+
+
+def _modifier(observer: str):
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    name, kwargs = OBSERVERS[observer]
+    inputs = {**NVFP4["input_activations"].model_dump(), "observer": name, "observer_kwargs": kwargs}
+    group = {"targets": ["Linear"], "weights": NVFP4["weights"].model_dump(), "input_activations": inputs}
+    return QuantizationModifier(config_groups={"g": group}, ignore=["lm_head"])
+
+
+@pytest.mark.parametrize("observer", sorted(OBSERVERS))
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_moving_average_nvfp4_inputs_equal_llm_compressor_oneshot(family, observer, tmp_path, single_thread_quiet):
+    saved, theirs, ours = (str(tmp_path / name) for name in ("float", "llm_compressor", "qstats"))
+    _saved(family, saved)
+    modifier = _modifier(observer)
+    llm_compressor_oneshot(_load(saved), _samples(), modifier, theirs, moe_calibrate_all_experts=True)
+    model = _load(saved)
+    model.set_attn_implementation("eager")
+    plan = qstats.Recipe.from_compressed_tensors(modifier).resolve(model)
+    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in _samples()], plan, progress=False,
+                              all_experts=True)
+    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
+    _assert_same_checkpoint(ours, theirs)
