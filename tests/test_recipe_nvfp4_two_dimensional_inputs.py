@@ -1,7 +1,7 @@
 """NVFP4 input global scales under a moving average (llm-compressor's ``minmax``, ``mse``), read by
-``Recipe.from_compressed_tensors`` and calibrated by ``qstats.calibrate(all_experts=True)``, against
-llm-compressor 0.14's ``oneshot`` (``moe_calibrate_all_experts=True``) on tiny random MoE models: the
-same checkpoint bit for bit. llm-compressor's ``flatten_for_calibration`` views a 3-D ``[batch, tokens,
+``Recipe.from_compressed_tensors`` and calibrated by ``qstats.calibrate`` (``all_experts`` and routed),
+against llm-compressor 0.14's ``oneshot`` (``moe_calibrate_all_experts`` the same) on tiny random MoE
+models: the same checkpoint bit for bit. llm-compressor's ``flatten_for_calibration`` views a 3-D ``[batch, tokens,
 features]`` input as groups of 16 features (each group's extremes averaged, its range searched), but a
 2-D ``[rows, features]`` input, as its linearized experts and Qwen2-MoE's shared expert get, with no
 group dimension: its range averaged (searched) per tensor."""
@@ -55,17 +55,21 @@ def _modifier(observer: str):
     return QuantizationModifier(config_groups={"g": group}, ignore=["lm_head"])
 
 
-@pytest.mark.parametrize("observer", sorted(OBSERVERS))
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_moving_average_nvfp4_inputs_equal_llm_compressor_oneshot(family, observer, tmp_path, single_thread_quiet):
+CASES = [(family, observer, True) for family in ("qwen3_moe", "qwen2_moe") for observer in sorted(OBSERVERS)]
+CASES += [("qwen3_moe", observer, False) for observer in ("minmax", "mse")]  # routed: experts miss batches
+
+
+@pytest.mark.parametrize("family, observer, all_experts", CASES)
+def test_moving_average_nvfp4_inputs_equal_llm_compressor_oneshot(family, observer, all_experts, tmp_path,
+                                                                  single_thread_quiet):
     saved, theirs, ours = (str(tmp_path / name) for name in ("float", "llm_compressor", "qstats"))
     _saved(family, saved)
     modifier = _modifier(observer)
-    llm_compressor_oneshot(_load(saved), _samples(), modifier, theirs, moe_calibrate_all_experts=True)
+    llm_compressor_oneshot(_load(saved), _samples(), modifier, theirs, moe_calibrate_all_experts=all_experts)
     model = _load(saved)
     model.set_attn_implementation("eager")
     plan = qstats.Recipe.from_compressed_tensors(modifier).resolve(model)
     states = qstats.calibrate(model, [{"input_ids": s[None]} for s in _samples()], plan, progress=False,
-                              all_experts=True)
+                              all_experts=all_experts)
     qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
     _assert_same_checkpoint(ours, theirs)
