@@ -8,6 +8,8 @@ group dimension: its range averaged (searched) per tensor."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -20,7 +22,8 @@ from compressed_tensors.quantization.quant_scheme import NVFP4  # noqa: E402
 from test_export_moe_linearized import _assert_same_checkpoint, _load  # noqa: E402
 from test_moe_families import _model  # noqa: E402
 
-from _shared import llm_compressor_oneshot  # noqa: E402
+from _shared import bit_equal, llm_compressor_oneshot  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 OBSERVERS = {  # llm-compressor's input observer and its kwargs
     "minmax": ("minmax", {"averaging_constant": 0.3}),
@@ -34,6 +37,8 @@ def _saved(family: str, folder: str) -> None:
     (llm-compressor multiplies by the unpacked gate and up Linears, transformers by the fused stack)."""
     config = _model(family).config
     config.num_hidden_layers = 1
+    if family.startswith("deepseek"):  # multi-head latent attention under eager: as many kv heads as heads
+        config.num_key_value_heads = config.num_attention_heads
     for name in ("layer_types", "mlp_layer_types"):
         if isinstance(getattr(config, name, None), list):
             setattr(config, name, getattr(config, name)[:1])
@@ -73,3 +78,26 @@ def test_moving_average_nvfp4_inputs_equal_llm_compressor_oneshot(family, observ
                               all_experts=all_experts)
     qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
     _assert_same_checkpoint(ours, theirs)
+
+
+def test_four_dimensional_input_is_averaged_per_position_by_llm_compressor(tmp_path, single_thread_quiet):
+    """DeepSeek-V3's ``kv_b_proj`` gets a 4-D ``[batch, 1, tokens, rank]`` input: llm-compressor's view
+    (``flatten(0, 1)``) keeps the token dimension, so its ``minmax`` averages each (position, group) entry
+    and fails on batches of another length; qstats averages each group of features over every token
+    (documented in docs/observers.md): on equal-length batches only that scale differs."""
+    saved, theirs, ours = (str(tmp_path / name) for name in ("float", "llm_compressor", "qstats"))
+    _saved("deepseek_v3", saved)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        llm_compressor_oneshot(_load(saved), _samples(), _modifier("minmax"), moe_calibrate_all_experts=True)
+    samples = [torch.randint(1, 128, (12,), generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
+    llm_compressor_oneshot(_load(saved), samples, _modifier("minmax"), theirs, moe_calibrate_all_experts=True)
+    model = _load(saved)
+    model.set_attn_implementation("eager")
+    plan = qstats.Recipe.from_compressed_tensors(_modifier("minmax")).resolve(model)
+    states = qstats.calibrate(model, [{"input_ids": s[None]} for s in samples], plan, progress=False, all_experts=True)
+    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
+    theirs, ours = (load_file(os.path.join(folder, "model.safetensors")) for folder in (theirs, ours))
+    assert [name for name in theirs if not bit_equal(theirs[name], ours[name])] == [
+        "model.layers.0.self_attn.kv_b_proj.input_global_scale"]
+    assert float(theirs["model.layers.0.self_attn.kv_b_proj.input_global_scale"]) > 1.1 * float(
+        ours["model.layers.0.self_attn.kv_b_proj.input_global_scale"])  # 1170.1 vs 968.5
