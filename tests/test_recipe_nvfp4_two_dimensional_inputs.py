@@ -60,20 +60,27 @@ def _modifier(observer: str):
     return QuantizationModifier(config_groups={"g": group}, ignore=["lm_head"])
 
 
-CASES = [(family, observer, True) for family in ("qwen3_moe", "qwen2_moe") for observer in sorted(OBSERVERS)]
-CASES += [("qwen3_moe", observer, False) for observer in ("minmax", "mse")]  # routed: experts miss batches
+CASES = [(family, observer, True, torch.float32)
+         for family in ("qwen3_moe", "qwen2_moe") for observer in sorted(OBSERVERS)]
+CASES += [("qwen3_moe", observer, False, torch.float32) for observer in ("minmax", "mse")]  # routed
+CASES += [("qwen3_moe", observer, True, torch.bfloat16) for observer in ("minmax", "mse")]  # observed in bf16
 
 
-@pytest.mark.parametrize("family, observer, all_experts", CASES)
-def test_moving_average_nvfp4_inputs_equal_llm_compressor_oneshot(family, observer, all_experts, tmp_path,
+def _load_as(folder: str, dtype: torch.dtype):
+    return _load(folder) if dtype == torch.float32 else transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("family, observer, all_experts, dtype", CASES, ids=str)
+def test_moving_average_nvfp4_inputs_equal_llm_compressor_oneshot(family, observer, all_experts, dtype, tmp_path,
                                                                   single_thread_quiet):
     saved, theirs, ours = (str(tmp_path / name) for name in ("float", "llm_compressor", "qstats"))
     _saved(family, saved)
     modifier = _modifier(observer)
-    llm_compressor_oneshot(_load(saved), _samples(), modifier, theirs, moe_calibrate_all_experts=all_experts)
-    model = _load(saved)
+    llm_compressor_oneshot(_load_as(saved, dtype), _samples(), modifier, theirs, moe_calibrate_all_experts=all_experts)
+    model = _load_as(saved, dtype)
     model.set_attn_implementation("eager")
-    plan = qstats.Recipe.from_compressed_tensors(modifier).resolve(model)
+    plan = qstats.Recipe.from_compressed_tensors(modifier, observed_dtype=dtype).resolve(model)
     states = qstats.calibrate(model, [{"input_ids": s[None]} for s in _samples()], plan, progress=False,
                               all_experts=all_experts)
     qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(states, plan), ours, plan)
