@@ -21,6 +21,7 @@ import inspect
 import os
 import shutil
 import tempfile
+import warnings
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
@@ -31,7 +32,7 @@ from . import distributed
 from ._checks import check_available, check_flag
 from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, release_modules
 from ._sites import run_model
-from .calibration import batch_weight, calibrate, check_batches, fake_quantized, qparams_unwarned
+from .calibration import batch_weight, calibrate, check_batches, fake_quantized, qparams_unwarned, warn_training_mode
 from .experts import with_argument
 from .observation import check_experts_layout, resumed_states
 from .recipe import Plan, Recipe, as_plan
@@ -521,6 +522,11 @@ def _reduce(states: dict, plan: Plan) -> dict:
     return {path: {**entry, **reduced.get(path, {})} for path, entry in states.items()}
 
 
+# `warn_training_mode`'s warning from `calibrate` on one layer: it names the module by its path in
+# the layer's runner ('layer.self_attn'), once per layer; `run_layerwise` warns once for the model instead
+_TRAINING_MODE = r"calibrate: module .* is in training mode"
+
+
 @dataclasses.dataclass
 class _Run:
     """What every phase of one `calibrate_layerwise` call shares."""
@@ -540,8 +546,10 @@ class _Run:
     def calibrate(self, root, plan: Plan, batches, observation_weight) -> dict:
         """This rank's states of ``plan`` over ``batches``, resumed from its sites in ``self.states``."""
         resumed = _moved(_select(self.states, lambda path, site: plan.site(path, site) is not None), self.device)
-        return calibrate(root, batches, plan, states=resumed or None, progress=False,
-                         observation_weight=observation_weight, all_experts=self.all_experts)
+        with warnings.catch_warnings():  # a module in training mode was named once, by its path in the model
+            warnings.filterwarnings("ignore", _TRAINING_MODE)
+            return calibrate(root, batches, plan, states=resumed or None, progress=False,
+                             observation_weight=observation_weight, all_experts=self.all_experts)
 
     def reduce(self, found: dict, plan: Plan, each: bool = False) -> dict:
         """``found`` merged across ranks (with ``all_reduce``); ``each``: one state at a time, so
@@ -867,6 +875,7 @@ def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offl
                              "new ones); resume without all_reduce (propagate='float') and merge the returned "
                              "states with qstats.distributed.all_reduce")
         check_on_meta(model)
+        warn_training_mode(model, where)  # as calibrate warns, naming the module's path in the model
         execution = _execution_device(device, where)
         check_batches(batches, where, observation_weight)
         plan = as_plan(recipe, model, where)
