@@ -29,6 +29,7 @@ OBSERVERS = {  # llm-compressor's input observer and its kwargs
     "minmax": ("minmax", {"averaging_constant": 0.3}),
     "mse": ("mse", {"averaging_constant": 0.3}),
     "memoryless_mse": ("memoryless_mse", {}),
+    "nvfp4_expanded_mse": ("nvfp4_expanded_mse", {}),
 }
 
 
