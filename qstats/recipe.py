@@ -293,7 +293,8 @@ class Site(NamedTuple):
       rule: the Rule that matched.
       observer: the Observer for this state; for stacked experts already vmapped over the
         leading expert dimension. A `runtime` site observes each whole tensor, per tensor (a
-        two-level one under a moving average: per group of features, `averages_feature_groups`).
+        two-level one under a moving average: per group of features, `averages_feature_groups`, but
+        per tensor where it arrives 2-D, as an expert's routed rows, `feature_grouped`).
       spec: the spec of one tensor (one expert's tensor for stacked experts).
       num_experts: the leading expert dimension of the state, 0 when not stacked.
       runtime: the site's scales come at run time (`runtime_scaled` spec or ``dynamic=True``).
@@ -334,8 +335,9 @@ def averages_feature_groups(factory: Callable, options: Mapping, spec: QuantSpec
     ``factory(spec, **options)``, observes each group of features over the batches (`feature_grouped`), as
     llm-compressor 0.14's ``minmax`` and ``mse`` observers do: under a moving average of extremes
     (`qstats.moving_average_minmax`) or of searched ranges (`qstats.mse` in ``mode="moving_average"``), whose
-    per-group averages and searches differ from the whole tensor's. Other observers see the whole tensor
-    (running and latest extremes: the same maximum). `Recipe` sites and `qstats.llmcompressor`'s drop-ins."""
+    per-group averages and searches differ from the whole tensor's (a 2-D input excepted, as there:
+    `feature_grouped`). Other observers see the whole tensor (running and latest extremes: the same
+    maximum). `Recipe` sites and `qstats.llmcompressor`'s drop-ins."""
     return isinstance(spec.granularity, TensorGroup) and (
         observer_registry.name_of(factory) == "moving_average_minmax"
         or _moving_average_mse(factory, options))
