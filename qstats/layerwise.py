@@ -504,16 +504,19 @@ def _capture(model, container, container_path: str, batches, observation_weight,
                                  f"{container_path}.0; pass layers= naming the list of layers the forward runs")
             own = _own_arguments(each) if each_layer else None
             args, kwargs = _without_cache(args, kwargs)
-            # copies of the batch's tensors and of its weight (the batch's attention mask): an iterator may
-            # refill the same tensors for its next batch, and the kept ones are read again (the weight in
-            # every layer, the batch by the modules outside the layers); a file holds its own copy already
-            kept = batch if store.directory is not None else _snapshot(batch)
-            store.append(_Inputs(kept, _snapshot(weight), args, kwargs, layers=own))
+            batch, weight, args, kwargs, own = _apart_from(batch, (batch, weight, args, kwargs, own))
+            store.append(_Inputs(batch, weight, args, kwargs, layers=own))
 
 
-def _snapshot(value: Any) -> Any:
-    """``value`` with a copy of every tensor in it (in tuples, lists and mappings; shared ones shared)."""
-    return _each_tensor(value, torch.clone, {})
+def _apart_from(batch: Any, kept: tuple) -> tuple:
+    """``kept`` with a copy of every tensor that holds memory of ``batch``'s tensors (the batch itself,
+    its attention mask as the observation weight, a 4-D mask the forward passes the layers as it is):
+    an iterator may refill the same tensors for its next batch, and the kept ones are read again (in
+    every layer; the batch by the modules outside the layers). Tensors shared stay shared."""
+    storage = lambda tensor: tensor.untyped_storage().data_ptr()  # noqa: E731 - views of a batch's tensor too
+    owned: set = set()
+    _each_tensor(batch, lambda tensor: owned.add(storage(tensor)) or tensor, {})
+    return _each_tensor(kept, lambda tensor: tensor.clone() if storage(tensor) in owned else tensor, {})
 
 
 def _select(states: dict, keep: Callable[[str, str], bool]) -> dict:

@@ -48,3 +48,30 @@ def test_batches_refilled_in_place_give_the_full_models_states(tmp_path, offload
         got = qstats.calibrate_layerwise(meta, directory, _refilled(), RECIPE, progress=False,
                                          observation_weight=weight, offload_dir=spill if offload else None)
     assert_site_states_equal(got, want)
+
+
+def _refilled_four_d(count: int = 3):
+    """`_refilled`'s batches with their masks as 4-D additive ones (causal, padding left out), which
+    transformers passes to the layers as they are; the same three tensors each time."""
+    ids, four_d = torch.empty(2, 8, dtype=torch.long), torch.empty(2, 1, 8, 8)
+    causal = torch.tril(torch.ones(8, 8, dtype=torch.bool))
+    for batch in _refilled(count):
+        ids.copy_(batch["input_ids"])
+        allowed = (causal & batch["attention_mask"][:, None, :].bool()) | torch.eye(8, dtype=torch.bool)
+        four_d.copy_(torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None])
+        yield {"input_ids": ids, "attention_mask": four_d}
+
+
+def test_a_four_d_mask_refilled_in_place_gives_the_full_models_states(tmp_path):
+    """The layers' own arguments: the mask the forward passes them is the batch's tensor itself."""
+    config = tiny_llama_config()
+    torch.manual_seed(0)
+    directory = save_sharded(tmp_path / "checkpoint", transformers.AutoModelForCausalLM.from_config(config))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    want = qstats.calibrate(loaded, _refilled_four_d(), RECIPE, progress=False)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = qstats.calibrate_layerwise(meta, directory, _refilled_four_d(), RECIPE, progress=False)
+    assert_site_states_equal(got, want)
