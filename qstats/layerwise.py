@@ -558,10 +558,8 @@ class _Run:
     def calibrate(self, root, plan: Plan, batches, observation_weight) -> dict:
         """This rank's states of ``plan`` over ``batches``, resumed from its sites in ``self.states``."""
         resumed = _moved(_select(self.states, lambda path, site: plan.site(path, site) is not None), self.device)
-        with warnings.catch_warnings():  # a module in training mode was named once, by its path in the model
-            warnings.filterwarnings("ignore", _TRAINING_MODE)
-            return calibrate(root, batches, plan, states=resumed or None, progress=False,
-                             observation_weight=observation_weight, all_experts=self.all_experts)
+        return calibrate(root, batches, plan, states=resumed or None, progress=False,
+                         observation_weight=observation_weight, all_experts=self.all_experts)
 
     def reduce(self, found: dict, plan: Plan, each: bool = False) -> dict:
         """``found`` merged across ranks (with ``all_reduce``); ``each``: one state at a time, so
@@ -914,7 +912,11 @@ def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offl
                 "layer count": len(container), "observation_weight": observation_weight is not None,
                 "device": None if run.device is None else run.device.type, **same_on_ranks(),
             }, where)  # fmt: skip
-        found = _calibrate_all(run, container_path, container, batches, observation_weight, progress, where)
+        # a module in training mode was named once (prepare), by its path in the model; the filter is
+        # set once for the run: setting it around each layer would show its repeated warnings again
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", _TRAINING_MODE)
+            found = _calibrate_all(run, container_path, container, batches, observation_weight, progress, where)
         return _ordered(found, run.plan)
     finally:
         for directory in filter(None, made):

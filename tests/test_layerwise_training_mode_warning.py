@@ -39,3 +39,33 @@ def test_a_model_in_training_mode_is_named_once_by_its_path_in_the_model(tmp_pat
         meta = transformers.AutoModelForCausalLM.from_config(config)  # training mode, as built
     got = _training_mode_warnings(lambda: getattr(qstats, where)(meta, directory, batches, RECIPE, progress=False))
     assert got == [reference[0].replace("calibrate:", f"{where}:", 1)]
+
+
+def test_a_warning_of_every_layer_is_shown_once_as_calibrate_shows_it(tmp_path, monkeypatch):
+    """Under the default filter, a warning each layer's calibration repeats (an observation weight
+    fitting no activation) is shown once, as `qstats.calibrate` shows it once over its batches; the
+    filter hiding the layers' training-mode warnings is set once for the run (set around each layer,
+    it showed it once per layer and once after them)."""
+    config = tiny_llama_config()
+    torch.manual_seed(0)
+    directory = save_sharded(tmp_path, transformers.AutoModelForCausalLM.from_config(config))
+    batches = [{"input_ids": torch.randint(0, 96, (2, 6))} for _ in range(3)]
+    unfitting = lambda batch: torch.ones(3)  # noqa: E731
+
+    def shown(call) -> list:
+        messages: list = []
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            warnings.simplefilter("default")
+            monkeypatch.setattr(warnings, "showwarning", lambda message, *rest, **options: messages.append(str(message)))
+            call()
+        monkeypatch.undo()
+        return [message for message in messages if "fits no observed activation" in message]
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    reference = shown(lambda: qstats.calibrate(loaded, batches, RECIPE, progress=False, observation_weight=unfitting))
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+    got = shown(lambda: qstats.calibrate_layerwise(meta, directory, batches, RECIPE, progress=False,
+                                                   observation_weight=unfitting))
+    assert len(reference) == 1 and got == reference
