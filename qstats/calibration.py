@@ -203,6 +203,13 @@ def calibrate(model: torch.nn.Module, batches: Iterable, recipe: Union[Recipe, P
     check_flag(progress, "progress", "calibrate")
     plan = as_plan(recipe, model, "calibrate")
     warn_training_mode(plan.model, "calibrate")
+    return observe_batches(model, batches, plan, states, progress, observation_weight, all_experts)
+
+
+def observe_batches(model: torch.nn.Module, batches: Iterable, plan: Plan, states: Optional[Mapping],
+                    progress: bool, observation_weight, all_experts: bool) -> dict:
+    """`calibrate` after its checks and its training-mode warning (`calibrate_layerwise` runs one
+    layer at a time through it, having warned of the whole model once)."""
     with observing_as("calibrate", model, plan, states, all_experts) as session:
         ran = _run_batches(session, model, batches, progress, observation_weight)
         if ran and not session.calls:  # the model's own forward pre-hook never ran

@@ -21,7 +21,6 @@ import inspect
 import os
 import shutil
 import tempfile
-import warnings
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
@@ -32,7 +31,8 @@ from . import distributed
 from ._checks import check_available, check_flag
 from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, release_modules
 from ._sites import run_model
-from .calibration import batch_weight, calibrate, check_batches, fake_quantized, qparams_unwarned, warn_training_mode
+from .calibration import (batch_weight, check_batches, fake_quantized, observe_batches, qparams_unwarned,
+                          warn_training_mode)
 from .experts import with_argument
 from .observation import check_experts_layout, resumed_states
 from .recipe import Plan, Recipe, as_plan
@@ -534,10 +534,6 @@ def _reduce(states: dict, plan: Plan) -> dict:
     return {path: {**entry, **reduced.get(path, {})} for path, entry in states.items()}
 
 
-# `warn_training_mode`'s warning from `calibrate` on one layer: it names the module by its path in
-# the layer's runner ('layer.self_attn'), once per layer; `run_layerwise` warns once for the model instead
-_TRAINING_MODE = r"calibrate: module .* is in training mode"
-
 
 @dataclasses.dataclass
 class _Run:
@@ -558,8 +554,8 @@ class _Run:
     def calibrate(self, root, plan: Plan, batches, observation_weight) -> dict:
         """This rank's states of ``plan`` over ``batches``, resumed from its sites in ``self.states``."""
         resumed = _moved(_select(self.states, lambda path, site: plan.site(path, site) is not None), self.device)
-        return calibrate(root, batches, plan, states=resumed or None, progress=False,
-                         observation_weight=observation_weight, all_experts=self.all_experts)
+        # the model's modules in training mode were warned of once, by their paths in the model
+        return observe_batches(root, batches, plan, resumed or None, False, observation_weight, self.all_experts)
 
     def reduce(self, found: dict, plan: Plan, each: bool = False) -> dict:
         """``found`` merged across ranks (with ``all_reduce``); ``each``: one state at a time, so
@@ -912,11 +908,7 @@ def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offl
                 "layer count": len(container), "observation_weight": observation_weight is not None,
                 "device": None if run.device is None else run.device.type, **same_on_ranks(),
             }, where)  # fmt: skip
-        # a module in training mode was named once (prepare), by its path in the model; the filter is
-        # set once for the run: setting it around each layer would show its repeated warnings again
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", _TRAINING_MODE)
-            found = _calibrate_all(run, container_path, container, batches, observation_weight, progress, where)
+        found = _calibrate_all(run, container_path, container, batches, observation_weight, progress, where)
         return _ordered(found, run.plan)
     finally:
         for directory in filter(None, made):
