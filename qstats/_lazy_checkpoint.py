@@ -328,14 +328,16 @@ def _no_tensor(checkpoint, missing: str, name: str, non_persistent: bool = False
     return ValueError(f"{checkpoint.where}: the checkpoint {directory!r} has no tensor {missing!r}{also}")
 
 
-def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint, category: type = UserWarning) -> None:
+def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint, category: type = UserWarning,
+                 read_elsewhere: tuple = ()) -> None:
     """ValueError naming a meta parameter of ``model`` that ``checkpoint`` holds under none of its
     names (in memory or as saved; nor, for stacked experts, per expert), or holds with another shape
     or a dtype it does not cast (`_check_headers`); the same for a meta buffer it reads (of a model
     without ``_init_weights`` to recompute a missing one: a plain ``nn.Module``'s). Names and headers
     only, before any layer is read: a checkpoint of another model, or one missing a tensor, fails
     before any batch runs.
-    The checkpoint's tensors the model does not read are a warning of ``category``."""
+    The checkpoint's tensors the model does not read are a warning of ``category``, but for those
+    matching a pattern of ``read_elsewhere`` (the export copies DeepSeek's ``mtp.*`` tensors)."""
     stored = _checkpoint_names(model)
     aliases = _aliases(model, stored)
     for name, value in _read_tensors(model):  # each tensor under its first name
@@ -350,7 +352,7 @@ def check_covers(model: torch.nn.Module, checkpoint: LazyCheckpoint, category: t
             owner, _, leaf = name.rpartition(".")
             raise _no_tensor(checkpoint, missing, name, leaf in model.get_submodule(owner)._non_persistent_buffers_set)
     _check_headers(model, checkpoint, aliases)
-    _warn_unused(model, checkpoint, aliases, category)
+    _warn_unused(model, checkpoint, aliases, category, read_elsewhere)
 
 
 def _read_tensors(model: torch.nn.Module) -> list:
@@ -413,7 +415,8 @@ def _stacked_header(checkpoint, key: str, experts: list, headers: dict, like: to
 _IGNORED_UNUSED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
 
 
-def _warn_unused(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: dict, category: type) -> None:
+def _warn_unused(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: dict, category: type,
+                 read_elsewhere: tuple = ()) -> None:
     """Warns of the checkpoint's tensors that no tensor of ``model`` is read from, as ``from_pretrained``
     reports them UNEXPECTED (a config of fewer layers than the checkpoint's calibrates part of it),
     but for those transformers ignores (``_keys_to_ignore_on_load_unexpected``: DeepSeek-V3's
@@ -422,7 +425,7 @@ def _warn_unused(model: torch.nn.Module, checkpoint: LazyCheckpoint, aliases: di
     for value in itertools.chain(model.parameters(), model.buffers()):
         for experts in (_per_expert(checkpoint, key, value.shape[0]) for key in aliases[id(value)] if value.ndim == 3):
             used.update(name for names in experts or () for name in names)
-    ignored = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), *_IGNORED_UNUSED]
+    ignored = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), *_IGNORED_UNUSED, *read_elsewhere]
     files = checkpoint.base.files if isinstance(checkpoint, Overlay) else checkpoint.files  # the export checks weights=
     unused = [key for key in files if key not in used and not any(re.search(at, key) for at in ignored)]
     if unused:

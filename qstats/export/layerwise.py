@@ -95,27 +95,13 @@ def _read_from(model: torch.nn.Module, checkpoint: Union[str, os.PathLike]):
         config._name_or_path = saved
 
 
-@contextlib.contextmanager
-def _copied_mtp_ignored(model: torch.nn.Module, checkpoint: Union[str, os.PathLike]):
-    """The checkpoint's ``mtp.*`` tensors among those the model ignores when loading (its
-    ``_keys_to_ignore_on_load_unexpected``, restored after) where the export copies them: a config
-    declaring MTP layers read from ``checkpoint`` (or naming no folder, `_read_from`), as
-    `copy_mtp_tensors` decides. `check_covers` does not warn of them as not read then."""
+def _copied_mtp(model: torch.nn.Module, checkpoint: Union[str, os.PathLike]) -> tuple:
+    """``("^mtp",)`` where the export copies the checkpoint's ``mtp.*`` tensors (`copy_mtp_tensors`): a
+    config declaring MTP layers read from ``checkpoint``, or naming no folder (`_read_from`); else ``()``."""
     config = getattr(model, "config", None)
     source = None if config is None else _source_folder(config)
-    if config is None or not declares_mtp(config) or (source is not None and not _same_folder(source, checkpoint)):
-        yield
-        return
-    had, saved = "_keys_to_ignore_on_load_unexpected" in vars(model), vars(model).get("_keys_to_ignore_on_load_unexpected")
-    model._keys_to_ignore_on_load_unexpected = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()),
-                                                f"^{MTP_PREFIX}"]
-    try:
-        yield
-    finally:
-        if had:
-            model._keys_to_ignore_on_load_unexpected = saved
-        else:
-            del model._keys_to_ignore_on_load_unexpected
+    copied = config is not None and declares_mtp(config) and (source is None or _same_folder(source, checkpoint))
+    return (f"^{MTP_PREFIX}",) if copied else ()
 
 
 def _same_folder(first, second) -> bool:
@@ -189,8 +175,7 @@ def compressed_tensors_layerwise(
     check_new_folder(path, checkpoint, _WHERE, "path")
     source = LazyCheckpoint(checkpoint, _WHERE)
     source = source if weights is None else Overlay(weights, source)
-    with _copied_mtp_ignored(model, checkpoint):  # copied by write_config: read
-        check_covers(model, source, ExportWarning)
+    check_covers(model, source, ExportWarning, read_elsewhere=_copied_mtp(model, checkpoint))
     writer = Writer(recipe, qparams, model, format, actorder)
     parts = _parts(model, layers)
     shards = _Shards(path, max_bytes)
