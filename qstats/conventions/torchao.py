@@ -382,6 +382,7 @@ def _affine_spec(cls, target_dtype, kwargs):
     _check_affine(mapping, domain, input_dtype, scale_dtype, preserve_zero)
     if eps is None:
         eps = torch.finfo(input_dtype).smallest_normal
+    _check_eps(eps, input_dtype, scale_dtype)
     lo, hi = cls(dtype=dtype).qrange
     qmin = lo if quant_min is None else quant_min
     qmax = hi if quant_max is None else quant_max
@@ -419,6 +420,19 @@ def _check_affine(mapping, domain, input_dtype, scale_dtype, preserve_zero):
         raise ValueError("from_torchao: preserve_zero=False needs MappingType.ASYMMETRIC (or ZeroPointDomain.FLOAT)")
     if preserve_zero is True and domain == "float":
         raise ValueError("from_torchao: ZeroPointDomain.FLOAT (tinygemm) does not preserve zero; pass preserve_zero=False")
+
+
+def _check_eps(eps, input_dtype, scale_dtype):
+    """ValueError for an ``eps`` that is no number, or past the input's or the scale's dtype: torchao's
+    clamp in an fp16 input raises (overflow), and an fp16 ``scale_dtype`` makes every scale Inf."""
+    if not (is_real_number(eps) or (isinstance(eps, torch.Tensor) and eps.numel() == 1 and eps.is_floating_point())):
+        raise ValueError(f"from_torchao: eps must be a real number, got {eps!r}")
+    for dtype in (input_dtype, scale_dtype):
+        if dtype in COMPUTE_DTYPE_NAMES and float(eps) > torch.finfo(dtype).max:
+            raise ValueError(
+                f"from_torchao: eps {float(eps):g} is past the largest {dtype} ({torch.finfo(dtype).max:g}); "
+                "torchao's choose_qparams_affine raises (input dtype) or gives Inf scales (scale_dtype)"
+            )
 
 
 def _exact_integers(dtype: torch.dtype):
