@@ -313,6 +313,13 @@ _CONFIG_HINTS = {
         "config.get_act_quant_kwargs() with input_dtype= for the activations whose calibrated scale (and zero "
         "point) it takes as act_quant_scale (act_quant_zero_point)"
     ),
+    "Int4WeightOnlyConfig": (
+        "granularity=PerGroup(config.group_size) and, by int4_packing_format: TILE_PACKED_TO_4D (tinygemm, bf16 weights) "
+        "torch.uint4 with mapping_type=MappingType.ASYMMETRIC, zero_point_domain=ZeroPointDomain.FLOAT, "
+        "input_dtype=torch.bfloat16; PLAIN_INT32 torch.int32 with mapping_type=MappingType.ASYMMETRIC, quant_min=0, "
+        "quant_max=15, eps=1e-6, input_dtype= (the weight's); PLAIN and PRESHUFFLED quantize in mslk kernels, "
+        "not emulated"
+    ),
     "MXDynamicActivationMXWeightConfig": "QuantizeTensorToMXKwargs(elem_dtype=, block_size=, scaling_mode=)",
     "NVFP4DynamicActivationNVFP4WeightConfig": "nvfp4=True (per_tensor_scale=) or a QuantizeTensorToNVFP4Kwargs",
 }
