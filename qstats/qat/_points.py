@@ -122,13 +122,15 @@ def _observe_fake_quantize(x, state, observer, phase, ste, learned, grad_scale, 
     if learned is not None:
         y = lsq_fake_quantize(x, learned, spec, grad_scale)
     else:
-        # computed with the fallback, then checked under ``where``; a tensor flag computes qparams where it
-        # then keeps ``x``: a state that saw no data must not raise there, nor an empty ``x`` (a layer given no
-        # rows, an expert no tokens), which has no value to fake-quantize (torch.ao's FakeQuantize returns it)
+        # computed with the fallback, then checked under ``where`` where it is used: a tensor flag computes
+        # qparams also where it then keeps ``x`` (a state that saw no data must not raise there, but must where
+        # the flag is True); an empty ``x`` (a layer given no rows, an expert no tokens) has no value to
+        # fake-quantize and never raises (torch.ao's FakeQuantize returns it)
         fallback = spec if spec.on_uncalibrated == "fallback" else spec.replace(on_uncalibrated="fallback")
         qparams = compute_qparams(new_state, fallback, **(qparams_options or {}))
-        if isinstance(phase.fake_quantize, bool) and x.numel() > 0:
-            check_calibrated(qparams.calibrated, spec, where)
+        if x.numel() > 0:
+            kept = False if isinstance(phase.fake_quantize, bool) else ~phase.fake_quantize  # where x stays float
+            check_calibrated(qparams.calibrated | kept, spec, where)
         y = fake_quantize_ste(x, qparams, spec, ste)
     return _select(phase.fake_quantize, y, x), new_state
 
