@@ -56,3 +56,21 @@ def test_a_declared_fallback_fake_quantizes_with_scale_one_under_a_tensor_step()
     out, _ = qat.apply(qat.params(), qat.init(x), x, phase=phase)
     expected, _ = qat.apply(qat.params(), qat.init(x), x, phase=qstats.QATPhase(observe=False, fake_quantize=True))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_compiled_steps_raise_for_an_unobserved_point_and_equal_eager_steps_once_observed():
+    """The check's result is threaded into the scale: torch.compile dropped it as dead code, and a compiled step
+    fake-quantized an unobserved input silently with scale 1 (eager raised), for Python and tensor flags alike."""
+    qat, x = _qat(), torch.randn(3, 4)
+    step = torch.compile(lambda params, state, x, phase: qat.apply(params, state, x, phase=phase), fullgraph=True)
+    unobserved = qat.init(x)
+    for phase in (qstats.QATPhase(observe=False), qstats.QATPhase(observe=torch.tensor(False),
+                                                                 fake_quantize=torch.tensor(True))):
+        with pytest.raises(ValueError, match=r"the input of layer '0' .*saw no data"):
+            step(qat.params(), unobserved, x, phase)
+    _, observed = qat.apply(qat.params(), unobserved, x, phase=qstats.QATPhase(fake_quantize=False))
+    phase = qstats.QATPhase(observe=torch.tensor(True), fake_quantize=torch.tensor(True))
+    out, state = step(qat.params(), observed, x, phase)
+    expected, expected_state = qat.apply(qat.params(), observed, x, phase=phase)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(state, expected_state)

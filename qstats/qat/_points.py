@@ -130,7 +130,10 @@ def _observe_fake_quantize(x, state, observer, phase, ste, learned, grad_scale, 
         qparams = compute_qparams(new_state, fallback, **(qparams_options or {}))
         if x.numel() > 0:
             kept = False if isinstance(phase.fake_quantize, bool) else ~phase.fake_quantize  # where x stays float
-            check_calibrated(qparams.calibrated | kept, spec, where)
+            checked = check_calibrated(qparams.calibrated | kept, spec, where)
+            # threaded into the scale (equal to it: uncalibrated entries have the fallback's 1), so that
+            # torch.compile keeps the check: a discarded result was dead code, and compiled steps did not raise
+            qparams = qparams._replace(scale=torch.where(checked, qparams.scale, torch.ones_like(qparams.scale)))
         y = fake_quantize_ste(x, qparams, spec, ste)
     return _select(phase.fake_quantize, y, x), new_state
 
