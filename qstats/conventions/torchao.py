@@ -350,6 +350,8 @@ def _intx_weight_only_spec(cls, config, kwargs):
 
 
 def _float8_spec(cls, float8_dtype, kwargs):
+    if float8_dtype not in _FLOAT8:
+        raise ValueError(f"from_torchao: float8 dtype {float8_dtype} is not one of {list(_FLOAT8)} (torchao's FP8_TYPES)")
     granularity = _granularity(kwargs)
     scale_dtype = kwargs.pop("scale_dtype", torch.float32)
     input_dtype = kwargs.pop("input_dtype", torch.float32)
