@@ -159,6 +159,9 @@ def from_torchao(cls, target_dtype, kwargs):
         # with block scales only, unless a static (calibrated) scale is given: per_tensor_scale=True
         dynamic = getattr(target_dtype, "use_dynamic_per_tensor_scale", True) if nvfp4_config else True
         return _nvfp4_spec(cls, _per_tensor_scale(kwargs.pop("per_tensor_scale", dynamic)), kwargs)
+    if kind in ("QuantizeTensorToInt8Kwargs", "QuantizeTensorToFloat8Kwargs") and target_dtype.granularity is None:
+        # Int8Tensor.from_hp / Float8Tensor.from_hp raise "Unsupported Granularity: None"
+        raise ValueError(f"from_torchao: {kind} needs a granularity (torchao's from_hp refuses None), got None")
     if kind == "QuantizeTensorToInt8Kwargs":  # Int8Tensor's (Int8DynamicActivationInt8WeightConfig's activations)
         return _int8_tensor_spec(cls, target_dtype, kwargs)
     if kind == "QuantizeTensorToFloat8Kwargs":  # Float8Tensor's (and its activations') arguments
