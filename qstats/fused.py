@@ -190,5 +190,5 @@ def fused_qparams(states, spec: QuantSpec, stacked: bool = False, **options):
     if not stacked:
         return tuple(qparams(s) for s in group)
     result = torch.func.vmap(qparams)(states)
-    check_calibrated(result.calibrated, spec, where="fused_qparams(stacked=True)")
-    return result
+    # the check's result returned, so that torch.compile keeps it (a discarded one was dead code there)
+    return result._replace(calibrated=check_calibrated(result.calibrated, spec, where="fused_qparams(stacked=True)"))
