@@ -734,7 +734,12 @@ def _without_patched_fields(config: dict) -> dict:
 def _source_folder(model_config: Any) -> Optional[str]:
     """The folder the model's config was read from (its ``_name_or_path``: a folder holding a
     ``config.json``, or a Hub model's snapshot in the local cache), or None."""
-    name = getattr(model_config, "_name_or_path", "") or ""
+    return _config_folder(getattr(model_config, "_name_or_path", "") or "")
+
+
+def _config_folder(name: Any) -> Optional[str]:
+    """``name`` where it is a folder holding a ``config.json``, the local snapshot of a Hub model
+    ``name``, else None."""
     if not isinstance(name, str) or not name:
         return None
     if os.path.isfile(os.path.join(name, "config.json")):
@@ -785,13 +790,16 @@ def _original_config(source: Optional[str], model_config: Any, dtype: Optional[s
     return original
 
 
-def write_config(path: str, model: torch.nn.Module, quantization_config: dict, retied: bool = False) -> None:
+def write_config(path: str, model: torch.nn.Module, quantization_config: dict, retied: bool = False,
+                 checkpoint: Optional[str] = None) -> None:
     """``path/config.json``: an existing one, updated with the model's config (the file it was read from,
     `_original_config`, else transformers' serialization) and ``quantization_config``
     (and ``path/generation_config.json`` of a model that generates). What else llm-compressor's save
     carries from the folder the model was read from comes with it: its ``*.py`` files and its MTP
     tensors (`copy_mtp_tensors`, then ignored in ``quantization_config``). ``retied``: the output
-    embeddings were written as the input ones (`retied_copies`), so the config ties them."""
+    embeddings were written as the input ones (`retied_copies`), so the config ties them.
+    ``checkpoint``: the folder the weights come from, standing for the one the config was read from
+    where the config names none (built in memory, ``from_dict``; `compressed_tensors_layerwise`)."""
     os.makedirs(path, exist_ok=True)
     config_path = os.path.join(path, "config.json")
     config: dict = {}
@@ -804,7 +812,7 @@ def write_config(path: str, model: torch.nn.Module, quantization_config: dict, r
     copied_mtp = False
     if model_config is not None and hasattr(model_config, "to_dict"):
         saved = _saved_model_fields(model)
-        source = _source_folder(model_config)
+        source = _source_folder(model_config) or (None if checkpoint is None else _config_folder(checkpoint))
         _copy_python_files(source, path)
         copied_mtp = copy_mtp_tensors(source, path, model_config)
         # the config file the model was read from, else what differs from the config class's defaults, as

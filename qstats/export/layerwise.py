@@ -78,26 +78,9 @@ class _Shards:
         write_shard_index(self.path, names, self.splitter.shards, parameter_count(model, self.written))
 
 
-@contextlib.contextmanager
-def _read_from(model: torch.nn.Module, checkpoint: Union[str, os.PathLike]):
-    """The model's config names ``checkpoint`` as the folder it was read from (its ``_name_or_path``) while
-    the config is written, where it names no folder (a config built in memory, ``from_dict``): the
-    folder whose ``config.json``, ``*.py`` files and MTP tensors `compressed_tensors` carries from the
-    folder a loaded model was read from (`checkpoint.write_config`)."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "_name_or_path") or _source_folder(config) is not None:
-        yield
-        return
-    saved, config._name_or_path = config._name_or_path, os.fspath(checkpoint)
-    try:
-        yield
-    finally:
-        config._name_or_path = saved
-
-
 def _copied_mtp(model: torch.nn.Module, checkpoint: Union[str, os.PathLike]) -> tuple:
     """``("^mtp",)`` where the export copies the checkpoint's ``mtp.*`` tensors (`copy_mtp_tensors`): a
-    config declaring MTP layers read from ``checkpoint``, or naming no folder (`_read_from`); else ``()``."""
+    config declaring MTP layers read from ``checkpoint``, or naming no folder (`write_config`); else ``()``."""
     config = getattr(model, "config", None)
     source = None if config is None else _source_folder(config)
     copied = config is not None and declares_mtp(config) and (source is None or _same_folder(source, checkpoint))
@@ -189,8 +172,7 @@ def compressed_tensors_layerwise(
                              f"of the model: {', '.join(unused[:6])}")
         quantization_config = writer.finish()  # its refusals (a kv-cache scheme, ...) too leave no shard
         shards.close(model)
-        with _read_from(model, checkpoint):  # as from_pretrained(checkpoint) names it
-            write_config(path, model, quantization_config, retied=writer.retied)
+        write_config(path, model, quantization_config, retied=writer.retied, checkpoint=os.fspath(checkpoint))
     except BaseException:  # no half-written checkpoint left (check_new_folder found no shard there before)
         remove_shards(path, shards.files)
         if created:  # as compressed_tensors, whose refusals come before it writes: no folder left
