@@ -15,7 +15,7 @@ import torch
 
 from ._ops import op, register_fake, register_vmap
 
-__all__ = ["as_index", "check_available", "check_flag", "check_floating", "check_real_tensor", "is_integer", "is_real_number",
+__all__ = ["as_index", "check_available", "check_flag", "check_float_range", "check_floating", "check_real_tensor", "is_integer", "is_real_number",
            "require", "require_calibrated"]
 
 
@@ -131,3 +131,24 @@ register_vmap(_require_calibrated, _require_calibrated_vmap)
 def require_calibrated(calibrated: torch.Tensor, where: str) -> torch.Tensor:
     """``calibrated`` (copied), after ValueError naming how many entries are False."""
     return _require_calibrated(calibrated, where)
+
+
+def check_float_range(float_range, where: str = "compute_qparams") -> tuple:
+    """``float_range`` as ``(lo, hi)`` floats or None, after ValueError for what coreai_opt refuses:
+    not a pair, an entry that is not a finite real number or None, ``lo > 0``, ``hi < 0``, or
+    ``lo >= hi``."""
+    if not isinstance(float_range, (tuple, list)) or len(float_range) != 2:
+        raise ValueError(f"{where}: float_range must be a pair (lo, hi), got {float_range!r}")
+    ends = []
+    for name, end in zip(("lo", "hi"), float_range):
+        if end is not None and (not is_real_number(end) or not abs(end) <= float(torch.finfo(torch.float32).max)):
+            raise ValueError(f"{where}: float_range {name} must be a finite float32 number or None, got {end!r}")
+        ends.append(None if end is None else float(end))
+    lo, hi = ends
+    if lo is not None and lo > 0:
+        raise ValueError(f"{where}: float_range lo must be <= 0 (the range contains zero), got {lo!r}")
+    if hi is not None and hi < 0:
+        raise ValueError(f"{where}: float_range hi must be >= 0 (the range contains zero), got {hi!r}")
+    if lo is not None and hi is not None and lo >= hi:
+        raise ValueError(f"{where}: float_range needs lo < hi, got ({lo!r}, {hi!r})")
+    return lo, hi

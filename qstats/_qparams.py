@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from . import _formats
-from ._checks import check_real_tensor, is_real_number, require, require_calibrated
+from ._checks import check_float_range, check_real_tensor, require, require_calibrated
 from ._granularity import TensorGroup
 from ._spec import QuantSpec
 
@@ -230,27 +230,6 @@ def range_of(state, spec: QuantSpec, options: dict, where: str):
     if isinstance(result, QParams):
         raise TypeError(f"{where}: float_range needs a range, but the rule of {type(state).__name__} gives qparams")
     return pin_range(result, float_range)
-
-
-def check_float_range(float_range, where: str = "compute_qparams") -> tuple:
-    """``float_range`` as ``(lo, hi)`` floats or None, after ValueError for what coreai_opt refuses:
-    not a pair, an entry that is not a finite real number or None, ``lo > 0``, ``hi < 0``, or
-    ``lo >= hi``."""
-    if not isinstance(float_range, (tuple, list)) or len(float_range) != 2:
-        raise ValueError(f"{where}: float_range must be a pair (lo, hi), got {float_range!r}")
-    ends = []
-    for name, end in zip(("lo", "hi"), float_range):
-        if end is not None and (not is_real_number(end) or not abs(end) <= _FLOAT32_MAX):
-            raise ValueError(f"{where}: float_range {name} must be a finite float32 number or None, got {end!r}")
-        ends.append(None if end is None else float(end))
-    lo, hi = ends
-    if lo is not None and lo > 0:
-        raise ValueError(f"{where}: float_range lo must be <= 0 (the range contains zero), got {lo!r}")
-    if hi is not None and hi < 0:
-        raise ValueError(f"{where}: float_range hi must be >= 0 (the range contains zero), got {hi!r}")
-    if lo is not None and hi is not None and lo >= hi:
-        raise ValueError(f"{where}: float_range needs lo < hi, got ({lo!r}, {hi!r})")
-    return lo, hi
 
 
 def pin_range(observed: Range, float_range: tuple) -> Range:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .._checks import check_float_range
 from .._formats import compute_dtype_name, rounded_in
 from .._granularity import PerAxis, PerTensor
 from .default import Convention, saturate
@@ -321,7 +322,6 @@ def spec_from_coreai_opt(
     range (a pinned float_range end included) and minval in, and computes integer and fp8 scales in,
     unless ``spec``'s ``float_range`` pins both ends (coreai_opt computes those in float32).
     """
-    from .._qparams import check_float_range  # (_qparams imports the spec, which imports conventions)
 
     target = _target(target)
     input_compute = compute_dtype_name(input_dtype, "from_coreai_opt: input_dtype")  # float64 has no qstats path
