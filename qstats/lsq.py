@@ -143,16 +143,6 @@ def _forward_values(params: LSQParams, spec: QuantSpec) -> tuple:
     return scale, zero_point
 
 
-def _usable(params: LSQParams, spec: QuantSpec) -> torch.Tensor:
-    """Where the forward can read ``params``: a scale below +Inf (-Inf is read as ``spec.eps``), and a zero point
-    the spec learns that is not NaN (an infinite integer one is read as the range's end, a float one is not)."""
-    usable = params.scale.detach() < math.inf
-    if not _learns_zero_point(spec):
-        return usable
-    zero_point = params.zero_point.detach()
-    return usable & (torch.isfinite(zero_point) if spec.zero_point_domain == "float" else ~torch.isnan(zero_point))
-
-
 def _zero_gradient(t: torch.Tensor) -> torch.Tensor:
     """0 in value, with gradient 1 with respect to ``t`` where it is finite (0 where it is infinite:
     ``inf - inf`` would make the forward NaN where it reads a -Inf scale as eps, an infinite zero
@@ -207,13 +197,7 @@ def lsq_fake_quantize(
     qmin, qmax = spec.qrange
     factor = lsq_grad_factor(x.numel(), params.scale.numel(), spec, grad_scale)
 
-    scale_value, zero_point_value = _forward_values(params, spec)
-    # a NaN or +Inf scale, a NaN learned zero point (an infinite float one): every output NaN, silently (torch's
-    # kernel raises for the zero point only); the check threaded into the scale, so that compile keeps it
-    usable = require(_usable(params, spec), "lsq_fake_quantize: params hold a NaN or +Inf scale or a NaN zero point "
-                     "(a diverged training step: a NaN loss or gradient); there is no range to fake-quantize with")
-    scale_value = torch.where(usable, scale_value, torch.ones_like(scale_value))
-    scale_value, zero_point_value = broadcast_to_view(scale_value), broadcast_to_view(zero_point_value)
+    scale_value, zero_point_value = (broadcast_to_view(t) for t in _forward_values(params, spec))
 
     v = view.float()
     v_value = v.detach()
