@@ -133,7 +133,8 @@ def fake_quantize_minval(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> 
     # the top code of a range reaching an fp16/bf16 input's largest value lies past it (coreai_opt's
     # +Inf): saturated there, as qstats.fake_quantize, keeping the straight-through gradient (and
     # the sign of a -0.0)
-    values = values - (values - saturate(values, x.dtype)).detach()
+    if x.dtype in (torch.float16, torch.bfloat16):  # for float32 inputs saturate is the identity
+        values = values - (values - saturate(values, x.dtype)).detach()
     return from_canonical_view(values, spec.granularity, x.shape).to(x.dtype)
 
 
