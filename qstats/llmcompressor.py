@@ -118,16 +118,12 @@ class QstatsObserver(LLMCompressorObserver):
         ``mode="moving_average"``) per group of features, as llm-compressor's ``minmax`` and ``mse``
         (`averages_feature_groups`); else per tensor (a per-token state would take the first batch's
         length and refuse a batch of another length). A 2-D input (a linearized MoE expert's rows) is
-        observed per tensor whatever the observer: llm-compressor's view of it has no group dimension
-        (``qparam_shape`` ``()``), so its ``minmax`` and ``mse`` average (search, with float32 scales)
-        the tensor's range."""
+        observed per tensor (`feature_grouped`): llm-compressor's view of it has no group dimension."""
         spec = self.spec if spec is None else spec
         factory, options = type(self).factory, self.factory_options
         if not self.is_weight_obs and runtime_scaled(spec):
             if averages_feature_groups(factory, options, spec):
-                if len(getattr(self, "qparam_shape", (None,))) > 0:  # groups (or no observation yet)
-                    return feature_grouped(lambda grouped: factory(grouped, **options), spec)
-                return factory(spec.replace(granularity=PerTensor(), scale_dtype="float32"), **options)
+                return feature_grouped(lambda grouped: factory(grouped, **options), spec)
             spec = spec.replace(granularity=PerTensor())
         return factory(spec, **options)
 
