@@ -534,7 +534,6 @@ def _reduce(states: dict, plan: Plan) -> dict:
     return {path: {**entry, **reduced.get(path, {})} for path, entry in states.items()}
 
 
-
 @dataclasses.dataclass
 class _Run:
     """What every phase of one `calibrate_layerwise` call shares."""
