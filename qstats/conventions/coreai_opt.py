@@ -246,28 +246,26 @@ def _check_formulation_and_calculator(source: dict, target: str, float_target: b
                          f"float_range {list(float_range)}")
 
 
-def _quant_range(dtype: str, qscheme: str) -> tuple:
-    """coreai_opt's ``(quant_min, quant_max)`` of a target: the integer range (signed ones clipped to
-    ``-quant_max`` under ``symmetric_with_clipping``), a float target's largest values (fp4: 6)."""
+def _quant_range(cls, dtype: str, qscheme: str) -> tuple:
+    """coreai_opt's ``(quant_min, quant_max)`` of a target (``cls``: QuantSpec): the integer dtype's
+    range (a signed one clipped to ``-quant_max`` under ``symmetric_with_clipping``), a float
+    target's largest values (fp4: 6)."""
     if dtype in _FLOAT_TARGETS:
-        largest = 6.0 if dtype == "float4_e2m1fn_x2" else float(torch.finfo(getattr(torch, dtype)).max)
-        return -largest, largest
-    bits = int(dtype.lstrip("uint"))
-    if dtype.startswith("u"):
-        return 0, 2 ** bits - 1
-    qmax = 2 ** (bits - 1) - 1
-    return (-qmax if qscheme == "symmetric_with_clipping" else -qmax - 1), qmax
+        return cls(dtype=_FLOAT_TARGETS[dtype]).qrange
+    qmin, qmax = cls(dtype=dtype).dtype_range
+    return (-qmax if qscheme == "symmetric_with_clipping" and qmin < 0 else qmin), qmax
 
 
-def _check_derived_fields(source: dict, dtype: str, qscheme: str) -> None:
+def _check_derived_fields(cls, source: dict, dtype: str, qscheme: str) -> None:
     """ValueError for a field coreai_opt derives from ``dtype`` and ``qscheme`` (``n_bits``,
     ``target_dtype``, ``quant_min``, ...: its ``model_dump`` writes them, its constructor drops them
     and derives them again) that a dict gives another value."""
-    qmin, qmax = _quant_range(dtype, qscheme)
+    qmin, qmax = _quant_range(cls, dtype, qscheme)
+    bits = cls(dtype=_FLOAT_TARGETS.get(dtype, dtype)).bits
     if dtype in _FLOAT_TARGETS:  # fp4 is held in fp8 e4m3
-        bits, target_dtype = (4, "float8_e4m3fn") if dtype == "float4_e2m1fn_x2" else (8, dtype)
+        target_dtype = "float8_e4m3fn" if dtype == "float4_e2m1fn_x2" else dtype
     else:  # sub-byte integers are held in int8 / uint8
-        bits, target_dtype = int(dtype.lstrip("uint")), "uint8" if dtype.startswith("u") else "int8"
+        target_dtype = "uint8" if dtype.startswith("u") else "int8"
     derived = {"n_bits": bits, "target_dtype": getattr(torch, target_dtype), "_quant_range": (qmin, qmax),
                "quant_min": qmin, "quant_max": qmax}
     for name, value in derived.items():
@@ -322,7 +320,6 @@ def spec_from_coreai_opt(
     range (a pinned float_range end included) and minval in, and computes integer and fp8 scales in,
     unless ``spec``'s ``float_range`` pins both ends (coreai_opt computes those in float32).
     """
-
     target = _target(target)
     input_compute = compute_dtype_name(input_dtype, "from_coreai_opt: input_dtype")  # float64 has no qstats path
     source = _source(spec, fields)
@@ -350,7 +347,7 @@ def spec_from_coreai_opt(
         raise ValueError(f"from_coreai_opt: {dtype} (or an e8m0 scale) needs qscheme 'symmetric', got {qscheme!r}")
     if qscheme not in ("symmetric", "asymmetric", "symmetric_with_clipping"):
         raise ValueError(f"from_coreai_opt: unknown qscheme {qscheme!r}")
-    _check_derived_fields(source, dtype, qscheme)
+    _check_derived_fields(cls, source, dtype, qscheme)
     _check_formulation_and_calculator(source, target, float_target=dtype in _FLOAT_TARGETS or e8m0, qscheme=qscheme)
     granularity = _granularity(source.get("granularity"), shape, target)
     if dtype in _FLOAT_TARGETS or e8m0:
@@ -362,7 +359,7 @@ def spec_from_coreai_opt(
             zero_point_domain="none" if float_target else "int", scale_dtype="e8m0" if e8m0 else input_compute,
             compute_dtype=input_compute, on_uncalibrated="fallback",
         )
-    qmin, qmax = _quant_range(dtype, qscheme)
+    qmin, qmax = _quant_range(cls, dtype, qscheme)
     return cls.from_torchao(
         dtype, mapping_type="ASYMMETRIC" if qscheme == "asymmetric" else "SYMMETRIC", granularity=granularity,
         quant_min=qmin, quant_max=qmax, eps=_FLOAT32_EPS, input_dtype=input_dtype, zero_point_dtype=torch.int32,
