@@ -1,9 +1,10 @@
-"""Zero points of static asymmetric input sites of fewer than 8 bits, as `qstats.export.compressed_tensors`
-writes them, against compressed-tensors' ``calculate_qparams`` (its zero points are rounded and clamped to
-the args' range [q_min, q_max], [-8, 7] for 4 bits): equal where the qparams are qstats' own, and refused
-(ValueError naming the site and the range) where a zero point lies outside the args' range. The export
-checked int8's range only, so a 4-bit zero point of 107 was written as it was: a checkpoint whose zero
-point no compressed-tensors calibration gives (its int4 codes cannot reach it)."""
+"""Zero points of static asymmetric input sites, as `qstats.export.compressed_tensors` writes them, against
+compressed-tensors' ``calculate_qparams`` (its zero points are rounded and clamped to the args' range
+[q_min, q_max], [-8, 7] for 4 bits): equal where the qparams are qstats' own, and refused (ValueError naming
+the site and the range) where a zero point is not a whole number of the args' range. An activation's zero
+point went through an int8 cast that wrapped 227 to -29 and truncated 2.5 to 2 and NaN to 0; then only
+int8's range was checked, so a 4-bit zero point of 107 was written as it was: a checkpoint whose zero point
+no compressed-tensors calibration gives (its int4 codes cannot reach it)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def _export(model, qparams, recipe, folder) -> dict:
     return load_file(os.path.join(str(folder), "model.safetensors"))
 
 
-@pytest.mark.parametrize("bits, dtype", [(4, None), (4, "uint4"), (2, None)])
-@pytest.mark.parametrize("shift", [3.0, -3.0])
+@pytest.mark.parametrize("bits, dtype", [(8, None), (4, None), (4, "uint4"), (2, None)])
+@pytest.mark.parametrize("shift", [0.0, 3.0, -3.0])
 def test_input_zero_points_equal_compressed_tensors_calculate_qparams(tmp_path, bits, dtype, shift):
     model, recipe, batch, qparams = _calibrated(bits, shift, dtype)
     written = _export(model, qparams, recipe, tmp_path)["0.input_zero_point"]
@@ -61,7 +62,8 @@ def test_input_zero_points_equal_compressed_tensors_calculate_qparams(tmp_path, 
 
 @pytest.mark.parametrize("bits, dtype, zero_point, lo, hi", [
     (4, None, 107, -8, 7), (4, None, -9, -8, 7), (4, None, 8, -8, 7), (4, "uint4", 16, -8, 7),
-    (4, "uint4", 107, -8, 7), (2, None, 2, -2, 1), (8, None, 227, -128, 127), (8, None, 2.5, -128, 127)])
+    (4, "uint4", 107, -8, 7), (2, None, 2, -2, 1), (8, None, 227, -128, 127), (8, None, 2.5, -128, 127),
+    (8, None, float("nan"), -128, 127), (8, None, -129, -128, 127)])
 def test_input_zero_points_outside_the_args_range_are_refused_naming_the_site(tmp_path, bits, dtype, zero_point, lo,
                                                                               hi):
     """The reference: calculate_qparams' zero points lie in the args' range (checked on a sweep of ranges)."""
