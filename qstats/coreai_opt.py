@@ -36,7 +36,7 @@ import torch
 
 from ._checks import check_floating
 from ._formats import rounded_in
-from .conventions.coreai_opt import _GRANULARITY_KINDS, block_sizes, block_size
+from .conventions.coreai_opt import _GRANULARITY_KINDS, _check_subclass_fields, block_sizes, block_size
 from .conventions.default import saturate
 from ._granularity import broadcast_to_view, canonical_view, from_canonical_view
 from ._qparams import QParams
@@ -442,8 +442,11 @@ def _site_rule(path: str, module, site: str, coreai_spec, target: str, dtype, gr
     """``(observer factory, QuantSpec, observer_kwargs, qparams_kwargs, dynamic)`` of one site, None
     for a weight whose blocks do not divide it (``graph``: in graph execution mode)."""
     where = f"module {path!r} {site}"
-    # a spec subclass's averaging_constant (from_coreai_opt refuses its other fields)
-    averaging = getattr(coreai_spec, "averaging_constant", 0.01)
+    try:  # before a weight left unquantized returns: a spec subclass's other fields are refused there too
+        _check_subclass_fields(coreai_spec)
+    except ValueError as error:
+        raise ValueError(f"recipe_from_coreai_opt: {where}: {error}") from None
+    averaging = getattr(coreai_spec, "averaging_constant", 0.01)  # the moving average's
     formulation = str(getattr(coreai_spec.qformulation, "value", coreai_spec.qformulation))
     if formulation == "minval":
         _refuse(f"{where}: qformulation 'minval' fake-quantizes on another grid than a recipe's (qparams: "

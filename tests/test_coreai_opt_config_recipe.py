@@ -398,3 +398,14 @@ def test_a_spec_subclass_with_an_averaging_constant(single_thread_quiet):
     assert next(rule for rule in rules if rule.sites == ("input",)).observer_kwargs == (("averaging_constant", 0.25),)
     equal, total = _compare(model, config, *_data(16))
     assert equal == total == 2 * 6
+
+
+def test_a_spec_subclass_field_is_refused_also_on_a_weight_left_unquantized(single_thread_quiet):
+    """A subclass's fields reach the components coreai_opt's factory builds (get_extra_args), which qstats
+    cannot know: refused by name on every site, a weight whose blocks do not divide it included (the
+    recipe returned before from_coreai_opt refused them there)."""
+    tempered = _Tempered(dtype=torch.int4, granularity={"type": "per_block", "axis": 1, "block_size": 4})
+    config = QuantizerConfig(execution_mode=EAGER, global_config=ModuleQuantizerConfig(
+        op_state_spec={"weight": tempered}, op_input_spec=None, op_output_spec=None))
+    with pytest.raises(ValueError, match=r"module '0' weight: .*\['temperature'\] of _Tempered"):
+        qstats.coreai_opt.recipe_from_coreai_opt(config, nn.Sequential(nn.Linear(5, 3)))
