@@ -252,6 +252,19 @@ def fork_ranks(target, *args, world: int = 2, timeout: float = 120, start_method
     return codes
 
 
+def nvfp4_input_global_scale(name: str, kwargs: dict, batches: list) -> torch.Tensor:
+    """The global scale llm-compressor's observer ``name`` (a registered name: theirs or a qstats drop-in),
+    with ``observer_kwargs`` ``kwargs``, gives an NVFP4 input activation after ``batches``, in order."""
+    from compressed_tensors.quantization.quant_scheme import NVFP4
+    from llmcompressor.observers import Observer
+
+    args = NVFP4["input_activations"].model_copy(update={"observer_kwargs": kwargs}, deep=True)
+    observer = Observer.load_from_registry(name, base_name="input", args=args)
+    for x in batches:
+        observer(x)
+    return observer.get_qparams()["global_scale"]
+
+
 def llm_compressor_oneshot(model, samples, recipe, out=None, pipeline="basic", tokenizer=None, **options):
     """llm-compressor's ``oneshot`` of ``model`` with ``recipe`` (its modifier) over ``samples``
     (token-id sequences, one a batch, unpadded), in order, its warnings silenced; saved compressed

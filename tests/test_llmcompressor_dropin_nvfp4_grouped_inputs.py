@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _shared import bit_equal
+from _shared import bit_equal, nvfp4_input_global_scale
 
 pytest.importorskip("llmcompressor")
 import qstats.llmcompressor  # noqa: E402,F401  (registers the qstats_* observers)
-from compressed_tensors.quantization.quant_scheme import NVFP4  # noqa: E402
-from llmcompressor.observers import Observer  # noqa: E402
 
 
 def _batches(seed: int) -> list:
@@ -21,14 +19,6 @@ def _batches(seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
     shapes = [(1, 10, 64), (1, 14, 64), (2, 7, 64), (1, 5, 64)]
     return [torch.randn(shape, generator=g) * torch.rand(64, generator=g).mul(8).exp() for shape in shapes]
-
-
-def _global_scale(name: str, kwargs: dict, batches: list) -> torch.Tensor:
-    args = NVFP4["input_activations"].model_copy(update={"observer_kwargs": kwargs}, deep=True)
-    observer = Observer.load_from_registry(name, base_name="input", args=args)
-    for x in batches:
-        observer(x)
-    return observer.get_qparams()["global_scale"]
 
 
 CASES = [  # (llm-compressor's observer, its kwargs, the drop-in, its kwargs)
@@ -44,7 +34,7 @@ CASES = [  # (llm-compressor's observer, its kwargs, the drop-in, its kwargs)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_nvfp4_input_global_scale_equals_llmcompressor(theirs, their_kwargs, ours, our_kwargs, seed):
     batches = _batches(seed)
-    want = _global_scale(theirs, their_kwargs, batches)
-    got = _global_scale(ours, our_kwargs, batches)
+    want = nvfp4_input_global_scale(theirs, their_kwargs, batches)
+    got = nvfp4_input_global_scale(ours, our_kwargs, batches)
     assert got.shape == want.shape and bit_equal(got, want), (got, want)
 

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _shared import bit_equal
+from _shared import bit_equal, nvfp4_input_global_scale
 
 pytest.importorskip("qstats.llmcompressor")  # registers the qstats_* observers
-from compressed_tensors.quantization.quant_scheme import NVFP4  # noqa: E402
-from llmcompressor.observers import Observer  # noqa: E402
 
 
 def _batches(seed: int, rows: bool) -> list:
@@ -23,14 +21,6 @@ def _batches(seed: int, rows: bool) -> list:
     batches = [torch.randn(5 + i, 64, generator=g) * torch.rand(4, generator=g).repeat_interleave(16) * 4
                for i in range(6)]
     return batches if rows else [x.unsqueeze(0) for x in batches]
-
-
-def _global_scale(name: str, kwargs: dict, batches: list) -> torch.Tensor:
-    args = NVFP4["input_activations"].model_copy(update={"observer_kwargs": kwargs}, deep=True)
-    observer = Observer.load_from_registry(name, base_name="input", args=args)
-    for x in batches:
-        observer(x)
-    return observer.get_qparams()["global_scale"]
 
 
 CASES = [  # (llm-compressor's observer, its kwargs, the drop-in, its kwargs)
@@ -48,6 +38,6 @@ CASES = [  # (llm-compressor's observer, its kwargs, the drop-in, its kwargs)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_nvfp4_input_global_scale_of_rows_equals_llmcompressor(theirs, their_kwargs, ours, our_kwargs, seed, rows):
     batches = _batches(seed, rows)
-    want = _global_scale(theirs, their_kwargs, batches)
-    got = _global_scale(ours, our_kwargs, batches)
+    want = nvfp4_input_global_scale(theirs, their_kwargs, batches)
+    got = nvfp4_input_global_scale(ours, our_kwargs, batches)
     assert got.shape == want.shape and bit_equal(got, want), (got, want)
