@@ -714,7 +714,9 @@ def _local_parts(tree: Any, observers: Any) -> list:
         # the device index is left out: a rank's devices are numbered by first use over the states it holds
         records = _records(paths_, states_, _plan(states_, False), observers_,
                            {v.device: 0 for state in states_ for v in _values(state)})
-        text = "; ".join(text for _, _, text in records) or f"an empty {str(treespec)[:200]}"
+        text = "; ".join(text for _, _, text in records)
+        if not _is_state(subtree):  # its containers too: ranks holding [s, s] and (s, s) differ by them alone
+            text = f"{str(treespec)[:200]} of {text}" if text else f"an empty {str(treespec)[:200]}"
         parts.append(_Part(prefix, subtree, treespec, states_, observers_, _fingerprint(treespec, records), text))
     return parts
 
