@@ -99,9 +99,12 @@ def histogram_edges(state):
     return edges, counts
 
 
-def window(state, bins: int, low: int, octaves: int):
+def window(state, bins: int, low: int, octaves: int, from_both_extremes: bool = False):
     """Signed edges ``(*P, 2W + 2)`` and counts ``(*P, 2W + 1)`` (float64, ascending) of the ``octaves``
     octaves below the largest magnitude at full resolution, everything smaller in one bucket at zero.
+    Edges are clamped to the extreme of their sign; ``from_both_extremes``: to the other extreme too
+    where it has the same sign (``min_val > 0``: no value lies below it), so a constant's bucket is its
+    one point (spread over its bucket, the entropy search clipped a constant by up to 1/128).
     """
     counts = flat_counts(state)
     num_buckets = counts.shape[-1]
@@ -127,6 +130,9 @@ def window(state, bins: int, low: int, octaves: int):
     magnitude_edges = torch.cat([lower, torch.full_like(lower[..., :1], math.inf)], dim=-1)  # width + 1
     neg = torch.minimum(magnitude_edges, (-state.min_val.double()).clamp(min=0).unsqueeze(-1))
     pos = torch.minimum(magnitude_edges, state.max_val.double().clamp(min=0).unsqueeze(-1))
+    if from_both_extremes:  # one-signed data starts at the other extreme
+        neg = torch.maximum(neg, (-state.max_val.double()).clamp(min=0).unsqueeze(-1))
+        pos = torch.maximum(pos, state.min_val.double().clamp(min=0).unsqueeze(-1))
     # the folded small values: one bucket [-floor_neg, floor_pos]
     edges = torch.cat([-neg.flip(-1), pos], dim=-1)  # (*P, 2 * (width + 1))
     small = (below[..., 0] + below[..., 1]).unsqueeze(-1)

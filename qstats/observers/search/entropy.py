@@ -121,7 +121,7 @@ def _abs_linear_histogram(state, num_linear: int):
     """A linear histogram of ``|x|`` over ``[0, absmax]`` (``num_linear`` bins), re-binned from
     the state's buckets under the piecewise-uniform model: ``(counts, edges)``."""
     bins, low, _ = config(state)
-    edges, counts = window(state, bins, low, 24)
+    edges, counts = window(state, bins, low, 24, from_both_extremes=True)
     mom = moments(edges, counts)
     absmax = torch.maximum(-state.min_val, state.max_val).double().clamp(min=0).unsqueeze(-1)
     steps = torch.arange(num_linear + 1, dtype=torch.float64, device=edges.device) / num_linear
