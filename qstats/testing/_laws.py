@@ -481,11 +481,27 @@ def _check_owns_its_state(obs, state, x: torch.Tensor, extra: tuple, same, with_
          "input was written to afterwards); copy what you keep of x (x.float() of a float32 x is x itself)")
 
 
+def _check_keeps_a_dirty_batch(obs, state, x: torch.Tensor, same) -> None:
+    """``update`` leaves a batch holding NaN and ±inf as it was (an update cleaning its input in place,
+    ``x.masked_fill_(~torch.isfinite(x), 0)``, writes only there: a clean batch never shows it);
+    skipped where the observer refuses the batch (``nonfinite="raise"``)."""
+    if not x.is_floating_point() or x.numel() < 3:
+        return
+    dirty = _dirty(x)
+    dirty_copy = dirty.clone()
+    try:
+        obs.update(state, dirty)
+    except ValueError:
+        return
+    same(dirty, dirty_copy, "update modified the input tensor, a batch holding NaN and ±inf (leave them out with "
+         "torch.where, not by writing into the batch)")
+
+
 def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tensor] = None,
                  batch_dims: int = 0) -> None:
     """Law 4: ``init``, ``update`` (with and without ``weight``), ``merge`` and ``compute_qparams`` never
-    modify their inputs and are deterministic; ``merge`` gets two distinct states in both orders.
-    ``weight`` defaults to a 0/1 row mask over ``xs[1]``.
+    modify their inputs (``xs[1]`` holding NaN and ±inf too) and are deterministic; ``merge`` gets two
+    distinct states in both orders. ``weight`` defaults to a 0/1 row mask over ``xs[1]``.
     """
     xs = _need(xs, 2, "check_purity", obs)
     name = _name(obs)
@@ -515,6 +531,7 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
             same(extra[0], extra_copy[0], "update modified the weight")
         same(first, second, f"update{with_weight} gave different results twice")
         _check_owns_its_state(obs, state, x1, extra, same, with_weight)
+    _check_keeps_a_dirty_batch(obs, state, x1, same)
     # two states of different batches: neither contains the other
     other = obs.update(init, x1)
     for left, right in ((state, other), (other, state)):
@@ -730,7 +747,7 @@ def _check_nonfinite_left_out(obs, x: torch.Tensor, state, name: str) -> Optiona
         return None
     dirty = _dirty(x)
     try:
-        got = obs.update(state, dirty)
+        got = obs.update(state, dirty.clone())  # a copy: an update writing into it is purity's to name
     except ValueError:  # the raise policy: non-finite values refused with a clear error
         return None
     except AssertionError:
