@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from .._granularity import PerBlock, PerTensor, TensorGroup
+from .._granularity import PerBlock, PerTensor, TensorGroup, qparam_shape
 from .._qparams import QParams, experts_qparams, per_expert_qparams
 from .._spec import QuantSpec
 from ..experts import linearized_layout_problem, own_parameters, stack_layout
@@ -74,6 +74,21 @@ def _row_slice(qp: QParams, spec: QuantSpec, start: int, stop: int, where: str) 
         start, stop = start // rows, stop // rows
     return QParams(*(field[start:stop] if field is not None and field.dim() >= 1 and name != "global_scale"
                      else field for name, field in zip(qp._fields, qp)))
+
+
+def _check_rows(qp: Optional[QParams], spec: Optional[QuantSpec], shape: tuple, where: str) -> None:
+    """ValueError naming ``where`` unless the stacked qparams ``qp`` (``[E, ...]``) have the rows ``spec``
+    gives a weight of per-expert ``shape``: gate and up rows cut from the qparams of a stack of other
+    rows (another intermediate size) pass each projection's own checks and write wrong scales."""
+    if qp is None or spec is None or isinstance(spec.granularity, PerTensor) or qp.scale.dim() < 2:
+        return
+    try:
+        rows = qparam_shape(shape, spec.granularity)[:1]
+    except ValueError:  # a granularity that does not fit the weight: each projection's own checks name it
+        return
+    if rows and qp.scale.shape[1] != rows[0]:
+        fail(where, f"qparams of scale shape {tuple(qp.scale.shape)} are not those of a stack of per-expert "
+             f"weights {shape} under {spec.granularity!r} ({rows[0]} rows per expert)")
 
 
 def _whole_block(qp: QParams, spec: QuantSpec, shape: tuple) -> tuple:
@@ -160,6 +175,8 @@ def expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: Ma
     unquantized into ``tensors``. ``dynamic``: activation sites whose scales come at run time.
     """
     first, up, down, biases, sites = _stacked_parameters(path, module, sites, num_experts)
+    for name, stack in ((first, up), ("down_proj", down)):
+        _check_rows(sites.get(name), specs.get(name), tuple(stack.shape[1:]), f"{path}/{name}")
     dtype = scale_dtype(up)
     # the routed hidden states: "<first>.input" equals "input"
     input_name = f"{first}.input" if f"{first}.input" in sites else "input"
