@@ -822,17 +822,30 @@ def _merged_parts(partial: list, parts: dict, group, device: torch.device) -> di
                 merged[path] = _merged_states(parts[path], received.get(path, []), holders, group)
             except ValueError as caught:
                 error = caught
-    if _min_over_ranks([-int(error is not None)], group)[0] != 0:
+    # obs.merge may return other dtypes or shapes than it was given (a moving average's float32 merge of
+    # bfloat16 states): the ranks receiving such merged states learn them first, or their buffers would not match
+    changed = {path: (_meta(states), templates[path][1]) for path, states in merged.items()
+               if _layout(states) != _layout(templates[path][0])}
+    flag = _min_over_ranks([-2 if error is not None else -1 if changed else 0], group)[0]
+    if flag == -2:
         ranks, errors = _gather_from_ranks(None if error is None else str(error), group)
         if error is not None:
             raise error
         raise ValueError(f"all_reduce: another rank's merge failed ({[e for e in errors if e][0][:2000]})")
+    if flag == -1:
+        for report in _gather_from_ranks(changed, group)[1]:
+            templates.update(report)
     out = {}
     for source in range(world):  # each first holder sends the merged states to every rank
         paths = [path for path, holders in partial if holders[0] == source]
         for path, part in _broadcast_parts(paths, merged, templates, source, group, device):
             out[path] = optree.tree_unflatten(templates[path][1], part)
     return _nested((path, out[path]) for path, _ in partial)
+
+
+def _layout(states: list) -> list:
+    """The types, shapes and dtypes of ``states``, which a broadcast of their bytes must agree on."""
+    return [(_structure(state), *((tuple(v.shape), v.dtype) for v in _values(state))) for state in states]
 
 
 def _runs(sizes: list) -> list:
