@@ -134,8 +134,11 @@ def histogram(state, qparams: Union[QParams, Mapping[str, QParams], None], spec:
     # the histogram drawn is read on the host: a GPU state met the CPU grid in torch.searchsorted
     state = HistogramState(*(field.cpu() for field in state))
     total = int(state.counts.sum() + state.underflow.sum() + state.overflow.sum())
-    if total == 0:
-        raise ValueError("qstats.plot.histogram: the state saw no data")
+    if total == 0:  # nothing to draw: no value seen, or only values its histogram left out
+        left_out = int(state.nonfinite.sum())
+        seen = (f"{left_out} value(s), all non-finite (NaN, ±inf, or float64 past float32's range), which "
+                "observers leave out" if left_out else "no value (an empty or fully masked batch, or none)")
+        raise ValueError(f"qstats.plot.histogram: the histogram holds no finite value to draw: it saw {seen}")
     lo, hi = float(state.min_val), float(state.max_val)
     bins, low, _ = geometry.config(state)
     edges, window_counts = geometry.window(state, bins, low, 24)
