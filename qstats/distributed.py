@@ -299,7 +299,9 @@ def _records(paths, states, plan, leaf_observers, devices: Optional[dict] = None
                               for name, v in fields)
         observed = (f"; observed for {_spec_words(obs.spec)}" if spec else "") + (
             f"; built with {options}" if options else "")
-        records.append((_where(path), key, f"a {type(state).__name__} ({merged}; {described}{observed})"))
+        # a nested state is named with its nested types, which may be all that differs between ranks
+        name = _structure(state) if any(map(is_named_tuple, state)) else type(state).__name__
+        records.append((_where(path), key, f"a {name} ({merged}; {described}{observed})"))
     return records
 
 
