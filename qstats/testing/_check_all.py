@@ -144,6 +144,9 @@ def _probe(make_x) -> torch.Tensor:
     if not isinstance(probe, torch.Tensor):
         raise TypeError(f"check_all: make_x(generator) must return one input batch (a tensor), got "
                         f"{type(probe).__name__}")
+    if probe.numel() == 0:  # every state would be init's: any observer, however broken, would pass
+        raise ValueError(f"check_all: make_x(generator) returned an empty tensor (shape {tuple(probe.shape)}): the laws "
+                         "compare the states of data; return batches holding values")
     if probe.is_meta:  # the laws compare values, which a meta tensor lacks
         raise ValueError("check_all: make_x(generator) returned a tensor on the meta device, which holds no values: "
                          "the laws compare the states of batches; return it on the device to check (cpu, cuda)")

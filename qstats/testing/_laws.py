@@ -189,6 +189,9 @@ def _need(xs: Sequence[torch.Tensor], count: int, law: str, obs) -> list:
         raise TypeError(f"{law}: xs is a list of input batches (tensors), got items of type {', '.join(strays)}")
     if len(xs) < count:
         raise ValueError(f"{law} needs at least {count} batches, got {len(xs)}")
+    if all(x.numel() == 0 for x in xs):  # every state would be init's: any observer would pass
+        raise ValueError(f"{law}: every batch of xs is empty (shapes {sorted({tuple(x.shape) for x in xs})}); the laws "
+                         "compare the states of data: pass batches holding values")
     return xs
 
 
