@@ -149,5 +149,5 @@ def entropy_search(state, spec: QuantSpec, num_bits=None, start_bin: int = 128, 
                         start_bin, stride)
     if spec.mapping == "asymmetric":
         return within_extremes(state, torch.maximum(state.min_val.double(), -amax),
-                               torch.minimum(state.max_val.double(), amax))
+                               torch.minimum(state.max_val.double(), amax), spec)
     return within_extremes(state, -amax, amax)

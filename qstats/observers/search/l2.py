@@ -17,7 +17,8 @@ import torch
 from ..._qparams import Range
 from ..._spec import QuantSpec
 from ..._torch_features import bitcast
-from ._geometry import bucket_edges, config, flat_counts, grid, in_chunks, is_symmetric, search_octaves, within_extremes
+from ._geometry import (bucket_edges, config, flat_counts, grid, in_chunks, inside_extremes, is_symmetric, may_exclude_zero,
+                        search_octaves, within_extremes)
 from .mse import mse_search
 
 __all__ = ["l2_search", "sign_windows", "sawtooth_error"]
@@ -255,7 +256,11 @@ def l2_search(state, spec: QuantSpec) -> Range:
         lo = torch.maximum(lo, state.min_val.double().clamp(max=0).unsqueeze(-1))
         hi = torch.minimum(hi, state.max_val.double().clamp(min=0).unsqueeze(-1))
         return within_extremes(state, *_exact_ranking(win, lo, hi, spec, bins))
-    lo, hi = _exact_ranking(win, *_asymmetric_finalists(win, model, spec, bins, octaves), spec, bins)
+    # ranges that need not hold zero: one-signed data's finalists start at its own end
+    lo, hi = inside_extremes(state, *_asymmetric_finalists(win, model, spec, bins, octaves), spec)
+    lo, hi = _exact_ranking(win, lo, hi, spec, bins)
+    if may_exclude_zero(spec):
+        return within_extremes(state, lo, hi, spec)
     # edges clamped to each sign's extreme: inside [min(min_val, 0), 0] and [0, max(max_val, 0)]
     # already (zeros when nothing was counted)
     return Range(lo.float(), hi.float(), state.min_val <= state.max_val)

@@ -15,7 +15,8 @@ import torch
 from ..._qparams import Range
 from ..._quant import _codes_float
 from ..._spec import QuantSpec
-from ._geometry import check_int, config, grid, in_chunks, is_symmetric, search_octaves, window, within_extremes
+from ._geometry import (check_int, config, grid, in_chunks, inside_extremes, is_symmetric, search_octaves, window,
+                        within_extremes)
 
 __all__ = ["mse_search", "exact_error", "float_grid_error"]
 
@@ -100,6 +101,7 @@ def mse_search(state, spec: QuantSpec, candidates: int = 128, per_octave: int = 
     if is_symmetric(spec) and spec.mapping != "symmetric_no_clipping_err":  # that one scales by the binding side
         absmax = torch.maximum(-lo, hi)
         lo, hi = -absmax, absmax
+    lo, hi = inside_extremes(state, lo, hi, spec)  # ranges that need not hold zero: from one-signed data's own end
     error = _scored(edges, counts, lo, hi, spec, 1)
     # floating-point grids: the best 8 and the full range scored again at 64 points per octave of
     # the buckets (the centres of 8 buckets per octave, as wide as fp8 e4m3's steps, alias its grid:
@@ -111,4 +113,5 @@ def mse_search(state, spec: QuantSpec, candidates: int = 128, per_octave: int = 
         lo, hi = torch.gather(lo, -1, finalists), torch.gather(hi, -1, finalists)
         error = _scored(edges, counts, lo, hi, spec, points)
     best = torch.argmin(error, -1, keepdim=True)
-    return within_extremes(state, torch.gather(lo, -1, best).squeeze(-1), torch.gather(hi, -1, best).squeeze(-1))
+    return within_extremes(state, torch.gather(lo, -1, best).squeeze(-1), torch.gather(hi, -1, best).squeeze(-1),
+                           spec)

@@ -76,4 +76,4 @@ def percentile_search(state, spec: QuantSpec, percentile: float = 99.99) -> Rang
     edges, counts = window(state, bins, low, high - low)  # every resolved octave, as above
     q = torch.tensor([1 - p, p], dtype=torch.float64, device=edges.device).expand(*counts.shape[:-1], 2)
     both = _quantile(moments(edges, counts), q.contiguous())
-    return within_extremes(state, both[..., 0], both[..., 1])
+    return within_extremes(state, both[..., 0], both[..., 1], spec)
