@@ -496,13 +496,17 @@ def _gather_and_fold(paths, states, plan, leaf_observers, group, world: int, res
 def _merge_named(obs: Observer, where: str, group, state, other, into, source: int):
     """``obs.merge(state, other)``, after ValueError naming the tree path and the ranks (in the world)
     where ``obs.merge`` refuses the pair (the constants of two ``fixed_qparams``, say: each rank's
-    state passed its own checks): ``other`` is rank ``source``'s, ``state`` merges ranks ``into``'s."""
+    state passed its own checks), or where it returns no state (its fields would be read from whatever
+    it returned): ``other`` is rank ``source``'s, ``state`` merges ranks ``into``'s."""
+    ranks = [_world_rank(group, i) for i in (*into, source)]
+    merging = f"merging the {type(other).__name__} of rank {ranks[-1]} at {where!r} into that of rank(s) {ranks[:-1]}"
     try:
-        return obs.merge(state, other)
+        merged = obs.merge(state, other)
     except Exception as error:
-        ranks = [_world_rank(group, i) for i in (*into, source)]
-        raise ValueError(f"all_reduce: {obs.name}.merge raised merging the {type(other).__name__} of rank "
-                         f"{ranks[-1]} at {where!r} into that of rank(s) {ranks[:-1]}: {error}") from error
+        raise ValueError(f"all_reduce: {obs.name}.merge raised {merging}: {error}") from error
+    if not _is_state(merged):
+        raise ValueError(f"all_reduce: {obs.name}.merge returned a {type(merged).__name__}, not a state, {merging}")
+    return merged
 
 
 def _world_rank(group, rank: int) -> int:
@@ -759,7 +763,8 @@ def merge_partial_sites(tree: Any, observers: Any, group: Optional[Any] = None, 
     without batches leaves parts on some ranks alone: each holder but the first sends its states
     to the first (one broadcast per rank and 64 MiB), which merges them with ``obs.merge`` in rank
     order and sends the result to every rank. Costs 2 all_gather_object, plus where parts are
-    missing a third, one small all_reduce and at most two broadcasts per rank.
+    missing a third, one small all_reduce and at most two broadcasts per rank (and a fourth
+    all_gather_object where an ``obs.merge`` returns other dtypes or shapes than it is given).
 
     Returns:
       ``(common, common_observers, merged)``: the parts every rank holds (nested dicts, in one order
@@ -817,17 +822,17 @@ def _merged_parts(partial: list, parts: dict, group, device: torch.device) -> di
         for path, part in _broadcast_parts(paths, local, templates, source, group, device):
             if first[path] == rank:
                 received.setdefault(path, []).append((source, part))
-    merged, error = {}, None
+    merged, changed, error = {}, {}, None
     for path, holders in partial:
         if holders[0] == rank and error is None:
             try:
                 merged[path] = _merged_states(parts[path], received.get(path, []), holders, group)
-            except ValueError as caught:
+                # obs.merge may return other dtypes or shapes than it was given (a moving average's float32
+                # merge of bfloat16 states): the ranks that receive them learn them first, or buffers differ
+                if _layout(merged[path]) != _layout(templates[path][0]):
+                    changed[path] = (_meta(merged[path]), templates[path][1])
+            except Exception as caught:  # raised below, once every rank knows
                 error = caught
-    # obs.merge may return other dtypes or shapes than it was given (a moving average's float32 merge of
-    # bfloat16 states): the ranks receiving such merged states learn them first, or their buffers would not match
-    changed = {path: (_meta(states), templates[path][1]) for path, states in merged.items()
-               if _layout(states) != _layout(templates[path][0])}
     flag = _min_over_ranks([-2 if error is not None else -1 if changed else 0], group)[0]
     if flag == -2:
         ranks, errors = _gather_from_ranks(None if error is None else str(error), group)

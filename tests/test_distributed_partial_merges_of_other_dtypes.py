@@ -38,9 +38,14 @@ def _total_merge(a, b):
     return Total(a.total.double() + b.total.double())  # sums in float64, whatever it is given
 
 
+def _total_merge_unwrapped(a, b):
+    return a.total + b.total  # a user's slip: the sum, not a Total of it
+
+
 TOTAL = qstats.Observer(lambda x: Total(torch.zeros(x.shape[-1])), _total_update, _total_merge, exact=False,
                         name="total")
 AVERAGE = qstats.moving_average_minmax(SPEC, 0.25)
+UNWRAPPED = TOTAL._replace(merge=_total_merge_unwrapped)
 
 
 def _state(name: str, rank: int):
@@ -68,6 +73,12 @@ def _rank(rank: int, port: int, out: str) -> None:
                     results[name] = merged["half"]["input"]
                 except Exception:
                     results[name] = traceback.format_exc()
+            for partial in (False, True):  # a merge returning no state: refused on every rank
+                tree = {"half": {"input": _state("total", rank)}} if rank < 2 or not partial else {}
+                try:
+                    results["unwrapped", partial] = distributed.all_reduce(tree, UNWRAPPED, partial=partial)
+                except ValueError as error:
+                    results["unwrapped", partial] = str(error)
     except Exception:
         results["crash"] = traceback.format_exc()
     torch.save(results, os.path.join(out, f"dtypes{rank}.pt"))
@@ -94,3 +105,10 @@ def test_every_rank_gets_the_merge_of_the_holders_in_its_dtypes(results, name, o
         assert type(got) is type(want)
         for a, b in zip(got, want, strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b), (rank, a, b)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_merge_returning_no_state_is_refused_on_every_rank(results, partial):
+    assert isinstance(UNWRAPPED.merge(_state("total", 0), _state("total", 1)), torch.Tensor)  # the reference
+    for rank, error in enumerate(r["unwrapped", partial] for r in results):
+        assert isinstance(error, str) and "total.merge returned a Tensor, not a state" in error, (rank, error)
