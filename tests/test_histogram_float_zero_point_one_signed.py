@@ -61,3 +61,19 @@ def test_every_search_keeps_one_signed_rows_own_end(method):
     # percentile clips the tails it is asked to; the searches rank the observed range too
     bound = 1.5 if method == "percentile" else 1 + 1e-6
     assert bool((mine[:3] <= theirs[:3] * bound).all()), (mine / theirs).tolist()
+
+
+def test_moments_mean_std_range_of_a_float_zero_point_is_mean_plus_minus_k_std():
+    """``"mean_std"`` widened ``[mean - k std, mean + k std]`` to hold zero too: for rows in [1.7, 2.3]
+    the range [0, 2.4] instead of [1.6, 2.4] (k=3). Against that range computed with torch and mapped
+    by torch.ao's float-qparams ``calculate_qparams``."""
+    w = _rows()
+    spec = qstats.QuantSpec.from_torch_ao(torch.quint8, torch.per_channel_affine_float_qparams, ch_axis=0)
+    observer = qstats.moments(spec)
+    qparams = qstats.compute_qparams(observer.update(observer.init(w), w), spec, method="mean_std", k=3.0)
+    mean, std = w.double().mean(1), w.double().std(1, unbiased=False)
+    reference = ao.PerChannelMinMaxObserver(ch_axis=0, dtype=torch.quint8, qscheme=torch.per_channel_affine_float_qparams)
+    reference.min_val, reference.max_val = (mean - 3 * std).float(), (mean + 3 * std).float()
+    scale, zero_point = reference.calculate_qparams()
+    torch.testing.assert_close(qparams.scale, scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(qparams.zero_point, zero_point, rtol=1e-5, atol=1e-3)

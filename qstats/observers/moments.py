@@ -22,6 +22,7 @@ from .._spec import QuantSpec
 from ._base import Observer, check_field_dtype, check_same_shapes, check_state, register_state
 from .kit import check_spec, masked_view
 from .search import check_options, register_search, search
+from .search._geometry import may_exclude_zero
 
 __all__ = ["MomentsState", "moments"]
 
@@ -212,14 +213,17 @@ def moments(spec: QuantSpec, p: float = 4.0) -> Observer:
     return Observer(init_fn, update_fn, merge_fn, exact=True, spec=spec, name="moments", state_type=MomentsState)
 
 
-def _as_float32_range(state: MomentsState, lo: torch.Tensor, hi: torch.Tensor) -> Range:
-    """``[min(lo, 0), max(hi, 0)]`` in float32; calibrated where the state counted values. ``k``
+def _as_float32_range(state: MomentsState, lo: torch.Tensor, hi: torch.Tensor, spec: Optional[QuantSpec] = None) -> Range:
+    """``[min(lo, 0), max(hi, 0)]`` in float32 (``[lo, hi]`` for a ``spec`` whose ranges need not hold
+    zero, a float zero point: `may_exclude_zero`); calibrated where the state counted values. ``k``
     standard deviations may reach past float32 (float64 moments): the largest float32 there, not
     an infinite range that would read as uncalibrated."""
     zero = torch.zeros_like(lo)
     largest = torch.finfo(torch.float32).max
-    lo = torch.minimum(lo, zero).clamp(min=-largest).float()
-    hi = torch.maximum(hi, zero).clamp(max=largest).float()
+    if spec is None or not may_exclude_zero(spec):
+        lo, hi = torch.minimum(lo, zero), torch.maximum(hi, zero)
+    lo = lo.clamp(min=-largest).float()
+    hi = hi.clamp(max=largest).float()
     return Range(lo, hi, state.count > 0)
 
 
@@ -239,7 +243,7 @@ def mean_std_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = N
     """``"mean_std"``: ``[mean - k * std, mean + k * std]`` (``k=3``; the population std of x, not Brevitas'
     ``MeanSigmaStd`` of |x|)."""
     k = _multiple(k, 3.0)
-    return _as_float32_range(state, state.mean - k * state.std, state.mean + k * state.std)
+    return _as_float32_range(state, state.mean - k * state.std, state.mean + k * state.std, spec)
 
 
 def rms_search(state: MomentsState, spec: QuantSpec, k: Optional[float] = None) -> Range:
