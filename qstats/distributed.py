@@ -416,10 +416,12 @@ def all_reduce(
         # torch's collectives
         return tree
 
-    results: list[list[Optional[torch.Tensor]]] = [[None] * len(_values(s)) for s in states]
+    # per state its fields, or where it folds the state obs.merge returns (of the class it returns)
+    results: list = [[None] * len(_values(s)) for s in states]
     _reduce_elementwise(states, plan, group, results)
     _gather_and_fold(paths, states, plan, leaf_observers, group, world, results)
-    new_states = [_rebuild(state, iter(fields)) for state, fields in zip(states, results)]
+    new_states = [result if _is_state(result) else _rebuild(state, iter(result))
+                  for state, result in zip(states, results)]
     return optree.tree_unflatten(treespec, new_states)
 
 
@@ -490,7 +492,7 @@ def _gather_and_fold(paths, states, plan, leaf_observers, group, world: int, res
         obs, where, merged = leaf_observers[i], _where(paths[i]), per_rank[0][k]
         for rank in range(1, world):  # in rank order
             merged = _merge_named(obs, where, group, merged, per_rank[rank][k], range(rank), rank)
-        results[i] = _values(merged)
+        results[i] = merged
 
 
 def _merge_named(obs: Observer, where: str, group, state, other, into, source: int):

@@ -8,6 +8,7 @@ match, gloo aborted them (SIGABRT) and rank 0 raised a RuntimeError of ``split_w
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import traceback
@@ -42,10 +43,19 @@ def _total_merge_unwrapped(a, b):
     return a.total + b.total  # a user's slip: the sum, not a Total of it
 
 
+class Merged(NamedTuple):
+    total: torch.Tensor
+
+
+def _total_merge_relabelled(a, b):
+    return Merged(a.total + b.total)  # a state of another class than it is given
+
+
 TOTAL = qstats.Observer(lambda x: Total(torch.zeros(x.shape[-1])), _total_update, _total_merge, exact=False,
                         name="total")
 AVERAGE = qstats.moving_average_minmax(SPEC, 0.25)
 UNWRAPPED = TOTAL._replace(merge=_total_merge_unwrapped)
+RELABELLED = TOTAL._replace(merge=_total_merge_relabelled)
 
 
 def _state(name: str, rank: int):
@@ -79,6 +89,9 @@ def _rank(rank: int, port: int, out: str) -> None:
                     results["unwrapped", partial] = distributed.all_reduce(tree, UNWRAPPED, partial=partial)
                 except ValueError as error:
                     results["unwrapped", partial] = str(error)
+            for partial in (False, True):  # a merge returning a state of another class
+                tree = {"half": {"input": _state("total", rank)}} if rank < 2 or not partial else {}
+                results["relabelled", partial] = distributed.all_reduce(tree, RELABELLED, partial=partial)
     except Exception:
         results["crash"] = traceback.format_exc()
     torch.save(results, os.path.join(out, f"dtypes{rank}.pt"))
@@ -112,3 +125,13 @@ def test_a_merge_returning_no_state_is_refused_on_every_rank(results, partial):
     assert isinstance(UNWRAPPED.merge(_state("total", 0), _state("total", 1)), torch.Tensor)  # the reference
     for rank, error in enumerate(r["unwrapped", partial] for r in results):
         assert isinstance(error, str) and "total.merge returned a Tensor, not a state" in error, (rank, error)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_merge_returning_another_class_gives_that_class(results, partial):
+    holders = range(2 if partial else 3)
+    want = functools.reduce(RELABELLED.merge, [_state("total", rank) for rank in holders])
+    assert type(want) is Merged
+    for r in results:
+        got = r["relabelled", partial]["half"]["input"]
+        assert type(got) is Merged and torch.equal(got.total, want.total), (partial, got, want)
