@@ -64,7 +64,8 @@ def _grad_modes(rank: int) -> dict:
 def _merge(rank: int, states: dict) -> dict:
     observers = {"minmax": MINMAX, "average": AVERAGE}
     whole = distributed.all_reduce(states, observers)
-    partial = distributed.all_reduce({"only0": {"input": states["average"]}} if rank == 0 else {}, AVERAGE, partial=True)
+    only0 = {"only0": {"input": states["average"]}} if rank == 0 else {}
+    partial = distributed.all_reduce(only0, AVERAGE, partial=True)
     return {**whole, "only0": partial["only0"]["input"]}
 
 
@@ -111,7 +112,8 @@ def results(tmp_path_factory):
 
 
 def _equal(got, want) -> bool:
-    return type(got) is type(want) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    return type(got) is type(want) and all(a.dtype == b.dtype and torch.equal(a, b)
+                                           for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "made under inference_mode"])

@@ -74,8 +74,8 @@ def results(tmp_path_factory):
 def test_other_containers_at_one_key_are_named_on_every_rank(results, case):
     subtrees = [_tree(rank, case)["a"]["input"] for rank in range(2)]
     # a rank holding a dict there holds its entries as parts of their own: the message says "a dict"
-    held = ["a dict" if isinstance(subtree, dict) else str(optree.tree_structure(subtree, is_leaf=distributed.is_named_tuple))
-            for subtree in subtrees]
+    held = ["a dict" if isinstance(subtree, dict)
+            else str(optree.tree_structure(subtree, is_leaf=distributed.is_named_tuple)) for subtree in subtrees]
     for rank, error in enumerate(r[case] for r in results):
         assert "different state trees" in error and "'a/input'" in error, (rank, error)
         assert all(spec in error for spec in held), (rank, held, error)
