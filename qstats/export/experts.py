@@ -180,6 +180,7 @@ def expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: Ma
     dtype = scale_dtype(up)
     # the routed hidden states: "<first>.input" equals "input"
     input_name = f"{first}.input" if f"{first}.input" in sites else "input"
+    _check_one_input(path, sites, specs, ("input", f"{first}.input"))
     sites = {site: fill_uncovered_experts(qp, specs.get(site)) if site in _INPUT_SITES else qp
              for site, qp in sites.items()}
 
@@ -226,6 +227,22 @@ def expert_entries(path: str, module: torch.nn.Module, sites: Mapping, specs: Ma
         entries += [Entry(f"{prefix}.{name}", weight, dtype, entry_sites, experts=(path, name))
                     for name, weight, entry_sites in projections]
     return entries
+
+
+def _check_one_input(path: str, sites: Mapping, specs: Mapping, names: tuple) -> None:
+    """ValueError naming both when the sites ``names`` (``"input"`` and ``"<first>.input"``: the same rows)
+    hold other qparams or specs: `qstats.fake_quantized` quantizes the rows under each in turn, and a
+    checkpoint holds one input scale per projection."""
+    held = [name for name in names if sites.get(name) is not None]
+    if len(held) < 2:
+        return
+    (a, b), (spec_a, spec_b) = (sites[n] for n in held), (specs.get(n) for n in held)
+    same = spec_a == spec_b and all(
+        (x is None) == (y is None) and (x is None or (x.shape == y.shape and torch.equal(x, y))) for x, y in zip(a, b))
+    if not same:
+        fail(f"{path}/{held[1]}", f"sites {held[0]!r} and {held[1]!r} both quantize the rows {held[1].split('.')[0]} "
+             "multiplies, with other qparams or specs; qstats.fake_quantized applies both in turn, a checkpoint holds "
+             "one input scale per projection: keep one of them")
 
 
 def _up_rows(first: str, intermediate: int) -> tuple:
