@@ -54,10 +54,12 @@ def check_all(
 
     from . import strategies
 
-    laws = (laws,) if isinstance(laws, str) else tuple(laws)  # laws="vmap" is one law, not four letters
-    unknown = sorted(set(laws) - set(LAWS))
-    if unknown:
-        raise ValueError(f"check_all: unknown laws {unknown}; known: {LAWS}")
+    laws = _law_names(laws)
+    # a truthy string ("no") checked an order-dependent observer as exact, None skipped the sequential form
+    for name, flag in (("exact", exact), ("accumulates", accumulates), ("compile", compile)):
+        if not isinstance(flag, bool) and not (name == "exact" and flag is None):
+            raise TypeError(f"check_all: {name} must be True or False{' (or None: obs.exact)' if name == 'exact' else ''}, "
+                            f"got {flag!r}")
     _laws.check_observer(obs, "check_all")
     probe = _probe(make_x)
     exact = obs.exact if exact is None else exact
@@ -110,6 +112,23 @@ def check_all(
     if compile:
         generator = torch.Generator().manual_seed(0)
         _laws.check_compile(obs, [make_x(generator) for _ in range(2)], approx_fields=approx_fields)
+
+
+def _law_names(laws) -> tuple:
+    """``laws`` as a tuple of names of `LAWS` (a string is one law: "vmap", not four letters), after
+    ValueError for an unknown or no name (with none, every observer passed) and TypeError for what is
+    no name or collection of them (None)."""
+    if isinstance(laws, str):
+        laws = (laws,)
+    elif not isinstance(laws, (tuple, list, set, frozenset)):
+        raise TypeError(f"check_all: laws must be a law's name or a collection of them (of {LAWS}), got {laws!r}")
+    laws = tuple(laws)
+    unknown = sorted(map(repr, set(laws) - set(LAWS)))
+    if unknown:
+        raise ValueError(f"check_all: unknown laws [{', '.join(unknown)}]; known: {LAWS}")
+    if not laws:
+        raise ValueError(f"check_all: laws is empty, so no law would be checked; name one or more of {LAWS}")
+    return laws
 
 
 def _with_nonfinite(obs, xs: list, index: int, position: int) -> list:
