@@ -178,7 +178,7 @@ def _check_signatures(obs, law: str) -> None:
                                  f"({error})") from None
 
 
-def _need(xs: Sequence[torch.Tensor], count: int, law: str, obs) -> list:
+def _need(xs: Sequence[torch.Tensor], count: int, law: str, obs, batch_dims: int = 0) -> list:
     _check_signatures(obs, law)
     if isinstance(xs, torch.Tensor):  # its rows would be the batches, of another shape than the tensor
         raise TypeError(f"{law}: xs is a list of input batches, got a tensor of shape {tuple(xs.shape)} "
@@ -192,13 +192,19 @@ def _need(xs: Sequence[torch.Tensor], count: int, law: str, obs) -> list:
     if all(x.numel() == 0 for x in xs):  # every state would be init's: any observer would pass
         raise ValueError(f"{law}: every batch of xs is empty (shapes {sorted({tuple(x.shape) for x in xs})}); the laws "
                          "compare the states of data: pass batches holding values")
+    ndim = xs[0].ndim
+    # -1 or a bool failed deep in a weight check, past the batches' dimensions as an IndexError
+    if not isinstance(batch_dims, int) or isinstance(batch_dims, bool) or batch_dims < 0 or 0 < ndim <= batch_dims:
+        raise ValueError(f"{law}: batch_dims must be an int from 0 to {max(ndim - 1, 0)} (leading dimensions of the "
+                         f"batches, of shape {tuple(xs[0].shape)}, that index independent slices, each with its rows "
+                         f"after them), got {batch_dims!r}")
     return xs
 
 
-def _batches_and_init(obs, xs: Sequence[torch.Tensor], count: int, law: str) -> tuple[list, Any]:
-    """``xs`` as a list of at least ``count`` batches (a ValueError naming ``law`` otherwise) and the
-    identity state ``obs.init(xs[0])`` that the law starts from."""
-    xs = _need(xs, count, law, obs)
+def _batches_and_init(obs, xs: Sequence[torch.Tensor], count: int, law: str, batch_dims: int = 0) -> tuple[list, Any]:
+    """``xs`` as a list of at least ``count`` batches (a ValueError naming ``law`` otherwise, or naming a
+    ``batch_dims`` they do not have) and the identity state ``obs.init(xs[0])`` that the law starts from."""
+    xs = _need(xs, count, law, obs, batch_dims)
     return xs, obs.init(xs[0])
 
 
@@ -309,7 +315,7 @@ def check_homomorphism(obs, xs: Sequence[torch.Tensor], splits: Optional[Sequenc
       the first two (an attention mask) splits the values as a row weight does, and one leaving out the
       first token equals the batch without it, where that batch keeps the parameter shape.
     """
-    xs, init = _batches_and_init(obs, xs, 2, "check_homomorphism")
+    xs, init = _batches_and_init(obs, xs, 2, "check_homomorphism", batch_dims)
 
     def check(actual, expected, equation: str, magnitudes=(), approx=approx_fields):
         assert_states_equal(actual, expected, approx_fields=approx, magnitudes=magnitudes,
@@ -506,7 +512,7 @@ def check_purity(obs, xs: Sequence[torch.Tensor], *, weight: Optional[torch.Tens
     modify their inputs (``xs[1]`` holding NaN and ±inf too) and are deterministic; ``merge`` gets two
     distinct states in both orders. ``weight`` defaults to a 0/1 row mask over ``xs[1]``.
     """
-    xs = _need(xs, 2, "check_purity", obs)
+    xs = _need(xs, 2, "check_purity", obs, batch_dims)
     name = _name(obs)
 
     def same(actual, expected, what):
@@ -588,7 +594,7 @@ def check_stability(obs, xs: Sequence[torch.Tensor], *, batch_dims: int = 0) -> 
     leaves ``init`` unchanged for every input dtype, and a 0/1 weight observes as the rows (or tokens) it
     keeps (`_check_weight_leaves_rows_out`, for order-dependent observers too); the state type is registered, its leaves are
     tensors, floats are float32 or wider, integers int64."""
-    xs, init = _batches_and_init(obs, xs, 1, "check_stability")
+    xs, init = _batches_and_init(obs, xs, 1, "check_stability", batch_dims)
     name = _name(obs)
     _check_state_leaves(init, name)
 
@@ -913,7 +919,7 @@ def check_vmap(obs, xs: Sequence[torch.Tensor], *, weights: bool = True, approx_
     ``fake_quantize`` are also vmapped over those dimensions, and each of their slices must be observed
     alike and independently of the others (see the module docstring).
     """
-    xs, init = _batches_and_init(obs, xs, 2, "check_vmap")
+    xs, init = _batches_and_init(obs, xs, 2, "check_vmap", batch_dims)
     name = _name(obs)
     states = [obs.update(init, x) for x in xs]
     if batch_dims:
