@@ -230,3 +230,20 @@ def test_uniform_imatrix_mse_on_bf16_weights_equals_llm_compressor_fallback(with
     qp = qstats.compute_qparams(obs.update(obs.init(w), w), spec)
     assert torch.equal(qp.scale, scale.reshape(qp.scale.shape))
     assert torch.equal(qp.zero_point.to(zero_point.dtype), zero_point.reshape(qp.zero_point.shape))
+
+
+@pytest.mark.parametrize("expand", [0.5, float("nan"), float("inf"), True])
+def test_expand_below_one_is_refused_naming_imatrix_mse(expand):
+    """As llm-compressor's mse observers refuse it (its imatrix_mse takes it: docs/differences.md); the
+    error named qstats.mse, which the user did not call."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmcompressor.observers import Observer
+
+    if expand == 0.5:
+        args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="channel",
+                                observer="memoryless_mse", observer_kwargs={"expand": expand})
+        with pytest.raises(ValueError, match="expand"):
+            Observer.load_from_registry("memoryless_mse", base_name="weight", args=args)
+    spec = qstats.QuantSpec(dtype="int4", granularity=qstats.PerAxis(0))
+    with pytest.raises(ValueError, match="^imatrix_mse: expand must be"):
+        qstats.imatrix_mse(spec, (4, 16), None, expand=expand)
