@@ -25,6 +25,7 @@ import torch
 
 from .. import distributed
 from .. import tree as qtree
+from .._checks import as_index
 from .._qparams import NoStatistics, compute_qparams
 from .._quant import fake_quantize
 from .._spec import QuantSpec
@@ -328,7 +329,7 @@ def check_homomorphism(obs, xs: Sequence[torch.Tensor], splits: Optional[Sequenc
         if splits is None:
             splits = [[i] for i in range(1, len(xs))] + [list(range(1, len(xs)))]
         for cuts in splits:
-            bounds = [0, *sorted(set(int(c) for c in cuts if 0 < int(c) < len(xs))), len(xs)]
+            bounds = _split_bounds(cuts, len(xs))
             folds = [functools.reduce(obs.update, xs[lo:hi], init) for lo, hi in zip(bounds[:-1], bounds[1:])]
             check(functools.reduce(obs.merge, folds), sequential,
                   f"(merge of per-group states for split {list(cuts)} vs sequential updates)", terms + folds)
@@ -340,6 +341,24 @@ def check_homomorphism(obs, xs: Sequence[torch.Tensor], splits: Optional[Sequenc
     # an observer keeping only the latest batch keeps a seen state's parameters that a batch leaves out
     _check_weight_split(obs, a, init, states if accumulates else states[:1], check, batch_dims)
     _check_token_weight(obs, a, init, states if accumulates else states[:1], check, batch_dims)
+
+
+def _split_bounds(cuts, count: int) -> list:
+    """``[0, *cuts, count]`` for one split of ``count`` batches, after TypeError for a split that is no
+    list of cut points (``splits=[1]`` for ``[[1]]``) and ValueError for a cut that is no int from 1 to
+    ``count - 1``: such cuts were dropped in silence, and a split left with none compared the merge of
+    one fold with that fold, which holds for any observer."""
+    try:
+        cuts = list(cuts)
+    except TypeError:
+        raise TypeError(f"check_homomorphism: splits is a list of cut-point lists ([[1], [1, 2]]), got the split "
+                        f"{cuts!r}") from None
+    indices = [as_index(cut) for cut in cuts]
+    bad = [cut for cut, index in zip(cuts, indices) if index is None or not 0 < index < count]
+    if bad:
+        raise ValueError(f"check_homomorphism: cut points must be ints from 1 to {count - 1} (between the {count} "
+                         f"batches), got {bad} in the split {cuts}")
+    return [0, *sorted(set(indices)), count]
 
 
 def _check_concatenation(obs, a: torch.Tensor, b: torch.Tensor, dim: int, init, states, check,
