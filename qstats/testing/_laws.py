@@ -125,6 +125,9 @@ def assert_states_equal(actual: Any, expected: Any, *, approx_fields: Optional[I
       AssertionError: naming the path of the first differing leaf and how it differs.
     """
     prefix = f"{message}: " if message else ""
+    # NaN or inf passed every difference (a difference > NaN is False), a negative one failed equal states
+    if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 <= rtol < math.inf:
+        raise ValueError(f"assert_states_equal: rtol must be a finite non-negative number, got {rtol!r}")
     try:
         qtree.assert_same_structure(actual, expected, name="state")
     except ValueError as error:
