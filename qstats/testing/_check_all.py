@@ -58,8 +58,8 @@ def check_all(
     # a truthy string ("no") checked an order-dependent observer as exact, None skipped the sequential form
     for name, flag in (("exact", exact), ("accumulates", accumulates), ("compile", compile)):
         if not isinstance(flag, bool) and not (name == "exact" and flag is None):
-            raise TypeError(f"check_all: {name} must be True or False{' (or None: obs.exact)' if name == 'exact' else ''}, "
-                            f"got {flag!r}")
+            allowed = "True, False or None (obs.exact)" if name == "exact" else "True or False"
+            raise TypeError(f"check_all: {name} must be {allowed}, got {flag!r}")
     _laws.check_observer(obs, "check_all")
     probe = _probe(make_x)
     exact = obs.exact if exact is None else exact
@@ -164,8 +164,8 @@ def _probe(make_x) -> torch.Tensor:
         raise TypeError(f"check_all: make_x(generator) must return one input batch (a tensor), got "
                         f"{type(probe).__name__}")
     if probe.numel() == 0:  # every state would be init's: any observer, however broken, would pass
-        raise ValueError(f"check_all: make_x(generator) returned an empty tensor (shape {tuple(probe.shape)}): the laws "
-                         "compare the states of data; return batches holding values")
+        raise ValueError(f"check_all: make_x(generator) returned an empty tensor (shape {tuple(probe.shape)}): the "
+                         "laws compare the states of data; return batches holding values")
     if probe.is_meta:  # the laws compare values, which a meta tensor lacks
         raise ValueError("check_all: make_x(generator) returned a tensor on the meta device, which holds no values: "
                          "the laws compare the states of batches; return it on the device to check (cpu, cuda)")
