@@ -46,3 +46,18 @@ def test_stability_leaves_that_to_purity_and_the_observer_without_the_write_pass
     testing.check_purity(factory(SPEC), _batches())
     with pytest.raises(AssertionError, match="purity"):
         testing.check_all(_cleans_its_batch(), lambda g: torch.randn(6, 16, generator=g), max_examples=5)
+
+
+def test_an_update_that_refuses_nan_with_another_error_fails_stability_naming_it():
+    # purity leaves a refused dirty batch to stability, whose message says how to refuse (a ValueError)
+    obs = qstats.minmax(SPEC)
+
+    def update(state, x, weight=None):
+        if not bool(torch.isfinite(x).all()):
+            raise RuntimeError("found a NaN")
+        return obs.update(state, x, weight)
+
+    broken = obs._replace(update=update, name="refuses_with_runtime_error")
+    testing.check_purity(broken, _batches())
+    with pytest.raises(AssertionError, match="refuses_with_runtime_error: stability: update with a batch holding NaN"):
+        testing.check_stability(broken, _batches())
