@@ -49,3 +49,21 @@ def test_laws_that_are_no_names_are_refused():
 def test_flags_that_are_not_bools_are_refused(name, value):
     with pytest.raises(TypeError, match=f"check_all: {name} must be True"):
         testing.check_all(MINMAX, _make_x, max_examples=2, **{name: value})
+
+
+
+def _writes_its_state():
+    def update(state, x, weight=None):
+        new = MINMAX.update(state, x, weight)
+        state.max_val.copy_(new.max_val)  # a bug: writes into the state it was given
+        return new
+
+    return MINMAX._replace(update=update, name="writes")
+
+
+@pytest.mark.parametrize("laws", [lambda: (law for law in ("identity", "purity")),
+                                  lambda: {"identity": 1, "purity": 2}.keys()])
+def test_laws_from_a_generator_or_dict_keys_are_run(laws):
+    testing.check_all(MINMAX, _make_x, laws=laws(), max_examples=2)
+    with pytest.raises(AssertionError, match="writes: purity: update modified the state"):
+        testing.check_all(_writes_its_state(), _make_x, laws=laws(), max_examples=2)

@@ -118,11 +118,11 @@ def _law_names(laws) -> tuple:
     """``laws`` as a tuple of names of `LAWS` (a string is one law: "vmap", not four letters), after
     ValueError for an unknown or no name (with none, every observer passed) and TypeError for what is
     no name or collection of them (None)."""
-    if isinstance(laws, str):
-        laws = (laws,)
-    elif not isinstance(laws, (tuple, list, set, frozenset)):
-        raise TypeError(f"check_all: laws must be a law's name or a collection of them (of {LAWS}), got {laws!r}")
-    laws = tuple(laws)
+    try:
+        laws = (laws,) if isinstance(laws, str) else tuple(laws)  # a generator or dict keys too
+    except TypeError:
+        raise TypeError(f"check_all: laws must be a law's name or a collection of them (of {LAWS}), "
+                        f"got {laws!r}") from None
     unknown = sorted(map(repr, set(laws) - set(LAWS)))
     if unknown:
         raise ValueError(f"check_all: unknown laws [{', '.join(unknown)}]; known: {LAWS}")
