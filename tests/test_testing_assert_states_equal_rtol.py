@@ -9,6 +9,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+import qstats
 from qstats import testing
 from qstats.observers import kit
 
@@ -37,3 +38,12 @@ def test_a_finite_rtol_bounds_the_difference_by_the_largest_magnitude(rtol):
     else:
         with pytest.raises(AssertionError, match="state.total differs by"):
             testing.assert_states_equal(A, B, rtol=rtol)
+
+
+def test_numpy_numbers_are_taken_as_rtol_and_batch_dims():
+    numpy = pytest.importorskip("numpy")
+    testing.assert_states_equal(A, A, rtol=numpy.float32(1e-5))  # a numpy float32 is no Python float
+    with pytest.raises(AssertionError, match="state.total differs by"):
+        testing.assert_states_equal(A, B, rtol=numpy.float32(1e-5))
+    obs = qstats.minmax(qstats.QuantSpec())
+    testing.check_purity(obs, [torch.randn(4, 8), torch.randn(4, 8)], batch_dims=numpy.int64(0))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 from typing import Any, Iterable, Optional, Sequence
 
 import optree
@@ -126,7 +127,7 @@ def assert_states_equal(actual: Any, expected: Any, *, approx_fields: Optional[I
     """
     prefix = f"{message}: " if message else ""
     # NaN or inf passed every difference (a difference > NaN is False), a negative one failed equal states
-    if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 <= rtol < math.inf:
+    if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not 0 <= float(rtol) < math.inf:
         raise ValueError(f"assert_states_equal: rtol must be a finite non-negative number, got {rtol!r}")
     try:
         qtree.assert_same_structure(actual, expected, name="state")
@@ -198,7 +199,8 @@ def _need(xs: Sequence[torch.Tensor], count: int, law: str, obs, batch_dims: int
                          "compare the states of data: pass batches holding values")
     ndim = xs[0].ndim
     # -1 or a bool failed deep in a weight check, past the batches' dimensions as an IndexError
-    if not isinstance(batch_dims, int) or isinstance(batch_dims, bool) or batch_dims < 0 or 0 < ndim <= batch_dims:
+    index = as_index(batch_dims)  # an int (numpy's too), not a bool
+    if index is None or index < 0 or 0 < ndim <= index:
         raise ValueError(f"{law}: batch_dims must be an int from 0 to {max(ndim - 1, 0)} (leading dimensions of the "
                          f"batches, of shape {tuple(xs[0].shape)}, that index independent slices, each with its rows "
                          f"after them), got {batch_dims!r}")
