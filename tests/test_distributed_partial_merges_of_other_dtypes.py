@@ -1,6 +1,7 @@
 """``qstats.distributed.all_reduce(..., partial=True)`` on 3 gloo ranks, a site held by ranks 0 and 1
-only, whose ``obs.merge`` returns other dtypes than it is given: `qstats.moving_average_minmax` merges
-bfloat16 states into float32 ones, and an observer of the user's sums float32 totals in float64.
+only, whose ``obs.merge`` returns other dtypes than it is given (an observer of the user's sums float32
+totals in float64), or refuses the states (`qstats.moving_average_minmax` refuses bfloat16 ones, as its
+update does).
 Every rank gets ``obs.merge(state of rank 0, state of rank 1)``, bit for bit, as the docs promise
 (docs/distributed.md: "merged from them with obs.merge in rank order"). Before, rank 0 broadcast
 the merged bytes in the shapes of the states it had been given: the other ranks' buffers did not
@@ -109,11 +110,10 @@ def results(tmp_path_factory):
     return ranks
 
 
-@pytest.mark.parametrize("name, obs", [("total", TOTAL), ("moving average", AVERAGE)])
-def test_every_rank_gets_the_merge_of_the_holders_in_its_dtypes(results, name, obs):
-    want = obs.merge(_state(name, 0), _state(name, 1))
-    assert [v.dtype for v in want] != [v.dtype for v in _state(name, 0)]  # the merge changes dtypes
-    for rank, got in enumerate(r[name] for r in results):
+def test_every_rank_gets_the_merge_of_the_holders_in_its_dtypes(results):
+    want = TOTAL.merge(_state("total", 0), _state("total", 1))
+    assert [v.dtype for v in want] != [v.dtype for v in _state("total", 0)]  # the merge changes dtypes
+    for rank, got in enumerate(r["total"] for r in results):
         assert not isinstance(got, str), (rank, got)
         assert type(got) is type(want)
         for a, b in zip(got, want, strict=True):
@@ -135,3 +135,10 @@ def test_a_merge_returning_another_class_gives_that_class(results, partial):
     for r in results:
         got = r["relabelled", partial]["half"]["input"]
         assert type(got) is Merged and torch.equal(got.total, want.total), (partial, got, want)
+
+
+def test_a_merge_refusing_the_holders_states_raises_on_every_rank(results):
+    with pytest.raises(ValueError, match="merge of MovingAverageMinMaxStates: the state's min_val is a torch.bfloat16"):
+        AVERAGE.merge(_state("moving average", 0), _state("moving average", 1))  # the reference
+    for rank, got in enumerate(r["moving average"] for r in results):
+        assert isinstance(got, str) and "merge of MovingAverageMinMaxStates" in got, (rank, got)

@@ -175,13 +175,14 @@ def moving_extremes_update(spec: QuantSpec, step: Callable, where: str, batch_ra
 def merge_moving_extremes(a, b):
     """The merge of two moving averages of extremes (fields ``min_val, max_val, batches, count,
     nonfinite``, as `MovingAverageMinMaxState`): the extremes' batch-weighted means
-    (`batch_weighted_mean`), the batches and counts added. The caller checks the states."""
+    (`batch_weighted_mean`), the batches and counts added. The caller checks the states; states of
+    other dtypes than init's are refused as `kept_dtypes` refuses them in ``update``."""
 
     def mean(u, v):
         return batch_weighted_mean(u, v, a.batches, b.batches)
 
-    return type(a)(mean(a.min_val, b.min_val), mean(a.max_val, b.max_val), a.batches + b.batches,
-                   a.count + b.count, a.nonfinite + b.nonfinite)
+    return kept_dtypes(a, type(a)(mean(a.min_val, b.min_val), mean(a.max_val, b.max_val), a.batches + b.batches,
+                                  a.count + b.count, a.nonfinite + b.nonfinite), f"merge of {type(a).__name__}s")
 
 
 def check_averaging_constant(averaging_constant, where: str) -> float:
