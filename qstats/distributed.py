@@ -376,13 +376,16 @@ def all_reduce(
 
     Raises:
       TypeError: ``exact``, ``check`` or ``partial`` is not True or False, before any collective; with
-        a process group and ``check=True``, an ``exact`` or ``partial`` that is not raises ValueError
-        on every rank instead, after the check (the other ranks would wait in it).
+        a process group and a ``check`` other than False (one that is no bool joins the check too),
+        any of them that is not raises ValueError on every rank that joins the check instead, after
+        it (the other ranks would wait in it).
     """
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    check_flag(check, "check", "all_reduce")  # whether this rank joins the check: refused on this rank alone
-    flag_error = _flag_error(exact, partial)
-    if flag_error is not None and not (world > 1 and check):
+    flag_error = _flag_error(check, exact, partial)
+    # a rank joins the check unless it passed check=False: one whose check is no bool (None or "no" from its
+    # config) joins it too and fails there, on every rank that joins, instead of raising alone
+    joins = check is not False
+    if flag_error is not None and not (world > 1 and joins):
         raise flag_error
     if flag_error is None and partial and not check:  # the check finds the sites the ranks hold
         # differently: without it their collectives would pair buffers of other sizes (gloo aborts the
@@ -403,7 +406,7 @@ def all_reduce(
             records = _records(paths, states, plan, leaf_observers)
     except Exception as error:  # any local failure (a user's reduce-ops callable, say) raises on every rank
         local_error = error
-    if world > 1 and check:
+    if world > 1 and joins:
         fingerprint = -1 if local_error is not None else _fingerprint(treespec, records)
         report = {"exact": exact, "partial": partial, "treespec": str(treespec), "records": records}
         if _check_same_trees(fingerprint, local_error, group, report, partial):
@@ -425,9 +428,9 @@ def all_reduce(
     return optree.tree_unflatten(treespec, new_states)
 
 
-def _flag_error(exact: Any, partial: Any) -> Optional[TypeError]:
-    """`check_flag`'s TypeError for the first of ``exact`` and ``partial`` that is not True or False."""
-    for name, flag in (("exact", exact), ("partial", partial)):
+def _flag_error(check: Any, exact: Any, partial: Any) -> Optional[TypeError]:
+    """`check_flag`'s TypeError for the first of ``check``, ``exact`` and ``partial`` that is not True or False."""
+    for name, flag in (("check", check), ("exact", exact), ("partial", partial)):
         try:
             check_flag(flag, name, "all_reduce")
         except TypeError as error:

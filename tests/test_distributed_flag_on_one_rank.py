@@ -1,8 +1,9 @@
-"""One rank passes ``exact`` or ``partial`` that is not True or False (a string read from its own
-config, ``"True"``), the others a bool, to ``qstats.distributed.all_reduce`` on 2 and 3 gloo ranks:
-every rank raises a ValueError naming that rank and the argument, where that rank alone raised its
-TypeError before the check and the others waited in the check for it. The group stays in step: a
-merge afterwards equals ``torch.amin``/``amax`` over every rank's data."""
+"""One rank passes ``exact``, ``partial`` or ``check`` that is not True or False (a string read from
+its own config, ``"True"``; a ``check`` of None or 0, falsy), the others a bool (``check=True``), to
+``qstats.distributed.all_reduce`` on 2 and 3 gloo ranks: every rank raises a ValueError naming that
+rank and the argument, where that rank alone raised its TypeError before the check and the others
+waited in the check for it. The group stays in step: a merge afterwards equals
+``torch.amin``/``amax`` over every rank's data."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _shared import exit_rank, fork_ranks, gloo_group  # noqa: E402
 
 MINMAX = qstats.minmax(qstats.QuantSpec(granularity=qstats.PerAxis(0)))
-CASES = {"exact": {"exact": "True"}, "partial": {"partial": "no"}}
+# name: (the odd rank's arguments, the other ranks')
+CASES = {"exact": ({"exact": "True"}, {"exact": False}), "partial": ({"partial": "no"}, {"partial": False}),
+         "check": ({"check": "True"}, {"check": True}), "check=None": ({"check": None}, {"check": True}),
+         "check=0 partial": ({"check": 0, "partial": True}, {"partial": True})}
 
 
 def data(rank: int) -> torch.Tensor:
@@ -33,8 +37,8 @@ def _rank(rank: int, port: int, out: str, world: int) -> None:
     try:
         with gloo_group(rank, port, world=world, timeout=timedelta(seconds=20)):
             tree = {"layer": {"input": MINMAX.update(MINMAX.init(data(rank)), data(rank))}}
-            for name, bad in CASES.items():
-                arguments = bad if rank == world - 1 else {name: False}
+            for name, (bad, good) in CASES.items():
+                arguments = bad if rank == world - 1 else good
                 try:
                     distributed.all_reduce(tree, MINMAX, **arguments)
                     results[name] = "no error"
@@ -61,11 +65,12 @@ def ranks(request, tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_flag_that_is_no_bool_on_one_rank_raises_on_every_rank_naming_it(ranks, name):
     odd = len(ranks) - 1
-    value = CASES[name][name]
+    flag = name.split("=")[0]
+    value = CASES[name][0][flag]
     for rank, result in enumerate(ranks):
         error = result[name]
         assert error.startswith("ValueError: all_reduce"), (name, rank, error)
-        assert f"{name} must be True or False, got {value!r}" in error, (name, rank, error)
+        assert f"{flag} must be True or False, got {value!r}" in error, (name, rank, error)
         assert (f"(rank {odd})" if rank == odd else f"rank {odd}:") in error, (name, rank, error)
 
 
