@@ -309,15 +309,15 @@ def report(
         if not isinstance(entry, Mapping):
             raise TypeError(f"report: states[{path!r}] must be a mapping {{site: state}}, got {type(entry).__name__}")
     _check_qparams(qparams, plan, batches is not None)
+    missing = next(((path, site) for path, entry in states.items() for site in entry
+                    if path not in qparams or site not in qparams[path]), None)
+    if missing is not None:
+        raise ValueError(f"report: qparams has no entry for module {missing[0]!r} site {missing[1]!r}")
     errors: dict = {}
     if plan is not None:
         _measure_parameters(plan, qparams, errors)
         if batches is not None:
             _measure_activations(plan, qparams, batches, observation_weight, errors)
-    for path, entry in states.items():
-        for site in entry:
-            if path not in qparams or site not in qparams[path]:
-                raise ValueError(f"report: qparams has no entry for module {path!r} site {site!r}")
     # a row per site of either tree: the states' first, then qparams' sites that have no state (measured
     # all the same; their state's fields are None)
     sites = [(path, site) for path, entry in states.items() for site in entry]

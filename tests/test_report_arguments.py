@@ -79,3 +79,15 @@ def test_sites_with_qparams_and_no_state_get_a_measured_row():
     # without model and recipe: the row holds what the qparams give
     bare = qstats.report(weights_only, qparams)
     assert (bare[1].module, bare[1].site, bare[1].observer, bare[1].coverage) == ("0", "input", "-", 1.0)
+
+
+def test_a_state_without_qparams_is_refused_before_any_batch_runs():
+    """The refusal came after the model had run over every batch (a long wait on a real calibration
+    set for an error known from the trees alone)."""
+    model, recipe, batches, states, qparams = _calibrated()
+    del qparams["0"]["input"]
+    forwards = []
+    model[0].register_forward_hook(lambda *args: forwards.append(1))
+    with pytest.raises(ValueError, match="qparams has no entry for module '0' site 'input'"):
+        qstats.report(states, qparams, model, recipe, (b for b in batches * 3))
+    assert forwards == []
