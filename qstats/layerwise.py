@@ -841,7 +841,9 @@ def calibrate_layerwise(
       all_reduce: merge each layer's activation states across the ranks of the default process
         group (`qstats.distributed.all_reduce`) as soon as it is observed, so quantized
         propagation uses the same qparams on every rank; the states returned are merged already.
-        An error on one rank makes every rank raise (RuntimeError on the others), never hang.
+        An error on one rank makes every rank raise (RuntimeError on the others), never hang; a rank
+        whose ``all_reduce`` is no bool (None, 0) raises its TypeError so too, with the ranks that
+        pass True (not with those passing False, which run no collective).
       device: where each layer runs (``"cuda"``, as llm-compressor's sequential pipeline onloads
         layers): its weights are read onto it, each stored batch is moved there and the outputs
         back to the CPU (or ``offload_dir``). Default: the CPU. The states are returned on it.
@@ -900,7 +902,9 @@ def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offl
 
     made: list = []  # the offload folder, once made
     try:
-        run, container_path, container = agreed(all_reduce, prepare)
+        # a rank joins the first collective unless it passed all_reduce=False: one whose all_reduce is no bool
+        # (None, 0 from its config) joins it too and fails there, so that the other ranks raise with it
+        run, container_path, container = agreed(all_reduce is not False, prepare)
         if run.all_reduce and group_up():  # another propagate or experts split runs other collectives
             distributed.check_same_arguments({
                 "propagate": propagate, "all_experts": run.all_experts, "layers": container_path,
