@@ -302,7 +302,7 @@ class _GPTQRun:
     checkpoint: Union[str, os.PathLike]
     options: dict  # qstats.gptq's block_size, dampening, actorder
     experts_at_once: int
-    weights_dir: Optional[str]
+    weights_dir: Any  # a path, os.fspath'd by layer_step (in the checks every rank agrees on)
     share: bool  # all_reduce: the ranks divide each layer's GPTQ
     plan: Optional[Plan] = None
     targets: dict = dataclasses.field(default_factory=dict)
@@ -317,6 +317,9 @@ class _GPTQRun:
             raise ValueError(f"gptq_layerwise: experts_at_once must be a positive int, got {at_once!r}")
         check_options(**self.options, where="gptq_layerwise")
         if self.weights_dir is not None:
+            if not isinstance(self.weights_dir, (str, bytes, os.PathLike)):  # here, where every rank learns of it
+                raise TypeError(f"gptq_layerwise: weights_dir must be a path, got {self.weights_dir!r}")
+            self.weights_dir = os.fspath(self.weights_dir)
             check_new_folder(self.weights_dir, self.checkpoint, "gptq_layerwise", "weights_dir")
         self.plan, self.targets = plan, _targets(plan)
         _warn_compute_dtype(plan, self.targets)
@@ -438,7 +441,6 @@ def gptq_layerwise(
         GPTQ'd alone, as llm-compressor unties it, the embeddings staying float).
     """
     options = {"block_size": block_size, "dampening": dampening, "actorder": actorder}
-    weights_dir = None if weights_dir is None else os.fspath(weights_dir)
     run = _GPTQRun(checkpoint, options, experts_at_once, weights_dir, all_reduce)
     try:
         states = run_layerwise(

@@ -1,7 +1,7 @@
 """One rank passes `calibrate_layerwise` / `gptq_layerwise` (``all_reduce=True`` on the others) an
 argument that rank refused before the first collective, on 2 gloo ranks and a tiny Llama: an
 ``all_reduce`` of None or 0 (falsy, from a config; that rank joined no collective and raised its
-TypeError alone). Every rank now raises: that rank its own error, naming the argument, the other a
+TypeError alone), a ``weights_dir`` that is no path (`os.fspath` raised before any check). Every rank now raises: that rank its own error, naming the argument, the other a
 RuntimeError saying another rank failed (it waited in the first collective for a rank that had
 raised). The group stays in step: a merge afterwards equals ``torch.amin``/``amax`` of both ranks' data."""
 
@@ -31,6 +31,7 @@ MINMAX = qstats.minmax(qstats.QuantSpec())
 CASES = {
     "all_reduce=None": (False, {"all_reduce": None}, "all_reduce must be True or False, got None"),
     "all_reduce=0 gptq": (True, {"all_reduce": 0}, "all_reduce must be True or False, got 0"),
+    "weights_dir=123 gptq": (True, {"weights_dir": 123}, "weights_dir must be a path, got 123"),
 }
 
 
