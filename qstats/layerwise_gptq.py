@@ -326,11 +326,12 @@ class _GPTQRun:
         return _hessian_plan(plan, self.targets), self.step
 
     def same_on_ranks(self) -> dict:
-        """The options every rank must pass alike (another split of the experts runs other broadcasts),
-        read after `layer_step` checked them."""
+        """The options every rank must pass alike (another split of the experts runs other broadcasts;
+        a ``weights_dir`` on some ranks only, the collective after rank 0 writes the index), read
+        after `layer_step` checked them."""
         actorder = "static" if self.options["actorder"] == "weight" else self.options["actorder"]  # synonyms
         return {"experts_at_once": self.experts_at_once, **self.options, "dampening": float(self.options["dampening"]),
-                "actorder": actorder}
+                "actorder": actorder, "weights_dir": self.weights_dir}
 
     def step(self, layer_path: str, layer: torch.nn.Module, states: dict, hessians: dict) -> tuple:
         """GPTQ of the layer's targets, each weight replaced by its GPTQ'd value in the loaded layer
@@ -424,7 +425,8 @@ def gptq_layerwise(
         merged across ranks with the activation states, and each layer's GPTQ is divided among
         the ranks (weights, or expert chunks, by cost) and broadcast: each weight is GPTQ'd once
         and every rank holds the same weights. Every rank passes the same arguments but
-        ``batches``; rank 0 writes ``weights_dir``.
+        ``batches`` (ranks passing another ``weights_dir``, or one only on some ranks, raise a
+        ValueError on every rank); rank 0 writes ``weights_dir``.
       block_size, dampening, actorder: as in `qstats.gptq`; ``actorder`` defaults to ``"static"``,
         as ``GPTQModifier``'s.
       weights_dir: write the GPTQ'd weights there (safetensors, one file per layer, and
