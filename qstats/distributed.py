@@ -23,7 +23,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from ._checks import check_flag
+from ._checks import check_available, check_flag
 from ._spec import QuantSpec
 from .observers._base import Observer, state_types
 
@@ -777,11 +777,14 @@ def merge_partial_sites(tree: Any, observers: Any, group: Optional[Any] = None, 
       ``device``, default the device the group communicates through).
 
     Raises:
-      ValueError: on every rank, where a rank's tree fails its local checks, ranks hold parts of other
-        state types, shapes, dtypes or specs at one key path, or ``obs.merge`` refuses a pair.
+      ValueError: on every rank, where a rank's tree fails its local checks or its ``device`` is none
+        this process can use, ranks hold parts of other state types, shapes, dtypes or specs at one
+        key path, or ``obs.merge`` refuses a pair.
     """
     error = parts = None
     try:
+        if device is not None:  # here, not where the merged sites arrive: the other ranks would wait there
+            device = _usable_device(device)
         parts = {part.path: part for part in _local_parts(tree, observers)}
     except Exception as caught:  # raised below, once every rank knows
         error = caught
@@ -798,6 +801,16 @@ def merge_partial_sites(tree: Any, observers: Any, group: Optional[Any] = None, 
     observed = _nested((path, optree.tree_unflatten(parts[path].treespec, parts[path].observers)) for path in common)
     merged = _merged_parts(partial, parts, group, device or _probe_device(group)) if partial else {}
     return _nested((path, parts[path].subtree) for path in common), observed, merged
+
+
+def _usable_device(device: Any) -> torch.device:
+    """``device`` as a torch.device this process can put tensors on, else ValueError naming it."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"merge_partial_sites: device {device!r} is no device: {error}") from None
+    check_available(device, "merge_partial_sites")
+    return device
 
 
 def _meta(subtree: Any) -> Any:
