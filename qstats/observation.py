@@ -164,7 +164,10 @@ def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
     except ValueError:
         return x, weight
     selected = x[weight != 0]
-    if qparam_shape(selected.shape, spec.granularity) != want:
+    try:  # an axis counted from the start (PerAxis(2) of [B, T, H]) is past the selection's dimensions
+        if qparam_shape(selected.shape, spec.granularity) != want:
+            return x, weight
+    except ValueError:
         return x, weight
     return selected, None
 
