@@ -702,12 +702,16 @@ def parameter_value(plan: Plan, path: str, site: str, caller: str) -> torch.Tens
     data); ValueError naming it where it is on the meta device with no data behind it. A DTensor (a
     parameter of FSDP2's ``fully_shard`` between forwards, a tensor-parallel one) is read whole, with
     ``full_tensor()``: a collective, so every rank of its mesh reads it, in the same order."""
+    module = plan.modules[path]
+    if isinstance(getattr(module, site, None), torch.nn.parameter.UninitializedTensorMixin):
+        raise ValueError(f"{caller}: parameter {site!r} of module {path!r} ({type(module).__name__}) is not "
+                         "initialized yet (a lazy module makes it at its first forward): run the model once on "
+                         "one batch first")
     value = plan.parameter(path, site)
     if is_dtensor(value):
         return value.full_tensor()
     if value.device.type != "meta":
         return value
-    module = plan.modules[path]
     if getattr(module, "_hf_hook", None) is not None:
         from accelerate.utils import align_module_device  # the hook's own onloading
 
