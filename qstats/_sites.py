@@ -40,7 +40,11 @@ def replace_first_tensor(value, fn: Callable[[torch.Tensor], torch.Tensor]):
                 items = list(value[:index]) + [new] + list(value[index + 1 :])
                 if isinstance(value, list):
                     return items, True
-                return (type(value)(*items) if hasattr(value, "_fields") else tuple(items)), True
+                if hasattr(value, "_fields"):  # a NamedTuple
+                    return type(value)(*items), True
+                if hasattr(type(value), "n_fields"):  # torch.return_types (max, topk, sort): .values, .indices
+                    return type(value)(items), True
+                return tuple(items), True
     elif isinstance(value, Mapping):  # a transformers ModelOutput is rebuilt as its own type, others as a dict
         for key, item in value.items():
             new, done = replace_first_tensor(item, fn)
