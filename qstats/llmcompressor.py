@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import optree
 import torch
 
 try:
@@ -213,23 +214,30 @@ class QstatsObserver(LLMCompressorObserver):
 
     def sync_activation_stats(self) -> list:
         """Merges this activation observer's state across ranks (its qstats ``merge``); weights
-        are the same on every rank and are not merged. An observer no rank saw data for (an MoE
-        expert no token reached) stays without statistics, as llm-compressor's; one that some ranks
-        saw and others did not raises on every rank. Returns no pending handles."""
+        are the same on every rank and are not merged. Where only some ranks saw data (an MoE expert
+        whose tokens were routed on some ranks' shards), every rank gets the merge of theirs, in rank
+        order (``all_reduce(..., partial=True)``), and takes their spec and qparams shape; an observer
+        no rank saw data for stays without statistics, as llm-compressor's. Costs one
+        ``all_gather_object`` plus the merge's collectives. Returns no pending handles."""
         if self.is_weight_obs or not torch.distributed.is_initialized():
             return []
-        world = torch.distributed.get_world_size()
-        seen = torch.tensor([int(self.has_statistics)], device=distributed._probe_device(None))
-        torch.distributed.all_reduce(seen)  # every rank learns how many ranks saw data
-        if seen.item() == 0:
+        # what each rank saw (its spec: the observed dtype, and llm-compressor's qparams shape), or None
+        mine = (self.spec, tuple(self.qparam_shape)) if self.has_statistics else None
+        _, reports = distributed._gather_from_ranks(mine, None)
+        seen = [report for report in reports if report is not None]
+        if not seen:
             return []
-        if seen.item() < world:
-            where = "this rank" if not self.has_statistics else f"{world - seen.item()} of {world} ranks"
-            raise ValueError(
-                f"qstats.llmcompressor: the {self.base_name} observer saw no data on {where}, so there is no "
-                "state to merge across ranks (give every rank calibration data; MoE experts: "
-                "moe_calibrate_all_experts=True)")
-        self.qstats_state = distributed.all_reduce(self.qstats_state, self.qstats_observer)
+        if len(seen) == len(reports):
+            self.qstats_state = distributed.all_reduce(self.qstats_state, self.qstats_observer)
+            return []
+        if mine is None:  # the first holder's spec: its states arrive here, and its qparams are computed here
+            self.spec, self.qparam_shape = seen[0]
+            self.qstats_observer = self.make_observer()
+        tree = {self.base_name: self.qstats_state} if mine is not None else {}
+        device = (optree.tree_leaves(self.qstats_state)[0].device if mine is not None
+                  else distributed._probe_device(None))
+        merged = distributed.all_reduce(tree, {self.base_name: self.qstats_observer}, partial=True)
+        self.qstats_state = optree.tree_map(lambda value: value.to(device), merged[self.base_name])
         return []
 
 
