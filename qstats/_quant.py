@@ -37,8 +37,8 @@ def _checked_spec(spec, where: str) -> QuantSpec:
 def _params(qparams: QParams, view: torch.Tensor, spec: QuantSpec, where: str):
     """Scale and zero point broadcast against ``view``, after TypeError for qparams without scale and
     zero point tensors, and ValueError for a scale of another shape than this tensor's parameters,
-    a zero point that does not broadcast to it (it would broadcast the result to another shape) or
-    a two-level spec's global scale of more than one value."""
+    a zero point that does not broadcast to it (it would broadcast the result to another shape), a
+    two-level spec's global scale of more than one value, or a bad scale (`_checked_scale`)."""
     for name in ("scale", "zero_point"):
         if not isinstance(getattr(qparams, name, None), torch.Tensor):
             got = (f"{type(getattr(qparams, name)).__name__} for its {name}" if hasattr(qparams, name)
@@ -59,7 +59,25 @@ def _params(qparams: QParams, view: torch.Tensor, spec: QuantSpec, where: str):
                                                           and global_scale.numel() == 1):
         got = tuple(global_scale.shape) if isinstance(global_scale, torch.Tensor) else type(global_scale).__name__
         raise ValueError(f"{where}: a two-level spec (TensorGroup) needs one global scale, got {got}")
-    return broadcast_to_view(qparams.scale.float()), broadcast_to_view(qparams.zero_point)
+    scale = _checked_scale(qparams.scale.float(), where)
+    return broadcast_to_view(scale), broadcast_to_view(qparams.zero_point)
+
+
+def _checked_scale(scale: torch.Tensor, where: str) -> torch.Tensor:
+    """``scale``, after ValueError (eagerly, compiled and under vmap) where a scale is zero or negative,
+    or, in `quantize`, NaN or Inf. Such hand-made or corrupt qparams gave numbers silently (torch's
+    fake-quant ops and compressed-tensors take them too): a zero scale fake-quantized every value to 0
+    (NaN at 0), a negative one flipped the codes' sign, and `quantize`'s codes under a NaN or Inf
+    scale were all 0. `compute_qparams` never gives them. An Inf or NaN scale's NaN and +-Inf values
+    stay visible in `fake_quantize` and `dequantize`, as in torchao's and compressed-tensors'."""
+    valid = ~(scale <= 0)
+    problem = "scales must not be zero or negative"
+    if where == "quantize":
+        valid = valid & scale.isfinite()
+        problem = "scales must be positive and finite (codes hide a NaN or Inf one)"
+    inside = require(valid, f"{where}: qparams {problem}, which no qstats.compute_qparams gives "
+                            "(hand-made or corrupt qparams)")
+    return torch.where(inside, scale, torch.ones_like(scale))  # threads the check
 
 
 def _checked_zero_point(zero_point: torch.Tensor, spec: QuantSpec, where: str) -> torch.Tensor:
@@ -139,7 +157,12 @@ def _to_output(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor:
-    """Codes of ``x``: integers in ``[qmin, qmax]`` (dtype `code_dtype(spec)`) or fp8 values."""
+    """Codes of ``x``: integers in ``[qmin, qmax]`` (dtype `code_dtype(spec)`) or fp8 values.
+
+    Raises:
+      ValueError: an integer zero point outside ``spec.qrange``, or a scale that is not positive and
+        finite (under a NaN or Inf scale every code was 0).
+    """
     spec = _checked_spec(spec, "quantize")
     view = canonical_view(check_floating(x, "quantize"), spec.granularity)
     scale, zero_point = _params(qparams, view, spec, "quantize")
@@ -155,7 +178,7 @@ def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=tor
 
     Raises:
       ValueError: codes of an integer target outside ``spec.qrange`` or not whole (packed codes,
-        signed codes read as unsigned).
+        signed codes read as unsigned), or a zero or negative scale.
       TypeError: integer codes of an fp8 format (its codes are the torch float8 dtype) or codes of
         another 8-bit float format, or a
         ``dtype`` that is not a floating-point torch dtype (values cast to an integer dtype would be
@@ -199,7 +222,8 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
     result has ``x``'s memory layout (channels_last, transposed), as torch's fake-quant ops give.
 
     Raises:
-      ValueError: an integer zero point outside ``spec.qrange`` (as torch's fake-quant ops).
+      ValueError: an integer zero point outside ``spec.qrange`` (as torch's fake-quant ops), or a zero
+        or negative scale (torch's ops take it).
       TypeError: ``x`` is not a floating-point tensor, or ``spec`` no QuantSpec.
     """
     spec = _checked_spec(spec, "fake_quantize")
