@@ -30,6 +30,11 @@ CASES = [
     ("nvfp4_static_rank0", "qstats_static_minmax", NVFP4["input_activations"], {0: 2}, "static_minmax"),
     ("nvfp4_minmax_rank2", "qstats_minmax", NVFP4["input_activations"], {2: 2}, "minmax"),
     ("nvfp4_static_ranks01", "qstats_static_minmax", NVFP4["input_activations"], {0: 1, 1: 2}, "static_minmax"),
+    # every rank saw data, each wider than the last: mse.merge carries each state's losses to the union's
+    # range by a model (exact only with a fixed `reference`), as one process carries them when a batch
+    # widens it; the scale chosen may then be a candidate away (a 1% step of the default grid)
+    ("mse_all", "qstats_mse", TENSOR, {0: 1, 1: 2, 2: 1}, None),
+    ("nvfp4_static_all", "qstats_static_minmax", NVFP4["input_activations"], {0: 2, 1: 1, 2: 1}, "static_minmax"),
     ("nobody", "qstats_static_minmax", TENSOR, {}, None),
 ]
 WORLD = 3
@@ -98,6 +103,8 @@ def test_every_rank_gets_the_merge_of_the_ranks_that_saw_data(synced, case, name
         for key in ("scale", "zero_point", "global_scale"):
             if want[key] is None:
                 assert got[key] is None, (case, rank, key)
+            elif case == "mse_all":
+                assert torch.allclose(got[key].float(), want[key].float(), rtol=0.011, atol=1), (case, rank, key)
             else:
                 assert bit_equal(got[key], want[key]), (case, rank, key, got[key], want[key])
 
