@@ -37,6 +37,11 @@ CASES = [
     ("nvfp4_static_all", "qstats_static_minmax", NVFP4["input_activations"], {0: 2, 1: 1, 2: 1}, "static_minmax"),
     ("nobody", "qstats_static_minmax", TENSOR, {}, None),
 ]
+# several holders where one process over the union is not the reference (checked below)
+MERGED_CASES = [
+    ("memoryless_ranks12", "qstats_memoryless_minmax", TENSOR, {1: 2, 2: 3}, "memoryless_minmax"),
+    ("minmax_ranks02", "qstats_minmax", TENSOR, {0: 2, 2: 2}, "minmax"),
+]
 WORLD = 3
 
 
@@ -59,7 +64,7 @@ def _rank(rank: int, port: int, out: str):
     """One rank: each case's observer sees this rank's batches (if any), syncs, records its qparams."""
     with gloo_group(rank, port, world=WORLD, timeout=timedelta(seconds=60)):
         results = {}
-        for case, name, args, holders, _ in CASES:
+        for case, name, args, holders, _ in CASES + MERGED_CASES:
             observer = _observer(name, args)
             for x in _batches(case, rank, holders.get(rank, 0)):
                 observer(x)
@@ -140,3 +145,36 @@ def test_ranks_that_observed_other_dtypes_raise_on_every_rank(tmp_path, dtypes):
     for rank in range(len(dtypes)):
         message = (tmp_path / f"rank{rank}.txt").read_text()
         assert "different state trees" in message and "compute_dtype='bfloat16'" in message, (rank, message)
+
+
+def _theirs(case: str, name: str, batches: list) -> Observer:
+    observer = _observer(name, TENSOR)
+    for x in batches:
+        observer(x)
+    return observer
+
+
+def test_memoryless_minmax_merges_the_ranks_latest_batches(synced):
+    """``qstats_memoryless_minmax`` keeps the latest batch: across ranks, the last step's global batch,
+    the ranks' latest batches together (llm-compressor's ``memoryless_minmax`` does not sync: each rank
+    would keep its own). Reference: llm-compressor's observer over their concatenation."""
+    case, _, _, holders, theirs = MERGED_CASES[0]
+    last_step = torch.cat([_batches(case, rank, count)[-1] for rank, count in sorted(holders.items())])
+    want = _theirs(case, theirs, [last_step]).get_qparams()
+    for results in synced:
+        assert bit_equal(results[case]["scale"], want["scale"]) and bit_equal(results[case]["zero_point"],
+                                                                              want["zero_point"])
+
+
+def test_moving_average_minmax_of_ranks_with_as_many_batches_is_the_mean_of_their_averages(synced):
+    """Two holders with as many batches each: the mean of llm-compressor's ``minmax`` averages of each
+    (what its ``AVG`` all_reduce gives where every rank holds data), on the third rank too."""
+    case, _, _, holders, theirs = MERGED_CASES[1]
+    observers = [_theirs(case, theirs, _batches(case, rank, count)) for rank, count in sorted(holders.items())]
+    reference = observers[0]
+    reference.min_vals = (observers[0].min_vals + observers[1].min_vals) / 2
+    reference.max_vals = (observers[0].max_vals + observers[1].max_vals) / 2
+    want = reference.get_qparams()
+    for results in synced:
+        assert torch.allclose(results[case]["scale"], want["scale"], rtol=1e-6), (results[case], want)
+        assert torch.equal(results[case]["zero_point"], want["zero_point"])
