@@ -163,11 +163,11 @@ def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
                 return x, weight
     except ValueError:
         return x, weight
+    # the kept rows in one dimension, after size-1 ones: x's dimensions, so an axis counted from the start
+    # (PerAxis(2) of [B, T, heads, head_dim]) still names the same one
     selected = x[weight != 0]
-    try:  # an axis counted from the start (PerAxis(2) of [B, T, H]) is past the selection's dimensions
-        if qparam_shape(selected.shape, spec.granularity) != want:
-            return x, weight
-    except ValueError:
+    selected = selected.reshape((1,) * (lead - 1) + tuple(selected.shape))
+    if qparam_shape(selected.shape, spec.granularity) != want:
         return x, weight
     return selected, None
 
