@@ -217,19 +217,21 @@ class QstatsObserver(LLMCompressorObserver):
         are the same on every rank and are not merged. Where only some ranks saw data (an MoE expert
         whose tokens were routed on some ranks' shards), every rank gets the merge of theirs, in rank
         order (``all_reduce(..., partial=True)``), and takes their spec and qparams shape; an observer
-        no rank saw data for stays without statistics, as llm-compressor's. Costs one
-        ``all_gather_object`` plus the merge's collectives. Returns no pending handles."""
+        no rank saw data for stays without statistics, as llm-compressor's. Costs a
+        one-integer ``all_reduce`` plus the merge's collectives (and one ``all_gather_object`` where
+        only some ranks saw data). Returns no pending handles."""
         if self.is_weight_obs or not torch.distributed.is_initialized():
+            return []
+        seen = torch.tensor([int(self.has_statistics)], device=distributed._probe_device(None))
+        torch.distributed.all_reduce(seen)  # every rank learns how many ranks saw data
+        if seen.item() == 0:
+            return []
+        if seen.item() == torch.distributed.get_world_size():
+            self.qstats_state = distributed.all_reduce(self.qstats_state, self.qstats_observer)
             return []
         # what each rank saw (its spec: the observed dtype, and llm-compressor's qparams shape), or None
         mine = (self.spec, tuple(self.qparam_shape)) if self.has_statistics else None
-        _, reports = distributed._gather_from_ranks(mine, None)
-        seen = [report for report in reports if report is not None]
-        if not seen:
-            return []
-        if len(seen) == len(reports):
-            self.qstats_state = distributed.all_reduce(self.qstats_state, self.qstats_observer)
-            return []
+        seen = [report for report in distributed._gather_from_ranks(mine, None)[1] if report is not None]
         if mine is None:  # the first holder's spec: its states arrive here, and its qparams are computed here
             self.spec, self.qparam_shape = seen[0]
             self.qstats_observer = self.make_observer()
