@@ -60,6 +60,11 @@ def _params(qparams: QParams, view: torch.Tensor, spec: QuantSpec, where: str):
         got = tuple(global_scale.shape) if isinstance(global_scale, torch.Tensor) else type(global_scale).__name__
         raise ValueError(f"{where}: a two-level spec (TensorGroup) needs one global scale, got {got}")
     scale = _checked_scale(qparams.scale.float(), where)
+    if isinstance(spec.granularity, TensorGroup):
+        # zero, negative or Inf: every value 0 or of the other sign, every code 0 or 8 (NaN: NaN values)
+        inside = require((global_scale > 0) & global_scale.isfinite(), f"{where}: a two-level spec's global scale "
+                         "must be positive and finite, which no qstats.compute_qparams gives (hand-made or corrupt qparams)")
+        scale = torch.where(inside.reshape(()), scale, torch.ones_like(scale))  # threads the check
     return broadcast_to_view(scale), broadcast_to_view(qparams.zero_point)
 
 

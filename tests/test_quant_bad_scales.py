@@ -97,3 +97,37 @@ def test_one_bad_expert_scale_under_vmap_is_refused():
     assert torch.vmap(one_expert)(xs, scales.abs() + 0.1).isfinite().all()
     with pytest.raises(ValueError, match="fake_quantize: qparams scales"):
         torch.vmap(one_expert)(xs, scales)
+
+
+def _nvfp4_args():
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    return preset_name_to_scheme("NVFP4", ["Linear"]).weights
+
+
+@pytest.mark.parametrize("global_scale", [0.0, -1.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("name", ["torchao", "compressed_tensors"])
+def test_two_level_specs_refuse_a_global_scale_that_is_not_positive_and_finite(name, global_scale):
+    """NVFP4's global scale: compressed-tensors' fake_quantize takes a negative or Inf one and gives
+    every value 0 (a zero one: every value NaN); qstats gave 0, or codes of the other sign, or NaN."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+
+    specs = {"torchao": lambda: qstats.QuantSpec.from_torchao(nvfp4=True),
+             "compressed_tensors": lambda: qstats.QuantSpec.from_compressed_tensors(_nvfp4_args())}
+    spec = specs[name]()
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    obs = qstats.minmax(spec)
+    qp = qstats.compute_qparams(obs.update(obs.init(x), x), spec)
+    codes = qstats.quantize(x, qp, spec)
+    bad = qp._replace(global_scale=torch.tensor(global_scale))
+    if name == "compressed_tensors" and global_scale in (-1.0, float("inf")):
+        theirs = ct_fake_quantize(x, qp.scale, torch.zeros_like(qp.scale), _nvfp4_args(),
+                                  global_scale=bad.global_scale.reshape(1))
+        assert torch.equal(theirs, torch.zeros_like(x))  # silently
+    for where, call in (("fake_quantize", lambda: qstats.fake_quantize(x, bad, spec)),
+                        ("quantize", lambda: qstats.quantize(x, bad, spec)),
+                        ("dequantize", lambda: qstats.dequantize(codes, bad, spec))):
+        with pytest.raises(ValueError, match=f"{where}: a two-level spec's global scale must be positive and finite"):
+            call()
+
