@@ -229,9 +229,19 @@ class QstatsObserver(LLMCompressorObserver):
         if seen.item() == torch.distributed.get_world_size():
             self.qstats_state = distributed.all_reduce(self.qstats_state, self.qstats_observer)
             return []
-        # what each rank saw (its spec: the observed dtype, and llm-compressor's qparams shape), or None
+        # each rank's observer and options, and what it saw (its spec: the observed dtype, and
+        # llm-compressor's qparams shape) or None: a rank without data takes the first holder's spec,
+        # so its observer must be the holders' (the merge's check compares the holders' states only)
+        config = (type(self).__name__, repr(self.factory_options), repr(self.qparams_options))
         mine = (self.spec, tuple(self.qparam_shape)) if self.has_statistics else None
-        seen = [report for report in distributed._gather_from_ranks(mine, None)[1] if report is not None]
+        ranks, reports = distributed._gather_from_ranks((config, mine), None)
+        other = next((rank for rank, (theirs, _) in zip(ranks, reports) if theirs != reports[0][0]), None)
+        if other is not None:
+            raise ValueError(
+                f"qstats.llmcompressor: the ranks' {self.base_name} observers differ, so their states cannot be "
+                f"merged: rank {ranks[0]} has {reports[0][0]}, rank {other} has {reports[ranks.index(other)][0]} "
+                "(class, factory options, qparams options; give every rank the same recipe)")
+        seen = [saw for _, saw in reports if saw is not None]
         if mine is None:  # the first holder's spec: its states arrive here, and its qparams are computed here
             self.spec, self.qparam_shape = seen[0]
             self.qstats_observer = self.make_observer()

@@ -178,3 +178,28 @@ def test_moving_average_minmax_of_ranks_with_as_many_batches_is_the_mean_of_thei
     for results in synced:
         assert torch.allclose(results[case]["scale"], want["scale"], rtol=1e-6), (results[case], want)
         assert torch.equal(results[case]["zero_point"], want["zero_point"])
+
+
+def _other_observer_rank(rank: int, port: int, out: str):
+    """Rank 0: ``qstats_static_minmax`` with a batch; rank 1: ``qstats_histogram`` without (another recipe)."""
+    with gloo_group(rank, port, world=2, timeout=timedelta(seconds=60)):
+        observer = _observer(["qstats_static_minmax", "qstats_histogram"][rank], TENSOR)
+        if rank == 0:
+            observer(torch.randn(2, 5, 32))
+        try:
+            observer.sync_activation_stats()
+            message = f"no error; statistics {type(observer.qstats_state).__name__}"
+        except ValueError as error:
+            message = str(error)
+        with open(os.path.join(out, f"rank{rank}.txt"), "w") as file:
+            file.write(message)
+
+
+def test_a_rank_without_data_whose_observer_differs_raises_on_every_rank(tmp_path):
+    """The rank without data would take rank 0's MinMaxState into its histogram observer (and compute
+    another observer's qparams) in silence: a ValueError naming both observers on both ranks instead."""
+    codes = fork_ranks(_other_observer_rank, str(tmp_path), world=2, timeout=120)
+    assert codes == [0, 0], f"exit codes {codes} (None: a rank hung)"
+    for rank in range(2):
+        message = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "QstatsStaticMinmaxObserver" in message and "QstatsHistogramObserver" in message, (rank, message)
