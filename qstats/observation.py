@@ -165,8 +165,11 @@ def _drop_masked_rows(x: torch.Tensor, weight: Optional[torch.Tensor], spec):
         return x, weight
     # the kept rows in one dimension, after size-1 ones: x's dimensions, so an axis counted from the start
     # (PerAxis(2) of [B, T, heads, head_dim]) still names the same one
-    selected = x[weight != 0]
-    selected = selected.reshape((1,) * (lead - 1) + tuple(selected.shape))
+    if not lead:  # one weight for the whole tensor (x[weight != 0] would add a dimension in front)
+        selected = x if bool(weight != 0) else x[:0]
+    else:
+        selected = x[weight != 0]
+        selected = selected.reshape((1,) * (lead - 1) + tuple(selected.shape))
     if qparam_shape(selected.shape, spec.granularity) != want:
         return x, weight
     return selected, None
