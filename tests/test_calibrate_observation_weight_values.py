@@ -33,10 +33,11 @@ def test_calibrate_and_report_refuse_a_weight_that_is_not_a_mask(kind):
     weight = BAD[kind]
     with pytest.raises(ValueError, match=r"calibrate: observation_weight\(batch\): .* negative, NaN or infinite"):
         qstats.calibrate(model, [x], recipe, progress=False, observation_weight=lambda batch: weight)
-    states = qstats.calibrate(model, [x], recipe, progress=False)
-    qparams = {path: {} for path in states}
+    minmax = qstats.Recipe([qstats.Rule("Linear", sites=("weight", "input"))])  # hessians give no qparams to report
+    states = qstats.calibrate(model, [x], minmax, progress=False)
+    qparams = qstats.compute_qparams_tree(states, minmax, model)
     with pytest.raises(ValueError, match=r"report: observation_weight\(batch\): .* negative, NaN or infinite"):
-        qstats.report(states, qparams, model=model, recipe=recipe, batches=[x], observation_weight=lambda batch: weight)
+        qstats.report(states, qparams, model=model, recipe=minmax, batches=[x], observation_weight=lambda batch: weight)
     with qstats.observing(model, recipe) as session:
         with pytest.raises(ValueError, match=r"observing: .* negative, NaN or infinite"):
             with session.weighted(weight):
