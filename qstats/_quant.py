@@ -17,7 +17,7 @@ import torch
 
 from . import _formats
 from ._checks import check_floating, require
-from ._formats import code_dtype
+from ._formats import COMPUTE_DTYPE_NAMES, code_dtype
 from ._granularity import TensorGroup, broadcast_to_view, canonical_view, from_canonical_view, in_layout_of
 from ._qparams import QParams, rounds_in_half_precision
 from ._spec import QuantSpec
@@ -176,10 +176,12 @@ def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor
     return _formats.store_codes(from_canonical_view(codes, spec.granularity, x.shape), spec)
 
 
-def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=torch.float32) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=None) -> torch.Tensor:
     """Values of ``codes``: ``(codes - zero_point) * scale`` (``codes * scale`` for floats), in
-    float64 arithmetic for a float64 ``dtype`` where `fake_quantize` of float64 inputs computes in
-    it (torch.ao's per-channel integer targets).
+    ``dtype`` (float32 by default, holding the values `fake_quantize` computes), in float64
+    arithmetic for a float64 ``dtype`` where `fake_quantize` of float64 inputs computes in it
+    (torch.ao's per-channel integer targets). A torchao spec's integer codes given a ``dtype`` are
+    computed in it, as ``dequantize_affine(output_dtype=dtype)``, whatever the input's dtype.
 
     Raises:
       ValueError: codes of an integer target outside ``spec.qrange`` or not whole (packed codes,
@@ -192,6 +194,7 @@ def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=tor
     spec = _checked_spec(spec, "dequantize")
     if not isinstance(codes, torch.Tensor):
         raise TypeError(f"dequantize: codes must be a tensor (qstats.quantize's), got {type(codes).__name__}")
+    given, dtype = dtype is not None, torch.float32 if dtype is None else dtype
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dequantize: dtype must be a floating-point torch dtype (torch.float32, ...), got {dtype!r}")
     own = spec.float_format.torch_dtype if spec.is_float else None
@@ -206,6 +209,11 @@ def dequantize(codes: torch.Tensor, qparams: QParams, spec: QuantSpec, dtype=tor
             f"dequantize: codes of {spec.dtype!r} must be {own} (or its float values), got codes of another "
             f"format, {codes.dtype}; pass codes.float() where they are meant as values"
         )
+    if given and spec.convention.dequantizes_in_output_dtype and not spec.is_float and dtype in COMPUTE_DTYPE_NAMES:
+        # torchao's dequantize_affine computes in its output_dtype: bf16-observed codes asked for in
+        # float32 are formed in float32 (not rounded to bf16), float32-observed ones asked for in
+        # bf16 round each step to bf16 as its tinygemm dequantization does
+        spec = spec.replace(compute_dtype=COMPUTE_DTYPE_NAMES[dtype])
     inside = _codes_inside(codes, spec)
     view = canonical_view(codes, spec.granularity)
     if dtype == torch.float64 and not spec.is_float:

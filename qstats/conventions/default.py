@@ -34,12 +34,15 @@ class Convention:
       maps_ranges_without_zero: `qparams` honours ``QuantSpec.preserve_zero=False`` (torchao).
       ranges_map_like_torch_ao: integer ranges map by torch.ao's formulas up to float rounding, so
         range searches may rank candidates with them in float64.
+      dequantizes_in_output_dtype: `qstats.dequantize` of integer codes computes in the ``dtype`` it
+        returns, not in ``compute_dtype`` (torchao's ``dequantize_affine(output_dtype=...)``).
     """
 
     name: str = "default"
     computes_in_observed_dtype: bool = False
     maps_ranges_without_zero: bool = False
     ranges_map_like_torch_ao: bool = False
+    dequantizes_in_output_dtype: bool = False
 
     def __eq__(self, other) -> bool:
         if isinstance(other, str):

@@ -549,6 +549,7 @@ class TorchaoConvention(Convention):
 
     name = "torchao"
     maps_ranges_without_zero = True
+    dequantizes_in_output_dtype = True
 
     def validate(self, spec) -> None:
         super().validate(spec)
@@ -665,8 +666,9 @@ class TorchaoConvention(Convention):
         if spec.zero_point_domain == "float":
             qmin, qmax = spec.qrange
             dequant = rounded(rounded(codes - (qmax + qmin + 1) / 2) * scale)
-            # a sum in the compute dtype: PyTorch forms half sums in float32 and rounds them
-            return rounded(dequant.float() + rounded_in(zero_point.float(), compute)).float()
+            # torchao's in-place sum into the compute (output) dtype: PyTorch forms it in float32 with
+            # the zero point as stored (a float32 one is not rounded to a bf16 output first), rounded once
+            return rounded(dequant.float() + zero_point.float()).float()
         if spec.zero_point_domain != "none":
             codes = rounded(codes - rounded_in(zero_point.to(work), compute))
         return rounded(codes * scale).float()
