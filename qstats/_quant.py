@@ -13,6 +13,8 @@ elements, which qstats/_formats.py computes.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import _formats
@@ -38,7 +40,7 @@ def _params(qparams: QParams, view: torch.Tensor, spec: QuantSpec, where: str):
     """Scale and zero point broadcast against ``view``, after TypeError for qparams without scale and
     zero point tensors, and ValueError for a scale of another shape than this tensor's parameters,
     a zero point that does not broadcast to it (it would broadcast the result to another shape), a
-    two-level spec's global scale of more than one value, or a bad scale (`_checked_scale`)."""
+    two-level spec's global scale of more than one value, or bad values (`_checked`)."""
     for name in ("scale", "zero_point"):
         if not isinstance(getattr(qparams, name, None), torch.Tensor):
             got = (f"{type(getattr(qparams, name)).__name__} for its {name}" if hasattr(qparams, name)
@@ -59,50 +61,59 @@ def _params(qparams: QParams, view: torch.Tensor, spec: QuantSpec, where: str):
                                                           and global_scale.numel() == 1):
         got = tuple(global_scale.shape) if isinstance(global_scale, torch.Tensor) else type(global_scale).__name__
         raise ValueError(f"{where}: a two-level spec (TensorGroup) needs one global scale, got {got}")
-    scale = _checked_scale(qparams.scale.float(), where)
-    if isinstance(spec.granularity, TensorGroup):
-        # zero, negative or Inf: every value 0 or of the other sign, every code 0 or 8 (NaN: NaN values)
-        inside = require((global_scale > 0) & global_scale.isfinite(), f"{where}: a two-level spec's global scale "
-                         "must be positive and finite, which no qstats.compute_qparams gives (hand-made or corrupt qparams)")
-        scale = torch.where(inside.reshape(()), scale, torch.ones_like(scale))  # threads the check
-    return broadcast_to_view(scale), broadcast_to_view(qparams.zero_point)
+    return _checked(qparams.scale.float(), qparams.zero_point, global_scale, spec, where)
 
 
-def _checked_scale(scale: torch.Tensor, where: str) -> torch.Tensor:
-    """``scale``, after ValueError (eagerly, compiled and under vmap) where a scale is zero or negative,
-    or, in `quantize`, NaN or Inf. Such hand-made or corrupt qparams gave numbers silently (torch's
-    fake-quant ops and compressed-tensors take them too): a zero scale fake-quantized every value to 0
-    (NaN at 0), a negative one flipped the codes' sign, and `quantize`'s codes under a NaN or Inf
-    scale were all 0. `compute_qparams` never gives them. An Inf or NaN scale's NaN and +-Inf values
-    stay visible in `fake_quantize` and `dequantize`, as in torchao's and compressed-tensors'."""
+def _checked(scale: torch.Tensor, zero_point: torch.Tensor, global_scale, spec: QuantSpec, where: str):
+    """Scale and zero point broadcast against the view, after one ValueError (eagerly, compiled and
+    under vmap; one host read) naming the rules where any is broken: scales zero or negative (in
+    `quantize` NaN or Inf too: its codes hide them), a two-level spec's global scale that is not positive
+    and finite, an integer zero point outside the spec's range or not whole. Hand-made or corrupt qparams
+    (`compute_qparams` never gives them) gave numbers silently, as torch's fake-quant ops and
+    compressed-tensors take them: a zero scale gave NaN at 0, a negative one codes of the other sign."""
     valid = ~(scale <= 0)
-    problem = "scales must not be zero or negative"
+    rules = ["qparams scales must not be zero or negative"]
     if where == "quantize":
         valid = valid & scale.isfinite()
-        problem = "scales must be positive and finite (codes hide a NaN or Inf one)"
-    inside = require(valid, f"{where}: qparams {problem}, which no qstats.compute_qparams gives "
-                            "(hand-made or corrupt qparams)")
-    return torch.where(inside, scale, torch.ones_like(scale))  # threads the check
+        rules = ["qparams scales must be positive and finite (codes hide a NaN or Inf one)"]
+    valid = valid.all()
+    if isinstance(spec.granularity, TensorGroup):
+        valid = valid & ((global_scale > 0) & global_scale.isfinite()).all()
+        rules.append("a two-level spec's global scale must be positive and finite")
+    zero_point_valid = _zero_point_valid(zero_point, spec)
+    if zero_point_valid is not None:
+        valid = valid & zero_point_valid.all()
+        rules.append(_ZERO_POINT_RULE.format(*spec.qrange))
+    ok = require(valid, f"{where}: " + "; ".join(rules) + " (hand-made or corrupt qparams: no qstats.compute_qparams "
+                 "gives them)")
+    scale = torch.where(ok, scale, torch.ones_like(scale))  # threads the check
+    if zero_point_valid is not None:
+        zero_point = torch.where(ok, zero_point, torch.full_like(zero_point, spec.qrange[0]))
+    return broadcast_to_view(scale), broadcast_to_view(zero_point)
 
 
-def _checked_zero_point(zero_point: torch.Tensor, spec: QuantSpec, where: str) -> torch.Tensor:
-    """``zero_point``, after ValueError (eagerly, compiled and under vmap) where an integer zero
-    point lies outside the spec's range, or a floating one is not a whole number, whose codes would
-    land off the grid (torch's fake-quant ops refuse the former, truncate the latter). Integer zero
-    points are compared as int64: a narrower dtype wraps a bound it lacks (int8 3 <= 255 reads False)."""
+_ZERO_POINT_RULE = "integer zero points must lie in the spec's range [quant_min, quant_max] = [{}, {}] and be whole numbers"
+
+
+def _zero_point_valid(zero_point: torch.Tensor, spec: QuantSpec) -> Optional[torch.Tensor]:
+    """Where an integer zero point lies in the spec's range and is whole (torch's fake-quant ops refuse
+    the former, truncate the latter); None for specs without integer zero points. Compared as int64:
+    a narrower dtype wraps a bound it lacks (int8 3 <= 255 reads False)."""
     if spec.is_float or spec.zero_point_domain != "int":
-        return zero_point
+        return None
     qmin, qmax = spec.qrange
     wide = zero_point if zero_point.is_floating_point() else zero_point.to(torch.int64)
     valid = (wide >= qmin) & (wide <= qmax)
-    if zero_point.is_floating_point():
-        valid = valid & (wide == torch.round(wide))
-    inside = require(
-        valid,
-        f"{where}: integer zero points must lie in the spec's range [quant_min, quant_max] = [{qmin}, {qmax}] "
-        "and be whole numbers",
-    )
-    return torch.where(inside, zero_point, torch.full_like(zero_point, qmin))  # threads the check
+    return valid & (wide == torch.round(wide)) if zero_point.is_floating_point() else valid
+
+
+def _checked_zero_point(zero_point: torch.Tensor, spec: QuantSpec, where: str) -> torch.Tensor:
+    """``zero_point``, after ValueError (eagerly, compiled and under vmap) where `_zero_point_valid` is not."""
+    valid = _zero_point_valid(zero_point, spec)
+    if valid is None:
+        return zero_point
+    inside = require(valid, f"{where}: " + _ZERO_POINT_RULE.format(*spec.qrange))
+    return torch.where(inside, zero_point, torch.full_like(zero_point, spec.qrange[0]))  # threads the check
 
 
 _UNSIGNED_WITHOUT_EXTREMES = (torch.uint16, torch.uint32, torch.uint64)
@@ -171,7 +182,6 @@ def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor
     spec = _checked_spec(spec, "quantize")
     view = canonical_view(check_floating(x, "quantize"), spec.granularity)
     scale, zero_point = _params(qparams, view, spec, "quantize")
-    zero_point = _checked_zero_point(zero_point, spec, "quantize")
     _, codes = _codes_float(view, scale, zero_point, spec, qparams.global_scale)
     return _formats.store_codes(from_canonical_view(codes, spec.granularity, x.shape), spec)
 
@@ -242,7 +252,6 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
     spec = _checked_spec(spec, "fake_quantize")
     view = canonical_view(check_floating(x, "fake_quantize"), spec.granularity)
     scale, zero_point = _params(qparams, view, spec, "fake_quantize")
-    zero_point = _checked_zero_point(zero_point, spec, "fake_quantize")
     unclamped, codes = _codes_float(view.detach(), scale, zero_point, spec, qparams.global_scale)
     out = _cap(_dequantize_view(codes, scale, zero_point, spec, qparams.global_scale), x.dtype, spec)
     # the straight-through term, +0 with derivative 1 inside the range, in every mode (requires_grad

@@ -356,7 +356,7 @@ def test_integer_zero_point_outside_the_range_raises_as_fake_quantize():
     qparams = _minmax_qparams(weight, spec)
     bad = qparams._replace(zero_point=torch.full_like(qparams.zero_point, 100))  # int4: [-8, 7]
     message = r"integer zero points must lie in the spec's range \[quant_min, quant_max\] = \[-8, 7\]"
-    with pytest.raises(ValueError, match="fake_quantize: " + message):
+    with pytest.raises(ValueError, match="fake_quantize: .*" + message):
         qstats.fake_quantize(weight, bad, spec)
     with pytest.raises(ValueError, match="gptq: " + message):
         gptq(weight, state, spec, qparams=bad)

@@ -128,6 +128,6 @@ def test_two_level_specs_refuse_a_global_scale_that_is_not_positive_and_finite(n
     for where, call in (("fake_quantize", lambda: qstats.fake_quantize(x, bad, spec)),
                         ("quantize", lambda: qstats.quantize(x, bad, spec)),
                         ("dequantize", lambda: qstats.dequantize(codes, bad, spec))):
-        with pytest.raises(ValueError, match=f"{where}: a two-level spec's global scale must be positive and finite"):
+        with pytest.raises(ValueError, match=f"{where}: .*a two-level spec's global scale must be positive and finite"):
             call()
 
