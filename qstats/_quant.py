@@ -36,11 +36,11 @@ def _checked_spec(spec, where: str) -> QuantSpec:
     return spec
 
 
-def _params(qparams: QParams, view: torch.Tensor, spec: QuantSpec, where: str):
+def _params(qparams: QParams, view: torch.Tensor, spec: QuantSpec, where: str, **checks):
     """Scale and zero point broadcast against ``view``, after TypeError for qparams without scale and
     zero point tensors, and ValueError for a scale of another shape than this tensor's parameters,
     a zero point that does not broadcast to it (it would broadcast the result to another shape), a
-    two-level spec's global scale of more than one value, or bad values (`_checked`)."""
+    two-level spec's global scale of more than one value, or bad values (`_checked`, given ``checks``)."""
     for name in ("scale", "zero_point"):
         if not isinstance(getattr(qparams, name, None), torch.Tensor):
             got = (f"{type(getattr(qparams, name)).__name__} for its {name}" if hasattr(qparams, name)
@@ -61,26 +61,31 @@ def _params(qparams: QParams, view: torch.Tensor, spec: QuantSpec, where: str):
                                                           and global_scale.numel() == 1):
         got = tuple(global_scale.shape) if isinstance(global_scale, torch.Tensor) else type(global_scale).__name__
         raise ValueError(f"{where}: a two-level spec (TensorGroup) needs one global scale, got {got}")
-    return _checked(qparams.scale.float(), qparams.zero_point, global_scale, spec, where)
+    return _checked(qparams.scale.float(), qparams.zero_point, global_scale, spec, where, **checks)
 
 
-def _checked(scale: torch.Tensor, zero_point: torch.Tensor, global_scale, spec: QuantSpec, where: str):
+def _checked(scale: torch.Tensor, zero_point: torch.Tensor, global_scale, spec: QuantSpec, where: str, *,
+             finite: bool = False, own_read: bool = True):
     """Scale and zero point broadcast against the view, after one ValueError (eagerly, compiled and
-    under vmap; one host read) naming the rules where any is broken: scales zero or negative (in
-    `quantize` NaN or Inf too: its codes hide them), a two-level spec's global scale that is not positive
+    under vmap; one host read) naming the rules where any is broken: scales zero or negative (``finite``:
+    NaN or Inf too, which `quantize`'s codes hide), a two-level spec's global scale that is not positive
     and finite, an integer zero point outside the spec's range or not whole. Hand-made or corrupt qparams
     (`compute_qparams` never gives them) gave numbers silently, as torch's fake-quant ops and
-    compressed-tensors take them: a zero scale gave NaN at 0, a negative one codes of the other sign."""
+    compressed-tensors take them: a zero scale gave NaN at 0, a negative one codes of the other sign.
+    ``own_read=False`` (`fake_quantize`, in every QAT step): the scales are checked only within the
+    zero-point check's host read, so a spec without one (float formats) adds no device sync."""
+    zero_point_valid = _zero_point_valid(zero_point, spec)
+    if zero_point_valid is None and not own_read:
+        return broadcast_to_view(scale), broadcast_to_view(zero_point)
     valid = ~(scale <= 0)
     rules = ["qparams scales must not be zero or negative"]
-    if where == "quantize":
+    if finite:
         valid = valid & scale.isfinite()
         rules = ["qparams scales must be positive and finite (codes hide a NaN or Inf one)"]
     valid = valid.all()
     if isinstance(spec.granularity, TensorGroup):
         valid = valid & ((global_scale > 0) & global_scale.isfinite()).all()
         rules.append("a two-level spec's global scale must be positive and finite")
-    zero_point_valid = _zero_point_valid(zero_point, spec)
     if zero_point_valid is not None:
         valid = valid & zero_point_valid.all()
         rules.append(_ZERO_POINT_RULE.format(*spec.qrange))
@@ -181,7 +186,7 @@ def quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.Tensor
     """
     spec = _checked_spec(spec, "quantize")
     view = canonical_view(check_floating(x, "quantize"), spec.granularity)
-    scale, zero_point = _params(qparams, view, spec, "quantize")
+    scale, zero_point = _params(qparams, view, spec, "quantize", finite=True)
     _, codes = _codes_float(view, scale, zero_point, spec, qparams.global_scale)
     return _formats.store_codes(from_canonical_view(codes, spec.granularity, x.shape), spec)
 
@@ -245,13 +250,13 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec) -> torch.T
     result has ``x``'s memory layout (channels_last, transposed), as torch's fake-quant ops give.
 
     Raises:
-      ValueError: an integer zero point outside ``spec.qrange`` (as torch's fake-quant ops), or a zero
-        or negative scale (torch's ops take it).
+      ValueError: an integer zero point outside ``spec.qrange`` (as torch's fake-quant ops), or, with
+        integer zero points, a zero or negative scale (torch's ops take it).
       TypeError: ``x`` is not a floating-point tensor, or ``spec`` no QuantSpec.
     """
     spec = _checked_spec(spec, "fake_quantize")
     view = canonical_view(check_floating(x, "fake_quantize"), spec.granularity)
-    scale, zero_point = _params(qparams, view, spec, "fake_quantize")
+    scale, zero_point = _params(qparams, view, spec, "fake_quantize", own_read=False)
     unclamped, codes = _codes_float(view.detach(), scale, zero_point, spec, qparams.global_scale)
     out = _cap(_dequantize_view(codes, scale, zero_point, spec, qparams.global_scale), x.dtype, spec)
     # the straight-through term, +0 with derivative 1 inside the range, in every mode (requires_grad
