@@ -9,19 +9,18 @@ difference from llm-compressor on per-tensor specs is in docs/differences.md.
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import NamedTuple, Optional
 
 import torch
 
-from .._checks import is_real_number, require
+from .._checks import require
 from .._granularity import canonical_view, check_observable
 from .._qparams import NoStatistics, register_range_rule
 from .._spec import QuantSpec
 from ._base import Observer, check_field_dtype, check_same_shapes, check_state, register_state
 from .kit import checked_rows, raises_on_nonfinite
-from .mse import check_search_args, mse
+from .mse import check_expand, check_search_args, mse
 
 __all__ = ["IMatrixState", "imatrix", "importance", "imatrix_mse"]
 
@@ -198,10 +197,7 @@ def imatrix_mse(spec: QuantSpec, weight_shape, imatrix_state: Optional[IMatrixSt
     """
     # the spec's TypeError, and a ValueError naming a bad option (before int() below truncates it)
     check_search_args(spec, maxshrink, grid, norm, 1, "imatrix_mse")
-    # refused as llm-compressor's mse observers refuse it (its imatrix_mse takes it: docs/differences.md);
-    # qstats.mse's own check named mse
-    if not (is_real_number(expand) and 1.0 <= expand < math.inf):
-        raise ValueError(f"imatrix_mse: expand must be a finite number of at least 1.0, got {expand!r}")
+    check_expand(expand, "imatrix_mse")  # llm-compressor's imatrix_mse takes expand < 1: docs/differences.md
     _check_own_options(options)
     weight_shape = _checked_weight_shape(weight_shape)
     weights = None

@@ -465,12 +465,18 @@ def _checked_importance(importance, view: torch.Tensor, where: str):
     return torch.where(ok, importance, torch.zeros_like(importance))
 
 
+def check_expand(expand, where: str) -> None:
+    """ValueError naming ``where`` unless ``expand`` is a finite number of at least 1 (as llm-compressor's
+    mse observers refuse it)."""
+    if not (is_real_number(expand) and 1.0 <= expand < math.inf):
+        raise ValueError(f"{where}: expand must be a finite number of at least 1.0, got {expand!r}")
+
+
 def _check_modes(mode, expand, averaging_constant, patience):
     """ValueError for bad mode options; the moving average's patience (llm-compressor's 5 by default)."""
     if mode not in ("accumulate", "moving_average"):
         raise ValueError(f"mse: mode must be 'accumulate' or 'moving_average', got {mode!r}")
-    if not (is_real_number(expand) and 1.0 <= expand < math.inf):
-        raise ValueError(f"mse: expand must be a finite number of at least 1.0, got {expand!r}")
+    check_expand(expand, "mse")
     check_averaging_constant(averaging_constant, "mse")
     if mode == "accumulate" and averaging_constant is not _AVERAGING_CONSTANT:  # it was ignored in silence
         raise ValueError("mse: averaging_constant applies to mode='moving_average'; mode='accumulate' sums the "

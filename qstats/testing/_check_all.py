@@ -9,6 +9,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .. import tree as qtree
+from .._checks import check_flag
 from ..observers._base import Observer
 from . import _laws
 
@@ -56,10 +57,10 @@ def check_all(
 
     laws = _law_names(laws)
     # a truthy string ("no") checked an order-dependent observer as exact, None skipped the sequential form
-    for name, flag in (("exact", exact), ("accumulates", accumulates), ("compile", compile)):
-        if not isinstance(flag, bool) and not (name == "exact" and flag is None):
-            allowed = "True, False or None (obs.exact)" if name == "exact" else "True or False"
-            raise TypeError(f"check_all: {name} must be {allowed}, got {flag!r}")
+    if not isinstance(exact, bool) and exact is not None:
+        raise TypeError(f"check_all: exact must be True, False or None (obs.exact), got {exact!r}")
+    check_flag(accumulates, "accumulates", "check_all")
+    check_flag(compile, "compile", "check_all")
     _laws.check_observer(obs, "check_all")
     probe = _probe(make_x)
     exact = obs.exact if exact is None else exact
