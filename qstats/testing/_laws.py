@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import numbers
 from typing import Any, Iterable, Optional, Sequence
 
 import optree
@@ -26,7 +25,7 @@ import torch
 
 from .. import distributed
 from .. import tree as qtree
-from .._checks import as_index
+from .._checks import as_index, is_real_number
 from .._qparams import NoStatistics, compute_qparams
 from .._quant import fake_quantize
 from .._spec import QuantSpec
@@ -127,7 +126,7 @@ def assert_states_equal(actual: Any, expected: Any, *, approx_fields: Optional[I
     """
     prefix = f"{message}: " if message else ""
     # NaN or inf passed every difference (a difference > NaN is False), a negative one failed equal states
-    if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not 0 <= float(rtol) < math.inf:
+    if not (is_real_number(rtol) and 0 <= float(rtol) < math.inf):
         raise ValueError(f"assert_states_equal: rtol must be a finite non-negative number, got {rtol!r}")
     try:
         qtree.assert_same_structure(actual, expected, name="state")
