@@ -173,8 +173,33 @@ class _Call:
         return self.hook(query, key, value, self.cross)
 
 
+# the arguments by which transformers hands an attention module its cache: ``past_key_values`` (most),
+# ``past_key_value`` (before transformers#39956), ``layer_past`` (GPT-NeoX's, GPTBigCode's, CTRL's)
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _cache_argument(module: torch.nn.Module) -> Callable[[tuple, dict], object]:
+    """``cache(args, kwargs)``: the cache a call of the attention ``module`` is handed, by keyword or
+    position, under one of `_CACHE_ARGUMENTS` its forward declares (the first it is given); None
+    where it is given none."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        parameters = []
+    declared = [(name, parameters.index(name) if name in parameters else None) for name in _CACHE_ARGUMENTS]
+
+    def cache(args: tuple, kwargs: dict):
+        for name, at in declared:
+            found = kwargs.get(name, args[at] if at is not None and at < len(args) else None)
+            if found is not None:
+                return found
+        return None
+
+    return cache
+
+
 def _handed_caches(cache) -> tuple:
-    """The caches whose ``update`` an attention module given ``cache`` (``past_key_values``) hands
+    """The caches whose ``update`` an attention module given ``cache`` (`_cache_argument`) hands
     its key and value: an ``EncoderDecoderCache``'s self- and cross-attention caches, which BART's,
     Whisper's and T5's modules update (itself too), else ``cache``; none that cannot be given an
     ``update`` attribute (no ``__dict__``) or has none."""
@@ -262,10 +287,10 @@ def _cache_hooks(module, path: str, hook: Callable, caller: str, compared: str) 
                          "and its query reaches no cache: not supported; ignore its q, or run an implementation "
                          "it does not compare with")
     calls: list = []
-    crosses = cross_attention(module)
+    crosses, cache_of = cross_attention(module), _cache_argument(module)
 
     def pre_hook(module, args, kwargs):
-        caches = _handed_caches(kwargs.get("past_key_values", kwargs.get("past_key_value")))
+        caches = _handed_caches(cache_of(args, kwargs))
         calls.append((_Call(hook, f"{caller}: the attention module {path!r} ({type(module).__name__}) handed its "
                                   f"cache a key and value twice in one call, where qstats reads them once: not "
                                   "supported", crosses(args, kwargs)), caches))  # called by the updates only
@@ -327,13 +352,13 @@ class _CacheUpdate:
 def _hooks(module, path: str, hook: Callable, caller: str) -> list:
     """A pre-hook handing each call's `_Call` to the attention function by keyword (after those of
     enclosing contexts: applied in that order), and to the caches the call hands its key and value
-    (`_handed_caches` of ``past_key_values``, `_CacheUpdate`): a decode step's attention function
+    (`_handed_caches` of `_cache_argument`, `_CacheUpdate`): a decode step's attention function
     receives every cached key and value, where
     compressed-tensors' kv cache reads the new ones at the update (but multi-head latent attention,
     which caches its latent); and a hook refusing a call that did not reach its attention function."""
     keyword = _functions().SITES_KEYWORD
     calls: list = []
-    latent, crosses = latent_attention(module), cross_attention(module)
+    latent, crosses, cache_of = latent_attention(module), cross_attention(module), _cache_argument(module)
 
     again = (f"{caller}: the attention module {path!r} ({type(module).__name__}) called its attention function "
              "twice in one call (DiffLlama's differential attention hands it each half of the value): qstats reads "
@@ -342,7 +367,7 @@ def _hooks(module, path: str, hook: Callable, caller: str) -> list:
 
     def pre_hook(module, args, kwargs):
         # multi-head latent attention caches its latent (`LATENT_CACHE`): its k/v stay the attention function's
-        caches = () if latent else _handed_caches(kwargs.get("past_key_values", kwargs.get("past_key_value")))
+        caches = () if latent else _handed_caches(cache_of(args, kwargs))
         call = _Call(hook, again, crosses(args, kwargs), bool(caches))
         calls.append((call, caches))
         for cache in caches:
