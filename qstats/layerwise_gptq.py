@@ -138,13 +138,16 @@ distributed.register_reduce_ops(GPTQInputsState, distributed.extremes_and_sums)
 
 def _samples(x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
     """llm-compressor's ``accumulate_hessian`` count of an input: its leading dimension when it has
-    three or more, else one (a 2-D ``[tokens, in]`` input, an expert's); here only the samples
-    with a row the mask keeps (none for an empty input)."""
-    leading = x.shape[0] if x.ndim >= 3 else 1
+    three or more, else one. A 2-D ``[tokens, in]`` input (an expert's) is one call whatever its mask
+    keeps: llm-compressor's linearized experts call every expert once a forward on its routed tokens,
+    none included, and count it (an expert routed no token at all is left to round-to-nearest by
+    `_per_sample`). Of a 3-D or wider input, only the samples with a row the mask (padding) keeps."""
+    if x.ndim < 3:
+        return torch.ones((), dtype=torch.int64, device=x.device)
     keep = row_mask(x, weight, "gptq_layerwise")
     if x.numel() == 0 or keep is None:
-        return torch.tensor(leading if x.numel() else 0, dtype=torch.int64, device=x.device)
-    return keep.reshape(leading, -1).any(dim=1).sum()
+        return torch.tensor(x.shape[0] if x.numel() else 0, dtype=torch.int64, device=x.device)
+    return keep.reshape(x.shape[0], -1).any(dim=1).sum()
 
 
 def _gptq_inputs(spec=None) -> Observer:

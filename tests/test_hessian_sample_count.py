@@ -67,7 +67,8 @@ def test_dead_columns_with_two_dimensional_inputs_make_llm_compressor_depend_on_
 def test_gptq_layerwise_counts_the_samples_accumulate_hessian_counts():
     """`gptq_layerwise`'s Hessian observer counts llm-compressor's samples beside the rows: a 3-D or
     4-D input's leading dimension, one per 2-D input; under a stacked observer each expert counts
-    the calls that routed it a token."""
+    every call, as llm-compressor's linearized experts call every expert once a forward, on its
+    routed tokens, none included (tests/test_gptq_layerwise_routed_sample_count.py)."""
     from qstats.layerwise_gptq import _gptq_inputs
 
     obs = _gptq_inputs()
@@ -86,4 +87,7 @@ def test_gptq_layerwise_counts_the_samples_accumulate_hessian_counts():
     tokens = torch.randn(6, IN, generator=gen).expand(3, 6, IN)
     route = torch.tensor([[1.0] * 6, [1.0, 0, 0, 0, 0, 0], [0.0] * 6])
     expert_state = stacked.update(stacked.update(stacked.init(tokens), tokens, route), tokens, route)
-    assert expert_state.samples.tolist() == [2, 2, 0] and expert_state.count.tolist() == [12, 2, 0]
+    counts = [llmc_helpers.accumulate_hessian(tokens[0][route[e].bool()], layer, own.clone(), torch.zeros(()))[1]
+              for e in range(3)]  # one call each, the unrouted expert's on no row
+    assert expert_state.samples.tolist() == [2 * int(c) for c in counts] == [2, 2, 2]
+    assert expert_state.count.tolist() == [12, 2, 0]
