@@ -950,7 +950,7 @@ def _is_json_recipe(path: str) -> bool:
 
 def _config_group(name: Any, group: Any):
     """The ``QuantizationScheme`` of ``config_groups[name]``: a mapping of its fields (``targets``
-    ``["Linear"]`` when absent; an empty list targets nothing, as in compressed-tensors), or, as
+    required, as compressed-tensors requires it; an empty list targets nothing, as there), or, as
     compressed-tensors' ``QuantizationConfig`` reads it, a preset name mapped to its targets
     (``{"W4A16": ["Linear"]}``)."""
     from compressed_tensors.quantization.quant_scheme import is_preset_scheme, preset_name_to_scheme
@@ -960,9 +960,11 @@ def _config_group(name: Any, group: Any):
     if not isinstance(group, Mapping):
         raise TypeError(f"quantization config: config_groups[{name!r}] must be a mapping of scheme fields (or, "
                         f"under a preset name, its targets), got {type(group).__name__}")
-    targets = _list(["Linear"] if group.get("targets") is None else group["targets"],
-                    f"config_groups[{name!r}].targets")
-    return _validated(group, targets, f"quantization config: config_groups[{name!r}]")
+    if group.get("targets") is None:  # compressed-tensors and llm-compressor refuse it ("Field required")
+        raise ValueError(f"quantization config: config_groups[{name!r}] has no 'targets' (a list of class names, "
+                         "module names or 're:' regexes, e.g. [\"Linear\"]), which compressed-tensors requires")
+    return _validated(group, _list(group["targets"], f"config_groups[{name!r}].targets"),
+                      f"quantization config: config_groups[{name!r}]")
 
 
 def _warn_dropped_configs(config: Mapping) -> None:
