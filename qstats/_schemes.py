@@ -270,6 +270,14 @@ GROUPED_ATTENTION = (
     "per tensor or per head (strategy 'tensor' or 'attn_head')"
 )
 
+# why weights args with dynamic=True or "local" are refused (`_rule`)
+DYNAMIC_WEIGHTS = (
+    "dynamic weights are not supported: compressed-tensors computes their scales from the weight at each forward "
+    "and holds no weight_scale, so llm-compressor 0.14's oneshot cannot save the checkpoint (it fails compressing "
+    "it); a weight's scales come from the weight itself either way: use dynamic=False (the same scales, calibrated "
+    "once and saved)"
+)
+
 # why static activation args are refused, by strategy: per-group ones (``group``, and ``tensor_group``
 # with ``dynamic=False``, not NVFP4's ``"local"``), per-channel and per-block ones. Their specs read per
 # row, so a site would otherwise be scaled at run time in silence (`qstats.recipe.runtime_scaled`) and
@@ -284,6 +292,8 @@ def _rule(Rule, targets, args, site: str, observed_dtype, caller: str):
         raise ValueError(f"the {site} args: {ATTN_HEAD_LINEAR}")
     if site != "weight" and args.dynamic is False and args.strategy in _STATIC_REFUSALS:
         raise ValueError(f"{caller}: the {site} args: {_STATIC_REFUSALS[args.strategy]}")
+    if site == "weight" and args.dynamic:  # True or "local": read as static weights, the export would differ
+        raise ValueError(f"{caller}: the weights args: {DYNAMIC_WEIGHTS} (got dynamic={args.dynamic!r})")
     overrides = {} if observed_dtype is None else {"observed_dtype": observed_dtype}
     if site != "weight" and args.dynamic is True:  # scales at run time: llm-compressor observes nothing
         # the Rule says so (dynamic=True): the spec of the args read as static, which does not warn

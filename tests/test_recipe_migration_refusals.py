@@ -1,13 +1,18 @@
 """Recipes a user migrating from llm-compressor 0.14 / compressed-tensors 0.19 may write that those
 libraries refuse or cannot run: `Recipe.from_compressed_tensors` refuses them too, naming the problem,
-where it read them as another scheme (all Linears for a config group without targets)."""
+where it read them as another scheme (all Linears for a config group without targets, static weights for
+dynamic ones)."""
 
 import pytest
+import torch
+from _oneshot import load_eager, random_llama, token_samples
+from _shared import llm_compressor_oneshot
 
 import qstats
 
 quantization = pytest.importorskip("compressed_tensors.quantization")
-from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
+from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config  # noqa: E402
+from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES  # noqa: E402
 
 W8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
 
@@ -19,3 +24,26 @@ def test_a_config_group_without_targets_is_refused_as_compressed_tensors_refuses
         QuantizationConfig.model_validate(config)
     with pytest.raises(ValueError, match=r"config_groups\['group_0'\] has no 'targets'"):
         qstats.Recipe.from_compressed_tensors(config)
+
+
+@pytest.mark.parametrize("weights", [{**W8, "strategy": "tensor", "dynamic": True},
+                                     {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True},
+                                     {**PRESET_SCHEMES["NVFP4"]["weights"].model_dump(), "dynamic": "local"}])
+def test_dynamic_weights_are_refused_where_llm_compressor_cannot_save_them(tmp_path, weights):
+    """compressed-tensors keeps no weight_scale for dynamic weights (scales at each forward) and oneshot fails
+    compressing the model; the Recipe calibrated them as static weights and exported them as such."""
+    pytest.importorskip("llmcompressor")
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    config = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}, "ignore": ["lm_head"]}
+    linear = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    apply_quantization_config(linear, QuantizationConfig.model_validate(config), show_progress=False)
+    assert not hasattr(linear[0], "weight_scale")
+    path = str(tmp_path / "llama")
+    random_llama(hidden_size=64, intermediate_size=128).save_pretrained(path)
+    with pytest.raises((TypeError, KeyError)):  # 'Tensor' / 'NoneType', 'weight_scale'
+        llm_compressor_oneshot(load_eager(path), token_samples(1), QuantizationModifier(**config), tmp_path / "out")
+    for read in (lambda: qstats.Recipe.from_compressed_tensors(config), lambda: qstats.Recipe.from_scheme(
+            {"weights": weights})):
+        with pytest.raises(ValueError, match=r"the weights args: dynamic weights are not supported.*dynamic=False"):
+            read()
