@@ -190,12 +190,23 @@ class _FakeQuantPoint(nn.Module):
         # called more than once), so that every call observes into one chained state.
         phase = _check_extra(state, phase, self.key)
         current = getattr(state, self.kind).get(self.key)
+        point = (f"{'QATModel.init' if current is None else 'QATModel.apply'}: the "
+                 f"{'weight' if self.kind == 'weights' else 'input'} of layer {self.key!r}")
+        try:
+            return self._forward(x, current, phase, ranges, previous, point)
+        except (TypeError, ValueError) as error:
+            # an observer's or spec's refusal (a group size that does not divide the layer's width, a state sized on
+            # inputs of another shape, an observer without statistics) names the tensor only: the layer too
+            if str(error).startswith("QATModel."):  # names it already
+                raise
+            raise (ValueError if isinstance(error, ValueError) else TypeError)(f"{point}: {error}") from error
+
+    def _forward(self, x, current, phase: QATPhase, ranges, previous, point: str):
         if current is None:  # QATModel.init: size the state on the example input
             return x, self.observer.init(x) if previous is None else previous
         learned = (ranges or {}).get(self.kind, {}).get(self.key)
         if self.dynamic:
             current, previous, phase = self.observer.init(x), None, phase._replace(observe=True)
-        point = f"QATModel.apply: the {'weight' if self.kind == 'weights' else 'input'} of layer {self.key!r}"
         uncalibrated = _uncalibrated("QATModel.apply", self.kind, self.key)
         return _observe_fake_quantize(x, current if previous is None else previous, self.observer, phase, self.ste,
                                       learned, self.grad_scale, None, uncalibrated, f"{point} (fake-quantized)")
