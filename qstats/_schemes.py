@@ -560,6 +560,18 @@ def _listed_groups(groups: dict) -> str:
                      + (f" and {len(names) - 1} more" if len(names) > 1 else "") for group, names in groups.items())
 
 
+def unquantized_matches(targets: tuple, modules: dict) -> list:
+    """``[(path, class name)]`` of the modules of ``modules`` (path -> module) that compressed-tensors'
+    ``targets`` match (``is_match``: a path, a ``re:`` match from the start, a class name) but that no
+    config group quantizes: neither Linear nor Embedding nor an attention module compressed-tensors
+    caches (a ``Conv2d``, a decoder layer whose children are the Linears)."""
+    from compressed_tensors.utils import is_match
+
+    return [(path, type(module).__name__) for path, module in modules.items()
+            if path and is_match(path, module, list(targets))
+            and not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and not kv_cache_module(path, module)]
+
+
 def kv_cache_module(path: str, module) -> bool:
     """`Rule.matcher` of a ``kv_cache_scheme``: compressed-tensors' ``is_cached_attention_module``."""
     from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module

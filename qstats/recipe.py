@@ -21,7 +21,7 @@ from ._granularity import PerAxis, PerBlock, PerHead, PerTensor, TensorGroup, qp
 from ._rule_data import recipe_fields
 from ._schemes import (PROJECTION_NAMES, ExpertsMatch, GroupMatch, as_written, child_projection,
                        compressed_tensors_ignore, config_rules, head_count_problem, kv_cache_module, kv_cache_sites,
-                       matches_targets, scheme_rules, with_checkpoint_names)
+                       matches_targets, scheme_rules, unquantized_matches, with_checkpoint_names)
 from ._spec import QuantSpec
 from ._torch_features import dtype_named, unwrapped
 from .experts import (StackLayout, expert_count, is_stacked_parameter, linearized_experts, linearized_layout_problem,
@@ -146,6 +146,19 @@ def _unmatched_ignore(ignore: tuple, modules: dict, rename: Callable[[str], str]
         if not _ignore_hits(target, names, {"Linear"} if names else ()):  # per-expert Linears
             unmatched.append(target)
     return unmatched
+
+
+def _why_unmatched(rule: "Rule", modules: dict) -> str:
+    """Why ``rule`` selects no site: for a config group's rule whose targets match modules compressed-tensors
+    does not quantize (`unquantized_matches`: a ``Conv2d``, a decoder layer), those modules; else that no
+    module it matches has its sites."""
+    others = unquantized_matches(rule.targets, modules) if isinstance(rule.matcher, GroupMatch) else []
+    if not others:
+        return "no module it matches has such a parameter, input or projection"
+    (path, name), more = others[0], f" and {len(others) - 1} more" if len(others) > 1 else ""
+    return (f"its targets match {path!r} ({name}){more}, which compressed-tensors does not quantize: it quantizes "
+            "the Linear and Embedding modules a target matches itself, not their parent modules, nor other layers "
+            "such as convolutions; observe those with a qstats Rule")
 
 
 # characters of a regular expression that no module path or class name holds
@@ -838,7 +851,7 @@ class Recipe:
             if unmatched:  # a misspelt target or site would otherwise select nothing, silently
                 warn(
                     f"Recipe: the rule for targets {list(rule.targets)!r} selects no site {unmatched} in this "
-                    f"{type(model).__name__} (no module it matches has such a parameter, input or projection)"
+                    f"{type(model).__name__} ({_why_unmatched(rule, modules)})"
                     + "".join(_regex_hint(target) for target in rule.targets),
                     UserWarning,
                 )

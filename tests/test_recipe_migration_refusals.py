@@ -47,3 +47,27 @@ def test_dynamic_weights_are_refused_where_llm_compressor_cannot_save_them(tmp_p
             {"weights": weights})):
         with pytest.raises(ValueError, match=r"the weights args: dynamic weights are not supported.*dynamic=False"):
             read()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(self.conv(x).mean((-1, -2)))
+
+
+@pytest.mark.parametrize("target, named", [("Conv2d", r"'0\.conv' \(Conv2d\)"), ("_Block", r"'0' \(_Block\)"),
+                                           ("re:0$", r"'0' \(_Block\)")])
+def test_targets_matching_only_modules_compressed_tensors_leaves_alone_say_why(target, named):
+    """compressed-tensors matches a convolution, or the parent of the Linears, and quantizes nothing there:
+    the Recipe's warning names that module and says so, where it said no module it matches had a weight."""
+    model = torch.nn.Sequential(_Block())
+    config = {"config_groups": {"group_0": {"targets": [target], "weights": W8}}}
+    apply_quantization_config(model, QuantizationConfig.model_validate(config), show_progress=False)
+    assert not any(hasattr(module, "quantization_scheme") for module in model.modules())
+    with pytest.warns(UserWarning, match=named + r", which compressed-tensors does not quantize.*a qstats Rule"):
+        plan = qstats.Recipe.from_compressed_tensors(config).resolve(torch.nn.Sequential(_Block()))
+    assert not plan.sites
