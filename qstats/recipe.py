@@ -814,6 +814,7 @@ class Recipe:
         _refuse_ignored_kv_cache(self.rules, found, ignored)
         _refuse_unloadable_heads(self.rules, found, model)
         self._warn_unmatched(found, modules, model, rename)
+        self._warn_parent_ignore(ignored, resolved, model, rename)
         shared = MappingProxyType(_resolve_shared(self.shared, resolved))
         return Plan(self, MappingProxyType(resolved), MappingProxyType(modules), tuple(fused_groups(model)), shared)
 
@@ -864,6 +865,34 @@ class Recipe:
                 + _regex_hint(written),
                 UserWarning,
             )
+
+    def _warn_parent_ignore(self, ignored: dict, resolved: dict, model: torch.nn.Module,
+                            rename: Callable[[str], str]) -> None:
+        """Warns naming each ``ignore`` entry whose modules (``ignored``: path -> module) no rule would observe
+        while modules below one of them are observed (``resolved``): an entry matches a module itself, not its
+        children, as compressed-tensors reads it, so ignoring a decoder layer or an MLP by name or class leaves
+        its Linears quantized, silently."""
+        for target in self.ignore:
+            paths = [path for path, module in ignored.items() if _ignored_module((target,), path, module, rename)]
+            if not paths or any(self._observed_if_kept(path, ignored[path], rename) for path in paths):
+                continue
+            below = next((kept for path in paths for kept in resolved if kept.startswith(f"{path}.")), None)
+            if below is None:
+                continue
+            written, path = as_written(target), paths[0]
+            instead = f"'re:{re.escape(path)}\\..*'" if written == path else "a 're:' regex of their paths"
+            warn(f"Recipe: the ignore entry {written!r} matches {path!r} ({type(ignored[path]).__name__})"
+                 f"{f' and {len(paths) - 1} more' if len(paths) > 1 else ''}, which the recipe does not observe, but "
+                 f"not the modules below it ({below!r}, ...), which it quantizes: an ignore entry matches a module "
+                 f"itself, not its children, as compressed-tensors reads it; to leave those out, use {instead}",
+                 UserWarning)
+
+    def _observed_if_kept(self, path: str, module: torch.nn.Module, rename: Callable[[str], str]) -> bool:
+        """Whether a rule would observe a site of the ignored module at ``path`` (or refuse it) were it kept."""
+        try:
+            return bool(self._module_sites(path, module, [set() for _ in self.rules], rename))
+        except ValueError:
+            return True
 
     def sites(self, model: torch.nn.Module) -> dict:
         """``{module_path: {site: Site}}`` for every observed site of ``model`` (a plain copy of

@@ -3,6 +3,8 @@ libraries refuse or cannot run: `Recipe.from_compressed_tensors` refuses them to
 where it read them as another scheme (all Linears for a config group without targets, static weights for
 dynamic ones)."""
 
+import re
+
 import pytest
 import torch
 from _oneshot import load_eager, random_llama, token_samples
@@ -71,3 +73,17 @@ def test_targets_matching_only_modules_compressed_tensors_leaves_alone_say_why(t
     with pytest.warns(UserWarning, match=named + r", which compressed-tensors does not quantize.*a qstats Rule"):
         plan = qstats.Recipe.from_compressed_tensors(config).resolve(torch.nn.Sequential(_Block()))
     assert not plan.sites
+
+
+@pytest.mark.parametrize("entry, instead", [("0", r"'re:0\\\.\.\*'"), ("_Block", "a 're:' regex"), ("re:0$", "a 're:' regex")])
+def test_an_ignore_entry_naming_the_parent_of_quantized_modules_warns(entry, instead):
+    """compressed-tensors' ignore matches the module itself: ignoring the parent of a Linear leaves the Linear
+    quantized, silently; the Recipe quantizes it too and warns, naming the entry, the child and what to write."""
+    model = torch.nn.Sequential(_Block())
+    config = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": W8}}, "ignore": [entry]}
+    apply_quantization_config(model, QuantizationConfig.model_validate(config), show_progress=False)
+    assert [path for path, module in model.named_modules() if hasattr(module, "quantization_scheme")] == ["0.proj"]
+    with pytest.warns(UserWarning, match=rf"ignore entry '{re.escape(entry)}' matches '0' \(_Block\).*not the "
+                                         rf"modules below it \('0\.proj', \.\.\.\).*use {instead}"):
+        plan = qstats.Recipe.from_compressed_tensors(config).resolve(torch.nn.Sequential(_Block()))
+    assert list(plan.sites) == ["0.proj"]
