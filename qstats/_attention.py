@@ -17,6 +17,7 @@ Other attention modules (no transformers config) keep their projections' outputs
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 from typing import Callable, Iterator, Mapping, Optional
@@ -240,12 +241,29 @@ def _switched(module, path: str, caller: str) -> tuple:
 
 
 def _compares_implementation(module, name: str) -> bool:
-    """Whether ``module``'s forward reads ``config._attn_implementation`` and holds ``name`` as a
-    constant: it branches on the implementation's name (DeepSeek-V3.2's and MiniMax-M3's sparse
-    indexer masks ``if ... in ("eager", "sdpa")``, GPT-2's upcast path ``== "eager"``), which names
-    qstats' counterpart inside `attention_sites`. Read under any decorator of forward."""
-    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
-    names, constants, pending = set(), set(), [code] if code is not None else []
+    """Whether ``module``'s forward, or a method of its class the forward calls (transitively), reads
+    ``config._attn_implementation`` and holds ``name`` as a constant: it branches on the
+    implementation's name (DeepSeek-V3.2's and MiniMax-M3's sparse indexer masks ``if ... in
+    ("eager", "sdpa")``, GPT-2's upcast path ``== "eager"``, GLM-5-Next's top-k mask built by its
+    ``build_attention_mask_from_topk``: boolean for ``"sdpa"``, additive otherwise), which names
+    qstats' counterpart inside `attention_sites`. Read under any decorator."""
+    pending, seen = [inspect.unwrap(type(module).forward)], set()
+    while pending:
+        code = getattr(pending.pop(), "__code__", None)
+        if code is None or code in seen:
+            continue
+        seen.add(code)
+        names, constants = _names_and_constants(code)
+        if "_attn_implementation" in names and name in constants:
+            return True
+        pending += [method for method in map(functools.partial(_own_method, type(module)), names) if method]
+    return False
+
+
+def _names_and_constants(code) -> tuple:
+    """``(names, constants)`` that ``code`` and the code nested in it (comprehensions, inner
+    functions) read."""
+    names, constants, pending = set(), set(), [code]
     while pending:
         code = pending.pop()
         names.update(code.co_names)
@@ -254,7 +272,17 @@ def _compares_implementation(module, name: str) -> bool:
                 pending.append(constant)
             else:
                 constants.update(constant if isinstance(constant, (tuple, frozenset)) else (constant,))
-    return "_attn_implementation" in names and name in constants
+    return names, constants
+
+
+def _own_method(cls: type, name: str):
+    """The function of the method ``name`` of ``cls`` (a plain, static or class method, unwrapped),
+    None where it is none or one ``torch.nn.Module`` defines."""
+    if hasattr(torch.nn.Module, name):
+        return None
+    method = inspect.getattr_static(cls, name, None)
+    method = getattr(method, "__func__", method)  # staticmethod, classmethod
+    return inspect.unwrap(method) if inspect.isfunction(method) else None
 
 
 def _compared_configs(hooks: Mapping) -> dict:
