@@ -4,6 +4,7 @@ where it read them as another scheme (all Linears for a config group without tar
 dynamic ones)."""
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -87,3 +88,23 @@ def test_an_ignore_entry_naming_the_parent_of_quantized_modules_warns(entry, ins
                                          rf"modules below it \('0\.proj', \.\.\.\).*use {instead}"):
         plan = qstats.Recipe.from_compressed_tensors(config).resolve(torch.nn.Sequential(_Block()))
     assert list(plan.sites) == ["0.proj"]
+
+
+def test_a_modifier_that_does_not_quantize_is_refused_naming_it_alone_as_in_a_list():
+    """llm-compressor reads a SmoothQuantModifier (or QuIP's) as a recipe of that modifier, which configures no
+    quantization; the Recipe read it as a quantization config: a warning for each of its fields, then
+    "'config_groups' must be a mapping"."""
+    pytest.importorskip("llmcompressor")
+    from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
+    from llmcompressor.modifiers.transform import QuIPModifier
+    from llmcompressor.recipe import Recipe as LLMCompressorRecipe
+
+    for modifier in (SmoothQuantModifier(smoothing_strength=0.8), QuIPModifier()):
+        (read,) = LLMCompressorRecipe.create_instance(modifier).modifiers
+        assert not hasattr(read, "resolve_quantization_config")
+        for given in (modifier, [modifier]):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no warning per field of the modifier
+                with pytest.raises(ValueError, match=rf"it holds \['{type(modifier).__name__}'\] .*modifiers that "
+                                                     "change the model"):
+                    qstats.Recipe.from_compressed_tensors(given)
