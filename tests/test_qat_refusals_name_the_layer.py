@@ -1,7 +1,7 @@
 """An observer's or spec's refusal inside a `prepare`d model names the layer and its weight or input: a group size
 that does not divide a layer's width, a static state sized on inputs of another shape, an observer without
-statistics. They named the tensor's shape only (``PerGroup.group_size 32 does not divide dimension 40 of a tensor
-of shape (8, 40)``), which in a model of many layers points at none.
+statistics (its type kept: `NoStatistics`). They named the tensor's shape only (``PerGroup.group_size 32 does not
+divide dimension 40 of a tensor of shape (8, 40)``), which in a model of many layers points at none.
 
 Reference: torchao's QAT refuses the same layers (``in_features (40) % group_size (32) must be == 0`` at prepare,
 naming the width), and leaves the others to train."""
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import qstats
+from qstats._qparams import NoStatistics
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -74,6 +75,6 @@ def test_an_observer_without_statistics_names_the_layer_it_would_fake_quantize(o
     x = torch.randn(3, 64)
     state = qat.init(x)
     _, state = qat.apply(qat.params(), state, x, phase=qstats.QATPhase(fake_quantize=False))  # observing works
-    with pytest.raises(TypeError, match=r"^QATModel\.apply: the input of layer '0': compute_qparams: a \w+State has "
+    with pytest.raises(NoStatistics, match=r"^QATModel\.apply: the input of layer '0': compute_qparams: a \w+State has "
                                         "no statistics"):
         qat.apply(qat.params(), state, x)

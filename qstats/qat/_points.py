@@ -196,10 +196,12 @@ class _FakeQuantPoint(nn.Module):
             return self._forward(x, current, phase, ranges, previous, point)
         except (TypeError, ValueError) as error:
             # an observer's or spec's refusal (a group size that does not divide the layer's width, a state sized on
-            # inputs of another shape, an observer without statistics) names the tensor only: the layer too
-            if str(error).startswith("QATModel."):  # names it already
-                raise
-            raise (ValueError if isinstance(error, ValueError) else TypeError)(f"{point}: {error}") from error
+            # inputs of another shape, an observer without statistics) names the tensor only: the layer too, the
+            # exception's type kept (NoStatistics); one naming the layer already is left as it is
+            message = error.args[0] if error.args else None
+            if isinstance(message, str) and not message.startswith("QATModel."):
+                error.args = (f"{point}: {message}", *error.args[1:])
+            raise
 
     def _forward(self, x, current, phase: QATPhase, ranges, previous, point: str):
         if current is None:  # QATModel.init: size the state on the example input
