@@ -148,6 +148,16 @@ def _unmatched_ignore(ignore: tuple, modules: dict, rename: Callable[[str], str]
     return unmatched
 
 
+def _target_hits(rule: "Rule", target: str) -> Callable[[set], bool]:
+    """``hits(names)``: whether ``target`` of ``rule`` matches one of ``names`` as the rule reads it (a config
+    group's as compressed-tensors does, ``re:`` from the start; a qstats Rule's in full)."""
+    if isinstance(rule.matcher, GroupMatch):
+        from compressed_tensors.utils import match_name
+
+        return lambda names: any(match_name(name, target) for name in names)
+    return lambda names: any(matches_targets((target,), name, None) for name in names)
+
+
 def _why_unmatched(rule: "Rule", modules: dict) -> str:
     """Why ``rule`` selects no site: for a config group's rule whose targets match modules compressed-tensors
     does not quantize (`unquantized_matches`: a ``Conv2d``, a decoder layer), those modules; else that no
@@ -159,6 +169,24 @@ def _why_unmatched(rule: "Rule", modules: dict) -> str:
     return (f"its targets match {path!r} ({name}){more}, which compressed-tensors does not quantize: it quantizes "
             "the Linear and Embedding modules a target matches itself, not their parent modules, nor other layers "
             "such as convolutions; observe those with a qstats Rule")
+
+
+# vLLM's fused modules (its models' packed_modules_mapping) -> the Linears transformers models hold for them
+_VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _fused_hint(written: str, hits: Callable[[set], bool], modules: dict) -> str:
+    """A hint for a target or ignore entry (``written``) that matches no module but names a vLLM fused module
+    (``...self_attn.qkv_proj``) where the model holds its shards (``q_proj``, ``k_proj``, ``v_proj``):
+    ``hits(names)`` says whether the entry matches one of ``names``; else ""."""
+    for fused, shards in _VLLM_FUSED.items():
+        for path in modules:
+            parent, _, name = path.rpartition(".")
+            if name in shards and hits({f"{parent}.{fused}" if parent else fused}):
+                return (f"; {written!r} names vLLM's fused {fused!r}, which this model holds as {'/'.join(shards)} "
+                        f"(e.g. {path!r}): targets and ignore entries match the model's own module names (as compressed-tensors "
+                        "reads them): name those")
+    return ""
 
 
 # characters of a regular expression that no module path or class name holds
@@ -853,7 +881,8 @@ class Recipe:
                 warn(
                     f"Recipe: the rule for targets {list(rule.targets)!r} selects no site {unmatched} in this "
                     f"{type(model).__name__} ({_why_unmatched(rule, modules)})"
-                    + "".join(_regex_hint(target) for target in rule.targets),
+                    + "".join(_regex_hint(target) + _fused_hint(target, _target_hits(rule, target), modules)
+                              for target in rule.targets),
                     UserWarning,
                 )
         for target in _unmatched_ignore(self.ignore, modules, rename):  # a misspelt ignore would quantize it, silently
@@ -862,7 +891,7 @@ class Recipe:
             warn(
                 f"Recipe: the ignore entry {written!r} matches no module in this {type(model).__name__} "
                 f"(by path, checkpoint name, class name or 're:' {how} of either), so it ignores nothing"
-                + _regex_hint(written),
+                + _regex_hint(written) + _fused_hint(written, lambda names: _ignore_hits(target, names, ()), modules),
                 UserWarning,
             )
 

@@ -3,6 +3,7 @@ libraries refuse or cannot run: `Recipe.from_compressed_tensors` refuses them to
 where it read them as another scheme (all Linears for a config group without targets, static weights for
 dynamic ones)."""
 
+import copy
 import re
 import warnings
 
@@ -108,3 +109,23 @@ def test_a_modifier_that_does_not_quantize_is_refused_naming_it_alone_as_in_a_li
                 with pytest.raises(ValueError, match=rf"it holds \['{type(modifier).__name__}'\] .*modifiers that "
                                                      "change the model"):
                     qstats.Recipe.from_compressed_tensors(given)
+
+
+@pytest.mark.parametrize("ignore, fused, shard", [("model.layers.0.self_attn.qkv_proj", "qkv_proj", "self_attn.q_proj"),
+                                                  ("re:.*mlp.gate_up_proj", "gate_up_proj", "mlp.gate_proj")])
+def test_an_ignore_entry_naming_vllms_fused_module_names_the_models_own(ignore, fused, shard):
+    """An ignore list written for vLLM's fused modules names nothing in a transformers model, which holds their
+    shards: compressed-tensors quantizes them (it matches the model's names); the Recipe too, and its warning
+    names the shards to write."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    quantization_config = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": W8}}, "ignore": [ignore]}
+    applied = copy.deepcopy(model)
+    apply_quantization_config(applied, QuantizationConfig.model_validate(quantization_config), show_progress=False)
+    assert hasattr(applied.get_submodule(f"model.layers.0.{shard}"), "quantization_scheme")
+    with pytest.warns(UserWarning, match=rf"names vLLM's fused '{fused}'.*'model\.layers\.0\.{re.escape(shard)}'"):
+        plan = qstats.Recipe.from_compressed_tensors(quantization_config).resolve(model)
+    assert "weight" in plan.sites[f"model.layers.0.{shard}"]
