@@ -54,8 +54,26 @@ def spec_from_data(data: Any) -> QuantSpec:
             fields["observed_dtype"] = dtype_named(fields["observed_dtype"])
         return QuantSpec.from_compressed_tensors(fields.pop("compressed_tensors"), **fields)
     if "preset" in fields:
-        return preset(fields.pop("preset"), **fields)
+        name = fields.pop("preset")
+        try:
+            return preset(name, **fields)
+        except ValueError as error:
+            raise ValueError(f"{error}{_scheme_hint(name)}") from None
     return QuantSpec(**fields)
+
+
+def _scheme_hint(name: Any) -> str:
+    """A hint for a ``{"preset": name}`` spec naming a compressed-tensors preset scheme (``"W4A16"``), which
+    is a whole scheme, not the spec of one tensor; else ""."""
+    try:
+        from compressed_tensors.quantization.quant_scheme import is_preset_scheme
+    except ImportError:
+        return ""
+    if not isinstance(name, str) or not is_preset_scheme(name):
+        return ""
+    return (f"; {name!r} is a compressed-tensors preset scheme (weights and activations), not the spec of one "
+            f"tensor: read it with {{'scheme': {name!r}, 'ignore': [...]}} (Recipe.from_scheme), or give this rule "
+            "{'compressed_tensors': {...QuantizationArgs fields}}")
 
 
 def recipe_fields(Rule, data: Mapping) -> tuple:

@@ -129,3 +129,15 @@ def test_an_ignore_entry_naming_vllms_fused_module_names_the_models_own(ignore, 
     with pytest.warns(UserWarning, match=rf"names vLLM's fused '{fused}'.*'model\.layers\.0\.{re.escape(shard)}'"):
         plan = qstats.Recipe.from_compressed_tensors(quantization_config).resolve(model)
     assert "weight" in plan.sites[f"model.layers.0.{shard}"]
+
+
+@pytest.mark.parametrize("name", ["W4A16", "fp8", "FP8_DYNAMIC"])
+def test_a_rule_spec_naming_a_compressed_tensors_preset_scheme_says_how_to_read_it(name):
+    """A compressed-tensors preset is a whole scheme (weights and input args), not one tensor's spec: the refusal
+    names the scheme form that reads it, where it listed qstats' spec presets alone."""
+    from compressed_tensors.quantization.quant_scheme import is_preset_scheme, preset_name_to_scheme
+
+    assert is_preset_scheme(name) and preset_name_to_scheme(name, ["Linear"]).weights is not None
+    data = {"rules": [{"targets": "Linear", "sites": ["weight"], "spec": {"preset": name}}]}
+    with pytest.raises(ValueError, match=rf"'{name}' is a compressed-tensors preset scheme.*\{{'scheme': '{name}'"):
+        qstats.Recipe.from_dict(data)
