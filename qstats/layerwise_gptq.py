@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -151,7 +152,11 @@ def _samples(x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def _gptq_inputs(spec=None) -> Observer:
-    """`qstats.hessian` of a weight's inputs, counting llm-compressor's samples beside its rows."""
+    """`qstats.hessian` of a weight's inputs, counting llm-compressor's samples beside its rows. Its
+    ``total`` is llm-compressor's sum: ``accumulate_hessian`` multiplies the float32 rows by sqrt(2)
+    before their product (``2 x^T x`` rounded so), and `_per_sample` halves it (exactly), so that
+    GPTQ's Hessian is llm-compressor's bit for bit (``2 x^T x`` rounded otherwise differs by 1e-7,
+    which flips a few codes in a thousand, more along the layers)."""
     base = hessian(spec)
 
     def init_fn(x):
@@ -159,7 +164,8 @@ def _gptq_inputs(spec=None) -> Observer:
         return GPTQInputsState(*state, torch.zeros_like(state.count))
 
     def update_fn(state, x, weight=None):
-        updated = base.update(HessianState(*state[:3]), x, weight)
+        scaled = math.sqrt(2) * x.to(torch.float32)  # llm-compressor's operation (a shared stack stays shared)
+        updated = base.update(HessianState(*state[:3]), scaled, weight)
         return GPTQInputsState(*updated, state.samples + _samples(x, weight))
 
     def merge_fn(a, b):
@@ -172,9 +178,10 @@ def _gptq_inputs(spec=None) -> Observer:
 
 def _per_sample(state: GPTQInputsState) -> HessianState:
     """The Hessian state `qstats.gptq` divides by llm-compressor's sample count (the same GPTQ up to
-    float rounding, except with dead input columns: docs/gptq.md); no row: still none."""
+    float rounding, except with dead input columns: docs/gptq.md); no row: still none. Its total is
+    halved (exact), so that `qstats.gptq`'s ``2 / samples * total`` is llm-compressor's ``H / samples``."""
     samples = torch.where(state.count > 0, state.samples, torch.zeros_like(state.samples))
-    return HessianState(state.total, samples, state.nonfinite)
+    return HessianState(state.total / 2, samples, state.nonfinite)
 
 
 def _hessian_plan(plan: Plan, targets: dict) -> Plan:

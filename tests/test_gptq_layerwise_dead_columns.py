@@ -39,9 +39,9 @@ def relu_llama(tmp_path_factory):
 
 
 def test_dead_columns_give_llm_compressor_codes(relu_llama, tmp_path):
-    """Every scale and every first-layer code equal llm-compressor's, down_proj's too (its dead
-    columns are zeros); divided by the rows instead, 22% of that down_proj's codes differed, and
-    then 9-22% of every second-layer weight's."""
+    """Every scale and code equal llm-compressor's, down_proj's too (its dead columns are zeros);
+    divided by the rows instead, 22% of that down_proj's codes differed, and then 9-22% of every
+    second-layer weight's."""
     generator = torch.Generator().manual_seed(1)
     samples = [torch.randint(1, 64, (TOKENS,), generator=generator) for _ in range(8)]
     from llmcompressor.modifiers.gptq import GPTQModifier
@@ -53,6 +53,7 @@ def test_dead_columns_give_llm_compressor_codes(relu_llama, tmp_path):
     config = transformers.AutoConfig.from_pretrained(relu_llama)
     with torch.device("meta"):
         meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+    meta.set_attn_implementation("eager")  # as llm-compressor calibrates
     recipe = qstats.Recipe.from_scheme("W4A16", ignore=["lm_head"])
     batches = [{"input_ids": s[None], "attention_mask": torch.ones(1, TOKENS, dtype=torch.long)} for s in samples]
     with warnings.catch_warnings():
@@ -73,5 +74,5 @@ def test_dead_columns_give_llm_compressor_codes(relu_llama, tmp_path):
     for name in names:
         if name.startswith("model.layers.0."):
             assert torch.equal(packed_codes(ours, name), packed_codes(theirs, name)), name
-    same = sum(int((packed_codes(ours, name) == packed_codes(theirs, name)).sum()) for name in names)
-    assert same / sum(packed_codes(theirs, name).numel() for name in names) >= 0.999
+    for name in names:  # the Hessians summed as llm-compressor sums them: the second layer too
+        assert torch.equal(packed_codes(ours, name), packed_codes(theirs, name)), name

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import qstats
+from _llmc_hessian import llm_compressor_hessian
 from _oneshot import saved_random_model, token_samples
 from _shared import checkpoint_tensors, fork_ranks, gloo_group, llm_compressor_oneshot, qwen3_moe_config
 
@@ -104,16 +105,17 @@ def _first_layer(names):
 
 def _loop_gptq(path, batches, scheme):
     """The same algorithm as a plain loop over the loaded model: per layer, the Hessians of its
-    quantized weights (`qstats.calibrate` of the whole model), then `qstats.gptq` of each weight."""
+    quantized weights (`qstats.calibrate` of the whole model, summed as llm-compressor sums them),
+    then `qstats.gptq` of each weight."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     plan = _recipe(scheme).resolve(model)
     weights = {}
     for index in range(model.config.num_hidden_layers):
         prefix = f"model.layers.{index}."
         attention = tuple(f"{prefix}self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        rules = [qstats.Rule(attention, sites=("input",), observer=qstats.hessian),
+        rules = [qstats.Rule(attention, sites=("input",), observer=llm_compressor_hessian),
                  qstats.Rule(prefix + "mlp.experts", sites=("gate_up_proj.input", "down_proj.input"),
-                             observer=qstats.hessian)]
+                             observer=llm_compressor_hessian)]
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             hessians = qstats.calibrate(model, batches, qstats.Recipe(rules), progress=False, all_experts=True)
@@ -123,6 +125,7 @@ def _loop_gptq(path, batches, scheme):
             for hessian_site, state in sites.items():
                 site = "weight" if hessian_site == "input" else hessian_site[: -len(".input")]
                 parameter = getattr(plan.modules[module_path], site)
+                state = state._replace(total=state.total / 2)  # llm-compressor's sum, halved (exact)
                 quantized = qstats.gptq(parameter, state, plan.site(module_path, site).spec,
                                         qparams=qparams[module_path][site], actorder="static")[0]
                 with torch.no_grad():
