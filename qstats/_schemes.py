@@ -819,17 +819,19 @@ def _modifier_config(config: Any) -> Any:
     if isinstance(config, str):
         _check_recipe_text(config)
     if _llm_compressor_modifier(config) and not hasattr(config, "resolve_quantization_config"):
-        config = [config]  # SmoothQuant, QuIP, SparseGPT alone: a recipe of it, refused naming it (not read as a config)
+        config = [config]  # SmoothQuant, QuIP, SparseGPT alone: a recipe of it (refused below, naming it)
     parsed = isinstance(config, Mapping) and recipe_keys(config)  # a recipe's YAML or JSON, parsed
     if isinstance(config, (str, list)) or parsed or hasattr(config, "modifiers"):  # a list: of modifiers
         recipe = config if hasattr(config, "modifiers") else _llm_compressor_recipe(config, parsed)
         quantizing = [m for m in recipe.modifiers if hasattr(m, "resolve_quantization_config")]
         others = [type(m).__name__ for m in recipe.modifiers if not hasattr(m, "resolve_quantization_config")]
         if others or len(quantizing) != 1:
-            what = (f"{others}: modifiers that change the model (weights, rotations, sparsity) in ways a "
-                    "Recipe does not hold" if others else "several quantization modifiers" if quantizing else "no quantization modifier: "
-                              "llm-compressor reads modifiers only under '<name>_stage:' and then '<group>_modifiers:' "
-                              "keys, e.g. 'quant_stage: {quant_modifiers: {QuantizationModifier: {...}}}'")
+            if others:
+                what = f"{others}: modifiers that change the model (weights, rotations, sparsity) in ways a Recipe does not hold"
+            else:
+                what = ("several quantization modifiers" if quantizing else "no quantization modifier: llm-compressor "
+                        "reads modifiers only under '<name>_stage:' and then '<group>_modifiers:' keys, e.g. "
+                        "'quant_stage: {quant_modifiers: {QuantizationModifier: {...}}}'")
             raise ValueError(f"an llm-compressor recipe reads as a qstats Recipe when it holds one quantization modifier "
                              f"and nothing else; it holds {[type(m).__name__ for m in recipe.modifiers]} ({what})")
         config = quantizing[0]
@@ -854,7 +856,8 @@ def _modifier_config(config: Any) -> Any:
 
 def _llm_compressor_modifier(config: Any) -> bool:
     """Whether ``config`` is an llm-compressor ``Modifier`` (without importing llm-compressor)."""
-    return any(cls.__name__ == "Modifier" and cls.__module__.startswith("llmcompressor.") for cls in type(config).__mro__)
+    return any(cls.__name__ == "Modifier" and cls.__module__.startswith("llmcompressor.")
+               for cls in type(config).__mro__)
 
 
 def _check_has_config(modifier) -> None:

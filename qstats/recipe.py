@@ -184,8 +184,8 @@ def _fused_hint(written: str, hits: Callable[[set], bool], modules: dict) -> str
             parent, _, name = path.rpartition(".")
             if name in shards and hits({f"{parent}.{fused}" if parent else fused}):
                 return (f"; {written!r} names vLLM's fused {fused!r}, which this model holds as {'/'.join(shards)} "
-                        f"(e.g. {path!r}): targets and ignore entries match the model's own module names (as compressed-tensors "
-                        "reads them): name those")
+                        f"(e.g. {path!r}): targets and ignore entries match the model's own module names (as "
+                        "compressed-tensors reads them): name those")
     return ""
 
 
