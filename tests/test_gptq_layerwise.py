@@ -100,6 +100,34 @@ def test_llama_w4a16_equals_llm_compressor_sequential_gptq(llama, samples, tmp_p
         assert torch.equal(ours[name], theirs[name]), name
 
 
+def test_a_gptq_modifier_read_as_a_recipe_with_its_options_passed_equals_its_oneshot(llama, samples, tmp_path):
+    """A migration: the recipe read from the GPTQModifier itself (an mse weight observer, groups of 32),
+    its algorithm options (block_size 32, dampening_frac 0.05, actorder "weight") passed to
+    `gptq_layerwise` by hand, as the warning says: every tensor of the checkpoint is oneshot's (with
+    the Hessians summed as ``x^T x``, before 2fd5b9b, the first layer's down_proj already differed)."""
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+               "observer": "mse"}
+
+    def modifier():
+        return GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"],
+                            block_size=32, dampening_frac=0.05, actorder="weight")
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama).eval()
+    llm_compressor_oneshot(model, samples, modifier(), str(tmp_path / "theirs"), "sequential")
+    theirs = load_file(str(tmp_path / "theirs" / "model.safetensors"))
+    with pytest.warns(UserWarning, match="algorithm options"):
+        recipe = qstats.Recipe.from_compressed_tensors(modifier())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, ours = _ours(llama, samples, str(tmp_path / "ours"), recipe, block_size=32, dampening=0.05,
+                        actorder="weight")
+    assert sorted(ours) == sorted(theirs) and len(_packed(theirs)) == 14
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
 @pytest.mark.parametrize("scheme, codes", [("FP8_DYNAMIC", "weight"), ("NVFP4A16", "weight_packed")])
 def test_float_weight_formats_equal_llm_compressor_sequential_gptq(llama, samples, tmp_path, scheme, codes):
     """llm-compressor GPTQs float weight formats too (FP8 per channel, NVFP4 with its fused global
