@@ -14,7 +14,7 @@ import qstats
 from _llmc_hessian import llm_compressor_hessian
 from _oneshot import saved_random_model, token_samples
 from _packed import packed_codes
-from _shared import fork_ranks, gloo_group, llm_compressor_oneshot, qwen3_moe_config
+from _shared import fork_ranks, gloo_group, llm_compressor_oneshot, qwen3_moe_config, word_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -126,6 +126,52 @@ def test_a_gptq_modifier_read_as_a_recipe_with_its_options_passed_equals_its_one
     assert sorted(ours) == sorted(theirs) and len(_packed(theirs)) == 14
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name
+
+
+def test_padded_batches_equal_llm_compressor_which_keeps_the_padding_rows(llama, tmp_path):
+    """Batches of two sequences padded to one length (one batch padded on the right, one on the
+    left): llm-compressor's ``accumulate_hessian`` takes no mask and sums the padding rows too, as
+    `gptq_layerwise` does without ``observation_weight``: every tensor of the checkpoint is oneshot's.
+    With ``observation_weight=attention_mask`` the padding rows are left out and the codes differ."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from torch.utils.data import DataLoader
+
+    generator = torch.Generator().manual_seed(3)
+    batches = []
+    for lengths, left in (((16, 11), False), ((14, 9), True)):
+        ids, mask = torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long)
+        for row, length in enumerate(lengths):
+            kept = slice(16 - length, 16) if left else slice(0, length)
+            ids[row, kept], mask[row, kept] = torch.randint(1, 64, (length,), generator=generator), 1
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oneshot(model=model, dataset=DataLoader(batches, batch_size=None), processor=word_tokenizer(),
+                recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]), pipeline="sequential",
+                num_calibration_samples=4, shuffle_calibration_samples=False)
+        model.save_pretrained(str(tmp_path / "theirs"), save_compressed=True)
+    theirs = load_file(str(tmp_path / "theirs" / "model.safetensors"))
+    recipe = qstats.Recipe.from_scheme("W4A16", ignore=["lm_head"])
+    config = transformers.AutoConfig.from_pretrained(llama)
+    results = []
+    for observation_weight in (None, lambda batch: batch["attention_mask"]):
+        with torch.device("meta"):
+            meta = transformers.AutoModelForCausalLM.from_config(config).eval()
+        meta.set_attn_implementation("eager")
+        results.append(qstats.gptq_layerwise(meta, llama, batches, recipe, progress=False,
+                                             observation_weight=observation_weight))
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama).eval()
+    model.load_state_dict(results[0].weights, strict=False)
+    plan = recipe.resolve(model)
+    qstats.export.compressed_tensors(model, qstats.compute_qparams_tree(results[0].states, plan),
+                                     str(tmp_path / "ours"), plan)
+    ours = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert any(not torch.equal(results[1].weights[name], weight) for name, weight in results[0].weights.items())
 
 
 @pytest.mark.parametrize("scheme, codes", [("FP8_DYNAMIC", "weight"), ("NVFP4A16", "weight_packed")])
