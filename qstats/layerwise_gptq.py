@@ -4,8 +4,9 @@
 layer it observes the recipe's sites and, beside them, the `qstats.hessian` of the input of every
 weight the recipe quantizes (a Linear's ``weight``, a stacked-experts parameter; integer, FP8,
 MX or NVFP4); replaces each such weight by `qstats.gptq` of it under the qparams of the recipe's
-weight state, each Hessian divided by llm-compressor's sample count (one per sequence) rather than
-by its rows, so that dead input columns dampen as there; then computes the layer's outputs with the
+weight state, each Hessian summed as llm-compressor's ``accumulate_hessian`` sums it (bit for bit)
+and divided by its sample count (one per sequence) rather than by its rows, so that dead input
+columns dampen as there; then computes the layer's outputs with the
 GPTQ'd weights (activations in float, as llm-compressor 0.14's pipeline runs with quantization
 disabled) for the next one. A layer's Hessians are released with it. The weights outside the
 layers (a quantized ``lm_head``) get the same step last, their Hessians observed on the last
