@@ -355,8 +355,7 @@ class QstatsObserver(ao.ObserverBase):
         qp = compute_qparams(state, self.spec, **options)
         scale, zero_point = qp.scale, qp.zero_point
         if qp.calibrated.device.type != "meta" and not bool(qp.calibrated.all()):  # eager, outside the pure core
-            warn("QstatsObserver: must run the observer on data before calculate_qparams; returning "
-                 "torch.ao's defaults (scale 1, zero point 0) where it saw none")
+            warn(_uncalibrated_message(state))
             if not bool(qp.calibrated.any()):  # torch.ao's defaults: torch.tensor([1.0]), torch.tensor([0])
                 ones = torch.ones(1, dtype=scale.dtype, device=scale.device)
                 return ones, torch.zeros(1, dtype=torch.int64, device=scale.device)
@@ -424,6 +423,19 @@ class QstatsObserver(ao.ObserverBase):
     def extra_repr(self) -> str:
         name = getattr(self._factory, "__name__", type(self._factory).__name__)
         return f"observer={name}, dtype={self.dtype}, qscheme={self.qscheme}, spec={self.spec}"
+
+
+def _uncalibrated_message(state) -> str:
+    """The warning of `QstatsObserver.calculate_qparams` where a parameter has no finite data: the
+    NaN/Inf values left out where it saw some (torch.ao's own scale is NaN or Inf there; 'must run
+    the observer' misled), else torch.ao's 'run the observer first'."""
+    left_out = int(state.nonfinite.sum()) if "nonfinite" in getattr(state, "_fields", ()) else 0
+    if left_out:
+        return (f"QstatsObserver: saw only NaN/Inf values where it has no qparams ({left_out} non-finite values "
+                "left out; torch.ao's scale is NaN or Inf from them); returning torch.ao's defaults (scale 1, "
+                "zero point 0) there: check the calibration data and weights for non-finite values")
+    return ("QstatsObserver: must run the observer on data before calculate_qparams; returning torch.ao's defaults "
+            "(scale 1, zero point 0) where it saw none")
 
 
 def _builds_without_spec(factory: Callable) -> bool:
