@@ -180,9 +180,11 @@ def _gptq_inputs(spec=None) -> Observer:
 def _per_sample(state: GPTQInputsState) -> HessianState:
     """The Hessian state `qstats.gptq` divides by llm-compressor's sample count (the same GPTQ up to
     float rounding, except with dead input columns: docs/gptq.md); no row: still none. Its total is
-    halved (exact), so that `qstats.gptq`'s ``2 / samples * total`` is llm-compressor's ``H / samples``."""
+    halved (exact), so that `qstats.gptq`'s ``2 / samples * total`` is llm-compressor's ``H / samples``:
+    in place, as ``state`` is the layer's own (popped from its Hessians), which a copy would double
+    for a moment (a stack of expert Hessians is the layer's largest tensor)."""
     samples = torch.where(state.count > 0, state.samples, torch.zeros_like(state.samples))
-    return HessianState(state.total / 2, samples, state.nonfinite)
+    return HessianState(state.total.mul_(0.5), samples, state.nonfinite)
 
 
 def _hessian_plan(plan: Plan, targets: dict) -> Plan:
