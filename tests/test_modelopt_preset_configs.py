@@ -186,3 +186,22 @@ def test_nvfp4_global_scale_of_a_tiny_tensor_is_floored():
             assert 0 < global_scale < TINY == qp.global_scale
         else:
             assert torch.equal(block_scales.float(), qp.scale)
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 1e-5])
+def test_fp8_qtensor_of_fp16_weights_is_fp16_arithmetic(magnitude):
+    # as for bf16 (test_modelopt_formats): ModelOpt computes amax / 448 and x / scale in the weight's dtype
+    from modelopt.torch.quantization.qtensor import FP8QTensor
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(64, 256, generator=g) * magnitude).half()  # 1e-5: fp16 subnormal scales
+    packed, scale = FP8QTensor.quantize(x.clone())
+    spec = qstats.QuantSpec(convention="compressed_tensors", compute_dtype="float16", **FP8)
+    qp = _observe(spec, x)
+    assert scale.dtype == torch.float16 and torch.equal(qp.scale.reshape(()), scale.float().reshape(()))
+    codes = qstats.quantize(x, qp, spec)
+    # equal values; the bytes differ where x is -0.0 (ModelOpt keeps the sign, compressed-tensors' +0.0 drops it)
+    assert torch.equal(codes.float(), packed._quantized_data.float())
+    assert torch.equal(qstats.fake_quantize(x, qp, spec), packed.dequantize(torch.float16, scale=scale))
+    fp32_arithmetic = qstats.QuantSpec(**FP8)
+    assert not torch.equal(qstats.quantize(x, _observe(fp32_arithmetic, x), fp32_arithmetic), codes)
