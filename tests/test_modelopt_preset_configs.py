@@ -205,3 +205,25 @@ def test_fp8_qtensor_of_fp16_weights_is_fp16_arithmetic(magnitude):
     assert torch.equal(qstats.fake_quantize(x, qp, spec), packed.dequantize(torch.float16, scale=scale))
     fp32_arithmetic = qstats.QuantSpec(**FP8)
     assert not torch.equal(qstats.quantize(x, _observe(fp32_arithmetic, x), fp32_arithmetic), codes)
+
+
+def test_gradients_against_modelopts_straight_through():
+    # ModelOpt 0.47 passes every gradient (pass_through_bwd=True, its default) or, with pass_through_bwd=False,
+    # those of |x| <= amax; qstats passes those whose unclamped code lies in the range: for fp8 |x| <= amax,
+    # for int8 narrow also (amax, 127.5 / 127 * amax), which rounds to code 127
+    x = torch.tensor([0.5, 1.0, 1.002, 1.0039, 1.0041, 2.0, -1.002, -1.0041])
+    inside = x.abs() <= 1.0
+    for bits, spec in (((4, 3), qstats.QuantSpec(**FP8)), (8, qstats.QuantSpec(dtype="int8", **INT_NARROW))):
+        grads = {}
+        for pass_through in (True, False):
+            quantizer = TensorQuantizer(QuantizerAttributeConfig(num_bits=bits, narrow_range=True,
+                                                                 pass_through_bwd=pass_through))
+            quantizer.amax = torch.tensor(1.0)
+            given = x.clone().requires_grad_()
+            quantizer(given).sum().backward()
+            grads[pass_through] = given.grad
+        assert bool((grads[True] == 1).all()) and torch.equal(grads[False], inside.float())
+        given = x.clone().requires_grad_()
+        qstats.fake_quantize(given, qstats.qparams_from_minmax(-torch.tensor(1.0), torch.tensor(1.0), spec), spec).sum().backward()
+        rounds_inside = inside | ((x.abs() < 127.5 / 127) if bits == 8 else torch.zeros_like(inside))
+        assert torch.equal(given.grad, rounds_inside.float())
