@@ -19,6 +19,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._checks import as_index
+from ._qparams import range_rule_for
+from .observers.hessian import HessianState
 from .stacked import stacked_observer, stacked_qparams
 from ._warn import warn
 
@@ -410,13 +412,23 @@ def uncovered_experts(state) -> Optional[list]:
     return [int(i) for i in torch.arange(seen.shape[0])[~seen]]
 
 
+def _has_qparams(state) -> bool:
+    """Whether ``compute_qparams`` gives ``state`` quantization parameters: not a Hessian
+    (`gptq_layerwise`'s own sites, which it warns of itself) nor a state without a range rule."""
+    try:
+        range_rule_for(state)
+    except TypeError:
+        return False
+    return not isinstance(state, HessianState)
+
+
 def warn_uncovered(states: dict, sites: dict) -> None:
-    """Warns (`UncalibratedWarning`) naming, per stacked activation site, the experts that
-    received no token."""
+    """Warns (`UncalibratedWarning`) naming, per stacked activation site whose states have
+    quantization parameters, the experts that received no token."""
     lines = []
     for path, entry in sites.items():
         for site, found in entry.items():
-            if not found.num_experts or site not in states.get(path, {}):
+            if not found.num_experts or site not in states.get(path, {}) or not _has_qparams(states[path][site]):
                 continue
             experts = uncovered_experts(states[path][site])
             if experts:
