@@ -21,6 +21,7 @@ import inspect
 import os
 import shutil
 import tempfile
+import warnings
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
@@ -33,7 +34,7 @@ from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, releas
 from ._sites import run_model
 from .calibration import (batch_weight, check_batches, fake_quantized, observe_batches, qparams_unwarned,
                           warn_training_mode)
-from .experts import with_argument
+from .experts import UncalibratedWarning, with_argument
 from .observation import check_experts_layout, resumed_states
 from .recipe import Plan, Recipe, as_plan
 
@@ -762,7 +763,11 @@ def _step_before_layers(run: _Run, container_path: str, container) -> bool:
         return step(label, module, {path: entry for path, entry in found.items() if path in side_found}, side_found)
 
     def over(observed: Plan, final: bool) -> dict:
-        return run.calibrate(root, observed, range(len(run.store)), run.store.weight)
+        # sites this partial forward never reaches (lm_head's Hessian and, for the recipe, whose states
+        # here are dropped, every site outside the layers) are observed, and warned of, in the last pass
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UncalibratedWarning)
+            return run.calibrate(root, observed, range(len(run.store)), run.store.weight)
 
     before = dataclasses.replace(run, after_layer=called)
     label = f"the modules before {container_path}.0"

@@ -66,3 +66,11 @@ def test_experts_without_tokens_are_warned_of_once_by_gptq_not_as_quantization_p
         (message,) = [m for m in first if f"experts.{site} " in m]
         assert f"experts {uncovered} ({len(uncovered)} of 8)" in message and "round-to-nearest" in message
 
+
+def test_lm_head_is_not_warned_of_as_unobserved_when_it_is_gptqd(moe):
+    """Before: the pass before the first layer (which GPTQs the modules the forward calls there) warned
+    that ``lm_head.input`` "saw no data"; it is observed after the layers, and lm_head is GPTQ'd."""
+    batches = [torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(4))]
+    result, messages = _gptq_warnings(moe, batches)
+    assert "lm_head.weight" in result.weights
+    assert not [m for m in messages if "lm_head" in m]
