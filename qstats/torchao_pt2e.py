@@ -16,10 +16,13 @@ from __future__ import annotations
 from torchao.quantization.pt2e import ObserverBase as _TorchAOObserverBase
 from torchao.quantization.pt2e.observer import _with_args, _with_callable_args
 
+from .observers.fixed import FixedQParamsState, PlaceholderState
 from .observers.minmax import minmax
 from .torch_ao import QstatsObserver
 
 __all__ = ["QstatsPT2EObserver", "QstatsPT2EPerChannelObserver"]
+
+_NOT_GIVEN = object()  # a qscheme not passed, told apart from prepare_pt2e's None
 
 
 class QstatsPT2EObserver(QstatsObserver, _TorchAOObserverBase):
@@ -31,10 +34,23 @@ class QstatsPT2EObserver(QstatsObserver, _TorchAOObserverBase):
     ``QuantizationSpec``'s dtype, range, per-tensor/per-channel qscheme and ``ch_axis`` must agree
     with the spec (`QstatsObserver`'s ValueError otherwise: the converted graph would quantize as the
     spec says, not as the quantizer annotated); a torchao ``ZeroPointDomain.FLOAT`` spec is refused, as by
-    `QstatsObserver` (its zero point is in the input's units, the graph's in code units)."""
+    `QstatsObserver` (its zero point is in the input's units, the graph's in code units). A
+    ``QuantizationSpec`` without a qscheme (``qscheme=None`` passed) is refused as torchao's min/max,
+    moving-average and histogram observers refuse it; placeholders and fixed qparams take it, as
+    torchao's."""
 
     with_args = classmethod(_with_args)
     with_callable_args = classmethod(_with_callable_args)
+
+    def __init__(self, observer=minmax, spec=None, *, qscheme=_NOT_GIVEN, **kwargs) -> None:
+        super().__init__(observer, spec, qscheme=None if qscheme is _NOT_GIVEN else qscheme, **kwargs)
+        if qscheme is None and self.spec is not None and spec is None and (
+                self._state_type not in (PlaceholderState, FixedQParamsState)):
+            # QstatsObserver read None as torch.ao's default, per_tensor_affine: a per-channel class quantized per tensor
+            raise ValueError(
+                f"{type(self).__name__}: qscheme None (a QuantizationSpec without qscheme): give it one "
+                "(torch.per_tensor_affine, torch.per_channel_symmetric, ...), as torchao's observers require"
+            )
 
 
 class QstatsPT2EPerChannelObserver(QstatsPT2EObserver):
