@@ -13,6 +13,7 @@ Importing this module imports torchao.
 
 from __future__ import annotations
 
+import torch
 from torchao.quantization.pt2e import ObserverBase as _TorchAOObserverBase
 from torchao.quantization.pt2e.observer import _with_args, _with_callable_args
 
@@ -42,11 +43,16 @@ class QstatsPT2EObserver(QstatsObserver, _TorchAOObserverBase):
     with_args = classmethod(_with_args)
     with_callable_args = classmethod(_with_callable_args)
 
+    _default_qscheme = None  # QstatsObserver's: torch.ao's per_tensor_affine
+
     def __init__(self, observer=minmax, spec=None, *, qscheme=_NOT_GIVEN, **kwargs) -> None:
-        super().__init__(observer, spec, qscheme=None if qscheme is _NOT_GIVEN else qscheme, **kwargs)
+        chosen = qscheme
+        if qscheme is _NOT_GIVEN:  # with spec=, None: the spec decides
+            chosen = self._default_qscheme if spec is None else None
+        super().__init__(observer, spec, qscheme=chosen, **kwargs)
         if qscheme is None and self.spec is not None and spec is None and (
                 self._state_type not in (PlaceholderState, FixedQParamsState)):
-            # QstatsObserver read None as torch.ao's default, per_tensor_affine: a per-channel class quantized per tensor
+            # QstatsObserver reads None as torch.ao's default, per_tensor_affine (per tensor for a PerChannel class)
             raise ValueError(
                 f"{type(self).__name__}: qscheme None (a QuantizationSpec without qscheme): give it one "
                 "(torch.per_tensor_affine, torch.per_channel_symmetric, ...), as torchao's observers require"
@@ -57,7 +63,10 @@ class QstatsPT2EPerChannelObserver(QstatsPT2EObserver):
     """`QstatsPT2EObserver` to which ``prepare_pt2e`` passes the ``QuantizationSpec``'s ``ch_axis``
     (it does so for classes named ``PerChannel...`` only): a per-channel ``QuantizationSpec`` with
     ``ch_axis=1`` reduces along axis 1, as torchao's ``PerChannelMinMaxObserver`` does (the plain
-    class, not given ``ch_axis``, takes axis 0)."""
+    class, not given ``ch_axis``, takes axis 0). Built without a qscheme (nor ``spec=``) it quantizes
+    per channel, affine, as torchao's ``PerChannelMinMaxObserver()``."""
+
+    _default_qscheme = torch.per_channel_affine
 
     def __init__(self, observer=minmax, spec=None, *, ch_axis=None, **kwargs) -> None:
         # a per-tensor QuantizationSpec passes ch_axis=None

@@ -1,7 +1,8 @@
 """The qscheme of the PT2E drop-ins where none is given, against torchao's own observers: a
 ``QuantizationSpec`` without a qscheme (its default None, which ``prepare_pt2e`` passes) is refused by
 torchao's min/max, moving-average and histogram observers (NotImplementedError at ``prepare_pt2e``)
-and accepted by its placeholder and fixed-qparams ones."""
+and accepted by its placeholder and fixed-qparams ones; ``QstatsPT2EPerChannelObserver()`` built with
+no qscheme quantizes per channel, as torchao's ``PerChannelMinMaxObserver()``."""
 
 import copy
 import warnings
@@ -70,3 +71,12 @@ def test_placeholder_and_fixed_qparams_take_a_spec_without_qscheme_as_torchaos(o
     _prepare(reference)
     _prepare(ours)
 
+
+
+def test_per_channel_drop_in_without_qscheme_quantizes_per_channel_as_torchaos():
+    x = torch.randn(4, 6) * torch.arange(1, 7)
+    ours, reference = QstatsPT2EPerChannelObserver(), pt2e.PerChannelMinMaxObserver()
+    ours(x), reference(x)
+    assert ours.qscheme == reference.qscheme and ours.ch_axis == reference.ch_axis
+    for a, b in zip(ours.calculate_qparams(), reference.calculate_qparams()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
