@@ -223,7 +223,7 @@ def schedule_from_coreai_opt(config: Any, model: torch.nn.Module):
     """
     _check_config(config, "schedule_from_coreai_opt")
     found: dict = {}
-    for path, _, module_config, _ in _quantized_modules(config, model):
+    for path, _, module_config, _ in _quantized_modules(config, model, warn_unseen=False):
         schedule = module_config.qat_schedule
         milestones = (0, 0, None) if schedule is None else (
             schedule.enable_observer, schedule.enable_fake_quant, schedule.disable_observer)
@@ -237,9 +237,10 @@ def schedule_from_coreai_opt(config: Any, model: torch.nn.Module):
     return QATSchedule(observe_at=observe, fake_quantize_at=fake_quantize, freeze_ranges_at=freeze)
 
 
-def _quantized_modules(config, model: torch.nn.Module) -> list:
+def _quantized_modules(config, model: torch.nn.Module, warn_unseen: bool = True) -> list:
     """``[(path, module, module config, [(site, coreai_opt spec, target)])]`` of the modules of
-    ``model`` whose op the config quantizes."""
+    ``model`` whose op the config quantizes (``warn_unseen``: warn about parameters coreai_opt
+    may quantize where no site holds them)."""
     ops = []  # (path, module, module config, op components, boundary), by coreai_opt's precedence
     attention = {inner: path for path, module in model.named_modules()
                  if isinstance(module, torch.nn.MultiheadAttention) for inner, _ in module.named_modules(prefix=path)}
@@ -255,6 +256,8 @@ def _quantized_modules(config, model: torch.nn.Module) -> list:
             _check_attention_parameters(config, path, module, module_config, attention[path])
             continue
         if op_type is None:
+            if warn_unseen:
+                _warn_unseen_parameters(path, module, module_config, boundary)
             continue
         ops.append((path, module, module_config, module_config.op_type_config.get(op_type, module_config), boundary))
     shared = _shared_state_specs(ops)
@@ -262,6 +265,29 @@ def _quantized_modules(config, model: torch.nn.Module) -> list:
                  for path, module, module_config, components, boundary in ops]
     order = {path: index for index, (path, _) in enumerate(model.named_modules())}
     return sorted([entry for entry in quantized if entry[3]], key=lambda entry: order[entry[0]])
+
+
+# the registered ops that take a module's parameters (the op_type_config entries their state specs are in)
+_PARAMETER_OPS = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                  "embedding")
+
+
+def _warn_unseen_parameters(path: str, module, module_config, boundary) -> None:
+    """Warn, naming them, about the parameters of a module outside torch.nn that is not one of the
+    modules a recipe gives sites to, where its config's state specs name them: coreai_opt quantizes
+    such a parameter where the forward passes it to ``F.linear``, a conv or ``F.embedding``, which a
+    recipe does not see (it leaves it float)."""
+    if type(module).__module__.startswith("torch."):  # torch.nn's own: their forwards are known
+        return
+    configs = [module_config, *(module_config.op_type_config.get(op) for op in _PARAMETER_OPS)]
+    spec_dicts = [getattr(boundary, "module_state_spec", None)] + [c.op_state_spec for c in configs if c is not None]
+    names = [name for name, param in module.named_parameters(recurse=False) if param.is_floating_point()
+             and any(_named_spec(name, specs)[1] is not None for specs in spec_dicts)]
+    if names:
+        warn(f"recipe_from_coreai_opt: module {path!r} ({type(module).__name__}) holds parameters {names} that its "
+             "config's state specs name: coreai_opt quantizes them where its forward passes them to F.linear, a conv "
+             "or F.embedding, which a recipe does not see; left float (hold them in an nn.Linear, nn.Conv or "
+             "nn.Embedding, or give the module's path None in module_name_configs)", UserWarning)
 
 
 def _check_attention_parameters(config, path: str, module, module_config, attention: str) -> None:
