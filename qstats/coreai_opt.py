@@ -247,6 +247,8 @@ def _quantized_modules(config, model: torch.nn.Module, warn_unseen: bool = True)
     for path, module, module_config, own, _ in sorted(_module_configs(config, model), key=lambda entry: entry[4]):
         op_type = _OP_TYPES.get(type(module)) or next(
             (op for cls, op in _OP_TYPES.items() if isinstance(module, cls)), None)
+        if op_type == "max_pool2d" and module.return_indices:  # F.max_pool2d_with_indices: not registered
+            op_type = None
         boundary = module_config if own and any(_active(getattr(module_config, f)) for f in _MODULE_LEVEL) else None
         if op_type is None and boundary is not None:
             _refuse(f"module {path!r} ({type(module).__name__}) has module-level specs, which quantize "
