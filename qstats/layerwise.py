@@ -483,6 +483,7 @@ def _capture(model, container, container_path: str, batches, observation_weight,
     so, up to the last, through stand-ins, keeping every layer's own arguments (`_Inputs.layers`)."""
 
     calls: list = []
+    widths: list = []  # of each batch's hidden states
     last = len(container) - 1
     with contextlib.ExitStack() as installed, torch.no_grad():
         for number, batch in enumerate(batches):
@@ -505,8 +506,19 @@ def _capture(model, container, container_path: str, batches, observation_weight,
                                  f"{container_path}.0; pass layers= naming the list of layers the forward runs")
             own = _own_arguments(each) if each_layer else None
             args, kwargs = _without_cache(args, kwargs)
+            widths.append(_hidden_width(args, kwargs))
+            if widths[-1] != widths[0]:  # found here, not in the first layer once every batch is captured
+                raise ValueError(f"{where}: batch {number} gives {container_path}.0 hidden states of {widths[-1]} "
+                                 f"features, batch 0 {widths[0]}: every batch must be of the model's width")
             batch, weight, args, kwargs, own = _apart_from(batch, (batch, weight, args, kwargs, own))
             store.append(_Inputs(batch, weight, args, kwargs, layers=own))
+
+
+def _hidden_width(args: tuple, kwargs: dict) -> Optional[int]:
+    """The features of the hidden states a layer is passed (first or as ``hidden_states=``), if a
+    sequence ``[batch, tokens, features]`` (a convolution's ``[batch, channels, height, width]`` may vary)."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    return hidden.shape[-1] if isinstance(hidden, torch.Tensor) and hidden.ndim == 3 else None
 
 
 def _apart_from(batch: Any, kept: tuple) -> tuple:
