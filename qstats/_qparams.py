@@ -8,6 +8,7 @@ spec's convention's arithmetic or the MX / NVFP4 scale arithmetic of qstats/_for
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -134,6 +135,9 @@ def range_rule_for(state) -> Callable[..., Any]:
     if rule is None and isinstance(state, QParams):
         raise TypeError("compute_qparams: got QParams (quantization parameters), where an observer's state "
                         "(what calibrate or observer.update returns) is expected")
+    if rule is None and isinstance(state, Mapping):  # calibrate's {path: {site: state}}
+        raise NoStatistics("compute_qparams: got a mapping (a states tree, as calibrate returns), where one observer's "
+                           "state is expected: use qstats.compute_qparams_tree(states, recipe, model) for a tree")
     if rule is None:
         raise NoStatistics(
             f"compute_qparams: no range rule for {type(state).__name__}; register one with "
