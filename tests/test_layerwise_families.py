@@ -43,6 +43,10 @@ CONFIGS = {
                                                    n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
     "olmoe": lambda: transformers.OlmoeConfig(**NO_HEAD_DIM, num_experts=4, num_experts_per_tok=2),
     "phimoe": lambda: transformers.PhimoeConfig(**NO_HEAD_DIM, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(  # gated delta-net (linear attention) then full attention
+        **SMALL, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention", "linear_attention"]),
     "gemma3n_text": lambda: transformers.Gemma3nTextConfig(
         vocab_size=96, vocab_size_per_layer_input=96, hidden_size=32, hidden_size_per_layer_input=8, intermediate_size=48,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
