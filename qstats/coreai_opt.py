@@ -261,12 +261,31 @@ def _quantized_modules(config, model: torch.nn.Module, warn_unseen: bool = True)
             if warn_unseen:
                 _warn_unseen_parameters(path, module, module_config, boundary)
             continue
-        ops.append((path, module, module_config, module_config.op_type_config.get(op_type, module_config), boundary))
+        components = module_config.op_type_config.get(op_type, module_config)
+        _check_parametrized_arguments(path, module, components, boundary)
+        ops.append((path, module, module_config, components, boundary))
     shared = _shared_state_specs(ops)
     quantized = [(path, module, module_config, _site_specs(module, components, boundary, shared))
                  for path, module, module_config, components, boundary in ops]
     order = {path: index for index, (path, _) in enumerate(model.named_modules())}
     return sorted([entry for entry in quantized if entry[3]], key=lambda entry: order[entry[0]])
+
+
+def _check_parametrized_arguments(path: str, module, components, boundary) -> None:
+    """ValueError where a parametrized weight or bias (``torch.nn.utils.parametrize``: a tensor its
+    parametrization computes, not a parameter) is an argument of the op (1 and 2) that the op's or
+    the module's input specs name: coreai_opt quantizes it there as an activation."""
+    for name, index in (("weight", 1), ("bias", 2)):
+        if name not in getattr(module, "parametrizations", {}):
+            continue
+        specs = [getattr(boundary, "module_input_spec", None), components.op_input_spec]
+        spec = next((spec for found, spec in (_named_spec(index, d) for d in specs) if found), None)
+        if spec is not None:
+            _refuse(f"module {path!r} ({type(module).__name__}): its {name} is computed by a parametrization "
+                    f"(torch.nn.utils.parametrize), and its input spec for argument {index} of the op quantizes it as "
+                    "an activation in coreai_opt, which no recipe site holds; remove the parametrization first "
+                    "(torch.nn.utils.parametrize.remove_parametrizations(module, name, leave_parametrized=True)) or give "
+                    f"op_input_spec {{0: ...}} instead of '*'")
 
 
 # the registered ops that take a module's parameters (the op_type_config entries their state specs are in)

@@ -157,3 +157,32 @@ def test_a_max_pool_returning_indices_is_left_float(single_thread_quiet):
     assert sorted(calculators) == ["conv"]
     equal, total = _compare(model, config, *_data(2, (4, 4)))
     assert equal == total == 2 * 3
+
+
+def _weight_normed():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(16, 8)), nn.ReLU(), nn.Linear(8, 4)).eval()
+
+
+@pytest.mark.parametrize("key", [1, "*"])
+def test_a_parametrized_weight_an_input_spec_names_is_refused(key, single_thread_quiet):
+    """A weight_norm weight is computed, not a parameter: coreai_opt quantizes it as argument 1 of
+    F.linear under an input spec naming it (``"*"``: the default config's), as an activation. The
+    recipe had no site for it and said nothing (0.0020 weight scale in coreai_opt, float in qstats)."""
+    model = _weight_normed()
+    config = QuantizerConfig(execution_mode=EAGER, global_config=ModuleQuantizerConfig(
+        op_input_spec={key: _spec()}, op_output_spec=None, op_state_spec=None))
+    with pytest.raises(ValueError, match=r"module '0' \(ParametrizedLinear\): its weight is computed by a parametrization"):
+        qstats.coreai_opt.recipe_from_coreai_opt(config, model)
+    prepared = _coreai_opt_calibrated(model, config, *_data(16, count=1))[0]
+    assert hasattr(prepared[0], "linear_quantize_weight")  # coreai_opt's quantizer of that argument
+
+
+def test_a_parametrized_weight_is_left_float_by_weight_specs_as_in_coreai_opt(single_thread_quiet):
+    """Without an input spec naming it, coreai_opt's state specs leave the computed weight float, as
+    the recipe does (no parameter of that name)."""
+    config = QuantizerConfig(execution_mode=EAGER, global_config=ModuleQuantizerConfig(
+        op_state_spec={"weight": _spec(granularity={"type": "per_channel"})},
+        op_input_spec={0: _spec(torch.uint8, "asymmetric")}, op_output_spec=None))
+    equal, total = _compare(_weight_normed(), config, *_data(16))
+    assert equal == total == 2 * 3  # both inputs, the second weight
