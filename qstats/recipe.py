@@ -158,11 +158,14 @@ def _target_hits(rule: "Rule", target: str) -> Callable[[set], bool]:
     return lambda names: any(matches_targets((target,), name, None) for name in names)
 
 
-def _why_unmatched(rule: "Rule", modules: dict) -> str:
+def _why_unmatched(rule: "Rule", modules: dict, rename: Callable[[str], str]) -> str:
     """Why ``rule`` selects no site: for a config group's rule whose targets match modules compressed-tensors
-    does not quantize (`unquantized_matches`: a ``Conv2d``, a decoder layer), those modules; else that no
-    module it matches has its sites."""
+    does not quantize (`unquantized_matches`: a ``Conv2d``, a decoder layer), those modules; for a plain
+    rule whose targets match no module, that; else that no module it matches has its sites."""
     others = unquantized_matches(rule.targets, modules) if isinstance(rule.matcher, GroupMatch) else []
+    if not others and rule.matcher is None and not any(_checkpoint_rule(rule, path, module, rename).matches(path, module)
+                                                        for path, module in modules.items()):
+        return "no module matches its targets by path, class name or 're:' full match of the path"
     if not others:
         return "no module it matches has such a parameter, input or projection"
     (path, name), more = others[0], f" and {len(others) - 1} more" if len(others) > 1 else ""
@@ -199,6 +202,16 @@ def _regex_hint(target: str) -> str:
     if target.startswith("re:") or not _REGEX_SIGNS.search(target):
         return ""
     return f"; {target!r} has no 're:' prefix, so it is read as a module path or class name: did you mean 're:{target}'?"
+
+
+def _case_hint(target: str, modules: dict) -> str:
+    """A hint for a target or ignore entry that matches no module but names one of ``modules`` (path ->
+    module) by path or class name in other letter case (``"linear"``): names are case-sensitive; else ""."""
+    if target.startswith("re:"):
+        return ""
+    names = {type(module).__name__ for module in modules.values()} | set(modules)
+    close = sorted(name for name in names if name != target and name.lower() == target.lower())
+    return f"; names are case-sensitive: did you mean {close[0]!r}?" if close else ""
 
 
 def _group_of(rule: "Rule") -> Optional[tuple]:
@@ -880,9 +893,9 @@ class Recipe:
             if unmatched:  # a misspelt target or site would otherwise select nothing, silently
                 warn(
                     f"Recipe: the rule for targets {list(rule.targets)!r} selects no site {unmatched} in this "
-                    f"{type(model).__name__} ({_why_unmatched(rule, modules)})"
-                    + "".join(_regex_hint(target) + _fused_hint(target, _target_hits(rule, target), modules)
-                              for target in rule.targets),
+                    f"{type(model).__name__} ({_why_unmatched(rule, modules, rename)})"
+                    + "".join(_regex_hint(target) + _case_hint(target, modules)
+                              + _fused_hint(target, _target_hits(rule, target), modules) for target in rule.targets),
                     UserWarning,
                 )
         for target in _unmatched_ignore(self.ignore, modules, rename):  # a misspelt ignore would quantize it, silently
@@ -891,7 +904,8 @@ class Recipe:
             warn(
                 f"Recipe: the ignore entry {written!r} matches no module in this {type(model).__name__} "
                 f"(by path, checkpoint name, class name or 're:' {how} of either), so it ignores nothing"
-                + _regex_hint(written) + _fused_hint(written, lambda names: _ignore_hits(target, names, ()), modules),
+                + _regex_hint(written) + _case_hint(written, modules)
+                + _fused_hint(written, lambda names: _ignore_hits(target, names, ()), modules),
                 UserWarning,
             )
 
