@@ -21,7 +21,6 @@ import inspect
 import os
 import shutil
 import tempfile
-import warnings
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
@@ -34,7 +33,7 @@ from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, releas
 from ._sites import run_model
 from .calibration import (batch_weight, check_batches, fake_quantized, observe_batches, qparams_unwarned,
                           warn_training_mode)
-from .experts import UncalibratedWarning, with_argument
+from .experts import with_argument
 from .observation import check_experts_layout, resumed_states
 from .recipe import Plan, Recipe, as_plan
 
@@ -563,11 +562,13 @@ class _Run:
     side_plan: Optional[Plan] = None  # observed per layer beside the plan, handed to after_layer, not returned
     after_layer: Optional[Callable[[str, torch.nn.Module, dict, dict], tuple]] = None
 
-    def calibrate(self, root, plan: Plan, batches, observation_weight) -> dict:
-        """This rank's states of ``plan`` over ``batches``, resumed from its sites in ``self.states``."""
+    def calibrate(self, root, plan: Plan, batches, observation_weight, warn_unseen: bool = True) -> dict:
+        """This rank's states of ``plan`` over ``batches``, resumed from its sites in ``self.states``
+        (``warn_unseen``: `observing_as`'s)."""
         resumed = _moved(_select(self.states, lambda path, site: plan.site(path, site) is not None), self.device)
         # the model's modules in training mode were warned of once, by their paths in the model
-        return observe_batches(root, batches, plan, resumed or None, False, observation_weight, self.all_experts)
+        return observe_batches(root, batches, plan, resumed or None, False, observation_weight, self.all_experts,
+                               warn_unseen)
 
     def reduce(self, found: dict, plan: Plan, each: bool = False) -> dict:
         """``found`` merged across ranks (with ``all_reduce``); ``each``: one state at a time, so
@@ -777,9 +778,7 @@ def _step_before_layers(run: _Run, container_path: str, container) -> bool:
     def over(observed: Plan, final: bool) -> dict:
         # sites this partial forward never reaches (lm_head's Hessian and, for the recipe, whose states
         # here are dropped, every site outside the layers) are observed, and warned of, in the last pass
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UncalibratedWarning)
-            return run.calibrate(root, observed, range(len(run.store)), run.store.weight)
+        return run.calibrate(root, observed, range(len(run.store)), run.store.weight, warn_unseen=False)
 
     before = dataclasses.replace(run, after_layer=called)
     label = f"the modules before {container_path}.0"

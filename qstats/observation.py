@@ -809,8 +809,10 @@ def observing(model: torch.nn.Module, recipe: Union[Recipe, Plan], states: Optio
 
 @contextlib.contextmanager
 def observing_as(caller: str, model: torch.nn.Module, recipe: Union[Recipe, Plan], states: Optional[Mapping],
-                 all_experts: bool) -> Iterator[Observing]:
-    """`observing`, its errors and warnings named after ``caller`` (``"calibrate"`` for `qstats.calibrate`)."""
+                 all_experts: bool, warn_unseen: bool = True) -> Iterator[Observing]:
+    """`observing`, its errors and warnings named after ``caller`` (``"calibrate"`` for `qstats.calibrate`);
+    ``warn_unseen=False``: without the warnings of sites that saw no data (a partial pass whose states
+    are observed again later)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{caller} expects an nn.Module, got {type(model).__name__}")
     check_flag(all_experts, "all_experts", caller)
@@ -829,8 +831,9 @@ def observing_as(caller: str, model: torch.nn.Module, recipe: Union[Recipe, Plan
         run.weight = None
         for handle in handles:
             handle.remove()
-    _warn_unobserved(run.states, plan, session.calls, compiled=compiled(model))
-    warn_uncovered(run.states, plan.sites)
+    if warn_unseen:
+        _warn_unobserved(run.states, plan, session.calls, compiled=compiled(model))
+        warn_uncovered(run.states, plan.sites)
 
 
 def _warn_unobserved(states: dict, plan: Plan, seen_batches: int, compiled: bool = False) -> None:
