@@ -242,6 +242,7 @@ def _quantized_modules(config, model: torch.nn.Module, warn_unseen: bool = True)
     ``model`` whose op the config quantizes (``warn_unseen``: warn about parameters coreai_opt
     may quantize where no site holds them)."""
     ops = []  # (path, module, module config, op components, boundary), by coreai_opt's precedence
+    unseen: dict = {}  # {path: (class name, parameter names)} of _unseen_parameters
     attention = {inner: path for path, module in model.named_modules()
                  if isinstance(module, torch.nn.MultiheadAttention) for inner, _ in module.named_modules(prefix=path)}
     for path, module, module_config, own, _ in sorted(_module_configs(config, model), key=lambda entry: entry[4]):
@@ -258,16 +259,19 @@ def _quantized_modules(config, model: torch.nn.Module, warn_unseen: bool = True)
             _check_attention_parameters(config, path, module, module_config, attention[path])
             continue
         if op_type is None:
-            if warn_unseen:
-                _warn_unseen_parameters(path, module, module_config, boundary)
+            names = _unseen_parameters(module, module_config, boundary)
+            if names:
+                unseen[path] = (type(module).__name__, names)
             continue
         components = module_config.op_type_config.get(op_type, module_config)
         _check_parametrized_arguments(path, module, components, boundary)
         ops.append((path, module, module_config, components, boundary))
+    order = {path: index for index, (path, _) in enumerate(model.named_modules())}
+    if warn_unseen:
+        _warn_unseen({path: unseen[path] for path in sorted(unseen, key=order.get)})
     shared = _shared_state_specs(ops)
     quantized = [(path, module, module_config, _site_specs(module, components, boundary, shared))
                  for path, module, module_config, components, boundary in ops]
-    order = {path: index for index, (path, _) in enumerate(model.named_modules())}
     return sorted([entry for entry in quantized if entry[3]], key=lambda entry: order[entry[0]])
 
 
@@ -288,27 +292,35 @@ def _check_parametrized_arguments(path: str, module, components, boundary) -> No
                     f"op_input_spec {{0: ...}} instead of '*'")
 
 
-# the registered ops that take a module's parameters (the op_type_config entries their state specs are in)
+# the registered ops that take a module's parameters (the op_type_config entries their state specs are in;
+# those of add, sub, mul and matmul are refused by _check_config)
 _PARAMETER_OPS = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
                   "embedding")
 
 
-def _warn_unseen_parameters(path: str, module, module_config, boundary) -> None:
-    """Warn, naming them, about the parameters of a module outside torch.nn that is not one of the
-    modules a recipe gives sites to, where its config's state specs name them: coreai_opt quantizes
-    such a parameter where the forward passes it to ``F.linear``, a conv or ``F.embedding``, which a
-    recipe does not see (it leaves it float)."""
+def _unseen_parameters(module, module_config, boundary) -> list:
+    """The parameters of a module outside torch.nn that is not one of the modules a recipe gives
+    sites to, which its config's state specs name: coreai_opt quantizes such a parameter where the
+    forward passes it to a registered op (``F.linear``, a conv, ``F.embedding``, ``*``, ``+``, ``-``,
+    ``@``: an RMSNorm's ``weight * x``), which a recipe does not see (it leaves it float)."""
     if type(module).__module__.startswith("torch."):  # torch.nn's own: their forwards are known
-        return
+        return []
     configs = [module_config, *(module_config.op_type_config.get(op) for op in _PARAMETER_OPS)]
     spec_dicts = [getattr(boundary, "module_state_spec", None)] + [c.op_state_spec for c in configs if c is not None]
-    names = [name for name, param in module.named_parameters(recurse=False) if param.is_floating_point()
-             and any(_named_spec(name, specs)[1] is not None for specs in spec_dicts)]
-    if names:
-        warn(f"recipe_from_coreai_opt: module {path!r} ({type(module).__name__}) holds parameters {names} that its "
-             "config's state specs name: coreai_opt quantizes them where its forward passes them to F.linear, a conv "
-             "or F.embedding, which a recipe does not see; left float (hold them in an nn.Linear, nn.Conv or "
-             "nn.Embedding, or give the module's path None in module_name_configs)", UserWarning)
+    return [name for name, param in module.named_parameters(recurse=False) if param.is_floating_point()
+            and any(_named_spec(name, specs)[1] is not None for specs in spec_dicts)]
+
+
+def _warn_unseen(unseen: dict) -> None:
+    """One warning naming the modules and parameters `_unseen_parameters` found."""
+    if unseen:
+        listed = ", ".join(f"{path!r} ({kind}) {names}" for path, (kind, names) in list(unseen.items())[:4])
+        more = f" and {len(unseen) - 4} more" if len(unseen) > 4 else ""
+        warn(f"recipe_from_coreai_opt: modules {listed}{more} hold parameters that their config's state specs name: "
+             "coreai_opt quantizes them where the forward passes them to a registered op (F.linear, a conv, "
+             "F.embedding, or mul, add, sub, matmul: an RMSNorm's weight * x), which a recipe does not see; left float "
+             "(hold them in an nn.Linear, nn.Conv or nn.Embedding, or give those paths None in module_name_configs)",
+             UserWarning)
 
 
 def _check_attention_parameters(config, path: str, module, module_config, attention: str) -> None:

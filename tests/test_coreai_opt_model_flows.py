@@ -65,7 +65,7 @@ def test_tiny_transformer(case, single_thread_quiet):
         warnings.simplefilter("always")
         equal, total = _compare(model, config, ids[0], ids[1:])
     assert equal == total > 0
-    assert not [w for w in caught if "holds parameters" in str(w.message)]  # LayerNorm: torch.nn's own
+    assert not [w for w in caught if "hold parameters" in str(w.message)]  # LayerNorm: torch.nn's own
 
 
 class _TinyCNN(nn.Module):
@@ -120,6 +120,15 @@ class _Custom(nn.Module):
         return self.fc(F.linear(x, self.weight))
 
 
+class _RMSNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((16,), 1.5))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 @pytest.mark.parametrize("state", ["weight", "*"])
 def test_a_custom_modules_parameter_coreai_opt_quantizes_is_named_in_a_warning(mode, state, single_thread_quiet):
@@ -132,9 +141,25 @@ def test_a_custom_modules_parameter_coreai_opt_quantizes_is_named_in_a_warning(m
         op_input_spec=None, op_output_spec=None))
     _, calculators = _coreai_opt_calibrated(model, config, *_data(16, count=1))
     assert sorted(calculators[""]) == ["weight"]  # coreai_opt quantizes it
-    with pytest.warns(UserWarning, match=r"module '' \(_Custom\) holds parameters \['weight'\]"):
+    with pytest.warns(UserWarning, match=r"modules '' \(_Custom\) \['weight'\] hold parameters"):
         recipe = qstats.coreai_opt.recipe_from_coreai_opt(config, model)
     assert "" not in recipe.sites(model)
+
+
+def test_an_rms_norms_weight_coreai_opt_quantizes_through_mul_is_named_in_a_warning(single_thread_quiet):
+    """``self.weight * x`` is coreai_opt's registered mul: a ``{"weight": ...}``
+    state spec (axis 0) quantizes an RMSNorm's weight; one warning names every such module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_RMSNorm(), nn.Linear(16, 16), _RMSNorm(), nn.Linear(16, 4)).eval()
+    config = QuantizerConfig(execution_mode=EAGER, global_config=ModuleQuantizerConfig.presets.w8(axis=0))
+    _, calculators = _coreai_opt_calibrated(model, config, *_data(16, count=1))
+    assert {path: sorted(sites) for path, sites in calculators.items()} == {p: ["weight"] for p in "0123"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qstats.coreai_opt.recipe_from_coreai_opt(config, model)
+    messages = [str(w.message) for w in caught if "hold parameters" in str(w.message)]
+    assert len(messages) == 1 and messages[0].startswith(
+        "recipe_from_coreai_opt: modules '0' (_RMSNorm) ['weight'], '2' (_RMSNorm) ['weight'] hold parameters")
 
 
 class _PoolWithIndices(nn.Module):
