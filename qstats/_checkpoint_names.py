@@ -18,7 +18,11 @@ __all__ = ["legacy_renamer", "load_transposes", "saved_tensors", "module_renamer
 
 def _save_transforms(model: torch.nn.Module) -> list:
     """The transforms ``save_pretrained`` reverts (transformers' ``revert_weight_conversion``): those
-    ``from_pretrained`` applied, else the model type's registered ones without prefix changes."""
+    ``from_pretrained`` applied, else the model type's registered ones without prefix changes. A model
+    that is no transformers ``PreTrainedModel`` has none, and does not import transformers (seconds)."""
+    if not any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
+               for cls in type(model).__mro__):
+        return []
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
