@@ -284,8 +284,18 @@ def check_shape(shape, granularity: Granularity, expected_shape, where: str) -> 
     if params != tuple(expected_shape):
         raise ValueError(
             f"{where}: a tensor of shape {shape} gives quantization parameters of shape {params}, "
-            f"but the state has shape {tuple(expected_shape)}"
+            f"but the state has shape {tuple(expected_shape)}" + _axis_hint(granularity)
         )
+
+
+def _axis_hint(granularity: Granularity) -> str:
+    """For `check_shape`: a per-axis state keeps the size of its axis, which batches of activations
+    (rows, tokens) change; else ""."""
+    if type(granularity) is not PerAxis:
+        return ""
+    return (f" ({granularity} holds one parameter per index of dimension {granularity.axis}, so every tensor it "
+            "observes must have that dimension's size; per feature of activations, whose row count changes from "
+            "batch to batch, is PerAxis(-1))")
 
 
 def from_canonical_view(view: torch.Tensor, granularity: Granularity, shape) -> torch.Tensor:
