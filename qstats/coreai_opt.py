@@ -179,10 +179,16 @@ def recipe_from_coreai_opt(config: Any, model: torch.nn.Module, observed_dtype=N
         BatchNorm of their output channels may follow (coreai_opt folds it into the weight it
         quantizes), parameters inside an ``nn.MultiheadAttention`` in graph execution mode (eager
         mode leaves it float, and so does the recipe), ops called as functions (``add``, ``sub``,
-        ``mul``, ``matmul``), ``qformulation="minval"``, per-block activations, a spec field
+        ``mul``, ``matmul``), a weight or bias computed by a parametrization (weight_norm) that an
+        input spec names, ``qformulation="minval"``, per-block activations, a spec field
         qstats does not read, or a moving average's ``averaging_constant`` outside [0, 1]
         (coreai_opt extrapolates with it).
       TypeError: ``config`` is not a ``QuantizerConfig`` (a dict: ``QuantizerConfig.from_dict``).
+
+    Warns:
+      UserWarning: naming the parameters of modules outside torch.nn that their configs' state
+        specs name (coreai_opt quantizes them where the forward passes them to a registered op,
+        which a recipe does not see), and the weights whose blocks do not divide them.
 
     >>> import torch, qstats.coreai_opt
     >>> from coreai_opt.quantization import QuantizerConfig
