@@ -8,6 +8,7 @@ flattens it. `stack` gives one tree with a new leading dimension, ready for ``to
 from __future__ import annotations
 
 import collections
+import collections.abc
 import numbers
 from typing import Any, Sequence
 
@@ -128,9 +129,14 @@ def stack(trees: Sequence[Any]) -> Any:
       One tree of the same structure whose leaves have shape ``(len(trees), *leaf.shape)``.
 
     Raises:
+      TypeError: for one tree (a tensor, a dict, a state) instead of a sequence of them.
       ValueError: for an empty sequence, or naming the path of the first mismatch (structure, shape,
         dtype, or leaves on different devices).
     """
+    if isinstance(trees, (torch.Tensor, collections.abc.Mapping, str, bytes)) or hasattr(type(trees), "_fields"):
+        # one tree, whose rows, keys or fields list() would read as trees: stacked as such, or a mismatch named
+        raise TypeError(f"tree.stack: takes a sequence of trees ([tree, tree, ...]), got one {type(trees).__name__}; "
+                        "pass a list of the trees to stack")
     trees = list(trees)
     if not trees:
         raise ValueError("tree.stack: needs at least one tree")
