@@ -493,9 +493,12 @@ _LOG_WARNINGS = (
 def _warn_log(log: dict) -> None:
     """The warnings of a written checkpoint: rounded scales, qparams computed in another dtype than
     llm-compressor's, uncalibrated sites, q/k scales observed before a rotary embedding."""
+    # a compressed-tensors spec computing in another dtype than its module's is also rounded there: its warning's
+    # remedy (observed_dtype) removes both, so it is named once, there
+    told = set(log["compute_dtype"])
     for key, limit, message in _LOG_WARNINGS:
         # gate_proj and up_proj of an expert share its input site: each site is named (and counted) once
-        _warn_named(list(dict.fromkeys(log[key])), limit, message)
+        _warn_named([name for name in dict.fromkeys(log[key]) if key != "rounded" or name not in told], limit, message)
     if log["rotary"]:
         warn(f"export.compressed_tensors: the q/k scales of {len(log['rotary'])} attention module(s) "
              f"({', '.join(log['rotary'][:4])}) were observed on the projection outputs, before the rotary "
