@@ -70,12 +70,20 @@ def stacked_observer(observer: Observer, num_experts: int) -> Observer:
     def update_fn(state, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
         _check_stack(x, num_experts, "x")
         _check_stacked_state(state, num_experts)
-        if weight is None:
-            return batched_update(state, x)
-        _check_stack(weight, num_experts, "weight")
-        if x.stride(0) == 0:  # one tensor shared by every expert (x.expand(E, ...)): observe it once
-            return torch.vmap(observer.update, in_dims=(0, None, 0))(state, x[0], weight)
-        return batched_update(state, x, weight)
+        if weight is not None:
+            _check_stack(weight, num_experts, "weight")
+        try:
+            if weight is None:
+                return batched_update(state, x)
+            if x.stride(0) == 0:  # one tensor shared by every expert (x.expand(E, ...)): observe it once
+                return torch.vmap(observer.update, in_dims=(0, None, 0))(state, x[0], weight)
+            return batched_update(state, x, weight)
+        except ValueError as error:  # the observer's message names one expert's shapes, not the ones passed
+            if type(error) is not ValueError:  # a subclass, which a caller may catch by its type: kept
+                raise
+            given = f"x {tuple(x.shape)}" + ("" if weight is None else f" and weight {tuple(weight.shape)}")
+            raise ValueError(f"stacked_observer: per expert of {given}, less their leading expert dimension "
+                             f"{num_experts}: {error}") from error
 
     def merge_fn(a, b):
         _check_stacked_state(a, num_experts)
