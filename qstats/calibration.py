@@ -643,8 +643,9 @@ class _ExpertInputs(ExpertCallHooks):
         inside = (ids >= 0) & (ids < found.num_experts)  # expert-parallel sentinels: no expert's rows
         if not rows.shape[0]:
             return rows
+        if qp is None:  # row-wise scales from each row alone: the same for every expert, in one call
+            return torch.where(inside[:, None], quantize(rows, None), rows)
         per_row = experts_qparams(qp, ids.clamp(0, found.num_experts - 1))
-        quantized = torch.vmap(lambda row, q: quantize(row[None], q)[0], in_dims=(0, None if qp is None else 0))(
-            rows, per_row)
+        quantized = torch.vmap(lambda row, q: quantize(row[None], q)[0])(rows, per_row)
         return torch.where(inside[:, None], quantized, rows)
 
