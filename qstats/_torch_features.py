@@ -6,6 +6,8 @@
   torch 2.7, ``float4_e2m1fn_x2``: torch 2.8), so that tables of dtypes build on every release;
 - `recomputing`: whether a forward runs inside autograd's backward (activation checkpointing),
   which torch tells only through a private call;
+- `cached_parametrization`: the value ``torch.nn.utils.parametrize.cached()`` holds for a
+  parametrized tensor, which torch keeps private;
 - `capturing_graph`: whether ``torch.export`` or ``torch.jit.trace`` is recording a forward (the
   torch.ao drop-in modules write into their buffers in place there, as torch.ao's observers do);
 - `rounded_to`: a tensor rounded to a half-precision dtype's values that ``torch.compile`` keeps
@@ -19,10 +21,11 @@ import sys
 from typing import Optional
 
 import torch
+from torch.nn.utils import parametrize
 
 from ._ops import op, register_fake, register_vmap
 
-__all__ = ["bitcast", "capturing_graph", "compiled", "eager", "recomputing", "rounded_to", "torch_dtype", "unwrapped"]
+__all__ = ["bitcast", "cached_parametrization", "capturing_graph", "compiled", "eager", "recomputing", "rounded_to", "torch_dtype", "unwrapped"]
 
 
 def torch_dtype(name: str) -> Optional[torch.dtype]:
@@ -99,6 +102,13 @@ def recomputing() -> bool:
     recomputation (`torch.utils.checkpoint`, transformers' gradient checkpointing) of tensors
     already observed, not new data (torch's own ``ModuleTracker`` and FSDP tell backward apart so)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def cached_parametrization(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
+    """The value of ``module``'s parametrized ``name`` that ``torch.nn.utils.parametrize.cached()``
+    holds (computed by an earlier read inside it, whose later reads return it without running the
+    parametrization or its hooks), else None; torch keeps that cache private."""
+    return parametrize._cache.get((id(module), name)) if parametrize._cache_enabled else None
 
 
 def capturing_graph() -> bool:

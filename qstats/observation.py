@@ -26,7 +26,7 @@ from ._checks import check_flag
 from ._granularity import PerGroup, qparam_shape
 from ._ops import is_dtensor
 from ._sites import input_tensor, is_float_tensor, observe_tensor
-from ._torch_features import compiled, eager, recomputing
+from ._torch_features import cached_parametrization, compiled, eager, recomputing
 from .experts import (ExpertInputCapture, UncalibratedWarning, all_experts_calls, copies_of_tokens,
                       declared_experts, dense_expert_rows, dense_ids, dense_rows_weight, dispatch, ids_mask,
                       own_parameters, parameter_input_site, routed_slots, routing_mask, takes_routing,
@@ -644,6 +644,10 @@ def expert_capture(module: torch.nn.Module, names, tokens: Optional[torch.Tensor
     handles = [module.parametrizations[name].register_forward_hook(
         lambda _, args, value, name=name: capture.watch(name, value)) for name in found]
     capture.__enter__()
+    for name in found:  # inside parametrize.cached(), a value computed by an earlier call runs no hook
+        cached = cached_parametrization(module, name)
+        if cached is not None:
+            capture.watch(name, cached)
     return capture, handles
 
 
