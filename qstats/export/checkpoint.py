@@ -474,7 +474,8 @@ _LOG_WARNINGS = (
      "round(x / scale), qstats.fake_quantized as round(x * (1 / scale)), so a few codes differ by one; "
      "build their specs with QuantSpec.from_compressed_tensors (or Recipe.from_scheme) for the same model"),
     ("rounded", 4, "export.compressed_tensors: scales of {count} site(s) were rounded to the model's dtype "
-     "({names}); calibrate with a spec whose scale_dtype is that dtype to keep "
+     "({names}); calibrate with a spec whose scale_dtype is that dtype (Recipe.from_scheme, "
+     "QuantSpec.from_compressed_tensors: observed_dtype=<the model's dtype>) to keep "
      "qstats' and the checkpoint's quantization identical"),
     ("compute_dtype", 4, "export.compressed_tensors: {count} site(s) were calibrated with compressed-tensors specs "
      "computing in another dtype than their module's ({names}); llm-compressor computes "
@@ -493,12 +494,9 @@ _LOG_WARNINGS = (
 def _warn_log(log: dict) -> None:
     """The warnings of a written checkpoint: rounded scales, qparams computed in another dtype than
     llm-compressor's, uncalibrated sites, q/k scales observed before a rotary embedding."""
-    # a compressed-tensors spec computing in another dtype than its module's is also rounded there: its warning's
-    # remedy (observed_dtype) removes both, so it is named once, there
-    told = set(log["compute_dtype"])
     for key, limit, message in _LOG_WARNINGS:
         # gate_proj and up_proj of an expert share its input site: each site is named (and counted) once
-        _warn_named([name for name in dict.fromkeys(log[key]) if key != "rounded" or name not in told], limit, message)
+        _warn_named(list(dict.fromkeys(log[key])), limit, message)
     if log["rotary"]:
         warn(f"export.compressed_tensors: the q/k scales of {len(log['rotary'])} attention module(s) "
              f"({', '.join(log['rotary'][:4])}) were observed on the projection outputs, before the rotary "

@@ -1,8 +1,9 @@
 """A bf16 model exported from compressed-tensors specs computing in float32 (Recipe.from_scheme without
-observed_dtype) is warned of once, with the remedy that works (observed_dtype=<the model's dtype>);
-before, a second warning for the same sites told to use a spec whose scale_dtype is bf16, which a
-from_scheme user cannot set. With observed_dtype neither warns, and the checkpoint's scales are
-compressed-tensors' own qparams of the bf16 weights."""
+observed_dtype) gets two warnings (scales rounded to bf16; qparams computed in another dtype than
+llm-compressor's), and both now name the remedy a from_scheme user has, observed_dtype=<the model's
+dtype>; before, the first told to use a spec whose scale_dtype is bf16, which from_scheme does not
+take. With observed_dtype neither warns, and the checkpoint's scales are compressed-tensors' own
+qparams of the bf16 weights."""
 
 import json
 import warnings
@@ -34,10 +35,10 @@ def _export(model, recipe, out):
     return [str(c.message) for c in caught if issubclass(c.category, qstats.export.ExportWarning)]
 
 
-def test_one_warning_naming_observed_dtype(tmp_path):
+def test_both_warnings_name_observed_dtype(tmp_path):
     messages = _export(_model(), qstats.Recipe.from_scheme("FP8", ignore=["lm_head"]), tmp_path / "a")
     dtype = [m for m in messages if "dtype" in m]
-    assert len(dtype) == 1 and "observed_dtype=" in dtype[0], messages
+    assert len(dtype) == 2 and all("observed_dtype=" in m for m in dtype), messages
 
 
 def test_observed_dtype_removes_it_and_writes_compressed_tensors_scales(tmp_path):
