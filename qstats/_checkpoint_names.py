@@ -13,6 +13,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ._checks import is_instance_named
+
 __all__ = ["legacy_renamer", "load_transposes", "saved_tensors", "module_renamer"]
 
 
@@ -20,8 +22,7 @@ def _save_transforms(model: torch.nn.Module) -> list:
     """The transforms ``save_pretrained`` reverts (transformers' ``revert_weight_conversion``): those
     ``from_pretrained`` applied, else the model type's registered ones without prefix changes. A model
     that is no transformers ``PreTrainedModel`` has none, and does not import transformers (seconds)."""
-    if not any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
-               for cls in type(model).__mro__):
+    if not is_instance_named(model, "transformers", "PreTrainedModel"):
         return []
     try:
         from transformers import PreTrainedModel

@@ -152,3 +152,9 @@ def check_float_range(float_range, where: str = "compute_qparams") -> tuple:
     if lo is not None and hi is not None and lo >= hi:
         raise ValueError(f"{where}: float_range needs lo < hi, got ({lo!r}, {hi!r})")
     return lo, hi
+
+
+def is_instance_named(value, package: str, name: str) -> bool:
+    """Whether ``value``'s class, or one of its bases, is the class ``name`` of ``package`` (a
+    transformers ``PreTrainedModel``, an llm-compressor ``Modifier``), without importing ``package``."""
+    return any(cls.__name__ == name and cls.__module__.startswith(f"{package}.") for cls in type(value).__mro__)

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from ._attention import LATENT_CACHE, attention_module, latent_attention
+from ._checks import is_instance_named
 from ._granularity import PerTensor
 from ._qparams import compute_qparams
 from ._spec import QuantSpec
@@ -818,7 +819,7 @@ def _modifier_config(config: Any) -> Any:
         _check_recipe_file(config)
     if isinstance(config, str):
         _check_recipe_text(config)
-    if _llm_compressor_modifier(config) and not hasattr(config, "resolve_quantization_config"):
+    if is_instance_named(config, "llmcompressor", "Modifier") and not hasattr(config, "resolve_quantization_config"):
         config = [config]  # SmoothQuant, QuIP, SparseGPT alone: a recipe of it (refused below, naming it)
     parsed = isinstance(config, Mapping) and recipe_keys(config)  # a recipe's YAML or JSON, parsed
     if isinstance(config, (str, list)) or parsed or hasattr(config, "modifiers"):  # a list: of modifiers
@@ -852,12 +853,6 @@ def _modifier_config(config: Any) -> Any:
              f"its algorithm options {algorithm} are not part of it (qstats.gptq takes GPTQ's: docs/gptq.md)",
              UserWarning)
     return resolved
-
-
-def _llm_compressor_modifier(config: Any) -> bool:
-    """Whether ``config`` is an llm-compressor ``Modifier`` (without importing llm-compressor)."""
-    return any(cls.__name__ == "Modifier" and cls.__module__.startswith("llmcompressor.")
-               for cls in type(config).__mro__)
 
 
 def _check_has_config(modifier) -> None:

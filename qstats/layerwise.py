@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import distributed
-from ._checks import check_available, check_flag
+from ._checks import check_available, check_flag, is_instance_named
 from ._lazy_checkpoint import LazyCheckpoint, check_covers, load_modules, release_modules
 from ._sites import run_model
 from .calibration import (batch_weight, check_batches, fake_quantized, observe_batches, qparams_unwarned,
@@ -218,7 +218,7 @@ def _sub_plan(plan: Plan, keep: Callable[[str], bool], root: torch.nn.Module) ->
 
 def _is_cache(value: Any) -> bool:
     """Whether ``value`` is a transformers KV cache (a ``transformers.cache_utils.Cache``)."""
-    return any(kind.__name__ == "Cache" and kind.__module__.startswith("transformers.") for kind in type(value).__mro__)
+    return is_instance_named(value, "transformers", "Cache")
 
 
 def _without_cache(args: tuple, kwargs: dict) -> tuple:
@@ -506,7 +506,7 @@ def _capture(model, container, container_path: str, batches, observation_weight,
             own = _own_arguments(each) if each_layer else None
             args, kwargs = _without_cache(args, kwargs)
             widths.append(_hidden_width(args, kwargs))
-            if widths[-1] != widths[0]:  # found here, not in the first layer once every batch is captured
+            if None not in (widths[0], widths[-1]) and widths[-1] != widths[0]:  # here, not once all are captured
                 raise ValueError(f"{where}: batch {number} gives {container_path}.0 hidden states of {widths[-1]} "
                                  f"features, batch 0 {widths[0]}: every batch must be of the model's width")
             batch, weight, args, kwargs, own = _apart_from(batch, (batch, weight, args, kwargs, own))

@@ -155,7 +155,7 @@ def _samples(x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
 def _gptq_inputs(spec=None) -> Observer:
     """`qstats.hessian` of a weight's inputs, counting llm-compressor's samples beside its rows. Its
     ``total`` is llm-compressor's sum: ``accumulate_hessian`` multiplies the float32 rows by sqrt(2)
-    before their product (``2 x^T x`` rounded so), and `_per_sample` halves it (exactly), so that
+    before their product (``2 x^T x`` rounded so), and `_per_sample` doubles its count, so that
     GPTQ's Hessian is llm-compressor's bit for bit (``2 x^T x`` rounded otherwise differs by 1e-7,
     which flips a few codes in a thousand, more along the layers)."""
     base = hessian(spec)
@@ -180,11 +180,11 @@ def _gptq_inputs(spec=None) -> Observer:
 def _per_sample(state: GPTQInputsState) -> HessianState:
     """The Hessian state `qstats.gptq` divides by llm-compressor's sample count (the same GPTQ up to
     float rounding, except with dead input columns: docs/gptq.md); no row: still none. Its total is
-    halved (exact), so that `qstats.gptq`'s ``2 / samples * total`` is llm-compressor's ``H / samples``:
-    in place, as ``state`` is the layer's own (popped from its Hessians), which a copy would double
-    for a moment (a stack of expert Hessians is the layer's largest tensor)."""
-    samples = torch.where(state.count > 0, state.samples, torch.zeros_like(state.samples))
-    return HessianState(state.total.mul_(0.5), samples, state.nonfinite)
+    llm-compressor's ``2 x^T x``, so its count is doubled: `qstats.gptq`'s ``2 / (2 samples) * total``
+    is llm-compressor's ``H / samples`` bit for bit (powers of two), with no copy of the total (a
+    stack of expert Hessians is the layer's largest tensor) and nothing written in place."""
+    samples = torch.where(state.count > 0, 2 * state.samples, torch.zeros_like(state.samples))
+    return HessianState(state.total, samples, state.nonfinite)
 
 
 def _hessian_plan(plan: Plan, targets: dict) -> Plan:

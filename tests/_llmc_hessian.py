@@ -11,6 +11,6 @@ import qstats
 def llm_compressor_hessian(spec=None):
     """`qstats.hessian` of the inputs times sqrt(2) in float32: the sum llm-compressor's
     ``accumulate_hessian`` keeps (``2 x^T x``, rounded as its products round it), which
-    `gptq_layerwise` sums too and halves before GPTQ (``state._replace(total=state.total / 2)``)."""
+    `gptq_layerwise` sums too and divides by twice its sample count (here: ``state._replace(total=state.total / 2)``)."""
     base = qstats.hessian()
     return base._replace(update=lambda state, x, weight=None: base.update(state, math.sqrt(2) * x.float(), weight))
