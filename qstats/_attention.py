@@ -66,6 +66,14 @@ def latent_attention(module: torch.nn.Module) -> bool:
 CROSS_STATES = ("key_value_states", "cross_attention_states", "encoder_hidden_states")
 
 
+def _forward_parameters(module: torch.nn.Module) -> list:
+    """The names of ``module.forward``'s parameters, in order (none where its signature cannot be read)."""
+    try:
+        return list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
 def cross_attention(module: torch.nn.Module) -> Callable[[tuple, dict], bool]:
     """``crosses(args, kwargs)``: whether a call of the attention ``module`` is cross-attention, its
     key and value those of other tokens than its query's (the image's, the encoder's), which the
@@ -75,10 +83,7 @@ def cross_attention(module: torch.nn.Module) -> Callable[[tuple, dict], bool]:
     `CROSS_STATES` its forward declares."""
     if "crossattention" in type(module).__name__.lower() or getattr(module, "is_cross_attention", False) is True:
         return lambda args, kwargs: True
-    try:
-        parameters = list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        parameters = []
+    parameters = _forward_parameters(module)
     declared = {name: parameters.index(name) for name in CROSS_STATES if name in parameters}
 
     def crosses(args: tuple, kwargs: dict) -> bool:
@@ -183,10 +188,7 @@ def _cache_argument(module: torch.nn.Module) -> Callable[[tuple, dict], object]:
     """``cache(args, kwargs)``: the cache a call of the attention ``module`` is handed, by keyword or
     position, under one of `_CACHE_ARGUMENTS` its forward declares (the first it is given); None
     where it is given none."""
-    try:
-        parameters = list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        parameters = []
+    parameters = _forward_parameters(module)
     declared = [(name, parameters.index(name) if name in parameters else None) for name in _CACHE_ARGUMENTS]
 
     def cache(args: tuple, kwargs: dict):

@@ -298,10 +298,9 @@ def _check_parametrized_arguments(path: str, module, components, boundary) -> No
                     f"op_input_spec {{0: ...}} instead of '*'")
 
 
-# the registered ops that take a module's parameters (the op_type_config entries their state specs are in;
-# those of add, sub, mul and matmul are refused by _check_config)
-_PARAMETER_OPS = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-                  "embedding")
+# the registered ops that take a module's parameters: those of the modules with weights (the op_type_config
+# entries their state specs are in; those of add, sub, mul and matmul are refused by _check_config)
+_PARAMETER_OPS = tuple(_OP_TYPES[cls] for cls in _WEIGHT_AXES)
 
 
 def _unseen_parameters(module, module_config, boundary) -> list:

@@ -24,17 +24,10 @@ xnnpack = pytest.importorskip("torchao.testing.pt2e._xnnpack_quantizer")
 fake_quantize = pytest.importorskip("torchao.quantization.pt2e.fake_quantize")
 
 from qstats.torchao_pt2e import QstatsPT2EObserver, QstatsPT2EPerChannelObserver  # noqa: E402
+# torchao's HistogramObserver becomes MinMaxObserver in both flows there (bit-exact comparisons)
+from test_torchao_pt2e_xnnpack_quantizer import _qparams, _swapped  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.ao.quantization is deprecated")
-
-
-def _qparams(model):
-    """(target, non-node arguments) of every q/dq node of a converted model, get_attr read."""
-    def value(arg):
-        return getattr(model, arg.target) if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" else arg
-
-    return [(str(n.target), [value(a) for a in n.args[1:] if not isinstance(value(a), torch.fx.Node)])
-            for n in model.graph.nodes if n.op == "call_function" and "quantize_per" in str(n.target)]
 
 
 def _assert_same_graph_qparams(ours, reference, at_least):
@@ -91,30 +84,6 @@ class _Linears(torch.nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.relu(self.fc1(x)))
-
-
-# torchao's observer classes and the drop-ins (class, factory options) that stand in for them; torchao's
-# HistogramObserver becomes MinMaxObserver in both flows (bit-exact comparisons)
-_OURS = {
-    pt2e.MinMaxObserver: (QstatsPT2EObserver, {}),
-    pt2e.PerChannelMinMaxObserver: (QstatsPT2EPerChannelObserver, {}),
-    pt2e.MovingAverageMinMaxObserver: (QstatsPT2EObserver, dict(observer=qstats.moving_average_minmax)),
-    pt2e.MovingAveragePerChannelMinMaxObserver: (QstatsPT2EPerChannelObserver,
-                                                 dict(observer=qstats.moving_average_minmax)),
-    pt2e.PlaceholderObserver: (QstatsPT2EObserver, dict(observer=qstats.placeholder)),
-}
-
-
-def _swapped(ctr, ours):
-    cls, kwargs = (ctr.p.func, dict(ctr.p.keywords)) if hasattr(ctr, "p") else (ctr, {})
-    if cls in (fake_quantize.FakeQuantize, fake_quantize.FusedMovingAvgObsFakeQuantize):  # the fused one: torchao's only
-        inner = kwargs.pop("observer", pt2e.MovingAverageMinMaxObserver)
-        return fake_quantize.FakeQuantize.with_args(observer=_swapped(inner, ours), **kwargs)
-    cls = pt2e.MinMaxObserver if cls is pt2e.HistogramObserver else cls
-    if ours:
-        cls, options = _OURS[cls]
-        kwargs = dict(options, **kwargs)
-    return cls.with_args(**kwargs) if kwargs else cls
 
 
 @pytest.mark.parametrize("dynamic,qat,dtype", [(True, False, torch.float32), (False, True, torch.float32),
