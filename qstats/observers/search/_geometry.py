@@ -271,7 +271,9 @@ def grid(lo, hi, spec: QuantSpec, straddles_zero: bool = False, qrange=None):
     if not spec.is_float and spec.zero_point_domain != "float" and lean:
         return _lean_grid(lo, hi, spec, straddles_zero, qrange)
     calibrated = torch.ones(lo.shape, dtype=torch.bool, device=lo.device)
-    qp = qparams_from_minmax(lo.float(), hi.float(), spec, calibrated=calibrated)
+    # the candidates of a parameter that saw nothing are not finite: the search's Range reports it
+    # (compute_qparams' check named how many of the candidates, "12 of 48" for 1 of 4 channels)
+    qp = qparams_from_minmax(lo.float(), hi.float(), spec, calibrated=calibrated, check_uncalibrated=False)
     qmin, qmax = qrange
     if spec.zero_point_domain == "float" and not spec.is_float:
         return _float_zero_point_grid(qp, spec, qrange)
