@@ -49,7 +49,7 @@ def compressed_tensors(model: torch.nn.Module, qparams: Mapping[str, Mapping[str
       qparams: ``{module_path: {site: QParams}}`` (`qstats.compute_qparams_tree`); dynamic sites may be None.
       path: output folder for ``model.safetensors`` (or its shards), ``config.json`` and, for a transformers
         model that generates, ``generation_config.json``: new, or one without safetensors files or index (an
-        existing ``config.json`` there is extended).
+        existing ``config.json`` there is replaced, or extended for a model without a config).
       recipe: the calibration `qstats.Recipe` (or its Plan), or a ``{path: {site: QuantSpec}}`` tree (named
         ``recipe`` as in `compressed_tensors_layerwise`, `qstats.fake_quantized` and `qstats.report`).
       format: one compressed-tensors format for every Linear group with quantized weights (groups without
@@ -793,9 +793,9 @@ def _original_config(source: Optional[str], model_config: Any, dtype: Optional[s
 
 def write_config(path: str, model: torch.nn.Module, quantization_config: dict, retied: bool = False,
                  checkpoint: Optional[str] = None) -> None:
-    """``path/config.json``: an existing one, updated with the model's config (the file it was read from,
-    `_original_config`, else transformers' serialization) and ``quantization_config``
-    (and ``path/generation_config.json`` of a model that generates). What else llm-compressor's save
+    """``path/config.json``: the model's config (the file it was read from, `_original_config`, else
+    transformers' serialization) with ``quantization_config``, replacing any file there, as ``save_pretrained``
+    does; for a model without a config, an existing file extended with ``quantization_config`` (and ``path/generation_config.json`` of a model that generates). What else llm-compressor's save
     carries from the folder the model was read from comes with it: its ``*.py`` files and its MTP
     tensors (`copy_mtp_tensors`, then ignored in ``quantization_config``). ``retied``: the output
     embeddings were written as the input ones (`retied_copies`), so the config ties them.
@@ -804,10 +804,12 @@ def write_config(path: str, model: torch.nn.Module, quantization_config: dict, r
     os.makedirs(path, exist_ok=True)
     config_path = os.path.join(path, "config.json")
     config: dict = {}
-    if os.path.exists(config_path):
+    model_config = getattr(model, "config", None)
+    # a model's config is written whole, as save_pretrained writes it: fields of an earlier export's file
+    # that it lacks would be read by the loader (a stale attention_bias: biases loaded MISSING)
+    if os.path.exists(config_path) and not hasattr(model_config, "to_dict"):
         with open(config_path) as file:
             config = json.load(file)
-    model_config = getattr(model, "config", None)
     if retied and model_config is not None:
         model_config = _tied_config(model_config)
     copied_mtp = False
