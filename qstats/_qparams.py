@@ -15,7 +15,7 @@ import torch
 
 from . import _formats
 from ._checks import check_float_range, check_real_tensor, require, require_calibrated
-from ._granularity import TensorGroup
+from ._granularity import PerAxis, PerTensor, TensorGroup
 from ._spec import QuantSpec
 
 __all__ = [
@@ -161,7 +161,8 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     Raises:
       ValueError: in eager mode, when ``spec.on_uncalibrated == "raise"`` and some parameter saw no
         data (names how many). Under vmap/compile the fallback is used and reported in
-        ``QParams.calibrated``. Also for a bad ``float_range``, and a ``global_scale`` that is NaN,
+        ``QParams.calibrated``. Also for a state whose ranges do not fit the spec (several for a per-tensor spec), a bad
+        ``float_range``, and a ``global_scale`` that is NaN,
         Inf, zero, negative or subnormal, or given to a spec without two-level scales.
 
     >>> import torch, qstats
@@ -229,11 +230,23 @@ def range_of(state, spec: QuantSpec, options: dict, where: str):
     if not isinstance(result, (Range, QParams)):
         raise TypeError(f"{where}: the range rule of {type(state).__name__} returned a {type(result).__name__}; a "
                         "rule returns qstats.observers.kit.Range(min_val, max_val, calibrated) or QParams")
+    _check_fits(result, spec, where)
     if float_range is None:
         return result
     if isinstance(result, QParams):
         raise TypeError(f"{where}: float_range needs a range, but the rule of {type(state).__name__} gives qparams")
     return pin_range(result, float_range)
+
+
+def _check_fits(result, spec: QuantSpec, where: str) -> None:
+    """ValueError where the state's ranges cannot be the spec's: more than one range for a per-tensor
+    spec, or other than one axis of them for a per-axis one (a state of another spec's observer)."""
+    dims = {PerTensor: 0, PerAxis: 1}.get(type(spec.granularity))
+    shape = tuple((result.min_val if isinstance(result, Range) else result.scale).shape)
+    if dims is not None and len(shape) != dims:
+        raise ValueError(f"{where}: a state of ranges of shape {shape} does not fit a spec of granularity "
+                         f"{spec.granularity!r}, which has {'one range' if dims == 0 else 'one axis of ranges'}; "
+                         "compute the qparams with the spec the observer was built with")
 
 
 def pin_range(observed: Range, float_range: tuple) -> Range:
