@@ -161,9 +161,9 @@ def compute_qparams(state, spec: QuantSpec, **options) -> QParams:
     Raises:
       ValueError: in eager mode, when ``spec.on_uncalibrated == "raise"`` and some parameter saw no
         data (names how many). Under vmap/compile the fallback is used and reported in
-        ``QParams.calibrated``. Also for a state whose ranges do not fit the spec (several for a per-tensor spec), a bad
-        ``float_range``, and a ``global_scale`` that is NaN,
-        Inf, zero, negative or subnormal, or given to a spec without two-level scales.
+        ``QParams.calibrated``. Also for a state whose ranges do not fit the spec (several for a
+        per-tensor spec), a bad ``float_range``, and a ``global_scale`` that is NaN, Inf, zero,
+        negative or subnormal, or given to a spec without two-level scales.
 
     >>> import torch, qstats
     >>> spec = qstats.QuantSpec(dtype="int8")
