@@ -15,8 +15,8 @@ import torch
 from ..._qparams import Range
 from ..._quant import _codes_float
 from ..._spec import QuantSpec
-from ._geometry import (check_int, config, grid, in_chunks, inside_extremes, is_symmetric, search_octaves, window,
-                        within_extremes)
+from ._geometry import (check_int, config, cumulative, grid, in_chunks, inside_extremes, is_symmetric, moments,
+                        search_octaves, window, within_extremes)
 
 __all__ = ["mse_search", "exact_error", "float_grid_error"]
 
@@ -58,21 +58,40 @@ def exact_error(edges, counts, lo, hi, spec: QuantSpec) -> torch.Tensor:
     return (counts.unsqueeze(-2) * per_value).sum(-1)
 
 
+def _clipping_error(edges, counts, clip_lo, clip_hi) -> torch.Tensor:
+    """Squared distance of the values beyond the clipping points ``(clip_lo, clip_hi)`` ``(*P, C)`` to
+    them, exact under the piecewise-uniform model: ``(*P, C)``."""
+    mom = moments(edges, counts)
+    below = cumulative(mom, clip_lo)  # count, sum and sum of squares of the values <= clip_lo
+    at_hi = cumulative(mom, clip_hi)
+    above = [total[..., -1:] - part for total, part in zip((mom.c0, mom.c1, mom.c2), at_hi)]
+    error = 0
+    for (count, first, second), clip in ((below, clip_lo), (above, clip_hi)):
+        # sum (x - c)**2 = sum x**2 - 2 c sum x + c**2 count
+        error = error + torch.addcmul(second, clip, torch.addcmul(first * -2, clip, count)).clamp(min=0)
+    return error
+
+
 def float_grid_error(edges, counts, lo, hi, spec: QuantSpec, points: int = 1) -> torch.Tensor:
-    """Squared error of floating-point targets (fp8, fp4) at ``points`` evenly spaced points of each
-    bucket (its centre for 1), each holding ``1 / points`` of its count, ``(*P, C)``; with the
-    candidate's zero point (compressed-tensors' asymmetric fp8: the error of a grid without it
-    ranked every shrunk candidate of skewed data below the full range)."""
-    scale, zero_point, _, _ = grid(lo, hi, spec)
+    """Squared error of floating-point targets (fp8, fp4), ``(*P, C)``: the rounding error at ``points``
+    evenly spaced points of each bucket (its centre for 1) between the candidate's clipping points,
+    each holding ``1 / points`` of its count, and the clipping error beyond them exactly
+    (`_clipping_error`: at the points alone, a wide bucket's mass sat at its centre and clipping above
+    it was free, so data past the histogram's resolved octaves clipped fp8 ranges to 2.4 times the full
+    range's squared error); with the candidate's zero point (compressed-tensors' asymmetric fp8: the
+    error of a grid without it ranked every shrunk candidate of skewed data below the full range)."""
+    scale, zero_point, clip_lo, clip_hi = grid(lo, hi, spec)
     a, b = edges[..., :-1], edges[..., 1:]
     offsets = (torch.arange(points, dtype=edges.dtype, device=edges.device) + 0.5) / points
-    at = (a.unsqueeze(-1) + (b - a).unsqueeze(-1) * offsets).flatten(-2).unsqueeze(-2).float()  # (*P, 1, B * points)
+    at = (a.unsqueeze(-1) + (b - a).unsqueeze(-1) * offsets).flatten(-2).unsqueeze(-2)  # (*P, 1, B * points)
     s = scale.unsqueeze(-1).float()
     zp = zero_point.unsqueeze(-1).float()
     # ``s`` is the element step (`grid`): a two-level spec's global scale is already in it
-    _, codes = _codes_float(at, s, zp, spec, global_scale=torch.ones_like(s))
-    error = ((codes - zp) * s - at).double() ** 2
-    return (counts.repeat_interleave(points, -1).unsqueeze(-2) * error).sum(-1) / points
+    _, codes = _codes_float(at.float(), s, zp, spec, global_scale=torch.ones_like(s))
+    inside = (at >= clip_lo.unsqueeze(-1)) & (at <= clip_hi.unsqueeze(-1))
+    error = torch.where(inside, ((codes - zp) * s - at.float()).double() ** 2, 0.0)
+    rounding = (counts.repeat_interleave(points, -1).unsqueeze(-2) * error).sum(-1) / points
+    return rounding + _clipping_error(edges, counts, clip_lo, clip_hi)
 
 
 def _scored(edges, counts, lo, hi, spec: QuantSpec, points: int) -> torch.Tensor:
