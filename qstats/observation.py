@@ -22,8 +22,8 @@ import torch
 from torch.nn.utils import parametrize
 
 from ._attention import SiteHooks, attention_sites, site_weight
-from ._checks import check_flag
-from ._granularity import PerGroup, qparam_shape
+from ._checks import check_flag, is_instance_named
+from ._granularity import PerAxis, PerGroup, PerTensor, qparam_shape
 from ._ops import is_dtensor
 from ._sites import input_tensor, is_float_tensor, observe_tensor
 from ._torch_features import cached_parametrization, compiled, eager, recomputing
@@ -215,6 +215,29 @@ def check_experts_layout(plan: Plan, caller: str = "calibrate", warns: bool = Tr
                      f"({type(module).__name__}) is observed as one tensor: if it stacks experts, give the "
                      "module an int num_experts attribute equal to its leading dimension to observe it per "
                      "expert")
+
+
+def warn_transposed_weights(plan: Plan, caller: str) -> None:
+    """Warns naming the weight sites of transformers' ``Conv1D`` modules (GPT-2's projections: a Linear
+    whose weight is stored transposed, ``[in_features, out_features]``) whose spec reads the stored axes
+    otherwise than per output channel: ``PerAxis(0)``, per output channel on a Linear, is per input
+    feature there, and groups and blocks run along the output features. ``PerAxis(1)`` gives one
+    scale per output channel; per tensor, the layout does not matter."""
+    found: dict = {}  # granularity -> the paths it reads as stored
+    for path, entry in plan.sites.items():
+        site = entry.get("weight")
+        if site is None or site.kind != "parameter" or not is_instance_named(plan.modules[path], "transformers", "Conv1D"):
+            continue
+        granularity = site.spec.granularity
+        if isinstance(granularity, PerTensor) or (type(granularity) is PerAxis and granularity.axis in (1, -1)):
+            continue
+        found.setdefault(granularity, []).append(path)
+    for granularity, paths in found.items():
+        more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+        warn(f"{caller}: the weight of Conv1D module(s) {', '.join(map(repr, paths[:3]))}{more} is stored transposed, "
+             f"[in_features, out_features] (transformers' Conv1D, GPT-2's projections), and {granularity!r} reads "
+             "it as stored: PerAxis(0) gives one scale per input feature, not per output channel as on a Linear, "
+             "and groups and blocks run along the output features; use PerAxis(1) for one scale per output channel")
 
 
 def weight_of(x: torch.Tensor, weight: torch.Tensor, flattened: bool = False) -> Optional[torch.Tensor]:
@@ -824,6 +847,7 @@ def observing_as(caller: str, model: torch.nn.Module, recipe: Union[Recipe, Plan
     resumed = resumed_states(states, plan, caller)
     run = _Calibration(plan, plan.share_states(resumed), all_experts=all_experts, caller=caller)
     check_experts_layout(plan, caller)
+    warn_transposed_weights(plan, caller)
     _observe_parameters(run)
     session = Observing(run)
     handles = [plan.model.register_forward_pre_hook(eager(session._count))]
