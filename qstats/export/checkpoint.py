@@ -544,7 +544,11 @@ def without_tied_copies(model: torch.nn.Module, tensors: dict) -> dict:
     the embeddings it is tied to, transformers' ``all_tied_weights_keys``), as ``save_pretrained``
     leaves them out; a quantized tied weight has tensors of its own, kept (the config unties it)."""
     tied = getattr(model, "all_tied_weights_keys", None) or {}
+    # a quantized weight's codes may equal the embeddings' (both quantized alike, lm_head with input scales
+    # too): kept, as the loader reads them under lm_head's scales (its config is untied)
+    quantized = {name.rpartition(".")[0] for name in tensors if name.endswith(".weight_scale")}
     drop = {target for target, source in tied.items() if target in tensors and source in tensors
+            and target.rpartition(".")[0] not in quantized
             and tensors[target].dtype == tensors[source].dtype and tensors[target].shape == tensors[source].shape
             and torch.equal(tensors[target], tensors[source])}
     return {name: tensor for name, tensor in tensors.items() if name not in drop}
