@@ -217,27 +217,44 @@ def check_experts_layout(plan: Plan, caller: str = "calibrate", warns: bool = Tr
                      "expert")
 
 
+def _transposed_layout(module: torch.nn.Module) -> Optional[str]:
+    """How ``module`` stores a weight transposed against the ``[out, in, ...]`` layout in which
+    ``PerAxis(0)`` is per output channel (a Linear's, a convolution's, and the layout `qstats.qat`
+    observes a transposed convolution's in): transformers' ``Conv1D`` (GPT-2's projections) and
+    torch's transposed convolutions; None for any other module."""
+    if is_instance_named(module, "transformers", "Conv1D"):
+        return "[in_features, out_features] (transformers' Conv1D, GPT-2's projections)"
+    if isinstance(module, torch.nn.modules.conv._ConvTransposeNd):
+        return "[in_channels, out_channels / groups, *kernel] (a transposed convolution)"
+    return None
+
+
 def warn_transposed_weights(plan: Plan, caller: str) -> None:
-    """Warns naming the weight sites of transformers' ``Conv1D`` modules (GPT-2's projections: a Linear
-    whose weight is stored transposed, ``[in_features, out_features]``) whose spec reads the stored axes
-    otherwise than per output channel: ``PerAxis(0)``, per output channel on a Linear, is per input
-    feature there, and groups and blocks run along the output features. ``PerAxis(1)`` gives one
-    scale per output channel; per tensor, the layout does not matter."""
-    found: dict = {}  # granularity -> the paths it reads as stored
+    """Warns naming the weight sites of modules storing their weight transposed (`_transposed_layout`)
+    whose spec reads the stored axes otherwise than per output channel: ``PerAxis(0)``, per output
+    channel on a Linear or a convolution, is per input feature there, and a Conv1D's groups and blocks
+    run along its output features. ``PerAxis(1)`` gives one scale per output channel (a grouped transposed
+    convolution's: per channel of a group, shared by the groups); per tensor, the layout does not matter."""
+    found: dict = {}  # (layout, granularity) -> the paths it reads as stored
     for path, entry in plan.sites.items():
-        site = entry.get("weight")
-        if site is None or site.kind != "parameter" or not is_instance_named(plan.modules[path], "transformers", "Conv1D"):
+        site, module = entry.get("weight"), plan.modules[path]
+        layout = _transposed_layout(module) if site is not None and site.kind == "parameter" else None
+        if layout is None:
             continue
         granularity = site.spec.granularity
-        if isinstance(granularity, PerTensor) or (type(granularity) is PerAxis and granularity.axis in (1, -1)):
-            continue
-        found.setdefault(granularity, []).append(path)
-    for granularity, paths in found.items():
+        if isinstance(granularity, PerAxis):  # the input axis; the others as on a Linear or a convolution
+            stored = granularity.axis % module.weight.ndim == 0
+        else:  # a Conv1D's groups and blocks: along its output features (a convolution's: its kernel's)
+            stored = "Conv1D" in layout and not isinstance(granularity, PerTensor)
+        if stored:
+            found.setdefault((layout, granularity), []).append(path)
+    for (layout, granularity), paths in found.items():
         more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
-        warn(f"{caller}: the weight of Conv1D module(s) {', '.join(map(repr, paths[:3]))}{more} is stored transposed, "
-             f"[in_features, out_features] (transformers' Conv1D, GPT-2's projections), and {granularity!r} reads "
-             "it as stored: PerAxis(0) gives one scale per input feature, not per output channel as on a Linear, "
-             "and groups and blocks run along the output features; use PerAxis(1) for one scale per output channel")
+        warn(f"{caller}: the weight of module(s) {', '.join(map(repr, paths[:3]))}{more} is stored transposed, "
+             f"{layout}, and {granularity!r} reads it as stored: PerAxis(0) gives one scale per input feature, not "
+             "per output channel as on a Linear or a convolution"
+             + (", and groups and blocks run along the output features" if "Conv1D" in layout else "")
+             + "; use PerAxis(1) for one scale per output channel")
 
 
 def weight_of(x: torch.Tensor, weight: torch.Tensor, flattened: bool = False) -> Optional[torch.Tensor]:

@@ -1,5 +1,5 @@
 """GPT-2's projections are transformers' ``Conv1D``: a Linear whose weight is stored transposed,
-``[in_features, out_features]``. A weight spec is read on the tensor as stored, so ``PerAxis(0)``,
+``[in_features, out_features]`` (and a transposed convolution's is ``[in, out / groups, *kernel]``). A weight spec is read on the tensor as stored, so ``PerAxis(0)``,
 "per output channel" on a Linear (docs/calibrate.md), gives a Conv1D one scale per input feature,
 and groups run along its output features. `calibrate` and `observing` say so, naming the modules and
 ``PerAxis(1)``, which gives the per-output-channel scales: those of torch.ao's
@@ -88,3 +88,27 @@ def test_per_axis_1_gives_conv1d_weights_torch_ao_per_output_channel_scales_and_
         for path, weight in floats.items():
             model.get_submodule(path).weight.data = weight
     assert torch.equal(got, want)
+
+
+def test_a_transposed_convolution_is_named_under_per_axis_0_and_per_axis_1_is_torch_ao_per_output_channel():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.ConvTranspose2d(4, 6, 3), torch.nn.ReLU(), torch.nn.Conv2d(6, 5, 3)).eval()
+    batches = [torch.randn(2, 4, 5, 5)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        per_axis_0 = qstats.QuantSpec.from_torch_ao(**PER_CHANNEL)
+        qstats.calibrate(model, batches, qstats.Recipe([qstats.Rule(("ConvTranspose2d", "Conv2d"), sites=("weight",),
+                                                                    spec=per_axis_0)]), progress=False)
+    (message,) = _transposed_warnings(caught)
+    assert "'0'" in message and "'2'" not in message and "PerAxis(1)" in message
+    per_axis_1 = qstats.QuantSpec.from_torch_ao(ch_axis=1, **PER_CHANNEL)
+    recipe = qstats.Recipe([qstats.Rule("ConvTranspose2d", sites=("weight",), spec=per_axis_1),
+                            qstats.Rule("Conv2d", sites=("weight",), spec=per_axis_0)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qparams = qstats.compute_qparams_tree(qstats.calibrate(model, batches, recipe, progress=False), recipe, model)
+    assert not _transposed_warnings(caught)
+    observer = PerChannelMinMaxObserver(ch_axis=1, **PER_CHANNEL)
+    observer(model[0].weight.detach())
+    scale, zero_point = observer.calculate_qparams()
+    assert torch.equal(qparams["0"]["weight"].scale, scale) and scale.shape == (6,)
