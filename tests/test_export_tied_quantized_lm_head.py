@@ -55,3 +55,30 @@ def test_a_quantized_lm_head_whose_codes_equal_the_embeddings_is_written(tmp_pat
         expected = model(batch).logits
     with torch.no_grad():
         assert torch.equal(loaded(batch).logits, expected)
+
+
+FP8_CHANNELS = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+
+
+@pytest.mark.parametrize("weights,format", [(INT8_CHANNELS, "int-quantized"), (FP8_CHANNELS, None)],
+                         ids=["int8-int-quantized", "fp8-naive-quantized"])
+def test_embeddings_quantized_alike_and_stored_unpacked_load_as_calibrated(tmp_path, weights, format):
+    """lm_head and the embeddings quantized alike, their codes stored unpacked: re-tied as llm-compressor's
+    save re-ties them (the embeddings' tensors alone, tie_word_embeddings true), transformers tied the weight
+    alone and left lm_head.weight_scale uninitialised (NaN or wrong logits, whatever that memory held;
+    oneshot's checkpoint of the fp8 scheme, the same tensors, loads with NaN logits too); written untied,
+    the loaded model computes qstats.fake_quantized's logits."""
+    model = _tied_llama()
+    spec = qstats.QuantSpec.from_compressed_tensors(weights)
+    plan = qstats.Recipe([qstats.Rule(("Linear", "Embedding"), sites=("weight",), spec=spec)]).resolve(model)
+    batch = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
+    qparams = qstats.compute_qparams_tree(qstats.calibrate(model, [{"input_ids": batch}], plan, progress=False), plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qstats.export.compressed_tensors(model, qparams, str(tmp_path), plan, format=format)
+    with torch.no_grad(), qstats.fake_quantized(model, qparams, plan):
+        expected = model(batch).logits
+    for run_compressed in (False, True):
+        loaded = load_causal_lm(str(tmp_path), quantization_config=CompressedTensorsConfig(run_compressed=run_compressed))
+        with torch.no_grad():
+            assert torch.equal(loaded(batch).logits, expected), run_compressed

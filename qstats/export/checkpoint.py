@@ -588,7 +588,11 @@ def retied_copies(model: torch.nn.Module, tensors: dict) -> set:
     embeddings' one for one (the same names under each module, dtypes, shapes and values; e.g. both quantized
     alike by a recipe on ``Linear`` and ``Embedding``), else none. llm-compressor's save re-ties such
     embeddings (its ``_retie_embeddings``): it writes the input embeddings' tensors alone, with
-    ``tie_word_embeddings`` true."""
+    ``tie_word_embeddings`` true. Not where their quantized weight is stored unpacked (``weight`` codes:
+    int-quantized, naive-quantized, fp8): transformers loads such a re-tied checkpoint, tying the weight
+    alone, with ``lm_head.weight_scale`` left uninitialised (NaN or wrong logits, oneshot's checkpoint
+    too); written untied, it loads as calibrated. Packed embeddings, which it cannot load at all, are
+    re-tied as oneshot writes them."""
     embeddings = embedding_modules(model)
     if len(embeddings) != 2 or embeddings[0] is embeddings[1]:
         return set()
@@ -600,6 +604,8 @@ def retied_copies(model: torch.nn.Module, tensors: dict) -> set:
     source, target = (_own_tensors(tensors, rename(name)) for name in names)
     if not source or source.keys() != target.keys() or not all(  # torch.equal compares the shapes too
             source[name].dtype == target[name].dtype and torch.equal(source[name], target[name]) for name in source):
+        return set()
+    if "weight_scale" in source and "weight_packed" not in source:  # unpacked quantized codes
         return set()
     return {f"{rename(names[1])}.{name}" for name in target}
 
