@@ -147,14 +147,26 @@ class QstatsObserver(LLMCompressorObserver):
         # llm-compressor's view: refuses strategies the site cannot take; its middle dims are
         # the shape llm-compressor's modules hold the qparams in
         self.qparam_shape = flatten_for_calibration(observed, self.base_name, self.args).shape[1:-1]
-        if self.qstats_observer is None or not self.has_statistics:  # a new start: this tensor's dtype
-            self.spec = QuantSpec.from_compressed_tensors(self.args, observed_dtype=observed.dtype)
+        dtype = self._compute_dtype(observed.dtype)
+        if self.qstats_observer is None or not self.has_statistics or getattr(torch, self.spec.compute_dtype) != dtype:
+            self.spec = QuantSpec.from_compressed_tensors(self.args, observed_dtype=dtype)
             self.qstats_observer = self.make_observer()
         obs = self.qstats_observer
         state = self.qstats_state if self.has_statistics else obs.init(observed)
         self.qstats_state = obs.update(state, observed)
         self.fusion_handler.get_fused_statistics()
         return self
+
+    def _compute_dtype(self, observed_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the qparams once a tensor of ``observed_dtype`` is observed, as in llm-compressor,
+        whose statistics are tensors: a new start or an observer keeping the latest batch only
+        (``memoryless_minmax``, ``averaging_constant`` 1) takes its dtype; running extremes and moving
+        averages, torch's promotion of it and the earlier batches' (bf16, then float32: float32)."""
+        if self.qstats_observer is None or not self.has_statistics:  # a new start
+            return observed_dtype
+        if type(self).factory is registry.get("memoryless_minmax") or self.factory_options.get("averaging_constant") == 1:
+            return observed_dtype
+        return torch.promote_types(getattr(torch, self.spec.compute_dtype), observed_dtype)
 
     def get_global_scale(self) -> Optional[torch.Tensor]:
         """The global scale shared by this observer's fusion group (two-level specs; else None)."""
