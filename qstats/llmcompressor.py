@@ -146,7 +146,10 @@ class QstatsObserver(LLMCompressorObserver):
                 "run: docs/differences.md); give Embedding modules a config group without input activations")
         # llm-compressor's view: refuses strategies the site cannot take; its middle dims are
         # the shape llm-compressor's modules hold the qparams in
-        self.qparam_shape = flatten_for_calibration(observed, self.base_name, self.args).shape[1:-1]
+        try:
+            self.qparam_shape = flatten_for_calibration(observed, self.base_name, self.args).shape[1:-1]
+        except (RuntimeError, ValueError) as error:  # its messages name neither the site nor the sizes
+            raise ValueError(self._unfit_message(observed.shape, error)) from error
         dtype = self._compute_dtype(observed.dtype)
         if self.qstats_observer is None or not self.has_statistics or getattr(torch, self.spec.compute_dtype) != dtype:
             self.spec = QuantSpec.from_compressed_tensors(self.args, observed_dtype=dtype)
@@ -156,6 +159,18 @@ class QstatsObserver(LLMCompressorObserver):
         self.qstats_state = obs.update(state, observed)
         self.fusion_handler.get_fused_statistics()
         return self
+
+    def _unfit_message(self, shape: torch.Size, error: Exception) -> str:
+        """Why llm-compressor's view of the strategy (`flatten_for_calibration`) refused a tensor of ``shape``."""
+        args, strategy = self.args, QuantizationStrategy(self.args.strategy)
+        where = f"{type(self).__name__} ({self.base_name}, strategy {strategy.value!r})"
+        if args.group_size and strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP):
+            if shape[-1] % args.group_size:
+                return (f"{where}: a tensor of shape {tuple(shape)} has {shape[-1]} columns, not a multiple of "
+                        f"group_size {args.group_size}; give the layer a group size dividing them, or ignore it")
+        if strategy == QuantizationStrategy.BLOCK and self.is_weight_obs and len(shape) != 2:
+            return f"{where}: block_structure {args.block_structure} takes 2-D weights, got shape {tuple(shape)}"
+        return f"{where}: llm-compressor's view cannot take a tensor of shape {tuple(shape)}: {error}"
 
     def _compute_dtype(self, observed_dtype: torch.dtype) -> torch.dtype:
         """The dtype of the qparams once a tensor of ``observed_dtype`` is observed, as in llm-compressor,
