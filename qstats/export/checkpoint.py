@@ -327,8 +327,9 @@ class Writer:
         rename = module_renamer(self.model)
         warn_unloaded_experts(self.model, self.expert_projection, rename)
         _warn_unshared_global_scales(self.groups, self.qparams, self.specs)
-        config = _quantization_config(self.schemes, self.expert_projection, self.attention, self.modules,
-                                      self.format, self.plan, rename)
+        config = _quantization_config(self._in_qparams_order(self.schemes), self.expert_projection,
+                                      self._in_qparams_order(self.attention), self.modules, self.format, self.plan,
+                                      rename)
         for group in config["config_groups"].values():
             if group["weights"] is not None:
                 group["weights"]["actorder"] = self.actorder
@@ -337,6 +338,18 @@ class Writer:
                  "e.g. a recipe on 'Linear' of a model of Conv1D layers, such as GPT-2); config.json gets no "
                  "quantization_config, as llm-compressor writes none: the checkpoint is the float model", ExportWarning)
         return config
+
+
+    def _in_qparams_order(self, entries: dict) -> dict:
+        """``entries`` (``{path: ...}`` of the parts written; an unpacked expert under its experts module) in
+        the order of ``qparams``, as one part of the whole model writes them: the config groups' targets
+        of a layer-by-layer export (its decoder layers first, then the embeddings and lm_head) as in memory."""
+        order = {path: index for index, path in enumerate(self.qparams)}
+
+        def position(path: str) -> int:
+            return order.get(self.expert_projection.get(path, (path,))[0], len(order))
+
+        return dict(sorted(entries.items(), key=lambda entry: position(entry[0])))
 
 
 def _check_arguments(model, qparams, format) -> None:
