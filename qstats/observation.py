@@ -765,9 +765,9 @@ def parameter_value(plan: Plan, path: str, site: str, caller: str) -> torch.Tens
         with align_module_device(module):
             value = plan.parameter(path, site)  # keeps the onloaded data once the hook offloads again
     if value.device.type == "meta":
+        layerwise = ", or qstats.calibrate_layerwise for a model built on meta" if caller != "report" else ""
         raise ValueError(f"{caller}: parameter {site!r} of module {path!r} is on the meta device and holds "
-                         "no data (load the weights first, or use qstats.layerwise for a model built on "
-                         "meta)")
+                         f"no data (load the weights first{layerwise})")
     return value
 
 
