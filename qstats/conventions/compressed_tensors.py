@@ -117,6 +117,8 @@ def from_compressed_tensors(cls, args, overrides):
     needs = {"group": "group_size", "tensor_group": "group_size", "block": "block_structure"}.get(strategy)
     if needs is not None and _field(args, needs, None) is None:  # QuantizationArgs refuses it too
         raise ValueError(f"from_compressed_tensors: strategy {strategy!r} needs {needs}")
+    if isinstance(args, Mapping):  # QuantizationArgs has checked its own fields together
+        _check_as_quantization_args(args, strategy, group_size)
     _check_unused_fields(args, strategy, group_size)
     granularity = _GRANULARITIES[strategy](args, group_size)
     # a dtype field; in a dict of fields, also as compressed-tensors serialises it
@@ -189,6 +191,44 @@ def _block_structure(args) -> tuple:
 _RUNTIME_STRATEGIES = ("token", "group", "tensor_group")
 
 
+def _dynamic(args):
+    """``dynamic`` as QuantizationArgs reads it: a bool, or ``"local"`` in any case (DynamicType);
+    ValueError naming the field for another string (``"true"``)."""
+    value = _enum_value(_field(args, "dynamic", False))
+    if isinstance(value, str):
+        if value.lower() != "local":
+            raise ValueError(f"from_compressed_tensors: dynamic must be a bool or 'local', got {value!r}")
+        return "local"
+    return _bool_field(args, "dynamic", False)
+
+
+# the strategies QuantizationArgs takes with dynamic=True
+_DYNAMIC_STRATEGIES = ("token", "tensor", "group", "tensor_group")
+
+
+def _check_as_quantization_args(args, strategy, group_size):
+    """ValueError naming the field, for a dict of fields QuantizationArgs refuses (its field and model
+    validators), which was read as some spec: static ``token`` strategies, ``dynamic`` with another
+    strategy than token/tensor/group/tensor_group (``"local"``: tensor_group only), a ``group_size``
+    below -1, and the removed ``actorder`` True, ``"group"`` and ``"dynamic"``."""
+    dynamic = _dynamic(args)
+    if strategy == "token" and not dynamic:
+        raise ValueError("from_compressed_tensors: strategy 'token' needs dynamic=True (compressed-tensors has no "
+                         "static token quantization)")
+    if dynamic and strategy not in _DYNAMIC_STRATEGIES:
+        raise ValueError(f"from_compressed_tensors: dynamic={dynamic!r} needs strategy one of {_DYNAMIC_STRATEGIES}, "
+                         f"got strategy {strategy!r}")
+    if dynamic == "local" and strategy != "tensor_group":
+        raise ValueError(f"from_compressed_tensors: dynamic='local' needs strategy 'tensor_group', got {strategy!r}")
+    if group_size is not None and group_size < -1:
+        raise ValueError(f"from_compressed_tensors: group_size must be positive (strategy 'group') or -1 (strategy "
+                         f"'channel'), got {group_size}")
+    actorder = _enum_value(_field(args, "actorder", None))
+    if actorder is True or (isinstance(actorder, str) and actorder.lower() in ("group", "dynamic")):
+        raise ValueError(f"from_compressed_tensors: actorder={actorder!r} was removed from compressed-tensors; use "
+                         "actorder='weight' or None")
+
+
 def _check_unused_fields(args, strategy, group_size):
     """ValueError for a ``group_size`` or ``block_structure`` the strategy would ignore (a dict of fields
     ``{"strategy": "channel", "group_size": 128}`` gave per-channel scales); QuantizationArgs refuses them."""
@@ -202,7 +242,7 @@ def _check_unused_fields(args, strategy, group_size):
 def _warn_dynamic_static(args, strategy):
     """``dynamic=True`` with a strategy (``"tensor"``, ...) whose spec alone is static: a QuantSpec
     says how scales are computed, not when, so the site must be declared dynamic by its Rule."""
-    if _enum_value(_field(args, "dynamic", False)) is True and strategy not in _RUNTIME_STRATEGIES:
+    if _dynamic(args) is True and strategy not in _RUNTIME_STRATEGIES:
         warn(
             f"from_compressed_tensors: dynamic=True with strategy {strategy!r}: the QuantSpec computes "
             "scales as compressed-tensors does, but it does not say they are computed at run time; "
@@ -243,7 +283,7 @@ def _check_tensor_group(args, num_bits, qtype, scale_dtype):
     if qtype == "float" and num_bits == 4 and scale_dtype == torch.float8_e4m3fn:
         return
     if qtype == "float" and num_bits == 4 and scale_dtype is None:
-        if _enum_value(_field(args, "dynamic", False)) == "local":
+        if _dynamic(args) == "local":
             return
         raise ValueError(
             "from_compressed_tensors: strategy 'tensor_group' fp4 args without scale_dtype are reproduced for "
