@@ -207,10 +207,12 @@ def calibrate(model: torch.nn.Module, batches: Iterable, recipe: Union[Recipe, P
 
 
 def observe_batches(model: torch.nn.Module, batches: Iterable, plan: Plan, states: Optional[Mapping],
-                    progress: bool, observation_weight, all_experts: bool, warn_unseen: bool = True) -> dict:
+                    progress: bool, observation_weight, all_experts: bool, warn_unseen: bool = True,
+                    checks_plan: bool = True) -> dict:
     """`calibrate` after its checks and its training-mode warning (`calibrate_layerwise` runs one
-    layer at a time through it, having warned of the whole model once); ``warn_unseen``: `observing_as`'s."""
-    with observing_as("calibrate", model, plan, states, all_experts, warn_unseen) as session:
+    layer at a time through it, having warned of the whole model once); ``warn_unseen`` and
+    ``checks_plan``: `observing_as`'s."""
+    with observing_as("calibrate", model, plan, states, all_experts, warn_unseen, checks_plan) as session:
         ran = _run_batches(session, model, batches, progress, observation_weight)
         if ran and not session.calls:  # the model's own forward pre-hook never ran
             raise ValueError(f"calibrate: the model ran {ran} batch(es) but none of its hooks ran: "

@@ -34,7 +34,7 @@ from ._sites import run_model
 from .calibration import (batch_weight, check_batches, fake_quantized, observe_batches, qparams_unwarned,
                           warn_training_mode)
 from .experts import with_argument
-from .observation import check_experts_layout, resumed_states
+from .observation import check_experts_layout, resumed_states, warn_transposed_weights, warn_unobserved
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["calibrate_layerwise"]
@@ -562,13 +562,13 @@ class _Run:
     side_plan: Optional[Plan] = None  # observed per layer beside the plan, handed to after_layer, not returned
     after_layer: Optional[Callable[[str, torch.nn.Module, dict, dict], tuple]] = None
 
-    def calibrate(self, root, plan: Plan, batches, observation_weight, warn_unseen: bool = True) -> dict:
-        """This rank's states of ``plan`` over ``batches``, resumed from its sites in ``self.states``
-        (``warn_unseen``: `observing_as`'s)."""
+    def calibrate(self, root, plan: Plan, batches, observation_weight) -> dict:
+        """This rank's states of ``plan`` over ``batches``, resumed from its sites in ``self.states``."""
         resumed = _moved(_select(self.states, lambda path, site: plan.site(path, site) is not None), self.device)
-        # the model's modules in training mode were warned of once, by their paths in the model
+        # the model's modules in training mode, the plan's layouts and the sites that saw no data are warned
+        # of once, on the whole model (`run_layerwise`), not on each part
         return observe_batches(root, batches, plan, resumed or None, False, observation_weight, self.all_experts,
-                               warn_unseen)
+                               warn_unseen=False, checks_plan=False)
 
     def reduce(self, found: dict, plan: Plan, each: bool = False) -> dict:
         """``found`` merged across ranks (with ``all_reduce``); ``each``: one state at a time, so
@@ -777,8 +777,8 @@ def _step_before_layers(run: _Run, container_path: str, container) -> bool:
 
     def over(observed: Plan, final: bool) -> dict:
         # sites this partial forward never reaches (lm_head's Hessian and, for the recipe, whose states
-        # here are dropped, every site outside the layers) are observed, and warned of, in the last pass
-        return run.calibrate(root, observed, range(len(run.store)), run.store.weight, warn_unseen=False)
+        # here are dropped, every site outside the layers) are observed in the last pass
+        return run.calibrate(root, observed, range(len(run.store)), run.store.weight)
 
     before = dataclasses.replace(run, after_layer=called)
     label = f"the modules before {container_path}.0"
@@ -903,7 +903,8 @@ def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offl
         check_batches(batches, where, observation_weight)
         plan = as_plan(recipe, model, where)
         resumed = resumed_states(states, plan, where)
-        check_experts_layout(plan, where, warns=False)  # shapes only: before the first layer is read
+        check_experts_layout(plan, where)  # shapes only: before the first layer is read
+        warn_transposed_weights(plan, where)
         container_path, container = decoder_layers(model, layers, where)
         side_plan, after_layer = (None, None) if layer_step is None else layer_step(plan)
         source = LazyCheckpoint(checkpoint, where)
@@ -928,6 +929,7 @@ def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offl
                 "device": None if run.device is None else run.device.type, **same_on_ranks(),
             }, where)  # fmt: skip
         found = _calibrate_all(run, container_path, container, batches, observation_weight, progress, where)
+        warn_unobserved(found, run.plan, len(run.store))  # the recipe's sites (not the side plan's), once
         return _ordered(found, run.plan)
     finally:
         for directory in filter(None, made):

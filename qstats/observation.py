@@ -853,18 +853,21 @@ def observing(model: torch.nn.Module, recipe: Union[Recipe, Plan], states: Optio
 
 @contextlib.contextmanager
 def observing_as(caller: str, model: torch.nn.Module, recipe: Union[Recipe, Plan], states: Optional[Mapping],
-                 all_experts: bool, warn_unseen: bool = True) -> Iterator[Observing]:
+                 all_experts: bool, warn_unseen: bool = True, checks_plan: bool = True) -> Iterator[Observing]:
     """`observing`, its errors and warnings named after ``caller`` (``"calibrate"`` for `qstats.calibrate`);
-    ``warn_unseen=False``: without the warnings of sites that saw no data (a partial pass whose states
-    are observed again later)."""
+    ``warn_unseen=False``: without the warnings of sites that saw no data (`warn_unobserved`: a partial
+    pass whose caller warns of the whole tree once); ``checks_plan=False``: without the checks of the
+    model and the plan alone (`check_experts_layout`, `warn_transposed_weights`), which the caller ran
+    once on the whole model's plan (`calibrate_layerwise`, whose passes each observe one layer's part)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{caller} expects an nn.Module, got {type(model).__name__}")
     check_flag(all_experts, "all_experts", caller)
     plan = as_plan(recipe, model, caller)
     resumed = resumed_states(states, plan, caller)
     run = _Calibration(plan, plan.share_states(resumed), all_experts=all_experts, caller=caller)
-    check_experts_layout(plan, caller)
-    warn_transposed_weights(plan, caller)
+    if checks_plan:
+        check_experts_layout(plan, caller)
+        warn_transposed_weights(plan, caller)
     _observe_parameters(run)
     session = Observing(run)
     handles = [plan.model.register_forward_pre_hook(eager(session._count))]
@@ -877,14 +880,19 @@ def observing_as(caller: str, model: torch.nn.Module, recipe: Union[Recipe, Plan
         for handle in handles:
             handle.remove()
     if warn_unseen:
-        _warn_unobserved(run.states, plan, session.calls, compiled=compiled(model))
-        warn_uncovered(run.states, plan.sites)
+        warn_unobserved(run.states, plan, session.calls, compiled=compiled(model))
 
 
-def _warn_unobserved(states: dict, plan: Plan, seen_batches: int, compiled: bool = False) -> None:
+def warn_unobserved(states: dict, plan: Plan, seen_batches: int, compiled: bool = False) -> None:
     """Warns (`qstats.UncalibratedWarning`) naming the activation sites the recipe selects that hold
-    no state after calibration: `compute_qparams_tree` and `fake_quantized` would leave them out.
+    no state after calibration over ``seen_batches`` forwards: `compute_qparams_tree` and
+    `fake_quantized` would leave them out; then (`warn_uncovered`) the stacked experts that got no token.
     For a ``compiled`` wrapper whose forwards were not seen, it names the graph compiled before the hooks."""
+    _warn_missing(states, plan, seen_batches, compiled)
+    warn_uncovered(states, plan.sites)
+
+
+def _warn_missing(states: dict, plan: Plan, seen_batches: int, compiled: bool) -> None:
     missing = [f"{path}.{site}" for path, entry in plan.sites.items() for site, found in entry.items()
                if site not in states.get(path, {}) and found.kind != "parameter"]
     if not missing:

@@ -1,0 +1,86 @@
+"""`calibrate_layerwise` warns of each fact once, as `qstats.calibrate` does on the loaded model,
+naming the modules of every layer: before, the checks that depend on the model and the recipe alone
+(a weight stored transposed read ``PerAxis(0)``, a 3-D parameter without an expert count) and the
+warning of sites that saw no data ran on each layer's part of the plan, one warning per layer."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import qstats
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import save_file  # noqa: E402
+from transformers.pytorch_utils import Conv1D  # noqa: E402
+from _shared import assert_site_states_equal  # noqa: E402
+
+torch.set_num_threads(1)
+SPEC = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
+RECIPE = qstats.Recipe([
+    qstats.Rule("Conv1D", sites=("weight",), spec=SPEC.replace(granularity=qstats.PerAxis(0))),
+    qstats.Rule("_Stack", sites=("weight",), spec=SPEC),
+    qstats.Rule("Linear", sites=("input", "weight"), spec=SPEC),
+])  # fmt: skip
+FACTS = ("stored transposed", "is observed as one tensor", "saw no data")
+
+
+class _Stack(torch.nn.Module):  # a 3-D parameter, no expert count
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(2, 8, 8))
+
+    def forward(self, x):
+        return x @ self.weight.sum(dim=0)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.conv, self.stack = torch.nn.Linear(8, 8), Conv1D(8, 8), _Stack()
+        self.unused = torch.nn.Linear(8, 8)  # never called: its input sees no data
+
+    def forward(self, hidden):
+        return self.proj(hidden) + self.conv(hidden) + self.stack(hidden)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, layers: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(_Layer() for _ in range(layers))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, ids):
+        hidden = self.embed(ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.head(hidden)
+
+
+def _warned(run) -> tuple:
+    """``run()``'s result and its warnings ``(category, message without the caller)``, of `FACTS`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run()
+    found = [(w.category, str(w.message).split(": ", 1)[1]) for w in caught
+             if any(fact in str(w.message) for fact in FACTS)]
+    return result, found
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_each_fact_is_warned_of_once_naming_every_layer(tmp_path, layers):
+    torch.manual_seed(0)
+    loaded = _Model(layers).eval()
+    save_file({name: value.contiguous() for name, value in loaded.state_dict().items()},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    with torch.device("meta"):
+        model = _Model(layers).eval()
+    batches = [torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    want, expected = _warned(lambda: qstats.calibrate(loaded, batches, RECIPE, progress=False))
+    assert [sum(fact in message for _, message in expected) for fact in FACTS] == [1, layers, 1]
+    got, warned = _warned(lambda: qstats.calibrate_layerwise(model, str(tmp_path), batches, RECIPE, progress=False))
+    assert sorted(warned, key=str) == sorted(expected, key=str)
+    assert_site_states_equal(got, want)
