@@ -84,3 +84,26 @@ def test_each_fact_is_warned_of_once_naming_every_layer(tmp_path, layers):
     got, warned = _warned(lambda: qstats.calibrate_layerwise(model, str(tmp_path), batches, RECIPE, progress=False))
     assert sorted(warned, key=str) == sorted(expected, key=str)
     assert_site_states_equal(got, want)
+
+
+def test_experts_without_tokens_are_warned_of_once_naming_every_layer(tmp_path):
+    """A Qwen3-MoE of 3 layers, top-1 of 8 experts over 3 tokens: every layer has experts without a
+    token. Before: one warning per layer, each naming its layer's experts."""
+    from _shared import qwen3_moe_config, saved_loaded_and_meta
+
+    config = qwen3_moe_config(num_experts=8, num_experts_per_tok=1, num_hidden_layers=3)
+    loaded, model = saved_loaded_and_meta(tmp_path, config)
+    recipe = qstats.Recipe([qstats.Rule("Qwen3MoeExperts", sites=("input", "down_proj.input"), spec=SPEC)])
+    batches = [torch.randint(1, 64, (1, 3), generator=torch.Generator().manual_seed(3))]
+
+    def uncovered(run) -> tuple:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = run()
+        return result, [str(w.message) for w in caught if "received no calibration token" in str(w.message)]
+
+    want, expected = uncovered(lambda: qstats.calibrate(loaded, batches, recipe, progress=False))
+    assert len(expected) == 1 and all(f"layers.{index}.mlp.experts" in expected[0] for index in range(3))
+    got, warned = uncovered(lambda: qstats.calibrate_layerwise(model, str(tmp_path), batches, recipe, progress=False))
+    assert warned == expected
+    assert_site_states_equal(got, want)
