@@ -51,6 +51,7 @@ def check_all(
       ImportError: when hypothesis is not installed.
     """
     from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Flaky
     from hypothesis import strategies as st
 
     from . import strategies
@@ -109,10 +110,23 @@ def check_all(
                 _laws.check_homomorphism(obs, xs, [cuts], accumulates=accumulates, approx_fields=approx_fields,
                                          batch_dims=batch_dims)
 
-    run()
+    try:
+        run()
+    except Flaky as error:  # a failing example that passed, or failed elsewhere, when replayed
+        raise AssertionError(
+            f"{_laws._name(obs)}: purity: an example gave other results when hypothesis replayed it, so the observer "
+            "keeps something between calls (a global, a closure): keep what update and merge read in the state. "
+            f"First failure: {_first_failure(error)}") from error
     if compile:
         generator = torch.Generator().manual_seed(0)
         _laws.check_compile(obs, [make_x(generator) for _ in range(2)], approx_fields=approx_fields)
+
+
+def _first_failure(error: BaseException) -> str:
+    """The first line of the error that made hypothesis replay an example (``FlakyFailure`` holds it in
+    ``exceptions``, ``FlakyStrategyDefinition`` as its context)."""
+    cause = next(iter(getattr(error, "exceptions", ())), None) or error.__context__ or error
+    return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
 
 
 def _law_names(laws) -> tuple:
