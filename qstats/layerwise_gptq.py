@@ -370,10 +370,7 @@ class _GPTQRun:
             layer_weights[f"{path}.{site}"] = quantized.cpu()  # kept or written from the CPU, whatever the device
 
         _gptq_jobs(jobs, self.experts_at_once, self.options, self.share, finished)
-        if missing:
-            self.uncalled.extend(missing)
-            warn(f"gptq_layerwise: {len(missing)} weight(s) of {layer_path} were never called, so have no "
-                 f"Hessian, and are rounded to nearest: {', '.join(missing[:6])}", UncalibratedWarning)
+        self.uncalled.extend(missing)  # warned of once, by `finish`
         if self.weights_dir is None:
             self.weights.update(layer_weights)
         elif layer_weights:
@@ -392,7 +389,12 @@ class _GPTQRun:
                     os.remove(os.path.join(self.weights_dir, filename))
 
     def finish(self, states: dict) -> LayerwiseGPTQ:
-        """The result, once every layer and the modules outside them are done."""
+        """The result, once every layer and the modules outside them are done; warns once naming the
+        weights of every layer that were never called (as `qstats.calibrate` names the sites that saw no data)."""
+        if self.uncalled:
+            more = f" and {len(self.uncalled) - 6} more" if len(self.uncalled) > 6 else ""
+            warn(f"gptq_layerwise: {len(self.uncalled)} weight(s) were never called, so have no Hessian, and are "
+                 f"rounded to nearest: {', '.join(self.uncalled[:6])}{more}", UncalibratedWarning)
         if self.weights_dir is None:
             return LayerwiseGPTQ(states, self.weights)
         # every rank returns once rank 0 has written the index, and raises if that failed

@@ -5,6 +5,7 @@ warning of sites that saw no data ran on each layer's part of the plan, one warn
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -107,3 +108,31 @@ def test_experts_without_tokens_are_warned_of_once_naming_every_layer(tmp_path):
     got, warned = uncovered(lambda: qstats.calibrate_layerwise(model, str(tmp_path), batches, recipe, progress=False))
     assert warned == expected
     assert_site_states_equal(got, want)
+
+
+def test_gptq_warns_once_of_the_weights_never_called_in_every_layer(tmp_path):
+    """`gptq_layerwise` names the weights without a Hessian (modules never called) once, those of every
+    layer: the modules whose inputs `qstats.calibrate` names as sites that saw no data. Before: one
+    warning per layer."""
+    torch.manual_seed(0)
+    loaded = _Model(4).eval()
+    save_file({name: value.contiguous() for name, value in loaded.state_dict().items()},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    with torch.device("meta"):
+        model = _Model(4).eval()
+    batches = [torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
+
+    def named(run, fact: str) -> list:  # per warning of ``fact``, the modules it names
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+        return [sorted(re.findall(r"(layers\.\d+\.\w+)\.\w+", str(w.message))) for w in caught if fact in str(w.message)]
+
+    inputs = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=SPEC)])
+    expected = named(lambda: qstats.calibrate(loaded, batches, inputs, progress=False), "saw no data")
+    assert expected == [[f"layers.{index}.unused" for index in range(4)]]
+    weights = qstats.Recipe([qstats.Rule("Linear", sites=("weight",), spec=spec)])
+    got = named(lambda: qstats.gptq_layerwise(model, str(tmp_path), batches, weights, progress=False),
+                "were never called")
+    assert got == expected
