@@ -48,22 +48,32 @@ def _sample(shape, distribution: str, generator: torch.Generator) -> torch.Tenso
     raise ValueError(f"unknown distribution {distribution!r}; known: {_DISTRIBUTIONS}")
 
 
-@st.composite
 def tensors(
-    draw,
     shape: Sequence[int],
     dtype: torch.dtype = torch.float32,
     distributions: Sequence[str] = ("normal", "uniform", "laplace"),
     min_exponent: int = -8,
     max_exponent: int = 8,
-) -> torch.Tensor:
+) -> st.SearchStrategy[torch.Tensor]:
     """A tensor of ``shape``: a seeded draw from one of ``distributions`` ("normal", "uniform",
-    "laplace", "constant", "sparse") times a power-of-two magnitude, cast to ``dtype``."""
+    "laplace", "constant", "sparse"; a string is one of them) times a power-of-two magnitude, cast to
+    ``dtype``. ValueError naming ``distributions`` for an unknown or no name."""
+    # a string is one name: tuple("constant") drew 'c', refused as an unknown distribution
+    names = (distributions,) if isinstance(distributions, str) else tuple(distributions)
+    unknown = [name for name in names if name not in _DISTRIBUTIONS]
+    if unknown or not names:
+        raise ValueError(f"tensors: distributions must name one or more of {_DISTRIBUTIONS}, got {distributions!r}")
+    return _tensors(tuple(shape), dtype, names, min_exponent, max_exponent)
+
+
+@st.composite
+def _tensors(draw, shape: tuple, dtype: torch.dtype, distributions: tuple, min_exponent: int,
+             max_exponent: int) -> torch.Tensor:
     seed = draw(seeds())
-    distribution = draw(st.sampled_from(list(distributions)))
+    distribution = draw(st.sampled_from(distributions))
     scale = draw(magnitudes(min_exponent, max_exponent))
     generator = torch.Generator().manual_seed(seed)
-    return (_sample(tuple(shape), distribution, generator) * scale).to(dtype)
+    return (_sample(shape, distribution, generator) * scale).to(dtype)
 
 
 @st.composite
