@@ -12,6 +12,8 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from ._checks import is_integer
+
 __all__ = ["QATPhase", "QATSchedule"]
 
 Flag = Union[bool, torch.Tensor]
@@ -37,8 +39,8 @@ _MILESTONE_ORDER = (("observe_at", None), ("fake_quantize_at", "observe_at"),
 
 
 def _is_int(value, minimum=None) -> bool:
-    """``value`` is an int (not a bool), at least ``minimum`` if given."""
-    return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+    """``value`` is a Python or numpy integer (not a bool), at least ``minimum`` if given."""
+    return is_integer(value) and (minimum is None or value >= minimum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,9 @@ class QATSchedule:
                 )
         if self.sync_every is not None and not _is_int(self.sync_every, 1):
             raise ValueError(f"QATSchedule.sync_every must be a positive int or None, got {self.sync_every!r}")
+        for field in dataclasses.fields(self):  # numpy integers (a config's, np.arange's) kept as Python ints
+            if getattr(self, field.name) is not None:
+                object.__setattr__(self, field.name, int(getattr(self, field.name)))
 
     @classmethod
     def from_milestones(cls, milestones: Optional[Sequence[int]], sync_every: Optional[int] = None) -> "QATSchedule":
@@ -104,6 +109,8 @@ class QATSchedule:
             step = step.long()  # compared in its own dtype, an int8 step wrapped milestone 300 to 44
         elif not _is_int(step):
             raise TypeError(f"QATSchedule: step must be an int or an integer tensor, got {type(step).__name__}")
+        else:
+            step = int(step)  # a numpy step too, whose comparisons gave numpy bools, not Python bools
 
         def reached(milestone):
             # step >= milestone; None: never, nor a milestone past int64 for a tensor step (not converted to it)
@@ -124,6 +131,7 @@ class QATSchedule:
         observing step before ``freeze_ranges_at``."""
         if not _is_int(step):
             raise TypeError(f"QATSchedule.sync_at: step must be an int, got {type(step).__name__}")
+        step = int(step)
         last = self.freeze_ranges_at is not None and step == self.freeze_ranges_at - 1
         every = self.sync_every is not None and (step - self.observe_at + 1) % self.sync_every == 0
         return self(step).observe and (last or every)
