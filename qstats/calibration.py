@@ -129,9 +129,11 @@ def _refuses_eager_hooks(error: Exception) -> bool:
     return exc is not None and isinstance(error, exc.Unsupported) and "torch.compiler.disable" in str(error)
 
 
-def _run_batches(session: Observing, model, batches: Iterable, progress: bool, observation_weight) -> int:
+def _run_batches(session: Observing, model, batches: Iterable, progress: bool, observation_weight,
+                 fits: Optional[list] = None) -> int:
     """Runs ``model`` (the plan's model, or its compiled wrapper) over ``batches`` inside
-    ``session``, with each one's observation weight; returns how many batches ran."""
+    ``session``, with each one's observation weight (``fits``: `Observing.weighted`'s); returns how
+    many batches ran."""
     try:  # a DataLoader over an IterableDataset has __len__ but raises TypeError
         total = len(batches)
     except TypeError:
@@ -141,7 +143,7 @@ def _run_batches(session: Observing, model, batches: Iterable, progress: bool, o
         for batch in bar:
             ran += 1
             weight = batch_weight(observation_weight, batch, "calibrate")
-            with session.weighted(weight):
+            with session.weighted(weight, fits):
                 try:
                     run_model(model, batch)
                 except Exception as error:
@@ -208,12 +210,12 @@ def calibrate(model: torch.nn.Module, batches: Iterable, recipe: Union[Recipe, P
 
 def observe_batches(model: torch.nn.Module, batches: Iterable, plan: Plan, states: Optional[Mapping],
                     progress: bool, observation_weight, all_experts: bool, warn_unseen: bool = True,
-                    checks_plan: bool = True) -> dict:
+                    checks_plan: bool = True, fits: Optional[list] = None) -> dict:
     """`calibrate` after its checks and its training-mode warning (`calibrate_layerwise` runs one
     layer at a time through it, having warned of the whole model once); ``warn_unseen`` and
-    ``checks_plan``: `observing_as`'s."""
+    ``checks_plan``: `observing_as`'s; ``fits``: each batch's `Observing.weighted` counts, appended."""
     with observing_as("calibrate", model, plan, states, all_experts, warn_unseen, checks_plan) as session:
-        ran = _run_batches(session, model, batches, progress, observation_weight)
+        ran = _run_batches(session, model, batches, progress, observation_weight, fits)
         if ran and not session.calls:  # the model's own forward pre-hook never ran
             raise ValueError(f"calibrate: the model ran {ran} batch(es) but none of its hooks ran: "
                              f"{COMPILED_BEFORE_HOOKS}")

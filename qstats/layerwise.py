@@ -34,7 +34,8 @@ from ._sites import run_model
 from .calibration import (batch_weight, check_batches, fake_quantized, observe_batches, qparams_unwarned,
                           warn_training_mode)
 from .experts import with_argument
-from .observation import check_experts_layout, resumed_states, warn_transposed_weights, warn_unobserved
+from .observation import (check_experts_layout, resumed_states, warn_transposed_weights, warn_unfitted,
+                          warn_unobserved)
 from .recipe import Plan, Recipe, as_plan
 
 __all__ = ["calibrate_layerwise"]
@@ -561,14 +562,22 @@ class _Run:
     device: Optional[torch.device] = None  # where layers run (None: the CPU, nothing moved)
     side_plan: Optional[Plan] = None  # observed per layer beside the plan, handed to after_layer, not returned
     after_layer: Optional[Callable[[str, torch.nn.Module, dict, dict], tuple]] = None
+    # per stored batch, the activations offered its observation weight and those it fitted, over every pass
+    weight_fits: list = dataclasses.field(default_factory=list)
 
     def calibrate(self, root, plan: Plan, batches, observation_weight) -> dict:
-        """This rank's states of ``plan`` over ``batches``, resumed from its sites in ``self.states``."""
+        """This rank's states of ``plan`` over ``batches`` (the stored ones, in order), resumed from its
+        sites in ``self.states``; adds each batch's observation weight fits to ``weight_fits``."""
         resumed = _moved(_select(self.states, lambda path, site: plan.site(path, site) is not None), self.device)
-        # the model's modules in training mode, the plan's layouts and the sites that saw no data are warned
-        # of once, on the whole model (`run_layerwise`), not on each part
-        return observe_batches(root, batches, plan, resumed or None, False, observation_weight, self.all_experts,
-                               warn_unseen=False, checks_plan=False)
+        # the model's modules in training mode, the plan's layouts, the sites that saw no data and the weights
+        # that fitted no activation are warned of once, on the whole model (`run_layerwise`), not on each part
+        fits: list = []
+        found = observe_batches(root, batches, plan, resumed or None, False, observation_weight, self.all_experts,
+                                warn_unseen=False, checks_plan=False, fits=fits)
+        self.weight_fits.extend([0, 0] for _ in range(len(fits) - len(self.weight_fits)))
+        for total, (offered, fitted) in zip(self.weight_fits, fits):
+            total[0], total[1] = total[0] + offered, total[1] + fitted
+        return found
 
     def reduce(self, found: dict, plan: Plan, each: bool = False) -> dict:
         """``found`` merged across ranks (with ``all_reduce``); ``each``: one state at a time, so
@@ -929,6 +938,8 @@ def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offl
                 "device": None if run.device is None else run.device.type, **same_on_ranks(),
             }, where)  # fmt: skip
         found = _calibrate_all(run, container_path, container, batches, observation_weight, progress, where)
+        for index, (offered, fitted) in enumerate(run.weight_fits):  # as calibrate warns, once per batch
+            warn_unfitted(where, run.store.weight(index), offered, fitted)
         warn_unobserved(found, run.plan, len(run.store))  # the recipe's sites (not the side plan's), once
         return _ordered(found, run.plan)
     finally:

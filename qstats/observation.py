@@ -809,9 +809,11 @@ class Observing:
         return self._run.plan
 
     @contextlib.contextmanager
-    def weighted(self, weight: Optional[torch.Tensor]) -> Iterator[None]:
+    def weighted(self, weight: Optional[torch.Tensor], fits: Optional[list] = None) -> Iterator[None]:
         """Forwards run inside use ``weight`` (e.g. the attention mask) as the observation weight
-        of activation updates whose tensor starts with its dimensions: padding is not observed."""
+        of activation updates whose tensor starts with its dimensions: padding is not observed.
+        ``fits``: a list to which ``(activations offered the weight, those it fitted)`` is appended,
+        instead of the warning that it fitted none (a caller observing the model in parts adds them up)."""
         check_observation_weight(weight, self._run.caller)
         previous, previous_use = self._run.weight, self._run.weight_use  # a nested `weighted` keeps the outer's
         self._run.weight, self._run.weight_use = weight, [0, 0]
@@ -820,7 +822,10 @@ class Observing:
         finally:
             offered, fitted = self._run.weight_use
             self._run.weight, self._run.weight_use = previous, previous_use
-            warn_unfitted(self._run.caller, weight, offered, fitted)
+            if fits is None:
+                warn_unfitted(self._run.caller, weight, offered, fitted)
+            else:
+                fits.append((offered, fitted))
 
     def _count(self, module, args) -> None:
         if not recomputing():

@@ -136,3 +136,32 @@ def test_gptq_warns_once_of_the_weights_never_called_in_every_layer(tmp_path):
     got = named(lambda: qstats.gptq_layerwise(model, str(tmp_path), batches, weights, progress=False),
                 "were never called")
     assert got == expected
+
+
+def test_an_observation_weight_fitting_no_activation_is_warned_of_once_per_batch(tmp_path):
+    """A weight of shape (7,) fits no activation of (2, 5) token batches: `qstats.calibrate` warns once per
+    batch; before, `calibrate_layerwise` warned once per batch and pass (each layer, then the modules
+    outside them: 2 batches, 3 layers, 8 warnings)."""
+    torch.manual_seed(0)
+    loaded = _Model(3).eval()
+    save_file({name: value.contiguous() for name, value in loaded.state_dict().items()},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    with torch.device("meta"):
+        model = _Model(3).eval()
+    batches = [torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=SPEC)])
+    weight = lambda batch: torch.ones(7)  # noqa: E731
+
+    def unfitted(run) -> tuple:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = run()
+        return result, [(w.category, str(w.message).split(": ", 1)[1]) for w in caught if "fits no" in str(w.message)]
+
+    want, expected = unfitted(lambda: qstats.calibrate(loaded, batches, recipe, progress=False,
+                                                       observation_weight=weight))
+    assert len(expected) == 2
+    got, warned = unfitted(lambda: qstats.calibrate_layerwise(model, str(tmp_path), batches, recipe, progress=False,
+                                                              observation_weight=weight))
+    assert warned == expected
+    assert_site_states_equal(got, want)
