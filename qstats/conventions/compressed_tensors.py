@@ -419,6 +419,19 @@ class CompressedTensorsConvention(Convention):
                 f"({2**spec.bits - 1} steps) overflows float16, so its scale is float16's eps for any data; "
                 "observe in float32 or bfloat16, or use int8"
             )
+        if spec.mapping == "asymmetric" and not spec.is_float and spec.compute_dtype in ("bfloat16", "float16"):
+            # its zero points are computed (clamped to the range) in that dtype: past its integers (bfloat16:
+            # 256, float16: 2048) the largest code 2**(b-1) - 1 rounds to 2**(b-1), outside the range, the zero
+            # point of every all-negative row or group, which fake_quantize, quantize and dequantize refuse
+            qmax = spec.qrange[1]
+            rounded_max = float(torch.tensor(float(qmax), dtype=getattr(torch, spec.compute_dtype)))
+            if rounded_max != qmax:
+                raise ValueError(
+                    f"QuantSpec.compute_dtype {spec.compute_dtype!r}: compressed-tensors computes asymmetric "
+                    f"{spec.dtype!r} zero points in it, where the largest code {qmax} rounds to {rounded_max:.0f}, "
+                    f"outside the range (the zero point of an all-negative row or group); observe in float32, use "
+                    f"at most {9 if spec.compute_dtype == 'bfloat16' else 12} bits, or a symmetric mapping"
+                )
 
     def check_lsq(self, spec) -> None:
         if spec.mapping == "asymmetric" and spec.zero_point_domain == "none":
