@@ -164,6 +164,9 @@ def check_observer(obs, law: str) -> None:
         hint = (f"; {getattr(obs, '__name__', 'it')} is callable: pass the Observer it returns, "
                 f"{getattr(obs, '__name__', 'factory')}(spec)" if callable(obs) else "")
         raise TypeError(f"{law}: expected an Observer (init, update, merge, exact), got {type(obs).__name__}{hint}")
+    if not isinstance(obs.exact, bool):  # a truthy "no" checked an order-dependent observer as exact, None skipped it
+        raise TypeError(f"{law}: {_name(obs)}'s exact must be True or False (whether splitting the data never changes "
+                        f"its state), got {obs.exact!r}")
 
 
 def _check_signatures(obs, law: str) -> None:
