@@ -96,6 +96,9 @@ class QATSchedule:
         None (its default) observes and fake-quantizes from the first step and never freezes."""
         if milestones is None:
             return cls(sync_every=sync_every)
+        if isinstance(milestones, (str, bytes)) or not hasattr(milestones, "__iter__"):  # list(5), list("0123")
+            raise TypeError(f"QATSchedule.from_milestones expects a sequence of 4 milestones (coremltools' [observers "
+                            f"on, fake quant on, observers off, batch norm frozen]) or None, got {milestones!r}")
         milestones = list(milestones)
         if len(milestones) != 4:
             raise ValueError(f"QATSchedule.from_milestones expects 4 milestones, got {len(milestones)}")

@@ -29,3 +29,13 @@ def test_numpy_milestones_and_steps_give_the_python_int_phases(np_int):
 def test_what_is_no_non_negative_integer_is_still_refused(bad):
     with pytest.raises(ValueError, match="QATSchedule.observe_at must be a non-negative int"):
         qstats.QATSchedule(observe_at=bad)
+
+
+@pytest.mark.parametrize("milestones", [5, np.int64(5), "0123", b"0123", 2.5])
+def test_from_milestones_refuses_what_is_no_sequence_naming_it(milestones):
+    # coremltools' milestones are a list of four ints or None; list(5) failed as "'int' object is not
+    # iterable" and "0123" as "observe_at must be a non-negative int, got '0'"
+    with pytest.raises(TypeError, match=r"QATSchedule.from_milestones expects a sequence of 4 milestones .* got"):
+        qstats.QATSchedule.from_milestones(milestones)
+    assert qstats.QATSchedule.from_milestones([0, 1, 2, 3]) == qstats.QATSchedule(0, 1, 2, 3)
+    assert qstats.QATSchedule.from_milestones(range(4)) == qstats.QATSchedule(0, 1, 2, 3)
