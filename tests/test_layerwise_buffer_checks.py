@@ -119,8 +119,11 @@ def test_a_non_persistent_buffer_is_named_as_such_and_calibrates_once_set(tmp_pa
     loaded = _scaled_net().eval()
     assert "layers.0.scale" not in loaded.state_dict()  # torch saves no non-persistent buffer
     save_file(loaded.state_dict(), os.path.join(tmp_path, "model.safetensors"))
-    with torch.device("meta"):
-        model = _scaled_net().eval()
+    # moved to meta rather than built under torch.device("meta"): where this process first entered a device
+    # context inside transformers' meta_device_safe_creation_ops (a transformers model built on meta by an
+    # earlier test), torch cached its list of constructors with transformers' linspace, so torch.linspace
+    # there ignores the context and this buffer came out on the CPU
+    model = _scaled_net().to("meta").eval()
     drawn: list = []
     with pytest.raises(ValueError, match="'layers.0.scale' is a non-persistent buffer"):
         qstats.calibrate_layerwise(model, str(tmp_path), _batches(drawn), RECIPE, progress=False)
