@@ -411,6 +411,25 @@ class _FakeQuantParametrization(torch.nn.Module):
             raise_renamed(error, f"fake_quantized: {self.where}")
 
 
+def float_weight(module: torch.nn.Module) -> torch.Tensor:
+    """``module.weight`` (detached) as the float model computes it: inside `qstats.fake_quantized`, without
+    the fake quantization it appends to the weight's parametrizations (the model's own stay), as the
+    state dict gives it there. Quantized again, the fake-quantized weight gives -0.0 the +0 code where the
+    float weight is a tiny negative value, whose code llm-compressor writes -0 (NVFP4, FP8)."""
+    if not parametrize.is_parametrized(module, "weight"):
+        return module.weight.detach()
+    chain = module.parametrizations["weight"]
+    own = [step for step in chain if not isinstance(step, _FakeQuantParametrization)]
+    if len(own) == len(chain):
+        return module.weight.detach()
+    originals = [chain.original] if chain.is_tensor else [getattr(chain, f"original{i}") for i in range(chain.ntensors)]
+    with torch.no_grad():
+        value = own[0](*originals) if own else originals[0]
+        for step in own[1:]:
+            value = step(value)
+    return value.detach()
+
+
 def _float_state_dict_hooks(parametrized: list) -> list:
     """Hooks (handles) giving each module whose parameters `fake_quantized` parametrized (those
     without a parametrization of the model's own) the float model's ``state_dict`` keys and order,

@@ -9,12 +9,11 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-from torch.nn.utils import parametrize
 
 from .._qparams import QParams
 from .._quant import quantize
 from .._spec import QuantSpec
-from ..calibration import _FakeQuantParametrization
+from ..calibration import float_weight
 from .config import allowed_formats, code_offset, default_format, fail, quantization_args
 from .packing import pack_fp4, pack_int32, signed_int8
 from .scales import check_qparams, check_scales, qparam_shape, scale_dtype, zero_point
@@ -64,27 +63,9 @@ def linear_entry(path: str, module: torch.nn.Module, sites: dict, specs: dict, d
             fail(f"{path}/{site}", f"site {site!r} is not exportable (weight, input, output and q/k/v are)")
     entry_sites = {site: (qp, specs.get(site), f"{path}/{site}", site in dynamic)
                    for site, qp in sites.items()}
-    weight = _float_weight(module)
+    weight = float_weight(module)
     return Entry(path, weight, scale_dtype(weight), entry_sites)
 
-
-def _float_weight(module: torch.nn.Module) -> torch.Tensor:
-    """``module.weight`` (detached) as the float model computes it: inside `qstats.fake_quantized`, without
-    the fake quantization it appends to the weight's parametrizations (the model's own stay), as the
-    state dict gives it there. Quantized again, the fake-quantized weight gives -0.0 the +0 code where the
-    float weight is a tiny negative value, whose code llm-compressor writes -0 (NVFP4, FP8)."""
-    if not parametrize.is_parametrized(module, "weight"):
-        return module.weight.detach()
-    chain = module.parametrizations["weight"]
-    own = [step for step in chain if not isinstance(step, _FakeQuantParametrization)]
-    if len(own) == len(chain):
-        return module.weight.detach()
-    originals = [chain.original] if chain.is_tensor else [getattr(chain, f"original{i}") for i in range(chain.ntensors)]
-    with torch.no_grad():
-        value = own[0](*originals) if own else originals[0]
-        for step in own[1:]:
-            value = step(value)
-    return value.detach()
 
 
 def write_linear(entry: Entry, format: Optional[str], tensors: dict, dropped: set, log: dict) -> dict:
