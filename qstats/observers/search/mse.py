@@ -58,10 +58,9 @@ def exact_error(edges, counts, lo, hi, spec: QuantSpec) -> torch.Tensor:
     return (counts.unsqueeze(-2) * per_value).sum(-1)
 
 
-def _clipping_error(edges, counts, clip_lo, clip_hi) -> torch.Tensor:
+def _clipping_error(mom, clip_lo, clip_hi) -> torch.Tensor:
     """Squared distance of the values beyond the clipping points ``(clip_lo, clip_hi)`` ``(*P, C)`` to
-    them, exact under the piecewise-uniform model: ``(*P, C)``."""
-    mom = moments(edges, counts)
+    them, exact under the piecewise-uniform model of the buckets' ``moments``: ``(*P, C)``."""
     below = cumulative(mom, clip_lo)  # count, sum and sum of squares of the values <= clip_lo
     at_hi = cumulative(mom, clip_hi)
     above = [total[..., -1:] - part for total, part in zip((mom.c0, mom.c1, mom.c2), at_hi)]
@@ -72,14 +71,15 @@ def _clipping_error(edges, counts, clip_lo, clip_hi) -> torch.Tensor:
     return error
 
 
-def float_grid_error(edges, counts, lo, hi, spec: QuantSpec, points: int = 1) -> torch.Tensor:
+def float_grid_error(edges, counts, lo, hi, spec: QuantSpec, points: int = 1, mom=None) -> torch.Tensor:
     """Squared error of floating-point targets (fp8, fp4), ``(*P, C)``: the rounding error at ``points``
     evenly spaced points of each bucket (its centre for 1) between the candidate's clipping points,
     each holding ``1 / points`` of its count, and the clipping error beyond them exactly
     (`_clipping_error`: at the points alone, a wide bucket's mass sat at its centre and clipping above
     it was free, so data past the histogram's resolved octaves clipped fp8 ranges to 2.4 times the full
     range's squared error); with the candidate's zero point (compressed-tensors' asymmetric fp8: the
-    error of a grid without it ranked every shrunk candidate of skewed data below the full range)."""
+    error of a grid without it ranked every shrunk candidate of skewed data below the full range).
+    ``mom``: the buckets' `moments`, computed once by a caller scoring candidates in chunks."""
     scale, zero_point, clip_lo, clip_hi = grid(lo, hi, spec)
     a, b = edges[..., :-1], edges[..., 1:]
     offsets = (torch.arange(points, dtype=edges.dtype, device=edges.device) + 0.5) / points
@@ -91,15 +91,17 @@ def float_grid_error(edges, counts, lo, hi, spec: QuantSpec, points: int = 1) ->
     inside = (at >= clip_lo.unsqueeze(-1)) & (at <= clip_hi.unsqueeze(-1))
     error = torch.where(inside, ((codes - zp) * s - at.float()).double() ** 2, 0.0)
     rounding = (counts.repeat_interleave(points, -1).unsqueeze(-2) * error).sum(-1) / points
-    return rounding + _clipping_error(edges, counts, clip_lo, clip_hi)
+    return rounding + _clipping_error(moments(edges, counts) if mom is None else mom, clip_lo, clip_hi)
 
 
 def _scored(edges, counts, lo, hi, spec: QuantSpec, points: int) -> torch.Tensor:
     """Expected squared error of the candidates ``(lo, hi)`` ``(*P, C)`` (`float_grid_error` at
     ``points`` per bucket or `exact_error`), infinite for an empty range; in chunks of candidates."""
+    mom = moments(edges, counts) if spec.is_float else None  # once, not per chunk of candidates
+
     def error_fn(lo, hi):
         if spec.is_float:
-            return float_grid_error(edges, counts, lo, hi, spec, points)
+            return float_grid_error(edges, counts, lo, hi, spec, points, mom)
         return exact_error(edges, counts, lo, hi, spec)
 
     error = in_chunks(error_fn, (lo, hi), counts[..., :1].numel() * counts.shape[-1] * points)
