@@ -912,7 +912,7 @@ def run_layerwise(model, checkpoint, batches, recipe, *, states, propagate, offl
         check_batches(batches, where, observation_weight)
         plan = as_plan(recipe, model, where)
         resumed = resumed_states(states, plan, where)
-        check_experts_layout(plan, where)  # shapes only: before the first layer is read
+        check_experts_layout(plan, where)  # once, on the whole model, before the first layer is read
         warn_transposed_weights(plan, where)
         container_path, container = decoder_layers(model, layers, where)
         side_plan, after_layer = (None, None) if layer_step is None else layer_step(plan)

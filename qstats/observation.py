@@ -197,7 +197,7 @@ def _unstacked_experts_problem(module: torch.nn.Module, site: str, found) -> Opt
     return None
 
 
-def check_experts_layout(plan: Plan, caller: str = "calibrate", warns: bool = True) -> None:
+def check_experts_layout(plan: Plan, caller: str = "calibrate") -> None:
     """ValueError naming the first site of an experts module that would be observed as one tensor
     across its experts (`_unstacked_experts_problem`); a warning for a 3+-D parameter of a module that
     declares no expert count (nor is a convolution), observed as one tensor."""
@@ -207,7 +207,7 @@ def check_experts_layout(plan: Plan, caller: str = "calibrate", warns: bool = Tr
             problem = _unstacked_experts_problem(module, site, found)
             if problem is not None:
                 raise ValueError(f"{caller}: module {path!r} ({type(module).__name__}) site {site!r}: {problem}")
-            if not warns or found.kind != "parameter" or found.num_experts or declared_experts(module)[1]:
+            if found.kind != "parameter" or found.num_experts or declared_experts(module)[1]:
                 continue
             value = own_parameters(module)[site]
             if value.ndim >= 3 and not isinstance(module, torch.nn.modules.conv._ConvNd):

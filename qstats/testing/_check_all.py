@@ -114,8 +114,8 @@ def check_all(
         run()
     except Flaky as error:  # a failing example that passed, or failed elsewhere, when replayed
         raise AssertionError(
-            f"{_laws._name(obs)}: purity: an example gave other results when hypothesis replayed it, so the observer "
-            "(or make_x) keeps something between calls (a global, a closure, torch's global generator): keep what "
+            f"{_laws._name(obs)}: purity: an example gave other results when hypothesis replayed it: the observer "
+            "(or make_x) may keep something between calls (a global, a closure, torch's global generator): keep what "
             "update and merge read in the state, and draw make_x's batch from its generator. "
             f"First failure: {_first_failure(error)}") from error
     if compile:
