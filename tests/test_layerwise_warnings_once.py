@@ -18,7 +18,6 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 from _shared import assert_site_states_equal  # noqa: E402
 
-torch.set_num_threads(1)
 SPEC = qstats.QuantSpec(dtype="int8", mapping="asymmetric")
 RECIPE = qstats.Recipe([
     qstats.Rule("Conv1D", sites=("weight",), spec=SPEC.replace(granularity=qstats.PerAxis(0))),
