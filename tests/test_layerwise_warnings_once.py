@@ -60,6 +60,17 @@ class _Model(torch.nn.Module):
         return self.head(hidden)
 
 
+def _saved_model(tmp_path, layers: int) -> tuple:
+    """``(loaded, meta, batches)``: a `_Model` saved to ``tmp_path``, its twin on meta and two token batches."""
+    loaded = _Model(layers).eval()
+    save_file({name: value.contiguous() for name, value in loaded.state_dict().items()},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    with torch.device("meta"):
+        model = _Model(layers).eval()
+    return loaded, model, [torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(seed))
+                           for seed in range(2)]
+
+
 def _warned(run) -> tuple:
     """``run()``'s result and its warnings ``(category, message without the caller)``, of `FACTS`."""
     with warnings.catch_warnings(record=True) as caught:
@@ -73,12 +84,7 @@ def _warned(run) -> tuple:
 @pytest.mark.parametrize("layers", [2, 4])
 def test_each_fact_is_warned_of_once_naming_every_layer(tmp_path, layers):
     torch.manual_seed(0)
-    loaded = _Model(layers).eval()
-    save_file({name: value.contiguous() for name, value in loaded.state_dict().items()},
-              str(tmp_path / "model.safetensors"))  # fmt: skip
-    with torch.device("meta"):
-        model = _Model(layers).eval()
-    batches = [torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    loaded, model, batches = _saved_model(tmp_path, layers)
     want, expected = _warned(lambda: qstats.calibrate(loaded, batches, RECIPE, progress=False))
     assert [sum(fact in message for _, message in expected) for fact in FACTS] == [1, layers, 1]
     got, warned = _warned(lambda: qstats.calibrate_layerwise(model, str(tmp_path), batches, RECIPE, progress=False))
@@ -114,12 +120,7 @@ def test_gptq_warns_once_of_the_weights_never_called_in_every_layer(tmp_path):
     layer: the modules whose inputs `qstats.calibrate` names as sites that saw no data. Before: one
     warning per layer."""
     torch.manual_seed(0)
-    loaded = _Model(4).eval()
-    save_file({name: value.contiguous() for name, value in loaded.state_dict().items()},
-              str(tmp_path / "model.safetensors"))  # fmt: skip
-    with torch.device("meta"):
-        model = _Model(4).eval()
-    batches = [torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    loaded, model, batches = _saved_model(tmp_path, 4)
     spec = qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))
 
     def named(run, fact: str) -> list:  # per warning of ``fact``, the modules it names
@@ -142,12 +143,7 @@ def test_an_observation_weight_fitting_no_activation_is_warned_of_once_per_batch
     batch; before, `calibrate_layerwise` warned once per batch and pass (each layer, then the modules
     outside them: 2 batches, 3 layers, 8 warnings)."""
     torch.manual_seed(0)
-    loaded = _Model(3).eval()
-    save_file({name: value.contiguous() for name, value in loaded.state_dict().items()},
-              str(tmp_path / "model.safetensors"))  # fmt: skip
-    with torch.device("meta"):
-        model = _Model(3).eval()
-    batches = [torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    loaded, model, batches = _saved_model(tmp_path, 3)
     recipe = qstats.Recipe([qstats.Rule("Linear", sites=("input",), spec=SPEC)])
     weight = lambda batch: torch.ones(7)  # noqa: E731
 

@@ -67,7 +67,6 @@ def linear_entry(path: str, module: torch.nn.Module, sites: dict, specs: dict, d
     return Entry(path, weight, scale_dtype(weight), entry_sites)
 
 
-
 def write_linear(entry: Entry, format: Optional[str], tensors: dict, dropped: set, log: dict) -> dict:
     """Writes the tensors of one Linear (real or unpacked expert) into ``tensors`` (the float
     weights it replaces into ``dropped``); returns its scheme ``{site: QuantizationArgs fields}``."""
@@ -118,8 +117,7 @@ def static_site(qp, spec: QuantSpec, args: dict, site: str, where: str, dtype: t
     checkpoint is self-consistent (a rounding is logged). Two-level and MX args keep theirs. A spec
     computing in another dtype than llm-compressor (the module's) is logged (`_log_compute_dtype`)."""
     _log_compute_dtype(spec, dtype, where, log)
-    qp = check_qparams(qp, where)
-    _check_fields(qp, args, where)
+    qp = check_qparams(qp, where, args)
     offset = code_offset(spec, where)
     if args["strategy"] != "tensor_group" and args.get("scale_dtype") != "torch.uint8":
         stored = qp.scale.to(dtype)
@@ -128,17 +126,6 @@ def static_site(qp, spec: QuantSpec, args: dict, site: str, where: str, dtype: t
             log["rounded"].append(where)
             qp = qp._replace(scale=stored.float())
     return _Site(qp, spec, args, where, offset, prefix)
-
-
-def _check_fields(qp: QParams, args: dict, where: str) -> None:
-    """Refuses QParams without a zero point, or whose two-level args lack one global scale (compressed-tensors
-    registers one, ``initialize_qparams``): the export failed on them with an error naming no site."""
-    if qp.zero_point is None:
-        fail(where, "qparams without a zero point (QParams.zero_point is None; qstats.compute_qparams gives one "
-             "per scale, zeros for symmetric specs)")
-    if args["strategy"] == "tensor_group" and (qp.global_scale is None or qp.global_scale.numel() != 1):
-        fail(where, f"two-level (NVFP4) qparams need one global scale, got "
-             f"{None if qp.global_scale is None else tuple(qp.global_scale.shape)}")
 
 
 def _write_weight(entry: Entry, site: _Site, module_format: str, tensors: dict, dropped: set) -> None:
@@ -210,10 +197,6 @@ def write_qparams(site: _Site, name: str, dtype, module_format, tensors: dict, l
         return
     shape = qparam_shape(qp.scale, args["strategy"], where)
     tensors[f"{key}_scale"] = qp.scale.reshape(shape).to(dtype).clone()
-    if not args["symmetric"] and qp.zero_point.squeeze().shape != qp.scale.squeeze().shape:
-        # written in the scales' shape, as compressed-tensors registers it: a broadcast or transposed one is not
-        fail(where, f"a zero point of shape {tuple(qp.zero_point.shape)} for scales of shape {tuple(qp.scale.shape)}; "
-             "compressed-tensors stores one zero point per scale")
     zero = zero_point(qp, args, site.offset, shape, where)
     if zero is not None:
         if name == "weight" and args["strategy"] in ("group", "channel") and module_format == "pack-quantized":

@@ -28,9 +28,20 @@ def module_dtype(module: torch.nn.Module) -> torch.dtype:
     return torch.float32 if first is None else scale_dtype(first)
 
 
-def check_qparams(qp: Any, where: str) -> QParams:
+def check_qparams(qp: Any, where: str, args: Optional[dict] = None) -> QParams:
+    """``qp``, after TypeError where it is no QParams and, given the site's ``args``, ValueError for QParams
+    without a zero point, or two-level args without one global scale (compressed-tensors registers one,
+    ``initialize_qparams``): the export failed on them with an error naming no site."""
     if not isinstance(qp, QParams):
         raise TypeError(f"export.compressed_tensors: {where}: expected QParams, got {type(qp).__name__}")
+    if args is None:
+        return qp
+    if qp.zero_point is None:
+        fail(where, "qparams without a zero point (QParams.zero_point is None; qstats.compute_qparams gives one "
+             "per scale, zeros for symmetric specs)")
+    if args["strategy"] == "tensor_group" and (qp.global_scale is None or qp.global_scale.numel() != 1):
+        fail(where, f"two-level (NVFP4) qparams need one global scale, got "
+             f"{None if qp.global_scale is None else tuple(qp.global_scale.shape)}")
     return qp
 
 
@@ -66,6 +77,10 @@ def zero_point(qp: QParams, args: dict, offset: int, shape: tuple, where: str) -
         if not bool(((qp.zero_point.float() + offset) == 0).all()):
             fail(where, "a symmetric spec with a non-zero zero point (symmetric_zero_point) is not expressible")
         return None
+    if qp.zero_point.squeeze().shape != qp.scale.squeeze().shape:
+        # written in the scales' shape, as compressed-tensors registers it: a broadcast or transposed one is not
+        fail(where, f"a zero point of shape {tuple(qp.zero_point.shape)} for scales of shape {tuple(qp.scale.shape)}; "
+             "compressed-tensors stores one zero point per scale")
     if args["type"] == "float":
         # compressed-tensors' zp_dtype of float args is float8_e4m3fn (QuantizationArgs), and its
         # calculate_qparams rounds the zero point to it: store that, never an int8 truncation
