@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator, Mapping, Optional, Union
+from typing import Iterator, Mapping, NamedTuple, Optional, Union
 
 import torch
 from torch.nn.utils import parametrize
@@ -217,15 +217,23 @@ def check_experts_layout(plan: Plan, caller: str = "calibrate") -> None:
                      "expert")
 
 
-def _transposed_layout(module: torch.nn.Module) -> Optional[str]:
+class _Transposed(NamedTuple):
+    """A weight stored transposed: its ``layout`` in words, and whether a spec's groups and blocks run
+    along its output features (a Conv1D's; a transposed convolution's run along its kernel)."""
+
+    layout: str
+    grouped_across_outputs: bool
+
+
+def _transposed_layout(module: torch.nn.Module) -> Optional[_Transposed]:
     """How ``module`` stores a weight transposed against the ``[out, in, ...]`` layout in which
     ``PerAxis(0)`` is per output channel (a Linear's, a convolution's, and the layout `qstats.qat`
     observes a transposed convolution's in): transformers' ``Conv1D`` (GPT-2's projections) and
     torch's transposed convolutions; None for any other module."""
     if is_instance_named(module, "transformers", "Conv1D"):
-        return "[in_features, out_features] (transformers' Conv1D, GPT-2's projections)"
+        return _Transposed("[in_features, out_features] (transformers' Conv1D, GPT-2's projections)", True)
     if isinstance(module, torch.nn.modules.conv._ConvTransposeNd):
-        return "[in_channels, out_channels / groups, *kernel] (a transposed convolution)"
+        return _Transposed("[in_channels, out_channels / groups, *kernel] (a transposed convolution)", False)
     return None
 
 
@@ -235,25 +243,25 @@ def warn_transposed_weights(plan: Plan, caller: str) -> None:
     channel on a Linear or a convolution, is per input feature there, and a Conv1D's groups and blocks
     run along its output features. ``PerAxis(1)`` gives one scale per output channel (a grouped transposed
     convolution's: per channel of a group, shared by the groups); per tensor, the layout does not matter."""
-    found: dict = {}  # (layout, granularity) -> the paths it reads as stored
+    found: dict = {}  # (transposed, granularity) -> the paths it reads as stored
     for path, entry in plan.sites.items():
         site, module = entry.get("weight"), plan.modules[path]
-        layout = _transposed_layout(module) if site is not None and site.kind == "parameter" else None
-        if layout is None:
+        transposed = _transposed_layout(module) if site is not None and site.kind == "parameter" else None
+        if transposed is None:
             continue
         granularity = site.spec.granularity
         if isinstance(granularity, PerAxis):  # the input axis; the others as on a Linear or a convolution
             stored = granularity.axis % module.weight.ndim == 0
-        else:  # a Conv1D's groups and blocks: along its output features (a convolution's: its kernel's)
-            stored = "Conv1D" in layout and not isinstance(granularity, PerTensor)
+        else:
+            stored = transposed.grouped_across_outputs and not isinstance(granularity, PerTensor)
         if stored:
-            found.setdefault((layout, granularity), []).append(path)
-    for (layout, granularity), paths in found.items():
+            found.setdefault((transposed, granularity), []).append(path)
+    for (transposed, granularity), paths in found.items():
         more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
         warn(f"{caller}: the weight of module(s) {', '.join(map(repr, paths[:3]))}{more} is stored transposed, "
-             f"{layout}, and {granularity!r} reads it as stored: PerAxis(0) gives one scale per input feature, not "
-             "per output channel as on a Linear or a convolution"
-             + (", and groups and blocks run along the output features" if "Conv1D" in layout else "")
+             f"{transposed.layout}, and {granularity!r} reads it as stored: PerAxis(0) gives one scale per input "
+             "feature, not per output channel as on a Linear or a convolution"
+             + (", and groups and blocks run along the output features" if transposed.grouped_across_outputs else "")
              + "; use PerAxis(1) for one scale per output channel")
 
 
