@@ -53,12 +53,12 @@ MOE_RECIPE = qstats.Recipe([
 ])
 
 
-def model_and_batches():
+def model_and_batches(count: int = 5):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_llama_config()).eval()
     generator = torch.Generator().manual_seed(1)
     batches = []
-    for i in range(5):
+    for i in range(count):
         ids = torch.randint(0, 96, (2, 4 + i), generator=generator)
         batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     return model, batches

@@ -21,12 +21,13 @@ from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObser
 import qstats
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _shared import exit_rank, fork_ranks, gloo_group, tiny_llama_config  # noqa: E402
+from _shared import exit_rank, fork_ranks, gloo_group  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):
     pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)
+from test_distributed_fsdp2_calibrate import model_and_batches, rank_batches  # noqa: E402
 
 RECIPE = qstats.Recipe([
     qstats.Rule("Linear", sites=("weight",), spec=qstats.QuantSpec(dtype="int8", granularity=qstats.PerAxis(0))),
@@ -38,30 +39,12 @@ def attention_mask(batch):
     return batch["attention_mask"]
 
 
-def model_and_batches():
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(tiny_llama_config()).eval()
-    generator = torch.Generator().manual_seed(1)
-    batches = []
-    for i in range(3):
-        ids = torch.randint(0, 96, (2, 4 + i), generator=generator)
-        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-    return model, batches
-
-
-def rank_batches(batches: list, rank: int) -> list:
-    """This rank's batches, padded to as many as rank 0's with a batch whose attention mask is zero."""
-    mine, most = batches[rank::2], len(batches[0::2])
-    padding = {"input_ids": batches[0]["input_ids"], "attention_mask": torch.zeros_like(batches[0]["attention_mask"])}
-    return mine + [padding] * (most - len(mine))
-
-
 def _rank(rank: int, port: int, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
     try:
         with gloo_group(rank, port, timeout=timedelta(seconds=60)):
-            model, batches = model_and_batches()
+            model, batches = model_and_batches(3)
             for layer in model.model.layers:
                 fsdp.fully_shard(layer)
             fsdp.fully_shard(model)
@@ -115,7 +98,7 @@ def _inputs_by_hand(model, batches) -> dict:
 def test_sharded_model_reports_the_unwrapped_models_figures_by_hand(ranks, rank):
     result = ranks[rank]
     assert result["sharded"]  # the parameters were DTensors when report read them
-    model, batches = model_and_batches()
+    model, batches = model_and_batches(3)
     inputs = _inputs_by_hand(model, rank_batches(batches, rank))
     linears = [path for path, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     assert sorted(result["rows"]) == sorted((path, site) for path in linears for site in ("weight", "input"))
